@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: run test test-slow install install-test clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+# The main job on the embedded default.
+run: $(VENV)/.installed
+	$(VENV)/bin/rlax-ps sft --config=configs/sft_tiny.py --workdir=runs/sft_tiny
+
+# The default test suite (CPU only, fast); `make test-slow` adds the slow ones.
+test: $(VENV)/.installed-test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slow: $(VENV)/.installed-test
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

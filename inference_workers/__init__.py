@@ -1,0 +1,1 @@
+"""Inference workers: the sampler, in-place weight application and the preemptible worker loop."""
