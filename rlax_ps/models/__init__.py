@@ -1,0 +1,8 @@
+"""Llama / Qwen2 family decoders in Flax NNX, their caches, and flat parameter views."""
+
+from rlax_ps.models.config import ModelConfig
+from rlax_ps.models.kv_cache import KVCache
+from rlax_ps.models.params import assign_params, flatten_params
+from rlax_ps.models.transformer import Transformer
+
+__all__ = ["ModelConfig", "KVCache", "Transformer", "assign_params", "flatten_params"]

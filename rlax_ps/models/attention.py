@@ -1,0 +1,35 @@
+"""Plain-XLA grouped-query attention with a segment/position mask (the reference path)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions) -> jnp.ndarray:
+  """[B, T, S] bool: a query sees a key of its own segment at an earlier or equal position."""
+  same_segment = q_segment_ids[:, :, None] == k_segment_ids[:, None, :]
+  causal = k_positions[:, None, :] <= q_positions[:, :, None]
+  return same_segment & causal
+
+
+def dot_product_attention(q, k, v, q_segment_ids, q_positions, k_segment_ids, k_positions):
+  """Softmax attention; q [B,T,H,D], k/v [B,S,Hkv,D] -> [B,T,H,D].
+
+  Query heads are grouped over the kv heads (GQA); logits and softmax are float32.
+  A query with no visible key (only possible for padding) gets zeros, never NaN.
+  """
+  b, t, h, d = q.shape
+  hkv = k.shape[2]
+  if h % hkv:
+    raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
+  qg = q.reshape(b, t, hkv, h // hkv, d)
+  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  logits = logits * (d ** -0.5)
+  mask = attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions)
+  mask = mask[:, None, None, :, :]
+  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  probs = jnp.where(mask, probs, 0.0).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(b, t, h, d)

@@ -1,0 +1,93 @@
+"""ModelConfig: the shape of a Llama / Qwen2 family decoder, independent of any checkpoint format."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ARCHITECTURES = ("llama", "qwen2")
+DTYPES = ("float32", "bfloat16")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Hyper-parameters of a decoder-only transformer (Llama 2/3, Qwen2/2.5)."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int  # SwiGLU inner width.
+  num_layers: int
+  num_heads: int  # Query heads.
+  num_kv_heads: int  # Key/value heads (grouped-query attention when < num_heads).
+  head_dim: int | None = None  # None -> hidden_size // num_heads.
+  rope_theta: float = 10000.0
+  # HF style: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+  # "original_max_position_embeddings"} or {"rope_type": "linear", "factor"}; None = plain RoPE.
+  rope_scaling: dict[str, Any] | None = None
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections.
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 2048
+  param_dtype: str = "float32"  # Storage dtype of the weights.
+  dtype: str = "float32"  # Compute dtype of activations (logits are always float32).
+  architecture: str = "llama"  # "llama" or "qwen2": decides the HF export names.
+
+  def __post_init__(self):
+    def need(cond, field, expected, got):
+      if not cond:
+        raise ValueError(f"ModelConfig.{field}: expected {expected}, got {got!r}")
+
+    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads"):
+      v = getattr(self, f)
+      need(isinstance(v, int) and v > 0, f, "a positive int", v)
+    need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+         f"a divisor of num_heads={self.num_heads}", self.num_kv_heads)
+    if self.head_dim is None:
+      need(self.hidden_size % self.num_heads == 0, "head_dim",
+           f"set explicitly since hidden_size={self.hidden_size} is not divisible by "
+           f"num_heads={self.num_heads}", None)
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+    need(self.head_dim % 2 == 0, "head_dim", "an even int (RoPE rotates pairs)", self.head_dim)
+    need(self.param_dtype in DTYPES, "param_dtype", f"one of {DTYPES}", self.param_dtype)
+    need(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
+    need(self.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
+         self.architecture)
+    if self.rope_scaling is not None:
+      scaling = dict(self.rope_scaling)
+      rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+      need(rope_type in ROPE_TYPES, "rope_scaling.rope_type", f"one of {ROPE_TYPES}", rope_type)
+      if rope_type in ("linear", "llama3"):
+        need("factor" in scaling, "rope_scaling.factor", "a number", None)
+      if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+          need(key in scaling, f"rope_scaling.{key}", "a number", None)
+      scaling["rope_type"] = rope_type
+      scaling.pop("type", None)
+      object.__setattr__(self, "rope_scaling", scaling if rope_type != "default" else None)
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"ModelConfig: unknown fields {unknown}; known: {sorted(known)}")
+    return cls(**d)
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (embeddings included, lm_head counted once when tied)."""
+    h, d = self.hidden_size, self.head_dim
+    attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
+    if self.qkv_bias:
+      attn += d * (self.num_heads + 2 * self.num_kv_heads)
+    per_layer = attn + 3 * h * self.intermediate_size + 2 * h
+    head = 0 if self.tie_word_embeddings else h * self.vocab_size
+    return self.vocab_size * h + self.num_layers * per_layer + h + head

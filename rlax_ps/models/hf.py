@@ -1,0 +1,342 @@
+"""Hugging Face checkpoints (config.json + safetensors) to and from our Transformer.
+
+Covers LlamaForCausalLM and Qwen2ForCausalLM as transformers 4.x (top-level
+`rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
+`model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights
+are [out, in]; our kernels are [in, out], so every kernel is transposed on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Iterator, Mapping
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from rlax_ps.models.config import ModelConfig
+from rlax_ps.models.params import flatten_params
+from rlax_ps.models.transformer import Transformer
+from rlax_ps.sharding import fit_spec
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# HF class name -> our ModelConfig.architecture, and back.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768}
+# Buffers some checkpoints carry that hold nothing our model needs.
+_IGNORABLE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+_NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def _get(d: Mapping[str, Any], key: str, default: Any = ..., *, where: str = CONFIG_FILE):
+  if key in d and d[key] is not None:
+    return d[key]
+  if default is ...:
+    raise ValueError(f"{where}: missing field {key!r}")
+  return default
+
+
+def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+  """(rope_theta, rope_scaling) from 5.x `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
+  rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+  if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+    rope = rope["full_attention"]  # 5.x nests per layer type in some configs.
+  rope = dict(rope)
+  theta = float(rope.pop("rope_theta", d.get("rope_theta") or 10000.0))
+  rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+  partial = rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+  if partial not in (None, 1, 1.0):
+    raise ValueError(f"{CONFIG_FILE}: partial_rotary_factor: expected 1.0, got {partial!r}")
+  if rope_type not in ("default", "linear", "llama3"):
+    raise ValueError(f"{CONFIG_FILE}: rope type: expected one of ['default', 'linear', 'llama3'], "
+                     f"got {rope_type!r}")
+  if rope_type == "default":
+    return theta, None
+  return theta, {"rope_type": rope_type, **rope}
+
+
+def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
+  """A ModelConfig from a parsed HF config.json (either transformers 4.x or 5.x layout)."""
+  archs = d.get("architectures") or []
+  known = [a for a in archs if a in ARCHITECTURES]
+  if not known:
+    got = archs if archs else d.get("model_type")
+    raise ValueError(f"{CONFIG_FILE}: architectures: expected one of {sorted(ARCHITECTURES)}, "
+                     f"got {got!r}")
+  arch = ARCHITECTURES[known[0]]
+  act = d.get("hidden_act", "silu")
+  if act != "silu":
+    raise ValueError(f"{CONFIG_FILE}: hidden_act: expected 'silu', got {act!r}")
+  if arch == "llama":
+    for flag in ("attention_bias", "mlp_bias"):
+      if d.get(flag):
+        raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
+  if arch == "qwen2" and d.get("use_sliding_window"):
+    layer_types = d.get("layer_types") or []
+    window_start = d.get("max_window_layers", 0)
+    sliding = ("sliding_attention" in layer_types if layer_types
+               else window_start < d["num_hidden_layers"])
+    if sliding:
+      raise ValueError(f"{CONFIG_FILE}: use_sliding_window: expected false (sliding-window "
+                       "attention is not supported), got true")
+  num_heads = int(_get(d, "num_attention_heads"))
+  theta, scaling = _rope_from_hf(d)
+  return ModelConfig(
+      vocab_size=int(_get(d, "vocab_size")),
+      hidden_size=int(_get(d, "hidden_size")),
+      intermediate_size=int(_get(d, "intermediate_size")),
+      num_layers=int(_get(d, "num_hidden_layers")),
+      num_heads=num_heads,
+      num_kv_heads=int(_get(d, "num_key_value_heads", num_heads)),
+      head_dim=_get(d, "head_dim", None),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
+      qkv_bias=arch == "qwen2",
+      tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False)),
+      max_position_embeddings=int(_get(d, "max_position_embeddings",
+                                       _DEFAULT_MAX_POSITIONS[arch])),
+      architecture=arch)
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+  """The config.json dict for a ModelConfig, readable by transformers 4.x and 5.x alike.
+
+  It carries the RoPE settings both ways: 4.x's top-level `rope_theta`/`rope_scaling` and
+  5.x's `rope_parameters` (5.x reads either, 4.x ignores the latter).
+  """
+  c = config
+  if c.qkv_bias != (c.architecture == "qwen2"):
+    raise ValueError(f"ModelConfig.qkv_bias: {_HF_CLASS[c.architecture]} needs "
+                     f"{c.architecture == 'qwen2'}, got {c.qkv_bias}")
+  scaling = dict(c.rope_scaling) if c.rope_scaling else None
+  d = {
+      "architectures": [_HF_CLASS[c.architecture]],
+      "model_type": c.architecture,
+      "vocab_size": c.vocab_size,
+      "hidden_size": c.hidden_size,
+      "intermediate_size": c.intermediate_size,
+      "num_hidden_layers": c.num_layers,
+      "num_attention_heads": c.num_heads,
+      "num_key_value_heads": c.num_kv_heads,
+      "head_dim": c.head_dim,
+      "hidden_act": "silu",
+      "max_position_embeddings": c.max_position_embeddings,
+      "rms_norm_eps": c.rms_norm_eps,
+      "tie_word_embeddings": c.tie_word_embeddings,
+      "rope_theta": c.rope_theta,
+      "rope_scaling": scaling,
+      "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": c.rope_theta},
+      "dtype": c.param_dtype,
+      "torch_dtype": c.param_dtype,
+  }
+  if c.architecture == "llama":
+    d.update(attention_bias=False, mlp_bias=False)
+  else:
+    d.update(use_sliding_window=False)
+  return d
+
+
+def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
+  """Our dotted param name -> (HF tensor name, whether the array is transposed between them)."""
+  names = {"embed.embedding": ("model.embed_tokens.weight", False),
+           "norm.scale": ("model.norm.weight", False)}
+  if not config.tie_word_embeddings:
+    names["lm_head.kernel"] = ("lm_head.weight", True)
+  for i in range(config.num_layers):
+    ours, hf = f"layers.{i}", f"model.layers.{i}"
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      names[f"{ours}.attn.{proj}.kernel"] = (f"{hf}.self_attn.{proj}.weight", True)
+    if config.qkv_bias:
+      for proj in ("q_proj", "k_proj", "v_proj"):
+        names[f"{ours}.attn.{proj}.bias"] = (f"{hf}.self_attn.{proj}.bias", False)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+      names[f"{ours}.mlp.{proj}.kernel"] = (f"{hf}.mlp.{proj}.weight", True)
+    names[f"{ours}.input_norm.scale"] = (f"{hf}.input_layernorm.weight", False)
+    names[f"{ours}.post_attn_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
+  return names
+
+
+def read_hf_config(path: str) -> ModelConfig:
+  """ModelConfig of the HF checkpoint folder at `path`."""
+  file = os.path.join(path, CONFIG_FILE)
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f"no {CONFIG_FILE} in HF checkpoint folder {path!r}")
+  with open(file) as f:
+    return config_from_hf(json.load(f))
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+  """HF tensor name -> safetensors file holding it (single file first, as transformers does)."""
+  single = os.path.join(path, SINGLE_FILE)
+  if os.path.isfile(single):
+    with safe_open(single, framework="numpy") as f:
+      return {name: single for name in f.keys()}
+  index = os.path.join(path, INDEX_FILE)
+  if not os.path.isfile(index):
+    raise FileNotFoundError(f"HF checkpoint folder {path!r} has neither {SINGLE_FILE} "
+                            f"nor {INDEX_FILE}")
+  with open(index) as f:
+    weight_map = json.load(f).get("weight_map")
+  if not isinstance(weight_map, dict):
+    raise ValueError(f"{index}: weight_map: expected a dict of tensor -> file, got {weight_map!r}")
+  return {name: os.path.join(path, file) for name, file in weight_map.items()}
+
+
+def _read_tensors(files: Mapping[str, str], wanted: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+  """(name, array) for each wanted tensor, opening each file once."""
+  by_file: dict[str, list[str]] = {}
+  for name in wanted:
+    by_file.setdefault(files[name], []).append(name)
+  for file, names in by_file.items():
+    if not os.path.isfile(file):
+      raise FileNotFoundError(f"tensor {names[0]!r}: file {file!r} named by {INDEX_FILE} "
+                              "does not exist")
+    with safe_open(file, framework="numpy") as f:
+      present = set(f.keys())
+      for name in names:
+        if name not in present:
+          raise ValueError(f"tensor {name!r}: {INDEX_FILE} places it in {file!r}, "
+                           "which does not hold it")
+        yield name, f.get_tensor(name)
+
+
+def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
+  """Our flat params (host numpy, config.param_dtype) from the safetensors at `path`.
+
+  Every tensor the config needs must be there and nothing else may be, except rotary
+  `inv_freq` buffers and a tied checkpoint's redundant `lm_head.weight`.
+  """
+  names = hf_tensor_names(config)
+  files = _tensor_files(path)
+  needed = {hf: (ours, transposed) for ours, (hf, transposed) in names.items()}
+  missing = sorted(set(needed) - set(files))
+  if missing:
+    raise ValueError(f"HF checkpoint {path!r}: missing tensor {missing[0]!r} "
+                     f"({len(missing)} missing in all)")
+  ignorable = lambda n: _IGNORABLE.fullmatch(n) or (config.tie_word_embeddings
+                                                     and n == "lm_head.weight")
+  unexpected = sorted(n for n in set(files) - set(needed) if not ignorable(n))
+  if unexpected:
+    raise ValueError(f"HF checkpoint {path!r}: unexpected tensor {unexpected[0]!r} "
+                     f"({len(unexpected)} unexpected in all) for a {config.architecture} config")
+  dtype = _NP_DTYPES[config.param_dtype]
+  shapes = _param_shapes(config)
+  flat = {}
+  for hf, array in _read_tensors(files, sorted(needed)):
+    ours, transposed = needed[hf]
+    want = shapes[ours][::-1] if transposed else shapes[ours]
+    if array.shape != want:
+      raise ValueError(f"tensor {hf!r}: expected shape {want}, got {array.shape}")
+    array = array.T if transposed else array
+    flat[ours] = np.ascontiguousarray(array.astype(dtype, copy=False))
+  return flat
+
+
+def _abstract_params(config: ModelConfig):
+  """(graphdef, state, {dotted name: Param}) of a Transformer built without allocating it."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+  return graphdef, state, {".".join(str(p) for p in path): var
+                           for path, var in nnx.to_flat_state(state)}
+
+
+def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+  return {name: tuple(var.get_value().shape) for name, var in _abstract_params(config)[2].items()}
+
+
+def load_hf_checkpoint(path: str, dtype: str = "float32", *, compute_dtype: str | None = None,
+                       mesh: jax.sharding.Mesh | None = None) -> Transformer:
+  """The Transformer stored in the HF checkpoint folder `path`; `model.config` is its config.
+
+  `dtype` sets the param dtype ("float32" or "bfloat16"), `compute_dtype` the activation
+  dtype (default: the same). The full model is never initialised: each tensor goes from
+  the file straight into its param, and with a `mesh` straight into its sharding.
+  """
+  config = read_hf_config(path).replace(param_dtype=dtype, dtype=compute_dtype or dtype)
+  flat = load_hf_params(path, config)
+  graphdef, state, variables = _abstract_params(config)
+  for name, var in variables.items():
+    if mesh is None:
+      var.set_value(jax.numpy.asarray(flat[name]))
+    else:
+      spec = fit_spec(jax.sharding.PartitionSpec(*var.get_metadata()["out_sharding"]),
+                      flat[name].shape, mesh)
+      var.set_value(jax.device_put(flat[name], jax.sharding.NamedSharding(mesh, spec)))
+  return nnx.merge(graphdef, state)
+
+
+def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = None,
+                       max_shard_bytes: int = 5 * 2**30,
+                       extra_config: Mapping[str, Any] | None = None) -> None:
+  """Write `model` as an HF checkpoint folder (config.json + safetensors) for transformers/vLLM.
+
+  `dtype` converts the weights (default: the model's param dtype). Above `max_shard_bytes`
+  the tensors are split over numbered files with a `model.safetensors.index.json`.
+  `extra_config` adds config.json fields our config does not hold (e.g. bos/eos token ids).
+  Old safetensors files in `path` are removed first so no stale shard can be read back.
+  """
+  config: ModelConfig = model.config
+  dtype = dtype or config.param_dtype
+  if dtype not in _NP_DTYPES:
+    raise ValueError(f"dtype: expected one of {sorted(_NP_DTYPES)}, got {dtype!r}")
+  names = hf_tensor_names(config)
+  flat = flatten_params(model)
+  if set(flat) != set(names):
+    odd = sorted(set(flat) ^ set(names))
+    raise ValueError(f"model params do not match its config: e.g. {odd[0]!r}")
+  tensors = {}
+  for ours, (hf, transposed) in names.items():
+    array = np.asarray(jax.device_get(flat[ours]))
+    array = array.T if transposed else array
+    tensors[hf] = np.ascontiguousarray(array.astype(_NP_DTYPES[dtype], copy=False))
+
+  os.makedirs(path, exist_ok=True)
+  for f in os.listdir(path):
+    if f.endswith(".safetensors") or f == INDEX_FILE:
+      os.remove(os.path.join(path, f))
+  shards = _split_shards(tensors, max_shard_bytes)
+  metadata = {"format": "pt"}
+  if len(shards) == 1:
+    save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata=metadata)
+  else:
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      save_file(shard, os.path.join(path, file), metadata=metadata)
+      weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+             "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(os.path.join(path, INDEX_FILE), index)
+  hf_config = config_to_hf(config.replace(param_dtype=dtype))
+  hf_config.update(extra_config or {})
+  _write_json(os.path.join(path, CONFIG_FILE), hf_config)
+
+
+def _split_shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
+  """Greedy split in name order; a tensor larger than max_bytes gets a shard of its own."""
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name in sorted(tensors):
+    array = tensors[name]
+    if shards[-1] and size + array.nbytes > max_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = array
+    size += array.nbytes
+  return shards
+
+
+def _write_json(file: str, obj: Any) -> None:
+  with open(file, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+    f.write("\n")

@@ -1,0 +1,58 @@
+"""KVCache: the decoding cache, a pytree that jitted code passes in and gets back."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rlax_ps.models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys/values per layer plus the segment id and position of every slot.
+
+  Slots [0, index) are filled; an empty slot has segment id 0 so no real query sees it.
+  """
+
+  k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D]
+  v: tuple[jax.Array, ...]
+  segment_ids: jax.Array  # [B, S] int32, 0 = empty or padding
+  positions: jax.Array  # [B, S] int32
+  index: jax.Array  # int32 scalar: next slot to write
+
+  @classmethod
+  def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return cls(
+        k=zeros,
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+        segment_ids=jnp.zeros((batch, max_len), jnp.int32),
+        positions=jnp.zeros((batch, max_len), jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+  @property
+  def max_len(self) -> int:
+    return self.segment_ids.shape[1]
+
+  def write_meta(self, segment_ids: jax.Array, positions: jax.Array) -> "KVCache":
+    """Record the segment ids and positions of T new tokens at slots [index, index+T)."""
+    start = (jnp.zeros((), jnp.int32), self.index)
+    return self.replace(
+        segment_ids=jax.lax.dynamic_update_slice(self.segment_ids,
+                                                 segment_ids.astype(jnp.int32), start),
+        positions=jax.lax.dynamic_update_slice(self.positions, positions.astype(jnp.int32),
+                                               start),
+    )
+
+
+def write_kv(cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array, index):
+  """Write k/v [B, T, Hkv, D] into one layer's cache at slot `index`."""
+  zero = jnp.zeros((), jnp.int32)
+  start = (zero, index, zero, zero)
+  return (jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start),
+          jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start))

@@ -1,0 +1,190 @@
+"""Decoder-only transformer in Flax NNX covering the Llama 2/3 and Qwen2/2.5 families.
+
+RMSNorm, RoPE (plain, linear or Llama-3 scaled), grouped-query attention, SwiGLU MLP,
+optional q/k/v biases (Qwen2), tied or untied embeddings. Several sequences may share a
+row (segment ids + positions); an optional KVCache serves decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlax_ps.models import rope
+from rlax_ps.models.attention import dot_product_attention
+from rlax_ps.models.config import ModelConfig
+from rlax_ps.models.kv_cache import KVCache, write_kv
+
+INIT_STD = 0.02  # HF's initializer_range default for both families.
+
+
+def _partitioned(init, sharding):
+  """Annotate a param with mesh axis names; sharding is applied by whoever places it on a mesh
+  (the trainer's jitted init), so a model can also be built with no mesh at all."""
+  return nnx.with_partitioning(init, sharding, eager_sharding=False)
+
+
+def _normal(sharding):
+  return _partitioned(nnx.initializers.normal(INIT_STD), sharding)
+
+
+def _dense(config: ModelConfig, fan_in: int, fan_out: int, sharding, bias: bool, rngs):
+  return nnx.Linear(
+      fan_in, fan_out, use_bias=bias,
+      dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
+      kernel_init=_normal(sharding),
+      bias_init=_partitioned(nnx.initializers.zeros_init(), (sharding[1],)),
+      rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * scale, normalised in float32 as Hugging Face does."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    del rngs
+    self.eps = config.rms_norm_eps
+    self.dtype = jnp.dtype(config.dtype)
+    self.scale = nnx.Param(
+        jnp.ones((config.hidden_size,), jnp.dtype(config.param_dtype)), out_sharding=(None,),
+        eager_sharding=False)
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (self.scale[...] * xf.astype(x.dtype)).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with rotary positions and an optional cache slot."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+    self.q_proj = _dense(c, c.hidden_size, c.num_heads * c.head_dim, ("fsdp", "tensor"),
+                         c.qkv_bias, rngs)
+    self.k_proj = _dense(c, c.hidden_size, c.num_kv_heads * c.head_dim, ("fsdp", "tensor"),
+                         c.qkv_bias, rngs)
+    self.v_proj = _dense(c, c.hidden_size, c.num_kv_heads * c.head_dim, ("fsdp", "tensor"),
+                         c.qkv_bias, rngs)
+    self.o_proj = _dense(c, c.num_heads * c.head_dim, c.hidden_size, ("tensor", "fsdp"),
+                         False, rngs)
+
+  def __call__(self, x, cos, sin, q_segment_ids, q_positions, k_segment_ids, k_positions,
+               layer_cache=None, cache_index=None, attention_fn: Callable = dot_product_attention):
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q = rope.apply_rotary(q, cos, sin)
+    k = rope.apply_rotary(k, cos, sin)
+    if layer_cache is not None:
+      k, v = write_kv(layer_cache[0], layer_cache[1], k, v, cache_index)
+      new_layer_cache = (k, v)
+    else:
+      new_layer_cache = None
+    out = attention_fn(q, k.astype(q.dtype), v.astype(q.dtype), q_segment_ids, q_positions,
+                       k_segment_ids, k_positions)
+    return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), new_layer_cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.gate_proj = _dense(c, c.hidden_size, c.intermediate_size, ("fsdp", "tensor"), False, rngs)
+    self.up_proj = _dense(c, c.hidden_size, c.intermediate_size, ("fsdp", "tensor"), False, rngs)
+    self.down_proj = _dense(c, c.intermediate_size, c.hidden_size, ("tensor", "fsdp"), False, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: attention then MLP."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.input_norm = RMSNorm(config, rngs=rngs)
+    self.attn = Attention(config, rngs=rngs)
+    self.post_attn_norm = RMSNorm(config, rngs=rngs)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x, cos, sin, q_segment_ids, q_positions, k_segment_ids, k_positions,
+               layer_cache=None, cache_index=None, attention_fn=dot_product_attention):
+    h, new_layer_cache = self.attn(self.input_norm(x), cos, sin, q_segment_ids, q_positions,
+                                   k_segment_ids, k_positions, layer_cache, cache_index,
+                                   attention_fn)
+    x = x + h
+    return x + self.mlp(self.post_attn_norm(x)), new_layer_cache
+
+
+class Transformer(nnx.Module):
+  """The language model: tokens [B, T] -> float32 logits [B, T, vocab]."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.config = c
+    self.embed = nnx.Embed(
+        c.vocab_size, c.hidden_size, dtype=jnp.dtype(c.dtype),
+        param_dtype=jnp.dtype(c.param_dtype), embedding_init=_normal(("tensor", "fsdp")),
+        rngs=rngs)
+    self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+    self.norm = RMSNorm(c, rngs=rngs)
+    if not c.tie_word_embeddings:
+      self.lm_head = _dense(c, c.hidden_size, c.vocab_size, ("fsdp", "tensor"), False, rngs)
+
+  def hidden_states(self, tokens, *, positions=None, segment_ids=None,
+                    cache: KVCache | None = None, attention_fn: Callable = dot_product_attention):
+    """Final-norm hidden states [B, T, H] (and the updated cache when one is given)."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens: expected shape [batch, seq], got {tokens.shape}")
+    b, t = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      if cache is not None:
+        positions = positions + cache.index
+    if segment_ids is None:
+      segment_ids = jnp.ones((b, t), jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
+
+    if cache is not None:
+      cache = cache.write_meta(segment_ids, positions)
+      k_segment_ids, k_positions = cache.segment_ids, cache.positions
+    else:
+      k_segment_ids, k_positions = segment_ids, positions
+
+    cos, sin = rope.rotary_angles(positions, rope.inverse_frequencies(self.config))
+    x = self.embed(tokens)
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
+      x, updated = layer(x, cos, sin, segment_ids, positions, k_segment_ids, k_positions,
+                         layer_cache, cache.index if cache is not None else None, attention_fn)
+      if updated is not None:
+        new_k.append(updated[0])
+        new_v.append(updated[1])
+    x = self.norm(x)
+    if cache is None:
+      return x, None
+    return x, cache.replace(k=tuple(new_k), v=tuple(new_v), index=cache.index + t)
+
+  def logits_from_hidden(self, x):
+    """Project hidden states to float32 logits (tied: through the embedding table)."""
+    dtype = jnp.dtype(self.config.dtype)
+    if self.config.tie_word_embeddings:
+      table = self.embed.embedding[...].astype(dtype)
+      return jnp.einsum("bth,vh->btv", x, table, preferred_element_type=jnp.float32)
+    kernel = self.lm_head.kernel[...].astype(dtype)
+    return jnp.einsum("bth,hv->btv", x, kernel, preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens, *, positions=None, segment_ids=None, cache: KVCache | None = None,
+               attention_fn: Callable = dot_product_attention):
+    x, new_cache = self.hidden_states(tokens, positions=positions, segment_ids=segment_ids,
+                                      cache=cache, attention_fn=attention_fn)
+    logits = self.logits_from_hidden(x)
+    return logits if cache is None else (logits, new_cache)
