@@ -1,0 +1,108 @@
+"""Group-relative advantage estimators: GRPO (and Dr. GRPO), MC-GRPO, RLOO.
+
+Inputs use the flat layout of `algorithms.groups`: `rewards [B]`, `group_ids [B]`
+(ints in `[0, num_groups)`, `num_groups` static), optional `sample_mask [B]`.
+All are jittable with `num_groups` (and the string options) static. Degenerate
+groups are defined, never NaN: a group of one sample or of all-equal rewards gets
+advantage 0 for every sample; masked (padding) samples get 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from algorithms.groups import (check_group_inputs, group_mean_std, ranks_within_group,
+                               segment_sum)
+
+STD_SCALINGS = ("group", "batch", "none")
+
+
+def _check_scaling(std_scaling: str):
+  if std_scaling not in STD_SCALINGS:
+    raise ValueError(f"std_scaling: expected one of {STD_SCALINGS}, got {std_scaling!r}")
+
+
+def _batch_std(rewards, mask, unbiased: bool):
+  n = jnp.sum(mask)
+  mean = jnp.sum(rewards * mask) / jnp.maximum(n, 1.0)
+  sq = jnp.sum(((rewards - mean) * mask) ** 2)
+  var = sq / jnp.maximum(n - 1.0 if unbiased else n, 1.0)
+  return jnp.where(n > 1, jnp.sqrt(var), 0.0)
+
+
+def _scale(centred, scale, eps):
+  """centred / (scale + eps), and 0 where scale is 0 (all-equal or single-sample groups)."""
+  safe = jnp.where(scale > 0, scale + eps, 1.0)
+  return jnp.where(scale > 0, centred / safe, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "std_scaling", "unbiased"))
+def grpo_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
+                    std_scaling: str = "group", eps: float = 1e-6, unbiased: bool = True):
+  """GRPO: (r - group mean) / (std + eps).
+
+  std_scaling: "group" divides by the group's std (GRPO), "batch" by the std of all
+  rewards in the batch (group mean, batch std), "none" leaves r - mean (Dr. GRPO).
+  unbiased: std with the n-1 denominator. A zero std gives advantage 0 whatever eps.
+  """
+  _check_scaling(std_scaling)
+  rewards, group_ids, mask = check_group_inputs(rewards, group_ids, num_groups, sample_mask)
+  _, mean, std = group_mean_std(rewards, group_ids, num_groups, mask, unbiased)
+  centred = (rewards - mean[group_ids]) * mask
+  if std_scaling == "group":
+    return _scale(centred, std[group_ids], eps)
+  if std_scaling == "batch":
+    return _scale(centred, _batch_std(rewards, mask, unbiased), eps)
+  return centred
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups",))
+def rloo_advantages(rewards, group_ids, num_groups: int, sample_mask=None):
+  """RLOO: r_i minus the mean of the *other* samples of its group, = n/(n-1) (r_i - mean).
+
+  A group of one sample has no other sample to compare with: advantage 0.
+  """
+  rewards, group_ids, mask = check_group_inputs(rewards, group_ids, num_groups, sample_mask)
+  count, mean, _ = group_mean_std(rewards, group_ids, num_groups, mask)
+  n = count[group_ids]
+  factor = jnp.where(n > 1, n / jnp.maximum(n - 1.0, 1.0), 0.0)
+  return (rewards - mean[group_ids]) * mask * factor
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "std_scaling", "unbiased"))
+def mc_grpo_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
+                       std_scaling: str = "group", eps: float = 1e-6, unbiased: bool = True):
+  """MC-GRPO: the group median as baseline; returns (advantages [B], loss_mask [B]).
+
+  In an odd-sized group the median is one sample (the pivot: the middle one in sorted
+  order, ties broken by position); its advantage is 0 and `loss_mask` drops it so the
+  group keeps n-1 gradient-carrying samples (sample G+1 to train on G). In an even-sized
+  group the median is the mean of the two middle rewards and no sample is dropped.
+  std_scaling as in `grpo_advantages` (the std is the usual one, around the mean).
+  """
+  _check_scaling(std_scaling)
+  rewards, group_ids, mask = check_group_inputs(rewards, group_ids, num_groups, sample_mask)
+  count, _, std = group_mean_std(rewards, group_ids, num_groups, mask, unbiased)
+  count_i = count.astype(jnp.int32)
+  rank = ranks_within_group(rewards, group_ids, num_groups, mask)
+  lo = (count_i - 1) // 2
+  hi = count_i // 2
+  at_lo = segment_sum(jnp.where(rank == lo[group_ids], rewards, 0.0) * mask, group_ids,
+                      num_groups)
+  at_hi = segment_sum(jnp.where(rank == hi[group_ids], rewards, 0.0) * mask, group_ids,
+                      num_groups)
+  median = 0.5 * (at_lo + at_hi)
+  centred = (rewards - median[group_ids]) * mask
+  if std_scaling == "group":
+    adv = _scale(centred, std[group_ids], eps)
+  elif std_scaling == "batch":
+    adv = _scale(centred, _batch_std(rewards, mask, unbiased), eps)
+  else:
+    adv = centred
+  n = count_i[group_ids]
+  pivot = (n % 2 == 1) & (rank == lo[group_ids]) & (mask > 0)
+  adv = jnp.where(pivot, 0.0, adv)
+  return adv, (mask > 0) & ~pivot

@@ -1,0 +1,198 @@
+"""Policy losses on token-level log-probs: PPO-clip (DAPO clip-higher, dual clip), GSPO,
+KL penalty to a reference policy, and the loss aggregation modes.
+
+Shapes: `logp`, `old_logp`, `ref_logp`, `mask` are `[B, T]` (B sequences of T
+response tokens, `mask` 1 on real tokens); `advantages` is `[B]` (one per sequence)
+or `[B, T]`. `token_weights [B, T]` multiplies each token's loss (importance weights
+from `algorithms.corrections`; treated as constants). Every loss returns
+`(scalar loss, dict of scalar metrics)` and is differentiable in `logp`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _check_tokens(name: str, x, shape):
+  if x.shape != shape:
+    raise ValueError(f"{name}: expected shape {shape} like logp, got {x.shape}")
+
+
+def _broadcast_advantages(advantages, shape):
+  advantages = jnp.asarray(advantages)
+  if advantages.shape == shape[:1]:
+    return advantages[:, None]
+  if advantages.shape == shape:
+    return advantages
+  raise ValueError(f"advantages: expected shape {shape[:1]} or {shape}, got "
+                   f"{advantages.shape}")
+
+
+def aggregate(per_token, mask, mode: str = "token-mean", norm_const: float | None = None):
+  """Reduce a `[B, T]` per-token loss to a scalar.
+
+  token-mean: sum over all real tokens / their count (long answers weigh more).
+  seq-mean-token-mean: mean over sequences of each sequence's token mean.
+  seq-mean-token-sum: mean over sequences of each sequence's token sum.
+  seq-mean-token-sum-norm: sum over all tokens / (B * norm_const), a constant
+    normaliser (Dr. GRPO); norm_const defaults to T, the padded length.
+  Sequences without real tokens are left out of the seq-mean modes; nothing is NaN.
+  """
+  if mode not in AGGREGATIONS:
+    raise ValueError(f"aggregation mode: expected one of {AGGREGATIONS}, got {mode!r}")
+  if per_token.ndim != 2 or mask.shape != per_token.shape:
+    raise ValueError(f"mask: expected shape {per_token.shape} like the per-token loss, got "
+                     f"{mask.shape}")
+  mask = mask.astype(per_token.dtype)
+  masked = per_token * mask
+  if mode == "token-mean":
+    return jnp.sum(masked) / jnp.maximum(jnp.sum(mask), 1.0)
+  tokens = jnp.sum(mask, axis=-1)
+  has_tokens = (tokens > 0).astype(per_token.dtype)
+  num_seqs = jnp.maximum(jnp.sum(has_tokens), 1.0)
+  if mode == "seq-mean-token-mean":
+    return jnp.sum(jnp.sum(masked, axis=-1) / jnp.maximum(tokens, 1.0)) / num_seqs
+  if mode == "seq-mean-token-sum":
+    return jnp.sum(masked) / num_seqs
+  norm = per_token.shape[-1] if norm_const is None else norm_const
+  if not norm > 0:
+    raise ValueError(f"norm_const: expected > 0, got {norm_const!r}")
+  return jnp.sum(masked) / (per_token.shape[0] * norm)
+
+
+def kl_penalty(logp, ref_logp, estimator: str = "k3"):
+  """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
+
+  With log r = ref_logp - logp: k1 = -log r (unbiased, can be negative),
+  k2 = (log r)^2 / 2 (biased, low variance), k3 = r - 1 - log r (unbiased, >= 0).
+  """
+  if estimator not in KL_ESTIMATORS:
+    raise ValueError(f"kl estimator: expected one of {KL_ESTIMATORS}, got {estimator!r}")
+  log_r = ref_logp - logp
+  if estimator == "k1":
+    return -log_r
+  if estimator == "k2":
+    return 0.5 * log_r * log_r
+  return jnp.expm1(log_r) - log_r
+
+
+def _masked_stats(x, mask):
+  n = jnp.maximum(jnp.sum(mask), 1.0)
+  big = jnp.finfo(x.dtype).max
+  return (jnp.sum(x * mask) / n, jnp.max(jnp.where(mask > 0, x, -big)),
+          jnp.min(jnp.where(mask > 0, x, big)))
+
+
+def _masked_mean(x, mask):
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _frac(cond, mask):
+  return _masked_mean(cond.astype(mask.dtype), mask)
+
+
+def _finish(pg_per_token, logp, old_logp, ratio, mask, agg, norm_const, ref_logp, kl_coef,
+            kl_estimator, metrics):
+  loss = aggregate(pg_per_token, mask, agg, norm_const)
+  metrics["pg_loss"] = loss
+  log_ratio = jax.lax.stop_gradient(logp - old_logp)
+  metrics["approx_kl"] = _masked_mean(jnp.expm1(log_ratio) - log_ratio, mask)
+  r = jax.lax.stop_gradient(ratio)
+  metrics["ratio_mean"], metrics["ratio_max"], metrics["ratio_min"] = _masked_stats(r, mask)
+  if ref_logp is not None:
+    _check_tokens("ref_logp", ref_logp, logp.shape)
+    kl = kl_penalty(logp, ref_logp, kl_estimator)
+    kl_loss = aggregate(kl, mask, agg, norm_const)
+    metrics["kl_ref"] = kl_loss
+    loss = loss + kl_coef * kl_loss
+  metrics["loss"] = loss
+  return loss, metrics
+
+
+def _prepare(logp, old_logp, advantages, mask, token_weights):
+  logp = jnp.asarray(logp)
+  if logp.ndim != 2:
+    raise ValueError(f"logp: expected shape [B, T], got {logp.shape}")
+  _check_tokens("old_logp", old_logp, logp.shape)
+  _check_tokens("mask", mask, logp.shape)
+  adv = _broadcast_advantages(advantages, logp.shape).astype(logp.dtype)
+  mask = jnp.asarray(mask).astype(logp.dtype)
+  if token_weights is None:
+    weights = jnp.ones_like(logp)
+  else:
+    _check_tokens("token_weights", token_weights, logp.shape)
+    weights = jax.lax.stop_gradient(jnp.asarray(token_weights).astype(logp.dtype))
+  return logp, jax.lax.stop_gradient(old_logp), adv, mask, weights
+
+
+def ppo_clip_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2,
+                  clip_high: float = 0.2, dual_clip: float | None = None,
+                  agg: str = "token-mean", norm_const: float | None = None,
+                  token_weights=None, ref_logp=None, kl_coef: float = 0.0,
+                  kl_estimator: str = "k3"):
+  """PPO-clip with ratio r = pi/pi_old clipped to [1 - clip_low, 1 + clip_high].
+
+  clip_high > clip_low is DAPO's clip-higher (e.g. 0.2 / 0.28). dual_clip = c > 1
+  bounds the loss of negative-advantage tokens at -c * A (dual-clip PPO). With
+  ref_logp, adds kl_coef * aggregated KL(pi || pi_ref) by `kl_estimator`.
+  Metrics: clip_frac (either bound active), clip_frac_low, clip_frac_high,
+  dual_clip_frac, approx_kl (k3 estimate of KL(pi_old || pi)), ratio_mean/max/min, pg_loss, kl_ref.
+  """
+  if not (clip_low >= 0 and clip_high >= 0):
+    raise ValueError(f"clip_low/clip_high: expected >= 0, got {clip_low}/{clip_high}")
+  if dual_clip is not None and not dual_clip > 1.0:
+    raise ValueError(f"dual_clip: expected a constant > 1, got {dual_clip!r}")
+  logp, old_logp, adv, mask, weights = _prepare(logp, old_logp, advantages, mask,
+                                                token_weights)
+  ratio = jnp.exp(logp - old_logp)
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  pg = jnp.maximum(unclipped, clipped)
+  metrics = {
+      "clip_frac_low": _frac((adv < 0) & (ratio < 1.0 - clip_low), mask),
+      "clip_frac_high": _frac((adv > 0) & (ratio > 1.0 + clip_high), mask),
+      "clip_frac": _frac(clipped > unclipped, mask),
+  }
+  if dual_clip is not None:
+    bound = -adv * dual_clip
+    dual = (adv < 0) & (bound < pg)
+    pg = jnp.where(adv < 0, jnp.minimum(pg, bound), pg)
+    metrics["dual_clip_frac"] = _frac(dual, mask)
+  return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
+                 kl_coef, kl_estimator, metrics)
+
+
+def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 3e-4,
+              clip_high: float = 4e-4, agg: str = "seq-mean-token-mean",
+              norm_const: float | None = None, token_weights=None, ref_logp=None,
+              kl_coef: float = 0.0, kl_estimator: str = "k3"):
+  """GSPO: one ratio per sequence, s_i = exp(mean_t (logp - old_logp)), clipped per sequence.
+
+  advantages must be per sequence `[B]`. The sequence's clipped term is given to each
+  of its tokens, so with the default seq-mean-token-mean the loss is
+  -mean_i min(s_i A_i, clip(s_i) A_i). Clip ranges are small (length-normalised ratio).
+  """
+  if jnp.ndim(advantages) != 1:
+    raise ValueError(f"advantages: GSPO expects one per sequence, shape [B], got "
+                     f"{jnp.shape(advantages)}")
+  logp, old_logp, adv, mask, weights = _prepare(logp, old_logp, advantages, mask,
+                                                token_weights)
+  tokens = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
+  seq_log_ratio = jnp.sum((logp - old_logp) * mask, axis=-1, keepdims=True) / tokens
+  ratio = jnp.broadcast_to(jnp.exp(seq_log_ratio), logp.shape)
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  pg = jnp.maximum(unclipped, clipped)
+  seq_mask = (jnp.sum(mask, axis=-1) > 0).astype(logp.dtype)
+  metrics = {
+      "clip_frac_low": _frac((adv[:, 0] < 0) & (ratio[:, 0] < 1.0 - clip_low), seq_mask),
+      "clip_frac_high": _frac((adv[:, 0] > 0) & (ratio[:, 0] > 1.0 + clip_high), seq_mask),
+      "clip_frac": _frac(clipped[:, 0] > unclipped[:, 0], seq_mask),
+  }
+  return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
+                 kl_coef, kl_estimator, metrics)

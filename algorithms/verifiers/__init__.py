@@ -1,0 +1,14 @@
+"""Reward verifiers behind one interface: `make_verifier(name)(completion, reference)`.
+
+Registered: "math" (final-answer match), "code" (sandboxed test execution), and
+"task:<name>" for the built-in synthetic tasks of `rlax_ps.tasks`.
+"""
+
+from algorithms.verifiers.base import (VERIFIERS, Verifier, VerifierResult, make_verifier,
+                                       register_verifier)
+from algorithms.verifiers.code_exec import CodeExecutionVerifier
+from algorithms.verifiers.math_answer import MathAnswerVerifier
+from algorithms.verifiers.tasks import TaskVerifier, task_verifier
+
+__all__ = ["VERIFIERS", "Verifier", "VerifierResult", "make_verifier", "register_verifier",
+           "CodeExecutionVerifier", "MathAnswerVerifier", "TaskVerifier", "task_verifier"]

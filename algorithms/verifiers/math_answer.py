@@ -1,0 +1,127 @@
+"""Math final-answer verifier: extract the answer, normalise it, compare exactly.
+
+The answer is the last `\\boxed{...}` (or `\\fbox{...}`) of the completion, else the
+text after the last "answer is" / "answer:" on its line. Normalisation drops `$`,
+spacing commands, `\\left`/`\\right`, `\\text{}` wrappers, degree signs, percent signs and
+a leading "x =", turns `\\frac{a}{b}`/`\\dfrac`/`\\tfrac` into a/b and strips thousands
+separators; then both sides are compared as exact rationals when they parse as numbers
+(so 0.5 == 1/2 == \\frac{1}{2}), else as normalised strings.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any
+
+from algorithms.verifiers.base import VerifierResult, register_verifier
+
+_ANSWER_LINE = re.compile(r"answer\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
+
+
+def _braced(text: str, start: int) -> tuple[str, int] | None:
+  """The content of the brace group opening at text[start] == '{', and the index after it."""
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] == "{":
+      depth += 1
+    elif text[i] == "}":
+      depth -= 1
+      if depth == 0:
+        return text[start + 1:i], i + 1
+  return None
+
+
+def extract_answer(completion: str) -> str | None:
+  """The final answer of a completion, or None when it gives none."""
+  for command in ("\\boxed", "\\fbox"):
+    pos = completion.rfind(command + "{")
+    if pos >= 0:
+      got = _braced(completion, pos + len(command))
+      if got is not None:
+        return got[0].strip()
+  for line in reversed(completion.strip().splitlines()):
+    m = None
+    for m in _ANSWER_LINE.finditer(line):
+      pass
+    if m is not None:
+      return m.group(1).strip()
+  return None
+
+
+def _replace_frac(s: str) -> str:
+  """\\frac{a}{b} -> (a)/(b), also the \\frac12 shorthand; nested fractions included."""
+  while True:
+    pos = s.find("\\frac")
+    if pos < 0:
+      return s
+    rest = pos + len("\\frac")
+    parts = []
+    for _ in range(2):
+      if rest < len(s) and s[rest] == "{":
+        got = _braced(s, rest)
+        if got is None:
+          return s
+        parts.append(got[0])
+        rest = got[1]
+      elif rest < len(s):
+        parts.append(s[rest])
+        rest += 1
+      else:
+        return s
+    num, den = parts
+    num = num if re.fullmatch(r"-?[\w.]+", num) else f"({num})"
+    den = den if re.fullmatch(r"[\w.]+", den) else f"({den})"
+    s = s[:pos] + f"{num}/{den}" + s[rest:]
+
+
+def normalize_answer(answer: str) -> str:
+  """A canonical string for an answer (see the module docstring)."""
+  s = answer.strip()
+  s = re.sub(r"\\text\{([^{}]*)\}|\\mathrm\{([^{}]*)\}",
+             lambda m: m.group(1) if m.group(1) is not None else m.group(2), s)
+  s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+  for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "\\displaystyle"):
+    s = s.replace(token, "")
+  s = re.sub(r"\^\{?\\circ\}?", "", s).replace("\\%", "").replace("%", "")
+  s = re.sub(r"\s+", "", s)
+  s = s.rstrip(".")
+  s = re.sub(r"^[a-zA-Z]=", "", s)
+  if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+    s = s.replace(",", "")
+  s = _replace_frac(s)
+  return s
+
+
+def as_number(s: str) -> Fraction | None:
+  """An exact rational for integers, decimals and a/b of them (with signs), else None."""
+  m = re.fullmatch(r"\(?([+-]?\d+(?:\.\d+)?|[+-]?\.\d+)\)?(?:/\(?(\d+(?:\.\d+)?)\)?)?", s)
+  if m is None:
+    m2 = re.fullmatch(r"-\((\d+(?:\.\d+)?)\)/\(?(\d+(?:\.\d+)?)\)?", s)
+    if m2 is None:
+      return None
+    return -Fraction(m2.group(1)) / Fraction(m2.group(2))
+  value = Fraction(m.group(1))
+  if m.group(2) is not None:
+    den = Fraction(m.group(2))
+    if den == 0:
+      return None
+    value /= den
+  return value
+
+
+@register_verifier("math")
+class MathAnswerVerifier:
+  """1.0 when the completion's final answer equals the reference exactly after
+  normalisation, else 0.0 (also when no answer can be extracted)."""
+
+  def __call__(self, completion: str, reference: Any) -> VerifierResult:
+    extracted = extract_answer(completion)
+    ref = normalize_answer(str(reference))
+    if extracted is None:
+      return VerifierResult(0.0, False, {"extracted": None, "reference": ref})
+    pred = normalize_answer(extracted)
+    a, b = as_number(pred), as_number(ref)
+    equal = (a == b) if (a is not None and b is not None) else pred == ref
+    return VerifierResult(1.0 if equal else 0.0, bool(equal),
+                          {"extracted": extracted, "normalized": pred, "reference": ref})
