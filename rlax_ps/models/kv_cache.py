@@ -49,10 +49,18 @@ class KVCache:
                                                start),
     )
 
+  def attend(self, layer: int, q, k, v, q_segment_ids, q_positions, attention_fn):
+    """Write layer `layer`'s new k/v [B, T, Hkv, D] at slot `index`, attend over all slots."""
+    zero = jnp.zeros((), jnp.int32)
+    start = (zero, self.index, zero, zero)
+    layer_k = jax.lax.dynamic_update_slice(self.k[layer], k.astype(self.k[layer].dtype), start)
+    layer_v = jax.lax.dynamic_update_slice(self.v[layer], v.astype(self.v[layer].dtype), start)
+    out = attention_fn(q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids,
+                       q_positions, self.segment_ids, self.positions)
+    new_k = self.k[:layer] + (layer_k,) + self.k[layer + 1:]
+    new_v = self.v[:layer] + (layer_v,) + self.v[layer + 1:]
+    return out, self.replace(k=new_k, v=new_v)
 
-def write_kv(cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array, index):
-  """Write k/v [B, T, Hkv, D] into one layer's cache at slot `index`."""
-  zero = jnp.zeros((), jnp.int32)
-  start = (zero, index, zero, zero)
-  return (jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start),
-          jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start))
+  def advance(self, t: int) -> "KVCache":
+    """Move the write slot past the T tokens just processed."""
+    return self.replace(index=self.index + t)

@@ -16,7 +16,6 @@ from flax import nnx
 from rlax_ps.models import rope
 from rlax_ps.models.attention import dot_product_attention
 from rlax_ps.models.config import ModelConfig
-from rlax_ps.models.kv_cache import KVCache, write_kv
 
 INIT_STD = 0.02  # HF's initializer_range default for both families.
 
@@ -72,22 +71,16 @@ class Attention(nnx.Module):
     self.o_proj = _dense(c, c.num_heads * c.head_dim, c.hidden_size, ("tensor", "fsdp"),
                          False, rngs)
 
-  def __call__(self, x, cos, sin, q_segment_ids, q_positions, k_segment_ids, k_positions,
-               layer_cache=None, cache_index=None, attention_fn: Callable = dot_product_attention):
+  def __call__(self, x, cos, sin, attend: Callable):
+    """`attend(q, k, v) -> out` is given by the caller: plain, cached or packed attention."""
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     q = rope.apply_rotary(q, cos, sin)
     k = rope.apply_rotary(k, cos, sin)
-    if layer_cache is not None:
-      k, v = write_kv(layer_cache[0], layer_cache[1], k, v, cache_index)
-      new_layer_cache = (k, v)
-    else:
-      new_layer_cache = None
-    out = attention_fn(q, k.astype(q.dtype), v.astype(q.dtype), q_segment_ids, q_positions,
-                       k_segment_ids, k_positions)
-    return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), new_layer_cache
+    out = attend(q, k, v)
+    return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nnx.Module):
@@ -112,13 +105,9 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(config, rngs=rngs)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, cos, sin, q_segment_ids, q_positions, k_segment_ids, k_positions,
-               layer_cache=None, cache_index=None, attention_fn=dot_product_attention):
-    h, new_layer_cache = self.attn(self.input_norm(x), cos, sin, q_segment_ids, q_positions,
-                                   k_segment_ids, k_positions, layer_cache, cache_index,
-                                   attention_fn)
-    x = x + h
-    return x + self.mlp(self.post_attn_norm(x)), new_layer_cache
+  def __call__(self, x, cos, sin, attend: Callable):
+    x = x + self.attn(self.input_norm(x), cos, sin, attend)
+    return x + self.mlp(self.post_attn_norm(x))
 
 
 class Transformer(nnx.Module):
@@ -136,9 +125,14 @@ class Transformer(nnx.Module):
     if not c.tie_word_embeddings:
       self.lm_head = _dense(c, c.hidden_size, c.vocab_size, ("fsdp", "tensor"), False, rngs)
 
-  def hidden_states(self, tokens, *, positions=None, segment_ids=None,
-                    cache: KVCache | None = None, attention_fn: Callable = dot_product_attention):
-    """Final-norm hidden states [B, T, H] (and the updated cache when one is given)."""
+  def hidden_states(self, tokens, *, positions=None, segment_ids=None, cache=None,
+                    attention_fn: Callable = dot_product_attention):
+    """Final-norm hidden states [B, T, H] and the updated cache (None without one).
+
+    `cache` is any object with the KVCache protocol: `write_meta(segment_ids, positions)`,
+    `attend(layer, q, k, v, q_segment_ids, q_positions, attention_fn) -> (out, cache)` and
+    `advance(t)`; the workers' shared-prefix cache plugs in the same way.
+    """
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
       raise ValueError(f"tokens: expected shape [batch, seq], got {tokens.shape}")
@@ -151,27 +145,23 @@ class Transformer(nnx.Module):
       segment_ids = jnp.ones((b, t), jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     segment_ids = jnp.asarray(segment_ids, jnp.int32)
-
     if cache is not None:
       cache = cache.write_meta(segment_ids, positions)
-      k_segment_ids, k_positions = cache.segment_ids, cache.positions
-    else:
-      k_segment_ids, k_positions = segment_ids, positions
 
     cos, sin = rope.rotary_angles(positions, rope.inverse_frequencies(self.config))
     x = self.embed(tokens)
-    new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
-      x, updated = layer(x, cos, sin, segment_ids, positions, k_segment_ids, k_positions,
-                         layer_cache, cache.index if cache is not None else None, attention_fn)
-      if updated is not None:
-        new_k.append(updated[0])
-        new_v.append(updated[1])
+      if cache is None:
+        def attend(q, k, v):
+          return attention_fn(q, k, v, segment_ids, positions, segment_ids, positions)
+      else:
+        def attend(q, k, v, i=i):
+          nonlocal cache
+          out, cache = cache.attend(i, q, k, v, segment_ids, positions, attention_fn)
+          return out
+      x = layer(x, cos, sin, attend)
     x = self.norm(x)
-    if cache is None:
-      return x, None
-    return x, cache.replace(k=tuple(new_k), v=tuple(new_v), index=cache.index + t)
+    return x, (None if cache is None else cache.advance(t))
 
   def logits_from_hidden(self, x):
     """Project hidden states to float32 logits (tied: through the embedding table)."""
@@ -182,7 +172,7 @@ class Transformer(nnx.Module):
     kernel = self.lm_head.kernel[...].astype(dtype)
     return jnp.einsum("bth,hv->btv", x, kernel, preferred_element_type=jnp.float32)
 
-  def __call__(self, tokens, *, positions=None, segment_ids=None, cache: KVCache | None = None,
+  def __call__(self, tokens, *, positions=None, segment_ids=None, cache=None,
                attention_fn: Callable = dot_product_attention):
     x, new_cache = self.hidden_states(tokens, positions=positions, segment_ids=segment_ids,
                                       cache=cache, attention_fn=attention_fn)
