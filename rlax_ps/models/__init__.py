@@ -1,4 +1,4 @@
-"""Llama / Qwen2 family decoders in Flax NNX, their caches, and flat parameter views."""
+"""Llama / Qwen2 family decoders in Flax NNX, their caches, flat parameter views and HF checkpoints."""
 
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.hf import (config_from_hf, config_to_hf, load_hf_checkpoint,
