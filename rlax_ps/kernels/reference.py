@@ -1,0 +1,211 @@
+"""Plain-XLA shared-prompt attention: ground truth, dense packed mask, two-pass LSE merge.
+
+Shapes: q [B, T, H, D]; k, v [B, S, Hkv, D] (GQA: H a multiple of Hkv, query head
+h uses kv head h // (H // Hkv)); outputs o [B, T, H, D] and lse [B, T, H] float32.
+A query that attends no key (a padding row) gets o = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rlax_ps.kernels.layout import SharedPromptLayout, join_regions, split_regions
+
+_MASKED = -1e30  # finite: keeps max/exp NaN-free on rows with no key
+
+
+def default_scale(head_dim: int) -> float:
+  return head_dim ** -0.5
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+  """Rank, head-count and dtype checks shared by every entry point."""
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(
+        f"q, k, v must be rank 4 [B, T, heads, head_dim], got shapes {q.shape}, "
+        f"{k.shape}, {v.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+  if q.shape[-1] != k.shape[-1]:
+    raise ValueError(f"head_dim of q ({q.shape[-1]}) must equal head_dim of k ({k.shape[-1]})")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(
+        f"num_heads of q ({q.shape[2]}) must be a multiple of num_kv_heads ({k.shape[2]})")
+
+
+def masked_attention(q, k, v, mask, sm_scale=None, out_dtype=None):
+  """Softmax attention under a boolean mask [B, T, S]; returns (o, lse [B, T, H])."""
+  b, t, h, d = q.shape
+  hkv = k.shape[2]
+  g = h // hkv
+  scale = default_scale(d) if sm_scale is None else sm_scale
+  qg = q.reshape(b, t, hkv, g, d)
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+  m4 = mask[:, None, None, :, :]
+  s = jnp.where(m4, s, _MASKED)
+  mx = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  p = jnp.where(m4, jnp.exp(s - mx), 0.0)
+  l = jnp.sum(p, axis=-1)
+  has = l > 0
+  l_safe = jnp.where(has, l, 1.0)
+  o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  o = o / jnp.moveaxis(l_safe, -1, 1)[..., None]
+  lse = jnp.where(has, mx[..., 0] + jnp.log(l_safe), -jnp.inf)  # [B, Hkv, G, T]
+  o = o.reshape(b, t, h, d).astype(out_dtype or q.dtype)
+  lse = jnp.moveaxis(lse.reshape(b, h, t), 1, 2)
+  return o, lse
+
+
+def merge_lse(o1, lse1, o2, lse2, out_dtype=None):
+  """Combines two attention partials over disjoint key sets (o [B,T,H,D], lse [B,T,H])."""
+  m = jnp.maximum(lse1, lse2)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  w1 = jnp.exp(lse1 - m_safe)
+  w2 = jnp.exp(lse2 - m_safe)
+  tot = w1 + w2
+  has = tot > 0
+  tot_safe = jnp.where(has, tot, 1.0)
+  o = (o1.astype(jnp.float32) * w1[..., None] + o2.astype(jnp.float32) * w2[..., None])
+  o = o / tot_safe[..., None]
+  lse = jnp.where(has, m_safe + jnp.log(tot_safe), -jnp.inf)
+  return o.astype(out_dtype or o1.dtype), lse
+
+
+def _causal_valid_mask(len_q_valid, len_k_valid):
+  """[B, T, T] causal mask with per-row valid prefixes ([B, T] bool each)."""
+  t = len_q_valid.shape[1]
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  return causal[None] & len_q_valid[:, :, None] & len_k_valid[:, None, :]
+
+
+def n_copies_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None):
+  """Ground truth: run N separate [prompt, response i] sequences, then pack the result.
+
+  Prompt rows come from copy 0 (all copies agree). Differentiating this function
+  with respect to the packed inputs sums the prompt gradients over the N copies.
+  """
+  check_qkv(q, k, v)
+  layout.validate(q.shape[1], q.shape[0])
+  b, n = q.shape[0], layout.num_responses
+  pc, rc = layout.prompt_capacity, layout.response_capacity
+
+  def copies(x):
+    prompt, resp = split_regions(x, layout)
+    prompt = jnp.broadcast_to(prompt[:, None], (b, n, *prompt.shape[1:]))
+    seqs = jnp.concatenate([prompt, resp], axis=2)  # [B, N, P+R, ...]
+    return seqs.reshape(b * n, pc + rc, *x.shape[2:])
+
+  valid_p = jnp.arange(pc)[None, :] < layout.prompt_lens[:, None]  # [B, P]
+  valid_r = jnp.arange(rc)[None, None, :] < layout.response_lens[:, :, None]  # [B, N, R]
+  valid = jnp.concatenate(
+      [jnp.broadcast_to(valid_p[:, None], (b, n, pc)), valid_r], axis=2).reshape(b * n, pc + rc)
+  mask = _causal_valid_mask(valid, valid)
+  o, lse = masked_attention(copies(q), copies(k), copies(v), mask, sm_scale)
+
+  def pack(x):
+    x = x.reshape(b, n, pc + rc, *x.shape[2:])
+    return join_regions(x[:, 0, :pc], x[:, :, pc:])
+
+  return pack(o), pack(lse)
+
+
+def packed_dense_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None):
+  """The packed row under its dense [L, L] mask: simple, but computes every masked pair."""
+  check_qkv(q, k, v)
+  layout.validate(q.shape[1], q.shape[0])
+  return masked_attention(q, k, v, layout.dense_mask(), sm_scale)
+
+
+def two_pass_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None):
+  """XLA fast path: prompt causal self-attention; all N*R response queries against
+  the prompt keys in one matmul; each response against its own keys; LSE merge."""
+  check_qkv(q, k, v)
+  layout.validate(q.shape[1], q.shape[0])
+  b, n = q.shape[0], layout.num_responses
+  pc, rc = layout.prompt_capacity, layout.response_capacity
+  qp, qr = split_regions(q, layout)
+  kp, kr = split_regions(k, layout)
+  vp, vr = split_regions(v, layout)
+  valid_p = jnp.arange(pc)[None, :] < layout.prompt_lens[:, None]
+  valid_r = jnp.arange(rc)[None, None, :] < layout.response_lens[:, :, None]
+
+  o_p, lse_p = masked_attention(qp, kp, vp, _causal_valid_mask(valid_p, valid_p), sm_scale)
+
+  qr_flat = qr.reshape(b, n * rc, *qr.shape[3:])
+  cross = valid_r.reshape(b, n * rc)[:, :, None] & valid_p[:, None, :]
+  o_x, lse_x = masked_attention(qr_flat, kp, vp, cross, sm_scale, out_dtype=jnp.float32)
+
+  fold = lambda x: x.reshape(b * n, rc, *x.shape[3:])
+  vr_flat = valid_r.reshape(b * n, rc)
+  o_s, lse_s = masked_attention(fold(qr), fold(kr), fold(vr), _causal_valid_mask(vr_flat, vr_flat),
+                                sm_scale, out_dtype=jnp.float32)
+  o_s = o_s.reshape(b, n * rc, *o_s.shape[2:])
+  lse_s = lse_s.reshape(b, n * rc, -1)
+  o_r, lse_r = merge_lse(o_x, lse_x, o_s, lse_s, out_dtype=q.dtype)
+  return (jnp.concatenate([o_p, o_r], axis=1), jnp.concatenate([lse_p, lse_r], axis=1))
+
+
+# Decode: N samples, one new token each, sharing one prefix KV cache.
+
+def check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, N, heads, head_dim], got shape {q.shape}")
+  b, n, _, d = q.shape
+  if prefix_k.ndim != 4 or prefix_k.shape != prefix_v.shape or prefix_k.shape[0] != b:
+    raise ValueError(
+        f"prefix_k and prefix_v must both be [B={b}, S, kv_heads, head_dim], got "
+        f"{prefix_k.shape} and {prefix_v.shape}")
+  if (suffix_k.ndim != 5 or suffix_k.shape != suffix_v.shape or suffix_k.shape[:2] != (b, n)
+      or suffix_k.shape[3:] != prefix_k.shape[2:]):
+    raise ValueError(
+        f"suffix_k and suffix_v must both be [B={b}, N={n}, S_suffix, "
+        f"{prefix_k.shape[2]}, {prefix_k.shape[3]}], got {suffix_k.shape} and {suffix_v.shape}")
+  if prefix_k.shape[-1] != d or q.shape[2] % prefix_k.shape[2]:
+    raise ValueError(
+        f"q heads/head_dim {q.shape[2:]} do not fit kv heads/head_dim {prefix_k.shape[2:]}")
+
+
+def decode_n_copies(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, suffix_lens,
+                    sm_scale=None):
+  """Ground truth: each sample attends its own copy of [prefix, suffix]."""
+  check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v)
+  b, n, h, d = q.shape
+  sp, ss = prefix_k.shape[1], suffix_k.shape[2]
+  cat = lambda pre, suf: jnp.concatenate(
+      [jnp.broadcast_to(pre[:, None], (b, n, *pre.shape[1:])), suf], axis=2
+  ).reshape(b * n, sp + ss, *pre.shape[2:])
+  valid = jnp.concatenate([
+      jnp.broadcast_to((jnp.arange(sp)[None, :] < prefix_lens[:, None])[:, None], (b, n, sp)),
+      jnp.arange(ss)[None, None, :] < suffix_lens[:, :, None]], axis=2).reshape(b * n, 1, sp + ss)
+  o, lse = masked_attention(q.reshape(b * n, 1, h, d), cat(prefix_k, suffix_k),
+                            cat(prefix_v, suffix_v), valid, sm_scale)
+  return o.reshape(b, n, h, d), lse.reshape(b, n, h)
+
+
+def decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale=None):
+  """All N samples' queries against the shared prefix in one matmul: [N*G, D] x [D, S]."""
+  sp = prefix_k.shape[1]
+  mask = jnp.broadcast_to((jnp.arange(sp)[None, :] < prefix_lens[:, None])[:, None],
+                          (q.shape[0], q.shape[1], sp))
+  return masked_attention(q, prefix_k, prefix_v, mask, sm_scale, out_dtype=jnp.float32)
+
+
+def decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale=None):
+  """Each sample's query against its own suffix cache."""
+  b, n, h, d = q.shape
+  ss = suffix_k.shape[2]
+  mask = (jnp.arange(ss)[None, None, :] < suffix_lens[:, :, None]).reshape(b * n, 1, ss)
+  o, lse = masked_attention(q.reshape(b * n, 1, h, d), suffix_k.reshape(b * n, ss, *suffix_k.shape[3:]),
+                            suffix_v.reshape(b * n, ss, *suffix_v.shape[3:]), mask, sm_scale,
+                            out_dtype=jnp.float32)
+  return o.reshape(b, n, h, d), lse.reshape(b, n, h)
+
+
+def decode_two_pass(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, suffix_lens,
+                    sm_scale=None):
+  """XLA decode: prefix read once for all N queries, suffix per sample, LSE merge."""
+  check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v)
+  o1, l1 = decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale)
+  o2, l2 = decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale)
+  return merge_lse(o1, l1, o2, l2, out_dtype=q.dtype)
