@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: run test test-slow install install-test clean
+.PHONY: run test test-slow install install-test clean protos
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(VENV)/.installed-test
 
 test-slow: $(VENV)/.installed-test
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+# Regenerate the committed gRPC code after editing param_server/protos/param_server.proto.
+protos: $(VENV)/.installed-test
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. param_server/protos/param_server.proto
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -13,6 +13,8 @@ import sys
 # name -> (module with main(argv), one-line help). Later issues add theirs here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("rlax_ps.train.sft_main", "supervised warm start on a built-in task"),
+    "serve": ("param_server.serve_main", "run the parameter server (gRPC)"),
+    "status": ("param_server.status_main", "print a parameter server's versions, queues and workers"),
 }
 
 
