@@ -1,0 +1,139 @@
+"""The watchdog turns a metadata-server preemption notice into SIGTERM, then SIGKILL."""
+
+import http.server
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from inference_workers.preemption_watchdog import PreemptionWatchdog, poll_preempted
+
+
+class FakeMetadata:
+  """A local stand-in for GCE's `instance/preempted` endpoint."""
+
+  def __init__(self):
+    self.preempted = False
+    self.requests = 0
+    outer = self
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def do_GET(self):
+        outer.requests += 1
+        if self.headers.get("Metadata-Flavor") != "Google":
+          self.send_response(403)
+          self.end_headers()
+          return
+        if not outer.preempted:
+          time.sleep(0.05)  # a short long-poll
+        body = b"TRUE" if outer.preempted else b"FALSE"
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+
+      def log_message(self, *args):
+        del args
+
+    self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.url = f"http://127.0.0.1:{self.server.server_address[1]}/preempted"
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+  def close(self):
+    self.server.shutdown()
+    self.server.server_close()
+
+
+@pytest.fixture
+def metadata():
+  fake = FakeMetadata()
+  yield fake
+  fake.close()
+
+
+CHILD = """
+import signal, sys, time
+marker = sys.argv[1]
+def on_term(*_):
+  if sys.argv[2] == "obey":
+    open(marker, "w").write("released")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+open(marker + ".started", "w").write("1")
+time.sleep(60)
+"""
+
+
+def _start(watchdog):
+  result = {}
+  thread = threading.Thread(target=lambda: result.setdefault("rc", watchdog.run()), daemon=True)
+  thread.start()
+  return thread, result
+
+
+def _wait_for(path, timeout=20):
+  deadline = time.monotonic() + timeout
+  while not path.exists():
+    assert time.monotonic() < deadline, f"{path} never appeared"
+    time.sleep(0.05)
+
+
+def test_notice_sends_sigterm_and_child_exits_cleanly(metadata, tmp_path):
+  marker = tmp_path / "child"
+  watchdog = PreemptionWatchdog([sys.executable, "-c", CHILD, str(marker), "obey"],
+                                url=metadata.url, poll_timeout_s=1, grace_s=10)
+  thread, result = _start(watchdog)
+  _wait_for(tmp_path / "child.started")
+  assert not watchdog.preempted.is_set()
+  metadata.preempted = True
+  thread.join(timeout=20)
+  assert result.get("rc") == 0
+  assert marker.read_text() == "released"
+  assert watchdog.preempted.is_set()
+
+
+def test_child_ignoring_sigterm_is_killed_after_grace(metadata, tmp_path):
+  marker = tmp_path / "child"
+  watchdog = PreemptionWatchdog([sys.executable, "-c", CHILD, str(marker), "ignore"],
+                                url=metadata.url, poll_timeout_s=1, grace_s=0.5)
+  thread, result = _start(watchdog)
+  _wait_for(tmp_path / "child.started")
+  metadata.preempted = True
+  thread.join(timeout=20)
+  assert result.get("rc") == -9
+  assert not marker.exists()
+
+
+def test_poll_reports_unreachable_as_none():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  assert poll_preempted(f"http://127.0.0.1:{port}/preempted", timeout_s=1) is None
+
+
+def test_poll_reads_state(metadata):
+  assert poll_preempted(metadata.url, timeout_s=1) is False
+  metadata.preempted = True
+  assert poll_preempted(metadata.url, timeout_s=1) is True
+
+
+def test_empty_command_is_rejected_by_name():
+  with pytest.raises(ValueError, match="command"):
+    PreemptionWatchdog([])
+
+
+def test_cli_forwards_its_own_sigterm_to_the_child(metadata, tmp_path):
+  import signal
+  import subprocess
+  marker = tmp_path / "child"
+  proc = subprocess.Popen([sys.executable, "-m", "inference_workers.preemption_watchdog",
+                           f"--metadata_url={metadata.url}", "--poll_timeout_s=1", "--",
+                           sys.executable, "-c", CHILD, str(marker), "obey"])
+  try:
+    _wait_for(tmp_path / "child.started")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    assert marker.read_text() == "released"
+  finally:
+    proc.kill()
