@@ -1,0 +1,134 @@
+"""Per-role bearer tokens, checked by a server interceptor before any handler runs.
+
+Roles: `trainer` publishes weights, enqueues prompts and takes rollouts;
+`worker` pulls, leases and submits; `viewer` reads versions and stats. Health
+checking and reflection need no token. A missing or unknown token gets
+UNAUTHENTICATED, a known token of the wrong role PERMISSION_DENIED. Tokens
+are never logged; when none is given for a role, one is generated and saved in
+`<storage_dir>/tokens.json`, readable by its owner only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+
+import grpc
+from absl import logging
+
+ROLES = ("trainer", "worker", "viewer")
+SERVICE = "/rlax_ps.v1.ParamServer/"
+TOKEN_FILE = "tokens.json"
+
+_READ = {"trainer", "worker", "viewer"}
+METHOD_ROLES: dict[str, set[str]] = {
+    "Publish": {"trainer"},
+    "GetLatest": _READ,
+    "Pull": {"worker", "trainer"},
+    "Watch": _READ,
+    "EnqueuePrompts": {"trainer"},
+    "LeasePrompts": {"worker"},
+    "RenewLease": {"worker"},
+    "CompleteLease": {"worker"},
+    "ReleaseLease": {"worker"},
+    "SubmitRollouts": {"worker"},
+    "TakeRollouts": {"trainer"},
+    "AckRollouts": {"trainer"},
+    "RegisterWorker": {"worker"},
+    "Heartbeat": {"worker"},
+    "GetStats": _READ,
+}
+# Standard services anyone may call.
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                 "/grpc.reflection.v1.ServerReflection/")
+
+
+def env_var(role: str) -> str:
+  return f"RLAX_PS_{role.upper()}_TOKEN"
+
+
+def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str]:
+  """Role -> token: from `given` (flags), else the environment, else the token file (made if needed)."""
+  tokens = {r: given.get(r) or os.environ.get(env_var(r)) or "" for r in ROLES}
+  missing = [r for r in ROLES if not tokens[r]]
+  if not missing:
+    return tokens
+  path = os.path.join(storage_dir, TOKEN_FILE)
+  saved = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      saved = json.load(f)
+  for r in missing:
+    tokens[r] = saved.get(r) or secrets.token_urlsafe(32)
+  if any(saved.get(r) != tokens[r] for r in missing):
+    saved.update({r: tokens[r] for r in missing})
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+      json.dump(saved, f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+  logging.info("auth: tokens for %s are in %s (owner-only)", ", ".join(missing), path)
+  return tokens
+
+
+def read_token_file(storage_dir: str, role: str) -> str:
+  with open(os.path.join(storage_dir, TOKEN_FILE)) as f:
+    return json.load(f)[role]
+
+
+def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+  def abort(request, context):
+    context.abort(code, message)
+  if handler.request_streaming and handler.response_streaming:
+    return grpc.stream_stream_rpc_method_handler(abort)
+  if handler.request_streaming:
+    return grpc.stream_unary_rpc_method_handler(abort)
+  if handler.response_streaming:
+    return grpc.unary_stream_rpc_method_handler(abort)
+  return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+  """Maps `authorization: Bearer <token>` to a role and checks it against the method."""
+
+  def __init__(self, tokens: dict[str, str], on_denied=None):
+    self._tokens = [(role, tok.encode()) for role, tok in tokens.items()]
+    self._on_denied = on_denied or (lambda: None)
+
+  def role_of(self, metadata) -> str | None:
+    header = dict(metadata or ()).get("authorization", "")
+    if not header.startswith("Bearer "):
+      return None
+    presented = header[len("Bearer "):].encode()
+    role = None
+    for r, tok in self._tokens:  # constant time per token, all checked
+      if hmac.compare_digest(presented, tok):
+        role = r
+    return role
+
+  def intercept_service(self, continuation, handler_call_details):
+    method = handler_call_details.method
+    if method.startswith(OPEN_PREFIXES):
+      return continuation(handler_call_details)
+    handler = continuation(handler_call_details)
+    if handler is None:
+      return None
+    name = method[len(SERVICE):] if method.startswith(SERVICE) else method
+    allowed = METHOD_ROLES.get(name, set())
+    role = self.role_of(handler_call_details.invocation_metadata)
+    if role is None:
+      self._on_denied()
+      logging.warning("auth: %s without a valid bearer token", name)
+      return _deny(grpc.StatusCode.UNAUTHENTICATED,
+                   "authorization: expected 'Bearer <token>' with a known token", handler)
+    if role not in allowed:
+      self._on_denied()
+      logging.warning("auth: role %s may not call %s", role, name)
+      return _deny(grpc.StatusCode.PERMISSION_DENIED,
+                   f"authorization: role {role!r} may not call {name}; allowed: {sorted(allowed)}", handler)
+    return handler

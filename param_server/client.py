@@ -1,0 +1,359 @@
+"""`ParamServerClient`: the trainer's and the workers' handle on the parameter server.
+
+Calls are retried with exponential backoff and full jitter while the server is
+UNAVAILABLE (restarting, or the network blinked); every other failure raises a
+`ParamServerError` carrying the gRPC code and the server's message (which names
+the field). A broken `pull` resumes from the last byte it holds. Retrying is
+safe for every call: publishing the same update twice, enqueueing the same
+prompt id, submitting the same group, acking the same take are all acknowledged
+once; a lease or take whose reply was lost simply expires and is served again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Callable, Iterable, Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from param_server.protos import param_server_pb2 as pb
+from param_server.protos import param_server_pb2_grpc as pb_grpc
+
+# The messages callers build, re-exported so callers need not know the proto module.
+Prompt = pb.Prompt
+Sample = pb.Sample
+RolloutGroup = pb.RolloutGroup
+VersionInfo = pb.VersionInfo
+Stats = pb.Stats
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+_OVERHEAD = 64 << 10
+
+
+class ParamServerError(Exception):
+  """A call the server rejected (or that kept failing); `code` is the grpc.StatusCode."""
+
+  def __init__(self, method: str, code: grpc.StatusCode, details: str):
+    super().__init__(f"{method}: {code.name}: {details}")
+    self.method = method
+    self.code = code
+    self.details = details
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+  """Exponential backoff with full jitter on UNAVAILABLE, until `deadline_s` has passed."""
+  initial_s: float = 0.05
+  max_s: float = 2.0
+  multiplier: float = 2.0
+  deadline_s: float = 60.0
+
+  def delays(self) -> Iterator[float]:
+    end = time.monotonic() + self.deadline_s
+    cap = self.initial_s
+    while time.monotonic() < end:
+      yield min(random.uniform(0, cap), max(0.0, end - time.monotonic()))
+      cap = min(self.max_s, cap * self.multiplier)
+
+
+@dataclasses.dataclass
+class Lease:
+  lease_id: str
+  worker_id: str
+  prompts: list[pb.Prompt]
+  deadline_unix_s: float
+
+  @classmethod
+  def from_proto(cls, m: pb.Lease) -> "Lease":
+    return cls(m.lease_id, m.worker_id, list(m.prompts), m.deadline_unix_s)
+
+
+@dataclasses.dataclass
+class Take:
+  """Rollouts handed to the trainer; `ack(take.take_id)` once they are safely consumed."""
+  take_id: str
+  rollouts: list[pb.TakenRollout]
+  dropped_stale: int
+
+
+@dataclasses.dataclass
+class PullProgress:
+  """What a pull has received so far; pass it back to `pull` to resume after a failure."""
+  have_version: int | None = None
+  updates: list[bytearray] = dataclasses.field(default_factory=list)
+  partial: bytearray | None = None
+  partial_filled: int = 0
+  partial_version: int = -1
+  partial_base: int = -1
+  latest_version: int = -1
+  done: bool = False
+  attempts: int = 0
+  resumed_bytes: int = 0  # bytes the server skipped thanks to resumption
+
+  def request(self) -> pb.PullRequest:
+    req = pb.PullRequest()
+    if self.have_version is not None:
+      req.have_version = self.have_version
+    if self.partial is not None and self.partial_filled:
+      req.resume_version = self.partial_version
+      req.resume_base_version = self.partial_base
+      req.resume_offset = self.partial_filled
+    return req
+
+  def add(self, chunk: pb.PullChunk) -> None:
+    if chunk.update_count == 0:
+      self.latest_version = chunk.version
+      self.done = True
+      return
+    key = (chunk.version, chunk.base_version)
+    if self.partial is None or key != (self.partial_version, self.partial_base) or chunk.offset == 0:
+      if chunk.offset != 0:
+        raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
+                               f"chunk at offset {chunk.offset} of an update this client has no start of")
+      self.partial = bytearray(chunk.update_bytes)
+      self.partial_filled = 0
+      self.partial_version, self.partial_base = key
+    elif chunk.offset != self.partial_filled:
+      raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
+                             f"chunk at offset {chunk.offset}, expected {self.partial_filled}")
+    end = chunk.offset + len(chunk.data)
+    if end > len(self.partial):
+      raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
+                             f"chunk ends at {end}, past the update's {len(self.partial)} bytes")
+    self.partial[chunk.offset:end] = chunk.data
+    self.partial_filled = end
+    if end == len(self.partial):
+      self.updates.append(self.partial)
+      self.have_version = chunk.version
+      self.partial, self.partial_filled = None, 0
+      if chunk.update_index == chunk.update_count - 1:
+        self.latest_version = chunk.version
+        self.done = True
+
+
+def make_sample(token_ids: Sequence[int], reward: float, *, text: str = "",
+                logprobs: Sequence[float] | np.ndarray | None = None, finish_reason: str = "",
+                metadata: dict[str, str] | None = None) -> pb.Sample:
+  """A sample; logprobs travel packed as little-endian float32."""
+  s = pb.Sample(token_ids=list(map(int, token_ids)), reward=float(reward), text=text,
+                finish_reason=finish_reason, metadata=metadata or {})
+  if logprobs is not None:
+    s.logprobs_f32 = np.asarray(logprobs, dtype="<f4").tobytes()
+  return s
+
+
+def sample_logprobs(sample: pb.Sample) -> np.ndarray:
+  """A sample's behaviour log-probabilities as float32, whichever way they were sent."""
+  if sample.logprobs_f32:
+    return np.frombuffer(sample.logprobs_f32, dtype="<f4")
+  return np.asarray(sample.logprobs, dtype=np.float32)
+
+
+class ParamServerClient:
+  """A connection to one parameter server, for one role (`trainer`, `worker` or `viewer`)."""
+
+  def __init__(self, address: str, token: str | None = None, role: str = "worker", *,
+               root_certificates: bytes | None = None, tls_server_name: str | None = None,
+               chunk_bytes: int = 4 << 20, max_message_bytes: int = 16 << 20,
+               retry: RetryPolicy = RetryPolicy(), timeout_s: float = 30.0):
+    self.address = address
+    self.role = role
+    self.chunk_bytes = chunk_bytes
+    self.retry = retry
+    self.timeout_s = timeout_s
+    self.worker_id = ""
+    self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    limit = max(chunk_bytes, max_message_bytes) + _OVERHEAD
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    if root_certificates is not None:
+      if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+      self._channel = grpc.secure_channel(
+          address, grpc.ssl_channel_credentials(root_certificates=root_certificates), options=options)
+    else:
+      self._channel = grpc.insecure_channel(address, options=options)
+    self._stub = pb_grpc.ParamServerStub(self._channel)
+
+  # ------------------------------------------------------------ plumbing
+
+  def close(self) -> None:
+    self._channel.close()
+
+  def __enter__(self) -> "ParamServerClient":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _with_retry(self, method: str, fn: Callable[[], object]):
+    last = None
+    delays = self.retry.delays()
+    while True:
+      try:
+        return fn()
+      except grpc.RpcError as e:
+        if e.code() not in RETRYABLE:
+          raise ParamServerError(method, e.code(), e.details() or "") from None
+        last = e
+      delay = next(delays, None)
+      if delay is None:
+        raise ParamServerError(method, last.code(), f"still failing after {self.retry.deadline_s}s of "
+                               f"retries: {last.details()}") from None
+      time.sleep(delay)
+
+  def _call(self, method: str, request, timeout_s: float | None = None):
+    rpc = getattr(self._stub, method)
+    timeout = self.timeout_s if timeout_s is None else timeout_s
+    return self._with_retry(method, lambda: rpc(request, metadata=self._metadata, timeout=timeout))
+
+  def _require_worker(self, worker_id: str | None) -> str:
+    wid = worker_id or self.worker_id
+    if not wid:
+      raise ValueError("worker_id: expected one (call register() first or pass worker_id), got ''")
+    return wid
+
+  # ------------------------------------------------------------ workers
+
+  def register(self, name: str, metadata: dict[str, str] | None = None) -> str:
+    reply = self._call("RegisterWorker", pb.RegisterWorkerRequest(name=name, metadata=metadata or {}))
+    self.worker_id = reply.worker_id
+    self.heartbeat_interval_s = reply.heartbeat_interval_s
+    return reply.worker_id
+
+  def heartbeat(self, version: int = -1, tokens_per_s: float = 0.0, worker_id: str | None = None) -> int:
+    """Reports the version held and the generation speed; returns the latest version."""
+    return self._call("Heartbeat", pb.HeartbeatRequest(
+        worker_id=self._require_worker(worker_id), version=version, tokens_per_s=tokens_per_s)).latest_version
+
+  def stats(self) -> pb.Stats:
+    return self._call("GetStats", pb.GetStatsRequest())
+
+  # ------------------------------------------------------------ weights
+
+  def version_info(self) -> pb.VersionInfo:
+    return self._call("GetLatest", pb.GetLatestRequest())
+
+  def latest_version(self) -> int:
+    return self.version_info().latest_version
+
+  def publish(self, update_bytes) -> pb.PublishReply:
+    """Sends one `Update.to_bytes()` blob in chunks (trainer only)."""
+    view = memoryview(update_bytes).cast("B")
+    total = len(view)
+
+    def chunks():
+      for offset in range(0, max(total, 1), self.chunk_bytes):
+        yield pb.PublishChunk(total_bytes=total if offset == 0 else 0, offset=offset,
+                              data=bytes(view[offset:offset + self.chunk_bytes]))
+
+    timeout = self.timeout_s + total / (50 << 20)
+    return self._with_retry("Publish", lambda: self._stub.Publish(
+        chunks(), metadata=self._metadata, timeout=timeout))
+
+  def pull(self, have_version: int | None = None, *, progress: PullProgress | None = None,
+           on_chunk: Callable[[pb.PullChunk], None] | None = None) -> list[bytearray]:
+    """The update blobs (keyframe and/or deltas, in order) that bring `have_version` to the latest.
+
+    Pass a `PullProgress` to keep what arrived if this call fails, and pass it again
+    to resume from the last byte received. An empty list means `have_version` is the latest.
+    """
+    progress = progress or PullProgress(have_version=have_version)
+    delays = self.retry.delays()
+    while not progress.done:
+      progress.attempts += 1
+      request = progress.request()
+      try:
+        first = True
+        for chunk in self._stub.Pull(request, metadata=self._metadata):
+          if first and request.resume_offset and chunk.offset == request.resume_offset:
+            progress.resumed_bytes += chunk.offset
+          first = False
+          progress.add(chunk)
+          if on_chunk is not None:
+            on_chunk(chunk)
+        if progress.done:
+          break
+        error = "the stream ended before the last update was complete"
+      except grpc.RpcError as e:
+        if e.code() not in RETRYABLE:
+          raise ParamServerError("Pull", e.code(), e.details() or "") from None
+        error = e.details()
+      delay = next(delays, None)
+      if delay is None:
+        raise ParamServerError("Pull", grpc.StatusCode.UNAVAILABLE,
+                               f"still failing after {self.retry.deadline_s}s of retries: {error}")
+      time.sleep(delay)
+    return progress.updates
+
+  def pull_updates(self, have_version: int | None = None, **kwargs) -> list:
+    """Like `pull`, decoded to `rlax_ps.sync.Update`s."""
+    from rlax_ps import sync  # numpy-only codec; imported on use
+    return [sync.Update.from_bytes(bytes(b)) for b in self.pull(have_version, **kwargs)]
+
+  def watch(self, after_version: int = -1, timeout_s: float | None = None) -> Iterator[pb.VersionInfo]:
+    """Yields the version info each time a version above `after_version` is published."""
+    stream = self._stub.Watch(pb.WatchRequest(after_version=after_version), metadata=self._metadata,
+                              timeout=timeout_s)
+    try:
+      yield from stream
+    except grpc.RpcError as e:
+      if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+        raise ParamServerError("Watch", e.code(), e.details() or "") from None
+    finally:
+      stream.cancel()
+
+  # ------------------------------------------------------------ prompts
+
+  def enqueue_prompts(self, prompts: Iterable[pb.Prompt]) -> pb.EnqueuePromptsReply:
+    """Queues prompts (trainer); prompts with an id already queued or leased are skipped."""
+    return self._call("EnqueuePrompts", pb.EnqueuePromptsRequest(prompts=list(prompts)))
+
+  def lease(self, n: int, deadline_s: float, *, wait_s: float = 0.0, worker_id: str | None = None) -> Lease:
+    """Leases up to `n` prompts until `deadline_s` from now; an empty lease when none came within `wait_s`."""
+    reply = self._call("LeasePrompts", pb.LeasePromptsRequest(
+        worker_id=self._require_worker(worker_id), n=n, deadline_s=deadline_s, wait_s=wait_s),
+        timeout_s=self.timeout_s + wait_s)
+    return Lease.from_proto(reply)
+
+  def renew(self, lease: Lease | str, deadline_s: float, *, worker_id: str | None = None) -> Lease:
+    lease_id = lease if isinstance(lease, str) else lease.lease_id
+    return Lease.from_proto(self._call("RenewLease", pb.RenewLeaseRequest(
+        lease_id=lease_id, worker_id=self._require_worker(worker_id), deadline_s=deadline_s)))
+
+  def complete(self, lease: Lease | str, *, worker_id: str | None = None) -> int:
+    lease_id = lease if isinstance(lease, str) else lease.lease_id
+    return self._call("CompleteLease", pb.CompleteLeaseRequest(
+        lease_id=lease_id, worker_id=self._require_worker(worker_id))).prompts_answered
+
+  def release(self, lease: Lease | str, prompt_ids: Sequence[str] = (), *, worker_id: str | None = None) -> int:
+    lease_id = lease if isinstance(lease, str) else lease.lease_id
+    return self._call("ReleaseLease", pb.ReleaseLeaseRequest(
+        lease_id=lease_id, worker_id=self._require_worker(worker_id), prompt_ids=list(prompt_ids))).returned
+
+  # ------------------------------------------------------------ rollouts
+
+  def submit_rollouts(self, lease_id: str, group: pb.RolloutGroup, policy_version: int | None = None,
+                      worker_id: str | None = None) -> pb.SubmitRolloutsReply:
+    """Submits one leased prompt's rollout group; a retry of the same group is acknowledged once."""
+    if policy_version is not None:
+      g = pb.RolloutGroup()
+      g.CopyFrom(group)
+      g.policy_version = policy_version
+      group = g
+    return self._call("SubmitRollouts", pb.SubmitRolloutsRequest(
+        lease_id=lease_id, worker_id=self._require_worker(worker_id), group=group))
+
+  def take_rollouts(self, min_version: int = 0, max_n: int = 64, *, wait_s: float = 0.0,
+                    ack_deadline_s: float = 60.0) -> Take:
+    """Rollout groups made at `min_version` or later (older ones are dropped and their prompts re-queued)."""
+    reply = self._call("TakeRollouts", pb.TakeRolloutsRequest(
+        min_version=min_version, max_groups=max_n, wait_s=wait_s, ack_deadline_s=ack_deadline_s),
+        timeout_s=self.timeout_s + wait_s)
+    return Take(reply.take_id, list(reply.rollouts), reply.dropped_stale)
+
+  def ack(self, take: Take | str) -> int:
+    take_id = take if isinstance(take, str) else take.take_id
+    return self._call("AckRollouts", pb.AckRolloutsRequest(take_id=take_id)).acked

@@ -1,0 +1,40 @@
+"""Request failures raised by the stores and turned into gRPC statuses by the server.
+
+Each carries the gRPC code and the field it is about, so every rejection reads
+`<field>: <what was expected>, got <what was received>`.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RequestError(Exception):
+  """A rejected request; raised before any state changes."""
+
+  code = grpc.StatusCode.INVALID_ARGUMENT
+
+  def __init__(self, field: str, message: str):
+    super().__init__(f"{field}: {message}")
+    self.field = field
+    self.message = message
+
+
+class InvalidArgument(RequestError):
+  code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(RequestError):
+  code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFound(RequestError):
+  code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(RequestError):
+  code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class PermissionDenied(RequestError):
+  code = grpc.StatusCode.PERMISSION_DENIED

@@ -1,0 +1,10 @@
+"""Generated protobuf and gRPC code for `param_server.proto` (package rlax_ps.v1).
+
+The generated modules are committed. Regenerate after editing the .proto, from
+the repo root (`make protos`):
+
+  .venv/bin/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. \
+    --grpc_python_out=. param_server/protos/param_server.proto
+
+`tests/param_server/test_proto_codegen.py` fails when the committed code is stale.
+"""

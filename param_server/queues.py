@@ -1,0 +1,514 @@
+"""The prompt queue, prompt leases and the rollout queue, as one logged state machine.
+
+Every change is validated first, written to the write-ahead log as one
+`WalRecord`, then applied by `_apply`, the same function recovery replays, so
+the state after a restart is exactly the acknowledged state. Invariant: every
+prompt is in exactly one place: the queue, an open lease, or (answered) a
+rollout group waiting for the trainer; a lease that expires or is released puts
+its unanswered prompts back at the front of the queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import math
+import threading
+import time
+import uuid
+from typing import Callable
+
+from param_server import errors
+from param_server.protos import param_server_pb2 as pb
+from param_server.wal import WriteAheadLog
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueLimits:
+  """Bounds on requests; anything outside them is rejected, naming the field."""
+  max_prompts_per_enqueue: int = 10_000
+  max_lease_prompts: int = 1024
+  max_lease_deadline_s: float = 3600.0
+  max_wait_s: float = 60.0
+  max_take_groups: int = 4096
+  max_samples_per_group: int = 4096
+  # Closed or expired leases remembered to acknowledge retried submissions.
+  closed_lease_history: int = 100_000
+  acked_take_history: int = 10_000
+  # Rewrite the log as one snapshot after this many records.
+  wal_compact_records: int = 20_000
+
+
+@dataclasses.dataclass
+class LeaseState:
+  lease_id: str
+  worker_id: str
+  prompt_ids: list[str]
+  deadline: float
+  answered: dict[str, int] = dataclasses.field(default_factory=dict)
+  fingerprints: dict[str, bytes] = dataclasses.field(default_factory=dict)
+  released: set[str] = dataclasses.field(default_factory=set)
+  expired: bool = False
+
+  @property
+  def open_ids(self) -> list[str]:
+    return [p for p in self.prompt_ids if p not in self.answered and p not in self.released]
+
+  @property
+  def closed(self) -> bool:
+    return self.expired or not self.open_ids
+
+
+@dataclasses.dataclass
+class RolloutEntry:
+  rollout_id: int
+  prompt: pb.Prompt
+  group: pb.RolloutGroup
+  worker_id: str
+
+
+def group_fingerprint(group: pb.RolloutGroup) -> bytes:
+  return hashlib.sha256(group.SerializeToString(deterministic=True)).digest()
+
+
+def _validate_prompt(prompt: pb.Prompt, where: str) -> None:
+  if not prompt.text and not prompt.token_ids:
+    raise errors.InvalidArgument(f"{where}", "a prompt needs text or token_ids, got neither")
+  for i, t in enumerate(prompt.token_ids):
+    if t < 0:
+      raise errors.InvalidArgument(f"{where}.token_ids[{i}]", f"expected >= 0, got {t}")
+  if len(prompt.id) > 512:
+    raise errors.InvalidArgument(f"{where}.id", f"expected at most 512 characters, got {len(prompt.id)}")
+
+
+def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: int) -> None:
+  """Checks a submitted rollout group's fields; raises InvalidArgument naming the field."""
+  if not group.prompt_id:
+    raise errors.InvalidArgument("group.prompt_id", "expected a prompt id, got ''")
+  if not group.samples:
+    raise errors.InvalidArgument("group.samples", "expected at least one sample, got 0")
+  if len(group.samples) > max_samples:
+    raise errors.InvalidArgument("group.samples", f"expected at most {max_samples}, got {len(group.samples)}")
+  top = max(latest_version, 0)
+  if not 0 <= group.policy_version <= top:
+    raise errors.InvalidArgument(
+        "group.policy_version", f"expected a published version in [0, {top}], got {group.policy_version}")
+  for i, s in enumerate(group.samples):
+    where = f"group.samples[{i}]"
+    if not math.isfinite(s.reward):
+      raise errors.InvalidArgument(f"{where}.reward", f"expected a finite number, got {s.reward}")
+    if s.logprobs and s.logprobs_f32:
+      raise errors.InvalidArgument(f"{where}.logprobs", "expected logprobs or logprobs_f32, got both")
+    n_lp = len(s.logprobs) if s.logprobs else len(s.logprobs_f32) / 4
+    if (s.logprobs or s.logprobs_f32) and n_lp != len(s.token_ids):
+      raise errors.InvalidArgument(
+          f"{where}.logprobs", f"expected one per token ({len(s.token_ids)}), got {n_lp:g}")
+    for j, t in enumerate(s.token_ids):
+      if t < 0:
+        raise errors.InvalidArgument(f"{where}.token_ids[{j}]", f"expected >= 0, got {t}")
+
+
+class PromptRolloutQueues:
+  """Prompt queue + leases + rollout queue; thread-safe, durable through a WriteAheadLog."""
+
+  def __init__(self, wal: WriteAheadLog, *, limits: QueueLimits = QueueLimits(),
+               clock: Callable[[], float] = time.time,
+               latest_version: Callable[[], int] = lambda: -1):
+    self.limits = limits
+    self._wal = wal
+    self._clock = clock
+    self._latest_version = latest_version
+    self._lock = threading.RLock()
+    self._cond = threading.Condition(self._lock)
+    self.prompts: dict[str, pb.Prompt] = {}  # queued or leased
+    self.queue: collections.OrderedDict[str, None] = collections.OrderedDict()
+    self.leases: dict[str, LeaseState] = {}  # open ones
+    self.closed_leases: collections.OrderedDict[str, LeaseState] = collections.OrderedDict()
+    self.ready: collections.OrderedDict[int, RolloutEntry] = collections.OrderedDict()
+    self.in_flight: dict[int, RolloutEntry] = {}
+    self.takes: dict[str, tuple[list[int], float]] = {}
+    self.acked_takes: collections.OrderedDict[str, int] = collections.OrderedDict()
+    self.next_rollout_id = 1
+    self.counters = collections.Counter()
+    for record in wal.recovered:
+      self._apply(record)
+    wal.recovered = []
+
+  # ------------------------------------------------------------ logging core
+
+  def _commit(self, record: pb.WalRecord) -> None:
+    """Logs then applies one record; called with the lock held."""
+    self._wal.append(record)
+    self._apply(record)
+    if self._wal.records_since_rewrite >= self.limits.wal_compact_records:
+      self._wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
+    self._cond.notify_all()
+
+  def _apply(self, record: pb.WalRecord) -> None:
+    op = record.WhichOneof("op")
+    if op == "snapshot":
+      self._load_snapshot(record.snapshot)
+    elif op == "enqueue":
+      for p in record.enqueue.prompts:
+        self.prompts[p.id] = p
+        self.queue[p.id] = None
+    elif op == "lease":
+      r = record.lease
+      for pid in r.prompt_ids:
+        del self.queue[pid]
+      self.leases[r.lease_id] = LeaseState(r.lease_id, r.worker_id, list(r.prompt_ids), r.deadline_unix_s)
+    elif op == "renew":
+      self.leases[record.renew.lease_id].deadline = record.renew.deadline_unix_s
+    elif op == "returned":
+      r = record.returned
+      lease = self.leases[r.lease_id]
+      for pid in reversed(r.prompt_ids):
+        self.queue[pid] = None
+        self.queue.move_to_end(pid, last=False)
+      if r.expired:
+        lease.expired = True
+        self.counters["leases_expired"] += 1
+      else:
+        lease.released.update(r.prompt_ids)
+      self._close_if_done(lease)
+    elif op == "submit":
+      r = record.submit
+      lease = self.leases[r.lease_id]
+      pid = r.group.prompt_id
+      lease.answered[pid] = r.rollout_id
+      lease.fingerprints[pid] = r.fingerprint
+      self.ready[r.rollout_id] = RolloutEntry(r.rollout_id, self.prompts.pop(pid), r.group, r.worker_id)
+      self.next_rollout_id = max(self.next_rollout_id, r.rollout_id + 1)
+      self.counters["rollouts_accepted"] += 1
+      self._close_if_done(lease)
+    elif op == "take":
+      r = record.take
+      for rid in r.rollout_ids:
+        self.in_flight[rid] = self.ready.pop(rid)
+      self.takes[r.take_id] = (list(r.rollout_ids), r.deadline_unix_s)
+    elif op == "ack":
+      ids, _ = self.takes.pop(record.ack.take_id)
+      for rid in ids:
+        del self.in_flight[rid]
+      self.acked_takes[record.ack.take_id] = len(ids)
+      while len(self.acked_takes) > self.limits.acked_take_history:
+        self.acked_takes.popitem(last=False)
+    elif op == "requeue_take":
+      ids, _ = self.takes.pop(record.requeue_take.take_id)
+      for rid in ids:
+        self.ready[rid] = self.in_flight.pop(rid)
+      self.ready = collections.OrderedDict(sorted(self.ready.items()))
+      self.counters["takes_requeued"] += 1
+    elif op == "drop_stale":
+      for rid in reversed(record.drop_stale.rollout_ids):
+        entry = self.ready.pop(rid)
+        self.prompts[entry.prompt.id] = entry.prompt
+        self.queue[entry.prompt.id] = None
+        self.queue.move_to_end(entry.prompt.id, last=False)
+      self.counters["rollouts_stale_dropped"] += len(record.drop_stale.rollout_ids)
+    else:
+      raise ValueError(f"write-ahead log record: unknown op {op!r}")
+
+  def _close_if_done(self, lease: LeaseState) -> None:
+    if lease.closed and lease.lease_id in self.leases:
+      del self.leases[lease.lease_id]
+      self.closed_leases[lease.lease_id] = lease
+      while len(self.closed_leases) > self.limits.closed_lease_history:
+        self.closed_leases.popitem(last=False)
+
+  def _snapshot(self) -> pb.WalSnapshot:
+    snap = pb.WalSnapshot(
+        queued=[self.prompts[p] for p in self.queue],
+        next_rollout_id=self.next_rollout_id,
+        rollouts_accepted=self.counters["rollouts_accepted"],
+        rollouts_duplicate=self.counters["rollouts_duplicate"],
+        rollouts_stale_dropped=self.counters["rollouts_stale_dropped"],
+        leases_expired=self.counters["leases_expired"],
+        acked_takes=list(self.acked_takes))
+    for lease in list(self.closed_leases.values()) + list(self.leases.values()):
+      snap.leases.append(pb.WalLeaseState(
+          lease_id=lease.lease_id, worker_id=lease.worker_id, prompt_ids=lease.prompt_ids,
+          deadline_unix_s=lease.deadline, answered=lease.answered, fingerprints=lease.fingerprints,
+          released=sorted(lease.released), expired=lease.expired,
+          open_prompts=[self.prompts[p] for p in lease.open_ids] if not lease.closed else []))
+    for entry in sorted(list(self.ready.values()) + list(self.in_flight.values()),
+                        key=lambda e: e.rollout_id):
+      snap.rollouts.append(pb.WalRollout(rollout_id=entry.rollout_id, prompt=entry.prompt,
+                                         group=entry.group, worker_id=entry.worker_id))
+    for take_id, (ids, deadline) in self.takes.items():
+      snap.takes.append(pb.WalTake(take_id=take_id, rollout_ids=ids, deadline_unix_s=deadline))
+    return snap
+
+  def _load_snapshot(self, snap: pb.WalSnapshot) -> None:
+    self.prompts, self.queue = {}, collections.OrderedDict()
+    self.leases, self.closed_leases = {}, collections.OrderedDict()
+    self.ready, self.in_flight, self.takes = collections.OrderedDict(), {}, {}
+    for p in snap.queued:
+      self.prompts[p.id] = p
+      self.queue[p.id] = None
+    for s in snap.leases:
+      lease = LeaseState(s.lease_id, s.worker_id, list(s.prompt_ids), s.deadline_unix_s,
+                         dict(s.answered), dict(s.fingerprints), set(s.released), s.expired)
+      if lease.closed:
+        self.closed_leases[lease.lease_id] = lease
+      else:
+        self.leases[lease.lease_id] = lease
+        for p in s.open_prompts:
+          self.prompts[p.id] = p
+    for r in snap.rollouts:
+      self.ready[r.rollout_id] = RolloutEntry(r.rollout_id, r.prompt, r.group, r.worker_id)
+    for t in snap.takes:
+      for rid in t.rollout_ids:
+        self.in_flight[rid] = self.ready.pop(rid)
+      self.takes[t.take_id] = (list(t.rollout_ids), t.deadline_unix_s)
+    self.acked_takes = collections.OrderedDict((t, 0) for t in snap.acked_takes)
+    self.next_rollout_id = snap.next_rollout_id
+    self.counters = collections.Counter(
+        rollouts_accepted=snap.rollouts_accepted, rollouts_duplicate=snap.rollouts_duplicate,
+        rollouts_stale_dropped=snap.rollouts_stale_dropped, leases_expired=snap.leases_expired)
+
+  # ------------------------------------------------------------ time-driven changes
+
+  def expire_due(self) -> int:
+    """Returns the prompts of expired leases and the rollouts of unacked takes; returns how many changes."""
+    changes = 0
+    with self._lock:
+      now = self._clock()
+      for lease in [l for l in self.leases.values() if l.deadline <= now]:
+        self._commit(pb.WalRecord(returned=pb.WalReturn(
+            lease_id=lease.lease_id, prompt_ids=lease.open_ids, expired=True)))
+        changes += 1
+      for take_id in [t for t, (_, d) in self.takes.items() if d <= now]:
+        self._commit(pb.WalRecord(requeue_take=pb.WalRequeueTake(take_id=take_id)))
+        changes += 1
+    return changes
+
+  def _wait(self, ready: Callable[[], bool], wait_s: float) -> None:
+    end = time.monotonic() + wait_s
+    while not ready():
+      left = end - time.monotonic()
+      if left <= 0:
+        return
+      self._cond.wait(min(left, 0.25))
+      self.expire_due()
+
+  # ------------------------------------------------------------ prompts
+
+  def enqueue(self, prompts: list[pb.Prompt]) -> pb.EnqueuePromptsReply:
+    if len(prompts) > self.limits.max_prompts_per_enqueue:
+      raise errors.InvalidArgument(
+          "prompts", f"expected at most {self.limits.max_prompts_per_enqueue} per call, got {len(prompts)}")
+    seen, fresh, ids = set(), [], []
+    for i, p in enumerate(prompts):
+      _validate_prompt(p, f"prompts[{i}]")
+      if p.id and p.id in seen:
+        raise errors.InvalidArgument(f"prompts[{i}].id", f"expected unique ids in one call, got {p.id!r} twice")
+      seen.add(p.id)
+    with self._lock:
+      duplicates = 0
+      for p in prompts:
+        if p.id and p.id in self.prompts:
+          duplicates += 1
+          ids.append(p.id)
+          continue
+        q = pb.Prompt()
+        q.CopyFrom(p)
+        if not q.id:
+          q.id = uuid.uuid4().hex
+        fresh.append(q)
+        ids.append(q.id)
+      if fresh:
+        self._commit(pb.WalRecord(enqueue=pb.WalEnqueue(prompts=fresh)))
+      return pb.EnqueuePromptsReply(ids=ids, duplicates=duplicates, queue_depth=len(self.queue))
+
+  def _check_deadline(self, deadline_s: float) -> None:
+    if not (0 < deadline_s <= self.limits.max_lease_deadline_s):
+      raise errors.InvalidArgument(
+          "deadline_s", f"expected in (0, {self.limits.max_lease_deadline_s}], got {deadline_s}")
+
+  def _check_wait(self, wait_s: float) -> None:
+    if not (0 <= wait_s <= self.limits.max_wait_s):
+      raise errors.InvalidArgument("wait_s", f"expected in [0, {self.limits.max_wait_s}], got {wait_s}")
+
+  def lease(self, worker_id: str, n: int, deadline_s: float, wait_s: float = 0.0) -> pb.Lease:
+    if not worker_id:
+      raise errors.InvalidArgument("worker_id", "expected a worker id, got ''")
+    if not 1 <= n <= self.limits.max_lease_prompts:
+      raise errors.InvalidArgument("n", f"expected in [1, {self.limits.max_lease_prompts}], got {n}")
+    self._check_deadline(deadline_s)
+    self._check_wait(wait_s)
+    with self._lock:
+      self.expire_due()
+      self._wait(lambda: bool(self.queue), wait_s)
+      if not self.queue:
+        return pb.Lease(worker_id=worker_id)
+      ids = list(self.queue)[:n]
+      lease_id = uuid.uuid4().hex
+      deadline = self._clock() + deadline_s
+      self._commit(pb.WalRecord(lease=pb.WalLease(
+          lease_id=lease_id, worker_id=worker_id, prompt_ids=ids, deadline_unix_s=deadline)))
+      return pb.Lease(lease_id=lease_id, worker_id=worker_id, deadline_unix_s=deadline,
+                      prompts=[self.prompts[p] for p in ids])
+
+  def _lease_of(self, lease_id: str, worker_id: str, *, allow_closed: bool = False) -> LeaseState:
+    if not lease_id:
+      raise errors.InvalidArgument("lease_id", "expected a lease id, got ''")
+    lease = self.leases.get(lease_id) or self.closed_leases.get(lease_id)
+    if lease is None:
+      raise errors.NotFound("lease_id", f"no lease {lease_id!r}")
+    if lease.worker_id != worker_id:
+      raise errors.FailedPrecondition(
+          "worker_id", f"lease {lease_id!r} belongs to worker {lease.worker_id!r}, got {worker_id!r}")
+    if lease.expired and not allow_closed:
+      raise errors.FailedPrecondition("lease_id", f"lease {lease_id!r} expired; its prompts went back to the queue")
+    return lease
+
+  def renew(self, lease_id: str, worker_id: str, deadline_s: float) -> pb.Lease:
+    self._check_deadline(deadline_s)
+    with self._lock:
+      self.expire_due()
+      lease = self._lease_of(lease_id, worker_id)
+      if lease.closed:
+        raise errors.FailedPrecondition("lease_id", f"lease {lease_id!r} is closed: no prompt left open")
+      deadline = self._clock() + deadline_s
+      self._commit(pb.WalRecord(renew=pb.WalRenew(lease_id=lease_id, deadline_unix_s=deadline)))
+      return pb.Lease(lease_id=lease_id, worker_id=worker_id, deadline_unix_s=deadline,
+                      prompts=[self.prompts[p] for p in lease.open_ids])
+
+  def release(self, lease_id: str, worker_id: str, prompt_ids: list[str]) -> int:
+    """Returns the listed (default: all open) prompts to the queue; repeating it is harmless."""
+    with self._lock:
+      self.expire_due()
+      lease = self._lease_of(lease_id, worker_id, allow_closed=True)
+      if lease.expired:
+        return 0
+      wanted = list(prompt_ids) or lease.open_ids
+      for i, pid in enumerate(wanted):
+        if pid not in lease.prompt_ids:
+          raise errors.InvalidArgument(f"prompt_ids[{i}]", f"prompt {pid!r} is not in lease {lease_id!r}")
+        if pid in lease.answered:
+          raise errors.FailedPrecondition(
+              f"prompt_ids[{i}]", f"prompt {pid!r} already has an accepted rollout group")
+      todo = [p for p in dict.fromkeys(wanted) if p not in lease.released]
+      if todo:
+        self._commit(pb.WalRecord(returned=pb.WalReturn(lease_id=lease_id, prompt_ids=todo)))
+      return len(todo)
+
+  def complete(self, lease_id: str, worker_id: str) -> int:
+    """Checks that every prompt of a lease was answered or released; returns how many were answered."""
+    with self._lock:
+      self.expire_due()
+      lease = self._lease_of(lease_id, worker_id)
+      if lease.open_ids:
+        raise errors.FailedPrecondition(
+            "lease_id", f"{len(lease.open_ids)} prompts of lease {lease_id!r} have no accepted rollout "
+            f"group ({', '.join(lease.open_ids[:5])}); submit or release them first")
+      return len(lease.answered)
+
+  # ------------------------------------------------------------ rollouts
+
+  def submit(self, lease_id: str, worker_id: str, group: pb.RolloutGroup) -> pb.SubmitRolloutsReply:
+    """Accepts one prompt's rollout group once per lease; an identical retry is acknowledged again."""
+    validate_group(group, latest_version=self._latest_version(),
+                   max_samples=self.limits.max_samples_per_group)
+    fingerprint = group_fingerprint(group)
+    with self._lock:
+      self.expire_due()
+      lease = self._lease_of(lease_id, worker_id, allow_closed=True)
+      pid = group.prompt_id
+      if pid in lease.answered:
+        if lease.fingerprints[pid] != fingerprint:
+          raise errors.FailedPrecondition(
+              "group", f"prompt {pid!r} of lease {lease_id!r} was already answered by a different group "
+              f"(rollout {lease.answered[pid]})")
+        self.counters["rollouts_duplicate"] += 1
+        return pb.SubmitRolloutsReply(rollout_id=lease.answered[pid], duplicate=True, lease_closed=lease.closed)
+      if lease.expired:
+        raise errors.FailedPrecondition("lease_id", f"lease {lease_id!r} expired; its prompts went back to the queue")
+      if pid not in lease.prompt_ids:
+        raise errors.InvalidArgument("group.prompt_id", f"prompt {pid!r} is not in lease {lease_id!r}")
+      if pid in lease.released:
+        raise errors.FailedPrecondition("group.prompt_id", f"prompt {pid!r} was released from lease {lease_id!r}")
+      rollout_id = self.next_rollout_id
+      self._commit(pb.WalRecord(submit=pb.WalSubmit(
+          lease_id=lease_id, rollout_id=rollout_id, group=group, fingerprint=fingerprint,
+          worker_id=worker_id)))
+      return pb.SubmitRolloutsReply(rollout_id=rollout_id, lease_closed=lease.closed)
+
+  def take(self, min_version: int, max_groups: int, wait_s: float, ack_deadline_s: float,
+           max_bytes: int = 8 << 20) -> pb.TakeRolloutsReply:
+    """Hands out up to `max_groups` groups (and about `max_bytes`) made at `min_version` or later."""
+    if not 1 <= max_groups <= self.limits.max_take_groups:
+      raise errors.InvalidArgument("max_groups", f"expected in [1, {self.limits.max_take_groups}], got {max_groups}")
+    if min_version < 0:
+      raise errors.InvalidArgument("min_version", f"expected >= 0, got {min_version}")
+    if not (0 < ack_deadline_s <= self.limits.max_lease_deadline_s):
+      raise errors.InvalidArgument(
+          "ack_deadline_s", f"expected in (0, {self.limits.max_lease_deadline_s}], got {ack_deadline_s}")
+    self._check_wait(wait_s)
+    with self._lock:
+      self.expire_due()
+      dropped = 0
+
+      def drop_stale() -> bool:
+        nonlocal dropped
+        stale = [rid for rid, e in self.ready.items() if e.group.policy_version < min_version]
+        if stale:
+          self._commit(pb.WalRecord(drop_stale=pb.WalDropStale(rollout_ids=stale)))
+          dropped += len(stale)
+        return bool(self.ready)
+
+      self._wait(drop_stale, wait_s)
+      ids, size = [], 0
+      for rid, entry in self.ready.items():
+        size += entry.group.ByteSize() + entry.prompt.ByteSize()
+        if len(ids) == max_groups or (ids and size > max_bytes):
+          break
+        ids.append(rid)
+      if not ids:
+        return pb.TakeRolloutsReply(dropped_stale=dropped)
+      take_id = uuid.uuid4().hex
+      self._commit(pb.WalRecord(take=pb.WalTake(
+          take_id=take_id, rollout_ids=ids, deadline_unix_s=self._clock() + ack_deadline_s)))
+      taken = [self.in_flight[r] for r in ids]
+      return pb.TakeRolloutsReply(take_id=take_id, dropped_stale=dropped, rollouts=[
+          pb.TakenRollout(rollout_id=e.rollout_id, prompt=e.prompt, group=e.group, worker_id=e.worker_id)
+          for e in taken])
+
+  def ack(self, take_id: str) -> int:
+    if not take_id:
+      raise errors.InvalidArgument("take_id", "expected a take id, got ''")
+    with self._lock:
+      if take_id in self.acked_takes:
+        return self.acked_takes[take_id]
+      self.expire_due()
+      if take_id not in self.takes:
+        raise errors.NotFound("take_id", f"no unacknowledged take {take_id!r} (unknown, or its ack deadline "
+                              "passed and its rollouts were queued again)")
+      n = len(self.takes[take_id][0])
+      self._commit(pb.WalRecord(ack=pb.WalAck(take_id=take_id)))
+      return n
+
+  # ------------------------------------------------------------ introspection
+
+  def leases_by_worker(self) -> collections.Counter:
+    with self._lock:
+      return collections.Counter(l.worker_id for l in self.leases.values())
+
+  def depths(self) -> dict[str, int]:
+    with self._lock:
+      return dict(
+          prompts_queued=len(self.queue),
+          prompts_leased=sum(len(l.open_ids) for l in self.leases.values()),
+          leases_active=len(self.leases),
+          rollouts_ready=len(self.ready),
+          rollouts_in_flight=len(self.in_flight),
+          rollouts_accepted=self.counters["rollouts_accepted"],
+          rollouts_duplicate=self.counters["rollouts_duplicate"],
+          rollouts_stale_dropped=self.counters["rollouts_stale_dropped"],
+          leases_expired=self.counters["leases_expired"])
+
+  def close(self) -> None:
+    with self._lock:
+      self._wal.close()

@@ -1,0 +1,54 @@
+"""`rlax-ps serve`: run the parameter server until interrupted.
+
+  rlax-ps serve --port=50051 --storage_dir=runs/ps [--config=param_server/serve_config.py]
+
+Settings come from `ServerConfig` defaults, then the `--config` file (its
+`param_server` section, or its top level), then any flag given explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+
+from absl import flags, logging
+from ml_collections import config_flags
+
+from param_server.server import ParamServer, ServerConfig
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "optional ml_collections file with server settings")
+
+_DEFINE = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float,
+           bool: flags.DEFINE_bool}
+for _f in dataclasses.fields(ServerConfig):
+  _DEFINE[type(_f.default)](_f.name, None, f"{_f.metadata['help']} (default {_f.default!r})")
+
+
+def config_from_flags() -> ServerConfig:
+  """Defaults, overridden by the config file, overridden by explicit flags."""
+  values = {}
+  if _CONFIG.value is not None:
+    section = _CONFIG.value.get("param_server", _CONFIG.value)
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    unknown = sorted(set(section.keys()) - names)
+    if unknown:
+      raise ValueError(f"--config: unknown server settings {unknown}; expected some of {sorted(names)}")
+    values.update(dict(section))
+  for f in dataclasses.fields(ServerConfig):
+    if flags.FLAGS[f.name].value is not None:
+      values[f.name] = flags.FLAGS[f.name].value
+  return ServerConfig(**values)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments {argv[1:]}")
+  server = ParamServer(config_from_flags()).start()
+  print(f"parameter server listening on {server.address}", flush=True)
+  done = threading.Event()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: done.set())
+  done.wait()
+  logging.info("shutting down")
+  server.stop(grace=2.0)

@@ -1,0 +1,391 @@
+"""The gRPC parameter server: weights, prompt leases and rollouts behind one authenticated service.
+
+`ParamServer(config).start()` serves on `config.host:config.port` (port 0 picks
+a free one) with token auth, optional TLS, health checking and reflection.
+Every handler validates its request; a rejection is logged, answered with a
+status naming the field, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import threading
+import time
+import uuid
+from concurrent import futures
+
+import grpc
+from absl import logging
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from param_server import auth, errors
+from param_server.protos import param_server_pb2 as pb
+from param_server.protos import param_server_pb2_grpc as pb_grpc
+from param_server.queues import PromptRolloutQueues, QueueLimits
+from param_server.wal import WriteAheadLog
+from param_server.weights import WeightLimits, WeightStore
+
+SERVICE_NAME = "rlax_ps.v1.ParamServer"
+# Room for the fields around a chunk's bytes in one message.
+MESSAGE_OVERHEAD = 64 << 10
+
+
+def _field(default, help_text: str):
+  return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclasses.dataclass
+class ServerConfig:
+  """Everything `rlax-ps serve` can set; each field is also a flag of the same name."""
+  storage_dir: str = _field("runs/param_server", "folder for weights, the write-ahead log and tokens")
+  host: str = _field("127.0.0.1", "interface to listen on (0.0.0.0 for all)")
+  port: int = _field(0, "port to listen on; 0 picks a free one")
+  chunk_bytes: int = _field(4 << 20, "bytes per Pull chunk and per stored array chunk")
+  max_chunk_bytes: int = _field(4 << 20, "largest Publish chunk accepted")
+  max_message_bytes: int = _field(16 << 20, "gRPC message size limit for all other messages")
+  max_publish_bytes: int = _field(64 << 30, "largest publication (one Update) accepted")
+  delta_history: int = _field(4, "deltas kept before the newest keyframe, for workers that lag")
+  verify_keyframes: bool = _field(True, "decode each published keyframe to check its checksums")
+  compact_in_background: bool = _field(True, "compact the delta chain in a background thread")
+  heartbeat_interval_s: float = _field(10.0, "heartbeat period asked of workers; 3 missed = not alive")
+  reap_interval_s: float = _field(0.25, "how often expired leases and unacked takes are returned")
+  threads: int = _field(128, "handler threads (each long poll or Watch stream holds one)")
+  wal_fsync: bool = _field(True, "fsync the write-ahead log before acknowledging a change")
+  tls_cert: str = _field("", "PEM server certificate; with tls_key, serve TLS")
+  tls_key: str = _field("", "PEM server private key")
+  trainer_token: str = _field("", "trainer bearer token; else $RLAX_PS_TRAINER_TOKEN, else generated")
+  worker_token: str = _field("", "worker bearer token; else $RLAX_PS_WORKER_TOKEN, else generated")
+  viewer_token: str = _field("", "viewer bearer token; else $RLAX_PS_VIEWER_TOKEN, else generated")
+  max_lease_prompts: int = _field(1024, "most prompts in one lease")
+  max_lease_deadline_s: float = _field(3600.0, "longest lease or ack deadline")
+  max_wait_s: float = _field(60.0, "longest long-poll wait for LeasePrompts and TakeRollouts")
+
+
+def _finite(field: str, value: float, lo: float = 0.0) -> None:
+  if not math.isfinite(value) or value < lo:
+    raise errors.InvalidArgument(field, f"expected a finite number >= {lo}, got {value}")
+
+
+class _Rejections:
+  """Turns RequestErrors into logged gRPC statuses; counts them for stats."""
+
+  def __init__(self):
+    self.count = 0
+    self._lock = threading.Lock()
+
+  def bump(self) -> None:
+    with self._lock:
+      self.count += 1
+
+  def abort(self, context, method: str, err: errors.RequestError):
+    self.bump()
+    logging.warning("%s rejected (%s): %s", method, err.code.name, err)
+    context.abort(err.code, str(err))
+
+
+def _unary(method):
+  @functools.wraps(method)
+  def wrapper(self, request, context):
+    try:
+      return method(self, request, context)
+    except errors.RequestError as e:
+      self._rejections.abort(context, method.__name__, e)
+  return wrapper
+
+
+def _streaming(method):
+  @functools.wraps(method)
+  def wrapper(self, request, context):
+    try:
+      yield from method(self, request, context)
+    except errors.RequestError as e:
+      self._rejections.abort(context, method.__name__, e)
+  return wrapper
+
+
+@dataclasses.dataclass
+class _Worker:
+  worker_id: str
+  name: str
+  metadata: dict
+  version: int = -1
+  tokens_per_s: float = 0.0
+  last_seen: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class ParamServerServicer(pb_grpc.ParamServerServicer):
+  """The RPC handlers; state lives in a WeightStore and a PromptRolloutQueues."""
+
+  def __init__(self, config: ServerConfig, weights: WeightStore, queues: PromptRolloutQueues):
+    self.config = config
+    self.weights = weights
+    self.queues = queues
+    self._rejections = _Rejections()
+    self._workers: dict[str, _Worker] = {}
+    self._lock = threading.Lock()
+    self.bytes_served = 0
+    self.pulls_served = 0
+    self.started = time.monotonic()
+    self.stopping = threading.Event()
+
+  # ------------------------------------------------------------ weights
+
+  def _version_info(self) -> pb.VersionInfo:
+    return pb.VersionInfo(**self.weights.info())
+
+  @_unary
+  def Publish(self, request_iterator, context):
+    writer = None
+    try:
+      for i, chunk in enumerate(request_iterator):
+        if writer is None:
+          writer = self.weights.begin_publish(chunk.total_bytes)
+        elif chunk.total_bytes not in (0, writer.total):
+          raise errors.InvalidArgument(
+              f"chunks[{i}].total_bytes", f"expected 0 or {writer.total} after the first chunk, got {chunk.total_bytes}")
+        writer.write(chunk.offset, chunk.data)
+      if writer is None:
+        raise errors.InvalidArgument("chunks", "expected at least one chunk, got none")
+      if not context.is_active():
+        writer.abort()
+        return pb.PublishReply()
+      blob, duplicate = self.weights.commit(writer)
+      writer = None
+      logging.info("published v%d (%s, %d bytes)%s", blob.version,
+                   "keyframe" if blob.is_keyframe else f"delta on v{blob.base_version}", blob.nbytes,
+                   " again (duplicate)" if duplicate else "")
+      return pb.PublishReply(info=self._version_info(), duplicate=duplicate)
+    finally:
+      if writer is not None:
+        writer.abort()
+
+  @_unary
+  def GetLatest(self, request, context):
+    return self._version_info()
+
+  @_streaming
+  def Pull(self, request, context):
+    have = request.have_version if request.HasField("have_version") else None
+    if have is not None and have < -1:
+      raise errors.InvalidArgument("have_version", f"expected >= -1 or absent, got {have}")
+    if request.resume_offset < 0:
+      raise errors.InvalidArgument("resume_offset", f"expected >= 0, got {request.resume_offset}")
+    plan = self.weights.plan(None if have == -1 else have)
+    released = threading.Event()
+
+    def release():
+      if not released.is_set():
+        released.set()
+        self.weights.release(plan)
+
+    context.add_callback(release)
+    try:
+      with self._lock:
+        self.pulls_served += 1
+      if not plan:
+        yield pb.PullChunk(update_count=0, version=self.weights.latest)
+        return
+      start = 0
+      first = plan[0]
+      first_base = -1 if first.base_version is None else first.base_version
+      if (request.resume_offset and request.resume_version == first.version
+          and request.resume_base_version == first_base and request.resume_offset < first.nbytes):
+        start = request.resume_offset
+      step = self.config.chunk_bytes
+      for index, blob in enumerate(plan):
+        array = self.weights.open_array(blob)
+        base = -1 if blob.base_version is None else blob.base_version
+        offset = start if index == 0 else 0
+        while offset < blob.nbytes:
+          if not context.is_active() or self.stopping.is_set():
+            return
+          end = min(offset + step, blob.nbytes)
+          data = self.weights.read_range(array, offset, end)
+          yield pb.PullChunk(update_index=index, update_count=len(plan), version=blob.version,
+                             base_version=base, update_bytes=blob.nbytes, offset=offset, data=data)
+          with self._lock:
+            self.bytes_served += len(data)
+          offset = end
+    finally:
+      release()
+
+  @_streaming
+  def Watch(self, request, context):
+    last = request.after_version
+    changed = self.weights.changed
+    while context.is_active() and not self.stopping.is_set():
+      with changed:
+        if self.weights.latest <= last:
+          changed.wait(timeout=0.5)
+        latest = self.weights.latest
+      if latest > last:
+        last = latest
+        yield self._version_info()
+
+  # ------------------------------------------------------------ prompts
+
+  @_unary
+  def EnqueuePrompts(self, request, context):
+    return self.queues.enqueue(list(request.prompts))
+
+  @_unary
+  def LeasePrompts(self, request, context):
+    _finite("deadline_s", request.deadline_s)
+    _finite("wait_s", request.wait_s)
+    return self.queues.lease(request.worker_id, request.n, request.deadline_s, request.wait_s)
+
+  @_unary
+  def RenewLease(self, request, context):
+    _finite("deadline_s", request.deadline_s)
+    return self.queues.renew(request.lease_id, request.worker_id, request.deadline_s)
+
+  @_unary
+  def CompleteLease(self, request, context):
+    return pb.CompleteLeaseReply(prompts_answered=self.queues.complete(request.lease_id, request.worker_id))
+
+  @_unary
+  def ReleaseLease(self, request, context):
+    return pb.ReleaseLeaseReply(
+        returned=self.queues.release(request.lease_id, request.worker_id, list(request.prompt_ids)))
+
+  # ------------------------------------------------------------ rollouts
+
+  @_unary
+  def SubmitRollouts(self, request, context):
+    if not request.HasField("group"):
+      raise errors.InvalidArgument("group", "expected a rollout group, got none")
+    return self.queues.submit(request.lease_id, request.worker_id, request.group)
+
+  @_unary
+  def TakeRollouts(self, request, context):
+    _finite("wait_s", request.wait_s)
+    _finite("ack_deadline_s", request.ack_deadline_s)
+    return self.queues.take(request.min_version, request.max_groups, request.wait_s,
+                            request.ack_deadline_s, max_bytes=self.config.max_message_bytes // 2)
+
+  @_unary
+  def AckRollouts(self, request, context):
+    return pb.AckRolloutsReply(acked=self.queues.ack(request.take_id))
+
+  # ------------------------------------------------------------ workers
+
+  @_unary
+  def RegisterWorker(self, request, context):
+    if not request.name:
+      raise errors.InvalidArgument("name", "expected a worker name, got ''")
+    worker_id = f"{request.name}-{uuid.uuid4().hex[:8]}"
+    with self._lock:
+      self._workers[worker_id] = _Worker(worker_id, request.name, dict(request.metadata))
+    logging.info("worker %s registered", worker_id)
+    return pb.RegisterWorkerReply(worker_id=worker_id,
+                                  heartbeat_interval_s=self.config.heartbeat_interval_s)
+
+  @_unary
+  def Heartbeat(self, request, context):
+    if not request.worker_id:
+      raise errors.InvalidArgument("worker_id", "expected a worker id, got ''")
+    if request.version < -1:
+      raise errors.InvalidArgument("version", f"expected >= -1, got {request.version}")
+    _finite("tokens_per_s", request.tokens_per_s)
+    with self._lock:
+      # Upsert: workers registered before a server restart keep their id.
+      worker = self._workers.setdefault(request.worker_id, _Worker(request.worker_id, request.worker_id, {}))
+      worker.version = request.version
+      worker.tokens_per_s = request.tokens_per_s
+      worker.last_seen = time.monotonic()
+    return pb.HeartbeatReply(latest_version=self.weights.latest)
+
+  @_unary
+  def GetStats(self, request, context):
+    now = time.monotonic()
+    leases = self.queues.leases_by_worker()
+    alive_after = 3 * self.config.heartbeat_interval_s
+    with self._lock:
+      workers = [pb.WorkerStats(worker_id=w.worker_id, name=w.name, version=w.version,
+                                tokens_per_s=w.tokens_per_s, seconds_since_heartbeat=now - w.last_seen,
+                                leases=leases.get(w.worker_id, 0))
+                 for w in self._workers.values()]
+      served, pulls = self.bytes_served, self.pulls_served
+    return pb.Stats(versions=self._version_info(), **self.queues.depths(),
+                    bytes_served=served, pulls_served=pulls,
+                    workers_alive=sum(w.seconds_since_heartbeat <= alive_after for w in workers),
+                    workers=workers, uptime_s=now - self.started, errors=self._rejections.count)
+
+
+class ParamServer:
+  """A running server with a lifetime: `start()`, `stop()`; also a context manager."""
+
+  def __init__(self, config: ServerConfig):
+    self.config = config
+    os.makedirs(config.storage_dir, exist_ok=True)
+    self.tokens = auth.load_tokens(config.storage_dir, {
+        "trainer": config.trainer_token, "worker": config.worker_token, "viewer": config.viewer_token})
+    self.weights = WeightStore(config.storage_dir, chunk_bytes=config.chunk_bytes, limits=WeightLimits(
+        max_publish_bytes=config.max_publish_bytes, max_chunk_bytes=config.max_chunk_bytes,
+        delta_history=config.delta_history, verify_keyframes=config.verify_keyframes,
+        compact_in_background=config.compact_in_background))
+    self.wal = WriteAheadLog(os.path.join(config.storage_dir, "queues.wal"), fsync=config.wal_fsync)
+    self.queues = PromptRolloutQueues(
+        self.wal, latest_version=lambda: self.weights.latest, limits=QueueLimits(
+            max_lease_prompts=config.max_lease_prompts, max_lease_deadline_s=config.max_lease_deadline_s,
+            max_wait_s=config.max_wait_s))
+    self.servicer = ParamServerServicer(config, self.weights, self.queues)
+    limit = max(config.max_chunk_bytes, config.chunk_bytes, config.max_message_bytes) + MESSAGE_OVERHEAD
+    self._server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="rpc"),
+        interceptors=[auth.TokenAuthInterceptor(self.tokens, on_denied=self.servicer._rejections.bump)],
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                 ("grpc.so_reuseport", 0)])
+    pb_grpc.add_ParamServerServicer_to_server(self.servicer, self._server)
+    self._health = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert or config.tls_key:
+      with open(config.tls_key, "rb") as f:
+        key = f.read()
+      with open(config.tls_cert, "rb") as f:
+        cert = f.read()
+      self.port = self._server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+      self.port = self._server.add_insecure_port(address)
+    self.address = f"{config.host}:{self.port}"
+    self._reaper = threading.Thread(target=self._reap, name="reaper", daemon=True)
+
+  def _reap(self) -> None:
+    while not self.servicer.stopping.wait(self.config.reap_interval_s):
+      try:
+        self.queues.expire_due()
+      except Exception:
+        logging.exception("reaper: expiring leases failed")
+
+  def start(self) -> "ParamServer":
+    self._server.start()
+    self._reaper.start()
+    for name in ("", SERVICE_NAME):
+      self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logging.info("parameter server on %s (%s), storage %s, latest v%d", self.address,
+                 "TLS" if self.config.tls_cert else "plaintext", self.config.storage_dir, self.weights.latest)
+    return self
+
+  def wait(self) -> None:
+    self._server.wait_for_termination()
+
+  def stop(self, grace: float = 1.0) -> None:
+    self.servicer.stopping.set()
+    self._health.enter_graceful_shutdown()
+    self._server.stop(grace).wait()
+    if self._reaper.is_alive():
+      self._reaper.join()
+    self.queues.close()
+
+  def __enter__(self) -> "ParamServer":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()

@@ -1,0 +1,81 @@
+"""`rlax-ps status`: print a parameter server's versions, queues, leases and workers.
+
+  rlax-ps status --address=127.0.0.1:50051 [--token=... | $RLAX_PS_VIEWER_TOKEN | --token_file=runs/ps/tokens.json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import flags
+
+from param_server import auth
+from param_server.client import ParamServerClient, RetryPolicy
+from param_server.protos import param_server_pb2 as pb
+
+_ADDRESS = flags.DEFINE_string("address", "127.0.0.1:50051", "host:port of the parameter server")
+_TOKEN = flags.DEFINE_string("token", None, "bearer token (viewer, trainer or worker); "
+                             "default $RLAX_PS_VIEWER_TOKEN, then --token_file")
+_TOKEN_FILE = flags.DEFINE_string("token_file", None, "the server's tokens.json; its viewer token is used")
+_TLS_CA = flags.DEFINE_string("tls_ca", None, "PEM root certificate to trust (enables TLS)")
+_TLS_NAME = flags.DEFINE_string("tls_server_name", None, "name to expect in the server certificate")
+_TIMEOUT = flags.DEFINE_float("timeout_s", 10.0, "give up after this long")
+
+
+def _mb(n: int) -> str:
+  return f"{n / 2**20:,.1f} MiB"
+
+
+def format_stats(s: pb.Stats) -> str:
+  """A readable table of one Stats message."""
+  v = s.versions
+  rows = [
+      ("latest version", "none" if v.latest_version < 0 else f"v{v.latest_version} ({v.fmt})"),
+      ("keyframe", "none" if v.keyframe_version < 0 else f"v{v.keyframe_version}, {_mb(v.keyframe_bytes)}"),
+      ("delta chain", f"{_mb(v.delta_chain_bytes)}; deltas reach back to v{v.oldest_delta_base}"),
+      ("prompts queued", s.prompts_queued),
+      ("prompts leased", f"{s.prompts_leased} in {s.leases_active} leases"),
+      ("leases expired", s.leases_expired),
+      ("rollouts ready", s.rollouts_ready),
+      ("rollouts in flight", f"{s.rollouts_in_flight} (taken, not acked)"),
+      ("rollouts accepted", f"{s.rollouts_accepted} (+{s.rollouts_duplicate} duplicate submissions acked)"),
+      ("stale rollouts dropped", s.rollouts_stale_dropped),
+      ("bytes served", f"{_mb(s.bytes_served)} in {s.pulls_served} pulls"),
+      ("rejected requests", s.errors),
+      ("workers alive", f"{s.workers_alive} of {len(s.workers)}"),
+      ("uptime", f"{s.uptime_s:,.0f} s"),
+  ]
+  width = max(len(k) for k, _ in rows)
+  lines = [f"{k:<{width}}  {val}" for k, val in rows]
+  if s.workers:
+    lines += ["", f"{'worker':<28} {'version':>7} {'tok/s':>9} {'leases':>6} {'last seen':>9}"]
+    for w in sorted(s.workers, key=lambda w: w.worker_id):
+      lines.append(f"{w.worker_id:<28} {w.version:>7} {w.tokens_per_s:>9.1f} {w.leases:>6} "
+                   f"{w.seconds_since_heartbeat:>8.1f}s")
+  return "\n".join(lines)
+
+
+def _token() -> str | None:
+  if _TOKEN.value:
+    return _TOKEN.value
+  if os.environ.get(auth.env_var("viewer")):
+    return os.environ[auth.env_var("viewer")]
+  if _TOKEN_FILE.value:
+    with open(_TOKEN_FILE.value) as f:
+      return json.load(f)["viewer"]
+  return None
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments {argv[1:]}")
+  root = None
+  if _TLS_CA.value:
+    with open(_TLS_CA.value, "rb") as f:
+      root = f.read()
+  with ParamServerClient(_ADDRESS.value, token=_token(), role="viewer", root_certificates=root,
+                         tls_server_name=_TLS_NAME.value,
+                         retry=RetryPolicy(deadline_s=_TIMEOUT.value), timeout_s=_TIMEOUT.value) as client:
+    print(f"parameter server {_ADDRESS.value}")
+    print(format_stats(client.stats()))

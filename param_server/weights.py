@@ -1,0 +1,426 @@
+"""Versioned weight storage: the latest keyframe and the delta chain after it, on disk.
+
+Each publication is kept as the exact `Update` bytes it arrived as, in a 1-D
+uint8 tensorstore (zarr3) array chunked like the wire, so a pull streams byte
+ranges straight from disk: no decoding and no per-client copy. A version is
+committed by writing its JSON marker atomically after its array is complete;
+on restart an array without a marker (a half-written version) is deleted and
+never served. When the deltas after the keyframe outweigh it, a background
+compaction materialises the latest weights (checking every checksum) and
+stores them as a new keyframe; `delta_history` older deltas stay for workers
+that lag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import threading
+import uuid
+
+import numpy as np
+import tensorstore as ts
+from absl import logging
+
+from param_server import errors, payloads
+from param_server.wal import _fsync_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class Blob:
+  """One stored publication (or compacted keyframe)."""
+  version: int
+  base_version: int | None
+  fmt: str
+  nbytes: int
+  sha256: str
+  tensors: dict  # name -> [shape, dtype]
+
+  @property
+  def name(self) -> str:
+    kind = "k" if self.base_version is None else f"d{self.base_version:012d}"
+    return f"v{self.version:012d}-{kind}"
+
+  @property
+  def is_keyframe(self) -> bool:
+    return self.base_version is None
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLimits:
+  max_publish_bytes: int = 64 << 30
+  max_chunk_bytes: int = 4 << 20
+  # Bytes held back from the head of a publication to read its header.
+  header_probe_bytes: int = 8 << 20
+  # Deltas before the newest keyframe kept for workers that lag.
+  delta_history: int = 4
+  # Decode every keyframe on publication to check its checksums.
+  verify_keyframes: bool = True
+  # Compact in a background thread (False: inline, for deterministic tests).
+  compact_in_background: bool = True
+
+
+def _array_spec(path: str, nbytes: int | None = None, chunk: int | None = None) -> dict:
+  spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}
+  if nbytes is not None:
+    spec["metadata"] = {
+        "shape": [nbytes], "data_type": "uint8",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, min(chunk, nbytes))]}},
+        "codecs": [{"name": "bytes"}]}
+  return spec
+
+
+def _write_json_atomic(path: str, obj) -> None:
+  tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  _fsync_dir(os.path.dirname(path))
+
+
+class PublishWriter:
+  """Receives one publication's chunks into a temporary array; `WeightStore.commit` makes it a version."""
+
+  def __init__(self, store: "WeightStore", total_bytes: int):
+    self.store = store
+    self.total = total_bytes
+    self.received = 0
+    self.path = os.path.join(store.tmp_dir, uuid.uuid4().hex + ".zarr")
+    self.array = ts.open(_array_spec(self.path, total_bytes, store.chunk_bytes), create=True).result()
+    self.sha = hashlib.sha256()
+    self.head = bytearray()
+    self._pending = bytearray()
+    self._written = 0
+
+  def write(self, offset: int, data: bytes) -> None:
+    limits = self.store.limits
+    if len(data) > limits.max_chunk_bytes:
+      raise errors.ResourceExhausted("data", f"expected a chunk of at most {limits.max_chunk_bytes} bytes, "
+                                     f"got {len(data)}")
+    if offset != self.received:
+      raise errors.InvalidArgument("offset", f"expected {self.received} (chunks in order), got {offset}")
+    if self.received + len(data) > self.total:
+      raise errors.InvalidArgument(
+          "data", f"expected {self.total} bytes in all (total_bytes), got at least {self.received + len(data)}")
+    self.sha.update(data)
+    if len(self.head) < limits.header_probe_bytes:
+      self.head += data[:limits.header_probe_bytes - len(self.head)]
+    self._pending += data
+    self.received += len(data)
+    self._flush(final=self.received == self.total)
+
+  def _flush(self, final: bool) -> None:
+    chunk = self.store.chunk_bytes
+    n = len(self._pending) if final else (len(self._pending) // chunk) * chunk
+    if n:
+      block = np.frombuffer(bytes(self._pending[:n]), dtype=np.uint8)
+      self.array[self._written:self._written + n].write(block).result()
+      del self._pending[:n]
+      self._written += n
+
+  def abort(self) -> None:
+    self.array = None
+    shutil.rmtree(self.path, ignore_errors=True)
+
+
+class WeightStore:
+  """The stored versions; thread-safe. Readers pin blobs so compaction never deletes one mid-pull."""
+
+  def __init__(self, root: str, *, limits: WeightLimits = WeightLimits(), chunk_bytes: int = 4 << 20):
+    self.limits = limits
+    self.chunk_bytes = chunk_bytes
+    self.blob_dir = os.path.join(root, "weights")
+    self.tmp_dir = os.path.join(root, "weights_tmp")
+    os.makedirs(self.blob_dir, exist_ok=True)
+    shutil.rmtree(self.tmp_dir, ignore_errors=True)  # half-received publications
+    os.makedirs(self.tmp_dir)
+    self._lock = threading.RLock()
+    self.changed = threading.Condition(self._lock)
+    self.keyframe: Blob | None = None
+    self.deltas: dict[int, Blob] = {}  # version -> delta ending at that version
+    self.latest = -1
+    self._pins: dict[str, int] = {}
+    self._doomed: set[str] = set()
+    self._compacting = False
+    self.compactions = 0
+    self._recover()
+
+  # ------------------------------------------------------------ disk layout
+
+  def _path(self, blob: Blob) -> str:
+    return os.path.join(self.blob_dir, blob.name + ".zarr")
+
+  def _marker(self, blob: Blob) -> str:
+    return os.path.join(self.blob_dir, blob.name + ".json")
+
+  def _recover(self) -> None:
+    blobs = []
+    for fname in sorted(os.listdir(self.blob_dir)):
+      if fname.endswith(".json"):
+        with open(os.path.join(self.blob_dir, fname)) as f:
+          blob = Blob(**json.load(f))
+        if os.path.exists(self._path(blob)):
+          blobs.append(blob)
+        else:
+          logging.warning("weights: marker %s has no array; dropping it", fname)
+          os.remove(os.path.join(self.blob_dir, fname))
+    names = {b.name for b in blobs}
+    for fname in os.listdir(self.blob_dir):
+      if fname.endswith(".zarr") and fname[:-5] not in names:
+        logging.warning("weights: discarding half-written version %s", fname)
+        shutil.rmtree(os.path.join(self.blob_dir, fname), ignore_errors=True)
+      elif fname.endswith(".tmp"):
+        os.remove(os.path.join(self.blob_dir, fname))
+    keyframes = [b for b in blobs if b.is_keyframe]
+    if not keyframes:
+      return
+    self.keyframe = max(keyframes, key=lambda b: b.version)
+    self.deltas = {b.version: b for b in blobs if not b.is_keyframe}
+    # The latest version is the end of the delta chain that starts at the keyframe.
+    self.latest = self.keyframe.version
+    while True:
+      nxt = [b for b in self.deltas.values() if b.base_version == self.latest]
+      if not nxt:
+        break
+      self.latest = nxt[0].version
+    for b in keyframes:
+      if b is not self.keyframe:
+        self._delete(b)
+    for b in list(self.deltas.values()):
+      if b.version > self.latest:
+        logging.warning("weights: delta %s does not chain from the keyframe; dropping it", b.name)
+        self._delete(b)
+        del self.deltas[b.version]
+    logging.info("weights: recovered keyframe v%d, latest v%d, %d deltas",
+                 self.keyframe.version, self.latest, len(self.deltas))
+
+  def _delete(self, blob: Blob) -> None:
+    if self._pins.get(blob.name):
+      self._doomed.add(blob.name)
+      return
+    if os.path.exists(self._marker(blob)):
+      os.remove(self._marker(blob))
+    shutil.rmtree(self._path(blob), ignore_errors=True)
+
+  # ------------------------------------------------------------ publishing
+
+  def begin_publish(self, total_bytes: int) -> PublishWriter:
+    if total_bytes <= 0:
+      raise errors.InvalidArgument("total_bytes", f"expected > 0 on the first chunk, got {total_bytes}")
+    if total_bytes > self.limits.max_publish_bytes:
+      raise errors.ResourceExhausted(
+          "total_bytes", f"expected at most {self.limits.max_publish_bytes}, got {total_bytes}")
+    return PublishWriter(self, total_bytes)
+
+  def manifest(self) -> tuple[str, dict] | None:
+    with self._lock:
+      return None if self.keyframe is None else (self.keyframe.fmt, self.keyframe.tensors)
+
+  def _validate(self, info: payloads.PayloadInfo) -> None:
+    """Checks a publication's header against the stored chain; raises naming the field."""
+    if self.keyframe is None:
+      if not info.is_keyframe:
+        raise errors.FailedPrecondition(
+            "base_version", f"expected a keyframe (nothing published yet), got a delta on v{info.base_version}")
+      if info.version < 0:
+        raise errors.InvalidArgument("version", f"expected >= 0, got {info.version}")
+      return
+    if info.version <= self.latest:
+      raise errors.FailedPrecondition(
+          "version", f"expected a version above the latest v{self.latest}, got v{info.version}")
+    if not info.is_keyframe and info.base_version != self.latest:
+      raise errors.FailedPrecondition(
+          "base_version", f"expected the latest version v{self.latest}, got v{info.base_version}")
+    fmt, tensors = self.keyframe.fmt, self.keyframe.tensors
+    if info.fmt != fmt:
+      raise errors.FailedPrecondition("fmt", f"expected the model's format {fmt!r}, got {info.fmt!r}")
+    if info.is_keyframe and set(info.tensors) != set(tensors):
+      missing = sorted(set(tensors) - set(info.tensors))
+      extra = sorted(set(info.tensors) - set(tensors))
+      raise errors.FailedPrecondition(
+          "tensors", f"expected the model's tensors; missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, (shape, dtype) in info.tensors.items():
+      if name not in tensors:
+        raise errors.FailedPrecondition("tensors", f"expected a tensor of the model, got unknown {name!r}")
+      want_shape, want_dtype = tensors[name]
+      if list(shape) != list(want_shape) or dtype != want_dtype:
+        raise errors.FailedPrecondition(
+            f"tensors[{name!r}]", f"expected shape {tuple(want_shape)} {want_dtype}, got {tuple(shape)} {dtype}")
+
+  def commit(self, writer: PublishWriter) -> tuple[Blob, bool]:
+    """Validates a fully received publication and makes it the latest version; returns (blob, duplicate)."""
+    try:
+      if writer.received != writer.total:
+        raise errors.InvalidArgument(
+            "total_bytes", f"stream ended after {writer.received} of {writer.total} bytes")
+      try:
+        info = payloads.read_info(bytes(writer.head))
+      except payloads.CodecError as e:
+        raise errors.InvalidArgument("data", f"not a valid update: {e}") from None
+      sha = writer.sha.hexdigest()
+      with self._lock:
+        if info.version == self.latest and self._latest_blob().sha256 == sha:
+          writer.abort()
+          return self._latest_blob(), True
+        self._validate(info)
+      if info.is_keyframe and self.limits.verify_keyframes:
+        try:
+          payloads.materialize([writer.array.read().result()])
+        except payloads.CodecError as e:
+          raise errors.InvalidArgument("data", f"keyframe v{info.version} fails its checks: {e}") from None
+      blob = Blob(info.version, info.base_version, info.fmt, writer.total, sha,
+                  {k: [list(s), d] for k, (s, d) in info.tensors.items()})
+      with self._lock:
+        self._validate(info)  # again: another publisher may have won the race
+        writer.array = None
+        os.replace(writer.path, self._path(blob))
+        _fsync_dir(self.blob_dir)
+        _write_json_atomic(self._marker(blob), dataclasses.asdict(blob))
+        self._install(blob)
+      self._maybe_compact()
+      return blob, False
+    except BaseException:
+      writer.abort()
+      raise
+
+  def _latest_blob(self) -> Blob:
+    if self.keyframe is not None and self.keyframe.version == self.latest:
+      return self.keyframe
+    return self.deltas[self.latest]
+
+  def _install(self, blob: Blob) -> None:
+    if blob.is_keyframe:
+      old = self.keyframe
+      self.keyframe = blob
+      if old is not None and old.version != blob.version:
+        self._delete(old)
+      self._trim_history()
+    else:
+      self.deltas[blob.version] = blob
+    self.latest = max(self.latest, blob.version)
+    self.changed.notify_all()
+
+  def _trim_history(self) -> None:
+    before = sorted(v for v in self.deltas if v <= self.keyframe.version)
+    for v in before[:max(0, len(before) - self.limits.delta_history)]:
+      self._delete(self.deltas.pop(v))
+
+  # ------------------------------------------------------------ compaction
+
+  def chain_after_keyframe(self) -> list[Blob]:
+    with self._lock:
+      return self._chain(self.keyframe.version, self.latest) or []
+
+  def _maybe_compact(self) -> None:
+    with self._lock:
+      if self._compacting or self.keyframe is None:
+        return
+      chain = self._chain(self.keyframe.version, self.latest) or []
+      if sum(b.nbytes for b in chain) <= self.keyframe.nbytes:
+        return
+      self._compacting = True
+      blobs = [self.keyframe] + chain
+      for b in blobs:
+        self._pin(b)
+    if self.limits.compact_in_background:
+      threading.Thread(target=self._compact, args=(blobs,), name="compaction", daemon=True).start()
+    else:
+      self._compact(blobs)
+
+  def _compact(self, blobs: list[Blob]) -> None:
+    try:
+      target = blobs[-1]
+      weights = payloads.materialize(self.read_all(b) for b in blobs)
+      data = payloads.encode_keyframe(weights, target.fmt, target.version)
+      del weights
+      blob = Blob(target.version, None, target.fmt, len(data), hashlib.sha256(data).hexdigest(),
+                  self.keyframe.tensors)
+      path = self._path(blob)
+      array = ts.open(_array_spec(path, len(data), self.chunk_bytes), create=True, delete_existing=True).result()
+      array.write(np.frombuffer(data, dtype=np.uint8)).result()
+      del array, data
+      with self._lock:
+        _write_json_atomic(self._marker(blob), dataclasses.asdict(blob))
+        self._install(blob)
+        self.compactions += 1
+      logging.info("weights: compacted %d updates into keyframe v%d", len(blobs), blob.version)
+    except Exception:  # A bad chain must not take the server down; it keeps serving deltas.
+      logging.exception("weights: compaction to v%d failed", blobs[-1].version)
+    finally:
+      with self._lock:
+        for b in blobs:
+          self._unpin(b)
+        self._compacting = False
+
+  # ------------------------------------------------------------ serving
+
+  def info(self) -> dict:
+    with self._lock:
+      if self.keyframe is None:
+        return dict(latest_version=-1, keyframe_version=-1, oldest_delta_base=-1, fmt="",
+                    keyframe_bytes=0, delta_chain_bytes=0)
+      chain = self._chain(self.keyframe.version, self.latest) or []
+      bases = [b.base_version for b in self.deltas.values() if self._chain(b.base_version, self.latest)]
+      return dict(latest_version=self.latest, keyframe_version=self.keyframe.version,
+                  oldest_delta_base=min(bases, default=self.latest), fmt=self.keyframe.fmt,
+                  keyframe_bytes=self.keyframe.nbytes, delta_chain_bytes=sum(b.nbytes for b in chain))
+
+  def _chain(self, have: int, target: int) -> list[Blob] | None:
+    """The deltas that bring `have` to `target`, or None when they are not all stored."""
+    out, v = [], target
+    while v != have:
+      blob = self.deltas.get(v)
+      if blob is None or blob.base_version < have:
+        return None
+      out.append(blob)
+      v = blob.base_version
+    return out[::-1]
+
+  def plan(self, have: int | None) -> list[Blob]:
+    """The cheapest list of blobs that brings `have` (None: nothing) to the latest version; pinned."""
+    with self._lock:
+      if self.keyframe is None:
+        raise errors.NotFound("have_version", "nothing has been published yet")
+      if have is not None and have > self.latest:
+        raise errors.FailedPrecondition(
+            "have_version", f"expected at most the latest version v{self.latest}, got v{have}; "
+            "pull without have_version to resynchronise")
+      full = [self.keyframe] + (self._chain(self.keyframe.version, self.latest) or [])
+      plan = full
+      if have is not None and have >= 0:
+        deltas = self._chain(have, self.latest)
+        if deltas is not None and sum(b.nbytes for b in deltas) <= sum(b.nbytes for b in full):
+          plan = deltas
+      for b in plan:
+        self._pin(b)
+      return plan
+
+  def _pin(self, blob: Blob) -> None:
+    self._pins[blob.name] = self._pins.get(blob.name, 0) + 1
+
+  def _unpin(self, blob: Blob) -> None:
+    self._pins[blob.name] -= 1
+    if not self._pins[blob.name]:
+      del self._pins[blob.name]
+      if blob.name in self._doomed:
+        self._doomed.discard(blob.name)
+        self._delete(blob)
+
+  def release(self, plan: list[Blob]) -> None:
+    with self._lock:
+      for b in plan:
+        self._unpin(b)
+
+  def open_array(self, blob: Blob):
+    return ts.open(_array_spec(self._path(blob))).result()
+
+  def read_range(self, array, start: int, stop: int) -> bytes:
+    return array[start:stop].read().result().tobytes()
+
+  def read_all(self, blob: Blob) -> np.ndarray:
+    return self.open_array(blob).read().result()

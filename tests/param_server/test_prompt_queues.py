@@ -1,0 +1,242 @@
+"""The prompt/lease/rollout state machine, without gRPC: leases, exactly-once, acks, recovery."""
+
+import os
+
+import grpc
+import pytest
+
+from param_server import errors
+from param_server.protos import param_server_pb2 as pb
+from param_server.queues import PromptRolloutQueues, QueueLimits
+from param_server.wal import WriteAheadLog
+
+
+class Clock:
+  def __init__(self):
+    self.t = 1000.0
+
+  def __call__(self):
+    return self.t
+
+
+def make_queues(tmp_path, clock, latest=5, **limits):
+  wal = WriteAheadLog(os.path.join(tmp_path, "q.wal"))
+  return PromptRolloutQueues(wal, clock=clock, latest_version=lambda: latest, limits=QueueLimits(**limits))
+
+
+def prompts(*ids):
+  return [pb.Prompt(id=i, text=f"question {i}", token_ids=[1, 2, 3], task="t") for i in ids]
+
+
+def group(pid, version=3, reward=1.0):
+  return pb.RolloutGroup(prompt_id=pid, policy_version=version, samples=[
+      pb.Sample(token_ids=[4, 5], reward=reward, logprobs=[-0.5, -0.25], finish_reason="stop")])
+
+
+@pytest.fixture
+def clock():
+  return Clock()
+
+
+@pytest.fixture
+def queues(tmp_path, clock):
+  q = make_queues(tmp_path, clock)
+  yield q
+  q.close()
+
+
+def test_enqueue_assigns_ids_and_skips_duplicates(queues):
+  reply = queues.enqueue(prompts("a", "b") + [pb.Prompt(text="no id")])
+  assert reply.ids[:2] == ["a", "b"] and reply.ids[2]
+  again = queues.enqueue(prompts("a"))
+  assert again.duplicates == 1 and again.queue_depth == 3
+
+
+def test_lease_hands_out_prompts_in_order_once(queues):
+  queues.enqueue(prompts("a", "b", "c"))
+  first = queues.lease("w1", 2, 10.0)
+  second = queues.lease("w2", 2, 10.0)
+  assert [p.id for p in first.prompts] == ["a", "b"]
+  assert [p.id for p in second.prompts] == ["c"]
+  assert not queues.lease("w3", 1, 10.0).lease_id
+
+
+def test_expired_lease_returns_prompts_to_front_of_queue(queues, clock):
+  queues.enqueue(prompts("a", "b", "c"))
+  lease = queues.lease("w1", 2, 5.0)
+  clock.t += 6.0
+  assert queues.expire_due() == 1
+  again = queues.lease("w2", 3, 5.0)
+  assert [p.id for p in again.prompts] == ["a", "b", "c"]
+  assert queues.depths()["leases_expired"] == 1
+  with pytest.raises(errors.FailedPrecondition, match="expired"):
+    queues.submit(lease.lease_id, "w1", group("a"))
+
+
+def test_renew_extends_the_deadline(queues, clock):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 5.0)
+  clock.t += 4.0
+  renewed = queues.renew(lease.lease_id, "w1", 5.0)
+  assert renewed.deadline_unix_s == clock.t + 5.0
+  clock.t += 4.0
+  assert queues.expire_due() == 0
+
+
+def test_submission_is_accepted_exactly_once(queues):
+  queues.enqueue(prompts("a", "b"))
+  lease = queues.lease("w1", 2, 10.0)
+  first = queues.submit(lease.lease_id, "w1", group("a"))
+  retry = queues.submit(lease.lease_id, "w1", group("a"))
+  assert retry.duplicate and retry.rollout_id == first.rollout_id
+  assert queues.depths()["rollouts_ready"] == 1
+  with pytest.raises(errors.FailedPrecondition, match="different group"):
+    queues.submit(lease.lease_id, "w1", group("a", reward=0.0))
+
+
+def test_last_submission_closes_the_lease_and_retry_still_acked(queues):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 10.0)
+  assert queues.submit(lease.lease_id, "w1", group("a")).lease_closed
+  assert queues.complete(lease.lease_id, "w1") == 1
+  assert queues.submit(lease.lease_id, "w1", group("a")).duplicate
+  assert queues.depths()["leases_active"] == 0
+
+
+def test_foreign_and_unknown_leases_are_rejected(queues):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 10.0)
+  with pytest.raises(errors.FailedPrecondition, match="belongs to worker 'w1'"):
+    queues.submit(lease.lease_id, "w2", group("a"))
+  with pytest.raises(errors.NotFound, match="lease_id"):
+    queues.submit("nope", "w1", group("a"))
+  with pytest.raises(errors.InvalidArgument, match="group.prompt_id"):
+    queues.submit(lease.lease_id, "w1", group("zzz"))
+  assert queues.depths()["rollouts_ready"] == 0
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda g: g.ClearField("samples"), "group.samples"),
+    (lambda g: setattr(g, "policy_version", 99), "group.policy_version"),
+    (lambda g: setattr(g.samples[0], "reward", float("nan")), "reward"),
+    (lambda g: g.samples[0].logprobs.append(-1.0), "logprobs"),
+    (lambda g: setattr(g, "prompt_id", ""), "group.prompt_id"),
+])
+def test_bad_groups_are_rejected_naming_the_field(queues, mutate, field):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 10.0)
+  g = group("a")
+  mutate(g)
+  with pytest.raises(errors.InvalidArgument, match=field) as info:
+    queues.submit(lease.lease_id, "w1", g)
+  assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+  assert queues.depths()["rollouts_ready"] == 0 and queues.depths()["prompts_leased"] == 1
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda q: q.lease("", 1, 1.0), "worker_id"),
+    (lambda q: q.lease("w", 0, 1.0), "n"),
+    (lambda q: q.lease("w", 1, -1.0), "deadline_s"),
+    (lambda q: q.lease("w", 1, 1.0, wait_s=1e9), "wait_s"),
+    (lambda q: q.enqueue([pb.Prompt(id="x")]), "prompts\\[0\\]"),
+    (lambda q: q.enqueue(prompts("x", "x")), "prompts\\[1\\].id"),
+    (lambda q: q.take(-1, 1, 0.0, 1.0), "min_version"),
+    (lambda q: q.take(0, 0, 0.0, 1.0), "max_groups"),
+    (lambda q: q.ack(""), "take_id"),
+])
+def test_bad_requests_name_the_field_and_change_nothing(queues, call, field):
+  queues.enqueue(prompts("a"))
+  before = queues.depths()
+  with pytest.raises(errors.RequestError, match=field):
+    call(queues)
+  assert queues.depths() == before
+
+
+def test_release_returns_unanswered_prompts_and_is_idempotent(queues):
+  queues.enqueue(prompts("a", "b"))
+  lease = queues.lease("w1", 2, 10.0)
+  queues.submit(lease.lease_id, "w1", group("a"))
+  with pytest.raises(errors.FailedPrecondition, match="no accepted rollout"):
+    queues.complete(lease.lease_id, "w1")
+  assert queues.release(lease.lease_id, "w1", []) == 1
+  assert queues.release(lease.lease_id, "w1", ["b"]) == 0
+  assert [p.id for p in queues.lease("w2", 5, 10.0).prompts] == ["b"]
+
+
+def test_take_then_ack_removes_rollouts(queues):
+  queues.enqueue(prompts("a", "b"))
+  lease = queues.lease("w1", 2, 10.0)
+  queues.submit(lease.lease_id, "w1", group("a"))
+  queues.submit(lease.lease_id, "w1", group("b"))
+  take = queues.take(0, 10, 0.0, 30.0)
+  assert [r.prompt.id for r in take.rollouts] == ["a", "b"]
+  assert queues.take(0, 10, 0.0, 30.0).rollouts == []
+  assert queues.ack(take.take_id) == 2
+  assert queues.ack(take.take_id) == 2  # a retried ack is acknowledged again
+  assert queues.depths()["rollouts_in_flight"] == 0
+
+
+def test_unacked_take_is_redelivered_after_its_deadline(queues, clock):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 10.0)
+  queues.submit(lease.lease_id, "w1", group("a"))
+  take = queues.take(0, 10, 0.0, 5.0)
+  clock.t += 6.0
+  again = queues.take(0, 10, 0.0, 5.0)
+  assert [r.rollout_id for r in again.rollouts] == [r.rollout_id for r in take.rollouts]
+  with pytest.raises(errors.NotFound, match="take_id"):
+    queues.ack(take.take_id)
+
+
+def test_stale_rollouts_are_dropped_and_their_prompts_requeued(queues):
+  queues.enqueue(prompts("a", "b"))
+  lease = queues.lease("w1", 2, 10.0)
+  queues.submit(lease.lease_id, "w1", group("a", version=1))
+  queues.submit(lease.lease_id, "w1", group("b", version=4))
+  take = queues.take(3, 10, 0.0, 5.0)
+  assert [r.prompt.id for r in take.rollouts] == ["b"] and take.dropped_stale == 1
+  assert [p.id for p in queues.lease("w2", 5, 10.0).prompts] == ["a"]
+
+
+def _state(q):
+  return (list(q.queue), sorted((l.lease_id, tuple(l.open_ids), l.deadline) for l in q.leases.values()),
+          list(q.ready), sorted(q.in_flight), sorted(q.takes), q.next_rollout_id, q.depths())
+
+
+def _busy_history(q, clock):
+  q.enqueue(prompts(*"abcdefgh"))
+  l1 = q.lease("w1", 3, 10.0)
+  l2 = q.lease("w2", 3, 2.0)
+  q.submit(l1.lease_id, "w1", group("a"))
+  q.release(l1.lease_id, "w1", ["b"])
+  q.renew(l1.lease_id, "w1", 20.0)
+  clock.t += 3.0
+  q.expire_due()
+  take = q.take(0, 1, 0.0, 100.0)
+  l3 = q.lease("w3", 2, 50.0)
+  q.submit(l3.lease_id, "w3", group(l3.prompts[0].id))
+  return take, l2
+
+
+def test_restart_replays_the_log_to_the_same_state(tmp_path, clock):
+  q = make_queues(tmp_path, clock)
+  _busy_history(q, clock)
+  before = _state(q)
+  q.close()
+  again = make_queues(tmp_path, clock)
+  assert _state(again) == before
+  again.close()
+
+
+def test_snapshot_rewrite_keeps_the_state_and_shrinks_the_log(tmp_path, clock):
+  q = make_queues(tmp_path, clock, wal_compact_records=4)
+  take, expired_lease = _busy_history(q, clock)
+  before = _state(q)
+  q.close()
+  again = make_queues(tmp_path, clock, wal_compact_records=4)
+  assert _state(again) == before
+  assert again.ack(take.take_id) == 1
+  with pytest.raises(errors.FailedPrecondition, match="expired"):
+    again.renew(expired_lease.lease_id, "w2", 5.0)
+  assert len(again._wal.recovered) == 0 and again._wal.records_since_rewrite < 4 + 2
+  again.close()
