@@ -1,0 +1,122 @@
+"""Advantage estimators against hand-computed values, degenerate groups, padding, bad input."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from algorithms.advantages import grpo_advantages, mc_grpo_advantages, rloo_advantages
+
+# Two groups of unequal size: group 0 = [1, 0, 1], group 1 = [0, 2].
+REWARDS = np.array([1.0, 0.0, 1.0, 0.0, 2.0], np.float32)
+GROUPS = np.array([0, 0, 0, 1, 1], np.int32)
+
+
+def test_grpo_group_std_matches_hand_arithmetic():
+  # group 0: mean 2/3, centred [1/3, -2/3, 1/3], unbiased var (1/9 + 4/9 + 1/9) / 2 = 1/3
+  # group 1: mean 1, centred [-1, 1], unbiased var (1 + 1) / 1 = 2
+  s0, s1 = math.sqrt(1 / 3), math.sqrt(2)
+  expected = [1 / 3 / s0, -2 / 3 / s0, 1 / 3 / s0, -1 / s1, 1 / s1]
+  got = grpo_advantages(REWARDS, GROUPS, 2, eps=0.0)
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_grpo_biased_std_uses_n_denominator():
+  # group 0 biased var = (1/9 + 4/9 + 1/9) / 3 = 2/9, std = sqrt(2)/3; 1/3 / std = 1/sqrt(2)
+  got = grpo_advantages(REWARDS, GROUPS, 2, eps=0.0, unbiased=False)
+  np.testing.assert_allclose(got[:3], [1 / math.sqrt(2), -2 / math.sqrt(2), 1 / math.sqrt(2)],
+                             rtol=1e-5)
+
+
+def test_grpo_eps_is_added_to_std():
+  # group 1: std sqrt(2); with eps = 1: -1 / (sqrt(2) + 1)
+  got = grpo_advantages(REWARDS, GROUPS, 2, eps=1.0)
+  np.testing.assert_allclose(got[3], -1 / (math.sqrt(2) + 1), rtol=1e-5)
+
+
+def test_grpo_batch_std_scaling():
+  # batch mean 4/5; squared deviations .04 .64 .04 .64 1.44 sum 2.8; unbiased var 2.8/4 = 0.7
+  centred = [1 / 3, -2 / 3, 1 / 3, -1.0, 1.0]
+  got = grpo_advantages(REWARDS, GROUPS, 2, std_scaling="batch", eps=0.0)
+  np.testing.assert_allclose(got, np.array(centred) / math.sqrt(0.7), rtol=1e-5)
+
+
+def test_dr_grpo_no_std_scaling_is_centred_reward():
+  got = grpo_advantages(REWARDS, GROUPS, 2, std_scaling="none")
+  np.testing.assert_allclose(got, [1 / 3, -2 / 3, 1 / 3, -1.0, 1.0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", ["group", "batch", "none"])
+def test_grpo_degenerate_groups_are_zero_not_nan(scaling):
+  # group 0 = one sample, group 1 = all equal, group 2 = empty; eps = 0 must not divide by 0
+  rewards = np.array([3.0, 0.5, 0.5, 0.5], np.float32)
+  groups = np.array([0, 1, 1, 1], np.int32)
+  got = grpo_advantages(rewards, groups, 3, std_scaling=scaling, eps=0.0)
+  np.testing.assert_array_equal(got, np.zeros(4, np.float32))
+
+
+def test_grpo_padding_rows_change_nothing_and_get_zero():
+  padded_r = np.concatenate([REWARDS, [100.0, -7.0]]).astype(np.float32)
+  padded_g = np.concatenate([GROUPS, [0, 1]]).astype(np.int32)
+  mask = np.array([True] * 5 + [False] * 2)
+  got = grpo_advantages(padded_r, padded_g, 2, mask, eps=0.0)
+  np.testing.assert_allclose(got[:5], grpo_advantages(REWARDS, GROUPS, 2, eps=0.0), rtol=1e-6)
+  np.testing.assert_array_equal(got[5:], [0.0, 0.0])
+
+
+def test_rloo_is_reward_minus_mean_of_the_others():
+  # group 0: 1 - (0+1)/2 = 0.5, 0 - (1+1)/2 = -1, 0.5; group 1: 0 - 2 = -2, 2 - 0 = 2
+  got = rloo_advantages(REWARDS, GROUPS, 2)
+  np.testing.assert_allclose(got, [0.5, -1.0, 0.5, -2.0, 2.0], rtol=1e-5)
+
+
+def test_rloo_single_sample_group_is_zero():
+  got = rloo_advantages(np.array([5.0, 1.0, 3.0], np.float32), np.array([0, 1, 1]), 2)
+  # group 1: 1 - 3 = -2, 3 - 1 = 2
+  np.testing.assert_allclose(got, [0.0, -2.0, 2.0])
+
+
+def test_mc_grpo_odd_group_excludes_the_median_pivot():
+  # [3, 1, 2]: median 2 (index 2) -> advantages [1, -1, 0], pivot dropped from the loss
+  adv, keep = mc_grpo_advantages(np.array([3.0, 1.0, 2.0], np.float32), np.zeros(3, np.int32),
+                                 1, std_scaling="none")
+  np.testing.assert_allclose(adv, [1.0, -1.0, 0.0])
+  np.testing.assert_array_equal(keep, [True, True, False])
+
+
+def test_mc_grpo_even_group_uses_midpoint_and_keeps_all():
+  # [1, 4, 2, 3]: median (2 + 3) / 2 = 2.5 -> [-1.5, 1.5, -0.5, 0.5], nobody dropped
+  adv, keep = mc_grpo_advantages(np.array([1.0, 4.0, 2.0, 3.0], np.float32),
+                                 np.zeros(4, np.int32), 1, std_scaling="none")
+  np.testing.assert_allclose(adv, [-1.5, 1.5, -0.5, 0.5])
+  np.testing.assert_array_equal(keep, [True] * 4)
+
+
+def test_mc_grpo_group_std_scaling_and_ties_drop_exactly_one_pivot():
+  # group 0 = [3, 1, 2]: std 1 (mean 2, deviations 1, -1, 0; var 2/2); group 1 = [1, 1, 1]
+  rewards = np.array([3.0, 1.0, 2.0, 1.0, 1.0, 1.0], np.float32)
+  groups = np.array([0, 0, 0, 1, 1, 1], np.int32)
+  adv, keep = mc_grpo_advantages(rewards, groups, 2, eps=0.0)
+  np.testing.assert_allclose(adv, [1.0, -1.0, 0.0, 0.0, 0.0, 0.0], atol=1e-6)
+  # ties broken by position: the middle of the sorted positions [3, 4, 5] is 4
+  np.testing.assert_array_equal(keep, [True, True, False, True, False, True])
+
+
+def test_mc_grpo_padding_is_neither_sample_nor_pivot():
+  rewards = np.array([3.0, 9.0, 1.0, 2.0], np.float32)
+  adv, keep = mc_grpo_advantages(rewards, np.zeros(4, np.int32), 1,
+                                 np.array([True, False, True, True]), std_scaling="none")
+  np.testing.assert_allclose(adv, [1.0, 0.0, -1.0, 0.0])
+  np.testing.assert_array_equal(keep, [True, False, True, False])
+
+
+def test_bad_inputs_name_the_field():
+  with pytest.raises(ValueError, match="group_ids: expected shape"):
+    grpo_advantages(REWARDS, GROUPS[:3], 2)
+  with pytest.raises(ValueError, match="group_ids: expected an integer dtype"):
+    grpo_advantages(REWARDS, GROUPS.astype(np.float32), 2)
+  with pytest.raises(ValueError, match="std_scaling: expected one of"):
+    grpo_advantages(REWARDS, GROUPS, 2, std_scaling="median")
+  with pytest.raises(ValueError, match="rewards: expected shape \\[B\\]"):
+    rloo_advantages(jnp.ones((2, 2)), jnp.zeros((2, 2), jnp.int32), 1)

@@ -1,0 +1,166 @@
+"""Policy losses against hand-computed values; gradients against finite differences."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from algorithms.corrections import decoupled_ppo_loss, m2po_loss
+from algorithms.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss
+
+
+def test_aggregation_modes():
+  per_token = jnp.array([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+  mask = jnp.array([[1, 1, 1], [1, 0, 0]])
+  # token-mean: (1 + 2 + 3 + 4) / 4 real tokens
+  assert float(aggregate(per_token, mask, "token-mean")) == pytest.approx(2.5)
+  # seq-mean-token-mean: ((1 + 2 + 3) / 3 + 4 / 1) / 2 sequences
+  assert float(aggregate(per_token, mask, "seq-mean-token-mean")) == pytest.approx(3.0)
+  # seq-mean-token-sum: (6 + 4) / 2
+  assert float(aggregate(per_token, mask, "seq-mean-token-sum")) == pytest.approx(5.0)
+  # seq-mean-token-sum-norm: 10 / (B=2 * norm 4), default norm T=3: 10 / 6
+  assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm", 4.0)) == pytest.approx(1.25)
+  assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm")) == pytest.approx(10 / 6)
+
+
+def test_aggregation_ignores_empty_sequences_and_rejects_unknown_mode():
+  per_token = jnp.array([[1.0, 3.0], [5.0, 5.0]])
+  mask = jnp.array([[1, 1], [0, 0]])
+  # only sequence 0 has tokens: its token mean 2
+  assert float(aggregate(per_token, mask, "seq-mean-token-mean")) == pytest.approx(2.0)
+  assert float(aggregate(per_token, jnp.zeros((2, 2)), "token-mean")) == 0.0
+  with pytest.raises(ValueError, match="aggregation mode: expected one of"):
+    aggregate(per_token, mask, "sum")
+
+
+def test_ppo_clip_higher_hand_example():
+  # ratios 1.5, 0.5, 1.1, 0.7 with advantages +1, -1, +1, +1; clip [1 - 0.2, 1 + 0.28]
+  # token 0: -min(1.5, 1.28) = -1.28 (clipped high); token 1: max(0.5, 0.8) = 0.8 (low)
+  # token 2: -1.1; token 3: max(-0.7, -0.8) = -0.7 (pessimistic side: not clipped)
+  ratios = jnp.array([[1.5, 0.5, 1.1, 0.7]])
+  logp, old = jnp.log(ratios), jnp.zeros((1, 4))
+  adv = jnp.array([[1.0, -1.0, 1.0, 1.0]])
+  loss, m = ppo_clip_loss(logp, old, adv, jnp.ones((1, 4)), clip_low=0.2, clip_high=0.28)
+  assert float(loss) == pytest.approx((-1.28 + 0.8 - 1.1 - 0.7) / 4, rel=1e-5)
+  assert float(m["clip_frac"]) == pytest.approx(0.5)
+  assert float(m["clip_frac_high"]) == pytest.approx(0.25)
+  assert float(m["clip_frac_low"]) == pytest.approx(0.25)
+  assert float(m["ratio_max"]) == pytest.approx(1.5, rel=1e-5)
+  assert float(m["ratio_min"]) == pytest.approx(0.5, rel=1e-5)
+  assert float(m["ratio_mean"]) == pytest.approx((1.5 + 0.5 + 1.1 + 0.7) / 4, rel=1e-5)
+
+
+def test_ppo_dual_clip_bounds_negative_advantage_loss():
+  # ratio 5, A = -1: PPO loss max(5, 1.2) = 5; dual clip c = 3 caps it at -c * A = 3
+  logp, old = jnp.log(jnp.array([[5.0]])), jnp.zeros((1, 1))
+  loss, _ = ppo_clip_loss(logp, old, jnp.array([-1.0]), jnp.ones((1, 1)))
+  assert float(loss) == pytest.approx(5.0, rel=1e-5)
+  loss, m = ppo_clip_loss(logp, old, jnp.array([-1.0]), jnp.ones((1, 1)), dual_clip=3.0)
+  assert float(loss) == pytest.approx(3.0, rel=1e-5)
+  assert float(m["dual_clip_frac"]) == 1.0
+
+
+def test_ppo_approx_kl_and_kl_penalty_added():
+  # one token, ratio e^0.1: approx KL k3 = e^0.1 - 1 - 0.1
+  logp, old = jnp.array([[0.1]]), jnp.zeros((1, 1))
+  ref = jnp.array([[0.1 + math.log(2.0)]])  # log(pi_ref / pi) = log 2: k3 = 2 - 1 - log 2
+  loss, m = ppo_clip_loss(logp, old, jnp.array([0.0]), jnp.ones((1, 1)), ref_logp=ref,
+                          kl_coef=0.5)
+  assert float(m["approx_kl"]) == pytest.approx(math.exp(0.1) - 1.1, rel=1e-4)
+  assert float(m["kl_ref"]) == pytest.approx(1 - math.log(2), rel=1e-5)
+  assert float(loss) == pytest.approx(0.5 * (1 - math.log(2)), rel=1e-5)
+
+
+def test_kl_estimators_hand_values():
+  # pi = 0.5, pi_ref = 0.25: log r = log(0.25/0.5) = -log 2
+  logp, ref = jnp.log(jnp.array([0.5])), jnp.log(jnp.array([0.25]))
+  l2 = math.log(2)
+  assert float(kl_penalty(logp, ref, "k1")[0]) == pytest.approx(l2, rel=1e-5)
+  assert float(kl_penalty(logp, ref, "k2")[0]) == pytest.approx(0.5 * l2 * l2, rel=1e-5)
+  assert float(kl_penalty(logp, ref, "k3")[0]) == pytest.approx(0.5 - 1 + l2, rel=1e-5)
+  with pytest.raises(ValueError, match="kl estimator: expected one of"):
+    kl_penalty(logp, ref, "k4")
+
+
+def test_gspo_sequence_ratio_hand_example():
+  # seq 0 log ratios [0.1, 0.3]: s = e^0.2 = 1.2214 > 1.1 -> clipped term -1.1 (A = +1)
+  # seq 1 log ratio [-0.05]: s = e^-0.05 = 0.9512, inside [0.9, 1.1] -> -0.9512
+  logp = jnp.array([[0.1, 0.3], [-0.05, 7.0]])
+  mask = jnp.array([[1, 1], [1, 0]])
+  loss, m = gspo_loss(logp, jnp.zeros((2, 2)), jnp.array([1.0, 1.0]), mask, clip_low=0.1,
+                      clip_high=0.1)
+  assert float(loss) == pytest.approx((-1.1 - math.exp(-0.05)) / 2, rel=1e-5)
+  assert float(m["clip_frac_high"]) == pytest.approx(0.5)
+
+
+def test_losses_reject_bad_shapes_and_params():
+  x = jnp.zeros((2, 3))
+  with pytest.raises(ValueError, match="mask: expected shape \\(2, 3\\)"):
+    ppo_clip_loss(x, x, jnp.zeros(2), jnp.ones((2, 2)))
+  with pytest.raises(ValueError, match="advantages: expected shape"):
+    ppo_clip_loss(x, x, jnp.zeros(3), jnp.ones((2, 3)))
+  with pytest.raises(ValueError, match="dual_clip: expected a constant > 1"):
+    ppo_clip_loss(x, x, jnp.zeros(2), jnp.ones((2, 3)), dual_clip=0.5)
+  with pytest.raises(ValueError, match="advantages: GSPO expects one per sequence"):
+    gspo_loss(x, x, jnp.zeros((2, 3)), jnp.ones((2, 3)))
+
+
+# Gradient checks: float64, log-probs chosen away from every clip boundary (kinks).
+_DELTA = np.array([[0.05, 0.4, -0.5, 1.5], [-0.1, 0.3, 0.02, -0.3]])
+_ADV = np.array([[1.0, 1.0, -1.0, -1.0], [-0.5, 0.7, 1.2, 0.3]])
+_MASK = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], np.float64)
+
+
+def _fd_check(fn, x0, eps=1e-6):
+  """jax.grad of fn at x0 against central differences, one element at a time (batched)."""
+  grad = np.asarray(jax.jit(jax.grad(fn))(x0))
+  steps = np.eye(x0.size).reshape((x0.size,) + x0.shape) * eps
+  values = jax.jit(jax.vmap(fn))(np.concatenate([x0 + steps, x0 - steps]))
+  fd = (np.asarray(values[:x0.size]) - np.asarray(values[x0.size:])).reshape(x0.shape) / (2 * eps)
+  np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
+  return grad
+
+
+def _case():
+  old = np.log(np.array([[0.3, 0.5, 0.2, 0.6], [0.4, 0.1, 0.7, 0.5]]))
+  return old, old + _DELTA, old - np.array([[0.1, -0.2, 0.3, 0.0], [0.05, 0.0, -0.1, 0.2]])
+
+
+def test_ppo_clip_gradient_matches_finite_differences():
+  with jax.enable_x64(True):
+    old, logp, ref = _case()
+    def fn(lp):
+      return ppo_clip_loss(lp, old, _ADV, _MASK, clip_low=0.2, clip_high=0.28, dual_clip=3.0,
+                           agg="seq-mean-token-mean", ref_logp=ref, kl_coef=0.1)[0]
+    grad = _fd_check(fn, logp)
+    # the padded token gets no gradient; every real one does (through the KL term at least)
+    assert grad[1, 3] == 0.0
+    assert np.count_nonzero(grad) == 7
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_gspo_gradient_matches_finite_differences(agg):
+  with jax.enable_x64(True):
+    old, logp, _ = _case()
+    def fn(lp):
+      return gspo_loss(lp, old, np.array([1.0, -1.0]), _MASK, clip_low=0.5, clip_high=0.5,
+                       agg=agg)[0]
+    _fd_check(fn, logp * 0.2 + old * 0.8)
+
+
+def test_decoupled_ppo_gradient_matches_finite_differences():
+  with jax.enable_x64(True):
+    old, logp, behaviour = _case()
+    def fn(lp):
+      return decoupled_ppo_loss(lp, old, behaviour, _ADV, _MASK, behaviour_cap=1.2)[0]
+    _fd_check(fn, logp)
+
+
+def test_m2po_gradient_matches_finite_differences():
+  with jax.enable_x64(True):
+    old, logp, behaviour = _case()
+    def fn(lp):
+      return m2po_loss(lp, old, behaviour, _ADV, _MASK, threshold=0.01)[0]
+    _fd_check(fn, logp)
