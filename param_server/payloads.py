@@ -30,15 +30,22 @@ class PayloadInfo:
     return self.base_version is None
 
 
-def read_info(blob) -> PayloadInfo:
+def read_info(blob: bytes) -> PayloadInfo:
   """Parses the header of an Update blob without decoding its payloads."""
-  header = sync.read_header(bytes(blob) if not isinstance(blob, bytes) else blob)
+  header = sync.read_header(blob)
   return PayloadInfo(
       version=int(header.version),
       base_version=None if header.base_version is None else int(header.base_version),
       fmt=str(header.fmt),
       tensors={name: (tuple(int(d) for d in meta.shape), str(np.dtype(meta.dtype)))
                for name, meta in header.tensors.items()})
+
+
+def verify(blob: bytes, *, decode_keyframe: bool) -> None:
+  """Checks every section's digest; with `decode_keyframe`, also decodes a keyframe against its checksums."""
+  update = sync.Update.from_bytes(blob)
+  if decode_keyframe and update.is_keyframe:
+    sync.apply(None, update)
 
 
 def materialize(blobs) -> dict[str, np.ndarray]:

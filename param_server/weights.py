@@ -53,8 +53,6 @@ class Blob:
 class WeightLimits:
   max_publish_bytes: int = 64 << 30
   max_chunk_bytes: int = 4 << 20
-  # Bytes held back from the head of a publication to read its header.
-  header_probe_bytes: int = 8 << 20
   # Deltas before the newest keyframe kept for workers that lag.
   delta_history: int = 4
   # Decode every keyframe on publication to check its checksums.
@@ -84,18 +82,13 @@ def _write_json_atomic(path: str, obj) -> None:
 
 
 class PublishWriter:
-  """Receives one publication's chunks into a temporary array; `WeightStore.commit` makes it a version."""
+  """Collects one publication's chunks in order; `WeightStore.commit` validates and stores it."""
 
   def __init__(self, store: "WeightStore", total_bytes: int):
     self.store = store
     self.total = total_bytes
     self.received = 0
-    self.path = os.path.join(store.tmp_dir, uuid.uuid4().hex + ".zarr")
-    self.array = ts.open(_array_spec(self.path, total_bytes, store.chunk_bytes), create=True).result()
-    self.sha = hashlib.sha256()
-    self.head = bytearray()
-    self._pending = bytearray()
-    self._written = 0
+    self._parts: list[bytes] = []
 
   def write(self, offset: int, data: bytes) -> None:
     limits = self.store.limits
@@ -107,25 +100,16 @@ class PublishWriter:
     if self.received + len(data) > self.total:
       raise errors.InvalidArgument(
           "data", f"expected {self.total} bytes in all (total_bytes), got at least {self.received + len(data)}")
-    self.sha.update(data)
-    if len(self.head) < limits.header_probe_bytes:
-      self.head += data[:limits.header_probe_bytes - len(self.head)]
-    self._pending += data
+    self._parts.append(data)
     self.received += len(data)
-    self._flush(final=self.received == self.total)
 
-  def _flush(self, final: bool) -> None:
-    chunk = self.store.chunk_bytes
-    n = len(self._pending) if final else (len(self._pending) // chunk) * chunk
-    if n:
-      block = np.frombuffer(bytes(self._pending[:n]), dtype=np.uint8)
-      self.array[self._written:self._written + n].write(block).result()
-      del self._pending[:n]
-      self._written += n
+  def take(self) -> bytes:
+    data = b"".join(self._parts)
+    self._parts = []
+    return data
 
   def abort(self) -> None:
-    self.array = None
-    shutil.rmtree(self.path, ignore_errors=True)
+    self._parts = []
 
 
 class WeightStore:
@@ -239,7 +223,7 @@ class WeightStore:
     fmt, tensors = self.keyframe.fmt, self.keyframe.tensors
     if info.fmt != fmt:
       raise errors.FailedPrecondition("fmt", f"expected the model's format {fmt!r}, got {info.fmt!r}")
-    if info.is_keyframe and set(info.tensors) != set(tensors):
+    if set(info.tensors) != set(tensors):
       missing = sorted(set(tensors) - set(info.tensors))
       extra = sorted(set(info.tensors) - set(tensors))
       raise errors.FailedPrecondition(
@@ -254,39 +238,42 @@ class WeightStore:
 
   def commit(self, writer: PublishWriter) -> tuple[Blob, bool]:
     """Validates a fully received publication and makes it the latest version; returns (blob, duplicate)."""
+    if writer.received != writer.total:
+      raise errors.InvalidArgument("total_bytes", f"stream ended after {writer.received} of {writer.total} bytes")
+    data = writer.take()
     try:
-      if writer.received != writer.total:
-        raise errors.InvalidArgument(
-            "total_bytes", f"stream ended after {writer.received} of {writer.total} bytes")
-      try:
-        info = payloads.read_info(bytes(writer.head))
-      except payloads.CodecError as e:
-        raise errors.InvalidArgument("data", f"not a valid update: {e}") from None
-      sha = writer.sha.hexdigest()
+      info = payloads.read_info(data)
+    except payloads.CodecError as e:
+      raise errors.InvalidArgument("data", f"not a valid update: {e}") from None
+    sha = hashlib.sha256(data).hexdigest()
+    with self._lock:
+      if info.version == self.latest and self._latest_blob().sha256 == sha:
+        return self._latest_blob(), True
+      self._validate(info)
+    try:
+      payloads.verify(data, decode_keyframe=self.limits.verify_keyframes)
+    except payloads.CodecError as e:
+      raise errors.InvalidArgument("data", f"v{info.version} fails its checks: {e}") from None
+    blob = Blob(info.version, info.base_version, info.fmt, len(data), sha,
+                {k: [list(s), d] for k, (s, d) in info.tensors.items()})
+    tmp = os.path.join(self.tmp_dir, uuid.uuid4().hex + ".zarr")
+    try:
+      self._write_array(tmp, data)
+      del data
       with self._lock:
-        if info.version == self.latest and self._latest_blob().sha256 == sha:
-          writer.abort()
-          return self._latest_blob(), True
-        self._validate(info)
-      if info.is_keyframe and self.limits.verify_keyframes:
-        try:
-          payloads.materialize([writer.array.read().result()])
-        except payloads.CodecError as e:
-          raise errors.InvalidArgument("data", f"keyframe v{info.version} fails its checks: {e}") from None
-      blob = Blob(info.version, info.base_version, info.fmt, writer.total, sha,
-                  {k: [list(s), d] for k, (s, d) in info.tensors.items()})
-      with self._lock:
-        self._validate(info)  # again: another publisher may have won the race
-        writer.array = None
-        os.replace(writer.path, self._path(blob))
+        self._validate(info)  # again: another publisher may have won the race meanwhile
+        os.replace(tmp, self._path(blob))
         _fsync_dir(self.blob_dir)
         _write_json_atomic(self._marker(blob), dataclasses.asdict(blob))
         self._install(blob)
-      self._maybe_compact()
-      return blob, False
-    except BaseException:
-      writer.abort()
-      raise
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+    self._maybe_compact()
+    return blob, False
+
+  def _write_array(self, path: str, data: bytes) -> None:
+    array = ts.open(_array_spec(path, len(data), self.chunk_bytes), create=True, delete_existing=True).result()
+    array.write(np.frombuffer(data, dtype=np.uint8)).result()
 
   def _latest_blob(self) -> Blob:
     if self.keyframe is not None and self.keyframe.version == self.latest:
@@ -340,10 +327,8 @@ class WeightStore:
       del weights
       blob = Blob(target.version, None, target.fmt, len(data), hashlib.sha256(data).hexdigest(),
                   self.keyframe.tensors)
-      path = self._path(blob)
-      array = ts.open(_array_spec(path, len(data), self.chunk_bytes), create=True, delete_existing=True).result()
-      array.write(np.frombuffer(data, dtype=np.uint8)).result()
-      del array, data
+      self._write_array(self._path(blob), data)
+      del data
       with self._lock:
         _write_json_atomic(self._marker(blob), dataclasses.asdict(blob))
         self._install(blob)

@@ -1,0 +1,219 @@
+"""Publish / GetLatest / Pull / Watch over gRPC: happy paths, compaction, and every bad-payload class."""
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from param_server.client import ParamServerError
+from param_server.protos import param_server_pb2 as pb
+from param_server.protos import param_server_pb2_grpc as pb_grpc
+from ps_testlib import CHUNK, TOKENS, apply_blobs, client_for, perturbed, publish_chain, tiny_weights
+from rlax_ps import sync
+from rlax_ps.sync import tensor_codec, wire
+
+
+def held(weights, fmt="bf16"):
+  return sync.held_state(weights, fmt)
+
+
+def assert_same(a, b):
+  assert a.keys() == b.keys()
+  for k in a:
+    assert a[k].dtype == b[k].dtype and np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)), k
+
+
+def test_pull_from_nothing_reaches_the_latest_weights_exactly(trainer, worker):
+  versions = publish_chain(trainer, 4)
+  blobs = worker.pull(None)
+  assert sync.read_header(bytes(blobs[0])).is_keyframe
+  assert_same(apply_blobs(blobs), held(versions[-1]))
+  assert worker.latest_version() == 3
+
+
+def test_pull_from_a_held_version_sends_only_deltas(trainer, worker):
+  versions = publish_chain(trainer, 4)
+  blobs = worker.pull(1)
+  headers = [sync.read_header(bytes(b)) for b in blobs]
+  assert [(h.base_version, h.version) for h in headers] == [(1, 2), (2, 3)]
+  assert_same(apply_blobs(blobs, held(versions[1])), held(versions[3]))
+
+
+def test_pull_at_the_latest_version_is_empty(trainer, worker):
+  publish_chain(trainer, 2)
+  assert worker.pull(1) == []
+
+
+def test_int8_chain_round_trips(trainer, worker):
+  versions = publish_chain(trainer, 3, fmt="int8")
+  assert_same(apply_blobs(worker.pull(None)), held(versions[-1], "int8"))
+
+
+def test_get_latest_describes_the_chain(trainer, viewer):
+  assert viewer.version_info().latest_version == -1
+  publish_chain(trainer, 3)
+  info = viewer.version_info()
+  assert (info.latest_version, info.keyframe_version, info.fmt) == (2, 0, "bf16")
+  assert info.delta_chain_bytes > 0 and info.keyframe_bytes > info.delta_chain_bytes
+
+
+def test_watch_streams_each_new_version(trainer, worker):
+  publish_chain(trainer, 1)
+  seen, got_two = [], threading.Event()
+
+  def watch():
+    for info in worker.watch(after_version=-1, timeout_s=10):
+      seen.append(info.latest_version)
+      if info.latest_version >= 2:
+        got_two.set()
+        return
+
+  t = threading.Thread(target=watch)
+  t.start()
+  w1 = perturbed(tiny_weights(), 0.05, 1)
+  trainer.publish(sync.encode(tiny_weights(), w1, version=1).to_bytes())
+  trainer.publish(sync.encode(w1, perturbed(w1, 0.05, 2), version=2).to_bytes())
+  assert got_two.wait(10)
+  t.join()
+  assert seen[0] == 0 and seen[-1] == 2 and seen == sorted(set(seen))
+
+
+def test_a_retried_publication_is_acknowledged_as_duplicate(trainer):
+  blob = sync.encode(None, tiny_weights(), version=0).to_bytes()
+  assert not trainer.publish(blob).duplicate
+  assert trainer.publish(blob).duplicate
+  assert trainer.version_info().latest_version == 0
+
+
+def test_compaction_builds_a_keyframe_and_keeps_history(start_server):
+  server = start_server(delta_history=2)
+  with client_for(server, "trainer") as trainer, client_for(server, "worker") as worker:
+    versions = publish_chain(trainer, 12, density=0.5)  # dense deltas: the chain soon outweighs the keyframe
+    info = trainer.version_info()
+    assert info.keyframe_version > 0 and server.weights.compactions >= 1
+    assert info.delta_chain_bytes <= info.keyframe_bytes
+    blobs = worker.pull(None)
+    assert sync.read_header(bytes(blobs[0])).version == info.keyframe_version
+    assert_same(apply_blobs(blobs), held(versions[-1]))
+    kept_before = [v for v in server.weights.deltas if v <= info.keyframe_version]
+    assert len(kept_before) == 2
+    lagging = min(kept_before) - 1
+    assert_same(apply_blobs(worker.pull(lagging), held(versions[lagging])), held(versions[-1]))
+
+
+def _publish_error(client, blob):
+  with pytest.raises(ParamServerError) as info:
+    client.publish(blob)
+  return info.value
+
+
+def _shaped(weights, **changes):
+  out = dict(weights)
+  out.update(changes)
+  return out
+
+
+@pytest.mark.parametrize("make_blob, code, field", [
+    (lambda w, w1: sync.encode(w, w1, version=1, base_version=0).to_bytes(),
+     grpc.StatusCode.FAILED_PRECONDITION, "version"),
+    (lambda w, w1: sync.encode(w, w1, version=5, base_version=0).to_bytes(),
+     grpc.StatusCode.FAILED_PRECONDITION, "base_version"),
+    (lambda w, w1: sync.encode(None, w1, version=1).to_bytes()[:-10],
+     grpc.StatusCode.INVALID_ARGUMENT, "data"),
+    (lambda w, w1: b"not an update at all",
+     grpc.StatusCode.INVALID_ARGUMENT, "data"),
+    (lambda w, w1: sync.encode(None, _shaped(w1, embed=np.zeros((8, 8), np.float32)), version=3).to_bytes(),
+     grpc.StatusCode.FAILED_PRECONDITION, "tensors\\['embed'\\]"),
+    (lambda w, w1: sync.encode(None, _shaped(w1, extra=np.zeros(3, np.float32)), version=3).to_bytes(),
+     grpc.StatusCode.FAILED_PRECONDITION, "tensors"),
+    (lambda w, w1: sync.encode(None, w1, "int8", version=3).to_bytes(),
+     grpc.StatusCode.FAILED_PRECONDITION, "fmt"),
+])
+def test_bad_publications_are_rejected_and_change_nothing(trainer, worker, make_blob, code, field):
+  versions = publish_chain(trainer, 2)  # latest v1
+  before = worker.pull(None)
+  err = _publish_error(trainer, make_blob(versions[0], perturbed(versions[1], 0.1, 9)))
+  assert err.code == code and field.replace("\\", "") in err.details.replace("\\", "")
+  assert trainer.version_info().latest_version == 1
+  assert [bytes(b) for b in worker.pull(None)] == [bytes(b) for b in before]
+
+
+def test_a_corrupted_section_fails_its_digest(trainer):
+  blob = bytearray(sync.encode(None, tiny_weights(), version=0).to_bytes())
+  blob[-5] ^= 0xFF
+  err = _publish_error(trainer, bytes(blob))
+  assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "data" in err.details and "corrupted" in err.details
+  assert trainer.version_info().latest_version == -1
+
+
+def test_a_keyframe_with_a_wrong_checksum_is_rejected(trainer):
+  held_w = held(tiny_weights())
+  entries = [(n, a.shape, a.dtype, sync.checksum(a) ^ (1 if n == "embed" else 0), None, tensor_codec.RAW,
+              np.ascontiguousarray(a).view(np.uint8).reshape(-1)) for n, a in held_w.items()]
+  blob = wire.build("bf16", 0, None, entries).to_bytes()
+  err = _publish_error(trainer, blob)
+  assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in err.details and "embed" in err.details
+
+
+def test_the_first_publication_must_be_a_keyframe(trainer):
+  w = tiny_weights()
+  err = _publish_error(trainer, sync.encode(w, perturbed(w, 0.1, 1), version=1).to_bytes())
+  assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "base_version" in err.details
+
+
+def _raw_publish(server, chunks, token="trainer"):
+  channel = grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 64 << 20)])
+  stub = pb_grpc.ParamServerStub(channel)
+  try:
+    with pytest.raises(grpc.RpcError) as info:
+      stub.Publish(iter(chunks), metadata=(("authorization", f"Bearer {TOKENS[token]}"),), timeout=10)
+    return info.value
+  finally:
+    channel.close()
+
+
+def test_an_oversized_chunk_is_resource_exhausted(server, trainer):
+  blob = sync.encode(None, tiny_weights(), version=0).to_bytes()
+  err = _raw_publish(server, [pb.PublishChunk(total_bytes=len(blob), data=blob[:CHUNK + 1])])
+  assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "data" in err.details()
+  huge = _raw_publish(server, [pb.PublishChunk(total_bytes=4 << 20, data=bytes(4 << 20))])
+  assert huge.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+  assert trainer.version_info().latest_version == -1
+
+
+@pytest.mark.parametrize("chunks, code, field", [
+    ([pb.PublishChunk(total_bytes=1 << 50, data=b"x")], grpc.StatusCode.RESOURCE_EXHAUSTED, "total_bytes"),
+    ([pb.PublishChunk(total_bytes=0, data=b"x")], grpc.StatusCode.INVALID_ARGUMENT, "total_bytes"),
+    ([pb.PublishChunk(total_bytes=10, data=b"xx"), pb.PublishChunk(offset=5, data=b"yy")],
+     grpc.StatusCode.INVALID_ARGUMENT, "offset"),
+    ([pb.PublishChunk(total_bytes=10, data=b"xx")], grpc.StatusCode.INVALID_ARGUMENT, "total_bytes"),
+    ([], grpc.StatusCode.INVALID_ARGUMENT, "chunks"),
+])
+def test_malformed_publish_streams_name_the_field(server, trainer, chunks, code, field):
+  err = _raw_publish(server, chunks)
+  assert err.code() == code and err.details().startswith(field)
+  assert trainer.version_info().latest_version == -1
+
+
+def test_pull_validates_have_version(trainer, worker):
+  with pytest.raises(ParamServerError) as nothing:
+    worker.pull(None)
+  assert nothing.value.code == grpc.StatusCode.NOT_FOUND
+  publish_chain(trainer, 2)
+  with pytest.raises(ParamServerError) as ahead:
+    worker.pull(7)
+  assert ahead.value.code == grpc.StatusCode.FAILED_PRECONDITION and "have_version" in ahead.value.details
+  with pytest.raises(ParamServerError) as negative:
+    worker.pull(-5)
+  assert negative.value.code == grpc.StatusCode.INVALID_ARGUMENT and "have_version" in negative.value.details
+
+
+def test_stats_count_rejections_and_bytes_served(trainer, worker, viewer):
+  publish_chain(trainer, 2)
+  blobs = worker.pull(None)
+  with pytest.raises(ParamServerError):
+    worker.pull(99)
+  stats = viewer.stats()
+  assert stats.bytes_served == sum(len(b) for b in blobs)
+  assert stats.errors == 1
