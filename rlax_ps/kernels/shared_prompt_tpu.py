@@ -149,7 +149,7 @@ def _forward(q, k, v, lens, g, sm_scale, interpret):
   bq, bk = g.block_q, g.block_kv
   q_map = lambda b, hh, t, qb, kb, qr, kr, fi, la, fe, li, le: (b, hh, qb[t], 0)
   kv_map = lambda b, hh, t, qb, kb, qr, kr, fi, la, fe, li, le: (
-      b, hh // group, fe[b * num_pairs + t], 0)
+      b, jax.lax.div(hh, group), fe[b * num_pairs + t], 0)
   kernel = functools.partial(_fwd_kernel, g=g, num_pairs=num_pairs, sm_scale=sm_scale)
   o, lse = pl.pallas_call(
       kernel,
@@ -189,7 +189,7 @@ def _backward(q, k, v, o, lse, do, dlse, lens, g, sm_scale, interpret):
   num_pairs = sched.length
   q_map = lambda b, hh, t, qb, kb, qr, kr, fi, la, fe, li, le: (b, hh, qb[t], 0)
   kv_map = lambda b, hh, t, qb, kb, qr, kr, fi, la, fe, li, le: (
-      b, hh // group, fe[b * num_pairs + t], 0)
+      b, jax.lax.div(hh, group), fe[b * num_pairs + t], 0)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, g=g, num_pairs=num_pairs, sm_scale=sm_scale),
       grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -1,0 +1,130 @@
+"""Pallas TPU decode attention for N samples sharing one prefix KV cache.
+
+One kernel, used twice: rows of queries attend a length-masked KV sequence.
+Pass 1 puts all N samples' queries of a KV head in one [N*G, D] tile, so every
+prefix block is read from HBM once per step for the whole group; pass 2 runs
+each sample's query against its own suffix cache. The two partials are merged
+by log-sum-exp (reference.merge_lse). Caches stay in the model's
+[.., S, Hkv, D] layout, viewed as lane-dense [S, Hkv*D] tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from rlax_ps.kernels.reference import check_decode, default_scale, merge_lse
+
+LANES = 128
+_MASKED = -1e30
+_NT = (((1,), (1,)), ((), ()))
+
+
+def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, *,
+                   num_kv_heads, head_dim, block_s, num_blocks, sm_scale):
+  x, s_idx = pl.program_id(0), pl.program_id(1)
+  length = lens_ref[x]
+
+  @pl.when(s_idx == 0)
+  def _init():
+    m_scr[...] = jnp.full(m_scr.shape, _MASKED, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+  @pl.when(s_idx * block_s < length)
+  def _compute():
+    for h in range(num_kv_heads):
+      q = q_ref[h]  # [M, D]
+      k = k_ref[:, h * head_dim:(h + 1) * head_dim]  # [bs, D]
+      v = v_ref[:, h * head_dim:(h + 1) * head_dim]
+      s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * sm_scale
+      cols = s_idx * block_s + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+      mask = cols < length
+      s = jnp.where(mask, s, _MASKED)
+      m_prev = m_scr[h]
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      p = jnp.where(mask, jnp.exp(s - m_next[:, :1]), 0.0)
+      alpha = jnp.exp(m_prev - m_next)
+      l_scr[h] = alpha * l_scr[h] + jnp.sum(p, axis=1, keepdims=True)
+      m_scr[h] = m_next
+      pv = jax.lax.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      acc_scr[h] = acc_scr[h] * alpha[:, :1] + pv
+
+  @pl.when(s_idx == num_blocks - 1)
+  def _finish():
+    l = l_scr[...]
+    has = l > 0
+    l_safe = jnp.where(has, l, 1.0)
+    o_ref[...] = acc_scr[...] / l_safe[..., :1]
+    lse_ref[...] = jnp.where(has, m_scr[...] + jnp.log(l_safe), -jnp.inf)
+
+
+def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=False):
+  """q [X, Hkv, M, D] attends k, v [X, S, Hkv, D] up to lens [X]:
+  -> (o [X, Hkv, M, D] f32, lse [X, Hkv, M] f32)."""
+  x, hkv, m, d = q.shape
+  s = k.shape[1]
+  bs = min(block_s, s)
+  if s % bs:
+    pad = [(0, 0), (0, bs - s % bs), (0, 0), (0, 0)]
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    s = k.shape[1]
+  nb = s // bs
+  k2 = k.reshape(x, s, hkv * d)
+  v2 = v.reshape(x, s, hkv * d)
+
+  def kv_map(i, j, lens_ref):
+    last = jnp.maximum(jax.lax.div(lens_ref[i] + bs - 1, bs) - 1, 0)
+    return i, jnp.minimum(j, last), 0
+
+  kernel = functools.partial(_decode_kernel, num_kv_heads=hkv, head_dim=d, block_s=bs,
+                             num_blocks=nb, sm_scale=sm_scale)
+  o, lse = pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(x, nb),
+          in_specs=[pl.BlockSpec((None, hkv, m, d), lambda i, j, _: (i, 0, 0, 0)),
+                    pl.BlockSpec((None, bs, hkv * d), kv_map),
+                    pl.BlockSpec((None, bs, hkv * d), kv_map)],
+          out_specs=[pl.BlockSpec((None, hkv, m, d), lambda i, j, _: (i, 0, 0, 0)),
+                     pl.BlockSpec((None, hkv, m, LANES), lambda i, j, _: (i, 0, 0, 0))],
+          scratch_shapes=[pltpu.VMEM((hkv, m, LANES), jnp.float32),
+                          pltpu.VMEM((hkv, m, LANES), jnp.float32),
+                          pltpu.VMEM((hkv, m, d), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct((x, hkv, m, d), jnp.float32),
+                 jax.ShapeDtypeStruct((x, hkv, m, LANES), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      interpret=interpret,
+      name="shared_prefix_decode",
+  )(lens.astype(jnp.int32), q, k2, v2)
+  return o, lse[..., 0]
+
+
+def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
+                                    suffix_lens, *, sm_scale=None, block_s=512, interpret=False):
+  """q [B, N, H, D]; prefix [B, S, Hkv, D] (+ lens [B]); suffix [B, N, Ss, Hkv, D]
+  (+ lens [B, N]) -> (o [B, N, H, D], lse [B, N, H])."""
+  check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v)
+  b, n, h, d = q.shape
+  hkv = prefix_k.shape[2]
+  g = h // hkv
+  scale = default_scale(d) if sm_scale is None else float(sm_scale)
+  qg = q.reshape(b, n, hkv, g, d)
+  # Pass 1: [B, Hkv, N*G, D] rows against the shared prefix.
+  q_pre = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, hkv, n * g, d)
+  o1, l1 = decode_partial_pallas(q_pre, prefix_k, prefix_v, prefix_lens, sm_scale=scale,
+                                 block_s=block_s, interpret=interpret)
+  o1 = jnp.transpose(o1.reshape(b, hkv, n, g, d), (0, 2, 1, 3, 4)).reshape(b, n, h, d)
+  l1 = jnp.transpose(l1.reshape(b, hkv, n, g), (0, 2, 1, 3)).reshape(b, n, h)
+  # Pass 2: each sample's [Hkv, G, D] query against its own suffix.
+  ss = suffix_k.shape[2]
+  o2, l2 = decode_partial_pallas(
+      qg.reshape(b * n, hkv, g, d), suffix_k.reshape(b * n, ss, hkv, d),
+      suffix_v.reshape(b * n, ss, hkv, d), suffix_lens.reshape(b * n), sm_scale=scale,
+      block_s=block_s, interpret=interpret)
+  return merge_lse(o1, l1, o2.reshape(b, n, h, d), l2.reshape(b, n, h), out_dtype=q.dtype)

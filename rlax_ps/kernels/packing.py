@@ -1,0 +1,83 @@
+"""Pack a GRPO group into one `[P + N*R]` row and read per-response log-probs back.
+
+The model runs the packed row once (norms, projections, MLPs and attention all
+see the prompt once) through `Transformer(..., attention_fn=packed_attention_fn(layout))`;
+response i's first token is scored by the logit at the last real prompt token
+(P - 1) for every i, later tokens by the logit just before them in region i.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rlax_ps.kernels.dispatch import shared_prompt_attention
+from rlax_ps.kernels.layout import SharedPromptLayout, join_regions, make_layout
+from rlax_ps.kernels.schedule import BlockSizes
+
+
+def pack_group(prompt_tokens, prompt_lens, response_tokens, response_lens, pad_id: int = 0):
+  """prompt_tokens [B, P] (right-padded), response_tokens [B, N, R] (right-padded)
+  -> (tokens [B, P + N*R] int32, SharedPromptLayout)."""
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  response_tokens = jnp.asarray(response_tokens, jnp.int32)
+  if prompt_tokens.ndim != 2:
+    raise ValueError(f"prompt_tokens must be [B, P], got shape {prompt_tokens.shape}")
+  if response_tokens.ndim != 3 or response_tokens.shape[0] != prompt_tokens.shape[0]:
+    raise ValueError(
+        f"response_tokens must be [B={prompt_tokens.shape[0]}, N, R], got shape "
+        f"{response_tokens.shape}")
+  layout = make_layout(prompt_lens, response_lens, prompt_tokens.shape[1],
+                       response_tokens.shape[2])
+  valid = layout.valid()
+  tokens = join_regions(prompt_tokens, response_tokens)
+  return jnp.where(valid, tokens, pad_id), layout
+
+
+def packed_attention_fn(layout: SharedPromptLayout, *, backend: str = "auto",
+                        block_sizes: BlockSizes | None = None, interpret: bool = False):
+  """An `attention_fn` for the model: same signature as models.attention.dot_product_attention,
+  the mask comes from the layout (segment ids and positions are not needed)."""
+
+  def attention_fn(q, k, v, q_segment_ids, q_positions, k_segment_ids, k_positions):
+    del q_segment_ids, q_positions, k_segment_ids, k_positions
+    out, _ = shared_prompt_attention(q, k, v, layout, backend=backend, block_sizes=block_sizes,
+                                     interpret=interpret)
+    return out
+
+  return attention_fn
+
+
+def response_logit_index(layout: SharedPromptLayout) -> jax.Array:
+  """[B, N, R] int32: packed position whose logit predicts response token (i, t)."""
+  p, n, r = layout.prompt_capacity, layout.num_responses, layout.response_capacity
+  t = jnp.arange(r, dtype=jnp.int32)[None, None, :]
+  i = jnp.arange(n, dtype=jnp.int32)[None, :, None]
+  inside = p + i * r + t - 1
+  first = jnp.broadcast_to(layout.prompt_lens[:, None, None] - 1, (layout.batch, n, r))
+  return jnp.where(t == 0, first, inside)
+
+
+def response_logprobs(logits, response_tokens, layout: SharedPromptLayout):
+  """logits [B, L, V] of the packed row -> log p(response token) [B, N, R], 0 at padding."""
+  b, n, r = layout.batch, layout.num_responses, layout.response_capacity
+  if logits.shape[:2] != (b, layout.total_len):
+    raise ValueError(
+        f"logits must be [B={b}, L={layout.total_len}, V], got shape {logits.shape}")
+  idx = response_logit_index(layout).reshape(b, n * r)
+  rows = jnp.take_along_axis(logits, idx[:, :, None], axis=1).astype(jnp.float32)
+  logp = jax.nn.log_softmax(rows, axis=-1)
+  tok = jnp.asarray(response_tokens, jnp.int32).reshape(b, n * r, 1)
+  out = jnp.take_along_axis(logp, tok, axis=-1).reshape(b, n, r)
+  valid = jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None]
+  return jnp.where(valid, out, 0.0)
+
+
+def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromptLayout, *,
+                             backend: str = "auto", block_sizes: BlockSizes | None = None,
+                             interpret: bool = False):
+  """Runs the model once on the packed group and returns [B, N, R] response log-probs."""
+  logits = model(tokens, positions=layout.positions(), segment_ids=layout.segment_ids(),
+                 attention_fn=packed_attention_fn(layout, backend=backend,
+                                                  block_sizes=block_sizes, interpret=interpret))
+  return response_logprobs(logits, response_tokens, layout)
