@@ -84,7 +84,7 @@ def normalize_answer(answer: str) -> str:
   for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "\\displaystyle"):
     s = s.replace(token, "")
   s = re.sub(r"\^\{?\\circ\}?", "", s).replace("\\%", "").replace("%", "")
-  s = re.sub(r"\s+", "", s)
+  s = re.sub(r"\s+", "", s).replace("{,}", ",")
   s = s.rstrip(".")
   s = re.sub(r"^[a-zA-Z]=", "", s)
   if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):

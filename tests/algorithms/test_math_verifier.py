@@ -1,0 +1,63 @@
+"""Math answer verifier: extraction, normalisation, exact comparison."""
+
+import pytest
+
+from algorithms.verifiers import MathAnswerVerifier, make_verifier
+from algorithms.verifiers.math_answer import as_number, extract_answer, normalize_answer
+
+VERIFY = MathAnswerVerifier()
+
+
+def test_extracts_last_boxed_with_nested_braces():
+  text = "First \\boxed{1}, then finally \\boxed{\\frac{3}{\\sqrt{2}}} done"
+  assert extract_answer(text) == "\\frac{3}{\\sqrt{2}}"
+
+
+def test_extracts_final_answer_is_line_when_no_box():
+  text = "We compute 2+2.\nSo the answer is 4.\n"
+  assert extract_answer(text) == "4."
+  assert extract_answer("Answer: -7") == "-7"
+  assert extract_answer("no final answer here") is None
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ("\\dfrac{1}{2}", "1/2"),
+    ("\\frac12", "1/2"),
+    ("-\\frac{3}{4}", "-3/4"),
+    ("$ 1,234 $", "1234"),
+    ("x = 5", "5"),
+    ("90^\\circ", "90"),
+    ("50\\%", "50"),
+    ("\\left( 1, 2 \\right)", "(1,2)"),
+    ("\\text{ yes }", "yes"),
+    ("\\frac{\\frac{1}{2}}{3}", "(1/2)/3"),
+])
+def test_normalization(raw, expected):
+  assert normalize_answer(raw) == expected
+
+
+def test_numbers_compare_exactly_as_rationals():
+  assert as_number("0.5") == as_number("1/2") == as_number("2/4")
+  assert as_number("0.3333") != as_number("1/3")
+  assert as_number("1/0") is None and as_number("\\sqrt{2}") is None
+
+
+@pytest.mark.parametrize("completion,reference,passed", [
+    ("so \\boxed{\\frac{1}{2}}", "0.5", True),
+    ("The answer is $1{,}000$.", "1000", True),  # LaTeX thousands separator
+    ("The answer is 1,000.", "1000", True),
+    ("\\boxed{3}", "3.0", True),
+    ("\\boxed{3}", "4", False),
+    ("\\boxed{x^2+1}", "x^2 + 1", True),
+    ("\\boxed{\\sqrt{2}}", "\\sqrt{3}", False),
+    ("I think it is 5", "5", False),  # no extractable final answer
+])
+def test_verifier_end_to_end(completion, reference, passed):
+  result = VERIFY(completion, reference)
+  assert result.passed is passed
+  assert result.reward == (1.0 if passed else 0.0)
+
+
+def test_registered_as_math_and_reports_what_it_saw():
+  result = make_verifier("math")("\\boxed{\\tfrac{2}{4}}", "1/2")
+  assert result.passed and result.info["normalized"] == "2/4" and result.info["reference"] == "1/2"

@@ -1,0 +1,48 @@
+"""The task adapter: any object with reward(example, completion) becomes a Verifier."""
+
+import dataclasses
+
+import pytest
+
+from algorithms.verifiers import TaskVerifier, VerifierResult, make_verifier, register_verifier
+from rlax_ps.tasks import TASKS, get_task
+
+
+@dataclasses.dataclass
+class _Parity:
+  """A fake task: the completion must name the parity of the example's number."""
+
+  name: str = "parity"
+
+  def reward(self, example, completion):
+    want = "even" if example % 2 == 0 else "odd"
+    return 1.0 if completion.strip() == want else (0.5 if completion.strip() else 0.0)
+
+
+def test_adapter_wraps_a_fake_task():
+  verify = TaskVerifier(_Parity())
+  assert verify("even", 4) == VerifierResult(1.0, True, {"task": "parity"})
+  assert verify("odd", 4) == VerifierResult(0.5, False, {"task": "parity"})
+  assert TaskVerifier(_Parity(), pass_threshold=0.5)("odd", 4).passed
+
+
+def test_adapter_rejects_objects_without_reward():
+  with pytest.raises(TypeError, match="task: expected an object with a reward"):
+    TaskVerifier(object())
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_builtin_tasks_through_the_registry(name):
+  verify = make_verifier(f"task:{name}")
+  task = get_task(name)
+  for example in task.examples("train", seed=0, n=5):
+    assert verify(example.answer, example).passed
+    assert not verify(example.answer + "9", example).passed
+    assert verify(example.answer + "9", example).reward == 0.0
+
+
+def test_registry_errors_name_the_field():
+  with pytest.raises(ValueError, match="verifier: expected one of .*'code'.*'math'"):
+    make_verifier("nope")
+  with pytest.raises(ValueError, match="verifier name: 'math' is already registered"):
+    register_verifier("math")(lambda: None)
