@@ -1,0 +1,245 @@
+"""HF checkpoint IO: config.json in both transformers layouts, tensor checks, dtypes, round trips."""
+
+import json
+import os
+import shutil
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from rlax_ps.models import (ModelConfig, config_from_hf, config_to_hf, flatten_params,
+                            load_hf_checkpoint, save_hf_checkpoint)
+from rlax_ps.sharding import make_mesh
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
+
+
+def fixture(name):
+  return os.path.join(FIXTURES, name)
+
+
+def read_json(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def hf_tensors(path):
+  """All tensors of a single-file or sharded checkpoint folder."""
+  out = {}
+  for f in sorted(os.listdir(path)):
+    if f.endswith(".safetensors"):
+      out.update(load_file(os.path.join(path, f)))
+  return out
+
+
+def copy_with(tmp_path, name, tensors=None, config=None):
+  """The fixture `name` copied to tmp_path as one model.safetensors, with edits."""
+  tensors = hf_tensors(fixture(name)) if tensors is None else tensors
+  save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+  config = read_json(os.path.join(fixture(name), "config.json")) if config is None else config
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(config, f)
+  return str(tmp_path)
+
+
+@pytest.mark.parametrize("name,other", [("llama", "config_4x.json"), ("qwen2", "config_4x.json")])
+def test_both_config_layouts_give_the_same_config(name, other):
+  new_style = read_json(os.path.join(fixture(name), "config.json"))
+  old_style = read_json(os.path.join(fixture(name), other))
+  assert "rope_parameters" in new_style and "rope_parameters" not in old_style
+  assert "rope_theta" in old_style
+  assert config_from_hf(new_style) == config_from_hf(old_style)
+
+
+def test_config_fields_read_from_llama_and_qwen2():
+  llama = config_from_hf(read_json(os.path.join(fixture("llama"), "config_4x.json")))
+  assert (llama.architecture, llama.num_kv_heads, llama.head_dim, llama.rope_theta) == (
+      "llama", 2, 16, 500000.0)
+  assert llama.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+  assert not llama.qkv_bias and not llama.tie_word_embeddings
+  qwen = config_from_hf(read_json(os.path.join(fixture("qwen2"), "config.json")))
+  assert (qwen.architecture, qwen.qkv_bias, qwen.tie_word_embeddings, qwen.rope_theta) == (
+      "qwen2", True, True, 1e6)
+  assert qwen.rope_scaling is None
+
+
+@pytest.mark.parametrize("config", [
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+                num_kv_heads=1, rope_theta=5e5, architecture="llama",
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=3, num_heads=4,
+                num_kv_heads=2, qkv_bias=True, tie_word_embeddings=True, architecture="qwen2",
+                rope_scaling={"rope_type": "linear", "factor": 2.0}, rms_norm_eps=1e-5,
+                max_position_embeddings=77),
+], ids=["llama", "qwen2"])
+def test_config_to_hf_and_back_is_identity(config):
+  hf = config_to_hf(config)
+  assert config_from_hf(hf) == config
+  # Either layout alone carries the rope settings.
+  old_only = {k: v for k, v in hf.items() if k != "rope_parameters"}
+  new_only = {k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling")}
+  assert config_from_hf(old_only) == config_from_hf(new_only) == config
+
+
+def test_unknown_architecture_is_named():
+  d = read_json(os.path.join(fixture("llama"), "config.json"))
+  d["architectures"] = ["MistralForCausalLM"]
+  with pytest.raises(ValueError, match="MistralForCausalLM"):
+    config_from_hf(d)
+
+
+@pytest.mark.parametrize("field,value,arch", [
+    ("attention_bias", True, "llama"), ("mlp_bias", True, "llama"),
+    ("hidden_act", "gelu", "llama"), ("use_sliding_window", True, "qwen2"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "llama"),
+])
+def test_unsupported_config_field_is_named(field, value, arch):
+  d = read_json(os.path.join(fixture(arch), "config.json"))
+  d[field] = value
+  if field == "use_sliding_window":
+    d.update(max_window_layers=0, layer_types=None)
+  with pytest.raises(ValueError, match="yarn" if field == "rope_parameters" else field):
+    config_from_hf(d)
+
+
+def test_missing_config_field_is_named():
+  d = read_json(os.path.join(fixture("qwen2"), "config.json"))
+  del d["intermediate_size"]
+  with pytest.raises(ValueError, match="intermediate_size"):
+    config_from_hf(d)
+
+
+def test_missing_tensor_is_named(tmp_path):
+  tensors = hf_tensors(fixture("llama"))
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+    load_hf_checkpoint(copy_with(tmp_path, "llama", tensors))
+
+
+def test_qwen2_checkpoint_without_biases_is_missing_them(tmp_path):
+  tensors = {k: v for k, v in hf_tensors(fixture("qwen2")).items() if not k.endswith(".bias")}
+  with pytest.raises(ValueError, match=r"missing tensor '.*_proj\.bias'"):
+    load_hf_checkpoint(copy_with(tmp_path, "qwen2", tensors))
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+  tensors = hf_tensors(fixture("llama"))
+  tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(48, np.float32)
+  with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.o_proj"):
+    load_hf_checkpoint(copy_with(tmp_path, "llama", tensors))
+
+
+def test_rotary_buffers_and_tied_lm_head_are_ignored(tmp_path):
+  tensors = hf_tensors(fixture("qwen2"))
+  tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+  tensors["model.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+  tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+  model = load_hf_checkpoint(copy_with(tmp_path, "qwen2", tensors))
+  np.testing.assert_array_equal(model.embed.embedding[...], tensors["model.embed_tokens.weight"])
+  assert not hasattr(model, "lm_head")
+
+
+def test_wrong_shape_is_named(tmp_path):
+  tensors = hf_tensors(fixture("llama"))
+  tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((48, 32), np.float32)
+  with pytest.raises(ValueError, match=r"k_proj\.weight.*expected shape \(32, 48\), got \(48, 32\)"):
+    load_hf_checkpoint(copy_with(tmp_path, "llama", tensors))
+
+
+def test_folder_without_weights_or_config_is_an_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    load_hf_checkpoint(str(tmp_path))
+  shutil.copy(os.path.join(fixture("llama"), "config.json"), tmp_path / "config.json")
+  with pytest.raises(FileNotFoundError, match="model.safetensors.index.json"):
+    load_hf_checkpoint(str(tmp_path))
+
+
+def test_index_naming_a_missing_shard_is_an_error(tmp_path):
+  shutil.copytree(fixture("qwen2_sharded"), tmp_path / "ckpt")
+  os.remove(tmp_path / "ckpt" / "model-00002-of-00003.safetensors")
+  with pytest.raises(FileNotFoundError, match="model-00002-of-00003.safetensors"):
+    load_hf_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_kernels_are_transposed_hf_weights():
+  model = load_hf_checkpoint(fixture("llama"))
+  tensors = hf_tensors(fixture("llama"))
+  np.testing.assert_array_equal(model.layers[1].attn.q_proj.kernel[...],
+                                tensors["model.layers.1.self_attn.q_proj.weight"].T)
+  np.testing.assert_array_equal(model.lm_head.kernel[...], tensors["lm_head.weight"].T)
+  np.testing.assert_array_equal(model.layers[0].post_attn_norm.scale[...],
+                                tensors["model.layers.0.post_attention_layernorm.weight"])
+
+
+def test_bfloat16_dtype_sets_every_param_and_rounds_once():
+  model = load_hf_checkpoint(fixture("qwen2"), dtype="bfloat16")
+  assert model.config.param_dtype == model.config.dtype == "bfloat16"
+  params = flatten_params(model)
+  assert {str(p.dtype) for p in params.values()} == {"bfloat16"}
+  bias = hf_tensors(fixture("qwen2"))["model.layers.1.self_attn.v_proj.bias"]
+  np.testing.assert_array_equal(np.asarray(params["layers.1.attn.v_proj.bias"]),
+                                bias.astype(ml_dtypes.bfloat16))
+
+
+def test_bad_dtype_is_named():
+  with pytest.raises(ValueError, match="float16"):
+    load_hf_checkpoint(fixture("qwen2"), dtype="float16")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded"])
+def test_save_writes_back_the_same_tensors(name, tmp_path):
+  save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+  saved, original = hf_tensors(str(tmp_path)), hf_tensors(fixture(name))
+  assert sorted(saved) == sorted(original)  # tied qwen2: no lm_head.weight either side
+  for key in original:
+    assert saved[key].dtype == original[key].dtype
+    np.testing.assert_array_equal(saved[key], original[key], err_msg=key)
+  assert config_from_hf(read_json(tmp_path / "config.json")) == config_from_hf(
+      read_json(os.path.join(fixture(name), "config.json")))
+
+
+def test_bfloat16_save_load_round_trip_is_exact(tmp_path):
+  model = load_hf_checkpoint(fixture("llama"), dtype="bfloat16")
+  save_hf_checkpoint(model, str(tmp_path))
+  assert {str(t.dtype) for t in hf_tensors(str(tmp_path)).values()} == {"bfloat16"}
+  assert read_json(tmp_path / "config.json")["torch_dtype"] == "bfloat16"
+  again = flatten_params(load_hf_checkpoint(str(tmp_path), dtype="bfloat16"))
+  for key, value in flatten_params(model).items():
+    np.testing.assert_array_equal(np.asarray(again[key]), np.asarray(value), err_msg=key)
+
+
+def test_sharded_save_writes_an_index_and_loads_back(tmp_path):
+  model = load_hf_checkpoint(fixture("llama"))
+  save_hf_checkpoint(model, str(tmp_path), dtype="bfloat16", max_shard_bytes=30_000,
+                     extra_config={"bos_token_id": 1, "eos_token_id": 2})
+  files = sorted(os.listdir(tmp_path))
+  shards = [f for f in files if f.endswith(".safetensors")]
+  assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+  assert len(shards) > 1 and all(os.path.getsize(tmp_path / f) < 40_000 for f in shards)
+  index = read_json(tmp_path / "model.safetensors.index.json")
+  assert set(index["weight_map"].values()) == set(shards)
+  assert read_json(tmp_path / "config.json")["eos_token_id"] == 2
+  again = flatten_params(load_hf_checkpoint(str(tmp_path)))
+  for key, value in flatten_params(model).items():
+    expected = np.asarray(value).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(again[key]), expected, err_msg=key)
+  # Saving again as one file removes the old shards, so nothing stale can be read back.
+  save_hf_checkpoint(model, str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
+def test_load_onto_a_mesh_shards_each_param():
+  mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+  model = load_hf_checkpoint(fixture("llama"), mesh=mesh)
+  kernel = model.layers[0].mlp.down_proj.kernel[...]
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+  assert len(kernel.addressable_shards) == 8
+  assert kernel.addressable_shards[0].data.shape == (64 // 4, 48 // 2)
+  reference = load_hf_checkpoint(fixture("llama"))
+  np.testing.assert_array_equal(np.asarray(kernel), reference.layers[0].mlp.down_proj.kernel[...])
