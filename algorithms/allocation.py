@@ -154,10 +154,11 @@ class VigorAllocator:
   Round t >= 1 plans k_t = ceil(alpha * k_{t-1}) prompts x m0 * gamma^t samples (k_0 =
   num_prompts); the last round spends whatever budget remains, so the total is exactly
   the budget (default: the schedule's own total, 8 per prompt for m0=2, rounds=4,
-  alpha=0.5, gamma=2). A round's samples go to every active prompt whose variance is at
-  least the k_t-th highest (ties are all kept), split evenly; leftovers of the split go
-  to the prompts with the fewest samples, then highest variance, then lowest index.
-  So when all variances are equal every prompt gets budget / num_prompts: fixed N.
+  alpha=0.5, gamma=2). A round's samples are k_t equal shares: one to each active prompt
+  whose variance is above the k_t-th highest, and the shares left split evenly among
+  the prompts tied at that value (all of them stay active); integer leftovers go to the
+  prompts with the fewest samples, then highest variance, then lowest index. So when
+  all variances are equal every prompt gets budget / num_prompts: fixed N.
   """
 
   m0: int = 2
@@ -206,46 +207,58 @@ class VigorAllocator:
     if t == 0:
       out[:] = self.m0
       if state.num_rounds == 1:
-        out += _even_split(state.budget - self.m0 * p, np.ones(p, bool), state.counts + out,
-                           np.zeros(p))
+        out += _proportional_split(state.budget - self.m0 * p, np.ones(p), state.counts + out,
+                                   np.zeros(p))
       return out
     var = state.variances()
-    selected = _top_with_ties(var, state.active, self._kept(p, t))
+    weights = _selection_weights(var, state.active, self._kept(p, t))
     round_budget = (state.remaining if t == state.num_rounds - 1 else
                     min(state.remaining, self._kept(p, t) * self._per_prompt(t)))
-    return _even_split(round_budget, selected, state.counts, var)
+    return _proportional_split(round_budget, weights, state.counts, var)
 
   def observe(self, state: AllocationState, rewards: Sequence[np.ndarray]) -> AllocationState:
     requested = self.requests(state)
     new = _record(state, requested, rewards)
     if state.round > 0:
-      new.active = _top_with_ties(state.variances(), state.active,
-                                  self._kept(state.num_prompts, state.round))
+      new.active = _selection_weights(state.variances(), state.active,
+                                      self._kept(state.num_prompts, state.round)) > 0
     return new
 
 
-def _top_with_ties(var: np.ndarray, active: np.ndarray, k: int) -> np.ndarray:
-  """Active prompts whose variance is at least the k-th highest among the active ones."""
+def _selection_weights(var: np.ndarray, active: np.ndarray, k: int) -> np.ndarray:
+  """Shares of a round: 1 for each active prompt above the k-th highest variance; the
+  remaining k - (those) shares split evenly over the prompts tied at the k-th value."""
+  weights = np.zeros(var.shape[0])
   cand = var[active]
-  if cand.size == 0:
-    return active.copy()
-  kth = np.sort(cand)[::-1][min(k, cand.size) - 1]
+  if cand.size <= k:
+    weights[active] = 1.0
+    return weights
+  kth = np.sort(cand)[::-1][k - 1]
   tol = 1e-12 * max(1.0, abs(kth))
-  return active & (var >= kth - tol)
+  above = active & (var > kth + tol)
+  tied = active & ~above & (var >= kth - tol)
+  weights[above] = 1.0
+  weights[tied] = (k - above.sum()) / tied.sum()
+  return weights
 
 
-def _even_split(total: int, selected: np.ndarray, counts: np.ndarray,
-                var: np.ndarray) -> np.ndarray:
-  """`total` samples over the selected prompts, as evenly as possible (see VigorAllocator)."""
-  out = np.zeros(selected.shape[0], np.int64)
-  idx = np.flatnonzero(selected)
+def _proportional_split(total: int, weights: np.ndarray, counts: np.ndarray,
+                        var: np.ndarray) -> np.ndarray:
+  """`total` samples in proportion to `weights`, in integers summing exactly to `total`:
+  floors first, then one more each by largest remainder, then fewest samples so far,
+  then highest variance, then lowest index."""
+  out = np.zeros(weights.shape[0], np.int64)
+  idx = np.flatnonzero(weights > 0)
   if total <= 0 or idx.size == 0:
     return out
-  base, extra = divmod(int(total), idx.size)
+  exact = total * weights[idx] / weights[idx].sum()
+  base = np.floor(exact + 1e-9).astype(np.int64)
   out[idx] = base
-  if extra:
-    order = np.lexsort((idx, -var[idx], counts[idx]))  # fewest samples, high var, low index
-    out[idx[order[:extra]]] += 1
+  left = int(total - base.sum())
+  if left > 0:
+    frac = np.round(exact - base, 9)
+    order = np.lexsort((idx, -var[idx], counts[idx], -frac))
+    out[idx[order[:left]]] += 1
   return out
 
 

@@ -71,6 +71,21 @@ def test_vigor_gives_new_samples_to_highest_variance_prompts():
   assert state.spent == state.budget == 64
 
 
+def test_vigor_splits_the_boundary_share_among_tied_prompts():
+  # round 0: p0 sees [0, 1] (variance 0.5), p1-p3 see [0, 0] (variance 0)
+  alloc = VigorAllocator()
+  state = alloc.start(4, budget=24)
+  state = alloc.observe(state, [np.array([0.0, 1.0])] + [np.zeros(2)] * 3)
+  # round 1: k = 2 shares of 4 samples = 8. p0 is above the 2nd-highest variance (0): one
+  # share, 4. The other share (4) goes to the 3 prompts tied at 0: 4/3 each -> 1 each,
+  # and the leftover 1 to the first of them (equal counts and variances: lowest index)
+  np.testing.assert_array_equal(alloc.requests(state), [4, 2, 1, 1])
+  state = alloc.observe(state, [np.array([1.0, 0, 1, 0]), np.zeros(2), np.ones(1), np.zeros(1)])
+  # round 2: k = 1 share of 2 * 2^2 = 8 samples. p0 = [0, 1, 1, 0, 1, 0]: variance
+  # 6 * .25 / 5 = 0.3; p2 = [0, 0, 1]: (2 * (1/3)^2 + (2/3)^2) / 2 = 1/3 > 0.3: p2 gets it
+  np.testing.assert_array_equal(alloc.requests(state), [0, 0, 8, 0])
+
+
 @pytest.mark.parametrize("num_prompts,budget", [(8, 64), (4, 32)])
 def test_vigor_reduces_to_fixed_n_when_variances_are_equal(num_prompts, budget):
   # every prompt sees the same alternating rewards and (budget divides evenly in every
