@@ -1,0 +1,180 @@
+"""Prompts, leases, rollouts and workers over gRPC: each RPC's happy path and its status codes."""
+
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from param_server.client import ParamServerError, make_sample, sample_logprobs
+from param_server.protos import param_server_pb2 as pb
+from param_server.status_main import format_stats
+from ps_testlib import REPO, TOKENS, client_for, publish_chain
+
+
+def prompts(n, prefix="p"):
+  return [pb.Prompt(id=f"{prefix}{i}", text=f"what is {i}+{i}?", token_ids=[1, i + 2], task="add",
+                    metadata={"answer": str(2 * i)}) for i in range(n)]
+
+
+def group_for(prompt, version=0, reward=1.0):
+  samples = [make_sample([7, 8, 9], reward, text="4", logprobs=np.array([-0.1, -0.2, -0.3]),
+                         finish_reason="stop") for _ in range(2)]
+  return pb.RolloutGroup(prompt_id=prompt.id, samples=samples, policy_version=version)
+
+
+def code_of(call):
+  with pytest.raises(ParamServerError) as info:
+    call()
+  return info.value.code, info.value.details
+
+
+def test_full_prompt_to_rollout_cycle(trainer, worker):
+  publish_chain(trainer, 1)
+  assert trainer.enqueue_prompts(prompts(3)).queue_depth == 3
+  lease = worker.lease(3, deadline_s=30)
+  assert [p.metadata["answer"] for p in lease.prompts] == ["0", "2", "4"]
+  for p in lease.prompts:
+    reply = worker.submit_rollouts(lease.lease_id, group_for(p), policy_version=0)
+  assert reply.lease_closed
+  assert worker.complete(lease) == 3
+  take = trainer.take_rollouts(min_version=0, max_n=10)
+  assert [r.prompt.id for r in take.rollouts] == ["p0", "p1", "p2"]
+  assert all(r.worker_id == worker.worker_id for r in take.rollouts)
+  np.testing.assert_allclose(sample_logprobs(take.rollouts[0].group.samples[0]), [-0.1, -0.2, -0.3], rtol=1e-6)
+  assert trainer.ack(take) == 3
+  stats = trainer.stats()
+  assert (stats.rollouts_ready, stats.rollouts_in_flight, stats.rollouts_accepted) == (0, 0, 3)
+
+
+def test_a_retried_submission_is_acknowledged_not_duplicated(trainer, worker):
+  trainer.enqueue_prompts(prompts(1))
+  lease = worker.lease(1, deadline_s=30)
+  first = worker.submit_rollouts(lease.lease_id, group_for(lease.prompts[0]))
+  again = worker.submit_rollouts(lease.lease_id, group_for(lease.prompts[0]))
+  assert again.duplicate and again.rollout_id == first.rollout_id
+  assert len(trainer.take_rollouts(max_n=10).rollouts) == 1
+
+
+def test_an_expired_lease_returns_its_prompts_and_rejects_late_rollouts(trainer, worker):
+  trainer.enqueue_prompts(prompts(2))
+  lease = worker.lease(2, deadline_s=0.2)
+  time.sleep(0.5)
+  assert trainer.stats().prompts_queued == 2
+  other = client_for(worker.address, "worker")
+  other.register("other")
+  again = other.lease(2, deadline_s=30)
+  assert sorted(p.id for p in again.prompts) == ["p0", "p1"]
+  code, details = code_of(lambda: worker.submit_rollouts(lease.lease_id, group_for(lease.prompts[0])))
+  assert code == grpc.StatusCode.FAILED_PRECONDITION and "expired" in details
+  other.submit_rollouts(again.lease_id, group_for(again.prompts[0]))
+  assert trainer.stats().rollouts_ready == 1
+  other.close()
+
+
+def test_renew_keeps_a_lease_alive(trainer, worker):
+  trainer.enqueue_prompts(prompts(1))
+  lease = worker.lease(1, deadline_s=0.4)
+  for _ in range(3):
+    time.sleep(0.2)
+    worker.renew(lease, deadline_s=0.4)
+  worker.submit_rollouts(lease.lease_id, group_for(lease.prompts[0]))
+  assert trainer.stats().leases_expired == 0
+
+
+def test_release_puts_prompts_back(trainer, worker):
+  trainer.enqueue_prompts(prompts(2))
+  lease = worker.lease(2, deadline_s=30)
+  assert worker.release(lease, ["p1"]) == 1
+  assert [p.id for p in worker.lease(5, deadline_s=30).prompts] == ["p1"]
+
+
+def test_lease_long_poll_wakes_when_prompts_arrive(trainer, worker):
+  timer = threading.Timer(0.2, lambda: trainer.enqueue_prompts(prompts(1)))
+  timer.start()
+  lease = worker.lease(1, deadline_s=30, wait_s=5)
+  timer.join()
+  assert [p.id for p in lease.prompts] == ["p0"]
+  assert worker.lease(1, deadline_s=30, wait_s=0.05).lease_id == ""
+
+
+def test_unacked_rollouts_are_delivered_again(trainer, worker):
+  trainer.enqueue_prompts(prompts(1))
+  lease = worker.lease(1, deadline_s=30)
+  worker.submit_rollouts(lease.lease_id, group_for(lease.prompts[0]))
+  first = trainer.take_rollouts(max_n=5, ack_deadline_s=0.2)
+  time.sleep(0.4)
+  second = trainer.take_rollouts(max_n=5, ack_deadline_s=30)
+  assert [r.rollout_id for r in second.rollouts] == [r.rollout_id for r in first.rollouts]
+  code, _ = code_of(lambda: trainer.ack(first))
+  assert code == grpc.StatusCode.NOT_FOUND
+  assert trainer.ack(second) == 1
+
+
+def test_take_drops_stale_rollouts_and_requeues_their_prompts(trainer, worker):
+  publish_chain(trainer, 3)
+  trainer.enqueue_prompts(prompts(2))
+  lease = worker.lease(2, deadline_s=30)
+  worker.submit_rollouts(lease.lease_id, group_for(lease.prompts[0], version=0))
+  worker.submit_rollouts(lease.lease_id, group_for(lease.prompts[1], version=2))
+  take = trainer.take_rollouts(min_version=1, max_n=5)
+  assert [r.prompt.id for r in take.rollouts] == ["p1"] and take.dropped_stale == 1
+  assert trainer.stats().prompts_queued == 1
+
+
+@pytest.mark.parametrize("call, code, field", [
+    (lambda t, w: w.lease(0, deadline_s=1), grpc.StatusCode.INVALID_ARGUMENT, "n"),
+    (lambda t, w: w.lease(1, deadline_s=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "deadline_s"),
+    (lambda t, w: w.renew("nope", 1.0), grpc.StatusCode.NOT_FOUND, "lease_id"),
+    (lambda t, w: w.complete("nope"), grpc.StatusCode.NOT_FOUND, "lease_id"),
+    (lambda t, w: w.release("", ()), grpc.StatusCode.INVALID_ARGUMENT, "lease_id"),
+    (lambda t, w: w.submit_rollouts("nope", pb.RolloutGroup(prompt_id="p0", samples=[pb.Sample()])),
+     grpc.StatusCode.NOT_FOUND, "lease_id"),
+    (lambda t, w: w.submit_rollouts("x", pb.RolloutGroup(prompt_id="p0")), grpc.StatusCode.INVALID_ARGUMENT,
+     "group.samples"),
+    (lambda t, w: t.enqueue_prompts([pb.Prompt(id="empty")]), grpc.StatusCode.INVALID_ARGUMENT, "prompts[0]"),
+    (lambda t, w: t.take_rollouts(max_n=0), grpc.StatusCode.INVALID_ARGUMENT, "max_groups"),
+    (lambda t, w: t.take_rollouts(ack_deadline_s=-1), grpc.StatusCode.INVALID_ARGUMENT, "ack_deadline_s"),
+    (lambda t, w: t.ack("nope"), grpc.StatusCode.NOT_FOUND, "take_id"),
+    (lambda t, w: w.heartbeat(version=-9), grpc.StatusCode.INVALID_ARGUMENT, "version"),
+    (lambda t, w: w.register(""), grpc.StatusCode.INVALID_ARGUMENT, "name"),
+])
+def test_bad_requests_get_a_status_naming_the_field(trainer, worker, call, code, field):
+  trainer.enqueue_prompts(prompts(1))
+  before = trainer.stats()
+  got, details = code_of(lambda: call(trainer, worker))
+  assert got == code and details.startswith(field)
+  after = trainer.stats()
+  assert (after.prompts_queued, after.leases_active, after.rollouts_ready) == (
+      before.prompts_queued, before.leases_active, before.rollouts_ready)
+  assert after.errors == before.errors + 1
+
+
+def test_a_foreign_lease_is_rejected(trainer, worker):
+  trainer.enqueue_prompts(prompts(1))
+  lease = worker.lease(1, deadline_s=30)
+  code, details = code_of(lambda: worker.submit_rollouts(
+      lease.lease_id, group_for(lease.prompts[0]), worker_id="someone-else"))
+  assert code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("worker_id")
+
+
+def test_workers_register_heartbeat_and_show_in_stats(trainer, worker, viewer):
+  publish_chain(trainer, 2)
+  assert worker.heartbeat(version=1, tokens_per_s=123.0) == 1
+  stats = viewer.stats()
+  assert stats.workers_alive == 1
+  (w,) = stats.workers
+  assert (w.worker_id, w.version, w.tokens_per_s) == (worker.worker_id, 1, 123.0)
+  table = format_stats(stats)
+  assert worker.worker_id in table and "v1 (bf16)" in table
+
+
+def test_rlax_ps_status_prints_the_table(server, trainer):
+  trainer.enqueue_prompts(prompts(4))
+  out = subprocess.run([sys.executable, "-m", "rlax_ps", "status", f"--address={server.address}",
+                        f"--token={TOKENS['viewer']}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  assert "prompts queued" in out.stdout and " 4" in out.stdout.split("prompts queued")[1].splitlines()[0]

@@ -1,0 +1,118 @@
+"""Bearer tokens per role, generated token files, health and reflection without a token, TLS."""
+
+import json
+import logging
+import os
+import stat
+import subprocess
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from param_server.client import ParamServerClient, ParamServerError, RetryPolicy
+from param_server.server import ParamServer
+from ps_testlib import TOKENS, client_for, small_config
+
+NO_RETRY = RetryPolicy(deadline_s=0.5)
+
+
+def error_code(call):
+  with pytest.raises(ParamServerError) as info:
+    call()
+  return info.value.code
+
+
+def test_missing_or_unknown_token_is_unauthenticated(server):
+  for token in (None, "wrong-token"):
+    with ParamServerClient(server.address, token=token, retry=NO_RETRY) as c:
+      assert error_code(c.stats) == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("role, call", [
+    ("worker", lambda c: c.publish(b"x")),
+    ("worker", lambda c: c.take_rollouts()),
+    ("worker", lambda c: c.enqueue_prompts([])),
+    ("viewer", lambda c: c.lease(1, 1.0, worker_id="w")),
+    ("viewer", lambda c: c.pull(None)),
+    ("trainer", lambda c: c.submit_rollouts("l", None, worker_id="w")),
+    ("trainer", lambda c: c.register("w")),
+])
+def test_wrong_role_is_permission_denied(server, role, call):
+  with client_for(server, role, retry=NO_RETRY) as c:
+    assert error_code(lambda: call(c)) == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("role", ["trainer", "worker", "viewer"])
+def test_every_role_may_read_versions_and_stats(server, role):
+  with client_for(server, role) as c:
+    assert c.latest_version() == -1 and c.stats().prompts_queued == 0
+
+
+def test_health_and_reflection_need_no_token(server):
+  channel = grpc.insecure_channel(server.address)
+  health = health_pb2_grpc.HealthStub(channel).Check(
+      health_pb2.HealthCheckRequest(service="rlax_ps.v1.ParamServer"), timeout=5)
+  assert health.status == health_pb2.HealthCheckResponse.SERVING
+  stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+  (reply,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                       timeout=5)
+  names = [s.name for s in reply.list_services_response.service]
+  assert "rlax_ps.v1.ParamServer" in names
+  channel.close()
+
+
+def test_generated_tokens_are_saved_owner_only_and_work(tmp_path, monkeypatch):
+  for role in TOKENS:
+    monkeypatch.delenv(f"RLAX_PS_{role.upper()}_TOKEN", raising=False)
+  config = small_config(tmp_path / "ps", trainer_token="", worker_token="", viewer_token="")
+  server = ParamServer(config).start()
+  try:
+    path = tmp_path / "ps" / "tokens.json"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    tokens = json.loads(path.read_text())
+    assert len({tokens[r] for r in TOKENS}) == 3
+    with ParamServerClient(server.address, token=tokens["viewer"]) as c:
+      assert c.latest_version() == -1
+  finally:
+    server.stop(grace=0)
+  again = ParamServer(config)  # a restart reuses the saved tokens
+  assert again.tokens == tokens
+  again.queues.close()
+
+
+def test_tokens_from_the_environment_and_never_logged(tmp_path, monkeypatch, caplog):
+  monkeypatch.setenv("RLAX_PS_WORKER_TOKEN", "env-worker-token")
+  caplog.set_level(logging.DEBUG)
+  server = ParamServer(small_config(tmp_path / "ps", worker_token="")).start()
+  try:
+    with ParamServerClient(server.address, token="env-worker-token", retry=NO_RETRY) as c:
+      assert c.latest_version() == -1
+      error_code(lambda: c.publish(b"x"))
+    with ParamServerClient(server.address, token="bad", retry=NO_RETRY) as c:
+      error_code(c.stats)
+  finally:
+    server.stop(grace=0)
+  text = caplog.text
+  for secret in ("env-worker-token", *TOKENS.values()):
+    assert secret not in text
+  assert "Publish" in text  # the denial itself is logged
+
+
+def _self_signed(tmp_path):
+  key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                  str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+                  "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+  return key, cert
+
+
+def test_tls_serves_trusting_clients_only(tmp_path, start_server):
+  key, cert = _self_signed(tmp_path)
+  server = start_server(tls_cert=str(cert), tls_key=str(key))
+  root = cert.read_bytes()
+  with client_for(server, "viewer", root_certificates=root, tls_server_name="localhost") as c:
+    assert c.latest_version() == -1
+  with client_for(server, "viewer", retry=NO_RETRY) as plain:
+    assert error_code(plain.latest_version) == grpc.StatusCode.UNAVAILABLE

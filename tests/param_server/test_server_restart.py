@@ -1,0 +1,188 @@
+"""kill -9 of a server process, restart on the same storage: nothing acknowledged is lost.
+
+Also: half-written versions are discarded, and a pull broken mid-stream resumes.
+"""
+
+import os
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from param_server.client import ParamServerError, PullProgress, RetryPolicy
+from param_server.protos import param_server_pb2 as pb
+from param_server.weights import WeightStore
+from ps_testlib import CHUNK, apply_blobs, client_for, perturbed, publish_chain, tiny_weights
+from rlax_ps import sync
+
+
+def prompts(n):
+  return [pb.Prompt(id=f"p{i}", text=f"prompt {i}") for i in range(n)]
+
+
+def group(pid, version=0):
+  return pb.RolloutGroup(prompt_id=pid, policy_version=version,
+                         samples=[pb.Sample(token_ids=[1, 2], reward=0.5, logprobs=[-1.0, -2.0])])
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def kill9(proc):
+  proc.kill()  # SIGKILL
+  proc.wait()
+
+
+def test_kill9_and_restart_keeps_every_acknowledged_change(tmp_path, server_process):
+  storage = tmp_path / "ps"
+  proc, address = server_process(storage)
+  trainer, worker = client_for(address, "trainer"), client_for(address, "worker")
+  worker.register("w")
+  versions = publish_chain(trainer, 3)
+  pulled = [bytes(b) for b in worker.pull(None)]
+  trainer.enqueue_prompts(prompts(6))
+  lease = worker.lease(4, deadline_s=60)
+  worker.submit_rollouts(lease.lease_id, group(lease.prompts[0].id))
+  worker.submit_rollouts(lease.lease_id, group(lease.prompts[1].id))
+  take = trainer.take_rollouts(max_n=1, ack_deadline_s=60)
+  before = trainer.stats()
+  kill9(proc)
+
+  proc, address = server_process(storage)
+  trainer, worker2 = client_for(address, "trainer"), client_for(address, "worker")
+  after = trainer.stats()
+  for field in ("prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight",
+                "rollouts_accepted"):
+    assert getattr(after, field) == getattr(before, field), field
+  assert after.versions.latest_version == 2
+  assert [bytes(b) for b in worker2.pull(None)] == pulled
+  np.testing.assert_array_equal(apply_blobs(worker2.pull(None))["embed"].view(np.uint16),
+                                sync.held_state(versions[-1], "bf16")["embed"].view(np.uint16))
+  # The lease survived: a retry is acknowledged, the rest can be submitted, the take acked.
+  wid = worker.worker_id
+  assert worker2.submit_rollouts(lease.lease_id, group(lease.prompts[1].id), worker_id=wid).duplicate
+  worker2.submit_rollouts(lease.lease_id, group(lease.prompts[2].id), worker_id=wid)
+  assert trainer.ack(take) == 1
+  rest = trainer.take_rollouts(max_n=10)
+  assert [r.prompt.id for r in rest.rollouts] == [lease.prompts[1].id, lease.prompts[2].id]
+  for c in (trainer, worker, worker2):
+    c.close()
+
+
+def test_kill9_under_concurrent_submissions_loses_no_acknowledged_rollout(tmp_path, server_process):
+  storage = tmp_path / "ps"
+  proc, address = server_process(storage)
+  trainer = client_for(address, "trainer")
+  trainer.enqueue_prompts(prompts(400))
+  acked, stop = [], threading.Event()
+
+  def work(k):
+    c = client_for(address, "worker", retry=RetryPolicy(deadline_s=0.5))
+    c.register(f"w{k}")
+    try:
+      while not stop.is_set():
+        lease = c.lease(5, deadline_s=60)
+        for p in lease.prompts:
+          reply = c.submit_rollouts(lease.lease_id, group(p.id))
+          acked.append((p.id, reply.rollout_id))
+    except ParamServerError:
+      pass  # the server died under us
+    finally:
+      c.close()
+
+  threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+  for t in threads:
+    t.start()
+  while len(acked) < 40:
+    threading.Event().wait(0.01)
+  kill9(proc)
+  stop.set()
+  for t in threads:
+    t.join()
+  proc, address = server_process(storage)
+  trainer = client_for(address, "trainer")
+  taken = trainer.take_rollouts(max_n=1000)
+  got = {(r.prompt.id, r.rollout_id) for r in taken.rollouts}
+  assert set(acked) <= got
+  assert len({pid for pid, _ in got}) == len(got)  # each prompt answered once
+  stats = trainer.stats()
+  assert stats.prompts_queued + stats.prompts_leased + len(got) == 400
+  trainer.close()
+
+
+def commit(store, blob):
+  writer = store.begin_publish(len(blob))
+  for off in range(0, len(blob), CHUNK):
+    writer.write(off, blob[off:off + CHUNK])
+  return store.commit(writer)[0]
+
+
+def test_a_half_written_version_is_discarded_on_restart(tmp_path):
+  storage = str(tmp_path / "ps")
+  store = WeightStore(storage, chunk_bytes=CHUNK)
+  w0 = tiny_weights()
+  w1 = perturbed(w0, 0.1, 1)
+  commit(store, sync.encode(None, w0, version=0).to_bytes())
+  commit(store, sync.encode(w0, w1, version=1).to_bytes())
+  # A crash after writing v2's array but before its commit marker, and one mid-receive.
+  w2 = perturbed(w1, 0.1, 2)
+  store._write_array(os.path.join(store.blob_dir, "v000000000002-d000000000001.zarr"),
+                     sync.encode(w1, w2, version=2).to_bytes())
+  store._write_array(os.path.join(store.tmp_dir, "partial.zarr"), b"\0" * 100)
+  again = WeightStore(storage, chunk_bytes=CHUNK)
+  assert again.latest == 1
+  assert sorted(os.listdir(again.blob_dir)) == sorted(
+      f"v{v:012d}-{k}.{ext}" for v, k in ((0, "k"), (1, "d000000000000")) for ext in ("zarr", "json"))
+  assert os.listdir(again.tmp_dir) == []
+  assert commit(again, sync.encode(w1, w2, version=2).to_bytes()).version == 2  # v2 can be published again
+
+
+def _big_keyframe(n=1 << 18):
+  rng = np.random.default_rng(0)
+  return {"w": rng.normal(size=(n,)).astype(np.float32)}  # 512 KiB as bf16: 128 chunks of 4 KiB
+
+
+def test_a_client_dying_mid_pull_resumes_from_its_last_chunk(server, trainer, worker):
+  weights = _big_keyframe()
+  trainer.publish(sync.encode(None, weights, version=0).to_bytes())
+  progress = PullProgress()
+
+  def die_after_some(chunk):
+    if chunk.offset >= 20 * CHUNK:
+      raise KeyboardInterrupt("worker preempted")
+
+  with pytest.raises(KeyboardInterrupt):
+    worker.pull(None, progress=progress, on_chunk=die_after_some)
+  held_bytes = progress.partial_filled
+  assert held_bytes > 0 and not progress.done
+  served_before = server.servicer.bytes_served
+  blobs = worker.pull(progress=progress)
+  assert progress.resumed_bytes == held_bytes
+  assert server.servicer.bytes_served - served_before == len(blobs[0]) - held_bytes
+  np.testing.assert_array_equal(apply_blobs(blobs)["w"].view(np.uint16),
+                                sync.held_state(weights, "bf16")["w"].view(np.uint16))
+
+
+def test_a_pull_survives_a_server_kill9_and_resumes(tmp_path, server_process):
+  storage, port = tmp_path / "ps", free_port()
+  proc, address = server_process(storage, f"--port={port}")
+  weights = _big_keyframe()
+  with client_for(address, "trainer") as trainer:
+    trainer.publish(sync.encode(None, weights, version=0).to_bytes())
+  worker = client_for(address, "worker")
+  progress, restarted = PullProgress(), []
+
+  def kill_once(chunk):
+    if not restarted and chunk.offset >= 10 * CHUNK:
+      kill9(proc)
+      restarted.append(server_process(storage, f"--port={port}"))
+
+  blobs = worker.pull(None, progress=progress, on_chunk=kill_once)
+  assert restarted and progress.attempts >= 2 and progress.resumed_bytes >= 10 * CHUNK
+  np.testing.assert_array_equal(apply_blobs(blobs)["w"].view(np.uint16),
+                                sync.held_state(weights, "bf16")["w"].view(np.uint16))
+  worker.close()
