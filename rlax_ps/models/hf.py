@@ -224,8 +224,9 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
   if missing:
     raise ValueError(f"HF checkpoint {path!r}: missing tensor {missing[0]!r} "
                      f"({len(missing)} missing in all)")
-  ignorable = lambda n: _IGNORABLE.fullmatch(n) or (config.tie_word_embeddings
-                                                     and n == "lm_head.weight")
+  def ignorable(name):
+    return _IGNORABLE.fullmatch(name) or (config.tie_word_embeddings and name == "lm_head.weight")
+
   unexpected = sorted(n for n in set(files) - set(needed) if not ignorable(n))
   if unexpected:
     raise ValueError(f"HF checkpoint {path!r}: unexpected tensor {unexpected[0]!r} "
@@ -266,12 +267,13 @@ def load_hf_checkpoint(path: str, dtype: str = "float32", *, compute_dtype: str 
   flat = load_hf_params(path, config)
   graphdef, state, variables = _abstract_params(config)
   for name, var in variables.items():
+    array = flat.pop(name)  # drop each host copy once it is on device
     if mesh is None:
-      var.set_value(jax.numpy.asarray(flat[name]))
+      var.set_value(jax.numpy.asarray(array))
     else:
       spec = fit_spec(jax.sharding.PartitionSpec(*var.get_metadata()["out_sharding"]),
-                      flat[name].shape, mesh)
-      var.set_value(jax.device_put(flat[name], jax.sharding.NamedSharding(mesh, spec)))
+                      array.shape, mesh)
+      var.set_value(jax.device_put(array, jax.sharding.NamedSharding(mesh, spec)))
   return nnx.merge(graphdef, state)
 
 

@@ -1,4 +1,4 @@
-"""HF checkpoint IO: config.json in both transformers layouts, tensor checks, dtypes, round trips."""
+"""HF checkpoint IO: config.json in both transformers layouts, dtypes, round trips."""
 
 import json
 import os
@@ -147,7 +147,8 @@ def test_rotary_buffers_and_tied_lm_head_are_ignored(tmp_path):
 def test_wrong_shape_is_named(tmp_path):
   tensors = hf_tensors(fixture("llama"))
   tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((48, 32), np.float32)
-  with pytest.raises(ValueError, match=r"k_proj\.weight.*expected shape \(32, 48\), got \(48, 32\)"):
+  with pytest.raises(ValueError, match=r"k_proj\.weight.*expected shape \(32, 48\), "
+                                       r"got \(48, 32\)"):
     load_hf_checkpoint(copy_with(tmp_path, "llama", tensors))
 
 
