@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import resource
 import secrets
 import shutil
 import signal
@@ -30,13 +29,17 @@ from typing import Any, Sequence
 
 from algorithms.verifiers.base import VerifierResult, register_verifier
 
-# Runs in the child. Reads a nonce and the report fd from stdin, then the program and
-# tests from the scratch directory (deleting them), installs the audit hook, runs
-# everything and writes one nonce-prefixed JSON line per step to the report fd (apart
+# Runs in the child. Reads a nonce, the report fd and its resource limits from stdin
+# (set here rather than in a preexec_fn, which is unsafe in a multithreaded parent such
+# as a JAX process), then the program and tests from the scratch directory (deleting
+# them), installs the audit hook, runs everything and writes one nonce-prefixed JSON line per step to the report fd (apart
 # from stdout, so whatever the program prints cannot garble a report).
 _HARNESS = r"""
-import json, os, sys
-nonce, report_fd = sys.stdin.readline().split()
+import json, os, resource, sys
+nonce, report_fd, mem, cpu, fsize = sys.stdin.readline().split()
+for limit, value in ((resource.RLIMIT_AS, int(mem)), (resource.RLIMIT_CPU, int(cpu)),
+                     (resource.RLIMIT_FSIZE, int(fsize)), (resource.RLIMIT_CORE, 0)):
+  resource.setrlimit(limit, (value, value))
 sys.stdin.close()
 sys.stdin = open(os.devnull)
 with open("job.json") as f:
@@ -94,15 +97,6 @@ def network_namespace_available() -> bool:
     return False
 
 
-def _limits(memory_bytes: int, cpu_seconds: int, file_bytes: int):
-  def apply():
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-  return apply
-
-
 @register_verifier("code")
 class CodeExecutionVerifier:
   """Scores a Python program by the fraction of test snippets that pass (module docstring)."""
@@ -143,10 +137,10 @@ class CodeExecutionVerifier:
           report_path, "wb") as reports:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=scratch, env=env,
-            start_new_session=True, pass_fds=(reports.fileno(),),
-            preexec_fn=_limits(self.memory_bytes, int(self.timeout_s) + 1, self.output_bytes))
+            start_new_session=True, pass_fds=(reports.fileno(),))
         try:
-          proc.stdin.write(f"{nonce} {reports.fileno()}\n".encode())
+          proc.stdin.write(f"{nonce} {reports.fileno()} {self.memory_bytes} "
+                           f"{int(self.timeout_s) + 1} {self.output_bytes}\n".encode())
           proc.stdin.close()
         except BrokenPipeError:
           pass
