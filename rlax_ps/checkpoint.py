@@ -1,0 +1,85 @@
+"""Checkpoints of a training run: orbax CheckpointManager, async saves, the last N kept.
+
+Each step directory holds two items: `state` (a pytree of arrays: params, optimizer
+state, step, RNG) and `metadata` (a JSON blob: config, data position and whatever later
+issues add). A save becomes visible only once complete (orbax writes to a temporary
+directory and renames it), so a run killed mid-save resumes from the last complete one.
+Restoring takes an abstract target whose shardings may be those of another mesh.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+STATE, METADATA = "state", "metadata"
+
+
+class Checkpointer:
+  """Saves and restores (state pytree, JSON metadata) pairs under one directory."""
+
+  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+    if max_to_keep < 1:
+      raise ValueError(f"checkpoint.max_to_keep: expected >= 1, got {max_to_keep}")
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_names=(STATE, METADATA))
+
+  def save(self, step: int, state: Any, metadata: dict[str, Any]) -> bool:
+    """Start saving `state` and `metadata` as `step` (returns at once when async)."""
+    return self._manager.save(
+        int(step), args=ocp.args.Composite(**{
+            STATE: ocp.args.StandardSave(state),
+            METADATA: ocp.args.JsonSave(metadata)}), force=True)
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step, or None when there is none."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """(state, metadata) of `step` (default: the latest), laid out as `target` says.
+
+    `target` is a pytree of jax.ShapeDtypeStruct with shardings (e.g. on a new mesh), or of
+    arrays whose shardings are reused.
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+    abstract = jax.tree.map(
+        lambda x: x if isinstance(x, jax.ShapeDtypeStruct)
+        else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
+    restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
+        STATE: ocp.args.StandardRestore(abstract), METADATA: ocp.args.JsonRestore()}))
+    return restored[STATE], dict(restored[METADATA])
+
+  def metadata(self, step: int | None = None) -> dict[str, Any]:
+    """Only the JSON blob of `step` (default: the latest)."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+    restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
+        METADATA: ocp.args.JsonRestore()}))
+    return dict(restored[METADATA])
+
+  def wait(self) -> None:
+    """Block until the pending async save is complete on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,128 @@
+"""Device meshes and shardings: a (data, fsdp, tensor) mesh from config, parameter specs from
+the model's NNX sharding metadata, optimizer-state specs that follow their parameters, and
+batch sharding over (data, fsdp).
+
+An axis that does not divide the dimension it would split is dropped for that array (it is
+replicated along that axis instead), so any mesh works with any model size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # The batch dimension is split over both.
+
+
+def mesh_shape(axes: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
+  """Sizes of (data, fsdp, tensor) from config; one axis may be -1 (= what remains)."""
+  unknown = sorted(set(axes) - set(MESH_AXES))
+  if unknown:
+    raise ValueError(f"mesh: unknown axes {unknown}; expected some of {MESH_AXES}")
+  sizes = [int(axes.get(a, 1)) for a in MESH_AXES]
+  for name, s in zip(MESH_AXES, sizes):
+    if s == 0 or s < -1:
+      raise ValueError(f"mesh.{name}: expected a positive int or -1, got {s}")
+  if sizes.count(-1) > 1:
+    raise ValueError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+  if -1 in sizes:
+    known = math.prod(s for s in sizes if s != -1)
+    if num_devices % known:
+      raise ValueError(f"mesh: {num_devices} devices are not divisible by the fixed axes "
+                       f"{dict(zip(MESH_AXES, sizes))}")
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(f"mesh: expected data*fsdp*tensor == {num_devices} devices, got "
+                     f"{dict(zip(MESH_AXES, sizes))} (product {math.prod(sizes)})")
+  return tuple(sizes)
+
+
+def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh with axes (data, fsdp, tensor), all of AxisType.Auto (GSPMD propagation)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(axes, len(devices))
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+  """`spec` with every mesh axis removed whose size does not divide what it splits."""
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  if len(entries) > len(shape):
+    raise ValueError(f"partition spec {spec} has more entries than the array has dims {shape}")
+  out = []
+  for dim, entry in zip(shape, entries):
+    if entry is None:
+      out.append(None)
+      continue
+    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    kept, prod = [], 1
+    for a in axes:
+      size = mesh.shape[a]
+      if dim % (prod * size) == 0:
+        kept.append(a)
+        prod *= size
+    out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  while out and out[-1] is None:
+    out.pop()
+  return P(*out)
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, P)
+
+
+def param_specs(abstract_params: Any, spec_tree: Any, mesh: Mesh) -> Any:
+  """Fit a tree of PartitionSpecs (from `nnx.get_partition_spec`) to the param shapes."""
+  return jax.tree.map(lambda s, x: fit_spec(s, x.shape, mesh), spec_tree, abstract_params,
+                      is_leaf=_is_spec)
+
+
+def _path_key(path) -> tuple:
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def follow_param_specs(tree: Any, params: Any, specs: Any) -> Any:
+  """Specs for any tree holding copies of the params (optimizer moments, gradients): a leaf
+  whose path ends with a param's path and has its shape gets that param's spec; every other
+  leaf (step counts, scalars) is replicated."""
+  by_path = {}
+  for (path, spec), x in zip(
+      jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0], jax.tree.leaves(params)):
+    by_path[_path_key(path)] = (spec, tuple(x.shape))
+
+  def spec_for(path, leaf):
+    key = _path_key(path)
+    shape = tuple(np.shape(leaf))
+    for start in range(len(key)):
+      hit = by_path.get(key[start:])
+      if hit is not None and hit[1] == shape:
+        return hit[0]
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec_for, tree)
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+  """PartitionSpec tree -> NamedSharding tree on `mesh`."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def batch_spec(mesh: Mesh, shape: Sequence[int]) -> P:
+  """Split dim 0 over (data, fsdp) as far as it divides; other dims replicated."""
+  return fit_spec(P(BATCH_AXES), shape, mesh)
+
+
+def shard_batch(mesh: Mesh, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+  """Place a host batch (this process's rows) on the mesh, split over (data, fsdp)."""
+  out = {}
+  for k, v in batch.items():
+    v = np.asarray(v)
+    sharding = NamedSharding(mesh, batch_spec(mesh, v.shape))
+    out[k] = jax.make_array_from_process_local_data(sharding, v)
+  return out

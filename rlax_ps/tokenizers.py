@@ -1,0 +1,218 @@
+"""Tokenizers behind one interface: a character-level one for the built-in tasks, and
+Hugging Face `tokenizer.json` files through the `tokenizers` package.
+
+Both give `encode(text) -> list[int]`, `decode(ids) -> str`, `bos_id`, `eos_id`,
+`pad_id` and `vocab_size`, so the trainer, the sampler and the verifiers never care
+which one they hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from typing import Iterable, Protocol, Sequence
+
+# Printable ASCII without the tab/vertical-tab/form-feed/carriage-return controls.
+DEFAULT_ALPHABET = "".join(c for c in string.printable if c not in "\t\x0b\x0c\r")
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+
+class Tokenizer(Protocol):
+  """What every tokenizer offers."""
+
+  @property
+  def vocab_size(self) -> int: ...
+
+  @property
+  def bos_id(self) -> int: ...
+
+  @property
+  def eos_id(self) -> int: ...
+
+  @property
+  def pad_id(self) -> int: ...
+
+  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+
+  def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str: ...
+
+
+class CharTokenizer:
+  """One id per character: ids 0, 1, 2 are <pad>, <bos>, <eos>; then the alphabet in order."""
+
+  def __init__(self, alphabet: str = DEFAULT_ALPHABET):
+    if len(set(alphabet)) != len(alphabet):
+      dupes = sorted({c for c in alphabet if alphabet.count(c) > 1})
+      raise ValueError(f"CharTokenizer alphabet: expected distinct characters, got "
+                       f"duplicates {dupes!r}")
+    if not alphabet:
+      raise ValueError("CharTokenizer alphabet: expected at least one character, got ''")
+    self.alphabet = alphabet
+    self.specials = (PAD, BOS, EOS)
+    self._ids = {c: i + len(self.specials) for i, c in enumerate(alphabet)}
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.specials) + len(self.alphabet)
+
+  @property
+  def pad_id(self) -> int:
+    return 0
+
+  @property
+  def bos_id(self) -> int:
+    return 1
+
+  @property
+  def eos_id(self) -> int:
+    return 2
+
+  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    ids = [self.bos_id] if add_bos else []
+    for pos, c in enumerate(text):
+      i = self._ids.get(c)
+      if i is None:
+        raise ValueError(f"CharTokenizer.encode: character {c!r} at position {pos} of "
+                         f"{text!r} is not in the alphabet")
+      ids.append(i)
+    if add_eos:
+      ids.append(self.eos_id)
+    return ids
+
+  def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+    out = []
+    n = len(self.specials)
+    for i in ids:
+      i = int(i)
+      if i < 0 or i >= self.vocab_size:
+        raise ValueError(f"CharTokenizer.decode: id {i} outside [0, {self.vocab_size})")
+      if i < n:
+        if not skip_special:
+          out.append(self.specials[i])
+      else:
+        out.append(self.alphabet[i - n])
+    return "".join(out)
+
+  def save(self, directory: str) -> str:
+    """Write an equivalent Hugging Face `tokenizer.json` (loadable by HFTokenizer and by
+    `transformers`), so an exported model ships with its tokenizer."""
+    from tokenizers import Regex, Tokenizer as _HFTok, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(self.specials)}
+    vocab.update(self._ids)
+    tok = _HFTok(models.WordLevel(vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(self.specials))
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "tokenizer.json")
+    tok.save(path)
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+      json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, f, indent=1)
+    return path
+
+
+# Special-token spellings tried, in order, when tokenizer_config.json does not name them.
+_BOS_GUESSES = ("<|begin_of_text|>", "<s>", BOS, "<|endoftext|>")
+_EOS_GUESSES = ("<|end_of_text|>", "<|endoftext|>", "</s>", EOS, "<|im_end|>", "<|eot_id|>")
+_PAD_GUESSES = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>", "<|endoftext|>", "<unk>")
+
+
+def _token_text(value) -> str | None:
+  if isinstance(value, dict):  # {"content": "<s>", "lstrip": ...} in older configs.
+    return value.get("content")
+  return value
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizer.json` (via the `tokenizers` package) with bos/eos/pad ids.
+
+  Special tokens come from the arguments, else the sibling `tokenizer_config.json`, else
+  common spellings; pad falls back to eos, as for Llama checkpoints that have no pad token.
+  """
+
+  def __init__(self, path: str, *, bos_token: str | None = None, eos_token: str | None = None,
+               pad_token: str | None = None):
+    from tokenizers import Tokenizer as _HFTok
+
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+      raise FileNotFoundError(f"HFTokenizer path: expected a tokenizer.json file or a "
+                              f"directory holding one, got {path!r}")
+    self.path = file
+    self._tok = _HFTok.from_file(file)
+    cfg = {}
+    cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+    if os.path.exists(cfg_file):
+      with open(cfg_file) as f:
+        cfg = json.load(f)
+    self._bos = self._resolve("bos", bos_token or _token_text(cfg.get("bos_token")), _BOS_GUESSES)
+    self._eos = self._resolve("eos", eos_token or _token_text(cfg.get("eos_token")), _EOS_GUESSES)
+    pad = self._resolve("pad", pad_token or _token_text(cfg.get("pad_token")), _PAD_GUESSES,
+                        required=False)
+    self._pad = self._eos if pad is None else pad
+
+  def _resolve(self, kind, name, guesses, required=True):
+    if name is not None:
+      i = self._tok.token_to_id(name)
+      if i is None:
+        raise ValueError(f"HFTokenizer {kind}_token: {name!r} is not in the vocabulary of "
+                         f"{self.path}")
+      return i
+    for guess in guesses:
+      i = self._tok.token_to_id(guess)
+      if i is not None:
+        return i
+    if required:
+      raise ValueError(f"HFTokenizer {kind}_token: not set and none of {list(guesses)} is in "
+                       f"the vocabulary of {self.path}; pass {kind}_token=...")
+    return None
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def bos_id(self) -> int:
+    return self._bos
+
+  @property
+  def eos_id(self) -> int:
+    return self._eos
+
+  @property
+  def pad_id(self) -> int:
+    return self._pad
+
+  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    ids = self._tok.encode(text, add_special_tokens=False).ids
+    return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+  def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+
+def make_tokenizer(kind: str, path: str = "", alphabet: str = "") -> CharTokenizer | HFTokenizer:
+  """From config: kind "char" (optional alphabet) or "hf" (path to tokenizer.json or its dir)."""
+  if kind == "char":
+    return CharTokenizer(alphabet or DEFAULT_ALPHABET)
+  if kind == "hf":
+    if not path:
+      raise ValueError("tokenizer.path: expected a tokenizer.json path for kind='hf', got ''")
+    return HFTokenizer(path)
+  raise ValueError(f"tokenizer.kind: expected 'char' or 'hf', got {kind!r}")
+
+
+def pad_batch(rows: Sequence[Sequence[int]], pad_id: int, length: int | None = None,
+              left: bool = False) -> list[list[int]]:
+  """Pad token lists to one length (the longest by default), on the right or the left."""
+  length = max((len(r) for r in rows), default=0) if length is None else length
+  out = []
+  for r in rows:
+    if len(r) > length:
+      raise ValueError(f"pad_batch: row of length {len(r)} exceeds length={length}")
+    fill = [pad_id] * (length - len(r))
+    out.append(fill + list(r) if left else list(r) + fill)
+  return out

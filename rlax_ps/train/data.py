@@ -1,0 +1,118 @@
+"""SFT batches from the built-in tasks: tokenize, then pack several examples per row (or pad
+one per row), with the loss on answer tokens only.
+
+The batch for step s is a pure function of (seed, s), so the data position of a run is its
+step and a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from rlax_ps.tasks import Example, Task
+from rlax_ps.tokenizers import Tokenizer
+
+
+def encode_example(tokenizer: Tokenizer, example: Example) -> tuple[list[int], list[float]]:
+  """(ids, loss weights) for [bos] prompt answer [eos]; weight 1 on answer and eos ids."""
+  prompt = tokenizer.encode(example.prompt, add_bos=True)
+  answer = tokenizer.encode(example.answer, add_eos=True)
+  return prompt + answer, [0.0] * len(prompt) + [1.0] * len(answer)
+
+
+def pack_rows(encoded: Sequence[tuple[list[int], list[float]]], batch_size: int, seq_len: int,
+              pad_id: int, packing: bool = True) -> tuple[dict[str, np.ndarray], int]:
+  """Fill `batch_size` rows of `seq_len` next-token pairs from `encoded`, in order.
+
+  With packing, examples go into the current row while they fit (segment ids 1, 2, ...,
+  positions restarting at 0 for each); without, one example per row. Returns the batch and
+  how many examples it used; rows left empty are all padding.
+  """
+  n = seq_len + 1  # An example of L ids yields L - 1 next-token pairs.
+  ids = np.full((batch_size, n), pad_id, np.int32)
+  weights = np.zeros((batch_size, n), np.float32)
+  seg = np.zeros((batch_size, n), np.int32)
+  pos = np.zeros((batch_size, n), np.int32)
+  row, col, segment, used = 0, 0, 0, 0
+  for toks, w in encoded:
+    if len(toks) > n:
+      raise ValueError(f"data.seq_len: an example of {len(toks) - 1} next-token pairs does not "
+                       f"fit seq_len={seq_len}; raise seq_len")
+    if col > 0 and (not packing or col + len(toks) > n):
+      row, col, segment = row + 1, 0, 0
+    if row >= batch_size:
+      break
+    segment += 1
+    ids[row, col:col + len(toks)] = toks
+    weights[row, col:col + len(toks)] = w
+    seg[row, col:col + len(toks)] = segment
+    pos[row, col:col + len(toks)] = np.arange(len(toks))
+    col += len(toks)
+    used += 1
+  # Inputs are ids[:-1], targets ids[1:]; a pair counts only inside one segment.
+  same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+  batch = {
+      "tokens": ids[:, :-1],
+      "targets": ids[:, 1:],
+      "loss_mask": weights[:, 1:] * same,
+      "positions": pos[:, :-1],
+      "segment_ids": seg[:, :-1],
+  }
+  return batch, used
+
+
+def mixed_examples(tasks: Sequence[Task], weights: Sequence[float], split: str, seed: int,
+                   n: int) -> list[Example]:
+  """`n` examples drawn from `tasks` in proportion to `weights`, shuffled, deterministic."""
+  rng = np.random.default_rng(seed & 0xFFFFFFFF)
+  p = np.asarray(weights, np.float64)
+  counts = rng.multinomial(n, p / p.sum())
+  out: list[Example] = []
+  for task, c in zip(tasks, counts):
+    out.extend(task.examples(split, seed=int(rng.integers(2**31)), n=int(c)))
+  order = rng.permutation(len(out))
+  return [out[i] for i in order]
+
+
+def step_seed(seed: int, step: int, chunk: int = 0) -> int:
+  """A 31-bit seed for the data of (run seed, step, chunk)."""
+  return zlib.crc32(f"{seed}/{step}/{chunk}".encode()) & 0x7FFFFFFF
+
+
+class SFTBatches:
+  """The training batches of one run: `batch(step)` is the same array every time it is asked."""
+
+  def __init__(self, tasks: Sequence[Task], weights: Sequence[float], tokenizer: Tokenizer,
+               *, batch_size: int, seq_len: int, seed: int, packing: bool = True):
+    if len(tasks) != len(weights) or not tasks:
+      raise ValueError(f"tasks: expected one weight per task and at least one task, got "
+                       f"{len(tasks)} tasks and {len(weights)} weights")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+      raise ValueError(f"task weights: expected >= 0 with a positive sum, got {list(weights)}")
+    longest = max(t.max_prompt_chars + t.max_answer_chars for t in tasks) + 1
+    if longest > seq_len:
+      raise ValueError(f"data.seq_len: expected >= {longest} so the longest example of "
+                       f"{[t.name for t in tasks]} fits, got {seq_len}")
+    self.tasks, self.weights, self.tokenizer = list(tasks), list(weights), tokenizer
+    self.batch_size, self.seq_len, self.seed, self.packing = batch_size, seq_len, seed, packing
+    # Examples to draw per chunk: about one batch worth, estimated from the mean length.
+    probe = mixed_examples(self.tasks, self.weights, "train", seed, 64)
+    mean_len = np.mean([len(encode_example(tokenizer, e)[0]) for e in probe])
+    per_row = max(1, int(seq_len // mean_len)) if packing else 1
+    self._chunk = max(8, int(batch_size * per_row * 1.3))
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    encoded: list = []
+    chunk = 0
+    while True:
+      examples = mixed_examples(self.tasks, self.weights, "train",
+                                step_seed(self.seed, step, chunk), self._chunk)
+      encoded.extend(encode_example(self.tokenizer, e) for e in examples)
+      batch, used = pack_rows(encoded, self.batch_size, self.seq_len, self.tokenizer.pad_id,
+                              self.packing)
+      if used < len(encoded):  # Every row is full.
+        return batch
+      chunk += 1

@@ -1,0 +1,110 @@
+"""Held-out exact match: greedy decoding with the model's KV cache, scored by each task.
+
+Prompts are left-padded (padding has segment id 0, so no real token attends to it) and
+every row's positions start at 0 at its first real token; decoding then writes one slot per
+step for all rows at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlax_ps.models import KVCache
+from rlax_ps.tasks import Example, Task
+from rlax_ps.tokenizers import Tokenizer
+
+
+def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
+                    segment_ids: jax.Array, positions: jax.Array, *, max_new_tokens: int,
+                    eos_id: int, pad_id: int) -> jax.Array:
+  """[B, max_new_tokens] greedy continuations of left-padded prompts; after a row's eos
+  (which is kept) the rest of the row is `pad_id`."""
+  model = nnx.merge(graphdef, params)
+  b, p = tokens.shape
+  cache = KVCache.init(model.config, b, p + max_new_tokens)
+  logits, cache = model(tokens, positions=positions, segment_ids=segment_ids, cache=cache)
+  first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+  next_pos = jnp.max(positions, axis=1) + 1
+  ones = jnp.ones((b, 1), jnp.int32)
+
+  def body(carry, _):
+    tok, pos, done, cache = carry
+    out = jnp.where(done, pad_id, tok)
+    done = done | (tok == eos_id)
+    logits, cache = model(tok[:, None], positions=pos[:, None], segment_ids=ones, cache=cache)
+    return (jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), pos + 1, done, cache), out
+
+  init = (first, next_pos, jnp.zeros((b,), bool), cache)
+  _, outs = jax.lax.scan(body, init, None, length=max_new_tokens)
+  return outs.T
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_generate(graphdef, max_new_tokens: int, eos_id: int, pad_id: int):
+  return jax.jit(functools.partial(greedy_generate, graphdef, max_new_tokens=max_new_tokens,
+                                   eos_id=eos_id, pad_id=pad_id))
+
+
+def left_pad_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int
+                     ) -> dict[str, np.ndarray]:
+  """[bos] + prompt ids, right-aligned in rows of `length`, with segment ids and positions."""
+  b = len(prompts)
+  tokens = np.full((b, length), tokenizer.pad_id, np.int32)
+  seg = np.zeros((b, length), np.int32)
+  pos = np.zeros((b, length), np.int32)
+  for i, prompt in enumerate(prompts):
+    ids = tokenizer.encode(prompt, add_bos=True)
+    if len(ids) > length:
+      raise ValueError(f"prompt {prompt!r} has {len(ids)} tokens, more than length={length}")
+    tokens[i, length - len(ids):] = ids
+    seg[i, length - len(ids):] = 1
+    pos[i, length - len(ids):] = np.arange(len(ids))
+  return {"tokens": tokens, "segment_ids": seg, "positions": pos}
+
+
+def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], *,
+                max_new_tokens: int, batch_size: int, prompt_len: int) -> list[str]:
+  """Greedy completion text of each prompt (up to eos), `batch_size` prompts per call."""
+  gen = _jitted_generate(graphdef, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id)
+  out: list[str] = []
+  for start in range(0, len(prompts), batch_size):
+    chunk = list(prompts[start:start + batch_size])
+    n = len(chunk)
+    chunk += [chunk[-1]] * (batch_size - n)  # Keep one shape: one compile.
+    arrays = left_pad_prompts(tokenizer, chunk, prompt_len)
+    ids = np.asarray(jax.device_get(gen(params, arrays["tokens"], arrays["segment_ids"],
+                                        arrays["positions"])))
+    for row in ids[:n]:
+      row = list(row)
+      if tokenizer.eos_id in row:
+        row = row[:row.index(tokenizer.eos_id)]
+      out.append(tokenizer.decode(row))
+  return out
+
+
+def exact_match(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
+                examples: dict[str, list[Example]], *, batch_size: int) -> dict[str, float]:
+  """{task name: held-out exact-match rate, "all": over every example}."""
+  prompt_len = max(len(tokenizer.encode(e.prompt, add_bos=True))
+                   for exs in examples.values() for e in exs)
+  max_new = max(max(len(tokenizer.encode(e.answer)) for e in examples[t.name]) + 1
+                for t in tasks if examples.get(t.name))
+  result, hits, total = {}, 0.0, 0
+  for task in tasks:
+    exs = examples.get(task.name, [])
+    if not exs:
+      continue
+    texts = completions(graphdef, params, tokenizer, [e.prompt for e in exs],
+                        max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len)
+    rewards = [task.reward(e, c) for e, c in zip(exs, texts)]
+    result[task.name] = float(np.mean(rewards))
+    hits += sum(rewards)
+    total += len(exs)
+  result["all"] = hits / max(total, 1)
+  return result

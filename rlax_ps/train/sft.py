@@ -1,0 +1,244 @@
+"""The supervised warm start: a trainer with a lifetime (mesh, state, checkpoints, logs) and
+`train_and_evaluate(config, workdir)`, the whole job that `rlax-ps sft` runs.
+
+A rerun with the same workdir resumes from the latest complete checkpoint: same step,
+params, optimizer state, RNG and data position (the batch of step s depends only on s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlax_ps import optim
+from rlax_ps import sharding as shd
+from rlax_ps.checkpoint import Checkpointer
+from rlax_ps.models import ModelConfig
+from rlax_ps.tasks import Task, get_task
+from rlax_ps.tokenizers import CharTokenizer, make_tokenizer
+from rlax_ps.train import evaluate as evaluate_lib
+from rlax_ps.train.data import SFTBatches
+from rlax_ps.train.state import TrainState, abstract_model, abstract_state, sharded_init
+from rlax_ps.train.step import make_train_step
+
+
+def _plain(cfg) -> dict[str, Any]:
+  return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+
+
+def model_config_from(cfg, vocab_size: int) -> ModelConfig:
+  """ModelConfig from the `model` config block; vocab_size 0 takes the tokenizer's."""
+  d = _plain(cfg)
+  if d.get("vocab_size", 0) in (0, None):
+    d["vocab_size"] = vocab_size
+  elif d["vocab_size"] < vocab_size:
+    raise ValueError(f"model.vocab_size: expected >= the tokenizer's {vocab_size}, got "
+                     f"{d['vocab_size']}")
+  return ModelConfig.from_dict(d)
+
+
+def tasks_from(cfg) -> tuple[list[Task], list[float]]:
+  """The tasks with weight > 0 from the `tasks` config block, and their weights."""
+  tasks, weights = [], []
+  for name, block in sorted(_plain(cfg).items()):
+    block = dict(block)
+    weight = float(block.pop("weight", 1.0))
+    if weight < 0:
+      raise ValueError(f"tasks.{name}.weight: expected >= 0, got {weight}")
+    if weight > 0:
+      tasks.append(get_task(name, **block))
+      weights.append(weight)
+  if not tasks:
+    raise ValueError(f"tasks: expected at least one task with weight > 0, got {_plain(cfg)}")
+  return tasks, weights
+
+
+class SFTTrainer:
+  """Owns one run: mesh, sharded state, jitted step, data, checkpoints and event files."""
+
+  def __init__(self, config, workdir: str, *, devices: Sequence[jax.Device] | None = None):
+    self.config = config
+    self.workdir = os.path.abspath(workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    self.tokenizer = make_tokenizer(config.tokenizer.kind, config.tokenizer.path,
+                                    config.tokenizer.alphabet)
+    self.tasks, self.weights = tasks_from(config.tasks)
+    self.model_config = model_config_from(config.model, self.tokenizer.vocab_size)
+    self.total_steps = int(config.train.steps)
+    self.mesh = shd.make_mesh(_plain(config.mesh), devices)
+    self.optimizer = optim.make_optimizer(config.optimizer, self.total_steps)
+    self.schedule = optim.learning_rate_schedule(config.optimizer, self.total_steps)
+    num_micro = optim.grad_accum_steps(config.optimizer)
+    batch_size = int(config.data.batch_size)
+    if batch_size % num_micro:
+      raise ValueError(f"optimizer.grad_accum_steps: expected a divisor of data.batch_size="
+                       f"{batch_size}, got {num_micro}")
+    self.data = SFTBatches(self.tasks, self.weights, self.tokenizer, batch_size=batch_size,
+                           seq_len=int(config.data.seq_len), seed=int(config.seed),
+                           packing=bool(config.data.packing))
+    self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
+                                     max_to_keep=int(config.checkpoint.max_to_keep),
+                                     async_save=bool(config.checkpoint.async_save))
+    self.state, self.shardings, self.graphdef = self._init_or_restore()
+    self.train_step = make_train_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
+                                      num_micro=num_micro, schedule=self.schedule)
+    self.heldout = {t.name: t.examples("heldout", int(config.eval.seed),
+                                       int(config.eval.num_examples)) for t in self.tasks}
+    self._writer = None
+
+  # -- state ------------------------------------------------------------------------------
+
+  def _init_or_restore(self) -> tuple[TrainState, TrainState, nnx.GraphDef]:
+    latest = self.checkpointer.latest_step()
+    if latest is None:
+      return sharded_init(self.model_config, self.optimizer, self.mesh, int(self.config.seed))
+    saved = self.checkpointer.metadata(latest).get("model_config")
+    if saved is not None and saved != json.loads(json.dumps(self.model_config.to_dict())):
+      raise ValueError(f"model: the checkpoint in {self.checkpointer.directory} was written "
+                       f"for {saved}, the config now asks for {self.model_config.to_dict()}")
+    target = abstract_state(self.model_config, self.optimizer, self.mesh)
+    tree, _ = self.checkpointer.restore(target.to_tree(), latest)
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    graphdef = abstract_model(self.model_config)[0]
+    return TrainState.from_tree(tree), shardings, graphdef
+
+  @property
+  def step(self) -> int:
+    return int(jax.device_get(self.state.step))
+
+  def metadata(self) -> dict[str, Any]:
+    """The JSON blob saved with each checkpoint (later issues add their fields here)."""
+    step = self.step
+    return {
+        "step": step,
+        "data": {"seed": int(self.config.seed), "position": step},
+        "model_config": self.model_config.to_dict(),
+        "tokenizer": {"kind": self.config.tokenizer.kind, "path": self.config.tokenizer.path,
+                      "vocab_size": self.tokenizer.vocab_size},
+        "config": json.loads(self.config.to_json_best_effort()),
+    }
+
+  def save(self) -> None:
+    """Start an async checkpoint of the current state (skipped if this step is saved)."""
+    step = self.step
+    if step in self.checkpointer.all_steps():
+      return
+    self.checkpointer.save(step, self.state.to_tree(), self.metadata())
+
+  # -- loop -------------------------------------------------------------------------------
+
+  @property
+  def writer(self):
+    if self._writer is None:
+      from tensorboardX import SummaryWriter
+      self._writer = SummaryWriter(os.path.join(self.workdir, "tb"))
+    return self._writer
+
+  def train(self, until: int | None = None, *, progress: bool = True) -> dict[str, float]:
+    """Run steps up to `until` (default: train.steps); returns the last logged metrics."""
+    from tqdm import tqdm
+
+    until = self.total_steps if until is None else min(until, self.total_steps)
+    log_every = max(1, int(self.config.train.log_every))
+    ckpt_every = int(self.config.checkpoint.every_steps)
+    eval_every = int(self.config.train.eval_every)
+    start = self.step
+    last: dict[str, float] = {}
+    bar = tqdm(total=until, initial=start, desc="sft", unit="step", disable=not progress,
+               dynamic_ncols=True)
+    t0 = time.time()
+    pending = None
+    for step in range(start, until):
+      batch = shd.shard_batch(self.mesh, self.data.batch(step))
+      self.state, metrics = self.train_step(self.state, batch)
+      pending = metrics
+      done = step + 1
+      if done % log_every == 0 or done == until:
+        last = {k: float(v) for k, v in jax.device_get(pending).items()}
+        last["answer_tokens"] = last.pop("tokens")
+        for k, v in last.items():
+          self.writer.add_scalar(f"train/{k}", v, done)
+        elapsed = time.time() - t0
+        self.writer.add_scalar("train/steps_per_second", (done - start) / elapsed, done)
+        bar.set_postfix(loss=f"{last['loss']:.3f}", tok_acc=f"{last['token_accuracy']:.2f}")
+      bar.update(1)
+      if ckpt_every and done % ckpt_every == 0 and done < until:
+        self.save()
+      if eval_every and done % eval_every == 0 and done < until:
+        self.log_eval(self.evaluate(), done)
+    bar.close()
+    if self.step == self.total_steps:
+      self.save()
+    return last
+
+  def evaluate(self) -> dict[str, float]:
+    """Held-out exact match per task and over all, with greedy decoding."""
+    return evaluate_lib.exact_match(self.graphdef, self.state.params, self.tokenizer,
+                                    self.tasks, self.heldout,
+                                    batch_size=int(self.config.eval.batch_size))
+
+  def log_eval(self, result: dict[str, float], step: int) -> None:
+    for k, v in result.items():
+      self.writer.add_scalar(f"eval/exact_match/{k}", v, step)
+    self.writer.flush()
+
+  def export_hf(self, path: str | None = None) -> str | None:
+    """Write the model in Hugging Face format (plus the tokenizer) if the exporter exists."""
+    from rlax_ps import models
+    save = getattr(models, "save_hf_checkpoint", None)
+    if save is None:
+      return None
+    path = path or os.path.join(self.workdir, "hf")
+    save(nnx.merge(self.graphdef, self.state.params), path)
+    if isinstance(self.tokenizer, CharTokenizer):
+      self.tokenizer.save(path)
+    return path
+
+  def close(self) -> None:
+    self.checkpointer.close()
+    if self._writer is not None:
+      self._writer.close()
+
+  def __enter__(self) -> "SFTTrainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def format_accuracy(result: dict[str, float], n_per_task: int) -> str:
+  parts = [f"{k} {100 * v:.1f}%" for k, v in result.items() if k != "all"]
+  return (f"held-out exact match: {', '.join(parts)}; all {100 * result['all']:.1f}% "
+          f"({n_per_task} per task)")
+
+
+def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> dict[str, Any]:
+  """The `rlax-ps sft` job: train (resuming if possible), evaluate, export, report."""
+  t0 = time.time()
+  with SFTTrainer(config, workdir) as trainer:
+    if trainer.step:
+      print(f"resuming from checkpoint step {trainer.step} in {trainer.checkpointer.directory}",
+            flush=True)
+    print(f"model: {trainer.model_config.num_params:,} params; mesh "
+          f"{dict(trainer.mesh.shape)}; {trainer.total_steps} steps of "
+          f"{config.data.batch_size}x{config.data.seq_len} tokens", flush=True)
+    last = trainer.train(progress=progress)
+    result = trainer.evaluate()
+    trainer.log_eval(result, trainer.step)
+    export = trainer.export_hf() if config.export.hf else None
+    trainer.checkpointer.wait()
+    summary = {"step": trainer.step, "train": last, "heldout_exact_match": result,
+               "export": export, "seconds": time.time() - t0}
+    print(format_accuracy(result, int(config.eval.num_examples)), flush=True)
+    if export:
+      print(f"Hugging Face export: {export}", flush=True)
+    print(f"done in {summary['seconds']:.0f}s; workdir {trainer.workdir}", flush=True)
+    with open(os.path.join(trainer.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+  return summary

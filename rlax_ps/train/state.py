@@ -1,0 +1,100 @@
+"""The train state and its sharded creation.
+
+`sharded_init` builds params and optimizer state directly on the mesh: shapes come from
+`jax.eval_shape`, shardings from the model's NNX metadata, and one `jax.jit(init,
+out_shardings=...)` materialises every shard where it lives, so the full model never
+lands on one device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rlax_ps import sharding as shd
+from rlax_ps.models import ModelConfig, Transformer
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a step changes: params (a pure dict), optimizer state, step and RNG."""
+
+  step: jax.Array  # int32 scalar: updates applied so far.
+  params: Any  # Nested dict of arrays, the model's nnx.Param values.
+  opt_state: Any  # optax state for `params`.
+  rng: jax.Array  # uint32[2] raw PRNG key, split once per step.
+
+  def to_tree(self) -> dict[str, Any]:
+    """Plain dict form, the one checkpoints hold."""
+    return {"step": self.step, "params": self.params, "opt_state": self.opt_state,
+            "rng": self.rng}
+
+  @classmethod
+  def from_tree(cls, tree: dict[str, Any]) -> "TrainState":
+    return cls(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"],
+               rng=tree["rng"])
+
+
+def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, Any, Any]:
+  """(graphdef, abstract params as a pure dict, their PartitionSpecs) with no allocation."""
+  model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  if jax.tree.leaves(rest):
+    raise ValueError(f"model state: expected only nnx.Param variables, also found "
+                     f"{list(rest.to_pure_dict())}")
+  specs = nnx.get_partition_spec(params).to_pure_dict()
+  return graphdef, params.to_pure_dict(), specs
+
+
+def make_init_fn(config: ModelConfig, optimizer: optax.GradientTransformation
+                 ) -> Callable[[jax.Array], TrainState]:
+  """seed key -> a fresh TrainState (params from the model's initializers)."""
+
+  def init(key: jax.Array) -> TrainState:
+    param_key, train_key = jax.random.split(key)
+    model = Transformer(config, rngs=nnx.Rngs(params=param_key))
+    params = nnx.state(model, nnx.Param).to_pure_dict()
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params), rng=train_key)
+
+  return init
+
+
+def state_shardings(abstract_state: TrainState, param_spec_tree: Any, mesh: Mesh) -> TrainState:
+  """NamedShardings for every leaf: params per their (fitted) NNX specs, optimizer moments
+  like their params, step/RNG/counters replicated."""
+  pspecs = shd.param_specs(abstract_state.params, param_spec_tree, mesh)
+  specs = TrainState(
+      step=P(), params=pspecs,
+      opt_state=shd.follow_param_specs(abstract_state.opt_state, abstract_state.params, pspecs),
+      rng=P())
+  return shd.named(mesh, specs)
+
+
+def sharded_init(config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
+                 seed: int) -> tuple[TrainState, TrainState, nnx.GraphDef]:
+  """(state on the mesh, its shardings, the model graphdef) for a fresh run."""
+  graphdef, _, spec_tree = abstract_model(config)
+  init = make_init_fn(config, optimizer)
+  key = jax.random.PRNGKey(seed)
+  abstract = jax.eval_shape(init, key)
+  shardings = state_shardings(abstract, spec_tree, mesh)
+  key = jax.device_put(key, NamedSharding(mesh, P()))
+  state = jax.jit(init, out_shardings=shardings)(key)
+  return state, shardings, graphdef
+
+
+def abstract_state(config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh
+                   ) -> TrainState:
+  """Shapes, dtypes and shardings of a TrainState on `mesh` (a restore target)."""
+  _, _, spec_tree = abstract_model(config)
+  abstract = jax.eval_shape(make_init_fn(config, optimizer), jax.random.PRNGKey(0))
+  shardings = state_shardings(abstract, spec_tree, mesh)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract, shardings)
