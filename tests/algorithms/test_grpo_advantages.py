@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from algorithms.advantages import grpo_advantages, mc_grpo_advantages, rloo_advantages
+from algorithms.groups import group_ids_from_sizes
 
 # Two groups of unequal size: group 0 = [1, 0, 1], group 1 = [0, 2].
 REWARDS = np.array([1.0, 0.0, 1.0, 0.0, 2.0], np.float32)
@@ -120,3 +121,37 @@ def test_bad_inputs_name_the_field():
     grpo_advantages(REWARDS, GROUPS, 2, std_scaling="median")
   with pytest.raises(ValueError, match="rewards: expected shape \\[B\\]"):
     rloo_advantages(jnp.ones((2, 2)), jnp.zeros((2, 2), jnp.int32), 1)
+
+
+def test_random_unequal_groups_match_a_per_group_numpy_loop():
+  # one padded shape for every draw (one compile); reference: plain numpy per group
+  rng = np.random.default_rng(0)
+  for _ in range(5):
+    sizes = rng.integers(0, 7, size=6)
+    ids, mask = group_ids_from_sizes(sizes, total=40)
+    rewards = np.where(mask, rng.integers(0, 4, size=40) / 2, 0.0).astype(np.float32)
+    grpo = np.asarray(grpo_advantages(rewards, ids, 6, mask, eps=0.0))
+    rloo = np.asarray(rloo_advantages(rewards, ids, 6, mask))
+    mc, keep = mc_grpo_advantages(rewards, ids, 6, mask, std_scaling="none")
+    start = 0
+    for n in sizes:
+      r, sl = rewards[start:start + n].astype(np.float64), slice(start, start + n)
+      start += n
+      if n == 0:
+        continue
+      std = r.std(ddof=1) if n > 1 else 0.0
+      want = (r - r.mean()) / std if std > 0 else np.zeros(n)
+      np.testing.assert_allclose(grpo[sl], want, rtol=1e-5, atol=1e-6)
+      want = n / (n - 1) * (r - r.mean()) if n > 1 else np.zeros(n)
+      np.testing.assert_allclose(rloo[sl], want, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(np.asarray(mc)[sl], r - np.median(r), atol=1e-6)
+      assert int(np.sum(~np.asarray(keep)[sl])) == n % 2
+    np.testing.assert_array_equal(grpo[~mask], 0.0)
+
+
+def test_group_ids_from_sizes_pads_and_checks():
+  ids, mask = group_ids_from_sizes([2, 0, 1], total=5)
+  np.testing.assert_array_equal(ids, [0, 0, 2, 0, 0])
+  np.testing.assert_array_equal(mask, [True, True, True, False, False])
+  with pytest.raises(ValueError, match="total: expected >= sum\\(sizes\\) = 3, got 2"):
+    group_ids_from_sizes([2, 0, 1], total=2)
