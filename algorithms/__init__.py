@@ -1,4 +1,4 @@
-"""The learning side: advantages, policy losses, off-policy corrections, rollout allocation, verifiers.
+"""The learning side: advantages, losses, off-policy corrections, allocation, verifiers.
 
 Pure functions on arrays; nothing here knows of gRPC or workers.
 

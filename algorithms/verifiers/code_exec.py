@@ -32,8 +32,9 @@ from algorithms.verifiers.base import VerifierResult, register_verifier
 # Runs in the child. Reads a nonce, the report fd and its resource limits from stdin
 # (set here rather than in a preexec_fn, which is unsafe in a multithreaded parent such
 # as a JAX process), then the program and tests from the scratch directory (deleting
-# them), installs the audit hook, runs everything and writes one nonce-prefixed JSON line per step to the report fd (apart
-# from stdout, so whatever the program prints cannot garble a report).
+# them), installs the audit hook, runs everything and writes one nonce-prefixed JSON
+# line per step to the report fd (apart from stdout, so whatever the program prints
+# cannot garble a report).
 _HARNESS = r"""
 import json, os, resource, sys
 nonce, report_fd, mem, cpu, fsize = sys.stdin.readline().split()
