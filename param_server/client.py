@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import grpc
 import numpy as np
 
+from param_server import pull_wire
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
 
@@ -103,7 +104,7 @@ class PullProgress:
       req.resume_offset = self.partial_filled
     return req
 
-  def add(self, chunk: pb.PullChunk) -> None:
+  def add(self, chunk: pull_wire.PullChunkView) -> None:
     if chunk.update_count == 0:
       self.latest_version = chunk.version
       self.done = True
@@ -176,6 +177,10 @@ class ParamServerClient:
     else:
       self._channel = grpc.insecure_channel(address, options=options)
     self._stub = pb_grpc.ParamServerStub(self._channel)
+    # Pull parses its chunks without copying their bytes (pull_wire.py).
+    self._pull = self._channel.unary_stream(
+        "/rlax_ps.v1.ParamServer/Pull", request_serializer=pb.PullRequest.SerializeToString,
+        response_deserializer=pull_wire.decode_pull_chunk)
 
   # ------------------------------------------------------------ plumbing
 
@@ -254,7 +259,7 @@ class ParamServerClient:
         chunks(), metadata=self._metadata, timeout=timeout))
 
   def pull(self, have_version: int | None = None, *, progress: PullProgress | None = None,
-           on_chunk: Callable[[pb.PullChunk], None] | None = None) -> list[bytearray]:
+           on_chunk: Callable[[pull_wire.PullChunkView], None] | None = None) -> list[bytearray]:
     """The update blobs (keyframe and/or deltas, in order) that bring `have_version` to the latest.
 
     Pass a `PullProgress` to keep what arrived if this call fails, and pass it again
@@ -266,14 +271,17 @@ class ParamServerClient:
       progress.attempts += 1
       request = progress.request()
       try:
-        first = True
-        for chunk in self._stub.Pull(request, metadata=self._metadata):
-          if first and request.resume_offset and chunk.offset == request.resume_offset:
-            progress.resumed_bytes += chunk.offset
-          first = False
-          progress.add(chunk)
-          if on_chunk is not None:
-            on_chunk(chunk)
+        first, call = True, self._pull(request, metadata=self._metadata)
+        try:
+          for chunk in call:
+            if first and request.resume_offset and chunk.offset == request.resume_offset:
+              progress.resumed_bytes += chunk.offset
+            first = False
+            progress.add(chunk)
+            if on_chunk is not None:
+              on_chunk(chunk)
+        finally:
+          call.cancel()  # frees the server's stream at once when this worker gives up
         if progress.done:
           break
         error = "the stream ended before the last update was complete"

@@ -22,7 +22,7 @@ from absl import logging
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from param_server import auth, errors
+from param_server import auth, errors, pull_wire
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
 from param_server.queues import PromptRolloutQueues, QueueLimits
@@ -187,7 +187,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       with self._lock:
         self.pulls_served += 1
       if not plan:
-        yield pb.PullChunk(update_count=0, version=self.weights.latest)
+        yield pull_wire.encode_pull_chunk(b"", update_count=0, version=self.weights.latest)
         return
       start = 0
       first = plan[0]
@@ -205,10 +205,11 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
             return
           end = min(offset + step, blob.nbytes)
           data = self.weights.read_range(array, offset, end)
-          yield pb.PullChunk(update_index=index, update_count=len(plan), version=blob.version,
-                             base_version=base, update_bytes=blob.nbytes, offset=offset, data=data)
+          yield pull_wire.encode_pull_chunk(data, update_index=index, update_count=len(plan),
+                                            version=blob.version, base_version=base,
+                                            update_bytes=blob.nbytes, offset=offset)
           with self._lock:
-            self.bytes_served += len(data)
+            self.bytes_served += end - offset
           offset = end
     finally:
       release()
@@ -316,6 +317,19 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
                     workers=workers, uptime_s=now - self.started, errors=self._rejections.count)
 
 
+def method_handlers(servicer: ParamServerServicer) -> dict[str, grpc.RpcMethodHandler]:
+  """The service's handlers, as the generated code makes them, except that Pull yields pre-serialised bytes."""
+  make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+          (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+  handlers = {}
+  for m in pb.DESCRIPTOR.services_by_name["ParamServer"].methods:
+    request, reply = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+    serialize = (lambda b: b) if m.name == "Pull" else reply.SerializeToString
+    handlers[m.name] = make[(m.client_streaming, m.server_streaming)](
+        getattr(servicer, m.name), request_deserializer=request.FromString, response_serializer=serialize)
+  return handlers
+
+
 class ParamServer:
   """A running server with a lifetime: `start()`, `stop()`; also a context manager."""
 
@@ -340,7 +354,7 @@ class ParamServer:
         interceptors=[auth.TokenAuthInterceptor(self.tokens, on_denied=self.servicer._rejections.bump)],
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                  ("grpc.so_reuseport", 0)])
-    pb_grpc.add_ParamServerServicer_to_server(self.servicer, self._server)
+    self._server.add_registered_method_handlers(SERVICE_NAME, method_handlers(self.servicer))
     self._health = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
     reflection.enable_server_reflection(

@@ -404,8 +404,8 @@ class WeightStore:
   def open_array(self, blob: Blob):
     return ts.open(_array_spec(self._path(blob))).result()
 
-  def read_range(self, array, start: int, stop: int) -> bytes:
-    return array[start:stop].read().result().tobytes()
+  def read_range(self, array, start: int, stop: int) -> np.ndarray:
+    return array[start:stop].read().result()
 
   def read_all(self, blob: Blob) -> np.ndarray:
     return self.open_array(blob).read().result()

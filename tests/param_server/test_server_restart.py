@@ -162,7 +162,8 @@ def test_a_client_dying_mid_pull_resumes_from_its_last_chunk(server, trainer, wo
   served_before = server.servicer.bytes_served
   blobs = worker.pull(progress=progress)
   assert progress.resumed_bytes == held_bytes
-  assert server.servicer.bytes_served - served_before == len(blobs[0]) - held_bytes
+  # At most the chunk in flight when the client died is sent twice.
+  assert server.servicer.bytes_served - served_before <= len(blobs[0]) - held_bytes + CHUNK
   np.testing.assert_array_equal(apply_blobs(blobs)["w"].view(np.uint16),
                                 sync.held_state(weights, "bf16")["w"].view(np.uint16))
 
