@@ -1,0 +1,199 @@
+r"""Weight-sync codec: payload vs full bf16, vs the information bound and vs int32+bf16 deltas;
+encode/apply throughput vs a plain memory copy, all measured in one run.
+
+  .venv/bin/python benchmarks/weight_sync.py                      # 100M bf16 elements
+  .venv/bin/python benchmarks/weight_sync.py --elements=10000000 --real=false
+
+Synthetic rows: weights ~ N(0, 0.02) in float32, rounded to bf16, then one Adam-like step
+w -= lr * m / (sqrt(v) + eps) (direction of unit-ish size per element) with lr calibrated
+so that 0.1%, 1%, 3%, 10% of the bf16 elements change. Real row: the SFT trainer
+(configs/sft_tiny.py) after warm-up steps at an RL-like learning rate, one more step.
+Bound = sum over tensors of N*H(d) + nnz*H_v (H_v: zeroth-order entropy of the wrapping
+bit-pattern offsets of the changed elements). Throughput is in GB/s of held model bytes;
+the copy column is np.copyto of the same bf16 bytes.
+"""
+
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+from absl import app, flags
+
+from rlax_ps import sync
+from rlax_ps.sync.bits import BF16, bit_view
+
+FLAGS = flags.DEFINE_integer("elements", 100_000_000, "bf16 elements of the synthetic model")
+_DENSITIES = flags.DEFINE_list("densities", ["0.001", "0.01", "0.03", "0.1"],
+                               "fractions of bf16 elements changed by the synthetic step")
+_REAL = flags.DEFINE_boolean("real", True, "add the row of a real update from the SFT trainer")
+_REAL_LR = flags.DEFINE_float("real_lr", 1e-5, "learning rate of the real trainer steps")
+_REPS = flags.DEFINE_integer("reps", 2, "timed repetitions (best is reported)")
+_SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
+_COLS = 4096
+
+
+def best_time(fn, reps):
+  best, out = float("inf"), None
+  for _ in range(reps):
+    t = time.perf_counter()
+    out = fn()
+    best = min(best, time.perf_counter() - t)
+  return best, out
+
+
+def entropy_bits(values) -> float:
+  _, counts = np.unique(values, return_counts=True)
+  p = counts / counts.sum()
+  return float(-(p * np.log2(p)).sum())
+
+
+def tensor_bound(old, new) -> tuple[float, int, int, int]:
+  """(bound in bytes, changed, within 2 codes/ulps, elements) of one held tensor."""
+  a, b = bit_view(old), bit_view(new)
+  idx = np.flatnonzero(a != b)
+  n, k = a.size, idx.size
+  if k == 0:
+    return 0.0, 0, 0, n
+  off = (b[idx] - a[idx]).view(np.dtype(f"i{a.itemsize}"))
+  d = k / n
+  h = 0.0 if d >= 1 else -(d * np.log2(d) + (1 - d) * np.log2(1 - d))
+  return (n * h + k * entropy_bits(off)) / 8, k, int((np.abs(off.astype(np.int64)) <= 2).sum()), n
+
+
+def state_bound(old, new):
+  parts = [tensor_bound(old[k], new[k]) for k in new]
+  return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts),
+          sum(p[3] for p in parts))
+
+
+def held_bytes(state) -> int:
+  return sum(np.asarray(a).nbytes for a in state.values())
+
+
+def measure(label, fmt, base_held, target, copy_gbs, reps, full_bf16_bytes, keyframe_bytes):
+  """One table row: encode base_held -> target, apply it, compare with the bound."""
+  target_held = sync.held_state(target, fmt)
+  bound, nnz, small, n = state_bound(base_held, target_held)
+  t_enc, update = best_time(
+      lambda: sync.encode(base_held, target, fmt, version=1, base_version=0), reps)
+  t_app, out = best_time(lambda: sync.apply(base_held, update), reps)
+  for k, v in target_held.items():
+    assert np.array_equal(bit_view(out[k]), bit_view(v)), k
+  model = held_bytes(base_held)
+  value_bytes = 2 if fmt == "bf16" else 1
+  baseline = nnz * (4 + value_bytes)
+  enc_gbs, app_gbs = model / t_enc / 1e9, model / t_app / 1e9
+  modes = sorted({m.mode for m in update.tensors.values()} - {"unchanged"})
+  return [label, fmt, f"{nnz / n:.4%}", f"{small / max(nnz, 1):.0%}", f"{update.nbytes:,}",
+          f"{full_bf16_bytes / update.nbytes:.1f}x", f"{update.nbytes / max(bound, 1):.3f}",
+          f"{full_bf16_bytes / max(baseline, 1):.1f}x", f"{update.nbytes / keyframe_bytes:.2%}",
+          f"{enc_gbs:.2f}", f"{enc_gbs / copy_gbs:.0%}", f"{app_gbs:.2f}",
+          f"{app_gbs / copy_gbs:.0%}", "+".join(modes) or "-"]
+
+
+def adam_direction(rng, n):
+  """Per-element m / (sqrt(v) + eps) of an Adam step: sign-like, magnitude near 1."""
+  g = rng.standard_normal(n, dtype=np.float32)
+  return g / np.sqrt(0.5 * g * g + 0.5)
+
+
+def calibrate_lr(w, u, density):
+  """lr whose step changes `density` of the bf16 elements of w (bisection on a sample)."""
+  s = slice(0, min(w.size, 1 << 20))
+  wb = w[s].astype(BF16)
+  lo, hi = 1e-9, 1e-1
+  for _ in range(40):
+    mid = np.sqrt(lo * hi)
+    d = np.mean((w[s] - mid * u[s]).astype(BF16) != wb)
+    lo, hi = (mid, hi) if d < density else (lo, mid)
+  return np.sqrt(lo * hi)
+
+
+def flat_params(tree, prefix=""):
+  out = {}
+  for k, v in tree.items():
+    name = f"{prefix}{k}"
+    out.update(flat_params(v, name + ".") if isinstance(v, dict) else {name: np.asarray(v)})
+  return out
+
+
+def real_update(lr):
+  """(float params before, after) one real AdamW step of the SFT trainer at `lr`."""
+  import jax
+  from configs.sft_tiny import get_config
+  from rlax_ps.train.sft import SFTTrainer
+  c = get_config()
+  c.optimizer.lr = lr
+  c.optimizer.warmup_steps = 0
+  c.optimizer.min_lr_ratio = 1.0
+  c.train.steps = 12
+  c.checkpoint.every_steps = 0
+  c.checkpoint.async_save = False
+  with tempfile.TemporaryDirectory() as workdir, SFTTrainer(c, workdir) as trainer:
+    trainer.train(until=10, progress=False)
+    before = flat_params(jax.device_get(trainer.state.params))
+    trainer.train(until=11, progress=False)
+    after = flat_params(jax.device_get(trainer.state.params))
+  return before, after
+
+
+def main(argv):
+  del argv
+  reps = _REPS.value
+  n = FLAGS.value // _COLS * _COLS
+  rng = np.random.default_rng(_SEED.value)
+  w = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
+  u = adam_direction(rng, n)
+  base = {"w.kernel": w.astype(BF16).reshape(-1, _COLS)}
+  dst = np.empty_like(bit_view(base["w.kernel"]))
+  t_copy, _ = best_time(lambda: np.copyto(dst, bit_view(base["w.kernel"])), reps + 1)
+  full = base["w.kernel"].nbytes
+  copy_gbs = full / t_copy / 1e9
+  del dst
+  base_float = {"w.kernel": w.reshape(-1, _COLS)}
+  kf_bf16 = sync.encode(None, base, "bf16", version=0)
+  base_int8 = sync.held_state(base_float, "int8")
+  kf_int8 = sync.encode(None, base_int8, "int8", version=0)
+  rows = []
+  for d in map(float, _DENSITIES.value):
+    lr = calibrate_lr(w, u, d)
+    target = {"w.kernel": (w - np.float32(lr) * u).reshape(-1, _COLS)}
+    label = f"synthetic {d:g} lr={lr:.2g}"
+    rows.append(measure(label, "bf16", base, target, copy_gbs, reps, full, kf_bf16.nbytes))
+    rows.append(measure(label, "int8", base_int8, target, copy_gbs, reps, full, kf_int8.nbytes))
+    del target
+  real_note = ""
+  if _REAL.value:
+    before, after = real_update(_REAL_LR.value)
+    rb = sync.held_state(before, "bf16")
+    ri = sync.held_state(before, "int8")
+    full_r = held_bytes(rb)
+    kfr = sync.encode(None, rb, "bf16", version=0).nbytes
+    kfi = sync.encode(None, ri, "int8", version=0).nbytes
+    label = f"real SFT step lr={_REAL_LR.value:g}"
+    rows.append(measure(label, "bf16", rb, after, copy_gbs, reps, full_r, kfr))
+    rows.append(measure(label, "int8", ri, after, copy_gbs, reps, full_r, kfi))
+    real_note = (f"real model: {sum(a.size for a in before.values()):,} params in "
+                 f"{len(before)} tensors; int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 "
+                 f"keyframe {kfr:,} B")
+  header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound",
+            "int32+val", "vs kf", "enc GB/s", "enc/copy", "apply GB/s", "apply/copy", "modes"]
+  widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+  print(f"synthetic model: {n:,} bf16 elements ({full / 1e6:.0f} MB); memory copy "
+        f"(np.copyto) {copy_gbs:.2f} GB/s")
+  print(f"keyframes: bf16 {kf_bf16.nbytes:,} B, int8 {kf_int8.nbytes:,} B = "
+        f"{kf_int8.nbytes / kf_bf16.nbytes:.2%} of bf16")
+  if real_note:
+    print(real_note)
+  print("vs bf16 / int32+val: full bf16 bytes over the payload / over 6 (bf16) or 5 (int8) "
+        "bytes per change; /bound: payload over the bound; vs kf: payload over the keyframe")
+  for r in [header] + rows:
+    print(" | ".join(str(c).rjust(wd) for c, wd in zip(r, widths)))
+
+
+if __name__ == "__main__":
+  app.run(main)

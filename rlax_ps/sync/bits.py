@@ -1,0 +1,106 @@
+"""Bit-level array helpers: held dtypes, wrapping offsets, zigzag, variable-width packing.
+
+All functions are vectorised numpy and work in bounded temporary memory.
+"""
+
+import ml_dtypes
+import numpy as np
+
+from rlax_ps.sync.errors import CodecError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+INT8 = np.dtype(np.int8)
+# Held dtype -> unsigned integer dtype of the same width (offsets wrap in it).
+UINT_OF = {BF16: np.dtype(np.uint16), INT8: np.dtype(np.uint8)}
+DTYPE_NAMES = {"bfloat16": BF16, "int8": INT8}
+_BLOCK = 1 << 20
+
+
+def is_float_dtype(dtype) -> bool:
+  return dtype == BF16 or np.issubdtype(dtype, np.floating)
+
+
+def to_bf16(name: str, x) -> np.ndarray:
+  """`x` rounded to bf16 (round to nearest even; NaN stays NaN), as a C-contiguous array."""
+  a = np.asarray(x)
+  if a.dtype == BF16:
+    return np.ascontiguousarray(a)
+  if not is_float_dtype(a.dtype):
+    raise CodecError(f"tensor {name!r}: dtype expected a floating type, got {a.dtype}")
+  return np.ascontiguousarray(a.astype(BF16))
+
+
+def bit_view(a: np.ndarray) -> np.ndarray:
+  """Flat unsigned-integer view of a held (bf16 or int8) array; no copy when contiguous."""
+  return np.ascontiguousarray(a).reshape(-1).view(UINT_OF[a.dtype])
+
+
+def zigzag(off: np.ndarray) -> np.ndarray:
+  """Wrapping unsigned offsets of width w -> zigzag codes in [0, 2**w): small |offset| first."""
+  bits = off.dtype.itemsize * 8
+  s = off.view(np.dtype(f"i{off.dtype.itemsize}")).astype(np.int64)
+  z = (s << 1) ^ (s >> (bits - 1))
+  return z.astype(np.uint64)
+
+
+def unzigzag(z: np.ndarray, udtype: np.dtype) -> np.ndarray:
+  """Inverse of `zigzag`: codes -> wrapping unsigned offsets of `udtype`."""
+  z = z.astype(np.int64)
+  s = (z >> 1) ^ -(z & 1)
+  return s.astype(udtype)
+
+
+def bit_length(z: np.ndarray) -> np.ndarray:
+  """Number of significant bits of each value (exact for values < 2**53)."""
+  return np.frexp(z.astype(np.float64))[1].astype(np.int64)
+
+
+def pack_varwidth(values: np.ndarray, widths: np.ndarray) -> bytes:
+  """Concatenate the low `widths[i]` bits of `values[i]` (widths <= 56), LSB first."""
+  n = values.size
+  if n == 0:
+    return b""
+  w = widths.astype(np.int64)
+  ends = np.cumsum(w)
+  total = int(ends[-1])
+  words = np.zeros((total + 63) // 64 + 1, np.uint64)
+  for s in range(0, n, _BLOCK):
+    v = values[s:s + _BLOCK].astype(np.uint64)
+    wb = w[s:s + _BLOCK]
+    start = ends[s:s + _BLOCK] - wb
+    q = start >> 6
+    r = (start & 63).astype(np.uint64)
+    v &= (np.uint64(1) << wb.astype(np.uint64)) - np.uint64(1)
+    lo = v << r
+    hi = np.where(r == 0, np.uint64(0), v >> ((np.uint64(64) - r) & np.uint64(63)))
+    # q is non-decreasing and the bit ranges are disjoint, so a grouped sum is an OR.
+    first = np.flatnonzero(np.diff(q, prepend=-1))
+    uq = q[first]
+    words[uq] += np.add.reduceat(lo, first)
+    words[uq + 1] += np.add.reduceat(hi, first)
+  return words.astype("<u8").view(np.uint8)[:(total + 7) // 8].tobytes()
+
+
+def unpack_varwidth(buf, widths: np.ndarray, what: str) -> np.ndarray:
+  """Inverse of `pack_varwidth`; `buf` must hold exactly ceil(sum(widths) / 8) bytes."""
+  n = widths.size
+  w = widths.astype(np.int64)
+  ends = np.cumsum(w) if n else np.zeros(0, np.int64)
+  total = int(ends[-1]) if n else 0
+  if len(buf) != (total + 7) // 8:
+    raise CodecError(f"{what}: bit field holds {len(buf)} bytes, expected {(total + 7) // 8}")
+  if n == 0:
+    return np.zeros(0, np.uint64)
+  padded = np.zeros(((len(buf) + 7) // 8 + 1) * 8, np.uint8)
+  padded[:len(buf)] = np.frombuffer(buf, np.uint8)
+  words = padded.view("<u8").astype(np.uint64)
+  out = np.empty(n, np.uint64)
+  for s in range(0, n, _BLOCK):
+    wb = w[s:s + _BLOCK]
+    start = ends[s:s + _BLOCK] - wb
+    q = start >> 6
+    r = (start & 63).astype(np.uint64)
+    v = words[q] >> r
+    v |= np.where(r == 0, np.uint64(0), words[q + 1] << ((np.uint64(64) - r) & np.uint64(63)))
+    out[s:s + _BLOCK] = v & ((np.uint64(1) << wb.astype(np.uint64)) - np.uint64(1))
+  return out

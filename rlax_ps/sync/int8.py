@@ -1,0 +1,127 @@
+"""Per-output-channel symmetric int8 quantization and the int8 held state.
+
+Layout, per float tensor `name` of the trainer:
+  * ndim >= 2 and name ends in "embedding" ([V, H] tables): one scale per row (axis 0 kept,
+    all other axes reduced): `name` -> int8 codes, `name + ".scale"` -> bf16 scales [V].
+  * any other ndim >= 2 tensor (kernels, x @ W with W [in, out]): one scale per output
+    channel, the LAST axis (all other axes reduced): `name` -> int8 codes,
+    `name + ".scale"` -> bf16 scales [out].
+  * ndim < 2 (norm scales, biases): `name` -> bf16, not quantized.
+Quantization is a pure function of the float weights: scale = absmax / 127 rounded UP to
+the next bf16 value (bf16 so that a scale changes only when its channel's absmax moves by
+more than a bf16 ulp, which keeps int8 deltas sparse; rounded up so that no code clips),
+code = round_half_even(w / scale) in float64, in [-127, 127]; an all-zero channel has
+scale 0 and codes 0. Then |w - code * scale| <= scale / 2 for every element, and
+dequantized weights are code * scale (exact in float32).
+"""
+
+import numpy as np
+
+from rlax_ps.sync.bits import BF16, INT8, is_float_dtype, to_bf16
+from rlax_ps.sync.errors import CodecError
+
+SCALE_SUFFIX = ".scale"
+_BLOCK = 1 << 20
+
+
+def layout(name: str, ndim: int) -> str:
+  """"bf16", "rows" (embedding tables) or "channels_last" (kernels) for a float tensor."""
+  if ndim < 2:
+    return "bf16"
+  return "rows" if name.endswith("embedding") else "channels_last"
+
+
+def _ceil_bf16(v: np.ndarray) -> np.ndarray:
+  """Smallest bf16 value >= v (v >= 0, finite), elementwise."""
+  s = v.astype(np.float32).astype(BF16)
+  bits = s.view(np.uint16).copy()
+  low = s.astype(np.float64) < v
+  bits[low] += 1
+  return bits.view(BF16)
+
+
+def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
+  """(int8 codes shaped like x, bf16 scales) of one float tensor of ndim >= 2."""
+  a = np.asarray(x)
+  kind = layout(name, a.ndim)
+  if kind == "bf16":
+    raise CodecError(f"tensor {name!r}: int8 quantization needs ndim >= 2, got shape {a.shape}")
+  rows = a.reshape(a.shape[0], -1) if kind == "rows" else a.reshape(-1, a.shape[-1])
+  if kind == "rows":
+    absmax = np.zeros(rows.shape[0], np.float64)
+    for s in range(0, rows.shape[0], max(1, _BLOCK // max(rows.shape[1], 1))):
+      blk = rows[s:s + max(1, _BLOCK // max(rows.shape[1], 1))].astype(np.float64)
+      if not np.isfinite(blk).all():
+        raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
+      absmax[s:s + blk.shape[0]] = np.abs(blk).max(axis=1, initial=0.0)
+  else:
+    absmax = np.zeros(rows.shape[1], np.float64)
+    step = max(1, _BLOCK // max(rows.shape[1], 1))
+    for s in range(0, rows.shape[0], step):
+      blk = rows[s:s + step].astype(np.float64)
+      if not np.isfinite(blk).all():
+        raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
+      np.maximum(absmax, np.abs(blk).max(axis=0, initial=0.0), out=absmax)
+  scale = _ceil_bf16(absmax / 127.0)
+  inv = scale.astype(np.float64)
+  safe = np.where(inv > 0, inv, 1.0)
+  codes = np.empty(rows.shape, INT8)
+  step = max(1, _BLOCK // max(rows.shape[1], 1))
+  for s in range(0, rows.shape[0], step):
+    blk = rows[s:s + step].astype(np.float64)
+    sc = safe[s:s + step, None] if kind == "rows" else safe[None, :]
+    codes[s:s + step] = np.clip(np.rint(blk / sc), -127, 127).astype(INT8)
+  return codes.reshape(a.shape), scale
+
+
+def quantize_params(params: dict) -> dict[str, np.ndarray]:
+  """Float params -> the int8 held state (see the module docstring for the layout)."""
+  held = {}
+  for name, x in params.items():
+    a = np.asarray(x)
+    if not is_float_dtype(a.dtype):
+      raise CodecError(f"tensor {name!r}: dtype expected a floating type, got {a.dtype}")
+    if layout(name, a.ndim) == "bf16":
+      held[name] = to_bf16(name, a)
+      continue
+    if name + SCALE_SUFFIX in params:
+      raise CodecError(f"tensor {name + SCALE_SUFFIX!r}: collides with the int8 scales of {name!r}")
+    held[name], held[name + SCALE_SUFFIX] = quantize_tensor(name, a)
+  return held
+
+
+def is_held_int8(params: dict) -> bool:
+  """Whether `params` is already an int8 held state (has int8 codes)."""
+  return any(np.asarray(v).dtype == INT8 for v in params.values())
+
+
+def check_held(params: dict) -> dict[str, np.ndarray]:
+  """Validates an int8 held state and returns it as numpy arrays."""
+  held = {k: np.asarray(v) for k, v in params.items()}
+  for name, a in held.items():
+    if a.dtype == INT8:
+      sname = name + SCALE_SUFFIX
+      if sname not in held or held[sname].dtype != BF16:
+        raise CodecError(f"tensor {name!r}: int8 codes need bf16 scales {sname!r}")
+      axis = 0 if layout(name, a.ndim) == "rows" else a.ndim - 1
+      if held[sname].shape != (a.shape[axis],):
+        raise CodecError(f"tensor {sname!r}: shape expected {(a.shape[axis],)}, "
+                         f"got {held[sname].shape}")
+    elif a.dtype != BF16:
+      raise CodecError(f"tensor {name!r}: int8 held state dtype expected int8 or bfloat16, "
+                       f"got {a.dtype}")
+  return held
+
+
+def dequantize_params(held: dict) -> dict[str, np.ndarray]:
+  """The int8 held state -> float32 weights (codes * scales; bf16 tensors widened)."""
+  out = {}
+  for name, a in check_held(held).items():
+    if a.dtype == INT8:
+      s = held[name + SCALE_SUFFIX].astype(np.float32)
+      s = s.reshape((-1,) + (1,) * (a.ndim - 1)) if layout(name, a.ndim) == "rows" else s
+      out[name] = a.astype(np.float32) * s
+    elif not (name.endswith(SCALE_SUFFIX) and held.get(name[:-len(SCALE_SUFFIX)]) is not None
+              and np.asarray(held[name[:-len(SCALE_SUFFIX)]]).dtype == INT8):
+      out[name] = a.astype(np.float32)
+  return out
