@@ -24,15 +24,20 @@ def to_bf16(name: str, x) -> np.ndarray:
   """`x` rounded to bf16 (round to nearest even; NaN stays NaN), as a C-contiguous array."""
   a = np.asarray(x)
   if a.dtype == BF16:
-    return np.ascontiguousarray(a)
+    return c_contiguous(a)
   if not is_float_dtype(a.dtype):
     raise CodecError(f"tensor {name!r}: dtype expected a floating type, got {a.dtype}")
-  return np.ascontiguousarray(a.astype(BF16))
+  return c_contiguous(a.astype(BF16))
+
+
+def c_contiguous(a: np.ndarray) -> np.ndarray:
+  """`a` itself when C-contiguous, else a C-ordered copy (keeps 0-d arrays 0-d)."""
+  return a if a.flags.c_contiguous else a.copy(order="C")
 
 
 def bit_view(a: np.ndarray) -> np.ndarray:
   """Flat unsigned-integer view of a held (bf16 or int8) array; no copy when contiguous."""
-  return np.ascontiguousarray(a).reshape(-1).view(UINT_OF[a.dtype])
+  return c_contiguous(a).reshape(-1).view(UINT_OF[a.dtype])
 
 
 def zigzag(off: np.ndarray) -> np.ndarray:
