@@ -279,9 +279,9 @@ def run_load(address: str, seconds: float, n_workers: int) -> dict:
       timed_call("Publish", lambda: c.publish(sync.encode(None, weights, version=0).to_bytes()))
       while not stop.is_set():
         depth = c.stats().prompts_queued
-        if depth < 4 * n_workers:
-          batch = [pb.Prompt(id=f"q{next_prompt + i}", text="x", token_ids=[1, 2, 3]) for i in range(64)]
-          next_prompt += 64
+        if depth < 16 * n_workers:
+          batch = [pb.Prompt(id=f"q{next_prompt + i}", text="x", token_ids=[1, 2, 3]) for i in range(256)]
+          next_prompt += 256
           timed_call("EnqueuePrompts", lambda: c.enqueue_prompts(batch))
         take = timed_call("TakeRollouts", lambda: c.take_rollouts(0, 256, wait_s=0.2))
         if take.take_id:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import math
 import threading
@@ -68,6 +69,23 @@ class RolloutEntry:
   worker_id: str
 
 
+def _durable(method):
+  """Runs a public method, then waits (outside the lock) until what it logged is on disk."""
+  @functools.wraps(method)
+  def wrapper(self, *args, **kwargs):
+    depth = getattr(self._local, "depth", 0)
+    if depth == 0:
+      self._local.position = 0
+    self._local.depth = depth + 1
+    try:
+      return method(self, *args, **kwargs)
+    finally:
+      self._local.depth = depth
+      if depth == 0:  # the outermost call syncs, after its lock is released
+        self._wal.sync(self._local.position)
+  return wrapper
+
+
 def group_fingerprint(group: pb.RolloutGroup) -> bytes:
   return hashlib.sha256(group.SerializeToString(deterministic=True)).digest()
 
@@ -120,6 +138,7 @@ class PromptRolloutQueues:
     self._clock = clock
     self._latest_version = latest_version
     self._lock = threading.RLock()
+    self._local = threading.local()
     self._cond = threading.Condition(self._lock)
     self.prompts: dict[str, pb.Prompt] = {}  # queued or leased
     self.queue: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -138,8 +157,9 @@ class PromptRolloutQueues:
   # ------------------------------------------------------------ logging core
 
   def _commit(self, record: pb.WalRecord) -> None:
-    """Logs then applies one record; called with the lock held."""
-    self._wal.append(record)
+    """Logs then applies one record; called with the lock held. The calling public method
+    returns only once the record is on disk (`_durable`)."""
+    self._local.position = self._wal.append(record)
     self._apply(record)
     if self._wal.records_since_rewrite >= self.limits.wal_compact_records:
       self._wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
@@ -270,6 +290,7 @@ class PromptRolloutQueues:
 
   # ------------------------------------------------------------ time-driven changes
 
+  @_durable
   def expire_due(self) -> int:
     """Returns the prompts of expired leases and the rollouts of unacked takes; returns how many changes."""
     changes = 0
@@ -295,6 +316,7 @@ class PromptRolloutQueues:
 
   # ------------------------------------------------------------ prompts
 
+  @_durable
   def enqueue(self, prompts: list[pb.Prompt]) -> pb.EnqueuePromptsReply:
     if len(prompts) > self.limits.max_prompts_per_enqueue:
       raise errors.InvalidArgument(
@@ -331,6 +353,7 @@ class PromptRolloutQueues:
     if not (0 <= wait_s <= self.limits.max_wait_s):
       raise errors.InvalidArgument("wait_s", f"expected in [0, {self.limits.max_wait_s}], got {wait_s}")
 
+  @_durable
   def lease(self, worker_id: str, n: int, deadline_s: float, wait_s: float = 0.0) -> pb.Lease:
     if not worker_id:
       raise errors.InvalidArgument("worker_id", "expected a worker id, got ''")
@@ -364,6 +387,7 @@ class PromptRolloutQueues:
       raise errors.FailedPrecondition("lease_id", f"lease {lease_id!r} expired; its prompts went back to the queue")
     return lease
 
+  @_durable
   def renew(self, lease_id: str, worker_id: str, deadline_s: float) -> pb.Lease:
     self._check_deadline(deadline_s)
     with self._lock:
@@ -376,6 +400,7 @@ class PromptRolloutQueues:
       return pb.Lease(lease_id=lease_id, worker_id=worker_id, deadline_unix_s=deadline,
                       prompts=[self.prompts[p] for p in lease.open_ids])
 
+  @_durable
   def release(self, lease_id: str, worker_id: str, prompt_ids: list[str]) -> int:
     """Returns the listed (default: all open) prompts to the queue; repeating it is harmless."""
     with self._lock:
@@ -395,6 +420,7 @@ class PromptRolloutQueues:
         self._commit(pb.WalRecord(returned=pb.WalReturn(lease_id=lease_id, prompt_ids=todo)))
       return len(todo)
 
+  @_durable
   def complete(self, lease_id: str, worker_id: str) -> int:
     """Checks that every prompt of a lease was answered or released; returns how many were answered."""
     with self._lock:
@@ -408,6 +434,7 @@ class PromptRolloutQueues:
 
   # ------------------------------------------------------------ rollouts
 
+  @_durable
   def submit(self, lease_id: str, worker_id: str, group: pb.RolloutGroup) -> pb.SubmitRolloutsReply:
     """Accepts one prompt's rollout group once per lease; an identical retry is acknowledged again."""
     validate_group(group, latest_version=self._latest_version(),
@@ -436,6 +463,7 @@ class PromptRolloutQueues:
           worker_id=worker_id)))
       return pb.SubmitRolloutsReply(rollout_id=rollout_id, lease_closed=lease.closed)
 
+  @_durable
   def take(self, min_version: int, max_groups: int, wait_s: float, ack_deadline_s: float,
            max_bytes: int = 8 << 20) -> pb.TakeRolloutsReply:
     """Hands out up to `max_groups` groups (and about `max_bytes`) made at `min_version` or later."""
@@ -476,6 +504,7 @@ class PromptRolloutQueues:
           pb.TakenRollout(rollout_id=e.rollout_id, prompt=e.prompt, group=e.group, worker_id=e.worker_id)
           for e in taken])
 
+  @_durable
   def ack(self, take_id: str) -> int:
     if not take_id:
       raise errors.InvalidArgument("take_id", "expected a take id, got ''")

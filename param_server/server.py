@@ -51,6 +51,7 @@ class ServerConfig:
   delta_history: int = _field(4, "deltas kept before the newest keyframe, for workers that lag")
   verify_keyframes: bool = _field(True, "decode each published keyframe to check its checksums")
   compact_in_background: bool = _field(True, "compact the delta chain in a background thread")
+  cache_bytes: int = _field(4 << 30, "stored chunks kept in memory for pulls, shared by all clients")
   heartbeat_interval_s: float = _field(10.0, "heartbeat period asked of workers; 3 missed = not alive")
   reap_interval_s: float = _field(0.25, "how often expired leases and unacked takes are returned")
   threads: int = _field(128, "handler threads (each long poll or Watch stream holds one)")
@@ -204,7 +205,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
           if not context.is_active() or self.stopping.is_set():
             return
           end = min(offset + step, blob.nbytes)
-          data = self.weights.read_range(array, offset, end)
+          data = self.weights.read_range(blob, array, offset, end)
           yield pull_wire.encode_pull_chunk(data, update_index=index, update_count=len(plan),
                                             version=blob.version, base_version=base,
                                             update_bytes=blob.nbytes, offset=offset)
@@ -341,7 +342,7 @@ class ParamServer:
     self.weights = WeightStore(config.storage_dir, chunk_bytes=config.chunk_bytes, limits=WeightLimits(
         max_publish_bytes=config.max_publish_bytes, max_chunk_bytes=config.max_chunk_bytes,
         delta_history=config.delta_history, verify_keyframes=config.verify_keyframes,
-        compact_in_background=config.compact_in_background))
+        compact_in_background=config.compact_in_background, cache_bytes=config.cache_bytes))
     self.wal = WriteAheadLog(os.path.join(config.storage_dir, "queues.wal"), fsync=config.wal_fsync)
     self.queues = PromptRolloutQueues(
         self.wal, latest_version=lambda: self.weights.latest, limits=QueueLimits(

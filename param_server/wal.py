@@ -62,12 +62,16 @@ def read_records(path: str) -> tuple[list[pb.WalRecord], int, int]:
 
 
 class WriteAheadLog:
-  """An open log file; `append` returns once the record is on disk."""
+  """An open log file. `append` writes a record and returns its position; `sync(position)`
+  returns once that record is on disk. Callers append under their own lock and sync after
+  releasing it, so concurrent changes share one fsync (group commit); an fsync covers every
+  record written before it, so nothing is acknowledged before all it depends on is durable."""
 
   def __init__(self, path: str, *, fsync: bool = True):
     self.path = path
     self.fsync = fsync
     self._lock = threading.Lock()
+    self._sync_lock = threading.Lock()
     records, valid, torn = read_records(path)
     if torn:
       logging.warning("write-ahead log %s: discarding a torn tail of %d bytes "
@@ -79,21 +83,35 @@ class WriteAheadLog:
     self._file = open(path, "ab", buffering=0)
     self.bytes = valid
     self.records_since_rewrite = len(records)
+    self._written = 0  # logical positions: never reset, also across rewrites
+    self._synced = 0
 
-  def append(self, record: pb.WalRecord) -> None:
+  def append(self, record: pb.WalRecord) -> int:
     blob = encode_record(record)
     with self._lock:
       self._file.write(blob)
-      if self.fsync:
-        os.fsync(self._file.fileno())
       self.bytes += len(blob)
+      self._written += len(blob)
       self.records_since_rewrite += 1
+      return self._written
+
+  def sync(self, position: int) -> None:
+    """Blocks until everything up to `position` (from `append`) is on disk."""
+    if not self.fsync or self._synced >= position:
+      return
+    with self._sync_lock:
+      if self._synced >= position:
+        return
+      with self._lock:
+        target, fd = self._written, self._file.fileno()
+      os.fsync(fd)
+      self._synced = max(self._synced, target)
 
   def rewrite(self, snapshot: pb.WalRecord) -> None:
     """Atomically replaces the whole log with a single (snapshot) record."""
     blob = encode_record(snapshot)
     tmp = self.path + ".tmp"
-    with self._lock:
+    with self._sync_lock, self._lock:
       with open(tmp, "wb") as f:
         f.write(blob)
         f.flush()
@@ -104,7 +122,10 @@ class WriteAheadLog:
       self._file = open(self.path, "ab", buffering=0)
       self.bytes = len(blob)
       self.records_since_rewrite = 1
+      self._synced = self._written
 
   def close(self) -> None:
-    with self._lock:
+    with self._sync_lock, self._lock:
+      if self.fsync and self._synced < self._written:
+        os.fsync(self._file.fileno())
       self._file.close()

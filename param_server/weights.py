@@ -13,6 +13,7 @@ that lag.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -59,6 +60,8 @@ class WeightLimits:
   verify_keyframes: bool = True
   # Compact in a background thread (False: inline, for deterministic tests).
   compact_in_background: bool = True
+  # Bytes of stored chunks kept in memory, shared by all pulls (0: read every chunk from disk).
+  cache_bytes: int = 4 << 30
 
 
 def _array_spec(path: str, nbytes: int | None = None, chunk: int | None = None) -> dict:
@@ -132,6 +135,8 @@ class WeightStore:
     self._doomed: set[str] = set()
     self._compacting = False
     self.compactions = 0
+    self._cache: collections.OrderedDict[tuple[str, int], np.ndarray] = collections.OrderedDict()
+    self._cache_used = 0
     self._recover()
 
   # ------------------------------------------------------------ disk layout
@@ -187,6 +192,8 @@ class WeightStore:
     if self._pins.get(blob.name):
       self._doomed.add(blob.name)
       return
+    for key in [k for k in self._cache if k[0] == blob.name]:
+      self._cache_used -= self._cache.pop(key).nbytes
     if os.path.exists(self._marker(blob)):
       os.remove(self._marker(blob))
     shutil.rmtree(self._path(blob), ignore_errors=True)
@@ -273,7 +280,10 @@ class WeightStore:
 
   def _write_array(self, path: str, data: bytes) -> None:
     array = ts.open(_array_spec(path, len(data), self.chunk_bytes), create=True, delete_existing=True).result()
-    array.write(np.frombuffer(data, dtype=np.uint8)).result()
+    flat = np.frombuffer(data, dtype=np.uint8)
+    for start in range(0, len(data), self.chunk_bytes):  # chunk by chunk: no second copy of the blob
+      stop = min(start + self.chunk_bytes, len(data))
+      array[start:stop].write(flat[start:stop]).result()
 
   def _latest_blob(self) -> Blob:
     if self.keyframe is not None and self.keyframe.version == self.latest:
@@ -404,8 +414,25 @@ class WeightStore:
   def open_array(self, blob: Blob):
     return ts.open(_array_spec(self._path(blob))).result()
 
-  def read_range(self, array, start: int, stop: int) -> np.ndarray:
-    return array[start:stop].read().result()
+  def read_range(self, blob: Blob, array, start: int, stop: int) -> np.ndarray:
+    """Bytes [start, stop) of a pinned blob; whole stored chunks are served from a shared cache."""
+    whole = start % self.chunk_bytes == 0 and stop == min(start + self.chunk_bytes, blob.nbytes)
+    key = (blob.name, start)
+    if whole:
+      with self._lock:
+        hit = self._cache.get(key)
+        if hit is not None:
+          self._cache.move_to_end(key)
+          return hit
+    data = array[start:stop].read().result()
+    if whole and data.nbytes <= self.limits.cache_bytes:
+      with self._lock:
+        if key not in self._cache and blob.name not in self._doomed:
+          self._cache[key] = data
+          self._cache_used += data.nbytes
+          while self._cache_used > self.limits.cache_bytes:
+            self._cache_used -= self._cache.popitem(last=False)[1].nbytes
+    return data
 
   def read_all(self, blob: Blob) -> np.ndarray:
     return self.open_array(blob).read().result()
