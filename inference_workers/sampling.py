@@ -1,0 +1,113 @@
+"""Sampling settings and the per-step token choice (temperature, top-k, top-p, greedy).
+
+Pure functions on logits; the decode loop in `sampler.py` calls `choose_tokens` once per step.
+Only `DecodeMode` (greedy, top_k, whether top-p is on) is compiled in; temperature, top_p,
+stop tokens and max_new_tokens are traced, so changing them does not recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How tokens are drawn.
+
+  temperature: logits are divided by it before top-k/top-p; 0 means greedy.
+  top_k: keep the k most likely tokens (0 = all).
+  top_p: keep the smallest most-likely set whose probability reaches top_p (1.0 = all).
+  greedy: always take the argmax (the sampling distribution is then a point mass).
+  max_new_tokens: generation stops after this many tokens ("length").
+  stop_tokens: generation stops after emitting any of these (kept in the output, "stop").
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  greedy: bool = False
+  max_new_tokens: int = 64
+  stop_tokens: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    def need(cond, field, expected, got):
+      if not cond:
+        raise ValueError(f"SamplingParams.{field}: expected {expected}, got {got!r}")
+
+    need(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature",
+         "a number >= 0", self.temperature)
+    need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an int >= 0", self.top_k)
+    need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
+         "a number in (0, 1]", self.top_p)
+    need(isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0, "max_new_tokens",
+         "a positive int", self.max_new_tokens)
+    stops = tuple(self.stop_tokens)
+    need(all(isinstance(t, int) and t >= 0 for t in stops), "stop_tokens",
+         "non-negative token ids", self.stop_tokens)
+    object.__setattr__(self, "stop_tokens", tuple(sorted(set(stops))))
+    object.__setattr__(self, "temperature", float(self.temperature))
+    object.__setattr__(self, "top_p", float(self.top_p))
+    if self.temperature == 0:
+      object.__setattr__(self, "greedy", True)
+
+  @property
+  def mode(self) -> "DecodeMode":
+    """The part of these settings that shapes the compiled program."""
+    return DecodeMode(greedy=self.greedy, top_k=self.top_k, nucleus=self.top_p < 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeMode:
+  """Static sampling structure (one compiled decode loop each); the numbers stay traced."""
+
+  greedy: bool
+  top_k: int
+  nucleus: bool
+
+
+def truncated_logprobs(logits: jax.Array, mode: DecodeMode, temperature, top_p):
+  """(log-probs of the sampling distribution over candidates [B, C], candidate ids [B, C] or None).
+
+  Temperature first, then top-k, then top-p (the smallest most-likely set whose mass reaches
+  top_p), renormalised. Without truncation the candidates are the whole vocabulary (ids None).
+  """
+  scaled = logits / temperature
+  if not (mode.top_k or mode.nucleus):
+    return jax.nn.log_softmax(scaled, axis=-1), None
+  k = min(mode.top_k or logits.shape[-1], logits.shape[-1])
+  vals, ids = jax.lax.top_k(scaled, k)  # sorted, most likely first
+  if mode.nucleus:
+    probs = jax.nn.softmax(vals, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    vals = jnp.where(mass_before < top_p, vals, -jnp.inf)  # the first always survives
+  return jax.nn.log_softmax(vals, axis=-1), ids
+
+
+def choose_tokens(logits: jax.Array, keys: jax.Array, mode: DecodeMode, temperature, top_p):
+  """Draw one token per row from float32 logits [B, V] with per-row keys [B].
+
+  Returns (tokens [B] int32, sampling log-probs [B], model log-probs [B]):
+  the sampling log-prob is log q(token) under the distribution actually sampled from
+  (temperature, then top-k, then top-p, renormalised; 0 for greedy, a point mass); the model
+  log-prob is log_softmax(logits) at temperature 1, the policy's own log-prob.
+  """
+  model_logp = jax.nn.log_softmax(logits, axis=-1)
+  if mode.greedy:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling_logp = jnp.zeros(tokens.shape, jnp.float32)
+  else:
+    logp, ids = truncated_logprobs(logits, mode, temperature, top_p)
+    choice = jax.vmap(jax.random.categorical)(keys, logp)
+    sampling_logp = jnp.take_along_axis(logp, choice[:, None], axis=-1)[:, 0]
+    tokens = choice if ids is None else jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+    tokens = tokens.astype(jnp.int32)
+  chosen = jnp.take_along_axis(model_logp, tokens[:, None], axis=-1)[:, 0]
+  return tokens, sampling_logp, chosen
+
+
+def step_keys(seeds: jax.Array, step) -> jax.Array:
+  """Per-row keys for one decode step: fold_in(key(seed), step), reproducible given the seed."""
+  return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seeds)

@@ -1,0 +1,89 @@
+"""A decode cache for N samples of each prompt: one prefix KV cache read once per step for all N.
+
+It speaks the model's cache protocol (write_meta / attend / advance), so the transformer runs
+unchanged on rows [B*N] (row b*N + j is sample j of prompt b). The prompt's keys/values are
+held once per prompt, never copied N times; each sample only owns its suffix (the tokens it
+generated). Attention is computed in two partials merged by log-sum-exp: all N queries of a
+prompt against its prefix in one matmul ([N*group, D] x [D, S]), each query against its own
+suffix. The partial/merge function is pluggable (`decode_fn`); the default is the kernels'
+dispatch (the XLA two-pass path on CPU/GPU, the Pallas decode kernel on TPU).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
+from rlax_ps.models.kv_cache import KVCache
+
+# decode_fn(q [B,N,H,D], prefix_k, prefix_v [B,Sp,Hkv,D], prefix_lens [B],
+#           suffix_k, suffix_v [B,N,Ss,Hkv,D], suffix_lens [B,N]) -> (out [B,N,H,D], lse)
+DecodeFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+@flax.struct.dataclass
+class SharedPrefixCache:
+  """Prefix k/v per layer [B, Sp, Hkv, D] shared by N samples; suffix k/v [B, N, Ss, Hkv, D].
+
+  Prefix slots [0, prefix_lens[b]) hold prompt b; suffix slots [0, index) hold the tokens each
+  sample generated so far (all samples advance together, one token per call).
+  """
+
+  prefix_k: tuple[jax.Array, ...]
+  prefix_v: tuple[jax.Array, ...]
+  prefix_lens: jax.Array  # [B] int32
+  suffix_k: tuple[jax.Array, ...]
+  suffix_v: tuple[jax.Array, ...]
+  index: jax.Array  # int32 scalar: next suffix slot
+  decode_fn: DecodeFn = flax.struct.field(pytree_node=False, default=shared_prefix_decode_attention)
+
+  @classmethod
+  def from_prefill(cls, cache: KVCache, prefix_lens: jax.Array, n: int, suffix_len: int,
+                   decode_fn: DecodeFn = shared_prefix_decode_attention) -> "SharedPrefixCache":
+    """Share a prefilled KVCache (batch B, prompts right-padded, filled slots = prompts only)."""
+    b, _, hkv, d = cache.k[0].shape
+    shape = (b, n, suffix_len, hkv, d)
+    dtype = cache.k[0].dtype
+    return cls(prefix_k=cache.k, prefix_v=cache.v, prefix_lens=prefix_lens.astype(jnp.int32),
+               suffix_k=tuple(jnp.zeros(shape, dtype) for _ in cache.k),
+               suffix_v=tuple(jnp.zeros(shape, dtype) for _ in cache.v),
+               index=jnp.zeros((), jnp.int32), decode_fn=decode_fn)
+
+  @property
+  def num_samples(self) -> int:
+    return self.suffix_k[0].shape[1]
+
+  def write_meta(self, segment_ids: jax.Array, positions: jax.Array) -> "SharedPrefixCache":
+    """Nothing to record: validity is by length (prefix_lens, index), every row is one sample."""
+    del segment_ids, positions
+    return self
+
+  def attend(self, layer: int, q, k, v, q_segment_ids, q_positions, attention_fn):
+    """Write each sample's new k/v [B*N, 1, Hkv, D] at suffix slot `index`, attend prefix+suffix."""
+    del q_segment_ids, q_positions, attention_fn  # the dense mask path does not apply here
+    rows, t, h, d = q.shape
+    b, n = self.prefix_lens.shape[0], self.num_samples
+    if t != 1 or rows != b * n:
+      raise ValueError(f"SharedPrefixCache.attend: expected q of shape [{b * n}, 1, heads, "
+                       f"head_dim] (B={b} prompts x N={n} samples, one token), got {q.shape}")
+    zero = jnp.zeros((), jnp.int32)
+    start = (zero, zero, self.index, zero, zero)
+    hkv = k.shape[2]
+    new_k = jax.lax.dynamic_update_slice(
+        self.suffix_k[layer], k.reshape(b, n, 1, hkv, d).astype(self.suffix_k[layer].dtype), start)
+    new_v = jax.lax.dynamic_update_slice(
+        self.suffix_v[layer], v.reshape(b, n, 1, hkv, d).astype(self.suffix_v[layer].dtype), start)
+    suffix_lens = jnp.full((b, n), self.index + 1, jnp.int32)
+    out, _ = self.decode_fn(q.reshape(b, n, h, d), self.prefix_k[layer].astype(q.dtype),
+                            self.prefix_v[layer].astype(q.dtype), self.prefix_lens,
+                            new_k.astype(q.dtype), new_v.astype(q.dtype), suffix_lens)
+    cache = self.replace(suffix_k=self.suffix_k[:layer] + (new_k,) + self.suffix_k[layer + 1:],
+                         suffix_v=self.suffix_v[:layer] + (new_v,) + self.suffix_v[layer + 1:])
+    return out.reshape(rows, 1, h, d).astype(q.dtype), cache
+
+  def advance(self, t: int) -> "SharedPrefixCache":
+    return self.replace(index=self.index + t)
