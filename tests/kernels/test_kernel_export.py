@@ -1,0 +1,69 @@
+"""Lowering for real accelerators from CPU: jax.export runs the Pallas->Mosaic lowering
+(block shapes, index maps, scalar prefetch, dimension semantics) for TPU, and the
+dispatch's XLA path for CUDA."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from rlax_ps.kernels.dispatch import shared_prefix_decode_attention, shared_prompt_attention
+from rlax_ps.kernels.layout import make_layout
+
+B, N, P, R, H, HKV, D = 1, 3, 200, 100, 4, 2, 128  # P, R not block multiples
+
+
+def _train_fn(backend):
+  def loss_and_grads(q, k, v, prompt_lens, response_lens):
+    lay = make_layout(prompt_lens, response_lens, P, R)
+    attn = lambda q, k, v: shared_prompt_attention(q, k, v, lay, backend=backend)
+    (o, lse), pullback = jax.vjp(attn, q, k, v)
+    return o, lse, pullback((o, lse))
+  return loss_and_grads
+
+
+def _train_args(dtype):
+  length = P + N * R
+  return (jax.ShapeDtypeStruct((B, length, H, D), dtype),
+          jax.ShapeDtypeStruct((B, length, HKV, D), dtype),
+          jax.ShapeDtypeStruct((B, length, HKV, D), dtype),
+          jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, N), jnp.int32))
+
+
+def _decode_args(dtype):
+  return (jax.ShapeDtypeStruct((B, N, H, D), dtype),
+          *[jax.ShapeDtypeStruct((B, 1024, HKV, D), dtype)] * 2,
+          jax.ShapeDtypeStruct((B,), jnp.int32),
+          *[jax.ShapeDtypeStruct((B, N, 256, HKV, D), dtype)] * 2,
+          jax.ShapeDtypeStruct((B, N), jnp.int32))
+
+
+def _kernel_names(exported):
+  return set(re.findall(r'kernel_name = "([a-z_]+)"', exported.mlir_module()))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_training_kernels_lower_for_tpu(dtype):
+  exp = export.export(jax.jit(_train_fn("auto")), platforms=["tpu"])(*_train_args(dtype))
+  assert _kernel_names(exp) == {"shared_prompt_fwd", "shared_prompt_dq", "shared_prompt_dkv"}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_decode_kernel_lowers_for_tpu(dtype):
+  fn = jax.jit(functools.partial(shared_prefix_decode_attention, block_s=256))
+  exp = export.export(fn, platforms=["tpu"])(*_decode_args(dtype))
+  assert _kernel_names(exp) == {"shared_prefix_decode"}
+
+
+def test_training_and_decode_lower_for_cuda_through_xla_path():
+  train = export.export(jax.jit(_train_fn("auto")), platforms=["cuda"])(
+      *_train_args(jnp.bfloat16))
+  decode = export.export(jax.jit(shared_prefix_decode_attention), platforms=["cuda"])(
+      *_decode_args(jnp.bfloat16))
+  for exp in (train, decode):
+    assert exp.platforms == ("cuda",)
+    assert "tpu_custom_call" not in exp.mlir_module()
+    assert "dot_general" in exp.mlir_module()

@@ -1,0 +1,91 @@
+"""Whole model: per-response log-probs (and their parameter gradients) of a packed
+group equal those of the N separate sequences."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlax_ps.kernels.packing import pack_group, packed_response_logprobs, response_logit_index
+from rlax_ps.kernels.schedule import BlockSizes
+from rlax_ps.models import ModelConfig, Transformer
+
+B, N, P, R, V = 2, 3, 9, 5, 64
+PROMPT_LENS = np.array([9, 4])
+RESPONSE_LENS = np.array([[5, 1, 3], [2, 5, 0]])
+
+
+@pytest.fixture(scope="module")
+def group():
+  cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,
+                    num_heads=4, num_kv_heads=2)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(1, V, (B, P))
+  responses = rng.integers(1, V, (B, N, R))
+  return graphdef, state, prompts, responses
+
+
+def _separate_rows(prompts, responses):
+  """N independent [prompt, response i] rows (numpy), and where each response token is scored."""
+  toks = np.zeros((B * N, P + R), np.int32)
+  seg = np.zeros((B * N, P + R), np.int32)
+  idx = np.zeros((B * N, R), np.int32)
+  for b in range(B):
+    for i in range(N):
+      row = list(prompts[b, :PROMPT_LENS[b]]) + list(responses[b, i, :RESPONSE_LENS[b, i]])
+      toks[b * N + i, :len(row)] = row
+      seg[b * N + i, :len(row)] = 1
+      idx[b * N + i] = np.minimum(PROMPT_LENS[b] - 1 + np.arange(R), P + R - 1)
+  return toks, seg, idx
+
+
+def _separate_logprobs(graphdef, state, prompts, responses):
+  """The stock model (default attention) on the N separate rows."""
+  toks, seg, idx = _separate_rows(prompts, responses)
+  logits = nnx.merge(graphdef, state)(jnp.asarray(toks), segment_ids=jnp.asarray(seg))
+  logp = jax.nn.log_softmax(jnp.take_along_axis(logits, jnp.asarray(idx)[..., None], 1), -1)
+  out = jnp.take_along_axis(logp, jnp.asarray(responses).reshape(B * N, R, 1), -1)
+  valid = np.arange(R)[None, None] < RESPONSE_LENS[:, :, None]
+  return jnp.where(valid, out.reshape(B, N, R), 0.0)
+
+
+def _packed_logprobs(graphdef, state, prompts, responses, **kw):
+  tokens, lay = pack_group(prompts, PROMPT_LENS, responses, RESPONSE_LENS)
+  return packed_response_logprobs(nnx.merge(graphdef, state), tokens, responses, lay, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(backend="xla"),
+                                dict(backend="pallas_tpu", interpret=True,
+                                     block_sizes=BlockSizes(8, 8))], ids=["xla", "pallas"])
+def test_packed_logprobs_equal_separate_sequences(group, kw):
+  graphdef, state, prompts, responses = group
+  want = jax.jit(lambda st: _separate_logprobs(graphdef, st, prompts, responses))(state)
+  got = jax.jit(lambda st: _packed_logprobs(graphdef, st, prompts, responses, **kw))(state)
+  assert np.all(np.asarray(want)[np.arange(R)[None, None] < RESPONSE_LENS[:, :, None]] < 0)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_packed_param_gradients_equal_separate_sequences(group):
+  graphdef, state, prompts, responses = group
+  loss = lambda fn: jax.jit(jax.grad(
+      lambda st: fn(graphdef, st, prompts, responses).sum()))(state)
+  want = loss(_separate_logprobs)
+  got = loss(functools.partial(_packed_logprobs, backend="xla"))
+  for (path, g), (_, w) in zip(jax.tree.leaves_with_path(got), jax.tree.leaves_with_path(want)):
+    np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_first_response_token_is_read_at_last_prompt_token():
+  _, lay = pack_group(np.zeros((B, P)), PROMPT_LENS, np.zeros((B, N, R)), RESPONSE_LENS)
+  idx = np.asarray(response_logit_index(lay))
+  np.testing.assert_array_equal(idx[:, :, 0], np.repeat(PROMPT_LENS[:, None] - 1, N, 1))
+  np.testing.assert_array_equal(idx[0, 1, 1:], P + R + np.arange(R - 1))
+
+
+def test_pack_group_rejects_bad_response_shape():
+  with pytest.raises(ValueError, match=r"response_tokens must be \[B=2, N, R\]"):
+    pack_group(np.zeros((B, P)), PROMPT_LENS, np.zeros((B, R)), RESPONSE_LENS)

@@ -1,0 +1,106 @@
+"""Pallas TPU training kernel in interpret mode against the N-copies reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_cases import ALIGNED_FULL, CASES, ODD_GQA_PADDED, valid_lse, vjp_outputs
+from rlax_ps.kernels import reference, schedule
+from rlax_ps.kernels.dispatch import shared_prompt_attention
+from rlax_ps.kernels.layout import make_layout
+from rlax_ps.kernels.shared_prompt_tpu import aligned_geometry
+
+BLOCKS = schedule.BlockSizes(block_q=8, block_kv=8)
+
+
+def _pallas(lay, blocks=BLOCKS):
+  return jax.jit(functools.partial(shared_prompt_attention, layout=lay, backend="pallas_tpu",
+                                   block_sizes=blocks, interpret=True))
+
+
+def _compare(case, dtype, blocks, tol):
+  lay, q, k, v, do = case.inputs(dtype)
+  # Ground truth in float32 on the same (possibly bf16-rounded) inputs.
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = jax.jit(lambda q, k, v: reference.n_copies_attention(q, k, v, lay))
+  ref_lse = ref(f32(q), f32(k), f32(v))[1]
+  want = vjp_outputs(ref, f32(q), f32(k), f32(v), f32(do), ref_lse)
+  got = vjp_outputs(_pallas(lay, blocks), q, k, v, do, ref_lse)
+  assert got[0].dtype == dtype and got[2].dtype == dtype and got[1].dtype == jnp.float32
+  lse, ref_lse = valid_lse(got[1], want[1])
+  np.testing.assert_allclose(lse, ref_lse, **tol)
+  for name, g, w in zip(["o", "dq", "dk", "dv"], [got[0], *got[2:]], [want[0], *want[2:]]):
+    np.testing.assert_allclose(np.asarray(g, np.float32), w, err_msg=name, **tol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_pallas_f32_matches_n_copies(case):
+  _compare(case, jnp.float32, BLOCKS, dict(atol=1e-5, rtol=1e-5))
+
+
+def test_pallas_bf16_matches_n_copies():
+  # bf16 inputs, f32 accumulation: tolerances of the order JAX's splash tests use for bf16.
+  _compare(ODD_GQA_PADDED, jnp.bfloat16, BLOCKS, dict(atol=3e-2, rtol=3e-2))
+
+
+def test_pallas_unequal_blocks_match_n_copies():
+  # block_q != block_kv: regions are re-padded to their lcm, several q blocks per k block.
+  _compare(ALIGNED_FULL, jnp.float32, schedule.BlockSizes(block_q=8, block_kv=16),
+           dict(atol=1e-5, rtol=1e-5))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_schedules_visit_exactly_the_structurally_nonzero_blocks(case):
+  lay = case.layout()
+  g = aligned_geometry(lay, BLOCKS)
+  full = make_layout(np.full(lay.batch, g.prompt_capacity),
+                     np.full((lay.batch, lay.num_responses), g.response_capacity),
+                     g.prompt_capacity, g.response_capacity)
+  nb = g.total_len // 8
+  dense = np.asarray(full.dense_mask()[0]).reshape(nb, 8, nb, 8).any(axis=(1, 3))
+  for sched in (schedule.forward_schedule(g), schedule.dkv_schedule(g)):
+    visited = np.zeros_like(dense)
+    visited[sched.q_block, sched.k_block] = True
+    np.testing.assert_array_equal(visited, dense)
+    assert sched.length == dense.sum()  # each pair once
+  # Fewer steps than the dense [L/b]^2 grid: that is the shared-prompt saving.
+  assert schedule.forward_schedule(g).length < nb * nb
+
+
+def test_dead_pairs_repeat_the_last_live_block():
+  blocks = np.array([4, 5, 6, 7, 8], np.int32)
+  live = jnp.array([[False, True, False, True, False], [False, False, False, False, False]])
+  fetch = schedule.fill_dead(blocks, live)
+  np.testing.assert_array_equal(fetch, [[5, 5, 5, 7, 7], [4, 4, 4, 4, 4]])
+
+
+def test_dkv_schedule_sums_prompt_block_over_all_responses():
+  g = schedule.Geometry(num_responses=3, prompt_capacity=8, response_capacity=8, block_q=8,
+                        block_kv=8)
+  sched = schedule.dkv_schedule(g)
+  prompt_pairs = sched.q_block[sched.k_block == 0]
+  np.testing.assert_array_equal(prompt_pairs, [0, 1, 2, 3])  # prompt, then responses 0..2
+  # One accumulator run per key block: init at its first pair, write at its last.
+  assert sched.first.sum() == sched.last.sum() == 4
+
+
+def test_block_sizes_reject_bad_values():
+  with pytest.raises(ValueError, match="BlockSizes.block_q must be a positive int, got 0"):
+    schedule.BlockSizes(block_q=0)
+
+
+def test_dispatch_rejects_unknown_backend():
+  lay, q, k, v, _ = ODD_GQA_PADDED.inputs()
+  with pytest.raises(ValueError, match="backend must be one of .* got 'cuda_magic'"):
+    shared_prompt_attention(q, k, v, lay, backend="cuda_magic")
+
+
+def test_auto_backend_on_cpu_equals_two_pass():
+  lay, q, k, v, _ = ODD_GQA_PADDED.inputs()
+  o, lse = jax.jit(lambda q, k, v: shared_prompt_attention(q, k, v, lay))(q, k, v)
+  o2, lse2 = reference.two_pass_attention(q, k, v, lay)
+  np.testing.assert_allclose(o, o2, atol=1e-6)
+  np.testing.assert_allclose(*valid_lse(lse, lse2), atol=1e-6)
