@@ -76,11 +76,6 @@ def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str
   return tokens
 
 
-def read_token_file(storage_dir: str, role: str) -> str:
-  with open(os.path.join(storage_dir, TOKEN_FILE)) as f:
-    return json.load(f)[role]
-
-
 def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
   def abort(request, context):
     context.abort(code, message)

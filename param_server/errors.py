@@ -35,6 +35,3 @@ class NotFound(RequestError):
 class ResourceExhausted(RequestError):
   code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-
-class PermissionDenied(RequestError):
-  code = grpc.StatusCode.PERMISSION_DENIED

@@ -208,10 +208,6 @@ class WeightStore:
           "total_bytes", f"expected at most {self.limits.max_publish_bytes}, got {total_bytes}")
     return PublishWriter(self, total_bytes)
 
-  def manifest(self) -> tuple[str, dict] | None:
-    with self._lock:
-      return None if self.keyframe is None else (self.keyframe.fmt, self.keyframe.tensors)
-
   def _validate(self, info: payloads.PayloadInfo) -> None:
     """Checks a publication's header against the stored chain; raises naming the field."""
     if self.keyframe is None:
@@ -308,10 +304,6 @@ class WeightStore:
       self._delete(self.deltas.pop(v))
 
   # ------------------------------------------------------------ compaction
-
-  def chain_after_keyframe(self) -> list[Blob]:
-    with self._lock:
-      return self._chain(self.keyframe.version, self.latest) or []
 
   def _maybe_compact(self) -> None:
     with self._lock:

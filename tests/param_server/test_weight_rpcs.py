@@ -217,3 +217,22 @@ def test_stats_count_rejections_and_bytes_served(trainer, worker, viewer):
   stats = viewer.stats()
   assert stats.bytes_served == sum(len(b) for b in blobs)
   assert stats.errors == 1
+
+
+def test_a_trainer_dying_mid_publish_leaves_the_latest_version(server, trainer, worker):
+  publish_chain(trainer, 1)
+  blob = sync.encode(None, tiny_weights(1), version=1).to_bytes()
+  assert len(blob) > CHUNK  # the stream dies after its first chunk
+
+  def dying_stream():
+    yield pb.PublishChunk(total_bytes=len(blob), offset=0, data=blob[:CHUNK])
+    raise RuntimeError("trainer preempted")
+
+  channel = grpc.insecure_channel(server.address)
+  with pytest.raises((grpc.RpcError, RuntimeError)):
+    pb_grpc.ParamServerStub(channel).Publish(
+        dying_stream(), metadata=(("authorization", f"Bearer {TOKENS['trainer']}"),), timeout=10)
+  channel.close()
+  assert trainer.version_info().latest_version == 0
+  trainer.publish(blob)
+  assert worker.latest_version() == 1
