@@ -56,8 +56,11 @@ def unzigzag(z: np.ndarray, udtype: np.dtype) -> np.ndarray:
 
 
 def bit_length(z: np.ndarray) -> np.ndarray:
-  """Number of significant bits of each value (exact for values < 2**53)."""
-  return np.frexp(z.astype(np.float64))[1].astype(np.int64)
+  """Number of significant bits of each unsigned value (< 2**63)."""
+  nb = np.frexp(z.astype(np.float64))[1].astype(np.int64)
+  # float64 rounding can carry 2**k - 1 up to 2**k above 2**53: step back there.
+  over = (nb > 53) & (z < (np.uint64(1) << np.maximum(nb - 1, 0).astype(np.uint64)))
+  return nb - over
 
 
 def pack_varwidth(values: np.ndarray, widths: np.ndarray) -> bytes:

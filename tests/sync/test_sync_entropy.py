@@ -1,0 +1,57 @@
+"""Entropy stage and bit packing: exact inverses, and payloads near the information bound."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlax_ps import sync
+from rlax_ps.sync import entropy
+from rlax_ps.sync.bits import BF16, pack_varwidth, unpack_varwidth
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 3000))
+def test_varwidth_packing_round_trips(seed, n):
+  rng = np.random.default_rng(seed)
+  widths = rng.integers(0, 57, n)
+  values = rng.integers(0, 2**63, n, dtype=np.uint64) & ((np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1))
+  buf = pack_varwidth(values, widths)
+  assert len(buf) == (int(widths.sum()) + 7) // 8
+  assert np.array_equal(unpack_varwidth(buf, widths, "test"), values)
+
+
+def test_bucket_symbols_round_trip_up_to_56_bits():
+  z = np.concatenate([np.arange(300, dtype=np.uint64),
+                      (np.uint64(1) << np.arange(4, 56, dtype=np.uint64)) - np.uint64(1),
+                      np.uint64(1) << np.arange(4, 56, dtype=np.uint64),
+                      np.random.default_rng(0).integers(0, 2**56, 1000, dtype=np.uint64)])
+  sym, width, extra = entropy.to_symbols(z)
+  assert sym.max() < entropy.ALPHABET
+  assert np.array_equal(entropy.symbol_width(sym)[sym >= entropy.DIRECT], width)
+  assert np.array_equal(entropy.from_symbols(sym, lambda w: extra), z)
+
+
+def information_bound(base_bits, target_bits):
+  """N*H(d) + nnz*H_v in bytes, H_v the zeroth-order entropy of the changed offsets."""
+  idx = np.flatnonzero(base_bits != target_bits)
+  d = idx.size / base_bits.size
+  h = -(d * np.log2(d) + (1 - d) * np.log2(1 - d))
+  _, counts = np.unique((target_bits[idx] - base_bits[idx]).view(np.int16), return_counts=True)
+  p = counts / counts.sum()
+  return (base_bits.size * h + idx.size * -(p * np.log2(p)).sum()) / 8
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_payload_is_within_five_percent_of_the_bound(density):
+  rng = np.random.default_rng(5)
+  n = 1 << 21
+  base = rng.integers(0x3000, 0x3F00, n, dtype=np.uint16)
+  target = base.copy()
+  idx = rng.choice(n, int(density * n), replace=False)
+  target[idx] += rng.choice(np.array([1, 0xFFFF, 2, 0xFFFE, 5, 0xFF00], np.uint16), idx.size,
+                            p=[0.4, 0.4, 0.08, 0.08, 0.03, 0.01])
+  update = sync.encode({"w": base.view(BF16)}, {"w": target.view(BF16)}, version=1)
+  bound = information_bound(base, target)
+  assert update.nbytes <= 1.05 * bound + 300  # 300 bytes: header and tables
+  assert update.nbytes < idx.size * 6 / 3  # well below int32 + bf16 per change
