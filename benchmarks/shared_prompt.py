@@ -1,0 +1,171 @@
+"""Shared-prompt packing: whole-model training step, packed [P + N*R] vs N copies.
+
+CPU (default): a small Llama-style model, forward+backward of the summed response
+log-probs; FLOPs from XLA's cost analysis and measured wall time, each as the ratio
+N-copies / packed, printed next to rho = N(P+R)/(P+NR). Targets: FLOP ratio >= 0.9 rho,
+time ratio >= 0.7 rho.
+  .venv/bin/python benchmarks/shared_prompt.py              # sizes of issue 7
+  .venv/bin/python benchmarks/shared_prompt.py --scale=4    # P and R divided by 4
+Accelerator: --backend=tpu|gpu adds attention-kernel timings (fwd+bwd): the packed
+kernel (Pallas on TPU, XLA two-pass on GPU) against JAX's own splash (TPU) / cuDNN
+flash (GPU) attention on N copies, and runs the model step with a larger bf16 model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlax_ps.kernels.dispatch import shared_prompt_attention
+from rlax_ps.kernels.layout import make_layout
+from rlax_ps.kernels.packing import pack_group, packed_response_logprobs
+from rlax_ps.models import ModelConfig, Transformer
+
+SIZES = ((8, 512, 128), (16, 1024, 256), (16, 2048, 128))
+
+
+def _time(fn, *args, reps):
+  jax.block_until_ready(fn(*args))  # compile + warm up
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _flops(fn, *args):
+  cost = fn.lower(*args).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost["flops"])
+
+
+def _model_config(backend):
+  if backend == "cpu":
+    return ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=32)
+  return ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=4,
+                     num_heads=8, num_kv_heads=8, head_dim=128, param_dtype="bfloat16",
+                     dtype="bfloat16")
+
+
+def _step_fns(graphdef, n, p, r, attn_backend):
+  """Jitted grad-of-log-prob steps: packed and N copies (the stock model, dense mask)."""
+  plen = np.array([p], np.int32)
+  rlen = np.full((1, n), r, np.int32)
+
+  def packed_loss(state, prompt, responses):
+    tokens, lay = pack_group(prompt, plen, responses, rlen)
+    model = nnx.merge(graphdef, state)
+    return packed_response_logprobs(model, tokens, responses, lay, backend=attn_backend).sum()
+
+  def copies_loss(state, prompt, responses):
+    rows = jnp.concatenate([jnp.broadcast_to(prompt, (n, p)), responses[0]], axis=1)
+    logits = nnx.merge(graphdef, state)(rows)
+    logp = jax.nn.log_softmax(logits[:, p - 1:p + r - 1], axis=-1)
+    return jnp.take_along_axis(logp, responses[0][..., None], axis=-1).sum()
+
+  return jax.jit(jax.grad(packed_loss)), jax.jit(jax.grad(copies_loss))
+
+
+def model_rows(backend, scale, reps):
+  cfg = _model_config(backend)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  attn_backend = "auto"
+  rows = []
+  for n, p, r in SIZES:
+    p, r = max(p // scale, 1), max(r // scale, 1)
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(1, cfg.vocab_size, (1, p)), jnp.int32)
+    responses = jnp.asarray(rng.integers(1, cfg.vocab_size, (1, n, r)), jnp.int32)
+    packed, copies = _step_fns(graphdef, n, p, r, attn_backend)
+    args = (state, prompt, responses)
+    rho = n * (p + r) / (p + n * r)
+    f_ratio = _flops(copies, *args) / _flops(packed, *args)
+    t_packed = _time(packed, *args, reps=reps)
+    t_copies = _time(copies, *args, reps=reps)
+    rows.append((n, p, r, rho, f_ratio, t_copies, t_packed))
+    print(f"  done N={n} P={p} R={r}", flush=True)
+  return rows
+
+
+def _attention_inputs(n, p, r, h, d, dtype):
+  ks = jax.random.split(jax.random.key(0), 3)
+  length = p + n * r
+  return [jax.random.normal(kk, (1, length, h, d), dtype) for kk in ks]
+
+
+def kernel_rows(backend, scale, reps):
+  """Attention only, fwd+bwd: packed kernel vs JAX's flash/splash on N copies."""
+  h, d, dtype = 8, 128, jnp.bfloat16
+  rows = []
+  for n, p, r in SIZES:
+    p, r = max(p // scale, 1), max(r // scale, 1)
+    q, k, v = _attention_inputs(n, p, r, h, d, dtype)
+    lay = make_layout(np.array([p]), np.full((1, n), r), p, r)
+
+    def packed_loss(q, k, v):
+      return shared_prompt_attention(q, k, v, lay)[0].astype(jnp.float32).sum()
+
+    qc, kc, vc = (jnp.broadcast_to(x[:, :p + r], (n, p + r, h, d)) for x in (q, k, v))
+    if backend == "tpu":
+      from jax.experimental.pallas.ops.tpu.splash_attention import (splash_attention_kernel as
+                                                                    sk, splash_attention_mask
+                                                                    as sm)
+      mask = sm.MultiHeadMask([sm.CausalMask((p + r, p + r)) for _ in range(h)])
+      splash = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1)
+
+      def copies_loss(q, k, v):
+        fn = jax.vmap(lambda a, b, c: splash(a * d ** -0.5, b, c))
+        tr = lambda x: jnp.swapaxes(x, 1, 2)
+        return fn(tr(q), tr(k), tr(v)).astype(jnp.float32).sum()
+      ref_name = "splash"
+    else:
+      def copies_loss(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            implementation="cudnn").astype(jnp.float32).sum()
+      ref_name = "cudnn"
+    t_packed = _time(jax.jit(jax.grad(packed_loss, argnums=(0, 1, 2))), q, k, v, reps=reps)
+    t_copies = _time(jax.jit(jax.grad(copies_loss, argnums=(0, 1, 2))), qc, kc, vc, reps=reps)
+    rho = n * (p + r) / (p + n * r)
+    rows.append((n, p, r, rho, ref_name, t_copies, t_packed))
+  return rows
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--backend", choices=("cpu", "tpu", "gpu"), default="cpu")
+  parser.add_argument("--scale", type=int, default=1, help="divide P and R by this")
+  parser.add_argument("--reps", type=int, default=3)
+  args = parser.parse_args()
+  if args.backend == "cpu":
+    jax.config.update("jax_platforms", "cpu")
+  print(f"devices: {jax.devices()}  scale={args.scale}")
+  rows = model_rows(args.backend, args.scale, args.reps)
+  print("\nwhole-model train step (fwd+bwd of response log-probs), N copies / packed")
+  print(f"{'N':>3} {'P':>5} {'R':>4} {'rho':>6} | {'FLOP ratio':>10} {'/rho':>5} | "
+        f"{'t copies s':>10} {'t packed s':>10} {'t ratio':>7} {'/rho':>5}")
+  for n, p, r, rho, fr, tc, tp in rows:
+    print(f"{n:>3} {p:>5} {r:>4} {rho:>6.2f} | {fr:>10.2f} {fr / rho:>5.2f} | "
+          f"{tc:>10.4f} {tp:>10.4f} {tc / tp:>7.2f} {tc / tp / rho:>5.2f}")
+  print("targets: FLOP ratio/rho >= 0.9, time ratio/rho >= 0.7")
+  if args.backend != "cpu":
+    krows = kernel_rows(args.backend, args.scale, args.reps)
+    print("\nattention only (fwd+bwd, bf16, 8 heads x 128): JAX flash on N copies / packed kernel")
+    print(f"{'N':>3} {'P':>5} {'R':>4} {'rho':>6} | {'ref':>6} {'t ref ms':>9} "
+          f"{'t packed ms':>11} {'ratio':>6} {'/rho':>5}")
+    for n, p, r, rho, name, tc, tp in krows:
+      print(f"{n:>3} {p:>5} {r:>4} {rho:>6.2f} | {name:>6} {tc * 1e3:>9.3f} {tp * 1e3:>11.3f} "
+            f"{tc / tp:>6.2f} {tc / tp / rho:>5.2f}")
+
+
+if __name__ == "__main__":
+  main()
