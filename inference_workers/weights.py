@@ -1,0 +1,111 @@
+"""The worker's copy of the policy: the published bf16 or int8 weights, on device, runnable.
+
+Updates from the parameter server (`rlax_ps.sync.Update`) are applied in place: each changed
+tensor is one donated jitted scatter of its changed elements (`rlax_ps.sync.device`), so no
+second copy of the model ever exists; every changed tensor is then checked against the
+update's checksum. A delta whose base is not the held version, or any mismatch, raises
+`ResyncNeeded` and leaves the policy without a version: the caller pulls a keyframe.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from inference_workers.quantized import Int8Transformer, held_name
+from rlax_ps.models.config import ModelConfig
+from rlax_ps.models.transformer import Transformer
+from rlax_ps.sync import CodecError, Update
+from rlax_ps.sync.device import apply_changes
+
+FORMATS = ("bf16", "int8")
+
+
+class ResyncNeeded(Exception):
+  """The held weights cannot take this update; only a keyframe can bring them back."""
+
+
+def _variables(model: nnx.Module) -> dict[str, nnx.Variable]:
+  state = nnx.state(model, nnx.Param)
+  return {held_name(".".join(map(str, path))): var for path, var in nnx.to_flat_state(state)}
+
+
+class HeldPolicy:
+  """A model (bf16 `Transformer` or `Int8Transformer`) whose weights follow published versions.
+
+  `model` is what the sampler runs; `version` is None until a keyframe has been applied
+  (and again after a failed update). Compute dtype is `config.dtype`.
+  """
+
+  def __init__(self, config: ModelConfig, fmt: str = "bf16"):
+    if fmt not in FORMATS:
+      raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
+    self.fmt = fmt
+    cls = Transformer if fmt == "bf16" else Int8Transformer
+    held_config = config.replace(param_dtype="bfloat16")
+    self.model = nnx.eval_shape(lambda: cls(held_config, rngs=nnx.Rngs(0)))
+    self._vars = _variables(self.model)
+    self.version: int | None = None
+
+  @property
+  def names(self) -> list[str]:
+    """Held-state tensor names, as the codec names them."""
+    return sorted(self._vars)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of weights held (codes, scales, bf16 tensors)."""
+    return sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize for v in self._vars.values())
+
+  def held_state(self) -> dict[str, jax.Array]:
+    return {name: var[...] for name, var in self._vars.items()}
+
+  def apply(self, update: Update, *, verify: bool = True) -> None:
+    """Bring the held weights to `update.version` in place (keyframe or delta).
+
+    Raises ResyncNeeded when the update does not apply to what is held (format, base
+    version, tensor names or shapes) or a result fails its checksum.
+    """
+    try:
+      self._apply(update, verify)
+    except (CodecError, ResyncNeeded) as e:
+      self.version = None
+      raise e if isinstance(e, ResyncNeeded) else ResyncNeeded(str(e)) from e
+
+  def _apply(self, update: Update, verify: bool) -> None:
+    if update.fmt != self.fmt:
+      raise ResyncNeeded(f"update format: expected {self.fmt!r}, got {update.fmt!r}")
+    if not update.is_keyframe and update.base_version != self.version:
+      raise ResyncNeeded(f"update {update.version} is a delta from version {update.base_version}; "
+                         f"held version is {self.version}")
+    names = set(update.tensors)
+    if names != set(self._vars):
+      odd = sorted(names ^ set(self._vars))
+      raise ResyncNeeded(f"update tensors differ from the model's: e.g. {odd[0]!r} "
+                         f"({len(odd)} differ)")
+    # A keyframe replaces everything, a delta patches what is held; an older version's
+    # leftovers would be caught by the checksums below.
+    if not update.is_keyframe:
+      self.version = None
+    for name in sorted(names):
+      var = self._vars[name]
+      changes = update.changes(name)
+      if changes.kind == "unchanged":
+        continue
+      if changes.kind == "replace":
+        new = jnp.asarray(changes.array)
+      elif isinstance(var[...], jax.ShapeDtypeStruct):
+        raise ResyncNeeded(f"tensor {name!r}: a delta needs held weights; none are loaded yet")
+      else:
+        new = apply_changes(var[...], changes)
+      var.set_value(new)
+      if verify:
+        update.verify(name, np.asarray(jax.device_get(new)))
+    self.version = update.version
+
+  def verify_all(self, update: Update) -> None:
+    """Check every held tensor against `update`'s checksums (e.g. after a restart)."""
+    for name, var in self._vars.items():
+      update.verify(name, np.asarray(jax.device_get(var[...])))

@@ -1,0 +1,106 @@
+"""HeldPolicy: in-place bf16/int8 updates, the int8 forward, checksum mismatches and resyncs."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from inference_workers.weights import HeldPolicy, ResyncNeeded
+from rlax_ps import sync
+from rlax_ps.models import ModelConfig, Transformer, assign_params, flatten_params
+
+CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                     num_heads=4, num_kv_heads=2, qkv_bias=True, architecture="qwen2")
+UNTIED = CONFIG
+TIED = CONFIG.replace(tie_word_embeddings=True)
+
+
+def float_params(config, seed):
+  model = Transformer(config, rngs=nnx.Rngs(seed))
+  return {k: np.asarray(v) for k, v in flatten_params(model).items()}
+
+
+def moved(params, density, seed):
+  rng = np.random.default_rng(seed)
+  return {k: (v + (rng.random(v.shape) < density) * 0.01).astype(np.float32)
+          for k, v in params.items()}
+
+
+def same_bits(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.fixture(scope="module")
+def versions():
+  v0 = float_params(UNTIED, 0)
+  v1 = moved(v0, 0.02, 1)
+  v2 = moved(v1, 0.02, 2)
+  return [v0, v1, v2]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_in_place_deltas_reproduce_the_published_weights(versions, fmt):
+  policy = HeldPolicy(UNTIED, fmt)
+  policy.apply(sync.encode(None, versions[0], fmt, version=0))
+  for v in (1, 2):
+    before = policy.held_state()
+    delta = sync.encode(versions[v - 1], versions[v], fmt, version=v)
+    policy.apply(delta)
+    assert policy.version == v
+    want = sync.held_state(versions[v], fmt)
+    got = policy.held_state()
+    assert sorted(got) == sorted(want)
+    assert all(same_bits(got[k], want[k]) for k in want)
+    # Changed tensors were updated in their own (donated) buffers: no second copy survives.
+    patched = [k for k in want if delta.changes(k).kind in ("sparse", "dense")]
+    assert patched and all(before[k].is_deleted() for k in patched)
+
+
+def test_int8_weights_halve_the_bytes_of_bf16():
+  assert HeldPolicy(UNTIED, "int8").nbytes < 0.6 * HeldPolicy(UNTIED, "bf16").nbytes
+
+
+@pytest.mark.parametrize("config", [UNTIED, TIED], ids=["untied", "tied"])
+def test_int8_forward_equals_the_dequantized_model(config):
+  params = float_params(config, 3)
+  policy = HeldPolicy(config, "int8")
+  policy.apply(sync.encode(None, params, "int8", version=0))
+  reference = Transformer(config, rngs=nnx.Rngs(0))
+  assign_params(reference, sync.dequantize(sync.held_state(params, "int8")))
+  tokens = jax.random.randint(jax.random.key(0), (2, 7), 0, config.vocab_size)
+  np.testing.assert_allclose(policy.model(tokens), reference(tokens), atol=2e-3, rtol=2e-3)
+
+
+def test_checksum_mismatch_demands_a_resync_and_a_keyframe_recovers(versions):
+  policy = HeldPolicy(UNTIED, "bf16")
+  policy.apply(sync.encode(None, versions[0], "bf16", version=0))
+  delta = sync.encode(versions[0], versions[1], "bf16", version=1)
+  name = next(n for n in delta.tensors if delta.changes(n).kind == "sparse")
+  var = policy._vars[name]
+  var.set_value(var[...] + 1)  # the held copy went bad (e.g. a bit flip)
+  with pytest.raises(ResyncNeeded, match="checksum"):
+    policy.apply(delta)
+  assert policy.version is None
+  policy.apply(sync.encode(None, versions[1], "bf16", version=1))
+  want = sync.held_state(versions[1], "bf16")
+  assert policy.version == 1
+  assert all(same_bits(policy.held_state()[k], want[k]) for k in want)
+
+
+def test_delta_on_the_wrong_base_demands_a_resync(versions):
+  policy = HeldPolicy(UNTIED, "bf16")
+  with pytest.raises(ResyncNeeded, match="held version is None"):
+    policy.apply(sync.encode(versions[0], versions[1], "bf16", version=1))
+  policy.apply(sync.encode(None, versions[0], "bf16", version=0))
+  with pytest.raises(ResyncNeeded, match="delta from version 1"):
+    policy.apply(sync.encode(versions[1], versions[2], "bf16", version=2))
+
+
+def test_wrong_format_or_model_is_named(versions):
+  with pytest.raises(ValueError, match="fmt"):
+    HeldPolicy(UNTIED, "fp8")
+  with pytest.raises(ResyncNeeded, match="format"):
+    HeldPolicy(UNTIED, "int8").apply(sync.encode(None, versions[0], "bf16", version=0))
+  with pytest.raises(ResyncNeeded, match="tensors differ"):
+    HeldPolicy(TIED, "bf16").apply(sync.encode(None, versions[0], "bf16", version=0))
