@@ -139,6 +139,40 @@ def kernel_rows(backend, scale, reps):
   return rows
 
 
+def accelerator_check():
+  """Packed attention as dispatched on this device vs the N-copies reference: max |error|."""
+  from rlax_ps.kernels.reference import n_copies_attention
+  n, p, r, h, hkv, d = 4, 200, 100, 8, 2, 128
+  lay = make_layout(np.array([200, 77]), np.array([[100, 1, 50, 0], [3, 100, 99, 64]]), p, r)
+  ks = jax.random.split(jax.random.key(1), 4)
+  length = p + n * r
+  base = [jax.random.normal(ks[0], (2, length, h, d)), jax.random.normal(ks[1], (2, length, hkv, d)),
+          jax.random.normal(ks[2], (2, length, hkv, d))]
+  do = jax.random.normal(ks[3], (2, length, h, d))
+  valid = np.asarray(lay.valid())
+  out = []
+  for dtype in (jnp.float32, jnp.bfloat16):
+    args = [x.astype(dtype) for x in base]
+
+    def run(fn, *a):
+      (o, lse), pull = jax.vjp(fn, *a)
+      return (o, lse, *pull((do.astype(o.dtype), jnp.zeros_like(lse))))
+
+    with jax.default_matmul_precision("highest"):
+      got = jax.jit(functools.partial(run, lambda q, k, v: shared_prompt_attention(q, k, v, lay)))(
+          *args)
+      want = jax.jit(functools.partial(run, lambda q, k, v: n_copies_attention(q, k, v, lay)))(
+          *[a.astype(jnp.float32) for a in args])
+    errs = []
+    for i, (g, w) in enumerate(zip(got, want)):
+      g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+      if i == 1:
+        g, w = g[valid], w[valid]
+      errs.append(float(np.max(np.abs(g - w))))
+    out.append((jnp.dtype(dtype).name, errs))
+  return out
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,6 +183,11 @@ def main():
   if args.backend == "cpu":
     jax.config.update("jax_platforms", "cpu")
   print(f"devices: {jax.devices()}  scale={args.scale}")
+  if args.backend != "cpu":
+    print("\npacked attention on this device vs N-copies reference (f32 math), max |error|")
+    print(f"{'dtype':>8} {'o':>9} {'lse':>9} {'dq':>9} {'dk':>9} {'dv':>9}")
+    for name, errs in accelerator_check():
+      print(f"{name:>8} " + " ".join(f"{e:>9.2e}" for e in errs), flush=True)
   rows = model_rows(args.backend, args.scale, args.reps)
   print("\nwhole-model train step (fwd+bwd of response log-probs), N copies / packed")
   print(f"{'N':>3} {'P':>5} {'R':>4} {'rho':>6} | {'FLOP ratio':>10} {'/rho':>5} | "
