@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("rlax_ps.train.sft_main", "supervised warm start on a built-in task"),
     "serve": ("param_server.serve_main", "run the parameter server (gRPC)"),
     "status": ("param_server.status_main", "print a parameter server's versions, queues and workers"),
+    "worker": ("inference_workers.cli", "run an inference worker: pull weights, lease, sample, submit"),
 }
 
 
@@ -42,7 +43,33 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(2)
   module = importlib.import_module(SUBCOMMANDS[name][0])
   from absl import app  # imported late: keeps `rlax-ps --help` instant.
-  app.run(module.main, argv=[f"{prog} {name}"] + argv[2:])
+  app.run(module.main, argv=[f"{prog} {name}"] + argv[2:], flags_parser=parse_flags)
+
+
+def _innermost_message(e: BaseException) -> str:
+  while e.args and isinstance(e.args[0], BaseException):
+    e = e.args[0]
+  return str(e.args[0]) if e.args else str(e)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing that turns every bad flag (including a `--config.a.b=` override of a
+  field the config lacks) into one line on stderr and exit status 2, not a traceback."""
+  from absl import flags
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    message = str(e)
+  except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
+    lines = _innermost_message(e).replace("\\n", "\n").split("\n")
+    field = lines[0].strip("'\"")
+    message = " ".join(lines)
+    culprit = [a for a in argv[1:] if a.startswith("--") and f".{field}" in a.split("=")[0]]
+    if culprit:  # ml_collections: a `--config.a.b=` override of a field the config lacks.
+      message = f"{culprit[0]}: no such config field {field!r}. " + " ".join(lines[1:])
+  print(f"{argv[0]}: bad flags: {message.strip()}", file=sys.stderr)
+  print(f"`{argv[0]} --help` lists the flags.", file=sys.stderr)
+  sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ class SFTTrainer:
   def writer(self):
     if self._writer is None:
       from tensorboardX import SummaryWriter
-      self._writer = SummaryWriter(os.path.join(self.workdir, "tb"))
+      self._writer = SummaryWriter(os.path.join(self.workdir, "tb"), flush_secs=10)
     return self._writer
 
   def train(self, until: int | None = None, *, progress: bool = True) -> dict[str, float]:

@@ -1,0 +1,89 @@
+"""Greedy decoding with the KV cache on left-padded prompts equals recomputing the full
+forward per token; exact match scores completions through the task checkers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlax_ps.models import ModelConfig, Transformer
+from rlax_ps.tasks import Example, get_task
+from rlax_ps.tokenizers import CharTokenizer
+from rlax_ps.train import evaluate
+
+TOK = CharTokenizer()
+CONFIG = ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
+                     num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
+PROMPTS = ["1+2=", "rev abcdef=", "77+8=", "rev q="]
+NEW = 5
+
+
+@pytest.fixture(scope="module")
+def model():
+  m = Transformer(CONFIG, rngs=nnx.Rngs(3))
+  graphdef, state = nnx.split(m, nnx.Param)
+  return graphdef, state.to_pure_dict()
+
+
+def _reference(graphdef, params, prompt: str) -> list[int]:
+  """Greedy tokens by a full forward over the whole sequence at every step (no cache)."""
+  forward = jax.jit(lambda p, t, s: nnx.merge(graphdef, p)(t, segment_ids=s))
+  ids = TOK.encode(prompt, add_bos=True)
+  width = 32
+  out = []
+  for _ in range(NEW):
+    tokens = np.full((1, width), TOK.pad_id, np.int32)
+    tokens[0, :len(ids)] = ids
+    seg = (np.arange(width) < len(ids)).astype(np.int32)[None]
+    logits = forward(params, jnp.asarray(tokens), jnp.asarray(seg))
+    nxt = int(np.argmax(np.asarray(logits[0, len(ids) - 1])))
+    out.append(nxt)
+    ids.append(nxt)
+  return out
+
+
+def test_cached_greedy_on_left_padded_batch_matches_full_recompute(model):
+  graphdef, params = model
+  arrays = evaluate.left_pad_prompts(TOK, PROMPTS, length=16)
+  eos = -1  # No early stop: compare all NEW tokens.
+  got = evaluate.greedy_generate(graphdef, params, arrays["tokens"], arrays["segment_ids"],
+                                 arrays["positions"], max_new_tokens=NEW, eos_id=eos,
+                                 pad_id=TOK.pad_id)
+  for row, prompt in zip(np.asarray(got), PROMPTS):
+    assert list(row) == _reference(graphdef, params, prompt)
+
+
+def test_tokens_after_eos_are_padding(model):
+  graphdef, params = model
+  arrays = evaluate.left_pad_prompts(TOK, PROMPTS, length=16)
+  free = np.asarray(evaluate.greedy_generate(
+      graphdef, params, arrays["tokens"], arrays["segment_ids"], arrays["positions"],
+      max_new_tokens=NEW, eos_id=-1, pad_id=TOK.pad_id))
+  # Pretend a token that first appears at step i >= 1 of some row r is eos.
+  r, i = next((r, i) for r in range(len(PROMPTS)) for i in range(1, NEW)
+              if free[r, i] not in free[r, :i])
+  eos = int(free[r, i])
+  got = np.asarray(evaluate.greedy_generate(
+      graphdef, params, arrays["tokens"], arrays["segment_ids"], arrays["positions"],
+      max_new_tokens=NEW, eos_id=eos, pad_id=TOK.pad_id))
+  assert list(got[r, :i + 1]) == list(free[r, :i + 1])  # Up to and with eos: unchanged.
+  assert all(t == TOK.pad_id for t in got[r, i + 1:])
+
+
+def test_exact_match_scores_with_the_task_checker(model, monkeypatch):
+  graphdef, params = model
+  task = get_task("addition")
+  examples = {"addition": [Example("1+2=", "3"), Example("2+2=", "4"), Example("5+5=", "10")]}
+  answers = {"1+2=": "3", "2+2=": "5", "5+5=": "10"}  # Two right, one wrong.
+  monkeypatch.setattr(evaluate, "completions",
+                      lambda g, p, tok, prompts, **kw: [answers[q] for q in prompts])
+  result = evaluate.exact_match(graphdef, params, TOK, [task], examples, batch_size=4)
+  assert result == {"addition": pytest.approx(2 / 3), "all": pytest.approx(2 / 3)}
+
+
+def test_completions_decode_up_to_eos(model):
+  graphdef, params = model
+  texts = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=NEW,
+                               batch_size=2, prompt_len=16)
+  assert len(texts) == 3 and all(isinstance(t, str) and len(t) <= NEW for t in texts)

@@ -1,0 +1,81 @@
+"""Optimizer from config: warmup+cosine schedule, clipping, decay mask, accumulation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rlax_ps import optim
+from rlax_ps.train.step import loss_and_grads, split_micro_batches
+
+
+def test_schedule_warms_up_linearly_then_decays_by_cosine():
+  cfg = {"lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.1}
+  sched = optim.learning_rate_schedule(cfg, total_steps=20)
+  lrs = [float(sched(k)) for k in range(20)]
+  np.testing.assert_allclose(lrs[:4], [0.25, 0.5, 0.75, 1.0], rtol=1e-6)  # update k uses k+1.
+  assert all(a > b for a, b in zip(lrs[3:-1], lrs[4:]))
+  np.testing.assert_allclose(lrs[-1], 0.1, rtol=1e-5)  # Ends at lr * min_lr_ratio.
+  mid = 4 + (20 - 4) / 2  # Halfway through the cosine: the mean of peak and floor.
+  np.testing.assert_allclose(float(sched(mid - 1)), 0.55, rtol=1e-5)
+
+
+def test_clipping_bounds_the_update_norm():
+  cfg = {"lr": 1.0, "warmup_steps": 0, "clip_norm": 1.0, "weight_decay": 0.0, "b1": 0.0}
+  params = {"w": jnp.zeros((3, 3))}
+  grads = {"w": jnp.full((3, 3), 100.0)}
+  clip = optax.clip_by_global_norm(1.0)
+  clipped, _ = clip.update(grads, clip.init(params))
+  assert float(optax.global_norm(clipped)) == pytest.approx(1.0, rel=1e-5)
+  tx = optim.make_optimizer(cfg, total_steps=5)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  assert np.all(np.isfinite(np.asarray(updates["w"])))
+
+
+def test_weight_decay_skips_vectors():
+  cfg = {"lr": 1.0, "warmup_steps": 0, "weight_decay": 0.5, "clip_norm": 0.0}
+  tx = optim.make_optimizer(cfg, total_steps=5)
+  params = {"kernel": jnp.ones((2, 2)), "scale": jnp.ones((2,))}
+  zero = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zero, tx.init(params), params)
+  assert np.all(np.asarray(updates["kernel"]) < 0)  # Decayed towards 0.
+  assert np.all(np.asarray(updates["scale"]) == 0)  # Left alone.
+
+
+def test_bad_optimizer_fields_are_named():
+  with pytest.raises(ValueError, match="optimizer.lr: expected > 0, got -1"):
+    optim.make_optimizer({"lr": -1}, total_steps=5)
+  with pytest.raises(ValueError, match="optimizer.grad_accum_steps"):
+    optim.make_optimizer({"grad_accum_steps": 0}, total_steps=5)
+  with pytest.raises(ValueError, match="train.steps"):
+    optim.make_optimizer({}, total_steps=0)
+
+
+def _toy_loss_sum(params, graphdef, batch):
+  del graphdef
+  pred = batch["x"] @ params["w"]
+  err = ((pred - batch["y"]) ** 2).sum(-1) * batch["loss_mask"]
+  return err.sum(), {"tokens": batch["loss_mask"].sum(), "correct": jnp.zeros(())}
+
+
+def test_micro_batch_accumulation_equals_the_full_batch():
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(8, 3)).astype(np.float32),
+           "y": rng.normal(size=(8, 2)).astype(np.float32),
+           "loss_mask": np.array([1, 1, 0, 1, 1, 1, 0, 1], np.float32)}
+  params = {"w": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)}
+  full_loss, full_grads, _ = loss_and_grads(params, None, batch, 1, _toy_loss_sum)
+  for micro in (2, 4):
+    loss, grads, metrics = loss_and_grads(params, None, batch, micro, _toy_loss_sum)
+    np.testing.assert_allclose(float(loss), float(full_loss), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads["w"]), np.asarray(full_grads["w"]), rtol=1e-5)
+    assert float(metrics["tokens"]) == 6.0
+
+
+def test_micro_batches_interleave_rows():
+  x = np.arange(8)
+  micro = split_micro_batches({"x": x}, 2)["x"]
+  np.testing.assert_array_equal(np.asarray(micro), [[0, 2, 4, 6], [1, 3, 5, 7]])
+  with pytest.raises(ValueError, match="grad_accum_steps=3"):
+    split_micro_batches({"x": x}, 3)

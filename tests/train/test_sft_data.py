@@ -1,0 +1,80 @@
+"""SFT batches: answer-only loss, packing with restarting positions, determinism per step."""
+
+import numpy as np
+import pytest
+
+from rlax_ps.tasks import Example, get_task
+from rlax_ps.tokenizers import CharTokenizer
+from rlax_ps.train.data import SFTBatches, encode_example, pack_rows
+
+TOK = CharTokenizer()
+
+
+def test_loss_weights_cover_answer_and_eos_only():
+  ids, w = encode_example(TOK, Example("12+3=", "15"))
+  assert TOK.decode(ids, skip_special=False) == "<bos>12+3=15<eos>"
+  assert w == [0.0] * 6 + [1.0] * 3
+
+
+def test_packed_rows_restart_positions_and_mask_only_answers():
+  exs = [Example("1+1=", "2"), Example("rev ab=", "ba"), Example("9+9=", "18")]
+  enc = [encode_example(TOK, e) for e in exs]  # 7, 11 and 8 ids.
+  batch, used = pack_rows(enc, batch_size=3, seq_len=17, pad_id=TOK.pad_id)  # 18 ids a row.
+  assert used == 3
+  seg, pos = batch["segment_ids"], batch["positions"]
+  assert list(seg[0]) == [1] * 7 + [2] * 10  # Inputs are ids[:-1]: 17 of the 18.
+  assert list(pos[0][7:10]) == [0, 1, 2]
+  assert list(seg[1][:9]) == [1] * 8 + [0]  # The third example starts row 1.
+  targets = batch["targets"][0][batch["loss_mask"][0] > 0]
+  assert TOK.decode(targets, skip_special=False) == "2<eos>ba<eos>"
+  assert batch["loss_mask"][2].sum() == 0  # Untouched row: all padding.
+
+
+def test_packing_continues_on_the_next_row():
+  enc = [encode_example(TOK, Example("1+1=", "2"))] * 5  # 7 ids each.
+  batch, used = pack_rows(enc, batch_size=2, seq_len=15, pad_id=TOK.pad_id)
+  assert used == 4  # Two per row of 16 slots.
+  assert batch["loss_mask"].sum() == 4 * 2
+  unpacked, used = pack_rows(enc, batch_size=2, seq_len=15, pad_id=TOK.pad_id, packing=False)
+  assert used == 2 and set(unpacked["segment_ids"][0]) == {0, 1}
+
+
+def test_no_loss_across_a_segment_boundary():
+  enc = [encode_example(TOK, Example("a=", "b"))] * 3
+  batch, _ = pack_rows(enc, batch_size=1, seq_len=12, pad_id=TOK.pad_id)
+  seg, mask = batch["segment_ids"][0], batch["loss_mask"][0]
+  for t in range(len(seg) - 1):
+    if seg[t] != seg[t + 1]:
+      assert mask[t] == 0  # The target at t belongs to another sequence.
+
+
+def test_example_longer_than_a_row_is_an_error():
+  enc = [encode_example(TOK, Example("123456789+1=", "123456790"))]
+  with pytest.raises(ValueError, match="data.seq_len"):
+    pack_rows(enc, batch_size=1, seq_len=8, pad_id=TOK.pad_id)
+
+
+def test_batches_are_a_function_of_the_step():
+  data = SFTBatches([get_task("addition"), get_task("reversal")], [1.0, 3.0], TOK,
+                    batch_size=4, seq_len=32, seed=5)
+  a, b, c = data.batch(3), data.batch(3), data.batch(4)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  assert not np.array_equal(a["tokens"], c["tokens"])
+  assert a["tokens"].shape == (4, 32)
+  assert (a["segment_ids"] > 0).mean() > 0.7  # Packing fills most slots.
+
+
+def test_train_batches_hold_no_heldout_prompt():
+  task = get_task("addition", max_digits=2)
+  heldout = {e.prompt for e in task.examples("heldout", 0, 200)}
+  data = SFTBatches([task], [1.0], TOK, batch_size=8, seq_len=64, seed=0)
+  text = "".join(TOK.decode(r, skip_special=False) for s in range(5)
+                 for r in data.batch(s)["tokens"])
+  prompts = {p.split("<bos>")[-1] + "=" for p in text.split("=")[:-1]}
+  assert prompts and not prompts & heldout
+
+
+def test_seq_len_too_short_for_the_tasks_is_named():
+  with pytest.raises(ValueError, match="data.seq_len: expected >= "):
+    SFTBatches([get_task("reversal", max_len=20)], [1.0], TOK, batch_size=2, seq_len=16, seed=0)
