@@ -1,0 +1,94 @@
+"""`rlax-ps worker`: run one inference worker against a parameter server until stopped.
+
+  rlax-ps worker --address=127.0.0.1:50051 --token=$RLAX_PS_WORKER_TOKEN \
+      --config=configs/sft_tiny.py [--samples_per_prompt=16 --weights_format=int8]
+
+The config file supplies the `model` and `tokenizer` sections (as the trainer's config has
+them) and optionally a `worker` section of WorkerConfig fields; explicit flags win over it.
+SIGTERM (a preemption notice) stops the worker cleanly within --grace_s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+
+from absl import flags, logging
+from ml_collections import config_flags
+
+from inference_workers.worker_config import WorkerConfig
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "ml_collections file with `model`, `tokenizer` and optional `worker` "
+    "sections, e.g. configs/sft_tiny.py")
+_ADDRESS = flags.DEFINE_string("address", None, "parameter server host:port")
+_TOKEN = flags.DEFINE_string("token", None, "worker bearer token; else $RLAX_PS_WORKER_TOKEN")
+flags.mark_flags_as_required(["config", "address"])
+
+_DEFINE = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float,
+           bool: flags.DEFINE_bool}
+for _f in dataclasses.fields(WorkerConfig):
+  _DEFINE[type(_f.default)](_f.name, None, f"{_f.metadata['help']} (default {_f.default!r})")
+
+
+def worker_config_from(section, overrides: dict) -> WorkerConfig:
+  """Defaults, then the config file's `worker` section, then explicit flags."""
+  values = dict(section or {})
+  names = {f.name for f in dataclasses.fields(WorkerConfig)}
+  unknown = sorted(set(values) - names)
+  if unknown:
+    raise ValueError(f"--config worker section: unknown settings {unknown}; expected some of "
+                     f"{sorted(names)}")
+  values.update({k: v for k, v in overrides.items() if v is not None})
+  return WorkerConfig(**values)
+
+
+def stop_on_signals(worker) -> None:
+  """Turn SIGTERM/SIGINT into `worker.request_stop()` even while the main thread is inside a
+  long XLA call: the signals are blocked in every thread (call `block_stop_signals` before
+  any thread starts) and one thread waits for them."""
+  def wait():
+    signal.sigwait(STOP_SIGNALS)
+    worker.request_stop()
+
+  threading.Thread(target=wait, name="stop-signals", daemon=True).start()
+
+
+def block_stop_signals() -> None:
+  """Keep stop signals pending for `stop_on_signals`; threads started later inherit this."""
+  signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise SystemExit(f"rlax-ps worker: unexpected arguments {argv[1:]}; flags are --name=value")
+  block_stop_signals()  # before JAX or gRPC start any thread
+  cfg = _CONFIG.value
+  config = worker_config_from(cfg.get("worker"), {f.name: flags.FLAGS[f.name].value
+                                                  for f in dataclasses.fields(WorkerConfig)})
+  token = _TOKEN.value or os.environ.get("RLAX_PS_WORKER_TOKEN", "")
+  from rlax_ps.compile_cache import enable_compile_cache
+  enable_compile_cache()
+  # JAX and the model load only once the flags are valid.
+  from inference_workers.loop import Worker
+  from param_server.client import ParamServerClient
+  from rlax_ps.tokenizers import make_tokenizer
+  from rlax_ps.train.sft import model_config_from
+
+  tok_cfg = cfg.get("tokenizer") or {}
+  tokenizer = make_tokenizer(tok_cfg.get("kind", "char"), tok_cfg.get("path", ""),
+                             tok_cfg.get("alphabet", ""))
+  if "model" not in cfg:
+    raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
+  model_config = model_config_from(cfg.model, tokenizer.vocab_size)
+  with ParamServerClient(_ADDRESS.value, token=token, role="worker") as client:
+    worker = Worker(client, model_config, tokenizer, config)
+    stop_on_signals(worker)
+    stats = worker.run()
+  logging.info("worker: done: %s", stats)
+  print(f"worker: exiting: {stats.leases} leases, {stats.groups_submitted} groups submitted, "
+        f"{stats.prompts_released} prompts released", flush=True)

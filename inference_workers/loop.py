@@ -1,0 +1,337 @@
+"""The inference worker: pull weights, lease prompts, sample, score, submit; preemption-safe.
+
+A worker is stateless: killed at any instant it loses nothing (its leases expire and the
+prompts are served again). A SIGTERM (the preemption notice) stops leasing; the prompt being
+generated is finished and submitted, the rest of the lease is released, and the worker exits
+within `grace_s`; a watchdog releases whatever is still open if generation overruns it.
+Weights switch only between generation calls, and every rollout group carries the version
+that produced it. An unreachable server is retried with capped exponential backoff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import zlib
+from typing import Any, Callable, Sequence
+
+import grpc
+import numpy as np
+from absl import logging
+
+from algorithms.allocation import FixedAllocator
+from algorithms.verifiers.base import Verifier, make_verifier
+from inference_workers.sampler import Sample, generate, generate_shared
+from inference_workers.weights import HeldPolicy, ResyncNeeded
+from inference_workers.worker_config import WorkerConfig
+from param_server.client import (Lease, ParamServerClient, ParamServerError, make_sample)
+from param_server.protos import param_server_pb2 as pb
+from rlax_ps.models.config import ModelConfig
+from rlax_ps.sync import Update
+
+# Failures that mean "the server is not there right now": back off and try again.
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def make_allocator(config: WorkerConfig):
+  """The allocation policy named by the config (fixed N by default)."""
+  if config.allocator == "vigor":
+    from algorithms.allocation import VigorAllocator
+    return VigorAllocator()
+  return FixedAllocator(config.samples_per_prompt)
+
+
+def default_verifier_for(default_task: str) -> Callable[[str], Verifier]:
+  """Prompt task name -> verifier: a built-in task's exact checker, else a registered verifier."""
+  from rlax_ps.tasks import TASKS
+  cache: dict[str, Verifier] = {}
+
+  def verifier_for(task: str) -> Verifier:
+    task = task or default_task
+    if task not in cache:
+      cache[task] = make_verifier(f"task:{task}" if task in TASKS else task)
+    return cache[task]
+
+  return verifier_for
+
+
+def reference_of(prompt: pb.Prompt) -> str:
+  """The reference answer a prompt carries: its `extra` bytes, else metadata["answer"]."""
+  if prompt.extra:
+    return prompt.extra.decode("utf-8")
+  return prompt.metadata.get("answer", "")
+
+
+@dataclasses.dataclass
+class WorkerStats:
+  leases: int = 0
+  groups_submitted: int = 0
+  prompts_released: int = 0
+  samples: int = 0
+  tokens: int = 0
+  resyncs: int = 0
+  reconnects: int = 0
+  versions_applied: list = dataclasses.field(default_factory=list)
+
+
+class Worker:
+  """One inference worker bound to one server connection; `run()` until stopped."""
+
+  def __init__(self, client: ParamServerClient, model_config: ModelConfig, tokenizer: Any,
+               config: WorkerConfig = WorkerConfig(), *, allocator=None,
+               verifier_for: Callable[[str], Verifier] | None = None):
+    self.client = client
+    self.tokenizer = tokenizer
+    self.config = config
+    self.policy = HeldPolicy(model_config, config.weights_format)
+    self.allocator = allocator if allocator is not None else make_allocator(config)
+    self.verifier_for = verifier_for or default_verifier_for(config.default_task)
+    self.params = config.sampling([tokenizer.eos_id])
+    self.stats = WorkerStats()
+    self._stop = threading.Event()
+    self._stop_deadline: float | None = None
+    self._done = threading.Event()  # set when run() returns
+    self._lock = threading.Lock()
+    self._inflight: dict[str, set[str]] = {}  # lease id -> prompt ids not yet answered
+    self._lease_deadline: dict[str, float] = {}
+    self._tokens_per_s = 0.0
+
+  # ------------------------------------------------------------ stopping
+
+  def request_stop(self, grace_s: float | None = None) -> None:
+    """Stop leasing; finish the current call, release the rest, exit within the grace period."""
+    if self._stop.is_set():
+      return
+    grace = self.config.grace_s if grace_s is None else grace_s
+    self._stop_deadline = time.monotonic() + grace
+    self._stop.set()
+    logging.info("worker: stop requested; releasing in-flight prompts within %.1fs", grace)
+    threading.Thread(target=self._watchdog, args=(grace,), daemon=True).start()
+
+  def _watchdog(self, grace: float) -> None:
+    """If generation overruns the grace period, release what is open and leave."""
+    if self._done.wait(max(0.0, grace - 1.0)):
+      return
+    released = self._release_all()
+    logging.warning("worker: grace period over while generating; released %d prompts, exiting",
+                    released)
+    os._exit(0)
+
+  def _release_all(self) -> int:
+    with self._lock:
+      open_leases = {k: sorted(v) for k, v in self._inflight.items() if v}
+    total = 0
+    for lease_id, ids in open_leases.items():
+      try:
+        total += self.client.release(lease_id, ids)
+      except ParamServerError as e:
+        logging.warning("worker: release of lease %s failed: %s", lease_id, e)
+      with self._lock:
+        self._inflight.get(lease_id, set()).difference_update(ids)
+    self.stats.prompts_released += total
+    return total
+
+  @property
+  def stopping(self) -> bool:
+    return self._stop.is_set()
+
+  # ------------------------------------------------------------ weights
+
+  def sync_weights(self) -> bool:
+    """Bring the held policy to the latest published version; True when it changed."""
+    before = self.policy.version
+    updates = self.client.pull_updates(self.policy.version)
+    try:
+      self._apply_all(updates)
+    except ResyncNeeded as e:
+      logging.warning("worker: %s; resynchronising from a keyframe", e)
+      self.stats.resyncs += 1
+      self._apply_all(self.client.pull_updates(None))
+    return self.policy.version != before
+
+  def _apply_all(self, updates: list[Update]) -> None:
+    for update in updates:
+      self.policy.apply(update)
+      self.stats.versions_applied.append(update.version)
+
+  # ------------------------------------------------------------ the loop
+
+  def run(self) -> WorkerStats:
+    """Register, then lease/generate/submit until stopped or `max_leases` leases are done."""
+    self._done.clear()
+    heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+    try:
+      self._with_backoff(lambda: self.client.register(self.config.name))
+      heartbeat.start()
+      while not self.stopping:
+        if self.config.max_leases and self.stats.leases >= self.config.max_leases:
+          break
+        self._with_backoff(self._one_lease)
+    finally:
+      self._release_all()
+      self._done.set()
+    return self.stats
+
+  def _with_backoff(self, fn: Callable[[], Any]) -> Any:
+    delay = self.config.backoff_initial_s
+    while True:
+      try:
+        return fn()
+      except ParamServerError as e:
+        if e.code not in TRANSIENT:
+          raise
+        if self.stopping:
+          return None
+        self.stats.reconnects += 1
+        wait = float(np.random.uniform(0.5, 1.0)) * delay
+        logging.warning("worker: server unreachable (%s); retrying in %.1fs", e.code.name, wait)
+        self._stop.wait(wait)
+        delay = min(self.config.backoff_max_s, delay * 2)
+
+  def _one_lease(self) -> None:
+    latest = self.client.latest_version()
+    if latest >= 0 and latest != self.policy.version:
+      self.sync_weights()
+    if self.policy.version is None:  # nothing published yet
+      self._stop.wait(self.config.lease_wait_s)
+      return
+    if self.stopping:
+      return
+    lease = self.client.lease(self.config.prompts_per_lease, self.config.lease_deadline_s,
+                              wait_s=self.config.lease_wait_s)
+    if not lease.prompts:
+      return
+    with self._lock:
+      self._inflight[lease.lease_id] = {p.id for p in lease.prompts}
+      self._lease_deadline[lease.lease_id] = time.monotonic() + self.config.lease_deadline_s
+    self.stats.leases += 1
+    try:
+      self._serve(lease)
+    except ParamServerError as e:
+      if e.code in TRANSIENT:
+        raise
+      # The lease expired or was taken back: its prompts are already queued again.
+      logging.warning("worker: lease %s abandoned: %s", lease.lease_id, e)
+    finally:
+      with self._lock:
+        left = self._inflight.get(lease.lease_id)
+      if left:
+        self._release_all()
+      with self._lock:
+        self._inflight.pop(lease.lease_id, None)
+        self._lease_deadline.pop(lease.lease_id, None)
+
+  def _serve(self, lease: Lease) -> None:
+    """Generate and submit each group of the lease; on a stop request, release the rest."""
+    prompts = list(lease.prompts)
+    step = self.config.prompts_per_call
+    for start in range(0, len(prompts), step):
+      if self.stopping:
+        self._release_all()
+        return
+      chunk = prompts[start:start + step]
+      version = self.policy.version
+      groups = self._rollout_groups(chunk, version)
+      for prompt, group in zip(chunk, groups):
+        self.client.submit_rollouts(lease.lease_id, group)
+        with self._lock:
+          self._inflight[lease.lease_id].discard(prompt.id)
+        self.stats.groups_submitted += 1
+    with self._lock:
+      left = self._inflight[lease.lease_id]
+    if not left:
+      self.client.complete(lease.lease_id)
+
+  # ------------------------------------------------------------ generation
+
+  def _prompt_tokens(self, prompt: pb.Prompt) -> list[int]:
+    if prompt.token_ids:
+      return list(prompt.token_ids)
+    return self.tokenizer.encode(prompt.text, add_bos=True)
+
+  def _seeds(self, prompt_id: str, version: int, round_: int, n: int) -> list[int]:
+    base = zlib.crc32(f"{self.config.seed}:{prompt_id}:{version}:{round_}".encode())
+    return [(base + 7919 * j) % (2 ** 31) for j in range(n)]
+
+  def _rollout_groups(self, prompts: list[pb.Prompt], version: int) -> list[pb.RolloutGroup]:
+    """Allocate samples over the prompts (rounds for adaptive allocators), score, package."""
+    tokens = [self._prompt_tokens(p) for p in prompts]
+    state = self.allocator.start(len(prompts), self.config.samples_per_prompt * len(prompts))
+    samples: list[list[Sample]] = [[] for _ in prompts]
+    rewards: list[list[float]] = [[] for _ in prompts]
+    round_ = 0
+    while not state.done:
+      counts = [int(c) for c in self.allocator.requests(state)]
+      t0 = time.monotonic()
+      drawn = self._draw(prompts, tokens, counts, version, round_)
+      elapsed = time.monotonic() - t0
+      new_rewards = []
+      for i, (prompt, got) in enumerate(zip(prompts, drawn)):
+        scores = [self._score(prompt, s) for s in got]
+        samples[i].extend(got)
+        rewards[i].extend(scores)
+        new_rewards.append(np.asarray(scores, np.float32))
+      state = self.allocator.observe(state, new_rewards)
+      n_tokens = sum(len(s.tokens) for got in drawn for s in got)
+      self.stats.samples += sum(counts)
+      self.stats.tokens += n_tokens
+      self._tokens_per_s = n_tokens / max(elapsed, 1e-9)
+      round_ += 1
+    meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
+            "logprobs": "sampling", "temperature": repr(self.params.temperature),
+            "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p)}
+    return [pb.RolloutGroup(
+        prompt_id=p.id, policy_version=version, metadata=meta,
+        samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),
+                             logprobs=s.sampling_logprobs, finish_reason=s.finish_reason)
+                 for s, r in zip(got, rs)])
+        for p, got, rs in zip(prompts, samples, rewards)]
+
+  def _draw(self, prompts, tokens, counts, version, round_) -> list[list[Sample]]:
+    """counts[i] samples of prompt i: one shared-prefix call when the counts agree."""
+    live = [i for i, c in enumerate(counts) if c > 0]
+    out: list[list[Sample]] = [[] for _ in prompts]
+    if not live:
+      return out
+    seeds = {i: self._seeds(prompts[i].id, version, round_, counts[i]) for i in live}
+    if len({counts[i] for i in live}) == 1:
+      n = counts[live[0]]
+      groups = generate_shared(self.policy.model, [tokens[i] for i in live], n,
+                               [seeds[i] for i in live], self.params)
+      for i, g in zip(live, groups):
+        out[i] = g
+      return out
+    rows = [(i, s) for i in live for s in seeds[i]]
+    flat = generate(self.policy.model, [tokens[i] for i, _ in rows], [s for _, s in rows],
+                    self.params)
+    for (i, _), sample in zip(rows, flat):
+      out[i].append(sample)
+    return out
+
+  def _score(self, prompt: pb.Prompt, sample: Sample) -> float:
+    text = self.tokenizer.decode(sample.tokens)
+    return float(self.verifier_for(prompt.task)(text, reference_of(prompt)).reward)
+
+  # ------------------------------------------------------------ heartbeat
+
+  def _heartbeat_loop(self) -> None:
+    """Report liveness and speed; renew leases past half their deadline."""
+    interval = max(0.2, min(getattr(self.client, "heartbeat_interval_s", 10.0) or 10.0,
+                            self.config.lease_deadline_s / 4))
+    while not self._done.wait(interval):
+      try:
+        self.client.heartbeat(-1 if self.policy.version is None else self.policy.version,
+                              self._tokens_per_s)
+        now = time.monotonic()
+        with self._lock:
+          due = [k for k, d in self._lease_deadline.items()
+                 if d - now < self.config.lease_deadline_s / 2 and self._inflight.get(k)]
+        for lease_id in due:
+          self.client.renew(lease_id, self.config.lease_deadline_s)
+          with self._lock:
+            self._lease_deadline[lease_id] = now + self.config.lease_deadline_s
+      except ParamServerError as e:
+        logging.warning("worker: heartbeat failed: %s", e)

@@ -1,0 +1,201 @@
+"""The worker loop against a real parameter server on 127.0.0.1: leases, versions, resyncs,
+and preemption (SIGTERM releases within the grace period; SIGKILL leases expire)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from inference_workers.loop import Worker
+from inference_workers.worker_config import WorkerConfig
+from param_server.client import ParamServerClient, RetryPolicy, sample_logprobs
+from param_server.protos import param_server_pb2 as pb
+from param_server.server import ParamServer, ServerConfig
+from rlax_ps import sync
+from rlax_ps.models import ModelConfig, Transformer, flatten_params
+from rlax_ps.tasks import get_task
+from rlax_ps.tokenizers import CharTokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENS = {"trainer": "t-secret", "worker": "w-secret", "viewer": "v-secret"}
+TOKENIZER = CharTokenizer()
+MODEL = dict(hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+             max_position_embeddings=64)
+CONFIG = ModelConfig(vocab_size=TOKENIZER.vocab_size, **MODEL)
+SMALL = dict(prompts_per_lease=2, prompts_per_call=2, samples_per_prompt=3, max_new_tokens=6,
+             lease_wait_s=0.2, lease_deadline_s=60.0, backoff_initial_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def versions():
+  v0 = {k: np.asarray(v) for k, v in flatten_params(Transformer(CONFIG, rngs=nnx.Rngs(0))).items()}
+  rng = np.random.default_rng(1)
+  v1 = {k: (v + (rng.random(v.shape) < 0.02) * 0.01).astype(np.float32) for k, v in v0.items()}
+  return [v0, v1]
+
+
+@pytest.fixture
+def server(tmp_path):
+  config = ServerConfig(storage_dir=str(tmp_path / "ps"), port=0, reap_interval_s=0.05,
+                        compact_in_background=False, threads=32, wal_fsync=False,
+                        trainer_token=TOKENS["trainer"], worker_token=TOKENS["worker"],
+                        viewer_token=TOKENS["viewer"])
+  s = ParamServer(config).start()
+  yield s
+  s.stop(grace=0)
+
+
+def client(server, role):
+  return ParamServerClient(server.address, token=TOKENS[role], role=role, timeout_s=10.0,
+                           retry=RetryPolicy(deadline_s=5.0))
+
+
+def enqueue_addition(trainer, n, seed=0):
+  examples = get_task("addition", max_digits=2).examples("train", seed, n)
+  prompts = [pb.Prompt(id=f"p{i}", text=e.prompt, task="addition", extra=e.answer.encode())
+             for i, e in enumerate(examples)]
+  trainer.enqueue_prompts(prompts)
+  return [p.id for p in prompts]
+
+
+def same_held(policy, params, fmt="bf16"):
+  want = sync.held_state(params, fmt)
+  got = policy.held_state()
+  return all(np.asarray(got[k]).tobytes() == want[k].tobytes() for k in want)
+
+
+def test_worker_completes_leases_and_submits_scored_groups(server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    ids = enqueue_addition(trainer, 4)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=2, **SMALL))
+    stats = worker.run()
+    assert stats.leases == 2 and stats.groups_submitted == 4
+    take = trainer.take_rollouts(min_version=0, max_n=10)
+    assert sorted(r.group.prompt_id for r in take.rollouts) == sorted(ids)
+    for r in take.rollouts:
+      assert r.group.policy_version == 0 and len(r.group.samples) == 3
+      for s in r.group.samples:
+        assert 0 < len(s.token_ids) <= 6 and s.reward in (0.0, 1.0)
+        assert len(sample_logprobs(s)) == len(s.token_ids)
+        assert np.all(sample_logprobs(s) <= 0)
+    st = trainer.stats()
+    assert st.prompts_leased == 0 and st.prompts_queued == 0
+
+
+def test_new_version_is_picked_up_between_leases(server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 4)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **SMALL))
+    worker.run()
+    trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+    worker.config.max_leases = 2
+    worker.run()
+    assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
+    assert worker.stats.versions_applied == [0, 1]  # the delta, not a second keyframe
+    made = sorted(r.group.policy_version for r in trainer.take_rollouts(0, 10).rollouts)
+    assert made == [0, 0, 1, 1]
+
+
+def test_checksum_mismatch_triggers_a_keyframe_resync(server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    worker.sync_weights()
+    delta = sync.encode(versions[0], versions[1], "bf16", version=1)
+    name = next(n for n in delta.tensors if delta.changes(n).kind == "sparse")
+    var = worker.policy._vars[name]
+    var.set_value(var[...] * 2)  # the held copy went bad
+    trainer.publish(delta.to_bytes())
+    worker.sync_weights()
+    assert worker.stats.resyncs == 1
+    assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
+
+
+def test_unreachable_server_is_retried_with_backoff(versions):
+  wc = ParamServerClient("127.0.0.1:1", token="x", role="worker", timeout_s=1.0,
+                         retry=RetryPolicy(deadline_s=0.2))
+  worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+  import threading
+  threading.Timer(1.5, worker.request_stop).start()
+  stats = worker.run()
+  assert stats.reconnects >= 2 and stats.leases == 0
+
+
+# ---------------------------------------------------------------- preemption (subprocesses)
+
+def spawn_worker(tmp_path, address, **flags):
+  config = tmp_path / "worker_config.py"
+  config.write_text(textwrap.dedent(f"""
+      import ml_collections
+      def get_config():
+        return ml_collections.ConfigDict(dict(
+            tokenizer=dict(kind="char"), model=dict(vocab_size=0, **{MODEL!r})))
+      """))
+  args = [f"--{k}={v}" for k, v in flags.items()]
+  env = dict(os.environ, RLAX_PS_WORKER_TOKEN=TOKENS["worker"], JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  return subprocess.Popen(
+      [sys.executable, "-m", "rlax_ps", "worker", f"--address={address}", f"--config={config}",
+       *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(cond, timeout, what):
+  end = time.monotonic() + timeout
+  while time.monotonic() < end:
+    if cond():
+      return
+    time.sleep(0.05)
+  raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_sigterm_releases_leases_within_the_grace_period(server, versions, tmp_path):
+  with client(server, "trainer") as trainer:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 32)
+    proc = spawn_worker(tmp_path, server.address, prompts_per_lease=32, prompts_per_call=1,
+                        samples_per_prompt=4, max_new_tokens=16, grace_s=8)
+    try:
+      wait_for(lambda: trainer.stats().prompts_leased > 0, 180, "the worker's first lease")
+      proc.send_signal(signal.SIGTERM)
+      sent = time.monotonic()
+      rc = proc.wait(timeout=30)
+      took = time.monotonic() - sent
+    finally:
+      proc.kill()
+      out = proc.stdout.read()
+      proc.stdout.close()
+    assert rc == 0, out
+    assert took < 8 + 2, out
+    st = trainer.stats()
+    assert st.prompts_leased == 0 and st.leases_expired == 0
+    assert st.prompts_queued > 0  # released, not answered
+    assert st.prompts_queued + st.rollouts_accepted == 32
+
+
+def test_sigkill_leaves_leases_that_expire_and_are_served_again(server, versions, tmp_path):
+  with client(server, "trainer") as trainer, client(server, "worker") as other:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    ids = enqueue_addition(trainer, 32)
+    proc = spawn_worker(tmp_path, server.address, prompts_per_lease=32, prompts_per_call=1,
+                        samples_per_prompt=4, max_new_tokens=16, lease_deadline_s=2)
+    try:
+      wait_for(lambda: trainer.stats().prompts_leased > 0, 180, "the worker's first lease")
+      proc.kill()
+      proc.wait(timeout=30)
+    finally:
+      proc.kill()
+      proc.stdout.close()
+    wait_for(lambda: trainer.stats().leases_expired > 0, 30, "the lease to expire")
+    other.register("other")
+    lease = other.lease(32, 30.0, wait_s=5.0)
+    answered = trainer.stats().rollouts_accepted
+    assert lease.prompts and {p.id for p in lease.prompts} <= set(ids)
+    assert len(lease.prompts) + answered == 32
