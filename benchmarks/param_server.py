@@ -130,7 +130,7 @@ def raw_pull(address: str, chunk: int) -> int:
     buf, filled = None, 0
     for data in call(b"", timeout=600):
       if buf is None:
-        buf = bytearray(_SIZE_MB.value << 20)
+        buf = memoryview(bytearray(_SIZE_MB.value << 20))
       buf[filled:filled + len(data)] = data
       filled += len(data)
     return filled

@@ -124,7 +124,7 @@ class PullProgress:
     if end > len(self.partial):
       raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
                              f"chunk ends at {end}, past the update's {len(self.partial)} bytes")
-    self.partial[chunk.offset:end] = chunk.data
+    memoryview(self.partial)[chunk.offset:end] = chunk.data  # one copy (a bytearray slice makes two)
     self.partial_filled = end
     if end == len(self.partial):
       self.updates.append(self.partial)
