@@ -30,8 +30,8 @@ class PayloadInfo:
     return self.base_version is None
 
 
-def read_info(blob: bytes) -> PayloadInfo:
-  """Parses the header of an Update blob without decoding its payloads."""
+def read_info(blob) -> PayloadInfo:
+  """Parses the header of an Update blob (any buffer) without decoding its payloads."""
   header = sync.read_header(blob)
   return PayloadInfo(
       version=int(header.version),
@@ -41,21 +41,33 @@ def read_info(blob: bytes) -> PayloadInfo:
                for name, meta in header.tensors.items()})
 
 
-def verify(blob: bytes, *, decode_keyframe: bool) -> None:
-  """Checks every section's digest; with `decode_keyframe`, also checks a keyframe's weight checksums.
+def verify(blob, *, decode_keyframe: bool) -> None:
+  """Raises CodecError unless the blob (any buffer) is intact.
 
-  Decodes one tensor at a time, so checking costs one tensor of memory, not a model."""
-  update = sync.Update.from_bytes(blob)
-  if decode_keyframe and update.is_keyframe:
+  A keyframe with `decode_keyframe` is checked in place, one tensor at a time, against its
+  weight checksums (its sections are the raw tensors, so this covers their digests too) and
+  costs one tensor of memory; anything else goes through `Update.from_bytes`, which copies
+  the blob (deltas are small) and checks every section's digest."""
+  header = sync.read_header(blob)
+  if decode_keyframe and header.is_keyframe:
+    update = sync.Update(blob, header)
     for name in update.tensors:
       update.verify(name, update.changes(name).array)
+  else:
+    sync.Update.from_bytes(blob)
 
 
 def materialize(blobs) -> dict[str, np.ndarray]:
-  """Applies a keyframe blob and the delta blobs after it; raises CodecError on a checksum mismatch."""
+  """Applies a keyframe blob and the delta blobs after it; raises CodecError on a checksum mismatch.
+
+  The keyframe is read in place (apply checks each of its tensors' checksums); deltas are
+  parsed with their digests checked."""
   weights = None
   for blob in blobs:
-    weights = sync.apply(weights, sync.Update.from_bytes(blob))
+    header = sync.read_header(blob)
+    update = sync.Update(blob, header) if header.is_keyframe else sync.Update.from_bytes(blob)
+    weights = sync.apply(weights, update)
+    del update, blob
   return weights
 
 

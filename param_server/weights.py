@@ -85,13 +85,16 @@ def _write_json_atomic(path: str, obj) -> None:
 
 
 class PublishWriter:
-  """Collects one publication's chunks in order; `WeightStore.commit` validates and stores it."""
+  """Receives one publication's chunks, in order, into one buffer; `WeightStore.commit` stores it.
+
+  The buffer is allocated once (untouched pages cost nothing until a chunk lands in them),
+  so a publication costs its own size in memory and no more."""
 
   def __init__(self, store: "WeightStore", total_bytes: int):
     self.store = store
     self.total = total_bytes
     self.received = 0
-    self._parts: list[bytes] = []
+    self.buffer = np.empty(total_bytes, dtype=np.uint8)
 
   def write(self, offset: int, data: bytes) -> None:
     limits = self.store.limits
@@ -103,16 +106,11 @@ class PublishWriter:
     if self.received + len(data) > self.total:
       raise errors.InvalidArgument(
           "data", f"expected {self.total} bytes in all (total_bytes), got at least {self.received + len(data)}")
-    self._parts.append(data)
+    self.buffer[self.received:self.received + len(data)] = np.frombuffer(data, dtype=np.uint8)
     self.received += len(data)
 
-  def take(self) -> bytes:
-    data = b"".join(self._parts)
-    self._parts = []
-    return data
-
   def abort(self) -> None:
-    self._parts = []
+    self.buffer = None
 
 
 class WeightStore:
@@ -243,7 +241,7 @@ class WeightStore:
     """Validates a fully received publication and makes it the latest version; returns (blob, duplicate)."""
     if writer.received != writer.total:
       raise errors.InvalidArgument("total_bytes", f"stream ended after {writer.received} of {writer.total} bytes")
-    data = writer.take()
+    data, writer.buffer = writer.buffer, None
     try:
       info = payloads.read_info(data)
     except payloads.CodecError as e:
@@ -274,7 +272,7 @@ class WeightStore:
     self._maybe_compact()
     return blob, False
 
-  def _write_array(self, path: str, data: bytes) -> None:
+  def _write_array(self, path: str, data) -> None:
     array = ts.open(_array_spec(path, len(data), self.chunk_bytes), create=True, delete_existing=True).result()
     flat = np.frombuffer(data, dtype=np.uint8)
     for start in range(0, len(data), self.chunk_bytes):  # chunk by chunk: no second copy of the blob

@@ -139,12 +139,23 @@ def test_bad_publications_are_rejected_and_change_nothing(trainer, worker, make_
   assert [bytes(b) for b in worker.pull(None)] == [bytes(b) for b in before]
 
 
-def test_a_corrupted_section_fails_its_digest(trainer):
+def test_a_corrupted_keyframe_fails_its_checksum(trainer):
   blob = bytearray(sync.encode(None, tiny_weights(), version=0).to_bytes())
-  blob[-5] ^= 0xFF
+  blob[-5] ^= 0xFF  # inside the last tensor's section
   err = _publish_error(trainer, bytes(blob))
-  assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "data" in err.details and "corrupted" in err.details
+  assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.details.startswith("data")
+  assert "layer0/bias" in err.details and "checksum" in err.details
   assert trainer.version_info().latest_version == -1
+
+
+def test_a_corrupted_delta_fails_its_digest(trainer):
+  versions = publish_chain(trainer, 1)
+  blob = bytearray(sync.encode(versions[0], perturbed(versions[0], 0.2, 3), version=1).to_bytes())
+  blob[-2] ^= 0xFF
+  err = _publish_error(trainer, bytes(blob))
+  assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.details.startswith("data")
+  assert "corrupted" in err.details
+  assert trainer.version_info().latest_version == 0
 
 
 def test_a_keyframe_with_a_wrong_checksum_is_rejected(trainer):
