@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any, Sequence
 
@@ -19,9 +20,9 @@ from flax import nnx
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
-from rlax_ps.models import ModelConfig
+from rlax_ps.models import ModelConfig, save_hf_checkpoint
 from rlax_ps.tasks import Task, get_task
-from rlax_ps.tokenizers import CharTokenizer, make_tokenizer
+from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.state import TrainState, abstract_model, abstract_state, sharded_init
@@ -188,16 +189,19 @@ class SFTTrainer:
       self.writer.add_scalar(f"eval/exact_match/{k}", v, step)
     self.writer.flush()
 
-  def export_hf(self, path: str | None = None) -> str | None:
-    """Write the model in Hugging Face format (plus the tokenizer) if the exporter exists."""
-    from rlax_ps import models
-    save = getattr(models, "save_hf_checkpoint", None)
-    if save is None:
-      return None
+  def export_hf(self, path: str | None = None) -> str:
+    """Write the model in Hugging Face format (config.json, safetensors, tokenizer files)."""
     path = path or os.path.join(self.workdir, "hf")
-    save(nnx.merge(self.graphdef, self.state.params), path)
-    if isinstance(self.tokenizer, CharTokenizer):
-      self.tokenizer.save(path)
+    tok = self.tokenizer
+    save_hf_checkpoint(nnx.merge(self.graphdef, self.state.params), path, extra_config={
+        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
+    if isinstance(tok, CharTokenizer):
+      tok.save(path)
+    elif isinstance(tok, HFTokenizer):
+      for name in ("tokenizer.json", "tokenizer_config.json"):
+        src = os.path.join(os.path.dirname(tok.path), name)
+        if os.path.exists(src):
+          shutil.copy(src, os.path.join(path, name))
     return path
 
   def close(self) -> None:

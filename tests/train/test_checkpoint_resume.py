@@ -1,0 +1,147 @@
+"""Checkpoints: a run killed (SIGKILL) between saves resumes from its last complete one
+with the same step, RNG, params and data position; restores land on another mesh."""
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from rlax_ps import optim
+from rlax_ps import sharding as shd
+from rlax_ps.checkpoint import Checkpointer
+from rlax_ps.models import ModelConfig
+from rlax_ps.train.sft import SFTTrainer
+from rlax_ps.train.state import TrainState, abstract_state, sharded_init
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OVERRIDES = {"train.steps": 100000, "checkpoint.every_steps": 3, "checkpoint.max_to_keep": 2,
+             "export.hf": False}
+
+
+def _config():
+  spec = importlib.util.spec_from_file_location("sft_tiny", os.path.join(REPO, "configs",
+                                                                          "sft_tiny.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("tiny")
+  for key, value in OVERRIDES.items():
+    block, field = key.split(".")
+    config[block][field] = value
+  return config
+
+
+def _assert_same_tree(a, b):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def _complete_steps(directory):
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+def test_killed_run_resumes_from_last_complete_checkpoint(tmp_path):
+  workdir = str(tmp_path / "killed")
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")  # One device, like devices[:1].
+  cmd = [sys.executable, "-m", "rlax_ps", "sft", "--config=configs/sft_tiny.py:tiny",
+         "--workdir=" + workdir, "--noprogress"]
+  cmd += [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  deadline = time.time() + 300
+  try:
+    while len(_complete_steps(ckpt_dir)) < 2:
+      assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+      assert time.time() < deadline, "no two checkpoints within 300s"
+      time.sleep(0.05)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+
+  config = _config()
+  device = jax.devices()[:1]
+  with SFTTrainer(config, workdir, devices=device) as resumed:
+    k = resumed.step
+    assert k > 0 and k % 3 == 0
+    assert k == _complete_steps(ckpt_dir)[-1]
+    meta = resumed.checkpointer.metadata(k)
+    assert meta["step"] == k and meta["data"]["position"] == k
+    with SFTTrainer(config, str(tmp_path / "reference"), devices=device) as reference:
+      reference.train(until=k, progress=False)
+      assert reference.step == k
+      _assert_same_tree(resumed.state.params, reference.state.params)
+      _assert_same_tree(resumed.state.opt_state, reference.state.opt_state)
+      np.testing.assert_array_equal(np.asarray(resumed.state.rng),
+                                    np.asarray(reference.state.rng))
+      # Continuing both gives the same run: same data position, same updates.
+      resumed.train(until=k + 2, progress=False)
+      reference.train(until=k + 2, progress=False)
+      assert resumed.step == reference.step == k + 2
+      _assert_same_tree(resumed.state.params, reference.state.params)
+      np.testing.assert_array_equal(np.asarray(resumed.state.rng),
+                                    np.asarray(reference.state.rng))
+
+
+MODEL = ModelConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_layers=1,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+OPT = {"lr": 1e-2, "warmup_steps": 0, "eps": 1e-4, "clip_norm": 0.5, "weight_decay": 0.1}
+
+
+def _mesh(axes):
+  return shd.make_mesh(dict(zip(shd.MESH_AXES, axes)), jax.devices()[:int(np.prod(axes))])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """A checkpoint written from a (2, 2, 2) mesh, and the host copy of what it holds."""
+  directory = str(tmp_path_factory.mktemp("ckpt"))
+  tx = optim.make_optimizer(OPT, total_steps=10)
+  state, _, _ = sharded_init(MODEL, tx, _mesh((2, 2, 2)), seed=0)
+  state = state.replace(step=state.step + 7, rng=jax.random.fold_in(state.rng, 3))
+  with Checkpointer(directory) as ck:
+    ck.save(7, state.to_tree(), {"note": "from (2,2,2)", "data": {"position": 7}})
+  return directory, tx, jax.device_get(state)
+
+
+@pytest.mark.parametrize("axes", [(1, 2, 4), (8, 1, 1), (1, 1, 1)])
+def test_restore_onto_another_mesh(saved, axes):
+  directory, tx, host = saved
+  mesh = _mesh(axes)
+  target = abstract_state(MODEL, tx, mesh)
+  with Checkpointer(directory) as ck:
+    tree, meta = ck.restore(target.to_tree())
+  restored = TrainState.from_tree(tree)
+  assert meta == {"note": "from (2,2,2)", "data": {"position": 7}}
+  assert int(restored.step) == 7
+  _assert_same_tree(restored, host)
+  assert jax.tree.map(lambda x: x.sharding, restored) == jax.tree.map(lambda x: x.sharding,
+                                                                      target)
+
+
+def test_keeps_only_the_last_n(tmp_path):
+  tree = {"w": np.arange(4.0, dtype=np.float32)}
+  with Checkpointer(str(tmp_path), max_to_keep=2) as ck:
+    for step in (1, 2, 3, 4):
+      ck.save(step, {"w": tree["w"] + step}, {"step": step})
+    ck.wait()
+    assert ck.all_steps() == [3, 4]
+    restored, meta = ck.restore({"w": jax.ShapeDtypeStruct((4,), np.float32)})
+  assert meta == {"step": 4}
+  np.testing.assert_array_equal(np.asarray(restored["w"]), tree["w"] + 4)
+
+
+def test_restore_without_checkpoint_names_the_directory(tmp_path):
+  with Checkpointer(str(tmp_path / "empty")) as ck:
+    assert ck.latest_step() is None
+    with pytest.raises(FileNotFoundError, match="empty"):
+      ck.restore({"w": jax.ShapeDtypeStruct((4,), np.float32)})

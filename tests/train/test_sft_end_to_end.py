@@ -1,0 +1,77 @@
+"""The `sft` job on the :tiny config, in process: trains on the 8-device mesh, writes
+TensorBoard events, checkpoints and an HF export that loads back, reports held-out exact
+match; a rerun on the same workdir resumes instead of starting over."""
+
+import glob
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlax_ps.models import load_hf_checkpoint
+from rlax_ps.tokenizers import CharTokenizer, HFTokenizer
+from rlax_ps.train.sft import SFTTrainer, train_and_evaluate
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _tiny_config():
+  spec = importlib.util.spec_from_file_location("sft_tiny_e2e",
+                                                os.path.join(REPO, "configs", "sft_tiny.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("sft"))
+  summary = train_and_evaluate(_tiny_config(), workdir, progress=False)
+  return workdir, summary
+
+
+def test_reports_heldout_exact_match_per_task(run):
+  _, summary = run
+  acc = summary["heldout_exact_match"]
+  assert set(acc) == {"addition", "reversal", "all"}
+  assert all(0.0 <= v <= 1.0 for v in acc.values())
+  assert summary["step"] == 4
+  assert np.isfinite(summary["train"]["loss"])
+
+
+def test_writes_tensorboard_events_and_checkpoints(run):
+  workdir, _ = run
+  events = glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))
+  assert events and os.path.getsize(events[0]) > 0
+  steps = sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit())
+  assert steps[-1] == 4
+  with open(os.path.join(workdir, "summary.json")) as f:
+    assert json.load(f)["step"] == 4
+
+
+def test_hf_export_loads_back_with_the_same_logits(run):
+  workdir, _ = run
+  path = os.path.join(workdir, "hf")
+  exported = load_hf_checkpoint(path)
+  with SFTTrainer(_tiny_config(), workdir, devices=jax.devices()[:1]) as trainer:
+    trained = nnx.merge(trainer.graphdef, trainer.state.params)
+  tokens = np.asarray([CharTokenizer().encode("12+34=", add_bos=True)], np.int32)
+  np.testing.assert_allclose(np.asarray(exported(tokens)), np.asarray(trained(tokens)),
+                             rtol=1e-5, atol=1e-5)
+  tok = HFTokenizer(path)
+  assert tok.encode("rev abc=") == CharTokenizer().encode("rev abc=")
+  with open(os.path.join(path, "config.json")) as f:
+    assert json.load(f)["eos_token_id"] == CharTokenizer().eos_id
+
+
+def test_rerun_resumes_at_the_final_step(run, capsys):
+  workdir, first = run
+  again = train_and_evaluate(_tiny_config(), workdir, progress=False)
+  assert again["step"] == 4
+  assert again["heldout_exact_match"] == first["heldout_exact_match"]
+  out = capsys.readouterr().out
+  assert "resuming from checkpoint step 4" in out and "held-out exact match:" in out
