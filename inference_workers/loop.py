@@ -4,8 +4,8 @@ A worker is stateless: killed at any instant it loses nothing (its leases expire
 prompts are served again). A SIGTERM (the preemption notice) stops leasing; the prompt being
 generated is finished and submitted, the rest of the lease is released, and the worker exits
 within `grace_s`; a watchdog releases whatever is still open if generation overruns it.
-Weights switch only between generation calls, and every rollout group carries the version
-that produced it. An unreachable server is retried with capped exponential backoff.
+New versions are pulled by the heartbeat thread while generation runs and applied in place
+only between generation calls; every rollout group carries the version that produced it. An unreachable server is retried with capped exponential backoff.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class Worker:
     self._inflight: dict[str, set[str]] = {}  # lease id -> prompt ids not yet answered
     self._lease_deadline: dict[str, float] = {}
     self._tokens_per_s = 0.0
+    self._prefetched: tuple[int, list[Update]] | None = None  # (base version, updates)
 
   # ------------------------------------------------------------ stopping
 
@@ -152,6 +153,33 @@ class Worker:
       self._apply_all(self.client.pull_updates(None))
     return self.policy.version != before
 
+  def prefetch(self, latest: int) -> None:
+    """Pull (network + decode) the updates past the held version, to apply between batches."""
+    held = self.policy.version
+    if held is None or latest <= held:
+      return
+    with self._lock:
+      pre = self._prefetched
+    if pre is not None and pre[0] == held and pre[1] and pre[1][-1].version >= latest:
+      return
+    updates = self.client.pull_updates(held)
+    with self._lock:
+      self._prefetched = (held, updates)
+
+  def apply_prefetched(self) -> bool:
+    """Apply prefetched updates if they start from the held version; True when applied."""
+    with self._lock:
+      pre, self._prefetched = self._prefetched, None
+    if pre is None or not pre[1] or pre[0] != self.policy.version:
+      return False
+    try:
+      self._apply_all(pre[1])
+    except ResyncNeeded as e:
+      logging.warning("worker: %s; resynchronising from a keyframe", e)
+      self.stats.resyncs += 1
+      self._apply_all(self.client.pull_updates(None))
+    return True
+
   def _apply_all(self, updates: list[Update]) -> None:
     for update in updates:
       self.policy.apply(update)
@@ -194,7 +222,9 @@ class Worker:
   def _one_lease(self) -> None:
     latest = self.client.latest_version()
     if latest >= 0 and latest != self.policy.version:
-      self.sync_weights()
+      self.apply_prefetched()
+      if latest != self.policy.version:
+        self.sync_weights()
     if self.policy.version is None:  # nothing published yet
       self._stop.wait(self.config.lease_wait_s)
       return
@@ -233,6 +263,7 @@ class Worker:
         self._release_all()
         return
       chunk = prompts[start:start + step]
+      self.apply_prefetched()  # a version switch happens here, between generation calls
       version = self.policy.version
       groups = self._rollout_groups(chunk, version)
       for prompt, group in zip(chunk, groups):
@@ -323,8 +354,9 @@ class Worker:
                             self.config.lease_deadline_s / 4))
     while not self._done.wait(interval):
       try:
-        self.client.heartbeat(-1 if self.policy.version is None else self.policy.version,
-                              self._tokens_per_s)
+        latest = self.client.heartbeat(
+            -1 if self.policy.version is None else self.policy.version, self._tokens_per_s)
+        self.prefetch(latest)
         now = time.monotonic()
         with self._lock:
           due = [k for k, d in self._lease_deadline.items()

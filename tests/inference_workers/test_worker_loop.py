@@ -104,6 +104,30 @@ def test_new_version_is_picked_up_between_leases(server, versions):
     assert made == [0, 0, 1, 1]
 
 
+def test_prefetched_update_waits_for_the_batch_boundary(server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    worker.sync_weights()
+    trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+    worker.prefetch(1)  # what the heartbeat thread does while a batch is generating
+    assert worker.policy.version == 0 and same_held(worker.policy, versions[0])
+    assert worker.apply_prefetched()
+    assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
+
+
+def test_vigor_allocation_spends_the_whole_budget(server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    config = WorkerConfig(max_leases=1, **dict(SMALL, allocator="vigor", samples_per_prompt=4))
+    stats = Worker(wc, CONFIG, TOKENIZER, config).run()
+    groups = [r.group for r in trainer.take_rollouts(0, 10).rollouts]
+    assert stats.groups_submitted == 2 and len(groups) == 2
+    assert sum(len(g.samples) for g in groups) == 8
+    assert all(len(g.samples) >= 2 for g in groups)  # VIGOR's first round: m0 = 2 each
+
+
 def test_checksum_mismatch_triggers_a_keyframe_resync(server, versions):
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())

@@ -1,0 +1,252 @@
+r"""Inference-worker sampler: decode throughput vs HF transformers, shared vs copied prefill,
+int8 vs bf16 held weights, in-place 1% update vs full reload, all measured in one run.
+
+  .venv/bin/python benchmarks/sampler.py                               # ~40M Qwen2, CPU
+  .venv/bin/python benchmarks/sampler.py --torch_python=/work/torchenv/bin/python
+  .venv/bin/python benchmarks/sampler.py --hidden=256 --layers=4 --vocab=16000   # quicker
+
+Model: a random Qwen2-family config (tied embeddings, GQA, q/k/v biases). Rows:
+  decode: greedy generation of --batch prompts x --prompt_len tokens -> --new_tokens tokens;
+    new tokens per second over the whole call (prefill included, compile excluded), ours
+    (float32 weights, jitted while-loop decode) vs `transformers` generate with its KV cache
+    on the same float32 weights (exported with save_hf_checkpoint), same prompts; greedy
+    tokens are compared. torch is used when importable here, else through --torch_python
+    (a separate interpreter), else the column is skipped with the reason.
+  shared prefill: N=--samples samples of one --shared_prompt_len prompt; prefill once
+    (batch 1) vs prefill N copies (batch N), jitted, best of --reps.
+  shared end-to-end: the same N samples with --shared_new_tokens new tokens each,
+    generate_shared vs generate on N copies of the prompt.
+  int8 vs bf16: bytes of held weights, and decode throughput of each held policy.
+  update: apply a delta changing ~--density of the bf16 elements in place (donated scatter,
+    checksums verified) vs applying the full keyframe (reload), best of --reps.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+from inference_workers import sampler
+from inference_workers.sampler import generate, generate_shared
+from inference_workers.sampling import SamplingParams
+from inference_workers.weights import HeldPolicy
+from rlax_ps import sync
+from rlax_ps.models import ModelConfig, Transformer, flatten_params, save_hf_checkpoint
+
+_HIDDEN = flags.DEFINE_integer("hidden", 512, "hidden size")
+_LAYERS = flags.DEFINE_integer("layers", 8, "decoder layers")
+_HEADS = flags.DEFINE_integer("heads", 8, "query heads (kv heads = heads / 4)")
+_INTER = flags.DEFINE_integer("intermediate", 1408, "SwiGLU width")
+_VOCAB = flags.DEFINE_integer("vocab", 32000, "vocabulary size")
+_BATCH = flags.DEFINE_integer("batch", 8, "decode row: prompts per call")
+_PROMPT = flags.DEFINE_integer("prompt_len", 64, "decode row: prompt tokens")
+_NEW = flags.DEFINE_integer("new_tokens", 64, "decode row: new tokens per prompt")
+_SAMPLES = flags.DEFINE_integer("samples", 16, "shared rows: samples of the one prompt")
+_SHARED_PROMPT = flags.DEFINE_integer("shared_prompt_len", 512, "shared rows: prompt tokens")
+_SHARED_NEW = flags.DEFINE_integer("shared_new_tokens", 32, "shared end-to-end: new tokens")
+_DENSITY = flags.DEFINE_float("density", 0.01, "update row: fraction of elements changed")
+_REPS = flags.DEFINE_integer("reps", 3, "timed repetitions (best is reported)")
+_TORCH_PY = flags.DEFINE_string("torch_python", "", "python with torch + transformers, for the "
+                                "HF column when torch is not importable here")
+
+
+def best_time(fn, reps):
+  best, out = float("inf"), None
+  for _ in range(reps):
+    t = time.perf_counter()
+    out = fn()
+    jax.block_until_ready(out) if isinstance(out, jax.Array) else None
+    best = min(best, time.perf_counter() - t)
+  return best, out
+
+
+HF_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import torch
+    from transformers import AutoModelForCausalLM
+    path, prompts, new, reps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True,
+              pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+      model.generate(ids, **kw)
+      best = float("inf")
+      for _ in range(reps):
+        t = time.perf_counter(); out = model.generate(ids, **kw); best = min(best, time.perf_counter() - t)
+    print(json.dumps({"seconds": best, "tokens": out[:, ids.shape[1]:].tolist(),
+                      "torch": torch.__version__, "threads": torch.get_num_threads()}))
+    """)
+
+
+def hf_generate(path, prompts, new, reps):
+  """(result dict, None) from transformers generate, or (None, reason) when unavailable."""
+  args = [path, json.dumps(prompts), str(new), str(reps)]
+  try:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    python = sys.executable
+  except ImportError as e:
+    if not _TORCH_PY.value:
+      return None, (f"torch/transformers not importable here ({e}); install the `bench` extra or "
+                    f"pass --torch_python")
+    python = _TORCH_PY.value
+  proc = subprocess.run([python, "-c", HF_SCRIPT, *args], capture_output=True, text=True)
+  if proc.returncode:
+    return None, f"transformers run failed: {proc.stderr.strip().splitlines()[-1:]}"
+  return json.loads(proc.stdout.strip().splitlines()[-1]), None
+
+
+def decode_rate(model, prompts, new, reps):
+  params = SamplingParams(greedy=True, max_new_tokens=new)
+  seeds = list(range(len(prompts)))
+  generate(model, prompts, seeds, params)  # compile
+  t, out = best_time(lambda: generate(model, prompts, seeds, params), reps)
+  return len(prompts) * new / t, out
+
+
+def prefill_time(model, batch, length, reps):
+  """Best seconds of the jitted prefill of `batch` rows of `length` tokens."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def run(state, tokens, lens):
+    logits, _ = sampler._prefill(nnx.merge(graphdef, state), tokens, lens, length)
+    return logits
+
+  tokens = jnp.ones((batch, length), jnp.int32)
+  lens = jnp.full((batch,), length, jnp.int32)
+  run(state, tokens, lens).block_until_ready()
+  t, _ = best_time(lambda: run(state, tokens, lens).block_until_ready(), reps)
+  return t
+
+
+def changed_elements(ch) -> int:
+  if ch.kind == "sparse":
+    return int(ch.indices.size)
+  if ch.kind == "dense":
+    return int(np.count_nonzero(ch.offsets))
+  return 0 if ch.kind == "unchanged" else int(np.prod(ch.shape))
+
+
+def main(argv):
+  del argv
+  reps = _REPS.value
+  heads = _HEADS.value
+  config = ModelConfig(vocab_size=_VOCAB.value, hidden_size=_HIDDEN.value,
+                       intermediate_size=_INTER.value, num_layers=_LAYERS.value, num_heads=heads,
+                       num_kv_heads=max(1, heads // 4), qkv_bias=True, tie_word_embeddings=True,
+                       max_position_embeddings=4096, rope_theta=1e6, architecture="qwen2")
+  print(f"model: Qwen2-style, {config.num_params / 1e6:.1f}M params (hidden {config.hidden_size}, "
+        f"{config.num_layers} layers, {heads}/{config.num_kv_heads} heads, vocab "
+        f"{config.vocab_size}); {jax.devices()[0].platform}, {os.cpu_count()} cpus", flush=True)
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(3, config.vocab_size, (_BATCH.value, _PROMPT.value)).tolist()
+  rows = []
+
+  # 1. decode throughput vs transformers.
+  ours_rate, ours_out = decode_rate(model, prompts, _NEW.value, reps)
+  with tempfile.TemporaryDirectory() as tmp:
+    save_hf_checkpoint(model, tmp)
+    hf, reason = hf_generate(tmp, prompts, _NEW.value, reps)
+  if hf is None:
+    rows.append(("decode tok/s (ours vs HF generate)", f"{ours_rate:.0f}", "skipped", "-", ">= 2x"))
+    print(f"HF column skipped: {reason}")
+  else:
+    hf_rate = len(prompts) * _NEW.value / hf["seconds"]
+    same = sum(o.tokens.tolist() == h for o, h in zip(ours_out, hf["tokens"]))
+    rows.append(("decode tok/s (ours vs HF generate)", f"{ours_rate:.0f}", f"{hf_rate:.0f}",
+                 f"{ours_rate / hf_rate:.2f}x", ">= 2x"))
+    print(f"HF: torch {hf['torch']} ({hf['threads']} threads); greedy rows identical to ours: "
+          f"{same}/{len(prompts)}", flush=True)
+  print(f"decode shape: batch {_BATCH.value}, prompt {_PROMPT.value}, new {_NEW.value}", flush=True)
+
+  # 2. shared prefill: one prompt once vs N copies.
+  n, plen = _SAMPLES.value, _SHARED_PROMPT.value
+  t_one = prefill_time(model, 1, plen, reps)
+  t_copies = prefill_time(model, n, plen, reps)
+  rows.append((f"prefill ms, N={n} x {plen}-token prompt (shared vs copies)", f"{t_one * 1e3:.0f}",
+               f"{t_copies * 1e3:.0f}", f"{t_copies / t_one:.1f}x less", f">= {0.8 * n:.1f}x"))
+  print("shared prefill done", flush=True)
+
+  # 3. shared end-to-end.
+  prompt = rng.integers(3, config.vocab_size, (plen,)).tolist()
+  params = SamplingParams(max_new_tokens=_SHARED_NEW.value)
+  seeds = [list(range(n))]
+  generate_shared(model, [prompt], n, seeds, params)
+  t_shared, _ = best_time(lambda: generate_shared(model, [prompt], n, seeds, params), reps)
+  generate(model, [prompt] * n, seeds[0], params)
+  t_unshared, _ = best_time(lambda: generate(model, [prompt] * n, seeds[0], params), reps)
+  rows.append((f"N={n} samples end-to-end ms, {_SHARED_NEW.value} new (shared vs copies)",
+               f"{t_shared * 1e3:.0f}", f"{t_unshared * 1e3:.0f}",
+               f"{t_unshared / t_shared:.1f}x faster", "-"))
+  print("shared end-to-end done", flush=True)
+
+  # 4. int8 vs bf16 held weights; 5. in-place update vs reload.
+  base = {k: np.asarray(v) for k, v in flatten_params(model).items()}
+  del model
+  target = {}
+  for k, v in base.items():
+    mask = rng.random(v.shape) < _DENSITY.value
+    target[k] = np.where(mask, v * 1.05 + 1e-3, v).astype(np.float32)
+  policies, rates = {}, {}
+  for fmt in ("bf16", "int8"):
+    policy = HeldPolicy(config, fmt)
+    policy.apply(sync.encode(None, base, fmt, version=0))
+    rates[fmt], _ = decode_rate(policy.model, prompts, _NEW.value, reps)
+    policies[fmt] = policy
+  b16, i8 = policies["bf16"].nbytes, policies["int8"].nbytes
+  rows.append(("held weights MB (int8 vs bf16)", f"{i8 / 1e6:.1f}", f"{b16 / 1e6:.1f}",
+               f"{b16 / i8:.2f}x smaller", "~2x"))
+  rows.append(("decode tok/s (int8 vs bf16 held)", f"{rates['int8']:.0f}", f"{rates['bf16']:.0f}",
+               f"{rates['int8'] / rates['bf16']:.2f}x", "-"))
+  print("int8/bf16 done", flush=True)
+
+  policy = policies["bf16"]
+  del policies["int8"]
+  keyframe = sync.encode(None, base, "bf16", version=0)
+  delta = sync.encode(base, target, "bf16", version=1)
+  changed = sum(changed_elements(delta.changes(k)) for k in delta.tensors)
+
+  def in_place():
+    policy.apply(keyframe)  # back to v0 (not timed separately: see the reload column)
+    t = time.perf_counter()
+    policy.apply(delta)
+    jax.block_until_ready(list(policy.held_state().values()))
+    return time.perf_counter() - t
+
+  def reload():
+    t = time.perf_counter()
+    policy.apply(keyframe)
+    jax.block_until_ready(list(policy.held_state().values()))
+    return time.perf_counter() - t
+
+  in_place()
+  t_delta = min(in_place() for _ in range(reps))
+  t_full = min(reload() for _ in range(reps))
+  total = sum(int(np.prod(m.shape)) for m in delta.tensors.values())
+  rows.append((f"apply update ms ({changed / total:.1%} changed: in place vs full reload)",
+               f"{t_delta * 1e3:.0f}", f"{t_full * 1e3:.0f}", f"{t_full / t_delta:.1f}x faster", "-"))
+
+  widths = [max(len(str(r[i])) for r in rows + [HEADER]) for i in range(5)]
+  print()
+  for r in [HEADER] + rows:
+    print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+HEADER = ("measurement", "ours", "baseline", "ratio", "target")
+
+if __name__ == "__main__":
+  app.run(main)
