@@ -36,13 +36,16 @@ _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _COLS = 4096
 
 
-def best_time(fn, reps):
-  best, out = float("inf"), None
+def best_time(fn, reps, setup=None):
+  """(best CPU seconds, best wall seconds, result) over `reps` runs of fn(setup())."""
+  cpu, wall, out = float("inf"), float("inf"), None
   for _ in range(reps):
-    t = time.perf_counter()
-    out = fn()
-    best = min(best, time.perf_counter() - t)
-  return best, out
+    arg = setup() if setup else None
+    t, c = time.perf_counter(), time.process_time()
+    out = fn(arg) if setup else fn()
+    cpu = min(cpu, time.process_time() - c)
+    wall = min(wall, time.perf_counter() - t)
+  return cpu, wall, out
 
 
 def entropy_bits(values) -> float:
@@ -74,25 +77,31 @@ def held_bytes(state) -> int:
   return sum(np.asarray(a).nbytes for a in state.values())
 
 
-def measure(label, fmt, base_held, target, copy_gbs, reps, full_bf16_bytes, keyframe_bytes):
-  """One table row: encode base_held -> target, apply it, compare with the bound."""
+def measure(label, fmt, base_held, target, copy_s, reps, full_bf16_bytes, keyframe_bytes):
+  """One table row: encode base_held -> target, apply it (new arrays, then in place),
+  compare with the bound. copy_s: (cpu, wall) seconds per byte of np.copyto."""
   target_held = sync.held_state(target, fmt)
   bound, nnz, small, n = state_bound(base_held, target_held)
-  t_enc, update = best_time(
-      lambda: sync.encode(base_held, target, fmt, version=1, base_version=0), reps)
-  t_app, out = best_time(lambda: sync.apply(base_held, update), reps)
+  enc = best_time(lambda: sync.encode(base_held, target, fmt, version=1, base_version=0), reps)
+  update = enc[2]
+  app = best_time(lambda: sync.apply(base_held, update), reps)
   for k, v in target_held.items():
-    assert np.array_equal(bit_view(out[k]), bit_view(v)), k
+    assert np.array_equal(bit_view(app[2][k]), bit_view(v)), k
+  inplace = best_time(lambda held: sync.apply(held, update, inplace=True), reps,
+                      setup=lambda: {k: v.copy() for k, v in base_held.items()})
+  for k, v in target_held.items():
+    assert np.array_equal(bit_view(inplace[2][k]), bit_view(v)), k
   model = held_bytes(base_held)
   value_bytes = 2 if fmt == "bf16" else 1
   baseline = nnz * (4 + value_bytes)
-  enc_gbs, app_gbs = model / t_enc / 1e9, model / t_app / 1e9
+  vs_copy = lambda t, i: f"{model * copy_s[i] / t[i]:.0%}"  # noqa: E731
   modes = sorted({m.mode for m in update.tensors.values()} - {"unchanged"})
   return [label, fmt, f"{nnz / n:.4%}", f"{small / max(nnz, 1):.0%}", f"{update.nbytes:,}",
           f"{full_bf16_bytes / update.nbytes:.1f}x", f"{update.nbytes / max(bound, 1):.3f}",
           f"{full_bf16_bytes / max(baseline, 1):.1f}x", f"{update.nbytes / keyframe_bytes:.2%}",
-          f"{enc_gbs:.2f}", f"{enc_gbs / copy_gbs:.0%}", f"{app_gbs:.2f}",
-          f"{app_gbs / copy_gbs:.0%}", "+".join(modes) or "-"]
+          f"{model / enc[0] / 1e9:.2f}", vs_copy(enc, 0), f"{model / app[0] / 1e9:.2f}",
+          vs_copy(app, 0), vs_copy(inplace, 0),
+          f"{vs_copy(enc, 1)}/{vs_copy(app, 1)}/{vs_copy(inplace, 1)}", "+".join(modes) or "-"]
 
 
 def adam_direction(rng, n):
@@ -150,9 +159,9 @@ def main(argv):
   u = adam_direction(rng, n)
   base = {"w.kernel": w.astype(BF16).reshape(-1, _COLS)}
   dst = np.empty_like(bit_view(base["w.kernel"]))
-  t_copy, _ = best_time(lambda: np.copyto(dst, bit_view(base["w.kernel"])), reps + 1)
   full = base["w.kernel"].nbytes
-  copy_gbs = full / t_copy / 1e9
+  copy = best_time(lambda: np.copyto(dst, bit_view(base["w.kernel"])), reps + 3)
+  copy_s = (copy[0] / full, copy[1] / full)
   del dst
   base_float = {"w.kernel": w.reshape(-1, _COLS)}
   kf_bf16 = sync.encode(None, base, "bf16", version=0)
@@ -163,8 +172,8 @@ def main(argv):
     lr = calibrate_lr(w, u, d)
     target = {"w.kernel": (w - np.float32(lr) * u).reshape(-1, _COLS)}
     label = f"synthetic {d:g} lr={lr:.2g}"
-    rows.append(measure(label, "bf16", base, target, copy_gbs, reps, full, kf_bf16.nbytes))
-    rows.append(measure(label, "int8", base_int8, target, copy_gbs, reps, full, kf_int8.nbytes))
+    rows.append(measure(label, "bf16", base, target, copy_s, reps, full, kf_bf16.nbytes))
+    rows.append(measure(label, "int8", base_int8, target, copy_s, reps, full, kf_int8.nbytes))
     del target
   real_note = ""
   if _REAL.value:
@@ -175,22 +184,26 @@ def main(argv):
     kfr = sync.encode(None, rb, "bf16", version=0).nbytes
     kfi = sync.encode(None, ri, "int8", version=0).nbytes
     label = f"real SFT step lr={_REAL_LR.value:g}"
-    rows.append(measure(label, "bf16", rb, after, copy_gbs, reps, full_r, kfr))
-    rows.append(measure(label, "int8", ri, after, copy_gbs, reps, full_r, kfi))
+    rows.append(measure(label, "bf16", rb, after, copy_s, reps, full_r, kfr))
+    rows.append(measure(label, "int8", ri, after, copy_s, reps, full_r, kfi))
     real_note = (f"real model: {sum(a.size for a in before.values()):,} params in "
                  f"{len(before)} tensors; int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 "
                  f"keyframe {kfr:,} B")
   header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound",
-            "int32+val", "vs kf", "enc GB/s", "enc/copy", "apply GB/s", "apply/copy", "modes"]
+            "int32+val", "vs kf", "enc GB/s", "enc/copy", "apply GB/s", "apply/copy",
+            "inplace/copy", "wall e/a/i", "modes"]
   widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
   print(f"synthetic model: {n:,} bf16 elements ({full / 1e6:.0f} MB); memory copy "
-        f"(np.copyto) {copy_gbs:.2f} GB/s")
+        f"(np.copyto) {1 / copy_s[0] / 1e9:.2f} GB/s CPU time, {1 / copy_s[1] / 1e9:.2f} GB/s wall")
   print(f"keyframes: bf16 {kf_bf16.nbytes:,} B, int8 {kf_int8.nbytes:,} B = "
         f"{kf_int8.nbytes / kf_bf16.nbytes:.2%} of bf16")
   if real_note:
     print(real_note)
   print("vs bf16 / int32+val: full bf16 bytes over the payload / over 6 (bf16) or 5 (int8) "
-        "bytes per change; /bound: payload over the bound; vs kf: payload over the keyframe")
+        "bytes per change; /bound: payload over the bound; vs kf: payload over the keyframe;")
+  print("GB/s of held model bytes by best CPU time (the machine may be shared); x/copy: "
+        "throughput over np.copyto's; inplace: apply(..., inplace=True); wall e/a/i: the "
+        "encode/apply/inplace ratios by wall time; int8 encode includes quantizing the target")
   for r in [header] + rows:
     print(" | ".join(str(c).rjust(wd) for c, wd in zip(r, widths)))
 

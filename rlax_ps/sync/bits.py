@@ -41,18 +41,16 @@ def bit_view(a: np.ndarray) -> np.ndarray:
 
 
 def zigzag(off: np.ndarray) -> np.ndarray:
-  """Wrapping unsigned offsets of width w -> zigzag codes in [0, 2**w): small |offset| first."""
+  """Wrapping unsigned offsets (8 or 16 bits) -> zigzag codes (uint32): small |offset| first."""
   bits = off.dtype.itemsize * 8
-  s = off.view(np.dtype(f"i{off.dtype.itemsize}")).astype(np.int64)
-  z = (s << 1) ^ (s >> (bits - 1))
-  return z.astype(np.uint64)
+  s = off.view(np.dtype(f"i{off.dtype.itemsize}")).astype(np.int32)
+  return ((s << 1) ^ (s >> (bits - 1))).view(np.uint32)
 
 
 def unzigzag(z: np.ndarray, udtype: np.dtype) -> np.ndarray:
-  """Inverse of `zigzag`: codes -> wrapping unsigned offsets of `udtype`."""
-  z = z.astype(np.int64)
-  s = (z >> 1) ^ -(z & 1)
-  return s.astype(udtype)
+  """Inverse of `zigzag` for codes < 2**16: codes -> wrapping unsigned offsets of `udtype`."""
+  z = z.astype(np.int32)
+  return ((z >> 1) ^ -(z & 1)).astype(udtype)
 
 
 def bit_length(z: np.ndarray) -> np.ndarray:
@@ -112,3 +110,97 @@ def unpack_varwidth(buf, widths: np.ndarray, what: str) -> np.ndarray:
     v |= np.where(r == 0, np.uint64(0), words[q + 1] << ((np.uint64(64) - r) & np.uint64(63)))
     out[s:s + _BLOCK] = v & ((np.uint64(1) << wb.astype(np.uint64)) - np.uint64(1))
   return out
+
+
+def pack_fixed(values: np.ndarray, width: int) -> bytes:
+  """The low `width` bits (<= 56) of every value, as ceil(n / 8) * width bytes: byte planes
+  of 8 bits, then one plane of 8 values per `rest` bytes. Faster than pack_varwidth."""
+  n = values.size
+  m = -(-n // 8)
+  if width <= 8:
+    return _pack_small(values, n, m, width)
+  v = np.zeros(m * 8, np.uint64)
+  v[:n] = values
+  out = []
+  for shift in range(0, width, 8):
+    w = min(8, width - shift)
+    plane = (v >> np.uint64(shift)) & np.uint64((1 << w) - 1)
+    if w == 8:
+      out.append(plane.astype(np.uint8).tobytes())
+      continue
+    rows = plane.reshape(m, 8)
+    acc = rows[:, 0].copy()
+    for j in range(1, 8):
+      acc |= rows[:, j] << np.uint64(j * w)
+    out.append(acc.astype("<u8").view(np.uint8).reshape(m, 8)[:, :w].tobytes())
+  return b"".join(out)
+
+
+def unpack_fixed(buf, n: int, width: int, what: str) -> np.ndarray:
+  """Inverse of `pack_fixed`; `buf` must hold exactly ceil(n / 8) * width bytes."""
+  m = -(-n // 8)
+  if len(buf) != m * width:
+    raise CodecError(f"{what}: fixed-width field holds {len(buf)} bytes, expected {m * width}")
+  raw = np.frombuffer(buf, np.uint8)
+  if width <= 8:
+    return _unpack_small(raw, n, m, width)
+  v = np.zeros(m * 8, np.uint64)
+  pos = 0
+  for shift in range(0, width, 8):
+    w = min(8, width - shift)
+    part = raw[pos:pos + m * w]
+    pos += m * w
+    if w == 8:
+      v |= part.astype(np.uint64) << np.uint64(shift)
+      continue
+    padded = np.zeros((m, 8), np.uint8)
+    padded[:, :w] = part.reshape(m, w)
+    acc = padded.view("<u8").reshape(m).astype(np.uint64)
+    mask = np.uint64((1 << w) - 1)
+    rows = np.empty((m, 8), np.uint64)
+    for j in range(8):
+      rows[:, j] = (acc >> np.uint64(j * w)) & mask
+    v |= rows.reshape(-1) << np.uint64(shift)
+  return v[:n]
+
+
+def _pack_small(values, n, m, width):
+  """pack_fixed for width <= 8: 8 values -> `width` bytes through one uint64 per 8 values."""
+  rows = np.zeros((m, 8), np.uint8)
+  rows.reshape(-1)[:n] = values
+  if width == 8:
+    return rows.tobytes()
+  acc = rows[:, 0].astype(np.uint64)
+  for j in range(1, 8):
+    acc |= rows[:, j].astype(np.uint64) << np.uint64(j * width)
+  return acc.astype("<u8").view(np.uint8).reshape(m, 8)[:, :width].tobytes()
+
+
+def _unpack_small(raw, n, m, width):
+  if width == 8:
+    return raw[:n].astype(np.uint64)
+  padded = np.zeros((m, 8), np.uint8)
+  padded[:, :width] = raw.reshape(m, width)
+  acc = padded.view("<u8").reshape(m)
+  rows = np.empty((m, 8), np.uint8)
+  mask = np.uint64((1 << width) - 1)
+  for j in range(8):
+    rows[:, j] = (acc >> np.uint64(j * width)) & mask
+  return rows.reshape(-1)[:n].astype(np.uint64)
+
+
+def pack_unary(q: np.ndarray) -> tuple[int, bytes]:
+  """Each value q as q zero bits then a one bit (LSB first): (total bits, bytes)."""
+  ends = np.cumsum(q.astype(np.int64) + 1)
+  total = int(ends[-1]) if q.size else 0
+  bitmap = np.zeros(total, bool)
+  bitmap[ends - 1] = True
+  return total, np.packbits(bitmap, bitorder="little").tobytes()
+
+
+def unpack_unary(buf, n: int, what: str) -> np.ndarray:
+  """Inverse of `pack_unary` for n values; the bytes must end with the last value's one."""
+  ones = np.flatnonzero(np.unpackbits(np.frombuffer(buf, np.uint8), bitorder="little"))
+  if ones.size != n or (n and ones[-1] // 8 != len(buf) - 1):
+    raise CodecError(f"{what}: unary field codes {ones.size} values, expected {n}")
+  return np.diff(ones, prepend=-1) - 1

@@ -60,17 +60,22 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
       if old.shape != new.shape or old.dtype != new.dtype:
         raise CodecError(f"tensor {name!r}: base is {old.dtype}{list(old.shape)}, target is "
                          f"{new.dtype}{list(new.shape)}")
-    mode, section = tensor_codec.encode_section(
-        None if old is None else bit_view(old), bit_view(new))
-    entries.append((name, new.shape, new.dtype, checksum(new),
-                    None if old is None else checksum(old), mode, section))
+    enc = tensor_codec.encode_section(None if old is None else bit_view(old), bit_view(new))
+    entries.append((name, new.shape, new.dtype, enc.checksum, enc.base_checksum, enc.mode,
+                    enc.section))
   return build(fmt, version, base_version, entries)
 
 
-def apply(base, update: Update, *, base_version: int | None = None) -> dict[str, np.ndarray]:
+def apply(base, update: Update, *, base_version: int | None = None,
+          inplace: bool = False) -> dict[str, np.ndarray]:
   """The held state `update` makes of `base` (ignored for a keyframe; may be None), verified
   tensor by tensor against the update's checksums. With `base_version`, also checks that
-  the update applies to that version."""
+  the update applies to that version.
+
+  inplace=True writes into the base's (writable, C-contiguous numpy) arrays and returns
+  them: only changed elements are written, at the price that a failed result checksum
+  (a corrupted update behind valid digests) leaves that tensor damaged, to be replaced
+  from a keyframe. A wrong base is still detected before anything is written."""
   if not isinstance(update, Update):
     raise TypeError(f"update expected an Update, got {type(update).__name__}")
   if not update.is_keyframe:
@@ -87,24 +92,24 @@ def apply(base, update: Update, *, base_version: int | None = None) -> dict[str,
     if not update.is_keyframe:
       held = update.check_base(name, base[name])
       old = bit_view(held)
-    if dec.mode == tensor_codec.RAW:
-      bits = dec.replacement.astype(UINT_OF[meta.dtype])
-    elif dec.mode == tensor_codec.UNCHANGED:
-      bits = old.copy()
-    elif dec.mode == tensor_codec.DENSE:
-      bits = old + dec.offsets
-    else:
-      bits = old.copy()
-      bits[dec.indices] += dec.offsets
+    write_into = inplace and not update.is_keyframe
+    if write_into:
+      if not (isinstance(base[name], np.ndarray) and base[name].flags.c_contiguous
+              and base[name].flags.writeable):
+        raise CodecError(f"tensor {name!r}: inplace apply needs a writable C-contiguous "
+                         f"numpy array, got {type(base[name]).__name__}")
+      if checksum(held) != meta.base_checksum:
+        raise CodecError(f"tensor {name!r}: wrong base: its checksum is {checksum(held):016x}, "
+                         f"the update was made against {meta.base_checksum:016x}")
+    bits, got = dec.apply(old, UINT_OF[meta.dtype], inplace=write_into)
     result = bits.view(meta.dtype).reshape(meta.shape)
-    got = checksum(result)
     if got != meta.checksum:
-      if old is not None and checksum(held) != meta.base_checksum:
+      if old is not None and not write_into and checksum(held) != meta.base_checksum:
         raise CodecError(f"tensor {name!r}: wrong base: its checksum is {checksum(held):016x}, "
                          f"the update was made against {meta.base_checksum:016x}")
       raise CodecError(f"tensor {name!r}: corrupted: result checksum {got:016x}, "
                        f"expected {meta.checksum:016x}")
-    out[name] = result
+    out[name] = base[name] if write_into else result
   return out
 
 

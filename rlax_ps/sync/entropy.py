@@ -12,31 +12,35 @@ Stream layout, for n symbols (n is known to the caller):
   then per block of up to ANS_BLOCK symbols:
     [varint nwords | nwords u32 rANS words]   (only when m > 1)
     varint extra_nbytes | extra_nbytes of raw low bits
+or, for short streams where a table costs more than it saves (n <= LITERAL_MAX):
+  u8 LITERAL | u8 width | the n values in `width` bits each (bits.pack_fixed).
 """
 
 import constriction
 import numpy as np
 
-from rlax_ps.sync.bits import bit_length, pack_varwidth, unpack_varwidth
+from rlax_ps.sync.bits import (bit_length, pack_fixed, pack_varwidth, unpack_fixed,
+                               unpack_varwidth)
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint
 from rlax_ps.sync.errors import CodecError
 
 DIRECT = 16
 ALPHABET = DIRECT + 4 * (56 - 4)
 ANS_BLOCK = 1 << 22
+LITERAL = 255
+LITERAL_MAX = 4096
 # Bytes per block besides the rANS words and raw bits: two varints and the rANS flush.
 _BLOCK_OVERHEAD = 10
 
 
 def to_symbols(z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Integers -> (symbols int32, raw-bit widths of the symbols >= DIRECT, their raw low bits)."""
-  z = z.astype(np.uint64, copy=False)
   big = z >= DIRECT
   sym = np.where(big, 0, z).astype(np.int32)
   if not big.any():
     return sym, np.zeros(0, np.int64), np.zeros(0, np.uint64)
   bi = np.flatnonzero(big)
-  zb = z[bi]
+  zb = z[bi].astype(np.uint64)
   nb = bit_length(zb)
   w = nb - 3
   wu = w.astype(np.uint64)
@@ -62,14 +66,6 @@ def from_symbols(sym: np.ndarray, extra_of_big) -> np.ndarray:
   else:
     extra_of_big(np.zeros(0, np.int64))
   return z
-
-
-def histogram(z: np.ndarray) -> np.ndarray:
-  """Symbol histogram of the integers `z`, computed block by block."""
-  hist = np.zeros(ALPHABET, np.int64)
-  for s in range(0, z.size, ANS_BLOCK):
-    hist += np.bincount(to_symbols(z[s:s + ANS_BLOCK])[0], minlength=ALPHABET)
-  return hist
 
 
 def cost_bytes(hist: np.ndarray) -> float:
@@ -112,9 +108,27 @@ def encode_stream(hist: np.ndarray, blocks) -> bytes:
   return b"".join(out)
 
 
+def literal_cost(z: np.ndarray) -> float:
+  """Bytes of the literal layout of `z` (inf when the stream is too long for it)."""
+  if not 0 < z.size <= LITERAL_MAX:
+    return float("inf")
+  return 2 + -(-z.size // 8) * int(bit_length(np.array([z.max()], np.uint64))[0])
+
+
+def encode_literal(z: np.ndarray) -> bytes:
+  width = int(bit_length(np.array([z.max()], np.uint64))[0])
+  return u8(LITERAL) + u8(width) + pack_fixed(z.astype(np.uint64), width)
+
+
 def decode_stream(r: ByteReader, n: int):
   """Yields the integers of a stream of `n` symbols block by block; validates as it goes."""
   m = r.u8()
+  if m == LITERAL:
+    width = r.u8()
+    if not 0 < n <= LITERAL_MAX or width > 56:
+      raise CodecError(f"{r.what}: literal stream of {n} values, {width} bits each")
+    yield unpack_fixed(r.take(-(-n // 8) * width), n, width, r.what)
+    return
   if (m == 0) != (n == 0):
     raise CodecError(f"{r.what}: symbol table has {m} symbols for {n} values")
   present = np.frombuffer(r.take(m), np.uint8).astype(np.int64)
@@ -150,7 +164,14 @@ def decode_stream(r: ByteReader, n: int):
     raise CodecError(f"{r.what}: decoded symbol counts differ from the stream's table")
 
 
-def symbol_blocks(z: np.ndarray):
-  """`to_symbols` of `z` cut into ANS_BLOCK pieces, as `encode_stream` takes them."""
-  for s in range(0, z.size, ANS_BLOCK):
-    yield to_symbols(z[s:s + ANS_BLOCK])
+def split_symbols(sym: np.ndarray, width: np.ndarray, extra: np.ndarray):
+  """`to_symbols` output of one stream cut into ANS_BLOCK pieces for `encode_stream`."""
+  if sym.size <= ANS_BLOCK:
+    yield sym, width, extra
+    return
+  big_before = np.cumsum(sym >= DIRECT)
+  for s in range(0, sym.size, ANS_BLOCK):
+    e = min(s + ANS_BLOCK, sym.size)
+    lo = int(big_before[s - 1]) if s else 0
+    hi = int(big_before[e - 1])
+    yield sym[s:e], width[lo:hi], extra[lo:hi]

@@ -1,11 +1,13 @@
 """Update messages: binary layout, header parsing, per-tensor changes, chunked transport.
 
 Message layout (little-endian):
-  prefix   b"RLXW" | u16 wire version (1) | u32 header_len | u32 crc32(header)
+  prefix   b"RLXW" | u16 wire version (1) | u8 header codec (0 raw, 1 zstd: tensor names
+           repeat a lot) | u32 stored header_len | u32 crc32(stored header)
   header   u8 fmt (0 bf16, 1 int8) | u8 is_keyframe | i64 version | i64 base_version (-1: none)
            | u32 tensor count | per tensor: u16 name_len | utf-8 name | u8 dtype (0 bf16,
-           1 int8) | u8 section codec version (1) | u8 mode | u8 ndim | u64 dims[ndim]
-           | u64 checksum | u64 base_checksum | u64 section_len | u64 xxh3(section)
+           1 int8) | u8 section codec version (1) | u8 mode | u8 ndim | varint dims[ndim]
+           | u64 checksum | [u64 base_checksum, deltas only] | varint section_len
+           | u32 low half of xxh3(section)
   body     the sections, in header order (tensor_codec.py).
 Chunk layout: b"RLXC" | u32 index | u32 count | u64 message length | u64 xxh3(message)
   | u32 data length | data.
@@ -17,10 +19,11 @@ import zlib
 
 import numpy as np
 import xxhash
+import zstandard
 
 from rlax_ps.sync import tensor_codec
 from rlax_ps.sync.bits import BF16, INT8, UINT_OF, bit_view
-from rlax_ps.sync.byte_reader import ByteReader, i64, u8, u16, u32, u64
+from rlax_ps.sync.byte_reader import ByteReader, i64, u8, u16, u32, u64, varint
 from rlax_ps.sync.errors import CodecError
 
 MAGIC = b"RLXW"
@@ -28,7 +31,8 @@ WIRE_VERSION = 1
 SECTION_CODEC_VERSION = 1
 FORMATS = ("bf16", "int8")
 _DTYPES = (BF16, INT8)
-_PREFIX = struct.Struct("<4sHII")
+_PREFIX = struct.Struct("<4sHBII")
+_MAX_HEADER = 1 << 26
 _CHUNK = struct.Struct("<4sIIQQI")
 CHUNK_MAGIC = b"RLXC"
 CHUNK_OVERHEAD = _CHUNK.size
@@ -42,6 +46,11 @@ def checksum(array) -> int:
 
 def _digest(buf) -> int:
   return xxhash.xxh3_64_intdigest(buf)
+
+
+def _section_digest(buf) -> int:
+  """32 bits suffice to catch a damaged section early; the tensor checksum is 64-bit."""
+  return xxhash.xxh3_64_intdigest(buf) & 0xFFFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +114,15 @@ def build(fmt: str, version: int, base_version: int | None, entries) -> "Update"
     nb = name.encode()
     head += [u16(len(nb)), nb, u8(_DTYPES.index(dtype)), u8(SECTION_CODEC_VERSION), u8(mode),
              u8(len(shape))]
-    head += [u64(d) for d in shape]
+    head += [varint(d) for d in shape]
     sec = memoryview(section).cast("B")
-    head += [u64(csum), u64(bcsum or 0), u64(sec.nbytes), u64(_digest(sec))]
+    head += [u64(csum)] + ([] if base_version is None else [u64(bcsum)])
+    head += [varint(sec.nbytes), u32(_section_digest(sec))]
   header = b"".join(head)
-  prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, len(header), zlib.crc32(header))
+  packed = zstandard.ZstdCompressor(level=9).compress(header)
+  codec = int(len(packed) < len(header))
+  header = packed if codec else header
+  prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(header), zlib.crc32(header))
   data = b"".join([prefix, header] + [memoryview(e[6]).cast("B") for e in entries])
   return Update(data, read_header(data))
 
@@ -119,7 +132,7 @@ def read_header(b) -> UpdateHeader:
   buf = memoryview(b).cast("B")
   if buf.nbytes < _PREFIX.size:
     raise CodecError(f"update header: truncated: {buf.nbytes} bytes, prefix needs {_PREFIX.size}")
-  magic, wire, hlen, hcrc = _PREFIX.unpack(buf[:_PREFIX.size])
+  magic, wire, codec, hlen, hcrc = _PREFIX.unpack(buf[:_PREFIX.size])
   if magic != MAGIC:
     raise CodecError(f"update header: magic expected {MAGIC!r}, got {bytes(magic)!r}")
   if wire != WIRE_VERSION:
@@ -130,6 +143,13 @@ def read_header(b) -> UpdateHeader:
   header = buf[_PREFIX.size:_PREFIX.size + hlen]
   if zlib.crc32(header) != hcrc:
     raise CodecError("update header: corrupted (crc32 mismatch)")
+  if codec > 1:
+    raise CodecError(f"update header: unknown header codec {codec}")
+  if codec == 1:
+    try:
+      header = zstandard.ZstdDecompressor().decompress(header, max_output_size=_MAX_HEADER)
+    except zstandard.ZstdError as e:
+      raise CodecError(f"update header: corrupted ({e})") from None
   r = ByteReader(header, "update header")
   fmt_code, keyframe = r.u8(), r.u8()
   version, base_version = r.i64(), r.i64()
@@ -156,8 +176,10 @@ def read_header(b) -> UpdateHeader:
                        f"(expected {SECTION_CODEC_VERSION})")
     if dtype_code >= len(_DTYPES) or mode >= len(tensor_codec.MODE_NAMES):
       raise CodecError(f"{what}: unknown dtype code {dtype_code} or mode {mode}")
-    shape = tuple(r.u64() for _ in range(ndim))
-    csum, bcsum, nbytes, digest = r.u64(), r.u64(), r.u64(), r.u64()
+    shape = tuple(r.varint() for _ in range(ndim))
+    csum = r.u64()
+    bcsum = None if keyframe else r.u64()
+    nbytes, digest = r.varint(), r.u32()
     dtype = _DTYPES[dtype_code]
     size = int(np.prod(shape, dtype=object)) if shape else 1
     if size > MAX_ELEMENTS:
@@ -169,7 +191,7 @@ def read_header(b) -> UpdateHeader:
     if offset + nbytes > buf.nbytes:
       raise CodecError(f"{what}: truncated: section needs {nbytes} bytes at offset {offset}, "
                        f"message has {buf.nbytes}")
-    tensors[name] = TensorMeta(name, shape, dtype, csum, None if keyframe else bcsum,
+    tensors[name] = TensorMeta(name, shape, dtype, csum, bcsum,
                                tensor_codec.MODE_NAMES[mode], nbytes, offset, digest)
     offset += nbytes
   r.done()
@@ -208,7 +230,7 @@ class Update:
     header = read_header(data)
     view = memoryview(data)
     for meta in header.tensors.values():
-      if _digest(view[meta.offset:meta.offset + meta.nbytes]) != meta.digest:
+      if _section_digest(view[meta.offset:meta.offset + meta.nbytes]) != meta.digest:
         raise CodecError(f"tensor {meta.name!r}: section corrupted (digest mismatch)")
     return cls(data, header)
 
