@@ -1,9 +1,11 @@
 """Public entry points with backend dispatch for shared-prompt attention.
 
 backend="auto" picks per platform at lowering time (jax.lax.platform_dependent):
-the Pallas TPU kernels on TPU, the XLA two-pass LSE-merge path on GPU and CPU.
-Explicit backends: "pallas_tpu" (with interpret=True it runs anywhere, for
-tests), "xla" (two-pass), "xla_dense" (packed dense mask), "reference" (N copies).
+the Pallas TPU (Mosaic) kernels on TPU, the Pallas GPU (Triton) training kernel
+on CUDA, the XLA two-pass LSE-merge path elsewhere (CPU, ROCm) and for decode on
+GPU. Explicit backends: "pallas_tpu", "pallas_gpu" (with interpret=True both run
+anywhere, for tests), "xla" (two-pass), "xla_dense" (packed dense mask),
+"reference" (N copies).
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import functools
 
 import jax
 
-from rlax_ps.kernels import decode_tpu, reference, shared_prompt_tpu
+from rlax_ps.kernels import decode_tpu, reference, shared_prompt_gpu, shared_prompt_tpu
 from rlax_ps.kernels.layout import SharedPromptLayout
 from rlax_ps.kernels.schedule import BlockSizes
 
-TRAIN_BACKENDS = ("auto", "pallas_tpu", "xla", "xla_dense", "reference")
+TRAIN_BACKENDS = ("auto", "pallas_tpu", "pallas_gpu", "xla", "xla_dense", "reference")
 DECODE_BACKENDS = ("auto", "pallas_tpu", "xla", "reference")
 
 
@@ -34,9 +36,14 @@ def shared_prompt_attention(q, k, v, layout: SharedPromptLayout, *, sm_scale=Non
   pallas = functools.partial(shared_prompt_tpu.shared_prompt_attention_pallas_tpu,
                              layout=layout, sm_scale=sm_scale, block_sizes=block_sizes,
                              interpret=interpret)
+  triton = functools.partial(shared_prompt_gpu.shared_prompt_attention_pallas_gpu,
+                             layout=layout, sm_scale=sm_scale, block_sizes=block_sizes,
+                             interpret=interpret)
   xla = functools.partial(reference.two_pass_attention, layout=layout, sm_scale=sm_scale)
   if backend == "pallas_tpu":
     return pallas(q, k, v)
+  if backend == "pallas_gpu":
+    return triton(q, k, v)
   if backend == "xla":
     return xla(q, k, v)
   if backend == "xla_dense":
@@ -45,7 +52,7 @@ def shared_prompt_attention(q, k, v, layout: SharedPromptLayout, *, sm_scale=Non
     return reference.n_copies_attention(q, k, v, layout, sm_scale)
   if interpret:
     return pallas(q, k, v)
-  return jax.lax.platform_dependent(q, k, v, tpu=pallas, default=xla)
+  return jax.lax.platform_dependent(q, k, v, tpu=pallas, cuda=triton, default=xla)
 
 
 def shared_prefix_decode_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,

@@ -44,6 +44,9 @@ SINGLE_RESPONSE = Case("single_response", (16,), ((8,),), 16, 8, 2, 2, 8)
 # Block-aligned, full lengths, MHA, longer than one block per region.
 ALIGNED_FULL = Case("aligned_full", (16,), ((16, 16),), 16, 16, 2, 2, 8)
 
+# Smallest case with odd lengths, GQA and padding, for the (slower) Triton interpreter.
+SMALL_GQA_PADDED = Case("small_gqa_padded", (11,), ((7, 3),), 13, 7, 2, 1, 16)
+
 CASES = (ODD_GQA_PADDED, SINGLE_RESPONSE, ALIGNED_FULL)
 
 

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import ALIGNED_FULL, CASES, ODD_GQA_PADDED, valid_lse, vjp_outputs
+from kernel_cases import (ALIGNED_FULL, CASES, ODD_GQA_PADDED, SMALL_GQA_PADDED, valid_lse,
+                          vjp_outputs)
 from rlax_ps.kernels import reference, schedule
 from rlax_ps.kernels.dispatch import shared_prompt_attention
 from rlax_ps.kernels.layout import make_layout
@@ -16,19 +17,19 @@ from rlax_ps.kernels.shared_prompt_tpu import aligned_geometry
 BLOCKS = schedule.BlockSizes(block_q=8, block_kv=8)
 
 
-def _pallas(lay, blocks=BLOCKS):
-  return jax.jit(functools.partial(shared_prompt_attention, layout=lay, backend="pallas_tpu",
+def _pallas(lay, blocks=BLOCKS, backend="pallas_tpu"):
+  return jax.jit(functools.partial(shared_prompt_attention, layout=lay, backend=backend,
                                    block_sizes=blocks, interpret=True))
 
 
-def _compare(case, dtype, blocks, tol):
+def _compare(case, dtype, blocks, tol, backend="pallas_tpu"):
   lay, q, k, v, do = case.inputs(dtype)
   # Ground truth in float32 on the same (possibly bf16-rounded) inputs.
   f32 = lambda x: x.astype(jnp.float32)
   ref = jax.jit(lambda q, k, v: reference.n_copies_attention(q, k, v, lay))
   ref_lse = ref(f32(q), f32(k), f32(v))[1]
   want = vjp_outputs(ref, f32(q), f32(k), f32(v), f32(do), ref_lse)
-  got = vjp_outputs(_pallas(lay, blocks), q, k, v, do, ref_lse)
+  got = vjp_outputs(_pallas(lay, blocks, backend), q, k, v, do, ref_lse)
   assert got[0].dtype == dtype and got[2].dtype == dtype and got[1].dtype == jnp.float32
   lse, ref_lse = valid_lse(got[1], want[1])
   np.testing.assert_allclose(lse, ref_lse, **tol)
@@ -44,6 +45,19 @@ def test_pallas_f32_matches_n_copies(case):
 def test_pallas_bf16_matches_n_copies():
   # bf16 inputs, f32 accumulation: tolerances of the order JAX's splash tests use for bf16.
   _compare(ODD_GQA_PADDED, jnp.bfloat16, BLOCKS, dict(atol=3e-2, rtol=3e-2))
+
+
+def test_pallas_gpu_triton_kernel_matches_n_copies():
+  # The Triton kernel (loops instead of grid steps) under the Pallas interpreter.
+  _compare(SMALL_GQA_PADDED, jnp.float32, BLOCKS, dict(atol=1e-5, rtol=1e-5),
+           backend="pallas_gpu")
+
+
+def test_pallas_gpu_rejects_non_power_of_two_blocks():
+  lay, q, k, v, _ = SMALL_GQA_PADDED.inputs()
+  with pytest.raises(ValueError, match="block_q must be a power of two for the GPU kernel, got 24"):
+    shared_prompt_attention(q, k, v, lay, backend="pallas_gpu",
+                            block_sizes=schedule.BlockSizes(24, 8), interpret=True)
 
 
 def test_pallas_unequal_blocks_match_n_copies():
