@@ -302,16 +302,32 @@ class ParamServerClient:
     return [sync.Update.from_bytes(bytes(b)) for b in self.pull(have_version, **kwargs)]
 
   def watch(self, after_version: int = -1, timeout_s: float | None = None) -> Iterator[pb.VersionInfo]:
-    """Yields the version info each time a version above `after_version` is published."""
-    stream = self._stub.Watch(pb.WatchRequest(after_version=after_version), metadata=self._metadata,
-                              timeout=timeout_s)
-    try:
-      yield from stream
-    except grpc.RpcError as e:
-      if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-        raise ParamServerError("Watch", e.code(), e.details() or "") from None
-    finally:
-      stream.cancel()
+    """Yields the version info each time a version above `after_version` is published.
+
+    Reconnects (with backoff) while the server is UNAVAILABLE; ends after `timeout_s`."""
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    delays = self.retry.delays()
+    while end is None or time.monotonic() < end:
+      left = None if end is None else max(0.0, end - time.monotonic())
+      stream = self._stub.Watch(pb.WatchRequest(after_version=after_version), metadata=self._metadata,
+                                timeout=left)
+      try:
+        for info in stream:
+          after_version = info.latest_version
+          delays = self.retry.delays()
+          yield info
+        return
+      except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+          return
+        if e.code() not in RETRYABLE:
+          raise ParamServerError("Watch", e.code(), e.details() or "") from None
+        delay = next(delays, None)
+        if delay is None:
+          raise ParamServerError("Watch", e.code(), f"still failing after {self.retry.deadline_s}s") from None
+        time.sleep(delay)
+      finally:
+        stream.cancel()
 
   # ------------------------------------------------------------ prompts
 

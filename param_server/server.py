@@ -294,12 +294,19 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       raise errors.InvalidArgument("version", f"expected >= -1, got {request.version}")
     _finite("tokens_per_s", request.tokens_per_s)
     with self._lock:
+      self._forget_silent_workers()
       # Upsert: workers registered before a server restart keep their id.
       worker = self._workers.setdefault(request.worker_id, _Worker(request.worker_id, request.worker_id, {}))
       worker.version = request.version
       worker.tokens_per_s = request.tokens_per_s
       worker.last_seen = time.monotonic()
     return pb.HeartbeatReply(latest_version=self.weights.latest)
+
+  def _forget_silent_workers(self) -> None:
+    """Drops workers silent for 30 heartbeat intervals (preempted ones never say goodbye)."""
+    cutoff = time.monotonic() - 30 * self.config.heartbeat_interval_s
+    for wid in [w.worker_id for w in self._workers.values() if w.last_seen < cutoff]:
+      del self._workers[wid]
 
   @_unary
   def GetStats(self, request, context):

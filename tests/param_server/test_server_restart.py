@@ -187,3 +187,34 @@ def test_a_pull_survives_a_server_kill9_and_resumes(tmp_path, server_process):
   np.testing.assert_array_equal(apply_blobs(blobs)["w"].view(np.uint16),
                                 sync.held_state(weights, "bf16")["w"].view(np.uint16))
   worker.close()
+
+
+def test_calls_and_watch_ride_out_a_server_restart(tmp_path, server_process):
+  storage, port = tmp_path / "ps", free_port()
+  proc, address = server_process(storage, f"--port={port}")
+  patient = RetryPolicy(deadline_s=60)
+  trainer = client_for(address, "trainer", retry=patient)
+  watcher = client_for(address, "worker", retry=patient)
+  w0 = tiny_weights()
+  trainer.publish(sync.encode(None, w0, version=0).to_bytes())
+  seen, first = [], threading.Event()
+
+  def watch():
+    for info in watcher.watch(after_version=-1, timeout_s=60):
+      seen.append(info.latest_version)
+      first.set()
+      if info.latest_version == 1:
+        return
+
+  thread = threading.Thread(target=watch)
+  thread.start()
+  assert first.wait(30)
+  kill9(proc)
+  restart = threading.Timer(0.3, lambda: server_process(storage, f"--port={port}"))
+  restart.start()
+  trainer.publish(sync.encode(w0, perturbed(w0, 0.1, 1), version=1).to_bytes())  # retried until it is back
+  restart.join()
+  thread.join(60)
+  assert seen == [0, 1]
+  trainer.close()
+  watcher.close()
