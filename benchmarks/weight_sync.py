@@ -30,7 +30,8 @@ FLAGS = flags.DEFINE_integer("elements", 100_000_000, "bf16 elements of the synt
 _DENSITIES = flags.DEFINE_list("densities", ["0.001", "0.01", "0.03", "0.1"],
                                "fractions of bf16 elements changed by the synthetic step")
 _REAL = flags.DEFINE_boolean("real", True, "add the row of a real update from the SFT trainer")
-_REAL_LR = flags.DEFINE_float("real_lr", 1e-5, "learning rate of the real trainer steps")
+_REAL_LR = flags.DEFINE_list("real_lr", ["1e-6", "1e-5"],
+                             "learning rates of the real trainer steps (one row pair each)")
 _REPS = flags.DEFINE_integer("reps", 2, "timed repetitions (best is reported)")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _COLS = 4096
@@ -82,7 +83,10 @@ def measure(label, fmt, base_held, target, copy_s, reps, full_bf16_bytes, keyfra
   compare with the bound. copy_s: (cpu, wall) seconds per byte of np.copyto."""
   target_held = sync.held_state(target, fmt)
   bound, nnz, small, n = state_bound(base_held, target_held)
-  enc = best_time(lambda: sync.encode(base_held, target, fmt, version=1, base_version=0), reps)
+  # bf16: the trainer casts to bf16 on device before the device-to-host copy (half the
+  # bytes), so encode starts from bf16; int8 quantizes the float32 target inside encode.
+  source = target_held if fmt == "bf16" else target
+  enc = best_time(lambda: sync.encode(base_held, source, fmt, version=1, base_version=0), reps)
   update = enc[2]
   app = best_time(lambda: sync.apply(base_held, update), reps)
   for k, v in target_held.items():
@@ -98,6 +102,7 @@ def measure(label, fmt, base_held, target, copy_s, reps, full_bf16_bytes, keyfra
   modes = sorted({m.mode for m in update.tensors.values()} - {"unchanged"})
   return [label, fmt, f"{nnz / n:.4%}", f"{small / max(nnz, 1):.0%}", f"{update.nbytes:,}",
           f"{full_bf16_bytes / update.nbytes:.1f}x", f"{update.nbytes / max(bound, 1):.3f}",
+          f"{(update.nbytes - sum(m.nbytes for m in update.tensors.values())):,}",
           f"{full_bf16_bytes / max(baseline, 1):.1f}x", f"{update.nbytes / keyframe_bytes:.2%}",
           f"{model / enc[0] / 1e9:.2f}", vs_copy(enc, 0), f"{model / app[0] / 1e9:.2f}",
           vs_copy(app, 0), vs_copy(inplace, 0),
@@ -176,20 +181,20 @@ def main(argv):
     rows.append(measure(label, "int8", base_int8, target, copy_s, reps, full, kf_int8.nbytes))
     del target
   real_note = ""
-  if _REAL.value:
-    before, after = real_update(_REAL_LR.value)
+  for lr in map(float, _REAL_LR.value if _REAL.value else []):
+    before, after = real_update(lr)
     rb = sync.held_state(before, "bf16")
     ri = sync.held_state(before, "int8")
     full_r = held_bytes(rb)
     kfr = sync.encode(None, rb, "bf16", version=0).nbytes
     kfi = sync.encode(None, ri, "int8", version=0).nbytes
-    label = f"real SFT step lr={_REAL_LR.value:g}"
+    label = f"real SFT step lr={lr:g}"
     rows.append(measure(label, "bf16", rb, after, copy_s, reps, full_r, kfr))
     rows.append(measure(label, "int8", ri, after, copy_s, reps, full_r, kfi))
-    real_note = (f"real model: {sum(a.size for a in before.values()):,} params in "
-                 f"{len(before)} tensors; int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 "
-                 f"keyframe {kfr:,} B")
-  header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound",
+    real_note = (f"real model (SFT trainer, configs/sft_tiny.py, AdamW, 10 steps then 1): "
+                 f"{sum(a.size for a in before.values()):,} params in {len(before)} tensors; "
+                 f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
+  header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound", "hdr B",
             "int32+val", "vs kf", "enc GB/s", "enc/copy", "apply GB/s", "apply/copy",
             "inplace/copy", "wall e/a/i", "modes"]
   widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
@@ -200,10 +205,12 @@ def main(argv):
   if real_note:
     print(real_note)
   print("vs bf16 / int32+val: full bf16 bytes over the payload / over 6 (bf16) or 5 (int8) "
-        "bytes per change; /bound: payload over the bound; vs kf: payload over the keyframe;")
+        "bytes per change; /bound: payload (header included) over the bound; hdr B: header "
+        "bytes (names, shapes, checksums); vs kf: payload over the keyframe;")
   print("GB/s of held model bytes by best CPU time (the machine may be shared); x/copy: "
         "throughput over np.copyto's; inplace: apply(..., inplace=True); wall e/a/i: the "
-        "encode/apply/inplace ratios by wall time; int8 encode includes quantizing the target")
+        "encode/apply/inplace ratios by wall time; bf16 encode starts from the bf16-cast target, "
+        "int8 encode includes quantizing the float32 target")
   for r in [header] + rows:
     print(" | ".join(str(c).rjust(wd) for c, wd in zip(r, widths)))
 
