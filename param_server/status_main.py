@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from absl import flags
 
 from param_server import auth
-from param_server.client import ParamServerClient, RetryPolicy
+from param_server.client import ParamServerClient, ParamServerError, RetryPolicy
 from param_server.protos import param_server_pb2 as pb
 
 _ADDRESS = flags.DEFINE_string("address", "127.0.0.1:50051", "host:port of the parameter server")
@@ -77,5 +78,10 @@ def main(argv) -> None:
   with ParamServerClient(_ADDRESS.value, token=_token(), role="viewer", root_certificates=root,
                          tls_server_name=_TLS_NAME.value,
                          retry=RetryPolicy(deadline_s=_TIMEOUT.value), timeout_s=_TIMEOUT.value) as client:
+    try:
+      stats = client.stats()
+    except ParamServerError as e:
+      print(f"rlax-ps status: {e}", file=sys.stderr)
+      sys.exit(1)
     print(f"parameter server {_ADDRESS.value}")
-    print(format_stats(client.stats()))
+    print(format_stats(stats))

@@ -2,7 +2,8 @@
 
 Each publication is kept as the exact `Update` bytes it arrived as, in a 1-D
 uint8 tensorstore (zarr3) array chunked like the wire, so a pull streams byte
-ranges straight from disk: no decoding and no per-client copy. A version is
+ranges: no decoding, and no per-client copy (chunks read once are kept in a
+cache shared by all pulls, bounded by `cache_bytes`). A version is
 committed by writing its JSON marker atomically after its array is complete;
 on restart an array without a marker (a half-written version) is deleted and
 never served. When the deltas after the keyframe outweigh it, a background
@@ -248,8 +249,9 @@ class WeightStore:
       raise errors.InvalidArgument("data", f"not a valid update: {e}") from None
     sha = hashlib.sha256(data).hexdigest()
     with self._lock:
-      if info.version == self.latest and self._latest_blob().sha256 == sha:
-        return self._latest_blob(), True
+      for same in self._blobs_at(self.latest):
+        if info.version == self.latest and same.sha256 == sha:
+          return same, True
       self._validate(info)
     try:
       payloads.verify(data, decode_keyframe=self.limits.verify_keyframes)
@@ -279,10 +281,9 @@ class WeightStore:
       stop = min(start + self.chunk_bytes, len(data))
       array[start:stop].write(flat[start:stop]).result()
 
-  def _latest_blob(self) -> Blob:
-    if self.keyframe is not None and self.keyframe.version == self.latest:
-      return self.keyframe
-    return self.deltas[self.latest]
+  def _blobs_at(self, version: int) -> list[Blob]:
+    """The stored blobs ending at `version` (its delta, and a keyframe compacted there)."""
+    return [b for b in (self.keyframe, self.deltas.get(version)) if b is not None and b.version == version]
 
   def _install(self, blob: Blob) -> None:
     if blob.is_keyframe:

@@ -77,10 +77,10 @@ def test_an_expired_lease_returns_its_prompts_and_rejects_late_rollouts(trainer,
 
 def test_renew_keeps_a_lease_alive(trainer, worker):
   trainer.enqueue_prompts(prompts(1))
-  lease = worker.lease(1, deadline_s=0.4)
+  lease = worker.lease(1, deadline_s=1.0)
   for _ in range(3):
-    time.sleep(0.2)
-    worker.renew(lease, deadline_s=0.4)
+    time.sleep(0.4)  # 3 x 0.4 s outlives the first deadline
+    worker.renew(lease, deadline_s=1.0)
   worker.submit_rollouts(lease.lease_id, group_for(lease.prompts[0]))
   assert trainer.stats().leases_expired == 0
 

@@ -247,3 +247,17 @@ def test_a_trainer_dying_mid_publish_leaves_the_latest_version(server, trainer, 
   assert trainer.version_info().latest_version == 0
   trainer.publish(blob)
   assert worker.latest_version() == 1
+
+
+def test_a_retried_delta_is_a_duplicate_even_after_compaction(start_server):
+  server = start_server()
+  with client_for(server, "trainer") as trainer:
+    versions = publish_chain(trainer, 1)
+    for v in range(1, 4):  # unrelated weights each time: the chain soon outweighs the keyframe
+      versions.append(tiny_weights(seed=v))
+      delta = sync.encode(versions[-2], versions[-1], version=v).to_bytes()
+      trainer.publish(delta)
+      if trainer.version_info().keyframe_version == v:
+        break
+    assert trainer.version_info().keyframe_version == v  # compacted at the latest version
+    assert trainer.publish(delta).duplicate
