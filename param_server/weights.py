@@ -331,6 +331,9 @@ class WeightStore:
       self._write_array(self._path(blob), data)
       del data
       with self._lock:
+        if self.keyframe.version >= blob.version:  # the trainer published a newer keyframe meanwhile
+          shutil.rmtree(self._path(blob), ignore_errors=True)
+          return
         _write_json_atomic(self._marker(blob), dataclasses.asdict(blob))
         self._install(blob)
         self.compactions += 1

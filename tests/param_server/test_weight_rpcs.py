@@ -261,3 +261,16 @@ def test_a_retried_delta_is_a_duplicate_even_after_compaction(start_server):
         break
     assert trainer.version_info().keyframe_version == v  # compacted at the latest version
     assert trainer.publish(delta).duplicate
+
+
+def test_background_compaction_serves_the_same_weights(start_server):
+  server = start_server(compact_in_background=True)
+  with client_for(server, "trainer") as trainer, client_for(server, "worker") as worker:
+    versions = publish_chain(trainer, 8, density=0.5)
+    for _ in range(200):  # until the compaction thread has installed its keyframe
+      if server.weights.compactions and not server.weights._compacting:
+        break
+      threading.Event().wait(0.05)
+    assert server.weights.compactions >= 1
+    assert_same(apply_blobs(worker.pull(None)), held(versions[-1]))
+    assert_same(apply_blobs(worker.pull(0), held(versions[0])), held(versions[-1]))
