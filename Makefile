@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Extra flags for `make run`, e.g. RUN_ARGS="--config.train.steps=2000".
+RUN_ARGS ?=
 
 .PHONY: run test test-slow install install-test clean protos
 
@@ -23,7 +25,7 @@ install-test: $(VENV)/.installed-test
 
 # The main job on the embedded default.
 run: $(VENV)/.installed
-	$(VENV)/bin/rlax-ps sft --config=configs/sft_tiny.py --workdir=runs/sft_tiny
+	$(VENV)/bin/rlax-ps sft --config=configs/sft_tiny.py --workdir=runs/sft_tiny $(RUN_ARGS)
 
 # The default test suite (CPU only, fast); `make test-slow` adds the slow ones.
 test: $(VENV)/.installed-test
