@@ -217,6 +217,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
 
   @_streaming
   def Watch(self, request, context):
+    if request.after_version < -1:
+      raise errors.InvalidArgument("after_version", f"expected >= -1, got {request.after_version}")
     last = request.after_version
     changed = self.weights.changed
     while context.is_active() and not self.stopping.is_set():
@@ -277,8 +279,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
 
   @_unary
   def RegisterWorker(self, request, context):
-    if not request.name:
-      raise errors.InvalidArgument("name", "expected a worker name, got ''")
+    if not request.name or len(request.name) > 128:
+      raise errors.InvalidArgument("name", f"expected 1 to 128 characters, got {len(request.name)}")
     worker_id = f"{request.name}-{uuid.uuid4().hex[:8]}"
     with self._lock:
       self._workers[worker_id] = _Worker(worker_id, request.name, dict(request.metadata))

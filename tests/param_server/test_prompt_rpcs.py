@@ -141,6 +141,7 @@ def test_take_drops_stale_rollouts_and_requeues_their_prompts(trainer, worker):
     (lambda t, w: t.ack("nope"), grpc.StatusCode.NOT_FOUND, "take_id"),
     (lambda t, w: w.heartbeat(version=-9), grpc.StatusCode.INVALID_ARGUMENT, "version"),
     (lambda t, w: w.register(""), grpc.StatusCode.INVALID_ARGUMENT, "name"),
+    (lambda t, w: next(w.watch(after_version=-3, timeout_s=5)), grpc.StatusCode.INVALID_ARGUMENT, "after_version"),
 ])
 def test_bad_requests_get_a_status_naming_the_field(trainer, worker, call, code, field):
   trainer.enqueue_prompts(prompts(1))
