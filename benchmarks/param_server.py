@@ -27,7 +27,7 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from param_server.client import ParamServerClient, ParamServerError, RetryPolicy, make_sample  # noqa: E402
+from param_server.client import ParamServerClient, RetryPolicy, make_sample  # noqa: E402
 from param_server.protos import param_server_pb2 as pb  # noqa: E402
 from rlax_ps import sync  # noqa: E402
 
