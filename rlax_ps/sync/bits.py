@@ -69,6 +69,8 @@ def pack_varwidth(values: np.ndarray, widths: np.ndarray) -> bytes:
   w = widths.astype(np.int64)
   ends = np.cumsum(w)
   total = int(ends[-1])
+  if total == 0:
+    return b""
   words = np.zeros((total + 63) // 64 + 1, np.uint64)
   for s in range(0, n, _BLOCK):
     v = values[s:s + _BLOCK].astype(np.uint64)
@@ -95,8 +97,8 @@ def unpack_varwidth(buf, widths: np.ndarray, what: str) -> np.ndarray:
   total = int(ends[-1]) if n else 0
   if len(buf) != (total + 7) // 8:
     raise CodecError(f"{what}: bit field holds {len(buf)} bytes, expected {(total + 7) // 8}")
-  if n == 0:
-    return np.zeros(0, np.uint64)
+  if total == 0:
+    return np.zeros(n, np.uint64)
   padded = np.zeros(((len(buf) + 7) // 8 + 1) * 8, np.uint8)
   padded[:len(buf)] = np.frombuffer(buf, np.uint8)
   words = padded.view("<u8").astype(np.uint64)
@@ -112,10 +114,21 @@ def unpack_varwidth(buf, widths: np.ndarray, what: str) -> np.ndarray:
   return out
 
 
+_FIXED_MIN = 64
+
+
+def fixed_nbytes(n: int, width: int) -> int:
+  """Bytes `pack_fixed` produces for n values of `width` bits."""
+  return (n * width + 7) // 8 if n < _FIXED_MIN else -(-n // 8) * width
+
+
 def pack_fixed(values: np.ndarray, width: int) -> bytes:
-  """The low `width` bits (<= 56) of every value, as ceil(n / 8) * width bytes: byte planes
-  of 8 bits, then one plane of 8 values per `rest` bytes. Faster than pack_varwidth."""
+  """The low `width` bits (<= 56) of every value, as `fixed_nbytes` bytes: byte planes of
+  8 bits, then one plane of 8 values per `rest` bytes (faster than pack_varwidth); short
+  inputs are packed bit-exactly instead."""
   n = values.size
+  if n < _FIXED_MIN:
+    return pack_varwidth(values.astype(np.uint64), np.full(n, width, np.int64))
   m = -(-n // 8)
   if width <= 8:
     return _pack_small(values, n, m, width)
@@ -137,10 +150,13 @@ def pack_fixed(values: np.ndarray, width: int) -> bytes:
 
 
 def unpack_fixed(buf, n: int, width: int, what: str) -> np.ndarray:
-  """Inverse of `pack_fixed`; `buf` must hold exactly ceil(n / 8) * width bytes."""
+  """Inverse of `pack_fixed`; `buf` must hold exactly fixed_nbytes(n, width) bytes."""
   m = -(-n // 8)
-  if len(buf) != m * width:
-    raise CodecError(f"{what}: fixed-width field holds {len(buf)} bytes, expected {m * width}")
+  if len(buf) != fixed_nbytes(n, width):
+    raise CodecError(f"{what}: fixed-width field holds {len(buf)} bytes, "
+                     f"expected {fixed_nbytes(n, width)}")
+  if n < _FIXED_MIN:
+    return unpack_varwidth(buf, np.full(n, width, np.int64), what)
   raw = np.frombuffer(buf, np.uint8)
   if width <= 8:
     return _unpack_small(raw, n, m, width)

@@ -19,7 +19,7 @@ or, for short streams where a table costs more than it saves (n <= LITERAL_MAX):
 import constriction
 import numpy as np
 
-from rlax_ps.sync.bits import (bit_length, pack_fixed, pack_varwidth, unpack_fixed,
+from rlax_ps.sync.bits import (bit_length, fixed_nbytes, pack_fixed, pack_varwidth, unpack_fixed,
                                unpack_varwidth)
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint
 from rlax_ps.sync.errors import CodecError
@@ -112,7 +112,7 @@ def literal_cost(z: np.ndarray) -> float:
   """Bytes of the literal layout of `z` (inf when the stream is too long for it)."""
   if not 0 < z.size <= LITERAL_MAX:
     return float("inf")
-  return 2 + -(-z.size // 8) * int(bit_length(np.array([z.max()], np.uint64))[0])
+  return 2 + fixed_nbytes(z.size, int(bit_length(np.array([z.max()], np.uint64))[0]))
 
 
 def encode_literal(z: np.ndarray) -> bytes:
@@ -127,7 +127,7 @@ def decode_stream(r: ByteReader, n: int):
     width = r.u8()
     if not 0 < n <= LITERAL_MAX or width > 56:
       raise CodecError(f"{r.what}: literal stream of {n} values, {width} bits each")
-    yield unpack_fixed(r.take(-(-n // 8) * width), n, width, r.what)
+    yield unpack_fixed(r.take(fixed_nbytes(n, width)), n, width, r.what)
     return
   if (m == 0) != (n == 0):
     raise CodecError(f"{r.what}: symbol table has {m} symbols for {n} values")

@@ -26,7 +26,7 @@ import xxhash
 import zstandard
 
 from rlax_ps.sync import entropy
-from rlax_ps.sync.bits import (pack_fixed, pack_unary, unpack_fixed, unpack_unary, unzigzag,
+from rlax_ps.sync.bits import (fixed_nbytes, pack_fixed, pack_unary, unpack_fixed, unpack_unary, unzigzag,
                                zigzag)
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint
 from rlax_ps.sync.errors import CodecError
@@ -92,7 +92,7 @@ def _rice_k(gaps: np.ndarray) -> tuple[int, int]:
   best = None
   for k in range(max(0, k0 - 1), min(56, k0 + 2)):
     unary_bits = int((gaps >> np.uint64(k)).sum()) + gaps.size
-    size = (unary_bits + 7) // 8 + -(-gaps.size // 8) * k
+    size = (unary_bits + 7) // 8 + fixed_nbytes(gaps.size, k)
     if best is None or size < best[1]:
       best = (k, size)
   return best
@@ -287,7 +287,7 @@ def _decode_gaps(r: ByteReader, nnz: int) -> np.ndarray:
   q = unpack_unary(r.take(r.varint()), nnz, r.what)
   if q.size and int(q.max()) >= 1 << (63 - k):
     raise CodecError(f"{r.what}: Rice quotient {int(q.max())} overflows")
-  rem = unpack_fixed(r.take(-(-nnz // 8) * k), nnz, k, r.what)
+  rem = unpack_fixed(r.take(fixed_nbytes(nnz, k)), nnz, k, r.what)
   return (q.astype(np.uint64) << np.uint64(k)) | rem
 
 

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from rlax_ps import sync
 from rlax_ps.sync import entropy
-from rlax_ps.sync.bits import BF16, pack_varwidth, unpack_varwidth
+from rlax_ps.sync.bits import (BF16, fixed_nbytes, pack_fixed, pack_varwidth, unpack_fixed,
+                               unpack_varwidth)
 
 
 @settings(max_examples=40, deadline=None)
@@ -19,6 +20,17 @@ def test_varwidth_packing_round_trips(seed, n):
   buf = pack_varwidth(values, widths)
   assert len(buf) == (int(widths.sum()) + 7) // 8
   assert np.array_equal(unpack_varwidth(buf, widths, "test"), values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([0, 1, 7, 63, 64, 65, 1000]),
+       width=st.integers(0, 56))
+def test_fixed_width_packing_round_trips_in_the_declared_size(seed, n, width):
+  values = np.random.default_rng(seed).integers(0, 2**63, n, dtype=np.uint64)
+  values &= (np.uint64(1) << np.uint64(width)) - np.uint64(1)
+  buf = pack_fixed(values, width)
+  assert len(buf) == fixed_nbytes(n, width) <= (n + 7) // 8 * width
+  assert np.array_equal(unpack_fixed(buf, n, width, "test"), values)
 
 
 def test_bucket_symbols_round_trip_up_to_56_bits():
