@@ -41,6 +41,10 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, 
       q = q_ref[h]  # [M, D]
       k = k_ref[:, h * head_dim:(h + 1) * head_dim]  # [bs, D]
       v = v_ref[:, h * head_dim:(h + 1) * head_dim]
+      # The last block may overhang the cache (unspecified values): zero those rows of v
+      # so that 0 * garbage cannot reach the output.
+      v_rows = s_idx * block_s + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
+      v = jnp.where(v_rows < length, v, jnp.zeros_like(v))
       s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * sm_scale
       cols = s_idx * block_s + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
       mask = cols < length
@@ -64,16 +68,12 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, 
 
 
 def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=False):
-  """q [X, Hkv, M, D] attends k, v [X, S, Hkv, D] up to lens [X]:
+  """q [X, Hkv, M, D] attends k, v [X, S, Hkv, D] up to lens [X] (<= S):
   -> (o [X, Hkv, M, D] f32, lse [X, Hkv, M] f32)."""
   x, hkv, m, d = q.shape
   s = k.shape[1]
   bs = min(block_s, s)
-  if s % bs:
-    pad = [(0, 0), (0, bs - s % bs), (0, 0), (0, 0)]
-    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-    s = k.shape[1]
-  nb = s // bs
+  nb = pl.cdiv(s, bs)  # no copy of the cache: a partial last block is masked in the kernel
   k2 = k.reshape(x, s, hkv * d)
   v2 = v.reshape(x, s, hkv * d)
 
