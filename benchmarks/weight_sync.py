@@ -200,7 +200,8 @@ def main(argv):
             "inplace/copy", "wall e/a/i", "modes"]
   widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
   print(f"synthetic model: {n:,} bf16 elements ({full / 1e6:.0f} MB); memory copy "
-        f"(np.copyto) {1 / copy_s[0] / 1e9:.2f} GB/s CPU time, {1 / copy_s[1] / 1e9:.2f} GB/s wall; "
+        f"(np.copyto) {1 / copy_s[0] / 1e9:.2f} GB/s CPU time, "
+        f"{1 / copy_s[1] / 1e9:.2f} GB/s wall; "
         f"into fresh memory (.copy(), page faults included) {full / fresh[0] / 1e9:.2f} GB/s CPU")
   print(f"keyframes: bf16 {kf_bf16.nbytes:,} B, int8 {kf_int8.nbytes:,} B = "
         f"{kf_int8.nbytes / kf_bf16.nbytes:.2%} of bf16")

@@ -26,7 +26,8 @@ import xxhash
 import zstandard
 
 from rlax_ps.sync import entropy
-from rlax_ps.sync.bits import (fixed_nbytes, pack_fixed, pack_unary, unpack_fixed, unpack_unary, unzigzag,
+from rlax_ps.sync.bits import (fixed_nbytes, pack_fixed, pack_unary, unpack_fixed, unpack_unary,
+                               unzigzag,
                                zigzag)
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint
 from rlax_ps.sync.errors import CodecError

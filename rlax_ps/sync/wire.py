@@ -156,7 +156,8 @@ def read_header(b) -> UpdateHeader:
   if fmt_code >= len(FORMATS):
     raise CodecError(f"update header: unknown fmt code {fmt_code}")
   if keyframe not in (0, 1) or (keyframe == 1) != (base_version == -1):
-    raise CodecError(f"update header: is_keyframe {keyframe} disagrees with base_version {base_version}")
+    raise CodecError(f"update header: is_keyframe {keyframe} disagrees with base_version "
+                     f"{base_version}")
   if version < 0 or (not keyframe and not 0 <= base_version < version):
     raise CodecError(f"update header: versions must satisfy 0 <= base < version, got "
                      f"base {base_version}, version {version}")
@@ -185,7 +186,8 @@ def read_header(b) -> UpdateHeader:
     if size > MAX_ELEMENTS:
       raise CodecError(f"{what}: shape {shape} exceeds {MAX_ELEMENTS} elements")
     if keyframe and mode != tensor_codec.RAW:
-      raise CodecError(f"{what}: keyframe sections must be raw, got {tensor_codec.MODE_NAMES[mode]}")
+      raise CodecError(f"{what}: keyframe sections must be raw, got "
+                       f"{tensor_codec.MODE_NAMES[mode]}")
     if mode == tensor_codec.RAW and nbytes != size * dtype.itemsize:
       raise CodecError(f"{what}: raw section of {nbytes} bytes, expected {size * dtype.itemsize}")
     if offset + nbytes > buf.nbytes:
@@ -196,7 +198,8 @@ def read_header(b) -> UpdateHeader:
     offset += nbytes
   r.done()
   if offset != buf.nbytes:
-    raise CodecError(f"update: {buf.nbytes - offset} unexpected trailing bytes after the last section")
+    raise CodecError(f"update: {buf.nbytes - offset} unexpected trailing bytes after the "
+                     f"last section")
   return UpdateHeader(version, None if keyframe else base_version, FORMATS[fmt_code], tensors,
                       buf.nbytes)
 

@@ -62,7 +62,8 @@ def test_truncated_chunks_and_sequences_are_rejected(update):
   r = sync.Reassembler()
   for c in chunks[:-1]:
     r.feed(c)
-  with pytest.raises(sync.CodecError, match=f"truncated: {len(chunks) - 1} of {len(chunks)} chunks"):
+  want = f"truncated: {len(chunks) - 1} of {len(chunks)} chunks"
+  with pytest.raises(sync.CodecError, match=want):
     r.finish()
 
 

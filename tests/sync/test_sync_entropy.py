@@ -16,7 +16,8 @@ from rlax_ps.sync.bits import (BF16, fixed_nbytes, pack_fixed, pack_varwidth, un
 def test_varwidth_packing_round_trips(seed, n):
   rng = np.random.default_rng(seed)
   widths = rng.integers(0, 57, n)
-  values = rng.integers(0, 2**63, n, dtype=np.uint64) & ((np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1))
+  values = rng.integers(0, 2**63, n, dtype=np.uint64)
+  values &= (np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1)
   buf = pack_varwidth(values, widths)
   assert len(buf) == (int(widths.sum()) + 7) // 8
   assert np.array_equal(unpack_varwidth(buf, widths, "test"), values)

@@ -144,7 +144,8 @@ def decode_all(data, base):
   return sync.apply(base, sync.Update.from_bytes(data))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(max_size=300))
 def test_random_bytes_only_raise_codec_error(data, pair):
   with pytest.raises(sync.CodecError):
@@ -184,7 +185,8 @@ def exact_or_codec_error(fn, target):
     assert np.array_equal(out[k].view(np.uint16), v.view(np.uint16)), k
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=mutations)
 def test_mutated_messages_raise_codec_error_or_give_the_exact_target(ops, pair):
   base, target, update = pair
@@ -192,7 +194,8 @@ def test_mutated_messages_raise_codec_error_or_give_the_exact_target(ops, pair):
   exact_or_codec_error(lambda: decode_all(data, base), target)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=mutations, which=st.sampled_from(["emb.embedding", "layer.kernel", "norm.scale"]))
 def test_mutated_sections_behind_valid_digests_never_give_wrong_weights(ops, which, pair):
   """Forged digests reach the decoders themselves: they must fail cleanly."""

@@ -69,7 +69,8 @@ def test_delta_roundtrip_is_bit_exact(seed, shapes, density):
        shape=st.lists(st.integers(0, 50), min_size=0, max_size=3))
 def test_keyframe_roundtrip_is_bit_exact(seed, shape):
   rng = np.random.default_rng(seed)
-  params = {"a": as_bf16(random_bits(rng, tuple(shape))), "b.kernel": as_bf16(random_bits(rng, (3, 5)))}
+  params = {"a": as_bf16(random_bits(rng, tuple(shape))),
+            "b.kernel": as_bf16(random_bits(rng, (3, 5)))}
   update = sync.encode(None, params, version=0)
   assert update.is_keyframe and update.base_version is None
   assert_same_bits(sync.apply(None, sync.Update.from_bytes(update.to_bytes())), params)
