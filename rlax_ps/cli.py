@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     print(usage(), file=sys.stderr)
     sys.exit(2)
   module = importlib.import_module(SUBCOMMANDS[name][0])
-  from absl import app  # imported late: keeps `rlax-ps --help` instant.
+  from absl import app, flags  # imported late: keeps `rlax-ps --help` instant.
+  # `rlax-ps <name> --help` shows the subcommand's docstring and its own flags.
+  sys.modules["__main__"].__doc__ = module.__doc__
+  for flag in flags.FLAGS.get_flags_for_module(module.__name__):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
   app.run(module.main, argv=[f"{prog} {name}"] + argv[2:], flags_parser=parse_flags)
 
 

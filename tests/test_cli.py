@@ -59,3 +59,9 @@ def test_missing_workdir_is_reported():
 def test_unknown_plain_flag_is_reported():
   r = _run("sft", "--config=configs/sft_tiny.py:tiny", "--workdir=/tmp/x", "--stpes=3")
   assert r.returncode == 2 and "stpes" in r.stderr
+
+
+def test_subcommand_help_shows_its_usage_and_flags():
+  r = _run("sft", "--help")
+  assert r.returncode == 0
+  assert "rlax-ps sft --config=configs/sft_tiny.py" in r.stdout and "--workdir" in r.stdout
