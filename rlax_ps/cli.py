@@ -62,6 +62,9 @@ def parse_flags(argv: list[str]) -> list[str]:
   from absl import flags
   try:
     return flags.FLAGS(argv)
+  except SystemExit as e:  # absl's --help/--helpfull print usage, then exit 1; help is no error.
+    asked = {"-h", "--help", "-?", "--helpshort", "--helpfull", "--helpxml"} & set(argv[1:])
+    sys.exit(0 if asked else e.code)
   except flags.Error as e:
     message = str(e)
   except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
