@@ -18,7 +18,10 @@ Model: a random Qwen2-family config (tied embeddings, GQA, q/k/v biases). Rows:
     generate_shared vs generate on N copies of the prompt.
   int8 vs bf16: bytes of held weights, and decode throughput of each held policy.
   update: apply a delta changing ~--density of the bf16 elements in place (donated scatter,
-    checksums verified) vs applying the full keyframe (reload), best of --reps.
+    checksums verified) vs applying the full keyframe (reload), best of --reps; and the bytes
+    a worker pulls for each. On CPU, XLA's scatter into a bf16 buffer makes full passes over
+    the tensor (bitcast/convert fusions), so in-place costs about a reload there; the
+    network bytes are the saving (accelerator scatters are not measured here).
 """
 
 import json
@@ -239,6 +242,8 @@ def main(argv):
   total = sum(int(np.prod(m.shape)) for m in delta.tensors.values())
   rows.append((f"apply update ms ({changed / total:.1%} changed: in place vs full reload)",
                f"{t_delta * 1e3:.0f}", f"{t_full * 1e3:.0f}", f"{t_full / t_delta:.1f}x faster", "-"))
+  rows.append(("update payload MB pulled (delta vs keyframe)", f"{delta.nbytes / 1e6:.2f}",
+               f"{keyframe.nbytes / 1e6:.1f}", f"{keyframe.nbytes / delta.nbytes:.0f}x smaller", "-"))
 
   widths = [max(len(str(r[i])) for r in rows + [HEADER]) for i in range(5)]
   print()
