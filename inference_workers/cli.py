@@ -1,4 +1,4 @@
-"""`rlax-ps worker`: run one inference worker against a parameter server until stopped.
+r"""`rlax-ps worker`: run one inference worker against a parameter server until stopped.
 
   rlax-ps worker --address=127.0.0.1:50051 --token=$RLAX_PS_WORKER_TOKEN \
       --config=configs/sft_tiny.py [--samples_per_prompt=16 --weights_format=int8]
@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 
-from absl import flags, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from inference_workers.worker_config import WorkerConfig
@@ -68,8 +68,11 @@ def main(argv) -> None:
     raise SystemExit(f"rlax-ps worker: unexpected arguments {argv[1:]}; flags are --name=value")
   block_stop_signals()  # before JAX or gRPC start any thread
   cfg = _CONFIG.value
-  config = worker_config_from(cfg.get("worker"), {f.name: flags.FLAGS[f.name].value
-                                                  for f in dataclasses.fields(WorkerConfig)})
+  try:
+    config = worker_config_from(cfg.get("worker"), {f.name: flags.FLAGS[f.name].value
+                                                    for f in dataclasses.fields(WorkerConfig)})
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   token = _TOKEN.value or os.environ.get("RLAX_PS_WORKER_TOKEN", "")
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()

@@ -129,7 +129,15 @@ class Worker:
       try:
         total += self.client.release(lease_id, ids)
       except ParamServerError as e:
-        logging.warning("worker: release of lease %s failed: %s", lease_id, e)
+        # One of them may have been answered meanwhile (the server then refuses the whole
+        # call): release them one by one.
+        logging.warning("worker: release of lease %s failed (%s); releasing one by one",
+                        lease_id, e)
+        for pid in ids:
+          try:
+            total += self.client.release(lease_id, [pid])
+          except ParamServerError:
+            pass
       with self._lock:
         self._inflight.get(lease_id, set()).difference_update(ids)
     self.stats.prompts_released += total
