@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from inference_workers.sampler import generate
+from inference_workers.sampling import SamplingParams
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from rlax_ps import sync
 from rlax_ps.models import ModelConfig, Transformer, assign_params, flatten_params
@@ -104,3 +106,14 @@ def test_wrong_format_or_model_is_named(versions):
     HeldPolicy(UNTIED, "int8").apply(sync.encode(None, versions[0], "bf16", version=0))
   with pytest.raises(ResyncNeeded, match="tensors differ"):
     HeldPolicy(TIED, "bf16").apply(sync.encode(None, versions[0], "bf16", version=0))
+
+
+def test_sampler_runs_the_int8_policy(versions):
+  policy = HeldPolicy(UNTIED, "int8")
+  policy.apply(sync.encode(None, versions[0], "int8", version=0))
+  prompt = [5, 6, 7, 8]
+  out = generate(policy.model, [prompt], [3], SamplingParams(max_new_tokens=5))[0]
+  seq = jax.numpy.asarray([prompt + out.tokens.tolist()])
+  logits = policy.model(seq)[0, len(prompt) - 1:-1]
+  want = jax.nn.log_softmax(logits, axis=-1)[np.arange(5), out.tokens]
+  np.testing.assert_allclose(out.logprobs, want, atol=1e-4)
