@@ -55,7 +55,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.tasks.reversal = ml_collections.ConfigDict()
   c.tasks.reversal.weight = 1.0
   c.tasks.reversal.min_len = 1
-  c.tasks.reversal.max_len = 6
+  c.tasks.reversal.max_len = 16
   c.tasks.reversal.heldout_fraction = 0.1
 
   # Training data.
@@ -85,7 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Training loop.
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 600  # Updates in all.
+  c.train.steps = 400  # Updates in all.
   c.train.log_every = 25  # Steps between TensorBoard scalars / progress-bar updates.
   c.train.eval_every = 0  # Steps between held-out evaluations; 0 = only at the end.
 
@@ -113,6 +113,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.head_dim = 8
     c.data.batch_size = 8
     c.data.seq_len = 32
+    c.tasks.reversal.max_len = 6
     c.train.steps = 4
     c.train.log_every = 2
     c.optimizer.warmup_steps = 2
