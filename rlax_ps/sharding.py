@@ -119,10 +119,14 @@ def batch_spec(mesh: Mesh, shape: Sequence[int]) -> P:
 
 
 def shard_batch(mesh: Mesh, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-  """Place a host batch (this process's rows) on the mesh, split over (data, fsdp)."""
+  """Place a global host batch on the mesh, rows split over (data, fsdp).
+
+  Every process holds the whole batch and hands each of its devices the slice that device
+  owns, so the same call is right on one host and on a multi-host slice.
+  """
   out = {}
   for k, v in batch.items():
     v = np.asarray(v)
     sharding = NamedSharding(mesh, batch_spec(mesh, v.shape))
-    out[k] = jax.make_array_from_process_local_data(sharding, v)
+    out[k] = jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
   return out
