@@ -10,13 +10,14 @@ Layout, per float tensor `name` of the trainer:
 Quantization is a pure function of the float weights: scale = absmax / 127 rounded UP to
 the next bf16 value (bf16 so that a scale changes only when its channel's absmax moves by
 more than a bf16 ulp, which keeps int8 deltas sparse; rounded up so that no code clips),
-code = round_half_even(w / scale) in float64, in [-127, 127]; an all-zero channel has
+code = round_half_even(w / scale) in float64 (compiled loops, loops.py), in [-127, 127]; an all-zero channel has
 scale 0 and codes 0. Then |w - code * scale| <= scale / 2 for every element, and
 dequantized weights are code * scale (exact in float32).
 """
 
 import numpy as np
 
+from rlax_ps.sync import loops
 from rlax_ps.sync.bits import BF16, INT8, is_float_dtype, to_bf16
 from rlax_ps.sync.errors import CodecError
 
@@ -46,32 +47,21 @@ def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
   kind = layout(name, a.ndim)
   if kind == "bf16":
     raise CodecError(f"tensor {name!r}: int8 quantization needs ndim >= 2, got shape {a.shape}")
+  if a.dtype not in (np.float32, np.float64):
+    a = a.astype(np.float32)  # bf16 / float16: exact
+  a = np.ascontiguousarray(a)
   rows = a.reshape(a.shape[0], -1) if kind == "rows" else a.reshape(-1, a.shape[-1])
-  if kind == "rows":
-    absmax = np.zeros(rows.shape[0], np.float64)
-    for s in range(0, rows.shape[0], max(1, _BLOCK // max(rows.shape[1], 1))):
-      blk = rows[s:s + max(1, _BLOCK // max(rows.shape[1], 1))].astype(np.float64)
-      if not np.isfinite(blk).all():
-        raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
-      absmax[s:s + blk.shape[0]] = np.abs(blk).max(axis=1, initial=0.0)
-  else:
-    absmax = np.zeros(rows.shape[1], np.float64)
-    step = max(1, _BLOCK // max(rows.shape[1], 1))
-    for s in range(0, rows.shape[0], step):
-      blk = rows[s:s + step].astype(np.float64)
-      if not np.isfinite(blk).all():
-        raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
-      np.maximum(absmax, np.abs(blk).max(axis=0, initial=0.0), out=absmax)
+  absmax = np.zeros(rows.shape[0] if kind == "rows" else rows.shape[1], np.float64)
+  finite = (loops.absmax_rows(rows, absmax) if kind == "rows"
+            else loops.absmax_cols(rows, absmax))
+  if not finite:
+    raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
   scale = _ceil_bf16(absmax / 127.0)
   inv = scale.astype(np.float64)
   safe = np.where(inv > 0, inv, 1.0)
   codes = np.empty(rows.shape, INT8)
-  step = max(1, _BLOCK // max(rows.shape[1], 1))
-  for s in range(0, rows.shape[0], step):
-    blk = rows[s:s + step].astype(np.float64)
-    sc = safe[s:s + step, None] if kind == "rows" else safe[None, :]
-    codes[s:s + step] = np.clip(np.rint(blk / sc), -127, 127).astype(INT8)
-  return codes.reshape(a.shape), scale
+  loops.quantize(rows, safe, kind == "rows", codes)
+  return codes.reshape(np.shape(x)), scale
 
 
 def quantize_params(params: dict) -> dict[str, np.ndarray]:

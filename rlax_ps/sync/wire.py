@@ -1,14 +1,17 @@
 """Update messages: binary layout, header parsing, per-tensor changes, chunked transport.
 
 Message layout (little-endian):
-  prefix   b"RLXW" | u16 wire version (1) | u8 header codec (0 raw, 1 zstd: tensor names
+  prefix   b"RLXW" | u16 wire version (2) | u8 header codec (0 raw, 1 zstd: tensor names
            repeat a lot) | u32 stored header_len | u32 crc32(stored header)
-  header   u8 fmt (0 bf16, 1 int8) | u8 is_keyframe | i64 version | i64 base_version (-1: none)
-           | u32 tensor count | per tensor: u16 name_len | utf-8 name | u8 dtype (0 bf16,
-           1 int8) | u8 section codec version (1) | u8 mode | u8 ndim | varint dims[ndim]
-           | u64 checksum | [u64 base_checksum, deltas only] | varint section_len
-           | u32 low half of xxh3(section)
+  header   u8 fmt (0 bf16, 1 int8) | u8 is_keyframe | varint version | varint base_version
+           (0 for a keyframe) | varint tensor count, then column by column (so that zstd
+           finds the repeats): per tensor varint name_len + utf-8 name; per tensor u8 dtype
+           (0 bf16, 1 int8) | u8 section codec version (2) | u8 mode | u8 ndim; per tensor
+           varint dims[ndim] | varint section_len; per tensor u64 checksum [| u64
+           base_checksum: deltas, mode other than unchanged, whose base checksum is the
+           checksum]; per non-empty section u32 low half of xxh3(section).
   body     the sections, in header order (tensor_codec.py).
+Version 1 (constriction rANS, row-wise header) is rejected with a CodecError.
 Chunk layout: b"RLXC" | u32 index | u32 count | u64 message length | u64 xxh3(message)
   | u32 data length | data.
 """
@@ -23,12 +26,12 @@ import zstandard
 
 from rlax_ps.sync import tensor_codec
 from rlax_ps.sync.bits import BF16, INT8, UINT_OF, bit_view
-from rlax_ps.sync.byte_reader import ByteReader, i64, u8, u16, u32, u64, varint
+from rlax_ps.sync.byte_reader import ByteReader, u8, u32, u64, varint
 from rlax_ps.sync.errors import CodecError
 
 MAGIC = b"RLXW"
-WIRE_VERSION = 1
-SECTION_CODEC_VERSION = 1
+WIRE_VERSION = 2
+SECTION_CODEC_VERSION = 2
 FORMATS = ("bf16", "int8")
 _DTYPES = (BF16, INT8)
 _PREFIX = struct.Struct("<4sHBII")
@@ -51,6 +54,9 @@ def _digest(buf) -> int:
 def _section_digest(buf) -> int:
   """32 bits suffice to catch a damaged section early; the tensor checksum is 64-bit."""
   return xxhash.xxh3_64_intdigest(buf) & 0xFFFFFFFF
+
+
+_EMPTY_DIGEST = _section_digest(b"")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,22 +114,28 @@ class TensorChanges:
 def build(fmt: str, version: int, base_version: int | None, entries) -> "Update":
   """Assembles a message; `entries` are (name, shape, dtype, checksum, base_checksum, mode,
   section) tuples."""
-  head = [u8(FORMATS.index(fmt)), u8(base_version is None), i64(version),
-          i64(-1 if base_version is None else base_version), u32(len(entries))]
-  for name, shape, dtype, csum, bcsum, mode, section in entries:
+  keyframe = base_version is None
+  sections = [memoryview(e[6]).cast("B") for e in entries]
+  head = [u8(FORMATS.index(fmt)), u8(keyframe), varint(version),
+          varint(0 if keyframe else base_version), varint(len(entries))]
+  for name, *_ in entries:
     nb = name.encode()
-    head += [u16(len(nb)), nb, u8(_DTYPES.index(dtype)), u8(SECTION_CODEC_VERSION), u8(mode),
-             u8(len(shape))]
-    head += [varint(d) for d in shape]
-    sec = memoryview(section).cast("B")
-    head += [u64(csum)] + ([] if base_version is None else [u64(bcsum)])
-    head += [varint(sec.nbytes), u32(_section_digest(sec))]
+    head += [varint(len(nb)), nb]
+  for (_, shape, dtype, _, _, mode, _) in entries:
+    head += [u8(_DTYPES.index(dtype)), u8(SECTION_CODEC_VERSION), u8(mode), u8(len(shape))]
+  for (_, shape, *_), sec in zip(entries, sections):
+    head += [varint(d) for d in shape] + [varint(sec.nbytes)]
+  for (_, _, _, csum, bcsum, mode, _) in entries:
+    head.append(u64(csum))
+    if not keyframe and mode != tensor_codec.UNCHANGED:
+      head.append(u64(bcsum))
+  head += [u32(_section_digest(sec)) for sec in sections if sec.nbytes]
   header = b"".join(head)
-  packed = zstandard.ZstdCompressor(level=9).compress(header)
+  packed = zstandard.ZstdCompressor(level=19 if len(header) < 1 << 16 else 9).compress(header)
   codec = int(len(packed) < len(header))
   header = packed if codec else header
   prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(header), zlib.crc32(header))
-  data = b"".join([prefix, header] + [memoryview(e[6]).cast("B") for e in entries])
+  data = b"".join([prefix, header] + sections)
   return Update(data, read_header(data))
 
 
@@ -152,24 +164,40 @@ def read_header(b) -> UpdateHeader:
       raise CodecError(f"update header: corrupted ({e})") from None
   r = ByteReader(header, "update header")
   fmt_code, keyframe = r.u8(), r.u8()
-  version, base_version = r.i64(), r.i64()
+  version, base_version = r.varint(), r.varint()
   if fmt_code >= len(FORMATS):
     raise CodecError(f"update header: unknown fmt code {fmt_code}")
-  if keyframe not in (0, 1) or (keyframe == 1) != (base_version == -1):
+  if keyframe not in (0, 1) or (keyframe == 1 and base_version != 0):
     raise CodecError(f"update header: is_keyframe {keyframe} disagrees with base_version "
                      f"{base_version}")
-  if version < 0 or (not keyframe and not 0 <= base_version < version):
+  if not keyframe and not base_version < version:
     raise CodecError(f"update header: versions must satisfy 0 <= base < version, got "
                      f"base {base_version}, version {version}")
-  tensors = {}
-  offset = _PREFIX.size + hlen
-  for _ in range(r.u32()):
+  count = r.varint()
+  if count > len(header):
+    raise CodecError(f"update header: {count} tensors declared in {len(header)} bytes")
+  names = []
+  for _ in range(count):
     try:
-      name = bytes(r.take(r.u16())).decode()
+      names.append(bytes(r.take(r.varint())).decode())
     except UnicodeDecodeError:
       raise CodecError("update header: tensor name is not utf-8") from None
+  codes = [(r.u8(), r.u8(), r.u8(), r.u8()) for _ in range(count)]
+  shapes, lengths = [], []
+  for _, _, _, ndim in codes:
+    shapes.append(tuple(r.varint() for _ in range(ndim)))
+    lengths.append(r.varint())
+  sums = []
+  for _, _, mode, _ in codes:
+    csum = r.u64()
+    sums.append((csum, None if keyframe else r.u64() if mode != tensor_codec.UNCHANGED else csum))
+  digests = [r.u32() if nbytes else _EMPTY_DIGEST for nbytes in lengths]
+  r.done()
+  tensors = {}
+  offset = _PREFIX.size + hlen
+  for name, (dtype_code, codec, mode, _), shape, nbytes, (csum, bcsum), digest in zip(
+      names, codes, shapes, lengths, sums, digests):
     what = f"tensor {name!r}"
-    dtype_code, codec, mode, ndim = r.u8(), r.u8(), r.u8(), r.u8()
     if name in tensors:
       raise CodecError(f"{what}: appears twice in the update")
     if codec != SECTION_CODEC_VERSION:
@@ -177,10 +205,6 @@ def read_header(b) -> UpdateHeader:
                        f"(expected {SECTION_CODEC_VERSION})")
     if dtype_code >= len(_DTYPES) or mode >= len(tensor_codec.MODE_NAMES):
       raise CodecError(f"{what}: unknown dtype code {dtype_code} or mode {mode}")
-    shape = tuple(r.varint() for _ in range(ndim))
-    csum = r.u64()
-    bcsum = None if keyframe else r.u64()
-    nbytes, digest = r.varint(), r.u32()
     dtype = _DTYPES[dtype_code]
     size = int(np.prod(shape, dtype=object)) if shape else 1
     if size > MAX_ELEMENTS:
@@ -196,7 +220,6 @@ def read_header(b) -> UpdateHeader:
     tensors[name] = TensorMeta(name, shape, dtype, csum, bcsum,
                                tensor_codec.MODE_NAMES[mode], nbytes, offset, digest)
     offset += nbytes
-  r.done()
   if offset != buf.nbytes:
     raise CodecError(f"update: {buf.nbytes - offset} unexpected trailing bytes after the "
                      f"last section")

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from rlax_ps import sync
 from rlax_ps.sync import entropy
+from rlax_ps.sync.byte_reader import ByteReader
 from rlax_ps.sync.bits import (BF16, fixed_nbytes, pack_fixed, pack_varwidth, unpack_fixed,
                                unpack_varwidth)
 
@@ -34,15 +35,17 @@ def test_fixed_width_packing_round_trips_in_the_declared_size(seed, n, width):
   assert np.array_equal(unpack_fixed(buf, n, width, "test"), values)
 
 
-def test_bucket_symbols_round_trip_up_to_56_bits():
+def test_streams_round_trip_every_bucket_up_to_56_bits():
   z = np.concatenate([np.arange(300, dtype=np.uint64),
                       (np.uint64(1) << np.arange(4, 56, dtype=np.uint64)) - np.uint64(1),
                       np.uint64(1) << np.arange(4, 56, dtype=np.uint64),
                       np.random.default_rng(0).integers(0, 2**56, 1000, dtype=np.uint64)])
-  sym, width, extra = entropy.to_symbols(z)
-  assert sym.max() < entropy.ALPHABET
-  assert np.array_equal(entropy.symbol_width(sym)[sym >= entropy.DIRECT], width)
-  assert np.array_equal(entropy.from_symbols(sym, lambda w: extra), z)
+  hist = entropy.histogram(z)
+  assert hist.sum() == z.size and np.flatnonzero(hist).max() < entropy.ALPHABET
+  data = entropy.encode_stream(hist, z)
+  r = ByteReader(data, "test")
+  assert np.array_equal(entropy.decode_stream(r, z.size), z)
+  r.done()
 
 
 def information_bound(base_bits, target_bits):

@@ -116,11 +116,12 @@ def test_unknown_section_format_version_names_the_tensor(pair, monkeypatch):
   raises_naming("emb.embedding", lambda: sync.read_header(data), "unknown section format version 9")
 
 
-def test_unknown_wire_version_is_rejected(pair):
+@pytest.mark.parametrize("version", [1, 3])
+def test_unknown_wire_version_is_rejected(pair, version):
   _, _, update = pair
   data = bytearray(update.to_bytes())
-  data[4] = 2
-  with pytest.raises(sync.CodecError, match="unknown wire format version 2"):
+  data[4] = version  # 1: the format before the compiled coders; 3: a future one
+  with pytest.raises(sync.CodecError, match=f"unknown wire format version {version}"):
     sync.Update.from_bytes(bytes(data))
 
 
