@@ -2,6 +2,7 @@
 N = 1, GQA and padding rows (kept tiny: Pallas interpret mode is slow on CPU)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,23 @@ def valid_lse(lse, ref_lse):
 
 
 def vjp_outputs(attn, q, k, v, do, ref_lse):
-  """(o, lse, dq, dk, dv) with the cotangent `do` on o and a unit cotangent on finite lse."""
-  (o, lse), pullback = jax.vjp(attn, q, k, v)
-  dlse = jnp.where(jnp.isneginf(ref_lse), 0.0, 1.0).astype(jnp.float32)
-  return (o, lse, *pullback((do, dlse)))
+  """(o, lse, dq, dk, dv) with the cotangent `do` on o and a unit cotangent on finite lse;
+  one jitted computation (attn is traced, not called eagerly)."""
+
+  def run(q, k, v, do, ref_lse):
+    (o, lse), pullback = jax.vjp(attn, q, k, v)
+    dlse = jnp.where(jnp.isneginf(ref_lse), 0.0, 1.0).astype(jnp.float32)
+    return (o, lse, *pullback((do, dlse)))
+
+  return jax.jit(run)(q, k, v, do, ref_lse)
+
+
+@functools.cache
+def reference_outputs(case: Case, dtype=jnp.float32):
+  """N-copies ground truth (f32 math on the dtype-rounded inputs), computed once per case."""
+  from rlax_ps.kernels.reference import n_copies_attention
+  lay, q, k, v, do = case.inputs(dtype)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  ref = lambda q, k, v: n_copies_attention(q, k, v, lay)
+  ref_lse = jax.jit(ref)(*f32[:3])[1]
+  return vjp_outputs(ref, *f32, ref_lse)

@@ -20,7 +20,7 @@ RESPONSE_LENS = np.array([[5, 1, 3], [2, 5, 0]])
 
 @pytest.fixture(scope="module")
 def group():
-  cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,
+  cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
                     num_heads=4, num_kv_heads=2)
   graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
   rng = np.random.default_rng(0)

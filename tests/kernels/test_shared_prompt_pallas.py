@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import (ALIGNED_FULL, CASES, ODD_GQA_PADDED, SMALL_GQA_PADDED, valid_lse,
-                          vjp_outputs)
+from kernel_cases import (ALIGNED_FULL, CASES, ODD_GQA_PADDED, SMALL_GQA_PADDED,
+                          reference_outputs, valid_lse, vjp_outputs)
 from rlax_ps.kernels import reference, schedule
 from rlax_ps.kernels.dispatch import shared_prompt_attention
 from rlax_ps.kernels.layout import make_layout
@@ -18,18 +18,14 @@ BLOCKS = schedule.BlockSizes(block_q=8, block_kv=8)
 
 
 def _pallas(lay, blocks=BLOCKS, backend="pallas_tpu"):
-  return jax.jit(functools.partial(shared_prompt_attention, layout=lay, backend=backend,
-                                   block_sizes=blocks, interpret=True))
+  return functools.partial(shared_prompt_attention, layout=lay, backend=backend,
+                           block_sizes=blocks, interpret=True)
 
 
 def _compare(case, dtype, blocks, tol, backend="pallas_tpu"):
   lay, q, k, v, do = case.inputs(dtype)
-  # Ground truth in float32 on the same (possibly bf16-rounded) inputs.
-  f32 = lambda x: x.astype(jnp.float32)
-  ref = jax.jit(lambda q, k, v: reference.n_copies_attention(q, k, v, lay))
-  ref_lse = ref(f32(q), f32(k), f32(v))[1]
-  want = vjp_outputs(ref, f32(q), f32(k), f32(v), f32(do), ref_lse)
-  got = vjp_outputs(_pallas(lay, blocks, backend), q, k, v, do, ref_lse)
+  want = reference_outputs(case, dtype)  # f32 math on the same (possibly bf16-rounded) inputs
+  got = vjp_outputs(_pallas(lay, blocks, backend), q, k, v, do, want[1])
   assert got[0].dtype == dtype and got[2].dtype == dtype and got[1].dtype == jnp.float32
   lse, ref_lse = valid_lse(got[1], want[1])
   np.testing.assert_allclose(lse, ref_lse, **tol)
@@ -114,7 +110,11 @@ def test_dispatch_rejects_unknown_backend():
 
 def test_auto_backend_on_cpu_equals_two_pass():
   lay, q, k, v, _ = ODD_GQA_PADDED.inputs()
-  o, lse = jax.jit(lambda q, k, v: shared_prompt_attention(q, k, v, lay))(q, k, v)
-  o2, lse2 = reference.two_pass_attention(q, k, v, lay)
+
+  @jax.jit
+  def both(q, k, v):
+    return shared_prompt_attention(q, k, v, lay), reference.two_pass_attention(q, k, v, lay)
+
+  (o, lse), (o2, lse2) = both(q, k, v)
   np.testing.assert_allclose(o, o2, atol=1e-6)
   np.testing.assert_allclose(*valid_lse(lse, lse2), atol=1e-6)

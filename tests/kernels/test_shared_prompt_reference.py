@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import CASES, ODD_GQA_PADDED, valid_lse, vjp_outputs
+from kernel_cases import CASES, ODD_GQA_PADDED, reference_outputs, valid_lse, vjp_outputs
 from rlax_ps.kernels import reference
 from rlax_ps.kernels.layout import make_layout
 
@@ -15,9 +15,8 @@ from rlax_ps.kernels.layout import make_layout
                          ids=["dense", "two_pass"])
 def test_xla_paths_match_n_copies(case, fn):
   lay, q, k, v, do = case.inputs()
-  ref = jax.jit(lambda q, k, v: reference.n_copies_attention(q, k, v, lay))
-  ref_out = vjp_outputs(ref, q, k, v, do, ref(q, k, v)[1])
-  out = vjp_outputs(jax.jit(lambda q, k, v: fn(q, k, v, lay)), q, k, v, do, ref_out[1])
+  ref_out = reference_outputs(case)
+  out = vjp_outputs(lambda q, k, v: fn(q, k, v, lay), q, k, v, do, ref_out[1])
   lse, ref_lse = valid_lse(out[1], ref_out[1])
   np.testing.assert_allclose(lse, ref_lse, atol=1e-5, rtol=1e-5)
   for name, got, want in zip(["o", "dq", "dk", "dv"], [out[0], *out[2:]],
@@ -27,7 +26,7 @@ def test_xla_paths_match_n_copies(case, fn):
 
 def test_padding_rows_output_zero_and_lse_neg_inf():
   lay, q, k, v, _ = ODD_GQA_PADDED.inputs()
-  o, lse = reference.two_pass_attention(q, k, v, lay)
+  o, lse = jax.jit(lambda q, k, v: reference.two_pass_attention(q, k, v, lay))(q, k, v)
   valid = np.asarray(lay.valid())
   assert np.all(np.asarray(o)[~valid] == 0)
   assert np.all(np.isneginf(np.asarray(lse)[~valid]))
@@ -40,10 +39,14 @@ def test_merge_lse_of_two_key_halves_equals_full_attention():
   k = jax.random.normal(ks[1], (1, 10, 2, 8))
   v = jax.random.normal(ks[2], (1, 10, 2, 8))
   full = jnp.ones((1, 3, 10), bool)
-  o, lse = reference.masked_attention(q, k, v, full)
-  o1, l1 = reference.masked_attention(q, k[:, :4], v[:, :4], full[..., :4])
-  o2, l2 = reference.masked_attention(q, k[:, 4:], v[:, 4:], full[..., 4:])
-  om, lm = reference.merge_lse(o1, l1, o2, l2)
+
+  @jax.jit
+  def both(q, k, v):
+    o1, l1 = reference.masked_attention(q, k[:, :4], v[:, :4], full[..., :4])
+    o2, l2 = reference.masked_attention(q, k[:, 4:], v[:, 4:], full[..., 4:])
+    return reference.masked_attention(q, k, v, full), reference.merge_lse(o1, l1, o2, l2)
+
+  (o, lse), (om, lm) = both(q, k, v)
   np.testing.assert_allclose(om, o, atol=1e-6)
   np.testing.assert_allclose(lm, lse, atol=1e-6)
   # Softmax by hand for the logsumexp.
