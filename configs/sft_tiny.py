@@ -20,6 +20,10 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0  # Seeds params init and the training data stream.
+  # Start from a Hugging Face checkpoint folder instead of random init ("" = from scratch):
+  # its config.json replaces the `model` block (except the dtypes) and, with
+  # tokenizer.kind="hf" and no tokenizer.path, its tokenizer.json is used.
+  c.init_from_hf = ""
 
   # Tokenizer: "char" (built-in, ids for printable ASCII) or "hf" (a tokenizer.json).
   c.tokenizer = ml_collections.ConfigDict()

@@ -20,12 +20,14 @@ from flax import nnx
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
-from rlax_ps.models import ModelConfig, save_hf_checkpoint
+from rlax_ps.models import ModelConfig, load_hf_checkpoint, save_hf_checkpoint
+from rlax_ps.models.hf import read_hf_config
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
 from rlax_ps.train.data import SFTBatches
-from rlax_ps.train.state import TrainState, abstract_model, abstract_state, sharded_init
+from rlax_ps.train.state import (TrainState, abstract_model, abstract_state, sharded_init,
+                                  state_from_params)
 from rlax_ps.train.step import make_train_step
 
 
@@ -33,8 +35,15 @@ def _plain(cfg) -> dict[str, Any]:
   return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
 
 
-def model_config_from(cfg, vocab_size: int) -> ModelConfig:
-  """ModelConfig from the `model` config block; vocab_size 0 takes the tokenizer's."""
+def model_config_from(cfg, vocab_size: int, init_from_hf: str = "") -> ModelConfig:
+  """ModelConfig from the `model` config block (vocab_size 0 takes the tokenizer's), or
+  from the HF checkpoint to start from, keeping only the block's dtypes."""
+  if init_from_hf:
+    config = read_hf_config(init_from_hf).replace(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
+    if config.vocab_size < vocab_size:
+      raise ValueError(f"init_from_hf: the model's vocab_size {config.vocab_size} is smaller "
+                       f"than the tokenizer's {vocab_size}")
+    return config
   d = _plain(cfg)
   if d.get("vocab_size", 0) in (0, None):
     d["vocab_size"] = vocab_size
@@ -67,10 +76,13 @@ class SFTTrainer:
     self.config = config
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
-    self.tokenizer = make_tokenizer(config.tokenizer.kind, config.tokenizer.path,
+    self.init_from_hf = config.get("init_from_hf", "")
+    self.tokenizer = make_tokenizer(config.tokenizer.kind,
+                                    config.tokenizer.path or self.init_from_hf,
                                     config.tokenizer.alphabet)
     self.tasks, self.weights = tasks_from(config.tasks)
-    self.model_config = model_config_from(config.model, self.tokenizer.vocab_size)
+    self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
+                                          self.init_from_hf)
     self.total_steps = int(config.train.steps)
     self.mesh = shd.make_mesh(_plain(config.mesh), devices)
     self.optimizer = optim.make_optimizer(config.optimizer, self.total_steps)
@@ -97,6 +109,15 @@ class SFTTrainer:
 
   def _init_or_restore(self) -> tuple[TrainState, TrainState, nnx.GraphDef]:
     latest = self.checkpointer.latest_step()
+    if latest is None and self.init_from_hf:
+      graphdef, _, _ = abstract_model(self.model_config)
+      target = abstract_state(self.model_config, self.optimizer, self.mesh)
+      shardings = jax.tree.map(lambda x: x.sharding, target)
+      model = load_hf_checkpoint(self.init_from_hf, self.model_config.param_dtype,
+                                 compute_dtype=self.model_config.dtype, mesh=self.mesh)
+      params = nnx.state(model, nnx.Param).to_pure_dict()
+      return (state_from_params(params, self.optimizer, shardings, int(self.config.seed)),
+              shardings, graphdef)
     if latest is None:
       return sharded_init(self.model_config, self.optimizer, self.mesh, int(self.config.seed))
     saved = self.checkpointer.metadata(latest).get("model_config")

@@ -98,3 +98,15 @@ def abstract_state(config: ModelConfig, optimizer: optax.GradientTransformation,
   shardings = state_shardings(abstract, spec_tree, mesh)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       abstract, shardings)
+
+
+def state_from_params(params: Any, optimizer: optax.GradientTransformation,
+                      shardings: TrainState, seed: int) -> TrainState:
+  """A step-0 TrainState around given params (e.g. a pretrained checkpoint), with the
+  optimizer state created directly on its shardings."""
+  params = jax.device_put(params, shardings.params)
+  opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+  _, train_key = jax.random.split(jax.random.PRNGKey(seed))
+  return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
+                    params=params, opt_state=opt_state,
+                    rng=jax.device_put(train_key, shardings.rng))

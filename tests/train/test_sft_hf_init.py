@@ -1,0 +1,63 @@
+"""SFT can start from a Hugging Face checkpoint folder: its config, weights and tokenizer."""
+
+import importlib.util
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
+from rlax_ps.tokenizers import CharTokenizer, HFTokenizer
+from rlax_ps.train.sft import SFTTrainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOK = CharTokenizer()
+
+
+def _tiny_config():
+  spec = importlib.util.spec_from_file_location("sft_tiny_hf",
+                                                os.path.join(REPO, "configs", "sft_tiny.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("pretrained"))
+  config = ModelConfig(vocab_size=TOK.vocab_size + 5, hidden_size=32, intermediate_size=64,
+                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True,
+                       architecture="qwen2")
+  model = Transformer(config, rngs=nnx.Rngs(11))
+  save_hf_checkpoint(model, path)
+  TOK.save(path)
+  return path, nnx.state(model, nnx.Param).to_pure_dict()
+
+
+def test_starts_from_the_checkpoint_weights_and_tokenizer(pretrained, tmp_path):
+  path, params = pretrained
+  config = _tiny_config()
+  config.init_from_hf = path
+  config.tokenizer.kind = "hf"
+  with SFTTrainer(config, str(tmp_path), devices=jax.devices()[:2]) as trainer:
+    assert trainer.step == 0
+    assert trainer.model_config.architecture == "qwen2" and trainer.model_config.qkv_bias
+    assert isinstance(trainer.tokenizer, HFTokenizer)
+    assert trainer.tokenizer.encode("rev ab=") == TOK.encode("rev ab=")
+    for (p, want), got in zip(jax.tree_util.tree_leaves_with_path(params),
+                              jax.tree.leaves(trainer.state.params)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
+                                    err_msg=jax.tree_util.keystr(p))
+    metrics = trainer.train(until=1, progress=False)
+    assert trainer.step == 1 and np.isfinite(metrics["loss"])
+
+
+def test_vocab_smaller_than_the_tokenizer_is_an_error(pretrained, tmp_path):
+  path, _ = pretrained
+  config = _tiny_config()
+  config.init_from_hf = path
+  config.tokenizer.alphabet = "".join(chr(c) for c in range(0x100, 0x200))  # 259 ids.
+  with pytest.raises(ValueError, match="init_from_hf: the model's vocab_size 104"):
+    SFTTrainer(config, str(tmp_path), devices=jax.devices()[:1])
