@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import string
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Protocol
 
 # Printable ASCII without the tab/vertical-tab/form-feed/carriage-return controls.
 DEFAULT_ALPHABET = "".join(c for c in string.printable if c not in "\t\x0b\x0c\r")
@@ -204,15 +204,3 @@ def make_tokenizer(kind: str, path: str = "", alphabet: str = "") -> CharTokeniz
     return HFTokenizer(path)
   raise ValueError(f"tokenizer.kind: expected 'char' or 'hf', got {kind!r}")
 
-
-def pad_batch(rows: Sequence[Sequence[int]], pad_id: int, length: int | None = None,
-              left: bool = False) -> list[list[int]]:
-  """Pad token lists to one length (the longest by default), on the right or the left."""
-  length = max((len(r) for r in rows), default=0) if length is None else length
-  out = []
-  for r in rows:
-    if len(r) > length:
-      raise ValueError(f"pad_batch: row of length {len(r)} exceeds length={length}")
-    fill = [pad_id] * (length - len(r))
-    out.append(fill + list(r) if left else list(r) + fill)
-  return out

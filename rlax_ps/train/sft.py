@@ -175,14 +175,12 @@ class SFTTrainer:
     bar = tqdm(total=until, initial=start, desc="sft", unit="step", disable=not progress,
                dynamic_ncols=True)
     t0 = time.time()
-    pending = None
     for step in range(start, until):
       batch = shd.shard_batch(self.mesh, self.data.batch(step))
       self.state, metrics = self.train_step(self.state, batch)
-      pending = metrics
       done = step + 1
-      if done % log_every == 0 or done == until:
-        last = {k: float(v) for k, v in jax.device_get(pending).items()}
+      if done % log_every == 0 or done == until:  # Fetching metrics waits for the step.
+        last = {k: float(v) for k, v in jax.device_get(metrics).items()}
         last["answer_tokens"] = last.pop("tokens")
         for k, v in last.items():
           self.writer.add_scalar(f"train/{k}", v, done)
