@@ -47,34 +47,74 @@ def symbol_of(z):
 # ---- change scan -------------------------------------------------------------------------
 
 @numba.njit(**_JIT)
-def scan_block(aw, bw, a, b, lanes, start, idx, zz, pos):
-  """Appends the flat indices (start + i) where a != b and the zigzag of the wrapping
-  offset b - a there to idx / zz from `pos`; aw, bw are a, b as uint64 words (the words
-  cover a prefix of a, b). Returns the new pos, or -1 when idx has no room left."""
-  bits = 64 // lanes
-  cap = idx.size
-  half = np.int64(bits - 1)
-  for j in range(aw.size):
-    if aw[j] == bw[j]:
-      continue
-    if pos + lanes > cap:
+def scan_block16(aw, bw, a, b, start, idx, zz, pos, dense):
+  """For 16-bit elements: appends the flat indices (start + i) where a != b and the zigzag
+  of the wrapping offset b - a there to idx / zz from `pos`; aw, bw are a, b as uint64
+  words over a prefix. dense: one branch-free loop over every element (faster when most
+  words differ); else equal words are skipped. Returns the new pos, or -1 when idx may
+  lack room."""
+  room = idx.size - pos  # branch-free stores may write one entry past the last change
+  if a.size >= room:
+    if dense:
       return -1
-    for l in range(lanes):
-      i = j * lanes + l
-      d = np.int64(b[i]) - np.int64(a[i])
-      s = (d << (64 - bits)) >> (64 - bits)  # wrapping offset as a signed bits-wide int
-      idx[pos] = start + i
-      zz[pos] = ((s << 1) ^ (s >> half)) & ((1 << bits) - 1)
-      pos += np.int64(d != 0)
-  for i in range(aw.size * lanes, a.size):
-    if a[i] != b[i]:
-      if pos >= cap:
-        return -1
-      d = np.int64(b[i]) - np.int64(a[i])
-      s = (d << (64 - bits)) >> (64 - bits)
-      idx[pos] = start + i
-      zz[pos] = ((s << 1) ^ (s >> half)) & ((1 << bits) - 1)
-      pos += 1
+    need = a.size - aw.size * 4
+    for j in range(aw.size):
+      need += np.int64(aw[j] != bw[j]) * 4
+    if need >= room:
+      return -1
+  if dense:
+    return _scan_all16(a, b, start, idx, zz, pos)
+  for j in range(aw.size):
+    if aw[j] != bw[j]:
+      pos = _scan_all16(a[j * 4:(j + 1) * 4], b[j * 4:(j + 1) * 4], start + j * 4,
+                         idx, zz, pos)
+  return _scan_all16(a[aw.size * 4:], b[aw.size * 4:], start + aw.size * 4, idx, zz, pos)
+
+
+@numba.njit(inline="always", **_JIT)
+def _scan_all16(a, b, start, idx, zz, pos):
+  for i in range(a.size):
+    ai, bi = np.int32(a[i]), np.int32(b[i])
+    d = np.int32(np.int16(bi - ai))
+    zz[pos] = ((d << 1) ^ (d >> 15)) & 65535
+    idx[pos] = start + i
+    pos += np.int64(ai != bi)
+  return pos
+
+
+@numba.njit(**_JIT)
+def scan_block8(aw, bw, a, b, start, idx, zz, pos, dense):
+  """For 8-bit elements: appends the flat indices (start + i) where a != b and the zigzag
+  of the wrapping offset b - a there to idx / zz from `pos`; aw, bw are a, b as uint64
+  words over a prefix. dense: one branch-free loop over every element (faster when most
+  words differ); else equal words are skipped. Returns the new pos, or -1 when idx may
+  lack room."""
+  room = idx.size - pos  # branch-free stores may write one entry past the last change
+  if a.size >= room:
+    if dense:
+      return -1
+    need = a.size - aw.size * 8
+    for j in range(aw.size):
+      need += np.int64(aw[j] != bw[j]) * 8
+    if need >= room:
+      return -1
+  if dense:
+    return _scan_all8(a, b, start, idx, zz, pos)
+  for j in range(aw.size):
+    if aw[j] != bw[j]:
+      pos = _scan_all8(a[j * 8:(j + 1) * 8], b[j * 8:(j + 1) * 8], start + j * 8,
+                         idx, zz, pos)
+  return _scan_all8(a[aw.size * 8:], b[aw.size * 8:], start + aw.size * 8, idx, zz, pos)
+
+
+@numba.njit(inline="always", **_JIT)
+def _scan_all8(a, b, start, idx, zz, pos):
+  for i in range(a.size):
+    ai, bi = np.int32(a[i]), np.int32(b[i])
+    d = np.int32(np.int8(bi - ai))
+    zz[pos] = ((d << 1) ^ (d >> 7)) & 255
+    idx[pos] = start + i
+    pos += np.int64(ai != bi)
   return pos
 
 

@@ -32,10 +32,21 @@ from rlax_ps.sync.errors import CodecError
 UNCHANGED, RAW, SPARSE, BITMAP, DENSE = range(5)
 MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense")
 GAPS_ENTROPY, GAPS_RICE = 0, 1
-BLOCK = 1 << 17
+BLOCK = 1 << 16
 _SAMPLE = 1 << 20
 _GAP_SAMPLE = 1 << 16
+_DENSITY_SAMPLE = 1 << 14
 _ZSTD_LEVEL = 3
+
+
+def _estimate_density(old: np.ndarray, new: np.ndarray) -> float:
+  """Fraction of differing elements in an evenly spaced sample of 64-bit words."""
+  m = old.size - old.size % (8 // old.itemsize)
+  if m == 0:
+    return 1.0
+  ow, nw = old[:m].view(np.uint64), new[:m].view(np.uint64)
+  step = max(1, ow.size // _DENSITY_SAMPLE)
+  return float((ow[::step] != nw[::step]).mean())
 
 
 def scan_changes(old: np.ndarray, new: np.ndarray):
@@ -45,7 +56,10 @@ def scan_changes(old: np.ndarray, new: np.ndarray):
   while still in cache."""
   n = old.size
   lanes = 8 // old.itemsize
-  cap = min(n, max(BLOCK, n // 32))
+  scan = loops.scan_block16 if old.itemsize == 2 else loops.scan_block8
+  words_differ = _estimate_density(old, new)
+  dense = words_differ > 0.2  # branch per word mispredicted: do every lane branch-free
+  cap = min(n, int(n * words_differ * 1.1) + 2 * BLOCK)
   idx, zz = np.empty(cap, np.int64), np.empty(cap, old.dtype)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
   pos = 0
@@ -53,7 +67,7 @@ def scan_changes(old: np.ndarray, new: np.ndarray):
     a, b = old[s:s + BLOCK], new[s:s + BLOCK]
     m = a.size - a.size % lanes
     aw, bw = a[:m].view(np.uint64), b[:m].view(np.uint64)
-    while (end := loops.scan_block(aw, bw, a, b, lanes, s, idx, zz, pos)) < 0:
+    while (end := scan(aw, bw, a, b, s, idx, zz, pos, dense)) < 0:
       cap = min(n, max(2 * cap, pos + 2 * BLOCK))
       idx, zz = np.resize(idx, cap), np.resize(zz, cap)
     pos = end
