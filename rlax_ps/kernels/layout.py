@@ -120,6 +120,15 @@ def make_layout(prompt_lens, response_lens, prompt_capacity: int,
       num_responses=int(response_lens.shape[-1]), prompt_capacity=int(prompt_capacity),
       response_capacity=int(response_capacity))
   layout.validate()
+  if not isinstance(prompt_lens, jax.core.Tracer):
+    p = np.asarray(prompt_lens)
+    if p.size and (p.min() < 1 or p.max() > prompt_capacity):
+      raise ValueError(f"prompt_lens must lie in [1, prompt_capacity={prompt_capacity}], got {p}")
+  if not isinstance(response_lens, jax.core.Tracer):
+    r = np.asarray(response_lens)
+    if r.size and (r.min() < 0 or r.max() > response_capacity):
+      raise ValueError(
+          f"response_lens must lie in [0, response_capacity={response_capacity}], got {r}")
   return layout
 
 

@@ -66,6 +66,24 @@ def test_layout_positions_segments_and_validity_by_hand():
   assert mask[8, 6] and not mask[6, 8]  # causal inside a response
 
 
+def test_layout_rejects_lengths_outside_capacity():
+  with pytest.raises(ValueError, match=r"prompt_lens must lie in \[1, prompt_capacity=3\]"):
+    make_layout([4], [[1, 3]], 3, 3)
+  with pytest.raises(ValueError, match=r"prompt_lens must lie in \[1, prompt_capacity=3\]"):
+    make_layout([0], [[1, 3]], 3, 3)
+  with pytest.raises(ValueError, match=r"response_lens must lie in \[0, response_capacity=3\]"):
+    make_layout([2], [[1, 5]], 3, 3)
+
+
+def test_layout_is_a_pytree_with_static_capacities():
+  lay = make_layout([2], [[1, 3]], 3, 3)
+  leaves, treedef = jax.tree.flatten(lay)
+  assert len(leaves) == 2  # the two length arrays; capacities live in the treedef
+  positions = jax.jit(lambda l: l.positions())(lay)
+  np.testing.assert_array_equal(positions, lay.positions())
+  assert jax.tree.unflatten(treedef, leaves).response_capacity == 3
+
+
 def test_layout_rejects_wrong_shapes_with_named_field():
   with pytest.raises(ValueError, match="response_lens must have shape"):
     make_layout([2, 3], [[1, 3]], 3, 3)
