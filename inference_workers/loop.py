@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import zlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import grpc
 import numpy as np
@@ -92,7 +92,6 @@ class Worker:
     self.params = config.sampling([tokenizer.eos_id])
     self.stats = WorkerStats()
     self._stop = threading.Event()
-    self._stop_deadline: float | None = None
     self._done = threading.Event()  # set when run() returns
     self._lock = threading.Lock()
     self._inflight: dict[str, set[str]] = {}  # lease id -> prompt ids not yet answered
@@ -107,7 +106,6 @@ class Worker:
     if self._stop.is_set():
       return
     grace = self.config.grace_s if grace_s is None else grace_s
-    self._stop_deadline = time.monotonic() + grace
     self._stop.set()
     logging.info("worker: stop requested; releasing in-flight prompts within %.1fs", grace)
     threading.Thread(target=self._watchdog, args=(grace,), daemon=True).start()
@@ -152,13 +150,7 @@ class Worker:
   def sync_weights(self) -> bool:
     """Bring the held policy to the latest published version; True when it changed."""
     before = self.policy.version
-    updates = self.client.pull_updates(self.policy.version)
-    try:
-      self._apply_all(updates)
-    except ResyncNeeded as e:
-      logging.warning("worker: %s; resynchronising from a keyframe", e)
-      self.stats.resyncs += 1
-      self._apply_all(self.client.pull_updates(None))
+    self._apply_or_resync(self.client.pull_updates(self.policy.version))
     return self.policy.version != before
 
   def prefetch(self, latest: int) -> None:
@@ -180,13 +172,17 @@ class Worker:
       pre, self._prefetched = self._prefetched, None
     if pre is None or not pre[1] or pre[0] != self.policy.version:
       return False
+    self._apply_or_resync(pre[1])
+    return True
+
+  def _apply_or_resync(self, updates: list[Update]) -> None:
+    """Apply in order; on any mismatch start again from the latest keyframe."""
     try:
-      self._apply_all(pre[1])
+      self._apply_all(updates)
     except ResyncNeeded as e:
       logging.warning("worker: %s; resynchronising from a keyframe", e)
       self.stats.resyncs += 1
       self._apply_all(self.client.pull_updates(None))
-    return True
 
   def _apply_all(self, updates: list[Update]) -> None:
     for update in updates:
