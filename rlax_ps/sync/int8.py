@@ -52,15 +52,25 @@ def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
   a = np.ascontiguousarray(a)
   rows = a.reshape(a.shape[0], -1) if kind == "rows" else a.reshape(-1, a.shape[-1])
   absmax = np.zeros(rows.shape[0] if kind == "rows" else rows.shape[1], np.float64)
-  finite = (loops.absmax_rows(rows, absmax) if kind == "rows"
-            else loops.absmax_cols(rows, absmax))
+  if kind == "rows":
+    finite = loops.absmax_rows(rows, absmax)
+  else:
+    bad, top = np.zeros(rows.shape[1], a.dtype), np.zeros(rows.shape[1], a.dtype)
+    loops.absmax_cols(rows, top, bad)
+    absmax = top.astype(np.float64)
+    finite = not np.isnan(bad).any()
   if not finite:
     raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
   scale = _ceil_bf16(absmax / 127.0)
   inv = scale.astype(np.float64)
   safe = np.where(inv > 0, inv, 1.0)
   codes = np.empty(rows.shape, INT8)
-  loops.quantize(rows, safe, kind == "rows", codes)
+  if kind == "rows":
+    loops.quantize_rows(rows, safe, codes)
+  elif rows.dtype == np.float32:
+    loops.quantize_cols_f32(rows, safe, 1.0 / safe, codes)
+  else:
+    loops.quantize_cols(rows, safe, codes)
   return codes.reshape(np.shape(x)), scale
 
 

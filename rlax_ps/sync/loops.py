@@ -378,25 +378,66 @@ def absmax_rows(x, out):
 
 
 @numba.njit(**_JIT)
-def absmax_cols(x, out):
-  """out[c] = max(out[c], max |x[:, c]|) in float64; False when x has a NaN or infinity."""
-  bad = 0.0
+def absmax_cols(x, out, bad):
+  """out[c] = max(out[c], max |x[:, c]|) (exact, in x's dtype); bad[c] turns NaN when
+  column c holds a NaN or infinity (per-column accumulators keep the loop vectorisable)."""
   for r in range(x.shape[0]):
     for c in range(x.shape[1]):
-      v = np.float64(x[r, c])
-      bad += v - v
+      v = x[r, c]
+      bad[c] += v - v
       a = abs(v)
       out[c] = a if a > out[c] else out[c]
-  return bad == 0.0
+
+
+_ROUND = 6755399441055744.0  # 1.5 * 2**52: (q + _ROUND) - _ROUND rounds half to even
+
+
+@numba.njit(inline="always", **_JIT)
+def _code(v, s):
+  q = v / s
+  q = -128.0 if q < -128.0 else (128.0 if q > 128.0 else q)
+  q = (q + _ROUND) - _ROUND
+  q = -127.0 if q < -127.0 else (127.0 if q > 127.0 else q)
+  return np.int8(q)
+
+
+@numba.njit(inline="always", **_JIT)
+def _code_f32(v, s, inv):
+  """_code(v, s) for float32 v and bf16 s without a division: v has 24 significant bits and
+  every rounding boundary (k + 1/2) * s only 16, so a nonzero |v - boundary| is at least
+  |v / s| * 2**-24 relative, far above the error of v * fl(1/s); exact ties (v - c*s = s/2,
+  computed exactly) are sent to the even code."""
+  q = v * inv
+  q = -128.0 if q < -128.0 else (128.0 if q > 128.0 else q)
+  c = (q + _ROUND) - _ROUND
+  r = v - c * s
+  tie = 2.0 * abs(r) == s
+  odd = (c * 0.5) != ((c * 0.5 + _ROUND) - _ROUND)
+  c = c + ((1.0 if r > 0 else -1.0) if (tie and odd) else 0.0)
+  c = -127.0 if c < -127.0 else (127.0 if c > 127.0 else c)
+  return np.int8(c)
 
 
 @numba.njit(**_JIT)
-def quantize(x, scale, per_row, codes):
-  """codes = clip(round_half_even(x / scale), -127, 127) in float64, scale per row or per
-  column (scale entries are > 0)."""
+def quantize_cols_f32(x, scale, inv, codes):
+  """quantize_cols for float32 x (bit-identical, no division; see _code_f32)."""
   for r in range(x.shape[0]):
     for c in range(x.shape[1]):
-      s = scale[r] if per_row else scale[c]
-      q = np.rint(np.float64(x[r, c]) / s)
-      q = -127.0 if q < -127.0 else (127.0 if q > 127.0 else q)
-      codes[r, c] = np.int8(q)
+      codes[r, c] = _code_f32(np.float64(x[r, c]), scale[c], inv[c])
+
+
+@numba.njit(**_JIT)
+def quantize_cols(x, scale, codes):
+  """codes = clip(round_half_even(x / scale[col]), -127, 127) in float64 (scale > 0)."""
+  for r in range(x.shape[0]):
+    for c in range(x.shape[1]):
+      codes[r, c] = _code(np.float64(x[r, c]), scale[c])
+
+
+@numba.njit(**_JIT)
+def quantize_rows(x, scale, codes):
+  """codes = clip(round_half_even(x / scale[row]), -127, 127) in float64 (scale > 0)."""
+  for r in range(x.shape[0]):
+    s = scale[r]
+    for c in range(x.shape[1]):
+      codes[r, c] = _code(np.float64(x[r, c]), s)

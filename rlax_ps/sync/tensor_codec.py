@@ -59,7 +59,7 @@ def scan_changes(old: np.ndarray, new: np.ndarray):
   scan = loops.scan_block16 if old.itemsize == 2 else loops.scan_block8
   words_differ = _estimate_density(old, new)
   dense = words_differ > 0.2  # branch per word mispredicted: do every lane branch-free
-  cap = min(n, int(n * words_differ * 1.1) + 2 * BLOCK)
+  cap = min(n + 8, int(n * words_differ * 1.1) + 2 * BLOCK)  # +8: branch-free overrun
   idx, zz = np.empty(cap, np.int64), np.empty(cap, old.dtype)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
   pos = 0
@@ -68,7 +68,7 @@ def scan_changes(old: np.ndarray, new: np.ndarray):
     m = a.size - a.size % lanes
     aw, bw = a[:m].view(np.uint64), b[:m].view(np.uint64)
     while (end := scan(aw, bw, a, b, s, idx, zz, pos, dense)) < 0:
-      cap = min(n, max(2 * cap, pos + 2 * BLOCK))
+      cap = min(n + 8, max(2 * cap, pos + 2 * BLOCK))
       idx, zz = np.resize(idx, cap), np.resize(zz, cap)
     pos = end
     h_old.update(a)
