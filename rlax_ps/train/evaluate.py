@@ -46,9 +46,14 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted_generate(graphdef, max_new_tokens: int, eos_id: int, pad_id: int):
-  return jax.jit(functools.partial(greedy_generate, graphdef, max_new_tokens=max_new_tokens,
-                                   eos_id=eos_id, pad_id=pad_id))
+def jitted_generate(graphdef: nnx.GraphDef, max_new_tokens: int):
+  """jit(greedy_generate) for one model and budget:
+  f(params, tokens, segment_ids, positions, eos_id, pad_id) -> [B, max_new_tokens]."""
+  def generate(params, tokens, segment_ids, positions, eos_id, pad_id):
+    return greedy_generate(graphdef, params, tokens, segment_ids, positions,
+                           max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id)
+
+  return jax.jit(generate)
 
 
 def left_pad_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int
@@ -71,7 +76,7 @@ def left_pad_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int
 def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], *,
                 max_new_tokens: int, batch_size: int, prompt_len: int) -> list[str]:
   """Greedy completion text of each prompt (up to eos), `batch_size` prompts per call."""
-  gen = _jitted_generate(graphdef, max_new_tokens, tokenizer.eos_id, tokenizer.pad_id)
+  gen = jitted_generate(graphdef, max_new_tokens)
   out: list[str] = []
   for start in range(0, len(prompts), batch_size):
     chunk = list(prompts[start:start + batch_size])
@@ -79,7 +84,8 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
     chunk += [chunk[-1]] * (batch_size - n)  # Keep one shape: one compile.
     arrays = left_pad_prompts(tokenizer, chunk, prompt_len)
     ids = np.asarray(jax.device_get(gen(params, arrays["tokens"], arrays["segment_ids"],
-                                        arrays["positions"])))
+                                        arrays["positions"], tokenizer.eos_id,
+                                        tokenizer.pad_id)))
     for row in ids[:n]:
       row = list(row)
       if tokenizer.eos_id in row:

@@ -54,9 +54,8 @@ def test_cached_greedy_on_left_padded_batch_matches_full_recompute(model):
   graphdef, params = model
   arrays = evaluate.left_pad_prompts(TOK, PROMPTS, length=16)
   eos = -1  # No early stop: compare all NEW tokens.
-  got = evaluate.greedy_generate(graphdef, params, arrays["tokens"], arrays["segment_ids"],
-                                 arrays["positions"], max_new_tokens=NEW, eos_id=eos,
-                                 pad_id=TOK.pad_id)
+  got = evaluate.jitted_generate(graphdef, NEW)(
+      params, arrays["tokens"], arrays["segment_ids"], arrays["positions"], eos, TOK.pad_id)
   for row, prompt in zip(np.asarray(got), PROMPTS):
     assert list(row) == _reference(graphdef, params, prompt)
 
@@ -64,16 +63,15 @@ def test_cached_greedy_on_left_padded_batch_matches_full_recompute(model):
 def test_tokens_after_eos_are_padding(model):
   graphdef, params = model
   arrays = evaluate.left_pad_prompts(TOK, PROMPTS, length=16)
-  free = np.asarray(evaluate.greedy_generate(
-      graphdef, params, arrays["tokens"], arrays["segment_ids"], arrays["positions"],
-      max_new_tokens=NEW, eos_id=-1, pad_id=TOK.pad_id))
+  generate = evaluate.jitted_generate(graphdef, NEW)  # eos and pad ids are traced: one compile.
+  free = np.asarray(generate(params, arrays["tokens"], arrays["segment_ids"],
+                             arrays["positions"], -1, TOK.pad_id))
   # Pretend a token that first appears at step i >= 1 of some row r is eos.
   r, i = next((r, i) for r in range(len(PROMPTS)) for i in range(1, NEW)
               if free[r, i] not in free[r, :i])
   eos = int(free[r, i])
-  got = np.asarray(evaluate.greedy_generate(
-      graphdef, params, arrays["tokens"], arrays["segment_ids"], arrays["positions"],
-      max_new_tokens=NEW, eos_id=eos, pad_id=TOK.pad_id))
+  got = np.asarray(generate(params, arrays["tokens"], arrays["segment_ids"],
+                            arrays["positions"], eos, TOK.pad_id))
   assert list(got[r, :i + 1]) == list(free[r, :i + 1])  # Up to and with eos: unchanged.
   assert all(t == TOK.pad_id for t in got[r, i + 1:])
 
@@ -92,5 +90,5 @@ def test_exact_match_scores_with_the_task_checker(model, monkeypatch):
 def test_completions_decode_up_to_eos(model):
   graphdef, params = model
   texts = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=NEW,
-                               batch_size=2, prompt_len=16)
+                               batch_size=4, prompt_len=16)  # Same shapes as above.
   assert len(texts) == 3 and all(isinstance(t, str) and len(t) <= NEW for t in texts)
