@@ -2,9 +2,10 @@ r"""rlax-ps sft --config=configs/sft_tiny.py --workdir=runs/sft_tiny
 
 Supervised warm start from scratch on the built-in addition and string-reversal tasks: a
 small Llama-style model, character tokenizer, packed rows, held-out exact match at the end.
-This is the embedded default of `make run`: about 3 minutes on 2 CPU cores, reaching a
-partial held-out accuracy (a starting point for RL); more `--config.train.steps` keep
-improving it.
+This is the embedded default of `make run`: about 3 minutes on 2 CPU cores (166 CPU-seconds,
+compiles included), reaching a partial held-out exact match, a starting point for RL:
+48% (addition 19%, reversal 78%) after the default 400 steps. More steps keep improving
+it: `--config.train.steps=1000` gives 94% (addition 98%, reversal 89%).
 
 Variants:
   configs/sft_tiny.py        the `make run` default (CPU, minutes).
