@@ -5,7 +5,7 @@ import numpy as np
 from rlax_ps.sync import int8, tensor_codec
 from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, to_bf16
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.wire import FORMATS, Update, build, checksum
+from rlax_ps.sync.wire import FORMATS, Update, base_checksum, build
 
 
 def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
@@ -98,15 +98,17 @@ def apply(base, update: Update, *, base_version: int | None = None,
               and base[name].flags.writeable):
         raise CodecError(f"tensor {name!r}: inplace apply needs a writable C-contiguous "
                          f"numpy array, got {type(base[name]).__name__}")
-      if checksum(held) != meta.base_checksum:
-        raise CodecError(f"tensor {name!r}: wrong base: its checksum is {checksum(held):016x}, "
-                         f"the update was made against {meta.base_checksum:016x}")
+      if base_checksum(held) != meta.base_checksum:
+        raise CodecError(f"tensor {name!r}: wrong base: its checksum is "
+                         f"{base_checksum(held):08x}, the update was made against "
+                         f"{meta.base_checksum:08x}")
     bits, got = dec.apply(old, UINT_OF[meta.dtype], inplace=write_into)
     result = bits.view(meta.dtype).reshape(meta.shape)
     if got != meta.checksum:
-      if old is not None and not write_into and checksum(held) != meta.base_checksum:
-        raise CodecError(f"tensor {name!r}: wrong base: its checksum is {checksum(held):016x}, "
-                         f"the update was made against {meta.base_checksum:016x}")
+      if old is not None and not write_into and base_checksum(held) != meta.base_checksum:
+        raise CodecError(f"tensor {name!r}: wrong base: its checksum is "
+                         f"{base_checksum(held):08x}, the update was made against "
+                         f"{meta.base_checksum:08x}")
       raise CodecError(f"tensor {name!r}: corrupted: result checksum {got:016x}, "
                        f"expected {meta.checksum:016x}")
     out[name] = base[name] if write_into else result

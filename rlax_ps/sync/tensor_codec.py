@@ -3,12 +3,12 @@
 Modes (chosen per tensor by estimated size, see `encode_section`):
   unchanged  no bytes.
   raw        the target's exact bytes (keyframes; deltas where nothing smaller exists).
-  sparse     varint nnz | gap coder (u8) | gaps | offset stream. Gaps between changed flat
-             indices (index - previous index - 1) are Rice coded (coder 1: u8 k | varint
-             unary_nbytes | unary quotients | fixed k-bit remainders; within ~1% of the
-             entropy of i.i.d. positions, and fast) or, when the changes cluster, through
-             the entropy stage (coder 0). The offset stream holds the zigzag of each
-             element's wrapping offset new_bits - old_bits (entropy.py).
+  sparse     varint nnz | gaps | offset stream. Gaps between changed flat indices (index -
+             previous index - 1) are Rice coded (u8 0x80 | k, varint nbytes, then per gap
+             q zero bits, a one, k low bits, LSB first; within ~1% of the entropy of
+             i.i.d. positions, and fast) or, when the changes cluster, through the
+             entropy stage (u8 0, then a stream). The offset stream holds the zigzag of
+             each element's wrapping offset new_bits - old_bits (entropy.py).
   bitmap     varint zlen | zstd(np.packbits(changed mask)) | offset stream; picked when
              the changes follow a pattern that a bitmap compresses below the gaps.
   dense      one offset stream over every element (zero offsets included); picked at
@@ -31,7 +31,7 @@ from rlax_ps.sync.errors import CodecError
 
 UNCHANGED, RAW, SPARSE, BITMAP, DENSE = range(5)
 MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense")
-GAPS_ENTROPY, GAPS_RICE = 0, 1
+GAPS_ENTROPY, GAPS_RICE = 0, 0x80  # Rice: 0x80 | k in one byte
 BLOCK = 1 << 16
 _SAMPLE = 1 << 20
 _GAP_SAMPLE = 1 << 16
@@ -91,7 +91,7 @@ def _rice(idx: np.ndarray) -> tuple[int, int]:
 
 def _encode_rice(idx: np.ndarray, k: int, nbytes: int) -> bytes:
   words = loops.rice_encode(idx, k, nbytes * 8)
-  return b"".join([u8(k), varint(nbytes), words.view(np.uint8)[:nbytes]])
+  return b"".join([u8(GAPS_RICE | k), varint(nbytes), words.view(np.uint8)[:nbytes]])
 
 
 def _sampled_entropy_bytes(idx: np.ndarray) -> float:
@@ -106,7 +106,7 @@ def _encode_gaps(idx: np.ndarray) -> tuple[float, callable]:
   """(estimated size, thunk producing the bytes) of the cheaper gap coder."""
   k, rice_size = _rice(idx)
   if _sampled_entropy_bytes(idx) >= 0.97 * rice_size:
-    return rice_size + 4, lambda: u8(GAPS_RICE) + _encode_rice(idx, k, rice_size)
+    return rice_size + 3, lambda: _encode_rice(idx, k, rice_size)
   gaps = (np.diff(idx, prepend=-1) - 1).astype(np.uint64)
   hist = entropy.histogram(gaps)
   return entropy.cost_bytes(hist) + 1, lambda: u8(GAPS_ENTROPY) + entropy.encode_stream(
@@ -255,9 +255,9 @@ def _decode_gaps(r: ByteReader, nnz: int, n: int) -> np.ndarray:
     if idx[-1] >= n:
       raise CodecError(f"{r.what}: changed index {int(idx[-1])} outside the tensor size {n}")
     return idx
-  if coder != GAPS_RICE:
+  if not coder & GAPS_RICE:
     raise CodecError(f"{r.what}: unknown gap coder {coder}")
-  k = r.u8()
+  k = coder & ~GAPS_RICE
   if k > 56:
     raise CodecError(f"{r.what}: Rice parameter {k} exceeds 56")
   nbytes = r.varint()

@@ -5,11 +5,13 @@ Message layout (little-endian):
            repeat a lot) | u32 stored header_len | u32 crc32(stored header)
   header   u8 fmt (0 bf16, 1 int8) | u8 is_keyframe | varint version | varint base_version
            (0 for a keyframe) | varint tensor count, then column by column (so that zstd
-           finds the repeats): per tensor varint name_len + utf-8 name; per tensor u8 dtype
+           finds the repeats): per tensor varint bytes shared with the previous name
+           | varint rest_len | the rest of the utf-8 name; per tensor u8 dtype
            (0 bf16, 1 int8) | u8 section codec version (2) | u8 mode | u8 ndim; per tensor
-           varint dims[ndim] | varint section_len; per tensor u64 checksum [| u64
+           varint dims[ndim] | varint section_len; per tensor u64 checksum [| u32
            base_checksum: deltas, mode other than unchanged, whose base checksum is the
-           checksum]; per non-empty section u32 low half of xxh3(section).
+           checksum's low half]; per non-empty section u8 low byte of xxh3(section) (only
+           locates damage); u64 xxh3 of all the sections (the body digest).
   body     the sections, in header order (tensor_codec.py).
 Version 1 (constriction rANS, row-wise header) is rejected with a CodecError.
 Chunk layout: b"RLXC" | u32 index | u32 count | u64 message length | u64 xxh3(message)
@@ -52,8 +54,15 @@ def _digest(buf) -> int:
 
 
 def _section_digest(buf) -> int:
-  """32 bits suffice to catch a damaged section early; the tensor checksum is 64-bit."""
-  return xxhash.xxh3_64_intdigest(buf) & 0xFFFFFFFF
+  """8 bits per section only locate damage that the 64-bit body digest has detected."""
+  return xxhash.xxh3_64_intdigest(buf) & 0xFF
+
+
+def base_checksum(array) -> int:
+  """What an update records of a delta's base tensor: the low 32 bits of its checksum.
+  It only tells a wrong base apart from a corrupted update (and stops an in-place apply
+  before it writes); the 64-bit checksum of the result still guards every tensor."""
+  return checksum(array) & 0xFFFFFFFF
 
 
 _EMPTY_DIGEST = _section_digest(b"")
@@ -85,6 +94,7 @@ class UpdateHeader:
   fmt: str
   tensors: dict[str, TensorMeta]
   nbytes: int
+  body_digest: int = 0  # xxh3-64 of all the sections, in order
 
   @property
   def is_keyframe(self) -> bool:
@@ -111,6 +121,13 @@ class TensorChanges:
   array: np.ndarray | None = None
 
 
+def _shared_prefix(a: bytes, b: bytes) -> int:
+  n = 0
+  while n < min(len(a), len(b)) and a[n] == b[n]:
+    n += 1
+  return n
+
+
 def build(fmt: str, version: int, base_version: int | None, entries) -> "Update":
   """Assembles a message; `entries` are (name, shape, dtype, checksum, base_checksum, mode,
   section) tuples."""
@@ -118,9 +135,12 @@ def build(fmt: str, version: int, base_version: int | None, entries) -> "Update"
   sections = [memoryview(e[6]).cast("B") for e in entries]
   head = [u8(FORMATS.index(fmt)), u8(keyframe), varint(version),
           varint(0 if keyframe else base_version), varint(len(entries))]
+  prev = b""
   for name, *_ in entries:
     nb = name.encode()
-    head += [varint(len(nb)), nb]
+    shared = _shared_prefix(prev, nb)
+    head += [varint(shared), varint(len(nb) - shared), nb[shared:]]
+    prev = nb
   for (_, shape, dtype, _, _, mode, _) in entries:
     head += [u8(_DTYPES.index(dtype)), u8(SECTION_CODEC_VERSION), u8(mode), u8(len(shape))]
   for (_, shape, *_), sec in zip(entries, sections):
@@ -128,8 +148,12 @@ def build(fmt: str, version: int, base_version: int | None, entries) -> "Update"
   for (_, _, _, csum, bcsum, mode, _) in entries:
     head.append(u64(csum))
     if not keyframe and mode != tensor_codec.UNCHANGED:
-      head.append(u64(bcsum))
-  head += [u32(_section_digest(sec)) for sec in sections if sec.nbytes]
+      head.append(u32(bcsum & 0xFFFFFFFF))
+  head += [u8(_section_digest(sec)) for sec in sections if sec.nbytes]
+  body = xxhash.xxh3_64()
+  for sec in sections:
+    body.update(sec)
+  head.append(u64(body.intdigest()))
   header = b"".join(head)
   packed = zstandard.ZstdCompressor(level=19 if len(header) < 1 << 16 else 9).compress(header)
   codec = int(len(packed) < len(header))
@@ -176,10 +200,14 @@ def read_header(b) -> UpdateHeader:
   count = r.varint()
   if count > len(header):
     raise CodecError(f"update header: {count} tensors declared in {len(header)} bytes")
-  names = []
+  names, prev = [], b""
   for _ in range(count):
+    shared = r.varint()
+    if shared > len(prev):
+      raise CodecError(f"update header: name shares {shared} bytes with a {len(prev)}-byte name")
+    prev = prev[:shared] + bytes(r.take(r.varint()))
     try:
-      names.append(bytes(r.take(r.varint())).decode())
+      names.append(prev.decode())
     except UnicodeDecodeError:
       raise CodecError("update header: tensor name is not utf-8") from None
   codes = [(r.u8(), r.u8(), r.u8(), r.u8()) for _ in range(count)]
@@ -190,8 +218,10 @@ def read_header(b) -> UpdateHeader:
   sums = []
   for _, _, mode, _ in codes:
     csum = r.u64()
-    sums.append((csum, None if keyframe else r.u64() if mode != tensor_codec.UNCHANGED else csum))
-  digests = [r.u32() if nbytes else _EMPTY_DIGEST for nbytes in lengths]
+    sums.append((csum, None if keyframe else r.u32() if mode != tensor_codec.UNCHANGED
+                 else csum & 0xFFFFFFFF))
+  digests = [r.u8() if nbytes else _EMPTY_DIGEST for nbytes in lengths]
+  body_digest = r.u64()
   r.done()
   tensors = {}
   offset = _PREFIX.size + hlen
@@ -224,7 +254,7 @@ def read_header(b) -> UpdateHeader:
     raise CodecError(f"update: {buf.nbytes - offset} unexpected trailing bytes after the "
                      f"last section")
   return UpdateHeader(version, None if keyframe else base_version, FORMATS[fmt_code], tensors,
-                      buf.nbytes)
+                      buf.nbytes, body_digest)
 
 
 class Update:
@@ -255,9 +285,12 @@ class Update:
     data = bytes(b)
     header = read_header(data)
     view = memoryview(data)
-    for meta in header.tensors.values():
-      if _section_digest(view[meta.offset:meta.offset + meta.nbytes]) != meta.digest:
-        raise CodecError(f"tensor {meta.name!r}: section corrupted (digest mismatch)")
+    body = min((m.offset for m in header.tensors.values()), default=len(data))
+    if _digest(view[body:]) != header.body_digest:
+      for meta in header.tensors.values():
+        if _section_digest(view[meta.offset:meta.offset + meta.nbytes]) != meta.digest:
+          raise CodecError(f"tensor {meta.name!r}: section corrupted (digest mismatch)")
+      raise CodecError("update body corrupted (digest mismatch)")
     return cls(data, header)
 
   def meta(self, name: str) -> TensorMeta:

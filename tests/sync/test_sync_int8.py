@@ -101,3 +101,22 @@ def test_non_finite_weights_and_name_collisions_are_named():
                           "w.kernel.scale": np.ones(2, np.float32)})
   with pytest.raises(sync.CodecError, match="'w.kernel'.*need bf16 scales 'w.kernel.scale'"):
     int8.check_held({"w.kernel": np.ones((2, 2), np.int8)})
+
+
+def test_quantizer_matches_float64_division_with_ties_to_even():
+  rng = np.random.default_rng(7)
+  w = (rng.standard_normal((64, 48)) * 0.02).astype(np.float32)
+  _, scale = int8.quantize_tensor("x.kernel", w[4:])  # rows 0-3 are planted below
+  s = scale.astype(np.float64)
+  k = rng.integers(-100, 100, w.shape[1])  # below every channel max: scales stay put
+  w[0] = ((k + 0.5) * s).astype(np.float32)  # exact ties (16 significant bits fit float32)
+  w[1] = np.nextafter(w[0], np.float32(1))
+  w[2] = np.nextafter(w[0], np.float32(-1))
+  w[3] = (k * s).astype(np.float32)
+  codes, scale2 = int8.quantize_tensor("x.kernel", w)
+  assert np.array_equal(scale2.view(np.uint16), scale.view(np.uint16))
+  want = np.clip(np.rint(w.astype(np.float64) / s), -127, 127).astype(np.int8)
+  assert np.array_equal(codes, want)
+  assert np.all(codes[0] % 2 == 0)  # every tie went to the even code
+  codes64, _ = int8.quantize_tensor("x.kernel", w.astype(np.float64))  # the dividing path
+  assert np.array_equal(codes64, want)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -133,10 +134,34 @@ def test_update_records_versions_shapes_dtypes_and_checksums():
   for name, meta in header.tensors.items():
     assert meta.shape == target[name].shape and meta.dtype == BF16
     assert meta.checksum == sync.checksum(target[name])
-    assert meta.base_checksum == sync.checksum(base[name])
+    assert meta.base_checksum == sync.checksum(base[name]) & 0xFFFFFFFF  # low half suffices
   assert header.nbytes == update.nbytes == len(update.to_bytes())
 
 
 def test_package_imports_without_jax():
   code = "import sys, rlax_ps.sync; assert 'jax' not in sys.modules, sorted(sys.modules)"
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_inplace_apply_writes_the_exact_target_into_the_base_arrays():
+  rng = np.random.default_rng(4)
+  base_bits = random_bits(rng, (96, 40))
+  target_bits = mutate(rng, base_bits, 0.03)
+  update = sync.encode({"w": as_bf16(base_bits)}, {"w": as_bf16(target_bits)}, version=1)
+  held = {"w": as_bf16(base_bits.copy())}
+  out = sync.apply(held, update, inplace=True)
+  assert out["w"] is held["w"]
+  assert np.array_equal(held["w"].view(np.uint16), target_bits)
+
+
+def test_inplace_apply_rejects_a_wrong_base_before_writing():
+  rng = np.random.default_rng(5)
+  base_bits = random_bits(rng, (32, 32))
+  update = sync.encode({"w": as_bf16(base_bits)}, {"w": as_bf16(mutate(rng, base_bits, 0.1))},
+                       version=1)
+  wrong = base_bits.copy()
+  wrong[3, 3] ^= 0x40
+  held = {"w": as_bf16(wrong.copy())}
+  with pytest.raises(sync.CodecError, match="'w'.*wrong base"):
+    sync.apply(held, update, inplace=True)
+  assert np.array_equal(held["w"].view(np.uint16), wrong)
