@@ -94,3 +94,21 @@ def test_layout_rejects_wrong_shapes_with_named_field():
   with pytest.raises(ValueError, match="multiple of num_kv_heads"):
     reference.two_pass_attention(jnp.zeros((1, 9, 3, 4)), jnp.zeros((1, 9, 2, 4)),
                                  jnp.zeros((1, 9, 2, 4)), lay)
+
+
+def test_chunked_causal_prompt_attention_equals_one_masked_matmul():
+  ks = jax.random.split(jax.random.key(5), 3)
+  q = jax.random.normal(ks[0], (2, 13, 4, 8))
+  k = jax.random.normal(ks[1], (2, 13, 2, 8))
+  v = jax.random.normal(ks[2], (2, 13, 2, 8))
+  valid = jnp.arange(13)[None, :] < jnp.array([[13], [6]])
+
+  @jax.jit
+  def both(q, k, v):
+    full = jnp.tril(jnp.ones((13, 13), bool))[None] & valid[:, :, None] & valid[:, None, :]
+    chunked = reference._chunked_causal_attention(q, k, v, valid, None, min_chunk=3)
+    return reference.masked_attention(q, k, v, full), chunked
+
+  (o, lse), (oc, lsec) = both(q, k, v)
+  np.testing.assert_allclose(oc, o, atol=1e-6)
+  np.testing.assert_allclose(*valid_lse(lsec, lse), atol=1e-6)
