@@ -88,6 +88,10 @@ def measure(label, fmt, base_held, target, copy_s, reps, full_bf16_bytes, keyfra
   source = target_held if fmt == "bf16" else target
   enc = best_time(lambda: sync.encode(base_held, source, fmt, version=1, base_version=0), reps)
   update = enc[2]
+  # int8 again from the held (quantized) target: the codec alone, as if quantized on device.
+  enc_held = enc if fmt == "bf16" else best_time(
+      lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0), reps)
+  assert enc_held[2].to_bytes() == update.to_bytes()
   app = best_time(lambda: sync.apply(base_held, update), reps)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(app[2][k]), bit_view(v)), k
@@ -104,7 +108,8 @@ def measure(label, fmt, base_held, target, copy_s, reps, full_bf16_bytes, keyfra
           f"{full_bf16_bytes / update.nbytes:.1f}x", f"{update.nbytes / max(bound, 1):.3f}",
           f"{(update.nbytes - sum(m.nbytes for m in update.tensors.values())):,}",
           f"{full_bf16_bytes / max(baseline, 1):.1f}x", f"{update.nbytes / keyframe_bytes:.2%}",
-          f"{model / enc[0] / 1e9:.2f}", vs_copy(enc, 0), f"{model / app[0] / 1e9:.2f}",
+          f"{model / enc[0] / 1e9:.2f}", vs_copy(enc, 0), vs_copy(enc_held, 0),
+          f"{model / app[0] / 1e9:.2f}",
           vs_copy(app, 0), vs_copy(inplace, 0),
           f"{vs_copy(enc, 1)}/{vs_copy(app, 1)}/{vs_copy(inplace, 1)}", "+".join(modes) or "-"]
 
@@ -196,7 +201,7 @@ def main(argv):
                  f"{sum(a.size for a in before.values()):,} params in {len(before)} tensors; "
                  f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
   header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound", "hdr B",
-            "int32+val", "vs kf", "enc GB/s", "enc/copy", "apply GB/s", "apply/copy",
+            "int32+val", "vs kf", "enc GB/s", "enc/copy", "held enc/copy", "apply GB/s", "apply/copy",
             "inplace/copy", "wall e/a/i", "modes"]
   widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
   print(f"synthetic model: {n:,} bf16 elements ({full / 1e6:.0f} MB); memory copy "
@@ -213,7 +218,8 @@ def main(argv):
   print("GB/s of held model bytes by best CPU time (the machine may be shared); x/copy: "
         "throughput over np.copyto's; inplace: apply(..., inplace=True); wall e/a/i: the "
         "encode/apply/inplace ratios by wall time; bf16 encode starts from the bf16-cast target, "
-        "int8 encode includes quantizing the float32 target")
+        "int8 encode includes quantizing the float32 target; held enc: int8 encode from the "
+        "already quantized target (the codec alone))")
   for r in [header] + rows:
     print(" | ".join(str(c).rjust(wd) for c, wd in zip(r, widths)))
 
