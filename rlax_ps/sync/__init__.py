@@ -1,7 +1,7 @@
 """Weight sync codec: versioned keyframes and sparse deltas of bf16 or int8 weights.
 
-Imports numpy only (no JAX, no gRPC): the parameter server validates and stores updates
-with it; `rlax_ps.sync.device` (imported on demand) applies them to JAX arrays on device.
+Imports numpy and numba (compiled loops, loops.py; no JAX, no gRPC): the parameter server
+validates and stores updates with it; `rlax_ps.sync.device` (imported on demand) applies them to JAX arrays on device.
 
 Formats (DESIGN.md point 2):
   * "bf16": the held state is {name: bf16 array}; float targets are rounded to bf16
@@ -33,7 +33,8 @@ On-device usage (workers, in place, without the base on the host):
   update.verify(name, array) checks the result's checksum (pulls the array to the host).
 
 Checksums are xxh3-64 of each tensor's exact held bytes: ~10 GB/s here against ~2 GB/s
-for zlib.crc32, which would cost more than the whole rest of a sparse apply.
+for zlib.crc32, which would cost more than the whole rest of a sparse apply. A delta records
+only the low 32 bits of each base's checksum (to tell a wrong base from a corrupted update).
 """
 
 from rlax_ps.sync.codec import apply, dequantize, encode, held_state
