@@ -6,7 +6,7 @@
 #   TPU_PROJECT=my-proj TPU_ZONE=us-central2-b SERVER_ADDRESS=10.0.0.2:50051 \
 #   WORKER_TOKEN=... tpu_scripts/launch_workers.sh rlax-worker 8 v5litepod-4
 #
-# Env: WORKER_ARGS (extra `rlax-ps worker` flags, e.g. --config=...), DRY_RUN=1.
+# Env: WORKER_ARGS (more `rlax-ps worker` flags, at least --config=configs/...), DRY_RUN=1.
 source "$(dirname "$0")/common.sh"
 
 prefix="${1:?usage: launch_workers.sh PREFIX COUNT ACCELERATOR_TYPE}"
@@ -21,6 +21,6 @@ for ((i = 0; i < count; i++)); do
   gtpu create "$name" --accelerator-type="$accelerator" --version="$TPU_RUNTIME" --spot
   ship_repo "$name"
   # The token travels in the environment of the remote command, never on its argv.
-  gtpu ssh "$name" --worker=all --command="cd $RLAX_PS_DIR && RLAX_PS_TOKEN='$WORKER_TOKEN' nohup .venv/bin/python -m inference_workers.preemption_watchdog -- .venv/bin/rlax-ps worker --address=$SERVER_ADDRESS ${WORKER_ARGS:-} > worker.log 2>&1 &"
+  gtpu ssh "$name" --worker=all --command="cd $RLAX_PS_DIR && RLAX_PS_WORKER_TOKEN='$WORKER_TOKEN' nohup .venv/bin/python -m inference_workers.preemption_watchdog -- .venv/bin/rlax-ps worker --address=$SERVER_ADDRESS ${WORKER_ARGS:-} > worker.log 2>&1 &"
 done
 echo "$count spot workers requested under prefix $prefix"

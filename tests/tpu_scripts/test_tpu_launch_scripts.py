@@ -40,7 +40,7 @@ def test_workers_are_spot_vms_under_the_watchdog_and_token_stays_off_argv():
   assert all("--spot" in c for c in creates)
   starts = [l for l in out.stdout.splitlines() if "preemption_watchdog" in l]
   assert len(starts) == 3
-  assert all("--token" not in s and "RLAX_PS_TOKEN" in s for s in starts)
+  assert all("--token" not in s and "RLAX_PS_WORKER_TOKEN" in s for s in starts)
 
 
 @pytest.mark.parametrize("args,env_drop,message", [
