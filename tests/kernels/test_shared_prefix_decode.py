@@ -41,6 +41,7 @@ def test_decode_f32_matches_n_copies(truth, backend, kw):
   np.testing.assert_allclose(lse, truth[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # a second interpret-mode compile of the decode kernel (~20 s cold)
 def test_decode_pallas_bf16_matches_n_copies():
   args = _inputs(jnp.bfloat16)
   want = jax.jit(reference.decode_n_copies)(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
