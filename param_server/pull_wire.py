@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from param_server.protos import param_server_pb2 as pb
+from rlax_ps.sync.byte_reader import varint
 
 _INT_FIELDS = ("update_index", "update_count", "version", "base_version", "update_bytes", "offset")
 _NUMBER = {f.name: f.number for f in pb.PullChunk.DESCRIPTOR.fields}
@@ -20,16 +21,8 @@ _DATA_TAG = bytes([(_NUMBER["data"] << 3) | 2])
 
 
 def _varint(n: int) -> bytes:
-  n &= (1 << 64) - 1  # negative ints travel as 10-byte two's complement, as protobuf does
-  out = bytearray()
-  while True:
-    b = n & 0x7F
-    n >>= 7
-    if n:
-      out.append(b | 0x80)
-    else:
-      out.append(b)
-      return bytes(out)
+  """Protobuf varint: negative ints travel as 10-byte two's complement."""
+  return varint(n & ((1 << 64) - 1))
 
 
 @dataclasses.dataclass

@@ -14,7 +14,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -22,6 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 from rlax_ps.kernels import schedule as sched_lib
 from rlax_ps.kernels.layout import SharedPromptLayout, repad_regions, unpad_regions
 from rlax_ps.kernels.reference import check_qkv, default_scale
+from rlax_ps.kernels.custom_vjp import attention_with_vjp
 
 _MASKED = -1e30
 
@@ -236,24 +236,7 @@ def _backward(q, k, v, o, lse, do, dlse, lens, g, sm_scale, interpret):
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention_bhld(q, k, v, lens, g, sm_scale, interpret):
-  return _forward(q, k, v, lens, g, sm_scale, interpret)
-
-
-def _attention_fwd(q, k, v, lens, g, sm_scale, interpret):
-  o, lse = _forward(q, k, v, lens, g, sm_scale, interpret)
-  return (o, lse), (q, k, v, o, lse, lens)
-
-
-def _attention_bwd(g, sm_scale, interpret, res, cts):
-  q, k, v, o, lse, lens = res
-  do, dlse = cts
-  dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, lens, g, sm_scale, interpret)
-  return dq, dk, dv, np.zeros(lens.shape, jax.dtypes.float0)
-
-
-_attention_bhld.defvjp(_attention_fwd, _attention_bwd)
+_attention_bhld = attention_with_vjp(_forward, _backward)
 
 
 def shared_prompt_attention_pallas_gpu(q, k, v, layout: SharedPromptLayout, *, sm_scale=None,

@@ -14,13 +14,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from rlax_ps.kernels import schedule as sched_lib
 from rlax_ps.kernels.layout import (SharedPromptLayout, repad_regions, unpad_regions)
 from rlax_ps.kernels.reference import check_qkv, default_scale
+from rlax_ps.kernels.custom_vjp import attention_with_vjp
 
 LANES = 128
 _MASKED = -1e30
@@ -240,24 +240,7 @@ def _backward(q, k, v, o, lse, do, dlse, lens, g, sm_scale, interpret):
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention_bhld(q, k, v, lens, g, sm_scale, interpret):
-  return _forward(q, k, v, lens, g, sm_scale, interpret)
-
-
-def _attention_fwd(q, k, v, lens, g, sm_scale, interpret):
-  o, lse = _forward(q, k, v, lens, g, sm_scale, interpret)
-  return (o, lse), (q, k, v, o, lse, lens)
-
-
-def _attention_bwd(g, sm_scale, interpret, res, cts):
-  q, k, v, o, lse, lens = res
-  do, dlse = cts
-  dq, dk, dv = _backward(q, k, v, o, lse, do, dlse, lens, g, sm_scale, interpret)
-  return dq, dk, dv, np.zeros(lens.shape, jax.dtypes.float0)
-
-
-_attention_bhld.defvjp(_attention_fwd, _attention_bwd)
+_attention_bhld = attention_with_vjp(_forward, _backward)
 
 
 def aligned_geometry(layout: SharedPromptLayout, blocks: sched_lib.BlockSizes):
