@@ -134,8 +134,8 @@ class Worker:
         for pid in ids:
           try:
             total += self.client.release(lease_id, [pid])
-          except ParamServerError:
-            pass
+          except ParamServerError as e_one:  # answered meanwhile: nothing left to release
+            logging.info("worker: prompt %s of lease %s not released: %s", pid, lease_id, e_one)
       with self._lock:
         self._inflight.get(lease_id, set()).difference_update(ids)
     self.stats.prompts_released += total

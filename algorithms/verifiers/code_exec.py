@@ -144,7 +144,7 @@ class CodeExecutionVerifier:
                            f"{int(self.timeout_s) + 1} {self.output_bytes}\n".encode())
           proc.stdin.close()
         except BrokenPipeError:
-          pass
+          pass  # the child died before reading its settings; its exit status says why
         try:
           proc.wait(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:

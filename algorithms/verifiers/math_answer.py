@@ -41,11 +41,9 @@ def extract_answer(completion: str) -> str | None:
       if got is not None:
         return got[0].strip()
   for line in reversed(completion.strip().splitlines()):
-    m = None
-    for m in _ANSWER_LINE.finditer(line):
-      pass
-    if m is not None:
-      return m.group(1).strip()
+    matches = list(_ANSWER_LINE.finditer(line))
+    if matches:
+      return matches[-1].group(1).strip()
   return None
 
 
