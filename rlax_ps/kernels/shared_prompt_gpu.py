@@ -19,9 +19,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from rlax_ps.kernels import schedule as sched_lib
-from rlax_ps.kernels.layout import SharedPromptLayout, repad_regions, unpad_regions
-from rlax_ps.kernels.reference import check_qkv, default_scale
-from rlax_ps.kernels.custom_vjp import attention_with_vjp
+from rlax_ps.kernels.layout import SharedPromptLayout
+from rlax_ps.kernels.reference import check_qkv
+from rlax_ps.kernels.pallas_common import attention_with_vjp, call_on_aligned_regions
 
 _MASKED = -1e30
 
@@ -245,7 +245,6 @@ def shared_prompt_attention_pallas_gpu(q, k, v, layout: SharedPromptLayout, *, s
   """Packed shared-prompt attention on GPU (Pallas Triton): q [B, L, H, D],
   k/v [B, L, Hkv, D] -> (o [B, L, H, D], lse [B, L, H] f32). Block sizes and
   head_dim must be powers of two; regions are re-padded to block multiples."""
-  from rlax_ps.kernels.shared_prompt_tpu import aligned_geometry
   check_qkv(q, k, v)
   layout.validate(q.shape[1], q.shape[0])
   # 64-wide tiles for 16-bit inputs; f32 tiles take twice the shared memory.
@@ -255,16 +254,4 @@ def shared_prompt_attention_pallas_gpu(q, k, v, layout: SharedPromptLayout, *, s
                     ("head_dim", q.shape[-1])):
     if val & (val - 1):
       raise ValueError(f"{name} must be a power of two for the GPU kernel, got {val}")
-  g = aligned_geometry(layout, blocks)
-  scale = default_scale(q.shape[-1]) if sm_scale is None else float(sm_scale)
-  aligned = (g.prompt_capacity, g.response_capacity) == (layout.prompt_capacity,
-                                                        layout.response_capacity)
-  to_kernel = lambda x: jnp.swapaxes(
-      x if aligned else repad_regions(x, layout, g.prompt_capacity, g.response_capacity), 1, 2)
-  lens = sched_lib.region_lens(layout.prompt_lens, layout.response_lens)
-  o, lse = _attention_bhld(to_kernel(q), to_kernel(k), to_kernel(v), lens, g, scale, interpret)
-  o, lse = jnp.swapaxes(o, 1, 2), jnp.swapaxes(lse, 1, 2)
-  if not aligned:
-    o = unpad_regions(o, layout, g.prompt_capacity, g.response_capacity)
-    lse = unpad_regions(lse, layout, g.prompt_capacity, g.response_capacity)
-  return o, lse
+  return call_on_aligned_regions(_attention_bhld, q, k, v, layout, blocks, sm_scale, interpret)

@@ -18,9 +18,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from rlax_ps.kernels import schedule as sched_lib
-from rlax_ps.kernels.layout import (SharedPromptLayout, repad_regions, unpad_regions)
-from rlax_ps.kernels.reference import check_qkv, default_scale
-from rlax_ps.kernels.custom_vjp import attention_with_vjp
+from rlax_ps.kernels.layout import SharedPromptLayout
+from rlax_ps.kernels.reference import check_qkv
+from rlax_ps.kernels.pallas_common import attention_with_vjp, call_on_aligned_regions
 
 LANES = 128
 _MASKED = -1e30
@@ -243,13 +243,6 @@ def _backward(q, k, v, o, lse, do, dlse, lens, g, sm_scale, interpret):
 _attention_bhld = attention_with_vjp(_forward, _backward)
 
 
-def aligned_geometry(layout: SharedPromptLayout, blocks: sched_lib.BlockSizes):
-  mult = blocks.region_multiple
-  up = lambda x: -(-x // mult) * mult
-  return sched_lib.Geometry(layout.num_responses, up(layout.prompt_capacity),
-                            up(layout.response_capacity), blocks.block_q, blocks.block_kv)
-
-
 def shared_prompt_attention_pallas_tpu(q, k, v, layout: SharedPromptLayout, *, sm_scale=None,
                                        block_sizes: sched_lib.BlockSizes | None = None,
                                        interpret=False):
@@ -258,16 +251,4 @@ def shared_prompt_attention_pallas_tpu(q, k, v, layout: SharedPromptLayout, *, s
   check_qkv(q, k, v)
   layout.validate(q.shape[1], q.shape[0])
   blocks = block_sizes or sched_lib.BlockSizes()
-  g = aligned_geometry(layout, blocks)
-  scale = default_scale(q.shape[-1]) if sm_scale is None else float(sm_scale)
-  aligned = (g.prompt_capacity, g.response_capacity) == (layout.prompt_capacity,
-                                                        layout.response_capacity)
-  to_kernel = lambda x: jnp.swapaxes(
-      x if aligned else repad_regions(x, layout, g.prompt_capacity, g.response_capacity), 1, 2)
-  lens = sched_lib.region_lens(layout.prompt_lens, layout.response_lens)
-  o, lse = _attention_bhld(to_kernel(q), to_kernel(k), to_kernel(v), lens, g, scale, interpret)
-  o, lse = jnp.swapaxes(o, 1, 2), jnp.swapaxes(lse, 1, 2)
-  if not aligned:
-    o = unpad_regions(o, layout, g.prompt_capacity, g.response_capacity)
-    lse = unpad_regions(lse, layout, g.prompt_capacity, g.response_capacity)
-  return o, lse
+  return call_on_aligned_regions(_attention_bhld, q, k, v, layout, blocks, sm_scale, interpret)

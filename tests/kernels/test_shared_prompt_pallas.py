@@ -12,7 +12,7 @@ from kernel_cases import (ALIGNED_FULL, CASES, ODD_GQA_PADDED, SMALL_GQA_PADDED,
 from rlax_ps.kernels import reference, schedule
 from rlax_ps.kernels.dispatch import shared_prompt_attention
 from rlax_ps.kernels.layout import make_layout
-from rlax_ps.kernels.shared_prompt_tpu import aligned_geometry
+from rlax_ps.kernels.pallas_common import aligned_geometry
 
 BLOCKS = schedule.BlockSizes(block_q=8, block_kv=8)
 
