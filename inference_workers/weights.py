@@ -2,9 +2,10 @@
 
 Updates from the parameter server (`rlax_ps.sync.Update`) are applied in place: each changed
 tensor is one donated jitted scatter of its changed elements (`rlax_ps.sync.device`), so no
-second copy of the model ever exists; every changed tensor is then checked against the
-update's checksum. A delta whose base is not the held version, or any mismatch, raises
-`ResyncNeeded` and leaves the policy without a version: the caller pulls a keyframe.
+second copy of the model ever exists; the whole held state is then checked against the
+update's result seal (changed tensors are hashed, unchanged ones keep the checksum they
+had). A delta whose base is not the held version, or any mismatch, raises `ResyncNeeded`
+and leaves the policy without a version: the caller pulls a keyframe.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from flax import nnx
 from inference_workers.quantized import Int8Transformer, held_name
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.transformer import Transformer
-from rlax_ps.sync import CodecError, Update
+from rlax_ps.sync import CodecError, Update, checksum
 from rlax_ps.sync.device import apply_changes
 
 FORMATS = ("bf16", "int8")
@@ -47,6 +48,7 @@ class HeldPolicy:
     held_config = config.replace(param_dtype="bfloat16")
     self.model = nnx.eval_shape(lambda: cls(held_config, rngs=nnx.Rngs(0)))
     self._vars = _variables(self.model)
+    self._checksums: dict[str, int] = {}  # of held tensors, filled as they are verified
     self.version: int | None = None
 
   @property
@@ -66,7 +68,7 @@ class HeldPolicy:
     """Bring the held weights to `update.version` in place (keyframe or delta).
 
     Raises ResyncNeeded when the update does not apply to what is held (format, base
-    version, tensor names or shapes) or a result fails its checksum.
+    version, tensor names or shapes) or the result fails the update's seal.
     """
     try:
       self._apply(update, verify)
@@ -86,7 +88,7 @@ class HeldPolicy:
       raise ResyncNeeded(f"update tensors differ from the model's: e.g. {odd[0]!r} "
                          f"({len(odd)} differ)")
     # A keyframe replaces everything, a delta patches what is held; an older version's
-    # leftovers would be caught by the checksums below.
+    # leftovers would be caught by the seal check below.
     if not update.is_keyframe:
       self.version = None
     for name in sorted(names):
@@ -101,11 +103,19 @@ class HeldPolicy:
       else:
         new = apply_changes(var[...], changes)
       var.set_value(new)
-      if verify:
-        update.verify(name, np.asarray(jax.device_get(new)))
+      self._checksums.pop(name, None)
+    if verify:
+      update.verify_all({name: self._checksum(name) for name in names})
     self.version = update.version
 
+  def _checksum(self, name: str) -> int:
+    """Checksum of a held tensor: kept from when it last changed, else pulled and hashed."""
+    if name not in self._checksums:
+      self._checksums[name] = checksum(np.asarray(jax.device_get(self._vars[name][...])))
+    return self._checksums[name]
+
   def verify_all(self, update: Update) -> None:
-    """Check every held tensor against `update`'s checksums (e.g. after a restart)."""
-    for name, var in self._vars.items():
-      update.verify(name, np.asarray(jax.device_get(var[...])))
+    """Check every held tensor, pulled afresh, against `update`'s result seal (e.g. after a
+    restart); raises CodecError naming the tensor."""
+    self._checksums.clear()
+    update.verify_all({name: self._checksum(name) for name in self._vars})

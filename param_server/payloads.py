@@ -45,20 +45,19 @@ def verify(blob, *, decode_keyframe: bool) -> None:
   """Raises CodecError unless the blob (any buffer) is intact.
 
   A keyframe with `decode_keyframe` is checked in place, one tensor at a time, against its
-  weight checksums (its sections are the raw tensors, so this covers their digests too) and
+  result seal (its sections are the raw tensors, so this covers their digests too) and
   costs one tensor of memory; anything else goes through `Update.from_bytes`, which copies
-  the blob (deltas are small) and checks every section's digest."""
+  the blob (deltas are small) and checks its section seal."""
   header = sync.read_header(blob)
   if decode_keyframe and header.is_keyframe:
     update = sync.Update(blob, header)
-    for name in update.tensors:
-      update.verify(name, update.changes(name).array)
+    update.verify_all({name: sync.checksum(update.changes(name).array) for name in update.tensors})
   else:
     sync.Update.from_bytes(blob)
 
 
 def materialize(blobs) -> dict[str, np.ndarray]:
-  """Applies a keyframe blob and the delta blobs after it; raises CodecError on a checksum mismatch.
+  """Applies a keyframe blob and the delta blobs after it; raises CodecError on a seal mismatch.
 
   The keyframe is read in place (apply checks each of its tensors' checksums); deltas are
   parsed with their digests checked."""

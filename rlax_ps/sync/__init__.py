@@ -19,7 +19,7 @@ Host usage:
   wire = update.to_bytes(); update = Update.from_bytes(wire)   # CodecError if bad
   header = read_header(wire)        # versions, fmt, tensor metas; no payload decoding
   for c in update.chunks(1 << 20): ...; Reassembler().feed(c) -> Update on the last chunk
-  held = apply(held, update)        # verified bit for bit against per-tensor checksums
+  held = apply(held, update)        # verified bit for bit against the update's seals
 
 On-device usage (workers, in place, without the base on the host):
   ch = update.changes(name)         # TensorChanges
@@ -30,20 +30,24 @@ On-device usage (workers, in place, without the base on the host):
     ch.kind == "dense":   ch.offsets for every element, same rule.
     ch.kind == "replace": ch.array is the new array; "unchanged": nothing to do.
   rlax_ps.sync.device.apply_changes(buf, ch) does this with a donated jitted scatter;
-  update.verify(name, array) checks the result's checksum (pulls the array to the host).
+  update.verify_all({name: array or checksum(array)}) checks the whole result at once
+  (a worker keeps the checksums of tensors an update leaves unchanged).
 
 Checksums are xxh3-64 of each tensor's exact held bytes: ~10 GB/s here against ~2 GB/s
-for zlib.crc32, which would cost more than the whole rest of a sparse apply. A delta records
-only the low 32 bits of each base's checksum (to tell a wrong base from a corrupted update).
+for zlib.crc32, which would cost more than the whole rest of a sparse apply. An update
+records them as seals (integrity.py): one 64-bit digest over all results, one over all
+bases (deltas), one over the sections, each with a few group locators that name the
+tensor behind a mismatch.
 """
 
 from rlax_ps.sync.codec import apply, dequantize, encode, held_state
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.int8 import quantize_params
+from rlax_ps.sync.integrity import Seal, checksum
 from rlax_ps.sync.wire import (Reassembler, TensorChanges, TensorMeta, Update, UpdateHeader,
-                               checksum, read_header)
+                               read_header)
 
 __all__ = [
-    "CodecError", "Reassembler", "TensorChanges", "TensorMeta", "Update", "UpdateHeader",
+    "CodecError", "Reassembler", "Seal", "TensorChanges", "TensorMeta", "Update", "UpdateHeader",
     "apply", "checksum", "dequantize", "encode", "held_state", "quantize_params", "read_header",
 ]

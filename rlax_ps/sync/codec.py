@@ -5,7 +5,8 @@ import numpy as np
 from rlax_ps.sync import int8, tensor_codec
 from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, to_bf16
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.wire import FORMATS, Update, base_checksum, build
+from rlax_ps.sync.integrity import checksum
+from rlax_ps.sync.wire import FORMATS, Update, build, check_names
 
 
 def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
@@ -17,17 +18,6 @@ def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
   if int8.is_held_int8(params):
     return int8.check_held(params)
   return int8.quantize_params(params)
-
-
-def _check_names(what: str, got: dict, want) -> None:
-  missing = [n for n in want if n not in got]
-  extra = [n for n in got if n not in want]
-  if missing:
-    raise CodecError(f"tensor {missing[0]!r}: missing from the {what} "
-                     f"({len(missing)} missing in all)")
-  if extra:
-    raise CodecError(f"tensor {extra[0]!r}: in the {what} but not in the update "
-                     f"({len(extra)} extra in all)")
 
 
 def encode(base, target, fmt: str = "bf16", *, version: int,
@@ -51,7 +41,7 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   old_state = None
   if base is not None:
     old_state = held_state(base, fmt)
-    _check_names("base", old_state, new_state)
+    check_names("base", old_state, new_state)
   entries = []
   for name, new in new_state.items():
     old = None
@@ -69,49 +59,56 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
 def apply(base, update: Update, *, base_version: int | None = None,
           inplace: bool = False) -> dict[str, np.ndarray]:
   """The held state `update` makes of `base` (ignored for a keyframe; may be None), verified
-  tensor by tensor against the update's checksums. With `base_version`, also checks that
-  the update applies to that version.
+  bit for bit against the update's seals (errors name the tensor). With `base_version`,
+  also checks that the update applies to that version.
 
   inplace=True writes into the base's (writable, C-contiguous numpy) arrays and returns
-  them: only changed elements are written, at the price that a failed result checksum
-  (a corrupted update behind valid digests) leaves that tensor damaged, to be replaced
-  from a keyframe. A wrong base is still detected before anything is written."""
+  them: only changed elements are written, at the price that a failed result check (a
+  corrupted update behind valid digests) leaves tensors damaged, to be replaced from a
+  keyframe. Every base tensor is checked against the base seal before anything is written."""
   if not isinstance(update, Update):
     raise TypeError(f"update expected an Update, got {type(update).__name__}")
-  if not update.is_keyframe:
-    if base is None:
-      raise CodecError(f"update is a delta from version {update.base_version}; a base is required")
-    if base_version is not None and base_version != update.base_version:
-      raise CodecError(f"wrong base version: update applies to {update.base_version}, "
-                       f"base is {base_version}")
-    _check_names("base", base, update.tensors)
-  out = {}
-  for name, meta in update.tensors.items():
-    dec = update.decoded(name)
-    old = None
-    if not update.is_keyframe:
-      held = update.check_base(name, base[name])
-      old = bit_view(held)
-    write_into = inplace and not update.is_keyframe
-    if write_into:
+  names = list(update.tensors)
+  if update.is_keyframe:
+    out, digests = {}, []
+    for name, meta in update.tensors.items():
+      bits, got = update.decoded(name).apply(None, UINT_OF[meta.dtype])
+      out[name] = bits.view(meta.dtype).reshape(meta.shape)
+      digests.append(got)
+    update.check_results(digests)
+    return out
+  if base is None:
+    raise CodecError(f"update is a delta from version {update.base_version}; a base is required")
+  if base_version is not None and base_version != update.base_version:
+    raise CodecError(f"wrong base version: update applies to {update.base_version}, "
+                     f"base is {base_version}")
+  check_names("base", base, update.tensors)
+  held = {name: update.check_base(name, base[name]) for name in names}
+  base_digests = None
+  if inplace:
+    for name in names:
       if not (isinstance(base[name], np.ndarray) and base[name].flags.c_contiguous
               and base[name].flags.writeable):
         raise CodecError(f"tensor {name!r}: inplace apply needs a writable C-contiguous "
                          f"numpy array, got {type(base[name]).__name__}")
-      if base_checksum(held) != meta.base_checksum:
-        raise CodecError(f"tensor {name!r}: wrong base: its checksum is "
-                         f"{base_checksum(held):08x}, the update was made against "
-                         f"{meta.base_checksum:08x}")
-    bits, got = dec.apply(old, UINT_OF[meta.dtype], inplace=write_into)
-    result = bits.view(meta.dtype).reshape(meta.shape)
-    if got != meta.checksum:
-      if old is not None and not write_into and base_checksum(held) != meta.base_checksum:
-        raise CodecError(f"tensor {name!r}: wrong base: its checksum is "
-                         f"{base_checksum(held):08x}, the update was made against "
-                         f"{meta.base_checksum:08x}")
-      raise CodecError(f"tensor {name!r}: corrupted: result checksum {got:016x}, "
-                       f"expected {meta.checksum:016x}")
-    out[name] = base[name] if write_into else result
+    base_digests = [checksum(held[name]) for name in names]
+    update.check_bases(base_digests)
+  out, digests = {}, []
+  for i, (name, meta) in enumerate(update.tensors.items()):
+    if inplace and meta.mode == "unchanged":
+      out[name] = base[name]
+      digests.append(base_digests[i])
+      continue
+    bits, got = update.decoded(name).apply(bit_view(held[name]), UINT_OF[meta.dtype],
+                                           inplace=inplace)
+    out[name] = base[name] if inplace else bits.view(meta.dtype).reshape(meta.shape)
+    digests.append(got)
+  if not update.header.results.matches(digests):
+    if base_digests is None:  # tell a wrong base from a corrupted update
+      base_digests = [d if meta.mode == "unchanged" else checksum(held[name])
+                      for d, (name, meta) in zip(digests, update.tensors.items())]
+      update.check_bases(base_digests)
+    update.check_results(digests)
   return out
 
 

@@ -1,19 +1,22 @@
 """Update messages: binary layout, header parsing, per-tensor changes, chunked transport.
 
 Message layout (little-endian):
-  prefix   b"RLXW" | u16 wire version (2) | u8 header codec (0 raw, 1 zstd: tensor names
+  prefix   b"RLXW" | u16 wire version (3) | u8 header codec (0 raw, 1 zstd: tensor names
            repeat a lot) | u32 stored header_len | u32 crc32(stored header)
   header   u8 fmt (0 bf16, 1 int8) | u8 is_keyframe | varint version | varint base_version
            (0 for a keyframe) | varint tensor count, then column by column (so that zstd
            finds the repeats): per tensor varint bytes shared with the previous name
            | varint rest_len | the rest of the utf-8 name; per tensor u8 dtype
            (0 bf16, 1 int8) | u8 section codec version (2) | u8 mode | u8 ndim; per tensor
-           varint dims[ndim] | varint section_len; per tensor u64 checksum [| u32
-           base_checksum: deltas, mode other than unchanged, whose base checksum is the
-           checksum's low half]; per non-empty section u8 low byte of xxh3(section) (only
-           locates damage); u64 xxh3 of all the sections (the body digest).
+           varint dims[ndim] | varint section_len; then three seals (integrity.py: u64
+           digest over per-item xxh3-64 digests | 2*ceil(log2 n) group locators):
+           results (every tensor's held bytes, u16 locators) | bases (deltas only: every
+           base tensor, u8 locators) | sections (the non-empty sections' bytes, u8
+           locators).
   body     the sections, in header order (tensor_codec.py).
-Version 1 (constriction rANS, row-wise header) is rejected with a CodecError.
+The seals replace version 2's per-tensor u64 result and u32 base checksums: a few dozen
+bytes whatever the tensor count, still 64 bits of detection per seal, and a mismatch still
+names its tensor. Versions 1 and 2 are rejected with a CodecError.
 Chunk layout: b"RLXC" | u32 index | u32 count | u64 message length | u64 xxh3(message)
   | u32 data length | data.
 """
@@ -28,11 +31,12 @@ import zstandard
 
 from rlax_ps.sync import tensor_codec
 from rlax_ps.sync.bits import BF16, INT8, UINT_OF, bit_view
-from rlax_ps.sync.byte_reader import ByteReader, u8, u32, u64, varint
+from rlax_ps.sync.byte_reader import ByteReader, u8, u64, varint
 from rlax_ps.sync.errors import CodecError
+from rlax_ps.sync.integrity import Seal, checksum, combine, group_count
 
 MAGIC = b"RLXW"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 SECTION_CODEC_VERSION = 2
 FORMATS = ("bf16", "int8")
 _DTYPES = (BF16, INT8)
@@ -42,30 +46,13 @@ _CHUNK = struct.Struct("<4sIIQQI")
 CHUNK_MAGIC = b"RLXC"
 CHUNK_OVERHEAD = _CHUNK.size
 MAX_ELEMENTS = 1 << 40
-
-
-def checksum(array) -> int:
-  """xxh3-64 of the array's exact bytes (C order, little-endian held dtype)."""
-  return xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+# Locator width: a collision only blurs which tensor an error names (the error then lists
+# the suspects); detection rests on the 64-bit digests.
+LOCATOR_BITS = 8
 
 
 def _digest(buf) -> int:
   return xxhash.xxh3_64_intdigest(buf)
-
-
-def _section_digest(buf) -> int:
-  """8 bits per section only locate damage that the 64-bit body digest has detected."""
-  return xxhash.xxh3_64_intdigest(buf) & 0xFF
-
-
-def base_checksum(array) -> int:
-  """What an update records of a delta's base tensor: the low 32 bits of its checksum.
-  It only tells a wrong base apart from a corrupted update (and stops an in-place apply
-  before it writes); the 64-bit checksum of the result still guards every tensor."""
-  return checksum(array) & 0xFFFFFFFF
-
-
-_EMPTY_DIGEST = _section_digest(b"")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +61,9 @@ class TensorMeta:
   name: str
   shape: tuple[int, ...]
   dtype: np.dtype
-  checksum: int
-  base_checksum: int | None
   mode: str
-  nbytes: int
-  offset: int
-  digest: int
+  nbytes: int = 0
+  offset: int = 0
 
   @property
   def size(self) -> int:
@@ -94,7 +78,9 @@ class UpdateHeader:
   fmt: str
   tensors: dict[str, TensorMeta]
   nbytes: int
-  body_digest: int = 0  # xxh3-64 of all the sections, in order
+  results: Seal  # over every tensor's result checksum, in header order
+  bases: Seal | None  # over every base tensor's checksum (None for a keyframe)
+  sections: Seal  # over the non-empty sections' xxh3-64, in header order
 
   @property
   def is_keyframe(self) -> bool:
@@ -128,38 +114,116 @@ def _shared_prefix(a: bytes, b: bytes) -> int:
   return n
 
 
-def build(fmt: str, version: int, base_version: int | None, entries) -> "Update":
-  """Assembles a message; `entries` are (name, shape, dtype, checksum, base_checksum, mode,
-  section) tuples."""
-  keyframe = base_version is None
-  sections = [memoryview(e[6]).cast("B") for e in entries]
-  head = [u8(FORMATS.index(fmt)), u8(keyframe), varint(version),
-          varint(0 if keyframe else base_version), varint(len(entries))]
-  prev = b""
-  for name, *_ in entries:
+def _names_column(names) -> list[bytes]:
+  """Per name: varint bytes shared with the previous name | varint rest_len | the rest."""
+  out, prev = [], b""
+  for name in names:
     nb = name.encode()
     shared = _shared_prefix(prev, nb)
-    head += [varint(shared), varint(len(nb) - shared), nb[shared:]]
+    out += [varint(shared), varint(len(nb) - shared), nb[shared:]]
     prev = nb
-  for (_, shape, dtype, _, _, mode, _) in entries:
-    head += [u8(_DTYPES.index(dtype)), u8(SECTION_CODEC_VERSION), u8(mode), u8(len(shape))]
-  for (_, shape, *_), sec in zip(entries, sections):
-    head += [varint(d) for d in shape] + [varint(sec.nbytes)]
-  for (_, _, _, csum, bcsum, mode, _) in entries:
-    head.append(u64(csum))
-    if not keyframe and mode != tensor_codec.UNCHANGED:
-      head.append(u32(bcsum & 0xFFFFFFFF))
-  head += [u8(_section_digest(sec)) for sec in sections if sec.nbytes]
-  body = xxhash.xxh3_64()
-  for sec in sections:
-    body.update(sec)
-  head.append(u64(body.intdigest()))
-  header = b"".join(head)
-  packed = zstandard.ZstdCompressor(level=19 if len(header) < 1 << 16 else 9).compress(header)
-  codec = int(len(packed) < len(header))
-  header = packed if codec else header
-  prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(header), zlib.crc32(header))
-  data = b"".join([prefix, header] + sections)
+  return out
+
+
+# The header's zstd frames start from a raw-content dictionary: the names columns of this
+# project's models (rlax_ps.models, one layer, untied head) held as bf16 and as int8, with
+# and without q/k/v biases, so that a small model's names cost ~20 bytes instead of ~100-170;
+# other names compress as they would without it. Frames are magicless and carry no size,
+# dictionary id or checksum (the prefix's crc32 covers them). Changing the dictionary changes
+# the wire format.
+_LAYER_NAMES = ["embed.embedding", "layers.0.attn.k_proj.bias", "layers.0.attn.k_proj.kernel",
+                "layers.0.attn.o_proj.kernel", "layers.0.attn.q_proj.bias",
+                "layers.0.attn.q_proj.kernel", "layers.0.attn.v_proj.bias",
+                "layers.0.attn.v_proj.kernel", "layers.0.input_norm.scale",
+                "layers.0.mlp.down_proj.kernel", "layers.0.mlp.gate_proj.kernel",
+                "layers.0.mlp.up_proj.kernel", "layers.0.post_attn_norm.scale",
+                "lm_head.kernel", "norm.scale"]
+
+
+def _held_names(bias: bool, int8: bool) -> list[str]:
+  names = [n for n in _LAYER_NAMES if bias or not n.endswith(".bias")]
+  scaled = [n + ".scale" for n in names if int8 and n.endswith(("kernel", "embedding"))]
+  return sorted(names + scaled)
+
+
+_NAME_DICT = zstandard.ZstdCompressionDict(
+    b"".join(b"".join(_names_column(_held_names(bias, int8)))
+             for bias in (True, False) for int8 in (False, True)),
+    dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+_ZSTD_FORMAT = zstandard.FORMAT_ZSTD1_MAGICLESS
+
+
+def _compressor(nbytes: int) -> zstandard.ZstdCompressor:
+  params = zstandard.ZstdCompressionParameters.from_level(
+      19 if nbytes < 1 << 16 else 9, format=_ZSTD_FORMAT, write_content_size=False,
+      write_dict_id=False, write_checksum=False)
+  return zstandard.ZstdCompressor(compression_params=params, dict_data=_NAME_DICT)
+
+
+def build(fmt: str, version: int, base_version: int | None, entries) -> "Update":
+  """Assembles a message; `entries` are (name, shape, dtype, checksum, base_checksum, mode,
+  section) tuples: `checksum` is the xxh3-64 of the tensor the update makes, `base_checksum`
+  that of its base (None for a keyframe)."""
+  keyframe = base_version is None
+  metas = {name: TensorMeta(name, tuple(shape), np.dtype(dtype), tensor_codec.MODE_NAMES[mode])
+           for name, shape, dtype, _, _, mode, _ in entries}
+  if len(metas) != len(entries):
+    twice = next(n for i, (n, *_) in enumerate(entries) if n in [e[0] for e in entries[:i]])
+    raise CodecError(f"tensor {twice!r}: appears twice in the update")
+  sections = [e[6] for e in entries]
+  header = UpdateHeader(
+      version, base_version, fmt, metas, 0,
+      results=Seal.of([e[3] for e in entries], LOCATOR_BITS),
+      bases=None if keyframe else Seal.of([e[4] for e in entries], LOCATOR_BITS),
+      sections=section_seal(sections))
+  return assemble(header, sections)
+
+
+def section_seal(sections) -> Seal:
+  """The seal over the xxh3-64 of the non-empty sections, in order."""
+  return Seal.of([_digest(sec) for sec in sections if memoryview(sec).nbytes], LOCATOR_BITS)
+
+
+def _seal_bytes(seal: Seal) -> list[bytes]:
+  width = seal.bits // 8
+  return [u64(seal.digest)] + [x.to_bytes(width, "little") for x in seal.locators]
+
+
+def _read_seal(r: ByteReader, n: int, bits: int) -> Seal:
+  digest = r.u64()
+  width = bits // 8
+  return Seal(digest, tuple(int.from_bytes(r.take(width), "little")
+                            for _ in range(group_count(n))), bits)
+
+
+def assemble(header: UpdateHeader, sections) -> "Update":
+  """The message of `header` (versions, fmt, its tensors' names, shapes, dtypes and modes,
+  its seals, all written as given) over `sections` (bytes-likes in header order); the
+  metas' lengths and offsets and the header's nbytes come from `sections`."""
+  sections = [memoryview(sec).cast("B") for sec in sections]
+  metas = list(header.tensors.values())
+  if len(sections) != len(metas):
+    raise ValueError(f"sections: expected {len(metas)}, got {len(sections)}")
+  keyframe = header.base_version is None
+  head = [u8(FORMATS.index(header.fmt)), u8(keyframe), varint(header.version),
+          varint(0 if keyframe else header.base_version), varint(len(metas))]
+  head += _names_column([meta.name for meta in metas])
+  for meta in metas:
+    head += [u8(_DTYPES.index(meta.dtype)), u8(SECTION_CODEC_VERSION),
+             u8(tensor_codec.MODE_NAMES.index(meta.mode)), u8(len(meta.shape))]
+  head += [varint(d) for meta in metas for d in meta.shape]
+  head += [varint(sec.nbytes) for sec in sections]
+  meta_bytes = b"".join(head)
+  packed = _compressor(len(meta_bytes)).compress(meta_bytes)
+  codec = int(len(packed) < len(meta_bytes))
+  stored = packed if codec else meta_bytes
+  seals = _seal_bytes(header.results)
+  if not keyframe:
+    seals += _seal_bytes(header.bases)
+  seals += _seal_bytes(header.sections)
+  region = b"".join([varint(len(stored)), stored] + seals)
+  prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(region), zlib.crc32(region))
+  data = b"".join([prefix, region] + sections)
   return Update(data, read_header(data))
 
 
@@ -172,18 +236,21 @@ def read_header(b) -> UpdateHeader:
   if magic != MAGIC:
     raise CodecError(f"update header: magic expected {MAGIC!r}, got {bytes(magic)!r}")
   if wire != WIRE_VERSION:
-    raise CodecError(f"update header: unknown wire format version {wire} (expected {WIRE_VERSION})")
+    raise CodecError(f"update header: unknown wire format version {wire} (expected "
+                     f"{WIRE_VERSION}; version 2 carried per-tensor checksums, 1 rANS sections)")
   if _PREFIX.size + hlen > buf.nbytes:
     raise CodecError(
         f"update header: truncated: header needs {hlen} bytes, {buf.nbytes - _PREFIX.size} left")
-  header = buf[_PREFIX.size:_PREFIX.size + hlen]
-  if zlib.crc32(header) != hcrc:
+  region = ByteReader(buf[_PREFIX.size:_PREFIX.size + hlen], "update header")
+  if zlib.crc32(region.buf) != hcrc:
     raise CodecError("update header: corrupted (crc32 mismatch)")
   if codec > 1:
     raise CodecError(f"update header: unknown header codec {codec}")
+  header = region.take(region.varint())
   if codec == 1:
     try:
-      header = zstandard.ZstdDecompressor().decompress(header, max_output_size=_MAX_HEADER)
+      header = zstandard.ZstdDecompressor(dict_data=_NAME_DICT, format=_ZSTD_FORMAT).decompress(
+          header, max_output_size=_MAX_HEADER)
     except zstandard.ZstdError as e:
       raise CodecError(f"update header: corrupted ({e})") from None
   r = ByteReader(header, "update header")
@@ -211,22 +278,16 @@ def read_header(b) -> UpdateHeader:
     except UnicodeDecodeError:
       raise CodecError("update header: tensor name is not utf-8") from None
   codes = [(r.u8(), r.u8(), r.u8(), r.u8()) for _ in range(count)]
-  shapes, lengths = [], []
-  for _, _, _, ndim in codes:
-    shapes.append(tuple(r.varint() for _ in range(ndim)))
-    lengths.append(r.varint())
-  sums = []
-  for _, _, mode, _ in codes:
-    csum = r.u64()
-    sums.append((csum, None if keyframe else r.u32() if mode != tensor_codec.UNCHANGED
-                 else csum & 0xFFFFFFFF))
-  digests = [r.u8() if nbytes else _EMPTY_DIGEST for nbytes in lengths]
-  body_digest = r.u64()
+  shapes = [tuple(r.varint() for _ in range(ndim)) for _, _, _, ndim in codes]
+  lengths = [r.varint() for _ in range(count)]
   r.done()
+  results = _read_seal(region, count, LOCATOR_BITS)
+  bases = None if keyframe else _read_seal(region, count, LOCATOR_BITS)
+  sections = _read_seal(region, sum(1 for n in lengths if n), LOCATOR_BITS)
+  region.done()
   tensors = {}
   offset = _PREFIX.size + hlen
-  for name, (dtype_code, codec, mode, _), shape, nbytes, (csum, bcsum), digest in zip(
-      names, codes, shapes, lengths, sums, digests):
+  for name, (dtype_code, codec, mode, _), shape, nbytes in zip(names, codes, shapes, lengths):
     what = f"tensor {name!r}"
     if name in tensors:
       raise CodecError(f"{what}: appears twice in the update")
@@ -242,19 +303,56 @@ def read_header(b) -> UpdateHeader:
     if keyframe and mode != tensor_codec.RAW:
       raise CodecError(f"{what}: keyframe sections must be raw, got "
                        f"{tensor_codec.MODE_NAMES[mode]}")
+    if mode == tensor_codec.UNCHANGED and nbytes:
+      raise CodecError(f"{what}: unchanged section of {nbytes} bytes, expected none")
     if mode == tensor_codec.RAW and nbytes != size * dtype.itemsize:
       raise CodecError(f"{what}: raw section of {nbytes} bytes, expected {size * dtype.itemsize}")
     if offset + nbytes > buf.nbytes:
       raise CodecError(f"{what}: truncated: section needs {nbytes} bytes at offset {offset}, "
                        f"message has {buf.nbytes}")
-    tensors[name] = TensorMeta(name, shape, dtype, csum, bcsum,
-                               tensor_codec.MODE_NAMES[mode], nbytes, offset, digest)
+    tensors[name] = TensorMeta(name, shape, dtype, tensor_codec.MODE_NAMES[mode], nbytes, offset)
     offset += nbytes
   if offset != buf.nbytes:
     raise CodecError(f"update: {buf.nbytes - offset} unexpected trailing bytes after the "
                      f"last section")
   return UpdateHeader(version, None if keyframe else base_version, FORMATS[fmt_code], tensors,
-                      buf.nbytes, body_digest)
+                      buf.nbytes, results, bases, sections)
+
+
+def check_names(what: str, got, want) -> None:
+  """CodecError naming the first tensor of `want` missing from `got`, or extra in it."""
+  missing = [n for n in want if n not in got]
+  extra = [n for n in got if n not in want]
+  if missing:
+    raise CodecError(f"tensor {missing[0]!r}: missing from the {what} "
+                     f"({len(missing)} missing in all)")
+  if extra:
+    raise CodecError(f"tensor {extra[0]!r}: in the {what} but not in the update "
+                     f"({len(extra)} extra in all)")
+
+
+def _listing(names, limit: int = 8) -> str:
+  shown = ", ".join(repr(n) for n in names[:limit])
+  return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_seal(seal: Seal, digests, names, problem: str, what: str = "checksum") -> None:
+  """Raises CodecError stating `problem`, naming the tensor (or the suspects) the seal's
+  locators point at, unless `digests` (one per name, in header order) match `seal`."""
+  if seal.matches(digests):
+    return
+  suspects = seal.suspects(digests)
+  if len(suspects) == 1:
+    i = suspects[0]
+    raise CodecError(f"tensor {names[i]!r}: {problem} (its {what} {digests[i]:016x} is not "
+                     f"the one the update's seal records)")
+  if suspects:
+    raise CodecError(f"{problem} in one or more of {len(suspects)} suspect tensors (the "
+                     f"locators cannot tell which): {_listing([names[i] for i in suspects])}")
+  raise CodecError(f"{problem}: the combined {what} of the {len(names)} tensors is "
+                   f"{combine(digests):016x}, the update expects {seal.digest:016x}, yet no "
+                   f"locator mismatches (a locator collision); any of them may differ: "
+                   f"{_listing(list(names))}")
 
 
 class Update:
@@ -281,16 +379,13 @@ class Update:
 
   @classmethod
   def from_bytes(cls, b) -> "Update":
-    """Parses a message and checks every section's digest; raises CodecError."""
+    """Parses a message and checks its sections against the section seal; raises CodecError."""
     data = bytes(b)
     header = read_header(data)
     view = memoryview(data)
-    body = min((m.offset for m in header.tensors.values()), default=len(data))
-    if _digest(view[body:]) != header.body_digest:
-      for meta in header.tensors.values():
-        if _section_digest(view[meta.offset:meta.offset + meta.nbytes]) != meta.digest:
-          raise CodecError(f"tensor {meta.name!r}: section corrupted (digest mismatch)")
-      raise CodecError("update body corrupted (digest mismatch)")
+    filled = [m for m in header.tensors.values() if m.nbytes]
+    check_seal(header.sections, [_digest(view[m.offset:m.offset + m.nbytes]) for m in filled],
+               [m.name for m in filled], "section corrupted", "section digest")
     return cls(data, header)
 
   def meta(self, name: str) -> TensorMeta:
@@ -337,16 +432,36 @@ class Update:
     return TensorChanges(kind="sparse", indices=dec.indices, offsets=dec.offsets, values=values,
                          **common)
 
-  def verify(self, name: str, array) -> None:
-    """Raises CodecError unless `array` is exactly what this update makes of tensor `name`."""
-    meta = self.meta(name)
-    arr = np.asarray(array)
-    if arr.shape != meta.shape or arr.dtype != meta.dtype:
-      raise CodecError(f"tensor {name!r}: expected {meta.dtype}{list(meta.shape)}, "
-                       f"got {arr.dtype}{list(arr.shape)}")
-    got = checksum(arr)
-    if got != meta.checksum:
-      raise CodecError(f"tensor {name!r}: checksum expected {meta.checksum:016x}, got {got:016x}")
+  def verify_all(self, arrays_or_digests) -> None:
+    """Raises CodecError, naming the tensor where the seal can, unless the given held state
+    is exactly what this update makes. Takes name -> array (checked for shape and dtype,
+    then hashed) or name -> its `checksum` (e.g. kept from an earlier update), for every
+    tensor of the update."""
+    check_names("verified state", arrays_or_digests, self.tensors)
+    digests = []
+    for name, meta in self.tensors.items():
+      value = arrays_or_digests[name]
+      if isinstance(value, (int, np.integer)):
+        digests.append(int(value))
+        continue
+      arr = np.asarray(value)
+      if arr.shape != meta.shape or arr.dtype != meta.dtype:
+        raise CodecError(f"tensor {name!r}: expected {meta.dtype}{list(meta.shape)}, "
+                         f"got {arr.dtype}{list(arr.shape)}")
+      digests.append(checksum(arr))
+    self.check_results(digests)
+
+  def check_results(self, digests) -> None:
+    """CodecError naming the tensor unless the results' checksums (header order) match."""
+    check_seal(self.header.results, digests, list(self.tensors),
+               "corrupted: result checksum mismatch")
+
+  def check_bases(self, digests) -> None:
+    """CodecError naming the tensor unless the base tensors' checksums (header order) are
+    those this delta was made against."""
+    check_seal(self.header.bases, digests, list(self.tensors),
+               f"wrong base: not the weights of version {self.base_version} this update was "
+               f"made against")
 
   def chunks(self, max_bytes: int):
     """Yields the message as chunks of at most `max_bytes` bytes each (header included)."""

@@ -27,7 +27,7 @@ def test_device_apply_matches_host_apply_for_every_kind(fmt):
   held = sync.held_state(base, fmt)
   update = sync.encode(held, target, fmt, version=1)
   want = sync.apply(held, update)
-  kinds = set()
+  kinds, results = set(), {}
   for name, meta in update.tensors.items():
     ch = update.changes(name)
     kinds.add(ch.kind)
@@ -35,7 +35,8 @@ def test_device_apply_matches_host_apply_for_every_kind(fmt):
     got = np.asarray(jax.device_get(out))
     assert got.dtype == want[name].dtype and np.array_equal(
         got.view(np.uint8), want[name].view(np.uint8)), name
-    update.verify(name, got)
+    results[name] = got
+  update.verify_all(results)
   assert {"sparse", "unchanged"} <= kinds
 
 

@@ -1,0 +1,69 @@
+"""Whole-update seals: one 64-bit digest over many per-item digests, plus a few short group
+locators that still name the item that differs.
+
+Items are numbered 0..n-1 in header order. For each bit j < ceil(log2 n) there are two
+groups: the items whose index has bit j clear, and those with it set; each group's locator
+is the low bits of the combined digest of its members. After the 64-bit digest has detected
+a mismatch, an item is a suspect when every group holding it mismatches: one bad item is
+then the only suspect (any other item sits in some group without it), several bad items
+are all among the suspects, and a colliding locator leaves the bad item out rather than
+accusing a good one. 2 * ceil(log2 n) locators cost less than a checksum per item once
+n exceeds a handful, which is what keeps a small update's header small.
+"""
+
+import dataclasses
+
+import numpy as np
+import xxhash
+
+
+def checksum(array) -> int:
+  """xxh3-64 of the array's exact bytes (C order, little-endian held dtype)."""
+  return xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+def combine(digests) -> int:
+  """xxh3-64 of the per-item digests as little-endian u64s, in order."""
+  return xxhash.xxh3_64_intdigest(np.asarray(digests, dtype="<u8").tobytes())
+
+
+def _index_bits(n: int) -> int:
+  return (n - 1).bit_length() if n > 1 else 0
+
+
+def group_count(n: int) -> int:
+  """Number of locators of a seal over n items."""
+  return 2 * _index_bits(n)
+
+
+def _groups(n: int):
+  """(bit, side, members) of every group over n items, in locator order."""
+  for j in range(_index_bits(n)):
+    for side in (0, 1):
+      yield j, side, [i for i in range(n) if (i >> j) & 1 == side]
+
+
+@dataclasses.dataclass(frozen=True)
+class Seal:
+  """A 64-bit digest over n per-item digests and the group locators (`bits` wide each)."""
+  digest: int
+  locators: tuple[int, ...]
+  bits: int
+
+  @classmethod
+  def of(cls, digests, bits: int) -> "Seal":
+    digests = [int(d) for d in digests]
+    mask = (1 << bits) - 1
+    return cls(combine(digests), tuple(combine([digests[i] for i in g]) & mask
+                                       for _, _, g in _groups(len(digests))), bits)
+
+  def matches(self, digests) -> bool:
+    return combine([int(d) for d in digests]) == self.digest
+
+  def suspects(self, digests) -> list[int]:
+    """Indices of the items that may differ, given that the 64-bit digest mismatches."""
+    digests = [int(d) for d in digests]
+    n, mask = len(digests), (1 << self.bits) - 1
+    bad = {(j, side) for (j, side, g), want in zip(_groups(n), self.locators)
+           if combine([digests[i] for i in g]) & mask != want}
+    return [i for i in range(n) if all((j, (i >> j) & 1) in bad for j in range(_index_bits(n)))]
