@@ -10,19 +10,19 @@ Layout, per float tensor `name` of the trainer:
 Quantization is a pure function of the float weights: scale = absmax / 127 rounded UP to
 the next bf16 value (bf16 so that a scale changes only when its channel's absmax moves by
 more than a bf16 ulp, which keeps int8 deltas sparse; rounded up so that no code clips),
-code = round_half_even(w / scale) in float64 (compiled loops, loops.py), in [-127, 127]; an all-zero channel has
-scale 0 and codes 0. Then |w - code * scale| <= scale / 2 for every element, and
-dequantized weights are code * scale (exact in float32).
+code = round_half_even(w / scale), in [-127, 127], computed exactly in float32 arithmetic
+alone (int8_loops.code_f32; the same steps run on device in int8_device.py; float64
+weights divide in float64); an all-zero channel has scale 0 and codes 0. Then
+|w - code * scale| <= scale / 2 for every element, and dequantized weights are code * scale (exact in float32).
 """
 
 import numpy as np
 
-from rlax_ps.sync import loops
-from rlax_ps.sync.bits import BF16, INT8, is_float_dtype, to_bf16
+from rlax_ps.sync import int8_loops
+from rlax_ps.sync.bits import BF16, INT8, c_contiguous, is_float_dtype, to_bf16
 from rlax_ps.sync.errors import CodecError
 
 SCALE_SUFFIX = ".scale"
-_BLOCK = 1 << 20
 
 
 def layout(name: str, ndim: int) -> str:
@@ -33,12 +33,33 @@ def layout(name: str, ndim: int) -> str:
 
 
 def _ceil_bf16(v: np.ndarray) -> np.ndarray:
-  """Smallest bf16 value >= v (v >= 0, finite), elementwise."""
+  """Smallest bf16 value >= v (float64, v >= 0, finite), elementwise."""
   s = v.astype(np.float32).astype(BF16)
   bits = s.view(np.uint16).copy()
   low = s.astype(np.float64) < v
   bits[low] += 1
   return bits.view(BF16)
+
+
+def scale_constants(absmax: np.ndarray) -> tuple[np.ndarray, ...]:
+  """Per-channel bf16 scales and the float32 constants (f, s, inv, half) of
+  int8_loops.code_f32, from float32 absmax values, in float32 arithmetic (with IEEE
+  subnormals; int8_device computes the same values without any subnormal operand).
+
+  scale: s0 = bf16(fl(absmax / 127)) is the bf16 just below or just above absmax / 127
+  (float32 division errs by far less than half a bf16 ulp); s0 * 127 is exact in float32
+  (8 x 7 significant bits), so s0 is the smallest bf16 >= absmax / 127 unless
+  s0 * 127 < absmax, and then the next bf16 is. f = 2**(127 - E) for the float32 exponent
+  field E of the scale puts s = scale * f in [2**-6, 2) (a zero scale: s = 1, codes 0)."""
+  a = absmax.astype(np.float32)
+  s0 = (a / np.float32(127)).astype(BF16)
+  low = s0.astype(np.float32) * np.float32(127) < a
+  scale = (s0.view(np.uint16) + low.astype(np.uint16)).view(BF16)
+  bits = scale.view(np.uint16).astype(np.uint32) << 16
+  f = ((np.uint32(254) - ((bits >> 23) & np.uint32(0xff))) << 23).view(np.float32)
+  s = np.where(bits > 0, bits.view(np.float32) * f, np.float32(1))
+  inv = np.float32(1) / s
+  return scale, f, s, inv, s * np.float32(0.5)
 
 
 def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
@@ -49,28 +70,30 @@ def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
     raise CodecError(f"tensor {name!r}: int8 quantization needs ndim >= 2, got shape {a.shape}")
   if a.dtype not in (np.float32, np.float64):
     a = a.astype(np.float32)  # bf16 / float16: exact
-  a = np.ascontiguousarray(a)
+  a = c_contiguous(a)
   rows = a.reshape(a.shape[0], -1) if kind == "rows" else a.reshape(-1, a.shape[-1])
-  absmax = np.zeros(rows.shape[0] if kind == "rows" else rows.shape[1], np.float64)
+  ibits = np.dtype(f"i{a.dtype.itemsize}")
+  mask = ibits.type(np.iinfo(ibits).max)  # clears the sign bit
+  bits = rows.view(ibits)
+  absmax = np.zeros(rows.shape[0] if kind == "rows" else rows.shape[1], ibits)
   if kind == "rows":
-    finite = loops.absmax_rows(rows, absmax)
+    int8_loops.absmax_bits_rows(bits, mask, absmax)
   else:
-    bad, top = np.zeros(rows.shape[1], a.dtype), np.zeros(rows.shape[1], a.dtype)
-    loops.absmax_cols(rows, top, bad)
-    absmax = top.astype(np.float64)
-    finite = not np.isnan(bad).any()
-  if not finite:
+    int8_loops.absmax_bits_cols(bits, mask, absmax)
+  absmax = absmax.view(a.dtype)
+  if not np.isfinite(absmax).all():
     raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
-  scale = _ceil_bf16(absmax / 127.0)
-  inv = scale.astype(np.float64)
-  safe = np.where(inv > 0, inv, 1.0)
   codes = np.empty(rows.shape, INT8)
+  if a.dtype == np.float64:
+    scale = _ceil_bf16(absmax / 127.0)
+    safe = np.where(scale.view(np.uint16) > 0, scale.astype(np.float64), 1.0)
+    int8_loops.quantize_f64(rows, safe, kind == "rows", codes)
+    return codes.reshape(np.shape(x)), scale
+  scale, *consts = scale_constants(absmax)
   if kind == "rows":
-    loops.quantize_rows(rows, safe, codes)
-  elif rows.dtype == np.float32:
-    loops.quantize_cols_f32(rows, safe, 1.0 / safe, codes)
+    int8_loops.quantize_rows_f32(rows, *consts, codes)
   else:
-    loops.quantize_cols(rows, safe, codes)
+    int8_loops.quantize_cols_f32(rows, *consts, codes)
   return codes.reshape(np.shape(x)), scale
 
 
