@@ -1,22 +1,23 @@
 """Update messages: binary layout, header parsing, per-tensor changes, chunked transport.
 
 Message layout (little-endian):
-  prefix   b"RLXW" | u16 wire version (3) | u8 header codec (0 raw, 1 zstd: tensor names
-           repeat a lot) | u32 stored header_len | u32 crc32(stored header)
-  header   u8 fmt (0 bf16, 1 int8) | u8 is_keyframe | varint version | varint base_version
+  prefix   b"RLXW" | u16 wire version (3) | u8 meta codec (0 raw, 1 zstd) | u32 header_len
+           | u32 crc32(header)
+  header   varint stored_len | meta, stored by its codec | seals
+  meta     u8 fmt (0 bf16, 1 int8) | u8 is_keyframe | varint version | varint base_version
            (0 for a keyframe) | varint tensor count, then column by column (so that zstd
            finds the repeats): per tensor varint bytes shared with the previous name
            | varint rest_len | the rest of the utf-8 name; per tensor u8 dtype
            (0 bf16, 1 int8) | u8 section codec version (2) | u8 mode | u8 ndim; per tensor
-           varint dims[ndim] | varint section_len; then three seals (integrity.py: u64
-           digest over per-item xxh3-64 digests | 2*ceil(log2 n) group locators):
-           results (every tensor's held bytes, u16 locators) | bases (deltas only: every
-           base tensor, u8 locators) | sections (the non-empty sections' bytes, u8
-           locators).
+           varint dims[ndim]; per tensor varint section_len. zstd: a magicless frame from
+           the built-in name dictionary (_NAME_DICT).
+  seals    integrity.py, each a u64 digest over per-item xxh3-64 digests | 2*ceil(log2 n)
+           u8 group locators: results (every tensor the update makes) | bases (deltas
+           only: every base tensor) | sections (the non-empty sections' bytes).
   body     the sections, in header order (tensor_codec.py).
 The seals replace version 2's per-tensor u64 result and u32 base checksums: a few dozen
-bytes whatever the tensor count, still 64 bits of detection per seal, and a mismatch still
-names its tensor. Versions 1 and 2 are rejected with a CodecError.
+bytes whatever the tensor count, 64 bits of detection each, and a mismatch still names its
+tensor. Versions 1 and 2 are rejected with a CodecError.
 Chunk layout: b"RLXC" | u32 index | u32 count | u64 message length | u64 xxh3(message)
   | u32 data length | data.
 """
