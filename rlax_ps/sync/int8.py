@@ -68,8 +68,8 @@ def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
   kind = layout(name, a.ndim)
   if kind == "bf16":
     raise CodecError(f"tensor {name!r}: int8 quantization needs ndim >= 2, got shape {a.shape}")
-  if a.dtype not in (np.float32, np.float64):
-    a = a.astype(np.float32)  # bf16 / float16: exact
+  if a.dtype not in (np.float32, np.float64, BF16):
+    a = a.astype(np.float32)  # float16: exact
   a = c_contiguous(a)
   rows = a.reshape(a.shape[0], -1) if kind == "rows" else a.reshape(-1, a.shape[-1])
   ibits = np.dtype(f"i{a.dtype.itemsize}")
@@ -80,7 +80,10 @@ def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
     int8_loops.absmax_bits_rows(bits, mask, absmax)
   else:
     int8_loops.absmax_bits_cols(bits, mask, absmax)
-  absmax = absmax.view(a.dtype)
+  if a.dtype == BF16:  # bf16 bits are the top half of the float32 bits of the same value
+    absmax = (absmax.astype(np.int32) << 16).view(np.float32)
+  else:
+    absmax = absmax.view(a.dtype)
   if not np.isfinite(absmax).all():
     raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
   codes = np.empty(rows.shape, INT8)
@@ -90,10 +93,12 @@ def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
     int8_loops.quantize_f64(rows, safe, kind == "rows", codes)
     return codes.reshape(np.shape(x)), scale
   scale, *consts = scale_constants(absmax)
-  if kind == "rows":
-    int8_loops.quantize_rows_f32(rows, *consts, codes)
+  if a.dtype == BF16:
+    loop = int8_loops.quantize_rows_bf16 if kind == "rows" else int8_loops.quantize_cols_bf16
+    loop(rows.view(np.uint16), *consts, codes)
   else:
-    int8_loops.quantize_cols_f32(rows, *consts, codes)
+    loop = int8_loops.quantize_rows_f32 if kind == "rows" else int8_loops.quantize_cols_f32
+    loop(rows, *consts, codes)
   return codes.reshape(np.shape(x)), scale
 
 

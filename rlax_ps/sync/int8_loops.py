@@ -81,6 +81,31 @@ def quantize_rows_f32(x, f, s, inv, half, codes):
       codes[r, c] = code_f32(x[r, c], fr, sr, ir, hr)
 
 
+@numba.njit(**_JIT)
+def quantize_cols_bf16(x, f, s, inv, half, codes):
+  """quantize_cols_f32 of bf16 weights given as their uint16 bits (widened a row at a time)."""
+  wide = np.empty(x.shape[1], np.uint32)
+  w = wide.view(np.float32)
+  for r in range(x.shape[0]):
+    for c in range(x.shape[1]):
+      wide[c] = np.uint32(x[r, c]) << np.uint32(16)
+    for c in range(x.shape[1]):
+      codes[r, c] = code_f32(w[c], f[c], s[c], inv[c], half[c])
+
+
+@numba.njit(**_JIT)
+def quantize_rows_bf16(x, f, s, inv, half, codes):
+  """quantize_rows_f32 of bf16 weights given as their uint16 bits (widened a row at a time)."""
+  wide = np.empty(x.shape[1], np.uint32)
+  w = wide.view(np.float32)
+  for r in range(x.shape[0]):
+    fr, sr, ir, hr = f[r], s[r], inv[r], half[r]
+    for c in range(x.shape[1]):
+      wide[c] = np.uint32(x[r, c]) << np.uint32(16)
+    for c in range(x.shape[1]):
+      codes[r, c] = code_f32(w[c], fr, sr, ir, hr)
+
+
 @numba.njit(inline="always", **_JIT)
 def _code_f64(w, s):
   q = w / s
