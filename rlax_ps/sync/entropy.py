@@ -5,20 +5,21 @@ bits below its leading one (four symbols per octave) plus its remaining low bits
 so the alphabet stays small (< 256) for any z < 2**56 while geometric-like and
 peaked distributions (gaps between changed elements, ulp offsets) cost within a few
 hundredths of a bit of their zeroth-order entropy. Symbols go through a static rANS
-coder (loops.py: 32-bit state, byte output, 15-bit probabilities normalized from the
-stream's own symbol counts, which are sent in the stream).
+coder (rans.py: four interleaved states, 16-bit words, 12-bit probabilities normalized
+from the stream's own symbol counts, which are sent in the stream).
 
 Stream layout, for n symbols (n is known to the caller):
   u8 m (distinct symbols; 0 iff n == 0) | m symbol ids (u8) | m counts (varint)
-  | [varint ncode | ncode rANS bytes]   (only when m > 1)
+  | [varint nwords | nwords rANS words, uint16 little-endian]   (only when m > 1)
   | varint raw_nbytes | raw low bits of the symbols >= 16, LSB first
 or, for short streams where a table costs more than it saves (n <= LITERAL_MAX):
-  u8 LITERAL | u8 width | the n values in `width` bits each (bits.pack_fixed).
+  u8 LITERAL | u8 width | the n values in `width` bits each (bits.pack_fixed), each
+  less 1 in a stream of nonzero values (the offsets of changed elements).
 """
 
 import numpy as np
 
-from rlax_ps.sync import loops
+from rlax_ps.sync import loops, rans
 from rlax_ps.sync.bits import bit_length, fixed_nbytes, pack_fixed, unpack_fixed
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint
 from rlax_ps.sync.errors import CodecError
@@ -62,35 +63,43 @@ def cost_bytes(hist: np.ndarray) -> float:
 
 def encode_stream(hist: np.ndarray, z: np.ndarray) -> bytes:
   """Codes the integers z, whose symbol histogram is `hist`."""
+  syms, raw = loops.symbols(z, int((hist * _WIDTHS).sum()))
+  return encode_symbols(hist, syms, raw)
+
+
+def encode_symbols(hist: np.ndarray, syms: np.ndarray, raw: np.ndarray) -> bytes:
+  """Codes a stream given as its symbols (uint8), their histogram and their raw-bit words."""
   present = np.flatnonzero(hist)
   m = present.size
   out = [u8(m), present.astype(np.uint8).tobytes()]
   out += [varint(int(c)) for c in hist[present]]
   if m == 0:
     return b"".join(out)
-  raw_bits = int((hist * _WIDTHS).sum())
-  freq = loops.normalize(hist[present]) if m > 1 else np.ones(1, np.int64)
-  start = np.cumsum(freq) - freq
-  lut = np.zeros(ALPHABET, np.int64)
-  lut[present] = np.arange(m)
-  code, raw = loops.stream_encode(z, lut, freq, start, raw_bits, m > 1)
   if m > 1:
-    out += [varint(code.size), code]
-  raw_nbytes = (raw_bits + 7) // 8
+    freq = np.zeros(ALPHABET, np.int64)
+    freq[present] = rans.normalize(hist[present])
+    code = rans.encode(syms, freq)
+    out += [varint(code.size), code.astype("<u2", copy=False)]
+  raw_nbytes = (int((hist * _WIDTHS).sum()) + 7) // 8
   out += [varint(raw_nbytes), raw.view(np.uint8)[:raw_nbytes]]
   return b"".join(out)
 
 
-def literal_cost(z: np.ndarray) -> float:
-  """Bytes of the literal layout of `z` (inf when the stream is too long for it)."""
+def _literal_width(z: np.ndarray, low: int) -> int:
+  return int(bit_length(np.array([int(z.max()) - low], np.uint64))[0])
+
+
+def literal_cost(z: np.ndarray, low: int = 0) -> float:
+  """Bytes of the literal layout of `z` (all >= low; inf when the stream is too long)."""
   if not 0 < z.size <= LITERAL_MAX:
     return float("inf")
-  return 2 + fixed_nbytes(z.size, int(bit_length(np.array([z.max()], np.uint64))[0]))
+  return 2 + fixed_nbytes(z.size, _literal_width(z, low))
 
 
-def encode_literal(z: np.ndarray) -> bytes:
-  width = int(bit_length(np.array([z.max()], np.uint64))[0])
-  return u8(LITERAL) + u8(width) + pack_fixed(z.astype(np.uint64), width)
+def encode_literal(z: np.ndarray, low: int = 0) -> bytes:
+  """The literal layout of z - low (low = 1 for the nonzero codes of changed elements)."""
+  width = _literal_width(z, low)
+  return u8(LITERAL) + u8(width) + pack_fixed(z.astype(np.uint64) - np.uint64(low), width)
 
 
 def words_of(buf) -> np.ndarray:
@@ -110,11 +119,11 @@ def decode_stream(r: ByteReader, n: int, dtype=np.uint64, limit: int = 1 << 56,
     if not 0 < n <= LITERAL_MAX or width > 56:
       raise CodecError(f"{r.what}: literal stream of {n} values, {width} bits each")
     z = unpack_fixed(r.take(fixed_nbytes(n, width)), n, width, r.what)
+    if unzig == 1:
+      z = z + np.uint64(1)  # nonzero codes are stored less 1
     if z.size and int(z.max()) >= limit:
       raise CodecError(f"{r.what}: value {int(z.max())} out of range (limit {limit})")
     if unzig:
-      if unzig == 1 and not z.all():
-        raise CodecError(f"{r.what}: a changed element has a zero offset")
       z = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))
     return z.astype(dtype)
   if (m == 0) != (n == 0):
@@ -129,20 +138,21 @@ def decode_stream(r: ByteReader, n: int, dtype=np.uint64, limit: int = 1 << 56,
   out = np.empty(n, dtype)
   if n == 0:
     return out
-  freq = loops.normalize(counts) if m > 1 else np.ones(1, np.int64)
-  start = np.cumsum(freq) - freq
-  code = np.frombuffer(r.take(r.varint()), np.uint8) if m > 1 else np.zeros(0, np.uint8)
+  freq = rans.normalize(counts) if m > 1 else np.ones(1, np.int64)
+  code = np.zeros(0, np.uint16)
+  if m > 1:
+    nwords = r.varint()
+    if nwords > 2 * n + 8:
+      raise CodecError(f"{r.what}: {nwords} rANS words for {n} values")
+    code = np.frombuffer(r.take(2 * nwords), "<u2")
+    code = code if code.flags.aligned else code.copy()
   raw_bits = int((counts * _WIDTHS[present]).sum())
   raw_nbytes = r.varint()
   if raw_nbytes != (raw_bits + 7) // 8:
     raise CodecError(f"{r.what}: raw bits hold {raw_nbytes} bytes, expected "
                      f"{(raw_bits + 7) // 8}")
   raw = words_of(r.take(raw_nbytes))
-  seen = np.zeros(m, np.int64)
-  err = loops.stream_decode(code, raw, raw_bits, present, freq, start, n, np.uint64(limit),
-                            unzig, out, seen)
+  err = rans.decode(code, raw, raw_bits, present, freq, n, limit, unzig, out)
   if err != loops.OK:
     raise CodecError(f"{r.what}: {_ERRORS.get(err, 'corrupted')}")
-  if np.any(seen != counts):
-    raise CodecError(f"{r.what}: decoded symbol counts differ from the stream's table")
   return out

@@ -1,14 +1,14 @@
-"""Compiled (numba) loops of the codec: the fused change scan, bit streams, rANS, scatter.
+"""Compiled (numba) loops of the codec: the fused change scan, Rice bit streams, scatter.
 
-numpy would need a separate pass (and a temporary array) per step; these loops do the
-compare, compaction, zigzag, gap/Rice coding, rANS and scatter of each element in one go
-at a few ns per changed element. Every decoder checks bounds and returns an error code
-(never reads or writes outside its arrays), so corrupted input cannot crash it.
+numpy would need a separate pass (and a temporary array) per step; the scan compares 64
+elements at a time into a bit mask (word-parallel, at memory bandwidth) and walks only
+the set bits to emit gap, symbol and raw bits of each change, a few ns per change. Every
+decoder checks bounds and returns an error code (never reads or writes outside its
+arrays), so corrupted input cannot crash it. The rANS coder is in rans.py.
 
-Bit streams are LSB-first in little-endian uint64 words. rANS: 32-bit state, byte output,
-L = 2**23, PROB_BITS = 15 (ryg_rans "rans_byte" with reciprocal-multiply encoding).
-Symbols: z < 16 is its own symbol; a larger z is its bit length and the two bits below
-its leading one (four symbols per octave) plus its remaining low bits, sent raw.
+Bit streams are LSB-first in little-endian uint64 words. Symbols: z < 16 is its own
+symbol; a larger z is its bit length and the two bits below its leading one (four symbols
+per octave) plus its remaining low bits, sent raw.
 """
 
 import numba
@@ -17,12 +17,9 @@ from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
 DIRECT = 16
 ALPHABET = DIRECT + 4 * (56 - 4)  # z < 2**56
-PROB_BITS = 15
-PROB_SCALE = 1 << PROB_BITS
-RANS_L = 1 << 23
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
 
-OK, E_TRUNCATED, E_RANGE, E_STATE, E_COUNTS, E_ZERO = range(6)
+OK, E_TRUNCATED, E_RANGE, E_STATE, E_ZERO = range(5)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -46,76 +43,98 @@ def symbol_of(z):
 
 # ---- change scan -------------------------------------------------------------------------
 
-@numba.njit(**_JIT)
-def scan_block16(aw, bw, a, b, start, idx, zz, pos, dense):
-  """For 16-bit elements: appends the flat indices (start + i) where a != b and the zigzag
-  of the wrapping offset b - a there to idx / zz from `pos`; aw, bw are a, b as uint64
-  words over a prefix. dense: one branch-free loop over every element (faster when most
-  words differ); else equal words are skipped. Returns the new pos, or -1 when idx may
-  lack room."""
-  room = idx.size - pos  # branch-free stores may write one entry past the last change
-  if a.size >= room:
-    if dense:
-      return -1
-    need = a.size - aw.size * 4
-    for j in range(aw.size):
-      need += np.int64(aw[j] != bw[j]) * 4
-    if need >= room:
-      return -1
-  if dense:
-    return _scan_all16(a, b, start, idx, zz, pos)
-  for j in range(aw.size):
-    if aw[j] != bw[j]:
-      pos = _scan_all16(a[j * 4:(j + 1) * 4], b[j * 4:(j + 1) * 4], start + j * 4,
-                         idx, zz, pos)
-  return _scan_all16(a[aw.size * 4:], b[aw.size * 4:], start + aw.size * 4, idx, zz, pos)
+@numba.njit(inline="always", **_JIT)
+def _lanes_differ(x, lane_bits):
+  """One bit per lane (at the lane's lowest bit) of the uint64 x: set where the lane is
+  nonzero."""
+  x |= x >> np.uint64(4)
+  x |= x >> np.uint64(2)
+  x |= x >> np.uint64(1)
+  if lane_bits == 16:
+    x |= x >> np.uint64(8)
+    return x & np.uint64(0x0001000100010001)
+  return x & np.uint64(0x0101010101010101)
 
 
 @numba.njit(inline="always", **_JIT)
-def _scan_all16(a, b, start, idx, zz, pos):
-  for i in range(a.size):
-    ai, bi = np.int32(a[i]), np.int32(b[i])
-    d = np.int32(np.int16(bi - ai))
-    zz[pos] = ((d << 1) ^ (d >> 15)) & 65535
-    idx[pos] = start + i
-    pos += np.int64(ai != bi)
-  return pos
-
-
-@numba.njit(**_JIT)
-def scan_block8(aw, bw, a, b, start, idx, zz, pos, dense):
-  """For 8-bit elements: appends the flat indices (start + i) where a != b and the zigzag
-  of the wrapping offset b - a there to idx / zz from `pos`; aw, bw are a, b as uint64
-  words over a prefix. dense: one branch-free loop over every element (faster when most
-  words differ); else equal words are skipped. Returns the new pos, or -1 when idx may
-  lack room."""
-  room = idx.size - pos  # branch-free stores may write one entry past the last change
-  if a.size >= room:
-    if dense:
-      return -1
-    need = a.size - aw.size * 8
-    for j in range(aw.size):
-      need += np.int64(aw[j] != bw[j]) * 8
-    if need >= room:
-      return -1
-  if dense:
-    return _scan_all8(a, b, start, idx, zz, pos)
-  for j in range(aw.size):
-    if aw[j] != bw[j]:
-      pos = _scan_all8(a[j * 8:(j + 1) * 8], b[j * 8:(j + 1) * 8], start + j * 8,
-                         idx, zz, pos)
-  return _scan_all8(a[aw.size * 8:], b[aw.size * 8:], start + aw.size * 8, idx, zz, pos)
+def _group_mask(aw, bw, g, lane_bits):
+  """Bit j set where element j of the g-th group of 64 elements differs (aw, bw: the
+  elements as uint64 words of 64 // lane_bits lanes)."""
+  m = np.uint64(0)
+  if lane_bits == 16:
+    for j in range(16):
+      x = _lanes_differ(aw[g * 16 + j] ^ bw[g * 16 + j], 16)
+      x = (x | (x >> np.uint64(15)) | (x >> np.uint64(30)) | (x >> np.uint64(45)))
+      m |= (x & np.uint64(15)) << np.uint64(4 * j)
+  else:
+    for j in range(8):
+      x = _lanes_differ(aw[g * 8 + j] ^ bw[g * 8 + j], 8)
+      x = (x * np.uint64(0x0102040810204080)) >> np.uint64(56)
+      m |= (x & np.uint64(255)) << np.uint64(8 * j)
+  return m
 
 
 @numba.njit(inline="always", **_JIT)
-def _scan_all8(a, b, start, idx, zz, pos):
-  for i in range(a.size):
-    ai, bi = np.int32(a[i]), np.int32(b[i])
-    d = np.int32(np.int8(bi - ai))
-    zz[pos] = ((d << 1) ^ (d >> 7)) & 255
-    idx[pos] = start + i
-    pos += np.int64(ai != bi)
-  return pos
+def _take(a, b, i, lane_bits):
+  """Zigzag code of the wrapping offset b[i] - a[i]."""
+  if lane_bits == 16:
+    d = np.int32(np.int16(np.int32(b[i]) - np.int32(a[i])))
+    z = ((d << 1) ^ (d >> 15)) & 65535
+  else:
+    d = np.int32(np.int8(np.int32(b[i]) - np.int32(a[i])))
+    z = ((d << 1) ^ (d >> 7)) & 255
+  return np.uint64(z)
+
+
+@numba.njit(**_JIT)
+def scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist):
+  """Appends the changes of one block (a, b: unsigned bit arrays of one width; aw, bw:
+  their first 64-element groups as uint64 words) to gaps (index - previous changed index
+  - 1), syms (entropy-stage symbol of the zigzag offset) and raw (its raw low bits,
+  LSB first), and counts symbols in hist (4 rows, summed by the caller, so that runs of
+  one symbol do not serialise on one counter). st = [pos, prev index, raw bit pos].
+  Returns False (nothing done) when gaps may lack room for the block."""
+  if gaps.size - st[0] < a.size or raw.size * 64 - st[2] < a.size * 16:
+    return False
+  lane_bits = 8 * a.itemsize
+  pos, prev, rp = st[0], st[1], st[2]
+  groups = aw.size // lane_bits  # 64 elements: 16 words of 4 lanes or 8 words of 8
+  for g in range(groups):
+    m = _group_mask(aw, bw, g, lane_bits)
+    while m:
+      i = g * 64 + np.int64(trailing_zeros(m))
+      m &= m - np.uint64(1)
+      z = _take(a, b, i, lane_bits)
+      gaps[pos] = start + i - prev - 1
+      prev = start + i
+      if z < np.uint64(DIRECT):
+        syms[pos] = z
+        hist[pos & 3, z] += 1
+      else:
+        sym, w, extra = symbol_of(z)
+        syms[pos] = sym
+        hist[pos & 3, sym] += 1
+        q, o = rp >> 6, np.uint64(rp & 63)
+        raw[q] |= extra << o
+        raw[q + 1] |= (extra >> np.uint64(1)) >> (np.uint64(63) - o)
+        rp += w
+      pos += 1
+  for i in range(groups * 64, a.size):
+    if a[i] != b[i]:
+      z = _take(a, b, i, lane_bits)
+      gaps[pos] = start + i - prev - 1
+      prev = start + i
+      sym, w, extra = symbol_of(z)
+      syms[pos] = sym
+      hist[pos & 3, sym] += 1
+      if w:
+        q, o = rp >> 6, np.uint64(rp & 63)
+        raw[q] |= extra << o
+        raw[q + 1] |= (extra >> np.uint64(1)) >> (np.uint64(63) - o)
+        rp += w
+      pos += 1
+  st[0], st[1], st[2] = pos, prev, rp
+  return True
 
 
 # ---- histograms and costs ----------------------------------------------------------------
@@ -132,226 +151,172 @@ def histogram(z, hist):
 
 
 @numba.njit(**_JIT)
-def gap_histogram(idx, step, hist):
-  """Symbol counts of every `step`-th gap (idx[i] - idx[i-1] - 1, idx[-1] = -1)."""
-  for i in range(0, idx.size, step):
-    prev = idx[i - 1] if i else -1
-    s, _, _ = symbol_of(idx[i] - prev - 1)
+def symbols(z, raw_bits):
+  """(entropy-stage symbol of each z as uint8, raw-bit words: the low bits of every
+  z >= DIRECT, in order; raw_bits of them in all)."""
+  syms = np.empty(z.size, np.uint8)
+  raw = np.zeros((raw_bits + 63) // 64 + 1, np.uint64)
+  p = np.int64(0)
+  for i in range(z.size):
+    zi = np.uint64(z[i])
+    if zi < np.uint64(DIRECT):
+      syms[i] = zi
+    else:
+      sym, w, extra = symbol_of(zi)
+      syms[i] = sym
+      q, b = p >> 6, np.uint64(p & 63)
+      raw[q] |= extra << b
+      raw[q + 1] |= (extra >> np.uint64(1)) >> (np.uint64(63) - b)
+      p += w
+  return syms, raw
+
+
+@numba.njit(**_JIT)
+def gap_histogram(gaps, step, hist):
+  """Symbol counts of every `step`-th gap."""
+  for i in range(0, gaps.size, step):
+    s, _, _ = symbol_of(gaps[i])
     hist[s] += 1
 
 
 @numba.njit(**_JIT)
-def rice_sizes(idx, k0, k1):
-  """Unary bits of the gaps of idx for Rice parameters k0..k1-1 (quotients + stops)."""
+def rice_sizes(gaps, step, k0, k1):
+  """Unary bits (quotients + stops) of every `step`-th gap for Rice parameters k0..k1-1."""
   out = np.zeros(k1 - k0, np.int64)
-  prev = np.int64(-1)
-  for i in range(idx.size):
-    g = np.uint64(idx[i] - prev - 1)
-    prev = idx[i]
-    for k in range(k0, k1):
-      out[k - k0] += np.int64(g >> np.uint64(k)) + 1
+  for k in range(k0, k1):
+    t = np.uint64(0)
+    for i in range(0, gaps.size, step):
+      t += np.uint64(gaps[i]) >> np.uint64(k)
+    out[k - k0] = np.int64(t) + (gaps.size + step - 1) // step
   return out
 
 
 # ---- Rice-coded gaps ---------------------------------------------------------------------
 
 @numba.njit(**_JIT)
-def rice_encode(idx, k, nbits):
-  """Gaps of idx as q zeros, a one, then k low bits (LSB first), in ceil(nbits/64)+1 words."""
-  out = np.zeros((nbits + 63) // 64 + 1, np.uint64)
-  p = np.int64(0)
-  prev = np.int64(-1)
-  mask = (np.uint64(1) << np.uint64(k)) - np.uint64(1)
-  for i in range(idx.size):
-    g = np.uint64(idx[i] - prev - 1)
-    prev = idx[i]
-    p += np.int64(g >> np.uint64(k))
-    out[p >> 6] |= np.uint64(1) << np.uint64(p & 63)
-    p += 1
-    if k:
-      r = g & mask
-      q, o = p >> 6, np.uint64(p & 63)
-      out[q] |= r << o
-      out[q + 1] |= (r >> np.uint64(1)) >> (np.uint64(63) - o)
-      p += k
-  return out
+def rice_encode(gaps, k):
+  """(words, bits) of the gaps as q zeros, a one, then k low bits (LSB first). A 64-bit
+  accumulator takes each code in one shift-or and spills full words without branching on
+  the data (quotients of >= 63 - k zeros take a slow path)."""
+  total = np.uint64(0)
+  for i in range(gaps.size):
+    total += np.uint64(gaps[i]) >> np.uint64(k)
+  nbits = np.int64(total) + gaps.size * (k + 1)
+  out = np.zeros(nbits // 64 + 2, np.uint64)
+  kk = np.uint64(k)
+  mask = (np.uint64(1) << kk) - np.uint64(1)
+  lim = np.uint64(63 - k)
+  acc, fill, wpos = np.uint64(0), np.uint64(0), np.int64(0)
+  for i in range(gaps.size):
+    g = np.uint64(gaps[i])
+    q = g >> kk
+    while q >= lim:  # zeros of a long quotient, lim at a time
+      fill += lim
+      out[wpos] = acc
+      if fill >= np.uint64(64):
+        wpos += 1
+        acc = np.uint64(0)
+        fill -= np.uint64(64)
+      q -= lim
+    v = (((g & mask) << np.uint64(1)) | np.uint64(1)) << q
+    acc |= v << fill
+    before = fill
+    fill += q + kk + np.uint64(1)
+    out[wpos] = acc
+    c = fill >> np.uint64(6)
+    wpos += np.int64(c)
+    acc = (v >> ((np.uint64(64) - before) & np.uint64(63))) if c else acc
+    fill &= np.uint64(63)
+  out[wpos] = acc
+  return out, nbits
+
+
+@numba.njit(inline="always", **_JIT)
+def _peek(words, p):
+  """The 64 bits from bit p on (words[p // 64 + 1] must exist)."""
+  q, o = p >> 6, np.uint64(p & 63)
+  return (words[q] >> o) | ((words[q + 1] << np.uint64(1)) << (np.uint64(63) - o))
+
+
+@numba.njit(inline="always", **_JIT)
+def _rice_next(words, p, end, prev, k, qmax):
+  """Decodes one gap at bit p (codes end by bit `end`, quotients <= qmax); returns
+  (p, index, ok). Indices only grow: the caller checks the last one against the size."""
+  w = _peek(words, p)
+  quot = np.int64(0)
+  while w == 0:  # a quotient of 64 or more zeros
+    quot += 64
+    p += 64
+    if p >= end:
+      return p, prev, False
+    w = _peek(words, p)
+  t = np.int64(trailing_zeros(w))
+  quot += t
+  p += t + 1
+  r = (w >> np.uint64(t)) >> np.uint64(1) if t + 1 + k <= 64 else _peek(words, p)
+  p += k
+  g = (quot << np.uint64(k)) | np.int64(r & ((np.uint64(1) << np.uint64(k)) - np.uint64(1)))
+  return p, prev + 1 + g, (p <= end) & (quot <= qmax)
 
 
 @numba.njit(**_JIT)
-def rice_decode(words, nbytes, k, n, size, idx):
-  """Inverse of rice_encode into idx (n entries): indices must be < size and the codes must
-  end within the last of the nbytes bytes. Returns an error code."""
-  nbits = nbytes * 8
-  p = np.int64(0)
-  prev = np.int64(-1)
-  nw = words.size
-  qmax = np.uint64(size) >> np.uint64(k)
-  kmask = (np.uint64(1) << np.uint64(k)) - np.uint64(1)
-  for i in range(n):
-    begin = p
-    while True:
-      q = p >> 6
-      if q >= nw or p >= nbits:
-        return E_TRUNCATED
-      w = words[q] >> np.uint64(p & 63)
-      if w:
-        p += np.int64(trailing_zeros(w))
-        break
-      p = (q + 1) << 6
-    if p >= nbits:
+def _rice_streams(words, starts, counts, bases, k, size, idx):
+  """Four streams in lockstep (four independent dependency chains), then their tails."""
+  qmax = size >> k
+  c = counts.min()
+  o0, o1, o2, o3 = 0, counts[0], counts[0] + counts[1], counts[0] + counts[1] + counts[2]
+  p0, p1, p2, p3 = starts[0] * 8, starts[1] * 8, starts[2] * 8, starts[3] * 8
+  e0, e1, e2, e3 = starts[1] * 8, starts[2] * 8, starts[3] * 8, starts[4] * 8
+  v0, v1, v2, v3 = bases[0], bases[1], bases[2], bases[3]
+  for t in range(c):
+    p0, v0, k0 = _rice_next(words, p0, e0, v0, k, qmax)
+    p1, v1, k1 = _rice_next(words, p1, e1, v1, k, qmax)
+    p2, v2, k2 = _rice_next(words, p2, e2, v2, k, qmax)
+    p3, v3, k3 = _rice_next(words, p3, e3, v3, k, qmax)
+    if not (k0 & k1 & k2 & k3):
       return E_TRUNCATED
-    quot = np.uint64(p - begin)
-    if quot > qmax:
-      return E_RANGE
-    p += 1
-    g = quot << np.uint64(k)
-    if k:
-      if p + k > nbits:
+    idx[o0 + t], idx[o1 + t], idx[o2 + t], idx[o3 + t] = v0, v1, v2, v3
+  ps, vs = np.array([p0, p1, p2, p3]), np.array([v0, v1, v2, v3])
+  for j in range(counts.size):
+    o = (o0, o1, o2, o3)[j] if counts.size == 4 else 0
+    for t in range(c, counts[j]):
+      ps[j], vs[j], good = _rice_next(words, ps[j], starts[j + 1] * 8, vs[j], k, qmax)
+      if not good:
         return E_TRUNCATED
-      q, o = p >> 6, np.uint64(p & 63)
-      r = words[q] >> o
-      if q + 1 < nw:
-        r |= (words[q + 1] << np.uint64(1)) << (np.uint64(63) - o)
-      g |= r & kmask
-      p += k
-    if g >= np.uint64(size) or prev + 1 + np.int64(g) >= size:
+      idx[o + t] = vs[j]
+  for j in range(counts.size):
+    if (ps[j] + 7) // 8 != starts[j + 1] or (j + 1 < counts.size and vs[j] != bases[j + 1]):
+      return E_TRUNCATED
+    if vs[j] >= size:
       return E_RANGE
-    prev = prev + 1 + np.int64(g)
-    idx[i] = prev
-  if (p + 7) // 8 != nbytes:
-    return E_TRUNCATED
   return OK
 
 
-# ---- rANS --------------------------------------------------------------------------------
-
-def normalize(counts: np.ndarray) -> np.ndarray:
-  """Symbol counts (all > 0, at least two) -> frequencies summing to PROB_SCALE, each >= 1;
-  integer arithmetic only, so encoder and decoder agree exactly."""
-  n = int(counts.sum())
-  f = np.maximum(1, (counts.astype(np.int64) * PROB_SCALE) // n)
-  f[int(np.argmax(f))] += PROB_SCALE - int(f.sum())
-  return f
-
-
 @numba.njit(**_JIT)
-def stream_encode(z, lut, freq, start, raw_bits, use_rans):
-  """(rANS bytes, raw-bit words) of the symbols of z (lut: symbol -> slot in freq/start).
-  The rANS bytes come out in decoding order; raw bits in forward order."""
-  n = z.size
-  raw = np.zeros((raw_bits + 63) // 64 + 1, np.uint64)
-  out = np.empty(2 * n + 8 if use_rans else 0, np.uint8)
-  m = freq.size
-  rcp = np.zeros(m, np.uint64)
-  shift = np.zeros(m, np.uint64)
-  bias = np.zeros(m, np.uint64)
-  cmpl = np.zeros(m, np.uint64)
-  xmax = np.zeros(m, np.uint64)
-  for s in range(m):
-    f = np.uint64(freq[s])
-    xmax[s] = np.uint64(((RANS_L >> PROB_BITS) << 8)) * f
-    cmpl[s] = np.uint64(PROB_SCALE) - f
-    if f < 2:
-      rcp[s] = np.uint64(0xFFFFFFFF)
-      shift[s] = 0
-      bias[s] = np.uint64(start[s] + PROB_SCALE - 1)
-    else:
-      sh = np.uint64(0)
-      while f > (np.uint64(1) << sh):
-        sh += np.uint64(1)
-      rcp[s] = ((np.uint64(1) << (sh + np.uint64(31))) + f - np.uint64(1)) // f
-      shift[s] = sh - np.uint64(1)
-      bias[s] = np.uint64(start[s])
-  x = np.uint64(RANS_L)
-  o = np.int64(out.size)
-  p = np.int64(raw_bits)
-  for i in range(n - 1, -1, -1):
-    sym, w, extra = symbol_of(z[i])
-    if w:
-      p -= w
-      q, b = p >> 6, np.uint64(p & 63)
-      raw[q] |= extra << b
-      raw[q + 1] |= (extra >> np.uint64(1)) >> (np.uint64(63) - b)
-    if use_rans:
-      s = lut[sym]
-      while x >= xmax[s]:
-        o -= 1
-        out[o] = np.uint8(x & np.uint64(0xFF))
-        x >>= np.uint64(8)
-      qq = ((x * rcp[s]) >> np.uint64(32)) >> shift[s]
-      x = x + bias[s] + qq * cmpl[s]
-  if use_rans:
-    for _ in range(4):
-      o -= 1
-      out[o] = np.uint8(x & np.uint64(0xFF))
-      x >>= np.uint64(8)
-  return out[o:], raw
-
-
-@numba.njit(**_JIT)
-def stream_decode(code, raw, raw_bits, present, freq, start, n, limit, unzig, out, seen):
-  """Decodes n integers (each < limit) into out; code: rANS bytes (empty when only one
-  symbol is present), raw: the raw-bit words. seen counts each slot. unzig: store the
-  wrapping offset of each zigzag code (1: codes must be nonzero). Returns an error code;
-  the rANS stream must end in its initial state having read exactly every byte."""
-  m = present.size
-  slot_of = np.zeros(PROB_SCALE, np.uint8)
-  for s in range(m):
-    for t in range(start[s], start[s] + freq[s]):
-      slot_of[t] = s
-  use_rans = m > 1
-  pos = np.int64(0)
-  x = np.uint64(0)
-  if use_rans:
-    if code.size < 4:
-      return E_TRUNCATED
-    for _ in range(4):
-      x = (x << np.uint64(8)) | np.uint64(code[pos])
-      pos += 1
-  p = np.int64(0)
-  nw = raw.size
-  mask = np.uint64(PROB_SCALE - 1)
-  for i in range(n):
-    s = 0
-    if use_rans:
-      slot = x & mask
-      s = slot_of[slot]
-      x = np.uint64(freq[s]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(start[s])
-      while x < np.uint64(RANS_L):
-        if pos >= code.size:
-          return E_TRUNCATED
-        x = (x << np.uint64(8)) | np.uint64(code[pos])
-        pos += 1
-    seen[s] += 1
-    sym = present[s]
-    if sym < DIRECT:
-      z = np.uint64(sym)
-    else:
-      t = sym - DIRECT
-      w = t // 4 + 2
-      if p + w > raw_bits:
-        return E_TRUNCATED
-      q, b = p >> 6, np.uint64(p & 63)
-      r = raw[q] >> b
-      if q + 1 < nw:
-        r |= (raw[q + 1] << np.uint64(1)) << (np.uint64(63) - b)
-      r &= (np.uint64(1) << np.uint64(w)) - np.uint64(1)
-      p += w
-      z = ((np.uint64(4) | np.uint64(t % 4)) << np.uint64(w)) | r
-    if z >= limit:
-      return E_RANGE
-    if unzig:
-      if unzig == 1 and z == 0:
-        return E_ZERO
-      out[i] = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))
-    else:
-      out[i] = z
-  if use_rans and (x != np.uint64(RANS_L) or pos != code.size):
-    return E_STATE
-  if p != raw_bits:
+def rice_decode(words, starts, counts, bases, k, size, idx):
+  """Inverse of rice_encode for S (1 or 4) streams: stream j starts at byte starts[j], ends
+  at byte starts[j + 1] (its codes must end in its last byte), holds counts[j] gaps after
+  index bases[j] (-1 for the first) and fills idx from sum(counts[:j]) on; every index
+  must be < size and stream j must end at bases[j + 1]. words: entropy.words_of the
+  bytes. Returns an error code."""
+  s = counts.size
+  if words.size < starts[s] // 8 + 2:
     return E_TRUNCATED
-  return OK
+  if s == 4:
+    return _rice_streams(words, starts, counts, bases, k, size, idx)
+  qmax = size >> k
+  p, prev, end = starts[0] * 8, bases[0], starts[1] * 8
+  for t in range(counts[0]):
+    p, prev, good = _rice_next(words, p, end, prev, k, qmax)
+    if not good:
+      return E_TRUNCATED
+    idx[t] = prev
+  if (p + 7) // 8 != starts[1]:
+    return E_TRUNCATED
+  return E_RANGE if prev >= size else OK
 
+
+# ---- apply -------------------------------------------------------------------------------
 
 @numba.njit(**_JIT)
 def scatter_add(out, idx, off, lo, hi, start):

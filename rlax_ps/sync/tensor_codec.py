@@ -4,10 +4,10 @@ Modes (chosen per tensor by estimated size, see `encode_section`):
   unchanged  no bytes.
   raw        the target's exact bytes (keyframes; deltas where nothing smaller exists).
   sparse     varint nnz | gaps | offset stream. Gaps between changed flat indices (index -
-             previous index - 1) are Rice coded (u8 0x80 | k, varint nbytes, then per gap
-             q zero bits, a one, k low bits, LSB first; within ~1% of the entropy of
-             i.i.d. positions, and fast) or, when the changes cluster, through the
-             entropy stage (u8 0, then a stream). The offset stream holds the zigzag of
+             previous index - 1) are Rice coded (per gap q zero bits, a one, k low
+             bits, LSB first, in one or four streams: `_rice_bytes`; within ~1% of the
+             entropy of i.i.d. positions, and fast) or, when the changes cluster,
+             through the entropy stage (u8 0, then a stream). The offset stream holds the zigzag of
              each element's wrapping offset new_bits - old_bits (entropy.py).
   bitmap     varint zlen | zstd(np.packbits(changed mask)) | offset stream; picked when
              the changes follow a pattern that a bitmap compresses below the gaps.
@@ -31,12 +31,14 @@ from rlax_ps.sync.errors import CodecError
 
 UNCHANGED, RAW, SPARSE, BITMAP, DENSE = range(5)
 MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense")
-GAPS_ENTROPY, GAPS_RICE = 0, 0x80  # Rice: 0x80 | k in one byte
+GAPS_ENTROPY, GAPS_RICE = 0, 0x80  # Rice: 0x80 | streams flag | k in one byte
+_RICE_MULTI = 0x40
 BLOCK = 1 << 16
 _SAMPLE = 1 << 20
 _GAP_SAMPLE = 1 << 16
 _DENSITY_SAMPLE = 1 << 14
 _ZSTD_LEVEL = 3
+_RICE_STREAMS, _RICE_SPLIT = 4, 1 << 12
 
 
 def _estimate_density(old: np.ndarray, new: np.ndarray) -> float:
@@ -49,68 +51,120 @@ def _estimate_density(old: np.ndarray, new: np.ndarray) -> float:
   return float((ow[::step] != nw[::step]).mean())
 
 
-def scan_changes(old: np.ndarray, new: np.ndarray):
-  """(flat indices int64 ascending where two unsigned bit arrays differ, zigzag codes of the
-  wrapping offsets new - old there (old's dtype), xxh3 of old, xxh3 of new). One compiled
-  pass per cache-sized block compares 64-bit words and compacts; the block is then hashed
-  while still in cache."""
+@dataclasses.dataclass(frozen=True)
+class Changes:
+  """What differs between two unsigned bit arrays: per change (ascending) its gap (index -
+  previous changed index - 1) and the entropy-stage symbol of the zigzag of its wrapping
+  offset new - old, with the symbols' raw-bit words and histogram; xxh3 of both arrays."""
+  gaps: np.ndarray
+  syms: np.ndarray
+  raw: np.ndarray
+  hist: np.ndarray
+  h_old: int
+  h_new: int
+
+  @property
+  def nnz(self) -> int:
+    return self.gaps.size
+
+  def indices(self, count: int | None = None) -> np.ndarray:
+    """Flat indices of the first `count` (all) changes."""
+    return np.cumsum(self.gaps[:count].astype(np.int64) + 1) - 1
+
+
+def scan_changes(old: np.ndarray, new: np.ndarray) -> Changes:
+  """One compiled pass per cache-sized block compares 64 elements at a time and walks the
+  changed ones; the block is then hashed while still in cache."""
   n = old.size
   lanes = 8 // old.itemsize
-  scan = loops.scan_block16 if old.itemsize == 2 else loops.scan_block8
-  words_differ = _estimate_density(old, new)
-  dense = words_differ > 0.2  # branch per word mispredicted: do every lane branch-free
-  cap = min(n + 8, int(n * words_differ * 1.1) + 2 * BLOCK)  # +8: branch-free overrun
-  idx, zz = np.empty(cap, np.int64), np.empty(cap, old.dtype)
+  density = 1 - (1 - _estimate_density(old, new)) ** (1 / lanes)  # elements from words
+  cap = min(n, int(n * density * 1.1)) + BLOCK
+  gap_dtype = np.uint32 if n < 1 << 32 else np.uint64
+  gaps, syms = np.empty(cap, gap_dtype), np.empty(cap, np.uint8)
+  raw = np.zeros(cap // 4 + 2, np.uint64)  # raw bits: at most 16 per change
+  hist = np.zeros((4, entropy.ALPHABET), np.int64)
+  st = np.array([0, -1, 0], np.int64)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
-  pos = 0
   for s in range(0, n, BLOCK):
     a, b = old[s:s + BLOCK], new[s:s + BLOCK]
-    m = a.size - a.size % lanes
+    m = a.size - a.size % 64
     aw, bw = a[:m].view(np.uint64), b[:m].view(np.uint64)
-    while (end := scan(aw, bw, a, b, s, idx, zz, pos, dense)) < 0:
-      cap = min(n + 8, max(2 * cap, pos + 2 * BLOCK))
-      idx, zz = np.resize(idx, cap), np.resize(zz, cap)
-    pos = end
+    while not loops.scan_block(aw, bw, a, b, s, st, gaps, syms, raw, hist):
+      cap = min(n, 2 * cap) + BLOCK
+      gaps, syms = np.resize(gaps, cap), np.resize(syms, cap)
+      raw = np.concatenate([raw, np.zeros(cap // 4 + 2 - raw.size, np.uint64)])
     h_old.update(a)
     h_new.update(b)
-  return idx[:pos], zz[:pos], h_old.intdigest(), h_new.intdigest()
+  pos = int(st[0])
+  return Changes(gaps[:pos], syms[:pos], raw, hist.sum(axis=0), h_old.intdigest(),
+                 h_new.intdigest())
 
 
-def _rice(idx: np.ndarray) -> tuple[int, int]:
-  """(k, exact size in bytes of the Rice bits) of the best Rice parameter near log2 of the
-  mean gap."""
-  nnz = idx.size
-  mean = (int(idx[-1]) + 1 - nnz) / nnz
+def _zigzag_offsets(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> np.ndarray:
+  """Zigzag codes of the wrapping offsets new - old at idx."""
+  d = (new[idx] - old[idx]).view(np.dtype(f"i{old.itemsize}")).astype(np.int64)
+  return ((d << 1) ^ (d >> 63)).astype(old.dtype)
+
+
+def _rice(gaps: np.ndarray) -> int:
+  """The best Rice parameter near log2 of the mean gap, by the exact sizes of an evenly
+  spaced sample of the gaps."""
+  nnz = gaps.size
+  mean = float(gaps.astype(np.float64).mean()) if nnz < _GAP_SAMPLE else float(
+      gaps[::nnz // _GAP_SAMPLE].astype(np.float64).mean())
   k0 = max(0, int(np.log2(mean * np.log(2) + 1)))
   lo, hi = max(0, k0 - 1), min(56, k0 + 2)
-  unary = loops.rice_sizes(idx, lo, hi)
-  sizes = [(int(unary[k - lo]) + k * nnz + 7) // 8 for k in range(lo, hi)]
-  best = int(np.argmin(sizes))
-  return lo + best, sizes[best]
+  step = max(1, nnz // _GAP_SAMPLE)
+  unary = loops.rice_sizes(gaps, step, lo, hi)
+  sizes = [int(unary[k - lo]) + k * ((nnz + step - 1) // step) for k in range(lo, hi)]
+  return lo + int(np.argmin(sizes))
 
 
-def _encode_rice(idx: np.ndarray, k: int, nbytes: int) -> bytes:
-  words = loops.rice_encode(idx, k, nbytes * 8)
-  return b"".join([u8(GAPS_RICE | k), varint(nbytes), words.view(np.uint8)[:nbytes]])
+def _rice_bytes(gaps: np.ndarray, k: int) -> bytes:
+  """Rice layout: u8 0x80 | 0x40 (S = 4 streams, else 1) | k, S varint byte lengths, S - 1
+  varint indices of the change before each later stream, the streams (S = 4 for long
+  streams, whose decoder then runs four independent chains)."""
+  nnz = gaps.size
+  s = _RICE_STREAMS if nnz >= _RICE_SPLIT else 1
+  cuts = [j * (nnz // s) for j in range(s)] + [nnz]
+  parts, lengths, bases = [], [], []
+  last = -1
+  for j in range(s):
+    seg = gaps[cuts[j]:cuts[j + 1]]
+    words, nbits = loops.rice_encode(seg, k)
+    parts.append(words.view(np.uint8)[:(nbits + 7) // 8])
+    lengths.append(varint((nbits + 7) // 8))
+    if j:
+      bases.append(varint(last))
+    last += int(seg.sum(dtype=np.uint64)) + seg.size
+  return b"".join([u8(GAPS_RICE | (_RICE_MULTI if s > 1 else 0) | k)] + lengths + bases + parts)
 
 
-def _sampled_entropy_bytes(idx: np.ndarray) -> float:
-  """Entropy-stage size of the gaps of `idx` estimated from an evenly spaced sample."""
-  step = max(1, idx.size // _GAP_SAMPLE)
+def _rice_cost(gaps: np.ndarray, k: int) -> float:
+  """Rice bytes of the gaps, from an evenly spaced sample."""
+  step = max(1, gaps.size // _GAP_SAMPLE)
+  unary = int(loops.rice_sizes(gaps, step, k, k + 1)[0])
+  return (unary + k * ((gaps.size + step - 1) // step)) * step / 8 + 3
+
+
+def _sampled_entropy_bytes(gaps: np.ndarray) -> float:
+  """Entropy-stage size of the gaps estimated from an evenly spaced sample."""
+  step = max(1, gaps.size // _GAP_SAMPLE)
   hist = np.zeros(entropy.ALPHABET, np.int64)
-  loops.gap_histogram(idx, step, hist)
+  loops.gap_histogram(gaps, step, hist)
   return entropy.cost_bytes(hist) * step
 
 
-def _encode_gaps(idx: np.ndarray) -> tuple[float, callable]:
+def _encode_gaps(gaps: np.ndarray) -> tuple[float, callable]:
   """(estimated size, thunk producing the bytes) of the cheaper gap coder."""
-  k, rice_size = _rice(idx)
-  if _sampled_entropy_bytes(idx) >= 0.97 * rice_size:
-    return rice_size + 3, lambda: _encode_rice(idx, k, rice_size)
-  gaps = (np.diff(idx, prepend=-1) - 1).astype(np.uint64)
-  hist = entropy.histogram(gaps)
+  k = _rice(gaps)
+  rice_cost = _rice_cost(gaps, k)
+  if _sampled_entropy_bytes(gaps) >= 0.97 * rice_cost:
+    return rice_cost, lambda: _rice_bytes(gaps, k)
+  wide = gaps.astype(np.uint64)
+  hist = entropy.histogram(wide)
   return entropy.cost_bytes(hist) + 1, lambda: u8(GAPS_ENTROPY) + entropy.encode_stream(
-      hist, gaps)
+      hist, wide)
 
 
 def _bitmap_bytes(idx: np.ndarray, n: int) -> bytes:
@@ -119,12 +173,14 @@ def _bitmap_bytes(idx: np.ndarray, n: int) -> bytes:
   return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(np.packbits(mask).tobytes())
 
 
-def _bitmap_wins(idx: np.ndarray, n: int, gap_cost: float) -> bool:
+def _bitmap_wins(ch: Changes, n: int, gap_cost: float) -> bool:
   """Whether a zstd bitmap beats the gaps on the first _SAMPLE elements (a cheap probe)."""
-  cut = np.searchsorted(idx, min(n, _SAMPLE))
+  expected = ch.nnz * min(n, _SAMPLE) // n  # changes among the first _SAMPLE elements
+  head = ch.indices(min(ch.nnz, 2 * expected + 64))
+  cut = int(np.searchsorted(head, min(n, _SAMPLE)))
   if cut < 64:
     return False
-  return len(_bitmap_bytes(idx[:cut], min(n, _SAMPLE))) < 0.9 * gap_cost * cut / idx.size
+  return len(_bitmap_bytes(head[:cut], min(n, _SAMPLE))) < 0.9 * gap_cost * cut / ch.nnz
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,35 +196,39 @@ def encode_section(old: np.ndarray | None, new: np.ndarray) -> Encoded:
   n = new.size
   if old is None:
     return Encoded(RAW, new, xxhash.xxh3_64_intdigest(new), None)
-  idx, z, h_old, h_new = scan_changes(old, new)
-  if idx.size == 0:
-    return Encoded(UNCHANGED, b"", h_new, h_old)
-  hist_v = entropy.histogram(z)
-  cost_v = min(entropy.cost_bytes(hist_v), entropy.literal_cost(z))
-  gap_cost, gap_bytes = _encode_gaps(idx)
+  ch = scan_changes(old, new)
+  if ch.nnz == 0:
+    return Encoded(UNCHANGED, b"", ch.h_new, ch.h_old)
+  z = None
+  cost_v = entropy.cost_bytes(ch.hist)
+  if ch.nnz <= entropy.LITERAL_MAX:
+    z = _zigzag_offsets(old, new, ch.indices())
+    cost_v = min(cost_v, entropy.literal_cost(z, 1))
+  gap_cost, gap_bytes = _encode_gaps(ch.gaps)
   costs = {RAW: new.nbytes, SPARSE: gap_cost + cost_v + 9}
-  if idx.size * 4 > n:
-    hist_d = hist_v.copy()
-    hist_d[0] += n - idx.size
-    costs[DENSE] = entropy.cost_bytes(hist_d)
+  if ch.nnz * 4 > n:
+    hist_d = ch.hist.copy()
+    hist_d[0] += n - ch.nnz
+    costs[DENSE] = entropy.cost_bytes(hist_d)  # above 25%: fewer symbols than gaps + values
   bitmap = None
-  if _bitmap_wins(idx, n, gap_cost):
-    bitmap = _bitmap_bytes(idx, n)
+  if _bitmap_wins(ch, n, gap_cost):
+    bitmap = _bitmap_bytes(ch.indices(), n)
     costs[BITMAP] = len(bitmap) + cost_v + 9
   mode = min(costs, key=costs.get)
   if mode == RAW:
-    return Encoded(RAW, new, h_new, h_old)
+    return Encoded(RAW, new, ch.h_new, ch.h_old)
   if mode == DENSE:
-    full = np.zeros(n, z.dtype)
-    full[idx] = z
-    return Encoded(DENSE, entropy.encode_stream(hist_d, full), h_new, h_old)
-  if entropy.literal_cost(z) < entropy.cost_bytes(hist_v):
-    values = entropy.encode_literal(z)
+    full = np.zeros(n, old.dtype)
+    idx = ch.indices()
+    full[idx] = _zigzag_offsets(old, new, idx)
+    return Encoded(DENSE, entropy.encode_stream(hist_d, full), ch.h_new, ch.h_old)
+  if z is not None and entropy.literal_cost(z, 1) < entropy.cost_bytes(ch.hist):
+    values = entropy.encode_literal(z, 1)
   else:
-    values = entropy.encode_stream(hist_v, z)
+    values = entropy.encode_symbols(ch.hist, ch.syms, ch.raw)
   if mode == SPARSE:
-    return Encoded(SPARSE, b"".join([varint(idx.size), gap_bytes(), values]), h_new, h_old)
-  return Encoded(BITMAP, b"".join([varint(len(bitmap)), bitmap, values]), h_new, h_old)
+    return Encoded(SPARSE, b"".join([varint(ch.nnz), gap_bytes(), values]), ch.h_new, ch.h_old)
+  return Encoded(BITMAP, b"".join([varint(len(bitmap)), bitmap, values]), ch.h_new, ch.h_old)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,17 +317,24 @@ def _decode_gaps(r: ByteReader, nnz: int, n: int) -> np.ndarray:
     return idx
   if not coder & GAPS_RICE:
     raise CodecError(f"{r.what}: unknown gap coder {coder}")
-  k = coder & ~GAPS_RICE
+  k = coder & 63
   if k > 56:
     raise CodecError(f"{r.what}: Rice parameter {k} exceeds 56")
-  nbytes = r.varint()
-  buf = r.take(nbytes)
+  streams = _RICE_STREAMS if coder & _RICE_MULTI else 1
+  if streams > nnz:
+    raise CodecError(f"{r.what}: {streams} Rice streams for {nnz} changes")
+  lengths = [r.varint() for _ in range(streams)]
+  bases = [-1] + [r.varint() for _ in range(streams - 1)]
+  buf = r.take(sum(lengths))
+  counts = [nnz // streams] * (streams - 1) + [nnz - (nnz // streams) * (streams - 1)]
   idx = np.empty(nnz, np.int64)
-  err = loops.rice_decode(entropy.words_of(buf), nbytes, k, nnz, n, idx)
+  err = loops.rice_decode(entropy.words_of(buf), np.cumsum([0] + lengths), np.array(counts),
+                          np.array(bases, np.int64), k, n, idx)
   if err == loops.E_RANGE:
     raise CodecError(f"{r.what}: a changed index lies outside the tensor size {n}")
   if err != loops.OK:
-    raise CodecError(f"{r.what}: Rice-coded gaps are truncated or have trailing bytes")
+    raise CodecError(f"{r.what}: Rice-coded gaps are truncated, inconsistent or have "
+                     f"trailing bytes")
   return idx
 
 
