@@ -2,6 +2,8 @@
 
 import struct
 
+import numpy as np
+
 from rlax_ps.sync.errors import CodecError
 
 _U8, _U16, _U32, _U64, _I64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q", "<q"))
@@ -67,6 +69,10 @@ class ByteReader:
       if shift > 63:
         raise CodecError(f"{self.what}: varint longer than 64 bits at offset {self.pos}")
 
+  def varints(self, count: int) -> np.ndarray:
+    """`count` varints as an int64 array."""
+    return np.array([self.varint() for _ in range(count)], np.int64)
+
   def done(self):
     if self.pos != self.end:
       raise CodecError(f"{self.what}: {self.end - self.pos} unexpected trailing bytes")
@@ -74,6 +80,11 @@ class ByteReader:
 
 def u8(n: int) -> bytes:
   return _U8.pack(n)
+
+
+def varints(values) -> bytes:
+  """The varints of non-negative integers, concatenated."""
+  return b"".join(varint(int(v)) for v in values)
 
 
 def u16(n: int) -> bytes:

@@ -63,12 +63,14 @@ def _group_mask(aw, bw, g, lane_bits):
   m = np.uint64(0)
   if lane_bits == 16:
     for j in range(16):
-      x = _lanes_differ(aw[g * 16 + j] ^ bw[g * 16 + j], 16)
+      w = np.uint64(g * 16 + j)  # unsigned indices: no wraparound test
+      x = _lanes_differ(aw[w] ^ bw[w], 16)
       x = (x | (x >> np.uint64(15)) | (x >> np.uint64(30)) | (x >> np.uint64(45)))
       m |= (x & np.uint64(15)) << np.uint64(4 * j)
   else:
     for j in range(8):
-      x = _lanes_differ(aw[g * 8 + j] ^ bw[g * 8 + j], 8)
+      w = np.uint64(g * 8 + j)
+      x = _lanes_differ(aw[w] ^ bw[w], 8)
       x = (x * np.uint64(0x0102040810204080)) >> np.uint64(56)
       m |= (x & np.uint64(255)) << np.uint64(8 * j)
   return m
@@ -77,6 +79,7 @@ def _group_mask(aw, bw, g, lane_bits):
 @numba.njit(inline="always", **_JIT)
 def _take(a, b, i, lane_bits):
   """Zigzag code of the wrapping offset b[i] - a[i]."""
+  i = np.uint64(i)
   if lane_bits == 16:
     d = np.int32(np.int16(np.int32(b[i]) - np.int32(a[i])))
     z = ((d << 1) ^ (d >> 15)) & 65535
@@ -234,8 +237,8 @@ def rice_encode(gaps, k):
 @numba.njit(inline="always", **_JIT)
 def _peek(words, p):
   """The 64 bits from bit p on (words[p // 64 + 1] must exist)."""
-  q, o = p >> 6, np.uint64(p & 63)
-  return (words[q] >> o) | ((words[q + 1] << np.uint64(1)) << (np.uint64(63) - o))
+  q, o = np.uint64(p) >> np.uint64(6), np.uint64(p & 63)  # unsigned: no wraparound test
+  return (words[q] >> o) | ((words[q + np.uint64(1)] << np.uint64(1)) << (np.uint64(63) - o))
 
 
 @numba.njit(inline="always", **_JIT)
@@ -323,86 +326,3 @@ def scatter_add(out, idx, off, lo, hi, start):
   """out[idx[i] - start] += off[i] (wrapping) for i in lo..hi-1; idx[lo:hi] lie in out."""
   for i in range(lo, hi):
     out[idx[i] - start] += off[i]
-
-
-# ---- int8 quantizer ----------------------------------------------------------------------
-
-@numba.njit(**_JIT)
-def absmax_rows(x, out):
-  """out[r] = max |x[r, :]| in float64; returns False when x has a NaN or infinity."""
-  bad = 0.0
-  for r in range(x.shape[0]):
-    m = 0.0
-    for c in range(x.shape[1]):
-      v = np.float64(x[r, c])
-      bad += v - v
-      a = abs(v)
-      m = a if a > m else m
-    out[r] = m
-  return bad == 0.0
-
-
-@numba.njit(**_JIT)
-def absmax_cols(x, out, bad):
-  """out[c] = max(out[c], max |x[:, c]|) (exact, in x's dtype); bad[c] turns NaN when
-  column c holds a NaN or infinity (per-column accumulators keep the loop vectorisable)."""
-  for r in range(x.shape[0]):
-    for c in range(x.shape[1]):
-      v = x[r, c]
-      bad[c] += v - v
-      a = abs(v)
-      out[c] = a if a > out[c] else out[c]
-
-
-_ROUND = 6755399441055744.0  # 1.5 * 2**52: (q + _ROUND) - _ROUND rounds half to even
-
-
-@numba.njit(inline="always", **_JIT)
-def _code(v, s):
-  q = v / s
-  q = -128.0 if q < -128.0 else (128.0 if q > 128.0 else q)
-  q = (q + _ROUND) - _ROUND
-  q = -127.0 if q < -127.0 else (127.0 if q > 127.0 else q)
-  return np.int8(q)
-
-
-@numba.njit(inline="always", **_JIT)
-def _code_f32(v, s, inv):
-  """_code(v, s) for float32 v and bf16 s without a division: v has 24 significant bits and
-  every rounding boundary (k + 1/2) * s only 16, so a nonzero |v - boundary| is at least
-  |v / s| * 2**-24 relative, far above the error of v * fl(1/s); exact ties (v - c*s = s/2,
-  computed exactly) are sent to the even code."""
-  q = v * inv
-  q = -128.0 if q < -128.0 else (128.0 if q > 128.0 else q)
-  c = (q + _ROUND) - _ROUND
-  r = v - c * s
-  tie = 2.0 * abs(r) == s
-  odd = (c * 0.5) != ((c * 0.5 + _ROUND) - _ROUND)
-  c = c + ((1.0 if r > 0 else -1.0) if (tie and odd) else 0.0)
-  c = -127.0 if c < -127.0 else (127.0 if c > 127.0 else c)
-  return np.int8(c)
-
-
-@numba.njit(**_JIT)
-def quantize_cols_f32(x, scale, inv, codes):
-  """quantize_cols for float32 x (bit-identical, no division; see _code_f32)."""
-  for r in range(x.shape[0]):
-    for c in range(x.shape[1]):
-      codes[r, c] = _code_f32(np.float64(x[r, c]), scale[c], inv[c])
-
-
-@numba.njit(**_JIT)
-def quantize_cols(x, scale, codes):
-  """codes = clip(round_half_even(x / scale[col]), -127, 127) in float64 (scale > 0)."""
-  for r in range(x.shape[0]):
-    for c in range(x.shape[1]):
-      codes[r, c] = _code(np.float64(x[r, c]), scale[c])
-
-
-@numba.njit(**_JIT)
-def quantize_rows(x, scale, codes):
-  """codes = clip(round_half_even(x / scale[row]), -127, 127) in float64 (scale > 0)."""
-  for r in range(x.shape[0]):
-    s = scale[r]
-    for c in range(x.shape[1]):
-      codes[r, c] = _code(np.float64(x[r, c]), s)

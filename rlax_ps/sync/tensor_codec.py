@@ -13,6 +13,9 @@ Modes (chosen per tensor by estimated size, see `encode_section`):
              the changes follow a pattern that a bitmap compresses below the gaps.
   dense      one offset stream over every element (zero offsets included); picked at
              high density, where it reaches the zeroth-order entropy of the offsets.
+  joint      large tensors with scattered changes below 25%: gaps and values in one
+             Rice + Huffman bit stream per stream of blocks, coded and applied in one
+             pass each way (joint.py); the layouts above are the general path.
 Bit patterns are handled as unsigned integers of the held dtype's width, so any bf16
 pattern (NaN payloads, inf, -0.0, subnormals) and any int8 code round-trips exactly.
 Scans and applies go block by block so that compare, copy, scatter and checksum of a
@@ -25,12 +28,12 @@ import numpy as np
 import xxhash
 import zstandard
 
-from rlax_ps.sync import entropy, loops
+from rlax_ps.sync import entropy, joint, loops
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint
 from rlax_ps.sync.errors import CodecError
 
-UNCHANGED, RAW, SPARSE, BITMAP, DENSE = range(5)
-MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense")
+UNCHANGED, RAW, SPARSE, BITMAP, DENSE, JOINT = range(6)
+MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense", "joint")
 GAPS_ENTROPY, GAPS_RICE = 0, 0x80  # Rice: 0x80 | streams flag | k in one byte
 _RICE_MULTI = 0x40
 BLOCK = 1 << 16
@@ -196,6 +199,11 @@ def encode_section(old: np.ndarray | None, new: np.ndarray) -> Encoded:
   n = new.size
   if old is None:
     return Encoded(RAW, new, xxhash.xxh3_64_intdigest(new), None)
+  planned = joint.plan(old, new)
+  if planned is not None:
+    coded = joint.encode(old, new, *planned)
+    if coded is not None and len(coded[0]) < new.nbytes:
+      return Encoded(JOINT, coded[0], coded[2], coded[1])
   ch = scan_changes(old, new)
   if ch.nnz == 0:
     return Encoded(UNCHANGED, b"", ch.h_new, ch.h_old)
@@ -239,6 +247,13 @@ class Decoded:
   indices: np.ndarray | None = None
   offsets: np.ndarray | None = None
   replacement: np.ndarray | None = None
+  streams: joint.Section | None = None
+
+  def sparse(self) -> tuple[np.ndarray, np.ndarray]:
+    """(flat indices, wrapping offsets) of a sparse, bitmap or joint section."""
+    if self.mode != JOINT:
+      return self.indices, self.offsets
+    return self.streams.changes()
 
   def apply(self, old: np.ndarray | None, udtype: np.dtype, inplace: bool = False
             ) -> tuple[np.ndarray, int]:
@@ -252,6 +267,9 @@ class Decoded:
       return out, xxhash.xxh3_64_intdigest(out)
     out = old if inplace else np.empty_like(old)
     h = xxhash.xxh3_64()
+    if self.mode == JOINT:
+      self.streams.apply(old, out, h)
+      return out, h.intdigest()
     if self.mode == SPARSE or self.mode == BITMAP:
       bounds = np.searchsorted(self.indices, np.arange(0, old.size + BLOCK, BLOCK))
     for k, s in enumerate(range(0, old.size, BLOCK)):
@@ -282,6 +300,8 @@ def decode_section(what: str, mode: int, section, n: int, udtype: np.dtype) -> D
     offsets = _offsets(r, n, udtype, nonzero=False)
     r.done()
     return Decoded(DENSE, offsets=offsets)
+  if mode == JOINT:
+    return Decoded(JOINT, streams=joint.Section(r, n, udtype))
   if mode == SPARSE:
     nnz = r.varint()
     if not 0 < nnz <= n:

@@ -429,8 +429,9 @@ class Update:
     if dec.mode == tensor_codec.DENSE:
       array = None if old is None else (old + dec.offsets).view(meta.dtype).reshape(meta.shape)
       return TensorChanges(kind="dense", offsets=dec.offsets, array=array, **common)
-    values = None if old is None else (old[dec.indices] + dec.offsets).view(meta.dtype)
-    return TensorChanges(kind="sparse", indices=dec.indices, offsets=dec.offsets, values=values,
+    indices, offsets = dec.sparse()
+    values = None if old is None else (old[indices] + offsets).view(meta.dtype)
+    return TensorChanges(kind="sparse", indices=indices, offsets=offsets, values=values,
                          **common)
 
   def verify_all(self, arrays_or_digests) -> None:

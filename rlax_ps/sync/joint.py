@@ -1,0 +1,371 @@
+"""Mode "joint": the fast sparse layout of large tensors, one pass each way.
+
+Each change is coded as its gap (Rice: q zeros, a one, k low bits) directly followed by
+its value (a length-limited Huffman code of the entropy-stage symbol of the zigzag offset,
+then the symbol's raw low bits; or an escape code and the zigzag in full), LSB first, in
+one bit stream. The code tables come from a sample of the tensor, so the encoder makes
+one pass: compare 64 elements at a time, walk the changed ones, emit their codes, and
+hash the block while in cache; the decoder decodes and scatters in one pass as well.
+Blocks of BLOCK elements go round-robin to STREAMS streams (block b to stream b % 4, gaps
+counted in the stream's own element order), so the decoder runs four independent
+dependency chains side by side over four neighbouring blocks that sit in cache together.
+
+Section layout: u8 k | u8 m | m u8 symbols (255: escape) | ceil(m / 2) bytes of 4-bit code
+lengths | per block varint changes | STREAMS x varint bytes | the streams. Gaps count from
+each block's start, so that a round of four blocks decodes without looking ahead.
+"""
+
+import numba
+import numpy as np
+import xxhash
+from numba.cpython.unsafe.numbers import trailing_zeros
+
+from rlax_ps.sync import huffman
+from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
+from rlax_ps.sync.errors import CodecError
+from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_RANGE, E_TRUNCATED, OK, _group_mask,
+                                _peek, _take, scan_block, symbol_of)
+
+BLOCK = 1 << 16
+STREAMS = 4
+ESCAPE = 255  # symbol id of the escape code in the section's table
+MIN_ELEMENTS = 1 << 20  # smaller tensors take the general layouts
+MIN_DENSITY = 0.02  # sparser: the general layouts are as fast (little to walk) and smaller
+MAX_K = 32
+_SAMPLE_WINDOWS = 16
+_JIT = dict(nogil=True, cache=True, boundscheck=False)
+_ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | escape flag
+
+
+# ---- encoder -----------------------------------------------------------------------------
+
+@numba.njit(inline="always", **_JIT)
+def _append(out, wpos, acc, fill, v, nbits):
+  """Appends the low nbits (1..64) of v to a stream; returns (wpos, acc, fill)."""
+  acc |= v << fill
+  before = fill
+  fill += nbits
+  out[np.uint64(wpos)] = acc
+  c = fill >> np.uint64(6)
+  wpos += np.int64(c)
+  acc = ((v >> np.uint64(1)) >> (np.uint64(63) - before)) if c else acc
+  return wpos, acc, fill & np.uint64(63)
+
+
+@numba.njit(**_JIT)
+def encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts):
+  """Codes the changes of the blocks a, b (unsigned bit arrays starting at block `first`,
+  aw/bw their 64-element groups as uint64 words) into the streams' word rows of out.
+  ctab[z]: the value code of zigzag z (low 56 bits) and its length (top 8 bits; 0: no
+  code). st[j] = (words written, accumulator, bits in it) of stream j is carried across
+  calls; counts[b] = the changes of block b, whose gaps count from the block's start.
+  Returns False when a value has no code."""
+  lane_bits = 8 * a.itemsize
+  kk = np.uint64(k)
+  kmask = (np.uint64(1) << kk) - np.uint64(1)
+  low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
+  nblocks = (a.size + BLOCK - 1) // BLOCK
+  for bl in range(nblocks):
+    j = (first + bl) % STREAMS
+    wpos, acc, fill = np.int64(st[j, 0]), st[j, 1], st[j, 2]
+    prev, count = np.int64(-1), np.int64(0)
+    row = out[j]
+    lo = bl * BLOCK
+    hi = min(a.size, lo + BLOCK)
+    groups = (hi - lo) // 64
+    for g in range(groups + 1):
+      if g < groups:
+        m = _group_mask(aw, bw, lo // 64 + g, lane_bits)
+      else:  # the tail of a short last block, element by element
+        m = np.uint64(0)
+        for t in range(hi - lo - groups * 64):
+          m |= np.uint64(a[lo + groups * 64 + t] != b[lo + groups * 64 + t]) << np.uint64(t)
+      while m:
+        i = lo + g * 64 + np.int64(trailing_zeros(m))
+        m &= m - np.uint64(1)
+        e = ctab[_take(a, b, i, lane_bits)]
+        clen = e >> np.uint64(56)
+        if clen == 0:
+          return False
+        gap = np.uint64(i - lo - prev - 1)
+        prev = i - lo
+        count += 1
+        q = gap >> kk
+        v = np.uint64(1) | ((gap & kmask) << np.uint64(1)) | ((e & low56) << (kk + np.uint64(1)))
+        tail = kk + np.uint64(1) + clen
+        if q + tail <= np.uint64(64):
+          wpos, acc, fill = _append(row, wpos, acc, fill, v << q, q + tail)
+        else:
+          while q:
+            zeros = min(q, np.uint64(32))
+            wpos, acc, fill = _append(row, wpos, acc, fill, np.uint64(0), zeros)
+            q -= zeros
+          wpos, acc, fill = _append(row, wpos, acc, fill, v, tail)
+    st[j, 0], st[j, 1], st[j, 2] = np.uint64(wpos), acc, fill
+    counts[first + bl] = count
+  return True
+
+
+# ---- decoder -----------------------------------------------------------------------------
+
+@numba.njit(inline="always", **_JIT)
+def _next(words, p, end, prev, k, table, zw):
+  """Decodes one change at bit p: returns (p, local index, wrapping offset as uint64 of
+  the zigzag, ok)."""
+  w = _peek(words, p)
+  quot = np.int64(0)
+  while w == 0:  # a quotient of 64 or more zeros
+    quot += 64
+    p += 64
+    if p >= end:
+      return p, prev, np.uint64(0), False
+    w = _peek(words, p)
+  t = np.int64(trailing_zeros(w))
+  p += t + 1
+  x = _peek(words, p)
+  r = np.int64(x & ((np.uint64(1) << np.uint64(k)) - np.uint64(1)))
+  x >>= np.uint64(k)
+  e = np.uint64(table[x & np.uint64((1 << huffman.MAX_LEN) - 1)])
+  hl = e >> np.uint64(24)
+  x >>= hl
+  if e & np.uint64(_ESC_FLAG):
+    z = x & ((np.uint64(1) << zw) - np.uint64(1))
+    p += k + np.int64(hl) + np.int64(zw)
+  else:
+    rw = (e >> np.uint64(16)) & np.uint64(31)
+    z = (e & np.uint64(0xFFFF)) | (x & ((np.uint64(1) << rw) - np.uint64(1)))
+    p += k + np.int64(hl) + np.int64(rw)
+  quot += t
+  off = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))
+  return p, prev + 1 + ((quot << k) | r), off, (hl != 0) & (p <= end) & (quot <= (1 << 40))
+
+
+@numba.njit(inline="always", **_JIT)
+def _put(words, p, end, prev, k, table, zw, out, base, size):
+  """Decodes one change of a block (gaps from the block's start) and adds its offset to
+  out[base + index]; returns (p, index, ok)."""
+  p, prev, off, good = _next(words, p, end, prev, k, table, zw)
+  good = good & (prev < size)
+  out[np.uint64(base + min(prev, size - 1))] += off  # unsigned index: no wraparound test
+  return p, prev, good
+
+
+@numba.njit(**_JIT)
+def decode_round(words, ends, k, table, out, first, n, counts, ps):
+  """Adds the changes of the (up to STREAMS) blocks from block `first` on (counts[b]
+  changes in block b, stream b % 4) to out: out[i] += offset (wrapping) at every change.
+  ps[j]: stream j's bit position, carried across rounds. The four streams run in lockstep, then each finishes
+  alone. Returns an error code."""
+  zw = np.uint64(8 * out.itemsize)
+  lo = first * BLOCK
+  nb = min(STREAMS, (n - lo + BLOCK - 1) // BLOCK)
+  c = np.zeros(STREAMS, np.int64)
+  size = np.zeros(STREAMS, np.int64)
+  for j in range(nb):
+    c[j] = counts[first + j]
+    size[j] = min(BLOCK, n - lo - j * BLOCK)
+  p0, p1, p2, p3 = ps[0], ps[1], ps[2], ps[3]
+  v0 = v1 = v2 = v3 = np.int64(-1)
+  good = True
+  for _ in range(min(c[0], c[1], c[2], c[3])):
+    p0, v0, g0 = _put(words, p0, ends[0], v0, k, table, zw, out, lo, size[0])
+    p1, v1, g1 = _put(words, p1, ends[1], v1, k, table, zw, out, lo + BLOCK, size[1])
+    p2, v2, g2 = _put(words, p2, ends[2], v2, k, table, zw, out, lo + 2 * BLOCK, size[2])
+    p3, v3, g3 = _put(words, p3, ends[3], v3, k, table, zw, out, lo + 3 * BLOCK, size[3])
+    if not (g0 & g1 & g2 & g3):
+      good = False
+      break
+  done = min(c[0], c[1], c[2], c[3])
+  ps[0], ps[1], ps[2], ps[3] = p0, p1, p2, p3
+  vs = np.array([v0, v1, v2, v3])
+  for j in range(nb):
+    p, v = ps[j], vs[j]
+    for _ in range(done, c[j]):
+      if not good:
+        break
+      p, v, good = _put(words, p, ends[j], v, k, table, zw, out, lo + j * BLOCK, size[j])
+    ps[j] = p
+  return OK if good else E_TRUNCATED
+
+
+# ---- tables from a sample ----------------------------------------------------------------
+
+def plan(old: np.ndarray, new: np.ndarray):
+  """(k, symbol counts) for a joint section from _SAMPLE_WINDOWS evenly spaced windows of
+  BLOCK elements, or None when the tensor suits the general layouts better (small, below
+  MIN_DENSITY or at 25% or more, or clustered changes that the entropy-coded gaps code
+  smaller)."""
+  n = new.size
+  if n < MIN_ELEMENTS:
+    return None
+  starts = np.linspace(0, n - BLOCK, _SAMPLE_WINDOWS).astype(np.int64) // 64 * 64
+  gaps = np.empty(BLOCK * _SAMPLE_WINDOWS, np.uint64)
+  syms = np.empty(gaps.size, np.uint8)
+  raw = np.zeros(gaps.size // 4 + 2, np.uint64)
+  hist = np.zeros((4, ALPHABET), np.int64)
+  st = np.zeros(3, np.int64)
+  for s in starts:
+    a, b = old[s:s + BLOCK], new[s:s + BLOCK]
+    st[1] = s - 1  # gaps from the window's start
+    scan_block(a.view(np.uint64), b.view(np.uint64), a, b, s, st, gaps, syms, raw, hist)
+  nnz = int(st[0])
+  if not MIN_DENSITY * starts.size * BLOCK <= nnz <= starts.size * BLOCK // 4:
+    return None
+  from rlax_ps.sync import entropy, loops  # noqa: PLC0415 (entropy imports this module)
+  g = gaps[:nnz]
+  mean = float(g.mean())
+  k0 = max(0, int(np.log2(mean * np.log(2) + 1)))
+  cand = list(range(max(0, k0 - 1), min(MAX_K, k0 + 2) + 1))
+  unary = loops.rice_sizes(g, 1, cand[0], cand[-1] + 1)
+  sizes = [int(unary[i]) + c * nnz for i, c in enumerate(cand)]
+  k = cand[int(np.argmin(sizes))]
+  ghist = entropy.histogram(g)
+  if entropy.cost_bytes(ghist) * 8 < 0.97 * min(sizes):
+    return None
+  return k, hist.sum(axis=0)
+
+
+def tables(counts: np.ndarray, width: int):
+  """(section table bytes, code table by zigzag value) for the symbol counts of a sample,
+  with an escape code (then the zigzag in `width` bits) for values the sample lacked.
+  Table entries: the value's code bits (Huffman code, then the symbol's raw bits) | their
+  length << 56."""
+  present = np.flatnonzero(counts)
+  syms = np.append(present, ESCAPE)
+  weights = np.append(counts[present], max(1, int(counts.sum()) >> 12))
+  lengths = huffman.code_lengths(weights)
+  codes = huffman.canonical_codes(lengths)
+  hcode = np.zeros(ALPHABET, np.uint64)
+  hlen = np.zeros(ALPHABET, np.uint64)
+  hcode[present], hlen[present] = codes[:-1], lengths[:-1]
+  z = np.arange(1 << width, dtype=np.uint64)
+  sym, rw, extra = symbols_of(z)
+  ctab = np.where(hlen[sym] > 0,
+                  (hcode[sym] | (extra << hlen[sym])) | ((hlen[sym] + rw) << np.uint64(56)),
+                  (codes[-1] | (z << np.uint64(lengths[-1])))
+                  | (np.uint64(lengths[-1] + width) << np.uint64(56)))
+  ctab[0] = 0  # a change never has a zero offset
+  packed = np.zeros((lengths.size + 1) // 2 * 2, np.uint8)
+  packed[:lengths.size] = lengths
+  head = [u8(syms.size), syms.astype(np.uint8).tobytes(),
+          (packed[0::2] | packed[1::2] << 4).astype(np.uint8).tobytes()]
+  return b"".join(head), ctab.astype(np.uint64)
+
+
+def symbols_of(z: np.ndarray):
+  """(symbol, raw width, raw bits) of each integer z (uint64), as loops.symbol_of."""
+  nb = np.zeros(z.shape, np.uint64)
+  nz = z > 0
+  nb[nz] = np.floor(np.log2(z[nz].astype(np.float64))).astype(np.uint64) + np.uint64(1)
+  wide = z >= DIRECT
+  rw = np.where(wide, nb - np.uint64(3), np.uint64(0)).astype(np.uint64)
+  top = (z >> rw) & np.uint64(3)
+  sym = np.where(wide, DIRECT + (nb.astype(np.int64) - 5) * 4 + top.astype(np.int64),
+                 z.astype(np.int64))
+  return sym, rw, z & ((np.uint64(1) << rw) - np.uint64(1))
+
+
+def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray):
+  """(section bytes, xxh3 of old, xxh3 of new), or None when a value had no code."""
+  n = new.size
+  table, ctab = tables(counts, 8 * new.itemsize)
+  nnz_est = int(counts.sum()) * n // (BLOCK * _SAMPLE_WINDOWS) + 1
+  bits = (k + 6) * nnz_est + n // (1 << k) + 1
+  out = np.zeros((STREAMS, bits // 64 // STREAMS + 2 * BLOCK), np.uint64)
+  st = np.zeros((STREAMS, 3), np.uint64)
+  counts = np.zeros((n + BLOCK - 1) // BLOCK, np.int64)
+  h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
+  step = STREAMS * BLOCK
+  for s in range(0, n, step):
+    if int(st[:, 0].max()) + BLOCK + 2 > out.shape[1]:  # a block: at most 64 bits an element
+      grown = np.zeros((STREAMS, 2 * out.shape[1]), np.uint64)
+      grown[:, :out.shape[1]] = out
+      out = grown
+    a, b = old[s:s + step], new[s:s + step]
+    m = a.size - a.size % 64
+    if not encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK,
+                         k, ctab, out, st, counts):
+      return None
+    h_old.update(a)
+    h_new.update(b)
+  parts, lengths = [], []
+  for j in range(STREAMS):
+    wpos, acc, fill = int(st[j, 0]), st[j, 1], int(st[j, 2])
+    out[j, wpos] = acc
+    nbytes = (wpos * 64 + fill + 7) // 8
+    parts.append(out[j].view(np.uint8)[:nbytes])
+    lengths.append(varint(nbytes))
+  return (b"".join([u8(k), table, varints(counts)] + lengths + parts), h_old.intdigest(),
+          h_new.intdigest())
+
+
+# ---- decoding ----------------------------------------------------------------------------
+
+class Section:
+  """A parsed joint section: its code table and the four streams."""
+
+  def __init__(self, r: ByteReader, n: int, udtype: np.dtype):
+    from rlax_ps.sync import entropy  # noqa: PLC0415 (entropy imports this module)
+    self.n, self.udtype, self.what = n, udtype, r.what
+    self.k = r.u8()
+    if self.k > MAX_K:
+      raise CodecError(f"{r.what}: Rice parameter {self.k} exceeds {MAX_K}")
+    m = r.u8()
+    syms = np.frombuffer(r.take(m), np.uint8).astype(np.int64)
+    packed = np.frombuffer(r.take((m + 1) // 2), np.uint8)
+    lengths = np.stack([packed & 15, packed >> 4], axis=1).reshape(-1)[:m].astype(np.int64)
+    regular = syms[syms != ESCAPE]
+    if (m == 0 or np.any(np.diff(syms) <= 0) or (regular.size and regular[-1] >= ALPHABET)
+        or (regular.size and regular[0] == 0)):
+      raise CodecError(f"{r.what}: joint code table is not a sorted list of nonzero symbols")
+    try:
+      codes = huffman.canonical_codes(lengths)
+    except ValueError as e:
+      raise CodecError(f"{r.what}: joint code table: {e}") from None
+    wide = np.maximum(0, regular - DIRECT)
+    rw = np.where(regular < DIRECT, 0, wide // 4 + 2)
+    zbase = np.where(regular < DIRECT, regular, (4 | wide % 4) << rw)
+    if regular.size and int((zbase | ((1 << rw) - 1)).max()) >> (8 * udtype.itemsize):
+      raise CodecError(f"{r.what}: joint code table holds values wider than the tensor's")
+    entries = np.append(zbase | rw << 16, _ESC_FLAG)[:m] if syms[-1] == ESCAPE else zbase | rw << 16
+    self.table = huffman.decode_table(lengths, codes, entries)
+    nblocks = (n + BLOCK - 1) // BLOCK
+    self.counts = r.varints(nblocks)
+    sizes = np.minimum(BLOCK, n - np.arange(nblocks) * BLOCK)
+    if np.any(self.counts > sizes) or self.counts.sum() == 0:
+      raise CodecError(f"{r.what}: joint block change counts exceed their blocks or are all 0")
+    nbytes = [r.varint() for _ in range(STREAMS)]
+    buf = r.take(sum(nbytes))
+    r.done()
+    self.words = entropy.words_of(buf)
+    self.starts = np.cumsum([0] + nbytes) * 8
+    self.nnz = int(self.counts.sum())
+
+  def apply(self, old: np.ndarray, out: np.ndarray, hasher) -> None:
+    """Writes old + changes into out (which may be old itself), round by round, hashing
+    each round's blocks while in cache."""
+    ps = self.starts[:STREAMS].copy()
+    ends = self.starts[1:]
+    copy = out is not old
+    step = STREAMS * BLOCK
+    for s in range(0, self.n, step):
+      if copy:
+        np.copyto(out[s:s + step], old[s:s + step])
+      if decode_round(self.words, ends, self.k, self.table, out, s // BLOCK, self.n,
+                      self.counts, ps) != OK:
+        raise CodecError(f"{self.what}: joint streams are truncated or corrupted, or a "
+                         f"change lies outside its block")
+      hasher.update(out[s:s + step])
+    if np.any((ps + 7) // 8 * 8 != ends):
+      raise CodecError(f"{self.what}: a joint stream does not end where its length says")
+
+  def changes(self) -> tuple[np.ndarray, np.ndarray]:
+    """(flat indices, wrapping offsets) of the changes, by applying them to zeros (offsets
+    of changed elements are never zero)."""
+    offsets = np.zeros(self.n, self.udtype)
+    self.apply(offsets, offsets, xxhash.xxh3_64())
+    indices = np.flatnonzero(offsets)
+    if indices.size != self.nnz:
+      raise CodecError(f"{self.what}: joint streams decode {indices.size} changed elements, "
+                       f"declared {self.nnz}")
+    return indices, offsets[indices]
