@@ -24,7 +24,7 @@ from rlax_ps.sync import huffman
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_RANGE, E_TRUNCATED, OK, _group_mask,
-                                _peek, _take, scan_block, symbol_of)
+                                _peek, _take, popcount, scan_block, symbol_of)
 
 BLOCK = 1 << 16
 STREAMS = 4
@@ -33,8 +33,9 @@ MIN_ELEMENTS = 1 << 20  # smaller tensors take the general layouts
 MIN_DENSITY = 0.02  # sparser: the general layouts are as fast (little to walk) and smaller
 MAX_K = 32
 _SAMPLE_WINDOWS = 16
-_JIT = dict(nogil=True, cache=True, boundscheck=False)
+_JIT = dict(nogil=True, cache=__import__("os").environ.get("NOCACHE") is None, boundscheck=False)
 _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | escape flag
+WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
 
 
 # ---- encoder -----------------------------------------------------------------------------
@@ -52,15 +53,15 @@ def _append(out, wpos, acc, fill, v, nbits):
   return wpos, acc, fill & np.uint64(63)
 
 
-@numba.njit(**_JIT)
-def encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts):
+@numba.njit(inline="always", **_JIT)
+def _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, lane_bits):
   """Codes the changes of the blocks a, b (unsigned bit arrays starting at block `first`,
   aw/bw their 64-element groups as uint64 words) into the streams' word rows of out.
   ctab[z]: the value code of zigzag z (low 56 bits) and its length (top 8 bits; 0: no
   code). st[j] = (words written, accumulator, bits in it) of stream j is carried across
   calls; counts[b] = the changes of block b, whose gaps count from the block's start.
-  Returns False when a value has no code."""
-  lane_bits = 8 * a.itemsize
+  Returns False when a value has no code. lane_bits: 8 * a.itemsize, a constant of each
+  compiled specialisation (encode_blocks16 / encode_blocks8)."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
@@ -80,6 +81,7 @@ def encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts):
         m = np.uint64(0)
         for t in range(hi - lo - groups * 64):
           m |= np.uint64(a[lo + groups * 64 + t] != b[lo + groups * 64 + t]) << np.uint64(t)
+      count += np.int64(popcount(m))
       while m:
         i = lo + g * 64 + np.int64(trailing_zeros(m))
         m &= m - np.uint64(1)
@@ -89,7 +91,6 @@ def encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts):
           return False
         gap = np.uint64(i - lo - prev - 1)
         prev = i - lo
-        count += 1
         q = gap >> kk
         v = np.uint64(1) | ((gap & kmask) << np.uint64(1)) | ((e & low56) << (kk + np.uint64(1)))
         tail = kk + np.uint64(1) + clen
@@ -106,12 +107,24 @@ def encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts):
   return True
 
 
+@numba.njit(**_JIT)
+def encode_blocks16(aw, bw, a, b, first, k, ctab, out, st, counts):
+  return _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, 16)
+
+
+@numba.njit(**_JIT)
+def encode_blocks8(aw, bw, a, b, first, k, ctab, out, st, counts):
+  return _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, 8)
+
+
 # ---- decoder -----------------------------------------------------------------------------
 
 @numba.njit(inline="always", **_JIT)
 def _next(words, p, end, prev, k, table, zw):
   """Decodes one change at bit p: returns (p, local index, wrapping offset as uint64 of
-  the zigzag, ok)."""
+  the zigzag, ok). Table entries without a code carry the escape flag and length 0, so
+  the common path checks nothing but the stream's end; a corrupted stream decodes to
+  in-bounds garbage that the result checksum rejects."""
   w = _peek(words, p)
   quot = np.int64(0)
   while w == 0:  # a quotient of 64 or more zeros
@@ -128,63 +141,72 @@ def _next(words, p, end, prev, k, table, zw):
   e = np.uint64(table[x & np.uint64((1 << huffman.MAX_LEN) - 1)])
   hl = e >> np.uint64(24)
   x >>= hl
+  good = True
   if e & np.uint64(_ESC_FLAG):
     z = x & ((np.uint64(1) << zw) - np.uint64(1))
     p += k + np.int64(hl) + np.int64(zw)
+    good = hl != 0
   else:
     rw = (e >> np.uint64(16)) & np.uint64(31)
     z = (e & np.uint64(0xFFFF)) | (x & ((np.uint64(1) << rw) - np.uint64(1)))
     p += k + np.int64(hl) + np.int64(rw)
   quot += t
   off = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))
-  return p, prev + 1 + ((quot << k) | r), off, (hl != 0) & (p <= end) & (quot <= (1 << 40))
+  return p, prev + 1 + ((quot << np.uint64(k)) | r), off, good & (p <= end)
 
 
 @numba.njit(inline="always", **_JIT)
-def _put(words, p, end, prev, k, table, zw, out, base, size):
+def _put(words, p, end, prev, k, table, zw, out, base, size, whole):
   """Decodes one change of a block (gaps from the block's start) and adds its offset to
-  out[base + index]; returns (p, index, ok)."""
-  p, prev, off, good = _next(words, p, end, prev, k, table, zw)
+  out[base + index]; returns (p, index, ok). Changes whose whole code (gap and value)
+  fits in the next WHOLE bits take one lookup in `whole`; the rest go through _next."""
+  e = whole[_peek(words, p) & np.uint64((1 << WHOLE) - 1)]
+  if e:
+    p += np.int64(e >> np.uint32(28))
+    prev += 1 + np.int64((e >> np.uint32(16)) & np.uint32(0xFFF))
+    off = np.uint64(e & np.uint32(0xFFFF))
+    good = p <= end
+  else:
+    p, prev, off, good = _next(words, p, end, prev, k, table, zw)
   good = good & (prev < size)
   out[np.uint64(base + min(prev, size - 1))] += off  # unsigned index: no wraparound test
   return p, prev, good
 
 
 @numba.njit(**_JIT)
-def decode_round(words, ends, k, table, out, first, n, counts, ps):
+def decode_round(words, ends, k, table, whole, out, first, n, counts, ps):
   """Adds the changes of the (up to STREAMS) blocks from block `first` on (counts[b]
   changes in block b, stream b % 4) to out: out[i] += offset (wrapping) at every change.
-  ps[j]: stream j's bit position, carried across rounds. The four streams run in lockstep, then each finishes
-  alone. Returns an error code."""
+  ps[j]: stream j's bit position, carried across rounds. Streams run two at a time in
+  lockstep (independent dependency chains overlap; four would spill registers). Returns
+  an error code."""
   zw = np.uint64(8 * out.itemsize)
   lo = first * BLOCK
   nb = min(STREAMS, (n - lo + BLOCK - 1) // BLOCK)
   c = np.zeros(STREAMS, np.int64)
-  size = np.zeros(STREAMS, np.int64)
+  size = np.ones(STREAMS, np.int64)
   for j in range(nb):
     c[j] = counts[first + j]
     size[j] = min(BLOCK, n - lo - j * BLOCK)
-  p0, p1, p2, p3 = ps[0], ps[1], ps[2], ps[3]
-  v0 = v1 = v2 = v3 = np.int64(-1)
   good = True
-  for _ in range(min(c[0], c[1], c[2], c[3])):
-    p0, v0, g0 = _put(words, p0, ends[0], v0, k, table, zw, out, lo, size[0])
-    p1, v1, g1 = _put(words, p1, ends[1], v1, k, table, zw, out, lo + BLOCK, size[1])
-    p2, v2, g2 = _put(words, p2, ends[2], v2, k, table, zw, out, lo + 2 * BLOCK, size[2])
-    p3, v3, g3 = _put(words, p3, ends[3], v3, k, table, zw, out, lo + 3 * BLOCK, size[3])
-    if not (g0 & g1 & g2 & g3):
-      good = False
-      break
-  done = min(c[0], c[1], c[2], c[3])
-  ps[0], ps[1], ps[2], ps[3] = p0, p1, p2, p3
-  vs = np.array([v0, v1, v2, v3])
-  for j in range(nb):
-    p, v = ps[j], vs[j]
-    for _ in range(done, c[j]):
-      if not good:
-        break
-      p, v, good = _put(words, p, ends[j], v, k, table, zw, out, lo + j * BLOCK, size[j])
-    ps[j] = p
+  for h in range(0, nb, 2):  # two streams in lockstep: four would spill registers
+    pa, pb, ea, eb = ps[h], ps[h + 1], ends[h], ends[h + 1]
+    sa, sb = size[h], size[h + 1]
+    ba, bb = lo + h * BLOCK, lo + (h + 1) * BLOCK
+    va = vb = np.int64(-1)
+    both = min(c[h], c[h + 1])
+    for _ in range(both):
+      pa, va, ga = _put(words, pa, ea, va, k, table, zw, out, ba, sa, whole)
+      pb, vb, gb = _put(words, pb, eb, vb, k, table, zw, out, bb, sb, whole)
+      if not (ga & gb):
+        return E_TRUNCATED
+    for _ in range(both, c[h]):
+      pa, va, ga = _put(words, pa, ea, va, k, table, zw, out, ba, sa, whole)
+      good &= ga
+    for _ in range(both, c[h + 1]):
+      pb, vb, gb = _put(words, pb, eb, vb, k, table, zw, out, bb, sb, whole)
+      good &= gb
+    ps[h], ps[h + 1] = pa, pb
   return OK if good else E_TRUNCATED
 
 
@@ -269,6 +291,7 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray):
   """(section bytes, xxh3 of old, xxh3 of new), or None when a value had no code."""
   n = new.size
   table, ctab = tables(counts, 8 * new.itemsize)
+  encode_blocks = encode_blocks16 if new.itemsize == 2 else encode_blocks8
   nnz_est = int(counts.sum()) * n // (BLOCK * _SAMPLE_WINDOWS) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1
   out = np.zeros((STREAMS, bits // 64 // STREAMS + 2 * BLOCK), np.uint64)
@@ -301,6 +324,26 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray):
 
 # ---- decoding ----------------------------------------------------------------------------
 
+def whole_codes(k: int, table: np.ndarray, width: int) -> np.ndarray:
+  """For every WHOLE-bit window that starts with a complete change code (Rice gap, then a
+  Huffman value with its raw bits, no escape): wrapping offset | gap << 16 | code length
+  << 28 (uint32); 0 elsewhere."""
+  x = np.arange(1 << WHOLE, dtype=np.uint64)
+  low = x & -x  # lowest set bit
+  t = np.where(x > 0, np.log2(np.maximum(low, 1).astype(np.float64)), WHOLE).astype(np.int64)
+  head = t + 1 + k  # the gap's bits
+  y = x >> np.minimum(head, 63).astype(np.uint64)
+  e = table[(y & np.uint64((1 << huffman.MAX_LEN) - 1)).astype(np.int64)].astype(np.uint64)
+  hl, rw = e >> np.uint64(24), (e >> np.uint64(16)) & np.uint64(31)
+  total = head + (hl + rw).astype(np.int64)
+  ok = (x > 0) & ((e & np.uint64(_ESC_FLAG)) == 0) & (total <= WHOLE)
+  z = (e & np.uint64(0xFFFF)) | ((y >> hl) & ((np.uint64(1) << rw) - np.uint64(1)))
+  off = ((z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))) & np.uint64((1 << width) - 1)
+  gap = (t.astype(np.uint64) << np.uint64(k)) | ((x >> (t + 1).astype(np.uint64)) & np.uint64((1 << k) - 1))
+  entry = off | (gap << np.uint64(16)) | (total.astype(np.uint64) << np.uint64(28))
+  return np.where(ok, entry, 0).astype(np.uint32)
+
+
 class Section:
   """A parsed joint section: its code table and the four streams."""
 
@@ -329,6 +372,8 @@ class Section:
       raise CodecError(f"{r.what}: joint code table holds values wider than the tensor's")
     entries = np.append(zbase | rw << 16, _ESC_FLAG)[:m] if syms[-1] == ESCAPE else zbase | rw << 16
     self.table = huffman.decode_table(lengths, codes, entries)
+    self.table[self.table == 0] = _ESC_FLAG  # no code here: the checked path, length 0
+    self.whole = whole_codes(self.k, self.table, 8 * udtype.itemsize)
     nblocks = (n + BLOCK - 1) // BLOCK
     self.counts = r.varints(nblocks)
     sizes = np.minimum(BLOCK, n - np.arange(nblocks) * BLOCK)
@@ -351,8 +396,8 @@ class Section:
     for s in range(0, self.n, step):
       if copy:
         np.copyto(out[s:s + step], old[s:s + step])
-      if decode_round(self.words, ends, self.k, self.table, out, s // BLOCK, self.n,
-                      self.counts, ps) != OK:
+      if decode_round(self.words, ends, self.k, self.table, self.whole, out, s // BLOCK,
+                      self.n, self.counts, ps) != OK:
         raise CodecError(f"{self.what}: joint streams are truncated or corrupted, or a "
                          f"change lies outside its block")
       hasher.update(out[s:s + step])

@@ -30,6 +30,15 @@ def _bitlen(z):
 
 
 @numba.njit(inline="always", **_JIT)
+def popcount(x):
+  """Set bits of the uint64 x (LLVM emits popcnt)."""
+  x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+  x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
+  x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+  return (x * np.uint64(0x0101010101010101)) >> np.uint64(56)
+
+
+@numba.njit(inline="always", **_JIT)
 def symbol_of(z):
   """(symbol, raw width, raw bits) of an integer z >= 0."""
   z = np.uint64(z)
