@@ -71,7 +71,7 @@ def pack_varwidth(values: np.ndarray, widths: np.ndarray) -> bytes:
   total = int(ends[-1])
   if total == 0:
     return b""
-  words = np.zeros((total + 63) // 64 + 1, np.uint64)
+  words = np.zeros(total // 64 + 2, np.uint64)  # zero-width values may start at `total`
   for s in range(0, n, _BLOCK):
     v = values[s:s + _BLOCK].astype(np.uint64)
     wb = w[s:s + _BLOCK]
@@ -99,7 +99,7 @@ def unpack_varwidth(buf, widths: np.ndarray, what: str) -> np.ndarray:
     raise CodecError(f"{what}: bit field holds {len(buf)} bytes, expected {(total + 7) // 8}")
   if total == 0:
     return np.zeros(n, np.uint64)
-  padded = np.zeros(((len(buf) + 7) // 8 + 1) * 8, np.uint8)
+  padded = np.zeros(((len(buf) + 7) // 8 + 2) * 8, np.uint8)  # zero widths may start at the end
   padded[:len(buf)] = np.frombuffer(buf, np.uint8)
   words = padded.view("<u8").astype(np.uint64)
   out = np.empty(n, np.uint64)

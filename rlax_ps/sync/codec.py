@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from rlax_ps.sync import int8, tensor_codec
+from rlax_ps.sync import int8, packs, tensor_codec
 from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, to_bf16
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.integrity import checksum
@@ -42,18 +42,39 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   if base is not None:
     old_state = held_state(base, fmt)
     check_names("base", old_state, new_state)
-  entries = []
   for name, new in new_state.items():
-    old = None
     if old_state is not None:
       old = old_state[name]
       if old.shape != new.shape or old.dtype != new.dtype:
         raise CodecError(f"tensor {name!r}: base is {old.dtype}{list(old.shape)}, target is "
                          f"{new.dtype}{list(new.shape)}")
-    enc = tensor_codec.encode_section(None if old is None else bit_view(old), bit_view(new))
+  coded = {} if old_state is None else _encode_packs(old_state, new_state)
+  entries = []
+  for name, new in new_state.items():
+    if name not in coded:
+      old = None if old_state is None else bit_view(old_state[name])
+      coded[name] = tensor_codec.encode_section(old, bit_view(new))
+    enc = coded[name]
     entries.append((name, new.shape, new.dtype, enc.checksum, enc.base_checksum, enc.mode,
                     enc.section))
   return build(fmt, version, base_version, entries)
+
+
+def _encode_packs(old_state: dict, new_state: dict) -> dict:
+  """name -> Encoded for the members of every pack that has a change (packs.py)."""
+  coded = {}
+  groups = packs.members_by_dtype({n: a.size for n, a in new_state.items()},
+                                  {n: a.dtype for n, a in new_state.items()})
+  for members in groups.values():
+    olds = [bit_view(old_state[n]) for n in members]
+    news = [bit_view(new_state[n]) for n in members]
+    enc = tensor_codec.encode_section(np.concatenate(olds), np.concatenate(news))
+    if enc.mode in (tensor_codec.UNCHANGED, tensor_codec.RAW):  # nothing to share
+      continue
+    for i, (n, o, a) in enumerate(zip(members, olds, news)):
+      mode, section = (enc.mode, enc.section) if i == 0 else (tensor_codec.PACKED, b"")
+      coded[n] = tensor_codec.Encoded(mode, section, checksum(a), checksum(o))
+  return coded
 
 
 def apply(base, update: Update, *, base_version: int | None = None,
@@ -93,16 +114,23 @@ def apply(base, update: Update, *, base_version: int | None = None,
                          f"numpy array, got {type(base[name]).__name__}")
     base_digests = [checksum(held[name]) for name in names]
     update.check_bases(base_digests)
-  out, digests = {}, []
+  out, digests = {}, {}
   for i, (name, meta) in enumerate(update.tensors.items()):
+    if name in out:  # a pack member, done with its head
+      continue
     if inplace and meta.mode == "unchanged":
       out[name] = base[name]
-      digests.append(base_digests[i])
+      digests[name] = base_digests[i]
+      continue
+    members = update.pack(name)
+    if members is not None:
+      _apply_pack(update, members, held, base, inplace, out, digests)
       continue
     bits, got = update.decoded(name).apply(bit_view(held[name]), UINT_OF[meta.dtype],
                                            inplace=inplace)
     out[name] = base[name] if inplace else bits.view(meta.dtype).reshape(meta.shape)
-    digests.append(got)
+    digests[name] = got
+  digests = [digests[name] for name in names]
   if not update.header.results.matches(digests):
     if base_digests is None:  # tell a wrong base from a corrupted update
       base_digests = [d if meta.mode == "unchanged" else checksum(held[name])
@@ -110,6 +138,23 @@ def apply(base, update: Update, *, base_version: int | None = None,
       update.check_bases(base_digests)
     update.check_results(digests)
   return out
+
+
+def _apply_pack(update: Update, members: list[str], held: dict, base: dict, inplace: bool,
+                out: dict, digests: dict) -> None:
+  """Applies a pack's section to the concatenation of its members' bases and splits it."""
+  dtype = update.tensors[members[0]].dtype
+  old = np.concatenate([bit_view(held[n]) for n in members])
+  bits, _ = update.decoded(members[0]).apply(old, UINT_OF[dtype], inplace=True)
+  for n, (lo, hi) in zip(members, packs.spans([update.tensors[n].size for n in members])):
+    meta = update.tensors[n]
+    new = bits[lo:hi]
+    if inplace:
+      bit_view(base[n])[...] = new
+      out[n] = base[n]
+    else:
+      out[n] = new.view(dtype).reshape(meta.shape)
+    digests[n] = checksum(new)
 
 
 def dequantize(held: dict) -> dict[str, np.ndarray]:

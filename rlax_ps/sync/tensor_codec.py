@@ -16,6 +16,7 @@ Modes (chosen per tensor by estimated size, see `encode_section`):
   joint      large tensors with scattered changes below 25%: gaps and values in one
              Rice + Huffman bit stream per stream of blocks, coded and applied in one
              pass each way (joint.py); the layouts above are the general path.
+  packed     no bytes: the tensor is coded in its pack's section (packs.py).
 Bit patterns are handled as unsigned integers of the held dtype's width, so any bf16
 pattern (NaN payloads, inf, -0.0, subnormals) and any int8 code round-trips exactly.
 Scans and applies go block by block so that compare, copy, scatter and checksum of a
@@ -32,8 +33,8 @@ from rlax_ps.sync import entropy, joint, loops
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint
 from rlax_ps.sync.errors import CodecError
 
-UNCHANGED, RAW, SPARSE, BITMAP, DENSE, JOINT = range(6)
-MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense", "joint")
+UNCHANGED, RAW, SPARSE, BITMAP, DENSE, JOINT, PACKED = range(7)
+MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense", "joint", "packed")
 GAPS_ENTROPY, GAPS_RICE = 0, 0x80  # Rice: 0x80 | streams flag | k in one byte
 _RICE_MULTI = 0x40
 BLOCK = 1 << 16

@@ -30,7 +30,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from rlax_ps.sync import tensor_codec
+from rlax_ps.sync import packs, tensor_codec
 from rlax_ps.sync.bits import BF16, INT8, UINT_OF, bit_view
 from rlax_ps.sync.byte_reader import ByteReader, u8, u64, varint
 from rlax_ps.sync.errors import CodecError
@@ -316,6 +316,7 @@ def read_header(b) -> UpdateHeader:
   if offset != buf.nbytes:
     raise CodecError(f"update: {buf.nbytes - offset} unexpected trailing bytes after the "
                      f"last section")
+  packs.read_packs(tensors)
   return UpdateHeader(version, None if keyframe else base_version, FORMATS[fmt_code], tensors,
                       buf.nbytes, results, bases, sections)
 
@@ -362,6 +363,14 @@ class Update:
   def __init__(self, data, header: UpdateHeader):
     self._data = data
     self.header = header
+    self._packs = packs.read_packs(header.tensors)  # head -> members
+    self._pack_of = {n: head for head, names in self._packs.items() for n in names}
+    self._decoded_packs = {}
+
+  def pack(self, name: str) -> list[str] | None:
+    """The members (head first) of the pack that codes `name`, or None."""
+    head = self._pack_of.get(name)
+    return None if head is None else self._packs[head]
 
   version = property(lambda self: self.header.version)
   base_version = property(lambda self: self.header.base_version)
@@ -395,12 +404,30 @@ class Update:
     return self.tensors[name]
 
   def decoded(self, name: str) -> tensor_codec.Decoded:
-    """The validated, decoded section of one tensor."""
+    """The validated, decoded section of one tensor, or of the pack that codes it (over
+    the pack's concatenated elements; kept for the pack's other members)."""
     meta = self.meta(name)
+    names = self.pack(name)
+    if names is not None:
+      if names[0] not in self._decoded_packs:
+        head = self.tensors[names[0]]
+        section = memoryview(self._data)[head.offset:head.offset + head.nbytes]
+        self._decoded_packs[names[0]] = tensor_codec.decode_section(
+            f"tensor {names[0]!r} (pack of {len(names)})",
+            tensor_codec.MODE_NAMES.index(head.mode), section,
+            sum(self.tensors[n].size for n in names), UINT_OF[meta.dtype])
+      return self._decoded_packs[names[0]]
     section = memoryview(self._data)[meta.offset:meta.offset + meta.nbytes]
     return tensor_codec.decode_section(
         f"tensor {name!r}", tensor_codec.MODE_NAMES.index(meta.mode), section, meta.size,
         UINT_OF[meta.dtype])
+
+  def span(self, name: str) -> tuple[int, int] | None:
+    """(start, end) of a pack member's elements in its pack, or None."""
+    names = self.pack(name)
+    if names is None:
+      return None
+    return packs.spans([self.tensors[n].size for n in names])[names.index(name)]
 
   def check_base(self, name: str, base) -> np.ndarray:
     """`base` as a held array, after checking its shape and dtype against the update."""
@@ -416,6 +443,8 @@ class Update:
     """Decoded changes of one tensor; with `base_array`, also the new values or array."""
     meta = self.meta(name)
     dec = self.decoded(name)
+    span = self.span(name)
+    lo, hi = span or (0, meta.size)
     old = None
     if base_array is not None and dec.mode != tensor_codec.RAW:
       old = bit_view(self.check_base(name, base_array))
@@ -423,13 +452,19 @@ class Update:
     if dec.mode == tensor_codec.UNCHANGED:
       return TensorChanges(kind="unchanged", **common)
     if dec.mode == tensor_codec.RAW:
-      array = dec.replacement.astype(dec.replacement.dtype.newbyteorder("="))
+      array = dec.replacement[lo:hi].astype(dec.replacement.dtype.newbyteorder("="))
       return TensorChanges(kind="replace", array=array.view(meta.dtype).reshape(meta.shape),
                            **common)
     if dec.mode == tensor_codec.DENSE:
-      array = None if old is None else (old + dec.offsets).view(meta.dtype).reshape(meta.shape)
-      return TensorChanges(kind="dense", offsets=dec.offsets, array=array, **common)
+      offsets = dec.offsets[lo:hi]
+      array = None if old is None else (old + offsets).view(meta.dtype).reshape(meta.shape)
+      return TensorChanges(kind="dense", offsets=offsets, array=array, **common)
     indices, offsets = dec.sparse()
+    if span is not None:
+      a, b = np.searchsorted(indices, [lo, hi])
+      indices, offsets = indices[a:b] - lo, offsets[a:b]
+      if indices.size == 0:
+        return TensorChanges(kind="unchanged", **common)
     values = None if old is None else (old[indices] + offsets).view(meta.dtype)
     return TensorChanges(kind="sparse", indices=indices, offsets=offsets, values=values,
                          **common)
