@@ -85,13 +85,15 @@ def measure(label, fmt, base_held, target, copy_s, reps, full_bf16_bytes, keyfra
   bound, nnz, small, n = state_bound(base_held, target_held)
   # bf16: the trainer casts to bf16 on device before the device-to-host copy (half the
   # bytes), so encode starts from bf16; int8 quantizes the float32 target inside encode.
-  source = target_held if fmt == "bf16" else target
-  enc = best_time(lambda: sync.encode(base_held, source, fmt, version=1, base_version=0), reps)
+  # The publisher rounds or quantizes on device (int8_device for int8) and copies the held
+  # state to the host: encode starts from it. Again from the float32 target: the host
+  # rounds or quantizes first (4x the bytes to read).
+  enc = best_time(lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0),
+                  reps)
   update = enc[2]
-  # int8 again from the held (quantized) target: the codec alone, as if quantized on device.
-  enc_held = enc if fmt == "bf16" else best_time(
-      lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0), reps)
-  assert enc_held[2].to_bytes() == update.to_bytes()
+  enc_host = best_time(lambda: sync.encode(base_held, target, fmt, version=1, base_version=0),
+                       reps)
+  assert enc_host[2].to_bytes() == update.to_bytes()
   app = best_time(lambda: sync.apply(base_held, update), reps)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(app[2][k]), bit_view(v)), k
@@ -108,7 +110,7 @@ def measure(label, fmt, base_held, target, copy_s, reps, full_bf16_bytes, keyfra
           f"{full_bf16_bytes / update.nbytes:.1f}x", f"{update.nbytes / max(bound, 1):.3f}",
           f"{(update.nbytes - sum(m.nbytes for m in update.tensors.values())):,}",
           f"{full_bf16_bytes / max(baseline, 1):.1f}x", f"{update.nbytes / keyframe_bytes:.2%}",
-          f"{model / enc[0] / 1e9:.2f}", vs_copy(enc, 0), vs_copy(enc_held, 0),
+          f"{model / enc[0] / 1e9:.2f}", vs_copy(enc, 0), vs_copy(enc_host, 0),
           f"{model / app[0] / 1e9:.2f}",
           vs_copy(app, 0), vs_copy(inplace, 0),
           f"{vs_copy(enc, 1)}/{vs_copy(app, 1)}/{vs_copy(inplace, 1)}", "+".join(modes) or "-"]
@@ -201,7 +203,7 @@ def main(argv):
                  f"{sum(a.size for a in before.values()):,} params in {len(before)} tensors; "
                  f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
   header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound", "hdr B",
-            "int32+val", "vs kf", "enc GB/s", "enc/copy", "held enc/copy", "apply GB/s", "apply/copy",
+            "int32+val", "vs kf", "enc GB/s", "enc/copy", "f32 enc/copy", "apply GB/s", "apply/copy",
             "inplace/copy", "wall e/a/i", "modes"]
   widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
   print(f"synthetic model: {n:,} bf16 elements ({full / 1e6:.0f} MB); memory copy "
@@ -214,12 +216,12 @@ def main(argv):
     print(real_note)
   print("vs bf16 / int32+val: full bf16 bytes over the payload / over 6 (bf16) or 5 (int8) "
         "bytes per change; /bound: payload (header included) over the bound; hdr B: header "
-        "bytes (names, shapes, checksums); vs kf: payload over the keyframe;")
+        "bytes (names, shapes, modes, seals); vs kf: payload over the keyframe;")
   print("GB/s of held model bytes by best CPU time (the machine may be shared); x/copy: "
-        "throughput over np.copyto's; inplace: apply(..., inplace=True); wall e/a/i: the "
-        "encode/apply/inplace ratios by wall time; bf16 encode starts from the bf16-cast target, "
-        "int8 encode includes quantizing the float32 target; held enc: int8 encode from the "
-        "already quantized target (the codec alone))")
+        "throughput over np.copyto's of the same held bytes; enc: from the held target (bf16, "
+        "or int8 quantized on device by int8_device); f32 enc: from the float32 target, "
+        "rounded or quantized on the host; inplace: apply(..., inplace=True); wall e/a/i: "
+        "the encode/apply/inplace ratios by wall time; modes: the sections' layouts")
   for r in [header] + rows:
     print(" | ".join(str(c).rjust(wd) for c, wd in zip(r, widths)))
 

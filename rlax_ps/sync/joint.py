@@ -33,7 +33,7 @@ MIN_ELEMENTS = 1 << 20  # smaller tensors take the general layouts
 MIN_DENSITY = 0.02  # sparser: the general layouts are as fast (little to walk) and smaller
 MAX_K = 32
 _SAMPLE_WINDOWS = 16
-_JIT = dict(nogil=True, cache=__import__("os").environ.get("NOCACHE") is None, boundscheck=False)
+_JIT = dict(nogil=True, cache=True, boundscheck=False)
 _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | escape flag
 WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
 

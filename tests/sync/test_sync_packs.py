@@ -1,0 +1,110 @@
+"""Packs: a delta's small tensors of one dtype share one section."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rlax_ps import sync
+from rlax_ps.sync import packs, wire
+from rlax_ps.sync.bits import BF16
+
+
+def small_model(rng, n=12):
+  base = {f"layers.{i}.norm.scale": (1 + rng.standard_normal(64) * 0.01).astype(BF16)
+          for i in range(n)}
+  base |= {f"layers.{i}.attn.q.kernel": (rng.standard_normal((16, 32)) * 0.02).astype(BF16)
+           for i in range(n)}
+  base["big.kernel"] = (rng.standard_normal(packs.PACK_BELOW) * 0.02).astype(BF16)
+  target = {k: v.copy() for k, v in base.items()}
+  for i, v in enumerate(target.values()):
+    if i % 3:
+      flat = v.reshape(-1).view(np.uint16)
+      flat[rng.choice(flat.size, 3, replace=False)] += np.uint16(1)
+  return base, target
+
+
+@pytest.fixture(scope="module")
+def model():
+  base, target = small_model(np.random.default_rng(0))
+  return base, target, sync.encode(base, target, version=2)
+
+
+def test_small_tensors_of_a_dtype_share_one_section(model):
+  base, _, update = model
+  small = [n for n in base if n != "big.kernel"]
+  modes = [update.tensors[n].mode for n in small]
+  assert modes[0] not in ("packed", "unchanged") and update.tensors[small[0]].nbytes
+  assert modes[1:] == ["packed"] * (len(small) - 1)
+  assert all(update.tensors[n].nbytes == 0 for n in small[1:])
+  assert update.tensors["big.kernel"].mode != "packed"  # PACK_BELOW elements: its own
+  assert update.pack(small[5]) == small and update.pack("big.kernel") is None
+
+
+def test_packed_updates_round_trip_apply_inplace_and_changes(model):
+  base, target, update = model
+  again = sync.Update.from_bytes(update.to_bytes())
+  out = sync.apply(base, again)
+  held = {k: v.copy() for k, v in base.items()}
+  sync.apply(held, again, inplace=True)
+  for k in target:
+    assert np.array_equal(out[k].view(np.uint16), target[k].view(np.uint16)), k
+    assert np.array_equal(held[k].view(np.uint16), target[k].view(np.uint16)), k
+    ch = again.changes(k, base[k])
+    want = np.flatnonzero(base[k].view(np.uint16) != target[k].view(np.uint16))
+    if want.size == 0:
+      assert ch.kind == "unchanged", k
+    else:
+      assert ch.kind == "sparse" and np.array_equal(ch.indices, want), k
+      assert np.array_equal(ch.values.view(np.uint16),
+                            target[k].reshape(-1).view(np.uint16)[want]), k
+
+
+def test_a_pack_is_smaller_than_its_members_coded_alone(model):
+  base, target, update = model
+  small = [n for n in base if n != "big.kernel"]
+  alone = sum(sync.encode({n: base[n]}, {n: target[n]}, version=2).tensors[n].nbytes
+              for n in small)
+  assert update.tensors[small[0]].nbytes < alone
+
+
+def test_unchanged_small_tensors_make_no_pack():
+  base, _ = small_model(np.random.default_rng(1))
+  update = sync.encode(base, base, version=2)
+  assert {m.mode for m in update.tensors.values()} == {"unchanged"}
+
+
+def test_int8_codes_and_scales_form_one_pack_each():
+  rng = np.random.default_rng(2)
+  w = {f"l{i}.kernel": rng.standard_normal((32, 16)).astype(np.float32) * 0.02 for i in range(6)}
+  w2 = {k: v + rng.standard_normal(v.shape).astype(np.float32) * 0.002 for k, v in w.items()}
+  update = sync.encode(w, w2, "int8", version=1)
+  codes = [n for n in update.tensors if not n.endswith(".scale")]
+  scales = [n for n in update.tensors if n.endswith(".scale")]
+  assert update.pack(codes[1]) == codes and update.pack(scales[1]) == scales
+  out = sync.apply(sync.held_state(w, "int8"), update)
+  want = sync.held_state(w2, "int8")
+  for k in want:
+    assert np.array_equal(out[k].view(np.uint8 if out[k].dtype == np.int8 else np.uint16),
+                          want[k].view(np.uint8 if want[k].dtype == np.int8 else np.uint16)), k
+
+
+@pytest.mark.parametrize("name,mode", [("layers.3.norm.scale", "sparse"),
+                                       ("big.kernel", "packed")])
+def test_headers_whose_modes_break_the_pack_rules_are_rejected(model, name, mode):
+  _, _, update = model
+  metas = dict(update.header.tensors)
+  metas[name] = dataclasses.replace(metas[name], mode=mode)
+  with pytest.raises(sync.CodecError, match=repr(name)[1:-1]):
+    packs.read_packs(metas)
+
+
+def test_a_corrupted_pack_section_names_its_head(model):
+  base, _, update = model
+  head = next(iter(base))
+  data = bytearray(update.to_bytes())
+  meta = update.tensors[head]
+  data[meta.offset + meta.nbytes // 2] ^= 0x10
+  with pytest.raises(sync.CodecError, match=repr(head)):
+    sync.apply(base, sync.Update.from_bytes(bytes(data)))
+  assert wire.read_header(bytes(data)).tensors[head].mode == meta.mode
