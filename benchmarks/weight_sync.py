@@ -9,8 +9,9 @@ w -= lr * m / (sqrt(v) + eps) (direction of unit-ish size per element) with lr c
 so that 0.1%, 1%, 3%, 10% of the bf16 elements change. Real row: the SFT trainer
 (configs/sft_tiny.py) after warm-up steps at an RL-like learning rate, one more step.
 Bound = sum over tensors of N*H(d) + nnz*H_v (H_v: zeroth-order entropy of the wrapping
-bit-pattern offsets of the changed elements). Throughput is in GB/s of held model bytes;
-the copy column is np.copyto of the same bf16 bytes.
+bit-pattern offsets of the changed elements). Throughput is in GB/s of held model bytes,
+over np.copyto's GB/s: the copy is timed before each run of a row (the machine's memory
+bandwidth drifts by tens of percent), and each side keeps its best.
 """
 
 import os
@@ -32,21 +33,44 @@ _DENSITIES = flags.DEFINE_list("densities", ["0.001", "0.01", "0.03", "0.1"],
 _REAL = flags.DEFINE_boolean("real", True, "add the row of a real update from the SFT trainer")
 _REAL_LR = flags.DEFINE_list("real_lr", ["1e-6", "1e-5"],
                              "learning rates of the real trainer steps (one row pair each)")
-_REPS = flags.DEFINE_integer("reps", 2, "timed repetitions (best is reported)")
+_REPS = flags.DEFINE_integer("reps", 3, "timed repetitions (best is reported)")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _COLS = 4096
 
 
-def best_time(fn, reps, setup=None):
-  """(best CPU seconds, best wall seconds, result) over `reps` runs of fn(setup())."""
+def best_time(fn, reps, setup=None, probe=None):
+  """(best CPU seconds, best wall seconds, result) over `reps` runs of fn(setup()); `probe`
+  (the memory copy) runs before each, so that both see the machine in the same state."""
   cpu, wall, out = float("inf"), float("inf"), None
   for _ in range(reps):
+    if probe:
+      probe()
     arg = setup() if setup else None
     t, c = time.perf_counter(), time.process_time()
     out = fn(arg) if setup else fn()
     cpu = min(cpu, time.process_time() - c)
     wall = min(wall, time.perf_counter() - t)
   return cpu, wall, out
+
+
+class CopyProbe:
+  """np.copyto of a fixed buffer, timed every call; rate() is the best seconds per byte
+  (CPU, wall) seen since the last reset: the baseline of the row being measured."""
+
+  def __init__(self, src):
+    self.src, self.dst = src, np.empty_like(src)
+    self.reset()
+
+  def reset(self):
+    self.best = [float("inf"), float("inf")]
+
+  def __call__(self):
+    t, c = time.perf_counter(), time.process_time()
+    np.copyto(self.dst, self.src)
+    self.best = [min(self.best[0], time.process_time() - c), min(self.best[1], time.perf_counter() - t)]
+
+  def rate(self):
+    return self.best[0] / self.src.nbytes, self.best[1] / self.src.nbytes
 
 
 def entropy_bits(values) -> float:
@@ -78,27 +102,27 @@ def held_bytes(state) -> int:
   return sum(np.asarray(a).nbytes for a in state.values())
 
 
-def measure(label, fmt, base_held, target, copy_s, reps, full_bf16_bytes, keyframe_bytes):
+def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyframe_bytes):
   """One table row: encode base_held -> target, apply it (new arrays, then in place),
-  compare with the bound. copy_s: (cpu, wall) seconds per byte of np.copyto."""
+  compare with the bound. probe: the memory copy, timed between the runs of this row."""
   target_held = sync.held_state(target, fmt)
   bound, nnz, small, n = state_bound(base_held, target_held)
-  # bf16: the trainer casts to bf16 on device before the device-to-host copy (half the
-  # bytes), so encode starts from bf16; int8 quantizes the float32 target inside encode.
   # The publisher rounds or quantizes on device (int8_device for int8) and copies the held
   # state to the host: encode starts from it. Again from the float32 target: the host
-  # rounds or quantizes first (4x the bytes to read).
+  # rounds or quantizes first (2x or 4x the bytes to read).
+  probe.reset()
   enc = best_time(lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0),
-                  reps)
+                  reps, probe=probe)
   update = enc[2]
   enc_host = best_time(lambda: sync.encode(base_held, target, fmt, version=1, base_version=0),
-                       reps)
+                       reps, probe=probe)
   assert enc_host[2].to_bytes() == update.to_bytes()
-  app = best_time(lambda: sync.apply(base_held, update), reps)
+  app = best_time(lambda: sync.apply(base_held, update), reps, probe=probe)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(app[2][k]), bit_view(v)), k
   inplace = best_time(lambda held: sync.apply(held, update, inplace=True), reps,
-                      setup=lambda: {k: v.copy() for k, v in base_held.items()})
+                      setup=lambda: {k: v.copy() for k, v in base_held.items()}, probe=probe)
+  copy_s = probe.rate()
   for k, v in target_held.items():
     assert np.array_equal(bit_view(inplace[2][k]), bit_view(v)), k
   model = held_bytes(base_held)
@@ -170,12 +194,12 @@ def main(argv):
   w = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
   u = adam_direction(rng, n)
   base = {"w.kernel": w.astype(BF16).reshape(-1, _COLS)}
-  dst = np.empty_like(bit_view(base["w.kernel"]))
   full = base["w.kernel"].nbytes
-  copy = best_time(lambda: np.copyto(dst, bit_view(base["w.kernel"])), reps + 3)
-  copy_s = (copy[0] / full, copy[1] / full)
+  probe = CopyProbe(bit_view(base["w.kernel"]))
+  for _ in range(reps + 3):
+    probe()
+  copy_s = probe.rate()
   fresh = best_time(lambda: bit_view(base["w.kernel"]).copy(), reps + 1)
-  del dst
   base_float = {"w.kernel": w.reshape(-1, _COLS)}
   kf_bf16 = sync.encode(None, base, "bf16", version=0)
   base_int8 = sync.held_state(base_float, "int8")
@@ -185,8 +209,8 @@ def main(argv):
     lr = calibrate_lr(w, u, d)
     target = {"w.kernel": (w - np.float32(lr) * u).reshape(-1, _COLS)}
     label = f"synthetic {d:g} lr={lr:.2g}"
-    rows.append(measure(label, "bf16", base, target, copy_s, reps, full, kf_bf16.nbytes))
-    rows.append(measure(label, "int8", base_int8, target, copy_s, reps, full, kf_int8.nbytes))
+    rows.append(measure(label, "bf16", base, target, probe, reps, full, kf_bf16.nbytes))
+    rows.append(measure(label, "int8", base_int8, target, probe, reps, full, kf_int8.nbytes))
     del target
   real_note = ""
   for lr in map(float, _REAL_LR.value if _REAL.value else []):
@@ -197,8 +221,8 @@ def main(argv):
     kfr = sync.encode(None, rb, "bf16", version=0).nbytes
     kfi = sync.encode(None, ri, "int8", version=0).nbytes
     label = f"real SFT step lr={lr:g}"
-    rows.append(measure(label, "bf16", rb, after, copy_s, reps, full_r, kfr))
-    rows.append(measure(label, "int8", ri, after, copy_s, reps, full_r, kfi))
+    rows.append(measure(label, "bf16", rb, after, probe, reps, full_r, kfr))
+    rows.append(measure(label, "int8", ri, after, probe, reps, full_r, kfi))
     real_note = (f"real model (SFT trainer, configs/sft_tiny.py, AdamW, 10 steps then 1): "
                  f"{sum(a.size for a in before.values()):,} params in {len(before)} tensors; "
                  f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
@@ -218,7 +242,8 @@ def main(argv):
         "bytes per change; /bound: payload (header included) over the bound; hdr B: header "
         "bytes (names, shapes, modes, seals); vs kf: payload over the keyframe;")
   print("GB/s of held model bytes by best CPU time (the machine may be shared); x/copy: "
-        "throughput over np.copyto's of the same held bytes; enc: from the held target (bf16, "
+        "throughput over np.copyto's of the same held bytes (copies of the 200 MB buffer timed "
+        "between the runs of each row, best per byte); enc: from the held target (bf16, "
         "or int8 quantized on device by int8_device); f32 enc: from the float32 target, "
         "rounded or quantized on the host; inplace: apply(..., inplace=True); wall e/a/i: "
         "the encode/apply/inplace ratios by wall time; modes: the sections' layouts")

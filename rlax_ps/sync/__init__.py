@@ -6,12 +6,16 @@ validates and stores updates with it; `rlax_ps.sync.device` (imported on demand)
 Formats (DESIGN.md point 2):
   * "bf16": the held state is {name: bf16 array}; float targets are rounded to bf16
     (nearest even). A delta codes, per tensor, which elements changed and each one's new
-    bit pattern as a wrapping offset of the old one (tensor_codec.py, entropy.py).
+    bit pattern as a wrapping offset of the old one (tensor_codec.py: gap/bitmap/dense
+    layouts with rANS, rans.py; joint.py: the one-pass Rice + Huffman layout of large
+    tensors; packs.py: one section for all small tensors of a dtype).
   * "int8": the held state is {name: int8 codes, name + ".scale": bf16 scales} for every
     tensor of ndim >= 2, and {name: bf16} for 1-D tensors; per-output-channel symmetric
     scales (last axis of a kernel [in, out]; one per row of an "...embedding" table).
-    See int8.py for the exact quantizer. `encode` takes float weights (quantizing both
-    sides deterministically) or a held state; `apply` takes and returns the held state.
+    See int8.py for the exact quantizer (int8_loops.py on the host, int8_device.py jitted
+    and bit-identical on device, for a trainer that quantizes before the copy to the host).
+    `encode` takes float weights (quantizing both sides deterministically) or a held
+    state; `apply` takes and returns the held state.
     A delta codes changed codes and changed scales exactly like bf16 elements.
 
 Host usage:

@@ -31,7 +31,7 @@ STREAMS = 4
 ESCAPE = 255  # symbol id of the escape code in the section's table
 MIN_ELEMENTS = 1 << 20  # smaller tensors take the general layouts
 MIN_DENSITY = 0.02  # sparser: the general layouts are as fast (little to walk) and smaller
-MAX_K = 32
+MAX_K = 28  # value codes (<= 27 bits) shifted past a gap's k + 1 bits fit in 56
 _SAMPLE_WINDOWS = 16
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
 _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | escape flag
@@ -57,11 +57,11 @@ def _append(out, wpos, acc, fill, v, nbits):
 def _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, lane_bits):
   """Codes the changes of the blocks a, b (unsigned bit arrays starting at block `first`,
   aw/bw their 64-element groups as uint64 words) into the streams' word rows of out.
-  ctab[z]: the value code of zigzag z (low 56 bits) and its length (top 8 bits; 0: no
-  code). st[j] = (words written, accumulator, bits in it) of stream j is carried across
-  calls; counts[b] = the changes of block b, whose gaps count from the block's start.
-  Returns False when a value has no code. lane_bits: 8 * a.itemsize, a constant of each
-  compiled specialisation (encode_blocks16 / encode_blocks8)."""
+  ctab[z]: the value code of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and
+  that length plus k + 1 (top 8 bits); every z > 0 has one. st[j] = (words written,
+  accumulator, bits in it) of stream j is carried across calls; counts[b] = the changes
+  of block b, whose gaps count from the block's start. lane_bits: 8 * a.itemsize, a
+  constant of each compiled specialisation (encode_blocks16 / encode_blocks8)."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
@@ -73,6 +73,7 @@ def _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, lane_bits):
     row = out[j]
     lo = bl * BLOCK
     hi = min(a.size, lo + BLOCK)
+    ab, bb = a[lo:hi], b[lo:hi]
     groups = (hi - lo) // 64
     for g in range(groups + 1):
       if g < groups:
@@ -80,20 +81,17 @@ def _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, lane_bits):
       else:  # the tail of a short last block, element by element
         m = np.uint64(0)
         for t in range(hi - lo - groups * 64):
-          m |= np.uint64(a[lo + groups * 64 + t] != b[lo + groups * 64 + t]) << np.uint64(t)
+          m |= np.uint64(ab[groups * 64 + t] != bb[groups * 64 + t]) << np.uint64(t)
       count += np.int64(popcount(m))
       while m:
-        i = lo + g * 64 + np.int64(trailing_zeros(m))
+        i = g * 64 + np.int64(trailing_zeros(m))
         m &= m - np.uint64(1)
-        e = ctab[_take(a, b, i, lane_bits)]
-        clen = e >> np.uint64(56)
-        if clen == 0:
-          return False
-        gap = np.uint64(i - lo - prev - 1)
-        prev = i - lo
+        e = ctab[_take(ab, bb, i, lane_bits)]
+        gap = np.uint64(i - prev - 1)
+        prev = i
         q = gap >> kk
-        v = np.uint64(1) | ((gap & kmask) << np.uint64(1)) | ((e & low56) << (kk + np.uint64(1)))
-        tail = kk + np.uint64(1) + clen
+        v = np.uint64(1) | ((gap & kmask) << np.uint64(1)) | (e & low56)
+        tail = e >> np.uint64(56)
         if q + tail <= np.uint64(64):
           wpos, acc, fill = _append(row, wpos, acc, fill, v << q, q + tail)
         else:
@@ -104,17 +102,16 @@ def _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, lane_bits):
           wpos, acc, fill = _append(row, wpos, acc, fill, v, tail)
     st[j, 0], st[j, 1], st[j, 2] = np.uint64(wpos), acc, fill
     counts[first + bl] = count
-  return True
 
 
 @numba.njit(**_JIT)
 def encode_blocks16(aw, bw, a, b, first, k, ctab, out, st, counts):
-  return _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, 16)
+  _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, 16)
 
 
 @numba.njit(**_JIT)
 def encode_blocks8(aw, bw, a, b, first, k, ctab, out, st, counts):
-  return _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, 8)
+  _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, 8)
 
 
 # ---- decoder -----------------------------------------------------------------------------
@@ -247,11 +244,11 @@ def plan(old: np.ndarray, new: np.ndarray):
   return k, hist.sum(axis=0)
 
 
-def tables(counts: np.ndarray, width: int):
+def tables(counts: np.ndarray, width: int, k: int):
   """(section table bytes, code table by zigzag value) for the symbol counts of a sample,
   with an escape code (then the zigzag in `width` bits) for values the sample lacked.
-  Table entries: the value's code bits (Huffman code, then the symbol's raw bits) | their
-  length << 56."""
+  Table entries: the value's code bits (Huffman code, then the symbol's raw bits) shifted
+  past a gap's k + 1 bits | (their length + k + 1) << 56."""
   present = np.flatnonzero(counts)
   syms = np.append(present, ESCAPE)
   weights = np.append(counts[present], max(1, int(counts.sum()) >> 12))
@@ -266,6 +263,8 @@ def tables(counts: np.ndarray, width: int):
                   (hcode[sym] | (extra << hlen[sym])) | ((hlen[sym] + rw) << np.uint64(56)),
                   (codes[-1] | (z << np.uint64(lengths[-1])))
                   | (np.uint64(lengths[-1] + width) << np.uint64(56)))
+  ctab = ((ctab & np.uint64((1 << 56) - 1)) << np.uint64(k + 1)) | (
+      ((ctab >> np.uint64(56)) + np.uint64(k + 1)) << np.uint64(56))
   ctab[0] = 0  # a change never has a zero offset
   packed = np.zeros((lengths.size + 1) // 2 * 2, np.uint8)
   packed[:lengths.size] = lengths
@@ -288,9 +287,9 @@ def symbols_of(z: np.ndarray):
 
 
 def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray):
-  """(section bytes, xxh3 of old, xxh3 of new), or None when a value had no code."""
+  """(section bytes, xxh3 of old, xxh3 of new) of the joint section from old to new."""
   n = new.size
-  table, ctab = tables(counts, 8 * new.itemsize)
+  table, ctab = tables(counts, 8 * new.itemsize, k)
   encode_blocks = encode_blocks16 if new.itemsize == 2 else encode_blocks8
   nnz_est = int(counts.sum()) * n // (BLOCK * _SAMPLE_WINDOWS) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1
@@ -306,9 +305,8 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray):
       out = grown
     a, b = old[s:s + step], new[s:s + step]
     m = a.size - a.size % 64
-    if not encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK,
-                         k, ctab, out, st, counts):
-      return None
+    encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k, ctab,
+                  out, st, counts)
     h_old.update(a)
     h_new.update(b)
   parts, lengths = [], []

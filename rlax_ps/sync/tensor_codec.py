@@ -203,7 +203,7 @@ def encode_section(old: np.ndarray | None, new: np.ndarray) -> Encoded:
   planned = joint.plan(old, new)
   if planned is not None:
     coded = joint.encode(old, new, *planned)
-    if coded is not None and len(coded[0]) < new.nbytes:
+    if len(coded[0]) < new.nbytes:
       return Encoded(JOINT, coded[0], coded[2], coded[1])
   ch = scan_changes(old, new)
   if ch.nnz == 0:
