@@ -23,8 +23,8 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from rlax_ps.sync import huffman
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_RANGE, E_TRUNCATED, OK, _group_mask,
-                                _peek, _take, popcount, scan_block, symbol_of)
+from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_TRUNCATED, OK, _group_mask, _peek, _take,
+                                popcount, scan_block, unary)
 
 BLOCK = 1 << 16
 STREAMS = 4
@@ -122,14 +122,9 @@ def _next(words, p, end, prev, k, table, zw):
   the zigzag, ok). Table entries without a code carry the escape flag and length 0, so
   the common path checks nothing but the stream's end; a corrupted stream decodes to
   in-bounds garbage that the result checksum rejects."""
-  w = _peek(words, p)
-  quot = np.int64(0)
-  while w == 0:  # a quotient of 64 or more zeros
-    quot += 64
-    p += 64
-    if p >= end:
-      return p, prev, np.uint64(0), False
-    w = _peek(words, p)
+  w, quot, p, ok = unary(words, p, end)
+  if not ok:
+    return p, prev, np.uint64(0), False
   t = np.int64(trailing_zeros(w))
   p += t + 1
   x = _peek(words, p)

@@ -98,17 +98,17 @@ def _take(a, b, i, lane_bits):
   return np.uint64(z)
 
 
-@numba.njit(**_JIT)
-def scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist):
+@numba.njit(inline="always", **_JIT)
+def _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, lane_bits):
   """Appends the changes of one block (a, b: unsigned bit arrays of one width; aw, bw:
   their first 64-element groups as uint64 words) to gaps (index - previous changed index
   - 1), syms (entropy-stage symbol of the zigzag offset) and raw (its raw low bits,
   LSB first), and counts symbols in hist (4 rows, summed by the caller, so that runs of
   one symbol do not serialise on one counter). st = [pos, prev index, raw bit pos].
-  Returns False (nothing done) when gaps may lack room for the block."""
+  Returns False (nothing done) when gaps may lack room for the block. lane_bits: 8 *
+  a.itemsize, a constant of each compiled specialisation (see scan_block)."""
   if gaps.size - st[0] < a.size or raw.size * 64 - st[2] < a.size * 16:
     return False
-  lane_bits = 8 * a.itemsize
   pos, prev, rp = st[0], st[1], st[2]
   groups = aw.size // lane_bits  # 64 elements: 16 words of 4 lanes or 8 words of 8
   for g in range(groups):
@@ -147,6 +147,22 @@ def scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist):
       pos += 1
   st[0], st[1], st[2] = pos, prev, rp
   return True
+
+
+@numba.njit(**_JIT)
+def _scan_block16(aw, bw, a, b, start, st, gaps, syms, raw, hist):
+  return _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, 16)
+
+
+@numba.njit(**_JIT)
+def _scan_block8(aw, bw, a, b, start, st, gaps, syms, raw, hist):
+  return _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, 8)
+
+
+def scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist) -> bool:
+  """_scan_block compiled for the element width of a (16 or 8 bits)."""
+  scan = _scan_block16 if a.itemsize == 2 else _scan_block8
+  return scan(aw, bw, a, b, start, st, gaps, syms, raw, hist)
 
 
 # ---- histograms and costs ----------------------------------------------------------------
@@ -251,17 +267,28 @@ def _peek(words, p):
 
 
 @numba.njit(inline="always", **_JIT)
-def _rice_next(words, p, end, prev, k, qmax):
-  """Decodes one gap at bit p (codes end by bit `end`, quotients <= qmax); returns
-  (p, index, ok). Indices only grow: the caller checks the last one against the size."""
+def unary(words, p, end):
+  """(64 bits from the unary code at bit p on, its zeros before the 64-bit window's
+  lowest set bit, position of that window, ok): runs of 64 or more zeros move the window;
+  ok is False when they pass `end`."""
   w = _peek(words, p)
   quot = np.int64(0)
   while w == 0:  # a quotient of 64 or more zeros
     quot += 64
     p += 64
     if p >= end:
-      return p, prev, False
+      return w, quot, p, False
     w = _peek(words, p)
+  return w, quot, p, True
+
+
+@numba.njit(inline="always", **_JIT)
+def _rice_next(words, p, end, prev, k, qmax):
+  """Decodes one gap at bit p (codes end by bit `end`, quotients <= qmax); returns
+  (p, index, ok). Indices only grow: the caller checks the last one against the size."""
+  w, quot, p, ok = unary(words, p, end)
+  if not ok:
+    return p, prev, False
   t = np.int64(trailing_zeros(w))
   quot += t
   p += t + 1

@@ -82,19 +82,20 @@ def scan_changes(old: np.ndarray, new: np.ndarray) -> Changes:
   n = old.size
   lanes = 8 // old.itemsize
   density = 1 - (1 - _estimate_density(old, new)) ** (1 / lanes)  # elements from words
-  cap = min(n, int(n * density * 1.1)) + BLOCK
+  block = BLOCK * 2 // old.itemsize  # 128 KB of each array
+  cap = min(n, int(n * density * 1.1)) + block
   gap_dtype = np.uint32 if n < 1 << 32 else np.uint64
   gaps, syms = np.empty(cap, gap_dtype), np.empty(cap, np.uint8)
   raw = np.zeros(cap // 4 + 2, np.uint64)  # raw bits: at most 16 per change
   hist = np.zeros((4, entropy.ALPHABET), np.int64)
   st = np.array([0, -1, 0], np.int64)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
-  for s in range(0, n, BLOCK):
-    a, b = old[s:s + BLOCK], new[s:s + BLOCK]
+  for s in range(0, n, block):
+    a, b = old[s:s + block], new[s:s + block]
     m = a.size - a.size % 64
     aw, bw = a[:m].view(np.uint64), b[:m].view(np.uint64)
     while not loops.scan_block(aw, bw, a, b, s, st, gaps, syms, raw, hist):
-      cap = min(n, 2 * cap) + BLOCK
+      cap = min(n, 2 * cap) + block
       gaps, syms = np.resize(gaps, cap), np.resize(syms, cap)
       raw = np.concatenate([raw, np.zeros(cap // 4 + 2 - raw.size, np.uint64)])
     h_old.update(a)
@@ -271,15 +272,16 @@ class Decoded:
     if self.mode == JOINT:
       self.streams.apply(old, out, h)
       return out, h.intdigest()
+    block = BLOCK * 2 // old.itemsize  # 128 KB of each array
     if self.mode == SPARSE or self.mode == BITMAP:
-      bounds = np.searchsorted(self.indices, np.arange(0, old.size + BLOCK, BLOCK))
-    for k, s in enumerate(range(0, old.size, BLOCK)):
-      blk = out[s:s + BLOCK]
+      bounds = np.searchsorted(self.indices, np.arange(0, old.size + block, block))
+    for k, s in enumerate(range(0, old.size, block)):
+      blk = out[s:s + block]
       if self.mode == DENSE:
-        np.add(old[s:s + BLOCK], self.offsets[s:s + BLOCK], out=blk)
+        np.add(old[s:s + block], self.offsets[s:s + block], out=blk)
       else:
         if not inplace:
-          np.copyto(blk, old[s:s + BLOCK])
+          np.copyto(blk, old[s:s + block])
         if self.mode != UNCHANGED and bounds[k] < bounds[k + 1]:
           loops.scatter_add(blk, self.indices, self.offsets, bounds[k], bounds[k + 1], s)
       h.update(blk)
