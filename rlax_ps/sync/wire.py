@@ -242,7 +242,12 @@ def assemble(header: UpdateHeader, sections) -> "Update":
   region = b"".join([varint(len(stored)), stored] + seals)
   prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(region), zlib.crc32(region))
   data = b"".join([prefix, region] + sections)
-  return Update(data, read_header(data))
+  offset, tensors = len(prefix) + len(region), {}
+  for meta, sec in zip(metas, sections):  # what read_header(data) would find, unparsed
+    tensors[meta.name] = dataclasses.replace(meta, shape=tuple(int(d) for d in meta.shape),
+                                             nbytes=sec.nbytes, offset=offset)
+    offset += sec.nbytes
+  return Update(data, dataclasses.replace(header, tensors=tensors, nbytes=len(data)))
 
 
 def read_header(b) -> UpdateHeader:

@@ -108,3 +108,10 @@ def test_a_corrupted_pack_section_names_its_head(model):
   with pytest.raises(sync.CodecError, match=repr(head)):
     sync.apply(base, sync.Update.from_bytes(bytes(data)))
   assert wire.read_header(bytes(data)).tensors[head].mode == meta.mode
+
+
+def test_an_encoded_update_carries_the_header_its_bytes_parse_to(model):
+  base, target, update = model
+  assert wire.read_header(update.to_bytes()) == update.header
+  keyframe = sync.encode(None, target, version=3)
+  assert wire.read_header(keyframe.to_bytes()) == keyframe.header
