@@ -148,6 +148,22 @@ def _next(words, p, end, prev, k, table, zw):
 
 
 @numba.njit(inline="always", **_JIT)
+def _put_full(words, p, end, prev, k, table, zw, out, base, whole):
+  """_put for a whole block (BLOCK elements): the index is masked into the block instead
+  of checked, and the caller checks the last (largest) index of the block once."""
+  e = whole[_peek(words, p) & np.uint64((1 << WHOLE) - 1)]
+  if e:
+    p += np.int64(e >> np.uint32(28))
+    prev += 1 + np.int64((e >> np.uint32(16)) & np.uint32(0xFFF))
+    off = np.uint64(e & np.uint32(0xFFFF))
+    good = p <= end
+  else:
+    p, prev, off, good = _next(words, p, end, prev, k, table, zw)
+  out[np.uint64(base + (prev & (BLOCK - 1)))] += off
+  return p, prev, good
+
+
+@numba.njit(inline="always", **_JIT)
 def _put(words, p, end, prev, k, table, zw, out, base, size, whole):
   """Decodes one change of a block (gaps from the block's start) and adds its offset to
   out[base + index]; returns (p, index, ok). Changes whose whole code (gap and value)
@@ -187,11 +203,20 @@ def decode_round(words, ends, k, table, whole, out, first, n, counts, ps):
     ba, bb = lo + h * BLOCK, lo + (h + 1) * BLOCK
     va = vb = np.int64(-1)
     both = min(c[h], c[h + 1])
-    for _ in range(both):
-      pa, va, ga = _put(words, pa, ea, va, k, table, zw, out, ba, sa, whole)
-      pb, vb, gb = _put(words, pb, eb, vb, k, table, zw, out, bb, sb, whole)
-      if not (ga & gb):
+    if sa == BLOCK and sb == BLOCK:  # every round but the last
+      for _ in range(both):
+        pa, va, ga = _put_full(words, pa, ea, va, k, table, zw, out, ba, whole)
+        pb, vb, gb = _put_full(words, pb, eb, vb, k, table, zw, out, bb, whole)
+        if not (ga & gb):
+          return E_TRUNCATED
+      if max(va, vb) >= BLOCK:  # indices only grow: the last one bounds them all
         return E_TRUNCATED
+    else:
+      for _ in range(both):
+        pa, va, ga = _put(words, pa, ea, va, k, table, zw, out, ba, sa, whole)
+        pb, vb, gb = _put(words, pb, eb, vb, k, table, zw, out, bb, sb, whole)
+        if not (ga & gb):
+          return E_TRUNCATED
     for _ in range(both, c[h]):
       pa, va, ga = _put(words, pa, ea, va, k, table, zw, out, ba, sa, whole)
       good &= ga
