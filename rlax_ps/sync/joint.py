@@ -148,34 +148,32 @@ def _next(words, p, end, prev, k, table, zw):
 
 
 @numba.njit(inline="always", **_JIT)
-def _put_full(words, p, end, prev, k, table, zw, out, base, whole):
-  """_put for a whole block (BLOCK elements): the index is masked into the block instead
-  of checked, and the caller checks the last (largest) index of the block once."""
+def _decode_one(words, p, end, prev, k, table, zw, whole):
+  """Decodes one change of a block (gaps from the block's start): (p, index, wrapping
+  offset, ok). Changes whose whole code (gap and value) fits in the next WHOLE bits take
+  one lookup in `whole`; the rest go through _next."""
   e = whole[_peek(words, p) & np.uint64((1 << WHOLE) - 1)]
   if e:
     p += np.int64(e >> np.uint32(28))
     prev += 1 + np.int64((e >> np.uint32(16)) & np.uint32(0xFFF))
-    off = np.uint64(e & np.uint32(0xFFFF))
-    good = p <= end
-  else:
-    p, prev, off, good = _next(words, p, end, prev, k, table, zw)
+    return p, prev, np.uint64(e & np.uint32(0xFFFF)), p <= end
+  return _next(words, p, end, prev, k, table, zw)
+
+
+@numba.njit(inline="always", **_JIT)
+def _put_full(words, p, end, prev, k, table, zw, out, base, whole):
+  """_put for a whole block (BLOCK elements): the index is masked into the block instead
+  of checked, and the caller checks the last (largest) index of the block once."""
+  p, prev, off, good = _decode_one(words, p, end, prev, k, table, zw, whole)
   out[np.uint64(base + (prev & (BLOCK - 1)))] += off
   return p, prev, good
 
 
 @numba.njit(inline="always", **_JIT)
 def _put(words, p, end, prev, k, table, zw, out, base, size, whole):
-  """Decodes one change of a block (gaps from the block's start) and adds its offset to
-  out[base + index]; returns (p, index, ok). Changes whose whole code (gap and value)
-  fits in the next WHOLE bits take one lookup in `whole`; the rest go through _next."""
-  e = whole[_peek(words, p) & np.uint64((1 << WHOLE) - 1)]
-  if e:
-    p += np.int64(e >> np.uint32(28))
-    prev += 1 + np.int64((e >> np.uint32(16)) & np.uint32(0xFFF))
-    off = np.uint64(e & np.uint32(0xFFFF))
-    good = p <= end
-  else:
-    p, prev, off, good = _next(words, p, end, prev, k, table, zw)
+  """Decodes one change and adds its offset to out[base + index] (index < size, else not
+  ok); returns (p, index, ok)."""
+  p, prev, off, good = _decode_one(words, p, end, prev, k, table, zw, whole)
   good = good & (prev < size)
   out[np.uint64(base + min(prev, size - 1))] += off  # unsigned index: no wraparound test
   return p, prev, good
