@@ -225,6 +225,28 @@ def decode_round(words, ends, k, table, whole, out, first, n, counts, ps):
   return OK if good else E_TRUNCATED
 
 
+@numba.njit(**_JIT)
+def decode_changes(words, ends, k, table, whole, n, counts, ps, indices, offsets):
+  """The changes of every block, in order, as flat indices and wrapping offsets (block b
+  from stream b % 4, whose bit position ps[b % 4] advances). Returns an error code."""
+  zw = np.uint64(8 * offsets.itemsize)
+  pos = 0
+  for b in range(counts.size):
+    j = b % STREAMS
+    lo = b * BLOCK
+    size = min(BLOCK, n - lo)
+    p, prev = ps[j], np.int64(-1)
+    for _ in range(counts[b]):
+      p, prev, off, good = _decode_one(words, p, ends[j], prev, k, table, zw, whole)
+      if not (good and prev < size):
+        return E_TRUNCATED
+      indices[pos] = lo + prev
+      offsets[pos] = off
+      pos += 1
+    ps[j] = p
+  return OK
+
+
 # ---- tables from a sample ----------------------------------------------------------------
 
 def plan(old: np.ndarray, new: np.ndarray):
@@ -421,12 +443,15 @@ class Section:
       raise CodecError(f"{self.what}: a joint stream does not end where its length says")
 
   def changes(self) -> tuple[np.ndarray, np.ndarray]:
-    """(flat indices, wrapping offsets) of the changes, by applying them to zeros (offsets
-    of changed elements are never zero)."""
-    offsets = np.zeros(self.n, self.udtype)
-    self.apply(offsets, offsets, xxhash.xxh3_64())
-    indices = np.flatnonzero(offsets)
-    if indices.size != self.nnz:
-      raise CodecError(f"{self.what}: joint streams decode {indices.size} changed elements, "
-                       f"declared {self.nnz}")
-    return indices, offsets[indices]
+    """(flat indices, wrapping offsets) of the changes, in order, without a full-size
+    buffer (for an on-device scatter)."""
+    indices = np.empty(self.nnz, np.int64)
+    offsets = np.empty(self.nnz, self.udtype)
+    ps = self.starts[:STREAMS].copy()
+    if decode_changes(self.words, self.starts[1:], self.k, self.table, self.whole, self.n,
+                      self.counts, ps, indices, offsets) != OK:
+      raise CodecError(f"{self.what}: joint streams are truncated or corrupted, or a "
+                       f"change lies outside its block")
+    if np.any((ps + 7) // 8 * 8 != self.starts[1:]):
+      raise CodecError(f"{self.what}: a joint stream does not end where its length says")
+    return indices, offsets
