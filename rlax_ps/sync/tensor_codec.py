@@ -178,14 +178,18 @@ def _bitmap_bytes(idx: np.ndarray, n: int) -> bytes:
   return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(np.packbits(mask).tobytes())
 
 
-def _bitmap_wins(ch: Changes, n: int, gap_cost: float) -> bool:
-  """Whether a zstd bitmap beats the gaps on the first _SAMPLE elements (a cheap probe)."""
+def _bitmap_estimate(ch: Changes, n: int, gap_cost: float) -> float | None:
+  """Size of a zstd bitmap extrapolated from the first _SAMPLE elements (a cheap probe),
+  when it beats the gaps there; else None."""
   expected = ch.nnz * min(n, _SAMPLE) // n  # changes among the first _SAMPLE elements
   head = ch.indices(min(ch.nnz, 2 * expected + 64))
   cut = int(np.searchsorted(head, min(n, _SAMPLE)))
   if cut < 64:
-    return False
-  return len(_bitmap_bytes(head[:cut], min(n, _SAMPLE))) < 0.9 * gap_cost * cut / ch.nnz
+    return None
+  probe = len(_bitmap_bytes(head[:cut], min(n, _SAMPLE)))
+  if probe >= 0.9 * gap_cost * cut / ch.nnz:
+    return None
+  return probe * n / min(n, _SAMPLE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,11 +224,14 @@ def encode_section(old: np.ndarray | None, new: np.ndarray) -> Encoded:
     hist_d = ch.hist.copy()
     hist_d[0] += n - ch.nnz
     costs[DENSE] = entropy.cost_bytes(hist_d)  # above 25%: fewer symbols than gaps + values
-  bitmap = None
-  if _bitmap_wins(ch, n, gap_cost):
+  bitmap_cost = _bitmap_estimate(ch, n, gap_cost)
+  if bitmap_cost is not None:
+    costs[BITMAP] = bitmap_cost + cost_v + 9
+  mode = min(costs, key=costs.get)
+  if mode == BITMAP:  # the probe's estimate won: code the whole bitmap, keep it if smaller
     bitmap = _bitmap_bytes(ch.indices(), n)
     costs[BITMAP] = len(bitmap) + cost_v + 9
-  mode = min(costs, key=costs.get)
+    mode = min(costs, key=costs.get)
   if mode == RAW:
     return Encoded(RAW, new, ch.h_new, ch.h_old)
   if mode == DENSE:
