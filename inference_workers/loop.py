@@ -31,6 +31,7 @@ from param_server.protos import param_server_pb2 as pb
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.sync import Update
 
+_HEARTBEAT_JOIN_S = 5.0  # how long run() waits for the heartbeat thread on the way out
 # Failures that mean "the server is not there right now": back off and try again.
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -194,7 +195,7 @@ class Worker:
   def run(self) -> WorkerStats:
     """Register, then lease/generate/submit until stopped or `max_leases` leases are done."""
     self._done.clear()
-    heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+    heartbeat = threading.Thread(target=self._heartbeat_loop, name="worker-heartbeat", daemon=True)
     try:
       self._with_backoff(lambda: self.client.register(self.config.name))
       heartbeat.start()
@@ -205,6 +206,8 @@ class Worker:
     finally:
       self._release_all()
       self._done.set()
+      if heartbeat.is_alive():  # let an in-flight heartbeat or prefetch finish: a daemon
+        heartbeat.join(_HEARTBEAT_JOIN_S)  # thread inside gRPC at interpreter exit aborts
     return self.stats
 
   def _with_backoff(self, fn: Callable[[], Any]) -> Any:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -77,6 +78,8 @@ def test_worker_completes_leases_and_submits_scored_groups(server, versions):
     worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=2, **SMALL))
     stats = worker.run()
     assert stats.leases == 2 and stats.groups_submitted == 4
+    # run() waits for its heartbeat thread: one left inside gRPC aborts the interpreter's exit
+    assert not any(t.name == "worker-heartbeat" for t in threading.enumerate())
     take = trainer.take_rollouts(min_version=0, max_n=10)
     assert sorted(r.group.prompt_id for r in take.rollouts) == sorted(ids)
     for r in take.rollouts:
@@ -147,7 +150,6 @@ def test_unreachable_server_is_retried_with_backoff(versions):
   wc = ParamServerClient("127.0.0.1:1", token="x", role="worker", timeout_s=1.0,
                          retry=RetryPolicy(deadline_s=0.2))
   worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
-  import threading
   threading.Timer(1.5, worker.request_stop).start()
   stats = worker.run()
   assert stats.reconnects >= 2 and stats.leases == 0
