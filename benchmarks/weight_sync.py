@@ -102,26 +102,33 @@ def held_bytes(state) -> int:
   return sum(np.asarray(a).nbytes for a in state.values())
 
 
-def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyframe_bytes):
+def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyframe):
   """One table row: encode base_held -> target, apply it (new arrays, then in place),
-  compare with the bound. probe: the memory copy, timed between the runs of this row."""
+  compare with the bound. keyframe: the update that published base_held (its checksums are
+  the publisher's base_checksums). probe: the memory copy, timed between the runs of this
+  row. Each apply gets a fresh Update of the same bytes, so that it decodes."""
+  keyframe_bytes = keyframe.nbytes
   target_held = sync.held_state(target, fmt)
   bound, nnz, small, n = state_bound(base_held, target_held)
   # The publisher rounds or quantizes on device (int8_device for int8) and copies the held
   # state to the host: encode starts from it. Again from the float32 target: the host
   # rounds or quantizes first (2x or 4x the bytes to read).
   probe.reset()
-  enc = best_time(lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0),
-                  reps, probe=probe)
+  known = keyframe.checksums
+  enc = best_time(lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0,
+                                      base_checksums=known), reps, probe=probe)
   update = enc[2]
-  enc_host = best_time(lambda: sync.encode(base_held, target, fmt, version=1, base_version=0),
-                       reps, probe=probe)
+  enc_host = best_time(lambda: sync.encode(base_held, target, fmt, version=1, base_version=0,
+                                           base_checksums=known), reps, probe=probe)
   assert enc_host[2].to_bytes() == update.to_bytes()
-  app = best_time(lambda: sync.apply(base_held, update), reps, probe=probe)
+  assert sync.encode(base_held, target_held, fmt, version=1).to_bytes() == update.to_bytes()
+  fresh = lambda: sync.Update(update.to_bytes(), update.header)  # noqa: E731 (undecoded)
+  app = best_time(lambda u: sync.apply(base_held, u), reps, setup=fresh, probe=probe)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(app[2][k]), bit_view(v)), k
-  inplace = best_time(lambda held: sync.apply(held, update, inplace=True), reps,
-                      setup=lambda: {k: v.copy() for k, v in base_held.items()}, probe=probe)
+  inplace = best_time(lambda a: sync.apply(a[0], a[1], inplace=True), reps,
+                      setup=lambda: ({k: v.copy() for k, v in base_held.items()}, fresh()),
+                      probe=probe)
   copy_s = probe.rate()
   for k, v in target_held.items():
     assert np.array_equal(bit_view(inplace[2][k]), bit_view(v)), k
@@ -209,8 +216,8 @@ def main(argv):
     lr = calibrate_lr(w, u, d)
     target = {"w.kernel": (w - np.float32(lr) * u).reshape(-1, _COLS)}
     label = f"synthetic {d:g} lr={lr:.2g}"
-    rows.append(measure(label, "bf16", base, target, probe, reps, full, kf_bf16.nbytes))
-    rows.append(measure(label, "int8", base_int8, target, probe, reps, full, kf_int8.nbytes))
+    rows.append(measure(label, "bf16", base, target, probe, reps, full, kf_bf16))
+    rows.append(measure(label, "int8", base_int8, target, probe, reps, full, kf_int8))
     del target
   real_note = ""
   for lr in map(float, _REAL_LR.value if _REAL.value else []):
@@ -218,11 +225,12 @@ def main(argv):
     rb = sync.held_state(before, "bf16")
     ri = sync.held_state(before, "int8")
     full_r = held_bytes(rb)
-    kfr = sync.encode(None, rb, "bf16", version=0).nbytes
-    kfi = sync.encode(None, ri, "int8", version=0).nbytes
+    kf_rb = sync.encode(None, rb, "bf16", version=0)
+    kf_ri = sync.encode(None, ri, "int8", version=0)
+    kfr, kfi = kf_rb.nbytes, kf_ri.nbytes
     label = f"real SFT step lr={lr:g}"
-    rows.append(measure(label, "bf16", rb, after, probe, reps, full_r, kfr))
-    rows.append(measure(label, "int8", ri, after, probe, reps, full_r, kfi))
+    rows.append(measure(label, "bf16", rb, after, probe, reps, full_r, kf_rb))
+    rows.append(measure(label, "int8", ri, after, probe, reps, full_r, kf_ri))
     real_note = (f"real model (SFT trainer, configs/sft_tiny.py, AdamW, 10 steps then 1): "
                  f"{sum(a.size for a in before.values()):,} params in {len(before)} tensors; "
                  f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
@@ -244,8 +252,10 @@ def main(argv):
   print("GB/s of held model bytes by best CPU time (the machine may be shared); x/copy: "
         "throughput over np.copyto's of the same held bytes (copies of the 200 MB buffer timed "
         "between the runs of each row, best per byte); enc: from the held target (bf16, "
-        "or int8 quantized on device by int8_device); f32 enc: from the float32 target, "
-        "rounded or quantized on the host; inplace: apply(..., inplace=True); wall e/a/i: "
+        "or int8 quantized on device by int8_device), with the base's checksums from the "
+        "update that published it (the publisher's path); f32 enc: from the float32 target, "
+        "rounded or quantized on the host; apply: from an undecoded Update, into new arrays; "
+        "inplace: apply(..., inplace=True); wall e/a/i: "
         "the encode/apply/inplace ratios by wall time; modes: the sections' layouts")
   for r in [header] + rows:
     print(" | ".join(str(c).rjust(wd) for c, wd in zip(r, widths)))

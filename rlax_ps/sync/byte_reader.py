@@ -9,8 +9,13 @@ from rlax_ps.sync.errors import CodecError
 _U8, _U16, _U32, _U64, _I64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q", "<q"))
 
 
+_ONE_BYTE = [bytes((i,)) for i in range(128)]
+
+
 def varint(n: int) -> bytes:
   """LEB128 encoding of a non-negative int."""
+  if 0 <= n < 128:
+    return _ONE_BYTE[n]
   out = bytearray()
   while True:
     b = n & 0x7F
@@ -44,7 +49,11 @@ class ByteReader:
     return s.unpack(self.take(s.size))[0]
 
   def u8(self) -> int:
-    return self._fixed(_U8)
+    p = self.pos
+    if p >= self.end:
+      self.take(1)  # raises the truncation error
+    self.pos = p + 1
+    return self.buf[p]
 
   def u16(self) -> int:
     return self._fixed(_U16)
@@ -59,19 +68,30 @@ class ByteReader:
     return self._fixed(_I64)
 
   def varint(self) -> int:
+    buf, p, end = self.buf, self.pos, self.end
     n = shift = 0
     while True:
-      b = self.u8()
+      if p >= end:
+        self.pos = p
+        self.take(1)  # raises the truncation error
+      b = buf[p]
+      p += 1
       n |= (b & 0x7F) << shift
       if not b & 0x80:
+        self.pos = p
         return n
       shift += 7
       if shift > 63:
+        self.pos = p
         raise CodecError(f"{self.what}: varint longer than 64 bits at offset {self.pos}")
+
+  def varint_list(self, count: int) -> list[int]:
+    """`count` varints."""
+    return [self.varint() for _ in range(count)]
 
   def varints(self, count: int) -> np.ndarray:
     """`count` varints as an int64 array."""
-    return np.array([self.varint() for _ in range(count)], np.int64)
+    return np.array(self.varint_list(count), np.int64)
 
   def done(self):
     if self.pos != self.end:

@@ -21,12 +21,17 @@ def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
 
 
 def encode(base, target, fmt: str = "bf16", *, version: int,
-           base_version: int | None = None) -> Update:
+           base_version: int | None = None, base_checksums: dict | None = None) -> Update:
   """The update taking `base` (None: a keyframe) to `target`, recorded as `version`.
 
   `target` holds float weights (numpy or jax; int8 also accepts a held state); `base`
   likewise (float weights are rounded/quantized deterministically, exactly as `target`
-  was at its version). `base_version` defaults to version - 1 for a delta."""
+  was at its version). `base_version` defaults to version - 1 for a delta.
+  `base_checksums`: name -> checksum of each base tensor as the update that made the base
+  recorded it (`Update.checksums` of the publisher's previous update); the base is then not
+  hashed again (a pass over it saved). They are trusted into the base seal: wrong ones
+  make in-place applies (which check the base first) fail with a wrong-base CodecError;
+  copying applies check their results only. Neither ever yields wrong weights."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt expected one of {FORMATS}, got {fmt!r}")
   if base is None:
@@ -37,43 +42,51 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   if version < 0 or (base_version is not None and not 0 <= base_version < version):
     raise ValueError(f"versions must satisfy 0 <= base_version < version, got "
                      f"base_version={base_version}, version={version}")
+  if base_checksums is not None and base is None:
+    raise ValueError("base_checksums given for a keyframe (base is None)")
   new_state = held_state(target, fmt)
   old_state = None
   if base is not None:
     old_state = held_state(base, fmt)
     check_names("base", old_state, new_state)
+    if base_checksums is not None:
+      check_names("base_checksums", base_checksums, new_state)
   for name, new in new_state.items():
     if old_state is not None:
       old = old_state[name]
       if old.shape != new.shape or old.dtype != new.dtype:
         raise CodecError(f"tensor {name!r}: base is {old.dtype}{list(old.shape)}, target is "
                          f"{new.dtype}{list(new.shape)}")
-  coded = {} if old_state is None else _encode_packs(old_state, new_state)
+  known = base_checksums is not None
+  coded = {} if old_state is None else _encode_packs(old_state, new_state, not known)
   entries = []
   for name, new in new_state.items():
     if name not in coded:
       old = None if old_state is None else bit_view(old_state[name])
-      coded[name] = tensor_codec.encode_section(old, bit_view(new))
+      coded[name] = tensor_codec.encode_section(old, bit_view(new), (not known, True))
     enc = coded[name]
-    entries.append((name, new.shape, new.dtype, enc.checksum, enc.base_checksum, enc.mode,
+    base_checksum = int(base_checksums[name]) if known else enc.base_checksum
+    entries.append((name, new.shape, new.dtype, enc.checksum, base_checksum, enc.mode,
                     enc.section))
   return build(fmt, version, base_version, entries)
 
 
-def _encode_packs(old_state: dict, new_state: dict) -> dict:
-  """name -> Encoded for the members of every pack that has a change (packs.py)."""
+def _encode_packs(old_state: dict, new_state: dict, hash_old: bool = True) -> dict:
+  """name -> Encoded for the members of every pack that has a change (packs.py); base
+  checksums are None unless hash_old."""
   coded = {}
   groups = packs.members_by_dtype({n: a.size for n, a in new_state.items()},
                                   {n: a.dtype for n, a in new_state.items()})
   for members in groups.values():
     olds = [bit_view(old_state[n]) for n in members]
     news = [bit_view(new_state[n]) for n in members]
-    enc = tensor_codec.encode_section(np.concatenate(olds), np.concatenate(news))
-    if enc.mode in (tensor_codec.UNCHANGED, tensor_codec.RAW):  # nothing to share
+    enc = tensor_codec.encode_pack(olds, news)
+    if enc is None:  # nothing to share
       continue
     for i, (n, o, a) in enumerate(zip(members, olds, news)):
-      mode, section = (enc.mode, enc.section) if i == 0 else (tensor_codec.PACKED, b"")
-      coded[n] = tensor_codec.Encoded(mode, section, checksum(a), checksum(o))
+      mode, section = enc if i == 0 else (tensor_codec.PACKED, b"")
+      coded[n] = tensor_codec.Encoded(mode, section, checksum(a),
+                                      checksum(o) if hash_old else None)
   return coded
 
 
@@ -142,19 +155,20 @@ def apply(base, update: Update, *, base_version: int | None = None,
 
 def _apply_pack(update: Update, members: list[str], held: dict, base: dict, inplace: bool,
                 out: dict, digests: dict) -> None:
-  """Applies a pack's section to the concatenation of its members' bases and splits it."""
+  """Applies a pack's section to its members: in place into the base arrays, else into one
+  new buffer holding the members' results side by side (the bases copied in first)."""
   dtype = update.tensors[members[0]].dtype
-  old = np.concatenate([bit_view(held[n]) for n in members])
-  bits, _ = update.decoded(members[0]).apply(old, UINT_OF[dtype], inplace=True)
-  for n, (lo, hi) in zip(members, packs.spans([update.tensors[n].size for n in members])):
-    meta = update.tensors[n]
-    new = bits[lo:hi]
-    if inplace:
-      bit_view(base[n])[...] = new
-      out[n] = base[n]
-    else:
-      out[n] = new.view(dtype).reshape(meta.shape)
-    digests[n] = checksum(new)
+  olds = [bit_view(held[n]).reshape(-1) for n in members]
+  starts = [lo for lo, _ in packs.spans([a.size for a in olds])]
+  if inplace:
+    parts = olds
+  else:
+    buf = np.concatenate(olds)
+    parts = [buf[s:s + a.size] for s, a in zip(starts, olds)]
+  update.decoded(members[0]).apply_parts(parts, starts)
+  for n, part in zip(members, parts):
+    out[n] = base[n] if inplace else part.view(dtype).reshape(update.tensors[n].shape)
+    digests[n] = checksum(part)
 
 
 def dequantize(held: dict) -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ n exceeds a handful, which is what keeps a small update's header small.
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import xxhash
@@ -19,7 +20,9 @@ import xxhash
 
 def checksum(array) -> int:
   """xxh3-64 of the array's exact bytes (C order, little-endian held dtype)."""
-  return xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+  if not (isinstance(array, np.ndarray) and array.flags.c_contiguous and array.ndim):
+    array = np.ascontiguousarray(array).reshape(-1)
+  return xxhash.xxh3_64_intdigest(array.view(np.uint8))
 
 
 def combine(digests) -> int:
@@ -43,6 +46,13 @@ def _groups(n: int):
       yield j, side, [i for i in range(n) if (i >> j) & 1 == side]
 
 
+@functools.lru_cache(maxsize=64)
+def _group_indices(n: int) -> list[np.ndarray]:
+  """The members of each group of _groups(n) as index arrays (the same for every update of
+  a model, hence cached)."""
+  return [np.array(g, np.int64) for _, _, g in _groups(n)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Seal:
   """A 64-bit digest over n per-item digests and the group locators (`bits` wide each)."""
@@ -52,10 +62,11 @@ class Seal:
 
   @classmethod
   def of(cls, digests, bits: int) -> "Seal":
-    digests = [int(d) for d in digests]
+    d = np.array([int(x) for x in digests], "<u8")
     mask = (1 << bits) - 1
-    return cls(combine(digests), tuple(combine([digests[i] for i in g]) & mask
-                                       for _, _, g in _groups(len(digests))), bits)
+    return cls(xxhash.xxh3_64_intdigest(d.tobytes()),
+               tuple(xxhash.xxh3_64_intdigest(d[g].tobytes()) & mask
+                     for g in _group_indices(d.size)), bits)
 
   def matches(self, digests) -> bool:
     return combine([int(d) for d in digests]) == self.digest

@@ -326,8 +326,10 @@ def symbols_of(z: np.ndarray):
   return sym, rw, z & ((np.uint64(1) << rw) - np.uint64(1))
 
 
-def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray):
-  """(section bytes, xxh3 of old, xxh3 of new) of the joint section from old to new."""
+def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,
+           hash_old: bool = True):
+  """(section bytes, xxh3 of old (None unless hash_old), xxh3 of new) of the joint section
+  from old to new."""
   n = new.size
   table, ctab = tables(counts, 8 * new.itemsize, k)
   encode_blocks = encode_blocks16 if new.itemsize == 2 else encode_blocks8
@@ -347,7 +349,8 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray):
     m = a.size - a.size % 64
     encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k, ctab,
                   out, st, counts)
-    h_old.update(a)
+    if hash_old:
+      h_old.update(a)
     h_new.update(b)
   parts, lengths = [], []
   for j in range(STREAMS):
@@ -356,8 +359,8 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray):
     nbytes = (wpos * 64 + fill + 7) // 8
     parts.append(out[j].view(np.uint8)[:nbytes])
     lengths.append(varint(nbytes))
-  return (b"".join([u8(k), table, varints(counts)] + lengths + parts), h_old.intdigest(),
-          h_new.intdigest())
+  return (b"".join([u8(k), table, varints(counts)] + lengths + parts),
+          h_old.intdigest() if hash_old else None, h_new.intdigest())
 
 
 # ---- decoding ----------------------------------------------------------------------------

@@ -105,7 +105,9 @@ def _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, lane_bits):
   - 1), syms (entropy-stage symbol of the zigzag offset) and raw (its raw low bits,
   LSB first), and counts symbols in hist (4 rows, summed by the caller, so that runs of
   one symbol do not serialise on one counter). st = [pos, prev index, raw bit pos].
-  Returns False (nothing done) when gaps may lack room for the block. lane_bits: 8 *
+  Returns False (nothing done) when gaps may lack room for the block. raw's words past
+  the current one are written, never read (only raw[0] must start at 0), so that raw can
+  be a reused buffer. lane_bits: 8 *
   a.itemsize, a constant of each compiled specialisation (see scan_block)."""
   if gaps.size - st[0] < a.size or raw.size * 64 - st[2] < a.size * 16:
     return False
@@ -128,7 +130,7 @@ def _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, lane_bits):
         hist[pos & 3, sym] += 1
         q, o = rp >> 6, np.uint64(rp & 63)
         raw[q] |= extra << o
-        raw[q + 1] |= (extra >> np.uint64(1)) >> (np.uint64(63) - o)
+        raw[q + 1] = (extra >> np.uint64(1)) >> (np.uint64(63) - o)
         rp += w
       pos += 1
   for i in range(groups * 64, a.size):
@@ -142,7 +144,7 @@ def _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, lane_bits):
       if w:
         q, o = rp >> 6, np.uint64(rp & 63)
         raw[q] |= extra << o
-        raw[q + 1] |= (extra >> np.uint64(1)) >> (np.uint64(63) - o)
+        raw[q + 1] = (extra >> np.uint64(1)) >> (np.uint64(63) - o)
         rp += w
       pos += 1
   st[0], st[1], st[2] = pos, prev, rp
@@ -353,6 +355,15 @@ def rice_decode(words, starts, counts, bases, k, size, idx):
   if (p + 7) // 8 != starts[1]:
     return E_TRUNCATED
   return E_RANGE if prev >= size else OK
+
+
+@numba.njit(**_JIT)
+def bitmap(idx, nbytes):
+  """np.packbits (MSB first) of the mask with the ascending indices idx set."""
+  out = np.zeros(nbytes, np.uint8)
+  for i in idx:
+    out[i >> 3] |= np.uint8(128 >> (i & 7))
+  return out
 
 
 # ---- apply -------------------------------------------------------------------------------

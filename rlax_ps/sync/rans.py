@@ -182,6 +182,19 @@ def _raw_values(slots, wide, raw, raw_bits, limit, unzig, out):
   return OK if p == raw_bits else E_TRUNCATED
 
 
+@numba.njit(**_JIT)
+def _decode_tables(freq, value, wide, dtab, vtab, wtab):
+  """Per probability position p of symbol slot s: dtab[p] = freq[s] << 16 | (p - start of
+  s), vtab[p] = value[s], wtab[p] = wide[s]."""
+  p = 0
+  for s in range(freq.size):
+    for j in range(freq[s]):
+      dtab[p] = (np.uint32(freq[s]) << np.uint32(16)) | np.uint32(j)
+      vtab[p] = value[s]
+      wtab[p] = wide[s]
+      p += 1
+
+
 def decode(code, raw, raw_bits, present, freq, n, limit, unzig, out) -> int:
   """Decodes n integers (each < limit) into out; code: rANS words (ignored when only one
   symbol is present), raw: the raw-bit words. unzig: store the wrapping offset of each
@@ -199,16 +212,18 @@ def decode(code, raw, raw_bits, present, freq, n, limit, unzig, out) -> int:
   if m == 1:
     slots = np.zeros(n, np.uint16)
     out[:] = value[0]
-    pos = np.zeros(1, np.int64)
+    wtab = wide
   else:
-    start = np.cumsum(freq) - freq
-    pos = np.repeat(np.arange(m), freq)  # slot of each probability position
-    dtab = ((freq[pos].astype(np.uint32) << 16) | (np.arange(PROB_SCALE) - start[pos])).astype(
-        np.uint32)
+    if freq.size != m or int(freq.sum()) != PROB_SCALE:  # normalize guarantees both
+      return E_STATE
+    dtab = np.empty(PROB_SCALE, np.uint32)
+    vtab = np.empty(PROB_SCALE, out.dtype)
+    wtab = np.empty(PROB_SCALE, np.int64)
+    _decode_tables(freq, value.astype(out.dtype), wide, dtab, vtab, wtab)
     slots = np.empty(n, np.uint16)
-    err = _decode(code, dtab, value[pos].astype(out.dtype), out, slots)
+    err = _decode(code, dtab, vtab, out, slots)
     if err != OK:
       return err
   if not raw_bits:
     return OK
-  return _raw_values(slots, wide[pos], raw, raw_bits, np.uint64(limit), unzig, out)
+  return _raw_values(slots, wtab, raw, raw_bits, np.uint64(limit), unzig, out)

@@ -24,6 +24,7 @@ block happen while it is in cache.
 """
 
 import dataclasses
+import threading
 
 import numpy as np
 import xxhash
@@ -38,11 +39,15 @@ MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense", "joint", "packed"
 GAPS_ENTROPY, GAPS_RICE = 0, 0x80  # Rice: 0x80 | streams flag | k in one byte
 _RICE_MULTI = 0x40
 BLOCK = 1 << 16
-_SAMPLE = 1 << 18  # elements the bitmap probe codes
+_SAMPLE = 1 << 16  # elements the bitmap probe codes
 _GAP_SAMPLE = 1 << 16
 _DENSITY_SAMPLE = 1 << 14
 _ZSTD_LEVEL = 3
 _RICE_STREAMS, _RICE_SPLIT = 4, 1 << 12
+_ESTIMATE_ABOVE = 1 << 22  # smaller scans size their outputs for every element (np.empty
+# pages that are never written cost nothing), larger ones from a sampled density
+_SCRATCH_MAX = 1 << 24  # bytes a per-thread scratch buffer may keep between calls
+_LOCAL = threading.local()
 
 
 def _estimate_density(old: np.ndarray, new: np.ndarray) -> float:
@@ -64,8 +69,8 @@ class Changes:
   syms: np.ndarray
   raw: np.ndarray
   hist: np.ndarray
-  h_old: int
-  h_new: int
+  h_old: int | None  # None when the scan was asked not to hash
+  h_new: int | None
 
   @property
   def nnz(self) -> int:
@@ -76,17 +81,29 @@ class Changes:
     return np.cumsum(self.gaps[:count].astype(np.int64) + 1) - 1
 
 
-def scan_changes(old: np.ndarray, new: np.ndarray) -> Changes:
+def scan_changes(old: np.ndarray, new: np.ndarray, hashed: tuple[bool, bool] = (True, True),
+                 reuse: bool = False) -> Changes:
   """One compiled pass per cache-sized block compares 64 elements at a time and walks the
-  changed ones; the block is then hashed while still in cache."""
+  changed ones; the block of old (new) is then hashed, unless hashed[0] ([1]) is False,
+  while still in cache.
+  With `reuse`, the outputs live in per-thread buffers that the next reusing scan of this
+  thread overwrites (fresh pages cost a fault each: for a small model most of the scan)."""
   n = old.size
-  lanes = 8 // old.itemsize
-  density = 1 - (1 - _estimate_density(old, new)) ** (1 / lanes)  # elements from words
   block = BLOCK * 2 // old.itemsize  # 128 KB of each array
-  cap = min(n, int(n * density * 1.1)) + block
-  gap_dtype = np.uint32 if n < 1 << 32 else np.uint64
-  gaps, syms = np.empty(cap, gap_dtype), np.empty(cap, np.uint8)
-  raw = np.zeros(cap // 4 + 2, np.uint64)  # raw bits: at most 16 per change
+  if n <= _ESTIMATE_ABOVE:
+    cap = n + block
+  else:
+    lanes = 8 // old.itemsize
+    density = 1 - (1 - _estimate_density(old, new)) ** (1 / lanes)  # elements from words
+    cap = min(n, int(n * density * 1.1)) + block
+  gap_dtype = np.dtype(np.uint32 if n < 1 << 32 else np.uint64)
+  if reuse:
+    gaps, syms = _scratch(2, cap, gap_dtype), _scratch(3, cap, np.dtype(np.uint8))
+    raw = _scratch(4, cap // 4 + 2, np.dtype(np.uint64))  # raw bits: at most 16 per change
+    raw[0] = 0
+  else:
+    gaps, syms = np.empty(cap, gap_dtype), np.empty(cap, np.uint8)
+    raw = np.zeros(cap // 4 + 2, np.uint64)
   hist = np.zeros((4, entropy.ALPHABET), np.int64)
   st = np.array([0, -1, 0], np.int64)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
@@ -98,11 +115,14 @@ def scan_changes(old: np.ndarray, new: np.ndarray) -> Changes:
       cap = min(n, 2 * cap) + block
       gaps, syms = np.resize(gaps, cap), np.resize(syms, cap)
       raw = np.concatenate([raw, np.zeros(cap // 4 + 2 - raw.size, np.uint64)])
-    h_old.update(a)
-    h_new.update(b)
+    if hashed[0]:
+      h_old.update(a)
+    if hashed[1]:
+      h_new.update(b)
   pos = int(st[0])
-  return Changes(gaps[:pos], syms[:pos], raw, hist.sum(axis=0), h_old.intdigest(),
-                 h_new.intdigest())
+  return Changes(gaps[:pos], syms[:pos], raw, hist.sum(axis=0),
+                 h_old.intdigest() if hashed[0] else None,
+                 h_new.intdigest() if hashed[1] else None)
 
 
 def _zigzag_offsets(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -173,9 +193,10 @@ def _encode_gaps(gaps: np.ndarray) -> tuple[float, callable]:
 
 
 def _bitmap_bytes(idx: np.ndarray, n: int) -> bytes:
-  mask = np.zeros(n, bool)
-  mask[idx] = True
-  return zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(np.packbits(mask).tobytes())
+  """zstd of the changed-element mask as np.packbits lays it out (MSB first)."""
+  if not hasattr(_LOCAL, "bitmap_zstd"):
+    _LOCAL.bitmap_zstd = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+  return _LOCAL.bitmap_zstd.compress(loops.bitmap(idx, (n + 7) // 8))
 
 
 def _bitmap_estimate(ch: Changes, n: int, gap_cost: float) -> float | None:
@@ -200,17 +221,46 @@ class Encoded:
   base_checksum: int | None
 
 
-def encode_section(old: np.ndarray | None, new: np.ndarray) -> Encoded:
-  """The section taking unsigned bit array `old` (None: keyframe) to `new`."""
+def _scratch(slot: int, n: int, dtype: np.dtype) -> np.ndarray:
+  """n elements of per-thread buffer `slot` (0, 1: a pack's concatenations; 2-4: a scan's
+  outputs), kept between calls up to _SCRATCH_MAX bytes; contents are left over."""
+  bufs = _LOCAL.__dict__.setdefault("scratch", {})
+  nbytes = n * dtype.itemsize
+  buf = bufs.get(slot)
+  if buf is None or buf.nbytes < nbytes:
+    buf = np.empty(max(nbytes, 1), np.uint8)
+    if nbytes <= _SCRATCH_MAX:
+      bufs[slot] = buf
+  return buf[:nbytes].view(dtype)
+
+
+def encode_pack(olds: list[np.ndarray], news: list[np.ndarray]) -> tuple[int, bytes] | None:
+  """(mode, section) over the concatenation of the members' unsigned bit arrays (packs.py),
+  or None when the pack has no change or nothing smaller than its raw bytes (its members
+  are then coded alone). The concatenations live in per-thread scratch buffers."""
+  n = sum(a.size for a in news)
+  old = np.concatenate(olds, out=_scratch(0, n, news[0].dtype))
+  new = np.concatenate(news, out=_scratch(1, n, news[0].dtype))
+  enc = encode_section(old, new, hashed=(False, False))
+  if enc.mode in (UNCHANGED, RAW):
+    return None
+  return enc.mode, enc.section
+
+
+def encode_section(old: np.ndarray | None, new: np.ndarray,
+                   hashed: tuple[bool, bool] = (True, True)) -> Encoded:
+  """The section taking unsigned bit array `old` (None: keyframe) to `new`; with not
+  hashed[0] (hashed[1]), its base (result) checksum is None: a pack's members are hashed
+  one by one, and a publisher may already know its base's checksums."""
   n = new.size
   if old is None:
     return Encoded(RAW, new, xxhash.xxh3_64_intdigest(new), None)
   planned = joint.plan(old, new)
   if planned is not None:
-    coded = joint.encode(old, new, *planned)
+    coded = joint.encode(old, new, *planned, hash_old=hashed[0])
     if len(coded[0]) < new.nbytes:
       return Encoded(JOINT, coded[0], coded[2], coded[1])
-  ch = scan_changes(old, new)
+  ch = scan_changes(old, new, hashed, reuse=True)  # nothing of ch outlives this call
   if ch.nnz == 0:
     return Encoded(UNCHANGED, b"", ch.h_new, ch.h_old)
   z = None
@@ -293,6 +343,27 @@ class Decoded:
           loops.scatter_add(blk, self.indices, self.offsets, bounds[k], bounds[k + 1], s)
       h.update(blk)
     return out, h.intdigest()
+
+
+  def apply_parts(self, parts: list[np.ndarray], starts: list[int]) -> None:
+    """Applies the section, in place, to the consecutive parts (flat unsigned bit arrays
+    starting at `starts` of the section's elements) that together hold its base: a pack's
+    members, with no concatenation."""
+    if self.mode == UNCHANGED:
+      return
+    if self.mode == RAW or self.mode == DENSE:
+      full = self.replacement if self.mode == RAW else self.offsets
+      for part, s in zip(parts, starts):
+        if self.mode == RAW:
+          part[...] = full[s:s + part.size]
+        else:
+          np.add(part, full[s:s + part.size], out=part)
+      return
+    idx, off = self.sparse()
+    cuts = np.searchsorted(idx, starts + [starts[-1] + parts[-1].size]).tolist()
+    for i, (part, s) in enumerate(zip(parts, starts)):
+      if cuts[i] < cuts[i + 1]:
+        loops.scatter_add(part, idx, off, cuts[i], cuts[i + 1], s)
 
 
 def decode_section(what: str, mode: int, section, n: int, udtype: np.dtype) -> Decoded:

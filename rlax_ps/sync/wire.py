@@ -23,6 +23,8 @@ Chunk layout: b"RLXC" | u32 index | u32 count | u64 message length | u64 xxh3(me
 """
 
 import dataclasses
+import functools
+import math
 import struct
 import threading
 import zlib
@@ -69,7 +71,7 @@ class TensorMeta:
 
   @property
   def size(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64))
+    return math.prod(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,12 +191,15 @@ def build(fmt: str, version: int, base_version: int | None, entries) -> "Update"
     twice = next(n for i, (n, *_) in enumerate(entries) if n in [e[0] for e in entries[:i]])
     raise CodecError(f"tensor {twice!r}: appears twice in the update")
   sections = [e[6] for e in entries]
+  checksums = {e[0]: int(e[3]) for e in entries}
   header = UpdateHeader(
       version, base_version, fmt, metas, 0,
       results=Seal.of([e[3] for e in entries], LOCATOR_BITS),
       bases=None if keyframe else Seal.of([e[4] for e in entries], LOCATOR_BITS),
       sections=section_seal(sections))
-  return assemble(header, sections)
+  update = assemble(header, sections)
+  update.checksums = checksums
+  return update
 
 
 def section_seal(sections) -> Seal:
@@ -214,6 +219,22 @@ def _read_seal(r: ByteReader, n: int, bits: int) -> Seal:
                             for _ in range(group_count(n))), bits)
 
 
+_MODE_CODES = {name: code for code, name in enumerate(tensor_codec.MODE_NAMES)}
+
+
+@functools.lru_cache(maxsize=32)
+def _layout_columns(layout: tuple, codec: int) -> tuple[bytes, np.ndarray, bytes, tuple]:
+  """The header columns that depend only on the tensors' names, shapes and dtypes (the same
+  for every update of a model, hence cached): the names column, the per-tensor codes
+  (dtype, section codec, mode 0, ndim) as a (count, 4) uint8 array, the dims column, and
+  the shapes as int tuples. `codec`: the section codec version written."""
+  shapes = tuple(tuple(int(d) for d in shape) for _, shape, _ in layout)
+  codes = np.array([(_DTYPES.index(dtype), codec, 0, len(shape))
+                    for (_, _, dtype), shape in zip(layout, shapes)], np.uint8).reshape(-1, 4)
+  names = b"".join(_names_column([name for name, _, _ in layout]))
+  return names, codes, b"".join(varint(d) for shape in shapes for d in shape), shapes
+
+
 def assemble(header: UpdateHeader, sections) -> "Update":
   """The message of `header` (versions, fmt, its tensors' names, shapes, dtypes and modes,
   its seals, all written as given) over `sections` (bytes-likes in header order); the
@@ -223,15 +244,14 @@ def assemble(header: UpdateHeader, sections) -> "Update":
   if len(sections) != len(metas):
     raise ValueError(f"sections: expected {len(metas)}, got {len(sections)}")
   keyframe = header.base_version is None
-  head = [u8(FORMATS.index(header.fmt)), u8(keyframe), varint(header.version),
-          varint(0 if keyframe else header.base_version), varint(len(metas))]
-  head += _names_column([meta.name for meta in metas])
-  for meta in metas:
-    head += [u8(_DTYPES.index(meta.dtype)), u8(SECTION_CODEC_VERSION),
-             u8(tensor_codec.MODE_NAMES.index(meta.mode)), u8(len(meta.shape))]
-  head += [varint(d) for meta in metas for d in meta.shape]
-  head += [varint(sec.nbytes) for sec in sections]
-  meta_bytes = b"".join(head)
+  names, codes, dims, shapes = _layout_columns(
+      tuple((meta.name, tuple(meta.shape), meta.dtype) for meta in metas), SECTION_CODEC_VERSION)
+  codes = codes.copy()
+  codes[:, 2] = [_MODE_CODES[meta.mode] for meta in metas]
+  lengths = [sec.nbytes for sec in sections]
+  meta_bytes = b"".join([u8(FORMATS.index(header.fmt)), u8(keyframe), varint(header.version),
+                         varint(0 if keyframe else header.base_version), varint(len(metas)),
+                         names, codes.tobytes(), dims] + [varint(n) for n in lengths])
   packed = _compressor(len(meta_bytes)).compress(meta_bytes)
   codec = int(len(packed) < len(meta_bytes))
   stored = packed if codec else meta_bytes
@@ -243,10 +263,9 @@ def assemble(header: UpdateHeader, sections) -> "Update":
   prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(region), zlib.crc32(region))
   data = b"".join([prefix, region] + sections)
   offset, tensors = len(prefix) + len(region), {}
-  for meta, sec in zip(metas, sections):  # what read_header(data) would find, unparsed
-    tensors[meta.name] = dataclasses.replace(meta, shape=tuple(int(d) for d in meta.shape),
-                                             nbytes=sec.nbytes, offset=offset)
-    offset += sec.nbytes
+  for meta, shape, nbytes in zip(metas, shapes, lengths):  # what read_header(data) finds
+    tensors[meta.name] = TensorMeta(meta.name, shape, meta.dtype, meta.mode, nbytes, offset)
+    offset += nbytes
   return Update(data, dataclasses.replace(header, tensors=tensors, nbytes=len(data)))
 
 
@@ -300,9 +319,9 @@ def read_header(b) -> UpdateHeader:
       names.append(prev.decode())
     except UnicodeDecodeError:
       raise CodecError("update header: tensor name is not utf-8") from None
-  codes = [(r.u8(), r.u8(), r.u8(), r.u8()) for _ in range(count)]
-  shapes = [tuple(r.varint() for _ in range(ndim)) for _, _, _, ndim in codes]
-  lengths = [r.varint() for _ in range(count)]
+  codes = np.frombuffer(r.take(4 * count), np.uint8).reshape(count, 4).tolist()
+  shapes = [tuple(r.varint_list(ndim)) for _, _, _, ndim in codes]
+  lengths = r.varint_list(count)
   r.done()
   results = _read_seal(region, count, LOCATOR_BITS)
   bases = None if keyframe else _read_seal(region, count, LOCATOR_BITS)
@@ -320,7 +339,7 @@ def read_header(b) -> UpdateHeader:
     if dtype_code >= len(_DTYPES) or mode >= len(tensor_codec.MODE_NAMES):
       raise CodecError(f"{what}: unknown dtype code {dtype_code} or mode {mode}")
     dtype = _DTYPES[dtype_code]
-    size = int(np.prod(shape, dtype=object)) if shape else 1
+    size = math.prod(shape)
     if size > MAX_ELEMENTS:
       raise CodecError(f"{what}: shape {shape} exceeds {MAX_ELEMENTS} elements")
     if keyframe and mode != tensor_codec.RAW:
@@ -388,6 +407,10 @@ class Update:
     self._packs = packs.read_packs(header.tensors)  # head -> members
     self._pack_of = {n: head for head, names in self._packs.items() for n in names}
     self._decoded_packs = {}
+    # name -> checksum of the tensor the update makes, where known: set by the encoder
+    # (a publisher passes them as the next encode's base_checksums); None once parsed,
+    # since the header holds only the seal over them.
+    self.checksums: dict[str, int] | None = None
 
   def pack(self, name: str) -> list[str] | None:
     """The members (head first) of the pack that codes `name`, or None."""

@@ -71,3 +71,13 @@ def test_payload_is_within_five_percent_of_the_bound(density):
   bound = information_bound(base, target)
   assert update.nbytes <= 1.05 * bound + 300  # 300 bytes: header and tables
   assert update.nbytes < idx.size * 6 / 3  # well below int32 + bf16 per change
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 4099])
+def test_the_compiled_bitmap_is_np_packbits_of_the_mask(n):
+  from rlax_ps.sync import loops  # noqa: PLC0415
+  rng = np.random.default_rng(n)
+  idx = np.flatnonzero(rng.random(n) < 0.3)
+  mask = np.zeros(n, bool)
+  mask[idx] = True
+  assert np.array_equal(loops.bitmap(idx, (n + 7) // 8), np.packbits(mask))

@@ -115,3 +115,57 @@ def test_an_encoded_update_carries_the_header_its_bytes_parse_to(model):
   assert wire.read_header(update.to_bytes()) == update.header
   keyframe = sync.encode(None, target, version=3)
   assert wire.read_header(keyframe.to_bytes()) == keyframe.header
+
+
+def pack_of(rng, count, size, density, periodic=False):
+  """base, target of `count` bf16 tensors of `size` elements (one pack) with `density` of
+  their elements changed by one ulp (a repeating 11-element pattern when periodic)."""
+  base = {f"t{i:02d}.scale": (1 + rng.standard_normal(size) * 0.01).astype(BF16)
+          for i in range(count)}
+  target = {k: v.copy() for k, v in base.items()}
+  for v in target.values():
+    flat = v.view(np.uint16)
+    if periodic:
+      flat += np.resize(np.array([1, 0, 0, 1, 1, 0, 1, 0, 0, 0, 1], np.uint16), size)
+    else:
+      flat[rng.choice(size, int(size * density), replace=False)] += np.uint16(1)
+  return base, target
+
+
+@pytest.mark.parametrize("count,size,density,periodic,mode", [
+    (6, 4000, 0.6, False, "dense"),
+    (6, 4000, 0.0, True, "bitmap"),
+    (17, packs.PACK_BELOW - 1, 0.05, False, "joint")])
+def test_every_pack_layout_applies_to_the_members_in_place_and_into_new_arrays(
+    count, size, density, periodic, mode):
+  base, target = pack_of(np.random.default_rng(7), count, size, density, periodic)
+  update = sync.Update.from_bytes(sync.encode(base, target, version=1).to_bytes())
+  head = next(iter(base))
+  assert update.tensors[head].mode == mode and update.pack(head) == list(base)
+  out = sync.apply(base, update)
+  held = {k: v.copy() for k, v in base.items()}
+  returned = sync.apply(held, update, inplace=True)
+  for k in base:
+    assert np.array_equal(out[k].view(np.uint16), target[k].view(np.uint16)), k
+    assert np.array_equal(held[k].view(np.uint16), target[k].view(np.uint16)), k
+    assert returned[k] is held[k], k
+
+
+def test_pack_encoding_does_not_depend_on_what_the_thread_encoded_before():
+  """Packs and scans reuse per-thread buffers: leftovers of a larger, denser update must not
+  leak into the next one (compared with a thread that encoded nothing before)."""
+  import threading  # noqa: PLC0415
+  rng = np.random.default_rng(8)
+  big_base, big_target = pack_of(rng, 9, 30000, 0.3)
+  base, target = pack_of(rng, 5, 999, 0.02)
+  sync.encode(big_base, big_target, version=1)
+  after_big = sync.encode(base, target, version=1).to_bytes()
+  fresh = []
+  thread = threading.Thread(
+      target=lambda: fresh.append(sync.encode(base, target, version=1).to_bytes()))
+  thread.start()
+  thread.join()
+  assert after_big == fresh[0]
+  out = sync.apply(base, sync.Update.from_bytes(after_big))
+  for k in base:
+    assert np.array_equal(out[k].view(np.uint16), target[k].view(np.uint16)), k

@@ -149,3 +149,62 @@ def test_version_2_messages_are_rejected_by_name(model):
   data[4] = 2
   msg = error_of(lambda: sync.read_header(bytes(data)))
   assert "unknown wire format version 2" in msg and "per-tensor checksums" in msg
+
+
+def mixed_model(seed=0):
+  """A pack of small tensors plus a joint-sized and a sparse-sized tensor."""
+  rng = np.random.default_rng(seed)
+  base = {f"small{i}.w": (rng.standard_normal(300) * 0.02).astype(BF16) for i in range(4)}
+  base["mid.w"] = (rng.standard_normal(1 << 17) * 0.02).astype(BF16)
+  base["big.w"] = (rng.standard_normal(1 << 20) * 0.02).astype(BF16)
+  target = {k: v.copy() for k, v in base.items()}
+  for k, v in target.items():
+    flat = v.view(np.uint16)
+    flat[rng.choice(flat.size, max(2, flat.size // 20), replace=False)] += np.uint16(1)
+  return base, target
+
+
+@pytest.fixture(scope="module")
+def mixed():
+  base, target = mixed_model()
+  keyframe = sync.encode(None, base, version=0)
+  return base, target, keyframe, sync.encode(base, target, version=1)
+
+
+def test_an_encoded_update_knows_its_result_checksums_and_a_parsed_one_does_not(mixed):
+  base, target, keyframe, delta = mixed
+  assert {m.mode for m in delta.tensors.values()} >= {"joint", "sparse", "packed"}
+  for update, want in ((keyframe, base), (delta, target)):
+    assert update.checksums == {k: integrity.checksum(v) for k, v in want.items()}
+    update.verify_all(update.checksums)
+    assert sync.Update.from_bytes(update.to_bytes()).checksums is None
+
+
+def test_base_checksums_from_the_previous_update_give_the_same_bytes(mixed):
+  base, target, keyframe, delta = mixed
+  again = sync.encode(base, target, version=1, base_checksums=keyframe.checksums)
+  assert again.to_bytes() == delta.to_bytes()
+
+
+def test_wrong_base_checksums_never_give_wrong_weights(mixed):
+  """An in-place apply checks the base seal first and refuses; a copying apply checks only
+  its results, which are right (the delta was made from the true base)."""
+  base, target, keyframe, _ = mixed
+  wrong = dict(keyframe.checksums, **{"mid.w": keyframe.checksums["mid.w"] ^ 1})
+  update = sync.encode(base, target, version=1, base_checksums=wrong)
+  held = {k: v.copy() for k, v in base.items()}
+  with pytest.raises(sync.CodecError, match="'mid.w': wrong base"):
+    sync.apply(held, update, inplace=True)
+  out = sync.apply(held, update)
+  for k in base:  # nothing written in place; the copies are exact
+    assert np.array_equal(held[k].view(np.uint16), base[k].view(np.uint16)), k
+    assert np.array_equal(out[k].view(np.uint16), target[k].view(np.uint16)), k
+
+
+def test_base_checksums_must_name_every_tensor_and_need_a_base(mixed):
+  base, target, keyframe, _ = mixed
+  partial = {k: v for k, v in keyframe.checksums.items() if k != "big.w"}
+  with pytest.raises(sync.CodecError, match="'big.w': missing from the base_checksums"):
+    sync.encode(base, target, version=1, base_checksums=partial)
+  with pytest.raises(ValueError, match="base_checksums"):
+    sync.encode(None, target, version=1, base_checksums=keyframe.checksums)
