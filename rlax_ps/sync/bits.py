@@ -6,6 +6,7 @@ All functions are vectorised numpy and work in bounded temporary memory.
 import ml_dtypes
 import numpy as np
 
+from rlax_ps.sync import loops
 from rlax_ps.sync.errors import CodecError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -128,7 +129,7 @@ def pack_fixed(values: np.ndarray, width: int) -> bytes:
   inputs are packed bit-exactly instead."""
   n = values.size
   if n < _FIXED_MIN:
-    return pack_varwidth(values.astype(np.uint64), np.full(n, width, np.int64))
+    return loops.pack_lsb(values.astype(np.uint64), width).tobytes()
   m = -(-n // 8)
   if width <= 8:
     return _pack_small(values, n, m, width)
@@ -156,7 +157,7 @@ def unpack_fixed(buf, n: int, width: int, what: str) -> np.ndarray:
     raise CodecError(f"{what}: fixed-width field holds {len(buf)} bytes, "
                      f"expected {fixed_nbytes(n, width)}")
   if n < _FIXED_MIN:
-    return unpack_varwidth(buf, np.full(n, width, np.int64), what)
+    return loops.unpack_lsb(np.frombuffer(buf, np.uint8), n, width)
   raw = np.frombuffer(buf, np.uint8)
   if width <= 8:
     return _unpack_small(raw, n, m, width)

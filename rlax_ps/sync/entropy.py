@@ -20,7 +20,7 @@ or, for short streams where a table costs more than it saves (n <= LITERAL_MAX):
 import numpy as np
 
 from rlax_ps.sync import loops, rans
-from rlax_ps.sync.bits import bit_length, fixed_nbytes, pack_fixed, unpack_fixed
+from rlax_ps.sync.bits import fixed_nbytes, pack_fixed, unpack_fixed
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint
 from rlax_ps.sync.errors import CodecError
 
@@ -47,23 +47,25 @@ def symbol_width(sym: np.ndarray) -> np.ndarray:
   return np.where(sym < DIRECT, 0, (sym - DIRECT) // 4 + 2)
 
 
-_WIDTHS = symbol_width(np.arange(ALPHABET))
+WIDTHS = symbol_width(np.arange(ALPHABET))
+
+
+def cost_of(bits: float, present: int) -> float:
+  """Estimated stream size of symbols whose information + raw bits are `bits`, with
+  `present` distinct symbols (the table's bytes)."""
+  if present == 0:
+    return 1.0
+  return bits / 8 + 1 + 4 * present + _OVERHEAD
 
 
 def cost_bytes(hist: np.ndarray) -> float:
   """Estimated stream size: zeroth-order entropy of the symbols + raw bits + table."""
-  n = int(hist.sum())
-  if n == 0:
-    return 1.0
-  c = hist[hist > 0].astype(np.float64)
-  info_bits = float((c * np.log2(n / c)).sum())
-  raw_bits = float((hist * _WIDTHS).sum())
-  return (info_bits + raw_bits) / 8 + 1 + 4 * c.size + _OVERHEAD
+  return cost_of(*loops.entropy_bits(hist, WIDTHS))
 
 
 def encode_stream(hist: np.ndarray, z: np.ndarray) -> bytes:
   """Codes the integers z, whose symbol histogram is `hist`."""
-  syms, raw = loops.symbols(z, int((hist * _WIDTHS).sum()))
+  syms, raw = loops.symbols(z, int((hist * WIDTHS).sum()))
   return encode_symbols(hist, syms, raw)
 
 
@@ -80,13 +82,13 @@ def encode_symbols(hist: np.ndarray, syms: np.ndarray, raw: np.ndarray) -> bytes
     freq[present] = rans.normalize(hist[present])
     code = rans.encode(syms, freq)
     out += [varint(code.size), code.astype("<u2", copy=False)]
-  raw_nbytes = (int((hist * _WIDTHS).sum()) + 7) // 8
+  raw_nbytes = (int((hist * WIDTHS).sum()) + 7) // 8
   out += [varint(raw_nbytes), raw.view(np.uint8)[:raw_nbytes]]
   return b"".join(out)
 
 
 def _literal_width(z: np.ndarray, low: int) -> int:
-  return int(bit_length(np.array([int(z.max()) - low], np.uint64))[0])
+  return (int(z.max()) - low).bit_length()
 
 
 def literal_cost(z: np.ndarray, low: int = 0) -> float:
@@ -146,7 +148,7 @@ def decode_stream(r: ByteReader, n: int, dtype=np.uint64, limit: int = 1 << 56,
       raise CodecError(f"{r.what}: {nwords} rANS words for {n} values")
     code = np.frombuffer(r.take(2 * nwords), "<u2")
     code = code if code.flags.aligned else code.copy()
-  raw_bits = int((counts * _WIDTHS[present]).sum())
+  raw_bits = int((counts * WIDTHS[present]).sum())
   raw_nbytes = r.varint()
   if raw_nbytes != (raw_bits + 7) // 8:
     raise CodecError(f"{r.what}: raw bits hold {raw_nbytes} bytes, expected "

@@ -202,11 +202,45 @@ def symbols(z, raw_bits):
 
 
 @numba.njit(**_JIT)
-def gap_histogram(gaps, step, hist):
-  """Symbol counts of every `step`-th gap."""
+def entropy_bits(hist, widths):
+  """(zeroth-order information bits of the symbol counts hist + their raw bits
+  (widths[symbol] each), number of symbols present)."""
+  n = 0
+  for c in hist:
+    n += c
+  bits, present = 0.0, 0
+  for s in range(hist.size):
+    c = hist[s]
+    if c > 0:
+      bits += c * np.log2(n / c) + c * widths[s]
+      present += 1
+  return bits, present
+
+
+@numba.njit(**_JIT)
+def gap_plan(gaps, step, widths):
+  """Costs of every `step`-th gap (a sample): (the Rice parameter k among the three or
+  four nearest log2 of the mean gap whose code is shortest, that code's bits, the
+  entropy stage's information + raw bits (entropy_bits), symbols present)."""
+  m, total = 0, 0.0
+  for i in range(0, gaps.size, step):
+    total += gaps[i]
+    m += 1
+  k0 = max(0, int(np.log2(total / m * np.log(2) + 1)))
+  best_k, best = 0, np.int64(-1)
+  for k in range(max(0, k0 - 1), min(56, k0 + 2)):
+    t = np.uint64(0)
+    for i in range(0, gaps.size, step):
+      t += np.uint64(gaps[i]) >> np.uint64(k)
+    size = np.int64(t) + m * (k + 1)  # quotients, stops, k low bits each
+    if best < 0 or size < best:
+      best, best_k = size, k
+  hist = np.zeros(widths.size, np.int64)
   for i in range(0, gaps.size, step):
     s, _, _ = symbol_of(gaps[i])
     hist[s] += 1
+  bits, present = entropy_bits(hist, widths)
+  return best_k, best, bits, present
 
 
 @numba.njit(**_JIT)
@@ -355,6 +389,39 @@ def rice_decode(words, starts, counts, bases, k, size, idx):
   if (p + 7) // 8 != starts[1]:
     return E_TRUNCATED
   return E_RANGE if prev >= size else OK
+
+
+@numba.njit(**_JIT)
+def pack_lsb(values, width):
+  """The low `width` (<= 56) bits of each value, concatenated LSB first, as
+  ceil(n * width / 8) bytes (bits.pack_varwidth with equal widths)."""
+  nbytes = (values.size * width + 7) // 8
+  words = np.zeros(nbytes // 8 + 2, np.uint64)
+  mask = (np.uint64(1) << np.uint64(width)) - np.uint64(1)
+  p = 0
+  for i in range(values.size):
+    v = np.uint64(values[i]) & mask
+    q, b = p >> 6, np.uint64(p & 63)
+    words[q] |= v << b
+    words[q + 1] |= (v >> np.uint64(1)) >> (np.uint64(63) - b)
+    p += width
+  return words.view(np.uint8)[:nbytes].copy()
+
+
+@numba.njit(**_JIT)
+def unpack_lsb(buf, n, width):
+  """Inverse of pack_lsb: n values of `width` bits from the bytes buf (exactly
+  ceil(n * width / 8) of them, checked by the caller)."""
+  words = np.zeros(buf.size // 8 + 2, np.uint64)
+  words.view(np.uint8)[:buf.size] = buf
+  mask = (np.uint64(1) << np.uint64(width)) - np.uint64(1)
+  out = np.empty(n, np.uint64)
+  p = 0
+  for i in range(n):
+    q, b = p >> 6, np.uint64(p & 63)
+    out[i] = ((words[q] >> b) | ((words[q + 1] << np.uint64(1)) << (np.uint64(63) - b))) & mask
+    p += width
+  return out
 
 
 @numba.njit(**_JIT)

@@ -23,7 +23,8 @@ def members_by_dtype(sizes: dict, dtypes: dict) -> dict:
   groups = {}
   for name, size in sizes.items():
     if size < PACK_BELOW:
-      groups.setdefault(np.dtype(dtypes[name]), []).append(name)
+      d = dtypes[name]
+      groups.setdefault(d if isinstance(d, np.dtype) else np.dtype(d), []).append(name)
   return {d: names for d, names in groups.items() if len(names) > 1}
 
 
@@ -34,7 +35,7 @@ def read_packs(metas: dict) -> dict[str, list[str]]:
   packs are never made)."""
   groups = members_by_dtype({n: m.size for n, m in metas.items()},
                             {n: m.dtype for n, m in metas.items()})
-  packs = {}
+  packs, members = {}, set()
   for names in groups.values():
     if not any(metas[n].mode == PACKED for n in names):
       continue
@@ -46,8 +47,9 @@ def read_packs(metas: dict) -> dict[str, list[str]]:
         raise CodecError(f"tensor {n!r}: belongs to the pack of {head!r} but its mode is "
                          f"{metas[n].mode} with {metas[n].nbytes} bytes")
     packs[head] = names
+    members.update(names)
   for n, m in metas.items():
-    if m.mode == PACKED and not any(n in names for names in packs.values()):
+    if m.mode == PACKED and n not in members:
       raise CodecError(f"tensor {n!r}: mode packed outside any pack")
   return packs
 

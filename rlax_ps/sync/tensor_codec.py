@@ -131,20 +131,6 @@ def _zigzag_offsets(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> np.nda
   return ((d << 1) ^ (d >> 63)).astype(old.dtype)
 
 
-def _rice(gaps: np.ndarray) -> int:
-  """The best Rice parameter near log2 of the mean gap, by the exact sizes of an evenly
-  spaced sample of the gaps."""
-  nnz = gaps.size
-  mean = float(gaps.astype(np.float64).mean()) if nnz < _GAP_SAMPLE else float(
-      gaps[::nnz // _GAP_SAMPLE].astype(np.float64).mean())
-  k0 = max(0, int(np.log2(mean * np.log(2) + 1)))
-  lo, hi = max(0, k0 - 1), min(56, k0 + 2)
-  step = max(1, nnz // _GAP_SAMPLE)
-  unary = loops.rice_sizes(gaps, step, lo, hi)
-  sizes = [int(unary[k - lo]) + k * ((nnz + step - 1) // step) for k in range(lo, hi)]
-  return lo + int(np.argmin(sizes))
-
-
 def _rice_bytes(gaps: np.ndarray, k: int) -> bytes:
   """Rice layout: u8 0x80 | 0x40 (S = 4 streams, else 1) | k, S varint byte lengths, S - 1
   varint indices of the change before each later stream, the streams (S = 4 for long
@@ -165,26 +151,14 @@ def _rice_bytes(gaps: np.ndarray, k: int) -> bytes:
   return b"".join([u8(GAPS_RICE | (_RICE_MULTI if s > 1 else 0) | k)] + lengths + bases + parts)
 
 
-def _rice_cost(gaps: np.ndarray, k: int) -> float:
-  """Rice bytes of the gaps, from an evenly spaced sample."""
-  step = max(1, gaps.size // _GAP_SAMPLE)
-  unary = int(loops.rice_sizes(gaps, step, k, k + 1)[0])
-  return (unary + k * ((gaps.size + step - 1) // step)) * step / 8 + 3
-
-
-def _sampled_entropy_bytes(gaps: np.ndarray) -> float:
-  """Entropy-stage size of the gaps estimated from an evenly spaced sample."""
-  step = max(1, gaps.size // _GAP_SAMPLE)
-  hist = np.zeros(entropy.ALPHABET, np.int64)
-  loops.gap_histogram(gaps, step, hist)
-  return entropy.cost_bytes(hist) * step
-
-
 def _encode_gaps(gaps: np.ndarray) -> tuple[float, callable]:
-  """(estimated size, thunk producing the bytes) of the cheaper gap coder."""
-  k = _rice(gaps)
-  rice_cost = _rice_cost(gaps, k)
-  if _sampled_entropy_bytes(gaps) >= 0.97 * rice_cost:
+  """(estimated size, thunk producing the bytes) of the cheaper gap coder: Rice with the
+  best parameter near log2 of the mean gap, or the entropy stage, both costed exactly on
+  an evenly spaced sample of the gaps."""
+  step = max(1, gaps.size // _GAP_SAMPLE)
+  k, rice_bits, entropy_bits, present = loops.gap_plan(gaps, step, entropy.WIDTHS)
+  rice_cost = rice_bits * step / 8 + 3
+  if entropy.cost_of(entropy_bits, present) * step >= 0.97 * rice_cost:
     return rice_cost, lambda: _rice_bytes(gaps, k)
   wide = gaps.astype(np.uint64)
   hist = entropy.histogram(wide)
@@ -264,7 +238,7 @@ def encode_section(old: np.ndarray | None, new: np.ndarray,
   if ch.nnz == 0:
     return Encoded(UNCHANGED, b"", ch.h_new, ch.h_old)
   z = None
-  cost_v = entropy.cost_bytes(ch.hist)
+  cost_v = cost_sym = entropy.cost_bytes(ch.hist)
   if ch.nnz <= entropy.LITERAL_MAX:
     z = _zigzag_offsets(old, new, ch.indices())
     cost_v = min(cost_v, entropy.literal_cost(z, 1))
@@ -289,7 +263,7 @@ def encode_section(old: np.ndarray | None, new: np.ndarray,
     idx = ch.indices()
     full[idx] = _zigzag_offsets(old, new, idx)
     return Encoded(DENSE, entropy.encode_stream(hist_d, full), ch.h_new, ch.h_old)
-  if z is not None and entropy.literal_cost(z, 1) < entropy.cost_bytes(ch.hist):
+  if cost_v < cost_sym:
     values = entropy.encode_literal(z, 1)
   else:
     values = entropy.encode_symbols(ch.hist, ch.syms, ch.raw)

@@ -271,6 +271,11 @@ def assemble(header: UpdateHeader, sections) -> "Update":
 
 def read_header(b) -> UpdateHeader:
   """Parses and validates the header of a message without touching the payloads."""
+  return _parse_header(b)[0]
+
+
+def _parse_header(b) -> tuple[UpdateHeader, dict[str, list[str]]]:
+  """read_header, and the packs (packs.read_packs) its validation found."""
   buf = memoryview(b).cast("B")
   if buf.nbytes < _PREFIX.size:
     raise CodecError(f"update header: truncated: {buf.nbytes} bytes, prefix needs {_PREFIX.size}")
@@ -357,9 +362,9 @@ def read_header(b) -> UpdateHeader:
   if offset != buf.nbytes:
     raise CodecError(f"update: {buf.nbytes - offset} unexpected trailing bytes after the "
                      f"last section")
-  packs.read_packs(tensors)
+  found = packs.read_packs(tensors)
   return UpdateHeader(version, None if keyframe else base_version, FORMATS[fmt_code], tensors,
-                      buf.nbytes, results, bases, sections)
+                      buf.nbytes, results, bases, sections), found
 
 
 def check_names(what: str, got, want) -> None:
@@ -401,10 +406,11 @@ def check_seal(seal: Seal, digests, names, problem: str, what: str = "checksum")
 class Update:
   """One published version: a keyframe or a delta against `base_version`, as a message."""
 
-  def __init__(self, data, header: UpdateHeader):
+  def __init__(self, data, header: UpdateHeader, _packs: dict | None = None):
     self._data = data
     self.header = header
-    self._packs = packs.read_packs(header.tensors)  # head -> members
+    # head -> members; `_packs`: what parsing `header` found already
+    self._packs = packs.read_packs(header.tensors) if _packs is None else _packs
     self._pack_of = {n: head for head, names in self._packs.items() for n in names}
     self._decoded_packs = {}
     # name -> checksum of the tensor the update makes, where known: set by the encoder
@@ -436,12 +442,12 @@ class Update:
   def from_bytes(cls, b) -> "Update":
     """Parses a message and checks its sections against the section seal; raises CodecError."""
     data = bytes(b)
-    header = read_header(data)
+    header, found = _parse_header(data)
     view = memoryview(data)
     filled = [m for m in header.tensors.values() if m.nbytes]
     check_seal(header.sections, [_digest(view[m.offset:m.offset + m.nbytes]) for m in filled],
                [m.name for m in filled], "section corrupted", "section digest")
-    return cls(data, header)
+    return cls(data, header, found)
 
   def meta(self, name: str) -> TensorMeta:
     if name not in self.tensors:
