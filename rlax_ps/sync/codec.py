@@ -96,8 +96,9 @@ def apply(base, update: Update, *, base_version: int | None = None,
   bit for bit against the update's seals (errors name the tensor). With `base_version`,
   also checks that the update applies to that version.
 
-  inplace=True writes into the base's (writable, C-contiguous numpy) arrays and returns
-  them: only changed elements are written, at the price that a failed result check (a
+  The new arrays share one buffer (one allocation, a few page faults), freed once none of
+  them is referenced. inplace=True writes into the base's (writable, C-contiguous numpy)
+  arrays and returns them instead: only changed elements are written, at the price that a failed result check (a
   corrupted update behind valid digests) leaves tensors damaged, to be replaced from a
   keyframe. Every base tensor is checked against the base seal before anything is written."""
   if not isinstance(update, Update):
@@ -105,8 +106,9 @@ def apply(base, update: Update, *, base_version: int | None = None,
   names = list(update.tensors)
   if update.is_keyframe:
     out, digests = {}, []
+    arena = _Arena(update.tensors.values())
     for name, meta in update.tensors.items():
-      bits, got = update.decoded(name).apply(None, UINT_OF[meta.dtype])
+      bits, got = update.decoded(name).apply(None, UINT_OF[meta.dtype], out=arena.take(meta))
       out[name] = bits.view(meta.dtype).reshape(meta.shape)
       digests.append(got)
     update.check_results(digests)
@@ -128,6 +130,7 @@ def apply(base, update: Update, *, base_version: int | None = None,
     base_digests = [checksum(held[name]) for name in names]
     update.check_bases(base_digests)
   out, digests = {}, {}
+  arena = None if inplace else _Arena(update.tensors.values())
   for i, (name, meta) in enumerate(update.tensors.items()):
     if name in out:  # a pack member, done with its head
       continue
@@ -137,10 +140,11 @@ def apply(base, update: Update, *, base_version: int | None = None,
       continue
     members = update.pack(name)
     if members is not None:
-      _apply_pack(update, members, held, base, inplace, out, digests)
+      _apply_pack(update, members, held, base, arena, out, digests)
       continue
     bits, got = update.decoded(name).apply(bit_view(held[name]), UINT_OF[meta.dtype],
-                                           inplace=inplace)
+                                           inplace=inplace,
+                                           out=None if inplace else arena.take(meta))
     out[name] = base[name] if inplace else bits.view(meta.dtype).reshape(meta.shape)
     digests[name] = got
   digests = [digests[name] for name in names]
@@ -153,22 +157,44 @@ def apply(base, update: Update, *, base_version: int | None = None,
   return out
 
 
-def _apply_pack(update: Update, members: list[str], held: dict, base: dict, inplace: bool,
-                out: dict, digests: dict) -> None:
-  """Applies a pack's section to its members: in place into the base arrays, else into one
-  new buffer holding the members' results side by side (the bases copied in first)."""
+def _apply_pack(update: Update, members: list[str], held: dict, base: dict,
+                arena: "_Arena | None", out: dict, digests: dict) -> None:
+  """Applies a pack's section to its members: in place into the base arrays (no arena),
+  else into the arena, the bases copied in first."""
   dtype = update.tensors[members[0]].dtype
   olds = [bit_view(held[n]).reshape(-1) for n in members]
   starts = [lo for lo, _ in packs.spans([a.size for a in olds])]
-  if inplace:
+  if arena is None:
     parts = olds
   else:
-    buf = np.concatenate(olds)
-    parts = [buf[s:s + a.size] for s, a in zip(starts, olds)]
+    parts = [arena.take(update.tensors[n]) for n in members]
+    for part, old in zip(parts, olds):
+      np.copyto(part, old)
   update.decoded(members[0]).apply_parts(parts, starts)
   for n, part in zip(members, parts):
-    out[n] = base[n] if inplace else part.view(dtype).reshape(update.tensors[n].shape)
+    out[n] = base[n] if arena is None else part.view(dtype).reshape(update.tensors[n].shape)
     digests[n] = checksum(part)
+
+
+class _Arena:
+  """One buffer for all the new arrays of an apply, handed out tensor by tensor (64-byte
+  aligned): one large allocation takes huge pages and a few page faults where a buffer
+  per tensor would fault on every 4 KB page. The arrays it returns share the buffer."""
+
+  def __init__(self, metas):
+    self._buf = np.empty(sum(_aligned(m) for m in metas), np.uint8)
+    self._pos = 0
+
+  def take(self, meta) -> np.ndarray:
+    """The next meta.size elements, as a flat array of meta's unsigned type."""
+    n = _aligned(meta)
+    part = self._buf[self._pos:self._pos + meta.size * meta.dtype.itemsize]
+    self._pos += n
+    return part.view(UINT_OF[meta.dtype])
+
+
+def _aligned(meta) -> int:
+  return -(-meta.size * meta.dtype.itemsize // 64) * 64
 
 
 def dequantize(held: dict) -> dict[str, np.ndarray]:

@@ -8,29 +8,49 @@ and bit-reversed, so that a decoder reading bits LSB first indexes its table wit
 next MAX_LEN bits.
 """
 
-import heapq
-
+import numba
 import numpy as np
 
 MAX_LEN = 11
+_JIT = dict(nogil=True, cache=True, boundscheck=False)
+
+
+@numba.njit(**_JIT)
+def _tree_depths(weights):
+  """Depth of each leaf of the Huffman tree of ascending weights (>= 2 of them), built by
+  the two-queue method: leaves in order, then internal nodes in the order they form (both
+  queues stay sorted; a tie takes the leaf)."""
+  m = weights.size
+  w = np.empty(2 * m - 1, np.int64)
+  parent = np.empty(2 * m - 1, np.int64)
+  w[:m] = weights
+  leaf, inner, node = 0, m, m
+  for _ in range(m - 1):
+    total = 0
+    for _ in range(2):
+      if leaf < m and (inner >= node or w[leaf] <= w[inner]):
+        pick = leaf
+        leaf += 1
+      else:
+        pick = inner
+        inner += 1
+      parent[pick] = node
+      total += w[pick]
+    w[node] = total
+    node += 1
+  depth = np.zeros(2 * m - 1, np.int64)
+  for i in range(2 * m - 3, -1, -1):
+    depth[i] = depth[parent[i]] + 1
+  return depth[:m]
 
 
 def _lengths(counts: np.ndarray) -> np.ndarray:
   """Huffman code lengths of positive counts (a single symbol gets length 1)."""
-  m = counts.size
-  if m == 1:
+  if counts.size == 1:
     return np.ones(1, np.int64)
-  heap = [(int(c), i, (i,)) for i, c in enumerate(counts)]
-  heapq.heapify(heap)
-  lengths = np.zeros(m, np.int64)
-  tie = m
-  while len(heap) > 1:
-    c1, _, s1 = heapq.heappop(heap)
-    c2, _, s2 = heapq.heappop(heap)
-    for s in s1 + s2:
-      lengths[s] += 1
-    heapq.heappush(heap, (c1 + c2, tie, s1 + s2))
-    tie += 1
+  order = np.argsort(counts, kind="stable")
+  lengths = np.empty(counts.size, np.int64)
+  lengths[order] = _tree_depths(counts[order])
   return lengths
 
 
@@ -47,8 +67,21 @@ def code_lengths(counts: np.ndarray) -> np.ndarray:
     c = np.maximum(1, c // 2)
 
 
-def _reverse(code: int, length: int) -> int:
-  return int(f"{code:0{length}b}"[::-1], 2) if length else 0
+@numba.njit(**_JIT)
+def _canonical(lengths, order):
+  """Bit-reversed canonical codes, assigned in `order` (by length, then position)."""
+  codes = np.zeros(lengths.size, np.uint64)
+  code, prev = np.uint64(0), 0
+  for i in order:
+    code <<= np.uint64(lengths[i] - prev)
+    prev = lengths[i]
+    c, r = code, np.uint64(0)
+    for _ in range(prev):
+      r = (r << np.uint64(1)) | (c & np.uint64(1))
+      c >>= np.uint64(1)
+    codes[i] = r
+    code += np.uint64(1)
+  return codes
 
 
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
@@ -57,22 +90,24 @@ def canonical_codes(lengths: np.ndarray) -> np.ndarray:
   lengths = np.asarray(lengths, np.int64)
   if lengths.size == 0 or lengths.min() < 1 or lengths.max() > MAX_LEN:
     raise ValueError(f"code lengths must lie in [1, {MAX_LEN}]")
-  if sum(2.0 ** -int(n) for n in lengths) > 1.0:
+  if np.ldexp(1.0, -lengths).sum() > 1.0:  # exact: at most 2**11 powers of two >= 2**-11
     raise ValueError("code lengths violate the Kraft inequality")
-  codes = np.zeros(lengths.size, np.uint64)
-  code, prev = 0, 0
-  for i in sorted(range(lengths.size), key=lambda i: (lengths[i], i)):
-    code <<= int(lengths[i]) - prev
-    prev = int(lengths[i])
-    codes[i] = _reverse(code, prev)
-    code += 1
-  return codes
+  return _canonical(lengths, np.argsort(lengths, kind="stable"))
+
+
+@numba.njit(**_JIT)
+def _fill(table, lengths, codes, entries):
+  for i in range(lengths.size):
+    step = 1 << lengths[i]
+    v = np.uint32(entries[i] | (lengths[i] << 24))
+    for j in range(codes[i], table.size, step):
+      table[j] = v
 
 
 def decode_table(lengths: np.ndarray, codes: np.ndarray, entries: np.ndarray) -> np.ndarray:
   """Table of 2**MAX_LEN uint32: for every MAX_LEN-bit window whose low bits start with
   the code of symbol i, entries[i] | length << 24; 0 where no code matches."""
   table = np.zeros(1 << MAX_LEN, np.uint32)
-  for n, c, e in zip(lengths, codes, entries):
-    table[int(c)::1 << int(n)] = np.uint32(int(e) | int(n) << 24)
+  _fill(table, np.asarray(lengths, np.int64), np.asarray(codes, np.int64),
+        np.asarray(entries, np.int64))
   return table

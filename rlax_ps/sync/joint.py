@@ -20,11 +20,11 @@ import numpy as np
 import xxhash
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from rlax_ps.sync import huffman
+from rlax_ps.sync import huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_TRUNCATED, OK, _group_mask, _peek, _take,
-                                popcount, scan_block, unary)
+                                popcount, scan_block, symbol_of, unary)
 
 BLOCK = 1 << 16
 STREAMS = 4
@@ -249,18 +249,26 @@ def decode_changes(words, ends, k, table, whole, n, counts, ps, indices, offsets
 
 # ---- tables from a sample ----------------------------------------------------------------
 
+def windows(n: int) -> int:
+  """Sample windows of BLOCK elements for a tensor of n >= MIN_ELEMENTS: an eighth of it,
+  between 4 and _SAMPLE_WINDOWS windows (the tables need a few thousand changes, not a
+  pass over most of a mid-sized tensor)."""
+  return int(np.clip(n // (8 * BLOCK), 4, _SAMPLE_WINDOWS))
+
+
 def plan(old: np.ndarray, new: np.ndarray):
-  """(k, symbol counts) for a joint section from _SAMPLE_WINDOWS evenly spaced windows of
+  """(k, symbol counts) for a joint section from `windows(n)` evenly spaced windows of
   BLOCK elements, or None when the tensor suits the general layouts better (small, below
   MIN_DENSITY or at 25% or more, or clustered changes that the entropy-coded gaps code
   smaller)."""
   n = new.size
   if n < MIN_ELEMENTS:
     return None
-  starts = np.linspace(0, n - BLOCK, _SAMPLE_WINDOWS).astype(np.int64) // 64 * 64
-  gaps = np.empty(BLOCK * _SAMPLE_WINDOWS, np.uint64)
-  syms = np.empty(gaps.size, np.uint8)
-  raw = np.zeros(gaps.size // 4 + 2, np.uint64)
+  starts = np.linspace(0, n - BLOCK, windows(n)).astype(np.int64) // 64 * 64
+  gaps = scratch.buffer("plan gaps", BLOCK * starts.size, np.uint64)
+  syms = scratch.buffer("plan syms", gaps.size, np.uint8)
+  raw = scratch.buffer("plan raw", gaps.size // 4 + 2, np.uint64)  # scan_block: raw[0] = 0
+  raw[0] = 0
   hist = np.zeros((4, ALPHABET), np.int64)
   st = np.zeros(3, np.int64)
   for s in starts:
@@ -297,15 +305,8 @@ def tables(counts: np.ndarray, width: int, k: int):
   hcode = np.zeros(ALPHABET, np.uint64)
   hlen = np.zeros(ALPHABET, np.uint64)
   hcode[present], hlen[present] = codes[:-1], lengths[:-1]
-  z = np.arange(1 << width, dtype=np.uint64)
-  sym, rw, extra = symbols_of(z)
-  ctab = np.where(hlen[sym] > 0,
-                  (hcode[sym] | (extra << hlen[sym])) | ((hlen[sym] + rw) << np.uint64(56)),
-                  (codes[-1] | (z << np.uint64(lengths[-1])))
-                  | (np.uint64(lengths[-1] + width) << np.uint64(56)))
-  ctab = ((ctab & np.uint64((1 << 56) - 1)) << np.uint64(k + 1)) | (
-      ((ctab >> np.uint64(56)) + np.uint64(k + 1)) << np.uint64(56))
-  ctab[0] = 0  # a change never has a zero offset
+  ctab = np.empty(1 << width, np.uint64)
+  _code_table(hcode, hlen, np.uint64(codes[-1]), np.uint64(lengths[-1]), width, k, ctab)
   packed = np.zeros((lengths.size + 1) // 2 * 2, np.uint8)
   packed[:lengths.size] = lengths
   head = [u8(syms.size), syms.astype(np.uint8).tobytes(),
@@ -313,17 +314,20 @@ def tables(counts: np.ndarray, width: int, k: int):
   return b"".join(head), ctab.astype(np.uint64)
 
 
-def symbols_of(z: np.ndarray):
-  """(symbol, raw width, raw bits) of each integer z (uint64), as loops.symbol_of."""
-  nb = np.zeros(z.shape, np.uint64)
-  nz = z > 0
-  nb[nz] = np.floor(np.log2(z[nz].astype(np.float64))).astype(np.uint64) + np.uint64(1)
-  wide = z >= DIRECT
-  rw = np.where(wide, nb - np.uint64(3), np.uint64(0)).astype(np.uint64)
-  top = (z >> rw) & np.uint64(3)
-  sym = np.where(wide, DIRECT + (nb.astype(np.int64) - 5) * 4 + top.astype(np.int64),
-                 z.astype(np.int64))
-  return sym, rw, z & ((np.uint64(1) << rw) - np.uint64(1))
+@numba.njit(**_JIT)
+def _code_table(hcode, hlen, esc_code, esc_len, width, k, ctab):
+  """ctab[z] for every zigzag value z < 2**width (see tables); ctab[0] = 0."""
+  m56 = np.uint64((1 << 56) - 1)
+  kk = np.uint64(k + 1)
+  ctab[0] = 0
+  for z in range(1, ctab.size):
+    sym, rw, extra = symbol_of(z)
+    hl = hlen[sym]
+    if hl > 0:
+      bits, length = hcode[sym] | (extra << hl), hl + np.uint64(rw)
+    else:
+      bits, length = esc_code | (np.uint64(z) << esc_len), esc_len + np.uint64(width)
+    ctab[z] = ((bits & m56) << kk) | ((length + kk) << np.uint64(56))
 
 
 def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,
@@ -333,16 +337,18 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,
   n = new.size
   table, ctab = tables(counts, 8 * new.itemsize, k)
   encode_blocks = encode_blocks16 if new.itemsize == 2 else encode_blocks8
-  nnz_est = int(counts.sum()) * n // (BLOCK * _SAMPLE_WINDOWS) + 1
+  nnz_est = int(counts.sum()) * n // (BLOCK * windows(n)) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1
-  out = np.zeros((STREAMS, bits // 64 // STREAMS + 2 * BLOCK), np.uint64)
+  # Every word of a stream is assigned before it is read, so the rows need no zeroing.
+  width = bits // 64 // STREAMS + 2 * BLOCK
+  out = scratch.buffer("joint streams", STREAMS * width, np.uint64).reshape(STREAMS, width)
   st = np.zeros((STREAMS, 3), np.uint64)
   counts = np.zeros((n + BLOCK - 1) // BLOCK, np.int64)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
   step = STREAMS * BLOCK
   for s in range(0, n, step):
     if int(st[:, 0].max()) + BLOCK + 2 > out.shape[1]:  # a block: at most 64 bits an element
-      grown = np.zeros((STREAMS, 2 * out.shape[1]), np.uint64)
+      grown = np.empty((STREAMS, 2 * out.shape[1]), np.uint64)
       grown[:, :out.shape[1]] = out
       out = grown
     a, b = old[s:s + step], new[s:s + step]

@@ -30,7 +30,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from rlax_ps.sync import entropy, joint, loops
+from rlax_ps.sync import entropy, joint, loops, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint
 from rlax_ps.sync.errors import CodecError
 
@@ -46,7 +46,6 @@ _ZSTD_LEVEL = 3
 _RICE_STREAMS, _RICE_SPLIT = 4, 1 << 12
 _ESTIMATE_ABOVE = 1 << 22  # smaller scans size their outputs for every element (np.empty
 # pages that are never written cost nothing), larger ones from a sampled density
-_SCRATCH_MAX = 1 << 24  # bytes a per-thread scratch buffer may keep between calls
 _LOCAL = threading.local()
 
 
@@ -86,8 +85,8 @@ def scan_changes(old: np.ndarray, new: np.ndarray, hashed: tuple[bool, bool] = (
   """One compiled pass per cache-sized block compares 64 elements at a time and walks the
   changed ones; the block of old (new) is then hashed, unless hashed[0] ([1]) is False,
   while still in cache.
-  With `reuse`, the outputs live in per-thread buffers that the next reusing scan of this
-  thread overwrites (fresh pages cost a fault each: for a small model most of the scan)."""
+  With `reuse`, the outputs live in scratch buffers that the next reusing scan of this
+  thread overwrites."""
   n = old.size
   block = BLOCK * 2 // old.itemsize  # 128 KB of each array
   if n <= _ESTIMATE_ABOVE:
@@ -98,8 +97,8 @@ def scan_changes(old: np.ndarray, new: np.ndarray, hashed: tuple[bool, bool] = (
     cap = min(n, int(n * density * 1.1)) + block
   gap_dtype = np.dtype(np.uint32 if n < 1 << 32 else np.uint64)
   if reuse:
-    gaps, syms = _scratch(2, cap, gap_dtype), _scratch(3, cap, np.dtype(np.uint8))
-    raw = _scratch(4, cap // 4 + 2, np.dtype(np.uint64))  # raw bits: at most 16 per change
+    gaps, syms = scratch.buffer("scan gaps", cap, gap_dtype), scratch.buffer("scan syms", cap, np.uint8)
+    raw = scratch.buffer("scan raw", cap // 4 + 2, np.uint64)  # raw bits: at most 16 a change
     raw[0] = 0
   else:
     gaps, syms = np.empty(cap, gap_dtype), np.empty(cap, np.uint8)
@@ -195,26 +194,13 @@ class Encoded:
   base_checksum: int | None
 
 
-def _scratch(slot: int, n: int, dtype: np.dtype) -> np.ndarray:
-  """n elements of per-thread buffer `slot` (0, 1: a pack's concatenations; 2-4: a scan's
-  outputs), kept between calls up to _SCRATCH_MAX bytes; contents are left over."""
-  bufs = _LOCAL.__dict__.setdefault("scratch", {})
-  nbytes = n * dtype.itemsize
-  buf = bufs.get(slot)
-  if buf is None or buf.nbytes < nbytes:
-    buf = np.empty(max(nbytes, 1), np.uint8)
-    if nbytes <= _SCRATCH_MAX:
-      bufs[slot] = buf
-  return buf[:nbytes].view(dtype)
-
-
 def encode_pack(olds: list[np.ndarray], news: list[np.ndarray]) -> tuple[int, bytes] | None:
   """(mode, section) over the concatenation of the members' unsigned bit arrays (packs.py),
   or None when the pack has no change or nothing smaller than its raw bytes (its members
-  are then coded alone). The concatenations live in per-thread scratch buffers."""
+  are then coded alone). The concatenations live in scratch buffers."""
   n = sum(a.size for a in news)
-  old = np.concatenate(olds, out=_scratch(0, n, news[0].dtype))
-  new = np.concatenate(news, out=_scratch(1, n, news[0].dtype))
+  old = np.concatenate(olds, out=scratch.buffer("pack old", n, news[0].dtype))
+  new = np.concatenate(news, out=scratch.buffer("pack new", n, news[0].dtype))
   enc = encode_section(old, new, hashed=(False, False))
   if enc.mode in (UNCHANGED, RAW):
     return None
@@ -288,17 +274,21 @@ class Decoded:
       return self.indices, self.offsets
     return self.streams.changes()
 
-  def apply(self, old: np.ndarray | None, udtype: np.dtype, inplace: bool = False
-            ) -> tuple[np.ndarray, int]:
-    """(new bit array, its xxh3) from `old`, written into `old` itself when `inplace`;
-    copy, scatter and hash run block by block."""
+  def apply(self, old: np.ndarray | None, udtype: np.dtype, inplace: bool = False,
+            out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """(new bit array, its xxh3) from `old`, written into `old` itself when `inplace`,
+    else into `out` (flat, of udtype; a new array when None); copy, scatter and hash run
+    block by block."""
+    if inplace:
+      out = old
     if self.mode == RAW:
-      if inplace:
-        old[...] = self.replacement
-        return old, xxhash.xxh3_64_intdigest(old)
-      out = self.replacement.astype(udtype)
+      if out is None:
+        out = self.replacement.astype(udtype)
+      else:
+        out[...] = self.replacement
       return out, xxhash.xxh3_64_intdigest(out)
-    out = old if inplace else np.empty_like(old)
+    if out is None:
+      out = np.empty_like(old)
     h = xxhash.xxh3_64()
     if self.mode == JOINT:
       self.streams.apply(old, out, h)
