@@ -6,8 +6,11 @@ encode/apply throughput vs a plain memory copy, all measured in one run.
 
 Synthetic rows: weights ~ N(0, 0.02) in float32, rounded to bf16, then one Adam-like step
 w -= lr * m / (sqrt(v) + eps) (direction of unit-ish size per element) with lr calibrated
-so that 0.1%, 1%, 3%, 10% of the bf16 elements change. Real row: the SFT trainer
-(configs/sft_tiny.py) after warm-up steps at an RL-like learning rate, one more step.
+so that 0.1%, 1%, 3%, 10% of the bf16 elements change. Real rows: the SFT trainer
+(configs/sft_tiny.py) after warm-up steps at an RL-like learning rate, one more step, on
+the tiny model (0.4M parameters: its throughput shows the fixed cost of an update) and on
+the same model at 38M parameters (76 MB of bf16, past the caches; ~3 minutes of CPU
+training for both learning rates).
 Bound = sum over tensors of N*H(d) + nnz*H_v (H_v: zeroth-order entropy of the wrapping
 bit-pattern offsets of the changed elements). Throughput is in GB/s of held model bytes,
 over np.copyto's GB/s: the copy is timed before each run of a row (the machine's memory
@@ -33,6 +36,14 @@ _DENSITIES = flags.DEFINE_list("densities", ["0.001", "0.01", "0.03", "0.1"],
 _REAL = flags.DEFINE_boolean("real", True, "add the row of a real update from the SFT trainer")
 _REAL_LR = flags.DEFINE_list("real_lr", ["1e-6", "1e-5"],
                              "learning rates of the real trainer steps (one row pair each)")
+_REAL_SIZES = flags.DEFINE_list(
+    "real_sizes", ["tiny", "38m"],
+    "models of the real rows: tiny (configs/sft_tiny.py, 0.4M parameters, fixed per-update "
+    "costs dominate) and 38m (the same trainer and data at 38M parameters, 76 MB of bf16: "
+    "past the caches, where throughput is memory-bound as on real models)")
+# Model fields of the larger real model (configs/sft_tiny.py otherwise).
+_SIZES = {"tiny": {}, "38m": dict(hidden_size=768, intermediate_size=2048, num_layers=6,
+                                  num_heads=12, num_kv_heads=4, head_dim=64)}
 _REPS = flags.DEFINE_integer("reps", 3, "timed repetitions (best is reported)")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _COLS = 4096
@@ -173,12 +184,16 @@ def flat_params(tree, prefix=""):
   return out
 
 
-def real_update(lr):
-  """(float params before, after) one real AdamW step of the SFT trainer at `lr`."""
+def real_update(lr, size="tiny"):
+  """(float params before, after) one real AdamW step of the SFT trainer at `lr` (model
+  fields from _SIZES[size])."""
   import jax
   from configs.sft_tiny import get_config
   from rlax_ps.train.sft import SFTTrainer
   c = get_config()
+  for field, value in _SIZES[size].items():
+    setattr(c.model, field, value)
+  c.export.hf = False
   c.optimizer.lr = lr
   c.optimizer.warmup_steps = 0
   c.optimizer.min_lr_ratio = 1.0
@@ -219,21 +234,26 @@ def main(argv):
     rows.append(measure(label, "bf16", base, target, probe, reps, full, kf_bf16))
     rows.append(measure(label, "int8", base_int8, target, probe, reps, full, kf_int8))
     del target
-  real_note = ""
-  for lr in map(float, _REAL_LR.value if _REAL.value else []):
-    before, after = real_update(lr)
-    rb = sync.held_state(before, "bf16")
-    ri = sync.held_state(before, "int8")
-    full_r = held_bytes(rb)
-    kf_rb = sync.encode(None, rb, "bf16", version=0)
-    kf_ri = sync.encode(None, ri, "int8", version=0)
-    kfr, kfi = kf_rb.nbytes, kf_ri.nbytes
-    label = f"real SFT step lr={lr:g}"
-    rows.append(measure(label, "bf16", rb, after, probe, reps, full_r, kf_rb))
-    rows.append(measure(label, "int8", ri, after, probe, reps, full_r, kf_ri))
-    real_note = (f"real model (SFT trainer, configs/sft_tiny.py, AdamW, 10 steps then 1): "
-                 f"{sum(a.size for a in before.values()):,} params in {len(before)} tensors; "
-                 f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
+  real_notes = []
+  for size in _REAL_SIZES.value if _REAL.value else []:
+    if size not in _SIZES:
+      raise app.UsageError(f"--real_sizes: expected some of {sorted(_SIZES)}, got {size!r}")
+    for lr in map(float, _REAL_LR.value):
+      before, after = real_update(lr, size)
+      rb = sync.held_state(before, "bf16")
+      ri = sync.held_state(before, "int8")
+      full_r = held_bytes(rb)
+      kf_rb = sync.encode(None, rb, "bf16", version=0)
+      kf_ri = sync.encode(None, ri, "int8", version=0)
+      kfr, kfi = kf_rb.nbytes, kf_ri.nbytes
+      label = f"real {size} lr={lr:g}"
+      rows.append(measure(label, "bf16", rb, after, probe, reps, full_r, kf_rb))
+      rows.append(measure(label, "int8", ri, after, probe, reps, full_r, kf_ri))
+      del before, after, rb, ri
+    real_notes.append(
+        f"real {size}: SFT trainer (configs/sft_tiny.py{' with ' + str(_SIZES[size]) if _SIZES[size] else ''}, "
+        f"AdamW, 10 steps then 1): {full_r // 2:,} params in {len(kf_rb.tensors)} tensors; "
+        f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
   header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound", "hdr B",
             "int32+val", "vs kf", "enc GB/s", "enc/copy", "f32 enc/copy", "apply GB/s", "apply/copy",
             "inplace/copy", "wall e/a/i", "modes"]
@@ -244,8 +264,8 @@ def main(argv):
         f"into fresh memory (.copy(), page faults included) {full / fresh[0] / 1e9:.2f} GB/s CPU")
   print(f"keyframes: bf16 {kf_bf16.nbytes:,} B, int8 {kf_int8.nbytes:,} B = "
         f"{kf_int8.nbytes / kf_bf16.nbytes:.2%} of bf16")
-  if real_note:
-    print(real_note)
+  for note in real_notes:
+    print(note)
   print("vs bf16 / int32+val: full bf16 bytes over the payload / over 6 (bf16) or 5 (int8) "
         "bytes per change; /bound: payload (header included) over the bound; hdr B: header "
         "bytes (names, shapes, modes, seals); vs kf: payload over the keyframe;")

@@ -182,8 +182,8 @@ class _Arena:
   per tensor would fault on every 4 KB page. The arrays it returns share the buffer."""
 
   def __init__(self, metas):
-    self._buf = np.empty(sum(_aligned(m) for m in metas), np.uint8)
-    self._pos = 0
+    self._buf = np.empty(sum(_aligned(m) for m in metas) + 64, np.uint8)
+    self._pos = -self._buf.ctypes.data % 64
 
   def take(self, meta) -> np.ndarray:
     """The next meta.size elements, as a flat array of meta's unsigned type."""

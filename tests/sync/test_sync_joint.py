@@ -167,6 +167,41 @@ def test_huffman_codes_are_length_limited_prefix_free_and_decodable():
     huffman.canonical_codes(np.array([1, 1, 1]))
 
 
+def _heap_huffman_cost(counts):
+  """Total code bits of an optimal (unlimited) Huffman code, merging with a heap."""
+  import heapq  # noqa: PLC0415
+  heap = [int(c) for c in counts]
+  heapq.heapify(heap)
+  total = 0
+  while len(heap) > 1:
+    merged = heapq.heappop(heap) + heapq.heappop(heap)
+    total += merged
+    heapq.heappush(heap, merged)
+  return total
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(1, 10_000), min_size=2, max_size=60))
+def test_huffman_lengths_are_optimal_when_no_limit_binds(counts):
+  counts = np.array(counts, np.int64)
+  lengths = huffman.code_lengths(counts)
+  assert (2.0 ** -lengths).sum() <= 1.0
+  if lengths.max() < huffman.MAX_LEN:  # the limit did not flatten the counts
+    assert int((lengths * counts).sum()) == _heap_huffman_cost(counts)
+
+
+def test_the_gap_plan_costs_rice_and_the_entropy_stage_exactly():
+  from rlax_ps.sync import loops  # noqa: PLC0415
+  gaps = np.random.default_rng(3).geometric(0.03, 5000).astype(np.uint32) - 1
+  k, rice_bits, entropy_bits, present = loops.gap_plan(gaps, 1, entropy.WIDTHS)
+  for other in range(max(0, k - 1), k + 2):
+    assert rice_bits <= loops.rice_encode(gaps, other)[1]
+  assert rice_bits == loops.rice_encode(gaps, k)[1]
+  hist = entropy.histogram(gaps.astype(np.uint64))
+  assert present == np.count_nonzero(hist)
+  assert entropy.cost_of(entropy_bits, present) == pytest.approx(entropy.cost_bytes(hist))
+
+
 def test_varints_round_trip():
   values = np.array([0, 1, 127, 128, 300, 2**40], np.int64)
   assert np.array_equal(ByteReader(varints(values), "test").varints(values.size), values)

@@ -1,0 +1,50 @@
+"""Scratch buffers and the apply arena: reuse without aliasing what callers keep."""
+
+import threading
+
+import numpy as np
+
+from rlax_ps import sync
+from rlax_ps.sync import scratch
+from rlax_ps.sync.bits import BF16
+
+
+def test_a_slot_is_reused_per_thread_and_large_requests_are_not_kept():
+  a = scratch.buffer("test slot", 100, np.uint16)
+  assert a.shape == (100,) and a.dtype == np.uint16
+  a[:] = 7
+  b = scratch.buffer("test slot", 50, np.uint32)  # same memory, leftover contents
+  assert np.shares_memory(a, b) and b.dtype == np.uint32 and (b.view(np.uint16) == 7).all()
+  other = []
+  thread = threading.Thread(target=lambda: other.append(scratch.buffer("test slot", 100, np.uint16)))
+  thread.start()
+  thread.join()
+  assert not np.shares_memory(a, other[0])
+  big = scratch.buffer("test slot", scratch.KEEP_MAX + 8, np.uint8)
+  assert not np.shares_memory(big, a) and big.size == scratch.KEEP_MAX + 8
+  assert np.shares_memory(scratch.buffer("test slot", 100, np.uint16), a)  # still kept
+
+
+def _root(a):
+  while isinstance(a.base, np.ndarray):
+    a = a.base
+  return a
+
+
+def test_applied_arrays_share_one_buffer_but_never_the_base_or_the_message():
+  rng = np.random.default_rng(5)
+  base = {f"t{i}": (rng.standard_normal((64, 300)) * 0.02).astype(BF16) for i in range(3)}
+  base["small"] = (rng.standard_normal(10) * 0.02).astype(BF16)
+  target = {k: v.copy() for k, v in base.items()}
+  for v in target.values():
+    v.reshape(-1).view(np.uint16)[::7] += 1
+  for update in (sync.encode(base, target, version=1), sync.encode(None, target, version=0)):
+    out = sync.apply(base, update)
+    for k, v in out.items():
+      assert v.flags.c_contiguous and v.flags.writeable and v.ctypes.data % 64 == 0, k
+      assert not np.shares_memory(v, base[k]) and not np.shares_memory(v, target[k]), k
+      assert np.array_equal(v.view(np.uint16), target[k].view(np.uint16)), k
+    roots = {id(_root(v)) for v in out.values()}
+    assert len(roots) == 1, "one buffer for all new arrays"
+    out["t1"][...] = 0  # writing one result touches no other
+    assert np.array_equal(out["t2"].view(np.uint16), target["t2"].view(np.uint16))
