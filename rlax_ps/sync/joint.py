@@ -375,20 +375,60 @@ def whole_codes(k: int, table: np.ndarray, width: int) -> np.ndarray:
   """For every WHOLE-bit window that starts with a complete change code (Rice gap, then a
   Huffman value with its raw bits, no escape): wrapping offset | gap << 16 | code length
   << 28 (uint32); 0 elsewhere."""
-  x = np.arange(1 << WHOLE, dtype=np.uint64)
-  low = x & -x  # lowest set bit
-  t = np.where(x > 0, np.log2(np.maximum(low, 1).astype(np.float64)), WHOLE).astype(np.int64)
-  head = t + 1 + k  # the gap's bits
-  y = x >> np.minimum(head, 63).astype(np.uint64)
-  e = table[(y & np.uint64((1 << huffman.MAX_LEN) - 1)).astype(np.int64)].astype(np.uint64)
-  hl, rw = e >> np.uint64(24), (e >> np.uint64(16)) & np.uint64(31)
-  total = head + (hl + rw).astype(np.int64)
-  ok = (x > 0) & ((e & np.uint64(_ESC_FLAG)) == 0) & (total <= WHOLE)
-  z = (e & np.uint64(0xFFFF)) | ((y >> hl) & ((np.uint64(1) << rw) - np.uint64(1)))
-  off = ((z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))) & np.uint64((1 << width) - 1)
-  gap = (t.astype(np.uint64) << np.uint64(k)) | ((x >> (t + 1).astype(np.uint64)) & np.uint64((1 << k) - 1))
-  entry = off | (gap << np.uint64(16)) | (total.astype(np.uint64) << np.uint64(28))
-  return np.where(ok, entry, 0).astype(np.uint32)
+  out = np.zeros(1 << WHOLE, np.uint32)
+  _whole_codes(k, table, width, out)
+  return out
+
+
+@numba.njit(**_JIT)
+def _whole_codes(k, table, width, out):
+  kk = np.uint64(k)
+  for x in range(1, out.size):
+    xu = np.uint64(x)
+    t = np.uint64(trailing_zeros(xu))  # the gap's quotient: zeros before its stop bit
+    head = t + np.uint64(1) + kk  # the gap's bits
+    y = xu >> min(head, np.uint64(63))
+    e = np.uint64(table[y & np.uint64((1 << huffman.MAX_LEN) - 1)])
+    hl, rw = e >> np.uint64(24), (e >> np.uint64(16)) & np.uint64(31)
+    total = head + hl + rw
+    if e & np.uint64(_ESC_FLAG) or total > np.uint64(WHOLE):
+      continue
+    z = (e & np.uint64(0xFFFF)) | ((y >> hl) & ((np.uint64(1) << rw) - np.uint64(1)))
+    off = ((z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))) & (
+        (np.uint64(1) << np.uint64(width)) - np.uint64(1))
+    gap = (t << kk) | ((xu >> (t + np.uint64(1))) & ((np.uint64(1) << kk) - np.uint64(1)))
+    out[x] = np.uint32(off | (gap << np.uint64(16)) | (total << np.uint64(28)))
+
+
+@numba.njit(**_JIT)
+def _read_table(syms, packed, width, lengths, entries):
+  """Code lengths (4 bits each in packed) and decode entries (zbase | raw width << 16, or
+  the escape flag) of the table's symbols; returns 0, or 1 when the symbols are not
+  ascending nonzero known ones (the escape, 255, last), 2 when a value is wider than
+  `width` bits."""
+  m = syms.size
+  if m == 0:
+    return 1
+  for i in range(m):
+    lengths[i] = (packed[i >> 1] >> (4 * (i & 1))) & 15
+    s = syms[i]
+    if (i and s <= syms[i - 1]) or s == 0:
+      return 1
+    if s == ESCAPE:
+      entries[i] = _ESC_FLAG
+      continue
+    if s >= ALPHABET:
+      return 1
+    if s < DIRECT:
+      entries[i] = s
+      continue
+    wide = s - DIRECT
+    rw = wide // 4 + 2
+    zbase = (4 | wide % 4) << rw
+    if (zbase | ((1 << rw) - 1)) >> width:
+      return 2
+    entries[i] = zbase | (rw << 16)
+  return 0
 
 
 class Section:
@@ -403,21 +443,17 @@ class Section:
     m = r.u8()
     syms = np.frombuffer(r.take(m), np.uint8).astype(np.int64)
     packed = np.frombuffer(r.take((m + 1) // 2), np.uint8)
-    lengths = np.stack([packed & 15, packed >> 4], axis=1).reshape(-1)[:m].astype(np.int64)
-    regular = syms[syms != ESCAPE]
-    if (m == 0 or np.any(np.diff(syms) <= 0) or (regular.size and regular[-1] >= ALPHABET)
-        or (regular.size and regular[0] == 0)):
+    lengths = np.empty(m, np.int64)
+    entries = np.empty(m, np.int64)
+    err = _read_table(syms, packed, 8 * udtype.itemsize, lengths, entries)
+    if err == 1:
       raise CodecError(f"{r.what}: joint code table is not a sorted list of nonzero symbols")
+    if err == 2:
+      raise CodecError(f"{r.what}: joint code table holds values wider than the tensor's")
     try:
       codes = huffman.canonical_codes(lengths)
     except ValueError as e:
       raise CodecError(f"{r.what}: joint code table: {e}") from None
-    wide = np.maximum(0, regular - DIRECT)
-    rw = np.where(regular < DIRECT, 0, wide // 4 + 2)
-    zbase = np.where(regular < DIRECT, regular, (4 | wide % 4) << rw)
-    if regular.size and int((zbase | ((1 << rw) - 1)).max()) >> (8 * udtype.itemsize):
-      raise CodecError(f"{r.what}: joint code table holds values wider than the tensor's")
-    entries = np.append(zbase | rw << 16, _ESC_FLAG)[:m] if syms[-1] == ESCAPE else zbase | rw << 16
     self.table = huffman.decode_table(lengths, codes, entries)
     self.table[self.table == 0] = _ESC_FLAG  # no code here: the checked path, length 0
     self.whole = whole_codes(self.k, self.table, 8 * udtype.itemsize)

@@ -202,6 +202,35 @@ def test_the_gap_plan_costs_rice_and_the_entropy_stage_exactly():
   assert entropy.cost_of(entropy_bits, present) == pytest.approx(entropy.cost_bytes(hist))
 
 
+def _whole_codes_numpy(k, table, width):
+  """The decoder's whole-code table, computed array-wise (the reference)."""
+  x = np.arange(1 << joint.WHOLE, dtype=np.uint64)
+  low = x & -x
+  t = np.where(x > 0, np.log2(np.maximum(low, 1).astype(np.float64)), joint.WHOLE).astype(np.int64)
+  head = t + 1 + k
+  y = x >> np.minimum(head, 63).astype(np.uint64)
+  e = table[(y & np.uint64((1 << huffman.MAX_LEN) - 1)).astype(np.int64)].astype(np.uint64)
+  hl, rw = e >> np.uint64(24), (e >> np.uint64(16)) & np.uint64(31)
+  total = head + (hl + rw).astype(np.int64)
+  ok = (x > 0) & ((e & np.uint64(joint._ESC_FLAG)) == 0) & (total <= joint.WHOLE)
+  z = (e & np.uint64(0xFFFF)) | ((y >> hl) & ((np.uint64(1) << rw) - np.uint64(1)))
+  off = ((z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))) & np.uint64((1 << width) - 1)
+  gap = (t.astype(np.uint64) << np.uint64(k)) | (
+      (x >> (t + 1).astype(np.uint64)) & np.uint64((1 << k) - 1))
+  entry = off | (gap << np.uint64(16)) | (total.astype(np.uint64) << np.uint64(28))
+  return np.where(ok, entry, 0).astype(np.uint32)
+
+
+def test_the_whole_code_table_matches_its_array_wise_definition(pair):
+  enc, dec = section(*pair)
+  assert enc.mode == tensor_codec.JOINT
+  table = dec.streams.table
+  for k in {dec.streams.k, 0, 3, 9}:
+    for width in (8, 16):
+      assert np.array_equal(joint.whole_codes(k, table, width),
+                            _whole_codes_numpy(k, table, width)), (k, width)
+
+
 def test_varints_round_trip():
   values = np.array([0, 1, 127, 128, 300, 2**40], np.int64)
   assert np.array_equal(ByteReader(varints(values), "test").varints(values.size), values)
