@@ -20,6 +20,8 @@ Formats (DESIGN.md point 2):
 
 Host usage:
   update = encode(prev, params, "bf16", version=v)      # prev=None: keyframe
+  update = encode(prev, params, "bf16", version=v, base_checksums=last.checksums)
+                                    # a publisher's next delta: the base is not hashed again
   wire = update.to_bytes(); update = Update.from_bytes(wire)   # CodecError if bad
   header = read_header(wire)        # versions, fmt, tensor metas; no payload decoding
   for c in update.chunks(1 << 20): ...; Reassembler().feed(c) -> Update on the last chunk
@@ -34,6 +36,9 @@ On-device usage (workers, in place, without the base on the host):
     ch.kind == "dense":   ch.offsets for every element, same rule.
     ch.kind == "replace": ch.array is the new array; "unchanged": nothing to do.
   rlax_ps.sync.device.apply_changes(buf, ch) does this with a donated jitted scatter;
+  a publisher whose held state lives on device keeps a host copy current with
+  rlax_ps.sync.device.host_state(host_prev, prev_on_device, new_on_device), which fetches
+  only the changed elements (then encodes host_prev -> the result on the host);
   update.verify_all({name: array or checksum(array)}) checks the whole result at once
   (a worker keeps the checksums of tensors an update leaves unchanged).
 

@@ -1,8 +1,12 @@
-"""Applies an update's TensorChanges to JAX arrays in place on device (imports JAX).
+"""The codec's device side (imports JAX): only changed elements cross the host link.
 
-Only the changed elements travel to the device: a sparse tensor is one jitted scatter-add
-of wrapping bit offsets into the donated buffer, so the worker never holds a second copy
-of the weights. Index counts are padded to powers of two to bound recompilation.
+Workers: `apply_changes` applies an update's TensorChanges to JAX arrays in place: a
+sparse tensor is one jitted scatter-add of wrapping bit offsets into the donated buffer,
+so the worker never holds a second copy of the weights.
+Publishers: `host_state` brings the host copy of the held state (what `encode` reads) to a
+new version held on device by fetching only the elements whose bits changed, found by a
+jitted compare on the arrays' devices; a tensor travels whole only when that is smaller.
+Index counts are padded to powers of two to bound recompilation.
 """
 
 import functools
@@ -11,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlax_ps.sync import loops
+from rlax_ps.sync.bits import bit_view
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.wire import TensorChanges
+from rlax_ps.sync.wire import TensorChanges, check_names
 
 _UINT = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.int8): jnp.uint8}
 _MIN_PAD = 1024
@@ -56,3 +62,94 @@ def apply_changes(buf: jax.Array, changes: TensorChanges) -> jax.Array:
     return _dense_add(buf, jnp.asarray(changes.offsets))
   idx, off = _padded(changes.indices, changes.offsets, int(np.prod(changes.shape)))
   return _scatter_add(buf, jnp.asarray(idx), jnp.asarray(off))
+
+
+# ---- publisher: the host copy of a new version from the changed elements ------------------
+
+@jax.jit
+def _count(old, new):
+  return jnp.sum(_bits(old) != _bits(new), dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _changed(old, new, cap):
+  a, b = _bits(old).reshape(-1), _bits(new).reshape(-1)
+  idx = jnp.nonzero(a != b, size=cap, fill_value=a.size)[0].astype(jnp.int32)
+  return idx, b.at[idx].get(mode="fill", fill_value=0)
+
+
+@jax.jit
+def _fingerprint(x):
+  """(sum, sum of (index | 1) * bits), wrapping in uint32, of the bit patterns: a cheap
+  check that a host copy is the device array (it guards against a stale base, not against
+  an attack); loops.fingerprint on the host."""
+  bits = _bits(x).reshape(-1).astype(jnp.uint32)
+  weights = jax.lax.iota(jnp.uint32, bits.size) | jnp.uint32(1)
+  return jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+def _replicated_if_explicit(x: jax.Array) -> jax.Array:
+  """x itself, or replicated when sharded over Explicit mesh axes (whose arrays cannot be
+  flattened and scanned as one without it; Auto axes let the compiler gather)."""
+  s = getattr(x, "sharding", None)
+  if (isinstance(s, jax.sharding.NamedSharding) and not s.is_fully_replicated
+      and jax.sharding.AxisType.Explicit in tuple(s.mesh.axis_types)):
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec()))
+  return x
+
+
+def changed_elements(old: jax.Array, new: jax.Array) -> tuple[np.ndarray, np.ndarray] | None:
+  """(flat indices, new bit patterns) of the elements whose bits differ between two device
+  arrays of one shape and held dtype, fetched to the host; None when they are so many that
+  fetching `new` whole is smaller (more than a third of its bytes)."""
+  if tuple(old.shape) != tuple(new.shape) or old.dtype != new.dtype:
+    raise ValueError(f"old and new must match: {old.dtype}{list(old.shape)} vs "
+                     f"{new.dtype}{list(new.shape)}")
+  if jnp.dtype(new.dtype) not in _UINT:
+    raise ValueError(f"expected a held dtype ({sorted(map(str, _UINT))}), got {new.dtype}")
+  size = int(np.prod(new.shape))
+  if size >= 2**31:
+    raise ValueError(f"tensors of 2**31 or more elements are not supported, got {size}")
+  old, new = _replicated_if_explicit(old), _replicated_if_explicit(new)
+  n = int(_count(old, new))
+  itemsize = jnp.dtype(new.dtype).itemsize
+  if n * (4 + itemsize) * 3 > size * itemsize:
+    return None
+  cap = max(_MIN_PAD, 1 << max(0, n - 1).bit_length())
+  idx, values = jax.device_get(_changed(old, new, cap))
+  return idx[:n], values[:n]
+
+
+def host_state(host_old: dict, old: dict, new: dict, *, check: bool = True
+               ) -> dict[str, np.ndarray]:
+  """The host copy (numpy) of the held state `new` (name -> JAX array on any devices, e.g.
+  int8_device.quantize_params_jax's output or bf16 params), made from `host_old`, the host
+  copy of the state `old` still on device: only changed elements are fetched, and each
+  tensor is one host copy plus a scatter. `host_old` is not modified.
+
+  With `check`, each result is compared with a fingerprint computed on device (one more
+  pass on each side), so that a `host_old` that is not the host copy of `old` raises
+  CodecError naming the tensor instead of publishing a state the devices do not hold."""
+  check_names("host_old", host_old, new)
+  check_names("old", old, new)
+  for name, arr in new.items():  # everything checked before anything is fetched
+    for what, other in (("host_old", np.asarray(host_old[name])), ("old", old[name])):
+      if tuple(other.shape) != tuple(arr.shape) or jnp.dtype(other.dtype) != jnp.dtype(arr.dtype):
+        raise CodecError(f"tensor {name!r}: {what} is {other.dtype}{list(other.shape)}, new "
+                         f"is {arr.dtype}{list(arr.shape)}")
+  out = {}
+  for name, arr in new.items():
+    base = np.asarray(host_old[name])
+    changed = changed_elements(old[name], arr)
+    if changed is None:
+      out[name] = np.asarray(jax.device_get(arr))
+      continue
+    result = np.array(base, order="C")
+    idx, values = changed
+    bit_view(result)[idx] = values
+    if check and tuple(map(int, jax.device_get(_fingerprint(_replicated_if_explicit(arr))))
+                       ) != loops.fingerprint(bit_view(result)):
+      raise CodecError(f"tensor {name!r}: host_old is not the host copy of old (the host "
+                       f"result differs from the device array)")
+    out[name] = result
+  return out

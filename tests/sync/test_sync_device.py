@@ -45,3 +45,80 @@ def test_device_apply_rejects_a_mismatched_buffer():
   update = sync.encode(base, {"w": np.ones((4, 4), np.float32)}, version=1)
   with pytest.raises(sync.CodecError, match="'w'.*expected bfloat16\\[4, 4\\]"):
     device.apply_changes(jnp.zeros((4, 5), jnp.bfloat16), update.changes("w"))
+
+
+def _states(fmt):
+  """(old, new) held states on device: a sparse, a dense, an unchanged and a small tensor."""
+  rng = np.random.default_rng(1)
+  old = {
+      "sparse.kernel": rng.standard_normal((128, 64)).astype(np.float32) * 0.02,
+      "dense.kernel": rng.standard_normal((32, 32)).astype(np.float32) * 0.02,
+      "same.kernel": rng.standard_normal((16, 8)).astype(np.float32) * 0.02,
+      "norm": np.ones(64, np.float32),
+  }
+  new = dict(old)
+  new["sparse.kernel"] = old["sparse.kernel"] * np.where(rng.random((128, 64)) < 0.02, 1.05, 1.0
+                                                          ).astype(np.float32)
+  new["dense.kernel"] = old["dense.kernel"] * np.float32(1.1)
+  new["norm"] = old["norm"] + np.float32(0.01) * (rng.random(64) < 0.1)
+  held = lambda p: {k: jnp.asarray(v) for k, v in sync.held_state(p, fmt).items()}  # noqa: E731
+  return held(old), held(new)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_host_state_fetches_changes_and_encodes_the_same_update(fmt):
+  old, new = _states(fmt)
+  host_old = {k: np.asarray(v) for k, v in old.items()}
+  frozen = {k: v.copy() for k, v in host_old.items()}
+  host_new = device.host_state(host_old, old, new)
+  for name, arr in new.items():
+    want = np.asarray(arr)
+    assert host_new[name].dtype == want.dtype and np.array_equal(
+        host_new[name].view(np.uint8), want.view(np.uint8)), name
+    assert np.array_equal(host_old[name].view(np.uint8), frozen[name].view(np.uint8)), name
+  keyframe = sync.encode(None, host_old, fmt, version=0)
+  update = sync.encode(host_old, host_new, fmt, version=1, base_checksums=keyframe.checksums)
+  assert update.to_bytes() == sync.encode(frozen, {k: np.asarray(v) for k, v in new.items()},
+                                          fmt, version=1).to_bytes()
+
+
+def test_changed_elements_fetches_only_the_changes_or_nothing_when_dense():
+  old, new = _states("bf16")
+  idx, values = device.changed_elements(old["sparse.kernel"], new["sparse.kernel"])
+  a = np.asarray(old["sparse.kernel"]).reshape(-1).view(np.uint16)
+  b = np.asarray(new["sparse.kernel"]).reshape(-1).view(np.uint16)
+  assert np.array_equal(idx, np.flatnonzero(a != b)) and idx.size > 0
+  assert np.array_equal(values, b[idx])
+  assert device.changed_elements(old["dense.kernel"], new["dense.kernel"]) is None
+  idx, values = device.changed_elements(old["same.kernel"], new["same.kernel"])
+  assert idx.size == 0 and values.size == 0
+  with pytest.raises(ValueError, match="must match"):
+    device.changed_elements(old["sparse.kernel"], new["dense.kernel"])
+
+
+def test_host_state_rejects_a_host_copy_that_is_not_the_old_state():
+  old, new = _states("bf16")
+  stale = {k: np.asarray(v).copy() for k, v in old.items()}
+  stale["sparse.kernel"].reshape(-1).view(np.uint16)[5] += 1  # not what the devices hold
+  with pytest.raises(sync.CodecError, match="'sparse.kernel': host_old is not the host copy"):
+    device.host_state(stale, old, new)
+  good = {k: np.asarray(v) for k, v in old.items()}
+  wrong_shape = dict(good, norm=np.ones(3, BF16))
+  with pytest.raises(sync.CodecError, match="'norm': host_old is"):
+    device.host_state(wrong_shape, old, new)
+  with pytest.raises(sync.CodecError, match="'norm': missing from the host_old"):
+    device.host_state({k: v for k, v in good.items() if k != "norm"}, old, new)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_host_state_reads_sharded_arrays(axis_type):
+  mesh = jax.make_mesh((jax.device_count(),), ("x",),
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  old, new = _states("bf16")
+  old_s = {k: jax.device_put(v, sharding) for k, v in old.items() if v.shape[0] % 8 == 0}
+  new_s = {k: jax.device_put(new[k], sharding) for k in old_s}
+  host_old = {k: np.asarray(v) for k, v in old_s.items()}
+  host_new = device.host_state(host_old, old_s, new_s)
+  for name in old_s:
+    assert np.array_equal(host_new[name].view(np.uint16), np.asarray(new_s[name]).view(np.uint16))
