@@ -24,7 +24,7 @@ from rlax_ps.sync import huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_TRUNCATED, OK, _group_mask, _peek, _take,
-                                popcount, scan_block, symbol_of, unary)
+                                popcount, scan_block, unary)
 
 BLOCK = 1 << 16
 STREAMS = 4
@@ -250,10 +250,10 @@ def decode_changes(words, ends, k, table, whole, n, counts, ps, indices, offsets
 # ---- tables from a sample ----------------------------------------------------------------
 
 def windows(n: int) -> int:
-  """Sample windows of BLOCK elements for a tensor of n >= MIN_ELEMENTS: an eighth of it,
-  between 4 and _SAMPLE_WINDOWS windows (the tables need a few thousand changes, not a
-  pass over most of a mid-sized tensor)."""
-  return int(np.clip(n // (8 * BLOCK), 4, _SAMPLE_WINDOWS))
+  """Sample windows of BLOCK elements for a tensor of n >= MIN_ELEMENTS: a sixteenth of
+  it, between 2 and _SAMPLE_WINDOWS windows (the tables need a few thousand changes, not
+  a pass over much of a mid-sized tensor)."""
+  return min(_SAMPLE_WINDOWS, max(2, n // (16 * BLOCK)))
 
 
 def plan(old: np.ndarray, new: np.ndarray):
@@ -293,8 +293,9 @@ def plan(old: np.ndarray, new: np.ndarray):
 
 
 def tables(counts: np.ndarray, width: int, k: int):
-  """(section table bytes, code table by zigzag value) for the symbol counts of a sample,
-  with an escape code (then the zigzag in `width` bits) for values the sample lacked.
+  """(section table bytes, code table by zigzag value: a scratch buffer, valid until this
+  thread's next call) for the symbol counts of a sample, with an escape code (then the
+  zigzag in `width` bits) for values the sample lacked.
   Table entries: the value's code bits (Huffman code, then the symbol's raw bits) shifted
   past a gap's k + 1 bits | (their length + k + 1) << 56."""
   present = np.flatnonzero(counts)
@@ -305,7 +306,7 @@ def tables(counts: np.ndarray, width: int, k: int):
   hcode = np.zeros(ALPHABET, np.uint64)
   hlen = np.zeros(ALPHABET, np.uint64)
   hcode[present], hlen[present] = codes[:-1], lengths[:-1]
-  ctab = np.empty(1 << width, np.uint64)
+  ctab = scratch.buffer("joint ctab", 1 << width, np.uint64)  # valid until the next call
   _code_table(hcode, hlen, np.uint64(codes[-1]), np.uint64(lengths[-1]), width, k, ctab)
   packed = np.zeros((lengths.size + 1) // 2 * 2, np.uint8)
   packed[:lengths.size] = lengths
@@ -314,20 +315,38 @@ def tables(counts: np.ndarray, width: int, k: int):
   return b"".join(head), ctab.astype(np.uint64)
 
 
+@numba.njit(inline="always", **_JIT)
+def _code_run(ctab, zlo, count, hc, hl, rw, esc_code, esc_len, width, kk):
+  """ctab[zlo + e] for e < count: the values of one symbol (Huffman code hc of length hl,
+  then e in rw raw bits), or escapes (the escape code, then z in `width` bits) when hl
+  is 0."""
+  m56 = np.uint64((1 << 56) - 1)
+  if hl > 0:
+    top = (hl + np.uint64(rw) + kk) << np.uint64(56)
+    for e in range(count):
+      ctab[zlo + e] = (((hc | (np.uint64(e) << hl)) & m56) << kk) | top
+  else:
+    top = (esc_len + np.uint64(width) + kk) << np.uint64(56)
+    for e in range(count):
+      z = np.uint64(zlo + e)
+      ctab[zlo + e] = (((esc_code | (z << esc_len)) & m56) << kk) | top
+
+
 @numba.njit(**_JIT)
 def _code_table(hcode, hlen, esc_code, esc_len, width, k, ctab):
-  """ctab[z] for every zigzag value z < 2**width (see tables); ctab[0] = 0."""
-  m56 = np.uint64((1 << 56) - 1)
+  """ctab[z] for every zigzag value z < 2**width (see tables); ctab[0] = 0. Filled symbol
+  by symbol (loops.symbol_of's buckets: z < DIRECT alone, then four per bit length), each
+  bucket a run of consecutive z that differ only in their raw bits."""
   kk = np.uint64(k + 1)
   ctab[0] = 0
-  for z in range(1, ctab.size):
-    sym, rw, extra = symbol_of(z)
-    hl = hlen[sym]
-    if hl > 0:
-      bits, length = hcode[sym] | (extra << hl), hl + np.uint64(rw)
-    else:
-      bits, length = esc_code | (np.uint64(z) << esc_len), esc_len + np.uint64(width)
-    ctab[z] = ((bits & m56) << kk) | ((length + kk) << np.uint64(56))
+  for z in range(1, min(DIRECT, ctab.size)):
+    _code_run(ctab, z, 1, hcode[z], hlen[z], 0, esc_code, esc_len, width, kk)
+  for nb in range(5, width + 1):
+    rw = nb - 3
+    for top in range(4):
+      sym = DIRECT + (nb - 5) * 4 + top
+      _code_run(ctab, (4 | top) << rw, 1 << rw, hcode[sym], hlen[sym], rw, esc_code, esc_len,
+                width, kk)
 
 
 def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,

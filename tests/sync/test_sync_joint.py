@@ -184,10 +184,13 @@ def _heap_huffman_cost(counts):
 @given(counts=st.lists(st.integers(1, 10_000), min_size=2, max_size=60))
 def test_huffman_lengths_are_optimal_when_no_limit_binds(counts):
   counts = np.array(counts, np.int64)
+  optimal = huffman._lengths(counts)  # before the length limit
+  assert int((optimal * counts).sum()) == _heap_huffman_cost(counts)
+  assert (2.0 ** -optimal.astype(float)).sum() == 1.0  # a full tree
   lengths = huffman.code_lengths(counts)
-  assert (2.0 ** -lengths).sum() <= 1.0
-  if lengths.max() < huffman.MAX_LEN:  # the limit did not flatten the counts
-    assert int((lengths * counts).sum()) == _heap_huffman_cost(counts)
+  assert lengths.max() <= huffman.MAX_LEN and (2.0 ** -lengths.astype(float)).sum() <= 1.0
+  if optimal.max() <= huffman.MAX_LEN:
+    assert np.array_equal(lengths, optimal)
 
 
 def test_the_gap_plan_costs_rice_and_the_entropy_stage_exactly():
@@ -229,6 +232,33 @@ def test_the_whole_code_table_matches_its_array_wise_definition(pair):
     for width in (8, 16):
       assert np.array_equal(joint.whole_codes(k, table, width),
                             _whole_codes_numpy(k, table, width)), (k, width)
+
+
+@pytest.mark.parametrize("width", [8, 16])
+def test_the_code_table_matches_symbol_by_symbol_definition(width):
+  """joint.tables' value codes against loops.symbol_of applied to every zigzag value."""
+  from rlax_ps.sync import loops  # noqa: PLC0415
+  rng = np.random.default_rng(width)
+  counts = np.zeros(entropy.ALPHABET, np.int64)
+  present = rng.choice(np.arange(1, 4 * width + 8), 20, replace=False)
+  counts[present] = rng.integers(1, 1000, present.size)
+  k = 5
+  _, ctab = joint.tables(counts, width, k)
+  syms = np.append(np.flatnonzero(counts), joint.ESCAPE)
+  lengths = huffman.code_lengths(np.append(counts[counts > 0], max(1, int(counts.sum()) >> 12)))
+  codes = huffman.canonical_codes(lengths)
+  code_of = dict(zip(syms.tolist(), zip(codes.tolist(), lengths.tolist())))
+  assert ctab[0] == 0
+  for z in range(1, 1 << width):
+    sym, rw, extra = (int(v) for v in loops.symbol_of(z))
+    if sym in code_of:
+      code, n = code_of[sym]
+      bits, length = code | (extra << n), n + rw
+    else:
+      code, n = code_of[joint.ESCAPE]
+      bits, length = code | (z << n), n + width
+    want = ((bits & ((1 << 56) - 1)) << (k + 1) & ((1 << 64) - 1)) | ((length + k + 1) << 56)
+    assert int(ctab[z]) == want, z
 
 
 def test_varints_round_trip():
