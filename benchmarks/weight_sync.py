@@ -250,9 +250,10 @@ def main(argv):
       rows.append(measure(label, "bf16", rb, after, probe, reps, full_r, kf_rb))
       rows.append(measure(label, "int8", ri, after, probe, reps, full_r, kf_ri))
       del before, after, rb, ri
+    fields = f" with {_SIZES[size]}" if _SIZES[size] else ""
     real_notes.append(
-        f"real {size}: SFT trainer (configs/sft_tiny.py{' with ' + str(_SIZES[size]) if _SIZES[size] else ''}, "
-        f"AdamW, 10 steps then 1): {full_r // 2:,} params in {len(kf_rb.tensors)} tensors; "
+        f"real {size}: SFT trainer (configs/sft_tiny.py{fields}, AdamW, 10 steps then 1): "
+        f"{full_r // 2:,} params in {len(kf_rb.tensors)} tensors; "
         f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
   header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound", "hdr B",
             "int32+val", "vs kf", "enc GB/s", "enc/copy", "f32 enc/copy", "apply GB/s", "apply/copy",

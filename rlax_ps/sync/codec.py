@@ -98,9 +98,10 @@ def apply(base, update: Update, *, base_version: int | None = None,
 
   The new arrays share one buffer (one allocation, a few page faults), freed once none of
   them is referenced. inplace=True writes into the base's (writable, C-contiguous numpy)
-  arrays and returns them instead: only changed elements are written, at the price that a failed result check (a
-  corrupted update behind valid digests) leaves tensors damaged, to be replaced from a
-  keyframe. Every base tensor is checked against the base seal before anything is written."""
+  arrays and returns them instead: only changed elements are written, at the price that a
+  failed result check (a corrupted update behind valid digests) leaves tensors damaged, to
+  be replaced from a keyframe. Every base tensor is checked against the base seal before
+  anything is written."""
   if not isinstance(update, Update):
     raise TypeError(f"update expected an Update, got {type(update).__name__}")
   names = list(update.tensors)

@@ -97,7 +97,8 @@ def scan_changes(old: np.ndarray, new: np.ndarray, hashed: tuple[bool, bool] = (
     cap = min(n, int(n * density * 1.1)) + block
   gap_dtype = np.dtype(np.uint32 if n < 1 << 32 else np.uint64)
   if reuse:
-    gaps, syms = scratch.buffer("scan gaps", cap, gap_dtype), scratch.buffer("scan syms", cap, np.uint8)
+    gaps = scratch.buffer("scan gaps", cap, gap_dtype)
+    syms = scratch.buffer("scan syms", cap, np.uint8)
     raw = scratch.buffer("scan raw", cap // 4 + 2, np.uint64)  # raw bits: at most 16 a change
     raw[0] = 0
   else:

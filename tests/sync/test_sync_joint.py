@@ -209,7 +209,8 @@ def _whole_codes_numpy(k, table, width):
   """The decoder's whole-code table, computed array-wise (the reference)."""
   x = np.arange(1 << joint.WHOLE, dtype=np.uint64)
   low = x & -x
-  t = np.where(x > 0, np.log2(np.maximum(low, 1).astype(np.float64)), joint.WHOLE).astype(np.int64)
+  t = np.where(x > 0, np.log2(np.maximum(low, 1).astype(np.float64)),
+               joint.WHOLE).astype(np.int64)
   head = t + 1 + k
   y = x >> np.minimum(head, 63).astype(np.uint64)
   e = table[(y & np.uint64((1 << huffman.MAX_LEN) - 1)).astype(np.int64)].astype(np.uint64)

@@ -16,7 +16,8 @@ def test_a_slot_is_reused_per_thread_and_large_requests_are_not_kept():
   b = scratch.buffer("test slot", 50, np.uint32)  # same memory, leftover contents
   assert np.shares_memory(a, b) and b.dtype == np.uint32 and (b.view(np.uint16) == 7).all()
   other = []
-  thread = threading.Thread(target=lambda: other.append(scratch.buffer("test slot", 100, np.uint16)))
+  thread = threading.Thread(
+      target=lambda: other.append(scratch.buffer("test slot", 100, np.uint16)))
   thread.start()
   thread.join()
   assert not np.shares_memory(a, other[0])
