@@ -23,3 +23,9 @@ def buffer(slot: str, n: int, dtype) -> np.ndarray:
     if nbytes <= KEEP_MAX:
       bufs[slot] = buf
   return buf[:nbytes].view(dtype)
+
+
+def release() -> None:
+  """Drops this thread's buffers (each keeps up to KEEP_MAX bytes between calls; a thread
+  that encodes keeps a few tens of MB for a large model)."""
+  _LOCAL.__dict__.pop("buffers", None)

@@ -24,6 +24,8 @@ def test_a_slot_is_reused_per_thread_and_large_requests_are_not_kept():
   big = scratch.buffer("test slot", scratch.KEEP_MAX + 8, np.uint8)
   assert not np.shares_memory(big, a) and big.size == scratch.KEEP_MAX + 8
   assert np.shares_memory(scratch.buffer("test slot", 100, np.uint16), a)  # still kept
+  scratch.release()
+  assert not np.shares_memory(scratch.buffer("test slot", 100, np.uint16), a)
 
 
 def _root(a):
