@@ -54,11 +54,12 @@ def _append(out, wpos, acc, fill, v, nbits):
 
 
 @numba.njit(inline="always", **_JIT)
-def _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, lane_bits):
+def _encode_blocks(aw, bw, a, b, first, k, ctab, esc, out, st, counts, lane_bits):
   """Codes the changes of the blocks a, b (unsigned bit arrays starting at block `first`,
   aw/bw their 64-element groups as uint64 words) into the streams' word rows of out.
   ctab[z]: the value code of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and
-  that length plus k + 1 (top 8 bits); every z > 0 has one. st[j] = (words written,
+  that length plus k + 1 (top 8 bits), for z below its size; every larger z takes the
+  escape code, built from esc = (escape code, its length, the entry's top 8 bits). st[j] = (words written,
   accumulator, bits in it) of stream j is carried across calls; counts[b] = the changes
   of block b, whose gaps count from the block's start. lane_bits: 8 * a.itemsize, a
   constant of each compiled specialisation (encode_blocks16 / encode_blocks8)."""
@@ -86,7 +87,11 @@ def _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, lane_bits):
       while m:
         i = g * 64 + np.int64(trailing_zeros(m))
         m &= m - np.uint64(1)
-        e = ctab[_take(ab, bb, i, lane_bits)]
+        z = _take(ab, bb, i, lane_bits)
+        if z < np.uint64(ctab.size):
+          e = ctab[z]
+        else:  # above every value of the sample: the escape code, then z
+          e = (((esc[0] | (z << esc[1])) & low56) << (kk + np.uint64(1))) | esc[2]
         gap = np.uint64(i - prev - 1)
         prev = i
         q = gap >> kk
@@ -105,13 +110,13 @@ def _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, lane_bits):
 
 
 @numba.njit(**_JIT)
-def encode_blocks16(aw, bw, a, b, first, k, ctab, out, st, counts):
-  _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, 16)
+def encode_blocks16(aw, bw, a, b, first, k, ctab, esc, out, st, counts):
+  _encode_blocks(aw, bw, a, b, first, k, ctab, esc, out, st, counts, 16)
 
 
 @numba.njit(**_JIT)
-def encode_blocks8(aw, bw, a, b, first, k, ctab, out, st, counts):
-  _encode_blocks(aw, bw, a, b, first, k, ctab, out, st, counts, 8)
+def encode_blocks8(aw, bw, a, b, first, k, ctab, esc, out, st, counts):
+  _encode_blocks(aw, bw, a, b, first, k, ctab, esc, out, st, counts, 8)
 
 
 # ---- decoder -----------------------------------------------------------------------------
@@ -293,11 +298,13 @@ def plan(old: np.ndarray, new: np.ndarray):
 
 
 def tables(counts: np.ndarray, width: int, k: int):
-  """(section table bytes, code table by zigzag value: a scratch buffer, valid until this
-  thread's next call) for the symbol counts of a sample, with an escape code (then the
-  zigzag in `width` bits) for values the sample lacked.
-  Table entries: the value's code bits (Huffman code, then the symbol's raw bits) shifted
-  past a gap's k + 1 bits | (their length + k + 1) << 56."""
+  """(section table bytes, code table by zigzag value, escape) for the symbol counts of a
+  sample, with an escape code (then the zigzag in `width` bits) for values the sample
+  lacked. Table entries: the value's code bits (Huffman code, then the symbol's raw bits)
+  shifted past a gap's k + 1 bits | (their length + k + 1) << 56. The table (a scratch
+  buffer, valid until this thread's next call) stops after the bucket of the sample's
+  largest symbol (most samples: a few hundred entries, in L1); values beyond take the
+  escape, which `esc` = (code, length, entry top bits) builds."""
   present = np.flatnonzero(counts)
   syms = np.append(present, ESCAPE)
   weights = np.append(counts[present], max(1, int(counts.sum()) >> 12))
@@ -306,13 +313,16 @@ def tables(counts: np.ndarray, width: int, k: int):
   hcode = np.zeros(ALPHABET, np.uint64)
   hlen = np.zeros(ALPHABET, np.uint64)
   hcode[present], hlen[present] = codes[:-1], lengths[:-1]
-  ctab = scratch.buffer("joint ctab", 1 << width, np.uint64)  # valid until the next call
+  top = int(present.max())  # the table covers every value up to the sample's largest
+  bits = top.bit_length() if top < DIRECT else (top - DIRECT) // 4 + 5
+  ctab = scratch.buffer("joint ctab", 1 << max(4, bits), np.uint64)  # until the next call
   _code_table(hcode, hlen, np.uint64(codes[-1]), np.uint64(lengths[-1]), width, k, ctab)
+  esc = np.array([codes[-1], lengths[-1], (int(lengths[-1]) + width + k + 1) << 56], np.uint64)
   packed = np.zeros((lengths.size + 1) // 2 * 2, np.uint8)
   packed[:lengths.size] = lengths
   head = [u8(syms.size), syms.astype(np.uint8).tobytes(),
           (packed[0::2] | packed[1::2] << 4).astype(np.uint8).tobytes()]
-  return b"".join(head), ctab.astype(np.uint64)
+  return b"".join(head), ctab, esc
 
 
 @numba.njit(inline="always", **_JIT)
@@ -334,7 +344,7 @@ def _code_run(ctab, zlo, count, hc, hl, rw, esc_code, esc_len, width, kk):
 
 @numba.njit(**_JIT)
 def _code_table(hcode, hlen, esc_code, esc_len, width, k, ctab):
-  """ctab[z] for every zigzag value z < 2**width (see tables); ctab[0] = 0. Filled symbol
+  """ctab[z] for every zigzag value z < ctab.size (see tables); ctab[0] = 0. Filled symbol
   by symbol (loops.symbol_of's buckets: z < DIRECT alone, then four per bit length), each
   bucket a run of consecutive z that differ only in their raw bits."""
   kk = np.uint64(k + 1)
@@ -342,6 +352,8 @@ def _code_table(hcode, hlen, esc_code, esc_len, width, k, ctab):
   for z in range(1, min(DIRECT, ctab.size)):
     _code_run(ctab, z, 1, hcode[z], hlen[z], 0, esc_code, esc_len, width, kk)
   for nb in range(5, width + 1):
+    if 1 << nb > ctab.size:  # the table ends at a bucket boundary
+      break
     rw = nb - 3
     for top in range(4):
       sym = DIRECT + (nb - 5) * 4 + top
@@ -354,7 +366,7 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,
   """(section bytes, xxh3 of old (None unless hash_old), xxh3 of new) of the joint section
   from old to new."""
   n = new.size
-  table, ctab = tables(counts, 8 * new.itemsize, k)
+  table, ctab, esc = tables(counts, 8 * new.itemsize, k)
   encode_blocks = encode_blocks16 if new.itemsize == 2 else encode_blocks8
   nnz_est = int(counts.sum()) * n // (BLOCK * windows(n)) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1
@@ -373,7 +385,7 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,
     a, b = old[s:s + step], new[s:s + step]
     m = a.size - a.size % 64
     encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k, ctab,
-                  out, st, counts)
+                  esc, out, st, counts)
     if hash_old:
       h_old.update(a)
     h_new.update(b)
