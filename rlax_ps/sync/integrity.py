@@ -64,9 +64,7 @@ class Seal:
   def of(cls, digests, bits: int) -> "Seal":
     d = np.array([int(x) for x in digests], "<u8")
     mask = (1 << bits) - 1
-    return cls(xxhash.xxh3_64_intdigest(d.tobytes()),
-               tuple(xxhash.xxh3_64_intdigest(d[g].tobytes()) & mask
-                     for g in _group_indices(d.size)), bits)
+    return cls(combine(d), tuple(combine(d[g]) & mask for g in _group_indices(d.size)), bits)
 
   def matches(self, digests) -> bool:
     return combine([int(d) for d in digests]) == self.digest

@@ -24,7 +24,7 @@ from rlax_ps.sync import huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_TRUNCATED, OK, _group_mask, _peek, _take,
-                                popcount, scan_block, unary)
+                                popcount, scan_block, scan_outputs, unary)
 
 BLOCK = 1 << 16
 STREAMS = 4
@@ -59,9 +59,9 @@ def _encode_blocks(aw, bw, a, b, first, k, ctab, esc, out, st, counts, lane_bits
   aw/bw their 64-element groups as uint64 words) into the streams' word rows of out.
   ctab[z]: the value code of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and
   that length plus k + 1 (top 8 bits), for z below its size; every larger z takes the
-  escape code, built from esc = (escape code, its length, the entry's top 8 bits). st[j] = (words written,
-  accumulator, bits in it) of stream j is carried across calls; counts[b] = the changes
-  of block b, whose gaps count from the block's start. lane_bits: 8 * a.itemsize, a
+  escape code, built from esc = (escape code, its length, the entry's top 8 bits).
+  st[j] = (words written, accumulator, bits in it) of stream j is carried across calls;
+  counts[b] = the changes of block b, whose gaps count from the block's start. lane_bits: 8 * a.itemsize, a
   constant of each compiled specialisation (encode_blocks16 / encode_blocks8)."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
@@ -270,11 +270,7 @@ def plan(old: np.ndarray, new: np.ndarray):
   if n < MIN_ELEMENTS:
     return None
   starts = np.linspace(0, n - BLOCK, windows(n)).astype(np.int64) // 64 * 64
-  gaps = scratch.buffer("plan gaps", BLOCK * starts.size, np.uint64)
-  syms = scratch.buffer("plan syms", gaps.size, np.uint8)
-  raw = scratch.buffer("plan raw", gaps.size // 4 + 2, np.uint64)  # scan_block: raw[0] = 0
-  raw[0] = 0
-  hist = np.zeros((4, ALPHABET), np.int64)
+  gaps, syms, raw, hist = scan_outputs("plan", BLOCK * starts.size, np.uint64)
   st = np.zeros(3, np.int64)
   for s in starts:
     a, b = old[s:s + BLOCK], new[s:s + BLOCK]

@@ -15,6 +15,8 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
+from rlax_ps.sync import scratch
+
 DIRECT = 16
 ALPHABET = DIRECT + 4 * (56 - 4)  # z < 2**56
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
@@ -159,6 +161,16 @@ def _scan_block16(aw, bw, a, b, start, st, gaps, syms, raw, hist):
 @numba.njit(**_JIT)
 def _scan_block8(aw, bw, a, b, start, st, gaps, syms, raw, hist):
   return _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, 8)
+
+
+def scan_outputs(slot: str, cap: int, gap_dtype) -> tuple[np.ndarray, ...]:
+  """(gaps, syms, raw, hist) for scans of up to `cap` changes, the first three in this
+  thread's scratch buffers `slot` + " gaps" / " syms" / " raw" (reused, not zeroed: raw
+  needs only raw[0] = 0, see _scan_block; at most 16 raw bits a change)."""
+  raw = scratch.buffer(slot + " raw", cap // 4 + 2, np.uint64)
+  raw[0] = 0
+  gaps = scratch.buffer(slot + " gaps", cap, gap_dtype)
+  return gaps, scratch.buffer(slot + " syms", cap, np.uint8), raw, np.zeros((4, ALPHABET), np.int64)
 
 
 def scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist) -> bool:

@@ -80,13 +80,12 @@ class Changes:
     return np.cumsum(self.gaps[:count].astype(np.int64) + 1) - 1
 
 
-def scan_changes(old: np.ndarray, new: np.ndarray, hashed: tuple[bool, bool] = (True, True),
-                 reuse: bool = False) -> Changes:
+def scan_changes(old: np.ndarray, new: np.ndarray,
+                 hashed: tuple[bool, bool] = (True, True)) -> Changes:
   """One compiled pass per cache-sized block compares 64 elements at a time and walks the
   changed ones; the block of old (new) is then hashed, unless hashed[0] ([1]) is False,
-  while still in cache.
-  With `reuse`, the outputs live in scratch buffers that the next reusing scan of this
-  thread overwrites."""
+  while still in cache. The outputs live in scratch buffers that this thread's next scan
+  overwrites."""
   n = old.size
   block = BLOCK * 2 // old.itemsize  # 128 KB of each array
   if n <= _ESTIMATE_ABOVE:
@@ -95,16 +94,8 @@ def scan_changes(old: np.ndarray, new: np.ndarray, hashed: tuple[bool, bool] = (
     lanes = 8 // old.itemsize
     density = 1 - (1 - _estimate_density(old, new)) ** (1 / lanes)  # elements from words
     cap = min(n, int(n * density * 1.1)) + block
-  gap_dtype = np.dtype(np.uint32 if n < 1 << 32 else np.uint64)
-  if reuse:
-    gaps = scratch.buffer("scan gaps", cap, gap_dtype)
-    syms = scratch.buffer("scan syms", cap, np.uint8)
-    raw = scratch.buffer("scan raw", cap // 4 + 2, np.uint64)  # raw bits: at most 16 a change
-    raw[0] = 0
-  else:
-    gaps, syms = np.empty(cap, gap_dtype), np.empty(cap, np.uint8)
-    raw = np.zeros(cap // 4 + 2, np.uint64)
-  hist = np.zeros((4, entropy.ALPHABET), np.int64)
+  gaps, syms, raw, hist = loops.scan_outputs(
+      "scan", cap, np.dtype(np.uint32 if n < 1 << 32 else np.uint64))
   st = np.array([0, -1, 0], np.int64)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
   for s in range(0, n, block):
@@ -221,7 +212,7 @@ def encode_section(old: np.ndarray | None, new: np.ndarray,
     coded = joint.encode(old, new, *planned, hash_old=hashed[0])
     if len(coded[0]) < new.nbytes:
       return Encoded(JOINT, coded[0], coded[2], coded[1])
-  ch = scan_changes(old, new, hashed, reuse=True)  # nothing of ch outlives this call
+  ch = scan_changes(old, new, hashed)  # nothing of ch outlives this call
   if ch.nnz == 0:
     return Encoded(UNCHANGED, b"", ch.h_new, ch.h_old)
   z = None
