@@ -61,8 +61,9 @@ def _encode_blocks(aw, bw, a, b, first, k, ctab, esc, out, st, counts, lane_bits
   that length plus k + 1 (top 8 bits), for z below its size; every larger z takes the
   escape code, built from esc = (escape code, its length, the entry's top 8 bits).
   st[j] = (words written, accumulator, bits in it) of stream j is carried across calls;
-  counts[b] = the changes of block b, whose gaps count from the block's start. lane_bits: 8 * a.itemsize, a
-  constant of each compiled specialisation (encode_blocks16 / encode_blocks8)."""
+  counts[b] = the changes of block b, whose gaps count from the block's start.
+  lane_bits: 8 * a.itemsize, a constant of each compiled specialisation (encode_blocks16 /
+  encode_blocks8)."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
