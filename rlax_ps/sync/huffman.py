@@ -44,35 +44,59 @@ def _tree_depths(weights):
   return depth[:m]
 
 
-def _lengths(counts: np.ndarray) -> np.ndarray:
-  """Huffman code lengths of positive counts (a single symbol gets length 1)."""
+@numba.njit(**_JIT)
+def tree_lengths(counts):
+  """Huffman code lengths of positive counts, unlimited (a single symbol gets length 1)."""
   if counts.size == 1:
     return np.ones(1, np.int64)
-  order = np.argsort(counts, kind="stable")
+  order = np.argsort(counts, kind="mergesort")
   lengths = np.empty(counts.size, np.int64)
   lengths[order] = _tree_depths(counts[order])
   return lengths
 
 
-def code_lengths(counts: np.ndarray) -> np.ndarray:
+@numba.njit(**_JIT)
+def limited_lengths(counts):
   """Huffman lengths of positive counts, at most MAX_LEN: while the longest code is too
   long, the counts are flattened (halved, kept >= 1), which shortens the rare codes."""
+  c = counts.astype(np.int64)
+  while True:
+    lengths = tree_lengths(c)
+    if lengths.max() <= MAX_LEN:
+      return lengths
+    for i in range(c.size):
+      c[i] = max(1, c[i] // 2)
+
+
+def code_lengths(counts: np.ndarray) -> np.ndarray:
+  """limited_lengths of counts (at most 2**MAX_LEN of them)."""
   c = np.asarray(counts, np.int64)
   if c.size > 1 << MAX_LEN:
     raise ValueError(f"counts: at most {1 << MAX_LEN} symbols, got {c.size}")
-  while True:
-    lengths = _lengths(c)
-    if lengths.max() <= MAX_LEN:
-      return lengths
-    c = np.maximum(1, c // 2)
+  return limited_lengths(c)
 
 
 @numba.njit(**_JIT)
-def _canonical(lengths, order):
-  """Bit-reversed canonical codes, assigned in `order` (by length, then position)."""
+def prefix_free(lengths):
+  """Whether lengths in [1, MAX_LEN] satisfy the Kraft inequality (exact, in units of
+  2**-MAX_LEN)."""
+  if lengths.size == 0:
+    return False
+  total = 0
+  for n in lengths:
+    if n < 1 or n > MAX_LEN:
+      return False
+    total += 1 << (MAX_LEN - n)
+  return total <= 1 << MAX_LEN
+
+
+@numba.njit(**_JIT)
+def canonical(lengths):
+  """Bit-reversed canonical codes, assigned by length, then position (lengths must be
+  prefix_free)."""
   codes = np.zeros(lengths.size, np.uint64)
   code, prev = np.uint64(0), 0
-  for i in order:
+  for i in np.argsort(lengths, kind="mergesort"):
     code <<= np.uint64(lengths[i] - prev)
     prev = lengths[i]
     c, r = code, np.uint64(0)
@@ -90,13 +114,14 @@ def canonical_codes(lengths: np.ndarray) -> np.ndarray:
   lengths = np.asarray(lengths, np.int64)
   if lengths.size == 0 or lengths.min() < 1 or lengths.max() > MAX_LEN:
     raise ValueError(f"code lengths must lie in [1, {MAX_LEN}]")
-  if np.ldexp(1.0, -lengths).sum() > 1.0:  # exact: at most 2**11 powers of two >= 2**-11
+  if not prefix_free(lengths):
     raise ValueError("code lengths violate the Kraft inequality")
-  return _canonical(lengths, np.argsort(lengths, kind="stable"))
+  return canonical(lengths)
 
 
 @numba.njit(**_JIT)
-def _fill(table, lengths, codes, entries):
+def fill_table(table, lengths, codes, entries):
+  """Writes decode_table's entries into table (zeroed, 2**MAX_LEN entries)."""
   for i in range(lengths.size):
     step = 1 << lengths[i]
     v = np.uint32(entries[i] | (lengths[i] << 24))
@@ -108,6 +133,6 @@ def decode_table(lengths: np.ndarray, codes: np.ndarray, entries: np.ndarray) ->
   """Table of 2**MAX_LEN uint32: for every MAX_LEN-bit window whose low bits start with
   the code of symbol i, entries[i] | length << 24; 0 where no code matches."""
   table = np.zeros(1 << MAX_LEN, np.uint32)
-  _fill(table, np.asarray(lengths, np.int64), np.asarray(codes, np.int64),
-        np.asarray(entries, np.int64))
+  fill_table(table, np.asarray(lengths, np.int64), np.asarray(codes, np.int64),
+             np.asarray(entries, np.int64))
   return table

@@ -1,10 +1,10 @@
-"""Mode "joint": the fast sparse layout of large tensors, one pass each way.
+"""Mode "joint": the fast sparse layout of tensors of 64K+ elements, one pass each way.
 
 Each change is coded as its gap (Rice: q zeros, a one, k low bits) directly followed by
 its value (a length-limited Huffman code of the entropy-stage symbol of the zigzag offset,
 then the symbol's raw low bits; or an escape code and the zigzag in full), LSB first, in
-one bit stream. The code tables come from a sample of the tensor, so the encoder makes
-one pass: compare 64 elements at a time, walk the changed ones, emit their codes, and
+one bit stream. The code tables come from a sample of the tensor (about 1/32 of it, in
+windows of 4096 elements), so the encoder makes one pass: compare 64 elements at a time, walk the changed ones, emit their codes, and
 hash the block while in cache; the decoder decodes and scatters in one pass as well.
 Blocks of BLOCK elements go round-robin to STREAMS streams (block b to stream b % 4, gaps
 counted in the stream's own element order), so the decoder runs four independent
@@ -15,24 +15,29 @@ lengths | per block varint changes | STREAMS x varint bytes | the streams. Gaps 
 each block's start, so that a round of four blocks decodes without looking ahead.
 """
 
+import functools
+
 import numba
 import numpy as np
 import xxhash
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from rlax_ps.sync import huffman, scratch
+from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_TRUNCATED, OK, _group_mask, _peek, _take,
-                                popcount, scan_block, scan_outputs, unary)
+from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_TRUNCATED, OK, _bitlen, _group_mask, _peek,
+                                _take, entropy_bits, popcount, symbol_of, unary)
 
 BLOCK = 1 << 16
 STREAMS = 4
 ESCAPE = 255  # symbol id of the escape code in the section's table
-MIN_ELEMENTS = 1 << 20  # smaller tensors take the general layouts
+MIN_ELEMENTS = 1 << 16  # smaller tensors take the general layouts
 MIN_DENSITY = 0.02  # sparser: the general layouts are as fast (little to walk) and smaller
 MAX_K = 28  # value codes (<= 27 bits) shifted past a gap's k + 1 bits fit in 56
-_SAMPLE_WINDOWS = 16
+SAMPLE_WINDOW = 1 << 12  # elements per window of the plan's sample
+_SAMPLE_SHARE = 32  # the sample is about 1/32 of the tensor, in 4..128 windows
+CTAB_MAX = 1 << 10  # value codes looked up by zigzag value (8 KB, in L1); larger values
+# (sign crossings, rare large steps) are coded from their symbol
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
 _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | escape flag
 WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
@@ -54,12 +59,37 @@ def _append(out, wpos, acc, fill, v, nbits):
 
 
 @numba.njit(inline="always", **_JIT)
-def _encode_blocks(aw, bw, a, b, first, k, ctab, esc, out, st, counts, lane_bits):
+def value_entry(z, symtab, esc, kk):
+  """The code-table entry of zigzag value z (see _encode_blocks) with kk = k + 1: its
+  symbol's Huffman code (symtab[sym]: code | length << 56; 0 when the sample lacks the
+  symbol) then its raw bits, or the escape code then z in full (esc = (escape code, its
+  length, the entry's top 8 bits))."""
+  low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
+  sym, rw, extra = symbol_of(z)
+  c = symtab[sym]
+  if c:
+    hl = c >> np.uint64(56)
+    return ((((c & low56) | (extra << hl)) & low56) << kk) | (
+        (hl + np.uint64(rw) + kk) << np.uint64(56))
+  return (((esc[0] | (z << esc[1])) & low56) << kk) | esc[2]
+
+
+@numba.njit(**_JIT)
+def value_entries(z, symtab, esc, k):
+  """value_entry of every zigzag value in z (tests and tools; the encoder inlines it)."""
+  out = np.empty(z.size, np.uint64)
+  for i in range(z.size):
+    out[i] = value_entry(z[i], symtab, esc, np.uint64(k + 1))
+  return out
+
+
+@numba.njit(inline="always", **_JIT)
+def _encode_blocks(aw, bw, a, b, first, k, ctab, symtab, esc, out, st, counts, lane_bits):
   """Codes the changes of the blocks a, b (unsigned bit arrays starting at block `first`,
   aw/bw their 64-element groups as uint64 words) into the streams' word rows of out.
   ctab[z]: the value code of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and
-  that length plus k + 1 (top 8 bits), for z below its size; every larger z takes the
-  escape code, built from esc = (escape code, its length, the entry's top 8 bits).
+  that length plus k + 1 (top 8 bits), for z below its size; larger z are coded by
+  value_entry from symtab and esc (see tables).
   st[j] = (words written, accumulator, bits in it) of stream j is carried across calls;
   counts[b] = the changes of block b, whose gaps count from the block's start.
   lane_bits: 8 * a.itemsize, a constant of each compiled specialisation (encode_blocks16 /
@@ -91,8 +121,8 @@ def _encode_blocks(aw, bw, a, b, first, k, ctab, esc, out, st, counts, lane_bits
         z = _take(ab, bb, i, lane_bits)
         if z < np.uint64(ctab.size):
           e = ctab[z]
-        else:  # above every value of the sample: the escape code, then z
-          e = (((esc[0] | (z << esc[1])) & low56) << (kk + np.uint64(1))) | esc[2]
+        else:
+          e = value_entry(z, symtab, esc, kk + np.uint64(1))
         gap = np.uint64(i - prev - 1)
         prev = i
         q = gap >> kk
@@ -111,13 +141,13 @@ def _encode_blocks(aw, bw, a, b, first, k, ctab, esc, out, st, counts, lane_bits
 
 
 @numba.njit(**_JIT)
-def encode_blocks16(aw, bw, a, b, first, k, ctab, esc, out, st, counts):
-  _encode_blocks(aw, bw, a, b, first, k, ctab, esc, out, st, counts, 16)
+def encode_blocks16(aw, bw, a, b, first, k, ctab, symtab, esc, out, st, counts):
+  _encode_blocks(aw, bw, a, b, first, k, ctab, symtab, esc, out, st, counts, 16)
 
 
 @numba.njit(**_JIT)
-def encode_blocks8(aw, bw, a, b, first, k, ctab, esc, out, st, counts):
-  _encode_blocks(aw, bw, a, b, first, k, ctab, esc, out, st, counts, 8)
+def encode_blocks8(aw, bw, a, b, first, k, ctab, symtab, esc, out, st, counts):
+  _encode_blocks(aw, bw, a, b, first, k, ctab, symtab, esc, out, st, counts, 8)
 
 
 # ---- decoder -----------------------------------------------------------------------------
@@ -255,107 +285,148 @@ def decode_changes(words, ends, k, table, whole, n, counts, ps, indices, offsets
 
 # ---- tables from a sample ----------------------------------------------------------------
 
-def windows(n: int) -> int:
-  """Sample windows of BLOCK elements for a tensor of n >= MIN_ELEMENTS: a sixteenth of
-  it, between 2 and _SAMPLE_WINDOWS windows (the tables need a few thousand changes, not
-  a pass over much of a mid-sized tensor)."""
-  return min(_SAMPLE_WINDOWS, max(2, n // (16 * BLOCK)))
-
-
-def plan(old: np.ndarray, new: np.ndarray):
-  """(k, symbol counts) for a joint section from `windows(n)` evenly spaced windows of
-  BLOCK elements, or None when the tensor suits the general layouts better (small, below
-  MIN_DENSITY or at 25% or more, or clustered changes that the entropy-coded gaps code
-  smaller)."""
-  n = new.size
-  if n < MIN_ELEMENTS:
-    return None
-  starts = np.linspace(0, n - BLOCK, windows(n)).astype(np.int64) // 64 * 64
-  gaps, syms, raw, hist = scan_outputs("plan", BLOCK * starts.size, np.uint64)
-  st = np.zeros(3, np.int64)
-  for s in starts:
-    a, b = old[s:s + BLOCK], new[s:s + BLOCK]
-    st[1] = s - 1  # gaps from the window's start
-    scan_block(a.view(np.uint64), b.view(np.uint64), a, b, s, st, gaps, syms, raw, hist)
-  nnz = int(st[0])
-  if not MIN_DENSITY * starts.size * BLOCK <= nnz <= starts.size * BLOCK // 4:
-    return None
-  from rlax_ps.sync import entropy, loops  # noqa: PLC0415 (entropy imports this module)
-  g = gaps[:nnz]
-  mean = float(g.mean())
-  k0 = max(0, int(np.log2(mean * np.log(2) + 1)))
-  cand = list(range(max(0, k0 - 1), min(MAX_K, k0 + 2) + 1))
-  unary = loops.rice_sizes(g, 1, cand[0], cand[-1] + 1)
-  sizes = [int(unary[i]) + c * nnz for i, c in enumerate(cand)]
-  k = cand[int(np.argmin(sizes))]
-  ghist = entropy.histogram(g)
-  if entropy.cost_bytes(ghist) * 8 < 0.97 * min(sizes):
-    return None
-  return k, hist.sum(axis=0)
-
-
-def tables(counts: np.ndarray, width: int, k: int):
-  """(section table bytes, code table by zigzag value, escape) for the symbol counts of a
-  sample, with an escape code (then the zigzag in `width` bits) for values the sample
-  lacked. Table entries: the value's code bits (Huffman code, then the symbol's raw bits)
-  shifted past a gap's k + 1 bits | (their length + k + 1) << 56. The table (a scratch
-  buffer, valid until this thread's next call) stops after the bucket of the sample's
-  largest symbol (most samples: a few hundred entries, in L1); values beyond take the
-  escape, which `esc` = (code, length, entry top bits) builds."""
-  present = np.flatnonzero(counts)
-  syms = np.append(present, ESCAPE)
-  weights = np.append(counts[present], max(1, int(counts.sum()) >> 12))
-  lengths = huffman.code_lengths(weights)
-  codes = huffman.canonical_codes(lengths)
-  hcode = np.zeros(ALPHABET, np.uint64)
-  hlen = np.zeros(ALPHABET, np.uint64)
-  hcode[present], hlen[present] = codes[:-1], lengths[:-1]
-  top = int(present.max())  # the table covers every value up to the sample's largest
-  bits = top.bit_length() if top < DIRECT else (top - DIRECT) // 4 + 5
-  ctab = scratch.buffer("joint ctab", 1 << max(4, bits), np.uint64)  # until the next call
-  _code_table(hcode, hlen, np.uint64(codes[-1]), np.uint64(lengths[-1]), width, k, ctab)
-  esc = np.array([codes[-1], lengths[-1], (int(lengths[-1]) + width + k + 1) << 56], np.uint64)
-  packed = np.zeros((lengths.size + 1) // 2 * 2, np.uint8)
-  packed[:lengths.size] = lengths
-  head = [u8(syms.size), syms.astype(np.uint8).tobytes(),
-          (packed[0::2] | packed[1::2] << 4).astype(np.uint8).tobytes()]
-  return b"".join(head), ctab, esc
+@functools.lru_cache(maxsize=4096)
+def sample_starts(n: int) -> np.ndarray:
+  """Starts of the plan's sample windows (SAMPLE_WINDOW elements each, evenly spaced, 64
+  aligned) in a tensor of n >= MIN_ELEMENTS: about 1/32 of it, in 4 to 128 windows (the
+  tables need a few thousand changes, not a pass over much of the tensor). Read-only."""
+  count = min(128, max(4, n // (_SAMPLE_SHARE * SAMPLE_WINDOW)))
+  starts = np.linspace(0, n - SAMPLE_WINDOW, count).astype(np.int64) // 64 * 64
+  starts.flags.writeable = False
+  return starts
 
 
 @numba.njit(inline="always", **_JIT)
-def _code_run(ctab, zlo, count, hc, hl, rw, esc_code, esc_len, width, kk):
-  """ctab[zlo + e] for e < count: the values of one symbol (Huffman code hc of length hl,
-  then e in rw raw bits), or escapes (the escape code, then z in `width` bits) when hl
-  is 0."""
-  m56 = np.uint64((1 << 56) - 1)
-  if hl > 0:
-    top = (hl + np.uint64(rw) + kk) << np.uint64(56)
-    for e in range(count):
-      ctab[zlo + e] = (((hc | (np.uint64(e) << hl)) & m56) << kk) | top
-  else:
-    top = (esc_len + np.uint64(width) + kk) << np.uint64(56)
-    for e in range(count):
-      z = np.uint64(zlo + e)
-      ctab[zlo + e] = (((esc_code | (z << esc_len)) & m56) << kk) | top
+def _sample(aw, bw, a, b, starts, gaps, vhist, ghist, widths, lane_bits):
+  """Walks the changes of the windows at `starts`: their gaps (from each window's start)
+  into gaps, the symbol counts of their zigzag values into vhist and of their gaps into
+  ghist. Returns (changes, the Rice parameter among those near log2 of the mean gap whose
+  code is shortest, its bits, the entropy stage's bits for the gaps (loops.entropy_bits),
+  their symbols present)."""
+  nnz = 0
+  for s in starts:
+    prev = s - 1
+    for g in range(s // 64, (s + SAMPLE_WINDOW) // 64):
+      m = _group_mask(aw, bw, g, lane_bits)
+      while m:
+        i = g * 64 + np.int64(trailing_zeros(m))
+        m &= m - np.uint64(1)
+        sym, _, _ = symbol_of(_take(a, b, i, lane_bits))
+        vhist[sym] += 1
+        gap = i - prev - 1
+        prev = i
+        gaps[nnz] = gap
+        gsym, _, _ = symbol_of(gap)
+        ghist[gsym] += 1
+        nnz += 1
+  if nnz == 0:
+    return 0, 0, 0, 0.0, 0
+  total = 0.0
+  for i in range(nnz):
+    total += gaps[i]
+  k0 = max(0, int(np.log2(total / nnz * np.log(2) + 1)))
+  best_k, best = 0, np.int64(-1)
+  for k in range(max(0, k0 - 1), min(MAX_K, k0 + 2) + 1):
+    t = np.uint64(0)
+    for i in range(nnz):
+      t += gaps[i] >> np.uint64(k)
+    size = np.int64(t) + nnz * (k + 1)
+    if best < 0 or size < best:
+      best, best_k = size, k
+  bits, present = entropy_bits(ghist, widths)
+  return nnz, best_k, best, bits, present
 
 
 @numba.njit(**_JIT)
-def _code_table(hcode, hlen, esc_code, esc_len, width, k, ctab):
-  """ctab[z] for every zigzag value z < ctab.size (see tables); ctab[0] = 0. Filled symbol
-  by symbol (loops.symbol_of's buckets: z < DIRECT alone, then four per bit length), each
-  bucket a run of consecutive z that differ only in their raw bits."""
+def _sample16(aw, bw, a, b, starts, gaps, vhist, ghist, widths):
+  return _sample(aw, bw, a, b, starts, gaps, vhist, ghist, widths, 16)
+
+
+@numba.njit(**_JIT)
+def _sample8(aw, bw, a, b, starts, gaps, vhist, ghist, widths):
+  return _sample(aw, bw, a, b, starts, gaps, vhist, ghist, widths, 8)
+
+
+def plan(old: np.ndarray, new: np.ndarray):
+  """(k, symbol counts) for a joint section from the windows at sample_starts(n), or None
+  when the tensor suits the general layouts better (small, below MIN_DENSITY or at 25% or
+  more, or clustered changes that the entropy-coded gaps code smaller)."""
+  n = new.size
+  if n < MIN_ELEMENTS:
+    return None
+  starts = sample_starts(n)
+  gaps = scratch.buffer("plan", SAMPLE_WINDOW * starts.size, np.uint64)
+  vhist = np.zeros(ALPHABET, np.int64)
+  ghist = np.zeros(ALPHABET, np.int64)
+  m = n - n % 64
+  sample = _sample16 if new.itemsize == 2 else _sample8
+  nnz, k, rice_bits, gap_bits, present = sample(
+      old[:m].view(np.uint64), new[:m].view(np.uint64), old, new, starts, gaps, vhist, ghist,
+      entropy.WIDTHS)
+  if not MIN_DENSITY * starts.size * SAMPLE_WINDOW <= nnz <= starts.size * SAMPLE_WINDOW // 4:
+    return None
+  if entropy.cost_of(gap_bits, present) * 8 < 0.97 * rice_bits:
+    return None
+  return k, vhist
+
+
+@numba.njit(**_JIT)
+def _tables(counts, width, k, ctab, symtab, esc, head):
+  """Fills the encoder's tables (see tables) from the sample's symbol counts: symtab (zeroed
+  by the caller), esc, ctab[:size] and the section's table bytes in head. Returns (size,
+  bytes of head)."""
+  m, total, top = 0, 0, 0
+  for s in range(counts.size):
+    if counts[s] > 0:
+      m += 1
+      total += counts[s]
+      top = s
+  syms = np.empty(m + 1, np.int64)
+  weights = np.empty(m + 1, np.int64)
+  j = 0
+  for s in range(counts.size):
+    if counts[s] > 0:
+      syms[j], weights[j] = s, counts[s]
+      j += 1
+  syms[m], weights[m] = ESCAPE, max(1, total >> 12)
+  lengths = huffman.limited_lengths(weights)
+  codes = huffman.canonical(lengths)
+  for i in range(m):
+    symtab[syms[i]] = codes[i] | (np.uint64(lengths[i]) << np.uint64(56))
   kk = np.uint64(k + 1)
+  esc[0], esc[1] = codes[m], np.uint64(lengths[m])
+  esc[2] = np.uint64(lengths[m] + width + k + 1) << np.uint64(56)
+  # the table ends after the bucket of the sample's largest symbol
+  bits = _bitlen(top) if top < DIRECT else (top - DIRECT) // 4 + 5
+  size = min(1 << max(4, bits), ctab.size, 1 << width)
   ctab[0] = 0
-  for z in range(1, min(DIRECT, ctab.size)):
-    _code_run(ctab, z, 1, hcode[z], hlen[z], 0, esc_code, esc_len, width, kk)
-  for nb in range(5, width + 1):
-    if 1 << nb > ctab.size:  # the table ends at a bucket boundary
-      break
-    rw = nb - 3
-    for top in range(4):
-      sym = DIRECT + (nb - 5) * 4 + top
-      _code_run(ctab, (4 | top) << rw, 1 << rw, hcode[sym], hlen[sym], rw, esc_code, esc_len,
-                width, kk)
+  for z in range(1, size):
+    ctab[z] = value_entry(np.uint64(z), symtab, esc, kk)
+  head[0] = m + 1
+  for i in range(m + 1):
+    head[1 + i] = syms[i]
+  p = m + 2
+  for i in range(0, m + 1, 2):
+    hi = lengths[i + 1] if i + 1 <= m else 0
+    head[p] = lengths[i] | (hi << 4)
+    p += 1
+  return size, p
+
+
+def tables(counts: np.ndarray, width: int, k: int):
+  """(section table bytes, ctab, symtab, esc) for the symbol counts of a sample, with an
+  escape code (then the zigzag in `width` bits) for values whose symbol the sample lacked.
+  ctab[z] (z below its size: up to the bucket of the sample's largest symbol, at most
+  CTAB_MAX) is value z's entry: its code bits (Huffman code, then the symbol's raw bits)
+  shifted past a gap's k + 1 bits | (their length + k + 1) << 56. symtab[symbol] = Huffman
+  code | length << 56 (0: not in the sample) and esc = (escape code, its length, entry top
+  bits) give the entry of larger z (value_entry)."""
+  ctab = np.empty(CTAB_MAX, np.uint64)
+  symtab = np.zeros(ALPHABET, np.uint64)
+  esc = np.empty(3, np.uint64)
+  head = np.empty(2 + 256 + 129, np.uint8)
+  size, nbytes = _tables(counts, width, k, ctab, symtab, esc, head)
+  return head[:nbytes].tobytes(), ctab[:size], symtab, esc
 
 
 def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,
@@ -363,9 +434,9 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,
   """(section bytes, xxh3 of old (None unless hash_old), xxh3 of new) of the joint section
   from old to new."""
   n = new.size
-  table, ctab, esc = tables(counts, 8 * new.itemsize, k)
+  table, ctab, symtab, esc = tables(counts, 8 * new.itemsize, k)
   encode_blocks = encode_blocks16 if new.itemsize == 2 else encode_blocks8
-  nnz_est = int(counts.sum()) * n // (BLOCK * windows(n)) + 1
+  nnz_est = int(counts.sum()) * n // (SAMPLE_WINDOW * sample_starts(n).size) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1
   # Every word of a stream is assigned before it is read, so the rows need no zeroing.
   width = bits // 64 // STREAMS + 2 * BLOCK
@@ -382,7 +453,7 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,
     a, b = old[s:s + step], new[s:s + step]
     m = a.size - a.size % 64
     encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k, ctab,
-                  esc, out, st, counts)
+                  symtab, esc, out, st, counts)
     if hash_old:
       h_old.update(a)
     h_new.update(b)
@@ -429,6 +500,29 @@ def _whole_codes(k, table, width, out):
 
 
 @numba.njit(**_JIT)
+def _decoder_tables(syms, packed, width, k, table, whole):
+  """The decoder's tables from a section's code table (its symbols, their 4-bit code
+  lengths packed two a byte): the Huffman decode table (zeroed by the caller; entries
+  without a code get the escape flag and length 0: the checked path) and the whole-code
+  table (whole_codes). Returns 0, or _read_table's error, or 3 when the lengths are no
+  prefix code."""
+  m = syms.size
+  lengths = np.empty(m, np.int64)
+  entries = np.empty(m, np.int64)
+  err = _read_table(syms, packed, width, lengths, entries)
+  if err:
+    return err
+  if not huffman.prefix_free(lengths):
+    return 3
+  huffman.fill_table(table, lengths, huffman.canonical(lengths).astype(np.int64), entries)
+  for i in range(table.size):
+    if table[i] == 0:
+      table[i] = _ESC_FLAG
+  _whole_codes(k, table, width, whole)
+  return 0
+
+
+@numba.njit(**_JIT)
 def _read_table(syms, packed, width, lengths, entries):
   """Code lengths (4 bits each in packed) and decode entries (zbase | raw width << 16, or
   the escape flag) of the table's symbols; returns 0, or 1 when the symbols are not
@@ -463,7 +557,6 @@ class Section:
   """A parsed joint section: its code table and the four streams."""
 
   def __init__(self, r: ByteReader, n: int, udtype: np.dtype):
-    from rlax_ps.sync import entropy  # noqa: PLC0415 (entropy imports this module)
     self.n, self.udtype, self.what = n, udtype, r.what
     self.k = r.u8()
     if self.k > MAX_K:
@@ -471,20 +564,15 @@ class Section:
     m = r.u8()
     syms = np.frombuffer(r.take(m), np.uint8).astype(np.int64)
     packed = np.frombuffer(r.take((m + 1) // 2), np.uint8)
-    lengths = np.empty(m, np.int64)
-    entries = np.empty(m, np.int64)
-    err = _read_table(syms, packed, 8 * udtype.itemsize, lengths, entries)
+    self.table = np.zeros(1 << huffman.MAX_LEN, np.uint32)
+    self.whole = np.zeros(1 << WHOLE, np.uint32)
+    err = _decoder_tables(syms, packed, 8 * udtype.itemsize, self.k, self.table, self.whole)
     if err == 1:
       raise CodecError(f"{r.what}: joint code table is not a sorted list of nonzero symbols")
     if err == 2:
       raise CodecError(f"{r.what}: joint code table holds values wider than the tensor's")
-    try:
-      codes = huffman.canonical_codes(lengths)
-    except ValueError as e:
-      raise CodecError(f"{r.what}: joint code table: {e}") from None
-    self.table = huffman.decode_table(lengths, codes, entries)
-    self.table[self.table == 0] = _ESC_FLAG  # no code here: the checked path, length 0
-    self.whole = whole_codes(self.k, self.table, 8 * udtype.itemsize)
+    if err == 3:
+      raise CodecError(f"{r.what}: joint code table: code lengths are not a prefix code")
     nblocks = (n + BLOCK - 1) // BLOCK
     self.counts = r.varints(nblocks)
     sizes = np.minimum(BLOCK, n - np.arange(nblocks) * BLOCK)

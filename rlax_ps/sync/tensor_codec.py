@@ -13,7 +13,7 @@ Modes (chosen per tensor by estimated size, see `encode_section`):
              the changes follow a pattern that a bitmap compresses below the gaps.
   dense      one offset stream over every element (zero offsets included); picked at
              high density, where it reaches the zeroth-order entropy of the offsets.
-  joint      large tensors with scattered changes below 25%: gaps and values in one
+  joint      64K+ elements with scattered changes at 2-25%: gaps and values in one
              Rice + Huffman bit stream per stream of blocks, coded and applied in one
              pass each way (joint.py); the layouts above are the general path.
   packed     no bytes: the tensor is coded in its pack's section (packs.py).

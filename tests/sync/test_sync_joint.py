@@ -67,8 +67,8 @@ def test_values_missing_from_the_sample_take_the_escape_code():
   base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
   target = changed(rng, base, 0.04, OFFSETS[:4], [0.25] * 4)
   sampled = np.zeros(n, bool)
-  for s in np.linspace(0, n - joint.BLOCK, joint.windows(n)).astype(np.int64) // 64 * 64:
-    sampled[s:s + joint.BLOCK] = True
+  for s in joint.sample_starts(n):
+    sampled[s:s + joint.SAMPLE_WINDOW] = True
   odd = np.flatnonzero(~sampled)[::9973][:50]
   target[odd] = base[odd] + np.uint16(12345)  # a value no sampled window holds
   enc, dec = section(base, target)
@@ -99,8 +99,8 @@ def test_sparse_and_dense_tensors_keep_the_general_layouts(density, mode):
 
 def test_long_sparse_sections_split_their_gaps_into_four_rice_streams():
   rng = np.random.default_rng(4)
-  base = rng.integers(0, 1 << 16, 1 << 19, dtype=np.uint16)  # below joint.MIN_ELEMENTS
-  target = changed(rng, base, 0.02)
+  base = rng.integers(0, 1 << 16, 1 << 19, dtype=np.uint16)
+  target = changed(rng, base, 0.015)  # below joint.MIN_DENSITY
   enc, dec = section(base, target)
   assert tensor_codec.MODE_NAMES[enc.mode] == "sparse"
   nnz = ByteReader(enc.section, "w").varint()
@@ -184,7 +184,7 @@ def _heap_huffman_cost(counts):
 @given(counts=st.lists(st.integers(1, 10_000), min_size=2, max_size=60))
 def test_huffman_lengths_are_optimal_when_no_limit_binds(counts):
   counts = np.array(counts, np.int64)
-  optimal = huffman._lengths(counts)  # before the length limit
+  optimal = huffman.tree_lengths(counts)  # before the length limit
   assert int((optimal * counts).sum()) == _heap_huffman_cost(counts)
   assert (2.0 ** -optimal.astype(float)).sum() == 1.0  # a full tree
   lengths = huffman.code_lengths(counts)
@@ -235,21 +235,24 @@ def test_the_whole_code_table_matches_its_array_wise_definition(pair):
                             _whole_codes_numpy(k, table, width)), (k, width)
 
 
-@pytest.mark.parametrize("width", [8, 16])
-def test_the_code_table_matches_symbol_by_symbol_definition(width):
-  """joint.tables' value codes against loops.symbol_of applied to every zigzag value."""
+@pytest.mark.parametrize("width,wide", [(8, False), (16, False), (16, True)])
+def test_the_code_table_matches_symbol_by_symbol_definition(width, wide):
+  """joint.tables' value codes against loops.symbol_of applied to every zigzag value:
+  from ctab below its size, from the symbol table and the escape above."""
   from rlax_ps.sync import loops  # noqa: PLC0415
-  rng = np.random.default_rng(width)
+  rng = np.random.default_rng(width + wide)
   counts = np.zeros(entropy.ALPHABET, np.int64)
-  present = rng.choice(np.arange(1, 4 * width - 8), 20, replace=False)
+  top = 4 * width if wide else 2 * width + 8  # wide: up to the largest symbol (sign crossings)
+  present = rng.choice(np.arange(1, top), 20, replace=False)
   counts[present] = rng.integers(1, 1000, present.size)
   k = 5
-  _, ctab, esc = joint.tables(counts, width, k)
-  assert ctab.size < 1 << width  # stops after the sample's largest symbol's bucket
+  _, ctab, symtab, esc = joint.tables(counts, width, k)
+  assert ctab.size <= joint.CTAB_MAX and ctab.size < 1 << width
   syms = np.append(np.flatnonzero(counts), joint.ESCAPE)
   lengths = huffman.code_lengths(np.append(counts[counts > 0], max(1, int(counts.sum()) >> 12)))
   codes = huffman.canonical_codes(lengths)
   code_of = dict(zip(syms.tolist(), zip(codes.tolist(), lengths.tolist())))
+  entries = joint.value_entries(np.arange(1 << width, dtype=np.uint64), symtab, esc, k)
   assert ctab[0] == 0
   for z in range(1, 1 << width):
     sym, rw, extra = (int(v) for v in loops.symbol_of(z))
@@ -260,12 +263,11 @@ def test_the_code_table_matches_symbol_by_symbol_definition(width):
       code, n = code_of[joint.ESCAPE]
       bits, length = code | (z << n), n + width
     want = ((bits & ((1 << 56) - 1)) << (k + 1) & ((1 << 64) - 1)) | ((length + k + 1) << 56)
+    assert int(entries[z]) == want, z
     if z < ctab.size:
       assert int(ctab[z]) == want, z
-    else:  # the encoder builds the escape entry (the sample has no larger symbol)
+    elif not wide:  # the table reaches past the sample's largest symbol
       assert sym not in code_of, z
-      e0, e1, e2 = (int(v) for v in esc)
-      assert (((e0 | (z << e1)) & ((1 << 56) - 1)) << (k + 1) & ((1 << 64) - 1)) | e2 == want, z
 
 
 def test_varints_round_trip():
