@@ -20,6 +20,7 @@ bandwidth drifts by tens of percent), and each side keeps its best.
 import os
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,6 +29,7 @@ import numpy as np
 from absl import app, flags
 
 from rlax_ps import sync
+from rlax_ps.sync import parallel
 from rlax_ps.sync.bits import BF16, bit_view
 
 FLAGS = flags.DEFINE_integer("elements", 100_000_000, "bf16 elements of the synthetic model")
@@ -46,6 +48,8 @@ _SIZES = {"tiny": {}, "38m": dict(hidden_size=768, intermediate_size=2048, num_l
                                   num_heads=12, num_kv_heads=4, head_dim=64)}
 _REPS = flags.DEFINE_integer("reps", 3, "timed repetitions (best is reported)")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
+_THREADS = flags.DEFINE_integer(
+    "threads", 0, "threads of the wall-time columns (0: parallel.default_threads())")
 _COLS = 4096
 
 
@@ -82,6 +86,18 @@ class CopyProbe:
 
   def rate(self):
     return self.best[0] / self.src.nbytes, self.best[1] / self.src.nbytes
+
+  def threaded(self, threads):
+    """The same copy split into `threads` slices copied side by side (numpy releases the
+    GIL while it copies)."""
+    cut = [self.src.size * i // threads for i in range(threads + 1)]
+    run = lambda i: np.copyto(self.dst[cut[i]:cut[i + 1]], self.src[cut[i]:cut[i + 1]])  # noqa: E731
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(1, threads)]
+    for w in workers:
+      w.start()
+    run(0)
+    for w in workers:
+      w.join()
 
 
 def entropy_bits(values) -> float:
@@ -127,20 +143,27 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   probe.reset()
   known = keyframe.checksums
   enc = best_time(lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0,
-                                      base_checksums=known), reps, probe=probe)
+                                      base_checksums=known, threads=1), reps, probe=probe)
   update = enc[2]
   enc_host = best_time(lambda: sync.encode(base_held, target, fmt, version=1, base_version=0,
-                                           base_checksums=known), reps, probe=probe)
+                                           base_checksums=known, threads=1), reps, probe=probe)
   assert enc_host[2].to_bytes() == update.to_bytes()
   assert sync.encode(base_held, target_held, fmt, version=1).to_bytes() == update.to_bytes()
   fresh = lambda: sync.Update(update.to_bytes(), update.header)  # noqa: E731 (undecoded)
-  app = best_time(lambda u: sync.apply(base_held, u), reps, setup=fresh, probe=probe)
+  app = best_time(lambda u: sync.apply(base_held, u, threads=1), reps, setup=fresh, probe=probe)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(app[2][k]), bit_view(v)), k
-  inplace = best_time(lambda a: sync.apply(a[0], a[1], inplace=True), reps,
+  inplace = best_time(lambda a: sync.apply(a[0], a[1], inplace=True, threads=1), reps,
                       setup=lambda: ({k: v.copy() for k, v in base_held.items()}, fresh()),
                       probe=probe)
   copy_s = probe.rate()
+  # Wall time on `threads` threads (tensors side by side) against a copy on as many.
+  threads = _THREADS.value or parallel.default_threads()
+  copy_t = best_time(lambda: probe.threaded(threads), reps)[1] / probe.src.nbytes
+  enc_t = best_time(lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0,
+                                        base_checksums=known, threads=threads), reps)
+  assert enc_t[2].to_bytes() == update.to_bytes()
+  app_t = best_time(lambda u: sync.apply(base_held, u, threads=threads), reps, setup=fresh)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(inplace[2][k]), bit_view(v)), k
   model = held_bytes(base_held)
@@ -155,7 +178,9 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
           f"{model / enc[0] / 1e9:.2f}", vs_copy(enc, 0), vs_copy(enc_host, 0),
           f"{model / app[0] / 1e9:.2f}",
           vs_copy(app, 0), vs_copy(inplace, 0),
-          f"{vs_copy(enc, 1)}/{vs_copy(app, 1)}/{vs_copy(inplace, 1)}", "+".join(modes) or "-"]
+          f"{vs_copy(enc, 1)}/{vs_copy(app, 1)}/{vs_copy(inplace, 1)}",
+          f"{model * copy_t / enc_t[1]:.0%}/{model * copy_t / app_t[1]:.0%}",
+          "+".join(modes) or "-"]
 
 
 def adam_direction(rng, n):
@@ -226,6 +251,7 @@ def main(argv):
   kf_bf16 = sync.encode(None, base, "bf16", version=0)
   base_int8 = sync.held_state(base_float, "int8")
   kf_int8 = sync.encode(None, base_int8, "int8", version=0)
+  threads = _THREADS.value or parallel.default_threads()
   rows = []
   for d in map(float, _DENSITIES.value):
     lr = calibrate_lr(w, u, d)
@@ -257,7 +283,7 @@ def main(argv):
         f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
   header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound", "hdr B",
             "int32+val", "vs kf", "enc GB/s", "enc/copy", "f32 enc/copy", "apply GB/s", "apply/copy",
-            "inplace/copy", "wall e/a/i", "modes"]
+            "inplace/copy", "wall e/a/i", f"{threads}T wall e/a", "modes"]
   widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
   print(f"synthetic model: {n:,} bf16 elements ({full / 1e6:.0f} MB); memory copy "
         f"(np.copyto) {1 / copy_s[0] / 1e9:.2f} GB/s CPU time, "
@@ -277,7 +303,9 @@ def main(argv):
         "update that published it (the publisher's path); f32 enc: from the float32 target, "
         "rounded or quantized on the host; apply: from an undecoded Update, into new arrays; "
         "inplace: apply(..., inplace=True); wall e/a/i: "
-        "the encode/apply/inplace ratios by wall time; modes: the sections' layouts")
+        "the encode/apply/inplace ratios by wall time; (all single-threaded: threads=1); "
+        f"{threads}T wall e/a: encode/apply with threads={threads} (tensors side by side) by "
+        f"wall time, over a copy split across {threads} threads; modes: the sections' layouts")
   for r in [header] + rows:
     print(" | ".join(str(c).rjust(wd) for c, wd in zip(r, widths)))
 

@@ -7,8 +7,8 @@ Formats (DESIGN.md point 2):
   * "bf16": the held state is {name: bf16 array}; float targets are rounded to bf16
     (nearest even). A delta codes, per tensor, which elements changed and each one's new
     bit pattern as a wrapping offset of the old one (tensor_codec.py: gap/bitmap/dense
-    layouts with rANS, rans.py; joint.py: the one-pass Rice + Huffman layout of large
-    tensors; packs.py: one section for all small tensors of a dtype).
+    layouts with rANS, rans.py; joint.py: the one-pass Rice + Huffman layout of tensors
+    of 64K+ elements; packs.py: one section for all small tensors of a dtype).
   * "int8": the held state is {name: int8 codes, name + ".scale": bf16 scales} for every
     tensor of ndim >= 2, and {name: bf16} for 1-D tensors; per-output-channel symmetric
     scales (last axis of a kernel [in, out]; one per row of an "...embedding" table).
@@ -26,6 +26,8 @@ Host usage:
   header = read_header(wire)        # versions, fmt, tensor metas; no payload decoding
   for c in update.chunks(1 << 20): ...; Reassembler().feed(c) -> Update on the last chunk
   held = apply(held, update)        # verified bit for bit against the update's seals
+  encode(..., threads=16); apply(..., threads=16)   # tensors side by side (parallel.py;
+                                    # default: the host's cores, at most 8; same bytes)
 
 On-device usage (workers, in place, without the base on the host):
   ch = update.changes(name)         # TensorChanges

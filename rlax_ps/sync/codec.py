@@ -1,8 +1,10 @@
 """encode / apply over flat dicts of name -> array, in the bf16 or int8 format."""
 
+import functools
+
 import numpy as np
 
-from rlax_ps.sync import int8, packs, tensor_codec
+from rlax_ps.sync import int8, packs, parallel, tensor_codec
 from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, to_bf16
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.integrity import checksum
@@ -21,7 +23,8 @@ def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
 
 
 def encode(base, target, fmt: str = "bf16", *, version: int,
-           base_version: int | None = None, base_checksums: dict | None = None) -> Update:
+           base_version: int | None = None, base_checksums: dict | None = None,
+           threads: int | None = None) -> Update:
   """The update taking `base` (None: a keyframe) to `target`, recorded as `version`.
 
   `target` holds float weights (numpy or jax; int8 also accepts a held state); `base`
@@ -31,9 +34,12 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   recorded it (`Update.checksums` of the publisher's previous update); the base is then not
   hashed again (a pass over it saved). They are trusted into the base seal: wrong ones
   make in-place applies (which check the base first) fail with a wrong-base CodecError;
-  copying applies check their results only. Neither ever yields wrong weights."""
+  copying applies check their results only. Neither ever yields wrong weights.
+  `threads`: tensors coded side by side (parallel.py; None: the host's cores, at most 8);
+  the bytes do not depend on it."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt expected one of {FORMATS}, got {fmt!r}")
+  threads = parallel.resolve(threads)
   if base is None:
     if base_version is not None:
       raise ValueError(f"base_version must be None for a keyframe, got {base_version}")
@@ -58,10 +64,26 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
         raise CodecError(f"tensor {name!r}: base is {old.dtype}{list(old.shape)}, target is "
                          f"{new.dtype}{list(new.shape)}")
   known = base_checksums is not None
-  coded = {} if old_state is None else _encode_packs(old_state, new_state, not known)
+  groups = {} if old_state is None else packs.members_by_dtype(
+      {n: a.size for n, a in new_state.items()}, {n: a.dtype for n, a in new_state.items()})
+  packed = {n for members in groups.values() for n in members}
+  tasks = [(sum(new_state[n].size for n in members),
+            functools.partial(_encode_pack, old_state, new_state, members, not known))
+           for members in groups.values()]
+  alone = [n for n in new_state if n not in packed]
+  for name in alone:
+    old = None if old_state is None else bit_view(old_state[name])
+    tasks.append((new_state[name].size, functools.partial(
+        tensor_codec.encode_section, old, bit_view(new_state[name]), (not known, True))))
+  results = parallel.run(tasks, threads)
+  coded = {}
+  for done in results[:len(groups)]:
+    coded.update(done)
+  for name, left in zip(alone, results[len(groups):]):
+    coded[name] = left
   entries = []
   for name, new in new_state.items():
-    if name not in coded:
+    if name not in coded:  # a pack with nothing to share: its members are coded alone
       old = None if old_state is None else bit_view(old_state[name])
       coded[name] = tensor_codec.encode_section(old, bit_view(new), (not known, True))
     enc = coded[name]
@@ -71,27 +93,25 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   return build(fmt, version, base_version, entries)
 
 
-def _encode_packs(old_state: dict, new_state: dict, hash_old: bool = True) -> dict:
-  """name -> Encoded for the members of every pack that has a change (packs.py); base
-  checksums are None unless hash_old."""
+def _encode_pack(old_state: dict, new_state: dict, members: list[str],
+                 hash_old: bool) -> dict:
+  """name -> Encoded for the members of one pack (packs.py); empty when the pack has no
+  change or nothing to share. Base checksums are None unless hash_old."""
+  olds = [bit_view(old_state[n]) for n in members]
+  news = [bit_view(new_state[n]) for n in members]
+  enc = tensor_codec.encode_pack(olds, news)
+  if enc is None:
+    return {}
   coded = {}
-  groups = packs.members_by_dtype({n: a.size for n, a in new_state.items()},
-                                  {n: a.dtype for n, a in new_state.items()})
-  for members in groups.values():
-    olds = [bit_view(old_state[n]) for n in members]
-    news = [bit_view(new_state[n]) for n in members]
-    enc = tensor_codec.encode_pack(olds, news)
-    if enc is None:  # nothing to share
-      continue
-    for i, (n, o, a) in enumerate(zip(members, olds, news)):
-      mode, section = enc if i == 0 else (tensor_codec.PACKED, b"")
-      coded[n] = tensor_codec.Encoded(mode, section, checksum(a),
-                                      checksum(o) if hash_old else None)
+  for i, (n, o, a) in enumerate(zip(members, olds, news)):
+    mode, section = enc if i == 0 else (tensor_codec.PACKED, b"")
+    coded[n] = tensor_codec.Encoded(mode, section, checksum(a),
+                                    checksum(o) if hash_old else None)
   return coded
 
 
 def apply(base, update: Update, *, base_version: int | None = None,
-          inplace: bool = False) -> dict[str, np.ndarray]:
+          inplace: bool = False, threads: int | None = None) -> dict[str, np.ndarray]:
   """The held state `update` makes of `base` (ignored for a keyframe; may be None), verified
   bit for bit against the update's seals (errors name the tensor). With `base_version`,
   also checks that the update applies to that version.
@@ -101,19 +121,19 @@ def apply(base, update: Update, *, base_version: int | None = None,
   arrays and returns them instead: only changed elements are written, at the price that a
   failed result check (a corrupted update behind valid digests) leaves tensors damaged, to
   be replaced from a keyframe. Every base tensor is checked against the base seal before
-  anything is written."""
+  anything is written. `threads`: tensors applied side by side (parallel.py; None: the
+  host's cores, at most 8)."""
   if not isinstance(update, Update):
     raise TypeError(f"update expected an Update, got {type(update).__name__}")
+  threads = parallel.resolve(threads)
   names = list(update.tensors)
   if update.is_keyframe:
-    out, digests = {}, []
-    arena = _Arena(update.tensors.values())
-    for name, meta in update.tensors.items():
-      bits, got = update.decoded(name).apply(None, UINT_OF[meta.dtype], out=arena.take(meta))
-      out[name] = bits.view(meta.dtype).reshape(meta.shape)
-      digests.append(got)
-    update.check_results(digests)
-    return out
+    slots = _Arena(update.tensors.values()).slots(update.tensors)
+    tasks = [(meta.size, functools.partial(_apply_one, update, name, None, slots[name]))
+             for name, meta in update.tensors.items()]
+    done = [result for _, result in parallel.run(tasks, threads)]
+    update.check_results([digest for _, digest in done])
+    return {name: bits for name, (bits, _) in zip(names, done)}
   if base is None:
     raise CodecError(f"update is a delta from version {update.base_version}; a base is required")
   if base_version is not None and base_version != update.base_version:
@@ -128,26 +148,26 @@ def apply(base, update: Update, *, base_version: int | None = None,
               and base[name].flags.writeable):
         raise CodecError(f"tensor {name!r}: inplace apply needs a writable C-contiguous "
                          f"numpy array, got {type(base[name]).__name__}")
-    base_digests = [checksum(held[name]) for name in names]
+    base_digests = parallel.run(
+        [(held[n].size, functools.partial(checksum, held[n])) for n in names], threads)
     update.check_bases(base_digests)
-  out, digests = {}, {}
-  arena = None if inplace else _Arena(update.tensors.values())
+  slots = None if inplace else _Arena(update.tensors.values()).slots(update.tensors)
+  out, digests, tasks = {}, {}, []
   for i, (name, meta) in enumerate(update.tensors.items()):
-    if name in out:  # a pack member, done with its head
-      continue
     if inplace and meta.mode == "unchanged":
-      out[name] = base[name]
-      digests[name] = base_digests[i]
+      out[name], digests[name] = base[name], base_digests[i]
       continue
     members = update.pack(name)
-    if members is not None:
-      _apply_pack(update, members, held, base, arena, out, digests)
-      continue
-    bits, got = update.decoded(name).apply(bit_view(held[name]), UINT_OF[meta.dtype],
-                                           inplace=inplace,
-                                           out=None if inplace else arena.take(meta))
-    out[name] = base[name] if inplace else bits.view(meta.dtype).reshape(meta.shape)
-    digests[name] = got
+    if members is None:
+      tasks.append((meta.size, functools.partial(
+          _apply_one, update, name, held[name], None if inplace else slots[name])))
+    elif members[0] == name:
+      tasks.append((sum(update.tensors[n].size for n in members), functools.partial(
+          _apply_pack, update, members, held, slots)))
+  for done in parallel.run(tasks, threads):
+    for name, (bits, digest) in (done.items() if isinstance(done, dict) else [done]):
+      out[name] = base[name] if inplace else bits
+      digests[name] = digest
   digests = [digests[name] for name in names]
   if not update.header.results.matches(digests):
     if base_digests is None:  # tell a wrong base from a corrupted update
@@ -155,26 +175,33 @@ def apply(base, update: Update, *, base_version: int | None = None,
                       for d, (name, meta) in zip(digests, update.tensors.items())]
       update.check_bases(base_digests)
     update.check_results(digests)
-  return out
+  return {name: out[name] for name in names}
 
 
-def _apply_pack(update: Update, members: list[str], held: dict, base: dict,
-                arena: "_Arena | None", out: dict, digests: dict) -> None:
-  """Applies a pack's section to its members: in place into the base arrays (no arena),
-  else into the arena, the bases copied in first."""
-  dtype = update.tensors[members[0]].dtype
+def _apply_one(update: Update, name: str, old: np.ndarray | None,
+               slot: np.ndarray | None) -> tuple[str, tuple[np.ndarray, int]]:
+  """(name, (new array, its xxh3)) of a tensor coded alone: from `old` (None for a
+  keyframe) into `slot` (None: in place, into old)."""
+  meta = update.tensors[name]
+  inplace = slot is None
+  bits, got = update.decoded(name).apply(None if old is None else bit_view(old),
+                                         UINT_OF[meta.dtype], inplace=inplace, out=slot)
+  return name, (bits.view(meta.dtype).reshape(meta.shape), got)
+
+
+def _apply_pack(update: Update, members: list[str], held: dict,
+                slots: dict | None) -> dict[str, tuple[np.ndarray, int]]:
+  """name -> (new array, its xxh3) of a pack's members: in place into the held bases (no
+  slots), else into their slots, the bases copied in first."""
   olds = [bit_view(held[n]).reshape(-1) for n in members]
   starts = [lo for lo, _ in packs.spans([a.size for a in olds])]
-  if arena is None:
-    parts = olds
-  else:
-    parts = [arena.take(update.tensors[n]) for n in members]
+  parts = olds if slots is None else [slots[n] for n in members]
+  if slots is not None:
     for part, old in zip(parts, olds):
       np.copyto(part, old)
   update.decoded(members[0]).apply_parts(parts, starts)
-  for n, part in zip(members, parts):
-    out[n] = base[n] if arena is None else part.view(dtype).reshape(update.tensors[n].shape)
-    digests[n] = checksum(part)
+  return {n: (part.view(update.tensors[n].dtype).reshape(update.tensors[n].shape),
+              checksum(part)) for n, part in zip(members, parts)}
 
 
 class _Arena:
@@ -192,6 +219,10 @@ class _Arena:
     part = self._buf[self._pos:self._pos + meta.size * meta.dtype.itemsize]
     self._pos += n
     return part.view(UINT_OF[meta.dtype])
+
+  def slots(self, metas: dict) -> dict[str, np.ndarray]:
+    """name -> take(meta) for every tensor, in order."""
+    return {name: self.take(meta) for name, meta in metas.items()}
 
 
 def _aligned(meta) -> int:
