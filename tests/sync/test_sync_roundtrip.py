@@ -106,6 +106,21 @@ def test_each_mode_is_chosen_where_it_is_smallest_and_round_trips():
   assert modes_for(base, rng.integers(0, 1 << 16, base.shape, dtype=np.uint16)) == "raw"
 
 
+def test_only_clustered_changes_pay_for_the_bitmap_probe(monkeypatch):
+  from rlax_ps.sync import tensor_codec  # noqa: PLC0415
+  probed = []
+  real = tensor_codec._bitmap_estimate
+  monkeypatch.setattr(tensor_codec, "_bitmap_estimate",
+                      lambda *a: probed.append(1) or real(*a))
+  rng = np.random.default_rng(2)
+  base = random_bits(rng, (1 << 15,))
+  scattered = base.copy()
+  scattered[rng.choice(base.size, 500, replace=False)] += 1
+  assert modes_for(base, scattered) == "sparse" and not probed
+  periodic = base + np.resize(np.array([1, 0, 0, 1, 1, 0, 1, 0, 0, 0, 1], np.uint16), base.size)
+  assert modes_for(base, periodic) == "bitmap" and probed
+
+
 def test_changes_give_indices_offsets_and_new_values():
   rng = np.random.default_rng(1)
   base_bits = random_bits(rng, (64, 32))
