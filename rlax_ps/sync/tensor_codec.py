@@ -39,6 +39,8 @@ MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense", "joint", "packed"
 GAPS_ENTROPY, GAPS_RICE = 0, 0x80  # Rice: 0x80 | streams flag | k in one byte
 _RICE_MULTI = 0x40
 BLOCK = 1 << 16
+_ONE_CALL_BYTES = 1 << 19  # smaller tensors are scanned in one compiled call (each costs
+# ~10 us to dispatch), then hashed while still in cache
 _SAMPLE = 1 << 15  # elements the bitmap probe codes
 _GAP_SAMPLE = 1 << 13  # gaps the coder choice is costed on
 _DENSITY_SAMPLE = 1 << 14
@@ -88,6 +90,8 @@ def scan_changes(old: np.ndarray, new: np.ndarray,
   overwrites."""
   n = old.size
   block = BLOCK * 2 // old.itemsize  # 128 KB of each array
+  if old.nbytes <= _ONE_CALL_BYTES:
+    block = max(n, 1)
   if n <= _ESTIMATE_ABOVE:
     cap = n + block
   else:
