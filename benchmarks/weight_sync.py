@@ -92,7 +92,10 @@ class CopyProbe:
     """The same copy split into `threads` slices copied side by side (numpy releases the
     GIL while it copies)."""
     cut = [self.src.size * i // threads for i in range(threads + 1)]
-    run = lambda i: np.copyto(self.dst[cut[i]:cut[i + 1]], self.src[cut[i]:cut[i + 1]])  # noqa: E731
+
+    def run(i):
+      np.copyto(self.dst[cut[i]:cut[i + 1]], self.src[cut[i]:cut[i + 1]])
+
     workers = [threading.Thread(target=run, args=(i,)) for i in range(1, threads)]
     for w in workers:
       w.start()

@@ -4,8 +4,9 @@ Each change is coded as its gap (Rice: q zeros, a one, k low bits) directly foll
 its value (a length-limited Huffman code of the entropy-stage symbol of the zigzag offset,
 then the symbol's raw low bits; or an escape code and the zigzag in full), LSB first, in
 one bit stream. The code tables come from a sample of the tensor (about 1/32 of it, in
-windows of 4096 elements), so the encoder makes one pass: compare 64 elements at a time, walk the changed ones, emit their codes, and
-hash the block while in cache; the decoder decodes and scatters in one pass as well.
+windows of 4096 elements), so the encoder makes one pass: compare 64 elements at a time,
+walk the changed ones, emit their codes, and hash the block while in cache; the decoder
+decodes and scatters in one pass as well.
 Blocks of BLOCK elements go round-robin to STREAMS streams (block b to stream b % 4, gaps
 counted in the stream's own element order), so the decoder runs four independent
 dependency chains side by side over four neighbouring blocks that sit in cache together.

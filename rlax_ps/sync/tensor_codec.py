@@ -39,8 +39,8 @@ MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense", "joint", "packed"
 GAPS_ENTROPY, GAPS_RICE = 0, 0x80  # Rice: 0x80 | streams flag | k in one byte
 _RICE_MULTI = 0x40
 BLOCK = 1 << 16
-_ONE_CALL_BYTES = 1 << 19  # smaller tensors are scanned in one compiled call (each costs
-# ~10 us to dispatch), then hashed while still in cache
+_ONE_CALL_BYTES = 1 << 19  # smaller tensors are scanned (applied) in one compiled call
+# (each costs ~10 us to dispatch), then hashed while still in cache
 _SAMPLE = 1 << 15  # elements the bitmap probe codes
 _GAP_SAMPLE = 1 << 13  # gaps the coder choice is costed on
 _DENSITY_SAMPLE = 1 << 14
@@ -293,6 +293,8 @@ class Decoded:
       self.streams.apply(old, out, h)
       return out, h.intdigest()
     block = BLOCK * 2 // old.itemsize  # 128 KB of each array
+    if old.nbytes <= _ONE_CALL_BYTES:
+      block = max(old.size, 1)
     if self.mode == SPARSE or self.mode == BITMAP:
       bounds = np.searchsorted(self.indices, np.arange(0, old.size + block, block))
     for k, s in enumerate(range(0, old.size, block)):
