@@ -271,12 +271,13 @@ def rice_sizes(gaps, step, k0, k1):
 
 @numba.njit(**_JIT)
 def rice_encode(gaps, k):
-  """(words, bits) of the gaps as q zeros, a one, then k low bits (LSB first). A 64-bit
-  accumulator takes each code in one shift-or and spills full words without branching on
-  the data (quotients of >= 63 - k zeros take a slow path)."""
-  total = np.uint64(0)
+  """(words, bits, sum of the gaps) of the gaps as q zeros, a one, then k low bits (LSB
+  first). A 64-bit accumulator takes each code in one shift-or and spills full words
+  without branching on the data (quotients of >= 63 - k zeros take a slow path)."""
+  total, gap_sum = np.uint64(0), np.uint64(0)
   for i in range(gaps.size):
     total += np.uint64(gaps[i]) >> np.uint64(k)
+    gap_sum += np.uint64(gaps[i])
   nbits = np.int64(total) + gaps.size * (k + 1)
   out = np.zeros(nbits // 64 + 2, np.uint64)
   kk = np.uint64(k)
@@ -304,7 +305,7 @@ def rice_encode(gaps, k):
     acc = (v >> ((np.uint64(64) - before) & np.uint64(63))) if c else acc
     fill &= np.uint64(63)
   out[wpos] = acc
-  return out, nbits
+  return out, nbits, gap_sum
 
 
 @numba.njit(inline="always", **_JIT)

@@ -137,12 +137,12 @@ def _rice_bytes(gaps: np.ndarray, k: int) -> bytes:
   last = -1
   for j in range(s):
     seg = gaps[cuts[j]:cuts[j + 1]]
-    words, nbits = loops.rice_encode(seg, k)
+    words, nbits, gap_sum = loops.rice_encode(seg, k)
     parts.append(words.view(np.uint8)[:(nbits + 7) // 8])
     lengths.append(varint((nbits + 7) // 8))
     if j:
       bases.append(varint(last))
-    last += int(seg.sum(dtype=np.uint64)) + seg.size
+    last += int(gap_sum) + seg.size
   return b"".join([u8(GAPS_RICE | (_RICE_MULTI if s > 1 else 0) | k)] + lengths + bases + parts)
 
 
