@@ -131,9 +131,11 @@ def apply(base, update: Update, *, base_version: int | None = None,
     slots = _Arena(update.tensors.values()).slots(update.tensors)
     tasks = [(meta.size, functools.partial(_apply_one, update, name, None, slots[name]))
              for name, meta in update.tensors.items()]
-    done = [result for _, result in parallel.run(tasks, threads)]
-    update.check_results([digest for _, digest in done])
-    return {name: bits for name, (bits, _) in zip(names, done)}
+    done = {}
+    for result in parallel.run(tasks, threads):
+      done.update(result)
+    update.check_results([done[name][1] for name in names])
+    return {name: done[name][0] for name in names}
   if base is None:
     raise CodecError(f"update is a delta from version {update.base_version}; a base is required")
   if base_version is not None and base_version != update.base_version:
@@ -165,7 +167,7 @@ def apply(base, update: Update, *, base_version: int | None = None,
       tasks.append((sum(update.tensors[n].size for n in members), functools.partial(
           _apply_pack, update, members, held, slots)))
   for done in parallel.run(tasks, threads):
-    for name, (bits, digest) in (done.items() if isinstance(done, dict) else [done]):
+    for name, (bits, digest) in done.items():
       out[name] = base[name] if inplace else bits
       digests[name] = digest
   digests = [digests[name] for name in names]
@@ -179,14 +181,14 @@ def apply(base, update: Update, *, base_version: int | None = None,
 
 
 def _apply_one(update: Update, name: str, old: np.ndarray | None,
-               slot: np.ndarray | None) -> tuple[str, tuple[np.ndarray, int]]:
-  """(name, (new array, its xxh3)) of a tensor coded alone: from `old` (None for a
+               slot: np.ndarray | None) -> dict[str, tuple[np.ndarray, int]]:
+  """{name: (new array, its xxh3)} of a tensor coded alone: from `old` (None for a
   keyframe) into `slot` (None: in place, into old)."""
   meta = update.tensors[name]
   inplace = slot is None
   bits, got = update.decoded(name).apply(None if old is None else bit_view(old),
                                          UINT_OF[meta.dtype], inplace=inplace, out=slot)
-  return name, (bits.view(meta.dtype).reshape(meta.shape), got)
+  return {name: (bits.view(meta.dtype).reshape(meta.shape), got)}
 
 
 def _apply_pack(update: Update, members: list[str], held: dict,
