@@ -4,18 +4,29 @@ fresh memory, whose pages cost a fault each (or a 2 MB zeroing each once numpy a
 huge pages): for a small model that is most of an encode."""
 
 import threading
+import weakref
 
 import numpy as np
 
 KEEP_MAX = 1 << 24  # bytes a buffer may keep between calls; larger requests are one-off
 _LOCAL = threading.local()
+# (thread, its buffers) of every live thread that has some: release(all_threads=True)
+# reaches the codec's pool threads too; finished threads' entries go when a thread
+# registers and on release(all_threads=True).
+_ALL: list[tuple[weakref.ref, dict]] = []
+_LOCK = threading.Lock()
 
 
 def buffer(slot: str, n: int, dtype) -> np.ndarray:
   """n elements of dtype from this thread's buffer `slot`; the contents are whatever the
   previous user left. Valid until the next request for the same slot on this thread."""
   dtype = np.dtype(dtype)
-  bufs = _LOCAL.__dict__.setdefault("buffers", {})
+  bufs = _LOCAL.__dict__.get("buffers")
+  if bufs is None:
+    bufs = _LOCAL.buffers = {}
+    with _LOCK:
+      _prune()
+      _ALL.append((weakref.ref(threading.current_thread()), bufs))
   nbytes = n * dtype.itemsize
   buf = bufs.get(slot)
   if buf is None or buf.nbytes < nbytes:
@@ -25,7 +36,19 @@ def buffer(slot: str, n: int, dtype) -> np.ndarray:
   return buf[:nbytes].view(dtype)
 
 
-def release() -> None:
+def release(all_threads: bool = False) -> None:
   """Drops this thread's buffers (each keeps up to KEEP_MAX bytes between calls; a thread
-  that encodes keeps a few tens of MB for a large model)."""
-  _LOCAL.__dict__.pop("buffers", None)
+  that encodes keeps a few tens of MB for a large model), or with all_threads every
+  thread's, the encode/apply pool's included: call it while no encode or apply runs."""
+  if not all_threads:
+    _LOCAL.__dict__.get("buffers", {}).clear()
+    return
+  with _LOCK:
+    _prune()
+    for _, bufs in _ALL:
+      bufs.clear()
+
+
+def _prune() -> None:
+  """Forgets the buffers of finished threads (the caller holds _LOCK)."""
+  _ALL[:] = [(t, b) for t, b in _ALL if t() is not None and t().is_alive()]

@@ -28,6 +28,34 @@ def test_a_slot_is_reused_per_thread_and_large_requests_are_not_kept():
   assert not np.shares_memory(scratch.buffer("test slot", 100, np.uint16), a)
 
 
+def test_release_all_threads_reaches_the_pool_and_forgets_finished_threads():
+  held, done = [], threading.Event()
+
+  def worker():
+    held.append(scratch.buffer("test pool slot", 64, np.uint8))
+    done.wait(30)
+
+  live = threading.Thread(target=worker, daemon=True)
+  live.start()
+  gone = threading.Thread(target=lambda: scratch.buffer("test gone slot", 64, np.uint8))
+  gone.start()
+  gone.join()
+  try:
+    mine = scratch.buffer("test pool slot", 64, np.uint8)
+    while not held:
+      threading.Event().wait(0.01)
+    scratch.release()  # this thread's only
+    assert not np.shares_memory(scratch.buffer("test pool slot", 64, np.uint8), mine)
+    entries = [b for t, b in scratch._ALL if t() is live]
+    assert len(entries) == 1 and "test pool slot" in entries[0]
+    scratch.release(all_threads=True)
+    assert entries[0] == {}
+    assert all(t() is not gone for t, _ in scratch._ALL)
+  finally:
+    done.set()
+    live.join()
+
+
 def _root(a):
   while isinstance(a.base, np.ndarray):
     a = a.base
