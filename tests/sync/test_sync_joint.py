@@ -49,6 +49,26 @@ def test_joint_layout_round_trips_through_apply_inplace_and_changes(pair):
   assert np.array_equal(off, (target - base)[idx])
 
 
+@pytest.mark.parametrize("n,dtype", [(1 << 16, np.uint16), ((1 << 16) + 1, np.uint16),
+                                     (3 * (1 << 16) + 100, np.uint16), (5 << 16, np.uint8)])
+def test_joint_sections_of_fewer_blocks_than_streams_round_trip(n, dtype):
+  """Tensors from joint.MIN_ELEMENTS up: one to five blocks (streams left empty, a short
+  last block, a round of fewer than four blocks)."""
+  rng = np.random.default_rng(n)
+  base = rng.integers(0, np.iinfo(dtype).max + 1, n, dtype=dtype)
+  target = changed(rng, base, 0.06, OFFSETS.astype(dtype), P)
+  enc, dec = section(base, target)
+  assert tensor_codec.MODE_NAMES[enc.mode] == "joint"
+  out, digest = dec.apply(base, base.dtype)
+  assert np.array_equal(out, target) and digest == sync.checksum(target)
+  held = base.copy()
+  dec.apply(held, base.dtype, inplace=True)
+  assert np.array_equal(held, target)
+  idx, off = dec.sparse()
+  assert np.array_equal(idx, np.flatnonzero(base != target))
+  assert np.array_equal(off, (target - base)[idx])
+
+
 def test_joint_layout_is_near_the_bound_and_smaller_than_the_general_one_allows(pair):
   base, target = pair
   enc, _ = section(base, target)
