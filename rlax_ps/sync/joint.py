@@ -27,7 +27,8 @@ from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_TRUNCATED, OK, _bitlen, _group_mask, _peek,
-                                _take, entropy_bits, popcount, symbol_of, unary)
+                                _take, best_rice, entropy_bits, popcount, symbol_of,
+                                unary)
 
 BLOCK = 1 << 16
 STREAMS = 4
@@ -322,18 +323,7 @@ def _sample(aw, bw, a, b, starts, gaps, vhist, ghist, widths, lane_bits):
         nnz += 1
   if nnz == 0:
     return 0, 0, 0, 0.0, 0
-  total = 0.0
-  for i in range(nnz):
-    total += gaps[i]
-  k0 = max(0, int(np.log2(total / nnz * np.log(2) + 1)))
-  best_k, best = 0, np.int64(-1)
-  for k in range(max(0, k0 - 1), min(MAX_K, k0 + 2) + 1):
-    t = np.uint64(0)
-    for i in range(nnz):
-      t += gaps[i] >> np.uint64(k)
-    size = np.int64(t) + nnz * (k + 1)
-    if best < 0 or size < best:
-      best, best_k = size, k
+  best_k, best = best_rice(gaps, nnz, 1, 3, MAX_K + 1)
   bits, present = entropy_bits(ghist, widths)
   return nnz, best_k, best, bits, present
 

@@ -15,7 +15,6 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
-from rlax_ps.sync import scratch
 
 DIRECT = 16
 ALPHABET = DIRECT + 4 * (56 - 4)  # z < 2**56
@@ -163,16 +162,6 @@ def _scan_block8(aw, bw, a, b, start, st, gaps, syms, raw, hist):
   return _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, 8)
 
 
-def scan_outputs(slot: str, cap: int, gap_dtype) -> tuple[np.ndarray, ...]:
-  """(gaps, syms, raw, hist) for scans of up to `cap` changes, the first three in this
-  thread's scratch buffers `slot` + " gaps" / " syms" / " raw" (reused, not zeroed: raw
-  needs only raw[0] = 0, see _scan_block; at most 16 raw bits a change)."""
-  raw = scratch.buffer(slot + " raw", cap // 4 + 2, np.uint64)
-  raw[0] = 0
-  gaps = scratch.buffer(slot + " gaps", cap, gap_dtype)
-  return gaps, scratch.buffer(slot + " syms", cap, np.uint8), raw, np.zeros((4, ALPHABET), np.int64)
-
-
 def scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist) -> bool:
   """_scan_block compiled for the element width of a (16 or 8 bits)."""
   scan = _scan_block16 if a.itemsize == 2 else _scan_block8
@@ -229,42 +218,39 @@ def entropy_bits(hist, widths):
   return bits, present
 
 
-@numba.njit(**_JIT)
-def gap_plan(gaps, step, widths):
-  """Costs of every `step`-th gap (a sample): (the Rice parameter k among the three or
-  four nearest log2 of the mean gap whose code is shortest, that code's bits, the
-  entropy stage's information + raw bits (entropy_bits), symbols present)."""
+@numba.njit(inline="always", **_JIT)
+def best_rice(gaps, count, step, above, kmax):
+  """(k, its code's bits) of the Rice parameter whose code of every `step`-th of the first
+  `count` gaps is shortest, among k0 - 1 .. k0 + above - 1 (k0: log2 of the mean gap times
+  ln 2, the geometric optimum; below kmax)."""
   m, total = 0, 0.0
-  for i in range(0, gaps.size, step):
+  for i in range(0, count, step):
     total += gaps[i]
     m += 1
   k0 = max(0, int(np.log2(total / m * np.log(2) + 1)))
   best_k, best = 0, np.int64(-1)
-  for k in range(max(0, k0 - 1), min(56, k0 + 2)):
+  for k in range(max(0, k0 - 1), min(kmax, k0 + above)):
     t = np.uint64(0)
-    for i in range(0, gaps.size, step):
+    for i in range(0, count, step):
       t += np.uint64(gaps[i]) >> np.uint64(k)
     size = np.int64(t) + m * (k + 1)  # quotients, stops, k low bits each
     if best < 0 or size < best:
       best, best_k = size, k
+  return best_k, best
+
+
+@numba.njit(**_JIT)
+def gap_plan(gaps, step, widths):
+  """Costs of every `step`-th gap (a sample): (the Rice parameter k among the three
+  nearest log2 of the mean gap whose code is shortest, that code's bits, the entropy
+  stage's information + raw bits (entropy_bits), symbols present)."""
+  best_k, best = best_rice(gaps, gaps.size, step, 2, 56)
   hist = np.zeros(widths.size, np.int64)
   for i in range(0, gaps.size, step):
     s, _, _ = symbol_of(gaps[i])
     hist[s] += 1
   bits, present = entropy_bits(hist, widths)
   return best_k, best, bits, present
-
-
-@numba.njit(**_JIT)
-def rice_sizes(gaps, step, k0, k1):
-  """Unary bits (quotients + stops) of every `step`-th gap for Rice parameters k0..k1-1."""
-  out = np.zeros(k1 - k0, np.int64)
-  for k in range(k0, k1):
-    t = np.uint64(0)
-    for i in range(0, gaps.size, step):
-      t += np.uint64(gaps[i]) >> np.uint64(k)
-    out[k - k0] = np.int64(t) + (gaps.size + step - 1) // step
-  return out
 
 
 # ---- Rice-coded gaps ---------------------------------------------------------------------

@@ -98,8 +98,7 @@ def scan_changes(old: np.ndarray, new: np.ndarray,
     lanes = 8 // old.itemsize
     density = 1 - (1 - _estimate_density(old, new)) ** (1 / lanes)  # elements from words
     cap = min(n, int(n * density * 1.1)) + block
-  gaps, syms, raw, hist = loops.scan_outputs(
-      "scan", cap, np.dtype(np.uint32 if n < 1 << 32 else np.uint64))
+  gaps, syms, raw, hist = _scan_outputs(cap, np.dtype(np.uint32 if n < 1 << 32 else np.uint64))
   st = np.array([0, -1, 0], np.int64)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
   for s in range(0, n, block):
@@ -118,6 +117,17 @@ def scan_changes(old: np.ndarray, new: np.ndarray,
   return Changes(gaps[:pos], syms[:pos], raw, hist.sum(axis=0),
                  h_old.intdigest() if hashed[0] else None,
                  h_new.intdigest() if hashed[1] else None)
+
+
+def _scan_outputs(cap: int, gap_dtype) -> tuple[np.ndarray, ...]:
+  """(gaps, syms, raw, hist) for scans of up to `cap` changes, the first three in this
+  thread's scratch buffers (reused, not zeroed: raw needs only raw[0] = 0, see
+  loops._scan_block; at most 16 raw bits a change)."""
+  raw = scratch.buffer("scan raw", cap // 4 + 2, np.uint64)
+  raw[0] = 0
+  gaps = scratch.buffer("scan gaps", cap, gap_dtype)
+  return gaps, scratch.buffer("scan syms", cap, np.uint8), raw, np.zeros((4, entropy.ALPHABET),
+                                                                        np.int64)
 
 
 def _zigzag_offsets(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> np.ndarray:
