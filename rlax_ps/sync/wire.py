@@ -41,7 +41,7 @@ from rlax_ps.sync.integrity import Seal, checksum, combine, group_count
 
 MAGIC = b"RLXW"
 WIRE_VERSION = 3
-SECTION_CODEC_VERSION = 2
+SECTION_CODEC_VERSION = 3
 FORMATS = ("bf16", "int8")
 _DTYPES = (BF16, INT8)
 _PREFIX = struct.Struct("<4sHBII")

@@ -106,6 +106,90 @@ def test_int8_codes_use_the_joint_layout_too():
   assert np.array_equal(dec.apply(base, base.dtype)[0], target)
 
 
+@pytest.fixture(scope="module")
+def int8_pair():
+  """int8 codes moved by +-1 at 1%, plus a value no sampled window holds in blocks 5 and
+  20: (base, target, those blocks)."""
+  rng = np.random.default_rng(5)
+  n = 3 << 20
+  base = rng.integers(0, 256, n, dtype=np.uint8)
+  target = changed(rng, base, 0.01, np.array([1, 255], np.uint8), [0.5, 0.5])
+  sampled = np.zeros(n, bool)
+  for s in joint.sample_starts(n):
+    sampled[s:s + joint.SAMPLE_WINDOW] = True
+  odd = []
+  for block in (5, 20):
+    lo = block * joint.BLOCK
+    spot = lo + np.flatnonzero(~sampled[lo:lo + joint.BLOCK])[[100, 200, 300]]
+    target[spot] = base[spot] + np.uint8(7)
+    odd.append(block)
+  return base, target, odd
+
+
+def _bound_bytes(base, target):
+  idx = np.flatnonzero(base != target)
+  d = idx.size / base.size
+  _, counts = np.unique(target[idx] - base[idx], return_counts=True)
+  p = counts / counts.sum()
+  return (base.size * -(d * np.log2(d) + (1 - d) * np.log2(1 - d))
+          + idx.size * -(p * np.log2(p)).sum()) / 8
+
+
+def test_a_closed_code_set_spares_the_escape_where_two_values_dominate(int8_pair):
+  """+-1 steps of int8 codes: the closed set codes them in one bit each (with the escape,
+  one of them would take two: about 5% more bytes); only the blocks holding a value the
+  sample lacked take the open set."""
+  base, target, odd = int8_pair
+  enc, dec = section(base, target)
+  assert tensor_codec.MODE_NAMES[enc.mode] == "joint"
+  assert np.flatnonzero(dec.streams.sets).tolist() == odd
+  assert len(enc.section) < 1.02 * _bound_bytes(base, target)
+  out, digest = dec.apply(base, base.dtype)
+  assert np.array_equal(out, target) and digest == sync.checksum(target)
+  idx, off = dec.sparse()
+  assert np.array_equal(idx, np.flatnonzero(base != target))
+  assert np.array_equal(off, (target - base)[idx])
+
+
+def test_int8_codes_take_the_joint_layout_from_half_a_percent():
+  rng = np.random.default_rng(6)
+  base = rng.integers(0, 256, 1 << 21, dtype=np.uint8)
+  steps = np.array([1, 255], np.uint8), [0.5, 0.5]
+  assert joint.plan(base, changed(rng, base, 0.002, *steps)) is None
+  assert joint.plan(base, changed(rng, base, 0.008, *steps)) is not None
+
+
+def _table_end(section):
+  """Position of the first block count varint of a joint section, and its closed flag."""
+  r = ByteReader(section, "w")
+  r.u8()
+  m = r.u8()
+  r.take(m)
+  closed = r.u8()
+  r.take((m + 1) // 2 + (m // 2 if closed else 0))
+  return r.pos, closed
+
+
+def test_joint_block_code_sets_are_checked(pair):
+  """A section without a closed set whose block names it, or an unknown closed-set flag,
+  raises CodecError naming the tensor."""
+  base, target = pair
+  enc, _ = section(base, target)
+  pos, closed = _table_end(enc.section)
+  assert closed == 0
+  data = bytearray(enc.section)
+  first = ByteReader(enc.section, "w", pos).varint()
+  assert first & 1  # every block: open set
+  data[pos] ^= 1
+  with pytest.raises(sync.CodecError, match="tensor 'w'.*closed code set the section lacks"):
+    tensor_codec.decode_section("tensor 'w'", enc.mode, bytes(data), base.size, base.dtype)
+  data = bytearray(enc.section)
+  m = data[1]
+  data[2 + m] = 2
+  with pytest.raises(sync.CodecError, match="tensor 'w'.*unknown closed-set flag 2"):
+    tensor_codec.decode_section("tensor 'w'", enc.mode, bytes(data), base.size, base.dtype)
+
+
 @pytest.mark.parametrize("density,mode", [(0.005, "sparse"), (0.4, "dense")])
 def test_sparse_and_dense_tensors_keep_the_general_layouts(density, mode):
   rng = np.random.default_rng(3)
@@ -132,8 +216,12 @@ def test_long_sparse_sections_split_their_gaps_into_four_rice_streams():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
                     min_size=1, max_size=4))
-def test_corrupted_joint_sections_raise_codec_error_or_decode_exactly(ops, pair):
-  base, target = pair
+def test_corrupted_joint_sections_raise_codec_error_or_decode_exactly(ops, pair, int8_pair):
+  for base, target in (pair, int8_pair[:2]):
+    _check_corrupted(ops, base, target)
+
+
+def _check_corrupted(ops, base, target):
   enc, _ = section(base, target)
   data = bytearray(enc.section)
   for where, byte in ops:
@@ -248,7 +336,7 @@ def _whole_codes_numpy(k, table, width):
 def test_the_whole_code_table_matches_its_array_wise_definition(pair):
   enc, dec = section(*pair)
   assert enc.mode == tensor_codec.JOINT
-  table = dec.streams.table
+  table = dec.streams.tables[0]
   for k in {dec.streams.k, 0, 3, 9}:
     for width in (8, 16):
       assert np.array_equal(joint.whole_codes(k, table, width),
@@ -256,9 +344,10 @@ def test_the_whole_code_table_matches_its_array_wise_definition(pair):
 
 
 @pytest.mark.parametrize("width,wide", [(8, False), (16, False), (16, True)])
-def test_the_code_table_matches_symbol_by_symbol_definition(width, wide):
+def test_the_code_tables_match_their_symbol_by_symbol_definition(width, wide):
   """joint.tables' value codes against loops.symbol_of applied to every zigzag value:
-  from ctab below its size, from the symbol table and the escape above."""
+  from ctab below its size, from the symbol table and the escape above; the open set
+  codes every value, the closed set the sample's symbols alone, with one code fewer."""
   from rlax_ps.sync import loops  # noqa: PLC0415
   rng = np.random.default_rng(width + wide)
   counts = np.zeros(entropy.ALPHABET, np.int64)
@@ -266,28 +355,34 @@ def test_the_code_table_matches_symbol_by_symbol_definition(width, wide):
   present = rng.choice(np.arange(1, top), 20, replace=False)
   counts[present] = rng.integers(1, 1000, present.size)
   k = 5
-  _, ctab, symtab, esc = joint.tables(counts, width, k)
-  assert ctab.size <= joint.CTAB_MAX and ctab.size < 1 << width
+  _, (ctabs, symtabs, escs), made = joint.tables(counts, width, k, min_gain=0.0)
+  assert made and not joint.tables(counts, width, k, min_gain=1.0)[2]
+  closed, opened = (ctabs[0], symtabs[0], escs[0]), (ctabs[1], symtabs[1], escs[1])
   syms = np.append(np.flatnonzero(counts), joint.ESCAPE)
-  lengths = huffman.code_lengths(np.append(counts[counts > 0], max(1, int(counts.sum()) >> 12)))
-  codes = huffman.canonical_codes(lengths)
-  code_of = dict(zip(syms.tolist(), zip(codes.tolist(), lengths.tolist())))
-  entries = joint.value_entries(np.arange(1 << width, dtype=np.uint64), symtab, esc, k)
-  assert ctab[0] == 0
-  for z in range(1, 1 << width):
-    sym, rw, extra = (int(v) for v in loops.symbol_of(z))
-    if sym in code_of:
-      code, n = code_of[sym]
-      bits, length = code | (extra << n), n + rw
-    else:
-      code, n = code_of[joint.ESCAPE]
-      bits, length = code | (z << n), n + width
-    want = ((bits & ((1 << 56) - 1)) << (k + 1) & ((1 << 64) - 1)) | ((length + k + 1) << 56)
-    assert int(entries[z]) == want, z
-    if z < ctab.size:
-      assert int(ctab[z]) == want, z
-    elif not wide:  # the table reaches past the sample's largest symbol
-      assert sym not in code_of, z
+  weights = np.append(counts[counts > 0], max(1, int(counts.sum()) >> 12))
+  for (ctab, symtab, esc), n in ((opened, syms.size), (closed, syms.size - 1)):
+    assert ctab.size <= joint.CTAB_MAX and ctab.size < 1 << width
+    lengths = huffman.code_lengths(weights[:n])
+    codes = huffman.canonical_codes(lengths)
+    code_of = dict(zip(syms[:n].tolist(), zip(codes.tolist(), lengths.tolist())))
+    entries = joint.value_entries(np.arange(1 << width, dtype=np.uint64), symtab, esc, k)
+    assert ctab[0] == 0
+    for z in range(1, 1 << width):
+      sym, rw, extra = (int(v) for v in loops.symbol_of(z))
+      if sym in code_of:
+        code, length = code_of[sym]
+        bits, length = code | (extra << length), length + rw
+      elif joint.ESCAPE in code_of:
+        code, length = code_of[joint.ESCAPE]
+        bits, length = code | (z << length), length + width
+      else:  # closed set: no code; the entry's length (top byte) is 0
+        bits, length = z, -(k + 1)
+      want = ((bits & ((1 << 56) - 1)) << (k + 1) & ((1 << 64) - 1)) | ((length + k + 1) << 56)
+      assert int(entries[z]) == want, z
+      if z < ctab.size:
+        assert int(ctab[z]) == want, z
+      elif not wide:  # the table reaches past the sample's largest symbol
+        assert sym not in code_of, z
 
 
 def test_varints_round_trip():
