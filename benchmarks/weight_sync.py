@@ -160,6 +160,11 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   app = best_time(lambda u: sync.apply(base_held, u, threads=1), reps, setup=fresh, probe=probe)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(app[2][k]), bit_view(v)), k
+  spare = {k: np.zeros_like(v) for k, v in base_held.items()}  # pages touched once
+  into = best_time(lambda u: sync.apply(base_held, u, out=spare, threads=1), reps,
+                   setup=fresh, probe=probe)
+  for k, v in target_held.items():
+    assert np.array_equal(bit_view(into[2][k]), bit_view(v)), k
   inplace = best_time(lambda a: sync.apply(a[0], a[1], inplace=True, threads=1), reps,
                       setup=lambda: ({k: v.copy() for k, v in base_held.items()}, fresh()),
                       probe=probe)
@@ -184,7 +189,7 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
           f"{full_bf16_bytes / max(baseline, 1):.1f}x", f"{update.nbytes / keyframe_bytes:.2%}",
           f"{model / enc[0] / 1e9:.2f}", vs_copy(enc, 0), vs_copy(enc_host, 0),
           f"{model / app[0] / 1e9:.2f}",
-          vs_copy(app, 0), vs_copy(inplace, 0),
+          vs_copy(app, 0), vs_copy(into, 0), vs_copy(inplace, 0),
           f"{vs_copy(enc, 1)}/{vs_copy(app, 1)}/{vs_copy(inplace, 1)}",
           f"{model * copy_t / enc_t[1]:.0%}/{model * copy_t / app_t[1]:.0%}",
           "+".join(modes) or "-"]
@@ -290,7 +295,7 @@ def main(argv):
         f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
   header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound", "hdr B",
             "int32+val", "vs kf", "enc GB/s", "enc/copy", "f32 enc/copy", "apply GB/s", "apply/copy",
-            "inplace/copy", "wall e/a/i", f"{threads}T wall e/a", "modes"]
+            "spare/copy", "inplace/copy", "wall e/a/i", f"{threads}T wall e/a", "modes"]
   widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
   print(f"synthetic model: {n:,} bf16 elements ({full / 1e6:.0f} MB); memory copy "
         f"(np.copyto) {1 / copy_s[0] / 1e9:.2f} GB/s CPU time, "
@@ -308,8 +313,10 @@ def main(argv):
         "between the runs of each row, best per byte); enc: from the held target (bf16, "
         "or int8 quantized on device by int8_device), with the base's checksums from the "
         "update that published it (the publisher's path); f32 enc: from the float32 target, "
-        "rounded or quantized on the host; apply: from an undecoded Update, into new arrays; "
-        "inplace: apply(..., inplace=True); wall e/a/i: "
+        "rounded or quantized on the host; apply: from an undecoded Update, into new arrays "
+        "(fresh pages: their first-touch faults included); spare: apply(..., out=spare) into "
+        "a held state kept for it (a double buffer); inplace: apply(..., inplace=True); "
+        "wall e/a/i: "
         "the encode/apply/inplace ratios by wall time; (all single-threaded: threads=1); "
         f"{threads}T wall e/a: encode/apply with threads={threads} (tensors side by side) by "
         f"wall time, over a copy split across {threads} threads; modes: the sections' layouts")

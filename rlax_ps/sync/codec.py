@@ -111,7 +111,8 @@ def _encode_pack(old_state: dict, new_state: dict, members: list[str],
 
 
 def apply(base, update: Update, *, base_version: int | None = None,
-          inplace: bool = False, threads: int | None = None) -> dict[str, np.ndarray]:
+          inplace: bool = False, out: dict | None = None,
+          threads: int | None = None) -> dict[str, np.ndarray]:
   """The held state `update` makes of `base` (ignored for a keyframe; may be None), verified
   bit for bit against the update's seals (errors name the tensor). With `base_version`,
   also checks that the update applies to that version.
@@ -121,21 +122,29 @@ def apply(base, update: Update, *, base_version: int | None = None,
   arrays and returns them instead: only changed elements are written, at the price that a
   failed result check (a corrupted update behind valid digests) leaves tensors damaged, to
   be replaced from a keyframe. Every base tensor is checked against the base seal before
-  anything is written. `threads`: tensors applied side by side (parallel.py; None: the
-  host's cores, at most 8)."""
+  anything is written. out: a spare held state (writable C-contiguous numpy arrays of the
+  update's names, shapes and dtypes, sharing no memory with the base) to write the result
+  into and return, e.g. the half of a double buffer not in use: no allocation and no page
+  faults. `threads`: tensors applied side by side (parallel.py; None: the host's cores, at
+  most 8)."""
   if not isinstance(update, Update):
     raise TypeError(f"update expected an Update, got {type(update).__name__}")
   threads = parallel.resolve(threads)
   names = list(update.tensors)
+  if out is not None:
+    if inplace:
+      raise CodecError("apply: pass inplace=True or out, not both")
+    out_slots = _out_slots(out, update, base)
   if update.is_keyframe:
-    slots = _Arena(update.tensors.values()).slots(update.tensors)
+    slots = (_Arena(update.tensors.values()).slots(update.tensors) if out is None
+             else out_slots)
     tasks = [(meta.size, functools.partial(_apply_one, update, name, None, slots[name]))
              for name, meta in update.tensors.items()]
     done = {}
     for result in parallel.run(tasks, threads):
       done.update(result)
     update.check_results([done[name][1] for name in names])
-    return {name: done[name][0] for name in names}
+    return {name: done[name][0] if out is None else out[name] for name in names}
   if base is None:
     raise CodecError(f"update is a delta from version {update.base_version}; a base is required")
   if base_version is not None and base_version != update.base_version:
@@ -153,11 +162,16 @@ def apply(base, update: Update, *, base_version: int | None = None,
     base_digests = parallel.run(
         [(held[n].size, functools.partial(checksum, held[n])) for n in names], threads)
     update.check_bases(base_digests)
-  slots = None if inplace else _Arena(update.tensors.values()).slots(update.tensors)
-  out, digests, tasks = {}, {}, []
+  if inplace:
+    slots = None
+  elif out is None:
+    slots = _Arena(update.tensors.values()).slots(update.tensors)
+  else:
+    slots = out_slots
+  result, digests, tasks = {}, {}, []
   for i, (name, meta) in enumerate(update.tensors.items()):
     if inplace and meta.mode == "unchanged":
-      out[name], digests[name] = base[name], base_digests[i]
+      result[name], digests[name] = base[name], base_digests[i]
       continue
     members = update.pack(name)
     if members is None:
@@ -168,7 +182,7 @@ def apply(base, update: Update, *, base_version: int | None = None,
           _apply_pack, update, members, held, slots)))
   for done in parallel.run(tasks, threads):
     for name, (bits, digest) in done.items():
-      out[name] = base[name] if inplace else bits
+      result[name] = base[name] if inplace else bits if out is None else out[name]
       digests[name] = digest
   digests = [digests[name] for name in names]
   if not update.header.results.matches(digests):
@@ -177,7 +191,26 @@ def apply(base, update: Update, *, base_version: int | None = None,
                       for d, (name, meta) in zip(digests, update.tensors.items())]
       update.check_bases(base_digests)
     update.check_results(digests)
-  return {name: out[name] for name in names}
+  return {name: result[name] for name in names}
+
+
+def _out_slots(out: dict, update: Update, base) -> dict[str, np.ndarray]:
+  """Flat unsigned views of the arrays of `out` (see apply), checked tensor by tensor."""
+  check_names("out", out, update.tensors)
+  slots = {}
+  for name, meta in update.tensors.items():
+    a = out[name]
+    what = f"tensor {name!r}: out"
+    if not (isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.writeable):
+      raise CodecError(f"{what} must be a writable C-contiguous numpy array, got "
+                       f"{type(a).__name__}")
+    if a.shape != tuple(meta.shape) or a.dtype != meta.dtype:
+      raise CodecError(f"{what} has shape {a.shape} and dtype {a.dtype}, expected "
+                       f"{tuple(meta.shape)} and {meta.dtype}")
+    if base is not None and name in base and np.shares_memory(a, np.asarray(base[name])):
+      raise CodecError(f"{what} shares memory with the base (use inplace=True)")
+    slots[name] = bit_view(a).reshape(-1)
+  return slots
 
 
 def _apply_one(update: Update, name: str, old: np.ndarray | None,

@@ -181,3 +181,67 @@ def test_inplace_apply_rejects_a_wrong_base_before_writing():
   with pytest.raises(sync.CodecError, match="'w'.*wrong base"):
     sync.apply(held, update, inplace=True)
   assert np.array_equal(held["w"].view(np.uint16), wrong)
+
+
+def _double_buffer_states(fmt):
+  """(base, target) held states with a joint tensor, a sparse one, an unchanged one and a
+  pack of small ones."""
+  rng = np.random.default_rng(21)
+  base = {"big.kernel": rng.standard_normal((256, 512), np.float32) * 0.02,
+          "mid.kernel": rng.standard_normal((128, 96), np.float32) * 0.02,
+          "same.kernel": rng.standard_normal((256, 256), np.float32) * 0.02,
+          "norm.scale": np.ones(512, np.float32), "bias": np.zeros(96, np.float32)}
+  target = {k: v.copy() for k, v in base.items()}
+  target["big.kernel"][rng.random((256, 512)) < 0.05] *= np.float32(1 + 2 ** -7)
+  target["mid.kernel"][::7, ::5] *= np.float32(1.01)
+  target["norm.scale"][::3] += np.float32(0.01)
+  return sync.held_state(base, fmt), sync.held_state(target, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_apply_into_a_spare_state_writes_the_target_there_and_returns_it(fmt):
+  base, target = _double_buffer_states(fmt)
+  update = sync.encode(base, target, fmt, version=1)
+  modes = {m.mode for m in update.tensors.values()}
+  assert modes >= {"packed", "unchanged"} | ({"joint"} if fmt == "bf16" else set())
+  before = {k: v.copy() for k, v in base.items()}
+  spare = {k: np.full_like(v, 7) for k, v in base.items()}
+  for threads in (1, 2):
+    got = sync.apply(base, sync.Update.from_bytes(update.to_bytes()), out=spare,
+                     threads=threads)
+    assert list(got) == list(update.tensors)
+    for k in target:
+      assert got[k] is spare[k]
+      assert np.array_equal(got[k].view(np.uint8), target[k].view(np.uint8)), k
+      assert np.array_equal(base[k].view(np.uint8), before[k].view(np.uint8)), k
+  keyframe = sync.encode(None, target, fmt, version=2)
+  fresh = {k: np.zeros_like(v) for k, v in base.items()}
+  got = sync.apply(None, keyframe, out=fresh)
+  for k in target:
+    assert got[k] is fresh[k] and np.array_equal(got[k].view(np.uint8), target[k].view(np.uint8))
+
+
+def test_apply_into_a_spare_state_rejects_unfit_arrays_by_name():
+  base, target = _double_buffer_states("bf16")
+  update = sync.encode(base, target, version=1)
+  spare = {k: np.empty_like(v) for k, v in base.items()}
+  cases = [
+      (dict(spare, **{"mid.kernel": np.empty((96, 128), BF16)}), "'mid.kernel': out has shape"),
+      (dict(spare, **{"bias": np.empty(96, np.float32)}), "'bias': out has shape .* dtype"),
+      (dict(spare, **{"big.kernel": spare["big.kernel"].T}), "'big.kernel': out must be"),
+      (dict(spare, **{"same.kernel": base["same.kernel"]}), "'same.kernel': out shares memory"),
+      ({k: v for k, v in spare.items() if k != "norm.scale"}, "'norm.scale': missing from the out"),
+  ]
+  readonly = dict(spare)
+  readonly["bias"] = spare["bias"].copy()
+  readonly["bias"].flags.writeable = False
+  cases.append((readonly, "'bias': out must be a writable"))
+  for out, message in cases:
+    with pytest.raises(sync.CodecError, match=message):
+      sync.apply(base, update, out=out)
+  with pytest.raises(sync.CodecError, match="inplace=True or out, not both"):
+    sync.apply(base, update, out=spare, inplace=True)
+  corrupted = bytearray(update.to_bytes())
+  corrupted[-3] ^= 0x10
+  with pytest.raises(sync.CodecError):
+    sync.apply(base, sync.Update.from_bytes(bytes(corrupted)), out=spare)
