@@ -59,13 +59,15 @@ def verify(blob, *, decode_keyframe: bool) -> None:
 def materialize(blobs) -> dict[str, np.ndarray]:
   """Applies a keyframe blob and the delta blobs after it; raises CodecError on a seal mismatch.
 
-  The keyframe is read in place (apply checks each of its tensors' checksums); deltas are
-  parsed with their digests checked."""
+  The keyframe is read in place (apply checks each of its tensors' checksums) into new
+  arrays, which the deltas then patch in place: a chain costs one model of memory and
+  writes only changed elements, not a new model per delta. Deltas are parsed with their
+  digests checked."""
   weights = None
   for blob in blobs:
     header = sync.read_header(blob)
     update = sync.Update(blob, header) if header.is_keyframe else sync.Update.from_bytes(blob)
-    weights = sync.apply(weights, update)
+    weights = sync.apply(weights, update, inplace=weights is not None)
     del update, blob
   return weights
 
