@@ -69,7 +69,8 @@ def _append(out, wpos, acc, fill, v, nbits):
   out[np.uint64(wpos)] = acc
   c = fill >> np.uint64(6)
   wpos += np.int64(c)
-  acc = ((v >> np.uint64(1)) >> (np.uint64(63) - before)) if c else acc
+  keep = c - np.uint64(1)  # all ones when no word completed (no branch: see _JIT)
+  acc = (acc & keep) | (((v >> np.uint64(1)) >> (np.uint64(63) - before)) & ~keep)
   return wpos, acc, fill & np.uint64(63)
 
 
