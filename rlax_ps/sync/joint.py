@@ -69,7 +69,9 @@ def _append(out, wpos, acc, fill, v, nbits):
   out[np.uint64(wpos)] = acc
   c = fill >> np.uint64(6)
   wpos += np.int64(c)
-  keep = c - np.uint64(1)  # all ones when no word completed (no branch: see _JIT)
+  # No branch: one would split this inlined body into blocks, and numba would then keep
+  # an NRT incref/decref pair (two calls) of `out` on every change.
+  keep = c - np.uint64(1)  # all ones when no word completed
   acc = (acc & keep) | (((v >> np.uint64(1)) >> (np.uint64(63) - before)) & ~keep)
   return wpos, acc, fill & np.uint64(63)
 
@@ -154,9 +156,9 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   """Codes the changes of the blocks a, b (unsigned bit arrays starting at block `first`,
   aw/bw their 64-element groups as uint64 words) into the streams' word rows of out.
   Code set s (0: closed, 1: open) is (ctabs[s], symtabs[s], escs[s]) from tables(); its
-  ctab[z] is the value code
-  of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and that length plus k + 1
-  (top 8 bits, 0: no code), for z below its size; larger z are coded by value_entry.
+  ctab[z] is the value code of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and
+  that length plus k + 1 (top 8 bits, 0: no code), for z below its size; larger z are
+  coded by value_entry.
   A block takes the closed set (the sample's values only: no escape code to pay for), or,
   coded again, the open one when it holds a value the closed set lacks; first_set = 1
   where the section has no closed set.
@@ -484,7 +486,7 @@ def tables(counts: np.ndarray, width: int, k: int, gap_bits: int = 0,
   (value_entry). The open set adds an escape code (then the zigzag in `width` bits) for
   values whose symbol the sample lacked; the closed set codes the sample's symbols alone,
   one code shorter (entries of other values have length 0)."""
-  ctabs = np.empty((2, CTAB_MAX), np.uint64)
+  ctabs = np.zeros((2, CTAB_MAX), np.uint64)
   symtabs = np.zeros((2, ALPHABET), np.uint64)
   escs = np.zeros((2, 3), np.uint64)
   head = np.empty(3 + 256 + 2 * 129, np.uint8)
