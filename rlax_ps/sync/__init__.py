@@ -26,6 +26,8 @@ Host usage:
   header = read_header(wire)        # versions, fmt, tensor metas; no payload decoding
   for c in update.chunks(1 << 20): ...; Reassembler().feed(c) -> Update on the last chunk
   held = apply(held, update)        # verified bit for bit against the update's seals
+  new = apply(held, update, out=spare)  # into a spare held state (a double buffer);
+                                    # inplace=True writes changed elements into held
   encode(..., threads=16); apply(..., threads=16)   # tensors side by side (parallel.py;
                                     # default: the host's cores, at most 8; same bytes)
 
