@@ -131,13 +131,11 @@ def apply(base, update: Update, *, base_version: int | None = None,
     raise TypeError(f"update expected an Update, got {type(update).__name__}")
   threads = parallel.resolve(threads)
   names = list(update.tensors)
-  if out is not None:
-    if inplace:
-      raise CodecError("apply: pass inplace=True or out, not both")
-    out_slots = _out_slots(out, update, base)
+  if out is not None and inplace:
+    raise CodecError("apply: pass inplace=True or out, not both")
+  out_slots = None if out is None else _out_slots(out, update, base)
   if update.is_keyframe:
-    slots = (_Arena(update.tensors.values()).slots(update.tensors) if out is None
-             else out_slots)
+    slots = _result_slots(update, out_slots)
     tasks = [(meta.size, functools.partial(_apply_one, update, name, None, slots[name]))
              for name, meta in update.tensors.items()]
     done = {}
@@ -162,12 +160,7 @@ def apply(base, update: Update, *, base_version: int | None = None,
     base_digests = parallel.run(
         [(held[n].size, functools.partial(checksum, held[n])) for n in names], threads)
     update.check_bases(base_digests)
-  if inplace:
-    slots = None
-  elif out is None:
-    slots = _Arena(update.tensors.values()).slots(update.tensors)
-  else:
-    slots = out_slots
+  slots = None if inplace else _result_slots(update, out_slots)
   result, digests, tasks = {}, {}, []
   for i, (name, meta) in enumerate(update.tensors.items()):
     if inplace and meta.mode == "unchanged":
@@ -192,6 +185,13 @@ def apply(base, update: Update, *, base_version: int | None = None,
       update.check_bases(base_digests)
     update.check_results(digests)
   return {name: result[name] for name in names}
+
+
+def _result_slots(update: Update, out_slots: dict | None) -> dict[str, np.ndarray]:
+  """Where the new arrays go: the checked `out` arrays, else a fresh arena."""
+  if out_slots is not None:
+    return out_slots
+  return _Arena(update.tensors.values()).slots(update.tensors)
 
 
 def _out_slots(out: dict, update: Update, base) -> dict[str, np.ndarray]:

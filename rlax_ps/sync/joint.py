@@ -36,8 +36,8 @@ from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_TRUNCATED, OK, _bitlen, _group_mask, _peek,
-                                _take, best_rice, entropy_bits, popcount, symbol_of,
-                                unary)
+                                _take, best_rice, entropy_bits, masks_ahead, popcount,
+                                symbol_of, unary)
 
 BLOCK = 1 << 16
 STREAMS = 4
@@ -112,10 +112,7 @@ def _code_block(aw, bw, ab, bb, g0, k, ctab, symtab, esc, row, wpos, acc, fill, 
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
   prev, count = np.int64(-1), np.int64(0)
   groups = ab.size // 64
-  masks = np.empty(groups if lane_bits == 8 else 0, np.uint64)
-  if lane_bits == 8:  # int8: masks first, in a tight loop (25-30% faster; bf16 slower)
-    for g in range(groups):
-      masks[g] = _group_mask(aw, bw, g0 + g, lane_bits)
+  masks = masks_ahead(aw, bw, g0, groups, lane_bits)
   for g in range(groups + 1):
     if g < groups:
       m = masks[g] if lane_bits == 8 else _group_mask(aw, bw, g0 + g, lane_bits)
@@ -648,10 +645,10 @@ class Section:
     self.wholes = np.zeros((2, 1 << WHOLE), np.uint32)
     width = 8 * udtype.itemsize
     if use_closed:
-      self._code_set(_decoder_tables(syms[:-1], closed, width, self.k, self.tables[0],
+      self._check_table(_decoder_tables(syms[:-1], closed, width, self.k, self.tables[0],
                                      self.wholes[0]))
     if self.sets.any():  # the open set only where a block needs it
-      self._code_set(_decoder_tables(syms, opened, width, self.k, self.tables[1],
+      self._check_table(_decoder_tables(syms, opened, width, self.k, self.tables[1],
                                      self.wholes[1]))
     nbytes = [r.varint() for _ in range(STREAMS)]
     buf = r.take(sum(nbytes))
@@ -660,7 +657,8 @@ class Section:
     self.starts = np.cumsum([0] + nbytes) * 8
     self.nnz = int(self.counts.sum())
 
-  def _code_set(self, err: int) -> None:
+  def _check_table(self, err: int) -> None:
+    """Raises the CodecError of a _decoder_tables error code (0: none)."""
     if err == 1:
       raise CodecError(f"{self.what}: joint code table is not a sorted list of nonzero "
                        f"symbols")

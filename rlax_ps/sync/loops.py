@@ -87,6 +87,18 @@ def _group_mask(aw, bw, g, lane_bits):
 
 
 @numba.njit(inline="always", **_JIT)
+def masks_ahead(aw, bw, g0, groups, lane_bits):
+  """int8 lanes: the _group_mask of groups g0 .. g0 + groups - 1, computed ahead in a tight
+  loop that LLVM vectorises (20-30% faster than fused into the walk over changes). bf16
+  lanes are slower that way and get an empty array: their walk calls _group_mask."""
+  masks = np.empty(groups if lane_bits == 8 else 0, np.uint64)
+  if lane_bits == 8:
+    for g in range(groups):
+      masks[g] = _group_mask(aw, bw, g0 + g, lane_bits)
+  return masks
+
+
+@numba.njit(inline="always", **_JIT)
 def _take(a, b, i, lane_bits):
   """Zigzag code of the wrapping offset b[i] - a[i]."""
   i = np.uint64(i)
@@ -114,10 +126,7 @@ def _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, lane_bits):
     return False
   pos, prev, rp = st[0], st[1], st[2]
   groups = aw.size // lane_bits  # 64 elements: 16 words of 4 lanes or 8 words of 8
-  masks = np.empty(groups if lane_bits == 8 else 0, np.uint64)
-  if lane_bits == 8:  # int8: masks first, in a tight loop (20-30% faster; bf16 slower)
-    for g in range(groups):
-      masks[g] = _group_mask(aw, bw, g, lane_bits)
+  masks = masks_ahead(aw, bw, 0, groups, lane_bits)
   for g in range(groups):
     m = masks[g] if lane_bits == 8 else _group_mask(aw, bw, g, lane_bits)
     while m:
