@@ -123,87 +123,25 @@ def fixed_nbytes(n: int, width: int) -> int:
   return (n * width + 7) // 8 if n < _FIXED_MIN else -(-n // 8) * width
 
 
-def pack_fixed(values: np.ndarray, width: int) -> bytes:
-  """The low `width` bits (<= 56) of every value, as `fixed_nbytes` bytes: byte planes of
-  8 bits, then one plane of 8 values per `rest` bytes (faster than pack_varwidth); short
-  inputs are packed bit-exactly instead."""
-  n = values.size
-  if n < _FIXED_MIN:
-    return loops.pack_lsb(values.astype(np.uint64), width).tobytes()
-  m = -(-n // 8)
-  if width <= 8:
-    return _pack_small(values, n, m, width)
-  v = np.zeros(m * 8, np.uint64)
-  v[:n] = values
-  out = []
-  for shift in range(0, width, 8):
-    w = min(8, width - shift)
-    plane = (v >> np.uint64(shift)) & np.uint64((1 << w) - 1)
-    if w == 8:
-      out.append(plane.astype(np.uint8).tobytes())
-      continue
-    rows = plane.reshape(m, 8)
-    acc = rows[:, 0].copy()
-    for j in range(1, 8):
-      acc |= rows[:, j] << np.uint64(j * w)
-    out.append(acc.astype("<u8").view(np.uint8).reshape(m, 8)[:, :w].tobytes())
-  return b"".join(out)
+def pack_fixed(values: np.ndarray, width: int, low: int = 0) -> bytes:
+  """The low `width` bits (<= 56) of every value - low (values >= low), as `fixed_nbytes`
+  bytes: byte planes of 8 bits, then one plane of 8 values per `rest` bytes (faster than
+  pack_varwidth); short inputs are packed bit-exactly instead."""
+  if values.size < _FIXED_MIN:
+    return loops.pack_lsb(values.astype(np.uint64) - np.uint64(low), width).tobytes()
+  return loops.pack_planes(values, width, low).tobytes()
 
 
 def unpack_fixed(buf, n: int, width: int, what: str) -> np.ndarray:
-  """Inverse of `pack_fixed`; `buf` must hold exactly fixed_nbytes(n, width) bytes."""
-  m = -(-n // 8)
+  """Inverse of `pack_fixed` (low = 0) as uint64; `buf` must hold exactly
+  fixed_nbytes(n, width) bytes."""
   if len(buf) != fixed_nbytes(n, width):
     raise CodecError(f"{what}: fixed-width field holds {len(buf)} bytes, "
                      f"expected {fixed_nbytes(n, width)}")
-  if n < _FIXED_MIN:
-    return loops.unpack_lsb(np.frombuffer(buf, np.uint8), n, width)
   raw = np.frombuffer(buf, np.uint8)
-  if width <= 8:
-    return _unpack_small(raw, n, m, width)
-  v = np.zeros(m * 8, np.uint64)
-  pos = 0
-  for shift in range(0, width, 8):
-    w = min(8, width - shift)
-    part = raw[pos:pos + m * w]
-    pos += m * w
-    if w == 8:
-      v |= part.astype(np.uint64) << np.uint64(shift)
-      continue
-    padded = np.zeros((m, 8), np.uint8)
-    padded[:, :w] = part.reshape(m, w)
-    acc = padded.view("<u8").reshape(m).astype(np.uint64)
-    mask = np.uint64((1 << w) - 1)
-    rows = np.empty((m, 8), np.uint64)
-    for j in range(8):
-      rows[:, j] = (acc >> np.uint64(j * w)) & mask
-    v |= rows.reshape(-1) << np.uint64(shift)
-  return v[:n]
-
-
-def _pack_small(values, n, m, width):
-  """pack_fixed for width <= 8: 8 values -> `width` bytes through one uint64 per 8 values."""
-  rows = np.zeros((m, 8), np.uint8)
-  rows.reshape(-1)[:n] = values
-  if width == 8:
-    return rows.tobytes()
-  acc = rows[:, 0].astype(np.uint64)
-  for j in range(1, 8):
-    acc |= rows[:, j].astype(np.uint64) << np.uint64(j * width)
-  return acc.astype("<u8").view(np.uint8).reshape(m, 8)[:, :width].tobytes()
-
-
-def _unpack_small(raw, n, m, width):
-  if width == 8:
-    return raw[:n].astype(np.uint64)
-  padded = np.zeros((m, 8), np.uint8)
-  padded[:, :width] = raw.reshape(m, width)
-  acc = padded.view("<u8").reshape(m)
-  rows = np.empty((m, 8), np.uint8)
-  mask = np.uint64((1 << width) - 1)
-  for j in range(8):
-    rows[:, j] = (acc >> np.uint64(j * width)) & mask
-  return rows.reshape(-1)[:n].astype(np.uint64)
+  if n < _FIXED_MIN:
+    return loops.unpack_lsb(raw, n, width)
+  return loops.unpack_planes(raw, n, width)
 
 
 def pack_unary(q: np.ndarray) -> tuple[int, bytes]:

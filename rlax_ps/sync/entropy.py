@@ -101,7 +101,7 @@ def literal_cost(z: np.ndarray, low: int = 0) -> float:
 def encode_literal(z: np.ndarray, low: int = 0) -> bytes:
   """The literal layout of z - low (low = 1 for the nonzero codes of changed elements)."""
   width = _literal_width(z, low)
-  return u8(LITERAL) + u8(width) + pack_fixed(z.astype(np.uint64) - np.uint64(low), width)
+  return u8(LITERAL) + u8(width) + pack_fixed(z, width, low)
 
 
 def words_of(buf) -> np.ndarray:

@@ -181,6 +181,33 @@ def scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist) -> bool:
   return scan(aw, bw, a, b, start, st, gaps, syms, raw, hist)
 
 
+@numba.njit(inline="always", **_JIT)
+def _zigzag_at(old, new, gaps, lane_bits):
+  out = np.empty(gaps.size, old.dtype)
+  i = np.int64(-1)
+  for t in range(gaps.size):
+    i += np.int64(gaps[t]) + 1
+    out[t] = _take(old, new, i, lane_bits)
+  return out
+
+
+@numba.njit(**_JIT)
+def _zigzag_at16(old, new, gaps):
+  return _zigzag_at(old, new, gaps, 16)
+
+
+@numba.njit(**_JIT)
+def _zigzag_at8(old, new, gaps):
+  return _zigzag_at(old, new, gaps, 8)
+
+
+def zigzag_at(old: np.ndarray, new: np.ndarray, gaps: np.ndarray) -> np.ndarray:
+  """Zigzag codes (old's dtype) of the wrapping offsets new - old at the changes that
+  `gaps` (index - previous index - 1, ascending, in bounds) mark: one pass, no index
+  array."""
+  return (_zigzag_at16 if old.itemsize == 2 else _zigzag_at8)(old, new, gaps)
+
+
 # ---- histograms and costs ----------------------------------------------------------------
 
 @numba.njit(**_JIT)
@@ -434,6 +461,49 @@ def unpack_lsb(buf, n, width):
     out[i] = ((words[q] >> b) | ((words[q + 1] << np.uint64(1)) << (np.uint64(63) - b))) & mask
     p += width
   return out
+
+
+@numba.njit(**_JIT)
+def pack_planes(values, width, low):
+  """bits.pack_fixed's layout of values - low (n >= 8; all >= low, width <= 56 bits): per
+  plane of up to 8 bits (shift 0, 8, ...), every 8 values as the plane's w-bit fields of
+  one little-endian word, its low w bytes. One pass per plane, no temporaries."""
+  n = values.size
+  m = (n + 7) // 8
+  out = np.empty(m * width, np.uint8)
+  pos = 0
+  for shift in range(0, width, 8):
+    w = min(8, width - shift)
+    mask = (np.uint64(1) << np.uint64(w)) - np.uint64(1)
+    for g in range(m):
+      acc = np.uint64(0)
+      for j in range(min(8, n - g * 8)):
+        v = (np.uint64(values[g * 8 + j]) - np.uint64(low)) >> np.uint64(shift)
+        acc |= (v & mask) << np.uint64(j * w)
+      for t in range(w):
+        out[pos + g * w + t] = np.uint8((acc >> np.uint64(8 * t)) & np.uint64(255))
+    pos += m * w
+  return out
+
+
+@numba.njit(**_JIT)
+def unpack_planes(raw, n, width):
+  """Inverse of pack_planes with low = 0: n uint64 values from exactly m * width bytes
+  (m = ceil(n / 8), checked by the caller)."""
+  m = (n + 7) // 8
+  out = np.zeros(m * 8, np.uint64)
+  pos = 0
+  for shift in range(0, width, 8):
+    w = min(8, width - shift)
+    mask = (np.uint64(1) << np.uint64(w)) - np.uint64(1)
+    for g in range(m):
+      acc = np.uint64(0)
+      for t in range(w):
+        acc |= np.uint64(raw[pos + g * w + t]) << np.uint64(8 * t)
+      for j in range(8):
+        out[g * 8 + j] |= ((acc >> np.uint64(j * w)) & mask) << np.uint64(shift)
+    pos += m * w
+  return out[:n]
 
 
 @numba.njit(**_JIT)

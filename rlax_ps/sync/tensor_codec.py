@@ -130,12 +130,6 @@ def _scan_outputs(cap: int, gap_dtype) -> tuple[np.ndarray, ...]:
                                                                         np.int64)
 
 
-def _zigzag_offsets(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> np.ndarray:
-  """Zigzag codes of the wrapping offsets new - old at idx."""
-  d = (new[idx] - old[idx]).view(np.dtype(f"i{old.itemsize}")).astype(np.int64)
-  return ((d << 1) ^ (d >> 63)).astype(old.dtype)
-
-
 def _rice_bytes(gaps: np.ndarray, k: int) -> bytes:
   """Rice layout: u8 0x80 | 0x40 (S = 4 streams, else 1) | k, S varint byte lengths, S - 1
   varint indices of the change before each later stream, the streams (S = 4 for long
@@ -233,7 +227,7 @@ def encode_section(old: np.ndarray | None, new: np.ndarray,
   z = None
   cost_v = cost_sym = entropy.cost_bytes(ch.hist)
   if ch.nnz <= entropy.LITERAL_MAX:
-    z = _zigzag_offsets(old, new, ch.indices())
+    z = loops.zigzag_at(old, new, ch.gaps)
     cost_v = min(cost_v, entropy.literal_cost(z, 1))
   gap_cost, gap_bytes, clustered = _encode_gaps(ch.gaps)
   costs = {RAW: new.nbytes, SPARSE: gap_cost + cost_v + 9}
@@ -256,7 +250,7 @@ def encode_section(old: np.ndarray | None, new: np.ndarray,
   if mode == DENSE:
     full = np.zeros(n, old.dtype)
     idx = ch.indices()
-    full[idx] = _zigzag_offsets(old, new, idx)
+    full[idx] = loops.zigzag_at(old, new, ch.gaps)
     return Encoded(DENSE, entropy.encode_stream(hist_d, full), ch.h_new, ch.h_old)
   if cost_v < cost_sym:
     values = entropy.encode_literal(z, 1)

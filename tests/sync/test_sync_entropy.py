@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlax_ps import sync
-from rlax_ps.sync import entropy
+from rlax_ps.sync import entropy, loops
 from rlax_ps.sync.byte_reader import ByteReader
 from rlax_ps.sync.bits import (BF16, fixed_nbytes, pack_fixed, pack_varwidth, unpack_fixed,
                                unpack_varwidth)
@@ -33,6 +33,50 @@ def test_fixed_width_packing_round_trips_in_the_declared_size(seed, n, width):
   buf = pack_fixed(values, width)
   assert len(buf) == fixed_nbytes(n, width) <= (n + 7) // 8 * width
   assert np.array_equal(unpack_fixed(buf, n, width, "test"), values)
+
+
+@pytest.mark.parametrize("width", [1, 3, 8, 9, 13, 16, 23, 56])
+@pytest.mark.parametrize("n,low,dtype", [(64, 0, np.uint64), (1001, 1, np.uint64),
+                                         (777, 1, np.uint8)])
+def test_fixed_width_layout_matches_its_plane_definition(width, n, low, dtype):
+  """The documented layout, built here with numpy: per plane of up to 8 bits, each 8
+  values (zero-padded) as w-bit fields of a little-endian word, its low w bytes."""
+  rng = np.random.default_rng(width * n)
+  top = min(width, 8 * np.dtype(dtype).itemsize)
+  values = (rng.integers(0, 2**top - 1, n, dtype=np.uint64, endpoint=True) | np.uint64(low))
+  values = values.astype(dtype)
+  m = -(-n // 8)
+  v = np.zeros(m * 8, np.uint64)
+  v[:n] = values.astype(np.uint64) - np.uint64(low)
+  planes = []
+  for shift in range(0, width, 8):
+    w = min(8, width - shift)
+    fields = ((v >> np.uint64(shift)) & np.uint64((1 << w) - 1)).reshape(m, 8)
+    words = np.zeros(m, np.uint64)
+    for j in range(8):
+      words |= fields[:, j] << np.uint64(j * w)
+    planes.append(words.astype("<u8").view(np.uint8).reshape(m, 8)[:, :w].tobytes())
+  buf = pack_fixed(values, width, low)
+  assert buf == b"".join(planes)
+  assert np.array_equal(unpack_fixed(buf, n, width, "test") + np.uint64(low),
+                        values.astype(np.uint64))
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint8])
+def test_zigzag_codes_at_the_changes_match_their_definition(dtype):
+  rng = np.random.default_rng(3)
+  bits = 8 * np.dtype(dtype).itemsize
+  old = rng.integers(0, 2**bits, 5000).astype(dtype)
+  new = old.copy()
+  idx = np.sort(rng.choice(old.size, 700, replace=False))
+  idx[0], idx[-1] = 0, old.size - 1  # both ends
+  new[idx] = rng.integers(0, 2**bits, idx.size).astype(dtype)  # any offset, wrapping too
+  gaps = np.diff(idx, prepend=-1) - 1
+  d = (new[idx].astype(np.int64) - old[idx].astype(np.int64) + 2**(bits - 1)) % 2**bits
+  d -= 2**(bits - 1)  # the wrapping offset as a signed value
+  z = loops.zigzag_at(old, new, gaps.astype(np.uint32))
+  assert z.dtype == dtype
+  assert np.array_equal(z.astype(np.int64), np.where(d >= 0, 2 * d, -2 * d - 1))
 
 
 def test_streams_round_trip_every_bucket_up_to_56_bits():
