@@ -121,13 +121,11 @@ def decode_stream(r: ByteReader, n: int, dtype=np.uint64, limit: int = 1 << 56,
     if not 0 < n <= LITERAL_MAX or width > 56:
       raise CodecError(f"{r.what}: literal stream of {n} values, {width} bits each")
     z = unpack_fixed(r.take(fixed_nbytes(n, width)), n, width, r.what)
-    if unzig == 1:
-      z = z + np.uint64(1)  # nonzero codes are stored less 1
-    if z.size and int(z.max()) >= limit:
-      raise CodecError(f"{r.what}: value {int(z.max())} out of range (limit {limit})")
-    if unzig:
-      z = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))
-    return z.astype(dtype)
+    out = np.empty(n, dtype)
+    top = loops.literal_values(z, unzig, out)
+    if top >= limit:
+      raise CodecError(f"{r.what}: value {top} out of range (limit {limit})")
+    return out
   if (m == 0) != (n == 0):
     raise CodecError(f"{r.what}: symbol table has {m} symbols for {n} values")
   present = np.frombuffer(r.take(m), np.uint8).astype(np.int64)

@@ -507,6 +507,21 @@ def unpack_planes(raw, n, width):
 
 
 @numba.njit(**_JIT)
+def literal_values(z, unzig, out):
+  """out[i] = z[i] + 1 (unzig = 1: nonzero codes are stored less 1) or z[i], then as a
+  wrapping offset when unzig; returns the largest code for the caller's range check."""
+  top = np.uint64(0)
+  one = np.uint64(1 if unzig == 1 else 0)
+  for i in range(z.size):
+    v = np.uint64(z[i]) + one
+    top = max(top, v)
+    if unzig:
+      v = (v >> np.uint64(1)) ^ (np.uint64(0) - (v & np.uint64(1)))
+    out[i] = v
+  return int(top)
+
+
+@numba.njit(**_JIT)
 def bitmap(idx, nbytes):
   """np.packbits (MSB first) of the mask with the ascending indices idx set."""
   out = np.zeros(nbytes, np.uint8)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from rlax_ps import sync
 from rlax_ps.sync import entropy, loops
 from rlax_ps.sync.byte_reader import ByteReader
+from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.bits import (BF16, fixed_nbytes, pack_fixed, pack_varwidth, unpack_fixed,
                                unpack_varwidth)
 
@@ -77,6 +78,18 @@ def test_zigzag_codes_at_the_changes_match_their_definition(dtype):
   z = loops.zigzag_at(old, new, gaps.astype(np.uint32))
   assert z.dtype == dtype
   assert np.array_equal(z.astype(np.int64), np.where(d >= 0, 2 * d, -2 * d - 1))
+
+
+@pytest.mark.parametrize("unzig", [0, 1, 2])
+def test_literal_streams_decode_offsets_and_reject_codes_past_the_limit(unzig):
+  z = np.array([1, 2, 3, 4, 255, 6, 7, 8, 9, 10] * 8, np.uint64)  # 80 values: planes
+  low = 1 if unzig == 1 else 0
+  data = entropy.encode_literal(z, low)
+  got = entropy.decode_stream(ByteReader(data, "tensor 'w'"), z.size, np.uint8, 256, unzig)
+  want = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1))) if unzig else z
+  assert np.array_equal(got, want.astype(np.uint8))
+  with pytest.raises(CodecError, match=r"tensor 'w': value 255 out of range \(limit 200\)"):
+    entropy.decode_stream(ByteReader(data, "tensor 'w'"), z.size, np.uint8, 200, unzig)
 
 
 def test_streams_round_trip_every_bucket_up_to_56_bits():
