@@ -4,6 +4,7 @@ import struct
 
 import numpy as np
 
+from rlax_ps.sync import loops
 from rlax_ps.sync.errors import CodecError
 
 _U8, _U16, _U32, _U64, _I64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q", "<q"))
@@ -90,8 +91,17 @@ class ByteReader:
     return [self.varint() for _ in range(count)]
 
   def varints(self, count: int) -> np.ndarray:
-    """`count` varints as an int64 array."""
-    return np.array(self.varint_list(count), np.int64)
+    """`count` varints (each below 2**63) as an int64 array, read in one compiled pass."""
+    out = np.empty(count, np.int64)
+    pos = loops.read_varints(np.frombuffer(self.buf, np.uint8), self.pos, self.end, out)
+    if pos == -1:
+      raise CodecError(f"{self.what}: truncated: {count} varints from offset {self.pos} "
+                       f"run past the end")
+    if pos == -2:
+      raise CodecError(f"{self.what}: a varint of 63 bits or more among {count} from "
+                       f"offset {self.pos}")
+    self.pos = pos
+    return out
 
   def done(self):
     if self.pos != self.end:
@@ -103,8 +113,8 @@ def u8(n: int) -> bytes:
 
 
 def varints(values) -> bytes:
-  """The varints of non-negative integers, concatenated."""
-  return b"".join(varint(int(v)) for v in values)
+  """The varints of non-negative integers (below 2**64), concatenated."""
+  return loops.varint_bytes(np.asarray(values, np.uint64)).tobytes()
 
 
 def u16(n: int) -> bytes:

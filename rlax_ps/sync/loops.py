@@ -522,6 +522,45 @@ def literal_values(z, unzig, out):
 
 
 @numba.njit(**_JIT)
+def varint_bytes(values):
+  """The LEB128 varints of non-negative integers, concatenated (uint8)."""
+  out = np.empty(10 * values.size, np.uint8)
+  p = 0
+  for i in range(values.size):
+    x = np.uint64(values[i])
+    while x >= np.uint64(128):
+      out[p] = np.uint8((x & np.uint64(127)) | np.uint64(128))
+      x >>= np.uint64(7)
+      p += 1
+    out[p] = np.uint8(x)
+    p += 1
+  return out[:p]
+
+
+@numba.njit(**_JIT)
+def read_varints(buf, pos, end, out):
+  """Fills out (int64) with the varints of buf from pos (< end); returns the position
+  after them, -1 when they run past end, -2 for one of 63 bits or more."""
+  for i in range(out.size):
+    n, shift = np.uint64(0), np.uint64(0)
+    while True:
+      if pos >= end:
+        return -1
+      b = np.uint64(buf[pos])
+      pos += 1
+      n |= (b & np.uint64(127)) << shift
+      if b < np.uint64(128):
+        break
+      shift += np.uint64(7)
+      if shift > np.uint64(56):
+        return -2
+    if n >> np.uint64(63):
+      return -2
+    out[i] = np.int64(n)
+  return pos
+
+
+@numba.njit(**_JIT)
 def bitmap(idx, nbytes):
   """np.packbits (MSB first) of the mask with the ascending indices idx set."""
   out = np.zeros(nbytes, np.uint8)

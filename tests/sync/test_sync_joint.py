@@ -9,6 +9,7 @@ from rlax_ps import sync
 from rlax_ps.sync import entropy, huffman, joint, rans, tensor_codec
 from rlax_ps.sync.bits import BF16
 from rlax_ps.sync.byte_reader import ByteReader, varint, varints
+from rlax_ps.sync.errors import CodecError
 
 OFFSETS = np.array([1, 0xFFFF, 2, 0xFFFE, 3, 9, 0xFFF0, 300, 0x8000], np.uint16)
 P = [0.35, 0.35, 0.1, 0.1, 0.04, 0.02, 0.02, 0.015, 0.005]
@@ -385,9 +386,19 @@ def test_the_code_tables_match_their_symbol_by_symbol_definition(width, wide):
         assert sym not in code_of, z
 
 
-def test_varints_round_trip():
-  values = np.array([0, 1, 127, 128, 300, 2**40], np.int64)
-  assert np.array_equal(ByteReader(varints(values), "test").varints(values.size), values)
+def test_varints_round_trip_and_match_the_scalar_coder():
+  values = np.array([0, 1, 127, 128, 300, 2**40, 2**63 - 1], np.int64)
+  data = varints(values)
+  assert data == b"".join(varint(int(v)) for v in values)
+  r = ByteReader(data + b"\x05", "test")
+  assert np.array_equal(r.varints(values.size), values) and r.u8() == 5
+
+
+def test_varint_arrays_reject_truncation_and_63_bit_values_by_name():
+  with pytest.raises(CodecError, match="tensor 'w': truncated: 3 varints from offset 0"):
+    ByteReader(varints([1, 300]) + b"\x80", "tensor 'w'").varints(3)
+  with pytest.raises(CodecError, match="tensor 'w': a varint of 63 bits or more"):
+    ByteReader(b"\x01" + varint(2**63), "tensor 'w'").varints(2)
 
 
 def test_joint_update_through_the_public_api(pair):
