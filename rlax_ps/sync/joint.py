@@ -161,8 +161,9 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   where the section has no closed set.
   st[j] = (words written, accumulator, bits in it) of stream j is carried across calls;
   counts[b] = 2 * (changes of block b, whose gaps count from its start) + (1 if it took
-  the open set). lane_bits: 8 * a.itemsize, a constant of each compiled specialisation
-  (encode_blocks16 / encode_blocks8)."""
+  the open set). Returns the most words any stream holds (the caller grows out before
+  another call could overrun it). lane_bits: 8 * a.itemsize, a constant of each compiled
+  specialisation (encode_blocks16 / encode_blocks8)."""
   nblocks = (a.size + BLOCK - 1) // BLOCK
   for bl in range(nblocks):
     j = (first + bl) % STREAMS
@@ -179,16 +180,19 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
                                        escs[1], out[j], wpos, acc, fill, lane_bits)
     st[j, 0], st[j, 1], st[j, 2] = np.uint64(w), c, f
     counts[first + bl] = 2 * count + flag
+  return int(st[:, 0].max())
 
 
 @numba.njit(**_JIT)
 def encode_blocks16(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
-  _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts, 16)
+  return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
+                        16)
 
 
 @numba.njit(**_JIT)
 def encode_blocks8(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
-  _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts, 8)
+  return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
+                        8)
 
 
 # ---- decoder -----------------------------------------------------------------------------
@@ -508,16 +512,16 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
   st = np.zeros((STREAMS, 3), np.uint64)
   counts = np.zeros((n + BLOCK - 1) // BLOCK, np.int64)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
-  step = STREAMS * BLOCK
+  step, top = STREAMS * BLOCK, 0
   for s in range(0, n, step):
-    if int(st[:, 0].max()) + BLOCK + 2 > out.shape[1]:  # a block: at most 64 bits an element
+    if top + BLOCK + 2 > out.shape[1]:  # a block: at most 64 bits an element
       grown = np.empty((STREAMS, 2 * out.shape[1]), np.uint64)
       grown[:, :out.shape[1]] = out
       out = grown
     a, b = old[s:s + step], new[s:s + step]
     m = a.size - a.size % 64
-    encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k, *codes,
-                  0 if use_closed else 1, out, st, counts)
+    top = encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k,
+                        *codes, 0 if use_closed else 1, out, st, counts)
     if hash_old:
       h_old.update(a)
     h_new.update(b)
