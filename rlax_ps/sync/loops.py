@@ -463,6 +463,14 @@ def unpack_lsb(buf, n, width):
   return out
 
 
+@numba.njit(inline="always", **_JIT)
+def _plane(width, shift):
+  """(bits, their mask) of the plane at `shift` of pack_planes' `width`-bit layout; the
+  planes before it are whole bytes, so it starts at byte m * shift (m: 8-value groups)."""
+  w = min(8, width - shift)
+  return w, (np.uint64(1) << np.uint64(w)) - np.uint64(1)
+
+
 @numba.njit(**_JIT)
 def pack_planes(values, width, low):
   """bits.pack_fixed's layout of values - low (n >= 8; all >= low, width <= 56 bits): per
@@ -471,18 +479,15 @@ def pack_planes(values, width, low):
   n = values.size
   m = (n + 7) // 8
   out = np.empty(m * width, np.uint8)
-  pos = 0
   for shift in range(0, width, 8):
-    w = min(8, width - shift)
-    mask = (np.uint64(1) << np.uint64(w)) - np.uint64(1)
+    w, mask = _plane(width, shift)
     for g in range(m):
       acc = np.uint64(0)
       for j in range(min(8, n - g * 8)):
         v = (np.uint64(values[g * 8 + j]) - np.uint64(low)) >> np.uint64(shift)
         acc |= (v & mask) << np.uint64(j * w)
       for t in range(w):
-        out[pos + g * w + t] = np.uint8((acc >> np.uint64(8 * t)) & np.uint64(255))
-    pos += m * w
+        out[m * shift + g * w + t] = np.uint8((acc >> np.uint64(8 * t)) & np.uint64(255))
   return out
 
 
@@ -492,17 +497,14 @@ def unpack_planes(raw, n, width):
   (m = ceil(n / 8), checked by the caller)."""
   m = (n + 7) // 8
   out = np.zeros(m * 8, np.uint64)
-  pos = 0
   for shift in range(0, width, 8):
-    w = min(8, width - shift)
-    mask = (np.uint64(1) << np.uint64(w)) - np.uint64(1)
+    w, mask = _plane(width, shift)
     for g in range(m):
       acc = np.uint64(0)
       for t in range(w):
-        acc |= np.uint64(raw[pos + g * w + t]) << np.uint64(8 * t)
+        acc |= np.uint64(raw[m * shift + g * w + t]) << np.uint64(8 * t)
       for j in range(8):
         out[g * 8 + j] |= ((acc >> np.uint64(j * w)) & mask) << np.uint64(shift)
-    pos += m * w
   return out[:n]
 
 
