@@ -260,8 +260,8 @@ def _put(words, p, end, prev, k, table, zw, out, base, size, whole):
   return p, prev, good
 
 
-@numba.njit(**_JIT)
-def decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, ps):
+@numba.njit(inline="always", **_JIT)
+def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, ps):
   """Adds the changes of the (up to STREAMS) blocks from block `first` on (counts[b]
   changes in block b, stream b % 4, decoded with code set sets[b]: row 0 (closed) or 1
   (open) of tables and wholes) to out: out[i] += offset (wrapping) at every change.
@@ -307,6 +307,18 @@ def decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, ps
       good &= gb
     ps[h], ps[h + 1] = pa, pb
   return OK if good else E_TRUNCATED
+
+
+@numba.njit(**_JIT)
+def decode_rounds(words, ends, k, tables, wholes, out, first, stop, n, counts, sets, ps):
+  """_decode_round for the rounds of blocks first, first + STREAMS, ... below stop: one
+  call per stretch that the caller copies in before and hashes after, while in cache.
+  Returns an error code."""
+  for b in range(first, min(stop, (n + BLOCK - 1) // BLOCK), STREAMS):
+    err = _decode_round(words, ends, k, tables, wholes, out, b, n, counts, sets, ps)
+    if err != OK:
+      return err
+  return OK
 
 
 @numba.njit(**_JIT)
@@ -672,17 +684,17 @@ class Section:
       raise CodecError(f"{self.what}: joint code table: code lengths are not a prefix code")
 
   def apply(self, old: np.ndarray, out: np.ndarray, hasher) -> None:
-    """Writes old + changes into out (which may be old itself), round by round, hashing
-    each round's blocks while in cache."""
+    """Writes old + changes into out (which may be old itself), 512 KB at a time: copied,
+    decoded in one compiled call, hashed while in cache."""
     ps = self.starts[:STREAMS].copy()
     ends = self.starts[1:]
     copy = out is not old
-    step = STREAMS * BLOCK
+    step = STREAMS * BLOCK * (2 // old.itemsize)  # 512 KB a call, hashed while in cache
     for s in range(0, self.n, step):
       if copy:
         np.copyto(out[s:s + step], old[s:s + step])
-      if decode_round(self.words, ends, self.k, self.tables, self.wholes, out, s // BLOCK,
-                      self.n, self.counts, self.sets, ps) != OK:
+      if decode_rounds(self.words, ends, self.k, self.tables, self.wholes, out, s // BLOCK,
+                       (s + step) // BLOCK, self.n, self.counts, self.sets, ps) != OK:
         raise CodecError(f"{self.what}: joint streams are truncated or corrupted, or a "
                          f"change lies outside its block")
       hasher.update(out[s:s + step])
