@@ -633,6 +633,18 @@ def _read_table(syms, packed, width, lengths, entries):
   return 0
 
 
+@numba.njit(**_JIT)
+def _block_counts(coded, n, counts, sets):
+  """Splits the blocks' varints (2 * changes + set) into counts and sets; returns (total
+  changes, whether every count fits its block, how many blocks take the open set)."""
+  fits, opened = True, 0
+  for b in range(coded.size):
+    counts[b], sets[b] = coded[b] >> 1, coded[b] & 1
+    fits &= counts[b] <= min(BLOCK, n - b * BLOCK)
+    opened += sets[b]
+  return counts.sum(), fits, opened
+
+
 class Section:
   """A parsed joint section: its code tables and the four streams."""
 
@@ -650,12 +662,11 @@ class Section:
       raise CodecError(f"{r.what}: joint code table lacks values or its escape code, or "
                        f"has an unknown closed-set flag {use_closed}")
     nblocks = (n + BLOCK - 1) // BLOCK
-    counts = r.varints(nblocks)
-    self.counts, self.sets = counts >> 1, counts & 1
-    sizes = np.minimum(BLOCK, n - np.arange(nblocks) * BLOCK)
-    if np.any(self.counts > sizes) or self.counts.sum() == 0:
+    self.counts, self.sets = np.empty(nblocks, np.int64), np.empty(nblocks, np.int64)
+    self.nnz, fits, n_open = _block_counts(r.varints(nblocks), n, self.counts, self.sets)
+    if not fits or self.nnz == 0:
       raise CodecError(f"{r.what}: joint block change counts exceed their blocks or are all 0")
-    if not use_closed and not self.sets.all():
+    if not use_closed and n_open != nblocks:
       raise CodecError(f"{r.what}: joint blocks name a closed code set the section lacks")
     self.tables = np.zeros((2, 1 << huffman.MAX_LEN), np.uint32)
     self.wholes = np.zeros((2, 1 << WHOLE), np.uint32)
@@ -663,15 +674,15 @@ class Section:
     if use_closed:
       self._check_table(_decoder_tables(syms[:-1], closed, width, self.k, self.tables[0],
                                      self.wholes[0]))
-    if self.sets.any():  # the open set only where a block needs it
+    if n_open:  # the open set only where a block needs it
       self._check_table(_decoder_tables(syms, opened, width, self.k, self.tables[1],
                                      self.wholes[1]))
-    nbytes = [r.varint() for _ in range(STREAMS)]
-    buf = r.take(sum(nbytes))
+    self.starts = np.zeros(STREAMS + 1, np.int64)
+    np.cumsum(r.varints(STREAMS), out=self.starts[1:])
+    buf = r.take(int(self.starts[-1]))
     r.done()
     self.words = entropy.words_of(buf)
-    self.starts = np.cumsum([0] + nbytes) * 8
-    self.nnz = int(self.counts.sum())
+    self.starts *= 8
 
   def _check_table(self, err: int) -> None:
     """Raises the CodecError of a _decoder_tables error code (0: none)."""
