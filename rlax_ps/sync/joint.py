@@ -519,14 +519,14 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
   nnz_est = int(counts.sum()) * n // (SAMPLE_WINDOW * sample_starts(n).size) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1
   # Every word of a stream is assigned before it is read, so the rows need no zeroing.
-  width = bits // 64 // STREAMS + 2 * BLOCK
+  step, top = STREAMS * BLOCK * (2 // new.itemsize), 0  # 512 KB of each array a call
+  width = bits // 64 // STREAMS + step // STREAMS + 2
   out = scratch.buffer("joint streams", STREAMS * width, np.uint64).reshape(STREAMS, width)
   st = np.zeros((STREAMS, 3), np.uint64)
   counts = np.zeros((n + BLOCK - 1) // BLOCK, np.int64)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
-  step, top = STREAMS * BLOCK, 0
   for s in range(0, n, step):
-    if top + BLOCK + 2 > out.shape[1]:  # a block: at most 64 bits an element
+    if top + step // STREAMS + 2 > out.shape[1]:  # at most 64 bits an element
       grown = np.empty((STREAMS, 2 * out.shape[1]), np.uint64)
       grown[:, :out.shape[1]] = out
       out = grown
