@@ -89,7 +89,7 @@ def scan_changes(old: np.ndarray, new: np.ndarray,
   while still in cache. The outputs live in scratch buffers that this thread's next scan
   overwrites."""
   n = old.size
-  block = BLOCK * 2 // old.itemsize  # 128 KB of each array
+  block = BLOCK * 8 // old.itemsize  # 512 KB of each array
   if old.nbytes <= _ONE_CALL_BYTES:
     block = max(n, 1)
   if n <= _ESTIMATE_ABOVE:
@@ -296,7 +296,7 @@ class Decoded:
     if self.mode == JOINT:
       self.streams.apply(old, out, h)
       return out, h.intdigest()
-    block = BLOCK * 2 // old.itemsize  # 128 KB of each array
+    block = BLOCK * 8 // old.itemsize  # 512 KB of each array
     if old.nbytes <= _ONE_CALL_BYTES:
       block = max(old.size, 1)
     if self.mode == SPARSE or self.mode == BITMAP:
