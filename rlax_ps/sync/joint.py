@@ -35,9 +35,9 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.loops import (ALPHABET, DIRECT, E_TRUNCATED, OK, _bitlen, _group_mask, _peek,
-                                _take, best_rice, entropy_bits, masks_ahead, popcount,
-                                symbol_of, unary)
+from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
+                                _group_mask, _peek, _take, best_rice, entropy_bits,
+                                masks_ahead, popcount, symbol_of, unary)
 
 BLOCK = 1 << 16
 STREAMS = 4
@@ -519,7 +519,7 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
   nnz_est = int(counts.sum()) * n // (SAMPLE_WINDOW * sample_starts(n).size) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1
   # Every word of a stream is assigned before it is read, so the rows need no zeroing.
-  step, top = STREAMS * BLOCK * (2 // new.itemsize), 0  # 512 KB of each array a call
+  step, top = CALL_BYTES // new.itemsize, 0  # whole rounds of STREAMS blocks
   width = bits // 64 // STREAMS + step // STREAMS + 2
   out = scratch.buffer("joint streams", STREAMS * width, np.uint64).reshape(STREAMS, width)
   st = np.zeros((STREAMS, 3), np.uint64)
@@ -695,12 +695,12 @@ class Section:
       raise CodecError(f"{self.what}: joint code table: code lengths are not a prefix code")
 
   def apply(self, old: np.ndarray, out: np.ndarray, hasher) -> None:
-    """Writes old + changes into out (which may be old itself), 512 KB at a time: copied,
-    decoded in one compiled call, hashed while in cache."""
+    """Writes old + changes into out (which may be old itself), CALL_BYTES at a time:
+    copied, decoded in one compiled call, hashed while in cache."""
     ps = self.starts[:STREAMS].copy()
     ends = self.starts[1:]
     copy = out is not old
-    step = STREAMS * BLOCK * (2 // old.itemsize)  # 512 KB a call, hashed while in cache
+    step = CALL_BYTES // old.itemsize  # whole rounds of STREAMS blocks
     for s in range(0, self.n, step):
       if copy:
         np.copyto(out[s:s + step], old[s:s + step])

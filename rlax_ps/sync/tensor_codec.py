@@ -38,9 +38,6 @@ UNCHANGED, RAW, SPARSE, BITMAP, DENSE, JOINT, PACKED = range(7)
 MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense", "joint", "packed")
 GAPS_ENTROPY, GAPS_RICE = 0, 0x80  # Rice: 0x80 | streams flag | k in one byte
 _RICE_MULTI = 0x40
-BLOCK = 1 << 16
-_ONE_CALL_BYTES = 1 << 19  # smaller tensors are scanned (applied) in one compiled call
-# (each costs ~10 us to dispatch), then hashed while still in cache
 _SAMPLE = 1 << 15  # elements the bitmap probe codes
 _GAP_SAMPLE = 1 << 13  # gaps the coder choice is costed on
 _DENSITY_SAMPLE = 1 << 14
@@ -89,9 +86,7 @@ def scan_changes(old: np.ndarray, new: np.ndarray,
   while still in cache. The outputs live in scratch buffers that this thread's next scan
   overwrites."""
   n = old.size
-  block = BLOCK * 8 // old.itemsize  # 512 KB of each array
-  if old.nbytes <= _ONE_CALL_BYTES:
-    block = max(n, 1)
+  block = max(1, min(n, loops.CALL_BYTES // old.itemsize))
   if n <= _ESTIMATE_ABOVE:
     cap = n + block
   else:
@@ -296,9 +291,7 @@ class Decoded:
     if self.mode == JOINT:
       self.streams.apply(old, out, h)
       return out, h.intdigest()
-    block = BLOCK * 8 // old.itemsize  # 512 KB of each array
-    if old.nbytes <= _ONE_CALL_BYTES:
-      block = max(old.size, 1)
+    block = max(1, min(old.size, loops.CALL_BYTES // old.itemsize))
     if self.mode == SPARSE or self.mode == BITMAP:
       bounds = np.searchsorted(self.indices, np.arange(0, old.size + block, block))
     for k, s in enumerate(range(0, old.size, block)):
