@@ -437,7 +437,7 @@ def rice_decode(words, starts, counts, bases, k, size, idx):
 @numba.njit(**_JIT)
 def pack_lsb(values, width):
   """The low `width` (<= 56) bits of each value, concatenated LSB first, as
-  ceil(n * width / 8) bytes (bits.pack_varwidth with equal widths)."""
+  ceil(n * width / 8) bytes."""
   nbytes = (values.size * width + 7) // 8
   words = np.zeros(nbytes // 8 + 2, np.uint64)
   mask = (np.uint64(1) << np.uint64(width)) - np.uint64(1)
