@@ -188,10 +188,18 @@ def apply(base, update: Update, *, base_version: int | None = None,
 
 
 def _result_slots(update: Update, out_slots: dict | None) -> dict[str, np.ndarray]:
-  """Where the new arrays go: the checked `out` arrays, else a fresh arena."""
+  """Where the new arrays go: the checked `out` arrays, else a fresh arena whose front holds
+  the packs' members side by side. Fresh pages fault on first touch, and a pack, written
+  first, would otherwise touch one spot in every few MB (between the large tensors): out of
+  order first touches cost about half a copy of the model more (measured)."""
   if out_slots is not None:
     return out_slots
-  return _Arena(update.tensors.values()).slots(update.tensors)
+  metas = update.tensors
+  order = [n for n in metas if update.pack(n) is not None]
+  order += [n for n in metas if update.pack(n) is None]
+  arena = _Arena(metas.values())
+  slots = {n: arena.take(metas[n]) for n in order}
+  return {n: slots[n] for n in metas}
 
 
 def _out_slots(out: dict, update: Update, base) -> dict[str, np.ndarray]:
@@ -254,10 +262,6 @@ class _Arena:
     part = self._buf[self._pos:self._pos + meta.size * meta.dtype.itemsize]
     self._pos += n
     return part.view(UINT_OF[meta.dtype])
-
-  def slots(self, metas: dict) -> dict[str, np.ndarray]:
-    """name -> take(meta) for every tensor, in order."""
-    return {name: self.take(meta) for name, meta in metas.items()}
 
 
 def _aligned(meta) -> int:
