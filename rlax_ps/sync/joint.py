@@ -49,6 +49,7 @@ MIN_DENSITY_INT8 = 0.005  # int8 codes (+-1: 1 bit either way) gain 1.2x from 0.
 MAX_K = 28  # value codes (<= 27 bits) shifted past a gap's k + 1 bits fit in 56
 SAMPLE_WINDOW = 1 << 12  # elements per window of the plan's sample
 _SAMPLE_SHARE = 32  # the sample is about 1/32 of the tensor, in 4..128 windows
+_PROBE_EVERY = 4  # plan looks at every 4th window first, and stops below half the least density
 CTAB_MAX = 1 << 10  # value codes looked up by zigzag value (8 KB, in L1); larger values
 # (sign crossings, rare large steps) are coded from their symbol
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
@@ -408,14 +409,20 @@ def plan(old: np.ndarray, new: np.ndarray):
     return None
   starts = sample_starts(n)
   gaps = scratch.buffer("plan", SAMPLE_WINDOW * starts.size, np.uint64)
-  vhist = np.zeros(ALPHABET, np.int64)
-  ghist = np.zeros(ALPHABET, np.int64)
   m = n - n % 64
   sample = _sample16 if new.itemsize == 2 else _sample8
-  nnz, k, rice_bits, gap_bits, present = sample(
-      old[:m].view(np.uint64), new[:m].view(np.uint64), old, new, starts, gaps, vhist, ghist,
-      entropy.WIDTHS)
   least = MIN_DENSITY if new.itemsize == 2 else MIN_DENSITY_INT8
+  words = old[:m].view(np.uint64), new[:m].view(np.uint64), old, new
+  probe = starts[::_PROBE_EVERY]  # a quarter of the windows first: far sparser tensors (most
+  # at low learning rates) stop here, as the whole sample would decide for them
+  nnz = sample(*words, probe, gaps, np.zeros(ALPHABET, np.int64), np.zeros(ALPHABET, np.int64),
+               entropy.WIDTHS)[0]
+  if nnz < least * probe.size * SAMPLE_WINDOW / 2:
+    return None
+  vhist = np.zeros(ALPHABET, np.int64)
+  ghist = np.zeros(ALPHABET, np.int64)
+  nnz, k, rice_bits, gap_bits, present = sample(*words, starts, gaps, vhist, ghist,
+                                                entropy.WIDTHS)
   if not least * starts.size * SAMPLE_WINDOW <= nnz <= starts.size * SAMPLE_WINDOW // 4:
     return None
   if entropy.cost_of(gap_bits, present) * 8 < 0.97 * rice_bits:
