@@ -37,7 +37,7 @@ def bit_view(a: np.ndarray) -> np.ndarray:
   return c_contiguous(a).reshape(-1).view(UINT_OF[a.dtype])
 
 
-_FIXED_MIN = 64
+_FIXED_MIN = loops.FIXED_MIN
 
 
 def fixed_nbytes(n: int, width: int) -> int:

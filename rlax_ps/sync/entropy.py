@@ -26,8 +26,8 @@ from rlax_ps.sync.errors import CodecError
 
 DIRECT = loops.DIRECT
 ALPHABET = loops.ALPHABET
-LITERAL = 255
-LITERAL_MAX = 4096
+LITERAL = loops.LITERAL
+LITERAL_MAX = loops.LITERAL_MAX
 # Bytes besides the rANS bytes and raw bits: two varints, the rANS flush, rANS rounding.
 _OVERHEAD = 10
 _ERRORS = {loops.E_TRUNCATED: "truncated", loops.E_RANGE: "value out of range",
@@ -87,21 +87,23 @@ def encode_symbols(hist: np.ndarray, syms: np.ndarray, raw: np.ndarray) -> bytes
   return b"".join(out)
 
 
-def _literal_width(z: np.ndarray, low: int) -> int:
-  return (int(z.max()) - low).bit_length()
-
-
-def literal_cost(z: np.ndarray, low: int = 0) -> float:
-  """Bytes of the literal layout of `z` (all >= low; inf when the stream is too long)."""
+def literal_cost(z: np.ndarray, low: int = 0, top: int | None = None) -> float:
+  """Bytes of the literal layout of `z` (all >= low; inf when the stream is too long);
+  `top`: z's largest value, when the caller knows it."""
   if not 0 < z.size <= LITERAL_MAX:
     return float("inf")
-  return 2 + fixed_nbytes(z.size, _literal_width(z, low))
+  return 2 + fixed_nbytes(z.size, _literal_width(z, low, top))
 
 
-def encode_literal(z: np.ndarray, low: int = 0) -> bytes:
-  """The literal layout of z - low (low = 1 for the nonzero codes of changed elements)."""
-  width = _literal_width(z, low)
+def encode_literal(z: np.ndarray, low: int = 0, top: int | None = None) -> bytes:
+  """The literal layout of z - low (low = 1 for the nonzero codes of changed elements);
+  `top` as for literal_cost."""
+  width = _literal_width(z, low, top)
   return u8(LITERAL) + u8(width) + pack_fixed(z, width, low)
+
+
+def _literal_width(z: np.ndarray, low: int, top: int | None) -> int:
+  return ((int(z.max()) if top is None else top) - low).bit_length()
 
 
 def words_of(buf) -> np.ndarray:

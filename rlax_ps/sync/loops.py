@@ -25,6 +25,11 @@ _JIT = dict(nogil=True, cache=True, boundscheck=False)
 CALL_BYTES = 1 << 19
 
 OK, E_TRUNCATED, E_RANGE, E_STATE, E_ZERO = range(5)
+# Layout constants shared with the modules that define the layouts (tensor_codec, entropy,
+# bits), here for the compiled readers.
+RICE, RICE_MULTI = 0x80, 0x40  # a sparse section's Rice gap coder byte: flags | k
+LITERAL, LITERAL_MAX = 255, 4096  # an entropy stream's literal tag, its longest stream
+FIXED_MIN = 64  # values from which fixed-width fields take the byte-plane layout
 
 
 @numba.njit(inline="always", **_JIT)
@@ -297,6 +302,38 @@ def gap_plan(gaps, step, widths):
   return best_k, best, bits, present
 
 
+@numba.njit(inline="always", **_JIT)
+def _sparse_costs(old, new, gaps, hist, step, widths, literal_max, lane_bits):
+  z = np.empty(gaps.size if gaps.size <= literal_max else 0, old.dtype)
+  top, i = np.uint64(0), np.int64(-1)
+  for t in range(z.size):
+    i += np.int64(gaps[t]) + 1
+    v = _take(old, new, i, lane_bits)
+    z[t] = v
+    top = max(top, v)
+  vbits, vpresent = entropy_bits(hist, widths)
+  k, rice_bits, gbits, gpresent = gap_plan(gaps, step, widths)
+  return z, int(top), vbits, vpresent, k, rice_bits, gbits, gpresent
+
+
+@numba.njit(**_JIT)
+def _sparse_costs16(old, new, gaps, hist, step, widths, literal_max):
+  return _sparse_costs(old, new, gaps, hist, step, widths, literal_max, 16)
+
+
+@numba.njit(**_JIT)
+def _sparse_costs8(old, new, gaps, hist, step, widths, literal_max):
+  return _sparse_costs(old, new, gaps, hist, step, widths, literal_max, 8)
+
+
+def sparse_costs(old, new, gaps, hist, step, widths, literal_max):
+  """What a sparse section's choices need, in one call: (zigzag codes at the changes as
+  zigzag_at gives them, or an empty array above literal_max changes; their largest, 0 if
+  none; entropy_bits of the value histogram `hist`; gap_plan of the gaps at `step`)."""
+  costs = _sparse_costs16 if old.itemsize == 2 else _sparse_costs8
+  return costs(old, new, gaps, hist, step, widths, literal_max)
+
+
 # ---- Rice-coded gaps ---------------------------------------------------------------------
 
 @numba.njit(**_JIT)
@@ -336,6 +373,47 @@ def rice_encode(gaps, k):
     fill &= np.uint64(63)
   out[wpos] = acc
   return out, nbits, gap_sum
+
+
+@numba.njit(inline="always", **_JIT)
+def _put_varint(out, p, x):
+  """Writes the LEB128 varint of x >= 0 at out[p]; returns the position after it."""
+  x = np.uint64(x)
+  while x >= np.uint64(128):
+    out[p] = np.uint8((x & np.uint64(127)) | np.uint64(128))
+    x >>= np.uint64(7)
+    p += 1
+  out[p] = np.uint8(x)
+  return p + 1
+
+
+@numba.njit(**_JIT)
+def rice_layout(gaps, k, streams, head):
+  """The Rice gap layout of tensor_codec (u8 head, `streams` varint byte lengths, streams - 1
+  varint indices of the change before each later stream, then the Rice streams of equal
+  shares of the gaps, the last taking the rest) as one uint8 array."""
+  nnz = gaps.size
+  share = nnz // streams
+  coded = [rice_encode(gaps[j * share:nnz if j == streams - 1 else (j + 1) * share], k)
+           for j in range(streams)]
+  total = 0
+  for words, nbits, _ in coded:
+    total += (nbits + 7) // 8
+  out = np.empty(1 + 20 * streams + total, np.uint8)
+  out[0] = head
+  p = 1
+  for words, nbits, _ in coded:
+    p = _put_varint(out, p, (nbits + 7) // 8)
+  last = np.int64(-1)
+  for j in range(streams - 1):
+    last += np.int64(coded[j][2]) + share
+    p = _put_varint(out, p, last)
+  for words, nbits, _ in coded:
+    b = words.view(np.uint8)
+    for t in range((nbits + 7) // 8):
+      out[p] = b[t]
+      p += 1
+  return out[:p]
 
 
 @numba.njit(inline="always", **_JIT)
@@ -564,6 +642,65 @@ def read_varints(buf, pos, end, out):
       return -2
     out[i] = np.int64(n)
   return pos
+
+
+@numba.njit(inline="always", **_JIT)
+def _get_varint(buf, pos, end):
+  """(value, position after it) of the varint at buf[pos]; position -1 when it runs past
+  end or has 63 bits or more."""
+  one = np.empty(1, np.int64)
+  pos = read_varints(buf, pos, end, one)
+  return one[0], pos
+
+
+@numba.njit(**_JIT)
+def sparse_literal(buf, n, like):
+  """Fast path of tensor_codec's sparse section of n elements (the bytes `buf`) in its
+  usual layout, Rice gaps and a literal offset stream: (True, flat indices, wrapping
+  offsets of like's dtype), or (False, -, -) when the section has another layout or
+  anything the general parser would reject (it then runs and names the problem)."""
+  fail = False, np.empty(0, np.int64), np.empty(0, like.dtype)
+  end = buf.size
+  nnz, p = _get_varint(buf, 0, end)
+  if p < 0 or not 0 < nnz <= min(n, LITERAL_MAX) or p >= end:
+    return fail
+  coder = np.int64(buf[p])
+  k, streams = coder & 63, 4 if coder & RICE_MULTI else 1
+  if not coder & RICE or k > 56 or streams > nnz:
+    return fail
+  starts = np.zeros(streams + 1, np.int64)
+  bases = np.full(streams, -1, np.int64)
+  p += 1
+  for j in range(streams):
+    length, p = _get_varint(buf, p, end)
+    if p < 0 or length > end:
+      return fail
+    starts[j + 1] = starts[j] + length
+  for j in range(1, streams):
+    bases[j], p = _get_varint(buf, p, end)
+    if p < 0:
+      return fail
+  total = starts[streams]
+  if total > end - p:
+    return fail
+  words = np.zeros(total // 8 + 2, np.uint64)
+  words.view(np.uint8)[:total] = buf[p:p + total]
+  p += total
+  counts = np.full(streams, nnz // streams, np.int64)
+  counts[streams - 1] = nnz - (nnz // streams) * (streams - 1)
+  idx = np.empty(nnz, np.int64)
+  if rice_decode(words, starts, counts, bases, k, n, idx) != OK or end - p < 2:
+    return fail
+  width = np.int64(buf[p + 1])
+  nbytes = (nnz * width + 7) // 8 if nnz < FIXED_MIN else (nnz + 7) // 8 * width
+  if buf[p] != LITERAL or width > 56 or end - p - 2 != nbytes:
+    return fail
+  raw = buf[p + 2:end]
+  z = unpack_lsb(raw, nnz, width) if nnz < FIXED_MIN else unpack_planes(raw, nnz, width)
+  out = np.empty(nnz, like.dtype)
+  if literal_values(z, 1, out) >> (8 * like.itemsize):
+    return fail
+  return True, idx, out
 
 
 @numba.njit(**_JIT)

@@ -36,8 +36,8 @@ from rlax_ps.sync.errors import CodecError
 
 UNCHANGED, RAW, SPARSE, BITMAP, DENSE, JOINT, PACKED = range(7)
 MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense", "joint", "packed")
-GAPS_ENTROPY, GAPS_RICE = 0, 0x80  # Rice: 0x80 | streams flag | k in one byte
-_RICE_MULTI = 0x40
+GAPS_ENTROPY, GAPS_RICE = 0, loops.RICE  # Rice: 0x80 | streams flag | k in one byte
+_RICE_MULTI = loops.RICE_MULTI
 _SAMPLE = 1 << 15  # elements the bitmap probe codes
 _GAP_SAMPLE = 1 << 13  # gaps the coder choice is costed on
 _DENSITY_SAMPLE = 1 << 14
@@ -46,6 +46,8 @@ _RICE_STREAMS, _RICE_SPLIT = 4, 1 << 12
 _ESTIMATE_ABOVE = 1 << 22  # smaller scans size their outputs for every element (np.empty
 # pages that are never written cost nothing), larger ones from a sampled density
 _LOCAL = threading.local()
+# An empty array of each held unsigned type: compiled readers take their output dtype from it.
+_LIKE = {np.dtype(d): np.empty(0, d) for d in (np.uint8, np.uint16)}
 
 
 def _estimate_density(old: np.ndarray, new: np.ndarray) -> float:
@@ -125,33 +127,21 @@ def _scan_outputs(cap: int, gap_dtype) -> tuple[np.ndarray, ...]:
                                                                         np.int64)
 
 
-def _rice_bytes(gaps: np.ndarray, k: int) -> bytes:
+def _rice_bytes(gaps: np.ndarray, k: int) -> np.ndarray:
   """Rice layout: u8 0x80 | 0x40 (S = 4 streams, else 1) | k, S varint byte lengths, S - 1
   varint indices of the change before each later stream, the streams (S = 4 for long
   streams, whose decoder then runs four independent chains)."""
-  nnz = gaps.size
-  s = _RICE_STREAMS if nnz >= _RICE_SPLIT else 1
-  cuts = [j * (nnz // s) for j in range(s)] + [nnz]
-  parts, lengths, bases = [], [], []
-  last = -1
-  for j in range(s):
-    seg = gaps[cuts[j]:cuts[j + 1]]
-    words, nbits, gap_sum = loops.rice_encode(seg, k)
-    parts.append(words.view(np.uint8)[:(nbits + 7) // 8])
-    lengths.append(varint((nbits + 7) // 8))
-    if j:
-      bases.append(varint(last))
-    last += int(gap_sum) + seg.size
-  return b"".join([u8(GAPS_RICE | (_RICE_MULTI if s > 1 else 0) | k)] + lengths + bases + parts)
+  s = _RICE_STREAMS if gaps.size >= _RICE_SPLIT else 1
+  return loops.rice_layout(gaps, k, s, GAPS_RICE | (_RICE_MULTI if s > 1 else 0) | k)
 
 
-def _encode_gaps(gaps: np.ndarray) -> tuple[float, callable, bool]:
+def _encode_gaps(gaps: np.ndarray, plan: tuple) -> tuple[float, callable, bool]:
   """(estimated size, thunk producing the bytes, whether the gaps cluster) of the cheaper
   gap coder: Rice with the best parameter near log2 of the mean gap, or the entropy stage
   (the gaps cluster: it codes them 3% or more below Rice), both costed exactly on an
-  evenly spaced sample of the gaps."""
-  step = max(1, gaps.size // _GAP_SAMPLE)
-  k, rice_bits, entropy_bits, present = loops.gap_plan(gaps, step, entropy.WIDTHS)
+  evenly spaced sample of the gaps (`plan`: loops.gap_plan of it, at gap_step(gaps))."""
+  step = gap_step(gaps)
+  k, rice_bits, entropy_bits, present = plan
   rice_cost = rice_bits * step / 8 + 3
   if entropy.cost_of(entropy_bits, present) * step >= 0.97 * rice_cost:
     return rice_cost, lambda: _rice_bytes(gaps, k), False
@@ -159,6 +149,11 @@ def _encode_gaps(gaps: np.ndarray) -> tuple[float, callable, bool]:
   hist = entropy.histogram(wide)
   return entropy.cost_bytes(hist) + 1, lambda: u8(GAPS_ENTROPY) + entropy.encode_stream(
       hist, wide), True
+
+
+def gap_step(gaps: np.ndarray) -> int:
+  """Every how many gaps the coder choice samples (about _GAP_SAMPLE of them)."""
+  return max(1, gaps.size // _GAP_SAMPLE)
 
 
 def _bitmap_bytes(idx: np.ndarray, n: int) -> bytes:
@@ -219,12 +214,12 @@ def encode_section(old: np.ndarray | None, new: np.ndarray,
   ch = scan_changes(old, new, hashed)  # nothing of ch outlives this call
   if ch.nnz == 0:
     return Encoded(UNCHANGED, b"", ch.h_new, ch.h_old)
-  z = None
-  cost_v = cost_sym = entropy.cost_bytes(ch.hist)
-  if ch.nnz <= entropy.LITERAL_MAX:
-    z = loops.zigzag_at(old, new, ch.gaps)
-    cost_v = min(cost_v, entropy.literal_cost(z, 1))
-  gap_cost, gap_bytes, clustered = _encode_gaps(ch.gaps)
+  z, top, *costs = loops.sparse_costs(old, new, ch.gaps, ch.hist, gap_step(ch.gaps),
+                                      entropy.WIDTHS, entropy.LITERAL_MAX)
+  cost_v = cost_sym = entropy.cost_of(*costs[:2])
+  if z.size:
+    cost_v = min(cost_v, entropy.literal_cost(z, 1, top))
+  gap_cost, gap_bytes, clustered = _encode_gaps(ch.gaps, costs[2:])
   costs = {RAW: new.nbytes, SPARSE: gap_cost + cost_v + 9}
   if ch.nnz * 4 > n:
     hist_d = ch.hist.copy()
@@ -248,7 +243,7 @@ def encode_section(old: np.ndarray | None, new: np.ndarray,
     full[idx] = loops.zigzag_at(old, new, ch.gaps)
     return Encoded(DENSE, entropy.encode_stream(hist_d, full), ch.h_new, ch.h_old)
   if cost_v < cost_sym:
-    values = entropy.encode_literal(z, 1)
+    values = entropy.encode_literal(z, 1, top)
   else:
     values = entropy.encode_symbols(ch.hist, ch.syms, ch.raw)
   if mode == SPARSE:
@@ -328,8 +323,12 @@ class Decoded:
         loops.scatter_add(part, idx, off, cuts[i], cuts[i + 1], s)
 
 
-def decode_section(what: str, mode: int, section, n: int, udtype: np.dtype) -> Decoded:
-  """Parses and validates one section holding `n` elements of unsigned type `udtype`."""
+def decode_section(what: str, mode: int, section, n: int, udtype: np.dtype,
+                   fast: bool = True) -> Decoded:
+  """Parses and validates one section holding `n` elements of unsigned type `udtype`.
+  Sparse sections in the usual layout take one compiled call (loops.sparse_literal) unless
+  not `fast`; any other, or any problem, goes through the general reader below, which
+  names the problem."""
   r = ByteReader(section, what)
   if mode == UNCHANGED:
     r.done()
@@ -346,6 +345,11 @@ def decode_section(what: str, mode: int, section, n: int, udtype: np.dtype) -> D
   if mode == JOINT:
     return Decoded(JOINT, streams=joint.Section(r, n, udtype))
   if mode == SPARSE:
+    if fast:
+      ok, idx, offsets = loops.sparse_literal(np.frombuffer(section, np.uint8), n,
+                                              _LIKE[udtype])
+      if ok:
+        return Decoded(SPARSE, indices=idx, offsets=offsets)
     nnz = r.varint()
     if not 0 < nnz <= n:
       raise CodecError(f"{what}: {nnz} changed elements declared for a tensor of {n}")
@@ -386,8 +390,8 @@ def _decode_gaps(r: ByteReader, nnz: int, n: int) -> np.ndarray:
   streams = _RICE_STREAMS if coder & _RICE_MULTI else 1
   if streams > nnz:
     raise CodecError(f"{r.what}: {streams} Rice streams for {nnz} changes")
-  lengths = [r.varint() for _ in range(streams)]
-  bases = [-1] + [r.varint() for _ in range(streams - 1)]
+  lengths = r.varints(streams).tolist()
+  bases = [-1] + r.varints(streams - 1).tolist()
   buf = r.take(sum(lengths))
   counts = [nnz // streams] * (streams - 1) + [nnz - (nnz // streams) * (streams - 1)]
   idx = np.empty(nnz, np.int64)
