@@ -26,6 +26,7 @@ ahead.
 """
 
 import functools
+import threading
 
 import numba
 import numpy as np
@@ -652,6 +653,14 @@ def _block_counts(coded, n, counts, sets):
   return counts.sum(), fits, opened
 
 
+# Decoder tables by (k, width, the section's table bytes, open set built): sections with the
+# same code table (most int8 sections of an update: a few tables among 44 on the 38M model)
+# share one build. Oldest out first; a few MB at most.
+_DECODER_TABLES: dict = {}
+_DECODER_TABLES_MAX = 64
+_DECODER_TABLES_LOCK = threading.Lock()
+
+
 class Section:
   """A parsed joint section: its code tables and the four streams."""
 
@@ -660,11 +669,13 @@ class Section:
     self.k = r.u8()
     if self.k > MAX_K:
       raise CodecError(f"{r.what}: Rice parameter {self.k} exceeds {MAX_K}")
+    table_at = r.pos
     m = r.u8()
     syms = np.frombuffer(r.take(m), np.uint8).astype(np.int64)
     use_closed = r.u8()
     opened = np.frombuffer(r.take((m + 1) // 2), np.uint8)
     closed = np.frombuffer(r.take(m // 2 if use_closed else 0), np.uint8)
+    table_bytes = bytes(r.buf[table_at:r.pos])
     if m < 2 or syms[-1] != ESCAPE or use_closed > 1:
       raise CodecError(f"{r.what}: joint code table lacks values or its escape code, or "
                        f"has an unknown closed-set flag {use_closed}")
@@ -675,15 +686,23 @@ class Section:
       raise CodecError(f"{r.what}: joint block change counts exceed their blocks or are all 0")
     if not use_closed and n_open != nblocks:
       raise CodecError(f"{r.what}: joint blocks name a closed code set the section lacks")
-    self.tables = np.zeros((2, 1 << huffman.MAX_LEN), np.uint32)
-    self.wholes = np.zeros((2, 1 << WHOLE), np.uint32)
     width = 8 * udtype.itemsize
-    if use_closed:
-      self._check_table(_decoder_tables(syms[:-1], closed, width, self.k, self.tables[0],
-                                     self.wholes[0]))
-    if n_open:  # the open set only where a block needs it
-      self._check_table(_decoder_tables(syms, opened, width, self.k, self.tables[1],
-                                     self.wholes[1]))
+    key = (self.k, width, table_bytes, n_open > 0)
+    built = _DECODER_TABLES.get(key)
+    if built is None:
+      built = (np.zeros((2, 1 << huffman.MAX_LEN), np.uint32),
+               np.zeros((2, 1 << WHOLE), np.uint32))
+      if use_closed:
+        self._check_table(_decoder_tables(syms[:-1], closed, width, self.k, built[0][0],
+                                          built[1][0]))
+      if n_open:  # the open set only where a block needs it
+        self._check_table(_decoder_tables(syms, opened, width, self.k, built[0][1],
+                                          built[1][1]))
+      with _DECODER_TABLES_LOCK:  # apply's pool threads parse sections side by side
+        if len(_DECODER_TABLES) >= _DECODER_TABLES_MAX:
+          _DECODER_TABLES.pop(next(iter(_DECODER_TABLES)))
+        _DECODER_TABLES[key] = built
+    self.tables, self.wholes = built  # shared between sections: never written after this
     self.starts = np.zeros(STREAMS + 1, np.int64)
     np.cumsum(r.varints(STREAMS), out=self.starts[1:])
     buf = r.take(int(self.starts[-1]))

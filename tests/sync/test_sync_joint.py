@@ -408,3 +408,48 @@ def test_joint_update_through_the_public_api(pair):
   again = sync.Update.from_bytes(update.to_bytes())
   out = sync.apply({"w": base.view(BF16)}, again)
   assert np.array_equal(out["w"].view(np.uint16), target)
+
+
+def test_sections_with_the_same_code_table_share_one_decoder_table_build(monkeypatch):
+  """int8 sections of one update mostly carry equal tables: the second parse reuses the
+  first one's decoder tables, each still decodes exactly, and the cache stays bounded."""
+  monkeypatch.setattr(joint, "_DECODER_TABLES", {})
+  rng = np.random.default_rng(8)
+  n = 1 << 19
+  pairs = []
+  for _ in range(2):  # same statistics, different positions and bases
+    base = rng.integers(0, 256, n, dtype=np.uint8)
+    pairs.append((base, changed(rng, base, 0.02, np.array([1, 255], np.uint8), [0.7, 0.3])))
+  encs = [tensor_codec.encode_section(b, t) for b, t in pairs]
+  assert all(tensor_codec.MODE_NAMES[e.mode] == "joint" for e in encs)
+  m = encs[0].section[1]  # k, m, m symbols (+-1, the escape), closed flag, lengths
+  tables = [bytes(e.section[:3 + m + (m + 1) // 2 + m // 2]) for e in encs]
+  assert tables[0] == tables[1]
+  decs = [tensor_codec.decode_section("tensor 'w'", e.mode, e.section, n, np.dtype(np.uint8))
+          for e in encs]
+  assert decs[0].streams.tables is decs[1].streams.tables
+  assert len(joint._DECODER_TABLES) == 1
+  for (base, target), dec in zip(pairs, decs):
+    assert np.array_equal(dec.apply(base, base.dtype)[0], target)
+  monkeypatch.setattr(joint, "_DECODER_TABLES_MAX", 2)
+  for density in (0.05, 0.1, 0.2):  # other tables: the oldest go first
+    base = pairs[0][0]
+    target = changed(rng, base, density, OFFSETS[:6].astype(np.uint8), None)
+    enc = tensor_codec.encode_section(base, target)
+    dec = tensor_codec.decode_section("tensor 'w'", enc.mode, enc.section, n,
+                                      np.dtype(np.uint8))
+    assert np.array_equal(dec.apply(base, base.dtype)[0], target)
+    assert len(joint._DECODER_TABLES) <= 2
+
+
+def test_a_bad_code_table_is_rejected_every_time_and_never_kept(pair, monkeypatch):
+  monkeypatch.setattr(joint, "_DECODER_TABLES", {})
+  base, target = pair
+  data = bytearray(tensor_codec.encode_section(base, target).section)
+  m = data[1]
+  data[3 + m] = 0xFF  # two code lengths of 15: no longer a prefix code
+  for _ in range(2):
+    with pytest.raises(CodecError, match="tensor 'w': joint code table"):
+      tensor_codec.decode_section("tensor 'w'", tensor_codec.JOINT, bytes(data), base.size,
+                                  np.dtype(np.uint16))
+  assert joint._DECODER_TABLES == {}
