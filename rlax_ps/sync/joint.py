@@ -360,14 +360,25 @@ def sample_starts(n: int) -> np.ndarray:
   return starts
 
 
+@functools.lru_cache(maxsize=4096)
+def _probe_split(n: int) -> tuple[np.ndarray, np.ndarray]:
+  """sample_starts(n) as (every _PROBE_EVERY-th window, the others), read-only."""
+  starts = sample_starts(n)
+  probe = np.arange(starts.size) % _PROBE_EVERY == 0
+  split = starts[probe], starts[~probe]
+  for part in split:
+    part.flags.writeable = False
+  return split
+
+
 @numba.njit(inline="always", **_JIT)
-def _sample(aw, bw, a, b, starts, gaps, vhist, ghist, widths, lane_bits):
+def _sample(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths, lane_bits):
   """Walks the changes of the windows at `starts`: their gaps (from each window's start)
-  into gaps, the symbol counts of their zigzag values into vhist and of their gaps into
-  ghist. Returns (changes, the Rice parameter among those near log2 of the mean gap whose
-  code is shortest, its bits, the entropy stage's bits for the gaps (loops.entropy_bits),
-  their symbols present)."""
-  nnz = 0
+  into gaps from gaps[nnz] on (nnz: changes that earlier windows put there), the symbol
+  counts of their zigzag values into vhist and of their gaps into ghist. Returns, over
+  all windows so far, (changes, the Rice parameter among those near log2 of the mean gap
+  whose code is shortest, its bits, the entropy stage's bits for the gaps
+  (loops.entropy_bits), their symbols present): sums, whatever the windows' order."""
   for s in starts:
     prev = s - 1
     for g in range(s // 64, (s + SAMPLE_WINDOW) // 64):
@@ -391,13 +402,13 @@ def _sample(aw, bw, a, b, starts, gaps, vhist, ghist, widths, lane_bits):
 
 
 @numba.njit(**_JIT)
-def _sample16(aw, bw, a, b, starts, gaps, vhist, ghist, widths):
-  return _sample(aw, bw, a, b, starts, gaps, vhist, ghist, widths, 16)
+def _sample16(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths):
+  return _sample(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths, 16)
 
 
 @numba.njit(**_JIT)
-def _sample8(aw, bw, a, b, starts, gaps, vhist, ghist, widths):
-  return _sample(aw, bw, a, b, starts, gaps, vhist, ghist, widths, 8)
+def _sample8(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths):
+  return _sample(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths, 8)
 
 
 def plan(old: np.ndarray, new: np.ndarray):
@@ -414,15 +425,15 @@ def plan(old: np.ndarray, new: np.ndarray):
   sample = _sample16 if new.itemsize == 2 else _sample8
   least = MIN_DENSITY if new.itemsize == 2 else MIN_DENSITY_INT8
   words = old[:m].view(np.uint64), new[:m].view(np.uint64), old, new
-  probe = starts[::_PROBE_EVERY]  # a quarter of the windows first: far sparser tensors (most
-  # at low learning rates) stop here, as the whole sample would decide for them
-  nnz = sample(*words, probe, gaps, np.zeros(ALPHABET, np.int64), np.zeros(ALPHABET, np.int64),
-               entropy.WIDTHS)[0]
-  if nnz < least * probe.size * SAMPLE_WINDOW / 2:
-    return None
   vhist = np.zeros(ALPHABET, np.int64)
   ghist = np.zeros(ALPHABET, np.int64)
-  nnz, k, rice_bits, gap_bits, present = sample(*words, starts, gaps, vhist, ghist,
+  # A quarter of the windows first: far sparser tensors (most at low learning rates) stop
+  # there, as the whole sample would decide for them; the others add the rest.
+  probe, rest = _probe_split(n)
+  nnz = sample(*words, probe, gaps, 0, vhist, ghist, entropy.WIDTHS)[0]
+  if nnz < least * probe.size * SAMPLE_WINDOW / 2:
+    return None
+  nnz, k, rice_bits, gap_bits, present = sample(*words, rest, gaps, nnz, vhist, ghist,
                                                 entropy.WIDTHS)
   if not least * starts.size * SAMPLE_WINDOW <= nnz <= starts.size * SAMPLE_WINDOW // 4:
     return None
