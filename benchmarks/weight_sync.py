@@ -29,7 +29,7 @@ import numpy as np
 from absl import app, flags
 
 from rlax_ps import sync
-from rlax_ps.sync import parallel
+from rlax_ps.sync import joint, parallel
 from rlax_ps.sync.bits import BF16, bit_view
 
 FLAGS = flags.DEFINE_integer("elements", 100_000_000, "bf16 elements of the synthetic model")
@@ -137,7 +137,8 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   """One table row: encode base_held -> target, apply it (new arrays, then in place),
   compare with the bound. keyframe: the update that published base_held (its checksums are
   the publisher's base_checksums). probe: the memory copy, timed between the runs of this
-  row. Each apply gets a fresh Update of the same bytes, so that it decodes."""
+  row. Each apply gets a fresh Update of the same bytes, so that it decodes (and
+  parses its code tables anew)."""
   keyframe_bytes = keyframe.nbytes
   # Small models run more often (a noisy machine's best of 3 short runs is luck): up to
   # 20 runs, about 200 MB of model bytes in all.
@@ -156,7 +157,13 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
                                            base_checksums=known, threads=1), reps, probe=probe)
   assert enc_host[2].to_bytes() == update.to_bytes()
   assert sync.encode(base_held, target_held, fmt, version=1).to_bytes() == update.to_bytes()
-  fresh = lambda: sync.Update(update.to_bytes(), update.header)  # noqa: E731 (undecoded)
+
+  def fresh():
+    """An undecoded Update of the same bytes, and no decoder tables kept from earlier
+    runs: each apply parses its update as the first one would."""
+    joint.forget_tables()
+    return sync.Update(update.to_bytes(), update.header)
+
   app = best_time(lambda u: sync.apply(base_held, u, threads=1), reps, setup=fresh, probe=probe)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(app[2][k]), bit_view(v)), k

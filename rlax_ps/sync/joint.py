@@ -672,6 +672,12 @@ _DECODER_TABLES_MAX = 64
 _DECODER_TABLES_LOCK = threading.Lock()
 
 
+def forget_tables() -> None:
+  """Empties the decoder-table cache (benchmarks time the parse of tables not seen yet)."""
+  with _DECODER_TABLES_LOCK:
+    _DECODER_TABLES.clear()
+
+
 class Section:
   """A parsed joint section: its code tables and the four streams."""
 

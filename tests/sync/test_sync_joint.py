@@ -440,6 +440,12 @@ def test_sections_with_the_same_code_table_share_one_decoder_table_build(monkeyp
                                       np.dtype(np.uint8))
     assert np.array_equal(dec.apply(base, base.dtype)[0], target)
     assert len(joint._DECODER_TABLES) <= 2
+  joint.forget_tables()
+  assert joint._DECODER_TABLES == {}
+  again = tensor_codec.decode_section("tensor 'w'", encs[0].mode, encs[0].section, n,
+                                      np.dtype(np.uint8))
+  assert again.streams.tables is not decs[0].streams.tables  # built anew
+  assert np.array_equal(again.apply(*pairs[0][:1], np.dtype(np.uint8))[0], pairs[0][1])
 
 
 def test_a_bad_code_table_is_rejected_every_time_and_never_kept(pair, monkeypatch):
