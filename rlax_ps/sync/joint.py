@@ -37,6 +37,7 @@ from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
+                                _get_varint,
                                 _group_mask, _peek, _take, best_rice, entropy_bits,
                                 masks_ahead, popcount, symbol_of, unary)
 
@@ -664,6 +665,76 @@ def _block_counts(coded, n, counts, sets):
   return counts.sum(), fits, opened
 
 
+@numba.njit(**_JIT)
+def _parse(buf, n):
+  """One compiled pass over a joint section's bytes (all but its code tables' build):
+  (ok, k, m, closed flag, table end, changes, blocks on the open set, counts, sets, stream
+  starts in bits, where the streams start). Not ok: anything Section's general reader
+  would reject; it then runs and names the problem."""
+  nblocks = (n + BLOCK - 1) // BLOCK
+  counts, sets = np.empty(nblocks, np.int64), np.empty(nblocks, np.int64)
+  starts = np.zeros(STREAMS + 1, np.int64)
+  end = buf.size
+  if end < 2:
+    return False, 0, 0, 0, 0, 0, 0, counts, sets, starts, 0
+  k, m = np.int64(buf[0]), np.int64(buf[1])
+  p = 2 + m + 1 + (m + 1) // 2
+  if k > MAX_K or m < 2 or p > end or buf[1 + m] != ESCAPE or buf[2 + m] > 1:
+    return False, 0, 0, 0, 0, 0, 0, counts, sets, starts, 0
+  use_closed = np.int64(buf[2 + m])
+  p += m // 2 if use_closed else 0
+  table_end, nnz, fits, opened = p, 0, True, 0
+  for b in range(nblocks):
+    v, p = _get_varint(buf, p, end)
+    if p < 0:
+      return False, 0, 0, 0, 0, 0, 0, counts, sets, starts, 0
+    counts[b], sets[b] = v >> 1, v & 1
+    fits &= counts[b] <= min(BLOCK, n - b * BLOCK)
+    opened += sets[b]
+    nnz += counts[b]
+  if not fits or nnz == 0 or (not use_closed and opened != nblocks):
+    return False, 0, 0, 0, 0, 0, 0, counts, sets, starts, 0
+  for j in range(STREAMS):
+    length, p = _get_varint(buf, p, end)
+    if p < 0 or length > end:
+      return False, 0, 0, 0, 0, 0, 0, counts, sets, starts, 0
+    starts[j + 1] = starts[j] + length
+  if starts[STREAMS] != end - p:  # the streams fill the rest exactly
+    return False, 0, 0, 0, 0, 0, 0, counts, sets, starts, 0
+  return True, k, m, use_closed, table_end, nnz, opened, counts, sets, starts * 8, p
+
+
+def parse_general(r: ByteReader, n: int) -> tuple:
+  """_parse's result read field by field from r (at the section's start, to its end),
+  raising the CodecError that names what is wrong (_parse only says that something is)."""
+  start = r.pos
+  k = r.u8()
+  if k > MAX_K:
+    raise CodecError(f"{r.what}: Rice parameter {k} exceeds {MAX_K}")
+  m = r.u8()
+  syms = np.frombuffer(r.take(m), np.uint8)
+  use_closed = r.u8()
+  r.take((m + 1) // 2 + (m // 2 if use_closed else 0))
+  if m < 2 or syms[-1] != ESCAPE or use_closed > 1:
+    raise CodecError(f"{r.what}: joint code table lacks values or its escape code, or "
+                     f"has an unknown closed-set flag {use_closed}")
+  table_end = r.pos - start
+  nblocks = (n + BLOCK - 1) // BLOCK
+  counts, sets = np.empty(nblocks, np.int64), np.empty(nblocks, np.int64)
+  nnz, fits, n_open = _block_counts(r.varints(nblocks), n, counts, sets)
+  if not fits or nnz == 0:
+    raise CodecError(f"{r.what}: joint block change counts exceed their blocks or are all 0")
+  if not use_closed and n_open != nblocks:
+    raise CodecError(f"{r.what}: joint blocks name a closed code set the section lacks")
+  starts = np.zeros(STREAMS + 1, np.int64)
+  np.cumsum(r.varints(STREAMS), out=starts[1:])
+  streams_at = r.pos - start
+  r.take(int(starts[-1]))
+  r.done()
+  return (True, k, m, use_closed, table_end, int(nnz), int(n_open), counts, sets, starts * 8,
+          streams_at)
+
+
 # Decoder tables by (k, width, the section's table bytes, open set built): sections with the
 # same code table (most int8 sections of an update: a few tables among 44 on the 38M model)
 # share one build. Oldest out first; a few MB at most.
@@ -683,29 +754,26 @@ class Section:
 
   def __init__(self, r: ByteReader, n: int, udtype: np.dtype):
     self.n, self.udtype, self.what = n, udtype, r.what
-    self.k = r.u8()
-    if self.k > MAX_K:
-      raise CodecError(f"{r.what}: Rice parameter {self.k} exceeds {MAX_K}")
-    table_at = r.pos
-    m = r.u8()
-    syms = np.frombuffer(r.take(m), np.uint8).astype(np.int64)
-    use_closed = r.u8()
-    opened = np.frombuffer(r.take((m + 1) // 2), np.uint8)
-    closed = np.frombuffer(r.take(m // 2 if use_closed else 0), np.uint8)
-    table_bytes = bytes(r.buf[table_at:r.pos])
-    if m < 2 or syms[-1] != ESCAPE or use_closed > 1:
-      raise CodecError(f"{r.what}: joint code table lacks values or its escape code, or "
-                       f"has an unknown closed-set flag {use_closed}")
-    nblocks = (n + BLOCK - 1) // BLOCK
-    self.counts, self.sets = np.empty(nblocks, np.int64), np.empty(nblocks, np.int64)
-    self.nnz, fits, n_open = _block_counts(r.varints(nblocks), n, self.counts, self.sets)
-    if not fits or self.nnz == 0:
-      raise CodecError(f"{r.what}: joint block change counts exceed their blocks or are all 0")
-    if not use_closed and n_open != nblocks:
-      raise CodecError(f"{r.what}: joint blocks name a closed code set the section lacks")
-    width = 8 * udtype.itemsize
+    buf = np.frombuffer(r.buf, np.uint8)[r.pos:r.end]
+    parsed = _parse(buf, n)  # one compiled call; the general reader names any problem
+    (_, self.k, m, use_closed, table_end, self.nnz, n_open, self.counts, self.sets,
+     self.starts, streams_at) = parsed if parsed[0] else parse_general(r, n)
+    r.pos = r.end
+    self.words = entropy.words_of(buf[streams_at:])
+    syms = buf[2:2 + m].astype(np.int64)
+    opened = buf[3 + m:3 + m + (m + 1) // 2]
+    self.tables, self.wholes = self._decoder_tables(
+        buf[1:table_end].tobytes(), syms, opened, buf[3 + m + (m + 1) // 2:table_end],
+        use_closed, n_open)
+
+  def _decoder_tables(self, table_bytes, syms, opened, closed, use_closed, n_open):
+    """(Huffman decode tables, whole-code tables) of the closed set (row 0, if any) and of
+    the open one (row 1, only where a block takes it): from the cache when table_bytes
+    (the section's table fields) were seen, else built (and kept, unless table_bytes is
+    None)."""
+    width = 8 * self.udtype.itemsize
     key = (self.k, width, table_bytes, n_open > 0)
-    built = _DECODER_TABLES.get(key)
+    built = _DECODER_TABLES.get(key) if table_bytes is not None else None
     if built is None:
       built = (np.zeros((2, 1 << huffman.MAX_LEN), np.uint32),
                np.zeros((2, 1 << WHOLE), np.uint32))
@@ -715,17 +783,12 @@ class Section:
       if n_open:  # the open set only where a block needs it
         self._check_table(_decoder_tables(syms, opened, width, self.k, built[0][1],
                                           built[1][1]))
-      with _DECODER_TABLES_LOCK:  # apply's pool threads parse sections side by side
-        if len(_DECODER_TABLES) >= _DECODER_TABLES_MAX:
-          _DECODER_TABLES.pop(next(iter(_DECODER_TABLES)))
-        _DECODER_TABLES[key] = built
-    self.tables, self.wholes = built  # shared between sections: never written after this
-    self.starts = np.zeros(STREAMS + 1, np.int64)
-    np.cumsum(r.varints(STREAMS), out=self.starts[1:])
-    buf = r.take(int(self.starts[-1]))
-    r.done()
-    self.words = entropy.words_of(buf)
-    self.starts *= 8
+      if table_bytes is not None:
+        with _DECODER_TABLES_LOCK:  # apply's pool threads parse sections side by side
+          if len(_DECODER_TABLES) >= _DECODER_TABLES_MAX:
+            _DECODER_TABLES.pop(next(iter(_DECODER_TABLES)))
+          _DECODER_TABLES[key] = built
+    return built  # shared between sections: never written after this
 
   def _check_table(self, err: int) -> None:
     """Raises the CodecError of a _decoder_tables error code (0: none)."""

@@ -459,3 +459,46 @@ def test_a_bad_code_table_is_rejected_every_time_and_never_kept(pair, monkeypatc
       tensor_codec.decode_section("tensor 'w'", tensor_codec.JOINT, bytes(data), base.size,
                                   np.dtype(np.uint16))
   assert joint._DECODER_TABLES == {}
+
+
+def _parses(data, n):
+  """(joint._parse's result or None, parse_general's or the CodecError it raised)."""
+  fast = joint._parse(np.frombuffer(data, np.uint8), n)
+  try:
+    general = joint.parse_general(ByteReader(data, "tensor 'w'"), n)
+  except CodecError as e:
+    general = e
+  return (fast if fast[0] else None), general
+
+
+def _same_parse(a, b):
+  return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_compiled_joint_parse_reads_what_the_general_reader_does(pair, int8_pair):
+  for base, target in (pair, int8_pair[:2]):
+    data = bytes(tensor_codec.encode_section(base, target).section)
+    fast, general = _parses(data, base.size)
+    assert fast is not None and _same_parse(fast, general)
+    assert fast[5] == np.count_nonzero(base != target)  # changes
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)),
+                    min_size=1, max_size=3),
+       head=st.booleans(), cut=st.integers(-2, 2))
+def test_fuzzed_joint_sections_parse_alike_both_ways(ops, head, cut, int8_pair):
+  """The compiled parse accepts exactly what the general reader accepts, with the same
+  fields; where it declines, the general reader raises the error that names the field."""
+  base, target = int8_pair[:2]
+  data = bytearray(tensor_codec.encode_section(base, target).section)
+  span = 80 if head else len(data)  # the header fields, or anywhere
+  for where, byte in ops:
+    data[int(where * span)] ^= byte
+  data = bytes(data[:len(data) + cut] if cut < 0 else data + bytes(cut))
+  fast, general = _parses(data, base.size)
+  if fast is None:
+    assert isinstance(general, CodecError) and "tensor 'w'" in str(general)
+  else:
+    assert not isinstance(general, CodecError), general
+    assert _same_parse(fast, general)
