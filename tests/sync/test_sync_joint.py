@@ -502,3 +502,11 @@ def test_fuzzed_joint_sections_parse_alike_both_ways(ops, head, cut, int8_pair):
   else:
     assert not isinstance(general, CodecError), general
     assert _same_parse(fast, general)
+
+
+def test_a_compiled_call_covers_whole_rounds_of_joint_blocks():
+  """Joint encode and apply take CALL_BYTES of each array per call in whole rounds of
+  STREAMS blocks (the decoder runs a round's streams side by side): for bf16 and int8."""
+  from rlax_ps.sync import loops  # noqa: PLC0415
+  for itemsize in (1, 2):
+    assert (loops.CALL_BYTES // itemsize) % (joint.STREAMS * joint.BLOCK) == 0
