@@ -762,11 +762,11 @@ class Section:
     self.words = entropy.words_of(buf[streams_at:])
     syms = buf[2:2 + m].astype(np.int64)
     opened = buf[3 + m:3 + m + (m + 1) // 2]
-    self.tables, self.wholes = self._decoder_tables(
+    self.tables, self.wholes = self._code_tables(
         buf[1:table_end].tobytes(), syms, opened, buf[3 + m + (m + 1) // 2:table_end],
         use_closed, n_open)
 
-  def _decoder_tables(self, table_bytes, syms, opened, closed, use_closed, n_open):
+  def _code_tables(self, table_bytes, syms, opened, closed, use_closed, n_open):
     """(Huffman decode tables, whole-code tables) of the closed set (row 0, if any) and of
     the open one (row 1, only where a block takes it): from the cache when table_bytes
     (the section's table fields) were seen, else built (and kept, unless table_bytes is

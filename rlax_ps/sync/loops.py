@@ -313,13 +313,8 @@ def gap_plan(gaps, step, widths):
 
 @numba.njit(inline="always", **_JIT)
 def _sparse_costs(old, new, gaps, hist, step, widths, literal_max, lane_bits):
-  z = np.empty(gaps.size if gaps.size <= literal_max else 0, old.dtype)
-  top, i = np.uint64(0), np.int64(-1)
-  for t in range(z.size):
-    i += np.int64(gaps[t]) + 1
-    v = _take(old, new, i, lane_bits)
-    z[t] = v
-    top = max(top, v)
+  z = _zigzag_at(old, new, gaps[:gaps.size if gaps.size <= literal_max else 0], lane_bits)
+  top = z.max() if z.size else 0
   vbits, vpresent = entropy_bits(hist, widths)
   k, rice_bits, gbits, gpresent = gap_plan(gaps, step, widths)
   return z, int(top), vbits, vpresent, k, rice_bits, gbits, gpresent
