@@ -760,21 +760,19 @@ class Section:
      self.starts, streams_at) = parsed if parsed[0] else parse_general(r, n)
     r.pos = r.end
     self.words = entropy.words_of(buf[streams_at:])
-    syms = buf[2:2 + m].astype(np.int64)
-    opened = buf[3 + m:3 + m + (m + 1) // 2]
-    self.tables, self.wholes = self._code_tables(
-        buf[1:table_end].tobytes(), syms, opened, buf[3 + m + (m + 1) // 2:table_end],
-        use_closed, n_open)
+    self.tables, self.wholes = self._code_tables(buf[:table_end], m, use_closed, n_open)
 
-  def _code_tables(self, table_bytes, syms, opened, closed, use_closed, n_open):
+  def _code_tables(self, head, m, use_closed, n_open):
     """(Huffman decode tables, whole-code tables) of the closed set (row 0, if any) and of
-    the open one (row 1, only where a block takes it): from the cache when table_bytes
-    (the section's table fields) were seen, else built (and kept, unless table_bytes is
-    None)."""
+    the open one (row 1, only where a block takes it), from the section's table fields
+    (head: its bytes up to their end): from the cache when these fields were seen, else
+    built and kept."""
     width = 8 * self.udtype.itemsize
-    key = (self.k, width, table_bytes, n_open > 0)
-    built = _DECODER_TABLES.get(key) if table_bytes is not None else None
+    key = (self.k, width, head[1:].tobytes(), n_open > 0)
+    built = _DECODER_TABLES.get(key)
     if built is None:
+      syms = head[2:2 + m].astype(np.int64)
+      opened, closed = head[3 + m:3 + m + (m + 1) // 2], head[3 + m + (m + 1) // 2:]
       built = (np.zeros((2, 1 << huffman.MAX_LEN), np.uint32),
                np.zeros((2, 1 << WHOLE), np.uint32))
       if use_closed:
@@ -783,11 +781,10 @@ class Section:
       if n_open:  # the open set only where a block needs it
         self._check_table(_decoder_tables(syms, opened, width, self.k, built[0][1],
                                           built[1][1]))
-      if table_bytes is not None:
-        with _DECODER_TABLES_LOCK:  # apply's pool threads parse sections side by side
-          if len(_DECODER_TABLES) >= _DECODER_TABLES_MAX:
-            _DECODER_TABLES.pop(next(iter(_DECODER_TABLES)))
-          _DECODER_TABLES[key] = built
+      with _DECODER_TABLES_LOCK:  # apply's pool threads parse sections side by side
+        if len(_DECODER_TABLES) >= _DECODER_TABLES_MAX:
+          _DECODER_TABLES.pop(next(iter(_DECODER_TABLES)))
+        _DECODER_TABLES[key] = built
     return built  # shared between sections: never written after this
 
   def _check_table(self, err: int) -> None:

@@ -625,36 +625,36 @@ def varint_bytes(values):
   return out[:p]
 
 
+@numba.njit(inline="always", **_JIT)
+def _get_varint(buf, pos, end):
+  """(value, position after it) of the varint at buf[pos]; position -1 when it runs past
+  end, -2 when it has 63 bits or more."""
+  n, shift = np.uint64(0), np.uint64(0)
+  while True:
+    if pos >= end:
+      return np.int64(0), -1
+    b = np.uint64(buf[pos])
+    pos += 1
+    n |= (b & np.uint64(127)) << shift
+    if b < np.uint64(128):
+      break
+    shift += np.uint64(7)
+    if shift > np.uint64(56):
+      return np.int64(0), -2
+  if n >> np.uint64(63):
+    return np.int64(0), -2
+  return np.int64(n), pos
+
+
 @numba.njit(**_JIT)
 def read_varints(buf, pos, end, out):
   """Fills out (int64) with the varints of buf from pos (< end); returns the position
   after them, -1 when they run past end, -2 for one of 63 bits or more."""
   for i in range(out.size):
-    n, shift = np.uint64(0), np.uint64(0)
-    while True:
-      if pos >= end:
-        return -1
-      b = np.uint64(buf[pos])
-      pos += 1
-      n |= (b & np.uint64(127)) << shift
-      if b < np.uint64(128):
-        break
-      shift += np.uint64(7)
-      if shift > np.uint64(56):
-        return -2
-    if n >> np.uint64(63):
-      return -2
-    out[i] = np.int64(n)
+    out[i], pos = _get_varint(buf, pos, end)
+    if pos < 0:
+      return pos
   return pos
-
-
-@numba.njit(inline="always", **_JIT)
-def _get_varint(buf, pos, end):
-  """(value, position after it) of the varint at buf[pos]; position -1 when it runs past
-  end or has 63 bits or more."""
-  one = np.empty(1, np.int64)
-  pos = read_varints(buf, pos, end, one)
-  return one[0], pos
 
 
 @numba.njit(**_JIT)
