@@ -76,9 +76,11 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
     tasks.append((new_state[name].size, functools.partial(
         tensor_codec.encode_section, old, bit_view(new_state[name]), (not known, True))))
   results = parallel.run(tasks, threads)
-  coded = {}
-  for done in results[:len(groups)]:
+  coded, made = {}, {}
+  for members, done in zip(groups.values(), results[:len(groups)]):
     coded.update(done)
+    if done:
+      made[members[0]] = members
   for name, left in zip(alone, results[len(groups):]):
     coded[name] = left
   entries = []
@@ -90,7 +92,7 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
     base_checksum = int(base_checksums[name]) if known else enc.base_checksum
     entries.append((name, new.shape, new.dtype, enc.checksum, base_checksum, enc.mode,
                     enc.section))
-  return build(fmt, version, base_version, entries)
+  return build(fmt, version, base_version, entries, made)
 
 
 def _encode_pack(old_state: dict, new_state: dict, members: list[str],
@@ -135,7 +137,7 @@ def apply(base, update: Update, *, base_version: int | None = None,
     raise CodecError("apply: pass inplace=True or out, not both")
   out_slots = None if out is None else _out_slots(out, update, base)
   if update.is_keyframe:
-    slots = _result_slots(update, out_slots)
+    slots = _result_slots(update, out_slots)[0]
     tasks = [(meta.size, functools.partial(_apply_one, update, name, None, slots[name]))
              for name, meta in update.tensors.items()]
     done = {}
@@ -160,7 +162,7 @@ def apply(base, update: Update, *, base_version: int | None = None,
     base_digests = parallel.run(
         [(held[n].size, functools.partial(checksum, held[n])) for n in names], threads)
     update.check_bases(base_digests)
-  slots = None if inplace else _result_slots(update, out_slots)
+  slots, spans = (None, {}) if inplace else _result_slots(update, out_slots)
   result, digests, tasks = {}, {}, []
   for i, (name, meta) in enumerate(update.tensors.items()):
     if inplace and meta.mode == "unchanged":
@@ -172,7 +174,7 @@ def apply(base, update: Update, *, base_version: int | None = None,
           _apply_one, update, name, held[name], None if inplace else slots[name])))
     elif members[0] == name:
       tasks.append((sum(update.tensors[n].size for n in members), functools.partial(
-          _apply_pack, update, members, held, slots)))
+          _apply_pack, update, members, held, slots, spans.get(name))))
   for done in parallel.run(tasks, threads):
     for name, (bits, digest) in done.items():
       result[name] = base[name] if inplace else bits if out is None else out[name]
@@ -187,19 +189,32 @@ def apply(base, update: Update, *, base_version: int | None = None,
   return {name: result[name] for name in names}
 
 
-def _result_slots(update: Update, out_slots: dict | None) -> dict[str, np.ndarray]:
-  """Where the new arrays go: the checked `out` arrays, else a fresh arena whose front holds
-  the packs' members side by side. Fresh pages fault on first touch, and a pack, written
-  first, would otherwise touch one spot in every few MB (between the large tensors): out of
-  order first touches cost about half a copy of the model more (measured)."""
+def _result_slots(update: Update, out_slots: dict | None):
+  """(name -> where its new array goes, pack head -> the span its members fill back to
+  back): the checked `out` arrays (no spans), else a fresh arena whose front holds each
+  pack's members back to back, so that a pack is copied in and decoded as one array. Fresh
+  pages fault on first touch, and a pack, written first, would otherwise touch one spot in
+  every few MB (between the large tensors): out of order first touches cost about half a
+  copy of the model more (measured)."""
   if out_slots is not None:
-    return out_slots
+    return out_slots, {}
   metas = update.tensors
-  order = [n for n in metas if update.pack(n) is not None]
-  order += [n for n in metas if update.pack(n) is None]
-  arena = _Arena(metas.values())
-  slots = {n: arena.take(metas[n]) for n in order}
-  return {n: slots[n] for n in metas}
+  packed = update.packs()
+  blocks = [(head, sum(metas[n].size for n in names), metas[head].dtype)
+            for head, names in packed.items()]
+  alone = [n for n in metas if update.pack(n) is None]
+  arena = _Arena([(size, dtype) for _, size, dtype in blocks]
+                 + [(metas[n].size, metas[n].dtype) for n in alone])
+  slots, spans = {}, {}
+  for head, size, dtype in blocks:
+    spans[head] = span = arena.take(size, dtype)
+    at = 0
+    for n in packed[head]:
+      slots[n] = span[at:at + metas[n].size]
+      at += metas[n].size
+  for n in alone:
+    slots[n] = arena.take(metas[n].size, metas[n].dtype)
+  return {n: slots[n] for n in metas}, spans
 
 
 def _out_slots(out: dict, update: Update, base) -> dict[str, np.ndarray]:
@@ -232,40 +247,46 @@ def _apply_one(update: Update, name: str, old: np.ndarray | None,
   return {name: (bits.view(meta.dtype).reshape(meta.shape), got)}
 
 
-def _apply_pack(update: Update, members: list[str], held: dict,
-                slots: dict | None) -> dict[str, tuple[np.ndarray, int]]:
+def _apply_pack(update: Update, members: list[str], held: dict, slots: dict | None,
+                span: np.ndarray | None = None) -> dict[str, tuple[np.ndarray, int]]:
   """name -> (new array, its xxh3) of a pack's members: in place into the held bases (no
-  slots), else into their slots, the bases copied in first."""
+  slots), else into their slots, the bases copied in first; where the slots lie back to
+  back in `span`, the bases are concatenated into it and the pack decoded over it at once."""
   olds = [bit_view(held[n]).reshape(-1) for n in members]
-  starts = [lo for lo, _ in packs.spans([a.size for a in olds])]
+  decoded = update.decoded(members[0])
   parts = olds if slots is None else [slots[n] for n in members]
-  if slots is not None:
-    for part, old in zip(parts, olds):
-      np.copyto(part, old)
-  update.decoded(members[0]).apply_parts(parts, starts)
-  return {n: (part.view(update.tensors[n].dtype).reshape(update.tensors[n].shape),
-              checksum(part)) for n, part in zip(members, parts)}
+  if span is not None:
+    np.concatenate(olds, out=span)
+    decoded.add_to(span)
+  else:
+    if slots is not None:
+      for part, old in zip(parts, olds):
+        np.copyto(part, old)
+    decoded.apply_parts(parts, packs.starts([a.size for a in olds]))
+  metas = update.tensors
+  return {n: (part.view(metas[n].dtype).reshape(metas[n].shape), checksum(part))
+          for n, part in zip(members, parts)}
 
 
 class _Arena:
-  """One buffer for all the new arrays of an apply, handed out tensor by tensor (64-byte
+  """One buffer for all the new arrays of an apply, handed out piece by piece (64-byte
   aligned): one large allocation takes huge pages and a few page faults where a buffer
   per tensor would fault on every 4 KB page. The arrays it returns share the buffer."""
 
-  def __init__(self, metas):
-    self._buf = np.empty(sum(_aligned(m) for m in metas) + 64, np.uint8)
+  def __init__(self, pieces):
+    """pieces: the (elements, dtype) of every take() to come."""
+    self._buf = np.empty(sum(_aligned(n, d) for n, d in pieces) + 64, np.uint8)
     self._pos = -self._buf.ctypes.data % 64
 
-  def take(self, meta) -> np.ndarray:
-    """The next meta.size elements, as a flat array of meta's unsigned type."""
-    n = _aligned(meta)
-    part = self._buf[self._pos:self._pos + meta.size * meta.dtype.itemsize]
-    self._pos += n
-    return part.view(UINT_OF[meta.dtype])
+  def take(self, size: int, dtype: np.dtype) -> np.ndarray:
+    """The next `size` elements, as a flat array of dtype's unsigned type."""
+    part = self._buf[self._pos:self._pos + size * dtype.itemsize]
+    self._pos += _aligned(size, dtype)
+    return part.view(UINT_OF[dtype])
 
 
-def _aligned(meta) -> int:
-  return -(-meta.size * meta.dtype.itemsize // 64) * 64
+def _aligned(size: int, dtype: np.dtype) -> int:
+  return -(-size * dtype.itemsize // 64) * 64
 
 
 def dequantize(held: dict) -> dict[str, np.ndarray]:

@@ -62,9 +62,7 @@ class Seal:
 
   @classmethod
   def of(cls, digests, bits: int) -> "Seal":
-    d = np.array([int(x) for x in digests], "<u8")
-    mask = (1 << bits) - 1
-    return cls(combine(d), tuple(combine(d[g]) & mask for g in _group_indices(d.size)), bits)
+    return _seal_of(tuple(int(x) for x in digests), bits)
 
   def matches(self, digests) -> bool:
     return combine([int(d) for d in digests]) == self.digest
@@ -76,3 +74,12 @@ class Seal:
     bad = {(j, side) for (j, side, g), want in zip(_groups(n), self.locators)
            if combine([digests[i] for i in g]) & mask != want}
     return [i for i in range(n) if all((j, (i >> j) & 1) in bad for j in range(_index_bits(n)))]
+
+
+@functools.lru_cache(maxsize=8)
+def _seal_of(digests: tuple[int, ...], bits: int) -> Seal:
+  """Seal.of, kept for the next few calls: a delta's base seal is over the digests its
+  base's update sealed as results."""
+  d = np.array(digests, "<u8")
+  mask = (1 << bits) - 1
+  return Seal(combine(d), tuple(combine(d[g]) & mask for g in _group_indices(d.size)), bits)

@@ -351,6 +351,7 @@ def decode_changes(words, ends, k, tables, wholes, n, counts, sets, ps, indices,
 # ---- tables from a sample ----------------------------------------------------------------
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)
 def sample_starts(n: int) -> np.ndarray:
   """Starts of the plan's sample windows (SAMPLE_WINDOW elements each, evenly spaced, 64
   aligned) in a tensor of n >= MIN_ELEMENTS: about 1/32 of it, in 4 to 128 windows (the
@@ -413,7 +414,7 @@ def _sample8(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths):
 
 
 def plan(old: np.ndarray, new: np.ndarray):
-  """(k, symbol counts, their Rice gap bits) for a joint section from the windows at
+  """(k, symbol counts, their Rice gap bits, changes) for a joint section from the windows at
   sample_starts(n), or None when the tensor suits the general layouts better (small,
   below MIN_DENSITY (bf16) or MIN_DENSITY_INT8, at 25% or more, or clustered changes
   that the entropy-coded gaps code smaller)."""
@@ -440,7 +441,7 @@ def plan(old: np.ndarray, new: np.ndarray):
     return None
   if entropy.cost_of(gap_bits, present) * 8 < 0.97 * rice_bits:
     return None
-  return k, vhist, rice_bits
+  return k, vhist, rice_bits, nnz
 
 
 @numba.njit(inline="always", **_JIT)
@@ -530,13 +531,15 @@ def tables(counts: np.ndarray, width: int, k: int, gap_bits: int = 0,
 
 
 def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bits: int = 0,
-           hash_old: bool = True):
+           sampled: int | None = None, hash_old: bool = True):
   """(section bytes, xxh3 of old (None unless hash_old), xxh3 of new) of the joint section
-  from old to new."""
+  from old to new, with plan()'s k, counts (of the sample's symbols), gap bits and
+  changes in the sample (None: the counts' sum)."""
   n = new.size
   table, codes, use_closed = tables(counts, 8 * new.itemsize, k, gap_bits)
   encode_blocks = encode_blocks16 if new.itemsize == 2 else encode_blocks8
-  nnz_est = int(counts.sum()) * n // (SAMPLE_WINDOW * sample_starts(n).size) + 1
+  sampled = int(counts.sum()) if sampled is None else sampled
+  nnz_est = sampled * n // (SAMPLE_WINDOW * sample_starts(n).size) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1
   # Every word of a stream is assigned before it is read, so the rows need no zeroing.
   step, top = CALL_BYTES // new.itemsize, 0  # whole rounds of STREAMS blocks
@@ -743,6 +746,16 @@ _DECODER_TABLES_MAX = 64
 _DECODER_TABLES_LOCK = threading.Lock()
 
 
+@numba.njit(**_JIT)
+def _streams_end(ps, ends):
+  """Whether every stream's bit position ps[j], rounded up to a byte, is its end ends[j]
+  (in bits): one compiled call (four numpy ones cost as much as a small section's decode)."""
+  for j in range(ps.size):
+    if (ps[j] + 7) // 8 * 8 != ends[j]:
+      return False
+  return True
+
+
 def forget_tables() -> None:
   """Empties the decoder-table cache (benchmarks time the parse of tables not seen yet)."""
   with _DECODER_TABLES_LOCK:
@@ -799,7 +812,7 @@ class Section:
 
   def apply(self, old: np.ndarray, out: np.ndarray, hasher) -> None:
     """Writes old + changes into out (which may be old itself), CALL_BYTES at a time:
-    copied, decoded in one compiled call, hashed while in cache."""
+    copied, decoded in one compiled call, hashed while in cache (unless hasher is None)."""
     ps = self.starts[:STREAMS].copy()
     ends = self.starts[1:]
     copy = out is not old
@@ -811,8 +824,9 @@ class Section:
                        (s + step) // BLOCK, self.n, self.counts, self.sets, ps) != OK:
         raise CodecError(f"{self.what}: joint streams are truncated or corrupted, or a "
                          f"change lies outside its block")
-      hasher.update(out[s:s + step])
-    if np.any((ps + 7) // 8 * 8 != ends):
+      if hasher is not None:
+        hasher.update(out[s:s + step])
+    if not _streams_end(ps, ends):
       raise CodecError(f"{self.what}: a joint stream does not end where its length says")
 
   def changes(self) -> tuple[np.ndarray, np.ndarray]:
@@ -825,6 +839,6 @@ class Section:
                       self.counts, self.sets, ps, indices, offsets) != OK:
       raise CodecError(f"{self.what}: joint streams are truncated or corrupted, or a "
                        f"change lies outside its block")
-    if np.any((ps + 7) // 8 * 8 != self.starts[1:]):
+    if not _streams_end(ps, self.starts[1:]):
       raise CodecError(f"{self.what}: a joint stream does not end where its length says")
     return indices, offsets

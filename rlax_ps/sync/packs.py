@@ -9,6 +9,8 @@ mode "packed" and no bytes. The sum of the per-tensor information bounds rises b
 1% for real updates, while the per-section bytes and calls fall to one per pack.
 """
 
+import itertools
+
 import numpy as np
 
 from rlax_ps.sync.errors import CodecError
@@ -54,7 +56,6 @@ def read_packs(metas: dict) -> dict[str, list[str]]:
   return packs
 
 
-def spans(sizes: list[int]) -> list[tuple[int, int]]:
-  """(start, end) of each member in the pack's concatenated elements."""
-  ends = np.cumsum(sizes)
-  return [(int(e - s), int(e)) for s, e in zip(sizes, ends)]
+def starts(sizes: list[int]) -> list[int]:
+  """Where each member starts in the pack's concatenated elements."""
+  return [0, *itertools.accumulate(sizes[:-1])]

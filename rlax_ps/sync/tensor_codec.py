@@ -302,6 +302,16 @@ class Decoded:
     return out, h.intdigest()
 
 
+  def add_to(self, bits: np.ndarray) -> None:
+    """Applies the section in place to `bits` (its whole base as one flat unsigned array,
+    e.g. a pack's members concatenated), unhashed: a pack's members are hashed one by one."""
+    if self.mode == JOINT:
+      self.streams.apply(bits, bits, None)
+    elif self.mode == SPARSE or self.mode == BITMAP:
+      loops.scatter_add(bits, self.indices, self.offsets, 0, self.indices.size, 0)
+    else:
+      self.apply_parts([bits], [0])
+
   def apply_parts(self, parts: list[np.ndarray], starts: list[int]) -> None:
     """Applies the section, in place, to the consecutive parts (flat unsigned bit arrays
     starting at `starts` of the section's elements) that together hold its base: a pack's

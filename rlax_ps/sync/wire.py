@@ -180,24 +180,25 @@ def _decompressor() -> zstandard.ZstdDecompressor:
   return _LOCAL.decompressor
 
 
-def build(fmt: str, version: int, base_version: int | None, entries) -> "Update":
+def build(fmt: str, version: int, base_version: int | None, entries,
+          packed: dict | None = None) -> "Update":
   """Assembles a message; `entries` are (name, shape, dtype, checksum, base_checksum, mode,
   section) tuples: `checksum` is the xxh3-64 of the tensor the update makes, `base_checksum`
-  that of its base (None for a keyframe)."""
+  that of its base (None for a keyframe). `packed`: the packs (head -> members) the
+  encoder made, if known (else read from the modes, as a parsed message's are)."""
   keyframe = base_version is None
-  metas = {name: TensorMeta(name, tuple(shape), np.dtype(dtype), tensor_codec.MODE_NAMES[mode])
-           for name, shape, dtype, _, _, mode, _ in entries}
-  if len(metas) != len(entries):
-    twice = next(n for i, (n, *_) in enumerate(entries) if n in [e[0] for e in entries[:i]])
+  names = [e[0] for e in entries]
+  if len(set(names)) != len(names):
+    twice = next(n for i, n in enumerate(names) if n in names[:i])
     raise CodecError(f"tensor {twice!r}: appears twice in the update")
   sections = [e[6] for e in entries]
   checksums = {e[0]: int(e[3]) for e in entries}
-  header = UpdateHeader(
-      version, base_version, fmt, metas, 0,
-      results=Seal.of([e[3] for e in entries], LOCATOR_BITS),
-      bases=None if keyframe else Seal.of([e[4] for e in entries], LOCATOR_BITS),
-      sections=section_seal(sections))
-  update = assemble(header, sections)
+  layout = tuple((name, tuple(shape), np.dtype(dtype)) for name, shape, dtype, *_ in entries)
+  modes = [tensor_codec.MODE_NAMES[e[5]] for e in entries]
+  update = _assemble(fmt, version, base_version, layout, modes, (
+      Seal.of([e[3] for e in entries], LOCATOR_BITS),
+      None if keyframe else Seal.of([e[4] for e in entries], LOCATOR_BITS),
+      section_seal(sections)), sections, packed)
   update.checksums = checksums
   return update
 
@@ -239,34 +240,43 @@ def assemble(header: UpdateHeader, sections) -> "Update":
   """The message of `header` (versions, fmt, its tensors' names, shapes, dtypes and modes,
   its seals, all written as given) over `sections` (bytes-likes in header order); the
   metas' lengths and offsets and the header's nbytes come from `sections`."""
-  sections = [memoryview(sec).cast("B") for sec in sections]
   metas = list(header.tensors.values())
   if len(sections) != len(metas):
     raise ValueError(f"sections: expected {len(metas)}, got {len(sections)}")
-  keyframe = header.base_version is None
-  names, codes, dims, shapes = _layout_columns(
-      tuple((meta.name, tuple(meta.shape), meta.dtype) for meta in metas), SECTION_CODEC_VERSION)
+  return _assemble(header.fmt, header.version, header.base_version,
+                   tuple((meta.name, tuple(meta.shape), meta.dtype) for meta in metas),
+                   [meta.mode for meta in metas],
+                   (header.results, header.bases, header.sections), sections, None)
+
+
+def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple, modes: list,
+              seals: tuple, sections, packed: dict | None) -> "Update":
+  """The message (see assemble) of the tensors of `layout` ((name, shape, dtype) each) in
+  `modes`, with seals (results, bases or None, sections) over `sections`."""
+  sections = [memoryview(sec).cast("B") for sec in sections]
+  keyframe = base_version is None
+  names, codes, dims, shapes = _layout_columns(layout, SECTION_CODEC_VERSION)
   codes = codes.copy()
-  codes[:, 2] = [_MODE_CODES[meta.mode] for meta in metas]
+  codes[:, 2] = [_MODE_CODES[mode] for mode in modes]
   lengths = [sec.nbytes for sec in sections]
-  meta_bytes = b"".join([u8(FORMATS.index(header.fmt)), u8(keyframe), varint(header.version),
-                         varint(0 if keyframe else header.base_version), varint(len(metas)),
+  meta_bytes = b"".join([u8(FORMATS.index(fmt)), u8(keyframe), varint(version),
+                         varint(0 if keyframe else base_version), varint(len(layout)),
                          names, codes.tobytes(), dims] + [varint(n) for n in lengths])
-  packed = _compressor(len(meta_bytes)).compress(meta_bytes)
-  codec = int(len(packed) < len(meta_bytes))
-  stored = packed if codec else meta_bytes
-  seals = _seal_bytes(header.results)
-  if not keyframe:
-    seals += _seal_bytes(header.bases)
-  seals += _seal_bytes(header.sections)
-  region = b"".join([varint(len(stored)), stored] + seals)
+  packed_meta = _compressor(len(meta_bytes)).compress(meta_bytes)
+  codec = int(len(packed_meta) < len(meta_bytes))
+  stored = packed_meta if codec else meta_bytes
+  results, bases, section_seal_ = seals
+  region = b"".join([varint(len(stored)), stored] + _seal_bytes(results)
+                    + ([] if keyframe else _seal_bytes(bases)) + _seal_bytes(section_seal_))
   prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(region), zlib.crc32(region))
   data = b"".join([prefix, region] + sections)
   offset, tensors = len(prefix) + len(region), {}
-  for meta, shape, nbytes in zip(metas, shapes, lengths):  # what read_header(data) finds
-    tensors[meta.name] = TensorMeta(meta.name, shape, meta.dtype, meta.mode, nbytes, offset)
+  for (name, _, dtype), shape, mode, nbytes in zip(layout, shapes, modes, lengths):
+    tensors[name] = TensorMeta(name, shape, dtype, mode, nbytes, offset)  # as parsed
     offset += nbytes
-  return Update(data, dataclasses.replace(header, tensors=tensors, nbytes=len(data)))
+  header = UpdateHeader(version, base_version, fmt, tensors, len(data), results, bases,
+                        section_seal_)
+  return Update(data, header, packed)
 
 
 def read_header(b) -> UpdateHeader:
@@ -473,12 +483,17 @@ class Update:
         f"tensor {name!r}", tensor_codec.MODE_NAMES.index(meta.mode), section, meta.size,
         UINT_OF[meta.dtype])
 
+  def packs(self) -> dict[str, list[str]]:
+    """Pack head -> its members (head first), for every pack of the update."""
+    return self._packs
+
   def span(self, name: str) -> tuple[int, int] | None:
     """(start, end) of a pack member's elements in its pack, or None."""
     names = self.pack(name)
     if names is None:
       return None
-    return packs.spans([self.tensors[n].size for n in names])[names.index(name)]
+    start = packs.starts([self.tensors[n].size for n in names])[names.index(name)]
+    return start, start + self.tensors[name].size
 
   def check_base(self, name: str, base) -> np.ndarray:
     """`base` as a held array, after checking its shape and dtype against the update."""

@@ -113,6 +113,8 @@ def test_a_corrupted_pack_section_names_its_head(model):
 def test_an_encoded_update_carries_the_header_its_bytes_parse_to(model):
   base, target, update = model
   assert wire.read_header(update.to_bytes()) == update.header
+  assert update.packs() == sync.Update.from_bytes(update.to_bytes()).packs()  # encoder's
+  assert update.packs() == {next(iter(base)): [n for n in base if n != "big.kernel"]}
   keyframe = sync.encode(None, target, version=3)
   assert wire.read_header(keyframe.to_bytes()) == keyframe.header
 
@@ -135,6 +137,7 @@ def pack_of(rng, count, size, density, periodic=False):
 @pytest.mark.parametrize("count,size,density,periodic,mode", [
     (6, 4000, 0.6, False, "dense"),
     (6, 4000, 0.0, True, "bitmap"),
+    (6, 4000, 0.002, False, "sparse"),
     (17, packs.PACK_BELOW - 1, 0.05, False, "joint")])
 def test_every_pack_layout_applies_to_the_members_in_place_and_into_new_arrays(
     count, size, density, periodic, mode):
@@ -143,12 +146,38 @@ def test_every_pack_layout_applies_to_the_members_in_place_and_into_new_arrays(
   head = next(iter(base))
   assert update.tensors[head].mode == mode and update.pack(head) == list(base)
   out = sync.apply(base, update)
+  # New arrays: the members lie back to back (copied in and decoded as one array).
+  ends = [out[k].ctypes.data + out[k].nbytes for k in base]
+  assert [out[k].ctypes.data for k in base][1:] == ends[:-1]
+  spare = {k: np.zeros_like(v) for k, v in base.items()}
+  into = sync.apply(base, update, out=spare)
   held = {k: v.copy() for k, v in base.items()}
   returned = sync.apply(held, update, inplace=True)
   for k in base:
     assert np.array_equal(out[k].view(np.uint16), target[k].view(np.uint16)), k
+    assert np.array_equal(spare[k].view(np.uint16), target[k].view(np.uint16)), k
     assert np.array_equal(held[k].view(np.uint16), target[k].view(np.uint16)), k
-    assert returned[k] is held[k], k
+    assert returned[k] is held[k] and into[k] is spare[k], k
+
+
+@pytest.mark.parametrize("mode_of", ["joint", "sparse", "dense"])
+def test_a_pack_decoded_over_its_concatenation_equals_it_decoded_member_by_member(mode_of):
+  """Decoded.add_to (a pack's members back to back, as apply's new arrays hold them) and
+  Decoded.apply_parts (members anywhere: out= and in place) make the same bits."""
+  size, density = {"joint": (packs.PACK_BELOW - 1, 0.05), "sparse": (4000, 0.002),
+                   "dense": (4000, 0.6)}[mode_of]
+  base, target = pack_of(np.random.default_rng(11), 5, size, density)
+  update = sync.Update.from_bytes(sync.encode(base, target, version=1).to_bytes())
+  head = next(iter(base))
+  assert update.tensors[head].mode == mode_of
+  decoded = update.decoded(head)
+  whole = np.concatenate([v.view(np.uint16) for v in base.values()])
+  decoded.add_to(whole)
+  parts = [v.view(np.uint16).copy() for v in base.values()]
+  decoded.apply_parts(parts, packs.starts([p.size for p in parts]))
+  assert np.array_equal(whole, np.concatenate([v.view(np.uint16) for v in target.values()]))
+  assert np.array_equal(whole, np.concatenate(parts))
+  assert packs.starts([3, 5, 2]) == [0, 3, 8]
 
 
 def test_pack_encoding_does_not_depend_on_what_the_thread_encoded_before():

@@ -184,6 +184,13 @@ def test_base_checksums_from_the_previous_update_give_the_same_bytes(mixed):
   base, target, keyframe, delta = mixed
   again = sync.encode(base, target, version=1, base_checksums=keyframe.checksums)
   assert again.to_bytes() == delta.to_bytes()
+  # A delta's base seal is the seal its base's update made over its results (Seal.of keeps
+  # the last few); a parsed header holds the same seals.
+  assert delta.header.bases == keyframe.header.results
+  assert sync.read_header(delta.to_bytes()).bases == keyframe.header.results
+  digests = list(keyframe.checksums.values())
+  assert integrity.Seal.of(digests, 8) == integrity.Seal.of(np.array(digests, np.uint64), 8)
+  assert integrity.Seal.of(digests[::-1], 8).digest != integrity.Seal.of(digests, 8).digest
 
 
 def test_wrong_base_checksums_never_give_wrong_weights(mixed):
