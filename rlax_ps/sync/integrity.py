@@ -20,9 +20,9 @@ import xxhash
 
 def checksum(array) -> int:
   """xxh3-64 of the array's exact bytes (C order, little-endian held dtype)."""
-  if not (isinstance(array, np.ndarray) and array.flags.c_contiguous and array.ndim):
-    array = np.ascontiguousarray(array).reshape(-1)
-  return xxhash.xxh3_64_intdigest(array.view(np.uint8))
+  if isinstance(array, np.ndarray) and array.ndim and array.flags.c_contiguous:
+    return xxhash.xxh3_64_intdigest(array)  # its buffer: no byte view to make
+  return xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
 def combine(digests) -> int:

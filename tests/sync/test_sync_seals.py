@@ -215,3 +215,21 @@ def test_base_checksums_must_name_every_tensor_and_need_a_base(mixed):
     sync.encode(base, target, version=1, base_checksums=partial)
   with pytest.raises(ValueError, match="base_checksums"):
     sync.encode(None, target, version=1, base_checksums=keyframe.checksums)
+
+
+def test_checksum_is_the_xxh3_of_the_exact_held_bytes_whatever_the_array_layout():
+  import xxhash  # noqa: PLC0415
+  rng = np.random.default_rng(5)
+  w = (rng.standard_normal((6, 10)) * 0.02).astype(BF16)
+  want = xxhash.xxh3_64_intdigest(w.tobytes())
+  assert integrity.checksum(w) == want
+  assert integrity.checksum(w.view(np.uint16)) == want  # its unsigned bit view
+  assert integrity.checksum(np.asfortranarray(w)) == want  # C order, whatever the memory
+  assert integrity.checksum(w.T.T) == want
+  codes = rng.integers(-127, 128, (4, 9), dtype=np.int8)
+  assert integrity.checksum(codes) == xxhash.xxh3_64_intdigest(codes.tobytes())
+  strided = codes[:, ::2]
+  assert integrity.checksum(strided) == xxhash.xxh3_64_intdigest(strided.tobytes())
+  scalar = np.array(1.5, BF16)
+  assert integrity.checksum(scalar) == xxhash.xxh3_64_intdigest(scalar.tobytes())
+  assert integrity.checksum(w) != integrity.checksum(w[::-1])
