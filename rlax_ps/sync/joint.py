@@ -105,27 +105,57 @@ def value_entries(z, symtab, esc, k):
 
 
 @numba.njit(inline="always", **_JIT)
-def _code_block(aw, bw, ab, bb, g0, k, ctab, symtab, esc, row, wpos, acc, fill, lane_bits):
+def _changed_groups(ab, bb, ahead, masks, starts):
+  """The 64-element groups of one int8 block (ab, bb: its elements; ahead: the masks of
+  its whole groups, masks_ahead) that hold changes: masks[:c] and starts[:c] (the group's
+  first element in the block); returns c. A group's slot is always written and kept only
+  if its mask is nonzero: at 0.5-3% changed (int8 codes), whether a group is empty is a
+  coin flip that a branch would mispredict."""
+  groups = ab.size // 64
+  c = np.int64(0)
+  for g in range(groups):
+    masks[c] = ahead[g]
+    starts[c] = g * 64
+    c += np.int64(ahead[g] != np.uint64(0))
+  if ab.size > groups * 64:  # the tail of a short last block, element by element
+    m = np.uint64(0)
+    for t in range(ab.size - groups * 64):
+      m |= np.uint64(ab[groups * 64 + t] != bb[groups * 64 + t]) << np.uint64(t)
+    masks[c] = m
+    starts[c] = groups * 64
+    c += np.int64(m != np.uint64(0))
+  return c
+
+
+@numba.njit(inline="always", **_JIT)
+def _code_block(aw, bw, ab, bb, g0, k, ctab, symtab, esc, row, wpos, acc, fill, lane_bits,
+                masks, starts):
   """Codes the changes of one block (ab, bb: its elements; aw/bw hold its 64-element
   groups from group g0 on) with one code set (see _encode_blocks); returns (wpos, acc,
   fill, changes, ok). Not ok: a value has no code in the set (the closed set lacks the
-  escape)."""
+  escape). int8 blocks walk only their changed groups (_changed_groups, into masks and
+  starts); bf16 blocks (denser) every group, their masks made on the way."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
   prev, count = np.int64(-1), np.int64(0)
   groups = ab.size // 64
-  masks = masks_ahead(aw, bw, g0, groups, lane_bits)
-  for g in range(groups + 1):
-    if g < groups:
-      m = masks[g] if lane_bits == 8 else _group_mask(aw, bw, g0 + g, lane_bits)
+  if lane_bits == 8:
+    walk = _changed_groups(ab, bb, masks_ahead(aw, bw, g0, groups, lane_bits), masks, starts)
+  else:
+    walk = groups + 1
+  for g in range(walk):
+    if lane_bits == 8:
+      m, at = masks[g], starts[g]
+    elif g < groups:
+      m, at = _group_mask(aw, bw, g0 + g, lane_bits), g * 64
     else:  # the tail of a short last block, element by element
-      m = np.uint64(0)
+      m, at = np.uint64(0), g * 64
       for t in range(ab.size - groups * 64):
         m |= np.uint64(ab[groups * 64 + t] != bb[groups * 64 + t]) << np.uint64(t)
     count += np.int64(popcount(m))
     while m:
-      i = g * 64 + np.int64(trailing_zeros(m))
+      i = at + np.int64(trailing_zeros(m))
       m &= m - np.uint64(1)
       z = _take(ab, bb, i, lane_bits)
       if z < np.uint64(ctab.size):
@@ -168,6 +198,8 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   another call could overrun it). lane_bits: 8 * a.itemsize, a constant of each compiled
   specialisation (encode_blocks16 / encode_blocks8)."""
   nblocks = (a.size + BLOCK - 1) // BLOCK
+  masks = np.empty(BLOCK // 64 + 1, np.uint64)  # int8 blocks' changed groups
+  starts = np.empty(BLOCK // 64 + 1, np.int64)
   for bl in range(nblocks):
     j = (first + bl) % STREAMS
     wpos, acc, fill = np.int64(st[j, 0]), st[j, 1], st[j, 2]
@@ -176,11 +208,13 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
     ab, bb = a[lo:hi], b[lo:hi]
     flag = first_set
     w, c, f, count, ok = _code_block(aw, bw, ab, bb, lo // 64, k, ctabs[flag], symtabs[flag],
-                                     escs[flag], out[j], wpos, acc, fill, lane_bits)
+                                     escs[flag], out[j], wpos, acc, fill, lane_bits, masks,
+                                     starts)
     if not ok:
       flag = 1
       w, c, f, count, ok = _code_block(aw, bw, ab, bb, lo // 64, k, ctabs[1], symtabs[1],
-                                       escs[1], out[j], wpos, acc, fill, lane_bits)
+                                       escs[1], out[j], wpos, acc, fill, lane_bits, masks,
+                                       starts)
     st[j, 0], st[j, 1], st[j, 2] = np.uint64(w), c, f
     counts[first + bl] = 2 * count + flag
   return int(st[:, 0].max())

@@ -107,6 +107,37 @@ def test_int8_codes_use_the_joint_layout_too():
   assert np.array_equal(dec.apply(base, base.dtype)[0], target)
 
 
+@pytest.mark.parametrize("size,density", [(joint.BLOCK, 0.01), (joint.BLOCK, 0.0),
+                                          (joint.BLOCK, 1.0), (1000 + 37, 0.05), (40, 0.3)])
+def test_int8_blocks_walk_exactly_their_changed_groups(size, density):
+  """_changed_groups lists the masks and first elements of the groups holding changes, in
+  order, the tail of a short block included, and nothing else."""
+  rng = np.random.default_rng(int(density * 100) + size)
+  a = rng.integers(0, 256, size, dtype=np.uint8)
+  b = a.copy()
+  spots = rng.random(size) < density
+  b[spots] += np.uint8(1)
+  groups = size // 64
+  ahead = np.zeros(groups, np.uint64)
+  for g in range(groups):
+    ahead[g] = sum(1 << t for t in range(64) if spots[g * 64 + t])
+  masks = np.full(joint.BLOCK // 64 + 1, 7, np.uint64)  # leftovers must not matter
+  starts = np.full(joint.BLOCK // 64 + 1, 7, np.int64)
+  c = joint._changed_groups(a, b, ahead, masks, starts)
+  want = [(sum(1 << t for t, hit in enumerate(spots[lo:lo + 64]) if hit), lo)
+          for lo in range(0, size, 64) if spots[lo:lo + 64].any()]
+  assert c == len(want)
+  assert [(int(m), int(s)) for m, s in zip(masks[:c], starts[:c])] == want
+  if density:  # and the encoder's section built on them decodes to the target
+    whole = np.concatenate([a] * (joint.MIN_ELEMENTS // size + 1))
+    moved = np.concatenate([b] * (joint.MIN_ELEMENTS // size + 1))
+    coded = joint.encode(whole, moved, 1, np.bincount([2, 2, 3], minlength=entropy.ALPHABET))
+    out = whole.copy()
+    joint.Section(ByteReader(coded[0], "t"), whole.size, np.dtype(np.uint8)).apply(
+        whole, out, None)
+    assert np.array_equal(out, moved)
+
+
 @pytest.fixture(scope="module")
 def int8_pair():
   """int8 codes moved by +-1 at 1%, plus a value no sampled window holds in blocks 5 and
