@@ -69,8 +69,8 @@ class TensorMeta:
   nbytes: int = 0
   offset: int = 0
 
-  @property
-  def size(self) -> int:
+  @functools.cached_property
+  def size(self) -> int:  # kept in the instance's __dict__: asked for often, per tensor
     return math.prod(self.shape)
 
 
