@@ -385,7 +385,6 @@ def decode_changes(words, ends, k, tables, wholes, n, counts, sets, ps, indices,
 # ---- tables from a sample ----------------------------------------------------------------
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=4096)
 def sample_starts(n: int) -> np.ndarray:
   """Starts of the plan's sample windows (SAMPLE_WINDOW elements each, evenly spaced, 64
   aligned) in a tensor of n >= MIN_ELEMENTS: about 1/32 of it, in 4 to 128 windows (the

@@ -301,7 +301,6 @@ class Decoded:
       h.update(blk)
     return out, h.intdigest()
 
-
   def add_to(self, bits: np.ndarray) -> None:
     """Applies the section in place to `bits` (its whole base as one flat unsigned array,
     e.g. a pack's members concatenated), unhashed: a pack's members are hashed one by one."""
