@@ -202,7 +202,8 @@ def _result_slots(update: Update, out_slots: dict | None):
   packed = update.packs()
   blocks = [(head, sum(metas[n].size for n in names), metas[head].dtype)
             for head, names in packed.items()]
-  alone = [n for n in metas if update.pack(n) is None]
+  members = {n for names in packed.values() for n in names}
+  alone = [n for n in metas if n not in members]
   arena = _Arena([(size, dtype) for _, size, dtype in blocks]
                  + [(metas[n].size, metas[n].dtype) for n in alone])
   slots, spans = {}, {}

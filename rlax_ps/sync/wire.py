@@ -265,9 +265,9 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple, m
   packed_meta = _compressor(len(meta_bytes)).compress(meta_bytes)
   codec = int(len(packed_meta) < len(meta_bytes))
   stored = packed_meta if codec else meta_bytes
-  results, bases, section_seal_ = seals
+  results, bases, sealed = seals
   region = b"".join([varint(len(stored)), stored] + _seal_bytes(results)
-                    + ([] if keyframe else _seal_bytes(bases)) + _seal_bytes(section_seal_))
+                    + ([] if keyframe else _seal_bytes(bases)) + _seal_bytes(sealed))
   prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(region), zlib.crc32(region))
   data = b"".join([prefix, region] + sections)
   offset, tensors = len(prefix) + len(region), {}
@@ -275,7 +275,7 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple, m
     tensors[name] = TensorMeta(name, shape, dtype, mode, nbytes, offset)  # as parsed
     offset += nbytes
   header = UpdateHeader(version, base_version, fmt, tensors, len(data), results, bases,
-                        section_seal_)
+                        sealed)
   return Update(data, header, packed)
 
 
