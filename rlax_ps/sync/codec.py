@@ -4,8 +4,8 @@ import functools
 
 import numpy as np
 
-from rlax_ps.sync import int8, packs, parallel, tensor_codec
-from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, to_bf16
+from rlax_ps.sync import arena, int8, packs, parallel, scratch, tensor_codec
+from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, is_float_dtype, to_bf16
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.integrity import checksum
 from rlax_ps.sync.wire import FORMATS, Update, build, check_names
@@ -14,9 +14,20 @@ from rlax_ps.sync.wire import FORMATS, Update, build, check_names
 def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
   """What a worker holds for `params` in `fmt`: bf16 arrays, or the int8 layout of int8.py.
 
-  Accepts float weights (rounded or quantized here) or an already-held state."""
+  Accepts float weights (rounded or quantized here, into one buffer whose packs lie back
+  to back: arena.py) or an already-held state (returned as it is)."""
   if fmt == "bf16":
-    return {name: to_bf16(name, x) for name, x in params.items()}
+    arrays = {name: np.asarray(x) for name, x in params.items()}
+    if any(a.dtype == BF16 for a in arrays.values()):  # held already (or partly): as is
+      return {name: to_bf16(name, a) for name, a in arrays.items()}
+    for name, a in arrays.items():
+      if not is_float_dtype(a.dtype):
+        raise CodecError(f"tensor {name!r}: dtype expected a floating type, got {a.dtype}")
+    held = arena.held_arena({name: a.shape for name, a in arrays.items()},
+                            dict.fromkeys(arrays, BF16))
+    for name, a in arrays.items():
+      held[name][...] = a  # rounds to nearest even, exactly as astype
+    return held
   if int8.is_held_int8(params):
     return int8.check_held(params)
   return int8.quantize_params(params)
@@ -99,9 +110,9 @@ def _encode_pack(old_state: dict, new_state: dict, members: list[str],
                  hash_old: bool) -> dict:
   """name -> Encoded for the members of one pack (packs.py); empty when the pack has no
   change or nothing to share. Base checksums are None unless hash_old."""
-  olds = [bit_view(old_state[n]) for n in members]
-  news = [bit_view(new_state[n]) for n in members]
-  enc = tensor_codec.encode_pack(olds, news)
+  olds = [old_state[n] for n in members]
+  news = [new_state[n] for n in members]
+  enc = tensor_codec.encode_pack(_pack_bits(olds, "pack old"), _pack_bits(news, "pack new"))
   if enc is None:
     return {}
   coded = {}
@@ -110,6 +121,17 @@ def _encode_pack(old_state: dict, new_state: dict, members: list[str],
     coded[n] = tensor_codec.Encoded(mode, section, checksum(a),
                                     checksum(o) if hash_old else None)
   return coded
+
+
+def _pack_bits(arrays: list[np.ndarray], slot: str) -> np.ndarray:
+  """A pack's members' unsigned bits as one flat array: their span where they lie back to
+  back (arena.py), else concatenated into this thread's scratch buffer `slot`."""
+  span = arena.span_of(arrays)
+  if span is not None:
+    return span
+  bits = [bit_view(a) for a in arrays]
+  out = scratch.buffer(slot, sum(b.size for b in bits), bits[0].dtype)
+  return np.concatenate(bits, out=out)
 
 
 def apply(base, update: Update, *, base_version: int | None = None,
@@ -191,31 +213,13 @@ def apply(base, update: Update, *, base_version: int | None = None,
 
 def _result_slots(update: Update, out_slots: dict | None):
   """(name -> where its new array goes, pack head -> the span its members fill back to
-  back): the checked `out` arrays (no spans), else a fresh arena whose front holds each
-  pack's members back to back, so that a pack is copied in and decoded as one array. Fresh
-  pages fault on first touch, and a pack, written first, would otherwise touch one spot in
-  every few MB (between the large tensors): out of order first touches cost about half a
-  copy of the model more (measured)."""
+  back): the checked `out` arrays (no spans), else a fresh arena (arena.lay_out), so that
+  a pack is copied in and decoded as one array."""
   if out_slots is not None:
     return out_slots, {}
   metas = update.tensors
-  packed = update.packs()
-  blocks = [(head, sum(metas[n].size for n in names), metas[head].dtype)
-            for head, names in packed.items()]
-  members = {n for names in packed.values() for n in names}
-  alone = [n for n in metas if n not in members]
-  arena = _Arena([(size, dtype) for _, size, dtype in blocks]
-                 + [(metas[n].size, metas[n].dtype) for n in alone])
-  slots, spans = {}, {}
-  for head, size, dtype in blocks:
-    spans[head] = span = arena.take(size, dtype)
-    at = 0
-    for n in packed[head]:
-      slots[n] = span[at:at + metas[n].size]
-      at += metas[n].size
-  for n in alone:
-    slots[n] = arena.take(metas[n].size, metas[n].dtype)
-  return {n: slots[n] for n in metas}, spans
+  return arena.lay_out({n: m.size for n, m in metas.items()},
+                       {n: m.dtype for n, m in metas.items()}, update.packs())
 
 
 def _out_slots(out: dict, update: Update, base) -> dict[str, np.ndarray]:
@@ -253,41 +257,26 @@ def _apply_pack(update: Update, members: list[str], held: dict, slots: dict | No
   """name -> (new array, its xxh3) of a pack's members: in place into the held bases (no
   slots), else into their slots, the bases copied in first; where the slots lie back to
   back in `span`, the bases are concatenated into it and the pack decoded over it at once."""
-  olds = [bit_view(held[n]).reshape(-1) for n in members]
   decoded = update.decoded(members[0])
-  parts = olds if slots is None else [slots[n] for n in members]
-  if span is not None:
-    np.concatenate(olds, out=span)
-    decoded.add_to(span)
-  else:
-    if slots is not None:
-      for part, old in zip(parts, olds):
-        np.copyto(part, old)
-    decoded.apply_parts(parts, packs.starts([a.size for a in olds]))
   metas = update.tensors
+  if span is not None:
+    base = arena.span_of([held[n] for n in members])
+    if base is None:
+      np.concatenate([bit_view(held[n]) for n in members], out=span)
+    else:
+      np.copyto(span, base)
+    decoded.add_to(span)
+    new = [slots[n].view(metas[n].dtype).reshape(metas[n].shape) for n in members]
+    arena.register(new, span)
+    return {n: (a, checksum(a)) for n, a in zip(members, new)}
+  olds = [bit_view(held[n]).reshape(-1) for n in members]
+  parts = olds if slots is None else [slots[n] for n in members]
+  if slots is not None:
+    for part, old in zip(parts, olds):
+      np.copyto(part, old)
+  decoded.apply_parts(parts, packs.starts([a.size for a in olds]))
   return {n: (part.view(metas[n].dtype).reshape(metas[n].shape), checksum(part))
           for n, part in zip(members, parts)}
-
-
-class _Arena:
-  """One buffer for all the new arrays of an apply, handed out piece by piece (64-byte
-  aligned): one large allocation takes huge pages and a few page faults where a buffer
-  per tensor would fault on every 4 KB page. The arrays it returns share the buffer."""
-
-  def __init__(self, pieces):
-    """pieces: the (elements, dtype) of every take() to come."""
-    self._buf = np.empty(sum(_aligned(n, d) for n, d in pieces) + 64, np.uint8)
-    self._pos = -self._buf.ctypes.data % 64
-
-  def take(self, size: int, dtype: np.dtype) -> np.ndarray:
-    """The next `size` elements, as a flat array of dtype's unsigned type."""
-    part = self._buf[self._pos:self._pos + size * dtype.itemsize]
-    self._pos += _aligned(size, dtype)
-    return part.view(UINT_OF[dtype])
-
-
-def _aligned(size: int, dtype: np.dtype) -> int:
-  return -(-size * dtype.itemsize // 64) * 64
 
 
 def dequantize(held: dict) -> dict[str, np.ndarray]:

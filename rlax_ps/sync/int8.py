@@ -18,8 +18,8 @@ weights divide in float64); an all-zero channel has scale 0 and codes 0. Then
 
 import numpy as np
 
-from rlax_ps.sync import int8_loops
-from rlax_ps.sync.bits import BF16, INT8, c_contiguous, is_float_dtype, to_bf16
+from rlax_ps.sync import arena, int8_loops
+from rlax_ps.sync.bits import BF16, INT8, c_contiguous, is_float_dtype
 from rlax_ps.sync.errors import CodecError
 
 SCALE_SUFFIX = ".scale"
@@ -62,8 +62,9 @@ def scale_constants(absmax: np.ndarray) -> tuple[np.ndarray, ...]:
   return scale, f, s, inv, s * np.float32(0.5)
 
 
-def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
-  """(int8 codes shaped like x, bf16 scales) of one float tensor of ndim >= 2."""
+def quantize_tensor(name: str, x, out: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(int8 codes shaped like x, bf16 scales) of one float tensor of ndim >= 2, written into
+  `out` = (codes, scales) when given (C-contiguous, of those shapes and dtypes)."""
   a = np.asarray(x)
   kind = layout(name, a.ndim)
   if kind == "bf16":
@@ -86,12 +87,12 @@ def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
     absmax = absmax.view(a.dtype)
   if not np.isfinite(absmax).all():
     raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
-  codes = np.empty(rows.shape, INT8)
+  codes = np.empty(rows.shape, INT8) if out is None else out[0].reshape(rows.shape)
   if a.dtype == np.float64:
     scale = _ceil_bf16(absmax / 127.0)
     safe = np.where(scale.view(np.uint16) > 0, scale.astype(np.float64), 1.0)
     int8_loops.quantize_f64(rows, safe, kind == "rows", codes)
-    return codes.reshape(np.shape(x)), scale
+    return codes.reshape(np.shape(x)), _into(scale, out)
   scale, *consts = scale_constants(absmax)
   if a.dtype == BF16:
     loop = int8_loops.quantize_rows_bf16 if kind == "rows" else int8_loops.quantize_cols_bf16
@@ -99,22 +100,38 @@ def quantize_tensor(name: str, x) -> tuple[np.ndarray, np.ndarray]:
   else:
     loop = int8_loops.quantize_rows_f32 if kind == "rows" else int8_loops.quantize_cols_f32
     loop(rows, *consts, codes)
-  return codes.reshape(np.shape(x)), scale
+  return codes.reshape(np.shape(x)), _into(scale, out)
+
+
+def _into(scale: np.ndarray, out: tuple | None) -> np.ndarray:
+  if out is None:
+    return scale
+  out[1][...] = scale
+  return out[1]
 
 
 def quantize_params(params: dict) -> dict[str, np.ndarray]:
-  """Float params -> the int8 held state (see the module docstring for the layout)."""
-  held = {}
+  """Float params -> the int8 held state (see the module docstring for the layout), in one
+  buffer whose packs lie back to back (arena.py)."""
+  arrays, shapes, dtypes = {}, {}, {}
   for name, x in params.items():
-    a = np.asarray(x)
+    a = arrays[name] = np.asarray(x)
     if not is_float_dtype(a.dtype):
       raise CodecError(f"tensor {name!r}: dtype expected a floating type, got {a.dtype}")
     if layout(name, a.ndim) == "bf16":
-      held[name] = to_bf16(name, a)
+      shapes[name], dtypes[name] = a.shape, BF16
       continue
     if name + SCALE_SUFFIX in params:
       raise CodecError(f"tensor {name + SCALE_SUFFIX!r}: collides with the int8 scales of {name!r}")
-    held[name], held[name + SCALE_SUFFIX] = quantize_tensor(name, a)
+    axis = 0 if layout(name, a.ndim) == "rows" else a.ndim - 1
+    shapes[name], dtypes[name] = a.shape, INT8
+    shapes[name + SCALE_SUFFIX], dtypes[name + SCALE_SUFFIX] = (a.shape[axis],), BF16
+  held = arena.held_arena(shapes, dtypes)
+  for name, a in arrays.items():
+    if dtypes[name] == BF16:
+      held[name][...] = a  # rounds to nearest even, exactly as astype
+    else:
+      quantize_tensor(name, a, (held[name], held[name + SCALE_SUFFIX]))
   return held
 
 

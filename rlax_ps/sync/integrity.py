@@ -80,6 +80,7 @@ class Seal:
 def _seal_of(digests: tuple[int, ...], bits: int) -> Seal:
   """Seal.of, kept for the next few calls: a delta's base seal is over the digests its
   base's update sealed as results."""
-  d = np.array(digests, "<u8")
+  d = np.array(digests, "<u8")  # combine's bytes: hashed as the array's own buffer
   mask = (1 << bits) - 1
-  return Seal(combine(d), tuple(combine(d[g]) & mask for g in _group_indices(d.size)), bits)
+  return Seal(xxhash.xxh3_64_intdigest(d), tuple(
+      xxhash.xxh3_64_intdigest(d[g]) & mask for g in _group_indices(d.size)), bits)

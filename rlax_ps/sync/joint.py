@@ -564,10 +564,10 @@ def tables(counts: np.ndarray, width: int, k: int, gap_bits: int = 0,
 
 
 def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bits: int = 0,
-           sampled: int | None = None, hash_old: bool = True):
-  """(section bytes, xxh3 of old (None unless hash_old), xxh3 of new) of the joint section
-  from old to new, with plan()'s k, counts (of the sample's symbols), gap bits and
-  changes in the sample (None: the counts' sum)."""
+           sampled: int | None = None, hash_old: bool = True, hash_new: bool = True):
+  """(section bytes, xxh3 of old, xxh3 of new (each None unless hash_old / hash_new)) of
+  the joint section from old to new, with plan()'s k, counts (of the sample's symbols),
+  gap bits and changes in the sample (None: the counts' sum)."""
   n = new.size
   table, codes, use_closed = tables(counts, 8 * new.itemsize, k, gap_bits)
   encode_blocks = encode_blocks16 if new.itemsize == 2 else encode_blocks8
@@ -592,7 +592,8 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
                         *codes, 0 if use_closed else 1, out, st, counts)
     if hash_old:
       h_old.update(a)
-    h_new.update(b)
+    if hash_new:
+      h_new.update(b)
   parts, lengths = [], []
   for j in range(STREAMS):
     wpos, acc, fill = int(st[j, 0]), st[j, 1], int(st[j, 2])
@@ -601,7 +602,7 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
     parts.append(out[j].view(np.uint8)[:nbytes])
     lengths.append(varint(nbytes))
   return (b"".join([u8(k), table, varints(counts)] + lengths + parts),
-          h_old.intdigest() if hash_old else None, h_new.intdigest())
+          h_old.intdigest() if hash_old else None, h_new.intdigest() if hash_new else None)
 
 
 # ---- decoding ----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ block happen while it is in cache.
 
 import dataclasses
 import threading
+import typing
 
 import numpy as np
 import xxhash
@@ -177,21 +178,18 @@ def _bitmap_estimate(ch: Changes, n: int, gap_cost: float) -> float | None:
   return probe * n / min(n, _SAMPLE)
 
 
-@dataclasses.dataclass(frozen=True)
-class Encoded:
+class Encoded(typing.NamedTuple):
+  """One tensor's coded section and checksums (a tuple: an encode makes one per tensor)."""
   mode: int
   section: object  # bytes-like
-  checksum: int
+  checksum: int | None  # None when not hashed (a pack's section)
   base_checksum: int | None
 
 
-def encode_pack(olds: list[np.ndarray], news: list[np.ndarray]) -> tuple[int, bytes] | None:
-  """(mode, section) over the concatenation of the members' unsigned bit arrays (packs.py),
+def encode_pack(old: np.ndarray, new: np.ndarray) -> tuple[int, bytes] | None:
+  """(mode, section) of a pack (packs.py) from its members' unsigned bits concatenated,
   or None when the pack has no change or nothing smaller than its raw bytes (its members
-  are then coded alone). The concatenations live in scratch buffers."""
-  n = sum(a.size for a in news)
-  old = np.concatenate(olds, out=scratch.buffer("pack old", n, news[0].dtype))
-  new = np.concatenate(news, out=scratch.buffer("pack new", n, news[0].dtype))
+  are then coded alone)."""
   enc = encode_section(old, new, hashed=(False, False))
   if enc.mode in (UNCHANGED, RAW):
     return None
@@ -208,7 +206,7 @@ def encode_section(old: np.ndarray | None, new: np.ndarray,
     return Encoded(RAW, new, xxhash.xxh3_64_intdigest(new), None)
   planned = joint.plan(old, new)
   if planned is not None:
-    coded = joint.encode(old, new, *planned, hash_old=hashed[0])
+    coded = joint.encode(old, new, *planned, hash_old=hashed[0], hash_new=hashed[1])
     if len(coded[0]) < new.nbytes:
       return Encoded(JOINT, coded[0], coded[2], coded[1])
   ch = scan_changes(old, new, hashed)  # nothing of ch outlives this call

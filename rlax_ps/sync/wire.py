@@ -73,6 +73,18 @@ class TensorMeta:
   def size(self) -> int:  # kept in the instance's __dict__: asked for often, per tensor
     return math.prod(self.shape)
 
+  @classmethod
+  def make(cls, name: str, shape: tuple, dtype: np.dtype, mode: str, nbytes: int,
+           offset: int) -> "TensorMeta":
+    """TensorMeta(...) with its size set, made in a fraction of the dataclass __init__'s
+    time (a frozen dataclass sets each field through object.__setattr__): messages make
+    one per tensor."""
+    meta = object.__new__(cls)
+    object.__setattr__(meta, "__dict__", {
+        "name": name, "shape": shape, "dtype": dtype, "mode": mode, "nbytes": nbytes,
+        "offset": offset, "size": math.prod(shape)})
+    return meta
+
 
 @dataclasses.dataclass(frozen=True)
 class UpdateHeader:
@@ -253,12 +265,12 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple, m
               seals: tuple, sections, packed: dict | None) -> "Update":
   """The message (see assemble) of the tensors of `layout` ((name, shape, dtype) each) in
   `modes`, with seals (results, bases or None, sections) over `sections`."""
-  sections = [memoryview(sec).cast("B") for sec in sections]
+  sections = [sec if type(sec) is bytes else memoryview(sec).cast("B") for sec in sections]
   keyframe = base_version is None
   names, codes, dims, shapes = _layout_columns(layout, SECTION_CODEC_VERSION)
   codes = codes.copy()
   codes[:, 2] = [_MODE_CODES[mode] for mode in modes]
-  lengths = [sec.nbytes for sec in sections]
+  lengths = [len(sec) for sec in sections]
   meta_bytes = b"".join([u8(FORMATS.index(fmt)), u8(keyframe), varint(version),
                          varint(0 if keyframe else base_version), varint(len(layout)),
                          names, codes.tobytes(), dims] + [varint(n) for n in lengths])
@@ -272,7 +284,7 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple, m
   data = b"".join([prefix, region] + sections)
   offset, tensors = len(prefix) + len(region), {}
   for (name, _, dtype), shape, mode, nbytes in zip(layout, shapes, modes, lengths):
-    tensors[name] = TensorMeta(name, shape, dtype, mode, nbytes, offset)  # as parsed
+    tensors[name] = TensorMeta.make(name, shape, dtype, mode, nbytes, offset)  # as parsed
     offset += nbytes
   header = UpdateHeader(version, base_version, fmt, tensors, len(data), results, bases,
                         sealed)
@@ -367,7 +379,8 @@ def _parse_header(b) -> tuple[UpdateHeader, dict[str, list[str]]]:
     if offset + nbytes > buf.nbytes:
       raise CodecError(f"{what}: truncated: section needs {nbytes} bytes at offset {offset}, "
                        f"message has {buf.nbytes}")
-    tensors[name] = TensorMeta(name, shape, dtype, tensor_codec.MODE_NAMES[mode], nbytes, offset)
+    tensors[name] = TensorMeta.make(name, shape, dtype, tensor_codec.MODE_NAMES[mode], nbytes,
+                                    offset)
     offset += nbytes
   if offset != buf.nbytes:
     raise CodecError(f"update: {buf.nbytes - offset} unexpected trailing bytes after the "
