@@ -1,6 +1,8 @@
 """encode / apply over flat dicts of name -> array, in the bf16 or int8 format."""
 
 import functools
+import math
+import typing
 
 import numpy as np
 
@@ -8,7 +10,7 @@ from rlax_ps.sync import arena, int8, packs, parallel, scratch, tensor_codec
 from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, is_float_dtype, to_bf16
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.integrity import checksum
-from rlax_ps.sync.wire import FORMATS, Update, build, check_names
+from rlax_ps.sync.wire import FORMATS, Update, build_columns, check_names
 
 
 def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
@@ -16,21 +18,43 @@ def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
 
   Accepts float weights (rounded or quantized here, into one buffer whose packs lie back
   to back: arena.py) or an already-held state (returned as it is)."""
+  return _held(params, fmt)[0]
+
+
+def _held(params: dict, fmt: str) -> tuple[dict[str, np.ndarray], tuple]:
+  """(held_state(params, fmt), its layout key: (name, shape, dtype) per tensor). A held
+  state's checks depend on that key alone, and are made once per key."""
+  arrays = {name: np.asarray(x) for name, x in params.items()}
+  key = tuple((n, a.shape, a.dtype) for n, a in arrays.items())
+  if _held_kind(key, fmt) == "float":
+    if fmt == "int8":
+      held = int8.quantize_params(arrays)
+    else:
+      held = arena.held_arena({name: a.shape for name, a in arrays.items()},
+                              dict.fromkeys(arrays, BF16))
+      for name, a in arrays.items():
+        held[name][...] = a  # rounds to nearest even, exactly as astype
+    return held, tuple((n, a.shape, a.dtype) for n, a in held.items())
+  if fmt == "int8":
+    return arrays, key
+  held = {name: to_bf16(name, a) for name, a in arrays.items()}  # partly float: rounded
+  return held, tuple((n, a.shape, a.dtype) for n, a in held.items())
+
+
+@functools.lru_cache(maxsize=64)
+def _held_kind(key: tuple, fmt: str) -> str:
+  """"float" (weights to round or quantize) or "held" for a state of layout key `key`,
+  after checking what that key decides (dtypes, int8 scales' names and shapes)."""
   if fmt == "bf16":
-    arrays = {name: np.asarray(x) for name, x in params.items()}
-    if any(a.dtype == BF16 for a in arrays.values()):  # held already (or partly): as is
-      return {name: to_bf16(name, a) for name, a in arrays.items()}
-    for name, a in arrays.items():
-      if not is_float_dtype(a.dtype):
-        raise CodecError(f"tensor {name!r}: dtype expected a floating type, got {a.dtype}")
-    held = arena.held_arena({name: a.shape for name, a in arrays.items()},
-                            dict.fromkeys(arrays, BF16))
-    for name, a in arrays.items():
-      held[name][...] = a  # rounds to nearest even, exactly as astype
-    return held
-  if int8.is_held_int8(params):
-    return int8.check_held(params)
-  return int8.quantize_params(params)
+    if any(d == BF16 for _, _, d in key):  # held already (or partly): as is
+      return "held"
+  elif any(d == int8.INT8 for _, _, d in key):
+    int8.check_layout({n: (shape, d) for n, shape, d in key})
+    return "held"
+  for name, _, d in key:
+    if not is_float_dtype(d):
+      raise CodecError(f"tensor {name!r}: dtype expected a floating type, got {d}")
+  return "float"
 
 
 def encode(base, target, fmt: str = "bf16", *, version: int,
@@ -61,27 +85,25 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
                      f"base_version={base_version}, version={version}")
   if base_checksums is not None and base is None:
     raise ValueError("base_checksums given for a keyframe (base is None)")
-  new_state = held_state(target, fmt)
+  new_state, new_key = _held(target, fmt)
   old_state = None
+  lay = _layout(new_key)
   if base is not None:
-    old_state = held_state(base, fmt)
+    old_state, old_key = _held(base, fmt)
     check_names("base", old_state, new_state)
     if base_checksums is not None:
       check_names("base_checksums", base_checksums, new_state)
-  for name, new in new_state.items():
-    if old_state is not None:
-      old = old_state[name]
-      if old.shape != new.shape or old.dtype != new.dtype:
-        raise CodecError(f"tensor {name!r}: base is {old.dtype}{list(old.shape)}, target is "
-                         f"{new.dtype}{list(new.shape)}")
+    if old_key != new_key:
+      for name, new in new_state.items():
+        old = old_state[name]
+        if old.shape != new.shape or old.dtype != new.dtype:
+          raise CodecError(f"tensor {name!r}: base is {old.dtype}{list(old.shape)}, target "
+                           f"is {new.dtype}{list(new.shape)}")
   known = base_checksums is not None
-  groups = {} if old_state is None else packs.members_by_dtype(
-      {n: a.size for n, a in new_state.items()}, {n: a.dtype for n, a in new_state.items()})
-  packed = {n for members in groups.values() for n in members}
-  tasks = [(sum(new_state[n].size for n in members),
-            functools.partial(_encode_pack, old_state, new_state, members, not known))
-           for members in groups.values()]
-  alone = [n for n in new_state if n not in packed]
+  groups = {} if old_state is None else lay.groups
+  tasks = [(size, functools.partial(_encode_pack, old_state, new_state, members, not known))
+           for members, size in zip(groups.values(), lay.group_sizes)]
+  alone = lay.names if old_state is None else lay.alone
   for name in alone:
     old = None if old_state is None else bit_view(old_state[name])
     tasks.append((new_state[name].size, functools.partial(
@@ -94,16 +116,38 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
       made[members[0]] = members
   for name, left in zip(alone, results[len(groups):]):
     coded[name] = left
-  entries = []
-  for name, new in new_state.items():
+  for name in lay.names:
     if name not in coded:  # a pack with nothing to share: its members are coded alone
       old = None if old_state is None else bit_view(old_state[name])
-      coded[name] = tensor_codec.encode_section(old, bit_view(new), (not known, True))
-    enc = coded[name]
-    base_checksum = int(base_checksums[name]) if known else enc.base_checksum
-    entries.append((name, new.shape, new.dtype, enc.checksum, base_checksum, enc.mode,
-                    enc.section))
-  return build(fmt, version, base_version, entries, made)
+      coded[name] = tensor_codec.encode_section(old, bit_view(new_state[name]),
+                                                (not known, True))
+  done = [coded[name] for name in lay.names]
+  bases = ([base_checksums[name] for name in lay.names] if known
+           else [enc.base_checksum for enc in done])
+  return build_columns(fmt, version, base_version, lay.layout, [enc.checksum for enc in done],
+                       bases, [enc.mode for enc in done], [enc.section for enc in done], made)
+
+
+class _Layout(typing.NamedTuple):
+  """What an encode needs of a held state's names, shapes and dtypes alone (the same for
+  every update of a model, hence cached)."""
+  key: tuple  # (name, shape, dtype) of each tensor, as the state listed them
+  layout: tuple  # the same with np.dtype dtypes and int shapes: the header's
+  names: tuple
+  groups: dict  # dtype -> pack members (packs.members_by_dtype)
+  group_sizes: tuple  # elements of each pack
+  alone: tuple  # the tensors of no pack
+
+
+@functools.lru_cache(maxsize=16)
+def _layout(key: tuple) -> _Layout:
+  sizes = {n: math.prod(shape) for n, shape, _ in key}
+  groups = packs.members_by_dtype(sizes, {n: d for n, _, d in key})
+  packed = {n for members in groups.values() for n in members}
+  return _Layout(key, tuple((n, tuple(int(d) for d in shape), np.dtype(dtype))
+                            for n, shape, dtype in key),
+                 tuple(sizes), groups, tuple(sum(sizes[n] for n in m) for m in groups.values()),
+                 tuple(n for n in sizes if n not in packed))
 
 
 def _encode_pack(old_state: dict, new_state: dict, members: list[str],

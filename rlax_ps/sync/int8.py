@@ -143,19 +143,26 @@ def is_held_int8(params: dict) -> bool:
 def check_held(params: dict) -> dict[str, np.ndarray]:
   """Validates an int8 held state and returns it as numpy arrays."""
   held = {k: np.asarray(v) for k, v in params.items()}
-  for name, a in held.items():
-    if a.dtype == INT8:
-      sname = name + SCALE_SUFFIX
-      if sname not in held or held[sname].dtype != BF16:
-        raise CodecError(f"tensor {name!r}: int8 codes need bf16 scales {sname!r}")
-      axis = 0 if layout(name, a.ndim) == "rows" else a.ndim - 1
-      if held[sname].shape != (a.shape[axis],):
-        raise CodecError(f"tensor {sname!r}: shape expected {(a.shape[axis],)}, "
-                         f"got {held[sname].shape}")
-    elif a.dtype != BF16:
-      raise CodecError(f"tensor {name!r}: int8 held state dtype expected int8 or bfloat16, "
-                       f"got {a.dtype}")
+  check_layout({name: (a.shape, a.dtype) for name, a in held.items()})
   return held
+
+
+def check_layout(held: dict) -> None:
+  """Raises the CodecError naming the first tensor of an int8 held state (name -> (shape,
+  dtype)) that breaks int8.py's layout: codes without bf16 scales of their channels' shape,
+  or a dtype other than int8 and bf16."""
+  for name, (shape, dtype) in held.items():
+    if dtype == INT8:
+      sname = name + SCALE_SUFFIX
+      if sname not in held or held[sname][1] != BF16:
+        raise CodecError(f"tensor {name!r}: int8 codes need bf16 scales {sname!r}")
+      axis = 0 if layout(name, len(shape)) == "rows" else len(shape) - 1
+      if held[sname][0] != (shape[axis],):
+        raise CodecError(f"tensor {sname!r}: shape expected {(shape[axis],)}, "
+                         f"got {held[sname][0]}")
+    elif dtype != BF16:
+      raise CodecError(f"tensor {name!r}: int8 held state dtype expected int8 or bfloat16, "
+                       f"got {dtype}")
 
 
 def dequantize_params(held: dict) -> dict[str, np.ndarray]:

@@ -198,20 +198,27 @@ def build(fmt: str, version: int, base_version: int | None, entries,
   section) tuples: `checksum` is the xxh3-64 of the tensor the update makes, `base_checksum`
   that of its base (None for a keyframe). `packed`: the packs (head -> members) the
   encoder made, if known (else read from the modes, as a parsed message's are)."""
-  keyframe = base_version is None
-  names = [e[0] for e in entries]
-  if len(set(names)) != len(names):
+  layout = tuple((name, tuple(shape), np.dtype(dtype)) for name, shape, dtype, *_ in entries)
+  return build_columns(fmt, version, base_version, layout, [e[3] for e in entries],
+                       [e[4] for e in entries], [e[5] for e in entries],
+                       [e[6] for e in entries], packed)
+
+
+def build_columns(fmt: str, version: int, base_version: int | None, layout: tuple,
+                  checksums: list, base_checksums: list, modes: list, sections: list,
+                  packed: dict | None = None) -> "Update":
+  """build() from columns: layout ((name, shape tuple, np.dtype) per tensor), then per
+  tensor its checksum, base checksum, mode code and section."""
+  if len(set(entry[0] for entry in layout)) != len(layout):
+    names = [entry[0] for entry in layout]
     twice = next(n for i, n in enumerate(names) if n in names[:i])
     raise CodecError(f"tensor {twice!r}: appears twice in the update")
-  sections = [e[6] for e in entries]
-  checksums = {e[0]: int(e[3]) for e in entries}
-  layout = tuple((name, tuple(shape), np.dtype(dtype)) for name, shape, dtype, *_ in entries)
-  modes = [tensor_codec.MODE_NAMES[e[5]] for e in entries]
-  update = _assemble(fmt, version, base_version, layout, modes, (
-      Seal.of([e[3] for e in entries], LOCATOR_BITS),
-      None if keyframe else Seal.of([e[4] for e in entries], LOCATOR_BITS),
+  mode_names = tensor_codec.MODE_NAMES
+  update = _assemble(fmt, version, base_version, layout, [mode_names[m] for m in modes], (
+      Seal.of(checksums, LOCATOR_BITS),
+      None if base_version is None else Seal.of(base_checksums, LOCATOR_BITS),
       section_seal(sections)), sections, packed)
-  update.checksums = checksums
+  update.checksums = {entry[0]: int(c) for entry, c in zip(layout, checksums)}
   return update
 
 
@@ -392,6 +399,8 @@ def _parse_header(b) -> tuple[UpdateHeader, dict[str, list[str]]]:
 
 def check_names(what: str, got, want) -> None:
   """CodecError naming the first tensor of `want` missing from `got`, or extra in it."""
+  if isinstance(got, dict) and isinstance(want, dict) and got.keys() == want.keys():
+    return
   missing = [n for n in want if n not in got]
   extra = [n for n in got if n not in want]
   if missing:
