@@ -6,6 +6,7 @@ allocation: a few page faults and huge pages where a buffer per tensor faults on
 writes as one array, with no concatenation.
 """
 
+import math
 import weakref
 
 import numpy as np
@@ -39,35 +40,42 @@ def _aligned(size: int, dtype: np.dtype) -> int:
 
 
 def lay_out(sizes: dict, dtypes: dict, groups: dict) -> tuple[dict, dict]:
-  """(name -> flat unsigned slot, pack head -> the span its members fill) in one new
-  arena: first each pack's members back to back (groups: head -> member names, head
-  first), then every other tensor. A pack is written first and whole, so its first
-  touches of fresh pages come in order (out of order they cost about half a copy of the
-  model more, measured)."""
+  """(name -> flat unsigned slot of each tensor in no pack, pack head -> the span its
+  members fill back to back (members_of)) in one new arena: first the packs (groups: head
+  -> member names, head first), then every other tensor. A pack is written first and
+  whole, so its first touches of fresh pages come in order (out of order they cost about
+  half a copy of the model more, measured)."""
   members = {n for names in groups.values() for n in names}
   alone = [n for n in sizes if n not in members]
   arena = Arena([(sum(sizes[n] for n in names), dtypes[names[0]]) for names in groups.values()]
                 + [(sizes[n], dtypes[n]) for n in alone])
-  slots, spans = {}, {}
-  for head, names in groups.items():
-    spans[head] = span = arena.take(sum(sizes[n] for n in names), dtypes[head])
-    for n, at in zip(names, packs.starts([sizes[n] for n in names])):
-      slots[n] = span[at:at + sizes[n]]
-  for n in alone:
-    slots[n] = arena.take(sizes[n], dtypes[n])
-  return {n: slots[n] for n in sizes}, spans
+  spans = {head: arena.take(sum(sizes[n] for n in names), dtypes[head])
+           for head, names in groups.items()}
+  return {n: arena.take(sizes[n], dtypes[n]) for n in alone}, spans
+
+
+def members_of(span: np.ndarray, shapes: list, dtype: np.dtype) -> list[np.ndarray]:
+  """The arrays (of `shapes`, in order, of `dtype`) that lie back to back in `span`."""
+  typed, at, out = span.view(dtype), 0, []
+  for shape in shapes:
+    size = math.prod(shape)
+    out.append(typed[at:at + size].reshape(shape))
+    at += size
+  return out
 
 
 def held_arena(shapes: dict, dtypes: dict) -> dict:
   """name -> a new array of shapes[name] and dtypes[name], laid out by lay_out with the
   packs a held state of them has (packs.members_by_dtype)."""
-  sizes = {n: int(np.prod(shape, dtype=np.int64)) for n, shape in shapes.items()}
+  sizes = {n: math.prod(shape) for n, shape in shapes.items()}
   groups = {names[0]: names for names in packs.members_by_dtype(sizes, dtypes).values()}
   slots, spans = lay_out(sizes, dtypes, groups)
   held = {n: s.view(dtypes[n]).reshape(shapes[n]) for n, s in slots.items()}
   for head, names in groups.items():
-    register([held[n] for n in names], spans[head])
-  return held
+    arrays = members_of(spans[head], [shapes[n] for n in names], dtypes[head])
+    held.update(zip(names, arrays))
+    register(arrays, spans[head])
+  return {n: held[n] for n in shapes}
 
 
 def register(members: list[np.ndarray], span: np.ndarray) -> None:

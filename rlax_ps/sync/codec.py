@@ -257,8 +257,8 @@ def apply(base, update: Update, *, base_version: int | None = None,
 
 def _result_slots(update: Update, out_slots: dict | None):
   """(name -> where its new array goes, pack head -> the span its members fill back to
-  back): the checked `out` arrays (no spans), else a fresh arena (arena.lay_out), so that
-  a pack is copied in and decoded as one array."""
+  back): the checked `out` arrays (no spans), else a fresh arena (arena.lay_out: slots of
+  the tensors in no pack), so that a pack is copied in and decoded as one array."""
   if out_slots is not None:
     return out_slots, {}
   metas = update.tensors
@@ -310,7 +310,7 @@ def _apply_pack(update: Update, members: list[str], held: dict, slots: dict | No
     else:
       np.copyto(span, base)
     decoded.add_to(span)
-    new = [slots[n].view(metas[n].dtype).reshape(metas[n].shape) for n in members]
+    new = arena.members_of(span, [metas[n].shape for n in members], metas[members[0]].dtype)
     arena.register(new, span)
     return {n: (a, checksum(a)) for n, a in zip(members, new)}
   olds = [bit_view(held[n]).reshape(-1) for n in members]
