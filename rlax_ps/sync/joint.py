@@ -30,6 +30,9 @@ import threading
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 import xxhash
 from numba.cpython.unsafe.numbers import trailing_zeros
 
@@ -63,20 +66,29 @@ CLOSED_GAIN = 0.01  # a section has a closed code set where it saves this share 
 
 # ---- encoder -----------------------------------------------------------------------------
 
+@intrinsic
+def _store_u64(typingctx, address, value):
+  """Stores uint64 `value` at byte `address`, unaligned, in native byte order (little-endian
+  on every numba target: the streams' LSB-first bytes). An address, not an array: numba
+  would count references to an array argument around every call."""
+  def codegen(context, builder, signature, args):
+    at = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+    builder.store(args[1], at, align=1)
+    return context.get_dummy_value()
+  return types.void(types.int64, types.uint64), codegen
+
+
 @numba.njit(inline="always", **_JIT)
-def _append(out, wpos, acc, fill, v, nbits):
-  """Appends the low nbits (1..64) of v to a stream; returns (wpos, acc, fill)."""
+def _append(out, pos, acc, fill, v, nbits):
+  """Appends the low nbits of v (clean above them; fill + nbits <= 63: nbits <= 56) to a
+  byte stream at address `out` whose pos bytes are final and whose next fill (< 8) bits
+  wait in acc: stores acc's 8 bytes at pos (no load), then moves past the bytes it
+  completed. Returns (pos, acc, fill)."""
   acc |= v << fill
-  before = fill
   fill += nbits
-  out[np.uint64(wpos)] = acc
-  c = fill >> np.uint64(6)
-  wpos += np.int64(c)
-  # No branch: one would split this inlined body into blocks, and numba would then keep
-  # an NRT incref/decref pair (two calls) of `out` on every change.
-  keep = c - np.uint64(1)  # all ones when no word completed
-  acc = (acc & keep) | (((v >> np.uint64(1)) >> (np.uint64(63) - before)) & ~keep)
-  return wpos, acc, fill & np.uint64(63)
+  _store_u64(out + pos, acc)
+  done = fill >> np.uint64(3)
+  return pos + np.int64(done), acc >> (done << np.uint64(3)), fill & np.uint64(7)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -128,11 +140,11 @@ def _changed_groups(ab, bb, ahead, masks, starts):
 
 
 @numba.njit(inline="always", **_JIT)
-def _code_block(aw, bw, ab, bb, g0, k, ctab, symtab, esc, row, wpos, acc, fill, lane_bits,
+def _code_block(aw, bw, ab, bb, g0, k, ctab, symtab, esc, stream, pos, acc, fill, lane_bits,
                 masks, starts):
   """Codes the changes of one block (ab, bb: its elements; aw/bw hold its 64-element
-  groups from group g0 on) with one code set (see _encode_blocks); returns (wpos, acc,
-  fill, changes, ok). Not ok: a value has no code in the set (the closed set lacks the
+  groups from group g0 on) with one code set (see _encode_blocks) into the stream at
+  address `stream` (_append's pos, acc, fill); returns (pos, acc, fill, changes, ok). Not ok: a value has no code in the set (the closed set lacks the
   escape). int8 blocks walk only their changed groups (_changed_groups, into masks and
   starts); bf16 blocks (denser) every group, their masks made on the way."""
   kk = np.uint64(k)
@@ -164,27 +176,28 @@ def _code_block(aw, bw, ab, bb, g0, k, ctab, symtab, esc, row, wpos, acc, fill, 
         e = value_entry(z, symtab, esc, kk + np.uint64(1))
       tail = e >> np.uint64(56)
       if tail == 0:
-        return wpos, acc, fill, count, False
+        return pos, acc, fill, count, False
       gap = np.uint64(i - prev - 1)
       prev = i
       q = gap >> kk
       v = np.uint64(1) | ((gap & kmask) << np.uint64(1)) | (e & low56)
-      if q + tail <= np.uint64(64):
-        wpos, acc, fill = _append(row, wpos, acc, fill, v << q, q + tail)
+      if q + tail <= np.uint64(56):  # the most bits _append takes
+        pos, acc, fill = _append(stream, pos, acc, fill, v << q, q + tail)
       else:
         while q:
           zeros = min(q, np.uint64(32))
-          wpos, acc, fill = _append(row, wpos, acc, fill, np.uint64(0), zeros)
+          pos, acc, fill = _append(stream, pos, acc, fill, np.uint64(0), zeros)
           q -= zeros
-        wpos, acc, fill = _append(row, wpos, acc, fill, v, tail)
-  return wpos, acc, fill, count, True
+        pos, acc, fill = _append(stream, pos, acc, fill, v, tail)
+  return pos, acc, fill, count, True
 
 
 @numba.njit(inline="always", **_JIT)
 def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
                    lane_bits):
   """Codes the changes of the blocks a, b (unsigned bit arrays starting at block `first`,
-  aw/bw their 64-element groups as uint64 words) into the streams' word rows of out.
+  aw/bw their 64-element groups as uint64 words) into the streams' byte rows of out
+  (uint8, one row per stream).
   Code set s (0: closed, 1: open) is (ctabs[s], symtabs[s], escs[s]) from tables(); its
   ctab[z] is the value code of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and
   that length plus k + 1 (top 8 bits, 0: no code), for z below its size; larger z are
@@ -192,9 +205,10 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   A block takes the closed set (the sample's values only: no escape code to pay for), or,
   coded again, the open one when it holds a value the closed set lacks; first_set = 1
   where the section has no closed set.
-  st[j] = (words written, accumulator, bits in it) of stream j is carried across calls;
+  st[j] = (bytes written, accumulator, bits in it: _append) of stream j is carried across
+  calls;
   counts[b] = 2 * (changes of block b, whose gaps count from its start) + (1 if it took
-  the open set). Returns the most words any stream holds (the caller grows out before
+  the open set). Returns the most words any stream reaches (the caller grows out before
   another call could overrun it). lane_bits: 8 * a.itemsize, a constant of each compiled
   specialisation (encode_blocks16 / encode_blocks8)."""
   nblocks = (a.size + BLOCK - 1) // BLOCK
@@ -202,22 +216,22 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   starts = np.empty(BLOCK // 64 + 1, np.int64)
   for bl in range(nblocks):
     j = (first + bl) % STREAMS
-    wpos, acc, fill = np.int64(st[j, 0]), st[j, 1], st[j, 2]
+    pos, acc, fill = np.int64(st[j, 0]), st[j, 1], st[j, 2]
     lo = bl * BLOCK
     hi = min(a.size, lo + BLOCK)
     ab, bb = a[lo:hi], b[lo:hi]
     flag = first_set
     w, c, f, count, ok = _code_block(aw, bw, ab, bb, lo // 64, k, ctabs[flag], symtabs[flag],
-                                     escs[flag], out[j], wpos, acc, fill, lane_bits, masks,
-                                     starts)
+                                     escs[flag], out[j].ctypes.data, pos, acc, fill, lane_bits,
+                                     masks, starts)
     if not ok:
       flag = 1
       w, c, f, count, ok = _code_block(aw, bw, ab, bb, lo // 64, k, ctabs[1], symtabs[1],
-                                       escs[1], out[j], wpos, acc, fill, lane_bits, masks,
-                                       starts)
+                                       escs[1], out[j].ctypes.data, pos, acc, fill, lane_bits,
+                                       masks, starts)
     st[j, 0], st[j, 1], st[j, 2] = np.uint64(w), c, f
     counts[first + bl] = 2 * count + flag
-  return int(st[:, 0].max())
+  return int(st[:, 0].max()) // 8 + 1
 
 
 @numba.njit(**_JIT)
@@ -574,7 +588,8 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
   sampled = int(counts.sum()) if sampled is None else sampled
   nnz_est = sampled * n // (SAMPLE_WINDOW * sample_starts(n).size) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1
-  # Every word of a stream is assigned before it is read, so the rows need no zeroing.
+  # Every byte of a stream is stored before it is read, so the rows need no zeroing; rows
+  # keep room past the most words a call can write for _append's 8-byte stores.
   step, top = CALL_BYTES // new.itemsize, 0  # whole rounds of STREAMS blocks
   width = bits // 64 // STREAMS + step // STREAMS + 2
   out = scratch.buffer("joint streams", STREAMS * width, np.uint64).reshape(STREAMS, width)
@@ -589,16 +604,14 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
     a, b = old[s:s + step], new[s:s + step]
     m = a.size - a.size % 64
     top = encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k,
-                        *codes, 0 if use_closed else 1, out, st, counts)
+                        *codes, 0 if use_closed else 1, out.view(np.uint8), st, counts)
     if hash_old:
       h_old.update(a)
     if hash_new:
       h_new.update(b)
   parts, lengths = [], []
   for j in range(STREAMS):
-    wpos, acc, fill = int(st[j, 0]), st[j, 1], int(st[j, 2])
-    out[j, wpos] = acc
-    nbytes = (wpos * 64 + fill + 7) // 8
+    nbytes = int(st[j, 0]) + (int(st[j, 2]) + 7) // 8  # the pending bits are stored
     parts.append(out[j].view(np.uint8)[:nbytes])
     lengths.append(varint(nbytes))
   return (b"".join([u8(k), table, varints(counts)] + lengths + parts),

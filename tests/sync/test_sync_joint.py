@@ -138,6 +138,28 @@ def test_int8_blocks_walk_exactly_their_changed_groups(size, density):
     assert np.array_equal(out, moved)
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_codes_longer_than_one_store_take_the_split_path_and_decode(k):
+  """Gaps whose unary part (gap >> k) plus the value code passes the 56 bits that one
+  8-byte store of the encoder takes, around and far past that edge, with short and
+  escaped values, in every stream, round trip exactly."""
+  rng = np.random.default_rng(11)
+  n = 5 * joint.BLOCK + 1000
+  base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+  target = base.copy()
+  for b in range(5):
+    gaps = np.concatenate([np.arange(0, 90) << k, [700 << k, 5000, 20000]])
+    idx = b * joint.BLOCK + np.cumsum(gaps + 1) - 1
+    idx = idx[idx < min(n, (b + 1) * joint.BLOCK)]
+    offsets = rng.choice(np.array([1, 0xFFFF, 0x1234, 0x8000], np.uint16), idx.size)
+    target[idx] += offsets
+  counts = np.bincount([1, 1, 2, 2, 3], minlength=entropy.ALPHABET)  # 0x1234: escaped
+  coded = joint.encode(base, target, k, counts)
+  out = base.copy()
+  joint.Section(ByteReader(coded[0], "t"), n, np.dtype(np.uint16)).apply(base, out, None)
+  assert np.array_equal(out, target)
+
+
 @pytest.fixture(scope="module")
 def int8_pair():
   """int8 codes moved by +-1 at 1%, plus a value no sampled window holds in blocks 5 and
