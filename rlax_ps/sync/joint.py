@@ -41,8 +41,8 @@ from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
                                 _get_varint,
-                                _group_mask, _peek, _take, best_rice, entropy_bits,
-                                masks_ahead, popcount, symbol_of, unary)
+                                _group_mask, _take, best_rice, entropy_bits, masks_ahead,
+                                popcount, symbol_of)
 
 BLOCK = 1 << 16
 STREAMS = 4
@@ -76,6 +76,14 @@ def _store_u64(typingctx, address, value):
     builder.store(args[1], at, align=1)
     return context.get_dummy_value()
   return types.void(types.int64, types.uint64), codegen
+
+
+@intrinsic
+def _load_u64(typingctx, address):
+  """The uint64 at byte `address`, unaligned, in native byte order (see _store_u64)."""
+  def codegen(context, builder, signature, args):
+    return builder.load(builder.inttoptr(args[0], ir.IntType(64).as_pointer()), align=1)
+  return types.uint64(types.int64), codegen
 
 
 @numba.njit(inline="always", **_JIT)
@@ -249,17 +257,31 @@ def encode_blocks8(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
 # ---- decoder -----------------------------------------------------------------------------
 
 @numba.njit(inline="always", **_JIT)
-def _next(words, p, end, prev, k, table, zw):
-  """Decodes one change at bit p: returns (p, local index, wrapping offset as uint64 of
-  the zigzag, ok). Table entries without a code carry the escape flag and length 0, so
-  the common path checks nothing but the stream's end; a corrupted stream decodes to
-  in-bounds garbage that the result checksum rejects."""
-  w, quot, p, ok = unary(words, p, end)
-  if not ok:
-    return p, prev, np.uint64(0), False
+def _window(at, p):
+  """The bits of a stream at address `at` from bit p on: 57 or more of them (an 8-byte load
+  at p's byte; the top p % 8 bits are zero). The stream keeps 8 bytes past its end."""
+  return _load_u64(at + (p >> 3)) >> np.uint64(p & 7)
+
+
+@numba.njit(inline="always", **_JIT)
+def _next(at, p, end, prev, k, table, zw):
+  """Decodes one change at bit p of the stream at address `at`: returns (p, local index,
+  wrapping offset as uint64 of the zigzag, ok). A change's bits after its gap's unary part
+  (k <= 28, a Huffman code of at most 11, 16 raw) fit one 57-bit window. Table entries
+  without a code carry the escape flag and length 0, so the common path checks nothing but
+  the stream's end; a corrupted stream decodes to in-bounds garbage that the result
+  checksum rejects."""
+  w = _window(at, p)
+  quot = np.int64(0)
+  while w == 0:  # a quotient of 57 or more zeros: move past 56
+    quot += 56
+    p += 56
+    if p >= end:
+      return p, prev, np.uint64(0), False
+    w = _window(at, p)
   t = np.int64(trailing_zeros(w))
   p += t + 1
-  x = _peek(words, p)
+  x = _window(at, p)
   r = np.int64(x & ((np.uint64(1) << np.uint64(k)) - np.uint64(1)))
   x >>= np.uint64(k)
   e = np.uint64(table[x & np.uint64((1 << huffman.MAX_LEN) - 1)])
@@ -280,32 +302,32 @@ def _next(words, p, end, prev, k, table, zw):
 
 
 @numba.njit(inline="always", **_JIT)
-def _decode_one(words, p, end, prev, k, table, zw, whole):
+def _decode_one(at, p, end, prev, k, table, zw, whole):
   """Decodes one change of a block (gaps from the block's start): (p, index, wrapping
   offset, ok). Changes whose whole code (gap and value) fits in the next WHOLE bits take
   one lookup in `whole`; the rest go through _next."""
-  e = whole[_peek(words, p) & np.uint64((1 << WHOLE) - 1)]
+  e = whole[_window(at, p) & np.uint64((1 << WHOLE) - 1)]
   if e:
     p += np.int64(e >> np.uint32(28))
     prev += 1 + np.int64((e >> np.uint32(16)) & np.uint32(0xFFF))
     return p, prev, np.uint64(e & np.uint32(0xFFFF)), p <= end
-  return _next(words, p, end, prev, k, table, zw)
+  return _next(at, p, end, prev, k, table, zw)
 
 
 @numba.njit(inline="always", **_JIT)
-def _put_full(words, p, end, prev, k, table, zw, out, base, whole):
+def _put_full(at, p, end, prev, k, table, zw, out, base, whole):
   """_put for a whole block (BLOCK elements): the index is masked into the block instead
   of checked, and the caller checks the last (largest) index of the block once."""
-  p, prev, off, good = _decode_one(words, p, end, prev, k, table, zw, whole)
+  p, prev, off, good = _decode_one(at, p, end, prev, k, table, zw, whole)
   out[np.uint64(base + (prev & (BLOCK - 1)))] += off
   return p, prev, good
 
 
 @numba.njit(inline="always", **_JIT)
-def _put(words, p, end, prev, k, table, zw, out, base, size, whole):
+def _put(at, p, end, prev, k, table, zw, out, base, size, whole):
   """Decodes one change and adds its offset to out[base + index] (index < size, else not
   ok); returns (p, index, ok)."""
-  p, prev, off, good = _decode_one(words, p, end, prev, k, table, zw, whole)
+  p, prev, off, good = _decode_one(at, p, end, prev, k, table, zw, whole)
   good = good & (prev < size)
   out[np.uint64(base + min(prev, size - 1))] += off  # unsigned index: no wraparound test
   return p, prev, good
@@ -320,6 +342,7 @@ def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, p
   lockstep (independent dependency chains overlap; four would spill registers). Returns
   an error code."""
   zw = np.uint64(8 * out.itemsize)
+  at = np.int64(words.ctypes.data)  # _decode_one's 8-byte loads
   lo = first * BLOCK
   nb = min(STREAMS, (n - lo + BLOCK - 1) // BLOCK)
   c = np.zeros(STREAMS, np.int64)
@@ -338,23 +361,23 @@ def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, p
     both = min(c[h], c[h + 1])
     if sa == BLOCK and sb == BLOCK:  # every round but the last
       for _ in range(both):
-        pa, va, ga = _put_full(words, pa, ea, va, k, ta, zw, out, ba, wa)
-        pb, vb, gb = _put_full(words, pb, eb, vb, k, tb, zw, out, bb, wb)
+        pa, va, ga = _put_full(at, pa, ea, va, k, ta, zw, out, ba, wa)
+        pb, vb, gb = _put_full(at, pb, eb, vb, k, tb, zw, out, bb, wb)
         if not (ga & gb):
           return E_TRUNCATED
       if max(va, vb) >= BLOCK:  # indices only grow: the last one bounds them all
         return E_TRUNCATED
     else:
       for _ in range(both):
-        pa, va, ga = _put(words, pa, ea, va, k, ta, zw, out, ba, sa, wa)
-        pb, vb, gb = _put(words, pb, eb, vb, k, tb, zw, out, bb, sb, wb)
+        pa, va, ga = _put(at, pa, ea, va, k, ta, zw, out, ba, sa, wa)
+        pb, vb, gb = _put(at, pb, eb, vb, k, tb, zw, out, bb, sb, wb)
         if not (ga & gb):
           return E_TRUNCATED
     for _ in range(both, c[h]):
-      pa, va, ga = _put(words, pa, ea, va, k, ta, zw, out, ba, sa, wa)
+      pa, va, ga = _put(at, pa, ea, va, k, ta, zw, out, ba, sa, wa)
       good &= ga
     for _ in range(both, c[h + 1]):
-      pb, vb, gb = _put(words, pb, eb, vb, k, tb, zw, out, bb, sb, wb)
+      pb, vb, gb = _put(at, pb, eb, vb, k, tb, zw, out, bb, sb, wb)
       good &= gb
     ps[h], ps[h + 1] = pa, pb
   return OK if good else E_TRUNCATED
@@ -378,6 +401,7 @@ def decode_changes(words, ends, k, tables, wholes, n, counts, sets, ps, indices,
   from stream b % 4, whose bit position ps[b % 4] advances, with code set sets[b]).
   Returns an error code."""
   zw = np.uint64(8 * offsets.itemsize)
+  at = np.int64(words.ctypes.data)
   pos = 0
   for b in range(counts.size):
     j = b % STREAMS
@@ -386,7 +410,7 @@ def decode_changes(words, ends, k, tables, wholes, n, counts, sets, ps, indices,
     p, prev = ps[j], np.int64(-1)
     table, whole = tables[sets[b]], wholes[sets[b]]
     for _ in range(counts[b]):
-      p, prev, off, good = _decode_one(words, p, ends[j], prev, k, table, zw, whole)
+      p, prev, off, good = _decode_one(at, p, ends[j], prev, k, table, zw, whole)
       if not (good and prev < size):
         return E_TRUNCATED
       indices[pos] = lo + prev
