@@ -43,8 +43,8 @@ def _held(params: dict, fmt: str) -> tuple[dict[str, np.ndarray], tuple]:
 
 @functools.lru_cache(maxsize=64)
 def _held_kind(key: tuple, fmt: str) -> str:
-  """"float" (weights to round or quantize) or "held" for a state of layout key `key`,
-  after checking what that key decides (dtypes, int8 scales' names and shapes)."""
+  """Whether a state of layout key `key` is "float" (weights to round or quantize) or
+  "held", after checking what that key decides (dtypes, int8 scales' names and shapes)."""
   if fmt == "bf16":
     if any(d == BF16 for _, _, d in key):  # held already (or partly): as is
       return "held"
@@ -300,7 +300,8 @@ def _apply_pack(update: Update, members: list[str], held: dict, slots: dict | No
                 span: np.ndarray | None = None) -> dict[str, tuple[np.ndarray, int]]:
   """name -> (new array, its xxh3) of a pack's members: in place into the held bases (no
   slots), else into their slots, the bases copied in first; where the slots lie back to
-  back in `span`, the bases are concatenated into it and the pack decoded over it at once."""
+  back in `span`, the bases are copied into it (from their own span if they have one, else
+  concatenated) and the pack decoded over it at once."""
   decoded = update.decoded(members[0])
   metas = update.tensors
   if span is not None:
