@@ -217,7 +217,9 @@ def apply(base, update: Update, *, base_version: int | None = None,
     raise CodecError(f"wrong base version: update applies to {update.base_version}, "
                      f"base is {base_version}")
   check_names("base", base, update.tensors)
-  held = {name: update.check_base(name, base[name]) for name in names}
+  held = {name: np.asarray(base[name]) for name in names}
+  if tuple((n, a.shape, a.dtype) for n, a in held.items()) != update.layout:
+    held = {name: update.check_base(name, held[name]) for name in names}  # names the misfit
   base_digests = None
   if inplace:
     for name in names:
@@ -261,9 +263,17 @@ def _result_slots(update: Update, out_slots: dict | None):
   the tensors in no pack), so that a pack is copied in and decoded as one array."""
   if out_slots is not None:
     return out_slots, {}
-  metas = update.tensors
-  return arena.lay_out({n: m.size for n, m in metas.items()},
-                       {n: m.dtype for n, m in metas.items()}, update.packs())
+  return arena.lay_out(*_arena_plan(update.layout, tuple(update.packs())))
+
+
+@functools.lru_cache(maxsize=16)
+def _arena_plan(key: tuple, heads: tuple) -> tuple[dict, dict, dict]:
+  """arena.lay_out's arguments for an update of layout `key` with packs headed by `heads`
+  (the same for every update of a model that packs the same tensors, hence cached)."""
+  sizes = {n: math.prod(shape) for n, shape, _ in key}
+  dtypes = {n: d for n, _, d in key}
+  groups = packs.members_by_dtype(sizes, dtypes)
+  return sizes, dtypes, {names[0]: names for names in groups.values() if names[0] in heads}
 
 
 def _out_slots(out: dict, update: Update, base) -> dict[str, np.ndarray]:

@@ -505,6 +505,11 @@ class Update:
         f"tensor {name!r}", tensor_codec.MODE_NAMES.index(meta.mode), section, meta.size,
         UINT_OF[meta.dtype])
 
+  @functools.cached_property
+  def layout(self) -> tuple:
+    """(name, shape, dtype) of each tensor, in header order (as encode keys a held state)."""
+    return tuple((meta.name, meta.shape, meta.dtype) for meta in self.tensors.values())
+
   def packs(self) -> dict[str, list[str]]:
     """Pack head -> its members (head first), for every pack of the update."""
     return self._packs
