@@ -1,6 +1,7 @@
 """encode / apply over flat dicts of name -> array, in the bf16 or int8 format."""
 
 import functools
+import itertools
 import math
 import typing
 
@@ -159,12 +160,12 @@ def _encode_pack(old_state: dict, new_state: dict, members: list[str],
   enc = tensor_codec.encode_pack(_pack_bits(olds, "pack old"), _pack_bits(news, "pack new"))
   if enc is None:
     return {}
-  coded = {}
-  for i, (n, o, a) in enumerate(zip(members, olds, news)):
-    mode, section = enc if i == 0 else (tensor_codec.PACKED, b"")
-    coded[n] = tensor_codec.Encoded(mode, section, checksum(a),
-                                    checksum(o) if hash_old else None)
-  return coded
+  sums = list(map(checksum, news))
+  base_sums = list(map(checksum, olds)) if hash_old else [None] * len(members)
+  rest = map(tensor_codec.Encoded, itertools.repeat(tensor_codec.PACKED),
+             itertools.repeat(b""), sums[1:], base_sums[1:])  # the members after the head
+  return {members[0]: tensor_codec.Encoded(*enc, sums[0], base_sums[0]),
+          **dict(zip(members[1:], rest))}
 
 
 def _pack_bits(arrays: list[np.ndarray], slot: str) -> np.ndarray:

@@ -62,7 +62,7 @@ class Seal:
 
   @classmethod
   def of(cls, digests, bits: int) -> "Seal":
-    return _seal_of(tuple(int(x) for x in digests), bits)
+    return _seal_of(tuple(map(int, digests)), bits)
 
   def matches(self, digests) -> bool:
     return combine([int(d) for d in digests]) == self.digest

@@ -75,14 +75,14 @@ class TensorMeta:
 
   @classmethod
   def make(cls, name: str, shape: tuple, dtype: np.dtype, mode: str, nbytes: int,
-           offset: int) -> "TensorMeta":
-    """TensorMeta(...) with its size set, made in a fraction of the dataclass __init__'s
-    time (a frozen dataclass sets each field through object.__setattr__): messages make
-    one per tensor."""
+           offset: int, size: int | None = None) -> "TensorMeta":
+    """TensorMeta(...) with its size set (given, or the product of shape), made in a
+    fraction of the dataclass __init__'s time (a frozen dataclass sets each field through
+    object.__setattr__): messages make one per tensor."""
     meta = object.__new__(cls)
     object.__setattr__(meta, "__dict__", {
         "name": name, "shape": shape, "dtype": dtype, "mode": mode, "nbytes": nbytes,
-        "offset": offset, "size": math.prod(shape)})
+        "offset": offset, "size": math.prod(shape) if size is None else size})
     return meta
 
 
@@ -243,16 +243,18 @@ _MODE_CODES = {name: code for code, name in enumerate(tensor_codec.MODE_NAMES)}
 
 
 @functools.lru_cache(maxsize=32)
-def _layout_columns(layout: tuple, codec: int) -> tuple[bytes, np.ndarray, bytes, tuple]:
+def _layout_columns(layout: tuple, codec: int) -> tuple[bytes, np.ndarray, bytes, tuple,
+                                                         tuple]:
   """The header columns that depend only on the tensors' names, shapes and dtypes (the same
   for every update of a model, hence cached): the names column, the per-tensor codes
-  (dtype, section codec, mode 0, ndim) as a (count, 4) uint8 array, the dims column, and
-  the shapes as int tuples. `codec`: the section codec version written."""
+  (dtype, section codec, mode 0, ndim) as a (count, 4) uint8 array, the dims column, the
+  shapes as int tuples and their sizes. `codec`: the section codec version written."""
   shapes = tuple(tuple(int(d) for d in shape) for _, shape, _ in layout)
   codes = np.array([(_DTYPES.index(dtype), codec, 0, len(shape))
                     for (_, _, dtype), shape in zip(layout, shapes)], np.uint8).reshape(-1, 4)
   names = b"".join(_names_column([name for name, _, _ in layout]))
-  return names, codes, b"".join(varint(d) for shape in shapes for d in shape), shapes
+  return (names, codes, b"".join(varint(d) for shape in shapes for d in shape), shapes,
+          tuple(math.prod(shape) for shape in shapes))
 
 
 def assemble(header: UpdateHeader, sections) -> "Update":
@@ -274,7 +276,7 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple, m
   `modes`, with seals (results, bases or None, sections) over `sections`."""
   sections = [sec if type(sec) is bytes else memoryview(sec).cast("B") for sec in sections]
   keyframe = base_version is None
-  names, codes, dims, shapes = _layout_columns(layout, SECTION_CODEC_VERSION)
+  names, codes, dims, shapes, sizes = _layout_columns(layout, SECTION_CODEC_VERSION)
   codes = codes.copy()
   codes[:, 2] = [_MODE_CODES[mode] for mode in modes]
   lengths = [len(sec) for sec in sections]
@@ -290,8 +292,8 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple, m
   prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(region), zlib.crc32(region))
   data = b"".join([prefix, region] + sections)
   offset, tensors = len(prefix) + len(region), {}
-  for (name, _, dtype), shape, mode, nbytes in zip(layout, shapes, modes, lengths):
-    tensors[name] = TensorMeta.make(name, shape, dtype, mode, nbytes, offset)  # as parsed
+  for (name, _, dtype), shape, size, mode, nbytes in zip(layout, shapes, sizes, modes, lengths):
+    tensors[name] = TensorMeta.make(name, shape, dtype, mode, nbytes, offset, size)  # as parsed
     offset += nbytes
   header = UpdateHeader(version, base_version, fmt, tensors, len(data), results, bases,
                         sealed)
