@@ -30,11 +30,11 @@ import threading
 
 import numba
 import numpy as np
+import xxhash
 from llvmlite import ir
 from numba.core import types
-from numba.extending import intrinsic
-import xxhash
 from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.extending import intrinsic
 
 from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
@@ -152,9 +152,10 @@ def _code_block(aw, bw, ab, bb, g0, k, ctab, symtab, esc, stream, pos, acc, fill
                 masks, starts):
   """Codes the changes of one block (ab, bb: its elements; aw/bw hold its 64-element
   groups from group g0 on) with one code set (see _encode_blocks) into the stream at
-  address `stream` (_append's pos, acc, fill); returns (pos, acc, fill, changes, ok). Not ok: a value has no code in the set (the closed set lacks the
-  escape). int8 blocks walk only their changed groups (_changed_groups, into masks and
-  starts); bf16 blocks (denser) every group, their masks made on the way."""
+  address `stream` (_append's pos, acc, fill); returns (pos, acc, fill, changes, ok).
+  Not ok: a value has no code in the set (the closed set lacks the escape). int8 blocks
+  walk only their changed groups (_changed_groups, into masks and starts); bf16 blocks
+  (denser) every group, their masks made on the way."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
