@@ -179,7 +179,7 @@ def _code_block(aw, bw, ab, bb, g0, k, ctab, symtab, esc, stream, pos, acc, fill
       i = at + np.int64(trailing_zeros(m))
       m &= m - np.uint64(1)
       z = _take(ab, bb, i, lane_bits)
-      if z < np.uint64(ctab.size):
+      if lane_bits == 8 or z < np.uint64(ctab.size):  # int8: ctab holds all 256 z
         e = ctab[z]
       else:
         e = value_entry(z, symtab, esc, kk + np.uint64(1))
@@ -553,7 +553,8 @@ def _tables(counts, width, k, gap_bits, min_gain, ctabs, symtabs, escs, head):
   syms[m], weights[m] = ESCAPE, max(1, total >> 12)
   # the tables end after the bucket of the sample's largest symbol
   bits = _bitlen(top) if top < DIRECT else (top - DIRECT) // 4 + 5
-  size = min(1 << max(4, bits), ctabs.shape[1], 1 << width)
+  # int8: every z (the encoder then looks up without a bound check)
+  size = 1 << width if width == 8 else min(1 << max(4, bits), ctabs.shape[1])
   closed = huffman.limited_lengths(weights[:m])
   opened = huffman.limited_lengths(weights)
   total, saved = float(gap_bits), 0.0
@@ -584,8 +585,8 @@ def tables(counts: np.ndarray, width: int, k: int, gap_bits: int = 0,
   """(section table bytes, (ctabs, symtabs, escs), closed set made) for the symbol counts
   of a sample: row 0 of each is the closed code set (made only where it saves min_gain of
   the sample's bits, gap_bits for its gaps included), row 1 the open one. A code set is
-  (ctab, symtab, esc): ctab[z] (z below its size: up to the bucket
-  of the sample's largest symbol, at most CTAB_MAX) is value z's entry: its code bits
+  (ctab, symtab, esc): ctab[z] (z below its size: every z of an int8 section, else up to
+  the bucket of the sample's largest symbol, at most CTAB_MAX) is value z's entry: its code bits
   (Huffman code, then the symbol's raw bits) shifted past a gap's k + 1 bits | (their
   length + k + 1) << 56; symtab[symbol] = Huffman code | length << 56 (0: not coded) and
   esc = (escape code, its length, entry top bits) give the entry of larger z
