@@ -130,11 +130,13 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
 
 
 class _Layout(typing.NamedTuple):
-  """What an encode needs of a held state's names, shapes and dtypes alone (the same for
-  every update of a model, hence cached)."""
+  """What encode and apply need of a held state's names, shapes and dtypes alone (the same
+  for every update of a model, hence cached)."""
   key: tuple  # (name, shape, dtype) of each tensor, as the state listed them
   layout: tuple  # the same with np.dtype dtypes and int shapes: the header's
   names: tuple
+  sizes: dict  # name -> elements
+  dtypes: dict  # name -> dtype
   groups: dict  # dtype -> pack members (packs.members_by_dtype)
   group_sizes: tuple  # elements of each pack
   alone: tuple  # the tensors of no pack
@@ -143,11 +145,13 @@ class _Layout(typing.NamedTuple):
 @functools.lru_cache(maxsize=16)
 def _layout(key: tuple) -> _Layout:
   sizes = {n: math.prod(shape) for n, shape, _ in key}
-  groups = packs.members_by_dtype(sizes, {n: d for n, _, d in key})
+  dtypes = {n: d for n, _, d in key}
+  groups = packs.members_by_dtype(sizes, dtypes)
   packed = {n for members in groups.values() for n in members}
   return _Layout(key, tuple((n, tuple(int(d) for d in shape), np.dtype(dtype))
                             for n, shape, dtype in key),
-                 tuple(sizes), groups, tuple(sum(sizes[n] for n in m) for m in groups.values()),
+                 tuple(sizes), sizes, dtypes, groups,
+                 tuple(sum(sizes[n] for n in m) for m in groups.values()),
                  tuple(n for n in sizes if n not in packed))
 
 
@@ -264,17 +268,8 @@ def _result_slots(update: Update, out_slots: dict | None):
   the tensors in no pack), so that a pack is copied in and decoded as one array."""
   if out_slots is not None:
     return out_slots, {}
-  return arena.lay_out(*_arena_plan(update.layout, tuple(update.packs())))
-
-
-@functools.lru_cache(maxsize=16)
-def _arena_plan(key: tuple, heads: tuple) -> tuple[dict, dict, dict]:
-  """arena.lay_out's arguments for an update of layout `key` with packs headed by `heads`
-  (the same for every update of a model that packs the same tensors, hence cached)."""
-  sizes = {n: math.prod(shape) for n, shape, _ in key}
-  dtypes = {n: d for n, _, d in key}
-  groups = packs.members_by_dtype(sizes, dtypes)
-  return sizes, dtypes, {names[0]: names for names in groups.values() if names[0] in heads}
+  lay = _layout(update.layout)
+  return arena.lay_out(lay.sizes, lay.dtypes, update.packs())
 
 
 def _out_slots(out: dict, update: Update, base) -> dict[str, np.ndarray]:
