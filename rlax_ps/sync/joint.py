@@ -31,14 +31,12 @@ import threading
 import numba
 import numpy as np
 import xxhash
-from llvmlite import ir
-from numba.core import types
 from numba.cpython.unsafe.numbers import trailing_zeros
-from numba.extending import intrinsic
 
 from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
+from rlax_ps.sync.intrinsics import load_u64, store_u64, zigzag_u16
 from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
                                 _get_varint,
                                 _group_mask, _take, best_rice, entropy_bits, masks_ahead,
@@ -66,26 +64,6 @@ CLOSED_GAIN = 0.01  # a section has a closed code set where it saves this share 
 
 # ---- encoder -----------------------------------------------------------------------------
 
-@intrinsic
-def _store_u64(typingctx, address, value):
-  """Stores uint64 `value` at byte `address`, unaligned, in native byte order (little-endian
-  on every numba target: the streams' LSB-first bytes). An address, not an array: numba
-  would count references to an array argument around every call."""
-  def codegen(context, builder, signature, args):
-    at = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-    builder.store(args[1], at, align=1)
-    return context.get_dummy_value()
-  return types.void(types.int64, types.uint64), codegen
-
-
-@intrinsic
-def _load_u64(typingctx, address):
-  """The uint64 at byte `address`, unaligned, in native byte order (see _store_u64)."""
-  def codegen(context, builder, signature, args):
-    return builder.load(builder.inttoptr(args[0], ir.IntType(64).as_pointer()), align=1)
-  return types.uint64(types.int64), codegen
-
-
 @numba.njit(inline="always", **_JIT)
 def _append(out, pos, acc, fill, v, nbits):
   """Appends the low nbits of v (clean above them; fill + nbits <= 63: nbits <= 56) to a
@@ -94,7 +72,7 @@ def _append(out, pos, acc, fill, v, nbits):
   completed. Returns (pos, acc, fill)."""
   acc |= v << fill
   fill += nbits
-  _store_u64(out + pos, acc)
+  store_u64(out + pos, acc)
   done = fill >> np.uint64(3)
   return pos + np.int64(done), acc >> (done << np.uint64(3)), fill & np.uint64(7)
 
@@ -148,41 +126,48 @@ def _changed_groups(ab, bb, ahead, masks, starts):
 
 
 @numba.njit(inline="always", **_JIT)
-def _code_block(aw, bw, ab, bb, g0, k, ctab, symtab, esc, stream, pos, acc, fill, lane_bits,
-                masks, starts):
-  """Codes the changes of one block (ab, bb: its elements; aw/bw hold its 64-element
-  groups from group g0 on) with one code set (see _encode_blocks) into the stream at
-  address `stream` (_append's pos, acc, fill); returns (pos, acc, fill, changes, ok).
+def _code_block(ab, bb, ahead, k, ctab, symtab, esc, stream, pos, acc, fill, lane_bits,
+                masks, starts, zbuf):
+  """Codes the changes of one block (ab, bb: its elements; ahead: int8 blocks' group masks,
+  masks_ahead) with one code set (see _encode_blocks) into the stream at address `stream`
+  (_append's pos, acc, fill); returns (pos, acc, fill, changes, ok).
   Not ok: a value has no code in the set (the closed set lacks the escape). int8 blocks
   walk only their changed groups (_changed_groups, into masks and starts); bf16 blocks
-  (denser) every group, their masks made on the way."""
+  (denser) every group, each group's mask and zigzags made on the way (_zigzag_group16,
+  into zbuf: 64 uint16)."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
   prev, count = np.int64(-1), np.int64(0)
   groups = ab.size // 64
   if lane_bits == 8:
-    walk = _changed_groups(ab, bb, masks_ahead(aw, bw, g0, groups, lane_bits), masks, starts)
+    walk = _changed_groups(ab, bb, ahead, masks, starts)
   else:
     walk = groups + 1
+    pa, pb, pz = ab.ctypes.data, bb.ctypes.data, zbuf.ctypes.data
   for g in range(walk):
     if lane_bits == 8:
       m, at = masks[g], starts[g]
     elif g < groups:
-      m, at = _group_mask(aw, bw, g0 + g, lane_bits), g * 64
+      m, at = zigzag_u16(pa + 128 * g, pb + 128 * g, pz), g * 64
     else:  # the tail of a short last block, element by element
       m, at = np.uint64(0), g * 64
       for t in range(ab.size - groups * 64):
-        m |= np.uint64(ab[groups * 64 + t] != bb[groups * 64 + t]) << np.uint64(t)
+        zbuf[t] = np.uint16(_take(ab, bb, at + t, 16))
+        m |= np.uint64(zbuf[t] != 0) << np.uint64(t)
     count += np.int64(popcount(m))
     while m:
-      i = at + np.int64(trailing_zeros(m))
+      t = np.int64(trailing_zeros(m))
+      i = at + t
       m &= m - np.uint64(1)
-      z = _take(ab, bb, i, lane_bits)
-      if lane_bits == 8 or z < np.uint64(ctab.size):  # int8: ctab holds all 256 z
-        e = ctab[z]
+      if lane_bits == 8:  # ctab holds all 256 z
+        e = ctab[_take(ab, bb, i, 8)]
       else:
-        e = value_entry(z, symtab, esc, kk + np.uint64(1))
+        z = np.uint64(zbuf[t])
+        if z < np.uint64(ctab.size):
+          e = ctab[z]
+        else:
+          e = value_entry(z, symtab, esc, kk + np.uint64(1))
       tail = e >> np.uint64(56)
       if tail == 0:
         return pos, acc, fill, count, False
@@ -223,6 +208,7 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   nblocks = (a.size + BLOCK - 1) // BLOCK
   masks = np.empty(BLOCK // 64 + 1, np.uint64)  # int8 blocks' changed groups
   starts = np.empty(BLOCK // 64 + 1, np.int64)
+  zbuf = np.empty(64, np.uint16)  # bf16 groups' zigzags
   for bl in range(nblocks):
     j = (first + bl) % STREAMS
     pos, acc, fill = np.int64(st[j, 0]), st[j, 1], st[j, 2]
@@ -230,14 +216,15 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
     hi = min(a.size, lo + BLOCK)
     ab, bb = a[lo:hi], b[lo:hi]
     flag = first_set
-    w, c, f, count, ok = _code_block(aw, bw, ab, bb, lo // 64, k, ctabs[flag], symtabs[flag],
-                                     escs[flag], out[j].ctypes.data, pos, acc, fill, lane_bits,
-                                     masks, starts)
+    ahead = masks_ahead(aw, bw, lo // 64, (hi - lo) // 64, lane_bits)
+    w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[flag], symtabs[flag], escs[flag],
+                                     out[j].ctypes.data, pos, acc, fill, lane_bits, masks,
+                                     starts, zbuf)
     if not ok:
       flag = 1
-      w, c, f, count, ok = _code_block(aw, bw, ab, bb, lo // 64, k, ctabs[1], symtabs[1],
-                                       escs[1], out[j].ctypes.data, pos, acc, fill, lane_bits,
-                                       masks, starts)
+      w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[1], symtabs[1], escs[1],
+                                       out[j].ctypes.data, pos, acc, fill, lane_bits, masks,
+                                       starts, zbuf)
     st[j, 0], st[j, 1], st[j, 2] = np.uint64(w), c, f
     counts[first + bl] = 2 * count + flag
   return int(st[:, 0].max()) // 8 + 1
@@ -261,7 +248,7 @@ def encode_blocks8(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
 def _window(at, p):
   """The bits of a stream at address `at` from bit p on: 57 or more of them (an 8-byte load
   at p's byte; the top p % 8 bits are zero). The stream keeps 8 bytes past its end."""
-  return _load_u64(at + (p >> 3)) >> np.uint64(p & 7)
+  return load_u64(at + (p >> 3)) >> np.uint64(p & 7)
 
 
 @numba.njit(inline="always", **_JIT)

@@ -15,6 +15,8 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
+from rlax_ps.sync.intrinsics import changed_u8, changed_u16
+
 
 DIRECT = 16
 ALPHABET = DIRECT + 4 * (56 - 4)  # z < 2**56
@@ -64,56 +66,26 @@ def symbol_of(z):
 # ---- change scan -------------------------------------------------------------------------
 
 @numba.njit(inline="always", **_JIT)
-def _lanes_differ(x, lane_bits):
-  """One bit per lane (at the lane's lowest bit) of the uint64 x: set where the lane is
-  nonzero."""
-  x |= x >> np.uint64(4)
-  x |= x >> np.uint64(2)
-  x |= x >> np.uint64(1)
-  if lane_bits == 16:
-    x |= x >> np.uint64(8)
-    return x & np.uint64(0x0001000100010001)
-  return x & np.uint64(0x0101010101010101)
-
-
-@numba.njit(inline="always", **_JIT)
 def _group_mask(aw, bw, g, lane_bits):
   """Bit j set where element j of the g-th group of 64 elements differs (aw, bw: the
-  elements as uint64 words of 64 // lane_bits lanes)."""
-  m = np.uint64(0)
+  elements as uint64 words of 64 // lane_bits lanes): one SIMD compare (intrinsics.py)."""
+  at = np.int64(g) * lane_bits * 8
   if lane_bits == 16:
-    for j in range(16):
-      w = np.uint64(g * 16 + j)  # unsigned indices: no wraparound test
-      x = _lanes_differ(aw[w] ^ bw[w], 16)
-      x = (x | (x >> np.uint64(15)) | (x >> np.uint64(30)) | (x >> np.uint64(45)))
-      m |= (x & np.uint64(15)) << np.uint64(4 * j)
-  else:
-    for j in range(8):
-      w = np.uint64(g * 8 + j)
-      x = _lanes_differ(aw[w] ^ bw[w], 8)
-      x = (x * np.uint64(0x0102040810204080)) >> np.uint64(56)
-      m |= (x & np.uint64(255)) << np.uint64(8 * j)
-  return m
+    return changed_u16(aw.ctypes.data + at, bw.ctypes.data + at)
+  return changed_u8(aw.ctypes.data + at, bw.ctypes.data + at)
 
 
 @numba.njit(inline="always", **_JIT)
 def masks_ahead(aw, bw, g0, groups, lane_bits):
-  """int8 lanes: the _group_mask of groups g0 .. g0 + groups - 1, computed ahead in a tight
-  loop that LLVM vectorises (20-30% faster than fused into the walk over changes). bf16
-  lanes are slower that way and get an empty array: their walk calls _group_mask."""
+  """int8 lanes: the _group_mask of groups g0 .. g0 + groups - 1, computed ahead for a walk
+  that lists the changed groups first (joint._changed_groups). bf16 lanes get an empty
+  array: their walk makes each group's mask on the way."""
   if lane_bits != 8:
     return np.empty(0, np.uint64)
-  # One byte of mask per word, in a flat loop of shifts (no multiply, which AVX2 lacks for
-  # 64-bit lanes): 30% faster than _group_mask's gather; bytes in order are the masks.
-  out = np.empty(groups * 8, np.uint8)
-  base = np.uint64(g0 * 8)
-  for w in range(groups * 8):
-    x = _lanes_differ(aw[base + np.uint64(w)] ^ bw[base + np.uint64(w)], 8)
-    x |= x >> np.uint64(7)  # the 8 lane bits (one per byte) into the low byte
-    x |= x >> np.uint64(14)
-    x |= x >> np.uint64(28)
-    out[w] = np.uint8(x & np.uint64(255))
-  return out.view(np.uint64)
+  out = np.empty(groups, np.uint64)
+  for g in range(groups):
+    out[g] = _group_mask(aw, bw, g0 + g, 8)
+  return out
 
 
 @numba.njit(inline="always", **_JIT)
@@ -144,9 +116,8 @@ def _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, lane_bits):
     return False
   pos, prev, rp = st[0], st[1], st[2]
   groups = aw.size // lane_bits  # 64 elements: 16 words of 4 lanes or 8 words of 8
-  masks = masks_ahead(aw, bw, 0, groups, lane_bits)
   for g in range(groups):
-    m = masks[g] if lane_bits == 8 else _group_mask(aw, bw, g, lane_bits)
+    m = _group_mask(aw, bw, g, lane_bits)
     while m:
       i = g * 64 + np.int64(trailing_zeros(m))
       m &= m - np.uint64(1)
