@@ -62,16 +62,22 @@ def changed_u8(typingctx, old_at, new_at):
 
 
 @intrinsic
-def zigzag_u16(typingctx, old_at, new_at, z_at):
+def zigzag_u16(typingctx, old_at, new_at, z_at, top):
   """changed_u16 of the 64 lanes at old_at, new_at, also storing each lane's zigzag offset
-  (zigzag of new - old, wrapping, as uint16) at z_at (64 uint16): a walk over the changes
-  then reads a change's offset with one load instead of two loads and the arithmetic."""
+  (zigzag of new - old, wrapping) capped at uint16 `top` at z_at (64 uint16): a walk over
+  the changes then reads a change's offset with one load instead of two loads and the
+  arithmetic, and indexes a table of top + 1 entries with no bound check."""
   def codegen(context, builder, signature, args):
     lane = ir.IntType(16)
     vt = ir.VectorType(lane, 64)
     d = builder.sub(_lanes(builder, args[1], lane), _lanes(builder, args[0], lane))
     z = builder.xor(builder.shl(d, ir.Constant(vt, [1] * 64)),
                     builder.ashr(d, ir.Constant(vt, [15] * 64)))
-    builder.store(z, builder.inttoptr(args[2], vt.as_pointer()), align=2)
+    cap = builder.insert_element(ir.Constant(vt, ir.Undefined), builder.trunc(args[3], lane),
+                                 ir.Constant(ir.IntType(32), 0))
+    cap = builder.shuffle_vector(cap, ir.Constant(vt, ir.Undefined),
+                                 ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
+    capped = builder.select(builder.icmp_unsigned("<", z, cap), z, cap)
+    builder.store(capped, builder.inttoptr(args[2], vt.as_pointer()), align=2)
     return _bitmask(builder, builder.icmp_unsigned("!=", z, ir.Constant(vt, [0] * 64)))
-  return types.uint64(types.int64, types.int64, types.int64), codegen
+  return types.uint64(types.int64, types.int64, types.int64, types.int64), codegen

@@ -82,15 +82,16 @@ def value_entry(z, symtab, esc, kk):
   """The code-table entry of zigzag value z (see _encode_blocks) with kk = k + 1: its
   symbol's Huffman code (symtab[sym]: code | length << 56; 0 when the sample lacks the
   symbol) then its raw bits, or the escape code then z in full (esc = (escape code, its
-  length, the entry's top 8 bits))."""
+  length, the entry's top 8 bits)), shifted past a gap's k + 1 bits, with bit 0 (the
+  gap's stop bit) set."""
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
   sym, rw, extra = symbol_of(z)
   c = symtab[sym]
   if c:
     hl = c >> np.uint64(56)
     return ((((c & low56) | (extra << hl)) & low56) << kk) | (
-        (hl + np.uint64(rw) + kk) << np.uint64(56))
-  return (((esc[0] | (z << esc[1])) & low56) << kk) | esc[2]
+        (hl + np.uint64(rw) + kk) << np.uint64(56)) | np.uint64(1)
+  return (((esc[0] | (z << esc[1])) & low56) << kk) | esc[2] | np.uint64(1)
 
 
 @numba.njit(**_JIT)
@@ -149,32 +150,30 @@ def _code_block(ab, bb, ahead, k, ctab, symtab, esc, stream, pos, acc, fill, lan
     if lane_bits == 8:
       m, at = masks[g], starts[g]
     elif g < groups:
-      m, at = zigzag_u16(pa + 128 * g, pb + 128 * g, pz), g * 64
+      m, at = zigzag_u16(pa + 128 * g, pb + 128 * g, pz, CTAB_MAX), g * 64
     else:  # the tail of a short last block, element by element
       m, at = np.uint64(0), g * 64
       for t in range(ab.size - groups * 64):
-        zbuf[t] = np.uint16(_take(ab, bb, at + t, 16))
-        m |= np.uint64(zbuf[t] != 0) << np.uint64(t)
+        z = _take(ab, bb, at + t, 16)
+        zbuf[t] = np.uint16(min(z, np.uint64(CTAB_MAX)))
+        m |= np.uint64(z != 0) << np.uint64(t)
     count += np.int64(popcount(m))
     while m:
       t = np.int64(trailing_zeros(m))
       i = at + t
       m &= m - np.uint64(1)
-      if lane_bits == 8:  # ctab holds all 256 z
-        e = ctab[_take(ab, bb, i, 8)]
-      else:
-        z = np.uint64(zbuf[t])
-        if z < np.uint64(ctab.size):
-          e = ctab[z]
-        else:
-          e = value_entry(z, symtab, esc, kk + np.uint64(1))
+      # ctab holds every int8 z; bf16 z are capped at CTAB_MAX, whose entry is 0
+      e = ctab[_take(ab, bb, i, 8) if lane_bits == 8 else np.uint64(zbuf[t])]
       tail = e >> np.uint64(56)
-      if tail == 0:
-        return pos, acc, fill, count, False
+      if tail == 0:  # no code, or a bf16 z past the table: from the symbol
+        e = value_entry(_take(ab, bb, i, lane_bits), symtab, esc, kk + np.uint64(1))
+        tail = e >> np.uint64(56)
+        if tail == 0:
+          return pos, acc, fill, count, False
       gap = np.uint64(i - prev - 1)
       prev = i
       q = gap >> kk
-      v = np.uint64(1) | ((gap & kmask) << np.uint64(1)) | (e & low56)
+      v = ((gap & kmask) << np.uint64(1)) | (e & low56)  # e holds the stop bit
       if q + tail <= np.uint64(56):  # the most bits _append takes
         pos, acc, fill = _append(stream, pos, acc, fill, v << q, q + tail)
       else:
@@ -194,8 +193,8 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   (uint8, one row per stream).
   Code set s (0: closed, 1: open) is (ctabs[s], symtabs[s], escs[s]) from tables(); its
   ctab[z] is the value code of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and
-  that length plus k + 1 (top 8 bits, 0: no code), for z below its size; larger z are
-  coded by value_entry.
+  that length plus k + 1 (top 8 bits; 0: no code, or a bf16 z past the table, whose z is
+  capped at CTAB_MAX, whose entry is 0: such changes take value_entry).
   A block takes the closed set (the sample's values only: no escape code to pay for), or,
   coded again, the open one when it holds a value the closed set lacks; first_set = 1
   where the section has no closed set.
@@ -541,7 +540,7 @@ def _tables(counts, width, k, gap_bits, min_gain, ctabs, symtabs, escs, head):
   # the tables end after the bucket of the sample's largest symbol
   bits = _bitlen(top) if top < DIRECT else (top - DIRECT) // 4 + 5
   # int8: every z (the encoder then looks up without a bound check)
-  size = 1 << width if width == 8 else min(1 << max(4, bits), ctabs.shape[1])
+  size = 1 << width if width == 8 else min(1 << max(4, bits), CTAB_MAX)
   closed = huffman.limited_lengths(weights[:m])
   opened = huffman.limited_lengths(weights)
   total, saved = float(gap_bits), 0.0
@@ -572,22 +571,23 @@ def tables(counts: np.ndarray, width: int, k: int, gap_bits: int = 0,
   """(section table bytes, (ctabs, symtabs, escs), closed set made) for the symbol counts
   of a sample: row 0 of each is the closed code set (made only where it saves min_gain of
   the sample's bits, gap_bits for its gaps included), row 1 the open one. A code set is
-  (ctab, symtab, esc): ctab[z] (z below its size: every z of an int8 section, else up to
-  the bucket of the sample's largest symbol, at most CTAB_MAX) is value z's entry: its code bits
+  (ctab, symtab, esc): ctab[z] (every z of an int8 section; for bf16 CTAB_MAX + 1 entries,
+  those past the bucket of the sample's largest symbol 0) is value z's entry: its code bits
   (Huffman code, then the symbol's raw bits) shifted past a gap's k + 1 bits | (their
   length + k + 1) << 56; symtab[symbol] = Huffman code | length << 56 (0: not coded) and
   esc = (escape code, its length, entry top bits) give the entry of larger z
   (value_entry). The open set adds an escape code (then the zigzag in `width` bits) for
   values whose symbol the sample lacked; the closed set codes the sample's symbols alone,
   one code shorter (entries of other values have length 0)."""
-  ctabs = np.zeros((2, CTAB_MAX), np.uint64)
+  ctabs = np.zeros((2, CTAB_MAX + 1), np.uint64)  # bf16: entry CTAB_MAX stays 0
   symtabs = np.zeros((2, ALPHABET), np.uint64)
   escs = np.zeros((2, 3), np.uint64)
   head = np.empty(3 + 256 + 2 * 129, np.uint8)
   size, nbytes, use_closed = _tables(counts, width, k, gap_bits, min_gain, ctabs, symtabs,
                                      escs, head)
-  return (head[:nbytes].tobytes(), (np.ascontiguousarray(ctabs[:, :size]), symtabs, escs),
-          use_closed)
+  if width == 8:  # every z
+    ctabs = np.ascontiguousarray(ctabs[:, :size])
+  return head[:nbytes].tobytes(), (ctabs, symtabs, escs), use_closed
 
 
 def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bits: int = 0,
