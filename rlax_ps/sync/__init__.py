@@ -30,6 +30,9 @@ Host usage:
                                     # inplace=True writes changed elements into held
   encode(..., threads=16); apply(..., threads=16)   # tensors side by side (parallel.py;
                                     # default: the host's cores, at most 8; same bytes)
+  A held state made here (held_state of float weights, apply's new arrays) is one buffer;
+  once none of its arrays is referenced the buffer is kept for the next state of that
+  size (at most arena.SPARES of them; rlax_ps.sync.arena.release_spares() frees them).
 
 On-device usage (workers, in place, without the base on the host):
   ch = update.changes(name)         # TensorChanges

@@ -4,9 +4,17 @@ Held states made here (`held_state` of float weights, `apply`'s new arrays) shar
 allocation: a few page faults and huge pages where a buffer per tensor faults on every
 4 KB page, and a pack's members form one flat span (`span_of`) that the codec reads and
 writes as one array, with no concatenation.
+
+Spares: once no array of an arena is referenced, its memory is kept (the SPARES most
+recently freed) for the next arena of the same size, as a caching allocator does. A worker
+that applies update after update, dropping each older state, then writes into memory whose
+pages are mapped already: a fresh model-sized buffer costs a page fault per page (and the
+kernel's zeroing), about a copy of the model. It keeps at most SPARES model-sized buffers
+that the process no longer uses; release_spares() hands them back to the system.
 """
 
 import math
+import threading
 import weakref
 
 import numpy as np
@@ -15,17 +23,23 @@ from rlax_ps.sync import packs
 from rlax_ps.sync.bits import UINT_OF
 
 ALIGN = 64
+SPARES = 2  # freed arenas' buffers kept for reuse (most recent first)
+_SPARES: list[np.ndarray] = []
+_SPARES_LOCK = threading.Lock()
 # id(a pack's first array) -> (its span, weak references to its arrays): see register.
 _PACKS: dict[int, tuple] = {}
 
 
 class Arena:
   """A buffer handed out piece by piece (each piece ALIGN-byte aligned); the arrays it
-  returns share it, and it is freed once none of them is referenced."""
+  returns share it, and it becomes a spare (see above) once none of them is referenced."""
 
   def __init__(self, pieces):
     """pieces: the (elements, dtype) of every take() to come."""
-    self._buf = np.empty(sum(_aligned(n, d) for n, d in pieces) + ALIGN, np.uint8)
+    raw = _spare(sum(_aligned(n, d) for n, d in pieces) + ALIGN)
+    owner = _Owner(raw)
+    weakref.finalize(owner, _keep_spare, raw).atexit = False
+    self._buf = np.asarray(owner)  # views of it have owner as their base
     self._pos = -self._buf.ctypes.data % ALIGN
 
   def take(self, size: int, dtype: np.dtype) -> np.ndarray:
@@ -37,6 +51,43 @@ class Arena:
 
 def _aligned(size: int, dtype: np.dtype) -> int:
   return -(-size * dtype.itemsize // ALIGN) * ALIGN
+
+
+class _Owner:
+  """The base object of an arena's arrays (numpy keeps a view's first non-array base, so
+  every array cut from the arena references it): it lives exactly as long as some array
+  of the arena does, and its finalizer makes the memory a spare."""
+
+  __slots__ = ("__array_interface__", "__weakref__")
+
+  def __init__(self, raw: np.ndarray):
+    self.__array_interface__ = {"shape": raw.shape, "typestr": "|u1", "version": 3,
+                                "data": (raw.ctypes.data, False)}
+
+
+def _spare(nbytes: int) -> np.ndarray:
+  """A buffer of nbytes: a spare of that size if one is kept, else a new one."""
+  with _SPARES_LOCK:
+    for i in range(len(_SPARES) - 1, -1, -1):
+      if _SPARES[i].nbytes == nbytes:
+        return _SPARES.pop(i)
+  return np.empty(nbytes, np.uint8)
+
+
+def _keep_spare(raw: np.ndarray) -> None:
+  """Keeps a freed arena's buffer, dropping the oldest spare past SPARES."""
+  with _SPARES_LOCK:
+    _SPARES.append(raw)
+    del _SPARES[:-SPARES or len(_SPARES)]
+
+
+def release_spares() -> int:
+  """Hands the spare buffers back to the system; returns the bytes released. Arrays in
+  use are not affected."""
+  with _SPARES_LOCK:
+    released = sum(raw.nbytes for raw in _SPARES)
+    _SPARES.clear()
+  return released
 
 
 def lay_out(sizes: dict, dtypes: dict, groups: dict) -> tuple[dict, dict]:

@@ -119,3 +119,64 @@ def test_tensor_meta_make_equals_the_dataclass():
   assert made.size == 12 and made.offset == 20
   with pytest.raises(AttributeError):
     made.mode = "raw"
+
+
+def _arena_of(held):
+  """The lowest address among a held state's arrays: where its arena's pieces start."""
+  return min(address(a) for a in held.values())
+
+
+def test_a_freed_arena_is_reused_only_once_no_array_of_it_remains():
+  """An arena's memory becomes a spare when the last array cut from it goes (a view the
+  caller made included), and the next arena of that size takes it."""
+  arena.release_spares()
+  shapes = {"a": (64, 32), "b": (48,), "c": (40,)}
+  dtypes = dict.fromkeys(shapes, BF16)
+  first = arena.held_arena(shapes, dtypes)
+  at = _arena_of(first)
+  kept = first["a"][3:].T  # the caller's own view of one array
+  member = first["c"]  # a pack member
+  del first
+  other = arena.held_arena(shapes, dtypes)
+  assert _arena_of(other) != at  # still referenced: not reused
+  del kept
+  again = arena.held_arena(shapes, dtypes)
+  assert _arena_of(again) != at  # the pack member still holds it
+  del member
+  gc.collect()
+  reused = arena.held_arena(shapes, dtypes)
+  assert _arena_of(reused) == at
+  del other, again, reused
+  assert arena.release_spares() > 0
+  assert arena.release_spares() == 0
+
+
+def test_at_most_spares_buffers_are_kept_and_release_returns_their_bytes():
+  """The most recently freed SPARES buffers are kept; release_spares returns their bytes."""
+  arena.release_spares()
+  lengths = [1000 * (i + 1) for i in range(arena.SPARES + 2)]
+  for n in lengths:
+    held = arena.held_arena({"w": (n,)}, {"w": BF16})
+    del held
+  kept = lengths[-arena.SPARES:]
+  assert arena.release_spares() == sum(arena._aligned(n, BF16) + arena.ALIGN for n in kept)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_apply_into_a_reused_arena_still_equals_the_target(fmt):
+  """apply's second result lands in the first one's freed memory (stale contents) and is
+  still exactly the target."""
+  arena.release_spares()
+  rng = np.random.default_rng(7)
+  params = float_model(rng)
+  base, target = sync.held_state(params, fmt), sync.held_state(stepped(params, rng), fmt)
+  update = sync.encode(base, target, fmt, version=1, threads=1)
+  first = sync.apply(base, sync.Update.from_bytes(update.to_bytes()), threads=1)
+  at = _arena_of(first)
+  for a in first.values():
+    a.view(np.uint8)[...] = 0x5A  # what a reuse must overwrite
+  del first, a
+  second = sync.apply(base, sync.Update.from_bytes(update.to_bytes()), threads=1)
+  assert _arena_of(second) == at
+  for name, want in target.items():
+    np.testing.assert_array_equal(second[name].view(np.uint8), want.view(np.uint8), name)
