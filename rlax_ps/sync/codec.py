@@ -27,7 +27,8 @@ def _held(params: dict, fmt: str) -> tuple[dict[str, np.ndarray], tuple]:
   state's checks depend on that key alone, and are made once per key."""
   arrays = {name: np.asarray(x) for name, x in params.items()}
   key = tuple((n, a.shape, a.dtype) for n, a in arrays.items())
-  if _held_kind(key, fmt) == "float":
+  kind = _held_kind(key, fmt)
+  if kind == "float":
     if fmt == "int8":
       held = int8.quantize_params(arrays)
     else:
@@ -36,7 +37,7 @@ def _held(params: dict, fmt: str) -> tuple[dict[str, np.ndarray], tuple]:
       for name, a in arrays.items():
         held[name][...] = a  # rounds to nearest even, exactly as astype
     return held, tuple((n, a.shape, a.dtype) for n, a in held.items())
-  if fmt == "int8":
+  if fmt == "int8" or (kind == "bf16" and all(a.flags.c_contiguous for a in arrays.values())):
     return arrays, key
   held = {name: to_bf16(name, a) for name, a in arrays.items()}  # partly float: rounded
   return held, tuple((n, a.shape, a.dtype) for n, a in held.items())
@@ -44,10 +45,13 @@ def _held(params: dict, fmt: str) -> tuple[dict[str, np.ndarray], tuple]:
 
 @functools.lru_cache(maxsize=64)
 def _held_kind(key: tuple, fmt: str) -> str:
-  """Whether a state of layout key `key` is "float" (weights to round or quantize) or
-  "held", after checking what that key decides (dtypes, int8 scales' names and shapes)."""
+  """Whether a state of layout key `key` is "float" (weights to round or quantize), "bf16"
+  (bf16 weights only: held as they are) or "held" (int8, or partly bf16: the rest is
+  rounded), after checking what that key decides (dtypes, int8 scales' names and shapes)."""
   if fmt == "bf16":
-    if any(d == BF16 for _, _, d in key):  # held already (or partly): as is
+    if all(d == BF16 for _, _, d in key):
+      return "bf16"
+    if any(d == BF16 for _, _, d in key):  # partly held: the float ones are rounded
       return "held"
   elif any(d == int8.INT8 for _, _, d in key):
     int8.check_layout({n: (shape, d) for n, shape, d in key})

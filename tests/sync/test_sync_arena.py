@@ -180,3 +180,18 @@ def test_apply_into_a_reused_arena_still_equals_the_target(fmt):
   assert _arena_of(second) == at
   for name, want in target.items():
     np.testing.assert_array_equal(second[name].view(np.uint8), want.view(np.uint8), name)
+
+
+def test_bf16_held_states_pass_through_and_others_are_made_c_ordered_bf16():
+  """A C-ordered bf16 state is held as it is (the same arrays); a Fortran-ordered tensor is
+  copied to C order, and the float tensors of a partly bf16 state are rounded."""
+  params = float_model(np.random.default_rng(3))
+  held = sync.held_state(params, "bf16")
+  again = sync.held_state(held, "bf16")
+  assert all(again[name] is held[name] for name in held)
+  fortran = dict(held, **{"big.kernel": np.asfortranarray(held["big.kernel"])})
+  partly = dict(held, **{"embed.embedding": params["embed.embedding"]})
+  for state, name in ((fortran, "big.kernel"), (partly, "embed.embedding")):
+    out = sync.held_state(state, "bf16")
+    assert out[name].dtype == BF16 and out[name].flags.c_contiguous, name
+    np.testing.assert_array_equal(out[name].view(np.uint16), held[name].view(np.uint16))
