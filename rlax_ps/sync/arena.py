@@ -24,7 +24,7 @@ from rlax_ps.sync.bits import UINT_OF
 
 ALIGN = 64
 SPARES = 2  # freed arenas' buffers kept for reuse (most recent first)
-_SPARES: list[np.ndarray] = []
+_SPARES: list[tuple[np.ndarray, int]] = []  # (buffer, its address)
 _SPARES_LOCK = threading.Lock()
 # id(a pack's first array) -> (its span, weak references to its arrays): see register.
 _PACKS: dict[int, tuple] = {}
@@ -36,11 +36,11 @@ class Arena:
 
   def __init__(self, pieces):
     """pieces: the (elements, dtype) of every take() to come."""
-    raw = _spare(sum(_aligned(n, d) for n, d in pieces) + ALIGN)
-    owner = _Owner(raw)
-    weakref.finalize(owner, _keep_spare, raw).atexit = False
+    raw, address = _spare(sum(_aligned(n, d) for n, d in pieces) + ALIGN)
+    owner = _Owner(raw.size, address)
+    weakref.finalize(owner, _keep_spare, raw, address).atexit = False
     self._buf = np.asarray(owner)  # views of it have owner as their base
-    self._pos = -self._buf.ctypes.data % ALIGN
+    self._pos = -address % ALIGN
 
   def take(self, size: int, dtype: np.dtype) -> np.ndarray:
     """The next `size` elements, as a flat array of dtype's unsigned type."""
@@ -60,24 +60,26 @@ class _Owner:
 
   __slots__ = ("__array_interface__", "__weakref__")
 
-  def __init__(self, raw: np.ndarray):
-    self.__array_interface__ = {"shape": raw.shape, "typestr": "|u1", "version": 3,
-                                "data": (raw.ctypes.data, False)}
+  def __init__(self, nbytes: int, address: int):
+    self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
+                                "data": (address, False)}
 
 
-def _spare(nbytes: int) -> np.ndarray:
-  """A buffer of nbytes: a spare of that size if one is kept, else a new one."""
+def _spare(nbytes: int) -> tuple[np.ndarray, int]:
+  """(a buffer of nbytes, its address): a spare of that size if one is kept, else a new
+  one (numpy's .ctypes costs microseconds: the address is read once per buffer)."""
   with _SPARES_LOCK:
     for i in range(len(_SPARES) - 1, -1, -1):
-      if _SPARES[i].nbytes == nbytes:
+      if _SPARES[i][0].size == nbytes:
         return _SPARES.pop(i)
-  return np.empty(nbytes, np.uint8)
+  raw = np.empty(nbytes, np.uint8)
+  return raw, raw.__array_interface__["data"][0]
 
 
-def _keep_spare(raw: np.ndarray) -> None:
+def _keep_spare(raw: np.ndarray, address: int) -> None:
   """Keeps a freed arena's buffer, dropping the oldest spare past SPARES."""
   with _SPARES_LOCK:
-    _SPARES.append(raw)
+    _SPARES.append((raw, address))
     del _SPARES[:-SPARES or len(_SPARES)]
 
 
@@ -85,7 +87,7 @@ def release_spares() -> int:
   """Hands the spare buffers back to the system; returns the bytes released. Arrays in
   use are not affected."""
   with _SPARES_LOCK:
-    released = sum(raw.nbytes for raw in _SPARES)
+    released = sum(raw.size for raw, _ in _SPARES)
     _SPARES.clear()
   return released
 

@@ -134,12 +134,13 @@ def _code_block(ab, bb, ahead, k, ctab, symtab, esc, stream, pos, acc, fill, lan
   (_append's pos, acc, fill); returns (pos, acc, fill, changes, ok).
   Not ok: a value has no code in the set (the closed set lacks the escape). int8 blocks
   walk only their changed groups (_changed_groups, into masks and starts); bf16 blocks
-  (denser) every group, each group's mask and zigzags made on the way (_zigzag_group16,
-  into zbuf: 64 uint16)."""
+  (denser) every group, each group's mask and zigzags made on the way (zigzag_u16, into
+  zbuf: 64 uint16)."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
   prev, count = np.int64(-1), np.int64(0)
+  wp = stream + pos  # the write address: one register less than stream and pos
   groups = ab.size // 64
   if lane_bits == 8:
     walk = _changed_groups(ab, bb, ahead, masks, starts)
@@ -158,31 +159,32 @@ def _code_block(ab, bb, ahead, k, ctab, symtab, esc, stream, pos, acc, fill, lan
         zbuf[t] = np.uint16(min(z, np.uint64(CTAB_MAX)))
         m |= np.uint64(z != 0) << np.uint64(t)
     count += np.int64(popcount(m))
+    last = prev - at  # the previous change, counted from this group's start
     while m:
       t = np.int64(trailing_zeros(m))
-      i = at + t
       m &= m - np.uint64(1)
       # ctab holds every int8 z; bf16 z are capped at CTAB_MAX, whose entry is 0
-      e = ctab[_take(ab, bb, i, 8) if lane_bits == 8 else np.uint64(zbuf[t])]
+      e = ctab[_take(ab, bb, at + t, 8) if lane_bits == 8 else np.uint64(zbuf[t])]
       tail = e >> np.uint64(56)
       if tail == 0:  # no code, or a bf16 z past the table: from the symbol
-        e = value_entry(_take(ab, bb, i, lane_bits), symtab, esc, kk + np.uint64(1))
+        e = value_entry(_take(ab, bb, at + t, lane_bits), symtab, esc, kk + np.uint64(1))
         tail = e >> np.uint64(56)
         if tail == 0:
-          return pos, acc, fill, count, False
-      gap = np.uint64(i - prev - 1)
-      prev = i
+          return wp - stream, acc, fill, count, False
+      gap = np.uint64(t - last - 1)
+      last = t
       q = gap >> kk
       v = ((gap & kmask) << np.uint64(1)) | (e & low56)  # e holds the stop bit
       if q + tail <= np.uint64(56):  # the most bits _append takes
-        pos, acc, fill = _append(stream, pos, acc, fill, v << q, q + tail)
+        wp, acc, fill = _append(0, wp, acc, fill, v << q, q + tail)
       else:
         while q:
           zeros = min(q, np.uint64(32))
-          pos, acc, fill = _append(stream, pos, acc, fill, np.uint64(0), zeros)
+          wp, acc, fill = _append(0, wp, acc, fill, np.uint64(0), zeros)
           q -= zeros
-        pos, acc, fill = _append(stream, pos, acc, fill, v, tail)
-  return pos, acc, fill, count, True
+        wp, acc, fill = _append(0, wp, acc, fill, v, tail)
+    prev = at + last
+  return wp - stream, acc, fill, count, True
 
 
 @numba.njit(inline="always", **_JIT)
