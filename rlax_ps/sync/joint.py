@@ -434,13 +434,11 @@ def _probe_split(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @numba.njit(inline="always", **_JIT)
-def _sample(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths, lane_bits):
+def _walk_windows(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, lane_bits):
   """Walks the changes of the windows at `starts`: their gaps (from each window's start)
   into gaps from gaps[nnz] on (nnz: changes that earlier windows put there), the symbol
-  counts of their zigzag values into vhist and of their gaps into ghist. Returns, over
-  all windows so far, (changes, the Rice parameter among those near log2 of the mean gap
-  whose code is shortest, its bits, the entropy stage's bits for the gaps
-  (loops.entropy_bits), their symbols present): sums, whatever the windows' order."""
+  counts of their zigzag values into vhist and of their gaps into ghist. Returns the
+  changes so far."""
   for s in starts:
     prev = s - 1
     for g in range(s // 64, (s + SAMPLE_WINDOW) // 64):
@@ -456,21 +454,36 @@ def _sample(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths, lane_bits):
         gsym, _, _ = symbol_of(gap)
         ghist[gsym] += 1
         nnz += 1
+  return nnz
+
+
+@numba.njit(inline="always", **_JIT)
+def _sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least, lane_bits):
+  """_walk_windows over the probe windows, then, unless they hold fewer than `least`
+  changes (sparser tensors stop there), over the rest: one compiled call (a call costs
+  tens of microseconds when the caches are cold). Returns (changes, whether the rest was
+  walked, the Rice parameter among those near log2 of the mean gap whose code is
+  shortest, its bits, the entropy stage's bits for the gaps (loops.entropy_bits), their
+  symbols present): sums, whatever the windows' order."""
+  nnz = _walk_windows(aw, bw, a, b, probe, gaps, 0, vhist, ghist, lane_bits)
+  if nnz < least:
+    return nnz, False, 0, 0, 0.0, 0
+  nnz = _walk_windows(aw, bw, a, b, rest, gaps, nnz, vhist, ghist, lane_bits)
   if nnz == 0:
-    return 0, 0, 0, 0.0, 0
+    return 0, True, 0, 0, 0.0, 0
   best_k, best = best_rice(gaps, nnz, 1, 3, MAX_K + 1)
   bits, present = entropy_bits(ghist, widths)
-  return nnz, best_k, best, bits, present
+  return nnz, True, best_k, best, bits, present
 
 
 @numba.njit(**_JIT)
-def _sample16(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths):
-  return _sample(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths, 16)
+def _sample16(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least):
+  return _sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least, 16)
 
 
 @numba.njit(**_JIT)
-def _sample8(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths):
-  return _sample(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, widths, 8)
+def _sample8(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least):
+  return _sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least, 8)
 
 
 def plan(old: np.ndarray, new: np.ndarray):
@@ -492,11 +505,11 @@ def plan(old: np.ndarray, new: np.ndarray):
   # A quarter of the windows first: far sparser tensors (most at low learning rates) stop
   # there, as the whole sample would decide for them; the others add the rest.
   probe, rest = _probe_split(n)
-  nnz = sample(*words, probe, gaps, 0, vhist, ghist, entropy.WIDTHS)[0]
-  if nnz < least * probe.size * SAMPLE_WINDOW / 2:
+  nnz, walked, k, rice_bits, gap_bits, present = sample(
+      *words, probe, rest, gaps, vhist, ghist, entropy.WIDTHS,
+      least * probe.size * SAMPLE_WINDOW / 2)
+  if not walked:
     return None
-  nnz, k, rice_bits, gap_bits, present = sample(*words, rest, gaps, nnz, vhist, ghist,
-                                                entropy.WIDTHS)
   if not least * starts.size * SAMPLE_WINDOW <= nnz <= starts.size * SAMPLE_WINDOW // 4:
     return None
   if entropy.cost_of(gap_bits, present) * 8 < 0.97 * rice_bits:
