@@ -41,24 +41,21 @@ def _bitmask(builder, differ):
   return builder.bitcast(differ, _U64)
 
 
-@intrinsic
-def changed_u16(typingctx, old_at, new_at):
-  """Bit j set where uint16 lane j of the 64 at byte addresses old_at, new_at differs."""
-  def codegen(context, builder, signature, args):
-    lane = ir.IntType(16)
-    return _bitmask(builder, builder.icmp_unsigned(
-        "!=", _lanes(builder, args[0], lane), _lanes(builder, args[1], lane)))
-  return types.uint64(types.int64, types.int64), codegen
+def _changed(bits: int):
+  """The intrinsic changed(old_at, new_at) -> uint64 over 64 lanes of `bits` bits: bit j set
+  where lane j of the 64 at byte address old_at differs from new_at's."""
+  @intrinsic
+  def changed(typingctx, old_at, new_at):
+    def codegen(context, builder, signature, args):
+      lane = ir.IntType(bits)
+      return _bitmask(builder, builder.icmp_unsigned(
+          "!=", _lanes(builder, args[0], lane), _lanes(builder, args[1], lane)))
+    return types.uint64(types.int64, types.int64), codegen
+  return changed
 
 
-@intrinsic
-def changed_u8(typingctx, old_at, new_at):
-  """Bit j set where uint8 lane j of the 64 at byte addresses old_at, new_at differs."""
-  def codegen(context, builder, signature, args):
-    lane = ir.IntType(8)
-    return _bitmask(builder, builder.icmp_unsigned(
-        "!=", _lanes(builder, args[0], lane), _lanes(builder, args[1], lane)))
-  return types.uint64(types.int64, types.int64), codegen
+changed_u16 = _changed(16)
+changed_u8 = _changed(8)
 
 
 @intrinsic
