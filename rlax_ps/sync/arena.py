@@ -25,7 +25,7 @@ from rlax_ps.sync.bits import UINT_OF
 ALIGN = 64
 SPARES = 2  # freed arenas' buffers kept for reuse (most recent first)
 _SPARES: list[tuple[np.ndarray, int]] = []  # (buffer, its address)
-_SPARES_LOCK = threading.Lock()
+_SPARES_LOCK = threading.RLock()  # re-entrant: a finalizer may run inside a locked block
 # id(a pack's first array) -> (its span, weak references to its arrays): see register.
 _PACKS: dict[int, tuple] = {}
 

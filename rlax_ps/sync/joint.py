@@ -195,8 +195,8 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   (uint8, one row per stream).
   Code set s (0: closed, 1: open) is (ctabs[s], symtabs[s], escs[s]) from tables(); its
   ctab[z] is the value code of zigzag z shifted past a gap's k + 1 bits (low 56 bits) and
-  that length plus k + 1 (top 8 bits; 0: no code, or a bf16 z past the table, whose z is
-  capped at CTAB_MAX, whose entry is 0: such changes take value_entry).
+  that length plus k + 1 (top 8 bits; 0: no code, or past the table's reach: such changes
+  take value_entry; bf16 z are capped at CTAB_MAX, whose entry is 0).
   A block takes the closed set (the sample's values only: no escape code to pay for), or,
   coded again, the open one when it holds a value the closed set lacks; first_set = 1
   where the section has no closed set.
