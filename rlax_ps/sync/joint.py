@@ -39,7 +39,7 @@ from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.intrinsics import load_u64, store_u64, zigzag_u16
 from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
                                 _get_varint,
-                                _group_mask, _take, best_rice, entropy_bits, masks_ahead,
+                                _group_mask, _take, best_rice, entropy_bits,
                                 popcount, symbol_of)
 
 BLOCK = 1 << 16
@@ -106,7 +106,7 @@ def value_entries(z, symtab, esc, k):
 @numba.njit(inline="always", **_JIT)
 def _changed_groups(ab, bb, ahead, masks, starts):
   """The 64-element groups of one int8 block (ab, bb: its elements; ahead: the masks of
-  its whole groups, masks_ahead) that hold changes: masks[:c] and starts[:c] (the group's
+  its whole groups, made ahead by _encode_blocks) that hold changes: masks[:c] and starts[:c] (the group's
   first element in the block); returns c. A group's slot is always written and kept only
   if its mask is nonzero: at 0.5-3% changed (int8 codes), whether a group is empty is a
   coin flip that a branch would mispredict."""
@@ -130,7 +130,7 @@ def _changed_groups(ab, bb, ahead, masks, starts):
 def _code_block(ab, bb, ahead, k, ctab, symtab, esc, stream, pos, acc, fill, lane_bits,
                 masks, starts, zbuf):
   """Codes the changes of one block (ab, bb: its elements; ahead: int8 blocks' group masks,
-  masks_ahead) with one code set (see _encode_blocks) into the stream at address `stream`
+  made ahead) with one code set (see _encode_blocks) into the stream at address `stream`
   (_append's pos, acc, fill); returns (pos, acc, fill, changes, ok).
   Not ok: a value has no code in the set (the closed set lacks the escape). int8 blocks
   walk only their changed groups (_changed_groups, into masks and starts); bf16 blocks
@@ -209,6 +209,7 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   nblocks = (a.size + BLOCK - 1) // BLOCK
   masks = np.empty(BLOCK // 64 + 1, np.uint64)  # int8 blocks' changed groups
   starts = np.empty(BLOCK // 64 + 1, np.int64)
+  ahead = np.empty(BLOCK // 64, np.uint64)  # int8 blocks' group masks
   zbuf = np.empty(64, np.uint16)  # bf16 groups' zigzags
   for bl in range(nblocks):
     j = (first + bl) % STREAMS
@@ -217,7 +218,9 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
     hi = min(a.size, lo + BLOCK)
     ab, bb = a[lo:hi], b[lo:hi]
     flag = first_set
-    ahead = masks_ahead(aw, bw, lo // 64, (hi - lo) // 64, lane_bits)
+    if lane_bits == 8:  # the masks first, in a loop of SIMD compares alone
+      for g in range((hi - lo) // 64):
+        ahead[g] = _group_mask(aw, bw, lo // 64 + g, 8)
     w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[flag], symtabs[flag], escs[flag],
                                      out[j].ctypes.data, pos, acc, fill, lane_bits, masks,
                                      starts, zbuf)

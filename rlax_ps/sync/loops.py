@@ -76,19 +76,6 @@ def _group_mask(aw, bw, g, lane_bits):
 
 
 @numba.njit(inline="always", **_JIT)
-def masks_ahead(aw, bw, g0, groups, lane_bits):
-  """int8 lanes: the _group_mask of groups g0 .. g0 + groups - 1, computed ahead for a walk
-  that lists the changed groups first (joint._changed_groups). bf16 lanes get an empty
-  array: their walk makes each group's mask on the way."""
-  if lane_bits != 8:
-    return np.empty(0, np.uint64)
-  out = np.empty(groups, np.uint64)
-  for g in range(groups):
-    out[g] = _group_mask(aw, bw, g0 + g, 8)
-  return out
-
-
-@numba.njit(inline="always", **_JIT)
 def _take(a, b, i, lane_bits):
   """Zigzag code of the wrapping offset b[i] - a[i]."""
   i = np.uint64(i)
