@@ -8,7 +8,7 @@ import typing
 import numpy as np
 
 from rlax_ps.sync import arena, int8, packs, parallel, scratch, tensor_codec
-from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, is_float_dtype, to_bf16
+from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, is_float_dtype, round_into, to_bf16
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.integrity import checksum
 from rlax_ps.sync.wire import FORMATS, Update, build_columns, check_names
@@ -35,7 +35,7 @@ def _held(params: dict, fmt: str) -> tuple[dict[str, np.ndarray], tuple]:
       held = arena.held_arena({name: a.shape for name, a in arrays.items()},
                               dict.fromkeys(arrays, BF16))
       for name, a in arrays.items():
-        held[name][...] = a  # rounds to nearest even, exactly as astype
+        round_into(held[name], a)
     return held, tuple((n, a.shape, a.dtype) for n, a in held.items())
   if fmt == "int8" or (kind == "bf16" and all(a.flags.c_contiguous for a in arrays.values())):
     return arrays, key

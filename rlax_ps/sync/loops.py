@@ -475,6 +475,19 @@ def rice_decode(words, starts, counts, bases, k, size, idx):
 
 
 @numba.njit(**_JIT)
+def round_bf16_bits(src, dst):
+  """The bf16 bit patterns (uint16, into dst) of float32 bit patterns src (uint32): round
+  to nearest even; NaN to the quiet NaN 0x7FC0 with its sign. Bit for bit as ml_dtypes'
+  astype over all 2^32 inputs (checked once, exhaustively), in one pass."""
+  for i in range(src.size):
+    x = src[i]
+    r = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    q = ((x >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0)
+    dst[i] = np.uint16(q if nan else r)
+
+
+@numba.njit(**_JIT)
 def pack_lsb(values, width):
   """The low `width` (<= 56) bits of each value, concatenated LSB first, as
   ceil(n * width / 8) bytes."""

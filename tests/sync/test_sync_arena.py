@@ -7,7 +7,7 @@ import pytest
 
 from rlax_ps import sync
 from rlax_ps.sync import arena, int8, packs
-from rlax_ps.sync.bits import BF16, INT8
+from rlax_ps.sync.bits import BF16, INT8, round_into, to_bf16
 from rlax_ps.sync.wire import TensorMeta
 
 
@@ -74,6 +74,28 @@ def test_bf16_held_state_rounds_every_float32_pattern_as_astype():
     held = sync.held_state(params, "bf16")
     for name, x in params.items():
       assert np.array_equal(held[name].view(np.uint16), x.astype(BF16).view(np.uint16)), name
+
+
+def test_float32_rounding_equals_astype_on_every_high_half_and_the_rounding_cases():
+  """The compiled float32 rounding (held_state's and to_bf16's path) against ml_dtypes'
+  astype: every bf16 pattern as the high half (NaNs, infinities, subnormals, both zeros)
+  under the low halves that decide rounding (0, 1, below, at and above the tie, all ones)
+  and random ones; a strided float32 and a float64 tensor take numpy's cast, C-ordered."""
+  rng = np.random.default_rng(5)
+  high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+  lows = np.concatenate([np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32),
+                         rng.integers(0, 1 << 16, 4, dtype=np.uint32)])
+  w = (high[:, None] | lows[None, :]).reshape(-1).view(np.float32)
+  out = np.empty(w.shape, BF16)
+  with np.errstate(invalid="ignore"):  # NaN casts warn in astype
+    round_into(out, w)
+    assert np.array_equal(out.view(np.uint16), w.astype(BF16).view(np.uint16))
+    strided = w.reshape(-1, 10)[:, ::3]
+    wide = w[:5000].astype(np.float64)
+    for name, x in (("strided", strided), ("wide", wide), ("scalar", w[7].reshape(()))):
+      got = to_bf16(name, x)
+      assert got.flags.c_contiguous and got.shape == x.shape, name
+      assert np.array_equal(got.view(np.uint16), x.astype(BF16).view(np.uint16)), name
 
 
 def test_int8_held_state_equals_the_quantizer_tensor_by_tensor():
