@@ -478,7 +478,7 @@ def rice_decode(words, starts, counts, bases, k, size, idx):
 def round_bf16_bits(src, dst):
   """The bf16 bit patterns (uint16, into dst) of float32 bit patterns src (uint32): round
   to nearest even; NaN to the quiet NaN 0x7FC0 with its sign. Bit for bit as ml_dtypes'
-  astype over all 2^32 inputs (checked once, exhaustively), in one pass."""
+  astype over all 2^32 inputs (a slow test checks every one), in one pass."""
   for i in range(src.size):
     x = src[i]
     r = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
