@@ -19,7 +19,7 @@ weights divide in float64); an all-zero channel has scale 0 and codes 0. Then
 import numpy as np
 
 from rlax_ps.sync import arena, int8_loops
-from rlax_ps.sync.bits import BF16, INT8, c_contiguous, is_float_dtype
+from rlax_ps.sync.bits import BF16, INT8, c_contiguous, is_float_dtype, round_into
 from rlax_ps.sync.errors import CodecError
 
 SCALE_SUFFIX = ".scale"
@@ -129,7 +129,7 @@ def quantize_params(params: dict) -> dict[str, np.ndarray]:
   held = arena.held_arena(shapes, dtypes)
   for name, a in arrays.items():
     if dtypes[name] == BF16:
-      held[name][...] = a  # rounds to nearest even, exactly as astype
+      round_into(held[name], a)
     else:
       quantize_tensor(name, a, (held[name], held[name + SCALE_SUFFIX]))
   return held
