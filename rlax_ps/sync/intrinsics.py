@@ -6,11 +6,23 @@ every call (an NRT incref/decref pair: +21% in the joint encoder until taken out
 Little-endian is native on every numba target, as the codec's LSB-first streams need.
 """
 
+import llvmlite.binding
 from llvmlite import ir
-from numba.core import types
+from numba.core import config, types
 from numba.extending import intrinsic
 
 _U64 = ir.IntType(64)
+
+
+def _target_features() -> set[str]:
+  """The CPU features numba compiles for: NUMBA_CPU_FEATURES, else the host's."""
+  flat = config.CPU_FEATURES or llvmlite.binding.get_host_cpu_features().flatten()
+  return {f[1:] for f in flat.split(",") if f.startswith("+")}
+
+
+# Whether list_u16's compress is one instruction (AVX-512 VBMI2) on the compile target:
+# elsewhere LLVM expands it lane by lane, and listing costs more than it saves.
+HAS_COMPRESS = {"avx512vbmi2", "avx512bw", "avx512vl"} <= _target_features()
 
 
 @intrinsic
@@ -30,9 +42,9 @@ def load_u64(typingctx, address):
   return types.uint64(types.int64), codegen
 
 
-def _lanes(builder, address, lane):
-  """The 64 lanes of `lane` (an ir.IntType) at byte address `address`, unaligned."""
-  return builder.load(builder.inttoptr(address, ir.VectorType(lane, 64).as_pointer()),
+def _lanes(builder, address, lane, n=64):
+  """The n lanes of `lane` (an ir.IntType) at byte address `address`, unaligned."""
+  return builder.load(builder.inttoptr(address, ir.VectorType(lane, n).as_pointer()),
                       align=1)
 
 
@@ -78,3 +90,100 @@ def zigzag_u16(typingctx, old_at, new_at, z_at, top):
     builder.store(capped, builder.inttoptr(args[2], vt.as_pointer()), align=2)
     return _bitmask(builder, builder.icmp_unsigned("!=", z, ir.Constant(vt, [0] * 64)))
   return types.uint64(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+def _splat(builder, value, vt):
+  """`value` (a scalar of vt's lane type) in every lane of vector type vt."""
+  one = builder.insert_element(ir.Constant(vt, ir.Undefined), value,
+                               ir.Constant(ir.IntType(32), 0))
+  return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined),
+                                ir.Constant(ir.VectorType(ir.IntType(32), vt.count),
+                                            [0] * vt.count))
+
+
+def _llvm_fn(builder, name, ret, params):
+  """The LLVM intrinsic `name` of that type, declared in the builder's module once."""
+  module = builder.module
+  if name in module.globals:
+    return module.globals[name]
+  return ir.Function(module, ir.FunctionType(ret, params), name)
+
+
+LIST_LANES = 32  # lanes list_u16 looks at per call
+
+
+@intrinsic
+def list_u16(typingctx, old_at, new_at, z_at, i_at, first, top):
+  """Lists the changes among the LIST_LANES uint16 lanes at byte addresses old_at, new_at:
+  their zigzag offsets (of new - old, wrapping) capped at `top` to z_at, their lane numbers
+  plus `first` (uint16) to i_at, each packed to the front of the LIST_LANES uint16 stored
+  there (a SIMD compress: no branch per change); returns how many."""
+  def codegen(context, builder, signature, args):
+    i16, n = ir.IntType(16), LIST_LANES
+    vt = ir.VectorType(i16, n)
+    d = builder.sub(_lanes(builder, args[1], i16, n), _lanes(builder, args[0], i16, n))
+    z = builder.xor(builder.shl(d, ir.Constant(vt, [1] * n)),
+                    builder.ashr(d, ir.Constant(vt, [15] * n)))
+    cap = _splat(builder, builder.trunc(args[5], i16), vt)
+    capped = builder.select(builder.icmp_unsigned("<", z, cap), z, cap)
+    mask = builder.icmp_unsigned("!=", z, ir.Constant(vt, [0] * n))
+    lanes = builder.add(ir.Constant(vt, list(range(n))),
+                        _splat(builder, builder.trunc(args[4], i16), vt))
+    compress = _llvm_fn(builder, f"llvm.experimental.vector.compress.v{n}i16", vt,
+                        [vt, ir.VectorType(ir.IntType(1), n), vt])
+    undef = ir.Constant(vt, ir.Undefined)
+    for values, at in ((capped, args[2]), (lanes, args[3])):
+      builder.store(builder.call(compress, [values, mask, undef]),
+                    builder.inttoptr(at, vt.as_pointer()), align=1)
+    bits = builder.bitcast(mask, ir.IntType(n))
+    count = builder.call(_llvm_fn(builder, f"llvm.ctpop.i{n}", ir.IntType(n),
+                                  [ir.IntType(n)]), [bits])
+    return builder.zext(count, _U64)
+  return types.int64(types.int64, types.int64, types.int64, types.int64, types.int64,
+                     types.int64), codegen
+
+
+CODE_LANES = 8  # changes code_u16 codes per call
+
+
+@intrinsic
+def code_u16(typingctx, i_at, z_at, ctab_at, k, codes_at, lens_at):
+  """Codes CODE_LANES listed changes: change j's element number is the uint16 at
+  i_at + 2 (j + 1) (the one before it at i_at + 2 j: gaps wrap in 16 bits), its capped
+  zigzag the uint16 at z_at + 2 j; ctab_at: the uint64 code table (joint._encode_blocks).
+  Stores its code (Rice gap of k bits, then the value's code from the table) as a uint64
+  at codes_at + 8 j and its length as a uint8 at lens_at + j, 0 where the change must be
+  coded the slow way (no table entry, or past 56 bits)."""
+  def codegen(context, builder, signature, args):
+    i16, n = ir.IntType(16), CODE_LANES
+    v16, v64 = ir.VectorType(i16, n), ir.VectorType(_U64, n)
+    c64 = lambda x: ir.Constant(v64, [x] * n)
+    cur = _lanes(builder, builder.add(args[0], ir.Constant(_U64, 2)), i16, n)
+    prev = _lanes(builder, args[0], i16, n)
+    gap = builder.zext(builder.sub(builder.sub(cur, prev), ir.Constant(v16, [1] * n)), v64)
+    z = builder.zext(_lanes(builder, args[1], i16, n), v64)
+    at = builder.add(_splat(builder, args[2], v64), builder.shl(z, c64(3)))
+    ptrs = builder.inttoptr(at, ir.VectorType(_U64.as_pointer(), n))
+    gather = _llvm_fn(builder, f"llvm.masked.gather.v{n}i64.v{n}p0", v64,
+                      [ptrs.type, ir.IntType(32), ir.VectorType(ir.IntType(1), n), v64])
+    e = builder.call(gather, [ptrs, ir.Constant(ir.IntType(32), 8),
+                              ir.Constant(ir.VectorType(ir.IntType(1), n), [1] * n),
+                              ir.Constant(v64, ir.Undefined)])
+    k = _splat(builder, args[3], v64)
+    tail = builder.lshr(e, c64(56))
+    q = builder.lshr(gap, k)
+    kmask = builder.sub(builder.shl(c64(1), k), c64(1))
+    v = builder.or_(builder.shl(builder.and_(gap, kmask), c64(1)),
+                    builder.and_(e, c64((1 << 56) - 1)))
+    code = builder.shl(v, builder.and_(q, c64(63)))
+    length = builder.add(q, tail)
+    ok = builder.and_(builder.icmp_unsigned("!=", tail, c64(0)),
+                      builder.icmp_unsigned("<=", length, c64(56)))
+    length = builder.select(ok, length, c64(0))
+    builder.store(code, builder.inttoptr(args[4], v64.as_pointer()), align=1)
+    builder.store(builder.trunc(length, ir.VectorType(ir.IntType(8), n)),
+                  builder.inttoptr(args[5], ir.VectorType(ir.IntType(8), n).as_pointer()),
+                  align=1)
+    return context.get_dummy_value()
+  return types.void(types.int64, types.int64, types.int64, types.uint64, types.int64,
+                    types.int64), codegen

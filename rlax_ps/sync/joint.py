@@ -36,7 +36,9 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.intrinsics import load_u64, store_u64, zigzag_u16
+from rlax_ps.sync.intrinsics import (CODE_LANES, HAS_COMPRESS, LIST_LANES, code_u16,
+                                     list_u16,
+                                     load_u64, store_u64, zigzag_u16)
 from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
                                 _get_varint,
                                 _group_mask, _take, best_rice, entropy_bits,
@@ -45,6 +47,7 @@ from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _
 BLOCK = 1 << 16
 STREAMS = 4
 ESCAPE = 255  # symbol id of the escape code in the section's table
+LIST = 1 << 11  # bf16 elements listed, then coded, at a time (the lists stay in L1)
 MIN_ELEMENTS = 1 << 16  # smaller tensors take the general layouts
 MIN_DENSITY = 0.02  # sparser bf16: the general layouts are as fast (little to walk) and
 # 2-4% smaller (their rANS values beat Huffman codes)
@@ -188,8 +191,64 @@ def _code_block(ab, bb, ahead, k, ctab, symtab, esc, stream, pos, acc, fill, lan
 
 
 @numba.njit(inline="always", **_JIT)
+def _code_block16(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx, zs, codes,
+                  lens):
+  """_code_block of a bf16 block, LIST elements at a time and branch-free but for the
+  appends: list the changes (list_u16: element numbers into idx[1:], capped zigzags into
+  zs), make their codes and lengths 8 at a time (code_u16), then append them; a change
+  of length 0 takes value_entry (or escapes its gap)."""
+  kk = np.uint64(k)
+  kmask = (np.uint64(1) << kk) - np.uint64(1)
+  low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
+  wp = stream + pos
+  count = np.int64(0)
+  idx[0] = np.uint16(65535)  # the change "before" the block: gaps wrap in 16 bits
+  whole = ab.size - ab.size % 64
+  pa, pb, tp = ab.ctypes.data, bb.ctypes.data, ctab.ctypes.data
+  ip, zp, cp, lp = idx.ctypes.data, zs.ctypes.data, codes.ctypes.data, lens.ctypes.data
+  for lo in range(0, max(whole, 1), LIST):
+    hi = min(lo + LIST, whole)
+    n = np.int64(0)
+    for h in range(lo, hi, LIST_LANES):
+      n += list_u16(pa + 2 * h, pb + 2 * h, zp + 2 * n, ip + 2 + 2 * n, h, CTAB_MAX)
+    if hi == whole:  # the tail of a short last block, element by element
+      for t in range(whole, ab.size):
+        z = _take(ab, bb, t, 16)
+        if z:
+          zs[n] = np.uint16(min(z, np.uint64(CTAB_MAX)))
+          n += 1
+          idx[n] = np.uint16(t)
+    for i in range(0, n, CODE_LANES):
+      code_u16(ip + 2 * i, zp + 2 * i, tp, kk, cp + 8 * i, lp + i)
+    for i in range(n):
+      ln = np.uint64(lens[i])
+      if ln:
+        wp, acc, fill = _append(0, wp, acc, fill, codes[i], ln)
+        continue
+      t = np.int64(idx[i + 1])
+      e = value_entry(_take(ab, bb, t, 16), symtab, esc, kk + np.uint64(1))
+      tail = e >> np.uint64(56)
+      if tail == 0:
+        return wp - stream, acc, fill, count, False
+      gap = np.uint64((t - np.int64(idx[i]) - 1) & 65535)
+      q = gap >> kk
+      v = ((gap & kmask) << np.uint64(1)) | (e & low56)
+      if q + tail <= np.uint64(56):
+        wp, acc, fill = _append(0, wp, acc, fill, v << q, q + tail)
+      else:
+        while q:
+          zeros = min(q, np.uint64(32))
+          wp, acc, fill = _append(0, wp, acc, fill, np.uint64(0), zeros)
+          q -= zeros
+        wp, acc, fill = _append(0, wp, acc, fill, v, tail)
+    count += n
+    idx[0] = idx[n]
+  return wp - stream, acc, fill, count, True
+
+
+@numba.njit(inline="always", **_JIT)
 def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
-                   lane_bits):
+                   lane_bits, listed):
   """Codes the changes of the blocks a, b (unsigned bit arrays starting at block `first`,
   aw/bw their 64-element groups as uint64 words) into the streams' byte rows of out
   (uint8, one row per stream).
@@ -204,13 +263,18 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   calls;
   counts[b] = 2 * (changes of block b, whose gaps count from its start) + (1 if it took
   the open set). Returns the most words any stream reaches (the caller grows out before
-  another call could overrun it). lane_bits: 8 * a.itemsize, a constant of each compiled
-  specialisation (encode_blocks16 / encode_blocks8)."""
+  another call could overrun it). lane_bits: 8 * a.itemsize, and listed (bf16 blocks by
+  _code_block16, else _code_block): constants of each compiled specialisation
+  (encode_blocks16, encode_blocks16_listed, encode_blocks8)."""
   nblocks = (a.size + BLOCK - 1) // BLOCK
   masks = np.empty(BLOCK // 64 + 1, np.uint64)  # int8 blocks' changed groups
   starts = np.empty(BLOCK // 64 + 1, np.int64)
   ahead = np.empty(BLOCK // 64, np.uint64)  # int8 blocks' group masks
   zbuf = np.empty(64, np.uint16)  # bf16 groups' zigzags
+  idx = np.empty(LIST + LIST_LANES + 1, np.uint16)  # bf16 lists (_code_block16); zs only
+  zs = np.zeros(LIST + LIST_LANES, np.uint16)  # ever holds capped zigzags: code_u16 reads
+  codes = np.empty(LIST + CODE_LANES, np.uint64)  # whole 8s past the list's end
+  lens = np.empty(LIST + CODE_LANES, np.uint8)
   for bl in range(nblocks):
     j = (first + bl) % STREAMS
     pos, acc, fill = np.int64(st[j, 0]), st[j, 1], st[j, 2]
@@ -221,14 +285,24 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
     if lane_bits == 8:  # the masks first, in a loop of SIMD compares alone
       for g in range((hi - lo) // 64):
         ahead[g] = _group_mask(aw, bw, lo // 64 + g, 8)
-    w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[flag], symtabs[flag], escs[flag],
-                                     out[j].ctypes.data, pos, acc, fill, lane_bits, masks,
-                                     starts, zbuf)
+    if listed:
+      w, c, f, count, ok = _code_block16(ab, bb, k, ctabs[flag], symtabs[flag], escs[flag],
+                                         out[j].ctypes.data, pos, acc, fill, idx, zs, codes,
+                                         lens)
+    else:
+      w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[flag], symtabs[flag],
+                                       escs[flag], out[j].ctypes.data, pos, acc, fill,
+                                       lane_bits, masks, starts, zbuf)
     if not ok:
       flag = 1
-      w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[1], symtabs[1], escs[1],
-                                       out[j].ctypes.data, pos, acc, fill, lane_bits, masks,
-                                       starts, zbuf)
+      if listed:
+        w, c, f, count, ok = _code_block16(ab, bb, k, ctabs[1], symtabs[1], escs[1],
+                                           out[j].ctypes.data, pos, acc, fill, idx, zs,
+                                           codes, lens)
+      else:
+        w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[1], symtabs[1], escs[1],
+                                         out[j].ctypes.data, pos, acc, fill, lane_bits,
+                                         masks, starts, zbuf)
     st[j, 0], st[j, 1], st[j, 2] = np.uint64(w), c, f
     counts[first + bl] = 2 * count + flag
   return int(st[:, 0].max()) // 8 + 1
@@ -237,13 +311,20 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
 @numba.njit(**_JIT)
 def encode_blocks16(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
   return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
-                        16)
+                        16, False)
+
+
+@numba.njit(**_JIT)
+def encode_blocks16_listed(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st,
+                           counts):
+  return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
+                        16, True)
 
 
 @numba.njit(**_JIT)
 def encode_blocks8(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
   return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
-                        8)
+                        8, False)
 
 
 # ---- decoder -----------------------------------------------------------------------------
@@ -609,13 +690,21 @@ def tables(counts: np.ndarray, width: int, k: int, gap_bits: int = 0,
 
 
 def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bits: int = 0,
-           sampled: int | None = None, hash_old: bool = True, hash_new: bool = True):
+           sampled: int | None = None, hash_old: bool = True, hash_new: bool = True,
+           listed: bool | None = None):
   """(section bytes, xxh3 of old, xxh3 of new (each None unless hash_old / hash_new)) of
   the joint section from old to new, with plan()'s k, counts (of the sample's symbols),
-  gap bits and changes in the sample (None: the counts' sum)."""
+  gap bits and changes in the sample (None: the counts' sum). listed: bf16 blocks coded
+  from lists of their changes (_code_block16: 2x faster where the host compresses SIMD
+  lanes, 2x slower where it does not) or by the group walk; None: the host's faster one.
+  The bytes are the same."""
   n = new.size
   table, codes, use_closed = tables(counts, 8 * new.itemsize, k, gap_bits)
-  encode_blocks = encode_blocks16 if new.itemsize == 2 else encode_blocks8
+  if new.itemsize == 2:
+    listed = HAS_COMPRESS if listed is None else listed
+    encode_blocks = encode_blocks16_listed if listed else encode_blocks16
+  else:
+    encode_blocks = encode_blocks8
   sampled = int(counts.sum()) if sampled is None else sampled
   nnz_est = sampled * n // (SAMPLE_WINDOW * sample_starts(n).size) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1

@@ -162,6 +162,51 @@ def test_codes_longer_than_one_store_take_the_split_path_and_decode(k):
   assert np.array_equal(out, target)
 
 
+def _listed_cases():
+  """(name, base, target, k, counts) of bf16 blocks to code both ways: dense and sparse
+  lists, escapes and zigzags past the table, values the closed set lacks (the block coded
+  again with the open set), gaps past one store, empty blocks, short last blocks."""
+  rng = np.random.default_rng(12)
+  n = 5 * joint.BLOCK + 1000
+  base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+  five = changed(rng, base, 0.05)
+  plan = joint.plan(base, five)
+  yield "5%", base, five, plan[0], plan[1]
+  dense = changed(rng, base, 0.9)
+  yield "90%, the 5% tables", base, dense, plan[0], plan[1]
+  small = changed(rng, base, 0.05, OFFSETS[:4], [0.25] * 4)
+  closed = joint.plan(base, small)
+  yield "the closed set", base, small, closed[0], closed[1]
+  small[joint.BLOCK + 77] = base[joint.BLOCK + 77] + np.uint16(12345)
+  yield "a value the closed set lacks", base, small, closed[0], closed[1]
+  empty = five.copy()
+  empty[2 * joint.BLOCK:3 * joint.BLOCK] = base[2 * joint.BLOCK:3 * joint.BLOCK]
+  yield "an empty block", base, empty, plan[0], plan[1]
+  long_gaps = base.copy()
+  for b in range(6):
+    gaps = np.concatenate([np.arange(0, 90), [700, 5000, 20000]])
+    idx = b * joint.BLOCK + np.cumsum(gaps + 1) - 1
+    idx = idx[idx < min(n, (b + 1) * joint.BLOCK)]
+    long_gaps[idx] += rng.choice(np.array([1, 0xFFFF, 0x1234, 0x8000], np.uint16), idx.size)
+  counts = np.bincount([1, 1, 2, 2, 3], minlength=entropy.ALPHABET)
+  yield "gaps past one store, k=0", base, long_gaps, 0, counts
+  for size in (joint.BLOCK + 1, joint.BLOCK + 63, 2 * joint.BLOCK - 64):
+    yield f"{size} elements", base[:size], five[:size], plan[0], plan[1]
+
+
+@pytest.mark.parametrize("case", list(_listed_cases()), ids=lambda c: c[0])
+def test_bf16_blocks_coded_from_lists_write_the_bytes_of_the_group_walk(case):
+  """_code_block16 (list the changes with a SIMD compress, code them 8 at a time, append)
+  and _code_block's walk write the same section; the host's choice round trips."""
+  _, base, target, k, counts = case
+  walked = joint.encode(base, target, k, counts, listed=False)
+  listed = joint.encode(base, target, k, counts, listed=True)
+  assert listed == walked
+  out = base.copy()
+  joint.Section(ByteReader(listed[0], "t"), base.size, np.dtype(np.uint16)).apply(base, out, None)
+  assert np.array_equal(out, target)
+
+
 @pytest.fixture(scope="module")
 def int8_pair():
   """int8 codes moved by +-1 at 1%, plus a value no sampled window holds in blocks 5 and
