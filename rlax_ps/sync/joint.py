@@ -61,6 +61,10 @@ CTAB_MAX = 1 << 10  # value codes looked up by zigzag value (8 KB, in L1); large
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
 _WIDTHS = entropy.WIDTHS  # raw bits of each symbol
 _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | escape flag
+# Four streams decoded in lockstep (else two): with 16 registers, four chains spill some;
+# wide cores (Zen 5: -24% a change) gain, Zen 3 lost (+17%). The hosts with AVX-512 VBMI2
+# are the wide ones.
+QUAD = HAS_COMPRESS
 WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
 CLOSED_GAIN = 0.01  # a section has a closed code set where it saves this share of the bits
 
@@ -407,13 +411,13 @@ def _put(at, p, end, prev, k, table, zw, out, base, size, whole):
 
 
 @numba.njit(inline="always", **_JIT)
-def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, ps):
+def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, ps, quad):
   """Adds the changes of the (up to STREAMS) blocks from block `first` on (counts[b]
   changes in block b, stream b % 4, decoded with code set sets[b]: row 0 (closed) or 1
   (open) of tables and wholes) to out: out[i] += offset (wrapping) at every change.
-  ps[j]: stream j's bit position, carried across rounds. Streams run two at a time in
-  lockstep (independent dependency chains overlap; four would spill registers). Returns
-  an error code."""
+  ps[j]: stream j's bit position, carried across rounds. Streams run in lockstep, so that
+  their independent dependency chains overlap: all four while every one has a change
+  left in a whole block (where `quad`), then two at a time. Returns an error code."""
   zw = np.uint64(8 * out.itemsize)
   at = np.int64(words.ctypes.data)  # _decode_one's 8-byte loads
   lo = first * BLOCK
@@ -424,13 +428,32 @@ def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, p
     c[j] = counts[first + j]
     size[j] = min(BLOCK, n - lo - j * BLOCK)
   good = True
-  for h in range(0, nb, 2):  # two streams in lockstep: four would spill registers
+  v = np.full(STREAMS, -1, np.int64)  # each stream's last index
+  if quad and nb == STREAMS and size[STREAMS - 1] == BLOCK:  # four whole blocks
+    p0, p1, p2, p3 = ps[0], ps[1], ps[2], ps[3]
+    v0 = v1 = v2 = v3 = np.int64(-1)
+    f0, f1, f2, f3 = sets[first], sets[first + 1], sets[first + 2], sets[first + 3]
+    t0, t1, t2, t3 = tables[f0], tables[f1], tables[f2], tables[f3]
+    w0, w1, w2, w3 = wholes[f0], wholes[f1], wholes[f2], wholes[f3]
+    m = min(min(c[0], c[1]), min(c[2], c[3]))
+    for _ in range(m):
+      p0, v0, g0 = _put_full(at, p0, ends[0], v0, k, t0, zw, out, lo, w0)
+      p1, v1, g1 = _put_full(at, p1, ends[1], v1, k, t1, zw, out, lo + BLOCK, w1)
+      p2, v2, g2 = _put_full(at, p2, ends[2], v2, k, t2, zw, out, lo + 2 * BLOCK, w2)
+      p3, v3, g3 = _put_full(at, p3, ends[3], v3, k, t3, zw, out, lo + 3 * BLOCK, w3)
+      if not (g0 & g1 & g2 & g3):
+        return E_TRUNCATED
+    ps[0], ps[1], ps[2], ps[3] = p0, p1, p2, p3
+    v[0], v[1], v[2], v[3] = v0, v1, v2, v3
+    for j in range(STREAMS):
+      c[j] -= m
+  for h in range(0, nb, 2):  # two streams in lockstep
     pa, pb, ea, eb = ps[h], ps[h + 1], ends[h], ends[h + 1]
     sa, sb = size[h], size[h + 1]
     fa, fb = sets[first + h], sets[min(first + h + 1, sets.size - 1)]
     ta, wa, tb, wb = tables[fa], wholes[fa], tables[fb], wholes[fb]
     ba, bb = lo + h * BLOCK, lo + (h + 1) * BLOCK
-    va = vb = np.int64(-1)
+    va, vb = v[h], v[h + 1]
     both = min(c[h], c[h + 1])
     if sa == BLOCK and sb == BLOCK:  # every round but the last
       for _ in range(both):
@@ -457,12 +480,13 @@ def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, p
 
 
 @numba.njit(**_JIT)
-def decode_rounds(words, ends, k, tables, wholes, out, first, stop, n, counts, sets, ps):
+def decode_rounds(words, ends, k, tables, wholes, out, first, stop, n, counts, sets, ps,
+                  quad):
   """_decode_round for the rounds of blocks first, first + STREAMS, ... below stop: one
   call per stretch that the caller copies in before and hashes after, while in cache.
-  Returns an error code."""
+  quad: see QUAD. Returns an error code."""
   for b in range(first, min(stop, (n + BLOCK - 1) // BLOCK), STREAMS):
-    err = _decode_round(words, ends, k, tables, wholes, out, b, n, counts, sets, ps)
+    err = _decode_round(words, ends, k, tables, wholes, out, b, n, counts, sets, ps, quad)
     if err != OK:
       return err
   return OK
@@ -988,7 +1012,7 @@ class Section:
       if copy:
         np.copyto(out[s:s + step], old[s:s + step])
       if decode_rounds(self.words, ends, self.k, self.tables, self.wholes, out, s // BLOCK,
-                       (s + step) // BLOCK, self.n, self.counts, self.sets, ps) != OK:
+                       (s + step) // BLOCK, self.n, self.counts, self.sets, ps, QUAD) != OK:
         raise CodecError(f"{self.what}: joint streams are truncated or corrupted, or a "
                          f"change lies outside its block")
       if hasher is not None:

@@ -207,6 +207,36 @@ def test_bf16_blocks_coded_from_lists_write_the_bytes_of_the_group_walk(case):
   assert np.array_equal(out, target)
 
 
+def _decoded(data, base, quad, monkeypatch):
+  """base's decode of the joint section `data` with four streams in lockstep or two, or the
+  CodecError's message."""
+  monkeypatch.setattr(joint, "QUAD", quad)
+  out = base.copy()
+  try:
+    joint.Section(ByteReader(data, "t"), base.size, base.dtype).apply(base, out, None)
+  except CodecError as e:
+    return str(e)
+  return out
+
+
+def test_four_streams_in_lockstep_decode_as_two_do(monkeypatch):
+  """joint.QUAD (the host's choice) changes how many streams the decoder runs side by
+  side, never what it decodes or rejects: whole and short rounds, and corrupted bytes."""
+  rng = np.random.default_rng(13)
+  for name, base, target, k, counts in _listed_cases():
+    data = joint.encode(base, target, k, counts)[0]
+    four, two = (_decoded(data, base, q, monkeypatch) for q in (True, False))
+    assert np.array_equal(four, target) and np.array_equal(two, target), name
+    for _ in range(4):
+      bad = bytearray(data)
+      at = rng.integers(len(bad) // 2, len(bad), 3)
+      for i in at:
+        bad[i] ^= 1 << int(rng.integers(8))
+      four, two = (_decoded(bytes(bad), base, q, monkeypatch) for q in (True, False))
+      assert type(four) is type(two), name
+      assert (four == two) if isinstance(four, str) else np.array_equal(four, two), name
+
+
 @pytest.fixture(scope="module")
 def int8_pair():
   """int8 codes moved by +-1 at 1%, plus a value no sampled window holds in blocks 5 and
