@@ -275,10 +275,14 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   starts = np.empty(BLOCK // 64 + 1, np.int64)
   ahead = np.empty(BLOCK // 64, np.uint64)  # int8 blocks' group masks
   zbuf = np.empty(64, np.uint16)  # bf16 groups' zigzags
-  idx = np.empty(LIST + LIST_LANES + 1, np.uint16)  # bf16 lists (_code_block16); zs only
-  zs = np.zeros(LIST + LIST_LANES, np.uint16)  # ever holds capped zigzags: code_u16 reads
-  codes = np.empty(LIST + CODE_LANES, np.uint64)  # whole 8s past the list's end
-  lens = np.empty(LIST + CODE_LANES, np.uint8)
+  # bf16 lists (_code_block16): a list holds up to LIST + 63 changes (a short last block's
+  # tail joins its last LIST), list_u16 stores LIST_LANES entries and code_u16 takes whole
+  # CODE_LANES past the end; zs only ever holds capped zigzags, so every gather is in ctab
+  room = LIST + 64 + max(LIST_LANES, CODE_LANES)
+  idx = np.empty(room + 1, np.uint16)
+  zs = np.zeros(room, np.uint16)
+  codes = np.empty(room, np.uint64)
+  lens = np.empty(room, np.uint8)
   for bl in range(nblocks):
     j = (first + bl) % STREAMS
     pos, acc, fill = np.int64(st[j, 0]), st[j, 1], st[j, 2]

@@ -192,6 +192,8 @@ def _listed_cases():
   yield "gaps past one store, k=0", base, long_gaps, 0, counts
   for size in (joint.BLOCK + 1, joint.BLOCK + 63, 2 * joint.BLOCK - 64):
     yield f"{size} elements", base[:size], five[:size], plan[0], plan[1]
+  size = joint.BLOCK + 3 * joint.LIST + 63  # a last list of LIST + 63 changes
+  yield "a full last list and tail", base[:size], base[:size] + np.uint16(1), plan[0], plan[1]
 
 
 @pytest.mark.parametrize("case", list(_listed_cases()), ids=lambda c: c[0])
