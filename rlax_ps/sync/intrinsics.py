@@ -143,47 +143,91 @@ def list_u16(typingctx, old_at, new_at, z_at, i_at, first, top):
                      types.int64), codegen
 
 
-CODE_LANES = 8  # changes code_u16 codes per call
-
-
 @intrinsic
-def code_u16(typingctx, i_at, z_at, ctab_at, k, codes_at, lens_at):
-  """Codes CODE_LANES listed changes: change j's element number is the uint16 at
-  i_at + 2 (j + 1) (the one before it at i_at + 2 j: gaps wrap in 16 bits), its capped
-  zigzag the uint16 at z_at + 2 j; ctab_at: the uint64 code table (joint._encode_blocks).
-  Stores its code (Rice gap of k bits, then the value's code from the table) as a uint64
-  at codes_at + 8 j and its length as a uint8 at lens_at + j, 0 where the change must be
-  coded the slow way (no table entry, or past 56 bits)."""
+def list_u8(typingctx, old_at, new_at, z_at, i_at, first):
+  """list_u16 of 64 uint8 lanes (int8 codes): zigzags (uint8, uncapped: the int8 code table
+  holds every one) to z_at, lane numbers plus `first` (uint16) to i_at, each packed to the
+  front; returns how many."""
   def codegen(context, builder, signature, args):
-    i16, n = ir.IntType(16), CODE_LANES
-    v16, v64 = ir.VectorType(i16, n), ir.VectorType(_U64, n)
-    c64 = lambda x: ir.Constant(v64, [x] * n)
-    cur = _lanes(builder, builder.add(args[0], ir.Constant(_U64, 2)), i16, n)
-    prev = _lanes(builder, args[0], i16, n)
-    gap = builder.zext(builder.sub(builder.sub(cur, prev), ir.Constant(v16, [1] * n)), v64)
-    z = builder.zext(_lanes(builder, args[1], i16, n), v64)
-    at = builder.add(_splat(builder, args[2], v64), builder.shl(z, c64(3)))
-    ptrs = builder.inttoptr(at, ir.VectorType(_U64.as_pointer(), n))
-    gather = _llvm_fn(builder, f"llvm.masked.gather.v{n}i64.v{n}p0", v64,
-                      [ptrs.type, ir.IntType(32), ir.VectorType(ir.IntType(1), n), v64])
-    e = builder.call(gather, [ptrs, ir.Constant(ir.IntType(32), 8),
-                              ir.Constant(ir.VectorType(ir.IntType(1), n), [1] * n),
-                              ir.Constant(v64, ir.Undefined)])
-    k = _splat(builder, args[3], v64)
-    tail = builder.lshr(e, c64(56))
-    q = builder.lshr(gap, k)
-    kmask = builder.sub(builder.shl(c64(1), k), c64(1))
-    v = builder.or_(builder.shl(builder.and_(gap, kmask), c64(1)),
-                    builder.and_(e, c64((1 << 56) - 1)))
-    code = builder.shl(v, builder.and_(q, c64(63)))
-    length = builder.add(q, tail)
-    ok = builder.and_(builder.icmp_unsigned("!=", tail, c64(0)),
-                      builder.icmp_unsigned("<=", length, c64(56)))
-    length = builder.select(ok, length, c64(0))
-    builder.store(code, builder.inttoptr(args[4], v64.as_pointer()), align=1)
-    builder.store(builder.trunc(length, ir.VectorType(ir.IntType(8), n)),
-                  builder.inttoptr(args[5], ir.VectorType(ir.IntType(8), n).as_pointer()),
-                  align=1)
-    return context.get_dummy_value()
-  return types.void(types.int64, types.int64, types.int64, types.uint64, types.int64,
-                    types.int64), codegen
+    i8, i16, n = ir.IntType(8), ir.IntType(16), 64
+    vt = ir.VectorType(i8, n)
+    d = builder.sub(_lanes(builder, args[1], i8, n), _lanes(builder, args[0], i8, n))
+    z = builder.xor(builder.shl(d, ir.Constant(vt, [1] * n)),
+                    builder.ashr(d, ir.Constant(vt, [7] * n)))
+    mask = builder.icmp_unsigned("!=", z, ir.Constant(vt, [0] * n))
+    compress = _llvm_fn(builder, f"llvm.experimental.vector.compress.v{n}i8", vt,
+                        [vt, ir.VectorType(ir.IntType(1), n), vt])
+    builder.store(builder.call(compress, [z, mask, ir.Constant(vt, ir.Undefined)]),
+                  builder.inttoptr(args[2], vt.as_pointer()), align=1)
+    bits = builder.bitcast(mask, _U64)
+    half = ir.VectorType(i16, 32)
+    compress16 = _llvm_fn(builder, "llvm.experimental.vector.compress.v32i16", half,
+                          [half, ir.VectorType(ir.IntType(1), 32), half])
+    ctpop32 = _llvm_fn(builder, "llvm.ctpop.i32", ir.IntType(32), [ir.IntType(32)])
+    at = args[3]
+    for h in (0, 1):  # the element numbers in two halves of 32 16-bit lanes
+      word = builder.trunc(builder.lshr(bits, ir.Constant(_U64, 32 * h)), ir.IntType(32))
+      lanes = builder.add(ir.Constant(half, list(range(32 * h, 32 * h + 32))),
+                          _splat(builder, builder.trunc(args[4], i16), half))
+      builder.store(builder.call(compress16, [lanes, builder.bitcast(
+          word, ir.VectorType(ir.IntType(1), 32)), ir.Constant(half, ir.Undefined)]),
+          builder.inttoptr(at, half.as_pointer()), align=1)
+      if h == 0:
+        at = builder.add(at, builder.shl(builder.zext(builder.call(ctpop32, [word]), _U64),
+                                         ir.Constant(_U64, 1)))
+    return builder.call(_llvm_fn(builder, "llvm.ctpop.i64", _U64, [_U64]), [bits])
+  return types.int64(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
+
+
+CODE_LANES = 8  # changes code_u16 / code_u8 code per call
+
+
+def _coder(zbits: int):
+  """The intrinsic code(i_at, z_at, ctab_at, k, codes_at, lens_at) over zigzags listed as
+  uint`zbits` (code_u16, code_u8)."""
+  @intrinsic
+  def code(typingctx, i_at, z_at, ctab_at, k, codes_at, lens_at):
+    """Codes CODE_LANES listed changes: change j's element number is the uint16 at
+    i_at + 2 (j + 1) (the one before it at i_at + 2 j: gaps wrap in 16 bits), its zigzag
+    the j-th listed at z_at (within the table); ctab_at: the uint64 code table
+    (joint._encode_blocks). Stores its code (Rice gap of k bits, then the value's code from
+    the table) as a uint64 at codes_at + 8 j and its length as a uint8 at lens_at + j, 0
+    where the change must be coded the slow way (no table entry, or past 56 bits)."""
+    def codegen(context, builder, signature, args):
+      i16, n = ir.IntType(16), CODE_LANES
+      v16, v64 = ir.VectorType(i16, n), ir.VectorType(_U64, n)
+      c64 = lambda x: ir.Constant(v64, [x] * n)
+      cur = _lanes(builder, builder.add(args[0], ir.Constant(_U64, 2)), i16, n)
+      prev = _lanes(builder, args[0], i16, n)
+      gap = builder.zext(builder.sub(builder.sub(cur, prev), ir.Constant(v16, [1] * n)), v64)
+      z = builder.zext(_lanes(builder, args[1], ir.IntType(zbits), n), v64)
+      at = builder.add(_splat(builder, args[2], v64), builder.shl(z, c64(3)))
+      ptrs = builder.inttoptr(at, ir.VectorType(_U64.as_pointer(), n))
+      gather = _llvm_fn(builder, f"llvm.masked.gather.v{n}i64.v{n}p0", v64,
+                        [ptrs.type, ir.IntType(32), ir.VectorType(ir.IntType(1), n), v64])
+      e = builder.call(gather, [ptrs, ir.Constant(ir.IntType(32), 8),
+                                ir.Constant(ir.VectorType(ir.IntType(1), n), [1] * n),
+                                ir.Constant(v64, ir.Undefined)])
+      k = _splat(builder, args[3], v64)
+      tail = builder.lshr(e, c64(56))
+      q = builder.lshr(gap, k)
+      kmask = builder.sub(builder.shl(c64(1), k), c64(1))
+      v = builder.or_(builder.shl(builder.and_(gap, kmask), c64(1)),
+                      builder.and_(e, c64((1 << 56) - 1)))
+      code = builder.shl(v, builder.and_(q, c64(63)))
+      length = builder.add(q, tail)
+      ok = builder.and_(builder.icmp_unsigned("!=", tail, c64(0)),
+                        builder.icmp_unsigned("<=", length, c64(56)))
+      length = builder.select(ok, length, c64(0))
+      builder.store(code, builder.inttoptr(args[4], v64.as_pointer()), align=1)
+      builder.store(builder.trunc(length, ir.VectorType(ir.IntType(8), n)),
+                    builder.inttoptr(args[5], ir.VectorType(ir.IntType(8), n).as_pointer()),
+                    align=1)
+      return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64, types.uint64, types.int64,
+                      types.int64), codegen
+  return code
+
+
+code_u16 = _coder(16)
+code_u8 = _coder(8)

@@ -36,8 +36,8 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.intrinsics import (CODE_LANES, HAS_COMPRESS, LIST_LANES, code_u16,
-                                     list_u16,
+from rlax_ps.sync.intrinsics import (CODE_LANES, HAS_COMPRESS, LIST_LANES, code_u8,
+                                     code_u16, list_u8, list_u16,
                                      load_u64, store_u64, zigzag_u16)
 from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
                                 _get_varint,
@@ -47,7 +47,7 @@ from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _
 BLOCK = 1 << 16
 STREAMS = 4
 ESCAPE = 255  # symbol id of the escape code in the section's table
-LIST = 1 << 11  # bf16 elements listed, then coded, at a time (the lists stay in L1)
+LIST = 1 << 11  # elements listed, then coded, at a time (_code_block_listed; in L1)
 MIN_ELEMENTS = 1 << 16  # smaller tensors take the general layouts
 MIN_DENSITY = 0.02  # sparser bf16: the general layouts are as fast (little to walk) and
 # 2-4% smaller (their rANS values beat Huffman codes)
@@ -195,12 +195,12 @@ def _code_block(ab, bb, ahead, k, ctab, symtab, esc, stream, pos, acc, fill, lan
 
 
 @numba.njit(inline="always", **_JIT)
-def _code_block16(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx, zs, codes,
-                  lens):
-  """_code_block of a bf16 block, LIST elements at a time and branch-free but for the
-  appends: list the changes (list_u16: element numbers into idx[1:], capped zigzags into
-  zs), make their codes and lengths 8 at a time (code_u16), then append them; a change
-  of length 0 takes value_entry (or escapes its gap)."""
+def _code_block_listed(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx, zs16, zs8,
+                       codes, lens, lane_bits):
+  """_code_block, LIST elements at a time and branch-free but for the appends: list the
+  changes (list_u16 / list_u8: element numbers into idx[1:], zigzags into zs16 (capped at
+  CTAB_MAX) / zs8), make their codes and lengths 8 at a time (code_u16 / code_u8), then
+  append them; a change of length 0 takes value_entry (or escapes its gap)."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
@@ -209,28 +209,40 @@ def _code_block16(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx, zs,
   idx[0] = np.uint16(65535)  # the change "before" the block: gaps wrap in 16 bits
   whole = ab.size - ab.size % 64
   pa, pb, tp = ab.ctypes.data, bb.ctypes.data, ctab.ctypes.data
-  ip, zp, cp, lp = idx.ctypes.data, zs.ctypes.data, codes.ctypes.data, lens.ctypes.data
+  ip, cp, lp = idx.ctypes.data, codes.ctypes.data, lens.ctypes.data
+  zp = zs16.ctypes.data if lane_bits == 16 else zs8.ctypes.data
+  zb = lane_bits // 8  # bytes of a listed zigzag
   for lo in range(0, max(whole, 1), LIST):
     hi = min(lo + LIST, whole)
     n = np.int64(0)
-    for h in range(lo, hi, LIST_LANES):
-      n += list_u16(pa + 2 * h, pb + 2 * h, zp + 2 * n, ip + 2 + 2 * n, h, CTAB_MAX)
+    if lane_bits == 16:
+      for h in range(lo, hi, LIST_LANES):
+        n += list_u16(pa + 2 * h, pb + 2 * h, zp + 2 * n, ip + 2 + 2 * n, h, CTAB_MAX)
+    else:
+      for h in range(lo, hi, 64):
+        n += list_u8(pa + h, pb + h, zp + n, ip + 2 + 2 * n, h)
     if hi == whole:  # the tail of a short last block, element by element
       for t in range(whole, ab.size):
-        z = _take(ab, bb, t, 16)
+        z = _take(ab, bb, t, lane_bits)
         if z:
-          zs[n] = np.uint16(min(z, np.uint64(CTAB_MAX)))
+          if lane_bits == 16:
+            zs16[n] = np.uint16(min(z, np.uint64(CTAB_MAX)))
+          else:
+            zs8[n] = np.uint8(z)
           n += 1
           idx[n] = np.uint16(t)
     for i in range(0, n, CODE_LANES):
-      code_u16(ip + 2 * i, zp + 2 * i, tp, kk, cp + 8 * i, lp + i)
+      if lane_bits == 16:
+        code_u16(ip + 2 * i, zp + zb * i, tp, kk, cp + 8 * i, lp + i)
+      else:
+        code_u8(ip + 2 * i, zp + zb * i, tp, kk, cp + 8 * i, lp + i)
     for i in range(n):
       ln = np.uint64(lens[i])
       if ln:
         wp, acc, fill = _append(0, wp, acc, fill, codes[i], ln)
         continue
       t = np.int64(idx[i + 1])
-      e = value_entry(_take(ab, bb, t, 16), symtab, esc, kk + np.uint64(1))
+      e = value_entry(_take(ab, bb, t, lane_bits), symtab, esc, kk + np.uint64(1))
       tail = e >> np.uint64(56)
       if tail == 0:
         return wp - stream, acc, fill, count, False
@@ -267,20 +279,22 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   calls;
   counts[b] = 2 * (changes of block b, whose gaps count from its start) + (1 if it took
   the open set). Returns the most words any stream reaches (the caller grows out before
-  another call could overrun it). lane_bits: 8 * a.itemsize, and listed (bf16 blocks by
-  _code_block16, else _code_block): constants of each compiled specialisation
-  (encode_blocks16, encode_blocks16_listed, encode_blocks8)."""
+  another call could overrun it). lane_bits: 8 * a.itemsize, and listed (blocks coded by
+  _code_block_listed, else _code_block): constants of each compiled specialisation
+  (encode_blocks16, encode_blocks8 and their _listed twins)."""
   nblocks = (a.size + BLOCK - 1) // BLOCK
   masks = np.empty(BLOCK // 64 + 1, np.uint64)  # int8 blocks' changed groups
   starts = np.empty(BLOCK // 64 + 1, np.int64)
   ahead = np.empty(BLOCK // 64, np.uint64)  # int8 blocks' group masks
   zbuf = np.empty(64, np.uint16)  # bf16 groups' zigzags
-  # bf16 lists (_code_block16): a list holds up to LIST + 63 changes (a short last block's
-  # tail joins its last LIST), list_u16 stores LIST_LANES entries and code_u16 takes whole
-  # CODE_LANES past the end; zs only ever holds capped zigzags, so every gather is in ctab
+  # lists (_code_block_listed): a list holds up to LIST + 63 changes (a short last block's
+  # tail joins its last LIST; a list_u16 / list_u8 call stores up to 64 entries from the
+  # end, within LIST) and code_u16 / code_u8 take whole CODE_LANES past the end; zs16 only
+  # ever holds capped zigzags (int8 tables hold every one), so every gather is in ctab
   room = LIST + 64 + max(LIST_LANES, CODE_LANES)
   idx = np.empty(room + 1, np.uint16)
-  zs = np.zeros(room, np.uint16)
+  zs16 = np.zeros(room, np.uint16)
+  zs8 = np.zeros(room, np.uint8)
   codes = np.empty(room, np.uint64)
   lens = np.empty(room, np.uint8)
   for bl in range(nblocks):
@@ -290,13 +304,13 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
     hi = min(a.size, lo + BLOCK)
     ab, bb = a[lo:hi], b[lo:hi]
     flag = first_set
-    if lane_bits == 8:  # the masks first, in a loop of SIMD compares alone
+    if lane_bits == 8 and not listed:  # the masks first, in a loop of SIMD compares alone
       for g in range((hi - lo) // 64):
         ahead[g] = _group_mask(aw, bw, lo // 64 + g, 8)
     if listed:
-      w, c, f, count, ok = _code_block16(ab, bb, k, ctabs[flag], symtabs[flag], escs[flag],
-                                         out[j].ctypes.data, pos, acc, fill, idx, zs, codes,
-                                         lens)
+      w, c, f, count, ok = _code_block_listed(ab, bb, k, ctabs[flag], symtabs[flag],
+                                              escs[flag], out[j].ctypes.data, pos, acc, fill,
+                                              idx, zs16, zs8, codes, lens, lane_bits)
     else:
       w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[flag], symtabs[flag],
                                        escs[flag], out[j].ctypes.data, pos, acc, fill,
@@ -304,9 +318,9 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
     if not ok:
       flag = 1
       if listed:
-        w, c, f, count, ok = _code_block16(ab, bb, k, ctabs[1], symtabs[1], escs[1],
-                                           out[j].ctypes.data, pos, acc, fill, idx, zs,
-                                           codes, lens)
+        w, c, f, count, ok = _code_block_listed(ab, bb, k, ctabs[1], symtabs[1], escs[1],
+                                                out[j].ctypes.data, pos, acc, fill, idx,
+                                                zs16, zs8, codes, lens, lane_bits)
       else:
         w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[1], symtabs[1], escs[1],
                                          out[j].ctypes.data, pos, acc, fill, lane_bits,
@@ -333,6 +347,13 @@ def encode_blocks16_listed(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_s
 def encode_blocks8(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
   return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
                         8, False)
+
+
+@numba.njit(**_JIT)
+def encode_blocks8_listed(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st,
+                          counts):
+  return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
+                        8, True)
 
 
 # ---- decoder -----------------------------------------------------------------------------
@@ -722,17 +743,17 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
            listed: bool | None = None):
   """(section bytes, xxh3 of old, xxh3 of new (each None unless hash_old / hash_new)) of
   the joint section from old to new, with plan()'s k, counts (of the sample's symbols),
-  gap bits and changes in the sample (None: the counts' sum). listed: bf16 blocks coded
-  from lists of their changes (_code_block16: 2x faster where the host compresses SIMD
-  lanes, 2x slower where it does not) or by the group walk; None: the host's faster one.
-  The bytes are the same."""
+  gap bits and changes in the sample (None: the counts' sum). listed: blocks coded from
+  lists of their changes (_code_block_listed: 2x faster (bf16) where the host compresses
+  SIMD lanes, 2x slower where it does not) or by the group walk (_code_block); None: the
+  host's faster one. The bytes are the same."""
   n = new.size
   table, codes, use_closed = tables(counts, 8 * new.itemsize, k, gap_bits)
+  listed = HAS_COMPRESS if listed is None else listed
   if new.itemsize == 2:
-    listed = HAS_COMPRESS if listed is None else listed
     encode_blocks = encode_blocks16_listed if listed else encode_blocks16
   else:
-    encode_blocks = encode_blocks8
+    encode_blocks = encode_blocks8_listed if listed else encode_blocks8
   sampled = int(counts.sum()) if sampled is None else sampled
   nnz_est = sampled * n // (SAMPLE_WINDOW * sample_starts(n).size) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1

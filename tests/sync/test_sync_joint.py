@@ -194,18 +194,30 @@ def _listed_cases():
     yield f"{size} elements", base[:size], five[:size], plan[0], plan[1]
   size = joint.BLOCK + 3 * joint.LIST + 63  # a last list of LIST + 63 changes
   yield "a full last list and tail", base[:size], base[:size] + np.uint16(1), plan[0], plan[1]
+  codes = rng.integers(0, 256, n, dtype=np.uint8)  # int8 codes (as held: uint8 bits)
+  steps = changed(rng, codes, 0.02, np.array([1, 255, 2, 254], np.uint8),
+                  [0.45, 0.45, 0.05, 0.05])
+  plan8 = joint.plan(codes, steps)
+  yield "int8 2%", codes, steps, plan8[0], plan8[1]
+  odd = steps.copy()
+  odd[joint.BLOCK + 5] = codes[joint.BLOCK + 5] + np.uint8(77)
+  yield "int8, a value the closed set lacks", codes, odd, plan8[0], plan8[1]
+  yield "int8 every element", codes[:size], codes[:size] + np.uint8(1), plan8[0], plan8[1]
+  sparse = codes.copy()
+  sparse[::5000] += np.uint8(1)
+  yield "int8 gaps past one store, k=0", codes, sparse, 0, plan8[1]
 
 
 @pytest.mark.parametrize("case", list(_listed_cases()), ids=lambda c: c[0])
-def test_bf16_blocks_coded_from_lists_write_the_bytes_of_the_group_walk(case):
-  """_code_block16 (list the changes with a SIMD compress, code them 8 at a time, append)
-  and _code_block's walk write the same section; the host's choice round trips."""
+def test_joint_blocks_coded_from_lists_write_the_bytes_of_the_group_walk(case):
+  """_code_block_listed (list the changes with a SIMD compress, code them 8 at a time,
+  append) and _code_block's walk write the same section, bf16 and int8; it round trips."""
   _, base, target, k, counts = case
   walked = joint.encode(base, target, k, counts, listed=False)
   listed = joint.encode(base, target, k, counts, listed=True)
   assert listed == walked
   out = base.copy()
-  joint.Section(ByteReader(listed[0], "t"), base.size, np.dtype(np.uint16)).apply(base, out, None)
+  joint.Section(ByteReader(listed[0], "t"), base.size, base.dtype).apply(base, out, None)
   assert np.array_equal(out, target)
 
 
