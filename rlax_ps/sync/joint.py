@@ -5,8 +5,9 @@ its value (a length-limited Huffman code of the entropy-stage symbol of the zigz
 then the symbol's raw low bits; or an escape code and the zigzag in full), LSB first, in
 one bit stream. The code tables come from a sample of the tensor (about 1/32 of it, in
 windows of 4096 elements), so the encoder makes one pass: compare 64 elements at a time,
-walk the changed ones, emit their codes, and hash the block while in cache; the decoder
-decodes and scatters in one pass as well.
+walk the changed ones (or, where the CPU compresses SIMD lanes, list them and code them 8
+at a time), emit their codes, and hash the block while in cache; the decoder decodes and
+scatters in one pass as well.
 Blocks of BLOCK elements go round-robin to STREAMS streams (block b to stream b % 4, gaps
 counted in the stream's own element order), so the decoder runs four independent
 dependency chains side by side over four neighbouring blocks that sit in cache together.
@@ -330,30 +331,19 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   return int(st[:, 0].max()) // 8 + 1
 
 
-@numba.njit(**_JIT)
-def encode_blocks16(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
-  return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
-                        16, False)
+def _encode_blocks_for(lane_bits: int, listed: bool):
+  """_encode_blocks compiled for one lane width and way of coding blocks."""
+  @numba.njit(**_JIT)
+  def encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
+    return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st,
+                          counts, lane_bits, listed)
+  return encode_blocks
 
 
-@numba.njit(**_JIT)
-def encode_blocks16_listed(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st,
-                           counts):
-  return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
-                        16, True)
-
-
-@numba.njit(**_JIT)
-def encode_blocks8(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
-  return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
-                        8, False)
-
-
-@numba.njit(**_JIT)
-def encode_blocks8_listed(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st,
-                          counts):
-  return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts,
-                        8, True)
+encode_blocks16 = _encode_blocks_for(16, False)
+encode_blocks16_listed = _encode_blocks_for(16, True)
+encode_blocks8 = _encode_blocks_for(8, False)
+encode_blocks8_listed = _encode_blocks_for(8, True)
 
 
 # ---- decoder -----------------------------------------------------------------------------
