@@ -20,9 +20,14 @@ def _target_features() -> set[str]:
   return {f[1:] for f in flat.split(",") if f.startswith("+")}
 
 
-# Whether list_u16's compress is one instruction (AVX-512 VBMI2) on the compile target:
-# elsewhere LLVM expands it lane by lane, and listing costs more than it saves.
-HAS_COMPRESS = {"avx512vbmi2", "avx512bw", "avx512vl"} <= _target_features()
+def has_compress() -> bool:
+  """Whether list_u16's compress is one instruction (AVX-512 VBMI2) on the target numba
+  compiles for: elsewhere LLVM expands it lane by lane, and listing costs more than it
+  saves."""
+  return {"avx512vbmi2", "avx512bw", "avx512vl"} <= _target_features()
+
+
+HAS_COMPRESS = has_compress()
 
 
 @intrinsic

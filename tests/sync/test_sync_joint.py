@@ -221,6 +221,22 @@ def test_joint_blocks_coded_from_lists_write_the_bytes_of_the_group_walk(case):
   assert np.array_equal(out, target)
 
 
+def test_the_listed_path_follows_the_cpu_features_numba_compiles_for(monkeypatch):
+  """HAS_COMPRESS reads NUMBA_CPU_FEATURES where it is set (numba compiles for those), else
+  the host's: a cache built for a CPU without AVX-512 VBMI2 keeps the group walk."""
+  from numba.core import config  # noqa: PLC0415
+  from rlax_ps.sync import intrinsics  # noqa: PLC0415
+  monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+avx512bw,+avx512vl,-avx512vbmi2")
+  assert not intrinsics.has_compress()
+  monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+avx512bw,+avx512vl,+avx512vbmi2")
+  assert intrinsics.has_compress()
+  monkeypatch.setattr(config, "CPU_FEATURES", None)
+  import llvmlite.binding  # noqa: PLC0415
+  host = llvmlite.binding.get_host_cpu_features()
+  assert intrinsics.has_compress() == all(
+      host.get(f, False) for f in ("avx512vbmi2", "avx512bw", "avx512vl"))
+
+
 def _decoded(data, base, quad, monkeypatch):
   """base's decode of the joint section `data` with four streams in lockstep or two, or the
   CodecError's message."""
