@@ -239,16 +239,23 @@ def best_rice(gaps, count, step, above, kmax):
   """(k, its code's bits) of the Rice parameter whose code of every `step`-th of the first
   `count` gaps is shortest, among k0 - 1 .. k0 + above - 1 (k0: log2 of the mean gap times
   ln 2, the geometric optimum; below kmax)."""
-  m, total = 0, 0.0
-  for i in range(0, count, step):
-    total += gaps[i]
-    m += 1
-  k0 = max(0, int(np.log2(total / m * np.log(2) + 1)))
+  m, total = (count + step - 1) // step, np.uint64(0)  # an exact sum: gaps < 2^53 in all
+  if step == 1:  # unit stride: loops LLVM vectorises
+    for i in range(count):
+      total += np.uint64(gaps[i])
+  else:
+    for i in range(0, count, step):
+      total += np.uint64(gaps[i])
+  k0 = max(0, int(np.log2(np.float64(total) / m * np.log(2) + 1)))
   best_k, best = 0, np.int64(-1)
   for k in range(max(0, k0 - 1), min(kmax, k0 + above)):
     t = np.uint64(0)
-    for i in range(0, count, step):
-      t += np.uint64(gaps[i]) >> np.uint64(k)
+    if step == 1:
+      for i in range(count):
+        t += np.uint64(gaps[i]) >> np.uint64(k)
+    else:
+      for i in range(0, count, step):
+        t += np.uint64(gaps[i]) >> np.uint64(k)
     size = np.int64(t) + m * (k + 1)  # quotients, stops, k low bits each
     if best < 0 or size < best:
       best, best_k = size, k
