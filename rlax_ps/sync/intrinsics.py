@@ -75,28 +75,6 @@ changed_u16 = _changed(16)
 changed_u8 = _changed(8)
 
 
-@intrinsic
-def zigzag_u16(typingctx, old_at, new_at, z_at, top):
-  """changed_u16 of the 64 lanes at old_at, new_at, also storing each lane's zigzag offset
-  (zigzag of new - old, wrapping) capped at uint16 `top` at z_at (64 uint16): a walk over
-  the changes then reads a change's offset with one load instead of two loads and the
-  arithmetic, and indexes a table of top + 1 entries with no bound check."""
-  def codegen(context, builder, signature, args):
-    lane = ir.IntType(16)
-    vt = ir.VectorType(lane, 64)
-    d = builder.sub(_lanes(builder, args[1], lane), _lanes(builder, args[0], lane))
-    z = builder.xor(builder.shl(d, ir.Constant(vt, [1] * 64)),
-                    builder.ashr(d, ir.Constant(vt, [15] * 64)))
-    cap = builder.insert_element(ir.Constant(vt, ir.Undefined), builder.trunc(args[3], lane),
-                                 ir.Constant(ir.IntType(32), 0))
-    cap = builder.shuffle_vector(cap, ir.Constant(vt, ir.Undefined),
-                                 ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
-    capped = builder.select(builder.icmp_unsigned("<", z, cap), z, cap)
-    builder.store(capped, builder.inttoptr(args[2], vt.as_pointer()), align=2)
-    return _bitmask(builder, builder.icmp_unsigned("!=", z, ir.Constant(vt, [0] * 64)))
-  return types.uint64(types.int64, types.int64, types.int64, types.int64), codegen
-
-
 def _splat(builder, value, vt):
   """`value` (a scalar of vt's lane type) in every lane of vector type vt."""
   one = builder.insert_element(ir.Constant(vt, ir.Undefined), value,
@@ -104,6 +82,32 @@ def _splat(builder, value, vt):
   return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined),
                                 ir.Constant(ir.VectorType(ir.IntType(32), vt.count),
                                             [0] * vt.count))
+
+
+def _zigzags(builder, old_at, new_at, lane, n, top=None):
+  """(zigzag offsets of new - old (wrapping) over the n lanes of `lane` at byte addresses
+  old_at, new_at, the same capped at the scalar `top` (None: no cap))."""
+  vt = ir.VectorType(lane, n)
+  d = builder.sub(_lanes(builder, new_at, lane, n), _lanes(builder, old_at, lane, n))
+  z = builder.xor(builder.shl(d, ir.Constant(vt, [1] * n)),
+                  builder.ashr(d, ir.Constant(vt, [lane.width - 1] * n)))
+  if top is None:
+    return z, z
+  cap = _splat(builder, builder.trunc(top, lane), vt)
+  return z, builder.select(builder.icmp_unsigned("<", z, cap), z, cap)
+
+
+@intrinsic
+def zigzag_u16(typingctx, old_at, new_at, z_at, top):
+  """changed_u16 of the 64 lanes at old_at, new_at, also storing each lane's zigzag offset
+  (zigzag of new - old, wrapping) capped at uint16 `top` at z_at (64 uint16): a walk over
+  the changes then reads a change's offset with one load instead of two loads and the
+  arithmetic, and indexes a table of top + 1 entries with no bound check."""
+  def codegen(context, builder, signature, args):
+    z, capped = _zigzags(builder, args[0], args[1], ir.IntType(16), 64, args[3])
+    builder.store(capped, builder.inttoptr(args[2], capped.type.as_pointer()), align=2)
+    return _bitmask(builder, builder.icmp_unsigned("!=", z, ir.Constant(z.type, [0] * 64)))
+  return types.uint64(types.int64, types.int64, types.int64, types.int64), codegen
 
 
 def _llvm_fn(builder, name, ret, params):
@@ -126,11 +130,7 @@ def list_u16(typingctx, old_at, new_at, z_at, i_at, first, top):
   def codegen(context, builder, signature, args):
     i16, n = ir.IntType(16), LIST_LANES
     vt = ir.VectorType(i16, n)
-    d = builder.sub(_lanes(builder, args[1], i16, n), _lanes(builder, args[0], i16, n))
-    z = builder.xor(builder.shl(d, ir.Constant(vt, [1] * n)),
-                    builder.ashr(d, ir.Constant(vt, [15] * n)))
-    cap = _splat(builder, builder.trunc(args[5], i16), vt)
-    capped = builder.select(builder.icmp_unsigned("<", z, cap), z, cap)
+    z, capped = _zigzags(builder, args[0], args[1], i16, n, args[5])
     mask = builder.icmp_unsigned("!=", z, ir.Constant(vt, [0] * n))
     lanes = builder.add(ir.Constant(vt, list(range(n))),
                         _splat(builder, builder.trunc(args[4], i16), vt))
@@ -156,9 +156,7 @@ def list_u8(typingctx, old_at, new_at, z_at, i_at, first):
   def codegen(context, builder, signature, args):
     i8, i16, n = ir.IntType(8), ir.IntType(16), 64
     vt = ir.VectorType(i8, n)
-    d = builder.sub(_lanes(builder, args[1], i8, n), _lanes(builder, args[0], i8, n))
-    z = builder.xor(builder.shl(d, ir.Constant(vt, [1] * n)),
-                    builder.ashr(d, ir.Constant(vt, [7] * n)))
+    z, _ = _zigzags(builder, args[0], args[1], i8, n)
     mask = builder.icmp_unsigned("!=", z, ir.Constant(vt, [0] * n))
     compress = _llvm_fn(builder, f"llvm.experimental.vector.compress.v{n}i8", vt,
                         [vt, ir.VectorType(ir.IntType(1), n), vt])
