@@ -107,8 +107,9 @@ def _literal_width(z: np.ndarray, low: int, top: int | None) -> int:
 
 
 def words_of(buf) -> np.ndarray:
-  """Bytes as zero-padded little-endian uint64 words (one spare word for 2-word reads)."""
-  words = np.zeros(len(buf) // 8 + 2, np.uint64)
+  """Bytes as zero-padded little-endian uint64 words, 25 or more zero bytes past the end:
+  the decoders' 8-byte window loads, even past a corrupted stream's end, stay inside."""
+  words = np.zeros(len(buf) // 8 + 4, np.uint64)
   words.view(np.uint8)[:len(buf)] = np.frombuffer(buf, np.uint8)
   return words
 

@@ -67,6 +67,8 @@ _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | es
 # are the wide ones.
 QUAD = HAS_COMPRESS
 WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
+GROUP = 4  # changes a stream decodes from one 57-bit window in the four-stream loop
+assert GROUP * WHOLE <= 57
 CLOSED_GAIN = 0.01  # a section has a closed code set where it saves this share of the bits
 
 
@@ -417,6 +419,25 @@ def _put_full(at, p, end, prev, k, table, zw, out, base, whole):
 
 
 @numba.njit(inline="always", **_JIT)
+def _decode_held(at, bits, p, end, prev, k, table, zw, whole):
+  """_decode_one from `bits`, the stream's bits from p on (GROUP * WHOLE or more of them
+  when a window was loaded at most GROUP - 1 whole codes ago): (bits, p, index, offset).
+  A whole code costs a lookup and a shift (no load on the chain); the rest take _next and
+  load a new window. A change _next rejects sets p to end + 1: the caller's end check
+  fails."""
+  e = whole[bits & np.uint64((1 << WHOLE) - 1)]
+  if e:
+    n = e >> np.uint32(28)
+    return (bits >> np.uint64(n), p + np.int64(n),
+            prev + 1 + np.int64((e >> np.uint32(16)) & np.uint32(0xFFF)),
+            np.uint64(e & np.uint32(0xFFFF)))
+  p, prev, off, good = _next(at, p, end, prev, k, table, zw)
+  if not good:
+    p = end + 1
+  return _window(at, p), p, prev, off
+
+
+@numba.njit(inline="always", **_JIT)
 def _put(at, p, end, prev, k, table, zw, out, base, size, whole):
   """Decodes one change and adds its offset to out[base + index] (index < size, else not
   ok); returns (p, index, ok)."""
@@ -446,23 +467,32 @@ def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, p
   good = True
   v = np.full(STREAMS, -1, np.int64)  # each stream's last index
   if quad and nb == STREAMS and size[STREAMS - 1] == BLOCK:  # four whole blocks
+    # GROUP changes of each stream from one window load: a change's chain is a lookup
+    # and a shift, and one end check per group stands for the GROUP (positions only grow).
     p0, p1, p2, p3 = ps[0], ps[1], ps[2], ps[3]
     v0 = v1 = v2 = v3 = np.int64(-1)
     f0, f1, f2, f3 = sets[first], sets[first + 1], sets[first + 2], sets[first + 3]
     t0, t1, t2, t3 = tables[f0], tables[f1], tables[f2], tables[f3]
     w0, w1, w2, w3 = wholes[f0], wholes[f1], wholes[f2], wholes[f3]
-    m = min(min(c[0], c[1]), min(c[2], c[3]))
+    e0, e1, e2, e3 = ends[0], ends[1], ends[2], ends[3]
+    m = min(min(c[0], c[1]), min(c[2], c[3])) // GROUP
     for _ in range(m):
-      p0, v0, g0 = _put_full(at, p0, ends[0], v0, k, t0, zw, out, lo, w0)
-      p1, v1, g1 = _put_full(at, p1, ends[1], v1, k, t1, zw, out, lo + BLOCK, w1)
-      p2, v2, g2 = _put_full(at, p2, ends[2], v2, k, t2, zw, out, lo + 2 * BLOCK, w2)
-      p3, v3, g3 = _put_full(at, p3, ends[3], v3, k, t3, zw, out, lo + 3 * BLOCK, w3)
-      if not (g0 & g1 & g2 & g3):
+      b0, b1, b2, b3 = _window(at, p0), _window(at, p1), _window(at, p2), _window(at, p3)
+      for _ in range(GROUP):  # indices masked into their blocks: checked once, later
+        b0, p0, v0, o0 = _decode_held(at, b0, p0, e0, v0, k, t0, zw, w0)
+        b1, p1, v1, o1 = _decode_held(at, b1, p1, e1, v1, k, t1, zw, w1)
+        b2, p2, v2, o2 = _decode_held(at, b2, p2, e2, v2, k, t2, zw, w2)
+        b3, p3, v3, o3 = _decode_held(at, b3, p3, e3, v3, k, t3, zw, w3)
+        out[np.uint64(lo + (v0 & (BLOCK - 1)))] += o0
+        out[np.uint64(lo + BLOCK + (v1 & (BLOCK - 1)))] += o1
+        out[np.uint64(lo + 2 * BLOCK + (v2 & (BLOCK - 1)))] += o2
+        out[np.uint64(lo + 3 * BLOCK + (v3 & (BLOCK - 1)))] += o3
+      if not ((p0 <= e0) & (p1 <= e1) & (p2 <= e2) & (p3 <= e3)):
         return E_TRUNCATED
     ps[0], ps[1], ps[2], ps[3] = p0, p1, p2, p3
     v[0], v[1], v[2], v[3] = v0, v1, v2, v3
     for j in range(STREAMS):
-      c[j] -= m
+      c[j] -= GROUP * m
   for h in range(0, nb, 2):  # two streams in lockstep
     pa, pb, ea, eb = ps[h], ps[h + 1], ends[h], ends[h + 1]
     sa, sb = size[h], size[h + 1]

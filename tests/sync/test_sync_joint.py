@@ -267,6 +267,20 @@ def test_four_streams_in_lockstep_decode_as_two_do(monkeypatch):
       assert (four == two) if isinstance(four, str) else np.array_equal(four, two), name
 
 
+def test_a_rejected_change_leaves_the_held_decoder_just_past_its_end():
+  """The four-stream loop decodes GROUP changes of a stream from one window and checks the
+  stream's end once per group: a change _next rejects (here a stream of zeros, no stop
+  bit before its end at bit 128) must leave the position at end + 1, so that the check
+  fails and no later window is loaded further out than words_of's zero padding reaches."""
+  words = entropy.words_of(bytes(16))
+  assert words.nbytes - 16 >= 25
+  table = np.full(1 << huffman.MAX_LEN, joint._ESC_FLAG, np.uint32)  # no code at all
+  whole = np.zeros(1 << joint.WHOLE, np.uint32)
+  bits, p, _, _ = joint._decode_held(words.ctypes.data, np.uint64(0), 0, 128, -1, 2, table,
+                                     np.uint64(16), whole)
+  assert (p, bits) == (129, 0)
+
+
 @pytest.fixture(scope="module")
 def int8_pair():
   """int8 codes moved by +-1 at 1%, plus a value no sampled window holds in blocks 5 and
