@@ -621,17 +621,55 @@ def _walk_windows(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, lane_bits):
 
 
 @numba.njit(inline="always", **_JIT)
-def _sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least, lane_bits):
+def _walk_windows_listed(a, b, starts, gaps, nnz, vhist, ghist, lane_bits, lists):
+  """_walk_windows (the same gaps and counts) from lists of each window's changes made by
+  list_u16 / list_u8 (no branch per change, where the CPU compresses SIMD lanes); lists:
+  (element numbers, zigzags) buffers of SAMPLE_WINDOW + 64 lanes."""
+  idx, zs = lists
+  lanes = LIST_LANES if lane_bits == 16 else 64
+  for s in starts:
+    n = 0
+    for h in range(0, SAMPLE_WINDOW, lanes):
+      at = (s + h) * (lane_bits // 8)
+      if lane_bits == 16:
+        n += list_u16(a.ctypes.data + at, b.ctypes.data + at, zs.ctypes.data + 2 * n,
+                      idx.ctypes.data + 2 * n, h, 0xFFFF)
+      else:
+        n += list_u8(a.ctypes.data + at, b.ctypes.data + at, zs.ctypes.data + n,
+                     idx.ctypes.data + 2 * n, h)
+    prev = np.int64(-1)
+    for j in range(n):
+      vhist[symbol_of(zs[j])[0]] += 1
+      i = np.int64(idx[j])
+      gaps[nnz] = i - prev - 1
+      ghist[symbol_of(i - prev - 1)[0]] += 1
+      prev = i
+      nnz += 1
+  return nnz
+
+
+@numba.njit(inline="always", **_JIT)
+def _walk(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, lane_bits, listed):
+  """_walk_windows_listed where `listed`, else _walk_windows."""
+  if listed:
+    lists = (np.empty(SAMPLE_WINDOW + 64, np.uint16),
+             np.empty(SAMPLE_WINDOW + 64, np.uint16 if lane_bits == 16 else np.uint8))
+    return _walk_windows_listed(a, b, starts, gaps, nnz, vhist, ghist, lane_bits, lists)
+  return _walk_windows(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, lane_bits)
+
+
+@numba.njit(inline="always", **_JIT)
+def _sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least, lane_bits, listed):
   """_walk_windows over the probe windows, then, unless they hold fewer than `least`
   changes (sparser tensors stop there), over the rest: one compiled call (a call costs
   tens of microseconds when the caches are cold). Returns (changes, whether the rest was
   walked, the Rice parameter among those near log2 of the mean gap whose code is
   shortest, its bits, the entropy stage's bits for the gaps (loops.entropy_bits), their
   symbols present): sums, whatever the windows' order."""
-  nnz = _walk_windows(aw, bw, a, b, probe, gaps, 0, vhist, ghist, lane_bits)
+  nnz = _walk(aw, bw, a, b, probe, gaps, 0, vhist, ghist, lane_bits, listed)
   if nnz < least:
     return nnz, False, 0, 0, 0.0, 0
-  nnz = _walk_windows(aw, bw, a, b, rest, gaps, nnz, vhist, ghist, lane_bits)
+  nnz = _walk(aw, bw, a, b, rest, gaps, nnz, vhist, ghist, lane_bits, listed)
   if nnz == 0:
     return 0, True, 0, 0, 0.0, 0
   best_k, best = best_rice(gaps, nnz, 1, 3, MAX_K + 1)
@@ -639,28 +677,34 @@ def _sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least, lane_b
   return nnz, True, best_k, best, bits, present
 
 
-@numba.njit(**_JIT)
-def _sample16(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least):
-  return _sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least, 16)
+def _sample_for(lane_bits: int, listed: bool):
+  """_sample compiled for one lane width and way of walking (one numba specialisation
+  each)."""
+  @numba.njit(**_JIT)
+  def sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least):
+    return _sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least, lane_bits,
+                   listed)
+  return sample
 
 
-@numba.njit(**_JIT)
-def _sample8(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least):
-  return _sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least, 8)
+_SAMPLERS = {(bits, listed): _sample_for(bits, listed) for bits in (16, 8)
+             for listed in (False, True)}
 
 
-def plan(old: np.ndarray, new: np.ndarray):
+def plan(old: np.ndarray, new: np.ndarray, listed: bool | None = None):
   """(k, symbol counts, their Rice gap bits, changes) for a joint section from the windows at
   sample_starts(n), or None when the tensor suits the general layouts better (small,
   below MIN_DENSITY (bf16) or MIN_DENSITY_INT8, at 25% or more, or clustered changes
-  that the entropy-coded gaps code smaller)."""
+  that the entropy-coded gaps code smaller). listed: the windows' changes listed first
+  (as encode's listed blocks are; None: where the host compresses SIMD lanes); the plan
+  is the same."""
   n = new.size
   if n < MIN_ELEMENTS:
     return None
   starts = sample_starts(n)
   gaps = scratch.buffer("plan", SAMPLE_WINDOW * starts.size, np.uint64)
   m = n - n % 64
-  sample = _sample16 if new.itemsize == 2 else _sample8
+  sample = _SAMPLERS[8 * new.itemsize, HAS_COMPRESS if listed is None else listed]
   least = MIN_DENSITY if new.itemsize == 2 else MIN_DENSITY_INT8
   words = old[:m].view(np.uint64), new[:m].view(np.uint64), old, new
   vhist = np.zeros(ALPHABET, np.int64)

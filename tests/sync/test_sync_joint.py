@@ -221,6 +221,38 @@ def test_joint_blocks_coded_from_lists_write_the_bytes_of_the_group_walk(case):
   assert np.array_equal(out, target)
 
 
+def _sampled(base, target, listed):
+  """Everything plan's sample gives for base -> target (every window walked, as at any
+  density): (changes, walked, k, Rice bits, gap entropy bits, symbols present), the gaps,
+  the value and gap symbol counts."""
+  n = base.size
+  probe, rest = joint._probe_split(n)
+  gaps = np.zeros(joint.SAMPLE_WINDOW * joint.sample_starts(n).size, np.uint64)
+  vhist = np.zeros(entropy.ALPHABET, np.int64)
+  ghist = np.zeros(entropy.ALPHABET, np.int64)
+  m = n - n % 64
+  got = joint._SAMPLERS[8 * base.itemsize, listed](
+      base[:m].view(np.uint64), target[:m].view(np.uint64), base, target, probe, rest, gaps,
+      vhist, ghist, entropy.WIDTHS, 0)
+  return got, gaps[:got[0]], vhist, ghist
+
+
+def test_the_sample_listed_with_a_compress_is_the_walked_one():
+  """plan's windows listed with a SIMD compress (the host's choice where it has one) and
+  walked group by group give the same changes, gaps and symbol counts, bf16 and int8, so
+  the same plan."""
+  for name, base, target, _, _ in _listed_cases():
+    if base.size < joint.MIN_ELEMENTS:
+      continue
+    (walked, *w), (listed, *l) = _sampled(base, target, False), _sampled(base, target, True)
+    assert walked == listed and walked[0] > 0, name
+    assert all(np.array_equal(x, y) for x, y in zip(w, l)), name
+    plans = [joint.plan(base, target, listed=f) for f in (False, True)]
+    assert (plans[0] is None) == (plans[1] is None), name
+    if plans[0] is not None:
+      assert plans[0][0] == plans[1][0] and plans[0][2:] == plans[1][2:], name
+
+
 def test_the_listed_path_follows_the_cpu_features_numba_compiles_for(monkeypatch):
   """HAS_COMPRESS reads NUMBA_CPU_FEATURES where it is set (numba compiles for those), else
   the host's: a cache built for a CPU without AVX-512 VBMI2 keeps the group walk."""
