@@ -1106,7 +1106,7 @@ class Section:
     ps = self.starts[:STREAMS].copy()
     ends = self.starts[1:]
     copy = out is not old
-    step = 2 * CALL_BYTES // old.itemsize  # whole rounds of STREAMS blocks
+    step = CALL_BYTES // old.itemsize  # whole rounds of STREAMS blocks
     for s in range(0, self.n, step):
       if copy:
         np.copyto(out[s:s + step], old[s:s + step])
