@@ -63,8 +63,8 @@ _JIT = dict(nogil=True, cache=True, boundscheck=False)
 _WIDTHS = entropy.WIDTHS  # raw bits of each symbol
 _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | escape flag
 # Four streams decoded in lockstep (else two): with 16 registers, four chains spill some;
-# wide cores (Zen 5: -24% a change) gain, Zen 3 lost (+17%). The hosts with AVX-512 VBMI2
-# are the wide ones.
+# wide cores gained (Zen 5: -24% a change), Zen 3 lost (+17%), both measured before GROUP
+# (Zen 3 not since). The hosts with AVX-512 VBMI2 are the wide ones.
 QUAD = HAS_COMPRESS
 WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
 GROUP = 4  # changes a stream decodes from one 57-bit window in the four-stream loop
