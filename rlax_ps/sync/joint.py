@@ -39,7 +39,7 @@ from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.intrinsics import (CODE_LANES, HAS_COMPRESS, LIST_LANES, code_u8,
                                      code_u16, list_u8, list_u16,
-                                     load_u64, store_u64, zigzag_u16)
+                                     load_u64, prefetch, store_u64, zigzag_u16)
 from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
                                 _get_varint,
                                 _group_mask, _take, best_rice, entropy_bits,
@@ -68,6 +68,9 @@ _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | es
 QUAD = HAS_COMPRESS
 WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
 GROUP = 4  # changes a stream decodes from one 57-bit window in the four-stream loop
+PREFETCH_LINES = 4  # lines of the next stretch's base asked for per group of the four-stream
+# loop: at 15% changed (~2,400 groups a 512 KB stretch) all of it, so that its copy reads
+# from cache; sparser stretches get part of it
 assert GROUP * WHOLE <= 57
 CLOSED_GAIN = 0.01  # a section has a closed code set where it saves this share of the bits
 
@@ -448,13 +451,16 @@ def _put(at, p, end, prev, k, table, zw, out, base, size, whole):
 
 
 @numba.njit(inline="always", **_JIT)
-def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, ps, quad):
+def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, ps, quad,
+                  ahead):
   """Adds the changes of the (up to STREAMS) blocks from block `first` on (counts[b]
   changes in block b, stream b % 4, decoded with code set sets[b]: row 0 (closed) or 1
   (open) of tables and wholes) to out: out[i] += offset (wrapping) at every change.
   ps[j]: stream j's bit position, carried across rounds. Streams run in lockstep, so that
   their independent dependency chains overlap: all four while every one has a change
-  left in a whole block (where `quad`), then two at a time. Returns an error code."""
+  left in a whole block (where `quad`), then two at a time. While all four run, the lines
+  from address ahead[0] to ahead[1] are prefetched, PREFETCH_LINES a group, ahead[0]
+  advancing. Returns an error code."""
   zw = np.uint64(8 * out.itemsize)
   at = np.int64(words.ctypes.data)  # _decode_one's 8-byte loads
   lo = first * BLOCK
@@ -476,6 +482,7 @@ def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, p
     w0, w1, w2, w3 = wholes[f0], wholes[f1], wholes[f2], wholes[f3]
     e0, e1, e2, e3 = ends[0], ends[1], ends[2], ends[3]
     m = min(min(c[0], c[1]), min(c[2], c[3])) // GROUP
+    pf, pf_end = ahead[0], ahead[1]
     for _ in range(m):
       b0, b1, b2, b3 = _window(at, p0), _window(at, p1), _window(at, p2), _window(at, p3)
       for _ in range(GROUP):  # indices masked into their blocks: checked once, later
@@ -487,8 +494,12 @@ def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, p
         out[np.uint64(lo + BLOCK + (v1 & (BLOCK - 1)))] += o1
         out[np.uint64(lo + 2 * BLOCK + (v2 & (BLOCK - 1)))] += o2
         out[np.uint64(lo + 3 * BLOCK + (v3 & (BLOCK - 1)))] += o3
+      for j in range(PREFETCH_LINES):  # unrolled; past pf_end: the last line again
+        prefetch(pf + 64 * j)
+      pf = min(pf + 64 * PREFETCH_LINES, pf_end)
       if not ((p0 <= e0) & (p1 <= e1) & (p2 <= e2) & (p3 <= e3)):
         return E_TRUNCATED
+    ahead[0] = pf
     ps[0], ps[1], ps[2], ps[3] = p0, p1, p2, p3
     v[0], v[1], v[2], v[3] = v0, v1, v2, v3
     for j in range(STREAMS):
@@ -534,14 +545,28 @@ def _decode_round(words, ends, k, tables, wholes, out, first, n, counts, sets, p
   return OK if good else E_TRUNCATED
 
 
+@numba.njit(inline="always", **_JIT)
+def next_stretch(first, stop, n):
+  """(start, end) of the elements Section.apply copies in after the stretch of blocks
+  first..stop - 1 of n elements: the next stretch of as many blocks, cut at n."""
+  lo = min(stop * BLOCK, n)
+  return lo, min(lo + (stop - first) * BLOCK, n)
+
+
 @numba.njit(**_JIT)
 def decode_rounds(words, ends, k, tables, wholes, out, first, stop, n, counts, sets, ps,
-                  quad):
+                  quad, base):
   """_decode_round for the rounds of blocks first, first + STREAMS, ... below stop: one
   call per stretch that the caller copies in before and hashes after, while in cache.
-  quad: see QUAD. Returns an error code."""
+  quad: see QUAD. base: the array the caller copies the next stretch from (empty: none),
+  prefetched while the decoder works so that the copy finds it in cache. Returns an error
+  code."""
+  lo, hi = next_stretch(first, stop, base.size)
+  at, size = np.int64(base.ctypes.data), base.itemsize
+  pf = np.array([at + size * lo, at + size * hi])
   for b in range(first, min(stop, (n + BLOCK - 1) // BLOCK), STREAMS):
-    err = _decode_round(words, ends, k, tables, wholes, out, b, n, counts, sets, ps, quad)
+    err = _decode_round(words, ends, k, tables, wholes, out, b, n, counts, sets, ps, quad,
+                        pf)
     if err != OK:
       return err
   return OK
@@ -874,22 +899,31 @@ def whole_codes(k: int, table: np.ndarray, width: int) -> np.ndarray:
 
 @numba.njit(**_JIT)
 def _whole_codes(k, table, width, out):
-  kk = np.uint64(k)
-  for x in range(1, out.size):
-    xu = np.uint64(x)
-    t = np.uint64(trailing_zeros(xu))  # the gap's quotient: zeros before its stop bit
-    head = t + np.uint64(1) + kk  # the gap's bits
-    y = xu >> min(head, np.uint64(63))
-    e = np.uint64(table[y & np.uint64((1 << huffman.MAX_LEN) - 1)])
-    hl, rw = e >> np.uint64(24), (e >> np.uint64(16)) & np.uint64(31)
-    total = head + hl + rw
-    if e & np.uint64(_ESC_FLAG) or total > np.uint64(WHOLE):
-      continue
-    z = (e & np.uint64(0xFFFF)) | ((y >> hl) & ((np.uint64(1) << rw) - np.uint64(1)))
-    off = ((z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))) & (
-        (np.uint64(1) << np.uint64(width)) - np.uint64(1))
-    gap = (t << kk) | ((xu >> (t + np.uint64(1))) & ((np.uint64(1) << kk) - np.uint64(1)))
-    out[x] = np.uint32(off | (gap << np.uint64(16)) | (total << np.uint64(28)))
+  """whole_codes into out, gap by gap: the windows that start with one gap's code (t zeros,
+  a one, its k low bits r) are every 2**(t + 1 + k)-th one, and their bits after the gap
+  (y) start a value code whose offset and length depend on y alone (values[y])."""
+  for x in range(0, out.size, 1 << max(WHOLE - k, 0)):  # no whole gap code in the window
+    out[x] = 0
+  if k >= WHOLE:
+    return
+  values = np.empty(1 << (WHOLE - 1 - k), np.uint32)  # offset | length << 28 (15: none)
+  mask = np.uint32((1 << width) - 1)
+  for y in range(values.size):
+    e = table[y]
+    hl, rw = e >> np.uint32(24), (e >> np.uint32(16)) & np.uint32(31)
+    z = (e & np.uint32(0xFFFF)) | ((np.uint32(y) >> hl) & ((np.uint32(1) << rw) - np.uint32(1)))
+    off = ((z >> np.uint32(1)) ^ (np.uint32(0) - (z & np.uint32(1)))) & mask
+    good = ((e & np.uint32(_ESC_FLAG)) == 0) & (hl + rw < np.uint32(WHOLE))
+    values[y] = off | ((hl + rw if good else np.uint32(15)) << np.uint32(28))
+  for t in range(WHOLE - k):
+    head = t + 1 + k
+    room = np.uint32(WHOLE - head)  # bits left for the value code
+    for r in range(1 << k):
+      x0 = (1 << t) | (r << (t + 1))
+      add = np.uint32((((t << k) | r) << 16) | (head << 28))
+      for y in range(1 << (WHOLE - head)):
+        v = values[y]
+        out[x0 | (y << head)] = v + add if v >> np.uint32(28) <= room else np.uint32(0)
 
 
 @numba.njit(**_JIT)
@@ -1107,11 +1141,13 @@ class Section:
     ends = self.starts[1:]
     copy = out is not old
     step = CALL_BYTES // old.itemsize  # whole rounds of STREAMS blocks
+    base = old if copy else old[:0]
     for s in range(0, self.n, step):
       if copy:
         np.copyto(out[s:s + step], old[s:s + step])
       if decode_rounds(self.words, ends, self.k, self.tables, self.wholes, out, s // BLOCK,
-                       (s + step) // BLOCK, self.n, self.counts, self.sets, ps, QUAD) != OK:
+                       (s + step) // BLOCK, self.n, self.counts, self.sets, ps, QUAD,
+                       base) != OK:
         raise CodecError(f"{self.what}: joint streams are truncated or corrupted, or a "
                          f"change lies outside its block")
       if hasher is not None:

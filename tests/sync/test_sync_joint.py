@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlax_ps import sync
-from rlax_ps.sync import entropy, huffman, joint, rans, tensor_codec
+from rlax_ps.sync import entropy, huffman, joint, loops, rans, tensor_codec
 from rlax_ps.sync.bits import BF16
 from rlax_ps.sync.byte_reader import ByteReader, varint, varints
 from rlax_ps.sync.errors import CodecError
@@ -510,7 +510,6 @@ def test_huffman_lengths_are_optimal_when_no_limit_binds(counts):
 
 
 def test_the_gap_plan_costs_rice_and_the_entropy_stage_exactly():
-  from rlax_ps.sync import loops  # noqa: PLC0415
   gaps = np.random.default_rng(3).geometric(0.03, 5000).astype(np.uint32) - 1
   k, rice_bits, entropy_bits, present = loops.gap_plan(gaps, 1, entropy.WIDTHS)
   for other in range(max(0, k - 1), k + 2):
@@ -545,7 +544,7 @@ def test_the_whole_code_table_matches_its_array_wise_definition(pair):
   enc, dec = section(*pair)
   assert enc.mode == tensor_codec.JOINT
   table = dec.streams.tables[0]
-  for k in {dec.streams.k, 0, 3, 9}:
+  for k in {dec.streams.k, 0, 3, 9, joint.WHOLE - 1, joint.WHOLE, joint.MAX_K}:
     for width in (8, 16):
       assert np.array_equal(joint.whole_codes(k, table, width),
                             _whole_codes_numpy(k, table, width)), (k, width)
@@ -557,7 +556,6 @@ def test_the_code_tables_match_their_symbol_by_symbol_definition(width, wide):
   from ctab within its reach (0 past it), from the symbol table and the escape above; the
   open set codes every value, the closed set the sample's symbols alone, with one code
   fewer."""
-  from rlax_ps.sync import loops  # noqa: PLC0415
   rng = np.random.default_rng(width + wide)
   counts = np.zeros(entropy.ALPHABET, np.int64)
   top = 4 * width if wide else 2 * width + 8  # wide: up to the largest symbol (sign crossings)
@@ -719,9 +717,18 @@ def test_fuzzed_joint_sections_parse_alike_both_ways(ops, head, cut, int8_pair):
     assert _same_parse(fast, general)
 
 
+@pytest.mark.parametrize("n", [1 << 16, (1 << 20) + 777, 3 << 18, (3 << 18) + 1])
+def test_the_decoder_prefetches_the_stretch_apply_copies_next(n):
+  """While decoding a stretch, the decoder prefetches the base elements that Section.apply
+  copies in for the next one; after the last, nothing."""
+  step = loops.CALL_BYTES // 2
+  stretches = [(s, min(s + step, n)) for s in range(0, n, step)]
+  for (s, _), following in zip(stretches, stretches[1:] + [(n, n)]):
+    assert joint.next_stretch(s // joint.BLOCK, (s + step) // joint.BLOCK, n) == following
+
+
 def test_a_compiled_call_covers_whole_rounds_of_joint_blocks():
   """Joint encode and apply take CALL_BYTES of each array per call in whole rounds of
   STREAMS blocks (the decoder runs a round's streams side by side): for bf16 and int8."""
-  from rlax_ps.sync import loops  # noqa: PLC0415
   for itemsize in (1, 2):
     assert (loops.CALL_BYTES // itemsize) % (joint.STREAMS * joint.BLOCK) == 0
