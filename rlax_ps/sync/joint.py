@@ -5,9 +5,9 @@ its value (a length-limited Huffman code of the entropy-stage symbol of the zigz
 then the symbol's raw low bits; or an escape code and the zigzag in full), LSB first, in
 one bit stream. The code tables come from a sample of the tensor (about 1/32 of it, in
 windows of 4096 elements), so the encoder makes one pass: compare 64 elements at a time,
-walk the changed ones (or, where the CPU compresses SIMD lanes, list them and code them 8
-at a time), emit their codes, and hash the block while in cache; the decoder decodes and
-scatters in one pass as well.
+walk the changed ones (or list them without a branch per change: a SIMD compress where
+the CPU has one, byte shuffles on other x86), emit their codes, and hash the block while
+in cache; the decoder decodes and scatters in one pass as well.
 Blocks of BLOCK elements go round-robin to STREAMS streams (block b to stream b % 4, gaps
 counted in the stream's own element order), so the decoder runs four independent
 dependency chains side by side over four neighbouring blocks that sit in cache together.
@@ -37,9 +37,11 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.intrinsics import (CODE_LANES, HAS_COMPRESS, LIST_LANES, code_u8,
-                                     code_u16, list_u8, list_u16,
-                                     load_u64, prefetch, store_u64, zigzag_u16)
+from rlax_ps.sync.intrinsics import (CODE_LANES, COMPRESS, HAS_COMPRESS, HAS_SHUFFLE,
+                                     LIST_LANES, SHUFFLE, WALK, code_u8, code_u16,
+                                     list_u8_compress, list_u8_shuffle, list_u16_compress,
+                                     list_u16_shuffle, load_u64, prefetch, store_u64,
+                                     zigzag_u16)
 from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
                                 _get_varint,
                                 _group_mask, _take, best_rice, entropy_bits,
@@ -66,6 +68,12 @@ _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | es
 # wide cores gained (Zen 5: -24% a change), Zen 3 lost (+17%), both measured before GROUP
 # (Zen 3 not since). The hosts with AVX-512 VBMI2 are the wide ones.
 QUAD = HAS_COMPRESS
+# How encode and plan find a tensor's changes by default, by lane bits: listed by the SIMD
+# compress where the host has it; else bf16 listed by byte shuffles where x86 has them
+# (38M model, AVX2 build on Zen 5: cold encode -16 to -21% against the walk) and int8
+# codes (sparser: listing them took +20%) walked.
+LISTING = {16: COMPRESS if HAS_COMPRESS else SHUFFLE if HAS_SHUFFLE else WALK,
+           8: COMPRESS if HAS_COMPRESS else WALK}
 WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
 GROUP = 4  # changes a stream decodes from one 57-bit window in the four-stream loop
 PREFETCH_LINES = 4  # lines of the next stretch's base asked for per group of the four-stream
@@ -202,11 +210,12 @@ def _code_block(ab, bb, ahead, k, ctab, symtab, esc, stream, pos, acc, fill, lan
 
 @numba.njit(inline="always", **_JIT)
 def _code_block_listed(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx, zs16, zs8,
-                       codes, lens, lane_bits):
+                       codes, lens, lane_bits, listed):
   """_code_block, LIST elements at a time and branch-free but for the appends: list the
-  changes (list_u16 / list_u8: element numbers into idx[1:], zigzags into zs16 (capped at
-  CTAB_MAX) / zs8), make their codes and lengths 8 at a time (code_u16 / code_u8), then
-  append them; a change of length 0 takes value_entry (or escapes its gap)."""
+  changes (list_u16 / list_u8 of the way `listed` (COMPRESS or SHUFFLE): element numbers
+  into idx[1:], zigzags into zs16 (capped at CTAB_MAX) / zs8), make their codes and lengths
+  8 at a time (code_u16 / code_u8; SHUFFLE: each in the append loop), then append them; a
+  change of length 0 takes value_entry (or escapes its gap)."""
   kk = np.uint64(k)
   kmask = (np.uint64(1) << kk) - np.uint64(1)
   low56 = (np.uint64(1) << np.uint64(56)) - np.uint64(1)
@@ -223,10 +232,18 @@ def _code_block_listed(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx
     n = np.int64(0)
     if lane_bits == 16:
       for h in range(lo, hi, LIST_LANES):
-        n += list_u16(pa + 2 * h, pb + 2 * h, zp + 2 * n, ip + 2 + 2 * n, h, CTAB_MAX)
+        if listed == SHUFFLE:
+          n += list_u16_shuffle(pa + 2 * h, pb + 2 * h, zp + 2 * n, ip + 2 + 2 * n, h,
+                                CTAB_MAX)
+        else:
+          n += list_u16_compress(pa + 2 * h, pb + 2 * h, zp + 2 * n, ip + 2 + 2 * n, h,
+                                 CTAB_MAX)
     else:
       for h in range(lo, hi, 64):
-        n += list_u8(pa + h, pb + h, zp + n, ip + 2 + 2 * n, h)
+        if listed == SHUFFLE:
+          n += list_u8_shuffle(pa + h, pb + h, zp + n, ip + 2 + 2 * n, h)
+        else:
+          n += list_u8_compress(pa + h, pb + h, zp + n, ip + 2 + 2 * n, h)
     if hi == whole:  # the tail of a short last block, element by element
       for t in range(whole, ab.size):
         z = _take(ab, bb, t, lane_bits)
@@ -237,16 +254,26 @@ def _code_block_listed(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx
             zs8[n] = np.uint8(z)
           n += 1
           idx[n] = np.uint16(t)
-    for i in range(0, n, CODE_LANES):
-      if lane_bits == 16:
-        code_u16(ip + 2 * i, zp + zb * i, tp, kk, cp + 8 * i, lp + i)
-      else:
-        code_u8(ip + 2 * i, zp + zb * i, tp, kk, cp + 8 * i, lp + i)
+    if listed != SHUFFLE:
+      for i in range(0, n, CODE_LANES):
+        if lane_bits == 16:
+          code_u16(ip + 2 * i, zp + zb * i, tp, kk, cp + 8 * i, lp + i)
+        else:
+          code_u8(ip + 2 * i, zp + zb * i, tp, kk, cp + 8 * i, lp + i)
     for i in range(n):
-      ln = np.uint64(lens[i])
-      if ln:
-        wp, acc, fill = _append(0, wp, acc, fill, codes[i], ln)
-        continue
+      if listed == SHUFFLE:  # coded here: without AVX-512, code_u16's gather is scalar
+        e = ctab[np.uint64(zs16[i]) if lane_bits == 16 else np.uint64(zs8[i])]
+        gap = np.uint64((np.int64(idx[i + 1]) - np.int64(idx[i]) - 1) & 65535)
+        q, tail = gap >> kk, e >> np.uint64(56)
+        if tail != 0 and q + tail <= np.uint64(56):
+          v = ((gap & kmask) << np.uint64(1)) | (e & low56)
+          wp, acc, fill = _append(0, wp, acc, fill, v << q, q + tail)
+          continue
+      else:
+        ln = np.uint64(lens[i])
+        if ln:
+          wp, acc, fill = _append(0, wp, acc, fill, codes[i], ln)
+          continue
       t = np.int64(idx[i + 1])
       e = value_entry(_take(ab, bb, t, lane_bits), symtab, esc, kk + np.uint64(1))
       tail = e >> np.uint64(56)
@@ -286,9 +313,9 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   calls;
   counts[b] = 2 * (changes of block b, whose gaps count from its start) + (1 if it took
   the open set). Returns the most words any stream reaches (the caller grows out before
-  another call could overrun it). lane_bits: 8 * a.itemsize, and listed (blocks coded by
-  _code_block_listed, else _code_block): constants of each compiled specialisation
-  (encode_blocks16, encode_blocks8 and their _listed twins)."""
+  another call could overrun it). lane_bits: 8 * a.itemsize, and listed (WALK: blocks coded
+  by _code_block; COMPRESS or SHUFFLE: by _code_block_listed, listing that way): constants
+  of each compiled specialisation (_ENCODERS)."""
   nblocks = (a.size + BLOCK - 1) // BLOCK
   masks = np.empty(BLOCK // 64 + 1, np.uint64)  # int8 blocks' changed groups
   starts = np.empty(BLOCK // 64 + 1, np.int64)
@@ -317,7 +344,7 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
     if listed:
       w, c, f, count, ok = _code_block_listed(ab, bb, k, ctabs[flag], symtabs[flag],
                                               escs[flag], out[j].ctypes.data, pos, acc, fill,
-                                              idx, zs16, zs8, codes, lens, lane_bits)
+                                              idx, zs16, zs8, codes, lens, lane_bits, listed)
     else:
       w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[flag], symtabs[flag],
                                        escs[flag], out[j].ctypes.data, pos, acc, fill,
@@ -327,7 +354,7 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
       if listed:
         w, c, f, count, ok = _code_block_listed(ab, bb, k, ctabs[1], symtabs[1], escs[1],
                                                 out[j].ctypes.data, pos, acc, fill, idx,
-                                                zs16, zs8, codes, lens, lane_bits)
+                                                zs16, zs8, codes, lens, lane_bits, listed)
       else:
         w, c, f, count, ok = _code_block(ab, bb, ahead, k, ctabs[1], symtabs[1], escs[1],
                                          out[j].ctypes.data, pos, acc, fill, lane_bits,
@@ -337,8 +364,8 @@ def _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out,
   return int(st[:, 0].max()) // 8 + 1
 
 
-def _encode_blocks_for(lane_bits: int, listed: bool):
-  """_encode_blocks compiled for one lane width and way of coding blocks."""
+def _encode_blocks_for(lane_bits: int, listed: int):
+  """_encode_blocks compiled for one lane width and way of listing changes."""
   @numba.njit(**_JIT)
   def encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st, counts):
     return _encode_blocks(aw, bw, a, b, first, k, ctabs, symtabs, escs, first_set, out, st,
@@ -346,10 +373,9 @@ def _encode_blocks_for(lane_bits: int, listed: bool):
   return encode_blocks
 
 
-encode_blocks16 = _encode_blocks_for(16, False)
-encode_blocks16_listed = _encode_blocks_for(16, True)
-encode_blocks8 = _encode_blocks_for(8, False)
-encode_blocks8_listed = _encode_blocks_for(8, True)
+# (lane bits, way of listing: WALK, COMPRESS or SHUFFLE) -> _encode_blocks compiled for them
+_ENCODERS = {(bits, way): _encode_blocks_for(bits, way) for bits in (16, 8)
+             for way in (WALK, COMPRESS, SHUFFLE)}
 
 
 # ---- decoder -----------------------------------------------------------------------------
@@ -646,22 +672,25 @@ def _walk_windows(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, lane_bits):
 
 
 @numba.njit(inline="always", **_JIT)
-def _walk_windows_listed(a, b, starts, gaps, nnz, vhist, ghist, lane_bits, lists):
+def _walk_windows_listed(a, b, starts, gaps, nnz, vhist, ghist, lane_bits, lists, listed):
   """_walk_windows (the same gaps and counts) from lists of each window's changes made by
-  list_u16 / list_u8 (no branch per change, where the CPU compresses SIMD lanes); lists:
-  (element numbers, zigzags) buffers of SAMPLE_WINDOW + 64 lanes."""
+  list_u16 / list_u8 of the way `listed` (COMPRESS or SHUFFLE: no branch per change);
+  lists: (element numbers, zigzags) buffers of SAMPLE_WINDOW + 64 lanes."""
   idx, zs = lists
   lanes = LIST_LANES if lane_bits == 16 else 64
   for s in starts:
     n = 0
     for h in range(0, SAMPLE_WINDOW, lanes):
       at = (s + h) * (lane_bits // 8)
-      if lane_bits == 16:
-        n += list_u16(a.ctypes.data + at, b.ctypes.data + at, zs.ctypes.data + 2 * n,
-                      idx.ctypes.data + 2 * n, h, 0xFFFF)
+      pa, pb, pz, pi = a.ctypes.data + at, b.ctypes.data + at, zs.ctypes.data, idx.ctypes.data
+      if lane_bits == 16 and listed == SHUFFLE:
+        n += list_u16_shuffle(pa, pb, pz + 2 * n, pi + 2 * n, h, 0xFFFF)
+      elif lane_bits == 16:
+        n += list_u16_compress(pa, pb, pz + 2 * n, pi + 2 * n, h, 0xFFFF)
+      elif listed == SHUFFLE:
+        n += list_u8_shuffle(pa, pb, pz + n, pi + 2 * n, h)
       else:
-        n += list_u8(a.ctypes.data + at, b.ctypes.data + at, zs.ctypes.data + n,
-                     idx.ctypes.data + 2 * n, h)
+        n += list_u8_compress(pa, pb, pz + n, pi + 2 * n, h)
     prev = np.int64(-1)
     for j in range(n):
       vhist[symbol_of(zs[j])[0]] += 1
@@ -675,11 +704,12 @@ def _walk_windows_listed(a, b, starts, gaps, nnz, vhist, ghist, lane_bits, lists
 
 @numba.njit(inline="always", **_JIT)
 def _walk(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, lane_bits, listed):
-  """_walk_windows_listed where `listed`, else _walk_windows."""
+  """_walk_windows_listed where `listed` (COMPRESS or SHUFFLE), else _walk_windows."""
   if listed:
     lists = (np.empty(SAMPLE_WINDOW + 64, np.uint16),
              np.empty(SAMPLE_WINDOW + 64, np.uint16 if lane_bits == 16 else np.uint8))
-    return _walk_windows_listed(a, b, starts, gaps, nnz, vhist, ghist, lane_bits, lists)
+    return _walk_windows_listed(a, b, starts, gaps, nnz, vhist, ghist, lane_bits, lists,
+                                listed)
   return _walk_windows(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, lane_bits)
 
 
@@ -702,7 +732,7 @@ def _sample(aw, bw, a, b, probe, rest, gaps, vhist, ghist, widths, least, lane_b
   return nnz, True, best_k, best, bits, present
 
 
-def _sample_for(lane_bits: int, listed: bool):
+def _sample_for(lane_bits: int, listed: int):
   """_sample compiled for one lane width and way of walking (one numba specialisation
   each)."""
   @numba.njit(**_JIT)
@@ -712,24 +742,25 @@ def _sample_for(lane_bits: int, listed: bool):
   return sample
 
 
-_SAMPLERS = {(bits, listed): _sample_for(bits, listed) for bits in (16, 8)
-             for listed in (False, True)}
+_SAMPLERS = {(bits, way): _sample_for(bits, way) for bits in (16, 8)
+             for way in (WALK, COMPRESS, SHUFFLE)}
 
 
-def plan(old: np.ndarray, new: np.ndarray, listed: bool | None = None):
+def plan(old: np.ndarray, new: np.ndarray, listed: int | None = None):
   """(k, symbol counts, their Rice gap bits, changes) for a joint section from the windows at
   sample_starts(n), or None when the tensor suits the general layouts better (small,
   below MIN_DENSITY (bf16) or MIN_DENSITY_INT8, at 25% or more, or clustered changes
-  that the entropy-coded gaps code smaller). listed: the windows' changes listed first
-  (as encode's listed blocks are; None: where the host compresses SIMD lanes); the plan
-  is the same."""
+  that the entropy-coded gaps code smaller). listed: how the windows' changes are found,
+  as encode's (WALK or False, COMPRESS or True, SHUFFLE; None: LISTING's); the plan is the
+  same."""
   n = new.size
   if n < MIN_ELEMENTS:
     return None
   starts = sample_starts(n)
   gaps = scratch.buffer("plan", SAMPLE_WINDOW * starts.size, np.uint64)
   m = n - n % 64
-  sample = _SAMPLERS[8 * new.itemsize, HAS_COMPRESS if listed is None else listed]
+  sample = _SAMPLERS[8 * new.itemsize, LISTING[8 * new.itemsize] if listed is None
+                     else int(listed)]
   least = MIN_DENSITY if new.itemsize == 2 else MIN_DENSITY_INT8
   words = old[:m].view(np.uint64), new[:m].view(np.uint64), old, new
   vhist = np.zeros(ALPHABET, np.int64)
@@ -839,20 +870,18 @@ def tables(counts: np.ndarray, width: int, k: int, gap_bits: int = 0,
 
 def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bits: int = 0,
            sampled: int | None = None, hash_old: bool = True, hash_new: bool = True,
-           listed: bool | None = None):
+           listed: int | None = None):
   """(section bytes, xxh3 of old, xxh3 of new (each None unless hash_old / hash_new)) of
   the joint section from old to new, with plan()'s k, counts (of the sample's symbols),
   gap bits and changes in the sample (None: the counts' sum). listed: blocks coded from
-  lists of their changes (_code_block_listed: 2x faster (bf16) where the host compresses
-  SIMD lanes, 2x slower where it does not) or by the group walk (_code_block); None: the
-  host's faster one. The bytes are the same."""
+  lists of their changes (_code_block_listed), made by a SIMD compress (COMPRESS or True:
+  2x faster than the walk (bf16) with AVX-512 VBMI2, 2x slower without) or by byte
+  shuffles (SHUFFLE: x86 without it), or by the group walk (_code_block; WALK or False);
+  None: LISTING's, the host's fastest. The bytes are the same."""
   n = new.size
   table, codes, use_closed = tables(counts, 8 * new.itemsize, k, gap_bits)
-  listed = HAS_COMPRESS if listed is None else listed
-  if new.itemsize == 2:
-    encode_blocks = encode_blocks16_listed if listed else encode_blocks16
-  else:
-    encode_blocks = encode_blocks8_listed if listed else encode_blocks8
+  encode_blocks = _ENCODERS[8 * new.itemsize, LISTING[8 * new.itemsize] if listed is None
+                            else int(listed)]
   sampled = int(counts.sum()) if sampled is None else sampled
   nnz_est = sampled * n // (SAMPLE_WINDOW * sample_starts(n).size) + 1
   bits = (k + 6) * nnz_est + n // (1 << k) + 1

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlax_ps import sync
-from rlax_ps.sync import entropy, huffman, joint, loops, rans, tensor_codec
+from rlax_ps.sync import entropy, huffman, intrinsics, joint, loops, rans, tensor_codec
 from rlax_ps.sync.bits import BF16
 from rlax_ps.sync.byte_reader import ByteReader, varint, varints
 from rlax_ps.sync.errors import CodecError
@@ -210,12 +210,14 @@ def _listed_cases():
 
 @pytest.mark.parametrize("case", list(_listed_cases()), ids=lambda c: c[0])
 def test_joint_blocks_coded_from_lists_write_the_bytes_of_the_group_walk(case):
-  """_code_block_listed (list the changes with a SIMD compress, code them 8 at a time,
-  append) and _code_block's walk write the same section, bf16 and int8; it round trips."""
+  """_code_block_listed (list the changes with a SIMD compress or with byte shuffles, code
+  them 8 at a time, append) and _code_block's walk write the same section, bf16 and int8;
+  it round trips."""
   _, base, target, k, counts = case
-  walked = joint.encode(base, target, k, counts, listed=False)
-  listed = joint.encode(base, target, k, counts, listed=True)
-  assert listed == walked
+  walked = joint.encode(base, target, k, counts, listed=intrinsics.WALK)
+  for way in (intrinsics.COMPRESS, intrinsics.SHUFFLE):
+    listed = joint.encode(base, target, k, counts, listed=way)
+    assert listed == walked, way
   out = base.copy()
   joint.Section(ByteReader(listed[0], "t"), base.size, base.dtype).apply(base, out, None)
   assert np.array_equal(out, target)
@@ -237,36 +239,93 @@ def _sampled(base, target, listed):
   return got, gaps[:got[0]], vhist, ghist
 
 
-def test_the_sample_listed_with_a_compress_is_the_walked_one():
-  """plan's windows listed with a SIMD compress (the host's choice where it has one) and
-  walked group by group give the same changes, gaps and symbol counts, bf16 and int8, so
-  the same plan."""
+def test_the_sample_listed_with_a_compress_or_shuffles_is_the_walked_one():
+  """plan's windows listed with a SIMD compress or with byte shuffles (the host's choice
+  where it has either) and walked group by group give the same changes, gaps and symbol
+  counts, bf16 and int8, so the same plan."""
+  ways = (intrinsics.WALK, intrinsics.COMPRESS, intrinsics.SHUFFLE)
   for name, base, target, _, _ in _listed_cases():
     if base.size < joint.MIN_ELEMENTS:
       continue
-    (walked, *w), (listed, *l) = _sampled(base, target, False), _sampled(base, target, True)
-    assert walked == listed and walked[0] > 0, name
-    assert all(np.array_equal(x, y) for x, y in zip(w, l)), name
-    plans = [joint.plan(base, target, listed=f) for f in (False, True)]
-    assert (plans[0] is None) == (plans[1] is None), name
-    if plans[0] is not None:
-      assert plans[0][0] == plans[1][0] and plans[0][2:] == plans[1][2:], name
+    (walked, *w), *others = (_sampled(base, target, way) for way in ways)
+    for listed, *l in others:
+      assert walked == listed and walked[0] > 0, name
+      assert all(np.array_equal(x, y) for x, y in zip(w, l)), name
+    plans = [joint.plan(base, target, listed=way) for way in ways]
+    for other in plans[1:]:
+      assert (plans[0] is None) == (other is None), name
+      if plans[0] is not None:
+        assert plans[0][0] == other[0] and plans[0][2:] == other[2:], name
+
+
+def _lister(fn, takes_top):
+  """A compiled call of the list intrinsic fn over arrays (old, new, zigzags, lane numbers)."""
+  import numba  # noqa: PLC0415
+
+  @numba.njit
+  def run(old, new, z, i, first, top):
+    if takes_top:
+      return fn(old.ctypes.data, new.ctypes.data, z.ctypes.data, i.ctypes.data, first, top)
+    return fn(old.ctypes.data, new.ctypes.data, z.ctypes.data, i.ctypes.data, first)
+  return run
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_list_intrinsics_pack_the_changed_lanes_to_the_front_both_ways(bits):
+  """list_u16 / list_u8 by compress and by byte shuffles list exactly the changed lanes, in
+  order: their zigzag offsets (capped at top for uint16) and lane numbers plus `first`,
+  for every pattern of 8 lanes (so every row of the shuffle tables) and random ones."""
+  rng = np.random.default_rng(21)
+  dtype, lanes = (np.uint16, intrinsics.LIST_LANES) if bits == 16 else (np.uint8, 64)
+  fns = ((intrinsics.list_u16_compress, intrinsics.list_u16_shuffle) if bits == 16
+         else (intrinsics.list_u8_compress, intrinsics.list_u8_shuffle))
+  runs = [_lister(fn, bits == 16) for fn in fns]
+  seen = set()
+  tiled = [np.tile((m >> np.arange(8)) & 1, lanes // 8).astype(bool) for m in range(256)]
+  for mask in tiled + [rng.random(lanes) < d for d in [0.1, 0.3, 0.5, 0.7, 0.9] * 20]:
+    old = rng.integers(0, 1 << bits, lanes, dtype=dtype)
+    step = rng.integers(1, 1 << bits, lanes, dtype=dtype)
+    new = np.where(mask, old + step, old).astype(dtype)
+    density = mask.mean()
+    diff = (new - old).astype(np.int64)
+    diff = np.where(diff >= 1 << (bits - 1), diff - (1 << bits), diff)  # wrapping offset
+    zig = np.where(diff < 0, -2 * diff - 1, 2 * diff)
+    changed = np.flatnonzero(new != old)
+    top = 1000
+    want_z = np.minimum(zig[changed], top) if bits == 16 else zig[changed]
+    first = int(rng.integers(0, 1 << 15))
+    for run in runs:
+      z = np.zeros(lanes + 16, dtype)
+      i = np.zeros(lanes + 16, np.uint16)
+      n = run(old, new, z, i, first, top)
+      assert n == changed.size
+      assert np.array_equal(z[:n], want_z), (run, density)
+      assert np.array_equal(i[:n], changed + first), (run, density)
+    seen.update(int(m) for m in np.packbits(new != old, bitorder="little"))
+  assert len(seen) == 256
 
 
 def test_the_listed_path_follows_the_cpu_features_numba_compiles_for(monkeypatch):
-  """HAS_COMPRESS reads NUMBA_CPU_FEATURES where it is set (numba compiles for those), else
-  the host's: a cache built for a CPU without AVX-512 VBMI2 keeps the group walk."""
+  """HAS_COMPRESS and HAS_SHUFFLE read NUMBA_CPU_FEATURES where it is set (numba compiles
+  for those), else the host's: a cache built for a CPU without AVX-512 VBMI2 lists changes
+  with byte shuffles, one without SSSE3 (not x86) walks them."""
   from numba.core import config  # noqa: PLC0415
-  from rlax_ps.sync import intrinsics  # noqa: PLC0415
-  monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+avx512bw,+avx512vl,-avx512vbmi2")
-  assert not intrinsics.has_compress()
-  monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+avx512bw,+avx512vl,+avx512vbmi2")
+  monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+ssse3,+avx512bw,+avx512vl,-avx512vbmi2")
+  assert not intrinsics.has_compress() and intrinsics.has_shuffle()
+  monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+ssse3,+avx512bw,+avx512vl,+avx512vbmi2")
   assert intrinsics.has_compress()
+  monkeypatch.setattr(config, "CPU_FEATURES", "+neon,+fp-armv8")
+  assert not intrinsics.has_compress() and not intrinsics.has_shuffle()
   monkeypatch.setattr(config, "CPU_FEATURES", None)
   import llvmlite.binding  # noqa: PLC0415
   host = llvmlite.binding.get_host_cpu_features()
   assert intrinsics.has_compress() == all(
       host.get(f, False) for f in ("avx512vbmi2", "avx512bw", "avx512vl"))
+  assert intrinsics.has_shuffle() == host.get("ssse3", False)
+  assert joint.LISTING[16] == (intrinsics.COMPRESS if intrinsics.HAS_COMPRESS else
+                               intrinsics.SHUFFLE if intrinsics.HAS_SHUFFLE else intrinsics.WALK)
+  assert joint.LISTING[8] == (intrinsics.COMPRESS if intrinsics.HAS_COMPRESS else
+                              intrinsics.WALK)
 
 
 def _decoded(data, base, quad, monkeypatch):
