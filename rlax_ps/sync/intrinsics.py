@@ -145,28 +145,27 @@ def _llvm_fn(builder, name, ret, params):
 LIST_LANES = 32  # lanes list_u16 looks at per call
 
 
-def _compress_table(lane_bytes: int) -> bytes:
-  """The byte-shuffle table of the SHUFFLE listers: row m (16 bytes) moves the lanes of
-  8 (of lane_bytes bytes each) whose bit is set in m to the front, in order."""
+def _compress_table() -> bytes:
+  """The byte-shuffle table of list_u16_shuffle: row m (16 bytes) moves the uint16 lanes of
+  8 whose bit is set in m to the front, in order."""
   rows = []
   for m in range(256):
-    picks = [lane * lane_bytes + b for lane in range(8) if m >> lane & 1
-             for b in range(lane_bytes)]
+    picks = [2 * lane + b for lane in range(8) if m >> lane & 1 for b in range(2)]
     rows.append(bytes(picks + [0x80] * (16 - len(picks))))
   return b"".join(rows)
 
 
-_TABLES = {2: _compress_table(2), 1: _compress_table(1)}
+_TABLE = _compress_table()
 _V16 = ir.VectorType(ir.IntType(8), 16)
 
 
-def _table_row(builder, lane_bytes, m):
-  """Row m (an i64 below 256) of _compress_table(lane_bytes), from a constant in the
-  function's module."""
-  name = f"rlax_compress_table_{lane_bytes}"
+def _table_row(builder, m):
+  """Row m (an i64 below 256) of _compress_table(), from a constant in the function's
+  module."""
+  name = "rlax_compress_table"
   table = builder.module.globals.get(name)
   if table is None:
-    data = _TABLES[lane_bytes]
+    data = _TABLE
     ty = ir.ArrayType(ir.IntType(8), len(data))
     table = ir.GlobalVariable(builder.module, ty, name)
     table.initializer = ir.Constant(ty, bytearray(data))
@@ -181,8 +180,8 @@ def _pack_front(builder, bits, vectors, width, ats, way):
   of one bit per lane) has) at its byte address in `ats` with the lanes whose bit is set
   packed to the front, in order; what follows them, up to the vector's size, is undefined.
   way COMPRESS: a SIMD compress (one instruction with AVX-512 VBMI2, else expanded lane by
-  lane); SHUFFLE: 8 lanes at a time through _compress_table (as COMPRESS where the target
-  lacks the shuffle)."""
+  lane); SHUFFLE (16-bit lanes): 8 lanes at a time through _compress_table (as COMPRESS
+  where the target lacks the shuffle)."""
   n = bits.type.width
   if way != SHUFFLE or not HAS_SHUFFLE:
     mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), n))
@@ -195,18 +194,18 @@ def _pack_front(builder, bits, vectors, width, ats, way):
     return
   pshufb = _llvm_fn(builder, "llvm.x86.ssse3.pshuf.b.128", _V16, [_V16, _V16])
   ctpop = _llvm_fn(builder, "llvm.ctpop.i64", _U64, [_U64])
+  assert width == 16, width
   wide = builder.zext(bits, _U64) if n < 64 else bits
-  bytes_per = width // 8
   rows, counts = [], []
   for c in range(n // 8):
     m = builder.and_(builder.lshr(wide, ir.Constant(_U64, 8 * c)), ir.Constant(_U64, 255))
-    rows.append(_table_row(builder, bytes_per, m))
-    counts.append(builder.mul(builder.call(ctpop, [m]), ir.Constant(_U64, bytes_per)))
+    rows.append(_table_row(builder, m))
+    counts.append(builder.shl(builder.call(ctpop, [m]), ir.Constant(_U64, 1)))
   for values, at in zip(vectors, ats):
     for c in range(n // 8):
       part = builder.shuffle_vector(values, ir.Constant(values.type, ir.Undefined),
-                                    ir.Constant(ir.VectorType(ir.IntType(32), 16 // bytes_per),
-                                                [8 * c + j % 8 for j in range(16 // bytes_per)]))
+                                    ir.Constant(ir.VectorType(ir.IntType(32), 8),
+                                                list(range(8 * c, 8 * c + 8))))
       builder.store(builder.call(pshufb, [builder.bitcast(part, _V16), rows[c]]),
                     builder.inttoptr(at, _V16.as_pointer()), align=1)
       at = builder.add(at, counts[c])
@@ -237,37 +236,34 @@ def _list16(way: int):
   return list_u16
 
 
-def _list8(way: int):
-  """list_u8 packing lanes the `way` _pack_front takes (COMPRESS or SHUFFLE)."""
-  @intrinsic
-  def list_u8(typingctx, old_at, new_at, z_at, i_at, first):
-    """list_u16 of 64 uint8 lanes (int8 codes): zigzags (uint8, uncapped: the int8 code
-    table holds every one) to z_at, lane numbers plus `first` (uint16) to i_at, each packed
-    to the front; returns how many."""
-    def codegen(context, builder, signature, args):
-      i8, i16, n = ir.IntType(8), ir.IntType(16), 64
-      vt = ir.VectorType(i8, n)
-      z, _ = _zigzags(builder, args[0], args[1], i8, n)
-      bits = builder.bitcast(builder.icmp_unsigned("!=", z, ir.Constant(vt, [0] * n)), _U64)
-      _pack_front(builder, bits, (z,), 8, (args[2],), way)
-      half = ir.VectorType(i16, 32)
-      ctpop32 = _llvm_fn(builder, "llvm.ctpop.i32", ir.IntType(32), [ir.IntType(32)])
-      at = args[3]
-      for h in (0, 1):  # the element numbers in two halves of 32 16-bit lanes
-        word = builder.trunc(builder.lshr(bits, ir.Constant(_U64, 32 * h)), ir.IntType(32))
-        lanes = builder.add(ir.Constant(half, list(range(32 * h, 32 * h + 32))),
-                            _splat(builder, builder.trunc(args[4], i16), half))
-        _pack_front(builder, word, (lanes,), 16, (at,), way)
-        at = builder.add(at, builder.shl(builder.zext(builder.call(ctpop32, [word]), _U64),
-                                         ir.Constant(_U64, 1)))
-      return builder.call(_llvm_fn(builder, "llvm.ctpop.i64", _U64, [_U64]), [bits])
-    return types.int64(types.int64, types.int64, types.int64, types.int64,
-                       types.int64), codegen
-  return list_u8
+@intrinsic
+def list_u8(typingctx, old_at, new_at, z_at, i_at, first):
+  """list_u16 of 64 uint8 lanes (int8 codes) by compress (listing sparser int8 changes
+  through byte shuffles cost more than walking them): zigzags (uint8, uncapped: the int8
+  code table holds every one) to z_at, lane numbers plus `first` (uint16) to i_at, each
+  packed to the front; returns how many."""
+  def codegen(context, builder, signature, args):
+    i8, i16, n = ir.IntType(8), ir.IntType(16), 64
+    vt = ir.VectorType(i8, n)
+    z, _ = _zigzags(builder, args[0], args[1], i8, n)
+    bits = builder.bitcast(builder.icmp_unsigned("!=", z, ir.Constant(vt, [0] * n)), _U64)
+    _pack_front(builder, bits, (z,), 8, (args[2],), COMPRESS)
+    half = ir.VectorType(i16, 32)
+    ctpop32 = _llvm_fn(builder, "llvm.ctpop.i32", ir.IntType(32), [ir.IntType(32)])
+    at = args[3]
+    for h in (0, 1):  # the element numbers in two halves of 32 16-bit lanes
+      word = builder.trunc(builder.lshr(bits, ir.Constant(_U64, 32 * h)), ir.IntType(32))
+      lanes = builder.add(ir.Constant(half, list(range(32 * h, 32 * h + 32))),
+                          _splat(builder, builder.trunc(args[4], i16), half))
+      _pack_front(builder, word, (lanes,), 16, (at,), COMPRESS)
+      at = builder.add(at, builder.shl(builder.zext(builder.call(ctpop32, [word]), _U64),
+                                       ir.Constant(_U64, 1)))
+    return builder.call(_llvm_fn(builder, "llvm.ctpop.i64", _U64, [_U64]), [bits])
+  return types.int64(types.int64, types.int64, types.int64, types.int64,
+                     types.int64), codegen
 
 
 list_u16_compress, list_u16_shuffle = _list16(COMPRESS), _list16(SHUFFLE)
-list_u8_compress, list_u8_shuffle = _list8(COMPRESS), _list8(SHUFFLE)
 
 
 CODE_LANES = 8  # changes code_u16 / code_u8 code per call

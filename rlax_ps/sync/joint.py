@@ -39,9 +39,8 @@ from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.intrinsics import (CODE_LANES, COMPRESS, HAS_COMPRESS, HAS_SHUFFLE,
                                      LIST_LANES, SHUFFLE, WALK, code_u8, code_u16,
-                                     list_u8_compress, list_u8_shuffle, list_u16_compress,
-                                     list_u16_shuffle, load_u64, prefetch, store_u64,
-                                     zigzag_u16)
+                                     list_u8, list_u16_compress, list_u16_shuffle, load_u64,
+                                     prefetch, store_u64, zigzag_u16)
 from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
                                 _get_varint,
                                 _group_mask, _take, best_rice, entropy_bits,
@@ -74,6 +73,7 @@ QUAD = HAS_COMPRESS
 # codes (sparser: listing them took +20%) walked.
 LISTING = {16: COMPRESS if HAS_COMPRESS else SHUFFLE if HAS_SHUFFLE else WALK,
            8: COMPRESS if HAS_COMPRESS else WALK}
+WAYS = {16: (WALK, COMPRESS, SHUFFLE), 8: (WALK, COMPRESS)}  # by lane bits
 WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
 GROUP = 4  # changes a stream decodes from one 57-bit window in the four-stream loop
 PREFETCH_LINES = 4  # lines of the next stretch's base asked for per group of the four-stream
@@ -212,7 +212,7 @@ def _code_block(ab, bb, ahead, k, ctab, symtab, esc, stream, pos, acc, fill, lan
 def _code_block_listed(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx, zs16, zs8,
                        codes, lens, lane_bits, listed):
   """_code_block, LIST elements at a time and branch-free but for the appends: list the
-  changes (list_u16 / list_u8 of the way `listed` (COMPRESS or SHUFFLE): element numbers
+  changes (list_u16 of the way `listed` (COMPRESS or SHUFFLE) / list_u8: element numbers
   into idx[1:], zigzags into zs16 (capped at CTAB_MAX) / zs8), make their codes and lengths
   8 at a time (code_u16 / code_u8; SHUFFLE: each in the append loop), then append them; a
   change of length 0 takes value_entry (or escapes its gap)."""
@@ -240,10 +240,7 @@ def _code_block_listed(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx
                                  CTAB_MAX)
     else:
       for h in range(lo, hi, 64):
-        if listed == SHUFFLE:
-          n += list_u8_shuffle(pa + h, pb + h, zp + n, ip + 2 + 2 * n, h)
-        else:
-          n += list_u8_compress(pa + h, pb + h, zp + n, ip + 2 + 2 * n, h)
+        n += list_u8(pa + h, pb + h, zp + n, ip + 2 + 2 * n, h)
     if hi == whole:  # the tail of a short last block, element by element
       for t in range(whole, ab.size):
         z = _take(ab, bb, t, lane_bits)
@@ -375,7 +372,7 @@ def _encode_blocks_for(lane_bits: int, listed: int):
 
 # (lane bits, way of listing: WALK, COMPRESS or SHUFFLE) -> _encode_blocks compiled for them
 _ENCODERS = {(bits, way): _encode_blocks_for(bits, way) for bits in (16, 8)
-             for way in (WALK, COMPRESS, SHUFFLE)}
+             for way in WAYS[bits]}
 
 
 # ---- decoder -----------------------------------------------------------------------------
@@ -695,7 +692,7 @@ def _walk_windows(aw, bw, a, b, starts, gaps, nnz, vhist, ghist, lane_bits):
 @numba.njit(inline="always", **_JIT)
 def _walk_windows_listed(a, b, starts, gaps, nnz, vhist, ghist, lane_bits, lists, listed):
   """_walk_windows (the same gaps and counts) from lists of each window's changes made by
-  list_u16 / list_u8 of the way `listed` (COMPRESS or SHUFFLE: no branch per change);
+  list_u16 of the way `listed` (COMPRESS or SHUFFLE) / list_u8 (no branch per change);
   lists: (element numbers, zigzags) buffers of SAMPLE_WINDOW + 64 lanes."""
   idx, zs = lists
   lanes = LIST_LANES if lane_bits == 16 else 64
@@ -708,10 +705,8 @@ def _walk_windows_listed(a, b, starts, gaps, nnz, vhist, ghist, lane_bits, lists
         n += list_u16_shuffle(pa, pb, pz + 2 * n, pi + 2 * n, h, 0xFFFF)
       elif lane_bits == 16:
         n += list_u16_compress(pa, pb, pz + 2 * n, pi + 2 * n, h, 0xFFFF)
-      elif listed == SHUFFLE:
-        n += list_u8_shuffle(pa, pb, pz + n, pi + 2 * n, h)
       else:
-        n += list_u8_compress(pa, pb, pz + n, pi + 2 * n, h)
+        n += list_u8(pa, pb, pz + n, pi + 2 * n, h)
     prev = np.int64(-1)
     for j in range(n):
       vhist[symbol_of(zs[j])[0]] += 1
@@ -764,7 +759,7 @@ def _sample_for(lane_bits: int, listed: int):
 
 
 _SAMPLERS = {(bits, way): _sample_for(bits, way) for bits in (16, 8)
-             for way in (WALK, COMPRESS, SHUFFLE)}
+             for way in WAYS[bits]}
 
 
 def plan(old: np.ndarray, new: np.ndarray, listed: int | None = None):
@@ -772,8 +767,8 @@ def plan(old: np.ndarray, new: np.ndarray, listed: int | None = None):
   sample_starts(n), or None when the tensor suits the general layouts better (small,
   below MIN_DENSITY (bf16) or MIN_DENSITY_INT8, at 25% or more, or clustered changes
   that the entropy-coded gaps code smaller). listed: how the windows' changes are found,
-  as encode's (WALK or False, COMPRESS or True, SHUFFLE; None: LISTING's); the plan is the
-  same."""
+  as encode's (WALK or False, COMPRESS or True, SHUFFLE (bf16); None: LISTING's); the plan
+  is the same."""
   n = new.size
   if n < MIN_ELEMENTS:
     return None
@@ -897,8 +892,9 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
   gap bits and changes in the sample (None: the counts' sum). listed: blocks coded from
   lists of their changes (_code_block_listed), made by a SIMD compress (COMPRESS or True:
   2x faster than the walk (bf16) with AVX-512 VBMI2, 2x slower without) or by byte
-  shuffles (SHUFFLE: x86 without it), or by the group walk (_code_block; WALK or False);
-  None: LISTING's, the host's fastest. The bytes are the same."""
+  shuffles (SHUFFLE, bf16 only: x86 without it), or by the group walk (_code_block; WALK or
+  False); None: LISTING's, the host's fastest (WAYS: those of each lane width). The bytes
+  are the same."""
   n = new.size
   table, codes, use_closed = tables(counts, 8 * new.itemsize, k, gap_bits)
   encode_blocks = _ENCODERS[8 * new.itemsize, LISTING[8 * new.itemsize] if listed is None

@@ -215,7 +215,7 @@ def test_joint_blocks_coded_from_lists_write_the_bytes_of_the_group_walk(case):
   it round trips."""
   _, base, target, k, counts = case
   walked = joint.encode(base, target, k, counts, listed=intrinsics.WALK)
-  for way in (intrinsics.COMPRESS, intrinsics.SHUFFLE):
+  for way in joint.WAYS[8 * base.itemsize][1:]:
     listed = joint.encode(base, target, k, counts, listed=way)
     assert listed == walked, way
   out = base.copy()
@@ -243,10 +243,10 @@ def test_the_sample_listed_with_a_compress_or_shuffles_is_the_walked_one():
   """plan's windows listed with a SIMD compress or with byte shuffles (the host's choice
   where it has either) and walked group by group give the same changes, gaps and symbol
   counts, bf16 and int8, so the same plan."""
-  ways = (intrinsics.WALK, intrinsics.COMPRESS, intrinsics.SHUFFLE)
   for name, base, target, _, _ in _listed_cases():
     if base.size < joint.MIN_ELEMENTS:
       continue
+    ways = joint.WAYS[8 * base.itemsize]
     (walked, *w), *others = (_sampled(base, target, way) for way in ways)
     for listed, *l in others:
       assert walked == listed and walked[0] > 0, name
@@ -271,14 +271,14 @@ def _lister(fn, takes_top):
 
 
 @pytest.mark.parametrize("bits", [16, 8])
-def test_list_intrinsics_pack_the_changed_lanes_to_the_front_both_ways(bits):
-  """list_u16 / list_u8 by compress and by byte shuffles list exactly the changed lanes, in
-  order: their zigzag offsets (capped at top for uint16) and lane numbers plus `first`,
-  for every pattern of 8 lanes (so every row of the shuffle tables) and random ones."""
+def test_list_intrinsics_pack_the_changed_lanes_to_the_front(bits):
+  """list_u16 (by compress and by byte shuffles) and list_u8 list exactly the changed
+  lanes, in order: their zigzag offsets (capped at top for uint16) and lane numbers plus
+  `first`, for every pattern of 8 lanes (every row of the shuffle table) and random ones."""
   rng = np.random.default_rng(21)
   dtype, lanes = (np.uint16, intrinsics.LIST_LANES) if bits == 16 else (np.uint8, 64)
   fns = ((intrinsics.list_u16_compress, intrinsics.list_u16_shuffle) if bits == 16
-         else (intrinsics.list_u8_compress, intrinsics.list_u8_shuffle))
+         else (intrinsics.list_u8,))
   runs = [_lister(fn, bits == 16) for fn in fns]
   seen = set()
   tiled = [np.tile((m >> np.arange(8)) & 1, lanes // 8).astype(bool) for m in range(256)]
