@@ -28,8 +28,8 @@ def has_compress() -> bool:
 
 
 def has_shuffle() -> bool:
-  """Whether the target has SSSE3's byte shuffle (pshufb), with which list_u16_shuffle and
-  list_u8_shuffle pack lanes through a lookup table, 8 at a time."""
+  """Whether the target has SSSE3's byte shuffle (pshufb), with which list_u16_shuffle
+  packs lanes through a lookup table, 8 at a time."""
   return "ssse3" in _target_features()
 
 

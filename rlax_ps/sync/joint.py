@@ -258,8 +258,8 @@ def _code_block_listed(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx
         else:
           code_u8(ip + 2 * i, zp + zb * i, tp, kk, cp + 8 * i, lp + i)
     for i in range(n):
-      if listed == SHUFFLE:  # coded here: without AVX-512, code_u16's gather is scalar
-        e = ctab[np.uint64(zs16[i]) if lane_bits == 16 else np.uint64(zs8[i])]
+      if listed == SHUFFLE:  # (bf16) coded here: without AVX-512 a gather is scalar loads
+        e = ctab[np.uint64(zs16[i])]
         gap = np.uint64((np.int64(idx[i + 1]) - np.int64(idx[i]) - 1) & 65535)
         q, tail = gap >> kk, e >> np.uint64(56)
         if tail != 0 and q + tail <= np.uint64(56):
