@@ -117,7 +117,7 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   coded, made = {}, {}
   for members, done in zip(groups.values(), results[:len(groups)]):
     coded.update(done)
-    if done:
+    if done and done[members[0]].mode != tensor_codec.UNCHANGED:
       made[members[0]] = members
   for name, left in zip(alone, results[len(groups):]):
     coded[name] = left
@@ -161,14 +161,18 @@ def _layout(key: tuple) -> _Layout:
 
 def _encode_pack(old_state: dict, new_state: dict, members: list[str],
                  hash_old: bool) -> dict:
-  """name -> Encoded for the members of one pack (packs.py); empty when the pack has no
-  change or nothing to share. Base checksums are None unless hash_old."""
+  """name -> Encoded for the members of one pack (packs.py): each unchanged when none
+  changed; empty when the pack has nothing to share. Base checksums are None unless
+  hash_old."""
   olds = [old_state[n] for n in members]
   news = [new_state[n] for n in members]
   enc = tensor_codec.encode_pack(_pack_bits(olds, "pack old"), _pack_bits(news, "pack new"))
   if enc is None:
     return {}
   sums = list(map(checksum, news))
+  if enc[0] == tensor_codec.UNCHANGED:  # every member as it was: no pack, nothing rescanned
+    return {n: tensor_codec.Encoded(tensor_codec.UNCHANGED, b"", s, s if hash_old else None)
+            for n, s in zip(members, sums)}
   base_sums = list(map(checksum, olds)) if hash_old else [None] * len(members)
   rest = map(tensor_codec.Encoded, itertools.repeat(tensor_codec.PACKED),
              itertools.repeat(b""), sums[1:], base_sums[1:])  # the members after the head

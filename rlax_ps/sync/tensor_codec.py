@@ -187,11 +187,11 @@ class Encoded(typing.NamedTuple):
 
 
 def encode_pack(old: np.ndarray, new: np.ndarray) -> tuple[int, bytes] | None:
-  """(mode, section) of a pack (packs.py) from its members' unsigned bits concatenated,
-  or None when the pack has no change or nothing smaller than its raw bytes (its members
-  are then coded alone)."""
+  """(mode, section) of a pack (packs.py) from its members' unsigned bits concatenated:
+  (UNCHANGED, b"") when no member changed (each is then unchanged, no pack made), None when
+  nothing is smaller than its raw bytes (its members are then coded alone)."""
   enc = encode_section(old, new, hashed=(False, False))
-  if enc.mode in (UNCHANGED, RAW):
+  if enc.mode == RAW:
     return None
   return enc.mode, enc.section
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from rlax_ps import sync
-from rlax_ps.sync import packs, wire
+from rlax_ps.sync import packs, tensor_codec, wire
 from rlax_ps.sync.bits import BF16
+from rlax_ps.sync.integrity import checksum
 
 
 def small_model(rng, n=12):
@@ -68,10 +69,24 @@ def test_a_pack_is_smaller_than_its_members_coded_alone(model):
   assert update.tensors[small[0]].nbytes < alone
 
 
-def test_unchanged_small_tensors_make_no_pack():
+def test_unchanged_small_tensors_make_no_pack_and_are_scanned_once(monkeypatch):
   base, _ = small_model(np.random.default_rng(1))
-  update = sync.encode(base, base, version=2)
+  calls = []
+  scan = tensor_codec.encode_section
+  monkeypatch.setattr(tensor_codec, "encode_section",
+                      lambda old, new, *a, **k: calls.append(new.size) or scan(old, new, *a, **k))
+  update = sync.encode(base, base, version=2, threads=1)
   assert {m.mode for m in update.tensors.values()} == {"unchanged"}
+  assert update.packs() == {}
+  small = sum(v.size for n, v in base.items() if n != "big.kernel")
+  assert sorted(calls) == sorted([small, base["big.kernel"].size])  # the pack, then the rest
+  assert update.checksums == {n: checksum(v) for n, v in base.items()}
+  held = {k: v.copy() for k, v in base.items()}
+  out = sync.apply(held, sync.Update.from_bytes(update.to_bytes()), inplace=True)  # checks
+  assert all(np.array_equal(out[k].view(np.uint16), base[k].view(np.uint16)) for k in base)
+  held["layers.4.norm.scale"].view(np.uint16)[0] ^= 1  # a wrong base fails the base seal
+  with pytest.raises(sync.CodecError, match="layers.4.norm.scale"):
+    sync.apply(held, update, inplace=True)
 
 
 def test_int8_codes_and_scales_form_one_pack_each():
