@@ -33,7 +33,7 @@ import numpy as np
 from absl import app, flags
 
 from rlax_ps import sync
-from rlax_ps.sync import joint, parallel
+from rlax_ps.sync import device, joint, parallel
 from rlax_ps.sync.bits import BF16, bit_view
 
 FLAGS = flags.DEFINE_integer("elements", 100_000_000, "bf16 elements of the synthetic model")
@@ -201,6 +201,9 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   inplace = best_time(lambda a: sync.apply(a[0], a[1], inplace=True, threads=1), reps,
                       setup=lambda: ({k: v.copy() for k, v in base_held.items()}, fresh()),
                       probe=probe)
+  # A worker's host part: every tensor's changes, decoded into its device scatter's arrays.
+  worker = best_time(lambda u: [device.padded_changes(u, name) for name in u.tensors], reps,
+                     setup=fresh, probe=probe)
   copy_s = probe.best()  # seconds of the same bytes' copy
   bulk_s = bulk_probe.rate()  # seconds per byte of the 200 MB copy
   # Wall time on `threads` threads (tensors side by side) against a copy on as many.
@@ -224,7 +227,7 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
           f"{full_bf16_bytes / max(baseline, 1):.1f}x", f"{update.nbytes / keyframe_bytes:.2%}",
           f"{model / enc[0] / 1e9:.2f}", vs_copy(enc, 0), vs_copy(enc_host, 0),
           f"{model / app[0] / 1e9:.2f}",
-          vs_copy(app, 0), vs_copy(into, 0), vs_copy(inplace, 0),
+          vs_copy(app, 0), vs_copy(into, 0), vs_copy(inplace, 0), vs_copy(worker, 0),
           f"{vs_copy(enc, 1)}/{vs_copy(app, 1)}/{vs_copy(inplace, 1)}",
           f"{model / copy_s[0] / 1e9:.2f}", f"{vs_bulk(enc)}/{vs_bulk(app)}",
           f"{model * copy_t / enc_t[1]:.0%}/{model * copy_t / app_t[1]:.0%}",
@@ -331,7 +334,7 @@ def main(argv):
         f"int8 keyframe {kfi:,} B = {kfi / kfr:.2%} of bf16 keyframe {kfr:,} B")
   header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound", "hdr B",
             "int32+val", "vs kf", "enc GB/s", "enc/copy", "f32 enc/copy", "apply GB/s", "apply/copy",
-            "spare/copy", "inplace/copy", "wall e/a/i", "copy GB/s", "bulk e/a",
+            "spare/copy", "inplace/copy", "worker/copy", "wall e/a/i", "copy GB/s", "bulk e/a",
             f"{threads}T wall e/a", "modes"]
   widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
   print(f"synthetic model: {n:,} bf16 elements ({full / 1e6:.0f} MB); memory copy "
@@ -357,6 +360,8 @@ def main(argv):
         "spares, as in a worker that drops each older state; a first apply of a model's "
         "size pays its fresh pages' faults); spare: apply(..., out=spare) into "
         "a held state kept for it (a double buffer); inplace: apply(..., inplace=True); "
+        "worker: a worker's host part (device.padded_changes of every tensor: the changes "
+        "decoded into the arrays of its on-device scatter, which is not timed); "
         "wall e/a/i: "
         "the encode/apply/inplace ratios by wall time; (all single-threaded: threads=1); "
         f"{threads}T wall e/a: encode/apply with threads={threads} (tensors side by side) by "

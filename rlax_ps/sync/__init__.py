@@ -43,6 +43,8 @@ On-device usage (workers, in place, without the base on the host):
     ch.kind == "dense":   ch.offsets for every element, same rule.
     ch.kind == "replace": ch.array is the new array; "unchanged": nothing to do.
   rlax_ps.sync.device.apply_changes(buf, ch) does this with a donated jitted scatter;
+  rlax_ps.sync.device.padded_changes(update, name) is the TensorChanges it takes as they
+  are (int32 indices padded to a power of two, decoded straight into them: a worker's path);
   a publisher whose held state lives on device keeps a host copy current with
   rlax_ps.sync.device.host_state(host_prev, prev_on_device, new_on_device), which fetches
   only the changed elements (then encodes host_prev -> the result on the host);

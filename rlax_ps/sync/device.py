@@ -2,7 +2,8 @@
 
 Workers: `apply_changes` applies an update's TensorChanges to JAX arrays in place: a
 sparse tensor is one jitted scatter-add of wrapping bit offsets into the donated buffer,
-so the worker never holds a second copy of the weights.
+so the worker never holds a second copy of the weights; `padded_changes` decodes them
+straight into the scatter's padded int32 index arrays.
 Publishers: `host_state` brings the host copy of the held state (what `encode` reads) to a
 new version held on device by fetching only the elements whose bits changed, found by a
 jitted compare on the arrays' devices; a tensor travels whole only when that is smaller.
@@ -15,13 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_ps.sync import loops
-from rlax_ps.sync.bits import bit_view
+from rlax_ps.sync import loops, tensor_codec
+from rlax_ps.sync.bits import UINT_OF, bit_view
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.wire import TensorChanges, check_names
+from rlax_ps.sync.wire import TensorChanges, Update, check_names
 
 _UINT = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.int8): jnp.uint8}
 _MIN_PAD = 1024
+_SPARSE_MODES = (tensor_codec.SPARSE, tensor_codec.BITMAP, tensor_codec.JOINT)
 
 
 def _bits(buf):
@@ -40,13 +42,44 @@ def _dense_add(buf, off):
 
 
 def _padded(indices: np.ndarray, offsets: np.ndarray, size: int):
-  n = max(_MIN_PAD, 1 << (indices.size - 1).bit_length())
-  itype = np.int32 if size < 2**31 else np.int64
-  idx = np.full(n, size, itype)  # Out of bounds: dropped by the scatter.
+  """The scatter's (indices, offsets) of `size` elements' changes: as they are where
+  padded_changes made them, else copied into _pad_buffers."""
+  idx, off = _pad_buffers(indices.size, size, offsets.dtype, indices.dtype, offsets.size)
+  if idx is None:
+    return indices, offsets
   idx[:indices.size] = indices
-  off = np.zeros(n, offsets.dtype)
   off[:offsets.size] = offsets
   return idx, off
+
+
+def _pad_buffers(nnz: int, size: int, udtype, have_itype=None, have: int | None = None):
+  """(indices, offsets) arrays for nnz changes of a tensor of `size` elements: nnz rounded
+  up to a power of two (at least _MIN_PAD, to bound recompilation), int32 indices below
+  2**31 elements, the entries past nnz out of bounds (dropped by the scatter) with zero
+  offsets; (None, None) where arrays of have_itype and `have` entries already are that."""
+  n = max(_MIN_PAD, 1 << (nnz - 1).bit_length())
+  itype = np.dtype(np.int32 if size < 2**31 else np.int64)
+  if have_itype == itype and nnz == n == have:
+    return None, None
+  idx = np.empty(n, itype)
+  idx[nnz:] = size
+  off = np.empty(n, udtype)
+  off[nnz:] = 0
+  return idx, off
+
+
+def padded_changes(update: Update, name: str) -> TensorChanges:
+  """update.changes(name) as apply_changes takes it, decoded straight into the scatter's
+  padded arrays (_pad_buffers: int32 indices, no second pass): a worker's path. Pack
+  members and the other kinds are update.changes(name) itself."""
+  dec = update.decoded(name)
+  if update.span(name) is not None or dec.mode not in _SPARSE_MODES:
+    return update.changes(name)
+  meta = update.meta(name)
+  idx, off = _pad_buffers(dec.nnz, meta.size, UINT_OF[meta.dtype])
+  dec.sparse_into(idx, off)
+  return TensorChanges(name=name, kind="sparse", shape=meta.shape, dtype=meta.dtype,
+                       indices=idx, offsets=off)
 
 
 def apply_changes(buf: jax.Array, changes: TensorChanges) -> jax.Array:

@@ -618,26 +618,58 @@ _ROUND_DECODERS = {quad: _decode_rounds_for(quad) for quad in (False, True)}
 
 @numba.njit(**_JIT)
 def decode_changes(words, ends, k, tables, wholes, n, counts, sets, ps, indices, offsets):
-  """The changes of every block, in order, as flat indices and wrapping offsets (block b
-  from stream b % 4, whose bit position ps[b % 4] advances, with code set sets[b]).
-  Returns an error code."""
+  """The changes of every block, in order, as flat indices and wrapping offsets from
+  indices[0] / offsets[0] on (block b from stream b % 4, whose bit position ps[b % 4]
+  advances, with code set sets[b]). Each round's blocks decode two at a time in lockstep
+  while both are whole and have changes left (GROUP a stream from one window, as apply's
+  _decode_round), each block's changes written where the counts put them, then the rest
+  block by block. Returns an error code."""
   zw = np.uint64(8 * offsets.itemsize)
   at = np.int64(words.ctypes.data)
   pos = 0
-  for b in range(counts.size):
-    j = b % STREAMS
-    lo = b * BLOCK
-    size = min(BLOCK, n - lo)
-    p, prev = ps[j], np.int64(-1)
-    table, whole = tables[sets[b]], wholes[sets[b]]
-    for _ in range(counts[b]):
-      p, prev, off, good = _decode_one(at, p, ends[j], prev, k, table, zw, whole)
-      if not (good and prev < size):
-        return E_TRUNCATED
-      indices[pos] = lo + prev
-      offsets[pos] = off
-      pos += 1
-    ps[j] = p
+  for first in range(0, counts.size, STREAMS):
+    nb = min(STREAMS, counts.size - first)
+    for h in range(0, nb, 2):
+      ba, bb = first + h, first + h + 1
+      oa = pos
+      va = vb = np.int64(-1)
+      done = 0
+      if bb < counts.size and n - ba * BLOCK >= 2 * BLOCK:  # two whole blocks
+        ob = oa + counts[ba]
+        pa, pb, ea, eb = ps[h], ps[h + 1], ends[h], ends[h + 1]
+        ta, wa = tables[sets[ba]], wholes[sets[ba]]
+        tb, wb = tables[sets[bb]], wholes[sets[bb]]
+        la, lb = ba * BLOCK, bb * BLOCK
+        m = min(counts[ba], counts[bb]) // GROUP
+        ia, fa_, ib, fb_ = indices[oa:], offsets[oa:], indices[ob:], offsets[ob:]
+        for g in range(m):
+          xa, xb = _window(at, pa), _window(at, pb)
+          for r in range(GROUP):  # indices masked into their blocks: checked once, later
+            xa, pa, va, fa = _decode_held(at, xa, pa, ea, va, k, ta, zw, wa)
+            xb, pb, vb, fb = _decode_held(at, xb, pb, eb, vb, k, tb, zw, wb)
+            i = g * GROUP + r
+            ia[i], fa_[i] = la + (va & (BLOCK - 1)), fa
+            ib[i], fb_[i] = lb + (vb & (BLOCK - 1)), fb
+          if not ((pa <= ea) & (pb <= eb)):
+            return E_TRUNCATED
+        ps[h], ps[h + 1] = pa, pb
+        done = GROUP * m
+      for j in range(h, min(h + 2, nb)):
+        b = first + j
+        size = min(BLOCK, n - b * BLOCK)
+        p, prev = ps[j], va if j == h else vb
+        table, whole = tables[sets[b]], wholes[sets[b]]
+        o = pos + done
+        for _ in range(done, counts[b]):
+          p, prev, off, good = _decode_one(at, p, ends[j], prev, k, table, zw, whole)
+          if not (good and prev < size):
+            return E_TRUNCATED
+          indices[o], offsets[o] = b * BLOCK + prev, off
+          o += 1
+        if prev >= size:  # indices only grow: the last one bounds the block's
+          return E_TRUNCATED
+        ps[j] = p
+        pos += counts[b]
   return OK
 
 
@@ -1201,11 +1233,18 @@ class Section:
     if not _streams_end(ps, ends):
       raise CodecError(f"{self.what}: a joint stream does not end where its length says")
 
-  def changes(self) -> tuple[np.ndarray, np.ndarray]:
+  def changes(self, indices: np.ndarray | None = None,
+              offsets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(flat indices, wrapping offsets) of the changes, in order, without a full-size
-    buffer (for an on-device scatter)."""
-    indices = np.empty(self.nnz, np.int64)
-    offsets = np.empty(self.nnz, self.udtype)
+    buffer (for an on-device scatter): written into the first nnz entries of `indices`
+    (int32 or int64) and `offsets` (of the section's unsigned dtype) where given (both or
+    neither; at least nnz long), else into new arrays (int64 indices)."""
+    if indices is None:
+      indices = np.empty(self.nnz, np.int64)
+      offsets = np.empty(self.nnz, self.udtype)
+    elif min(indices.size, offsets.size) < self.nnz:
+      raise ValueError(f"{self.what}: {self.nnz} changes do not fit arrays of "
+                       f"{min(indices.size, offsets.size)}")
     ps = self.starts[:STREAMS].copy()
     if decode_changes(self.words, self.starts[1:], self.k, self.tables, self.wholes, self.n,
                       self.counts, self.sets, ps, indices, offsets) != OK:

@@ -265,6 +265,19 @@ class Decoded:
       return self.indices, self.offsets
     return self.streams.changes()
 
+  @property
+  def nnz(self) -> int:
+    """Changes of a sparse, bitmap or joint section."""
+    return self.streams.nnz if self.mode == JOINT else self.indices.size
+
+  def sparse_into(self, indices: np.ndarray, offsets: np.ndarray) -> None:
+    """sparse() written into the first nnz entries of `indices` (int32 or int64) and
+    `offsets` (at least nnz long each): a joint section decodes straight into them."""
+    if self.mode == JOINT:
+      self.streams.changes(indices, offsets)
+    else:
+      indices[:self.nnz], offsets[:self.nnz] = self.indices, self.offsets
+
   def apply(self, old: np.ndarray | None, udtype: np.dtype, inplace: bool = False,
             out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """(new bit array, its xxh3) from `old`, written into `old` itself when `inplace`,

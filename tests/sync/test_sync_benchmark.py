@@ -18,7 +18,7 @@ def test_the_weight_sync_benchmark_prints_one_row_per_density_and_format():
   header = [c.strip() for c in lines[0].split("|")]
   rows = [dict(zip(header, (c.strip() for c in line.split("|")))) for line in lines[1:]]
   for column in ("payload B", "/bound", "int32+val", "enc/copy", "apply/copy", "spare/copy",
-                 "inplace/copy", "copy GB/s", "bulk e/a"):
+                 "inplace/copy", "worker/copy", "copy GB/s", "bulk e/a"):
     assert column in header, column
   assert [(r["update"].split()[1], r["fmt"]) for r in rows] == [
       ("0.01", "bf16"), ("0.01", "int8"), ("0.1", "bf16"), ("0.1", "int8")]
@@ -26,5 +26,6 @@ def test_the_weight_sync_benchmark_prints_one_row_per_density_and_format():
     assert 1.0 <= float(r["/bound"]) < 1.6, r  # near the information bound, never below
     assert float(r["vs bf16"].rstrip("x")) > float(r["int32+val"].rstrip("x")), r
     assert float(r["copy GB/s"]) > 0 and r["enc/copy"].endswith("%"), r
+    assert r["worker/copy"].endswith("%"), r
     assert all(part.endswith("%") for part in r["bulk e/a"].split("/")), r
   assert "memory copy" in run.stdout and "keyframes: bf16" in run.stdout

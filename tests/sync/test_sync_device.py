@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlax_ps import sync
-from rlax_ps.sync import device
+from rlax_ps.sync import device, tensor_codec
 from rlax_ps.sync.bits import BF16
 
 
@@ -122,3 +122,62 @@ def test_host_state_reads_sharded_arrays(axis_type):
   host_new = device.host_state(host_old, old_s, new_s)
   for name in old_s:
     assert np.array_equal(host_new[name].view(np.uint16), np.asarray(new_s[name]).view(np.uint16))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_padded_changes_decode_into_the_scatters_arrays_and_apply_exactly(fmt):
+  """A worker's path: joint and sparse tensors decode straight into padded int32 arrays
+  (apply_changes takes them as they are); pack members and other kinds as changes()."""
+  rng = np.random.default_rng(3)
+  shape = (256, 512)  # past packs.PACK_BELOW: coded alone
+  base = {name: rng.standard_normal(shape).astype(np.float32) * 0.02
+          for name in ("joint.kernel", "sparse.kernel", "same.kernel")}
+  base |= {f"l{i}.norm": np.ones(64, np.float32) for i in range(3)}
+  target = dict(base)
+  target["joint.kernel"] = base["joint.kernel"] * np.where(rng.random(shape) < 0.2, 1.02, 1)
+  target["sparse.kernel"] = base["sparse.kernel"] * np.where(rng.random(shape) < 0.002, 1.1, 1)
+  target["l1.norm"] = base["l1.norm"] + np.float32(0.5) * (rng.random(64) < 0.2)
+  held = sync.held_state(base, fmt)
+  update = sync.encode(held, target, fmt, version=1)
+  want = sync.apply(held, update)
+  modes = {name: meta.mode for name, meta in update.tensors.items()}
+  assert modes["joint.kernel"] == "joint", modes
+  assert modes["sparse.kernel"] == "sparse", modes
+  results, padded = {}, 0
+  for name, meta in update.tensors.items():
+    ch, plain = device.padded_changes(update, name), update.changes(name)
+    assert ch.kind == plain.kind, name
+    if ch.kind == "sparse" and update.span(name) is None:
+      nnz = plain.indices.size
+      assert ch.indices.dtype == np.int32 and ch.indices.size == ch.offsets.size
+      assert ch.indices.size >= max(nnz, 1024) and ch.indices.size & (ch.indices.size - 1) == 0
+      assert np.array_equal(ch.indices[:nnz], plain.indices), name
+      assert np.array_equal(ch.offsets[:nnz], plain.offsets), name
+      assert np.all(ch.indices[nnz:] == meta.size) and not ch.offsets[nnz:].any()
+      idx, off = device._padded(ch.indices, ch.offsets, meta.size)
+      assert idx is ch.indices and off is ch.offsets  # no second pass
+      padded += 1
+    out = device.apply_changes(jnp.asarray(held[name]), ch)
+    results[name] = got = np.asarray(jax.device_get(out))
+    assert np.array_equal(got.view(np.uint8), want[name].view(np.uint8)), name
+  update.verify_all(results)
+  assert padded >= 2
+
+
+def test_joint_changes_into_given_arrays_equal_new_ones_and_check_their_size():
+  rng = np.random.default_rng(4)
+  base = rng.integers(0, 1 << 16, 5 * (1 << 16) + 300, dtype=np.uint16)  # a short last round
+  target = base.copy()
+  target[rng.random(base.size) < 0.08] += np.uint16(1)
+  enc = tensor_codec.encode_section(base, target)
+  dec = tensor_codec.decode_section("tensor 'w'", enc.mode, enc.section, base.size, base.dtype)
+  assert tensor_codec.MODE_NAMES[enc.mode] == "joint"
+  want = np.flatnonzero(base != target)
+  idx, off = dec.sparse()
+  assert idx.dtype == np.int64 and np.array_equal(idx, want)
+  into = np.full(dec.nnz + 5, -7, np.int32), np.zeros(dec.nnz + 5, np.uint16)
+  dec.sparse_into(*into)
+  assert np.array_equal(into[0][:dec.nnz], want) and np.all(into[0][dec.nnz:] == -7)
+  assert np.array_equal(into[1][:dec.nnz], (target - base)[want])
+  with pytest.raises(ValueError, match="do not fit"):
+    dec.sparse_into(np.empty(dec.nnz - 1, np.int32), np.empty(dec.nnz - 1, np.uint16))
