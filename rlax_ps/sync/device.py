@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_ps.sync import loops, tensor_codec
+from rlax_ps.sync import loops
 from rlax_ps.sync.bits import UINT_OF, bit_view
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.wire import TensorChanges, Update, check_names
 
 _UINT = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.int8): jnp.uint8}
 _MIN_PAD = 1024
-_SPARSE_MODES = (tensor_codec.SPARSE, tensor_codec.BITMAP, tensor_codec.JOINT)
+_SPARSE_MODES = ("sparse", "bitmap", "joint")  # decoded as flat indices and offsets
 
 
 def _bits(buf):
@@ -69,15 +69,19 @@ def _pad_buffers(nnz: int, size: int, udtype, have_itype=None, have: int | None 
 
 
 def padded_changes(update: Update, name: str) -> TensorChanges:
-  """update.changes(name) as apply_changes takes it, decoded straight into the scatter's
-  padded arrays (_pad_buffers: int32 indices, no second pass): a worker's path. Pack
-  members and the other kinds are update.changes(name) itself."""
-  dec = update.decoded(name)
-  if update.span(name) is not None or dec.mode not in _SPARSE_MODES:
-    return update.changes(name)
+  """update.changes(name) as apply_changes takes it (a worker's path): sparse changes in
+  the scatter's padded arrays (_pad_buffers: int32 indices), decoded straight into them
+  (no second pass) where the tensor has a section of its own; other kinds as they are."""
   meta = update.meta(name)
-  idx, off = _pad_buffers(dec.nnz, meta.size, UINT_OF[meta.dtype])
-  dec.sparse_into(idx, off)
+  if update.span(name) is not None or meta.mode not in _SPARSE_MODES:
+    ch = update.changes(name)
+    if ch.kind != "sparse":
+      return ch
+    idx, off = _padded(ch.indices, ch.offsets, meta.size)
+  else:
+    dec = update.decoded(name)
+    idx, off = _pad_buffers(dec.nnz, meta.size, UINT_OF[meta.dtype])
+    dec.sparse_into(idx, off)
   return TensorChanges(name=name, kind="sparse", shape=meta.shape, dtype=meta.dtype,
                        indices=idx, offsets=off)
 

@@ -447,6 +447,7 @@ class Update:
     self._packs = packs.read_packs(header.tensors) if _packs is None else _packs
     self._pack_of = {n: head for head, names in self._packs.items() for n in names}
     self._decoded_packs = {}
+    self._pack_changes = {}  # head -> its pack's (indices, offsets), for changes()
     # name -> checksum of the tensor the update makes, where known: set by the encoder
     # (a publisher passes them as the next encode's base_checksums); None once parsed,
     # since the header holds only the seal over them.
@@ -554,8 +555,13 @@ class Update:
       offsets = dec.offsets[lo:hi]
       array = None if old is None else (old + offsets).view(meta.dtype).reshape(meta.shape)
       return TensorChanges(kind="dense", offsets=offsets, array=array, **common)
-    indices, offsets = dec.sparse()
-    if span is not None:
+    if span is None:
+      indices, offsets = dec.sparse()
+    else:  # a pack's changes are decoded once for all its members
+      head = self._pack_of[name]
+      if head not in self._pack_changes:
+        self._pack_changes[head] = dec.sparse()
+      indices, offsets = self._pack_changes[head]
       a, b = np.searchsorted(indices, [lo, hi])
       indices, offsets = indices[a:b] - lo, offsets[a:b]
       if indices.size == 0:

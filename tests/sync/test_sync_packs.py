@@ -213,3 +213,18 @@ def test_pack_encoding_does_not_depend_on_what_the_thread_encoded_before():
   out = sync.apply(base, sync.Update.from_bytes(after_big))
   for k in base:
     assert np.array_equal(out[k].view(np.uint16), target[k].view(np.uint16)), k
+
+
+def test_changes_of_a_packs_members_decode_the_pack_once(model, monkeypatch):
+  base, target, update = model
+  update = sync.Update.from_bytes(update.to_bytes())
+  calls = []
+  sparse = tensor_codec.Decoded.sparse
+  monkeypatch.setattr(tensor_codec.Decoded, "sparse",
+                      lambda self: calls.append(self.mode) or sparse(self))
+  small = [n for n in base if n != "big.kernel"]
+  for name in small:
+    ch = update.changes(name)
+    want = np.flatnonzero(base[name].view(np.uint16) != target[name].view(np.uint16))
+    assert np.array_equal(ch.indices if ch.kind == "sparse" else [], want), name
+  assert len(calls) == 1
