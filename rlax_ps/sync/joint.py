@@ -631,25 +631,24 @@ def decode_changes(words, ends, k, tables, wholes, n, counts, sets, ps, indices,
     nb = min(STREAMS, counts.size - first)
     for h in range(0, nb, 2):
       ba, bb = first + h, first + h + 1
-      oa = pos
       va = vb = np.int64(-1)
       done = 0
       if bb < counts.size and n - ba * BLOCK >= 2 * BLOCK:  # two whole blocks
-        ob = oa + counts[ba]
+        ob = pos + counts[ba]
         pa, pb, ea, eb = ps[h], ps[h + 1], ends[h], ends[h + 1]
         ta, wa = tables[sets[ba]], wholes[sets[ba]]
         tb, wb = tables[sets[bb]], wholes[sets[bb]]
         la, lb = ba * BLOCK, bb * BLOCK
         m = min(counts[ba], counts[bb]) // GROUP
-        ia, fa_, ib, fb_ = indices[oa:], offsets[oa:], indices[ob:], offsets[ob:]
+        idx_a, off_a, idx_b, off_b = indices[pos:], offsets[pos:], indices[ob:], offsets[ob:]
         for g in range(m):
           xa, xb = _window(at, pa), _window(at, pb)
-          for r in range(GROUP):  # indices masked into their blocks: checked once, later
+          for r in range(GROUP):
             xa, pa, va, fa = _decode_held(at, xa, pa, ea, va, k, ta, zw, wa)
             xb, pb, vb, fb = _decode_held(at, xb, pb, eb, vb, k, tb, zw, wb)
             i = g * GROUP + r
-            ia[i], fa_[i] = la + (va & (BLOCK - 1)), fa
-            ib[i], fb_[i] = lb + (vb & (BLOCK - 1)), fb
+            idx_a[i], off_a[i] = la + va, fa  # va < BLOCK checked once, after the block
+            idx_b[i], off_b[i] = lb + vb, fb
           if not ((pa <= ea) & (pb <= eb)):
             return E_TRUNCATED
         ps[h], ps[h + 1] = pa, pb
