@@ -213,6 +213,8 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
                                         base_checksums=known, threads=threads), reps)
   assert enc_t[2].to_bytes() == update.to_bytes()
   app_t = best_time(lambda u: sync.apply(base_held, u, threads=threads), reps, setup=fresh)
+  work_t = best_time(lambda u: list(device.each_padded_changes(u, u.tensors, threads)), reps,
+                     setup=fresh)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(inplace[2][k]), bit_view(v)), k
   model = held_bytes(base_held)
@@ -230,7 +232,8 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
           vs_copy(app, 0), vs_copy(into, 0), vs_copy(inplace, 0), vs_copy(worker, 0),
           f"{vs_copy(enc, 1)}/{vs_copy(app, 1)}/{vs_copy(inplace, 1)}",
           f"{model / copy_s[0] / 1e9:.2f}", f"{vs_bulk(enc)}/{vs_bulk(app)}",
-          f"{model * copy_t / enc_t[1]:.0%}/{model * copy_t / app_t[1]:.0%}",
+          f"{model * copy_t / enc_t[1]:.0%}/{model * copy_t / app_t[1]:.0%}/"
+          f"{model * copy_t / work_t[1]:.0%}",
           "+".join(modes) or "-"]
 
 
@@ -335,7 +338,7 @@ def main(argv):
   header = ["update", "fmt", "density", "<=2 ulp", "payload B", "vs bf16", "/bound", "hdr B",
             "int32+val", "vs kf", "enc GB/s", "enc/copy", "f32 enc/copy", "apply GB/s", "apply/copy",
             "spare/copy", "inplace/copy", "worker/copy", "wall e/a/i", "copy GB/s", "bulk e/a",
-            f"{threads}T wall e/a", "modes"]
+            f"{threads}T wall e/a/w", "modes"]
   widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
   print(f"synthetic model: {n:,} bf16 elements ({full / 1e6:.0f} MB); memory copy "
         f"(np.copyto) {1 / copy_s[0] / 1e9:.2f} GB/s CPU time, "
@@ -364,7 +367,8 @@ def main(argv):
         "decoded into the arrays of its on-device scatter, which is not timed); "
         "wall e/a/i: "
         "the encode/apply/inplace ratios by wall time; (all single-threaded: threads=1); "
-        f"{threads}T wall e/a: encode/apply with threads={threads} (tensors side by side) by "
+        f"{threads}T wall e/a/w: encode/apply/worker with threads={threads} (tensors side by "
+        "side; the worker's decoded ahead of its consumer: device.each_padded_changes) by "
         f"wall time, over a copy split across {threads} threads; modes: the sections' layouts")
   for r in [header] + rows:
     print(" | ".join(str(c).rjust(wd) for c, wd in zip(r, widths)))

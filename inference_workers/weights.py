@@ -19,7 +19,7 @@ from inference_workers.quantized import Int8Transformer, held_name
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.transformer import Transformer
 from rlax_ps.sync import CodecError, Update, checksum
-from rlax_ps.sync.device import apply_changes, padded_changes
+from rlax_ps.sync.device import apply_changes, each_padded_changes
 
 FORMATS = ("bf16", "int8")
 
@@ -91,9 +91,8 @@ class HeldPolicy:
     # leftovers would be caught by the seal check below.
     if not update.is_keyframe:
       self.version = None
-    for name in sorted(names):
+    for name, changes in each_padded_changes(update, sorted(names)):  # decoded ahead
       var = self._vars[name]
-      changes = padded_changes(update, name)  # decoded into the scatter's arrays
       if changes.kind == "unchanged":
         continue
       if changes.kind == "replace":

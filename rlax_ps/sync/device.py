@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_ps.sync import loops
+from rlax_ps.sync import loops, parallel
 from rlax_ps.sync.bits import UINT_OF, bit_view
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.wire import TensorChanges, Update, check_names
@@ -66,6 +66,17 @@ def _pad_buffers(nnz: int, size: int, udtype, have_itype=None, have: int | None 
   off = np.empty(n, udtype)
   off[nnz:] = 0
   return idx, off
+
+
+def each_padded_changes(update: Update, names, threads: int | None = None):
+  """(name, padded_changes(update, name)) for each of `names`, in order, the large ones
+  decoded on up to `threads` host threads ahead of the caller (parallel.ordered; None: the
+  host's cores, at most 8): a worker's scatters of one tensor overlap the decoding of the
+  next ones."""
+  names = list(names)
+  tasks = ((update.meta(name).size, functools.partial(padded_changes, update, name))
+           for name in names)
+  yield from zip(names, parallel.ordered(tasks, parallel.resolve(threads)))
 
 
 def padded_changes(update: Update, name: str) -> TensorChanges:

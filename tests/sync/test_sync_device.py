@@ -1,12 +1,14 @@
 """On-device application of TensorChanges equals the host apply, bit for bit."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rlax_ps import sync
-from rlax_ps.sync import device, tensor_codec
+from rlax_ps.sync import device, tensor_codec, wire
 from rlax_ps.sync.bits import BF16
 
 
@@ -181,3 +183,32 @@ def test_joint_changes_into_given_arrays_equal_new_ones_and_check_their_size():
   assert np.array_equal(into[1][:dec.nnz], (target - base)[want])
   with pytest.raises(ValueError, match="do not fit"):
     dec.sparse_into(np.empty(dec.nnz - 1, np.int32), np.empty(dec.nnz - 1, np.uint16))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_each_padded_changes_decodes_ahead_in_order_and_names_a_bad_tensor(threads):
+  rng = np.random.default_rng(5)
+  base = {f"t{i}.kernel": rng.standard_normal((256, 512)).astype(np.float32) * 0.02
+          for i in range(5)}
+  target = {k: v * np.where(rng.random(v.shape) < 0.1, 1.02, 1) for k, v in base.items()}
+  held = sync.held_state(base, "bf16")
+  update = sync.encode(held, target, version=1)
+  names = sorted(update.tensors)
+  got = list(device.each_padded_changes(update, names, threads=threads))
+  assert [n for n, _ in got] == names
+  for name, ch in got:
+    want = device.padded_changes(update, name)
+    assert ch.kind == want.kind == "sparse", name
+    assert np.array_equal(ch.indices, want.indices) and np.array_equal(ch.offsets, want.offsets)
+  data = bytearray(update.to_bytes())  # t3's section cut short behind re-sealed digests
+  meta = update.tensors["t3.kernel"]
+  sections = {n: bytes(data[m.offset:m.offset + m.nbytes]) for n, m in update.tensors.items()}
+  sections["t3.kernel"] = sections["t3.kernel"][:meta.nbytes // 2]
+  broken = wire.assemble(dataclasses.replace(
+      update.header, sections=wire.section_seal([sections[n] for n in update.tensors])),
+      [sections[n] for n in update.tensors])
+  seen = []
+  with pytest.raises(sync.CodecError, match="t3.kernel"):
+    for name, _ in device.each_padded_changes(broken, names, threads=threads):
+      seen.append(name)
+  assert seen == names[:3]
