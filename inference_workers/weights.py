@@ -10,6 +10,8 @@ and leaves the policy without a version: the caller pulls a keyframe.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,7 @@ from flax import nnx
 from inference_workers.quantized import Int8Transformer, held_name
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.transformer import Transformer
-from rlax_ps.sync import CodecError, Update, checksum
+from rlax_ps.sync import CodecError, Update, checksum, parallel
 from rlax_ps.sync.device import apply_changes, each_padded_changes
 
 FORMATS = ("bf16", "int8")
@@ -104,17 +106,23 @@ class HeldPolicy:
       var.set_value(new)
       self._checksums.pop(name, None)
     if verify:
-      update.verify_all({name: self._checksum(name) for name in names})
+      update.verify_all(self._checksums_of(names))
     self.version = update.version
 
-  def _checksum(self, name: str) -> int:
-    """Checksum of a held tensor: kept from when it last changed, else pulled and hashed."""
-    if name not in self._checksums:
-      self._checksums[name] = checksum(np.asarray(jax.device_get(self._vars[name][...])))
-    return self._checksums[name]
+  def _checksums_of(self, names) -> dict[str, int]:
+    """name -> checksum of each held tensor: kept from when it last changed, else pulled
+    and hashed, side by side on the host's cores (pulls and xxh3 release the GIL)."""
+    todo = [name for name in names if name not in self._checksums]
+    tasks = [(self._vars[name][...].size, functools.partial(self._pulled_checksum, name))
+             for name in todo]
+    self._checksums.update(zip(todo, parallel.run(tasks, parallel.resolve(None))))
+    return {name: self._checksums[name] for name in names}
+
+  def _pulled_checksum(self, name: str) -> int:
+    return checksum(np.asarray(jax.device_get(self._vars[name][...])))
 
   def verify_all(self, update: Update) -> None:
     """Check every held tensor, pulled afresh, against `update`'s result seal (e.g. after a
     restart); raises CodecError naming the tensor."""
     self._checksums.clear()
-    update.verify_all({name: self._checksum(name) for name in self._vars})
+    update.verify_all(self._checksums_of(self._vars))
