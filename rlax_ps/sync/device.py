@@ -42,25 +42,30 @@ def _dense_add(buf, off):
 
 
 def _padded(indices: np.ndarray, offsets: np.ndarray, size: int):
-  """The scatter's (indices, offsets) of `size` elements' changes: as they are where
-  padded_changes made them, else copied into _pad_buffers."""
-  idx, off = _pad_buffers(indices.size, size, offsets.dtype, indices.dtype, offsets.size)
-  if idx is None:
+  """The scatter's (indices, offsets) of `size` elements' changes: as they are where they
+  have its length and index dtype already (padded_changes made them), else copied into
+  _pad_buffers."""
+  n, itype = _bucket(indices.size, size)
+  if indices.size == offsets.size == n and indices.dtype == itype:
     return indices, offsets
+  idx, off = _pad_buffers(indices.size, size, offsets.dtype)
   idx[:indices.size] = indices
   off[:offsets.size] = offsets
   return idx, off
 
 
-def _pad_buffers(nnz: int, size: int, udtype, have_itype=None, have: int | None = None):
-  """(indices, offsets) arrays for nnz changes of a tensor of `size` elements: nnz rounded
-  up to a power of two (at least _MIN_PAD, to bound recompilation), int32 indices below
-  2**31 elements, the entries past nnz out of bounds (dropped by the scatter) with zero
-  offsets; (None, None) where arrays of have_itype and `have` entries already are that."""
-  n = max(_MIN_PAD, 1 << (nnz - 1).bit_length())
-  itype = np.dtype(np.int32 if size < 2**31 else np.int64)
-  if have_itype == itype and nnz == n == have:
-    return None, None
+def _bucket(nnz: int, size: int) -> tuple[int, np.dtype]:
+  """(length, index dtype) of the scatter's arrays for nnz changes of `size` elements: nnz
+  rounded up to a power of two (at least _MIN_PAD, to bound recompilation), int32 indices
+  below 2**31 elements."""
+  return max(_MIN_PAD, 1 << (nnz - 1).bit_length()), np.dtype(
+      np.int32 if size < 2**31 else np.int64)
+
+
+def _pad_buffers(nnz: int, size: int, udtype) -> tuple[np.ndarray, np.ndarray]:
+  """(indices, offsets) of _bucket's length for nnz changes, the entries past nnz out of
+  bounds (dropped by the scatter) with zero offsets; the first nnz for the caller."""
+  n, itype = _bucket(nnz, size)
   idx = np.empty(n, itype)
   idx[nnz:] = size
   off = np.empty(n, udtype)
