@@ -274,7 +274,10 @@ class Decoded:
     """sparse() written into the first nnz entries of `indices` (int32 or int64) and
     `offsets` (at least nnz long each): a joint section decodes straight into them."""
     if self.mode == JOINT:
-      self.streams.changes(indices, offsets)
+      self.streams.changes(indices, offsets)  # checks the arrays' size itself
+    elif min(indices.size, offsets.size) < self.nnz:
+      raise ValueError(f"{self.nnz} changes do not fit arrays of "
+                       f"{min(indices.size, offsets.size)}")
     else:
       indices[:self.nnz], offsets[:self.nnz] = self.indices, self.offsets
 
