@@ -3,8 +3,10 @@
 Updates from the parameter server (`rlax_ps.sync.Update`) are applied in place: each changed
 tensor is one donated jitted scatter of its changed elements (`rlax_ps.sync.device`), so no
 second copy of the model ever exists; the whole held state is then checked against the
-update's result seal (changed tensors are hashed, unchanged ones keep the checksum they
-had). A delta whose base is not the held version, or any mismatch, raises `ResyncNeeded`
+update's seal: on an accelerator, by device fingerprints (rlax_ps.sync.fingerprints; 8 bytes
+per changed tensor reach the host) where the publisher sealed them; otherwise by the xxh3
+result seal (changed tensors pulled and hashed). Unchanged tensors keep the digest they
+had. A delta whose base is not the held version, or any mismatch, raises `ResyncNeeded`
 and leaves the policy without a version: the caller pulls a keyframe.
 """
 
@@ -21,7 +23,7 @@ from inference_workers.quantized import Int8Transformer, held_name
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.transformer import Transformer
 from rlax_ps.sync import CodecError, Update, checksum, parallel
-from rlax_ps.sync.device import apply_changes, each_padded_changes
+from rlax_ps.sync.device import apply_changes, each_padded_changes, fingerprints_of
 
 FORMATS = ("bf16", "int8")
 
@@ -40,17 +42,26 @@ class HeldPolicy:
 
   `model` is what the sampler runs; `version` is None until a keyframe has been applied
   (and again after a failed update). Compute dtype is `config.dtype`.
+  `on_device_checks`: check fingerprinted updates on device (True), always by pulling and
+  hashing (False), or None: on device unless the weights live on the CPU, where pulling
+  is free and xxh3 outruns XLA's CPU fingerprint (5 vs 62 ms for 153 MB, measured).
   """
 
-  def __init__(self, config: ModelConfig, fmt: str = "bf16"):
+  def __init__(self, config: ModelConfig, fmt: str = "bf16", *,
+               on_device_checks: bool | None = None):
     if fmt not in FORMATS:
       raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
+    if on_device_checks not in (None, True, False):
+      raise ValueError(f"on_device_checks: expected None, True or False, got "
+                       f"{on_device_checks!r}")
     self.fmt = fmt
+    self.on_device_checks = on_device_checks
     cls = Transformer if fmt == "bf16" else Int8Transformer
     held_config = config.replace(param_dtype="bfloat16")
     self.model = nnx.eval_shape(lambda: cls(held_config, rngs=nnx.Rngs(0)))
     self._vars = _variables(self.model)
     self._checksums: dict[str, int] = {}  # of held tensors, filled as they are verified
+    self._fingerprints: dict[str, int] = {}  # likewise, where checked on device
     self.version: int | None = None
 
   @property
@@ -105,9 +116,27 @@ class HeldPolicy:
         new = apply_changes(var[...], changes)
       var.set_value(new)
       self._checksums.pop(name, None)
+      self._fingerprints.pop(name, None)
     if verify:
-      update.verify_all(self._checksums_of(names))
+      self._verify(update, names)
     self.version = update.version
+
+  def _checks_on_device(self) -> bool:
+    if self.on_device_checks is not None:
+      return self.on_device_checks
+    held = next((x for x in (v.get_value() for v in self._vars.values())
+                 if isinstance(x, jax.Array)), None)
+    return held is not None and next(iter(held.devices())).platform != "cpu"
+
+  def _verify(self, update: Update, names) -> None:
+    """CodecError unless the held tensors `names` are what `update` makes: by fingerprints
+    on device where the update has them and checks run there, else by checksums."""
+    if update.fingerprinted and self._checks_on_device():
+      todo = {name: self._vars[name][...] for name in names if name not in self._fingerprints}
+      self._fingerprints.update(fingerprints_of(todo))
+      update.check_fingerprints({name: self._fingerprints[name] for name in names})
+    else:
+      update.verify_all(self._checksums_of(names))
 
   def _checksums_of(self, names) -> dict[str, int]:
     """name -> checksum of each held tensor: kept from when it last changed, else pulled
@@ -122,7 +151,8 @@ class HeldPolicy:
     return checksum(np.asarray(jax.device_get(self._vars[name][...])))
 
   def verify_all(self, update: Update) -> None:
-    """Check every held tensor, pulled afresh, against `update`'s result seal (e.g. after a
-    restart); raises CodecError naming the tensor."""
+    """Check every held tensor afresh (on device or pulled, as apply would) against
+    `update`'s seal (e.g. after a restart); raises CodecError naming the tensor."""
     self._checksums.clear()
-    update.verify_all(self._checksums_of(self._vars))
+    self._fingerprints.clear()
+    self._verify(update, list(self._vars))

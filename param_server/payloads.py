@@ -24,6 +24,7 @@ class PayloadInfo:
   fmt: str
   # name -> (shape, dtype name)
   tensors: dict[str, tuple[tuple[int, ...], str]]
+  fingerprinted: bool = False  # seals its results' device fingerprints
 
   @property
   def is_keyframe(self) -> bool:
@@ -38,7 +39,8 @@ def read_info(blob) -> PayloadInfo:
       base_version=None if header.base_version is None else int(header.base_version),
       fmt=str(header.fmt),
       tensors={name: (tuple(int(d) for d in meta.shape), str(np.dtype(meta.dtype)))
-               for name, meta in header.tensors.items()})
+               for name, meta in header.tensors.items()},
+      fingerprinted=header.fingerprints is not None)
 
 
 def verify(blob, *, decode_keyframe: bool) -> None:
@@ -72,6 +74,10 @@ def materialize(blobs) -> dict[str, np.ndarray]:
   return weights
 
 
-def encode_keyframe(weights: dict[str, np.ndarray], fmt: str, version: int) -> bytes:
-  """Re-encodes materialised weights as a keyframe blob at `version`."""
-  return sync.encode(None, weights, fmt, version=version).to_bytes()
+def encode_keyframe(weights: dict[str, np.ndarray], fmt: str, version: int, *,
+                    fingerprints: bool = False) -> bytes:
+  """Re-encodes materialised weights as a keyframe blob at `version`; with `fingerprints`
+  (as the update it replaces had), its results' device fingerprints are sealed too, so that
+  workers on accelerators keep checking their weights on device."""
+  return sync.encode(None, weights, fmt, version=version,
+                     fingerprints=True if fingerprints else None).to_bytes()

@@ -323,8 +323,9 @@ class WeightStore:
   def _compact(self, blobs: list[Blob]) -> None:
     try:
       target = blobs[-1]
+      printed = payloads.read_info(self.read_all(target)).fingerprinted
       weights = payloads.materialize(self.read_all(b) for b in blobs)
-      data = payloads.encode_keyframe(weights, target.fmt, target.version)
+      data = payloads.encode_keyframe(weights, target.fmt, target.version, fingerprints=printed)
       del weights
       blob = Blob(target.version, None, target.fmt, len(data), hashlib.sha256(data).hexdigest(),
                   self.keyframe.tensors)

@@ -49,7 +49,10 @@ On-device usage (workers, in place, without the base on the host):
   rlax_ps.sync.device.host_state(host_prev, prev_on_device, new_on_device), which fetches
   only the changed elements (then encodes host_prev -> the result on the host);
   update.verify_all({name: array or checksum(array)}) checks the whole result at once
-  (a worker keeps the checksums of tensors an update leaves unchanged).
+  (a worker keeps the checksums of tensors an update leaves unchanged);
+  encode(..., fingerprints=rlax_ps.sync.device.fingerprints_of(new_on_device)) also seals
+  device fingerprints (fingerprints.py), which workers check where their weights are:
+  update.check_fingerprints(rlax_ps.sync.device.fingerprints_of(held)), no pull.
 
 Checksums are xxh3-64 of each tensor's exact held bytes: ~10 GB/s here against ~2 GB/s
 for zlib.crc32, which would cost more than the whole rest of a sparse apply. An update

@@ -10,6 +10,7 @@ import numpy as np
 from rlax_ps.sync import arena, int8, packs, parallel, scratch, tensor_codec
 from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, is_float_dtype, round_into, to_bf16
 from rlax_ps.sync.errors import CodecError
+from rlax_ps.sync.fingerprints import of_state as host_fingerprints
 from rlax_ps.sync.integrity import checksum
 from rlax_ps.sync.wire import FORMATS, Update, build_columns, check_names
 
@@ -64,7 +65,7 @@ def _held_kind(key: tuple, fmt: str) -> str:
 
 def encode(base, target, fmt: str = "bf16", *, version: int,
            base_version: int | None = None, base_checksums: dict | None = None,
-           threads: int | None = None) -> Update:
+           fingerprints: dict | bool | None = None, threads: int | None = None) -> Update:
   """The update taking `base` (None: a keyframe) to `target`, recorded as `version`.
 
   `target` holds float weights (numpy or jax; int8 also accepts a held state); `base`
@@ -75,6 +76,11 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   hashed again (a pass over it saved). They are trusted into the base seal: wrong ones
   make in-place applies (which check the base first) fail with a wrong-base CodecError;
   copying applies check their results only. Neither ever yields wrong weights.
+  `fingerprints`: seal the results' device fingerprints too (fingerprints.py), so that
+  workers on accelerators check their weights without pulling them: name -> fingerprint
+  of every target tensor as held (rlax_ps.sync.device.fingerprints_of of the held state on
+  the publisher's devices: no host pass), or True to compute them here (one more pass
+  over the target); None (default): no fingerprint seal (a few bytes less).
   `threads`: tensors coded side by side (parallel.py; None: the host's cores, at most 8);
   the bytes do not depend on it."""
   if fmt not in FORMATS:
@@ -104,6 +110,7 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
         if old.shape != new.shape or old.dtype != new.dtype:
           raise CodecError(f"tensor {name!r}: base is {old.dtype}{list(old.shape)}, target "
                            f"is {new.dtype}{list(new.shape)}")
+  printed = _fingerprints_of(fingerprints, new_state, threads)
   known = base_checksums is not None
   groups = {} if old_state is None else lay.groups
   tasks = [(size, functools.partial(_encode_pack, old_state, new_state, members, not known))
@@ -130,7 +137,26 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   bases = ([base_checksums[name] for name in lay.names] if known
            else [enc.base_checksum for enc in done])
   return build_columns(fmt, version, base_version, lay.layout, [enc.checksum for enc in done],
-                       bases, [enc.mode for enc in done], [enc.section for enc in done], made)
+                       bases, [enc.mode for enc in done], [enc.section for enc in done], made,
+                       None if printed is None else [printed[name] for name in lay.names])
+
+
+def _fingerprints_of(given, state: dict, threads: int) -> dict | None:
+  """encode's `fingerprints` argument as name -> int for every tensor of the held `state`
+  (None: no seal), after checking a given dict's names and values."""
+  if given is None or given is False:
+    return None
+  if given is True:
+    return host_fingerprints(state, threads)
+  if not isinstance(given, dict):
+    raise ValueError(f"fingerprints: expected a dict, True or None, got {type(given).__name__}")
+  check_names("fingerprints", given, state)
+  for name, value in given.items():
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+        0 <= int(value) < 1 << 64):
+      raise CodecError(f"tensor {name!r}: fingerprint expected an int in [0, 2**64), "
+                       f"got {value!r}")
+  return {name: int(value) for name, value in given.items()}
 
 
 class _Layout(typing.NamedTuple):

@@ -7,6 +7,8 @@ straight into the scatter's padded int32 index arrays.
 Publishers: `host_state` brings the host copy of the held state (what `encode` reads) to a
 new version held on device by fetching only the elements whose bits changed, found by a
 jitted compare on the arrays' devices; a tensor travels whole only when that is smaller.
+Both: `fingerprints_of` computes device fingerprints (fingerprints.py) where the arrays are,
+for a publisher to seal and a worker to check without pulling its weights.
 Index counts are padded to powers of two to bound recompilation.
 """
 
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_ps.sync import loops, parallel
+from rlax_ps.sync import fingerprints, parallel
 from rlax_ps.sync.bits import UINT_OF, bit_view
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.wire import TensorChanges, Update, check_names
@@ -131,14 +133,44 @@ def _changed(old, new, cap):
   return idx, b.at[idx].get(mode="fill", fill_value=0)
 
 
+def _flat_index(shape) -> jax.Array:
+  """Each element's flat C-order index mod 2**32 (uint32), built from per-axis iotas: no
+  reshape, so a sharded operand keeps its sharding."""
+  index, stride = jnp.zeros(shape, jnp.uint32), 1
+  for axis in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(
+        stride & 0xFFFFFFFF)
+    stride *= shape[axis]
+  return index
+
+
+def _fmix32(h):
+  h = (h ^ (h >> 16)) * jnp.uint32(fingerprints.F1)
+  h = (h ^ (h >> 13)) * jnp.uint32(fingerprints.F2)
+  return h ^ (h >> 16)
+
+
 @jax.jit
-def _fingerprint(x):
-  """(sum, sum of (index | 1) * bits), wrapping in uint32, of the bit patterns: a cheap
-  check that a host copy is the device array (it guards against a stale base, not against
-  an attack); loops.fingerprint on the host."""
-  bits = _bits(x).reshape(-1).astype(jnp.uint32)
-  weights = jax.lax.iota(jnp.uint32, bits.size) | jnp.uint32(1)
-  return jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights, dtype=jnp.uint32)
+def fingerprint(x: jax.Array) -> jax.Array:
+  """[lo, hi] (uint32) of the held array's fingerprint (fingerprints.py), computed on its
+  devices: one fused elementwise pass and two sums; fingerprints.join makes the int."""
+  bits = _bits(x).astype(jnp.uint32)
+  index = _flat_index(x.shape)
+  h = _fmix32((bits * jnp.uint32(fingerprints.M_BITS)) ^ (index * jnp.uint32(fingerprints.M_INDEX)))
+  return jnp.stack([jnp.sum(h, dtype=jnp.uint32),
+                    jnp.sum(h * (index + index + jnp.uint32(1)), dtype=jnp.uint32)])
+
+
+def fingerprints_of(state: dict) -> dict[str, int]:
+  """name -> fingerprint of each held JAX array of `state` (bf16 or int8, on any devices,
+  sharded or not), computed where the arrays are; only 8 bytes per tensor reach the host.
+  What a publisher whose state is on device passes to encode(..., fingerprints=)."""
+  for name, x in state.items():
+    if jnp.dtype(x.dtype) not in _UINT:
+      raise ValueError(f"tensor {name!r}: expected a held dtype "
+                       f"({', '.join(sorted(map(str, _UINT)))}), got {x.dtype}")
+  pending = {name: fingerprint(x) for name, x in state.items()}  # all dispatched, then read
+  return {name: fingerprints.join(*map(int, v)) for name, v in jax.device_get(pending).items()}
 
 
 def _replicated_if_explicit(x: jax.Array) -> jax.Array:
@@ -200,8 +232,8 @@ def host_state(host_old: dict, old: dict, new: dict, *, check: bool = True
     result = np.array(base, order="C")
     idx, values = changed
     bit_view(result)[idx] = values
-    if check and tuple(map(int, jax.device_get(_fingerprint(_replicated_if_explicit(arr))))
-                       ) != loops.fingerprint(bit_view(result)):
+    if check and fingerprints.join(*map(int, jax.device_get(fingerprint(arr)))
+                                   ) != fingerprints.fingerprint(result):
       raise CodecError(f"tensor {name!r}: host_old is not the host copy of old (the host "
                        f"result differs from the device array)")
     out[name] = result

@@ -318,3 +318,50 @@ def _coder(zbits: int):
 
 code_u16 = _coder(16)
 code_u8 = _coder(8)
+
+
+# ---- 32-bit lane arithmetic (fingerprints.py) ----------------------------------------------
+# numba widens uint32 arithmetic to 64 bits, and LLVM then vectorizes it in 64-bit lanes
+# (vpmullq: half the lanes, slower multiplies); these keep it in i32: 2x the fingerprint's
+# throughput (13.8 -> 26.2 GB/s of bf16, measured).
+
+_I32 = ir.IntType(32)
+
+
+def _i32(value: int) -> ir.Constant:
+  return ir.Constant(_I32, value)
+
+
+@intrinsic
+def mix32(typingctx, x, k, m_bits, m_index, f1, f2):
+  """murmur3's fmix32((x * m_bits) ^ (k * m_index)) in uint32 (x: an unsigned element,
+  widened; k: its int64 index, mod 2**32); the constants are compile-time ints."""
+  consts = [getattr(t, "literal_value", None) for t in (m_bits, m_index, f1, f2)]
+  if None in consts:
+    return None
+
+  def codegen(context, builder, signature, args):
+    mb, mi, c1, c2 = (_i32(v) for v in consts)
+    h = builder.xor(builder.mul(builder.zext(args[0], _I32), mb),
+                    builder.mul(builder.trunc(args[1], _I32), mi))
+    h = builder.mul(builder.xor(h, builder.lshr(h, _i32(16))), c1)
+    h = builder.mul(builder.xor(h, builder.lshr(h, _i32(13))), c2)
+    return builder.xor(h, builder.lshr(h, _i32(16)))
+  return types.uint32(x, types.int64, m_bits, m_index, f1, f2), codegen
+
+
+@intrinsic
+def add32(typingctx, a, b):
+  """a + b mod 2**32."""
+  def codegen(context, builder, signature, args):
+    return builder.add(args[0], args[1])
+  return types.uint32(types.uint32, types.uint32), codegen
+
+
+@intrinsic
+def odd_madd32(typingctx, acc, h, k):
+  """acc + h * (2k + 1) mod 2**32 (k: an int64 index, mod 2**32)."""
+  def codegen(context, builder, signature, args):
+    i = builder.trunc(args[2], _I32)
+    return builder.add(args[0], builder.mul(args[1], builder.add(builder.add(i, i), _i32(1))))
+  return types.uint32(types.uint32, types.uint32, types.int64), codegen

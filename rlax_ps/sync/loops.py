@@ -694,19 +694,6 @@ def bitmap(idx, nbytes):
   return out
 
 
-@numba.njit(**_JIT)
-def fingerprint(bits):
-  """(sum, sum of (index | 1) * bits) of unsigned bit patterns, wrapping in uint32
-  (device.host_state's check against the same sums computed on device)."""
-  total, weighted = np.uint64(0), np.uint64(0)  # mod 2**64 keeps the sums mod 2**32
-  for i in range(bits.size):
-    b = np.uint64(bits[i])
-    total += b
-    weighted += b * (np.uint64(i & 0xFFFFFFFF) | np.uint64(1))
-  mask = np.uint64(0xFFFFFFFF)
-  return int(total & mask), int(weighted & mask)
-
-
 # ---- apply -------------------------------------------------------------------------------
 
 @numba.njit(**_JIT)

@@ -4,7 +4,8 @@ Message layout (little-endian):
   prefix   b"RLXW" | u16 wire version (3) | u8 meta codec (0 raw, 1 zstd) | u32 header_len
            | u32 crc32(header)
   header   varint stored_len | meta, stored by its codec | seals
-  meta     u8 fmt (0 bf16, 1 int8) | u8 is_keyframe | varint version | varint base_version
+  meta     u8 fmt (0 bf16, 1 int8) | u8 flags (bit 0: keyframe; bit 1: the fingerprint seal
+           follows the others) | varint version | varint base_version
            (0 for a keyframe) | varint tensor count, then column by column (so that zstd
            finds the repeats): per tensor varint bytes shared with the previous name
            | varint rest_len | the rest of the utf-8 name; per tensor u8 dtype
@@ -13,11 +14,14 @@ Message layout (little-endian):
            the built-in name dictionary (_NAME_DICT).
   seals    integrity.py, each a u64 digest over per-item xxh3-64 digests | 2*ceil(log2 n)
            u8 group locators: results (every tensor the update makes) | bases (deltas
-           only: every base tensor) | sections (the non-empty sections' bytes).
+           only: every base tensor) | sections (the non-empty sections' bytes)
+           | fingerprints (flag bit 1 only: every result's device fingerprint,
+           fingerprints.py).
   body     the sections, in header order (tensor_codec.py).
 The seals replace version 2's per-tensor u64 result and u32 base checksums: a few dozen
 bytes whatever the tensor count, 64 bits of detection each, and a mismatch still names its
-tensor. Versions 1 and 2 are rejected with a CodecError.
+tensor. Versions 1 and 2 are rejected with a CodecError. Flag bit 1 came later within
+version 3: a reader without it rejects such a header (bad keyframe flag), loses nothing.
 Chunk layout: b"RLXC" | u32 index | u32 count | u64 message length | u64 xxh3(message)
   | u32 data length | data.
 """
@@ -50,6 +54,7 @@ _CHUNK = struct.Struct("<4sIIQQI")
 CHUNK_MAGIC = b"RLXC"
 CHUNK_OVERHEAD = _CHUNK.size
 MAX_ELEMENTS = 1 << 40
+KEYFRAME, FINGERPRINTED = 1, 2  # the meta's flag bits
 # Locator width: a collision only blurs which tensor an error names (the error then lists
 # the suspects); detection rests on the 64-bit digests.
 LOCATOR_BITS = 8
@@ -97,6 +102,9 @@ class UpdateHeader:
   results: Seal  # over every tensor's result checksum, in header order
   bases: Seal | None  # over every base tensor's checksum (None for a keyframe)
   sections: Seal  # over the non-empty sections' xxh3-64, in header order
+  # over every tensor's result fingerprint (fingerprints.py), in header order; None when
+  # the publisher gave none (workers then check the results seal)
+  fingerprints: Seal | None = None
 
   @property
   def is_keyframe(self) -> bool:
@@ -206,9 +214,10 @@ def build(fmt: str, version: int, base_version: int | None, entries,
 
 def build_columns(fmt: str, version: int, base_version: int | None, layout: tuple,
                   checksums: list, base_checksums: list, modes: list, sections: list,
-                  packed: dict | None = None) -> "Update":
+                  packed: dict | None = None, fingerprints: list | None = None) -> "Update":
   """build() from columns: layout ((name, shape tuple, np.dtype) per tensor), then per
-  tensor its checksum, base checksum, mode code and section."""
+  tensor its checksum, base checksum, mode code and section; `fingerprints`: per tensor
+  the device fingerprint of its result, sealed too when given."""
   if len(set(entry[0] for entry in layout)) != len(layout):
     names = [entry[0] for entry in layout]
     twice = next(n for i, n in enumerate(names) if n in names[:i])
@@ -217,8 +226,11 @@ def build_columns(fmt: str, version: int, base_version: int | None, layout: tupl
   update = _assemble(fmt, version, base_version, layout, [mode_names[m] for m in modes], (
       Seal.of(checksums, LOCATOR_BITS),
       None if base_version is None else Seal.of(base_checksums, LOCATOR_BITS),
-      section_seal(sections)), sections, packed)
+      section_seal(sections),
+      None if fingerprints is None else Seal.of(fingerprints, LOCATOR_BITS)), sections, packed)
   update.checksums = {entry[0]: int(c) for entry, c in zip(layout, checksums)}
+  if fingerprints is not None:
+    update.fingerprints = {entry[0]: int(f) for entry, f in zip(layout, fingerprints)}
   return update
 
 
@@ -267,28 +279,32 @@ def assemble(header: UpdateHeader, sections) -> "Update":
   return _assemble(header.fmt, header.version, header.base_version,
                    tuple((meta.name, tuple(meta.shape), meta.dtype) for meta in metas),
                    [meta.mode for meta in metas],
-                   (header.results, header.bases, header.sections), sections, None)
+                   (header.results, header.bases, header.sections, header.fingerprints),
+                   sections, None)
 
 
 def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple, modes: list,
               seals: tuple, sections, packed: dict | None) -> "Update":
   """The message (see assemble) of the tensors of `layout` ((name, shape, dtype) each) in
-  `modes`, with seals (results, bases or None, sections) over `sections`."""
+  `modes`, with seals (results, bases or None, sections, fingerprints or None) over
+  `sections`."""
   sections = [sec if type(sec) is bytes else memoryview(sec).cast("B") for sec in sections]
   keyframe = base_version is None
   names, codes, dims, shapes, sizes = _layout_columns(layout, SECTION_CODEC_VERSION)
   codes = codes.copy()
   codes[:, 2] = [_MODE_CODES[mode] for mode in modes]
   lengths = [len(sec) for sec in sections]
-  meta_bytes = b"".join([u8(FORMATS.index(fmt)), u8(keyframe), varint(version),
+  results, bases, sealed, printed = seals
+  flags = (KEYFRAME if keyframe else 0) | (0 if printed is None else FINGERPRINTED)
+  meta_bytes = b"".join([u8(FORMATS.index(fmt)), u8(flags), varint(version),
                          varint(0 if keyframe else base_version), varint(len(layout)),
                          names, codes.tobytes(), dims] + [varint(n) for n in lengths])
   packed_meta = _compressor(len(meta_bytes)).compress(meta_bytes)
   codec = int(len(packed_meta) < len(meta_bytes))
   stored = packed_meta if codec else meta_bytes
-  results, bases, sealed = seals
   region = b"".join([varint(len(stored)), stored] + _seal_bytes(results)
-                    + ([] if keyframe else _seal_bytes(bases)) + _seal_bytes(sealed))
+                    + ([] if keyframe else _seal_bytes(bases)) + _seal_bytes(sealed)
+                    + ([] if printed is None else _seal_bytes(printed)))
   prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(region), zlib.crc32(region))
   data = b"".join([prefix, region] + sections)
   offset, tensors = len(prefix) + len(region), {}
@@ -296,7 +312,7 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple, m
     tensors[name] = TensorMeta.make(name, shape, dtype, mode, nbytes, offset, size)  # as parsed
     offset += nbytes
   header = UpdateHeader(version, base_version, fmt, tensors, len(data), results, bases,
-                        sealed)
+                        sealed, printed)
   return Update(data, header, packed)
 
 
@@ -332,13 +348,15 @@ def _parse_header(b) -> tuple[UpdateHeader, dict[str, list[str]]]:
     except zstandard.ZstdError as e:
       raise CodecError(f"update header: corrupted ({e})") from None
   r = ByteReader(header, "update header")
-  fmt_code, keyframe = r.u8(), r.u8()
+  fmt_code, flags = r.u8(), r.u8()
+  keyframe = flags & KEYFRAME
   version, base_version = r.varint(), r.varint()
   if fmt_code >= len(FORMATS):
     raise CodecError(f"update header: unknown fmt code {fmt_code}")
-  if keyframe not in (0, 1) or (keyframe == 1 and base_version != 0):
-    raise CodecError(f"update header: is_keyframe {keyframe} disagrees with base_version "
-                     f"{base_version}")
+  if flags & ~(KEYFRAME | FINGERPRINTED):
+    raise CodecError(f"update header: unknown flags {flags:#04x} (a newer writer?)")
+  if keyframe and base_version != 0:
+    raise CodecError(f"update header: keyframe flag disagrees with base_version {base_version}")
   if not keyframe and not base_version < version:
     raise CodecError(f"update header: versions must satisfy 0 <= base < version, got "
                      f"base {base_version}, version {version}")
@@ -362,6 +380,7 @@ def _parse_header(b) -> tuple[UpdateHeader, dict[str, list[str]]]:
   results = _read_seal(region, count, LOCATOR_BITS)
   bases = None if keyframe else _read_seal(region, count, LOCATOR_BITS)
   sections = _read_seal(region, sum(1 for n in lengths if n), LOCATOR_BITS)
+  printed = _read_seal(region, count, LOCATOR_BITS) if flags & FINGERPRINTED else None
   region.done()
   tensors = {}
   offset = _PREFIX.size + hlen
@@ -396,7 +415,7 @@ def _parse_header(b) -> tuple[UpdateHeader, dict[str, list[str]]]:
                      f"last section")
   found = packs.read_packs(tensors)
   return UpdateHeader(version, None if keyframe else base_version, FORMATS[fmt_code], tensors,
-                      buf.nbytes, results, bases, sections), found
+                      buf.nbytes, results, bases, sections, printed), found
 
 
 def check_names(what: str, got, want) -> None:
@@ -452,6 +471,8 @@ class Update:
     # (a publisher passes them as the next encode's base_checksums); None once parsed,
     # since the header holds only the seal over them.
     self.checksums: dict[str, int] | None = None
+    # name -> device fingerprint of each result, where the encoder was given them
+    self.fingerprints: dict[str, int] | None = None
 
   def pack(self, name: str) -> list[str] | None:
     """The members (head first) of the pack that codes `name`, or None."""
@@ -593,6 +614,22 @@ class Update:
     """CodecError naming the tensor unless the results' checksums (header order) match."""
     check_seal(self.header.results, digests, list(self.tensors),
                "corrupted: result checksum mismatch")
+
+  @property
+  def fingerprinted(self) -> bool:
+    """Whether the update seals its results' device fingerprints (check_fingerprints)."""
+    return self.header.fingerprints is not None
+
+  def check_fingerprints(self, fingerprints: dict) -> None:
+    """CodecError naming the tensor unless `fingerprints` (name -> device fingerprint of
+    each held result, every tensor of the update) match the update's fingerprint seal; a
+    worker checks weights on device this way (rlax_ps.sync.device.fingerprints_of)."""
+    if self.header.fingerprints is None:
+      raise CodecError(f"update {self.version}: carries no fingerprint seal (its publisher "
+                       f"gave no fingerprints): check its results' checksums instead")
+    check_names("fingerprinted state", fingerprints, self.tensors)
+    check_seal(self.header.fingerprints, [int(fingerprints[n]) for n in self.tensors],
+               list(self.tensors), "corrupted: result fingerprint mismatch", "fingerprint")
 
   def check_bases(self, digests) -> None:
     """CodecError naming the tensor unless the base tensors' checksums (header order) are

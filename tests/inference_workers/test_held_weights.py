@@ -7,6 +7,7 @@ from flax import nnx
 
 from inference_workers.sampler import generate
 from inference_workers.sampling import SamplingParams
+from inference_workers import weights
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from rlax_ps import sync
 from rlax_ps.models import ModelConfig, Transformer, assign_params, flatten_params
@@ -123,3 +124,63 @@ def test_sampler_runs_the_int8_policy(versions):
   logits = forward(policy.model, seq)[0, len(prompt) - 1:-1]
   want = jax.nn.log_softmax(logits, axis=-1)[np.arange(5), out.tokens]
   np.testing.assert_allclose(out.logprobs, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_fingerprinted_updates_are_checked_on_device_without_pulling(versions, fmt, monkeypatch):
+  policy = HeldPolicy(UNTIED, fmt, on_device_checks=True)
+  pulled, printed, pull = [], [], policy._pulled_checksum
+  monkeypatch.setattr(policy, "_pulled_checksum", lambda name: pulled.append(name) or pull(name))
+
+  real = weights.fingerprints_of
+
+  def counted(state):
+    printed.append(sorted(state))
+    return real(state)
+
+  monkeypatch.setattr(weights, "fingerprints_of", counted)
+  policy.apply(sync.encode(None, versions[0], fmt, version=0, fingerprints=True))
+  assert printed == [policy.names]
+  delta = sync.encode(versions[0], versions[1], fmt, version=1, fingerprints=True)
+  policy.apply(sync.Update.from_bytes(delta.to_bytes()))
+  assert policy.version == 1 and pulled == []
+  want = sync.held_state(versions[1], fmt)
+  assert all(same_bits(policy.held_state()[k], want[k]) for k in want)
+  # Only the changed tensors were fingerprinted again; the others kept theirs.
+  changed = sorted(k for k in delta.tensors if delta.changes(k).kind != "unchanged")
+  assert changed and len(changed) < len(delta.tensors)
+  assert printed[1] == changed
+  # An update without fingerprints falls back to pulling and hashing (every tensor: none
+  # has a checksum yet).
+  policy.apply(sync.encode(versions[1], versions[2], fmt, version=2))
+  assert sorted(pulled) == policy.names and policy.version == 2
+
+
+def test_a_bad_device_tensor_fails_the_fingerprint_seal_and_names_it(versions):
+  policy = HeldPolicy(UNTIED, "bf16", on_device_checks=True)
+  policy.apply(sync.encode(None, versions[0], "bf16", version=0, fingerprints=True))
+  delta = sync.encode(versions[0], versions[1], "bf16", version=1, fingerprints=True)
+  name = next(n for n in delta.tensors if delta.changes(n).kind == "sparse")
+  var = policy._vars[name]
+  var.set_value(var[...].at[(0,) * var[...].ndim].add(1))  # one element went bad
+  with pytest.raises(ResyncNeeded, match=f"{name}.*fingerprint"):
+    policy.apply(delta)
+  assert policy.version is None
+  # verify_all after a restart checks on device too, and names an unchanged bad tensor.
+  policy.apply(sync.encode(None, versions[1], "bf16", version=1, fingerprints=True))
+  policy.verify_all(sync.encode(versions[0], versions[1], "bf16", version=1, fingerprints=True))
+  other = next(n for n in delta.tensors if delta.changes(n).kind == "unchanged")
+  bad = policy._vars[other]
+  bad.set_value(-bad[...])
+  with pytest.raises(sync.CodecError, match=f"{other}.*fingerprint"):
+    policy.verify_all(delta)
+
+
+def test_on_device_checks_default_to_pulling_on_the_cpu(versions):
+  policy = HeldPolicy(UNTIED, "bf16")
+  assert not policy._checks_on_device()  # no weights yet
+  policy.apply(sync.encode(None, versions[0], "bf16", version=0, fingerprints=True))
+  assert jax.default_backend() != "cpu" or not policy._checks_on_device()
+  assert policy._checksums and not policy._fingerprints
+  with pytest.raises(ValueError, match="on_device_checks"):
+    HeldPolicy(UNTIED, "bf16", on_device_checks="yes")

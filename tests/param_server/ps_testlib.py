@@ -48,13 +48,16 @@ def perturbed(weights, density, seed):
   return out
 
 
-def publish_chain(trainer_client, n_versions, fmt="bf16", density=0.05):
-  """Publishes a keyframe (v0) and n_versions-1 deltas; returns the float weights of each version."""
+def publish_chain(trainer_client, n_versions, fmt="bf16", density=0.05, fingerprints=None):
+  """Publishes a keyframe (v0) and n_versions-1 deltas; returns the float weights of each
+  version. `fingerprints`: encode's argument (True: seal device fingerprints)."""
   versions = [tiny_weights()]
-  trainer_client.publish(sync.encode(None, versions[0], fmt, version=0).to_bytes())
+  trainer_client.publish(sync.encode(None, versions[0], fmt, version=0,
+                                     fingerprints=fingerprints).to_bytes())
   for v in range(1, n_versions):
     versions.append(perturbed(versions[-1], density, seed=v))
-    trainer_client.publish(sync.encode(versions[-2], versions[-1], fmt, version=v).to_bytes())
+    trainer_client.publish(sync.encode(versions[-2], versions[-1], fmt, version=v,
+                                       fingerprints=fingerprints).to_bytes())
   return versions
 
 

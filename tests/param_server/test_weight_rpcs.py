@@ -11,7 +11,7 @@ from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
 from ps_testlib import CHUNK, TOKENS, apply_blobs, client_for, perturbed, publish_chain, tiny_weights
 from rlax_ps import sync
-from rlax_ps.sync import tensor_codec, wire
+from rlax_ps.sync import fingerprints, tensor_codec, wire
 
 
 def held(weights, fmt="bf16"):
@@ -100,6 +100,22 @@ def test_compaction_builds_a_keyframe_and_keeps_history(start_server):
     assert len(kept_before) == 2
     lagging = min(kept_before) - 1
     assert_same(apply_blobs(worker.pull(lagging), held(versions[lagging])), held(versions[-1]))
+
+
+def test_compaction_keeps_the_fingerprint_seal_of_a_fingerprinted_chain(start_server, tmp_path):
+  server = start_server(delta_history=2)
+  with client_for(server, "trainer") as trainer, client_for(server, "worker") as worker:
+    versions = publish_chain(trainer, 12, density=0.5, fingerprints=True)
+    assert server.weights.compactions >= 1
+    keyframe = sync.Update.from_bytes(bytes(worker.pull(None)[0]))
+    assert keyframe.is_keyframe and keyframe.fingerprinted
+    want = held(versions[keyframe.version])
+    keyframe.check_fingerprints(fingerprints.of_state(want))
+  plain = start_server(delta_history=2, storage_dir=tmp_path / "plain")
+  with client_for(plain, "trainer") as trainer, client_for(plain, "worker") as worker:
+    publish_chain(trainer, 12, density=0.5)
+    assert plain.weights.compactions >= 1
+    assert not sync.Update.from_bytes(bytes(worker.pull(None)[0])).fingerprinted
 
 
 def _publish_error(client, blob):

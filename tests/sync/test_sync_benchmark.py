@@ -29,3 +29,17 @@ def test_the_weight_sync_benchmark_prints_one_row_per_density_and_format():
     assert r["worker/copy"].endswith("%"), r
     assert all(part.endswith("%") for part in r["bulk e/a"].split("/")), r
   assert "memory copy" in run.stdout and "keyframes: bf16" in run.stdout
+
+
+def test_the_worker_checks_benchmark_compares_pulling_with_device_fingerprints():
+  run = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "worker_checks.py"),
+       "--elements=1000000", "--reps=1", "--fmt=int8"],
+      capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert run.returncode == 0, run.stderr[-2000:]
+  rows = {line.split(" | ")[0]: line.split(" | ")[1:] for line in run.stdout.splitlines()
+          if " | " in line}
+  assert set(rows) == {"check", "pull+xxh3", "device fprint", "host xxh3", "host fprint"}
+  assert rows["device fprint"][2].endswith("x pull+xxh3")
+  assert rows["host fprint"][2].endswith("x host xxh3")
+  assert all(float(r[0]) > 0 for name, r in rows.items() if name != "check")
