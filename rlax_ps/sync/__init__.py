@@ -50,8 +50,9 @@ On-device usage (workers, in place, without the base on the host):
   only the changed elements (then encodes host_prev -> the result on the host);
   update.verify_all({name: array or checksum(array)}) checks the whole result at once
   (a worker keeps the checksums of tensors an update leaves unchanged);
-  encode(..., fingerprints=rlax_ps.sync.device.fingerprints_of(new_on_device)) also seals
-  device fingerprints (fingerprints.py), which workers check where their weights are:
+  host, fps = rlax_ps.sync.device.publish_state(host_prev, prev_on_device, new_on_device)
+  then encode(host_prev, host, ..., fingerprints=fps) also seals device fingerprints
+  (fingerprints.py), which workers check where their weights are:
   update.check_fingerprints(rlax_ps.sync.device.fingerprints_of(held)), no pull.
 
 Checksums are xxh3-64 of each tensor's exact held bytes: ~10 GB/s here against ~2 GB/s

@@ -183,10 +183,9 @@ def _replicated_if_explicit(x: jax.Array) -> jax.Array:
   return x
 
 
-def changed_elements(old: jax.Array, new: jax.Array) -> tuple[np.ndarray, np.ndarray] | None:
-  """(flat indices, new bit patterns) of the elements whose bits differ between two device
-  arrays of one shape and held dtype, fetched to the host; None when they are so many that
-  fetching `new` whole is smaller (more than a third of its bytes)."""
+def _pair_size(old, new) -> int:
+  """Elements of a pair of device arrays that changed_elements can compare (ValueError
+  otherwise)."""
   if tuple(old.shape) != tuple(new.shape) or old.dtype != new.dtype:
     raise ValueError(f"old and new must match: {old.dtype}{list(old.shape)} vs "
                      f"{new.dtype}{list(new.shape)}")
@@ -195,14 +194,35 @@ def changed_elements(old: jax.Array, new: jax.Array) -> tuple[np.ndarray, np.nda
   size = int(np.prod(new.shape))
   if size >= 2**31:
     raise ValueError(f"tensors of 2**31 or more elements are not supported, got {size}")
-  old, new = _replicated_if_explicit(old), _replicated_if_explicit(new)
-  n = int(_count(old, new))
-  itemsize = jnp.dtype(new.dtype).itemsize
+  return size
+
+
+def _fetch_cap(n: int, size: int, dtype) -> int | None:
+  """The padded count of n changes to fetch from a tensor of `size` elements, or None when
+  fetching it whole is smaller (changes take more than a third of its bytes)."""
+  itemsize = jnp.dtype(dtype).itemsize
   if n * (4 + itemsize) * 3 > size * itemsize:
     return None
-  cap = max(_MIN_PAD, 1 << max(0, n - 1).bit_length())
+  return max(_MIN_PAD, 1 << max(0, n - 1).bit_length())
+
+
+def changed_elements(old: jax.Array, new: jax.Array) -> tuple[np.ndarray, np.ndarray] | None:
+  """(flat indices, new bit patterns) of the elements whose bits differ between two device
+  arrays of one shape and held dtype, fetched to the host; None when they are so many that
+  fetching `new` whole is smaller (more than a third of its bytes)."""
+  size = _pair_size(old, new)
+  old, new = _replicated_if_explicit(old), _replicated_if_explicit(new)
+  n = int(_count(old, new))
+  cap = _fetch_cap(n, size, new.dtype)
+  if cap is None:
+    return None
   idx, values = jax.device_get(_changed(old, new, cap))
   return idx[:n], values[:n]
+
+
+# Device bytes of fetched changes held at once by publish_state (each tensor's are at most a
+# third of its bytes); more are fetched in further round trips.
+FETCH_BYTES = 1 << 28
 
 
 def host_state(host_old: dict, old: dict, new: dict, *, check: bool = True
@@ -215,6 +235,26 @@ def host_state(host_old: dict, old: dict, new: dict, *, check: bool = True
   With `check`, each result is compared with a fingerprint computed on device (one more
   pass on each side), so that a `host_old` that is not the host copy of `old` raises
   CodecError naming the tensor instead of publishing a state the devices do not hold."""
+  return _fetch_state(host_old, old, new, check)[0]
+
+
+def publish_state(host_old: dict, old: dict, new: dict, *, check: bool = True
+                  ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+  """(host_state(host_old, old, new), name -> device fingerprint of each tensor of `new`):
+  what a publisher whose held state lives on device needs to encode and seal a version,
+  encode(host_old, host, fmt, ..., fingerprints=fingerprints). The fingerprints are the
+  ones host_state's check computes anyway."""
+  return _fetch_state(host_old, old, new, True, check)
+
+
+def _fetch_state(host_old: dict, old: dict, new: dict, prints: bool, check: bool | None = None
+                 ) -> tuple[dict[str, np.ndarray], dict[str, int] | None]:
+  """host_state (checked if `check`, default: `prints`) and, with `prints`, the device
+  fingerprints of `new`. Few round trips to the devices whatever the tensor count: the
+  change counts (and fingerprints) of every tensor in one, then the changes of as many
+  tensors as FETCH_BYTES holds in each next one; the host copies and scatters run on the
+  host's cores."""
+  check = prints if check is None else check
   check_names("host_old", host_old, new)
   check_names("old", old, new)
   for name, arr in new.items():  # everything checked before anything is fetched
@@ -222,19 +262,45 @@ def host_state(host_old: dict, old: dict, new: dict, *, check: bool = True
       if tuple(other.shape) != tuple(arr.shape) or jnp.dtype(other.dtype) != jnp.dtype(arr.dtype):
         raise CodecError(f"tensor {name!r}: {what} is {other.dtype}{list(other.shape)}, new "
                          f"is {arr.dtype}{list(arr.shape)}")
-  out = {}
-  for name, arr in new.items():
-    base = np.asarray(host_old[name])
-    changed = changed_elements(old[name], arr)
-    if changed is None:
-      out[name] = np.asarray(jax.device_get(arr))
-      continue
-    result = np.array(base, order="C")
-    idx, values = changed
-    bit_view(result)[idx] = values
-    if check and fingerprints.join(*map(int, jax.device_get(fingerprint(arr)))
-                                   ) != fingerprints.fingerprint(result):
-      raise CodecError(f"tensor {name!r}: host_old is not the host copy of old (the host "
-                       f"result differs from the device array)")
-    out[name] = result
-  return out
+  sizes = {name: _pair_size(old[name], arr) for name, arr in new.items()}
+  flat = {name: (_replicated_if_explicit(old[name]), _replicated_if_explicit(arr))
+          for name, arr in new.items()}
+  counts, printed = jax.device_get((
+      {name: _count(*pair) for name, pair in flat.items()},
+      {name: fingerprint(arr) for name, arr in new.items()} if prints else {}))
+  printed = {name: fingerprints.join(*map(int, v)) for name, v in printed.items()}
+  out, batch, held = {}, {}, 0
+  for i, name in enumerate(new):
+    n = int(counts[name])
+    cap = _fetch_cap(n, sizes[name], new[name].dtype)
+    if cap is None:
+      batch[name] = (new[name], None, None)  # whole: already on device, no extra memory
+    else:  # a check's fingerprint comes with the changes unless the first trip had it
+      batch[name] = (_changed(*flat[name], cap), n,
+                     None if prints or not check else fingerprint(new[name]))
+      held += cap * (4 + jnp.dtype(new[name].dtype).itemsize)
+    if held >= FETCH_BYTES or i == len(new) - 1:
+      got = jax.device_get({k: (v, p) for k, (v, _, p) in batch.items()})
+      tasks = []
+      for k, (_, n, _) in batch.items():
+        want = (printed[k] if prints else fingerprints.join(*map(int, got[k][1]))) if (
+            check and n is not None) else None
+        tasks.append((sizes[k], functools.partial(_host_tensor, k, host_old[k], got[k][0], n,
+                                                  want)))
+      out.update(zip(batch, parallel.run(tasks, parallel.resolve(None))))
+      batch, held = {}, 0
+  return out, printed if prints else None
+
+
+def _host_tensor(name: str, base, fetched, n: int | None, want: int | None) -> np.ndarray:
+  """One tensor of _fetch_state: fetched whole (n None), or `base` copied and its n changed
+  elements set; checked against the device fingerprint `want` unless None."""
+  if n is None:
+    return np.asarray(fetched)
+  result = np.array(np.asarray(base), order="C")
+  idx, values = fetched
+  bit_view(result)[idx[:n]] = values[:n]
+  if want is not None and fingerprints.fingerprint(result) != want:
+    raise CodecError(f"tensor {name!r}: host_old is not the host copy of old (the host "
+                     f"result differs from the device array)")
+  return result

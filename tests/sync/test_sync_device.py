@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rlax_ps import sync
-from rlax_ps.sync import device, tensor_codec, wire
+from rlax_ps.sync import device, fingerprints, tensor_codec, wire
 from rlax_ps.sync.bits import BF16
 
 
@@ -212,3 +212,30 @@ def test_each_padded_changes_decodes_ahead_in_order_and_names_a_bad_tensor(threa
     for name, _ in device.each_padded_changes(broken, names, threads=threads):
       seen.append(name)
   assert seen == names[:3]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_publish_state_fetches_in_few_round_trips_and_gives_the_seals_fingerprints(
+    fmt, monkeypatch):
+  old, new = _states(fmt)
+  host_old = {k: np.asarray(v) for k, v in old.items()}
+  by_changes = [device.changed_elements(old[k], new[k]) is not None for k in new]
+  assert 0 < sum(by_changes) < len(new)  # some fetched as changes, some whole
+  gets = []
+  real_get = jax.device_get
+  monkeypatch.setattr(jax, "device_get", lambda x: gets.append(x) or real_get(x))
+  monkeypatch.setattr(device, "FETCH_BYTES", 1)  # each tensor's changes: a trip of their own
+  host_new, printed = device.publish_state(host_old, old, new)
+  # counts and fingerprints, then a trip after each tensor fetched as changes (whole ones
+  # join the next trip), and one for whole ones left at the end
+  assert len(gets) == 1 + sum(by_changes) + (not by_changes[-1])
+  monkeypatch.setattr(device, "FETCH_BYTES", 1 << 30)
+  gets.clear()
+  assert device.publish_state(host_old, old, new)[1] == printed
+  assert len(gets) == 2  # counts and fingerprints, then every tensor's changes
+  monkeypatch.setattr(jax, "device_get", real_get)
+  for name, arr in new.items():
+    assert np.array_equal(host_new[name].view(np.uint8), np.asarray(arr).view(np.uint8)), name
+  assert printed == fingerprints.of_state(host_new)
+  update = sync.encode(host_old, host_new, fmt, version=1, fingerprints=printed)
+  update.check_fingerprints(device.fingerprints_of(new))

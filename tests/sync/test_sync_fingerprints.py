@@ -188,3 +188,11 @@ def test_header_flags_round_trip_and_unknown_ones_are_rejected():
   # The fingerprint flag without its seal: the header ends early.
   with pytest.raises(sync.CodecError, match="truncated"):
     sync.read_header(_with_flags(plain, wire.FINGERPRINTED))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_the_device_fingerprint_lowers_for_tpu_and_gpu(dtype):
+  exported = jax.export.export(device.fingerprint, platforms=["tpu", "cuda"])(
+      jax.ShapeDtypeStruct((1024, 768), dtype))
+  assert exported.platforms == ("tpu", "cuda")
+  assert [str(a.dtype) for a in exported.out_avals] == ["uint32"]
