@@ -5,7 +5,8 @@
 #    unless jax already sees a GPU there, 2) checks packed attention on the GPU, Pallas
 #    Triton kernel and XLA two-pass, f32 and bf16 (forward, LSE, dQ/dK/dV), against the
 #    N-copies reference, 3) times attention fwd+bwd (packed kernels vs cuDNN flash on N
-#    copies) and the whole-model train step (packed vs N copies), sizes of issue 7.
+#    copies) and the whole-model train step (packed vs N copies), sizes of issue 7,
+# 4) times a worker's weight check on the GPU: pull + xxh3 vs device fingerprints (1 GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv --system-site-packages .venv; fi
@@ -18,3 +19,5 @@ fi
 "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 echo "== shared-prompt correctness + benchmark on GPU"
 PYTHONPATH=. timeout 210 "$PY" benchmarks/shared_prompt.py --backend=gpu --reps=5
+echo "== worker weight checks on GPU: pull+xxh3 vs device fingerprints"
+PYTHONPATH=. timeout 120 "$PY" benchmarks/worker_checks.py --elements=500000000
