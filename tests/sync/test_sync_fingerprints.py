@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlax_ps import sync
 from rlax_ps.sync import device, fingerprints, wire
@@ -53,6 +55,16 @@ def test_host_and_device_fingerprints_follow_the_definition(shape, dtype):
   assert fingerprints.fingerprint(a) == want
   assert fingerprints.join(*map(int, device.fingerprint(jnp.asarray(a)))) == want
   assert device.fingerprints_of({"a": jnp.asarray(a)}) == {"a": want}
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+       int8=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_fingerprints_of_random_arrays_follow_the_definition(shape, int8, seed):
+  a = random_held(np.random.default_rng(seed), tuple(shape), np.dtype(np.int8) if int8 else BF16)
+  want = reference(a)
+  assert fingerprints.fingerprint(a) == want
+  assert fingerprints.join(*map(int, device.fingerprint(jnp.asarray(a)))) == want
 
 
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto,
