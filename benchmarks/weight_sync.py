@@ -201,9 +201,23 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   inplace = best_time(lambda a: sync.apply(a[0], a[1], inplace=True, threads=1), reps,
                       setup=lambda: ({k: v.copy() for k, v in base_held.items()}, fresh()),
                       probe=probe)
-  # A worker's host part: every tensor's changes, decoded into its device scatter's arrays.
-  worker = best_time(lambda u: [device.padded_changes(u, name) for name in u.tensors], reps,
-                     setup=fresh, probe=probe)
+  # A worker's host part: every tensor's changes, decoded into its device scatter's arrays,
+  # which it takes from its HostBuffers and gives back once the scatters are done (here:
+  # before the next run, untimed).
+  pool, held_back = device.HostBuffers(), []
+
+  def fresh_for_worker():
+    for ch in held_back:
+      pool.give(ch.indices, ch.offsets)
+    held_back.clear()
+    return fresh()
+
+  def decode_all(u, each):
+    held_back.extend(ch for _, ch in each(u) if ch.kind == "sparse")
+
+  worker = best_time(lambda u: decode_all(u, lambda u: (
+      (name, device.padded_changes(u, name, pool)) for name in u.tensors)), reps,
+      setup=fresh_for_worker, probe=probe)
   copy_s = probe.best()  # seconds of the same bytes' copy
   bulk_s = bulk_probe.rate()  # seconds per byte of the 200 MB copy
   # Wall time on `threads` threads (tensors side by side) against a copy on as many.
@@ -213,8 +227,8 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
                                         base_checksums=known, threads=threads), reps)
   assert enc_t[2].to_bytes() == update.to_bytes()
   app_t = best_time(lambda u: sync.apply(base_held, u, threads=threads), reps, setup=fresh)
-  work_t = best_time(lambda u: list(device.each_padded_changes(u, u.tensors, threads)), reps,
-                     setup=fresh)
+  work_t = best_time(lambda u: decode_all(u, lambda u: device.each_padded_changes(
+      u, u.tensors, threads, pool)), reps, setup=fresh_for_worker)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(inplace[2][k]), bit_view(v)), k
   model = held_bytes(base_held)
@@ -363,7 +377,8 @@ def main(argv):
         "spares, as in a worker that drops each older state; a first apply of a model's "
         "size pays its fresh pages' faults); spare: apply(..., out=spare) into "
         "a held state kept for it (a double buffer); inplace: apply(..., inplace=True); "
-        "worker: a worker's host part (device.padded_changes of every tensor: the changes "
+        "worker: a worker's host part (device.padded_changes of every tensor, arrays from "
+        "a HostBuffers given back between runs: the changes "
         "decoded into the arrays of its on-device scatter, which is not timed); "
         "wall e/a/i: "
         "the encode/apply/inplace ratios by wall time; (all single-threaded: threads=1); "

@@ -12,6 +12,7 @@ and leaves the policy without a version: the caller pulls a keyframe.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -23,7 +24,8 @@ from inference_workers.quantized import Int8Transformer, held_name
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.transformer import Transformer
 from rlax_ps.sync import CodecError, Update, checksum, parallel
-from rlax_ps.sync.device import apply_changes, each_padded_changes, fingerprints_of
+from rlax_ps.sync.device import (HostBuffers, apply_changes, each_padded_changes,
+                                  fingerprints_of)
 
 FORMATS = ("bf16", "int8")
 
@@ -62,6 +64,7 @@ class HeldPolicy:
     self._vars = _variables(self.model)
     self._checksums: dict[str, int] = {}  # of held tensors, filled as they are verified
     self._fingerprints: dict[str, int] = {}  # likewise, where checked on device
+    self._buffers = HostBuffers()  # the scatters' host arrays, reused update to update
     self.version: int | None = None
 
   @property
@@ -104,22 +107,37 @@ class HeldPolicy:
     # leftovers would be caught by the seal check below.
     if not update.is_keyframe:
       self.version = None
-    for name, changes in each_padded_changes(update, sorted(names)):  # decoded ahead
-      var = self._vars[name]
-      if changes.kind == "unchanged":
-        continue
-      if changes.kind == "replace":
-        new = jnp.asarray(changes.array)
-      elif isinstance(var[...], jax.ShapeDtypeStruct):
-        raise ResyncNeeded(f"tensor {name!r}: a delta needs held weights; none are loaded yet")
-      else:
-        new = apply_changes(var[...], changes)
-      var.set_value(new)
-      self._checksums.pop(name, None)
-      self._fingerprints.pop(name, None)
+    reading = collections.deque()  # (result, its scatter's host arrays) not yet returned
+    try:
+      for name, changes in each_padded_changes(update, sorted(names),
+                                               buffers=self._buffers):  # decoded ahead
+        var = self._vars[name]
+        if changes.kind == "unchanged":
+          continue
+        if changes.kind == "replace":
+          new = jnp.asarray(changes.array)
+        elif isinstance(var[...], jax.ShapeDtypeStruct):
+          raise ResyncNeeded(f"tensor {name!r}: a delta needs held weights; none are loaded "
+                             f"yet")
+        else:
+          new = apply_changes(var[...], changes)
+          if changes.kind == "sparse":
+            reading.append((new, changes))
+        var.set_value(new)
+        self._checksums.pop(name, None)
+        self._fingerprints.pop(name, None)
+        while reading and reading[0][0].is_ready():  # its scatter read them: reusable
+          self._give_back(reading.popleft()[1])
+    finally:
+      for new, changes in reading:
+        jax.block_until_ready(new)
+        self._give_back(changes)
     if verify:
       self._verify(update, names)
     self.version = update.version
+
+  def _give_back(self, changes) -> None:
+    self._buffers.give(changes.indices, changes.offsets)
 
   def _checks_on_device(self) -> bool:
     if self.on_device_checks is not None:

@@ -12,7 +12,9 @@ for a publisher to seal and a worker to check without pulling its weights.
 Index counts are padded to powers of two to bound recompilation.
 """
 
+import collections
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +45,66 @@ def _dense_add(buf, off):
   return jax.lax.bitcast_convert_type(_bits(buf) + off.reshape(buf.shape), buf.dtype)
 
 
-def _padded(indices: np.ndarray, offsets: np.ndarray, size: int):
+class HostBuffers:
+  """Host arrays for the scatters' padded (indices, offsets), reused from update to update.
+
+  A worker's updates have like sizes, and fresh arrays of tens of MB pay their page faults
+  every time (a 100M-element tensor at 10% changed: its host part 25 -> 20 ms, measured)
+  and, where numpy asks for huge pages, the kernel's compaction stalls now and then (0.2-0.6
+  s on a 300 MB buffer here). Arrays under MIN_BYTES come from numpy as before (the
+  allocator reuses those). Thread-safe: decoding threads take, the applying thread gives
+  back once the scatter that read them is done. At most `max_free_bytes` of arrays not in
+  use are kept, the least recently given back dropped first."""
+
+  MIN_BYTES = 1 << 20
+
+  def __init__(self, max_free_bytes: int = 1 << 30):
+    self.max_free_bytes = max_free_bytes
+    self._free: collections.OrderedDict = collections.OrderedDict()  # id -> (key, array)
+    self._free_bytes = 0
+    self._lock = threading.Lock()
+
+  @property
+  def free_bytes(self) -> int:
+    """Bytes of the arrays kept for reuse (not in use)."""
+    return self._free_bytes
+
+  def take(self, n: int, dtype) -> np.ndarray:
+    """An uninitialised array of n elements of dtype: a kept one of that length and dtype
+    (the most recently given back), else a new one."""
+    dtype = np.dtype(dtype)
+    if n * dtype.itemsize >= self.MIN_BYTES:
+      key = (n, dtype)
+      with self._lock:
+        for slot, (k, array) in reversed(self._free.items()):
+          if k == key:
+            del self._free[slot]
+            self._free_bytes -= array.nbytes
+            return array
+    return np.empty(n, dtype)
+
+  def give(self, *arrays: np.ndarray) -> None:
+    """Keeps `arrays` (from take; no longer read or written by anyone) for reuse."""
+    with self._lock:
+      for array in arrays:
+        if array is None or array.nbytes < self.MIN_BYTES or id(array) in self._free:
+          continue
+        self._free[id(array)] = ((array.size, array.dtype), array)
+        self._free_bytes += array.nbytes
+      while self._free_bytes > self.max_free_bytes:
+        _, (_, dropped) = self._free.popitem(last=False)
+        self._free_bytes -= dropped.nbytes
+
+
+def _padded(indices: np.ndarray, offsets: np.ndarray, size: int,
+            buffers: HostBuffers | None = None):
   """The scatter's (indices, offsets) of `size` elements' changes: as they are where they
   have its length and index dtype already (padded_changes made them), else copied into
-  _pad_buffers."""
+  _pad_buffers (from `buffers` if given)."""
   n, itype = _bucket(indices.size, size)
   if indices.size == offsets.size == n and indices.dtype == itype:
     return indices, offsets
-  idx, off = _pad_buffers(indices.size, size, offsets.dtype)
+  idx, off = _pad_buffers(indices.size, size, offsets.dtype, buffers)
   idx[:indices.size] = indices
   off[:offsets.size] = offsets
   return idx, off
@@ -64,41 +118,47 @@ def _bucket(nnz: int, size: int) -> tuple[int, np.dtype]:
       np.int32 if size < 2**31 else np.int64)
 
 
-def _pad_buffers(nnz: int, size: int, udtype) -> tuple[np.ndarray, np.ndarray]:
-  """(indices, offsets) of _bucket's length for nnz changes, the entries past nnz out of
-  bounds (dropped by the scatter) with zero offsets; the first nnz for the caller."""
+def _pad_buffers(nnz: int, size: int, udtype, buffers: HostBuffers | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """(indices, offsets) of _bucket's length for nnz changes (from `buffers` if given), the
+  entries past nnz out of bounds (dropped by the scatter) with zero offsets; the first nnz
+  for the caller."""
   n, itype = _bucket(nnz, size)
-  idx = np.empty(n, itype)
+  take = np.empty if buffers is None else buffers.take
+  idx = take(n, itype)
   idx[nnz:] = size
-  off = np.empty(n, udtype)
+  off = take(n, udtype)
   off[nnz:] = 0
   return idx, off
 
 
-def each_padded_changes(update: Update, names, threads: int | None = None):
-  """(name, padded_changes(update, name)) for each of `names`, in order, the large ones
-  decoded on up to `threads` host threads ahead of the caller (parallel.ordered; None: the
-  host's cores, at most 8): a worker's scatters of one tensor overlap the decoding of the
-  next ones."""
+def each_padded_changes(update: Update, names, threads: int | None = None,
+                        buffers: HostBuffers | None = None):
+  """(name, padded_changes(update, name, buffers)) for each of `names`, in order, the large
+  ones decoded on up to `threads` host threads ahead of the caller (parallel.ordered; None:
+  the host's cores, at most 8): a worker's scatters of one tensor overlap the decoding of
+  the next ones."""
   names = list(names)
-  tasks = ((update.meta(name).size, functools.partial(padded_changes, update, name))
+  tasks = ((update.meta(name).size, functools.partial(padded_changes, update, name, buffers))
            for name in names)
   yield from zip(names, parallel.ordered(tasks, parallel.resolve(threads)))
 
 
-def padded_changes(update: Update, name: str) -> TensorChanges:
+def padded_changes(update: Update, name: str, buffers: HostBuffers | None = None
+                   ) -> TensorChanges:
   """update.changes(name) as apply_changes takes it (a worker's path): sparse changes in
-  the scatter's padded arrays (_pad_buffers: int32 indices), decoded straight into them
-  (no second pass) where the tensor has a section of its own; other kinds as they are."""
+  the scatter's padded arrays (_pad_buffers: int32 indices; from `buffers` if given: hand
+  them back with buffers.give once the scatter is done), decoded straight into them (no
+  second pass) where the tensor has a section of its own; other kinds as they are."""
   meta = update.meta(name)
   if update.span(name) is not None or meta.mode not in _SPARSE_MODES:
     ch = update.changes(name)
     if ch.kind != "sparse":
       return ch
-    idx, off = _padded(ch.indices, ch.offsets, meta.size)
+    idx, off = _padded(ch.indices, ch.offsets, meta.size, buffers)
   else:
     dec = update.decoded(name)
-    idx, off = _pad_buffers(dec.nnz, meta.size, UINT_OF[meta.dtype])
+    idx, off = _pad_buffers(dec.nnz, meta.size, UINT_OF[meta.dtype], buffers)
     dec.sparse_into(idx, off)
   return TensorChanges(name=name, kind="sparse", shape=meta.shape, dtype=meta.dtype,
                        indices=idx, offsets=off)

@@ -184,3 +184,21 @@ def test_on_device_checks_default_to_pulling_on_the_cpu(versions):
   assert policy._checksums and not policy._fingerprints
   with pytest.raises(ValueError, match="on_device_checks"):
     HeldPolicy(UNTIED, "bf16", on_device_checks="yes")
+
+
+def test_updates_reuse_the_scatters_host_arrays(versions, monkeypatch):
+  policy = HeldPolicy(UNTIED, "bf16")
+  policy._buffers.MIN_BYTES = 0  # the test model's arrays are small
+  policy.apply(sync.encode(None, versions[0], "bf16", version=0))
+  policy.apply(sync.encode(versions[0], versions[1], "bf16", version=1))
+  kept = policy._buffers.free_bytes
+  assert kept > 0  # every scatter's arrays came back once read
+  taken, real_take = [], policy._buffers.take
+  monkeypatch.setattr(policy._buffers, "take",
+                      lambda n, d: taken.append(policy._buffers.free_bytes) or real_take(n, d))
+  policy.apply(sync.encode(versions[1], versions[2], "bf16", version=2))
+  assert policy.version == 2 and taken
+  assert policy._buffers.free_bytes >= kept  # given back again
+  assert min(taken) < kept  # some take was served from the kept arrays
+  want = sync.held_state(versions[2], "bf16")
+  assert all(same_bits(policy.held_state()[k], want[k]) for k in want)

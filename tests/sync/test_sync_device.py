@@ -1,6 +1,7 @@
 """On-device application of TensorChanges equals the host apply, bit for bit."""
 
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -239,3 +240,69 @@ def test_publish_state_fetches_in_few_round_trips_and_gives_the_seals_fingerprin
   assert printed == fingerprints.of_state(host_new)
   update = sync.encode(host_old, host_new, fmt, version=1, fingerprints=printed)
   update.check_fingerprints(device.fingerprints_of(new))
+
+
+def test_host_buffers_reuse_arrays_by_length_and_dtype_within_a_bound():
+  pool = device.HostBuffers(max_free_bytes=3 << 20)
+  a = pool.take(1 << 19, np.int32)  # 2 MB
+  b = pool.take(1 << 19, np.uint16)  # 1 MB
+  small = pool.take(100, np.int32)
+  assert pool.free_bytes == 0
+  pool.give(a, b, small, None)
+  assert pool.free_bytes == 3 << 20  # the small one is not kept
+  assert pool.take(1 << 19, np.uint16) is b
+  assert pool.take(1 << 19, np.int32) is a
+  assert pool.take(1 << 19, np.int32) is not a  # taken already: a new one
+  pool.give(a)
+  pool.give(a)  # given twice: kept once
+  assert pool.free_bytes == 2 << 20
+  c = pool.take(1 << 20, np.uint16)  # 2 MB, another key
+  pool.give(c, b)  # 2 + 2 + 1 MB > 3 MB: a (given back first) is dropped
+  assert pool.free_bytes == 3 << 20
+  assert pool.take(1 << 19, np.int32) is not a
+  assert pool.take(1 << 20, np.uint16) is c
+
+
+def test_host_buffers_hand_each_array_to_one_taker_across_threads():
+  pool = device.HostBuffers()
+  arrays = [pool.take(1 << 18, np.int32) for _ in range(8)]
+  pool.give(*arrays)
+  got, lock = [], threading.Lock()
+
+  def taker():
+    mine = [pool.take(1 << 18, np.int32) for _ in range(4)]
+    with lock:
+      got.extend(mine)
+
+  threads = [threading.Thread(target=taker) for _ in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len({id(a) for a in got}) == 16  # no array handed out twice
+  assert sum(any(a is b for b in arrays) for a in got) == 8  # every kept one reused
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_padded_changes_take_their_arrays_from_the_buffers(fmt):
+  old, new = _states(fmt)
+  host_old = {k: np.asarray(v) for k, v in old.items()}
+  update = sync.Update.from_bytes(sync.encode(host_old, {k: np.asarray(v) for k, v in new.items()},
+                                              fmt, version=1).to_bytes())
+  pool = device.HostBuffers()
+  pool.MIN_BYTES = 0  # the test's tensors are small
+  first = {n: device.padded_changes(update, n, pool) for n in update.tensors}
+  sparse = [n for n, ch in first.items() if ch.kind == "sparse"]
+  assert sparse
+  for name in sparse:
+    want = device.padded_changes(update, name)
+    assert np.array_equal(first[name].indices, want.indices)
+    assert np.array_equal(first[name].offsets, want.offsets)
+    pool.give(first[name].indices, first[name].offsets)
+  again = {n: device.padded_changes(update, n, pool) for n in sparse}
+  kept = {id(a) for n in sparse for a in (first[n].indices, first[n].offsets)}
+  assert {id(a) for ch in again.values() for a in (ch.indices, ch.offsets)} == kept
+  for name in sparse:  # reused arrays are filled anew: tails and all
+    want = device.padded_changes(update, name)
+    assert np.array_equal(again[name].indices, want.indices)
+    assert np.array_equal(again[name].offsets, want.offsets)
