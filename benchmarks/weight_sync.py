@@ -33,7 +33,7 @@ import numpy as np
 from absl import app, flags
 
 from rlax_ps import sync
-from rlax_ps.sync import device, joint, parallel
+from rlax_ps.sync import device, intrinsics, joint, parallel
 from rlax_ps.sync.bits import BF16, bit_view
 
 FLAGS = flags.DEFINE_integer("elements", 100_000_000, "bf16 elements of the synthetic model")
@@ -55,6 +55,10 @@ _REPS = flags.DEFINE_integer(
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _THREADS = flags.DEFINE_integer(
     "threads", 0, "threads of the wall-time columns (0: parallel.default_threads())")
+_DECODE_STREAMS = flags.DEFINE_enum(
+    "decode_streams", "auto", ["auto", "2", "4"],
+    "joint sections' decoder: streams decoded in lockstep (auto: joint.QUAD, four on hosts "
+    "with AVX-512 VBMI2); to measure the other choice on a given host (e.g. Zen 3)")
 _COLS = 4096
 
 
@@ -303,6 +307,11 @@ def real_update(lr, size="tiny"):
 
 def main(argv):
   del argv
+  if _DECODE_STREAMS.value != "auto":
+    joint.QUAD = _DECODE_STREAMS.value == "4"
+  ways = {intrinsics.WALK: "walk", intrinsics.COMPRESS: "compress", intrinsics.SHUFFLE: "shuffle"}
+  print(f"joint decoder: {4 if joint.QUAD else 2} streams in lockstep; encoder listing: bf16 "
+        f"{ways[joint.LISTING[16]]}, int8 {ways[joint.LISTING[8]]}")
   reps = _REPS.value
   n = FLAGS.value // _COLS * _COLS
   rng = np.random.default_rng(_SEED.value)

@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_the_weight_sync_benchmark_prints_one_row_per_density_and_format():
   run = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "weight_sync.py"),
-       "--elements=262144", "--densities=0.01,0.1", "--real=false", "--reps=1"],
+       "--elements=262144", "--densities=0.01,0.1", "--real=false", "--reps=1",
+       "--decode_streams=2"],
       capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert run.returncode == 0, run.stderr[-2000:]
   lines = [line for line in run.stdout.splitlines() if " | " in line]
@@ -29,6 +30,7 @@ def test_the_weight_sync_benchmark_prints_one_row_per_density_and_format():
     assert r["worker/copy"].endswith("%"), r
     assert all(part.endswith("%") for part in r["bulk e/a"].split("/")), r
   assert "memory copy" in run.stdout and "keyframes: bf16" in run.stdout
+  assert "joint decoder: 2 streams in lockstep" in run.stdout  # --decode_streams
 
 
 def test_the_worker_checks_benchmark_compares_pulling_with_device_fingerprints():
