@@ -9,6 +9,7 @@ import textwrap
 import threading
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -19,6 +20,7 @@ from param_server.client import ParamServerClient, RetryPolicy, sample_logprobs
 from param_server.protos import param_server_pb2 as pb
 from param_server.server import ParamServer, ServerConfig
 from rlax_ps import sync
+from rlax_ps.sync import device
 from rlax_ps.models import ModelConfig, Transformer, flatten_params
 from rlax_ps.tasks import get_task
 from rlax_ps.tokenizers import CharTokenizer
@@ -117,6 +119,27 @@ def test_prefetched_update_waits_for_the_batch_boundary(server, versions):
     assert worker.policy.version == 0 and same_held(worker.policy, versions[0])
     assert worker.apply_prefetched()
     assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
+
+
+def test_a_publisher_on_device_seals_fingerprints_that_the_worker_checks_on_device(
+    server, versions, monkeypatch):
+  on_device = [{k: jnp.asarray(v) for k, v in sync.held_state(p, "bf16").items()}
+               for p in versions]
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    host0 = {k: np.asarray(v) for k, v in on_device[0].items()}
+    keyframe = sync.encode(None, host0, "bf16", version=0,
+                           fingerprints=device.fingerprints_of(on_device[0]))
+    trainer.publish(keyframe.to_bytes())
+    host1, printed = device.publish_state(host0, on_device[0], on_device[1])
+    trainer.publish(sync.encode(host0, host1, "bf16", version=1, fingerprints=printed,
+                                base_checksums=keyframe.checksums).to_bytes())
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    worker.policy.on_device_checks = True  # as on an accelerator
+    pulled = []
+    monkeypatch.setattr(worker.policy, "_pulled_checksum", pulled.append)
+    assert worker.sync_weights()
+    assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
+    assert pulled == [] and worker.stats.versions_applied[-1] == 1
 
 
 def test_vigor_allocation_spends_the_whole_budget(server, versions):
