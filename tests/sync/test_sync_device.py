@@ -68,8 +68,16 @@ def _states(fmt):
   return held(old), held(new)
 
 
+@pytest.fixture(params=["device", "host memory"])
+def fetch_path(request, monkeypatch):
+  """host_state's two paths on CPU arrays: diffed on the devices (as on an accelerator), or
+  copied from host memory (the CPU backend's default)."""
+  monkeypatch.setattr(device, "HOST_MEMORY_DIRECT", request.param == "host memory")
+  return request.param
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_host_state_fetches_changes_and_encodes_the_same_update(fmt):
+def test_host_state_fetches_changes_and_encodes_the_same_update(fmt, fetch_path):
   old, new = _states(fmt)
   host_old = {k: np.asarray(v) for k, v in old.items()}
   frozen = {k: v.copy() for k, v in host_old.items()}
@@ -99,7 +107,7 @@ def test_changed_elements_fetches_only_the_changes_or_nothing_when_dense():
     device.changed_elements(old["sparse.kernel"], new["dense.kernel"])
 
 
-def test_host_state_rejects_a_host_copy_that_is_not_the_old_state():
+def test_host_state_rejects_a_host_copy_that_is_not_the_old_state(fetch_path):
   old, new = _states("bf16")
   stale = {k: np.asarray(v).copy() for k, v in old.items()}
   stale["sparse.kernel"].reshape(-1).view(np.uint16)[5] += 1  # not what the devices hold
@@ -114,7 +122,7 @@ def test_host_state_rejects_a_host_copy_that_is_not_the_old_state():
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
-def test_host_state_reads_sharded_arrays(axis_type):
+def test_host_state_reads_sharded_arrays(axis_type, fetch_path):
   mesh = jax.make_mesh((jax.device_count(),), ("x",),
                        axis_types=(getattr(jax.sharding.AxisType, axis_type),))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
@@ -225,6 +233,7 @@ def test_publish_state_fetches_in_few_round_trips_and_gives_the_seals_fingerprin
   gets = []
   real_get = jax.device_get
   monkeypatch.setattr(jax, "device_get", lambda x: gets.append(x) or real_get(x))
+  monkeypatch.setattr(device, "HOST_MEMORY_DIRECT", False)  # the accelerators' path
   monkeypatch.setattr(device, "FETCH_BYTES", 1)  # each tensor's changes: a trip of their own
   host_new, printed = device.publish_state(host_old, old, new)
   # counts and fingerprints, then a trip after each tensor fetched as changes (whole ones
@@ -306,3 +315,19 @@ def test_padded_changes_take_their_arrays_from_the_buffers(fmt):
     want = device.padded_changes(update, name)
     assert np.array_equal(again[name].indices, want.indices)
     assert np.array_equal(again[name].offsets, want.offsets)
+
+
+def test_publish_state_copies_host_memory_arrays_without_diffing_on_device(monkeypatch):
+  old, new = _states("bf16")
+  host_old = {k: np.asarray(v) for k, v in old.items()}
+  assert device.HOST_MEMORY_DIRECT  # the default on the CPU backend
+
+  def no_diff(*args):
+    raise AssertionError("diffed on device")
+
+  monkeypatch.setattr(device, "_count", no_diff)
+  host_new, printed = device.publish_state(host_old, old, new)
+  for name, arr in new.items():
+    assert np.array_equal(host_new[name].view(np.uint8), np.asarray(arr).view(np.uint8)), name
+    assert not np.shares_memory(host_new[name], np.asarray(arr))  # a copy, not a view
+  assert printed == device.fingerprints_of(new)
