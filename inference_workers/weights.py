@@ -46,7 +46,7 @@ class HeldPolicy:
   (and again after a failed update). Compute dtype is `config.dtype`.
   `on_device_checks`: check fingerprinted updates on device (True), always by pulling and
   hashing (False), or None: on device unless the weights live on the CPU, where pulling
-  is free and xxh3 outruns XLA's CPU fingerprint (5 vs 62 ms for 153 MB, measured).
+  is free and xxh3 outruns XLA's CPU fingerprint (4 vs 44 ms for 176 MB: worker_checks.py).
   """
 
   def __init__(self, config: ModelConfig, fmt: str = "bf16", *,

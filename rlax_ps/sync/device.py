@@ -230,7 +230,12 @@ def fingerprints_of(state: dict) -> dict[str, int]:
       raise ValueError(f"tensor {name!r}: expected a held dtype "
                        f"({', '.join(sorted(map(str, _UINT)))}), got {x.dtype}")
   pending = {name: fingerprint(x) for name, x in state.items()}  # all dispatched, then read
-  return {name: fingerprints.join(*map(int, v)) for name, v in jax.device_get(pending).items()}
+  return {name: _joined(v) for name, v in jax.device_get(pending).items()}
+
+
+def _joined(pair) -> int:
+  """The int fingerprint of fingerprint()'s fetched [lo, hi]."""
+  return fingerprints.join(int(pair[0]), int(pair[1]))
 
 
 def _replicated_if_explicit(x: jax.Array) -> jax.Array:
@@ -299,7 +304,7 @@ def host_state(host_old: dict, old: dict, new: dict, *, check: bool = True
   With `check`, each result is compared with a fingerprint computed on device (one more
   pass on each side), so that a `host_old` that is not the host copy of `old` raises
   CodecError naming the tensor instead of publishing a state the devices do not hold."""
-  return _fetch_state(host_old, old, new, check)[0]
+  return _fetch_state(host_old, old, new, prints=False, check=check)[0]
 
 
 def publish_state(host_old: dict, old: dict, new: dict, *, check: bool = True
@@ -308,17 +313,16 @@ def publish_state(host_old: dict, old: dict, new: dict, *, check: bool = True
   what a publisher whose held state lives on device needs to encode and seal a version,
   encode(host_old, host, fmt, ..., fingerprints=fingerprints). The fingerprints are the
   ones host_state's check computes anyway."""
-  return _fetch_state(host_old, old, new, True, check)
+  return _fetch_state(host_old, old, new, prints=True, check=check)
 
 
-def _fetch_state(host_old: dict, old: dict, new: dict, prints: bool, check: bool | None = None
+def _fetch_state(host_old: dict, old: dict, new: dict, *, prints: bool, check: bool
                  ) -> tuple[dict[str, np.ndarray], dict[str, int] | None]:
-  """host_state (checked if `check`, default: `prints`) and, with `prints`, the device
-  fingerprints of `new`. Few round trips to the devices whatever the tensor count: the
-  change counts (and fingerprints) of every tensor in one, then the changes of as many
-  tensors as FETCH_BYTES holds in each next one; the host copies and scatters run on the
-  host's cores."""
-  check = prints if check is None else check
+  """host_state (checked if `check`) and, with `prints`, the device fingerprints of `new`.
+  Few round trips to the devices whatever the tensor count: the change counts (and
+  fingerprints) of every tensor in one, then the changes of as many tensors as FETCH_BYTES
+  holds in each next one (with a check's fingerprints where the first trip had none); the
+  host copies and scatters run on the host's cores."""
   check_names("host_old", host_old, new)
   check_names("old", old, new)
   for name, arr in new.items():  # everything checked before anything is fetched
@@ -343,7 +347,7 @@ def _fetch_state(host_old: dict, old: dict, new: dict, prints: bool, check: bool
   counts, marks = jax.device_get((
       {name: _count(*pair) for name, pair in flat.items()},
       {name: fingerprint(new[name]) for name in rest} if prints else {}))
-  printed.update({name: fingerprints.join(*map(int, v)) for name, v in marks.items()})
+  printed.update({name: _joined(v) for name, v in marks.items()})
   batch, held = {}, 0
   for i, name in enumerate(rest):
     n = int(counts[name])
@@ -358,7 +362,7 @@ def _fetch_state(host_old: dict, old: dict, new: dict, prints: bool, check: bool
       got = jax.device_get({k: (v, p) for k, (v, _, p) in batch.items()})
       tasks = []
       for k, (_, n, _) in batch.items():
-        want = (printed[k] if prints else fingerprints.join(*map(int, got[k][1]))) if (
+        want = (printed[k] if prints else _joined(got[k][1])) if (
             check and n is not None) else None
         tasks.append((sizes[k], functools.partial(_host_tensor, k, host_old[k], got[k][0], n,
                                                   want)))
