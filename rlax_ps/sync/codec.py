@@ -7,11 +7,11 @@ import typing
 
 import numpy as np
 
-from rlax_ps.sync import arena, int8, packs, parallel, scratch, tensor_codec
+from rlax_ps.sync import arena, int8, pack_coder, packs, parallel, scratch, tensor_codec
 from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, is_float_dtype, round_into, to_bf16
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.fingerprints import of_state as host_fingerprints
-from rlax_ps.sync.integrity import checksum
+from rlax_ps.sync.integrity import XXH3, checksum
 from rlax_ps.sync.wire import FORMATS, Update, build_columns, check_names
 
 
@@ -23,11 +23,13 @@ def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
   return _held(params, fmt)[0]
 
 
-def _held(params: dict, fmt: str) -> tuple[dict[str, np.ndarray], tuple]:
+def _held(params: dict, fmt: str, contiguous: bool = True) -> tuple[dict[str, np.ndarray],
+                                                                   tuple]:
   """(held_state(params, fmt), its layout key: (name, shape, dtype) per tensor). A held
-  state's checks depend on that key alone, and are made once per key."""
-  arrays = {name: np.asarray(x) for name, x in params.items()}
-  key = tuple((n, a.shape, a.dtype) for n, a in arrays.items())
+  state's checks depend on that key alone, and are made once per key. Not `contiguous`:
+  held bf16 arrays may be strided views (encode reads their bits through bit_view)."""
+  arrays = {name: x if type(x) is np.ndarray else np.asarray(x) for name, x in params.items()}
+  key = tuple([(n, a.shape, a.dtype) for n, a in arrays.items()])
   kind = _held_kind(key, fmt)
   if kind == "float":
     if fmt == "int8":
@@ -38,7 +40,8 @@ def _held(params: dict, fmt: str) -> tuple[dict[str, np.ndarray], tuple]:
       for name, a in arrays.items():
         round_into(held[name], a)
     return held, tuple((n, a.shape, a.dtype) for n, a in held.items())
-  if fmt == "int8" or (kind == "bf16" and all(a.flags.c_contiguous for a in arrays.values())):
+  if fmt == "int8" or (kind == "bf16" and (
+      not contiguous or all([a.flags.c_contiguous for a in arrays.values()]))):
     return arrays, key
   held = {name: to_bf16(name, a) for name, a in arrays.items()}  # partly float: rounded
   return held, tuple((n, a.shape, a.dtype) for n, a in held.items())
@@ -96,11 +99,11 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
                      f"base_version={base_version}, version={version}")
   if base_checksums is not None and base is None:
     raise ValueError("base_checksums given for a keyframe (base is None)")
-  new_state, new_key = _held(target, fmt)
+  new_state, new_key = _held(target, fmt, contiguous=False)
   old_state = None
   lay = _layout(new_key)
   if base is not None:
-    old_state, old_key = _held(base, fmt)
+    old_state, old_key = _held(base, fmt, contiguous=False)
     check_names("base", old_state, new_state)
     if base_checksums is not None:
       check_names("base_checksums", base_checksums, new_state)
@@ -113,8 +116,9 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   printed = _fingerprints_of(fingerprints, new_state, threads)
   known = base_checksums is not None
   groups = {} if old_state is None else lay.groups
-  tasks = [(size, functools.partial(_encode_pack, old_state, new_state, members, not known))
-           for members, size in zip(groups.values(), lay.group_sizes)]
+  tasks = [(int(ends[-1]), functools.partial(_encode_pack, old_state, new_state, members,
+                                             ends, not known))
+           for members, ends in zip(groups.values(), lay.group_ends)]
   alone = lay.names if old_state is None else lay.alone
   for name in alone:
     old = None if old_state is None else bit_view(old_state[name])
@@ -168,7 +172,8 @@ class _Layout(typing.NamedTuple):
   sizes: dict  # name -> elements
   dtypes: dict  # name -> dtype
   groups: dict  # dtype -> pack members (packs.members_by_dtype)
-  group_sizes: tuple  # elements of each pack
+  group_ends: tuple  # per pack, where each member ends in it (int64 elements, read-only)
+  ends_of: dict  # pack head -> its group_ends
   alone: tuple  # the tensors of no pack
 
 
@@ -178,31 +183,39 @@ def _layout(key: tuple) -> _Layout:
   dtypes = {n: d for n, _, d in key}
   groups = packs.members_by_dtype(sizes, dtypes)
   packed = {n for members in groups.values() for n in members}
+  ends = tuple(_read_only(np.cumsum([sizes[n] for n in m], dtype=np.int64))
+               for m in groups.values())
   return _Layout(key, tuple((n, tuple(int(d) for d in shape), np.dtype(dtype))
                             for n, shape, dtype in key),
-                 tuple(sizes), sizes, dtypes, groups,
-                 tuple(sum(sizes[n] for n in m) for m in groups.values()),
+                 tuple(sizes), sizes, dtypes, groups, ends,
+                 {m[0]: e for m, e in zip(groups.values(), ends)},
                  tuple(n for n in sizes if n not in packed))
 
 
-def _encode_pack(old_state: dict, new_state: dict, members: list[str],
+def _read_only(a: np.ndarray) -> np.ndarray:
+  a.flags.writeable = False
+  return a
+
+
+def _encode_pack(old_state: dict, new_state: dict, members: list[str], ends: np.ndarray,
                  hash_old: bool) -> dict:
-  """name -> Encoded for the members of one pack (packs.py): each unchanged when none
-  changed; empty when the pack has nothing to share. Base checksums are None unless
-  hash_old."""
+  """name -> Encoded for the members of one pack (packs.py; member j ending at element
+  ends[j]): each unchanged when none changed; empty when the pack has nothing to share.
+  Base checksums are None unless hash_old."""
   olds = [old_state[n] for n in members]
   news = [new_state[n] for n in members]
-  enc = tensor_codec.encode_pack(_pack_bits(olds, "pack old"), _pack_bits(news, "pack new"))
+  enc = tensor_codec.encode_pack(_pack_bits(olds, "pack old"), _pack_bits(news, "pack new"),
+                                 ends, hash_old)
   if enc is None:
     return {}
-  sums = list(map(checksum, news))
-  if enc[0] == tensor_codec.UNCHANGED:  # every member as it was: no pack, nothing rescanned
+  mode, section, sums, base_sums = enc
+  if mode == tensor_codec.UNCHANGED:  # every member as it was: no pack, nothing rescanned
     return {n: tensor_codec.Encoded(tensor_codec.UNCHANGED, b"", s, s if hash_old else None)
             for n, s in zip(members, sums)}
-  base_sums = list(map(checksum, olds)) if hash_old else [None] * len(members)
+  base_sums = base_sums or [None] * len(members)
   rest = map(tensor_codec.Encoded, itertools.repeat(tensor_codec.PACKED),
              itertools.repeat(b""), sums[1:], base_sums[1:])  # the members after the head
-  return {members[0]: tensor_codec.Encoded(*enc, sums[0], base_sums[0]),
+  return {members[0]: tensor_codec.Encoded(mode, section, sums[0], base_sums[0]),
           **dict(zip(members[1:], rest))}
 
 
@@ -342,8 +355,13 @@ def _apply_pack(update: Update, members: list[str], held: dict, slots: dict | No
   slots), else into their slots, the bases copied in first; where the slots lie back to
   back in `span`, the bases are copied into it (from their own span if they have one, else
   concatenated) and the pack decoded over it at once."""
-  decoded = update.decoded(members[0])
   metas = update.tensors
+  head = metas[members[0]]
+  if XXH3 and head.mode in ("joint", "sparse") and (span is not None or slots is None):
+    done = _apply_coded_pack(update, members, held, span)
+    if done is not None:
+      return done
+  decoded = update.decoded(members[0])
   if span is not None:
     base = arena.span_of([held[n] for n in members])
     if base is None:
@@ -353,7 +371,8 @@ def _apply_pack(update: Update, members: list[str], held: dict, slots: dict | No
     decoded.add_to(span)
     new = arena.members_of(span, [metas[n].shape for n in members], metas[members[0]].dtype)
     arena.register(new, span)
-    return {n: (a, checksum(a)) for n, a in zip(members, new)}
+    sums = tensor_codec.hash_parts(span, _layout(update.layout).ends_of[members[0]])
+    return dict(zip(members, zip(new, sums)))
   olds = [bit_view(held[n]).reshape(-1) for n in members]
   parts = olds if slots is None else [slots[n] for n in members]
   if slots is not None:
@@ -362,6 +381,34 @@ def _apply_pack(update: Update, members: list[str], held: dict, slots: dict | No
   decoded.apply_parts(parts, packs.starts([a.size for a in olds]))
   return {n: (part.view(metas[n].dtype).reshape(metas[n].shape), checksum(part))
           for n, part in zip(members, parts)}
+
+
+def _apply_coded_pack(update: Update, members: list[str], held: dict,
+                      span: np.ndarray | None) -> dict[str, tuple[np.ndarray, int]] | None:
+  """_apply_pack of a joint or sparse pack in one compiled call (pack_coder.apply): into
+  `span`, the new arena's span of the pack, or, where None (in place), into the held
+  bases' own span; None where there is none (bases not back to back) or the call does not
+  take the section (the caller then takes the general path, which names any problem)."""
+  base = arena.span_of([held[n] for n in members])
+  into = base if span is None else span
+  if into is None:
+    return None
+  if base is None:
+    np.concatenate([bit_view(held[n]) for n in members], out=span)
+    base = span
+  head = update.tensors[members[0]]
+  section = memoryview(update.to_view())[head.offset:head.offset + head.nbytes]
+  digests = pack_coder.apply(tensor_codec.MODE_NAMES.index(head.mode), section, base, into,
+                             _layout(update.layout).ends_of[members[0]], XXH3)
+  if digests is None:
+    return None
+  metas = update.tensors
+  if span is None:
+    new = [held[n] for n in members]
+  else:
+    new = arena.members_of(span, [metas[n].shape for n in members], head.dtype)
+    arena.register(new, span)
+  return dict(zip(members, zip(new, digests.tolist())))
 
 
 def dequantize(held: dict) -> dict[str, np.ndarray]:

@@ -20,16 +20,14 @@ or, for short streams where a table costs more than it saves (n <= LITERAL_MAX):
 import numpy as np
 
 from rlax_ps.sync import loops, rans
-from rlax_ps.sync.bits import fixed_nbytes, pack_fixed, unpack_fixed
-from rlax_ps.sync.byte_reader import ByteReader, u8, varint
+from rlax_ps.sync.bits import fixed_nbytes, unpack_fixed
+from rlax_ps.sync.byte_reader import ByteReader
 from rlax_ps.sync.errors import CodecError
 
 DIRECT = loops.DIRECT
 ALPHABET = loops.ALPHABET
 LITERAL = loops.LITERAL
 LITERAL_MAX = loops.LITERAL_MAX
-# Bytes besides the rANS bytes and raw bits: two varints, the rANS flush, rANS rounding.
-_OVERHEAD = 10
 _ERRORS = {loops.E_TRUNCATED: "truncated", loops.E_RANGE: "value out of range",
            loops.E_STATE: "rANS stream is corrupted (wrong final state or trailing bytes)",
            loops.E_ZERO: "a changed element has a zero offset"}
@@ -42,20 +40,13 @@ def histogram(z: np.ndarray) -> np.ndarray:
   return hist
 
 
-def symbol_width(sym: np.ndarray) -> np.ndarray:
-  """Raw-bit width of each symbol."""
-  return np.where(sym < DIRECT, 0, (sym - DIRECT) // 4 + 2)
+WIDTHS = loops.WIDTHS  # raw bits of each symbol
 
 
-WIDTHS = symbol_width(np.arange(ALPHABET))
-
-
-def cost_of(bits: float, present: int) -> float:
-  """Estimated stream size of symbols whose information + raw bits are `bits`, with
-  `present` distinct symbols (the table's bytes)."""
-  if present == 0:
-    return 1.0
-  return bits / 8 + 1 + 4 * present + _OVERHEAD
+# Estimated stream size of symbols whose information + raw bits are `bits`, with `present`
+# distinct symbols (two varints, the rANS flush and rounding, the table's bytes besides);
+# compiled, as the compiled section coders cost streams too.
+cost_of = loops.cost_of
 
 
 def cost_bytes(hist: np.ndarray) -> float:
@@ -71,20 +62,7 @@ def encode_stream(hist: np.ndarray, z: np.ndarray) -> bytes:
 
 def encode_symbols(hist: np.ndarray, syms: np.ndarray, raw: np.ndarray) -> bytes:
   """Codes a stream given as its symbols (uint8), their histogram and their raw-bit words."""
-  present = np.flatnonzero(hist)
-  m = present.size
-  out = [u8(m), present.astype(np.uint8).tobytes()]
-  out += [varint(int(c)) for c in hist[present]]
-  if m == 0:
-    return b"".join(out)
-  if m > 1:
-    freq = np.zeros(ALPHABET, np.int64)
-    freq[present] = rans.normalize(hist[present])
-    code = rans.encode(syms, freq)
-    out += [varint(code.size), code.astype("<u2", copy=False)]
-  raw_nbytes = (int((hist * WIDTHS).sum()) + 7) // 8
-  out += [varint(raw_nbytes), raw.view(np.uint8)[:raw_nbytes]]
-  return b"".join(out)
+  return rans.symbol_stream(hist, syms, raw, WIDTHS).tobytes()
 
 
 def literal_cost(z: np.ndarray, low: int = 0, top: int | None = None) -> float:
@@ -98,8 +76,7 @@ def literal_cost(z: np.ndarray, low: int = 0, top: int | None = None) -> float:
 def encode_literal(z: np.ndarray, low: int = 0, top: int | None = None) -> bytes:
   """The literal layout of z - low (low = 1 for the nonzero codes of changed elements);
   `top` as for literal_cost."""
-  width = _literal_width(z, low, top)
-  return u8(LITERAL) + u8(width) + pack_fixed(z, width, low)
+  return loops.literal_stream(z, low, int(z.max()) if top is None else top).tobytes()
 
 
 def _literal_width(z: np.ndarray, low: int, top: int | None) -> int:

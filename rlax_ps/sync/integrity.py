@@ -11,11 +11,14 @@ accusing a good one. 2 * ceil(log2 n) locators cost less than a checksum per ite
 n exceeds a handful, which is what keeps a small update's header small.
 """
 
-import dataclasses
+import ctypes
 import functools
+import typing
 
 import numpy as np
 import xxhash
+
+from rlax_ps.sync import loops
 
 
 def checksum(array) -> int:
@@ -23,6 +26,31 @@ def checksum(array) -> int:
   if isinstance(array, np.ndarray) and array.ndim and array.flags.c_contiguous:
     return xxhash.xxh3_64_intdigest(array)  # its buffer: no byte view to make
   return xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+def _xxh3_address() -> int:
+  """The address of the xxhash package's own XXH3-64 C function (the runtime-dispatched
+  SIMD one where it has it), for compiled loops that hash while the bytes are in cache
+  (intrinsics.call_hash); 0 where it cannot be found or does not give checksum()'s
+  digests (the callers then hash from Python)."""
+  from xxhash import _xxhash  # noqa: PLC0415 (the extension module that holds the symbols)
+  try:
+    lib = ctypes.CDLL(_xxhash.__file__)
+  except OSError:
+    return 0
+  probe = np.arange(4099, dtype=np.uint16).view(np.uint8)  # short and long input paths
+  for name in ("XXH3_64bits_dispatch", "XXH3_64bits"):
+    fn = getattr(lib, name, None)
+    if fn is None:
+      continue
+    fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]
+    if all(fn(probe.ctypes.data, n) == xxhash.xxh3_64_intdigest(probe[:n])
+           for n in (0, 3, 17, 129, 240, 241, probe.size)):
+      return ctypes.cast(fn, ctypes.c_void_p).value
+  return 0
+
+
+XXH3 = _xxh3_address()
 
 
 def combine(digests) -> int:
@@ -53,16 +81,22 @@ def _group_indices(n: int) -> list[np.ndarray]:
   return [np.array(g, np.int64) for _, _, g in _groups(n)]
 
 
-@dataclasses.dataclass(frozen=True)
-class Seal:
-  """A 64-bit digest over n per-item digests and the group locators (`bits` wide each)."""
+class Seal(typing.NamedTuple):
+  """A 64-bit digest over n per-item digests and the group locators (`bits` wide each)
+  (a tuple: every update makes a few)."""
   digest: int
   locators: tuple[int, ...]
   bits: int
 
   @classmethod
   def of(cls, digests, bits: int) -> "Seal":
-    return _seal_of(tuple(map(int, digests)), bits)
+    d = np.array([int(x) for x in digests], "<u8")  # combine's bytes: the array's buffer
+    mask = (1 << bits) - 1
+    if XXH3:
+      words = loops.seal_words(XXH3, d).tolist()
+      return cls(words[0], tuple(w & mask for w in words[1:]), bits)
+    return cls(xxhash.xxh3_64_intdigest(d), tuple(
+        xxhash.xxh3_64_intdigest(d[g]) & mask for g in _group_indices(d.size)), bits)
 
   def matches(self, digests) -> bool:
     return combine([int(d) for d in digests]) == self.digest
@@ -74,13 +108,3 @@ class Seal:
     bad = {(j, side) for (j, side, g), want in zip(_groups(n), self.locators)
            if combine([digests[i] for i in g]) & mask != want}
     return [i for i in range(n) if all((j, (i >> j) & 1) in bad for j in range(_index_bits(n)))]
-
-
-@functools.lru_cache(maxsize=8)
-def _seal_of(digests: tuple[int, ...], bits: int) -> Seal:
-  """Seal.of, kept for the next few calls: a delta's base seal is over the digests its
-  base's update sealed as results."""
-  d = np.array(digests, "<u8")  # combine's bytes: hashed as the array's own buffer
-  mask = (1 << bits) - 1
-  return Seal(xxhash.xxh3_64_intdigest(d), tuple(
-      xxhash.xxh3_64_intdigest(d[g]) & mask for g in _group_indices(d.size)), bits)

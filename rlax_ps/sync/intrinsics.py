@@ -365,3 +365,33 @@ def odd_madd32(typingctx, acc, h, k):
     i = builder.trunc(args[2], _I32)
     return builder.add(args[0], builder.mul(args[1], builder.add(builder.add(i, i), _i32(1))))
   return types.uint32(types.uint32, types.uint32, types.int64), codegen
+
+
+# ---- C calls by address (integrity.XXH3) ---------------------------------------------------
+
+@intrinsic
+def call_hash(typingctx, fn, address, nbytes):
+  """fn(address, nbytes) for the C function at address `fn` of type
+  uint64 (const void *, size_t): xxh3-64 of nbytes at byte `address` (integrity.XXH3),
+  called from compiled loops while the bytes are in cache, with no Python call a tensor."""
+  def codegen(context, builder, signature, args):
+    i8p = ir.IntType(8).as_pointer()
+    fnty = ir.FunctionType(_U64, [i8p, _U64])
+    return builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
+                        [builder.inttoptr(args[1], i8p), args[2]])
+  return types.uint64(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def copy_bytes(typingctx, dst, src, nbytes):
+  """Copies nbytes from byte address src to dst (not overlapping) by LLVM's memcpy: the
+  C library's vectorised copy, where a compiled slice assignment copies element by element
+  (5-7x slower on 512 KB, measured)."""
+  def codegen(context, builder, signature, args):
+    i8p = ir.IntType(8).as_pointer()
+    fn = _llvm_fn(builder, "llvm.memcpy.p0.p0.i64", ir.VoidType(),
+                  [i8p, i8p, _U64, ir.IntType(1)])
+    builder.call(fn, [builder.inttoptr(args[0], i8p), builder.inttoptr(args[1], i8p), args[2],
+                      ir.Constant(ir.IntType(1), 0)])
+    return context.get_dummy_value()
+  return types.void(types.int64, types.int64, types.int64), codegen

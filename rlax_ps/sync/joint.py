@@ -38,13 +38,12 @@ from rlax_ps.sync import entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.intrinsics import (CODE_LANES, COMPRESS, HAS_COMPRESS, HAS_SHUFFLE,
-                                     LIST_LANES, SHUFFLE, WALK, code_u8, code_u16,
+                                     LIST_LANES, SHUFFLE, WALK, code_u8, code_u16, copy_bytes,
                                      list_u8, list_u16_compress, list_u16_shuffle, load_u64,
                                      prefetch, store_u64, zigzag_u16)
 from rlax_ps.sync.loops import (ALPHABET, CALL_BYTES, DIRECT, E_TRUNCATED, OK, _bitlen,
-                                _get_varint,
-                                _group_mask, _take, best_rice, entropy_bits,
-                                popcount, symbol_of)
+                                _get_varint, _group_mask, _put_varint, _take, best_rice,
+                                cost_of, entropy_bits, hash_parts, popcount, symbol_of)
 
 BLOCK = 1 << 16
 STREAMS = 4
@@ -818,13 +817,21 @@ def plan(old: np.ndarray, new: np.ndarray, listed: int | None = None):
   nnz, walked, k, rice_bits, gap_bits, present = sample(
       *words, probe, rest, gaps, vhist, ghist, entropy.WIDTHS,
       least * probe.size * SAMPLE_WINDOW / 2)
-  if not walked:
-    return None
-  if not least * starts.size * SAMPLE_WINDOW <= nnz <= starts.size * SAMPLE_WINDOW // 4:
-    return None
-  if entropy.cost_of(gap_bits, present) * 8 < 0.97 * rice_bits:
+  if not _planned(walked, nnz, starts.size, least, rice_bits, gap_bits, present):
     return None
   return k, vhist, rice_bits, nnz
+
+
+@numba.njit(inline="always", **_JIT)
+def _planned(walked, nnz, windows, least, rice_bits, gap_bits, present):
+  """Whether a sample (_sample's results over `windows` windows) makes a joint section:
+  walked whole, between `least` and 25% changed, and the gaps not clustered (the entropy
+  stage would code them 3% or more below Rice)."""
+  if not walked:
+    return False
+  if not least * windows * SAMPLE_WINDOW <= nnz <= windows * SAMPLE_WINDOW // 4:
+    return False
+  return not cost_of(gap_bits, present) * 8 < 0.97 * rice_bits
 
 
 @numba.njit(inline="always", **_JIT)
@@ -904,6 +911,14 @@ def tables(counts: np.ndarray, width: int, k: int, gap_bits: int = 0,
   (value_entry). The open set adds an escape code (then the zigzag in `width` bits) for
   values whose symbol the sample lacked; the closed set codes the sample's symbols alone,
   one code shorter (entries of other values have length 0)."""
+  head, nbytes, codes, use_closed = _code_sets(counts, width, k, gap_bits, min_gain)
+  return head[:nbytes].tobytes(), codes, use_closed
+
+
+@numba.njit(**_JIT)
+def _code_sets(counts, width, k, gap_bits, min_gain):
+  """tables() but for its first result: (the table bytes' buffer, their count, (ctabs,
+  symtabs, escs), closed set made)."""
   ctabs = np.zeros((2, CTAB_MAX + 1), np.uint64)  # bf16: entry CTAB_MAX stays 0
   symtabs = np.zeros((2, ALPHABET), np.uint64)
   escs = np.zeros((2, 3), np.uint64)
@@ -912,7 +927,7 @@ def tables(counts: np.ndarray, width: int, k: int, gap_bits: int = 0,
                                      escs, head)
   if width == 8:  # every z
     ctabs = np.ascontiguousarray(ctabs[:, :size])
-  return head[:nbytes].tobytes(), (ctabs, symtabs, escs), use_closed
+  return head, nbytes, (ctabs, symtabs, escs), use_closed
 
 
 def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bits: int = 0,
@@ -961,6 +976,93 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
     lengths.append(varint(nbytes))
   return (b"".join([u8(k), table, varints(counts)] + lengths + parts),
           h_old.intdigest() if hash_old else None, h_new.intdigest() if hash_new else None)
+
+
+def stream_room(n: int, itemsize: int) -> int:
+  """uint64 words of stream rows that a joint section of n elements of `itemsize` bytes
+  needs at most (a planned section is at most 25% changed: _planned), for _code_pack's
+  scratch buffer."""
+  step = CALL_BYTES // itemsize
+  bits = (MAX_K + 6) * (n // 4 + 1) + n + 1
+  return STREAMS * (bits // 64 // STREAMS + step // STREAMS + 2)
+
+
+@numba.njit(inline="always", **_JIT)
+def _code_pack(old, new, probe, rest, windows, gaps, room, section, ends, hash_old, fn,
+               lane_bits, listed):
+  """plan() then encode() of a pack (its members' unsigned bits back to back in old and
+  new; member j ends at element ends[j]; n >= MIN_ELEMENTS), inlined in pack_coder's one
+  compiled call: a call costs tens of microseconds when the caches are cold, several of
+  them most of a small model's encode.
+  Returns (planned and smaller than the raw bytes, the section's bytes, the array holding
+  them: `section` where they fit, else a new one, digests): where planned, digests[0] (and
+  digests[1] when hash_old) are the members' new (old) xxh3 by the C function at address
+  fn (0: none hashed), each made right after its elements were coded. room: scratch for
+  the streams' rows (stream_room words; more are made where it is short)."""
+  n = new.size
+  digests = np.zeros((2, ends.size), np.uint64)
+  m = n - n % 64
+  aw, bw = old[:m].view(np.uint64), new[:m].view(np.uint64)
+  least = MIN_DENSITY if lane_bits == 16 else MIN_DENSITY_INT8
+  vhist = np.zeros(ALPHABET, np.int64)
+  ghist = np.zeros(ALPHABET, np.int64)
+  nnz, walked, k, rice_bits, gap_bits, present = _sample(
+      aw, bw, old, new, probe, rest, gaps, vhist, ghist, _WIDTHS, least * probe.size *
+      SAMPLE_WINDOW / 2, lane_bits, listed)
+  if not _planned(walked, nnz, windows, least, rice_bits, gap_bits, present):
+    return False, 0, section, digests
+  head, hbytes, codes, use_closed = _code_sets(vhist, lane_bits, k, rice_bits, CLOSED_GAIN)
+  ctabs, symtabs, escs = codes
+  nnz_est = nnz * n // (SAMPLE_WINDOW * windows) + 1
+  bits = (k + 6) * nnz_est + n // (1 << k) + 1
+  step = CALL_BYTES // (lane_bits // 8)  # whole rounds of STREAMS blocks
+  width = bits // 64 // STREAMS + step // STREAMS + 2
+  if room.size < STREAMS * width:
+    room = np.empty(STREAMS * width, np.uint64)
+  out = room[:STREAMS * width].reshape((STREAMS, width))
+  st = np.zeros((STREAMS, 3), np.uint64)
+  counts = np.zeros((n + BLOCK - 1) // BLOCK, np.int64)
+  top, hashed, itemsize = 0, 0, lane_bits // 8
+  at_old, at_new = old.ctypes.data, new.ctypes.data
+  for s in range(0, n, step):
+    if top + step // STREAMS + 2 > out.shape[1]:  # at most 64 bits an element
+      grown = np.empty((STREAMS, 2 * out.shape[1]), np.uint64)
+      grown[:, :out.shape[1]] = out
+      out = grown
+    a, b = old[s:s + step], new[s:s + step]
+    mm = a.size - a.size % 64
+    top = _encode_blocks(a[:mm].view(np.uint64), b[:mm].view(np.uint64), a, b, s // BLOCK,
+                         k, ctabs, symtabs, escs, 0 if use_closed else 1, out, st, counts,
+                         lane_bits, listed)
+    done = hashed
+    while done < ends.size and ends[done] <= s + step:
+      done += 1
+    if fn:
+      hash_parts(fn, at_new, itemsize, ends, hashed, done, digests[0])
+      if hash_old:
+        hash_parts(fn, at_old, itemsize, ends, hashed, done, digests[1])
+    hashed = done
+  if fn:  # members of no elements at the end
+    hash_parts(fn, at_new, itemsize, ends, hashed, ends.size, digests[0])
+    if hash_old:
+      hash_parts(fn, at_old, itemsize, ends, hashed, ends.size, digests[1])
+  total = 1 + hbytes + 10 * (counts.size + STREAMS)
+  for j in range(STREAMS):
+    total += np.int64(st[j, 0]) + (np.int64(st[j, 2]) + 7) // 8
+  if section.size < total:
+    section = np.empty(total, np.uint8)
+  section[0] = k
+  copy_bytes(section.ctypes.data + 1, head.ctypes.data, hbytes)
+  p = 1 + hbytes
+  for c in counts:
+    p = _put_varint(section, p, c)
+  for j in range(STREAMS):
+    p = _put_varint(section, p, np.int64(st[j, 0]) + (np.int64(st[j, 2]) + 7) // 8)
+  for j in range(STREAMS):
+    nb = np.int64(st[j, 0]) + (np.int64(st[j, 2]) + 7) // 8  # the pending bits are stored
+    copy_bytes(section.ctypes.data + p, out[j].ctypes.data, nb)
+    p += nb
+  return p < n * itemsize, p, section, digests
 
 
 # ---- decoding ----------------------------------------------------------------------------
@@ -1155,6 +1257,58 @@ def _streams_end(ps, ends):
     if (ps[j] + 7) // 8 * 8 != ends[j]:
       return False
   return True
+
+
+@numba.njit(inline="always", **_JIT)
+def _apply_pack(buf, n, base, out, ends, fn, quad):
+  """Section(...).apply(base, out, None) of the joint section `buf` over a pack of n
+  elements (base, out: its members' unsigned bits back to back, out may be base itself;
+  member j ends at element ends[j]), parse and code tables included, inlined in
+  pack_coder's one compiled call (cold caches make each call cost tens of microseconds):
+  (error code, the members' xxh3 by the C function at address fn, each made right after
+  its elements were decoded, while in cache; 0: none). Not OK: the caller reads the
+  section again through Section, which names the problem."""
+  digests = np.zeros(ends.size, np.uint64)
+  ok, k, m, use_closed, table_end, _, n_open, counts, sets, starts, streams_at = _parse(buf, n)
+  if not ok:
+    return E_TRUNCATED, digests
+  width = 8 * out.itemsize
+  words = np.zeros((buf.size - streams_at) // 8 + 4, np.uint64)  # entropy.words_of
+  copy_bytes(words.ctypes.data, buf.ctypes.data + streams_at, buf.size - streams_at)
+  tables = np.zeros((2, 1 << huffman.MAX_LEN), np.uint32)
+  wholes = np.zeros((2, 1 << WHOLE), np.uint32)
+  syms = buf[2:2 + m].astype(np.int64)
+  half = 3 + m + (m + 1) // 2
+  if use_closed and _decoder_tables(syms[:-1], buf[half:table_end], width, k, tables[0],
+                                    wholes[0]):
+    return E_TRUNCATED, digests
+  if n_open and _decoder_tables(syms, buf[3 + m:half], width, k, tables[1], wholes[1]):
+    return E_TRUNCATED, digests
+  ps = starts[:STREAMS].copy()
+  bit_ends = starts[1:]
+  copy = out.ctypes.data != base.ctypes.data
+  step = CALL_BYTES // out.itemsize  # whole rounds of STREAMS blocks
+  ahead = base if copy else base[:0]
+  hashed, at, size = 0, out.ctypes.data, out.itemsize
+  for s in range(0, n, step):
+    if copy:
+      copy_bytes(at + s * size, base.ctypes.data + s * size, (min(n, s + step) - s) * size)
+    err = _decode_rounds(words, bit_ends, k, tables, wholes, out, s // BLOCK,
+                         (s + step) // BLOCK, n, counts, sets, ps, quad, ahead)
+    if err != OK:
+      return err, digests
+    done = hashed
+    while done < ends.size and ends[done] <= s + step:
+      done += 1
+    if fn:
+      hash_parts(fn, at, out.itemsize, ends, hashed, done, digests)
+    hashed = done
+  if fn:  # members of no elements at the end
+    hash_parts(fn, at, out.itemsize, ends, hashed, ends.size, digests)
+  for j in range(STREAMS):  # _streams_end
+    if (ps[j] + 7) // 8 * 8 != bit_ends[j]:
+      return E_TRUNCATED, digests
+  return OK, digests
 
 
 def forget_tables() -> None:

@@ -15,11 +15,14 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
-from rlax_ps.sync.intrinsics import changed_u8, changed_u16
+from rlax_ps.sync.intrinsics import call_hash, changed_u8, changed_u16
 
 
 DIRECT = 16
 ALPHABET = DIRECT + 4 * (56 - 4)  # z < 2**56
+# Raw low bits of each symbol (read-only).
+WIDTHS = np.where(np.arange(ALPHABET) < DIRECT, 0, (np.arange(ALPHABET) - DIRECT) // 4 + 2)
+WIDTHS.flags.writeable = False
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
 # Bytes of each array that one compiled call scans, codes or applies before the caller
 # hashes them, still in cache: larger calls cost fewer Python iterations (128 KB calls were
@@ -216,6 +219,62 @@ def symbols(z, raw_bits):
       raw[q + 1] |= (extra >> np.uint64(1)) >> (np.uint64(63) - b)
       p += w
   return syms, raw
+
+
+@numba.njit(inline="always", **_JIT)
+def hash_parts(fn, at, itemsize, ends, first, last, out):
+  """out[j] = xxh3-64 of part j of the array at byte address `at` (parts back to back,
+  part j ending at element ends[j]) for j in first..last-1, by the C function at address fn
+  (integrity.XXH3): a pack's members hashed right after they were coded, in cache."""
+  start = np.int64(0) if first == 0 else np.int64(ends[first - 1])
+  for j in range(first, last):
+    out[j] = call_hash(fn, at + start * itemsize, (np.int64(ends[j]) - start) * itemsize)
+    start = np.int64(ends[j])
+
+
+@numba.njit(**_JIT)
+def hash_all(fn, at, itemsize, ends, out):
+  """hash_parts of every part."""
+  hash_parts(fn, at, itemsize, ends, 0, ends.size, out)
+
+
+@numba.njit(inline="always", **_JIT)
+def _seal_into(fn, digests, tmp, out, o):
+  """integrity.Seal's digest (out[o]: xxh3-64 of the digests as little-endian uint64s) and
+  group locators (out[o + 1 + g], all 64 bits: the caller keeps the locator's width) over
+  `digests`, by the C function at address fn; returns the position after them."""
+  n = digests.size
+  out[o] = call_hash(fn, digests.ctypes.data, 8 * n)
+  o += 1
+  for j in range(_bitlen(n - 1) if n > 1 else 0):
+    for side in range(2):
+      c = 0
+      for i in range(n):
+        if (i >> j) & 1 == side:
+          tmp[c] = digests[i]
+          c += 1
+      out[o] = call_hash(fn, tmp.ctypes.data, 8 * c)
+      o += 1
+  return o
+
+
+@numba.njit(**_JIT)
+def seal_words(fn, digests):
+  """_seal_into of one seal, as a new uint64 array."""
+  out = np.empty(1 + 2 * 64, np.uint64)
+  return out[:_seal_into(fn, digests, np.empty(digests.size, np.uint64), out, 0)]
+
+
+OVERHEAD = 10  # an entropy stream's bytes besides its rANS and raw bytes (entropy.py)
+
+
+@numba.njit(**_JIT)
+def cost_of(bits, present):
+  """Estimated bytes of an entropy-stage stream whose symbols carry `bits` information +
+  raw bits, with `present` distinct symbols (the table's bytes)."""
+  if present == 0:
+    return 1.0
+  return bits / 8 + 1 + 4 * present + OVERHEAD
 
 
 @numba.njit(**_JIT)
@@ -570,6 +629,21 @@ def unpack_planes(raw, n, width):
       for j in range(8):
         out[g * 8 + j] |= ((acc >> np.uint64(j * w)) & mask) << np.uint64(shift)
   return out[:n]
+
+
+@numba.njit(**_JIT)
+def literal_stream(z, low, top):
+  """entropy.py's literal stream of z (all >= low, the largest `top`), as uint8: its tag,
+  its width, the values less `low` in that width (bits.pack_fixed's layout)."""
+  width = _bitlen(top - low)
+  if z.size < FIXED_MIN:
+    packed = pack_lsb(z.astype(np.uint64) - np.uint64(low), width)
+  else:
+    packed = pack_planes(z, width, low)
+  out = np.empty(2 + packed.size, np.uint8)
+  out[0], out[1] = LITERAL, width
+  out[2:] = packed
+  return out
 
 
 @numba.njit(**_JIT)

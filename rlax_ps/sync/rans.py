@@ -18,7 +18,8 @@ Decoding maps slots back to integers: symbols >= loops.DIRECT carry raw low bits
 import numba
 import numpy as np
 
-from rlax_ps.sync.loops import DIRECT, E_RANGE, E_STATE, E_TRUNCATED, E_ZERO, OK
+from rlax_ps.sync.intrinsics import copy_bytes
+from rlax_ps.sync.loops import DIRECT, E_RANGE, E_STATE, E_TRUNCATED, E_ZERO, OK, _put_varint
 
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
@@ -28,19 +29,25 @@ _U16 = np.uint64(16)
 _LOW = np.uint64(0xFFFF)
 
 
-def normalize(counts: np.ndarray) -> np.ndarray:
+@numba.njit(**_JIT)
+def normalize(counts):
   """Symbol counts (all > 0, at least two) -> frequencies summing to PROB_SCALE, each >= 1;
   integer arithmetic only, so encoder and decoder agree exactly. Raising rare symbols to 1
-  is paid for by the largest frequencies, an eighth of one at a time."""
-  n = int(counts.sum())
-  f = np.maximum(1, (counts.astype(np.int64) * PROB_SCALE) // n)
-  excess = int(f.sum()) - PROB_SCALE
+  is paid for by the largest frequencies (the first of them), an eighth of one at a time."""
+  n = np.int64(0)
+  for c in counts:
+    n += np.int64(c)
+  f = np.empty(counts.size, np.int64)
+  excess = np.int64(-PROB_SCALE)
+  for i in range(counts.size):
+    f[i] = max(np.int64(1), (np.int64(counts[i]) * PROB_SCALE) // n)
+    excess += f[i]
   while excess > 0:
-    i = int(np.argmax(f))
-    d = min(excess, max(1, int(f[i]) // 8))
+    i = np.argmax(f)
+    d = min(excess, max(np.int64(1), f[i] // 8))
     f[i] -= d
     excess -= d
-  f[int(np.argmax(f))] -= excess
+  f[np.argmax(f)] -= excess
   return f
 
 
@@ -103,11 +110,54 @@ def _encode_slots(sl, tab):
   return out[o:]
 
 
-def encode(syms: np.ndarray, freq: np.ndarray) -> np.ndarray:
+@numba.njit(**_JIT)
+def encode(syms, freq):
   """rANS words of the symbols syms (uint8) under frequencies freq indexed by symbol
   (summing to PROB_SCALE; at least two nonzero)."""
   start = np.cumsum(freq) - freq
   return _encode_slots(syms, _tables(freq, start))
+
+
+@numba.njit(**_JIT)
+def symbol_stream(hist, syms, raw, widths):
+  """entropy.py's stream of symbols `syms` (uint8; their counts `hist`, by symbol, and
+  their raw low bits: the words `raw`, widths[symbol] bits each), as uint8: the symbol
+  table and counts, the rANS words (where two or more symbols occur), the raw bytes."""
+  m, raw_bits = 0, np.int64(0)
+  for s in range(hist.size):
+    m += hist[s] > 0
+    raw_bits += hist[s] * widths[s]
+  present = np.empty(m, np.int64)
+  j = 0
+  for s in range(hist.size):
+    if hist[s] > 0:
+      present[j] = s
+      j += 1
+  out = np.empty(1 + 11 * m, np.uint8)
+  out[0] = m
+  p = 1
+  for i in range(m):
+    out[p] = present[i]
+    p += 1
+  for i in range(m):
+    p = _put_varint(out, p, hist[present[i]])
+  if m == 0:
+    return out[:p]
+  code = np.empty(0, np.uint16)
+  if m > 1:
+    freq = np.zeros(hist.size, np.int64)
+    freq[present] = normalize(hist[present])
+    code = encode(syms, freq)
+  raw_nbytes = (raw_bits + 7) // 8
+  whole = np.empty(p + 20 + 2 * code.size + raw_nbytes, np.uint8)
+  whole[:p] = out[:p]
+  if m > 1:
+    p = _put_varint(whole, p, code.size)
+    copy_bytes(whole.ctypes.data + p, code.ctypes.data, 2 * code.size)  # little-endian
+    p += 2 * code.size
+  p = _put_varint(whole, p, raw_nbytes)
+  copy_bytes(whole.ctypes.data + p, raw.ctypes.data, raw_nbytes)
+  return whole[:p + raw_nbytes]
 
 
 @numba.njit(inline="always", **_JIT)

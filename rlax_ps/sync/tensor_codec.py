@@ -31,9 +31,10 @@ import numpy as np
 import xxhash
 import zstandard
 
-from rlax_ps.sync import entropy, joint, loops, scratch
+from rlax_ps.sync import entropy, joint, loops, pack_coder, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint
 from rlax_ps.sync.errors import CodecError
+from rlax_ps.sync.integrity import XXH3, checksum
 
 UNCHANGED, RAW, SPARSE, BITMAP, DENSE, JOINT, PACKED = range(7)
 MODE_NAMES = ("unchanged", "raw", "sparse", "bitmap", "dense", "joint", "packed")
@@ -186,14 +187,35 @@ class Encoded(typing.NamedTuple):
   base_checksum: int | None
 
 
-def encode_pack(old: np.ndarray, new: np.ndarray) -> tuple[int, bytes] | None:
-  """(mode, section) of a pack (packs.py) from its members' unsigned bits concatenated:
-  (UNCHANGED, b"") when no member changed (each is then unchanged, no pack made), None when
-  nothing is smaller than its raw bytes (its members are then coded alone)."""
+def encode_pack(old: np.ndarray, new: np.ndarray, ends: np.ndarray,
+                hash_old: bool) -> tuple | None:
+  """(mode, section, the members' xxh3, their bases' xxh3 (None unless hash_old)) of a
+  pack (packs.py) from its members' unsigned bits back to back (member j ending at element
+  ends[j]): mode UNCHANGED (no bytes) when no member changed (each is then unchanged, no
+  pack made); None when nothing is smaller than its raw bytes (its members are then coded
+  alone). Joint and sparse packs are coded and hashed in one compiled call (pack_coder)."""
+  if XXH3:
+    coded = pack_coder.encode(old, new, ends, hash_old, XXH3)
+    if coded is not None:
+      mode, section, digests = coded
+      if mode == RAW:
+        return None
+      return mode, section, digests[0].tolist(), digests[1].tolist() if hash_old else None
   enc = encode_section(old, new, hashed=(False, False))
   if enc.mode == RAW:
     return None
-  return enc.mode, enc.section
+  sums = hash_parts(new, ends)
+  return enc.mode, enc.section, sums, hash_parts(old, ends) if hash_old else None
+
+
+def hash_parts(bits: np.ndarray, ends: np.ndarray) -> list[int]:
+  """The xxh3 of each part of the flat array `bits` (part j ending at element ends[j]),
+  in one compiled call where XXH3 is found."""
+  if not XXH3:
+    return [checksum(bits[a:b]) for a, b in zip([0, *ends[:-1].tolist()], ends.tolist())]
+  out = np.empty(ends.size, np.uint64)
+  loops.hash_all(XXH3, bits.ctypes.data, bits.itemsize, ends, out)
+  return out.tolist()
 
 
 def encode_section(old: np.ndarray | None, new: np.ndarray,

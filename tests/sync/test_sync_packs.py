@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlax_ps import sync
-from rlax_ps.sync import packs, tensor_codec, wire
+from rlax_ps.sync import pack_coder, packs, tensor_codec, wire
 from rlax_ps.sync.bits import BF16
 from rlax_ps.sync.integrity import checksum
 
@@ -72,9 +72,11 @@ def test_a_pack_is_smaller_than_its_members_coded_alone(model):
 def test_unchanged_small_tensors_make_no_pack_and_are_scanned_once(monkeypatch):
   base, _ = small_model(np.random.default_rng(1))
   calls = []
-  scan = tensor_codec.encode_section
+  scan, pack = tensor_codec.encode_section, pack_coder.encode
   monkeypatch.setattr(tensor_codec, "encode_section",
                       lambda old, new, *a, **k: calls.append(new.size) or scan(old, new, *a, **k))
+  monkeypatch.setattr(pack_coder, "encode",  # a pack's one compiled call
+                      lambda old, new, *a, **k: calls.append(new.size) or pack(old, new, *a, **k))
   update = sync.encode(base, base, version=2, threads=1)
   assert {m.mode for m in update.tensors.values()} == {"unchanged"}
   assert update.packs() == {}

@@ -115,7 +115,7 @@ def test_a_wrong_base_in_several_tensors_lists_them_as_suspects(model):
 def test_a_digest_mismatch_that_no_locator_sees_is_a_clear_error(model, seal):
   base, _, update = model
   old = getattr(update.header, seal)
-  forged = reassembled(update, **{seal: dataclasses.replace(old, digest=old.digest ^ 1)})
+  forged = reassembled(update, **{seal: old._replace(digest=old.digest ^ 1)})
   msg = error_of(lambda: sync.apply(base, forged, inplace=seal == "bases"))
   assert "no locator mismatches" in msg and f"{N_TENSORS} tensors" in msg
   assert "'block00.w'" in msg  # the suspects are listed

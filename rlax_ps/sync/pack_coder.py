@@ -1,0 +1,218 @@
+"""A pack's section (packs.py) coded and applied in one compiled call each way.
+
+A small model is one or two packs: its update is a pack's section or two, and every numba
+call, numpy call and Python step of a section's general path (tensor_codec.py) costs tens
+of microseconds when the caches are cold (as after a trainer step), which is most of such
+an update. Here one call plans the joint layout (joint.py) and codes it, or scans the pack
+and codes the sparse layout (Rice gaps, then literal or rANS values: tensor_codec's
+choices, made the same way), and hashes each member while it is in cache; apply copies,
+decodes and hashes in one call likewise. The layouts these calls do not make (entropy-coded
+gaps of clustered changes, bitmaps, dense offsets) and inputs they reject go to the
+general path, which makes the same bytes and names any problem.
+"""
+
+import numba
+import numpy as np
+
+from rlax_ps.sync import joint, loops, rans, scratch
+from rlax_ps.sync.intrinsics import copy_bytes
+from rlax_ps.sync.loops import (CALL_BYTES, FIXED_MIN, LITERAL_MAX, OK, RICE, RICE_MULTI,
+                                WIDTHS, _bitlen, _put_varint, _scan_block, _sparse_costs,
+                                cost_of, entropy_bits, hash_parts, literal_stream, rice_layout,
+                                scatter_add, sparse_literal)
+
+# Section modes (tensor_codec's numbers), and GENERAL: the general path must code it.
+UNCHANGED, RAW, SPARSE, JOINT, GENERAL = 0, 1, 2, 5, -1
+GAP_SAMPLE = 1 << 13  # tensor_codec._GAP_SAMPLE: gaps the coder choice is costed on
+RICE_STREAMS, RICE_SPLIT = 4, 1 << 12  # tensor_codec's: four Rice streams from 4096 gaps
+SCAN_MAX = 1 << 22  # larger packs scan in the general path (its outputs sized by estimate)
+_JIT = dict(nogil=True, cache=True, boundscheck=False)
+
+
+@numba.njit(inline="always", **_JIT)
+def _code_sparse(old, new, ends, hash_old, fn, gaps, syms, raw, section, digests, lane_bits):
+  """tensor_codec.encode_section's scan path for a pack: (mode, bytes, the array holding
+  them): UNCHANGED, RAW (no layout smaller), SPARSE (written to `section`, or to a new
+  array where it does not fit), or GENERAL where the general path chooses another layout
+  (clustered gaps, bitmap or dense offsets). The scan's outputs go to gaps, syms, raw
+  (scratch of n + one block each, raw a quarter of that); members are hashed into digests
+  block by block, right after their scan."""
+  n = new.size
+  itemsize = lane_bits // 8
+  block = max(1, min(n, CALL_BYTES // itemsize))
+  hist = np.zeros((4, loops.ALPHABET), np.int64)
+  st = np.array([0, -1, 0], np.int64)
+  raw[0] = 0
+  hashed = 0
+  for s in range(0, n, block):
+    a, b = old[s:s + block], new[s:s + block]
+    m = a.size - a.size % 64
+    _scan_block(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s, st, gaps, syms, raw,
+                hist, lane_bits)  # room for every element: never refuses
+    done = hashed
+    while done < ends.size and ends[done] <= s + block:
+      done += 1
+    if fn:
+      hash_parts(fn, new.ctypes.data, itemsize, ends, hashed, done, digests[0])
+      if hash_old:
+        hash_parts(fn, old.ctypes.data, itemsize, ends, hashed, done, digests[1])
+    hashed = done
+  if fn:  # members of no elements past the last block (or in a pack of none)
+    hash_parts(fn, new.ctypes.data, itemsize, ends, hashed, ends.size, digests[0])
+    if hash_old:
+      hash_parts(fn, old.ctypes.data, itemsize, ends, hashed, ends.size, digests[1])
+  nnz = st[0]
+  if nnz == 0:
+    return UNCHANGED, 0, section
+  counts = hist.sum(axis=0)
+  step = max(1, nnz // GAP_SAMPLE)
+  z, top, vbits, vpresent, k, rice_bits, gbits, gpresent = _sparse_costs(
+      old, new, gaps[:nnz], counts, step, WIDTHS, LITERAL_MAX, lane_bits)
+  cost_sym = cost_of(vbits, vpresent)
+  cost_v = cost_sym
+  if z.size:  # entropy.literal_cost
+    width = _bitlen(top - 1)
+    nbytes = (z.size * width + 7) // 8 if z.size < FIXED_MIN else (z.size + 7) // 8 * width
+    cost_v = min(cost_v, 2.0 + nbytes)
+  rice_cost = rice_bits * step / 8 + 3
+  if cost_of(gbits, gpresent) * step < 0.97 * rice_cost:  # clustered: the general path's
+    return GENERAL, 0, section
+  sparse_cost = rice_cost + cost_v + 9
+  raw_cost = n * itemsize
+  if nnz * 4 > n:  # dense offsets may win (the general path codes them)
+    dense = counts.copy()
+    dense[0] += n - nnz
+    bits, present = entropy_bits(dense, WIDTHS)
+    if cost_of(bits, present) < min(raw_cost, sparse_cost):
+      return GENERAL, 0, section
+  if raw_cost <= sparse_cost:
+    return RAW, 0, section
+  streams = RICE_STREAMS if nnz >= RICE_SPLIT else 1
+  gap_bytes = rice_layout(gaps[:nnz], k, streams, RICE | (RICE_MULTI if streams > 1 else 0) | k)
+  if cost_v < cost_sym:
+    values = literal_stream(z, 1, top)
+  else:
+    values = rans.symbol_stream(counts, syms[:nnz], raw, WIDTHS)
+  total = 10 + gap_bytes.size + values.size
+  if section.size < total:
+    section = np.empty(total, np.uint8)
+  p = _put_varint(section, 0, nnz)
+  copy_bytes(section.ctypes.data + p, gap_bytes.ctypes.data, gap_bytes.size)
+  p += gap_bytes.size
+  copy_bytes(section.ctypes.data + p, values.ctypes.data, values.size)
+  return SPARSE, p + values.size, section
+
+
+@numba.njit(inline="always", **_JIT)
+def _code(old, new, probe, rest, windows, plan_gaps, room, section, ends, hash_old, fn, gaps,
+          syms, raw, lane_bits, listed):
+  """(mode, section bytes, the array holding them, the members' digests: rows new, old) of
+  a pack: joint where joint._code_pack plans and codes it, else _code_sparse."""
+  if windows:  # joint.MIN_ELEMENTS or more
+    planned, nbytes, section, digests = joint._code_pack(
+        old, new, probe, rest, windows, plan_gaps, room, section, ends, hash_old, fn,
+        lane_bits, listed)
+    if planned:
+      return JOINT, nbytes, section, digests
+  else:
+    digests = np.zeros((2, ends.size), np.uint64)
+  mode, nbytes, section = _code_sparse(old, new, ends, hash_old, fn, gaps, syms, raw, section,
+                                       digests, lane_bits)
+  return mode, nbytes, section, digests
+
+
+def _coder_for(lane_bits: int, listed: int):
+  """_code compiled for one lane width and way of listing changes (joint.WAYS)."""
+  @numba.njit(**_JIT)
+  def code(old, new, probe, rest, windows, plan_gaps, room, section, ends, hash_old, fn, gaps,
+           syms, raw):
+    return _code(old, new, probe, rest, windows, plan_gaps, room, section, ends, hash_old, fn,
+                 gaps, syms, raw, lane_bits, listed)
+  return code
+
+
+_CODERS = {(bits, way): _coder_for(bits, way) for bits in (16, 8) for way in joint.WAYS[bits]}
+
+
+def encode(old: np.ndarray, new: np.ndarray, ends: np.ndarray, hash_old: bool, fn: int,
+           listed: int | None = None):
+  """(mode, section (a uint8 array: this thread's scratch, one a lane width, valid until its
+  next pack of that width), the members' xxh3 (uint64 rows: new, old where hash_old)) of a
+  pack (old, new: its members' unsigned bits back to back; member j ends at element
+  ends[j]), hashed by the C function at address fn (integrity.XXH3), in one compiled call;
+  None where the general path must code it (the digests are then not made). mode: UNCHANGED,
+  RAW (nothing smaller), SPARSE or JOINT, as tensor_codec.encode_section chooses. listed:
+  as for joint.encode."""
+  n = new.size
+  if n > SCAN_MAX:
+    return None
+  width = 8 * new.itemsize
+  code = _CODERS[width, joint.LISTING[width] if listed is None else int(listed)]
+  windows = joint.sample_starts(n).size if n >= joint.MIN_ELEMENTS else 0
+  probe, rest = joint._probe_split(n) if windows else (_NONE, _NONE)
+  block = min(n, CALL_BYTES // new.itemsize)
+  # one scratch buffer for the scan's outputs (gaps: uint32, syms, raw: a quarter of
+  # 16 bits an element), in this order
+  mode, nbytes, section, digests = code(
+      old, new, probe, rest, windows,
+      scratch.buffer("plan", joint.SAMPLE_WINDOW * max(windows, 1), np.uint64),
+      scratch.buffer("joint streams", joint.stream_room(n, new.itemsize) if windows else 1,
+                     np.uint64),
+      scratch.buffer(f"pack section {width}", n * new.itemsize, np.uint8), ends, hash_old, fn,
+      scratch.buffer("scan gaps", n + block, np.uint32),
+      scratch.buffer("scan syms", n + block, np.uint8),
+      scratch.buffer("scan raw", (n + block) // 4 + 2, np.uint64))
+  if mode == GENERAL:
+    return None
+  return mode, section[:nbytes], digests
+
+
+_NONE = np.zeros(0, np.int64)
+_NONE.flags.writeable = False
+
+
+@numba.njit(inline="always", **_JIT)
+def _apply_sparse(buf, n, base, out, ends, fn, like):
+  """The sparse section `buf` (tensor_codec's usual layout: Rice gaps, literal offsets:
+  loops.sparse_literal) applied to a pack of n elements as joint._apply_pack does:
+  (error code, the members' xxh3); not OK: another layout or anything the general reader
+  rejects (the caller then reads it there)."""
+  digests = np.zeros(ends.size, np.uint64)
+  ok, idx, offsets = sparse_literal(buf, n, like)
+  if not ok:
+    return loops.E_TRUNCATED, digests
+  size = out.itemsize
+  if out.ctypes.data != base.ctypes.data:
+    copy_bytes(out.ctypes.data, base.ctypes.data, n * size)
+  scatter_add(out, idx, offsets, 0, idx.size, 0)
+  if fn:
+    hash_parts(fn, out.ctypes.data, size, ends, 0, ends.size, digests)
+  return OK, digests
+
+
+def _applier_for(quad: bool):
+  """The compiled apply of a pack's joint or sparse section (joint.QUAD: quad)."""
+  @numba.njit(**_JIT)
+  def apply_pack(mode, buf, n, base, out, ends, fn):
+    if mode == JOINT:
+      return joint._apply_pack(buf, n, base, out, ends, fn, quad)
+    return _apply_sparse(buf, n, base, out, ends, fn, base[:0])
+  return apply_pack
+
+
+_APPLIERS = {quad: _applier_for(quad) for quad in (False, True)}
+
+
+def apply(mode: int, section, base: np.ndarray, out: np.ndarray, ends: np.ndarray,
+          fn: int) -> np.ndarray | None:
+  """A pack's JOINT or SPARSE section (bytes-like) applied in one compiled call to the
+  pack's members' unsigned bits back to back (base, into out, which may be base; member j
+  ending at element ends[j]): the members' xxh3 (uint64) by the C function at address fn,
+  or None where the section is not in a layout the call reads (sparse: Rice gaps and
+  literal offsets) or fails there (the caller then takes the general path, which names the
+  problem)."""
+  if mode not in (JOINT, SPARSE):
+    return None
+  err, digests = _APPLIERS[bool(joint.QUAD)](mode, np.frombuffer(section, np.uint8),
+                                             out.size, base, out, ends, fn)
+  return digests if err == OK else None
