@@ -1,8 +1,8 @@
 """encode / apply over flat dicts of name -> array, in the bf16 or int8 format."""
 
 import functools
-import itertools
 import math
+import operator
 import typing
 
 import numpy as np
@@ -19,17 +19,25 @@ def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
   """What a worker holds for `params` in `fmt`: bf16 arrays, or the int8 layout of int8.py.
 
   Accepts float weights (rounded or quantized here, into one buffer whose packs lie back
-  to back: arena.py) or an already-held state (returned as it is)."""
-  return _held(params, fmt)[0]
+  to back: arena.py) or an already-held state (its arrays as they are, in a new dict)."""
+  held = _held(params, fmt)[0]
+  return dict(held) if held is params else held
 
 
-def _held(params: dict, fmt: str, contiguous: bool = True) -> tuple[dict[str, np.ndarray],
-                                                                   tuple]:
+def _held(params: dict, fmt: str, contiguous: bool = True,
+          like: tuple | None = None) -> tuple[dict[str, np.ndarray], tuple]:
   """(held_state(params, fmt), its layout key: (name, shape, dtype) per tensor). A held
   state's checks depend on that key alone, and are made once per key. Not `contiguous`:
-  held bf16 arrays may be strided views (encode reads their bits through bit_view)."""
-  arrays = {name: x if type(x) is np.ndarray else np.asarray(x) for name, x in params.items()}
+  held bf16 arrays may be strided views (encode reads their bits through bit_view).
+  like: the key of a state just held (a target's, for its base): where params' key equals
+  it, that key is returned and its checks are not looked up again."""
+  if set(map(type, params.values())) == _NUMPY and type(params) is dict:
+    arrays = params  # already numpy: no new dict
+  else:
+    arrays = {name: np.asarray(x) for name, x in params.items()}
   key = tuple([(n, a.shape, a.dtype) for n, a in arrays.items()])
+  if key == like:
+    key = like
   kind = _held_kind(key, fmt)
   if kind == "float":
     if fmt == "int8":
@@ -47,8 +55,25 @@ def _held(params: dict, fmt: str, contiguous: bool = True) -> tuple[dict[str, np
   return held, tuple((n, a.shape, a.dtype) for n, a in held.items())
 
 
-@functools.lru_cache(maxsize=64)
+_NUMPY = {np.ndarray}
+
+
 def _held_kind(key: tuple, fmt: str) -> str:
+  """_check_held of (key, fmt), from the last lookup's result where key is that lookup's
+  (a base's key is its target's: no hash of the key again)."""
+  last = _LAST_KIND[0]
+  if last[0] is key and last[1] == fmt:
+    return last[2]
+  kind = _check_held(key, fmt)
+  _LAST_KIND[0] = (key, fmt, kind)
+  return kind
+
+
+_LAST_KIND = [((), "", "")]  # (key, fmt, kind) of _held_kind's last lookup
+
+
+@functools.lru_cache(maxsize=64)
+def _check_held(key: tuple, fmt: str) -> str:
   """Whether a state of layout key `key` is "float" (weights to round or quantize), "bf16"
   (bf16 weights only: held as they are) or "held" (int8, or partly bf16: the rest is
   rounded), after checking what that key decides (dtypes, int8 scales' names and shapes)."""
@@ -103,11 +128,11 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   old_state = None
   lay = _layout(new_key)
   if base is not None:
-    old_state, old_key = _held(base, fmt, contiguous=False)
+    old_state, old_key = _held(base, fmt, contiguous=False, like=new_key)
     check_names("base", old_state, new_state)
     if base_checksums is not None:
       check_names("base_checksums", base_checksums, new_state)
-    if old_key != new_key:
+    if old_key is not new_key:
       for name, new in new_state.items():
         old = old_state[name]
         if old.shape != new.shape or old.dtype != new.dtype:
@@ -115,34 +140,42 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
                            f"is {new.dtype}{list(new.shape)}")
   printed = _fingerprints_of(fingerprints, new_state, threads)
   known = base_checksums is not None
-  groups = {} if old_state is None else lay.groups
-  tasks = [(int(ends[-1]), functools.partial(_encode_pack, old_state, new_state, members,
-                                             ends, not known))
-           for members, ends in zip(groups.values(), lay.group_ends)]
+  pack_list = () if old_state is None else lay.pack_list
+  tasks = [(size, functools.partial(_encode_pack, old_state, new_state, members, ends,
+                                    not known)) for members, ends, size in pack_list]
   alone = lay.names if old_state is None else lay.alone
   for name in alone:
     old = None if old_state is None else bit_view(old_state[name])
     tasks.append((new_state[name].size, functools.partial(
-        tensor_codec.encode_section, old, bit_view(new_state[name]), (not known, True))))
+        _encode_alone, old, bit_view(new_state[name]), not known)))
+  # every task's columns (modes, sections, checksums, base checksums), joined in the order
+  # of the tasks (the packs' members, then the rest), then put in header order by a gather
   results = parallel.run(tasks, threads)
-  coded, made = {}, {}
-  for members, done in zip(groups.values(), results[:len(groups)]):
-    coded.update(done)
-    if done and done[members[0]].mode != tensor_codec.UNCHANGED:
+  made = {}
+  for i, ((members, _, _), done) in enumerate(zip(pack_list, results)):
+    if done is None:  # a pack with nothing to share: its members are coded alone
+      results[i] = _joined([_encode_alone(bit_view(old_state[n]), bit_view(new_state[n]),
+                                          not known) for n in members])
+    elif done[0][0] != tensor_codec.UNCHANGED:
       made[members[0]] = members
-  for name, left in zip(alone, results[len(groups):]):
-    coded[name] = left
-  for name in lay.names:
-    if name not in coded:  # a pack with nothing to share: its members are coded alone
-      old = None if old_state is None else bit_view(old_state[name])
-      coded[name] = tensor_codec.encode_section(old, bit_view(new_state[name]),
-                                                (not known, True))
-  done = [coded[name] for name in lay.names]
-  bases = ([base_checksums[name] for name in lay.names] if known
-           else [enc.base_checksum for enc in done])
-  return build_columns(fmt, version, base_version, lay.layout, [enc.checksum for enc in done],
-                       bases, [enc.mode for enc in done], [enc.section for enc in done], made,
+  modes, sections, sums, base_sums = _joined(results) if old_state is None else map(
+      lay.order, _joined(results))
+  return build_columns(fmt, version, base_version, lay.layout, sums,
+                       list(map(base_checksums.__getitem__, lay.names)) if known else base_sums,
+                       modes, sections, made,
                        None if printed is None else [printed[name] for name in lay.names])
+
+
+def _joined(columns: list) -> tuple:
+  """Column sets (modes, sections, checksums, base checksums) joined end to end."""
+  return tuple([v for c in columns for v in c[j]] for j in range(4))
+
+
+def _encode_alone(old: np.ndarray | None, new: np.ndarray, hash_old: bool) -> tuple:
+  """A tensor coded alone (tensor_codec.encode_section) as one-tensor columns: ([mode],
+  [section], [checksum], [base checksum or None])."""
+  enc = tensor_codec.encode_section(old, new, (hash_old, True))
+  return [enc.mode], [enc.section], [enc.checksum], [enc.base_checksum]
 
 
 def _fingerprints_of(given, state: dict, threads: int) -> dict | None:
@@ -172,9 +205,10 @@ class _Layout(typing.NamedTuple):
   sizes: dict  # name -> elements
   dtypes: dict  # name -> dtype
   groups: dict  # dtype -> pack members (packs.members_by_dtype)
-  group_ends: tuple  # per pack, where each member ends in it (int64 elements, read-only)
-  ends_of: dict  # pack head -> its group_ends
+  pack_list: tuple  # per pack: (members, where each ends in it (int64, read-only), elements)
+  ends_of: dict  # pack head -> where each member ends in it
   alone: tuple  # the tensors of no pack
+  order: callable  # header order of a delta's columns, listed packs' members then alone
 
 
 @functools.lru_cache(maxsize=16)
@@ -187,9 +221,22 @@ def _layout(key: tuple) -> _Layout:
                for m in groups.values())
   return _Layout(key, tuple((n, tuple(int(d) for d in shape), np.dtype(dtype))
                             for n, shape, dtype in key),
-                 tuple(sizes), sizes, dtypes, groups, ends,
+                 tuple(sizes), sizes, dtypes, groups,
+                 tuple((m, e, int(e[-1])) for m, e in zip(groups.values(), ends)),
                  {m[0]: e for m, e in zip(groups.values(), ends)},
-                 tuple(n for n in sizes if n not in packed))
+                 tuple(n for n in sizes if n not in packed), _order_of(sizes, groups, packed))
+
+
+def _order_of(sizes: dict, groups: dict, packed: set):
+  """The gather (an itemgetter, to a list) that puts a delta's columns, listed as encode
+  lists them (each pack's members, then the tensors of no pack), in header order."""
+  listed = [n for members in groups.values() for n in members]
+  listed += [n for n in sizes if n not in packed]
+  at = {n: i for i, n in enumerate(listed)}
+  gather = operator.itemgetter(*[at[n] for n in sizes])
+  if len(sizes) == 1:
+    return lambda column: [gather(column)]
+  return lambda column: list(gather(column))
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -198,25 +245,21 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 def _encode_pack(old_state: dict, new_state: dict, members: list[str], ends: np.ndarray,
-                 hash_old: bool) -> dict:
-  """name -> Encoded for the members of one pack (packs.py; member j ending at element
-  ends[j]): each unchanged when none changed; empty when the pack has nothing to share.
-  Base checksums are None unless hash_old."""
-  olds = [old_state[n] for n in members]
-  news = [new_state[n] for n in members]
-  enc = tensor_codec.encode_pack(_pack_bits(olds, "pack old"), _pack_bits(news, "pack new"),
+                 hash_old: bool) -> tuple | None:
+  """The columns (modes, sections, checksums, base checksums: None unless hash_old) of the
+  members of one pack (packs.py; member j ending at element ends[j]): each unchanged when
+  none changed; None when the pack has nothing to share."""
+  enc = tensor_codec.encode_pack(_pack_bits([old_state[n] for n in members], "pack old"),
+                                 _pack_bits([new_state[n] for n in members], "pack new"),
                                  ends, hash_old)
   if enc is None:
-    return {}
+    return None
   mode, section, sums, base_sums = enc
+  k = len(members)
   if mode == tensor_codec.UNCHANGED:  # every member as it was: no pack, nothing rescanned
-    return {n: tensor_codec.Encoded(tensor_codec.UNCHANGED, b"", s, s if hash_old else None)
-            for n, s in zip(members, sums)}
-  base_sums = base_sums or [None] * len(members)
-  rest = map(tensor_codec.Encoded, itertools.repeat(tensor_codec.PACKED),
-             itertools.repeat(b""), sums[1:], base_sums[1:])  # the members after the head
-  return {members[0]: tensor_codec.Encoded(mode, section, sums[0], base_sums[0]),
-          **dict(zip(members[1:], rest))}
+    return [mode] * k, [b""] * k, sums, sums if hash_old else [None] * k
+  return ([mode] + [tensor_codec.PACKED] * (k - 1), [section] + [b""] * (k - 1), sums,
+          base_sums or [None] * k)
 
 
 def _pack_bits(arrays: list[np.ndarray], slot: str) -> np.ndarray:

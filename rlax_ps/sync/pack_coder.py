@@ -11,6 +11,8 @@ gaps of clustered changes, bitmaps, dense offsets) and inputs they reject go to 
 general path, which makes the same bytes and names any problem.
 """
 
+import functools
+
 import numba
 import numpy as np
 
@@ -148,23 +150,27 @@ def encode(old: np.ndarray, new: np.ndarray, ends: np.ndarray, hash_old: bool, f
     return None
   width = 8 * new.itemsize
   code = _CODERS[width, joint.LISTING[width] if listed is None else int(listed)]
-  windows = joint.sample_starts(n).size if n >= joint.MIN_ELEMENTS else 0
-  probe, rest = joint._probe_split(n) if windows else (_NONE, _NONE)
-  block = min(n, CALL_BYTES // new.itemsize)
-  # one scratch buffer for the scan's outputs (gaps: uint32, syms, raw: a quarter of
-  # 16 bits an element), in this order
-  mode, nbytes, section, digests = code(
-      old, new, probe, rest, windows,
-      scratch.buffer("plan", joint.SAMPLE_WINDOW * max(windows, 1), np.uint64),
-      scratch.buffer("joint streams", joint.stream_room(n, new.itemsize) if windows else 1,
-                     np.uint64),
-      scratch.buffer(f"pack section {width}", n * new.itemsize, np.uint8), ends, hash_old, fn,
-      scratch.buffer("scan gaps", n + block, np.uint32),
-      scratch.buffer("scan syms", n + block, np.uint8),
-      scratch.buffer("scan raw", (n + block) // 4 + 2, np.uint64))
+  probe, rest, windows, specs = _plan_of(n, new.itemsize)
+  plan, room, section, gaps, syms, raw = scratch.buffers(f"pack {width}", specs)
+  mode, nbytes, section, digests = code(old, new, probe, rest, windows, plan, room, section,
+                                        ends, hash_old, fn, gaps, syms, raw)
   if mode == GENERAL:
     return None
   return mode, section[:nbytes], digests
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_of(n: int, itemsize: int) -> tuple:
+  """(the plan's probe windows, its other windows, how many in all (joint._probe_split;
+  none below joint.MIN_ELEMENTS), the (size, dtype) of each scratch buffer the call takes)
+  of a pack of n elements of `itemsize` bytes."""
+  windows = joint.sample_starts(n).size if n >= joint.MIN_ELEMENTS else 0
+  cap = n + max(1, min(n, CALL_BYTES // itemsize))  # the scan's: every element, a block
+  specs = ((joint.SAMPLE_WINDOW * max(windows, 1), np.uint64),
+           (joint.stream_room(n, itemsize) if windows else 1, np.uint64),
+           (n * itemsize, np.uint8), (cap, np.uint32), (cap, np.uint8),
+           (cap // 4 + 2, np.uint64))
+  return (*(joint._probe_split(n) if windows else (_NONE, _NONE)), windows, specs)
 
 
 _NONE = np.zeros(0, np.int64)

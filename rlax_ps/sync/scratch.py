@@ -36,6 +36,20 @@ def buffer(slot: str, n: int, dtype) -> np.ndarray:
   return buf[:nbytes].view(dtype)
 
 
+def buffers(slot: str, specs: tuple) -> tuple:
+  """buffer() of each (n, dtype) of `specs`, in slots of their own under `slot`, as one
+  tuple: while a thread asks for the same specs again, the same arrays (one lookup, where
+  a compiled call takes several buffers at once). Valid until the next request for `slot`
+  on this thread."""
+  bufs = _LOCAL.__dict__.get("buffers")
+  kept = None if bufs is None else bufs.get((slot,))
+  if kept is not None and (kept[0] is specs or kept[0] == specs):
+    return kept[1]
+  arrays = tuple(buffer(f"{slot} {i}", n, dtype) for i, (n, dtype) in enumerate(specs))
+  _LOCAL.buffers[(slot,)] = (specs, arrays)  # with the buffers: release() drops it too
+  return arrays
+
+
 def release(all_threads: bool = False) -> None:
   """Drops this thread's buffers (each keeps up to KEEP_MAX bytes between calls; a thread
   that encodes keeps a few tens of MB for a large model), or with all_threads every

@@ -28,6 +28,7 @@ Chunk layout: b"RLXC" | u32 index | u32 count | u64 message length | u64 xxh3(me
 
 import dataclasses
 import functools
+import itertools
 import math
 import struct
 import threading
@@ -44,6 +45,7 @@ from rlax_ps.sync.bits import BF16, INT8, UINT_OF, bit_view
 from rlax_ps.sync.byte_reader import ByteReader, varint
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.integrity import XXH3, Seal, checksum, combine, group_count
+from rlax_ps.sync.intrinsics import copy_bytes
 from rlax_ps.sync.loops import _put_varint, _seal_into
 
 MAGIC = b"RLXW"
@@ -67,36 +69,32 @@ def _digest(buf) -> int:
   return xxhash.xxh3_64_intdigest(buf)
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorMeta:
-  """One tensor of an update: what it must produce and where its section lies."""
+class _MetaFields(typing.NamedTuple):
   name: str
   shape: tuple[int, ...]
   dtype: np.dtype
   mode: str
-  nbytes: int = 0
-  offset: int = 0
-
-  @functools.cached_property
-  def size(self) -> int:  # kept in the instance's __dict__: asked for often, per tensor
-    return math.prod(self.shape)
-
-  @classmethod
-  def make(cls, name: str, shape: tuple, dtype: np.dtype, mode: str, nbytes: int,
-           offset: int, size: int | None = None) -> "TensorMeta":
-    """TensorMeta(...) with its size set (given, or the product of shape), made in a
-    fraction of the dataclass __init__'s time (a frozen dataclass sets each field through
-    object.__setattr__): messages make one per tensor."""
-    meta = object.__new__(cls)
-    object.__setattr__(meta, "__dict__", {
-        "name": name, "shape": shape, "dtype": dtype, "mode": mode, "nbytes": nbytes,
-        "offset": offset, "size": math.prod(shape) if size is None else size})
-    return meta
+  nbytes: int
+  offset: int
+  size: int
 
 
-@dataclasses.dataclass(frozen=True)
-class UpdateHeader:
-  """Everything about an update except its payload; `read_header` parses it cheaply."""
+class TensorMeta(_MetaFields):
+  """One tensor of an update: what it must produce (name, shape, dtype, its elements:
+  size) and where its section lies (mode, nbytes, offset). A tuple: messages make one per
+  tensor."""
+
+  __slots__ = ()
+
+  def __new__(cls, name: str, shape: tuple, dtype: np.dtype, mode: str, nbytes: int = 0,
+              offset: int = 0, size: int | None = None) -> "TensorMeta":
+    return tuple.__new__(cls, (name, shape, dtype, mode, nbytes, offset,
+                               math.prod(shape) if size is None else size))
+
+
+class UpdateHeader(typing.NamedTuple):
+  """Everything about an update except its payload; `read_header` parses it cheaply (a
+  tuple: every message makes one)."""
   version: int
   base_version: int | None
   fmt: str
@@ -112,17 +110,6 @@ class UpdateHeader:
   @property
   def is_keyframe(self) -> bool:
     return self.base_version is None
-
-  @classmethod
-  def make(cls, *fields) -> "UpdateHeader":
-    """UpdateHeader(*fields) in a fraction of the frozen dataclass __init__'s time (as
-    TensorMeta.make): every message makes one."""
-    header = object.__new__(cls)
-    object.__setattr__(header, "__dict__", dict(zip(_HEADER_FIELDS, fields)))
-    return header
-
-
-_HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(UpdateHeader))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,14 +221,13 @@ def build_columns(fmt: str, version: int, base_version: int | None, layout: tupl
   the device fingerprint of its result, sealed too when given. The meta bytes and the
   seals (from the digests) are made in one compiled call."""
   keyframe = base_version is None
-  filled = [sec for sec in sections if memoryview(sec).nbytes]
-  columns = [checksums, [] if keyframe else base_checksums, [_digest(sec) for sec in filled],
-             [] if fingerprints is None else fingerprints]
+  filled = [_digest(sec) for sec in sections if len(sec)]  # the non-empty sections'
+  digests = [*checksums, *([] if keyframe else base_checksums), *filled,
+             *([] if fingerprints is None else fingerprints)]
   counts = (len(checksums), -1 if keyframe else len(checksums), len(filled),
             -1 if fingerprints is None else len(checksums))
   update = _assemble(fmt, version, base_version, layout, np.array(modes, np.uint8),
-                     (np.array([d for c in columns for d in c], np.uint64), counts),
-                     sections, packed)
+                     (np.array(digests, np.uint64), counts), sections, packed)
   update.checksums = dict(zip(update.tensors, map(int, checksums)))
   if fingerprints is not None:
     update.fingerprints = dict(zip(update.tensors, map(int, fingerprints)))
@@ -271,6 +257,7 @@ class _Columns(typing.NamedTuple):
   dims: np.ndarray  # the dims column (uint8)
   names: tuple
   shapes: tuple  # int tuples
+  dtypes: tuple
   sizes: tuple
 
 
@@ -289,7 +276,8 @@ def _layout_columns(layout: tuple, codec: int) -> _Columns:
   return _Columns(as_array(varint(len(layout)) + b"".join(_names_column(names))),
                   _read_only(codes),
                   as_array(b"".join(varint(d) for shape in shapes for d in shape)), names,
-                  shapes, tuple(math.prod(shape) for shape in shapes))
+                  shapes, tuple(dtype for _, _, dtype in layout),
+                  tuple(math.prod(shape) for shape in shapes))
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -300,36 +288,20 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _fields(fn, fmt, flags, version, base_version, fixed, codes, modes, dims, lengths,
             digests, counts, width):
-  """(the meta bytes, the seals' bytes, their words, where each seal's words start and
-  end) of a message (see the module docstring), in one compiled call rather than a few
-  dozen Python steps: meta from the layout's columns (fixed, codes, dims), the mode codes
-  and the section lengths; seal s (results, bases, sections, fingerprints; counts[s] < 0:
-  absent) over the next counts[s] digests (its digest, then its locators, each `width`
-  bytes) by the C function at address fn, or, where fn is 0, the next counts[s] of
-  `digests` as its words, as given."""
+  """The seals' words, then the meta bytes and the seals' bytes of a message (see the
+  module docstring) in one uint8 array, and where each of the three and each seal's words
+  end, in one compiled call rather than a few dozen Python steps: meta from the layout's
+  columns (fixed, codes, dims), the mode codes and the section lengths; seal s (results,
+  bases, sections, fingerprints; counts[s] < 0: absent) over the next counts[s] digests
+  (its digest, then its locators, each `width` bytes) by the C function at address fn, or,
+  where fn is 0, the next counts[s] of `digests` as its words, as given."""
   n = modes.size
-  meta = np.empty(2 + 20 + fixed.size + 4 * n + dims.size + 10 * n, np.uint8)
-  meta[0], meta[1] = fmt, flags
-  p = _put_varint(meta, 2, version)
-  p = _put_varint(meta, p, base_version)
-  meta[p:p + fixed.size] = fixed
-  p += fixed.size
-  for i in range(n):
-    for b in range(4):
-      meta[p + 4 * i + b] = codes[i, b]
-    meta[p + 4 * i + 2] = modes[i]
-  p += 4 * n
-  meta[p:p + dims.size] = dims
-  p += dims.size
-  for i in range(n):
-    p = _put_varint(meta, p, lengths[i])
   words = np.empty(4 * (1 + 2 * 64), np.uint64) if fn else digests
   tmp = np.empty(max(1, digests.size), np.uint64)
   mask = (np.uint64(1) << np.uint64(8 * width)) - np.uint64(1)
-  bounds = np.zeros(len(counts) + 1, np.int64)
+  ends = np.zeros(len(counts), np.int64)  # of each seal's words
   w, at = 0, 0
   for s in range(len(counts)):
-    bounds[s] = w
     if counts[s] >= 0:
       if fn:
         w0 = w
@@ -339,15 +311,33 @@ def _fields(fn, fmt, flags, version, base_version, fixed, codes, modes, dims, le
       else:
         w += counts[s]
       at += counts[s]
-  bounds[len(counts)] = w
-  sealed = np.empty(w * 8, np.uint8)
-  q = 0
+    ends[s] = w
+  out = np.empty(8 * w + 2 + 20 + fixed.size + 4 * n + dims.size + 10 * n + 8 * w, np.uint8)
+  copy_bytes(out.ctypes.data, words.ctypes.data, 8 * w)
+  p = 8 * w
+  out[p], out[p + 1] = fmt, flags
+  p = _put_varint(out, p + 2, version)
+  p = _put_varint(out, p, base_version)
+  copy_bytes(out.ctypes.data + p, fixed.ctypes.data, fixed.size)
+  p += fixed.size
+  for i in range(n):
+    for b in range(4):
+      out[p + 4 * i + b] = codes[i, b]
+    out[p + 4 * i + 2] = modes[i]
+  p += 4 * n
+  copy_bytes(out.ctypes.data + p, dims.ctypes.data, dims.size)
+  p += dims.size
+  for i in range(n):
+    p = _put_varint(out, p, lengths[i])
+  meta_end, g = p, 0
   for s in range(len(counts)):
-    for g in range(bounds[s], bounds[s + 1]):
-      for b in range(8 if g == bounds[s] else width):  # the digest, then the locators
-        sealed[q] = np.uint8((words[g] >> np.uint64(8 * b)) & np.uint64(255))
-        q += 1
-  return meta[:p], sealed[:q], words[:w], bounds
+    first = g
+    while g < ends[s]:
+      for b in range(8 if g == first else width):  # the digest, then the locators
+        out[p] = np.uint8((words[g] >> np.uint64(8 * b)) & np.uint64(255))
+        p += 1
+      g += 1
+  return out, meta_end, p, (ends[0], ends[1], ends[2], ends[3])
 
 
 def assemble(header: UpdateHeader, sections) -> "Update":
@@ -390,27 +380,29 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple,
     counts = tuple(c if c < 0 else 1 + group_count(c) for c in counts)
     digests = np.array(words, np.uint64)
   lengths = np.array([len(sec) for sec in sections], np.int64)
-  meta, sealed_bytes, words, bounds = _fields(
+  out, meta_end, sealed_end, ends = _fields(
       fn, FORMATS.index(fmt), flags, version, 0 if keyframe else base_version, lay.fixed,
       lay.codes, modes, lay.dims, lengths, digests, counts, LOCATOR_BITS // 8)
+  words_end = 8 * ends[3]
+  meta = out[words_end:meta_end]
   packed_meta = _compressor(meta.size).compress(meta)
   codec = int(len(packed_meta) < meta.size)
-  stored = packed_meta if codec else meta
-  region = b"".join([varint(len(stored)), stored, sealed_bytes])
+  region = b"".join([varint(len(packed_meta) if codec else meta.size),
+                     packed_meta if codec else meta, out[meta_end:sealed_end]])
   prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(region), zlib.crc32(region))
   data = b"".join([prefix, region] + sections)
-  flat, b = words.tolist(), bounds.tolist()
-  made = [None if b[s] == b[s + 1] else Seal(flat[b[s]], tuple(flat[b[s] + 1:b[s + 1]]),
-                                             LOCATOR_BITS) for s in range(4)]
-  offset, tensors = len(prefix) + len(region), {}
-  mode_names = tensor_codec.MODE_NAMES
-  for name, shape, size, dtype, mode, nbytes in zip(lay.names, lay.shapes, lay.sizes,
-                                                    (d for _, _, d in layout),
-                                                    modes.tolist(), lengths.tolist()):
-    tensors[name] = TensorMeta.make(name, shape, dtype, mode_names[mode], nbytes, offset,
-                                    size)  # as parsed
-    offset += nbytes
-  header = UpdateHeader.make(version, base_version, fmt, tensors, len(data), *made)
+  flat = out[:words_end].view(np.uint64).tolist()
+  made, start = [], 0
+  for end in ends:
+    made.append(None if start == end else Seal(flat[start], tuple(flat[start + 1:end]),
+                                               LOCATOR_BITS))
+    start = end
+  lengths = lengths.tolist()  # the metas, as parsed, by C-level iteration alone
+  tensors = dict(zip(lay.names, map(TensorMeta._make, zip(
+      lay.names, lay.shapes, lay.dtypes, map(tensor_codec.MODE_NAMES.__getitem__,
+                                             modes.tolist()),
+      lengths, itertools.accumulate(lengths, initial=len(prefix) + len(region)), lay.sizes))))
+  header = UpdateHeader(version, base_version, fmt, tensors, len(data), *made)
   return Update(data, header, packed)
 
 
@@ -505,7 +497,7 @@ def _parse_header(b) -> tuple[UpdateHeader, dict[str, list[str]]]:
     if offset + nbytes > buf.nbytes:
       raise CodecError(f"{what}: truncated: section needs {nbytes} bytes at offset {offset}, "
                        f"message has {buf.nbytes}")
-    tensors[name] = TensorMeta.make(name, shape, dtype, tensor_codec.MODE_NAMES[mode], nbytes,
+    tensors[name] = TensorMeta(name, shape, dtype, tensor_codec.MODE_NAMES[mode], nbytes,
                                     offset)
     offset += nbytes
   if offset != buf.nbytes:

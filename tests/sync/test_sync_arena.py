@@ -149,10 +149,12 @@ def test_spans_and_concatenations_code_the_same_bytes_and_apply_registers_its_pa
   assert all(meta.mode == "unchanged" for meta in again.tensors.values())
 
 
-def test_tensor_meta_make_equals_the_dataclass():
-  made = TensorMeta.make("w", (3, 4), BF16, "joint", 10, 20)
-  assert made == TensorMeta("w", (3, 4), BF16, "joint", 10, 20)
-  assert made.size == 12 and made.offset == 20
+def test_a_tensor_meta_knows_its_size_and_is_immutable():
+  made = TensorMeta("w", (3, 4), BF16, "joint", 10, 20)
+  assert made == TensorMeta("w", (3, 4), BF16, "joint", 10, 20, 12)
+  assert made.size == 12 and made.offset == 20 and made.nbytes == 10
+  assert TensorMeta("b", (), BF16, "raw").size == 1
+  assert made._replace(mode="raw").mode == "raw" and made.mode == "joint"
   with pytest.raises(AttributeError):
     made.mode = "raw"
 

@@ -1,6 +1,5 @@
 """On-device application of TensorChanges equals the host apply, bit for bit."""
 
-import dataclasses
 import threading
 
 import jax
@@ -213,8 +212,8 @@ def test_each_padded_changes_decodes_ahead_in_order_and_names_a_bad_tensor(threa
   meta = update.tensors["t3.kernel"]
   sections = {n: bytes(data[m.offset:m.offset + m.nbytes]) for n, m in update.tensors.items()}
   sections["t3.kernel"] = sections["t3.kernel"][:meta.nbytes // 2]
-  broken = wire.assemble(dataclasses.replace(
-      update.header, sections=wire.section_seal([sections[n] for n in update.tensors])),
+  broken = wire.assemble(update.header._replace(
+      sections=wire.section_seal([sections[n] for n in update.tensors])),
       [sections[n] for n in update.tensors])
   seen = []
   with pytest.raises(sync.CodecError, match="t3.kernel"):

@@ -1,6 +1,5 @@
 """Every bad input is a CodecError naming the tensor; fuzzed bytes never crash or lie."""
 
-import dataclasses
 import re
 
 import numpy as np
@@ -39,7 +38,7 @@ def rebuild(update, sections, header=None):
   data = update.to_bytes()
   sections = [sections.get(name, data[meta.offset:meta.offset + meta.nbytes])
               for name, meta in update.tensors.items()]
-  header = dataclasses.replace(header or update.header, sections=wire.section_seal(sections))
+  header = (header or update.header)._replace(sections=wire.section_seal(sections))
   return wire.assemble(header, sections).to_bytes()
 
 

@@ -2,7 +2,6 @@
 checksums as the general path, every layout it does not make left to that path, and no
 section it cannot read taken."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -224,7 +223,7 @@ def test_a_corrupted_pack_is_named_by_codec_apply(density):
   data = update.to_bytes()
   sections = [bytearray(data[m.offset:m.offset + m.nbytes]) for m in update.tensors.values()]
   sections[0][len(sections[0]) // 2] ^= 0x10
-  header = dataclasses.replace(update.header, sections=wire.section_seal(sections))
+  header = update.header._replace(sections=wire.section_seal(sections))
   forged = sync.Update.from_bytes(wire.assemble(header, sections).to_bytes())
   with pytest.raises(sync.CodecError) as err:
     sync.apply(held, forged)

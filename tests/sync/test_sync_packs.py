@@ -1,6 +1,5 @@
 """Packs: a delta's small tensors of one dtype share one section."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -111,7 +110,7 @@ def test_int8_codes_and_scales_form_one_pack_each():
 def test_headers_whose_modes_break_the_pack_rules_are_rejected(model, name, mode):
   _, _, update = model
   metas = dict(update.header.tensors)
-  metas[name] = dataclasses.replace(metas[name], mode=mode)
+  metas[name] = metas[name]._replace(mode=mode)
   with pytest.raises(sync.CodecError, match=repr(name)[1:-1]):
     packs.read_packs(metas)
 

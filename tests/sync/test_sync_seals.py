@@ -1,6 +1,5 @@
 """Whole-update seals: 64-bit detection, errors that still name the tensor, small headers."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -38,7 +37,7 @@ def sections_of(update):
 
 
 def reassembled(update, **header_changes):
-  header = dataclasses.replace(update.header, **header_changes)
+  header = update.header._replace(**header_changes)
   return sync.Update.from_bytes(wire.assemble(header, sections_of(update)).to_bytes())
 
 
@@ -76,8 +75,8 @@ def test_a_corrupted_result_in_one_tensor_names_it(model):
   sections = sections_of(keyframe)
   index = list(keyframe.tensors).index(name)
   sections[index] = bytes([sections[index][0] ^ 1]) + sections[index][1:]
-  forged = wire.assemble(dataclasses.replace(keyframe.header,
-                                             sections=wire.section_seal(sections)), sections)
+  forged = wire.assemble(keyframe.header._replace(sections=wire.section_seal(sections)),
+                         sections)
   msg = error_of(lambda: sync.apply(None, sync.Update.from_bytes(forged.to_bytes())))
   assert msg.startswith(f"tensor {name!r}: corrupted")
 
