@@ -209,6 +209,7 @@ class _Layout(typing.NamedTuple):
   ends_of: dict  # pack head -> where each member ends in it
   alone: tuple  # the tensors of no pack
   order: callable  # header order of a delta's columns, listed packs' members then alone
+  listed: tuple  # the names in that listing
 
 
 @functools.lru_cache(maxsize=16)
@@ -224,7 +225,9 @@ def _layout(key: tuple) -> _Layout:
                  tuple(sizes), sizes, dtypes, groups,
                  tuple((m, e, int(e[-1])) for m, e in zip(groups.values(), ends)),
                  {m[0]: e for m, e in zip(groups.values(), ends)},
-                 tuple(n for n in sizes if n not in packed), _order_of(sizes, groups, packed))
+                 tuple(n for n in sizes if n not in packed), _order_of(sizes, groups, packed),
+                 tuple(n for members in groups.values() for n in members)
+                 + tuple(n for n in sizes if n not in packed))
 
 
 def _order_of(sizes: dict, groups: dict, packed: set):
@@ -301,19 +304,19 @@ def apply(base, update: Update, *, base_version: int | None = None,
     slots = _result_slots(update, out_slots)[0]
     tasks = [(meta.size, functools.partial(_apply_one, update, name, None, slots[name]))
              for name, meta in update.tensors.items()]
-    done = {}
-    for result in parallel.run(tasks, threads):
-      done.update(result)
-    update.check_results([done[name][1] for name in names])
-    return {name: done[name][0] if out is None else out[name] for name in names}
+    done = parallel.run(tasks, threads)
+    update.check_results([sums[0] for _, sums in done])
+    return {name: arrays[0] if out is None else out[name]
+            for name, (arrays, _) in zip(names, done)}
   if base is None:
     raise CodecError(f"update is a delta from version {update.base_version}; a base is required")
   if base_version is not None and base_version != update.base_version:
     raise CodecError(f"wrong base version: update applies to {update.base_version}, "
                      f"base is {base_version}")
   check_names("base", base, update.tensors)
-  held = {name: np.asarray(base[name]) for name in names}
-  if tuple((n, a.shape, a.dtype) for n, a in held.items()) != update.layout:
+  numpy = type(base) is dict and set(map(type, base.values())) == _NUMPY
+  held = base if numpy else {name: np.asarray(base[name]) for name in names}
+  if tuple([(n, held[n].shape, held[n].dtype) for n in names]) != update.layout:
     held = {name: update.check_base(name, held[name]) for name in names}  # names the misfit
   base_digests = None
   if inplace:
@@ -326,30 +329,38 @@ def apply(base, update: Update, *, base_version: int | None = None,
         [(held[n].size, functools.partial(checksum, held[n])) for n in names], threads)
     update.check_bases(base_digests)
   slots, spans = (None, {}) if inplace else _result_slots(update, out_slots)
-  result, digests, tasks = {}, {}, []
-  for i, (name, meta) in enumerate(update.tensors.items()):
-    if inplace and meta.mode == "unchanged":
-      result[name], digests[name] = base[name], base_digests[i]
-      continue
+  lay = _layout(update.layout)
+  metas = update.tensors
+  # every task's (new arrays, their xxh3) in the order of lay.order's listing (each pack's
+  # members, as one task where the update made the pack, else one a member; then the rest)
+  tasks, kept = [], {} if base_digests is None else dict(zip(names, base_digests))
+  for name in lay.listed:
     members = update.pack(name)
     if members is None:
-      tasks.append((meta.size, functools.partial(
-          _apply_one, update, name, held[name], None if inplace else slots[name])))
+      if inplace and metas[name].mode == "unchanged":
+        tasks.append((0, functools.partial(_held_as_it_is, base[name], kept[name])))
+      else:
+        tasks.append((metas[name].size, functools.partial(
+            _apply_one, update, name, held[name], None if inplace else slots[name])))
     elif members[0] == name:
-      tasks.append((sum(update.tensors[n].size for n in members), functools.partial(
+      tasks.append((sum(metas[n].size for n in members), functools.partial(
           _apply_pack, update, members, held, slots, spans.get(name))))
-  for done in parallel.run(tasks, threads):
-    for name, (bits, digest) in done.items():
-      result[name] = base[name] if inplace else bits if out is None else out[name]
-      digests[name] = digest
-  digests = [digests[name] for name in names]
+  done = parallel.run(tasks, threads)
+  digests = lay.order([d for _, sums in done for d in sums])
   if not update.header.results.matches(digests):
     if base_digests is None:  # tell a wrong base from a corrupted update
       base_digests = [d if meta.mode == "unchanged" else checksum(held[name])
-                      for d, (name, meta) in zip(digests, update.tensors.items())]
+                      for d, (name, meta) in zip(digests, metas.items())]
       update.check_bases(base_digests)
     update.check_results(digests)
-  return {name: result[name] for name in names}
+  if inplace or out is not None:
+    return {name: (base if inplace else out)[name] for name in names}
+  return dict(zip(names, lay.order([a for arrays, _ in done for a in arrays])))
+
+
+def _held_as_it_is(array: np.ndarray, digest: int) -> tuple[list, list]:
+  """The columns of a tensor an in-place apply leaves as it was."""
+  return [array], [digest]
 
 
 def _result_slots(update: Update, out_slots: dict | None):
@@ -382,19 +393,19 @@ def _out_slots(out: dict, update: Update, base) -> dict[str, np.ndarray]:
 
 
 def _apply_one(update: Update, name: str, old: np.ndarray | None,
-               slot: np.ndarray | None) -> dict[str, tuple[np.ndarray, int]]:
-  """{name: (new array, its xxh3)} of a tensor coded alone: from `old` (None for a
-  keyframe) into `slot` (None: in place, into old)."""
+               slot: np.ndarray | None) -> tuple[list, list]:
+  """([new array], [its xxh3]) of a tensor coded alone: from `old` (None for a keyframe)
+  into `slot` (None: in place, into old)."""
   meta = update.tensors[name]
   inplace = slot is None
   bits, got = update.decoded(name).apply(None if old is None else bit_view(old),
                                          UINT_OF[meta.dtype], inplace=inplace, out=slot)
-  return {name: (bits.view(meta.dtype).reshape(meta.shape), got)}
+  return [bits.view(meta.dtype).reshape(meta.shape)], [got]
 
 
 def _apply_pack(update: Update, members: list[str], held: dict, slots: dict | None,
-                span: np.ndarray | None = None) -> dict[str, tuple[np.ndarray, int]]:
-  """name -> (new array, its xxh3) of a pack's members: in place into the held bases (no
+                span: np.ndarray | None = None) -> tuple[list, list]:
+  """(new arrays, their xxh3) of a pack's members: in place into the held bases (no
   slots), else into their slots, the bases copied in first; where the slots lie back to
   back in `span`, the bases are copied into it (from their own span if they have one, else
   concatenated) and the pack decoded over it at once."""
@@ -414,20 +425,19 @@ def _apply_pack(update: Update, members: list[str], held: dict, slots: dict | No
     decoded.add_to(span)
     new = arena.members_of(span, [metas[n].shape for n in members], metas[members[0]].dtype)
     arena.register(new, span)
-    sums = tensor_codec.hash_parts(span, _layout(update.layout).ends_of[members[0]])
-    return dict(zip(members, zip(new, sums)))
+    return new, tensor_codec.hash_parts(span, _layout(update.layout).ends_of[members[0]])
   olds = [bit_view(held[n]).reshape(-1) for n in members]
   parts = olds if slots is None else [slots[n] for n in members]
   if slots is not None:
     for part, old in zip(parts, olds):
       np.copyto(part, old)
   decoded.apply_parts(parts, packs.starts([a.size for a in olds]))
-  return {n: (part.view(metas[n].dtype).reshape(metas[n].shape), checksum(part))
-          for n, part in zip(members, parts)}
+  return ([part.view(metas[n].dtype).reshape(metas[n].shape) for n, part in
+           zip(members, parts)], list(map(checksum, parts)))
 
 
 def _apply_coded_pack(update: Update, members: list[str], held: dict,
-                      span: np.ndarray | None) -> dict[str, tuple[np.ndarray, int]] | None:
+                      span: np.ndarray | None) -> tuple[list, list] | None:
   """_apply_pack of a joint or sparse pack in one compiled call (pack_coder.apply): into
   `span`, the new arena's span of the pack, or, where None (in place), into the held
   bases' own span; None where there is none (bases not back to back) or the call does not
@@ -451,7 +461,7 @@ def _apply_coded_pack(update: Update, members: list[str], held: dict,
   else:
     new = arena.members_of(span, [metas[n].shape for n in members], head.dtype)
     arena.register(new, span)
-  return dict(zip(members, zip(new, digests.tolist())))
+  return new, digests.tolist()
 
 
 def dequantize(held: dict) -> dict[str, np.ndarray]:

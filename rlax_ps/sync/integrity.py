@@ -55,7 +55,7 @@ XXH3 = _xxh3_address()
 
 def combine(digests) -> int:
   """xxh3-64 of the per-item digests as little-endian u64s, in order."""
-  return xxhash.xxh3_64_intdigest(np.asarray(digests, dtype="<u8").tobytes())
+  return xxhash.xxh3_64_intdigest(np.array(digests, dtype="<u8"))
 
 
 def _index_bits(n: int) -> int:
@@ -99,7 +99,7 @@ class Seal(typing.NamedTuple):
         xxhash.xxh3_64_intdigest(d[g]) & mask for g in _group_indices(d.size)), bits)
 
   def matches(self, digests) -> bool:
-    return combine([int(d) for d in digests]) == self.digest
+    return combine(digests) == self.digest
 
   def suspects(self, digests) -> list[int]:
     """Indices of the items that may differ, given that the 64-bit digest mismatches."""
