@@ -5,15 +5,22 @@ allocation: a few page faults and huge pages where a buffer per tensor faults on
 4 KB page, and a pack's members form one flat span (`span_of`) that the codec reads and
 writes as one array, with no concatenation.
 
-Spares: once no array of an arena is referenced, its memory is kept (the SPARES most
-recently freed) for the next arena of the same size, as a caching allocator does. A worker
-that applies update after update, dropping each older state, then writes into memory whose
+Spares: once no array of an arena is referenced, its memory is kept (at most SPARES of
+them) for the next arena of the same size, as a caching allocator does. A worker that
+applies update after update, dropping each older state, then writes into memory whose
 pages are mapped already: a fresh model-sized buffer costs a page fault per page (and the
-kernel's zeroing), about a copy of the model. It keeps at most SPARES model-sized buffers
-that the process no longer uses; release_spares() hands them back to the system.
+kernel's zeroing), about a copy of the model. The KEEP most recently made arenas are
+tracked, and one is free when its owner (the base of every array cut from it) has no
+reference but the tracker's: a reference count, read when an arena is wanted, where a
+finalizer a buffer would cost more than a small model's whole apply takes elsewhere.
+release_spares() hands the free buffers back to the system.
 """
 
+import functools
+import itertools
 import math
+import operator
+import sys
 import threading
 import weakref
 
@@ -23,9 +30,12 @@ from rlax_ps.sync import packs
 from rlax_ps.sync.bits import UINT_OF
 
 ALIGN = 64
-SPARES = 2  # freed arenas' buffers kept for reuse (most recent first)
-_SPARES: list[tuple[np.ndarray, int]] = []  # (buffer, its address)
-_SPARES_LOCK = threading.RLock()  # re-entrant: a finalizer may run inside a locked block
+SPARES = 2  # free arenas' buffers kept for reuse
+KEEP = SPARES + 2  # arenas tracked (most recent last), in use or free
+# (buffer, owner, the array through it: every view's base, address) of each tracked arena,
+# most recent last
+_ARENAS: list[tuple] = []
+_ARENAS_LOCK = threading.Lock()
 # id(a pack's first array) -> (its span, weak references to its arrays): see register.
 _PACKS: dict[int, tuple] = {}
 
@@ -36,10 +46,7 @@ class Arena:
 
   def __init__(self, pieces):
     """pieces: the (elements, dtype) of every take() to come."""
-    raw, address = _spare(sum(_aligned(n, d) for n, d in pieces) + ALIGN)
-    owner = _Owner(raw.size, address)
-    weakref.finalize(owner, _keep_spare, raw, address).atexit = False
-    self._buf = np.asarray(owner)  # views of it have owner as their base
+    _, _, self._buf, address = _arena(sum(_aligned(n, d) for n, d in pieces) + ALIGN)
     self._pos = -address % ALIGN
 
   def take(self, size: int, dtype: np.dtype) -> np.ndarray:
@@ -54,42 +61,55 @@ def _aligned(size: int, dtype: np.dtype) -> int:
 
 
 class _Owner:
-  """The base object of an arena's arrays (numpy keeps a view's first non-array base, so
-  every array cut from the arena references it): it lives exactly as long as some array
-  of the arena does, and its finalizer makes the memory a spare."""
+  """What the arena's own array reads the buffer through (__array_interface__): numpy
+  collapses a view's base to that array, the first that owns no data, so every array cut
+  from the arena references it, and it is referenced by the tracker alone when none of
+  them lives."""
 
-  __slots__ = ("__array_interface__", "__weakref__")
+  __slots__ = ("__array_interface__", "raw")
 
-  def __init__(self, nbytes: int, address: int):
-    self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
+  def __init__(self, raw: np.ndarray, address: int):
+    self.raw = raw  # the memory: alive while any array of the arena is, tracked or not
+    self.__array_interface__ = {"shape": (raw.size,), "typestr": "|u1", "version": 3,
                                 "data": (address, False)}
 
 
-def _spare(nbytes: int) -> tuple[np.ndarray, int]:
-  """(a buffer of nbytes, its address): a spare of that size if one is kept, else a new
-  one (numpy's .ctypes costs microseconds: the address is read once per buffer)."""
-  with _SPARES_LOCK:
-    for i in range(len(_SPARES) - 1, -1, -1):
-      if _SPARES[i][0].size == nbytes:
-        return _SPARES.pop(i)
+def _free(entry: tuple) -> bool:
+  """Whether no array of a tracked arena lives: its own array (every view's base) is
+  referenced by the entry alone (and by the call's argument)."""
+  return sys.getrefcount(entry[2]) == 2
+
+
+def _arena(nbytes: int) -> tuple:
+  """A tracked arena of nbytes: a free one of that size (the most recent), else a new one
+  (numpy's .ctypes costs microseconds: the address is read once per buffer); the oldest
+  are no longer tracked past KEEP, the oldest free ones dropped past SPARES."""
+  with _ARENAS_LOCK:
+    for i in range(len(_ARENAS) - 1, -1, -1):
+      entry = _ARENAS[i]
+      if entry[0].size == nbytes and _free(entry):
+        _ARENAS.append(_ARENAS.pop(i))
+        return entry
   raw = np.empty(nbytes, np.uint8)
-  return raw, raw.__array_interface__["data"][0]
-
-
-def _keep_spare(raw: np.ndarray, address: int) -> None:
-  """Keeps a freed arena's buffer, dropping the oldest spare past SPARES."""
-  with _SPARES_LOCK:
-    _SPARES.append((raw, address))
-    del _SPARES[:-SPARES or len(_SPARES)]
+  address = raw.__array_interface__["data"][0]
+  owner = _Owner(raw, address)
+  entry = (raw, owner, np.asarray(owner), address)  # views of the array have it as base
+  with _ARENAS_LOCK:
+    _ARENAS.append(entry)
+    del _ARENAS[:-KEEP]
+    free = [i for i, e in enumerate(_ARENAS) if _free(e)]
+    for i in reversed(free[:-SPARES or len(free)]):  # by position: entries hold arrays
+      del _ARENAS[i]
+  return entry
 
 
 def release_spares() -> int:
-  """Hands the spare buffers back to the system; returns the bytes released. Arrays in
-  use are not affected."""
-  with _SPARES_LOCK:
-    released = sum(raw.size for raw, _ in _SPARES)
-    _SPARES.clear()
-  return released
+  """Hands the free arenas' buffers back to the system; returns the bytes released.
+  Arrays in use are not affected."""
+  with _ARENAS_LOCK:
+    free = [e for e in _ARENAS if _free(e)]
+    _ARENAS[:] = [e for e in _ARENAS if not any(e is f for f in free)]
+  return sum(e[0].size for e in free)
 
 
 def lay_out(sizes: dict, dtypes: dict, groups: dict) -> tuple[dict, dict]:
@@ -109,12 +129,15 @@ def lay_out(sizes: dict, dtypes: dict, groups: dict) -> tuple[dict, dict]:
 
 def members_of(span: np.ndarray, shapes: list, dtype: np.dtype) -> list[np.ndarray]:
   """The arrays (of `shapes`, in order, of `dtype`) that lie back to back in `span`."""
-  typed, at, out = span.view(dtype), 0, []
-  for shape in shapes:
-    size = math.prod(shape)
-    out.append(typed[at:at + size].reshape(shape))
-    at += size
-  return out
+  return list(map(np.ndarray.reshape, map(span.view(dtype).__getitem__, _cuts(tuple(shapes))),
+                  shapes))
+
+
+@functools.lru_cache(maxsize=64)
+def _cuts(shapes: tuple) -> tuple[slice, ...]:
+  """The slices of arrays of `shapes` laid back to back."""
+  ends = list(itertools.accumulate(map(math.prod, shapes), initial=0))
+  return tuple(map(slice, ends[:-1], ends[1:]))
 
 
 def held_arena(shapes: dict, dtypes: dict) -> dict:
@@ -135,7 +158,7 @@ def register(members: list[np.ndarray], span: np.ndarray) -> None:
   """Records that the arrays `members` (a pack's, in order) lie back to back in `span`
   (their flat unsigned bits), until the first of them is freed."""
   key = id(members[0])
-  _PACKS[key] = (span, tuple(weakref.ref(a) for a in members))
+  _PACKS[key] = (span, tuple(map(weakref.ref, members)))
   weakref.finalize(members[0], _PACKS.pop, key, None)
 
 
@@ -146,7 +169,7 @@ def span_of(members: list[np.ndarray]) -> np.ndarray | None:
   entry = _PACKS.get(id(members[0]))
   if entry is None or len(entry[1]) != len(members):
     return None
-  for ref, a in zip(entry[1], members):
-    if ref() is not a:
-      return None
-  return entry[0]
+  return entry[0] if all(map(operator.is_, map(_DEREF, entry[1]), members)) else None
+
+
+_DEREF = weakref.ref.__call__

@@ -1,6 +1,7 @@
 """encode / apply over flat dicts of name -> array, in the bf16 or int8 format."""
 
 import functools
+import itertools
 import math
 import operator
 import typing
@@ -35,7 +36,7 @@ def _held(params: dict, fmt: str, contiguous: bool = True,
     arrays = params  # already numpy: no new dict
   else:
     arrays = {name: np.asarray(x) for name, x in params.items()}
-  key = tuple([(n, a.shape, a.dtype) for n, a in arrays.items()])
+  key = tuple(zip(arrays, map(_SHAPE, arrays.values()), map(_DTYPE, arrays.values())))
   if key == like:
     key = like
   kind = _held_kind(key, fmt)
@@ -56,24 +57,32 @@ def _held(params: dict, fmt: str, contiguous: bool = True,
 
 
 _NUMPY = {np.ndarray}
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")  # of an array
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_META_SHAPE_DTYPE = operator.itemgetter(1, 2)  # of a TensorMeta
+_ARRAYS, _SUMS = operator.itemgetter(0), operator.itemgetter(1)  # of a task's columns
 
 
+def _last_cached(fn):
+  """fn (lru-cached) that first compares its arguments with the last call's: a model's
+  layout key repeats from update to update, and equal tuples of the same names, shape ints
+  and dtype objects compare faster than a tuple of tens of tensors hashes."""
+  cached = functools.lru_cache(maxsize=64)(fn)
+  last = [((), None)]  # (args, result) of the last call, replaced whole (threads)
+
+  def call(*args):
+    seen, result = last[0]
+    if seen == args:
+      return result
+    result = cached(*args)
+    last[0] = args, result
+    return result
+  call.cache_clear = cached.cache_clear
+  return functools.wraps(fn)(call)
+
+
+@_last_cached
 def _held_kind(key: tuple, fmt: str) -> str:
-  """_check_held of (key, fmt), from the last lookup's result where key is that lookup's
-  (a base's key is its target's: no hash of the key again)."""
-  last = _LAST_KIND[0]
-  if last[0] is key and last[1] == fmt:
-    return last[2]
-  kind = _check_held(key, fmt)
-  _LAST_KIND[0] = (key, fmt, kind)
-  return kind
-
-
-_LAST_KIND = [((), "", "")]  # (key, fmt, kind) of _held_kind's last lookup
-
-
-@functools.lru_cache(maxsize=64)
-def _check_held(key: tuple, fmt: str) -> str:
   """Whether a state of layout key `key` is "float" (weights to round or quantize), "bf16"
   (bf16 weights only: held as they are) or "held" (int8, or partly bf16: the rest is
   rounded), after checking what that key decides (dtypes, int8 scales' names and shapes)."""
@@ -168,7 +177,7 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
 
 def _joined(columns: list) -> tuple:
   """Column sets (modes, sections, checksums, base checksums) joined end to end."""
-  return tuple([v for c in columns for v in c[j]] for j in range(4))
+  return tuple(map(list, map(itertools.chain.from_iterable, zip(*columns))))
 
 
 def _encode_alone(old: np.ndarray | None, new: np.ndarray, hash_old: bool) -> tuple:
@@ -209,10 +218,9 @@ class _Layout(typing.NamedTuple):
   ends_of: dict  # pack head -> where each member ends in it
   alone: tuple  # the tensors of no pack
   order: callable  # header order of a delta's columns, listed packs' members then alone
-  listed: tuple  # the names in that listing
 
 
-@functools.lru_cache(maxsize=16)
+@_last_cached
 def _layout(key: tuple) -> _Layout:
   sizes = {n: math.prod(shape) for n, shape, _ in key}
   dtypes = {n: d for n, _, d in key}
@@ -225,21 +233,18 @@ def _layout(key: tuple) -> _Layout:
                  tuple(sizes), sizes, dtypes, groups,
                  tuple((m, e, int(e[-1])) for m, e in zip(groups.values(), ends)),
                  {m[0]: e for m, e in zip(groups.values(), ends)},
-                 tuple(n for n in sizes if n not in packed), _order_of(sizes, groups, packed),
-                 tuple(n for members in groups.values() for n in members)
-                 + tuple(n for n in sizes if n not in packed))
+                 tuple(n for n in sizes if n not in packed), _order_of(sizes, groups, packed))
 
 
 def _order_of(sizes: dict, groups: dict, packed: set):
-  """The gather (an itemgetter, to a list) that puts a delta's columns, listed as encode
+  """The gather (an itemgetter, to a tuple) that puts a delta's columns, listed as encode
   lists them (each pack's members, then the tensors of no pack), in header order."""
   listed = [n for members in groups.values() for n in members]
   listed += [n for n in sizes if n not in packed]
   at = {n: i for i, n in enumerate(listed)}
-  gather = operator.itemgetter(*[at[n] for n in sizes])
   if len(sizes) == 1:
-    return lambda column: [gather(column)]
-  return lambda column: list(gather(column))
+    return lambda column: (column[0],)
+  return operator.itemgetter(*[at[n] for n in sizes])  # to a tuple
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -316,7 +321,8 @@ def apply(base, update: Update, *, base_version: int | None = None,
   check_names("base", base, update.tensors)
   numpy = type(base) is dict and set(map(type, base.values())) == _NUMPY
   held = base if numpy else {name: np.asarray(base[name]) for name in names}
-  if tuple([(n, held[n].shape, held[n].dtype) for n in names]) != update.layout:
+  if list(map(_SHAPE_DTYPE, map(held.__getitem__, names))) != list(map(
+      _META_SHAPE_DTYPE, update.tensors.values())):
     held = {name: update.check_base(name, held[name]) for name in names}  # names the misfit
   base_digests = None
   if inplace:
@@ -334,19 +340,22 @@ def apply(base, update: Update, *, base_version: int | None = None,
   # every task's (new arrays, their xxh3) in the order of lay.order's listing (each pack's
   # members, as one task where the update made the pack, else one a member; then the rest)
   tasks, kept = [], {} if base_digests is None else dict(zip(names, base_digests))
-  for name in lay.listed:
-    members = update.pack(name)
-    if members is None:
-      if inplace and metas[name].mode == "unchanged":
-        tasks.append((0, functools.partial(_held_as_it_is, base[name], kept[name])))
-      else:
-        tasks.append((metas[name].size, functools.partial(
-            _apply_one, update, name, held[name], None if inplace else slots[name])))
-    elif members[0] == name:
-      tasks.append((sum(metas[n].size for n in members), functools.partial(
-          _apply_pack, update, members, held, slots, spans.get(name))))
+
+  def alone(name):
+    if inplace and metas[name].mode == "unchanged":
+      return 0, functools.partial(_held_as_it_is, base[name], kept[name])
+    return metas[name].size, functools.partial(_apply_one, update, name, held[name],
+                                               None if inplace else slots[name])
+
+  for members, _, size in lay.pack_list:
+    if update.pack(members[0]) is not None:
+      tasks.append((size, functools.partial(_apply_pack, update, members, held, slots,
+                                            spans.get(members[0]))))
+    else:  # not made (nothing to share, or unchanged): its members were coded alone
+      tasks.extend(map(alone, members))
+  tasks.extend(map(alone, lay.alone))
   done = parallel.run(tasks, threads)
-  digests = lay.order([d for _, sums in done for d in sums])
+  digests = lay.order(list(itertools.chain.from_iterable(map(_SUMS, done))))
   if not update.header.results.matches(digests):
     if base_digests is None:  # tell a wrong base from a corrupted update
       base_digests = [d if meta.mode == "unchanged" else checksum(held[name])
@@ -355,7 +364,7 @@ def apply(base, update: Update, *, base_version: int | None = None,
     update.check_results(digests)
   if inplace or out is not None:
     return {name: (base if inplace else out)[name] for name in names}
-  return dict(zip(names, lay.order([a for arrays, _ in done for a in arrays])))
+  return dict(zip(names, lay.order(list(itertools.chain.from_iterable(map(_ARRAYS, done))))))
 
 
 def _held_as_it_is(array: np.ndarray, digest: int) -> tuple[list, list]:

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import operator
 import struct
 import threading
 import typing
@@ -77,6 +78,9 @@ class _MetaFields(typing.NamedTuple):
   nbytes: int
   offset: int
   size: int
+
+
+_LAYOUT_FIELDS = operator.itemgetter(0, 1, 2)  # a TensorMeta's (name, shape, dtype)
 
 
 class TensorMeta(_MetaFields):
@@ -626,7 +630,7 @@ class Update:
   @functools.cached_property
   def layout(self) -> tuple:
     """(name, shape, dtype) of each tensor, in header order (as encode keys a held state)."""
-    return tuple((meta.name, meta.shape, meta.dtype) for meta in self.tensors.values())
+    return tuple(map(_LAYOUT_FIELDS, self.tensors.values()))
 
   def packs(self) -> dict[str, list[str]]:
     """Pack head -> its members (head first), for every pack of the update."""

@@ -233,3 +233,33 @@ def test_bf16_held_states_pass_through_and_others_are_made_c_ordered_bf16():
     out = sync.held_state(state, "bf16")
     assert out[name].dtype == BF16 and out[name].flags.c_contiguous, name
     np.testing.assert_array_equal(out[name].view(np.uint16), held[name].view(np.uint16))
+
+
+def test_an_arena_no_longer_tracked_keeps_its_memory_while_its_arrays_live():
+  """Past KEEP newer arenas an arena is no longer tracked, and its arrays still own the
+  memory: freed and reused by other allocations, it would change under them."""
+  arena.release_spares()
+  shapes, dtypes = {"w": (16, 1024)}, {"w": BF16}  # 32 KB: below glibc's mmap threshold
+  first = arena.held_arena(shapes, dtypes)
+  first["w"].view(np.uint16)[...] = 0x1234
+  others = [arena.held_arena(shapes, dtypes) for _ in range(arena.KEEP + 2)]
+  assert not any(e[2] is first["w"].base for e in arena._ARENAS)  # no longer tracked
+  del others
+  gc.collect()
+  litter = [np.full(16 * 1024, 0x4321, np.uint16) for _ in range(64)]  # reuse freed memory
+  assert np.all(first["w"].view(np.uint16) == 0x1234)
+  del litter
+
+
+def test_free_arenas_past_spares_are_dropped_the_oldest_first():
+  """Arenas of several sizes freed in turn: at most SPARES free ones stay tracked, the
+  most recent, and a state in use among them is never dropped for being free."""
+  arena.release_spares()
+  held = arena.held_arena({"w": (500,)}, {"w": BF16})
+  for n in range(1000, 1000 + 100 * (arena.KEEP + 3), 100):
+    arena.held_arena({"w": (n,)}, {"w": BF16})  # made and freed at once
+  free = [e for e in arena._ARENAS if arena._free(e)]
+  assert len(free) == arena.SPARES
+  assert [e[0].size for e in free] == sorted(e[0].size for e in free)  # the newest kept
+  assert arena.release_spares() == sum(e[0].size for e in free)
+  assert held["w"].size == 500
