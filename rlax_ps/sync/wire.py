@@ -81,6 +81,7 @@ class _MetaFields(typing.NamedTuple):
 
 
 _LAYOUT_FIELDS = operator.itemgetter(0, 1, 2)  # a TensorMeta's (name, shape, dtype)
+_FIRST = operator.itemgetter(0)
 
 
 class TensorMeta(_MetaFields):
@@ -232,9 +233,9 @@ def build_columns(fmt: str, version: int, base_version: int | None, layout: tupl
             -1 if fingerprints is None else len(checksums))
   update = _assemble(fmt, version, base_version, layout, np.array(modes, np.uint8),
                      (np.array(digests, np.uint64), counts), sections, packed)
-  update.checksums = dict(zip(update.tensors, map(int, checksums)))
+  update.checksums = dict(zip(map(_FIRST, layout), map(int, checksums)))
   if fingerprints is not None:
-    update.fingerprints = dict(zip(update.tensors, map(int, fingerprints)))
+    update.fingerprints = dict(zip(map(_FIRST, layout), map(int, fingerprints)))
   return update
 
 
@@ -395,18 +396,22 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple,
                      packed_meta if codec else meta, out[meta_end:sealed_end]])
   prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(region), zlib.crc32(region))
   data = b"".join([prefix, region] + sections)
-  flat = out[:words_end].view(np.uint64).tolist()
-  made, start = [], 0
-  for end in ends:
-    made.append(None if start == end else Seal(flat[start], tuple(flat[start + 1:end]),
-                                               LOCATOR_BITS))
-    start = end
-  lengths = lengths.tolist()  # the metas, as parsed, by C-level iteration alone
-  tensors = dict(zip(lay.names, map(TensorMeta._make, zip(
-      lay.names, lay.shapes, lay.dtypes, map(tensor_codec.MODE_NAMES.__getitem__,
-                                             modes.tolist()),
-      lengths, itertools.accumulate(lengths, initial=len(prefix) + len(region)), lay.sizes))))
-  header = UpdateHeader(version, base_version, fmt, tensors, len(data), *made)
+  start = len(prefix) + len(region)
+
+  def header() -> UpdateHeader:
+    """The header as read_header parses it (made when first asked for: a publisher sends
+    the bytes and may never look at it)."""
+    flat, made, at = out[:words_end].view(np.uint64).tolist(), [], 0
+    for end in ends:
+      made.append(None if at == end else Seal(flat[at], tuple(flat[at + 1:end]),
+                                              LOCATOR_BITS))
+      at = end
+    sizes = lengths.tolist()  # the metas by C-level iteration alone
+    tensors = dict(zip(lay.names, map(TensorMeta._make, zip(
+        lay.names, lay.shapes, lay.dtypes, map(tensor_codec.MODE_NAMES.__getitem__,
+                                               modes.tolist()),
+        sizes, itertools.accumulate(sizes, initial=start), lay.sizes))))
+    return UpdateHeader(version, base_version, fmt, tensors, len(data), *made)
   return Update(data, header, packed)
 
 
@@ -553,12 +558,15 @@ def check_seal(seal: Seal, digests, names, problem: str, what: str = "checksum")
 class Update:
   """One published version: a keyframe or a delta against `base_version`, as a message."""
 
-  def __init__(self, data, header: UpdateHeader, _packs: dict | None = None):
+  def __init__(self, data, header, _packs: dict | None = None):
+    """header: the UpdateHeader of `data`, or a function making it (encode's: made when
+    first asked for)."""
     self._data = data
-    self.header = header
+    self._header = header
     # head -> members; `_packs`: what parsing `header` found already
-    self._packs = packs.read_packs(header.tensors) if _packs is None else _packs
-    self._pack_of = {n: head for head, names in self._packs.items() for n in names}
+    self._packs = _packs
+    if type(header) is UpdateHeader:  # else when first asked for
+      self._pack_of = self._members_to_heads()
     self._decoded_packs = {}
     self._pack_changes = {}  # head -> its pack's (indices, offsets), for changes()
     # name -> checksum of the tensor the update makes, where known: set by the encoder
@@ -567,6 +575,21 @@ class Update:
     self.checksums: dict[str, int] | None = None
     # name -> device fingerprint of each result, where the encoder was given them
     self.fingerprints: dict[str, int] | None = None
+
+  @property
+  def header(self) -> UpdateHeader:
+    header = self._header
+    if type(header) is not UpdateHeader:
+      header = self._header = header()
+    return header
+
+  @functools.cached_property
+  def _pack_of(self) -> dict[str, str]:
+    """member -> the head of its pack."""
+    return self._members_to_heads()
+
+  def _members_to_heads(self) -> dict[str, str]:
+    return {n: head for head, names in self.packs().items() for n in names}
 
   def pack(self, name: str) -> list[str] | None:
     """The members (head first) of the pack that codes `name`, or None."""
@@ -634,6 +657,8 @@ class Update:
 
   def packs(self) -> dict[str, list[str]]:
     """Pack head -> its members (head first), for every pack of the update."""
+    if self._packs is None:
+      self._packs = packs.read_packs(self.header.tensors)
     return self._packs
 
   def span(self, name: str) -> tuple[int, int] | None:
