@@ -13,7 +13,8 @@ from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, is_float_dtype, round_int
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.fingerprints import of_state as host_fingerprints
 from rlax_ps.sync.integrity import XXH3, checksum
-from rlax_ps.sync.wire import FORMATS, Update, build_columns, check_names
+from rlax_ps.sync.wire import (FINGERPRINTED, FORMATS, LOCATOR_BITS, SECTION_CODEC_VERSION,
+                               Update, _layout_columns, build_columns, check_names, finish)
 
 
 def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
@@ -149,6 +150,11 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
                            f"is {new.dtype}{list(new.shape)}")
   printed = _fingerprints_of(fingerprints, new_state, threads)
   known = base_checksums is not None
+  if old_state is not None and lay.packed and XXH3:  # a small model: one compiled call
+    update = _encode_packed(old_state, new_state, lay, fmt, version, base_version,
+                            base_checksums, printed)
+    if update is not None:
+      return update
   pack_list = () if old_state is None else lay.pack_list
   tasks = [(size, functools.partial(_encode_pack, old_state, new_state, members, ends,
                                     not known)) for members, ends, size in pack_list]
@@ -173,6 +179,43 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
                        list(map(base_checksums.__getitem__, lay.names)) if known else base_sums,
                        modes, sections, made,
                        None if printed is None else [printed[name] for name in lay.names])
+
+
+def _encode_packed(old_state: dict, new_state: dict, lay: "_Layout", fmt: str, version: int,
+                   base_version: int, base_checksums: dict | None,
+                   printed: dict | None) -> Update | None:
+  """The delta of a state whose every tensor is in one of at most two packs (a small
+  model's) in one compiled call (pack_coder.encode_update: the packs coded as encode codes
+  them, the meta and seals written): the same message as the general path, which takes
+  over (None) where a pack does not code there or has nothing to share."""
+  packs_bits = [(_pack_bits([old_state[n] for n in members], f"pack old {i}"),
+                 _pack_bits([new_state[n] for n in members], f"pack new {i}"), ends)
+                for i, (members, ends, _) in enumerate(lay.pack_list)]
+  names = lay.names
+  done = pack_coder.encode_update(
+      packs_bits, base_checksums is None, XXH3, lay.perm, lay.columns[:3],
+      FORMATS.index(fmt), 0 if printed is None else FINGERPRINTED, version, base_version,
+      _EMPTY if base_checksums is None else np.array(
+          list(map(base_checksums.__getitem__, names)), np.uint64),
+      _EMPTY if printed is None else np.array(list(map(printed.__getitem__, names)),
+                                              np.uint64), LOCATOR_BITS // 8)
+  if done is None:
+    return None
+  _, out, meta_end, sealed_end, ends, cols, first, second, *heads = done
+  n = len(names)
+  made = {members[0]: members for (members, _, _), mode in zip(lay.pack_list, heads)
+          if mode != tensor_codec.UNCHANGED}
+  update = finish(fmt, version, base_version, lay.columns, cols[:n], cols[n:2 * n], out,
+                  meta_end, sealed_end, ends,
+                  [first, second] if lay.heads_in_order else [second, first], made)
+  update.checksums = dict(zip(names, cols[2 * n:].tolist()))
+  if printed is not None:
+    update.fingerprints = {name: printed[name] for name in names}
+  return update
+
+
+_EMPTY = np.zeros(0, np.uint64)
+_EMPTY.flags.writeable = False
 
 
 def _joined(columns: list) -> tuple:
@@ -218,6 +261,10 @@ class _Layout(typing.NamedTuple):
   ends_of: dict  # pack head -> where each member ends in it
   alone: tuple  # the tensors of no pack
   order: callable  # header order of a delta's columns, listed packs' members then alone
+  packed: bool  # every tensor in one of at most two packs (encode's one compiled call)
+  perm: np.ndarray  # each tensor's listing position (packs' members then alone), read-only
+  heads_in_order: bool  # the first pack's head precedes the second's in header order
+  columns: tuple  # wire's header columns of the layout
 
 
 @_last_cached
@@ -228,23 +275,28 @@ def _layout(key: tuple) -> _Layout:
   packed = {n for members in groups.values() for n in members}
   ends = tuple(_read_only(np.cumsum([sizes[n] for n in m], dtype=np.int64))
                for m in groups.values())
-  return _Layout(key, tuple((n, tuple(int(d) for d in shape), np.dtype(dtype))
-                            for n, shape, dtype in key),
+  listed = [n for m in groups.values() for n in m] + [n for n in sizes if n not in packed]
+  at = {n: i for i, n in enumerate(listed)}
+  perm = np.array([at[n] for n in sizes], np.int64)  # listing position in header order
+  position = {n: i for i, n in enumerate(sizes)}
+  heads = [position[m[0]] for m in groups.values()] or [0]
+  header = tuple((n, tuple(int(d) for d in shape), np.dtype(dtype)) for n, shape, dtype in key)
+  return _Layout(key, header,
                  tuple(sizes), sizes, dtypes, groups,
                  tuple((m, e, int(e[-1])) for m, e in zip(groups.values(), ends)),
                  {m[0]: e for m, e in zip(groups.values(), ends)},
-                 tuple(n for n in sizes if n not in packed), _order_of(sizes, groups, packed))
+                 tuple(n for n in sizes if n not in packed), _order_of(perm.tolist()),
+                 len(packed) == len(sizes) and 0 < len(groups) <= 2, _read_only(perm),
+                 heads[0] <= heads[-1], _layout_columns(header, SECTION_CODEC_VERSION))
 
 
-def _order_of(sizes: dict, groups: dict, packed: set):
+def _order_of(perm: list):
   """The gather (an itemgetter, to a tuple) that puts a delta's columns, listed as encode
-  lists them (each pack's members, then the tensors of no pack), in header order."""
-  listed = [n for members in groups.values() for n in members]
-  listed += [n for n in sizes if n not in packed]
-  at = {n: i for i, n in enumerate(listed)}
-  if len(sizes) == 1:
+  lists them (each pack's members, then the tensors of no pack), in header order (perm:
+  each tensor's listing position)."""
+  if len(perm) == 1:
     return lambda column: (column[0],)
-  return operator.itemgetter(*[at[n] for n in sizes])  # to a tuple
+  return operator.itemgetter(*perm)  # to a tuple
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

@@ -34,7 +34,7 @@ import numpy as np
 import xxhash
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-from rlax_ps.sync import entropy, huffman, scratch
+from rlax_ps.sync import chosen, entropy, huffman, scratch
 from rlax_ps.sync.byte_reader import ByteReader, u8, varint, varints
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.intrinsics import (CODE_LANES, COMPRESS, HAS_COMPRESS, HAS_SHUFFLE,
@@ -372,6 +372,7 @@ def _encode_blocks_for(lane_bits: int, listed: int):
 # (lane bits, way of listing: WALK, COMPRESS or SHUFFLE) -> _encode_blocks compiled for them
 _ENCODERS = {(bits, way): _encode_blocks_for(bits, way) for bits in (16, 8)
              for way in WAYS[bits]}
+encode_blocks_chosen = chosen.by_constant(_ENCODERS, "encode_blocks_chosen")
 
 
 # ---- decoder -----------------------------------------------------------------------------
@@ -613,6 +614,7 @@ def _decode_rounds(words, ends, k, tables, wholes, out, first, stop, n, counts, 
 
 
 _ROUND_DECODERS = {quad: _decode_rounds_for(quad) for quad in (False, True)}
+decode_rounds_chosen = chosen.by_constant(_ROUND_DECODERS, "decode_rounds_chosen")
 
 
 @numba.njit(**_JIT)
@@ -790,6 +792,7 @@ def _sample_for(lane_bits: int, listed: int):
 
 _SAMPLERS = {(bits, way): _sample_for(bits, way) for bits in (16, 8)
              for way in WAYS[bits]}
+sample_chosen = chosen.by_constant(_SAMPLERS, "sample_chosen")
 
 
 def plan(old: np.ndarray, new: np.ndarray, listed: int | None = None):
@@ -992,8 +995,9 @@ def _code_pack(old, new, probe, rest, windows, gaps, room, section, ends, hash_o
                lane_bits, listed):
   """plan() then encode() of a pack (its members' unsigned bits back to back in old and
   new; member j ends at element ends[j]; n >= MIN_ELEMENTS), inlined in pack_coder's one
-  compiled call: a call costs tens of microseconds when the caches are cold, several of
-  them most of a small model's encode.
+  compiled call (a call costs tens of microseconds when the caches are cold, several of
+  them most of a small model's encode); the sampler and block coder are linked as
+  compiled (chosen.by_constant), not inlined again.
   Returns (planned and smaller than the raw bytes, the section's bytes, the array holding
   them: `section` where they fit, else a new one, digests): where planned, digests[0] (and
   digests[1] when hash_old) are the members' new (old) xxh3 by the C function at address
@@ -1006,9 +1010,9 @@ def _code_pack(old, new, probe, rest, windows, gaps, room, section, ends, hash_o
   least = MIN_DENSITY if lane_bits == 16 else MIN_DENSITY_INT8
   vhist = np.zeros(ALPHABET, np.int64)
   ghist = np.zeros(ALPHABET, np.int64)
-  nnz, walked, k, rice_bits, gap_bits, present = _sample(
+  nnz, walked, k, rice_bits, gap_bits, present = sample_chosen((lane_bits, listed), (
       aw, bw, old, new, probe, rest, gaps, vhist, ghist, _WIDTHS, least * probe.size *
-      SAMPLE_WINDOW / 2, lane_bits, listed)
+      SAMPLE_WINDOW / 2))
   if not _planned(walked, nnz, windows, least, rice_bits, gap_bits, present):
     return False, 0, section, digests
   head, hbytes, codes, use_closed = _code_sets(vhist, lane_bits, k, rice_bits, CLOSED_GAIN)
@@ -1031,9 +1035,9 @@ def _code_pack(old, new, probe, rest, windows, gaps, room, section, ends, hash_o
       out = grown
     a, b = old[s:s + step], new[s:s + step]
     mm = a.size - a.size % 64
-    top = _encode_blocks(a[:mm].view(np.uint64), b[:mm].view(np.uint64), a, b, s // BLOCK,
-                         k, ctabs, symtabs, escs, 0 if use_closed else 1, out, st, counts,
-                         lane_bits, listed)
+    top = encode_blocks_chosen((lane_bits, listed), (
+        a[:mm].view(np.uint64), b[:mm].view(np.uint64), a, b, s // BLOCK, k, ctabs, symtabs,
+        escs, 0 if use_closed else 1, out, st, counts))
     done = hashed
     while done < ends.size and ends[done] <= s + step:
       done += 1
@@ -1264,7 +1268,8 @@ def _apply_pack(buf, n, base, out, ends, fn, quad):
   """Section(...).apply(base, out, None) of the joint section `buf` over a pack of n
   elements (base, out: its members' unsigned bits back to back, out may be base itself;
   member j ends at element ends[j]), parse and code tables included, inlined in
-  pack_coder's one compiled call (cold caches make each call cost tens of microseconds):
+  pack_coder's one compiled call (cold caches make each call cost tens of microseconds;
+  the round decoder is linked as compiled, chosen.by_constant):
   (error code, the members' xxh3 by the C function at address fn, each made right after
   its elements were decoded, while in cache; 0: none). Not OK: the caller reads the
   section again through Section, which names the problem."""
@@ -1293,8 +1298,8 @@ def _apply_pack(buf, n, base, out, ends, fn, quad):
   for s in range(0, n, step):
     if copy:
       copy_bytes(at + s * size, base.ctypes.data + s * size, (min(n, s + step) - s) * size)
-    err = _decode_rounds(words, bit_ends, k, tables, wholes, out, s // BLOCK,
-                         (s + step) // BLOCK, n, counts, sets, ps, quad, ahead)
+    err = decode_rounds_chosen(quad, (words, bit_ends, k, tables, wholes, out, s // BLOCK,
+                                      (s + step) // BLOCK, n, counts, sets, ps, ahead))
     if err != OK:
       return err, digests
     done = hashed

@@ -15,6 +15,7 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
+from rlax_ps.sync import chosen
 from rlax_ps.sync.intrinsics import call_hash, changed_u8, changed_u16
 
 
@@ -152,6 +153,9 @@ def _scan_block16(aw, bw, a, b, start, st, gaps, syms, raw, hist):
 @numba.njit(**_JIT)
 def _scan_block8(aw, bw, a, b, start, st, gaps, syms, raw, hist):
   return _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, 8)
+
+
+scan_chosen = chosen.by_constant({16: _scan_block16, 8: _scan_block8}, "scan_chosen")
 
 
 def scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist) -> bool:
@@ -352,6 +356,9 @@ def _sparse_costs16(old, new, gaps, hist, step, widths, literal_max):
 @numba.njit(**_JIT)
 def _sparse_costs8(old, new, gaps, hist, step, widths, literal_max):
   return _sparse_costs(old, new, gaps, hist, step, widths, literal_max, 8)
+
+
+costs_chosen = chosen.by_constant({16: _sparse_costs16, 8: _sparse_costs8}, "costs_chosen")
 
 
 def sparse_costs(old, new, gaps, hist, step, widths, literal_max):

@@ -9,6 +9,11 @@ choices, made the same way), and hashes each member while it is in cache; apply 
 decodes and hashes in one call likewise. The layouts these calls do not make (entropy-coded
 gaps of clustered changes, bitmaps, dense offsets) and inputs they reject go to the
 general path, which makes the same bytes and names any problem.
+
+Only the few lines that join the kernels are inlined; the kernels themselves (scans,
+samplers, block coders and decoders) are linked as the general path compiled them
+(chosen.by_constant). Inlining them too made numba spend minutes typing each of these
+functions, on every fresh machine.
 """
 
 import functools
@@ -16,15 +21,15 @@ import functools
 import numba
 import numpy as np
 
-from rlax_ps.sync import joint, loops, rans, scratch
-from rlax_ps.sync.intrinsics import copy_bytes
+from rlax_ps.sync import chosen, fields, joint, loops, rans, scratch
+from rlax_ps.sync.intrinsics import call_hash, copy_bytes
 from rlax_ps.sync.loops import (CALL_BYTES, FIXED_MIN, LITERAL_MAX, OK, RICE, RICE_MULTI,
-                                WIDTHS, _bitlen, _put_varint, _scan_block, _sparse_costs,
+                                WIDTHS, _bitlen, _put_varint, costs_chosen, scan_chosen,
                                 cost_of, entropy_bits, hash_parts, literal_stream, rice_layout,
                                 scatter_add, sparse_literal)
 
 # Section modes (tensor_codec's numbers), and GENERAL: the general path must code it.
-UNCHANGED, RAW, SPARSE, JOINT, GENERAL = 0, 1, 2, 5, -1
+UNCHANGED, RAW, SPARSE, JOINT, PACKED, GENERAL = 0, 1, 2, 5, 6, -1
 GAP_SAMPLE = 1 << 13  # tensor_codec._GAP_SAMPLE: gaps the coder choice is costed on
 RICE_STREAMS, RICE_SPLIT = 4, 1 << 12  # tensor_codec's: four Rice streams from 4096 gaps
 SCAN_MAX = 1 << 22  # larger packs scan in the general path (its outputs sized by estimate)
@@ -49,8 +54,8 @@ def _code_sparse(old, new, ends, hash_old, fn, gaps, syms, raw, section, digests
   for s in range(0, n, block):
     a, b = old[s:s + block], new[s:s + block]
     m = a.size - a.size % 64
-    _scan_block(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s, st, gaps, syms, raw,
-                hist, lane_bits)  # room for every element: never refuses
+    scan_chosen(lane_bits, (a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s, st, gaps,
+                            syms, raw, hist))  # room for every element: never refuses
     done = hashed
     while done < ends.size and ends[done] <= s + block:
       done += 1
@@ -68,8 +73,8 @@ def _code_sparse(old, new, ends, hash_old, fn, gaps, syms, raw, section, digests
     return UNCHANGED, 0, section
   counts = hist.sum(axis=0)
   step = max(1, nnz // GAP_SAMPLE)
-  z, top, vbits, vpresent, k, rice_bits, gbits, gpresent = _sparse_costs(
-      old, new, gaps[:nnz], counts, step, WIDTHS, LITERAL_MAX, lane_bits)
+  z, top, vbits, vpresent, k, rice_bits, gbits, gpresent = costs_chosen(lane_bits, (
+      old, new, gaps[:nnz], counts, step, WIDTHS, LITERAL_MAX))
   cost_sym = cost_of(vbits, vpresent)
   cost_v = cost_sym
   if z.size:  # entropy.literal_cost
@@ -134,6 +139,7 @@ def _coder_for(lane_bits: int, listed: int):
 
 
 _CODERS = {(bits, way): _coder_for(bits, way) for bits in (16, 8) for way in joint.WAYS[bits]}
+coder_chosen = chosen.by_constant(_CODERS, "coder_chosen")
 
 
 def encode(old: np.ndarray, new: np.ndarray, ends: np.ndarray, hash_old: bool, fn: int,
@@ -222,3 +228,112 @@ def apply(mode: int, section, base: np.ndarray, out: np.ndarray, ends: np.ndarra
   err, digests = _APPLIERS[bool(joint.QUAD)](mode, np.frombuffer(section, np.uint8),
                                              out.size, base, out, ends, fn)
   return digests if err == OK else None
+
+
+# ---- a whole update of packs in one call ---------------------------------------------------
+
+@numba.njit(inline="always", **_JIT)
+def _columns(mode, nbytes, digests, k, hash_old, modes, lengths, sums, bases, at):
+  """A coded pack's members' columns (listing order, from position `at`): the head's mode
+  and section length, PACKED and none for the rest (all UNCHANGED where it is), their
+  checksums and, where hash_old, their bases'."""
+  for j in range(k):
+    modes[at + j] = mode if j == 0 or mode == UNCHANGED else PACKED
+    lengths[at + j] = nbytes if j == 0 else 0
+    sums[at + j] = digests[0, j]
+    if hash_old:
+      bases[at + j] = digests[1, j]
+
+
+@numba.njit(inline="always", **_JIT)
+def _code_update(fn, hash_old, p0, p1, two, perm, fixed, codes, dims, fmt, flags, version,
+                 base_version, base_sums, printed, width, bits0, listed0, bits1, listed1):
+  """The packs p0 and (where `two`) p1 coded (_code) and the message's meta and seals
+  written (fields.write), in one call: a small model's whole update. p: (old, new, probe,
+  rest, windows, plan, room, section, ends, gaps, syms, raw) of encode()'s scratch; perm:
+  the listing position (p0's members, then p1's) of each tensor in header order;
+  base_sums: the bases' checksums in header order where not hash_old; printed: the
+  fingerprints in header order (empty: none). Returns (False, ...) where a pack takes the
+  general path or has nothing to share; else (True, fields' out, meta end, seals end,
+  seal ends, columns: modes | section lengths | checksums in header order (uint64), p0's
+  section, p1's section (empty where one), both heads' modes)."""
+  n = perm.size
+  mode0, nb0, sec0, dig0 = coder_chosen((bits0, listed0), (
+      p0[0], p0[1], p0[2], p0[3], p0[4], p0[5], p0[6], p0[7], p0[8], hash_old, fn, p0[9],
+      p0[10], p0[11]))
+  mode1, nb1, sec1, dig1 = mode0, 0, sec0[:0], dig0[:, :0]
+  if two:
+    mode1, nb1, sec1, dig1 = coder_chosen((bits1, listed1), (
+        p1[0], p1[1], p1[2], p1[3], p1[4], p1[5], p1[6], p1[7], p1[8], hash_old, fn, p1[9],
+        p1[10], p1[11]))
+  if mode0 == GENERAL or mode0 == RAW or mode1 == GENERAL or mode1 == RAW:
+    return (False, sec0, 0, 0, (0, 0, 0, 0), dig0[0], sec0, sec1, mode0, mode1)
+  k0 = p0[8].size
+  lm, ll = np.empty(n, np.int64), np.empty(n, np.int64)
+  ls, lb = np.empty(n, np.uint64), np.empty(n, np.uint64)
+  _columns(mode0, nb0, dig0, k0, hash_old, lm, ll, ls, lb, 0)
+  if two:
+    _columns(mode1, nb1, dig1, n - k0, hash_old, lm, ll, ls, lb, k0)
+  modes = np.empty(n, np.uint8)
+  lengths = np.empty(n, np.int64)
+  cols = np.empty(3 * n, np.uint64)
+  digests = np.empty(3 * n + 2 + printed.size, np.uint64)  # results | bases | sections | fp
+  s = 0
+  for i in range(n):
+    j = perm[i]
+    modes[i], lengths[i] = lm[j], ll[j]
+    cols[i], cols[n + i], cols[2 * n + i] = lm[j], ll[j], ls[j]
+    digests[i] = ls[j]
+    digests[n + i] = lb[j] if hash_old else base_sums[i]
+    if ll[j]:  # a head's section, in header order
+      head = sec0 if j == 0 else sec1
+      digests[2 * n + s] = call_hash(fn, head.ctypes.data, ll[j])
+      s += 1
+  digests[2 * n + s:2 * n + s + printed.size] = printed
+  counts = (n, n, s, printed.size if printed.size else -1)
+  out, meta_end, sealed_end, ends = fields.fields(
+      fn, fmt, flags, version, base_version, fixed, codes, modes, dims, lengths,
+      digests[:2 * n + s + printed.size], counts, width)
+  return (True, out, meta_end, sealed_end, ends, cols, sec0[:nb0], sec1[:nb1], mode0, mode1)
+
+
+def _update_coder_for(bits0: int, bits1: int):
+  """_code_update compiled for packs of bits0 and bits1 (0: one pack) lane bits, each
+  listed the host's way (joint.LISTING)."""
+  listed0, listed1 = joint.LISTING[bits0], joint.LISTING[bits1 or 8]
+  two = bool(bits1)
+
+  @numba.njit(**_JIT)
+  def code_update(fn, hash_old, p0, p1, perm, fixed, codes, dims, fmt, flags, version,
+                  base_version, base_sums, printed, width):
+    return _code_update(fn, hash_old, p0, p1, two, perm, fixed, codes, dims, fmt, flags,
+                        version, base_version, base_sums, printed, width, bits0, listed0,
+                        bits1 or 8, listed1)
+  return code_update
+
+
+_UPDATE_CODERS: dict = {}  # (lane bits of the first pack, of the second or 0) -> coder
+
+
+def encode_update(packs_bits: list, hash_old: bool, fn: int, perm: np.ndarray, columns,
+                  fmt: int, flags: int, version: int, base_version: int,
+                  base_sums: np.ndarray, printed: np.ndarray, width: int):
+  """A delta of one or two packs and nothing else (packs_bits: (old, new, ends) of each,
+  their members' unsigned bits back to back) in one compiled call: the packs coded
+  (encode()'s choices and bytes) and the message's meta and seals written (fields.write;
+  columns: the layout's (fixed, codes, dims)); see _code_update for the rest. None where
+  a pack takes the general path or has nothing to share (its members are then coded
+  alone)."""
+  specs = []
+  for old, new, ends in packs_bits:
+    probe, rest, windows, sizes = _plan_of(new.size, new.itemsize)
+    plan, room, section, gaps, syms, raw = scratch.buffers(f"pack {8 * new.itemsize}", sizes)
+    specs.append((old, new, probe, rest, windows, plan, room, section, ends, gaps, syms, raw))
+  bits = (8 * packs_bits[0][1].itemsize, 8 * packs_bits[1][1].itemsize if len(specs) > 1 else 0)
+  code = _UPDATE_CODERS.get(bits)
+  if code is None:
+    code = _UPDATE_CODERS[bits] = _update_coder_for(*bits)
+  p1 = specs[1] if len(specs) > 1 else specs[0]
+  done = code(fn, hash_old, specs[0], p1, perm, *columns, fmt, flags, version, base_version,
+              base_sums, printed, width)
+  return done if done[0] else None

@@ -36,18 +36,15 @@ import threading
 import typing
 import zlib
 
-import numba
 import numpy as np
 import xxhash
 import zstandard
 
-from rlax_ps.sync import packs, tensor_codec
+from rlax_ps.sync import fields, packs, tensor_codec
 from rlax_ps.sync.bits import BF16, INT8, UINT_OF, bit_view
 from rlax_ps.sync.byte_reader import ByteReader, varint
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.integrity import XXH3, Seal, checksum, combine, group_count
-from rlax_ps.sync.intrinsics import copy_bytes
-from rlax_ps.sync.loops import _put_varint, _seal_into
 
 MAGIC = b"RLXW"
 WIRE_VERSION = 3
@@ -290,61 +287,6 @@ def _read_only(a: np.ndarray) -> np.ndarray:
   return a
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def _fields(fn, fmt, flags, version, base_version, fixed, codes, modes, dims, lengths,
-            digests, counts, width):
-  """The seals' words, then the meta bytes and the seals' bytes of a message (see the
-  module docstring) in one uint8 array, and where each of the three and each seal's words
-  end, in one compiled call rather than a few dozen Python steps: meta from the layout's
-  columns (fixed, codes, dims), the mode codes and the section lengths; seal s (results,
-  bases, sections, fingerprints; counts[s] < 0: absent) over the next counts[s] digests
-  (its digest, then its locators, each `width` bytes) by the C function at address fn, or,
-  where fn is 0, the next counts[s] of `digests` as its words, as given."""
-  n = modes.size
-  words = np.empty(4 * (1 + 2 * 64), np.uint64) if fn else digests
-  tmp = np.empty(max(1, digests.size), np.uint64)
-  mask = (np.uint64(1) << np.uint64(8 * width)) - np.uint64(1)
-  ends = np.zeros(len(counts), np.int64)  # of each seal's words
-  w, at = 0, 0
-  for s in range(len(counts)):
-    if counts[s] >= 0:
-      if fn:
-        w0 = w
-        w = _seal_into(fn, digests[at:at + counts[s]], tmp, words, w)
-        for g in range(w0 + 1, w):
-          words[g] &= mask
-      else:
-        w += counts[s]
-      at += counts[s]
-    ends[s] = w
-  out = np.empty(8 * w + 2 + 20 + fixed.size + 4 * n + dims.size + 10 * n + 8 * w, np.uint8)
-  copy_bytes(out.ctypes.data, words.ctypes.data, 8 * w)
-  p = 8 * w
-  out[p], out[p + 1] = fmt, flags
-  p = _put_varint(out, p + 2, version)
-  p = _put_varint(out, p, base_version)
-  copy_bytes(out.ctypes.data + p, fixed.ctypes.data, fixed.size)
-  p += fixed.size
-  for i in range(n):
-    for b in range(4):
-      out[p + 4 * i + b] = codes[i, b]
-    out[p + 4 * i + 2] = modes[i]
-  p += 4 * n
-  copy_bytes(out.ctypes.data + p, dims.ctypes.data, dims.size)
-  p += dims.size
-  for i in range(n):
-    p = _put_varint(out, p, lengths[i])
-  meta_end, g = p, 0
-  for s in range(len(counts)):
-    first = g
-    while g < ends[s]:
-      for b in range(8 if g == first else width):  # the digest, then the locators
-        out[p] = np.uint8((words[g] >> np.uint64(8 * b)) & np.uint64(255))
-        p += 1
-      g += 1
-  return out, meta_end, p, (ends[0], ends[1], ends[2], ends[3])
-
-
 def assemble(header: UpdateHeader, sections) -> "Update":
   """The message of `header` (versions, fmt, its tensors' names, shapes, dtypes and modes,
   its seals, all written as given) over `sections` (bytes-likes in header order); the
@@ -385,9 +327,20 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple,
     counts = tuple(c if c < 0 else 1 + group_count(c) for c in counts)
     digests = np.array(words, np.uint64)
   lengths = np.array([len(sec) for sec in sections], np.int64)
-  out, meta_end, sealed_end, ends = _fields(
+  out, meta_end, sealed_end, ends = fields.fields(
       fn, FORMATS.index(fmt), flags, version, 0 if keyframe else base_version, lay.fixed,
       lay.codes, modes, lay.dims, lengths, digests, counts, LOCATOR_BITS // 8)
+  return finish(fmt, version, base_version, lay, modes, lengths, out, meta_end, sealed_end,
+                ends, sections, packed)
+
+
+def finish(fmt: str, version: int, base_version: int | None, lay: "_Columns",
+           modes: np.ndarray, lengths: np.ndarray, out: np.ndarray, meta_end: int,
+           sealed_end: int, ends: tuple, sections: list, packed: dict | None) -> "Update":
+  """The message from what fields.fields made (out: the seals' words, the meta bytes, the
+  seals' bytes; where each ends) and the sections (bytes-likes, header order): the meta
+  compressed, the prefix and its crc32, the bytes joined; the header made when first asked
+  for."""
   words_end = 8 * ends[3]
   meta = out[words_end:meta_end]
   packed_meta = _compressor(meta.size).compress(meta)

@@ -45,10 +45,11 @@ def test_kill9_and_restart_keeps_every_acknowledged_change(tmp_path, server_proc
   versions = publish_chain(trainer, 3)
   pulled = [bytes(b) for b in worker.pull(None)]
   trainer.enqueue_prompts(prompts(6))
-  lease = worker.lease(4, deadline_s=60)
+  # Deadlines far past the restart: a fresh machine's server compiles its codec first.
+  lease = worker.lease(4, deadline_s=900)
   worker.submit_rollouts(lease.lease_id, group(lease.prompts[0].id))
   worker.submit_rollouts(lease.lease_id, group(lease.prompts[1].id))
-  take = trainer.take_rollouts(max_n=1, ack_deadline_s=60)
+  take = trainer.take_rollouts(max_n=1, ack_deadline_s=900)
   before = trainer.stats()
   kill9(proc)
 

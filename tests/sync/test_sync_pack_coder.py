@@ -282,3 +282,76 @@ def test_compiled_value_streams_decode_to_their_values(seed, n, top):
     lit = entropy.encode_literal(z + 1, 1)
     assert lit[0] == entropy.LITERAL and lit[1] == int(z.max()).bit_length()
     assert np.array_equal(entropy.decode_stream(ByteReader(lit, "s"), n), z)
+
+
+def _small_model(rng, fmt, n=7, step=1e-3, still=()):
+  """(base, target) float weights of a model whose every tensor is small (one pack a held
+  dtype); tensors named in `still` do not move."""
+  base = {f"l{i}.kernel": rng.standard_normal((24 + i, 40)).astype(np.float32) * 0.02
+          for i in range(n)} | {"norm.scale": np.ones(40, np.float32)}
+  target = {k: v if k in still else v + step * rng.standard_normal(v.shape).astype(np.float32)
+            for k, v in base.items()}
+  return sync.held_state(base, fmt), target
+
+
+def _general_encode(monkeypatch, *args, **kwargs):
+  """encode() with the one-call path of packed models turned off."""
+  with monkeypatch.context() as m:
+    m.setattr(codec, "_encode_packed", lambda *a, **k: None)
+    return sync.encode(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("step", [0.0, 2e-4, 1e-3, 3e-2])
+@pytest.mark.parametrize("known", [False, True])
+def test_a_packed_model_is_encoded_in_one_call_as_the_general_path_encodes_it(
+    monkeypatch, fmt, step, known):
+  rng = np.random.default_rng(int(step * 1e4) + 3 * known)
+  base, target = _small_model(rng, fmt, step=step)
+  kf = sync.encode(None, base, fmt, version=0)
+  sums = kf.checksums if known else None
+  calls = []
+  packed = codec._encode_packed
+  monkeypatch.setattr(codec, "_encode_packed",
+                      lambda *a, **k: calls.append(1) or packed(*a, **k))
+  got = sync.encode(base, target, fmt, version=1, base_checksums=sums, fingerprints=True)
+  assert calls  # the layout takes the one-call path
+  want = _general_encode(monkeypatch, base, target, fmt, version=1, base_checksums=sums,
+                         fingerprints=True)
+  assert got.to_bytes() == want.to_bytes() and got.header == want.header
+  assert got.checksums == want.checksums and got.fingerprints == want.fingerprints
+  assert got.packs() == want.packs()
+  out = sync.apply(base, sync.Update.from_bytes(got.to_bytes()))
+  held = sync.held_state(target, fmt)
+  assert all(np.array_equal(out[k].view(np.uint8), held[k].view(np.uint8)) for k in held)
+
+
+def test_a_packed_model_whose_pack_has_nothing_to_share_takes_the_general_path(monkeypatch):
+  """Every element of the bf16 pack changed by an offset of no pattern: raw bytes are the
+  smallest, no pack is made, and the general path codes the members alone."""
+  rng = np.random.default_rng(9)
+  base, _ = _small_model(rng, "bf16", n=3)
+  target = {k: (v.view(np.uint16) + rng.integers(1, 60000, v.shape).astype(np.uint16))
+            .view(v.dtype) for k, v in base.items()}
+  update = sync.encode(base, target, "bf16", version=1)
+  assert update.packs() == {}
+  assert update.to_bytes() == _general_encode(monkeypatch, base, target, "bf16",
+                                              version=1).to_bytes()
+
+
+def test_a_model_with_a_still_pack_codes_it_unchanged_in_one_call(monkeypatch):
+  """int8 codes changed, scales as they were: the scales' pack is unchanged (no section),
+  the codes' coded, in one call as in the general path."""
+  rng = np.random.default_rng(10)
+  base, _ = _small_model(rng, "int8")
+  target = {k: v.copy() for k, v in base.items()}
+  for k, v in target.items():
+    if v.dtype == np.int8:
+      flat = v.reshape(-1)
+      at = rng.choice(flat.size, 20, replace=False)
+      flat[at] = np.clip(flat[at].astype(np.int16) + 1, -127, 127).astype(np.int8)
+  update = sync.encode(base, target, "int8", version=1)
+  modes = {m.mode for n, m in update.tensors.items() if n.endswith(".scale")}
+  assert modes == {"unchanged"} and len(update.packs()) == 1
+  assert update.to_bytes() == _general_encode(monkeypatch, base, target, "int8",
+                                              version=1).to_bytes()

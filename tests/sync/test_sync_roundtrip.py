@@ -245,3 +245,20 @@ def test_apply_into_a_spare_state_rejects_unfit_arrays_by_name():
   corrupted[-3] ^= 0x10
   with pytest.raises(sync.CodecError):
     sync.apply(base, sync.Update.from_bytes(bytes(corrupted)), out=spare)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_an_encoded_update_makes_the_header_its_bytes_parse_to(fmt):
+  """An encoded Update makes its header when first asked for (a publisher sends the bytes):
+  the same header the bytes parse to, and its checksums and packs without it."""
+  rng = np.random.default_rng(11)
+  base = {f"l{i}.kernel": rng.standard_normal((24, 40)).astype(np.float32) * 0.02
+          for i in range(7)} | {"big.kernel": rng.standard_normal((300, 256)).astype(np.float32)}
+  target = {k: v + 1e-3 * rng.standard_normal(v.shape).astype(np.float32)
+            for k, v in base.items()}
+  update = sync.encode(base, target, fmt, version=4)
+  assert set(update.checksums) == set(sync.held_state(target, fmt))
+  assert update.packs() and update.pack(next(iter(update.packs())))
+  parsed = sync.Update.from_bytes(update.to_bytes())
+  assert update.header == parsed.header and update.header is update.header
+  assert update.nbytes == len(update.to_bytes()) == parsed.nbytes

@@ -28,6 +28,20 @@ def test_a_slot_is_reused_per_thread_and_large_requests_are_not_kept():
   assert not np.shares_memory(scratch.buffer("test slot", 100, np.uint16), a)
 
 
+def test_a_set_of_buffers_is_the_same_arrays_while_its_specs_repeat():
+  specs = ((100, np.uint64), (30, np.uint8), (7, np.uint32))
+  first = scratch.buffers("test set", specs)
+  assert [(a.size, a.dtype) for a in first] == [(100, np.uint64), (30, np.uint8), (7, np.uint32)]
+  assert all(a is b for a, b in zip(first, scratch.buffers("test set", specs)))
+  assert all(a is b for a, b in zip(first, scratch.buffers("test set", tuple(specs))))
+  assert not any(np.shares_memory(a, b) for i, a in enumerate(first) for b in first[i + 1:])
+  grown = scratch.buffers("test set", ((200, np.uint64), (30, np.uint8), (7, np.uint32)))
+  assert grown[0].size == 200 and grown[1] is not first[1]  # new specs: looked up anew
+  scratch.release()
+  again = scratch.buffers("test set", specs)
+  assert not any(a is b for a, b in zip(first, again))  # release drops the set too
+
+
 def test_release_all_threads_reaches_the_pool_and_forgets_finished_threads():
   held, done = [], threading.Event()
 
