@@ -960,10 +960,7 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
   counts = np.zeros((n + BLOCK - 1) // BLOCK, np.int64)
   h_old, h_new = xxhash.xxh3_64(), xxhash.xxh3_64()
   for s in range(0, n, step):
-    if top + step // STREAMS + 2 > out.shape[1]:  # at most 64 bits an element
-      grown = np.empty((STREAMS, 2 * out.shape[1]), np.uint64)
-      grown[:, :out.shape[1]] = out
-      out = grown
+    out = with_room(out, top, step)
     a, b = old[s:s + step], new[s:s + step]
     m = a.size - a.size % 64
     top = encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k,
@@ -988,6 +985,17 @@ def stream_room(n: int, itemsize: int) -> int:
   step = CALL_BYTES // itemsize
   bits = (MAX_K + 6) * (n // 4 + 1) + n + 1
   return STREAMS * (bits // 64 // STREAMS + step // STREAMS + 2)
+
+
+@numba.njit(inline="always", **_JIT)
+def with_room(out, top, step):
+  """The streams' rows `out`, or a copy twice as wide where a call of `step` elements from
+  word `top` might not fit (at most 64 bits an element)."""
+  if top + step // STREAMS + 2 <= out.shape[1]:
+    return out
+  grown = np.empty((STREAMS, 2 * out.shape[1]), np.uint64)
+  grown[:, :out.shape[1]] = out
+  return grown
 
 
 @numba.njit(inline="always", **_JIT)
@@ -1029,10 +1037,7 @@ def _code_pack(old, new, probe, rest, windows, gaps, room, section, ends, hash_o
   top, hashed, itemsize = 0, 0, lane_bits // 8
   at_old, at_new = old.ctypes.data, new.ctypes.data
   for s in range(0, n, step):
-    if top + step // STREAMS + 2 > out.shape[1]:  # at most 64 bits an element
-      grown = np.empty((STREAMS, 2 * out.shape[1]), np.uint64)
-      grown[:, :out.shape[1]] = out
-      out = grown
+    out = with_room(out, top, step)
     a, b = old[s:s + step], new[s:s + step]
     mm = a.size - a.size % 64
     top = encode_blocks_chosen((lane_bits, listed), (

@@ -791,3 +791,12 @@ def test_a_compiled_call_covers_whole_rounds_of_joint_blocks():
   STREAMS blocks (the decoder runs a round's streams side by side): for bf16 and int8."""
   for itemsize in (1, 2):
     assert (loops.CALL_BYTES // itemsize) % (joint.STREAMS * joint.BLOCK) == 0
+
+
+def test_the_streams_rows_grow_only_where_a_call_might_not_fit():
+  out = np.arange(joint.STREAMS * 10, dtype=np.uint64).reshape(joint.STREAMS, 10)
+  step = 4 * joint.STREAMS  # a call's rows take step // STREAMS + 2 = 6 words at most
+  assert joint.with_room(out, 4, step) is out
+  grown = joint.with_room(out, 5, step)
+  assert grown.shape == (joint.STREAMS, 20)
+  np.testing.assert_array_equal(grown[:, :10], out)
