@@ -14,7 +14,6 @@ import time
 from typing import Any, Sequence
 
 import jax
-import numpy as np
 from flax import nnx
 
 from rlax_ps import optim
