@@ -107,8 +107,10 @@ def release_spares() -> int:
   """Hands the free arenas' buffers back to the system; returns the bytes released.
   Arrays in use are not affected."""
   with _ARENAS_LOCK:
-    free = [e for e in _ARENAS if _free(e)]
-    _ARENAS[:] = [e for e in _ARENAS if not any(e is f for f in free)]
+    free, kept = [], []
+    for entry in _ARENAS:
+      (free if _free(entry) else kept).append(entry)
+    _ARENAS[:] = kept
   return sum(e[0].size for e in free)
 
 

@@ -14,7 +14,7 @@ from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.fingerprints import of_state as host_fingerprints
 from rlax_ps.sync.integrity import XXH3, checksum
 from rlax_ps.sync.wire import (FINGERPRINTED, FORMATS, LOCATOR_BITS, SECTION_CODEC_VERSION,
-                               Update, _layout_columns, build_columns, check_names, finish)
+                               Update, layout_columns, build_columns, check_names, finish)
 
 
 def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
@@ -287,7 +287,7 @@ def _layout(key: tuple) -> _Layout:
                  {m[0]: e for m, e in zip(groups.values(), ends)},
                  tuple(n for n in sizes if n not in packed), _order_of(perm.tolist()),
                  len(packed) == len(sizes) and 0 < len(groups) <= 2, _read_only(perm),
-                 heads[0] <= heads[-1], _layout_columns(header, SECTION_CODEC_VERSION))
+                 heads[0] <= heads[-1], layout_columns(header, SECTION_CODEC_VERSION))
 
 
 def _order_of(perm: list):

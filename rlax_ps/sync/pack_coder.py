@@ -156,13 +156,20 @@ def encode(old: np.ndarray, new: np.ndarray, ends: np.ndarray, hash_old: bool, f
     return None
   width = 8 * new.itemsize
   code = _CODERS[width, joint.LISTING[width] if listed is None else int(listed)]
-  probe, rest, windows, specs = _plan_of(n, new.itemsize)
-  plan, room, section, gaps, syms, raw = scratch.buffers(f"pack {width}", specs)
-  mode, nbytes, section, digests = code(old, new, probe, rest, windows, plan, room, section,
-                                        ends, hash_old, fn, gaps, syms, raw)
+  args = _arguments(old, new, ends)
+  mode, nbytes, section, digests = code(*args[:9], hash_old, fn, *args[9:])
   if mode == GENERAL:
     return None
   return mode, section[:nbytes], digests
+
+
+def _arguments(old: np.ndarray, new: np.ndarray, ends: np.ndarray) -> tuple:
+  """A pack's coder's arguments but hash_old and fn: (old, new, the plan's probe windows,
+  its other windows, how many in all, then this thread's scratch: plan gaps, stream room,
+  section, gaps, symbols, raw words; ends between section and gaps)."""
+  probe, rest, windows, specs = _plan_of(new.size, new.itemsize)
+  plan, room, section, gaps, syms, raw = scratch.buffers(f"pack {8 * new.itemsize}", specs)
+  return old, new, probe, rest, windows, plan, room, section, ends, gaps, syms, raw
 
 
 @functools.lru_cache(maxsize=64)
@@ -297,10 +304,9 @@ def _code_update(fn, hash_old, p0, p1, two, perm, fixed, codes, dims, fmt, flags
   return (True, out, meta_end, sealed_end, ends, cols, sec0[:nb0], sec1[:nb1], mode0, mode1)
 
 
-def _update_coder_for(bits0: int, bits1: int):
-  """_code_update compiled for packs of bits0 and bits1 (0: one pack) lane bits, each
-  listed the host's way (joint.LISTING)."""
-  listed0, listed1 = joint.LISTING[bits0], joint.LISTING[bits1 or 8]
+def _update_coder_for(bits0: int, bits1: int, listed0: int, listed1: int):
+  """_code_update compiled for packs of bits0 and bits1 (0: one pack) lane bits, listed
+  the ways listed0 and listed1 (joint.WAYS)."""
   two = bool(bits1)
 
   @numba.njit(**_JIT)
@@ -312,7 +318,7 @@ def _update_coder_for(bits0: int, bits1: int):
   return code_update
 
 
-_UPDATE_CODERS: dict = {}  # (lane bits of the first pack, of the second or 0) -> coder
+_UPDATE_CODERS: dict = {}  # (lane bits of each pack (0: none), their ways) -> coder
 
 
 def encode_update(packs_bits: list, hash_old: bool, fn: int, perm: np.ndarray, columns,
@@ -324,15 +330,12 @@ def encode_update(packs_bits: list, hash_old: bool, fn: int, perm: np.ndarray, c
   columns: the layout's (fixed, codes, dims)); see _code_update for the rest. None where
   a pack takes the general path or has nothing to share (its members are then coded
   alone)."""
-  specs = []
-  for old, new, ends in packs_bits:
-    probe, rest, windows, sizes = _plan_of(new.size, new.itemsize)
-    plan, room, section, gaps, syms, raw = scratch.buffers(f"pack {8 * new.itemsize}", sizes)
-    specs.append((old, new, probe, rest, windows, plan, room, section, ends, gaps, syms, raw))
+  specs = [_arguments(old, new, ends) for old, new, ends in packs_bits]
   bits = (8 * packs_bits[0][1].itemsize, 8 * packs_bits[1][1].itemsize if len(specs) > 1 else 0)
-  code = _UPDATE_CODERS.get(bits)
+  key = (*bits, joint.LISTING[bits[0]], joint.LISTING[bits[1] or 8])
+  code = _UPDATE_CODERS.get(key)
   if code is None:
-    code = _UPDATE_CODERS[bits] = _update_coder_for(*bits)
+    code = _UPDATE_CODERS[key] = _update_coder_for(*key)
   p1 = specs[1] if len(specs) > 1 else specs[0]
   done = code(fn, hash_old, specs[0], p1, perm, *columns, fmt, flags, version, base_version,
               base_sums, printed, width)

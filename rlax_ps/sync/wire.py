@@ -264,7 +264,7 @@ class _Columns(typing.NamedTuple):
 
 
 @functools.lru_cache(maxsize=32)
-def _layout_columns(layout: tuple, codec: int) -> _Columns:
+def layout_columns(layout: tuple, codec: int) -> _Columns:
   """_Columns of `layout` ((name, shape, dtype) per tensor), writing section codec version
   `codec`; CodecError when a name appears twice."""
   names = tuple(name for name, _, _ in layout)
@@ -313,7 +313,7 @@ def _assemble(fmt: str, version: int, base_version: int | None, layout: tuple,
   locators) as given."""
   sections = [sec if type(sec) is bytes else memoryview(sec).cast("B") for sec in sections]
   keyframe = base_version is None
-  lay = _layout_columns(layout, SECTION_CODEC_VERSION)
+  lay = layout_columns(layout, SECTION_CODEC_VERSION)
   digests, counts = seals
   flags = (KEYFRAME if keyframe else 0) | (0 if counts[3] < 0 else FINGERPRINTED)
   fn = 0 if sealed else XXH3
