@@ -15,9 +15,9 @@ from rlax_ps.sync.loops import _put_varint, _seal_into
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
 
 
-@numba.njit(inline="always", **_JIT)
-def write(fn, fmt, flags, version, base_version, fixed, codes, modes, dims, lengths,
-          digests, counts, width):
+@numba.njit(**_JIT)
+def fields(fn, fmt, flags, version, base_version, fixed, codes, modes, dims, lengths,
+           digests, counts, width):
   """The seals' words, then the meta bytes and the seals' bytes of a message (wire.py's
   layout) in one uint8 array, and where each of the three and each seal's words
   end, in one compiled call rather than a few dozen Python steps: meta from the layout's
@@ -68,11 +68,3 @@ def write(fn, fmt, flags, version, base_version, fixed, codes, modes, dims, leng
         p += 1
       g += 1
   return out, meta_end, p, (ends[0], ends[1], ends[2], ends[3])
-
-
-@numba.njit(**_JIT)
-def fields(fn, fmt, flags, version, base_version, fixed, codes, modes, dims, lengths, digests,
-           counts, width):
-  """write() in a call of its own."""
-  return write(fn, fmt, flags, version, base_version, fixed, codes, modes, dims, lengths,
-               digests, counts, width)

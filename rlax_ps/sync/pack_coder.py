@@ -256,7 +256,7 @@ def _columns(mode, nbytes, digests, k, hash_old, modes, lengths, sums, bases, at
 def _code_update(fn, hash_old, p0, p1, two, perm, fixed, codes, dims, fmt, flags, version,
                  base_version, base_sums, printed, width, bits0, listed0, bits1, listed1):
   """The packs p0 and (where `two`) p1 coded (_code) and the message's meta and seals
-  written (fields.write), in one call: a small model's whole update. p: (old, new, probe,
+  written (fields.fields), in one call: a small model's whole update. p: (old, new, probe,
   rest, windows, plan, room, section, ends, gaps, syms, raw) of encode()'s scratch; perm:
   the listing position (p0's members, then p1's) of each tensor in header order;
   base_sums: the bases' checksums in header order where not hash_old; printed: the
@@ -326,7 +326,7 @@ def encode_update(packs_bits: list, hash_old: bool, fn: int, perm: np.ndarray, c
                   base_sums: np.ndarray, printed: np.ndarray, width: int):
   """A delta of one or two packs and nothing else (packs_bits: (old, new, ends) of each,
   their members' unsigned bits back to back) in one compiled call: the packs coded
-  (encode()'s choices and bytes) and the message's meta and seals written (fields.write;
+  (encode()'s choices and bytes) and the message's meta and seals written (fields.fields;
   columns: the layout's (fixed, codes, dims)); see _code_update for the rest. None where
   a pack takes the general path or has nothing to share (its members are then coded
   alone)."""
