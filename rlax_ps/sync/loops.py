@@ -155,13 +155,13 @@ def _scan_block8(aw, bw, a, b, start, st, gaps, syms, raw, hist):
   return _scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist, 8)
 
 
-scan_chosen = chosen.by_constant({16: _scan_block16, 8: _scan_block8}, "scan_chosen")
+_SCANS = {16: _scan_block16, 8: _scan_block8}  # by lane bits
+scan_chosen = chosen.by_constant(_SCANS, "scan_chosen")
 
 
 def scan_block(aw, bw, a, b, start, st, gaps, syms, raw, hist) -> bool:
   """_scan_block compiled for the element width of a (16 or 8 bits)."""
-  scan = _scan_block16 if a.itemsize == 2 else _scan_block8
-  return scan(aw, bw, a, b, start, st, gaps, syms, raw, hist)
+  return _SCANS[8 * a.itemsize](aw, bw, a, b, start, st, gaps, syms, raw, hist)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -358,15 +358,15 @@ def _sparse_costs8(old, new, gaps, hist, step, widths, literal_max):
   return _sparse_costs(old, new, gaps, hist, step, widths, literal_max, 8)
 
 
-costs_chosen = chosen.by_constant({16: _sparse_costs16, 8: _sparse_costs8}, "costs_chosen")
+_COSTS = {16: _sparse_costs16, 8: _sparse_costs8}  # by lane bits
+costs_chosen = chosen.by_constant(_COSTS, "costs_chosen")
 
 
 def sparse_costs(old, new, gaps, hist, step, widths, literal_max):
   """What a sparse section's choices need, in one call: (zigzag codes at the changes as
   zigzag_at gives them, or an empty array above literal_max changes; their largest, 0 if
   none; entropy_bits of the value histogram `hist`; gap_plan of the gaps at `step`)."""
-  costs = _sparse_costs16 if old.itemsize == 2 else _sparse_costs8
-  return costs(old, new, gaps, hist, step, widths, literal_max)
+  return _COSTS[8 * old.itemsize](old, new, gaps, hist, step, widths, literal_max)
 
 
 # ---- Rice-coded gaps ---------------------------------------------------------------------
