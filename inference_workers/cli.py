@@ -18,6 +18,7 @@ import threading
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from inference_workers.hard_exit import exit_now
 from inference_workers.worker_config import WorkerConfig
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
@@ -95,3 +96,4 @@ def main(argv) -> None:
   logging.info("worker: done: %s", stats)
   print(f"worker: exiting: {stats.leases} leases, {stats.groups_submitted} groups submitted, "
         f"{stats.prompts_released} prompts released", flush=True)
+  exit_now(0)  # leases released, output flushed: skip a finalization that can abort

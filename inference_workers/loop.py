@@ -11,7 +11,6 @@ only between generation calls; every rollout group carries the version that prod
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 import zlib
@@ -23,6 +22,7 @@ from absl import logging
 
 from algorithms.allocation import FixedAllocator
 from algorithms.verifiers.base import Verifier, make_verifier
+from inference_workers.hard_exit import exit_now
 from inference_workers.sampler import Sample, generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
@@ -118,7 +118,7 @@ class Worker:
     released = self._release_all()
     logging.warning("worker: grace period over while generating; released %d prompts, exiting",
                     released)
-    os._exit(0)
+    exit_now(0)
 
   def _release_all(self) -> int:
     with self._lock:
