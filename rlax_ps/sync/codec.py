@@ -214,8 +214,7 @@ def _encode_packed(old_state: dict, new_state: dict, lay: "_Layout", fmt: str, v
   return update
 
 
-_EMPTY = np.zeros(0, np.uint64)
-_EMPTY.flags.writeable = False
+_EMPTY = np.zeros(0, np.uint64)  # writable, as the checksums it stands in for: one compile
 
 
 def _joined(columns: list) -> tuple:

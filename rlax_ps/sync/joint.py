@@ -964,7 +964,7 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
     a, b = old[s:s + step], new[s:s + step]
     m = a.size - a.size % 64
     top = encode_blocks(a[:m].view(np.uint64), b[:m].view(np.uint64), a, b, s // BLOCK, k,
-                        *codes, 0 if use_closed else 1, out.view(np.uint8), st, counts)
+                        *codes, 0 if use_closed else 1, out, st, counts)
     if hash_old:
       h_old.update(a)
     if hash_new:

@@ -235,7 +235,7 @@ def _sampled(base, target, listed):
   m = n - n % 64
   got = joint._SAMPLERS[8 * base.itemsize, listed](
       base[:m].view(np.uint64), target[:m].view(np.uint64), base, target, probe, rest, gaps,
-      vhist, ghist, entropy.WIDTHS, 0)
+      vhist, ghist, entropy.WIDTHS, 0.0)  # a float, as plan's: one compile of each sampler
   return got, gaps[:got[0]], vhist, ghist
 
 
