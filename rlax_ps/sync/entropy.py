@@ -41,6 +41,8 @@ def histogram(z: np.ndarray) -> np.ndarray:
 
 
 WIDTHS = loops.WIDTHS  # raw bits of each symbol
+_NO_CODE = np.zeros(0, np.uint16)  # the rANS words of a one-symbol table: none
+_NO_CODE.flags.writeable = False
 
 
 # Estimated stream size of symbols whose information + raw bits are `bits`, with `present`
@@ -119,13 +121,15 @@ def decode_stream(r: ByteReader, n: int, dtype=np.uint64, limit: int = 1 << 56,
   if n == 0:
     return out
   freq = rans.normalize(counts) if m > 1 else np.ones(1, np.int64)
-  code = np.zeros(0, np.uint16)
+  code = _NO_CODE
   if m > 1:
     nwords = r.varint()
     if nwords > 2 * n + 8:
       raise CodecError(f"{r.what}: {nwords} rANS words for {n} values")
     code = np.frombuffer(r.take(2 * nwords), "<u2")
-    code = code if code.flags.aligned else code.copy()
+    if not code.flags.aligned:
+      code = code.copy()
+    code.flags.writeable = False  # however the buffer came: one compile of rans.decode
   raw_bits = int((counts * WIDTHS[present]).sum())
   raw_nbytes = r.varint()
   if raw_nbytes != (raw_bits + 7) // 8:

@@ -125,3 +125,18 @@ def test_the_compiled_bitmap_is_np_packbits_of_the_mask(n):
   mask = np.zeros(n, bool)
   mask[idx] = True
   assert np.array_equal(loops.bitmap(idx, (n + 7) // 8), np.packbits(mask))
+
+
+def test_streams_from_bytes_bytearrays_and_odd_offsets_share_one_compiled_decoder():
+  """rANS words read from read-only bytes, a writable bytearray or an unaligned offset
+  (copied) reach the compiled rANS decoder in one form: numba compiles once per signature."""
+  from rlax_ps.sync import rans
+  z = np.random.default_rng(1).integers(0, 2**20, 5000, dtype=np.uint64)
+  data = entropy.encode_stream(entropy.histogram(z), z)
+  for buf, at in ((data, 0), (bytearray(data), 0), (b"x" + data, 1),
+                  (bytearray(b"x" + data), 1)):
+    r = ByteReader(buf, "test")
+    r.take(at)
+    assert np.array_equal(entropy.decode_stream(r, z.size), z)
+  words = {str(sig[0]) for sig in rans._decode.signatures if "uint64" in str(sig[3])}
+  assert words == {"readonly array(uint16, 1d, C)"}

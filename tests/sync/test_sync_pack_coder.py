@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlax_ps import sync
-from rlax_ps.sync import (codec, entropy, integrity, loops, pack_coder, rans, tensor_codec,
-                          wire)
+from rlax_ps.sync import (codec, entropy, integrity, joint, loops, pack_coder, rans,
+                          tensor_codec, wire)
 from rlax_ps.sync.byte_reader import ByteReader
 from rlax_ps.sync.integrity import XXH3
 
@@ -355,3 +355,23 @@ def test_a_model_with_a_still_pack_codes_it_unchanged_in_one_call(monkeypatch):
   assert modes == {"unchanged"} and len(update.packs()) == 1
   assert update.to_bytes() == _general_encode(monkeypatch, base, target, "int8",
                                               version=1).to_bytes()
+
+
+def test_writable_and_read_only_ends_share_one_compiled_coder_and_applier():
+  """A caller's writable ends (np.cumsum's) are taken as the layouts' read-only ones: numba
+  compiles each coder once per signature, and a second compile costs seconds."""
+  rng = np.random.default_rng(5)
+  old, new, ends = _pack(rng, [40_000, 30_000, 31], np.uint16, 0.045)
+  read_only = ends.copy()
+  read_only.flags.writeable = False
+  code = pack_coder._CODERS[16, joint.LISTING[16]]
+  applier = pack_coder._APPLIERS[bool(joint.QUAD)]
+  got = [pack_coder.encode(old, new, e, False, XXH3) for e in (ends, read_only)]
+  assert bytes(got[0][1]) == bytes(got[1][1])
+  for e in (ends, read_only):
+    out = np.zeros_like(old)
+    pack_coder.apply(got[0][0], bytes(got[0][1]), old, out, e, XXH3)
+    assert np.array_equal(out, new)
+  assert ends.flags.writeable  # the caller's array is left as it was
+  assert [str(s[8]) for s in code.signatures] == ["readonly array(int64, 1d, C)"]
+  assert all(str(s[5]) == "readonly array(int64, 1d, C)" for s in applier.signatures)
