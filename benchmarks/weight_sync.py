@@ -51,7 +51,7 @@ _REAL_SIZES = flags.DEFINE_list(
 _SIZES = {"tiny": {}, "38m": dict(hidden_size=768, intermediate_size=2048, num_layers=6,
                                   num_heads=12, num_kv_heads=4, head_dim=64)}
 _REPS = flags.DEFINE_integer(
-    "reps", 3, "timed repetitions (best is reported); small models run up to 20 times")
+    "reps", 5, "timed repetitions (best is reported); small models run up to 20 times")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _THREADS = flags.DEFINE_integer(
     "threads", 0, "threads of the wall-time columns (0: parallel.default_threads())")
@@ -169,9 +169,9 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   base_held (the row's baseline, StateCopy) run before each timed run of this row. Each apply gets a fresh Update of the same bytes, so that it decodes (and
   parses its code tables anew)."""
   keyframe_bytes = keyframe.nbytes
-  # Small models run more often (a noisy machine's best of 3 short runs is luck): up to
-  # 20 runs, about 200 MB of model bytes in all.
-  reps = max(reps, min(20, int(2e8 // held_bytes(base_held))))
+  # Small models run more often (a noisy machine's best of a few short runs is luck): up
+  # to 40 runs, about 400 MB of model bytes in all; the row's copy baseline runs as often.
+  reps = max(reps, min(40, int(4e8 // held_bytes(base_held))))
   target_held = sync.held_state(target, fmt)
   bound, nnz, small, n = state_bound(base_held, target_held)
   # The publisher rounds or quantizes on device (int8_device for int8) and copies the held
