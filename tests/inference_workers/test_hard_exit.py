@@ -19,8 +19,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_exit_now_flushes_output_and_skips_atexit():
-  proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                        timeout=120)
+  proc = subprocess.run([sys.executable, "-c", SCRIPT], check=False, capture_output=True,
+                        text=True, timeout=120)
   assert proc.returncode == 3, proc.stderr
   assert proc.stdout == "unflushed stdout", proc.stdout
   assert "a log line" in proc.stderr and "unflushed stderr" in proc.stderr
