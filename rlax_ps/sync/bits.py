@@ -13,6 +13,15 @@ UINT_OF = {BF16: np.dtype(np.uint16), INT8: np.dtype(np.uint8)}
 DTYPE_NAMES = {"bfloat16": BF16, "int8": INT8}
 
 
+def read_only(a: np.ndarray) -> np.ndarray:
+  """a, or a read-only view of it. Arrays handed to compiled code are kept in one form:
+  numba compiles once per signature, and read-only is part of it."""
+  if a.flags.writeable:
+    a = a.view()
+    a.flags.writeable = False
+  return a
+
+
 def is_float_dtype(dtype) -> bool:
   return dtype == BF16 or np.issubdtype(dtype, np.floating)
 

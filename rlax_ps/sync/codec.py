@@ -9,7 +9,8 @@ import typing
 import numpy as np
 
 from rlax_ps.sync import arena, int8, pack_coder, packs, parallel, scratch, tensor_codec
-from rlax_ps.sync.bits import BF16, UINT_OF, bit_view, is_float_dtype, round_into, to_bf16
+from rlax_ps.sync.bits import (BF16, UINT_OF, bit_view, is_float_dtype, read_only, round_into,
+                             to_bf16)
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.fingerprints import of_state as host_fingerprints
 from rlax_ps.sync.integrity import XXH3, checksum
@@ -272,7 +273,7 @@ def _layout(key: tuple) -> _Layout:
   dtypes = {n: d for n, _, d in key}
   groups = packs.members_by_dtype(sizes, dtypes)
   packed = {n for members in groups.values() for n in members}
-  ends = tuple(_read_only(np.cumsum([sizes[n] for n in m], dtype=np.int64))
+  ends = tuple(read_only(np.cumsum([sizes[n] for n in m], dtype=np.int64))
                for m in groups.values())
   listed = [n for m in groups.values() for n in m] + [n for n in sizes if n not in packed]
   at = {n: i for i, n in enumerate(listed)}
@@ -285,7 +286,7 @@ def _layout(key: tuple) -> _Layout:
                  tuple((m, e, int(e[-1])) for m, e in zip(groups.values(), ends)),
                  {m[0]: e for m, e in zip(groups.values(), ends)},
                  tuple(n for n in sizes if n not in packed), _order_of(perm.tolist()),
-                 len(packed) == len(sizes) and 0 < len(groups) <= 2, _read_only(perm),
+                 len(packed) == len(sizes) and 0 < len(groups) <= 2, read_only(perm),
                  heads[0] <= heads[-1], layout_columns(header, SECTION_CODEC_VERSION))
 
 
@@ -296,11 +297,6 @@ def _order_of(perm: list):
   if len(perm) == 1:
     return lambda column: (column[0],)
   return operator.itemgetter(*perm)  # to a tuple
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-  a.flags.writeable = False
-  return a
 
 
 def _encode_pack(old_state: dict, new_state: dict, members: list[str], ends: np.ndarray,

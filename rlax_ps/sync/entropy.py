@@ -20,7 +20,7 @@ or, for short streams where a table costs more than it saves (n <= LITERAL_MAX):
 import numpy as np
 
 from rlax_ps.sync import loops, rans
-from rlax_ps.sync.bits import fixed_nbytes, unpack_fixed
+from rlax_ps.sync.bits import fixed_nbytes, read_only, unpack_fixed
 from rlax_ps.sync.byte_reader import ByteReader
 from rlax_ps.sync.errors import CodecError
 
@@ -41,8 +41,7 @@ def histogram(z: np.ndarray) -> np.ndarray:
 
 
 WIDTHS = loops.WIDTHS  # raw bits of each symbol
-_NO_CODE = np.zeros(0, np.uint16)  # the rANS words of a one-symbol table: none
-_NO_CODE.flags.writeable = False
+_NO_CODE = read_only(np.zeros(0, np.uint16))  # the rANS words of a one-symbol table: none
 
 
 # Estimated stream size of symbols whose information + raw bits are `bits`, with `present`
@@ -127,9 +126,7 @@ def decode_stream(r: ByteReader, n: int, dtype=np.uint64, limit: int = 1 << 56,
     if nwords > 2 * n + 8:
       raise CodecError(f"{r.what}: {nwords} rANS words for {n} values")
     code = np.frombuffer(r.take(2 * nwords), "<u2")
-    if not code.flags.aligned:
-      code = code.copy()
-    code.flags.writeable = False  # however the buffer came: one compile of rans.decode
+    code = read_only(code if code.flags.aligned else code.copy())  # one compile of rans
   raw_bits = int((counts * WIDTHS[present]).sum())
   raw_nbytes = r.varint()
   if raw_nbytes != (raw_bits + 7) // 8:

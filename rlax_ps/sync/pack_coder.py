@@ -22,6 +22,7 @@ import numba
 import numpy as np
 
 from rlax_ps.sync import chosen, fields, joint, loops, rans, scratch
+from rlax_ps.sync.bits import read_only
 from rlax_ps.sync.intrinsics import call_hash, copy_bytes
 from rlax_ps.sync.loops import (CALL_BYTES, FIXED_MIN, LITERAL_MAX, OK, RICE, RICE_MULTI,
                                 WIDTHS, _bitlen, _put_varint, costs_chosen, scan_chosen,
@@ -169,16 +170,7 @@ def _arguments(old: np.ndarray, new: np.ndarray, ends: np.ndarray) -> tuple:
   section, gaps, symbols, raw words; ends between section and gaps)."""
   probe, rest, windows, specs = _plan_of(new.size, new.itemsize)
   plan, room, section, gaps, syms, raw = scratch.buffers(f"pack {8 * new.itemsize}", specs)
-  return old, new, probe, rest, windows, plan, room, section, _read_only(ends), gaps, syms, raw
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-  """a, or a read-only view of it: the layouts' ends are read-only, and numba compiles a
-  coder once per signature, so a caller's writable ends would cost a second compile."""
-  if a.flags.writeable:
-    a = a.view()
-    a.flags.writeable = False
-  return a
+  return old, new, probe, rest, windows, plan, room, section, read_only(ends), gaps, syms, raw
 
 
 @functools.lru_cache(maxsize=64)
@@ -242,7 +234,7 @@ def apply(mode: int, section, base: np.ndarray, out: np.ndarray, ends: np.ndarra
   if mode not in (JOINT, SPARSE):
     return None
   err, digests = _APPLIERS[bool(joint.QUAD)](mode, np.frombuffer(section, np.uint8),
-                                             out.size, base, out, _read_only(ends), fn)
+                                             out.size, base, out, read_only(ends), fn)
   return digests if err == OK else None
 
 

@@ -41,7 +41,7 @@ import xxhash
 import zstandard
 
 from rlax_ps.sync import fields, packs, tensor_codec
-from rlax_ps.sync.bits import BF16, INT8, UINT_OF, bit_view
+from rlax_ps.sync.bits import BF16, INT8, UINT_OF, bit_view, read_only
 from rlax_ps.sync.byte_reader import ByteReader, varint
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.integrity import XXH3, Seal, checksum, combine, group_count
@@ -274,17 +274,12 @@ def layout_columns(layout: tuple, codec: int) -> _Columns:
   shapes = tuple(tuple(int(d) for d in shape) for _, shape, _ in layout)
   codes = np.array([(_DTYPES.index(dtype), codec, 0, len(shape))
                     for (_, _, dtype), shape in zip(layout, shapes)], np.uint8).reshape(-1, 4)
-  as_array = lambda b: _read_only(np.frombuffer(b, np.uint8).copy())  # noqa: E731
+  as_array = lambda b: read_only(np.frombuffer(b, np.uint8).copy())  # noqa: E731
   return _Columns(as_array(varint(len(layout)) + b"".join(_names_column(names))),
-                  _read_only(codes),
+                  read_only(codes),
                   as_array(b"".join(varint(d) for shape in shapes for d in shape)), names,
                   shapes, tuple(dtype for _, _, dtype in layout),
                   tuple(math.prod(shape) for shape in shapes))
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-  a.flags.writeable = False
-  return a
 
 
 def assemble(header: UpdateHeader, sections) -> "Update":
