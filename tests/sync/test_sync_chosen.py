@@ -45,7 +45,8 @@ def test_a_key_known_only_at_run_time_is_refused_while_compiling():
 
 
 def test_a_key_not_in_the_table_is_named():
-  with pytest.raises(numba.core.errors.TypingError, match=r"by_int: no compiled function for key \(3,\)"):
+  with pytest.raises(numba.core.errors.TypingError,
+                     match=r"by_int: no compiled function for key \(3,\)"):
     _caller(3, True)(np.ones(2))
 
 
@@ -68,7 +69,7 @@ def test_the_scan_is_chosen_by_lane_width(dtype):
   st = np.array([0, -1, 0], np.int64)
   gaps, syms = np.zeros(128, np.uint32), np.zeros(128, np.uint8)
   raw, hist = np.zeros(40, np.uint64), np.zeros((4, loops.ALPHABET), np.int64)
-  loops.scan_chosen(8 * old.itemsize, (old.view(np.uint64), new.view(np.uint64), old, new, 0, st, gaps,
-                         syms, raw, hist))
+  loops.scan_chosen(8 * old.itemsize, (old.view(np.uint64), new.view(np.uint64), old, new, 0,
+                                       st, gaps, syms, raw, hist))
   assert st[0] == 2  # both changes found
   np.testing.assert_array_equal(gaps[:2], [3, 36])
