@@ -129,14 +129,26 @@ def lay_out(sizes: dict, dtypes: dict, groups: dict) -> tuple[dict, dict]:
   return {n: arena.take(sizes[n], dtypes[n]) for n in alone}, spans
 
 
+def spans(pieces: list) -> list[np.ndarray]:
+  """Flat unsigned arrays of the (elements, dtype) `pieces`, in order in one new arena
+  (lay_out's spans, for callers that know their packs' sizes)."""
+  arena = Arena(pieces)
+  return [arena.take(n, dtype) for n, dtype in pieces]
+
+
 def members_of(span: np.ndarray, shapes: list, dtype: np.dtype) -> list[np.ndarray]:
   """The arrays (of `shapes`, in order, of `dtype`) that lie back to back in `span`."""
-  return list(map(np.ndarray.reshape, map(span.view(dtype).__getitem__, _cuts(tuple(shapes))),
-                  shapes))
+  shapes = tuple(shapes)
+  return cut(span, cuts(shapes), shapes, dtype)
+
+
+def cut(span: np.ndarray, slices: tuple, shapes: tuple, dtype: np.dtype) -> list[np.ndarray]:
+  """members_of with the pieces' slices (cuts(shapes)) made already."""
+  return list(map(np.ndarray.reshape, map(span.view(dtype).__getitem__, slices), shapes))
 
 
 @functools.lru_cache(maxsize=64)
-def _cuts(shapes: tuple) -> tuple[slice, ...]:
+def cuts(shapes: tuple) -> tuple[slice, ...]:
   """The slices of arrays of `shapes` laid back to back."""
   ends = list(itertools.accumulate(map(math.prod, shapes), initial=0))
   return tuple(map(slice, ends[:-1], ends[1:]))

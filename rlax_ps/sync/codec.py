@@ -1,5 +1,6 @@
 """encode / apply over flat dicts of name -> array, in the bf16 or int8 format."""
 
+import collections.abc
 import functools
 import itertools
 import math
@@ -15,7 +16,8 @@ from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.fingerprints import of_state as host_fingerprints
 from rlax_ps.sync.integrity import XXH3, checksum
 from rlax_ps.sync.wire import (FINGERPRINTED, FORMATS, LOCATOR_BITS, SECTION_CODEC_VERSION,
-                               Update, layout_columns, build_columns, check_names, finish)
+                               Checksums, Update, layout_columns, build_columns, check_names,
+                               finish)
 
 
 def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
@@ -61,7 +63,6 @@ def _held(params: dict, fmt: str, contiguous: bool = True,
 _NUMPY = {np.ndarray}
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")  # of an array
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
-_META_SHAPE_DTYPE = operator.itemgetter(1, 2)  # of a TensorMeta
 _ARRAYS, _SUMS = operator.itemgetter(0), operator.itemgetter(1)  # of a task's columns
 
 
@@ -140,20 +141,19 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   lay = _layout(new_key)
   if base is not None:
     old_state, old_key = _held(base, fmt, contiguous=False, like=new_key)
-    check_names("base", old_state, new_state)
-    if base_checksums is not None:
-      check_names("base_checksums", base_checksums, new_state)
-    if old_key is not new_key:
+    if old_key is not new_key:  # (the same key: the same names, shapes and dtypes)
+      check_names("base", old_state, new_state)
       for name, new in new_state.items():
         old = old_state[name]
         if old.shape != new.shape or old.dtype != new.dtype:
           raise CodecError(f"tensor {name!r}: base is {old.dtype}{list(old.shape)}, target "
                            f"is {new.dtype}{list(new.shape)}")
-  printed = _fingerprints_of(fingerprints, new_state, threads)
   known = base_checksums is not None
+  base_sums = _base_column(base_checksums, lay) if known else None
+  printed = _fingerprints_of(fingerprints, new_state, threads)
   if old_state is not None and lay.packed and XXH3:  # a small model: one compiled call
     update = _encode_packed(old_state, new_state, lay, fmt, version, base_version,
-                            base_checksums, printed)
+                            base_sums, printed)
     if update is not None:
       return update
   pack_list = () if old_state is None else lay.pack_list
@@ -174,16 +174,16 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
                                           not known) for n in members])
     elif done[0][0] != tensor_codec.UNCHANGED:
       made[members[0]] = members
-  modes, sections, sums, base_sums = _joined(results) if old_state is None else map(
+  modes, sections, sums, base_sum_list = _joined(results) if old_state is None else map(
       lay.order, _joined(results))
   return build_columns(fmt, version, base_version, lay.layout, sums,
-                       list(map(base_checksums.__getitem__, lay.names)) if known else base_sums,
+                       base_sums.tolist() if known else base_sum_list,
                        modes, sections, made,
                        None if printed is None else [printed[name] for name in lay.names])
 
 
 def _encode_packed(old_state: dict, new_state: dict, lay: "_Layout", fmt: str, version: int,
-                   base_version: int, base_checksums: dict | None,
+                   base_version: int, base_sums: np.ndarray | None,
                    printed: dict | None) -> Update | None:
   """The delta of a state whose every tensor is in one of at most two packs (a small
   model's) in one compiled call (pack_coder.encode_update: the packs coded as encode codes
@@ -194,12 +194,11 @@ def _encode_packed(old_state: dict, new_state: dict, lay: "_Layout", fmt: str, v
                 for i, (members, ends, _) in enumerate(lay.pack_list)]
   names = lay.names
   done = pack_coder.encode_update(
-      packs_bits, base_checksums is None, XXH3, lay.perm, lay.columns[:3],
+      packs_bits, base_sums is None, XXH3, lay.perm, lay.columns[:3],
       FORMATS.index(fmt), 0 if printed is None else FINGERPRINTED, version, base_version,
-      _EMPTY if base_checksums is None else np.array(
-          list(map(base_checksums.__getitem__, names)), np.uint64),
-      _EMPTY if printed is None else np.array(list(map(printed.__getitem__, names)),
-                                              np.uint64), LOCATOR_BITS // 8)
+      _EMPTY if base_sums is None else base_sums,
+      _EMPTY if printed is None else read_only(np.array(
+          list(map(printed.__getitem__, names)), np.uint64)), LOCATOR_BITS // 8)
   if done is None:
     return None
   _, out, meta_end, sealed_end, ends, cols, first, second, *heads = done
@@ -209,13 +208,32 @@ def _encode_packed(old_state: dict, new_state: dict, lay: "_Layout", fmt: str, v
   update = finish(fmt, version, base_version, lay.columns, cols[:n], cols[n:2 * n], out,
                   meta_end, sealed_end, ends,
                   [first, second] if lay.heads_in_order else [second, first], made)
-  update.checksums = dict(zip(names, cols[2 * n:].tolist()))
+  update.checksums = Checksums(names, cols[2 * n:])
   if printed is not None:
     update.fingerprints = {name: printed[name] for name in names}
   return update
 
 
-_EMPTY = np.zeros(0, np.uint64)  # writable, as the checksums it stands in for: one compile
+_EMPTY = read_only(np.zeros(0, np.uint64))  # read-only, as the columns it stands in for
+
+
+def _base_column(given, lay: "_Layout") -> np.ndarray:
+  """encode's base_checksums as a read-only uint64 column in header order: an encoder's
+  Checksums of the same names as it is, else looked up name by name (CodecError naming a
+  missing or extra tensor, or a value that is not an int in [0, 2**64))."""
+  if type(given) is Checksums and (given.names is lay.names or given.names == lay.names):
+    return given.column
+  if not isinstance(given, collections.abc.Mapping):
+    raise ValueError(f"base_checksums: expected a mapping of name -> checksum, got "
+                     f"{type(given).__name__}")
+  check_names("base_checksums", given, lay.sizes)
+  values = list(map(given.__getitem__, lay.names))
+  for name, value in zip(lay.names, values):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+        0 <= int(value) < 1 << 64):
+      raise CodecError(f"tensor {name!r}: base checksum expected an int in [0, 2**64), "
+                       f"got {value!r}")
+  return read_only(np.array(values, np.uint64))
 
 
 def _joined(columns: list) -> tuple:
@@ -265,11 +283,14 @@ class _Layout(typing.NamedTuple):
   perm: np.ndarray  # each tensor's listing position (packs' members then alone), read-only
   heads_in_order: bool  # the first pack's head precedes the second's in header order
   columns: tuple  # wire's header columns of the layout
+  shape_dtypes: list  # (shape, dtype) of each tensor, header order (apply's base check)
+  cuts: tuple  # per pack: (arena.cuts of its members, their shapes, their dtype)
 
 
 @_last_cached
 def _layout(key: tuple) -> _Layout:
   sizes = {n: math.prod(shape) for n, shape, _ in key}
+  shapes = {n: tuple(int(d) for d in shape) for n, shape, _ in key}
   dtypes = {n: d for n, _, d in key}
   groups = packs.members_by_dtype(sizes, dtypes)
   packed = {n for members in groups.values() for n in members}
@@ -287,7 +308,10 @@ def _layout(key: tuple) -> _Layout:
                  {m[0]: e for m, e in zip(groups.values(), ends)},
                  tuple(n for n in sizes if n not in packed), _order_of(perm.tolist()),
                  len(packed) == len(sizes) and 0 < len(groups) <= 2, read_only(perm),
-                 heads[0] <= heads[-1], layout_columns(header, SECTION_CODEC_VERSION))
+                 heads[0] <= heads[-1], layout_columns(header, SECTION_CODEC_VERSION),
+                 [(shape, dtype) for _, shape, dtype in header],
+                 tuple((arena.cuts(tuple(shapes[n] for n in m)), tuple(shapes[n] for n in m),
+                        dtypes[m[0]]) for m in groups.values()))
 
 
 def _order_of(perm: list):
@@ -368,9 +392,13 @@ def apply(base, update: Update, *, base_version: int | None = None,
   check_names("base", base, update.tensors)
   numpy = type(base) is dict and set(map(type, base.values())) == _NUMPY
   held = base if numpy else {name: np.asarray(base[name]) for name in names}
-  if list(map(_SHAPE_DTYPE, map(held.__getitem__, names))) != list(map(
-      _META_SHAPE_DTYPE, update.tensors.values())):
+  lay = _layout(update.layout)
+  if list(map(_SHAPE_DTYPE, map(held.__getitem__, names))) != lay.shape_dtypes:
     held = {name: update.check_base(name, held[name]) for name in names}  # names the misfit
+  if lay.packed and not inplace and out is None and XXH3:  # a small model: a call a pack
+    result = _apply_packed(held, update, lay)
+    if result is not None:
+      return result
   base_digests = None
   if inplace:
     for name in names:
@@ -382,7 +410,6 @@ def apply(base, update: Update, *, base_version: int | None = None,
         [(held[n].size, functools.partial(checksum, held[n])) for n in names], threads)
     update.check_bases(base_digests)
   slots, spans = (None, {}) if inplace else _result_slots(update, out_slots)
-  lay = _layout(update.layout)
   metas = update.tensors
   # every task's (new arrays, their xxh3) in the order of lay.order's listing (each pack's
   # members, as one task where the update made the pack, else one a member; then the rest)
@@ -412,6 +439,46 @@ def apply(base, update: Update, *, base_version: int | None = None,
   if inplace or out is not None:
     return {name: (base if inplace else out)[name] for name in names}
   return dict(zip(names, lay.order(list(itertools.chain.from_iterable(map(_ARRAYS, done))))))
+
+
+def _apply_packed(held: dict, update: Update, lay: _Layout) -> dict | None:
+  """apply's new arrays for a delta of a small model (lay.packed), where the update made
+  every pack and coded each joint or sparse: each pack decoded from the base's span (its
+  members concatenated where they have none) into its span of one new arena and hashed, in
+  one compiled call (pack_coder.apply), then checked against the results seal. None where
+  a pack is not made so, a call does not read its section, or the seal does not match: the
+  general path then applies it and names any problem."""
+  made, metas = update.packs(), update.tensors
+  if len(made) != len(lay.pack_list):
+    return None
+  heads = [metas[members[0]] for members, _, _ in lay.pack_list]
+  if not all(h.name in made and h.mode in _ONE_CALL_MODES for h in heads):
+    return None
+  spans = arena.spans([(size, lay.dtypes[m[0]]) for m, _, size in lay.pack_list])
+  data = memoryview(update.to_view())
+  sums = []
+  for (members, ends, _), head, span in zip(lay.pack_list, heads, spans):
+    base = arena.span_of([held[n] for n in members])
+    if base is None:
+      base = np.concatenate([bit_view(held[n]) for n in members], out=span)
+    digests = pack_coder.apply(tensor_codec.MODE_NAMES.index(head.mode),
+                               data[head.offset:head.offset + head.nbytes], base, span, ends,
+                               XXH3)
+    if digests is None:
+      return None
+    sums.append(digests)
+  digests = (sums[0] if len(sums) == 1 else np.concatenate(sums))[lay.perm]
+  if not update.header.results.matches(digests):
+    return None
+  arrays = []
+  for span, (cuts, shapes, dtype) in zip(spans, lay.cuts):
+    new = arena.cut(span, cuts, shapes, dtype)
+    arena.register(new, span)
+    arrays += new
+  return dict(zip(lay.names, lay.order(arrays)))
+
+
+_ONE_CALL_MODES = ("joint", "sparse")
 
 
 def _held_as_it_is(array: np.ndarray, digest: int) -> tuple[list, list]:

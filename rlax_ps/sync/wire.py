@@ -26,6 +26,7 @@ Chunk layout: b"RLXC" | u32 index | u32 count | u64 message length | u64 xxh3(me
   | u32 data length | data.
 """
 
+import collections.abc
 import dataclasses
 import functools
 import itertools
@@ -230,7 +231,7 @@ def build_columns(fmt: str, version: int, base_version: int | None, layout: tupl
             -1 if fingerprints is None else len(checksums))
   update = _assemble(fmt, version, base_version, layout, np.array(modes, np.uint8),
                      (np.array(digests, np.uint64), counts), sections, packed)
-  update.checksums = dict(zip(map(_FIRST, layout), map(int, checksums)))
+  update.checksums = Checksums(tuple(map(_FIRST, layout)), np.array(checksums, np.uint64))
   if fingerprints is not None:
     update.fingerprints = dict(zip(map(_FIRST, layout), map(int, fingerprints)))
   return update
@@ -503,6 +504,37 @@ def check_seal(seal: Seal, digests, names, problem: str, what: str = "checksum")
                    f"{_listing(list(names))}")
 
 
+class Checksums(collections.abc.Mapping):
+  """name -> xxh3-64 of each tensor an update makes, as its encoder recorded them: a
+  read-only uint64 column in header order (`column`, `names`), made a dict only when
+  looked into. encode takes it back as base_checksums and reads the column as it is: a
+  publisher's next delta builds no dict and no array of them."""
+
+  __slots__ = ("names", "column", "_by_name")
+
+  def __init__(self, names: tuple, column: np.ndarray):
+    if len(names) != column.size:
+      raise ValueError(f"checksums: {len(names)} names for {column.size} values")
+    self.names, self.column, self._by_name = names, read_only(column), None
+
+  def _dict(self) -> dict[str, int]:
+    if self._by_name is None:
+      self._by_name = dict(zip(self.names, self.column.tolist()))
+    return self._by_name
+
+  def __getitem__(self, name: str) -> int:
+    return self._dict()[name]
+
+  def __iter__(self):
+    return iter(self.names)
+
+  def __len__(self) -> int:
+    return len(self.names)
+
+  def __repr__(self):
+    return f"Checksums({self._dict()!r})"
+
+
 class Update:
   """One published version: a keyframe or a delta against `base_version`, as a message."""
 
@@ -520,7 +552,7 @@ class Update:
     # name -> checksum of the tensor the update makes, where known: set by the encoder
     # (a publisher passes them as the next encode's base_checksums); None once parsed,
     # since the header holds only the seal over them.
-    self.checksums: dict[str, int] | None = None
+    self.checksums: Checksums | None = None
     # name -> device fingerprint of each result, where the encoder was given them
     self.fingerprints: dict[str, int] | None = None
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlax_ps import sync
-from rlax_ps.sync import (codec, entropy, integrity, joint, loops, pack_coder, rans,
+from rlax_ps.sync import (arena, codec, entropy, integrity, joint, loops, pack_coder, rans,
                           tensor_codec, wire)
 from rlax_ps.sync.byte_reader import ByteReader
 from rlax_ps.sync.integrity import XXH3
@@ -323,6 +323,48 @@ def test_a_packed_model_is_encoded_in_one_call_as_the_general_path_encodes_it(
   assert got.packs() == want.packs()
   out = sync.apply(base, sync.Update.from_bytes(got.to_bytes()))
   held = sync.held_state(target, fmt)
+  assert all(np.array_equal(out[k].view(np.uint8), held[k].view(np.uint8)) for k in held)
+
+
+@pytest.mark.parametrize("fmt, n, mode", [("int8", 7, "sparse"), ("bf16", 40, "joint"),
+                                          ("int8", 40, "joint")])
+def test_a_packed_model_is_applied_in_one_call_as_the_general_path_applies_it(
+    monkeypatch, fmt, n, mode):
+  """apply of a small model's delta decodes each pack in one call into one new arena: the
+  same arrays as the general path, each pack's members back to back in it (so that the
+  next encode reads them as one span). (Sparse sections with rANS values, as bf16 packs of
+  7 tensors get here, are the general path's: test_sections_the_call_does_not_read...)"""
+  rng = np.random.default_rng(n)
+  base, target = _small_model(rng, fmt, n=n, step=1e-5)
+  update = sync.encode(base, target, fmt, version=1)
+  assert update.tensors["l0.kernel"].mode == mode and update.pack("l0.kernel")
+  calls = []
+  packed = codec._apply_packed
+  monkeypatch.setattr(codec, "_apply_packed",
+                      lambda *a, **k: calls.append(packed(*a, **k)) or calls[-1])
+  got = sync.apply(base, sync.Update.from_bytes(update.to_bytes()))
+  assert calls and calls[0] is not None  # taken, and not declined
+  monkeypatch.setattr(codec, "_apply_packed", lambda *a, **k: None)
+  want = sync.apply(base, sync.Update.from_bytes(update.to_bytes()))
+  assert list(got) == list(want) == list(base)
+  for k in want:
+    assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+    assert np.array_equal(got[k].view(np.uint8), want[k].view(np.uint8)), k
+  for head, members in update.packs().items():
+    assert arena.span_of([got[n] for n in members]) is not None, head
+
+
+def test_a_packed_apply_the_call_cannot_finish_is_left_to_the_general_path(monkeypatch):
+  """Where the compiled call declines a pack, apply's general path takes the update whole
+  and still makes the target."""
+  rng = np.random.default_rng(12)
+  base, target = _small_model(rng, "int8", step=1e-5)
+  update = sync.encode(base, target, "int8", version=1)
+  declined = []
+  monkeypatch.setattr(pack_coder, "apply", lambda *a: declined.append(1))
+  out = sync.apply(base, sync.Update.from_bytes(update.to_bytes()))
+  assert declined
+  held = sync.held_state(target, "int8")
   assert all(np.array_equal(out[k].view(np.uint8), held[k].view(np.uint8)) for k in held)
 
 

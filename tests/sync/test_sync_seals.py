@@ -1,6 +1,8 @@
 """Whole-update seals: 64-bit detection, errors that still name the tensor, small headers."""
 
 
+import collections.abc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -214,6 +216,41 @@ def test_base_checksums_must_name_every_tensor_and_need_a_base(mixed):
     sync.encode(base, target, version=1, base_checksums=partial)
   with pytest.raises(ValueError, match="base_checksums"):
     sync.encode(None, target, version=1, base_checksums=keyframe.checksums)
+
+
+def test_an_encoders_checksums_are_a_read_only_mapping_that_encode_reads_as_a_column(mixed):
+  base, target, keyframe, delta = mixed
+  sums = keyframe.checksums
+  assert isinstance(sums, collections.abc.Mapping) and not isinstance(sums, dict)
+  want = {k: integrity.checksum(v) for k, v in base.items()}
+  assert sums == want and dict(sums) == want and list(sums) == list(base)
+  assert sums["mid.w"] == want["mid.w"] and len(sums) == len(want)
+  assert not sums.column.flags.writeable and sums.column.dtype == np.uint64
+  with pytest.raises(KeyError):
+    sums["nope"]
+  # the column as it is, a dict of the same values, and one listed in another order: the
+  # same bytes
+  reordered = dict(reversed(list(want.items())))
+  for given in (sums, want, reordered):
+    again = sync.encode(base, target, version=1, base_checksums=given)
+    assert again.to_bytes() == delta.to_bytes()
+  assert isinstance(again.checksums, wire.Checksums)
+  with pytest.raises(ValueError, match="3 names for 2 values"):
+    wire.Checksums(("a", "b", "c"), np.zeros(2, np.uint64))
+
+
+@pytest.mark.parametrize("value", [-1, 1 << 64, "12", 1.5, True, None])
+def test_a_base_checksum_that_is_not_a_u64_is_named(mixed, value):
+  base, target, keyframe, _ = mixed
+  given = dict(keyframe.checksums, **{"mid.w": value})
+  with pytest.raises(sync.CodecError, match=r"'mid.w': base checksum expected an int"):
+    sync.encode(base, target, version=1, base_checksums=given)
+
+
+def test_base_checksums_that_are_not_a_mapping_are_refused(mixed):
+  base, target, keyframe, _ = mixed
+  with pytest.raises(ValueError, match="base_checksums: expected a mapping"):
+    sync.encode(base, target, version=1, base_checksums=list(keyframe.checksums.values()))
 
 
 def test_checksum_is_the_xxh3_of_the_exact_held_bytes_whatever_the_array_layout():
