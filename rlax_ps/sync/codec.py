@@ -190,12 +190,12 @@ def _encode_packed(old_state: dict, new_state: dict, lay: "_Layout", fmt: str, v
   them, the meta and seals written): the same message as the general path, which takes
   over (None) where a pack does not code there or has nothing to share."""
   packs_bits = [(_pack_bits([old_state[n] for n in members], f"pack old {i}"),
-                 _pack_bits([new_state[n] for n in members], f"pack new {i}"), ends)
-                for i, (members, ends, _) in enumerate(lay.pack_list)]
+                 _pack_bits([new_state[n] for n in members], f"pack new {i}"))
+                for i, (members, _, _) in enumerate(lay.pack_list)]
   names = lay.names
   done = pack_coder.encode_update(
-      packs_bits, base_sums is None, XXH3, lay.perm, lay.columns[:3],
-      FORMATS.index(fmt), 0 if printed is None else FINGERPRINTED, version, base_version,
+      packs_bits, lay.frame, base_sums is None, XXH3, FORMATS.index(fmt),
+      0 if printed is None else FINGERPRINTED, version, base_version,
       _EMPTY if base_sums is None else base_sums,
       _EMPTY if printed is None else read_only(np.array(
           list(map(printed.__getitem__, names)), np.uint64)), LOCATOR_BITS // 8)
@@ -285,6 +285,7 @@ class _Layout(typing.NamedTuple):
   columns: tuple  # wire's header columns of the layout
   shape_dtypes: list  # (shape, dtype) of each tensor, header order (apply's base check)
   cuts: tuple  # per pack: (arena.cuts of its members, their shapes, their dtype)
+  frame: pack_coder.Frame | None  # where packed: what encode's one call takes of it
 
 
 @_last_cached
@@ -302,16 +303,20 @@ def _layout(key: tuple) -> _Layout:
   position = {n: i for i, n in enumerate(sizes)}
   heads = [position[m[0]] for m in groups.values()] or [0]
   header = tuple((n, tuple(int(d) for d in shape), np.dtype(dtype)) for n, shape, dtype in key)
+  columns = layout_columns(header, SECTION_CODEC_VERSION)
+  one_call = len(packed) == len(sizes) and 0 < len(groups) <= 2
+  frame = pack_coder.update_frame(
+      [(int(e[-1]), np.dtype(dtypes[m[0]]).itemsize, e) for m, e in zip(groups.values(), ends)],
+      perm, columns[:3]) if one_call else None
   return _Layout(key, header,
                  tuple(sizes), sizes, dtypes, groups,
                  tuple((m, e, int(e[-1])) for m, e in zip(groups.values(), ends)),
                  {m[0]: e for m, e in zip(groups.values(), ends)},
                  tuple(n for n in sizes if n not in packed), _order_of(perm.tolist()),
-                 len(packed) == len(sizes) and 0 < len(groups) <= 2, read_only(perm),
-                 heads[0] <= heads[-1], layout_columns(header, SECTION_CODEC_VERSION),
+                 one_call, read_only(perm), heads[0] <= heads[-1], columns,
                  [(shape, dtype) for _, shape, dtype in header],
                  tuple((arena.cuts(tuple(shapes[n] for n in m)), tuple(shapes[n] for n in m),
-                        dtypes[m[0]]) for m in groups.values()))
+                        dtypes[m[0]]) for m in groups.values()), frame)
 
 
 def _order_of(perm: list):

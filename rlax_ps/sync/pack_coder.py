@@ -17,6 +17,7 @@ functions, on every fresh machine.
 """
 
 import functools
+import typing
 
 import numba
 import numpy as np
@@ -305,39 +306,110 @@ def _code_update(fn, hash_old, p0, p1, two, perm, fixed, codes, dims, fmt, flags
   return (True, out, meta_end, sealed_end, ends, cols, sec0[:nb0], sec1[:nb1], mode0, mode1)
 
 
+def encode_update(packs_bits: list, frame: "Frame", hash_old: bool, fn: int, fmt: int,
+                  flags: int, version: int, base_version: int, base_sums: np.ndarray,
+                  printed: np.ndarray, width: int):
+  """A delta of one or two packs and nothing else (packs_bits: (old, new) of each, their
+  members' unsigned bits back to back; frame: the layout's update_frame) in one compiled
+  call: the packs coded (encode()'s choices and bytes) and the message's meta and seals
+  written (fields.fields); see _code_update for the rest. None where a pack takes the
+  general path or has nothing to share (its members are then coded alone)."""
+  code = _UPDATE_CODERS.get(frame.key)
+  if code is None:
+    code = _UPDATE_CODERS[frame.key] = _update_coder_for(*frame.key)
+  (old0, new0), (old1, new1) = packs_bits[0], packs_bits[-1]
+  done = code(fn, hash_old, old0, new0, old1, new1, frame.consts,
+              scratch.buffer("update frame", frame.scratch_bytes, np.uint8), fmt, flags,
+              version, base_version, base_sums, printed, width)
+  return done if done[0] else None
+
+
+class Frame(typing.NamedTuple):
+  """What encode_update's call takes of a layout beyond the packs' bits: one read-only
+  uint8 array (consts: a table of where each piece lies, then the pieces) and the size of
+  the per-thread scratch its pieces are cut from. One array each way, where two dozen
+  separate arrays cost tens of microseconds to pass when the caches are cold."""
+  key: tuple  # (lane bits of each pack (0: none), their ways): the compiled coder's
+  consts: np.ndarray
+  scratch_bytes: int
+
+
+_PIECES = 10  # consts' pieces: probe, rest, ends of pack 0, the same of pack 1, perm,
+# fixed, codes, dims
+_SCRATCH = 6  # scratch pieces a pack: plan gaps, stream room, section, gaps, syms, raw
+_TABLE = 2 * (_PIECES + 2 * _SCRATCH) + 2  # (byte offset, bytes) of each, 2 window counts
+_TABLE_BYTES = -(-8 * _TABLE // 64) * 64
+
+
+def update_frame(packs: list, perm: np.ndarray, columns: tuple) -> Frame:
+  """encode_update's Frame of a layout whose packs are `packs` ((elements, itemsize,
+  member ends) of each, one or two), with perm and columns (fixed, codes, dims) as
+  _code_update takes them. A lone pack is both pack 0 and pack 1 (one scratch)."""
+  bits = tuple(8 * itemsize for _, itemsize, _ in packs) + (0,) * (2 - len(packs))
+  key = (*bits, joint.LISTING[bits[0]], joint.LISTING[bits[1] or 8])
+  table = np.zeros(_TABLE, np.int64)
+  pieces, at = [], 0
+  for j, (n, itemsize, ends) in enumerate(packs):
+    probe, rest, windows, specs = _plan_of(n, itemsize)
+    pieces += [probe, rest, np.asarray(ends, np.int64)]
+    table[_TABLE - 2 + j] = windows
+    for i, (size, dtype) in enumerate(specs):
+      nbytes = size * np.dtype(dtype).itemsize
+      table[2 * (_PIECES + _SCRATCH * j + i):][:2] = at, nbytes
+      at += -(-nbytes // 64) * 64
+  if len(packs) == 1:
+    pieces *= 2
+    table[2 * (_PIECES + _SCRATCH):][:2 * _SCRATCH] = table[2 * _PIECES:][:2 * _SCRATCH]
+    table[_TABLE - 1] = table[_TABLE - 2]
+  pieces += [np.asarray(perm, np.int64), *(np.ascontiguousarray(c).reshape(-1)
+                                           for c in columns)]
+  body, pos = [], _TABLE_BYTES
+  for i, piece in enumerate(pieces):
+    raw = np.ascontiguousarray(piece).view(np.uint8).reshape(-1)
+    table[2 * i:2 * i + 2] = pos, raw.size
+    body.append(np.pad(raw, (0, -raw.size % 64)))
+    pos += body[-1].size
+  head = np.zeros(_TABLE_BYTES, np.uint8)
+  head[:8 * _TABLE] = table.view(np.uint8)
+  return Frame(key, read_only(np.concatenate([head, *body])), max(at, 1))
+
+
+@numba.njit(inline="always", **_JIT)
+def _piece(at, table, i):
+  """Entry i of the frame table (consts' pieces, then the scratch's) as bytes of `at`."""
+  return at[table[2 * i]:table[2 * i] + table[2 * i + 1]]
+
+
+@numba.njit(inline="always", **_JIT)
+def _pack_args(consts, table, scr, j, old, new):
+  """Pack j's (old, new, probe, rest, windows, plan, room, section, ends, gaps, syms, raw),
+  _code's arguments, from the frame (consts, its table) and the scratch scr."""
+  s = _PIECES + _SCRATCH * j
+  return (old, new, _piece(consts, table, 3 * j).view(np.int64),
+          _piece(consts, table, 3 * j + 1).view(np.int64), table[_TABLE - 2 + j],
+          _piece(scr, table, s).view(np.uint64), _piece(scr, table, s + 1).view(np.uint64),
+          _piece(scr, table, s + 2), _piece(consts, table, 3 * j + 2).view(np.int64),
+          _piece(scr, table, s + 3).view(np.uint32), _piece(scr, table, s + 4),
+          _piece(scr, table, s + 5).view(np.uint64))
+
+
 def _update_coder_for(bits0: int, bits1: int, listed0: int, listed1: int):
   """_code_update compiled for packs of bits0 and bits1 (0: one pack) lane bits, listed
-  the ways listed0 and listed1 (joint.WAYS)."""
+  the ways listed0 and listed1 (joint.WAYS), taking its layout's Frame."""
   two = bool(bits1)
 
   @numba.njit(**_JIT)
-  def code_update(fn, hash_old, p0, p1, perm, fixed, codes, dims, fmt, flags, version,
+  def code_update(fn, hash_old, old0, new0, old1, new1, consts, scr, fmt, flags, version,
                   base_version, base_sums, printed, width):
-    return _code_update(fn, hash_old, p0, p1, two, perm, fixed, codes, dims, fmt, flags,
-                        version, base_version, base_sums, printed, width, bits0, listed0,
-                        bits1 or 8, listed1)
+    table = consts[:8 * _TABLE].view(np.int64)
+    perm = _piece(consts, table, 6).view(np.int64)
+    return _code_update(fn, hash_old, _pack_args(consts, table, scr, 0, old0, new0),
+                        _pack_args(consts, table, scr, 1, old1, new1), two, perm,
+                        _piece(consts, table, 7),
+                        _piece(consts, table, 8).reshape((perm.size, 4)),
+                        _piece(consts, table, 9), fmt, flags, version, base_version,
+                        base_sums, printed, width, bits0, listed0, bits1 or 8, listed1)
   return code_update
 
 
 _UPDATE_CODERS: dict = {}  # (lane bits of each pack (0: none), their ways) -> coder
-
-
-def encode_update(packs_bits: list, hash_old: bool, fn: int, perm: np.ndarray, columns,
-                  fmt: int, flags: int, version: int, base_version: int,
-                  base_sums: np.ndarray, printed: np.ndarray, width: int):
-  """A delta of one or two packs and nothing else (packs_bits: (old, new, ends) of each,
-  their members' unsigned bits back to back) in one compiled call: the packs coded
-  (encode()'s choices and bytes) and the message's meta and seals written (fields.fields;
-  columns: the layout's (fixed, codes, dims)); see _code_update for the rest. None where
-  a pack takes the general path or has nothing to share (its members are then coded
-  alone)."""
-  specs = [_arguments(old, new, ends) for old, new, ends in packs_bits]
-  bits = (8 * packs_bits[0][1].itemsize, 8 * packs_bits[1][1].itemsize if len(specs) > 1 else 0)
-  key = (*bits, joint.LISTING[bits[0]], joint.LISTING[bits[1] or 8])
-  code = _UPDATE_CODERS.get(key)
-  if code is None:
-    code = _UPDATE_CODERS[key] = _update_coder_for(*key)
-  p1 = specs[1] if len(specs) > 1 else specs[0]
-  done = code(fn, hash_old, specs[0], p1, perm, *columns, fmt, flags, version, base_version,
-              base_sums, printed, width)
-  return done if done[0] else None

@@ -368,6 +368,35 @@ def test_a_packed_apply_the_call_cannot_finish_is_left_to_the_general_path(monke
   assert all(np.array_equal(out[k].view(np.uint8), held[k].view(np.uint8)) for k in held)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_an_update_frame_holds_each_piece_aligned_and_a_lone_pack_twice(fmt):
+  """The frame's table gives each piece's bytes (64-byte aligned) as the layout has them,
+  and scratch entries that do not overlap; a lone pack (bf16) is pack 0 and pack 1."""
+  rng = np.random.default_rng(13)
+  base, _ = _small_model(rng, fmt, n=40)
+  lay = codec._layout(tuple((n, v.shape, v.dtype) for n, v in base.items()))
+  frame = lay.frame
+  assert frame is not None and not frame.consts.flags.writeable
+  table = frame.consts[:8 * pack_coder._TABLE].view(np.int64)
+  piece = lambda i: frame.consts[table[2 * i]:table[2 * i] + table[2 * i + 1]]  # noqa: E731
+  assert all(table[2 * i] % 64 == 0 for i in range(pack_coder._PIECES + 2 * pack_coder._SCRATCH))
+  packs = list(lay.pack_list) * (3 - len(lay.pack_list))  # a lone pack, twice
+  assert len(lay.pack_list) == (1 if fmt == "bf16" else 2)
+  for j, (_, ends, _) in enumerate(packs[:2]):
+    assert np.array_equal(piece(3 * j + 2).view(np.int64), ends)
+  assert np.array_equal(piece(6).view(np.int64), lay.perm)
+  for i, column in enumerate(lay.columns[:3]):
+    assert piece(7 + i).tobytes() == np.ascontiguousarray(column).tobytes()
+  spans = sorted((table[2 * i], table[2 * i] + table[2 * i + 1]) for i in range(
+      pack_coder._PIECES, pack_coder._PIECES + pack_coder._SCRATCH * len(lay.pack_list)))
+  assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+  assert spans[-1][1] <= frame.scratch_bytes
+  if len(lay.pack_list) == 1:
+    first = table[2 * pack_coder._PIECES:][:2 * pack_coder._SCRATCH]
+    second = table[2 * (pack_coder._PIECES + pack_coder._SCRATCH):][:2 * pack_coder._SCRATCH]
+    assert np.array_equal(first, second)
+
+
 def test_a_packed_model_whose_pack_has_nothing_to_share_takes_the_general_path(monkeypatch):
   """Every element of the bf16 pack changed by an offset of no pattern: raw bytes are the
   smallest, no pack is made, and the general path codes the members alone."""
