@@ -227,13 +227,21 @@ def _base_column(given, lay: "_Layout") -> np.ndarray:
     raise ValueError(f"base_checksums: expected a mapping of name -> checksum, got "
                      f"{type(given).__name__}")
   check_names("base_checksums", given, lay.sizes)
-  values = list(map(given.__getitem__, lay.names))
-  for name, value in zip(lay.names, values):
+  return read_only(np.array(_u64s("base checksum", lay.names, map(given.__getitem__,
+                                                                  lay.names)), np.uint64))
+
+
+def _u64s(what: str, names, values) -> list[int]:
+  """values (one a name) as ints, after checking each is an int in [0, 2**64)
+  (CodecError naming the tensor and `what` it is)."""
+  out = []
+  for name, value in zip(names, values):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
         0 <= int(value) < 1 << 64):
-      raise CodecError(f"tensor {name!r}: base checksum expected an int in [0, 2**64), "
+      raise CodecError(f"tensor {name!r}: {what} expected an int in [0, 2**64), "
                        f"got {value!r}")
-  return read_only(np.array(values, np.uint64))
+    out.append(int(value))
+  return out
 
 
 def _joined(columns: list) -> tuple:
@@ -258,12 +266,7 @@ def _fingerprints_of(given, state: dict, threads: int) -> dict | None:
   if not isinstance(given, dict):
     raise ValueError(f"fingerprints: expected a dict, True or None, got {type(given).__name__}")
   check_names("fingerprints", given, state)
-  for name, value in given.items():
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
-        0 <= int(value) < 1 << 64):
-      raise CodecError(f"tensor {name!r}: fingerprint expected an int in [0, 2**64), "
-                       f"got {value!r}")
-  return {name: int(value) for name, value in given.items()}
+  return dict(zip(given, _u64s("fingerprint", given, given.values())))
 
 
 class _Layout(typing.NamedTuple):
@@ -291,7 +294,6 @@ class _Layout(typing.NamedTuple):
 @_last_cached
 def _layout(key: tuple) -> _Layout:
   sizes = {n: math.prod(shape) for n, shape, _ in key}
-  shapes = {n: tuple(int(d) for d in shape) for n, shape, _ in key}
   dtypes = {n: d for n, _, d in key}
   groups = packs.members_by_dtype(sizes, dtypes)
   packed = {n for members in groups.values() for n in members}
@@ -303,6 +305,7 @@ def _layout(key: tuple) -> _Layout:
   position = {n: i for i, n in enumerate(sizes)}
   heads = [position[m[0]] for m in groups.values()] or [0]
   header = tuple((n, tuple(int(d) for d in shape), np.dtype(dtype)) for n, shape, dtype in key)
+  shapes = {n: shape for n, shape, _ in header}
   columns = layout_columns(header, SECTION_CODEC_VERSION)
   one_call = len(packed) == len(sizes) and 0 < len(groups) <= 2
   frame = pack_coder.update_frame(

@@ -361,8 +361,7 @@ def update_frame(packs: list, perm: np.ndarray, columns: tuple) -> Frame:
     pieces *= 2
     table[2 * (_PIECES + _SCRATCH):][:2 * _SCRATCH] = table[2 * _PIECES:][:2 * _SCRATCH]
     table[_TABLE - 1] = table[_TABLE - 2]
-  pieces += [np.asarray(perm, np.int64), *(np.ascontiguousarray(c).reshape(-1)
-                                           for c in columns)]
+  pieces += [np.asarray(perm, np.int64), *columns]
   body, pos = [], _TABLE_BYTES
   for i, piece in enumerate(pieces):
     raw = np.ascontiguousarray(piece).view(np.uint8).reshape(-1)
