@@ -51,7 +51,7 @@ _REAL_SIZES = flags.DEFINE_list(
 _SIZES = {"tiny": {}, "38m": dict(hidden_size=768, intermediate_size=2048, num_layers=6,
                                   num_heads=12, num_kv_heads=4, head_dim=64)}
 _REPS = flags.DEFINE_integer(
-    "reps", 5, "timed repetitions (best is reported); small models run up to 20 times")
+    "reps", 5, "timed repetitions (best is reported); small models run up to 40 times")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _THREADS = flags.DEFINE_integer(
     "threads", 0, "threads of the wall-time columns (0: parallel.default_threads())")
