@@ -12,7 +12,7 @@ def test_the_weight_sync_benchmark_prints_one_row_per_density_and_format():
   run = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "weight_sync.py"),
        "--elements=262144", "--densities=0.01,0.1", "--real=false", "--reps=1",
-       "--decode_streams=2"],
+       "--decode_streams=2", "--probe_mb=8"],
       capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert run.returncode == 0, run.stderr[-2000:]
   lines = [line for line in run.stdout.splitlines() if " | " in line]
@@ -31,6 +31,21 @@ def test_the_weight_sync_benchmark_prints_one_row_per_density_and_format():
     assert all(part.endswith("%") for part in r["bulk e/a"].split("/")), r
   assert "memory copy" in run.stdout and "keyframes: bf16" in run.stdout
   assert "joint decoder: 2 streams in lockstep" in run.stdout  # --decode_streams
+
+
+def test_the_threaded_copy_baseline_splits_any_shape_into_equal_runs(monkeypatch):
+  """CopyProbe.threaded copies equal element runs side by side, a 2-D source too (cut by
+  rows it would give the first thread everything)."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import numpy as np  # noqa: PLC0415
+  import weight_sync  # noqa: PLC0415
+  src = np.arange(6 * 1000, dtype=np.uint16).reshape(6, 1000)
+  probe = weight_sync.CopyProbe(src)
+  sizes, copy = [], np.copyto
+  monkeypatch.setattr(np, "copyto", lambda dst, s: sizes.append(s.size) or copy(dst, s))
+  probe.threaded(2)
+  assert sorted(sizes) == [3000, 3000]
+  assert np.array_equal(probe.dst, src.reshape(-1))
 
 
 def test_the_worker_checks_benchmark_compares_pulling_with_device_fingerprints():
