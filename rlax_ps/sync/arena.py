@@ -36,7 +36,7 @@ KEEP = SPARES + 2  # arenas tracked (most recent last), in use or free
 # most recent last
 _ARENAS: list[tuple] = []
 _ARENAS_LOCK = threading.Lock()
-# id(a pack's first array) -> (its span, weak references to its arrays): see register.
+# id(a pack's first array) -> (its span, the pack's other arrays): see register.
 _PACKS: dict[int, tuple] = {}
 
 
@@ -143,8 +143,12 @@ def members_of(span: np.ndarray, shapes: list, dtype: np.dtype) -> list[np.ndarr
 
 
 def cut(span: np.ndarray, slices: tuple, shapes: tuple, dtype: np.dtype) -> list[np.ndarray]:
-  """members_of with the pieces' slices (cuts(shapes)) made already."""
-  return list(map(np.ndarray.reshape, map(span.view(dtype).__getitem__, slices), shapes))
+  """members_of with the pieces' slices (cuts(shapes)) made already: one numpy call an
+  array (np.ndarray over span's buffer, whose base numpy collapses to the arena's own
+  array as a view's), where a slice and a reshape would be two."""
+  size = dtype.itemsize
+  return [np.ndarray(shape, dtype, span, piece.start * size)
+          for piece, shape in zip(slices, shapes)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -170,20 +174,23 @@ def held_arena(shapes: dict, dtypes: dict) -> dict:
 
 def register(members: list[np.ndarray], span: np.ndarray) -> None:
   """Records that the arrays `members` (a pack's, in order) lie back to back in `span`
-  (their flat unsigned bits), until the first of them is freed."""
+  (their flat unsigned bits), until the first of them is freed (a weak reference's
+  callback: a weakref.finalize costs several times as much). The record holds the others
+  (views of the same buffer, alive while the first is) and not the first."""
   key = id(members[0])
-  _PACKS[key] = (span, tuple(map(weakref.ref, members)))
-  weakref.finalize(members[0], _PACKS.pop, key, None)
+  _PACKS[key] = (span, tuple(members[1:]), weakref.ref(members[0], lambda _: _forget(key)))
 
 
-def span_of(members: list[np.ndarray]) -> np.ndarray | None:
-  """The span `register` recorded for exactly these arrays (the same objects, in order),
-  else None (the caller concatenates). Identity, not addresses: reading an array's
-  address costs microseconds in numpy."""
+def _forget(key: int) -> None:
+  _PACKS.pop(key, None)
+
+
+def span_of(members) -> np.ndarray | None:
+  """The span `register` recorded for exactly these arrays (a sequence of the same
+  objects, in order), else None (the caller concatenates). Identity, not addresses: reading
+  an array's address costs microseconds in numpy; the first is the record's key (its
+  record goes when it is freed)."""
   entry = _PACKS.get(id(members[0]))
-  if entry is None or len(entry[1]) != len(members):
+  if entry is None or len(entry[1]) != len(members) - 1:
     return None
-  return entry[0] if all(map(operator.is_, map(_DEREF, entry[1]), members)) else None
-
-
-_DEREF = weakref.ref.__call__
+  return entry[0] if all(map(operator.is_, entry[1], members[1:])) else None

@@ -189,14 +189,13 @@ def _encode_packed(old_state: dict, new_state: dict, lay: "_Layout", fmt: str, v
   model's) in one compiled call (pack_coder.encode_update: the packs coded as encode codes
   them, the meta and seals written): the same message as the general path, which takes
   over (None) where a pack does not code there or has nothing to share."""
-  packs_bits = [(_pack_bits([old_state[n] for n in members], f"pack old {i}"),
-                 _pack_bits([new_state[n] for n in members], f"pack new {i}"))
-                for i, (members, _, _) in enumerate(lay.pack_list)]
+  packs_bits = [(_pack_bits(take(old_state), "pack old", i),
+                 _pack_bits(take(new_state), "pack new", i)) for i, take in enumerate(lay.takes)]
   names = lay.names
   done = pack_coder.encode_update(
       packs_bits, lay.frame, base_sums is None, XXH3, FORMATS.index(fmt),
       0 if printed is None else FINGERPRINTED, version, base_version,
-      _EMPTY if base_sums is None else base_sums,
+      _NO_SUMS if base_sums is None else base_sums,
       _EMPTY if printed is None else read_only(np.array(
           list(map(printed.__getitem__, names)), np.uint64)), LOCATOR_BITS // 8)
   if done is None:
@@ -214,21 +213,23 @@ def _encode_packed(old_state: dict, new_state: dict, lay: "_Layout", fmt: str, v
   return update
 
 
-_EMPTY = read_only(np.zeros(0, np.uint64))  # read-only, as the columns it stands in for
+_EMPTY = read_only(np.zeros(0, np.uint64))  # read-only, as the fingerprints it stands in for
+_NO_SUMS = np.zeros(0, np.uint64)  # writable, as the base checksum columns it stands in for
 
 
 def _base_column(given, lay: "_Layout") -> np.ndarray:
-  """encode's base_checksums as a read-only uint64 column in header order: an encoder's
-  Checksums of the same names as it is, else looked up name by name (CodecError naming a
-  missing or extra tensor, or a value that is not an int in [0, 2**64))."""
+  """encode's base_checksums as a uint64 column in header order (read by compiled code,
+  never written): an encoder's Checksums of the same names as it is, else looked up name
+  by name (CodecError naming a missing or extra tensor, or a value that is not an int in
+  [0, 2**64))."""
   if type(given) is Checksums and (given.names is lay.names or given.names == lay.names):
-    return given.column
+    return given._column
   if not isinstance(given, collections.abc.Mapping):
     raise ValueError(f"base_checksums: expected a mapping of name -> checksum, got "
                      f"{type(given).__name__}")
   check_names("base_checksums", given, lay.sizes)
-  return read_only(np.array(_u64s("base checksum", lay.names, map(given.__getitem__,
-                                                                  lay.names)), np.uint64))
+  return np.array(_u64s("base checksum", lay.names, map(given.__getitem__, lay.names)),
+                  np.uint64)
 
 
 def _u64s(what: str, names, values) -> list[int]:
@@ -289,6 +290,7 @@ class _Layout(typing.NamedTuple):
   shape_dtypes: list  # (shape, dtype) of each tensor, header order (apply's base check)
   cuts: tuple  # per pack: (arena.cuts of its members, their shapes, their dtype)
   frame: pack_coder.Frame | None  # where packed: what encode's one call takes of it
+  takes: tuple  # per pack: state -> its members' arrays, in order (one C-level lookup)
 
 
 @_last_cached
@@ -319,7 +321,14 @@ def _layout(key: tuple) -> _Layout:
                  one_call, read_only(perm), heads[0] <= heads[-1], columns,
                  [(shape, dtype) for _, shape, dtype in header],
                  tuple((arena.cuts(tuple(shapes[n] for n in m)), tuple(shapes[n] for n in m),
-                        dtypes[m[0]]) for m in groups.values()), frame)
+                        dtypes[m[0]]) for m in groups.values()), frame,
+                 tuple(operator.itemgetter(*m) if len(m) > 1 else _one(m[0])
+                       for m in groups.values()))
+
+
+def _one(name: str):
+  """state -> (state[name],): itemgetter's tuple of a one-member pack."""
+  return lambda state: (state[name],)
 
 
 def _order_of(perm: list):
@@ -349,14 +358,14 @@ def _encode_pack(old_state: dict, new_state: dict, members: list[str], ends: np.
           base_sums or [None] * k)
 
 
-def _pack_bits(arrays: list[np.ndarray], slot: str) -> np.ndarray:
+def _pack_bits(arrays, slot: str, i: int = 0) -> np.ndarray:
   """A pack's members' unsigned bits as one flat array: their span where they lie back to
-  back (arena.py), else concatenated into this thread's scratch buffer `slot`."""
+  back (arena.py), else concatenated into this thread's scratch buffer `slot` (of pack i)."""
   span = arena.span_of(arrays)
   if span is not None:
     return span
   bits = [bit_view(a) for a in arrays]
-  out = scratch.buffer(slot, sum(b.size for b in bits), bits[0].dtype)
+  out = scratch.buffer(f"{slot} {i}", sum(b.size for b in bits), bits[0].dtype)
   return np.concatenate(bits, out=out)
 
 

@@ -319,7 +319,7 @@ def encode_update(packs_bits: list, frame: "Frame", hash_old: bool, fn: int, fmt
     code = _UPDATE_CODERS[frame.key] = _update_coder_for(*frame.key)
   (old0, new0), (old1, new1) = packs_bits[0], packs_bits[-1]
   done = code(fn, hash_old, old0, new0, old1, new1, frame.consts,
-              scratch.buffer("update frame", frame.scratch_bytes, np.uint8), fmt, flags,
+              scratch.raw("update frame", frame.scratch_bytes), fmt, flags,
               version, base_version, base_sums, printed, width)
   return done if done[0] else None
 

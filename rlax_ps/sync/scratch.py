@@ -36,6 +36,22 @@ def buffer(slot: str, n: int, dtype) -> np.ndarray:
   return buf[:nbytes].view(dtype)
 
 
+def raw(slot: str, nbytes: int) -> np.ndarray:
+  """This thread's uint8 buffer `slot`, whole and of at least nbytes (contents as buffer()'s):
+  for a compiled call that cuts its own pieces, where each numpy step (a dtype, a slice, a
+  view) costs microseconds when the caches are cold."""
+  kept = _LOCAL.__dict__.get("buffers", _NONE).get((slot, "raw"))
+  if kept is not None and kept[0] >= nbytes:
+    return kept[1]
+  buf = buffer(slot, nbytes, np.uint8)
+  if nbytes <= KEEP_MAX:
+    _LOCAL.buffers[(slot, "raw")] = (nbytes, buf)  # with the buffers: release() drops it too
+  return buf
+
+
+_NONE: dict = {}
+
+
 def buffers(slot: str, specs: tuple) -> tuple:
   """buffer() of each (n, dtype) of `specs`, in slots of their own under `slot`, as one
   tuple: while a thread asks for the same specs again, the same arrays (one lookup, where

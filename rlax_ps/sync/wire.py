@@ -506,20 +506,28 @@ def check_seal(seal: Seal, digests, names, problem: str, what: str = "checksum")
 
 class Checksums(collections.abc.Mapping):
   """name -> xxh3-64 of each tensor an update makes, as its encoder recorded them: a
-  read-only uint64 column in header order (`column`, `names`), made a dict only when
+  uint64 column in header order (`column`, read-only; `names`), made a dict only when
   looked into. encode takes it back as base_checksums and reads the column as it is: a
   publisher's next delta builds no dict and no array of them."""
 
-  __slots__ = ("names", "column", "_by_name")
+  __slots__ = ("names", "_column", "_view", "_by_name")
 
   def __init__(self, names: tuple, column: np.ndarray):
     if len(names) != column.size:
       raise ValueError(f"checksums: {len(names)} names for {column.size} values")
-    self.names, self.column, self._by_name = names, read_only(column), None
+    self.names, self._column, self._view, self._by_name = names, column, None, None
+
+  @property
+  def column(self) -> np.ndarray:
+    """The checksums in header order (read-only: the view is made when first asked for,
+    as a numpy flag costs microseconds on a publisher's path when the caches are cold)."""
+    if self._view is None:
+      self._view = read_only(self._column)
+    return self._view
 
   def _dict(self) -> dict[str, int]:
     if self._by_name is None:
-      self._by_name = dict(zip(self.names, self.column.tolist()))
+      self._by_name = dict(zip(self.names, self._column.tolist()))
     return self._by_name
 
   def __getitem__(self, name: str) -> int:

@@ -1,6 +1,7 @@
 """Held states in one buffer (arena.py): packs back to back, read and written as one span."""
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -61,6 +62,24 @@ def test_a_span_is_forgotten_with_its_first_array():
   del held
   gc.collect()
   assert key not in arena._PACKS
+
+
+def test_a_span_record_holds_the_other_members_but_not_the_first():
+  """The record refuses a pack with any member replaced, and does not keep the first
+  array alive: dropping it alone forgets the span, while the others still live."""
+  held = sync.held_state(float_model(np.random.default_rng(3)), "bf16")
+  members = next(iter(packs.members_by_dtype({n: a.size for n, a in held.items()},
+                                             {n: a.dtype for n, a in held.items()}).values()))
+  arrays = [held[n] for n in members]
+  assert len(arrays) >= 3 and arena.span_of(arrays) is not None
+  assert arena.span_of(tuple(arrays)) is not None  # any sequence of the same objects
+  middle = arrays[:1] + [arrays[1].copy()] + arrays[2:]
+  assert arena.span_of(middle) is None
+  first, key = weakref.ref(arrays[0]), id(arrays[0])
+  del held[members[0]], arrays[0], middle
+  gc.collect()
+  assert first() is None and key not in arena._PACKS
+  assert all(a.base is not None for a in arrays)  # the others live on
 
 
 def test_bf16_held_state_rounds_every_float32_pattern_as_astype():

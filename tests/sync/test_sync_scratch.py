@@ -42,6 +42,24 @@ def test_a_set_of_buffers_is_the_same_arrays_while_its_specs_repeat():
   assert not any(a is b for a, b in zip(first, again))  # release drops the set too
 
 
+def test_a_raw_buffer_is_the_same_array_while_it_is_large_enough():
+  first = scratch.raw("test raw", 1000)
+  assert first.dtype == np.uint8 and first.ndim == 1 and first.size >= 1000
+  assert scratch.raw("test raw", 1000) is first and scratch.raw("test raw", 10) is first
+  grown = scratch.raw("test raw", 5000)
+  assert grown.size >= 5000 and grown is not first
+  assert scratch.raw("test raw", 1000) is grown  # the larger one is kept
+  other = []
+  thread = threading.Thread(target=lambda: other.append(scratch.raw("test raw", 1000)))
+  thread.start()
+  thread.join()
+  assert not np.shares_memory(other[0], grown)  # per thread
+  big = scratch.raw("test raw", scratch.KEEP_MAX + 8)
+  assert big.size == scratch.KEEP_MAX + 8 and scratch.raw("test raw", 10) is grown
+  scratch.release()
+  assert not np.shares_memory(scratch.raw("test raw", 1000), grown)  # release drops it
+
+
 def test_release_all_threads_reaches_the_pool_and_forgets_finished_threads():
   held, done = [], threading.Event()
 
