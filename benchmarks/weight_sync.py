@@ -68,16 +68,26 @@ _COLS = 4096
 def best_time(fn, reps, setup=None, probe=None):
   """(best CPU seconds, best wall seconds, result) over `reps` runs of fn(setup()); `probe`
   (the memory copy) runs before each, so that both see the machine in the same state."""
-  cpu, wall, out = float("inf"), float("inf"), None
+  return best_times([(fn, setup)], reps, probe)[0]
+
+
+def best_times(runs, reps, probe=None):
+  """best_time of each (fn, setup) of `runs`, measured round-robin: each round runs every
+  one once (probe before each), so that all of them and the probe's copy baseline see the
+  same stretch of time. A shared host slows for seconds at a time (another tenant on the
+  core's sibling thread); measured one after the other, a row's encode could fall in such
+  a stretch while its baseline, whose best is kept over the whole row, does not."""
+  best = [[float("inf"), float("inf"), None] for _ in runs]
   for _ in range(reps):
-    if probe:
-      probe()
-    arg = setup() if setup else None
-    t, c = time.perf_counter(), time.process_time()
-    out = fn(arg) if setup else fn()
-    cpu = min(cpu, time.process_time() - c)
-    wall = min(wall, time.perf_counter() - t)
-  return cpu, wall, out
+    for (fn, setup), kept in zip(runs, best):
+      if probe:
+        probe()
+      arg = setup() if setup else None
+      t, c = time.perf_counter(), time.process_time()
+      kept[2] = fn(arg) if setup else fn()
+      kept[0] = min(kept[0], time.process_time() - c)
+      kept[1] = min(kept[1], time.perf_counter() - t)
+  return [tuple(kept) for kept in best]
 
 
 class CopyProbe:
@@ -170,8 +180,9 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   """One table row: encode base_held -> target, apply it (new arrays, then in place),
   compare with the bound. keyframe: the update that published base_held (its checksums are
   the publisher's base_checksums). probe: the 200 MB memory copy; it and a copy of
-  base_held (the row's baseline, StateCopy) run before each timed run of this row. Each apply gets a fresh Update of the same bytes, so that it decodes (and
-  parses its code tables anew)."""
+  base_held (the row's baseline, StateCopy) run before each timed run of this row, and the
+  row's runs go round-robin (best_times). Each apply gets a fresh Update of the same bytes,
+  so that it decodes (and parses its code tables anew)."""
   keyframe_bytes = keyframe.nbytes
   # Small models run more often (a noisy machine's best of a few short runs is luck): up
   # to 40 runs, about 400 MB of model bytes in all; the row's copy baseline runs as often.
@@ -184,12 +195,8 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   probe.reset()
   bulk_probe, probe = probe, StateCopy(base_held, probe)
   known = keyframe.checksums
-  enc = best_time(lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0,
-                                      base_checksums=known, threads=1), reps, probe=probe)
-  update = enc[2]
-  enc_host = best_time(lambda: sync.encode(base_held, target, fmt, version=1, base_version=0,
-                                           base_checksums=known, threads=1), reps, probe=probe)
-  assert enc_host[2].to_bytes() == update.to_bytes()
+  update = sync.encode(base_held, target_held, fmt, version=1, base_version=0,
+                       base_checksums=known, threads=1)
   assert sync.encode(base_held, target_held, fmt, version=1).to_bytes() == update.to_bytes()
 
   def fresh():
@@ -198,17 +205,7 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
     joint.forget_tables()
     return sync.Update(update.to_bytes(), update.header)
 
-  app = best_time(lambda u: sync.apply(base_held, u, threads=1), reps, setup=fresh, probe=probe)
-  for k, v in target_held.items():
-    assert np.array_equal(bit_view(app[2][k]), bit_view(v)), k
   spare = {k: np.zeros_like(v) for k, v in base_held.items()}  # pages touched once
-  into = best_time(lambda u: sync.apply(base_held, u, out=spare, threads=1), reps,
-                   setup=fresh, probe=probe)
-  for k, v in target_held.items():
-    assert np.array_equal(bit_view(into[2][k]), bit_view(v)), k
-  inplace = best_time(lambda a: sync.apply(a[0], a[1], inplace=True, threads=1), reps,
-                      setup=lambda: ({k: v.copy() for k, v in base_held.items()}, fresh()),
-                      probe=probe)
   # A worker's host part: every tensor's changes, decoded into its device scatter's arrays,
   # which it takes from its HostBuffers and gives back once the scatters are done (here:
   # before the next run, untimed).
@@ -223,20 +220,36 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   def decode_all(u, each):
     held_back.extend(ch for _, ch in each(u) if ch.kind == "sparse")
 
-  worker = best_time(lambda u: decode_all(u, lambda u: (
-      (name, device.padded_changes(u, name, pool)) for name in u.tensors)), reps,
-      setup=fresh_for_worker, probe=probe)
+  enc, enc_host, app, into, inplace, worker = best_times([
+      (lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0,
+                           base_checksums=known, threads=1), None),
+      (lambda: sync.encode(base_held, target, fmt, version=1, base_version=0,
+                           base_checksums=known, threads=1), None),
+      (lambda u: sync.apply(base_held, u, threads=1), fresh),
+      (lambda u: sync.apply(base_held, u, out=spare, threads=1), fresh),
+      (lambda a: sync.apply(a[0], a[1], inplace=True, threads=1),
+       lambda: ({k: v.copy() for k, v in base_held.items()}, fresh())),
+      (lambda u: decode_all(u, lambda u: (
+          (name, device.padded_changes(u, name, pool)) for name in u.tensors)),
+       fresh_for_worker)], reps, probe=probe)
+  for got in (enc, enc_host):
+    assert got[2].to_bytes() == update.to_bytes()
+  for got in (app, into):
+    for k, v in target_held.items():
+      assert np.array_equal(bit_view(got[2][k]), bit_view(v)), k
   copy_s = probe.best()  # seconds of the same bytes' copy
   bulk_s = bulk_probe.rate()  # seconds per byte of the 200 MB copy
   # Wall time on `threads` threads (tensors side by side) against a copy on as many.
   threads = _THREADS.value or parallel.default_threads()
-  copy_t = best_time(lambda: bulk_probe.threaded(threads), reps)[1] / bulk_probe.src.nbytes
-  enc_t = best_time(lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0,
-                                        base_checksums=known, threads=threads), reps)
+  copy_t, enc_t, app_t, work_t = best_times([
+      (lambda: bulk_probe.threaded(threads), None),
+      (lambda: sync.encode(base_held, target_held, fmt, version=1, base_version=0,
+                           base_checksums=known, threads=threads), None),
+      (lambda u: sync.apply(base_held, u, threads=threads), fresh),
+      (lambda u: decode_all(u, lambda u: device.each_padded_changes(
+          u, u.tensors, threads, pool)), fresh_for_worker)], reps)
+  copy_t = copy_t[1] / bulk_probe.src.nbytes
   assert enc_t[2].to_bytes() == update.to_bytes()
-  app_t = best_time(lambda u: sync.apply(base_held, u, threads=threads), reps, setup=fresh)
-  work_t = best_time(lambda u: decode_all(u, lambda u: device.each_padded_changes(
-      u, u.tensors, threads, pool)), reps, setup=fresh_for_worker)
   for k, v in target_held.items():
     assert np.array_equal(bit_view(inplace[2][k]), bit_view(v)), k
   model = held_bytes(base_held)

@@ -60,3 +60,17 @@ def test_the_worker_checks_benchmark_compares_pulling_with_device_fingerprints()
   assert rows["device fprint"][2].endswith("x pull+xxh3")
   assert rows["host fprint"][2].endswith("x host xxh3")
   assert all(float(r[0]) > 0 for name, r in rows.items() if name != "check")
+
+
+def test_the_benchmark_times_a_rows_runs_round_robin_each_after_the_probe():
+  """best_times runs every (fn, setup) once per round, each right after the probe, so a
+  row's runs and its copy baseline see the same stretch of a drifting machine."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import weight_sync
+  calls = []
+  runs = [(lambda: calls.append("a") or "ra", None),
+          (lambda x: calls.append(f"b{x}") or "rb", lambda: calls.append("setup") or 7)]
+  got = weight_sync.best_times(runs, 3, probe=lambda: calls.append("probe"))
+  assert calls == ["probe", "a", "probe", "setup", "b7"] * 3
+  assert [g[2] for g in got] == ["ra", "rb"]
+  assert all(0 <= g[0] < float("inf") and 0 <= g[1] < float("inf") for g in got)
