@@ -51,7 +51,8 @@ _REAL_SIZES = flags.DEFINE_list(
 _SIZES = {"tiny": {}, "38m": dict(hidden_size=768, intermediate_size=2048, num_layers=6,
                                   num_heads=12, num_kv_heads=4, head_dim=64)}
 _REPS = flags.DEFINE_integer(
-    "reps", 5, "timed repetitions (best is reported); small models run up to 40 times")
+    "reps", 5, "timed repetitions (best is reported); smaller models run up to 80 times (about 1 GB "
+    "of model bytes)")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _THREADS = flags.DEFINE_integer(
     "threads", 0, "threads of the wall-time columns (0: parallel.default_threads())")
@@ -184,9 +185,10 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   row's runs go round-robin (best_times). Each apply gets a fresh Update of the same bytes,
   so that it decodes (and parses its code tables anew)."""
   keyframe_bytes = keyframe.nbytes
-  # Small models run more often (a noisy machine's best of a few short runs is luck): up
-  # to 40 runs, about 400 MB of model bytes in all; the row's copy baseline runs as often.
-  reps = max(reps, min(40, int(4e8 // held_bytes(base_held))))
+  # Smaller models run more often (a noisy machine's best of a few short runs is luck): up
+  # to 80 rounds, about 1 GB of model bytes a run in all (the 38M model: 13 rounds); the
+  # row's copy baseline runs as often, in the same rounds.
+  reps = max(reps, min(80, int(1e9 // held_bytes(base_held))))
   target_held = sync.held_state(target, fmt)
   bound, nnz, small, n = state_bound(base_held, target_held)
   # The publisher rounds or quantizes on device (int8_device for int8) and copies the held
