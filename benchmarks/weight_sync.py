@@ -51,8 +51,10 @@ _REAL_SIZES = flags.DEFINE_list(
 _SIZES = {"tiny": {}, "38m": dict(hidden_size=768, intermediate_size=2048, num_layers=6,
                                   num_heads=12, num_kv_heads=4, head_dim=64)}
 _REPS = flags.DEFINE_integer(
-    "reps", 5, "timed repetitions (best is reported); smaller models run up to 80 times (about 1 GB "
-    "of model bytes)")
+    "reps", 5, "timed repetitions (best is reported); smaller models run more (--max_reps)")
+_MAX_REPS = flags.DEFINE_integer(
+    "max_reps", 80, "most timed rounds of a smaller model's row: it runs about 1 GB of model "
+    "bytes in all, up to this many rounds")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _THREADS = flags.DEFINE_integer(
     "threads", 0, "threads of the wall-time columns (0: parallel.default_threads())")
@@ -188,7 +190,7 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
   # Smaller models run more often (a noisy machine's best of a few short runs is luck): up
   # to 80 rounds, about 1 GB of model bytes a run in all (the 38M model: 13 rounds); the
   # row's copy baseline runs as often, in the same rounds.
-  reps = max(reps, min(80, int(1e9 // held_bytes(base_held))))
+  reps = max(reps, min(_MAX_REPS.value, int(1e9 // held_bytes(base_held))))
   target_held = sync.held_state(target, fmt)
   bound, nnz, small, n = state_bound(base_held, target_held)
   # The publisher rounds or quantizes on device (int8_device for int8) and copies the held

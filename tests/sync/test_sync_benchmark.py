@@ -12,7 +12,7 @@ def test_the_weight_sync_benchmark_prints_one_row_per_density_and_format():
   run = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "weight_sync.py"),
        "--elements=262144", "--densities=0.01,0.1", "--real=false", "--reps=1",
-       "--decode_streams=2", "--probe_mb=8"],
+       "--decode_streams=2", "--probe_mb=8", "--max_reps=3"],
       capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert run.returncode == 0, run.stderr[-2000:]
   lines = [line for line in run.stdout.splitlines() if " | " in line]
