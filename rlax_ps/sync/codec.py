@@ -474,10 +474,11 @@ def _apply_packed(held: dict, update: Update, lay: _Layout) -> dict | None:
   spans = arena.spans([(size, lay.dtypes[m[0]]) for m, _, size in lay.pack_list])
   data = memoryview(update.to_view())
   sums = []
-  for (members, ends, _), head, span in zip(lay.pack_list, heads, spans):
-    base = arena.span_of([held[n] for n in members])
+  for (_, ends, _), take, head, span in zip(lay.pack_list, lay.takes, heads, spans):
+    members = take(held)
+    base = arena.span_of(members)
     if base is None:
-      base = np.concatenate([bit_view(held[n]) for n in members], out=span)
+      base = np.concatenate([bit_view(a) for a in members], out=span)
     digests = pack_coder.apply(tensor_codec.MODE_NAMES.index(head.mode),
                                data[head.offset:head.offset + head.nbytes], base, span, ends,
                                XXH3)
