@@ -55,7 +55,7 @@ XXH3 = _xxh3_address()
 
 def combine(digests) -> int:
   """xxh3-64 of the per-item digests as little-endian u64s, in order."""
-  return xxhash.xxh3_64_intdigest(np.array(digests, dtype="<u8"))
+  return xxhash.xxh3_64_intdigest(np.ascontiguousarray(digests, dtype="<u8"))  # no copy of u64s
 
 
 def _index_bits(n: int) -> int:

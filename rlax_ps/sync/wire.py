@@ -11,7 +11,8 @@ Message layout (little-endian):
            | varint rest_len | the rest of the utf-8 name; per tensor u8 dtype
            (0 bf16, 1 int8) | u8 section codec version (2) | u8 mode | u8 ndim; per tensor
            varint dims[ndim]; per tensor varint section_len. zstd: a magicless frame from
-           the built-in name dictionary (_NAME_DICT).
+           the built-in name dictionary (_NAME_DICT), written where the meta is at least
+           1/RAW_META_SHARE of the sections' bytes (else raw: see RAW_META_SHARE).
   seals    integrity.py, each a u64 digest over per-item xxh3-64 digests | 2*ceil(log2 n)
            u8 group locators: results (every tensor the update makes) | bases (deltas
            only: every base tensor) | sections (the non-empty sections' bytes)
@@ -109,6 +110,10 @@ class UpdateHeader(typing.NamedTuple):
   # over every tensor's result fingerprint (fingerprints.py), in header order; None when
   # the publisher gave none (workers then check the results seal)
   fingerprints: Seal | None = None
+  # (name, shape, dtype) of each tensor, in header order (Update.layout), made with the
+  # metas (an encoder's is its layout's own key object); () where not given: read from the
+  # metas. Derived from `tensors`: a header _replace'd with other tensors passes layout=().
+  layout: tuple = ()
 
   @property
   def is_keyframe(self) -> bool:
@@ -182,6 +187,13 @@ _ZSTD_FORMAT = zstandard.FORMAT_ZSTD1_MAGICLESS
 
 
 _LOCAL = threading.local()  # zstd (de)compressors with the dictionary loaded, per thread
+
+
+# A meta under 1/RAW_META_SHARE of its sections' bytes is stored raw: zstd of a few hundred
+# bytes costs 35-40 us once the trainer's step has evicted its code and tables (as long as
+# a small model's packs take to code), to save at most the meta's own bytes, a percent or
+# two of such a message (a larger share of a smaller one, which is compressed).
+RAW_META_SHARE = 64
 
 
 def _compressor(nbytes: int) -> zstandard.ZstdCompressor:
@@ -262,6 +274,7 @@ class _Columns(typing.NamedTuple):
   shapes: tuple  # int tuples
   dtypes: tuple
   sizes: tuple
+  layout: tuple  # as given: (name, shape, dtype) per tensor
 
 
 @functools.lru_cache(maxsize=32)
@@ -280,7 +293,7 @@ def layout_columns(layout: tuple, codec: int) -> _Columns:
                   read_only(codes),
                   as_array(b"".join(varint(d) for shape in shapes for d in shape)), names,
                   shapes, tuple(dtype for _, _, dtype in layout),
-                  tuple(math.prod(shape) for shape in shapes))
+                  tuple(math.prod(shape) for shape in shapes), layout)
 
 
 def assemble(header: UpdateHeader, sections) -> "Update":
@@ -339,13 +352,19 @@ def finish(fmt: str, version: int, base_version: int | None, lay: "_Columns",
   for."""
   words_end = 8 * ends[3]
   meta = out[words_end:meta_end]
-  packed_meta = _compressor(meta.size).compress(meta)
-  codec = int(len(packed_meta) < meta.size)
-  region = b"".join([varint(len(packed_meta) if codec else meta.size),
-                     packed_meta if codec else meta, out[meta_end:sealed_end]])
-  prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, len(region), zlib.crc32(region))
-  data = b"".join([prefix, region] + sections)
-  start = len(prefix) + len(region)
+  if meta.size * RAW_META_SHARE < sum(map(len, sections)):
+    codec = 0  # compressing would save under 1/RAW_META_SHARE of the message: kept raw
+  else:
+    packed_meta = _compressor(meta.size).compress(meta)
+    codec = int(len(packed_meta) < meta.size)
+  # the header's pieces, its crc32 chained over them: joined once, with the sections
+  region = [varint(len(packed_meta) if codec else meta.size), packed_meta if codec else meta,
+            out[meta_end:sealed_end]]
+  crc = zlib.crc32(region[2], zlib.crc32(region[1], zlib.crc32(region[0])))
+  header_len = len(region[0]) + len(region[1]) + len(region[2])
+  prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, header_len, crc)
+  data = b"".join([prefix, *region, *sections])
+  start = len(prefix) + header_len
 
   def header() -> UpdateHeader:
     """The header as read_header parses it (made when first asked for: a publisher sends
@@ -360,7 +379,7 @@ def finish(fmt: str, version: int, base_version: int | None, lay: "_Columns",
         lay.names, lay.shapes, lay.dtypes, map(tensor_codec.MODE_NAMES.__getitem__,
                                                modes.tolist()),
         sizes, itertools.accumulate(sizes, initial=start), lay.sizes))))
-    return UpdateHeader(version, base_version, fmt, tensors, len(data), *made)
+    return UpdateHeader(version, base_version, fmt, tensors, len(data), *made, lay.layout)
   return Update(data, header, packed)
 
 
@@ -430,7 +449,7 @@ def _parse_header(b) -> tuple[UpdateHeader, dict[str, list[str]]]:
   sections = _read_seal(region, sum(1 for n in lengths if n), LOCATOR_BITS)
   printed = _read_seal(region, count, LOCATOR_BITS) if flags & FINGERPRINTED else None
   region.done()
-  tensors = {}
+  tensors, layout = {}, []
   offset = _PREFIX.size + hlen
   for name, (dtype_code, codec, mode, _), shape, nbytes in zip(names, codes, shapes, lengths):
     what = f"tensor {name!r}"
@@ -457,13 +476,14 @@ def _parse_header(b) -> tuple[UpdateHeader, dict[str, list[str]]]:
                        f"message has {buf.nbytes}")
     tensors[name] = TensorMeta(name, shape, dtype, tensor_codec.MODE_NAMES[mode], nbytes,
                                     offset)
+    layout.append((name, shape, dtype))
     offset += nbytes
   if offset != buf.nbytes:
     raise CodecError(f"update: {buf.nbytes - offset} unexpected trailing bytes after the "
                      f"last section")
   found = packs.read_packs(tensors)
   return UpdateHeader(version, None if keyframe else base_version, FORMATS[fmt_code], tensors,
-                      buf.nbytes, results, bases, sections, printed), found
+                      buf.nbytes, results, bases, sections, printed, tuple(layout)), found
 
 
 def check_names(what: str, got, want) -> None:
@@ -641,7 +661,7 @@ class Update:
   @functools.cached_property
   def layout(self) -> tuple:
     """(name, shape, dtype) of each tensor, in header order (as encode keys a held state)."""
-    return tuple(map(_LAYOUT_FIELDS, self.tensors.values()))
+    return self.header.layout or tuple(map(_LAYOUT_FIELDS, self.tensors.values()))
 
   def packs(self) -> dict[str, list[str]]:
     """Pack head -> its members (head first), for every pack of the update."""

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlax_ps import sync
+from rlax_ps.sync import wire
 from rlax_ps.sync.bits import BF16
 
 # +-0, +-inf, quiet/signalling NaNs with payloads, subnormals, +-1, largest finite.
@@ -262,3 +263,31 @@ def test_an_encoded_update_makes_the_header_its_bytes_parse_to(fmt):
   parsed = sync.Update.from_bytes(update.to_bytes())
   assert update.header == parsed.header and update.header is update.header
   assert update.nbytes == len(update.to_bytes()) == parsed.nbytes
+  want = tuple((n, m.shape, m.dtype) for n, m in parsed.tensors.items())
+  assert update.layout == parsed.layout == parsed.header.layout == want
+
+
+def _meta_codec(update) -> tuple[int, int]:
+  """(the prefix's meta codec, the header's bytes) of an update's message."""
+  _, _, codec, header_len, _ = wire._PREFIX.unpack(update.to_bytes()[:wire._PREFIX.size])
+  return codec, header_len
+
+
+def test_a_meta_small_beside_its_sections_is_kept_raw_and_a_larger_share_compressed():
+  """zstd runs on the meta only where it is at least 1/RAW_META_SHARE of the sections'
+  bytes: a keyframe's (its sections are the weights) is raw, a small delta's compressed;
+  both parse to the same header and apply exactly."""
+  rng = np.random.default_rng(12)
+  base = {f"layers.{i}.mlp.kernel": rng.standard_normal((64, 64)).astype(np.float32) * 0.02
+          for i in range(8)}
+  target = dict(base, **{"layers.3.mlp.kernel": base["layers.3.mlp.kernel"] * 1.001})
+  keyframe = sync.encode(None, base, version=0)
+  delta = sync.encode(base, target, version=1)
+  assert _meta_codec(keyframe)[0] == 0 and _meta_codec(delta)[0] == 1
+  body = keyframe.nbytes - wire._PREFIX.size - _meta_codec(keyframe)[1]
+  assert body >= 8 * 64 * 64 * 2 > wire.RAW_META_SHARE * _meta_codec(keyframe)[1]
+  for update, held, want in ((keyframe, None, base), (delta, sync.held_state(base, "bf16"),
+                                                      target)):
+    parsed = sync.Update.from_bytes(update.to_bytes())
+    assert parsed.header == update.header
+    assert_same_bits(sync.apply(held, parsed), sync.held_state(want, "bf16"))
