@@ -38,6 +38,10 @@ _ARENAS: list[tuple] = []
 _ARENAS_LOCK = threading.Lock()
 # id(a pack's first array) -> (its span, the pack's other arrays): see register.
 _PACKS: dict[int, tuple] = {}
+# id(a held state's first array) -> (its names, where its anchor is, its other arrays, a
+# weak reference to the anchor, its layout key, its packs' spans): see record_state.
+_STATES: dict[int, tuple] = {}
+_KEYS: dict[tuple, tuple] = {}  # layout key -> the one equal key object records share
 
 
 class Arena:
@@ -129,11 +133,25 @@ def lay_out(sizes: dict, dtypes: dict, groups: dict) -> tuple[dict, dict]:
   return {n: arena.take(sizes[n], dtypes[n]) for n in alone}, spans
 
 
-def spans(pieces: list) -> list[np.ndarray]:
+def spans(pieces: tuple) -> list[np.ndarray]:
   """Flat unsigned arrays of the (elements, dtype) `pieces`, in order in one new arena
-  (lay_out's spans, for callers that know their packs' sizes)."""
-  arena = Arena(pieces)
-  return [arena.take(n, dtype) for n, dtype in pieces]
+  (lay_out's spans, for callers that know their packs' sizes): one array over the arena's
+  buffer each."""
+  nbytes, plan = _plan(pieces)
+  _, _, buf, address = _arena(nbytes)
+  at = -address % ALIGN
+  return [np.ndarray(shape, dtype, buf, at + offset) for shape, dtype, offset in plan]
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(pieces: tuple) -> tuple[int, tuple]:
+  """(an Arena's bytes, (shape, unsigned dtype, offset from its first aligned byte) of each
+  piece) for spans(pieces), where Arena.take would place them."""
+  plan, at = [], 0
+  for n, dtype in pieces:
+    plan.append(((n,), np.dtype(UINT_OF[dtype]), at))
+    at += _aligned(n, dtype)
+  return at + ALIGN, tuple(plan)
 
 
 def members_of(span: np.ndarray, shapes: list, dtype: np.dtype) -> list[np.ndarray]:
@@ -169,7 +187,12 @@ def held_arena(shapes: dict, dtypes: dict) -> dict:
     arrays = members_of(spans[head], [shapes[n] for n in names], dtypes[head])
     held.update(zip(names, arrays))
     register(arrays, spans[head])
-  return {n: held[n] for n in shapes}
+  held = {n: held[n] for n in shapes}
+  names = tuple(held)
+  if names:
+    record_state(names, tuple(held.values()), anchor_of(names, groups.values()),
+                 tuple(spans.values()))
+  return held
 
 
 def register(members: list[np.ndarray], span: np.ndarray) -> None:
@@ -183,6 +206,62 @@ def register(members: list[np.ndarray], span: np.ndarray) -> None:
 
 def _forget(key: int) -> None:
   _PACKS.pop(key, None)
+
+
+def record_state(names: tuple, values: tuple, at: int, spans: tuple,
+                 key: tuple | None = None) -> tuple:
+  """Records a held state made here (its names and arrays, in order) whole: its layout key
+  ((name, shape, dtype) per tensor, as codec._held keys a state) and its packs' spans (in
+  the order codec's layouts list its packs), so that state_record finds both for a dict of
+  these very arrays without reading any array's shape or dtype (each a cache miss or two
+  on a heap that training has scattered: tens of microseconds for a small model). The
+  record goes when the state's anchor, values[at], is freed: it must be an array no span
+  record holds (anchor_of); the record holds the others, which its death then frees.
+  key: the state's layout key where the caller knows it (interned()), else read from the
+  arrays. Returns the key."""
+  if key is None:
+    key = interned(tuple((n, a.shape, a.dtype) for n, a in zip(names, values)))
+  first = id(values[0])
+  ref = weakref.ref(values[at], functools.partial(_forget_state, first))
+  _STATES[first] = (names, at, values[:at] + values[at + 1:], ref, key, spans)
+  return key
+
+
+def anchor_of(names, groups) -> int:
+  """Where the first of `names` lies that is no pack's member but its first (groups: each
+  pack's members, head first): what a state's record can hang on (record_state)."""
+  held = {n for members in groups for n in members[1:]}
+  return next((i for i, n in enumerate(names) if n not in held), 0)  # (0: no names)
+
+
+def interned(key: tuple) -> tuple:
+  """The one object of layout keys equal to `key` (records and codec's layouts share it,
+  so that comparing them compares pointers)."""
+  if len(_KEYS) >= 64 and key not in _KEYS:
+    _KEYS.clear()
+  return _KEYS.setdefault(key, key)
+
+
+def _forget_state(first: int, ref: weakref.ref) -> None:
+  entry = _STATES.get(first)
+  if entry is not None and entry[3] is ref:  # not a later record under the same id
+    del _STATES[first]
+
+
+def state_record(params: dict) -> tuple | None:
+  """(layout key, packs' spans) that record_state recorded for exactly these arrays (the
+  same objects, under the same names, in the same order), else None. An array reshaped or
+  retyped in place (`a.shape = ...`, which numpy 2.5 deprecates, or `a.dtype = ...`) goes
+  unseen: the record keeps the shape and dtype it was made with (the same bytes)."""
+  values = tuple(params.values())
+  entry = _STATES.get(id(values[0])) if values else None
+  if entry is None:
+    return None
+  names, at, rest, ref, key, spans = entry
+  if (len(values) != len(names) or ref() is not values[at] or tuple(params) != names
+      or not all(map(operator.is_, rest, values[:at] + values[at + 1:]))):
+    return None
+  return key, spans
 
 
 def span_of(members) -> np.ndarray | None:

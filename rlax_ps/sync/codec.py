@@ -30,18 +30,24 @@ def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
 
 
 def _held(params: dict, fmt: str, contiguous: bool = True,
-          like: tuple | None = None) -> tuple[dict[str, np.ndarray], tuple]:
-  """(held_state(params, fmt), its layout key: (name, shape, dtype) per tensor). A held
-  state's checks depend on that key alone, and are made once per key. Not `contiguous`:
-  held bf16 arrays may be strided views (encode reads their bits through bit_view).
-  like: the key of a state just held (a target's, for its base): where params' key equals
-  it, that key is returned and its checks are not looked up again."""
-  if set(map(type, params.values())) == _NUMPY and type(params) is dict:
-    arrays = params  # already numpy: no new dict
+          like: tuple | None = None) -> tuple[dict[str, np.ndarray], tuple, tuple | None]:
+  """(held_state(params, fmt), its layout key: (name, shape, dtype) per tensor, its packs'
+  spans where arena.py recorded the state whole, else None). A held state's checks depend
+  on that key alone, and are made once per key. Not `contiguous`: held bf16 arrays may be
+  strided views (encode reads their bits through bit_view). like: the key of a state just
+  held (a target's, for its base): where params' key equals it, that key is returned and
+  its checks are not looked up again."""
+  recorded = arena.state_record(params) if type(params) is dict else None
+  if recorded is not None:  # a state made here, as it was made: no array is read
+    arrays, (key, spans) = params, recorded
   else:
-    arrays = {name: np.asarray(x) for name, x in params.items()}
-  key = tuple(zip(arrays, map(_SHAPE, arrays.values()), map(_DTYPE, arrays.values())))
-  if key == like:
+    spans = None
+    if set(map(type, params.values())) == _NUMPY and type(params) is dict:
+      arrays = params  # already numpy: no new dict
+    else:
+      arrays = {name: np.asarray(x) for name, x in params.items()}
+    key = tuple(zip(arrays, map(_SHAPE, arrays.values()), map(_DTYPE, arrays.values())))
+  if key is like or key == like:
     key = like
   kind = _held_kind(key, fmt)
   if kind == "float":
@@ -52,12 +58,13 @@ def _held(params: dict, fmt: str, contiguous: bool = True,
                               dict.fromkeys(arrays, BF16))
       for name, a in arrays.items():
         round_into(held[name], a)
-    return held, tuple((n, a.shape, a.dtype) for n, a in held.items())
+    return (held, *arena.state_record(held))
   if fmt == "int8" or (kind == "bf16" and (
-      not contiguous or all([a.flags.c_contiguous for a in arrays.values()]))):
-    return arrays, key
+      spans is not None or not contiguous or all([a.flags.c_contiguous
+                                                  for a in arrays.values()]))):
+    return arrays, key, spans
   held = {name: to_bf16(name, a) for name, a in arrays.items()}  # partly float: rounded
-  return held, tuple((n, a.shape, a.dtype) for n, a in held.items())
+  return held, tuple((n, a.shape, a.dtype) for n, a in held.items()), None
 
 
 _NUMPY = {np.ndarray}
@@ -136,11 +143,13 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
                      f"base_version={base_version}, version={version}")
   if base_checksums is not None and base is None:
     raise ValueError("base_checksums given for a keyframe (base is None)")
-  new_state, new_key = _held(target, fmt, contiguous=False)
-  old_state = None
+  if not len(target):
+    raise ValueError("target: expected at least one tensor, got none")
+  new_state, new_key, new_spans = _held(target, fmt, contiguous=False)
+  old_state = old_spans = None
   lay = _layout(new_key)
   if base is not None:
-    old_state, old_key = _held(base, fmt, contiguous=False, like=new_key)
+    old_state, old_key, old_spans = _held(base, fmt, contiguous=False, like=new_key)
     if old_key is not new_key:  # (the same key: the same names, shapes and dtypes)
       check_names("base", old_state, new_state)
       for name, new in new_state.items():
@@ -153,7 +162,8 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   printed = _fingerprints_of(fingerprints, new_state, threads)
   if old_state is not None and lay.packed and XXH3:  # a small model: one compiled call
     update = _encode_packed(old_state, new_state, lay, fmt, version, base_version,
-                            base_sums, printed)
+                            base_sums, printed, None if old_spans is None or new_spans is None
+                            else (old_spans, new_spans))
     if update is not None:
       return update
   pack_list = () if old_state is None else lay.pack_list
@@ -184,13 +194,15 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
 
 def _encode_packed(old_state: dict, new_state: dict, lay: "_Layout", fmt: str, version: int,
                    base_version: int, base_sums: np.ndarray | None,
-                   printed: dict | None) -> Update | None:
+                   printed: dict | None, spans: tuple | None = None) -> Update | None:
   """The delta of a state whose every tensor is in one of at most two packs (a small
   model's) in one compiled call (pack_coder.encode_update: the packs coded as encode codes
   them, the meta and seals written): the same message as the general path, which takes
-  over (None) where a pack does not code there or has nothing to share."""
-  packs_bits = [(_pack_bits(take(old_state), "pack old", i),
-                 _pack_bits(take(new_state), "pack new", i)) for i, take in enumerate(lay.takes)]
+  over (None) where a pack does not code there or has nothing to share. spans: (old, new)
+  packs' spans, where arena.py recorded both states whole."""
+  packs_bits = list(zip(*spans)) if spans else [
+      (_pack_bits(take(old_state), "pack old", i), _pack_bits(take(new_state), "pack new", i))
+      for i, take in enumerate(lay.takes)]
   names = lay.names
   done = pack_coder.encode_update(
       packs_bits, lay.frame, base_sums is None, XXH3, FORMATS.index(fmt),
@@ -291,10 +303,13 @@ class _Layout(typing.NamedTuple):
   cuts: tuple  # per pack: (arena.cuts of its members, their shapes, their dtype)
   frame: pack_coder.Frame | None  # where packed: what encode's one call takes of it
   takes: tuple  # per pack: state -> its members' arrays, in order (one C-level lookup)
+  pieces: tuple  # per pack: (elements, dtype), as arena.spans takes them
+  anchor: int  # where a state's record hangs (arena.anchor_of)
 
 
 @_last_cached
 def _layout(key: tuple) -> _Layout:
+  key = arena.interned(key)
   sizes = {n: math.prod(shape) for n, shape, _ in key}
   dtypes = {n: d for n, _, d in key}
   groups = packs.members_by_dtype(sizes, dtypes)
@@ -306,7 +321,10 @@ def _layout(key: tuple) -> _Layout:
   perm = np.array([at[n] for n in sizes], np.int64)  # listing position in header order
   position = {n: i for i, n in enumerate(sizes)}
   heads = [position[m[0]] for m in groups.values()] or [0]
-  header = tuple((n, tuple(int(d) for d in shape), np.dtype(dtype)) for n, shape, dtype in key)
+  # the header's form (int shapes, np.dtype dtypes): most often the key itself, so that
+  # updates' headers, this layout and held states' records share one key object
+  header = arena.interned(
+      tuple((n, tuple(int(d) for d in shape), np.dtype(dtype)) for n, shape, dtype in key))
   shapes = {n: shape for n, shape, _ in header}
   columns = layout_columns(header, SECTION_CODEC_VERSION)
   one_call = len(packed) == len(sizes) and 0 < len(groups) <= 2
@@ -323,7 +341,9 @@ def _layout(key: tuple) -> _Layout:
                  tuple((arena.cuts(tuple(shapes[n] for n in m)), tuple(shapes[n] for n in m),
                         dtypes[m[0]]) for m in groups.values()), frame,
                  tuple(operator.itemgetter(*m) if len(m) > 1 else _one(m[0])
-                       for m in groups.values()))
+                       for m in groups.values()),
+                 tuple((int(e[-1]), dtypes[m[0]]) for m, e in zip(groups.values(), ends)),
+                 arena.anchor_of(tuple(sizes), groups.values()))
 
 
 def _one(name: str):
@@ -406,14 +426,20 @@ def apply(base, update: Update, *, base_version: int | None = None,
   if base_version is not None and base_version != update.base_version:
     raise CodecError(f"wrong base version: update applies to {update.base_version}, "
                      f"base is {base_version}")
-  check_names("base", base, update.tensors)
-  numpy = type(base) is dict and set(map(type, base.values())) == _NUMPY
-  held = base if numpy else {name: np.asarray(base[name]) for name in names}
   lay = _layout(update.layout)
-  if list(map(_SHAPE_DTYPE, map(held.__getitem__, names))) != lay.shape_dtypes:
-    held = {name: update.check_base(name, held[name]) for name in names}  # names the misfit
+  recorded = arena.state_record(base) if type(base) is dict else None
+  if recorded is not None and (recorded[0] is lay.key or recorded[0] == lay.key):
+    # a state made here (arena.py), of the update's names, shapes and dtypes
+    held, base_spans = base, recorded[1]
+  else:
+    check_names("base", base, update.tensors)
+    numpy = type(base) is dict and set(map(type, base.values())) == _NUMPY
+    held = base if numpy else {name: np.asarray(base[name]) for name in names}
+    if list(map(_SHAPE_DTYPE, map(held.__getitem__, names))) != lay.shape_dtypes:
+      held = {name: update.check_base(name, held[name]) for name in names}  # names the misfit
+    base_spans = None
   if lay.packed and not inplace and out is None and XXH3:  # a small model: a call a pack
-    result = _apply_packed(held, update, lay)
+    result = _apply_packed(held, update, lay, base_spans)
     if result is not None:
       return result
   base_digests = None
@@ -458,27 +484,32 @@ def apply(base, update: Update, *, base_version: int | None = None,
   return dict(zip(names, lay.order(list(itertools.chain.from_iterable(map(_ARRAYS, done))))))
 
 
-def _apply_packed(held: dict, update: Update, lay: _Layout) -> dict | None:
+def _apply_packed(held: dict, update: Update, lay: _Layout,
+                  base_spans: tuple | None = None) -> dict | None:
   """apply's new arrays for a delta of a small model (lay.packed), where the update made
   every pack and coded each joint or sparse: each pack decoded from the base's span (its
   members concatenated where they have none) into its span of one new arena and hashed, in
   one compiled call (pack_coder.apply), then checked against the results seal. None where
   a pack is not made so, a call does not read its section, or the seal does not match: the
-  general path then applies it and names any problem."""
+  general path then applies it and names any problem. base_spans: the base's packs' spans,
+  where arena.py recorded the base whole; the result is recorded so too."""
   made, metas = update.packs(), update.tensors
   if len(made) != len(lay.pack_list):
     return None
   heads = [metas[members[0]] for members, _, _ in lay.pack_list]
   if not all(h.name in made and h.mode in _ONE_CALL_MODES for h in heads):
     return None
-  spans = arena.spans([(size, lay.dtypes[m[0]]) for m, _, size in lay.pack_list])
+  spans = arena.spans(lay.pieces)
   data = memoryview(update.to_view())
   sums = []
-  for (_, ends, _), take, head, span in zip(lay.pack_list, lay.takes, heads, spans):
-    members = take(held)
-    base = arena.span_of(members)
+  for i, ((_, ends, _), take, head, span) in enumerate(zip(lay.pack_list, lay.takes, heads,
+                                                           spans)):
+    base = None if base_spans is None else base_spans[i]
     if base is None:
-      base = np.concatenate([bit_view(a) for a in members], out=span)
+      members = take(held)
+      base = arena.span_of(members)
+      if base is None:
+        base = np.concatenate([bit_view(a) for a in members], out=span)
     digests = pack_coder.apply(tensor_codec.MODE_NAMES.index(head.mode),
                                data[head.offset:head.offset + head.nbytes], base, span, ends,
                                XXH3)
@@ -493,7 +524,9 @@ def _apply_packed(held: dict, update: Update, lay: _Layout) -> dict | None:
     new = arena.cut(span, cuts, shapes, dtype)
     arena.register(new, span)
     arrays += new
-  return dict(zip(lay.names, lay.order(arrays)))
+  arrays = lay.order(arrays)
+  arena.record_state(lay.names, arrays, lay.anchor, tuple(spans), lay.key)
+  return dict(zip(lay.names, arrays))
 
 
 _ONE_CALL_MODES = ("joint", "sparse")

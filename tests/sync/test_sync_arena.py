@@ -282,3 +282,112 @@ def test_free_arenas_past_spares_are_dropped_the_oldest_first():
   assert [e[0].size for e in free] == sorted(e[0].size for e in free)  # the newest kept
   assert arena.release_spares() == sum(e[0].size for e in free)
   assert held["w"].size == 500
+
+
+def small_model(rng):
+  """float_model without its large tensor: every tensor packed (codec's one-call paths)."""
+  return {n: w for n, w in float_model(rng).items() if n != "big.kernel"}
+
+
+def bits_equal(got, want):
+  return all(np.array_equal(got[n].view(np.uint8), want[n].view(np.uint8)) for n in want)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_state_record_finds_a_held_state_by_identity_and_refuses_any_other(fmt):
+  """A held state is found with its layout key and packs' spans: in another dict of the
+  same arrays too, but not once a name, an array or the order differs."""
+  held = sync.held_state(float_model(np.random.default_rng(7)), fmt)
+  key, spans = arena.state_record(held)
+  assert key == tuple((n, a.shape, a.dtype) for n, a in held.items())
+  groups = packs.members_by_dtype({n: a.size for n, a in held.items()},
+                                  {n: a.dtype for n, a in held.items()})
+  assert len(spans) == len(groups) > 0
+  for span, members in zip(spans, groups.values()):
+    assert span is arena.span_of([held[n] for n in members])
+  assert arena.state_record(dict(held))[0] is key
+  names = list(held)
+  renamed = {("x." + n if n == names[1] else n): a for n, a in held.items()}
+  replaced = {**held, names[2]: held[names[2]].copy()}
+  reordered = dict(reversed(list(held.items())))
+  fewer = dict(list(held.items())[:-1])
+  for other in (renamed, replaced, reordered, fewer, {}):
+    assert arena.state_record(other) is None
+
+
+def test_a_state_record_goes_with_its_anchor_and_holds_no_state_alive():
+  """Dropping a held state frees all its arrays by reference counts alone (the records
+  form no cycle), and its record with them; dropping the anchor alone forgets it too."""
+  held = sync.held_state(small_model(np.random.default_rng(8)), "bf16")
+  first = id(next(iter(held.values())))
+  assert first in arena._STATES
+  refs = [weakref.ref(a) for a in held.values()]
+  del held
+  assert all(r() is None for r in refs) and first not in arena._STATES
+  held = sync.held_state(float_model(np.random.default_rng(8)), "int8")
+  names = tuple(held)
+  groups = packs.members_by_dtype({n: a.size for n, a in held.items()},
+                                  {n: a.dtype for n, a in held.items()})
+  anchor = names[arena.anchor_of(names, groups.values())]
+  rest = {n: a for n, a in held.items() if n != anchor}
+  first = id(next(iter(held.values())))
+  del held
+  assert first not in arena._STATES  # the anchor went with the dict
+  assert all(a.base is not None for a in rest.values())  # the others live on
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("model", [small_model, float_model])
+def test_recorded_states_code_and_apply_as_unrecorded_copies_do(fmt, model):
+  """encode and apply read a recorded state's layout and spans from its record: the same
+  bytes and results as from copies of its arrays (read array by array); a small model's
+  apply records its new state, which then codes the next update as a held state does."""
+  rng = np.random.default_rng(9)
+  params = model(rng)
+  base, target = sync.held_state(params, fmt), sync.held_state(stepped(params, rng), fmt)
+  plain = lambda state: {n: a.copy() for n, a in state.items()}
+  assert arena.state_record(plain(base)) is None
+  update = sync.encode(base, target, fmt, version=1, threads=1)
+  assert update.to_bytes() == sync.encode(plain(base), plain(target), fmt, version=1,
+                                          threads=1).to_bytes()
+  got = sync.apply(base, sync.Update.from_bytes(update.to_bytes()), threads=1)
+  loose = sync.apply(plain(base), sync.Update.from_bytes(update.to_bytes()), threads=1)
+  assert bits_equal(got, target) and bits_equal(loose, target)
+  if model is small_model:
+    key, spans = arena.state_record(got)
+    assert key == tuple((n, a.shape, a.dtype) for n, a in got.items())
+    for span, members in zip(spans, update.packs().values()):
+      assert span is arena.span_of([got[n] for n in members])
+  after = sync.held_state(stepped(params, rng), fmt)
+  assert (sync.encode(got, after, fmt, version=2, threads=1).to_bytes()
+          == sync.encode(plain(got), after, fmt, version=2, threads=1).to_bytes())
+
+
+def test_a_recorded_state_of_other_shapes_is_still_named_as_the_misfit():
+  """A recorded base whose layout is not the target's or the update's takes the checks
+  that name the tensor: a record is never taken for another layout."""
+  rng = np.random.default_rng(10)
+  params = small_model(rng)
+  other = dict(params, **{"embed.embedding": params["embed.embedding"][:-1]})
+  base = sync.held_state(params, "bf16")
+  with pytest.raises(sync.CodecError, match="'embed.embedding'"):
+    sync.encode(base, sync.held_state(other, "bf16"), "bf16", version=1)
+  update = sync.encode(sync.held_state(other, "bf16"),
+                       sync.held_state(stepped(other, rng), "bf16"), "bf16", version=1)
+  with pytest.raises(sync.CodecError, match="'embed.embedding'"):
+    sync.apply(base, sync.Update.from_bytes(update.to_bytes()))
+
+
+def test_spans_lie_in_order_in_one_arena_each_aligned():
+  pieces = ((1000, BF16), (37, INT8), (5, BF16))
+  got = arena.spans(pieces)
+  assert [(a.size, a.dtype) for a in got] == [(1000, np.dtype(np.uint16)),
+                                              (37, np.dtype(np.uint8)),
+                                              (5, np.dtype(np.uint16))]
+  starts = [address(a) for a in got]
+  assert all(s % arena.ALIGN == 0 for s in starts) and starts == sorted(starts)
+  assert all(starts[i] + got[i].nbytes <= starts[i + 1] for i in range(len(got) - 1))
+  assert len({id(a.base) for a in got}) == 1 and got[0].base is not None
+  for i, a in enumerate(got):
+    a[:] = i + 1
+  assert [set(a.tolist()) for a in got] == [{1}, {2}, {3}]  # no piece overlaps another

@@ -229,3 +229,6 @@ def test_bad_arguments_name_the_field(pair):
     sync.encode(base, target, version=4, base_version=4)
   with pytest.raises(sync.CodecError, match="'x'.*dtype expected a floating type, got int32"):
     sync.encode(None, {"x": np.zeros(3, np.int32)}, version=0)
+  for empty_base in (None, {}):
+    with pytest.raises(ValueError, match="target: expected at least one tensor"):
+      sync.encode(empty_base, {}, version=1 if empty_base is not None else 0)
