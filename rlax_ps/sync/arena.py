@@ -32,8 +32,8 @@ from rlax_ps.sync.bits import UINT_OF
 ALIGN = 64
 SPARES = 2  # free arenas' buffers kept for reuse
 KEEP = SPARES + 2  # arenas tracked (most recent last), in use or free
-# (buffer, owner, the array through it: every view's base, address) of each tracked arena,
-# most recent last
+# (buffer, owner, the array through it: every view's base, address, bytes) of each tracked
+# arena, most recent last
 _ARENAS: list[tuple] = []
 _ARENAS_LOCK = threading.Lock()
 # id(a pack's first array) -> (its span, the pack's other arrays): see register.
@@ -50,7 +50,7 @@ class Arena:
 
   def __init__(self, pieces):
     """pieces: the (elements, dtype) of every take() to come."""
-    _, _, self._buf, address = _arena(sum(_aligned(n, d) for n, d in pieces) + ALIGN)
+    _, _, self._buf, address, _ = _arena(sum(_aligned(n, d) for n, d in pieces) + ALIGN)
     self._pos = -address % ALIGN
 
   def take(self, size: int, dtype: np.dtype) -> np.ndarray:
@@ -91,13 +91,13 @@ def _arena(nbytes: int) -> tuple:
   with _ARENAS_LOCK:
     for i in range(len(_ARENAS) - 1, -1, -1):
       entry = _ARENAS[i]
-      if entry[0].size == nbytes and _free(entry):
+      if entry[4] == nbytes and _free(entry):
         _ARENAS.append(_ARENAS.pop(i))
         return entry
   raw = np.empty(nbytes, np.uint8)
   address = raw.__array_interface__["data"][0]
   owner = _Owner(raw, address)
-  entry = (raw, owner, np.asarray(owner), address)  # views of the array have it as base
+  entry = (raw, owner, np.asarray(owner), address, nbytes)  # views of the array: its base
   with _ARENAS_LOCK:
     _ARENAS.append(entry)
     del _ARENAS[:-KEEP]
@@ -138,7 +138,7 @@ def spans(pieces: tuple) -> list[np.ndarray]:
   (lay_out's spans, for callers that know their packs' sizes): one array over the arena's
   buffer each."""
   nbytes, plan = _plan(pieces)
-  _, _, buf, address = _arena(nbytes)
+  _, _, buf, address, _ = _arena(nbytes)
   at = -address % ALIGN
   return [np.ndarray(shape, dtype, buf, at + offset) for shape, dtype, offset in plan]
 
@@ -157,16 +157,20 @@ def _plan(pieces: tuple) -> tuple[int, tuple]:
 def members_of(span: np.ndarray, shapes: list, dtype: np.dtype) -> list[np.ndarray]:
   """The arrays (of `shapes`, in order, of `dtype`) that lie back to back in `span`."""
   shapes = tuple(shapes)
-  return cut(span, cuts(shapes), shapes, dtype)
+  return cut(span, offsets(shapes, np.dtype(dtype).itemsize), shapes, dtype)
 
 
-def cut(span: np.ndarray, slices: tuple, shapes: tuple, dtype: np.dtype) -> list[np.ndarray]:
-  """members_of with the pieces' slices (cuts(shapes)) made already: one numpy call an
-  array (np.ndarray over span's buffer, whose base numpy collapses to the arena's own
-  array as a view's), where a slice and a reshape would be two."""
-  size = dtype.itemsize
-  return [np.ndarray(shape, dtype, span, piece.start * size)
-          for piece, shape in zip(slices, shapes)]
+def cut(span: np.ndarray, at: tuple, shapes: tuple, dtype: np.dtype) -> list[np.ndarray]:
+  """members_of with the pieces' byte offsets (offsets(shapes, itemsize)) known: one
+  numpy call an array (np.ndarray over span's buffer, whose base numpy collapses to the
+  arena's own array as a view's), where a slice and a reshape would be two."""
+  return list(map(np.ndarray, shapes, itertools.repeat(dtype), itertools.repeat(span), at))
+
+
+@functools.lru_cache(maxsize=64)
+def offsets(shapes: tuple, itemsize: int) -> tuple[int, ...]:
+  """The byte offsets of arrays of `shapes` laid back to back."""
+  return tuple(piece.start * itemsize for piece in cuts(shapes))
 
 
 @functools.lru_cache(maxsize=64)

@@ -214,8 +214,10 @@ def _encode_packed(old_state: dict, new_state: dict, lay: "_Layout", fmt: str, v
     return None
   _, out, meta_end, sealed_end, ends, cols, first, second, *heads = done
   n = len(names)
-  made = {members[0]: members for (members, _, _), mode in zip(lay.pack_list, heads)
-          if mode != tensor_codec.UNCHANGED}
+  made = {}
+  for (members, _, _), mode in zip(lay.pack_list, heads):  # (no comprehension's frame)
+    if mode != tensor_codec.UNCHANGED:
+      made[members[0]] = members
   update = finish(fmt, version, base_version, lay.columns, cols[:n], cols[n:2 * n], out,
                   meta_end, sealed_end, ends,
                   [first, second] if lay.heads_in_order else [second, first], made)
@@ -300,7 +302,7 @@ class _Layout(typing.NamedTuple):
   heads_in_order: bool  # the first pack's head precedes the second's in header order
   columns: tuple  # wire's header columns of the layout
   shape_dtypes: list  # (shape, dtype) of each tensor, header order (apply's base check)
-  cuts: tuple  # per pack: (arena.cuts of its members, their shapes, their dtype)
+  cuts: tuple  # per pack: (arena.offsets of its members, their shapes, their dtype)
   frame: pack_coder.Frame | None  # where packed: what encode's one call takes of it
   takes: tuple  # per pack: state -> its members' arrays, in order (one C-level lookup)
   pieces: tuple  # per pack: (elements, dtype), as arena.spans takes them
@@ -338,8 +340,10 @@ def _layout(key: tuple) -> _Layout:
                  tuple(n for n in sizes if n not in packed), _order_of(perm.tolist()),
                  one_call, read_only(perm), heads[0] <= heads[-1], columns,
                  [(shape, dtype) for _, shape, dtype in header],
-                 tuple((arena.cuts(tuple(shapes[n] for n in m)), tuple(shapes[n] for n in m),
-                        dtypes[m[0]]) for m in groups.values()), frame,
+                 tuple((arena.offsets(tuple(shapes[n] for n in m),
+                                      np.dtype(dtypes[m[0]]).itemsize),
+                        tuple(shapes[n] for n in m), dtypes[m[0]]) for m in groups.values()),
+                 frame,
                  tuple(operator.itemgetter(*m) if len(m) > 1 else _one(m[0])
                        for m in groups.values()),
                  tuple((int(e[-1]), dtypes[m[0]]) for m, e in zip(groups.values(), ends)),

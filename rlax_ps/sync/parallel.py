@@ -28,6 +28,8 @@ def default_threads() -> int:
 
 def resolve(threads: int | None) -> int:
   """The thread count for a `threads` argument (None: default_threads())."""
+  if type(threads) is int and threads > 0:
+    return threads
   if threads is None:
     return default_threads()
   if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:

@@ -351,17 +351,18 @@ def finish(fmt: str, version: int, base_version: int | None, lay: "_Columns",
   compressed, the prefix and its crc32, the bytes joined; the header made when first asked
   for."""
   words_end = 8 * ends[3]
-  meta = out[words_end:meta_end]
-  if meta.size * RAW_META_SHARE < sum(map(len, sections)):
-    codec = 0  # compressing would save under 1/RAW_META_SHARE of the message: kept raw
-  else:
-    packed_meta = _compressor(meta.size).compress(meta)
-    codec = int(len(packed_meta) < meta.size)
-  # the header's pieces, its crc32 chained over them: joined once, with the sections
-  region = [varint(len(packed_meta) if codec else meta.size), packed_meta if codec else meta,
-            out[meta_end:sealed_end]]
-  crc = zlib.crc32(region[2], zlib.crc32(region[1], zlib.crc32(region[0])))
-  header_len = len(region[0]) + len(region[1]) + len(region[2])
+  meta_len = meta_end - words_end
+  codec = 0  # under 1/RAW_META_SHARE of the message: kept raw
+  if meta_len * RAW_META_SHARE >= sum(map(len, sections)):
+    packed_meta = _compressor(meta_len).compress(out[words_end:meta_end])
+    codec = int(len(packed_meta) < meta_len)
+  # the header's pieces (a raw meta and the seals after it in `out` are one), its crc32
+  # chained over them: joined once, with the sections
+  region = ([varint(meta_len), memoryview(out)[words_end:sealed_end]] if codec == 0 else
+            [varint(len(packed_meta)), packed_meta, out[meta_end:sealed_end]])
+  crc, header_len = 0, 0
+  for piece in region:
+    crc, header_len = zlib.crc32(piece, crc), header_len + len(piece)
   prefix = _PREFIX.pack(MAGIC, WIRE_VERSION, codec, header_len, crc)
   data = b"".join([prefix, *region, *sections])
   start = len(prefix) + header_len
@@ -658,7 +659,7 @@ class Update:
         f"tensor {name!r}", tensor_codec.MODE_NAMES.index(meta.mode), section, meta.size,
         UINT_OF[meta.dtype])
 
-  @functools.cached_property
+  @property
   def layout(self) -> tuple:
     """(name, shape, dtype) of each tensor, in header order (as encode keys a held state)."""
     return self.header.layout or tuple(map(_LAYOUT_FIELDS, self.tensors.values()))
