@@ -416,7 +416,13 @@ def apply(base, update: Update, *, base_version: int | None = None,
   names = list(update.tensors)
   if out is not None and inplace:
     raise CodecError("apply: pass inplace=True or out, not both")
-  out_slots = None if out is None else _out_slots(out, update, base)
+  lay = None if update.is_keyframe else _layout(update.layout)
+  recorded = arena.state_record(base) if lay is not None and type(base) is dict else None
+  if recorded is not None and not (recorded[0] is lay.key or recorded[0] == lay.key):
+    recorded = None  # (another layout: the checks below name the misfit)
+  out_spans = (_recorded_out(out, lay, recorded)
+               if out is not None and lay is not None and lay.packed and XXH3 else None)
+  out_slots = None if out is None or out_spans is not None else _out_slots(out, update, base)
   if update.is_keyframe:
     slots = _result_slots(update, out_slots)[0]
     tasks = [(meta.size, functools.partial(_apply_one, update, name, None, slots[name]))
@@ -430,10 +436,7 @@ def apply(base, update: Update, *, base_version: int | None = None,
   if base_version is not None and base_version != update.base_version:
     raise CodecError(f"wrong base version: update applies to {update.base_version}, "
                      f"base is {base_version}")
-  lay = _layout(update.layout)
-  recorded = arena.state_record(base) if type(base) is dict else None
-  if recorded is not None and (recorded[0] is lay.key or recorded[0] == lay.key):
-    # a state made here (arena.py), of the update's names, shapes and dtypes
+  if recorded is not None:  # a state made here (arena.py), of the update's layout
     held, base_spans = base, recorded[1]
   else:
     check_names("base", base, update.tensors)
@@ -442,10 +445,12 @@ def apply(base, update: Update, *, base_version: int | None = None,
     if list(map(_SHAPE_DTYPE, map(held.__getitem__, names))) != lay.shape_dtypes:
       held = {name: update.check_base(name, held[name]) for name in names}  # names the misfit
     base_spans = None
-  if lay.packed and not inplace and out is None and XXH3:  # a small model: a call a pack
-    result = _apply_packed(held, update, lay, base_spans)
+  if lay.packed and not inplace and (out is None or out_spans is not None) and XXH3:
+    result = _apply_packed(held, update, lay, base_spans, out_spans)
     if result is not None:
-      return result
+      return result if out is None else dict(out)
+    if out_spans is not None:  # the general path writes `out` through per-tensor slots
+      out_slots = _out_slots(out, update, base)
   base_digests = None
   if inplace:
     for name in names:
@@ -488,22 +493,39 @@ def apply(base, update: Update, *, base_version: int | None = None,
   return dict(zip(names, lay.order(list(itertools.chain.from_iterable(map(_ARRAYS, done))))))
 
 
-def _apply_packed(held: dict, update: Update, lay: _Layout,
-                  base_spans: tuple | None = None) -> dict | None:
+def _recorded_out(out, lay: _Layout | None, base_record: tuple | None) -> tuple | None:
+  """The packs' spans of apply's `out` where both it and the base are states arena.py
+  recorded whole, of the update's layout (a delta's), in different arenas (one state's
+  own, so no array of one shares memory with the other): written through those spans with
+  no per-tensor check (its arrays' writeable flags are not read). None: out is checked
+  tensor by tensor (_out_slots)."""
+  if lay is None or base_record is None or type(out) is not dict:
+    return None
+  recorded = arena.state_record(out)
+  if recorded is None or not (recorded[0] is lay.key or recorded[0] == lay.key):
+    return None
+  spans = recorded[1]
+  return None if spans[0].base is base_record[1][0].base else spans
+
+
+def _apply_packed(held: dict, update: Update, lay: _Layout, base_spans: tuple | None = None,
+                  out_spans: tuple | None = None) -> dict | None:
   """apply's new arrays for a delta of a small model (lay.packed), where the update made
   every pack and coded each joint or sparse: each pack decoded from the base's span (its
   members concatenated where they have none) into its span of one new arena and hashed, in
   one compiled call (pack_coder.apply), then checked against the results seal. None where
   a pack is not made so, a call does not read its section, or the seal does not match: the
   general path then applies it and names any problem. base_spans: the base's packs' spans,
-  where arena.py recorded the base whole; the result is recorded so too."""
+  where arena.py recorded the base whole; the result is recorded so too. out_spans: a
+  recorded spare state's packs' spans (_recorded_out) to decode into instead of a new
+  arena (returns {} then: the caller returns the spare state)."""
   made, metas = update.packs(), update.tensors
   if len(made) != len(lay.pack_list):
     return None
   heads = [metas[members[0]] for members, _, _ in lay.pack_list]
   if not all(h.name in made and h.mode in _ONE_CALL_MODES for h in heads):
     return None
-  spans = arena.spans(lay.pieces)
+  spans = arena.spans(lay.pieces) if out_spans is None else out_spans
   data = memoryview(update.to_view())
   sums = []
   for i, ((_, ends, _), take, head, span) in enumerate(zip(lay.pack_list, lay.takes, heads,
@@ -523,6 +545,8 @@ def _apply_packed(held: dict, update: Update, lay: _Layout,
   digests = (sums[0] if len(sums) == 1 else np.concatenate(sums))[lay.perm]
   if not update.header.results.matches(digests):
     return None
+  if out_spans is not None:
+    return {}
   arrays = []
   for span, (cuts, shapes, dtype) in zip(spans, lay.cuts):
     new = arena.cut(span, cuts, shapes, dtype)

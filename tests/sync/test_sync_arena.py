@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rlax_ps import sync
-from rlax_ps.sync import arena, int8, loops, packs
+from rlax_ps.sync import arena, codec, int8, loops, packs
 from rlax_ps.sync.bits import BF16, INT8, round_into, to_bf16
 from rlax_ps.sync.wire import TensorMeta
 
@@ -391,3 +391,28 @@ def test_spans_lie_in_order_in_one_arena_each_aligned():
   for i, a in enumerate(got):
     a[:] = i + 1
   assert [set(a.tolist()) for a in got] == [{1}, {2}, {3}]  # no piece overlaps another
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_recorded_spare_is_written_through_its_spans_and_returned(fmt, monkeypatch):
+  """apply(..., out=spare) of a small model, both states recorded: the result is decoded
+  straight into the spare's spans (no per-tensor slot or check) and the spare's own arrays
+  come back; a spare not recorded, or one in the base's arena, is checked tensor by tensor
+  as before (the base itself: named as sharing its memory)."""
+  rng = np.random.default_rng(13)
+  params = small_model(rng)
+  base = sync.held_state(params, fmt)
+  target = sync.held_state(stepped(params, rng), fmt)
+  update = sync.Update.from_bytes(sync.encode(base, target, fmt, version=1).to_bytes())
+  checked = []
+  real = codec._out_slots
+  monkeypatch.setattr(codec, "_out_slots", lambda *a: checked.append(1) or real(*a))
+  spare = sync.held_state(small_model(np.random.default_rng(14)), fmt)
+  ids = {n: id(a) for n, a in spare.items()}
+  got = sync.apply(base, update, out=spare, threads=1)
+  assert {n: id(a) for n, a in got.items()} == ids and bits_equal(got, target)
+  assert not checked and arena.state_record(got) is not None
+  loose = {n: np.zeros_like(a) for n, a in base.items()}
+  assert bits_equal(sync.apply(base, update, out=loose, threads=1), target) and checked
+  with pytest.raises(sync.CodecError, match="shares memory with the base"):
+    sync.apply(base, update, out=base)
