@@ -209,7 +209,7 @@ def measure(label, fmt, base_held, target, probe, reps, full_bf16_bytes, keyfram
     joint.forget_tables()
     return sync.Update(update.to_bytes(), update.header)
 
-  spare = {k: np.zeros_like(v) for k, v in base_held.items()}  # pages touched once
+  spare = sync.spare_state(base_held)  # a double buffer's other half (pages touched once)
   # A worker's host part: every tensor's changes, decoded into its device scatter's arrays,
   # which it takes from its HostBuffers and gives back once the scatters are done (here:
   # before the next run, untimed).

@@ -26,7 +26,8 @@ Host usage:
   header = read_header(wire)        # versions, fmt, tensor metas; no payload decoding
   for c in update.chunks(1 << 20): ...; Reassembler().feed(c) -> Update on the last chunk
   held = apply(held, update)        # verified bit for bit against the update's seals
-  new = apply(held, update, out=spare)  # into a spare held state (a double buffer);
+  spare = spare_state(held)         # the other half of a double buffer (its own arena)
+  new = apply(held, update, out=spare)  # into that spare: no allocation, no page faults;
                                     # inplace=True writes changed elements into held
   encode(..., threads=16); apply(..., threads=16)   # tensors side by side (parallel.py;
                                     # default: the host's cores, at most 8; same bytes)
@@ -62,7 +63,7 @@ bases (deltas), one over the sections, each with a few group locators that name 
 tensor behind a mismatch.
 """
 
-from rlax_ps.sync.codec import apply, dequantize, encode, held_state
+from rlax_ps.sync.codec import apply, dequantize, encode, held_state, spare_state
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.int8 import quantize_params
 from rlax_ps.sync.integrity import Seal, checksum
@@ -72,4 +73,5 @@ from rlax_ps.sync.wire import (Reassembler, TensorChanges, TensorMeta, Update, U
 __all__ = [
     "CodecError", "Reassembler", "Seal", "TensorChanges", "TensorMeta", "Update", "UpdateHeader",
     "apply", "checksum", "dequantize", "encode", "held_state", "quantize_params", "read_header",
+    "spare_state",
 ]

@@ -29,6 +29,19 @@ def held_state(params: dict, fmt: str) -> dict[str, np.ndarray]:
   return dict(held) if held is params else held
 
 
+def spare_state(held: dict) -> dict[str, np.ndarray]:
+  """A new held state of `held`'s names, shapes and dtypes, in one arena of its own and
+  zero-filled (its pages touched once): the other half of a double buffer, for
+  apply(..., out=spare). As a state made here, a small model's apply decodes straight
+  into it (arena.py's record)."""
+  arrays = {name: np.asarray(a) for name, a in held.items()}
+  spare = arena.held_arena({n: a.shape for n, a in arrays.items()},
+                           {n: a.dtype for n, a in arrays.items()})
+  for a in spare.values():
+    a.fill(0)
+  return spare
+
+
 def _held(params: dict, fmt: str, contiguous: bool = True,
           like: tuple | None = None) -> tuple[dict[str, np.ndarray], tuple, tuple | None]:
   """(held_state(params, fmt), its layout key: (name, shape, dtype) per tensor, its packs'

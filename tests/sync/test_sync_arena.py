@@ -395,7 +395,8 @@ def test_spans_lie_in_order_in_one_arena_each_aligned():
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_a_recorded_spare_is_written_through_its_spans_and_returned(fmt, monkeypatch):
-  """apply(..., out=spare) of a small model, both states recorded: the result is decoded
+  """apply(..., out=spare_state(base)) of a small model, both states recorded (spare_state:
+  zeros of the base's layout in an arena of its own): the result is decoded
   straight into the spare's spans (no per-tensor slot or check) and the spare's own arrays
   come back; a spare not recorded, or one in the base's arena, is checked tensor by tensor
   as before (the base itself: named as sharing its memory)."""
@@ -407,7 +408,10 @@ def test_a_recorded_spare_is_written_through_its_spans_and_returned(fmt, monkeyp
   checked = []
   real = codec._out_slots
   monkeypatch.setattr(codec, "_out_slots", lambda *a: checked.append(1) or real(*a))
-  spare = sync.held_state(small_model(np.random.default_rng(14)), fmt)
+  spare = sync.spare_state(base)
+  assert [(n, a.shape, a.dtype) for n, a in spare.items()] == [
+      (n, a.shape, a.dtype) for n, a in base.items()]
+  assert not any(np.shares_memory(spare[n], base[n]) or spare[n].any() for n in base)
   ids = {n: id(a) for n, a in spare.items()}
   got = sync.apply(base, update, out=spare, threads=1)
   assert {n: id(a) for n, a in got.items()} == ids and bits_equal(got, target)
