@@ -44,22 +44,6 @@ _STATES: dict[int, tuple] = {}
 _KEYS: dict[tuple, tuple] = {}  # layout key -> the one equal key object records share
 
 
-class Arena:
-  """A buffer handed out piece by piece (each piece ALIGN-byte aligned); the arrays it
-  returns share it, and it becomes a spare (see above) once none of them is referenced."""
-
-  def __init__(self, pieces):
-    """pieces: the (elements, dtype) of every take() to come."""
-    _, _, self._buf, address, _ = _arena(sum(_aligned(n, d) for n, d in pieces) + ALIGN)
-    self._pos = -address % ALIGN
-
-  def take(self, size: int, dtype: np.dtype) -> np.ndarray:
-    """The next `size` elements, as a flat array of dtype's unsigned type."""
-    part = self._buf[self._pos:self._pos + size * dtype.itemsize]
-    self._pos += _aligned(size, dtype)
-    return part.view(UINT_OF[dtype])
-
-
 def _aligned(size: int, dtype: np.dtype) -> int:
   return -(-size * dtype.itemsize // ALIGN) * ALIGN
 
@@ -126,11 +110,10 @@ def lay_out(sizes: dict, dtypes: dict, groups: dict) -> tuple[dict, dict]:
   half a copy of the model more, measured)."""
   members = {n for names in groups.values() for n in names}
   alone = [n for n in sizes if n not in members]
-  arena = Arena([(sum(sizes[n] for n in names), dtypes[names[0]]) for names in groups.values()]
-                + [(sizes[n], dtypes[n]) for n in alone])
-  spans = {head: arena.take(sum(sizes[n] for n in names), dtypes[head])
-           for head, names in groups.items()}
-  return {n: arena.take(sizes[n], dtypes[n]) for n in alone}, spans
+  got = spans(tuple((sum(sizes[n] for n in names), dtypes[head])
+                    for head, names in groups.items())
+              + tuple((sizes[n], dtypes[n]) for n in alone))
+  return dict(zip(alone, got[len(groups):])), dict(zip(groups, got))
 
 
 def spans(pieces: tuple) -> list[np.ndarray]:
@@ -145,8 +128,8 @@ def spans(pieces: tuple) -> list[np.ndarray]:
 
 @functools.lru_cache(maxsize=64)
 def _plan(pieces: tuple) -> tuple[int, tuple]:
-  """(an Arena's bytes, (shape, unsigned dtype, offset from its first aligned byte) of each
-  piece) for spans(pieces), where Arena.take would place them."""
+  """(an arena's bytes, (shape, unsigned dtype, offset from its first aligned byte) of each
+  piece, each ALIGN-byte aligned, in order) for spans(pieces)."""
   plan, at = [], 0
   for n, dtype in pieces:
     plan.append(((n,), np.dtype(UINT_OF[dtype]), at))
@@ -213,7 +196,7 @@ def _forget(key: int) -> None:
 
 
 def record_state(names: tuple, values: tuple, at: int, spans: tuple,
-                 key: tuple | None = None) -> tuple:
+                 key: tuple | None = None) -> None:
   """Records a held state made here (its names and arrays, in order) whole: its layout key
   ((name, shape, dtype) per tensor, as codec._held keys a state) and its packs' spans (in
   the order codec's layouts list its packs), so that state_record finds both for a dict of
@@ -222,13 +205,12 @@ def record_state(names: tuple, values: tuple, at: int, spans: tuple,
   record goes when the state's anchor, values[at], is freed: it must be an array no span
   record holds (anchor_of); the record holds the others, which its death then frees.
   key: the state's layout key where the caller knows it (interned()), else read from the
-  arrays. Returns the key."""
+  arrays."""
   if key is None:
     key = interned(tuple((n, a.shape, a.dtype) for n, a in zip(names, values)))
   first = id(values[0])
   ref = weakref.ref(values[at], functools.partial(_forget_state, first))
   _STATES[first] = (names, at, values[:at] + values[at + 1:], ref, key, spans)
-  return key
 
 
 def anchor_of(names, groups) -> int:

@@ -430,10 +430,8 @@ def apply(base, update: Update, *, base_version: int | None = None,
   if out is not None and inplace:
     raise CodecError("apply: pass inplace=True or out, not both")
   lay = None if update.is_keyframe else _layout(update.layout)
-  recorded = arena.state_record(base) if lay is not None and type(base) is dict else None
-  if recorded is not None and not (recorded[0] is lay.key or recorded[0] == lay.key):
-    recorded = None  # (another layout: the checks below name the misfit)
-  out_spans = (_recorded_out(out, lay, recorded)
+  base_spans = None if lay is None else _recorded_spans(base, lay)
+  out_spans = (_recorded_out(out, lay, base_spans)
                if out is not None and lay is not None and lay.packed and XXH3 else None)
   out_slots = None if out is None or out_spans is not None else _out_slots(out, update, base)
   if update.is_keyframe:
@@ -449,15 +447,14 @@ def apply(base, update: Update, *, base_version: int | None = None,
   if base_version is not None and base_version != update.base_version:
     raise CodecError(f"wrong base version: update applies to {update.base_version}, "
                      f"base is {base_version}")
-  if recorded is not None:  # a state made here (arena.py), of the update's layout
-    held, base_spans = base, recorded[1]
+  if base_spans is not None:  # a state made here (arena.py), of the update's layout
+    held = base
   else:
     check_names("base", base, update.tensors)
     numpy = type(base) is dict and set(map(type, base.values())) == _NUMPY
     held = base if numpy else {name: np.asarray(base[name]) for name in names}
     if list(map(_SHAPE_DTYPE, map(held.__getitem__, names))) != lay.shape_dtypes:
       held = {name: update.check_base(name, held[name]) for name in names}  # names the misfit
-    base_spans = None
   if lay.packed and not inplace and (out is None or out_spans is not None) and XXH3:
     result = _apply_packed(held, update, lay, base_spans, out_spans)
     if result is not None:
@@ -506,19 +503,23 @@ def apply(base, update: Update, *, base_version: int | None = None,
   return dict(zip(names, lay.order(list(itertools.chain.from_iterable(map(_ARRAYS, done))))))
 
 
-def _recorded_out(out, lay: _Layout | None, base_record: tuple | None) -> tuple | None:
+def _recorded_spans(state, lay: _Layout) -> tuple | None:
+  """The packs' spans of `state` where arena.py recorded it whole with lay's names, shapes
+  and dtypes, else None (another layout: apply's checks name the misfit)."""
+  recorded = arena.state_record(state) if type(state) is dict else None
+  if recorded is None or not (recorded[0] is lay.key or recorded[0] == lay.key):
+    return None
+  return recorded[1]
+
+
+def _recorded_out(out, lay: _Layout, base_spans: tuple | None) -> tuple | None:
   """The packs' spans of apply's `out` where both it and the base are states arena.py
   recorded whole, of the update's layout (a delta's), in different arenas (one state's
   own, so no array of one shares memory with the other): written through those spans with
   no per-tensor check (its arrays' writeable flags are not read). None: out is checked
   tensor by tensor (_out_slots)."""
-  if lay is None or base_record is None or type(out) is not dict:
-    return None
-  recorded = arena.state_record(out)
-  if recorded is None or not (recorded[0] is lay.key or recorded[0] == lay.key):
-    return None
-  spans = recorded[1]
-  return None if spans[0].base is base_record[1][0].base else spans
+  spans = None if base_spans is None else _recorded_spans(out, lay)
+  return None if spans is None or spans[0].base is base_spans[0].base else spans
 
 
 def _apply_packed(held: dict, update: Update, lay: _Layout, base_spans: tuple | None = None,
