@@ -1,17 +1,18 @@
 r"""`rlax-ps worker`: run one inference worker against a parameter server until stopped.
 
-  rlax-ps worker --address=127.0.0.1:50051 --token=$RLAX_PS_WORKER_TOKEN \
-      --config=configs/sft_tiny.py [--samples_per_prompt=16 --weights_format=int8]
+  rlax-ps worker --address=127.0.0.1:50051 --token_file=runs/ps/tokens.json \
+      --config=configs/rl_local.py [--samples_per_prompt=16 --weights_format=int8]
 
 The config file supplies the `model` and `tokenizer` sections (as the trainer's config has
-them) and optionally a `worker` section of WorkerConfig fields; explicit flags win over it.
+them; with `init_from_hf`, that checkpoint's config.json gives the model's shape) and
+optionally a `worker` section of WorkerConfig fields; explicit flags win over it. The token
+comes from --token, $RLAX_PS_WORKER_TOKEN or --token_file; --tls_ca turns TLS on.
 SIGTERM (a preemption notice) stops the worker cleanly within --grace_s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import threading
 
@@ -20,14 +21,14 @@ from ml_collections import config_flags
 
 from inference_workers.hard_exit import exit_now
 from inference_workers.worker_config import WorkerConfig
+from param_server import connect_flags
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "ml_collections file with `model`, `tokenizer` and optional `worker` "
     "sections, e.g. configs/sft_tiny.py")
-_ADDRESS = flags.DEFINE_string("address", None, "parameter server host:port")
-_TOKEN = flags.DEFINE_string("token", None, "worker bearer token; else $RLAX_PS_WORKER_TOKEN")
+flags.adopt_module_key_flags(connect_flags)
 flags.mark_flags_as_required(["config", "address"])
 
 _DEFINE = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float,
@@ -74,22 +75,21 @@ def main(argv) -> None:
                                                     for f in dataclasses.fields(WorkerConfig)})
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  token = _TOKEN.value or os.environ.get("RLAX_PS_WORKER_TOKEN", "")
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
   # JAX and the model load only once the flags are valid.
   from inference_workers.loop import Worker
-  from param_server.client import ParamServerClient
+  from rlax_ps.models import model_config_from
   from rlax_ps.tokenizers import make_tokenizer
-  from rlax_ps.train.sft import model_config_from
 
+  init_from_hf = cfg.get("init_from_hf", "")
   tok_cfg = cfg.get("tokenizer") or {}
-  tokenizer = make_tokenizer(tok_cfg.get("kind", "char"), tok_cfg.get("path", ""),
+  tokenizer = make_tokenizer(tok_cfg.get("kind", "char"), tok_cfg.get("path", "") or init_from_hf,
                              tok_cfg.get("alphabet", ""))
   if "model" not in cfg:
     raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
-  model_config = model_config_from(cfg.model, tokenizer.vocab_size)
-  with ParamServerClient(_ADDRESS.value, token=token, role="worker") as client:
+  model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf)
+  with connect_flags.connect("worker") as client:
     worker = Worker(client, model_config, tokenizer, config)
     stop_on_signals(worker)
     stats = worker.run()

@@ -371,10 +371,13 @@ class ParamServerClient:
         lease_id=lease_id, worker_id=self._require_worker(worker_id), group=group))
 
   def take_rollouts(self, min_version: int = 0, max_n: int = 64, *, wait_s: float = 0.0,
-                    ack_deadline_s: float = 60.0) -> Take:
-    """Rollout groups made at `min_version` or later (older ones are dropped and their prompts re-queued)."""
+                    ack_deadline_s: float = 60.0, requeue_unacked: bool = False) -> Take:
+    """Rollout groups made at `min_version` or later (older ones are dropped and their prompts re-queued).
+
+    `requeue_unacked`: first return every unacknowledged take to the queue (a restarted trainer)."""
     reply = self._call("TakeRollouts", pb.TakeRolloutsRequest(
-        min_version=min_version, max_groups=max_n, wait_s=wait_s, ack_deadline_s=ack_deadline_s),
+        min_version=min_version, max_groups=max_n, wait_s=wait_s, ack_deadline_s=ack_deadline_s,
+        requeue_unacked=requeue_unacked),
         timeout_s=self.timeout_s + wait_s)
     return Take(reply.take_id, list(reply.rollouts), reply.dropped_stale)
 

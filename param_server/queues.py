@@ -465,8 +465,11 @@ class PromptRolloutQueues:
 
   @_durable
   def take(self, min_version: int, max_groups: int, wait_s: float, ack_deadline_s: float,
-           max_bytes: int = 8 << 20) -> pb.TakeRolloutsReply:
-    """Hands out up to `max_groups` groups (and about `max_bytes`) made at `min_version` or later."""
+           max_bytes: int = 8 << 20, requeue_unacked: bool = False) -> pb.TakeRolloutsReply:
+    """Hands out up to `max_groups` groups (and about `max_bytes`) made at `min_version` or later.
+
+    `requeue_unacked` first returns every unacknowledged take to the queue (a restarted
+    trainer's first call: the groups of its lost steps come back, oldest first)."""
     if not 1 <= max_groups <= self.limits.max_take_groups:
       raise errors.InvalidArgument("max_groups", f"expected in [1, {self.limits.max_take_groups}], got {max_groups}")
     if min_version < 0:
@@ -477,6 +480,9 @@ class PromptRolloutQueues:
     self._check_wait(wait_s)
     with self._lock:
       self.expire_due()
+      if requeue_unacked:
+        for take_id in list(self.takes):
+          self._commit(pb.WalRecord(requeue_take=pb.WalRequeueTake(take_id=take_id)))
       dropped = 0
 
       def drop_stale() -> bool:

@@ -269,7 +269,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     _finite("wait_s", request.wait_s)
     _finite("ack_deadline_s", request.ack_deadline_s)
     return self.queues.take(request.min_version, request.max_groups, request.wait_s,
-                            request.ack_deadline_s, max_bytes=self.config.max_message_bytes // 2)
+                            request.ack_deadline_s, max_bytes=self.config.max_message_bytes // 2,
+                            requeue_unacked=request.requeue_unacked)
 
   @_unary
   def AckRollouts(self, request, context):

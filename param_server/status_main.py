@@ -5,22 +5,15 @@
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 from absl import flags
 
-from param_server import auth
-from param_server.client import ParamServerClient, ParamServerError, RetryPolicy
+from param_server import connect_flags
+from param_server.client import ParamServerError, RetryPolicy
 from param_server.protos import param_server_pb2 as pb
 
-_ADDRESS = flags.DEFINE_string("address", "127.0.0.1:50051", "host:port of the parameter server")
-_TOKEN = flags.DEFINE_string("token", None, "bearer token (viewer, trainer or worker); "
-                             "default $RLAX_PS_VIEWER_TOKEN, then --token_file")
-_TOKEN_FILE = flags.DEFINE_string("token_file", None, "the server's tokens.json; its viewer token is used")
-_TLS_CA = flags.DEFINE_string("tls_ca", None, "PEM root certificate to trust (enables TLS)")
-_TLS_NAME = flags.DEFINE_string("tls_server_name", None, "name to expect in the server certificate")
+flags.adopt_module_key_flags(connect_flags)
 _TIMEOUT = flags.DEFINE_float("timeout_s", 10.0, "give up after this long")
 
 
@@ -57,31 +50,15 @@ def format_stats(s: pb.Stats) -> str:
   return "\n".join(lines)
 
 
-def _token() -> str | None:
-  if _TOKEN.value:
-    return _TOKEN.value
-  if os.environ.get(auth.env_var("viewer")):
-    return os.environ[auth.env_var("viewer")]
-  if _TOKEN_FILE.value:
-    with open(_TOKEN_FILE.value) as f:
-      return json.load(f)["viewer"]
-  return None
-
-
 def main(argv) -> None:
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments {argv[1:]}")
-  root = None
-  if _TLS_CA.value:
-    with open(_TLS_CA.value, "rb") as f:
-      root = f.read()
-  with ParamServerClient(_ADDRESS.value, token=_token(), role="viewer", root_certificates=root,
-                         tls_server_name=_TLS_NAME.value,
-                         retry=RetryPolicy(deadline_s=_TIMEOUT.value), timeout_s=_TIMEOUT.value) as client:
+  with connect_flags.connect("viewer", retry=RetryPolicy(deadline_s=_TIMEOUT.value),
+                             timeout_s=_TIMEOUT.value) as client:
     try:
       stats = client.stats()
     except ParamServerError as e:
       print(f"rlax-ps status: {e}", file=sys.stderr)
       sys.exit(1)
-    print(f"parameter server {_ADDRESS.value}")
+    print(f"parameter server {client.address}")
     print(format_stats(stats))

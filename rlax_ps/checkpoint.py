@@ -1,9 +1,10 @@
 """Checkpoints of a training run: orbax CheckpointManager, async saves, the last N kept.
 
 Each step directory holds two items: `state` (a pytree of arrays: params, optimizer
-state, step, RNG) and `metadata` (a JSON blob: config, data position and whatever later
-issues add). A save becomes visible only once complete (orbax writes to a temporary
-directory and renames it), so a run killed mid-save resumes from the last complete one.
+state, step, RNG) and `metadata` (a JSON blob: config, data position, and for RL the
+published version and the takes not yet acknowledged). A save becomes visible only once
+complete (orbax writes to a temporary directory and renames it), so a run killed mid-save
+resumes from the last complete one.
 Restoring takes an abstract target whose shardings may be those of another mesh.
 """
 
@@ -69,6 +70,10 @@ class Checkpointer:
     restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
         METADATA: ocp.args.JsonRestore()}))
     return dict(restored[METADATA])
+
+  def saving(self) -> bool:
+    """True while an async save is still being written (not yet durable)."""
+    return self._manager.is_saving_in_progress()
 
   def wait(self) -> None:
     """Block until the pending async save is complete on disk."""

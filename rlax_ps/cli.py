@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-# name -> (module with main(argv), one-line help). Later issues add theirs here.
+# name -> (module with main(argv), one-line help).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "local": ("rlax_ps.local_main", "the whole RL loop on this machine: server, trainer, workers"),
+    "train": ("rlax_ps.train.rl_main", "the RL trainer against a parameter server"),
     "sft": ("rlax_ps.train.sft_main", "supervised warm start on a built-in task"),
     "serve": ("param_server.serve_main", "run the parameter server (gRPC)"),
     "status": ("param_server.status_main", "print a parameter server's versions, queues and workers"),

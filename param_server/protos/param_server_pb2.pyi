@@ -248,16 +248,18 @@ class SubmitRolloutsReply(_message.Message):
     def __init__(self, rollout_id: _Optional[int] = ..., duplicate: _Optional[bool] = ..., lease_closed: _Optional[bool] = ...) -> None: ...
 
 class TakeRolloutsRequest(_message.Message):
-    __slots__ = ("min_version", "max_groups", "wait_s", "ack_deadline_s")
+    __slots__ = ("min_version", "max_groups", "wait_s", "ack_deadline_s", "requeue_unacked")
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     ACK_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    REQUEUE_UNACKED_FIELD_NUMBER: _ClassVar[int]
     min_version: int
     max_groups: int
     wait_s: float
     ack_deadline_s: float
-    def __init__(self, min_version: _Optional[int] = ..., max_groups: _Optional[int] = ..., wait_s: _Optional[float] = ..., ack_deadline_s: _Optional[float] = ...) -> None: ...
+    requeue_unacked: bool
+    def __init__(self, min_version: _Optional[int] = ..., max_groups: _Optional[int] = ..., wait_s: _Optional[float] = ..., ack_deadline_s: _Optional[float] = ..., requeue_unacked: _Optional[bool] = ...) -> None: ...
 
 class TakenRollout(_message.Message):
     __slots__ = ("rollout_id", "prompt", "group", "worker_id")

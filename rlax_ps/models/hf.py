@@ -176,6 +176,24 @@ def read_hf_config(path: str) -> ModelConfig:
     return config_from_hf(json.load(f))
 
 
+def model_config_from(cfg, vocab_size: int, init_from_hf: str = "") -> ModelConfig:
+  """ModelConfig from the `model` config block (vocab_size 0 takes the tokenizer's), or
+  from the HF checkpoint to start from, keeping only the block's dtypes."""
+  if init_from_hf:
+    config = read_hf_config(init_from_hf).replace(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
+    if config.vocab_size < vocab_size:
+      raise ValueError(f"init_from_hf: the model's vocab_size {config.vocab_size} is smaller "
+                       f"than the tokenizer's {vocab_size}")
+    return config
+  d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+  if d.get("vocab_size", 0) in (0, None):
+    d["vocab_size"] = vocab_size
+  elif d["vocab_size"] < vocab_size:
+    raise ValueError(f"model.vocab_size: expected >= the tokenizer's {vocab_size}, got "
+                     f"{d['vocab_size']}")
+  return ModelConfig.from_dict(d)
+
+
 def _tensor_files(path: str) -> dict[str, str]:
   """HF tensor name -> safetensors file holding it (single file first, as transformers does)."""
   single = os.path.join(path, SINGLE_FILE)

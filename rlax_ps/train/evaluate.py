@@ -22,38 +22,52 @@ from rlax_ps.tokenizers import Tokenizer
 
 def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
                     segment_ids: jax.Array, positions: jax.Array, *, max_new_tokens: int,
-                    eos_id: int, pad_id: int) -> jax.Array:
-  """[B, max_new_tokens] greedy continuations of left-padded prompts; after a row's eos
-  (which is kept) the rest of the row is `pad_id`."""
+                    eos_id: int, pad_id: int, temperature=0.0, key=None) -> jax.Array:
+  """[B, max_new_tokens] continuations of left-padded prompts: greedy, or with a `key`
+  sampled at `temperature`; after a row's eos (which is kept) the row is `pad_id`."""
   model = nnx.merge(graphdef, params)
   b, p = tokens.shape
+
+  def choose(logits, step):
+    if key is None:
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    t = jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
+    return jax.random.categorical(jax.random.fold_in(key, step), logits / t,
+                                  axis=-1).astype(jnp.int32)
+
   cache = KVCache.init(model.config, b, p + max_new_tokens)
   logits, cache = model(tokens, positions=positions, segment_ids=segment_ids, cache=cache)
-  first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+  first = choose(logits[:, -1], 0)
   next_pos = jnp.max(positions, axis=1) + 1
   ones = jnp.ones((b, 1), jnp.int32)
 
-  def body(carry, _):
+  def body(carry, step):
     tok, pos, done, cache = carry
     out = jnp.where(done, pad_id, tok)
     done = done | (tok == eos_id)
     logits, cache = model(tok[:, None], positions=pos[:, None], segment_ids=ones, cache=cache)
-    return (jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), pos + 1, done, cache), out
+    return (choose(logits[:, 0], step), pos + 1, done, cache), out
 
   init = (first, next_pos, jnp.zeros((b,), bool), cache)
-  _, outs = jax.lax.scan(body, init, None, length=max_new_tokens)
+  _, outs = jax.lax.scan(body, init, jnp.arange(1, max_new_tokens + 1))
   return outs.T
 
 
 @functools.lru_cache(maxsize=8)
-def jitted_generate(graphdef: nnx.GraphDef, max_new_tokens: int):
+def jitted_generate(graphdef: nnx.GraphDef, max_new_tokens: int, sampled: bool = False):
   """jit(greedy_generate) for one model and budget:
-  f(params, tokens, segment_ids, positions, eos_id, pad_id) -> [B, max_new_tokens]."""
-  def generate(params, tokens, segment_ids, positions, eos_id, pad_id):
+  f(params, tokens, segment_ids, positions, eos_id, pad_id) -> [B, max_new_tokens], or with
+  `sampled`, f(..., pad_id, temperature, key)."""
+  def generate(params, tokens, segment_ids, positions, eos_id, pad_id, temperature=0.0,
+               key=None):
     return greedy_generate(graphdef, params, tokens, segment_ids, positions,
-                           max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id)
+                           max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                           temperature=temperature, key=key)
 
-  return jax.jit(generate)
+  if sampled:
+    return jax.jit(generate)
+  return jax.jit(lambda params, tokens, segment_ids, positions, eos_id, pad_id: generate(
+      params, tokens, segment_ids, positions, eos_id, pad_id))
 
 
 def left_pad_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int
@@ -74,18 +88,24 @@ def left_pad_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int
 
 
 def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], *,
-                max_new_tokens: int, batch_size: int, prompt_len: int) -> list[str]:
-  """Greedy completion text of each prompt (up to eos), `batch_size` prompts per call."""
-  gen = jitted_generate(graphdef, max_new_tokens)
+                max_new_tokens: int, batch_size: int, prompt_len: int,
+                temperature: float = 0.0, seed: int = 0) -> list[str]:
+  """Completion text of each prompt (up to eos), `batch_size` prompts per call: greedy, or
+  sampled at `temperature` > 0 (batch i drawn with key fold_in(key(seed), i))."""
+  gen = jitted_generate(graphdef, max_new_tokens, temperature > 0)
+  extra = ()
   out: list[str] = []
   for start in range(0, len(prompts), batch_size):
     chunk = list(prompts[start:start + batch_size])
     n = len(chunk)
     chunk += [chunk[-1]] * (batch_size - n)  # Keep one shape: one compile.
     arrays = left_pad_prompts(tokenizer, chunk, prompt_len)
+    if temperature > 0:
+      extra = (np.float32(temperature),
+               jax.random.fold_in(jax.random.PRNGKey(seed), start // batch_size))
     ids = np.asarray(jax.device_get(gen(params, arrays["tokens"], arrays["segment_ids"],
                                         arrays["positions"], tokenizer.eos_id,
-                                        tokenizer.pad_id)))
+                                        tokenizer.pad_id, *extra)))
     for row in ids[:n]:
       row = list(row)
       if tokenizer.eos_id in row:
@@ -94,13 +114,39 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
   return out
 
 
+def _budgets(tokenizer: Tokenizer, examples: dict[str, list[Example]]) -> tuple[int, int]:
+  """(prompt length, new-token budget) that fit every example."""
+  prompt_len = max(len(tokenizer.encode(e.prompt, add_bos=True))
+                   for exs in examples.values() for e in exs)
+  max_new = max(len(tokenizer.encode(e.answer)) for exs in examples.values() for e in exs) + 1
+  return prompt_len, max_new
+
+
+def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
+              examples: dict[str, list[Example]], *, k: int, temperature: float = 1.0,
+              seed: int = 0, batch_size: int = 256) -> dict[str, float]:
+  """{"pass@1": mean reward of k samples per prompt, "pass@k": share of prompts with at
+  least one exact answer among its k samples}, over every held-out example."""
+  if k < 1 or temperature <= 0:
+    raise ValueError(f"pass_at_k: expected k >= 1 and temperature > 0, got k={k}, "
+                     f"temperature={temperature}")
+  by_name = {t.name: t for t in tasks}
+  flat = [(by_name[name], e) for name, exs in examples.items() for e in exs]
+  if not flat:
+    return {"pass@1": 0.0, f"pass@{k}": 0.0}
+  prompt_len, max_new = _budgets(tokenizer, examples)
+  texts = completions(graphdef, params, tokenizer, [e.prompt for _, e in flat for _ in range(k)],
+                      max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
+                      temperature=temperature, seed=seed)
+  rewards = np.array([task.reward(e, texts[i * k + j]) for i, (task, e) in enumerate(flat)
+                      for j in range(k)]).reshape(len(flat), k)
+  return {"pass@1": float(rewards.mean()), f"pass@{k}": float((rewards.max(axis=1) > 0).mean())}
+
+
 def exact_match(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
                 examples: dict[str, list[Example]], *, batch_size: int) -> dict[str, float]:
   """{task name: held-out exact-match rate, "all": over every example}."""
-  prompt_len = max(len(tokenizer.encode(e.prompt, add_bos=True))
-                   for exs in examples.values() for e in exs)
-  max_new = max(max(len(tokenizer.encode(e.answer)) for e in examples[t.name]) + 1
-                for t in tasks if examples.get(t.name))
+  prompt_len, max_new = _budgets(tokenizer, examples)
   result, hits, total = {}, 0.0, 0
   for task in tasks:
     exs = examples.get(task.name, [])

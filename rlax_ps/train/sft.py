@@ -19,37 +19,17 @@ from flax import nnx
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
-from rlax_ps.models import ModelConfig, load_hf_checkpoint, save_hf_checkpoint
-from rlax_ps.models.hf import read_hf_config
+from rlax_ps.models import model_config_from, save_hf_checkpoint
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
 from rlax_ps.train.data import SFTBatches
-from rlax_ps.train.state import (TrainState, abstract_model, abstract_state, sharded_init,
-                                  state_from_params)
+from rlax_ps.train.state import TrainState, restore_or_init
 from rlax_ps.train.step import make_train_step
 
 
 def _plain(cfg) -> dict[str, Any]:
   return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-
-
-def model_config_from(cfg, vocab_size: int, init_from_hf: str = "") -> ModelConfig:
-  """ModelConfig from the `model` config block (vocab_size 0 takes the tokenizer's), or
-  from the HF checkpoint to start from, keeping only the block's dtypes."""
-  if init_from_hf:
-    config = read_hf_config(init_from_hf).replace(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
-    if config.vocab_size < vocab_size:
-      raise ValueError(f"init_from_hf: the model's vocab_size {config.vocab_size} is smaller "
-                       f"than the tokenizer's {vocab_size}")
-    return config
-  d = _plain(cfg)
-  if d.get("vocab_size", 0) in (0, None):
-    d["vocab_size"] = vocab_size
-  elif d["vocab_size"] < vocab_size:
-    raise ValueError(f"model.vocab_size: expected >= the tokenizer's {vocab_size}, got "
-                     f"{d['vocab_size']}")
-  return ModelConfig.from_dict(d)
 
 
 def tasks_from(cfg) -> tuple[list[Task], list[float]]:
@@ -107,27 +87,8 @@ class SFTTrainer:
   # -- state ------------------------------------------------------------------------------
 
   def _init_or_restore(self) -> tuple[TrainState, TrainState, nnx.GraphDef]:
-    latest = self.checkpointer.latest_step()
-    if latest is None and self.init_from_hf:
-      graphdef, _, _ = abstract_model(self.model_config)
-      target = abstract_state(self.model_config, self.optimizer, self.mesh)
-      shardings = jax.tree.map(lambda x: x.sharding, target)
-      model = load_hf_checkpoint(self.init_from_hf, self.model_config.param_dtype,
-                                 compute_dtype=self.model_config.dtype, mesh=self.mesh)
-      params = nnx.state(model, nnx.Param).to_pure_dict()
-      return (state_from_params(params, self.optimizer, shardings, int(self.config.seed)),
-              shardings, graphdef)
-    if latest is None:
-      return sharded_init(self.model_config, self.optimizer, self.mesh, int(self.config.seed))
-    saved = self.checkpointer.metadata(latest).get("model_config")
-    if saved is not None and saved != json.loads(json.dumps(self.model_config.to_dict())):
-      raise ValueError(f"model: the checkpoint in {self.checkpointer.directory} was written "
-                       f"for {saved}, the config now asks for {self.model_config.to_dict()}")
-    target = abstract_state(self.model_config, self.optimizer, self.mesh)
-    tree, _ = self.checkpointer.restore(target.to_tree(), latest)
-    shardings = jax.tree.map(lambda x: x.sharding, target)
-    graphdef = abstract_model(self.model_config)[0]
-    return TrainState.from_tree(tree), shardings, graphdef
+    return restore_or_init(self.model_config, self.optimizer, self.mesh, self.checkpointer,
+                           init_from_hf=self.init_from_hf, seed=int(self.config.seed))[:3]
 
   @property
   def step(self) -> int:

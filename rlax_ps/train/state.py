@@ -8,6 +8,7 @@ lands on one device.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 import flax.struct
@@ -18,7 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rlax_ps import sharding as shd
-from rlax_ps.models import ModelConfig, Transformer
+from rlax_ps.checkpoint import Checkpointer
+from rlax_ps.models import ModelConfig, Transformer, load_hf_checkpoint
 
 
 @flax.struct.dataclass
@@ -110,3 +112,31 @@ def state_from_params(params: Any, optimizer: optax.GradientTransformation,
   return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
                     params=params, opt_state=opt_state,
                     rng=jax.device_put(train_key, shardings.rng))
+
+
+def restore_or_init(model_config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
+                    checkpointer: Checkpointer, *, init_from_hf: str = "", seed: int = 0
+                    ) -> tuple[TrainState, TrainState, nnx.GraphDef, dict | None]:
+  """(state, its shardings, graphdef, checkpoint metadata or None): the latest checkpoint
+  in `checkpointer` if there is one (its model must be `model_config`), else the weights
+  of the HF checkpoint `init_from_hf`, else a fresh sharded init."""
+  graphdef = abstract_model(model_config)[0]
+  latest = checkpointer.latest_step()
+  if latest is None and init_from_hf:
+    target = abstract_state(model_config, optimizer, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    model = load_hf_checkpoint(init_from_hf, model_config.param_dtype,
+                               compute_dtype=model_config.dtype, mesh=mesh)
+    params = nnx.state(model, nnx.Param).to_pure_dict()
+    return state_from_params(params, optimizer, shardings, seed), shardings, graphdef, None
+  if latest is None:
+    return (*sharded_init(model_config, optimizer, mesh, seed), None)
+  saved = checkpointer.metadata(latest)
+  want = json.loads(json.dumps(model_config.to_dict()))
+  if saved.get("model_config") not in (None, want):
+    raise ValueError(f"model: the checkpoint in {checkpointer.directory} was written for "
+                     f"{saved['model_config']}, the config now asks for {want}")
+  target = abstract_state(model_config, optimizer, mesh)
+  tree, metadata = checkpointer.restore(target.to_tree(), latest)
+  shardings = jax.tree.map(lambda x: x.sharding, target)
+  return TrainState.from_tree(tree), shardings, graphdef, metadata

@@ -99,16 +99,28 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     _, grads, metrics = loss_and_grads(state.params, graphdef, batch, num_micro, loss_sum_fn,
                                        mesh)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    rng, _ = jax.random.split(state.rng)
-    metrics["grad_norm"] = optax.global_norm(grads)
-    if schedule is not None:
-      metrics["lr"] = schedule(state.step)
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
-    return new_state, metrics
+    return apply_gradients(state, grads, metrics, optimizer, schedule)
 
-  # Inputs keep the shardings they arrive with (state from `sharded_init`, batch from
-  # `shard_batch`); outputs are pinned so the state never drifts off its layout.
+  return jit_step(step, state_shardings, mesh)
+
+
+def apply_gradients(state: TrainState, grads: Any, metrics: dict,
+                    optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule | None = None) -> tuple[TrainState, dict]:
+  """One optax update of `state` (step + 1, RNG split); adds grad_norm and lr to metrics."""
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  rng, _ = jax.random.split(state.rng)
+  metrics["grad_norm"] = optax.global_norm(grads)
+  if schedule is not None:
+    metrics["lr"] = schedule(state.step)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics
+
+
+def jit_step(step: Callable, state_shardings: TrainState, mesh) -> Callable:
+  """jit(step)(state, *args) -> (new state, metrics) with the state donated.
+
+  Inputs keep the shardings they arrive with (state from `sharded_init`, batch from
+  `shard_batch`); outputs are pinned so the state never drifts off its layout."""
   replicated = NamedSharding(mesh, P())
   return jax.jit(step, out_shardings=(state_shardings, replicated), donate_argnums=(0,))

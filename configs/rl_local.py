@@ -1,0 +1,140 @@
+r"""rlax-ps local --config=configs/rl_local.py --workdir=runs/rl_local
+
+The embedded default (`make run`): GRPO with PPO clip-higher, bf16 publications, staleness
+bound 1, on the built-in addition and reversal tasks. `rlax-ps local` first runs the
+supervised warm start (the unchanged `configs/sft_tiny.py` default) in <workdir>/sft unless
+`init_from_hf` names a checkpoint, then starts a parameter server, the trainer and
+`local.workers` workers on 127.0.0.1 and trains for `rl.steps` steps or `rl.max_seconds`.
+
+The other recipes change a few fields of this one:
+  configs/rl_vigor.py       VIGOR rollout allocation (unequal groups)
+  configs/rl_int8_tis.py    int8 publications, truncated importance sampling
+  configs/rl_sync.py        fully synchronous (max_staleness 0)
+  configs/rl_decoupled.py   decoupled PPO with the workers' behaviour log-probs
+
+Variants:
+  configs/rl_local.py        the `make run` default (2 CPU cores, about 10 minutes of RL).
+  configs/rl_local.py:tiny   seconds: a smoke test of the whole loop (used by the tests).
+
+Override any field, e.g. --config.rl.steps=50 --config.local.workers=1.
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+
+def sft_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """configs/sft_tiny.py's config: the warm start, and the model, tokenizer and tasks."""
+  spec = importlib.util.spec_from_file_location(
+      "rlax_ps_sft_tiny_config", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                             "sft_tiny.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  if arg not in (None, "", "tiny"):
+    raise ValueError(f"configs/rl_local.py: unknown variant {arg!r}; expected '' or 'tiny'")
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # Seeds the prompt stream and a fresh init.
+  # The policy to start from: an HF checkpoint folder. "" = `rlax-ps local` runs the `sft`
+  # block in <workdir>/sft (reused once finished) and starts from its export.
+  c.init_from_hf = ""
+  c.sft = sft_config(arg or None)
+  # Model, tokenizer and tasks are the warm start's (the same objects: one override
+  # changes both).
+  c.model = c.sft.model
+  c.tokenizer = c.sft.tokenizer
+  c.tasks = c.sft.tasks
+
+  # Prompts: a JSONL file of {"prompt", "answer"[, "task"]} records, or "" for the tasks above.
+  c.data = ml_collections.ConfigDict()
+  c.data.jsonl = ""
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 400  # Optimizer steps in all.
+  c.rl.max_seconds = 600.0  # Stop (checkpoint, evaluate) after this much wall time; 0 = none.
+  c.rl.groups_per_step = 16  # Rollout groups (prompts) per optimizer step.
+  c.rl.max_staleness = 1  # Policy versions a group may lag the newest; 0 = synchronous.
+  c.rl.publish_every = 1  # Steps between published versions.
+  c.rl.max_prompt_tokens = 24  # Packed prompt capacity, bos included.
+  c.rl.ack_deadline_s = 1800.0  # Taken groups come back if unacknowledged this long.
+  c.rl.take_timeout_s = 600.0  # Give up when no rollout arrives for this long.
+
+  # The objective (rlax_ps.train.rl_loss.LossConfig).
+  c.loss = ml_collections.ConfigDict()
+  c.loss.advantage = "grpo"  # grpo | dr_grpo | rloo | mc_grpo
+  c.loss.policy_loss = "ppo"  # ppo | gspo
+  c.loss.correction = "none"  # none | tis | decoupled
+  c.loss.clip_low = 0.2
+  c.loss.clip_high = 0.28  # > clip_low: DAPO's clip-higher.
+  c.loss.agg = "token-mean"
+  c.loss.tis_cap = 2.0
+  c.loss.behaviour_cap = 5.0
+  c.loss.kl_coef = 0.0  # > 0: KL to the frozen warm start.
+  c.loss.kl_estimator = "k3"
+  c.loss.backend = "auto"  # Shared-prompt attention: Pallas on TPU/GPU, XLA on CPU.
+
+  # Publications: bf16 or int8 deltas, a keyframe every keyframe_every versions.
+  c.publish = ml_collections.ConfigDict()
+  c.publish.format = "bf16"
+  c.publish.keyframe_every = 50
+
+  # Optimizer (rlax_ps.optim), constant after a short warmup.
+  c.optimizer = ml_collections.ConfigDict(c.sft.optimizer.to_dict())
+  c.optimizer.lr = 2e-4
+  c.optimizer.warmup_steps = 5
+  c.optimizer.min_lr_ratio = 1.0
+  c.optimizer.weight_decay = 0.0
+
+  c.mesh = ml_collections.ConfigDict(c.sft.mesh.to_dict())
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_steps = 10  # Groups are acknowledged once their step is checkpointed.
+  c.checkpoint.max_to_keep = 2
+  c.checkpoint.async_save = False
+
+  # Held-out evaluation: greedy exact match every every_steps and at the end, and
+  # pass@1 / pass@pass_k with the workers' temperature at the end.
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_steps = 25
+  c.eval.num_examples = 200  # Per task.
+  c.eval.batch_size = 200
+  c.eval.seed = 1234  # The same held-out examples as the warm start's evaluation.
+  c.eval.pass_k = 8
+
+  # Inference workers (inference_workers.worker_config.WorkerConfig fields).
+  c.worker = ml_collections.ConfigDict()
+  c.worker.weights_format = "bf16"  # Must equal publish.format.
+  c.worker.samples_per_prompt = 8
+  c.worker.prompts_per_lease = 8
+  c.worker.prompts_per_call = 8
+  c.worker.max_new_tokens = 20
+  c.worker.temperature = 1.0
+  c.worker.lease_wait_s = 0.5
+  c.worker.lease_deadline_s = 120.0
+  c.worker.default_task = "addition"
+
+  # `rlax-ps local`: how many workers to start.
+  c.local = ml_collections.ConfigDict()
+  c.local.workers = 2
+
+  if arg == "tiny":
+    c.rl.steps = 4
+    c.rl.max_seconds = 0.0
+    c.rl.groups_per_step = 4
+    c.rl.max_prompt_tokens = 16
+    c.rl.take_timeout_s = 120.0
+    c.worker.samples_per_prompt = 4
+    c.worker.prompts_per_lease = 2
+    c.worker.prompts_per_call = 2
+    c.worker.max_new_tokens = 8
+    c.checkpoint.every_steps = 2
+    c.eval.every_steps = 0
+    c.eval.num_examples = 8
+    c.eval.batch_size = 8
+    c.eval.pass_k = 2
+  return c

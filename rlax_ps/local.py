@@ -1,0 +1,219 @@
+"""`rlax-ps local`: the whole RL loop on one machine, supervised.
+
+The supervised warm start runs first (in <workdir>/sft, reused once finished) unless the
+config names `init_from_hf`. Then a parameter server, the trainer and the workers run as
+child processes on 127.0.0.1, each logging to <workdir>/logs/. Tokens are made fresh in the
+server's owner-only tokens.json, which the children read (never a command line). One live
+line shows the trainer's progress; the run ends at the trainer's last step, on Ctrl-C, or
+when any child fails (then with a non-zero exit naming the child and its last log lines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from param_server import auth
+
+LISTENING = re.compile(r"parameter server listening on (\S+)")
+TAIL_LINES = 20
+
+
+class ChildFailed(RuntimeError):
+  """A child process of the run exited while the run needed it."""
+
+
+def override_flags(overrides: dict[str, Any]) -> list[str]:
+  """ml_collections override values -> the `--config.a.b=value` flags that set them."""
+  out = []
+  for path, value in overrides.items():
+    text = value if isinstance(value, str) else repr(value)
+    out.append(f"--config.{path}={text}")
+  return out
+
+
+def tail(path: str, n: int = TAIL_LINES) -> str:
+  try:
+    with open(path, errors="replace") as f:
+      return "".join(f.readlines()[-n:])
+  except OSError:
+    return "(no log)"
+
+
+@dataclasses.dataclass
+class Child:
+  name: str
+  process: subprocess.Popen
+  log: str
+
+  def failed_message(self) -> str:
+    return (f"{self.name} exited with status {self.process.returncode}; last lines of "
+            f"{self.log}:\n{tail(self.log)}")
+
+
+class LocalRun:
+  """The children of one `rlax-ps local` run and their supervision."""
+
+  def __init__(self, workdir: str, config_file: str, overrides: Sequence[str], *,
+               workers: int, python: str = sys.executable):
+    if workers < 1:
+      raise ValueError(f"local.workers: expected >= 1, got {workers}")
+    self.workdir = os.path.abspath(workdir)
+    self.config_file, self.overrides = config_file, list(overrides)
+    self.num_workers, self.python = workers, python
+    self.logs = os.path.join(self.workdir, "logs")
+    self.ps_dir = os.path.join(self.workdir, "ps")
+    self.token_file = os.path.join(self.ps_dir, auth.TOKEN_FILE)
+    self.children: list[Child] = []
+    self.address = ""
+    os.makedirs(self.logs, exist_ok=True)
+    os.makedirs(self.ps_dir, exist_ok=True)
+
+  def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
+    log = os.path.join(self.logs, f"{name}.log")
+    with open(log, "ab") as f:
+      f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} {name}\n".encode())
+      f.flush()
+      process = subprocess.Popen([self.python, "-m", "rlax_ps", *args], stdout=f,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env={**os.environ, **(env or {})}, start_new_session=True)
+    child = Child(name, process, log)
+    self.children.append(child)
+    return child
+
+  def start_server(self, timeout_s: float = 60.0) -> str:
+    """Start the parameter server on a free loopback port; returns its address."""
+    auth.load_tokens(self.ps_dir, {})  # fresh tokens, owner-only, before anything reads them
+    for role in auth.ROLES:  # the children read the file, not the environment
+      os.environ.pop(auth.env_var(role), None)
+    server = self._spawn("server", ["serve", f"--storage_dir={self.ps_dir}", "--port=0",
+                                    "--host=127.0.0.1"])
+    start = os.path.getsize(server.log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      if server.process.poll() is not None:
+        raise ChildFailed(server.failed_message())
+      with open(server.log, errors="replace") as f:
+        f.seek(start)
+        found = LISTENING.search(f.read())
+      if found:
+        self.address = found.group(1)
+        return self.address
+      time.sleep(0.1)
+    raise ChildFailed(f"server: no 'listening' line in {server.log} after {timeout_s}s:\n"
+                      f"{tail(server.log)}")
+
+  def _client_flags(self) -> list[str]:
+    return [f"--config={self.config_file}", *self.overrides, f"--address={self.address}",
+            f"--token_file={self.token_file}"]
+
+  def start_trainer(self, init_from_hf: str) -> Child:
+    extra = [f"--config.init_from_hf={init_from_hf}"] if init_from_hf else []
+    return self._spawn("trainer", ["train", *self._client_flags(), *extra,
+                                   f"--workdir={self.workdir}"])
+
+  def start_workers(self, init_from_hf: str) -> list[Child]:
+    extra = [f"--config.init_from_hf={init_from_hf}"] if init_from_hf else []
+    return [self._spawn(f"worker-{i}", ["worker", *self._client_flags(), *extra,
+                                        f"--name=worker-{i}", f"--seed={i}"])
+            for i in range(self.num_workers)]
+
+  def check(self, trainer: Child) -> bool:
+    """True once the trainer has exited cleanly; ChildFailed if any child failed."""
+    for child in self.children:
+      code = child.process.poll()
+      if code is None:
+        continue
+      if child is trainer and code == 0:
+        return True
+      raise ChildFailed(child.failed_message())
+    return False
+
+  def stop(self, grace_s: float = 30.0) -> None:
+    """SIGTERM the workers and trainer (they release leases and checkpoint), then the server;
+    SIGKILL whatever outlives `grace_s`."""
+    order = [c for c in self.children if c.name != "server"] + [
+        c for c in self.children if c.name == "server"]
+    for group in (order[:-1], order[-1:]):
+      for child in group:
+        if child.process.poll() is None:
+          child.process.send_signal(signal.SIGTERM)
+      deadline = time.monotonic() + grace_s
+      for child in group:
+        try:
+          child.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+          child.process.kill()
+          child.process.wait()
+
+
+class StepReader:
+  """Follows the trainer's steps.jsonl: new records since the last call."""
+
+  def __init__(self, path: str):
+    self.path, self.offset = path, 0
+    if os.path.exists(path):
+      self.offset = os.path.getsize(path)  # a resumed run: only this run's steps
+
+  def read(self) -> list[dict[str, Any]]:
+    if not os.path.exists(self.path):
+      return []
+    with open(self.path) as f:
+      f.seek(self.offset)
+      text = f.read()
+    end = text.rfind("\n") + 1
+    self.offset += len(text[:end].encode())
+    return [json.loads(line) for line in text[:end].splitlines() if line.strip()]
+
+
+def _pct(x) -> str:
+  return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+  """The end-of-run table: held-out accuracy before and after RL, sync and throughput."""
+  before = summary.get("warm_start") or {}
+  after = summary.get("heldout_exact_match") or {}
+  rows = [("held-out exact match", "warm start", "after RL")]
+  for name in sorted(set(before) | set(after), key=lambda n: (n == "all", n)):
+    rows.append((f"  {name}", _pct(before.get(name)), _pct(after.get(name))))
+  for name, v in (summary.get("heldout_pass") or {}).items():
+    rows.append((f"  {name} (T={summary.get('pass_temperature', 1.0)})", "", _pct(v)))
+  sync = summary.get("sync", {})
+  rows += [
+      ("steps / versions", "", f"{summary['step']} / v{summary['version']}"),
+      ("rollout groups trained", "", str(summary["rollout_groups_trained"])),
+      ("wall time this run", "", f"{summary['seconds']:.0f} s"),
+      (f"sync ({sync.get('format', '?')}): bytes per delta", "",
+       f"{sync.get('delta_bytes_mean', 0):,.0f}"),
+      ("sync: seconds per delta", "", f"{sync.get('delta_seconds_mean', 0):.3f}"),
+      ("sync: keyframe bytes", "", f"{sync.get('keyframe_bytes', 0):,}"),
+      ("stale groups dropped", "", str(summary.get("dropped_stale", 0))),
+  ]
+  width = max(len(r[0]) for r in rows)
+  return "\n".join(f"{a:<{width}}  {b:>10}  {c:>10}" for a, b, c in rows)
+
+
+def warm_start(config, workdir: str) -> str:
+  """The HF checkpoint RL starts from: config.init_from_hf, else the export of the `sft`
+  block trained in <workdir>/sft (reused when a finished one is there)."""
+  if config.init_from_hf:
+    return config.init_from_hf
+  sft_dir = os.path.join(os.path.abspath(workdir), "sft")
+  hf = os.path.join(sft_dir, "hf")
+  if os.path.exists(os.path.join(sft_dir, "summary.json")) and os.path.exists(
+      os.path.join(hf, "config.json")):
+    print(f"warm start: reusing {hf}", flush=True)
+    return hf
+  from rlax_ps.train.sft import train_and_evaluate
+  config.sft.export.hf = True  # RL starts from the export
+  print(f"warm start: supervised training in {sft_dir}", flush=True)
+  train_and_evaluate(config.sft, sft_dir)
+  return hf

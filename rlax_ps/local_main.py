@@ -1,0 +1,87 @@
+"""`rlax-ps local`: the whole RL loop on this machine (warm start, parameter server, trainer,
+workers), with a live progress line and a summary table at the end.
+
+  rlax-ps local --config=configs/rl_local.py --workdir=runs/rl_local
+  rlax-ps local --config=configs/rl_local.py:tiny --workdir=/tmp/rl --config.local.workers=1
+
+Children log to <workdir>/logs/; TensorBoard events are in <workdir>/tb. A rerun on the same
+workdir reuses the warm start and resumes the trainer from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "RL config file, e.g. configs/rl_local.py; override fields with "
+    "--config.a.b=value (the children get the same overrides).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (warm start, server storage, "
+                               "checkpoints, logs, summary.json).")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show the live progress line.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _postfix(record: dict, synced: int) -> dict:
+  acc = record.get("heldout")
+  return {"v": record["version"], "reward": f"{record['reward_mean']:.2f}",
+          "acc": "-" if not acc else f"{100 * acc['all']:.0f}%",
+          "rollouts/s": f"{record['rollouts_per_s']:.1f}",
+          "stale": f"{record['staleness_mean']:.1f}", "synced": f"{synced / 1e6:.1f}MB"}
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise SystemExit(f"rlax-ps local: unexpected arguments {argv[1:]}; flags are --name=value")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from tqdm import tqdm
+
+  from rlax_ps import local
+  from rlax_ps.compile_cache import enable_compile_cache
+
+  config = _CONFIG.value
+  workdir = os.path.abspath(_WORKDIR.value)
+  overrides = local.override_flags(config_flags.get_override_values(flags.FLAGS["config"]))
+  config_file = config_flags.get_config_filename(flags.FLAGS["config"])
+  path, _, variant = config_file.partition(":")
+  config_file = os.path.abspath(path) + (f":{variant}" if variant else "")
+  enable_compile_cache()
+  init_from_hf = os.path.abspath(local.warm_start(config, workdir))
+  run = local.LocalRun(workdir, config_file, overrides, workers=int(config.local.workers))
+  steps = local.StepReader(os.path.join(workdir, "steps.jsonl"))
+  code, message = 0, ""
+  try:
+    address = run.start_server()
+    print(f"parameter server on {address}; logs in {run.logs}", flush=True)
+    trainer = run.start_trainer(init_from_hf)
+    run.start_workers(init_from_hf)
+    bar = tqdm(total=int(config.rl.steps), desc="rl", unit="step", disable=not _PROGRESS.value,
+               dynamic_ncols=True)
+    synced = 0
+    while not run.check(trainer):
+      for record in steps.read():
+        synced += record.get("sync_bytes", 0)
+        bar.n = record["step"]
+        bar.set_postfix(_postfix(record, synced), refresh=False)
+        bar.refresh()
+      time.sleep(0.5)
+    bar.close()
+  except local.ChildFailed as e:
+    code, message = 1, f"rlax-ps local: {e}"
+  except KeyboardInterrupt:
+    code, message = 130, "rlax-ps local: interrupted; children stopped"
+  finally:
+    run.stop()
+  if code:
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+  summary_path = os.path.join(workdir, "summary.json")
+  with open(summary_path) as f:
+    print(local.summary_table(json.load(f)), flush=True)
+  print(f"summary: {summary_path}; TensorBoard: {os.path.join(workdir, 'tb')}", flush=True)

@@ -1,0 +1,92 @@
+"""Publishing the trainer's weights as versions: the held state (bf16 rounding or int8
+quantization) is made on device, only the elements that changed since the last publication
+are fetched (`rlax_ps.sync.device.publish_state`), and the host encodes a delta against the
+last published version, or a keyframe every `keyframe_every` versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlax_ps import sync
+from rlax_ps.sync import device as sync_device
+from rlax_ps.sync import int8_device
+
+FORMATS = ("bf16", "int8")
+
+
+def flat_params(params: Any) -> dict[str, jax.Array]:
+  """Nested params dict -> {"layers.0.attn.q_proj.kernel": array}, the codec's names."""
+  return {".".join(map(str, k)): v for k, v in nnx.traversals.flatten_mapping(params).items()}
+
+
+def _held_bf16(params: Any) -> dict[str, jax.Array]:
+  return {k: v.astype(jnp.bfloat16) for k, v in flat_params(params).items()}
+
+
+def _held_int8(params: Any) -> dict[str, jax.Array]:
+  return int8_device.quantize_params_jax(flat_params(params))
+
+
+@functools.lru_cache(maxsize=None)
+def held_state_fn(fmt: str) -> Callable[[Any], dict[str, jax.Array]]:
+  """jit(params -> the workers' held state in `fmt`), computed where the params live."""
+  if fmt not in FORMATS:
+    raise ValueError(f"publish.format: expected one of {FORMATS}, got {fmt!r}")
+  return jax.jit(_held_bf16 if fmt == "bf16" else _held_int8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Publication:
+  version: int
+  keyframe: bool
+  bytes: int  # the encoded update's size
+  seconds: float  # device diff + fetch + encode + send
+
+
+class Publisher:
+  """Publishes successive versions of one parameter stream to a parameter server."""
+
+  def __init__(self, client, fmt: str = "bf16", keyframe_every: int = 50):
+    if keyframe_every < 1:
+      raise ValueError(f"publish.keyframe_every: expected >= 1, got {keyframe_every}")
+    self.client, self.fmt, self.keyframe_every = client, fmt, int(keyframe_every)
+    self._held = held_state_fn(fmt)
+    self._device: dict | None = None  # the last published held state, on device
+    self._host: dict | None = None  # the same, on the host
+    self._checksums: dict | None = None
+    self.version: int | None = None
+    self._since_keyframe = 0
+
+  def publish(self, params: Any, version: int, *, keyframe: bool = False) -> Publication:
+    """Encode and send `params` as `version`: a delta from the last publication unless this
+    is the first, `keyframe` is asked, or keyframe_every deltas have been sent since one."""
+    if self.version is not None and version <= self.version:
+      raise ValueError(f"version: expected > the last published {self.version}, got {version}")
+    t0 = time.perf_counter()
+    new_device = self._held(params)
+    keyframe = (keyframe or self._device is None or version != self.version + 1
+                or self._since_keyframe + 1 >= self.keyframe_every)
+    if keyframe:
+      host = {k: np.asarray(v) for k, v in jax.device_get(new_device).items()}
+      update = sync.encode(None, host, self.fmt, version=version,
+                           fingerprints=sync_device.fingerprints_of(new_device))
+      self._since_keyframe = 0
+    else:
+      host, prints = sync_device.publish_state(self._host, self._device, new_device)
+      update = sync.encode(self._host, host, self.fmt, version=version, fingerprints=prints,
+                           base_checksums=self._checksums)
+      self._since_keyframe += 1
+    wire = update.to_bytes()
+    self.client.publish(wire)
+    self._device, self._host, self._checksums = new_device, host, update.checksums
+    self.version = version
+    return Publication(version, keyframe, len(wire), time.perf_counter() - t0)

@@ -1,0 +1,472 @@
+"""The RL trainer: feed prompts, take rollout groups under the staleness bound, train on them
+with the packed shared-prompt loss, publish versions, checkpoint, and only then acknowledge
+the groups, so each group has exactly one training effect across trainer kills.
+
+`RLTrainer(config, workdir, client).train()` is the job `rlax-ps train` runs. A restart on
+the same workdir restores the latest checkpoint (params, optimizer, step, RNG, prompt
+stream, version), acknowledges the takes that checkpoint trained on, asks the server for
+the groups of the lost steps again, and republishes its weights as a keyframe of the next
+version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any, Sequence
+
+import grpc
+import jax
+import numpy as np
+from absl import logging
+
+from param_server.client import ParamServerError, Prompt, sample_logprobs
+from rlax_ps import optim
+from rlax_ps import sharding as shd
+from rlax_ps.checkpoint import Checkpointer
+from rlax_ps.tokenizers import Tokenizer, make_tokenizer
+from rlax_ps.train import evaluate as evaluate_lib
+from rlax_ps.train.prompts import PromptFeed, TaskPrompts, read_jsonl
+from rlax_ps.train.publisher import Publisher
+from rlax_ps.train.rl_loss import LossConfig, rl_loss
+from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group
+from rlax_ps.models import model_config_from
+from rlax_ps.train.sft import tasks_from
+from rlax_ps.train.state import TrainState, restore_or_init
+from rlax_ps.train.step import apply_gradients, jit_step
+
+
+def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_groups: int,
+                 loss_cfg: LossConfig, schedule=None):
+  """jit(step)(state, batch, ref_params) -> (new state, metrics), the state donated."""
+
+  def step(state: TrainState, batch: dict, ref_params: Any) -> tuple[TrainState, dict]:
+    grad_fn = jax.value_and_grad(rl_loss, has_aux=True)
+    (_, metrics), grads = grad_fn(state.params, graphdef, batch, ref_params,
+                                  num_groups=num_groups, cfg=loss_cfg)
+    return apply_gradients(state, grads, metrics, optimizer, schedule)
+
+  return jit_step(step, state_shardings, mesh)
+
+
+def group_of(taken, tokenizer: Tokenizer) -> Group:
+  """A taken rollout (param_server TakenRollout) as the trainer's Group."""
+  prompt = taken.prompt
+  tokens = list(prompt.token_ids) or tokenizer.encode(prompt.text, add_bos=True)
+  samples = taken.group.samples
+  return Group(rollout_id=int(taken.rollout_id), prompt_tokens=np.asarray(tokens, np.int32),
+               responses=tuple(np.asarray(s.token_ids, np.int32) for s in samples),
+               behaviour_logp=tuple(sample_logprobs(s) for s in samples),
+               rewards=np.asarray([s.reward for s in samples], np.float32),
+               policy_version=int(taken.group.policy_version))
+
+
+@dataclasses.dataclass
+class Take:
+  """A take of rollout groups, acknowledged once a durable checkpoint holds `step`."""
+
+  take_id: str
+  rollout_ids: list[int]
+  step: int
+
+
+def _plain(cfg) -> dict[str, Any]:
+  return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+
+
+class RLTrainer:
+  """Owns one RL run: mesh, state, jitted step, prompt feed, publisher, checkpoints, logs."""
+
+  def __init__(self, config, workdir: str, client, *, devices=None):
+    self.config, self.client = config, client
+    self.workdir = os.path.abspath(workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    rl = config.rl
+    self.init_from_hf = config.get("init_from_hf", "")
+    self.tokenizer = make_tokenizer(config.tokenizer.kind,
+                                    config.tokenizer.path or self.init_from_hf,
+                                    config.tokenizer.alphabet)
+    self.tasks, self.weights = tasks_from(config.tasks)
+    self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
+                                          self.init_from_hf)
+    self.total_steps = int(rl.steps)
+    self.max_staleness = int(rl.max_staleness)
+    self.publish_every = int(rl.publish_every)
+    if self.total_steps < 1 or self.max_staleness < 0 or self.publish_every < 1:
+      raise ValueError(f"rl: expected steps >= 1, max_staleness >= 0, publish_every >= 1, got "
+                       f"{self.total_steps}, {self.max_staleness}, {self.publish_every}")
+    self.shape = BatchShape(groups=int(rl.groups_per_step),
+                            samples=int(config.worker.samples_per_prompt),
+                            prompt_len=int(rl.max_prompt_tokens),
+                            response_len=int(config.worker.max_new_tokens))
+    self.loss_cfg = LossConfig.from_config(config.loss)
+    if str(config.worker.weights_format) != str(config.publish.format):
+      raise ValueError(f"worker.weights_format: expected publish.format="
+                       f"{config.publish.format!r}, got {config.worker.weights_format!r}")
+    if self.loss_cfg.kl_coef > 0 and not self.init_from_hf:
+      raise ValueError("loss.kl_coef: a KL term needs a reference policy; set init_from_hf")
+    self.mesh = shd.make_mesh(_plain(config.mesh), devices)
+    self.optimizer = optim.make_optimizer(config.optimizer, self.total_steps)
+    self.schedule = optim.learning_rate_schedule(config.optimizer, self.total_steps)
+    self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
+                                     max_to_keep=int(config.checkpoint.max_to_keep),
+                                     async_save=bool(config.checkpoint.async_save))
+    self.state, self.shardings, self.graphdef, saved = restore_or_init(
+        self.model_config, self.optimizer, self.mesh, self.checkpointer,
+        init_from_hf=self.init_from_hf, seed=int(config.seed))
+    self.ref_params = None
+    if self.loss_cfg.kl_coef > 0:  # the frozen warm start, whatever step this is
+      self.ref_params = restore_or_init(self.model_config, self.optimizer, self.mesh,
+                                        _NoCheckpoints(), init_from_hf=self.init_from_hf,
+                                        seed=int(config.seed))[0].params
+    self.rl_step = make_rl_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
+                                num_groups=self.shape.groups, loss_cfg=self.loss_cfg,
+                                schedule=self.schedule)
+    self.feed = PromptFeed(self._prompt_source(), int(config.seed))
+    self.publisher = Publisher(client, str(config.publish.format),
+                               int(config.publish.keyframe_every))
+    self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
+    self.heldout = {t.name: t.examples("heldout", int(config.eval.seed),
+                                       int(config.eval.num_examples)) for t in self.tasks}
+    # What the checkpoint carries besides the state.
+    self.consumed = 0  # groups taken in all (trained, skipped or rejected)
+    self.trained_rollouts = 0
+    self.pending: list[Take] = []  # takes trained on, not yet in a durable checkpoint
+    self.saved_version = -1
+    self.warm_start_eval: dict[str, float] | None = None
+    self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
+    self.dropped_stale = 0  # groups the server dropped as older than the staleness floor
+    self.rejected = 0  # groups that could not enter a batch (logged)
+    self.restored = saved is not None
+    if saved is not None:
+      self._load_metadata(saved)
+    self._restart_floor: int | None = None
+    self._requeue_next = True  # the first take returns any unacknowledged take
+    self._stop = threading.Event()
+    self._writer = None
+    self.sync_log: list[tuple[int, int, float, bool]] = []  # (version, bytes, s, keyframe)
+    self.last_eval: dict[str, float] | None = None
+
+  # -- configuration and state ------------------------------------------------------------
+
+  def _prompt_source(self) -> Sequence[dict[str, str]]:
+    path = self.config.data.get("jsonl", "")
+    if path:
+      return read_jsonl(path, default_task=str(self.config.worker.default_task))
+    return TaskPrompts(self.tasks, self.weights, int(self.config.seed))
+
+  @property
+  def step(self) -> int:
+    return int(jax.device_get(self.state.step))
+
+  @property
+  def version(self) -> int:
+    return -1 if self.publisher.version is None else self.publisher.version
+
+  def metadata(self) -> dict[str, Any]:
+    """The JSON blob saved with each checkpoint."""
+    return {
+        "step": self.step,
+        "data": self.feed.state(),
+        "consumed": self.consumed,
+        "trained_rollouts": self.trained_rollouts,
+        "version": self.version,
+        "pending_takes": [dataclasses.asdict(t) for t in self.pending],
+        "warm_start_eval": self.warm_start_eval,
+        "model_config": self.model_config.to_dict(),
+        "config": json.loads(self.config.to_json_best_effort()),
+    }
+
+  def _load_metadata(self, saved: dict[str, Any]) -> None:
+    self.feed.restore(saved["data"])
+    self.consumed = int(saved["consumed"])
+    self.trained_rollouts = int(saved.get("trained_rollouts", 0))
+    self.saved_version = int(saved["version"])
+    self.pending = [Take(**t) for t in saved.get("pending_takes", [])]
+    self.warm_start_eval = saved.get("warm_start_eval")
+
+  # -- server side of a (re)start ---------------------------------------------------------
+
+  def start(self) -> None:
+    """Acknowledge what the restored checkpoint trained on, then publish this trainer's
+    weights as a keyframe of the next version (0 on a fresh server)."""
+    for take in self.pending:  # the checkpoint is durable: these groups are trained on
+      try:
+        self.client.ack(take.take_id)
+      except ParamServerError as e:
+        if e.code != grpc.StatusCode.NOT_FOUND:
+          raise
+        # Requeued meanwhile (its ack deadline passed): skip its groups when they come back.
+        self.skip_ids.update(take.rollout_ids)
+    self.pending = []
+    latest = self.client.latest_version()
+    version = max(latest, self.saved_version) + 1
+    if self.restored:
+      self._restart_floor = max(0, self.saved_version - self.max_staleness)
+    self._publish(version, keyframe=True)
+
+  # -- the loop ---------------------------------------------------------------------------
+
+  def request_stop(self) -> None:
+    """Finish the current step, checkpoint and return (a SIGTERM or Ctrl-C)."""
+    self._stop.set()
+
+  @property
+  def writer(self):
+    if self._writer is None:
+      from tensorboardX import SummaryWriter
+      self._writer = SummaryWriter(os.path.join(self.workdir, "tb"), flush_secs=10)
+    return self._writer
+
+  def train(self, *, max_seconds: float = 0.0) -> dict[str, Any]:
+    """Run RL steps up to rl.steps (or `max_seconds` of wall time; 0 = no limit), then
+    checkpoint, evaluate and write summary.json. Returns the summary."""
+    t0 = time.time()
+    self.start()
+    if self.warm_start_eval is None and self.heldout_size:
+      self.warm_start_eval = self.evaluate()
+      self.log_eval(self.warm_start_eval, self.step)
+    start_step = self.step
+    samples = 0
+    steps_log = open(os.path.join(self.workdir, "steps.jsonl"), "a")
+    try:
+      while self.step < self.total_steps and not self._stop.is_set():
+        if max_seconds and time.time() - t0 >= max_seconds:
+          break
+        self._ack_durable()
+        self._feed_prompts()
+        groups = self._take_groups()
+        if groups is None:  # stopped while waiting
+          break
+        batch = build_batch(groups, self.shape, self.tokenizer.pad_id)
+        self.state, metrics = self.rl_step(self.state, shd.shard_batch(self.mesh, batch),
+                                           self.ref_params)
+        done = self.step
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        samples += int(batch["sample_mask"].sum())
+        self.trained_rollouts += len(groups)
+        record = self._step_record(done, groups, batch, metrics, samples / (time.time() - t0))
+        if done % self.publish_every == 0:
+          pub = self._publish(self.version + 1)
+          record.update(sync_bytes=pub.bytes, sync_seconds=pub.seconds, version=pub.version)
+        eval_every = int(self.config.eval.every_steps)
+        if eval_every and done % eval_every == 0 and done < self.total_steps:
+          self.log_eval(self.evaluate(), done)
+          record["heldout"] = self.last_eval
+        self._log_step(record, metrics, groups)
+        steps_log.write(json.dumps(record) + "\n")
+        steps_log.flush()
+        every = int(self.config.checkpoint.every_steps)
+        if every and done % every == 0:
+          self.save()
+    finally:
+      steps_log.close()
+    self.save()
+    self.checkpointer.wait()
+    self._ack_durable()
+    return self.finish(time.time() - t0, start_step)
+
+  @property
+  def heldout_size(self) -> int:
+    return sum(len(v) for v in self.heldout.values())
+
+  def _min_version(self) -> int:
+    floor = self.version - self.max_staleness
+    if self._restart_floor is not None:
+      floor = min(floor, self._restart_floor)
+    return max(0, floor)
+
+  def _feed_prompts(self) -> None:
+    """Keep about (max_staleness + 1) steps of prompts queued or in flight."""
+    target = self.shape.groups * (self.max_staleness + 1)
+    missing = target - (self.feed.position - self.consumed)
+    if missing <= 0:
+      return
+    prompts = []
+    for index, rec in self.feed.take(missing):
+      prompts.append(Prompt(
+          id=f"{self.run_id}-{index}", text=rec["prompt"], task=rec["task"],
+          token_ids=self.tokenizer.encode(rec["prompt"], add_bos=True),
+          extra=rec["answer"].encode("utf-8")))
+    self.client.enqueue_prompts(prompts)
+
+  def _take_groups(self) -> list[Group] | None:
+    """groups_per_step valid groups at or above the staleness floor; None when stopped."""
+    rl = self.config.rl
+    groups: list[Group] = []
+    waited_since = time.monotonic()
+    while len(groups) < self.shape.groups:
+      if self._stop.is_set():
+        return None
+      take = self.client.take_rollouts(
+          self._min_version(), self.shape.groups - len(groups), wait_s=1.0,
+          ack_deadline_s=float(rl.ack_deadline_s), requeue_unacked=self._requeue_next)
+      self._requeue_next = False
+      self.dropped_stale += take.dropped_stale
+      if not take.rollouts:
+        if time.monotonic() - waited_since > float(rl.take_timeout_s):
+          raise TimeoutError(f"rl.take_timeout_s: no rollout group for {rl.take_timeout_s}s; "
+                             f"are workers running against {self.client.address}?")
+        continue
+      waited_since = time.monotonic()
+      self.pending.append(Take(take.take_id, [int(r.rollout_id) for r in take.rollouts],
+                               self.step + 1))
+      for taken in take.rollouts:
+        self.consumed += 1
+        if taken.group.policy_version >= self.version and self._restart_floor is not None:
+          self._restart_floor = None  # fresh rollouts arrive: the lost steps' came first
+        if taken.rollout_id in self.skip_ids:
+          self.skip_ids.discard(taken.rollout_id)
+          continue
+        group = group_of(taken, self.tokenizer)
+        try:
+          check_group(group, self.shape)
+        except ValueError as e:
+          logging.warning("rl: rollout group rejected: %s", e)
+          self.rejected += 1
+          continue
+        groups.append(group)
+    return groups
+
+  def _publish(self, version: int, *, keyframe: bool = False):
+    pub = self.publisher.publish(self.state.params, version, keyframe=keyframe)
+    self.sync_log.append((pub.version, pub.bytes, pub.seconds, pub.keyframe))
+    self.writer.add_scalar("sync/bytes", pub.bytes, self.step)
+    self.writer.add_scalar("sync/seconds", pub.seconds, self.step)
+    self.writer.add_scalar("sync/version", pub.version, self.step)
+    return pub
+
+  # -- checkpoints and acknowledgements ---------------------------------------------------
+
+  def save(self) -> None:
+    """Checkpoint this step (async when configured); its takes are acked once durable."""
+    step = self.step
+    if step in self.checkpointer.all_steps():
+      return
+    self.checkpointer.save(step, self.state.to_tree(), self.metadata())
+    if not self.config.checkpoint.async_save:
+      self._ack_durable()
+
+  def _ack_durable(self) -> None:
+    """Acknowledge the takes that a durable checkpoint has trained on."""
+    if not self.pending or self.checkpointer.saving():
+      return
+    durable = self.checkpointer.latest_step()
+    if durable is None:
+      return
+    keep = []
+    for take in self.pending:
+      if take.step <= durable:
+        self.client.ack(take.take_id)
+      else:
+        keep.append(take)
+    self.pending = keep
+
+  # -- logs, evaluation, summary ----------------------------------------------------------
+
+  def _step_record(self, step: int, groups: list[Group], batch: dict, metrics: dict,
+                   rollouts_per_s: float) -> dict[str, Any]:
+    mask = batch["sample_mask"] > 0
+    staleness = [self.version - g.policy_version for g in groups]
+    return {
+        "step": step, "version": self.version, "time": time.time(),
+        "rollout_ids": [g.rollout_id for g in groups],
+        "reward_mean": float(batch["rewards"][mask].mean()),
+        "pass_at_n": float(np.mean([g.rewards.max() >= 1.0 for g in groups])),
+        "staleness_mean": float(np.mean(staleness)),
+        "rollouts_per_s": rollouts_per_s,
+        "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac", 0.0),
+        "iw_mean": metrics["iw_mean"], "heldout": None,
+    }
+
+  def _log_step(self, record: dict, metrics: dict, groups: list[Group]) -> None:
+    w, step = self.writer, record["step"]
+    w.add_scalar("rollouts/reward_mean", record["reward_mean"], step)
+    w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
+    w.add_scalar("rollouts/per_second", record["rollouts_per_s"], step)
+    w.add_histogram("rollouts/staleness",
+                    np.asarray([self.version - g.policy_version for g in groups]), step)
+    for k, v in metrics.items():
+      w.add_scalar(f"train/{k}", v, step)
+    try:
+      w.add_scalar("workers/alive", self.client.stats().workers_alive, step)
+    except ParamServerError as e:
+      logging.warning("rl: stats: %s", e)
+
+  def evaluate(self) -> dict[str, float]:
+    """Held-out exact match per task and over all, greedy decoding."""
+    self.last_eval = evaluate_lib.exact_match(self.graphdef, self.state.params, self.tokenizer,
+                                              self.tasks, self.heldout,
+                                              batch_size=int(self.config.eval.batch_size))
+    return self.last_eval
+
+  def log_eval(self, result: dict[str, float], step: int) -> None:
+    for k, v in result.items():
+      self.writer.add_scalar(f"eval/exact_match/{k}", v, step)
+    self.writer.flush()
+
+  def finish(self, seconds: float, start_step: int) -> dict[str, Any]:
+    """Final evaluation (exact match, pass@1 and pass@k) and summary.json."""
+    summary: dict[str, Any] = {"step": self.step, "version": self.version, "seconds": seconds,
+                               "steps_this_run": self.step - start_step,
+                               "rollout_groups_trained": self.trained_rollouts,
+                               "warm_start": self.warm_start_eval}
+    if self.heldout_size:
+      summary["heldout_exact_match"] = self.evaluate()
+      self.log_eval(self.last_eval, self.step)
+      k = int(self.config.eval.pass_k)
+      if k:
+        passes = evaluate_lib.pass_at_k(self.graphdef, self.state.params, self.tokenizer,
+                                        self.tasks, self.heldout, k=k,
+                                        temperature=float(self.config.worker.temperature),
+                                        seed=int(self.config.eval.seed),
+                                        batch_size=int(self.config.eval.batch_size))
+        summary["heldout_pass"] = passes
+        summary["pass_temperature"] = float(self.config.worker.temperature)
+        for name, v in passes.items():
+          self.writer.add_scalar(f"eval/{name}", v, self.step)
+    deltas = [(b, s) for _, b, s, key in self.sync_log if not key]
+    keys = [(b, s) for _, b, s, key in self.sync_log if key]
+    summary["sync"] = {
+        "format": self.publisher.fmt, "versions": len(self.sync_log),
+        "delta_bytes_mean": float(np.mean([b for b, _ in deltas])) if deltas else 0.0,
+        "delta_seconds_mean": float(np.mean([s for _, s in deltas])) if deltas else 0.0,
+        "keyframe_bytes": keys[-1][0] if keys else 0,
+    }
+    summary["dropped_stale"], summary["rejected"] = self.dropped_stale, self.rejected
+    with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    self.writer.flush()
+    return summary
+
+  def close(self) -> None:
+    self.checkpointer.close()
+    if self._writer is not None:
+      self._writer.close()
+
+  def __enter__(self) -> "RLTrainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class _NoCheckpoints:
+  """A checkpointer with nothing in it: restore_or_init then loads init_from_hf."""
+
+  directory = ""
+
+  def latest_step(self):
+    return None
+
+
+def stop_on_signals(trainer: RLTrainer) -> None:
+  """SIGTERM / SIGINT: finish the step, checkpoint, exit cleanly."""
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: trainer.request_stop())
+

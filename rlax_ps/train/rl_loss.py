@@ -1,0 +1,146 @@
+"""The RL objective on a packed rollout batch, as pure functions: advantages from
+`algorithms.advantages`, current log-probs from the packed shared-prompt path (the prompt
+runs once per row), then the configured policy loss and off-policy correction.
+
+The trainer takes one optimizer step per batch, so the proximal policy (the trainer's
+weights before the step) is the current one with its gradient stopped: PPO's ratio then
+measures the policy against the workers' behaviour log-probs (correction "none"), or is 1
+with the behaviour gap carried by importance weights ("tis", "decoupled").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from algorithms import advantages as adv_lib
+from algorithms import corrections, losses
+from rlax_ps.kernels import pack_group, packed_response_logprobs
+
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo")
+POLICY_LOSSES = ("ppo", "gspo")
+CORRECTIONS = ("none", "tis", "decoupled")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """The `loss` config block: which estimator, loss and correction, and their knobs."""
+
+  advantage: str = "grpo"  # grpo | dr_grpo (no std scaling) | rloo | mc_grpo (median baseline)
+  policy_loss: str = "ppo"  # ppo (clip, clip-higher when clip_high > clip_low) | gspo
+  correction: str = "none"  # none | tis (truncated IS) | decoupled (decoupled PPO)
+  clip_low: float = 0.2
+  clip_high: float = 0.28
+  agg: str = "token-mean"  # algorithms.losses.AGGREGATIONS
+  tis_cap: float = 2.0  # TIS: weights min(pi_prox / pi_behav, cap)
+  behaviour_cap: float = 5.0  # decoupled PPO: cap on pi_prox / pi_behav
+  kl_coef: float = 0.0  # > 0: KL(pi || frozen reference) term
+  kl_estimator: str = "k3"
+  backend: str = "auto"  # shared-prompt attention backend (rlax_ps.kernels)
+
+  def __post_init__(self):
+    def need(cond, field, expected):
+      if not cond:
+        raise ValueError(f"loss.{field}: expected {expected}, got {getattr(self, field)!r}")
+    need(self.advantage in ADVANTAGES, "advantage", f"one of {ADVANTAGES}")
+    need(self.policy_loss in POLICY_LOSSES, "policy_loss", f"one of {POLICY_LOSSES}")
+    need(self.correction in CORRECTIONS, "correction", f"one of {CORRECTIONS}")
+    need(not (self.policy_loss == "gspo" and self.correction == "decoupled"), "correction",
+         "'none' or 'tis' with policy_loss='gspo' (decoupled PPO is a PPO loss)")
+    need(self.clip_low >= 0 and self.clip_high >= 0, "clip_low", "clip bounds >= 0")
+    need(self.agg in losses.AGGREGATIONS, "agg", f"one of {losses.AGGREGATIONS}")
+    need(self.tis_cap > 0, "tis_cap", "> 0")
+    need(self.behaviour_cap > 0, "behaviour_cap", "> 0")
+    need(self.kl_coef >= 0, "kl_coef", ">= 0")
+    need(self.kl_estimator in losses.KL_ESTIMATORS, "kl_estimator",
+         f"one of {losses.KL_ESTIMATORS}")
+
+  @classmethod
+  def from_config(cls, block) -> "LossConfig":
+    d = block.to_dict() if hasattr(block, "to_dict") else dict(block)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"loss: unknown fields {unknown}; known: {sorted(known)}")
+    return cls(**d)
+
+
+def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
+                     ) -> tuple[jax.Array, jax.Array]:
+  """(advantages [rows * N], sample mask [rows * N]) over each row's whole group."""
+  n = batch["rewards"].shape[1]
+  rewards = batch["rewards"].reshape(-1)
+  mask = batch["sample_mask"].reshape(-1)
+  group_ids = jnp.repeat(batch["row_group"], n)
+  if cfg.advantage == "grpo":
+    adv = adv_lib.grpo_advantages(rewards, group_ids, num_groups, mask)
+  elif cfg.advantage == "dr_grpo":
+    adv = adv_lib.grpo_advantages(rewards, group_ids, num_groups, mask, std_scaling="none")
+  elif cfg.advantage == "rloo":
+    adv = adv_lib.rloo_advantages(rewards, group_ids, num_groups, mask)
+  else:
+    adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask)
+    mask = mask * keep.astype(mask.dtype)
+  return adv, mask
+
+
+def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend: str = "auto"
+                      ) -> jax.Array:
+  """log p(response token) [rows * N, R] under `params`, one packed row per group."""
+  tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
+                              batch["response_tokens"], batch["response_lens"])
+  logp = packed_response_logprobs(nnx.merge(graphdef, params), tokens,
+                                  batch["response_tokens"], layout, backend=backend)
+  return logp.reshape(-1, logp.shape[-1])
+
+
+def token_mask(batch: dict, sample_mask: jax.Array) -> jax.Array:
+  """[rows * N, R]: 1 on the real tokens of kept samples."""
+  r = batch["response_tokens"].shape[-1]
+  lens = batch["response_lens"].reshape(-1)
+  return (jnp.arange(r)[None, :] < lens[:, None]).astype(jnp.float32) * sample_mask[:, None]
+
+
+def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *,
+            num_groups: int, cfg: LossConfig) -> tuple[jax.Array, dict]:
+  """(scalar loss, metrics) of one packed batch; differentiable in `params`."""
+  adv, sample_mask = group_advantages(batch, num_groups, cfg)
+  mask = token_mask(batch, sample_mask)
+  logp = response_logprobs(params, graphdef, batch, cfg.backend)
+  behaviour = batch["behaviour_logp"].reshape(logp.shape)
+  proximal = jax.lax.stop_gradient(logp)
+  ref_logp = None
+  if cfg.kl_coef > 0:
+    ref_logp = jax.lax.stop_gradient(response_logprobs(ref_params, graphdef, batch,
+                                                       cfg.backend))
+  common = dict(agg=cfg.agg, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
+                kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+  policy_loss = losses.gspo_loss if cfg.policy_loss == "gspo" else losses.ppo_clip_loss
+  if cfg.correction == "none":
+    loss, metrics = policy_loss(logp, behaviour, adv, mask, **common)
+  elif cfg.correction == "tis":
+    weights = corrections.truncated_importance_weights(proximal, behaviour, mask,
+                                                       cap=cfg.tis_cap)
+    loss, metrics = policy_loss(logp, proximal, adv, mask, token_weights=weights, **common)
+    metrics["tis_weight_mean"] = jnp.sum(weights) / jnp.maximum(jnp.sum(mask), 1.0)
+  else:
+    loss, metrics = corrections.decoupled_ppo_loss(logp, proximal, behaviour, adv, mask,
+                                                   behaviour_cap=cfg.behaviour_cap, **common)
+  # pi_prox / pi_behav per token: how far the workers' policy is from the trainer's.
+  n_tok = jnp.maximum(jnp.sum(mask), 1.0)
+  iw = jnp.exp(jnp.where(mask > 0, proximal - behaviour, 0.0))
+  big = jnp.float32(3.0e38)
+  metrics.update(
+      iw_mean=jnp.sum(iw * mask) / n_tok,
+      iw_max=jnp.max(jnp.where(mask > 0, iw, -big)),
+      iw_min=jnp.min(jnp.where(mask > 0, iw, big)),
+      behaviour_kl=jnp.sum((behaviour - proximal) * mask) / n_tok,
+      advantage_abs_mean=jnp.sum(jnp.abs(adv) * sample_mask) / jnp.maximum(
+          jnp.sum(sample_mask), 1.0),
+      response_tokens=jnp.sum(mask),
+  )
+  return loss, metrics

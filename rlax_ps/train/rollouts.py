@@ -1,0 +1,118 @@
+"""Rollout groups -> the RL trainer's batch: one packed `[P + N*R]` row per group (numpy).
+
+A group of k samples fills ceil(k / N) rows (VIGOR's groups are unequal); every row repeats
+its group's prompt and carries the group's index, so advantages are taken over the whole
+group. Row counts are rounded up to `groups * 2**j` so a few compiled shapes serve every
+step; padding rows and slots have a zero sample mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+  """Static sizes of the packed batch: what one compiled step takes."""
+
+  groups: int  # G: rollout groups per step.
+  samples: int  # N: response slots per packed row.
+  prompt_len: int  # P: prompt tokens per row (bos included).
+  response_len: int  # R: tokens per response (the workers' max_new_tokens).
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"BatchShape.{f.name}: expected a positive int, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """One prompt's rollouts as the trainer uses them."""
+
+  rollout_id: int
+  prompt_tokens: np.ndarray  # [p] int32
+  responses: tuple[np.ndarray, ...]  # k arrays of token ids
+  behaviour_logp: tuple[np.ndarray, ...]  # k arrays, one log-prob per token
+  rewards: np.ndarray  # [k] float32
+  policy_version: int
+
+
+def check_group(group: Group, shape: BatchShape) -> None:
+  """ValueError naming the rollout and the field when `group` cannot enter a batch."""
+  where = f"rollout {group.rollout_id}"
+  p = len(group.prompt_tokens)
+  if not 1 <= p <= shape.prompt_len:
+    raise ValueError(f"{where}: prompt of {p} tokens; rl.max_prompt_tokens={shape.prompt_len} "
+                     f"holds 1 to {shape.prompt_len}")
+  k = len(group.responses)
+  if k == 0 or len(group.behaviour_logp) != k or len(group.rewards) != k:
+    raise ValueError(f"{where}: expected as many log-prob arrays and rewards as samples (>= 1), "
+                     f"got {k} samples, {len(group.behaviour_logp)} log-prob arrays and "
+                     f"{len(group.rewards)} rewards")
+  for i, (toks, lp) in enumerate(zip(group.responses, group.behaviour_logp)):
+    if len(toks) > shape.response_len:
+      raise ValueError(f"{where}: samples[{i}] has {len(toks)} tokens, more than "
+                       f"worker.max_new_tokens={shape.response_len}")
+    if len(lp) != len(toks):
+      raise ValueError(f"{where}: samples[{i}].logprobs: expected {len(toks)} (one per token), "
+                       f"got {len(lp)}")
+    if len(lp) and not np.all(np.isfinite(lp)):
+      raise ValueError(f"{where}: samples[{i}].logprobs: expected finite values")
+  if not np.all(np.isfinite(group.rewards)):
+    raise ValueError(f"{where}: rewards: expected finite values, got {group.rewards}")
+
+
+def rows_needed(groups: Sequence[Group], shape: BatchShape) -> int:
+  """Packed rows for `groups`, rounded up to shape.groups * 2**j."""
+  need = sum(math.ceil(len(g.responses) / shape.samples) for g in groups)
+  rows = shape.groups
+  while rows < need:
+    rows *= 2
+  return rows
+
+
+def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
+                ) -> dict[str, np.ndarray]:
+  """The packed batch of `groups` (at most shape.groups of them), as host arrays.
+
+  prompt_tokens [rows, P], prompt_lens [rows], response_tokens [rows, N, R],
+  response_lens [rows, N], behaviour_logp [rows, N, R], rewards [rows, N],
+  sample_mask [rows, N] (1 on real samples), row_group [rows] (the group's index).
+  """
+  if not 1 <= len(groups) <= shape.groups:
+    raise ValueError(f"groups: expected 1 to {shape.groups} (rl.groups_per_step), got "
+                     f"{len(groups)}")
+  for g in groups:
+    check_group(g, shape)
+  rows, n, p, r = rows_needed(groups, shape), shape.samples, shape.prompt_len, shape.response_len
+  out = {
+      "prompt_tokens": np.full((rows, p), pad_id, np.int32),
+      "prompt_lens": np.ones((rows,), np.int32),
+      "response_tokens": np.full((rows, n, r), pad_id, np.int32),
+      "response_lens": np.zeros((rows, n), np.int32),
+      "behaviour_logp": np.zeros((rows, n, r), np.float32),
+      "rewards": np.zeros((rows, n), np.float32),
+      "sample_mask": np.zeros((rows, n), np.float32),
+      "row_group": np.zeros((rows,), np.int32),
+  }
+  row = 0
+  for gi, g in enumerate(groups):
+    for start in range(0, len(g.responses), n):
+      out["prompt_tokens"][row, :len(g.prompt_tokens)] = g.prompt_tokens
+      out["prompt_lens"][row] = len(g.prompt_tokens)
+      out["row_group"][row] = gi
+      for slot, i in enumerate(range(start, min(start + n, len(g.responses)))):
+        k = len(g.responses[i])
+        out["response_tokens"][row, slot, :k] = g.responses[i]
+        out["response_lens"][row, slot] = k
+        out["behaviour_logp"][row, slot, :k] = g.behaviour_logp[i]
+        out["rewards"][row, slot] = g.rewards[i]
+        out["sample_mask"][row, slot] = 1.0
+      row += 1
+  return out
