@@ -94,6 +94,8 @@ def main(argv) -> None:
     stop_on_signals(worker)
     stats = worker.run()
   logging.info("worker: done: %s", stats)
+  held = ("nothing" if worker.policy.version is None else
+          f"v{worker.policy.version} digest {worker.policy.digest():016x}")
   print(f"worker: exiting: {stats.leases} leases, {stats.groups_submitted} groups submitted, "
-        f"{stats.prompts_released} prompts released", flush=True)
+        f"{stats.prompts_released} prompts released; holds {held}", flush=True)
   exit_now(0)  # leases released, output flushed: skip a finalization that can abort

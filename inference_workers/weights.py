@@ -23,7 +23,7 @@ from flax import nnx
 from inference_workers.quantized import Int8Transformer, held_name
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.transformer import Transformer
-from rlax_ps.sync import CodecError, Update, checksum, parallel
+from rlax_ps.sync import CodecError, Update, checksum, parallel, state_digest
 from rlax_ps.sync.device import (HostBuffers, apply_changes, each_padded_changes,
                                   fingerprints_of)
 
@@ -164,6 +164,11 @@ class HeldPolicy:
              for name in todo]
     self._checksums.update(zip(todo, parallel.run(tasks, parallel.resolve(None))))
     return {name: self._checksums[name] for name in names}
+
+  def digest(self) -> int:
+    """sync.state_digest of the held weights, each tensor pulled and hashed afresh: equals
+    the publisher's digest of the same version when the copy is exact."""
+    return state_digest({name: self._pulled_checksum(name) for name in self._vars})
 
   def _pulled_checksum(self, name: str) -> int:
     return checksum(np.asarray(jax.device_get(self._vars[name][...])))

@@ -66,12 +66,12 @@ tensor behind a mismatch.
 from rlax_ps.sync.codec import apply, dequantize, encode, held_state, spare_state
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.int8 import quantize_params
-from rlax_ps.sync.integrity import Seal, checksum
+from rlax_ps.sync.integrity import Seal, checksum, state_digest
 from rlax_ps.sync.wire import (Reassembler, TensorChanges, TensorMeta, Update, UpdateHeader,
                                read_header)
 
 __all__ = [
     "CodecError", "Reassembler", "Seal", "TensorChanges", "TensorMeta", "Update", "UpdateHeader",
     "apply", "checksum", "dequantize", "encode", "held_state", "quantize_params", "read_header",
-    "spare_state",
+    "spare_state", "state_digest",
 ]

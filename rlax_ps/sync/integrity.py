@@ -58,6 +58,12 @@ def combine(digests) -> int:
   return xxhash.xxh3_64_intdigest(np.ascontiguousarray(digests, dtype="<u8"))  # no copy of u64s
 
 
+def state_digest(checksums) -> int:
+  """One digest of a whole held state from its per-tensor checksums (a Mapping name ->
+  checksum, e.g. `Update.checksums`), in name order: equal digests, equal states."""
+  return combine([int(checksums[name]) for name in sorted(checksums)])
+
+
 def _index_bits(n: int) -> int:
   return (n - 1).bit_length() if n > 1 else 0
 

@@ -50,6 +50,7 @@ class Publication:
   keyframe: bool
   bytes: int  # the encoded update's size
   seconds: float  # device diff + fetch + encode + send
+  digest: int  # sync.state_digest of the published held state
 
 
 class Publisher:
@@ -89,4 +90,5 @@ class Publisher:
     self.client.publish(wire)
     self._device, self._host, self._checksums = new_device, host, update.checksums
     self.version = version
-    return Publication(version, keyframe, len(wire), time.perf_counter() - t0)
+    return Publication(version, keyframe, len(wire), time.perf_counter() - t0,
+                       sync.state_digest(update.checksums))

@@ -334,8 +334,13 @@ class RLTrainer:
     return groups
 
   def _publish(self, version: int, *, keyframe: bool = False):
+    """Publish the current params as `version`; one line of versions.jsonl per version."""
     pub = self.publisher.publish(self.state.params, version, keyframe=keyframe)
     self.sync_log.append((pub.version, pub.bytes, pub.seconds, pub.keyframe))
+    with open(os.path.join(self.workdir, "versions.jsonl"), "a") as f:
+      f.write(json.dumps({"version": pub.version, "step": self.step, "keyframe": pub.keyframe,
+                          "bytes": pub.bytes, "seconds": pub.seconds,
+                          "digest": f"{pub.digest:016x}"}) + "\n")
     self.writer.add_scalar("sync/bytes", pub.bytes, self.step)
     self.writer.add_scalar("sync/seconds", pub.seconds, self.step)
     self.writer.add_scalar("sync/version", pub.version, self.step)

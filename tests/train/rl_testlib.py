@@ -1,0 +1,88 @@
+"""Helpers for the RL trainer tests: the tiny RL config, an in-process parameter server on
+127.0.0.1, and a fake worker that answers leased prompts with scripted rollout groups."""
+
+import importlib.util
+import os
+import threading
+import time
+
+import numpy as np
+
+from param_server.client import ParamServerClient, RetryPolicy, RolloutGroup, make_sample
+from param_server.server import ParamServer, ServerConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENS = {"trainer": "t-secret", "worker": "w-secret", "viewer": "v-secret"}
+
+
+def rl_config(variant="tiny", path="configs/rl_local.py"):
+  spec = importlib.util.spec_from_file_location(f"rl_cfg_{variant}", os.path.join(REPO, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
+def start_server(storage_dir):
+  config = ServerConfig(storage_dir=str(storage_dir), port=0, reap_interval_s=0.05,
+                        compact_in_background=False, threads=32, wal_fsync=False,
+                        trainer_token=TOKENS["trainer"], worker_token=TOKENS["worker"],
+                        viewer_token=TOKENS["viewer"])
+  return ParamServer(config).start()
+
+
+def client(address, role):
+  return ParamServerClient(address, token=TOKENS[role], role=role, timeout_s=10.0,
+                           retry=RetryPolicy(deadline_s=10.0))
+
+
+class FakeWorker:
+  """Leases prompts and submits groups of `samples` random responses (reward 1 on even
+  samples, behaviour log-probs -1.5) with the latest version, until `limit` groups or
+  `stop()`. `submitted` holds the accepted rollout ids."""
+
+  def __init__(self, address, *, samples=4, limit=None, vocab=60, max_len=6, seed=0):
+    self.client = client(address, "worker")
+    self.samples, self.limit, self.vocab, self.max_len = samples, limit, vocab, max_len
+    self.rng = np.random.default_rng(seed)
+    self.submitted: list[int] = []
+    self.errors: list[BaseException] = []  # what ended the thread early, if anything
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+
+  def start(self):
+    self.client.register("fake")
+    self._thread.start()
+    return self
+
+  def stop(self):
+    self._stop.set()
+    self._thread.join(30)
+    self.client.close()
+
+  def group(self, prompt_id, version):
+    samples = []
+    for j in range(self.samples):
+      toks = self.rng.integers(3, self.vocab, int(self.rng.integers(1, self.max_len + 1)))
+      samples.append(make_sample(toks, float(j % 2 == 0), logprobs=np.full(len(toks), -1.5)))
+    return RolloutGroup(prompt_id=prompt_id, samples=samples, policy_version=version)
+
+  def _run(self):
+    try:
+      self._loop()
+    except BaseException as e:  # the test reads it: a dead fake worker must not look idle
+      self.errors.append(e)
+      raise
+
+  def _loop(self):
+    while not self._stop.is_set():
+      if self.limit is not None and len(self.submitted) >= self.limit:
+        time.sleep(0.05)
+        continue
+      version = self.client.latest_version()
+      if version < 0:
+        time.sleep(0.05)
+        continue
+      lease = self.client.lease(1, 60.0, wait_s=0.2)
+      for p in lease.prompts:
+        reply = self.client.submit_rollouts(lease.lease_id, self.group(p.id, version))
+        self.submitted.append(int(reply.rollout_id))

@@ -1,0 +1,167 @@
+"""The RL batch and objective against hand-computed cases: groups packed into rows
+(unequal groups spanning rows), advantages over whole groups, and the loss and its
+gradient equal to the same objective computed on separate unpacked sequences."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlax_ps.models import ModelConfig, Transformer
+from rlax_ps.train.rl_loss import LossConfig, group_advantages, rl_loss
+from rlax_ps.train.rollouts import BatchShape, Group, build_batch
+
+V = 40
+SHAPE = BatchShape(groups=2, samples=4, prompt_len=6, response_len=5)
+REWARDS = ([1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0, 1.0])
+
+
+def _groups():
+  rng = np.random.default_rng(0)
+  out = []
+  for gi, rewards in enumerate(REWARDS):
+    k = len(rewards)
+    responses = tuple(rng.integers(1, V, int(rng.integers(1, 6))).astype(np.int32)
+                      for _ in range(k))
+    out.append(Group(rollout_id=10 + gi, prompt_tokens=rng.integers(1, V, 3 + gi).astype(np.int32),
+                     responses=responses,
+                     behaviour_logp=tuple(rng.uniform(-4.0, -2.0, len(r)).astype(np.float32)
+                                          for r in responses),
+                     rewards=np.asarray(rewards, np.float32), policy_version=3))
+  return out
+
+
+GROUPS = _groups()
+BATCH = build_batch(GROUPS, SHAPE)
+
+
+def test_unequal_groups_fill_rows_with_their_prompt_and_group_index():
+  # Group 0 (3 samples) fills one row; group 1 (5 samples) two; rows round up to 2 * 2.
+  np.testing.assert_array_equal(BATCH["row_group"], [0, 1, 1, 0])
+  np.testing.assert_array_equal(BATCH["sample_mask"], [[1, 1, 1, 0], [1, 1, 1, 1],
+                                                       [1, 0, 0, 0], [0, 0, 0, 0]])
+  np.testing.assert_array_equal(BATCH["prompt_lens"], [3, 4, 4, 1])
+  np.testing.assert_array_equal(BATCH["prompt_tokens"][2, :4], GROUPS[1].prompt_tokens)
+  fifth = GROUPS[1].responses[4]
+  np.testing.assert_array_equal(BATCH["response_tokens"][2, 0, :len(fifth)], fifth)
+  np.testing.assert_array_equal(BATCH["behaviour_logp"][2, 0, :len(fifth)],
+                                GROUPS[1].behaviour_logp[4])
+  np.testing.assert_array_equal(BATCH["rewards"][1], [1, 1, 0, 0])
+  assert BATCH["rewards"][2, 0] == 1.0
+
+
+def test_grpo_advantages_are_taken_over_the_whole_group_across_rows():
+  adv, mask = group_advantages({k: jnp.asarray(v) for k, v in BATCH.items()}, 2,
+                               LossConfig(advantage="grpo"))
+  adv = np.asarray(adv).reshape(4, 4)
+  # Group 0: mean 1/3, unbiased std sqrt(1/3). Group 1: mean 0.6, unbiased std sqrt(0.3).
+  s0, s1 = np.sqrt(1 / 3), np.sqrt(0.3)
+  np.testing.assert_allclose(adv[0, :3], [(2 / 3) / s0, -(1 / 3) / s0, -(1 / 3) / s0], rtol=1e-5)
+  np.testing.assert_allclose(adv[1], [0.4 / s1, 0.4 / s1, -0.6 / s1, -0.6 / s1], rtol=1e-5)
+  np.testing.assert_allclose(adv[2, 0], 0.4 / s1, rtol=1e-5)
+  assert np.all(adv[3] == 0) and adv[0, 3] == 0 and np.all(adv[2, 1:] == 0)
+  np.testing.assert_array_equal(np.asarray(mask).reshape(4, 4), BATCH["sample_mask"])
+
+
+def test_dr_grpo_and_rloo_use_their_own_baselines():
+  batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
+  dr = np.asarray(group_advantages(batch, 2, LossConfig(advantage="dr_grpo"))[0]).reshape(4, 4)
+  np.testing.assert_allclose(dr[1], [0.4, 0.4, -0.6, -0.6], rtol=1e-6)
+  rloo = np.asarray(group_advantages(batch, 2, LossConfig(advantage="rloo"))[0]).reshape(4, 4)
+  np.testing.assert_allclose(rloo[0, :3], [1.0, -0.5, -0.5], rtol=1e-6)  # r - mean(others)
+
+
+def _model():
+  cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1, max_position_embeddings=32)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  return graphdef, state.to_pure_dict()
+
+
+def _separate_logprobs(graphdef, params):
+  """Each sample as its own [prompt, response] sequence through the plain model."""
+  model = nnx.merge(graphdef, params)
+  out = []
+  for g in GROUPS:
+    for resp in g.responses:
+      seq = jnp.asarray(np.concatenate([g.prompt_tokens, resp]))[None]
+      logits = model(seq)[0, len(g.prompt_tokens) - 1:-1]
+      out.append(jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                                     jnp.asarray(resp)[:, None], axis=-1)[:, 0])
+  return out
+
+
+def _reference_loss(params, graphdef, correction):
+  """PPO-clip (0.2 / 0.28), token mean, GRPO advantages: by hand, sample by sample."""
+  logps = _separate_logprobs(graphdef, params)
+  advs = []
+  for rewards in REWARDS:
+    r = np.asarray(rewards)
+    advs += list((r - r.mean()) / (r.std(ddof=1) + 1e-6))
+  behav = [b for g in GROUPS for b in g.behaviour_logp]
+  total, count = 0.0, 0
+  for lp, a, b in zip(logps, advs, behav):
+    prox = jax.lax.stop_gradient(lp)
+    if correction == "none":
+      ratio, weight = jnp.exp(lp - b), 1.0
+    else:  # tis: ratio against the proximal policy, weight min(pi_prox / pi_behav, 2)
+      ratio, weight = jnp.exp(lp - prox), jnp.minimum(jnp.exp(prox - b), 2.0)
+    pg = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.28)) * weight
+    total, count = total + jnp.sum(pg), count + len(lp)
+  return total / count
+
+
+@pytest.mark.parametrize("correction", ["none", "tis"])
+def test_packed_loss_and_gradient_equal_the_objective_on_separate_sequences(correction):
+  graphdef, params = _model()
+  cfg = LossConfig(correction=correction, backend="xla")
+  batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
+  (loss, metrics), grads = jax.value_and_grad(rl_loss, has_aux=True)(
+      params, graphdef, batch, None, num_groups=2, cfg=cfg)
+  want, want_grads = jax.value_and_grad(_reference_loss)(params, graphdef, correction)
+  np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-6)
+  for (path, g), (_, w) in zip(jax.tree.leaves_with_path(grads),
+                               jax.tree.leaves_with_path(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  assert metrics["response_tokens"] == sum(len(r) for g in GROUPS for r in g.responses)
+
+
+def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
+  graphdef, params = _model()
+  batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
+  cfg = LossConfig(backend="xla")
+  grads = jax.grad(lambda p: rl_loss(p, graphdef, batch, None, num_groups=2, cfg=cfg)[0])(params)
+  stepped = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
+  before = _separate_logprobs(graphdef, params)
+  after = _separate_logprobs(graphdef, stepped)
+  rewards = [r for rs in REWARDS for r in rs]
+  change = [float(jnp.sum(a - b)) for a, b in zip(after, before)]
+  assert np.mean([c for c, r in zip(change, rewards) if r == 1]) > 0
+  assert np.mean([c for c, r in zip(change, rewards) if r == 0]) < 0
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("advantage", "ppo", "loss.advantage"), ("correction", "is", "loss.correction"),
+    ("agg", "sum", "loss.agg"), ("kl_coef", -1.0, "loss.kl_coef")])
+def test_bad_loss_settings_name_the_field(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    LossConfig(**{field: value})
+
+
+def test_bad_groups_are_refused_naming_the_rollout_and_field():
+  g = GROUPS[0]
+  long_prompt = Group(1, np.arange(1, 9, dtype=np.int32), g.responses, g.behaviour_logp,
+                      g.rewards, 0)
+  with pytest.raises(ValueError, match="rollout 1: prompt of 8 tokens; rl.max_prompt_tokens=6"):
+    build_batch([long_prompt], SHAPE)
+  short_logp = Group(2, g.prompt_tokens, g.responses,
+                     (g.behaviour_logp[0][:-1],) + g.behaviour_logp[1:], g.rewards, 0)
+  with pytest.raises(ValueError, match=r"rollout 2: samples\[0\].logprobs"):
+    build_batch([short_logp], SHAPE)
+  long_resp = Group(3, g.prompt_tokens, (np.ones(9, np.int32),) + g.responses[1:],
+                    (np.zeros(9, np.float32),) + g.behaviour_logp[1:], g.rewards, 0)
+  with pytest.raises(ValueError, match="worker.max_new_tokens=5"):
+    build_batch([long_resp], SHAPE)
+  with pytest.raises(ValueError, match="rl.groups_per_step"):
+    build_batch(GROUPS * 2, SHAPE)

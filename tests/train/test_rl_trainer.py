@@ -1,0 +1,126 @@
+"""The RL trainer in process against a real parameter server on 127.0.0.1, fed by a fake
+worker: steps take whole groups, versions are published and decode to the trainer's
+weights, groups are acknowledged only once checkpointed, prompts are paced, and a restart
+republishes a keyframe of the next version."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from rl_testlib import FakeWorker, client, rl_config, start_server
+from rlax_ps import sync
+from rlax_ps.train.publisher import flat_params
+from rlax_ps.train.rl import RLTrainer
+
+
+def _config(**rl):
+  c = rl_config("tiny")
+  c.eval.num_examples = 2
+  c.eval.batch_size = 2
+  for k, v in rl.items():
+    c.rl[k] = v
+  return c
+
+
+def _lines(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("rl")
+  server = start_server(tmp / "ps")
+  worker = FakeWorker(server.address, samples=4).start()
+  config = _config(steps=4)
+  with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp / "rl"), tc) as tr:
+    summary = tr.train()
+    params = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
+    enqueued = tr.feed.position
+  worker.stop()
+  with client(server.address, "viewer") as vc:
+    stats = vc.stats()
+  with client(server.address, "worker") as wc:
+    updates = [sync.Update.from_bytes(bytes(b)) for b in wc.pull(None)]
+  yield dict(tmp=tmp, summary=summary, params=params, stats=stats, updates=updates,
+             worker=worker, enqueued=enqueued, server=server, config=config)
+  server.stop(grace=0)
+
+
+def test_each_step_trains_on_whole_distinct_groups(run):
+  steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
+  assert [s["step"] for s in steps] == [1, 2, 3, 4]
+  ids = [i for s in steps for i in s["rollout_ids"]]
+  assert all(len(s["rollout_ids"]) == 4 for s in steps)  # rl.groups_per_step
+  assert len(ids) == len(set(ids)) and set(ids) <= set(run["worker"].submitted)
+  assert run["summary"]["rollout_groups_trained"] == 16
+  # The fake worker rewards half of each group: the batch's mean reward is 0.5.
+  assert all(s["reward_mean"] == pytest.approx(0.5) for s in steps)
+
+
+def test_every_taken_group_is_acknowledged_after_the_final_checkpoint(run):
+  assert run["stats"].rollouts_in_flight == 0
+  meta = json.load(open(os.path.join(run["tmp"], "rl", "checkpoints", "4", "metadata",
+                                     "metadata")))
+  assert meta["step"] == 4 and meta["version"] == 4 and meta["trained_rollouts"] == 16
+  # The takes of the last steps were pending when the checkpoint was written, acked after.
+  assert {t["step"] for t in meta["pending_takes"]} <= {3, 4}
+
+
+def test_published_versions_decode_to_the_trainers_weights(run):
+  versions = _lines(run["tmp"] / "rl" / "versions.jsonl")
+  assert [v["version"] for v in versions] == [0, 1, 2, 3, 4]
+  assert versions[0]["keyframe"] and not any(v["keyframe"] for v in versions[1:])
+  held = None
+  for u in run["updates"]:
+    held = sync.apply(held, u)
+  assert run["updates"][-1].version == 4
+  want = sync.held_state(run["params"], "bf16")
+  assert set(held) == set(want)
+  for name in want:
+    np.testing.assert_array_equal(held[name].view(np.uint16), want[name].view(np.uint16),
+                                  err_msg=name)
+  digest = sync.state_digest({k: sync.checksum(v) for k, v in held.items()})
+  assert f"{digest:016x}" == versions[-1]["digest"]
+
+
+def test_prompts_are_paced_by_the_staleness_bound(run):
+  config = run["config"]
+  bound = config.rl.groups_per_step * (config.rl.max_staleness + 1)
+  # Never more than `bound` prompts outstanding beyond those already consumed.
+  assert run["enqueued"] <= run["summary"]["rollout_groups_trained"] + bound
+
+
+def test_summary_reports_warm_start_and_final_evaluation(run):
+  s = run["summary"]
+  assert set(s["warm_start"]) == {"addition", "reversal", "all"}
+  assert set(s["heldout_exact_match"]) == {"addition", "reversal", "all"}
+  assert set(s["heldout_pass"]) == {"pass@1", "pass@2"}
+  assert s["sync"]["versions"] == 5 and s["sync"]["delta_bytes_mean"] > 0
+
+
+def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
+  config = _config(steps=5)
+  worker = FakeWorker(run["server"].address, samples=4, seed=1).start()
+  try:
+    with client(run["server"].address, "trainer") as tc, \
+         RLTrainer(config, str(run["tmp"] / "rl"), tc) as tr:
+      assert tr.restored and tr.step == 4 and tr.feed.position == run["enqueued"]
+      tr.train()
+  finally:
+    worker.stop()
+  versions = _lines(run["tmp"] / "rl" / "versions.jsonl")
+  assert [v["version"] for v in versions] == [0, 1, 2, 3, 4, 5, 6]
+  assert versions[5]["keyframe"] and versions[5]["step"] == 4
+  steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
+  assert steps[-1]["step"] == 5 and steps[-1]["version"] == 6
+
+
+def test_mismatched_worker_format_is_refused_naming_the_field(run, tmp_path):
+  config = _config()
+  config.publish.format = "int8"
+  with client(run["server"].address, "trainer") as tc:
+    with pytest.raises(ValueError, match="worker.weights_format"):
+      RLTrainer(config, str(tmp_path / "x"), tc)
