@@ -13,7 +13,6 @@ import os
 from absl import flags
 
 from param_server import auth
-from param_server.client import ParamServerClient, RetryPolicy
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -45,8 +44,10 @@ def token_for(role: str, token: str | None = None, token_file: str | None = None
   return tokens[role]
 
 
-def connect(role: str, **client_kwargs) -> ParamServerClient:
-  """A ParamServerClient for `role` from the flags above."""
+def connect(role: str, **client_kwargs):
+  """A ParamServerClient for `role` from the flags above. gRPC is imported here, not with
+  the flags: a worker blocks its stop signals before any gRPC thread starts."""
+  from param_server.client import ParamServerClient
   root = None
   if TLS_CA.value:
     with open(TLS_CA.value, "rb") as f:
@@ -56,5 +57,3 @@ def connect(role: str, **client_kwargs) -> ParamServerClient:
                            root_certificates=root, tls_server_name=TLS_NAME.value,
                            **client_kwargs)
 
-
-__all__ = ["ADDRESS", "RetryPolicy", "connect", "token_for"]

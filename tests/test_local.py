@@ -1,0 +1,80 @@
+"""`rlax-ps local` end to end on the :tiny config: a warm start, then a parameter server,
+the trainer and two workers as processes on 127.0.0.1; versions advance, every worker
+ends holding exactly the trainer's published weights, rollouts are trained on; a failing
+child stops the run with a non-zero exit that names it."""
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _local(workdir, *extra, timeout=400):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run([sys.executable, "-m", "rlax_ps", "local", "--config=configs/rl_local.py:tiny",
+                         f"--workdir={workdir}", "--progress=false", *extra],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _lines(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("local")
+  return workdir, _local(workdir)
+
+
+def test_the_loop_runs_and_ends_with_the_summary_table(run):
+  workdir, proc = run
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert "held-out exact match" in proc.stdout and "after RL" in proc.stdout
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["step"] == 4 and summary["rollout_groups_trained"] == 16
+  for name in ("server", "trainer", "worker-0", "worker-1"):
+    assert (workdir / "logs" / f"{name}.log").stat().st_size > 0
+
+
+def test_versions_advance_and_rollouts_are_trained_on(run):
+  workdir, _ = run
+  versions = _lines(workdir / "versions.jsonl")
+  assert [v["version"] for v in versions] == [0, 1, 2, 3, 4]
+  steps = _lines(workdir / "steps.jsonl")
+  ids = [i for s in steps for i in s["rollout_ids"]]
+  assert len(steps) == 4 and len(ids) == len(set(ids)) == 16
+
+
+def test_every_worker_holds_the_trainers_weights_of_its_version(run):
+  workdir, _ = run
+  digests = {v["version"]: v["digest"] for v in _lines(workdir / "versions.jsonl")}
+  for i in range(2):
+    log = (workdir / "logs" / f"worker-{i}.log").read_text()
+    held = re.findall(r"holds v(\d+) digest ([0-9a-f]{16})", log)
+    assert held, log[-2000:]
+    version, digest = held[-1]
+    assert digests[int(version)] == digest
+
+
+def test_tokens_stay_in_an_owner_only_file(run):
+  workdir, _ = run
+  token_file = workdir / "ps" / "tokens.json"
+  assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+  tokens = json.load(open(token_file))
+  logs = "".join((workdir / "logs" / n).read_text() for n in os.listdir(workdir / "logs"))
+  assert not any(t in logs for t in tokens.values())
+
+
+def test_a_failing_child_stops_the_run_naming_it(run):
+  workdir, _ = run  # the warm start is reused
+  proc = _local(workdir, "--config.publish.format=int8")
+  assert proc.returncode == 1
+  assert "trainer exited with status 1" in proc.stderr
+  assert "worker.weights_format" in proc.stderr  # from the trainer log's last lines
