@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# Extra flags for `make run`, e.g. RUN_ARGS="--config.train.steps=2000".
+# Extra flags for `make run`, e.g. RUN_ARGS="--config.rl.max_seconds=120".
 RUN_ARGS ?=
 
 .PHONY: run test test-slow install install-test clean protos
@@ -25,7 +25,7 @@ install-test: $(VENV)/.installed-test
 
 # The main job on the embedded default.
 run: $(VENV)/.installed
-	$(VENV)/bin/rlax-ps sft --config=configs/sft_tiny.py --workdir=runs/sft_tiny $(RUN_ARGS)
+	$(VENV)/bin/rlax-ps local --config=configs/rl_local.py --workdir=runs/rl_local $(RUN_ARGS)
 
 # The default test suite (CPU only, fast); `make test-slow` adds the slow ones.
 test: $(VENV)/.installed-test

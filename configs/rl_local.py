@@ -19,20 +19,9 @@ Variants:
 Override any field, e.g. --config.rl.steps=50 --config.local.workers=1.
 """
 
-import importlib.util
-import os
-
 import ml_collections
 
-
-def sft_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """configs/sft_tiny.py's config: the warm start, and the model, tokenizer and tasks."""
-  spec = importlib.util.spec_from_file_location(
-      "rlax_ps_sft_tiny_config", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                             "sft_tiny.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+from rlax_ps.config_files import sibling
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -43,7 +32,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The policy to start from: an HF checkpoint folder. "" = `rlax-ps local` runs the `sft`
   # block in <workdir>/sft (reused once finished) and starts from its export.
   c.init_from_hf = ""
-  c.sft = sft_config(arg or None)
+  c.sft = sibling(__file__, "sft_tiny.py", arg or None)  # the unchanged sft default
   # Model, tokenizer and tasks are the warm start's (the same objects: one override
   # changes both).
   c.model = c.sft.model
@@ -85,7 +74,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Optimizer (rlax_ps.optim), constant after a short warmup.
   c.optimizer = ml_collections.ConfigDict(c.sft.optimizer.to_dict())
-  c.optimizer.lr = 2e-4
+  c.optimizer.lr = 5e-5
   c.optimizer.warmup_steps = 5
   c.optimizer.min_lr_ratio = 1.0
   c.optimizer.weight_decay = 0.0

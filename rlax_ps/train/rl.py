@@ -282,8 +282,9 @@ class RLTrainer:
     return max(0, floor)
 
   def _feed_prompts(self) -> None:
-    """Keep about (max_staleness + 1) steps of prompts queued or in flight."""
-    target = self.shape.groups * (self.max_staleness + 1)
+    """Keep max(max_staleness, 1) steps of prompts queued or in flight: a prompt fed now is
+    then trained on within that many versions, so it is rarely sampled too stale to use."""
+    target = self.shape.groups * max(self.max_staleness, 1)
     missing = target - (self.feed.position - self.consumed)
     if missing <= 0:
       return

@@ -1,7 +1,6 @@
 """Helpers for the RL trainer tests: the tiny RL config, an in-process parameter server on
 127.0.0.1, and a fake worker that answers leased prompts with scripted rollout groups."""
 
-import importlib.util
 import os
 import threading
 import time
@@ -10,16 +9,14 @@ import numpy as np
 
 from param_server.client import ParamServerClient, RetryPolicy, RolloutGroup, make_sample
 from param_server.server import ParamServer, ServerConfig
+from rlax_ps import config_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENS = {"trainer": "t-secret", "worker": "w-secret", "viewer": "v-secret"}
 
 
 def rl_config(variant="tiny", path="configs/rl_local.py"):
-  spec = importlib.util.spec_from_file_location(f"rl_cfg_{variant}", os.path.join(REPO, path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant)
+  return config_files.load(os.path.join(REPO, path), variant)
 
 
 def start_server(storage_dir):

@@ -88,7 +88,7 @@ def test_published_versions_decode_to_the_trainers_weights(run):
 
 def test_prompts_are_paced_by_the_staleness_bound(run):
   config = run["config"]
-  bound = config.rl.groups_per_step * (config.rl.max_staleness + 1)
+  bound = config.rl.groups_per_step * max(config.rl.max_staleness, 1)
   # Never more than `bound` prompts outstanding beyond those already consumed.
   assert run["enqueued"] <= run["summary"]["rollout_groups_trained"] + bound
 
@@ -124,3 +124,29 @@ def test_mismatched_worker_format_is_refused_naming_the_field(run, tmp_path):
   with client(run["server"].address, "trainer") as tc:
     with pytest.raises(ValueError, match="worker.weights_format"):
       RLTrainer(config, str(tmp_path / "x"), tc)
+
+
+def test_int8_recipe_publishes_the_quantized_trainer_weights(tmp_path):
+  config = rl_config("tiny", "configs/rl_int8_tis.py")
+  config.rl.steps = 2
+  config.eval.num_examples = 0
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4).start()
+  try:
+    with client(server.address, "trainer") as tc, \
+         RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      tr.train()
+      params = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
+    with client(server.address, "worker") as wc:
+      updates = [sync.Update.from_bytes(bytes(b)) for b in wc.pull(None)]
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+  held = None
+  for u in updates:
+    held = sync.apply(held, u)
+  assert updates[-1].fmt == "int8" and updates[-1].version == 2
+  want = sync.quantize_params(params)
+  assert set(held) == set(want)
+  for name in want:
+    np.testing.assert_array_equal(held[name], want[name], err_msg=name)

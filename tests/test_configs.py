@@ -1,0 +1,37 @@
+"""Every recipe in configs/ loads (default and :tiny), names the command that runs it first
+in its docstring, and is consistent: a valid loss, workers holding the published format."""
+
+import ast
+import glob
+import os
+
+import pytest
+
+from rlax_ps.config_files import load
+from rlax_ps.train.rl_loss import LossConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(glob.glob(os.path.join(REPO, "configs", "rl_*.py")))
+
+
+def test_the_rl_recipes_the_readme_names_exist():
+  names = {os.path.basename(p) for p in RECIPES}
+  assert {"rl_local.py", "rl_vigor.py", "rl_int8_tis.py", "rl_sync.py",
+          "rl_decoupled.py"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_recipe_loads_and_is_consistent(path):
+  doc = ast.get_docstring(ast.parse(open(path).read()))
+  name = os.path.relpath(path, REPO)
+  assert doc.splitlines()[0].startswith(f"rlax-ps local --config={name} ")
+  for variant in (None, "tiny"):
+    c = load(path, variant)
+    LossConfig.from_config(c.loss)
+    assert c.worker.weights_format == c.publish.format
+    assert c.model is c.sft.model  # one model block for the warm start and RL
+
+
+def test_unknown_variant_is_refused_naming_it():
+  with pytest.raises(ValueError, match="unknown variant 'huge'"):
+    load(os.path.join(REPO, "configs", "rl_local.py"), "huge")
