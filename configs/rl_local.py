@@ -44,7 +44,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.jsonl = ""
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.steps = 400  # Optimizer steps in all.
+  c.rl.steps = 5000  # Optimizer steps in all (on 2 CPU cores max_seconds ends the run first).
   c.rl.max_seconds = 600.0  # Stop (checkpoint, evaluate) after this much wall time; 0 = none.
   c.rl.groups_per_step = 16  # Rollout groups (prompts) per optimizer step.
   c.rl.max_staleness = 1  # Policy versions a group may lag the newest; 0 = synchronous.

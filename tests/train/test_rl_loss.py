@@ -79,16 +79,30 @@ def _model():
   return graphdef, state.to_pure_dict()
 
 
+def _separate_rows():
+  """Each sample as its own right-padded [prompt, response] row, and where its tokens sit."""
+  rows = [(g.prompt_tokens, resp) for g in GROUPS for resp in g.responses]
+  length = SHAPE.prompt_len + SHAPE.response_len
+  tokens = np.zeros((len(rows), length), np.int32)
+  segments = np.zeros((len(rows), length), np.int32)
+  for i, (prompt, resp) in enumerate(rows):
+    seq = np.concatenate([prompt, resp])
+    tokens[i, :len(seq)], segments[i, :len(seq)] = seq, 1
+  return tokens, segments, [(len(p), len(r)) for p, r in rows]
+
+
+ROWS = _separate_rows()
+
+
 def _separate_logprobs(graphdef, params):
-  """Each sample as its own [prompt, response] sequence through the plain model."""
-  model = nnx.merge(graphdef, params)
+  """Per-sample response log-probs from the plain model on the separate rows."""
+  tokens, segments, spans = ROWS
+  logits = nnx.merge(graphdef, params)(jnp.asarray(tokens), segment_ids=jnp.asarray(segments))
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   out = []
-  for g in GROUPS:
-    for resp in g.responses:
-      seq = jnp.asarray(np.concatenate([g.prompt_tokens, resp]))[None]
-      logits = model(seq)[0, len(g.prompt_tokens) - 1:-1]
-      out.append(jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
-                                     jnp.asarray(resp)[:, None], axis=-1)[:, 0])
+  for i, (p, r) in enumerate(spans):
+    targets = jnp.asarray(tokens[i, p:p + r])[:, None]
+    out.append(jnp.take_along_axis(logp[i, p - 1:p + r - 1], targets, axis=-1)[:, 0])
   return out
 
 
@@ -117,9 +131,11 @@ def test_packed_loss_and_gradient_equal_the_objective_on_separate_sequences(corr
   graphdef, params = _model()
   cfg = LossConfig(correction=correction, backend="xla")
   batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
-  (loss, metrics), grads = jax.value_and_grad(rl_loss, has_aux=True)(
-      params, graphdef, batch, None, num_groups=2, cfg=cfg)
-  want, want_grads = jax.value_and_grad(_reference_loss)(params, graphdef, correction)
+  (loss, metrics), grads = jax.jit(
+      lambda p: jax.value_and_grad(rl_loss, has_aux=True)(p, graphdef, batch, None,
+                                                           num_groups=2, cfg=cfg))(params)
+  want, want_grads = jax.jit(jax.value_and_grad(_reference_loss), static_argnums=(1, 2))(
+      params, graphdef, correction)
   np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-6)
   for (path, g), (_, w) in zip(jax.tree.leaves_with_path(grads),
                                jax.tree.leaves_with_path(want_grads)):
@@ -131,10 +147,12 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
   graphdef, params = _model()
   batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
   cfg = LossConfig(backend="xla")
-  grads = jax.grad(lambda p: rl_loss(p, graphdef, batch, None, num_groups=2, cfg=cfg)[0])(params)
+  grads = jax.jit(jax.grad(
+      lambda p: rl_loss(p, graphdef, batch, None, num_groups=2, cfg=cfg)[0]))(params)
   stepped = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
-  before = _separate_logprobs(graphdef, params)
-  after = _separate_logprobs(graphdef, stepped)
+  separate = jax.jit(_separate_logprobs, static_argnums=0)
+  before = separate(graphdef, params)
+  after = separate(graphdef, stepped)
   rewards = [r for rs in REWARDS for r in rs]
   change = [float(jnp.sum(a - b)) for a, b in zip(after, before)]
   assert np.mean([c for c, r in zip(change, rewards) if r == 1]) > 0
