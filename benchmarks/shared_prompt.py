@@ -4,7 +4,7 @@ CPU (default): a small Llama-style model, forward+backward of the summed respons
 log-probs; FLOPs from XLA's cost analysis and measured wall time, each as the ratio
 N-copies / packed, printed next to rho = N(P+R)/(P+NR). Targets: FLOP ratio >= 0.9 rho,
 time ratio >= 0.7 rho.
-  .venv/bin/python benchmarks/shared_prompt.py              # sizes of issue 7
+  .venv/bin/python benchmarks/shared_prompt.py              # the default sizes
   .venv/bin/python benchmarks/shared_prompt.py --scale=4    # P and R divided by 4
 Accelerator: --backend=tpu|gpu adds attention-kernel timings (fwd+bwd): the packed
 kernel (Pallas on TPU, XLA two-pass on GPU) against JAX's own splash (TPU) / cuDNN

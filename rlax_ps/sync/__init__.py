@@ -3,7 +3,7 @@
 Imports numpy and numba (compiled loops, loops.py; no JAX, no gRPC): the parameter server
 validates and stores updates with it; `rlax_ps.sync.device` (imported on demand) applies them to JAX arrays on device.
 
-Formats (DESIGN.md point 2):
+Formats:
   * "bf16": the held state is {name: bf16 array}; float targets are rounded to bf16
     (nearest even). A delta codes, per tensor, which elements changed and each one's new
     bit pattern as a wrapping offset of the old one (tensor_codec.py: gap/bitmap/dense

@@ -34,10 +34,11 @@ from rlax_ps.train import evaluate as evaluate_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, read_jsonl
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_loss import LossConfig, rl_loss
+from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group
 from rlax_ps.models import model_config_from
 from rlax_ps.train.sft import tasks_from
-from rlax_ps.train.state import TrainState, restore_or_init
+from rlax_ps.train.state import TrainState, hf_params, restore_or_init
 from rlax_ps.train.step import apply_gradients, jit_step
 
 
@@ -67,7 +68,7 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
 
 
 @dataclasses.dataclass
-class Take:
+class PendingTake:
   """A take of rollout groups, acknowledged once a durable checkpoint holds `step`."""
 
   take_id: str
@@ -75,11 +76,7 @@ class Take:
   step: int
 
 
-def _plain(cfg) -> dict[str, Any]:
-  return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-
-
-class RLTrainer:
+class RLTrainer(TrainerRun):
   """Owns one RL run: mesh, state, jitted step, prompt feed, publisher, checkpoints, logs."""
 
   def __init__(self, config, workdir: str, client, *, devices=None):
@@ -110,7 +107,7 @@ class RLTrainer:
                        f"{config.publish.format!r}, got {config.worker.weights_format!r}")
     if self.loss_cfg.kl_coef > 0 and not self.init_from_hf:
       raise ValueError("loss.kl_coef: a KL term needs a reference policy; set init_from_hf")
-    self.mesh = shd.make_mesh(_plain(config.mesh), devices)
+    self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
     self.optimizer = optim.make_optimizer(config.optimizer, self.total_steps)
     self.schedule = optim.learning_rate_schedule(config.optimizer, self.total_steps)
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
@@ -121,9 +118,8 @@ class RLTrainer:
         init_from_hf=self.init_from_hf, seed=int(config.seed))
     self.ref_params = None
     if self.loss_cfg.kl_coef > 0:  # the frozen warm start, whatever step this is
-      self.ref_params = restore_or_init(self.model_config, self.optimizer, self.mesh,
-                                        _NoCheckpoints(), init_from_hf=self.init_from_hf,
-                                        seed=int(config.seed))[0].params
+      self.ref_params = jax.device_put(hf_params(self.model_config, self.mesh,
+                                                 self.init_from_hf), self.shardings.params)
     self.rl_step = make_rl_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                 num_groups=self.shape.groups, loss_cfg=self.loss_cfg,
                                 schedule=self.schedule)
@@ -136,7 +132,7 @@ class RLTrainer:
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)
     self.trained_rollouts = 0
-    self.pending: list[Take] = []  # takes trained on, not yet in a durable checkpoint
+    self.pending: list[PendingTake] = []  # takes trained on, not yet in a durable checkpoint
     self.saved_version = -1
     self.warm_start_eval: dict[str, float] | None = None
     self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
@@ -148,9 +144,7 @@ class RLTrainer:
     self._restart_floor: int | None = None
     self._requeue_next = True  # the first take returns any unacknowledged take
     self._stop = threading.Event()
-    self._writer = None
     self.sync_log: list[tuple[int, int, float, bool]] = []  # (version, bytes, s, keyframe)
-    self.last_eval: dict[str, float] | None = None
 
   # -- configuration and state ------------------------------------------------------------
 
@@ -187,7 +181,7 @@ class RLTrainer:
     self.consumed = int(saved["consumed"])
     self.trained_rollouts = int(saved.get("trained_rollouts", 0))
     self.saved_version = int(saved["version"])
-    self.pending = [Take(**t) for t in saved.get("pending_takes", [])]
+    self.pending = [PendingTake(**t) for t in saved.get("pending_takes", [])]
     self.warm_start_eval = saved.get("warm_start_eval")
 
   # -- server side of a (re)start ---------------------------------------------------------
@@ -215,13 +209,6 @@ class RLTrainer:
   def request_stop(self) -> None:
     """Finish the current step, checkpoint and return (a SIGTERM or Ctrl-C)."""
     self._stop.set()
-
-  @property
-  def writer(self):
-    if self._writer is None:
-      from tensorboardX import SummaryWriter
-      self._writer = SummaryWriter(os.path.join(self.workdir, "tb"), flush_secs=10)
-    return self._writer
 
   def train(self, *, max_seconds: float = 0.0) -> dict[str, Any]:
     """Run RL steps up to rl.steps (or `max_seconds` of wall time; 0 = no limit), then
@@ -315,7 +302,7 @@ class RLTrainer:
                              f"are workers running against {self.client.address}?")
         continue
       waited_since = time.monotonic()
-      self.pending.append(Take(take.take_id, [int(r.rollout_id) for r in take.rollouts],
+      self.pending.append(PendingTake(take.take_id, [int(r.rollout_id) for r in take.rollouts],
                                self.step + 1))
       for taken in take.rollouts:
         self.consumed += 1
@@ -404,18 +391,6 @@ class RLTrainer:
     except ParamServerError as e:
       logging.warning("rl: stats: %s", e)
 
-  def evaluate(self) -> dict[str, float]:
-    """Held-out exact match per task and over all, greedy decoding."""
-    self.last_eval = evaluate_lib.exact_match(self.graphdef, self.state.params, self.tokenizer,
-                                              self.tasks, self.heldout,
-                                              batch_size=int(self.config.eval.batch_size))
-    return self.last_eval
-
-  def log_eval(self, result: dict[str, float], step: int) -> None:
-    for k, v in result.items():
-      self.writer.add_scalar(f"eval/exact_match/{k}", v, step)
-    self.writer.flush()
-
   def finish(self, seconds: float, start_step: int) -> dict[str, Any]:
     """Final evaluation (exact match, pass@1 and pass@k) and summary.json."""
     summary: dict[str, Any] = {"step": self.step, "version": self.version, "seconds": seconds,
@@ -449,27 +424,6 @@ class RLTrainer:
       json.dump(summary, f, indent=1)
     self.writer.flush()
     return summary
-
-  def close(self) -> None:
-    self.checkpointer.close()
-    if self._writer is not None:
-      self._writer.close()
-
-  def __enter__(self) -> "RLTrainer":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
-
-
-class _NoCheckpoints:
-  """A checkpointer with nothing in it: restore_or_init then loads init_from_hf."""
-
-  directory = ""
-
-  def latest_step(self):
-    return None
-
 
 def stop_on_signals(trainer: RLTrainer) -> None:
   """SIGTERM / SIGINT: finish the step, checkpoint, exit cleanly."""

@@ -22,8 +22,8 @@ from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.models import model_config_from, save_hf_checkpoint
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
-from rlax_ps.train import evaluate as evaluate_lib
 from rlax_ps.train.data import SFTBatches
+from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, restore_or_init
 from rlax_ps.train.step import make_train_step
 
@@ -48,7 +48,7 @@ def tasks_from(cfg) -> tuple[list[Task], list[float]]:
   return tasks, weights
 
 
-class SFTTrainer:
+class SFTTrainer(TrainerRun):
   """Owns one run: mesh, sharded state, jitted step, data, checkpoints and event files."""
 
   def __init__(self, config, workdir: str, *, devices: Sequence[jax.Device] | None = None):
@@ -82,7 +82,6 @@ class SFTTrainer:
                                       num_micro=num_micro, schedule=self.schedule)
     self.heldout = {t.name: t.examples("heldout", int(config.eval.seed),
                                        int(config.eval.num_examples)) for t in self.tasks}
-    self._writer = None
 
   # -- state ------------------------------------------------------------------------------
 
@@ -95,7 +94,7 @@ class SFTTrainer:
     return int(jax.device_get(self.state.step))
 
   def metadata(self) -> dict[str, Any]:
-    """The JSON blob saved with each checkpoint (later issues add their fields here)."""
+    """The JSON blob saved with each checkpoint: step, data position, model, tokenizer, config."""
     step = self.step
     return {
         "step": step,
@@ -114,13 +113,6 @@ class SFTTrainer:
     self.checkpointer.save(step, self.state.to_tree(), self.metadata())
 
   # -- loop -------------------------------------------------------------------------------
-
-  @property
-  def writer(self):
-    if self._writer is None:
-      from tensorboardX import SummaryWriter
-      self._writer = SummaryWriter(os.path.join(self.workdir, "tb"), flush_secs=10)
-    return self._writer
 
   def train(self, until: int | None = None, *, progress: bool = True) -> dict[str, float]:
     """Run steps up to `until` (default: train.steps); returns the last logged metrics."""
@@ -157,17 +149,6 @@ class SFTTrainer:
       self.save()
     return last
 
-  def evaluate(self) -> dict[str, float]:
-    """Held-out exact match per task and over all, with greedy decoding."""
-    return evaluate_lib.exact_match(self.graphdef, self.state.params, self.tokenizer,
-                                    self.tasks, self.heldout,
-                                    batch_size=int(self.config.eval.batch_size))
-
-  def log_eval(self, result: dict[str, float], step: int) -> None:
-    for k, v in result.items():
-      self.writer.add_scalar(f"eval/exact_match/{k}", v, step)
-    self.writer.flush()
-
   def export_hf(self, path: str | None = None) -> str:
     """Write the model in Hugging Face format (config.json, safetensors, tokenizer files)."""
     path = path or os.path.join(self.workdir, "hf")
@@ -182,18 +163,6 @@ class SFTTrainer:
         if os.path.exists(src):
           shutil.copy(src, os.path.join(path, name))
     return path
-
-  def close(self) -> None:
-    self.checkpointer.close()
-    if self._writer is not None:
-      self._writer.close()
-
-  def __enter__(self) -> "SFTTrainer":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
-
 
 def format_accuracy(result: dict[str, float], n_per_task: int) -> str:
   parts = [f"{k} {100 * v:.1f}%" for k, v in result.items() if k != "all"]

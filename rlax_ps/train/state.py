@@ -114,6 +114,13 @@ def state_from_params(params: Any, optimizer: optax.GradientTransformation,
                     rng=jax.device_put(train_key, shardings.rng))
 
 
+def hf_params(model_config: ModelConfig, mesh: Mesh, path: str) -> Any:
+  """The params (a pure dict, sharded on `mesh`) of the HF checkpoint folder `path`."""
+  model = load_hf_checkpoint(path, model_config.param_dtype, compute_dtype=model_config.dtype,
+                             mesh=mesh)
+  return nnx.state(model, nnx.Param).to_pure_dict()
+
+
 def restore_or_init(model_config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
                     checkpointer: Checkpointer, *, init_from_hf: str = "", seed: int = 0
                     ) -> tuple[TrainState, TrainState, nnx.GraphDef, dict | None]:
@@ -125,9 +132,7 @@ def restore_or_init(model_config: ModelConfig, optimizer: optax.GradientTransfor
   if latest is None and init_from_hf:
     target = abstract_state(model_config, optimizer, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, target)
-    model = load_hf_checkpoint(init_from_hf, model_config.param_dtype,
-                               compute_dtype=model_config.dtype, mesh=mesh)
-    params = nnx.state(model, nnx.Param).to_pure_dict()
+    params = hf_params(model_config, mesh, init_from_hf)
     return state_from_params(params, optimizer, shardings, seed), shardings, graphdef, None
   if latest is None:
     return (*sharded_init(model_config, optimizer, mesh, seed), None)

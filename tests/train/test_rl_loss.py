@@ -183,3 +183,19 @@ def test_bad_groups_are_refused_naming_the_rollout_and_field():
     build_batch([long_resp], SHAPE)
   with pytest.raises(ValueError, match="rl.groups_per_step"):
     build_batch(GROUPS * 2, SHAPE)
+
+
+def test_kl_term_is_zero_against_itself_and_positive_against_another_policy():
+  graphdef, params = _model()
+  batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
+  cfg = LossConfig(backend="xla", kl_coef=0.5)
+  loss_fn = jax.jit(lambda p, ref, c: rl_loss(p, graphdef, batch, ref, num_groups=2, cfg=c),
+                    static_argnums=2)
+  plain, _ = loss_fn(params, None, LossConfig(backend="xla"))
+  same, m_same = loss_fn(params, params, cfg)
+  assert float(m_same["kl_ref"]) == pytest.approx(0.0, abs=1e-6)
+  np.testing.assert_allclose(same, plain, rtol=1e-6)
+  other = jax.tree.map(lambda x: x * 1.5, params)
+  shifted, m_other = loss_fn(params, other, cfg)
+  assert float(m_other["kl_ref"]) > 1e-4
+  np.testing.assert_allclose(shifted, plain + 0.5 * m_other["kl_ref"], rtol=1e-5)
