@@ -49,6 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.groups_per_step = 16  # Rollout groups (prompts) per optimizer step.
   c.rl.max_staleness = 1  # Policy versions a group may lag the newest; 0 = synchronous.
   c.rl.publish_every = 1  # Steps between published versions.
+  c.rl.updates_per_batch = 1  # Optimizer updates per batch (PPO epochs; > 1: the clip binds).
   c.rl.max_prompt_tokens = 24  # Packed prompt capacity, bos included.
   c.rl.ack_deadline_s = 1800.0  # Taken groups come back if unacknowledged this long.
   c.rl.take_timeout_s = 600.0  # Give up when no rollout arrives for this long.

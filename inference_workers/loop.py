@@ -11,6 +11,7 @@ only between generation calls; every rollout group carries the version that prod
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import zlib
@@ -26,7 +27,8 @@ from inference_workers.hard_exit import exit_now
 from inference_workers.sampler import Sample, generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
-from param_server.client import (Lease, ParamServerClient, ParamServerError, make_sample)
+from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
+                                  make_sample)
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.sync import Update
@@ -211,7 +213,10 @@ class Worker:
     return self.stats
 
   def _with_backoff(self, fn: Callable[[], Any]) -> Any:
-    delay = self.config.backoff_initial_s
+    """fn(), retried with the client's capped exponential backoff (no deadline: a worker
+    waits out any outage) while the server is unreachable; None once stopping."""
+    delays = RetryPolicy(initial_s=self.config.backoff_initial_s,
+                         max_s=self.config.backoff_max_s, deadline_s=math.inf).delays()
     while True:
       try:
         return fn()
@@ -221,10 +226,9 @@ class Worker:
         if self.stopping:
           return None
         self.stats.reconnects += 1
-        wait = float(np.random.uniform(0.5, 1.0)) * delay
+        wait = next(delays)
         logging.warning("worker: server unreachable (%s); retrying in %.1fs", e.code.name, wait)
         self._stop.wait(wait)
-        delay = min(self.config.backoff_max_s, delay * 2)
 
   def _one_lease(self) -> None:
     latest = self.client.latest_version()

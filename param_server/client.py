@@ -46,7 +46,8 @@ class ParamServerError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
-  """Exponential backoff with full jitter on UNAVAILABLE, until `deadline_s` has passed."""
+  """Exponential backoff with full jitter, until `deadline_s` has passed (math.inf: never);
+  the one backoff of the project: client calls and the worker's loop use it."""
   initial_s: float = 0.05
   max_s: float = 2.0
   multiplier: float = 2.0

@@ -4,6 +4,8 @@ import json
 import os
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -18,7 +20,10 @@ def test_quickstart_runs_and_its_delta_is_exact(monkeypatch):
   exec(compile(code_of(ROOT / "notebooks" / "quickstart.ipynb"), "quickstart.ipynb", "exec"),
        scope)
   assert scope["exact"] is True
-  assert 0.0 <= scope["accuracy"]["all"] <= 1.0
+  accuracy = scope["accuracy"]  # the same number of held-out prompts per task
+  per_task = [v for k, v in accuracy.items() if k != "all"]
+  assert set(accuracy) == {"addition", "reversal", "all"}
+  assert accuracy["all"] == pytest.approx(sum(per_task) / len(per_task))
   assert len(scope["rewards"]) == 2 * scope["N"]
   assert scope["delta"].nbytes < scope["keyframe"].nbytes
   assert os.path.exists(os.path.join(scope["hf_dir"], "config.json"))

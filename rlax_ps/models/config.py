@@ -10,6 +10,25 @@ DTYPES = ("float32", "bfloat16")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def dtype_name(value: Any, field: str = "dtype") -> str:
+  """'float32' or 'bfloat16' from a name, a numpy dtype or a numpy/JAX scalar type
+  (np.float32, jnp.bfloat16, np.dtype("float32")); anything else is a ValueError naming
+  `field`."""
+  if isinstance(value, str):
+    name = value
+  else:
+    try:
+      import ml_dtypes  # noqa: F401  pylint: disable=unused-import (numpy's bfloat16)
+      import numpy as np
+      name = np.dtype(value).name
+    except TypeError:
+      name = repr(value)
+  if name not in DTYPES:
+    raise ValueError(f"{field}: expected one of {DTYPES} (a name, numpy dtype or jnp type), "
+                     f"got {value!r}")
+  return name
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer (Llama 2/3, Qwen2/2.5)."""
@@ -50,8 +69,8 @@ class ModelConfig:
            f"num_heads={self.num_heads}", None)
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
     need(self.head_dim % 2 == 0, "head_dim", "an even int (RoPE rotates pairs)", self.head_dim)
-    need(self.param_dtype in DTYPES, "param_dtype", f"one of {DTYPES}", self.param_dtype)
-    need(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
+    for f in ("param_dtype", "dtype"):
+      object.__setattr__(self, f, dtype_name(getattr(self, f), f"ModelConfig.{f}"))
     need(self.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
          self.architecture)
     if self.rope_scaling is not None:

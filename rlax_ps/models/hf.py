@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from rlax_ps.models.config import ModelConfig
+from rlax_ps.models.config import ModelConfig, dtype_name
 from rlax_ps.models.params import flatten_params
 from rlax_ps.models.transformer import Transformer
 from rlax_ps.sharding import fit_spec
@@ -281,7 +281,9 @@ def load_hf_checkpoint(path: str, dtype: str = "float32", *, compute_dtype: str 
   dtype (default: the same). The full model is never initialised: each tensor goes from
   the file straight into its param, and with a `mesh` straight into its sharding.
   """
-  config = read_hf_config(path).replace(param_dtype=dtype, dtype=compute_dtype or dtype)
+  dtype = dtype_name(dtype)
+  compute = dtype if compute_dtype is None else dtype_name(compute_dtype, "compute_dtype")
+  config = read_hf_config(path).replace(param_dtype=dtype, dtype=compute)
   flat = load_hf_params(path, config)
   graphdef, state, variables = _abstract_params(config)
   for name, var in variables.items():
@@ -306,9 +308,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   Old safetensors files in `path` are removed first so no stale shard can be read back.
   """
   config: ModelConfig = model.config
-  dtype = dtype or config.param_dtype
-  if dtype not in _NP_DTYPES:
-    raise ValueError(f"dtype: expected one of {sorted(_NP_DTYPES)}, got {dtype!r}")
+  dtype = config.param_dtype if dtype is None else dtype_name(dtype)
   names = hf_tensor_names(config)
   flat = flatten_params(model)
   if set(flat) != set(names):

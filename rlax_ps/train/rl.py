@@ -33,7 +33,7 @@ from rlax_ps.tokenizers import Tokenizer, make_tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, read_jsonl
 from rlax_ps.train.publisher import Publisher
-from rlax_ps.train.rl_loss import LossConfig, rl_loss
+from rlax_ps.train.rl_loss import LossConfig, response_logprobs, rl_loss
 from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group
 from rlax_ps.models import model_config_from
@@ -43,14 +43,29 @@ from rlax_ps.train.step import apply_gradients, jit_step
 
 
 def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_groups: int,
-                 loss_cfg: LossConfig, schedule=None):
-  """jit(step)(state, batch, ref_params) -> (new state, metrics), the state donated."""
+                 loss_cfg: LossConfig, schedule=None, updates_per_batch: int = 1):
+  """jit(step)(state, batch, ref_params) -> (new state, metrics), the state donated.
+
+  `updates_per_batch` > 1 takes that many optimizer updates on the batch (PPO epochs)
+  against proximal log-probs computed once; the state's step still counts batches and the
+  metrics are the mean over the updates."""
+  if updates_per_batch < 1:
+    raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates_per_batch}")
+  grad_fn = jax.value_and_grad(rl_loss, has_aux=True)
+
+  def update(state: TrainState, batch: dict, ref_params: Any, proximal=None):
+    (_, metrics), grads = grad_fn(state.params, graphdef, batch, ref_params,
+                                  num_groups=num_groups, cfg=loss_cfg, proximal=proximal)
+    return apply_gradients(state, grads, metrics, optimizer, schedule)
 
   def step(state: TrainState, batch: dict, ref_params: Any) -> tuple[TrainState, dict]:
-    grad_fn = jax.value_and_grad(rl_loss, has_aux=True)
-    (_, metrics), grads = grad_fn(state.params, graphdef, batch, ref_params,
-                                  num_groups=num_groups, cfg=loss_cfg)
-    return apply_gradients(state, grads, metrics, optimizer, schedule)
+    if updates_per_batch == 1:
+      return update(state, batch, ref_params)
+    proximal = jax.lax.stop_gradient(
+        response_logprobs(state.params, graphdef, batch, loss_cfg.backend))
+    final, metrics = jax.lax.scan(lambda st, _: update(st, batch, ref_params, proximal), state,
+                                  None, length=updates_per_batch)
+    return final.replace(step=state.step + 1), jax.tree.map(lambda m: m.mean(0), metrics)
 
   return jit_step(step, state_shardings, mesh)
 
@@ -122,7 +137,8 @@ class RLTrainer(TrainerRun):
                                                  self.init_from_hf), self.shardings.params)
     self.rl_step = make_rl_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                 num_groups=self.shape.groups, loss_cfg=self.loss_cfg,
-                                schedule=self.schedule)
+                                schedule=self.schedule,
+                                updates_per_batch=int(rl.get("updates_per_batch", 1)))
     self.feed = PromptFeed(self._prompt_source(), int(config.seed))
     self.publisher = Publisher(client, str(config.publish.format),
                                int(config.publish.keyframe_every))

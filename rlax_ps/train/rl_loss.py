@@ -2,10 +2,11 @@
 `algorithms.advantages`, current log-probs from the packed shared-prompt path (the prompt
 runs once per row), then the configured policy loss and off-policy correction.
 
-The trainer takes one optimizer step per batch, so the proximal policy (the trainer's
-weights before the step) is the current one with its gradient stopped: PPO's ratio then
-measures the policy against the workers' behaviour log-probs (correction "none"), or is 1
-with the behaviour gap carried by importance weights ("tis", "decoupled").
+With one optimizer step per batch the proximal policy (the trainer's weights before the
+batch) is the current one with its gradient stopped: PPO's ratio then measures the policy
+against the workers' behaviour log-probs (correction "none"), or is 1 with the behaviour
+gap carried by importance weights ("tis", "decoupled"). With several steps per batch the
+proximal log-probs are computed once, before the first, and the clip bounds the later ones.
 """
 
 from __future__ import annotations
@@ -106,13 +107,16 @@ def token_mask(batch: dict, sample_mask: jax.Array) -> jax.Array:
 
 
 def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *,
-            num_groups: int, cfg: LossConfig) -> tuple[jax.Array, dict]:
-  """(scalar loss, metrics) of one packed batch; differentiable in `params`."""
+            num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None
+            ) -> tuple[jax.Array, dict]:
+  """(scalar loss, metrics) of one packed batch; differentiable in `params`. `proximal`:
+  the log-probs [rows * N, R] of the weights the batch's updates started from (several
+  updates per batch); None: the current ones (one update per batch)."""
   adv, sample_mask = group_advantages(batch, num_groups, cfg)
   mask = token_mask(batch, sample_mask)
   logp = response_logprobs(params, graphdef, batch, cfg.backend)
   behaviour = batch["behaviour_logp"].reshape(logp.shape)
-  proximal = jax.lax.stop_gradient(logp)
+  proximal = jax.lax.stop_gradient(logp if proximal is None else proximal)
   ref_logp = None
   if cfg.kl_coef > 0:
     ref_logp = jax.lax.stop_gradient(response_logprobs(ref_params, graphdef, batch,

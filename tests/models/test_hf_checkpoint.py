@@ -190,6 +190,21 @@ def test_bfloat16_dtype_sets_every_param_and_rounds_once():
 def test_bad_dtype_is_named():
   with pytest.raises(ValueError, match="float16"):
     load_hf_checkpoint(fixture("qwen2"), dtype="float16")
+  with pytest.raises(ValueError, match="ModelConfig.param_dtype.*int32"):
+    ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+                num_kv_heads=1, param_dtype=np.int32)
+
+
+@pytest.mark.parametrize("dtype,name", [
+    (jax.numpy.float32, "float32"), (jax.numpy.bfloat16, "bfloat16"), (np.float32, "float32"),
+    (np.dtype("float32"), "float32"), (np.dtype(ml_dtypes.bfloat16), "bfloat16"),
+    ("bfloat16", "bfloat16")])
+def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_path):
+  model = load_hf_checkpoint(fixture("llama"), dtype=dtype, compute_dtype=dtype)
+  assert model.config.param_dtype == model.config.dtype == name
+  assert {str(p.dtype) for p in flatten_params(model).values()} == {name}
+  save_hf_checkpoint(model, str(tmp_path), dtype=dtype)
+  assert read_json(os.path.join(tmp_path, "config.json"))["torch_dtype"] == name
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded"])

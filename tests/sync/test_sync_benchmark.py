@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # runs the whole benchmark; the round trips are tested elsewhere
 def test_the_weight_sync_benchmark_prints_one_row_per_density_and_format():
   run = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "weight_sync.py"),

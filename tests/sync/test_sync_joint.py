@@ -208,6 +208,7 @@ def _listed_cases():
   yield "int8 gaps past one store, k=0", codes, sparse, 0, plan8[1]
 
 
+@pytest.mark.slow  # two internal paths compared byte for byte
 @pytest.mark.parametrize("case", list(_listed_cases()), ids=lambda c: c[0])
 def test_joint_blocks_coded_from_lists_write_the_bytes_of_the_group_walk(case):
   """_code_block_listed (list the changes with a SIMD compress or with byte shuffles, code
@@ -239,6 +240,7 @@ def _sampled(base, target, listed):
   return got, gaps[:got[0]], vhist, ghist
 
 
+@pytest.mark.slow  # two internal paths compared
 def test_the_sample_listed_with_a_compress_or_shuffles_is_the_walked_one():
   """plan's windows listed with a SIMD compress or with byte shuffles (the host's choice
   where it has either) and walked group by group give the same changes, gaps and symbol

@@ -15,10 +15,6 @@ from rlax_ps.sync import (arena, codec, entropy, integrity, joint, loops, pack_c
 from rlax_ps.sync.byte_reader import ByteReader
 from rlax_ps.sync.integrity import XXH3
 
-pytestmark = pytest.mark.skipif(not XXH3, reason="unreachable: XXH3 found on every host "
-                                "the project supports (test_the_xxh3_address_is_found)")
-
-
 def test_the_xxh3_address_is_found_and_hashes_as_checksum():
   assert XXH3  # the xxhash package exports its C functions on every platform we ship
   rng = np.random.default_rng(0)

@@ -87,8 +87,20 @@ def test_exact_match_scores_with_the_task_checker(model, monkeypatch):
   assert result == {"addition": pytest.approx(2 / 3), "all": pytest.approx(2 / 3)}
 
 
-def test_completions_decode_up_to_eos(model):
+def test_completions_decode_up_to_eos(model, monkeypatch):
   graphdef, params = model
+  eos, pad = TOK.eos_id, TOK.pad_id
+  rows = np.array([TOK.encode("12") + [eos, pad, pad],  # stops at its eos
+                   TOK.encode("abcde"),  # no eos: the whole budget
+                   [eos] + TOK.encode("9999"),  # eos first: empty
+                   TOK.encode("zzzzz")], np.int32)  # padding row of the batch
+  calls = []
+
+  def fake_generate(graphdef_, max_new_tokens, sampled=False):
+    calls.append((max_new_tokens, sampled))
+    return lambda *args: rows
+
+  monkeypatch.setattr(evaluate, "jitted_generate", fake_generate)
   texts = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=NEW,
-                               batch_size=4, prompt_len=16)  # Same shapes as above.
-  assert len(texts) == 3 and all(isinstance(t, str) and len(t) <= NEW for t in texts)
+                               batch_size=4, prompt_len=16)
+  assert texts == ["12", "abcde", ""] and calls == [(NEW, False)]

@@ -199,3 +199,32 @@ def test_kl_term_is_zero_against_itself_and_positive_against_another_policy():
   shifted, m_other = loss_fn(params, other, cfg)
   assert float(m_other["kl_ref"]) > 1e-4
   np.testing.assert_allclose(shifted, plain + 0.5 * m_other["kl_ref"], rtol=1e-5)
+
+
+def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind():
+  from rlax_ps import optim, sharding
+  from rlax_ps.train.rl import make_rl_step
+  from rlax_ps.train.rl_loss import response_logprobs
+  from rlax_ps.train.state import sharded_init
+
+  model_cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
+                          num_heads=2, num_kv_heads=1, max_position_embeddings=32)
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  opt = optim.make_optimizer({"lr": 0.05, "warmup_steps": 0, "min_lr_ratio": 1.0}, 10)
+  cfg = LossConfig(backend="xla")
+  results = {}
+  for k in (1, 3):
+    state, shardings, graphdef = sharded_init(model_cfg, opt, mesh, seed=0)
+    batch = {key: jnp.asarray(v) for key, v in BATCH.items()}
+    # On-policy data: the behaviour log-probs are the policy's own.
+    batch["behaviour_logp"] = response_logprobs(state.params, graphdef, batch, "xla").reshape(
+        batch["behaviour_logp"].shape)
+    step = make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg,
+                        updates_per_batch=k)
+    results[k] = step(state, batch, None)
+  (one, m1), (three, m3) = results[1], results[3]
+  assert int(one.step) == int(three.step) == 1  # the state counts batches
+  assert float(m1["clip_frac"]) == 0.0  # a single update starts at ratio 1
+  assert float(m3["clip_frac"]) > 0.0  # later updates move past the clip and are bounded
+  with pytest.raises(ValueError, match="rl.updates_per_batch"):
+    make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg, updates_per_batch=0)
