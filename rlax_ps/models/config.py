@@ -10,6 +10,19 @@ DTYPES = ("float32", "bfloat16")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
+class FrozenScaling(dict):
+  """rope_scaling as a read-only dict that hashes: the config sits in the model's graphdef,
+  which jit hashes as a static argument (a plain dict made Llama-3 models unsampleable)."""
+
+  def __hash__(self):
+    return hash(tuple(sorted(self.items())))
+
+  def _read_only(self, *args, **kwargs):
+    raise TypeError("ModelConfig.rope_scaling is read-only; use config.replace(rope_scaling=...)")
+
+  __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only
+
+
 def dtype_name(value: Any, field: str = "dtype") -> str:
   """'float32' or 'bfloat16' from a name, a numpy dtype or a numpy/JAX scalar type
   (np.float32, jnp.bfloat16, np.dtype("float32")); anything else is a ValueError naming
@@ -84,7 +97,8 @@ class ModelConfig:
           need(key in scaling, f"rope_scaling.{key}", "a number", None)
       scaling["rope_type"] = rope_type
       scaling.pop("type", None)
-      object.__setattr__(self, "rope_scaling", scaling if rope_type != "default" else None)
+      object.__setattr__(self, "rope_scaling",
+                         FrozenScaling(scaling) if rope_type != "default" else None)
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

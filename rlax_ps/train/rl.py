@@ -205,8 +205,10 @@ class RLTrainer(TrainerRun):
   def start(self) -> None:
     """Acknowledge what the restored checkpoint trained on, then publish this trainer's
     weights as a keyframe of the next version (0 on a fresh server)."""
-    for take in self.pending:  # the checkpoint is durable: these groups are trained on
-      try:
+    for take in self.pending:
+      if take.step > self.step:  # taken for a step the checkpoint does not hold: requeued
+        continue
+      try:  # the checkpoint is durable and holds this take's step: its groups are trained on
         self.client.ack(take.take_id)
       except ParamServerError as e:
         if e.code != grpc.StatusCode.NOT_FOUND:

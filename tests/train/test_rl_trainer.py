@@ -5,6 +5,8 @@ republishes a keyframe of the next version."""
 
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -150,3 +152,37 @@ def test_int8_recipe_publishes_the_quantized_trainer_weights(tmp_path):
   assert set(held) == set(want)
   for name in want:
     np.testing.assert_array_equal(held[name], want[name], err_msg=name)
+
+
+def test_a_stop_mid_batch_leaves_the_partial_take_to_be_trained_after_restart(tmp_path):
+  config = _config(steps=3)
+  config.eval.num_examples = 0
+  config.rl.max_staleness = 20  # the fake worker submits ahead: nothing is stale here
+  config.rl.take_timeout_s = 20.0  # a lost group shows as a trainer left waiting
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4, limit=6).start()  # a step and a half
+  workdir = str(tmp_path / "rl")
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
+
+      def stop_once_half_taken():
+        while not (tr.step == 1 and any(t.step == 2 for t in tr.pending)):
+          time.sleep(0.05)
+        time.sleep(0.5)  # the trainer now waits for the rest of step 2's groups
+        tr.request_stop()
+
+      threading.Thread(target=stop_once_half_taken, daemon=True).start()
+      tr.train()
+      assert tr.step == 1
+    worker.limit = 12
+    with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
+      tr.train()
+      assert tr.step == 3
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+  effective = {}
+  for r in _lines(tmp_path / "rl" / "steps.jsonl"):
+    effective[r["step"]] = r["rollout_ids"]
+  trained = [i for s in sorted(effective) for i in effective[s]]
+  assert sorted(trained) == sorted(worker.submitted) and len(set(trained)) == 12

@@ -1,0 +1,64 @@
+"""A Llama-3 config (rope_scaling of type llama3, as every Llama-3.x checkpoint has) can be
+hashed, so a model loaded from such a checkpoint samples (the graphdef is a static jit
+argument), trains with the RL loss and round-trips its config through JSON."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from inference_workers.sampler import generate, generate_shared
+from inference_workers.sampling import SamplingParams
+from rlax_ps.models import ModelConfig, load_hf_checkpoint
+from rlax_ps.train.rl_loss import LossConfig, rl_loss
+from rlax_ps.train.rollouts import BatchShape, Group, build_batch
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf", "llama")
+
+
+@pytest.fixture(scope="module")
+def model():
+  loaded = load_hf_checkpoint(FIXTURE)  # config.json: rope_parameters of type llama3
+  assert loaded.config.rope_scaling["rope_type"] == "llama3"
+  return loaded
+
+
+def test_the_config_hashes_and_round_trips_through_json(model):
+  config = model.config
+  assert config.rope_scaling["rope_type"] == "llama3"
+  assert hash(config) == hash(config.replace())
+  assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+  hash(nnx.graphdef(model))
+  with pytest.raises(TypeError, match="read-only"):
+    config.rope_scaling["factor"] = 2.0
+
+
+def test_generate_and_generate_shared_sample_the_llama3_model(model):
+  params = SamplingParams(temperature=0.0, max_new_tokens=4)
+  prompts = [[1, 5, 9], [2, 7]]
+  single = generate(model, prompts, [0, 1], params)
+  shared = generate_shared(model, prompts, 2, [[0, 1], [2, 3]], params)
+  for one, group in zip(single, shared):  # greedy: every sample of a prompt is the same
+    for sample in group:
+      np.testing.assert_array_equal(sample.tokens, one.tokens)
+
+
+def test_the_rl_loss_trains_the_llama3_model(model):
+  graphdef, state = nnx.split(model)
+  params = state.to_pure_dict()
+  rng = np.random.default_rng(0)
+  group = Group(0, np.array([1, 5, 9], np.int32), tuple(rng.integers(1, 50, 3) for _ in range(2)),
+                tuple(np.full(3, -2.0, np.float32) for _ in range(2)),
+                np.array([1.0, 0.0], np.float32), 0)
+  batch = {k: jnp.asarray(v) for k, v in
+           build_batch([group], BatchShape(groups=1, samples=2, prompt_len=4, response_len=3)).items()}
+  loss_grad = jax.jit(jax.value_and_grad(
+      lambda p, g: rl_loss(p, g, batch, None, num_groups=1, cfg=LossConfig(backend="xla"))[0]),
+      static_argnums=1)
+  loss, grads = loss_grad(params, graphdef)
+  assert np.isfinite(float(loss))
+  assert float(jax.tree.reduce(lambda a, b: a + jnp.sum(jnp.abs(b)), grads, 0.0)) > 0
