@@ -29,15 +29,13 @@ from param_server.client import ParamServerError, Prompt, sample_logprobs
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
-from rlax_ps.tokenizers import Tokenizer, make_tokenizer
+from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, read_jsonl
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_loss import LossConfig, response_logprobs, rl_loss
-from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group
-from rlax_ps.models import model_config_from
-from rlax_ps.train.sft import tasks_from
+from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, hf_params, restore_or_init
 from rlax_ps.train.step import apply_gradients, jit_step
 
@@ -99,13 +97,7 @@ class RLTrainer(TrainerRun):
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     rl = config.rl
-    self.init_from_hf = config.get("init_from_hf", "")
-    self.tokenizer = make_tokenizer(config.tokenizer.kind,
-                                    config.tokenizer.path or self.init_from_hf,
-                                    config.tokenizer.alphabet)
-    self.tasks, self.weights = tasks_from(config.tasks)
-    self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
-                                          self.init_from_hf)
+    self.read_model(config)
     self.total_steps = int(rl.steps)
     self.max_staleness = int(rl.max_staleness)
     self.publish_every = int(rl.publish_every)

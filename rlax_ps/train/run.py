@@ -1,11 +1,32 @@
-"""What every trainer with a workdir has: TensorBoard events, held-out evaluation by greedy
-exact match, a checkpointer to close, and a context manager."""
+"""What every trainer with a workdir has: the tokenizer, tasks and model its config names,
+TensorBoard events, held-out evaluation by greedy exact match, a checkpointer to close, and
+a context manager."""
 
 from __future__ import annotations
 
 import os
 
+from rlax_ps.models import model_config_from
+from rlax_ps.tasks import Task, get_task
+from rlax_ps.tokenizers import make_tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
+
+
+def tasks_from(cfg) -> tuple[list[Task], list[float]]:
+  """The tasks with weight > 0 from the `tasks` config block, and their weights."""
+  plain = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+  tasks, weights = [], []
+  for name, block in sorted(plain.items()):
+    block = dict(block)
+    weight = float(block.pop("weight", 1.0))
+    if weight < 0:
+      raise ValueError(f"tasks.{name}.weight: expected >= 0, got {weight}")
+    if weight > 0:
+      tasks.append(get_task(name, **block))
+      weights.append(weight)
+  if not tasks:
+    raise ValueError(f"tasks: expected at least one task with weight > 0, got {plain}")
+  return tasks, weights
 
 
 class TrainerRun:
@@ -14,6 +35,17 @@ class TrainerRun:
 
   _writer = None
   last_eval: dict[str, float] | None = None
+
+  def read_model(self, config) -> None:
+    """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
+    and tokenizer of `init_from_hf` where it names an HF checkpoint)."""
+    self.init_from_hf = config.get("init_from_hf", "")
+    self.tokenizer = make_tokenizer(config.tokenizer.kind,
+                                    config.tokenizer.path or self.init_from_hf,
+                                    config.tokenizer.alphabet)
+    self.tasks, self.weights = tasks_from(config.tasks)
+    self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
+                                          self.init_from_hf)
 
   @property
   def writer(self):

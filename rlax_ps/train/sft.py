@@ -19,33 +19,12 @@ from flax import nnx
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
-from rlax_ps.models import model_config_from, save_hf_checkpoint
-from rlax_ps.tasks import Task, get_task
-from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
+from rlax_ps.models import save_hf_checkpoint
+from rlax_ps.tokenizers import CharTokenizer, HFTokenizer
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, restore_or_init
 from rlax_ps.train.step import make_train_step
-
-
-def _plain(cfg) -> dict[str, Any]:
-  return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-
-
-def tasks_from(cfg) -> tuple[list[Task], list[float]]:
-  """The tasks with weight > 0 from the `tasks` config block, and their weights."""
-  tasks, weights = [], []
-  for name, block in sorted(_plain(cfg).items()):
-    block = dict(block)
-    weight = float(block.pop("weight", 1.0))
-    if weight < 0:
-      raise ValueError(f"tasks.{name}.weight: expected >= 0, got {weight}")
-    if weight > 0:
-      tasks.append(get_task(name, **block))
-      weights.append(weight)
-  if not tasks:
-    raise ValueError(f"tasks: expected at least one task with weight > 0, got {_plain(cfg)}")
-  return tasks, weights
 
 
 class SFTTrainer(TrainerRun):
@@ -55,15 +34,9 @@ class SFTTrainer(TrainerRun):
     self.config = config
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
-    self.init_from_hf = config.get("init_from_hf", "")
-    self.tokenizer = make_tokenizer(config.tokenizer.kind,
-                                    config.tokenizer.path or self.init_from_hf,
-                                    config.tokenizer.alphabet)
-    self.tasks, self.weights = tasks_from(config.tasks)
-    self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
-                                          self.init_from_hf)
+    self.read_model(config)
     self.total_steps = int(config.train.steps)
-    self.mesh = shd.make_mesh(_plain(config.mesh), devices)
+    self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
     self.optimizer = optim.make_optimizer(config.optimizer, self.total_steps)
     self.schedule = optim.learning_rate_schedule(config.optimizer, self.total_steps)
     num_micro = optim.grad_accum_steps(config.optimizer)
