@@ -12,7 +12,6 @@ SIGTERM (a preemption notice) stops the worker cleanly within --grace_s.
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import threading
 
@@ -22,6 +21,7 @@ from ml_collections import config_flags
 from inference_workers.hard_exit import exit_now
 from inference_workers.worker_config import WorkerConfig
 from param_server import connect_flags
+from rlax_ps.dataclass_flags import define_flags, resolve
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
@@ -31,22 +31,12 @@ _CONFIG = config_flags.DEFINE_config_file(
 flags.adopt_module_key_flags(connect_flags)
 flags.mark_flags_as_required(["config", "address"])
 
-_DEFINE = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float,
-           bool: flags.DEFINE_bool}
-for _f in dataclasses.fields(WorkerConfig):
-  _DEFINE[type(_f.default)](_f.name, None, f"{_f.metadata['help']} (default {_f.default!r})")
+define_flags(WorkerConfig)
 
 
-def worker_config_from(section, overrides: dict) -> WorkerConfig:
+def worker_config_from(section) -> WorkerConfig:
   """Defaults, then the config file's `worker` section, then explicit flags."""
-  values = dict(section or {})
-  names = {f.name for f in dataclasses.fields(WorkerConfig)}
-  unknown = sorted(set(values) - names)
-  if unknown:
-    raise ValueError(f"--config worker section: unknown settings {unknown}; expected some of "
-                     f"{sorted(names)}")
-  values.update({k: v for k, v in overrides.items() if v is not None})
-  return WorkerConfig(**values)
+  return resolve(WorkerConfig, section, "--config worker section")
 
 
 def stop_on_signals(worker) -> None:
@@ -71,8 +61,7 @@ def main(argv) -> None:
   block_stop_signals()  # before JAX or gRPC start any thread
   cfg = _CONFIG.value
   try:
-    config = worker_config_from(cfg.get("worker"), {f.name: flags.FLAGS[f.name].value
-                                                    for f in dataclasses.fields(WorkerConfig)})
+    config = worker_config_from(cfg.get("worker"))
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   from rlax_ps.compile_cache import enable_compile_cache

@@ -5,32 +5,30 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-
-def _field(default, help_text: str):
-  return dataclasses.field(default=default, metadata={"help": help_text})
+from rlax_ps.dataclass_flags import setting
 
 
 @dataclasses.dataclass
 class WorkerConfig:
   """Everything `rlax-ps worker` can set besides the model; each is also a flag."""
-  name: str = _field("worker", "name reported to the server (the server assigns the id)")
-  weights_format: str = _field("bf16", "held weights: bf16 or int8 (must match the publications)")
-  prompts_per_lease: int = _field(8, "prompts asked for per lease")
-  lease_deadline_s: float = _field(300.0, "lease length; renewed while work is in flight")
-  lease_wait_s: float = _field(2.0, "how long one lease request waits for prompts")
-  prompts_per_call: int = _field(8, "prompts generated together (stop requests are seen between)")
-  samples_per_prompt: int = _field(8, "N for the fixed allocator; VIGOR's per-prompt mean budget")
-  allocator: str = _field("fixed", "rollout allocation: fixed (GRPO) or vigor")
-  max_new_tokens: int = _field(64, "generation budget per sample")
-  temperature: float = _field(1.0, "sampling temperature (0 = greedy)")
-  top_k: int = _field(0, "top-k truncation (0 = off)")
-  top_p: float = _field(1.0, "top-p truncation (1 = off)")
-  default_task: str = _field("addition", "verifier for prompts that name no task")
-  grace_s: float = _field(25.0, "after SIGTERM: time to submit or release everything in flight")
-  backoff_initial_s: float = _field(0.5, "first wait after the server could not be reached")
-  backoff_max_s: float = _field(30.0, "longest wait between reconnection attempts")
-  max_leases: int = _field(0, "exit after this many non-empty leases (0 = run until stopped)")
-  seed: int = _field(0, "mixed into every sample's seed")
+  name: str = setting("worker", "name reported to the server (the server assigns the id)")
+  weights_format: str = setting("bf16", "held weights: bf16 or int8 (must match the publications)")
+  prompts_per_lease: int = setting(8, "prompts asked for per lease")
+  lease_deadline_s: float = setting(300.0, "lease length; renewed while work is in flight")
+  lease_wait_s: float = setting(2.0, "how long one lease request waits for prompts")
+  prompts_per_call: int = setting(8, "prompts generated together (stop requests are seen between)")
+  samples_per_prompt: int = setting(8, "N for the fixed allocator; VIGOR's per-prompt mean budget")
+  allocator: str = setting("fixed", "rollout allocation: fixed (GRPO) or vigor")
+  max_new_tokens: int = setting(64, "generation budget per sample")
+  temperature: float = setting(1.0, "sampling temperature (0 = greedy)")
+  top_k: int = setting(0, "top-k truncation (0 = off)")
+  top_p: float = setting(1.0, "top-p truncation (1 = off)")
+  default_task: str = setting("addition", "verifier for prompts that name no task")
+  grace_s: float = setting(25.0, "after SIGTERM: time to submit or release everything in flight")
+  backoff_initial_s: float = setting(0.5, "first wait after the server could not be reached")
+  backoff_max_s: float = setting(30.0, "longest wait between reconnection attempts")
+  max_leases: int = setting(0, "exit after this many non-empty leases (0 = run until stopped)")
+  seed: int = setting(0, "mixed into every sample's seed")
 
   def __post_init__(self):
     def need(cond, field, expected):

@@ -1,6 +1,6 @@
 """`rlax-ps serve`: run the parameter server until interrupted.
 
-  rlax-ps serve --port=50051 --storage_dir=runs/ps [--config=param_server/serve_config.py]
+  rlax-ps serve --port=50051 --storage_dir=runs/ps [--config=configs/param_server.py]
 
 Settings come from `ServerConfig` defaults, then the `--config` file (its
 `param_server` section, or its top level), then any flag given explicitly.
@@ -9,37 +9,26 @@ Settings come from `ServerConfig` defaults, then the `--config` file (its
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import signal
 import threading
 
-from absl import flags, logging
+from absl import logging
 from ml_collections import config_flags
 
 from param_server.server import ParamServer, ServerConfig
+from rlax_ps.dataclass_flags import define_flags, resolve
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "optional ml_collections file with server settings")
 
-_DEFINE = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float,
-           bool: flags.DEFINE_bool}
-for _f in dataclasses.fields(ServerConfig):
-  _DEFINE[type(_f.default)](_f.name, None, f"{_f.metadata['help']} (default {_f.default!r})")
+define_flags(ServerConfig)
 
 
 def config_from_flags() -> ServerConfig:
   """Defaults, overridden by the config file, overridden by explicit flags."""
-  values = {}
+  section = None
   if _CONFIG.value is not None:
     section = _CONFIG.value.get("param_server", _CONFIG.value)
-    names = {f.name for f in dataclasses.fields(ServerConfig)}
-    unknown = sorted(set(section.keys()) - names)
-    if unknown:
-      raise ValueError(f"--config: unknown server settings {unknown}; expected some of {sorted(names)}")
-    values.update(dict(section))
-  for f in dataclasses.fields(ServerConfig):
-    if flags.FLAGS[f.name].value is not None:
-      values[f.name] = flags.FLAGS[f.name].value
-  return ServerConfig(**values)
+  return resolve(ServerConfig, section, "--config server settings")
 
 
 def bound_malloc_arenas() -> None:

@@ -28,42 +28,39 @@ from param_server.protos import param_server_pb2_grpc as pb_grpc
 from param_server.queues import PromptRolloutQueues, QueueLimits
 from param_server.wal import WriteAheadLog
 from param_server.weights import WeightLimits, WeightStore
+from rlax_ps.dataclass_flags import setting
 
 SERVICE_NAME = "rlax_ps.v1.ParamServer"
 # Room for the fields around a chunk's bytes in one message.
 MESSAGE_OVERHEAD = 64 << 10
 
 
-def _field(default, help_text: str):
-  return dataclasses.field(default=default, metadata={"help": help_text})
-
-
 @dataclasses.dataclass
 class ServerConfig:
   """Everything `rlax-ps serve` can set; each field is also a flag of the same name."""
-  storage_dir: str = _field("runs/param_server", "folder for weights, the write-ahead log and tokens")
-  host: str = _field("127.0.0.1", "interface to listen on (0.0.0.0 for all)")
-  port: int = _field(0, "port to listen on; 0 picks a free one")
-  chunk_bytes: int = _field(4 << 20, "bytes per Pull chunk and per stored array chunk")
-  max_chunk_bytes: int = _field(4 << 20, "largest Publish chunk accepted")
-  max_message_bytes: int = _field(16 << 20, "gRPC message size limit for all other messages")
-  max_publish_bytes: int = _field(64 << 30, "largest publication (one Update) accepted")
-  delta_history: int = _field(4, "deltas kept before the newest keyframe, for workers that lag")
-  verify_keyframes: bool = _field(True, "decode each published keyframe to check its checksums")
-  compact_in_background: bool = _field(True, "compact the delta chain in a background thread")
-  cache_bytes: int = _field(4 << 30, "stored chunks kept in memory for pulls, shared by all clients")
-  heartbeat_interval_s: float = _field(10.0, "heartbeat period asked of workers; 3 missed = not alive")
-  reap_interval_s: float = _field(0.25, "how often expired leases and unacked takes are returned")
-  threads: int = _field(128, "handler threads (each long poll or Watch stream holds one)")
-  wal_fsync: bool = _field(True, "fsync the write-ahead log before acknowledging a change")
-  tls_cert: str = _field("", "PEM server certificate; with tls_key, serve TLS")
-  tls_key: str = _field("", "PEM server private key")
-  trainer_token: str = _field("", "trainer bearer token; else $RLAX_PS_TRAINER_TOKEN, else generated")
-  worker_token: str = _field("", "worker bearer token; else $RLAX_PS_WORKER_TOKEN, else generated")
-  viewer_token: str = _field("", "viewer bearer token; else $RLAX_PS_VIEWER_TOKEN, else generated")
-  max_lease_prompts: int = _field(1024, "most prompts in one lease")
-  max_lease_deadline_s: float = _field(3600.0, "longest lease or ack deadline")
-  max_wait_s: float = _field(60.0, "longest long-poll wait for LeasePrompts and TakeRollouts")
+  storage_dir: str = setting("runs/param_server", "folder for weights, the write-ahead log and tokens")
+  host: str = setting("127.0.0.1", "interface to listen on (0.0.0.0 for all)")
+  port: int = setting(0, "port to listen on; 0 picks a free one")
+  chunk_bytes: int = setting(4 << 20, "bytes per Pull chunk and per stored array chunk")
+  max_chunk_bytes: int = setting(4 << 20, "largest Publish chunk accepted")
+  max_message_bytes: int = setting(16 << 20, "gRPC message size limit for all other messages")
+  max_publish_bytes: int = setting(64 << 30, "largest publication (one Update) accepted")
+  delta_history: int = setting(4, "deltas kept before the newest keyframe, for workers that lag")
+  verify_keyframes: bool = setting(True, "decode each published keyframe to check its checksums")
+  compact_in_background: bool = setting(True, "compact the delta chain in a background thread")
+  cache_bytes: int = setting(4 << 30, "stored chunks kept in memory for pulls, shared by all clients")
+  heartbeat_interval_s: float = setting(10.0, "heartbeat period asked of workers; 3 missed = not alive")
+  reap_interval_s: float = setting(0.25, "how often expired leases and unacked takes are returned")
+  threads: int = setting(128, "handler threads (each long poll or Watch stream holds one)")
+  wal_fsync: bool = setting(True, "fsync the write-ahead log before acknowledging a change")
+  tls_cert: str = setting("", "PEM server certificate; with tls_key, serve TLS")
+  tls_key: str = setting("", "PEM server private key")
+  trainer_token: str = setting("", "trainer bearer token; else $RLAX_PS_TRAINER_TOKEN, else generated")
+  worker_token: str = setting("", "worker bearer token; else $RLAX_PS_WORKER_TOKEN, else generated")
+  viewer_token: str = setting("", "viewer bearer token; else $RLAX_PS_VIEWER_TOKEN, else generated")
+  max_lease_prompts: int = setting(1024, "most prompts in one lease")
+  max_lease_deadline_s: float = setting(3600.0, "longest lease or ack deadline")
+  max_wait_s: float = setting(60.0, "longest long-poll wait for LeasePrompts and TakeRollouts")
 
 
 def _finite(field: str, value: float, lo: float = 0.0) -> None:

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared settings and helpers for the gcloud TPU VM scripts. Source it; do not run it.
 # Every gcloud call goes through `run`, so DRY_RUN=1 prints the commands instead.
 set -euo pipefail

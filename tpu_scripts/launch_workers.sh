@@ -7,13 +7,14 @@
 #   WORKER_TOKEN=... tpu_scripts/launch_workers.sh rlax-worker 8 v5litepod-4
 #
 # Env: WORKER_ARGS (more `rlax-ps worker` flags, at least --config=configs/...), DRY_RUN=1.
+# shellcheck source=tpu_scripts/common.sh
 source "$(dirname "$0")/common.sh"
 
 prefix="${1:?usage: launch_workers.sh PREFIX COUNT ACCELERATOR_TYPE}"
 count="${2:?usage: launch_workers.sh PREFIX COUNT ACCELERATOR_TYPE}"
 accelerator="${3:?usage: launch_workers.sh PREFIX COUNT ACCELERATOR_TYPE}"
-: "${SERVER_ADDRESS:?set SERVER_ADDRESS to the parameter server's host:port}"
-: "${WORKER_TOKEN:?set WORKER_TOKEN to the server's worker token}"
+: "${SERVER_ADDRESS:?set SERVER_ADDRESS to the parameter server host:port}"
+: "${WORKER_TOKEN:?set WORKER_TOKEN to the worker token of the server}"
 [[ "$count" =~ ^[1-9][0-9]*$ ]] || { echo "COUNT: expected a positive integer, got '$count'" >&2; exit 2; }
 
 for ((i = 0; i < count; i++)); do

@@ -2,6 +2,7 @@
 # Delete every TPU VM whose name starts with PREFIX (trainer or workers), without waiting.
 #
 #   TPU_PROJECT=my-proj TPU_ZONE=us-central2-b tpu_scripts/teardown.sh rlax-worker
+# shellcheck source=tpu_scripts/common.sh
 source "$(dirname "$0")/common.sh"
 
 prefix="${1:?usage: teardown.sh NAME_PREFIX}"

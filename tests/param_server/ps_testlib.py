@@ -69,7 +69,7 @@ def apply_blobs(blobs, held=None):
 
 def spawn_server(storage_dir, *extra_flags):
   """`rlax-ps serve` in a subprocess; returns (process, address) once it listens."""
-  flags = ["--config=param_server/serve_config.py:tiny", f"--storage_dir={storage_dir}", "--port=0", f"--chunk_bytes={CHUNK}",
+  flags = ["--config=configs/param_server.py:tiny", f"--storage_dir={storage_dir}", "--port=0", f"--chunk_bytes={CHUNK}",
            f"--max_chunk_bytes={CHUNK}", "--reap_interval_s=0.05", "--threads=32",
            "--nocompact_in_background"]
   env = dict(os.environ, **{f"RLAX_PS_{r.upper()}_TOKEN": t for r, t in TOKENS.items()})

@@ -1,7 +1,7 @@
 """Parameter-server settings for `rlax-ps serve` (every `ServerConfig` field may appear).
 
-  rlax-ps serve --config=param_server/serve_config.py --storage_dir=runs/ps --port=50051
-  rlax-ps serve --config=param_server/serve_config.py:tiny   # short deadlines, small chunks, for tests
+  rlax-ps serve --config=configs/param_server.py --storage_dir=runs/ps --port=50051
+  rlax-ps serve --config=configs/param_server.py:tiny   # short deadlines, small chunks, for tests
 """
 
 import dataclasses
