@@ -56,8 +56,8 @@ On-device usage (workers, in place, without the base on the host):
   (fingerprints.py), which workers check where their weights are:
   update.check_fingerprints(rlax_ps.sync.device.fingerprints_of(held)), no pull.
 
-Checksums are xxh3-64 of each tensor's exact held bytes: ~10 GB/s here against ~2 GB/s
-for zlib.crc32, which would cost more than the whole rest of a sparse apply. An update
+Checksums are xxh3-64 of each tensor's exact held bytes (several times zlib.crc32's
+speed, which would cost more than the whole rest of a sparse apply). An update
 records them as seals (integrity.py): one 64-bit digest over all results, one over all
 bases (deltas), one over the sections, each with a few group locators that name the
 tensor behind a mismatch.

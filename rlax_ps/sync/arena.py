@@ -106,8 +106,8 @@ def lay_out(sizes: dict, dtypes: dict, groups: dict) -> tuple[dict, dict]:
   """(name -> flat unsigned slot of each tensor in no pack, pack head -> the span its
   members fill back to back (members_of)) in one new arena: first the packs (groups: head
   -> member names, head first), then every other tensor. A pack is written first and
-  whole, so its first touches of fresh pages come in order (out of order they cost about
-  half a copy of the model more, measured)."""
+  whole, so its first touches of fresh pages come in order (page faults out of order cost
+  far more)."""
   members = {n for names in groups.values() for n in names}
   alone = [n for n in sizes if n not in members]
   got = spans(tuple((sum(sizes[n] for n in names), dtypes[head])

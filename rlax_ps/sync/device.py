@@ -49,9 +49,8 @@ class HostBuffers:
   """Host arrays for the scatters' padded (indices, offsets), reused from update to update.
 
   A worker's updates have like sizes, and fresh arrays of tens of MB pay their page faults
-  every time (a 100M-element tensor at 10% changed: its host part 25 -> 20 ms, measured)
-  and, where numpy asks for huge pages, the kernel's compaction stalls now and then (0.2-0.6
-  s on a 300 MB buffer here). Arrays under MIN_BYTES come from numpy as before (the
+  every time and, where numpy asks for huge pages, the kernel's compaction stalls now and
+  then. Arrays under MIN_BYTES come from numpy as before (the
   allocator reuses those). Thread-safe: decoding threads take, the applying thread gives
   back once the scatter that read them is done. At most `max_free_bytes` of arrays not in
   use are kept, the least recently given back dropped first."""

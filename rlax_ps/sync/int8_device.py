@@ -8,7 +8,7 @@ one change: XLA on CPU and TPUs flush float32 subnormals to zero, so no subnorma
 an operand here (tiny absmax values and subnormal weights are scaled by powers of two
 through their bit patterns; see _scale_bits and _codes). The absmax and its non-finite flag
 are integer maxima of bit patterns, exact everywhere (on XLA:CPU an int32 reduction is
-~10x slower than a float32 one, so there the absmax pass costs ~100 ms per 20M elements).
+much slower than a float32 one, so there the absmax pass is the costly part).
 A channel holding a NaN or infinity gets a NaN scale and zero codes (the device-side flag);
 `fetch_held` turns it into the CodecError that int8.quantize_params raises. Inputs are
 float32, bf16 or float16 (float64 host weights reach a jitted function as float32 unless

@@ -2,7 +2,7 @@
 stores at a byte address, and 64-lane compares that LLVM lowers to the host's SIMD.
 
 They take addresses, not arrays: numba counts references to an array argument around
-every call (an NRT incref/decref pair: +21% in the joint encoder until taken out).
+every call (an NRT incref/decref pair), which costs in the innermost loops.
 Little-endian is native on every numba target, as the codec's LSB-first streams need.
 """
 
@@ -322,8 +322,7 @@ code_u8 = _coder(8)
 
 # ---- 32-bit lane arithmetic (fingerprints.py) ----------------------------------------------
 # numba widens uint32 arithmetic to 64 bits, and LLVM then vectorizes it in 64-bit lanes
-# (vpmullq: half the lanes, slower multiplies); these keep it in i32: 2x the fingerprint's
-# throughput (13.8 -> 26.2 GB/s of bf16, measured).
+# (vpmullq: half the lanes, slower multiplies); these keep it in 32-bit lanes.
 
 _I32 = ir.IntType(32)
 
@@ -385,8 +384,8 @@ def call_hash(typingctx, fn, address, nbytes):
 @intrinsic
 def copy_bytes(typingctx, dst, src, nbytes):
   """Copies nbytes from byte address src to dst (not overlapping) by LLVM's memcpy: the
-  C library's vectorised copy, where a compiled slice assignment copies element by element
-  (5-7x slower on 512 KB, measured)."""
+  C library's vectorised copy, where a compiled slice assignment copies element by
+  element."""
   def codegen(context, builder, signature, args):
     i8p = ir.IntType(8).as_pointer()
     fn = _llvm_fn(builder, "llvm.memcpy.p0.p0.i64", ir.VoidType(),

@@ -51,8 +51,8 @@ ESCAPE = 255  # symbol id of the escape code in the section's table
 LIST = 1 << 11  # elements listed, then coded, at a time (_code_block_listed; in L1)
 MIN_ELEMENTS = 1 << 16  # smaller tensors take the general layouts
 MIN_DENSITY = 0.02  # sparser bf16: the general layouts are as fast (little to walk) and
-# 2-4% smaller (their rANS values beat Huffman codes)
-MIN_DENSITY_INT8 = 0.005  # int8 codes (+-1: 1 bit either way) gain 1.2x from 0.5-1%
+# smaller (their rANS values beat Huffman codes)
+MIN_DENSITY_INT8 = 0.005  # int8 codes (+-1: 1 bit either way) gain from sparser still
 MAX_K = 28  # value codes (<= 27 bits) shifted past a gap's k + 1 bits fit in 56
 SAMPLE_WINDOW = 1 << 12  # elements per window of the plan's sample
 _SAMPLE_SHARE = 32  # the sample is about 1/32 of the tensor, in 4..128 windows
@@ -62,22 +62,20 @@ CTAB_MAX = 1 << 10  # value codes looked up by zigzag value (8 KB, in L1); large
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
 _WIDTHS = entropy.WIDTHS  # raw bits of each symbol
 _ZW, _ESC_FLAG = 16, 1 << 21  # decode-table entry: zbase | raw width << 16 | escape flag
-# Four streams decoded in lockstep (else two): with 16 registers, four chains spill some;
-# wide cores gained (Zen 5: -24% a change), Zen 3 lost (+17%), both measured before GROUP
-# (Zen 3 not since). The hosts with AVX-512 VBMI2 are the wide ones.
+# Four streams decoded in lockstep (else two): with 16 registers four chains spill some, so
+# only wide cores (the hosts with AVX-512 VBMI2) take four.
 QUAD = HAS_COMPRESS
 # How encode and plan find a tensor's changes by default, by lane bits: listed by the SIMD
-# compress where the host has it; else bf16 listed by byte shuffles where x86 has them
-# (38M model, AVX2 build on Zen 5: cold encode -16 to -21% against the walk) and int8
-# codes (sparser: listing them took +20%) walked.
+# compress where the host has it; else bf16 listed by byte shuffles where x86 has them,
+# and int8 codes (sparser, so listing them costs more than it saves) walked.
 LISTING = {16: COMPRESS if HAS_COMPRESS else SHUFFLE if HAS_SHUFFLE else WALK,
            8: COMPRESS if HAS_COMPRESS else WALK}
 WAYS = {16: (WALK, COMPRESS, SHUFFLE), 8: (WALK, COMPRESS)}  # by lane bits
 WHOLE = 12  # bits of the decoder's whole-code table (4096 uint32: offset, gap, length)
 GROUP = 4  # changes a stream decodes from one 57-bit window in the four-stream loop
 PREFETCH_LINES = 4  # lines of the next stretch's base asked for per group of the four-stream
-# loop: at 15% changed (~2,400 groups a 512 KB stretch) all of it, so that its copy reads
-# from cache; sparser stretches get part of it
+# loop: a dense stretch asks for all of it, so that its copy reads from cache; sparser
+# stretches get part of it
 assert GROUP * WHOLE <= 57
 CLOSED_GAIN = 0.01  # a section has a closed code set where it saves this share of the bits
 
@@ -275,7 +273,7 @@ def _code_block_listed(ab, bb, k, ctab, symtab, esc, stream, pos, acc, fill, idx
       tail = e >> np.uint64(56)
       if tail == 0:
         return wp - stream, acc, fill, count, False
-      # as in _code_block's walk (a helper shared by both made the walk 4% slower)
+      # as in _code_block's walk (inlined: a shared helper slows the walk)
       gap = np.uint64((t - np.int64(idx[i]) - 1) & 65535)
       q = gap >> kk
       v = ((gap & kmask) << np.uint64(1)) | (e & low56)
@@ -586,7 +584,7 @@ def next_stretch(first, stop, n):
 
 def _decode_rounds_for(quad: bool):
   """_decode_rounds compiled for one value of quad (a constant there, so that a
-  four-stream host's two-stream loop has no prefetch branch: +1.4% with it, measured)."""
+  four-stream host's two-stream loop has no prefetch branch)."""
   @numba.njit(**_JIT)
   def decode(words, ends, k, tables, wholes, out, first, stop, n, counts, sets, ps, base):
     return _decode_rounds(words, ends, k, tables, wholes, out, first, stop, n, counts, sets,
@@ -940,7 +938,7 @@ def encode(old: np.ndarray, new: np.ndarray, k: int, counts: np.ndarray, gap_bit
   the joint section from old to new, with plan()'s k, counts (of the sample's symbols),
   gap bits and changes in the sample (None: the counts' sum). listed: blocks coded from
   lists of their changes (_code_block_listed), made by a SIMD compress (COMPRESS or True:
-  2x faster than the walk (bf16) with AVX-512 VBMI2, 2x slower without) or by byte
+  faster than the walk (bf16) with AVX-512 VBMI2, slower without) or by byte
   shuffles (SHUFFLE, bf16 only: x86 without it), or by the group walk (_code_block; WALK or
   False); None: LISTING's, the host's fastest (WAYS: those of each lane width). The bytes
   are the same."""

@@ -26,8 +26,8 @@ WIDTHS = np.where(np.arange(ALPHABET) < DIRECT, 0, (np.arange(ALPHABET) - DIRECT
 WIDTHS.flags.writeable = False
 _JIT = dict(nogil=True, cache=True, boundscheck=False)
 # Bytes of each array that one compiled call scans, codes or applies before the caller
-# hashes them, still in cache: larger calls cost fewer Python iterations (128 KB calls were
-# 10-20% slower end to end), larger than the L2 cache they hash slower (2 MB: measured).
+# hashes them, still in cache: larger calls cost fewer Python iterations, and calls larger
+# than the L2 cache hash slower.
 # A multiple of a joint round (4 blocks of 64K bf16 elements): joint calls take whole rounds.
 CALL_BYTES = 1 << 19
 

@@ -1,6 +1,7 @@
 """A Llama-3 config (rope_scaling of type llama3, as every Llama-3.x checkpoint has) can be
 hashed, so a model loaded from such a checkpoint samples (the graphdef is a static jit
-argument), trains with the RL loss and round-trips its config through JSON."""
+argument) as transformers' greedy generate does, trains with the SFT step and the RL loss,
+and round-trips its config through JSON."""
 
 import json
 import os
@@ -13,9 +14,14 @@ from flax import nnx
 
 from inference_workers.sampler import generate, generate_shared
 from inference_workers.sampling import SamplingParams
+from rlax_ps import optim
+from rlax_ps import sharding as shd
 from rlax_ps.models import ModelConfig, load_hf_checkpoint
 from rlax_ps.train.rl_loss import LossConfig, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch
+from rlax_ps.train.state import abstract_model, make_init_fn, state_from_params, \
+  state_shardings
+from rlax_ps.train.step import make_train_step
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf", "llama")
 
@@ -62,3 +68,39 @@ def test_the_rl_loss_trains_the_llama3_model(model):
   loss, grads = loss_grad(params, graphdef)
   assert np.isfinite(float(loss))
   assert float(jax.tree.reduce(lambda a, b: a + jnp.sum(jnp.abs(b)), grads, 0.0)) > 0
+
+
+def test_greedy_generate_equals_transformers_greedy_generate(model):
+  """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
+  explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""
+  ref = np.load(os.path.join(FIXTURE, "greedy.npz"))
+  prompts = [list(row[mask.astype(bool)]) for row, mask in zip(ref["input_ids"],
+                                                               ref["attention_mask"])]
+  assert any(0 in p for p in prompts)  # a pad-id token inside a prompt stays a token
+  params = SamplingParams(temperature=0.0, max_new_tokens=int(ref["new_tokens"].shape[1]),
+                          stop_tokens=(int(ref["eos_token_id"]),))
+  got = generate(model, prompts, list(range(len(prompts))), params)
+  for sample, want in zip(got, ref["new_tokens"]):
+    want = list(want[:int(np.argmax(want == ref["eos_token_id"])) + 1]
+                if ref["eos_token_id"] in want else want)
+    assert list(sample.tokens) == want
+
+
+def test_the_sft_step_trains_the_llama3_model(model):
+  mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, (1, 1, 1))), jax.devices()[:1])
+  optimizer = optim.make_optimizer({"lr": 3e-3, "warmup_steps": 0}, total_steps=20)
+  graphdef, _, spec_tree = abstract_model(model.config)
+  shardings = state_shardings(jax.eval_shape(make_init_fn(model.config, optimizer),
+                                             jax.random.PRNGKey(0)), spec_tree, mesh)
+  state = state_from_params(nnx.state(model, nnx.Param).to_pure_dict(), optimizer, shardings, 0)
+  step = make_train_step(graphdef, optimizer, shardings, mesh)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(3, model.config.vocab_size, (2, 17)).astype(np.int32)
+  batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+           "positions": np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16)),
+           "segment_ids": np.ones((2, 16), np.int32), "loss_mask": np.ones((2, 16), np.int32)}
+  losses = []
+  for _ in range(10):
+    state, metrics = step(state, shd.shard_batch(mesh, batch))
+    losses.append(float(metrics["loss"]))
+  assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0]
