@@ -166,7 +166,9 @@ def test_a_stop_mid_batch_leaves_the_partial_take_to_be_trained_after_restart(tm
     with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
 
       def stop_once_half_taken():
-        while not (tr.step == 1 and any(t.step == 2 for t in tr.pending)):
+        # A take for step 2 means step 1 is done (tr.step reads a buffer the step donates,
+        # so this thread must not read it).
+        while not any(t.step == 2 for t in list(tr.pending)):
           time.sleep(0.05)
         time.sleep(0.5)  # the trainer now waits for the rest of step 2's groups
         tr.request_stop()
