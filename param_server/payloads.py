@@ -8,6 +8,7 @@ checksums or to compact a delta chain into a new keyframe.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
@@ -43,17 +44,24 @@ def read_info(blob) -> PayloadInfo:
       fingerprinted=header.fingerprints is not None)
 
 
-def verify(blob, *, decode_keyframe: bool) -> None:
+def verify(blob, *, decode_keyframe: bool,
+           done: Callable[[int, int], None] | None = None) -> None:
   """Raises CodecError unless the blob (any buffer) is intact.
 
   A keyframe with `decode_keyframe` is checked in place, one tensor at a time, against its
   result seal (its sections are the raw tensors, so this covers their digests too) and
-  costs one tensor of memory; anything else goes through `Update.from_bytes`, which copies
-  the blob (deltas are small) and checks its section seal."""
+  costs one tensor of memory; `done(start, stop)` is told each section's byte range once
+  it is read. Anything else goes through `Update.from_bytes`, which copies the blob
+  (deltas are small) and checks its section seal."""
   header = sync.read_header(blob)
   if decode_keyframe and header.is_keyframe:
     update = sync.Update(blob, header)
-    update.verify_all({name: sync.checksum(update.changes(name).array) for name in update.tensors})
+    checksums = {}
+    for name, meta in header.tensors.items():
+      checksums[name] = sync.checksum(update.changes(name).array)
+      if done is not None and meta.nbytes:
+        done(meta.offset, meta.offset + meta.nbytes)
+    update.verify_all(checksums)
   else:
     sync.Update.from_bytes(blob)
 

@@ -15,9 +15,12 @@ that lag.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import threading
@@ -86,16 +89,17 @@ def _write_json_atomic(path: str, obj) -> None:
 
 
 class PublishWriter:
-  """Receives one publication's chunks, in order, into one buffer; `WeightStore.commit` stores it.
-
-  The buffer is allocated once (untouched pages cost nothing until a chunk lands in them),
-  so a publication costs its own size in memory and no more."""
+  """Streams one publication's chunks, in order, to a file in the store's tmp folder (hashed
+  on the way); `WeightStore.commit` verifies and stores it from there. So receiving a
+  publication costs a chunk of memory, not its size."""
 
   def __init__(self, store: "WeightStore", total_bytes: int):
     self.store = store
     self.total = total_bytes
     self.received = 0
-    self.buffer = np.empty(total_bytes, dtype=np.uint8)
+    self.sha256 = hashlib.sha256()
+    self.path = os.path.join(store.tmp_dir, uuid.uuid4().hex + ".publication")
+    self._file = open(self.path, "wb")
 
   def write(self, offset: int, data: bytes) -> None:
     limits = self.store.limits
@@ -107,11 +111,38 @@ class PublishWriter:
     if self.received + len(data) > self.total:
       raise errors.InvalidArgument(
           "data", f"expected {self.total} bytes in all (total_bytes), got at least {self.received + len(data)}")
-    self.buffer[self.received:self.received + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    self._file.write(data)
+    self.sha256.update(data)
     self.received += len(data)
 
+  @contextlib.contextmanager
+  def mapped(self):
+    """The received bytes, mapped read-only (pages are read from disk as they are touched;
+    `drop` gives them back)."""
+    self._file.close()
+    with open(self.path, "rb") as f:
+      data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+      yield data
+    finally:
+      try:
+        data.close()
+      except BufferError:  # a view of it is still held (an error's traceback): gc closes it
+        pass
+
   def abort(self) -> None:
-    self.buffer = None
+    self._file.close()
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(self.path)
+
+
+def drop(data: mmap.mmap, start: int, stop: int) -> None:
+  """Gives the mapped pages of bytes [start, stop) back (they stay in the page cache), so
+  reading a whole publication never holds more than the part being read."""
+  start -= start % mmap.PAGESIZE
+  stop = min(stop, len(data))
+  if stop > start:
+    data.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
 
 class WeightStore:
@@ -239,22 +270,33 @@ class WeightStore:
             f"tensors[{name!r}]", f"expected shape {tuple(want_shape)} {want_dtype}, got {tuple(shape)} {dtype}")
 
   def commit(self, writer: PublishWriter) -> tuple[Blob, bool]:
-    """Validates a fully received publication and makes it the latest version; returns (blob, duplicate)."""
+    """Validates a fully received publication and makes it the latest version; returns
+    (blob, duplicate). The publication is read from its file a part at a time: a keyframe
+    is verified tensor by tensor, then stored chunk by chunk."""
     if writer.received != writer.total:
       raise errors.InvalidArgument("total_bytes", f"stream ended after {writer.received} of {writer.total} bytes")
-    data, writer.buffer = writer.buffer, None
+    try:
+      with writer.mapped() as data:
+        blob, duplicate = self._store(data, writer.sha256.hexdigest())
+    finally:
+      writer.abort()  # its file: stored now, or refused
+    if not duplicate:
+      self._maybe_compact()
+    return blob, duplicate
+
+  def _store(self, data: mmap.mmap, sha: str) -> tuple[Blob, bool]:
     try:
       info = payloads.read_info(data)
     except payloads.CodecError as e:
       raise errors.InvalidArgument("data", f"not a valid update: {e}") from None
-    sha = hashlib.sha256(data).hexdigest()
     with self._lock:
       for same in self._blobs_at(self.latest):
         if info.version == self.latest and same.sha256 == sha:
           return same, True
       self._validate(info)
     try:
-      payloads.verify(data, decode_keyframe=self.limits.verify_keyframes)
+      payloads.verify(data, decode_keyframe=self.limits.verify_keyframes,
+                      done=functools.partial(drop, data))
     except payloads.CodecError as e:
       raise errors.InvalidArgument("data", f"v{info.version} fails its checks: {e}") from None
     blob = Blob(info.version, info.base_version, info.fmt, len(data), sha,
@@ -262,7 +304,6 @@ class WeightStore:
     tmp = os.path.join(self.tmp_dir, uuid.uuid4().hex + ".zarr")
     try:
       self._write_array(tmp, data)
-      del data
       with self._lock:
         self._validate(info)  # again: another publisher may have won the race meanwhile
         os.replace(tmp, self._path(blob))
@@ -271,7 +312,6 @@ class WeightStore:
         self._install(blob)
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
-    self._maybe_compact()
     return blob, False
 
   def _write_array(self, path: str, data) -> None:
@@ -280,6 +320,9 @@ class WeightStore:
     for start in range(0, len(data), self.chunk_bytes):  # chunk by chunk: no second copy of the blob
       stop = min(start + self.chunk_bytes, len(data))
       array[start:stop].write(flat[start:stop]).result()
+      if isinstance(data, mmap.mmap):
+        drop(data, start, stop)
+    del flat
 
   def _blobs_at(self, version: int) -> list[Blob]:
     """The stored blobs ending at `version` (its delta, and a keyframe compacted there)."""

@@ -1,0 +1,67 @@
+"""The weight store receives, verifies and stores a publication a part at a time, and leaves
+no file behind whatever the outcome."""
+
+import os
+
+import numpy as np
+import pytest
+
+from param_server import errors
+from param_server.weights import WeightStore
+from rlax_ps import sync
+
+CHUNK = 1 << 20
+
+
+def _rss_mib(field: str) -> float:
+  with open("/proc/self/status") as f:
+    return next(int(l.split()[1]) for l in f if l.startswith(field)) / 1024
+
+
+def _publish(store: WeightStore, blob: bytes):
+  writer = store.begin_publish(len(blob))
+  view = memoryview(blob)
+  for off in range(0, len(blob), CHUNK):
+    writer.write(off, bytes(view[off:off + CHUNK]))
+  return store.commit(writer)
+
+
+def _keyframe(mib: int, version: int = 0) -> bytes:
+  rng = np.random.default_rng(version)
+  n = (mib << 20) // 2 // 8
+  held = sync.held_state({f"w{i}": rng.standard_normal(n, np.float32) for i in range(8)}, "bf16")
+  return sync.encode(None, held, "bf16", version=version).to_bytes()
+
+
+def test_a_keyframe_costs_a_fraction_of_its_size_to_publish(tmp_path):
+  blob = _keyframe(64)
+  store = WeightStore(str(tmp_path), chunk_bytes=CHUNK)
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets this process's peak RSS (VmHWM) to its current RSS
+  before = _rss_mib("VmRSS")
+  blob_info, duplicate = _publish(store, blob)
+  grew = _rss_mib("VmHWM") - before
+  assert not duplicate and blob_info.nbytes == len(blob)
+  # Held whole, the publication alone would add 64 MiB (1x); read a part at a time, the
+  # peak grows by chunks and one tensor (8 MiB) at a time.
+  assert grew < 0.4 * len(blob) / 2**20, f"publishing grew the peak RSS by {grew:.0f} MiB"
+  got = store.read_range(blob_info, store.open_array(blob_info), 0, blob_info.nbytes)
+  assert got.tobytes() == blob
+
+
+def test_no_publication_file_is_left_after_a_store_a_duplicate_or_a_refusal(tmp_path):
+  store = WeightStore(str(tmp_path), chunk_bytes=CHUNK)
+  blob = _keyframe(2)
+  _publish(store, blob)
+  assert _publish(store, blob)[1]  # the same bytes again: a duplicate
+  corrupt = bytearray(_keyframe(2, version=1))
+  corrupt[-100] ^= 0xFF
+  with pytest.raises(errors.InvalidArgument, match="v1 fails its checks"):
+    _publish(store, bytes(corrupt))
+  truncated = store.begin_publish(len(blob))
+  truncated.write(0, blob[:CHUNK])
+  with pytest.raises(errors.InvalidArgument, match="stream ended after"):
+    store.commit(truncated)
+  truncated.abort()  # as the server does when a commit raises
+  assert os.listdir(store.tmp_dir) == []
+  assert store.latest == 0
