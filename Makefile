@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Test modules run side by side in one process per core (at most 4): most of a cold run is
+# single-threaded XLA and numba compilation. XDIST="" runs them in one process.
+XDIST ?= --numprocesses=auto --maxprocesses=4 --dist=loadscope
 # Extra flags for `make run`, e.g. RUN_ARGS="--config.rl.max_seconds=120".
 RUN_ARGS ?=
 
@@ -29,10 +32,10 @@ run: $(VENV)/.installed
 
 # The default test suite (CPU only, fast); `make test-slow` adds the slow ones.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-slow: $(VENV)/.installed-test
-	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -m slow $(XDIST) $(PYTEST_ARGS)
 
 # Regenerate the committed gRPC code after editing param_server/protos/param_server.proto.
 protos: $(VENV)/.installed-test

@@ -6,13 +6,19 @@ int8 vs bf16 held weights, in-place 1% update vs full reload, all measured in on
   .venv/bin/python benchmarks/sampler.py --hidden=256 --layers=4 --vocab=16000   # quicker
 
 Model: a random Qwen2-family config (tied embeddings, GQA, q/k/v biases). Rows:
-  decode: greedy generation of --batch prompts x --prompt_len tokens -> --new_tokens tokens;
-    new tokens per second over the whole call (prefill included, compile excluded; ours
-    measured before and after HF, best kept, since a shared machine's load drifts), ours
-    (float32 weights, jitted while-loop decode) vs `transformers` generate with its KV cache
-    on the same float32 weights (exported with save_hf_checkpoint), same prompts; greedy
-    tokens are compared. torch is used when importable here, else through --torch_python
-    (a separate interpreter), else the column is skipped with the reason.
+  machine: memory bandwidth (a 256 MiB numpy copy: bytes read + written per second) and
+    matmul FLOP/s (a jitted 1024^3 float32 matmul), measured first in the same run.
+  decode, one row per --batches B: greedy generation of B prompts x --prompt_len tokens ->
+    --new_tokens tokens; new tokens per second over the whole call (prefill included,
+    compile excluded; ours measured before and after HF, best kept, since a shared
+    machine's load drifts), ours (float32 weights, jitted while-loop decode) vs
+    `transformers` generate with its KV cache on the same float32 weights (exported with
+    save_hf_checkpoint), same prompts; greedy tokens are compared. torch is used when
+    importable here, else through --torch_python (a separate interpreter), else the
+    column is skipped with the reason.
+  roofline, per decode row: the tokens/s the machine allows: prefill at the matmul rate,
+    then each step at the slower of reading the weights and the KV cache at the copy
+    bandwidth and its FLOPs at the matmul rate; ours as a fraction of it.
   shared prefill: N=--samples samples of one --shared_prompt_len prompt; prefill once
     (batch 1) vs prefill N copies (batch N), jitted, best of --reps.
   shared end-to-end: the same N samples with --shared_new_tokens new tokens each,
@@ -34,6 +40,7 @@ import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +54,14 @@ from inference_workers.sampling import SamplingParams
 from inference_workers.weights import HeldPolicy
 from rlax_ps import sync
 from rlax_ps.models import ModelConfig, Transformer, flatten_params, save_hf_checkpoint
+from roofline import machine_limits, roofline_rate  # noqa: E402 (benchmarks/)
 
 _HIDDEN = flags.DEFINE_integer("hidden", 512, "hidden size")
 _LAYERS = flags.DEFINE_integer("layers", 8, "decoder layers")
 _HEADS = flags.DEFINE_integer("heads", 8, "query heads (kv heads = heads / 4)")
 _INTER = flags.DEFINE_integer("intermediate", 1408, "SwiGLU width")
 _VOCAB = flags.DEFINE_integer("vocab", 32000, "vocabulary size")
-_BATCH = flags.DEFINE_integer("batch", 8, "decode row: prompts per call")
+_BATCHES = flags.DEFINE_list("batches", ["8", "64", "256"], "decode rows: prompts per call")
 _PROMPT = flags.DEFINE_integer("prompt_len", 64, "decode row: prompt tokens")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "decode row: new tokens per prompt")
 _SAMPLES = flags.DEFINE_integer("samples", 16, "shared rows: samples of the one prompt")
@@ -120,6 +128,30 @@ def decode_rate(model, prompts, new, reps):
   return len(prompts) * new / t, out
 
 
+def decode_rows(model, hf_path, prompts, config, bandwidth, flops, reps):
+  """The decode rows of one batch size: ours vs HF generate, ours vs the roofline."""
+  batch, new = len(prompts), _NEW.value
+  ours_rate, ours_out = decode_rate(model, prompts, new, reps)
+  hf, reason = hf_generate(hf_path, prompts, new, reps)
+  ours_rate = max(ours_rate, decode_rate(model, prompts, new, reps)[0])  # after HF too
+  roof = roofline_rate(config, batch, _PROMPT.value, new, bandwidth, flops)
+  rows = []
+  if hf is None:
+    rows.append((f"decode tok/s, batch {batch} (ours vs HF generate)", f"{ours_rate:.0f}",
+                 "skipped", "-", ">= 1x"))
+    print(f"HF column skipped: {reason}")
+  else:
+    hf_rate = batch * new / hf["seconds"]
+    same = sum(o.tokens.tolist() == h for o, h in zip(ours_out, hf["tokens"]))
+    rows.append((f"decode tok/s, batch {batch} (ours vs HF generate)", f"{ours_rate:.0f}",
+                 f"{hf_rate:.0f}", f"{ours_rate / hf_rate:.2f}x", ">= 1x"))
+    print(f"batch {batch}: HF torch {hf['torch']} ({hf['threads']} threads); greedy rows "
+          f"identical to ours: {same}/{batch}", flush=True)
+  rows.append((f"decode tok/s, batch {batch} (ours vs roofline)", f"{ours_rate:.0f}",
+               f"{roof:.0f}", f"{ours_rate / roof:.2f}", ">= 0.6"))
+  return rows
+
+
 def prefill_time(model, batch, length, reps):
   """Best seconds of the jitted prefill of `batch` rows of `length` tokens."""
   graphdef, state = nnx.split(model)
@@ -157,26 +189,20 @@ def main(argv):
         f"{config.vocab_size}); {jax.devices()[0].platform}, {os.cpu_count()} cpus", flush=True)
   model = Transformer(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
-  prompts = rng.integers(3, config.vocab_size, (_BATCH.value, _PROMPT.value)).tolist()
+  bandwidth, flops = machine_limits(reps, best_time)
+  print(f"machine: copy {bandwidth / 1e9:.1f} GB/s (read + written), float32 matmul "
+        f"{flops / 1e9:.1f} GFLOP/s", flush=True)
   rows = []
 
-  # 1. decode throughput vs transformers.
-  ours_rate, ours_out = decode_rate(model, prompts, _NEW.value, reps)
+  # 1. decode throughput vs transformers, and against the machine's roofline.
+  batches = [int(b) for b in _BATCHES.value]
+  prompts = rng.integers(3, config.vocab_size, (max(batches), _PROMPT.value)).tolist()
   with tempfile.TemporaryDirectory() as tmp:
     save_hf_checkpoint(model, tmp)
-    hf, reason = hf_generate(tmp, prompts, _NEW.value, reps)
-  ours_rate = max(ours_rate, decode_rate(model, prompts, _NEW.value, reps)[0])  # after HF too
-  if hf is None:
-    rows.append(("decode tok/s (ours vs HF generate)", f"{ours_rate:.0f}", "skipped", "-", ">= 2x"))
-    print(f"HF column skipped: {reason}")
-  else:
-    hf_rate = len(prompts) * _NEW.value / hf["seconds"]
-    same = sum(o.tokens.tolist() == h for o, h in zip(ours_out, hf["tokens"]))
-    rows.append(("decode tok/s (ours vs HF generate)", f"{ours_rate:.0f}", f"{hf_rate:.0f}",
-                 f"{ours_rate / hf_rate:.2f}x", ">= 2x"))
-    print(f"HF: torch {hf['torch']} ({hf['threads']} threads); greedy rows identical to ours: "
-          f"{same}/{len(prompts)}", flush=True)
-  print(f"decode shape: batch {_BATCH.value}, prompt {_PROMPT.value}, new {_NEW.value}", flush=True)
+    for batch in batches:
+      rows += decode_rows(model, tmp, prompts[:batch], config, bandwidth, flops, reps)
+  print(f"decode shape: prompt {_PROMPT.value}, new {_NEW.value}", flush=True)
+  prompts = prompts[:batches[0]]
 
   # 2. shared prefill: one prompt once vs N copies.
   n, plen = _SAMPLES.value, _SHARED_PROMPT.value

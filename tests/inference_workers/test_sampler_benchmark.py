@@ -1,0 +1,41 @@
+"""benchmarks/roofline.py: the decode tokens/s that memory bandwidth and matmul FLOP/s allow."""
+
+import importlib.util
+import os
+
+import pytest
+
+from rlax_ps.models import ModelConfig
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                     "benchmarks", "roofline.py")
+_SPEC = importlib.util.spec_from_file_location("benchmarks_roofline", _PATH)
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+
+CONFIG = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def test_the_roofline_is_the_bandwidth_bound_when_flops_are_free():
+  batch, prompt, new, bw = 8, 16, 4, 1e9
+  kv = 2 * CONFIG.num_layers * CONFIG.num_kv_heads * CONFIG.head_dim * 4
+  seconds = sum((4 * CONFIG.num_params + batch * (prompt + t) * kv) / bw for t in range(new))
+  got = bench.roofline_rate(CONFIG, batch, prompt, new, bandwidth=bw, flops=1e30)
+  assert got == pytest.approx(batch * new / seconds)
+
+
+def test_the_roofline_is_the_flop_bound_when_bandwidth_is_free():
+  batch, prompt, new, flops = 64, 16, 4, 1e9
+  attn = 4 * CONFIG.num_layers * CONFIG.num_heads * CONFIG.head_dim
+  per_token = lambda ctx: 2 * CONFIG.num_params + attn * ctx  # noqa: E731
+  seconds = batch * prompt * per_token(prompt / 2) / flops + sum(
+      batch * per_token(prompt + t) / flops for t in range(new))
+  got = bench.roofline_rate(CONFIG, batch, prompt, new, bandwidth=1e30, flops=flops)
+  assert got == pytest.approx(batch * new / seconds)
+
+
+def test_larger_batches_raise_the_bandwidth_bound_roofline():
+  rates = [bench.roofline_rate(CONFIG, b, 16, 8, bandwidth=1e10, flops=1e13)
+           for b in (8, 64, 256)]
+  assert rates[0] < rates[1] < rates[2]
