@@ -39,6 +39,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "timed pulls per single-puller row
 _DENSITY = flags.DEFINE_float("density", 0.01, "fraction of elements changed in the delta row")
 _SECONDS = flags.DEFINE_float("seconds", 60, "load test duration")
 _WORKERS = flags.DEFINE_integer("workers", 32, "simulated workers in the load test")
+_SERVE_ARGS = flags.DEFINE_list("serve_args", [], "extra `rlax-ps serve` flags for the pull rows, e.g. --cache_bytes=0")
 _SKIP_PULL = flags.DEFINE_bool("skip_pull", False, "skip the pull rows")
 _SKIP_LOAD = flags.DEFINE_bool("skip_load", False, "skip the load test")
 _ADDRESS = flags.DEFINE_string("address", "", "internal: server for --mode=puller")
@@ -184,7 +185,7 @@ def pull_rows(rows: list) -> None:
   storage = tempfile.mkdtemp(prefix="ps_bench_")
   raw = spawn_self("--mode=raw_server", f"--size_mb={_SIZE_MB.value}", f"--chunk_mb={_CHUNK_MB.value}")
   raw_address = raw.stdout.readline().rsplit(" ", 1)[1].strip()
-  server, address = spawn_param_server(storage, chunk)
+  server, address = spawn_param_server(storage, chunk, *_SERVE_ARGS.value)
   try:
     idle_mb = rss_mb(server.pid)
     weights = make_weights(size)
@@ -223,7 +224,7 @@ def pull_rows(rows: list) -> None:
     rows.append(("server memory while serving", f"{mib(kf):.0f} MiB keyframe",
                  f"peak {peak_pull:,.0f} MiB RSS (+{peak_pull - idle_mb:,.0f} over idle)",
                  f"keyframe {mib(kf):,.0f} MiB", f"{(peak_pull - idle_mb) / mib(kf):.2f}x"))
-    rows.append(("server memory, lifetime peak", "incl. publish + verify", f"peak {publish_peak:,.0f} MiB RSS",
+    rows.append(("server memory, peak after publish", "publish + verify", f"peak {publish_peak:,.0f} MiB RSS",
                  f"keyframe {mib(kf):,.0f} MiB", f"{publish_peak / mib(kf):.2f}x"))
 
     t_enc, delta = timed(lambda: sync.encode(weights, perturb(weights, _DENSITY.value), "bf16",
@@ -234,6 +235,9 @@ def pull_rows(rows: list) -> None:
     rows.append((f"{_DENSITY.value:.0%}-density delta pull", f"{mib(len(delta)):.1f} MiB delta",
                  f"{t_delta * 1e3:,.0f} ms", f"keyframe pull {mib(kf) / ps_tp * 1e3:,.0f} ms",
                  f"{t_delta / (mib(kf) / ps_tp):.3f}x"))
+    lifetime = rss_mb(server.pid, "VmHWM")
+    rows.append(("server memory, lifetime peak", "publish, verify, all pulls", f"peak {lifetime:,.0f} MiB RSS",
+                 f"keyframe {mib(kf):,.0f} MiB", f"{lifetime / mib(kf):.2f}x"))
     rows.append(("(context)", "", f"publish keyframe {t_pub:.1f} s", f"encode delta {t_enc:.1f} s", ""))
     trainer.close()
     worker.close()

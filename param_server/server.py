@@ -48,7 +48,7 @@ class ServerConfig:
   delta_history: int = setting(4, "deltas kept before the newest keyframe, for workers that lag")
   verify_keyframes: bool = setting(True, "decode each published keyframe to check its checksums")
   compact_in_background: bool = setting(True, "compact the delta chain in a background thread")
-  cache_bytes: int = setting(4 << 30, "stored chunks kept in memory for pulls, shared by all clients")
+  cache_bytes: int = setting(32 << 20, "recently read chunks kept in memory, shared by concurrent pulls")
   heartbeat_interval_s: float = setting(10.0, "heartbeat period asked of workers; 3 missed = not alive")
   reap_interval_s: float = setting(0.25, "how often expired leases and unacked takes are returned")
   threads: int = setting(128, "handler threads (each long poll or Watch stream holds one)")

@@ -65,7 +65,7 @@ class WeightLimits:
   # Compact in a background thread (False: inline, for deterministic tests).
   compact_in_background: bool = True
   # Bytes of stored chunks kept in memory, shared by all pulls (0: read every chunk from disk).
-  cache_bytes: int = 4 << 30
+  cache_bytes: int = 32 << 20  # a window of chunks that concurrent pullers share
 
 
 def _array_spec(path: str, nbytes: int | None = None, chunk: int | None = None) -> dict:
