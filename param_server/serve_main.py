@@ -12,7 +12,7 @@ import ctypes
 import signal
 import threading
 
-from absl import logging
+from absl import app, logging
 from ml_collections import config_flags
 
 from param_server.server import ParamServer, ServerConfig
@@ -52,7 +52,11 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments {argv[1:]}")
   bound_malloc_arenas()
-  server = ParamServer(config_from_flags()).start()
+  try:
+    config = config_from_flags()
+  except (ValueError, TypeError) as e:
+    raise app.UsageError(str(e)) from None
+  server = ParamServer(config).start()
   print(f"parameter server listening on {server.address}", flush=True)
   done = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):

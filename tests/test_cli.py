@@ -65,3 +65,13 @@ def test_subcommand_help_shows_its_usage_and_flags():
   r = _run("sft", "--help")
   assert r.returncode == 0
   assert "rlax-ps sft --config=configs/sft_tiny.py" in r.stdout and "--workdir" in r.stdout
+
+
+def test_a_bad_server_setting_in_a_config_file_is_named(tmp_path):
+  config = tmp_path / "server.py"
+  config.write_text("import ml_collections\n"
+                    "def get_config():\n"
+                    "  return ml_collections.ConfigDict({'param_server': {'colour': 1}})\n")
+  r = _run("serve", f"--config={config}", f"--storage_dir={tmp_path / 'ps'}")
+  assert r.returncode != 0 and "Traceback" not in r.stderr
+  assert "--config server settings: unknown settings ['colour']" in r.stderr
