@@ -125,10 +125,9 @@ class PublishWriter:
     try:
       yield data
     finally:
-      try:
+      # A view of it still held (by an error's traceback) keeps it open until gc.
+      with contextlib.suppress(BufferError):
         data.close()
-      except BufferError:  # a view of it is still held (an error's traceback): gc closes it
-        pass
 
   def abort(self) -> None:
     self._file.close()
