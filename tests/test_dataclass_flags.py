@@ -22,9 +22,9 @@ class _Settings:
   on: bool = setting(False, "a switch")
 
 
-def _parsed(*argv):
+def _parsed(*argv, cls=_Settings):
   fv = flags.FlagValues()
-  define_flags(_Settings, fv)
+  define_flags(cls, fv)
   fv(["prog", *argv])
   return fv
 
@@ -51,17 +51,13 @@ def test_unknown_settings_and_unflaggable_fields_are_named():
 
 @pytest.mark.parametrize("cls", [ServerConfig, WorkerConfig])
 def test_the_server_and_worker_settings_all_become_flags(cls):
-  fv = flags.FlagValues()
-  define_flags(cls, fv)
-  fv(["prog"])
+  fv = _parsed(cls=cls)
   assert {f.name for f in dataclasses.fields(cls)} <= set(fv)
   assert resolve(cls, None, "x", fv) == cls()
 
 
 def test_the_server_config_file_holds_every_server_setting():
-  fv = flags.FlagValues()
-  define_flags(ServerConfig, fv)
-  fv(["prog"])
+  fv = _parsed(cls=ServerConfig)
   path = os.path.join(REPO, "configs", "param_server.py")
   assert resolve(ServerConfig, load(path).param_server, "x", fv) == ServerConfig()
   tiny = resolve(ServerConfig, load(path, "tiny").param_server, "x", fv)
