@@ -321,7 +321,6 @@ class WeightStore:
       array[start:stop].write(flat[start:stop]).result()
       if isinstance(data, mmap.mmap):
         drop(data, start, stop)
-    del flat
 
   def _blobs_at(self, version: int) -> list[Blob]:
     """The stored blobs ending at `version` (its delta, and a keyframe compacted there)."""
