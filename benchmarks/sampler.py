@@ -171,8 +171,6 @@ def prefill_time(model, batch, length, reps):
 def changed_elements(ch) -> int:
   if ch.kind == "sparse":
     return int(ch.indices.size)
-  if ch.kind == "dense":
-    return int(np.count_nonzero(ch.offsets))
   return 0 if ch.kind == "unchanged" else int(np.prod(ch.shape))
 
 

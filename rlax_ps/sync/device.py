@@ -2,8 +2,8 @@
 
 Workers: `apply_changes` applies an update's TensorChanges to JAX arrays in place: a
 sparse tensor is one jitted scatter-add of wrapping bit offsets into the donated buffer,
-so the worker never holds a second copy of the weights; `padded_changes` decodes them
-straight into the scatter's padded int32 index arrays.
+so the worker never holds a second copy of the weights; `padded_changes` puts them in the
+scatter's padded int32 index arrays.
 Publishers: `host_state` brings the host copy of the held state (what `encode` reads) to a
 new version held on device by fetching only the elements whose bits changed, found by a
 jitted compare on the arrays' devices; a tensor travels whole only when that is smaller.
@@ -21,13 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax_ps.sync import fingerprints, parallel
-from rlax_ps.sync.bits import UINT_OF, bit_view
+from rlax_ps.sync.bits import bit_view
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.wire import TensorChanges, Update, check_names
 
 _UINT = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.int8): jnp.uint8}
 _MIN_PAD = 1024
-_SPARSE_MODES = ("sparse", "bitmap", "joint")  # decoded as flat indices and offsets
 
 
 def _bits(buf):
@@ -38,11 +37,6 @@ def _bits(buf):
 def _scatter_add(buf, idx, off):
   bits = _bits(buf).reshape(-1).at[idx].add(off, mode="drop", indices_are_sorted=True)
   return jax.lax.bitcast_convert_type(bits.reshape(buf.shape), buf.dtype)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _dense_add(buf, off):
-  return jax.lax.bitcast_convert_type(_bits(buf) + off.reshape(buf.shape), buf.dtype)
 
 
 class HostBuffers:
@@ -147,19 +141,12 @@ def padded_changes(update: Update, name: str, buffers: HostBuffers | None = None
                    ) -> TensorChanges:
   """update.changes(name) as apply_changes takes it (a worker's path): sparse changes in
   the scatter's padded arrays (_pad_buffers: int32 indices; from `buffers` if given: hand
-  them back with buffers.give once the scatter is done), decoded straight into them (no
-  second pass) where the tensor has a section of its own; other kinds as they are."""
-  meta = update.meta(name)
-  if update.span(name) is not None or meta.mode not in _SPARSE_MODES:
-    ch = update.changes(name)
-    if ch.kind != "sparse":
-      return ch
-    idx, off = _padded(ch.indices, ch.offsets, meta.size, buffers)
-  else:
-    dec = update.decoded(name)
-    idx, off = _pad_buffers(dec.nnz, meta.size, UINT_OF[meta.dtype], buffers)
-    dec.sparse_into(idx, off)
-  return TensorChanges(name=name, kind="sparse", shape=meta.shape, dtype=meta.dtype,
+  them back with buffers.give once the scatter is done); other kinds as they are."""
+  ch = update.changes(name)
+  if ch.kind != "sparse":
+    return ch
+  idx, off = _padded(ch.indices, ch.offsets, int(np.prod(ch.shape)), buffers)
+  return TensorChanges(name=name, kind="sparse", shape=ch.shape, dtype=ch.dtype,
                        indices=idx, offsets=off)
 
 
@@ -172,8 +159,6 @@ def apply_changes(buf: jax.Array, changes: TensorChanges) -> jax.Array:
     return buf
   if changes.kind == "replace":
     return jax.device_put(changes.array, buf.sharding)
-  if changes.kind == "dense":
-    return _dense_add(buf, jnp.asarray(changes.offsets))
   idx, off = _padded(changes.indices, changes.offsets, int(np.prod(changes.shape)))
   return _scatter_add(buf, jnp.asarray(idx), jnp.asarray(off))
 

@@ -1,139 +1,225 @@
-"""Entropy stage: non-negative integers -> (bucket symbol, raw low bits); symbols by rANS.
+"""Entropy coding of non-negative integers: bucket symbols in one static rANS stream, plus
+the raw low bits of the larger values.
 
-A value z < 16 is its own symbol. A larger z is coded as its bit length and the two
-bits below its leading one (four symbols per octave) plus its remaining low bits raw,
-so the alphabet stays small (< 256) for any z < 2**56 while geometric-like and
-peaked distributions (gaps between changed elements, ulp offsets) cost within a few
-hundredths of a bit of their zeroth-order entropy. Symbols go through a static rANS
-coder (rans.py: four interleaved states, 16-bit words, 12-bit probabilities normalized
-from the stream's own symbol counts, which are sent in the stream).
+A value below DIRECT is its own symbol. A larger value of bit length b (6 <= b <= 52) is
+symbol DIRECT + 4 (b - 6) + (its two bits below the leading one), followed by its b - 3
+low bits, raw: buckets a quarter of an octave wide, inside which the value is taken as
+uniform. Small values (offsets of a few ulps, gaps at high density) cost their entropy;
+large ones (gaps at low density) cost within a fraction of a percent of it.
 
-Stream layout, for n symbols (n is known to the caller):
-  u8 m (distinct symbols; 0 iff n == 0) | m symbol ids (u8) | m counts (varint)
-  | [varint nwords | nwords rANS words, uint16 little-endian]   (only when m > 1)
-  | varint raw_nbytes | raw low bits of the symbols >= 16, LSB first
-or, for short streams where a table costs more than it saves (n <= LITERAL_MAX):
-  u8 LITERAL | u8 width | the n values in `width` bits each (bits.pack_fixed), each
-  less 1 in a stream of nonzero values (the offsets of changed elements).
+Stream layout (FORMAT.md): u8 scale | varint alphabet size S (the largest symbol + 1) | the S
+frequencies (summing to 2**scale), each a varint, a run of zeros as 0 and varint run - 1 | varint rANS byte count | rANS bytes (16-bit words, little-endian,
+the first two holding the final state) | the raw bits, LSB first, in value order, up to
+the end of the caller's field. The rANS state lies in [2**15, 2**31), renormalised 16 bits at a time;
+a decoder that does not end on the initial state, or reads past its words, rejects the
+stream.
 """
 
+import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import leading_zeros
 
-from rlax_ps.sync import loops, rans
-from rlax_ps.sync.bits import fixed_nbytes, read_only, unpack_fixed
-from rlax_ps.sync.byte_reader import ByteReader
+from rlax_ps.sync.byte_reader import ByteReader, varint
 from rlax_ps.sync.errors import CodecError
 
-DIRECT = loops.DIRECT
-ALPHABET = loops.ALPHABET
-LITERAL = loops.LITERAL
-LITERAL_MAX = loops.LITERAL_MAX
-_ERRORS = {loops.E_TRUNCATED: "truncated", loops.E_RANGE: "value out of range",
-           loops.E_STATE: "rANS stream is corrupted (wrong final state or trailing bytes)",
-           loops.E_ZERO: "a changed element has a zero offset"}
+DIRECT = 32
+MAX_BITS = 52
+ALPHABET = DIRECT + 4 * (MAX_BITS - 5)
+MAX_SCALE = 14
+_L = 1 << 15  # the rANS state stays in [_L, 2**31)
+_JIT = dict(nogil=True, cache=True, boundscheck=False)
 
 
-def histogram(z: np.ndarray) -> np.ndarray:
-  """Symbol counts of the integers z."""
-  hist = np.zeros(ALPHABET, np.int64)
-  loops.histogram(z, hist)
-  return hist
+@numba.njit(**_JIT)
+def _symbols(values, syms, counts):
+  """Each value's symbol, and the symbol counts; returns the total raw bits."""
+  total = 0
+  for i in range(values.size):
+    z = values[i]
+    if z < np.uint64(DIRECT):
+      s = np.int64(z)
+    else:
+      w = 61 - np.int64(leading_zeros(z))  # bit length - 3
+      s = DIRECT + 4 * (w - 3) + np.int64((z >> np.uint64(w)) & np.uint64(3))
+      total += w
+    syms[i] = s
+    counts[s] += 1
+  return total
 
 
-WIDTHS = loops.WIDTHS  # raw bits of each symbol
-_NO_CODE = read_only(np.zeros(0, np.uint16))  # the rANS words of a one-symbol table: none
+@numba.njit(**_JIT)
+def _raw_bits(values, raw):
+  """The raw low bits of the values of DIRECT or more, packed LSB first."""
+  acc, fill, p = np.uint64(0), np.uint64(0), 0
+  for i in range(values.size):
+    z = values[i]
+    if z < np.uint64(DIRECT):
+      continue
+    w = np.uint64(61 - leading_zeros(z))
+    acc |= (z & ((np.uint64(1) << w) - np.uint64(1))) << fill
+    fill += w
+    while fill >= np.uint64(8):
+      raw[p] = acc & np.uint64(0xFF)
+      p += 1
+      acc >>= np.uint64(8)
+      fill -= np.uint64(8)
+  if fill:
+    raw[p] = acc
 
 
-# Estimated stream size of symbols whose information + raw bits are `bits`, with `present`
-# distinct symbols (two varints, the rANS flush and rounding, the table's bytes besides);
-# compiled, as the compiled section coders cost streams too.
-cost_of = loops.cost_of
+@numba.njit(**_JIT)
+def _encode(syms, x_max, rcp, shift, bias, cmpl, words):
+  """rANS words of `syms`, written at the end of `words`; returns where they start.
+  x // freq is a multiply by a reciprocal (exact for x < 2**31, the state's range)."""
+  x = np.uint64(_L)
+  o = words.size
+  for i in range(syms.size - 1, -1, -1):
+    s = syms[i]
+    if x >= x_max[s]:
+      o -= 1
+      words[o] = x & np.uint64(0xFFFF)
+      x >>= np.uint64(16)
+    q = ((x * rcp[s]) >> np.uint64(32)) >> shift[s]
+    x = x + bias[s] + q * cmpl[s]
+  words[o - 2] = x & np.uint64(0xFFFF)
+  words[o - 1] = x >> np.uint64(16)
+  return o - 2
 
 
-def cost_bytes(hist: np.ndarray) -> float:
-  """Estimated stream size: zeroth-order entropy of the symbols + raw bits + table."""
-  return cost_of(*loops.entropy_bits(hist, WIDTHS))
+@numba.njit(**_JIT)
+def _decode(words, raw, n, freq, start, slot_sym, scale, limit, mode, out):
+  """Decodes n values into `out`; mode 0 plain, 1 running positions (each value is a gap:
+  out = previous + value + 1, from -1), 2 zigzag-decoded. Returns 0, or a negative error:
+  -1 rANS words overrun, -2 bad final state or words left, -3 raw bits overrun,
+  -4 a value (or a position) above `limit`."""
+  if words.size < 2:
+    return -1
+  x = np.uint32(words[0]) | (np.uint32(words[1]) << np.uint32(16))
+  p = 2
+  mask = np.uint32((1 << scale) - 1)
+  acc, fill, q = np.uint64(0), 0, 0
+  pos = np.int64(-1)
+  for i in range(n):
+    slot = x & mask
+    s = slot_sym[slot]
+    x = np.uint32(freq[s] * (x >> np.uint32(scale)) + slot - start[s])
+    if x < _L:
+      if p >= words.size:
+        return -1
+      x = (x << np.uint32(16)) | np.uint32(words[p])
+      p += 1
+    if s < DIRECT:
+      z = np.uint64(s)
+    else:
+      w = (s - DIRECT) // 4 + 3
+      while fill < w:
+        if q >= raw.size:
+          return -3
+        acc |= np.uint64(raw[q]) << np.uint64(fill)
+        q += 1
+        fill += 8
+      low = acc & ((np.uint64(1) << np.uint64(w)) - np.uint64(1))
+      acc = acc >> np.uint64(w) if w < 64 else np.uint64(0)
+      fill -= w
+      z = ((np.uint64(4) | np.uint64((s - DIRECT) & 3)) << np.uint64(w)) | low
+    if z > limit:
+      return -4
+    if mode == 1:
+      pos += np.int64(z) + 1
+      if np.uint64(pos) > limit:
+        return -4
+      out[i] = pos
+    elif mode == 2:
+      out[i] = (z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))
+    else:
+      out[i] = z
+  if x != _L or p != words.size:
+    return -2
+  return 0
 
 
-def encode_stream(hist: np.ndarray, z: np.ndarray) -> bytes:
-  """Codes the integers z, whose symbol histogram is `hist`."""
-  syms, raw = loops.symbols(z, int((hist * WIDTHS).sum()))
-  return encode_symbols(hist, syms, raw)
+def _normalize(counts: np.ndarray, scale: int) -> np.ndarray:
+  """Frequencies summing to 2**scale, at least 1 for every symbol that occurs."""
+  total = int(counts.sum())
+  freq = np.where(counts > 0, np.maximum(1, np.round(counts * ((1 << scale) / total))), 0)
+  freq = freq.astype(np.int64)
+  order = np.argsort(-freq, kind="stable")
+  diff = (1 << scale) - int(freq.sum())
+  while diff:
+    for s in order:
+      if diff == 0 or freq[s] == 0:
+        break
+      step = 1 if diff > 0 else -1
+      if freq[s] + step >= 1:
+        freq[s] += step
+        diff -= step
+  return freq
 
 
-def encode_symbols(hist: np.ndarray, syms: np.ndarray, raw: np.ndarray) -> bytes:
-  """Codes a stream given as its symbols (uint8), their histogram and their raw-bit words."""
-  return rans.symbol_stream(hist, syms, raw, WIDTHS).tobytes()
+def _tables(freq: np.ndarray, scale: int) -> tuple:
+  """Per symbol: the renormalisation bound, reciprocal, shift, bias and 2**scale - freq of
+  the encoder (a symbol of frequency 1 takes q = x - 1 and a bias that makes up for it)."""
+  start = np.concatenate([[0], np.cumsum(freq)[:-1]])
+  shift = np.array([max(0, int(f - 1).bit_length()) for f in freq], np.int64)
+  rcp = np.where(freq > 1, ((1 << (shift + 31)) + freq - 1) // np.maximum(freq, 1), 0xFFFFFFFF)
+  bias = np.where(freq > 1, start, start + (1 << scale) - 1)
+  return tuple(np.asarray(t, np.uint64) for t in (
+      ((_L >> scale) << 16) * freq, rcp, np.maximum(shift - 1, 0), bias, (1 << scale) - freq))
 
 
-def literal_cost(z: np.ndarray, low: int = 0, top: int | None = None) -> float:
-  """Bytes of the literal layout of `z` (all >= low; inf when the stream is too long);
-  `top`: z's largest value, when the caller knows it."""
-  if not 0 < z.size <= LITERAL_MAX:
-    return float("inf")
-  return 2 + fixed_nbytes(z.size, _literal_width(z, low, top))
+def encode(values: np.ndarray) -> bytes:
+  """The stream of `values` (non-negative integers below 2**MAX_BITS); the count is not
+  stored: the caller's field holds it."""
+  n = values.size
+  values = np.ascontiguousarray(values, np.uint64)
+  syms = np.empty(n, np.uint8)
+  counts = np.zeros(ALPHABET, np.int64)
+  raw = np.zeros((_symbols(values, syms, counts) + 7) // 8, np.uint8)
+  _raw_bits(values, raw)
+  counts = counts[:int(np.flatnonzero(counts)[-1]) + 1]
+  scale = min(MAX_SCALE, max(8, n.bit_length() + 1))
+  freq = _normalize(counts, scale)
+  words = np.empty(n + 2, np.uint16)
+  o = _encode(syms, *_tables(freq, scale), words)
+  table, i = [], 0
+  while i < freq.size:  # a zero run is 0 and its length - 1
+    run = int(np.argmax(freq[i:] > 0)) if freq[i] == 0 else 0
+    table.append(varint(int(freq[i])) if run == 0 else b"\0" + varint(run - 1))
+    i += max(run, 1)
+  coded = words[o:].astype("<u2").tobytes()
+  return b"".join([bytes([scale]), varint(freq.size), *table, varint(len(coded)), coded,
+                   raw.tobytes()])
 
 
-def encode_literal(z: np.ndarray, low: int = 0, top: int | None = None) -> bytes:
-  """The literal layout of z - low (low = 1 for the nonzero codes of changed elements);
-  `top` as for literal_cost."""
-  return loops.literal_stream(z, low, int(z.max()) if top is None else top).tobytes()
-
-
-def _literal_width(z: np.ndarray, low: int, top: int | None) -> int:
-  return ((int(z.max()) if top is None else top) - low).bit_length()
-
-
-def words_of(buf) -> np.ndarray:
-  """Bytes as zero-padded little-endian uint64 words, 25 or more zero bytes past the end:
-  the decoders' 8-byte window loads, even past a corrupted stream's end, stay inside."""
-  words = np.zeros(len(buf) // 8 + 4, np.uint64)
-  words.view(np.uint8)[:len(buf)] = np.frombuffer(buf, np.uint8)
-  return words
-
-
-def decode_stream(r: ByteReader, n: int, dtype=np.uint64, limit: int = 1 << 56,
-                  unzig: int = 0) -> np.ndarray:
-  """The n integers of a stream (each < limit) as `dtype`; unzig=1/2: their wrapping
-  offsets instead of zigzag codes (1: zero codes rejected). Validates everything."""
-  m = r.u8()
-  if m == LITERAL:
-    width = r.u8()
-    if not 0 < n <= LITERAL_MAX or width > 56:
-      raise CodecError(f"{r.what}: literal stream of {n} values, {width} bits each")
-    z = unpack_fixed(r.take(fixed_nbytes(n, width)), n, width, r.what)
-    out = np.empty(n, dtype)
-    top = loops.literal_values(z, unzig, out)
-    if top >= limit:
-      raise CodecError(f"{r.what}: value {top} out of range (limit {limit})")
-    return out
-  if (m == 0) != (n == 0):
-    raise CodecError(f"{r.what}: symbol table has {m} symbols for {n} values")
-  present = np.frombuffer(r.take(m), np.uint8).astype(np.int64)
-  if m and (np.any(np.diff(present) <= 0) or present[-1] >= ALPHABET):
-    raise CodecError(f"{r.what}: symbol table is not a sorted list of known symbols")
-  counts = np.array([r.varint() for _ in range(m)], np.int64)
-  if sum(int(c) for c in counts) != n or (m and counts.min() <= 0):
-    raise CodecError(f"{r.what}: symbol counts sum to {sum(int(c) for c in counts)}, "
-                     f"expected {n}")
-  out = np.empty(n, dtype)
-  if n == 0:
-    return out
-  freq = rans.normalize(counts) if m > 1 else np.ones(1, np.int64)
-  code = _NO_CODE
-  if m > 1:
-    nwords = r.varint()
-    if nwords > 2 * n + 8:
-      raise CodecError(f"{r.what}: {nwords} rANS words for {n} values")
-    code = np.frombuffer(r.take(2 * nwords), "<u2")
-    code = read_only(code if code.flags.aligned else code.copy())  # one compile of rans
-  raw_bits = int((counts * WIDTHS[present]).sum())
-  raw_nbytes = r.varint()
-  if raw_nbytes != (raw_bits + 7) // 8:
-    raise CodecError(f"{r.what}: raw bits hold {raw_nbytes} bytes, expected "
-                     f"{(raw_bits + 7) // 8}")
-  raw = words_of(r.take(raw_nbytes))
-  err = rans.decode(code, raw, raw_bits, present, freq, n, limit, unzig, out)
-  if err != loops.OK:
-    raise CodecError(f"{r.what}: {_ERRORS.get(err, 'corrupted')}")
-  return out
+def decode(r: ByteReader, n: int, limit: int, mode: int, out: np.ndarray) -> None:
+  """Decodes n values from `r` (up to its end) into `out` (see _decode for `mode`);
+  CodecError naming r.what when the stream is malformed or a value exceeds `limit`."""
+  scale = r.u8()
+  if not 1 <= scale <= MAX_SCALE:
+    raise CodecError(f"{r.what}: entropy table scale {scale} outside [1, {MAX_SCALE}]")
+  count = r.varint()
+  if not 1 <= count <= ALPHABET:
+    raise CodecError(f"{r.what}: entropy table of {count} symbols (at most {ALPHABET})")
+  freq, s = np.zeros(ALPHABET, np.int64), 0
+  while s < count:
+    f = r.varint()
+    if f:
+      freq[s] = f
+    s += 1 if f else r.varint() + 1
+  if s > count:
+    raise CodecError(f"{r.what}: entropy table's zero run passes its {count} symbols")
+  if freq.sum() != 1 << scale:
+    raise CodecError(f"{r.what}: entropy table sums to {freq.sum()}, expected {1 << scale}")
+  start = np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint32)
+  slot_sym = np.repeat(np.arange(ALPHABET, dtype=np.uint8), freq)
+  coded = r.take(r.varint())
+  if len(coded) % 2:
+    raise CodecError(f"{r.what}: rANS stream of an odd byte count {len(coded)}")
+  words = np.frombuffer(coded, "<u2")
+  raw = np.frombuffer(r.take(r.end - r.pos), np.uint8)
+  err = _decode(words, raw, n, freq.astype(np.uint32), start, slot_sym, scale,
+                np.uint64(limit), mode, out)
+  if err:
+    what = {-1: "rANS words run out", -2: "rANS stream does not end where it began",
+            -3: "raw bits run out", -4: f"a value exceeds its limit {limit}"}[err]
+    raise CodecError(f"{r.what}: corrupted entropy stream: {what}")

@@ -18,8 +18,8 @@ weights divide in float64); an all-zero channel has scale 0 and codes 0. Then
 
 import numpy as np
 
-from rlax_ps.sync import arena, int8_loops
-from rlax_ps.sync.bits import BF16, INT8, c_contiguous, is_float_dtype, round_into
+from rlax_ps.sync import int8_loops
+from rlax_ps.sync.bits import BF16, INT8, c_contiguous, is_float_dtype, to_bf16
 from rlax_ps.sync.errors import CodecError
 
 SCALE_SUFFIX = ".scale"
@@ -111,8 +111,7 @@ def _into(scale: np.ndarray, out: tuple | None) -> np.ndarray:
 
 
 def quantize_params(params: dict) -> dict[str, np.ndarray]:
-  """Float params -> the int8 held state (see the module docstring for the layout), in one
-  buffer whose packs lie back to back (arena.py)."""
+  """Float params -> the int8 held state (see the module docstring for the layout)."""
   arrays, shapes, dtypes = {}, {}, {}
   for name, x in params.items():
     a = arrays[name] = np.asarray(x)
@@ -126,10 +125,10 @@ def quantize_params(params: dict) -> dict[str, np.ndarray]:
     axis = 0 if layout(name, a.ndim) == "rows" else a.ndim - 1
     shapes[name], dtypes[name] = a.shape, INT8
     shapes[name + SCALE_SUFFIX], dtypes[name + SCALE_SUFFIX] = (a.shape[axis],), BF16
-  held = arena.held_arena(shapes, dtypes)
+  held = {name: np.empty(shapes[name], dtypes[name]) for name in shapes}
   for name, a in arrays.items():
     if dtypes[name] == BF16:
-      round_into(held[name], a)
+      held[name] = to_bf16(name, a)
     else:
       quantize_tensor(name, a, (held[name], held[name + SCALE_SUFFIX]))
   return held

@@ -3,9 +3,7 @@
 The codec's loops (numba, nogil), xxh3 and numpy's copies release the GIL, so the tensors
 of an update encode and apply side by side on a host's cores: on a TPU VM with tens of
 idle cores while the accelerators train, publishing a large model takes a fraction of the
-single-threaded time. Results and bytes do not depend on the thread count. Pool threads
-keep their scratch buffers between calls like any thread (scratch.py; up to a few tens of
-MB each); scratch.release(all_threads=True) drops them.
+single-threaded time. Results and bytes do not depend on the thread count.
 """
 
 import collections

@@ -11,7 +11,7 @@ from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
 from ps_testlib import CHUNK, TOKENS, apply_blobs, client_for, perturbed, publish_chain, tiny_weights
 from rlax_ps import sync
-from rlax_ps.sync import fingerprints, tensor_codec, wire
+from rlax_ps.sync import fingerprints, wire
 
 
 def held(weights, fmt="bf16"):
@@ -157,10 +157,10 @@ def test_bad_publications_are_rejected_and_change_nothing(trainer, worker, make_
 
 def test_a_corrupted_keyframe_fails_its_checksum(trainer):
   blob = bytearray(sync.encode(None, tiny_weights(), version=0).to_bytes())
-  blob[-5] ^= 0xFF  # inside the last tensor's section
+  blob[-5] ^= 0xFF  # inside the last tensor's section (header order: sorted names)
   err = _publish_error(trainer, bytes(blob))
   assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.details.startswith("data")
-  assert "layer0/bias" in err.details and "checksum" in err.details
+  assert f"'{max(tiny_weights())}'" in err.details and "checksum" in err.details
   assert trainer.version_info().latest_version == -1
 
 
@@ -176,9 +176,10 @@ def test_a_corrupted_delta_fails_its_digest(trainer):
 
 def test_a_keyframe_with_a_wrong_checksum_is_rejected(trainer):
   held_w = held(tiny_weights())
-  entries = [(n, a.shape, a.dtype, sync.checksum(a) ^ (1 if n == "embed" else 0), None, tensor_codec.RAW,
-              np.ascontiguousarray(a).view(np.uint8).reshape(-1)) for n, a in held_w.items()]
-  blob = wire.build("bf16", 0, None, entries).to_bytes()
+  names = sorted(held_w)
+  blob = wire.build("bf16", 0, None, [(n, held_w[n].shape, held_w[n].dtype, wire.RAW) for n in names],
+                    [held_w[n].tobytes() for n in names], {},
+                    [sync.checksum(held_w[n]) ^ (n == "embed") for n in names], None, None).to_bytes()
   err = _publish_error(trainer, blob)
   assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in err.details and "embed" in err.details
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rlax_ps import sync
-from rlax_ps.sync import device, fingerprints, tensor_codec, wire
+from rlax_ps.sync import device, fingerprints, wire
 from rlax_ps.sync.bits import BF16
 
 
@@ -136,23 +136,23 @@ def test_host_state_reads_sharded_arrays(axis_type, fetch_path):
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_padded_changes_decode_into_the_scatters_arrays_and_apply_exactly(fmt):
-  """A worker's path: joint and sparse tensors decode straight into padded int32 arrays
-  (apply_changes takes them as they are); pack members and other kinds as changes()."""
+  """A worker's path: sparse tensors and pack members in padded int32 arrays
+  (apply_changes takes them as they are); other kinds as changes()."""
   rng = np.random.default_rng(3)
-  shape = (256, 512)  # past packs.PACK_BELOW: coded alone
+  shape = (256, 512)  # past codec.PACK_MAX: coded alone
   base = {name: rng.standard_normal(shape).astype(np.float32) * 0.02
-          for name in ("joint.kernel", "sparse.kernel", "same.kernel")}
+          for name in ("dense.kernel", "sparse.kernel", "same.kernel")}
   base |= {f"l{i}.norm": np.ones(64, np.float32) for i in range(3)}
   target = dict(base)
-  target["joint.kernel"] = base["joint.kernel"] * np.where(rng.random(shape) < 0.2, 1.02, 1)
+  target["dense.kernel"] = base["dense.kernel"] * np.where(rng.random(shape) < 0.2, 1.02, 1)
   target["sparse.kernel"] = base["sparse.kernel"] * np.where(rng.random(shape) < 0.002, 1.1, 1)
   target["l1.norm"] = base["l1.norm"] + np.float32(0.5) * (rng.random(64) < 0.2)
   held = sync.held_state(base, fmt)
   update = sync.encode(held, target, fmt, version=1)
   want = sync.apply(held, update)
   modes = {name: meta.mode for name, meta in update.tensors.items()}
-  assert modes["joint.kernel"] == "joint", modes
-  assert modes["sparse.kernel"] == "sparse", modes
+  assert modes["dense.kernel"] == modes["sparse.kernel"] == "sparse", modes
+  assert modes["l1.norm"] == "packed" and modes["same.kernel"] == "unchanged", modes
   results, padded = {}, 0
   for name, meta in update.tensors.items():
     ch, plain = device.padded_changes(update, name), update.changes(name)
@@ -174,25 +174,6 @@ def test_padded_changes_decode_into_the_scatters_arrays_and_apply_exactly(fmt):
   assert padded >= 3
 
 
-def test_joint_changes_into_given_arrays_equal_new_ones_and_check_their_size():
-  rng = np.random.default_rng(4)
-  base = rng.integers(0, 1 << 16, 5 * (1 << 16) + 300, dtype=np.uint16)  # a short last round
-  target = base.copy()
-  target[rng.random(base.size) < 0.08] += np.uint16(1)
-  enc = tensor_codec.encode_section(base, target)
-  dec = tensor_codec.decode_section("tensor 'w'", enc.mode, enc.section, base.size, base.dtype)
-  assert tensor_codec.MODE_NAMES[enc.mode] == "joint"
-  want = np.flatnonzero(base != target)
-  idx, off = dec.sparse()
-  assert idx.dtype == np.int64 and np.array_equal(idx, want)
-  into = np.full(dec.nnz + 5, -7, np.int32), np.zeros(dec.nnz + 5, np.uint16)
-  dec.sparse_into(*into)
-  assert np.array_equal(into[0][:dec.nnz], want) and np.all(into[0][dec.nnz:] == -7)
-  assert np.array_equal(into[1][:dec.nnz], (target - base)[want])
-  with pytest.raises(ValueError, match="do not fit"):
-    dec.sparse_into(np.empty(dec.nnz - 1, np.int32), np.empty(dec.nnz - 1, np.uint16))
-
-
 @pytest.mark.parametrize("threads", [1, 3])
 def test_each_padded_changes_decodes_ahead_in_order_and_names_a_bad_tensor(threads):
   rng = np.random.default_rng(5)
@@ -208,13 +189,13 @@ def test_each_padded_changes_decodes_ahead_in_order_and_names_a_bad_tensor(threa
     want = device.padded_changes(update, name)
     assert ch.kind == want.kind == "sparse", name
     assert np.array_equal(ch.indices, want.indices) and np.array_equal(ch.offsets, want.offsets)
-  data = bytearray(update.to_bytes())  # t3's section cut short behind re-sealed digests
-  meta = update.tensors["t3.kernel"]
-  sections = {n: bytes(data[m.offset:m.offset + m.nbytes]) for n, m in update.tensors.items()}
-  sections["t3.kernel"] = sections["t3.kernel"][:meta.nbytes // 2]
-  broken = wire.assemble(update.header._replace(
-      sections=wire.section_seal([sections[n] for n in update.tensors])),
-      [sections[n] for n in update.tensors])
+  data = update.to_bytes()  # t3's section cut short behind re-sealed digests
+  sections = [data[m.offset:m.offset + m.nbytes] for m in update.tensors.values()]
+  sections[3] = sections[3][:len(sections[3]) // 2]
+  broken = wire.build("bf16", 1, 0, [(m.name, m.shape, m.dtype, wire.SPARSE)
+                                     for m in update.tensors.values()], sections, {},
+                      [update.checksums[n] for n in names],
+                      [update.base_checksums[n] for n in names], None)
   seen = []
   with pytest.raises(sync.CodecError, match="t3.kernel"):
     for name, _ in device.each_padded_changes(broken, names, threads=threads):

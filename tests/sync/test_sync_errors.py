@@ -1,6 +1,7 @@
 """Every bad input is a CodecError naming the tensor; fuzzed bytes never crash or lie."""
 
-import re
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -9,10 +10,11 @@ from hypothesis import strategies as st
 
 from rlax_ps import sync
 from rlax_ps.sync import wire
-from rlax_ps.sync.bits import BF16
+from rlax_ps.sync.bits import BF16, bit_view
+from rlax_ps.sync.integrity import Seal
 
 
-def make_pair(seed=0, n=1 << 16):  # layer.kernel: a section of its own; the rest: a pack
+def make_pair(seed=0, n=1 << 16):  # layer.kernel: a section of its own; the rest: packs
   rng = np.random.default_rng(seed)
   base = {
       "emb.embedding": (rng.standard_normal((16, 32)) * 0.02).astype(BF16),
@@ -32,14 +34,25 @@ def pair():
   return base, target, sync.encode(base, target, version=5)
 
 
-def rebuild(update, sections, header=None):
-  """The message of `update` (or of `header`) with some sections replaced and the section
-  seal made valid; the result and base seals are kept."""
-  data = update.to_bytes()
-  sections = [sections.get(name, data[meta.offset:meta.offset + meta.nbytes])
-              for name, meta in update.tensors.items()]
-  header = (header or update.header)._replace(sections=wire.section_seal(sections))
-  return wire.assemble(header, sections).to_bytes()
+def parts(update):
+  """(metas, sections, packs) of an encoder-made update, as wire.build takes them."""
+  view = update.to_bytes()
+  metas = [(m.name, m.shape, m.dtype, wire.MODES.index(m.mode)) for m in update.tensors.values()]
+  sections = [view[m.offset:m.offset + m.nbytes] for m in update.tensors.values()]
+  packs = {d: view[at:at + n] for d, (at, n) in update.header.packs.items()}
+  return metas, sections, packs
+
+
+def rebuild(update, sections=None, packs=None):
+  """The message of an encoder-made `update` with some sections (name -> bytes) or packs
+  replaced and the section seal made valid; the result and base seals are kept."""
+  metas, old_sections, old_packs = parts(update)
+  sections = [(sections or {}).get(m[0], s) for m, s in zip(metas, old_sections)]
+  names = list(update.tensors)
+  return wire.build(update.fmt, update.version, update.base_version, metas, sections,
+                    {**old_packs, **(packs or {})}, [update.checksums[n] for n in names],
+                    None if update.is_keyframe else [update.base_checksums[n] for n in names],
+                    None).to_bytes()
 
 
 def raises_naming(name, fn, *words):
@@ -51,184 +64,196 @@ def raises_naming(name, fn, *words):
     assert w in msg, msg
 
 
-def test_wrong_base_content_names_the_tensor(pair):
+@pytest.mark.parametrize("inplace", [False, True])
+def test_wrong_base_content_names_the_tensor_and_inplace_writes_nothing(pair, inplace):
   base, _, update = pair
-  wrong = dict(base, **{"layer.kernel": base["layer.kernel"].copy()})
-  wrong["layer.kernel"].reshape(-1).view(np.uint16)[7] ^= 0x10
-  raises_naming("layer.kernel", lambda: sync.apply(wrong, update), "wrong base")
+  for name in base:  # a packed and a sectioned tensor
+    wrong = {k: v.copy() for k, v in base.items()}
+    bit_view(wrong[name])[7] ^= 0x10
+    before = {k: v.copy() for k, v in wrong.items()}
+    raises_naming(name, lambda: sync.apply(wrong, update, inplace=inplace), "wrong base")
+    assert all(np.array_equal(bit_view(wrong[k]), bit_view(before[k])) for k in base)
 
 
-def test_wrong_base_version_is_rejected(pair):
+def test_wrong_bases_in_several_tensors_are_listed_as_suspects(pair):
   base, _, update = pair
-  with pytest.raises(sync.CodecError, match="wrong base version.*4.*3"):
+  wrong = {k: v.copy() for k, v in base.items()}
+  for name in ("emb.embedding", "norm.scale"):
+    bit_view(wrong[name])[0] ^= 1
+  with pytest.raises(sync.CodecError, match="wrong base") as err:
+    sync.apply(wrong, update, inplace=True)
+  assert "'emb.embedding'" in str(err.value) and "'norm.scale'" in str(err.value)
+
+
+def test_wrong_base_version_shape_dtype_and_names_are_rejected(pair):
+  base, _, update = pair
+  with pytest.raises(sync.CodecError, match="wrong base version: update applies to 4, base is 3"):
     sync.apply(base, update, base_version=3)
+  raises_naming("norm.scale", lambda: sync.apply(dict(base, **{"norm.scale": np.ones(31, BF16)}),
+                                                 update), "[32]")
+  raises_naming("norm.scale", lambda: sync.apply(
+      dict(base, **{"norm.scale": np.ones(32, np.float32)}), update), "bfloat16")
+  raises_naming("norm.scale", lambda: sync.apply(
+      {k: v for k, v in base.items() if k != "norm.scale"}, update), "missing")
+  raises_naming("extra", lambda: sync.apply(dict(base, extra=np.ones(2, BF16)), update),
+                "not in the update")
+  with pytest.raises(sync.CodecError, match="a base is required"):
+    sync.apply(None, update)
+  raises_naming("nope", lambda: update.changes("nope"), "not in this update")
 
 
-def test_wrong_shape_and_dtype_name_the_tensor(pair):
-  base, _, update = pair
-  reshaped = dict(base, **{"emb.embedding": base["emb.embedding"].reshape(32, 16)})
-  raises_naming("emb.embedding", lambda: sync.apply(reshaped, update), "shape", "(16, 32)")
-  widened = dict(base, **{"norm.scale": base["norm.scale"].astype(np.float32)})
-  raises_naming("norm.scale", lambda: sync.apply(widened, update), "dtype", "float32")
-
-
-def test_missing_and_extra_tensors_are_named(pair):
-  base, _, update = pair
-  missing = {k: v for k, v in base.items() if k != "norm.scale"}
-  raises_naming("norm.scale", lambda: sync.apply(missing, update), "missing")
-  raises_naming("extra.bias", lambda: sync.apply(dict(base, **{"extra.bias": base["norm.scale"]}),
-                                                 update), "not in the update")
-  raises_naming("norm.scale", lambda: sync.encode(missing, pair[1], version=1), "missing")
-
-
-def test_corrupted_section_names_the_tensor(pair):
+def test_a_corrupted_section_is_named_on_parse(pair):
   _, _, update = pair
-  data = bytearray(update.to_bytes())
   meta = update.tensors["layer.kernel"]
-  data[meta.offset + meta.nbytes // 2] ^= 0x01
-  raises_naming("layer.kernel", lambda: sync.Update.from_bytes(bytes(data)), "corrupted")
+  data = bytearray(update.to_bytes())
+  data[meta.offset + meta.nbytes // 2] ^= 0x40
+  raises_naming("layer.kernel", lambda: sync.Update.from_bytes(bytes(data)), "section corrupted")
+  pack_at, _ = update.header.packs[BF16]
+  data = bytearray(update.to_bytes())
+  data[pack_at + 3] ^= 0x01
+  raises_naming("bfloat16 pack", lambda: sync.Update.from_bytes(bytes(data)), "section corrupted")
 
 
-def test_corrupted_section_with_valid_digest_fails_the_checksum(pair):
-  _, target, _ = pair
-  keyframe = sync.encode(None, target, version=5)
-  meta = keyframe.tensors["layer.kernel"]
-  section = bytearray(keyframe.to_bytes()[meta.offset:meta.offset + meta.nbytes])
-  section[5] ^= 0x01  # one raw bit: decodes fine, yields a wrong element
-  forged = sync.Update.from_bytes(rebuild(keyframe, {"layer.kernel": bytes(section)}))
-  raises_naming("layer.kernel", lambda: sync.apply(None, forged), "corrupted", "checksum")
+def test_sections_forged_behind_a_valid_seal_fail_the_result_check(pair):
+  base, target, update = pair
+  other = sync.encode(base, make_pair(seed=1)[1], version=5)
+  forged = rebuild(update, sections={"layer.kernel": parts(other)[1][1]})
+  raises_naming("layer.kernel", lambda: sync.apply(base, sync.Update.from_bytes(forged)),
+                "result checksum mismatch")
+  forged = rebuild(update, packs={BF16: parts(other)[2][BF16]})
+  with pytest.raises(sync.CodecError, match="result checksum mismatch"):
+    sync.apply(base, sync.Update.from_bytes(forged))
 
 
-def test_truncated_message_names_the_tensor(pair):
+def test_truncated_and_trailing_bytes_are_rejected(pair):
   _, _, update = pair
   data = update.to_bytes()
-  last = [n for n, m in update.tensors.items() if m.nbytes][-1]  # its section ends the message
-  raises_naming(last, lambda: sync.Update.from_bytes(data[:-3]), "truncated")
-  with pytest.raises(sync.CodecError, match="header.*truncated"):
-    sync.read_header(data[:20])
+  for bad in (data[:-1], data + b"\0", data[:10]):
+    with pytest.raises(sync.CodecError, match="truncated|trailing"):
+      sync.read_header(bad)
 
 
-def test_unknown_section_format_version_names_the_tensor(pair, monkeypatch):
-  base, target, _ = pair
-  monkeypatch.setattr(wire, "SECTION_CODEC_VERSION", 9)
-  data = sync.encode(base, target, version=5).to_bytes()
-  monkeypatch.undo()
-  raises_naming("emb.embedding", lambda: sync.read_header(data), "unknown section format version 9")
-
-
-@pytest.mark.parametrize("version", [1, 2, 4])
-def test_unknown_wire_version_is_rejected(pair, version):
-  _, _, update = pair
-  data = bytearray(update.to_bytes())
-  data[4] = version  # 1: rANS sections; 2: per-tensor checksums; 4: a future one
-  with pytest.raises(sync.CodecError, match=f"unknown wire format version {version}"):
+@pytest.mark.parametrize("version", [1, 2, 3, 5])
+def test_other_wire_versions_are_rejected_clearly(pair, version):
+  data = bytearray(pair[2].to_bytes())
+  data[4:6] = struct.pack("<H", version)
+  with pytest.raises(sync.CodecError, match=f"wire format version {version} is not supported: "
+                                            f"this reader reads version 4 only"):
     sync.Update.from_bytes(bytes(data))
 
 
-def test_read_header_reports_versions_and_metas_without_payloads(pair):
-  base, target, update = pair
-  data = update.to_bytes()
-  cut = min(m.offset for m in update.tensors.values())
-  header = sync.read_header(data)
-  assert (header.version, header.base_version, header.fmt) == (5, 4, "bf16")
-  assert {k: m.shape for k, m in header.tensors.items()} == {k: v.shape for k, v in target.items()}
-  # Payload bytes are not decoded: garbage there passes read_header (digests are checked
-  # by from_bytes, results by apply).
-  garbled = data[:cut] + bytes(len(data) - cut)
-  assert sync.read_header(garbled).tensors.keys() == header.tensors.keys()
-  with pytest.raises(sync.CodecError, match="corrupted"):
-    sync.Update.from_bytes(garbled)
+def test_bad_magic_crc_and_flags_are_rejected(pair):
+  data = pair[2].to_bytes()
+  with pytest.raises(sync.CodecError, match="magic"):
+    sync.read_header(b"XXXX" + data[4:])
+  hlen = struct.unpack("<I", data[6:10])[0]
+  bad = bytearray(data)
+  bad[14 + hlen // 2] ^= 1
+  with pytest.raises(sync.CodecError, match="crc32"):
+    sync.read_header(bytes(bad))
+  fields = bytearray(wire._ZSTD.decompressor().decompress(data[14:14 + hlen]))  # noqa: SLF001
+  fields[1] |= 0x80
+  header = wire._ZSTD.compressor().compress(bytes(fields))  # noqa: SLF001
+  with pytest.raises(sync.CodecError, match="unknown flags"):
+    sync.read_header(struct.pack("<4sHII", b"RLXW", 4, len(header), zlib.crc32(header)) + header
+                     + data[14 + hlen:])
 
 
-def decode_all(data, base):
-  """What a worker does with bytes: parse, apply; returns the result or raises CodecError."""
-  return sync.apply(base, sync.Update.from_bytes(data))
-
-
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.binary(max_size=300))
-def test_random_bytes_only_raise_codec_error(data, pair):
-  with pytest.raises(sync.CodecError):
-    decode_all(data, pair[0])
-  with pytest.raises(sync.CodecError):
-    sync.read_header(data)
-
-
-mutations = st.lists(st.tuples(st.sampled_from(["flip", "set", "insert", "delete", "cut"]),
-                               st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
-                     min_size=1, max_size=4)
-
-
-def apply_mutations(data, ops):
-  data = bytearray(data)
-  for op, where, byte in ops:
-    i = int(where * len(data)) if data else 0
-    if op == "flip" and data:
-      data[i] ^= 1 << (byte % 8)
-    elif op == "set" and data:
-      data[i] = byte
-    elif op == "insert":
-      data.insert(i, byte)
-    elif op == "delete" and data:
-      del data[i]
-    elif op == "cut":
-      del data[i:]
-  return bytes(data)
-
-
-def exact_or_codec_error(fn, target):
-  try:
-    out = fn()
-  except sync.CodecError:
-    return
-  for k, v in target.items():
-    assert np.array_equal(out[k].view(np.uint16), v.view(np.uint16)), k
-
-
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=mutations)
-def test_mutated_messages_raise_codec_error_or_give_the_exact_target(ops, pair):
-  base, target, update = pair
-  data = apply_mutations(update.to_bytes(), ops)
-  exact_or_codec_error(lambda: decode_all(data, base), target)
-
-
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=mutations, which=st.sampled_from(["emb.embedding", "layer.kernel", "norm.scale"]))
-def test_mutated_sections_behind_valid_digests_never_give_wrong_weights(ops, which, pair):
-  """Forged digests reach the decoders themselves: they must fail cleanly."""
-  base, target, update = pair
-  meta = update.tensors[which]
-  section = apply_mutations(update.to_bytes()[meta.offset:meta.offset + meta.nbytes], ops)
-  try:
-    data = rebuild(update, {which: section})
-  except sync.CodecError:
-    return  # e.g. a raw section whose length no longer matches the shape
-  exact_or_codec_error(lambda: decode_all(data, base), target)
-  try:  # changes() decodes without the result checksum: CodecError or a well-formed answer
-    ch = sync.Update.from_bytes(data).changes(which, base[which])
-  except sync.CodecError:
-    return
-  if ch.kind == "sparse":
-    assert ch.indices.size == ch.offsets.size == ch.values.size
-    assert ch.indices.min() >= 0 and ch.indices.max() < base[which].size
-
-
-def test_unknown_tensor_name_in_changes_is_named(pair):
-  raises_naming("nope", lambda: pair[2].changes("nope"), "not in this update")
+def test_read_header_reports_versions_metas_and_packs_without_payloads(pair):
+  base, _, update = pair
+  header = sync.read_header(memoryview(update.to_bytes()))
+  assert (header.version, header.base_version, header.fmt, header.is_keyframe) == (5, 4, "bf16", False)
+  assert {n: (m.shape, m.dtype, m.mode) for n, m in header.tensors.items()} == {
+      "emb.embedding": ((16, 32), BF16, "packed"), "layer.kernel": ((32, 2048), BF16, "sparse"),
+      "norm.scale": ((32,), BF16, "packed")}
+  assert header.nbytes == update.nbytes and set(header.packs) == {BF16}
+  keyframe = sync.read_header(sync.encode(None, base, version=0).to_bytes())
+  assert keyframe.is_keyframe and keyframe.bases is None and not keyframe.packs
 
 
 def test_bad_arguments_name_the_field(pair):
   base, target, _ = pair
-  with pytest.raises(ValueError, match="fmt expected one of"):
-    sync.encode(base, target, "fp8", version=1)
-  with pytest.raises(ValueError, match=re.escape("base_version=4, version=4")):
-    sync.encode(base, target, version=4, base_version=4)
-  with pytest.raises(sync.CodecError, match="'x'.*dtype expected a floating type, got int32"):
-    sync.encode(None, {"x": np.zeros(3, np.int32)}, version=0)
-  for empty_base in (None, {}):
-    with pytest.raises(ValueError, match="target: expected at least one tensor"):
-      sync.encode(empty_base, {}, version=1 if empty_base is not None else 0)
+  for kwargs, words in [(dict(fmt="fp8"), "fmt"), (dict(base_version=3), "base_version"),
+                        (dict(base_checksums={}), "base_checksums")]:
+    with pytest.raises(ValueError, match=words):
+      sync.encode(None, target, version=1, **kwargs)
+  with pytest.raises(ValueError, match="versions must satisfy"):
+    sync.encode(base, target, version=3, base_version=3)
+  with pytest.raises(ValueError, match="target"):
+    sync.encode(None, {}, version=0)
+  raises_naming("norm.scale", lambda: sync.encode(
+      base, target, version=1, base_checksums={"emb.embedding": 1, "layer.kernel": 2}), "missing")
+  raises_naming("x", lambda: sync.encode(None, {"x": np.arange(3)}, version=0), "floating")
+  with pytest.raises(TypeError, match="Update"):
+    sync.apply(base, b"bytes")
+
+
+def test_wrong_base_checksums_never_give_wrong_weights(pair):
+  base, target, _ = pair
+  lying = sync.encode(base, target, version=5,
+                      base_checksums=dict.fromkeys(base, 12345))
+  with pytest.raises(sync.CodecError, match="wrong base"):
+    sync.apply({k: v.copy() for k, v in base.items()}, lying, inplace=True)
+  got = sync.apply(base, sync.Update.from_bytes(lying.to_bytes()))  # copying: results checked
+  assert all(np.array_equal(bit_view(got[k]), bit_view(target[k])) for k in target)
+
+
+@given(data=st.binary(max_size=300))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_random_bytes_only_raise_codec_error(data, pair):
+  for blob in (data, pair[2].to_bytes()[:14] + data):
+    with pytest.raises(sync.CodecError):
+      sync.Update.from_bytes(blob)
+
+
+mutations = st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(1, 255)), min_size=1,
+                     max_size=4)
+
+
+@given(ops=mutations)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_mutated_messages_raise_codec_error_or_give_the_exact_target(ops, pair):
+  base, target, update = pair
+  data = bytearray(update.to_bytes())
+  for at, x in ops:
+    data[at % len(data)] ^= x
+  try:
+    got = sync.apply(base, sync.Update.from_bytes(bytes(data)))
+  except sync.CodecError:
+    return
+  assert all(np.array_equal(bit_view(got[k]), bit_view(target[k])) for k in target)
+
+
+@given(ops=mutations, which=st.sampled_from(["layer.kernel", "pack"]))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_mutated_sections_behind_valid_digests_never_give_wrong_weights(ops, which, pair):
+  base, target, update = pair
+  _, sections, packs = parts(update)
+  section = bytearray(sections[1] if which == "layer.kernel" else packs[BF16])
+  for at, x in ops:
+    section[at % len(section)] ^= x
+  forged = rebuild(update, **({"sections": {which: bytes(section)}} if which == "layer.kernel"
+                              else {"packs": {BF16: bytes(section)}}))
+  for inplace in (False, True):
+    held = {k: v.copy() for k, v in base.items()}
+    try:
+      got = sync.apply(held, sync.Update.from_bytes(forged), inplace=inplace)
+    except sync.CodecError as e:
+      assert "tensor" in str(e) or "pack" in str(e), e
+      continue
+    assert all(np.array_equal(bit_view(got[k]), bit_view(target[k])) for k in target)
+
+
+@given(st.data())
+def test_one_bad_item_is_the_only_suspect_and_several_are_all_suspects(data):
+  n = data.draw(st.integers(2, 70))
+  digests = data.draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n))
+  seal = Seal.of(digests, bits=32)  # no locator collisions (8-bit ones blur 1 in 256)
+  assert seal.matches(digests) and len(seal.locators) == 2 * (n - 1).bit_length()
+  bad = data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=3))
+  changed = [d ^ (1 << 7) if i in bad else d for i, d in enumerate(digests)]
+  assert not seal.matches(changed)
+  suspects = seal.suspects(changed)
+  assert set(suspects) >= bad
+  if len(bad) == 1:
+    assert suspects == [*bad]
