@@ -98,6 +98,8 @@ class HeldPolicy:
     if not update.is_keyframe and update.base_version != self.version:
       raise ResyncNeeded(f"update {update.version} is a delta from version {update.base_version}; "
                          f"held version is {self.version}")
+    if update.header.tensors is None:  # a delta names its tensors by the held layout
+      update.bind({name: var[...] for name, var in self._vars.items()})
     names = set(update.tensors)
     if names != set(self._vars):
       odd = sorted(names ^ set(self._vars))

@@ -23,8 +23,8 @@ class PayloadInfo:
   version: int
   base_version: int | None  # None: a keyframe
   fmt: str
-  # name -> (shape, dtype name)
-  tensors: dict[str, tuple[tuple[int, ...], str]]
+  # name -> (shape, dtype name); None for a delta read without its model's layout
+  tensors: dict[str, tuple[tuple[int, ...], str]] | None
   fingerprinted: bool = False  # seals its results' device fingerprints
 
   @property
@@ -32,19 +32,22 @@ class PayloadInfo:
     return self.base_version is None
 
 
-def read_info(blob) -> PayloadInfo:
-  """Parses the header of an Update blob (any buffer) without decoding its payloads."""
-  header = sync.read_header(blob)
+def read_info(blob, layout: dict | None = None) -> PayloadInfo:
+  """Parses the header of an Update blob (any buffer) without decoding its payloads. A delta
+  names its tensors by its model's layout (`layout`: name -> (shape, dtype name), e.g. the
+  keyframe's `tensors`); CodecError when it was made for another one."""
+  header = sync.read_header(blob, layout)
   return PayloadInfo(
       version=int(header.version),
       base_version=None if header.base_version is None else int(header.base_version),
       fmt=str(header.fmt),
-      tensors={name: (tuple(int(d) for d in meta.shape), str(np.dtype(meta.dtype)))
-               for name, meta in header.tensors.items()},
+      tensors=None if header.tensors is None else {
+          name: (tuple(int(d) for d in meta.shape), str(np.dtype(meta.dtype)))
+          for name, meta in header.tensors.items()},
       fingerprinted=header.fingerprints is not None)
 
 
-def verify(blob, *, decode_keyframe: bool,
+def verify(blob, *, decode_keyframe: bool, layout: dict | None = None,
            done: Callable[[int, int], None] | None = None) -> None:
   """Raises CodecError unless the blob (any buffer) is intact.
 
@@ -52,7 +55,8 @@ def verify(blob, *, decode_keyframe: bool,
   result seal (its sections are the raw tensors, so this covers their digests too) and
   costs one tensor of memory; `done(start, stop)` is told each section's byte range once
   it is read. Anything else goes through `Update.from_bytes`, which copies the blob
-  (deltas are small) and checks its section seal."""
+  (deltas are small) and checks its section seal; `layout` names a delta's tensors in
+  errors, as read_info takes it."""
   header = sync.read_header(blob)
   if decode_keyframe and header.is_keyframe:
     update = sync.Update(blob, header)
@@ -63,7 +67,7 @@ def verify(blob, *, decode_keyframe: bool,
         done(meta.offset, meta.offset + meta.nbytes)
     update.verify_all(checksums)
   else:
-    sync.Update.from_bytes(blob)
+    sync.Update.from_bytes(blob, None if header.is_keyframe else layout)
 
 
 def materialize(blobs) -> dict[str, np.ndarray]:

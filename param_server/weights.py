@@ -285,7 +285,8 @@ class WeightStore:
 
   def _store(self, data: mmap.mmap, sha: str) -> tuple[Blob, bool]:
     try:
-      info = payloads.read_info(data)
+      keyframe = self.keyframe  # a delta names its tensors by the model's layout
+      info = payloads.read_info(data, None if keyframe is None else keyframe.tensors)
     except payloads.CodecError as e:
       raise errors.InvalidArgument("data", f"not a valid update: {e}") from None
     with self._lock:
@@ -295,6 +296,7 @@ class WeightStore:
       self._validate(info)
     try:
       payloads.verify(data, decode_keyframe=self.limits.verify_keyframes,
+                      layout=None if keyframe is None else keyframe.tensors,
                       done=functools.partial(drop, data))
     except payloads.CodecError as e:
       raise errors.InvalidArgument("data", f"v{info.version} fails its checks: {e}") from None

@@ -153,6 +153,8 @@ def apply(base, update: Update, *, base_version: int | None = None, inplace: boo
   if not isinstance(update, Update):
     raise TypeError(f"update expected an Update, got {type(update).__name__}")
   threads = parallel.resolve(threads)
+  if update.header.tensors is None and base is not None:
+    update.bind({name: np.asarray(a) for name, a in base.items()})
   names = list(update.tensors)
   if update.is_keyframe:
     def fresh(name):

@@ -71,7 +71,8 @@ class TensorMeta(typing.NamedTuple):
 
 
 class UpdateHeader(typing.NamedTuple):
-  """Everything about an update except its payload (read_header parses it cheaply)."""
+  """Everything about an update except its payload (read_header parses it cheaply).
+  `tensors` is None for a delta not yet bound to its base's layout (Update.bind)."""
   version: int
   base_version: int | None
   fmt: str
@@ -82,6 +83,8 @@ class UpdateHeader(typing.NamedTuple):
   sections: Seal  # over the xxh3-64 of the non-empty sections, in body order
   fingerprints: Seal | None  # over every result's device fingerprint, where given
   packs: dict  # held dtype -> (offset, nbytes) of its pack section
+  layout: int | None  # a delta's layout digest (layout_digest of its base's layout)
+  spans: tuple  # (mode code, offset, nbytes) of each tensor's section, in name order
 
   @property
   def is_keyframe(self) -> bool:
@@ -109,27 +112,61 @@ def _seal_bytes(seal: Seal) -> bytes:
   return struct.pack("<Q", seal.digest) + bytes(seal.locators)
 
 
+def _layout_rows(layout) -> list[bytes]:
+  """Per tensor of a layout: its name (sharing a prefix with the previous one), dtype,
+  ndim and dims, as a keyframe's header writes them."""
+  rows, prev = [], b""
+  for name, shape, dtype in layout:
+    nb = name.encode()
+    shared = next((i for i, (x, y) in enumerate(zip(prev, nb)) if x != y), min(len(prev), len(nb)))
+    rows.append(b"".join([varint(shared), varint(len(nb) - shared), nb[shared:],
+                          bytes([DTYPES.index(dtype), len(shape)]), *map(varint, shape)]))
+    prev = nb
+  return rows
+
+
+def layout_of(spec) -> tuple:
+  """((name, shape, dtype), ...) in name order of a held state (name -> array or anything
+  with .shape and .dtype, or name -> (shape, dtype)) or of an Update or its header;
+  CodecError naming a tensor whose dtype is not a held one."""
+  if isinstance(spec, (Update, UpdateHeader)):
+    return tuple((m.name, m.shape, m.dtype) for m in spec.tensors.values())
+  out = []
+  for name in sorted(spec):
+    value = spec[name]
+    shape, dtype = (value.shape, value.dtype) if hasattr(value, "dtype") else value
+    try:
+      dtype = np.dtype(dtype)
+    except TypeError:
+      dtype = None
+    if dtype not in DTYPES:
+      raise CodecError(f"tensor {name!r}: dtype expected bfloat16 or int8, got {dtype}")
+    out.append((name, tuple(int(d) for d in shape), dtype))
+  return tuple(out)
+
+
+def layout_digest(layout: tuple) -> int:
+  """xxh3-64 of a layout's rows: what a delta names its tensors by."""
+  return xxhash.xxh3_64_intdigest(b"".join(_layout_rows(layout)))
+
+
 def build(fmt: str, version: int, base_version: int | None, metas: list, sections: list,
           packs: dict, checksums: list, base_checksums: list | None,
           fingerprints: list | None) -> "Update":
-  """The message of `metas` ((name, shape, dtype, mode code) each, header order), their
+  """The message of `metas` ((name, shape, dtype, mode code) each, name order), their
   `sections` (bytes; b"" where none), the pack sections (dtype -> bytes) and the per-tensor
-  digests the seals cover."""
+  digests the seals cover. A keyframe writes its layout; a delta, the layout's digest."""
   keyframe = base_version is None
+  layout = tuple((name, tuple(shape), np.dtype(dtype)) for name, shape, dtype, _ in metas)
   head = [bytes([FORMATS.index(fmt), (KEYFRAME if keyframe else 0)
                  | (0 if fingerprints is None else FINGERPRINTED)]), varint(version)]
-  if not keyframe:
-    head.append(varint(base_version))
-  head.append(varint(len(metas)))
-  prev = b""
-  for (name, shape, dtype, mode), section in zip(metas, sections):
-    nb = name.encode()
-    shared = next((i for i, (x, y) in enumerate(zip(prev, nb)) if x != y), min(len(prev), len(nb)))
-    head += [varint(shared), varint(len(nb) - shared), nb[shared:],
-             bytes([DTYPES.index(dtype), mode, len(shape)]), *map(varint, shape)]
-    if mode in (RAW, SPARSE):
-      head.append(varint(len(section)))
-    prev = nb
+  if keyframe:
+    head += [varint(len(metas)), *_layout_rows(layout)]
+  else:
+    head += [varint(base_version), struct.pack("<Q", layout_digest(layout)), varint(len(metas)),
+             bytes(m[3] for m in metas)]
+  head += [varint(len(section)) for (*_, mode), section in zip(metas, sections)
+           if mode in (RAW, SPARSE)]
   body = [s for s in sections if s] + [packs[d] for d in DTYPES if d in packs]
   if not keyframe:
     head += [varint(len(packs.get(d, b""))) for d in DTYPES]
@@ -142,12 +179,14 @@ def build(fmt: str, version: int, base_version: int | None, metas: list, section
   header = _ZSTD.compressor().compress(b"".join(head))
   data = b"".join([_PREFIX.pack(MAGIC, WIRE_VERSION, len(header), zlib.crc32(header)),
                    header, *body])
-  update = Update(data, read_header(data))
-  update.checksums = dict(zip((m[0] for m in metas), map(int, checksums)))
+  header = read_header(data)
+  update = Update(data, header if keyframe else bind(header, layout))
+  names = [m[0] for m in metas]
+  update.checksums = dict(zip(names, map(int, checksums)))
   if base_checksums is not None:
-    update.base_checksums = dict(zip((m[0] for m in metas), map(int, base_checksums)))
+    update.base_checksums = dict(zip(names, map(int, base_checksums)))
   if fingerprints is not None:
-    update.fingerprints = dict(zip((m[0] for m in metas), map(int, fingerprints)))
+    update.fingerprints = dict(zip(names, map(int, fingerprints)))
   return update
 
 
@@ -155,9 +194,11 @@ def _read_seal(r: ByteReader, n: int) -> Seal:
   return Seal(r.u64(), tuple(r.take(group_count(n))))
 
 
-def read_header(b) -> UpdateHeader:
+def read_header(b, layout=None) -> UpdateHeader:
   """Parses and validates the header of a message (any buffer) without reading the
-  sections; CodecError naming the tensor or field at fault."""
+  sections; CodecError naming the tensor or field at fault. A delta names its tensors by
+  its base's layout: given `layout` (anything layout_of takes), `tensors` is filled in,
+  else it is None until Update.bind."""
   buf = memoryview(b).cast("B")
   if buf.nbytes < _PREFIX.size:
     raise CodecError(f"update header: truncated: {buf.nbytes} bytes, the prefix needs "
@@ -188,14 +229,51 @@ def read_header(b) -> UpdateHeader:
     raise CodecError(f"update header: unknown flags {flags:#04x}")
   keyframe = bool(flags & KEYFRAME)
   version = r.varint()
-  base_version = None if keyframe else r.varint()
-  if base_version is not None and not base_version < version:
-    raise CodecError(f"update header: versions must satisfy 0 <= base < version, got base "
-                     f"{base_version}, version {version}")
+  base_version = digest = None
+  if not keyframe:
+    base_version, digest = r.varint(), r.u64()
+    if not base_version < version:
+      raise CodecError(f"update header: versions must satisfy 0 <= base < version, got base "
+                       f"{base_version}, version {version}")
   count = r.varint()
   if count > len(fields):
     raise CodecError(f"update header: {count} tensors declared in {len(fields)} bytes")
-  rows, prev = [], b""
+  own = _read_layout(r, count) if keyframe else None
+  modes = [RAW] * count if keyframe else list(r.take(count))
+  if any(m >= len(MODES) for m in modes):
+    raise CodecError(f"update header: unknown mode {max(modes)}")
+  lengths = [r.varint() if m in (RAW, SPARSE) else 0 for m in modes]
+  pack_len = {} if keyframe else {d: r.varint() for d in DTYPES}
+  results = _read_seal(r, count)
+  bases = None if keyframe else _read_seal(r, count)
+  filled = sum(1 for n in lengths if n) + sum(1 for n in pack_len.values() if n)
+  sections = _read_seal(r, filled)
+  printed = _read_seal(r, count) if flags & FINGERPRINTED else None
+  r.done()
+  spans, offset = [], body_start
+  for mode, nbytes in zip(modes, lengths):
+    if mode == SPARSE and not nbytes:
+      raise CodecError(f"update header: tensor #{len(spans)}: empty sparse section")
+    spans.append((mode, offset, nbytes))
+    offset += nbytes
+  packs = {}
+  for dtype, n in pack_len.items():
+    if n:
+      packs[dtype] = (offset, n)
+      offset += n
+  if offset != buf.nbytes:
+    kind = "truncated" if offset > buf.nbytes else "trailing bytes"
+    raise CodecError(f"update: {kind}: the sections end at byte {offset}, the message has "
+                     f"{buf.nbytes}")
+  header = UpdateHeader(version, base_version, FORMATS[fmt_code], None, buf.nbytes, results,
+                        bases, sections, printed, packs, digest, tuple(spans))
+  if own is not None or layout is not None:
+    header = bind(header, own if own is not None else layout_of(layout))
+  return header
+
+
+def _read_layout(r: ByteReader, count: int) -> tuple:
+  layout, prev = [], b""
   for _ in range(count):
     shared = r.varint()
     if shared > len(prev):
@@ -205,55 +283,41 @@ def read_header(b) -> UpdateHeader:
       name = prev.decode()
     except UnicodeDecodeError:
       raise CodecError("update header: a tensor name is not utf-8") from None
-    dtype_code, mode, ndim = r.u8(), r.u8(), r.u8()
-    if dtype_code >= len(DTYPES) or mode >= len(MODES) or ndim > MAX_NDIM:
-      raise CodecError(f"tensor {name!r}: unknown dtype code {dtype_code}, mode {mode} or "
-                       f"ndim {ndim}")
-    shape = tuple(r.varint() for _ in range(ndim))
-    nbytes = r.varint() if mode in (RAW, SPARSE) else 0
-    rows.append((name, shape, DTYPES[dtype_code], mode, nbytes))
-  pack_len = {} if keyframe else {d: r.varint() for d in DTYPES}
-  results = _read_seal(r, count)
-  bases = None if keyframe else _read_seal(r, count)
-  filled = sum(1 for row in rows if row[4]) + sum(1 for n in pack_len.values() if n)
-  sections = _read_seal(r, filled)
-  printed = _read_seal(r, count) if flags & FINGERPRINTED else None
-  r.done()
-  tensors, offset, pack_at = {}, body_start, {d: 0 for d in DTYPES}
-  for name, shape, dtype, mode, nbytes in rows:
-    what = f"tensor {name!r}"
-    size = math.prod(shape)
+    dtype_code, ndim = r.u8(), r.u8()
+    if dtype_code >= len(DTYPES) or ndim > MAX_NDIM:
+      raise CodecError(f"tensor {name!r}: unknown dtype code {dtype_code} or ndim {ndim}")
+    layout.append((name, tuple(r.varint() for _ in range(ndim)), DTYPES[dtype_code]))
+  return tuple(layout)
+
+
+def bind(header: UpdateHeader, layout: tuple) -> UpdateHeader:
+  """`header` with its tensors named by `layout` ((name, shape, dtype) in name order): a
+  keyframe's own, or the base's of a delta, which must be the one it was made against."""
+  if header.layout is not None and layout_digest(layout) != header.layout:
+    raise CodecError(f"update {header.version}: made for other tensors: the base's names, "
+                     f"shapes or dtypes differ from those of the state it was encoded against")
+  if len(layout) != len(header.spans):
+    raise CodecError(f"update {header.version}: {len(header.spans)} tensors, the layout has "
+                     f"{len(layout)}")
+  tensors, pack_at = {}, {d: 0 for d in DTYPES}
+  for (name, shape, dtype), (mode, offset, nbytes) in zip(layout, header.spans):
+    what, size = f"tensor {name!r}", math.prod(shape)
     if name in tensors:
       raise CodecError(f"{what}: appears twice in the update")
     if size > MAX_ELEMENTS:
       raise CodecError(f"{what}: shape {shape} exceeds {MAX_ELEMENTS} elements")
-    if keyframe and mode != RAW:
-      raise CodecError(f"{what}: keyframe sections must be raw, got {MODES[mode]}")
     if mode == RAW and nbytes != size * dtype.itemsize:
       raise CodecError(f"{what}: raw section of {nbytes} bytes, expected {size * dtype.itemsize}")
-    if mode == SPARSE and not nbytes:
-      raise CodecError(f"{what}: empty sparse section")
     if mode == PACKED:
-      if not pack_len[dtype]:
+      if dtype not in header.packs:
         raise CodecError(f"{what}: packed, but the update has no {dtype} pack")
-      tensors[name] = TensorMeta(name, shape, dtype, MODES[mode], 0, pack_at[dtype], size)
+      offset, nbytes = pack_at[dtype], 0
       pack_at[dtype] += size
-      continue
     tensors[name] = TensorMeta(name, shape, dtype, MODES[mode], nbytes, offset, size)
-    offset += nbytes
-  packs = {}
-  for dtype, n in pack_len.items():
-    if n and not pack_at[dtype]:
-      raise CodecError(f"update header: a {dtype} pack of {n} bytes with no packed tensor")
-    if n:
-      packs[dtype] = (offset, n)
-      offset += n
-  if offset != buf.nbytes:
-    kind = "truncated" if offset > buf.nbytes else "trailing bytes"
-    raise CodecError(f"update: {kind}: the sections end at byte {offset}, the message has "
-                     f"{buf.nbytes}")
-  return UpdateHeader(version, base_version, FORMATS[fmt_code], tensors, buf.nbytes, results,
-                      bases, sections, printed, packs)
+  for dtype in header.packs:
+    if not pack_at[dtype]:
+      raise CodecError(f"update {header.version}: a {dtype} pack with no packed tensor")
+  return header._replace(tensors=tensors)
 
 
 def check_names(what: str, got, want) -> None:
@@ -286,14 +350,30 @@ class Update:
   base_version = property(lambda self: self.header.base_version)
   fmt = property(lambda self: self.header.fmt)
   is_keyframe = property(lambda self: self.header.is_keyframe)
-  tensors = property(lambda self: self.header.tensors)
+
+  @property
+  def tensors(self) -> dict[str, TensorMeta]:
+    if self.header.tensors is None:
+      raise CodecError(f"update {self.version}: a delta names its tensors by its base's "
+                       f"layout: bind it first (update.bind(base))")
+    return self.header.tensors
+
+  def bind(self, layout) -> "Update":
+    """Names a delta's tensors by `layout` (its base: a held state, an Update or
+    (shape, dtype) pairs by name); CodecError unless it is the layout the delta was made
+    against. Returns the update."""
+    if self.header.tensors is None:
+      self.header = bind(self.header, layout_of(layout))
+    elif self.header.layout is not None and layout_digest(layout_of(layout)) != self.header.layout:
+      bind(self.header, layout_of(layout))  # raises the mismatch
+    return self
   nbytes = property(lambda self: self.header.nbytes)
   fingerprinted = property(lambda self: self.header.fingerprints is not None)
 
   def __repr__(self):
     kind = "keyframe" if self.is_keyframe else f"delta from {self.base_version}"
     return (f"Update(version={self.version}, {kind}, fmt={self.fmt}, "
-            f"{len(self.tensors)} tensors, {self.nbytes} bytes)")
+            f"{len(self.header.spans)} tensors, {self.nbytes} bytes)")
 
   def to_bytes(self) -> bytes:
     return bytes(self._data)
@@ -303,13 +383,16 @@ class Update:
     return self._data
 
   @classmethod
-  def from_bytes(cls, b) -> "Update":
-    """Parses a message and checks its sections against the section seal (CodecError)."""
+  def from_bytes(cls, b, layout=None) -> "Update":
+    """Parses a message and checks its sections against the section seal (CodecError);
+    `layout` as read_header takes it."""
     data = bytes(b)
-    header = read_header(data)
-    view = memoryview(data)
-    spans = [(m.name, m.offset, m.nbytes) for m in header.tensors.values() if m.nbytes]
+    header = read_header(data, layout)
+    names = (list(header.tensors) if header.tensors is not None
+             else [f"#{i}" for i in range(len(header.spans))])
+    spans = [(name, at, n) for name, (_, at, n) in zip(names, header.spans) if n]
     spans += [(f"{d} pack", at, n) for d, (at, n) in header.packs.items()]
+    view = memoryview(data)
     check_seal(header.sections, [xxhash.xxh3_64_intdigest(view[a:a + n]) for _, a, n in spans],
                [name for name, _, _ in spans], "section corrupted", "section digest")
     return cls(data, header)

@@ -145,6 +145,9 @@ def _shaped(weights, **changes):
      grpc.StatusCode.FAILED_PRECONDITION, "tensors"),
     (lambda w, w1: sync.encode(None, w1, "int8", version=3).to_bytes(),
      grpc.StatusCode.FAILED_PRECONDITION, "fmt"),
+    (lambda w, w1: sync.encode(_shaped(w, extra=np.zeros(3, np.float32)),  # another model's delta
+                               _shaped(w1, extra=np.ones(3, np.float32)), version=2).to_bytes(),
+     grpc.StatusCode.INVALID_ARGUMENT, "data: not a valid update: update 2: made for other tensors"),
 ])
 def test_bad_publications_are_rejected_and_change_nothing(trainer, worker, make_blob, code, field):
   versions = publish_chain(trainer, 2)  # latest v1

@@ -277,7 +277,7 @@ def test_padded_changes_take_their_arrays_from_the_buffers(fmt):
   old, new = _states(fmt)
   host_old = {k: np.asarray(v) for k, v in old.items()}
   update = sync.Update.from_bytes(sync.encode(host_old, {k: np.asarray(v) for k, v in new.items()},
-                                              fmt, version=1).to_bytes())
+                                              fmt, version=1).to_bytes(), host_old)
   pool = device.HostBuffers()
   pool.MIN_BYTES = 0  # the test's tensors are small
   first = {n: device.padded_changes(update, n, pool) for n in update.tensors}

@@ -107,11 +107,14 @@ def test_a_corrupted_section_is_named_on_parse(pair):
   meta = update.tensors["layer.kernel"]
   data = bytearray(update.to_bytes())
   data[meta.offset + meta.nbytes // 2] ^= 0x40
-  raises_naming("layer.kernel", lambda: sync.Update.from_bytes(bytes(data)), "section corrupted")
+  raises_naming("layer.kernel", lambda: sync.Update.from_bytes(bytes(data), pair[0]),
+                "section corrupted")
+  raises_naming("#1", lambda: sync.Update.from_bytes(bytes(data)), "section corrupted")  # unbound
   pack_at, _ = update.header.packs[BF16]
   data = bytearray(update.to_bytes())
   data[pack_at + 3] ^= 0x01
-  raises_naming("bfloat16 pack", lambda: sync.Update.from_bytes(bytes(data)), "section corrupted")
+  raises_naming("bfloat16 pack", lambda: sync.Update.from_bytes(bytes(data), pair[0]),
+                "section corrupted")
 
 
 def test_sections_forged_behind_a_valid_seal_fail_the_result_check(pair):
@@ -161,7 +164,8 @@ def test_bad_magic_crc_and_flags_are_rejected(pair):
 
 def test_read_header_reports_versions_metas_and_packs_without_payloads(pair):
   base, _, update = pair
-  header = sync.read_header(memoryview(update.to_bytes()))
+  assert sync.read_header(update.to_bytes()).tensors is None  # a delta names its tensors by its base
+  header = sync.read_header(memoryview(update.to_bytes()), base)
   assert (header.version, header.base_version, header.fmt, header.is_keyframe) == (5, 4, "bf16", False)
   assert {n: (m.shape, m.dtype, m.mode) for n, m in header.tensors.items()} == {
       "emb.embedding": ((16, 32), BF16, "packed"), "layer.kernel": ((32, 2048), BF16, "sparse"),
@@ -257,3 +261,19 @@ def test_one_bad_item_is_the_only_suspect_and_several_are_all_suspects(data):
   assert set(suspects) >= bad
   if len(bad) == 1:
     assert suspects == [*bad]
+
+
+def test_a_delta_binds_to_the_layout_it_was_made_for_only(pair):
+  base, target, update = pair
+  parsed = sync.Update.from_bytes(update.to_bytes())
+  with pytest.raises(sync.CodecError, match="bind it first"):
+    parsed.changes("norm.scale")
+  other = dict(base, **{"norm.scale": np.ones(33, BF16)})
+  for wrong in (other, {k: v for k, v in base.items() if k != "norm.scale"}):
+    with pytest.raises(sync.CodecError, match="update 5: made for other tensors"):
+      sync.apply(wrong, sync.Update.from_bytes(update.to_bytes()))
+  assert parsed.bind(base).tensors == update.tensors
+  with pytest.raises(sync.CodecError, match="made for other tensors"):
+    parsed.bind(other)  # bound already: checked all the same
+  got = sync.apply(base, parsed)
+  assert all(np.array_equal(bit_view(got[k]), bit_view(target[k])) for k in target)

@@ -127,7 +127,7 @@ def test_updates_seal_fingerprints_given_or_computed(fmt):
   # The seal adds a few bytes and changes nothing else: the sections are the same.
   assert computed.nbytes - plain.nbytes == 8 + group_count(len(target))  # digest, locators
   assert [m.mode for m in computed.tensors.values()] == [m.mode for m in plain.tensors.values()]
-  parsed = sync.Update.from_bytes(computed.to_bytes())
+  parsed = sync.Update.from_bytes(computed.to_bytes(), base)
   assert parsed.fingerprinted and parsed.header.fingerprints == computed.header.fingerprints
   parsed.check_fingerprints(on_device)
   result = sync.apply(base, parsed)
@@ -139,7 +139,7 @@ def test_updates_seal_fingerprints_given_or_computed(fmt):
 def test_a_wrong_fingerprint_names_its_tensor():
   base, target = states("bf16")
   update = sync.Update.from_bytes(
-      sync.encode(base, target, "bf16", version=1, fingerprints=True).to_bytes())
+      sync.encode(base, target, "bf16", version=1, fingerprints=True).to_bytes(), base)
   wrong = fingerprints.of_state(target)
   wrong["other.kernel"] ^= 1 << 40
   with pytest.raises(sync.CodecError, match="'other.kernel'.*fingerprint mismatch"):

@@ -103,7 +103,7 @@ def test_a_corrupted_tensor_is_named_when_applied_on_threads(model):
   assert meta.nbytes > 16 and meta.size >= parallel.PARALLEL_MIN
   data[meta.offset + meta.nbytes // 2] ^= 0x5A
   with pytest.raises(sync.CodecError, match="layer3.w"):
-    sync.apply(base, sync.Update.from_bytes(bytes(data)), threads=4)
+    sync.apply(base, sync.Update.from_bytes(bytes(data), base), threads=4)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

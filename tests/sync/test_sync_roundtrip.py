@@ -94,7 +94,7 @@ def test_changes_give_indices_offsets_and_new_values():
           "raw": random_bits(rng, (300, 300))}
   target = {"big": changed(rng, base["big"], 0.01), "small": changed(rng, base["small"], 0.01),
             "raw": random_bits(rng, (300, 300))}
-  update = sync.Update.from_bytes(sync.encode(base, target, version=1).to_bytes())
+  update = sync.Update.from_bytes(sync.encode(base, target, version=1).to_bytes(), base)
   for name in ("big", "small"):
     ch = update.changes(name, base[name])
     old, new = bit_view(base[name]), bit_view(target[name])
