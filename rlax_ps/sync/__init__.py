@@ -18,9 +18,11 @@ Host usage:
   update = encode(prev, params, "bf16", version=v)      # prev=None: keyframe
   update = encode(prev, params, "bf16", version=v, base_checksums=last.checksums)
   wire = update.to_bytes(); update = Update.from_bytes(wire)   # CodecError if bad
-  header = read_header(wire)        # versions, fmt, tensor metas; no payload decoding
+  header = read_header(wire, held)  # versions, fmt, tensor metas; no payload decoding
   held = apply(held, update)        # new arrays, verified bit for bit against the seals
   held = apply(held, update, inplace=True)   # writes only the changed elements
+  A delta names its tensors by the digest of its base's layout (names, shapes, dtypes):
+  apply binds it to the base; elsewhere update.bind(held) or read_header(wire, held).
 
 On device (workers, in place):
   ch = update.changes(name)         # TensorChanges: "unchanged", "replace" (ch.array) or

@@ -18,39 +18,33 @@ _JIT = dict(nogil=True, cache=True, boundscheck=False)
 
 
 @numba.njit(**_JIT)
-def _count(a, b):
-  n = 0
-  for i in range(a.size):
-    n += a[i] != b[i]
-  return n
-
-
-@numba.njit(**_JIT)
-def _collect_dense(a, b, idx, off):
-  """Writes every element's index and offset, advancing past the changed ones only
-  (branch-free, for dense changes); idx and off hold one slot more than the count."""
-  k = 0
-  for i in range(a.size):
+def _collect(a, b, aw, bw, lanes, start, stop, dense, idx, off):
+  """Index and offset of each changed element in [start, stop) (start a multiple of 8
+  words), written to idx and off (one slot more than stop - start); returns the count.
+  Sparse: blocks of 8 64-bit words (aw, bw: a and b viewed as words) are OR-reduced and
+  skipped when equal, and only the words that differ entered. Dense: every element is
+  written, the changed ones kept (branch-free)."""
+  k, tail = 0, start
+  if not dense:
+    tail = min(stop, aw.size * lanes)
+    tail -= (tail - start) % (8 * lanes)
+    for w0 in range(start // lanes, tail // lanes, 8):
+      d = np.uint64(0)
+      for j in range(8):
+        d |= aw[w0 + j] ^ bw[w0 + j]
+      if d == 0:
+        continue
+      for w in range(w0, w0 + 8):
+        if aw[w] != bw[w]:
+          for i in range(w * lanes, w * lanes + lanes):
+            idx[k] = i
+            off[k] = b[i] - a[i]
+            k += a[i] != b[i]
+  for i in range(tail, stop):
     idx[k] = i
     off[k] = b[i] - a[i]
     k += a[i] != b[i]
-
-
-@numba.njit(**_JIT)
-def _collect_sparse(a, b, aw, bw, lanes, idx, off):
-  """As _collect_dense, comparing 64-bit words first (aw, bw: the leading elements of a
-  and b viewed as uint64, `lanes` each) and entering only the words that differ."""
-  k = 0
-  for w in range(aw.size):
-    if aw[w] != bw[w]:
-      for i in range(w * lanes, w * lanes + lanes):
-        idx[k] = i
-        off[k] = b[i] - a[i]
-        k += a[i] != b[i]
-  for i in range(aw.size * lanes, a.size):
-    idx[k] = i
-    off[k] = b[i] - a[i]
-    k += a[i] != b[i]
+  return k
 
 
 @numba.njit(**_JIT)
@@ -59,20 +53,28 @@ def _add_at(bits, idx, off):
     bits[idx[k]] += off[k]
 
 
+_SEGMENT = 1 << 20  # elements scanned per call: the output buffers' size
+
+
 def changes(old_bits: np.ndarray, new_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """(flat int64 indices, wrapping offsets) of the elements whose bits differ (flat
-  unsigned views of one dtype and size)."""
-  n = _count(old_bits, new_bits)
-  idx = np.empty(n + 1, np.int64)
-  off = np.empty(n + 1, new_bits.dtype)
-  if n * 25 > old_bits.size:  # over 4% changed: most words hold a change
-    _collect_dense(old_bits, new_bits, idx, off)
-  else:
-    lanes = 8 // old_bits.itemsize
-    m = old_bits.size - old_bits.size % lanes
-    words = [x[:m].view(np.uint64) for x in (old_bits, new_bits)]
-    _collect_sparse(old_bits, new_bits, *words, lanes, idx, off)
-  return idx[:n], off[:n]
+  unsigned views of one dtype and size), in one pass: segment by segment into reused
+  buffers, each segment scanned the way the previous one's density favours."""
+  lanes = 8 // old_bits.itemsize
+  covered = old_bits.size - old_bits.size % lanes
+  aw, bw = (x[:covered].view(np.uint64) for x in (old_bits, new_bits))
+  idx_buf = np.empty(min(_SEGMENT, old_bits.size) + 1, np.int64)
+  off_buf = np.empty(idx_buf.size, new_bits.dtype)
+  parts, dense = [], False
+  for start in range(0, old_bits.size, _SEGMENT):
+    stop = min(start + _SEGMENT, old_bits.size)
+    k = _collect(old_bits, new_bits, aw, bw, lanes, start, stop, dense, idx_buf, off_buf)
+    parts.append((idx_buf[:k].copy(), off_buf[:k].copy()))
+    dense = k * 25 > stop - start  # over 4% changed: most words hold a change
+  if len(parts) == 1:
+    return parts[0]
+  return (np.concatenate([p[0] for p in parts]) if parts else np.empty(0, np.int64),
+          np.concatenate([p[1] for p in parts]) if parts else np.empty(0, new_bits.dtype))
 
 
 def add_at(bits: np.ndarray, idx: np.ndarray, off: np.ndarray) -> None:
