@@ -14,8 +14,10 @@ zeroth-order entropy of the changed elements' wrapping bit-pattern offsets).
 Throughput columns are a copy's time over the operation's, for the same held bytes
 (np.copyto of the row's base state into a spare one), best of --reps, round-robin, a
 200 MB copy before each run to evict the caches. publish/copy: the trainer's path, the
-held state on (CPU) devices: device.publish_state (which fetches the changes and checks
-the host copy against device fingerprints) plus encode of the fetched state.
+held state on (CPU) devices: device.publish_state (which copies the new state from host
+memory and fingerprints it) plus encode of the result. device diff/copy: the same with
+the accelerators' path forced (a jitted compare and nonzero where the arrays are, then
+only the changes fetched), here run by XLA:CPU.
 """
 
 import os
@@ -98,25 +100,30 @@ def measure(label, fmt, base_held, target, reps, full_bf16, evict):
     for k, v in base_held.items():
       np.copyto(spare[k], v)
 
-  def publish():
-    host, prints = device.publish_state(base_held, *on_device)
+  def publish(on_device_diff=False):
+    device.HOST_MEMORY_DIRECT = not on_device_diff
+    try:
+      host, prints = device.publish_state(base_held, *on_device)
+    finally:
+      device.HOST_MEMORY_DIRECT = True
     sync.encode(base_held, host, fmt, version=1, base_checksums=known, fingerprints=prints,
                 threads=1)
 
   wire = update.to_bytes()
-  t_copy, t_enc, t_app, t_inplace, t_pub = best_times([
+  t_copy, t_enc, t_app, t_inplace, t_pub, t_diff = best_times([
       (copy, None),
       (lambda: sync.encode(base_held, target_held, fmt, version=1, base_checksums=known,
                            threads=1), None),
       (lambda u: sync.apply(base_held, u, threads=1), lambda: sync.Update.from_bytes(wire)),
       (lambda a: sync.apply(a[0], a[1], inplace=True, threads=1),
        lambda: ({k: v.copy() for k, v in base_held.items()}, sync.Update.from_bytes(wire))),
-      (publish, None)], reps, evict)
+      (publish, None), (lambda: publish(on_device_diff=True), None)], reps, evict)
   modes = sorted({m.mode for m in update.tensors.values()} - {"unchanged"})
   return [label, fmt, f"{nnz / n:.2%}", f"{update.nbytes:,}", f"{full_bf16 / update.nbytes:.1f}x",
           f"{update.nbytes / max(bound, 1):.3f}", f"{update.nbytes / keyframe.nbytes:.2%}",
           f"{t_copy / t_enc:.0%}", f"{t_copy / t_app:.0%}", f"{t_copy / t_inplace:.0%}",
-          f"{t_copy / t_pub:.0%}", f"{model / t_copy / 1e9:.1f}", "+".join(modes) or "-"]
+          f"{t_copy / t_pub:.0%}", f"{t_copy / t_diff:.0%}", f"{model / t_copy / 1e9:.1f}",
+          "+".join(modes) or "-"]
 
 
 def adam_direction(rng, n):
@@ -197,7 +204,7 @@ def main(argv):
     notes.append(f"real {size}: {full_r // 2:,} params in {len(rb)} tensors; keyframes: bf16 "
                  f"{kb:,} B, int8 {ki:,} B = {ki / kb:.2%} of bf16")
   header = ["update", "fmt", "changed", "payload B", "vs bf16", "/bound", "vs kf", "enc/copy",
-            "apply/copy", "inplace/copy", "publish/copy", "copy GB/s", "modes"]
+            "apply/copy", "inplace/copy", "publish/copy", "device diff/copy", "copy GB/s", "modes"]
   widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
   print("\n".join(notes))
   for r in [header] + rows:
