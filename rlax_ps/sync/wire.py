@@ -8,6 +8,7 @@ over their concatenated elements, in header order: a pack).
 """
 
 import dataclasses
+import functools
 import math
 import struct
 import threading
@@ -145,8 +146,10 @@ def layout_of(spec) -> tuple:
   return tuple(out)
 
 
+@functools.lru_cache(maxsize=16)
 def layout_digest(layout: tuple) -> int:
-  """xxh3-64 of a layout's rows: what a delta names its tensors by."""
+  """xxh3-64 of a layout's rows: what a delta names its tensors by (the same for every
+  update of a model, hence cached)."""
   return xxhash.xxh3_64_intdigest(b"".join(_layout_rows(layout)))
 
 
