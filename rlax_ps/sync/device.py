@@ -273,8 +273,8 @@ def changed_elements(old: jax.Array, new: jax.Array) -> tuple[np.ndarray, np.nda
 # third of its bytes); more are fetched in further round trips.
 FETCH_BYTES = 1 << 28
 # Arrays in this host's memory (the CPU backend) are copied, not diffed on their devices:
-# there a copy is a memcpy, while XLA-CPU's nonzero took ~230 ms on the 38M model (and a
-# compile per shape and bucket). False: the device path everywhere (tests).
+# there a copy is a memcpy, far cheaper than XLA:CPU's nonzero (and its compile per shape
+# and bucket). False: the device path everywhere (tests, benchmarks/weight_sync.py).
 HOST_MEMORY_DIRECT = True
 
 
