@@ -172,6 +172,8 @@ def encode(values: np.ndarray) -> bytes:
   stored: the caller's field holds it."""
   n = values.size
   values = np.ascontiguousarray(values, np.uint64)
+  if not n or values.max() >> np.uint64(MAX_BITS):
+    raise ValueError(f"entropy.encode: expected 1 or more values below 2**{MAX_BITS}")
   syms = np.empty(n, np.uint8)
   counts = np.zeros(ALPHABET, np.int64)
   raw = np.zeros((_symbols(values, syms, counts) + 7) // 8, np.uint8)

@@ -1,10 +1,11 @@
 """Update messages: the binary layout (FORMAT.md), header parsing, per-tensor changes.
 
-A message is a prefix, a header (versions, format, every tensor's name, shape, dtype, mode
-and section length, then the seals) and the sections. Tensor modes: "unchanged" (no
-section), "raw" (the new held bytes), "sparse" (sparse.py) and "packed" (a small tensor
-whose changes are coded with the other packed tensors of its dtype in one sparse section
-over their concatenated elements, in header order: a pack).
+A message is a prefix, a header (versions, format, the layout: every tensor's name, shape
+and dtype, or for a delta the digest of its base's layout; each tensor's mode and section
+length; the seals) and the sections. Tensor modes: "unchanged" (no section), "raw" (the
+new held bytes), "sparse" (sparse.py) and "packed" (a small tensor whose changes are coded
+with the other packed tensors of its dtype in one sparse section over their concatenated
+elements, in name order: a pack).
 """
 
 import dataclasses
@@ -353,6 +354,8 @@ class Update:
   base_version = property(lambda self: self.header.base_version)
   fmt = property(lambda self: self.header.fmt)
   is_keyframe = property(lambda self: self.header.is_keyframe)
+  nbytes = property(lambda self: self.header.nbytes)
+  fingerprinted = property(lambda self: self.header.fingerprints is not None)
 
   @property
   def tensors(self) -> dict[str, TensorMeta]:
@@ -365,13 +368,11 @@ class Update:
     """Names a delta's tensors by `layout` (its base: a held state, an Update or
     (shape, dtype) pairs by name); CodecError unless it is the layout the delta was made
     against. Returns the update."""
-    if self.header.tensors is None:
-      self.header = bind(self.header, layout_of(layout))
-    elif self.header.layout is not None and layout_digest(layout_of(layout)) != self.header.layout:
-      bind(self.header, layout_of(layout))  # raises the mismatch
+    layout = layout_of(layout)
+    if self.header.tensors is None or (self.header.layout is not None
+                                       and layout_digest(layout) != self.header.layout):
+      self.header = bind(self.header, layout)  # raises on a mismatch
     return self
-  nbytes = property(lambda self: self.header.nbytes)
-  fingerprinted = property(lambda self: self.header.fingerprints is not None)
 
   def __repr__(self):
     kind = "keyframe" if self.is_keyframe else f"delta from {self.base_version}"

@@ -61,6 +61,12 @@ def test_entropy_streams_round_trip_and_reject_values_past_their_limit(values):
     entropy.decode(ByteReader(data[:-3], "s"), values.size, 2**52, 0, out)
 
 
+def test_entropy_streams_refuse_what_they_cannot_code():
+  for values in ([], [2**52]):
+    with pytest.raises(ValueError, match="below 2\\*\\*52"):
+      entropy.encode(np.asarray(values, np.uint64))
+
+
 def test_entropy_streams_cost_their_entropy_within_a_percent():
   rng = np.random.default_rng(1)
   for values in (rng.geometric(0.01, 200_000) - 1, rng.geometric(0.3, 200_000) - 1):
