@@ -98,27 +98,32 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
       if old[name].shape != new[name].shape or old[name].dtype != new[name].dtype:
         raise CodecError(f"tensor {name!r}: base is {old[name].dtype}{list(old[name].shape)}, "
                          f"target is {new[name].dtype}{list(new[name].shape)}")
-    if base_checksums is not None:
-      check_names("base_checksums", base_checksums, new)
-    known = base_checksums or {}
+    known = {} if base_checksums is None else _u64s("base_checksums", base_checksums, new)
     rows = parallel.run([(new[n].size, functools.partial(_diff, old[n], new[n], known.get(n)))
                          for n in names], threads)
   packs = {} if base is None else _packs(names, new, rows)
   if fingerprints is True:
     fingerprints = host_fingerprints(new, threads)
   elif fingerprints is not None:
-    if not isinstance(fingerprints, dict):
-      raise ValueError(f"fingerprints expected a dict, True or None, got {fingerprints!r}")
-    check_names("fingerprints", fingerprints, new)
-    for name, value in fingerprints.items():
-      if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-              and 0 <= value < 1 << 64):
-        raise CodecError(f"tensor {name!r}: fingerprint expected a u64, got {value!r}")
+    fingerprints = _u64s("fingerprints", fingerprints, new)
   return build(fmt, version, base_version,
                [(n, new[n].shape, new[n].dtype, row[0]) for n, row in zip(names, rows)],
                [row[1] for row in rows], packs, [row[2] for row in rows],
                None if base is None else [row[3] for row in rows],
                None if fingerprints is None else [fingerprints[n] for n in names])
+
+
+def _u64s(what: str, given, new: dict) -> dict:
+  """`given` (name -> u64 for every tensor of `new`), checked: ValueError unless a mapping,
+  CodecError naming a tensor missing, extra or not a u64."""
+  if not isinstance(given, dict):
+    raise ValueError(f"{what} expected a dict, got {type(given).__name__}")
+  check_names(what, given, new)
+  for name, value in given.items():
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+        0 <= value < 1 << 64):
+      raise CodecError(f"tensor {name!r}: {what} expected a u64, got {value!r}")
+  return given
 
 
 def _packs(names: list, new: dict, rows: list) -> dict:

@@ -187,6 +187,11 @@ def test_bad_arguments_name_the_field(pair):
     sync.encode(None, {}, version=0)
   raises_naming("norm.scale", lambda: sync.encode(
       base, target, version=1, base_checksums={"emb.embedding": 1, "layer.kernel": 2}), "missing")
+  for bad in (-1, 1 << 64, "12", 1.5, True, None):
+    raises_naming("norm.scale", lambda: sync.encode(base, target, version=1, base_checksums={
+        "emb.embedding": 1, "layer.kernel": 2, "norm.scale": bad}), "base_checksums expected a u64")
+  with pytest.raises(ValueError, match="base_checksums expected a dict"):
+    sync.encode(base, target, version=1, base_checksums=[1, 2, 3])
   raises_naming("x", lambda: sync.encode(None, {"x": np.arange(3)}, version=0), "floating")
   with pytest.raises(TypeError, match="Update"):
     sync.apply(base, b"bytes")

@@ -154,9 +154,9 @@ def test_bad_fingerprint_arguments_are_named():
   with pytest.raises(sync.CodecError, match="'norm.scale'.*missing"):
     sync.encode(base, target, version=1, fingerprints={k: v for k, v in good.items()
                                                        if k != "norm.scale"})
-  with pytest.raises(sync.CodecError, match="'layer.kernel'.*fingerprint expected"):
+  with pytest.raises(sync.CodecError, match="'layer.kernel'.*fingerprints expected a u64"):
     sync.encode(base, target, version=1, fingerprints=dict(good, **{"layer.kernel": -1}))
-  with pytest.raises(sync.CodecError, match="'layer.kernel'.*fingerprint expected"):
+  with pytest.raises(sync.CodecError, match="'layer.kernel'.*fingerprints expected a u64"):
     sync.encode(base, target, version=1, fingerprints=dict(good, **{"layer.kernel": 1.5}))
   with pytest.raises(ValueError, match="fingerprints"):
     sync.encode(base, target, version=1, fingerprints="yes")
