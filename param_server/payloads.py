@@ -70,26 +70,34 @@ def verify(blob, *, decode_keyframe: bool, layout: dict | None = None,
     sync.Update.from_bytes(blob, None if header.is_keyframe else layout)
 
 
-def materialize(blobs) -> dict[str, np.ndarray]:
-  """Applies a keyframe blob and the delta blobs after it; raises CodecError on a seal mismatch.
+def materialize(read: Callable[[int, int], np.ndarray], nbytes: int, deltas) -> dict[str, np.ndarray]:
+  """The weights of a stored keyframe of `nbytes` bytes and the delta blobs after it;
+  raises CodecError on a seal mismatch.
 
-  The keyframe is read in place (apply checks each of its tensors' checksums) into new
-  arrays, which the deltas then patch in place: a chain costs one model of memory and
-  writes only changed elements, not a new model per delta. Deltas are parsed with their
-  digests checked."""
-  weights = None
-  for blob in blobs:
-    header = sync.read_header(blob)
-    update = sync.Update(blob, header) if header.is_keyframe else sync.Update.from_bytes(blob)
-    weights = sync.apply(weights, update, inplace=weights is not None)
-    del update, blob
+  The keyframe is read a tensor at a time through `read(start, stop)` (a new array of its
+  bytes [start, stop)) and checked against its result seal; the deltas then patch those
+  arrays in place: a chain costs one model of memory and writes only changed elements."""
+  head = np.asarray(read(0, sync.PREFIX_BYTES))
+  head = np.asarray(read(0, sync.header_nbytes(head)))
+  header = sync.read_header(head, nbytes=nbytes)
+  if not header.is_keyframe:
+    raise CodecError(f"update {header.version}: a chain starts at a keyframe, got a delta")
+  weights = {}
+  for name, meta in header.tensors.items():
+    raw = np.asarray(read(meta.offset, meta.offset + meta.nbytes))
+    weights[name] = (raw if raw.flags.writeable else raw.copy()).view(meta.dtype).reshape(meta.shape)
+  sync.Update(head, header).verify_all(weights)
+  for blob in deltas:
+    weights = sync.apply(weights, sync.Update.from_bytes(blob), inplace=True)
+    del blob
   return weights
 
 
-def encode_keyframe(weights: dict[str, np.ndarray], fmt: str, version: int, *,
-                    fingerprints: bool = False) -> bytes:
-  """Re-encodes materialised weights as a keyframe blob at `version`; with `fingerprints`
-  (as the update it replaces had), its results' device fingerprints are sealed too, so that
-  workers on accelerators keep checking their weights on device."""
-  return sync.encode(None, weights, fmt, version=version,
-                     fingerprints=True if fingerprints else None).to_bytes()
+def keyframe_parts(weights: dict[str, np.ndarray], fmt: str, version: int, *,
+                   fingerprints: bool = False) -> list:
+  """Materialised weights re-encoded as a keyframe at `version`, as a list of buffers (its
+  header, then views of the weights): written out a part at a time, never held twice.
+  With `fingerprints` (as the update it replaces had), its results' device fingerprints
+  are sealed too, so that workers on accelerators keep checking their weights on device."""
+  return sync.keyframe_parts(weights, fmt, version=version,
+                             fingerprints=True if fingerprints else None)

@@ -316,13 +316,32 @@ class WeightStore:
     return blob, False
 
   def _write_array(self, path: str, data) -> None:
-    array = ts.open(_array_spec(path, len(data), self.chunk_bytes), create=True, delete_existing=True).result()
-    flat = np.frombuffer(data, dtype=np.uint8)
-    for start in range(0, len(data), self.chunk_bytes):  # chunk by chunk: no second copy of the blob
-      stop = min(start + self.chunk_bytes, len(data))
-      array[start:stop].write(flat[start:stop]).result()
-      if isinstance(data, mmap.mmap):
-        drop(data, start, stop)
+    self._write_parts(path, [data], len(data),
+                      done=functools.partial(drop, data) if isinstance(data, mmap.mmap) else None)
+
+  def _write_parts(self, path: str, parts: list, total: int, *, done=None, hasher=None) -> None:
+    """Writes the concatenation of `parts` (buffers, `total` bytes) as the array at `path`,
+    a chunk at a time (a chunk that spans parts is assembled alone), so no second copy of
+    the blob is made; `hasher` (e.g. hashlib.sha256()) sees every byte in order, and
+    `done(start, stop)` is told each range once it is written."""
+    array = ts.open(_array_spec(path, total, self.chunk_bytes), create=True, delete_existing=True).result()
+    pending, at, held = [], 0, 0
+    for part in parts:
+      view, pos = np.frombuffer(part, dtype=np.uint8), 0
+      while pos < view.size:
+        take = min(view.size - pos, self.chunk_bytes - held)
+        pending.append(view[pos:pos + take])
+        pos, held = pos + take, held + take
+        if held == self.chunk_bytes or at + held == total:
+          piece = pending[0] if len(pending) == 1 else np.concatenate(pending)
+          array[at:at + held].write(piece).result()
+          if hasher is not None:
+            hasher.update(piece)
+          if done is not None:
+            done(at, at + held)
+          at, pending, held = at + held, [], 0
+    if at != total:
+      raise ValueError(f"parts hold {at} bytes, expected {total}")
 
   def _blobs_at(self, version: int) -> list[Blob]:
     """The stored blobs ending at `version` (its delta, and a keyframe compacted there)."""
@@ -367,13 +386,15 @@ class WeightStore:
     try:
       target = blobs[-1]
       printed = payloads.read_info(self.read_all(target)).fingerprinted
-      weights = payloads.materialize(self.read_all(b) for b in blobs)
-      data = payloads.encode_keyframe(weights, target.fmt, target.version, fingerprints=printed)
-      del weights
-      blob = Blob(target.version, None, target.fmt, len(data), hashlib.sha256(data).hexdigest(),
-                  self.keyframe.tensors)
-      self._write_array(self._path(blob), data)
-      del data
+      first = self.open_array(blobs[0])  # read a tensor at a time: one model in memory
+      weights = payloads.materialize(lambda start, stop: first[start:stop].read().result(),
+                                     blobs[0].nbytes, (self.read_all(b) for b in blobs[1:]))
+      parts = payloads.keyframe_parts(weights, target.fmt, target.version, fingerprints=printed)
+      total, sha = sum(memoryview(p).nbytes for p in parts), hashlib.sha256()
+      blob = Blob(target.version, None, target.fmt, total, "", self.keyframe.tensors)
+      self._write_parts(self._path(blob), parts, total, hasher=sha)  # views of the weights
+      del parts, weights
+      blob = dataclasses.replace(blob, sha256=sha.hexdigest())
       with self._lock:
         if self.keyframe.version >= blob.version:  # the trainer published a newer keyframe meanwhile
           shutil.rmtree(self._path(blob), ignore_errors=True)

@@ -19,6 +19,9 @@ Host usage:
   update = encode(prev, params, "bf16", version=v, base_checksums=last.checksums)
   wire = update.to_bytes(); update = Update.from_bytes(wire)   # CodecError if bad
   header = read_header(wire, held)  # versions, fmt, tensor metas; no payload decoding
+  parts = keyframe_parts(params, "bf16", version=v)  # a keyframe as buffers (views): written
+                                    # out a part at a time; read back with header_nbytes and
+                                    # read_header(head, nbytes=...)
   held = apply(held, update)        # new arrays, verified bit for bit against the seals
   held = apply(held, update, inplace=True)   # writes only the changed elements
   A delta names its tensors by the digest of its base's layout (names, shapes, dtypes):
@@ -39,14 +42,15 @@ Checksums are xxh3-64 of each tensor's held bytes, recorded as seals (integrity.
 with a few locators that name the tensor behind a mismatch.
 """
 
-from rlax_ps.sync.codec import apply, dequantize, encode, held_state
+from rlax_ps.sync.codec import apply, dequantize, encode, held_state, keyframe_parts
 from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.int8 import quantize_params
 from rlax_ps.sync.integrity import Seal, checksum, state_digest
-from rlax_ps.sync.wire import TensorChanges, TensorMeta, Update, UpdateHeader, read_header
+from rlax_ps.sync.wire import (PREFIX_BYTES, TensorChanges, TensorMeta, Update, UpdateHeader,
+                               header_nbytes, read_header)
 
 __all__ = [
-    "CodecError", "Seal", "TensorChanges", "TensorMeta", "Update", "UpdateHeader", "apply",
-    "checksum", "dequantize", "encode", "held_state", "quantize_params", "read_header",
-    "state_digest",
+    "PREFIX_BYTES", "CodecError", "Seal", "TensorChanges", "TensorMeta", "Update", "UpdateHeader",
+    "apply", "checksum", "dequantize", "encode", "header_nbytes", "held_state", "keyframe_parts",
+    "quantize_params", "read_header", "state_digest",
 ]

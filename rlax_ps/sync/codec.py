@@ -10,7 +10,7 @@ from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.fingerprints import of_state as host_fingerprints
 from rlax_ps.sync.integrity import checksum
 from rlax_ps.sync.wire import (FORMATS, PACKED, RAW, SPARSE, UNCHANGED, Update, build,
-                               check_names)
+                               check_names, message_parts)
 
 # Tensors of fewer elements share their dtype's pack: one section (and one pair of entropy
 # tables) for all the norms, biases and scales of a model.
@@ -71,6 +71,23 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   fingerprint of every target tensor as held (device.fingerprints_of on the publisher's
   devices), or True to compute them here. `threads`: tensors coded side by side (None: the
   host's cores, at most 8); the bytes do not depend on it."""
+  return build(*_message(base, target, fmt, version, base_version, base_checksums,
+                         fingerprints, threads))
+
+
+def keyframe_parts(target, fmt: str = "bf16", *, version: int,
+                   fingerprints: dict | bool | None = None,
+                   threads: int | None = None) -> list:
+  """encode(None, target, ...)'s bytes as a list of buffers: the prefix and header, then
+  each tensor's held bytes as a view of its array (of `target`'s own where it is held
+  already): a large keyframe written out a part at a time is never held twice."""
+  return message_parts(*_message(None, target, fmt, version, None, None, fingerprints,
+                                 threads))
+
+
+def _message(base, target, fmt, version, base_version, base_checksums, fingerprints,
+             threads) -> tuple:
+  """The arguments of wire.build / wire.message_parts for encode's update."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt expected one of {FORMATS}, got {fmt!r}")
   if base is None:
@@ -106,11 +123,11 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
     fingerprints = host_fingerprints(new, threads)
   elif fingerprints is not None:
     fingerprints = _u64s("fingerprints", fingerprints, new)
-  return build(fmt, version, base_version,
-               [(n, new[n].shape, new[n].dtype, row[0]) for n, row in zip(names, rows)],
-               [row[1] for row in rows], packs, [row[2] for row in rows],
-               None if base is None else [row[3] for row in rows],
-               None if fingerprints is None else [fingerprints[n] for n in names])
+  return (fmt, version, base_version,
+          [(n, new[n].shape, new[n].dtype, row[0]) for n, row in zip(names, rows)],
+          [row[1] for row in rows], packs, [row[2] for row in rows],
+          None if base is None else [row[3] for row in rows],
+          None if fingerprints is None else [fingerprints[n] for n in names])
 
 
 def _u64s(what: str, given, new: dict) -> dict:

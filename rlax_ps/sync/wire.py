@@ -154,14 +154,17 @@ def layout_digest(layout: tuple) -> int:
   return xxhash.xxh3_64_intdigest(b"".join(_layout_rows(layout)))
 
 
-def build(fmt: str, version: int, base_version: int | None, metas: list, sections: list,
-          packs: dict, checksums: list, base_checksums: list | None,
-          fingerprints: list | None) -> "Update":
+def message_parts(fmt: str, version: int, base_version: int | None, metas: list,
+                  sections: list, packs: dict, checksums: list, base_checksums: list | None,
+                  fingerprints: list | None) -> list:
   """The message of `metas` ((name, shape, dtype, mode code) each, name order), their
-  `sections` (bytes; b"" where none), the pack sections (dtype -> bytes) and the per-tensor
-  digests the seals cover. A keyframe writes its layout; a delta, the layout's digest."""
+  `sections` (bytes-likes; b"" where none), the pack sections (dtype -> bytes) and the
+  per-tensor digests the seals cover, as a list of buffers: the prefix and header, then the
+  sections as given (views stay views). A keyframe writes its layout; a delta, the
+  layout's digest."""
   keyframe = base_version is None
   layout = tuple((name, tuple(shape), np.dtype(dtype)) for name, shape, dtype, _ in metas)
+  sections = [s if isinstance(s, bytes) else memoryview(s).cast("B") for s in sections]
   head = [bytes([FORMATS.index(fmt), (KEYFRAME if keyframe else 0)
                  | (0 if fingerprints is None else FINGERPRINTED)]), varint(version)]
   if keyframe:
@@ -181,10 +184,20 @@ def build(fmt: str, version: int, base_version: int | None, metas: list, section
   if fingerprints is not None:
     head.append(_seal_bytes(Seal.of(fingerprints)))
   header = _ZSTD.compressor().compress(b"".join(head))
-  data = b"".join([_PREFIX.pack(MAGIC, WIRE_VERSION, len(header), zlib.crc32(header)),
-                   header, *body])
+  return [_PREFIX.pack(MAGIC, WIRE_VERSION, len(header), zlib.crc32(header)) + header, *body]
+
+
+def build(fmt: str, version: int, base_version: int | None, metas: list, sections: list,
+          packs: dict, checksums: list, base_checksums: list | None,
+          fingerprints: list | None) -> "Update":
+  """The Update of message_parts' message, knowing its checksums (and fingerprints)."""
+  data = b"".join(message_parts(fmt, version, base_version, metas, sections, packs, checksums,
+                                base_checksums, fingerprints))
   header = read_header(data)
-  update = Update(data, header if keyframe else bind(header, layout))
+  if base_version is not None:
+    header = bind(header, tuple((name, tuple(shape), np.dtype(dtype))
+                                for name, shape, dtype, _ in metas))
+  update = Update(data, header)
   names = [m[0] for m in metas]
   update.checksums = dict(zip(names, map(int, checksums)))
   if base_checksums is not None:
@@ -198,12 +211,16 @@ def _read_seal(r: ByteReader, n: int) -> Seal:
   return Seal(r.u64(), tuple(r.take(group_count(n))))
 
 
-def read_header(b, layout=None) -> UpdateHeader:
-  """Parses and validates the header of a message (any buffer) without reading the
-  sections; CodecError naming the tensor or field at fault. A delta names its tensors by
-  its base's layout: given `layout` (anything layout_of takes), `tensors` is filled in,
-  else it is None until Update.bind."""
-  buf = memoryview(b).cast("B")
+PREFIX_BYTES = _PREFIX.size
+
+
+def header_nbytes(prefix) -> int:
+  """Bytes of a message's prefix and header, from its first PREFIX_BYTES bytes."""
+  return _PREFIX.size + _prefix(memoryview(prefix).cast("B"))[0]
+
+
+def _prefix(buf: memoryview) -> tuple[int, int]:
+  """(header length, header crc32) of a message's prefix, checked."""
   if buf.nbytes < _PREFIX.size:
     raise CodecError(f"update header: truncated: {buf.nbytes} bytes, the prefix needs "
                      f"{_PREFIX.size}")
@@ -214,6 +231,18 @@ def read_header(b, layout=None) -> UpdateHeader:
     raise CodecError(f"update header: wire format version {wire} is not supported: this "
                      f"reader reads version {WIRE_VERSION} only (republish with the same "
                      f"rlax-ps version on both sides)")
+  return hlen, crc
+
+
+def read_header(b, layout=None, *, nbytes: int | None = None) -> UpdateHeader:
+  """Parses and validates the header of a message (any buffer) without reading the
+  sections; CodecError naming the tensor or field at fault. A delta names its tensors by
+  its base's layout: given `layout` (anything layout_of takes), `tensors` is filled in,
+  else it is None until Update.bind. `nbytes`: the message's length, where `b` holds only
+  its first header_nbytes bytes (a stored message read a part at a time)."""
+  buf = memoryview(b).cast("B")
+  hlen, crc = _prefix(buf)
+  total = buf.nbytes if nbytes is None else nbytes
   if _PREFIX.size + hlen > buf.nbytes:
     raise CodecError(f"update header: truncated: the header needs {hlen} bytes, "
                      f"{buf.nbytes - _PREFIX.size} left")
@@ -265,11 +294,11 @@ def read_header(b, layout=None) -> UpdateHeader:
     if n:
       packs[dtype] = (offset, n)
       offset += n
-  if offset != buf.nbytes:
-    kind = "truncated" if offset > buf.nbytes else "trailing bytes"
+  if offset != total:
+    kind = "truncated" if offset > total else "trailing bytes"
     raise CodecError(f"update: {kind}: the sections end at byte {offset}, the message has "
-                     f"{buf.nbytes}")
-  header = UpdateHeader(version, base_version, FORMATS[fmt_code], None, buf.nbytes, results,
+                     f"{total}")
+  header = UpdateHeader(version, base_version, FORMATS[fmt_code], None, total, results,
                         bases, sections, printed, packs, digest, tuple(spans))
   if own is not None or layout is not None:
     header = bind(header, own if own is not None else layout_of(layout))

@@ -24,29 +24,54 @@ def _chain(fmt, steps=3):
   return blobs, held
 
 
+def _reader(blob: bytes, reads: list):
+  """read(start, stop) of a stored blob: a new array of those bytes; `reads` records them."""
+  def read(start, stop):
+    reads.append((start, stop))
+    return np.frombuffer(blob[start:stop], np.uint8).copy()
+  return read
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_materialize_patches_the_keyframe_arrays_in_place_through_the_chain(fmt, monkeypatch):
+def test_materialize_reads_the_keyframe_a_tensor_at_a_time_and_patches_it_in_place(
+    fmt, monkeypatch):
   blobs, want = _chain(fmt)
-  calls = []
+  calls, reads = [], []
   real_apply = sync.apply
 
   def spy(base, update, **kw):
+    ids = {k: id(v) for k, v in base.items()}
     out = real_apply(base, update, **kw)
-    calls.append((kw.get("inplace", False), {k: id(v) for k, v in out.items()}))
+    calls.append((kw.get("inplace", False), ids == {k: id(v) for k, v in out.items()}))
     return out
 
   monkeypatch.setattr(sync, "apply", spy)
-  got = payloads.materialize(blobs)
-  assert [inplace for inplace, _ in calls] == [False, True, True, True]
-  assert all(ids == calls[0][1] for _, ids in calls)  # the keyframe's arrays, patched
+  got = payloads.materialize(_reader(blobs[0], reads), len(blobs[0]), blobs[1:])
+  assert calls == [(True, True)] * 3  # each delta patched the keyframe's arrays
+  header = sync.read_header(blobs[0])
+  assert max(stop - start for start, stop in reads) == max(
+      m.nbytes for m in header.tensors.values())  # never more than one tensor at a time
   assert sorted(got) == sorted(want)
   for k in want:
     assert np.array_equal(got[k].view(np.uint8), want[k].view(np.uint8)), k
 
 
-def test_materialize_rejects_a_corrupted_delta():
+def test_materialize_rejects_a_corrupted_keyframe_tensor_or_delta():
   blobs, _ = _chain("bf16", steps=2)
   bad = bytearray(blobs[2])
   bad[-5] ^= 0x21
   with pytest.raises(sync.CodecError):
-    payloads.materialize(blobs[:2] + [bytes(bad)])
+    payloads.materialize(_reader(blobs[0], []), len(blobs[0]), [blobs[1], bytes(bad)])
+  bad = bytearray(blobs[0])
+  bad[-5] ^= 0x21  # inside the last tensor: its checksum fails, named
+  with pytest.raises(sync.CodecError, match="'norm.scale'.*result checksum mismatch"):
+    payloads.materialize(_reader(bytes(bad), []), len(bad), [])
+  with pytest.raises(sync.CodecError, match="starts at a keyframe"):
+    payloads.materialize(_reader(blobs[1], []), len(blobs[1]), [])
+
+
+def test_keyframe_parts_are_the_keyframe_and_views_of_the_weights():
+  blobs, held = _chain("bf16", steps=1)
+  parts = payloads.keyframe_parts(held, "bf16", 1)
+  assert b"".join(parts) == sync.encode(None, held, "bf16", version=1).to_bytes()
+  assert any(np.shares_memory(np.frombuffer(p, np.uint8), held["a.kernel"]) for p in parts[1:])
