@@ -148,7 +148,7 @@ def test_other_wire_versions_are_rejected_clearly(pair, version):
 def test_bad_magic_crc_and_flags_are_rejected(pair):
   data = pair[2].to_bytes()
   with pytest.raises(sync.CodecError, match="magic"):
-    sync.read_header(b"XXXX" + data[4:])
+    sync.read_header(b"RLXQ" + data[4:])  # another magic
   hlen = struct.unpack("<I", data[6:10])[0]
   bad = bytearray(data)
   bad[14 + hlen // 2] ^= 1
