@@ -36,7 +36,23 @@ def read_info(blob, layout: dict | None = None) -> PayloadInfo:
   """Parses the header of an Update blob (any buffer) without decoding its payloads. A delta
   names its tensors by its model's layout (`layout`: name -> (shape, dtype name), e.g. the
   keyframe's `tensors`); CodecError when it was made for another one."""
-  header = sync.read_header(blob, layout)
+  return _info(sync.read_header(blob, layout))
+
+
+def read_stored_info(read: Callable[[int, int], np.ndarray], nbytes: int) -> PayloadInfo:
+  """read_info of a stored blob of `nbytes` bytes, reading only its header through
+  `read(start, stop)` (a new array of its bytes [start, stop))."""
+  return _info(_stored_header(read, nbytes)[1])
+
+
+def _stored_header(read, nbytes: int):
+  """(the prefix and header bytes, the parsed header) of a stored blob."""
+  head = np.asarray(read(0, sync.PREFIX_BYTES))
+  head = np.asarray(read(0, sync.header_nbytes(head)))
+  return head, sync.read_header(head, nbytes=nbytes)
+
+
+def _info(header) -> PayloadInfo:
   return PayloadInfo(
       version=int(header.version),
       base_version=None if header.base_version is None else int(header.base_version),
@@ -77,9 +93,7 @@ def materialize(read: Callable[[int, int], np.ndarray], nbytes: int, deltas) -> 
   The keyframe is read a tensor at a time through `read(start, stop)` (a new array of its
   bytes [start, stop)) and checked against its result seal; the deltas then patch those
   arrays in place: a chain costs one model of memory and writes only changed elements."""
-  head = np.asarray(read(0, sync.PREFIX_BYTES))
-  head = np.asarray(read(0, sync.header_nbytes(head)))
-  header = sync.read_header(head, nbytes=nbytes)
+  head, header = _stored_header(read, nbytes)
   if not header.is_keyframe:
     raise CodecError(f"update {header.version}: a chain starts at a keyframe, got a delta")
   weights = {}

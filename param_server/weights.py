@@ -385,10 +385,10 @@ class WeightStore:
   def _compact(self, blobs: list[Blob]) -> None:
     try:
       target = blobs[-1]
-      printed = payloads.read_info(self.read_all(target)).fingerprinted
-      first = self.open_array(blobs[0])  # read a tensor at a time: one model in memory
-      weights = payloads.materialize(lambda start, stop: first[start:stop].read().result(),
-                                     blobs[0].nbytes, (self.read_all(b) for b in blobs[1:]))
+      printed = payloads.read_stored_info(self._reader(target), target.nbytes).fingerprinted
+      # The keyframe read a tensor at a time: one model in memory.
+      weights = payloads.materialize(self._reader(blobs[0]), blobs[0].nbytes,
+                                     (self.read_all(b) for b in blobs[1:]))
       parts = payloads.keyframe_parts(weights, target.fmt, target.version, fingerprints=printed)
       total, sha = sum(memoryview(p).nbytes for p in parts), hashlib.sha256()
       blob = Blob(target.version, None, target.fmt, total, "", self.keyframe.tensors)
@@ -492,6 +492,11 @@ class WeightStore:
           while self._cache_used > self.limits.cache_bytes:
             self._cache_used -= self._cache.popitem(last=False)[1].nbytes
     return data
+
+  def _reader(self, blob: Blob):
+    """read(start, stop) of a stored blob: a new array of those bytes, uncached."""
+    array = self.open_array(blob)
+    return lambda start, stop: array[start:stop].read().result()
 
   def read_all(self, blob: Blob) -> np.ndarray:
     return self.open_array(blob).read().result()

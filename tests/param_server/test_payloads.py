@@ -70,6 +70,14 @@ def test_materialize_rejects_a_corrupted_keyframe_tensor_or_delta():
     payloads.materialize(_reader(blobs[1], []), len(blobs[1]), [])
 
 
+def test_stored_info_reads_only_the_header():
+  blobs, _ = _chain("bf16", steps=1)
+  reads = []
+  info = payloads.read_stored_info(_reader(blobs[1], reads), len(blobs[1]))
+  assert (info.version, info.base_version, info.tensors) == (1, 0, None)
+  assert max(stop for _, stop in reads) == sync.header_nbytes(blobs[1][:sync.PREFIX_BYTES])
+
+
 def test_keyframe_parts_are_the_keyframe_and_views_of_the_weights():
   blobs, held = _chain("bf16", steps=1)
   parts = payloads.keyframe_parts(held, "bf16", 1)
