@@ -1,7 +1,8 @@
 """The worker's copy of the policy: the published bf16 or int8 weights, on device, runnable.
 
-Updates from the parameter server (`rlax_ps.sync.Update`) are applied in place: each changed
-tensor is one donated jitted scatter of its changed elements (`rlax_ps.sync.device`), so no
+The weights are held as their bit patterns (`HeldBits`), which the model reads as bf16/int8
+values. Updates from the parameter server (`rlax_ps.sync.Update`) are applied in place:
+every changed tensor's elements in one donated jitted scatter (`rlax_ps.sync.patch`), so no
 second copy of the model ever exists; the whole held state is then checked against the
 update's seal: on an accelerator, by device fingerprints (rlax_ps.sync.fingerprints; 8 bytes
 per changed tensor reach the host) where the publisher sealed them; otherwise by the xxh3
@@ -12,7 +13,6 @@ and leaves the policy without a version: the caller pulls a keyframe.
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import jax
@@ -24,14 +24,38 @@ from inference_workers.quantized import Int8Transformer, held_name
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.transformer import Transformer
 from rlax_ps.sync import CodecError, Update, checksum, parallel, state_digest
-from rlax_ps.sync.device import (HostBuffers, apply_changes, each_padded_changes,
-                                  fingerprints_of)
+from rlax_ps.sync.device import BITS_OF, VALUE_OF, bits_of, fingerprints_of, values_of
+from rlax_ps.sync.patch import Patcher
 
 FORMATS = ("bf16", "int8")
 
 
 class ResyncNeeded(Exception):
   """The held weights cannot take this update; only a keyframe can bring them back."""
+
+
+class HeldBits(nnx.Param):
+  """A held weight stored as its bit pattern (uint16 for bf16, uint8 for int8): read and
+  written as values (`var[...]`, set_value); `get_raw_value()` is the bits, which updates
+  patch in place. Inside a jitted forward the bitcast fuses into the weight's consumer."""
+
+  def get_value(self, **kwargs):
+    value = super().get_value(**kwargs)
+    if isinstance(value, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(value.shape, VALUE_OF[jnp.dtype(value.dtype)])
+    return values_of(value)
+
+  def set_value(self, value, **kwargs):
+    super().set_value(bits_of(value), **kwargs)
+
+
+def _held_bits(model: nnx.Module) -> nnx.Module:
+  """`model` (built under nnx.eval_shape) with its params as HeldBits of the bit dtype."""
+  graphdef, state = nnx.split(model)
+  state = jax.tree.map(
+      lambda v: HeldBits(jax.ShapeDtypeStruct(v.shape, BITS_OF[jnp.dtype(v.dtype)]))
+      if isinstance(v, nnx.Param) else v, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, state)
 
 
 def _variables(model: nnx.Module) -> dict[str, nnx.Variable]:
@@ -42,8 +66,9 @@ def _variables(model: nnx.Module) -> dict[str, nnx.Variable]:
 class HeldPolicy:
   """A model (bf16 `Transformer` or `Int8Transformer`) whose weights follow published versions.
 
-  `model` is what the sampler runs; `version` is None until a keyframe has been applied
-  (and again after a failed update). Compute dtype is `config.dtype`.
+  `model` is what the sampler runs (its params are `HeldBits`); `version` is None until a
+  keyframe has been applied (and again after a failed update). Compute dtype is
+  `config.dtype`.
   `on_device_checks`: check fingerprinted updates on device (True), always by pulling and
   hashing (False), or None: on device unless the weights live on the CPU, where pulling
   is free and xxh3 outruns XLA's CPU fingerprint (4 vs 44 ms for 176 MB: worker_checks.py).
@@ -60,11 +85,13 @@ class HeldPolicy:
     self.on_device_checks = on_device_checks
     cls = Transformer if fmt == "bf16" else Int8Transformer
     held_config = config.replace(param_dtype="bfloat16")
-    self.model = nnx.eval_shape(lambda: cls(held_config, rngs=nnx.Rngs(0)))
+    shapes = nnx.eval_shape(lambda: cls(held_config, rngs=nnx.Rngs(0)))
+    self._layout = {name: var.get_raw_value() for name, var in _variables(shapes).items()}
+    self.model = _held_bits(shapes)
     self._vars = _variables(self.model)
     self._checksums: dict[str, int] = {}  # of held tensors, filled as they are verified
     self._fingerprints: dict[str, int] = {}  # likewise, where checked on device
-    self._buffers = HostBuffers()  # the scatters' host arrays, reused update to update
+    self._patcher = Patcher()
     self.version: int | None = None
 
   @property
@@ -78,7 +105,8 @@ class HeldPolicy:
     return sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize for v in self._vars.values())
 
   def held_state(self) -> dict[str, jax.Array]:
-    return {name: var[...] for name, var in self._vars.items()}
+    """name -> held bit array (uint16 for bf16, uint8 for int8), as held (no copy)."""
+    return {name: var.get_raw_value() for name, var in self._vars.items()}
 
   def apply(self, update: Update, *, verify: bool = True) -> None:
     """Bring the held weights to `update.version` in place (keyframe or delta).
@@ -99,7 +127,7 @@ class HeldPolicy:
       raise ResyncNeeded(f"update {update.version} is a delta from version {update.base_version}; "
                          f"held version is {self.version}")
     if update.header.tensors is None:  # a delta names its tensors by the held layout
-      update.bind({name: var[...] for name, var in self._vars.items()})
+      update.bind(self._layout)
     names = set(update.tensors)
     if names != set(self._vars):
       odd = sorted(names ^ set(self._vars))
@@ -109,42 +137,24 @@ class HeldPolicy:
     # leftovers would be caught by the seal check below.
     if not update.is_keyframe:
       self.version = None
-    reading = collections.deque()  # (result, its scatter's host arrays) not yet returned
+    held, changed = self.held_state(), None
     try:
-      for name, changes in each_padded_changes(update, sorted(names),
-                                               buffers=self._buffers):  # decoded ahead
-        var = self._vars[name]
-        if changes.kind == "unchanged":
-          continue
-        if changes.kind == "replace":
-          new = jnp.asarray(changes.array)
-        elif isinstance(var[...], jax.ShapeDtypeStruct):
-          raise ResyncNeeded(f"tensor {name!r}: a delta needs held weights; none are loaded "
-                             f"yet")
-        else:
-          new = apply_changes(var[...], changes)
-          if changes.kind == "sparse":
-            reading.append((new, changes))
-        var.set_value(new)
-        self._checksums.pop(name, None)
-        self._fingerprints.pop(name, None)
-        while reading and reading[0][0].is_ready():  # its scatter read them: reusable
-          self._give_back(reading.popleft()[1])
-    finally:
-      for new, changes in reading:
-        jax.block_until_ready(new)
-        self._give_back(changes)
+      changed = self._patcher.apply(held, update)
+    finally:  # what was patched before an error is held (its old buffers are gone)
+      for name, var in self._vars.items():
+        if held[name] is not var.get_raw_value():
+          var.set_raw_value(held[name])
+          if changed is None or name in changed:
+            self._checksums.pop(name, None)
+            self._fingerprints.pop(name, None)
     if verify:
       self._verify(update, names)
     self.version = update.version
 
-  def _give_back(self, changes) -> None:
-    self._buffers.give(changes.indices, changes.offsets)
-
   def _checks_on_device(self) -> bool:
     if self.on_device_checks is not None:
       return self.on_device_checks
-    held = next((x for x in (v.get_value() for v in self._vars.values())
+    held = next((x for x in (v.get_raw_value() for v in self._vars.values())
                  if isinstance(x, jax.Array)), None)
     return held is not None and next(iter(held.devices())).platform != "cpu"
 
@@ -152,7 +162,8 @@ class HeldPolicy:
     """CodecError unless the held tensors `names` are what `update` makes: by fingerprints
     on device where the update has them and checks run there, else by checksums."""
     if update.fingerprinted and self._checks_on_device():
-      todo = {name: self._vars[name][...] for name in names if name not in self._fingerprints}
+      todo = {name: self._vars[name].get_raw_value() for name in names
+              if name not in self._fingerprints}
       self._fingerprints.update(fingerprints_of(todo))
       update.check_fingerprints({name: self._fingerprints[name] for name in names})
     else:
@@ -162,7 +173,8 @@ class HeldPolicy:
     """name -> checksum of each held tensor: kept from when it last changed, else pulled
     and hashed, side by side on the host's cores (pulls and xxh3 release the GIL)."""
     todo = [name for name in names if name not in self._checksums]
-    tasks = [(self._vars[name][...].size, functools.partial(self._pulled_checksum, name))
+    tasks = [(self._vars[name].get_raw_value().size,
+              functools.partial(self._pulled_checksum, name))
              for name in todo]
     self._checksums.update(zip(todo, parallel.run(tasks, parallel.resolve(None))))
     return {name: self._checksums[name] for name in names}
@@ -173,7 +185,7 @@ class HeldPolicy:
     return state_digest({name: self._pulled_checksum(name) for name in self._vars})
 
   def _pulled_checksum(self, name: str) -> int:
-    return checksum(np.asarray(jax.device_get(self._vars[name][...])))
+    return checksum(np.asarray(jax.device_get(self._vars[name].get_raw_value())))
 
   def verify_all(self, update: Update) -> None:
     """Check every held tensor afresh (on device or pulled, as apply would) against

@@ -1,7 +1,8 @@
 """Weight sync codec: versioned keyframes and sparse deltas of bf16 or int8 weights.
 
 numpy and numba only (no JAX, no gRPC): the parameter server validates and stores updates
-with it; `rlax_ps.sync.device` (imported on demand) applies them to JAX arrays on device.
+with it; `rlax_ps.sync.patch` and `rlax_ps.sync.device` (imported on demand) apply them to JAX
+arrays on device and fetch a publisher's changes from it.
 The wire format is in FORMAT.md.
 
 Formats:
@@ -31,7 +32,9 @@ On device (workers, in place):
   ch = update.changes(name)         # TensorChanges: "unchanged", "replace" (ch.array) or
                                     # "sparse" (ch.indices, ch.offsets: new_bits[indices] =
                                     # old_bits[indices] + offsets, wrapping)
-  rlax_ps.sync.device.apply_changes(buf, ch)    # one donated jitted scatter
+  rlax_ps.sync.patch.Patcher().apply(held_bits, update)  # a worker's held uint16/uint8
+                                    # bits, patched in place: one donated jitted scatter
+                                    # per group of tensors
   host, fps = rlax_ps.sync.device.publish_state(host_prev, prev_on_device, new_on_device)
   encode(host_prev, host, ..., fingerprints=fps)  # fetches only changed elements; seals
                                     # device fingerprints that workers check where their

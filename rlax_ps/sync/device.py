@@ -1,178 +1,53 @@
 """The codec's device side (imports JAX): only changed elements cross the host link.
 
-Workers: `apply_changes` applies an update's TensorChanges to JAX arrays in place: a
-sparse tensor is one jitted scatter-add of wrapping bit offsets into the donated buffer,
-so the worker never holds a second copy of the weights; `padded_changes` puts them in the
-scatter's padded int32 index arrays.
+Held arrays on device are the held dtypes (bf16, int8) or their bit patterns (uint16,
+uint8: `bits_of`, `values_of`), in which workers hold them (patch.py applies updates).
 Publishers: `host_state` brings the host copy of the held state (what `encode` reads) to a
 new version held on device by fetching only the elements whose bits changed, found by a
 jitted compare on the arrays' devices; a tensor travels whole only when that is smaller.
 Both: `fingerprints_of` computes device fingerprints (fingerprints.py) where the arrays are,
 for a publisher to seal and a worker to check without pulling its weights.
-Index counts are padded to powers of two to bound recompilation.
+Counts of fetched changes are padded to powers of two to bound recompilation.
 """
 
-import collections
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rlax_ps.sync import fingerprints, parallel
-from rlax_ps.sync.bits import bit_view
+from rlax_ps.sync.bits import UINT_OF, bit_view
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.wire import TensorChanges, Update, check_names
+from rlax_ps.sync.wire import check_names
 
-_UINT = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.int8): jnp.uint8}
-_MIN_PAD = 1024
-
-
-def _bits(buf):
-  return jax.lax.bitcast_convert_type(buf, _UINT[buf.dtype])
+BITS_OF = {jnp.dtype(k): jnp.dtype(v) for k, v in UINT_OF.items()}  # held -> bit dtype
+VALUE_OF = {v: k for k, v in BITS_OF.items()}  # bit -> held dtype
+MIN_PAD = 1024
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter_add(buf, idx, off):
-  bits = _bits(buf).reshape(-1).at[idx].add(off, mode="drop", indices_are_sorted=True)
-  return jax.lax.bitcast_convert_type(bits.reshape(buf.shape), buf.dtype)
+def bits_of(x):
+  """A held (bf16/int8) JAX array as its bit pattern (uint16/uint8); bit arrays as they are."""
+  dtype = jnp.dtype(x.dtype)
+  return jax.lax.bitcast_convert_type(x, BITS_OF[dtype]) if dtype in BITS_OF else x
 
 
-class HostBuffers:
-  """Host arrays for the scatters' padded (indices, offsets), reused from update to update.
-
-  A worker's updates have like sizes, and fresh arrays of tens of MB pay their page faults
-  every time and, where numpy asks for huge pages, the kernel's compaction stalls now and
-  then. Arrays under MIN_BYTES come from numpy as before (the
-  allocator reuses those). Thread-safe: decoding threads take, the applying thread gives
-  back once the scatter that read them is done. At most `max_free_bytes` of arrays not in
-  use are kept, the least recently given back dropped first."""
-
-  MIN_BYTES = 1 << 20
-
-  def __init__(self, max_free_bytes: int = 1 << 30):
-    self.max_free_bytes = max_free_bytes
-    self._free: collections.OrderedDict = collections.OrderedDict()  # id -> (key, array)
-    self._free_bytes = 0
-    self._lock = threading.Lock()
-
-  @property
-  def free_bytes(self) -> int:
-    """Bytes of the arrays kept for reuse (not in use)."""
-    return self._free_bytes
-
-  def take(self, n: int, dtype) -> np.ndarray:
-    """An uninitialised array of n elements of dtype: a kept one of that length and dtype
-    (the most recently given back), else a new one."""
-    dtype = np.dtype(dtype)
-    if n * dtype.itemsize >= self.MIN_BYTES:
-      key = (n, dtype)
-      with self._lock:
-        for slot, (k, array) in reversed(self._free.items()):
-          if k == key:
-            del self._free[slot]
-            self._free_bytes -= array.nbytes
-            return array
-    return np.empty(n, dtype)
-
-  def give(self, *arrays: np.ndarray) -> None:
-    """Keeps `arrays` (from take; no longer read or written by anyone) for reuse."""
-    with self._lock:
-      for array in arrays:
-        if array is None or array.nbytes < self.MIN_BYTES or id(array) in self._free:
-          continue
-        self._free[id(array)] = ((array.size, array.dtype), array)
-        self._free_bytes += array.nbytes
-      while self._free_bytes > self.max_free_bytes:
-        _, (_, dropped) = self._free.popitem(last=False)
-        self._free_bytes -= dropped.nbytes
-
-
-def _padded(indices: np.ndarray, offsets: np.ndarray, size: int,
-            buffers: HostBuffers | None = None):
-  """The scatter's (indices, offsets) of `size` elements' changes: as they are where they
-  have its length and index dtype already (padded_changes made them), else copied into
-  _pad_buffers (from `buffers` if given)."""
-  n, itype = _bucket(indices.size, size)
-  if indices.size == offsets.size == n and indices.dtype == itype:
-    return indices, offsets
-  idx, off = _pad_buffers(indices.size, size, offsets.dtype, buffers)
-  idx[:indices.size] = indices
-  off[:offsets.size] = offsets
-  return idx, off
-
-
-def _bucket(nnz: int, size: int) -> tuple[int, np.dtype]:
-  """(length, index dtype) of the scatter's arrays for nnz changes of `size` elements: nnz
-  rounded up to a power of two (at least _MIN_PAD, to bound recompilation), int32 indices
-  below 2**31 elements."""
-  return max(_MIN_PAD, 1 << (nnz - 1).bit_length()), np.dtype(
-      np.int32 if size < 2**31 else np.int64)
-
-
-def _pad_buffers(nnz: int, size: int, udtype, buffers: HostBuffers | None = None
-                 ) -> tuple[np.ndarray, np.ndarray]:
-  """(indices, offsets) of _bucket's length for nnz changes (from `buffers` if given), the
-  entries past nnz out of bounds (dropped by the scatter) with zero offsets; the first nnz
-  for the caller."""
-  n, itype = _bucket(nnz, size)
-  take = np.empty if buffers is None else buffers.take
-  idx = take(n, itype)
-  idx[nnz:] = size
-  off = take(n, udtype)
-  off[nnz:] = 0
-  return idx, off
-
-
-def each_padded_changes(update: Update, names, threads: int | None = None,
-                        buffers: HostBuffers | None = None):
-  """(name, padded_changes(update, name, buffers)) for each of `names`, in order, the large
-  ones decoded on up to `threads` host threads ahead of the caller (parallel.ordered; None:
-  the host's cores, at most 8): a worker's scatters of one tensor overlap the decoding of
-  the next ones."""
-  names = list(names)
-  tasks = ((update.meta(name).size, functools.partial(padded_changes, update, name, buffers))
-           for name in names)
-  yield from zip(names, parallel.ordered(tasks, parallel.resolve(threads)))
-
-
-def padded_changes(update: Update, name: str, buffers: HostBuffers | None = None
-                   ) -> TensorChanges:
-  """update.changes(name) as apply_changes takes it (a worker's path): sparse changes in
-  the scatter's padded arrays (_pad_buffers: int32 indices; from `buffers` if given: hand
-  them back with buffers.give once the scatter is done); other kinds as they are."""
-  ch = update.changes(name)
-  if ch.kind != "sparse":
-    return ch
-  idx, off = _padded(ch.indices, ch.offsets, int(np.prod(ch.shape)), buffers)
-  return TensorChanges(name=name, kind="sparse", shape=ch.shape, dtype=ch.dtype,
-                       indices=idx, offsets=off)
-
-
-def apply_changes(buf: jax.Array, changes: TensorChanges) -> jax.Array:
-  """`buf` (donated: do not use it afterwards) with `changes` applied, on its devices."""
-  if tuple(buf.shape) != changes.shape or jnp.dtype(buf.dtype) != jnp.dtype(changes.dtype):
-    raise CodecError(f"tensor {changes.name!r}: expected {changes.dtype}{list(changes.shape)}, "
-                     f"got {buf.dtype}{list(buf.shape)}")
-  if changes.kind == "unchanged":
-    return buf
-  if changes.kind == "replace":
-    return jax.device_put(changes.array, buf.sharding)
-  idx, off = _padded(changes.indices, changes.offsets, int(np.prod(changes.shape)))
-  return _scatter_add(buf, jnp.asarray(idx), jnp.asarray(off))
+def values_of(x):
+  """A held bit array (uint16/uint8) as its bf16/int8 values; other arrays as they are."""
+  dtype = jnp.dtype(x.dtype)
+  return jax.lax.bitcast_convert_type(x, VALUE_OF[dtype]) if dtype in VALUE_OF else x
 
 
 # ---- publisher: the host copy of a new version from the changed elements ------------------
 
 @jax.jit
 def _count(old, new):
-  return jnp.sum(_bits(old) != _bits(new), dtype=jnp.int32)
+  return jnp.sum(bits_of(old) != bits_of(new), dtype=jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def _changed(old, new, cap):
-  a, b = _bits(old).reshape(-1), _bits(new).reshape(-1)
+  a, b = bits_of(old).reshape(-1), bits_of(new).reshape(-1)
   idx = jnp.nonzero(a != b, size=cap, fill_value=a.size)[0].astype(jnp.int32)
   return idx, b.at[idx].get(mode="fill", fill_value=0)
 
@@ -198,7 +73,7 @@ def _fmix32(h):
 def fingerprint(x: jax.Array) -> jax.Array:
   """[lo, hi] (uint32) of the held array's fingerprint (fingerprints.py), computed on its
   devices: one fused elementwise pass and two sums; fingerprints.join makes the int."""
-  bits = _bits(x).astype(jnp.uint32)
+  bits = bits_of(x).astype(jnp.uint32)
   index = _flat_index(x.shape)
   h = _fmix32((bits * jnp.uint32(fingerprints.M_BITS)) ^ (index * jnp.uint32(fingerprints.M_INDEX)))
   return jnp.stack([jnp.sum(h, dtype=jnp.uint32),
@@ -206,13 +81,13 @@ def fingerprint(x: jax.Array) -> jax.Array:
 
 
 def fingerprints_of(state: dict) -> dict[str, int]:
-  """name -> fingerprint of each held JAX array of `state` (bf16 or int8, on any devices,
+  """name -> fingerprint of each held JAX array of `state` (bf16 or int8 or their bits, on any devices,
   sharded or not), computed where the arrays are; only 8 bytes per tensor reach the host.
   What a publisher whose state is on device passes to encode(..., fingerprints=)."""
   for name, x in state.items():
-    if jnp.dtype(x.dtype) not in _UINT:
-      raise ValueError(f"tensor {name!r}: expected a held dtype "
-                       f"({', '.join(sorted(map(str, _UINT)))}), got {x.dtype}")
+    if jnp.dtype(x.dtype) not in BITS_OF and jnp.dtype(x.dtype) not in VALUE_OF:
+      raise ValueError(f"tensor {name!r}: expected a held dtype or its bits "
+                       f"({', '.join(sorted(map(str, [*BITS_OF, *VALUE_OF])))}), got {x.dtype}")
   pending = {name: fingerprint(x) for name, x in state.items()}  # all dispatched, then read
   return {name: _joined(v) for name, v in jax.device_get(pending).items()}
 
@@ -238,8 +113,8 @@ def _pair_size(old, new) -> int:
   if tuple(old.shape) != tuple(new.shape) or old.dtype != new.dtype:
     raise ValueError(f"old and new must match: {old.dtype}{list(old.shape)} vs "
                      f"{new.dtype}{list(new.shape)}")
-  if jnp.dtype(new.dtype) not in _UINT:
-    raise ValueError(f"expected a held dtype ({sorted(map(str, _UINT))}), got {new.dtype}")
+  if jnp.dtype(new.dtype) not in BITS_OF:
+    raise ValueError(f"expected a held dtype ({sorted(map(str, BITS_OF))}), got {new.dtype}")
   size = int(np.prod(new.shape))
   if size >= 2**31:
     raise ValueError(f"tensors of 2**31 or more elements are not supported, got {size}")
@@ -252,7 +127,7 @@ def _fetch_cap(n: int, size: int, dtype) -> int | None:
   itemsize = jnp.dtype(dtype).itemsize
   if n * (4 + itemsize) * 3 > size * itemsize:
     return None
-  return max(_MIN_PAD, 1 << max(0, n - 1).bit_length())
+  return max(MIN_PAD, 1 << max(0, n - 1).bit_length())
 
 
 def changed_elements(old: jax.Array, new: jax.Array) -> tuple[np.ndarray, np.ndarray] | None:

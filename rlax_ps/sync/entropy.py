@@ -193,6 +193,38 @@ def encode(values: np.ndarray) -> bytes:
                    raw.tobytes()])
 
 
+@numba.njit(**_JIT)
+def _read_table(buf, pos, end, count, freq):
+  """Reads the frequency table of `count` symbols (varints, zero runs) from buf[pos:end]
+  into freq; the position after it, or -1 (truncated), -2 (a varint over 64 bits), -3 (a
+  zero run past the alphabet)."""
+  s, run = 0, False
+  while s < count:
+    v, shift = np.uint64(0), 0
+    while True:
+      if pos >= end:
+        return -1
+      b = buf[pos]
+      pos += 1
+      v |= np.uint64(b & 0x7F) << np.uint64(shift)
+      if not b & 0x80:
+        break
+      shift += 7
+      if shift > 63:
+        return -2
+    if run:  # the length - 1 of a run of zeros
+      if v >= np.uint64(count - s):
+        return -3
+      s += np.int64(v) + 1
+      run = False
+    elif v:
+      freq[s] = np.int64(v)
+      s += 1
+    else:
+      run = True
+  return pos
+
+
 def decode(r: ByteReader, n: int, limit: int, mode: int, out: np.ndarray) -> None:
   """Decodes n values from `r` (up to its end) into `out` (see _decode for `mode`);
   CodecError naming r.what when the stream is malformed or a value exceeds `limit`."""
@@ -202,14 +234,14 @@ def decode(r: ByteReader, n: int, limit: int, mode: int, out: np.ndarray) -> Non
   count = r.varint()
   if not 1 <= count <= ALPHABET:
     raise CodecError(f"{r.what}: entropy table of {count} symbols (at most {ALPHABET})")
-  freq, s = np.zeros(ALPHABET, np.int64), 0
-  while s < count:
-    f = r.varint()
-    if f:
-      freq[s] = f
-    s += 1 if f else r.varint() + 1
-  if s > count:
-    raise CodecError(f"{r.what}: entropy table's zero run passes its {count} symbols")
+  freq = np.zeros(ALPHABET, np.int64)
+  pos = _read_table(np.frombuffer(r.buf, np.uint8), r.pos, r.end, count, freq)
+  if pos < 0:
+    raise CodecError(f"{r.what}: " + ("truncated entropy table" if pos == -1 else
+                                      "varint longer than 64 bits in the entropy table"
+                                      if pos == -2 else
+                                      f"entropy table's zero run passes its {count} symbols"))
+  r.pos = pos
   if freq.sum() != 1 << scale:
     raise CodecError(f"{r.what}: entropy table sums to {freq.sum()}, expected {1 << scale}")
   start = np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint32)

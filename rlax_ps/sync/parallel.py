@@ -6,7 +6,6 @@ idle cores while the accelerators train, publishing a large model takes a fracti
 single-threaded time. Results and bytes do not depend on the thread count.
 """
 
-import collections
 import concurrent.futures
 import os
 import threading
@@ -84,35 +83,3 @@ def run(tasks: list, threads: int) -> list:
   if errors:
     raise errors[min(errors)]
   return results
-
-
-def ordered(tasks, threads: int):
-  """The results of `tasks` (an iterable of (elements, thunk)), in order, as a generator:
-  those of PARALLEL_MIN elements or more computed on the pool up to `threads` ahead of the
-  caller, who consumes each while later ones run (bounded memory: at most `threads`
-  results wait), smaller ones in the caller when their turn comes. An error is raised
-  where its result would have been yielded."""
-  if threads <= 1:
-    for _, thunk in tasks:
-      yield thunk()
-    return
-  pool, pending, running = _pool(threads), collections.deque(), 0
-  for size, thunk in tasks:
-    if size >= PARALLEL_MIN:
-      pending.append(pool.submit(thunk))
-      running += 1
-    else:
-      pending.append(thunk)
-    while pending and (running >= threads or not isinstance(pending[0], _FUTURE)):
-      item = pending.popleft()
-      if isinstance(item, _FUTURE):
-        running -= 1
-        yield item.result()
-      else:
-        yield item()
-  while pending:
-    item = pending.popleft()
-    yield item.result() if isinstance(item, _FUTURE) else item()
-
-
-_FUTURE = concurrent.futures.Future

@@ -11,6 +11,8 @@ from inference_workers import weights
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from rlax_ps import sync
 from rlax_ps.models import ModelConfig, Transformer, assign_params, flatten_params
+from rlax_ps.sync import patch
+from rlax_ps.sync.bits import BF16, UINT_OF
 
 CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                      num_heads=4, num_kv_heads=2, qkv_bias=True, architecture="qwen2")
@@ -34,9 +36,11 @@ def moved(params, density, seed):
           for k, v in params.items()}
 
 
-def same_bits(a, b):
-  a, b = np.asarray(a), np.asarray(b)
-  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+def same_bits(held, want):
+  """Whether a policy's held bit array is the bit pattern of the held-dtype array `want`."""
+  held, want = np.asarray(held), np.asarray(want)
+  return (held.dtype == UINT_OF[want.dtype] and held.shape == want.shape
+          and held.tobytes() == want.tobytes())
 
 
 @pytest.fixture(scope="module")
@@ -186,19 +190,33 @@ def test_on_device_checks_default_to_pulling_on_the_cpu(versions):
     HeldPolicy(UNTIED, "bf16", on_device_checks="yes")
 
 
-def test_updates_reuse_the_scatters_host_arrays(versions, monkeypatch):
+def test_a_delta_is_one_scatter_and_like_sized_deltas_reuse_its_program(versions, monkeypatch):
   policy = HeldPolicy(UNTIED, "bf16")
-  policy._buffers.MIN_BYTES = 0  # the test model's arrays are small
   policy.apply(sync.encode(None, versions[0], "bf16", version=0))
-  policy.apply(sync.encode(versions[0], versions[1], "bf16", version=1))
-  kept = policy._buffers.free_bytes
-  assert kept > 0  # every scatter's arrays came back once read
-  taken, real_take = [], policy._buffers.take
-  monkeypatch.setattr(policy._buffers, "take",
-                      lambda n, d: taken.append(policy._buffers.free_bytes) or real_take(n, d))
-  policy.apply(sync.encode(versions[1], versions[2], "bf16", version=2))
-  assert policy.version == 2 and taken
-  assert policy._buffers.free_bytes >= kept  # given back again
-  assert min(taken) < kept  # some take was served from the kept arrays
+  calls, real = [], patch._scatter
+  monkeypatch.setattr(patch, "_scatter", lambda *a: calls.append(a[3]) or real(*a))
+  for v in (1, 2):
+    delta = sync.encode(versions[v - 1], versions[v], "bf16", version=v)
+    policy.apply(delta)
+    assert policy.version == v
+  kinds = {n: delta.changes(n).kind for n in delta.tensors}
+  assert "unchanged" in kinds.values()
+  assert len(calls) == 2 and len(calls[0]) == len(kinds)  # every tensor in one call
+  assert calls[0] == calls[1]  # the same capacities: the same compiled program
   want = sync.held_state(versions[2], "bf16")
   assert all(same_bits(policy.held_state()[k], want[k]) for k in want)
+
+
+def test_held_bits_read_and_write_values():
+  policy = HeldPolicy(UNTIED, "bf16")
+  params = float_params(UNTIED, 4)
+  policy.apply(sync.encode(None, params, "bf16", version=0))
+  var = policy._vars["norm.scale"]
+  assert isinstance(var, weights.HeldBits) and var.get_raw_value().dtype == np.uint16
+  assert var[...].dtype == jax.numpy.bfloat16
+  np.testing.assert_array_equal(np.asarray(var[...], np.float32),
+                                params["norm.scale"].astype(BF16).astype(np.float32))
+  var.set_value(var[...] * 2)
+  assert var.get_raw_value().dtype == np.uint16
+  np.testing.assert_array_equal(np.asarray(var[...], np.float32),
+                                2 * params["norm.scale"].astype(BF16).astype(np.float32))

@@ -104,30 +104,3 @@ def test_a_corrupted_tensor_is_named_when_applied_on_threads(model):
   data[meta.offset + meta.nbytes // 2] ^= 0x5A
   with pytest.raises(sync.CodecError, match="layer3.w"):
     sync.apply(base, sync.Update.from_bytes(bytes(data), base), threads=4)
-
-
-@pytest.mark.parametrize("threads", [1, 3])
-def test_ordered_yields_in_order_reads_at_most_threads_ahead_and_raises_in_place(threads):
-  started, lock, where = [], threading.Lock(), {}
-
-  def task(i):
-    def thunk():
-      with lock:
-        started.append(i)
-      where[i] = threading.get_ident()
-      if i == 7:
-        raise ValueError("task 7")
-      return i * i
-    return thunk
-
-  got = []
-  big = parallel.PARALLEL_MIN
-  sizes = [big, 5, big, big, 5, big, big, big, big, 5]  # the small ones in the caller
-  gen = parallel.ordered(((s, task(i)) for i, s in enumerate(sizes)), threads)
-  with pytest.raises(ValueError, match="task 7"):
-    for value in gen:
-      with lock:
-        assert len(started) <= len(got) + max(threads, 1), (started, got)
-      got.append(value)
-  assert got == [i * i for i in range(7)]  # everything before the error, in order
-  assert where[1] == where[4] == threading.get_ident()
