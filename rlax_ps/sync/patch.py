@@ -3,9 +3,9 @@
 Held weights live as their bit patterns (uint16 for bf16, uint8 for int8; device.bits_of
 and values_of), so a delta's wrapping offsets are one native integer scatter-add into the
 donated buffer on every backend, with no bitcast around it (which XLA:CPU turns into two
-full passes over the tensor). Every sparse tensor of an update goes in one jitted call (a
-few for updates of more than CALL_BYTES of changes): an update costs a few dispatches,
-not three per tensor.
+full passes over the tensor). The tensors of an update go in one jitted call per group of
+about Patcher.GROUP_BYTES of weights: an update costs a few dispatches, not three per
+tensor.
 """
 
 import functools
@@ -47,7 +47,7 @@ class Patcher:
   1/SHRINK of it. So a worker's like-sized updates run the same compiled programs
   (compiling one takes seconds on CPU). Not thread-safe: one per held policy."""
 
-  GROUP_BYTES = 1 << 31
+  GROUP_BYTES = 1 << 30  # at 1% changed, about 30 MB of padded changes on device per call
   SHRINK = 8
 
   def __init__(self):
