@@ -42,13 +42,14 @@ class Patcher:
 
   The held tensors, in name order, fall into fixed groups of about GROUP_BYTES of
   weights; a delta is one jitted call per group, every member in it (an unchanged one
-  with only padding). A tensor's changes are padded to its capacity: a power of two at
-  least MIN_PAD, kept from update to update while its counts fit in it and stay above
-  1/SHRINK of it. So a worker's like-sized updates run the same compiled programs
-  (compiling one takes seconds on CPU). Not thread-safe: one per held policy."""
+  with only padding). A tensor's changes are padded to its capacity: when set, the power
+  of two at least twice its count (and MIN_PAD), then kept from update to update while
+  the counts fit in it and stay above 1/SHRINK of it. So a worker's like-sized updates
+  run the same compiled programs (compiling one takes a second or more on CPU). Not
+  thread-safe: one per held policy."""
 
   GROUP_BYTES = 1 << 30  # at 1% changed, about 30 MB of padded changes on device per call
-  SHRINK = 8
+  SHRINK = 16
 
   def __init__(self):
     self._caps: dict[str, int] = {}
@@ -111,10 +112,11 @@ class Patcher:
     return groups
 
   def _fit(self, name: str, n: int) -> None:
-    """Grows or shrinks `name`'s capacity to hold n changes, if it must."""
+    """Sets `name`'s capacity for n changes where it must change: at least twice n, so
+    that counts a little larger next time still fit (each new capacity compiles anew)."""
     cap = self._caps.get(name)
     if cap is None or n > cap or n * self.SHRINK < cap:
-      self._caps[name] = max(MIN_PAD, 1 << (n - 1).bit_length())
+      self._caps[name] = max(MIN_PAD, 1 << (2 * n - 1).bit_length())
 
   def _call(self, held: dict, group: list[str], sparse: dict[str, TensorChanges]) -> None:
     """One jitted scatter of `sparse`'s changes into `group`'s `held` buffers (the others

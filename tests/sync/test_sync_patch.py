@@ -113,9 +113,9 @@ def test_capacities_grow_keep_and_shrink_so_like_updates_reuse_one_program(monke
       assert _same(held[name], want), (version, name)
     state = target
     caps.append(patcher.capacities["t0.kernel"])
-  # 0.05 and 0.04 of 65536 -> 4096; 0.2 -> 16384; 0.05 (3277 > 16384 / 8) keeps it;
-  # 0.002 (131) shrinks to the floor
-  assert caps == [4096, 4096, 16384, 16384, patch.MIN_PAD]
+  # 0.05 of 65536 (3277, twice 6554) -> 8192; 0.04 fits; 0.2 (13107) -> 32768; 0.05
+  # (3277 > 32768 / 16) keeps it; 0.002 (131) shrinks to the floor
+  assert caps == [8192, 8192, 32768, 32768, patch.MIN_PAD]
   assert calls[0] == calls[1] and calls[2] == calls[3] and calls[1] != calls[2]
   assert len(calls) == 5 and all(len(c) == 3 for c in calls)
 
