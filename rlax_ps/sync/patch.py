@@ -30,8 +30,10 @@ def _scatter(bufs, indices, offsets, caps):
     key = jnp.dtype(buf.dtype).name
     s = start.get(key, 0)
     start[key] = s + cap
-    flat = buf.reshape(-1).at[indices[key][s:s + cap]].add(
-        offsets[key][s:s + cap], mode="drop", indices_are_sorted=True)
+    flat = buf.reshape(-1)
+    flat = flat.at[indices[key][s:s + cap]].add(  # in the buffer's sharding (Explicit axes)
+        offsets[key][s:s + cap], mode="drop", indices_are_sorted=True,
+        out_sharding=jax.typeof(flat).sharding)
     out.append(flat.reshape(buf.shape))
   return tuple(out)
 

@@ -165,3 +165,24 @@ def test_a_bad_tensor_is_named_and_the_groups_before_it_are_held(monkeypatch):
     assert before[name].is_deleted() and _same(held[name], want[name]), name
   for name in names[3:]:  # untouched
     assert held[name] is before[name] and _same(held[name], held_base[name]), name
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_sharded_held_arrays_are_replaced_and_patched_where_they_are(axis_type):
+  mesh = jax.make_mesh((jax.device_count(),), ("x",),
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  rng = np.random.default_rng(7)
+  base = {"a.kernel": rng.standard_normal((64, 256)).astype(np.float32),
+          "b.kernel": rng.standard_normal((64, 8)).astype(np.float32)}
+  target = _moved(base, 0.02, 8)
+  held = {k: jax.device_put(jnp.zeros(v.shape, jnp.uint16), sharding) for k, v in base.items()}
+  patcher = patch.Patcher()
+  for version, (old, new) in enumerate([(None, base), (base, target)]):
+    update = sync.encode(old, new, version=version)
+    kinds = {update.changes(n).kind for n in update.tensors}
+    assert kinds == ({"replace"} if old is None else {"sparse"})
+    patcher.apply(held, update)
+    for name, want in sync.held_state(new, "bf16").items():
+      assert held[name].sharding.is_equivalent_to(sharding, 2), (version, name)
+      assert _same(held[name], want), (version, name)
