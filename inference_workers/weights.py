@@ -36,8 +36,9 @@ class ResyncNeeded(Exception):
 
 class HeldBits(nnx.Param):
   """A held weight stored as its bit pattern (uint16 for bf16, uint8 for int8): read and
-  written as values (`var[...]`, set_value); `get_raw_value()` is the bits, which updates
-  patch in place. Inside a jitted forward the bitcast fuses into the weight's consumer."""
+  written as values (`var[...]`; set_value casts to the held dtype); `get_raw_value()` is
+  the bits, which updates patch in place. Inside a jitted forward the bitcast fuses into
+  the weight's consumer."""
 
   def get_value(self, **kwargs):
     value = super().get_value(**kwargs)
@@ -46,7 +47,11 @@ class HeldBits(nnx.Param):
     return values_of(value)
 
   def set_value(self, value, **kwargs):
-    super().set_value(bits_of(value), **kwargs)
+    bits = jnp.dtype(self.get_raw_value().dtype)
+    value = jnp.asarray(value)
+    if value.dtype != bits:  # values of any dtype: cast to the held one, stored as its bits
+      value = bits_of(value.astype(VALUE_OF[bits]))
+    super().set_value(value, **kwargs)
 
 
 def _held_bits(model: nnx.Module) -> nnx.Module:

@@ -220,3 +220,7 @@ def test_held_bits_read_and_write_values():
   assert var.get_raw_value().dtype == np.uint16
   np.testing.assert_array_equal(np.asarray(var[...], np.float32),
                                 2 * params["norm.scale"].astype(BF16).astype(np.float32))
+  var.set_value(params["norm.scale"] / 3)  # float32: rounded to bf16, held as its bits
+  assert var.get_raw_value().dtype == np.uint16
+  np.testing.assert_array_equal(np.asarray(var[...], np.float32),
+                                (params["norm.scale"] / 3).astype(BF16).astype(np.float32))
