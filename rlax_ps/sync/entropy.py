@@ -194,66 +194,107 @@ def encode(values: np.ndarray) -> bytes:
 
 
 @numba.njit(**_JIT)
-def _read_table(buf, pos, end, count, freq):
-  """Reads the frequency table of `count` symbols (varints, zero runs) from buf[pos:end]
-  into freq; the position after it, or -1 (truncated), -2 (a varint over 64 bits), -3 (a
-  zero run past the alphabet)."""
-  s, run = 0, False
-  while s < count:
-    v, shift = np.uint64(0), 0
-    while True:
-      if pos >= end:
-        return -1
-      b = buf[pos]
-      pos += 1
-      v |= np.uint64(b & 0x7F) << np.uint64(shift)
-      if not b & 0x80:
-        break
-      shift += 7
-      if shift > 63:
-        return -2
-    if run:  # the length - 1 of a run of zeros
+def _varint_at(buf, pos, end):
+  """(value, position after it) of the LEB128 varint at buf[pos:end]; position -1 when it
+  is truncated, -2 when it runs over 64 bits."""
+  v, shift = np.uint64(0), 0
+  while True:
+    if pos >= end:
+      return v, -1
+    b = buf[pos]
+    pos += 1
+    v |= np.uint64(b & 0x7F) << np.uint64(shift)
+    if not b & 0x80:
+      return v, pos
+    shift += 7
+    if shift > 63:
+      return v, -2
+
+
+@numba.njit(**_JIT)
+def _decode_stream(buf, pos, end, n, limit, mode, out):
+  """The whole of decode() (header, table, rANS words and raw bits of buf[pos:end]) in
+  one compiled call, so that a tensor's streams cost no per-stream Python. Returns
+  (error, detail): error 0, or one of _ERRORS' keys with the value it names."""
+  if pos >= end:
+    return 1, 0
+  scale = np.int64(buf[pos])
+  pos += 1
+  if scale < 1 or scale > MAX_SCALE:
+    return 2, scale
+  v, pos = _varint_at(buf, pos, end)
+  if pos < 0:
+    return 3 - pos, 0  # 4 truncated, 5 over 64 bits
+  count = np.int64(v)
+  if count < 1 or count > ALPHABET:
+    return 6, count
+  freq = np.zeros(ALPHABET, np.uint32)
+  s, run, total = 0, False, 0
+  while s < count:  # the frequency table: varints, a zero run as 0 and its length - 1
+    v, pos = _varint_at(buf, pos, end)
+    if pos < 0:
+      return 3 - pos, 0
+    if run:
       if v >= np.uint64(count - s):
-        return -3
+        return 7, count
       s += np.int64(v) + 1
       run = False
     elif v:
-      freq[s] = np.int64(v)
+      if v > np.uint64(1 << MAX_SCALE):
+        return 8, np.int64(v)
+      freq[s] = np.uint32(v)
+      total += np.int64(v)
       s += 1
     else:
       run = True
-  return pos
+  if total != 1 << scale:
+    return 8, total
+  start = np.zeros(ALPHABET, np.uint32)
+  slot_sym = np.empty(1 << scale, np.uint8)
+  acc = 0
+  for k in range(ALPHABET):
+    start[k] = acc
+    for j in range(acc, acc + np.int64(freq[k])):
+      slot_sym[j] = k
+    acc += np.int64(freq[k])
+  v, pos = _varint_at(buf, pos, end)
+  if pos < 0:
+    return 3 - pos, 0
+  nbytes = np.int64(v)
+  if nbytes > end - pos:
+    return 9, nbytes
+  if nbytes % 2:
+    return 10, nbytes
+  words = buf[pos:pos + nbytes].view(np.uint16)
+  err = _decode(words, buf[pos + nbytes:end], n, freq, start, slot_sym, scale, limit, mode,
+                out)
+  return (0, 0) if err == 0 else (10 - err, 0)
+
+
+_ERRORS = {  # _decode_stream's errors, with the detail it returns
+    1: "truncated: no entropy table scale",
+    2: f"entropy table scale {{}} outside [1, {MAX_SCALE}]",
+    4: "truncated entropy stream header",
+    5: "varint longer than 64 bits in the entropy stream header",
+    6: f"entropy table of {{}} symbols (at most {ALPHABET})",
+    7: "entropy table's zero run passes its {} symbols",
+    8: "entropy table's frequencies sum to {}, expected {}",
+    9: "truncated: a rANS stream of {} bytes runs past the stream",
+    10: "rANS stream of an odd byte count {}",
+    11: "corrupted entropy stream: rANS words run out",
+    12: "corrupted entropy stream: rANS stream does not end where it began",
+    13: "corrupted entropy stream: raw bits run out",
+    14: "corrupted entropy stream: a value exceeds its limit {}",
+}
 
 
 def decode(r: ByteReader, n: int, limit: int, mode: int, out: np.ndarray) -> None:
   """Decodes n values from `r` (up to its end) into `out` (see _decode for `mode`);
   CodecError naming r.what when the stream is malformed or a value exceeds `limit`."""
-  scale = r.u8()
-  if not 1 <= scale <= MAX_SCALE:
-    raise CodecError(f"{r.what}: entropy table scale {scale} outside [1, {MAX_SCALE}]")
-  count = r.varint()
-  if not 1 <= count <= ALPHABET:
-    raise CodecError(f"{r.what}: entropy table of {count} symbols (at most {ALPHABET})")
-  freq = np.zeros(ALPHABET, np.int64)
-  pos = _read_table(np.frombuffer(r.buf, np.uint8), r.pos, r.end, count, freq)
-  if pos < 0:
-    raise CodecError(f"{r.what}: " + ("truncated entropy table" if pos == -1 else
-                                      "varint longer than 64 bits in the entropy table"
-                                      if pos == -2 else
-                                      f"entropy table's zero run passes its {count} symbols"))
-  r.pos = pos
-  if freq.sum() != 1 << scale:
-    raise CodecError(f"{r.what}: entropy table sums to {freq.sum()}, expected {1 << scale}")
-  start = np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint32)
-  slot_sym = np.repeat(np.arange(ALPHABET, dtype=np.uint8), freq)
-  coded = r.take(r.varint())
-  if len(coded) % 2:
-    raise CodecError(f"{r.what}: rANS stream of an odd byte count {len(coded)}")
-  words = np.frombuffer(coded, "<u2")
-  raw = np.frombuffer(r.take(r.end - r.pos), np.uint8)
-  err = _decode(words, raw, n, freq.astype(np.uint32), start, slot_sym, scale,
-                np.uint64(limit), mode, out)
+  buf = np.frombuffer(r.buf, np.uint8)
+  err, detail = _decode_stream(buf, r.pos, r.end, n, np.uint64(limit), mode, out)
   if err:
-    what = {-1: "rANS words run out", -2: "rANS stream does not end where it began",
-            -3: "raw bits run out", -4: f"a value exceeds its limit {limit}"}[err]
-    raise CodecError(f"{r.what}: corrupted entropy stream: {what}")
+    scale = buf[r.pos] if r.pos < r.end else 0
+    args = {8: (detail, 1 << int(scale)), 14: (limit,)}.get(err, (detail,))
+    raise CodecError(f"{r.what}: " + _ERRORS[err].format(*args))
+  r.pos = r.end

@@ -61,6 +61,33 @@ def test_entropy_streams_round_trip_and_reject_values_past_their_limit(values):
     entropy.decode(ByteReader(data[:-3], "s"), values.size, 2**52, 0, out)
 
 
+def test_malformed_entropy_streams_give_a_named_codec_error_never_a_crash():
+  """The compiled stream parser reads no byte past its field: every truncation and every
+  single-byte change of a stream (header, table, rANS words, raw bits) is a CodecError
+  naming the stream, or decodes to values within the limit."""
+  rng = np.random.default_rng(2)
+  values = np.concatenate([rng.geometric(0.01, 300) - 1, [0, 5, 2**20]]).astype(np.uint64)
+  data = entropy.encode(values)
+  limit = 2**21
+  out = np.empty(values.size, np.uint64)
+  for cut in range(len(data)):
+    with pytest.raises(sync.CodecError, match="^s: "):
+      entropy.decode(ByteReader(data[:cut], "s"), values.size, limit, 0, out)
+  messages = set()
+  for pos in range(len(data)):
+    for flip in (0x01, 0x80, 0xFF):
+      bad = bytearray(data)
+      bad[pos] ^= flip
+      try:
+        entropy.decode(ByteReader(bytes(bad), "s"), values.size, limit, 0, out)
+      except sync.CodecError as e:
+        assert str(e).startswith("s: ")
+        messages.add(str(e).split(":")[1].split()[0])
+      else:
+        assert out.max() <= limit
+  assert len(messages) >= 4, messages  # table, header and stream errors are told apart
+
+
 def test_entropy_streams_refuse_what_they_cannot_code():
   for values in ([], [2**52]):
     with pytest.raises(ValueError, match="below 2\\*\\*52"):
