@@ -83,6 +83,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict(c.sft.mesh.to_dict())
 
   c.checkpoint = ml_collections.ConfigDict()
+  # "" = <workdir>/checkpoints. A multi-host trainer needs storage every host sees there,
+  # e.g. gs://bucket/run/checkpoints.
+  c.checkpoint.directory = ""
   c.checkpoint.every_steps = 10  # Groups are acknowledged once their step is checkpointed.
   c.checkpoint.max_to_keep = 2
   c.checkpoint.async_save = False

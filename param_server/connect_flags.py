@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from absl import flags
 
@@ -25,6 +26,17 @@ TOKEN_FILE = flags.DEFINE_string("token_file", None, "the server's tokens.json (
 TLS_CA = flags.DEFINE_string("tls_ca", None, "PEM root certificate to trust (enables TLS)")
 TLS_NAME = flags.DEFINE_string("tls_server_name", None, "name to expect in the server "
                                "certificate")
+
+
+def await_file(path: str, timeout_s: float, poll_s: float = 0.2) -> None:
+  """Return once `path` exists and is not empty (a server started beside this process
+  writes its tokens.json at start); FileNotFoundError naming it after `timeout_s`."""
+  end = time.monotonic() + timeout_s
+  while not (os.path.exists(path) and os.path.getsize(path) > 0):
+    if time.monotonic() >= end:
+      raise FileNotFoundError(f"--token_file {path}: not written within {timeout_s:g}s; is "
+                              f"the parameter server running?")
+    time.sleep(poll_s)
 
 
 def token_for(role: str, token: str | None = None, token_file: str | None = None) -> str:

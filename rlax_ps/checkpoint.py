@@ -25,7 +25,8 @@ class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     if max_to_keep < 1:
       raise ValueError(f"checkpoint.max_to_keep: expected >= 1, got {max_to_keep}")
-    self.directory = os.path.abspath(directory)
+    # A local path, or a URL orbax writes through (gs://bucket/run/checkpoints).
+    self.directory = directory if "://" in directory else os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)

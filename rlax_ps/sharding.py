@@ -130,3 +130,24 @@ def shard_batch(mesh: Mesh, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Ar
     sharding = NamedSharding(mesh, batch_spec(mesh, v.shape))
     out[k] = jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
   return out
+
+
+
+def to_host(tree: Any) -> Any:
+  """jax.device_get(tree), also where an array has shards on other processes (a multi-host
+  slice): those are gathered from them, so every process must make the same call."""
+  def local(x):
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+  if all(local(x) for x in jax.tree.leaves(tree)):
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+
+  def one(x):
+    if local(x):
+      return jax.device_get(x)
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    return multihost_utils.process_allgather(x, tiled=True)
+
+  return jax.tree.map(one, tree)

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Create the trainer's TPU VM (on demand), ship this checkout, start the parameter server
-# and the RL trainer (`rlax-ps train`) on host 0. The trainer reads its token from the
-# server's owner-only tokens.json, so no secret is on a command line.
+# on host 0 and the RL trainer (`rlax-ps train`) on host 0, or with TRAIN_HOSTS=all on
+# every host of a multi-host slice (one jax.distributed job; process 0 talks to the server;
+# checkpoints then go to storage every host sees: --config.checkpoint.directory=gs://...
+# in TRAIN_ARGS). The trainer reads its token from the server's owner-only tokens.json,
+# waiting for the server to write it, so no secret is on a command line.
 #
 #   TPU_PROJECT=my-proj TPU_ZONE=us-central2-b tpu_scripts/launch_trainer.sh rlax-trainer v5litepod-8
 #
 # Then start workers with tpu_scripts/launch_workers.sh (SERVER_ADDRESS = host 0's internal
 # IP and SERVER_PORT, WORKER_TOKEN = the "worker" entry of ~/rlax-ps-server/tokens.json).
 # Env: TRAIN_CONFIG (default configs/rl_local.py), TRAIN_ARGS (more `rlax-ps train` flags,
-# e.g. --config.init_from_hf=... for the warm start), TRAIN_CMD (replaces the trainer
-# command; TRAIN_HOSTS=all runs it on every host of the slice),
+# e.g. --config.init_from_hf=... for the warm start), TRAIN_HOSTS (0 or all), TRAIN_CMD
+# (replaces the trainer command),
 # SERVE_ARGS (extra `rlax-ps serve` flags), SERVER_PORT (default 50051), DRY_RUN=1 to print
 # the gcloud commands only.
 # shellcheck source=tpu_scripts/common.sh
@@ -22,8 +25,16 @@ port="${SERVER_PORT:-50051}"
 hosts="${TRAIN_HOSTS:-0}"
 [[ "$hosts" == "0" || "$hosts" == "all" ]] || { echo "TRAIN_HOSTS: expected 0 or all, got '$hosts'" >&2; exit 2; }
 tokens="\$HOME/rlax-ps-server/tokens.json"
-# The default trainer first waits for the server to have written its tokens.
-train_cmd="${TRAIN_CMD:-until [ -s $tokens ]; do sleep 1; done && .venv/bin/rlax-ps train --config=${TRAIN_CONFIG:-configs/rl_local.py} --workdir=runs/rl --address=127.0.0.1:$port --token_file=$tokens ${TRAIN_ARGS:-}}"
+multi=""
+if [[ "$hosts" == "all" ]]; then
+  multi="--coordinator_address=auto"
+  if [[ -z "${TRAIN_CMD:-}" && "${TRAIN_ARGS:-}" != *--config.checkpoint.directory=* ]]; then
+    echo "TRAIN_HOSTS=all: every host writes its shards of each checkpoint; set" \
+      "--config.checkpoint.directory=gs://... (storage every host sees) in TRAIN_ARGS" >&2
+    exit 2
+  fi
+fi
+train_cmd="${TRAIN_CMD:-.venv/bin/rlax-ps train --config=${TRAIN_CONFIG:-configs/rl_local.py} --workdir=runs/rl --address=127.0.0.1:$port --token_file=$tokens $multi ${TRAIN_ARGS:-}}"
 
 gtpu create "$name" --accelerator-type="$accelerator" --version="$TPU_RUNTIME"
 ship_repo "$name"

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlax_ps.sharding import to_host
 from rlax_ps.sync import fingerprints, parallel
 from rlax_ps.sync.bits import UINT_OF, bit_view
 from rlax_ps.sync.errors import CodecError
@@ -89,7 +90,7 @@ def fingerprints_of(state: dict) -> dict[str, int]:
       raise ValueError(f"tensor {name!r}: expected a held dtype or its bits "
                        f"({', '.join(sorted(map(str, [*BITS_OF, *VALUE_OF])))}), got {x.dtype}")
   pending = {name: fingerprint(x) for name, x in state.items()}  # all dispatched, then read
-  return {name: _joined(v) for name, v in jax.device_get(pending).items()}
+  return {name: _joined(v) for name, v in to_host(pending).items()}
 
 
 def _joined(pair) -> int:
@@ -140,7 +141,7 @@ def changed_elements(old: jax.Array, new: jax.Array) -> tuple[np.ndarray, np.nda
   cap = _fetch_cap(n, size, new.dtype)
   if cap is None:
     return None
-  idx, values = jax.device_get(_changed(old, new, cap))
+  idx, values = to_host(_changed(old, new, cap))
   return idx[:n], values[:n]
 
 
@@ -203,7 +204,7 @@ def _fetch_state(host_old: dict, old: dict, new: dict, *, prints: bool, check: b
   rest = [name for name in new if name not in out]
   flat = {name: (_replicated_if_explicit(old[name]), _replicated_if_explicit(new[name]))
           for name in rest}
-  counts, marks = jax.device_get((
+  counts, marks = to_host((
       {name: _count(*pair) for name, pair in flat.items()},
       {name: fingerprint(new[name]) for name in rest} if prints else {}))
   printed.update({name: _joined(v) for name, v in marks.items()})
@@ -218,7 +219,7 @@ def _fetch_state(host_old: dict, old: dict, new: dict, *, prints: bool, check: b
                      None if prints or not check else fingerprint(new[name]))
       held += cap * (4 + jnp.dtype(new[name].dtype).itemsize)
     if held >= FETCH_BYTES or i == len(rest) - 1:
-      got = jax.device_get({k: (v, p) for k, (v, _, p) in batch.items()})
+      got = to_host({k: (v, p) for k, (v, _, p) in batch.items()})
       tasks = []
       for k, (_, n, _) in batch.items():
         want = (printed[k] if prints else _joined(got[k][1])) if (

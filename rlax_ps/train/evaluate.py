@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from rlax_ps.models import KVCache
+from rlax_ps.sharding import to_host
 from rlax_ps.tasks import Example, Task
 from rlax_ps.tokenizers import Tokenizer
 
@@ -103,7 +104,7 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
     if temperature > 0:
       extra = (np.float32(temperature),
                jax.random.fold_in(jax.random.PRNGKey(seed), start // batch_size))
-    ids = np.asarray(jax.device_get(gen(params, arrays["tokens"], arrays["segment_ids"],
+    ids = np.asarray(to_host(gen(params, arrays["tokens"], arrays["segment_ids"],
                                         arrays["positions"], tokenizer.eos_id,
                                         tokenizer.pad_id, *extra)))
     for row in ids[:n]:

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from rlax_ps import sync
+from rlax_ps.sharding import to_host
 from rlax_ps.sync import device as sync_device
 from rlax_ps.sync import int8_device
 
@@ -54,7 +55,9 @@ class Publication:
 
 
 class Publisher:
-  """Publishes successive versions of one parameter stream to a parameter server."""
+  """Publishes successive versions of one parameter stream to a parameter server. On a
+  multi-host slice every process runs it on the same params (the device work is
+  collective) and only the one with a `client` sends."""
 
   def __init__(self, client, fmt: str = "bf16", keyframe_every: int = 50):
     if keyframe_every < 1:
@@ -77,7 +80,7 @@ class Publisher:
     keyframe = (keyframe or self._device is None or version != self.version + 1
                 or self._since_keyframe + 1 >= self.keyframe_every)
     if keyframe:
-      host = {k: np.asarray(v) for k, v in jax.device_get(new_device).items()}
+      host = {k: np.asarray(v) for k, v in to_host(new_device).items()}
       update = sync.encode(None, host, self.fmt, version=version,
                            fingerprints=sync_device.fingerprints_of(new_device))
       self._since_keyframe = 0
@@ -87,7 +90,8 @@ class Publisher:
                            base_checksums=self._checksums)
       self._since_keyframe += 1
     wire = update.to_bytes()
-    self.client.publish(wire)
+    if self.client is not None:  # None: a follower process of a multi-host trainer
+      self.client.publish(wire)
     self._device, self._host, self._checksums = new_device, host, update.checksums
     self.version = version
     return Publication(version, keyframe, len(wire), time.perf_counter() - t0,

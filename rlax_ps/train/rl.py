@@ -7,6 +7,10 @@ the same workdir restores the latest checkpoint (params, optimizer, step, RNG, p
 stream, version), acknowledges the takes that checkpoint trained on, asks the server for
 the groups of the lost steps again, and republishes its weights as a keyframe of the next
 version.
+
+On a multi-host slice (jax.distributed initialized) every process runs the trainer on its
+devices; process 0, the leader, alone talks to the server (prompts, takes, acks, versions)
+and writes the logs, and broadcasts each step's batch and its decision to go on or stop.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from rlax_ps.train import evaluate as evaluate_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, read_jsonl
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_loss import LossConfig, response_logprobs, rl_loss
-from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group
+from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch
 from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, hf_params, restore_or_init
 from rlax_ps.train.step import apply_gradients, jit_step
@@ -90,10 +94,16 @@ class PendingTake:
 
 
 class RLTrainer(TrainerRun):
-  """Owns one RL run: mesh, state, jitted step, prompt feed, publisher, checkpoints, logs."""
+  """Owns one RL run: mesh, state, jitted step, prompt feed, publisher, checkpoints, logs.
+  `client` is the server's client on the leader (process 0) and None on the other
+  processes of a multi-host slice."""
 
   def __init__(self, config, workdir: str, client, *, devices=None):
     self.config, self.client = config, client
+    self.leader = jax.process_index() == 0
+    if (client is None) == self.leader:
+      raise ValueError(f"client: expected one on process 0 only, process "
+                       f"{jax.process_index()} got {client!r}")
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     rl = config.rl
@@ -117,7 +127,8 @@ class RLTrainer(TrainerRun):
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
     self.optimizer = optim.make_optimizer(config.optimizer, self.total_steps)
     self.schedule = optim.learning_rate_schedule(config.optimizer, self.total_steps)
-    self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
+    self.checkpointer = Checkpointer(config.checkpoint.get("directory", "")
+                                     or os.path.join(self.workdir, "checkpoints"),
                                      max_to_keep=int(config.checkpoint.max_to_keep),
                                      async_save=bool(config.checkpoint.async_save))
     self.state, self.shardings, self.graphdef, saved = restore_or_init(
@@ -164,7 +175,7 @@ class RLTrainer(TrainerRun):
 
   @property
   def step(self) -> int:
-    return int(jax.device_get(self.state.step))
+    return int(shd.to_host(self.state.step))
 
   @property
   def version(self) -> int:
@@ -197,6 +208,13 @@ class RLTrainer(TrainerRun):
   def start(self) -> None:
     """Acknowledge what the restored checkpoint trained on, then publish this trainer's
     weights as a keyframe of the next version (0 on a fresh server)."""
+    version = self._shared(self._server_start() if self.leader else 0)
+    if self.restored:
+      self._restart_floor = max(0, self.saved_version - self.max_staleness)
+    self._publish(version, keyframe=True)
+
+  def _server_start(self) -> int:
+    """The leader's side of start(): acknowledgements; returns the version to publish."""
     for take in self.pending:
       if take.step > self.step:  # taken for a step the checkpoint does not hold: requeued
         continue
@@ -208,11 +226,34 @@ class RLTrainer(TrainerRun):
         # Requeued meanwhile (its ack deadline passed): skip its groups when they come back.
         self.skip_ids.update(take.rollout_ids)
     self.pending = []
-    latest = self.client.latest_version()
-    version = max(latest, self.saved_version) + 1
-    if self.restored:
-      self._restart_floor = max(0, self.saved_version - self.max_staleness)
-    self._publish(version, keyframe=True)
+    return max(self.client.latest_version(), self.saved_version) + 1
+
+  def _shared(self, value: int) -> int:
+    """The leader's `value`, on every process of a multi-host slice."""
+    if jax.process_count() == 1:
+      return int(value)
+    from jax.experimental import multihost_utils
+    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
+
+  def _next_batch(self, go: bool) -> tuple[dict | None, list[Group] | None]:
+    """(host batch, its groups) of the next step, or (None, None) to stop. The leader
+    decides (`go`: its own limits) and takes the groups; every other process of a
+    multi-host slice gets the same batch (and no groups)."""
+    groups = batch = None
+    if self.leader and go:
+      self._ack_durable()
+      self._feed_prompts()
+      groups = self._take_groups()
+      if groups is not None:
+        batch = build_batch(groups, self.shape, self.tokenizer.pad_id)
+    rows = self._shared(0 if batch is None else len(batch["row_group"]))
+    if not rows:
+      return None, None
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      batch = multihost_utils.broadcast_one_to_all(
+          batch if self.leader else empty_batch(rows, self.shape, self.tokenizer.pad_id))
+    return batch, groups
 
   # -- the loop ---------------------------------------------------------------------------
 
@@ -230,42 +271,49 @@ class RLTrainer(TrainerRun):
       self.log_eval(self.warm_start_eval, self.step)
     start_step = self.step
     samples = 0
-    steps_log = open(os.path.join(self.workdir, "steps.jsonl"), "a")
+    steps_log = open(os.path.join(self.workdir, "steps.jsonl"), "a") if self.leader else None
     try:
-      while self.step < self.total_steps and not self._stop.is_set():
-        if max_seconds and time.time() - t0 >= max_seconds:
+      while True:
+        go = (self.step < self.total_steps and not self._stop.is_set()
+              and not (max_seconds and time.time() - t0 >= max_seconds))
+        batch, groups = self._next_batch(go)
+        if batch is None:  # done, or stopped while waiting
           break
-        self._ack_durable()
-        self._feed_prompts()
-        groups = self._take_groups()
-        if groups is None:  # stopped while waiting
-          break
-        batch = build_batch(groups, self.shape, self.tokenizer.pad_id)
         self.state, metrics = self.rl_step(self.state, shd.shard_batch(self.mesh, batch),
                                            self.ref_params)
         done = self.step
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        metrics = {k: float(v) for k, v in shd.to_host(metrics).items()}
         samples += int(batch["sample_mask"].sum())
+        every = int(self.config.checkpoint.every_steps)
+        eval_every = int(self.config.eval.every_steps)
+        if not self.leader:  # the same device work as the leader, no logs
+          if done % self.publish_every == 0:
+            self._publish(self.version + 1)
+          if eval_every and done % eval_every == 0 and done < self.total_steps:
+            self.evaluate()
+          if every and done % every == 0:
+            self.save()
+          continue
         self.trained_rollouts += len(groups)
         record = self._step_record(done, groups, batch, metrics, samples / (time.time() - t0))
         if done % self.publish_every == 0:
           pub = self._publish(self.version + 1)
           record.update(sync_bytes=pub.bytes, sync_seconds=pub.seconds, version=pub.version)
-        eval_every = int(self.config.eval.every_steps)
         if eval_every and done % eval_every == 0 and done < self.total_steps:
           self.log_eval(self.evaluate(), done)
           record["heldout"] = self.last_eval
         self._log_step(record, metrics, groups)
         steps_log.write(json.dumps(record) + "\n")
         steps_log.flush()
-        every = int(self.config.checkpoint.every_steps)
         if every and done % every == 0:
           self.save()
     finally:
-      steps_log.close()
+      if steps_log is not None:
+        steps_log.close()
     self.save()
     self.checkpointer.wait()
-    self._ack_durable()
+    if self.leader:
+      self._ack_durable()
     return self.finish(time.time() - t0, start_step)
 
   @property
@@ -335,6 +383,8 @@ class RLTrainer(TrainerRun):
     """Publish the current params as `version`; one line of versions.jsonl per version."""
     pub = self.publisher.publish(self.state.params, version, keyframe=keyframe)
     self.sync_log.append((pub.version, pub.bytes, pub.seconds, pub.keyframe))
+    if not self.leader:
+      return pub
     with open(os.path.join(self.workdir, "versions.jsonl"), "a") as f:
       f.write(json.dumps({"version": pub.version, "step": self.step, "keyframe": pub.keyframe,
                           "bytes": pub.bytes, "seconds": pub.seconds,
@@ -352,7 +402,7 @@ class RLTrainer(TrainerRun):
     if step in self.checkpointer.all_steps():
       return
     self.checkpointer.save(step, self.state.to_tree(), self.metadata())
-    if not self.config.checkpoint.async_save:
+    if self.leader and not self.config.checkpoint.async_save:
       self._ack_durable()
 
   def _ack_durable(self) -> None:
@@ -430,8 +480,9 @@ class RLTrainer(TrainerRun):
         "keyframe_bytes": keys[-1][0] if keys else 0,
     }
     summary["dropped_stale"], summary["rejected"] = self.dropped_stale, self.rejected
-    with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=1)
+    if self.leader:
+      with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
     self.writer.flush()
     return summary
 

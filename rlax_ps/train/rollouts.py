@@ -77,6 +77,21 @@ def rows_needed(groups: Sequence[Group], shape: BatchShape) -> int:
   return rows
 
 
+def empty_batch(rows: int, shape: BatchShape, pad_id: int = 0) -> dict[str, np.ndarray]:
+  """A packed batch of `rows` rows holding no sample (build_batch's arrays, padding only)."""
+  n, p, r = shape.samples, shape.prompt_len, shape.response_len
+  return {
+      "prompt_tokens": np.full((rows, p), pad_id, np.int32),
+      "prompt_lens": np.ones((rows,), np.int32),
+      "response_tokens": np.full((rows, n, r), pad_id, np.int32),
+      "response_lens": np.zeros((rows, n), np.int32),
+      "behaviour_logp": np.zeros((rows, n, r), np.float32),
+      "rewards": np.zeros((rows, n), np.float32),
+      "sample_mask": np.zeros((rows, n), np.float32),
+      "row_group": np.zeros((rows,), np.int32),
+  }
+
+
 def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
                 ) -> dict[str, np.ndarray]:
   """The packed batch of `groups` (at most shape.groups of them), as host arrays.
@@ -90,18 +105,8 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
                      f"{len(groups)}")
   for g in groups:
     check_group(g, shape)
-  rows, n, p, r = rows_needed(groups, shape), shape.samples, shape.prompt_len, shape.response_len
-  out = {
-      "prompt_tokens": np.full((rows, p), pad_id, np.int32),
-      "prompt_lens": np.ones((rows,), np.int32),
-      "response_tokens": np.full((rows, n, r), pad_id, np.int32),
-      "response_lens": np.zeros((rows, n), np.int32),
-      "behaviour_logp": np.zeros((rows, n, r), np.float32),
-      "rewards": np.zeros((rows, n), np.float32),
-      "sample_mask": np.zeros((rows, n), np.float32),
-      "row_group": np.zeros((rows,), np.int32),
-  }
-  row = 0
+  out = empty_batch(rows_needed(groups, shape), shape, pad_id)
+  n, row = shape.samples, 0
   for gi, g in enumerate(groups):
     for start in range(0, len(g.responses), n):
       out["prompt_tokens"][row, :len(g.prompt_tokens)] = g.prompt_tokens

@@ -35,6 +35,7 @@ class TrainerRun:
 
   _writer = None
   last_eval: dict[str, float] | None = None
+  leader = True  # False on the other processes of a multi-host slice: they write no events
 
   def read_model(self, config) -> None:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
@@ -49,6 +50,8 @@ class TrainerRun:
 
   @property
   def writer(self):
+    if self._writer is None and not self.leader:
+      self._writer = _NoEvents()
     if self._writer is None:
       from tensorboardX import SummaryWriter
       self._writer = SummaryWriter(os.path.join(self.workdir, "tb"), flush_secs=10)
@@ -76,3 +79,17 @@ class TrainerRun:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+class _NoEvents:
+  """The writer of a process that writes no TensorBoard events."""
+
+  def add_scalar(self, *args, **kwargs) -> None:
+    del args, kwargs
+
+  add_histogram = add_scalar
+
+  def flush(self) -> None:
+    pass
+
+  close = flush

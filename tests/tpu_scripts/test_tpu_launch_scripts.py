@@ -49,10 +49,25 @@ def test_trainer_starts_the_server_and_the_rl_trainer_on_host_0():
   assert "--worker=0" in serve and "--host=0.0.0.0" in " ".join(serve)
   train_cmd = next(a for a in train if a.startswith("--command="))
   assert "--worker=0" in train
-  # The trainer reads host 0's tokens file, waiting for the server to write it.
+  # The trainer reads host 0's tokens file (it waits for the server to write it).
   assert "--token_file=$HOME/rlax-ps-server/tokens.json" in train_cmd
-  assert "until [ -s $HOME/rlax-ps-server/tokens.json ]" in train_cmd
   assert "--config=configs/rl_local.py" in train_cmd and "--address=127.0.0.1:50051" in train_cmd
+  assert "--coordinator_address" not in train_cmd  # one host: one process
+
+
+def test_a_multi_host_trainer_runs_on_every_host_with_shared_checkpoints():
+  ckpt = "--config.checkpoint.directory=gs://bucket/run/checkpoints"
+  out = run("launch_trainer.sh", "t", "v4-32", env=dict(ENV, TRAIN_HOSTS="all", TRAIN_ARGS=ckpt))
+  assert out.returncode == 0, out.stderr
+  train = [l for l in gcloud_lines(out) if any("rlax-ps train " in a for a in l)]
+  assert len(train) == 1 and "--worker=all" in train[0]
+  train_cmd = next(a for a in train[0] if a.startswith("--command="))
+  assert "--coordinator_address=auto" in train_cmd and ckpt in train_cmd
+  serve = [l for l in gcloud_lines(out) if any("rlax-ps serve " in a for a in l)]
+  assert len(serve) == 1 and "--worker=0" in serve[0]  # one server, on host 0
+  local = run("launch_trainer.sh", "t", "v4-32", env=dict(ENV, TRAIN_HOSTS="all"))
+  assert local.returncode == 2 and "--config.checkpoint.directory" in local.stderr
+  assert "gcloud" not in local.stdout
 
 
 def test_a_custom_trainer_command_may_run_on_every_host():

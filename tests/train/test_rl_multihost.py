@@ -1,0 +1,129 @@
+"""The RL trainer on a multi-host slice: two `rlax-ps train` processes joined by a local
+jax.distributed coordinator, 2 CPU devices each, the params sharded across both (fsdp 4).
+Process 0 alone talks to the server; the run must train every step on submitted groups,
+publish versions whose digest is that of the weights it checkpointed, and end cleanly."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from rl_testlib import REPO, TOKENS, FakeWorker, rl_config, start_server
+from rlax_ps import sharding as shd
+from rlax_ps import sync
+from rlax_ps.checkpoint import Checkpointer
+from rlax_ps.models import model_config_from
+from rlax_ps.optim import make_optimizer
+from rlax_ps.tokenizers import make_tokenizer
+from rlax_ps.train.publisher import flat_params
+from rlax_ps.train.state import abstract_state
+
+STEPS, GROUPS = 4, 4  # the :tiny config's groups_per_step
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _trainers(tmp, address):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  coordinator = f"127.0.0.1:{_free_port()}"
+  procs = []
+  for i in range(2):
+    log = open(tmp / f"trainer{i}.log", "wb")
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "rlax_ps", "train", "--config=configs/rl_local.py:tiny",
+         f"--config.rl.steps={STEPS}", "--config.rl.max_staleness=20",
+         "--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.eval.num_examples=4",
+         "--config.eval.batch_size=4", f"--config.checkpoint.directory={tmp / 'shared'}",
+         f"--workdir={tmp / 'rl'}", f"--address={address}",
+         f"--token_file={tmp / 'tokens.json'}", f"--coordinator_address={coordinator}",
+         "--num_processes=2", f"--process_id={i}"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+  return procs
+
+
+def _lines(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def _abstract_state(devices):
+  config = rl_config()
+  tokenizer = make_tokenizer(config.tokenizer.kind, config.tokenizer.path,
+                             config.tokenizer.alphabet)
+  model_config = model_config_from(config.model, tokenizer.vocab_size, "")
+  mesh = shd.make_mesh({"data": 1, "fsdp": len(devices), "tensor": 1}, devices)
+  return abstract_state(model_config, make_optimizer(config.optimizer, STEPS), mesh)
+
+
+def test_the_multi_host_mesh_splits_the_params_over_both_processes():
+  """The run below shards params 4 ways (fsdp 4 over 2 processes x 2 devices): a tensor
+  whose shards lie on 4 devices has some on each process."""
+  params = jax.tree.leaves(_abstract_state(jax.devices()[:4]).params)
+  split = [p for p in params
+           if len({str(i) for i in p.sharding.devices_indices_map(p.shape).values()}) == 4]
+  assert len(split) >= len(params) // 2
+
+
+def _digest_of_checkpoint(directory):
+  """sync.state_digest of the bf16 held state of the run's final checkpoint, restored here
+  on one device."""
+  target = _abstract_state(jax.devices()[:1])
+  with Checkpointer(directory, async_save=False) as ckpt:
+    assert ckpt.latest_step() == STEPS
+    tree, _ = ckpt.restore(target.to_tree())
+  held = {k: np.asarray(v.astype(jax.numpy.bfloat16)) for k, v in
+          flat_params(tree["params"]).items()}
+  return sync.state_digest(sync.encode(None, held, "bf16", version=0).checksums)
+
+
+@pytest.mark.timeout(600)
+def test_two_process_trainer_trains_publishes_and_checkpoints_as_one(tmp_path):
+  (tmp_path / "tokens.json").write_text(json.dumps(TOKENS))
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4, limit=STEPS * GROUPS).start()
+  procs = _trainers(tmp_path, server.address)
+  try:
+    end = time.monotonic() + 540
+    while any(p.poll() is None for p in procs):
+      assert not worker.errors, f"the fake worker failed: {worker.errors!r}"
+      if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > end:
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait(30)
+    worker.stop()
+    server.stop(grace=0)
+  logs = [(tmp_path / f"trainer{i}.log").read_text() for i in range(2)]
+  for i, p in enumerate(procs):
+    assert p.returncode == 0, f"trainer process {i} exited {p.returncode}: {logs[i][-3000:]}"
+  assert "process 1 of 2" in logs[1] and "server " in logs[0]
+
+  workdir = tmp_path / "rl"
+  steps = _lines(workdir / "steps.jsonl")  # the leader's alone: one line per step
+  assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+  trained = [i for r in steps for i in r["rollout_ids"]]
+  assert len(trained) == len(set(trained)) == STEPS * GROUPS
+  assert set(trained) <= set(worker.submitted)
+  versions = _lines(workdir / "versions.jsonl")
+  assert [v["version"] for v in versions] == list(range(STEPS + 1))
+  assert versions[0]["keyframe"] and not any(v["keyframe"] for v in versions[1:])
+  # What was published after the last step is what both processes checkpointed.
+  assert versions[-1]["digest"] == f"{_digest_of_checkpoint(str(tmp_path / 'shared')):016x}"
+  assert not (workdir / "checkpoints").exists()
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["step"] == STEPS and set(summary["heldout_exact_match"]) >= {"all"}
+  assert 0 <= summary["heldout_pass"]["pass@1"] <= summary["heldout_pass"]["pass@2"]
