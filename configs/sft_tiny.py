@@ -100,8 +100,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.batch_size = 200  # Prompts decoded together.
   c.eval.seed = 1234  # Which held-out examples (fixed across runs for comparability).
 
-  # Orbax checkpoints under <workdir>/checkpoints; a rerun resumes from the latest.
+  # Orbax checkpoints; a rerun resumes from the latest.
   c.checkpoint = ml_collections.ConfigDict()
+  # "" = <workdir>/checkpoints; on a multi-host slice, storage every host sees (gs://...).
+  c.checkpoint.directory = ""
   c.checkpoint.every_steps = 200  # 0 = only at the end.
   c.checkpoint.max_to_keep = 2
   c.checkpoint.async_save = True

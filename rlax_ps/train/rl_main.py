@@ -10,7 +10,8 @@ the step, checkpoints and exits.
 
 On a multi-host slice run the same command on every host with --coordinator_address=auto
 (TPU: jax.distributed finds the slice), or HOST:PORT with --num_processes and --process_id.
-Process 0 connects to the server; the workdir must be shared storage (e.g. gs://).
+Process 0 connects to the server and writes the workdir's logs; --config.checkpoint.directory
+must be storage every host sees (e.g. gs://).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from param_server import connect_flags
+from rlax_ps import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "RL config file, e.g. configs/rl_local.py; override fields with "
@@ -29,15 +31,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, TensorBoard "
                                "events, steps.jsonl, summary.json. A rerun resumes.")
 TOKEN_FILE_WAIT_S = 300.0
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", "", "Multi-host trainer: process 0's HOST:PORT for "
-    "jax.distributed, or 'auto' to detect the slice (TPU VMs). '' = one process.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host trainer: processes "
-                                      "in all (with a HOST:PORT coordinator).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host trainer: this process's "
-                                   "index, 0 to num_processes - 1 (with a HOST:PORT "
-                                   "coordinator).")
 flags.adopt_module_key_flags(connect_flags)
+flags.adopt_module_key_flags(distributed)
 flags.mark_flags_as_required(["config", "workdir", "address"])
 
 
@@ -46,19 +41,14 @@ def main(argv: list[str]) -> None:
     raise SystemExit(f"rlax-ps train: unexpected arguments {argv[1:]}; flags are --name=value")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO.
     logging.set_verbosity(logging.WARNING)
-  import jax  # JAX loads once flags are valid; jax.distributed starts before any backend.
-  if _COORDINATOR.value:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts' collectives
-    if _COORDINATOR.value == "auto":
-      jax.distributed.initialize()
-    else:
-      jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  leader = distributed.initialize()  # before any JAX backend starts
+  import jax
+
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
   from rlax_ps.train.rl import RLTrainer, stop_on_signals
 
   config = _CONFIG.value
-  leader = jax.process_index() == 0
   if leader and connect_flags.TOKEN_FILE.value:  # a server started beside us writes it
     connect_flags.await_file(connect_flags.TOKEN_FILE.value, TOKEN_FILE_WAIT_S)
   with (connect_flags.connect("trainer") if leader else contextlib.nullcontext()) as client, \

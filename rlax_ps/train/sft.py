@@ -3,6 +3,8 @@
 
 A rerun with the same workdir resumes from the latest complete checkpoint: same step,
 params, optimizer state, RNG and data position (the batch of step s depends only on s).
+On a multi-host slice every process builds the same global batches and runs the steps;
+process 0 alone writes logs, the summary and the export.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class SFTTrainer(TrainerRun):
 
   def __init__(self, config, workdir: str, *, devices: Sequence[jax.Device] | None = None):
     self.config = config
+    self.leader = jax.process_index() == 0
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.read_model(config)
@@ -47,7 +50,8 @@ class SFTTrainer(TrainerRun):
     self.data = SFTBatches(self.tasks, self.weights, self.tokenizer, batch_size=batch_size,
                            seq_len=int(config.data.seq_len), seed=int(config.seed),
                            packing=bool(config.data.packing))
-    self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
+    self.checkpointer = Checkpointer(config.checkpoint.get("directory", "")
+                                     or os.path.join(self.workdir, "checkpoints"),
                                      max_to_keep=int(config.checkpoint.max_to_keep),
                                      async_save=bool(config.checkpoint.async_save))
     self.state, self.shardings, self.graphdef = self._init_or_restore()
@@ -64,7 +68,7 @@ class SFTTrainer(TrainerRun):
 
   @property
   def step(self) -> int:
-    return int(jax.device_get(self.state.step))
+    return int(shd.to_host(self.state.step))
 
   def metadata(self) -> dict[str, Any]:
     """The JSON blob saved with each checkpoint: step, data position, model, tokenizer, config."""
@@ -97,15 +101,15 @@ class SFTTrainer(TrainerRun):
     eval_every = int(self.config.train.eval_every)
     start = self.step
     last: dict[str, float] = {}
-    bar = tqdm(total=until, initial=start, desc="sft", unit="step", disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=until, initial=start, desc="sft", unit="step",
+               disable=not (progress and self.leader), dynamic_ncols=True)
     t0 = time.time()
     for step in range(start, until):
       batch = shd.shard_batch(self.mesh, self.data.batch(step))
       self.state, metrics = self.train_step(self.state, batch)
       done = step + 1
       if done % log_every == 0 or done == until:  # Fetching metrics waits for the step.
-        last = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        last = {k: float(v) for k, v in shd.to_host(metrics).items()}
         last["answer_tokens"] = last.pop("tokens")
         for k, v in last.items():
           self.writer.add_scalar(f"train/{k}", v, done)
@@ -123,10 +127,14 @@ class SFTTrainer(TrainerRun):
     return last
 
   def export_hf(self, path: str | None = None) -> str:
-    """Write the model in Hugging Face format (config.json, safetensors, tokenizer files)."""
+    """Write the model in Hugging Face format (config.json, safetensors, tokenizer files);
+    on a multi-host slice every process gathers the params and process 0 writes them."""
     path = path or os.path.join(self.workdir, "hf")
     tok = self.tokenizer
-    save_hf_checkpoint(nnx.merge(self.graphdef, self.state.params), path, extra_config={
+    params = shd.to_host(self.state.params)
+    if not self.leader:
+      return path
+    save_hf_checkpoint(nnx.merge(self.graphdef, params), path, extra_config={
         "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
     if isinstance(tok, CharTokenizer):
       tok.save(path)
@@ -160,6 +168,8 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> dict[s
     trainer.checkpointer.wait()
     summary = {"step": trainer.step, "train": last, "heldout_exact_match": result,
                "export": export, "seconds": time.time() - t0}
+    if not trainer.leader:
+      return summary
     print(format_accuracy(result, int(config.eval.num_examples)), flush=True)
     if export:
       print(f"Hugging Face export: {export}", flush=True)

@@ -2,6 +2,9 @@
 
   rlax-ps sft --config=configs/sft_tiny.py --workdir=runs/sft_tiny
   rlax-ps sft --config=configs/sft_tiny.py:tiny --config.optimizer.lr=1e-3 --workdir=/tmp/x
+
+On a multi-host slice run the same command on every host with --coordinator_address=auto
+(TPU VMs) and --config.checkpoint.directory on storage every host sees (e.g. gs://).
 """
 
 from __future__ import annotations
@@ -9,12 +12,15 @@ from __future__ import annotations
 from absl import flags, logging
 from ml_collections import config_flags
 
+from rlax_ps import distributed
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/sft_tiny.py or configs/sft_tiny.py:tiny; "
     "override fields with --config.a.b=value.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, TensorBoard "
                                "events, HF export. A rerun with the same workdir resumes.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+flags.adopt_module_key_flags(distributed)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -23,6 +29,7 @@ def main(argv: list[str]) -> None:
     raise SystemExit(f"rlax-ps sft: unexpected arguments {argv[1:]}; flags are --name=value")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO.
     logging.set_verbosity(logging.WARNING)
+  distributed.initialize()  # before any JAX backend starts
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
   from rlax_ps.train.sft import train_and_evaluate  # JAX loads only once flags are valid.

@@ -1,7 +1,8 @@
-"""The RL trainer on a multi-host slice: two `rlax-ps train` processes joined by a local
-jax.distributed coordinator, 2 CPU devices each, the params sharded across both (fsdp 4).
-Process 0 alone talks to the server; the run must train every step on submitted groups,
-publish versions whose digest is that of the weights it checkpointed, and end cleanly."""
+"""The trainers on a multi-host slice: two processes of `rlax-ps train` (or `rlax-ps sft`)
+joined by a local jax.distributed coordinator, 2 CPU devices each, the params sharded
+across both (fsdp 4), checkpoints in one shared directory. Process 0 alone talks to the
+server and writes logs and exports; each run must end cleanly on both processes with
+what it published or exported equal to what it checkpointed."""
 
 import json
 import os
@@ -13,12 +14,13 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from rl_testlib import REPO, TOKENS, FakeWorker, rl_config, start_server
 from rlax_ps import sharding as shd
 from rlax_ps import sync
 from rlax_ps.checkpoint import Checkpointer
-from rlax_ps.models import model_config_from
+from rlax_ps.models import load_hf_checkpoint, model_config_from
 from rlax_ps.optim import make_optimizer
 from rlax_ps.tokenizers import make_tokenizer
 from rlax_ps.train.publisher import flat_params
@@ -33,23 +35,41 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _trainers(tmp, address):
+def _launch(tmp, job, config, *args):
+  """Two processes of `rlax-ps job` on one coordinator, params sharded over both."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
   coordinator = f"127.0.0.1:{_free_port()}"
   procs = []
   for i in range(2):
-    log = open(tmp / f"trainer{i}.log", "wb")
+    log = open(tmp / f"{job}{i}.log", "wb")
     procs.append(subprocess.Popen(
-        [sys.executable, "-m", "rlax_ps", "train", "--config=configs/rl_local.py:tiny",
-         f"--config.rl.steps={STEPS}", "--config.rl.max_staleness=20",
-         "--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.eval.num_examples=4",
-         "--config.eval.batch_size=4", f"--config.checkpoint.directory={tmp / 'shared'}",
-         f"--workdir={tmp / 'rl'}", f"--address={address}",
-         f"--token_file={tmp / 'tokens.json'}", f"--coordinator_address={coordinator}",
+        [sys.executable, "-m", "rlax_ps", job, f"--config={config}", "--config.mesh.data=1",
+         "--config.mesh.fsdp=4", f"--config.checkpoint.directory={tmp / 'shared'}",
+         f"--workdir={tmp / job}", *args, f"--coordinator_address={coordinator}",
          "--num_processes=2", f"--process_id={i}"],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
   return procs
+
+
+def _wait(procs, tmp, job, worker=None, timeout=540):
+  """Both processes' logs once both exited 0 (fails on the first that does not)."""
+  try:
+    end = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+      assert worker is None or not worker.errors, f"the fake worker failed: {worker.errors!r}"
+      if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > end:
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait(30)
+  logs = [(tmp / f"{job}{i}.log").read_text() for i in range(2)]
+  for i, p in enumerate(procs):
+    assert p.returncode == 0, f"{job} process {i} exited {p.returncode}: {logs[i][-3000:]}"
+  return logs
 
 
 def _lines(path):
@@ -88,31 +108,22 @@ def _digest_of_checkpoint(directory):
 
 
 @pytest.mark.timeout(600)
-def test_two_process_trainer_trains_publishes_and_checkpoints_as_one(tmp_path):
+def test_two_process_rl_trainer_trains_publishes_and_checkpoints_as_one(tmp_path):
   (tmp_path / "tokens.json").write_text(json.dumps(TOKENS))
   server = start_server(tmp_path / "ps")
   worker = FakeWorker(server.address, samples=4, limit=STEPS * GROUPS).start()
-  procs = _trainers(tmp_path, server.address)
   try:
-    end = time.monotonic() + 540
-    while any(p.poll() is None for p in procs):
-      assert not worker.errors, f"the fake worker failed: {worker.errors!r}"
-      if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > end:
-        break
-      time.sleep(0.2)
+    procs = _launch(tmp_path, "train", "configs/rl_local.py:tiny", f"--config.rl.steps={STEPS}",
+                    "--config.rl.max_staleness=20", "--config.eval.num_examples=4",
+                    "--config.eval.batch_size=4", f"--address={server.address}",
+                    f"--token_file={tmp_path / 'tokens.json'}")
+    logs = _wait(procs, tmp_path, "train", worker)
   finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-      p.wait(30)
     worker.stop()
     server.stop(grace=0)
-  logs = [(tmp_path / f"trainer{i}.log").read_text() for i in range(2)]
-  for i, p in enumerate(procs):
-    assert p.returncode == 0, f"trainer process {i} exited {p.returncode}: {logs[i][-3000:]}"
   assert "process 1 of 2" in logs[1] and "server " in logs[0]
 
-  workdir = tmp_path / "rl"
+  workdir = tmp_path / "train"
   steps = _lines(workdir / "steps.jsonl")  # the leader's alone: one line per step
   assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
   trained = [i for r in steps for i in r["rollout_ids"]]
@@ -127,3 +138,22 @@ def test_two_process_trainer_trains_publishes_and_checkpoints_as_one(tmp_path):
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["step"] == STEPS and set(summary["heldout_exact_match"]) >= {"all"}
   assert 0 <= summary["heldout_pass"]["pass@1"] <= summary["heldout_pass"]["pass@2"]
+
+
+@pytest.mark.timeout(600)
+def test_two_process_sft_exports_the_weights_it_checkpointed(tmp_path):
+  _wait(_launch(tmp_path, "sft", "configs/sft_tiny.py:tiny", "--progress=false"), tmp_path,
+        "sft")
+  summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
+  assert summary["step"] == 4 and summary["train"]["loss"] > 0
+  config = rl_config().sft
+  target = _abstract_state(jax.devices()[:1])
+  with Checkpointer(str(tmp_path / "shared"), async_save=False) as ckpt:
+    assert ckpt.latest_step() == 4
+    tree, _ = ckpt.restore(target.to_tree())
+  exported = load_hf_checkpoint(summary["export"], config.model.param_dtype)
+  got = flat_params(nnx.state(exported, nnx.Param).to_pure_dict())
+  want = flat_params(tree["params"])
+  assert set(got) == set(want)
+  for name in want:
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
