@@ -286,25 +286,21 @@ class RLTrainer(TrainerRun):
         samples += int(batch["sample_mask"].sum())
         every = int(self.config.checkpoint.every_steps)
         eval_every = int(self.config.eval.every_steps)
-        if not self.leader:  # the same device work as the leader, no logs
-          if done % self.publish_every == 0:
-            self._publish(self.version + 1)
-          if eval_every and done % eval_every == 0 and done < self.total_steps:
-            self.evaluate()
-          if every and done % every == 0:
-            self.save()
-          continue
-        self.trained_rollouts += len(groups)
-        record = self._step_record(done, groups, batch, metrics, samples / (time.time() - t0))
+        record = {}  # the leader's log line; the other processes do the same device work
+        if self.leader:
+          self.trained_rollouts += len(groups)
+          record = self._step_record(done, groups, batch, metrics,
+                                     samples / (time.time() - t0))
         if done % self.publish_every == 0:
           pub = self._publish(self.version + 1)
           record.update(sync_bytes=pub.bytes, sync_seconds=pub.seconds, version=pub.version)
         if eval_every and done % eval_every == 0 and done < self.total_steps:
           self.log_eval(self.evaluate(), done)
           record["heldout"] = self.last_eval
-        self._log_step(record, metrics, groups)
-        steps_log.write(json.dumps(record) + "\n")
-        steps_log.flush()
+        if self.leader:
+          self._log_step(record, metrics, groups)
+          steps_log.write(json.dumps(record) + "\n")
+          steps_log.flush()
         if every and done % every == 0:
           self.save()
     finally:
@@ -312,8 +308,7 @@ class RLTrainer(TrainerRun):
         steps_log.close()
     self.save()
     self.checkpointer.wait()
-    if self.leader:
-      self._ack_durable()
+    self._ack_durable()
     return self.finish(time.time() - t0, start_step)
 
   @property
@@ -402,12 +397,12 @@ class RLTrainer(TrainerRun):
     if step in self.checkpointer.all_steps():
       return
     self.checkpointer.save(step, self.state.to_tree(), self.metadata())
-    if self.leader and not self.config.checkpoint.async_save:
+    if not self.config.checkpoint.async_save:
       self._ack_durable()
 
   def _ack_durable(self) -> None:
-    """Acknowledge the takes that a durable checkpoint has trained on."""
-    if not self.pending or self.checkpointer.saving():
+    """Acknowledge the takes that a durable checkpoint has trained on (the leader's)."""
+    if not self.leader or not self.pending or self.checkpointer.saving():
       return
     durable = self.checkpointer.latest_step()
     if durable is None:

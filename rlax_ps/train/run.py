@@ -90,6 +90,6 @@ class _NoEvents:
   add_histogram = add_scalar
 
   def flush(self) -> None:
-    pass
+    """Nothing is buffered."""
 
   close = flush
