@@ -114,6 +114,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # `rlax-ps local`: how many workers to start.
   c.local = ml_collections.ConfigDict()
   c.local.workers = 2
+  # The workers' JAX platform: "cpu" leaves this machine's accelerators to the trainer (a
+  # TPU host's chips take one process); "" = JAX's default (split the devices yourself).
+  c.local.worker_platform = "cpu"
 
   if arg == "tiny":
     c.rl.steps = 4

@@ -2,7 +2,9 @@
 
 The supervised warm start runs first (in <workdir>/sft, reused once finished) unless the
 config names `init_from_hf`. Then a parameter server, the trainer and the workers run as
-child processes on 127.0.0.1, each logging to <workdir>/logs/. Tokens are made fresh in the
+child processes on 127.0.0.1, each logging to <workdir>/logs/. The supervisor itself never
+starts a JAX backend (the warm start is a child too), so the trainer can have this
+machine's accelerators; the workers run on the CPU unless `local.worker_platform` says. Tokens are made fresh in the
 server's owner-only tokens.json, which the children read (never a command line). One live
 line shows the trainer's progress; the run ends at the trainer's last step, on Ctrl-C, or
 when any child fails (then with a non-zero exit naming the child and its last log lines).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -62,9 +65,10 @@ class LocalRun:
   """The children of one `rlax-ps local` run and their supervision."""
 
   def __init__(self, workdir: str, config_file: str, overrides: Sequence[str], *,
-               workers: int, python: str = sys.executable):
+               workers: int, worker_platform: str = "cpu", python: str = sys.executable):
     if workers < 1:
       raise ValueError(f"local.workers: expected >= 1, got {workers}")
+    self.worker_env = {"JAX_PLATFORMS": worker_platform} if worker_platform else {}
     self.workdir = os.path.abspath(workdir)
     self.config_file, self.overrides = config_file, list(overrides)
     self.num_workers, self.python = workers, python
@@ -122,7 +126,8 @@ class LocalRun:
   def start_workers(self, init_from_hf: str) -> list[Child]:
     extra = [f"--config.init_from_hf={init_from_hf}"] if init_from_hf else []
     return [self._spawn(f"worker-{i}", ["worker", *self._client_flags(), *extra,
-                                        f"--name=worker-{i}", f"--seed={i}"])
+                                        f"--name=worker-{i}", f"--seed={i}"],
+                        self.worker_env)
             for i in range(self.num_workers)]
 
   def check(self, trainer: Child) -> bool:
@@ -212,8 +217,24 @@ def warm_start(config, workdir: str) -> str:
       os.path.join(hf, "config.json")):
     print(f"warm start: reusing {hf}", flush=True)
     return hf
-  from rlax_ps.train.sft import train_and_evaluate
   config.sft.export.hf = True  # RL starts from the export
   print(f"warm start: supervised training in {sft_dir}", flush=True)
-  train_and_evaluate(config.sft, sft_dir)
+  child = multiprocessing.get_context("spawn").Process(target=_sft, args=(config.sft, sft_dir),
+                                                       name="sft")
+  child.start()
+  child.join()
+  if child.exitcode != 0:
+    raise ChildFailed(f"sft (the warm start) exited with status {child.exitcode}; its "
+                      f"output is above")
   return hf
+
+
+def _sft(config, workdir: str) -> None:
+  """The warm start's process: `rlax-ps sft` on the config's `sft` block."""
+  from absl import logging
+
+  from rlax_ps.compile_cache import enable_compile_cache
+  from rlax_ps.train.sft import train_and_evaluate
+  logging.set_verbosity(logging.WARNING)
+  enable_compile_cache()
+  train_and_evaluate(config, workdir)

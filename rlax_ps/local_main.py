@@ -52,8 +52,13 @@ def main(argv: list[str]) -> None:
   path, _, variant = config_file.partition(":")
   config_file = os.path.abspath(path) + (f":{variant}" if variant else "")
   enable_compile_cache()
-  init_from_hf = os.path.abspath(local.warm_start(config, workdir))
-  run = local.LocalRun(workdir, config_file, overrides, workers=int(config.local.workers))
+  try:
+    init_from_hf = os.path.abspath(local.warm_start(config, workdir))
+  except local.ChildFailed as e:
+    print(f"rlax-ps local: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+  run = local.LocalRun(workdir, config_file, overrides, workers=int(config.local.workers),
+                       worker_platform=str(config.local.get("worker_platform", "cpu")))
   steps = local.StepReader(os.path.join(workdir, "steps.jsonl"))
   code, message = 0, ""
   try:

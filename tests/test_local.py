@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from rlax_ps import local
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -78,3 +80,24 @@ def test_a_failing_child_stops_the_run_naming_it(run):
   assert proc.returncode == 1
   assert "trainer exited with status 1" in proc.stderr
   assert "worker.weights_format" in proc.stderr  # from the trainer log's last lines
+
+
+def test_workers_run_on_the_cpu_leaving_the_accelerators_to_the_trainer(tmp_path, monkeypatch):
+  """LocalRun's children, with a stand-in interpreter that logs its JAX platform."""
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on a TPU VM
+  fake = tmp_path / "python"
+  fake.write_text('#!/bin/sh\necho "platform=[${JAX_PLATFORMS:-default}] $4"\n')
+  fake.chmod(0o755)
+
+  def platforms(**kwargs):
+    run = local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=2, python=str(fake),
+                         **kwargs)
+    run.address = "127.0.0.1:1"
+    children = [run.start_trainer("hf"), *run.start_workers("hf")]
+    for child in children:
+      child.process.wait(30)
+    return {c.name: re.findall(r"platform=\[(\w+)\]", open(c.log).read())[-1]
+            for c in children}
+
+  assert platforms() == {"trainer": "default", "worker-0": "cpu", "worker-1": "cpu"}
+  assert platforms(worker_platform="")["worker-1"] == "default"

@@ -14,7 +14,7 @@ def code_of(path: pathlib.Path) -> str:
   return "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
 
 
-def test_quickstart_runs_and_its_delta_is_exact(monkeypatch):
+def test_quickstart_runs_the_rl_loop_and_its_delta_is_exact(monkeypatch):
   monkeypatch.chdir(ROOT)
   scope: dict = {}
   exec(compile(code_of(ROOT / "notebooks" / "quickstart.ipynb"), "quickstart.ipynb", "exec"),
@@ -27,3 +27,5 @@ def test_quickstart_runs_and_its_delta_is_exact(monkeypatch):
   assert len(scope["rewards"]) == 2 * scope["N"]
   assert scope["delta"].nbytes < scope["keyframe"].nbytes
   assert os.path.exists(os.path.join(scope["hf_dir"], "config.json"))
+  assert scope["rl"].returncode == 0 and "after RL" in scope["rl"].stdout
+  assert scope["summary"]["step"] == 4 and scope["summary"]["rollout_groups_trained"] == 16
