@@ -140,6 +140,7 @@ def test_two_process_rl_trainer_trains_publishes_and_checkpoints_as_one(tmp_path
   assert 0 <= summary["heldout_pass"]["pass@1"] <= summary["heldout_pass"]["pass@2"]
 
 
+@pytest.mark.slow  # ~50 s; the RL test above covers the shared multi-host machinery
 @pytest.mark.timeout(600)
 def test_two_process_sft_exports_the_weights_it_checkpointed(tmp_path):
   _wait(_launch(tmp_path, "sft", "configs/sft_tiny.py:tiny", "--progress=false"), tmp_path,
