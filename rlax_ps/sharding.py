@@ -132,7 +132,6 @@ def shard_batch(mesh: Mesh, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Ar
   return out
 
 
-
 def to_host(tree: Any) -> Any:
   """jax.device_get(tree), also where an array has shards on other processes (a multi-host
   slice): those are gathered from them, so every process must make the same call."""
