@@ -95,12 +95,12 @@ def test_the_multi_host_mesh_splits_the_params_over_both_processes():
   assert len(split) >= len(params) // 2
 
 
-def _digest_of_checkpoint(directory):
-  """sync.state_digest of the bf16 held state of the run's final checkpoint, restored here
-  on one device."""
+def _digest_of_checkpoint(directory, step=STEPS):
+  """sync.state_digest of the bf16 held state of the run's final checkpoint (at `step`),
+  restored here on one device."""
   target = _abstract_state(jax.devices()[:1])
   with Checkpointer(directory, async_save=False) as ckpt:
-    assert ckpt.latest_step() == STEPS
+    assert ckpt.latest_step() == step
     tree, _ = ckpt.restore(target.to_tree())
   held = {k: np.asarray(v.astype(jax.numpy.bfloat16)) for k, v in
           flat_params(tree["params"]).items()}
@@ -158,3 +158,32 @@ def test_two_process_sft_exports_the_weights_it_checkpointed(tmp_path):
   assert set(got) == set(want)
   for name in want:
     np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+
+
+@pytest.mark.slow  # two runs of the test above
+@pytest.mark.timeout(900)
+def test_a_restarted_two_process_trainer_resumes_from_its_shared_checkpoint(tmp_path):
+  (tmp_path / "tokens.json").write_text(json.dumps(TOKENS))
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4, limit=5 * GROUPS).start()
+  args = ["--config.rl.max_staleness=20", "--config.eval.num_examples=0",
+          f"--address={server.address}", f"--token_file={tmp_path / 'tokens.json'}"]
+  try:
+    for steps in (2, 5):  # the second run resumes at step 2 and trains 3 more
+      logs = _wait(_launch(tmp_path, "train", "configs/rl_local.py:tiny",
+                           f"--config.rl.steps={steps}", *args), tmp_path, "train", worker)
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+  assert "resuming from checkpoint step 2" in logs[0] and "resuming" in logs[1]
+  workdir = tmp_path / "train"
+  steps = _lines(workdir / "steps.jsonl")
+  assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+  trained = [i for r in steps for i in r["rollout_ids"]]
+  assert len(trained) == len(set(trained)) == 5 * GROUPS
+  versions = _lines(workdir / "versions.jsonl")
+  # v0-v2 from the first run; the restart republishes its weights as keyframe v3.
+  assert [v["version"] for v in versions] == list(range(7))
+  assert [v["version"] for v in versions if v["keyframe"]] == [0, 3]
+  assert versions[3]["digest"] == versions[2]["digest"]  # the restored weights, unchanged
+  assert versions[-1]["digest"] == f"{_digest_of_checkpoint(str(tmp_path / 'shared'), 5):016x}"
