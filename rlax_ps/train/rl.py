@@ -100,7 +100,6 @@ class RLTrainer(TrainerRun):
 
   def __init__(self, config, workdir: str, client, *, devices=None):
     self.config, self.client = config, client
-    self.leader = jax.process_index() == 0
     if (client is None) == self.leader:
       raise ValueError(f"client: expected one on process 0 only, process "
                        f"{jax.process_index()} got {client!r}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from rlax_ps.models import model_config_from
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import make_tokenizer
@@ -35,7 +37,6 @@ class TrainerRun:
 
   _writer = None
   last_eval: dict[str, float] | None = None
-  leader = True  # False on the other processes of a multi-host slice: they write no events
 
   def read_model(self, config) -> None:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
@@ -47,6 +48,12 @@ class TrainerRun:
     self.tasks, self.weights = tasks_from(config.tasks)
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
                                           self.init_from_hf)
+
+  @property
+  def leader(self) -> bool:
+    """Process 0: the one that writes events, logs and exports (and, in RL, talks to the
+    server); the only one outside a multi-host slice."""
+    return jax.process_index() == 0
 
   @property
   def writer(self):

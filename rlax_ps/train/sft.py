@@ -34,7 +34,6 @@ class SFTTrainer(TrainerRun):
 
   def __init__(self, config, workdir: str, *, devices: Sequence[jax.Device] | None = None):
     self.config = config
-    self.leader = jax.process_index() == 0
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.read_model(config)
