@@ -132,21 +132,25 @@ def shard_batch(mesh: Mesh, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Ar
   return out
 
 
-def to_host(tree: Any) -> Any:
+def to_host(tree: Any, keep: bool = True) -> Any:
   """jax.device_get(tree), also where an array has shards on other processes (a multi-host
-  slice): those are gathered from them, so every process must make the same call."""
+  slice): those are gathered from them, so every process must make the same call.
+  keep=False (a process that needs none of it): only the gathers, which are collective,
+  one array at a time and nothing kept; returns None."""
   def local(x):
     return not isinstance(x, jax.Array) or x.is_fully_addressable
 
   if all(local(x) for x in jax.tree.leaves(tree)):
-    return jax.device_get(tree)
+    return jax.device_get(tree) if keep else None
   from jax.experimental import multihost_utils
 
   def one(x):
-    if local(x):
-      return jax.device_get(x)
-    if x.is_fully_replicated:
-      return np.asarray(x.addressable_data(0))
-    return multihost_utils.process_allgather(x, tiled=True)
+    if not (local(x) or x.is_fully_replicated):
+      gathered = multihost_utils.process_allgather(x, tiled=True)  # collective
+      return gathered if keep else None
+    if not keep:
+      return None
+    return jax.device_get(x) if local(x) else np.asarray(x.addressable_data(0))
 
-  return jax.tree.map(one, tree)
+  out = jax.tree.map(one, tree)
+  return out if keep else None

@@ -167,41 +167,45 @@ def host_state(host_old: dict, old: dict, new: dict, *, check: bool = True
   return _fetch_state(host_old, old, new, prints=False, check=check)[0]
 
 
-def publish_state(host_old: dict, old: dict, new: dict, *, check: bool = True
-                  ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+def publish_state(host_old: dict | None, old: dict, new: dict, *, check: bool = True,
+                  host: bool = True) -> tuple[dict[str, np.ndarray], dict[str, int]]:
   """(host_state(host_old, old, new), name -> device fingerprint of each tensor of `new`):
   what a publisher whose held state lives on device needs to encode and seal a version,
   encode(host_old, host, fmt, ..., fingerprints=fingerprints). The fingerprints are the
-  ones host_state's check computes anyway."""
-  return _fetch_state(host_old, old, new, prints=True, check=check)
+  ones host_state's check computes anyway. `host=False` (a multi-host slice's processes
+  other than the one that encodes): the same device work and gathers, which are
+  collective, but no host copy; returns (None, None) and host_old may be None."""
+  return _fetch_state(host_old, old, new, prints=True, check=check, host=host)
 
 
-def _fetch_state(host_old: dict, old: dict, new: dict, *, prints: bool, check: bool
-                 ) -> tuple[dict[str, np.ndarray], dict[str, int] | None]:
+def _fetch_state(host_old: dict | None, old: dict, new: dict, *, prints: bool, check: bool,
+                 host: bool = True) -> tuple[dict[str, np.ndarray], dict[str, int] | None]:
   """host_state (checked if `check`) and, with `prints`, the device fingerprints of `new`.
   Few round trips to the devices whatever the tensor count: the change counts (and
   fingerprints) of every tensor in one, then the changes of as many tensors as FETCH_BYTES
   holds in each next one (with a check's fingerprints where the first trip had none); the
-  host copies and scatters run on the host's cores."""
-  check_names("host_old", host_old, new)
+  host copies and scatters run on the host's cores, unless not `host`."""
+  if host:
+    check_names("host_old", host_old, new)
   check_names("old", old, new)
   for name, arr in new.items():  # everything checked before anything is fetched
-    for what, other in (("host_old", np.asarray(host_old[name])), ("old", old[name])):
+    for what, other in ((("host_old", np.asarray(host_old[name])),) if host else ()) + (
+        ("old", old[name]),):
       if tuple(other.shape) != tuple(arr.shape) or jnp.dtype(other.dtype) != jnp.dtype(arr.dtype):
         raise CodecError(f"tensor {name!r}: {what} is {other.dtype}{list(other.shape)}, new "
                          f"is {arr.dtype}{list(arr.shape)}")
   sizes = {name: _pair_size(old[name], arr) for name, arr in new.items()}
   direct = [name for name in new if HOST_MEMORY_DIRECT and _in_host_memory(old[name])
-            and _in_host_memory(new[name])]
+            and _in_host_memory(new[name])]  # never on a multi-host slice
   out, printed = {}, {}
-  if direct:
+  if direct and host:
     tasks = [(sizes[n], functools.partial(_copied, n, host_old[n], old[n], new[n], prints, check))
              for n in direct]
     for name, (result, mark) in zip(direct, parallel.run(tasks, parallel.resolve(None))):
       out[name] = result
       if prints:
         printed[name] = mark
-  rest = [name for name in new if name not in out]
+  rest = [name for name in new if name not in direct]
   flat = {name: (_replicated_if_explicit(old[name]), _replicated_if_explicit(new[name]))
           for name in rest}
   counts, marks = to_host((
@@ -219,15 +223,18 @@ def _fetch_state(host_old: dict, old: dict, new: dict, *, prints: bool, check: b
                      None if prints or not check else fingerprint(new[name]))
       held += cap * (4 + jnp.dtype(new[name].dtype).itemsize)
     if held >= FETCH_BYTES or i == len(rest) - 1:
-      got = to_host({k: (v, p) for k, (v, _, p) in batch.items()})
-      tasks = []
-      for k, (_, n, _) in batch.items():
-        want = (printed[k] if prints else _joined(got[k][1])) if (
-            check and n is not None) else None
-        tasks.append((sizes[k], functools.partial(_host_tensor, k, host_old[k], got[k][0], n,
-                                                  want)))
-      out.update(zip(batch, parallel.run(tasks, parallel.resolve(None))))
+      got = to_host({k: (v, p) for k, (v, _, p) in batch.items()}, keep=host)
+      if host:
+        tasks = []
+        for k, (_, n, _) in batch.items():
+          want = (printed[k] if prints else _joined(got[k][1])) if (
+              check and n is not None) else None
+          tasks.append((sizes[k], functools.partial(_host_tensor, k, host_old[k], got[k][0],
+                                                    n, want)))
+        out.update(zip(batch, parallel.run(tasks, parallel.resolve(None))))
       batch, held = {}, 0
+  if not host:
+    return None, None
   return {name: out[name] for name in new}, (
       {name: printed[name] for name in new} if prints else None)
 

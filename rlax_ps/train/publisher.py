@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from rlax_ps import sync
@@ -56,8 +55,10 @@ class Publication:
 
 class Publisher:
   """Publishes successive versions of one parameter stream to a parameter server. On a
-  multi-host slice every process runs it on the same params (the device work is
-  collective) and only the one with a `client` sends."""
+  multi-host slice every process runs it on the same params, since the device work and
+  the gathers are collective; only the process with a `client` keeps a host copy, encodes
+  and sends. The others (client None) keep nothing on the host and return Publications
+  with bytes 0 and digest 0."""
 
   def __init__(self, client, fmt: str = "bf16", keyframe_every: int = 50):
     if keyframe_every < 1:
@@ -79,20 +80,21 @@ class Publisher:
     new_device = self._held(params)
     keyframe = (keyframe or self._device is None or version != self.version + 1
                 or self._since_keyframe + 1 >= self.keyframe_every)
+    sends = self.client is not None  # None: a follower process of a multi-host trainer
     if keyframe:
-      host = {k: np.asarray(v) for k, v in to_host(new_device).items()}
-      update = sync.encode(None, host, self.fmt, version=version,
-                           fingerprints=sync_device.fingerprints_of(new_device))
-      self._since_keyframe = 0
+      host = to_host(new_device, keep=sends)
+      prints, base, checksums = sync_device.fingerprints_of(new_device), None, None
     else:
-      host, prints = sync_device.publish_state(self._host, self._device, new_device)
-      update = sync.encode(self._host, host, self.fmt, version=version, fingerprints=prints,
-                           base_checksums=self._checksums)
-      self._since_keyframe += 1
-    wire = update.to_bytes()
-    if self.client is not None:  # None: a follower process of a multi-host trainer
+      host, prints = sync_device.publish_state(self._host, self._device, new_device, host=sends)
+      base, checksums = self._host, self._checksums
+    size, digest = 0, 0
+    if sends:
+      update = sync.encode(base, host, self.fmt, version=version, fingerprints=prints,
+                           base_checksums=checksums)
+      wire = update.to_bytes()
       self.client.publish(wire)
-    self._device, self._host, self._checksums = new_device, host, update.checksums
-    self.version = version
-    return Publication(version, keyframe, len(wire), time.perf_counter() - t0,
-                       sync.state_digest(update.checksums))
+      self._host, self._checksums = host, update.checksums
+      size, digest = len(wire), sync.state_digest(update.checksums)
+    self._device, self.version = new_device, version
+    self._since_keyframe = 0 if keyframe else self._since_keyframe + 1
+    return Publication(version, keyframe, size, time.perf_counter() - t0, digest)

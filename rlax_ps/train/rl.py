@@ -10,7 +10,8 @@ version.
 
 On a multi-host slice (jax.distributed initialized) every process runs the trainer on its
 devices; process 0, the leader, alone talks to the server (prompts, takes, acks, versions)
-and writes the logs, and broadcasts each step's batch and its decision to go on or stop.
+and writes the logs, broadcasts each step's batch and its decision to go on or stop, and
+alone keeps the host copy of the published weights and encodes them.
 """
 
 from __future__ import annotations

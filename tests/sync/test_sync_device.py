@@ -137,3 +137,26 @@ def test_publish_state_copies_host_memory_arrays_without_diffing_on_device(monke
     assert np.array_equal(host_new[name].view(np.uint8), np.asarray(arr).view(np.uint8)), name
     assert not np.shares_memory(host_new[name], np.asarray(arr))  # a copy, not a view
   assert printed == device.fingerprints_of(new)
+
+
+def test_publish_state_without_host_joins_the_same_gathers_and_keeps_nothing(
+    fetch_path, monkeypatch):
+  """host=False, a multi-host slice's non-encoding process: the gathers are collective, so
+  it must make the same ones in the same order, but it copies and scatters nothing."""
+  old, new = _states("bf16")
+  host_old = {k: np.asarray(v) for k, v in old.items()}
+  monkeypatch.setattr(device, "FETCH_BYTES", 1)  # several trips
+  calls, real = [], device.to_host
+  monkeypatch.setattr(device, "to_host", lambda tree, keep=True: calls.append(
+      jax.tree.map(lambda x: (x.shape, str(x.dtype)), tree)) or real(tree, keep))
+  host_new, printed = device.publish_state(host_old, old, new)
+  encoder_calls, calls[:] = list(calls), []
+
+  def no_host_work(*args):
+    raise AssertionError("host work without host")
+
+  monkeypatch.setattr(device, "_host_tensor", no_host_work)
+  monkeypatch.setattr(device, "_copied", no_host_work)
+  assert device.publish_state(None, old, new, host=False) == (None, None)
+  assert calls == encoder_calls
+  assert len(calls) == (1 if fetch_path == "host memory" else 4)
