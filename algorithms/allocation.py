@@ -338,11 +338,12 @@ class DynamicSampler:
 
   def observe(self, state: DynamicSamplingState,
               group_rewards: Sequence[np.ndarray]) -> DynamicSamplingState:
-    """Record newly drawn groups (in draw order); keeps those with unequal rewards."""
+    """Record newly drawn groups (in draw order; fewer than requested when a draw came back
+    short); keeps those with unequal rewards."""
     expected = self.requests(state)
-    if len(group_rewards) != expected:
-      raise ValueError(f"group_rewards: expected {expected} groups (as requested), got "
-                       f"{len(group_rewards)}")
+    if len(group_rewards) > expected:
+      raise ValueError(f"group_rewards: expected at most {expected} groups (as requested), "
+                       f"got {len(group_rewards)}")
     kept = list(state.kept)
     for j, r in enumerate(group_rewards):
       r = np.asarray(r, np.float64).reshape(-1)

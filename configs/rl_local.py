@@ -11,6 +11,7 @@ The other recipes change a few fields of this one:
   configs/rl_int8_tis.py    int8 publications, truncated importance sampling
   configs/rl_sync.py        fully synchronous (max_staleness 0)
   configs/rl_decoupled.py   decoupled PPO with the workers' behaviour log-probs
+  configs/rl_dapo.py        DAPO dynamic sampling (groups with all-equal rewards left out)
 
 Variants:
   configs/rl_local.py        the `make run` default (2 CPU cores, about 10 minutes of RL).
@@ -53,6 +54,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.max_prompt_tokens = 24  # Packed prompt capacity, bos included.
   c.rl.ack_deadline_s = 1800.0  # Taken groups come back if unacknowledged this long.
   c.rl.take_timeout_s = 600.0  # Give up when no rollout arrives for this long.
+  # DAPO dynamic sampling: leave out groups whose rewards are all equal (zero advantage) and
+  # take more, at most dynamic_sampling_max_factor * groups_per_step a step; past that the
+  # step is filled with the first ones left out.
+  c.rl.dynamic_sampling = False
+  c.rl.dynamic_sampling_max_factor = 3.0
 
   # The objective (rlax_ps.train.rl_loss.LossConfig).
   c.loss = ml_collections.ConfigDict()

@@ -203,6 +203,9 @@ def summary_table(summary: dict[str, Any]) -> str:
       ("sync: keyframe bytes", "", f"{sync.get('keyframe_bytes', 0):,}"),
       ("stale groups dropped", "", str(summary.get("dropped_stale", 0))),
   ]
+  if "filtered" in summary:
+    rows.append(("all-equal-reward groups left out / filled", "",
+                 f"{summary['filtered']} / {summary['filled']}"))
   width = max(len(r[0]) for r in rows)
   return "\n".join(f"{a:<{width}}  {b:>10}  {c:>10}" for a, b, c in rows)
 

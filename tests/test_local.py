@@ -101,3 +101,12 @@ def test_workers_run_on_the_cpu_leaving_the_accelerators_to_the_trainer(tmp_path
 
   assert platforms() == {"trainer": "default", "worker-0": "cpu", "worker-1": "cpu"}
   assert platforms(worker_platform="")["worker-1"] == "default"
+
+
+def test_the_summary_table_shows_groups_left_out_by_dynamic_sampling():
+  summary = {"step": 3, "version": 3, "rollout_groups_trained": 12, "seconds": 9.0,
+             "warm_start": {"all": 0.5}, "heldout_exact_match": {"all": 0.75}}
+  assert "left out" not in local.summary_table(summary)
+  table = local.summary_table({**summary, "filtered": 6, "filled": 3})
+  assert re.search(r"all-equal-reward groups left out / filled\s+6 / 3$", table, re.M)
+  assert re.search(r"^  all\s+50\.0%\s+75\.0%$", table, re.M)

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from param_server.client import ParamServerError, Prompt, sample_logprobs
 from rlax_ps import optim
 from rlax_ps import sharding as shd
@@ -119,6 +120,7 @@ class RLTrainer(TrainerRun):
                             prompt_len=int(rl.max_prompt_tokens),
                             response_len=int(config.worker.max_new_tokens))
     self.loss_cfg = LossConfig.from_config(config.loss)
+    self.dynamic = _dynamic_sampler(config, self.shape.samples)
     if str(config.worker.weights_format) != str(config.publish.format):
       raise ValueError(f"worker.weights_format: expected publish.format="
                        f"{config.publish.format!r}, got {config.worker.weights_format!r}")
@@ -157,6 +159,8 @@ class RLTrainer(TrainerRun):
     self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
     self.dropped_stale = 0  # groups the server dropped as older than the staleness floor
     self.rejected = 0  # groups that could not enter a batch (logged)
+    self.filtered = 0  # groups with all-equal rewards left out (rl.dynamic_sampling)
+    self.filled = 0  # such groups that filled a step at the cap (rl.dynamic_sampling)
     self.restored = saved is not None
     if saved is not None:
       self._load_metadata(saved)
@@ -337,15 +341,29 @@ class RLTrainer(TrainerRun):
     self.client.enqueue_prompts(prompts)
 
   def _take_groups(self) -> list[Group] | None:
-    """groups_per_step valid groups at or above the staleness floor; None when stopped."""
+    """groups_per_step valid groups at or above the staleness floor; None when stopped.
+    With rl.dynamic_sampling, groups whose rewards are all equal are left out and more are
+    taken, up to the cap, where the step is filled with the first ones left out."""
     rl = self.config.rl
     groups: list[Group] = []
+    uniform: list[Group] = []  # left out by dynamic sampling
+    sampling = self.dynamic.start(self.shape.groups) if self.dynamic else None
     waited_since = time.monotonic()
     while len(groups) < self.shape.groups:
       if self._stop.is_set():
         return None
+      want = self.shape.groups - len(groups)
+      if sampling is not None:
+        try:
+          want = self.dynamic.requests(sampling)
+        except DynamicSamplingExhausted as e:
+          logging.warning("rl: %s; step %d is filled with %d of them", e, self.step + 1, want)
+          self.filled += want
+          self.filtered -= want
+          return groups + uniform[:want]
+      self._feed_prompts()  # groups left out need prompts in their place
       take = self.client.take_rollouts(
-          self._min_version(), self.shape.groups - len(groups), wait_s=1.0,
+          self._min_version(), want, wait_s=1.0,
           ack_deadline_s=float(rl.ack_deadline_s), requeue_unacked=self._requeue_next)
       self._requeue_next = False
       self.dropped_stale += take.dropped_stale
@@ -357,22 +375,43 @@ class RLTrainer(TrainerRun):
       waited_since = time.monotonic()
       self.pending.append(PendingTake(take.take_id, [int(r.rollout_id) for r in take.rollouts],
                                self.step + 1))
-      for taken in take.rollouts:
-        self.consumed += 1
-        if taken.group.policy_version >= self.version and self._restart_floor is not None:
-          self._restart_floor = None  # fresh rollouts arrive: the lost steps' came first
-        if taken.rollout_id in self.skip_ids:
-          self.skip_ids.discard(taken.rollout_id)
-          continue
-        group = group_of(taken, self.tokenizer)
-        try:
-          check_group(group, self.shape)
-        except ValueError as e:
-          logging.warning("rl: rollout group rejected: %s", e)
-          self.rejected += 1
-          continue
-        groups.append(group)
+      valid = self._valid_groups(take.rollouts)
+      if sampling is None:
+        groups += valid
+        continue
+      drawn = sampling.drawn
+      sampling = self.dynamic.observe(sampling, [g.rewards for g in valid])
+      for j, group in enumerate(valid):
+        if drawn + j in sampling.kept:
+          groups.append(group)
+        else:
+          uniform.append(group)
+          self.filtered += 1
     return groups
+
+  def _valid_groups(self, taken_rollouts) -> list[Group]:
+    """The groups of a take that can enter a batch; the others are counted and logged."""
+    valid = []
+    for taken in taken_rollouts:
+      self.consumed += 1
+      if taken.group.policy_version >= self.version and self._restart_floor is not None:
+        self._restart_floor = None  # fresh rollouts arrive: the lost steps' came first
+      if taken.rollout_id in self.skip_ids:
+        self.skip_ids.discard(taken.rollout_id)
+        continue
+      group = group_of(taken, self.tokenizer)
+      try:
+        check_group(group, self.shape)
+        if self.dynamic and len(group.rewards) != self.shape.samples:
+          raise ValueError(f"rollout {group.rollout_id}: {len(group.rewards)} samples; "
+                           f"rl.dynamic_sampling needs worker.samples_per_prompt="
+                           f"{self.shape.samples}")
+      except ValueError as e:
+        logging.warning("rl: rollout group rejected: %s", e)
+        self.rejected += 1
+        continue
+      valid.append(group)
+    return valid
 
   def _publish(self, version: int, *, keyframe: bool = False):
     """Publish the current params as `version`; one line of versions.jsonl per version."""
@@ -421,7 +460,7 @@ class RLTrainer(TrainerRun):
                    rollouts_per_s: float) -> dict[str, Any]:
     mask = batch["sample_mask"] > 0
     staleness = [self.version - g.policy_version for g in groups]
-    return {
+    record = {
         "step": step, "version": self.version, "time": time.time(),
         "rollout_ids": [g.rollout_id for g in groups],
         "reward_mean": float(batch["rewards"][mask].mean()),
@@ -431,12 +470,18 @@ class RLTrainer(TrainerRun):
         "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac", 0.0),
         "iw_mean": metrics["iw_mean"], "heldout": None,
     }
+    if self.dynamic:  # totals so far
+      record.update(filtered=self.filtered, filled=self.filled)
+    return record
 
   def _log_step(self, record: dict, metrics: dict, groups: list[Group]) -> None:
     w, step = self.writer, record["step"]
     w.add_scalar("rollouts/reward_mean", record["reward_mean"], step)
     w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
     w.add_scalar("rollouts/per_second", record["rollouts_per_s"], step)
+    if "filtered" in record:  # totals so far: left out, and of those trained at the cap
+      w.add_scalar("rollouts/filtered", record["filtered"], step)
+      w.add_scalar("rollouts/filled", record["filled"], step)
     w.add_histogram("rollouts/staleness",
                     np.asarray([self.version - g.policy_version for g in groups]), step)
     for k, v in metrics.items():
@@ -475,11 +520,30 @@ class RLTrainer(TrainerRun):
         "keyframe_bytes": keys[-1][0] if keys else 0,
     }
     summary["dropped_stale"], summary["rejected"] = self.dropped_stale, self.rejected
+    if self.dynamic:
+      summary["filtered"], summary["filled"] = self.filtered, self.filled
     if self.leader:
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     self.writer.flush()
     return summary
+
+def _dynamic_sampler(config, samples: int) -> DynamicSampler | None:
+  """DAPO dynamic sampling as rl.dynamic_sampling asks (None: off); ValueError naming the
+  field that rules it out."""
+  rl = config.rl
+  if not rl.get("dynamic_sampling", False):
+    return None
+  if str(config.worker.get("allocator", "fixed")) != "fixed":
+    raise ValueError(f"rl.dynamic_sampling: needs worker.allocator='fixed' (VIGOR already "
+                     f"spends samples where rewards vary), got {config.worker.allocator!r}")
+  if samples < 2:
+    raise ValueError(f"rl.dynamic_sampling: needs worker.samples_per_prompt >= 2, got {samples}")
+  factor = float(rl.get("dynamic_sampling_max_factor", 3.0))
+  if not factor >= 1.0:
+    raise ValueError(f"rl.dynamic_sampling_max_factor: expected >= 1, got {factor}")
+  return DynamicSampler(group_size=samples, max_groups_factor=factor)
+
 
 def stop_on_signals(trainer: RLTrainer) -> None:
   """SIGTERM / SIGINT: finish the step, checkpoint, exit cleanly."""

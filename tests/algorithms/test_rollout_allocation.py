@@ -188,5 +188,7 @@ def test_dynamic_sampling_state_round_trips_and_validates():
   assert restored == state and sampler.requests(restored) == 2
   with pytest.raises(ValueError, match="group_rewards\\[0\\]: expected 2 rewards, got 3"):
     sampler.observe(restored, [np.ones(3), np.ones(2)])
-  with pytest.raises(ValueError, match="group_rewards: expected 2 groups"):
-    sampler.observe(restored, [np.ones(2)])
+  with pytest.raises(ValueError, match="group_rewards: expected at most 2 groups"):
+    sampler.observe(restored, [np.ones(2)] * 3)
+  short = sampler.observe(restored, [np.array([1.0, 0.0])])  # a draw that came back short
+  assert short.drawn == 4 and short.kept == [0, 3] and sampler.requests(short) == 1

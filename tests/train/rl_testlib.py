@@ -35,11 +35,14 @@ def client(address, role):
 class FakeWorker:
   """Leases prompts and submits groups of `samples` random responses (reward 1 on even
   samples, behaviour log-probs -1.5) with the latest version, until `limit` groups or
-  `stop()`. `submitted` holds the accepted rollout ids."""
+  `stop()`. `submitted` holds the accepted rollout ids. With `uniform_every` = u > 0, every
+  u-th group (the 1st, the (u+1)-th, ...) has all rewards 0; `uniform` holds their ids."""
 
-  def __init__(self, address, *, samples=4, limit=None, vocab=60, max_len=6, seed=0):
+  def __init__(self, address, *, samples=4, limit=None, vocab=60, max_len=6, seed=0,
+               uniform_every=0):
     self.client = client(address, "worker")
     self.samples, self.limit, self.vocab, self.max_len = samples, limit, vocab, max_len
+    self.uniform_every, self.uniform = uniform_every, set()
     self.rng = np.random.default_rng(seed)
     self.submitted: list[int] = []
     self.errors: list[BaseException] = []  # what ended the thread early, if anything
@@ -56,11 +59,12 @@ class FakeWorker:
     self._thread.join(30)
     self.client.close()
 
-  def group(self, prompt_id, version):
+  def group(self, prompt_id, version, uniform=False):
     samples = []
     for j in range(self.samples):
       toks = self.rng.integers(3, self.vocab, int(self.rng.integers(1, self.max_len + 1)))
-      samples.append(make_sample(toks, float(j % 2 == 0), logprobs=np.full(len(toks), -1.5)))
+      reward = 0.0 if uniform else float(j % 2 == 0)
+      samples.append(make_sample(toks, reward, logprobs=np.full(len(toks), -1.5)))
     return RolloutGroup(prompt_id=prompt_id, samples=samples, policy_version=version)
 
   def _run(self):
@@ -81,5 +85,8 @@ class FakeWorker:
         continue
       lease = self.client.lease(1, 60.0, wait_s=0.2)
       for p in lease.prompts:
-        reply = self.client.submit_rollouts(lease.lease_id, self.group(p.id, version))
+        uniform = bool(self.uniform_every) and len(self.submitted) % self.uniform_every == 0
+        reply = self.client.submit_rollouts(lease.lease_id, self.group(p.id, version, uniform))
         self.submitted.append(int(reply.rollout_id))
+        if uniform:
+          self.uniform.add(int(reply.rollout_id))

@@ -188,3 +188,41 @@ def test_a_stop_mid_batch_leaves_the_partial_take_to_be_trained_after_restart(tm
     effective[r["step"]] = r["rollout_ids"]
   trained = [i for s in sorted(effective) for i in effective[s]]
   assert sorted(trained) == sorted(worker.submitted) and len(set(trained)) == 12
+
+
+def test_dynamic_sampling_leaves_out_uniform_groups_and_fills_at_the_cap(tmp_path):
+  """rl.dynamic_sampling: groups whose rewards are all equal are not trained on while ones
+  that vary can fill the step; at the cap the step is filled with the first ones left out;
+  every taken group is acknowledged."""
+  config = _config(steps=3, dynamic_sampling=True, dynamic_sampling_max_factor=1.5)
+  config.eval.num_examples = 0
+  config.rl.max_staleness = 20  # nothing dropped as stale: takes alternate as submitted
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4, uniform_every=2).start()
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"),
+                                                            tc) as tr:
+      summary = tr.train()
+    with client(server.address, "viewer") as vc:
+      stats = vc.stats()
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+  # The cap is 1.5 * 4 = 6 groups a step; 6 alternating groups hold 3 that vary, so each
+  # step trains those 3 and the first of the 3 left out.
+  steps = _lines(tmp_path / "rl" / "steps.jsonl")
+  assert [s["step"] for s in steps] == [1, 2, 3]
+  for i, s in enumerate(steps, 1):
+    ids = s["rollout_ids"]
+    assert len(ids) == 4 and sum(x in worker.uniform for x in ids) == 1, s
+    assert ids[-1] in worker.uniform and min(ids) == ids[-1]  # the first left out
+    assert (s["filtered"], s["filled"]) == (2 * i, i)
+  assert (summary["filtered"], summary["filled"]) == (6, 3)
+  assert stats.rollouts_in_flight == 0  # those left out were acknowledged with their step
+
+
+def test_dynamic_sampling_is_refused_with_vigor_naming_the_field(tmp_path):
+  config = _config(dynamic_sampling=True)
+  config.worker.allocator = "vigor"
+  with pytest.raises(ValueError, match="rl.dynamic_sampling: needs worker.allocator='fixed'"):
+    RLTrainer(config, str(tmp_path / "rl"), object())
