@@ -246,7 +246,6 @@ class RLTrainer(TrainerRun):
     groups = batch = None
     if self.leader and go:
       self._ack_durable()
-      self._feed_prompts()
       groups = self._take_groups()
       if groups is not None:
         batch = build_batch(groups, self.shape, self.tokenizer.pad_id)
@@ -361,7 +360,7 @@ class RLTrainer(TrainerRun):
           self.filled += want
           self.filtered -= want
           return groups + uniform[:want]
-      self._feed_prompts()  # groups left out need prompts in their place
+      self._feed_prompts()  # before each take: groups left out need prompts in their place
       take = self.client.take_rollouts(
           self._min_version(), want, wait_s=1.0,
           ack_deadline_s=float(rl.ack_deadline_s), requeue_unacked=self._requeue_next)
