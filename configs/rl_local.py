@@ -41,8 +41,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.tasks = c.sft.tasks
 
   # Prompts: a JSONL file of {"prompt", "answer"[, "task"]} records, or "" for the tasks above.
+  # A record's task (else worker.default_task) names a built-in task or a verifier, which
+  # worker.verifiers can add from your own files.
   c.data = ml_collections.ConfigDict()
   c.data.jsonl = ""
+  # Held-out records in the same form, evaluated instead of the tasks' held-out split (all
+  # of them, each scored by its task's verifier, decoding up to worker.max_new_tokens).
+  c.data.heldout_jsonl = ""
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 5000  # Optimizer steps in all (on 2 CPU cores max_seconds ends the run first).
@@ -116,6 +121,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.lease_wait_s = 0.5
   c.worker.lease_deadline_s = 120.0
   c.worker.default_task = "addition"
+  c.worker.verifiers = ""  # Python files or modules registering verifiers, comma-separated.
 
   # `rlax-ps local`: how many workers to start.
   c.local = ml_collections.ConfigDict()

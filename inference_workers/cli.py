@@ -62,6 +62,9 @@ def main(argv) -> None:
   cfg = _CONFIG.value
   try:
     config = worker_config_from(cfg.get("worker"))
+    from algorithms.verifiers import load_verifiers, verifier_for_task
+    load_verifiers(config.verifiers, "worker.verifiers")
+    verifier_for_task(config.default_task, "worker.default_task")
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   from rlax_ps.compile_cache import enable_compile_cache

@@ -24,6 +24,8 @@ class WorkerConfig:
   top_k: int = setting(0, "top-k truncation (0 = off)")
   top_p: float = setting(1.0, "top-p truncation (1 = off)")
   default_task: str = setting("addition", "verifier for prompts that name no task")
+  verifiers: str = setting("", "Python files or modules (comma-separated) to import first: "
+                           "the verifiers they @register_verifier can be a prompt's task")
   grace_s: float = setting(25.0, "after SIGTERM: time to submit or release everything in flight")
   backoff_initial_s: float = setting(0.5, "first wait after the server could not be reached")
   backoff_max_s: float = setting(30.0, "longest wait between reconnection attempts")

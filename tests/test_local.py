@@ -6,6 +6,7 @@ child stops the run with a non-zero exit that names it."""
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -110,3 +111,27 @@ def test_the_summary_table_shows_groups_left_out_by_dynamic_sampling():
   table = local.summary_table({**summary, "filtered": 6, "filled": 3})
   assert re.search(r"all-equal-reward groups left out / filled\s+6 / 3$", table, re.M)
   assert re.search(r"^  all\s+50\.0%\s+75\.0%$", table, re.M)
+
+
+@pytest.mark.slow
+def test_own_prompts_rewards_and_heldout_records_run_through_the_loop(run, tmp_path):
+  """A user's JSONL prompts scored by the verifiers of their own file, evaluated on their
+  held-out records: the workers' rewards are that file's (0.25 or 1.0), and the summary
+  reports its tasks."""
+  workdir, _ = run
+  shutil.copytree(workdir / "sft", tmp_path / "sft")  # the warm start, reused
+  train, heldout = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+  train.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1),
+                                       "task": "fixture_contains"}) + "\n" for i in range(40)))
+  heldout.write_text("".join(json.dumps({"prompt": f"{i}+2=", "answer": str(i + 2),
+                                         "task": "fixture_any"}) + "\n" for i in range(4)))
+  proc = _local(tmp_path, f"--config.data.jsonl={train}", f"--config.data.heldout_jsonl={heldout}",
+                "--config.worker.verifiers=tests/fixtures/user_verifiers.py")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  summary = json.load(open(tmp_path / "summary.json"))
+  assert summary["heldout_exact_match"] == {"fixture_any": 1.0, "all": 1.0}
+  steps = _lines(tmp_path / "steps.jsonl")
+  assert len(steps) == 4
+  for s in steps:  # 16 samples a step, n of them rewarded 1.0 and the others 0.25
+    n = (s["reward_mean"] * 16 - 4) / 0.75
+    assert 0 <= round(n) <= 16 and abs(n - round(n)) < 1e-6, s["reward_mean"]

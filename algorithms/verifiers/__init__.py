@@ -1,14 +1,17 @@
 """Reward verifiers behind one interface: `make_verifier(name)(completion, reference)`.
 
 Registered: "math" (final-answer match), "code" (sandboxed test execution), and
-"task:<name>" for the built-in synthetic tasks of `rlax_ps.tasks`.
+"task:<name>" for the built-in synthetic tasks of `rlax_ps.tasks`; `load_verifiers` imports
+a user's files or modules that register more.
 """
 
-from algorithms.verifiers.base import (VERIFIERS, Verifier, VerifierResult, make_verifier,
-                                       register_verifier)
+from algorithms.verifiers.base import (VERIFIERS, Verifier, VerifierResult, known_tasks,
+                                       load_verifiers, make_verifier, register_verifier,
+                                       verifier_for_task)
 from algorithms.verifiers.code_exec import CodeExecutionVerifier
 from algorithms.verifiers.math_answer import MathAnswerVerifier
 from algorithms.verifiers.tasks import TaskVerifier, task_verifier
 
-__all__ = ["VERIFIERS", "Verifier", "VerifierResult", "make_verifier", "register_verifier",
+__all__ = ["VERIFIERS", "Verifier", "VerifierResult", "known_tasks", "load_verifiers",
+           "make_verifier", "register_verifier", "verifier_for_task",
            "CodeExecutionVerifier", "MathAnswerVerifier", "TaskVerifier", "task_verifier"]

@@ -7,6 +7,11 @@ a list of tests): `verifier(completion, reference) -> VerifierResult`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
 from typing import Any, Callable, Protocol
 
 
@@ -48,3 +53,55 @@ def make_verifier(name: str, **kwargs: Any) -> Verifier:
     raise ValueError(f"verifier: expected one of {sorted(VERIFIERS)} or 'task:<name>', got "
                      f"{name!r}")
   return VERIFIERS[name](**kwargs)
+
+
+def verifier_for_task(task: str, field: str = "task") -> Verifier:
+  """The verifier a prompt's task names: a built-in task of `rlax_ps.tasks` (its exact
+  checker) or a registered verifier; ValueError naming `field` for any other name."""
+  from rlax_ps.tasks import TASKS
+  if task not in TASKS and task not in VERIFIERS:
+    raise ValueError(f"{field}: {task!r} is neither a built-in task nor a registered verifier "
+                     f"(known: {', '.join(known_tasks())}); a verifier of your own goes in a "
+                     f"file that worker.verifiers names")
+  return make_verifier(f"task:{task}" if task in TASKS else task)
+
+
+def known_tasks() -> list[str]:
+  """The task names a prompt can carry: the built-in tasks and the registered verifiers."""
+  from rlax_ps.tasks import TASKS
+  return sorted(set(TASKS) | set(VERIFIERS))
+
+
+_LOADED: dict[str, list[str]] = {}  # imported file or module -> the names it registered
+
+
+def load_verifiers(spec: str, field: str = "verifiers") -> list[str]:
+  """Import each comma-separated Python file (`path/rewards.py`) or module (`pkg.rewards`)
+  of `spec`, once per process, so that the verifiers it registers with @register_verifier
+  can score prompts whose task names them. Returns those names; ValueError naming `field`
+  when one cannot be imported or registers nothing."""
+  names: list[str] = []
+  for entry in filter(None, (e.strip() for e in spec.split(","))):
+    key = os.path.abspath(entry) if entry.endswith(".py") else entry
+    if key not in _LOADED:
+      before = set(VERIFIERS)
+      try:
+        if key.endswith(".py"):
+          if not os.path.isfile(key):
+            raise FileNotFoundError(f"no file {key}")
+          name = "rlax_ps_verifiers_" + hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
+          module_spec = importlib.util.spec_from_file_location(name, key)
+          module = importlib.util.module_from_spec(module_spec)
+          sys.modules[name] = module
+          module_spec.loader.exec_module(module)
+        else:
+          importlib.import_module(key)
+      except Exception as e:
+        raise ValueError(f"{field}: could not import {entry!r}: {type(e).__name__}: {e}") from e
+      added = sorted(set(VERIFIERS) - before)
+      if not added:
+        raise ValueError(f"{field}: {entry!r} registered no verifier; decorate a class or "
+                         f"factory in it with @register_verifier('name')")
+      _LOADED[key] = added
+    names += _LOADED[key]
+  return names

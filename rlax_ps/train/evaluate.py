@@ -115,19 +115,38 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
   return out
 
 
-def _budgets(tokenizer: Tokenizer, examples: dict[str, list[Example]]) -> tuple[int, int]:
-  """(prompt length, new-token budget) that fit every example."""
+class VerifierTask:
+  """A task name scored by its verifier (a built-in task's checker or a registered one),
+  for held-out records read from a file: what exact_match and pass_at_k use of a Task.
+  reward is 1.0 when the verifier says the completion passed."""
+
+  def __init__(self, name: str, field: str = "task"):
+    from algorithms.verifiers import verifier_for_task
+    self.name, self._verifier = name, verifier_for_task(name, field)
+
+  def reward(self, example: Example, completion: str) -> float:
+    return float(self._verifier(completion, example.answer).passed)
+
+
+def _budgets(tokenizer: Tokenizer, examples: dict[str, list[Example]],
+             max_new_tokens: int | None = None) -> tuple[int, int]:
+  """(prompt length, new-token budget) that fit every example: the budget is the longest
+  answer and eos unless `max_new_tokens` is given (answers a model reasons its way to)."""
   prompt_len = max(len(tokenizer.encode(e.prompt, add_bos=True))
                    for exs in examples.values() for e in exs)
+  if max_new_tokens:
+    return prompt_len, int(max_new_tokens)
   max_new = max(len(tokenizer.encode(e.answer)) for exs in examples.values() for e in exs) + 1
   return prompt_len, max_new
 
 
 def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
               examples: dict[str, list[Example]], *, k: int, temperature: float = 1.0,
-              seed: int = 0, batch_size: int = 256) -> dict[str, float]:
+              seed: int = 0, batch_size: int = 256, max_new_tokens: int | None = None
+              ) -> dict[str, float]:
   """{"pass@1": mean reward of k samples per prompt, "pass@k": share of prompts with at
-  least one exact answer among its k samples}, over every held-out example."""
+  least one exact answer among its k samples}, over every held-out example.
+  `max_new_tokens`: the decoding budget (default: the longest answer and eos)."""
   if k < 1 or temperature <= 0:
     raise ValueError(f"pass_at_k: expected k >= 1 and temperature > 0, got k={k}, "
                      f"temperature={temperature}")
@@ -135,7 +154,7 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
   flat = [(by_name[name], e) for name, exs in examples.items() for e in exs]
   if not flat:
     return {"pass@1": 0.0, f"pass@{k}": 0.0}
-  prompt_len, max_new = _budgets(tokenizer, examples)
+  prompt_len, max_new = _budgets(tokenizer, examples, max_new_tokens)
   texts = completions(graphdef, params, tokenizer, [e.prompt for _, e in flat for _ in range(k)],
                       max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
                       temperature=temperature, seed=seed)
@@ -145,9 +164,11 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
 
 
 def exact_match(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
-                examples: dict[str, list[Example]], *, batch_size: int) -> dict[str, float]:
-  """{task name: held-out exact-match rate, "all": over every example}."""
-  prompt_len, max_new = _budgets(tokenizer, examples)
+                examples: dict[str, list[Example]], *, batch_size: int,
+                max_new_tokens: int | None = None) -> dict[str, float]:
+  """{task name: held-out exact-match rate, "all": over every example}; `max_new_tokens`
+  as pass_at_k's."""
+  prompt_len, max_new = _budgets(tokenizer, examples, max_new_tokens)
   result, hits, total = {}, 0.0, 0
   for task in tasks:
     exs = examples.get(task.name, [])

@@ -39,8 +39,10 @@ class TaskPrompts(Sequence):
     return {"prompt": ex.prompt, "answer": ex.answer, "task": task.name}
 
 
-def read_jsonl(path: str, default_task: str = "") -> list[dict[str, str]]:
-  """Records of a JSONL prompt file; a bad line raises ValueError naming the line and field."""
+def read_jsonl(path: str, default_task: str = "", known: Sequence[str] | None = None,
+               field: str = "data.jsonl") -> list[dict[str, str]]:
+  """Records of a JSONL prompt file; a bad line raises ValueError naming the line and field,
+  as does a task not in `known` (when given), the config `field` that named the file too."""
   out = []
   with open(path) as f:
     for n, line in enumerate(f, 1):
@@ -52,14 +54,18 @@ def read_jsonl(path: str, default_task: str = "") -> list[dict[str, str]]:
         raise ValueError(f"{path}:{n}: not JSON: {e}") from None
       if not isinstance(rec, dict):
         raise ValueError(f"{path}:{n}: expected an object, got {type(rec).__name__}")
-      for field in ("prompt", "answer"):
-        if not isinstance(rec.get(field), str) or (field == "prompt" and not rec[field]):
-          raise ValueError(f"{path}:{n}: field {field!r}: expected a "
-                           f"{'non-empty ' if field == 'prompt' else ''}string, got "
-                           f"{rec.get(field)!r}")
+      for key in ("prompt", "answer"):
+        if not isinstance(rec.get(key), str) or (key == "prompt" and not rec[key]):
+          raise ValueError(f"{path}:{n}: field {key!r}: expected a "
+                           f"{'non-empty ' if key == 'prompt' else ''}string, got "
+                           f"{rec.get(key)!r}")
       task = rec.get("task", default_task)
       if not isinstance(task, str):
         raise ValueError(f"{path}:{n}: field 'task': expected a string, got {task!r}")
+      if known is not None and task not in known:
+        raise ValueError(f"{field} {path}:{n}: field 'task': expected a built-in task or a "
+                         f"registered verifier ({', '.join(known)}; worker.verifiers "
+                         f"registers more), got {task!r}")
       out.append({"prompt": rec["prompt"], "answer": rec["answer"], "task": task})
   if not out:
     raise ValueError(f"{path}: no prompt records")

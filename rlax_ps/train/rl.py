@@ -31,10 +31,12 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
+from algorithms.verifiers import known_tasks, load_verifiers
 from param_server.client import ParamServerError, Prompt, sample_logprobs
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
+from rlax_ps.tasks import Example
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, read_jsonl
@@ -150,6 +152,8 @@ class RLTrainer(TrainerRun):
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
     self.heldout = {t.name: t.examples("heldout", int(config.eval.seed),
                                        int(config.eval.num_examples)) for t in self.tasks}
+    if config.data.get("heldout_jsonl", ""):
+      self._heldout_from_file(config.data.heldout_jsonl)
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)
     self.trained_rollouts = 0
@@ -174,8 +178,25 @@ class RLTrainer(TrainerRun):
   def _prompt_source(self) -> Sequence[dict[str, str]]:
     path = self.config.data.get("jsonl", "")
     if path:
-      return read_jsonl(path, default_task=str(self.config.worker.default_task))
+      return self._records("data.jsonl", path)
     return TaskPrompts(self.tasks, self.weights, int(self.config.seed))
+
+  def _records(self, field: str, path: str) -> list[dict[str, str]]:
+    """A JSONL file's records, each task checked against the built-in tasks and the
+    verifiers that worker.verifiers registers (imported here too)."""
+    load_verifiers(str(self.config.worker.get("verifiers", "")), "worker.verifiers")
+    return read_jsonl(path, default_task=str(self.config.worker.default_task),
+                      known=known_tasks(), field=field)
+
+  def _heldout_from_file(self, path: str) -> None:
+    """Evaluate on a file's records instead of the tasks' held-out split: each task name
+    scored by its verifier, decoding up to worker.max_new_tokens."""
+    records = self._records("data.heldout_jsonl", path)
+    names = sorted({r["task"] for r in records})
+    self.eval_tasks = [evaluate_lib.VerifierTask(n) for n in names]
+    self.heldout = {n: [Example(r["prompt"], r["answer"], n) for r in records if r["task"] == n]
+                    for n in names}
+    self.eval_max_new = int(self.config.worker.max_new_tokens)
 
   @property
   def step(self) -> int:
@@ -502,7 +523,8 @@ class RLTrainer(TrainerRun):
       k = int(self.config.eval.pass_k)
       if k:
         passes = evaluate_lib.pass_at_k(self.graphdef, self.state.params, self.tokenizer,
-                                        self.tasks, self.heldout, k=k,
+                                        self.eval_tasks, self.heldout, k=k,
+                                        max_new_tokens=self.eval_max_new,
                                         temperature=float(self.config.worker.temperature),
                                         seed=int(self.config.eval.seed),
                                         batch_size=int(self.config.eval.batch_size))

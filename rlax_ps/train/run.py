@@ -46,6 +46,9 @@ class TrainerRun:
                                     config.tokenizer.path or self.init_from_hf,
                                     config.tokenizer.alphabet)
     self.tasks, self.weights = tasks_from(config.tasks)
+    # What evaluate() scores `heldout` with: the tasks, and their answers' length as the
+    # decoding budget (None); the RL trainer's held-out file changes both.
+    self.eval_tasks, self.eval_max_new = self.tasks, None
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
                                           self.init_from_hf)
 
@@ -67,8 +70,9 @@ class TrainerRun:
   def evaluate(self) -> dict[str, float]:
     """Held-out exact match per task and over all, with greedy decoding."""
     self.last_eval = evaluate_lib.exact_match(self.graphdef, self.state.params, self.tokenizer,
-                                              self.tasks, self.heldout,
-                                              batch_size=int(self.config.eval.batch_size))
+                                              self.eval_tasks, self.heldout,
+                                              batch_size=int(self.config.eval.batch_size),
+                                              max_new_tokens=self.eval_max_new)
     return self.last_eval
 
   def log_eval(self, result: dict[str, float], step: int) -> None:

@@ -226,3 +226,31 @@ def test_dynamic_sampling_is_refused_with_vigor_naming_the_field(tmp_path):
   config.worker.allocator = "vigor"
   with pytest.raises(ValueError, match="rl.dynamic_sampling: needs worker.allocator='fixed'"):
     RLTrainer(config, str(tmp_path / "rl"), object())
+
+
+def test_jsonl_prompts_and_heldout_records_are_scored_by_a_users_verifiers(tmp_path):
+  """data.jsonl / data.heldout_jsonl with tasks that worker.verifiers registers: evaluation
+  scores each held-out task with its verifier; a task nothing knows is refused, naming the
+  field, the file and the line."""
+  def write(name, records):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+  config = _config()
+  config.worker.verifiers = os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                                         "fixtures", "user_verifiers.py")
+  config.data.jsonl = write("train.jsonl", [{"prompt": "1+2=", "answer": "3",
+                                             "task": "fixture_contains"}])
+  config.data.heldout_jsonl = write("heldout.jsonl", [
+      *({"prompt": f"{i}+{i}=", "answer": str(2 * i), "task": "fixture_any"} for i in range(3)),
+      *({"prompt": f"{i}+0=", "answer": "987654321", "task": "addition"} for i in range(2))])
+  with RLTrainer(config, str(tmp_path / "rl"), object()) as tr:
+    assert [r["task"] for _, r in tr.feed.take(2)] == ["fixture_contains"] * 2
+    assert tr.evaluate() == {"addition": 0.0, "fixture_any": 1.0, "all": 0.6}
+  config.data.jsonl = write("bad.jsonl", [{"prompt": "a", "answer": "b"},
+                                          {"prompt": "c", "answer": "d", "task": "nope"}])
+  with pytest.raises(ValueError, match="data.jsonl .*bad.jsonl:2: field 'task': expected a "
+                                       "built-in task or a registered verifier \\(.*"
+                                       "fixture_contains.*\\), got 'nope'"):
+    RLTrainer(config, str(tmp_path / "rl2"), object())

@@ -1,0 +1,52 @@
+"""Verifiers of a user's own, imported from a file or a module by name (worker.verifiers),
+and the errors that name the field when one cannot be imported or a task is unknown."""
+
+import os
+
+import pytest
+
+from algorithms.verifiers import VERIFIERS, known_tasks, load_verifiers, verifier_for_task
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",
+                       "user_verifiers.py")
+
+
+def test_a_file_registers_its_verifiers_once_and_they_score_tasks():
+  assert load_verifiers(f" {FIXTURE} ,", "worker.verifiers") == ["fixture_any",
+                                                                  "fixture_contains"]
+  assert load_verifiers(FIXTURE) == ["fixture_any", "fixture_contains"]  # not imported again
+  assert {"fixture_any", "fixture_contains", "addition", "math"} <= set(known_tasks())
+  verify = verifier_for_task("fixture_contains")
+  assert verify("it is 42.", "42").passed and verify("it is 41.", "42").reward == 0.25
+  assert verifier_for_task("addition")("3<eos>", "3").passed  # built-in tasks still resolve
+
+
+def test_a_module_by_name_is_imported(tmp_path, monkeypatch):
+  (tmp_path / "my_pkg_rewards.py").write_text(
+      "from algorithms.verifiers import VerifierResult, register_verifier\n"
+      "register_verifier('module_len')(lambda: lambda c, r: VerifierResult(len(c), True))\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert load_verifiers("my_pkg_rewards") == ["module_len"]
+  assert verifier_for_task("module_len")("abc", "").reward == 3
+  VERIFIERS.pop("module_len")
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "could not import .*FileNotFoundError: no file"),
+    ("raise RuntimeError('boom')", "could not import .*RuntimeError: boom"),
+    ("x = 1", "registered no verifier; decorate a class or factory in it with "
+              "@register_verifier"),
+])
+def test_a_file_that_cannot_give_verifiers_is_refused_naming_the_field(tmp_path, content,
+                                                                       message):
+  path = tmp_path / "bad.py"
+  if content is not None:
+    path.write_text(content)
+  with pytest.raises(ValueError, match=f"^worker.verifiers: .*{message}"):
+    load_verifiers(str(path), "worker.verifiers")
+
+
+def test_an_unknown_task_is_refused_naming_the_field_and_the_known_ones():
+  with pytest.raises(ValueError, match="worker.default_task: 'nope' is neither a built-in task "
+                                       "nor a registered verifier \\(known: .*addition"):
+    verifier_for_task("nope", "worker.default_task")

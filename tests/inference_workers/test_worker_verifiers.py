@@ -1,0 +1,59 @@
+"""`rlax-ps worker --verifiers=FILE` scores prompts whose task names a verifier that FILE
+registers; a file that cannot be imported, or a default task nothing knows, stops the
+worker at start with an error naming the field."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+from flax import nnx
+
+from param_server.client import ParamServerClient, Prompt, RetryPolicy
+from param_server.server import ParamServer, ServerConfig
+from rlax_ps import config_files, sync
+from rlax_ps.models import Transformer, flatten_params, model_config_from
+from rlax_ps.tokenizers import CharTokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENS = {"trainer": "t-v", "worker": "w-v", "viewer": "v-v"}
+FIXTURE = "tests/fixtures/user_verifiers.py"
+
+
+def _worker(address, token_file, *extra):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "_TOKEN" not in k}
+  return subprocess.run([sys.executable, "-m", "rlax_ps", "worker",
+                         "--config=configs/rl_local.py:tiny", f"--address={address}",
+                         f"--token_file={token_file}", "--max_leases=1", "--backoff_max_s=0.5",
+                         *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_worker_scores_with_verifiers_from_a_users_file(tmp_path):
+  server = ParamServer(ServerConfig(
+      storage_dir=str(tmp_path / "ps"), port=0, wal_fsync=False, compact_in_background=False,
+      **{f"{r}_token": t for r, t in TOKENS.items()})).start()
+  tokens = tmp_path / "tokens.json"
+  tokens.write_text(json.dumps(TOKENS))
+  try:
+    cfg = config_files.load(os.path.join(REPO, "configs", "rl_local.py"), "tiny")
+    model_config = model_config_from(cfg.model, CharTokenizer().vocab_size)
+    params = {k: np.asarray(v) for k, v in
+              flatten_params(Transformer(model_config, rngs=nnx.Rngs(0))).items()}
+    with ParamServerClient(server.address, token=TOKENS["trainer"], role="trainer",
+                           retry=RetryPolicy(deadline_s=5.0)) as trainer:
+      trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
+      trainer.enqueue_prompts([Prompt(id="p0", text="1+2=", task="fixture_any", extra=b"3")])
+      done = _worker(server.address, tokens, f"--verifiers={FIXTURE}")
+      assert done.returncode == 0, done.stderr[-2000:]
+      taken = trainer.take_rollouts(0, 4).rollouts
+    assert [t.prompt.id for t in taken] == ["p0"]
+    assert [s.reward for s in taken[0].group.samples] == [0.75] * 4  # samples_per_prompt
+    missing = _worker(server.address, tokens, "--verifiers=tests/fixtures/missing.py")
+    assert missing.returncode != 0
+    assert "worker.verifiers: could not import 'tests/fixtures/missing.py'" in missing.stderr
+    unknown = _worker(server.address, tokens, "--default_task=fixture_any")
+    assert unknown.returncode != 0
+    assert "worker.default_task: 'fixture_any' is neither a built-in task" in unknown.stderr
+  finally:
+    server.stop(grace=0)
