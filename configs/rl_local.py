@@ -40,7 +40,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.tokenizer = c.sft.tokenizer
   c.tasks = c.sft.tasks
 
-  # Prompts: a JSONL file of {"prompt", "answer"[, "task"]} records, or "" for the tasks above.
+  # Prompts: a JSONL file (a path, or a URL such as gs://bucket/train.jsonl) of {"prompt",
+  # "answer"[, "task"]} records, or "" for the tasks above.
   # A record's task (else worker.default_task) names a built-in task or a verifier, which
   # worker.verifiers can add from your own files.
   c.data = ml_collections.ConfigDict()

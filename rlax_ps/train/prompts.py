@@ -39,34 +39,53 @@ class TaskPrompts(Sequence):
     return {"prompt": ex.prompt, "answer": ex.answer, "task": task.name}
 
 
+def read_text(path: str, field: str = "path") -> str:
+  """A local file's text, or an object's at a URL that tensorstore reads (gs://bucket/key,
+  s3://, file://): TPU VMs keep data in buckets. ValueError naming `field` when absent."""
+  if "://" not in path:
+    try:
+      with open(path) as f:
+        return f.read()
+    except FileNotFoundError:
+      raise ValueError(f"{field}: no file {path}") from None
+  import tensorstore as ts
+  try:
+    got = ts.KvStore.open(path).result().read("").result()
+  except ValueError as e:
+    raise ValueError(f"{field}: cannot read {path}: {e}") from None
+  if got.state != "value":
+    raise ValueError(f"{field}: no object at {path}")
+  return got.value.decode("utf-8")
+
+
 def read_jsonl(path: str, default_task: str = "", known: Sequence[str] | None = None,
                field: str = "data.jsonl") -> list[dict[str, str]]:
-  """Records of a JSONL prompt file; a bad line raises ValueError naming the line and field,
-  as does a task not in `known` (when given), the config `field` that named the file too."""
+  """Records of a JSONL prompt file (a path or a URL: read_text); a bad line raises
+  ValueError naming the line and field, as does a task not in `known` (when given), the
+  config `field` that named the file too."""
   out = []
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        rec = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-      if not isinstance(rec, dict):
-        raise ValueError(f"{path}:{n}: expected an object, got {type(rec).__name__}")
-      for key in ("prompt", "answer"):
-        if not isinstance(rec.get(key), str) or (key == "prompt" and not rec[key]):
-          raise ValueError(f"{path}:{n}: field {key!r}: expected a "
-                           f"{'non-empty ' if key == 'prompt' else ''}string, got "
-                           f"{rec.get(key)!r}")
-      task = rec.get("task", default_task)
-      if not isinstance(task, str):
-        raise ValueError(f"{path}:{n}: field 'task': expected a string, got {task!r}")
-      if known is not None and task not in known:
-        raise ValueError(f"{field} {path}:{n}: field 'task': expected a built-in task or a "
-                         f"registered verifier ({', '.join(known)}; worker.verifiers "
-                         f"registers more), got {task!r}")
-      out.append({"prompt": rec["prompt"], "answer": rec["answer"], "task": task})
+  for n, line in enumerate(read_text(path, field).split("\n"), 1):
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+    if not isinstance(rec, dict):
+      raise ValueError(f"{path}:{n}: expected an object, got {type(rec).__name__}")
+    for key in ("prompt", "answer"):
+      if not isinstance(rec.get(key), str) or (key == "prompt" and not rec[key]):
+        raise ValueError(f"{path}:{n}: field {key!r}: expected a "
+                         f"{'non-empty ' if key == 'prompt' else ''}string, got "
+                         f"{rec.get(key)!r}")
+    task = rec.get("task", default_task)
+    if not isinstance(task, str):
+      raise ValueError(f"{path}:{n}: field 'task': expected a string, got {task!r}")
+    if known is not None and task not in known:
+      raise ValueError(f"{field} {path}:{n}: field 'task': expected a built-in task or a "
+                       f"registered verifier ({', '.join(known)}; worker.verifiers "
+                       f"registers more), got {task!r}")
+    out.append({"prompt": rec["prompt"], "answer": rec["answer"], "task": task})
   if not out:
     raise ValueError(f"{path}: no prompt records")
   return out
