@@ -79,6 +79,7 @@ class WorkerStats:
   tokens: int = 0
   resyncs: int = 0
   reconnects: int = 0
+  score_errors: int = 0  # samples scored 0 because their verifier raised
   versions_applied: list = dataclasses.field(default_factory=list)
 
 
@@ -358,7 +359,14 @@ class Worker:
 
   def _score(self, prompt: pb.Prompt, sample: Sample) -> float:
     text = self.tokenizer.decode(sample.tokens)
-    return float(self.verifier_for(prompt.task)(text, reference_of(prompt)).reward)
+    result = self.verifier_for(prompt.task)(text, reference_of(prompt))
+    if "error" in result.info:  # the verifier raised: scored 0 (algorithms.verifiers.Guarded)
+      self.stats.score_errors += 1
+      if self.stats.score_errors <= 5 or self.stats.score_errors % 1000 == 0:
+        logging.warning("worker: verifier of task %r raised on prompt %s (scored 0; %d so "
+                        "far): %s", prompt.task or self.config.default_task, prompt.id,
+                        self.stats.score_errors, result.info["error"])
+    return float(result.reward)
 
   # ------------------------------------------------------------ heartbeat
 

@@ -63,7 +63,27 @@ def verifier_for_task(task: str, field: str = "task") -> Verifier:
     raise ValueError(f"{field}: {task!r} is neither a built-in task nor a registered verifier "
                      f"(known: {', '.join(known_tasks())}); a verifier of your own goes in a "
                      f"file that worker.verifiers names")
-  return make_verifier(f"task:{task}" if task in TASKS else task)
+  return Guarded(task, make_verifier(f"task:{task}" if task in TASKS else task))
+
+
+class Guarded:
+  """A task's verifier whose exceptions score the completion 0, not passed, with the error
+  in `info["error"]`: a completion the verifier cannot parse must not stop a worker (the
+  prompt would go back to the queue and stop the next worker too). A result that is not a
+  VerifierResult is a TypeError naming the task: that mistake is in every call."""
+
+  def __init__(self, task: str, verifier: Verifier):
+    self.task, self.verifier = task, verifier
+
+  def __call__(self, completion: str, reference: Any) -> VerifierResult:
+    try:
+      result = self.verifier(completion, reference)
+    except Exception as e:  # noqa: BLE001 - the verifier is the user's code
+      return VerifierResult(0.0, False, {"task": self.task, "error": f"{type(e).__name__}: {e}"})
+    if not isinstance(result, VerifierResult):
+      raise TypeError(f"verifier of task {self.task!r}: expected a VerifierResult(reward, "
+                      f"passed), got {type(result).__name__}")
+    return result
 
 
 def known_tasks() -> list[str]:

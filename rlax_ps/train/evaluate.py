@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from rlax_ps.models import KVCache
@@ -123,9 +124,16 @@ class VerifierTask:
   def __init__(self, name: str, field: str = "task"):
     from algorithms.verifiers import verifier_for_task
     self.name, self._verifier = name, verifier_for_task(name, field)
+    self.errors = 0  # completions scored 0 because the verifier raised
 
   def reward(self, example: Example, completion: str) -> float:
-    return float(self._verifier(completion, example.answer).passed)
+    result = self._verifier(completion, example.answer)
+    if "error" in result.info:
+      self.errors += 1
+      if self.errors <= 5:
+        logging.warning("eval: verifier of task %r raised (scored 0): %s", self.name,
+                        result.info["error"])
+    return float(result.passed)
 
 
 def _budgets(tokenizer: Tokenizer, examples: dict[str, list[Example]],

@@ -12,9 +12,9 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",
 
 
 def test_a_file_registers_its_verifiers_once_and_they_score_tasks():
-  assert load_verifiers(f" {FIXTURE} ,", "worker.verifiers") == ["fixture_any",
-                                                                  "fixture_contains"]
-  assert load_verifiers(FIXTURE) == ["fixture_any", "fixture_contains"]  # not imported again
+  names = ["fixture_any", "fixture_contains", "fixture_float", "fixture_strict_int"]
+  assert load_verifiers(f" {FIXTURE} ,", "worker.verifiers") == names
+  assert load_verifiers(FIXTURE) == names  # not imported again
   assert {"fixture_any", "fixture_contains", "addition", "math"} <= set(known_tasks())
   verify = verifier_for_task("fixture_contains")
   assert verify("it is 42.", "42").passed and verify("it is 41.", "42").reward == 0.25
@@ -50,3 +50,16 @@ def test_an_unknown_task_is_refused_naming_the_field_and_the_known_ones():
   with pytest.raises(ValueError, match="worker.default_task: 'nope' is neither a built-in task "
                                        "nor a registered verifier \\(known: .*addition"):
     verifier_for_task("nope", "worker.default_task")
+
+
+def test_a_verifier_that_raises_scores_zero_with_the_error_and_a_wrong_result_is_named():
+  load_verifiers(FIXTURE)
+  strict = verifier_for_task("fixture_strict_int")
+  assert strict(" 42<eos>", "42").passed
+  failed = strict("forty-two", "42")
+  assert (failed.reward, failed.passed) == (0.0, False)
+  assert failed.info["task"] == "fixture_strict_int"
+  assert failed.info["error"].startswith("ValueError: invalid literal for int()")
+  with pytest.raises(TypeError, match="verifier of task 'fixture_float': expected a "
+                                      "VerifierResult\(reward, passed\), got float"):
+    verifier_for_task("fixture_float")("x", "y")

@@ -43,12 +43,24 @@ def test_a_worker_scores_with_verifiers_from_a_users_file(tmp_path):
     with ParamServerClient(server.address, token=TOKENS["trainer"], role="trainer",
                            retry=RetryPolicy(deadline_s=5.0)) as trainer:
       trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
-      trainer.enqueue_prompts([Prompt(id="p0", text="1+2=", task="fixture_any", extra=b"3")])
+      trainer.enqueue_prompts([
+          Prompt(id="p0", text="1+2=", task="fixture_any", extra=b"3"),
+          Prompt(id="p1", text="1+2=", task="fixture_strict_int", extra=b"3")])
       done = _worker(server.address, tokens, f"--verifiers={FIXTURE}")
       assert done.returncode == 0, done.stderr[-2000:]
-      taken = trainer.take_rollouts(0, 4).rollouts
-    assert [t.prompt.id for t in taken] == ["p0"]
-    assert [s.reward for s in taken[0].group.samples] == [0.75] * 4  # samples_per_prompt
+      taken = {t.prompt.id: t.group.samples for t in trainer.take_rollouts(0, 4).rollouts}
+    assert sorted(taken) == ["p0", "p1"]  # one lease of both (prompts_per_lease 2)
+    assert [s.reward for s in taken["p0"]] == [0.75] * 4  # samples_per_prompt
+    # p1's verifier raises on text that is no integer: those samples score 0 and the
+    # worker goes on
+    raised = 0
+    for s in taken["p1"]:
+      try:
+        assert s.reward == float(int(s.text.replace("<eos>", "").strip()) == 3)
+      except ValueError:
+        raised += 1
+        assert s.reward == 0.0
+    assert raised > 0 and f"{raised} samples scored 0 by a verifier that raised" in done.stdout
     missing = _worker(server.address, tokens, "--verifiers=tests/fixtures/missing.py")
     assert missing.returncode != 0
     assert "worker.verifiers: could not import 'tests/fixtures/missing.py'" in missing.stderr
