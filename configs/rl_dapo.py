@@ -1,11 +1,14 @@
 r"""rlax-ps local --config=configs/rl_dapo.py --workdir=runs/rl_dapo
 
-DAPO's dynamic sampling on top of the default's clip-higher and token-mean loss: groups
-whose rewards are all equal (every sample right, or every one wrong) carry no advantage,
-so the trainer leaves them out and takes more until a step holds groups_per_step groups
-whose rewards vary, taking at most 3 times that many (then it fills the step with the first
-ones left out and logs a warning). Left out groups are acknowledged with the step, so none
-comes back. Otherwise configs/rl_local.py. `:tiny` is the seconds-long smoke variant.
+DAPO: the default's clip-higher and token-mean loss, plus
+- dynamic sampling: groups whose rewards are all equal (every sample right, or every one
+  wrong) carry no advantage, so the trainer leaves them out and takes more until a step
+  holds groups_per_step groups whose rewards vary, taking at most 3 times that many (then
+  it fills the step with the first ones left out and logs a warning); left out groups are
+  acknowledged with the step, so none comes back;
+- soft overlong punishment: a response in the last 20% of worker.max_new_tokens loses up
+  to 1 reward, linearly, and a truncated one loses 1.
+Otherwise configs/rl_local.py. `:tiny` is the seconds-long smoke variant.
 """
 
 from rlax_ps.config_files import sibling
@@ -15,4 +18,5 @@ def get_config(arg: str | None = None):
   c = sibling(__file__, "rl_local.py", arg)
   c.rl.dynamic_sampling = True
   c.rl.dynamic_sampling_max_factor = 3.0
+  c.loss.overlong_buffer = max(1, c.worker.max_new_tokens // 5)
   return c

@@ -5,7 +5,8 @@ runs once per row), then the configured policy loss and off-policy correction.
 With one optimizer step per batch the proximal policy (the trainer's weights before the
 batch) is the current one with its gradient stopped: PPO's ratio then measures the policy
 against the workers' behaviour log-probs (correction "none"), or is 1 with the behaviour
-gap carried by importance weights ("tis", "decoupled"). With several steps per batch the
+gap carried by importance weights ("tis", "mis", "decoupled") or bounded by masking the
+tokens of largest second moment ("m2po"). With several steps per batch the
 proximal log-probs are computed once, before the first, and the clip bounds the later ones.
 """
 
@@ -19,12 +20,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from algorithms import advantages as adv_lib
-from algorithms import corrections, losses
+from algorithms import corrections, losses, shaping
 from rlax_ps.kernels import pack_group, packed_response_logprobs
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo")
 POLICY_LOSSES = ("ppo", "gspo")
-CORRECTIONS = ("none", "tis", "decoupled")
+CORRECTIONS = ("none", "tis", "mis", "decoupled", "m2po")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +34,20 @@ class LossConfig:
 
   advantage: str = "grpo"  # grpo | dr_grpo (no std scaling) | rloo | mc_grpo (median baseline)
   policy_loss: str = "ppo"  # ppo (clip, clip-higher when clip_high > clip_low) | gspo
-  correction: str = "none"  # none | tis (truncated IS) | decoupled (decoupled PPO)
+  # none | tis (truncated IS) | mis (masked IS) | decoupled (decoupled PPO) | m2po (M2PO:
+  # unclipped ratio, tokens of largest (log pi_prox/pi_behav)^2 masked)
+  correction: str = "none"
   clip_low: float = 0.2
   clip_high: float = 0.28
   agg: str = "token-mean"  # algorithms.losses.AGGREGATIONS
   tis_cap: float = 2.0  # TIS: weights min(pi_prox / pi_behav, cap)
   behaviour_cap: float = 5.0  # decoupled PPO: cap on pi_prox / pi_behav
+  mis_low: float = 0.5  # MIS: tokens whose pi_prox / pi_behav leaves [low, high] weigh 0
+  mis_high: float = 2.0
+  m2po_threshold: float = 0.04  # M2PO: bound on the kept tokens' mean second moment
+  # DAPO's soft overlong punishment: a response within this many tokens of the budget
+  # (worker.max_new_tokens) loses up to 1 reward, linearly; 0 = off.
+  overlong_buffer: int = 0
   kl_coef: float = 0.0  # > 0: KL(pi || frozen reference) term
   kl_estimator: str = "k3"
   backend: str = "auto"  # shared-prompt attention backend (rlax_ps.kernels)
@@ -50,8 +59,14 @@ class LossConfig:
     need(self.advantage in ADVANTAGES, "advantage", f"one of {ADVANTAGES}")
     need(self.policy_loss in POLICY_LOSSES, "policy_loss", f"one of {POLICY_LOSSES}")
     need(self.correction in CORRECTIONS, "correction", f"one of {CORRECTIONS}")
-    need(not (self.policy_loss == "gspo" and self.correction == "decoupled"), "correction",
-         "'none' or 'tis' with policy_loss='gspo' (decoupled PPO is a PPO loss)")
+    need(not (self.policy_loss == "gspo" and self.correction in ("decoupled", "m2po")),
+         "correction", "'none', 'tis' or 'mis' with policy_loss='gspo' (decoupled PPO and "
+         "M2PO are losses of their own)")
+    need(not (self.correction == "m2po" and self.kl_coef > 0), "correction",
+         "not 'm2po' with kl_coef > 0 (M2PO's objective has no KL term)")
+    need(0 <= self.mis_low < self.mis_high, "mis_low", f"0 <= mis_low < mis_high={self.mis_high}")
+    need(self.m2po_threshold >= 0, "m2po_threshold", ">= 0")
+    need(self.overlong_buffer >= 0, "overlong_buffer", ">= 0 tokens")
     need(self.clip_low >= 0 and self.clip_high >= 0, "clip_low", "clip bounds >= 0")
     need(self.agg in losses.AGGREGATIONS, "agg", f"one of {losses.AGGREGATIONS}")
     need(self.tis_cap > 0, "tis_cap", "> 0")
@@ -75,6 +90,10 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
   """(advantages [rows * N], sample mask [rows * N]) over each row's whole group."""
   n = batch["rewards"].shape[1]
   rewards = batch["rewards"].reshape(-1)
+  if cfg.overlong_buffer:
+    budget = batch["response_tokens"].shape[-1]  # worker.max_new_tokens
+    rewards = rewards + shaping.soft_overlong_punishment(
+        batch["response_lens"].reshape(-1), budget, min(cfg.overlong_buffer, budget))
   mask = batch["sample_mask"].reshape(-1)
   group_ids = jnp.repeat(batch["row_group"], n)
   if cfg.advantage == "grpo":
@@ -131,6 +150,14 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
                                                        cap=cfg.tis_cap)
     loss, metrics = policy_loss(logp, proximal, adv, mask, token_weights=weights, **common)
     metrics["tis_weight_mean"] = jnp.sum(weights) / jnp.maximum(jnp.sum(mask), 1.0)
+  elif cfg.correction == "mis":  # dropped tokens weigh 0 and still count in the mean
+    weights, kept = corrections.masked_importance_weights(proximal, behaviour, mask,
+                                                          low=cfg.mis_low, high=cfg.mis_high)
+    loss, metrics = policy_loss(logp, proximal, adv, mask, token_weights=weights, **common)
+    metrics["mis_masked_frac"] = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(mask), 1.0)
+  elif cfg.correction == "m2po":
+    loss, metrics = corrections.m2po_loss(logp, proximal, behaviour, adv, mask,
+                                          threshold=cfg.m2po_threshold, agg=cfg.agg)
   else:
     loss, metrics = corrections.decoupled_ppo_loss(logp, proximal, behaviour, adv, mask,
                                                    behaviour_cap=cfg.behaviour_cap, **common)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from algorithms import corrections
 from rlax_ps.models import ModelConfig, Transformer
 from rlax_ps.train.rl_loss import LossConfig, group_advantages, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch
@@ -106,41 +107,63 @@ def _separate_logprobs(graphdef, params):
   return out
 
 
-def _reference_loss(params, graphdef, correction):
-  """PPO-clip (0.2 / 0.28), token mean, GRPO advantages: by hand, sample by sample."""
+def _reference_loss(params, graphdef, correction, overlong=0):
+  """PPO-clip (0.2 / 0.28), token mean, GRPO advantages: by hand, sample by sample; with
+  `overlong`, each reward less DAPO's ramp over the last `overlong` of 5 response tokens."""
   logps = _separate_logprobs(graphdef, params)
   advs = []
-  for rewards in REWARDS:
+  for g, rewards in zip(GROUPS, REWARDS):
     r = np.asarray(rewards)
+    if overlong:
+      r = r - np.clip([(len(x) - (5 - overlong)) / overlong for x in g.responses], 0, 1)
     advs += list((r - r.mean()) / (r.std(ddof=1) + 1e-6))
   behav = [b for g in GROUPS for b in g.behaviour_logp]
+  if correction == "m2po":  # the batch's largest second moments masked, by the library
+    pad = lambda xs: jnp.stack([jnp.pad(x, (0, 5 - len(x))) for x in xs])  # noqa: E731
+    lens = np.array([len(x) for x in behav])
+    keep = corrections.m2po_mask(jax.lax.stop_gradient(pad(logps)), pad(behav),
+                                 (np.arange(5)[None] < lens[:, None]).astype(np.float32))
   total, count = 0.0, 0
-  for lp, a, b in zip(logps, advs, behav):
+  for i, (lp, a, b) in enumerate(zip(logps, advs, behav)):
     prox = jax.lax.stop_gradient(lp)
+    ratio = jnp.exp(lp - prox)
+    if correction == "m2po":  # unclipped
+      total, count = total + jnp.sum(-a * ratio * keep[i, :len(lp)]), count + len(lp)
+      continue
     if correction == "none":
       ratio, weight = jnp.exp(lp - b), 1.0
-    else:  # tis: ratio against the proximal policy, weight min(pi_prox / pi_behav, 2)
-      ratio, weight = jnp.exp(lp - prox), jnp.minimum(jnp.exp(prox - b), 2.0)
+    elif correction == "tis":  # ratio against the proximal policy, weight min(w, 2)
+      weight = jnp.minimum(jnp.exp(prox - b), 2.0)
+    else:  # mis: weight w where 0.5 <= w <= 2, else 0
+      w = jnp.exp(prox - b)
+      weight = jnp.where((w >= 0.5) & (w <= 2.0), w, 0.0)
     pg = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.28)) * weight
     total, count = total + jnp.sum(pg), count + len(lp)
   return total / count
 
 
-@pytest.mark.parametrize("correction", ["none", "tis"])
-def test_packed_loss_and_gradient_equal_the_objective_on_separate_sequences(correction):
+@pytest.mark.parametrize("correction,overlong", [("none", 0), ("tis", 0), ("mis", 0),
+                                                 ("m2po", 0), ("none", 2)])
+def test_packed_loss_and_gradient_equal_the_objective_on_separate_sequences(correction,
+                                                                            overlong):
   graphdef, params = _model()
-  cfg = LossConfig(correction=correction, backend="xla")
+  cfg = LossConfig(correction=correction, overlong_buffer=overlong, backend="xla")
   batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
   (loss, metrics), grads = jax.jit(
       lambda p: jax.value_and_grad(rl_loss, has_aux=True)(p, graphdef, batch, None,
                                                            num_groups=2, cfg=cfg))(params)
-  want, want_grads = jax.jit(jax.value_and_grad(_reference_loss), static_argnums=(1, 2))(
-      params, graphdef, correction)
+  want, want_grads = jax.jit(jax.value_and_grad(_reference_loss), static_argnums=(1, 2, 3))(
+      params, graphdef, correction, overlong)
   np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-6)
   for (path, g), (_, w) in zip(jax.tree.leaves_with_path(grads),
                                jax.tree.leaves_with_path(want_grads)):
     np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
   assert metrics["response_tokens"] == sum(len(r) for g in GROUPS for r in g.responses)
+  # each case differs from the plain one on this batch: some tokens masked, some shaped
+  if correction in ("mis", "m2po"):
+    assert 0 < metrics[f"{correction}_masked_frac"] < 1
+  if overlong:
+    assert any(len(r) > 5 - overlong for g in GROUPS for r in g.responses)
 
 
 def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
@@ -161,7 +184,9 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
 
 @pytest.mark.parametrize("field,value,message", [
     ("advantage", "ppo", "loss.advantage"), ("correction", "is", "loss.correction"),
-    ("agg", "sum", "loss.agg"), ("kl_coef", -1.0, "loss.kl_coef")])
+    ("agg", "sum", "loss.agg"), ("kl_coef", -1.0, "loss.kl_coef"),
+    ("mis_low", 3.0, "loss.mis_low: expected 0 <= mis_low < mis_high=2.0"),
+    ("overlong_buffer", -1, "loss.overlong_buffer")])
 def test_bad_loss_settings_name_the_field(field, value, message):
   with pytest.raises(ValueError, match=message):
     LossConfig(**{field: value})
