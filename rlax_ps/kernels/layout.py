@@ -162,9 +162,3 @@ def unpad_regions(x: jax.Array, layout: SharedPromptLayout, prompt_capacity: int
   prompt = x[:, :layout.prompt_capacity]
   resp = x[:, prompt_capacity:].reshape(b, n, response_capacity, *x.shape[2:])
   return join_regions(prompt, resp[:, :, :layout.response_capacity])
-
-
-def with_capacities(layout: SharedPromptLayout, prompt_capacity: int,
-                    response_capacity: int) -> SharedPromptLayout:
-  return dataclasses.replace(
-      layout, prompt_capacity=prompt_capacity, response_capacity=response_capacity)
