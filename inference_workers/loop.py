@@ -234,12 +234,16 @@ class Worker:
         logging.warning("worker: server unreachable (%s); retrying in %.1fs", e.code.name, wait)
         self._stop.wait(wait)
 
-  def _one_lease(self) -> None:
+  def _catch_up(self) -> None:
+    """Hold the newest published version (prefetched, else pulled now)."""
     latest = self.client.latest_version()
     if latest >= 0 and latest != self.policy.version:
       self.apply_prefetched()
       if latest != self.policy.version:
         self.sync_weights()
+
+  def _one_lease(self) -> None:
+    self._catch_up()
     if self.policy.version is None:  # nothing published yet
       self._stop.wait(self.config.lease_wait_s)
       return
@@ -278,7 +282,9 @@ class Worker:
         self._release_all()
         return
       chunk = prompts[start:start + step]
-      self.apply_prefetched()  # a version switch happens here, between generation calls
+      # A version switch happens here, between generation calls. The lease may have waited
+      # out a publication: groups of the older version could be too stale to train on.
+      self._catch_up()
       version = self.policy.version
       groups = self._rollout_groups(chunk, version)
       for prompt, group in zip(chunk, groups):

@@ -109,6 +109,25 @@ def test_new_version_is_picked_up_between_leases(server, versions):
     assert made == [0, 0, 1, 1]
 
 
+def test_a_version_published_while_a_lease_waits_samples_its_prompts(server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    lease = wc.lease
+
+    def lease_across_a_publication(*args, **kwargs):
+      got = lease(*args, **kwargs)  # the worker checked the version before this call
+      trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+      return got
+
+    wc.lease = lease_across_a_publication
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **SMALL))
+    worker.run()
+    assert worker.stats.versions_applied == [0, 1]
+    made = [r.group.policy_version for r in trainer.take_rollouts(0, 10).rollouts]
+    assert made == [1, 1]
+
+
 def test_prefetched_update_waits_for_the_batch_boundary(server, versions):
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
