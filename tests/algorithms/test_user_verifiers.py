@@ -55,7 +55,7 @@ def test_an_unknown_task_is_refused_naming_the_field_and_the_known_ones():
 def test_a_verifier_that_raises_scores_zero_with_the_error_and_a_wrong_result_is_named():
   load_verifiers(FIXTURE)
   strict = verifier_for_task("fixture_strict_int")
-  assert strict(" 42<eos>", "42").passed
+  assert strict(" 42\n", "42").passed
   failed = strict("forty-two", "42")
   assert (failed.reward, failed.passed) == (0.0, False)
   assert failed.info["task"] == "fixture_strict_int"
