@@ -62,9 +62,8 @@ def main(argv) -> None:
   cfg = _CONFIG.value
   try:
     config = worker_config_from(cfg.get("worker"))
-    from algorithms.verifiers import load_verifiers, verifier_for_task
-    load_verifiers(config.verifiers, "worker.verifiers")
-    verifier_for_task(config.default_task, "worker.default_task")
+    from algorithms.verifiers import verifiers_by_task
+    verifier_for = verifiers_by_task(config.default_task, config.verifiers)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   from rlax_ps.compile_cache import enable_compile_cache
@@ -82,7 +81,7 @@ def main(argv) -> None:
     raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
   model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf)
   with connect_flags.connect("worker") as client:
-    worker = Worker(client, model_config, tokenizer, config)
+    worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for)
     stop_on_signals(worker)
     stats = worker.run()
   logging.info("worker: done: %s", stats)

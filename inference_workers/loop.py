@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import FixedAllocator
-from algorithms.verifiers import Verifier, load_verifiers, verifier_for_task
+from algorithms.verifiers import Verifier, verifiers_by_task
 from inference_workers.hard_exit import exit_now
 from inference_workers.sampler import Sample, generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
@@ -45,22 +45,6 @@ def make_allocator(config: WorkerConfig):
     from algorithms.allocation import VigorAllocator
     return VigorAllocator()
   return FixedAllocator(config.samples_per_prompt)
-
-
-def default_verifier_for(default_task: str, verifiers: str = "") -> Callable[[str], Verifier]:
-  """Prompt task name -> verifier: a built-in task's exact checker, else a registered
-  verifier, after importing the files or modules `verifiers` names (WorkerConfig.verifiers).
-  The default task's is made now, so that a wrong name fails at start."""
-  load_verifiers(verifiers, "worker.verifiers")
-  cache = {default_task: verifier_for_task(default_task, "worker.default_task")}
-
-  def verifier_for(task: str) -> Verifier:
-    task = task or default_task
-    if task not in cache:
-      cache[task] = verifier_for_task(task)
-    return cache[task]
-
-  return verifier_for
 
 
 def reference_of(prompt: pb.Prompt) -> str:
@@ -94,8 +78,8 @@ class Worker:
     self.config = config
     self.policy = HeldPolicy(model_config, config.weights_format)
     self.allocator = allocator if allocator is not None else make_allocator(config)
-    self.verifier_for = verifier_for or default_verifier_for(config.default_task,
-                                                             config.verifiers)
+    self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
+                                                          config.verifiers)
     self.params = config.sampling([tokenizer.eos_id])
     self.stats = WorkerStats()
     self._stop = threading.Event()

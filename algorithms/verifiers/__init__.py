@@ -7,11 +7,11 @@ a user's files or modules that register more.
 
 from algorithms.verifiers.base import (VERIFIERS, Verifier, VerifierResult, known_tasks,
                                        load_verifiers, make_verifier, register_verifier,
-                                       verifier_for_task)
+                                       verifier_for_task, verifiers_by_task)
 from algorithms.verifiers.code_exec import CodeExecutionVerifier
 from algorithms.verifiers.math_answer import MathAnswerVerifier
 from algorithms.verifiers.tasks import TaskVerifier, task_verifier
 
 __all__ = ["VERIFIERS", "Verifier", "VerifierResult", "known_tasks", "load_verifiers",
-           "make_verifier", "register_verifier", "verifier_for_task",
+           "make_verifier", "register_verifier", "verifier_for_task", "verifiers_by_task",
            "CodeExecutionVerifier", "MathAnswerVerifier", "TaskVerifier", "task_verifier"]

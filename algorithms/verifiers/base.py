@@ -66,6 +66,22 @@ def verifier_for_task(task: str, field: str = "task") -> Verifier:
   return Guarded(task, make_verifier(f"task:{task}" if task in TASKS else task))
 
 
+def verifiers_by_task(default_task: str, verifiers: str = "") -> Callable[[str], Verifier]:
+  """Task name ("" = `default_task`) -> its verifier (verifier_for_task), cached, after
+  importing the files or modules `verifiers` names (WorkerConfig.verifiers). The default
+  task's is made now, so that a wrong name fails at start naming worker.default_task."""
+  load_verifiers(verifiers, "worker.verifiers")
+  cache = {default_task: verifier_for_task(default_task, "worker.default_task")}
+
+  def verifier_for(task: str) -> Verifier:
+    task = task or default_task
+    if task not in cache:
+      cache[task] = verifier_for_task(task)
+    return cache[task]
+
+  return verifier_for
+
+
 class Guarded:
   """A task's verifier whose exceptions score the completion 0, not passed, with the error
   in `info["error"]`: a completion the verifier cannot parse must not stop a worker (the
