@@ -171,6 +171,7 @@ class RLTrainer(TrainerRun):
     self._restart_floor: int | None = None
     self._requeue_next = True  # the first take returns any unacknowledged take
     self._stop = threading.Event()
+    self.stop_signal: int | None = None  # the signal that asked for the stop, if any
     self.sync_log: list[tuple[int, int, float, bool]] = []  # (version, bytes, s, keyframe)
 
   # -- configuration and state ------------------------------------------------------------
@@ -281,8 +282,9 @@ class RLTrainer(TrainerRun):
 
   # -- the loop ---------------------------------------------------------------------------
 
-  def request_stop(self) -> None:
-    """Finish the current step, checkpoint and return (a SIGTERM or Ctrl-C)."""
+  def request_stop(self, signum: int | None = None) -> None:
+    """Finish the current step, checkpoint and return (a SIGTERM or Ctrl-C: `signum`)."""
+    self.stop_signal = self.stop_signal or signum
     self._stop.set()
 
   def train(self, *, max_seconds: float = 0.0) -> dict[str, Any]:
@@ -569,5 +571,5 @@ def _dynamic_sampler(config, samples: int) -> DynamicSampler | None:
 def stop_on_signals(trainer: RLTrainer) -> None:
   """SIGTERM / SIGINT: finish the step, checkpoint, exit cleanly."""
   for sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(sig, lambda *_: trainer.request_stop())
+    signal.signal(sig, lambda signum, _: trainer.request_stop(signum))
 

@@ -6,7 +6,8 @@ is `rlax_ps.train.rl.RLTrainer.train`.
       --config.init_from_hf=runs/rl/sft/hf
 
 A rerun with the same workdir resumes from its latest checkpoint. SIGTERM or Ctrl-C finishes
-the step, checkpoints and exits.
+the step, checkpoints and, if the run had steps left, exits with 128 + the signal (143 for
+SIGTERM): not done, so a supervisor such as a Kubernetes Job restarts it and it resumes.
 
 On a multi-host slice run the same command on every host with --coordinator_address=auto
 (TPU: jax.distributed finds the slice), or HOST:PORT with --num_processes and --process_id.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
+import sys
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -62,6 +65,11 @@ def main(argv: list[str]) -> None:
           + (f"server {client.address}" if leader else
              f"process {jax.process_index()} of {jax.process_count()}"), flush=True)
     summary = trainer.train(max_seconds=float(config.rl.max_seconds))
+  if trainer.stop_signal and summary["step"] < trainer.total_steps:
+    print(f"rl: stopped by {signal.Signals(trainer.stop_signal).name} at step "
+          f"{summary['step']} of {trainer.total_steps}, checkpointed; rerun to resume",
+          flush=True)
+    sys.exit(128 + trainer.stop_signal)
   if leader:
     print("rl: done: " + json.dumps(summary), flush=True)
   else:

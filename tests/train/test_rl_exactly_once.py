@@ -1,6 +1,7 @@
 """Exactly-once training across a trainer kill -9: the trainer subprocess is SIGKILLed
-between a step and its checkpoint, restarted on the same workdir, and the rollout groups
-that reached training (the steps that survive) are compared with those submitted."""
+between a step and its checkpoint, restarted on the same workdir (and once more after a
+SIGTERM), and the rollout groups that reached training (the steps that survive) are
+compared with those submitted."""
 
 import json
 import os
@@ -60,10 +61,20 @@ def test_killed_trainer_trains_every_submitted_group_exactly_once(tmp_path):
     first.send_signal(signal.SIGKILL)
     first.wait(30)
     lost = set(_steps(tmp_path)[2]["rollout_ids"])
-    worker.limit = 6 * GROUPS  # the restart redoes step 3 on the redelivered groups
+    worker.limit = 5 * GROUPS  # the restart redoes step 3 on the redelivered groups
     second = _trainer(tmp_path, server.address)
-    _wait(lambda: second.poll() is not None, second, worker, 240, "the last step")
-    assert second.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    _wait(lambda: len(_steps(tmp_path)) >= 6, second, worker, 240, "step 5")
+    # SIGTERM while it waits for step 6's groups: it checkpoints step 5 and exits 143, not
+    # 0, so a supervisor (a Kubernetes Job) restarts it; the restart finishes the run.
+    second.send_signal(signal.SIGTERM)
+    second.wait(60)
+    log = (tmp_path / "trainer.log").read_text()
+    assert second.returncode == 128 + signal.SIGTERM, log[-3000:]
+    assert "rl: stopped by SIGTERM at step 5 of 6" in log
+    worker.limit = 6 * GROUPS
+    third = _trainer(tmp_path, server.address)
+    _wait(lambda: third.poll() is not None, third, worker, 240, "the last step")
+    assert third.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
     worker.stop()
     with client(server.address, "trainer") as tc:
       left = {int(r.rollout_id) for r in tc.take_rollouts(0, 100).rollouts}
@@ -86,5 +97,6 @@ def test_killed_trainer_trains_every_submitted_group_exactly_once(tmp_path):
   assert set(trained) | left == submitted and not set(trained) & left
   with open(tmp_path / "rl" / "versions.jsonl") as f:
     versions = [json.loads(line)["version"] for line in f]
-  # v0, steps 1-3, the restart's keyframe v4, steps 3-6 again: monotonic, none reused.
-  assert versions == list(range(1 + 3 + 1 + 4))
+  # v0, steps 1-3, the restart's keyframe v4, steps 3-5 again, the next restart's keyframe,
+  # step 6: monotonic, none reused.
+  assert versions == list(range(1 + 3 + 1 + 3 + 1 + 1))
