@@ -23,12 +23,16 @@ gtpu() {
 }
 
 # ship_repo NAME: copy this checkout (as `git archive`, so no venvs or runs) to every host
-# of TPU VM NAME and install it with the TPU extra.
+# of TPU VM NAME and install it with the TPU extra. Its status is that of the first step that
+# failed, also where the caller has turned `set -e` off.
 ship_repo() {
-  local name="$1" tarball
-  tarball="$(mktemp -t rlax-ps-XXXX.tar.gz)"
-  run git -C "$REPO_ROOT" archive --format=tar.gz -o "$tarball" "$RLAX_PS_REF"
-  gtpu scp "$tarball" "$name:rlax-ps.tar.gz" --worker=all
-  gtpu ssh "$name" --worker=all --command="mkdir -p $RLAX_PS_DIR && tar xzf rlax-ps.tar.gz -C $RLAX_PS_DIR && cd $RLAX_PS_DIR && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]'"
+  local name="$1" tarball status=0
+  tarball="$(mktemp -t rlax-ps-XXXX.tar.gz)" || return 1
+  if ! { run git -C "$REPO_ROOT" archive --format=tar.gz -o "$tarball" "$RLAX_PS_REF" &&
+         gtpu scp "$tarball" "$name:rlax-ps.tar.gz" --worker=all &&
+         gtpu ssh "$name" --worker=all --command="mkdir -p $RLAX_PS_DIR && tar xzf rlax-ps.tar.gz -C $RLAX_PS_DIR && cd $RLAX_PS_DIR && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]'"; }; then
+    status=1
+  fi
   rm -f "$tarball"
+  return "$status"
 }

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Create COUNT spot TPU VMs named PREFIX-0..PREFIX-(COUNT-1), each running one inference
+# Keep COUNT spot TPU VMs named PREFIX-0..PREFIX-(COUNT-1) running, each with one inference
 # worker under the preemption watchdog (a preemption notice becomes SIGTERM: leases are
 # released, nothing is lost; a hard kill loses nothing either because leases expire).
+# One pass creates the VMs that are missing and deletes and recreates those that are
+# PREEMPTED or TERMINATED; others (READY, CREATING, STOPPED by you, ...) are left alone.
+# Rerunning it is safe. With KEEP_INTERVAL_S=N it makes a pass every N seconds until
+# stopped, so the fleet refills as spot capacity returns.
 #
 #   TPU_PROJECT=my-proj TPU_ZONE=us-central2-b SERVER_ADDRESS=10.0.0.2:50051 \
 #   WORKER_TOKEN=... tpu_scripts/launch_workers.sh rlax-worker 8 v5litepod-4
 #
-# Env: WORKER_ARGS (more `rlax-ps worker` flags, at least --config=configs/...), DRY_RUN=1.
+# Env: WORKER_ARGS (more `rlax-ps worker` flags, at least --config=configs/...),
+# KEEP_INTERVAL_S, DRY_RUN=1 (print the gcloud commands that change anything).
 # shellcheck source=tpu_scripts/common.sh
 source "$(dirname "$0")/common.sh"
 
@@ -16,12 +21,62 @@ accelerator="${3:?usage: launch_workers.sh PREFIX COUNT ACCELERATOR_TYPE}"
 : "${SERVER_ADDRESS:?set SERVER_ADDRESS to the parameter server host:port}"
 : "${WORKER_TOKEN:?set WORKER_TOKEN to the worker token of the server}"
 [[ "$count" =~ ^[1-9][0-9]*$ ]] || { echo "COUNT: expected a positive integer, got '$count'" >&2; exit 2; }
+interval="${KEEP_INTERVAL_S:-}"
+[[ -z "$interval" || "$interval" =~ ^[1-9][0-9]*$ ]] || {
+  echo "KEEP_INTERVAL_S: expected a positive number of seconds, got '$interval'" >&2; exit 2; }
 
-for ((i = 0; i < count; i++)); do
-  name="$prefix-$i"
-  gtpu create "$name" --accelerator-type="$accelerator" --version="$TPU_RUNTIME" --spot
-  ship_repo "$name"
+# start_worker NAME: create the spot VM, ship this checkout, start its worker. Each step is
+# checked (this runs where `set -e` does not apply); a VM that was created but could not be
+# set up is deleted, so the next pass creates it again rather than keeping an idle VM.
+start_worker() {
+  local name="$1"
+  gtpu create "$name" --accelerator-type="$accelerator" --version="$TPU_RUNTIME" --spot || return 1
   # The token travels in the environment of the remote command, never on its argv.
-  gtpu ssh "$name" --worker=all --command="cd $RLAX_PS_DIR && RLAX_PS_WORKER_TOKEN='$WORKER_TOKEN' nohup .venv/bin/python -m inference_workers.preemption_watchdog -- .venv/bin/rlax-ps worker --address=$SERVER_ADDRESS ${WORKER_ARGS:-} > worker.log 2>&1 &"
-done
-echo "$count spot workers requested under prefix $prefix"
+  if ! { ship_repo "$name" &&
+         gtpu ssh "$name" --worker=all --command="cd $RLAX_PS_DIR && RLAX_PS_WORKER_TOKEN='$WORKER_TOKEN' nohup .venv/bin/python -m inference_workers.preemption_watchdog -- .venv/bin/rlax-ps worker --address=$SERVER_ADDRESS ${WORKER_ARGS:-} > worker.log 2>&1 &"; }; then
+    gtpu delete "$name" --quiet --async
+    return 1
+  fi
+}
+
+# "NAME STATE" for each TPU VM of the zone (TPU_STATES, if set, stands in for the listing).
+list_states() {
+  if [[ -v TPU_STATES ]]; then
+    printf '%s\n' "$TPU_STATES"
+  else
+    gcloud compute tpus tpu-vm list --project="$TPU_PROJECT" --zone="$TPU_ZONE" \
+      --format='value(name.basename(),state)'
+  fi
+}
+
+# One pass; its status is 1 when any VM could not be started (the others still are).
+keep_once() {
+  local listing name state failed=0 i
+  listing="$(list_states)" || { echo "listing the TPU VMs failed" >&2; return 1; }
+  declare -A states=()
+  while read -r name state; do
+    [[ -n "$name" ]] && states["$name"]="$state"
+  done <<< "$listing"
+  for ((i = 0; i < count; i++)); do
+    name="$prefix-$i"
+    state="${states[$name]:-}"
+    case "$state" in
+      "") ;;
+      PREEMPTED | TERMINATED) echo "$name is $state: recreating it" >&2
+        gtpu delete "$name" --quiet || { failed=1; continue; } ;;
+      *) continue ;;
+    esac
+    start_worker "$name" || { echo "$name: could not be started; the next pass retries" >&2; failed=1; }
+  done
+  return "$failed"
+}
+
+if [[ -z "$interval" ]]; then
+  keep_once
+  echo "$count spot workers kept under prefix $prefix"
+else
+  while true; do
+    keep_once || true
+    sleep "$interval"
+  done
+fi

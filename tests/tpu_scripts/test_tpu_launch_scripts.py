@@ -6,6 +6,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -84,21 +85,27 @@ def test_a_custom_trainer_command_may_run_on_every_host():
 def test_every_command_passes_the_real_gcloud_parser(tmp_path):
   """gcloud parses before it needs an account: exit 2 is a usage error, exit 1 with no
   account means the command line was accepted."""
-  env = dict(ENV, SERVER_ADDRESS="10.1.2.3:50051", WORKER_TOKEN="t", TPU_NAMES="w-0")
+  env = dict(ENV, SERVER_ADDRESS="10.1.2.3:50051", WORKER_TOKEN="t", TPU_NAMES="w-0",
+             TPU_STATES="w-0 PREEMPTED")
   outs = [run("launch_trainer.sh", "trainer-a", "v4-8", env=env),
-          run("launch_workers.sh", "w", "1", "v5litepod-4", env=env),
+          run("launch_workers.sh", "w", "2", "v5litepod-4", env=env),
           run("teardown.sh", "w", env=env)]
   commands = {tuple(l) for out in outs for l in gcloud_lines(out)}
-  assert len(commands) >= 6
+  assert len(commands) >= 9
   gcloud_env = dict(os.environ, CLOUDSDK_CONFIG=str(tmp_path), CLOUDSDK_CORE_DISABLE_PROMPTS="1")
   for argv in sorted(commands):
     got = subprocess.run([GCLOUD, *argv[1:]], env=gcloud_env, capture_output=True, text=True,
                          timeout=120)
     assert got.returncode == 1 and "account" in got.stderr, (argv, got.stderr[-2000:])
+  # The listings run for real even with DRY_RUN=1: gcloud accepts them, then finds no account.
+  env = dict(gcloud_env, **{k: v for k, v in env.items() if k not in ("TPU_NAMES", "TPU_STATES")})
+  for out in (run("launch_workers.sh", "w", "2", "v5litepod-4", env=env), run("teardown.sh", "w", env=env)):
+    assert out.returncode == 1 and "account" in out.stderr, out.stderr[-2000:]
+    assert "unrecognized" not in out.stderr and "gcloud" not in out.stdout
 
 
 def test_workers_are_spot_vms_under_the_watchdog_and_token_stays_off_argv():
-  env = dict(ENV, SERVER_ADDRESS="10.1.2.3:50051", WORKER_TOKEN="s3cret")
+  env = dict(ENV, SERVER_ADDRESS="10.1.2.3:50051", WORKER_TOKEN="s3cret", TPU_STATES="")
   out = run("launch_workers.sh", "w", "3", "v5litepod-4", env=env)
   assert out.returncode == 0, out.stderr
   creates = [l for l in out.stdout.splitlines() if " create " in l]
@@ -113,11 +120,15 @@ def test_workers_are_spot_vms_under_the_watchdog_and_token_stays_off_argv():
     (("w", "x", "v4-8"), (), "COUNT"),
     (("w", "2", "v4-8"), ("SERVER_ADDRESS",), "SERVER_ADDRESS"),
     (("w", "2", "v4-8"), ("TPU_PROJECT",), "TPU_PROJECT"),
+    (("w", "2", "v4-8"), ("KEEP_INTERVAL_S=1m",), "KEEP_INTERVAL_S"),
 ])
 def test_workers_reject_bad_input_by_name(args, env_drop, message):
-  env = dict(ENV, SERVER_ADDRESS="h:1", WORKER_TOKEN="t")
-  for key in env_drop:
-    env.pop(key)
+  env = dict(ENV, SERVER_ADDRESS="h:1", WORKER_TOKEN="t", TPU_STATES="", KEEP_INTERVAL_S="")
+  for key in env_drop:  # KEY=VALUE sets a bad value, KEY drops it
+    if "=" in key:
+      env.update([key.split("=", 1)])
+    else:
+      env.pop(key)
   out = run("launch_workers.sh", *args, env=env)
   assert out.returncode != 0
   assert message in out.stderr
@@ -130,3 +141,83 @@ def test_teardown_deletes_only_matching_names():
   deletes = [l for l in out.stdout.splitlines() if " delete " in l]
   assert [d.split(" delete ")[1].split()[0] for d in deletes] == ["w-0", "w-1"]
   assert all("--async" in d for d in deletes)
+
+
+def test_a_workers_pass_recreates_preempted_vms_creates_missing_ones_and_leaves_the_rest():
+  states = "w-0 READY\nw-1 PREEMPTED\nw-2 STOPPED\nw-4 TERMINATED\nother-3 PREEMPTED"
+  env = dict(ENV, SERVER_ADDRESS="h:1", WORKER_TOKEN="t", TPU_STATES=states)
+  out = run("launch_workers.sh", "w", "4", "v5litepod-4", env=env)
+  assert out.returncode == 0, out.stderr
+  lines = gcloud_lines(out)
+  acts = [(l[4], l[5]) for l in lines if l[4] in ("create", "delete")]
+  # w-1 is deleted before it is made again; w-3 is missing; w-0 runs, w-2 was stopped by
+  # its owner, w-4 and other-3 are not this fleet's.
+  assert acts == [("delete", "w-1"), ("create", "w-1"), ("create", "w-3")]
+  assert "--async" not in next(l for l in lines if l[4] == "delete")
+  starts = [l for l in lines if any("preemption_watchdog" in a for a in l)]
+  assert [l[5] for l in starts] == ["w-1", "w-3"]
+
+
+FAKE_GCLOUD = """#!/usr/bin/env bash
+# Logs each call and fails one whose argv matches $FAIL. The zone is $STATES_FILE ("NAME
+# STATE" lines): `list` prints it, `create` adds a READY VM, `delete` removes one.
+echo "$*" >> "$GCLOUD_LOG"
+[[ -n "${FAIL:-}" && "$*" =~ $FAIL ]] && exit 1
+case "$4" in
+  list) cat "$STATES_FILE" ;;
+  create) echo "$5 READY" >> "$STATES_FILE" ;;
+  delete) sed -i "/^$5 /d" "$STATES_FILE" ;;
+esac
+exit 0
+"""
+
+
+def fake_gcloud(tmp_path, states):
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir(exist_ok=True)
+  (bin_dir / "gcloud").write_text(FAKE_GCLOUD)
+  (bin_dir / "gcloud").chmod(0o755)
+  (tmp_path / "states").write_text(states)
+  log = tmp_path / "gcloud.log"
+  log.write_text("")
+  env = {k: v for k, v in ENV.items() if k != "DRY_RUN"}
+  env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", GCLOUD_LOG=str(log),
+             STATES_FILE=str(tmp_path / "states"), SERVER_ADDRESS="h:1", WORKER_TOKEN="t")
+  return env, log
+
+
+def test_a_vm_that_cannot_be_set_up_is_deleted_and_the_others_still_start(tmp_path):
+  env, log = fake_gcloud(tmp_path, "")
+  out = run("launch_workers.sh", "w", "3", "v5litepod-4", env=dict(env, FAIL=r"scp .* w-1:"))
+  assert out.returncode == 1 and "w-1: could not be started" in out.stderr
+  calls = log.read_text().splitlines()
+  assert any(c.startswith("compute tpus tpu-vm delete w-1 --quiet --async") for c in calls)
+  started = [c.split()[4] for c in calls if "preemption_watchdog" in c]
+  assert started == ["w-0", "w-2"]  # w-1's failure stopped neither the others nor the pass
+
+
+def test_with_an_interval_the_fleet_is_refilled_after_a_preemption(tmp_path):
+  env, log = fake_gcloud(tmp_path, "")
+  proc = subprocess.Popen(["bash", str(SCRIPTS / "launch_workers.sh"), "w", "2", "v4-8"],
+                          env=dict(env, KEEP_INTERVAL_S="1"), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  try:
+    def calls(verb):
+      return [c.split()[4] for c in log.read_text().splitlines() if c.split()[3:4] == [verb]]
+
+    deadline = time.monotonic() + 30
+    while calls("create") != ["w-0", "w-1"] and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert calls("create") == ["w-0", "w-1"]
+    time.sleep(1.5)  # a pass over a full fleet changes nothing
+    assert calls("create") == ["w-0", "w-1"]
+    states = tmp_path / "states"  # the fake zone now holds both; w-1 is preempted
+    assert sorted(states.read_text().splitlines()) == ["w-0 READY", "w-1 READY"]
+    states.write_text(states.read_text().replace("w-1 READY", "w-1 PREEMPTED"))
+    while len(calls("create")) < 3 and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert calls("delete") == ["w-1"] and calls("create") == ["w-0", "w-1", "w-1"]
+    assert proc.poll() is None  # still keeping
+  finally:
+    proc.terminate()
+    proc.wait(timeout=10)
