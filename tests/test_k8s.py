@@ -1,0 +1,212 @@
+"""The Kubernetes manifests in k8s/, rendered by the real `kubectl kustomize`, checked against
+the Kubernetes API schemas, and their commands parsed by the real `rlax-ps` flags."""
+
+import functools
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from param_server import auth
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+KUBECTL = shutil.which("kubectl")
+OVERLAYS = ["base", "overlays/gke-tpu"]
+SECRET = "rlax-ps-tokens"
+pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
+
+
+@functools.cache
+def render(overlay: str) -> tuple[dict, ...]:
+  out = subprocess.run([KUBECTL, "kustomize", str(K8S / overlay)], capture_output=True,
+                       text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def by_kind(docs, kind: str) -> dict[str, dict]:
+  return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def pod_spec(doc: dict) -> dict:
+  return doc["spec"]["template"]["spec"]
+
+
+def containers(doc: dict) -> list[dict]:
+  spec = pod_spec(doc)
+  return spec.get("initContainers", []) + spec["containers"]
+
+
+def flag(args: list[str], name: str) -> str:
+  values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+  assert len(values) == 1, (name, args)
+  return values[0]
+
+
+def workloads(overlay: str) -> dict[str, dict]:
+  docs = render(overlay)
+  found = {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Job"), **by_kind(docs, "Deployment")}
+  assert set(found) == {"rlax-ps-server", "rlax-ps-trainer", "rlax-ps-worker"}
+  return found
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_manifests_match_the_kubernetes_api_schemas(overlay):
+  docs = render(overlay)
+  assert {d["kind"] for d in docs} >= {"Service", "StatefulSet", "Job", "Deployment",
+                                       "PersistentVolumeClaim"}
+  version = kubernetes_validate.latest_version()
+  for doc in docs:  # strict: an unknown or misspelt field fails too
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+# Parses one container's argv with the flags of its `rlax-ps` subcommand, then builds the
+# settings objects the subcommand would build from them (their own checks run there).
+PARSE = r"""
+import importlib, json, sys
+from absl import flags
+from rlax_ps.cli import SUBCOMMANDS
+name, argv = sys.argv[1], json.loads(sys.argv[2])
+module = importlib.import_module(SUBCOMMANDS[name][0])
+sys.argv = ["rlax-ps " + name] + argv  # config_flags defines --config.a.b overrides from it
+flags.FLAGS(sys.argv)
+if name == "serve":
+  module.config_from_flags()
+if name == "worker":
+  module.worker_config_from(module._CONFIG.value.get("worker"))
+"""
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_command_parses_with_the_real_flags(overlay):
+  for doc in workloads(overlay).values():
+    env = {e["name"] for c in containers(doc) for e in c.get("env", [])}
+    for c in containers(doc):
+      name, *argv = c["args"]
+      # Kubernetes expands $(VAR) from the container's env; each one named must be defined.
+      for var in re.findall(r"\$\((\w+)\)", " ".join(argv)):
+        assert var in {e["name"] for e in c.get("env", [])}, (c["name"], var, env)
+      argv = [re.sub(r"\$\(\w+\)", "pod-0", a) for a in argv]
+      assert c["image"].split(":")[0] == "rlax-ps"
+      assert not any(a.startswith(("--token=", "--token_file=")) for a in argv)
+      out = subprocess.run([sys.executable, "-c", PARSE, name, json.dumps(argv)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+      assert out.returncode == 0, (c["name"], argv, out.stderr[-2000:])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_clients_reach_the_server_service_with_their_role_tokens_from_the_secret(overlay):
+  found = workloads(overlay)
+  service = by_kind(render(overlay), "Service")["rlax-ps-server"]
+  server = found["rlax-ps-server"]
+  (serve,) = pod_spec(server)["containers"]
+  port = int(flag(serve["args"], "port"))
+  assert flag(serve["args"], "host") == "0.0.0.0"
+  (sp,) = service["spec"]["ports"]
+  named = {p["name"]: p["containerPort"] for p in serve["ports"]}
+  assert named[sp["targetPort"]] == port
+  assert service["spec"]["selector"].items() <= server["spec"]["template"]["metadata"]["labels"].items()
+  for probe in ("readinessProbe", "livenessProbe"):  # the token-free gRPC health service
+    assert serve[probe]["grpc"]["port"] == port
+
+  def tokens(c):
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+
+  assert tokens(serve) == {auth.env_var(r): {"name": SECRET, "key": r} for r in auth.ROLES}
+  for workload, role in (("rlax-ps-trainer", "trainer"), ("rlax-ps-worker", "worker")):
+    (client,) = pod_spec(found[workload])["containers"]
+    assert flag(client["args"], "address") == f"{service['metadata']['name']}:{sp['port']}"
+    assert tokens(client) == {auth.env_var(role): {"name": SECRET, "key": role}}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_server_and_trainer_state_is_on_persistent_volumes(overlay):
+  found = workloads(overlay)
+  server = found["rlax-ps-server"]
+  (serve,) = pod_spec(server)["containers"]
+  claims = {t["metadata"]["name"] for t in server["spec"]["volumeClaimTemplates"]}
+  mounts = {m["mountPath"]: m["name"] for m in serve["volumeMounts"]}
+  assert mounts[flag(serve["args"], "storage_dir")] in claims
+
+  trainer = found["rlax-ps-trainer"]
+  spec = pod_spec(trainer)
+  assert spec["restartPolicy"] == "OnFailure" and trainer["spec"]["backoffLimit"] >= 10
+  pvc = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]
+         if "persistentVolumeClaim" in v}
+  assert set(pvc.values()) <= set(by_kind(render(overlay), "PersistentVolumeClaim"))
+
+  def on_pvc(c, path):
+    return any(path.startswith(m["mountPath"] + "/") and m["name"] in pvc
+               for m in c["volumeMounts"])
+
+  (warm,) = spec["initContainers"]
+  (train,) = spec["containers"]
+  assert warm["args"][0] == "sft" and train["args"][0] == "train"
+  sft_dir = flag(warm["args"], "workdir")
+  assert on_pvc(warm, sft_dir) and on_pvc(train, flag(train["args"], "workdir"))
+  # The trainer starts from the warm start's Hugging Face export, on the same volume.
+  assert flag(train["args"], "config.init_from_hf") == sft_dir + "/hf"
+  assert on_pvc(train, sft_dir + "/hf")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_finish_within_the_pods_termination_grace(overlay):
+  worker = workloads(overlay)["rlax-ps-worker"]
+  (c,) = pod_spec(worker)["containers"]
+  grace = pod_spec(worker)["terminationGracePeriodSeconds"]
+  assert float(flag(c["args"], "grace_s")) + 3 <= grace
+
+
+def test_the_gke_tpu_overlay_puts_the_trainer_on_a_slice_and_workers_on_spot_tpus():
+  found = workloads("overlays/gke-tpu")
+  trainer, worker = pod_spec(found["rlax-ps-trainer"]), pod_spec(found["rlax-ps-worker"])
+
+  def chips(spec):  # a topology's chip count, e.g. 2x4 -> 8
+    topology = spec["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
+    n = 1
+    for d in topology.split("x"):
+      n *= int(d)
+    return n
+
+  for c in trainer["initContainers"] + trainer["containers"]:
+    for kind in ("requests", "limits"):
+      assert int(c["resources"][kind]["google.com/tpu"]) == chips(trainer)
+  (w,) = worker["containers"]
+  assert int(w["resources"]["limits"]["google.com/tpu"]) == chips(worker)
+  assert worker["nodeSelector"]["cloud.google.com/gke-spot"] == "true"
+  assert "cloud.google.com/gke-spot" not in trainer["nodeSelector"]
+  assert worker["terminationGracePeriodSeconds"] <= 15  # what GKE gives a preempted pod
+  server = pod_spec(found["rlax-ps-server"])
+  assert "nodeSelector" not in server  # the server stays on a CPU node
+  images = {c["image"] for d in found.values() for c in containers(d)}
+  assert images == {"rlax-ps:tpu"}
+  base_images = {c["image"] for d in workloads("base").values() for c in containers(d)}
+  assert base_images == {"rlax-ps:cpu"}
+
+
+def test_the_image_installs_every_package_and_ships_the_recipes_the_manifests_name():
+  import tomllib
+  dockerfile = (K8S / "Dockerfile").read_text()
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  copied = set(re.findall(r"^COPY (\S+) \1$", dockerfile, re.M))
+  packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+  assert packages <= copied and "configs" in copied
+  entry = re.search(r'^ENTRYPOINT \["([^"]+)"\]', dockerfile, re.M).group(1)
+  assert entry in project["project"]["scripts"]
+  extras = set(re.findall(r"EXTRA=(\w+)", dockerfile))
+  assert extras and extras <= set(project["project"]["optional-dependencies"])
+  for overlay in OVERLAYS:
+    for doc in workloads(overlay).values():
+      for c in containers(doc):
+        for a in c["args"]:
+          if a.startswith("--config="):
+            path = a.split("=", 1)[1].split(":")[0]
+            assert path.split("/")[0] in copied and (ROOT / path).is_file(), a
