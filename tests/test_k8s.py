@@ -210,3 +210,88 @@ def test_the_image_installs_every_package_and_ships_the_recipes_the_manifests_na
           if a.startswith("--config="):
             path = a.split("=", 1)[1].split(":")[0]
             assert path.split("/")[0] in copied and (ROOT / path).is_file(), a
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_the_base_manifests_commands_run_the_loop_as_local_processes(tmp_path):
+  """What a cluster would run, with only volumes, the Service address and the recipe's size
+  rewritten: the server (tokens from the environment only), the warm start, then the
+  trainer and a worker, which finish the run and leave the worker holding its weights."""
+  import os
+  import time
+  found = workloads("base")
+  service = by_kind(render("base"), "Service")["rlax-ps-server"]
+  port = _free_port()
+  address = f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+  tokens = {r: f"token-{r}" for r in auth.ROLES}
+  procs = []
+
+  def command(c, pod):
+    mounts = {m["mountPath"]: tmp_path / pod / m["name"] for m in c.get("volumeMounts", [])}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "_TOKEN" not in k}
+    for e in c.get("env", []):
+      source = e.get("valueFrom", {})
+      if "secretKeyRef" in source:
+        env[e["name"]] = tokens[source["secretKeyRef"]["key"]]
+      elif "fieldRef" in source:
+        env[e["name"]] = pod
+    argv = []
+    for a in c["args"]:
+      a = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a)
+      for path, local in mounts.items():
+        a = a.replace(f"={path}/", f"={local}/").replace(f"={path}", f"={local}")
+      a = a.replace(f"--address={address}", f"--address=127.0.0.1:{port}")
+      a = a.replace("--port=50051", f"--port={port}").replace("--host=0.0.0.0", "--host=127.0.0.1")
+      a = re.sub(r"^--config=(configs/\w+\.py)$", r"--config=\1:tiny", a)
+      argv.append(a)
+    if argv[0] == "train":
+      argv.append("--config.rl.steps=3")
+    for local in mounts.values():
+      local.mkdir(parents=True, exist_ok=True)
+    return [sys.executable, "-m", "rlax_ps", *argv], env
+
+  def start(c, pod):
+    argv, env = command(c, pod)
+    log = open(tmp_path / f"{c['name']}.log", "w")
+    procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs[-1]
+
+  def log(name):
+    return (tmp_path / f"{name}.log").read_text()
+
+  try:
+    (serve,) = pod_spec(found["rlax-ps-server"])["containers"]
+    server = start(serve, "rlax-ps-server-0")
+    trainer_job = found["rlax-ps-trainer"]
+    (warm,) = pod_spec(trainer_job)["initContainers"]
+    (train,) = pod_spec(trainer_job)["containers"]
+    warm_proc = start(warm, "rlax-ps-trainer-x")
+    assert warm_proc.wait(300) == 0, log("warm-start")[-3000:]
+    trainer = start(train, "rlax-ps-trainer-x")
+    (wc,) = pod_spec(found["rlax-ps-worker"])["containers"]
+    worker = start(wc, "rlax-ps-worker-abc")
+    deadline = time.monotonic() + 400
+    while trainer.poll() is None and time.monotonic() < deadline:
+      for p, name in ((server, "server"), (worker, "worker")):
+        assert p.poll() is None, log(name)[-3000:]
+      time.sleep(0.5)
+    assert trainer.returncode == 0, log("trainer")[-3000:]
+    worker.terminate()  # the pod's SIGTERM: it releases what it holds and exits cleanly
+    assert worker.wait(60) == 0, log("worker")[-3000:]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.terminate()
+        p.wait(30)
+  summary = json.loads((tmp_path / "rlax-ps-trainer-x" / "workdir" / "rl" / "summary.json").read_text())
+  assert summary["step"] == 3 and summary["rollout_groups_trained"] > 0
+  assert int(re.search(r"(\d+) groups submitted", log("worker")).group(1)) > 0
+  # The server took every role's token from the environment and wrote no token file.
+  assert not (tmp_path / "rlax-ps-server-0" / "data" / auth.TOKEN_FILE).exists()
