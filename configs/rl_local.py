@@ -106,6 +106,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.max_to_keep = 2
   c.checkpoint.async_save = False
 
+  # The trained policy in Hugging Face format (config.json, safetensors, tokenizer) in
+  # <workdir>/hf at the end of each run, for transformers, vLLM or the next recipe.
+  c.export = ml_collections.ConfigDict()
+  c.export.hf = True
+
   # Held-out evaluation: greedy exact match every every_steps and at the end, and
   # pass@1 / pass@pass_k with the workers' temperature at the end.
   c.eval = ml_collections.ConfigDict()

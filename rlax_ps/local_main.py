@@ -88,5 +88,8 @@ def main(argv: list[str]) -> None:
     sys.exit(code)
   summary_path = os.path.join(workdir, "summary.json")
   with open(summary_path) as f:
-    print(local.summary_table(json.load(f)), flush=True)
+    summary = json.load(f)
+  print(local.summary_table(summary), flush=True)
+  if summary.get("export"):
+    print(f"trained policy (Hugging Face format): {summary['export']}", flush=True)
   print(f"summary: {summary_path}; TensorBoard: {os.path.join(workdir, 'tb')}", flush=True)

@@ -42,6 +42,9 @@ def test_the_loop_runs_and_ends_with_the_summary_table(run):
   assert "held-out exact match" in proc.stdout and "after RL" in proc.stdout
   summary = json.load(open(workdir / "summary.json"))
   assert summary["step"] == 4 and summary["rollout_groups_trained"] == 16
+  # The trained policy, in Hugging Face format, named at the end.
+  assert summary["export"] == str(workdir / "hf") and (workdir / "hf" / "config.json").exists()
+  assert f"trained policy (Hugging Face format): {workdir / 'hf'}" in proc.stdout
   for name in ("server", "trainer", "worker-0", "worker-1"):
     assert (workdir / "logs" / f"{name}.log").stat().st_size > 0
 

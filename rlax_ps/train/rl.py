@@ -514,7 +514,8 @@ class RLTrainer(TrainerRun):
       logging.warning("rl: stats: %s", e)
 
   def finish(self, seconds: float, start_step: int) -> dict[str, Any]:
-    """Final evaluation (exact match, pass@1 and pass@k) and summary.json."""
+    """Final evaluation (exact match, pass@1 and pass@k), the Hugging Face export and
+    summary.json."""
     summary: dict[str, Any] = {"step": self.step, "version": self.version, "seconds": seconds,
                                "steps_this_run": self.step - start_step,
                                "rollout_groups_trained": self.trained_rollouts,
@@ -542,6 +543,7 @@ class RLTrainer(TrainerRun):
         "delta_seconds_mean": float(np.mean([s for _, s in deltas])) if deltas else 0.0,
         "keyframe_bytes": keys[-1][0] if keys else 0,
     }
+    summary["export"] = self.export_hf() if self.config.export.hf else None
     summary["dropped_stale"], summary["rejected"] = self.dropped_stale, self.rejected
     if self.dynamic:
       summary["filtered"], summary["filled"] = self.filtered, self.filled

@@ -1,16 +1,19 @@
 """What every trainer with a workdir has: the tokenizer, tasks and model its config names,
-TensorBoard events, held-out evaluation by greedy exact match, a checkpointer to close, and
-a context manager."""
+TensorBoard events, held-out evaluation by greedy exact match, the Hugging Face export, a
+checkpointer to close, and a context manager."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import jax
+from flax import nnx
 
-from rlax_ps.models import model_config_from
+from rlax_ps import sharding as shd
+from rlax_ps.models import model_config_from, save_hf_checkpoint
 from rlax_ps.tasks import Task, get_task
-from rlax_ps.tokenizers import make_tokenizer
+from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
 
 
@@ -74,6 +77,30 @@ class TrainerRun:
                                               batch_size=int(self.config.eval.batch_size),
                                               max_new_tokens=self.eval_max_new)
     return self.last_eval
+
+  def export_hf(self, path: str | None = None) -> str:
+    """Write the model in Hugging Face format (config.json, safetensors, tokenizer files) to
+    `path` (default <workdir>/hf), replacing an earlier export only once the new one is
+    complete. On a multi-host slice every process gathers the params; process 0 writes."""
+    path = path or os.path.join(self.workdir, "hf")
+    params = shd.to_host(self.state.params)
+    if not self.leader:
+      return path
+    tok = self.tokenizer
+    partial = path.rstrip("/") + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    save_hf_checkpoint(nnx.merge(self.graphdef, params), partial, extra_config={
+        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
+    if isinstance(tok, CharTokenizer):
+      tok.save(partial)
+    elif isinstance(tok, HFTokenizer):
+      for name in ("tokenizer.json", "tokenizer_config.json"):
+        src = os.path.join(os.path.dirname(tok.path), name)
+        if os.path.exists(src):
+          shutil.copy(src, os.path.join(partial, name))
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(partial, path)
+    return path
 
   def log_eval(self, result: dict[str, float], step: int) -> None:
     for k, v in result.items():

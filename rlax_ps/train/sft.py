@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from typing import Any, Sequence
 
@@ -21,8 +20,6 @@ from flax import nnx
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
-from rlax_ps.models import save_hf_checkpoint
-from rlax_ps.tokenizers import CharTokenizer, HFTokenizer
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, restore_or_init
@@ -125,24 +122,6 @@ class SFTTrainer(TrainerRun):
       self.save()
     return last
 
-  def export_hf(self, path: str | None = None) -> str:
-    """Write the model in Hugging Face format (config.json, safetensors, tokenizer files);
-    on a multi-host slice every process gathers the params and process 0 writes them."""
-    path = path or os.path.join(self.workdir, "hf")
-    tok = self.tokenizer
-    params = shd.to_host(self.state.params)
-    if not self.leader:
-      return path
-    save_hf_checkpoint(nnx.merge(self.graphdef, params), path, extra_config={
-        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
-    if isinstance(tok, CharTokenizer):
-      tok.save(path)
-    elif isinstance(tok, HFTokenizer):
-      for name in ("tokenizer.json", "tokenizer_config.json"):
-        src = os.path.join(os.path.dirname(tok.path), name)
-        if os.path.exists(src):
-          shutil.copy(src, os.path.join(path, name))
-    return path
 
 def format_accuracy(result: dict[str, float], n_per_task: int) -> str:
   parts = [f"{k} {100 * v:.1f}%" for k, v in result.items() if k != "all"]

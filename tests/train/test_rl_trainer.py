@@ -13,6 +13,9 @@ import pytest
 
 from rl_testlib import FakeWorker, client, rl_config, start_server
 from rlax_ps import sync
+from rlax_ps.models import load_hf_checkpoint
+from rlax_ps.models.params import flatten_params
+from rlax_ps.tokenizers import make_tokenizer
 from rlax_ps.train.publisher import flat_params
 from rlax_ps.train.rl import RLTrainer
 
@@ -86,6 +89,20 @@ def test_published_versions_decode_to_the_trainers_weights(run):
                                   err_msg=name)
   digest = sync.state_digest({k: sync.checksum(v) for k, v in held.items()})
   assert f"{digest:016x}" == versions[-1]["digest"]
+
+
+def test_the_trained_policy_is_exported_in_hugging_face_format(run):
+  path = run["tmp"] / "rl" / "hf"
+  assert run["summary"]["export"] == str(path)
+  assert not (run["tmp"] / "rl" / "hf.partial").exists()
+  model = load_hf_checkpoint(str(path))
+  exported = {k: np.asarray(v) for k, v in flatten_params(model).items()}
+  assert set(exported) == set(run["params"])
+  for name, want in run["params"].items():  # the final step's weights, not the warm start's
+    np.testing.assert_array_equal(exported[name], want, err_msg=name)
+  char = make_tokenizer("char", "", run["config"].tokenizer.alphabet)
+  hf = make_tokenizer("hf", str(path))  # the tokenizer.json written beside the weights
+  assert hf.encode("12+34=") == char.encode("12+34=") and hf.eos_id == char.eos_id
 
 
 def test_prompts_are_paced_by_the_staleness_bound(run):
