@@ -61,7 +61,8 @@ def run_sft_more(sft_dir: str, workdir: str, seconds: float, pass_k: int) -> dic
       trainer.train(until=trainer.step + 50, progress=False)
     result = trainer.evaluate()
     passes = evaluate_lib.pass_at_k(trainer.graphdef, trainer.state.params, trainer.tokenizer,
-                                    trainer.tasks, trainer.heldout, k=pass_k, temperature=1.0,
+                                    trainer.heldout.tasks, trainer.heldout.examples, k=pass_k,
+                                    temperature=1.0,
                                     seed=int(config.eval.seed),
                                     batch_size=int(config.eval.batch_size))
     return {"step": trainer.step - start_step, "seconds": time.time() - t0,

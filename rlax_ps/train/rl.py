@@ -31,15 +31,14 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
-from algorithms.verifiers import known_tasks, load_verifiers
 from param_server.client import ParamServerError, Prompt, sample_logprobs
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
-from rlax_ps.tasks import Example
 from rlax_ps.tokenizers import Tokenizer
-from rlax_ps.train import evaluate as evaluate_lib
-from rlax_ps.train.prompts import PromptFeed, TaskPrompts, read_jsonl
+from rlax_ps.train import heldout as heldout_lib
+from rlax_ps.train.heldout import config_records, heldout_from_config
+from rlax_ps.train.prompts import PromptFeed, TaskPrompts
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_loss import LossConfig, response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch
@@ -150,10 +149,7 @@ class RLTrainer(TrainerRun):
     self.publisher = Publisher(client, str(config.publish.format),
                                int(config.publish.keyframe_every))
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
-    self.heldout = {t.name: t.examples("heldout", int(config.eval.seed),
-                                       int(config.eval.num_examples)) for t in self.tasks}
-    if config.data.get("heldout_jsonl", ""):
-      self._heldout_from_file(config.data.heldout_jsonl)
+    self.heldout = heldout_from_config(config, self.tasks)
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)
     self.trained_rollouts = 0
@@ -179,25 +175,8 @@ class RLTrainer(TrainerRun):
   def _prompt_source(self) -> Sequence[dict[str, str]]:
     path = self.config.data.get("jsonl", "")
     if path:
-      return self._records("data.jsonl", path)
+      return config_records(self.config, "data.jsonl", path)
     return TaskPrompts(self.tasks, self.weights, int(self.config.seed))
-
-  def _records(self, field: str, path: str) -> list[dict[str, str]]:
-    """A JSONL file's records, each task checked against the built-in tasks and the
-    verifiers that worker.verifiers registers (imported here too)."""
-    load_verifiers(str(self.config.worker.get("verifiers", "")), "worker.verifiers")
-    return read_jsonl(path, default_task=str(self.config.worker.default_task),
-                      known=known_tasks(), field=field)
-
-  def _heldout_from_file(self, path: str) -> None:
-    """Evaluate on a file's records instead of the tasks' held-out split: each task name
-    scored by its verifier, decoding up to worker.max_new_tokens."""
-    records = self._records("data.heldout_jsonl", path)
-    names = sorted({r["task"] for r in records})
-    self.eval_tasks = [evaluate_lib.VerifierTask(n) for n in names]
-    self.heldout = {n: [Example(r["prompt"], r["answer"], n) for r in records if r["task"] == n]
-                    for n in names}
-    self.eval_max_new = int(self.config.worker.max_new_tokens)
 
   @property
   def step(self) -> int:
@@ -292,7 +271,7 @@ class RLTrainer(TrainerRun):
     checkpoint, evaluate and write summary.json. Returns the summary."""
     t0 = time.time()
     self.start()
-    if self.warm_start_eval is None and self.heldout_size:
+    if self.warm_start_eval is None and self.heldout.size:
       self.warm_start_eval = self.evaluate()
       self.log_eval(self.warm_start_eval, self.step)
     start_step = self.step
@@ -336,10 +315,6 @@ class RLTrainer(TrainerRun):
     self.checkpointer.wait()
     self._ack_durable()
     return self.finish(time.time() - t0, start_step)
-
-  @property
-  def heldout_size(self) -> int:
-    return sum(len(v) for v in self.heldout.values())
 
   def _min_version(self) -> int:
     floor = self.version - self.max_staleness
@@ -520,19 +495,14 @@ class RLTrainer(TrainerRun):
                                "steps_this_run": self.step - start_step,
                                "rollout_groups_trained": self.trained_rollouts,
                                "warm_start": self.warm_start_eval}
-    if self.heldout_size:
+    if self.heldout.size:
       summary["heldout_exact_match"] = self.evaluate()
       self.log_eval(self.last_eval, self.step)
-      k = int(self.config.eval.pass_k)
-      if k:
-        passes = evaluate_lib.pass_at_k(self.graphdef, self.state.params, self.tokenizer,
-                                        self.eval_tasks, self.heldout, k=k,
-                                        max_new_tokens=self.eval_max_new,
-                                        temperature=float(self.config.worker.temperature),
-                                        seed=int(self.config.eval.seed),
-                                        batch_size=int(self.config.eval.batch_size))
+      passes = heldout_lib.pass_at_k(self.graphdef, self.state.params, self.tokenizer,
+                                     self.heldout, self.config)
+      if passes:
         summary["heldout_pass"] = passes
-        summary["pass_temperature"] = float(self.config.worker.temperature)
+        summary["pass_temperature"] = heldout_lib.pass_temperature(self.config)
         for name, v in passes.items():
           self.writer.add_scalar(f"eval/{name}", v, self.step)
     deltas = [(b, s) for _, b, s, key in self.sync_log if not key]

@@ -14,7 +14,7 @@ from rlax_ps import sharding as shd
 from rlax_ps.models import model_config_from, save_hf_checkpoint
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
-from rlax_ps.train import evaluate as evaluate_lib
+from rlax_ps.train import heldout as heldout_lib
 
 
 def tasks_from(cfg) -> tuple[list[Task], list[float]]:
@@ -35,8 +35,8 @@ def tasks_from(cfg) -> tuple[list[Task], list[float]]:
 
 
 class TrainerRun:
-  """Mixin for a trainer that sets workdir, checkpointer, graphdef, state, tokenizer, tasks,
-  heldout and config.eval.batch_size."""
+  """Mixin for a trainer that sets workdir, checkpointer, graphdef, state, config and
+  heldout (a heldout.Heldout), and calls read_model."""
 
   _writer = None
   last_eval: dict[str, float] | None = None
@@ -49,9 +49,6 @@ class TrainerRun:
                                     config.tokenizer.path or self.init_from_hf,
                                     config.tokenizer.alphabet)
     self.tasks, self.weights = tasks_from(config.tasks)
-    # What evaluate() scores `heldout` with: the tasks, and their answers' length as the
-    # decoding budget (None); the RL trainer's held-out file changes both.
-    self.eval_tasks, self.eval_max_new = self.tasks, None
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
                                           self.init_from_hf)
 
@@ -72,10 +69,8 @@ class TrainerRun:
 
   def evaluate(self) -> dict[str, float]:
     """Held-out exact match per task and over all, with greedy decoding."""
-    self.last_eval = evaluate_lib.exact_match(self.graphdef, self.state.params, self.tokenizer,
-                                              self.eval_tasks, self.heldout,
-                                              batch_size=int(self.config.eval.batch_size),
-                                              max_new_tokens=self.eval_max_new)
+    self.last_eval = heldout_lib.exact_match(self.graphdef, self.state.params, self.tokenizer,
+                                             self.heldout, self.config)
     return self.last_eval
 
   def export_hf(self, path: str | None = None) -> str:

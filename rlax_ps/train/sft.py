@@ -21,6 +21,7 @@ from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.train.data import SFTBatches
+from rlax_ps.train.heldout import heldout_from_config
 from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, restore_or_init
 from rlax_ps.train.step import make_train_step
@@ -53,8 +54,7 @@ class SFTTrainer(TrainerRun):
     self.state, self.shardings, self.graphdef = self._init_or_restore()
     self.train_step = make_train_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                       num_micro=num_micro, schedule=self.schedule)
-    self.heldout = {t.name: t.examples("heldout", int(config.eval.seed),
-                                       int(config.eval.num_examples)) for t in self.tasks}
+    self.heldout = heldout_from_config(config, self.tasks)
 
   # -- state ------------------------------------------------------------------------------
 

@@ -1,0 +1,79 @@
+"""The held-out set a config names, as the trainers and `rlax-ps eval` score it: the
+built-in tasks' held-out split, or a JSONL file's records scored by their verifiers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from algorithms.verifiers import known_tasks, load_verifiers
+from rlax_ps.tasks import Example, Task
+from rlax_ps.tokenizers import Tokenizer
+from rlax_ps.train import evaluate as evaluate_lib
+from rlax_ps.train.prompts import read_jsonl
+
+
+@dataclasses.dataclass
+class Heldout:
+  """What exact_match and pass_at_k take: the tasks that score each name, the examples per
+  name, and the decoding budget (None: each set's longest answer and eos)."""
+  tasks: list[Any]
+  examples: dict[str, list[Example]]
+  max_new_tokens: int | None
+
+  @property
+  def size(self) -> int:
+    return sum(len(v) for v in self.examples.values())
+
+
+def config_records(config, field: str, path: str) -> list[dict[str, str]]:
+  """A JSONL file's records, each task checked against the built-in tasks and the verifiers
+  that the config's worker.verifiers registers (imported here)."""
+  worker = config.get("worker", {})
+  load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
+  return read_jsonl(path, default_task=str(worker.get("default_task", "")),
+                    known=known_tasks(), field=field)
+
+
+def heldout_from_config(config, tasks: Sequence[Task]) -> Heldout:
+  """data.heldout_jsonl's records (all of them, each scored by its task's verifier, decoding
+  up to worker.max_new_tokens) if the config names one, else eval.num_examples held-out
+  examples of each task (eval.seed)."""
+  path = config.get("data", {}).get("heldout_jsonl", "")
+  if not path:
+    return Heldout(list(tasks), {t.name: t.examples("heldout", int(config.eval.seed),
+                                                    int(config.eval.num_examples))
+                                 for t in tasks}, None)
+  records = config_records(config, "data.heldout_jsonl", path)
+  names = sorted({r["task"] for r in records})
+  examples = {n: [Example(r["prompt"], r["answer"], n) for r in records if r["task"] == n]
+              for n in names}
+  return Heldout([evaluate_lib.VerifierTask(n) for n in names], examples,
+                 int(config.worker.max_new_tokens))
+
+
+def exact_match(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
+                ) -> dict[str, float]:
+  """Greedy exact match per name and over all, in batches of eval.batch_size."""
+  return evaluate_lib.exact_match(graphdef, params, tokenizer, heldout.tasks, heldout.examples,
+                                  batch_size=int(config.eval.batch_size),
+                                  max_new_tokens=heldout.max_new_tokens)
+
+
+def pass_at_k(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
+              ) -> dict[str, float] | None:
+  """pass@1 and pass@eval.pass_k sampled at worker.temperature (eval.seed); None when
+  eval.pass_k is 0."""
+  k = int(config.eval.get("pass_k", 0))
+  if not k:
+    return None
+  return evaluate_lib.pass_at_k(graphdef, params, tokenizer, heldout.tasks, heldout.examples,
+                                k=k, max_new_tokens=heldout.max_new_tokens,
+                                temperature=pass_temperature(config),
+                                seed=int(config.eval.seed),
+                                batch_size=int(config.eval.batch_size))
+
+
+def pass_temperature(config) -> float:
+  """The temperature pass@k samples at: the workers'."""
+  return float(config.get("worker", {}).get("temperature", 1.0))
