@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "local": ("rlax_ps.local_main", "the whole RL loop on this machine: server, trainer, workers"),
     "train": ("rlax_ps.train.rl_main", "the RL trainer against a parameter server"),
     "sft": ("rlax_ps.train.sft_main", "supervised warm start on a built-in task"),
+    "eval": ("rlax_ps.train.eval_main", "held-out accuracy of Hugging Face checkpoints, side by side"),
     "serve": ("param_server.serve_main", "run the parameter server (gRPC)"),
     "status": ("param_server.status_main", "print a parameter server's versions, queues and workers"),
     "worker": ("inference_workers.cli", "run an inference worker: pull weights, lease, sample, submit"),

@@ -78,6 +78,29 @@ def test_tokens_stay_in_an_owner_only_file(run):
   assert not any(t in logs for t in tokens.values())
 
 
+def _eval(*flags):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run([sys.executable, "-m", "rlax_ps", "eval", "--config=configs/rl_local.py:tiny",
+                         *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_eval_scores_the_warm_start_and_the_trained_policy_as_the_run_did(run, tmp_path):
+  workdir, _ = run
+  warm, trained = str(workdir / "sft" / "hf"), str(workdir / "hf")
+  proc = _eval(f"--checkpoints={warm},{trained}", f"--output={tmp_path / 'eval.json'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = json.load(open(tmp_path / "eval.json"))
+  summary = json.load(open(workdir / "summary.json"))
+  assert results[warm]["heldout_exact_match"] == summary["warm_start"]
+  assert results[trained]["heldout_exact_match"] == summary["heldout_exact_match"]
+  assert results[trained]["heldout_pass"] == summary["heldout_pass"]
+  all_row = next(l for l in proc.stdout.splitlines() if l.startswith("exact match all"))
+  assert all_row.split()[-2:] == [f"{100 * summary[k]['all']:.1f}%"
+                                  for k in ("warm_start", "heldout_exact_match")]
+  bad = _eval(f"--checkpoints={warm},{tmp_path / 'nowhere'}")
+  assert bad.returncode == 2 and "--checkpoints" in bad.stderr and "nowhere" in bad.stderr
+
+
 def test_a_failing_child_stops_the_run_naming_it(run):
   workdir, _ = run  # the warm start is reused
   proc = _local(workdir, "--config.publish.format=int8")
