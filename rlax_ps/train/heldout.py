@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from algorithms.verifiers import known_tasks, load_verifiers
 from rlax_ps.tasks import Example, Task
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
-from rlax_ps.train.prompts import read_jsonl
+from rlax_ps.train.prompts import config_records
 
 
 @dataclasses.dataclass
@@ -24,15 +23,6 @@ class Heldout:
   @property
   def size(self) -> int:
     return sum(len(v) for v in self.examples.values())
-
-
-def config_records(config, field: str, path: str) -> list[dict[str, str]]:
-  """A JSONL file's records, each task checked against the built-in tasks and the verifiers
-  that the config's worker.verifiers registers (imported here)."""
-  worker = config.get("worker", {})
-  load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
-  return read_jsonl(path, default_task=str(worker.get("default_task", "")),
-                    known=known_tasks(), field=field)
 
 
 def heldout_from_config(config, tasks: Sequence[Task]) -> Heldout:

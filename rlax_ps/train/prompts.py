@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
+from algorithms.verifiers import known_tasks, load_verifiers
 from rlax_ps.tasks import Task
 
 # Records of the built-in stream: one per index, far more than any run asks for.
@@ -89,6 +90,15 @@ def read_jsonl(path: str, default_task: str = "", known: Sequence[str] | None = 
   if not out:
     raise ValueError(f"{path}: no prompt records")
   return out
+
+
+def config_records(config, field: str, path: str) -> list[dict[str, str]]:
+  """A JSONL file's records, each task checked against the built-in tasks and the verifiers
+  that the config's worker.verifiers registers (imported here)."""
+  worker = config.get("worker", {})
+  load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
+  return read_jsonl(path, default_task=str(worker.get("default_task", "")),
+                    known=known_tasks(), field=field)
 
 
 def prompt_dataset(source: Sequence[dict[str, str]], seed: int) -> grain.IterDataset:

@@ -37,8 +37,7 @@ from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
-from rlax_ps.train.heldout import config_records, heldout_from_config
-from rlax_ps.train.prompts import PromptFeed, TaskPrompts
+from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_loss import LossConfig, response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch
@@ -149,7 +148,7 @@ class RLTrainer(TrainerRun):
     self.publisher = Publisher(client, str(config.publish.format),
                                int(config.publish.keyframe_every))
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
-    self.heldout = heldout_from_config(config, self.tasks)
+    self.heldout = heldout_lib.heldout_from_config(config, self.tasks)
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)
     self.trained_rollouts = 0
