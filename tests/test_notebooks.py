@@ -29,3 +29,12 @@ def test_quickstart_runs_the_rl_loop_and_its_delta_is_exact(monkeypatch):
   assert os.path.exists(os.path.join(scope["hf_dir"], "config.json"))
   assert scope["rl"].returncode == 0 and "after RL" in scope["rl"].stdout
   assert scope["summary"]["step"] == 4 and scope["summary"]["rollout_groups_trained"] == 16
+  # The side-by-side evaluation reproduces the run's own numbers for both checkpoints.
+  compared, summary = scope["compared"], scope["summary"]
+  assert compared[scope["hf_dir"]]["heldout_exact_match"] == summary["warm_start"]
+  assert compared[summary["export"]]["heldout_exact_match"] == summary["heldout_exact_match"]
+  # The notebook's own verifier: full credit exactly where the task's checker passes, and
+  # partial credit in [0, 1) elsewhere.
+  partial, exact = scope["partial_rewards"], scope["rewards"]
+  assert len(partial) == len(exact)
+  assert all((p == 1.0) == (e == 1.0) and 0.0 <= p <= 1.0 for p, e in zip(partial, exact))

@@ -33,15 +33,22 @@ VERIFIERS: dict[str, Callable[..., Verifier]] = {}
 
 
 def register_verifier(name: str):
-  """Class or factory decorator: `make_verifier(name, **kwargs)` will call it."""
+  """Class or factory decorator: `make_verifier(name, **kwargs)` will call it. A name taken
+  by another definition is a ValueError; the same definition run again (a notebook cell, a
+  reloaded module: same module and qualified name) replaces it."""
 
   def wrap(factory):
-    if name in VERIFIERS and VERIFIERS[name] is not factory:
-      raise ValueError(f"verifier name: {name!r} is already registered to {VERIFIERS[name]!r}")
+    old = VERIFIERS.get(name)
+    if old is not None and old is not factory and _origin(old) != _origin(factory):
+      raise ValueError(f"verifier name: {name!r} is already registered to {old!r}")
     VERIFIERS[name] = factory
     return factory
 
   return wrap
+
+
+def _origin(factory) -> tuple[str | None, str | None]:
+  return getattr(factory, "__module__", None), getattr(factory, "__qualname__", None)
 
 
 def make_verifier(name: str, **kwargs: Any) -> Verifier:

@@ -46,3 +46,19 @@ def test_registry_errors_name_the_field():
     make_verifier("nope")
   with pytest.raises(ValueError, match="verifier name: 'math' is already registered"):
     register_verifier("math")(lambda: None)
+
+
+def test_running_a_verifier_definition_again_replaces_it_as_a_notebook_cell_would():
+  cell = '''
+@register_verifier("rerun_cell")
+class RerunCell:
+  def __call__(self, completion, reference):
+    return VerifierResult(reward=SCORE, passed=True)
+'''
+  from algorithms.verifiers import VerifierResult
+  for score in (0.25, 0.75):  # the cell, edited and run again in the same kernel
+    exec(cell.replace("SCORE", str(score)), {"__name__": "__main__", "VerifierResult": VerifierResult,
+                                            "register_verifier": register_verifier})
+    assert make_verifier("rerun_cell")("x", "y").reward == score
+  with pytest.raises(ValueError, match="'rerun_cell' is already registered"):
+    register_verifier("rerun_cell")(lambda: None)  # another definition under the name
