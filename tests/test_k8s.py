@@ -295,3 +295,30 @@ def test_the_base_manifests_commands_run_the_loop_as_local_processes(tmp_path):
   assert int(re.search(r"(\d+) groups submitted", log("worker")).group(1)) > 0
   # The server took every role's token from the environment and wrote no token file.
   assert not (tmp_path / "rlax-ps-server-0" / "data" / auth.TOKEN_FILE).exists()
+
+
+def test_the_image_build_context_alone_builds_a_complete_wheel(tmp_path):
+  """What k8s/Dockerfile copies is enough to build rlax-ps: the wheel built from only those
+  paths holds every package, the proto and the generated gRPC code."""
+  import zipfile
+  dockerfile = (K8S / "Dockerfile").read_text()
+  context = tmp_path / "context"
+  for line in re.findall(r"^COPY (.+)$", dockerfile, re.M):
+    *sources, dest = line.split()
+    for src in sources:
+      target = context / (src if dest.endswith("/") or dest == "./" else dest)
+      if (ROOT / src).is_dir():
+        shutil.copytree(ROOT / src, target, ignore=shutil.ignore_patterns("__pycache__"))
+      else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / src, target)
+  out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(tmp_path / "dist"), str(context)],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  (wheel,) = (tmp_path / "dist").glob("rlax_ps-*.whl")
+  names = set(zipfile.ZipFile(wheel).namelist())
+  for package in ("rlax_ps", "param_server", "inference_workers", "algorithms"):
+    assert f"{package}/__init__.py" in names
+  assert {"param_server/protos/param_server.proto", "param_server/protos/param_server_pb2.py",
+          "rlax_ps/cli.py"} <= names
