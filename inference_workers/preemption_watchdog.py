@@ -4,8 +4,10 @@ Spot/preemptible TPU VMs get about 30 s of notice through the GCE metadata serve
 (`instance/preempted` flips to TRUE). The worker already treats SIGTERM as "stop leasing,
 release what is in flight, exit"; this watchdog runs the worker as a child, watches the
 metadata server, and forwards the notice (and any SIGTERM/SIGINT it receives itself).
+With --restart a child that fails (a non-zero exit not caused by a stop or a preemption)
+is started again after an exponential backoff, so a VM does not sit idle after a crash.
 
-  python -m inference_workers.preemption_watchdog -- rlax-ps worker --address=...
+  python -m inference_workers.preemption_watchdog --restart -- rlax-ps worker --address=...
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ def poll_preempted(url: str, timeout_s: float) -> bool | None:
 
 
 class PreemptionWatchdog:
-  """Runs `command`, sends it SIGTERM on a preemption notice, SIGKILL after `grace_s`."""
+  """Runs `command`, sends it SIGTERM on a preemption notice, SIGKILL after `grace_s`; with
+  `restart`, runs it again after a failure, waiting `backoff_s` doubling to `max_backoff_s`
+  (back to `backoff_s` once a child has run for `max_backoff_s` or longer)."""
 
   def __init__(self, command: list[str], *, url: str = GCE_PREEMPTED_URL,
                poll_timeout_s: float = 30.0, grace_s: float = 25.0,
-               unreachable_backoff_s: float = 5.0):
+               unreachable_backoff_s: float = 5.0, restart: bool = False,
+               backoff_s: float = 1.0, max_backoff_s: float = 60.0):
     if not command:
       raise ValueError("command: expected the program to guard after '--', got nothing")
     self.command = command
@@ -50,15 +55,18 @@ class PreemptionWatchdog:
     self.poll_timeout_s = poll_timeout_s
     self.grace_s = grace_s
     self.unreachable_backoff_s = unreachable_backoff_s
+    self.restart, self.backoff_s, self.max_backoff_s = restart, backoff_s, max_backoff_s
     self.preempted = threading.Event()
+    self.stopping = threading.Event()  # a stop or a preemption: no restart
+    self.starts = 0
     self._child: subprocess.Popen | None = None
 
-  def _watch(self) -> None:
-    while self._child is not None and self._child.poll() is None:
+  def _watch(self, child: subprocess.Popen) -> None:
+    while child.poll() is None and not self.preempted.is_set():
       state = poll_preempted(self.url, self.poll_timeout_s)
       if state:
         log.warning("preemption notice from %s: sending SIGTERM to pid %d", self.url,
-                    self._child.pid)
+                    child.pid)
         self.preempted.set()
         self.terminate()
         return
@@ -66,7 +74,8 @@ class PreemptionWatchdog:
         time.sleep(self.unreachable_backoff_s)
 
   def terminate(self) -> None:
-    """SIGTERM now, SIGKILL if the child is still alive after the grace period."""
+    """SIGTERM now, SIGKILL if the child is still alive after the grace period; no restart."""
+    self.stopping.set()
     child = self._child
     if child is None or child.poll() is not None:
       return
@@ -82,13 +91,29 @@ class PreemptionWatchdog:
     threading.Thread(target=kill_later, daemon=True).start()
 
   def run(self) -> int:
-    """Start the child, watch until it exits, return its exit code."""
-    self._child = subprocess.Popen(self.command)
+    """Start the child and watch it until it exits (and, with `restart`, until one exits
+    cleanly or is stopped); return the last exit code."""
     if threading.current_thread() is threading.main_thread():  # forward our own SIGTERM too
       for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: self.terminate())
-    threading.Thread(target=self._watch, daemon=True).start()
-    return self._child.wait()
+    delay = self.backoff_s
+    while True:
+      started = time.monotonic()
+      self._child = child = subprocess.Popen(self.command)
+      self.starts += 1
+      if self.stopping.is_set():  # a stop that came while it was being started
+        self.terminate()
+      threading.Thread(target=self._watch, args=(child,), daemon=True).start()
+      code = child.wait()
+      if code == 0 or not self.restart or self.stopping.is_set():
+        return code
+      if time.monotonic() - started >= self.max_backoff_s:
+        delay = self.backoff_s  # it ran a while: a new failure, not a crash loop
+      log.warning("pid %d exited with status %d: starting it again in %.0f s", child.pid,
+                  code, delay)
+      if self.stopping.wait(delay):
+        return code
+      delay = min(2 * delay, self.max_backoff_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,12 +123,17 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--grace_s", type=float, default=25.0,
                       help="seconds between SIGTERM and SIGKILL (GCE gives ~30 s)")
   parser.add_argument("--poll_timeout_s", type=float, default=30.0)
+  parser.add_argument("--restart", action="store_true",
+                      help="start the command again when it fails (not after a stop)")
+  parser.add_argument("--max_backoff_s", type=float, default=60.0,
+                      help="longest wait before a restart (the first is 1 s, then doubling)")
   parser.add_argument("command", nargs=argparse.REMAINDER)
   args = parser.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
   watchdog = PreemptionWatchdog(command, url=args.metadata_url, grace_s=args.grace_s,
-                                poll_timeout_s=args.poll_timeout_s)
+                                poll_timeout_s=args.poll_timeout_s, restart=args.restart,
+                                max_backoff_s=args.max_backoff_s)
   sys.exit(watchdog.run())
 
 

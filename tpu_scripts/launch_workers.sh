@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Keep COUNT spot TPU VMs named PREFIX-0..PREFIX-(COUNT-1) running, each with one inference
 # worker under the preemption watchdog (a preemption notice becomes SIGTERM: leases are
-# released, nothing is lost; a hard kill loses nothing either because leases expire).
+# released, nothing is lost; a hard kill loses nothing either because leases expire; a
+# worker that crashes is started again).
 # One pass creates the VMs that are missing and deletes and recreates those that are
 # PREEMPTED or TERMINATED; others (READY, CREATING, STOPPED by you, ...) are left alone.
 # Rerunning it is safe. With KEEP_INTERVAL_S=N it makes a pass every N seconds until
@@ -33,7 +34,7 @@ start_worker() {
   gtpu create "$name" --accelerator-type="$accelerator" --version="$TPU_RUNTIME" --spot || return 1
   # The token travels in the environment of the remote command, never on its argv.
   if ! { ship_repo "$name" &&
-         gtpu ssh "$name" --worker=all --command="cd $RLAX_PS_DIR && RLAX_PS_WORKER_TOKEN='$WORKER_TOKEN' nohup .venv/bin/python -m inference_workers.preemption_watchdog -- .venv/bin/rlax-ps worker --address=$SERVER_ADDRESS ${WORKER_ARGS:-} > worker.log 2>&1 &"; }; then
+         gtpu ssh "$name" --worker=all --command="cd $RLAX_PS_DIR && RLAX_PS_WORKER_TOKEN='$WORKER_TOKEN' nohup .venv/bin/python -m inference_workers.preemption_watchdog --restart -- .venv/bin/rlax-ps worker --address=$SERVER_ADDRESS ${WORKER_ARGS:-} > worker.log 2>&1 &"; }; then
     gtpu delete "$name" --quiet --async
     return 1
   fi

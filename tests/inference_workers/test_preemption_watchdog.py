@@ -137,3 +137,54 @@ def test_cli_forwards_its_own_sigterm_to_the_child(metadata, tmp_path):
     assert marker.read_text() == "released"
   finally:
     proc.kill()
+
+
+FLAKY = """
+import os, signal, sys, time
+count = sys.argv[1]
+n = int(open(count).read()) + 1 if os.path.exists(count) else 1
+open(count, "w").write(str(n))
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))  # a stop that ends in a failure code
+if n <= int(sys.argv[2]):
+  sys.exit(3)  # a crash
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def _flaky(tmp_path, fails, sleep_s, **kwargs):
+  return PreemptionWatchdog([sys.executable, "-c", FLAKY, str(tmp_path / "count"), str(fails),
+                             str(sleep_s)], url="http://127.0.0.1:9/none",
+                            unreachable_backoff_s=0.05, backoff_s=0.05, **kwargs)
+
+
+def test_with_restart_a_failing_child_is_started_again_until_it_succeeds(tmp_path):
+  watchdog = _flaky(tmp_path, fails=2, sleep_s=0, restart=True)
+  assert watchdog.run() == 0
+  assert watchdog.starts == 3 and (tmp_path / "count").read_text() == "3"
+
+
+def test_without_restart_the_first_failure_is_the_exit_code(tmp_path):
+  watchdog = _flaky(tmp_path, fails=2, sleep_s=0)
+  assert watchdog.run() == 3 and watchdog.starts == 1
+
+
+def test_a_stopped_child_is_not_restarted_even_if_it_fails(tmp_path):
+  watchdog = _flaky(tmp_path, fails=0, sleep_s=60, restart=True)
+  thread, result = _start(watchdog)
+  _wait_for(tmp_path / "count")
+  time.sleep(0.2)  # its SIGTERM handler is installed
+  watchdog.terminate()  # what our own SIGTERM does
+  thread.join(20)
+  assert result["rc"] == 7 and watchdog.starts == 1
+
+
+def test_a_preempted_child_is_not_restarted(metadata, tmp_path):
+  watchdog = PreemptionWatchdog([sys.executable, "-c", FLAKY, str(tmp_path / "count"), "0", "60"],
+                                url=metadata.url, poll_timeout_s=1, restart=True,
+                                backoff_s=0.05)
+  thread, result = _start(watchdog)
+  _wait_for(tmp_path / "count")
+  time.sleep(0.2)
+  metadata.preempted = True
+  thread.join(20)
+  assert result["rc"] == 7 and watchdog.starts == 1 and watchdog.preempted.is_set()

@@ -114,6 +114,8 @@ def test_workers_are_spot_vms_under_the_watchdog_and_token_stays_off_argv():
   starts = [l for l in out.stdout.splitlines() if "preemption_watchdog" in l]
   assert len(starts) == 3
   assert all("--token" not in s and "RLAX_PS_WORKER_TOKEN" in s for s in starts)
+  commands = [a for l in gcloud_lines(out) for a in l if "preemption_watchdog" in a]
+  assert all("preemption_watchdog --restart -- " in c for c in commands)  # a crash restarts
 
 
 @pytest.mark.parametrize("args,env_drop,message", [
