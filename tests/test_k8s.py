@@ -3,11 +3,13 @@ the Kubernetes API schemas, and their commands parsed by the real `rlax-ps` flag
 
 import functools
 import json
+import os
 import pathlib
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import kubernetes_validate
 import pytest
@@ -23,9 +25,25 @@ SECRET = "rlax-ps-tokens"
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
 
 
+# A user's overlay that adds a component: its resources and components, relative to k8s/.
+COMPOSED = {"base+hf-checkpoint": ("base", "components/hf-checkpoint"),
+            "gke-tpu+hf-checkpoint": ("overlays/gke-tpu", "components/hf-checkpoint")}
+RENDERED = OVERLAYS + list(COMPOSED)
+
+
+@functools.cache
+def overlay_dir(name: str) -> pathlib.Path:
+  if name not in COMPOSED:
+    return K8S / name
+  root = pathlib.Path(tempfile.mkdtemp(prefix="rlax-ps-k8s-"))
+  resource, component = (os.path.relpath(K8S / p, root) for p in COMPOSED[name])
+  (root / "kustomization.yaml").write_text(f"resources: [{resource}]\ncomponents: [{component}]\n")
+  return root
+
+
 @functools.cache
 def render(overlay: str) -> tuple[dict, ...]:
-  out = subprocess.run([KUBECTL, "kustomize", str(K8S / overlay)], capture_output=True,
+  out = subprocess.run([KUBECTL, "kustomize", str(overlay_dir(overlay))], capture_output=True,
                        text=True, timeout=60)
   assert out.returncode == 0, out.stderr
   return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
@@ -57,7 +75,7 @@ def workloads(overlay: str) -> dict[str, dict]:
   return found
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_manifests_match_the_kubernetes_api_schemas(overlay):
   docs = render(overlay)
   assert {d["kind"] for d in docs} >= {"Service", "StatefulSet", "Job", "Deployment",
@@ -84,7 +102,7 @@ if name == "worker":
 """
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_every_container_command_parses_with_the_real_flags(overlay):
   for doc in workloads(overlay).values():
     env = {e["name"] for c in containers(doc) for e in c.get("env", [])}
@@ -101,7 +119,7 @@ def test_every_container_command_parses_with_the_real_flags(overlay):
       assert out.returncode == 0, (c["name"], argv, out.stderr[-2000:])
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_clients_reach_the_server_service_with_their_role_tokens_from_the_secret(overlay):
   found = workloads(overlay)
   service = by_kind(render(overlay), "Service")["rlax-ps-server"]
@@ -127,7 +145,7 @@ def test_clients_reach_the_server_service_with_their_role_tokens_from_the_secret
     assert tokens(client) == {auth.env_var(role): {"name": SECRET, "key": role}}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_server_and_trainer_state_is_on_persistent_volumes(overlay):
   found = workloads(overlay)
   server = found["rlax-ps-server"]
@@ -141,23 +159,36 @@ def test_server_and_trainer_state_is_on_persistent_volumes(overlay):
   assert spec["restartPolicy"] == "OnFailure" and trainer["spec"]["backoffLimit"] >= 10
   pvc = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]
          if "persistentVolumeClaim" in v}
-  assert set(pvc.values()) <= set(by_kind(render(overlay), "PersistentVolumeClaim"))
+  # Every claim is rendered, but the one you make for your checkpoint (hf-checkpoint).
+  assert set(pvc.values()) - {"rlax-ps-model"} <= set(by_kind(render(overlay),
+                                                               "PersistentVolumeClaim"))
 
   def on_pvc(c, path):
-    return any(path.startswith(m["mountPath"] + "/") and m["name"] in pvc
+    return any((path + "/").startswith(m["mountPath"] + "/") and m["name"] in pvc
                for m in c["volumeMounts"])
 
-  (warm,) = spec["initContainers"]
   (train,) = spec["containers"]
-  assert warm["args"][0] == "sft" and train["args"][0] == "train"
-  sft_dir = flag(warm["args"], "workdir")
-  assert on_pvc(warm, sft_dir) and on_pvc(train, flag(train["args"], "workdir"))
-  # The trainer starts from the warm start's Hugging Face export, on the same volume.
-  assert flag(train["args"], "config.init_from_hf") == sft_dir + "/hf"
-  assert on_pvc(train, sft_dir + "/hf")
+  assert train["args"][0] == "train" and on_pvc(train, flag(train["args"], "workdir"))
+  start = flag(train["args"], "config.init_from_hf")
+  if "hf-checkpoint" not in overlay:
+    # The trainer starts from the warm start's Hugging Face export, on the same volume.
+    (warm,) = spec["initContainers"]
+    assert warm["args"][0] == "sft" and on_pvc(warm, flag(warm["args"], "workdir"))
+    assert start == flag(warm["args"], "workdir") + "/hf" and on_pvc(train, start)
+    return
+  # Your checkpoint, read-only from its claim, for the trainer and every worker alike.
+  assert "initContainers" not in spec and on_pvc(train, start)
+  (worker,) = pod_spec(found["rlax-ps-worker"])["containers"]
+  for c, pod in ((train, spec), (worker, pod_spec(found["rlax-ps-worker"]))):
+    assert flag(c["args"], "config.init_from_hf") == start
+    assert flag(c["args"], "config.tokenizer.kind") == "hf"
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == start]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert mount["readOnly"] and volume["persistentVolumeClaim"] == {
+        "claimName": "rlax-ps-model", "readOnly": True}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_workers_finish_within_the_pods_termination_grace(overlay):
   worker = workloads(overlay)["rlax-ps-worker"]
   (c,) = pod_spec(worker)["containers"]
@@ -220,21 +251,31 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_the_base_manifests_commands_run_the_loop_as_local_processes(tmp_path):
+@pytest.mark.parametrize("overlay", ["base", "base+hf-checkpoint"])
+def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_path):
   """What a cluster would run, with only volumes, the Service address and the recipe's size
-  rewritten: the server (tokens from the environment only), the warm start, then the
-  trainer and a worker, which finish the run and leave the worker holding its weights."""
-  import os
+  rewritten: the server (tokens from the environment only), the warm start (or, with
+  hf-checkpoint, a Hugging Face checkpoint on the model volume), then the trainer and a
+  worker, which finish the run and leave the worker holding its weights."""
   import time
-  found = workloads("base")
-  service = by_kind(render("base"), "Service")["rlax-ps-server"]
+  found = workloads(overlay)
+  service = by_kind(render(overlay), "Service")["rlax-ps-server"]
+  volumes = {}  # volume name -> the local folder it stands for, where not a fresh one
+  if "hf-checkpoint" in overlay:  # your model: here a warm start exported beforehand
+    sft = subprocess.run([sys.executable, "-m", "rlax_ps", "sft", "--config=configs/sft_tiny.py:tiny",
+                          f"--workdir={tmp_path / 'model'}", "--progress=false"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    volumes["model"] = tmp_path / "model" / "hf"
   port = _free_port()
   address = f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
   tokens = {r: f"token-{r}" for r in auth.ROLES}
   procs = []
 
   def command(c, pod):
-    mounts = {m["mountPath"]: tmp_path / pod / m["name"] for m in c.get("volumeMounts", [])}
+    mounts = {m["mountPath"]: volumes.get(m["name"], tmp_path / pod / m["name"])
+              for m in c.get("volumeMounts", [])}
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "_TOKEN" not in k}
     for e in c.get("env", []):
       source = e.get("valueFrom", {})
@@ -270,10 +311,9 @@ def test_the_base_manifests_commands_run_the_loop_as_local_processes(tmp_path):
     (serve,) = pod_spec(found["rlax-ps-server"])["containers"]
     server = start(serve, "rlax-ps-server-0")
     trainer_job = found["rlax-ps-trainer"]
-    (warm,) = pod_spec(trainer_job)["initContainers"]
+    for warm in pod_spec(trainer_job).get("initContainers", []):
+      assert start(warm, "rlax-ps-trainer-x").wait(300) == 0, log(warm["name"])[-3000:]
     (train,) = pod_spec(trainer_job)["containers"]
-    warm_proc = start(warm, "rlax-ps-trainer-x")
-    assert warm_proc.wait(300) == 0, log("warm-start")[-3000:]
     trainer = start(train, "rlax-ps-trainer-x")
     (wc,) = pod_spec(found["rlax-ps-worker"])["containers"]
     worker = start(wc, "rlax-ps-worker-abc")
