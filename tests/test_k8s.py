@@ -20,7 +20,7 @@ from param_server import auth
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 KUBECTL = shutil.which("kubectl")
-OVERLAYS = ["base", "overlays/gke-tpu"]
+OVERLAYS = ["base", "overlays/gke-tpu", "overlays/gke-tpu-multihost"]
 SECRET = "rlax-ps-tokens"
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
 
@@ -53,8 +53,16 @@ def by_kind(docs, kind: str) -> dict[str, dict]:
   return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
+def job_spec(doc: dict) -> dict:
+  """A Job's spec, or that of a JobSet's one replicated Job (a slice's hosts)."""
+  if doc["kind"] == "JobSet":
+    (replicated,) = doc["spec"]["replicatedJobs"]
+    return replicated["template"]["spec"]
+  return doc["spec"]
+
+
 def pod_spec(doc: dict) -> dict:
-  return doc["spec"]["template"]["spec"]
+  return job_spec(doc)["template"]["spec"]
 
 
 def containers(doc: dict) -> list[dict]:
@@ -70,7 +78,8 @@ def flag(args: list[str], name: str) -> str:
 
 def workloads(overlay: str) -> dict[str, dict]:
   docs = render(overlay)
-  found = {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Job"), **by_kind(docs, "Deployment")}
+  found = {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Job"), **by_kind(docs, "JobSet"),
+           **by_kind(docs, "Deployment")}
   assert set(found) == {"rlax-ps-server", "rlax-ps-trainer", "rlax-ps-worker"}
   return found
 
@@ -78,10 +87,15 @@ def workloads(overlay: str) -> dict[str, dict]:
 @pytest.mark.parametrize("overlay", RENDERED)
 def test_manifests_match_the_kubernetes_api_schemas(overlay):
   docs = render(overlay)
-  assert {d["kind"] for d in docs} >= {"Service", "StatefulSet", "Job", "Deployment",
-                                       "PersistentVolumeClaim"}
+  kinds = {d["kind"] for d in docs}
+  assert kinds >= {"Service", "StatefulSet", "Deployment", "PersistentVolumeClaim"}
+  assert len(kinds & {"Job", "JobSet"}) == 1  # the trainer: one host, or a slice's hosts
   version = kubernetes_validate.latest_version()
   for doc in docs:  # strict: an unknown or misspelt field fails too
+    if doc["kind"] == "JobSet":  # a custom resource: its Job template is checked as a Job
+      assert doc["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+      doc = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "slice"},
+             "spec": job_spec(doc)}
     kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -156,7 +170,11 @@ def test_server_and_trainer_state_is_on_persistent_volumes(overlay):
 
   trainer = found["rlax-ps-trainer"]
   spec = pod_spec(trainer)
-  assert spec["restartPolicy"] == "OnFailure" and trainer["spec"]["backoffLimit"] >= 10
+  if trainer["kind"] == "Job":  # restarted in place, resuming, again and again
+    assert spec["restartPolicy"] == "OnFailure" and trainer["spec"]["backoffLimit"] >= 10
+  else:  # a slice restarts as a whole: one host's failure fails the set, which restarts
+    assert job_spec(trainer)["backoffLimit"] == 0 and spec["restartPolicy"] == "Never"
+    assert trainer["spec"]["failurePolicy"]["maxRestarts"] >= 10
   pvc = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]
          if "persistentVolumeClaim" in v}
   # Every claim is rendered, but the one you make for your checkpoint (hf-checkpoint).
@@ -169,8 +187,13 @@ def test_server_and_trainer_state_is_on_persistent_volumes(overlay):
 
   (train,) = spec["containers"]
   assert train["args"][0] == "train" and on_pvc(train, flag(train["args"], "workdir"))
+  if job_spec(trainer).get("parallelism", 1) > 1:  # every host reads and writes the workdir
+    claims = by_kind(render(overlay), "PersistentVolumeClaim")
+    (workdir,) = [m["name"] for m in train["volumeMounts"]
+                  if (flag(train["args"], "workdir") + "/").startswith(m["mountPath"] + "/")]
+    assert "ReadWriteMany" in claims[pvc[workdir]]["spec"]["accessModes"]
   start = flag(train["args"], "config.init_from_hf")
-  if "hf-checkpoint" not in overlay:
+  if "hf-checkpoint" not in overlay and "multihost" not in overlay:
     # The trainer starts from the warm start's Hugging Face export, on the same volume.
     (warm,) = spec["initContainers"]
     assert warm["args"][0] == "sft" and on_pvc(warm, flag(warm["args"], "workdir"))
@@ -221,6 +244,28 @@ def test_the_gke_tpu_overlay_puts_the_trainer_on_a_slice_and_workers_on_spot_tpu
   assert images == {"rlax-ps:tpu"}
   base_images = {c["image"] for d in workloads("base").values() for c in containers(d)}
   assert base_images == {"rlax-ps:cpu"}
+
+
+def test_the_multihost_overlay_runs_one_jax_job_over_every_host_of_the_slice():
+  found = workloads("overlays/gke-tpu-multihost")
+  trainer = found["rlax-ps-trainer"]
+  assert trainer["kind"] == "JobSet" and not by_kind(render("overlays/gke-tpu-multihost"), "Job")
+  job, spec = job_spec(trainer), pod_spec(trainer)
+  (c,) = spec["containers"]
+  topology = spec["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
+  chips = 1
+  for d in topology.split("x"):
+    chips *= int(d)
+  per_host = int(c["resources"]["limits"]["google.com/tpu"])
+  # One process per host, all of them at once, the slice's chips in all.
+  assert job["parallelism"] == job["completions"] == chips // per_host > 1
+  assert flag(c["args"], "coordinator_address") == "auto"
+  assert c["image"] == "rlax-ps:tpu"
+  # The single-host trainer's volume went with it; the workers are gke-tpu's.
+  assert "rlax-ps-trainer" not in by_kind(render("overlays/gke-tpu-multihost"),
+                                          "PersistentVolumeClaim")
+  assert pod_spec(found["rlax-ps-worker"]) == pod_spec(workloads("gke-tpu+hf-checkpoint")[
+      "rlax-ps-worker"])
 
 
 def test_the_image_installs_every_package_and_ships_the_recipes_the_manifests_name():
