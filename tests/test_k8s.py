@@ -370,6 +370,13 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
     assert trainer.returncode == 0, log("trainer")[-3000:]
     worker.terminate()  # the pod's SIGTERM: it releases what it holds and exits cleanly
     assert worker.wait(60) == 0, log("worker")[-3000:]
+    # `kubectl exec statefulset/rlax-ps-server -- rlax-ps status`: the server container's
+    # own environment holds the viewer token, and the default address is its port.
+    argv, env = command(serve, "rlax-ps-server-0")
+    status = subprocess.run([sys.executable, "-m", "rlax_ps", "status",
+                             f"--address=127.0.0.1:{port}"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr[-2000:]
   finally:
     for p in procs:
       if p.poll() is None:
@@ -377,6 +384,7 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
         p.wait(30)
   summary = json.loads((tmp_path / "rlax-ps-trainer-x" / "workdir" / "rl" / "summary.json").read_text())
   assert summary["step"] == 3 and summary["rollout_groups_trained"] > 0
+  assert re.search(rf"latest version\s+v{summary['version']} \(bf16\)", status.stdout)
   assert int(re.search(r"(\d+) groups submitted", log("worker")).group(1)) > 0
   # The server took every role's token from the environment and wrote no token file.
   assert not (tmp_path / "rlax-ps-server-0" / "data" / auth.TOKEN_FILE).exists()
