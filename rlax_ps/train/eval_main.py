@@ -6,8 +6,9 @@ r"""`rlax-ps eval`: held-out accuracy of Hugging Face checkpoints, side by side.
 The config names the held-out set and how it is scored, as the trainer's does: the built-in
 tasks' held-out split (`tasks`, `eval.num_examples`, `eval.seed`), or `data.heldout_jsonl`
 scored by its tasks' verifiers (`worker.verifiers`, decoding up to `worker.max_new_tokens`);
-greedy exact match, then pass@1 and pass@`eval.pass_k` sampled at `worker.temperature`. Its
-`tokenizer` and `model` dtypes apply; each checkpoint's config.json gives its shape.
+greedy exact match, then pass@1 and pass@`eval.pass_k` sampled at `worker.temperature`. Each
+checkpoint's config.json gives its shape and its tokenizer.json its tokenizer (else the
+config's `tokenizer`, as does `tokenizer.path` when set); the config's `model` dtypes apply.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ def evaluate_checkpoint(config, path: str) -> dict[str, Any]:
   from rlax_ps.train import heldout as heldout_lib
   from rlax_ps.train.run import tasks_from
 
-  tokenizer = make_tokenizer(config.tokenizer.kind, config.tokenizer.path or path,
-                             config.tokenizer.alphabet)
+  if not config.tokenizer.path and os.path.isfile(os.path.join(path, "tokenizer.json")):
+    tokenizer = make_tokenizer("hf", path)  # the checkpoint's own (exports carry theirs)
+  else:
+    tokenizer = make_tokenizer(config.tokenizer.kind, config.tokenizer.path or path,
+                               config.tokenizer.alphabet)
   model = load_hf_checkpoint(path, dtype=config.model.param_dtype,
                              compute_dtype=config.model.dtype)
   graphdef, params, _ = nnx.split(model, nnx.Param, ...)
