@@ -187,6 +187,9 @@ def test_server_and_trainer_state_is_on_persistent_volumes(overlay):
 
   (train,) = spec["containers"]
   assert train["args"][0] == "train" and on_pvc(train, flag(train["args"], "workdir"))
+  for c in spec.get("initContainers", []) + [train]:  # a restart reuses the compiles
+    (cache,) = [e["value"] for e in c["env"] if e["name"] == "RLAX_PS_JAX_CACHE"]
+    assert on_pvc(c, cache)
   if job_spec(trainer).get("parallelism", 1) > 1:  # every host reads and writes the workdir
     claims = by_kind(render(overlay), "PersistentVolumeClaim")
     (workdir,) = [m["name"] for m in train["volumeMounts"]
@@ -321,6 +324,11 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
   def command(c, pod):
     mounts = {m["mountPath"]: volumes.get(m["name"], tmp_path / pod / m["name"])
               for m in c.get("volumeMounts", [])}
+    def on_this_machine(text):  # a path on a volume -> the folder standing for it
+      for path, local in mounts.items():
+        text = re.sub(rf"(^|=){re.escape(path)}(?=/|$)", lambda m: m.group(1) + str(local), text)
+      return text
+
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "_TOKEN" not in k}
     for e in c.get("env", []):
       source = e.get("valueFrom", {})
@@ -328,11 +336,11 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
         env[e["name"]] = tokens[source["secretKeyRef"]["key"]]
       elif "fieldRef" in source:
         env[e["name"]] = pod
+      else:
+        env[e["name"]] = on_this_machine(e["value"])
     argv = []
     for a in c["args"]:
-      a = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a)
-      for path, local in mounts.items():
-        a = a.replace(f"={path}/", f"={local}/").replace(f"={path}", f"={local}")
+      a = on_this_machine(re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a))
       a = a.replace(f"--address={address}", f"--address=127.0.0.1:{port}")
       a = a.replace("--port=50051", f"--port={port}").replace("--host=0.0.0.0", "--host=127.0.0.1")
       a = re.sub(r"^--config=(configs/\w+\.py)$", r"--config=\1:tiny", a)
@@ -386,6 +394,8 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
   assert summary["step"] == 3 and summary["rollout_groups_trained"] > 0
   assert re.search(rf"latest version\s+v{summary['version']} \(bf16\)", status.stdout)
   assert int(re.search(r"(\d+) groups submitted", log("worker")).group(1)) > 0
+  # The trainer's compiles went to its volume, where a restarted pod finds them.
+  assert any((tmp_path / "rlax-ps-trainer-x" / "workdir" / "jax_cache").iterdir())
   # The server took every role's token from the environment and wrote no token file.
   assert not (tmp_path / "rlax-ps-server-0" / "data" / auth.TOKEN_FILE).exists()
 
