@@ -38,6 +38,9 @@ train_cmd="${TRAIN_CMD:-.venv/bin/rlax-ps train --config=${TRAIN_CONFIG:-configs
 
 gtpu create "$name" --accelerator-type="$accelerator" --version="$TPU_RUNTIME"
 ship_repo "$name"
-gtpu ssh "$name" --worker=0 --command="cd $RLAX_PS_DIR && nohup .venv/bin/rlax-ps serve --port=$port --host=0.0.0.0 --storage_dir=\$HOME/rlax-ps-server ${SERVE_ARGS:-} > serve.log 2>&1 &"
-gtpu ssh "$name" --worker="$hosts" --command="cd $RLAX_PS_DIR && nohup bash -c '$train_cmd' > train.log 2>&1 &"
+# Both run under the watchdog: a crash restarts them (the server from its storage, the
+# trainer from its checkpoint); a clean end, a stop or a preemption notice does not.
+supervise=".venv/bin/python -m inference_workers.preemption_watchdog --restart --"
+gtpu ssh "$name" --worker=0 --command="cd $RLAX_PS_DIR && nohup $supervise .venv/bin/rlax-ps serve --port=$port --host=0.0.0.0 --storage_dir=\$HOME/rlax-ps-server ${SERVE_ARGS:-} > serve.log 2>&1 &"
+gtpu ssh "$name" --worker="$hosts" --command="cd $RLAX_PS_DIR && nohup $supervise bash -c '$train_cmd' > train.log 2>&1 &"
 echo "trainer $name started; server on host 0 port $port (tokens in ~/rlax-ps-server on host 0)"

@@ -54,6 +54,9 @@ def test_trainer_starts_the_server_and_the_rl_trainer_on_host_0():
   assert "--token_file=$HOME/rlax-ps-server/tokens.json" in train_cmd
   assert "--config=configs/rl_local.py" in train_cmd and "--address=127.0.0.1:50051" in train_cmd
   assert "--coordinator_address" not in train_cmd  # one host: one process
+  serve_cmd = next(a for a in serve if a.startswith("--command="))
+  for cmd in (serve_cmd, train_cmd):  # a crash restarts them; a stop does not
+    assert "preemption_watchdog --restart -- " in cmd
 
 
 def test_a_multi_host_trainer_runs_on_every_host_with_shared_checkpoints():
