@@ -58,6 +58,8 @@ def main(argv) -> None:
     raise app.UsageError(str(e)) from None
   server = ParamServer(config).start()
   print(f"parameter server listening on {server.address}", flush=True)
+  if server.metrics_port is not None:
+    print(f"metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
   done = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: done.set())

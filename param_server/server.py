@@ -1,7 +1,8 @@
 """The gRPC parameter server: weights, prompt leases and rollouts behind one authenticated service.
 
 `ParamServer(config).start()` serves on `config.host:config.port` (port 0 picks
-a free one) with token auth, optional TLS, health checking and reflection.
+a free one) with token auth, optional TLS, health checking and reflection, and with
+`metrics_port` Prometheus metrics (param_server.metrics).
 Every handler validates its request; a rejection is logged, answered with a
 status naming the field, and changes nothing.
 """
@@ -61,6 +62,13 @@ class ServerConfig:
   max_lease_prompts: int = setting(1024, "most prompts in one lease")
   max_lease_deadline_s: float = setting(3600.0, "longest lease or ack deadline")
   max_wait_s: float = setting(60.0, "longest long-poll wait for LeasePrompts and TakeRollouts")
+  metrics_port: int = setting(-1, "serve Prometheus metrics (no token) on http://host:PORT/"
+                              "metrics; 0 picks a free port, -1 = off")
+
+  def __post_init__(self):
+    if not -1 <= self.metrics_port <= 65535:
+      raise ValueError(f"ServerConfig.metrics_port: expected -1 (off) or a port 0-65535, got "
+                       f"{self.metrics_port}")
 
 
 def _finite(field: str, value: float, lo: float = 0.0) -> None:
@@ -343,6 +351,8 @@ class ParamServer:
 
   def __init__(self, config: ServerConfig):
     self.config = config
+    self.metrics_port: int | None = None  # the bound port, once serving metrics
+    self._metrics = None
     os.makedirs(config.storage_dir, exist_ok=True)
     self.tokens = auth.load_tokens(config.storage_dir, {
         "trainer": config.trainer_token, "worker": config.worker_token, "viewer": config.viewer_token})
@@ -391,6 +401,11 @@ class ParamServer:
     self._reaper.start()
     for name in ("", SERVICE_NAME):
       self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if self.config.metrics_port >= 0:
+      from param_server.metrics import serve_metrics
+      self._metrics = serve_metrics(lambda: self.servicer.GetStats(None, None), self.config.host,
+                                    self.config.metrics_port)
+      self.metrics_port = self._metrics.server_port
     logging.info("parameter server on %s (%s), storage %s, latest v%d", self.address,
                  "TLS" if self.config.tls_cert else "plaintext", self.config.storage_dir, self.weights.latest)
     return self
@@ -401,6 +416,10 @@ class ParamServer:
   def stop(self, grace: float = 1.0) -> None:
     self.servicer.stopping.set()
     self._health.enter_graceful_shutdown()
+    if self._metrics is not None:
+      self._metrics.shutdown()
+      self._metrics.server_close()
+      self._metrics = None
     self._server.stop(grace).wait()
     if self._reaper.is_alive():
       self._reaper.join()

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 
 import kubernetes_validate
 import pytest
@@ -96,6 +97,9 @@ def test_manifests_match_the_kubernetes_api_schemas(overlay):
       assert doc["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
       doc = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "slice"},
              "spec": job_spec(doc)}
+    if doc["kind"] == "PodMonitoring":  # GKE's custom resource; checked in the metrics test
+      assert doc["apiVersion"] == "monitoring.googleapis.com/v1"
+      continue
     kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -157,6 +161,23 @@ def test_clients_reach_the_server_service_with_their_role_tokens_from_the_secret
     (client,) = pod_spec(found[workload])["containers"]
     assert flag(client["args"], "address") == f"{service['metadata']['name']}:{sp['port']}"
     assert tokens(client) == {auth.env_var(role): {"name": SECRET, "key": role}}
+
+
+@pytest.mark.parametrize("overlay", RENDERED)
+def test_server_metrics_are_served_on_the_named_port_and_scraped_on_gke(overlay):
+  docs = render(overlay)
+  server = workloads(overlay)["rlax-ps-server"]
+  (serve,) = pod_spec(server)["containers"]
+  ports = {p["name"]: p["containerPort"] for p in serve["ports"]}
+  assert int(flag(serve["args"], "metrics_port")) == ports["metrics"]
+  monitors = by_kind(docs, "PodMonitoring")
+  if "gke" not in overlay:
+    assert not monitors
+    return
+  (monitor,) = monitors.values()
+  labels = server["spec"]["template"]["metadata"]["labels"]
+  assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+  assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
 
 
 @pytest.mark.parametrize("overlay", RENDERED)
@@ -316,7 +337,7 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     assert sft.returncode == 0, sft.stderr[-3000:]
     volumes["model"] = tmp_path / "model" / "hf"
-  port = _free_port()
+  port, metrics_port = _free_port(), _free_port()
   address = f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
   tokens = {r: f"token-{r}" for r in auth.ROLES}
   procs = []
@@ -343,6 +364,7 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
       a = on_this_machine(re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a))
       a = a.replace(f"--address={address}", f"--address=127.0.0.1:{port}")
       a = a.replace("--port=50051", f"--port={port}").replace("--host=0.0.0.0", "--host=127.0.0.1")
+      a = a.replace("--metrics_port=9090", f"--metrics_port={metrics_port}")
       a = re.sub(r"^--config=(configs/\w+\.py)$", r"--config=\1:tiny", a)
       argv.append(a)
     if argv[0] == "train":
@@ -385,6 +407,8 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
                              f"--address=127.0.0.1:{port}"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr[-2000:]
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+      metrics = r.read().decode()
   finally:
     for p in procs:
       if p.poll() is None:
@@ -393,6 +417,7 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
   summary = json.loads((tmp_path / "rlax-ps-trainer-x" / "workdir" / "rl" / "summary.json").read_text())
   assert summary["step"] == 3 and summary["rollout_groups_trained"] > 0
   assert re.search(rf"latest version\s+v{summary['version']} \(bf16\)", status.stdout)
+  assert re.search(rf"^rlax_ps_latest_version {summary['version']}\.0$", metrics, re.M)
   assert int(re.search(r"(\d+) groups submitted", log("worker")).group(1)) > 0
   # The trainer's compiles went to its volume, where a restarted pod finds them.
   assert any((tmp_path / "rlax-ps-trainer-x" / "workdir" / "jax_cache").iterdir())

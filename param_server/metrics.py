@@ -1,0 +1,77 @@
+"""Prometheus metrics of a running parameter server: what `rlax-ps status` shows, read from
+the server's stats at each scrape, for dashboards, alerts and scaling workers on the queue.
+
+`serve_metrics(stats, host, port)` serves them over HTTP (`/metrics`) with prometheus_client.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from param_server.protos import param_server_pb2 as pb
+
+PREFIX = "rlax_ps_"
+# Stats fields that only grow (counters) and those that go up and down (gauges).
+COUNTERS = {
+    "rollouts_accepted": "rollout groups accepted",
+    "rollouts_duplicate": "duplicate submissions of accepted groups (acknowledged, not kept)",
+    "rollouts_stale_dropped": "groups dropped as older than the trainer's staleness floor",
+    "leases_expired": "leases that expired, their prompts returned to the queue",
+    "bytes_served": "weight bytes sent to pulls",
+    "pulls_served": "pulls served",
+    "errors": "requests rejected (bad input or auth)",
+}
+GAUGES = {
+    "prompts_queued": "prompts waiting for a lease",
+    "prompts_leased": "prompts leased to workers",
+    "leases_active": "leases held by workers",
+    "rollouts_ready": "groups waiting for the trainer",
+    "rollouts_in_flight": "groups taken by the trainer, not yet acknowledged",
+    "workers_alive": "workers heard from within three heartbeats",
+    "uptime_s": "seconds since the server started",
+}
+VERSIONS = {
+    "latest_version": "newest published version (-1: none)",
+    "keyframe_version": "version of the stored keyframe",
+    "keyframe_bytes": "bytes of the stored keyframe",
+    "delta_chain_bytes": "bytes of the deltas after the keyframe",
+}
+
+
+class StatsCollector:
+  """A prometheus_client collector over `stats()`, a function returning a pb.Stats."""
+
+  def __init__(self, stats: Callable[[], pb.Stats]):
+    self._stats = stats
+
+  def collect(self) -> Iterator[Metric]:
+    s = self._stats()
+    for field, help_text in COUNTERS.items():
+      yield CounterMetricFamily(PREFIX + field, help_text, value=getattr(s, field))
+    for field, help_text in GAUGES.items():
+      yield GaugeMetricFamily(PREFIX + field, help_text, value=getattr(s, field))
+    for field, help_text in VERSIONS.items():
+      yield GaugeMetricFamily(PREFIX + field, help_text, value=getattr(s.versions, field))
+    version = GaugeMetricFamily(PREFIX + "worker_version", "version a worker holds (-1: none)",
+                                labels=["worker_id", "name"])
+    speed = GaugeMetricFamily(PREFIX + "worker_tokens_per_second", "a worker's generation speed",
+                              labels=["worker_id", "name"])
+    seen = GaugeMetricFamily(PREFIX + "worker_seconds_since_heartbeat",
+                             "seconds since a worker was heard from", labels=["worker_id", "name"])
+    for w in s.workers:
+      version.add_metric([w.worker_id, w.name], w.version)
+      speed.add_metric([w.worker_id, w.name], w.tokens_per_s)
+      seen.add_metric([w.worker_id, w.name], w.seconds_since_heartbeat)
+    yield from (version, speed, seen)
+
+
+def serve_metrics(stats: Callable[[], pb.Stats], host: str, port: int):
+  """Serve the collector's metrics on http://host:port/metrics in a daemon thread (port 0
+  picks a free one); returns the HTTP server (`server_port`, `shutdown()`)."""
+  registry = CollectorRegistry(auto_describe=False)
+  registry.register(StatsCollector(stats))
+  server, _ = start_http_server(port, addr=host, registry=registry)
+  return server

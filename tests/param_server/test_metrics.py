@@ -1,0 +1,51 @@
+"""Prometheus metrics: with metrics_port set, /metrics serves the numbers GetStats returns,
+without a token; off by default; a bad port is refused naming the field."""
+
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from param_server.protos import param_server_pb2 as pb
+from param_server.server import ServerConfig
+from ps_testlib import client_for, publish_chain
+
+
+def scrape(port: int) -> dict:
+  """{(name, labels as sorted items): value} of every sample at /metrics."""
+  with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    text = r.read().decode()
+  return {(s.name, tuple(sorted(s.labels.items()))): s.value
+          for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_report_what_the_stats_say(start_server):
+  server = start_server(metrics_port=0)
+  with client_for(server, "trainer") as trainer, client_for(server, "worker") as worker, \
+       client_for(server, "viewer") as viewer:
+    publish_chain(trainer, 3)
+    trainer.enqueue_prompts([pb.Prompt(id=f"p{i}", text="1+1=") for i in range(5)])
+    worker_id = worker.register("gpu-7")
+    worker.lease(2, 60.0)
+    worker.heartbeat(version=2, tokens_per_s=123.5)
+    worker.pull(None)
+    got, stats = scrape(server.metrics_port), viewer.stats()
+  assert got[("rlax_ps_latest_version", ())] == stats.versions.latest_version == 2
+  assert got[("rlax_ps_prompts_queued", ())] == stats.prompts_queued == 3
+  assert got[("rlax_ps_prompts_leased", ())] == stats.prompts_leased == 2
+  assert got[("rlax_ps_bytes_served_total", ())] == stats.bytes_served > 0
+  assert got[("rlax_ps_keyframe_bytes", ())] == stats.versions.keyframe_bytes > 0
+  assert got[("rlax_ps_workers_alive", ())] == 1
+  labels = (("name", "gpu-7"), ("worker_id", worker_id))
+  assert got[("rlax_ps_worker_version", labels)] == 2
+  assert got[("rlax_ps_worker_tokens_per_second", labels)] == 123.5
+  server.stop(grace=0)
+  with pytest.raises((urllib.error.URLError, ConnectionError)):
+    scrape(server.metrics_port)  # stopped with the server
+
+
+def test_metrics_are_off_by_default_and_a_bad_port_names_the_field(start_server):
+  assert start_server().metrics_port is None
+  with pytest.raises(ValueError, match="ServerConfig.metrics_port"):
+    ServerConfig(metrics_port=-2)
