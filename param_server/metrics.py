@@ -51,8 +51,9 @@ class StatsCollector:
     s = self._stats()
     for field, help_text in COUNTERS.items():
       yield CounterMetricFamily(PREFIX + field, help_text, value=getattr(s, field))
-    for field, help_text in GAUGES.items():
-      yield GaugeMetricFamily(PREFIX + field, help_text, value=getattr(s, field))
+    for field, help_text in GAUGES.items():  # uptime_s -> rlax_ps_uptime_seconds
+      name = field[:-2] + "_seconds" if field.endswith("_s") else field
+      yield GaugeMetricFamily(PREFIX + name, help_text, value=getattr(s, field))
     for field, help_text in VERSIONS.items():
       yield GaugeMetricFamily(PREFIX + field, help_text, value=getattr(s.versions, field))
     version = GaugeMetricFamily(PREFIX + "worker_version", "version a worker holds (-1: none)",

@@ -540,7 +540,8 @@ def _dynamic_sampler(config, samples: int) -> DynamicSampler | None:
 
 
 def stop_on_signals(trainer: RLTrainer) -> None:
-  """SIGTERM / SIGINT: finish the step, checkpoint, exit cleanly."""
+  """SIGTERM / SIGINT: finish the step, checkpoint and return, noting the signal (with steps
+  left, `rlax-ps train` then exits with 128 + it)."""
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda signum, _: trainer.request_stop(signum))
 

@@ -37,6 +37,7 @@ def test_metrics_report_what_the_stats_say(start_server):
   assert got[("rlax_ps_bytes_served_total", ())] == stats.bytes_served > 0
   assert got[("rlax_ps_keyframe_bytes", ())] == stats.versions.keyframe_bytes > 0
   assert got[("rlax_ps_workers_alive", ())] == 1
+  assert 0 < got[("rlax_ps_uptime_seconds", ())] <= stats.uptime_s
   labels = (("name", "gpu-7"), ("worker_id", worker_id))
   assert got[("rlax_ps_worker_version", labels)] == 2
   assert got[("rlax_ps_worker_tokens_per_second", labels)] == 123.5
