@@ -3,6 +3,7 @@ the Kubernetes API schemas, and their commands parsed by the real `rlax-ps` flag
 
 import functools
 import json
+import math
 import os
 import pathlib
 import re
@@ -69,6 +70,12 @@ def pod_spec(doc: dict) -> dict:
 def containers(doc: dict) -> list[dict]:
   spec = pod_spec(doc)
   return spec.get("initContainers", []) + spec["containers"]
+
+
+def chips(spec: dict) -> int:
+  """The chips of the TPU topology a pod spec selects, e.g. 2x4 -> 8."""
+  return math.prod(int(d) for d in spec["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
+                   .split("x"))
 
 
 def flag(args: list[str], name: str) -> str:
@@ -247,13 +254,6 @@ def test_the_gke_tpu_overlay_puts_the_trainer_on_a_slice_and_workers_on_spot_tpu
   found = workloads("overlays/gke-tpu")
   trainer, worker = pod_spec(found["rlax-ps-trainer"]), pod_spec(found["rlax-ps-worker"])
 
-  def chips(spec):  # a topology's chip count, e.g. 2x4 -> 8
-    topology = spec["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
-    n = 1
-    for d in topology.split("x"):
-      n *= int(d)
-    return n
-
   for c in trainer["initContainers"] + trainer["containers"]:
     for kind in ("requests", "limits"):
       assert int(c["resources"][kind]["google.com/tpu"]) == chips(trainer)
@@ -276,13 +276,9 @@ def test_the_multihost_overlay_runs_one_jax_job_over_every_host_of_the_slice():
   assert trainer["kind"] == "JobSet" and not by_kind(render("overlays/gke-tpu-multihost"), "Job")
   job, spec = job_spec(trainer), pod_spec(trainer)
   (c,) = spec["containers"]
-  topology = spec["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
-  chips = 1
-  for d in topology.split("x"):
-    chips *= int(d)
   per_host = int(c["resources"]["limits"]["google.com/tpu"])
   # One process per host, all of them at once, the slice's chips in all.
-  assert job["parallelism"] == job["completions"] == chips // per_host > 1
+  assert job["parallelism"] == job["completions"] == chips(spec) // per_host > 1
   assert flag(c["args"], "coordinator_address") == "auto"
   assert c["image"] == "rlax-ps:tpu"
   # The single-host trainer's volume went with it; the workers are gke-tpu's.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 from typing import Any
 
 from absl import flags
@@ -69,8 +70,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
   names = []
   for r in results.values():
     names += [n for n in r["heldout_exact_match"] if n not in names and n != "all"]
-  rows = [("held-out", *[os.path.basename(os.path.normpath(os.path.dirname(p.rstrip("/"))))
-                         + "/" + os.path.basename(p.rstrip("/")) for p in paths])]
+  rows = [("held-out", *["/".join(pathlib.PurePath(p).parts[-2:]) for p in paths])]
   for name in names + ["all"]:
     rows.append((f"exact match {name}", *[_pct(results[p]["heldout_exact_match"].get(name))
                                           for p in paths]))
