@@ -226,7 +226,12 @@ def warm_start(config, workdir: str) -> str:
   child = multiprocessing.get_context("spawn").Process(target=_sft, args=(config.sft, sft_dir),
                                                        name="sft")
   child.start()
-  child.join()
+  try:
+    child.join()
+  finally:  # stopped meanwhile (Ctrl-C, SIGTERM): the warm start stops too
+    if child.is_alive():
+      child.terminate()
+      child.join()
   if child.exitcode != 0:
     raise ChildFailed(f"sft (the warm start) exited with status {child.exitcode}; its "
                       f"output is above")

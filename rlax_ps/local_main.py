@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -35,9 +36,21 @@ def _postfix(record: dict, synced: int) -> dict:
           "stale": f"{record['staleness_mean']:.1f}", "synced": f"{synced / 1e6:.1f}MB"}
 
 
+class Terminated(Exception):
+  """A SIGTERM: stop the children as on Ctrl-C (they run in sessions of their own, so the
+  signal does not reach them)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+  del frame
+  signal.signal(signum, signal.SIG_IGN)  # one is enough: the stop must not be cut short
+  raise Terminated()
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise SystemExit(f"rlax-ps local: unexpected arguments {argv[1:]}; flags are --name=value")
+  signal.signal(signal.SIGTERM, _raise_terminated)
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   from tqdm import tqdm
@@ -57,6 +70,9 @@ def main(argv: list[str]) -> None:
   except local.ChildFailed as e:
     print(f"rlax-ps local: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
+  except Terminated:
+    print("rlax-ps local: terminated during the warm start", file=sys.stderr, flush=True)
+    sys.exit(143)
   run = local.LocalRun(workdir, config_file, overrides, workers=int(config.local.workers),
                        worker_platform=str(config.local.get("worker_platform", "cpu")))
   steps = local.StepReader(os.path.join(workdir, "steps.jsonl"))
@@ -81,6 +97,8 @@ def main(argv: list[str]) -> None:
     code, message = 1, f"rlax-ps local: {e}"
   except KeyboardInterrupt:
     code, message = 130, "rlax-ps local: interrupted; children stopped"
+  except Terminated:
+    code, message = 143, "rlax-ps local: terminated; children stopped"
   finally:
     run.stop()
   if code:

@@ -7,9 +7,12 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -99,6 +102,39 @@ def test_eval_scores_the_warm_start_and_the_trained_policy_as_the_run_did(run, t
                                   for k in ("warm_start", "heldout_exact_match")]
   bad = _eval(f"--checkpoints={warm},{tmp_path / 'nowhere'}")
   assert bad.returncode == 2 and "--checkpoints" in bad.stderr and "nowhere" in bad.stderr
+
+
+def test_sigterm_stops_every_child_and_exits_143(run, tmp_path):
+  """A SIGTERM reaches `rlax-ps local` alone (its children run in sessions of their own): it
+  must stop them all, not leave a server, trainer and workers running."""
+  workdir, _ = run
+  shutil.copytree(workdir / "sft", tmp_path / "sft")  # the warm start, reused
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.Popen([sys.executable, "-m", "rlax_ps", "local",
+                           "--config=configs/rl_local.py:tiny", f"--workdir={tmp_path}",
+                           "--progress=false", "--config.rl.steps=1000"],
+                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  try:
+    line = proc.stdout.readline()
+    while line and "parameter server on" not in line:
+      line = proc.stdout.readline()
+    address = re.search(r"parameter server on (\S+);", line).group(1)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "steps.jsonl").exists():  # the trainer is training
+      assert proc.poll() is None and time.monotonic() < deadline
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 143 and "terminated; children stopped" in err
+  ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+  assert str(tmp_path) not in ps  # no child left: server, trainer, workers
+  host, port = address.rsplit(":", 1)
+  with pytest.raises(OSError):
+    socket.create_connection((host, int(port)), timeout=2).close()
 
 
 def test_a_failing_child_stops_the_run_naming_it(run):
