@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from param_server import auth
+from ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -139,9 +140,16 @@ def test_every_container_command_parses_with_the_real_flags(overlay):
       argv = [re.sub(r"\$\(\w+\)", "pod-0", a) for a in argv]
       assert c["image"].split(":")[0] == "rlax-ps"
       assert not any(a.startswith(("--token=", "--token_file=")) for a in argv)
-      out = subprocess.run([sys.executable, "-c", PARSE, name, json.dumps(argv)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-      assert out.returncode == 0, (c["name"], argv, out.stderr[-2000:])
+      code, err = parse(name, tuple(argv))
+      assert code == 0, (c["name"], argv, err[-2000:])
+
+
+@functools.cache
+def parse(name: str, argv: tuple[str, ...]) -> tuple[int, str]:
+  """(exit code, stderr) of PARSE on one command; the renders share most commands."""
+  out = subprocess.run([sys.executable, "-c", PARSE, name, json.dumps(list(argv))], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+  return out.returncode, out.stderr
 
 
 @pytest.mark.parametrize("overlay", RENDERED)
@@ -308,13 +316,6 @@ def test_the_image_installs_every_package_and_ships_the_recipes_the_manifests_na
             assert path.split("/")[0] in copied and (ROOT / path).is_file(), a
 
 
-def _free_port() -> int:
-  import socket
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("overlay", ["base", "base+hf-checkpoint"])
 def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_path):
@@ -333,7 +334,7 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     assert sft.returncode == 0, sft.stderr[-3000:]
     volumes["model"] = tmp_path / "model" / "hf"
-  port, metrics_port = _free_port(), _free_port()
+  port, metrics_port = free_port(), free_port()
   address = f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
   tokens = {r: f"token-{r}" for r in auth.ROLES}
   procs = []

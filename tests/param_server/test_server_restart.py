@@ -4,7 +4,6 @@ Also: half-written versions are discarded, and a pull broken mid-stream resumes.
 """
 
 import os
-import socket
 import threading
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 from param_server.client import ParamServerError, PullProgress, RetryPolicy
 from param_server.protos import param_server_pb2 as pb
 from param_server.weights import WeightStore
+from ports import free_port
 from ps_testlib import CHUNK, apply_blobs, client_for, perturbed, publish_chain, tiny_weights
 from rlax_ps import sync
 
@@ -24,12 +24,6 @@ def prompts(n):
 def group(pid, version=0):
   return pb.RolloutGroup(prompt_id=pid, policy_version=version,
                          samples=[pb.Sample(token_ids=[1, 2], reward=0.5, logprobs=[-1.0, -2.0])])
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def kill9(proc):

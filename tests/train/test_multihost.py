@@ -6,7 +6,6 @@ what it published or exported equal to what it checkpointed."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from ports import free_port
 from rl_testlib import REPO, TOKENS, FakeWorker, rl_config, start_server
 from rlax_ps import sharding as shd
 from rlax_ps import sync
@@ -29,17 +29,11 @@ from rlax_ps.train.state import abstract_state
 STEPS, GROUPS = 4, 4  # the :tiny config's groups_per_step
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _launch(tmp, job, config, *args):
   """Two processes of `rlax-ps job` on one coordinator, params sharded over both."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-  coordinator = f"127.0.0.1:{_free_port()}"
+  coordinator = f"127.0.0.1:{free_port()}"
   procs = []
   for i in range(2):
     log = open(tmp / f"{job}{i}.log", "wb")
