@@ -43,12 +43,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.head_dim = 32
   c.model.rope_theta = 10000.0
   c.model.rms_norm_eps = 1e-6
-  c.model.qkv_bias = False
+  c.model.qkv_bias = False  # Qwen2: biases on q/k/v.
+  c.model.qk_norm = False  # Qwen3: RMS norms on each head's q and k.
   c.model.tie_word_embeddings = False
   c.model.max_position_embeddings = 128
   c.model.param_dtype = "float32"  # float32 | bfloat16
   c.model.dtype = "float32"  # Compute dtype: float32 | bfloat16.
-  c.model.architecture = "llama"  # llama | qwen2 (names used by the HF export).
+  c.model.architecture = "llama"  # llama | qwen2 | qwen3 (names used by the HF export).
 
   # Tasks: weight > 0 includes a task in the mix; the other fields are its arguments.
   c.tasks = ml_collections.ConfigDict()

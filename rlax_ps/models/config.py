@@ -1,11 +1,11 @@
-"""ModelConfig: the shape of a Llama / Qwen2 family decoder, independent of any checkpoint format."""
+"""ModelConfig: the shape of a Llama / Qwen2 / Qwen3 family decoder, independent of any checkpoint format."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -44,7 +44,7 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of a decoder-only transformer (Llama 2/3, Qwen2/2.5)."""
+  """Hyper-parameters of a decoder-only transformer (Llama 2/3, Qwen2/2.5, Qwen3)."""
 
   vocab_size: int
   hidden_size: int
@@ -59,11 +59,12 @@ class ModelConfig:
   rope_scaling: dict[str, Any] | None = None
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections.
+  qk_norm: bool = False  # Qwen3 RMS-normalises each head's q and k before RoPE.
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 2048
   param_dtype: str = "float32"  # Storage dtype of the weights.
   dtype: str = "float32"  # Compute dtype of activations (logits are always float32).
-  architecture: str = "llama"  # "llama" or "qwen2": decides the HF export names.
+  architecture: str = "llama"  # "llama", "qwen2" or "qwen3": decides the HF export names.
 
   def __post_init__(self):
     def need(cond, field, expected, got):
@@ -121,6 +122,8 @@ class ModelConfig:
     attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
     if self.qkv_bias:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
+    if self.qk_norm:
+      attn += 2 * d
     per_layer = attn + 3 * h * self.intermediate_size + 2 * h
     head = 0 if self.tie_word_embeddings else h * self.vocab_size
     return self.vocab_size * h + self.num_layers * per_layer + h + head

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints (config.json + safetensors) to and from our Transformer.
 
-Covers LlamaForCausalLM and Qwen2ForCausalLM as transformers 4.x (top-level
+Covers LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM as transformers 4.x (top-level
 `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
 `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights
 are [out, in]; our kernels are [in, out], so every kernel is transposed on the way.
@@ -30,9 +30,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 # HF class name -> our ModelConfig.architecture, and back.
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
 # Buffers some checkpoints carry that hold nothing our model needs.
 _IGNORABLE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -77,11 +78,10 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   act = d.get("hidden_act", "silu")
   if act != "silu":
     raise ValueError(f"{CONFIG_FILE}: hidden_act: expected 'silu', got {act!r}")
-  if arch == "llama":
-    for flag in ("attention_bias", "mlp_bias"):
-      if d.get(flag):
-        raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
-  if arch == "qwen2" and d.get("use_sliding_window"):
+  for flag in {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}.get(arch, ()):
+    if d.get(flag):
+      raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
+  if arch != "llama" and d.get("use_sliding_window"):
     layer_types = d.get("layer_types") or []
     window_start = d.get("max_window_layers", 0)
     sliding = ("sliding_attention" in layer_types if layer_types
@@ -103,6 +103,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       rope_scaling=scaling,
       rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
       qkv_bias=arch == "qwen2",
+      qk_norm=arch == "qwen3",
       tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False)),
       max_position_embeddings=int(_get(d, "max_position_embeddings",
                                        _DEFAULT_MAX_POSITIONS[arch])),
@@ -116,9 +117,10 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   5.x's `rope_parameters` (5.x reads either, 4.x ignores the latter).
   """
   c = config
-  if c.qkv_bias != (c.architecture == "qwen2"):
-    raise ValueError(f"ModelConfig.qkv_bias: {_HF_CLASS[c.architecture]} needs "
-                     f"{c.architecture == 'qwen2'}, got {c.qkv_bias}")
+  for field, arch in (("qkv_bias", "qwen2"), ("qk_norm", "qwen3")):
+    if getattr(c, field) != (c.architecture == arch):
+      raise ValueError(f"ModelConfig.{field}: {_HF_CLASS[c.architecture]} needs "
+                       f"{c.architecture == arch}, got {getattr(c, field)}")
   scaling = dict(c.rope_scaling) if c.rope_scaling else None
   d = {
       "architectures": [_HF_CLASS[c.architecture]],
@@ -144,6 +146,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(attention_bias=False, mlp_bias=False)
   else:
     d.update(use_sliding_window=False)
+  if c.architecture == "qwen3":
+    d.update(attention_bias=False)
   return d
 
 
@@ -160,6 +164,9 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
     if config.qkv_bias:
       for proj in ("q_proj", "k_proj", "v_proj"):
         names[f"{ours}.attn.{proj}.bias"] = (f"{hf}.self_attn.{proj}.bias", False)
+    if config.qk_norm:
+      for norm in ("q_norm", "k_norm"):
+        names[f"{ours}.attn.{norm}.scale"] = (f"{hf}.self_attn.{norm}.weight", False)
     for proj in ("gate_proj", "up_proj", "down_proj"):
       names[f"{ours}.mlp.{proj}.kernel"] = (f"{hf}.mlp.{proj}.weight", True)
     names[f"{ours}.input_norm.scale"] = (f"{hf}.input_layernorm.weight", False)

@@ -1,7 +1,8 @@
-"""Decoder-only transformer in Flax NNX covering the Llama 2/3 and Qwen2/2.5 families.
+"""Decoder-only transformer in Flax NNX covering the Llama 2/3, Qwen2/2.5 and Qwen3 families.
 
 RMSNorm, RoPE (plain, linear or Llama-3 scaled), grouped-query attention, SwiGLU MLP,
-optional q/k/v biases (Qwen2), tied or untied embeddings. Several sequences may share a
+optional q/k/v biases (Qwen2), optional per-head q/k norms (Qwen3), tied or untied
+embeddings. Several sequences may share a
 row (segment ids + positions); an optional KVCache serves decoding.
 """
 
@@ -40,15 +41,16 @@ def _dense(config: ModelConfig, fan_in: int, fan_out: int, sharding, bias: bool,
 
 
 class RMSNorm(nnx.Module):
-  """x / rms(x) * scale, normalised in float32 as Hugging Face does."""
+  """x / rms(x) * scale over the last axis (`size`, default hidden_size), normalised in
+  float32 as Hugging Face does."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, size: int | None = None, *, rngs: nnx.Rngs):
     del rngs
     self.eps = config.rms_norm_eps
     self.dtype = jnp.dtype(config.dtype)
     self.scale = nnx.Param(
-        jnp.ones((config.hidden_size,), jnp.dtype(config.param_dtype)), out_sharding=(None,),
-        eager_sharding=False)
+        jnp.ones((size or config.hidden_size,), jnp.dtype(config.param_dtype)),
+        out_sharding=(None,), eager_sharding=False)
 
   def __call__(self, x):
     xf = x.astype(jnp.float32)
@@ -70,6 +72,10 @@ class Attention(nnx.Module):
                          c.qkv_bias, rngs)
     self.o_proj = _dense(c, c.num_heads * c.head_dim, c.hidden_size, ("tensor", "fsdp"),
                          False, rngs)
+    self.use_qk_norm = c.qk_norm
+    if c.qk_norm:  # Qwen3: each head's q and k RMS-normalised before RoPE.
+      self.q_norm = RMSNorm(c, c.head_dim, rngs=rngs)
+      self.k_norm = RMSNorm(c, c.head_dim, rngs=rngs)
 
   def __call__(self, x, cos, sin, attend: Callable):
     """`attend(q, k, v) -> out` is given by the caller: plain, cached or packed attention."""
@@ -77,6 +83,8 @@ class Attention(nnx.Module):
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.use_qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
     q = rope.apply_rotary(q, cos, sin)
     k = rope.apply_rotary(k, cos, sin)
     out = attend(q, k, v)

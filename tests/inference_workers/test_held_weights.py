@@ -18,6 +18,7 @@ CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_la
                      num_heads=4, num_kv_heads=2, qkv_bias=True, architecture="qwen2")
 UNTIED = CONFIG
 TIED = CONFIG.replace(tie_word_embeddings=True)
+QWEN3 = CONFIG.replace(qkv_bias=False, qk_norm=True, head_dim=16, architecture="qwen3")
 
 
 @nnx.jit
@@ -73,7 +74,7 @@ def test_int8_weights_halve_the_bytes_of_bf16():
   assert HeldPolicy(UNTIED, "int8").nbytes < 0.6 * HeldPolicy(UNTIED, "bf16").nbytes
 
 
-@pytest.mark.parametrize("config", [UNTIED, TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("config", [UNTIED, TIED, QWEN3], ids=["untied", "tied", "qwen3"])
 def test_int8_forward_equals_the_dequantized_model(config):
   params = float_params(config, 3)
   policy = HeldPolicy(config, "int8")

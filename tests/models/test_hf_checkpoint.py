@@ -45,7 +45,8 @@ def copy_with(tmp_path, name, tensors=None, config=None):
   return str(tmp_path)
 
 
-@pytest.mark.parametrize("name,other", [("llama", "config_4x.json"), ("qwen2", "config_4x.json")])
+@pytest.mark.parametrize("name,other", [("llama", "config_4x.json"), ("qwen2", "config_4x.json"),
+                                        ("qwen3", "config_4x.json")])
 def test_both_config_layouts_give_the_same_config(name, other):
   new_style = read_json(os.path.join(fixture(name), "config.json"))
   old_style = read_json(os.path.join(fixture(name), other))
@@ -64,7 +65,10 @@ def test_config_fields_read_from_llama_and_qwen2():
   qwen = config_from_hf(read_json(os.path.join(fixture("qwen2"), "config.json")))
   assert (qwen.architecture, qwen.qkv_bias, qwen.tie_word_embeddings, qwen.rope_theta) == (
       "qwen2", True, True, 1e6)
-  assert qwen.rope_scaling is None
+  assert qwen.rope_scaling is None and not qwen.qk_norm
+  qwen3 = config_from_hf(read_json(os.path.join(fixture("qwen3"), "config.json")))
+  assert (qwen3.architecture, qwen3.qk_norm, qwen3.qkv_bias, qwen3.head_dim,
+          qwen3.tie_word_embeddings) == ("qwen3", True, False, 16, False)
 
 
 @pytest.mark.parametrize("config", [
@@ -76,7 +80,9 @@ def test_config_fields_read_from_llama_and_qwen2():
                 num_kv_heads=2, qkv_bias=True, tie_word_embeddings=True, architecture="qwen2",
                 rope_scaling={"rope_type": "linear", "factor": 2.0}, rms_norm_eps=1e-5,
                 max_position_embeddings=77),
-], ids=["llama", "qwen2"])
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, qk_norm=True, architecture="qwen3", rope_theta=1e6),
+], ids=["llama", "qwen2", "qwen3"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -96,6 +102,7 @@ def test_unknown_architecture_is_named():
 @pytest.mark.parametrize("field,value,arch", [
     ("attention_bias", True, "llama"), ("mlp_bias", True, "llama"),
     ("hidden_act", "gelu", "llama"), ("use_sliding_window", True, "qwen2"),
+    ("attention_bias", True, "qwen3"), ("use_sliding_window", True, "qwen3"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "llama"),
 ])
 def test_unsupported_config_field_is_named(field, value, arch):
@@ -125,6 +132,21 @@ def test_qwen2_checkpoint_without_biases_is_missing_them(tmp_path):
   tensors = {k: v for k, v in hf_tensors(fixture("qwen2")).items() if not k.endswith(".bias")}
   with pytest.raises(ValueError, match=r"missing tensor '.*_proj\.bias'"):
     load_hf_checkpoint(copy_with(tmp_path, "qwen2", tensors))
+
+
+def test_qwen3_checkpoint_without_qk_norms_is_missing_them(tmp_path):
+  tensors = {k: v for k, v in hf_tensors(fixture("qwen3")).items()
+             if "self_attn.q_norm" not in k and "self_attn.k_norm" not in k}
+  with pytest.raises(ValueError, match=r"missing tensor '.*self_attn\.[qk]_norm\.weight'"):
+    load_hf_checkpoint(copy_with(tmp_path, "qwen3", tensors))
+
+
+def test_config_that_contradicts_the_architecture_is_refused_on_export():
+  config = config_from_hf(read_json(os.path.join(fixture("qwen3"), "config.json")))
+  with pytest.raises(ValueError, match="ModelConfig.qk_norm"):
+    config_to_hf(config.replace(architecture="qwen2", qkv_bias=True))
+  with pytest.raises(ValueError, match="ModelConfig.qk_norm"):
+    config_to_hf(config.replace(qk_norm=False))
 
 
 def test_unexpected_tensor_is_named(tmp_path):
@@ -207,7 +229,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
   assert read_json(os.path.join(tmp_path, "config.json"))["torch_dtype"] == name
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from inference_workers.sampler import generate
+from inference_workers.sampling import SamplingParams
 from rlax_ps.models import KVCache, load_hf_checkpoint
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
@@ -49,7 +51,7 @@ def with_config(name, config_file, tmp_path):
   return str(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3"])
 @pytest.mark.parametrize("config_file", ["config.json", "config_4x.json"])
 def test_logits_match_transformers(name, config_file, tmp_path):
   tokens, expected = reference(name)
@@ -78,7 +80,7 @@ def test_llama_fixture_exercises_llama3_rope_scaling(tmp_path):
   assert np.abs(np.asarray(forward(model, tokens)) - expected).max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_packed_sequences_match_transformers(name):
   # Causal logits of a prefix equal the full row's first logits, so a row packing the first
   # 12 tokens of sequence 0 with the first 8 of sequence 1 must reproduce both references.
@@ -101,3 +103,20 @@ def test_cached_decoding_matches_transformers():
     step, cache = decode(model, tokens[:, t:t + 1], cache)
     steps.append(np.asarray(step))
   assert np.abs(np.concatenate(steps, axis=1) - expected).max() < TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_greedy_generate_equals_transformers_greedy_generate(name):
+  """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
+  explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""
+  ref = np.load(os.path.join(FIXTURES, name, "greedy.npz"))
+  prompts = [list(row[mask.astype(bool)]) for row, mask in zip(ref["input_ids"],
+                                                               ref["attention_mask"])]
+  assert any(0 in p for p in prompts)  # a pad-id token inside a prompt stays a token
+  params = SamplingParams(temperature=0.0, max_new_tokens=int(ref["new_tokens"].shape[1]),
+                          stop_tokens=(int(ref["eos_token_id"]),))
+  got = generate(fixture_model(name), prompts, list(range(len(prompts))), params)
+  for sample, want in zip(got, ref["new_tokens"]):
+    want = list(want[:int(np.argmax(want == ref["eos_token_id"])) + 1]
+                if ref["eos_token_id"] in want else want)
+    assert list(sample.tokens) == want
