@@ -31,6 +31,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.tokenizer.kind = "char"
   c.tokenizer.path = ""  # For kind="hf": tokenizer.json or the directory holding it.
   c.tokenizer.alphabet = ""  # For kind="char": characters to cover; "" = printable ASCII.
+  # For kind="hf": "" feeds prompts as text; "auto" renders each prompt (text as one user
+  # message, or a JSONL record's list of messages) with the tokenizer's chat template, or
+  # name a .jinja file. chat_kwargs: template variables as JSON, e.g. '{"enable_thinking": false}'.
+  c.tokenizer.chat_template = ""
+  c.tokenizer.chat_kwargs = ""
 
   # Model (rlax_ps.models.ModelConfig fields). vocab_size 0 = the tokenizer's.
   c.model = ml_collections.ConfigDict()

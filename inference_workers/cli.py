@@ -71,12 +71,10 @@ def main(argv) -> None:
   # JAX and the model load only once the flags are valid.
   from inference_workers.loop import Worker
   from rlax_ps.models import model_config_from
-  from rlax_ps.tokenizers import make_tokenizer
+  from rlax_ps.tokenizers import tokenizer_from_config
 
   init_from_hf = cfg.get("init_from_hf", "")
-  tok_cfg = cfg.get("tokenizer") or {}
-  tokenizer = make_tokenizer(tok_cfg.get("kind", "char"), tok_cfg.get("path", "") or init_from_hf,
-                             tok_cfg.get("alphabet", ""))
+  tokenizer = tokenizer_from_config(cfg.get("tokenizer"), init_from_hf)
   if "model" not in cfg:
     raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
   model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf)

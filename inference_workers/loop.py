@@ -80,7 +80,7 @@ class Worker:
     self.allocator = allocator if allocator is not None else make_allocator(config)
     self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
                                                           config.verifiers)
-    self.params = config.sampling([tokenizer.eos_id])
+    self.params = config.sampling(tokenizer.stop_ids)
     self.stats = WorkerStats()
     self._stop = threading.Event()
     self._done = threading.Event()  # set when run() returns
@@ -286,7 +286,7 @@ class Worker:
   def _prompt_tokens(self, prompt: pb.Prompt) -> list[int]:
     if prompt.token_ids:
       return list(prompt.token_ids)
-    return self.tokenizer.encode(prompt.text, add_bos=True)
+    return self.tokenizer.encode_prompt(prompt.text)
 
   def _seeds(self, prompt_id: str, version: int, round_: int, n: int) -> list[int]:
     base = zlib.crc32(f"{self.config.seed}:{prompt_id}:{version}:{round_}".encode())

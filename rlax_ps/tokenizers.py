@@ -1,9 +1,10 @@
 """Tokenizers behind one interface: a character-level one for the built-in tasks, and
 Hugging Face `tokenizer.json` files through the `tokenizers` package.
 
-Both give `encode(text) -> list[int]`, `decode(ids) -> str`, `bos_id`, `eos_id`,
-`pad_id` and `vocab_size`, so the trainer, the sampler and the verifiers never care
-which one they hold.
+Both give `encode(text) -> list[int]`, `encode_prompt(prompt) -> list[int]` (a prompt as
+the model sees it: [bos] text, or a conversation through the chat template), `decode(ids)
+-> str`, `bos_id`, `eos_id`, `stop_ids`, `pad_id` and `vocab_size`, so the trainer, the
+sampler and the verifiers never care which one they hold.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import string
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Mapping, Protocol
+
+from rlax_ps import chat
 
 # Printable ASCII without the tab/vertical-tab/form-feed/carriage-return controls.
 DEFAULT_ALPHABET = "".join(c for c in string.printable if c not in "\t\x0b\x0c\r")
@@ -34,7 +37,14 @@ class Tokenizer(Protocol):
   @property
   def pad_id(self) -> int: ...
 
+  @property
+  def stop_ids(self) -> tuple[int, ...]: ...
+
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+
+  def render_prompt(self, prompt: str | list[dict[str, str]]) -> str: ...
+
+  def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]: ...
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str: ...
 
@@ -68,6 +78,22 @@ class CharTokenizer:
   @property
   def eos_id(self) -> int:
     return 2
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (self.eos_id,)
+
+  def render_prompt(self, prompt: str | list[dict[str, str]]) -> str:
+    """The text itself; a conversation needs a chat template, which this tokenizer has not."""
+    if not isinstance(prompt, str):
+      raise ValueError(f"prompt: a list of messages needs an HF tokenizer with "
+                       f"tokenizer.chat_template set; the char tokenizer takes text, got "
+                       f"{prompt!r}")
+    return prompt
+
+  def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
+    """[bos] + the prompt's ids."""
+    return self.encode(self.render_prompt(prompt), add_bos=True)
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     ids = [self.bos_id] if add_bos else []
@@ -131,10 +157,15 @@ class HFTokenizer:
 
   Special tokens come from the arguments, else the sibling `tokenizer_config.json`, else
   common spellings; pad falls back to eos, as for Llama checkpoints that have no pad token.
+  Generation stops at eos and at every `eos_token_id` of a sibling generation_config.json
+  (instruct models end a turn with their own token). `chat_template` ("auto" or a .jinja
+  path; rlax_ps.chat) renders prompts as a conversation, with `chat_kwargs` as template
+  variables (e.g. {"enable_thinking": False}).
   """
 
   def __init__(self, path: str, *, bos_token: str | None = None, eos_token: str | None = None,
-               pad_token: str | None = None):
+               pad_token: str | None = None, chat_template: str = "",
+               chat_kwargs: Mapping[str, Any] | None = None):
     from tokenizers import Tokenizer as _HFTok
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -153,6 +184,13 @@ class HFTokenizer:
     pad = self._resolve("pad", pad_token or _token_text(cfg.get("pad_token")), _PAD_GUESSES,
                         required=False)
     self._pad = self._eos if pad is None else pad
+    directory = os.path.dirname(file)
+    self._stops = (self._eos,) + tuple(i for i in _generation_eos_ids(directory) if i != self._eos)
+    self.chat_template = chat.read_template(chat_template, directory) if chat_template else None
+    self.chat_kwargs = dict(chat_kwargs or {})
+    # The special tokens a template sees by name, as transformers passes them.
+    self._special = {f"{kind}_token": self._tok.id_to_token(i)
+                     for kind, i in (("bos", self._bos), ("eos", self._eos), ("pad", self._pad))}
 
   def _resolve(self, kind, name, guesses, required=True):
     if name is not None:
@@ -186,21 +224,81 @@ class HFTokenizer:
   def pad_id(self) -> int:
     return self._pad
 
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return self._stops
+
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     ids = self._tok.encode(text, add_special_tokens=False).ids
     return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+  def render_prompt(self, prompt: str | list[dict[str, str]]) -> str:
+    """The prompt text the model sees: with a chat template, a text prompt is one user
+    message and the assistant's turn is opened; without one, the text itself."""
+    if self.chat_template is None:
+      if not isinstance(prompt, str):
+        raise ValueError(f"prompt: a list of messages needs tokenizer.chat_template ('auto' "
+                         f"or a .jinja file), got {prompt!r}")
+      return prompt
+    messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+                else chat.check_messages(prompt))
+    return chat.render(self.chat_template, messages, special_tokens=self._special,
+                       **self.chat_kwargs)
+
+  def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
+    """The prompt's ids: [bos] + text, or the rendered conversation (its template places
+    any bos itself, as transformers' apply_chat_template encodes it)."""
+    text = self.render_prompt(prompt)
+    return self.encode(text, add_bos=self.chat_template is None)
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
 
-def make_tokenizer(kind: str, path: str = "", alphabet: str = "") -> CharTokenizer | HFTokenizer:
-  """From config: kind "char" (optional alphabet) or "hf" (path to tokenizer.json or its dir)."""
+def _generation_eos_ids(directory: str) -> list[int]:
+  """generation_config.json's eos_token_id (an id or a list) in `directory`, if any."""
+  file = os.path.join(directory, "generation_config.json")
+  if not os.path.isfile(file):
+    return []
+  with open(file) as f:
+    ids = json.load(f).get("eos_token_id")
+  ids = [ids] if isinstance(ids, int) else (ids or [])
+  if not all(isinstance(i, int) and i >= 0 for i in ids):
+    raise ValueError(f"{file}: eos_token_id: expected token ids, got {ids!r}")
+  return ids
+
+
+def make_tokenizer(kind: str, path: str = "", alphabet: str = "", *, chat_template: str = "",
+                   chat_kwargs: str | Mapping[str, Any] = "") -> CharTokenizer | HFTokenizer:
+  """From config: kind "char" (optional alphabet) or "hf" (path to tokenizer.json or its
+  dir, optional chat template and its variables as a dict or JSON text)."""
   if kind == "char":
+    if chat_template:
+      raise ValueError(f"tokenizer.chat_template: the char tokenizer has none; expected '' "
+                       f"or kind='hf', got {chat_template!r}")
     return CharTokenizer(alphabet or DEFAULT_ALPHABET)
   if kind == "hf":
     if not path:
       raise ValueError("tokenizer.path: expected a tokenizer.json path for kind='hf', got ''")
-    return HFTokenizer(path)
+    if isinstance(chat_kwargs, str):
+      try:
+        chat_kwargs = json.loads(chat_kwargs) if chat_kwargs else {}
+      except json.JSONDecodeError as e:
+        raise ValueError(f"tokenizer.chat_kwargs: expected a JSON object, got "
+                         f"{chat_kwargs!r} ({e})") from None
+    if not isinstance(chat_kwargs, Mapping):
+      raise ValueError(f"tokenizer.chat_kwargs: expected a JSON object, got {chat_kwargs!r}")
+    return HFTokenizer(path, chat_template=chat_template, chat_kwargs=chat_kwargs)
   raise ValueError(f"tokenizer.kind: expected 'char' or 'hf', got {kind!r}")
+
+
+def tokenizer_from_config(block: Mapping[str, Any] | None, default_path: str = ""
+                          ) -> CharTokenizer | HFTokenizer:
+  """The tokenizer a config's `tokenizer` block names (kind, path, alphabet, chat_template,
+  chat_kwargs); `default_path` (the HF checkpoint started from) when it names no path."""
+  block = block or {}
+  return make_tokenizer(str(block.get("kind", "char")), str(block.get("path", "") or default_path),
+                        str(block.get("alphabet", "")),
+                        chat_template=str(block.get("chat_template", "")),
+                        chat_kwargs=block.get("chat_kwargs", ""))
 

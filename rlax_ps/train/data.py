@@ -18,7 +18,7 @@ from rlax_ps.tokenizers import Tokenizer
 
 def encode_example(tokenizer: Tokenizer, example: Example) -> tuple[list[int], list[float]]:
   """(ids, loss weights) for [bos] prompt answer [eos]; weight 1 on answer and eos ids."""
-  prompt = tokenizer.encode(example.prompt, add_bos=True)
+  prompt = tokenizer.encode_prompt(example.prompt)
   answer = tokenizer.encode(example.answer, add_eos=True)
   return prompt + answer, [0.0] * len(prompt) + [1.0] * len(answer)
 

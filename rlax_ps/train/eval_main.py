@@ -45,15 +45,14 @@ def evaluate_checkpoint(config, path: str) -> dict[str, Any]:
   from flax import nnx
 
   from rlax_ps.models import load_hf_checkpoint
-  from rlax_ps.tokenizers import make_tokenizer
+  from rlax_ps.tokenizers import tokenizer_from_config
   from rlax_ps.train import heldout as heldout_lib
   from rlax_ps.train.run import tasks_from
 
-  if not config.tokenizer.path and os.path.isfile(os.path.join(path, "tokenizer.json")):
-    tokenizer = make_tokenizer("hf", path)  # the checkpoint's own (exports carry theirs)
-  else:
-    tokenizer = make_tokenizer(config.tokenizer.kind, config.tokenizer.path or path,
-                               config.tokenizer.alphabet)
+  block = dict(config.tokenizer.items())
+  if not block.get("path") and os.path.isfile(os.path.join(path, "tokenizer.json")):
+    block.update(kind="hf", path=path)  # the checkpoint's own (exports carry theirs)
+  tokenizer = tokenizer_from_config(block, path)
   model = load_hf_checkpoint(path, dtype=config.model.param_dtype,
                              compute_dtype=config.model.dtype)
   graphdef, params, _ = nnx.split(model, nnx.Param, ...)

@@ -24,9 +24,9 @@ from rlax_ps.tokenizers import Tokenizer
 
 def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
                     segment_ids: jax.Array, positions: jax.Array, *, max_new_tokens: int,
-                    eos_id: int, pad_id: int, temperature=0.0, key=None) -> jax.Array:
+                    stop_ids: jax.Array, pad_id: int, temperature=0.0, key=None) -> jax.Array:
   """[B, max_new_tokens] continuations of left-padded prompts: greedy, or with a `key`
-  sampled at `temperature`; after a row's eos (which is kept) the row is `pad_id`."""
+  sampled at `temperature`; after a row's first stop id (kept) the row is `pad_id`."""
   model = nnx.merge(graphdef, params)
   b, p = tokens.shape
 
@@ -46,7 +46,7 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
   def body(carry, step):
     tok, pos, done, cache = carry
     out = jnp.where(done, pad_id, tok)
-    done = done | (tok == eos_id)
+    done = done | jnp.isin(tok, stop_ids)
     logits, cache = model(tok[:, None], positions=pos[:, None], segment_ids=ones, cache=cache)
     return (choose(logits[:, 0], step), pos + 1, done, cache), out
 
@@ -58,29 +58,29 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
 @functools.lru_cache(maxsize=8)
 def jitted_generate(graphdef: nnx.GraphDef, max_new_tokens: int, sampled: bool = False):
   """jit(greedy_generate) for one model and budget:
-  f(params, tokens, segment_ids, positions, eos_id, pad_id) -> [B, max_new_tokens], or with
-  `sampled`, f(..., pad_id, temperature, key)."""
-  def generate(params, tokens, segment_ids, positions, eos_id, pad_id, temperature=0.0,
+  f(params, tokens, segment_ids, positions, stop_ids, pad_id) -> [B, max_new_tokens], or
+  with `sampled`, f(..., pad_id, temperature, key)."""
+  def generate(params, tokens, segment_ids, positions, stop_ids, pad_id, temperature=0.0,
                key=None):
     return greedy_generate(graphdef, params, tokens, segment_ids, positions,
-                           max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                           max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
                            temperature=temperature, key=key)
 
   if sampled:
     return jax.jit(generate)
-  return jax.jit(lambda params, tokens, segment_ids, positions, eos_id, pad_id: generate(
-      params, tokens, segment_ids, positions, eos_id, pad_id))
+  return jax.jit(lambda params, tokens, segment_ids, positions, stop_ids, pad_id: generate(
+      params, tokens, segment_ids, positions, stop_ids, pad_id))
 
 
 def left_pad_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int
                      ) -> dict[str, np.ndarray]:
-  """[bos] + prompt ids, right-aligned in rows of `length`, with segment ids and positions."""
+  """Prompt ids (`encode_prompt`), right-aligned in rows of `length`, with segment ids and positions."""
   b = len(prompts)
   tokens = np.full((b, length), tokenizer.pad_id, np.int32)
   seg = np.zeros((b, length), np.int32)
   pos = np.zeros((b, length), np.int32)
   for i, prompt in enumerate(prompts):
-    ids = tokenizer.encode(prompt, add_bos=True)
+    ids = tokenizer.encode_prompt(prompt)
     if len(ids) > length:
       raise ValueError(f"prompt {prompt!r} has {len(ids)} tokens, more than length={length}")
     tokens[i, length - len(ids):] = ids
@@ -95,6 +95,7 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
   """Completion text of each prompt (up to eos), `batch_size` prompts per call: greedy, or
   sampled at `temperature` > 0 (batch i drawn with key fold_in(key(seed), i))."""
   gen = jitted_generate(graphdef, max_new_tokens, temperature > 0)
+  stops = np.asarray(tokenizer.stop_ids, np.int32)
   extra = ()
   out: list[str] = []
   for start in range(0, len(prompts), batch_size):
@@ -106,13 +107,12 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
       extra = (np.float32(temperature),
                jax.random.fold_in(jax.random.PRNGKey(seed), start // batch_size))
     ids = np.asarray(to_host(gen(params, arrays["tokens"], arrays["segment_ids"],
-                                        arrays["positions"], tokenizer.eos_id,
-                                        tokenizer.pad_id, *extra)))
+                                        arrays["positions"], stops, tokenizer.pad_id,
+                                        *extra)))
     for row in ids[:n]:
       row = list(row)
-      if tokenizer.eos_id in row:
-        row = row[:row.index(tokenizer.eos_id)]
-      out.append(tokenizer.decode(row))
+      ends = [i for i, t in enumerate(row) if t in tokenizer.stop_ids]
+      out.append(tokenizer.decode(row[:ends[0]] if ends else row))
   return out
 
 
@@ -140,7 +140,7 @@ def _budgets(tokenizer: Tokenizer, examples: dict[str, list[Example]],
              max_new_tokens: int | None = None) -> tuple[int, int]:
   """(prompt length, new-token budget) that fit every example: the budget is the longest
   answer and eos unless `max_new_tokens` is given (answers a model reasons its way to)."""
-  prompt_len = max(len(tokenizer.encode(e.prompt, add_bos=True))
+  prompt_len = max(len(tokenizer.encode_prompt(e.prompt))
                    for exs in examples.values() for e in exs)
   if max_new_tokens:
     return prompt_len, int(max_new_tokens)

@@ -1,5 +1,6 @@
 """The RL prompt stream: a grain pipeline over the built-in tasks or a JSONL file of
-`{"prompt", "answer"[, "task"]}` records, shuffled by seed, whose iterator state goes in
+`{"prompt", "answer"[, "task"]}` records (a prompt is text or a list of chat messages),
+shuffled by seed, whose iterator state goes in
 the trainer's checkpoint so a restarted trainer feeds on from where its checkpoint was.
 """
 
@@ -13,6 +14,7 @@ import grain
 import numpy as np
 
 from algorithms.verifiers import known_tasks, load_verifiers
+from rlax_ps.chat import check_messages
 from rlax_ps.tasks import Task
 
 # Records of the built-in stream: one per index, far more than any run asks for.
@@ -74,11 +76,15 @@ def read_jsonl(path: str, default_task: str = "", known: Sequence[str] | None = 
       raise ValueError(f"{path}:{n}: not JSON: {e}") from None
     if not isinstance(rec, dict):
       raise ValueError(f"{path}:{n}: expected an object, got {type(rec).__name__}")
-    for key in ("prompt", "answer"):
-      if not isinstance(rec.get(key), str) or (key == "prompt" and not rec[key]):
-        raise ValueError(f"{path}:{n}: field {key!r}: expected a "
-                         f"{'non-empty ' if key == 'prompt' else ''}string, got "
-                         f"{rec.get(key)!r}")
+    prompt = rec.get("prompt")
+    if isinstance(prompt, list):
+      prompt = check_messages(prompt, f"{path}:{n}: field 'prompt'")
+    elif not isinstance(prompt, str) or not prompt:
+      raise ValueError(f"{path}:{n}: field 'prompt': expected a non-empty string or a list "
+                       f"of {{'role', 'content'}} messages, got {prompt!r}")
+    if not isinstance(rec.get("answer"), str):
+      raise ValueError(f"{path}:{n}: field 'answer': expected a string, got "
+                       f"{rec.get('answer')!r}")
     task = rec.get("task", default_task)
     if not isinstance(task, str):
       raise ValueError(f"{path}:{n}: field 'task': expected a string, got {task!r}")
@@ -86,7 +92,7 @@ def read_jsonl(path: str, default_task: str = "", known: Sequence[str] | None = 
       raise ValueError(f"{field} {path}:{n}: field 'task': expected a built-in task or a "
                        f"registered verifier ({', '.join(known)}; worker.verifiers "
                        f"registers more), got {task!r}")
-    out.append({"prompt": rec["prompt"], "answer": rec["answer"], "task": task})
+    out.append({"prompt": prompt, "answer": rec["answer"], "task": task})
   if not out:
     raise ValueError(f"{path}: no prompt records")
   return out

@@ -77,7 +77,7 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
 def group_of(taken, tokenizer: Tokenizer) -> Group:
   """A taken rollout (param_server TakenRollout) as the trainer's Group."""
   prompt = taken.prompt
-  tokens = list(prompt.token_ids) or tokenizer.encode(prompt.text, add_bos=True)
+  tokens = list(prompt.token_ids) or tokenizer.encode_prompt(prompt.text)
   samples = taken.group.samples
   return Group(rollout_id=int(taken.rollout_id), prompt_tokens=np.asarray(tokens, np.int32),
                responses=tuple(np.asarray(s.token_ids, np.int32) for s in samples),
@@ -330,9 +330,10 @@ class RLTrainer(TrainerRun):
       return
     prompts = []
     for index, rec in self.feed.take(missing):
+      text = self.tokenizer.render_prompt(rec["prompt"])
       prompts.append(Prompt(
-          id=f"{self.run_id}-{index}", text=rec["prompt"], task=rec["task"],
-          token_ids=self.tokenizer.encode(rec["prompt"], add_bos=True),
+          id=f"{self.run_id}-{index}", text=text, task=rec["task"],
+          token_ids=self.tokenizer.encode_prompt(rec["prompt"]),
           extra=rec["answer"].encode("utf-8")))
     self.client.enqueue_prompts(prompts)
 

@@ -4,16 +4,18 @@ checkpointer to close, and a context manager."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import jax
 from flax import nnx
 
+from rlax_ps import chat
 from rlax_ps import sharding as shd
 from rlax_ps.models import model_config_from, save_hf_checkpoint
 from rlax_ps.tasks import Task, get_task
-from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
+from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, tokenizer_from_config
 from rlax_ps.train import heldout as heldout_lib
 
 
@@ -45,9 +47,7 @@ class TrainerRun:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
     and tokenizer of `init_from_hf` where it names an HF checkpoint)."""
     self.init_from_hf = config.get("init_from_hf", "")
-    self.tokenizer = make_tokenizer(config.tokenizer.kind,
-                                    config.tokenizer.path or self.init_from_hf,
-                                    config.tokenizer.alphabet)
+    self.tokenizer = tokenizer_from_config(config.tokenizer, self.init_from_hf)
     self.tasks, self.weights = tasks_from(config.tasks)
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
                                           self.init_from_hf)
@@ -84,15 +84,20 @@ class TrainerRun:
     tok = self.tokenizer
     partial = path.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
-    save_hf_checkpoint(nnx.merge(self.graphdef, params), partial, extra_config={
-        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    save_hf_checkpoint(nnx.merge(self.graphdef, params), partial, extra_config=ids)
+    with open(os.path.join(partial, "generation_config.json"), "w") as f:
+      json.dump({**ids, "eos_token_id": list(tok.stop_ids)}, f, indent=2)  # stop as trained
     if isinstance(tok, CharTokenizer):
       tok.save(partial)
     elif isinstance(tok, HFTokenizer):
-      for name in ("tokenizer.json", "tokenizer_config.json"):
+      for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         src = os.path.join(os.path.dirname(tok.path), name)
         if os.path.exists(src):
           shutil.copy(src, os.path.join(partial, name))
+      if tok.chat_template is not None:  # the template the policy was trained with
+        with open(os.path.join(partial, chat.TEMPLATE_FILE), "w") as f:
+          f.write(tok.chat_template)
     shutil.rmtree(path, ignore_errors=True)
     os.rename(partial, path)
     return path

@@ -53,9 +53,9 @@ def _reference(graphdef, params, prompt: str) -> list[int]:
 def test_cached_greedy_on_left_padded_batch_matches_full_recompute(model):
   graphdef, params = model
   arrays = evaluate.left_pad_prompts(TOK, PROMPTS, length=16)
-  eos = -1  # No early stop: compare all NEW tokens.
+  no_stop = np.array([-1], np.int32)  # No early stop: compare all NEW tokens.
   got = evaluate.jitted_generate(graphdef, NEW)(
-      params, arrays["tokens"], arrays["segment_ids"], arrays["positions"], eos, TOK.pad_id)
+      params, arrays["tokens"], arrays["segment_ids"], arrays["positions"], no_stop, TOK.pad_id)
   for row, prompt in zip(np.asarray(got), PROMPTS):
     assert list(row) == _reference(graphdef, params, prompt)
 
@@ -63,16 +63,17 @@ def test_cached_greedy_on_left_padded_batch_matches_full_recompute(model):
 def test_tokens_after_eos_are_padding(model):
   graphdef, params = model
   arrays = evaluate.left_pad_prompts(TOK, PROMPTS, length=16)
-  generate = evaluate.jitted_generate(graphdef, NEW)  # eos and pad ids are traced: one compile.
+  generate = evaluate.jitted_generate(graphdef, NEW)  # stop and pad ids are traced
   free = np.asarray(generate(params, arrays["tokens"], arrays["segment_ids"],
-                             arrays["positions"], -1, TOK.pad_id))
-  # Pretend a token that first appears at step i >= 1 of some row r is eos.
+                             arrays["positions"], np.array([-1, -1], np.int32), TOK.pad_id))
+  # Pretend a token that first appears at step i >= 1 of some row r is a stop id (the
+  # second of two: an instruct model's end of turn beside its eos).
   r, i = next((r, i) for r in range(len(PROMPTS)) for i in range(1, NEW)
               if free[r, i] not in free[r, :i])
-  eos = int(free[r, i])
+  stops = np.array([-1, free[r, i]], np.int32)
   got = np.asarray(generate(params, arrays["tokens"], arrays["segment_ids"],
-                            arrays["positions"], eos, TOK.pad_id))
-  assert list(got[r, :i + 1]) == list(free[r, :i + 1])  # Up to and with eos: unchanged.
+                            arrays["positions"], stops, TOK.pad_id))
+  assert list(got[r, :i + 1]) == list(free[r, :i + 1])  # Up to and with the stop: unchanged.
   assert all(t == TOK.pad_id for t in got[r, i + 1:])
 
 

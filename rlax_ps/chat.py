@@ -1,0 +1,108 @@
+"""Chat templates: a Hugging Face tokenizer's Jinja template turns a conversation into the
+prompt text an instruct model was trained on, rendered as transformers'
+`apply_chat_template` renders it (sandboxed; `tojson`, `raise_exception`, `strftime_now`,
+`{% generation %}` blocks), so prompts for an instruct model need no hand formatting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.43 writes the template here
+
+
+def check_messages(messages: Any, field: str = "prompt") -> list[dict[str, str]]:
+  """`messages` as a list of {"role", "content"} string dicts; ValueError naming `field`."""
+  if not isinstance(messages, (list, tuple)) or not messages:
+    raise ValueError(f"{field}: expected a non-empty list of {{'role', 'content'}} messages, "
+                     f"got {messages!r}")
+  for i, m in enumerate(messages):
+    if not (isinstance(m, Mapping) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)):
+      raise ValueError(f"{field}[{i}]: expected {{'role': str, 'content': str}}, got {m!r}")
+  return [dict(m) for m in messages]
+
+
+def read_template(spec: str, tokenizer_dir: str) -> str:
+  """The template `spec` names: "auto" takes the tokenizer's (`chat_template.jinja`, else
+  tokenizer_config.json's `chat_template`, its "default" one when it holds several); any
+  other value is a .jinja file's path. ValueError naming tokenizer.chat_template if none."""
+  if spec != "auto":
+    if not os.path.isfile(spec):
+      raise ValueError(f"tokenizer.chat_template: expected 'auto', '' or a template file, "
+                       f"got {spec!r} (no such file)")
+    with open(spec) as f:
+      return f.read()
+  file = os.path.join(tokenizer_dir, TEMPLATE_FILE)
+  if os.path.isfile(file):
+    with open(file) as f:
+      return f.read()
+  config_file = os.path.join(tokenizer_dir, "tokenizer_config.json")
+  template = None
+  if os.path.isfile(config_file):
+    with open(config_file) as f:
+      template = json.load(f).get("chat_template")
+  if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use"...}]
+    template = {t.get("name"): t.get("template") for t in template}.get("default")
+  if not isinstance(template, str) or not template:
+    raise ValueError(f"tokenizer.chat_template: 'auto' found no chat template in "
+                     f"{tokenizer_dir} ({TEMPLATE_FILE} or tokenizer_config.json's "
+                     f"chat_template); name a .jinja file or set ''")
+  return template
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str):
+  import jinja2
+  from jinja2 import ext, nodes
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  class Generation(ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for masks; it renders
+    its body unchanged."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+      return caller()
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[Generation, ext.loopcontrols])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  try:
+    return env.from_string(template)
+  except jinja2.exceptions.TemplateSyntaxError as e:
+    raise ValueError(f"tokenizer.chat_template: not a valid Jinja template: {e}") from None
+
+
+def render(template: str, messages: Sequence[Mapping[str, str]], *,
+           special_tokens: Mapping[str, str] | None = None, add_generation_prompt: bool = True,
+           **kwargs: Any) -> str:
+  """The text of `messages` under `template`, ending with the assistant's turn opened
+  (`add_generation_prompt`); `special_tokens` (bos_token, eos_token, ...) and `kwargs`
+  (e.g. enable_thinking) are template variables, as in transformers."""
+  import jinja2
+  try:
+    return _compile(template).render(messages=list(messages), tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt,
+                                     **{**dict(special_tokens or {}), **kwargs})
+  except jinja2.exceptions.TemplateError as e:
+    raise ValueError(f"tokenizer.chat_template: rendering {list(messages)!r} failed: "
+                     f"{e}") from None

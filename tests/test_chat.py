@@ -1,0 +1,123 @@
+"""Chat templates render prompts exactly as transformers' apply_chat_template does (text and
+ids, on tests/fixtures/hf/chat_tokenizer written by make_hf_fixtures.py), generation stops at
+every end-of-turn id, and bad templates, messages and settings are named."""
+
+import json
+import os
+
+import pytest
+
+from rlax_ps import chat
+from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
+from rlax_ps.train.prompts import read_jsonl
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+CHAT = os.path.join(FIXTURES, "chat_tokenizer")
+with open(os.path.join(CHAT, "expected.json")) as _f:
+  CASES = json.load(_f)["cases"]
+
+
+def tokenizer(template="auto", **kwargs):
+  spec = template if template == "auto" else os.path.join(CHAT, template)
+  return HFTokenizer(CHAT, chat_template=spec, chat_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['template']}-{i}" for i, c in enumerate(CASES)])
+def test_rendering_and_ids_equal_transformers_apply_chat_template(case):
+  tok = tokenizer(case["template"], **case["kwargs"])
+  assert tok.render_prompt(case["messages"]) == case["text"]
+  assert tok.encode_prompt(case["messages"]) == case["ids"]
+
+
+def test_a_text_prompt_is_one_user_message_and_without_a_template_stays_text():
+  tok = tokenizer()
+  one = [c for c in CASES if c["template"] == "auto" and not c["kwargs"]
+         and len(c["messages"]) == 1][0]
+  assert tok.encode_prompt(one["messages"][0]["content"]) == one["ids"]
+  plain = HFTokenizer(CHAT)
+  assert plain.chat_template is None
+  assert plain.encode_prompt("hello world") == [plain.bos_id] + plain.encode("hello world")
+
+
+def test_generation_stops_at_eos_and_every_generation_config_eos():
+  tok = HFTokenizer(CHAT)
+  im_end, endoftext = (tok._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+  assert tok.eos_id == im_end and tok.stop_ids == (im_end, endoftext)
+  plain = HFTokenizer(os.path.join(FIXTURES, "tokenizer"), bos_token="<eos>")  # no generation_config
+  assert plain.stop_ids == (plain.eos_id,)
+
+
+def test_generation_blocks_render_their_body():
+  template = ("{% for m in messages %}{% generation %}[{{ m['content'] }}]{% endgeneration %}"
+              "{% endfor %}")
+  assert chat.render(template, [{"role": "user", "content": "a"},
+                                {"role": "assistant", "content": "b"}]) == "[a][b]"
+
+
+def test_the_template_is_read_from_chat_template_jinja_first(tmp_path):
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    (tmp_path / name).write_text(open(os.path.join(CHAT, name)).read())
+  (tmp_path / chat.TEMPLATE_FILE).write_text("{{ messages[0]['content'] }}!")
+  assert HFTokenizer(str(tmp_path), chat_template="auto").render_prompt("hi") == "hi!"
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  config["chat_template"] = [{"name": "tool_use", "template": "no"},
+                             {"name": "default", "template": "<{{ messages[0]['content'] }}>"}]
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  os.remove(tmp_path / chat.TEMPLATE_FILE)
+  assert HFTokenizer(str(tmp_path), chat_template="auto").render_prompt("hi") == "<hi>"
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: HFTokenizer(os.path.join(FIXTURES, "tokenizer"), bos_token="<eos>",
+                         chat_template="auto"),
+     "tokenizer.chat_template: 'auto' found no chat template"),
+    (lambda: HFTokenizer(CHAT, chat_template="/no/such.jinja"),
+     "tokenizer.chat_template: .*no such file"),
+    (lambda: make_tokenizer("char", chat_template="auto"),
+     "tokenizer.chat_template: the char tokenizer has none"),
+    (lambda: make_tokenizer("hf", CHAT, chat_template="auto", chat_kwargs="{enable"),
+     "tokenizer.chat_kwargs: expected a JSON object"),
+    (lambda: make_tokenizer("hf", CHAT, chat_template="auto", chat_kwargs="[1]"),
+     "tokenizer.chat_kwargs: expected a JSON object"),
+])
+def test_bad_settings_are_named(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_bad_templates_and_messages_are_named(tmp_path):
+  broken = tmp_path / "broken.jinja"
+  broken.write_text("{% for m in messages %}")
+  with pytest.raises(ValueError, match="tokenizer.chat_template: not a valid Jinja template"):
+    HFTokenizer(CHAT, chat_template=str(broken)).render_prompt("hi")
+  llama3 = tokenizer("llama3.jinja")
+  with pytest.raises(ValueError, match="tokenizer.chat_template: rendering .* unknown role tool"):
+    llama3.render_prompt([{"role": "tool", "content": "x"}])
+  with pytest.raises(ValueError, match=r"prompt\[1\]: expected \{'role': str, 'content': str\}"):
+    llama3.encode_prompt([{"role": "user", "content": "a"}, {"role": "user"}])
+  with pytest.raises(ValueError, match="needs tokenizer.chat_template"):
+    HFTokenizer(CHAT).encode_prompt([{"role": "user", "content": "a"}])
+  with pytest.raises(ValueError, match="the char tokenizer takes text"):
+    CharTokenizer().encode_prompt([{"role": "user", "content": "a"}])
+
+
+def test_the_sandbox_refuses_reaching_python_internals():
+  with pytest.raises(ValueError, match="tokenizer.chat_template: rendering"):
+    chat.render("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
+                [{"role": "user", "content": "a"}])
+
+
+def test_jsonl_prompts_may_be_conversations(tmp_path):
+  path = tmp_path / "train.jsonl"
+  messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2="}]
+  path.write_text(json.dumps({"prompt": messages, "answer": "3"}) + "\n"
+                  + json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
+  records = read_jsonl(str(path), default_task="addition")
+  assert [r["prompt"] for r in records] == [messages, "2+2="]
+  path.write_text(json.dumps({"prompt": "ok", "answer": "1"}) + "\n"
+                  + json.dumps({"prompt": [{"role": "user", "content": 3}], "answer": "3"}) + "\n")
+  with pytest.raises(ValueError, match=r"train.jsonl:2: field 'prompt'\[0\]: expected"):
+    read_jsonl(str(path), default_task="addition")
+  path.write_text(json.dumps({"prompt": [], "answer": "3"}) + "\n")
+  with pytest.raises(ValueError, match=r"train.jsonl:1: field 'prompt': expected a non-empty"):
+    read_jsonl(str(path), default_task="addition")

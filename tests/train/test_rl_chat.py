@@ -1,0 +1,80 @@
+"""RL on an instruct-style tokenizer: JSONL conversations go through the chat template, a
+real worker samples from the rendered prompt and stops at the end-of-turn ids, the trainer
+trains on exactly those prompts, scores held-out conversations, and its export carries the
+template and stop ids for transformers / vLLM."""
+
+import json
+import os
+import threading
+
+import numpy as np
+
+from inference_workers.loop import Worker
+from inference_workers.worker_config import WorkerConfig
+from rl_testlib import client, rl_config, start_server
+from rlax_ps.tokenizers import HFTokenizer, tokenizer_from_config
+from rlax_ps.train.rl import RLTrainer
+
+CHAT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf",
+                    "chat_tokenizer")
+CONVERSATIONS = [
+    [{"role": "system", "content": "Answer with the number."},
+     {"role": "user", "content": f"{a}+{b}="}] for a, b in ((1, 2), (12, 34), (5, 5), (7, 8))]
+
+
+def test_conversations_are_rendered_sampled_to_a_stop_id_trained_and_exported(tmp_path):
+  records = [{"prompt": m, "answer": str(sum(map(int, m[1]["content"][:-1].split("+")))),
+              "task": "addition"} for m in CONVERSATIONS]
+  (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+  config = rl_config("tiny")
+  config.tokenizer.kind, config.tokenizer.path = "hf", CHAT
+  config.tokenizer.chat_template, config.tokenizer.chat_kwargs = "auto", '{"enable_thinking": false}'
+  config.data.jsonl = str(tmp_path / "train.jsonl")
+  config.data.heldout_jsonl = str(tmp_path / "heldout.jsonl")
+  config.rl.steps, config.rl.max_prompt_tokens = 2, 64
+  config.worker.max_new_tokens = config.worker.samples_per_prompt = 4
+  config.eval.pass_k = 0
+  tok = tokenizer_from_config(config.tokenizer)
+  expected_prompts = {tuple(tok.encode_prompt(m)) for m in CONVERSATIONS}
+  assert all(tok.render_prompt(m).endswith("assistant\n<think>\n\n</think>\n\n")
+             for m in CONVERSATIONS)  # chat_kwargs reach the template
+
+  server = start_server(tmp_path / "ps")
+  trained = []
+  try:
+    with client(server.address, "trainer") as tc, client(server.address, "worker") as wc, \
+        RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      take = tr._take_groups
+      tr._take_groups = lambda: trained.extend(take() or []) or trained[-config.rl.groups_per_step:]
+      worker = Worker(wc, tr.model_config, tok, WorkerConfig(**config.worker.to_dict()))
+      thread = threading.Thread(target=worker.run, daemon=True)
+      thread.start()
+      summary = tr.train()
+      worker.request_stop(60.0)  # a grace it cannot overrun: past it the worker exits the process
+      thread.join(60)
+      assert not thread.is_alive()
+  finally:
+    server.stop(grace=0)
+
+  assert summary["step"] == 2 and len(trained) == 2 * config.rl.groups_per_step
+  assert {tuple(int(t) for t in g.prompt_tokens) for g in trained} <= expected_prompts
+  stops = set(tok.stop_ids)
+  assert len(stops) == 2 and set(worker.params.stop_tokens) == stops
+  for g in trained:
+    for r in g.responses:  # up to and with the first stop id, else the whole budget
+      r = [int(t) for t in r]
+      ends = [i for i, t in enumerate(r) if t in stops]
+      assert (ends == [len(r) - 1]) if ends else len(r) == config.worker.max_new_tokens
+  assert set(summary["heldout_exact_match"]) == {"addition", "all"}
+
+  export = tmp_path / "rl" / "hf"
+  generation = json.loads((export / "generation_config.json").read_text())
+  assert generation["eos_token_id"] == list(tok.stop_ids)
+  again = HFTokenizer(str(export), chat_template="auto", chat_kwargs={"enable_thinking": False})
+  assert again.stop_ids == tok.stop_ids
+  assert [again.encode_prompt(m) for m in CONVERSATIONS] == [tok.encode_prompt(m)
+                                                            for m in CONVERSATIONS]
+  np.testing.assert_array_equal(sorted(os.listdir(export)), sorted(
+      ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+       "tokenizer.json", "tokenizer_config.json"]))
