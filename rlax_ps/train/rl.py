@@ -172,10 +172,20 @@ class RLTrainer(TrainerRun):
   # -- configuration and state ------------------------------------------------------------
 
   def _prompt_source(self) -> Sequence[dict[str, str]]:
+    """data.jsonl's records, each checked to fit rl.max_prompt_tokens now rather than when
+    its group is rejected after sampling; else the built-in tasks' stream."""
     path = self.config.data.get("jsonl", "")
-    if path:
-      return config_records(self.config, "data.jsonl", path)
-    return TaskPrompts(self.tasks, self.weights, int(self.config.seed))
+    if not path:
+      return TaskPrompts(self.tasks, self.weights, int(self.config.seed))
+    records = config_records(self.config, "data.jsonl", path)
+    lengths = [len(self.tokenizer.encode_prompt(r["prompt"])) for r in records]
+    over = [i for i, n in enumerate(lengths) if n > self.shape.prompt_len]
+    if over:
+      raise ValueError(
+          f"rl.max_prompt_tokens: {self.shape.prompt_len} is too small for {len(over)} of "
+          f"{len(records)} prompts of data.jsonl {path} (the longest has {max(lengths)} "
+          f"tokens, record {over[0] + 1} has {lengths[over[0]]}); raise it or shorten them")
+    return records
 
   @property
   def step(self) -> int:
@@ -330,11 +340,13 @@ class RLTrainer(TrainerRun):
       return
     prompts = []
     for index, rec in self.feed.take(missing):
-      text = self.tokenizer.render_prompt(rec["prompt"])
+      ids = self.tokenizer.encode_prompt(rec["prompt"])
+      if len(ids) > self.shape.prompt_len:  # its group would be rejected once sampled
+        raise ValueError(f"rl.max_prompt_tokens: {self.shape.prompt_len} is too small for "
+                         f"prompt {rec['prompt']!r} of {len(ids)} tokens; raise it")
       prompts.append(Prompt(
-          id=f"{self.run_id}-{index}", text=text, task=rec["task"],
-          token_ids=self.tokenizer.encode_prompt(rec["prompt"]),
-          extra=rec["answer"].encode("utf-8")))
+          id=f"{self.run_id}-{index}", text=self.tokenizer.render_prompt(rec["prompt"]),
+          task=rec["task"], token_ids=ids, extra=rec["answer"].encode("utf-8")))
     self.client.enqueue_prompts(prompts)
 
   def _take_groups(self) -> list[Group] | None:

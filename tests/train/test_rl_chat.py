@@ -8,6 +8,7 @@ import os
 import threading
 
 import numpy as np
+import pytest
 
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
@@ -78,3 +79,24 @@ def test_conversations_are_rendered_sampled_to_a_stop_id_trained_and_exported(tm
   np.testing.assert_array_equal(sorted(os.listdir(export)), sorted(
       ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
        "tokenizer.json", "tokenizer_config.json"]))
+
+
+def test_prompts_longer_than_the_packed_capacity_are_refused_before_sampling(tmp_path):
+  config = rl_config("tiny")
+  config.tokenizer.kind, config.tokenizer.path = "hf", CHAT
+  config.tokenizer.chat_template = "auto"
+  config.rl.max_prompt_tokens = 30  # the one-turn conversations fit, a long one does not
+  long = [{"role": "user", "content": "hello world " * 6}]
+  (tmp_path / "train.jsonl").write_text(
+      "".join(json.dumps({"prompt": p, "answer": "3", "task": "addition"}) + "\n"
+              for p in (CONVERSATIONS[0][1:], long, CONVERSATIONS[1][1:])))
+  config.data.jsonl = str(tmp_path / "train.jsonl")
+  with pytest.raises(ValueError, match=r"rl.max_prompt_tokens: 30 is too small for 1 of 3 "
+                                       r"prompts of data.jsonl .*record 2 has \d+"):
+    RLTrainer(config, str(tmp_path / "a"), object())
+  # The built-in tasks' prompts, rendered as conversations, outgrow 16 tokens: the first
+  # feed says so instead of every group being rejected after sampling.
+  config.data.jsonl, config.rl.max_prompt_tokens = "", 16
+  with RLTrainer(config, str(tmp_path / "b"), object()) as tr:
+    with pytest.raises(ValueError, match="rl.max_prompt_tokens: 16 is too small for prompt"):
+      tr._feed_prompts()
