@@ -84,6 +84,7 @@ class Worker:
     self.stats = WorkerStats()
     self._stop = threading.Event()
     self._done = threading.Event()  # set when run() returns
+    self._beat_now = threading.Event()  # wakes the heartbeat early: a new version is held
     self._lock = threading.Lock()
     self._inflight: dict[str, set[str]] = {}  # lease id -> prompt ids not yet answered
     self._lease_deadline: dict[str, float] = {}
@@ -179,12 +180,15 @@ class Worker:
     for update in updates:
       self.policy.apply(update)
       self.stats.versions_applied.append(update.version)
+    if updates:
+      self._beat_now.set()  # status and metrics show the version held within moments
 
   # ------------------------------------------------------------ the loop
 
   def run(self) -> WorkerStats:
     """Register, then lease/generate/submit until stopped or `max_leases` leases are done."""
     self._done.clear()
+    self._beat_now.set()  # the first heartbeat goes out as soon as the worker registers
     heartbeat = threading.Thread(target=self._heartbeat_loop, name="worker-heartbeat", daemon=True)
     try:
       self._with_backoff(lambda: self.client.register(self.config.name))
@@ -196,6 +200,7 @@ class Worker:
     finally:
       self._release_all()
       self._done.set()
+      self._beat_now.set()
       if heartbeat.is_alive():  # let an in-flight heartbeat or prefetch finish: a daemon
         heartbeat.join(_HEARTBEAT_JOIN_S)  # thread inside gRPC at interpreter exit aborts
     return self.stats
@@ -361,10 +366,15 @@ class Worker:
   # ------------------------------------------------------------ heartbeat
 
   def _heartbeat_loop(self) -> None:
-    """Report liveness and speed; renew leases past half their deadline."""
+    """Report liveness, speed and the version held (at once after registering and after
+    each new version, else every interval); renew leases past half their deadline."""
     interval = max(0.2, min(getattr(self.client, "heartbeat_interval_s", 10.0) or 10.0,
                             self.config.lease_deadline_s / 4))
-    while not self._done.wait(interval):
+    while True:
+      self._beat_now.wait(interval)
+      self._beat_now.clear()
+      if self._done.is_set():
+        return
       try:
         latest = self.client.heartbeat(
             -1 if self.policy.version is None else self.policy.version, self._tokens_per_s)

@@ -109,6 +109,36 @@ def test_new_version_is_picked_up_between_leases(server, versions):
     assert made == [0, 0, 1, 1]
 
 
+def test_the_server_sees_each_new_version_at_once_not_a_heartbeat_interval_later(server, versions):
+  # The server asks for a heartbeat every 10 s; the worker reports at registration and
+  # after each version it applies, so status and metrics never show a stale version long.
+  assert server.config.heartbeat_interval_s == 10.0
+  with client(server, "trainer") as trainer, client(server, "worker") as wc, \
+      client(server, "viewer") as viewer:
+    def held_versions():
+      return [w.version for w in viewer.stats().workers]
+
+    def wait_for(want):
+      deadline = time.monotonic() + 3.0
+      while held_versions() != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+      return held_versions()
+
+    enqueue_addition(trainer, 40)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+      assert wait_for([-1]) == [-1]  # registered, holding nothing yet
+      trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+      assert wait_for([0]) == [0]
+      trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+      assert wait_for([1]) == [1]
+    finally:
+      worker.request_stop(30.0)
+      thread.join(30)
+
+
 def test_a_version_published_while_a_lease_waits_samples_its_prompts(server, versions):
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
