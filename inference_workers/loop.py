@@ -192,7 +192,8 @@ class Worker:
     heartbeat = threading.Thread(target=self._heartbeat_loop, name="worker-heartbeat", daemon=True)
     try:
       self._with_backoff(lambda: self.client.register(self.config.name))
-      heartbeat.start()
+      if not self.stopping:  # registered (a stop during the retries leaves no worker id)
+        heartbeat.start()
       while not self.stopping:
         if self.config.max_leases and self.stats.leases >= self.config.max_leases:
           break
