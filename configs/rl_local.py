@@ -12,6 +12,7 @@ The other recipes change a few fields of this one:
   configs/rl_sync.py        fully synchronous (max_staleness 0)
   configs/rl_decoupled.py   decoupled PPO with the workers' behaviour log-probs
   configs/rl_dapo.py        DAPO dynamic sampling (groups with all-equal rewards left out)
+  configs/rl_instruct.py    your instruct checkpoint on your math data, via its chat template
 
 Variants:
   configs/rl_local.py        the `make run` default (2 CPU cores, about 10 minutes of RL).

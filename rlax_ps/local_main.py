@@ -59,6 +59,10 @@ def main(argv: list[str]) -> None:
   from rlax_ps.compile_cache import enable_compile_cache
 
   config = _CONFIG.value
+  if not config.get("init_from_hf") and config.get("sft") is None:
+    print("rlax-ps local: bad flags: --config.init_from_hf: this recipe has no warm start (no "
+          "`sft` block); name the Hugging Face checkpoint to start from", file=sys.stderr)
+    sys.exit(2)
   workdir = os.path.abspath(_WORKDIR.value)
   overrides = local.override_flags(config_flags.get_override_values(flags.FLAGS["config"]))
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])

@@ -1,5 +1,7 @@
 """Every recipe in configs/ loads (default and :tiny), names the command that runs it first
-in its docstring, and is consistent: a valid loss, workers holding the published format."""
+in its docstring, and is consistent: a valid loss, workers holding the published format, one
+model block shared with the warm start (or, with no warm start, the checkpoint's tokenizer
+and chat template)."""
 
 import ast
 import glob
@@ -17,7 +19,7 @@ RECIPES = sorted(glob.glob(os.path.join(REPO, "configs", "rl_*.py")))
 def test_the_rl_recipes_the_readme_names_exist():
   names = {os.path.basename(p) for p in RECIPES}
   assert {"rl_local.py", "rl_vigor.py", "rl_int8_tis.py", "rl_sync.py",
-          "rl_decoupled.py", "rl_dapo.py"} <= names
+          "rl_decoupled.py", "rl_dapo.py", "rl_instruct.py"} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
@@ -29,7 +31,11 @@ def test_recipe_loads_and_is_consistent(path):
     c = load(path, variant)
     LossConfig.from_config(c.loss)
     assert c.worker.weights_format == c.publish.format
-    assert c.model is c.sft.model  # one model block for the warm start and RL
+    if "sft" in c:
+      assert c.model is c.sft.model  # one model block for the warm start and RL
+    else:  # starts from init_from_hf: its tokenizer, through its chat template
+      assert (c.tokenizer.kind, c.tokenizer.path, c.tokenizer.chat_template) == ("hf", "", "auto")
+      assert "--config.init_from_hf=" in doc
 
 
 def test_unknown_variant_is_refused_naming_it():

@@ -21,9 +21,9 @@ from rlax_ps import local
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _local(workdir, *extra, timeout=400):
+def _local(workdir, *extra, timeout=400, config="configs/rl_local.py:tiny"):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.run([sys.executable, "-m", "rlax_ps", "local", "--config=configs/rl_local.py:tiny",
+  return subprocess.run([sys.executable, "-m", "rlax_ps", "local", f"--config={config}",
                          f"--workdir={workdir}", "--progress=false", *extra],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -197,3 +197,50 @@ def test_own_prompts_rewards_and_heldout_records_run_through_the_loop(run, tmp_p
   for s in steps:  # 16 samples a step, n of them rewarded 1.0 and the others 0.25
     n = (s["reward_mean"] * 16 - 4) / 0.75
     assert 0 <= round(n) <= 16 and abs(n - round(n)) < 1e-6, s["reward_mean"]
+
+
+def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
+  proc = _local(tmp_path, config="configs/rl_instruct.py:tiny", timeout=60)
+  assert proc.returncode == 2
+  assert "--config.init_from_hf: this recipe has no warm start" in proc.stderr
+  assert not os.path.exists(tmp_path / "sft")
+
+
+@pytest.mark.slow
+def test_the_instruct_recipe_trains_a_qwen3_checkpoint_on_chat_prompts(tmp_path):
+  """configs/rl_instruct.py:tiny from a tiny Qwen3 checkpoint with a ChatML tokenizer and
+  template: JSONL math questions as conversations, scored by the math verifier; the export
+  carries the chat template and the end-of-turn stop ids."""
+  import numpy as np
+  from flax import nnx
+
+  from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
+  from rlax_ps.tokenizers import HFTokenizer
+  chat = os.path.join(REPO, "tests", "fixtures", "hf", "chat_tokenizer")
+  ckpt = tmp_path / "qwen3"
+  tok = HFTokenizer(chat)
+  config = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
+                       architecture="qwen3", max_position_embeddings=256)
+  save_hf_checkpoint(Transformer(config, rngs=nnx.Rngs(0)), str(ckpt))
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    shutil.copy(os.path.join(chat, name), ckpt / name)
+  rng = np.random.default_rng(0)
+  rows = [(int(a), int(b)) for a, b in rng.integers(1, 50, (12, 2))]
+  train, heldout = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+  train.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a}+{b}"}],
+                                       "answer": str(a + b)}) + "\n" for a, b in rows[:10]))
+  heldout.write_text("".join(json.dumps({"prompt": f"{a}+{b}", "answer": str(a + b)}) + "\n"
+                             for a, b in rows[10:]))
+  workdir = tmp_path / "run"
+  proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
+                f"--config.data.heldout_jsonl={heldout}", config="configs/rl_instruct.py:tiny")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["step"] == 2 and set(summary["heldout_exact_match"]) == {"math", "all"}
+  assert not os.path.exists(workdir / "sft")
+  export = workdir / "hf"
+  assert (export / "chat_template.jinja").read_text() == HFTokenizer(
+      chat, chat_template="auto").chat_template
+  assert json.load(open(export / "generation_config.json"))["eos_token_id"] == list(tok.stop_ids)
+  assert json.load(open(export / "config.json"))["architectures"] == ["Qwen3ForCausalLM"]

@@ -198,7 +198,11 @@ def model_config_from(cfg, vocab_size: int, init_from_hf: str = "") -> ModelConf
   elif d["vocab_size"] < vocab_size:
     raise ValueError(f"model.vocab_size: expected >= the tokenizer's {vocab_size}, got "
                      f"{d['vocab_size']}")
-  return ModelConfig.from_dict(d)
+  try:
+    return ModelConfig.from_dict(d)
+  except TypeError as e:  # missing shape fields
+    raise ValueError(f"model: {e}; give the shape in the model block or init_from_hf naming "
+                     f"a Hugging Face checkpoint") from None
 
 
 def _tensor_files(path: str) -> dict[str, str]:

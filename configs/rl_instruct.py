@@ -1,0 +1,75 @@
+r"""rlax-ps local --config=configs/rl_instruct.py --workdir=runs/instruct \
+    --config.init_from_hf=PATH --config.data.jsonl=train.jsonl --config.data.heldout_jsonl=test.jsonl
+
+RL post-training of your own instruct checkpoint (Qwen3, Qwen2.5-Instruct, Llama-3.x-Instruct)
+on math questions with reference answers. There is no warm start: `init_from_hf` names the
+checkpoint, whose tokenizer and chat template are used. Each JSONL record
+`{"prompt", "answer"}` (a prompt may be a list of chat messages; say in it how to give the
+answer, e.g. "put your final answer within \boxed{}") is rendered by the chat template with
+Qwen3's thinking off; workers sample 8 answers of up to 1024 tokens, the `math` verifier
+scores the last \boxed{} (or "answer is") against the record's answer, and GRPO with DAPO's
+clip-higher and soft overlong punishment trains on them. The trainer shards the weights over
+its chips (fsdp) and computes in bfloat16.
+
+Sized for a TPU host as trainer and a fleet of workers on other machines (`rlax-ps train` /
+`rlax-ps worker` with this config; tpu_scripts/, k8s/). `rlax-ps local` runs it all on one
+machine, the workers on its CPU (`local.worker_platform`). For long thinking, set
+--config.tokenizer.chat_kwargs='' and raise worker.max_new_tokens and loss.overlong_buffer.
+`:tiny` is the seconds-long smoke variant (used by the tests).
+"""
+
+import ml_collections
+
+from rlax_ps.config_files import sibling
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = sibling(__file__, "rl_local.py", arg)
+  # No warm start: `rlax-ps local` and `rlax-ps train` require init_from_hf.
+  del c.sft
+  c.tokenizer = ml_collections.ConfigDict(dict(
+      kind="hf", path="", alphabet="",  # path "": the checkpoint's tokenizer.json
+      chat_template="auto", chat_kwargs='{"enable_thinking": false}'))
+  # The checkpoint gives the shape; these set the trainer's dtypes.
+  c.model = ml_collections.ConfigDict(dict(param_dtype="float32", dtype="bfloat16"))
+  c.mesh.data, c.mesh.fsdp = 1, -1
+
+  c.rl.steps = 1000
+  c.rl.max_seconds = 0.0
+  c.rl.groups_per_step = 64
+  c.rl.max_prompt_tokens = 512
+  c.rl.take_timeout_s = 1800.0
+
+  c.worker.default_task = "math"
+  c.worker.samples_per_prompt = 8
+  c.worker.prompts_per_lease = 8
+  c.worker.prompts_per_call = 16
+  c.worker.max_new_tokens = 1024
+  c.worker.lease_deadline_s = 900.0
+  c.loss.overlong_buffer = 256  # DAPO's soft punishment over the last quarter of the budget
+
+  c.optimizer.lr = 1e-6
+  c.optimizer.warmup_steps = 10
+  c.optimizer.weight_decay = 0.01
+  c.checkpoint.every_steps = 20
+  c.eval.every_steps = 50
+  c.eval.batch_size = 64
+  c.eval.pass_k = 4
+  c.local.workers = 1
+
+  if arg == "tiny":
+    c.rl.steps = 2
+    c.rl.groups_per_step = 2
+    c.rl.max_prompt_tokens = 64
+    c.rl.take_timeout_s = 120.0
+    c.worker.samples_per_prompt = 2
+    c.worker.prompts_per_lease = 2
+    c.worker.prompts_per_call = 2
+    c.worker.max_new_tokens = 8
+    c.worker.lease_deadline_s = 120.0
+    c.loss.overlong_buffer = 2
+    c.checkpoint.every_steps = 1
+    c.eval.every_steps = 0
+    c.eval.batch_size = 8
+    c.eval.pass_k = 2
+  return c
