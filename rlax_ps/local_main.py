@@ -32,6 +32,7 @@ def _postfix(record: dict, synced: int) -> dict:
   acc = record.get("heldout")
   return {"v": record["version"], "reward": f"{record['reward_mean']:.2f}",
           "acc": "-" if not acc else f"{100 * acc['all']:.0f}%",
+          "len": f"{record.get('response_len_mean', 0):.0f}",
           "rollouts/s": f"{record['rollouts_per_s']:.1f}",
           "stale": f"{record['staleness_mean']:.1f}", "synced": f"{synced / 1e6:.1f}MB"}
 

@@ -40,7 +40,8 @@ from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_loss import LossConfig, response_logprobs, rl_loss
-from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch
+from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
+  response_stats
 from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, hf_params, restore_or_init
 from rlax_ps.train.step import apply_gradients, jit_step
@@ -478,6 +479,7 @@ class RLTrainer(TrainerRun):
         "rollouts_per_s": rollouts_per_s,
         "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac", 0.0),
         "iw_mean": metrics["iw_mean"], "heldout": None,
+        **response_stats(groups, self.shape.response_len, self.tokenizer.stop_ids),
     }
     if self.dynamic:  # totals so far
       record.update(filtered=self.filtered, filled=self.filled)
@@ -488,6 +490,8 @@ class RLTrainer(TrainerRun):
     w.add_scalar("rollouts/reward_mean", record["reward_mean"], step)
     w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
     w.add_scalar("rollouts/per_second", record["rollouts_per_s"], step)
+    for k in ("response_len_mean", "response_len_max", "truncated_frac"):
+      w.add_scalar(f"rollouts/{k}", record[k], step)
     if "filtered" in record:  # totals so far: left out, and of those trained at the cap
       w.add_scalar("rollouts/filtered", record["filtered"], step)
       w.add_scalar("rollouts/filled", record["filled"], step)

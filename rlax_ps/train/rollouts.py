@@ -68,6 +68,20 @@ def check_group(group: Group, shape: BatchShape) -> None:
     raise ValueError(f"{where}: rewards: expected finite values, got {group.rewards}")
 
 
+def response_stats(groups: Sequence[Group], max_len: int, stop_ids: Sequence[int]
+                   ) -> dict[str, float]:
+  """Mean and max response length of the groups' samples, and the share truncated: at
+  `max_len` tokens without ending on a stop id (what DAPO's overlong punishment targets)."""
+  responses = [r for g in groups for r in g.responses]
+  if not responses:
+    return {"response_len_mean": 0.0, "response_len_max": 0.0, "truncated_frac": 0.0}
+  lens = np.asarray([len(r) for r in responses])
+  stops = set(int(i) for i in stop_ids)
+  cut = [len(r) >= max_len and int(r[-1]) not in stops for r in responses]
+  return {"response_len_mean": float(lens.mean()), "response_len_max": float(lens.max()),
+          "truncated_frac": float(np.mean(cut))}
+
+
 def rows_needed(groups: Sequence[Group], shape: BatchShape) -> int:
   """Packed rows for `groups`, rounded up to shape.groups * 2**j."""
   need = sum(math.ceil(len(g.responses) / shape.samples) for g in groups)

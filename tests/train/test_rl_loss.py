@@ -13,7 +13,7 @@ from flax import nnx
 from algorithms import corrections
 from rlax_ps.models import ModelConfig, Transformer
 from rlax_ps.train.rl_loss import LossConfig, group_advantages, rl_loss
-from rlax_ps.train.rollouts import BatchShape, Group, build_batch
+from rlax_ps.train.rollouts import BatchShape, Group, build_batch, response_stats
 
 V = 40
 SHAPE = BatchShape(groups=2, samples=4, prompt_len=6, response_len=5)
@@ -264,3 +264,16 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind():
   assert float(m3["clip_frac"]) > 0.0  # later updates move past the clip and are bounded
   with pytest.raises(ValueError, match="rl.updates_per_batch"):
     make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg, updates_per_batch=0)
+
+
+def test_response_stats_count_lengths_and_truncation_at_the_budget():
+  def group(*responses):
+    return Group(0, np.array([1], np.int32), tuple(np.asarray(r, np.int32) for r in responses),
+                 tuple(np.zeros(len(r), np.float32) for r in responses),
+                 np.zeros(len(responses), np.float32), 0)
+  # Budget 4, stop ids 2 and 7: [5,5,5,5] is cut, [5,5,5,7] stopped on its last token,
+  # [5,2] stopped early, [5,5,5] shorter than the budget.
+  stats = response_stats([group([5, 5, 5, 5], [5, 5, 5, 7]), group([5, 2], [5, 5, 5])],
+                         max_len=4, stop_ids=(2, 7))
+  assert stats == {"response_len_mean": 3.25, "response_len_max": 4.0, "truncated_frac": 0.25}
+  assert response_stats([], 4, (2,))["truncated_frac"] == 0.0

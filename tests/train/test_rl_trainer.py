@@ -63,6 +63,9 @@ def test_each_step_trains_on_whole_distinct_groups(run):
   assert run["summary"]["rollout_groups_trained"] == 16
   # The fake worker rewards half of each group: the batch's mean reward is 0.5.
   assert all(s["reward_mean"] == pytest.approx(0.5) for s in steps)
+  # Its responses hold 1 to 6 tokens, under the 8-token budget: none is truncated.
+  assert all(1 <= s["response_len_mean"] <= s["response_len_max"] <= 6 for s in steps)
+  assert all(s["truncated_frac"] == 0.0 for s in steps)
 
 
 def test_every_taken_group_is_acknowledged_after_the_final_checkpoint(run):
