@@ -58,8 +58,10 @@ def response_logit_index(layout: SharedPromptLayout) -> jax.Array:
   return jnp.where(t == 0, first, inside)
 
 
-def response_logprobs(logits, response_tokens, layout: SharedPromptLayout):
-  """logits [B, L, V] of the packed row -> log p(response token) [B, N, R], 0 at padding."""
+def response_logprobs(logits, response_tokens, layout: SharedPromptLayout, *,
+                      with_entropy: bool = False):
+  """logits [B, L, V] of the packed row -> log p(response token) [B, N, R], 0 at padding;
+  `with_entropy`: also the entropy of each response position's next-token distribution."""
   b, n, r = layout.batch, layout.num_responses, layout.response_capacity
   if logits.shape[:2] != (b, layout.total_len):
     raise ValueError(
@@ -70,14 +72,19 @@ def response_logprobs(logits, response_tokens, layout: SharedPromptLayout):
   tok = jnp.asarray(response_tokens, jnp.int32).reshape(b, n * r, 1)
   out = jnp.take_along_axis(logp, tok, axis=-1).reshape(b, n, r)
   valid = jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None]
-  return jnp.where(valid, out, 0.0)
+  out = jnp.where(valid, out, 0.0)
+  if not with_entropy:
+    return out
+  entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1).reshape(b, n, r)
+  return out, jnp.where(valid, entropy, 0.0)
 
 
 def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromptLayout, *,
                              backend: str = "auto", block_sizes: BlockSizes | None = None,
-                             interpret: bool = False):
-  """Runs the model once on the packed group and returns [B, N, R] response log-probs."""
+                             interpret: bool = False, with_entropy: bool = False):
+  """Runs the model once on the packed group and returns [B, N, R] response log-probs
+  (and, `with_entropy`, the policy's entropy at each response position)."""
   logits = model(tokens, positions=layout.positions(), segment_ids=layout.segment_ids(),
                  attention_fn=packed_attention_fn(layout, backend=backend,
                                                   block_sizes=block_sizes, interpret=interpret))
-  return response_logprobs(logits, response_tokens, layout)
+  return response_logprobs(logits, response_tokens, layout, with_entropy=with_entropy)

@@ -478,7 +478,7 @@ class RLTrainer(TrainerRun):
         "staleness_mean": float(np.mean(staleness)),
         "rollouts_per_s": rollouts_per_s,
         "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac", 0.0),
-        "iw_mean": metrics["iw_mean"], "heldout": None,
+        "iw_mean": metrics["iw_mean"], "entropy": metrics["entropy"], "heldout": None,
         **response_stats(groups, self.shape.response_len, self.tokenizer.stop_ids),
     }
     if self.dynamic:  # totals so far

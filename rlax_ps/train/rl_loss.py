@@ -108,14 +108,18 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
   return adv, mask
 
 
-def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend: str = "auto"
-                      ) -> jax.Array:
-  """log p(response token) [rows * N, R] under `params`, one packed row per group."""
+def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend: str = "auto",
+                      *, with_entropy: bool = False):
+  """log p(response token) [rows * N, R] under `params`, one packed row per group (and,
+  `with_entropy`, the policy's entropy at each of those positions)."""
   tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
                               batch["response_tokens"], batch["response_lens"])
-  logp = packed_response_logprobs(nnx.merge(graphdef, params), tokens,
-                                  batch["response_tokens"], layout, backend=backend)
-  return logp.reshape(-1, logp.shape[-1])
+  out = packed_response_logprobs(nnx.merge(graphdef, params), tokens,
+                                 batch["response_tokens"], layout, backend=backend,
+                                 with_entropy=with_entropy)
+  if with_entropy:
+    return tuple(x.reshape(-1, x.shape[-1]) for x in out)
+  return out.reshape(-1, out.shape[-1])
 
 
 def token_mask(batch: dict, sample_mask: jax.Array) -> jax.Array:
@@ -133,7 +137,7 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
   updates per batch); None: the current ones (one update per batch)."""
   adv, sample_mask = group_advantages(batch, num_groups, cfg)
   mask = token_mask(batch, sample_mask)
-  logp = response_logprobs(params, graphdef, batch, cfg.backend)
+  logp, entropy = response_logprobs(params, graphdef, batch, cfg.backend, with_entropy=True)
   behaviour = batch["behaviour_logp"].reshape(logp.shape)
   proximal = jax.lax.stop_gradient(logp if proximal is None else proximal)
   ref_logp = None
@@ -173,5 +177,6 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
       advantage_abs_mean=jnp.sum(jnp.abs(adv) * sample_mask) / jnp.maximum(
           jnp.sum(sample_mask), 1.0),
       response_tokens=jnp.sum(mask),
+      entropy=jnp.sum(jax.lax.stop_gradient(entropy) * mask) / n_tok,  # of the trainer's policy
   )
   return loss, metrics

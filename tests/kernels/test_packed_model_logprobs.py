@@ -89,3 +89,19 @@ def test_first_response_token_is_read_at_last_prompt_token():
 def test_pack_group_rejects_bad_response_shape():
   with pytest.raises(ValueError, match=r"response_tokens must be \[B=2, N, R\]"):
     pack_group(np.zeros((B, P)), PROMPT_LENS, np.zeros((B, R)), RESPONSE_LENS)
+
+
+def test_packed_entropy_equals_the_entropy_of_each_separate_next_token_distribution(group):
+  graphdef, state, prompts, responses = group
+  toks, seg, idx = _separate_rows(prompts, responses)
+  logits = nnx.merge(graphdef, state)(jnp.asarray(toks), segment_ids=jnp.asarray(seg))
+  p = np.asarray(jax.nn.softmax(jnp.take_along_axis(logits, jnp.asarray(idx)[..., None], 1), -1),
+                 np.float64)
+  want = (-(p * np.log(p)).sum(-1)).reshape(B, N, R)
+  valid = np.arange(R)[None, None] < RESPONSE_LENS[:, :, None]
+  logp, entropy = _packed_logprobs(graphdef, state, prompts, responses, backend="xla",
+                                   with_entropy=True)
+  np.testing.assert_allclose(logp, _separate_logprobs(graphdef, state, prompts, responses),
+                             atol=2e-5)
+  np.testing.assert_allclose(np.asarray(entropy)[valid], want[valid], atol=2e-5, rtol=1e-5)
+  assert np.all(np.asarray(entropy)[~valid] == 0) and np.all(want[valid] > 0.1)

@@ -170,6 +170,7 @@ def test_packed_loss_and_gradient_equal_the_objective_on_separate_sequences(corr
     want = jax.jit(reference)(params)
   np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-6)
   assert metrics["response_tokens"] == sum(len(r) for g in GROUPS for r in g.responses)
+  assert 0.1 < float(metrics["entropy"]) <= np.log(V)  # a small random model: near uniform
   # each case differs from the plain one on this batch: some tokens masked, some shaped
   if correction in ("mis", "m2po"):
     assert 0 < metrics[f"{correction}_masked_frac"] < 1

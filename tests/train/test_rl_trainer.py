@@ -66,6 +66,7 @@ def test_each_step_trains_on_whole_distinct_groups(run):
   # Its responses hold 1 to 6 tokens, under the 8-token budget: none is truncated.
   assert all(1 <= s["response_len_mean"] <= s["response_len_max"] <= 6 for s in steps)
   assert all(s["truncated_frac"] == 0.0 for s in steps)
+  assert all(0 < s["entropy"] for s in steps)  # the trainer's policy, from the loss pass
 
 
 def test_every_taken_group_is_acknowledged_after_the_final_checkpoint(run):
