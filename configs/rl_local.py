@@ -111,6 +111,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # <workdir>/hf at the end of each run, for transformers, vLLM or the next recipe.
   c.export = ml_collections.ConfigDict()
   c.export.hf = True
+  # > 0: also export every this many steps to <workdir>/exports/step_NNNNNN (the full model
+  # each time), to score the run's course with `rlax-ps eval`.
+  c.export.every_steps = 0
 
   # Held-out evaluation: greedy exact match every every_steps and at the end, and
   # pass@1 / pass@pass_k with the workers' temperature at the end.

@@ -318,6 +318,9 @@ class RLTrainer(TrainerRun):
           steps_log.flush()
         if every and done % every == 0:
           self.save()
+        export_every = int(self.config.export.get("every_steps", 0))
+        if export_every and done % export_every == 0 and done < self.total_steps:
+          self.export_hf(os.path.join(self.workdir, "exports", f"step_{done:06d}"))
     finally:
       if steps_log is not None:
         steps_log.close()

@@ -40,7 +40,16 @@ def run(tmp_path_factory):
   server = start_server(tmp / "ps")
   worker = FakeWorker(server.address, samples=4).start()
   config = _config(steps=4)
+  config.export.every_steps = 2
+  exported_at = {}
+
+  def keep_params(path=None):  # the weights each export was asked to write
+    exported_at[os.path.basename(path or "hf")] = {
+        k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
+    return export(path)
+
   with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp / "rl"), tc) as tr:
+    export, tr.export_hf = tr.export_hf, keep_params
     summary = tr.train()
     params = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
     enqueued = tr.feed.position
@@ -50,7 +59,8 @@ def run(tmp_path_factory):
   with client(server.address, "worker") as wc:
     updates = [sync.Update.from_bytes(bytes(b)) for b in wc.pull(None)]
   yield dict(tmp=tmp, summary=summary, params=params, stats=stats, updates=updates,
-             worker=worker, enqueued=enqueued, server=server, config=config)
+             worker=worker, enqueued=enqueued, server=server, config=config,
+             exported_at=exported_at)
   server.stop(grace=0)
 
 
@@ -107,6 +117,18 @@ def test_the_trained_policy_is_exported_in_hugging_face_format(run):
   char = make_tokenizer("char", "", run["config"].tokenizer.alphabet)
   hf = make_tokenizer("hf", str(path))  # the tokenizer.json written beside the weights
   assert hf.encode("12+34=") == char.encode("12+34=") and hf.eos_id == char.eos_id
+
+
+def test_export_every_steps_writes_the_weights_of_that_step(run):
+  exports = run["tmp"] / "rl" / "exports"
+  assert sorted(os.listdir(exports)) == ["step_000002"]  # step 4 is the final export, in hf/
+  assert sorted(run["exported_at"]) == ["hf", "step_000002"]
+  model = load_hf_checkpoint(str(exports / "step_000002"))
+  got = {k: np.asarray(v) for k, v in flatten_params(model).items()}
+  want = run["exported_at"]["step_000002"]
+  assert any(not np.array_equal(want[k], run["params"][k]) for k in want)  # trained on since
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_prompts_are_paced_by_the_staleness_bound(run):
