@@ -1,11 +1,11 @@
-"""ModelConfig: the shape of a Llama / Qwen2 / Qwen3 family decoder, independent of any checkpoint format."""
+"""ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 family decoder, independent of any checkpoint format."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 DTYPES = ("float32", "bfloat16")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -44,7 +44,7 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of a decoder-only transformer (Llama 2/3, Qwen2/2.5, Qwen3)."""
+  """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3)."""
 
   vocab_size: int
   hidden_size: int
@@ -64,7 +64,7 @@ class ModelConfig:
   max_position_embeddings: int = 2048
   param_dtype: str = "float32"  # Storage dtype of the weights.
   dtype: str = "float32"  # Compute dtype of activations (logits are always float32).
-  architecture: str = "llama"  # "llama", "qwen2" or "qwen3": decides the HF export names.
+  architecture: str = "llama"  # llama, qwen2, qwen3 or mistral: decides the HF export names.
 
   def __post_init__(self):
     def need(cond, field, expected, got):

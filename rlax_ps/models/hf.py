@@ -1,6 +1,7 @@
 """Hugging Face checkpoints (config.json + safetensors) to and from our Transformer.
 
-Covers LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM as transformers 4.x (top-level
+Covers LlamaForCausalLM, MistralForCausalLM (without a sliding window), Qwen2ForCausalLM
+and Qwen3ForCausalLM as transformers 4.x (top-level
 `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
 `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights
 are [out, in]; our kernels are [in, out], so every kernel is transposed on the way.
@@ -31,9 +32,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # HF class name -> our ModelConfig.architecture, and back.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 32768}
 # Buffers some checkpoints carry that hold nothing our model needs.
 _IGNORABLE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -81,7 +82,12 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   for flag in {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}.get(arch, ()):
     if d.get(flag):
       raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
-  if arch != "llama" and d.get("use_sliding_window"):
+  window = d.get("sliding_window") if arch == "mistral" else None
+  if window is not None and window < int(_get(d, "max_position_embeddings",
+                                               _DEFAULT_MAX_POSITIONS[arch])):
+    raise ValueError(f"{CONFIG_FILE}: sliding_window: expected null (sliding-window attention "
+                     f"is not supported), got {window!r}")
+  if arch in ("qwen2", "qwen3") and d.get("use_sliding_window"):
     layer_types = d.get("layer_types") or []
     window_start = d.get("max_window_layers", 0)
     sliding = ("sliding_attention" in layer_types if layer_types
@@ -144,6 +150,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   }
   if c.architecture == "llama":
     d.update(attention_bias=False, mlp_bias=False)
+  elif c.architecture == "mistral":
+    d.update(sliding_window=None)
   else:
     d.update(use_sliding_window=False)
   if c.architecture == "qwen3":

@@ -46,7 +46,7 @@ def copy_with(tmp_path, name, tensors=None, config=None):
 
 
 @pytest.mark.parametrize("name,other", [("llama", "config_4x.json"), ("qwen2", "config_4x.json"),
-                                        ("qwen3", "config_4x.json")])
+                                        ("qwen3", "config_4x.json"), ("mistral", "config_4x.json")])
 def test_both_config_layouts_give_the_same_config(name, other):
   new_style = read_json(os.path.join(fixture(name), "config.json"))
   old_style = read_json(os.path.join(fixture(name), other))
@@ -82,7 +82,9 @@ def test_config_fields_read_from_llama_and_qwen2():
                 max_position_embeddings=77),
     ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
                 num_kv_heads=2, head_dim=8, qk_norm=True, architecture="qwen3", rope_theta=1e6),
-], ids=["llama", "qwen2", "qwen3"])
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=4,
+                num_kv_heads=1, head_dim=8, architecture="mistral", rope_theta=1e6),
+], ids=["llama", "qwen2", "qwen3", "mistral"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -103,6 +105,7 @@ def test_unknown_architecture_is_named():
     ("attention_bias", True, "llama"), ("mlp_bias", True, "llama"),
     ("hidden_act", "gelu", "llama"), ("use_sliding_window", True, "qwen2"),
     ("attention_bias", True, "qwen3"), ("use_sliding_window", True, "qwen3"),
+    ("sliding_window", 64, "mistral"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "llama"),
 ])
 def test_unsupported_config_field_is_named(field, value, arch):
@@ -132,6 +135,13 @@ def test_qwen2_checkpoint_without_biases_is_missing_them(tmp_path):
   tensors = {k: v for k, v in hf_tensors(fixture("qwen2")).items() if not k.endswith(".bias")}
   with pytest.raises(ValueError, match=r"missing tensor '.*_proj\.bias'"):
     load_hf_checkpoint(copy_with(tmp_path, "qwen2", tensors))
+
+
+def test_a_mistral_window_longer_than_any_sequence_is_full_attention():
+  d = read_json(os.path.join(fixture("mistral"), "config.json"))
+  d["sliding_window"] = d["max_position_embeddings"]
+  assert config_from_hf(d) == config_from_hf(read_json(os.path.join(fixture("mistral"),
+                                                                    "config.json")))
 
 
 def test_qwen3_checkpoint_without_qk_norms_is_missing_them(tmp_path):
@@ -229,7 +239,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
   assert read_json(os.path.join(tmp_path, "config.json"))["torch_dtype"] == name
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

@@ -51,7 +51,7 @@ def with_config(name, config_file, tmp_path):
   return str(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral"])
 @pytest.mark.parametrize("config_file", ["config.json", "config_4x.json"])
 def test_logits_match_transformers(name, config_file, tmp_path):
   tokens, expected = reference(name)
