@@ -41,8 +41,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.tokenizer = c.sft.tokenizer
   c.tasks = c.sft.tasks
 
-  # Prompts: a JSONL file (a path, or a URL such as gs://bucket/train.jsonl) of {"prompt",
-  # "answer"[, "task"]} records, or "" for the tasks above.
+  # Prompts: a JSONL or Parquet file (a path, or a URL such as gs://bucket/train.jsonl) of
+  # {"prompt", "answer"[, "task"]} records, or "" for the tasks above.
   # A record's task (else worker.default_task) names a built-in task or a verifier, which
   # worker.verifiers can add from your own files.
   c.data = ml_collections.ConfigDict()
@@ -50,6 +50,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Held-out records in the same form, evaluated instead of the tasks' held-out split (all
   # of them, each scored by its task's verifier, decoding up to worker.max_new_tokens).
   c.data.heldout_jsonl = ""
+  # Where a record keeps each field (dotted for nested ones); a verl file's answer is
+  # "reward_model.ground_truth".
+  c.data.prompt_key = "prompt"
+  c.data.answer_key = "answer"
+  c.data.task_key = "task"
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 5000  # Optimizer steps in all (on 2 CPU cores max_seconds ends the run first).

@@ -9,7 +9,7 @@ import pytest
 
 from rlax_ps import chat
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
-from rlax_ps.train.prompts import read_jsonl
+from rlax_ps.train.prompts import read_prompts
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 CHAT = os.path.join(FIXTURES, "chat_tokenizer")
@@ -112,12 +112,12 @@ def test_jsonl_prompts_may_be_conversations(tmp_path):
   messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+2="}]
   path.write_text(json.dumps({"prompt": messages, "answer": "3"}) + "\n"
                   + json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
-  records = read_jsonl(str(path), default_task="addition")
+  records = read_prompts(str(path), default_task="addition")
   assert [r["prompt"] for r in records] == [messages, "2+2="]
   path.write_text(json.dumps({"prompt": "ok", "answer": "1"}) + "\n"
                   + json.dumps({"prompt": [{"role": "user", "content": 3}], "answer": "3"}) + "\n")
   with pytest.raises(ValueError, match=r"train.jsonl:2: field 'prompt'\[0\]: expected"):
-    read_jsonl(str(path), default_task="addition")
+    read_prompts(str(path), default_task="addition")
   path.write_text(json.dumps({"prompt": [], "answer": "3"}) + "\n")
   with pytest.raises(ValueError, match=r"train.jsonl:1: field 'prompt': expected a non-empty"):
-    read_jsonl(str(path), default_task="addition")
+    read_prompts(str(path), default_task="addition")

@@ -1,5 +1,5 @@
-"""The RL prompt stream: a grain pipeline over the built-in tasks or a JSONL file of
-`{"prompt", "answer"[, "task"]}` records (a prompt is text or a list of chat messages),
+"""The RL prompt stream: a grain pipeline over the built-in tasks or a JSONL or Parquet file
+of `{"prompt", "answer"[, "task"]}` records (a prompt is text or a list of chat messages),
 shuffled by seed, whose iterator state goes in
 the trainer's checkpoint so a restarted trainer feeds on from where its checkpoint was.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import grain
 import numpy as np
@@ -42,12 +42,12 @@ class TaskPrompts(Sequence):
     return {"prompt": ex.prompt, "answer": ex.answer, "task": task.name}
 
 
-def read_text(path: str, field: str = "path") -> str:
-  """A local file's text, or an object's at a URL that tensorstore reads (gs://bucket/key,
+def read_bytes(path: str, field: str = "path") -> bytes:
+  """A local file's bytes, or an object's at a URL that tensorstore reads (gs://bucket/key,
   s3://, file://): TPU VMs keep data in buckets. ValueError naming `field` when absent."""
   if "://" not in path:
     try:
-      with open(path) as f:
+      with open(path, "rb") as f:
         return f.read()
     except FileNotFoundError:
       raise ValueError(f"{field}: no file {path}") from None
@@ -58,53 +58,94 @@ def read_text(path: str, field: str = "path") -> str:
     raise ValueError(f"{field}: cannot read {path}: {e}") from None
   if got.state != "value":
     raise ValueError(f"{field}: no object at {path}")
-  return got.value.decode("utf-8")
+  return got.value
 
 
-def read_jsonl(path: str, default_task: str = "", known: Sequence[str] | None = None,
-               field: str = "data.jsonl") -> list[dict[str, str]]:
-  """Records of a JSONL prompt file (a path or a URL: read_text); a bad line raises
-  ValueError naming the line and field, as does a task not in `known` (when given), the
-  config `field` that named the file too."""
-  out = []
-  for n, line in enumerate(read_text(path, field).split("\n"), 1):
+def _raw_records(path: str, field: str) -> Iterator[tuple[str, Any]]:
+  """(where, record) of each JSONL line, or of each row of a `.parquet` file (the format
+  verl and Hugging Face datasets keep prompts in)."""
+  data = read_bytes(path, field)
+  if path.endswith(".parquet"):
+    try:
+      import pyarrow as pa
+      import pyarrow.parquet as pq
+    except ImportError:
+      raise ValueError(f"{field}: reading Parquet needs pyarrow: pip install "
+                       f"'rlax-ps[parquet]'") from None
+    try:
+      table = pq.read_table(pa.BufferReader(data))
+    except pa.ArrowException as e:
+      raise ValueError(f"{field}: {path} is not a readable Parquet file: {e}") from None
+    for n, rec in enumerate(table.to_pylist()):
+      yield f"{path}:row {n}", rec
+    return
+  for n, line in enumerate(data.decode("utf-8").split("\n"), 1):
     if not line.strip():
       continue
     try:
       rec = json.loads(line)
     except json.JSONDecodeError as e:
       raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+    yield f"{path}:{n}", rec
+
+
+def _lookup(rec: dict, key: str) -> Any:
+  """rec's value at a dotted key ("reward_model.ground_truth"), None when absent."""
+  for part in key.split("."):
     if not isinstance(rec, dict):
-      raise ValueError(f"{path}:{n}: expected an object, got {type(rec).__name__}")
-    prompt = rec.get("prompt")
-    if isinstance(prompt, list):
-      prompt = check_messages(prompt, f"{path}:{n}: field 'prompt'")
+      return None
+    rec = rec.get(part)
+  return rec
+
+
+def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None = None,
+                 field: str = "data.jsonl", *, prompt_key: str = "prompt",
+                 answer_key: str = "answer", task_key: str = "task") -> list[dict[str, Any]]:
+  """`{"prompt", "answer", "task"}` records of a JSONL or Parquet prompt file (a path or a
+  URL: read_bytes), read at the given (dotted) keys; a record without a task takes
+  `default_task`. A bad record raises ValueError naming its line or row and key, as does a
+  task not in `known` (when given), with the config `field` that named the file."""
+  out = []
+  for where, rec in _raw_records(path, field):
+    if not isinstance(rec, dict):
+      raise ValueError(f"{where}: expected an object, got {type(rec).__name__}")
+    prompt = _lookup(rec, prompt_key)
+    if isinstance(prompt, (list, tuple)):
+      prompt = check_messages(prompt, f"{where}: field {prompt_key!r}")
     elif not isinstance(prompt, str) or not prompt:
-      raise ValueError(f"{path}:{n}: field 'prompt': expected a non-empty string or a list "
+      raise ValueError(f"{where}: field {prompt_key!r}: expected a non-empty string or a list "
                        f"of {{'role', 'content'}} messages, got {prompt!r}")
-    if not isinstance(rec.get("answer"), str):
-      raise ValueError(f"{path}:{n}: field 'answer': expected a string, got "
-                       f"{rec.get('answer')!r}")
-    task = rec.get("task", default_task)
+    answer = _lookup(rec, answer_key)
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+      answer = str(answer)
+    if not isinstance(answer, str):
+      raise ValueError(f"{where}: field {answer_key!r}: expected a string, got {answer!r}")
+    task = _lookup(rec, task_key)
+    task = default_task if task is None else task
     if not isinstance(task, str):
-      raise ValueError(f"{path}:{n}: field 'task': expected a string, got {task!r}")
+      raise ValueError(f"{where}: field {task_key!r}: expected a string, got {task!r}")
     if known is not None and task not in known:
-      raise ValueError(f"{field} {path}:{n}: field 'task': expected a built-in task or a "
+      raise ValueError(f"{field} {where}: field {task_key!r}: expected a built-in task or a "
                        f"registered verifier ({', '.join(known)}; worker.verifiers "
                        f"registers more), got {task!r}")
-    out.append({"prompt": prompt, "answer": rec["answer"], "task": task})
+    out.append({"prompt": prompt, "answer": answer, "task": task})
   if not out:
     raise ValueError(f"{path}: no prompt records")
   return out
 
 
-def config_records(config, field: str, path: str) -> list[dict[str, str]]:
-  """A JSONL file's records, each task checked against the built-in tasks and the verifiers
-  that the config's worker.verifiers registers (imported here)."""
+def config_records(config, field: str, path: str) -> list[dict[str, Any]]:
+  """The records of a prompt file the config names, read at its data.*_key keys, each task
+  checked against the built-in tasks and the verifiers that worker.verifiers registers
+  (imported here)."""
   worker = config.get("worker", {})
+  data = config.get("data", {})
   load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
-  return read_jsonl(path, default_task=str(worker.get("default_task", "")),
-                    known=known_tasks(), field=field)
+  return read_prompts(path, default_task=str(worker.get("default_task", "")),
+                      known=known_tasks(), field=field,
+                      prompt_key=str(data.get("prompt_key", "prompt")),
+                      answer_key=str(data.get("answer_key", "answer")),
+                      task_key=str(data.get("task_key", "task")))
 
 
 def prompt_dataset(source: Sequence[dict[str, str]], seed: int) -> grain.IterDataset:

@@ -1,12 +1,13 @@
-"""The RL prompt stream: JSONL records from a path or a URL (gs:// on TPU VMs; file:// here,
-through the same tensorstore reader), bad records named by file, line and field, and a
-feed whose checkpointed state resumes the same stream."""
+"""The RL prompt stream: JSONL or Parquet records from a path or a URL (gs:// on TPU VMs;
+file:// here, through the same tensorstore reader), read at configurable (dotted) keys, bad
+records named by file, line or row and key, and a feed whose checkpointed state resumes the
+same stream."""
 
 import json
 
 import pytest
 
-from rlax_ps.train.prompts import PromptFeed, read_jsonl
+from rlax_ps.train.prompts import PromptFeed, read_prompts
 
 RECORDS = [{"prompt": "1+2=", "answer": "3", "task": "addition"},
            {"prompt": "say \u2028 this", "answer": "ok"},  # a JSON line with U+2028 inside
@@ -22,8 +23,8 @@ def _write(tmp_path, lines, name="data.jsonl"):
 def test_records_read_the_same_from_a_path_and_a_url(tmp_path):
   path = _write(tmp_path, [json.dumps(r, ensure_ascii=False) for r in RECORDS] + [""])
   want = [dict(r, task=r.get("task", "reversal")) for r in RECORDS]
-  assert read_jsonl(str(path), default_task="reversal") == want
-  assert read_jsonl(f"file://{path}", default_task="reversal") == want
+  assert read_prompts(str(path), default_task="reversal") == want
+  assert read_prompts(f"file://{path}", default_task="reversal") == want
 
 
 @pytest.mark.parametrize("line, message", [
@@ -31,7 +32,7 @@ def test_records_read_the_same_from_a_path_and_a_url(tmp_path):
     ("[1, 2]", "data.jsonl:2: expected an object, got list"),
     ('{"prompt": "", "answer": "1"}', "data.jsonl:2: field 'prompt': expected a non-empty "
                                       "string"),
-    ('{"prompt": "a", "answer": 3}', "data.jsonl:2: field 'answer': expected a string"),
+    ('{"prompt": "a", "answer": [3]}', "data.jsonl:2: field 'answer': expected a string"),
     ('{"prompt": "a", "answer": "b", "task": 7}', "data.jsonl:2: field 'task': expected a "
                                                   "string, got 7"),
     ('{"prompt": "a", "answer": "b", "task": "nope"}', "data.heldout_jsonl .*data.jsonl:2: "
@@ -42,17 +43,45 @@ def test_records_read_the_same_from_a_path_and_a_url(tmp_path):
 def test_a_bad_record_is_refused_naming_its_line_and_field(tmp_path, line, message):
   path = _write(tmp_path, [json.dumps(RECORDS[0]), line])
   with pytest.raises(ValueError, match=message):
-    read_jsonl(str(path), known=["addition", "math"], field="data.heldout_jsonl")
+    read_prompts(str(path), known=["addition", "math"], field="data.heldout_jsonl")
 
 
 def test_a_missing_file_or_object_is_refused_naming_the_field(tmp_path):
   for missing in (str(tmp_path / "nope.jsonl"), f"file://{tmp_path}/nope.jsonl"):
     with pytest.raises(ValueError, match=f"^data.jsonl: no (file|object at) .*nope.jsonl"):
-      read_jsonl(missing)
+      read_prompts(missing)
   with pytest.raises(ValueError, match="^data.jsonl: cannot read bogus://b/k: .*scheme"):
-    read_jsonl("bogus://b/k")
+    read_prompts("bogus://b/k")
   with pytest.raises(ValueError, match="empty.jsonl: no prompt records"):
-    read_jsonl(str(_write(tmp_path, [""], "empty.jsonl")))
+    read_prompts(str(_write(tmp_path, [""], "empty.jsonl")))
+
+
+def test_verl_style_parquet_rows_are_read_at_dotted_keys(tmp_path):
+  """A verl data file: the prompt a list of chat messages, the answer under
+  reward_model.ground_truth (an int in some datasets), no task column."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  rows = [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+2?"}],
+           "reward_model": {"style": "rule", "ground_truth": "3"}},
+          {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "2+2?"}],
+           "reward_model": {"style": "rule", "ground_truth": "4"}}]
+  path = tmp_path / "train.parquet"
+  pq.write_table(pa.Table.from_pylist(rows), path)
+  want = [{"prompt": r["prompt"], "answer": r["reward_model"]["ground_truth"], "task": "math"}
+          for r in rows]
+  for where in (str(path), f"file://{path}"):
+    assert read_prompts(where, default_task="math", answer_key="reward_model.ground_truth",
+                        known=["math"]) == want
+  ints = tmp_path / "ints.parquet"
+  pq.write_table(pa.Table.from_pylist([{"q": "1+2?", "a": 3}]), ints)
+  assert read_prompts(str(ints), default_task="math", prompt_key="q", answer_key="a") == [
+      {"prompt": "1+2?", "answer": "3", "task": "math"}]
+  with pytest.raises(ValueError, match=r"train.parquet:row 0: field 'reward_model.answer': "
+                                       r"expected a string, got None"):
+    read_prompts(str(path), default_task="math", answer_key="reward_model.answer")
+  (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+  with pytest.raises(ValueError, match="data.jsonl: .*bad.parquet is not a readable Parquet"):
+    read_prompts(str(tmp_path / "bad.parquet"))
 
 
 def test_a_restored_feed_goes_on_with_the_same_records():

@@ -100,3 +100,24 @@ def test_prompts_longer_than_the_packed_capacity_are_refused_before_sampling(tmp
   with RLTrainer(config, str(tmp_path / "b"), object()) as tr:
     with pytest.raises(ValueError, match="rl.max_prompt_tokens: 16 is too small for prompt"):
       tr._feed_prompts()
+
+
+def test_a_verl_parquet_file_feeds_the_trainer_through_the_chat_template(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  rows = [{"data_source": "x", "prompt": m, "reward_model": {"ground_truth": str(i)}}
+          for i, m in enumerate(CONVERSATIONS)]
+  pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+  config = rl_config("tiny")
+  config.tokenizer.kind, config.tokenizer.path = "hf", CHAT
+  config.tokenizer.chat_template = "auto"
+  config.rl.max_prompt_tokens = 64
+  config.data.jsonl = str(tmp_path / "train.parquet")
+  config.data.answer_key = "reward_model.ground_truth"
+  config.worker.default_task = "math"
+  with RLTrainer(config, str(tmp_path / "rl"), object()) as tr:
+    taken = sorted((r["answer"], r["task"], tuple(tr.tokenizer.encode_prompt(r["prompt"])))
+                   for _, r in tr.feed.take(4))
+  tok = tokenizer_from_config(config.tokenizer)
+  assert taken == [(str(i), "math", tuple(tok.encode_prompt(m)))
+                   for i, m in enumerate(CONVERSATIONS)]
