@@ -39,6 +39,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.groups_per_step = 64
   c.rl.max_prompt_tokens = 512
   c.rl.take_timeout_s = 1800.0
+  # Memory: 8 slices of 8 groups (one packed row of up to 512 + 8 * 1024 tokens per chip of
+  # a v5e-8), and 1024 response positions projected to the vocabulary at a time.
+  c.rl.micro_batches = 8
+  c.loss.logits_chunk = 1024
 
   c.worker.default_task = "math"
   c.worker.samples_per_prompt = 8
@@ -60,6 +64,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == "tiny":
     c.rl.steps = 2
     c.rl.groups_per_step = 2
+    c.rl.micro_batches = 2
+    c.loss.logits_chunk = 4
     c.rl.max_prompt_tokens = 64
     c.rl.take_timeout_s = 120.0
     c.worker.samples_per_prompt = 2

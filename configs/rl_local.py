@@ -63,6 +63,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.max_staleness = 1  # Policy versions a group may lag the newest; 0 = synchronous.
   c.rl.publish_every = 1  # Steps between published versions.
   c.rl.updates_per_batch = 1  # Optimizer updates per batch (PPO epochs; > 1: the clip binds).
+  # Slices of the batch whose gradients are accumulated (same update, a slice's activation
+  # memory); divides groups_per_step.
+  c.rl.micro_batches = 1
   c.rl.max_prompt_tokens = 24  # Packed prompt capacity, bos included.
   c.rl.ack_deadline_s = 1800.0  # Taken groups come back if unacknowledged this long.
   c.rl.take_timeout_s = 600.0  # Give up when no rollout arrives for this long.
@@ -89,6 +92,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.kl_coef = 0.0  # > 0: KL to the frozen warm start.
   c.loss.kl_estimator = "k3"
   c.loss.backend = "auto"  # Shared-prompt attention: Pallas on TPU/GPU, XLA on CPU.
+  # > 0: response positions projected to the vocabulary at a time (bounds logits memory).
+  c.loss.logits_chunk = 0
 
   # Publications: bf16 or int8 deltas, a keyframe every keyframe_every versions.
   c.publish = ml_collections.ConfigDict()

@@ -79,12 +79,53 @@ def response_logprobs(logits, response_tokens, layout: SharedPromptLayout, *,
   return out, jnp.where(valid, entropy, 0.0)
 
 
+def chunked_response_logprobs(model, hidden, response_tokens, layout: SharedPromptLayout, *,
+                              chunk: int, with_entropy: bool = False):
+  """response_logprobs from the packed row's final hidden states [B, L, H], projecting
+  `chunk` response positions to the vocabulary at a time and recomputing each chunk in the
+  backward pass: at most [B, chunk, V] logits live at once instead of [B, L, V] (a long
+  response under a 150k vocabulary otherwise takes gigabytes per row)."""
+  b, n, r = layout.batch, layout.num_responses, layout.response_capacity
+  idx = response_logit_index(layout).reshape(b, n * r)
+  h = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)  # [B, N*R, H]
+  tok = jnp.asarray(response_tokens, jnp.int32).reshape(b, n * r)
+  chunks = -(-(n * r) // chunk)
+  pad = chunks * chunk - n * r
+  h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, chunks, chunk, -1).swapaxes(0, 1)
+  tok = jnp.pad(tok, ((0, 0), (0, pad))).reshape(b, chunks, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(args):
+    h_c, tok_c = args
+    logp = jax.nn.log_softmax(model.logits_from_hidden(h_c).astype(jnp.float32), axis=-1)
+    out = jnp.take_along_axis(logp, tok_c[..., None], axis=-1)[..., 0]
+    return out, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+  out, entropy = jax.lax.map(one, (h, tok))
+  valid = jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None]
+
+  def unchunk(x):
+    return jnp.where(valid, x.swapaxes(0, 1).reshape(b, chunks * chunk)[:, :n * r]
+                     .reshape(b, n, r), 0.0)
+
+  return (unchunk(out), unchunk(entropy)) if with_entropy else unchunk(out)
+
+
 def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromptLayout, *,
                              backend: str = "auto", block_sizes: BlockSizes | None = None,
-                             interpret: bool = False, with_entropy: bool = False):
+                             interpret: bool = False, with_entropy: bool = False,
+                             logits_chunk: int = 0):
   """Runs the model once on the packed group and returns [B, N, R] response log-probs
-  (and, `with_entropy`, the policy's entropy at each response position)."""
-  logits = model(tokens, positions=layout.positions(), segment_ids=layout.segment_ids(),
-                 attention_fn=packed_attention_fn(layout, backend=backend,
-                                                  block_sizes=block_sizes, interpret=interpret))
-  return response_logprobs(logits, response_tokens, layout, with_entropy=with_entropy)
+  (and, `with_entropy`, the policy's entropy at each response position). `logits_chunk` > 0
+  projects that many response positions to the vocabulary at a time
+  (chunked_response_logprobs); 0 projects the whole row."""
+  attention_fn = packed_attention_fn(layout, backend=backend, block_sizes=block_sizes,
+                                     interpret=interpret)
+  kw = dict(positions=layout.positions(), segment_ids=layout.segment_ids(),
+            attention_fn=attention_fn)
+  if logits_chunk > 0:
+    hidden, _ = model.hidden_states(tokens, **kw)
+    return chunked_response_logprobs(model, hidden, response_tokens, layout,
+                                     chunk=logits_chunk, with_entropy=with_entropy)
+  return response_logprobs(model(tokens, **kw), response_tokens, layout,
+                           with_entropy=with_entropy)

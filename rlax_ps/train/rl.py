@@ -39,7 +39,8 @@ from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
 from rlax_ps.train.publisher import Publisher
-from rlax_ps.train.rl_loss import LossConfig, response_logprobs, rl_loss
+from rlax_ps.train.rl_loss import LossConfig, micro_batched_loss_and_grad, response_logprobs, \
+  rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   response_stats
 from rlax_ps.train.run import TrainerRun
@@ -48,26 +49,36 @@ from rlax_ps.train.step import apply_gradients, jit_step
 
 
 def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_groups: int,
-                 loss_cfg: LossConfig, schedule=None, updates_per_batch: int = 1):
+                 loss_cfg: LossConfig, schedule=None, updates_per_batch: int = 1,
+                 micro_batches: int = 1):
   """jit(step)(state, batch, ref_params) -> (new state, metrics), the state donated.
 
   `updates_per_batch` > 1 takes that many optimizer updates on the batch (PPO epochs)
   against proximal log-probs computed once; the state's step still counts batches and the
-  metrics are the mean over the updates."""
+  metrics are the mean over the updates. `micro_batches` > 1 accumulates each update's
+  gradient over that many slices of the batch's rows (the same gradient, a slice's memory)."""
   if updates_per_batch < 1:
     raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates_per_batch}")
+  if micro_batches < 1:
+    raise ValueError(f"rl.micro_batches: expected >= 1, got {micro_batches}")
   grad_fn = jax.value_and_grad(rl_loss, has_aux=True)
 
   def update(state: TrainState, batch: dict, ref_params: Any, proximal=None):
-    (_, metrics), grads = grad_fn(state.params, graphdef, batch, ref_params,
-                                  num_groups=num_groups, cfg=loss_cfg, proximal=proximal)
+    if micro_batches == 1:
+      (_, metrics), grads = grad_fn(state.params, graphdef, batch, ref_params,
+                                    num_groups=num_groups, cfg=loss_cfg, proximal=proximal)
+    else:
+      (_, metrics), grads = micro_batched_loss_and_grad(
+          state.params, graphdef, batch, ref_params, num_groups=num_groups, cfg=loss_cfg,
+          micro_batches=micro_batches, proximal=proximal)
     return apply_gradients(state, grads, metrics, optimizer, schedule)
 
   def step(state: TrainState, batch: dict, ref_params: Any) -> tuple[TrainState, dict]:
     if updates_per_batch == 1:
       return update(state, batch, ref_params)
     proximal = jax.lax.stop_gradient(
-        response_logprobs(state.params, graphdef, batch, loss_cfg.backend))
+        response_logprobs(state.params, graphdef, batch, loss_cfg.backend,
+                          logits_chunk=loss_cfg.logits_chunk))
     final, metrics = jax.lax.scan(lambda st, _: update(st, batch, ref_params, proximal), state,
                                   None, length=updates_per_batch)
     return final.replace(step=state.step + 1), jax.tree.map(lambda m: m.mean(0), metrics)
@@ -121,6 +132,13 @@ class RLTrainer(TrainerRun):
                             prompt_len=int(rl.max_prompt_tokens),
                             response_len=int(config.worker.max_new_tokens))
     self.loss_cfg = LossConfig.from_config(config.loss)
+    self.micro_batches = int(rl.get("micro_batches", 1))
+    if self.micro_batches < 1 or self.shape.groups % self.micro_batches:
+      raise ValueError(f"rl.micro_batches: expected a divisor of rl.groups_per_step="
+                       f"{self.shape.groups}, got {self.micro_batches}")
+    if self.micro_batches > 1 and self.loss_cfg.correction == "m2po":
+      raise ValueError("rl.micro_batches: expected 1 with loss.correction='m2po' (its token "
+                       "mask is a statistic of the whole batch)")
     self.dynamic = _dynamic_sampler(config, self.shape.samples)
     if str(config.worker.weights_format) != str(config.publish.format):
       raise ValueError(f"worker.weights_format: expected publish.format="
@@ -144,7 +162,8 @@ class RLTrainer(TrainerRun):
     self.rl_step = make_rl_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                 num_groups=self.shape.groups, loss_cfg=self.loss_cfg,
                                 schedule=self.schedule,
-                                updates_per_batch=int(rl.get("updates_per_batch", 1)))
+                                updates_per_batch=int(rl.get("updates_per_batch", 1)),
+                                micro_batches=self.micro_batches)
     self.feed = PromptFeed(self._prompt_source(), int(config.seed))
     self.publisher = Publisher(client, str(config.publish.format),
                                int(config.publish.keyframe_every))

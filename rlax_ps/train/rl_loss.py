@@ -51,6 +51,10 @@ class LossConfig:
   kl_coef: float = 0.0  # > 0: KL(pi || frozen reference) term
   kl_estimator: str = "k3"
   backend: str = "auto"  # shared-prompt attention backend (rlax_ps.kernels)
+  # > 0: project this many response positions to the vocabulary at a time (and again in
+  # the backward pass) instead of whole rows: bounds the logits' memory for long responses
+  # and large vocabularies.
+  logits_chunk: int = 0
 
   def __post_init__(self):
     def need(cond, field, expected):
@@ -72,6 +76,7 @@ class LossConfig:
     need(self.tis_cap > 0, "tis_cap", "> 0")
     need(self.behaviour_cap > 0, "behaviour_cap", "> 0")
     need(self.kl_coef >= 0, "kl_coef", ">= 0")
+    need(self.logits_chunk >= 0, "logits_chunk", ">= 0 positions (0 = whole rows)")
     need(self.kl_estimator in losses.KL_ESTIMATORS, "kl_estimator",
          f"one of {losses.KL_ESTIMATORS}")
 
@@ -109,14 +114,14 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
 
 
 def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend: str = "auto",
-                      *, with_entropy: bool = False):
+                      *, with_entropy: bool = False, logits_chunk: int = 0):
   """log p(response token) [rows * N, R] under `params`, one packed row per group (and,
   `with_entropy`, the policy's entropy at each of those positions)."""
   tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
                               batch["response_tokens"], batch["response_lens"])
   out = packed_response_logprobs(nnx.merge(graphdef, params), tokens,
                                  batch["response_tokens"], layout, backend=backend,
-                                 with_entropy=with_entropy)
+                                 with_entropy=with_entropy, logits_chunk=logits_chunk)
   if with_entropy:
     return tuple(x.reshape(-1, x.shape[-1]) for x in out)
   return out.reshape(-1, out.shape[-1])
@@ -130,20 +135,25 @@ def token_mask(batch: dict, sample_mask: jax.Array) -> jax.Array:
 
 
 def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *,
-            num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None
+            num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None,
+            advantages: tuple[jax.Array, jax.Array] | None = None
             ) -> tuple[jax.Array, dict]:
   """(scalar loss, metrics) of one packed batch; differentiable in `params`. `proximal`:
   the log-probs [rows * N, R] of the weights the batch's updates started from (several
-  updates per batch); None: the current ones (one update per batch)."""
-  adv, sample_mask = group_advantages(batch, num_groups, cfg)
+  updates per batch); None: the current ones (one update per batch). `advantages`: the
+  (advantages, sample mask) of these rows when computed over a larger batch."""
+  adv, sample_mask = (group_advantages(batch, num_groups, cfg) if advantages is None
+                      else advantages)
   mask = token_mask(batch, sample_mask)
-  logp, entropy = response_logprobs(params, graphdef, batch, cfg.backend, with_entropy=True)
+  logp, entropy = response_logprobs(params, graphdef, batch, cfg.backend, with_entropy=True,
+                                    logits_chunk=cfg.logits_chunk)
   behaviour = batch["behaviour_logp"].reshape(logp.shape)
   proximal = jax.lax.stop_gradient(logp if proximal is None else proximal)
   ref_logp = None
   if cfg.kl_coef > 0:
     ref_logp = jax.lax.stop_gradient(response_logprobs(ref_params, graphdef, batch,
-                                                       cfg.backend))
+                                                       cfg.backend,
+                                                       logits_chunk=cfg.logits_chunk))
   common = dict(agg=cfg.agg, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
                 kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
   policy_loss = losses.gspo_loss if cfg.policy_loss == "gspo" else losses.ppo_clip_loss
@@ -180,3 +190,79 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
       entropy=jnp.sum(jax.lax.stop_gradient(entropy) * mask) / n_tok,  # of the trainer's policy
   )
   return loss, metrics
+
+
+def _agg_count(batch: dict, sample_mask: jax.Array, agg: str) -> jax.Array:
+  """What `agg` divides by over these rows: real tokens, sequences with tokens, or samples."""
+  mask = token_mask(batch, sample_mask)
+  if agg == "token-mean":
+    return jnp.sum(mask)
+  if agg == "seq-mean-token-sum-norm":
+    return jnp.asarray(mask.shape[0], jnp.float32)
+  return jnp.sum((jnp.sum(mask, axis=-1) > 0).astype(jnp.float32))
+
+
+def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict,
+                                ref_params: Any, *, num_groups: int, cfg: LossConfig,
+                                micro_batches: int, proximal: jax.Array | None = None
+                                ) -> tuple[tuple[jax.Array, dict], Any]:
+  """((loss, metrics), gradient) of the whole batch, accumulated over `micro_batches`
+  slices of its rows so that only one slice's activations live at a time. Advantages are
+  taken over the whole batch first and each slice's loss is weighted by its share of the
+  aggregation's count, so the result is the whole batch's loss and gradient. Metrics are
+  weighted the same way (maxima and minima taken over the slices)."""
+  rows = batch["row_group"].shape[0]
+  if rows % micro_batches:
+    raise ValueError(f"rl.micro_batches: {micro_batches} does not divide the batch's {rows} "
+                     f"rows (rl.groups_per_step times a power of two)")
+  if cfg.correction == "m2po" and micro_batches > 1:
+    raise ValueError("rl.micro_batches: expected 1 with loss.correction='m2po' (its token "
+                     "mask is a statistic of the whole batch)")
+  n = batch["rewards"].shape[1]
+  adv, sample_mask = group_advantages(batch, num_groups, cfg)
+  total = jnp.maximum(_agg_count(batch, sample_mask, cfg.agg), 1.0)
+  per_row = dict(batch, adv=adv.reshape(rows, n), keep=sample_mask.reshape(rows, n))
+  if proximal is not None:
+    per_row["proximal"] = proximal.reshape(rows, n, -1)
+
+  def split(x):  # [rows, ...] -> [M, rows / M, ...]: slice m holds rows m, m + M, ...
+    return jnp.moveaxis(x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]), 1, 0)
+
+  def one(mb):
+    sub = {k: v for k, v in mb.items() if k not in ("adv", "keep", "proximal")}
+    keep = mb["keep"].reshape(-1)
+    weight = _agg_count(sub, keep, cfg.agg) / total
+    prox = mb["proximal"].reshape(-1, mb["proximal"].shape[-1]) if "proximal" in mb else None
+
+    def weighted(p):
+      loss, metrics = rl_loss(p, graphdef, sub, ref_params, num_groups=num_groups, cfg=cfg,
+                              proximal=prox, advantages=(mb["adv"].reshape(-1), keep))
+      return loss * weight, metrics
+
+    (loss, metrics), grads = jax.value_and_grad(weighted, has_aux=True)(params)
+    return loss, metrics, grads, weight
+
+  def body(acc, mb):
+    loss, metrics, grads, weight = one(mb)
+    a_loss, a_metrics, a_grads = acc
+    merged = {}
+    for k, v in metrics.items():
+      if k.endswith("_max"):
+        merged[k] = jnp.maximum(a_metrics[k], v)
+      elif k.endswith("_min"):
+        merged[k] = jnp.minimum(a_metrics[k], v)
+      elif k == "response_tokens":
+        merged[k] = a_metrics[k] + v
+      else:
+        merged[k] = a_metrics[k] + weight * v
+    return (a_loss + loss, merged, jax.tree.map(jnp.add, a_grads, grads)), None
+
+  slices = jax.tree.map(split, per_row)
+  first = jax.tree.map(lambda x: x[0], slices)
+  loss0, metrics0, grads0, w0 = one(first)
+  init = (loss0, {k: (v if k.endswith(("_max", "_min")) or k == "response_tokens" else w0 * v)
+                  for k, v in metrics0.items()}, grads0)
+  rest = jax.tree.map(lambda x: x[1:], slices)
+  (loss, metrics, grads), _ = jax.lax.scan(body, init, rest)
+  metrics["loss"] = loss
+  return (loss, metrics), grads

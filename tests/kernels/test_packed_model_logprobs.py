@@ -105,3 +105,22 @@ def test_packed_entropy_equals_the_entropy_of_each_separate_next_token_distribut
                              atol=2e-5)
   np.testing.assert_allclose(np.asarray(entropy)[valid], want[valid], atol=2e-5, rtol=1e-5)
   assert np.all(np.asarray(entropy)[~valid] == 0) and np.all(want[valid] > 0.1)
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 64])  # divides N*R, does not, exceeds it
+def test_chunked_logits_give_the_same_logprobs_entropy_and_gradients(group, chunk):
+  graphdef, state, prompts, responses = group
+
+  def loss(st, **kw):
+    logp, ent = _packed_logprobs(graphdef, st, prompts, responses, backend="xla",
+                                 with_entropy=True, **kw)
+    return jnp.sum(logp * jnp.arange(1, R + 1)), (logp, ent)
+
+  (want, (lp, ent)), g_want = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+  (got, (lp_c, ent_c)), g_got = jax.jit(jax.value_and_grad(
+      functools.partial(loss, logits_chunk=chunk), has_aux=True))(state)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  np.testing.assert_allclose(lp_c, lp, atol=2e-5)
+  np.testing.assert_allclose(ent_c, ent, atol=2e-5)
+  for (path, a), (_, b) in zip(jax.tree.leaves_with_path(g_got), jax.tree.leaves_with_path(g_want)):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))

@@ -267,6 +267,79 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind():
     make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg, updates_per_batch=0)
 
 
+@pytest.mark.parametrize("micro,overrides", [
+    (2, dict()),
+    (2, dict(agg="seq-mean-token-mean", correction="tis", kl_coef=0.1, logits_chunk=3)),
+    (4, dict(agg="seq-mean-token-sum-norm", correction="decoupled")),
+    (2, dict(policy_loss="gspo", agg="seq-mean-token-sum", advantage="rloo")),
+], ids=["token-mean", "seq-mean-tis-kl-chunked", "sum-norm-decoupled-4", "gspo-rloo"])
+def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, overrides):
+  """Rows 1 and 2 hold one group: with 2 micro-batches (rows 0, 2 and rows 1, 3) it is split,
+  so its advantages must come from the whole batch."""
+  from rlax_ps.train.rl_loss import micro_batched_loss_and_grad
+  graphdef, params = _model()
+  cfg = LossConfig(backend="xla", **overrides)
+  batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
+  ref = jax.tree.map(lambda x: x * 1.01, params)
+  rng = np.random.default_rng(1)
+  proximal = jnp.asarray(rng.uniform(-4, -2, (16, 5)), jnp.float32)
+  whole = jax.jit(jax.value_and_grad(lambda p: rl_loss(p, graphdef, batch, ref, num_groups=2,
+                                                       cfg=cfg, proximal=proximal),
+                                     has_aux=True))
+  (loss, metrics), grads = whole(params)
+  (m_loss, m_metrics), m_grads = jax.jit(lambda p: micro_batched_loss_and_grad(
+      p, graphdef, batch, ref, num_groups=2, cfg=cfg, micro_batches=micro,
+      proximal=proximal))(params)
+  np.testing.assert_allclose(m_loss, loss, rtol=1e-5, atol=1e-7)
+  for (path, g), (_, w) in zip(jax.tree.leaves_with_path(m_grads),
+                               jax.tree.leaves_with_path(grads)):
+    np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+  assert set(m_metrics) == set(metrics)
+  for k in ("loss", "response_tokens", "iw_max", "iw_min", "ratio_max"):
+    if k in metrics:
+      np.testing.assert_allclose(m_metrics[k], metrics[k], rtol=1e-5, err_msg=k)
+  if cfg.agg == "token-mean":  # token-weighted means are exact under that weighting
+    for k in ("iw_mean", "entropy", "behaviour_kl"):
+      np.testing.assert_allclose(m_metrics[k], metrics[k], rtol=1e-4, err_msg=k)
+
+
+def test_a_micro_batched_step_on_8_devices_equals_the_whole_batch_step_on_one():
+  from rlax_ps import optim, sharding
+  from rlax_ps.train.rl import make_rl_step
+  from rlax_ps.train.state import sharded_init
+
+  model_cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
+                          num_heads=2, num_kv_heads=1, max_position_embeddings=32)
+  opt = optim.make_optimizer({"lr": 0.05, "warmup_steps": 0, "min_lr_ratio": 1.0,
+                              "eps": 1e-4}, 10)
+  cfg = LossConfig(backend="xla", logits_chunk=8)
+  out = {}
+  for axes, micro in (((1, 1, 1), 1), ((2, 2, 2), 2)):
+    mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, axes)),
+                              jax.devices()[:int(np.prod(axes))])
+    state, shardings, graphdef = sharded_init(model_cfg, opt, mesh, seed=0)
+    step = make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg,
+                        micro_batches=micro)
+    new, metrics = step(state, sharding.shard_batch(mesh, BATCH), None)
+    out[micro] = (jax.device_get(new.params), float(metrics["loss"]))
+  (whole, loss1), (sliced, loss2) = out[1], out[2]
+  np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(whole), jax.tree.leaves(sliced)):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_micro_batches_are_refused_where_they_cannot_be_exact():
+  from rlax_ps.train.rl_loss import micro_batched_loss_and_grad
+  graphdef, params = _model()
+  batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
+  with pytest.raises(ValueError, match="rl.micro_batches: 3 does not divide the batch's 4 rows"):
+    micro_batched_loss_and_grad(params, graphdef, batch, None, num_groups=2,
+                                cfg=LossConfig(backend="xla"), micro_batches=3)
+  with pytest.raises(ValueError, match="rl.micro_batches: expected 1 with loss.correction='m2po'"):
+    micro_batched_loss_and_grad(params, graphdef, batch, None, num_groups=2,
+                                cfg=LossConfig(backend="xla", correction="m2po"), micro_batches=2)
+
+
 def test_response_stats_count_lengths_and_truncation_at_the_budget():
   def group(*responses):
     return Group(0, np.array([1], np.int32), tuple(np.asarray(r, np.int32) for r in responses),

@@ -39,7 +39,8 @@ def run(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("rl")
   server = start_server(tmp / "ps")
   worker = FakeWorker(server.address, samples=4).start()
-  config = _config(steps=4)
+  config = _config(steps=4, micro_batches=2)  # exact (test_rl_loss); here: wired through
+  config.loss.logits_chunk = 4
   config.export.every_steps = 2
   exported_at = {}
 
@@ -129,6 +130,15 @@ def test_export_every_steps_writes_the_weights_of_that_step(run):
   assert any(not np.array_equal(want[k], run["params"][k]) for k in want)  # trained on since
   for name in want:
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("micro,correction", [(3, "none"), (2, "m2po")])
+def test_micro_batches_that_cannot_be_exact_are_refused_naming_the_field(tmp_path, micro,
+                                                                        correction):
+  config = _config(micro_batches=micro)
+  config.loss.correction = correction
+  with pytest.raises(ValueError, match="rl.micro_batches"):
+    RLTrainer(config, str(tmp_path), object())
 
 
 def test_prompts_are_paced_by_the_staleness_bound(run):
