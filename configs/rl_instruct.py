@@ -43,6 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # a v5e-8), and 1024 response positions projected to the vocabulary at a time.
   c.rl.micro_batches = 8
   c.loss.logits_chunk = 1024
+  c.loss.remat = True
 
   c.worker.default_task = "math"
   c.worker.samples_per_prompt = 8

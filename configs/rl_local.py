@@ -94,6 +94,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.backend = "auto"  # Shared-prompt attention: Pallas on TPU/GPU, XLA on CPU.
   # > 0: response positions projected to the vocabulary at a time (bounds logits memory).
   c.loss.logits_chunk = 0
+  c.loss.remat = False  # Recompute each layer in the backward pass (less activation memory).
 
   # Publications: bf16 or int8 deltas, a keyframe every keyframe_every versions.
   c.publish = ml_collections.ConfigDict()

@@ -114,18 +114,19 @@ def chunked_response_logprobs(model, hidden, response_tokens, layout: SharedProm
 def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromptLayout, *,
                              backend: str = "auto", block_sizes: BlockSizes | None = None,
                              interpret: bool = False, with_entropy: bool = False,
-                             logits_chunk: int = 0):
+                             logits_chunk: int = 0, remat: bool = False):
   """Runs the model once on the packed group and returns [B, N, R] response log-probs
   (and, `with_entropy`, the policy's entropy at each response position). `logits_chunk` > 0
   projects that many response positions to the vocabulary at a time
-  (chunked_response_logprobs); 0 projects the whole row."""
+  (chunked_response_logprobs); 0 projects the whole row. `remat` recomputes each layer in
+  the backward pass (Transformer.hidden_states)."""
   attention_fn = packed_attention_fn(layout, backend=backend, block_sizes=block_sizes,
                                      interpret=interpret)
-  kw = dict(positions=layout.positions(), segment_ids=layout.segment_ids(),
-            attention_fn=attention_fn)
+  hidden, _ = model.hidden_states(tokens, positions=layout.positions(),
+                                  segment_ids=layout.segment_ids(), attention_fn=attention_fn,
+                                  remat=remat)
   if logits_chunk > 0:
-    hidden, _ = model.hidden_states(tokens, **kw)
     return chunked_response_logprobs(model, hidden, response_tokens, layout,
                                      chunk=logits_chunk, with_entropy=with_entropy)
-  return response_logprobs(model(tokens, **kw), response_tokens, layout,
+  return response_logprobs(model.logits_from_hidden(hidden), response_tokens, layout,
                            with_entropy=with_entropy)

@@ -134,8 +134,10 @@ class Transformer(nnx.Module):
       self.lm_head = _dense(c, c.hidden_size, c.vocab_size, ("fsdp", "tensor"), False, rngs)
 
   def hidden_states(self, tokens, *, positions=None, segment_ids=None, cache=None,
-                    attention_fn: Callable = dot_product_attention):
+                    attention_fn: Callable = dot_product_attention, remat: bool = False):
     """Final-norm hidden states [B, T, H] and the updated cache (None without one).
+    `remat` (training, no cache): keep only each layer's input for the backward pass and
+    recompute the rest, trading a forward pass for most of the activation memory.
 
     `cache` is any object with the KVCache protocol: `write_meta(segment_ids, positions)`,
     `attend(layer, q, k, v, q_segment_ids, q_positions, attention_fn) -> (out, cache)` and
@@ -158,10 +160,15 @@ class Transformer(nnx.Module):
 
     cos, sin = rope.rotary_angles(positions, rope.inverse_frequencies(self.config))
     x = self.embed(tokens)
+    if remat and cache is not None:
+      raise ValueError("remat: expected no cache (it serves training, not decoding)")
     for i, layer in enumerate(self.layers):
       if cache is None:
         def attend(q, k, v):
           return attention_fn(q, k, v, segment_ids, positions, segment_ids, positions)
+        if remat:
+          x = jax.checkpoint(lambda x, layer=layer, attend=attend: layer(x, cos, sin, attend))(x)
+          continue
       else:
         def attend(q, k, v, i=i):
           nonlocal cache

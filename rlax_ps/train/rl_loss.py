@@ -55,6 +55,7 @@ class LossConfig:
   # the backward pass) instead of whole rows: bounds the logits' memory for long responses
   # and large vocabularies.
   logits_chunk: int = 0
+  remat: bool = False  # recompute each layer's activations in the backward pass
 
   def __post_init__(self):
     def need(cond, field, expected):
@@ -114,14 +115,16 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
 
 
 def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend: str = "auto",
-                      *, with_entropy: bool = False, logits_chunk: int = 0):
+                      *, with_entropy: bool = False, logits_chunk: int = 0,
+                      remat: bool = False):
   """log p(response token) [rows * N, R] under `params`, one packed row per group (and,
   `with_entropy`, the policy's entropy at each of those positions)."""
   tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
                               batch["response_tokens"], batch["response_lens"])
   out = packed_response_logprobs(nnx.merge(graphdef, params), tokens,
                                  batch["response_tokens"], layout, backend=backend,
-                                 with_entropy=with_entropy, logits_chunk=logits_chunk)
+                                 with_entropy=with_entropy, logits_chunk=logits_chunk,
+                                 remat=remat)
   if with_entropy:
     return tuple(x.reshape(-1, x.shape[-1]) for x in out)
   return out.reshape(-1, out.shape[-1])
@@ -146,7 +149,7 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
                       else advantages)
   mask = token_mask(batch, sample_mask)
   logp, entropy = response_logprobs(params, graphdef, batch, cfg.backend, with_entropy=True,
-                                    logits_chunk=cfg.logits_chunk)
+                                    logits_chunk=cfg.logits_chunk, remat=cfg.remat)
   behaviour = batch["behaviour_logp"].reshape(logp.shape)
   proximal = jax.lax.stop_gradient(logp if proximal is None else proximal)
   ref_logp = None

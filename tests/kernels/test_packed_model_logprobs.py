@@ -107,8 +107,12 @@ def test_packed_entropy_equals_the_entropy_of_each_separate_next_token_distribut
   assert np.all(np.asarray(entropy)[~valid] == 0) and np.all(want[valid] > 0.1)
 
 
-@pytest.mark.parametrize("chunk", [4, 7, 64])  # divides N*R, does not, exceeds it
-def test_chunked_logits_give_the_same_logprobs_entropy_and_gradients(group, chunk):
+@pytest.mark.parametrize("kw", [dict(logits_chunk=4), dict(logits_chunk=7),
+                                dict(logits_chunk=64), dict(remat=True),
+                                dict(remat=True, logits_chunk=4)],
+                         ids=["chunk-divides", "chunk-does-not", "chunk-exceeds", "remat",
+                              "remat-chunk"])
+def test_chunked_logits_and_remat_give_the_same_logprobs_entropy_and_gradients(group, kw):
   graphdef, state, prompts, responses = group
 
   def loss(st, **kw):
@@ -118,9 +122,23 @@ def test_chunked_logits_give_the_same_logprobs_entropy_and_gradients(group, chun
 
   (want, (lp, ent)), g_want = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
   (got, (lp_c, ent_c)), g_got = jax.jit(jax.value_and_grad(
-      functools.partial(loss, logits_chunk=chunk), has_aux=True))(state)
+      functools.partial(loss, **kw), has_aux=True))(state)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   np.testing.assert_allclose(lp_c, lp, atol=2e-5)
   np.testing.assert_allclose(ent_c, ent, atol=2e-5)
   for (path, a), (_, b) in zip(jax.tree.leaves_with_path(g_got), jax.tree.leaves_with_path(g_want)):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_remat_wraps_each_layer_and_the_chunks_in_a_checkpoint(group):
+  graphdef, state, prompts, responses = group
+
+  def count(**kw):
+    jaxpr = jax.make_jaxpr(lambda st: jnp.sum(_packed_logprobs(
+        graphdef, st, prompts, responses, backend="xla", **kw)))(state)
+    return str(jaxpr).count("remat2[")  # jax.checkpoint's primitive
+
+  layers = len(nnx.merge(graphdef, state).layers)
+  assert count() == 0
+  assert count(remat=True) == layers
+  assert count(remat=True, logits_chunk=4) == layers + 1
