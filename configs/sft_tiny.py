@@ -36,6 +36,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # name a .jinja file. chat_kwargs: template variables as JSON, e.g. '{"enable_thinking": false}'.
   c.tokenizer.chat_template = ""
   c.tokenizer.chat_kwargs = ""
+  # For kind="hf": more tokens that end a sample, comma-separated (e.g. "<|im_end|>" when a
+  # base model's files stop only at <|endoftext|>), beside eos and generation_config.json's.
+  c.tokenizer.stop_tokens = ""
 
   # Model (rlax_ps.models.ModelConfig fields). vocab_size 0 = the tokenizer's.
   c.model = ml_collections.ConfigDict()

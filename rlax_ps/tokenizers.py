@@ -157,15 +157,15 @@ class HFTokenizer:
 
   Special tokens come from the arguments, else the sibling `tokenizer_config.json`, else
   common spellings; pad falls back to eos, as for Llama checkpoints that have no pad token.
-  Generation stops at eos and at every `eos_token_id` of a sibling generation_config.json
-  (instruct models end a turn with their own token). `chat_template` ("auto" or a .jinja
+  Generation stops at eos, at every `eos_token_id` of a sibling generation_config.json
+  (instruct models end a turn with their own token) and at each of `stop_tokens`. `chat_template` ("auto" or a .jinja
   path; rlax_ps.chat) renders prompts as a conversation, with `chat_kwargs` as template
   variables (e.g. {"enable_thinking": False}).
   """
 
   def __init__(self, path: str, *, bos_token: str | None = None, eos_token: str | None = None,
                pad_token: str | None = None, chat_template: str = "",
-               chat_kwargs: Mapping[str, Any] | None = None):
+               chat_kwargs: Mapping[str, Any] | None = None, stop_tokens: Iterable[str] = ()):
     from tokenizers import Tokenizer as _HFTok
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -185,7 +185,8 @@ class HFTokenizer:
                         required=False)
     self._pad = self._eos if pad is None else pad
     directory = os.path.dirname(file)
-    self._stops = (self._eos,) + tuple(i for i in _generation_eos_ids(directory) if i != self._eos)
+    extra = [self._resolve("stop", t, ()) for t in stop_tokens]
+    self._stops = tuple(dict.fromkeys([self._eos, *_generation_eos_ids(directory), *extra]))
     self.chat_template = chat.read_template(chat_template, directory) if chat_template else None
     self.chat_kwargs = dict(chat_kwargs or {})
     # The special tokens a template sees by name, as transformers passes them.
@@ -269,13 +270,16 @@ def _generation_eos_ids(directory: str) -> list[int]:
 
 
 def make_tokenizer(kind: str, path: str = "", alphabet: str = "", *, chat_template: str = "",
-                   chat_kwargs: str | Mapping[str, Any] = "") -> CharTokenizer | HFTokenizer:
+                   chat_kwargs: str | Mapping[str, Any] = "", stop_tokens: str = ""
+                   ) -> CharTokenizer | HFTokenizer:
   """From config: kind "char" (optional alphabet) or "hf" (path to tokenizer.json or its
-  dir, optional chat template and its variables as a dict or JSON text)."""
+  dir, optional chat template and its variables as a dict or JSON text, and extra stop
+  tokens, comma-separated)."""
   if kind == "char":
-    if chat_template:
-      raise ValueError(f"tokenizer.chat_template: the char tokenizer has none; expected '' "
-                       f"or kind='hf', got {chat_template!r}")
+    for field, value in (("chat_template", chat_template), ("stop_tokens", stop_tokens)):
+      if value:
+        raise ValueError(f"tokenizer.{field}: the char tokenizer takes none; expected '' or "
+                         f"kind='hf', got {value!r}")
     return CharTokenizer(alphabet or DEFAULT_ALPHABET)
   if kind == "hf":
     if not path:
@@ -288,17 +292,26 @@ def make_tokenizer(kind: str, path: str = "", alphabet: str = "", *, chat_templa
                          f"{chat_kwargs!r} ({e})") from None
     if not isinstance(chat_kwargs, Mapping):
       raise ValueError(f"tokenizer.chat_kwargs: expected a JSON object, got {chat_kwargs!r}")
-    return HFTokenizer(path, chat_template=chat_template, chat_kwargs=chat_kwargs)
+    stops = [t.strip() for t in stop_tokens.split(",") if t.strip()]
+    try:
+      return HFTokenizer(path, chat_template=chat_template, chat_kwargs=chat_kwargs,
+                         stop_tokens=stops)
+    except ValueError as e:
+      if str(e).startswith("HFTokenizer stop_token"):
+        raise ValueError(f"tokenizer.stop_tokens: {e}") from None
+      raise
   raise ValueError(f"tokenizer.kind: expected 'char' or 'hf', got {kind!r}")
 
 
 def tokenizer_from_config(block: Mapping[str, Any] | None, default_path: str = ""
                           ) -> CharTokenizer | HFTokenizer:
   """The tokenizer a config's `tokenizer` block names (kind, path, alphabet, chat_template,
-  chat_kwargs); `default_path` (the HF checkpoint started from) when it names no path."""
+  chat_kwargs, stop_tokens); `default_path` (the HF checkpoint started from) when it names
+  no path."""
   block = block or {}
   return make_tokenizer(str(block.get("kind", "char")), str(block.get("path", "") or default_path),
                         str(block.get("alphabet", "")),
                         chat_template=str(block.get("chat_template", "")),
-                        chat_kwargs=block.get("chat_kwargs", ""))
+                        chat_kwargs=block.get("chat_kwargs", ""),
+                        stop_tokens=str(block.get("stop_tokens", "")))
 

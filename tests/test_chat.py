@@ -47,6 +47,17 @@ def test_generation_stops_at_eos_and_every_generation_config_eos():
   assert plain.stop_ids == (plain.eos_id,)
 
 
+def test_stop_tokens_add_to_the_stops_and_an_unknown_one_is_named():
+  tok = make_tokenizer("hf", CHAT, stop_tokens="<|eot_id|>, <|im_end|>")
+  ids = [tok._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")]
+  assert tok.stop_ids == tuple(ids)  # eos, generation_config's, then these, each once
+  with pytest.raises(ValueError, match="tokenizer.stop_tokens: .*'<\\|nope\\|>' is not in "
+                                       "the vocabulary"):
+    make_tokenizer("hf", CHAT, stop_tokens="<|nope|>")
+  with pytest.raises(ValueError, match="tokenizer.stop_tokens: the char tokenizer takes none"):
+    make_tokenizer("char", stop_tokens="x")
+
+
 def test_generation_blocks_render_their_body():
   template = ("{% for m in messages %}{% generation %}[{{ m['content'] }}]{% endgeneration %}"
               "{% endfor %}")
@@ -74,7 +85,7 @@ def test_the_template_is_read_from_chat_template_jinja_first(tmp_path):
     (lambda: HFTokenizer(CHAT, chat_template="/no/such.jinja"),
      "tokenizer.chat_template: .*no such file"),
     (lambda: make_tokenizer("char", chat_template="auto"),
-     "tokenizer.chat_template: the char tokenizer has none"),
+     "tokenizer.chat_template: the char tokenizer takes none"),
     (lambda: make_tokenizer("hf", CHAT, chat_template="auto", chat_kwargs="{enable"),
      "tokenizer.chat_kwargs: expected a JSON object"),
     (lambda: make_tokenizer("hf", CHAT, chat_template="auto", chat_kwargs="[1]"),
