@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rl_grads import rl_loss_and_grads
 from inference_workers.sampler import generate, generate_shared
 from inference_workers.sampling import SamplingParams
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.models import ModelConfig, load_hf_checkpoint
-from rlax_ps.train.rl_loss import LossConfig, rl_loss
-from rlax_ps.train.rollouts import BatchShape, Group, build_batch
 from rlax_ps.train.state import abstract_model, make_init_fn, state_from_params, \
   state_shardings
 from rlax_ps.train.step import make_train_step
@@ -54,18 +53,7 @@ def test_generate_and_generate_shared_sample_the_llama3_model(model):
 
 
 def test_the_rl_loss_trains_the_llama3_model(model):
-  graphdef, state = nnx.split(model)
-  params = state.to_pure_dict()
-  rng = np.random.default_rng(0)
-  group = Group(0, np.array([1, 5, 9], np.int32), tuple(rng.integers(1, 50, 3) for _ in range(2)),
-                tuple(np.full(3, -2.0, np.float32) for _ in range(2)),
-                np.array([1.0, 0.0], np.float32), 0)
-  batch = {k: jnp.asarray(v) for k, v in
-           build_batch([group], BatchShape(groups=1, samples=2, prompt_len=4, response_len=3)).items()}
-  loss_grad = jax.jit(jax.value_and_grad(
-      lambda p, g: rl_loss(p, g, batch, None, num_groups=1, cfg=LossConfig(backend="xla"))[0]),
-      static_argnums=1)
-  loss, grads = loss_grad(params, graphdef)
+  loss, grads = rl_loss_and_grads(model, response_len=3, vocab_hi=50)
   assert np.isfinite(float(loss))
   assert float(jax.tree.reduce(lambda a, b: a + jnp.sum(jnp.abs(b)), grads, 0.0)) > 0
 

@@ -4,8 +4,6 @@ and trained by the packed RL loss, whose gradient reaches the q/k norms."""
 
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -15,8 +13,7 @@ from inference_workers.sampling import SamplingParams
 from inference_workers.weights import HeldPolicy
 from rlax_ps import sync
 from rlax_ps.models import flatten_params, load_hf_checkpoint
-from rlax_ps.train.rl_loss import LossConfig, rl_loss
-from rlax_ps.train.rollouts import BatchShape, Group, build_batch
+from rl_grads import rl_loss_and_grads
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf", "qwen3")
 
@@ -55,17 +52,7 @@ def test_shared_prefill_samples_as_one_prefill_per_sample(model):
 
 
 def test_the_packed_rl_loss_trains_the_qk_norms(model):
-  graphdef, state = nnx.split(model)
-  params = jax.tree.map(lambda x: x.astype(jnp.float32), state.to_pure_dict())
-  rng = np.random.default_rng(0)
-  group = Group(0, np.array([1, 5, 9], np.int32), tuple(rng.integers(3, 70, 4) for _ in range(2)),
-                tuple(np.full(4, -2.0, np.float32) for _ in range(2)),
-                np.array([1.0, 0.0], np.float32), 0)
-  batch = {k: jnp.asarray(v) for k, v in
-           build_batch([group], BatchShape(groups=1, samples=2, prompt_len=4, response_len=4)).items()}
-  grad = jax.jit(jax.grad(
-      lambda p, g: rl_loss(p, g, batch, None, num_groups=1, cfg=LossConfig(backend="xla"))[0]),
-      static_argnums=1)(params, graphdef)
+  _, grad = rl_loss_and_grads(model, response_len=4, vocab_hi=70)
   for layer in grad["layers"].values():
     for norm in ("q_norm", "k_norm"):
       g = np.asarray(layer["attn"][norm]["scale"])
