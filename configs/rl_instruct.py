@@ -61,6 +61,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.batch_size = 64
   c.eval.pass_k = 4
   c.local.workers = 1
+  c.export.dtype = "bfloat16"  # as the checkpoint came, for vLLM / transformers
 
   if arg == "tiny":
     c.rl.steps = 2

@@ -125,6 +125,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # > 0: also export every this many steps to <workdir>/exports/step_NNNNNN (the full model
   # each time), to score the run's course with `rlax-ps eval`.
   c.export.every_steps = 0
+  c.export.dtype = ""  # "" = the params' dtype; bfloat16 halves float32 exports.
 
   # Held-out evaluation: greedy exact match every every_steps and at the end, and
   # pass@1 / pass@pass_k with the workers' temperature at the end.

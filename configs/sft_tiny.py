@@ -121,6 +121,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # under <workdir>/hf, loadable by transformers / vLLM.
   c.export = ml_collections.ConfigDict()
   c.export.hf = True
+  c.export.dtype = ""  # "" = the params' dtype; bfloat16 halves float32 exports.
 
   if arg == "tiny":
     c.model.hidden_size = 32

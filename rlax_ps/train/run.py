@@ -75,8 +75,9 @@ class TrainerRun:
 
   def export_hf(self, path: str | None = None) -> str:
     """Write the model in Hugging Face format (config.json, safetensors, tokenizer files) to
-    `path` (default <workdir>/hf), replacing an earlier export only once the new one is
-    complete. On a multi-host slice every process gathers the params; process 0 writes."""
+    `path` (default <workdir>/hf) in export.dtype ("" = the params' dtype), replacing an
+    earlier export only once the new one is complete. On a multi-host slice every process
+    gathers the params; process 0 writes."""
     path = path or os.path.join(self.workdir, "hf")
     params = shd.to_host(self.state.params)
     if not self.leader:
@@ -85,7 +86,8 @@ class TrainerRun:
     partial = path.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-    save_hf_checkpoint(nnx.merge(self.graphdef, params), partial, extra_config=ids)
+    save_hf_checkpoint(nnx.merge(self.graphdef, params), partial, extra_config=ids,
+                       dtype=self.config.get("export", {}).get("dtype") or None)
     with open(os.path.join(partial, "generation_config.json"), "w") as f:
       json.dump({**ids, "eos_token_id": list(tok.stop_ids)}, f, indent=2)  # stop as trained
     if isinstance(tok, CharTokenizer):

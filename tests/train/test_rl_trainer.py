@@ -141,6 +141,21 @@ def test_micro_batches_that_cannot_be_exact_are_refused_naming_the_field(tmp_pat
     RLTrainer(config, str(tmp_path), object())
 
 
+def test_export_dtype_writes_bfloat16_weights(tmp_path):
+  import ml_dtypes
+  config = _config()
+  config.export.dtype = "bfloat16"
+  with RLTrainer(config, str(tmp_path / "rl"), object()) as tr:
+    path = tr.export_hf(str(tmp_path / "bf16"))
+    params = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
+  assert json.load(open(os.path.join(path, "config.json")))["torch_dtype"] == "bfloat16"
+  got = {k: np.asarray(v) for k, v in flatten_params(
+      load_hf_checkpoint(path, dtype="bfloat16")).items()}
+  for name, want in params.items():
+    assert got[name].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got[name], want.astype(ml_dtypes.bfloat16), err_msg=name)
+
+
 def test_prompts_are_paced_by_the_staleness_bound(run):
   config = run["config"]
   bound = config.rl.groups_per_step * max(config.rl.max_staleness, 1)
