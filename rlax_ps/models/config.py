@@ -7,7 +7,7 @@ from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 DTYPES = ("float32", "bfloat16")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class FrozenScaling(dict):
@@ -55,7 +55,9 @@ class ModelConfig:
   head_dim: int | None = None  # None -> hidden_size // num_heads.
   rope_theta: float = 10000.0
   # HF style: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-  # "original_max_position_embeddings"} or {"rope_type": "linear", "factor"}; None = plain RoPE.
+  # "original_max_position_embeddings"}, {"rope_type": "yarn", "factor",
+  # "original_max_position_embeddings"[, "beta_fast", "beta_slow", "attention_factor",
+  # "mscale", "mscale_all_dim", "truncate"]} or {"rope_type": "linear", "factor"}; None = plain.
   rope_scaling: dict[str, Any] | None = None
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections.
@@ -91,8 +93,12 @@ class ModelConfig:
       scaling = dict(self.rope_scaling)
       rope_type = scaling.get("rope_type", scaling.get("type", "default"))
       need(rope_type in ROPE_TYPES, "rope_scaling.rope_type", f"one of {ROPE_TYPES}", rope_type)
-      if rope_type in ("linear", "llama3"):
-        need("factor" in scaling, "rope_scaling.factor", "a number", None)
+      if rope_type in ("linear", "llama3", "yarn"):
+        need(isinstance(scaling.get("factor"), (int, float)), "rope_scaling.factor", "a number",
+             scaling.get("factor"))
+      if rope_type == "yarn":
+        need("original_max_position_embeddings" in scaling,
+             "rope_scaling.original_max_position_embeddings", "a number", None)
       if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
           need(key in scaling, f"rope_scaling.{key}", "a number", None)

@@ -59,9 +59,9 @@ def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
   partial = rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
   if partial not in (None, 1, 1.0):
     raise ValueError(f"{CONFIG_FILE}: partial_rotary_factor: expected 1.0, got {partial!r}")
-  if rope_type not in ("default", "linear", "llama3"):
-    raise ValueError(f"{CONFIG_FILE}: rope type: expected one of ['default', 'linear', 'llama3'], "
-                     f"got {rope_type!r}")
+  if rope_type not in ("default", "linear", "llama3", "yarn"):
+    raise ValueError(f"{CONFIG_FILE}: rope type: expected one of ['default', 'linear', 'llama3', "
+                     f"'yarn'], got {rope_type!r}")
   if rope_type == "default":
     return theta, None
   return theta, {"rope_type": rope_type, **rope}

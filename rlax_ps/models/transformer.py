@@ -1,6 +1,6 @@
 """Decoder-only transformer in Flax NNX covering the Llama 2/3, Qwen2/2.5 and Qwen3 families.
 
-RMSNorm, RoPE (plain, linear or Llama-3 scaled), grouped-query attention, SwiGLU MLP,
+RMSNorm, RoPE (plain, linear, Llama-3 or YaRN scaled), grouped-query attention, SwiGLU MLP,
 optional q/k/v biases (Qwen2), optional per-head q/k norms (Qwen3), tied or untied
 embeddings. Several sequences may share a
 row (segment ids + positions); an optional KVCache serves decoding.
@@ -158,7 +158,8 @@ class Transformer(nnx.Module):
     if cache is not None:
       cache = cache.write_meta(segment_ids, positions)
 
-    cos, sin = rope.rotary_angles(positions, rope.inverse_frequencies(self.config))
+    cos, sin = rope.rotary_angles(positions, rope.inverse_frequencies(self.config),
+                                  rope.attention_scaling(self.config))
     x = self.embed(tokens)
     if remat and cache is not None:
       raise ValueError("remat: expected no cache (it serves training, not decoding)")

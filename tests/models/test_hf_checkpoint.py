@@ -46,7 +46,8 @@ def copy_with(tmp_path, name, tensors=None, config=None):
 
 
 @pytest.mark.parametrize("name,other", [("llama", "config_4x.json"), ("qwen2", "config_4x.json"),
-                                        ("qwen3", "config_4x.json"), ("mistral", "config_4x.json")])
+                                        ("qwen3", "config_4x.json"), ("mistral", "config_4x.json"),
+                                        ("qwen3_yarn", "config_4x.json")])
 def test_both_config_layouts_give_the_same_config(name, other):
   new_style = read_json(os.path.join(fixture(name), "config.json"))
   old_style = read_json(os.path.join(fixture(name), other))
@@ -84,7 +85,11 @@ def test_config_fields_read_from_llama_and_qwen2():
                 num_kv_heads=2, head_dim=8, qk_norm=True, architecture="qwen3", rope_theta=1e6),
     ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=4,
                 num_kv_heads=1, head_dim=8, architecture="mistral", rope_theta=1e6),
-], ids=["llama", "qwen2", "qwen3", "mistral"])
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=4,
+                num_kv_heads=2, head_dim=8, qk_norm=True, architecture="qwen3",
+                rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                              "original_max_position_embeddings": 32768}),
+], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -106,14 +111,17 @@ def test_unknown_architecture_is_named():
     ("hidden_act", "gelu", "llama"), ("use_sliding_window", True, "qwen2"),
     ("attention_bias", True, "qwen3"), ("use_sliding_window", True, "qwen3"),
     ("sliding_window", 64, "mistral"),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "llama"),
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}, "llama"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "qwen3"),
 ])
 def test_unsupported_config_field_is_named(field, value, arch):
   d = read_json(os.path.join(fixture(arch), "config.json"))
   d[field] = value
   if field == "use_sliding_window":
     d.update(max_window_layers=0, layer_types=None)
-  with pytest.raises(ValueError, match="yarn" if field == "rope_parameters" else field):
+  want = {"dynamic": "dynamic", "yarn": "original_max_position_embeddings"}.get(
+      (value or {}).get("rope_type") if isinstance(value, dict) else None, field)
+  with pytest.raises(ValueError, match=want):
     config_from_hf(d)
 
 

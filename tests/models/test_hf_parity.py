@@ -51,7 +51,8 @@ def with_config(name, config_file, tmp_path):
   return str(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
+                                  "qwen3_yarn"])
 @pytest.mark.parametrize("config_file", ["config.json", "config_4x.json"])
 def test_logits_match_transformers(name, config_file, tmp_path):
   tokens, expected = reference(name)
@@ -64,17 +65,19 @@ def test_logits_match_transformers(name, config_file, tmp_path):
   assert err < TOLERANCE
 
 
-def test_llama_fixture_exercises_llama3_rope_scaling(tmp_path):
+@pytest.mark.parametrize("name,scaled", [("llama", "llama3"), ("qwen3_yarn", "yarn")])
+def test_the_scaled_rope_fixtures_exercise_their_scaling(name, scaled, tmp_path):
   # Without the scaling the same weights give clearly different logits, so the parity test
-  # above really checks the Llama-3 frequency bands.
-  path = with_config("llama", "config.json", tmp_path)
+  # above really checks the Llama-3 frequency bands and YaRN's ramp and attention factor.
+  path = with_config(name, "config.json", tmp_path)
   with open(tmp_path / "config.json") as f:
     config = json.load(f)
-  assert config["rope_parameters"]["rope_type"] == "llama3"
-  config["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+  assert config["rope_parameters"]["rope_type"] == scaled
+  config["rope_parameters"] = {"rope_type": "default",
+                               "rope_theta": config["rope_parameters"]["rope_theta"]}
   with open(tmp_path / "config.json", "w") as f:
     json.dump(config, f)
-  tokens, expected = reference("llama")
+  tokens, expected = reference(name)
   model = load_hf_checkpoint(path)
   assert model.config.rope_scaling is None
   assert np.abs(np.asarray(forward(model, tokens)) - expected).max() > 1e-2

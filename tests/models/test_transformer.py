@@ -105,7 +105,8 @@ def test_assign_params_names_the_bad_tensor(model):
     ("num_kv_heads", 3, "num_kv_heads"),
     ("dtype", "float16", "dtype"),
     ("architecture", "gpt2", "architecture"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_type"),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_type"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "original_max_position_embeddings"),
     ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
 ])
 def test_config_rejects_bad_fields_by_name(field, value, match):
