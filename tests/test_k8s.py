@@ -307,6 +307,8 @@ def test_the_image_installs_every_package_and_ships_the_recipes_the_manifests_na
   assert entry in project["project"]["scripts"]
   extras = set(re.findall(r"EXTRA=(\w+)", dockerfile))
   assert extras and extras <= set(project["project"]["optional-dependencies"])
+  install = re.search(r'^RUN pip install "\.\[(\w+)\$\{EXTRA', dockerfile, re.M)
+  assert install and install.group(1) in project["project"]["optional-dependencies"]
   for overlay in OVERLAYS:
     for doc in workloads(overlay).values():
       for c in containers(doc):

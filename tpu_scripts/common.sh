@@ -30,7 +30,7 @@ ship_repo() {
   tarball="$(mktemp -t rlax-ps-XXXX.tar.gz)" || return 1
   if ! { run git -C "$REPO_ROOT" archive --format=tar.gz -o "$tarball" "$RLAX_PS_REF" &&
          gtpu scp "$tarball" "$name:rlax-ps.tar.gz" --worker=all &&
-         gtpu ssh "$name" --worker=all --command="mkdir -p $RLAX_PS_DIR && tar xzf rlax-ps.tar.gz -C $RLAX_PS_DIR && cd $RLAX_PS_DIR && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]'"; }; then
+         gtpu ssh "$name" --worker=all --command="mkdir -p $RLAX_PS_DIR && tar xzf rlax-ps.tar.gz -C $RLAX_PS_DIR && cd $RLAX_PS_DIR && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu,parquet]'"; }; then
     status=1
   fi
   rm -f "$tarball"
