@@ -57,6 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.warmup_steps = 10
   c.optimizer.weight_decay = 0.01
   c.checkpoint.every_steps = 20
+  c.checkpoint.async_save = True  # steps go on while a save is written; acks wait for it
   c.eval.every_steps = 50
   c.eval.batch_size = 64
   c.eval.pass_k = 4

@@ -132,6 +132,33 @@ def test_export_every_steps_writes_the_weights_of_that_step(run):
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+def test_with_async_saves_a_take_is_acked_only_once_a_durable_checkpoint_holds_it(tmp_path):
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4).start()
+  config = _config(steps=6)
+  config.checkpoint.async_save, config.checkpoint.every_steps = True, 1
+  acks = []  # (take's step, saving at the time, latest durable step)
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"),
+                                                           tc) as tr:
+      ack = tc.ack
+
+      def checked_ack(take_id):
+        step = next(t.step for t in tr.pending if t.take_id == take_id)
+        acks.append((step, tr.checkpointer.saving(), tr.checkpointer.latest_step()))
+        return ack(take_id)
+
+      tc.ack = checked_ack
+      tr.train()
+    with client(server.address, "viewer") as vc:
+      assert vc.stats().rollouts_in_flight == 0
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+  assert {step for step, _, _ in acks} == {1, 2, 3, 4, 5, 6}  # several takes a step
+  assert all(not saving and step <= durable for step, saving, durable in acks)
+
+
 @pytest.mark.parametrize("micro,correction", [(3, "none"), (2, "m2po")])
 def test_micro_batches_that_cannot_be_exact_are_refused_naming_the_field(tmp_path, micro,
                                                                         correction):
