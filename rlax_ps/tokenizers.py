@@ -158,9 +158,9 @@ class HFTokenizer:
   Special tokens come from the arguments, else the sibling `tokenizer_config.json`, else
   common spellings; pad falls back to eos, as for Llama checkpoints that have no pad token.
   Generation stops at eos, at every `eos_token_id` of a sibling generation_config.json
-  (instruct models end a turn with their own token) and at each of `stop_tokens`. `chat_template` ("auto" or a .jinja
-  path; rlax_ps.chat) renders prompts as a conversation, with `chat_kwargs` as template
-  variables (e.g. {"enable_thinking": False}).
+  (instruct models end a turn with their own token) and at each of `stop_tokens`.
+  `chat_template` ("auto" or a .jinja path; rlax_ps.chat) renders prompts as a
+  conversation, with `chat_kwargs` as template variables (e.g. {"enable_thinking": False}).
   """
 
   def __init__(self, path: str, *, bos_token: str | None = None, eos_token: str | None = None,

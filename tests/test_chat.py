@@ -43,8 +43,8 @@ def test_generation_stops_at_eos_and_every_generation_config_eos():
   tok = HFTokenizer(CHAT)
   im_end, endoftext = (tok._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
   assert tok.eos_id == im_end and tok.stop_ids == (im_end, endoftext)
-  plain = HFTokenizer(os.path.join(FIXTURES, "tokenizer"), bos_token="<eos>")  # no generation_config
-  assert plain.stop_ids == (plain.eos_id,)
+  plain = HFTokenizer(os.path.join(FIXTURES, "tokenizer"), bos_token="<eos>")
+  assert plain.stop_ids == (plain.eos_id,)  # no generation_config.json there
 
 
 def test_stop_tokens_add_to_the_stops_and_an_unknown_one_is_named():

@@ -1,4 +1,5 @@
-"""ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 family decoder, independent of any checkpoint format."""
+"""ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 family decoder, independent of
+any checkpoint format."""
 
 from __future__ import annotations
 

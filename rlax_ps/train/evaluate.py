@@ -74,7 +74,8 @@ def jitted_generate(graphdef: nnx.GraphDef, max_new_tokens: int, sampled: bool =
 
 def left_pad_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int
                      ) -> dict[str, np.ndarray]:
-  """Prompt ids (`encode_prompt`), right-aligned in rows of `length`, with segment ids and positions."""
+  """Prompt ids (`encode_prompt`), right-aligned in rows of `length`, with segment ids and
+  positions."""
   b = len(prompts)
   tokens = np.full((b, length), tokenizer.pad_id, np.int32)
   seg = np.zeros((b, length), np.int32)

@@ -30,7 +30,8 @@ def test_conversations_are_rendered_sampled_to_a_stop_id_trained_and_exported(tm
   (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
   config = rl_config("tiny")
   config.tokenizer.kind, config.tokenizer.path = "hf", CHAT
-  config.tokenizer.chat_template, config.tokenizer.chat_kwargs = "auto", '{"enable_thinking": false}'
+  config.tokenizer.chat_template = "auto"
+  config.tokenizer.chat_kwargs = '{"enable_thinking": false}'
   config.data.jsonl = str(tmp_path / "train.jsonl")
   config.data.heldout_jsonl = str(tmp_path / "heldout.jsonl")
   config.rl.steps, config.rl.max_prompt_tokens = 2, 64
