@@ -39,8 +39,8 @@ from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
 from rlax_ps.train.publisher import Publisher
-from rlax_ps.train.rl_loss import LossConfig, micro_batched_loss_and_grad, response_logprobs, \
-  rl_loss
+from rlax_ps.train.rl_loss import LossConfig, check_micro_batches, micro_batched_loss_and_grad, \
+  response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   response_stats
 from rlax_ps.train.run import TrainerRun
@@ -59,8 +59,6 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
   gradient over that many slices of the batch's rows (the same gradient, a slice's memory)."""
   if updates_per_batch < 1:
     raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates_per_batch}")
-  if micro_batches < 1:
-    raise ValueError(f"rl.micro_batches: expected >= 1, got {micro_batches}")
   grad_fn = jax.value_and_grad(rl_loss, has_aux=True)
 
   def update(state: TrainState, batch: dict, ref_params: Any, proximal=None):
@@ -133,12 +131,7 @@ class RLTrainer(TrainerRun):
                             response_len=int(config.worker.max_new_tokens))
     self.loss_cfg = LossConfig.from_config(config.loss)
     self.micro_batches = int(rl.get("micro_batches", 1))
-    if self.micro_batches < 1 or self.shape.groups % self.micro_batches:
-      raise ValueError(f"rl.micro_batches: expected a divisor of rl.groups_per_step="
-                       f"{self.shape.groups}, got {self.micro_batches}")
-    if self.micro_batches > 1 and self.loss_cfg.correction == "m2po":
-      raise ValueError("rl.micro_batches: expected 1 with loss.correction='m2po' (its token "
-                       "mask is a statistic of the whole batch)")
+    check_micro_batches(self.micro_batches, self.shape.groups, self.loss_cfg)
     self.dynamic = _dynamic_sampler(config, self.shape.samples)
     if str(config.worker.weights_format) != str(config.publish.format):
       raise ValueError(f"worker.weights_format: expected publish.format="

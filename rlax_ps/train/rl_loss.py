@@ -205,6 +205,16 @@ def _agg_count(batch: dict, sample_mask: jax.Array, agg: str) -> jax.Array:
   return jnp.sum((jnp.sum(mask, axis=-1) > 0).astype(jnp.float32))
 
 
+def check_micro_batches(micro_batches: int, rows: int, cfg: LossConfig) -> None:
+  """ValueError naming rl.micro_batches unless slicing `rows` that many ways is exact."""
+  if micro_batches < 1 or rows % micro_batches:
+    raise ValueError(f"rl.micro_batches: expected a divisor of the batch's {rows} rows "
+                     f"(rl.groups_per_step times a power of two), got {micro_batches}")
+  if cfg.correction == "m2po" and micro_batches > 1:
+    raise ValueError("rl.micro_batches: expected 1 with loss.correction='m2po' (its token "
+                     "mask is a statistic of the whole batch)")
+
+
 def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict,
                                 ref_params: Any, *, num_groups: int, cfg: LossConfig,
                                 micro_batches: int, proximal: jax.Array | None = None
@@ -215,12 +225,7 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   aggregation's count, so the result is the whole batch's loss and gradient. Metrics are
   weighted the same way (maxima and minima taken over the slices)."""
   rows = batch["row_group"].shape[0]
-  if rows % micro_batches:
-    raise ValueError(f"rl.micro_batches: {micro_batches} does not divide the batch's {rows} "
-                     f"rows (rl.groups_per_step times a power of two)")
-  if cfg.correction == "m2po" and micro_batches > 1:
-    raise ValueError("rl.micro_batches: expected 1 with loss.correction='m2po' (its token "
-                     "mask is a statistic of the whole batch)")
+  check_micro_batches(micro_batches, rows, cfg)
   n = batch["rewards"].shape[1]
   adv, sample_mask = group_advantages(batch, num_groups, cfg)
   total = jnp.maximum(_agg_count(batch, sample_mask, cfg.agg), 1.0)
