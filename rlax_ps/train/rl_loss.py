@@ -222,8 +222,9 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   """((loss, metrics), gradient) of the whole batch, accumulated over `micro_batches`
   slices of its rows so that only one slice's activations live at a time. Advantages are
   taken over the whole batch first and each slice's loss is weighted by its share of the
-  aggregation's count, so the result is the whole batch's loss and gradient. Metrics are
-  weighted the same way (maxima and minima taken over the slices)."""
+  aggregation's count, so the result is the whole batch's loss and gradient (summed in
+  float32, returned in the params' dtype). Metrics are weighted the same way (maxima and
+  minima taken over the slices)."""
   rows = batch["row_group"].shape[0]
   check_micro_batches(micro_batches, rows, cfg)
   n = batch["rewards"].shape[1]
@@ -263,14 +264,16 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
         merged[k] = a_metrics[k] + v
       else:
         merged[k] = a_metrics[k] + weight * v
-    return (a_loss + loss, merged, jax.tree.map(jnp.add, a_grads, grads)), None
+    return (a_loss + loss, merged,
+            jax.tree.map(lambda a, g: a + g.astype(jnp.float32), a_grads, grads)), None
 
   slices = jax.tree.map(split, per_row)
-  first = jax.tree.map(lambda x: x[0], slices)
-  loss0, metrics0, grads0, w0 = one(first)
-  init = (loss0, {k: (v if k.endswith(("_max", "_min")) or k == "response_tokens" else w0 * v)
-                  for k, v in metrics0.items()}, grads0)
-  rest = jax.tree.map(lambda x: x[1:], slices)
-  (loss, metrics, grads), _ = jax.lax.scan(body, init, rest)
+  _, shapes, _, _ = jax.eval_shape(one, jax.tree.map(lambda x: x[0], slices))
+  start = {"_max": -jnp.inf, "_min": jnp.inf}
+  init = (jnp.zeros((), jnp.float32),
+          {k: jnp.full(v.shape, start.get(k[-4:], 0.0), v.dtype) for k, v in shapes.items()},
+          jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))  # sums in float32
+  (loss, metrics, grads), _ = jax.lax.scan(body, init, slices)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   metrics["loss"] = loss
   return (loss, metrics), grads
