@@ -77,6 +77,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.batch_size = 32  # Rows per update (global, over all devices).
   c.data.seq_len = 64  # Tokens per row.
   c.data.packing = True  # Several examples per row (else one example per row, padded).
+  # Train on a JSONL or Parquet file (a path or a URL) of {"prompt", "answer"} records
+  # (prompts as text or chat messages) instead of the tasks; the keys read other columns.
+  # The loss is on the answer and eos; held-out evaluation stays on the tasks.
+  c.data.jsonl = ""
+  c.data.prompt_key = "prompt"
+  c.data.answer_key = "answer"
+  c.data.task_key = "task"
 
   # Optimizer (rlax_ps.optim): AdamW + clipping + warmup/cosine + accumulation.
   c.optimizer = ml_collections.ConfigDict()

@@ -1,5 +1,6 @@
-"""SFT batches from the built-in tasks: tokenize, then pack several examples per row (or pad
-one per row), with the loss on answer tokens only.
+"""SFT batches from the built-in tasks or a prompt file's records: tokenize (prompts as the
+model sees them, chat template included), then pack several examples per row (or pad one
+per row), with the loss on answer tokens only.
 
 The batch for step s is a pure function of (seed, s), so the data position of a run is its
 step and a resumed run sees exactly the batches it would have seen.
@@ -17,7 +18,7 @@ from rlax_ps.tokenizers import Tokenizer
 
 
 def encode_example(tokenizer: Tokenizer, example: Example) -> tuple[list[int], list[float]]:
-  """(ids, loss weights) for [bos] prompt answer [eos]; weight 1 on answer and eos ids."""
+  """(ids, loss weights) for the prompt's ids, answer, eos; weight 1 on answer and eos ids."""
   prompt = tokenizer.encode_prompt(example.prompt)
   answer = tokenizer.encode(example.answer, add_eos=True)
   return prompt + answer, [0.0] * len(prompt) + [1.0] * len(answer)
@@ -82,11 +83,44 @@ def step_seed(seed: int, step: int, chunk: int = 0) -> int:
   return zlib.crc32(f"{seed}/{step}/{chunk}".encode()) & 0x7FFFFFFF
 
 
+def sampled_records(records: Sequence[Example], seed: int, n: int) -> list[Example]:
+  """`n` of `records` drawn uniformly (with replacement), deterministic in `seed`."""
+  idx = np.random.default_rng(seed & 0xFFFFFFFF).integers(0, len(records), n)
+  return [records[i] for i in idx]
+
+
 class SFTBatches:
-  """The training batches of one run: `batch(step)` is the same array every time it is asked."""
+  """The training batches of one run: `batch(step)` is the same array every time it is asked.
+  Examples come from `records` when given (e.g. data.jsonl's), else from the weighted tasks."""
 
   def __init__(self, tasks: Sequence[Task], weights: Sequence[float], tokenizer: Tokenizer,
-               *, batch_size: int, seq_len: int, seed: int, packing: bool = True):
+               *, batch_size: int, seq_len: int, seed: int, packing: bool = True,
+               records: Sequence[Example] | None = None):
+    self.records = None if records is None else list(records)
+    self.tasks, self.weights, self.tokenizer = list(tasks), list(weights), tokenizer
+    self.batch_size, self.seq_len, self.seed, self.packing = batch_size, seq_len, seed, packing
+    if self.records is not None:
+      self._check_records()
+    else:
+      self._check_tasks()
+    # Examples to draw per chunk: about one batch worth, estimated from the mean length.
+    probe = self._draw(seed, 64)
+    mean_len = np.mean([len(encode_example(tokenizer, e)[0]) for e in probe])
+    per_row = max(1, int(seq_len // mean_len)) if packing else 1
+    self._chunk = max(8, int(batch_size * per_row * 1.3))
+
+  def _check_records(self) -> None:
+    if not self.records:
+      raise ValueError("data.jsonl: expected at least one record")
+    lengths = [len(encode_example(self.tokenizer, e)[0]) - 1 for e in self.records]
+    over = [i for i, n in enumerate(lengths) if n > self.seq_len]
+    if over:
+      raise ValueError(f"data.seq_len: {self.seq_len} is too small for {len(over)} of "
+                       f"{len(lengths)} records (the longest has {max(lengths)} next-token "
+                       f"pairs, record {over[0] + 1} has {lengths[over[0]]}); raise it")
+
+  def _check_tasks(self) -> None:
+    tasks, weights, seq_len = self.tasks, self.weights, self.seq_len
     if len(tasks) != len(weights) or not tasks:
       raise ValueError(f"tasks: expected one weight per task and at least one task, got "
                        f"{len(tasks)} tasks and {len(weights)} weights")
@@ -96,20 +130,17 @@ class SFTBatches:
     if longest > seq_len:
       raise ValueError(f"data.seq_len: expected >= {longest} so the longest example of "
                        f"{[t.name for t in tasks]} fits, got {seq_len}")
-    self.tasks, self.weights, self.tokenizer = list(tasks), list(weights), tokenizer
-    self.batch_size, self.seq_len, self.seed, self.packing = batch_size, seq_len, seed, packing
-    # Examples to draw per chunk: about one batch worth, estimated from the mean length.
-    probe = mixed_examples(self.tasks, self.weights, "train", seed, 64)
-    mean_len = np.mean([len(encode_example(tokenizer, e)[0]) for e in probe])
-    per_row = max(1, int(seq_len // mean_len)) if packing else 1
-    self._chunk = max(8, int(batch_size * per_row * 1.3))
+
+  def _draw(self, seed: int, n: int) -> list[Example]:
+    if self.records is not None:
+      return sampled_records(self.records, seed, n)
+    return mixed_examples(self.tasks, self.weights, "train", seed, n)
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     encoded: list = []
     chunk = 0
     while True:
-      examples = mixed_examples(self.tasks, self.weights, "train",
-                                step_seed(self.seed, step, chunk), self._chunk)
+      examples = self._draw(step_seed(self.seed, step, chunk), self._chunk)
       encoded.extend(encode_example(self.tokenizer, e) for e in examples)
       batch, used = pack_rows(encoded, self.batch_size, self.seq_len, self.tokenizer.pad_id,
                               self.packing)

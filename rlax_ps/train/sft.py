@@ -20,8 +20,10 @@ from flax import nnx
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
+from rlax_ps.tasks import Example
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.heldout import heldout_from_config
+from rlax_ps.train.prompts import read_prompts
 from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, restore_or_init
 from rlax_ps.train.step import make_train_step
@@ -46,7 +48,7 @@ class SFTTrainer(TrainerRun):
                        f"{batch_size}, got {num_micro}")
     self.data = SFTBatches(self.tasks, self.weights, self.tokenizer, batch_size=batch_size,
                            seq_len=int(config.data.seq_len), seed=int(config.seed),
-                           packing=bool(config.data.packing))
+                           packing=bool(config.data.packing), records=self._records())
     self.checkpointer = Checkpointer(config.checkpoint.get("directory", "")
                                      or os.path.join(self.workdir, "checkpoints"),
                                      max_to_keep=int(config.checkpoint.max_to_keep),
@@ -57,6 +59,18 @@ class SFTTrainer(TrainerRun):
     self.heldout = heldout_from_config(config, self.tasks)
 
   # -- state ------------------------------------------------------------------------------
+
+  def _records(self) -> list[Example] | None:
+    """data.jsonl's records as examples (prompt, answer), or None to train on the tasks."""
+    data = self.config.data
+    path = data.get("jsonl", "")
+    if not path:
+      return None
+    records = read_prompts(path, field="data.jsonl",
+                           prompt_key=str(data.get("prompt_key", "prompt")),
+                           answer_key=str(data.get("answer_key", "answer")),
+                           task_key=str(data.get("task_key", "task")))
+    return [Example(r["prompt"], r["answer"], r["task"]) for r in records]
 
   def _init_or_restore(self) -> tuple[TrainState, TrainState, nnx.GraphDef]:
     return restore_or_init(self.model_config, self.optimizer, self.mesh, self.checkpointer,

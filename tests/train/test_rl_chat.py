@@ -12,7 +12,7 @@ import pytest
 
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
-from rl_testlib import client, rl_config, start_server
+from rl_testlib import REPO, client, rl_config, start_server
 from rlax_ps.tokenizers import HFTokenizer, tokenizer_from_config
 from rlax_ps.train.rl import RLTrainer
 
@@ -122,3 +122,32 @@ def test_a_verl_parquet_file_feeds_the_trainer_through_the_chat_template(tmp_pat
   tok = tokenizer_from_config(config.tokenizer)
   assert taken == [(str(i), "math", tuple(tok.encode_prompt(m)))
                    for i, m in enumerate(CONVERSATIONS)]
+
+
+def test_sft_trains_on_a_prompt_files_conversations_through_the_template(tmp_path):
+  """rlax-ps sft on data.jsonl: the batches hold the rendered conversations followed by the
+  answer and the end-of-turn eos, and the loss falls."""
+  from rlax_ps.config_files import load
+  from rlax_ps.train.sft import SFTTrainer
+  records = [{"prompt": m, "answer": str(sum(map(int, m[1]["content"][:-1].split("+"))))}
+             for m in CONVERSATIONS]
+  (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  config = load(os.path.join(REPO, "configs", "sft_tiny.py"), "tiny")
+  config.tokenizer.kind, config.tokenizer.path = "hf", CHAT
+  config.tokenizer.chat_template = "auto"
+  config.data.jsonl = str(tmp_path / "train.jsonl")
+  config.data.seq_len, config.train.steps = 96, 30
+  config.optimizer.warmup_steps = 0
+  config.eval.num_examples = 2
+  with SFTTrainer(config, str(tmp_path / "sft")) as tr:
+    tok = tr.tokenizer
+    batch = tr.data.batch(0)
+    first = list(batch["tokens"][0][:len(tok.encode_prompt(CONVERSATIONS[0]))])
+    assert tuple(first) in {tuple(tok.encode_prompt(m)) for m in CONVERSATIONS}
+    answers = tok.decode(batch["targets"][batch["loss_mask"] > 0], skip_special=False)
+    assert answers.endswith("<|im_end|>") and "<|im_end|>" == tok._tok.id_to_token(tok.eos_id)
+    losses = []
+    for _ in range(3):
+      losses.append(tr.train(until=tr.step + 10, progress=False)["loss"])
+  # Falls, and to under 0.6 of an untrained model's ln(vocab).
+  assert losses[0] > losses[1] > losses[2] and losses[-1] < 0.6 * np.log(tok.vocab_size)

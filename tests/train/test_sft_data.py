@@ -78,3 +78,21 @@ def test_train_batches_hold_no_heldout_prompt():
 def test_seq_len_too_short_for_the_tasks_is_named():
   with pytest.raises(ValueError, match="data.seq_len: expected >= "):
     SFTBatches([get_task("reversal", max_len=20)], [1.0], TOK, batch_size=2, seq_len=16, seed=0)
+
+
+def test_records_are_the_only_examples_and_each_step_draws_the_same_batch():
+  records = [Example("1+1=", "2"), Example("rev xyz=", "zyx"), Example("7+8=", "15")]
+  data = SFTBatches([], [], TOK, batch_size=4, seq_len=24, seed=3, records=records)
+  batch = data.batch(5)
+  np.testing.assert_array_equal(batch["tokens"], data.batch(5)["tokens"])
+  answers = TOK.decode(batch["targets"][batch["loss_mask"] > 0], skip_special=False)
+  pieces = [p for p in answers.split("<eos>") if p]
+  assert pieces and set(pieces) <= {"2", "zyx", "15"}
+  assert len(set(pieces)) > 1  # drawn across the records, not one repeated
+
+
+def test_a_record_longer_than_seq_len_is_refused_naming_the_field():
+  records = [Example("1+1=", "2"), Example("rev " + "a" * 30 + "=", "a" * 30)]
+  with pytest.raises(ValueError, match=r"data.seq_len: 24 is too small for 1 of 2 records "
+                                       r"\(the longest has 66 next-token pairs, record 2"):
+    SFTBatches([], [], TOK, batch_size=4, seq_len=24, seed=0, records=records)
