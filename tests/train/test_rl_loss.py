@@ -303,7 +303,8 @@ def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, ov
       np.testing.assert_allclose(m_metrics[k], metrics[k], rtol=1e-4, err_msg=k)
 
 
-def test_a_micro_batched_step_on_8_devices_equals_the_whole_batch_step_on_one():
+@pytest.mark.parametrize("updates", [1, 2])  # 2: PPO epochs against proximal log-probs
+def test_a_micro_batched_step_on_8_devices_equals_the_whole_batch_step_on_one(updates):
   from rlax_ps import optim, sharding
   from rlax_ps.train.rl import make_rl_step
   from rlax_ps.train.state import sharded_init
@@ -319,7 +320,7 @@ def test_a_micro_batched_step_on_8_devices_equals_the_whole_batch_step_on_one():
                               jax.devices()[:int(np.prod(axes))])
     state, shardings, graphdef = sharded_init(model_cfg, opt, mesh, seed=0)
     step = make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg,
-                        micro_batches=micro)
+                        micro_batches=micro, updates_per_batch=updates)
     new, metrics = step(state, sharding.shard_batch(mesh, BATCH), None)
     out[micro] = (jax.device_get(new.params), float(metrics["loss"]))
   (whole, loss1), (sliced, loss2) = out[1], out[2]
