@@ -79,8 +79,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.packing = True  # Several examples per row (else one example per row, padded).
   # Train on a JSONL or Parquet file (a path or a URL) of {"prompt", "answer"} records
   # (prompts as text or chat messages) instead of the tasks; the keys read other columns.
-  # The loss is on the answer and eos; held-out evaluation stays on the tasks.
+  # The loss is on the answer and eos.
   c.data.jsonl = ""
+  # Held-out records in the same form, scored by their task's verifier (else math) instead
+  # of the tasks' held-out split.
+  c.data.heldout_jsonl = ""
   c.data.prompt_key = "prompt"
   c.data.answer_key = "answer"
   c.data.task_key = "task"

@@ -27,8 +27,8 @@ class Heldout:
 
 def heldout_from_config(config, tasks: Sequence[Task]) -> Heldout:
   """data.heldout_jsonl's records (all of them, each scored by its task's verifier, decoding
-  up to worker.max_new_tokens) if the config names one, else eval.num_examples held-out
-  examples of each task (eval.seed)."""
+  up to worker.max_new_tokens, or without a worker block past the longest answer) if the
+  config names one, else eval.num_examples held-out examples of each task (eval.seed)."""
   path = config.get("data", {}).get("heldout_jsonl", "")
   if not path:
     return Heldout(list(tasks), {t.name: t.examples("heldout", int(config.eval.seed),
@@ -38,8 +38,9 @@ def heldout_from_config(config, tasks: Sequence[Task]) -> Heldout:
   names = sorted({r["task"] for r in records})
   examples = {n: [Example(r["prompt"], r["answer"], n) for r in records if r["task"] == n]
               for n in names}
+  budget = config.get("worker", {}).get("max_new_tokens")
   return Heldout([evaluate_lib.VerifierTask(n) for n in names], examples,
-                 int(config.worker.max_new_tokens))
+                 None if budget is None else int(budget))
 
 
 def exact_match(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config

@@ -136,12 +136,12 @@ def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
 
 def config_records(config, field: str, path: str) -> list[dict[str, Any]]:
   """The records of a prompt file the config names, read at its data.*_key keys, each task
-  checked against the built-in tasks and the verifiers that worker.verifiers registers
-  (imported here)."""
+  (else worker.default_task, or math in a config without workers) checked against the
+  built-in tasks and the verifiers that worker.verifiers registers (imported here)."""
   worker = config.get("worker", {})
   data = config.get("data", {})
   load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
-  return read_prompts(path, default_task=str(worker.get("default_task", "")),
+  return read_prompts(path, default_task=str(worker.get("default_task", "math")),
                       known=known_tasks(), field=field,
                       prompt_key=str(data.get("prompt_key", "prompt")),
                       answer_key=str(data.get("answer_key", "answer")),

@@ -126,7 +126,7 @@ def test_a_verl_parquet_file_feeds_the_trainer_through_the_chat_template(tmp_pat
 
 def test_sft_trains_on_a_prompt_files_conversations_through_the_template(tmp_path):
   """rlax-ps sft on data.jsonl: the batches hold the rendered conversations followed by the
-  answer and the end-of-turn eos, and the loss falls."""
+  answer and the end-of-turn eos, the loss falls, and data.heldout_jsonl is what is scored."""
   from rlax_ps.config_files import load
   from rlax_ps.train.sft import SFTTrainer
   records = [{"prompt": m, "answer": str(sum(map(int, m[1]["content"][:-1].split("+"))))}
@@ -135,7 +135,7 @@ def test_sft_trains_on_a_prompt_files_conversations_through_the_template(tmp_pat
   config = load(os.path.join(REPO, "configs", "sft_tiny.py"), "tiny")
   config.tokenizer.kind, config.tokenizer.path = "hf", CHAT
   config.tokenizer.chat_template = "auto"
-  config.data.jsonl = str(tmp_path / "train.jsonl")
+  config.data.jsonl = config.data.heldout_jsonl = str(tmp_path / "train.jsonl")
   config.data.seq_len, config.train.steps = 96, 30
   config.optimizer.warmup_steps = 0
   config.eval.num_examples = 2
@@ -149,5 +149,7 @@ def test_sft_trains_on_a_prompt_files_conversations_through_the_template(tmp_pat
     losses = []
     for _ in range(3):
       losses.append(tr.train(until=tr.step + 10, progress=False)["loss"])
+    # Held out: the file's records, scored by the math verifier (no task given).
+    assert set(tr.evaluate()) == {"math", "all"} and tr.heldout.size == len(CONVERSATIONS)
   # Falls, and to under 0.6 of an untrained model's ln(vocab).
   assert losses[0] > losses[1] > losses[2] and losses[-1] < 0.6 * np.log(tok.vocab_size)
