@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import string
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from rlax_ps import chat
 
@@ -165,7 +165,7 @@ class HFTokenizer:
 
   def __init__(self, path: str, *, bos_token: str | None = None, eos_token: str | None = None,
                pad_token: str | None = None, chat_template: str = "",
-               chat_kwargs: Mapping[str, Any] | None = None, stop_tokens: Iterable[str] = ()):
+               chat_kwargs: Mapping[str, Any] | None = None, stop_tokens: Sequence[str] = ()):
     from tokenizers import Tokenizer as _HFTok
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -185,7 +185,11 @@ class HFTokenizer:
                         required=False)
     self._pad = self._eos if pad is None else pad
     directory = os.path.dirname(file)
-    extra = [self._resolve("stop", t, ()) for t in stop_tokens]
+    extra = [self._tok.token_to_id(t) for t in stop_tokens]
+    unknown = [t for t, i in zip(stop_tokens, extra) if i is None]
+    if unknown:
+      raise ValueError(f"tokenizer.stop_tokens: {unknown[0]!r} is not in the vocabulary of "
+                       f"{self.path}")
     self._stops = tuple(dict.fromkeys([self._eos, *_generation_eos_ids(directory), *extra]))
     self.chat_template = chat.read_template(chat_template, directory) if chat_template else None
     self.chat_kwargs = dict(chat_kwargs or {})
@@ -293,13 +297,8 @@ def make_tokenizer(kind: str, path: str = "", alphabet: str = "", *, chat_templa
     if not isinstance(chat_kwargs, Mapping):
       raise ValueError(f"tokenizer.chat_kwargs: expected a JSON object, got {chat_kwargs!r}")
     stops = [t.strip() for t in stop_tokens.split(",") if t.strip()]
-    try:
-      return HFTokenizer(path, chat_template=chat_template, chat_kwargs=chat_kwargs,
-                         stop_tokens=stops)
-    except ValueError as e:
-      if str(e).startswith("HFTokenizer stop_token"):
-        raise ValueError(f"tokenizer.stop_tokens: {e}") from None
-      raise
+    return HFTokenizer(path, chat_template=chat_template, chat_kwargs=chat_kwargs,
+                       stop_tokens=stops)
   raise ValueError(f"tokenizer.kind: expected 'char' or 'hf', got {kind!r}")
 
 
