@@ -41,8 +41,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.tokenizer = c.sft.tokenizer
   c.tasks = c.sft.tasks
 
-  # Prompts: a JSONL or Parquet file (a path, or a URL such as gs://bucket/train.jsonl) of
-  # {"prompt", "answer"[, "task"]} records, or "" for the tasks above.
+  # Prompts: JSONL or Parquet files (paths or URLs such as gs://bucket/train.jsonl, several
+  # joined by commas) of {"prompt", "answer"[, "task"]} records, or "" for the tasks above.
   # A record's task (else worker.default_task) names a built-in task or a verifier, which
   # worker.verifiers can add from your own files.
   c.data = ml_collections.ConfigDict()

@@ -101,12 +101,14 @@ def _lookup(rec: dict, key: str) -> Any:
 def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None = None,
                  field: str = "data.jsonl", *, prompt_key: str = "prompt",
                  answer_key: str = "answer", task_key: str = "task") -> list[dict[str, Any]]:
-  """`{"prompt", "answer", "task"}` records of a JSONL or Parquet prompt file (a path or a
-  URL: read_bytes), read at the given (dotted) keys; a record without a task takes
-  `default_task`. A bad record raises ValueError naming its line or row and key, as does a
-  task not in `known` (when given), with the config `field` that named the file."""
+  """`{"prompt", "answer", "task"}` records of JSONL or Parquet prompt files (`path`: one
+  path or URL, or several joined by commas, read in order: read_bytes), read at the given
+  (dotted) keys; a record without a task takes `default_task`. A bad record raises
+  ValueError naming its file, line or row and key, as does a task not in `known` (when
+  given), with the config `field` that named the file."""
   out = []
-  for where, rec in _raw_records(path, field):
+  files = [p.strip() for p in path.split(",") if p.strip()]
+  for where, rec in (r for one in files for r in _raw_records(one, field)):
     if not isinstance(rec, dict):
       raise ValueError(f"{where}: expected an object, got {type(rec).__name__}")
     prompt = _lookup(rec, prompt_key)

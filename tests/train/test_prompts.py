@@ -84,6 +84,18 @@ def test_verl_style_parquet_rows_are_read_at_dotted_keys(tmp_path):
     read_prompts(str(tmp_path / "bad.parquet"))
 
 
+def test_several_files_joined_by_commas_are_read_in_order(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  first = _write(tmp_path, [json.dumps(r) for r in RECORDS[:2]], "a.jsonl")
+  pq.write_table(pa.Table.from_pylist([{"prompt": "2+2=", "answer": "4"}]), tmp_path / "b.parquet")
+  got = read_prompts(f"{first}, file://{tmp_path}/b.parquet", default_task="addition")
+  assert [r["prompt"] for r in got] == ["1+2=", "say \u2028 this", "2+2="]
+  bad = _write(tmp_path, ['{"prompt": "a"}'], "bad.jsonl")
+  with pytest.raises(ValueError, match=r"bad.jsonl:1: field 'answer'"):
+    read_prompts(f"{first},{bad}")
+
+
 def test_a_restored_feed_goes_on_with_the_same_records():
   source = [{"prompt": str(i), "answer": str(i), "task": "t"} for i in range(7)]
   feed = PromptFeed(source, seed=3)
