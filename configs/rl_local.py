@@ -155,6 +155,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The workers' JAX platform: "cpu" leaves this machine's accelerators to the trainer (a
   # TPU host's chips take one process); "" = JAX's default (split the devices yourself).
   c.local.worker_platform = "cpu"
+  # A GPU host: the trainer gets GPUs 0..trainer_gpus-1 and each worker the next
+  # gpus_per_worker (CUDA_VISIBLE_DEVICES; worker_platform is then not used); 0 = off.
+  c.local.trainer_gpus = 0
+  c.local.gpus_per_worker = 0
 
   if arg == "tiny":
     c.rl.steps = 4

@@ -4,7 +4,8 @@ The supervised warm start runs first (in <workdir>/sft, reused once finished) un
 config names `init_from_hf`. Then a parameter server, the trainer and the workers run as
 child processes on 127.0.0.1, each logging to <workdir>/logs/. The supervisor itself never
 starts a JAX backend (the warm start is a child too), so the trainer can have this
-machine's accelerators; the workers run on the CPU unless `local.worker_platform` says.
+machine's accelerators; the workers run on the CPU unless `local.worker_platform` says, or
+on a GPU host each gets GPUs of its own (`local.trainer_gpus`, `local.gpus_per_worker`).
 Tokens are made fresh in the server's owner-only tokens.json, which the children read
 (never a command line). One live line shows the trainer's progress; the run ends at the
 trainer's last step, on Ctrl-C, or when any child fails (then with a non-zero exit naming
@@ -66,10 +67,25 @@ class LocalRun:
   """The children of one `rlax-ps local` run and their supervision."""
 
   def __init__(self, workdir: str, config_file: str, overrides: Sequence[str], *,
-               workers: int, worker_platform: str = "cpu", python: str = sys.executable):
+               workers: int, worker_platform: str = "cpu", trainer_gpus: int = 0,
+               gpus_per_worker: int = 0, python: str = sys.executable):
     if workers < 1:
       raise ValueError(f"local.workers: expected >= 1, got {workers}")
-    self.worker_env = {"JAX_PLATFORMS": worker_platform} if worker_platform else {}
+    if (trainer_gpus > 0) != (gpus_per_worker > 0) or min(trainer_gpus, gpus_per_worker) < 0:
+      raise ValueError(f"local.trainer_gpus, local.gpus_per_worker: expected both > 0 (a GPU "
+                       f"split) or both 0, got {trainer_gpus} and {gpus_per_worker}")
+    self.trainer_env: dict[str, str] = {}
+    self.worker_envs = [{"JAX_PLATFORMS": worker_platform} if worker_platform else {}
+                        for _ in range(workers)]
+    if trainer_gpus:  # CUDA_VISIBLE_DEVICES: the trainer first, then each worker its own
+
+      def gpus(start, n):
+        return ",".join(str(g) for g in range(start, start + n))
+
+      self.trainer_env = {"CUDA_VISIBLE_DEVICES": gpus(0, trainer_gpus)}
+      self.worker_envs = [{"CUDA_VISIBLE_DEVICES": gpus(trainer_gpus + i * gpus_per_worker,
+                                                        gpus_per_worker)}
+                          for i in range(workers)]
     self.workdir = os.path.abspath(workdir)
     self.config_file, self.overrides = config_file, list(overrides)
     self.num_workers, self.python = workers, python
@@ -122,13 +138,13 @@ class LocalRun:
   def start_trainer(self, init_from_hf: str) -> Child:
     extra = [f"--config.init_from_hf={init_from_hf}"] if init_from_hf else []
     return self._spawn("trainer", ["train", *self._client_flags(), *extra,
-                                   f"--workdir={self.workdir}"])
+                                   f"--workdir={self.workdir}"], self.trainer_env)
 
   def start_workers(self, init_from_hf: str) -> list[Child]:
     extra = [f"--config.init_from_hf={init_from_hf}"] if init_from_hf else []
     return [self._spawn(f"worker-{i}", ["worker", *self._client_flags(), *extra,
                                         f"--name=worker-{i}", f"--seed={i}"],
-                        self.worker_env)
+                        self.worker_envs[i])
             for i in range(self.num_workers)]
 
   def check(self, trainer: Child) -> bool:

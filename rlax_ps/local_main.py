@@ -69,6 +69,14 @@ def main(argv: list[str]) -> None:
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   path, _, variant = config_file.partition(":")
   config_file = os.path.abspath(path) + (f":{variant}" if variant else "")
+  try:
+    run = local.LocalRun(workdir, config_file, overrides, workers=int(config.local.workers),
+                         worker_platform=str(config.local.get("worker_platform", "cpu")),
+                         trainer_gpus=int(config.local.get("trainer_gpus", 0)),
+                         gpus_per_worker=int(config.local.get("gpus_per_worker", 0)))
+  except ValueError as e:
+    print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
+    sys.exit(2)
   enable_compile_cache()
   try:
     init_from_hf = os.path.abspath(local.warm_start(config, workdir))
@@ -78,8 +86,6 @@ def main(argv: list[str]) -> None:
   except Terminated:
     print("rlax-ps local: terminated during the warm start", file=sys.stderr, flush=True)
     sys.exit(143)
-  run = local.LocalRun(workdir, config_file, overrides, workers=int(config.local.workers),
-                       worker_platform=str(config.local.get("worker_platform", "cpu")))
   steps = local.StepReader(os.path.join(workdir, "steps.jsonl"))
   code, message = 0, ""
   try:

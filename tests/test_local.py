@@ -146,10 +146,12 @@ def test_a_failing_child_stops_the_run_naming_it(run):
 
 
 def test_workers_run_on_the_cpu_leaving_the_accelerators_to_the_trainer(tmp_path, monkeypatch):
-  """LocalRun's children, with a stand-in interpreter that logs its JAX platform."""
+  """LocalRun's children, with a stand-in interpreter that logs its JAX platform and GPUs."""
   monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on a TPU VM
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
   fake = tmp_path / "python"
-  fake.write_text('#!/bin/sh\necho "platform=[${JAX_PLATFORMS:-default}] $4"\n')
+  fake.write_text('#!/bin/sh\necho "platform=[${JAX_PLATFORMS:-default}] '
+                  'gpus=[${CUDA_VISIBLE_DEVICES:-all}] $4"\n')
   fake.chmod(0o755)
 
   def platforms(**kwargs):
@@ -159,11 +161,18 @@ def test_workers_run_on_the_cpu_leaving_the_accelerators_to_the_trainer(tmp_path
     children = [run.start_trainer("hf"), *run.start_workers("hf")]
     for child in children:
       child.process.wait(30)
-    return {c.name: re.findall(r"platform=\[(\w+)\]", open(c.log).read())[-1]
+    return {c.name: re.findall(r"platform=\[(\w+)\] gpus=\[([\w,]+)\]", open(c.log).read())[-1]
             for c in children}
 
-  assert platforms() == {"trainer": "default", "worker-0": "cpu", "worker-1": "cpu"}
-  assert platforms(worker_platform="")["worker-1"] == "default"
+  assert platforms() == {"trainer": ("default", "all"), "worker-0": ("cpu", "all"),
+                         "worker-1": ("cpu", "all")}
+  assert platforms(worker_platform="")["worker-1"] == ("default", "all")
+  # A GPU host: the trainer's GPUs first, then each worker its own, on JAX's default platform.
+  assert platforms(trainer_gpus=2, gpus_per_worker=1) == {
+      "trainer": ("default", "0,1"), "worker-0": ("default", "2"), "worker-1": ("default", "3")}
+  with pytest.raises(ValueError, match="local.trainer_gpus, local.gpus_per_worker: expected "
+                                       "both > 0"):
+    platforms(trainer_gpus=2)
 
 
 def test_the_summary_table_shows_groups_left_out_by_dynamic_sampling():
@@ -197,6 +206,13 @@ def test_own_prompts_rewards_and_heldout_records_run_through_the_loop(run, tmp_p
   for s in steps:  # 16 samples a step, n of them rewarded 1.0 and the others 0.25
     n = (s["reward_mean"] * 16 - 4) / 0.75
     assert 0 <= round(n) <= 16 and abs(n - round(n)) < 1e-6, s["reward_mean"]
+
+
+def test_a_half_given_gpu_split_is_refused_before_the_warm_start(tmp_path):
+  proc = _local(tmp_path, "--config.local.trainer_gpus=2", timeout=60)
+  assert proc.returncode == 2
+  assert "local.trainer_gpus, local.gpus_per_worker: expected both > 0" in proc.stderr
+  assert not os.path.exists(tmp_path / "sft")
 
 
 def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
