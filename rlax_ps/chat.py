@@ -29,8 +29,9 @@ def check_messages(messages: Any, field: str = "prompt") -> list[dict[str, str]]
 
 def read_template(spec: str, tokenizer_dir: str) -> str:
   """The template `spec` names: "auto" takes the tokenizer's (`chat_template.jinja`, else
-  tokenizer_config.json's `chat_template`, its "default" one when it holds several); any
-  other value is a .jinja file's path. ValueError naming tokenizer.chat_template if none."""
+  tokenizer_config.json's `chat_template`, its "default" one when it holds several, else an
+  image-text model's chat_template.json); any other value is a .jinja file's path.
+  ValueError naming tokenizer.chat_template if none."""
   if spec != "auto":
     if not os.path.isfile(spec):
       raise ValueError(f"tokenizer.chat_template: expected 'auto', '' or a template file, "
@@ -48,10 +49,14 @@ def read_template(spec: str, tokenizer_dir: str) -> str:
       template = json.load(f).get("chat_template")
   if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use"...}]
     template = {t.get("name"): t.get("template") for t in template}.get("default")
+  processor_file = os.path.join(tokenizer_dir, "chat_template.json")
+  if not template and os.path.isfile(processor_file):  # e.g. Gemma 3 4B and up
+    with open(processor_file) as f:
+      template = json.load(f).get("chat_template")
   if not isinstance(template, str) or not template:
     raise ValueError(f"tokenizer.chat_template: 'auto' found no chat template in "
-                     f"{tokenizer_dir} ({TEMPLATE_FILE} or tokenizer_config.json's "
-                     f"chat_template); name a .jinja file or set ''")
+                     f"{tokenizer_dir} ({TEMPLATE_FILE}, tokenizer_config.json's "
+                     f"chat_template or chat_template.json); name a .jinja file or set ''")
   return template
 
 

@@ -65,7 +65,7 @@ def test_generation_blocks_render_their_body():
                                 {"role": "assistant", "content": "b"}]) == "[a][b]"
 
 
-def test_the_template_is_read_from_chat_template_jinja_first(tmp_path):
+def test_the_template_is_read_from_chat_template_jinja_first_then_the_configs(tmp_path):
   for name in ("tokenizer.json", "tokenizer_config.json"):
     (tmp_path / name).write_text(open(os.path.join(CHAT, name)).read())
   (tmp_path / chat.TEMPLATE_FILE).write_text("{{ messages[0]['content'] }}!")
@@ -76,6 +76,12 @@ def test_the_template_is_read_from_chat_template_jinja_first(tmp_path):
   (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
   os.remove(tmp_path / chat.TEMPLATE_FILE)
   assert HFTokenizer(str(tmp_path), chat_template="auto").render_prompt("hi") == "<hi>"
+  # An image-text model's processor file is the last place looked.
+  del config["chat_template"]
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  (tmp_path / "chat_template.json").write_text(
+      json.dumps({"chat_template": "({{ messages[0]['content'] }})"}))
+  assert HFTokenizer(str(tmp_path), chat_template="auto").render_prompt("hi") == "(hi)"
 
 
 @pytest.mark.parametrize("make,match", [
