@@ -5,7 +5,9 @@ Pass 1 puts all N samples' queries of a KV head in one [N*G, D] tile, so every
 prefix block is read from HBM once per step for the whole group; pass 2 runs
 each sample's query against its own suffix cache. The two partials are merged
 by log-sum-exp (reference.merge_lse). Caches stay in the model's
-[.., S, Hkv, D] layout, viewed as lane-dense [S, Hkv*D] tiles.
+[.., S, Hkv, D] layout, viewed as lane-dense [S, Hkv*D] tiles. A sliding window
+gives each query row a first visible key ([M, 128] int32 tile, lanes equal); the
+blocks below a grid row's least one are neither fetched nor computed.
 """
 
 from __future__ import annotations
@@ -17,15 +19,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from rlax_ps.kernels.reference import check_decode, default_scale, merge_lse
+from rlax_ps.kernels.reference import (check_decode, check_window, decode_window_starts,
+                                       default_scale, merge_lse)
 
 LANES = 128
 _MASKED = -1e30
 _NT = (((1,), (1,)), ((), ()))
 
 
-def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, *,
-                   num_kv_heads, head_dim, block_s, num_blocks, sm_scale):
+def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, sm_scale, windowed):
+  if windowed:
+    (lens_ref, lo_ref, q_ref, start_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr,
+     acc_scr) = refs
+  else:
+    lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
   x, s_idx = pl.program_id(0), pl.program_id(1)
   length = lens_ref[x]
 
@@ -35,7 +42,11 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, 
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-  @pl.when(s_idx * block_s < length)
+  live = s_idx * block_s < length
+  if windowed:  # blocks wholly below every row's first visible key are skipped
+    live = live & ((s_idx + 1) * block_s > lo_ref[x])
+
+  @pl.when(live)
   def _compute():
     for h in range(num_kv_heads):
       q = q_ref[h]  # [M, D]
@@ -48,6 +59,8 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, 
       s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * sm_scale
       cols = s_idx * block_s + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
       mask = cols < length
+      if windowed:
+        mask = mask & (cols >= start_ref[:, :1])
       s = jnp.where(mask, s, _MASKED)
       m_prev = m_scr[h]
       m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -67,32 +80,47 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, 
     lse_ref[...] = jnp.where(has, m_scr[...] + jnp.log(l_safe), -jnp.inf)
 
 
-def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=False):
+def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=False,
+                          starts=None):
   """q [X, Hkv, M, D] attends k, v [X, S, Hkv, D] up to lens [X] (<= S):
-  -> (o [X, Hkv, M, D] f32, lse [X, Hkv, M] f32)."""
+  -> (o [X, Hkv, M, D] f32, lse [X, Hkv, M] f32). starts [X, M] (optional): query row m
+  sees keys from index starts[x, m] on; the blocks below a grid row's least start are
+  neither fetched nor computed."""
   x, hkv, m, d = q.shape
   s = k.shape[1]
   bs = min(block_s, s)
   nb = pl.cdiv(s, bs)  # no copy of the cache: a partial last block is masked in the kernel
   k2 = k.reshape(x, s, hkv * d)
   v2 = v.reshape(x, s, hkv * d)
+  windowed = starts is not None
 
-  def kv_map(i, j, lens_ref):
+  def kv_map(i, j, lens_ref, *lo):
     last = jnp.maximum(jax.lax.div(lens_ref[i] + bs - 1, bs) - 1, 0)
+    if windowed:
+      j = jnp.maximum(j, jax.lax.div(lo[0][i], bs))
     return i, jnp.minimum(j, last), 0
 
+  row_map = lambda i, j, *_: (i, 0, 0, 0)
+  in_specs = [pl.BlockSpec((None, hkv, m, d), row_map),
+              pl.BlockSpec((None, bs, hkv * d), kv_map),
+              pl.BlockSpec((None, bs, hkv * d), kv_map)]
+  prefetch = [lens.astype(jnp.int32)]
+  operands = [q, k2, v2]
+  if windowed:
+    starts = jnp.maximum(starts.astype(jnp.int32), 0)
+    prefetch.append(jnp.min(starts, axis=1))
+    in_specs.insert(1, pl.BlockSpec((None, m, LANES), lambda i, j, *_: (i, 0, 0)))
+    operands.insert(1, jnp.broadcast_to(starts[..., None], (x, m, LANES)))
   kernel = functools.partial(_decode_kernel, num_kv_heads=hkv, head_dim=d, block_s=bs,
-                             num_blocks=nb, sm_scale=sm_scale)
+                             num_blocks=nb, sm_scale=sm_scale, windowed=windowed)
   o, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1,
+          num_scalar_prefetch=len(prefetch),
           grid=(x, nb),
-          in_specs=[pl.BlockSpec((None, hkv, m, d), lambda i, j, _: (i, 0, 0, 0)),
-                    pl.BlockSpec((None, bs, hkv * d), kv_map),
-                    pl.BlockSpec((None, bs, hkv * d), kv_map)],
-          out_specs=[pl.BlockSpec((None, hkv, m, d), lambda i, j, _: (i, 0, 0, 0)),
-                     pl.BlockSpec((None, hkv, m, LANES), lambda i, j, _: (i, 0, 0, 0))],
+          in_specs=in_specs,
+          out_specs=[pl.BlockSpec((None, hkv, m, d), row_map),
+                     pl.BlockSpec((None, hkv, m, LANES), row_map)],
           scratch_shapes=[pltpu.VMEM((hkv, m, LANES), jnp.float32),
                           pltpu.VMEM((hkv, m, LANES), jnp.float32),
                           pltpu.VMEM((hkv, m, d), jnp.float32)]),
@@ -101,24 +129,32 @@ def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=Fal
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
       name="shared_prefix_decode",
-  )(lens.astype(jnp.int32), q, k2, v2)
+  )(*prefetch, *operands)
   return o, lse[..., 0]
 
 
 def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
-                                    suffix_lens, *, sm_scale=None, block_s=512, interpret=False):
+                                    suffix_lens, *, sm_scale=None, block_s=512, interpret=False,
+                                    window: int | None = None):
   """q [B, N, H, D]; prefix [B, S, Hkv, D] (+ lens [B]); suffix [B, N, Ss, Hkv, D]
-  (+ lens [B, N]) -> (o [B, N, H, D], lse [B, N, H])."""
+  (+ lens [B, N]) -> (o [B, N, H, D], lse [B, N, H]). With a window, each query row
+  masks the keys below its first visible one and the kernel skips blocks below all rows'."""
   check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v)
+  window = check_window(window)
   b, n, h, d = q.shape
   hkv = prefix_k.shape[2]
   g = h // hkv
   scale = default_scale(d) if sm_scale is None else float(sm_scale)
+  pre_start = suf_start = None
+  if window is not None:
+    pre_start, suf_start = decode_window_starts(prefix_lens, suffix_lens, window)
+    pre_start = jnp.repeat(pre_start, g, axis=1)  # rows of pass 1 are (n, g), n-major
+    suf_start = jnp.repeat(suf_start.reshape(b * n, 1), g, axis=1)
   qg = q.reshape(b, n, hkv, g, d)
   # Pass 1: [B, Hkv, N*G, D] rows against the shared prefix.
   q_pre = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, hkv, n * g, d)
   o1, l1 = decode_partial_pallas(q_pre, prefix_k, prefix_v, prefix_lens, sm_scale=scale,
-                                 block_s=block_s, interpret=interpret)
+                                 block_s=block_s, interpret=interpret, starts=pre_start)
   o1 = jnp.transpose(o1.reshape(b, hkv, n, g, d), (0, 2, 1, 3, 4)).reshape(b, n, h, d)
   l1 = jnp.transpose(l1.reshape(b, hkv, n, g), (0, 2, 1, 3)).reshape(b, n, h)
   # Pass 2: each sample's [Hkv, G, D] query against its own suffix.
@@ -126,5 +162,5 @@ def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k
   o2, l2 = decode_partial_pallas(
       qg.reshape(b * n, hkv, g, d), suffix_k.reshape(b * n, ss, hkv, d),
       suffix_v.reshape(b * n, ss, hkv, d), suffix_lens.reshape(b * n), sm_scale=scale,
-      block_s=block_s, interpret=interpret)
+      block_s=block_s, interpret=interpret, starts=suf_start)
   return merge_lse(o1, l1, o2.reshape(b, n, h, d), l2.reshape(b, n, h), out_dtype=q.dtype)

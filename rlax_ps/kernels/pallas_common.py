@@ -37,19 +37,24 @@ def attention_with_vjp(forward, backward):
   return attention
 
 
-def aligned_geometry(layout: SharedPromptLayout, blocks: sched_lib.BlockSizes):
-  """The kernel geometry with prompt and response regions rounded up to block multiples."""
+def aligned_geometry(layout: SharedPromptLayout, blocks: sched_lib.BlockSizes,
+                     window: int | None = None):
+  """The kernel geometry with prompt and response regions rounded up to block multiples
+  (re-padding moves no token's position: positions count from each region's start)."""
   mult = blocks.region_multiple
   up = lambda x: -(-x // mult) * mult
   return sched_lib.Geometry(layout.num_responses, up(layout.prompt_capacity),
-                            up(layout.response_capacity), blocks.block_q, blocks.block_kv)
+                            up(layout.response_capacity), blocks.block_q, blocks.block_kv,
+                            window)
 
 
 def call_on_aligned_regions(attention, q, k, v, layout: SharedPromptLayout,
-                            blocks: sched_lib.BlockSizes, sm_scale, interpret):
+                            blocks: sched_lib.BlockSizes, sm_scale, interpret,
+                            window: int | None = None):
   """Runs `attention` (from attention_with_vjp, [B, H, L, D] layout) on q/k/v [B, L, H, D]
-  whose regions are re-padded to block multiples; returns (o [B, L, H, D], lse [B, L, H])."""
-  g = aligned_geometry(layout, blocks)
+  whose regions are re-padded to block multiples; returns (o [B, L, H, D], lse [B, L, H]).
+  The window travels in the static geometry."""
+  g = aligned_geometry(layout, blocks, window)
   scale = default_scale(q.shape[-1]) if sm_scale is None else float(sm_scale)
   aligned = (g.prompt_capacity, g.response_capacity) == (layout.prompt_capacity,
                                                         layout.response_capacity)

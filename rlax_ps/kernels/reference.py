@@ -11,12 +11,19 @@ import jax
 import jax.numpy as jnp
 
 from rlax_ps.kernels.layout import SharedPromptLayout, join_regions, split_regions
+from rlax_ps.models.attention import check_window
 
 _MASKED = -1e30  # finite: keeps max/exp NaN-free on rows with no key
 
 
 def default_scale(head_dim: int) -> float:
   return head_dim ** -0.5
+
+
+def in_window(q_pos, k_pos, window):
+  """[..., T, S] bool: key position within `window` of the query position (q_pos [..., T],
+  k_pos [..., S]); keys after the query are left to the causal mask."""
+  return (q_pos[..., :, None] - k_pos[..., None, :]) < window
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
@@ -82,13 +89,15 @@ def _causal_valid_mask(len_q_valid, len_k_valid):
   return causal[None] & len_q_valid[:, :, None] & len_k_valid[:, None, :]
 
 
-def n_copies_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None):
+def n_copies_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, window=None):
   """Ground truth: run N separate [prompt, response i] sequences, then pack the result.
 
   Prompt rows come from copy 0 (all copies agree). Differentiating this function
   with respect to the packed inputs sums the prompt gradients over the N copies.
+  `window` limits each query to keys fewer than `window` positions back.
   """
   check_qkv(q, k, v)
+  window = check_window(window)
   layout.validate(q.shape[1], q.shape[0])
   b, n = q.shape[0], layout.num_responses
   pc, rc = layout.prompt_capacity, layout.response_capacity
@@ -104,6 +113,10 @@ def n_copies_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None):
   valid = jnp.concatenate(
       [jnp.broadcast_to(valid_p[:, None], (b, n, pc)), valid_r], axis=2).reshape(b * n, pc + rc)
   mask = _causal_valid_mask(valid, valid)
+  if window is not None:
+    pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(pc), (b, pc)),
+                           layout.prompt_lens[:, None] + jnp.arange(rc)], axis=1)
+    mask = mask & jnp.repeat(in_window(pos, pos, window), n, axis=0)
   o, lse = masked_attention(copies(q), copies(k), copies(v), mask, sm_scale)
 
   def pack(x):
@@ -113,34 +126,53 @@ def n_copies_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None):
   return pack(o), pack(lse)
 
 
-def packed_dense_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None):
+def packed_dense_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, window=None):
   """The packed row under its dense [L, L] mask: simple, but computes every masked pair."""
   check_qkv(q, k, v)
   layout.validate(q.shape[1], q.shape[0])
-  return masked_attention(q, k, v, layout.dense_mask(), sm_scale)
+  window = check_window(window)
+  mask = layout.dense_mask()
+  if window is not None:
+    pos = layout.positions()
+    mask = mask & in_window(pos, pos, window)
+  return masked_attention(q, k, v, mask, sm_scale)
 
 
-def _chunked_causal_attention(q, k, v, valid, sm_scale, min_chunk=256, max_chunks=4):
+def _chunked_causal_attention(q, k, v, valid, sm_scale, min_chunk=256, max_chunks=4,
+                              window=None):
   """Causal self-attention in query chunks, chunk i reading only keys [0, end_i): skips
-  up to 3/8 of the square that a single masked matmul would compute."""
+  up to 3/8 of the square that a single masked matmul would compute. With a window
+  (positions are the indices here), chunk i reads only keys [start_i - window + 1, end_i),
+  in chunks of about the window length (at most 16)."""
   t = q.shape[1]
-  chunks = max(1, min(max_chunks, t // min_chunk))
+  if window is None:
+    chunks = max(1, min(max_chunks, t // min_chunk))
+  else:
+    chunks = max(1, min(16, t // max(min_chunk, window)))
   bounds = [t * i // chunks for i in range(chunks + 1)]
   outs, lses = [], []
   for lo, hi in zip(bounds[:-1], bounds[1:]):
-    causal = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
-    mask = causal[None] & valid[:, lo:hi, None] & valid[:, None, :hi]
-    o, lse = masked_attention(q[:, lo:hi], k[:, :hi], v[:, :hi], mask, sm_scale)
+    k_lo = 0 if window is None else max(0, lo - window + 1)
+    causal = jnp.arange(k_lo, hi)[None, :] <= jnp.arange(lo, hi)[:, None]
+    if window is not None:
+      causal = causal & in_window(jnp.arange(lo, hi), jnp.arange(k_lo, hi), window)
+    mask = causal[None] & valid[:, lo:hi, None] & valid[:, None, k_lo:hi]
+    o, lse = masked_attention(q[:, lo:hi], k[:, k_lo:hi], v[:, k_lo:hi], mask, sm_scale)
     outs.append(o)
     lses.append(lse)
   return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
 
-def two_pass_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None):
+def two_pass_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, window=None):
   """XLA fast path: prompt causal self-attention; all N*R response queries against
-  the prompt keys in one matmul; each response against its own keys; LSE merge."""
+  the prompt keys in one matmul; each response against its own keys; LSE merge.
+
+  With a window, prompt chunks read only the keys their window reaches, and only the
+  first window - 1 tokens of each response (the only ones that can reach a prompt key)
+  enter the cross matmul."""
   check_qkv(q, k, v)
   layout.validate(q.shape[1], q.shape[0])
+  window = check_window(window)
   b, n = q.shape[0], layout.num_responses
   pc, rc = layout.prompt_capacity, layout.response_capacity
   qp, qr = split_regions(q, layout)
@@ -149,18 +181,36 @@ def two_pass_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None):
   valid_p = jnp.arange(pc)[None, :] < layout.prompt_lens[:, None]
   valid_r = jnp.arange(rc)[None, None, :] < layout.response_lens[:, :, None]
 
-  o_p, lse_p = _chunked_causal_attention(qp, kp, vp, valid_p, sm_scale)
+  o_p, lse_p = _chunked_causal_attention(qp, kp, vp, valid_p, sm_scale, window=window)
 
-  qr_flat = qr.reshape(b, n * rc, *qr.shape[3:])
-  cross = valid_r.reshape(b, n * rc)[:, :, None] & valid_p[:, None, :]
-  o_x, lse_x = masked_attention(qr_flat, kp, vp, cross, sm_scale, out_dtype=jnp.float32)
+  # Response token t sits at position prompt_len + t: at least t + 1 past every prompt key.
+  tx = rc if window is None else min(rc, window - 1)
+  if tx:
+    qr_flat = (qr if tx == rc else qr[:, :, :tx]).reshape(b, n * tx, *qr.shape[3:])
+    cross = valid_r[:, :, :tx].reshape(b, n * tx)[:, :, None] & valid_p[:, None, :]
+    if window is not None:
+      q_pos = jnp.tile(layout.prompt_lens[:, None] + jnp.arange(tx), (1, n))  # [B, N*tx]
+      cross = cross & in_window(q_pos, jnp.broadcast_to(jnp.arange(pc), (b, pc)), window)
+    o_x, lse_x = masked_attention(qr_flat, kp, vp, cross, sm_scale, out_dtype=jnp.float32)
 
   fold = lambda x: x.reshape(b * n, rc, *x.shape[3:])
   vr_flat = valid_r.reshape(b * n, rc)
-  o_s, lse_s = masked_attention(fold(qr), fold(kr), fold(vr), _causal_valid_mask(vr_flat, vr_flat),
-                                sm_scale, out_dtype=jnp.float32)
+  fq, fk, fv = fold(qr), fold(kr), fold(vr)
+  self_mask = _causal_valid_mask(vr_flat, vr_flat)
+  if window is not None:
+    self_mask = self_mask & in_window(jnp.arange(rc), jnp.arange(rc), window)[None]
+  o_s, lse_s = masked_attention(fq, fk, fv, self_mask, sm_scale, out_dtype=jnp.float32)
   o_s = o_s.reshape(b, n * rc, *o_s.shape[2:])
   lse_s = lse_s.reshape(b, n * rc, -1)
+  if not tx:  # window 1: no response token reaches the prompt
+    return (jnp.concatenate([o_p, o_s.astype(q.dtype)], axis=1),
+            jnp.concatenate([lse_p, lse_s], axis=1))
+  if tx < rc:  # the later response tokens get an empty cross partial (o 0, lse -inf)
+    def widen(x, fill):
+      x = x.reshape(b, n, tx, *x.shape[2:])
+      width = [(0, 0), (0, 0), (0, rc - tx)] + [(0, 0)] * (x.ndim - 3)
+      return jnp.pad(x, width, constant_values=fill).reshape(b, n * rc, *x.shape[3:])
+    o_x, lse_x = widen(o_x, 0.0), widen(lse_x, -jnp.inf)
   o_r, lse_r = merge_lse(o_x, lse_x, o_s, lse_s, out_dtype=q.dtype)
   return (jnp.concatenate([o_p, o_r], axis=1), jnp.concatenate([lse_p, lse_r], axis=1))
 
@@ -185,10 +235,19 @@ def check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v):
         f"q heads/head_dim {q.shape[2:]} do not fit kv heads/head_dim {prefix_k.shape[2:]}")
 
 
+def decode_window_starts(prefix_lens, suffix_lens, window: int):
+  """First visible key index ([B, N] each) of the prefix and of the suffix: the query of
+  sample (b, n) sits at position prefix_lens[b] + suffix_lens[b, n] - 1, prefix key j at j,
+  suffix key s at prefix_lens[b] + s."""
+  suffix_start = (suffix_lens - window).astype(jnp.int32)
+  return (prefix_lens[:, None] + suffix_start).astype(jnp.int32), suffix_start
+
+
 def decode_n_copies(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, suffix_lens,
-                    sm_scale=None):
+                    sm_scale=None, window=None):
   """Ground truth: each sample attends its own copy of [prefix, suffix]."""
   check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v)
+  window = check_window(window)
   b, n, h, d = q.shape
   sp, ss = prefix_k.shape[1], suffix_k.shape[2]
   cat = lambda pre, suf: jnp.concatenate(
@@ -197,24 +256,37 @@ def decode_n_copies(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, suff
   valid = jnp.concatenate([
       jnp.broadcast_to((jnp.arange(sp)[None, :] < prefix_lens[:, None])[:, None], (b, n, sp)),
       jnp.arange(ss)[None, None, :] < suffix_lens[:, :, None]], axis=2).reshape(b * n, 1, sp + ss)
+  if window is not None:
+    k_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(sp), (b, sp)),
+                             prefix_lens[:, None] + jnp.arange(ss)], axis=1)  # [B, Sp + Ss]
+    q_pos = prefix_lens[:, None] + suffix_lens - 1  # [B, N]
+    near = (q_pos[:, :, None] - k_pos[:, None, :]) < window
+    valid = valid & near.reshape(b * n, 1, sp + ss)
   o, lse = masked_attention(q.reshape(b * n, 1, h, d), cat(prefix_k, suffix_k),
                             cat(prefix_v, suffix_v), valid, sm_scale)
   return o.reshape(b, n, h, d), lse.reshape(b, n, h)
 
 
-def decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale=None):
-  """All N samples' queries against the shared prefix in one matmul: [N*G, D] x [D, S]."""
+def decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale=None, key_start=None):
+  """All N samples' queries against the shared prefix in one matmul: [N*G, D] x [D, S].
+  key_start [B, N] (optional): each sample sees only prefix keys from that index on."""
   sp = prefix_k.shape[1]
   mask = jnp.broadcast_to((jnp.arange(sp)[None, :] < prefix_lens[:, None])[:, None],
                           (q.shape[0], q.shape[1], sp))
+  if key_start is not None:
+    mask = mask & (jnp.arange(sp) >= key_start[:, :, None])
   return masked_attention(q, prefix_k, prefix_v, mask, sm_scale, out_dtype=jnp.float32)
 
 
-def decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale=None):
-  """Each sample's query against its own suffix cache."""
+def decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale=None, key_start=None):
+  """Each sample's query against its own suffix cache; key_start [B, N] (optional): each
+  sample sees only suffix keys from that index on."""
   b, n, h, d = q.shape
   ss = suffix_k.shape[2]
-  mask = (jnp.arange(ss)[None, None, :] < suffix_lens[:, :, None]).reshape(b * n, 1, ss)
+  mask = jnp.arange(ss)[None, None, :] < suffix_lens[:, :, None]
+  if key_start is not None:
+    mask = mask & (jnp.arange(ss) >= key_start[:, :, None])
+  mask = mask.reshape(b * n, 1, ss)
   o, lse = masked_attention(q.reshape(b * n, 1, h, d), suffix_k.reshape(b * n, ss, *suffix_k.shape[3:]),
                             suffix_v.reshape(b * n, ss, *suffix_v.shape[3:]), mask, sm_scale,
                             out_dtype=jnp.float32)
@@ -222,9 +294,13 @@ def decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale=None):
 
 
 def decode_two_pass(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, suffix_lens,
-                    sm_scale=None):
+                    sm_scale=None, window=None):
   """XLA decode: prefix read once for all N queries, suffix per sample, LSE merge."""
   check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v)
-  o1, l1 = decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale)
-  o2, l2 = decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale)
+  window = check_window(window)
+  pre_start = suf_start = None
+  if window is not None:
+    pre_start, suf_start = decode_window_starts(prefix_lens, suffix_lens, window)
+  o1, l1 = decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale, pre_start)
+  o2, l2 = decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale, suf_start)
   return merge_lse(o1, l1, o2, l2, out_dtype=q.dtype)

@@ -8,6 +8,10 @@ reads it: for a prompt key block that is the prompt's own queries followed by
 all N responses, the sequential reduction that sums the prompt gradients.
 Lengths are dynamic, so each pair also gets a per-row liveness flag; a dead
 pair re-uses the previous block index so that no DMA is issued for it.
+
+A sliding window (Geometry.window, in RoPE positions) removes the pairs that no
+length can bring within the window from the schedule, and marks the pairs that
+the row's lengths put wholly outside it as dead.
 """
 
 from __future__ import annotations
@@ -45,8 +49,11 @@ class Geometry:
   response_capacity: int
   block_q: int
   block_kv: int
+  window: int | None = None  # sliding window in positions; None: full causal
 
   def __post_init__(self):
+    if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+      raise ValueError(f"window: expected a positive int or None, got {self.window!r}")
     for cap in (self.prompt_capacity, self.response_capacity):
       for blk in (self.block_q, self.block_kv):
         if cap % blk:
@@ -77,7 +84,21 @@ class Schedule:
     return int(self.q_block.shape[0])
 
 
-def _pairs_to_schedule(pairs, out_index: int) -> Schedule:
+def _may_reach(g: Geometry, qb: int, kb: int, q_reg: int, k_reg: int) -> bool:
+  """Whether some lengths put a key of block kb within the window of a query of block qb."""
+  if g.window is None:
+    return True
+  start = lambda r: 0 if r == 0 else g.prompt_capacity + (r - 1) * g.response_capacity
+  q_first = qb * g.block_q - start(q_reg)
+  k_last = kb * g.block_kv - start(k_reg) + g.block_kv - 1
+  if q_reg == k_reg:  # same region: a static distance
+    return q_first - k_last < g.window
+  # Response query (position prompt_len + t) and prompt key (< prompt_len): at least t + 1.
+  return q_first + 1 < g.window
+
+
+def _pairs_to_schedule(pairs, out_index: int, g: Geometry) -> Schedule:
+  pairs = [p for p in pairs if _may_reach(g, *p)]
   arr = np.asarray(pairs, np.int32).reshape(-1, 4)
   out = arr[:, out_index]
   first = np.ones(len(arr), np.int32)
@@ -103,7 +124,7 @@ def forward_schedule(g: Geometry) -> Schedule:
         pairs.append((qb, kb, i + 1, 0))
       for r in range(min(nkr, (t * bq + bq - 1) // bk + 1)):
         pairs.append((qb, nkp + i * nkr + r, i + 1, i + 1))
-  return _pairs_to_schedule(pairs, 0)
+  return _pairs_to_schedule(pairs, 0, g)
 
 
 def dkv_schedule(g: Geometry) -> Schedule:
@@ -126,7 +147,7 @@ def dkv_schedule(g: Geometry) -> Schedule:
       for t in range(nqr):
         if t * bq + bq - 1 >= r * bk:
           pairs.append((nqp + i * nqr + t, nkp + i * nkr + r, i + 1, i + 1))
-  return _pairs_to_schedule(pairs, 1)
+  return _pairs_to_schedule(pairs, 1, g)
 
 
 def region_lens(prompt_lens: jax.Array, response_lens: jax.Array) -> jax.Array:
@@ -135,13 +156,22 @@ def region_lens(prompt_lens: jax.Array, response_lens: jax.Array) -> jax.Array:
 
 
 def liveness(sched: Schedule, g: Geometry, lens: jax.Array) -> jax.Array:
-  """[B, T] bool: the pair's query block and key block both hold a real token."""
+  """[B, T] bool: the pair's query block and key block both hold a real token (and, with a
+  window, the block's first real query is within the window of its last real key)."""
   start = lambda r: np.where(r == 0, 0, g.prompt_capacity + (r - 1) * g.response_capacity)
   q_local = sched.q_block * g.block_q - start(sched.q_region)
   k_local = sched.k_block * g.block_kv - start(sched.k_region)
   q_len = lens[:, sched.q_region]
   k_len = lens[:, sched.k_region]
-  return (jnp.asarray(q_local)[None] < q_len) & (jnp.asarray(k_local)[None] < k_len)
+  live = (jnp.asarray(q_local)[None] < q_len) & (jnp.asarray(k_local)[None] < k_len)
+  if g.window is None:
+    return live
+  # Position of a region's local index 0: 0 in the prompt, prompt_len in every response.
+  offset = lambda r: jnp.where(jnp.asarray(r == 0)[None], 0, lens[:, :1])
+  q_first = jnp.asarray(q_local)[None] + offset(sched.q_region)
+  k_last = jnp.minimum(jnp.asarray(k_local + g.block_kv - 1)[None], k_len - 1)
+  k_last = k_last + offset(sched.k_region)
+  return live & (q_first - k_last < g.window)
 
 
 def fill_dead(blocks: np.ndarray, live: jax.Array) -> jax.Array:

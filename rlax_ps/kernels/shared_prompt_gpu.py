@@ -4,8 +4,8 @@ Same schedule as the TPU kernel, written as loops inside one program instead of
 grid steps: a query block loops over the prompt key blocks and then its own
 response's blocks; a key block of the prompt loops over the prompt's queries and
 then, response by response, over all N responses' queries (the sum over N is a
-sequential loop, no atomics). Loop bounds come from the real lengths, so padded
-and masked blocks are never loaded.
+sequential loop, no atomics). Loop bounds come from the real lengths (and the
+sliding window, if any), so padded and masked blocks are never loaded.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from rlax_ps.kernels import schedule as sched_lib
 from rlax_ps.kernels.layout import SharedPromptLayout
-from rlax_ps.kernels.reference import check_qkv
+from rlax_ps.kernels.reference import check_qkv, check_window
 from rlax_ps.kernels.pallas_common import attention_with_vjp, call_on_aligned_regions
 
 _MASKED = -1e30
@@ -45,8 +45,21 @@ def _query_region(g: sched_lib.Geometry, qb, lens_ref):
   return is_prompt, start, length, qb * g.block_q - start
 
 
+def _shift(region_start, plen):
+  """RoPE position minus packed index for the region starting at region_start: the prompt
+  starts at 0 and at position 0, every response at position plen."""
+  return jnp.where(region_start == 0, 0, plen - region_start)
+
+
+def _window_mask(g, rows, cols, q_region, k_region, plen):
+  """[bq, bk] bool: positions fewer than g.window apart (rows/cols are packed indices)."""
+  shift = _shift(q_region, plen) - _shift(k_region, plen)
+  return rows[:, None] - cols[None, :] + shift < g.window
+
+
 def _kv_loops(g, qb, lens_ref, body, carry):
-  """Runs body(k_start, k_region_start, k_len, carry) over the key blocks query block qb sees."""
+  """Runs body(k_start, k_region_start, k_len, carry) over the key blocks query block qb sees
+  (with a window, from the first block that holds a key within it)."""
   bq, bk = g.block_q, g.block_kv
   is_prompt, start, q_len, q_local = _query_region(g, qb, lens_ref)
   q_live = q_local < q_len
@@ -54,9 +67,14 @@ def _kv_loops(g, qb, lens_ref, body, carry):
   causal_end = _cdiv(q_local + bq, bk)
   n_prompt = jnp.where(is_prompt, jnp.minimum(causal_end, _cdiv(plen, bk)), _cdiv(plen, bk))
   n_prompt = jnp.where(q_live, n_prompt, 0)
-  carry = lax.fori_loop(0, n_prompt, lambda j, c: body(j * bk, 0, plen, c), carry)
+  lo_prompt = lo_own = 0
+  if g.window is not None:
+    q_pos = q_local + jnp.where(is_prompt, 0, plen)
+    lo_prompt = lax.div(jnp.maximum(q_pos - g.window + 1, 0), bk)
+    lo_own = lax.div(jnp.maximum(q_local - g.window + 1, 0), bk)
+  carry = lax.fori_loop(lo_prompt, n_prompt, lambda j, c: body(j * bk, 0, plen, c), carry)
   n_own = jnp.where(is_prompt | ~q_live, 0, jnp.minimum(causal_end, _cdiv(q_len, bk)))
-  return lax.fori_loop(0, n_own, lambda j, c: body(start + j * bk, start, q_len, c), carry)
+  return lax.fori_loop(lo_own, n_own, lambda j, c: body(start + j * bk, start, q_len, c), carry)
 
 
 def _fwd_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, g, sm_scale):
@@ -73,6 +91,8 @@ def _fwd_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, g, sm_scale):
     v = v_ref[pl.ds(k_start, bk), :]
     cols = k_start + jnp.arange(bk)
     mask = q_ok[:, None] & (cols - k_region < k_len)[None, :] & (cols[None, :] <= rows[:, None])
+    if g.window is not None:
+      mask = mask & _window_mask(g, rows, cols, q_start, k_region, lens_ref[0])
     s = jnp.where(mask, _dot(q, k, trans_b=True) * sm_scale, _MASKED)
     m_next = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
@@ -106,6 +126,8 @@ def _dq_kernel(lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dq_ref, *
     v = v_ref[pl.ds(k_start, bk), :]
     cols = k_start + jnp.arange(bk)
     mask = q_ok[:, None] & (cols - k_region < k_len)[None, :] & (cols[None, :] <= rows[:, None])
+    if g.window is not None:
+      mask = mask & _window_mask(g, rows, cols, q_start, k_region, lens_ref[0])
     p = jnp.where(mask, jnp.exp(_dot(q, k, trans_b=True) * sm_scale - lse[:, None]), 0.0)
     ds = p * (_dot(do, v, trans_b=True) - di[:, None]) * sm_scale
     return dq + _dot(ds.astype(k.dtype), k)
@@ -139,6 +161,8 @@ def _dkv_kernel(lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, 
     di = di_ref[h, pl.ds(q_start, bq)]
     rows = q_start + jnp.arange(bq)
     mask = (rows - q_region < q_len)[:, None] & k_ok[None, :] & (cols[None, :] <= rows[:, None])
+    if g.window is not None:
+      mask = mask & _window_mask(g, rows, cols, q_region, k_region, plen)
     p = jnp.where(mask, jnp.exp(_dot(q, k, trans_b=True) * sm_scale - lse[:, None]), 0.0)
     dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
     ds = p * (_dot(do, v, trans_b=True) - di[:, None]) * sm_scale
@@ -153,13 +177,20 @@ def _dkv_kernel(lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, 
   n_lo = m_resp
   n_hi = jnp.where(k_live, jnp.where(is_prompt, g.num_responses, m_resp + 1), n_lo)
   t_lo = jnp.where(is_prompt, 0, lax.div(k_local, bq))
+  t_cap = None
+  if g.window is not None:
+    # Queries past the block's last key position + window - 1 see none of its keys.
+    reach = k_local + bk + g.window - 1
+    p_hi = jnp.minimum(p_hi, _cdiv(reach, bq))
+    t_cap = _cdiv(reach - jnp.where(is_prompt, plen, 0), bq)
   for h in range(group):
     carry = lax.fori_loop(p_lo, p_hi, lambda i, c, h=h: step(h, i * bq, 0, plen, c), carry)
 
     def response(n, c, h=h):
       r_start = g.prompt_capacity + n * g.response_capacity
       r_len = lens_ref[n + 1]
-      return lax.fori_loop(t_lo, _cdiv(r_len, bq),
+      t_hi = _cdiv(r_len, bq) if t_cap is None else jnp.minimum(_cdiv(r_len, bq), t_cap)
+      return lax.fori_loop(t_lo, t_hi,
                            lambda t, cc: step(h, r_start + t * bq, r_start, r_len, cc), c)
 
     carry = lax.fori_loop(n_lo, n_hi, response, carry)
@@ -241,12 +272,14 @@ _attention_bhld = attention_with_vjp(_forward, _backward)
 
 def shared_prompt_attention_pallas_gpu(q, k, v, layout: SharedPromptLayout, *, sm_scale=None,
                                        block_sizes: sched_lib.BlockSizes | None = None,
-                                       interpret=False):
+                                       interpret=False, window: int | None = None):
   """Packed shared-prompt attention on GPU (Pallas Triton): q [B, L, H, D],
   k/v [B, L, Hkv, D] -> (o [B, L, H, D], lse [B, L, H] f32). Block sizes and
-  head_dim must be powers of two; regions are re-padded to block multiples."""
+  head_dim must be powers of two; regions are re-padded to block multiples.
+  A window shortens the key (and, backward, query) loops to the blocks it reaches."""
   check_qkv(q, k, v)
   layout.validate(q.shape[1], q.shape[0])
+  window = check_window(window)
   # 64-wide tiles for 16-bit inputs; f32 tiles take twice the shared memory.
   default = 64 if jnp.dtype(q.dtype).itemsize <= 2 else 32
   blocks = block_sizes or sched_lib.BlockSizes(default, default)
@@ -254,4 +287,5 @@ def shared_prompt_attention_pallas_gpu(q, k, v, layout: SharedPromptLayout, *, s
                     ("head_dim", q.shape[-1])):
     if val & (val - 1):
       raise ValueError(f"{name} must be a power of two for the GPU kernel, got {val}")
-  return call_on_aligned_regions(_attention_bhld, q, k, v, layout, blocks, sm_scale, interpret)
+  return call_on_aligned_regions(_attention_bhld, q, k, v, layout, blocks, sm_scale, interpret,
+                                 window)

@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from rlax_ps.kernels import schedule as sched_lib
 from rlax_ps.kernels.layout import SharedPromptLayout
-from rlax_ps.kernels.reference import check_qkv
+from rlax_ps.kernels.reference import check_qkv, check_window
 from rlax_ps.kernels.pallas_common import attention_with_vjp, call_on_aligned_regions
 
 LANES = 128
@@ -29,7 +29,8 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 
 def _block_mask(g: sched_lib.Geometry, b, q_blk, k_blk, q_reg, k_reg, lens_ref, shape):
   """Visited pairs are same-region or (prompt key, response query): causal by
-  global index plus both tokens real."""
+  global index plus both tokens real (plus, with a window, the RoPE positions
+  fewer than `window` apart)."""
   n1 = g.num_responses + 1
   q_len = lens_ref[b * n1 + q_reg]
   k_len = lens_ref[b * n1 + k_reg]
@@ -37,7 +38,13 @@ def _block_mask(g: sched_lib.Geometry, b, q_blk, k_blk, q_reg, k_reg, lens_ref, 
   cols = k_blk * g.block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
   q_ok = rows - g.region_start(q_reg) < q_len
   k_ok = cols - g.region_start(k_reg) < k_len
-  return q_ok & k_ok & (cols <= rows)
+  mask = q_ok & k_ok & (cols <= rows)
+  if g.window is None:
+    return mask
+  # position = index - region start (+ prompt_len in a response): a per-pair scalar shift.
+  plen = lens_ref[b * n1]
+  shift = lambda reg: jnp.where(reg == 0, 0, plen - g.region_start(reg))
+  return mask & (rows - cols + (shift(q_reg) - shift(k_reg)) < g.window)
 
 
 def _fwd_kernel(q_blk_ref, k_blk_ref, q_reg_ref, k_reg_ref, first_ref, last_ref, fetch_ref,
@@ -245,10 +252,13 @@ _attention_bhld = attention_with_vjp(_forward, _backward)
 
 def shared_prompt_attention_pallas_tpu(q, k, v, layout: SharedPromptLayout, *, sm_scale=None,
                                        block_sizes: sched_lib.BlockSizes | None = None,
-                                       interpret=False):
+                                       interpret=False, window: int | None = None):
   """Packed shared-prompt attention on TPU: q [B, L, H, D], k/v [B, L, Hkv, D]
-  -> (o [B, L, H, D], lse [B, L, H] f32). Regions are re-padded to block multiples."""
+  -> (o [B, L, H, D], lse [B, L, H] f32). Regions are re-padded to block multiples.
+  A window drops the pairs wholly outside it from the schedule (or marks them dead)."""
   check_qkv(q, k, v)
   layout.validate(q.shape[1], q.shape[0])
+  window = check_window(window)
   blocks = block_sizes or sched_lib.BlockSizes()
-  return call_on_aligned_regions(_attention_bhld, q, k, v, layout, blocks, sm_scale, interpret)
+  return call_on_aligned_regions(_attention_bhld, q, k, v, layout, blocks, sm_scale, interpret,
+                                 window)

@@ -4,20 +4,39 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions) -> jnp.ndarray:
-  """[B, T, S] bool: a query sees a key of its own segment at an earlier or equal position."""
+def check_window(window) -> int | None:
+  """None (no window) or a positive int, returned as a plain (static) int."""
+  if window is None:
+    return None
+  if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)) or (
+      window < 1):
+    raise ValueError(f"window: expected a positive int or None, got {window!r}")
+  return int(window)
+
+
+def attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions, *,
+                   window: int | None = None) -> jnp.ndarray:
+  """[B, T, S] bool: a query sees a key of its own segment at an earlier or equal position
+  (and, with a sliding window, fewer than `window` positions back, as Gemma's local layers)."""
+  window = check_window(window)
   same_segment = q_segment_ids[:, :, None] == k_segment_ids[:, None, :]
   causal = k_positions[:, None, :] <= q_positions[:, :, None]
-  return same_segment & causal
+  mask = same_segment & causal
+  if window is not None:
+    mask = mask & (q_positions[:, :, None] - k_positions[:, None, :] < window)
+  return mask
 
 
-def dot_product_attention(q, k, v, q_segment_ids, q_positions, k_segment_ids, k_positions):
+def dot_product_attention(q, k, v, q_segment_ids, q_positions, k_segment_ids, k_positions, *,
+                          window: int | None = None, sm_scale: float | None = None):
   """Softmax attention; q [B,T,H,D], k/v [B,S,Hkv,D] -> [B,T,H,D].
 
   Query heads are grouped over the kv heads (GQA); logits and softmax are float32.
   A query with no visible key (only possible for padding) gets zeros, never NaN.
+  sm_scale multiplies the logits (None: head_dim ** -0.5); window: see attention_mask.
   """
   b, t, h, d = q.shape
   hkv = k.shape[2]
@@ -25,8 +44,8 @@ def dot_product_attention(q, k, v, q_segment_ids, q_positions, k_segment_ids, k_
     raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
   qg = q.reshape(b, t, hkv, h // hkv, d)
   logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-  logits = logits * (d ** -0.5)
-  mask = attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions)
+  logits = logits * (d ** -0.5 if sm_scale is None else sm_scale)
+  mask = attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions, window=window)
   mask = mask[:, None, None, :, :]
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1)

@@ -96,7 +96,8 @@ def test_layout_rejects_wrong_shapes_with_named_field():
                                  jnp.zeros((1, 9, 2, 4)), lay)
 
 
-def test_chunked_causal_prompt_attention_equals_one_masked_matmul():
+@pytest.mark.parametrize("window", [None, 3])
+def test_chunked_causal_prompt_attention_equals_one_masked_matmul(window):
   ks = jax.random.split(jax.random.key(5), 3)
   q = jax.random.normal(ks[0], (2, 13, 4, 8))
   k = jax.random.normal(ks[1], (2, 13, 2, 8))
@@ -106,7 +107,10 @@ def test_chunked_causal_prompt_attention_equals_one_masked_matmul():
   @jax.jit
   def both(q, k, v):
     full = jnp.tril(jnp.ones((13, 13), bool))[None] & valid[:, :, None] & valid[:, None, :]
-    chunked = reference._chunked_causal_attention(q, k, v, valid, None, min_chunk=3)
+    if window is not None:
+      full = full & reference.in_window(jnp.arange(13), jnp.arange(13), window)
+    chunked = reference._chunked_causal_attention(q, k, v, valid, None, min_chunk=3,
+                                                  window=window)
     return reference.masked_attention(q, k, v, full), chunked
 
   (o, lse), (oc, lsec) = both(q, k, v)
