@@ -223,21 +223,29 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_instruct_recipe_trains_a_qwen3_checkpoint_on_chat_prompts(tmp_path):
-  """configs/rl_instruct.py:tiny from a tiny Qwen3 checkpoint with a ChatML tokenizer and
-  template: JSONL math questions as conversations, scored by the math verifier; the export
-  carries the chat template and the end-of-turn stop ids."""
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
+  """configs/rl_instruct.py:tiny from a tiny Qwen3 or Gemma 3 (8-token sliding window)
+  checkpoint with a ChatML tokenizer and template: JSONL math questions as conversations,
+  scored by the math verifier; the export carries the chat template and the end-of-turn stop
+  ids."""
   import numpy as np
   from flax import nnx
 
   from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
   from rlax_ps.tokenizers import HFTokenizer
   chat = os.path.join(REPO, "tests", "fixtures", "hf", "chat_tokenizer")
-  ckpt = tmp_path / "qwen3"
+  ckpt = tmp_path / family
   tok = HFTokenizer(chat)
   config = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
                        architecture="qwen3", max_position_embeddings=256)
+  if family == "gemma3":
+    config = config.replace(
+        architecture="gemma3", hidden_act="gelu_tanh", zero_centered_norms=True,
+        scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=("sliding_attention", "full_attention"), rope_local_theta=1e4,
+        tie_word_embeddings=True)
   save_hf_checkpoint(Transformer(config, rngs=nnx.Rngs(0)), str(ckpt))
   for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
     shutil.copy(os.path.join(chat, name), ckpt / name)
@@ -259,4 +267,7 @@ def test_the_instruct_recipe_trains_a_qwen3_checkpoint_on_chat_prompts(tmp_path)
   assert (export / "chat_template.jinja").read_text() == HFTokenizer(
       chat, chat_template="auto").chat_template
   assert json.load(open(export / "generation_config.json"))["eos_token_id"] == list(tok.stop_ids)
-  assert json.load(open(export / "config.json"))["architectures"] == ["Qwen3ForCausalLM"]
+  exported = json.load(open(export / "config.json"))
+  assert exported["architectures"] == [{"qwen3": "Qwen3ForCausalLM",
+                                        "gemma3": "Gemma3ForCausalLM"}[family]]
+  assert exported.get("sliding_window") == (8 if family == "gemma3" else None)

@@ -1,13 +1,15 @@
-"""ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 family decoder, independent of
-any checkpoint format."""
+"""ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 family decoder,
+independent of any checkpoint format."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 DTYPES = ("float32", "bfloat16")
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -45,7 +47,8 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3)."""
+  """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
+  Gemma 3)."""
 
   vocab_size: int
   hidden_size: int
@@ -62,12 +65,22 @@ class ModelConfig:
   rope_scaling: dict[str, Any] | None = None
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections.
-  qk_norm: bool = False  # Qwen3 RMS-normalises each head's q and k before RoPE.
+  qk_norm: bool = False  # Qwen3 and Gemma 3 RMS-normalise each head's q and k before RoPE.
+  hidden_act: str = "silu"  # The MLP gate: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma).
+  zero_centered_norms: bool = False  # Gemma: a norm weight w scales by 1 + w, in float32.
+  scale_embeddings: bool = False  # Gemma: token embeddings times sqrt(hidden_size).
+  sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs are RMS-normed too.
+  query_pre_attn_scalar: float | None = None  # Attention logits times this**-0.5 (None: head_dim).
+  # Sliding-window attention: a query sees keys fewer than `sliding_window` positions back, in
+  # the layers `layer_types` marks "sliding_attention" (None: every layer when a window is set).
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (unscaled).
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 2048
   param_dtype: str = "float32"  # Storage dtype of the weights.
   dtype: str = "float32"  # Compute dtype of activations (logits are always float32).
-  architecture: str = "llama"  # llama, qwen2, qwen3 or mistral: decides the HF export names.
+  architecture: str = "llama"  # One of ARCHITECTURES: decides the HF export names.
 
   def __post_init__(self):
     def need(cond, field, expected, got):
@@ -90,6 +103,18 @@ class ModelConfig:
       object.__setattr__(self, f, dtype_name(getattr(self, f), f"ModelConfig.{f}"))
     need(self.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
          self.architecture)
+    need(self.hidden_act in ACTIVATIONS, "hidden_act", f"one of {ACTIVATIONS}", self.hidden_act)
+    if self.query_pre_attn_scalar is not None:
+      need(isinstance(self.query_pre_attn_scalar, (int, float)) and self.query_pre_attn_scalar > 0,
+           "query_pre_attn_scalar", "a positive number or None", self.query_pre_attn_scalar)
+    if self.sliding_window is not None:
+      need(isinstance(self.sliding_window, int) and self.sliding_window > 0, "sliding_window",
+           "a positive int or None", self.sliding_window)
+    if self.layer_types is not None:
+      types = tuple(self.layer_types)
+      need(len(types) == self.num_layers and set(types) <= set(LAYER_TYPES), "layer_types",
+           f"{self.num_layers} entries from {LAYER_TYPES}", self.layer_types)
+      object.__setattr__(self, "layer_types", types)
     if self.rope_scaling is not None:
       scaling = dict(self.rope_scaling)
       rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -107,6 +132,24 @@ class ModelConfig:
       scaling.pop("type", None)
       object.__setattr__(self, "rope_scaling",
                          FrozenScaling(scaling) if rope_type != "default" else None)
+
+  def sliding_layer(self, layer: int) -> bool:
+    """Whether layer `layer` is a sliding (local) one: its window, and its RoPE base when
+    rope_local_theta is set (a Gemma 3 local layer keeps that base even with no window)."""
+    if self.layer_types is not None:
+      return self.layer_types[layer] == "sliding_attention"
+    return self.sliding_window is not None
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of layer `layer`, or None where it attends every earlier key."""
+    return self.sliding_window if self.sliding_layer(layer) else None
+
+  @property
+  def attention_scale(self) -> float | None:
+    """The attention logits' scale when it is not head_dim**-0.5 (Gemma), else None."""
+    if self.query_pre_attn_scalar is None:
+      return None
+    return float(self.query_pre_attn_scalar) ** -0.5
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
@@ -131,6 +174,6 @@ class ModelConfig:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
     if self.qk_norm:
       attn += 2 * d
-    per_layer = attn + 3 * h * self.intermediate_size + 2 * h
+    per_layer = attn + 3 * h * self.intermediate_size + (4 if self.sandwich_norms else 2) * h
     head = 0 if self.tie_word_embeddings else h * self.vocab_size
     return self.vocab_size * h + self.num_layers * per_layer + h + head

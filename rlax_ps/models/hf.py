@@ -1,14 +1,15 @@
 """Hugging Face checkpoints (config.json + safetensors) to and from our Transformer.
 
-Covers LlamaForCausalLM, MistralForCausalLM (without a sliding window), Qwen2ForCausalLM
-and Qwen3ForCausalLM as transformers 4.x (top-level
-`rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
-`model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights
-are [out, in]; our kernels are [in, out], so every kernel is transposed on the way.
+Covers LlamaForCausalLM, MistralForCausalLM (v0.1's sliding window included),
+Qwen2ForCausalLM, Qwen3ForCausalLM and Gemma3ForCausalLM (Gemma 3's text model) as
+transformers 4.x (top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write
+them, with one `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear
+weights are [out, in]; our kernels are [in, out], so every kernel is transposed on the way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -32,9 +33,31 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # HF class name -> our ModelConfig.architecture, and back.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
+                 "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
+                 "Gemma3ForCausalLM": "gemma3"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 32768}
+# Image-text checkpoints whose language model we train (exported as the text-only class).
+_TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# What transformers' Gemma3TextConfig assumes for fields a config.json leaves out (the Hub's
+# image-text Gemma 3 configs state little more than their widths and depth).
+_GEMMA3_DEFAULTS = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+    rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096, tie_word_embeddings=True,
+    rope_theta=1000000.0, rope_local_base_freq=10000.0)
+_MODEL_TYPE = {"gemma3": "gemma3_text"}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 32768,
+                          "gemma3": 131072}
+# What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
+_FAMILY = {
+    "llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True},
+    "gemma3": {"qk_norm": True, "hidden_act": "gelu_tanh", "zero_centered_norms": True,
+               "scale_embeddings": True, "sandwich_norms": True},
+}
+_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "hidden_act", "zero_centered_norms", "scale_embeddings",
+                  "sandwich_norms")
+_HF_ACT = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_GEMMA_WINDOW_PATTERN = 6  # 4.x Gemma 3 configs without layer_types: every 6th layer is full.
 # Buffers some checkpoints carry that hold nothing our model needs.
 _IGNORABLE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -67,53 +90,109 @@ def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
   return theta, {"rope_type": rope_type, **rope}
 
 
+def _local_rope_theta(d: Mapping[str, Any]) -> float:
+  """Gemma 3's RoPE base for sliding layers: 5.x `rope_parameters.sliding_attention`, 4.x
+  `rope_local_base_freq`; they are never scaled."""
+  local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
+  kind = local.get("rope_type", local.get("type", "default"))
+  if kind != "default":
+    raise ValueError(f"{CONFIG_FILE}: rope_parameters.sliding_attention.rope_type: expected "
+                     f"'default', got {kind!r}")
+  return float(local.get("rope_theta") or d.get("rope_local_base_freq")
+               or _GEMMA3_DEFAULTS["rope_local_base_freq"])
+
+
+def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
+             ) -> tuple[int | None, tuple[str, ...] | None]:
+  """(sliding_window, layer_types) as each family's config.json states them."""
+  types = d.get("layer_types")
+  window = d.get("sliding_window")
+  if arch == "gemma3":
+    if d.get("use_bidirectional_attention"):
+      raise ValueError(f"{CONFIG_FILE}: use_bidirectional_attention: expected false (a causal "
+                       "language model), got true")
+    if not types:
+      pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern")
+                    or _GEMMA_WINDOW_PATTERN)
+      types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+               for i in range(num_layers)]
+  elif arch == "mistral":
+    types = None  # every layer slides when a window is set
+  elif arch in ("qwen2", "qwen3"):
+    if not d.get("use_sliding_window"):
+      return None, None
+    if not types:
+      start = int(d.get("max_window_layers", num_layers))
+      types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+  else:
+    return None, None
+  max_positions = int(_get(d, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch]))
+  if window is not None and int(window) >= max_positions:  # a window no sequence outgrows
+    window = None
+  if arch == "gemma3":  # its local layers keep their RoPE base with or without a window
+    return (None if window is None else int(window)), tuple(types)
+  types = tuple(types) if types else None
+  if window is None or (types is not None and "sliding_attention" not in types):
+    return None, None
+  return int(window), types
+
+
 def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   """A ModelConfig from a parsed HF config.json (either transformers 4.x or 5.x layout)."""
   archs = d.get("architectures") or []
+  text_models = [_TEXT_MODEL_OF[a] for a in archs if a in _TEXT_MODEL_OF]
+  if text_models:  # an image-text model: its language model is what we load
+    d = {**(d.get("text_config") or {}), "architectures": text_models}
+    archs = text_models
   known = [a for a in archs if a in ARCHITECTURES]
   if not known:
     got = archs if archs else d.get("model_type")
-    raise ValueError(f"{CONFIG_FILE}: architectures: expected one of {sorted(ARCHITECTURES)}, "
-                     f"got {got!r}")
+    raise ValueError(f"{CONFIG_FILE}: architectures: expected one of "
+                     f"{sorted(ARCHITECTURES) + sorted(_TEXT_MODEL_OF)}, got {got!r}")
   arch = ARCHITECTURES[known[0]]
-  act = d.get("hidden_act", "silu")
-  if act != "silu":
-    raise ValueError(f"{CONFIG_FILE}: hidden_act: expected 'silu', got {act!r}")
-  for flag in {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}.get(arch, ()):
+  if arch == "gemma3":
+    d = {**_GEMMA3_DEFAULTS, **d}
+  family = dict(_FAMILY[arch])
+  act_key = "hidden_activation" if arch == "gemma3" else "hidden_act"
+  act = d.get(act_key) or d.get("hidden_act") or ("gelu_pytorch_tanh" if arch == "gemma3"
+                                                  else "silu")
+  if _HF_ACT.get(act) != family.get("hidden_act", "silu"):
+    want = [k for k, v in _HF_ACT.items() if v == family.get("hidden_act", "silu")][0]
+    raise ValueError(f"{CONFIG_FILE}: {act_key}: expected {want!r}, got {act!r}")
+  flags = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",),
+           "gemma3": ("attention_bias",)}.get(arch, ())
+  for flag in flags:
     if d.get(flag):
       raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
-  window = d.get("sliding_window") if arch == "mistral" else None
-  if window is not None and window < int(_get(d, "max_position_embeddings",
-                                               _DEFAULT_MAX_POSITIONS[arch])):
-    raise ValueError(f"{CONFIG_FILE}: sliding_window: expected null (sliding-window attention "
-                     f"is not supported), got {window!r}")
-  if arch in ("qwen2", "qwen3") and d.get("use_sliding_window"):
-    layer_types = d.get("layer_types") or []
-    window_start = d.get("max_window_layers", 0)
-    sliding = ("sliding_attention" in layer_types if layer_types
-               else window_start < d["num_hidden_layers"])
-    if sliding:
-      raise ValueError(f"{CONFIG_FILE}: use_sliding_window: expected false (sliding-window "
-                       "attention is not supported), got true")
+  for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if d.get(cap) is not None:
+      raise ValueError(f"{CONFIG_FILE}: {cap}: expected null (logit soft-capping is not "
+                       f"supported), got {d[cap]!r}")
   num_heads = int(_get(d, "num_attention_heads"))
+  num_layers = int(_get(d, "num_hidden_layers"))
   theta, scaling = _rope_from_hf(d)
+  window, layer_types = _sliding(d, arch, num_layers)
+  gemma = arch == "gemma3"
   return ModelConfig(
       vocab_size=int(_get(d, "vocab_size")),
       hidden_size=int(_get(d, "hidden_size")),
       intermediate_size=int(_get(d, "intermediate_size")),
-      num_layers=int(_get(d, "num_hidden_layers")),
+      num_layers=num_layers,
       num_heads=num_heads,
       num_kv_heads=int(_get(d, "num_key_value_heads", num_heads)),
       head_dim=_get(d, "head_dim", None),
       rope_theta=theta,
       rope_scaling=scaling,
       rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
-      qkv_bias=arch == "qwen2",
-      qk_norm=arch == "qwen3",
       tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False)),
       max_position_embeddings=int(_get(d, "max_position_embeddings",
                                        _DEFAULT_MAX_POSITIONS[arch])),
-      architecture=arch)
+      query_pre_attn_scalar=float(_get(d, "query_pre_attn_scalar")) if gemma else None,
+      sliding_window=window,
+      layer_types=layer_types,
+      rope_local_theta=_local_rope_theta(d) if gemma else None,
+      architecture=arch,
+      **family)
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -123,14 +202,30 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   5.x's `rope_parameters` (5.x reads either, 4.x ignores the latter).
   """
   c = config
-  for field, arch in (("qkv_bias", "qwen2"), ("qk_norm", "qwen3")):
-    if getattr(c, field) != (c.architecture == arch):
-      raise ValueError(f"ModelConfig.{field}: {_HF_CLASS[c.architecture]} needs "
-                       f"{c.architecture == arch}, got {getattr(c, field)}")
+  arch, hf_class = c.architecture, _HF_CLASS[c.architecture]
+  defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+  for field in _FAMILY_FIELDS:
+    want = _FAMILY[arch].get(field, defaults[field])
+    if getattr(c, field) != want:
+      raise ValueError(f"ModelConfig.{field}: {hf_class} needs {want!r}, got "
+                       f"{getattr(c, field)!r}")
+  gemma = arch == "gemma3"
+  if (c.query_pre_attn_scalar is not None) != gemma or (c.rope_local_theta is not None) != gemma:
+    field = ("query_pre_attn_scalar" if (c.query_pre_attn_scalar is not None) != gemma
+             else "rope_local_theta")
+    raise ValueError(f"ModelConfig.{field}: {hf_class} needs "
+                     f"{'a value' if gemma else 'None'}, got {getattr(c, field)!r}")
+  if c.sliding_window is not None and arch == "llama":
+    raise ValueError(f"ModelConfig.sliding_window: {hf_class} has no sliding window, got "
+                     f"{c.sliding_window}")
+  if arch == "mistral" and c.layer_types and "full_attention" in c.layer_types:
+    raise ValueError(f"ModelConfig.layer_types: {hf_class} slides on every layer or none, got "
+                     f"{list(c.layer_types)}")
   scaling = dict(c.rope_scaling) if c.rope_scaling else None
+  rope = {"rope_type": "default", **(scaling or {}), "rope_theta": c.rope_theta}
   d = {
-      "architectures": [_HF_CLASS[c.architecture]],
-      "model_type": c.architecture,
+      "architectures": [hf_class],
+      "model_type": _MODEL_TYPE.get(arch, arch),
       "vocab_size": c.vocab_size,
       "hidden_size": c.hidden_size,
       "intermediate_size": c.intermediate_size,
@@ -144,18 +239,35 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
       "tie_word_embeddings": c.tie_word_embeddings,
       "rope_theta": c.rope_theta,
       "rope_scaling": scaling,
-      "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": c.rope_theta},
+      "rope_parameters": rope,
       "dtype": c.param_dtype,
       "torch_dtype": c.param_dtype,
   }
-  if c.architecture == "llama":
+  types = ["sliding_attention" if c.sliding_layer(i) else "full_attention"
+           for i in range(c.num_layers)]
+  if arch == "llama":
     d.update(attention_bias=False, mlp_bias=False)
-  elif c.architecture == "mistral":
-    d.update(sliding_window=None)
-  else:
-    d.update(use_sliding_window=False)
-  if c.architecture == "qwen3":
+  elif arch == "mistral":
+    d.update(sliding_window=c.sliding_window)
+  elif arch in ("qwen2", "qwen3"):
+    sliding = c.sliding_window is not None
+    d.update(use_sliding_window=sliding, sliding_window=c.sliding_window,
+             max_window_layers=types.index("sliding_attention") if sliding else c.num_layers,
+             layer_types=types if sliding else ["full_attention"] * c.num_layers)
+  if arch in ("qwen3", "gemma3"):
     d.update(attention_bias=False)
+  if gemma:
+    scalar = c.query_pre_attn_scalar
+    d.pop("hidden_act")
+    d.update(hidden_activation="gelu_pytorch_tanh",
+             query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+             sliding_window=c.sliding_window, layer_types=types,
+             rope_local_base_freq=c.rope_local_theta,
+             rope_parameters={"full_attention": rope,
+                              "sliding_attention": {"rope_type": "default",
+                                                    "rope_theta": c.rope_local_theta}},
+             final_logit_softcapping=None, attn_logit_softcapping=None,
+             use_bidirectional_attention=False)
   return d
 
 
@@ -178,7 +290,12 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
     for proj in ("gate_proj", "up_proj", "down_proj"):
       names[f"{ours}.mlp.{proj}.kernel"] = (f"{hf}.mlp.{proj}.weight", True)
     names[f"{ours}.input_norm.scale"] = (f"{hf}.input_layernorm.weight", False)
-    names[f"{ours}.post_attn_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
+    if config.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output.
+      names[f"{ours}.attn_out_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
+      names[f"{ours}.post_attn_norm.scale"] = (f"{hf}.pre_feedforward_layernorm.weight", False)
+      names[f"{ours}.mlp_out_norm.scale"] = (f"{hf}.post_feedforward_layernorm.weight", False)
+    else:
+      names[f"{ours}.post_attn_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
   return names
 
 
@@ -230,32 +347,51 @@ def _tensor_files(path: str) -> dict[str, str]:
   return {name: os.path.join(path, file) for name, file in weight_map.items()}
 
 
-def _read_tensors(files: Mapping[str, str], wanted: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+def _language_model_view(files: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+  """{causal-LM tensor name: (file, stored name)}. An image-text checkpoint (Gemma 3 4B and
+  up) stores its language model under `language_model.model.` (or `model.language_model.`);
+  only those tensors are seen, under the text-only model's names, and the vision tower's
+  are left out. Any other checkpoint maps to itself."""
+  for prefix in ("language_model.model.", "model.language_model."):
+    if any(name.startswith(prefix) for name in files):
+      view = {"model." + name[len(prefix):]: (file, name)
+              for name, file in files.items() if name.startswith(prefix)}
+      for head in ("language_model.lm_head.weight", "lm_head.weight"):
+        if head in files:
+          view["lm_head.weight"] = (files[head], head)
+      return view
+  return {name: (file, name) for name, file in files.items()}
+
+
+def _read_tensors(view: Mapping[str, tuple[str, str]], wanted: list[str]
+                  ) -> Iterator[tuple[str, np.ndarray]]:
   """(name, array) for each wanted tensor, opening each file once."""
   by_file: dict[str, list[str]] = {}
   for name in wanted:
-    by_file.setdefault(files[name], []).append(name)
+    by_file.setdefault(view[name][0], []).append(name)
   for file, names in by_file.items():
     if not os.path.isfile(file):
-      raise FileNotFoundError(f"tensor {names[0]!r}: file {file!r} named by {INDEX_FILE} "
-                              "does not exist")
+      raise FileNotFoundError(f"tensor {view[names[0]][1]!r}: file {file!r} named by "
+                              f"{INDEX_FILE} does not exist")
     with safe_open(file, framework="numpy") as f:
       present = set(f.keys())
       for name in names:
-        if name not in present:
-          raise ValueError(f"tensor {name!r}: {INDEX_FILE} places it in {file!r}, "
+        stored = view[name][1]
+        if stored not in present:
+          raise ValueError(f"tensor {stored!r}: {INDEX_FILE} places it in {file!r}, "
                            "which does not hold it")
-        yield name, f.get_tensor(name)
+        yield name, f.get_tensor(stored)
 
 
 def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
   """Our flat params (host numpy, config.param_dtype) from the safetensors at `path`.
 
   Every tensor the config needs must be there and nothing else may be, except rotary
-  `inv_freq` buffers and a tied checkpoint's redundant `lm_head.weight`.
+  `inv_freq` buffers, a tied checkpoint's redundant `lm_head.weight` and an image-text
+  checkpoint's vision tensors.
   """
   names = hf_tensor_names(config)
-  files = _tensor_files(path)
+  files = _language_model_view(_tensor_files(path))
   needed = {hf: (ours, transposed) for ours, (hf, transposed) in names.items()}
   missing = sorted(set(needed) - set(files))
   if missing:

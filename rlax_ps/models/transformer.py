@@ -1,9 +1,11 @@
-"""Decoder-only transformer in Flax NNX covering the Llama 2/3, Qwen2/2.5 and Qwen3 families.
+"""Decoder-only transformer in Flax NNX covering the Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and
+Gemma 3 families.
 
-RMSNorm, RoPE (plain, linear, Llama-3 or YaRN scaled), grouped-query attention, SwiGLU MLP,
-optional q/k/v biases (Qwen2), optional per-head q/k norms (Qwen3), tied or untied
-embeddings. Several sequences may share a
-row (segment ids + positions); an optional KVCache serves decoding.
+RMSNorm, RoPE (plain, linear, Llama-3 or YaRN scaled), grouped-query attention, SwiGLU or
+GeGLU MLP, optional q/k/v biases (Qwen2), per-head q/k norms (Qwen3, Gemma 3), sliding-window
+layers with their own RoPE base, Gemma's zero-centred and sandwich norms and scaled
+embeddings, tied or untied embeddings. Several sequences may share a row (segment ids +
+positions); an optional KVCache serves decoding.
 """
 
 from __future__ import annotations
@@ -42,19 +44,22 @@ def _dense(config: ModelConfig, fan_in: int, fan_out: int, sharding, bias: bool,
 
 class RMSNorm(nnx.Module):
   """x / rms(x) * scale over the last axis (`size`, default hidden_size), normalised in
-  float32 as Hugging Face does."""
+  float32 as Hugging Face does; zero-centred (Gemma): scaled by 1 + w in float32."""
 
   def __init__(self, config: ModelConfig, size: int | None = None, *, rngs: nnx.Rngs):
     del rngs
     self.eps = config.rms_norm_eps
     self.dtype = jnp.dtype(config.dtype)
-    self.scale = nnx.Param(
-        jnp.ones((size or config.hidden_size,), jnp.dtype(config.param_dtype)),
-        out_sharding=(None,), eager_sharding=False)
+    self.zero_centered = config.zero_centered_norms
+    init = jnp.zeros if self.zero_centered else jnp.ones
+    self.scale = nnx.Param(init((size or config.hidden_size,), jnp.dtype(config.param_dtype)),
+                           out_sharding=(None,), eager_sharding=False)
 
   def __call__(self, x):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    if self.zero_centered:
+      return (xf * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype).astype(self.dtype)
     return (self.scale[...] * xf.astype(x.dtype)).astype(self.dtype)
 
 
@@ -91,31 +96,42 @@ class Attention(nnx.Module):
     return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """Gated MLP: down(act(gate(x)) * up(x)), SwiGLU (silu) or GeGLU (gelu tanh)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
+    self.hidden_act = c.hidden_act
     self.gate_proj = _dense(c, c.hidden_size, c.intermediate_size, ("fsdp", "tensor"), False, rngs)
     self.up_proj = _dense(c, c.hidden_size, c.intermediate_size, ("fsdp", "tensor"), False, rngs)
     self.down_proj = _dense(c, c.intermediate_size, c.hidden_size, ("tensor", "fsdp"), False, rngs)
 
   def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    return self.down_proj(_ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: attention then MLP."""
+  """Pre-norm residual block: attention then MLP (`post_attn_norm` is the norm before the
+  MLP); with sandwich norms (Gemma) each branch's output is normed too."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.input_norm = RMSNorm(config, rngs=rngs)
     self.attn = Attention(config, rngs=rngs)
     self.post_attn_norm = RMSNorm(config, rngs=rngs)
     self.mlp = MLP(config, rngs=rngs)
+    self.sandwich = config.sandwich_norms
+    if self.sandwich:
+      self.attn_out_norm = RMSNorm(config, rngs=rngs)
+      self.mlp_out_norm = RMSNorm(config, rngs=rngs)
 
   def __call__(self, x, cos, sin, attend: Callable):
-    x = x + self.attn(self.input_norm(x), cos, sin, attend)
-    return x + self.mlp(self.post_attn_norm(x))
+    attn = self.attn(self.input_norm(x), cos, sin, attend)
+    x = x + (self.attn_out_norm(attn) if self.sandwich else attn)
+    mlp = self.mlp(self.post_attn_norm(x))
+    return x + (self.mlp_out_norm(mlp) if self.sandwich else mlp)
 
 
 class Transformer(nnx.Module):
@@ -158,22 +174,34 @@ class Transformer(nnx.Module):
     if cache is not None:
       cache = cache.write_meta(segment_ids, positions)
 
-    cos, sin = rope.rotary_angles(positions, rope.inverse_frequencies(self.config),
-                                  rope.attention_scaling(self.config))
+    c = self.config
+    angles = rope.rotary_angles(positions, rope.inverse_frequencies(c), rope.attention_scaling(c))
+    local_angles = angles
+    if c.rope_local_theta is not None:
+      local = c.replace(rope_theta=c.rope_local_theta, rope_scaling=None)
+      local_angles = rope.rotary_angles(positions, rope.inverse_frequencies(local))
     x = self.embed(tokens)
+    if c.scale_embeddings:
+      x = x * jnp.asarray(c.hidden_size ** 0.5, c.param_dtype).astype(x.dtype)
     if remat and cache is not None:
       raise ValueError("remat: expected no cache (it serves training, not decoding)")
+    sm_scale = c.attention_scale
     for i, layer in enumerate(self.layers):
+      window = c.layer_window(i)
+      cos, sin = local_angles if c.sliding_layer(i) else angles
       if cache is None:
-        def attend(q, k, v):
-          return attention_fn(q, k, v, segment_ids, positions, segment_ids, positions)
+        def attend(q, k, v, window=window):
+          return attention_fn(q, k, v, segment_ids, positions, segment_ids, positions,
+                              window=window, sm_scale=sm_scale)
         if remat:
-          x = jax.checkpoint(lambda x, layer=layer, attend=attend: layer(x, cos, sin, attend))(x)
+          x = jax.checkpoint(lambda x, layer=layer, attend=attend, cos=cos, sin=sin:
+                             layer(x, cos, sin, attend))(x)
           continue
       else:
-        def attend(q, k, v, i=i):
+        def attend(q, k, v, i=i, window=window):
           nonlocal cache
-          out, cache = cache.attend(i, q, k, v, segment_ids, positions, attention_fn)
+          out, cache = cache.attend(i, q, k, v, segment_ids, positions, attention_fn,
+                                    window=window, sm_scale=sm_scale)
           return out
       x = layer(x, cos, sin, attend)
     x = self.norm(x)

@@ -19,6 +19,11 @@ CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_la
 UNTIED = CONFIG
 TIED = CONFIG.replace(tie_word_embeddings=True)
 QWEN3 = CONFIG.replace(qkv_bias=False, qk_norm=True, head_dim=16, architecture="qwen3")
+GEMMA3 = QWEN3.replace(
+    architecture="gemma3", hidden_act="gelu_tanh", zero_centered_norms=True,
+    scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=12, sliding_window=3,
+    layer_types=("sliding_attention", "full_attention"), rope_local_theta=1e4,
+    tie_word_embeddings=True)
 
 
 @nnx.jit
@@ -74,7 +79,8 @@ def test_int8_weights_halve_the_bytes_of_bf16():
   assert HeldPolicy(UNTIED, "int8").nbytes < 0.6 * HeldPolicy(UNTIED, "bf16").nbytes
 
 
-@pytest.mark.parametrize("config", [UNTIED, TIED, QWEN3], ids=["untied", "tied", "qwen3"])
+@pytest.mark.parametrize("config", [UNTIED, TIED, QWEN3, GEMMA3],
+                         ids=["untied", "tied", "qwen3", "gemma3"])
 def test_int8_forward_equals_the_dequantized_model(config):
   params = float_params(config, 3)
   policy = HeldPolicy(config, "int8")

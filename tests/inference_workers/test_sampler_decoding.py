@@ -134,9 +134,9 @@ def test_shared_prefix_gives_the_unshared_samples(model):
 def test_shared_prefix_takes_a_pluggable_decode_function(model):
   calls = []
 
-  def counting(*args):
+  def counting(*args, **kwargs):
     calls.append(args[0].shape)
-    return decode_two_pass(*args)
+    return decode_two_pass(*args, **kwargs)
 
   params = SamplingParams(greedy=True, max_new_tokens=NEW)
   out = generate_shared(model, PROMPTS[:1], 2, [[0, 1]], params, decode_fn=counting)

@@ -29,6 +29,22 @@ def group():
   return graphdef, state, prompts, responses
 
 
+@pytest.fixture(scope="module")
+def windowed_group():
+  """A Gemma 3 shaped model: a 3-position sliding window with its own RoPE base on layer 0
+  (it cuts both prompts and the responses), full attention on layer 1, a non-default
+  softmax scale, sandwich and zero-centred norms."""
+  cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                    architecture="gemma3", hidden_act="gelu_tanh", zero_centered_norms=True,
+                    scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=5,
+                    sliding_window=3, layer_types=("sliding_attention", "full_attention"),
+                    rope_local_theta=100.0, tie_word_embeddings=True)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(1)))
+  rng = np.random.default_rng(1)
+  return graphdef, state, rng.integers(1, V, (B, P)), rng.integers(1, V, (B, N, R))
+
+
 def _separate_rows(prompts, responses):
   """N independent [prompt, response i] rows (numpy), and where each response token is scored."""
   toks = np.zeros((B * N, P + R), np.int32)
@@ -69,8 +85,16 @@ def test_packed_logprobs_equal_separate_sequences(group, kw):
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
-def test_packed_param_gradients_equal_separate_sequences(group):
-  graphdef, state, prompts, responses = group
+@pytest.mark.parametrize("kw", [dict(backend="xla"),
+                                dict(backend="pallas_tpu", interpret=True,
+                                     block_sizes=BlockSizes(8, 8))], ids=["xla", "pallas"])
+def test_packed_logprobs_of_a_sliding_window_model_equal_separate_sequences(windowed_group, kw):
+  test_packed_logprobs_equal_separate_sequences(windowed_group, kw)
+
+
+@pytest.mark.parametrize("which", ["full", "windowed"])
+def test_packed_param_gradients_equal_separate_sequences(group, windowed_group, which):
+  graphdef, state, prompts, responses = group if which == "full" else windowed_group
   loss = lambda fn: jax.jit(jax.grad(
       lambda st: fn(graphdef, st, prompts, responses).sum()))(state)
   want = loss(_separate_logprobs)

@@ -47,7 +47,9 @@ def copy_with(tmp_path, name, tensors=None, config=None):
 
 @pytest.mark.parametrize("name,other", [("llama", "config_4x.json"), ("qwen2", "config_4x.json"),
                                         ("qwen3", "config_4x.json"), ("mistral", "config_4x.json"),
-                                        ("qwen3_yarn", "config_4x.json")])
+                                        ("qwen3_yarn", "config_4x.json"),
+                                        ("mistral_window", "config_4x.json"),
+                                        ("gemma3", "config_4x.json")])
 def test_both_config_layouts_give_the_same_config(name, other):
   new_style = read_json(os.path.join(fixture(name), "config.json"))
   old_style = read_json(os.path.join(fixture(name), other))
@@ -72,6 +74,39 @@ def test_config_fields_read_from_llama_and_qwen2():
           qwen3.tie_word_embeddings) == ("qwen3", True, False, 16, False)
 
 
+def test_config_fields_read_from_gemma3_and_sliding_windows():
+  gemma = config_from_hf(read_json(os.path.join(fixture("gemma3"), "config.json")))
+  assert (gemma.architecture, gemma.sliding_window, gemma.query_pre_attn_scalar,
+          gemma.rope_theta, gemma.rope_local_theta, gemma.hidden_act) == (
+              "gemma3", 6, 24, 1e6, 1e4, "gelu_tanh")
+  assert gemma.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+  assert [gemma.layer_window(i) for i in range(3)] == [6, None, 6]
+  assert gemma.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+  assert gemma.qk_norm and gemma.zero_centered_norms and gemma.sandwich_norms
+  assert gemma.scale_embeddings and gemma.tie_word_embeddings
+  # Without a window Gemma's local layers still take their own RoPE base, as transformers'.
+  d = read_json(os.path.join(fixture("gemma3"), "config.json"))
+  d["sliding_window"] = None
+  unwindowed = config_from_hf(d)
+  assert unwindowed.sliding_window is None and unwindowed.layer_types == gemma.layer_types
+  assert unwindowed.sliding_layer(0) and unwindowed.layer_window(0) is None
+  assert config_from_hf(config_to_hf(unwindowed)) == unwindowed
+  # 4.x Gemma 3 configs may state only the pattern: every 6th layer attends fully.
+  d = read_json(os.path.join(fixture("gemma3"), "config_4x.json"))
+  del d["layer_types"]
+  d.update(num_hidden_layers=7, sliding_window_pattern=6)
+  types = config_from_hf(d).layer_types
+  assert [i for i, t in enumerate(types) if t == "full_attention"] == [5]
+  mistral = config_from_hf(read_json(os.path.join(fixture("mistral_window"), "config.json")))
+  assert mistral.sliding_window == 6 and mistral.layer_types is None
+  assert mistral.layer_window(0) == mistral.layer_window(1) == 6
+  # Qwen2 4.x: layers from max_window_layers on slide when use_sliding_window is set.
+  qwen = read_json(os.path.join(fixture("qwen2"), "config_4x.json"))
+  qwen.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+  qwen.pop("layer_types", None)
+  assert config_from_hf(qwen).layer_types == ("full_attention", "sliding_attention")
+
+
 @pytest.mark.parametrize("config", [
     ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
                 num_kv_heads=1, rope_theta=5e5, architecture="llama",
@@ -89,7 +124,20 @@ def test_config_fields_read_from_llama_and_qwen2():
                 num_kv_heads=2, head_dim=8, qk_norm=True, architecture="qwen3",
                 rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                               "original_max_position_embeddings": 32768}),
-], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn"])
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                num_kv_heads=1, head_dim=8, architecture="mistral", sliding_window=7),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=3, num_heads=4,
+                num_kv_heads=2, qkv_bias=True, architecture="qwen2", sliding_window=9,
+                layer_types=("full_attention", "sliding_attention", "sliding_attention")),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=3, num_heads=4,
+                num_kv_heads=2, head_dim=8, architecture="gemma3", qk_norm=True,
+                hidden_act="gelu_tanh", zero_centered_norms=True, scale_embeddings=True,
+                sandwich_norms=True, query_pre_attn_scalar=12, sliding_window=5,
+                layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+                rope_theta=1e6, rope_local_theta=1e4, tie_word_embeddings=True,
+                rope_scaling={"rope_type": "linear", "factor": 8.0}),
+], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
+        "gemma3"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -101,24 +149,22 @@ def test_config_to_hf_and_back_is_identity(config):
 
 def test_unknown_architecture_is_named():
   d = read_json(os.path.join(fixture("llama"), "config.json"))
-  d["architectures"] = ["Gemma3ForCausalLM"]
-  with pytest.raises(ValueError, match="Gemma3ForCausalLM"):
+  d["architectures"] = ["Gemma2ForCausalLM"]
+  with pytest.raises(ValueError, match="Gemma2ForCausalLM"):
     config_from_hf(d)
 
 
 @pytest.mark.parametrize("field,value,arch", [
     ("attention_bias", True, "llama"), ("mlp_bias", True, "llama"),
-    ("hidden_act", "gelu", "llama"), ("use_sliding_window", True, "qwen2"),
-    ("attention_bias", True, "qwen3"), ("use_sliding_window", True, "qwen3"),
-    ("sliding_window", 64, "mistral"),
+    ("hidden_act", "gelu", "llama"), ("attention_bias", True, "qwen3"),
+    ("hidden_activation", "gelu", "gemma3"), ("final_logit_softcapping", 30.0, "gemma3"),
+    ("attn_logit_softcapping", 50.0, "gemma3"), ("use_bidirectional_attention", True, "gemma3"),
     ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}, "llama"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "qwen3"),
 ])
 def test_unsupported_config_field_is_named(field, value, arch):
   d = read_json(os.path.join(fixture(arch), "config.json"))
   d[field] = value
-  if field == "use_sliding_window":
-    d.update(max_window_layers=0, layer_types=None)
   want = {"dynamic": "dynamic", "yarn": "original_max_position_embeddings"}.get(
       (value or {}).get("rope_type") if isinstance(value, dict) else None, field)
   with pytest.raises(ValueError, match=want):
@@ -165,6 +211,13 @@ def test_config_that_contradicts_the_architecture_is_refused_on_export():
     config_to_hf(config.replace(architecture="qwen2", qkv_bias=True))
   with pytest.raises(ValueError, match="ModelConfig.qk_norm"):
     config_to_hf(config.replace(qk_norm=False))
+  gemma = config_from_hf(read_json(os.path.join(fixture("gemma3"), "config.json")))
+  with pytest.raises(ValueError, match="ModelConfig.sandwich_norms"):
+    config_to_hf(gemma.replace(sandwich_norms=False))
+  with pytest.raises(ValueError, match="ModelConfig.hidden_act"):
+    config_to_hf(config.replace(hidden_act="gelu_tanh"))
+  with pytest.raises(ValueError, match="ModelConfig.sliding_window"):
+    config_to_hf(config.replace(architecture="llama", qk_norm=False, sliding_window=8))
 
 
 def test_unexpected_tensor_is_named(tmp_path):
@@ -247,7 +300,8 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
   assert read_json(os.path.join(tmp_path, "config.json"))["torch_dtype"] == name
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
+                                  "mistral_window", "gemma3"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

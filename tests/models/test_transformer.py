@@ -108,6 +108,11 @@ def test_assign_params_names_the_bad_tensor(model):
     ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_type"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "original_max_position_embeddings"),
     ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
+    ("hidden_act", "relu", "hidden_act"),
+    ("sliding_window", 0, "sliding_window"),
+    ("layer_types", ("sliding_attention",), "layer_types"),
+    ("layer_types", ("local",) * 2, "layer_types"),
+    ("query_pre_attn_scalar", -1.0, "query_pre_attn_scalar"),
 ])
 def test_config_rejects_bad_fields_by_name(field, value, match):
   with pytest.raises(ValueError, match=match):
@@ -122,3 +127,6 @@ def test_tokens_must_be_two_dimensional(model):
 def test_num_params_counts_every_parameter(model):
   counted = sum(int(np.prod(v.shape)) for v in flatten_params(model).values())
   assert CONFIG.num_params == counted
+  gemma = CONFIG.replace(qk_norm=True, sandwich_norms=True, tie_word_embeddings=True)
+  params = flatten_params(Transformer(gemma, rngs=nnx.Rngs(0)))
+  assert gemma.num_params == sum(int(np.prod(v.shape)) for v in params.values())
