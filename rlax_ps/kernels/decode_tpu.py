@@ -7,7 +7,8 @@ each sample's query against its own suffix cache. The two partials are merged
 by log-sum-exp (reference.merge_lse). Caches stay in the model's
 [.., S, Hkv, D] layout, viewed as lane-dense [S, Hkv*D] tiles. A sliding window
 gives each query row a first visible key ([M, 128] int32 tile, lanes equal); the
-blocks below a grid row's least one are neither fetched nor computed.
+blocks below a grid row's least one are neither fetched nor computed. A softcap
+caps each block's scaled logits before the mask.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from rlax_ps.kernels.reference import (check_decode, check_window, decode_window_starts,
-                                       default_scale, merge_lse)
+from rlax_ps.kernels.reference import (cap_logits, check_decode, check_softcap, check_window,
+                                       decode_window_starts, default_scale, merge_lse)
 
 LANES = 128
 _MASKED = -1e30
 _NT = (((1,), (1,)), ((), ()))
 
 
-def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, sm_scale, windowed):
+def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, sm_scale, windowed,
+                   softcap):
   if windowed:
     (lens_ref, lo_ref, q_ref, start_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr,
      acc_scr) = refs
@@ -57,6 +59,7 @@ def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, sm_scale,
       v_rows = s_idx * block_s + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
       v = jnp.where(v_rows < length, v, jnp.zeros_like(v))
       s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * sm_scale
+      s = cap_logits(s, softcap)
       cols = s_idx * block_s + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
       mask = cols < length
       if windowed:
@@ -81,11 +84,11 @@ def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, sm_scale,
 
 
 def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=False,
-                          starts=None):
+                          starts=None, softcap=None):
   """q [X, Hkv, M, D] attends k, v [X, S, Hkv, D] up to lens [X] (<= S):
   -> (o [X, Hkv, M, D] f32, lse [X, Hkv, M] f32). starts [X, M] (optional): query row m
   sees keys from index starts[x, m] on; the blocks below a grid row's least start are
-  neither fetched nor computed."""
+  neither fetched nor computed. softcap (optional): logits softcap * tanh(s / softcap)."""
   x, hkv, m, d = q.shape
   s = k.shape[1]
   bs = min(block_s, s)
@@ -112,7 +115,8 @@ def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=Fal
     in_specs.insert(1, pl.BlockSpec((None, m, LANES), lambda i, j, *_: (i, 0, 0)))
     operands.insert(1, jnp.broadcast_to(starts[..., None], (x, m, LANES)))
   kernel = functools.partial(_decode_kernel, num_kv_heads=hkv, head_dim=d, block_s=bs,
-                             num_blocks=nb, sm_scale=sm_scale, windowed=windowed)
+                             num_blocks=nb, sm_scale=sm_scale, windowed=windowed,
+                             softcap=softcap)
   o, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -135,12 +139,14 @@ def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=Fal
 
 def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
                                     suffix_lens, *, sm_scale=None, block_s=512, interpret=False,
-                                    window: int | None = None):
+                                    window: int | None = None, softcap: float | None = None):
   """q [B, N, H, D]; prefix [B, S, Hkv, D] (+ lens [B]); suffix [B, N, Ss, Hkv, D]
   (+ lens [B, N]) -> (o [B, N, H, D], lse [B, N, H]). With a window, each query row
-  masks the keys below its first visible one and the kernel skips blocks below all rows'."""
+  masks the keys below its first visible one and the kernel skips blocks below all rows'.
+  A softcap caps the scaled logits of both passes."""
   check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v)
   window = check_window(window)
+  softcap = check_softcap(softcap)
   b, n, h, d = q.shape
   hkv = prefix_k.shape[2]
   g = h // hkv
@@ -154,7 +160,8 @@ def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k
   # Pass 1: [B, Hkv, N*G, D] rows against the shared prefix.
   q_pre = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, hkv, n * g, d)
   o1, l1 = decode_partial_pallas(q_pre, prefix_k, prefix_v, prefix_lens, sm_scale=scale,
-                                 block_s=block_s, interpret=interpret, starts=pre_start)
+                                 block_s=block_s, interpret=interpret, starts=pre_start,
+                                 softcap=softcap)
   o1 = jnp.transpose(o1.reshape(b, hkv, n, g, d), (0, 2, 1, 3, 4)).reshape(b, n, h, d)
   l1 = jnp.transpose(l1.reshape(b, hkv, n, g), (0, 2, 1, 3)).reshape(b, n, h)
   # Pass 2: each sample's [Hkv, G, D] query against its own suffix.
@@ -162,5 +169,5 @@ def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k
   o2, l2 = decode_partial_pallas(
       qg.reshape(b * n, hkv, g, d), suffix_k.reshape(b * n, ss, hkv, d),
       suffix_v.reshape(b * n, ss, hkv, d), suffix_lens.reshape(b * n), sm_scale=scale,
-      block_s=block_s, interpret=interpret, starts=suf_start)
+      block_s=block_s, interpret=interpret, starts=suf_start, softcap=softcap)
   return merge_lse(o1, l1, o2.reshape(b, n, h, d), l2.reshape(b, n, h), out_dtype=q.dtype)

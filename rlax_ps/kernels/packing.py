@@ -37,15 +37,15 @@ def pack_group(prompt_tokens, prompt_lens, response_tokens, response_lens, pad_i
 def packed_attention_fn(layout: SharedPromptLayout, *, backend: str = "auto",
                         block_sizes: BlockSizes | None = None, interpret: bool = False):
   """An `attention_fn` for the model: same signature as models.attention.dot_product_attention,
-  the mask comes from the layout (segment ids and positions are not needed); `window` and
-  `sm_scale` go to shared_prompt_attention."""
+  the mask comes from the layout (segment ids and positions are not needed); `window`,
+  `sm_scale` and `softcap` go to shared_prompt_attention."""
 
   def attention_fn(q, k, v, q_segment_ids, q_positions, k_segment_ids, k_positions, *,
-                   window=None, sm_scale=None):
+                   window=None, sm_scale=None, softcap=None):
     del q_segment_ids, q_positions, k_segment_ids, k_positions
     out, _ = shared_prompt_attention(q, k, v, layout, sm_scale=sm_scale, window=window,
-                                     backend=backend, block_sizes=block_sizes,
-                                     interpret=interpret)
+                                     softcap=softcap, backend=backend,
+                                     block_sizes=block_sizes, interpret=interpret)
     return out
 
   return attention_fn

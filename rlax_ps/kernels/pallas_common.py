@@ -14,6 +14,20 @@ from rlax_ps.kernels.layout import SharedPromptLayout, repad_regions, unpad_regi
 from rlax_ps.kernels.reference import default_scale
 
 
+def capped_logits(s, softcap: float | None):
+  """(softcap * tanh(s / softcap), the tanh) for the backward kernels; (s, None) uncapped."""
+  if softcap is None:
+    return s, None
+  t = jnp.tanh(s / softcap)
+  return t * softcap, t
+
+
+def through_cap(ds, tanh):
+  """The gradient ds of the capped logits taken back to the raw ones: d(c tanh(s / c)) / ds
+  is 1 - tanh(s / c) ** 2 (identity without a cap)."""
+  return ds if tanh is None else ds * (1.0 - tanh * tanh)
+
+
 def attention_with_vjp(forward, backward):
   """Differentiable attention(q, k, v, lens, g, sm_scale, interpret) -> (o, lse) from a
   kernel's forward (-> o, lse) and backward (q, k, v, o, lse, do, dlse, lens, g, sm_scale,
@@ -38,23 +52,23 @@ def attention_with_vjp(forward, backward):
 
 
 def aligned_geometry(layout: SharedPromptLayout, blocks: sched_lib.BlockSizes,
-                     window: int | None = None):
+                     window: int | None = None, softcap: float | None = None):
   """The kernel geometry with prompt and response regions rounded up to block multiples
   (re-padding moves no token's position: positions count from each region's start)."""
   mult = blocks.region_multiple
   up = lambda x: -(-x // mult) * mult
   return sched_lib.Geometry(layout.num_responses, up(layout.prompt_capacity),
                             up(layout.response_capacity), blocks.block_q, blocks.block_kv,
-                            window)
+                            window, softcap)
 
 
 def call_on_aligned_regions(attention, q, k, v, layout: SharedPromptLayout,
                             blocks: sched_lib.BlockSizes, sm_scale, interpret,
-                            window: int | None = None):
+                            window: int | None = None, softcap: float | None = None):
   """Runs `attention` (from attention_with_vjp, [B, H, L, D] layout) on q/k/v [B, L, H, D]
   whose regions are re-padded to block multiples; returns (o [B, L, H, D], lse [B, L, H]).
-  The window travels in the static geometry."""
-  g = aligned_geometry(layout, blocks, window)
+  The window and the softcap travel in the static geometry."""
+  g = aligned_geometry(layout, blocks, window, softcap)
   scale = default_scale(q.shape[-1]) if sm_scale is None else float(sm_scale)
   aligned = (g.prompt_capacity, g.response_capacity) == (layout.prompt_capacity,
                                                         layout.response_capacity)

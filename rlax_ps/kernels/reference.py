@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from rlax_ps.kernels.layout import SharedPromptLayout, join_regions, split_regions
-from rlax_ps.models.attention import check_window
+from rlax_ps.models.attention import cap_logits, check_softcap, check_window
 
 _MASKED = -1e30  # finite: keeps max/exp NaN-free on rows with no key
 
@@ -41,14 +41,16 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
         f"num_heads of q ({q.shape[2]}) must be a multiple of num_kv_heads ({k.shape[2]})")
 
 
-def masked_attention(q, k, v, mask, sm_scale=None, out_dtype=None):
-  """Softmax attention under a boolean mask [B, T, S]; returns (o, lse [B, T, H])."""
+def masked_attention(q, k, v, mask, sm_scale=None, out_dtype=None, softcap=None):
+  """Softmax attention under a boolean mask [B, T, S]; returns (o, lse [B, T, H]).
+  softcap (None: none) caps the scaled logits to softcap * tanh(s / softcap)."""
   b, t, h, d = q.shape
   hkv = k.shape[2]
   g = h // hkv
   scale = default_scale(d) if sm_scale is None else sm_scale
   qg = q.reshape(b, t, hkv, g, d)
   s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+  s = cap_logits(s, softcap)
   m4 = mask[:, None, None, :, :]
   s = jnp.where(m4, s, _MASKED)
   mx = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
@@ -89,15 +91,18 @@ def _causal_valid_mask(len_q_valid, len_k_valid):
   return causal[None] & len_q_valid[:, :, None] & len_k_valid[:, None, :]
 
 
-def n_copies_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, window=None):
+def n_copies_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, window=None,
+                       softcap=None):
   """Ground truth: run N separate [prompt, response i] sequences, then pack the result.
 
   Prompt rows come from copy 0 (all copies agree). Differentiating this function
   with respect to the packed inputs sums the prompt gradients over the N copies.
-  `window` limits each query to keys fewer than `window` positions back.
+  `window` limits each query to keys fewer than `window` positions back; `softcap`
+  caps the scaled logits (masked_attention).
   """
   check_qkv(q, k, v)
   window = check_window(window)
+  softcap = check_softcap(softcap)
   layout.validate(q.shape[1], q.shape[0])
   b, n = q.shape[0], layout.num_responses
   pc, rc = layout.prompt_capacity, layout.response_capacity
@@ -117,7 +122,7 @@ def n_copies_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, windo
     pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(pc), (b, pc)),
                            layout.prompt_lens[:, None] + jnp.arange(rc)], axis=1)
     mask = mask & jnp.repeat(in_window(pos, pos, window), n, axis=0)
-  o, lse = masked_attention(copies(q), copies(k), copies(v), mask, sm_scale)
+  o, lse = masked_attention(copies(q), copies(k), copies(v), mask, sm_scale, softcap=softcap)
 
   def pack(x):
     x = x.reshape(b, n, pc + rc, *x.shape[2:])
@@ -126,20 +131,22 @@ def n_copies_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, windo
   return pack(o), pack(lse)
 
 
-def packed_dense_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, window=None):
+def packed_dense_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, window=None,
+                           softcap=None):
   """The packed row under its dense [L, L] mask: simple, but computes every masked pair."""
   check_qkv(q, k, v)
   layout.validate(q.shape[1], q.shape[0])
   window = check_window(window)
+  softcap = check_softcap(softcap)
   mask = layout.dense_mask()
   if window is not None:
     pos = layout.positions()
     mask = mask & in_window(pos, pos, window)
-  return masked_attention(q, k, v, mask, sm_scale)
+  return masked_attention(q, k, v, mask, sm_scale, softcap=softcap)
 
 
 def _chunked_causal_attention(q, k, v, valid, sm_scale, min_chunk=256, max_chunks=4,
-                              window=None):
+                              window=None, softcap=None):
   """Causal self-attention in query chunks, chunk i reading only keys [0, end_i): skips
   up to 3/8 of the square that a single masked matmul would compute. With a window
   (positions are the indices here), chunk i reads only keys [start_i - window + 1, end_i),
@@ -157,22 +164,25 @@ def _chunked_causal_attention(q, k, v, valid, sm_scale, min_chunk=256, max_chunk
     if window is not None:
       causal = causal & in_window(jnp.arange(lo, hi), jnp.arange(k_lo, hi), window)
     mask = causal[None] & valid[:, lo:hi, None] & valid[:, None, k_lo:hi]
-    o, lse = masked_attention(q[:, lo:hi], k[:, k_lo:hi], v[:, k_lo:hi], mask, sm_scale)
+    o, lse = masked_attention(q[:, lo:hi], k[:, k_lo:hi], v[:, k_lo:hi], mask, sm_scale,
+                              softcap=softcap)
     outs.append(o)
     lses.append(lse)
   return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
 
-def two_pass_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, window=None):
+def two_pass_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, window=None,
+                       softcap=None):
   """XLA fast path: prompt causal self-attention; all N*R response queries against
   the prompt keys in one matmul; each response against its own keys; LSE merge.
 
   With a window, prompt chunks read only the keys their window reaches, and only the
   first window - 1 tokens of each response (the only ones that can reach a prompt key)
-  enter the cross matmul."""
+  enter the cross matmul. softcap caps the logits of every partial (masked_attention)."""
   check_qkv(q, k, v)
   layout.validate(q.shape[1], q.shape[0])
   window = check_window(window)
+  softcap = check_softcap(softcap)
   b, n = q.shape[0], layout.num_responses
   pc, rc = layout.prompt_capacity, layout.response_capacity
   qp, qr = split_regions(q, layout)
@@ -181,7 +191,8 @@ def two_pass_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, windo
   valid_p = jnp.arange(pc)[None, :] < layout.prompt_lens[:, None]
   valid_r = jnp.arange(rc)[None, None, :] < layout.response_lens[:, :, None]
 
-  o_p, lse_p = _chunked_causal_attention(qp, kp, vp, valid_p, sm_scale, window=window)
+  o_p, lse_p = _chunked_causal_attention(qp, kp, vp, valid_p, sm_scale, window=window,
+                                         softcap=softcap)
 
   # Response token t sits at position prompt_len + t: at least t + 1 past every prompt key.
   tx = rc if window is None else min(rc, window - 1)
@@ -191,7 +202,8 @@ def two_pass_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, windo
     if window is not None:
       q_pos = jnp.tile(layout.prompt_lens[:, None] + jnp.arange(tx), (1, n))  # [B, N*tx]
       cross = cross & in_window(q_pos, jnp.broadcast_to(jnp.arange(pc), (b, pc)), window)
-    o_x, lse_x = masked_attention(qr_flat, kp, vp, cross, sm_scale, out_dtype=jnp.float32)
+    o_x, lse_x = masked_attention(qr_flat, kp, vp, cross, sm_scale, out_dtype=jnp.float32,
+                                  softcap=softcap)
 
   fold = lambda x: x.reshape(b * n, rc, *x.shape[3:])
   vr_flat = valid_r.reshape(b * n, rc)
@@ -199,7 +211,8 @@ def two_pass_attention(q, k, v, layout: SharedPromptLayout, sm_scale=None, windo
   self_mask = _causal_valid_mask(vr_flat, vr_flat)
   if window is not None:
     self_mask = self_mask & in_window(jnp.arange(rc), jnp.arange(rc), window)[None]
-  o_s, lse_s = masked_attention(fq, fk, fv, self_mask, sm_scale, out_dtype=jnp.float32)
+  o_s, lse_s = masked_attention(fq, fk, fv, self_mask, sm_scale, out_dtype=jnp.float32,
+                                softcap=softcap)
   o_s = o_s.reshape(b, n * rc, *o_s.shape[2:])
   lse_s = lse_s.reshape(b, n * rc, -1)
   if not tx:  # window 1: no response token reaches the prompt
@@ -244,10 +257,11 @@ def decode_window_starts(prefix_lens, suffix_lens, window: int):
 
 
 def decode_n_copies(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, suffix_lens,
-                    sm_scale=None, window=None):
+                    sm_scale=None, window=None, softcap=None):
   """Ground truth: each sample attends its own copy of [prefix, suffix]."""
   check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v)
   window = check_window(window)
+  softcap = check_softcap(softcap)
   b, n, h, d = q.shape
   sp, ss = prefix_k.shape[1], suffix_k.shape[2]
   cat = lambda pre, suf: jnp.concatenate(
@@ -263,11 +277,12 @@ def decode_n_copies(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, suff
     near = (q_pos[:, :, None] - k_pos[:, None, :]) < window
     valid = valid & near.reshape(b * n, 1, sp + ss)
   o, lse = masked_attention(q.reshape(b * n, 1, h, d), cat(prefix_k, suffix_k),
-                            cat(prefix_v, suffix_v), valid, sm_scale)
+                            cat(prefix_v, suffix_v), valid, sm_scale, softcap=softcap)
   return o.reshape(b, n, h, d), lse.reshape(b, n, h)
 
 
-def decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale=None, key_start=None):
+def decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale=None, key_start=None,
+                          softcap=None):
   """All N samples' queries against the shared prefix in one matmul: [N*G, D] x [D, S].
   key_start [B, N] (optional): each sample sees only prefix keys from that index on."""
   sp = prefix_k.shape[1]
@@ -275,10 +290,12 @@ def decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale=None, key
                           (q.shape[0], q.shape[1], sp))
   if key_start is not None:
     mask = mask & (jnp.arange(sp) >= key_start[:, :, None])
-  return masked_attention(q, prefix_k, prefix_v, mask, sm_scale, out_dtype=jnp.float32)
+  return masked_attention(q, prefix_k, prefix_v, mask, sm_scale, out_dtype=jnp.float32,
+                          softcap=softcap)
 
 
-def decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale=None, key_start=None):
+def decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale=None, key_start=None,
+                          softcap=None):
   """Each sample's query against its own suffix cache; key_start [B, N] (optional): each
   sample sees only suffix keys from that index on."""
   b, n, h, d = q.shape
@@ -287,20 +304,23 @@ def decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale=None, key
   if key_start is not None:
     mask = mask & (jnp.arange(ss) >= key_start[:, :, None])
   mask = mask.reshape(b * n, 1, ss)
-  o, lse = masked_attention(q.reshape(b * n, 1, h, d), suffix_k.reshape(b * n, ss, *suffix_k.shape[3:]),
-                            suffix_v.reshape(b * n, ss, *suffix_v.shape[3:]), mask, sm_scale,
-                            out_dtype=jnp.float32)
+  fold = lambda x: x.reshape(b * n, ss, *x.shape[3:])
+  o, lse = masked_attention(q.reshape(b * n, 1, h, d), fold(suffix_k), fold(suffix_v), mask,
+                            sm_scale, out_dtype=jnp.float32, softcap=softcap)
   return o.reshape(b, n, h, d), lse.reshape(b, n, h)
 
 
 def decode_two_pass(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, suffix_lens,
-                    sm_scale=None, window=None):
+                    sm_scale=None, window=None, softcap=None):
   """XLA decode: prefix read once for all N queries, suffix per sample, LSE merge."""
   check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v)
   window = check_window(window)
+  softcap = check_softcap(softcap)
   pre_start = suf_start = None
   if window is not None:
     pre_start, suf_start = decode_window_starts(prefix_lens, suffix_lens, window)
-  o1, l1 = decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale, pre_start)
-  o2, l2 = decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale, suf_start)
+  o1, l1 = decode_prefix_partial(q, prefix_k, prefix_v, prefix_lens, sm_scale, pre_start,
+                                 softcap)
+  o2, l2 = decode_suffix_partial(q, suffix_k, suffix_v, suffix_lens, sm_scale, suf_start,
+                                 softcap)
   return merge_lse(o1, l1, o2, l2, out_dtype=q.dtype)

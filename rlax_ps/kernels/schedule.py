@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlax_ps.models.attention import check_softcap
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -50,10 +52,12 @@ class Geometry:
   block_q: int
   block_kv: int
   window: int | None = None  # sliding window in positions; None: full causal
+  softcap: float | None = None  # logit cap softcap * tanh(s / softcap); None: no cap
 
   def __post_init__(self):
     if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
       raise ValueError(f"window: expected a positive int or None, got {self.window!r}")
+    check_softcap(self.softcap)
     for cap in (self.prompt_capacity, self.response_capacity):
       for blk in (self.block_q, self.block_kv):
         if cap % blk:

@@ -20,8 +20,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from rlax_ps.kernels import schedule as sched_lib
 from rlax_ps.kernels.layout import SharedPromptLayout
-from rlax_ps.kernels.reference import check_qkv, check_window
-from rlax_ps.kernels.pallas_common import attention_with_vjp, call_on_aligned_regions
+from rlax_ps.kernels.reference import cap_logits, check_qkv, check_softcap, check_window
+from rlax_ps.kernels.pallas_common import (attention_with_vjp, call_on_aligned_regions,
+                                           capped_logits, through_cap)
 
 _MASKED = -1e30
 
@@ -93,7 +94,7 @@ def _fwd_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, g, sm_scale):
     mask = q_ok[:, None] & (cols - k_region < k_len)[None, :] & (cols[None, :] <= rows[:, None])
     if g.window is not None:
       mask = mask & _window_mask(g, rows, cols, q_start, k_region, lens_ref[0])
-    s = jnp.where(mask, _dot(q, k, trans_b=True) * sm_scale, _MASKED)
+    s = jnp.where(mask, cap_logits(_dot(q, k, trans_b=True) * sm_scale, g.softcap), _MASKED)
     m_next = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
     alpha = jnp.exp(m - m_next)
@@ -128,8 +129,9 @@ def _dq_kernel(lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dq_ref, *
     mask = q_ok[:, None] & (cols - k_region < k_len)[None, :] & (cols[None, :] <= rows[:, None])
     if g.window is not None:
       mask = mask & _window_mask(g, rows, cols, q_start, k_region, lens_ref[0])
-    p = jnp.where(mask, jnp.exp(_dot(q, k, trans_b=True) * sm_scale - lse[:, None]), 0.0)
-    ds = p * (_dot(do, v, trans_b=True) - di[:, None]) * sm_scale
+    s, tanh = capped_logits(_dot(q, k, trans_b=True) * sm_scale, g.softcap)
+    p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+    ds = through_cap(p * (_dot(do, v, trans_b=True) - di[:, None]), tanh) * sm_scale
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = _kv_loops(g, qb, lens_ref, body, jnp.zeros(q.shape, jnp.float32))
@@ -163,9 +165,10 @@ def _dkv_kernel(lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, dk_ref, 
     mask = (rows - q_region < q_len)[:, None] & k_ok[None, :] & (cols[None, :] <= rows[:, None])
     if g.window is not None:
       mask = mask & _window_mask(g, rows, cols, q_region, k_region, plen)
-    p = jnp.where(mask, jnp.exp(_dot(q, k, trans_b=True) * sm_scale - lse[:, None]), 0.0)
+    s, tanh = capped_logits(_dot(q, k, trans_b=True) * sm_scale, g.softcap)
+    p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
     dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-    ds = p * (_dot(do, v, trans_b=True) - di[:, None]) * sm_scale
+    ds = through_cap(p * (_dot(do, v, trans_b=True) - di[:, None]), tanh) * sm_scale
     return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
 
   d = k_ref.shape[-1]
@@ -272,14 +275,17 @@ _attention_bhld = attention_with_vjp(_forward, _backward)
 
 def shared_prompt_attention_pallas_gpu(q, k, v, layout: SharedPromptLayout, *, sm_scale=None,
                                        block_sizes: sched_lib.BlockSizes | None = None,
-                                       interpret=False, window: int | None = None):
+                                       interpret=False, window: int | None = None,
+                                       softcap: float | None = None):
   """Packed shared-prompt attention on GPU (Pallas Triton): q [B, L, H, D],
   k/v [B, L, Hkv, D] -> (o [B, L, H, D], lse [B, L, H] f32). Block sizes and
   head_dim must be powers of two; regions are re-padded to block multiples.
-  A window shortens the key (and, backward, query) loops to the blocks it reaches."""
+  A window shortens the key (and, backward, query) loops to the blocks it reaches; a softcap
+  caps the scaled logits (recomputed from q and k in dq and dk/dv)."""
   check_qkv(q, k, v)
   layout.validate(q.shape[1], q.shape[0])
   window = check_window(window)
+  softcap = check_softcap(softcap)
   # 64-wide tiles for 16-bit inputs; f32 tiles take twice the shared memory.
   default = 64 if jnp.dtype(q.dtype).itemsize <= 2 else 32
   blocks = block_sizes or sched_lib.BlockSizes(default, default)
@@ -288,4 +294,4 @@ def shared_prompt_attention_pallas_gpu(q, k, v, layout: SharedPromptLayout, *, s
     if val & (val - 1):
       raise ValueError(f"{name} must be a power of two for the GPU kernel, got {val}")
   return call_on_aligned_regions(_attention_bhld, q, k, v, layout, blocks, sm_scale, interpret,
-                                 window)
+                                 window, softcap)

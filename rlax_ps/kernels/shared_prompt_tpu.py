@@ -19,8 +19,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from rlax_ps.kernels import schedule as sched_lib
 from rlax_ps.kernels.layout import SharedPromptLayout
-from rlax_ps.kernels.reference import check_qkv, check_window
-from rlax_ps.kernels.pallas_common import attention_with_vjp, call_on_aligned_regions
+from rlax_ps.kernels.reference import cap_logits, check_qkv, check_softcap, check_window
+from rlax_ps.kernels.pallas_common import (attention_with_vjp, call_on_aligned_regions,
+                                           capped_logits, through_cap)
 
 LANES = 128
 _MASKED = -1e30
@@ -62,6 +63,7 @@ def _fwd_kernel(q_blk_ref, k_blk_ref, q_reg_ref, k_reg_ref, first_ref, last_ref,
   def _compute():
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
     s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * sm_scale
+    s = cap_logits(s, g.softcap)
     mask = _block_mask(g, b, q_blk_ref[t], k_blk_ref[t], q_reg_ref[t], k_reg_ref[t], lens_ref,
                        s.shape)
     s = jnp.where(mask, s, _MASKED)
@@ -96,11 +98,12 @@ def _dq_kernel(q_blk_ref, k_blk_ref, q_reg_ref, k_reg_ref, first_ref, last_ref, 
   def _compute():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * sm_scale
+    s, tanh = capped_logits(s, g.softcap)
     mask = _block_mask(g, b, q_blk_ref[t], k_blk_ref[t], q_reg_ref[t], k_reg_ref[t], lens_ref,
                        s.shape)
     p = jnp.where(mask, jnp.exp(s - lse_ref[...][:, :1]), 0.0)
     dp = jax.lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - di_ref[...][:, :1]) * sm_scale
+    ds = through_cap(p * (dp - di_ref[...][:, :1]), tanh) * sm_scale
     acc_scr[...] += jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   @pl.when(last_ref[t] == 1)
@@ -122,12 +125,13 @@ def _dkv_kernel(q_blk_ref, k_blk_ref, q_reg_ref, k_reg_ref, first_ref, last_ref,
   def _compute():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * sm_scale
+    s, tanh = capped_logits(s, g.softcap)
     mask = _block_mask(g, b, q_blk_ref[t], k_blk_ref[t], q_reg_ref[t], k_reg_ref[t], lens_ref,
                        s.shape)
     p = jnp.where(mask, jnp.exp(s - lse_ref[...][:, :1]), 0.0)
     dv_scr[...] += jax.lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dp = jax.lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - di_ref[...][:, :1]) * sm_scale
+    ds = through_cap(p * (dp - di_ref[...][:, :1]), tanh) * sm_scale
     dk_scr[...] += jax.lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
   @pl.when((last_ref[t] == 1) & (j == group - 1))
@@ -252,13 +256,16 @@ _attention_bhld = attention_with_vjp(_forward, _backward)
 
 def shared_prompt_attention_pallas_tpu(q, k, v, layout: SharedPromptLayout, *, sm_scale=None,
                                        block_sizes: sched_lib.BlockSizes | None = None,
-                                       interpret=False, window: int | None = None):
+                                       interpret=False, window: int | None = None,
+                                       softcap: float | None = None):
   """Packed shared-prompt attention on TPU: q [B, L, H, D], k/v [B, L, Hkv, D]
   -> (o [B, L, H, D], lse [B, L, H] f32). Regions are re-padded to block multiples.
-  A window drops the pairs wholly outside it from the schedule (or marks them dead)."""
+  A window drops the pairs wholly outside it from the schedule (or marks them dead).
+  A softcap caps every block's scaled logits; dq and dk recompute them from q and k."""
   check_qkv(q, k, v)
   layout.validate(q.shape[1], q.shape[0])
   window = check_window(window)
+  softcap = check_softcap(softcap)
   blocks = block_sizes or sched_lib.BlockSizes()
   return call_on_aligned_regions(_attention_bhld, q, k, v, layout, blocks, sm_scale, interpret,
-                                 window)
+                                 window, softcap)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,22 @@ def check_window(window) -> int | None:
       window < 1):
     raise ValueError(f"window: expected a positive int or None, got {window!r}")
   return int(window)
+
+
+def check_softcap(softcap) -> float | None:
+  """None (no cap) or a positive finite number, returned as a plain (static) float."""
+  if softcap is None:
+    return None
+  if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+      softcap, (int, float, np.integer, np.floating)) or not (
+      math.isfinite(softcap) and softcap > 0):
+    raise ValueError(f"softcap: expected a positive number or None, got {softcap!r}")
+  return float(softcap)
+
+
+def cap_logits(s, softcap: float | None):
+  """softcap * tanh(s / softcap), Gemma 2's logit soft-capping (None: s unchanged)."""
+  return s if softcap is None else jnp.tanh(s / softcap) * softcap
 
 
 def attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions, *,
@@ -31,20 +49,24 @@ def attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions, *,
 
 
 def dot_product_attention(q, k, v, q_segment_ids, q_positions, k_segment_ids, k_positions, *,
-                          window: int | None = None, sm_scale: float | None = None):
+                          window: int | None = None, sm_scale: float | None = None,
+                          softcap: float | None = None):
   """Softmax attention; q [B,T,H,D], k/v [B,S,Hkv,D] -> [B,T,H,D].
 
   Query heads are grouped over the kv heads (GQA); logits and softmax are float32.
   A query with no visible key (only possible for padding) gets zeros, never NaN.
-  sm_scale multiplies the logits (None: head_dim ** -0.5); window: see attention_mask.
+  sm_scale multiplies the logits (None: head_dim ** -0.5); window: see attention_mask;
+  softcap (None: none) caps the scaled logits to softcap * tanh(logits / softcap) before the
+  mask, as Gemma 2 does.
   """
+  softcap = check_softcap(softcap)
   b, t, h, d = q.shape
   hkv = k.shape[2]
   if h % hkv:
     raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv})")
   qg = q.reshape(b, t, hkv, h // hkv, d)
   logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-  logits = logits * (d ** -0.5 if sm_scale is None else sm_scale)
+  logits = cap_logits(logits * (d ** -0.5 if sm_scale is None else sm_scale), softcap)
   mask = attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions, window=window)
   mask = mask[:, None, None, :, :]
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)

@@ -16,10 +16,11 @@ from rlax_ps.kernels.layout import make_layout
 B, N, P, R, H, HKV, D = 1, 3, 200, 100, 4, 2, 128  # P, R not block multiples
 
 
-def _train_fn(backend, window=None):
+def _train_fn(backend, window=None, softcap=None):
   def loss_and_grads(q, k, v, prompt_lens, response_lens):
     lay = make_layout(prompt_lens, response_lens, P, R)
-    attn = lambda q, k, v: shared_prompt_attention(q, k, v, lay, backend=backend, window=window)
+    attn = lambda q, k, v: shared_prompt_attention(q, k, v, lay, backend=backend, window=window,
+                                                   softcap=softcap)
     (o, lse), pullback = jax.vjp(attn, q, k, v)
     return o, lse, pullback((o, lse))
   return loss_and_grads
@@ -45,23 +46,25 @@ def _kernel_names(exported):
   return set(re.findall(r'kernel_name = "([a-z_]+)"', exported.mlir_module()))
 
 
-# With a window shorter than the prompt: the window masks, the liveness and the decode
-# kernel's per-row starts and block clamp lower too.
+# With a window shorter than the prompt and a logit softcap: the window masks, the liveness,
+# the decode kernel's per-row starts and block clamp, and the tanh cap lower too.
 DTYPE_WINDOW = pytest.mark.parametrize(
-    "dtype,window", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, 64)],
-    ids=["f32", "bf16", "bf16-window"])
+    "dtype,window,softcap",
+    [(jnp.float32, None, None), (jnp.bfloat16, None, None), (jnp.bfloat16, 64, 50.0)],
+    ids=["f32", "bf16", "bf16-window-softcap"])
 
 
 @DTYPE_WINDOW
-def test_training_kernels_lower_for_tpu(dtype, window):
-  exp = export.export(jax.jit(_train_fn("auto", window)), platforms=["tpu"])(
+def test_training_kernels_lower_for_tpu(dtype, window, softcap):
+  exp = export.export(jax.jit(_train_fn("auto", window, softcap)), platforms=["tpu"])(
       *_train_args(dtype))
   assert _kernel_names(exp) == {"shared_prompt_fwd", "shared_prompt_dq", "shared_prompt_dkv"}
 
 
 @DTYPE_WINDOW
-def test_decode_kernel_lowers_for_tpu(dtype, window):
-  fn = jax.jit(functools.partial(shared_prefix_decode_attention, block_s=256, window=window))
+def test_decode_kernel_lowers_for_tpu(dtype, window, softcap):
+  fn = jax.jit(functools.partial(shared_prefix_decode_attention, block_s=256, window=window,
+                                 softcap=softcap))
   exp = export.export(fn, platforms=["tpu"])(*_decode_args(dtype))
   assert _kernel_names(exp) == {"shared_prefix_decode"}
 
@@ -71,11 +74,12 @@ _TRITON_OK = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
 @DTYPE_WINDOW
-def test_training_kernels_lower_for_cuda_triton(dtype, window):
-  exp = export.export(jax.jit(_train_fn("auto", window)), platforms=["cuda"],
+def test_training_kernels_lower_for_cuda_triton(dtype, window, softcap):
+  exp = export.export(jax.jit(_train_fn("auto", window, softcap)), platforms=["cuda"],
                       disabled_checks=_TRITON_OK)(*_train_args(dtype))
   names = set(re.findall(r'name = "(shared_prompt_[a-z_]+)"', exp.mlir_module()))
   assert names == {"shared_prompt_fwd_gpu", "shared_prompt_dq_gpu", "shared_prompt_dkv_gpu"}
+  assert ("tanh" in exp.mlir_module()) == (softcap is not None)  # the cap is in the kernels
 
 
 def test_decode_lowers_for_cuda_through_xla_path():

@@ -45,13 +45,15 @@ def _assert_matches(got, want, tol=TOL):
     np.testing.assert_allclose(np.asarray(g, np.float32), w, err_msg=name, **tol)
 
 
-def _softmax_rows(q, k, v, visible, scale):
+def _softmax_rows(q, k, v, visible, scale, softcap=None):
   """float64 brute force: q [T, H, D], k/v [S, Hkv, D], visible [T, S] -> (o [T, H, D],
-  lse [T, H]); rows that see nothing get 0 and -inf."""
+  lse [T, H]); rows that see nothing get 0 and -inf. softcap: logits softcap * tanh(s / softcap)."""
   h, hkv = q.shape[1], k.shape[1]
   kh = np.repeat(k, h // hkv, axis=1)
   vh = np.repeat(v, h // hkv, axis=1)
   s = np.einsum("thd,shd->hts", q, kh) * scale
+  if softcap is not None:
+    s = softcap * np.tanh(s / softcap)
   s = np.where(visible[None], s, -np.inf)
   mx = s.max(-1, keepdims=True)
   p = np.where(visible[None], np.exp(s - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
