@@ -83,7 +83,7 @@ class Int8Transformer(Transformer):
     if not c.tie_word_embeddings:
       self.lm_head = linear(c.hidden_size, c.vocab_size)
 
-  def logits_from_hidden(self, x):
+  def project_logits(self, x):
     if self.config.tie_word_embeddings:
       return self.embed.attend(x)
     return self.lm_head(x, out_dtype=jnp.float32)

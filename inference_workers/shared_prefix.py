@@ -21,7 +21,8 @@ from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
 from rlax_ps.models.kv_cache import KVCache
 
 # decode_fn(q [B,N,H,D], prefix_k, prefix_v [B,Sp,Hkv,D], prefix_lens [B],
-#           suffix_k, suffix_v [B,N,Ss,Hkv,D], suffix_lens [B,N], *, window, sm_scale)
+#           suffix_k, suffix_v [B,N,Ss,Hkv,D], suffix_lens [B,N], *, window, sm_scale,
+#           softcap)
 #   -> (out [B,N,H,D], lse)
 DecodeFn = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -64,7 +65,8 @@ class SharedPrefixCache:
     return self
 
   def attend(self, layer: int, q, k, v, q_segment_ids, q_positions, attention_fn, *,
-             window: int | None = None, sm_scale: float | None = None):
+             window: int | None = None, sm_scale: float | None = None,
+             softcap: float | None = None):
     """Write each sample's new k/v [B*N, 1, Hkv, D] at suffix slot `index`, attend prefix+suffix
     (within `window` positions when the layer slides: the query sits at prefix_len + index)."""
     del q_segment_ids, q_positions, attention_fn  # the dense mask path does not apply here
@@ -84,7 +86,7 @@ class SharedPrefixCache:
     out, _ = self.decode_fn(q.reshape(b, n, h, d), self.prefix_k[layer].astype(q.dtype),
                             self.prefix_v[layer].astype(q.dtype), self.prefix_lens,
                             new_k.astype(q.dtype), new_v.astype(q.dtype), suffix_lens,
-                            window=window, sm_scale=sm_scale)
+                            window=window, sm_scale=sm_scale, softcap=softcap)
     cache = self.replace(suffix_k=self.suffix_k[:layer] + (new_k,) + self.suffix_k[layer + 1:],
                          suffix_v=self.suffix_v[:layer] + (new_v,) + self.suffix_v[layer + 1:])
     return out.reshape(rows, 1, h, d).astype(q.dtype), cache

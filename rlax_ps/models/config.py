@@ -1,12 +1,12 @@
-"""ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 family decoder,
-independent of any checkpoint format."""
+"""ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 family
+decoder, independent of any checkpoint format."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -48,7 +48,7 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-  Gemma 3)."""
+  Gemma 2, Gemma 3)."""
 
   vocab_size: int
   hidden_size: int
@@ -76,6 +76,9 @@ class ModelConfig:
   sliding_window: int | None = None
   layer_types: tuple[str, ...] | None = None
   rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (unscaled).
+  # Gemma 2: attention logits and output logits soft-capped as cap * tanh(x / cap).
+  attn_logit_softcapping: float | None = None
+  final_logit_softcapping: float | None = None
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 2048
   param_dtype: str = "float32"  # Storage dtype of the weights.
@@ -107,6 +110,10 @@ class ModelConfig:
     if self.query_pre_attn_scalar is not None:
       need(isinstance(self.query_pre_attn_scalar, (int, float)) and self.query_pre_attn_scalar > 0,
            "query_pre_attn_scalar", "a positive number or None", self.query_pre_attn_scalar)
+    for f in ("attn_logit_softcapping", "final_logit_softcapping"):
+      v = getattr(self, f)
+      need(v is None or (isinstance(v, (int, float)) and v > 0), f, "a positive number or None",
+           v)
     if self.sliding_window is not None:
       need(isinstance(self.sliding_window, int) and self.sliding_window > 0, "sliding_window",
            "a positive int or None", self.sliding_window)

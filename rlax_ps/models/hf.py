@@ -1,7 +1,8 @@
 """Hugging Face checkpoints (config.json + safetensors) to and from our Transformer.
 
 Covers LlamaForCausalLM, MistralForCausalLM (v0.1's sliding window included),
-Qwen2ForCausalLM, Qwen3ForCausalLM and Gemma3ForCausalLM (Gemma 3's text model) as
+Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (Gemma 3's text
+model) as
 transformers 4.x (top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write
 them, with one `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear
 weights are [out, in]; our kernels are [in, out], so every kernel is transposed on the way.
@@ -34,30 +35,41 @@ INDEX_FILE = "model.safetensors.index.json"
 # HF class name -> our ModelConfig.architecture, and back.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
-                 "Gemma3ForCausalLM": "gemma3"}
+                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # What transformers' Gemma3TextConfig assumes for fields a config.json leaves out (the Hub's
 # image-text Gemma 3 configs state little more than their widths and depth).
-_GEMMA3_DEFAULTS = dict(
-    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-    num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
-    rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096, tie_word_embeddings=True,
-    rope_theta=1000000.0, rope_local_base_freq=10000.0)
+_GEMMA_DEFAULTS = {
+    "gemma3": dict(
+        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+        sliding_window=4096, tie_word_embeddings=True, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0),
+    "gemma2": dict(  # transformers' Gemma2Config, likewise
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096,
+        tie_word_embeddings=True, rope_theta=10000.0, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0),
+}
+_GEMMA_FAMILY = {"hidden_act": "gelu_tanh", "zero_centered_norms": True,
+                 "scale_embeddings": True, "sandwich_norms": True}
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 32768,
-                          "gemma3": 131072}
+                          "gemma2": 8192, "gemma3": 131072}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True},
-    "gemma3": {"qk_norm": True, "hidden_act": "gelu_tanh", "zero_centered_norms": True,
-               "scale_embeddings": True, "sandwich_norms": True},
+    "gemma2": _GEMMA_FAMILY, "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
 }
 _FAMILY_FIELDS = ("qkv_bias", "qk_norm", "hidden_act", "zero_centered_norms", "scale_embeddings",
                   "sandwich_norms")
 _HF_ACT = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-_GEMMA_WINDOW_PATTERN = 6  # 4.x Gemma 3 configs without layer_types: every 6th layer is full.
+# Configs without layer_types: every 6th Gemma 3 layer and every 2nd Gemma 2 one is full.
+_GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 # Buffers some checkpoints carry that hold nothing our model needs.
 _IGNORABLE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -99,7 +111,7 @@ def _local_rope_theta(d: Mapping[str, Any]) -> float:
     raise ValueError(f"{CONFIG_FILE}: rope_parameters.sliding_attention.rope_type: expected "
                      f"'default', got {kind!r}")
   return float(local.get("rope_theta") or d.get("rope_local_base_freq")
-               or _GEMMA3_DEFAULTS["rope_local_base_freq"])
+               or _GEMMA_DEFAULTS["gemma3"]["rope_local_base_freq"])
 
 
 def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
@@ -107,13 +119,13 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
   """(sliding_window, layer_types) as each family's config.json states them."""
   types = d.get("layer_types")
   window = d.get("sliding_window")
-  if arch == "gemma3":
+  if arch in _GEMMA_DEFAULTS:
     if d.get("use_bidirectional_attention"):
       raise ValueError(f"{CONFIG_FILE}: use_bidirectional_attention: expected false (a causal "
                        "language model), got true")
     if not types:
       pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern")
-                    or _GEMMA_WINDOW_PATTERN)
+                    or _GEMMA_WINDOW_PATTERN[arch])
       types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                for i in range(num_layers)]
   elif arch == "mistral":
@@ -150,29 +162,29 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     raise ValueError(f"{CONFIG_FILE}: architectures: expected one of "
                      f"{sorted(ARCHITECTURES) + sorted(_TEXT_MODEL_OF)}, got {got!r}")
   arch = ARCHITECTURES[known[0]]
-  if arch == "gemma3":
-    d = {**_GEMMA3_DEFAULTS, **d}
+  if arch in _GEMMA_DEFAULTS:
+    d = {**_GEMMA_DEFAULTS[arch], **d}
   family = dict(_FAMILY[arch])
-  act_key = "hidden_activation" if arch == "gemma3" else "hidden_act"
-  act = d.get(act_key) or d.get("hidden_act") or ("gelu_pytorch_tanh" if arch == "gemma3"
-                                                  else "silu")
+  gemma = arch in _GEMMA_DEFAULTS
+  act_key = "hidden_activation" if gemma else "hidden_act"
+  act = d.get(act_key) or d.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
   if _HF_ACT.get(act) != family.get("hidden_act", "silu"):
     want = [k for k, v in _HF_ACT.items() if v == family.get("hidden_act", "silu")][0]
     raise ValueError(f"{CONFIG_FILE}: {act_key}: expected {want!r}, got {act!r}")
   flags = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",),
-           "gemma3": ("attention_bias",)}.get(arch, ())
+           "gemma2": ("attention_bias",), "gemma3": ("attention_bias",)}.get(arch, ())
   for flag in flags:
     if d.get(flag):
       raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
   for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
-    if d.get(cap) is not None:
-      raise ValueError(f"{CONFIG_FILE}: {cap}: expected null (logit soft-capping is not "
-                       f"supported), got {d[cap]!r}")
+    if d.get(cap) is not None and not gemma:
+      raise ValueError(f"{CONFIG_FILE}: {cap}: expected null ({known[0]} has no logit "
+                       f"soft-capping), got {d[cap]!r}")
   num_heads = int(_get(d, "num_attention_heads"))
   num_layers = int(_get(d, "num_hidden_layers"))
   theta, scaling = _rope_from_hf(d)
   window, layer_types = _sliding(d, arch, num_layers)
-  gemma = arch == "gemma3"
+  cap = lambda key: None if d.get(key) is None else float(d[key])
   return ModelConfig(
       vocab_size=int(_get(d, "vocab_size")),
       hidden_size=int(_get(d, "hidden_size")),
@@ -190,7 +202,9 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       query_pre_attn_scalar=float(_get(d, "query_pre_attn_scalar")) if gemma else None,
       sliding_window=window,
       layer_types=layer_types,
-      rope_local_theta=_local_rope_theta(d) if gemma else None,
+      rope_local_theta=_local_rope_theta(d) if arch == "gemma3" else None,
+      attn_logit_softcapping=cap("attn_logit_softcapping"),
+      final_logit_softcapping=cap("final_logit_softcapping"),
       architecture=arch,
       **family)
 
@@ -209,12 +223,15 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if getattr(c, field) != want:
       raise ValueError(f"ModelConfig.{field}: {hf_class} needs {want!r}, got "
                        f"{getattr(c, field)!r}")
-  gemma = arch == "gemma3"
-  if (c.query_pre_attn_scalar is not None) != gemma or (c.rope_local_theta is not None) != gemma:
-    field = ("query_pre_attn_scalar" if (c.query_pre_attn_scalar is not None) != gemma
-             else "rope_local_theta")
-    raise ValueError(f"ModelConfig.{field}: {hf_class} needs "
-                     f"{'a value' if gemma else 'None'}, got {getattr(c, field)!r}")
+  gemma = arch in _GEMMA_DEFAULTS
+  for field, needed in (("query_pre_attn_scalar", gemma), ("rope_local_theta", arch == "gemma3")):
+    if (getattr(c, field) is not None) != needed:
+      raise ValueError(f"ModelConfig.{field}: {hf_class} needs "
+                       f"{'a value' if needed else 'None'}, got {getattr(c, field)!r}")
+  for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+    if getattr(c, field) is not None and not gemma:
+      raise ValueError(f"ModelConfig.{field}: {hf_class} has no logit soft-capping, got "
+                       f"{getattr(c, field)!r}")
   if c.sliding_window is not None and arch == "llama":
     raise ValueError(f"ModelConfig.sliding_window: {hf_class} has no sliding window, got "
                      f"{c.sliding_window}")
@@ -254,7 +271,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(use_sliding_window=sliding, sliding_window=c.sliding_window,
              max_window_layers=types.index("sliding_attention") if sliding else c.num_layers,
              layer_types=types if sliding else ["full_attention"] * c.num_layers)
-  if arch in ("qwen3", "gemma3"):
+  if arch == "qwen3" or gemma:
     d.update(attention_bias=False)
   if gemma:
     scalar = c.query_pre_attn_scalar
@@ -262,12 +279,14 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(hidden_activation="gelu_pytorch_tanh",
              query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
              sliding_window=c.sliding_window, layer_types=types,
-             rope_local_base_freq=c.rope_local_theta,
+             final_logit_softcapping=c.final_logit_softcapping,
+             attn_logit_softcapping=c.attn_logit_softcapping,
+             use_bidirectional_attention=False)
+  if arch == "gemma3":
+    d.update(rope_local_base_freq=c.rope_local_theta,
              rope_parameters={"full_attention": rope,
                               "sliding_attention": {"rope_type": "default",
-                                                    "rope_theta": c.rope_local_theta}},
-             final_logit_softcapping=None, attn_logit_softcapping=None,
-             use_bidirectional_attention=False)
+                                                    "rope_theta": c.rope_local_theta}})
   return d
 
 

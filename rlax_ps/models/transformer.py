@@ -1,10 +1,10 @@
 """Decoder-only transformer in Flax NNX covering the Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and
-Gemma 3 families.
+Gemma 2/3 families.
 
 RMSNorm, RoPE (plain, linear, Llama-3 or YaRN scaled), grouped-query attention, SwiGLU or
 GeGLU MLP, optional q/k/v biases (Qwen2), per-head q/k norms (Qwen3, Gemma 3), sliding-window
-layers with their own RoPE base, Gemma's zero-centred and sandwich norms and scaled
-embeddings, tied or untied embeddings. Several sequences may share a row (segment ids +
+layers with their own RoPE base, Gemma's zero-centred and sandwich norms, scaled embeddings
+and soft-capped logits, tied or untied embeddings. Several sequences may share a row (segment ids +
 positions); an optional KVCache serves decoding.
 """
 
@@ -185,14 +185,14 @@ class Transformer(nnx.Module):
       x = x * jnp.asarray(c.hidden_size ** 0.5, c.param_dtype).astype(x.dtype)
     if remat and cache is not None:
       raise ValueError("remat: expected no cache (it serves training, not decoding)")
-    sm_scale = c.attention_scale
+    sm_scale, softcap = c.attention_scale, c.attn_logit_softcapping
     for i, layer in enumerate(self.layers):
       window = c.layer_window(i)
       cos, sin = local_angles if c.sliding_layer(i) else angles
       if cache is None:
         def attend(q, k, v, window=window):
           return attention_fn(q, k, v, segment_ids, positions, segment_ids, positions,
-                              window=window, sm_scale=sm_scale)
+                              window=window, sm_scale=sm_scale, softcap=softcap)
         if remat:
           x = jax.checkpoint(lambda x, layer=layer, attend=attend, cos=cos, sin=sin:
                              layer(x, cos, sin, attend))(x)
@@ -201,13 +201,19 @@ class Transformer(nnx.Module):
         def attend(q, k, v, i=i, window=window):
           nonlocal cache
           out, cache = cache.attend(i, q, k, v, segment_ids, positions, attention_fn,
-                                    window=window, sm_scale=sm_scale)
+                                    window=window, sm_scale=sm_scale, softcap=softcap)
           return out
       x = layer(x, cos, sin, attend)
     x = self.norm(x)
     return x, (None if cache is None else cache.advance(t))
 
   def logits_from_hidden(self, x):
+    """Float32 logits of hidden states, soft-capped where the model caps them (Gemma 2)."""
+    logits = self.project_logits(x)
+    cap = self.config.final_logit_softcapping
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+  def project_logits(self, x):
     """Project hidden states to float32 logits (tied: through the embedding table)."""
     dtype = jnp.dtype(self.config.dtype)
     if self.config.tie_word_embeddings:

@@ -24,6 +24,8 @@ GEMMA3 = QWEN3.replace(
     scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=12, sliding_window=3,
     layer_types=("sliding_attention", "full_attention"), rope_local_theta=1e4,
     tie_word_embeddings=True)
+GEMMA2 = GEMMA3.replace(architecture="gemma2", qk_norm=False, rope_local_theta=None,
+                        attn_logit_softcapping=3.0, final_logit_softcapping=2.0)
 
 
 @nnx.jit
@@ -79,8 +81,8 @@ def test_int8_weights_halve_the_bytes_of_bf16():
   assert HeldPolicy(UNTIED, "int8").nbytes < 0.6 * HeldPolicy(UNTIED, "bf16").nbytes
 
 
-@pytest.mark.parametrize("config", [UNTIED, TIED, QWEN3, GEMMA3],
-                         ids=["untied", "tied", "qwen3", "gemma3"])
+@pytest.mark.parametrize("config", [UNTIED, TIED, QWEN3, GEMMA3, GEMMA2],
+                         ids=["untied", "tied", "qwen3", "gemma3", "gemma2"])
 def test_int8_forward_equals_the_dequantized_model(config):
   params = float_params(config, 3)
   policy = HeldPolicy(config, "int8")

@@ -31,16 +31,22 @@ def group():
 
 @pytest.fixture(scope="module")
 def windowed_group():
-  """A Gemma 3 shaped model: a 3-position sliding window with its own RoPE base on layer 0
+  """A Gemma shaped model: a 3-position sliding window with its own RoPE base on layer 0
   (it cuts both prompts and the responses), full attention on layer 1, a non-default
-  softmax scale, sandwich and zero-centred norms."""
+  softmax scale, soft-capped attention and output logits, sandwich and zero-centred norms."""
   cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
                     architecture="gemma3", hidden_act="gelu_tanh", zero_centered_norms=True,
                     scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=5,
                     sliding_window=3, layer_types=("sliding_attention", "full_attention"),
-                    rope_local_theta=100.0, tie_word_embeddings=True)
+                    rope_local_theta=100.0, tie_word_embeddings=True,
+                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+  # Weights 20x the init's std put the raw attention and output logits past both caps.
   graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(1)))
+  state = jax.tree.map(lambda x: x * 20, state)
+  model = nnx.merge(graphdef, state)
+  raw = model.project_logits(model.hidden_states(jnp.arange(P)[None])[0])
+  assert float(jnp.abs(raw).max()) > 2 * cfg.final_logit_softcapping
   rng = np.random.default_rng(1)
   return graphdef, state, rng.integers(1, V, (B, P)), rng.integers(1, V, (B, N, R))
 

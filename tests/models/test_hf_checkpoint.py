@@ -49,7 +49,8 @@ def copy_with(tmp_path, name, tensors=None, config=None):
                                         ("qwen3", "config_4x.json"), ("mistral", "config_4x.json"),
                                         ("qwen3_yarn", "config_4x.json"),
                                         ("mistral_window", "config_4x.json"),
-                                        ("gemma3", "config_4x.json")])
+                                        ("gemma3", "config_4x.json"),
+                                        ("gemma2", "config_4x.json")])
 def test_both_config_layouts_give_the_same_config(name, other):
   new_style = read_json(os.path.join(fixture(name), "config.json"))
   old_style = read_json(os.path.join(fixture(name), other))
@@ -74,7 +75,7 @@ def test_config_fields_read_from_llama_and_qwen2():
           qwen3.tie_word_embeddings) == ("qwen3", True, False, 16, False)
 
 
-def test_config_fields_read_from_gemma3_and_sliding_windows():
+def test_config_fields_read_from_gemma_and_sliding_windows():
   gemma = config_from_hf(read_json(os.path.join(fixture("gemma3"), "config.json")))
   assert (gemma.architecture, gemma.sliding_window, gemma.query_pre_attn_scalar,
           gemma.rope_theta, gemma.rope_local_theta, gemma.hidden_act) == (
@@ -97,6 +98,18 @@ def test_config_fields_read_from_gemma3_and_sliding_windows():
   d.update(num_hidden_layers=7, sliding_window_pattern=6)
   types = config_from_hf(d).layer_types
   assert [i for i, t in enumerate(types) if t == "full_attention"] == [5]
+  gemma2 = config_from_hf(read_json(os.path.join(fixture("gemma2"), "config.json")))
+  assert (gemma2.architecture, gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping,
+          gemma2.rope_local_theta, gemma2.qk_norm, gemma2.sandwich_norms) == (
+              "gemma2", 2.0, 3.0, None, False, True)
+  assert [gemma2.layer_window(i) for i in range(3)] == [6, None, 6]
+  d = read_json(os.path.join(fixture("gemma2"), "config_4x.json"))
+  for key in ("attn_logit_softcapping", "final_logit_softcapping", "layer_types"):
+    del d[key]  # transformers' Gemma2Config defaults: caps 50 and 30, every 2nd layer full
+  d["num_hidden_layers"] = 4
+  default = config_from_hf(d)
+  assert (default.attn_logit_softcapping, default.final_logit_softcapping) == (50.0, 30.0)
+  assert [default.layer_window(i) for i in range(4)] == [6, None, 6, None]
   mistral = config_from_hf(read_json(os.path.join(fixture("mistral_window"), "config.json")))
   assert mistral.sliding_window == 6 and mistral.layer_types is None
   assert mistral.layer_window(0) == mistral.layer_window(1) == 6
@@ -136,8 +149,14 @@ def test_config_fields_read_from_gemma3_and_sliding_windows():
                 layer_types=("sliding_attention", "sliding_attention", "full_attention"),
                 rope_theta=1e6, rope_local_theta=1e4, tie_word_embeddings=True,
                 rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, architecture="gemma2", hidden_act="gelu_tanh",
+                zero_centered_norms=True, scale_embeddings=True, sandwich_norms=True,
+                query_pre_attn_scalar=8, sliding_window=5, tie_word_embeddings=True,
+                layer_types=("sliding_attention", "full_attention"),
+                attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
-        "gemma3"])
+        "gemma3", "gemma2"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -149,16 +168,16 @@ def test_config_to_hf_and_back_is_identity(config):
 
 def test_unknown_architecture_is_named():
   d = read_json(os.path.join(fixture("llama"), "config.json"))
-  d["architectures"] = ["Gemma2ForCausalLM"]
-  with pytest.raises(ValueError, match="Gemma2ForCausalLM"):
+  d["architectures"] = ["Qwen3MoeForCausalLM"]
+  with pytest.raises(ValueError, match="Qwen3MoeForCausalLM"):
     config_from_hf(d)
 
 
 @pytest.mark.parametrize("field,value,arch", [
     ("attention_bias", True, "llama"), ("mlp_bias", True, "llama"),
     ("hidden_act", "gelu", "llama"), ("attention_bias", True, "qwen3"),
-    ("hidden_activation", "gelu", "gemma3"), ("final_logit_softcapping", 30.0, "gemma3"),
-    ("attn_logit_softcapping", 50.0, "gemma3"), ("use_bidirectional_attention", True, "gemma3"),
+    ("hidden_activation", "gelu", "gemma3"), ("hidden_activation", "gelu", "gemma2"),
+    ("final_logit_softcapping", 30.0, "qwen3"), ("use_bidirectional_attention", True, "gemma3"),
     ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}, "llama"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "qwen3"),
 ])
@@ -218,6 +237,10 @@ def test_config_that_contradicts_the_architecture_is_refused_on_export():
     config_to_hf(config.replace(hidden_act="gelu_tanh"))
   with pytest.raises(ValueError, match="ModelConfig.sliding_window"):
     config_to_hf(config.replace(architecture="llama", qk_norm=False, sliding_window=8))
+  with pytest.raises(ValueError, match="ModelConfig.attn_logit_softcapping: Qwen3ForCausalLM"):
+    config_to_hf(config.replace(attn_logit_softcapping=50.0))
+  with pytest.raises(ValueError, match="ModelConfig.rope_local_theta: Gemma2ForCausalLM"):
+    config_to_hf(gemma.replace(architecture="gemma2", qk_norm=False))
 
 
 def test_unexpected_tensor_is_named(tmp_path):
@@ -301,7 +324,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
-                                  "mistral_window", "gemma3"])
+                                  "mistral_window", "gemma3", "gemma2"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

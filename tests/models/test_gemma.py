@@ -1,8 +1,8 @@
-"""A Gemma 3 checkpoint beyond the logits (test_hf_parity): each Gemma feature is exercised by
-the fixture, the image-text checkpoints' language model loads as the text model, a worker
-holding the published keyframe computes the trainer's logits, sampling with a shared prefill
-crosses the sliding window as separate prefills do, and the packed RL loss trains the
-sandwich norms."""
+"""Gemma 2 and 3 checkpoints beyond the logits (test_hf_parity): each Gemma feature is
+exercised by the fixtures, the image-text checkpoints' language model loads as the text
+model, a worker holding the published keyframe computes the trainer's logits, sampling with
+a shared prefill crosses the sliding window as separate prefills do, and the packed RL loss
+trains the sandwich norms."""
 
 import json
 import os
@@ -21,13 +21,12 @@ from safetensors.numpy import load_file, save_file
 from rl_grads import rl_loss_and_grads
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
-FIXTURE = os.path.join(FIXTURES, "gemma3")
 VISION = os.path.join(FIXTURES, "gemma3_vision")
 
 
-@pytest.fixture(scope="module")
-def model():
-  return load_hf_checkpoint(FIXTURE, dtype="bfloat16")
+@pytest.fixture(scope="module", params=["gemma3", "gemma2"])
+def model(request):
+  return load_hf_checkpoint(os.path.join(FIXTURES, request.param), dtype="bfloat16")
 
 
 @nnx.jit
@@ -35,11 +34,12 @@ def forward(model, tokens):
   return model(tokens)
 
 
-def _edited(tmp_path, edit):
-  for f in os.listdir(FIXTURE):
+def _edited(tmp_path, name, edit):
+  src = os.path.join(FIXTURES, name)
+  for f in os.listdir(src):
     if f.endswith(".safetensors"):
-      os.symlink(os.path.join(FIXTURE, f), tmp_path / f)
-  with open(os.path.join(FIXTURE, "config.json")) as f:
+      os.symlink(os.path.join(src, f), tmp_path / f)
+  with open(os.path.join(src, "config.json")) as f:
     config = json.load(f)
   edit(config)
   with open(tmp_path / "config.json", "w") as f:
@@ -59,13 +59,24 @@ def _head_dim_scale(c):
   c["query_pre_attn_scalar"] = c["head_dim"]
 
 
-@pytest.mark.parametrize("edit", [_no_window, _one_rope_base, _head_dim_scale],
-                         ids=["window", "local-rope", "query-scale"])
-def test_each_gemma_feature_moves_the_reference_logits(edit, tmp_path):
+def _no_attention_cap(c):
+  c["attn_logit_softcapping"] = None
+
+
+def _no_output_cap(c):
+  c["final_logit_softcapping"] = None
+
+
+@pytest.mark.parametrize("name,edit", [
+    ("gemma3", _no_window), ("gemma3", _one_rope_base), ("gemma3", _head_dim_scale),
+    ("gemma2", _no_window), ("gemma2", _no_attention_cap), ("gemma2", _no_output_cap)],
+    ids=["window", "local-rope", "query-scale", "gemma2-window", "attention-cap", "output-cap"])
+def test_each_gemma_feature_moves_the_reference_logits(name, edit, tmp_path):
   # With the feature undone the same weights give clearly different logits, so the parity
-  # test really checks the sliding window, the local RoPE base and query_pre_attn_scalar.
-  ref = np.load(os.path.join(FIXTURE, "reference.npz"))
-  changed = load_hf_checkpoint(_edited(tmp_path, edit), dtype="float32")
+  # test really checks the sliding window, the local RoPE base, query_pre_attn_scalar and
+  # both soft-caps.
+  ref = np.load(os.path.join(FIXTURES, name, "reference.npz"))
+  changed = load_hf_checkpoint(_edited(tmp_path, name, edit), dtype="float32")
   assert np.abs(np.asarray(forward(changed, ref["tokens"])) - ref["logits"]).max() > 1e-2
 
 
@@ -108,6 +119,7 @@ def test_an_image_text_checkpoint_loads_its_language_model(prefix, tmp_path):
 def test_a_worker_holding_the_published_keyframe_computes_the_trainers_logits(model):
   params = {k: np.asarray(v) for k, v in flatten_params(model).items()}
   assert {"layers.0.attn_out_norm.scale", "layers.2.mlp_out_norm.scale"} <= set(params)
+  assert model.config.architecture in ("gemma2", "gemma3")
   policy = HeldPolicy(model.config, "bf16")
   policy.apply(sync.encode(None, params, "bf16", version=0))
   tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 15))
@@ -115,8 +127,9 @@ def test_a_worker_holding_the_published_keyframe_computes_the_trainers_logits(mo
                                 np.asarray(forward(model, tokens)))
 
 
-def test_shared_prefill_samples_past_the_window_as_one_prefill_per_sample():
-  model = load_hf_checkpoint(FIXTURE, dtype="float32")
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_shared_prefill_samples_past_the_window_as_one_prefill_per_sample(name):
+  model = load_hf_checkpoint(os.path.join(FIXTURES, name), dtype="float32")
   params = SamplingParams(temperature=1.0, max_new_tokens=12)  # 8-token prompt + 12 > window 6
   prompts = [[2, 5, 9, 12, 30, 41, 7, 8], [2, 7, 19]]
   seeds = [[0, 1, 2], [3, 4, 5]]
