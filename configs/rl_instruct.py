@@ -1,8 +1,8 @@
 r"""rlax-ps local --config=configs/rl_instruct.py --workdir=runs/instruct \
     --config.init_from_hf=PATH --config.data.jsonl=train.jsonl --config.data.heldout_jsonl=test.jsonl
 
-RL post-training of your own instruct checkpoint (Qwen3, Qwen2.5-Instruct, Llama-3.x-Instruct,
-Gemma-2/3-it)
+RL post-training of your own instruct checkpoint (Qwen3 and Qwen3-MoE, Qwen2.5-Instruct,
+Llama-3.x-Instruct, Gemma-2/3-it)
 on math questions with reference answers. There is no warm start: `init_from_hf` names the
 checkpoint, whose tokenizer and chat template are used. Each JSONL record
 `{"prompt", "answer"}` (a prompt may be a list of chat messages; say in it how to give the

@@ -63,6 +63,9 @@ class Int8Transformer(Transformer):
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    if config.num_experts:
+      raise ValueError("weights_format: int8 has no per-expert scales for a mixture-of-experts "
+                       "model; hold it as 'bf16'")
     config = config.replace(param_dtype="bfloat16")
     super().__init__(config, rngs=rngs)
     c, dtype = config, jnp.dtype(config.dtype)

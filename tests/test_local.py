@@ -223,10 +223,10 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
-  """configs/rl_instruct.py:tiny from a tiny Qwen3 or Gemma 3 (8-token sliding window)
-  checkpoint with a ChatML tokenizer and template: JSONL math questions as conversations,
+  """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window) or
+  Qwen3-MoE checkpoint with a ChatML tokenizer and template: JSONL math questions as conversations,
   scored by the math verifier; the export carries the chat template and the end-of-turn stop
   ids."""
   import numpy as np
@@ -246,6 +246,9 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
         scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=16, sliding_window=8,
         layer_types=("sliding_attention", "full_attention"), rope_local_theta=1e4,
         tie_word_embeddings=True)
+  if family == "qwen3_moe":
+    config = config.replace(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=16, norm_topk_prob=True)
   save_hf_checkpoint(Transformer(config, rngs=nnx.Rngs(0)), str(ckpt))
   for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
     shutil.copy(os.path.join(chat, name), ckpt / name)
@@ -268,6 +271,6 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       chat, chat_template="auto").chat_template
   assert json.load(open(export / "generation_config.json"))["eos_token_id"] == list(tok.stop_ids)
   exported = json.load(open(export / "config.json"))
-  assert exported["architectures"] == [{"qwen3": "Qwen3ForCausalLM",
-                                        "gemma3": "Gemma3ForCausalLM"}[family]]
+  assert exported["architectures"] == [{"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                                        "qwen3_moe": "Qwen3MoeForCausalLM"}[family]]
   assert exported.get("sliding_window") == (8 if family == "gemma3" else None)

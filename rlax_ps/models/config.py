@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -79,6 +79,16 @@ class ModelConfig:
   # Gemma 2: attention logits and output logits soft-capped as cap * tanh(x / cap).
   attn_logit_softcapping: float | None = None
   final_logit_softcapping: float | None = None
+  # Mixture of experts (Qwen3-MoE): num_experts > 0 gives the layers `moe_layer` picks a
+  # router over num_experts SwiGLU experts of width moe_intermediate_size, each token going
+  # to its num_experts_per_tok best (their softmax weights renormalised if norm_topk_prob);
+  # the others keep the dense MLP of width intermediate_size.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0
+  mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 2048
   param_dtype: str = "float32"  # Storage dtype of the weights.
@@ -114,6 +124,20 @@ class ModelConfig:
       v = getattr(self, f)
       need(v is None or (isinstance(v, (int, float)) and v > 0), f, "a positive number or None",
            v)
+    if self.num_experts:
+      need(isinstance(self.num_experts, int) and self.num_experts > 0, "num_experts",
+           "a positive int (0: dense)", self.num_experts)
+      need(isinstance(self.num_experts_per_tok, int)
+           and 0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+           f"an int in [1, num_experts={self.num_experts}]", self.num_experts_per_tok)
+      need(isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size > 0,
+           "moe_intermediate_size", "a positive int", self.moe_intermediate_size)
+      need(isinstance(self.decoder_sparse_step, int) and self.decoder_sparse_step > 0,
+           "decoder_sparse_step", "a positive int", self.decoder_sparse_step)
+    layers = tuple(int(i) for i in self.mlp_only_layers)
+    need(all(0 <= i < self.num_layers for i in layers), "mlp_only_layers",
+         f"layer indices in [0, {self.num_layers})", self.mlp_only_layers)
+    object.__setattr__(self, "mlp_only_layers", layers)
     if self.sliding_window is not None:
       need(isinstance(self.sliding_window, int) and self.sliding_window > 0, "sliding_window",
            "a positive int or None", self.sliding_window)
@@ -139,6 +163,11 @@ class ModelConfig:
       scaling.pop("type", None)
       object.__setattr__(self, "rope_scaling",
                          FrozenScaling(scaling) if rope_type != "default" else None)
+
+  def moe_layer(self, layer: int) -> bool:
+    """Whether layer `layer` routes tokens to experts (else it has the dense MLP)."""
+    return (self.num_experts > 0 and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0)
 
   def sliding_layer(self, layer: int) -> bool:
     """Whether layer `layer` is a sliding (local) one: its window, and its RoPE base when
@@ -181,6 +210,10 @@ class ModelConfig:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
     if self.qk_norm:
       attn += 2 * d
-    per_layer = attn + 3 * h * self.intermediate_size + (4 if self.sandwich_norms else 2) * h
+    norms = (4 if self.sandwich_norms else 2) * h
+    dense = 3 * h * self.intermediate_size
+    moe = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts
+    layers = sum(attn + norms + (moe if self.moe_layer(i) else dense)
+                 for i in range(self.num_layers))
     head = 0 if self.tie_word_embeddings else h * self.vocab_size
-    return self.vocab_size * h + self.num_layers * per_layer + h + head
+    return self.vocab_size * h + layers + h + head

@@ -1,11 +1,13 @@
 """Hugging Face checkpoints (config.json + safetensors) to and from our Transformer.
 
 Covers LlamaForCausalLM, MistralForCausalLM (v0.1's sliding window included),
-Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (Gemma 3's text
-model) as
-transformers 4.x (top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write
-them, with one `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear
-weights are [out, in]; our kernels are [in, out], so every kernel is transposed on the way.
+Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM and
+Gemma3ForCausalLM (Gemma 3's text model) as transformers 4.x (top-level
+`rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
+`model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights are
+[out, in]; our kernels are [in, out], so every kernel is transposed on the way. Checkpoints
+hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`), our experts one param
+stacked over them ([E, H, I]).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # HF class name -> our ModelConfig.architecture, and back.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
-                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2",
+                 "Gemma3ForCausalLM": "gemma3"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -58,16 +61,20 @@ _GEMMA_DEFAULTS = {
 _GEMMA_FAMILY = {"hidden_act": "gelu_tanh", "zero_centered_norms": True,
                  "scale_embeddings": True, "sandwich_norms": True}
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 32768,
-                          "gemma2": 8192, "gemma3": 131072}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768,
+                          "mistral": 32768, "gemma2": 8192, "gemma3": 131072}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True},
-    "gemma2": _GEMMA_FAMILY, "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
+    "qwen3_moe": {"qk_norm": True}, "gemma2": _GEMMA_FAMILY,
+    "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
 }
 _FAMILY_FIELDS = ("qkv_bias", "qk_norm", "hidden_act", "zero_centered_norms", "scale_embeddings",
                   "sandwich_norms")
 _HF_ACT = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Mixture-of-experts fields of ModelConfig, under their config.json names.
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+               "decoder_sparse_step", "mlp_only_layers")
 # Configs without layer_types: every 6th Gemma 3 layer and every 2nd Gemma 2 one is full.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 # Buffers some checkpoints carry that hold nothing our model needs.
@@ -130,10 +137,12 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
                for i in range(num_layers)]
   elif arch == "mistral":
     types = None  # every layer slides when a window is set
-  elif arch in ("qwen2", "qwen3"):
+  elif arch in ("qwen2", "qwen3", "qwen3_moe"):
     if not d.get("use_sliding_window"):
       return None, None
-    if not types:
+    if arch == "qwen3_moe":  # transformers slides every layer, whatever layer_types says
+      types = None
+    elif not types:
       start = int(d.get("max_window_layers", num_layers))
       types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
   else:
@@ -172,7 +181,8 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     want = [k for k, v in _HF_ACT.items() if v == family.get("hidden_act", "silu")][0]
     raise ValueError(f"{CONFIG_FILE}: {act_key}: expected {want!r}, got {act!r}")
   flags = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",),
-           "gemma2": ("attention_bias",), "gemma3": ("attention_bias",)}.get(arch, ())
+           "qwen3_moe": ("attention_bias",), "gemma2": ("attention_bias",),
+           "gemma3": ("attention_bias",)}.get(arch, ())
   for flag in flags:
     if d.get(flag):
       raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
@@ -185,6 +195,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   theta, scaling = _rope_from_hf(d)
   window, layer_types = _sliding(d, arch, num_layers)
   cap = lambda key: None if d.get(key) is None else float(d[key])
+  moe = _moe_from_hf(d) if arch == "qwen3_moe" else {}
   return ModelConfig(
       vocab_size=int(_get(d, "vocab_size")),
       hidden_size=int(_get(d, "hidden_size")),
@@ -206,7 +217,24 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       attn_logit_softcapping=cap("attn_logit_softcapping"),
       final_logit_softcapping=cap("final_logit_softcapping"),
       architecture=arch,
-      **family)
+      **family,
+      **moe)
+
+
+def _moe_from_hf(d: Mapping[str, Any]) -> dict[str, Any]:
+  """The ModelConfig MoE fields of a Qwen3-MoE config.json (5.x writes `num_experts` as
+  `num_local_experts`). Shared experts (Qwen2-MoE's) are refused: we do not compute them."""
+  if d.get("shared_expert_intermediate_size"):
+    raise ValueError(f"{CONFIG_FILE}: shared_expert_intermediate_size: expected 0 (no shared "
+                     f"expert), got {d['shared_expert_intermediate_size']!r}")
+  if d.get("num_experts") is None and d.get("num_local_experts") is not None:
+    d = {**d, "num_experts": d["num_local_experts"]}
+  return dict(num_experts=int(_get(d, "num_experts")),
+              num_experts_per_tok=int(_get(d, "num_experts_per_tok")),
+              moe_intermediate_size=int(_get(d, "moe_intermediate_size")),
+              norm_topk_prob=bool(_get(d, "norm_topk_prob", False)),
+              decoder_sparse_step=int(_get(d, "decoder_sparse_step", 1)),
+              mlp_only_layers=tuple(int(i) for i in _get(d, "mlp_only_layers", ())))
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -235,9 +263,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   if c.sliding_window is not None and arch == "llama":
     raise ValueError(f"ModelConfig.sliding_window: {hf_class} has no sliding window, got "
                      f"{c.sliding_window}")
-  if arch == "mistral" and c.layer_types and "full_attention" in c.layer_types:
+  if arch in ("mistral", "qwen3_moe") and c.layer_types and "full_attention" in c.layer_types:
     raise ValueError(f"ModelConfig.layer_types: {hf_class} slides on every layer or none, got "
                      f"{list(c.layer_types)}")
+  if c.num_experts and arch != "qwen3_moe":
+    raise ValueError(f"ModelConfig.num_experts: {hf_class} has no experts, got {c.num_experts}")
   scaling = dict(c.rope_scaling) if c.rope_scaling else None
   rope = {"rope_type": "default", **(scaling or {}), "rope_theta": c.rope_theta}
   d = {
@@ -266,12 +296,15 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(attention_bias=False, mlp_bias=False)
   elif arch == "mistral":
     d.update(sliding_window=c.sliding_window)
+  elif arch == "qwen3_moe":
+    d.update({f: getattr(c, f) for f in _MOE_FIELDS}, mlp_only_layers=list(c.mlp_only_layers),
+             use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window)
   elif arch in ("qwen2", "qwen3"):
     sliding = c.sliding_window is not None
     d.update(use_sliding_window=sliding, sliding_window=c.sliding_window,
              max_window_layers=types.index("sliding_attention") if sliding else c.num_layers,
              layer_types=types if sliding else ["full_attention"] * c.num_layers)
-  if arch == "qwen3" or gemma:
+  if arch in ("qwen3", "qwen3_moe") or gemma:
     d.update(attention_bias=False)
   if gemma:
     scalar = c.query_pre_attn_scalar
@@ -290,8 +323,12 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   return d
 
 
-def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
-  """Our dotted param name -> (HF tensor name, whether the array is transposed between them)."""
+def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...], bool]]:
+  """Our dotted param name -> (HF tensor name, whether the array is transposed between them).
+
+  A param stacked over experts maps to a tuple of HF names, one per expert (its slices along
+  axis 0, each transposed on its own).
+  """
   names = {"embed.embedding": ("model.embed_tokens.weight", False),
            "norm.scale": ("model.norm.weight", False)}
   if not config.tie_word_embeddings:
@@ -306,8 +343,14 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
     if config.qk_norm:
       for norm in ("q_norm", "k_norm"):
         names[f"{ours}.attn.{norm}.scale"] = (f"{hf}.self_attn.{norm}.weight", False)
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-      names[f"{ours}.mlp.{proj}.kernel"] = (f"{hf}.mlp.{proj}.weight", True)
+    if config.moe_layer(i):
+      names[f"{ours}.mlp.router.kernel"] = (f"{hf}.mlp.gate.weight", True)
+      for proj in ("gate_proj", "up_proj", "down_proj"):
+        names[f"{ours}.mlp.experts.{proj}"] = (tuple(
+            f"{hf}.mlp.experts.{e}.{proj}.weight" for e in range(config.num_experts)), True)
+    else:
+      for proj in ("gate_proj", "up_proj", "down_proj"):
+        names[f"{ours}.mlp.{proj}.kernel"] = (f"{hf}.mlp.{proj}.weight", True)
     names[f"{ours}.input_norm.scale"] = (f"{hf}.input_layernorm.weight", False)
     if config.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output.
       names[f"{ours}.attn_out_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
@@ -407,12 +450,18 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
 
   Every tensor the config needs must be there and nothing else may be, except rotary
   `inv_freq` buffers, a tied checkpoint's redundant `lm_head.weight` and an image-text
-  checkpoint's vision tensors.
+  checkpoint's vision tensors. Per-expert tensors are stacked into their param.
   """
   names = hf_tensor_names(config)
   files = _language_model_view(_tensor_files(path))
-  needed = {hf: (ours, transposed) for ours, (hf, transposed) in names.items()}
-  missing = sorted(set(needed) - set(files))
+  # HF name -> (our param, its expert's index in a stacked param or None, transposed)
+  needed = {}
+  for ours, (hf, transposed) in names.items():
+    if isinstance(hf, tuple):
+      needed.update({name: (ours, e, transposed) for e, name in enumerate(hf)})
+    else:
+      needed[hf] = (ours, None, transposed)
+  missing = [name for name in needed if name not in files]
   if missing:
     raise ValueError(f"HF checkpoint {path!r}: missing tensor {missing[0]!r} "
                      f"({len(missing)} missing in all)")
@@ -425,14 +474,22 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
                      f"({len(unexpected)} unexpected in all) for a {config.architecture} config")
   dtype = _NP_DTYPES[config.param_dtype]
   shapes = _param_shapes(config)
-  flat = {}
+  flat, experts = {}, {}
   for hf, array in _read_tensors(files, sorted(needed)):
-    ours, transposed = needed[hf]
-    want = shapes[ours][::-1] if transposed else shapes[ours]
+    ours, expert, transposed = needed[hf]
+    shape = shapes[ours] if expert is None else shapes[ours][1:]
+    want = shape[::-1] if transposed else shape
     if array.shape != want:
       raise ValueError(f"tensor {hf!r}: expected shape {want}, got {array.shape}")
-    array = array.T if transposed else array
-    flat[ours] = np.ascontiguousarray(array.astype(dtype, copy=False))
+    array = (array.T if transposed else array).astype(dtype, copy=False)
+    if expert is None:
+      flat[ours] = np.ascontiguousarray(array)
+      continue
+    parts = experts.setdefault(ours, {})
+    parts[expert] = array
+    if len(parts) == shapes[ours][0]:  # stacked once its last expert is read
+      flat[ours] = np.stack([parts[e] for e in range(len(parts))])
+      del experts[ours]
   return flat
 
 
@@ -490,9 +547,10 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
     raise ValueError(f"model params do not match its config: e.g. {odd[0]!r}")
   tensors = {}
   for ours, (hf, transposed) in names.items():
-    array = np.asarray(jax.device_get(flat[ours]))
-    array = array.T if transposed else array
-    tensors[hf] = np.ascontiguousarray(array.astype(_NP_DTYPES[dtype], copy=False))
+    array = np.asarray(jax.device_get(flat[ours])).astype(_NP_DTYPES[dtype], copy=False)
+    parts = zip(hf, array) if isinstance(hf, tuple) else [(hf, array)]  # experts: axis 0
+    for name, part in parts:
+      tensors[name] = np.ascontiguousarray(part.T if transposed else part)
 
   os.makedirs(path, exist_ok=True)
   for f in os.listdir(path):

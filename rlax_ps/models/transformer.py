@@ -4,7 +4,7 @@ Gemma 2/3 families.
 RMSNorm, RoPE (plain, linear, Llama-3 or YaRN scaled), grouped-query attention, SwiGLU or
 GeGLU MLP, optional q/k/v biases (Qwen2), per-head q/k norms (Qwen3, Gemma 3), sliding-window
 layers with their own RoPE base, Gemma's zero-centred and sandwich norms, scaled embeddings
-and soft-capped logits, tied or untied embeddings. Several sequences may share a row (segment ids +
+and soft-capped logits, mixture-of-experts MLPs (Qwen3-MoE), tied or untied embeddings. Several sequences may share a row (segment ids +
 positions); an optional KVCache serves decoding.
 """
 
@@ -113,15 +113,65 @@ class MLP(nnx.Module):
     return self.down_proj(_ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nnx.Module):
+  """num_experts SwiGLU experts stacked: gate/up [E, H, I], down [E, I, H]."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    self.dtype = jnp.dtype(c.dtype)
+    init = lambda shape, sharding: nnx.Param(
+        nnx.initializers.normal(INIT_STD)(rngs.params(), shape, jnp.dtype(c.param_dtype)),
+        out_sharding=sharding, eager_sharding=False)
+    self.gate_proj = init((e, h, i), (None, "fsdp", "tensor"))
+    self.up_proj = init((e, h, i), (None, "fsdp", "tensor"))
+    self.down_proj = init((e, i, h), (None, "tensor", "fsdp"))
+
+  def __call__(self, x, group_sizes):
+    """x [N, H] sorted by expert, group_sizes [E] -> [N, H]: each row through its expert."""
+    mm = lambda a, w: jax.lax.ragged_dot(a, w[...].astype(self.dtype), group_sizes)
+    return mm(jax.nn.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj), self.down_proj)
+
+
+class MoE(nnx.Module):
+  """Mixture of experts (Qwen3-MoE): a linear router's softmax picks each token's
+  num_experts_per_tok experts; their outputs are summed, weighted by the picked
+  probabilities (renormalised if norm_topk_prob). Tokens are sorted by expert and each
+  expert multiplies only its own rows (jax.lax.ragged_dot), so compute follows the
+  active parameters, not all experts."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.num_experts, self.top_k, self.norm_topk_prob = (
+        c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
+    self.router = _dense(c, c.hidden_size, c.num_experts, ("fsdp", None), False, rngs)
+    self.experts = Experts(c, rngs=rngs)
+
+  def __call__(self, x):
+    b, t, h = x.shape
+    flat = x.reshape(b * t, h)
+    probs = jax.nn.softmax(self.router(flat).astype(jnp.float32), axis=-1)
+    weights, chosen = jax.lax.top_k(probs, self.top_k)  # [T, k]
+    if self.norm_topk_prob:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    chosen = chosen.reshape(-1)
+    order = jnp.argsort(chosen, stable=True)
+    token = order // self.top_k
+    group_sizes = jnp.bincount(chosen, length=self.num_experts).astype(jnp.int32)
+    out = self.experts(flat[token], group_sizes)
+    out = out * weights.reshape(-1)[order].astype(x.dtype)[:, None]
+    return jnp.zeros_like(flat).at[token].add(out).reshape(b, t, h)
+
+
 class Block(nnx.Module):
   """Pre-norm residual block: attention then MLP (`post_attn_norm` is the norm before the
   MLP); with sandwich norms (Gemma) each branch's output is normed too."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
     self.input_norm = RMSNorm(config, rngs=rngs)
     self.attn = Attention(config, rngs=rngs)
     self.post_attn_norm = RMSNorm(config, rngs=rngs)
-    self.mlp = MLP(config, rngs=rngs)
+    self.mlp = MoE(config, rngs=rngs) if moe else MLP(config, rngs=rngs)
     self.sandwich = config.sandwich_norms
     if self.sandwich:
       self.attn_out_norm = RMSNorm(config, rngs=rngs)
@@ -144,7 +194,8 @@ class Transformer(nnx.Module):
         c.vocab_size, c.hidden_size, dtype=jnp.dtype(c.dtype),
         param_dtype=jnp.dtype(c.param_dtype), embedding_init=_normal(("tensor", "fsdp")),
         rngs=rngs)
-    self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+    self.layers = nnx.List([Block(c, rngs=rngs, moe=c.moe_layer(i))
+                            for i in range(c.num_layers)])
     self.norm = RMSNorm(c, rngs=rngs)
     if not c.tie_word_embeddings:
       self.lm_head = _dense(c, c.hidden_size, c.vocab_size, ("fsdp", "tensor"), False, rngs)

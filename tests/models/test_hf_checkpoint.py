@@ -50,7 +50,8 @@ def copy_with(tmp_path, name, tensors=None, config=None):
                                         ("qwen3_yarn", "config_4x.json"),
                                         ("mistral_window", "config_4x.json"),
                                         ("gemma3", "config_4x.json"),
-                                        ("gemma2", "config_4x.json")])
+                                        ("gemma2", "config_4x.json"),
+                                        ("qwen3_moe", "config_4x.json")])
 def test_both_config_layouts_give_the_same_config(name, other):
   new_style = read_json(os.path.join(fixture(name), "config.json"))
   old_style = read_json(os.path.join(fixture(name), other))
@@ -73,6 +74,27 @@ def test_config_fields_read_from_llama_and_qwen2():
   qwen3 = config_from_hf(read_json(os.path.join(fixture("qwen3"), "config.json")))
   assert (qwen3.architecture, qwen3.qk_norm, qwen3.qkv_bias, qwen3.head_dim,
           qwen3.tie_word_embeddings) == ("qwen3", True, False, 16, False)
+
+
+def test_config_fields_read_from_qwen3_moe():
+  new_style = read_json(os.path.join(fixture("qwen3_moe"), "config.json"))
+  assert new_style["num_local_experts"] == 4 and "num_experts" not in new_style  # 5.x's name
+  moe = config_from_hf(new_style)
+  assert (moe.architecture, moe.qk_norm, moe.num_experts, moe.num_experts_per_tok,
+          moe.moe_intermediate_size, moe.norm_topk_prob, moe.intermediate_size,
+          moe.decoder_sparse_step, moe.mlp_only_layers) == (
+              "qwen3_moe", True, 4, 2, 16, True, 64, 1, (1,))
+  assert [moe.moe_layer(i) for i in range(3)] == [True, False, True]
+  d = dict(new_style, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[])
+  assert [config_from_hf(d).moe_layer(i) for i in range(4)] == [False, True, False, True]
+  # transformers slides every Qwen3-MoE layer once use_sliding_window is set, whatever
+  # max_window_layers or layer_types say.
+  d = dict(new_style, use_sliding_window=True, sliding_window=6, max_window_layers=2,
+           layer_types=["full_attention"] * 3)
+  windowed = config_from_hf(d)
+  assert windowed.layer_types is None
+  assert [windowed.layer_window(i) for i in range(3)] == [6, 6, 6]
+  assert config_from_hf(dict(d, use_sliding_window=False)).sliding_window is None
 
 
 def test_config_fields_read_from_gemma_and_sliding_windows():
@@ -155,8 +177,16 @@ def test_config_fields_read_from_gemma_and_sliding_windows():
                 query_pre_attn_scalar=8, sliding_window=5, tie_word_embeddings=True,
                 layer_types=("sliding_attention", "full_attention"),
                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=4, num_heads=4,
+                num_kv_heads=2, head_dim=8, qk_norm=True, architecture="qwen3_moe",
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12,
+                decoder_sparse_step=2, mlp_only_layers=(3,), rope_theta=1e6),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, qk_norm=True, architecture="qwen3_moe",
+                num_experts=4, num_experts_per_tok=1, moe_intermediate_size=8,
+                norm_topk_prob=True, sliding_window=7),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
-        "gemma3", "gemma2"])
+        "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -168,8 +198,8 @@ def test_config_to_hf_and_back_is_identity(config):
 
 def test_unknown_architecture_is_named():
   d = read_json(os.path.join(fixture("llama"), "config.json"))
-  d["architectures"] = ["Qwen3MoeForCausalLM"]
-  with pytest.raises(ValueError, match="Qwen3MoeForCausalLM"):
+  d["architectures"] = ["Qwen2MoeForCausalLM"]
+  with pytest.raises(ValueError, match="Qwen2MoeForCausalLM"):
     config_from_hf(d)
 
 
@@ -180,6 +210,7 @@ def test_unknown_architecture_is_named():
     ("final_logit_softcapping", 30.0, "qwen3"), ("use_bidirectional_attention", True, "gemma3"),
     ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}, "llama"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "qwen3"),
+    ("attention_bias", True, "qwen3_moe"), ("shared_expert_intermediate_size", 64, "qwen3_moe"),
 ])
 def test_unsupported_config_field_is_named(field, value, arch):
   d = read_json(os.path.join(fixture(arch), "config.json"))
@@ -195,6 +226,26 @@ def test_missing_config_field_is_named():
   del d["intermediate_size"]
   with pytest.raises(ValueError, match="intermediate_size"):
     config_from_hf(d)
+  d = read_json(os.path.join(fixture("qwen3_moe"), "config.json"))
+  del d["num_local_experts"]
+  with pytest.raises(ValueError, match="missing field 'num_experts'"):
+    config_from_hf(d)
+
+
+def test_missing_expert_tensor_is_named(tmp_path):
+  tensors = hf_tensors(fixture("qwen3_moe"))
+  del tensors["model.layers.2.mlp.experts.3.down_proj.weight"]
+  with pytest.raises(ValueError, match=r"missing tensor "
+                                       r"'model\.layers\.2\.mlp\.experts\.3\.down_proj\.weight'"):
+    load_hf_checkpoint(copy_with(tmp_path, "qwen3_moe", tensors))
+
+
+def test_wrong_expert_shape_is_named(tmp_path):
+  tensors = hf_tensors(fixture("qwen3_moe"))
+  tensors["model.layers.0.mlp.experts.1.gate_proj.weight"] = np.zeros((32, 16), np.float32)
+  with pytest.raises(ValueError, match=r"experts\.1\.gate_proj\.weight.*expected shape "
+                                       r"\(16, 32\), got \(32, 16\)"):
+    load_hf_checkpoint(copy_with(tmp_path, "qwen3_moe", tensors))
 
 
 def test_missing_tensor_is_named(tmp_path):
@@ -241,6 +292,15 @@ def test_config_that_contradicts_the_architecture_is_refused_on_export():
     config_to_hf(config.replace(attn_logit_softcapping=50.0))
   with pytest.raises(ValueError, match="ModelConfig.rope_local_theta: Gemma2ForCausalLM"):
     config_to_hf(gemma.replace(architecture="gemma2", qk_norm=False))
+
+
+def test_moe_config_transformers_cannot_hold_is_refused_on_export():
+  moe = config_from_hf(read_json(os.path.join(fixture("qwen3_moe"), "config.json")))
+  with pytest.raises(ValueError, match="ModelConfig.num_experts: Qwen3ForCausalLM"):
+    config_to_hf(moe.replace(architecture="qwen3"))
+  with pytest.raises(ValueError, match="ModelConfig.layer_types: Qwen3MoeForCausalLM"):
+    config_to_hf(moe.replace(sliding_window=8, layer_types=(
+        "full_attention", "sliding_attention", "sliding_attention")))
 
 
 def test_unexpected_tensor_is_named(tmp_path):
@@ -293,6 +353,23 @@ def test_kernels_are_transposed_hf_weights():
                                 tensors["model.layers.0.post_attention_layernorm.weight"])
 
 
+def test_expert_params_stack_transposed_hf_experts():
+  model = load_hf_checkpoint(fixture("qwen3_moe"))
+  tensors = hf_tensors(fixture("qwen3_moe"))
+  for i in (0, 2):
+    mlp = model.layers[i].mlp
+    np.testing.assert_array_equal(mlp.router.kernel[...],
+                                  tensors[f"model.layers.{i}.mlp.gate.weight"].T)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+      stacked = np.asarray(getattr(mlp.experts, proj)[...])
+      assert stacked.shape[0] == 4
+      for e in range(4):
+        np.testing.assert_array_equal(
+            stacked[e], tensors[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"].T)
+  np.testing.assert_array_equal(model.layers[1].mlp.up_proj.kernel[...],
+                                tensors["model.layers.1.mlp.up_proj.weight"].T)
+
+
 def test_bfloat16_dtype_sets_every_param_and_rounds_once():
   model = load_hf_checkpoint(fixture("qwen2"), dtype="bfloat16")
   assert model.config.param_dtype == model.config.dtype == "bfloat16"
@@ -324,7 +401,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
-                                  "mistral_window", "gemma3", "gemma2"])
+                                  "mistral_window", "gemma3", "gemma2", "qwen3_moe"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
@@ -376,3 +453,19 @@ def test_load_onto_a_mesh_shards_each_param():
   assert kernel.addressable_shards[0].data.shape == (64 // 4, 48 // 2)
   reference = load_hf_checkpoint(fixture("llama"))
   np.testing.assert_array_equal(np.asarray(kernel), reference.layers[0].mlp.down_proj.kernel[...])
+
+
+def test_load_moe_onto_a_mesh_shards_expert_params():
+  mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+  model = load_hf_checkpoint(fixture("qwen3_moe"), mesh=mesh)
+  reference = load_hf_checkpoint(fixture("qwen3_moe"))
+  for proj, spec, shard in (("gate_proj", ("fsdp", "tensor"), (4, 32 // 2, 16 // 4)),
+                            ("down_proj", ("tensor", "fsdp"), (4, 16 // 4, 32 // 2))):
+    experts = getattr(model.layers[2].mlp.experts, proj)[...]
+    assert experts.sharding.spec == jax.sharding.PartitionSpec(None, *spec)
+    assert len(experts.addressable_shards) == 8
+    assert experts.addressable_shards[0].data.shape == shard
+    np.testing.assert_array_equal(np.asarray(experts),
+                                  getattr(reference.layers[2].mlp.experts, proj)[...])
+  router = model.layers[0].mlp.router.kernel[...]
+  assert router.sharding.spec == jax.sharding.PartitionSpec("fsdp")

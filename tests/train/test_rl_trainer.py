@@ -223,6 +223,15 @@ def test_mismatched_worker_format_is_refused_naming_the_field(run, tmp_path):
       RLTrainer(config, str(tmp_path / "x"), tc)
 
 
+def test_int8_publication_of_a_mixture_of_experts_is_refused_naming_the_field(run, tmp_path):
+  config = rl_config("tiny", "configs/rl_int8_tis.py")
+  with config.unlocked():
+    config.model.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+  with client(run["server"].address, "trainer") as tc:
+    with pytest.raises(ValueError, match="publish.format: int8 keeps one scale per output"):
+      RLTrainer(config, str(tmp_path / "x"), tc)
+
+
 def test_int8_recipe_publishes_the_quantized_trainer_weights(tmp_path):
   config = rl_config("tiny", "configs/rl_int8_tis.py")
   config.rl.steps = 2

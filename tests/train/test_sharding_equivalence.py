@@ -1,6 +1,8 @@
 """One train step gives the same loss and the same updated params on 1 device and on
 8 fake CPU devices, whatever the (data, fsdp, tensor) mesh; init is sharded from the start."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -94,26 +96,36 @@ def test_sharded_init_matches_single_device_and_splits_params(optimizer, referen
 
 
 
-def test_a_gemma_step_matches_single_device(optimizer):
-  # Gemma 3's sandwich and q/k norms, soft-capped logits and a sliding window that cuts the
-  # 32-token rows shard like the rest: the (2, 2, 2) step equals the single-device one.
-  gemma = MODEL.replace(
-      num_layers=2, architecture="gemma3", qk_norm=True, hidden_act="gelu_tanh",
-      zero_centered_norms=True, scale_embeddings=True, sandwich_norms=True,
-      query_pre_attn_scalar=6, sliding_window=5, rope_local_theta=100.0,
-      layer_types=("sliding_attention", "full_attention"), tie_word_embeddings=True,
-      attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
+GEMMA = MODEL.replace(
+    num_layers=2, architecture="gemma3", qk_norm=True, hidden_act="gelu_tanh",
+    zero_centered_norms=True, scale_embeddings=True, sandwich_norms=True,
+    query_pre_attn_scalar=6, sliding_window=5, rope_local_theta=100.0,
+    layer_types=("sliding_attention", "full_attention"), tie_word_embeddings=True,
+    attn_logit_softcapping=20.0, final_logit_softcapping=10.0)
+MOE = MODEL.replace(num_layers=2, architecture="qwen3", qk_norm=True, num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                    mlp_only_layers=(1,))
+
+
+@pytest.mark.parametrize("model,moved", [
+    (GEMMA, ("layers", 0, "attn_out_norm", "scale")),
+    (MOE, ("layers", 0, "mlp", "experts", "down_proj"))], ids=["gemma", "moe"])
+def test_other_families_step_as_on_one_device(model, moved, optimizer):
+  # Gemma 3's sandwich and q/k norms, soft-capped logits and a window cutting the 32-token
+  # rows, and Qwen3-MoE's router and stacked experts (their expert axis unsharded, the
+  # others on fsdp/tensor) shard like the rest: the (2, 2, 2) step equals one device's.
   results = []
   for axes in ((1, 1, 1), (2, 2, 2)):
     mesh = _mesh(axes)
-    state, shardings, graphdef = sharded_init(gemma, optimizer, mesh, seed=0)
+    state, shardings, graphdef = sharded_init(model, optimizer, mesh, seed=0)
+    initial = jax.device_get(state.params)
     step = make_train_step(graphdef, optimizer, shardings, mesh)
     new_state, metrics = step(state, shd.shard_batch(mesh, _batch()))
     results.append((float(metrics["loss"]), jax.device_get(new_state.params)))
   (loss_1, params_1), (loss_8, params_8) = results
   np.testing.assert_allclose(loss_8, loss_1, rtol=1e-5)
-  norm = params_8["layers"][0]["attn_out_norm"]["scale"]
-  assert np.abs(norm).max() > 0  # zero-initialised (1 + w), moved by the step
+  get = lambda tree: functools.reduce(lambda t, k: t[k], moved, tree)
+  assert np.abs(get(params_8) - get(initial)).max() > 1e-4  # the step reached it
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params_1),
                           jax.tree.leaves(params_8)):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))

@@ -1,0 +1,118 @@
+"""Mixture-of-experts layers (Qwen3-MoE): the sorted ragged_dot dispatch equals routing each
+token by hand, only the chosen experts' rows are multiplied, the packed RL loss trains the
+router and the experts, a worker holding the bf16 keyframe computes the trainer's logits
+and samples with a shared prefill as with separate ones, and int8 is refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from inference_workers.sampler import generate, generate_shared
+from inference_workers.sampling import SamplingParams
+from inference_workers.weights import HeldPolicy
+from rlax_ps import sync
+from rlax_ps.models import ModelConfig, Transformer, assign_params, flatten_params
+from rl_grads import rl_loss_and_grads
+
+CONFIG = ModelConfig(vocab_size=80, hidden_size=16, intermediate_size=32, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                     architecture="qwen3", num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=8, norm_topk_prob=True, mlp_only_layers=(1,))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(CONFIG, rngs=nnx.Rngs(0))
+
+
+@nnx.jit
+def forward(model, tokens):
+  return model(tokens)
+
+
+def _by_hand(moe, x, norm_topk_prob):
+  """Each token through its top-k experts one at a time, in float64."""
+  p = {k: np.asarray(v, np.float64) for k, v in flatten_params(moe).items()}
+  flat = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+  logits = flat @ p["router.kernel"]
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  out = np.zeros_like(flat)
+  for t in range(flat.shape[0]):
+    top = np.argsort(-probs[t])[:moe.top_k]
+    w = probs[t, top] / (probs[t, top].sum() if norm_topk_prob else 1.0)
+    for e, we in zip(top, w):
+      g = flat[t] @ p["experts.gate_proj"][e]
+      h = (g / (1 + np.exp(-g))) * (flat[t] @ p["experts.up_proj"][e])
+      out[t] += we * (h @ p["experts.down_proj"][e])
+  return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_the_dispatch_equals_routing_each_token_by_hand(norm_topk_prob):
+  config = CONFIG.replace(norm_topk_prob=norm_topk_prob)
+  moe = Transformer(config, rngs=nnx.Rngs(1)).layers[0].mlp
+  x = jax.random.normal(jax.random.key(0), (2, 7, CONFIG.hidden_size))
+  got = np.asarray(moe(x))
+  np.testing.assert_allclose(got, _by_hand(moe, x, norm_topk_prob), atol=1e-5, rtol=1e-5)
+  # Every expert is used somewhere, so the test covers the whole sort and scatter.
+  probs = jax.nn.softmax(x.reshape(-1, CONFIG.hidden_size) @ moe.router.kernel[...], -1)
+  assert len(set(np.asarray(jax.lax.top_k(probs, 2)[1]).ravel().tolist())) == 4
+
+
+def test_only_the_chosen_experts_rows_are_multiplied(model):
+  # Three ragged dots (gate, up, down) per sparse layer, over tokens * top_k rows: the
+  # compute follows the active experts, not all of them.
+  jaxpr = str(jax.make_jaxpr(lambda t: model(t))(jnp.zeros((2, 5), jnp.int32)))
+  assert jaxpr.count("ragged_dot_general[") == 3 * 2  # layers 0 and 2 sparse, 1 dense
+  assert "f32[20,16]" in jaxpr  # 2 x 5 tokens x top-2 rows enter the experts
+  assert CONFIG.num_params == sum(int(np.prod(v.shape)) for v in flatten_params(model).values())
+
+
+def test_the_packed_rl_loss_trains_the_router_and_the_experts(model):
+  _, grad = rl_loss_and_grads(model, response_len=5, vocab_hi=70)
+  for i in (0, 2):
+    mlp = grad["layers"][i]["mlp"]
+    for g in (mlp["router"]["kernel"], *mlp["experts"].values()):
+      g = np.asarray(g)
+      assert np.isfinite(g).all() and np.abs(g).sum() > 0
+  assert "gate_proj" in grad["layers"][1]["mlp"]  # the dense layer
+
+
+def test_a_worker_holding_the_bf16_keyframe_computes_the_trainers_logits(model):
+  params = {k: np.asarray(v) for k, v in flatten_params(model).items()}
+  policy = HeldPolicy(CONFIG, "bf16")
+  policy.apply(sync.encode(None, params, "bf16", version=0))
+  bf16 = Transformer(CONFIG.replace(param_dtype="bfloat16"), rngs=nnx.Rngs(0))
+  assign_params(bf16, {k: jnp.asarray(v, jnp.bfloat16) for k, v in params.items()})
+  tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 9))
+  np.testing.assert_array_equal(np.asarray(forward(policy.model, tokens)),
+                                np.asarray(forward(bf16, tokens)))
+  np.testing.assert_allclose(np.asarray(forward(policy.model, tokens)),
+                             np.asarray(forward(model, tokens)), atol=0.05)
+
+
+def test_shared_prefill_samples_as_one_prefill_per_sample(model):
+  params = SamplingParams(temperature=1.0, max_new_tokens=6)
+  prompts = [[1, 5, 9, 12], [1, 7]]
+  seeds = [[0, 1], [2, 3]]
+  shared = generate_shared(model, prompts, 2, seeds, params)
+  single = generate(model, [p for p in prompts for _ in range(2)], sum(seeds, []), params)
+  for b, group in enumerate(shared):
+    for j, sample in enumerate(group):
+      np.testing.assert_array_equal(sample.tokens, single[b * 2 + j].tokens)
+      np.testing.assert_allclose(sample.logprobs, single[b * 2 + j].logprobs, atol=1e-4)
+
+
+def test_int8_weights_are_refused_for_experts_by_name():
+  with pytest.raises(ValueError, match="weights_format: int8 has no per-expert scales"):
+    HeldPolicy(CONFIG, "int8")
+
+
+@pytest.mark.parametrize("field,value", [("num_experts_per_tok", 5), ("moe_intermediate_size", 0),
+                                         ("mlp_only_layers", (3,)), ("decoder_sparse_step", 0)])
+def test_bad_expert_fields_are_named(field, value):
+  with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
+    CONFIG.replace(**{field: value})
