@@ -127,18 +127,28 @@ class Experts(nnx.Module):
     self.up_proj = init((e, h, i), (None, "fsdp", "tensor"))
     self.down_proj = init((e, i, h), (None, "tensor", "fsdp"))
 
-  def __call__(self, x, group_sizes):
-    """x [N, H] sorted by expert, group_sizes [E] -> [N, H]: each row through its expert."""
+  def grouped(self, x, group_sizes):
+    """x [N, H] sorted by expert, group_sizes [E] -> [N, H]: each row through its expert
+    (jax.lax.ragged_dot: a grouped matmul on TPU and GPU)."""
     mm = lambda a, w: jax.lax.ragged_dot(a, w[...].astype(self.dtype), group_sizes)
     return mm(jax.nn.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj), self.down_proj)
+
+  def every(self, x, combine):
+    """x [T, H] through every expert, summed with combine [T, E] (zero where not chosen):
+    XLA's CPU backend runs ragged_dot as one masked matmul per expert over all rows, so
+    there this is the cheaper of the two."""
+    w = lambda p: p[...].astype(self.dtype)
+    h = (jax.nn.silu(jnp.einsum("th,ehi->eti", x, w(self.gate_proj)))
+         * jnp.einsum("th,ehi->eti", x, w(self.up_proj)))
+    return jnp.einsum("eti,eih,te->th", h, w(self.down_proj), combine.astype(self.dtype))
 
 
 class MoE(nnx.Module):
   """Mixture of experts (Qwen3-MoE): a linear router's softmax picks each token's
   num_experts_per_tok experts; their outputs are summed, weighted by the picked
-  probabilities (renormalised if norm_topk_prob). Tokens are sorted by expert and each
-  expert multiplies only its own rows (jax.lax.ragged_dot), so compute follows the
-  active parameters, not all experts."""
+  probabilities (renormalised if norm_topk_prob). On TPU and GPU tokens are sorted by
+  expert and each expert multiplies only its own rows (Experts.grouped), so compute follows
+  the active parameters; the CPU backend takes Experts.every."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
@@ -147,20 +157,36 @@ class MoE(nnx.Module):
     self.router = _dense(c, c.hidden_size, c.num_experts, ("fsdp", None), False, rngs)
     self.experts = Experts(c, rngs=rngs)
 
-  def __call__(self, x):
-    b, t, h = x.shape
-    flat = x.reshape(b * t, h)
+  def route(self, flat):
+    """(weights [T, k] float32, chosen experts [T, k]) of tokens flat [T, H]."""
     probs = jax.nn.softmax(self.router(flat).astype(jnp.float32), axis=-1)
-    weights, chosen = jax.lax.top_k(probs, self.top_k)  # [T, k]
+    weights, chosen = jax.lax.top_k(probs, self.top_k)
     if self.norm_topk_prob:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, chosen
+
+  def grouped(self, flat, weights, chosen):
+    """Sort the T * k (token, expert) rows by expert, run them grouped, scatter-add back."""
     chosen = chosen.reshape(-1)
     order = jnp.argsort(chosen, stable=True)
     token = order // self.top_k
     group_sizes = jnp.bincount(chosen, length=self.num_experts).astype(jnp.int32)
-    out = self.experts(flat[token], group_sizes)
-    out = out * weights.reshape(-1)[order].astype(x.dtype)[:, None]
-    return jnp.zeros_like(flat).at[token].add(out).reshape(b, t, h)
+    out = self.experts.grouped(flat[token], group_sizes)
+    out = out * weights.reshape(-1)[order].astype(flat.dtype)[:, None]
+    return jnp.zeros_like(flat).at[token].add(out)
+
+  def every(self, flat, weights, chosen):
+    rows = jnp.arange(flat.shape[0])[:, None]
+    combine = jnp.zeros((flat.shape[0], self.num_experts), weights.dtype)
+    return self.experts.every(flat, combine.at[rows, chosen].set(weights))
+
+  def __call__(self, x):
+    b, t, h = x.shape
+    flat = x.reshape(b * t, h)
+    weights, chosen = self.route(flat)
+    out = jax.lax.platform_dependent(flat, weights, chosen, cpu=self.every,
+                                     default=self.grouped)
+    return out.reshape(b, t, h)
 
 
 class Block(nnx.Module):

@@ -1,7 +1,10 @@
-"""Mixture-of-experts layers (Qwen3-MoE): the sorted ragged_dot dispatch equals routing each
-token by hand, only the chosen experts' rows are multiplied, the packed RL loss trains the
-router and the experts, a worker holding the bf16 keyframe computes the trainer's logits
-and samples with a shared prefill as with separate ones, and int8 is refused by name."""
+"""Mixture-of-experts layers (Qwen3-MoE): the grouped dispatch (TPU, GPU) and the CPU's
+all-experts one equal routing each token by hand, the TPU and CUDA programs multiply only the
+chosen experts' rows, the packed RL loss trains the router and the experts, a worker holding
+the bf16 keyframe computes the trainer's logits and samples with a shared prefill as with
+separate ones, and int8 is refused by name."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -51,23 +54,29 @@ def _by_hand(moe, x, norm_topk_prob):
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_the_dispatch_equals_routing_each_token_by_hand(norm_topk_prob):
+def test_both_dispatches_equal_routing_each_token_by_hand(norm_topk_prob):
   config = CONFIG.replace(norm_topk_prob=norm_topk_prob)
   moe = Transformer(config, rngs=nnx.Rngs(1)).layers[0].mlp
   x = jax.random.normal(jax.random.key(0), (2, 7, CONFIG.hidden_size))
-  got = np.asarray(moe(x))
-  np.testing.assert_allclose(got, _by_hand(moe, x, norm_topk_prob), atol=1e-5, rtol=1e-5)
+  want = _by_hand(moe, x, norm_topk_prob)
+  flat = x.reshape(-1, CONFIG.hidden_size)
+  weights, chosen = moe.route(flat)
+  for got in (moe(x), moe.grouped(flat, weights, chosen), moe.every(flat, weights, chosen)):
+    np.testing.assert_allclose(np.asarray(got).reshape(x.shape), want, atol=1e-5, rtol=1e-5)
   # Every expert is used somewhere, so the test covers the whole sort and scatter.
   probs = jax.nn.softmax(x.reshape(-1, CONFIG.hidden_size) @ moe.router.kernel[...], -1)
   assert len(set(np.asarray(jax.lax.top_k(probs, 2)[1]).ravel().tolist())) == 4
 
 
-def test_only_the_chosen_experts_rows_are_multiplied(model):
-  # Three ragged dots (gate, up, down) per sparse layer, over tokens * top_k rows: the
-  # compute follows the active experts, not all of them.
-  jaxpr = str(jax.make_jaxpr(lambda t: model(t))(jnp.zeros((2, 5), jnp.int32)))
-  assert jaxpr.count("ragged_dot_general[") == 3 * 2  # layers 0 and 2 sparse, 1 dense
-  assert "f32[20,16]" in jaxpr  # 2 x 5 tokens x top-2 rows enter the experts
+@pytest.mark.parametrize("platform,grouped", [("tpu", 3 * 2), ("cuda", 3 * 2), ("cpu", 0)])
+def test_tpu_and_gpu_multiply_only_the_chosen_experts_rows(model, platform, grouped):
+  # Three grouped matmuls (gate, up, down) per sparse layer (0 and 2; layer 1 is dense) on
+  # TPU and GPU; the CPU program runs every expert instead.
+  graphdef, state = nnx.split(model)
+  fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))
+  text = jax.export.export(fn, platforms=[platform])(
+      state, jax.ShapeDtypeStruct((2, 5), jnp.int32)).mlir_module()
+  assert len(re.findall(r"chlo\.ragged_dot\b(?!\.)", text)) == grouped
   assert CONFIG.num_params == sum(int(np.prod(v.shape)) for v in flatten_params(model).values())
 
 
