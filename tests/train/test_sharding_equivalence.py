@@ -6,11 +6,13 @@ import functools
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.models import ModelConfig
+from rlax_ps.models.transformer import MoE
 from rlax_ps.tasks import get_task
 from rlax_ps.tokenizers import CharTokenizer
 from rlax_ps.train.data import SFTBatches
@@ -129,3 +131,21 @@ def test_other_families_step_as_on_one_device(model, moved, optimizer):
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params_1),
                           jax.tree.leaves(params_8)):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_grouped_expert_dispatch_on_a_mesh_equals_one_device():
+  # The CPU programs above run every expert; the grouped (TPU/GPU) dispatch is checked here
+  # directly: expert params on their (None, fsdp, tensor) shardings, tokens over data.
+  moe = MoE(MOE, rngs=nnx.Rngs(0))
+  flat = jax.random.normal(jax.random.key(1), (24, MOE.hidden_size))
+  weights, chosen = moe.route(flat)
+  want = np.asarray(moe.grouped(flat, weights, chosen))
+  mesh = _mesh((2, 2, 2))
+  graphdef, state = nnx.split(moe)
+  state = jax.device_put(state, jax.tree.map(lambda p: NamedSharding(mesh, p),
+                                             nnx.get_partition_spec(state)))
+  rows = NamedSharding(mesh, P("data"))
+  got = jax.jit(lambda st, *a: nnx.merge(graphdef, st).grouped(*a))(
+      state, *(jax.device_put(a, rows) for a in (flat, weights, chosen)))
+  assert state["experts"]["gate_proj"].value.sharding.spec == P(None, "fsdp", "tensor")
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=1e-5)
