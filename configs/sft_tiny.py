@@ -57,7 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.max_position_embeddings = 128
   c.model.param_dtype = "float32"  # float32 | bfloat16
   c.model.dtype = "float32"  # Compute dtype: float32 | bfloat16.
-  c.model.architecture = "llama"  # llama|mistral|qwen2|qwen3(_moe)|gemma2|gemma3 (HF names).
+  c.model.architecture = "llama"  # llama|mistral|mixtral|qwen2|qwen3(_moe)|gemma2|gemma3
 
   # Tasks: weight > 0 includes a task in the mix; the other fields are its arguments.
   c.tasks = ml_collections.ConfigDict()

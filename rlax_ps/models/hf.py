@@ -1,13 +1,18 @@
 """Hugging Face checkpoints (config.json + safetensors) to and from our Transformer.
 
 Covers LlamaForCausalLM, MistralForCausalLM (v0.1's sliding window included),
-Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM and
-Gemma3ForCausalLM (Gemma 3's text model) as transformers 4.x (top-level
-`rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
+MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+Gemma2ForCausalLM and Gemma3ForCausalLM (Gemma 3's text model) as transformers 4.x
+(top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
 `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights are
 [out, in]; our kernels are [in, out], so every kernel is transposed on the way. Checkpoints
-hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`), our experts one param
-stacked over them ([E, H, I]).
+hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`; Mixtral's Hub layout, which
+transformers 5.x still writes and 4.x reads, `block_sparse_moe.experts.{e}.w1.weight` with
+w1/w3/w2 = gate/up/down), our experts one param stacked over them ([E, H, I]).
+
+Mixtral's `router_jitter_noise` is read and ignored: transformers multiplies the router's
+input by that noise only in train mode, never in eval mode or in vLLM, and RL losses need our
+log-probs to equal the sampler's, so we never jitter; export writes no jitter (0.0).
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # HF class name -> our ModelConfig.architecture, and back.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "MistralForCausalLM": "mistral", "Gemma2ForCausalLM": "gemma2",
-                 "Gemma3ForCausalLM": "gemma3"}
+                 "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -62,11 +67,11 @@ _GEMMA_FAMILY = {"hidden_act": "gelu_tanh", "zero_centered_norms": True,
                  "scale_embeddings": True, "sandwich_norms": True}
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768,
-                          "mistral": 32768, "gemma2": 8192, "gemma3": 131072}
+                          "mistral": 32768, "mixtral": 131072, "gemma2": 8192, "gemma3": 131072}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
-    "llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True},
-    "qwen3_moe": {"qk_norm": True}, "gemma2": _GEMMA_FAMILY,
+    "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True}, "qwen3_moe": {"qk_norm": True}, "gemma2": _GEMMA_FAMILY,
     "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
 }
 _FAMILY_FIELDS = ("qkv_bias", "qk_norm", "hidden_act", "zero_centered_norms", "scale_embeddings",
@@ -75,6 +80,8 @@ _HF_ACT = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Mixture-of-experts fields of ModelConfig, under their config.json names.
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                "decoder_sparse_step", "mlp_only_layers")
+# Mixtral's expert tensors (the Hub layout) under our expert params' names.
+_MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # Configs without layer_types: every 6th Gemma 3 layer and every 2nd Gemma 2 one is full.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 # Buffers some checkpoints carry that hold nothing our model needs.
@@ -135,7 +142,7 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
                     or _GEMMA_WINDOW_PATTERN[arch])
       types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                for i in range(num_layers)]
-  elif arch == "mistral":
+  elif arch in ("mistral", "mixtral"):
     types = None  # every layer slides when a window is set
   elif arch in ("qwen2", "qwen3", "qwen3_moe"):
     if not d.get("use_sliding_window"):
@@ -195,7 +202,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   theta, scaling = _rope_from_hf(d)
   window, layer_types = _sliding(d, arch, num_layers)
   cap = lambda key: None if d.get(key) is None else float(d[key])
-  moe = _moe_from_hf(d) if arch == "qwen3_moe" else {}
+  moe = _moe_from_hf(d, arch) if arch in ("qwen3_moe", "mixtral") else {}
   return ModelConfig(
       vocab_size=int(_get(d, "vocab_size")),
       hidden_size=int(_get(d, "hidden_size")),
@@ -221,9 +228,15 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       **moe)
 
 
-def _moe_from_hf(d: Mapping[str, Any]) -> dict[str, Any]:
+def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
   """The ModelConfig MoE fields of a Qwen3-MoE config.json (5.x writes `num_experts` as
-  `num_local_experts`). Shared experts (Qwen2-MoE's) are refused: we do not compute them."""
+  `num_local_experts`) or a Mixtral one (every layer sparse, experts intermediate_size wide,
+  top-k weights renormalised). Shared experts (Qwen2-MoE's) are refused: we do not compute
+  them."""
+  if arch == "mixtral":
+    return dict(num_experts=int(_get(d, "num_local_experts")),
+                num_experts_per_tok=int(_get(d, "num_experts_per_tok")),
+                moe_intermediate_size=int(_get(d, "intermediate_size")), norm_topk_prob=True)
   if d.get("shared_expert_intermediate_size"):
     raise ValueError(f"{CONFIG_FILE}: shared_expert_intermediate_size: expected 0 (no shared "
                      f"expert), got {d['shared_expert_intermediate_size']!r}")
@@ -263,11 +276,14 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   if c.sliding_window is not None and arch == "llama":
     raise ValueError(f"ModelConfig.sliding_window: {hf_class} has no sliding window, got "
                      f"{c.sliding_window}")
-  if arch in ("mistral", "qwen3_moe") and c.layer_types and "full_attention" in c.layer_types:
+  if (arch in ("mistral", "mixtral", "qwen3_moe") and c.layer_types
+      and "full_attention" in c.layer_types):
     raise ValueError(f"ModelConfig.layer_types: {hf_class} slides on every layer or none, got "
                      f"{list(c.layer_types)}")
-  if c.num_experts and arch != "qwen3_moe":
+  if c.num_experts and arch not in ("qwen3_moe", "mixtral"):
     raise ValueError(f"ModelConfig.num_experts: {hf_class} has no experts, got {c.num_experts}")
+  if arch == "mixtral":
+    _check_mixtral(c)
   scaling = dict(c.rope_scaling) if c.rope_scaling else None
   rope = {"rope_type": "default", **(scaling or {}), "rope_theta": c.rope_theta}
   d = {
@@ -296,6 +312,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(attention_bias=False, mlp_bias=False)
   elif arch == "mistral":
     d.update(sliding_window=c.sliding_window)
+  elif arch == "mixtral":
+    d.update(sliding_window=c.sliding_window, num_local_experts=c.num_experts,
+             num_experts_per_tok=c.num_experts_per_tok, router_jitter_noise=0.0)
   elif arch == "qwen3_moe":
     d.update({f: getattr(c, f) for f in _MOE_FIELDS}, mlp_only_layers=list(c.mlp_only_layers),
              use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window)
@@ -323,6 +342,20 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   return d
 
 
+def _check_mixtral(c: ModelConfig) -> None:
+  """Refuses, by field, a config MixtralForCausalLM cannot hold: experts on every layer, as
+  wide as intermediate_size, their top-k weights renormalised."""
+  if not c.num_experts:
+    raise ValueError("ModelConfig.num_experts: MixtralForCausalLM needs experts, got 0")
+  needs = {"decoder_sparse_step": 1, "mlp_only_layers": (), "norm_topk_prob": True,
+           "moe_intermediate_size": c.intermediate_size}
+  for field, want in needs.items():
+    if getattr(c, field) != want:
+      raise ValueError(f"ModelConfig.{field}: MixtralForCausalLM needs {want!r} (experts on "
+                       f"every layer, intermediate_size wide, top-k renormalised), got "
+                       f"{getattr(c, field)!r}")
+
+
 def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...], bool]]:
   """Our dotted param name -> (HF tensor name, whether the array is transposed between them).
 
@@ -333,6 +366,7 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
            "norm.scale": ("model.norm.weight", False)}
   if not config.tie_word_embeddings:
     names["lm_head.kernel"] = ("lm_head.weight", True)
+  mixtral = config.architecture == "mixtral"
   for i in range(config.num_layers):
     ours, hf = f"layers.{i}", f"model.layers.{i}"
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -344,10 +378,12 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
       for norm in ("q_norm", "k_norm"):
         names[f"{ours}.attn.{norm}.scale"] = (f"{hf}.self_attn.{norm}.weight", False)
     if config.moe_layer(i):
-      names[f"{ours}.mlp.router.kernel"] = (f"{hf}.mlp.gate.weight", True)
+      moe = f"{hf}.block_sparse_moe" if mixtral else f"{hf}.mlp"
+      names[f"{ours}.mlp.router.kernel"] = (f"{moe}.gate.weight", True)
       for proj in ("gate_proj", "up_proj", "down_proj"):
+        hf_proj = _MIXTRAL_EXPERTS[proj] if mixtral else proj
         names[f"{ours}.mlp.experts.{proj}"] = (tuple(
-            f"{hf}.mlp.experts.{e}.{proj}.weight" for e in range(config.num_experts)), True)
+            f"{moe}.experts.{e}.{hf_proj}.weight" for e in range(config.num_experts)), True)
     else:
       for proj in ("gate_proj", "up_proj", "down_proj"):
         names[f"{ours}.mlp.{proj}.kernel"] = (f"{hf}.mlp.{proj}.weight", True)

@@ -52,7 +52,8 @@ def copy_with(tmp_path, name, tensors=None, config=None):
                                         ("mistral_window", "config_4x.json"),
                                         ("gemma3", "config_4x.json"),
                                         ("gemma2", "config_4x.json"),
-                                        ("qwen3_moe", "config_4x.json")])
+                                        ("qwen3_moe", "config_4x.json"),
+                                        ("mixtral", "config_4x.json")])
 def test_both_config_layouts_give_the_same_config(name, other):
   new_style = read_json(os.path.join(fixture(name), "config.json"))
   old_style = read_json(os.path.join(fixture(name), other))
@@ -96,6 +97,31 @@ def test_config_fields_read_from_qwen3_moe():
   assert windowed.layer_types is None
   assert [windowed.layer_window(i) for i in range(3)] == [6, 6, 6]
   assert config_from_hf(dict(d, use_sliding_window=False)).sliding_window is None
+
+
+def test_config_fields_read_from_mixtral():
+  new_style = read_json(os.path.join(fixture("mixtral"), "config.json"))
+  mixtral = config_from_hf(new_style)
+  assert (mixtral.architecture, mixtral.num_experts, mixtral.num_experts_per_tok,
+          mixtral.moe_intermediate_size, mixtral.intermediate_size, mixtral.norm_topk_prob,
+          mixtral.qk_norm, mixtral.qkv_bias, mixtral.sliding_window, mixtral.layer_types) == (
+              "mixtral", 4, 2, 16, 16, True, False, False, 6, None)
+  assert all(mixtral.moe_layer(i) and mixtral.layer_window(i) == 6 for i in range(2))
+  # Mixtral 8x7B's own config.json (4.x): no window, head_dim from the widths.
+  hub = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+         "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+         "rope_theta": 1e6, "sliding_window": None, "router_aux_loss_coef": 0.02,
+         "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+  big = config_from_hf(hub)
+  assert (big.head_dim, big.num_experts, big.moe_intermediate_size, big.sliding_window) == (
+      128, 8, 14336, None)
+  assert config_from_hf(dict(hub, sliding_window=32768)) == big  # no sequence outgrows it
+  # router_jitter_noise is train-mode noise on the router's input in transformers (never in
+  # eval mode or vLLM): the log-probs we train on must be the sampler's, so it is ignored.
+  assert config_from_hf(dict(new_style, router_jitter_noise=0.01)) == mixtral
+  assert config_to_hf(mixtral)["router_jitter_noise"] == 0.0
 
 
 def test_config_fields_read_from_gemma_and_sliding_windows():
@@ -186,8 +212,16 @@ def test_config_fields_read_from_gemma_and_sliding_windows():
                 num_kv_heads=2, head_dim=8, qk_norm=True, architecture="qwen3_moe",
                 num_experts=4, num_experts_per_tok=1, moe_intermediate_size=8,
                 norm_topk_prob=True, sliding_window=7),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, architecture="mixtral", rope_theta=1e6,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
+                norm_topk_prob=True, max_position_embeddings=64),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_layers=2, num_heads=4,
+                num_kv_heads=1, architecture="mixtral", num_experts=3, num_experts_per_tok=1,
+                moe_intermediate_size=8, norm_topk_prob=True, sliding_window=7,
+                rope_scaling={"rope_type": "linear", "factor": 2.0}),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
-        "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window"])
+        "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window", "mixtral", "mixtral-window"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -231,14 +265,21 @@ def test_missing_config_field_is_named():
   del d["num_local_experts"]
   with pytest.raises(ValueError, match="missing field 'num_experts'"):
     config_from_hf(d)
+  d = read_json(os.path.join(fixture("mixtral"), "config_4x.json"))
+  del d["num_local_experts"]
+  with pytest.raises(ValueError, match="missing field 'num_local_experts'"):
+    config_from_hf(d)
 
 
-def test_missing_expert_tensor_is_named(tmp_path):
-  tensors = hf_tensors(fixture("qwen3_moe"))
-  del tensors["model.layers.2.mlp.experts.3.down_proj.weight"]
-  with pytest.raises(ValueError, match=r"missing tensor "
-                                       r"'model\.layers\.2\.mlp\.experts\.3\.down_proj\.weight'"):
-    load_hf_checkpoint(copy_with(tmp_path, "qwen3_moe", tensors))
+@pytest.mark.parametrize("name,tensor", [
+    ("qwen3_moe", "model.layers.2.mlp.experts.3.down_proj.weight"),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+    ("mixtral", "model.layers.0.block_sparse_moe.gate.weight")])
+def test_missing_expert_tensor_is_named(name, tensor, tmp_path):
+  tensors = hf_tensors(fixture(name))
+  del tensors[tensor]
+  with pytest.raises(ValueError, match=re.escape(f"missing tensor {tensor!r}")):
+    load_hf_checkpoint(copy_with(tmp_path, name, tensors))
 
 
 def test_missing_tensor_is_named(tmp_path):
@@ -294,6 +335,18 @@ def test_moe_config_transformers_cannot_hold_is_refused_on_export():
   with pytest.raises(ValueError, match="ModelConfig.layer_types: Qwen3MoeForCausalLM"):
     config_to_hf(moe.replace(sliding_window=8, layer_types=(
         "full_attention", "sliding_attention", "sliding_attention")))
+  # Mixtral: experts on every layer, intermediate_size wide, top-k weights renormalised.
+  as_mixtral = moe.replace(architecture="mixtral", qk_norm=False, mlp_only_layers=(),
+                           intermediate_size=16)
+  assert config_from_hf(config_to_hf(as_mixtral)) == as_mixtral
+  for field, value in (("mlp_only_layers", (1,)), ("decoder_sparse_step", 2),
+                       ("norm_topk_prob", False), ("moe_intermediate_size", 8),
+                       ("num_experts", 0)):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}: MixtralForCausalLM"):
+      config_to_hf(as_mixtral.replace(**{field: value}))
+  with pytest.raises(ValueError, match="ModelConfig.layer_types: MixtralForCausalLM"):
+    config_to_hf(as_mixtral.replace(sliding_window=8, layer_types=(
+        "full_attention", "sliding_attention", "sliding_attention")))
 
 
 def test_unexpected_tensor_is_named(tmp_path):
@@ -315,7 +368,8 @@ def test_rotary_buffers_and_tied_lm_head_are_ignored(tmp_path):
 
 @pytest.mark.parametrize("name,tensor,shape", [
     ("llama", "model.layers.0.self_attn.k_proj.weight", (32, 48)),
-    ("qwen3_moe", "model.layers.0.mlp.experts.1.gate_proj.weight", (16, 32))])
+    ("qwen3_moe", "model.layers.0.mlp.experts.1.gate_proj.weight", (16, 32)),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.2.w2.weight", (32, 16))])
 def test_wrong_shape_is_named(name, tensor, shape, tmp_path):
   tensors = hf_tensors(fixture(name))
   assert tensors[tensor].shape == shape
@@ -367,6 +421,18 @@ def test_expert_params_stack_transposed_hf_experts():
                                 tensors["model.layers.1.mlp.up_proj.weight"].T)
 
 
+def test_mixtral_experts_stack_w1_w3_w2_as_gate_up_down():
+  model = load_hf_checkpoint(fixture("mixtral"))
+  tensors = hf_tensors(fixture("mixtral"))
+  for i in (0, 1):
+    mlp, moe = model.layers[i].mlp, f"model.layers.{i}.block_sparse_moe"
+    np.testing.assert_array_equal(mlp.router.kernel[...], tensors[f"{moe}.gate.weight"].T)
+    for proj, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+      stacked = np.asarray(getattr(mlp.experts, proj)[...])
+      for e in range(4):
+        np.testing.assert_array_equal(stacked[e], tensors[f"{moe}.experts.{e}.{w}.weight"].T)
+
+
 def test_bfloat16_dtype_sets_every_param_and_rounds_once():
   model = load_hf_checkpoint(fixture("qwen2"), dtype="bfloat16")
   assert model.config.param_dtype == model.config.dtype == "bfloat16"
@@ -398,7 +464,8 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
-                                  "mistral_window", "gemma3", "gemma2", "qwen3_moe"])
+                                  "mistral_window", "gemma3", "gemma2", "qwen3_moe",
+                                  "mixtral"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

@@ -53,7 +53,7 @@ def with_config(name, config_file, tmp_path):
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "qwen3_yarn", "mistral_window", "gemma3", "gemma3_vision",
-                                  "gemma2", "qwen3_moe"])
+                                  "gemma2", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("config_file", ["config.json", "config_4x.json"])
 def test_logits_match_transformers(name, config_file, tmp_path):
   tokens, expected = reference(name)
@@ -84,7 +84,23 @@ def test_the_scaled_rope_fixtures_exercise_their_scaling(name, scaled, tmp_path)
   assert np.abs(np.asarray(forward(model, tokens)) - expected).max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mistral_window", "mixtral"])
+def test_the_windowed_fixtures_exercise_their_window(name, tmp_path):
+  # Their 20-token references reach past the 6-token window: without it the logits differ.
+  path = with_config(name, "config.json", tmp_path)
+  with open(tmp_path / "config.json") as f:
+    config = json.load(f)
+  assert config["sliding_window"] == 6
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(dict(config, sliding_window=None), f)
+  tokens, expected = reference(name)
+  model = load_hf_checkpoint(path)
+  assert model.config.sliding_window is None
+  assert np.abs(np.asarray(forward(model, tokens)) - expected).max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3_moe",
+                                  "mixtral"])
 def test_packed_sequences_match_transformers(name):
   # Causal logits of a prefix equal the full row's first logits, so a row packing the first
   # 12 tokens of sequence 0 with the first 8 of sequence 1 must reproduce both references.
@@ -97,7 +113,8 @@ def test_packed_sequences_match_transformers(name):
   assert np.abs(logits[12:] - expected[1, :8]).max() < TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma3", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma3", "gemma2", "qwen3_moe",
+                                  "mixtral"])
 def test_cached_decoding_matches_transformers(name):
   # A 14-token prefill then one token at a time: the windowed fixtures decode past the window.
   tokens, expected = reference(name)
@@ -112,7 +129,7 @@ def test_cached_decoding_matches_transformers(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "mixtral"])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""
