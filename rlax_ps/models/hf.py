@@ -178,10 +178,10 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     raise ValueError(f"{CONFIG_FILE}: architectures: expected one of "
                      f"{sorted(ARCHITECTURES) + sorted(_TEXT_MODEL_OF)}, got {got!r}")
   arch = ARCHITECTURES[known[0]]
-  if arch in _GEMMA_DEFAULTS:
+  gemma = arch in _GEMMA_DEFAULTS
+  if gemma:
     d = {**_GEMMA_DEFAULTS[arch], **d}
   family = dict(_FAMILY[arch])
-  gemma = arch in _GEMMA_DEFAULTS
   act_key = "hidden_activation" if gemma else "hidden_act"
   act = d.get(act_key) or d.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
   if _HF_ACT.get(act) != family.get("hidden_act", "silu"):
