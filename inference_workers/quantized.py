@@ -1,18 +1,20 @@
 """The transformer with int8 weight-only kernels: int8 codes + bf16 scales, dequantized per matmul.
 
 Layout as published by the codec (`rlax_ps.sync.int8`): a kernel [in, out] has one scale per
-output channel, an embedding table [V, H] one per row, 1-D tensors stay bf16. The codes are
+output channel, an embedding table [V, H] one per row, stacked experts [E, in, out] one per
+expert and output channel; 1-D tensors and expert routers stay bf16. The codes are
 held as int8 and widened one layer at a time inside the jitted forward, so the model's
 resident weights take half the bytes of bf16.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from rlax_ps.models.config import ModelConfig
-from rlax_ps.models.transformer import Transformer
+from rlax_ps.models.transformer import Experts, Transformer
 
 SCALE_ATTR = "_scale"  # model attribute suffix: `kernel_scale` holds the codec's "kernel.scale"
 
@@ -55,17 +57,51 @@ class Int8Embed(nnx.Module):
     return logits * self.embedding_scale[...].astype(jnp.float32)
 
 
+class Int8Experts(Experts):
+  """Stacked int8 experts: codes gate/up [E, H, I], down [E, I, H] and bf16 scales [E, out].
+  A row's output is scaled by its own expert's scales after the matmul, as in Int8Linear."""
+
+  def __init__(self, config: ModelConfig):
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    self.dtype = jnp.dtype(config.dtype)
+    for name, (n_in, n_out) in (("gate_proj", (h, i)), ("up_proj", (h, i)),
+                                ("down_proj", (i, h))):
+      setattr(self, name, nnx.Param(jnp.zeros((e, n_in, n_out), jnp.int8)))
+      setattr(self, name + SCALE_ATTR, nnx.Param(jnp.zeros((e, n_out), jnp.bfloat16)))
+
+  def _scale(self, name):
+    return getattr(self, name + SCALE_ATTR)[...].astype(self.dtype)
+
+  def grouped(self, x, group_sizes):
+    experts = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                         total_repeat_length=x.shape[0])  # each sorted row's expert
+
+    def mm(a, name):
+      y = jax.lax.ragged_dot(a, getattr(self, name)[...].astype(self.dtype), group_sizes)
+      return y * self._scale(name)[experts]
+
+    return mm(jax.nn.silu(mm(x, "gate_proj")) * mm(x, "up_proj"), "down_proj")
+
+  def every(self, x, combine):
+    def mm(spec, a, name):
+      return (jnp.einsum(spec, a, getattr(self, name)[...].astype(self.dtype))
+              * self._scale(name)[:, None, :])
+
+    h = (jax.nn.silu(mm("th,ehi->eti", x, "gate_proj"))
+         * mm("th,ehi->eti", x, "up_proj"))
+    return jnp.einsum("eth,te->th", mm("eti,eih->eth", h, "down_proj"),
+                      combine.astype(self.dtype))
+
+
 class Int8Transformer(Transformer):
-  """`Transformer` whose projections and embedding hold int8 codes (norms and biases bf16).
+  """`Transformer` whose projections, experts and embedding hold int8 codes (norms, biases
+and routers bf16).
 
   Build it under `nnx.eval_shape` (as `HeldPolicy` does): the float modules the parent
   constructor makes are replaced before anything is allocated.
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    if config.num_experts:
-      raise ValueError("weights_format: int8 has no per-expert scales for a mixture-of-experts "
-                       "model; hold it as 'bf16'")
     config = config.replace(param_dtype="bfloat16")
     super().__init__(config, rngs=rngs)
     c, dtype = config, jnp.dtype(config.dtype)
@@ -74,12 +110,15 @@ class Int8Transformer(Transformer):
       return Int8Linear(fan_in, fan_out, use_bias=bias, dtype=dtype)
 
     self.embed = Int8Embed(c.vocab_size, c.hidden_size, dtype=dtype)
-    for block in self.layers:
+    for i, block in enumerate(self.layers):
       a, m = block.attn, block.mlp
       a.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias)
       a.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias)
       a.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias)
       a.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size)
+      if c.moe_layer(i):
+        m.experts = Int8Experts(c)
+        continue
       m.gate_proj = linear(c.hidden_size, c.intermediate_size)
       m.up_proj = linear(c.hidden_size, c.intermediate_size)
       m.down_proj = linear(c.intermediate_size, c.hidden_size)

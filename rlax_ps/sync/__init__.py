@@ -8,7 +8,8 @@ The wire format is in FORMAT.md.
 Formats:
   * "bf16": the held state is {name: bf16 array}; float targets are rounded to bf16.
   * "int8": {name: int8 codes, name + ".scale": bf16 scales} for every tensor of ndim >= 2
-    and {name: bf16} for the rest; per-output-channel symmetric scales (int8.py on the
+    but routers, and {name: bf16} for the rest; symmetric scales per output channel (per
+    row of an embedding, per expert and output channel of an expert stack) (int8.py on the
     host, int8_device.py jitted and bit-identical on device).
   A keyframe carries every tensor raw. A delta codes, per tensor, the changed elements'
   positions and wrapping bit offsets (sparse.py, entropy-coded by entropy.py); small

@@ -3,10 +3,15 @@
 Layout, per float tensor `name` of the trainer:
   * ndim >= 2 and name ends in "embedding" ([V, H] tables): one scale per row (axis 0 kept,
     all other axes reduced): `name` -> int8 codes, `name + ".scale"` -> bf16 scales [V].
+  * ndim >= 3 and a path component "experts" (stacked experts [E, in, out]): one scale per
+    expert and output channel (axes 0 and -1 kept): `name + ".scale"` -> bf16 scales
+    [E, out], so that one expert's weights never set another's step.
   * any other ndim >= 2 tensor (kernels, x @ W with W [in, out]): one scale per output
     channel, the LAST axis (all other axes reduced): `name` -> int8 codes,
     `name + ".scale"` -> bf16 scales [out].
-  * ndim < 2 (norm scales, biases): `name` -> bf16, not quantized.
+  * ndim < 2 (norm scales, biases) and expert routers (a path component "router"):
+    `name` -> bf16, not quantized. A router is a sliver of the weights, and int8 steps in
+    its logits would send tokens to other experts than the trainer's policy picks.
 Quantization is a pure function of the float weights: scale = absmax / 127 rounded UP to
 the next bf16 value (bf16 so that a scale changes only when its channel's absmax moves by
 more than a bf16 ulp, which keeps int8 deltas sparse; rounded up so that no code clips),
@@ -26,10 +31,32 @@ SCALE_SUFFIX = ".scale"
 
 
 def layout(name: str, ndim: int) -> str:
-  """"bf16", "rows" (embedding tables) or "channels_last" (kernels) for a float tensor."""
-  if ndim < 2:
+  """"bf16" (not quantized), "rows" (embedding tables), "experts" (stacked expert kernels)
+  or "channels_last" (kernels) for a float tensor."""
+  parts = name.split(".")
+  if ndim < 2 or "router" in parts:
     return "bf16"
-  return "rows" if name.endswith("embedding") else "channels_last"
+  if name.endswith("embedding"):
+    return "rows"
+  return "experts" if ndim >= 3 and "experts" in parts else "channels_last"
+
+
+def scale_shape(name: str, shape: tuple) -> tuple:
+  """Shape of the bf16 scales of a quantized tensor (see the module docstring)."""
+  kind = layout(name, len(shape))
+  if kind == "rows":
+    return (shape[0],)
+  return (shape[0], shape[-1]) if kind == "experts" else (shape[-1],)
+
+
+def broadcast_scales(name: str, ndim: int, scale):
+  """Scales reshaped to broadcast against their tensor's codes (numpy or jax arrays)."""
+  kind = layout(name, ndim)
+  if kind == "rows":
+    return scale.reshape((-1,) + (1,) * (ndim - 1))
+  if kind == "experts":
+    return scale.reshape((scale.shape[0],) + (1,) * (ndim - 2) + (scale.shape[1],))
+  return scale
 
 
 def _ceil_bf16(v: np.ndarray) -> np.ndarray:
@@ -68,46 +95,57 @@ def quantize_tensor(name: str, x, out: tuple | None = None) -> tuple[np.ndarray,
   a = np.asarray(x)
   kind = layout(name, a.ndim)
   if kind == "bf16":
-    raise CodecError(f"tensor {name!r}: int8 quantization needs ndim >= 2, got shape {a.shape}")
+    raise CodecError(f"tensor {name!r}: int8 quantization needs ndim >= 2 and no 'router' in "
+                     f"the name, got shape {a.shape}")
   if a.dtype not in (np.float32, np.float64, BF16):
     a = a.astype(np.float32)  # float16: exact
   a = c_contiguous(a)
-  rows = a.reshape(a.shape[0], -1) if kind == "rows" else a.reshape(-1, a.shape[-1])
-  ibits = np.dtype(f"i{a.dtype.itemsize}")
+  if out is None:
+    out = np.empty(a.shape, INT8), np.empty(scale_shape(name, a.shape), BF16)
+  codes, scales = out
+  if kind == "experts":  # each expert's [in, out] matrix on its own
+    for e in range(a.shape[0]):
+      _quantize_matrix(name, a[e].reshape(-1, a.shape[-1]), False,
+                       codes[e].reshape(-1, a.shape[-1]), scales[e])
+  elif kind == "rows":
+    _quantize_matrix(name, a.reshape(a.shape[0], -1), True, codes.reshape(a.shape[0], -1), scales)
+  else:
+    _quantize_matrix(name, a.reshape(-1, a.shape[-1]), False, codes.reshape(-1, a.shape[-1]),
+                     scales)
+  return codes, scales
+
+
+def _quantize_matrix(name: str, rows: np.ndarray, by_row: bool, codes: np.ndarray,
+                     scales: np.ndarray) -> None:
+  """Codes and scales of a 2-D float32/float64/bf16 matrix, one scale per row (by_row) or
+  per column, written into `codes` and `scales`."""
+  ibits = np.dtype(f"i{rows.dtype.itemsize}")
   mask = ibits.type(np.iinfo(ibits).max)  # clears the sign bit
   bits = rows.view(ibits)
-  absmax = np.zeros(rows.shape[0] if kind == "rows" else rows.shape[1], ibits)
-  if kind == "rows":
+  absmax = np.zeros(rows.shape[0] if by_row else rows.shape[1], ibits)
+  if by_row:
     int8_loops.absmax_bits_rows(bits, mask, absmax)
   else:
     int8_loops.absmax_bits_cols(bits, mask, absmax)
-  if a.dtype == BF16:  # bf16 bits are the top half of the float32 bits of the same value
+  if rows.dtype == BF16:  # bf16 bits are the top half of the float32 bits of the same value
     absmax = (absmax.astype(np.int32) << 16).view(np.float32)
   else:
-    absmax = absmax.view(a.dtype)
+    absmax = absmax.view(rows.dtype)
   if not np.isfinite(absmax).all():
     raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
-  codes = np.empty(rows.shape, INT8) if out is None else out[0].reshape(rows.shape)
-  if a.dtype == np.float64:
+  if rows.dtype == np.float64:
     scale = _ceil_bf16(absmax / 127.0)
     safe = np.where(scale.view(np.uint16) > 0, scale.astype(np.float64), 1.0)
-    int8_loops.quantize_f64(rows, safe, kind == "rows", codes)
-    return codes.reshape(np.shape(x)), _into(scale, out)
-  scale, *consts = scale_constants(absmax)
-  if a.dtype == BF16:
-    loop = int8_loops.quantize_rows_bf16 if kind == "rows" else int8_loops.quantize_cols_bf16
-    loop(rows.view(np.uint16), *consts, codes)
+    int8_loops.quantize_f64(rows, safe, by_row, codes)
   else:
-    loop = int8_loops.quantize_rows_f32 if kind == "rows" else int8_loops.quantize_cols_f32
-    loop(rows, *consts, codes)
-  return codes.reshape(np.shape(x)), _into(scale, out)
-
-
-def _into(scale: np.ndarray, out: tuple | None) -> np.ndarray:
-  if out is None:
-    return scale
-  out[1][...] = scale
-  return out[1]
+    scale, *consts = scale_constants(absmax)
+    if rows.dtype == BF16:
+      loop = int8_loops.quantize_rows_bf16 if by_row else int8_loops.quantize_cols_bf16
+      loop(rows.view(np.uint16), *consts, codes)
+    else:
+      loop = int8_loops.quantize_rows_f32 if by_row else int8_loops.quantize_cols_f32
+      loop(rows, *consts, codes)
+  scales[...] = scale
 
 
 def quantize_params(params: dict) -> dict[str, np.ndarray]:
@@ -122,9 +160,8 @@ def quantize_params(params: dict) -> dict[str, np.ndarray]:
       continue
     if name + SCALE_SUFFIX in params:
       raise CodecError(f"tensor {name + SCALE_SUFFIX!r}: collides with the int8 scales of {name!r}")
-    axis = 0 if layout(name, a.ndim) == "rows" else a.ndim - 1
     shapes[name], dtypes[name] = a.shape, INT8
-    shapes[name + SCALE_SUFFIX], dtypes[name + SCALE_SUFFIX] = (a.shape[axis],), BF16
+    shapes[name + SCALE_SUFFIX], dtypes[name + SCALE_SUFFIX] = scale_shape(name, a.shape), BF16
   held = {name: np.empty(shapes[name], dtypes[name]) for name in shapes}
   for name, a in arrays.items():
     if dtypes[name] == BF16:
@@ -155,10 +192,9 @@ def check_layout(held: dict) -> None:
       sname = name + SCALE_SUFFIX
       if sname not in held or held[sname][1] != BF16:
         raise CodecError(f"tensor {name!r}: int8 codes need bf16 scales {sname!r}")
-      axis = 0 if layout(name, len(shape)) == "rows" else len(shape) - 1
-      if held[sname][0] != (shape[axis],):
-        raise CodecError(f"tensor {sname!r}: shape expected {(shape[axis],)}, "
-                         f"got {held[sname][0]}")
+      want = scale_shape(name, tuple(shape))
+      if tuple(held[sname][0]) != want:
+        raise CodecError(f"tensor {sname!r}: shape expected {want}, got {held[sname][0]}")
     elif dtype != BF16:
       raise CodecError(f"tensor {name!r}: int8 held state dtype expected int8 or bfloat16, "
                        f"got {dtype}")
@@ -169,8 +205,7 @@ def dequantize_params(held: dict) -> dict[str, np.ndarray]:
   out = {}
   for name, a in check_held(held).items():
     if a.dtype == INT8:
-      s = held[name + SCALE_SUFFIX].astype(np.float32)
-      s = s.reshape((-1,) + (1,) * (a.ndim - 1)) if layout(name, a.ndim) == "rows" else s
+      s = broadcast_scales(name, a.ndim, held[name + SCALE_SUFFIX].astype(np.float32))
       out[name] = a.astype(np.float32) * s
     elif not (name.endswith(SCALE_SUFFIX) and held.get(name[:-len(SCALE_SUFFIX)]) is not None
               and np.asarray(held[name[:-len(SCALE_SUFFIX)]]).dtype == INT8):

@@ -22,7 +22,7 @@ from jax import lax
 
 from rlax_ps.sync.bits import BF16, INT8, is_float_dtype
 from rlax_ps.sync.errors import CodecError
-from rlax_ps.sync.int8 import SCALE_SUFFIX, layout
+from rlax_ps.sync.int8 import SCALE_SUFFIX, broadcast_scales, layout
 
 _INPUT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 _NAN_BF16 = 0x7FC0
@@ -115,21 +115,22 @@ def quantize_tensor_jax(name: str, x: jax.Array) -> tuple[jax.Array, jax.Array]:
   scale and zero codes."""
   kind = layout(name, x.ndim)
   if kind == "bf16":
-    raise CodecError(f"tensor {name!r}: int8 quantization needs ndim >= 2, got shape {x.shape}")
+    raise CodecError(f"tensor {name!r}: int8 quantization needs ndim >= 2 and no 'router' in "
+                     f"the name, got shape {x.shape}")
   if jnp.dtype(x.dtype) not in _INPUT_DTYPES:
     raise CodecError(f"tensor {name!r}: dtype expected float32, bfloat16 or float16 on "
                      f"device, got {x.dtype}")
   bits = _f32_bits(x)
-  axes = tuple(range(1, x.ndim)) if kind == "rows" else tuple(range(x.ndim - 1))
+  kept = {"rows": (0,), "experts": (0, x.ndim - 1), "channels_last": (x.ndim - 1,)}[kind]
+  axes = tuple(i for i in range(x.ndim) if i not in kept)
   top = jnp.max(bits & 0x7FFFFFFF, axis=axes, initial=0)  # exact, subnormals too
   bad = top >= _EXP  # a NaN or infinity in the channel
   scale_bits = _scale_bits(jnp.where(bad, 0, top))
   consts = scale_constants(scale_bits)
   scale = lax.bitcast_convert_type(jnp.where(bad, jnp.uint16(_NAN_BF16), scale_bits),
                                    jnp.bfloat16)
-  if kind == "rows":
-    consts = [c.reshape((-1,) + (1,) * (x.ndim - 1)) for c in consts]
-    bad = bad.reshape((-1,) + (1,) * (x.ndim - 1))
+  consts = [broadcast_scales(name, x.ndim, c) for c in consts]
+  bad = broadcast_scales(name, x.ndim, bad)
   codes = jnp.where(bad, jnp.int8(0), _codes(bits, *consts))
   return codes, scale
 

@@ -136,10 +136,6 @@ class RLTrainer(TrainerRun):
     if str(config.worker.weights_format) != str(config.publish.format):
       raise ValueError(f"worker.weights_format: expected publish.format="
                        f"{config.publish.format!r}, got {config.worker.weights_format!r}")
-    if str(config.publish.format) == "int8" and self.model_config.num_experts:
-      raise ValueError("publish.format: int8 keeps one scale per output channel of a tensor, "
-                       "which an expert stack would share across its experts; publish a "
-                       "mixture-of-experts model as 'bf16'")
     if self.loss_cfg.kl_coef > 0 and not self.init_from_hf:
       raise ValueError("loss.kl_coef: a KL term needs a reference policy; set init_from_hf")
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)

@@ -2,7 +2,8 @@
 all-experts one equal routing each token by hand, the TPU and CUDA programs multiply only the
 chosen experts' rows, the packed RL loss trains the router and the experts, a worker holding
 the bf16 keyframe computes the trainer's logits and samples with a shared prefill as with
-separate ones, and int8 is refused by name."""
+separate ones, and one holding int8 experts (scales per expert, routers bf16) computes the
+dequantized model's logits by either dispatch."""
 
 import re
 
@@ -17,6 +18,7 @@ from inference_workers.sampling import SamplingParams
 from inference_workers.weights import HeldPolicy
 from rlax_ps import sync
 from rlax_ps.models import ModelConfig, Transformer, assign_params, flatten_params
+from rlax_ps.sync.bits import BF16
 from rl_grads import rl_loss_and_grads
 
 CONFIG = ModelConfig(vocab_size=80, hidden_size=16, intermediate_size=32, num_layers=3,
@@ -68,15 +70,19 @@ def test_both_dispatches_equal_routing_each_token_by_hand(norm_topk_prob):
   assert len(set(np.asarray(jax.lax.top_k(probs, 2)[1]).ravel().tolist())) == 4
 
 
-@pytest.mark.parametrize("platform,grouped", [("tpu", 3 * 2), ("cuda", 3 * 2), ("cpu", 0)])
-def test_tpu_and_gpu_multiply_only_the_chosen_experts_rows(model, platform, grouped):
-  # Three grouped matmuls (gate, up, down) per sparse layer (0 and 2; layer 1 is dense) on
-  # TPU and GPU; the CPU program runs every expert instead.
+def _ragged_dots(model, platform):
   graphdef, state = nnx.split(model)
   fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))
   text = jax.export.export(fn, platforms=[platform])(
       state, jax.ShapeDtypeStruct((2, 5), jnp.int32)).mlir_module()
-  assert len(re.findall(r"chlo\.ragged_dot\b(?!\.)", text)) == grouped
+  return len(re.findall(r"chlo\.ragged_dot\b(?!\.)", text))
+
+
+@pytest.mark.parametrize("platform,grouped", [("tpu", 3 * 2), ("cuda", 3 * 2), ("cpu", 0)])
+def test_tpu_and_gpu_multiply_only_the_chosen_experts_rows(model, platform, grouped):
+  # Three grouped matmuls (gate, up, down) per sparse layer (0 and 2; layer 1 is dense) on
+  # TPU and GPU; the CPU program runs every expert instead.
+  assert _ragged_dots(model, platform) == grouped
   assert CONFIG.num_params == sum(int(np.prod(v.shape)) for v in flatten_params(model).values())
 
 
@@ -115,9 +121,27 @@ def test_shared_prefill_samples_as_one_prefill_per_sample(model):
       np.testing.assert_allclose(sample.logprobs, single[b * 2 + j].logprobs, atol=1e-4)
 
 
-def test_int8_weights_are_refused_for_experts_by_name():
-  with pytest.raises(ValueError, match="weights_format: int8 has no per-expert scales"):
-    HeldPolicy(CONFIG, "int8")
+def test_an_int8_worker_computes_the_dequantized_models_logits_by_either_dispatch(model):
+  params = {k: np.asarray(v) for k, v in flatten_params(model).items()}
+  held = sync.held_state(params, "int8")
+  assert held["layers.0.mlp.experts.gate_proj.scale"].shape == (4, 8)  # per expert, channel
+  assert held["layers.0.mlp.router.kernel"].dtype == BF16  # routes as the trainer does
+  policy = HeldPolicy(CONFIG, "int8")
+  policy.apply(sync.encode(None, params, "int8", version=0))
+  reference = Transformer(CONFIG, rngs=nnx.Rngs(0))
+  assign_params(reference, sync.dequantize(held))
+  tokens = np.random.default_rng(1).integers(0, CONFIG.vocab_size, (2, 9))
+  np.testing.assert_allclose(np.asarray(forward(policy.model, tokens)),
+                             np.asarray(forward(reference, tokens)), atol=2e-3, rtol=2e-3)
+  # The TPU/GPU dispatch of the int8 experts (each row scaled by its own expert's scales)
+  # equals the CPU one and the dequantized experts.
+  moe, want = policy.model.layers[2].mlp, reference.layers[2].mlp
+  flat = jax.random.normal(jax.random.key(2), (14, CONFIG.hidden_size))
+  weights, chosen = want.route(flat)
+  expected = np.asarray(want.every(flat, weights, chosen))
+  for got in (moe.grouped(flat, weights, chosen), moe.every(flat, weights, chosen)):
+    np.testing.assert_allclose(np.asarray(got), expected, atol=2e-3, rtol=2e-3)
+  assert _ragged_dots(policy.model, "tpu") == 3 * 2
 
 
 @pytest.mark.parametrize("field,value", [("num_experts_per_tok", 5), ("moe_intermediate_size", 0),

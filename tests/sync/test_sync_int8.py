@@ -14,7 +14,18 @@ def model(rng, scale=0.02):
       "layers.0.mlp.up_proj.kernel": (rng.standard_normal((16, 40)) * scale).astype(np.float32),
       "layers.0.attn.qkv.kernel": (rng.standard_normal((16, 3, 8)) * scale).astype(np.float32),
       "layers.0.input_norm.scale": (1 + rng.standard_normal(16) * scale).astype(np.float32),
+      "layers.1.mlp.router.kernel": (rng.standard_normal((16, 3)) * scale).astype(np.float32),
+      # Stacked experts [E, in, out], expert 1 ten times larger than the others.
+      "layers.1.mlp.experts.down_proj": (rng.standard_normal((3, 8, 16)) * scale
+                                         * np.array([1, 10, 1])[:, None, None]).astype(np.float32),
   }
+
+
+def broadcast_axes(name, ndim):
+  """The axes int8.py keeps for a tensor's scales."""
+  if name.endswith("embedding"):
+    return (0,)
+  return (0, ndim - 1) if ".experts." in name else (ndim - 1,)
 
 
 def test_layout_scales_per_output_channel_per_row_and_keeps_1d_in_bf16():
@@ -23,8 +34,11 @@ def test_layout_scales_per_output_channel_per_row_and_keeps_1d_in_bf16():
   assert held["layers.0.mlp.up_proj.kernel.scale"].shape == (40,)  # last axis of [in, out]
   assert held["layers.0.attn.qkv.kernel.scale"].shape == (8,)
   assert held["embed.embedding.scale"].shape == (24,)  # one per row of [V, H]
+  assert held["layers.1.mlp.experts.down_proj.scale"].shape == (3, 16)  # [E, out] of [E, in, out]
   assert held["embed.embedding.scale"].dtype == BF16
   assert held["layers.0.input_norm.scale"].dtype == BF16
+  assert held["layers.1.mlp.router.kernel"].dtype == BF16  # routing as the trainer's
+  assert "layers.1.mlp.router.kernel.scale" not in held
   assert "layers.0.input_norm.scale.scale" not in held
 
 
@@ -34,21 +48,26 @@ def test_error_is_within_half_a_step_and_scales_are_the_bf16_ceiling():
   params["layers.0.mlp.up_proj.kernel"][:, 3] = 0.0  # an all-zero channel
   params["layers.0.mlp.up_proj.kernel"][0, 5] = 1e-30  # a tiny channel max
   held = sync.quantize_params(params)
-  for name in ["embed.embedding", "layers.0.mlp.up_proj.kernel", "layers.0.attn.qkv.kernel"]:
+  for name in ["embed.embedding", "layers.0.mlp.up_proj.kernel", "layers.0.attn.qkv.kernel",
+               "layers.1.mlp.experts.down_proj"]:
     w = params[name].astype(np.float64)
-    s = held[name + ".scale"].astype(np.float64)
-    axis = 0 if name.endswith("embedding") else w.ndim - 1
-    shape = [1] * w.ndim
-    shape[axis] = -1
-    s = s.reshape(shape)
+    kept = broadcast_axes(name, w.ndim)
+    shape = [w.shape[i] if i in kept else 1 for i in range(w.ndim)]
+    s = held[name + ".scale"].astype(np.float64).reshape(shape)
     codes = held[name].astype(np.float64)
     assert np.all(np.abs(w - codes * s) <= s / 2), name
     assert np.all(np.abs(codes) <= 127)
-    absmax = np.abs(w).max(axis=tuple(i for i in range(w.ndim) if i != axis)).reshape(shape)
+    absmax = np.abs(w).max(axis=tuple(i for i in range(w.ndim) if i not in kept)).reshape(shape)
     assert np.all(s >= absmax / 127)
     below = (held[name + ".scale"].view(np.uint16) - 1).view(BF16).astype(np.float64)
     nonzero = held[name + ".scale"].view(np.uint16) > 0
-    assert np.all(below[nonzero] < (absmax.reshape(-1) / 127)[nonzero]), name
+    assert np.all(below[nonzero] < (absmax.reshape(below.shape) / 127)[nonzero]), name
+  # The large expert does not coarsen the others' steps: each has its own scales.
+  experts = held["layers.1.mlp.experts.down_proj.scale"].astype(np.float64)
+  assert experts[1].mean() > 5 * max(experts[0].mean(), experts[2].mean())
+  np.testing.assert_array_equal(
+      sync.dequantize(held)["layers.1.mlp.experts.down_proj"],
+      held["layers.1.mlp.experts.down_proj"] * experts.astype(np.float32)[:, None, :])
   deq = sync.dequantize(held)
   assert np.all(deq["layers.0.mlp.up_proj.kernel"][:, 3] == 0)
 
@@ -97,6 +116,9 @@ def test_non_finite_weights_and_name_collisions_are_named():
                           "w.kernel.scale": np.ones(2, np.float32)})
   with pytest.raises(sync.CodecError, match="'w.kernel'.*need bf16 scales 'w.kernel.scale'"):
     int8.check_held({"w.kernel": np.ones((2, 2), np.int8)})
+  with pytest.raises(sync.CodecError, match=r"'m.experts.up.scale': shape expected \(2, 4\)"):
+    int8.check_held({"m.experts.up": np.ones((2, 3, 4), np.int8),
+                     "m.experts.up.scale": np.ones(4, BF16)})
 
 
 def test_quantizer_matches_float64_division_with_ties_to_even():

@@ -42,6 +42,7 @@ def test_params_of_every_layout_and_dtype_equal_quantize_params():
       "embed.embedding": rng.standard_normal((24, 16)) * 0.02,
       "mlp.kernel": rng.standard_normal(SHAPE) * 0.02,
       "attn.qkv.kernel": rng.standard_normal((4, 6, 16)) * 0.02,
+      "mlp.experts.gate_proj": rng.standard_normal((3, 6, 16)) * np.array([0.02, 2e-30, 3.0])[:, None, None],
       "norm.scale": 1 + rng.standard_normal(16) * 0.02,
   }
   for dtype in [np.float32, BF16]:
@@ -124,15 +125,19 @@ def test_bad_tensors_are_named():
     int8_device.quantize_params_jax({"w.kernel": jnp.ones((2, 2), jnp.int32)})
   with pytest.raises(CodecError, match="'w.kernel.scale'.*collides"):
     int8_device.quantize_params_jax({"w.kernel": jnp.ones((2, 2)), "w.kernel.scale": jnp.ones(2)})
-  with pytest.raises(CodecError, match="'b'.*ndim >= 2, got shape"):
+  with pytest.raises(CodecError, match="'b'.*ndim >= 2 and no 'router'.*got shape"):
     int8_device.quantize_tensor_jax("b", jnp.ones(3))
+  with pytest.raises(CodecError, match="'m.router.kernel'.*no 'router' in the name"):
+    int8_device.quantize_tensor_jax("m.router.kernel", jnp.ones((3, 2)))
 
 
 def test_sharded_inputs_give_the_same_codes_and_scales():
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
   w = (np.random.default_rng(5).standard_normal(SHAPE) * 0.02).astype(np.float32)
-  for name, spec in [("a.kernel", PartitionSpec("data", "model")),
-                     ("a.embedding", PartitionSpec("model", "data"))]:
+  for name, spec, shape in [("a.kernel", PartitionSpec("data", "model"), SHAPE),
+                            ("a.embedding", PartitionSpec("model", "data"), SHAPE),
+                            ("a.experts.up", PartitionSpec(None, "data", "model"), (3, 8, 16))]:
+    w = w.reshape(shape)
     x = jax.device_put(w, NamedSharding(mesh, spec))
     codes, scale = _quantize(name, x)
     assert len(codes.sharding.device_set) == 8

@@ -13,6 +13,7 @@ import pytest
 
 from rl_testlib import FakeWorker, client, rl_config, start_server
 from rlax_ps import sync
+from rlax_ps.sync.bits import BF16
 from rlax_ps.models import load_hf_checkpoint
 from rlax_ps.models.params import flatten_params
 from rlax_ps.tokenizers import make_tokenizer
@@ -223,18 +224,16 @@ def test_mismatched_worker_format_is_refused_naming_the_field(run, tmp_path):
       RLTrainer(config, str(tmp_path / "x"), tc)
 
 
-def test_int8_publication_of_a_mixture_of_experts_is_refused_naming_the_field(run, tmp_path):
-  config = rl_config("tiny", "configs/rl_int8_tis.py")
-  with config.unlocked():
-    config.model.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
-  with client(run["server"].address, "trainer") as tc:
-    with pytest.raises(ValueError, match="publish.format: int8 keeps one scale per output"):
-      RLTrainer(config, str(tmp_path / "x"), tc)
-
-
-def test_int8_recipe_publishes_the_quantized_trainer_weights(tmp_path):
+@pytest.mark.parametrize("experts", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["dense", "experts"])
+def test_int8_recipe_publishes_the_quantized_trainer_weights(tmp_path, experts):
   config = rl_config("tiny", "configs/rl_int8_tis.py")
   config.rl.steps = 2
+  if experts:  # per-expert scales; routers stay bf16
+    with config.unlocked():
+      config.model.update(architecture="mixtral", num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=config.model.intermediate_size,
+                          norm_topk_prob=True)
   config.eval.num_examples = 0
   server = start_server(tmp_path / "ps")
   worker = FakeWorker(server.address, samples=4).start()
@@ -256,6 +255,9 @@ def test_int8_recipe_publishes_the_quantized_trainer_weights(tmp_path):
   assert set(held) == set(want)
   for name in want:
     np.testing.assert_array_equal(held[name], want[name], err_msg=name)
+  if experts:
+    assert held["layers.0.mlp.experts.up_proj.scale"].shape == (4, config.model.intermediate_size)
+    assert held["layers.0.mlp.router.kernel"].dtype == BF16
 
 
 def test_a_stop_mid_batch_leaves_the_partial_take_to_be_trained_after_restart(tmp_path):
