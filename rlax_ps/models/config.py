@@ -1,12 +1,13 @@
-"""ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 family
-decoder, independent of any checkpoint format."""
+"""ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / OLMo 2 /
+OLMo 3 family decoder, independent of any checkpoint format."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3",
+                 "olmo2", "olmo3")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -48,7 +49,7 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-  Gemma 2, Gemma 3)."""
+  Gemma 2, Gemma 3, OLMo 2, OLMo 3)."""
 
   vocab_size: int
   hidden_size: int
@@ -66,10 +67,12 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections.
   qk_norm: bool = False  # Qwen3 and Gemma 3 RMS-normalise each head's q and k before RoPE.
+  qk_norm_across_heads: bool = False  # OLMo 2/3: over the whole q and k projections instead.
   hidden_act: str = "silu"  # The MLP gate: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma).
   zero_centered_norms: bool = False  # Gemma: a norm weight w scales by 1 + w, in float32.
   scale_embeddings: bool = False  # Gemma: token embeddings times sqrt(hidden_size).
   sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs are RMS-normed too.
+  post_norms: bool = False  # OLMo 2/3: attention and MLP outputs are RMS-normed, not inputs.
   query_pre_attn_scalar: float | None = None  # Attention logits times this**-0.5 (None: head_dim).
   # Sliding-window attention: a query sees keys fewer than `sliding_window` positions back, in
   # the layers `layer_types` marks "sliding_attention" (None: every layer when a window is set).
@@ -117,6 +120,10 @@ class ModelConfig:
     need(self.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
          self.architecture)
     need(self.hidden_act in ACTIVATIONS, "hidden_act", f"one of {ACTIVATIONS}", self.hidden_act)
+    need(not (self.qk_norm_across_heads and not self.qk_norm), "qk_norm_across_heads",
+         "False unless qk_norm", self.qk_norm_across_heads)
+    need(not (self.post_norms and self.sandwich_norms), "post_norms",
+         "False with sandwich_norms (a block norms its outputs one way)", self.post_norms)
     if self.query_pre_attn_scalar is not None:
       need(isinstance(self.query_pre_attn_scalar, (int, float)) and self.query_pre_attn_scalar > 0,
            "query_pre_attn_scalar", "a positive number or None", self.query_pre_attn_scalar)
@@ -209,7 +216,7 @@ class ModelConfig:
     if self.qkv_bias:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
     if self.qk_norm:
-      attn += 2 * d
+      attn += d * (self.num_heads + self.num_kv_heads) if self.qk_norm_across_heads else 2 * d
     norms = (4 if self.sandwich_norms else 2) * h
     dense = 3 * h * self.intermediate_size
     moe = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts

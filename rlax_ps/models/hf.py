@@ -43,7 +43,8 @@ INDEX_FILE = "model.safetensors.index.json"
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -65,17 +66,21 @@ _GEMMA_DEFAULTS = {
 }
 _GEMMA_FAMILY = {"hidden_act": "gelu_tanh", "zero_centered_norms": True,
                  "scale_embeddings": True, "sandwich_norms": True}
+_OLMO_FAMILY = {"qk_norm": True, "qk_norm_across_heads": True, "post_norms": True}
+_OLMO_THETA = 500000.0  # transformers' Olmo3Config.default_theta
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768,
-                          "mistral": 32768, "mixtral": 131072, "gemma2": 8192, "gemma3": 131072}
+                          "mistral": 32768, "mixtral": 131072, "gemma2": 8192, "gemma3": 131072,
+                          "olmo2": 2048, "olmo3": 2048}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True}, "qwen3_moe": {"qk_norm": True}, "gemma2": _GEMMA_FAMILY,
     "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
+    "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY,
 }
-_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "hidden_act", "zero_centered_norms", "scale_embeddings",
-                  "sandwich_norms")
+_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "qk_norm_across_heads", "hidden_act",
+                  "zero_centered_norms", "scale_embeddings", "sandwich_norms", "post_norms")
 _HF_ACT = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Mixture-of-experts fields of ModelConfig, under their config.json names.
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
@@ -116,14 +121,17 @@ def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
   return theta, {"rope_type": rope_type, **rope}
 
 
-def _local_rope_theta(d: Mapping[str, Any]) -> float:
-  """Gemma 3's RoPE base for sliding layers: 5.x `rope_parameters.sliding_attention`, 4.x
-  `rope_local_base_freq`; they are never scaled."""
+def _local_rope_theta(d: Mapping[str, Any], arch: str) -> float:
+  """The RoPE base of sliding layers, which are never scaled: 5.x
+  `rope_parameters.sliding_attention`, else Gemma 3's 4.x `rope_local_base_freq` or OLMo 3's
+  `rope_theta` (one base for all layers, the global ones scaled)."""
   local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
   kind = local.get("rope_type", local.get("type", "default"))
   if kind != "default":
     raise ValueError(f"{CONFIG_FILE}: rope_parameters.sliding_attention.rope_type: expected "
                      f"'default', got {kind!r}")
+  if arch == "olmo3":
+    return float(local.get("rope_theta") or d.get("rope_theta") or _OLMO_THETA)
   return float(local.get("rope_theta") or d.get("rope_local_base_freq")
                or _GEMMA_DEFAULTS["gemma3"]["rope_local_base_freq"])
 
@@ -144,6 +152,10 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
                for i in range(num_layers)]
   elif arch in ("mistral", "mixtral"):
     types = None  # every layer slides when a window is set
+  elif arch == "olmo3":  # transformers' Olmo3Config: 3 sliding layers of every 4, 4096 wide
+    window = 4096 if "sliding_window" not in d else window
+    types = types or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                      for i in range(num_layers)]
   elif arch in ("qwen2", "qwen3", "qwen3_moe"):
     if not d.get("use_sliding_window"):
       return None, None
@@ -157,7 +169,7 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
   max_positions = int(_get(d, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch]))
   if window is not None and int(window) >= max_positions:  # a window no sequence outgrows
     window = None
-  if arch == "gemma3":  # its local layers keep their RoPE base with or without a window
+  if arch in ("gemma3", "olmo3"):  # local layers keep their RoPE base with or without a window
     return (None if window is None else int(window)), tuple(types)
   types = tuple(types) if types else None
   if window is None or (types is not None and "sliding_attention" not in types):
@@ -189,7 +201,8 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     raise ValueError(f"{CONFIG_FILE}: {act_key}: expected {want!r}, got {act!r}")
   flags = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",),
            "qwen3_moe": ("attention_bias",), "gemma2": ("attention_bias",),
-           "gemma3": ("attention_bias",)}.get(arch, ())
+           "gemma3": ("attention_bias",), "olmo2": ("attention_bias",),
+           "olmo3": ("attention_bias",)}.get(arch, ())
   for flag in flags:
     if d.get(flag):
       raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
@@ -199,6 +212,8 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
                        f"soft-capping), got {d[cap]!r}")
   num_heads = int(_get(d, "num_attention_heads"))
   num_layers = int(_get(d, "num_hidden_layers"))
+  if arch == "olmo3" and not d.get("rope_theta"):
+    d = {**d, "rope_theta": _OLMO_THETA}
   theta, scaling = _rope_from_hf(d)
   window, layer_types = _sliding(d, arch, num_layers)
   cap = lambda key: None if d.get(key) is None else float(d[key])
@@ -213,14 +228,14 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       head_dim=_get(d, "head_dim", None),
       rope_theta=theta,
       rope_scaling=scaling,
-      rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
+      rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5 if arch in ("olmo2", "olmo3") else 1e-6)),
       tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False)),
       max_position_embeddings=int(_get(d, "max_position_embeddings",
                                        _DEFAULT_MAX_POSITIONS[arch])),
       query_pre_attn_scalar=float(_get(d, "query_pre_attn_scalar")) if gemma else None,
       sliding_window=window,
       layer_types=layer_types,
-      rope_local_theta=_local_rope_theta(d) if arch == "gemma3" else None,
+      rope_local_theta=_local_rope_theta(d, arch) if arch in ("gemma3", "olmo3") else None,
       attn_logit_softcapping=cap("attn_logit_softcapping"),
       final_logit_softcapping=cap("final_logit_softcapping"),
       architecture=arch,
@@ -265,7 +280,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
       raise ValueError(f"ModelConfig.{field}: {hf_class} needs {want!r}, got "
                        f"{getattr(c, field)!r}")
   gemma = arch in _GEMMA_DEFAULTS
-  for field, needed in (("query_pre_attn_scalar", gemma), ("rope_local_theta", arch == "gemma3")):
+  for field, needed in (("query_pre_attn_scalar", gemma),
+                        ("rope_local_theta", arch in ("gemma3", "olmo3"))):
     if (getattr(c, field) is not None) != needed:
       raise ValueError(f"ModelConfig.{field}: {hf_class} needs "
                        f"{'a value' if needed else 'None'}, got {getattr(c, field)!r}")
@@ -273,7 +289,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if getattr(c, field) is not None and not gemma:
       raise ValueError(f"ModelConfig.{field}: {hf_class} has no logit soft-capping, got "
                        f"{getattr(c, field)!r}")
-  if c.sliding_window is not None and arch == "llama":
+  if c.sliding_window is not None and arch in ("llama", "olmo2"):
     raise ValueError(f"ModelConfig.sliding_window: {hf_class} has no sliding window, got "
                      f"{c.sliding_window}")
   if (arch in ("mistral", "mixtral", "qwen3_moe") and c.layer_types
@@ -312,6 +328,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(attention_bias=False, mlp_bias=False)
   elif arch == "mistral":
     d.update(sliding_window=c.sliding_window)
+  elif arch in ("olmo2", "olmo3"):
+    d.update(attention_bias=False)
   elif arch == "mixtral":
     d.update(sliding_window=c.sliding_window, num_local_experts=c.num_experts,
              num_experts_per_tok=c.num_experts_per_tok, router_jitter_noise=0.0)
@@ -334,11 +352,14 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
              final_logit_softcapping=c.final_logit_softcapping,
              attn_logit_softcapping=c.attn_logit_softcapping,
              use_bidirectional_attention=False)
-  if arch == "gemma3":
-    d.update(rope_local_base_freq=c.rope_local_theta,
-             rope_parameters={"full_attention": rope,
+  if arch == "olmo3":  # an unbounded window: transformers' default would be 4096
+    d.update(sliding_window=c.sliding_window or c.max_position_embeddings, layer_types=types)
+  if arch in ("gemma3", "olmo3"):
+    d.update(rope_parameters={"full_attention": rope,
                               "sliding_attention": {"rope_type": "default",
                                                     "rope_theta": c.rope_local_theta}})
+  if arch == "gemma3":
+    d.update(rope_local_base_freq=c.rope_local_theta)
   return d
 
 
@@ -387,6 +408,10 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
     else:
       for proj in ("gate_proj", "up_proj", "down_proj"):
         names[f"{ours}.mlp.{proj}.kernel"] = (f"{hf}.mlp.{proj}.weight", True)
+    if config.post_norms:  # OLMo: post_attention_layernorm norms the attention output.
+      names[f"{ours}.attn_out_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
+      names[f"{ours}.mlp_out_norm.scale"] = (f"{hf}.post_feedforward_layernorm.weight", False)
+      continue
     names[f"{ours}.input_norm.scale"] = (f"{hf}.input_layernorm.weight", False)
     if config.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output.
       names[f"{ours}.attn_out_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)

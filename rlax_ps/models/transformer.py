@@ -1,11 +1,12 @@
-"""Decoder-only transformer in Flax NNX covering the Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and
-Gemma 2/3 families.
+"""Decoder-only transformer in Flax NNX covering the Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
+Gemma 2/3 and OLMo 2/3 families.
 
 RMSNorm, RoPE (plain, linear, Llama-3 or YaRN scaled), grouped-query attention, SwiGLU or
-GeGLU MLP, optional q/k/v biases (Qwen2), per-head q/k norms (Qwen3, Gemma 3), sliding-window
-layers with their own RoPE base, Gemma's zero-centred and sandwich norms, scaled embeddings
-and soft-capped logits, mixture-of-experts MLPs (Qwen3-MoE), tied or untied embeddings. Several sequences may share a row (segment ids +
-positions); an optional KVCache serves decoding.
+GeGLU MLP, optional q/k/v biases (Qwen2), q/k norms per head (Qwen3, Gemma 3) or across
+heads (OLMo 2/3), sliding-window layers with their own RoPE base, Gemma's zero-centred and
+sandwich norms, scaled embeddings and soft-capped logits, OLMo's post-norms, mixture-of-experts
+MLPs (Qwen3-MoE, Mixtral), tied or untied embeddings. Several sequences may share a row
+(segment ids + positions); an optional KVCache serves decoding.
 """
 
 from __future__ import annotations
@@ -77,18 +78,22 @@ class Attention(nnx.Module):
                          c.qkv_bias, rngs)
     self.o_proj = _dense(c, c.num_heads * c.head_dim, c.hidden_size, ("tensor", "fsdp"),
                          False, rngs)
-    self.use_qk_norm = c.qk_norm
-    if c.qk_norm:  # Qwen3: each head's q and k RMS-normalised before RoPE.
-      self.q_norm = RMSNorm(c, c.head_dim, rngs=rngs)
-      self.k_norm = RMSNorm(c, c.head_dim, rngs=rngs)
+    self.use_qk_norm, self.across_heads = c.qk_norm, c.qk_norm_across_heads
+    if c.qk_norm:  # Qwen3: each head's q and k RMS-normed before RoPE; OLMo: all heads at once.
+      wide = c.qk_norm_across_heads
+      self.q_norm = RMSNorm(c, c.num_heads * c.head_dim if wide else c.head_dim, rngs=rngs)
+      self.k_norm = RMSNorm(c, c.num_kv_heads * c.head_dim if wide else c.head_dim, rngs=rngs)
 
   def __call__(self, x, cos, sin, attend: Callable):
     """`attend(q, k, v) -> out` is given by the caller: plain, cached or packed attention."""
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-    if self.use_qk_norm:
+    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    if self.use_qk_norm and self.across_heads:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = q.reshape(b, t, self.num_heads, self.head_dim)
+    k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.use_qk_norm and not self.across_heads:
       q, k = self.q_norm(q), self.k_norm(k)
     q = rope.apply_rotary(q, cos, sin)
     k = rope.apply_rotary(k, cos, sin)
@@ -190,24 +195,28 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: attention then MLP (`post_attn_norm` is the norm before the
-  MLP); with sandwich norms (Gemma) each branch's output is normed too."""
+  """Residual block, attention then MLP. Pre-norm: each branch's input is normed
+  (`post_attn_norm` is the norm before the MLP); sandwich norms (Gemma) norm each branch's
+  output too; post-norms (OLMo 2/3) norm only the outputs."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
-    self.input_norm = RMSNorm(config, rngs=rngs)
+    self.pre = not config.post_norms
+    if self.pre:
+      self.input_norm = RMSNorm(config, rngs=rngs)
     self.attn = Attention(config, rngs=rngs)
-    self.post_attn_norm = RMSNorm(config, rngs=rngs)
+    if self.pre:
+      self.post_attn_norm = RMSNorm(config, rngs=rngs)
     self.mlp = MoE(config, rngs=rngs) if moe else MLP(config, rngs=rngs)
-    self.sandwich = config.sandwich_norms
-    if self.sandwich:
+    self.out_norms = config.sandwich_norms or config.post_norms
+    if self.out_norms:
       self.attn_out_norm = RMSNorm(config, rngs=rngs)
       self.mlp_out_norm = RMSNorm(config, rngs=rngs)
 
   def __call__(self, x, cos, sin, attend: Callable):
-    attn = self.attn(self.input_norm(x), cos, sin, attend)
-    x = x + (self.attn_out_norm(attn) if self.sandwich else attn)
-    mlp = self.mlp(self.post_attn_norm(x))
-    return x + (self.mlp_out_norm(mlp) if self.sandwich else mlp)
+    attn = self.attn(self.input_norm(x) if self.pre else x, cos, sin, attend)
+    x = x + (self.attn_out_norm(attn) if self.out_norms else attn)
+    mlp = self.mlp(self.post_attn_norm(x) if self.pre else x)
+    return x + (self.mlp_out_norm(mlp) if self.out_norms else mlp)
 
 
 class Transformer(nnx.Module):

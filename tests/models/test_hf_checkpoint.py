@@ -53,7 +53,9 @@ def copy_with(tmp_path, name, tensors=None, config=None):
                                         ("gemma3", "config_4x.json"),
                                         ("gemma2", "config_4x.json"),
                                         ("qwen3_moe", "config_4x.json"),
-                                        ("mixtral", "config_4x.json")])
+                                        ("mixtral", "config_4x.json"),
+                                        ("olmo2", "config_4x.json"),
+                                        ("olmo3", "config_4x.json")])
 def test_both_config_layouts_give_the_same_config(name, other):
   new_style = read_json(os.path.join(fixture(name), "config.json"))
   old_style = read_json(os.path.join(fixture(name), other))
@@ -220,8 +222,18 @@ def test_config_fields_read_from_gemma_and_sliding_windows():
                 num_kv_heads=1, architecture="mixtral", num_experts=3, num_experts_per_tok=1,
                 moe_intermediate_size=8, norm_topk_prob=True, sliding_window=7,
                 rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                num_kv_heads=2, architecture="olmo2", qk_norm=True, qk_norm_across_heads=True,
+                post_norms=True, rope_theta=5e5, rms_norm_eps=1e-5),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=4, num_heads=4,
+                num_kv_heads=2, head_dim=8, architecture="olmo3", qk_norm=True,
+                qk_norm_across_heads=True, post_norms=True, sliding_window=5,
+                layer_types=("sliding_attention",) * 3 + ("full_attention",), rope_theta=5e5,
+                rope_local_theta=5e5, rope_scaling={"rope_type": "yarn", "factor": 8.0,
+                                                    "original_max_position_embeddings": 64}),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
-        "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window", "mixtral", "mixtral-window"])
+        "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window", "mixtral", "mixtral-window",
+        "olmo2", "olmo3"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -246,6 +258,7 @@ def test_unknown_architecture_is_named():
     ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}, "llama"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "qwen3"),
     ("attention_bias", True, "qwen3_moe"), ("shared_expert_intermediate_size", 64, "qwen3_moe"),
+    ("attention_bias", True, "olmo2"), ("hidden_act", "gelu", "olmo3"),
 ])
 def test_unsupported_config_field_is_named(field, value, arch):
   d = read_json(os.path.join(fixture(arch), "config.json"))
@@ -465,7 +478,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "mistral_window", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral"])
+                                  "mixtral", "olmo2", "olmo3"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

@@ -53,7 +53,7 @@ def with_config(name, config_file, tmp_path):
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "qwen3_yarn", "mistral_window", "gemma3", "gemma3_vision",
-                                  "gemma2", "qwen3_moe", "mixtral"])
+                                  "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3"])
 @pytest.mark.parametrize("config_file", ["config.json", "config_4x.json"])
 def test_logits_match_transformers(name, config_file, tmp_path):
   tokens, expected = reference(name)
@@ -84,7 +84,7 @@ def test_the_scaled_rope_fixtures_exercise_their_scaling(name, scaled, tmp_path)
   assert np.abs(np.asarray(forward(model, tokens)) - expected).max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "mixtral"])
+@pytest.mark.parametrize("name", ["mistral_window", "mixtral", "olmo3"])
 def test_the_windowed_fixtures_exercise_their_window(name, tmp_path):
   # Their 20-token references reach past the 6-token window: without it the logits differ.
   path = with_config(name, "config.json", tmp_path)
@@ -100,7 +100,7 @@ def test_the_windowed_fixtures_exercise_their_window(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral"])
+                                  "mixtral", "olmo2", "olmo3"])
 def test_packed_sequences_match_transformers(name):
   # Causal logits of a prefix equal the full row's first logits, so a row packing the first
   # 12 tokens of sequence 0 with the first 8 of sequence 1 must reproduce both references.
@@ -114,7 +114,7 @@ def test_packed_sequences_match_transformers(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral"])
+                                  "mixtral", "olmo3"])
 def test_cached_decoding_matches_transformers(name):
   # A 14-token prefill then one token at a time: the windowed fixtures decode past the window.
   tokens, expected = reference(name)
@@ -129,7 +129,7 @@ def test_cached_decoding_matches_transformers(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
-                                  "qwen3_moe", "mixtral"])
+                                  "qwen3_moe", "mixtral", "olmo2", "olmo3"])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""

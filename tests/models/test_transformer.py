@@ -127,6 +127,7 @@ def test_tokens_must_be_two_dimensional(model):
 def test_num_params_counts_every_parameter(model):
   counted = sum(int(np.prod(v.shape)) for v in flatten_params(model).values())
   assert CONFIG.num_params == counted
-  gemma = CONFIG.replace(qk_norm=True, sandwich_norms=True, tie_word_embeddings=True)
-  params = flatten_params(Transformer(gemma, rngs=nnx.Rngs(0)))
-  assert gemma.num_params == sum(int(np.prod(v.shape)) for v in params.values())
+  for other in (CONFIG.replace(qk_norm=True, sandwich_norms=True, tie_word_embeddings=True),
+                CONFIG.replace(qk_norm=True, qk_norm_across_heads=True, post_norms=True)):
+    params = flatten_params(Transformer(other, rngs=nnx.Rngs(0)))
+    assert other.num_params == sum(int(np.prod(v.shape)) for v in params.values())
