@@ -118,10 +118,14 @@ and routers bf16).
       a.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size)
       if c.moe_layer(i):
         m.experts = Int8Experts(c)
-        continue
-      m.gate_proj = linear(c.hidden_size, c.intermediate_size)
-      m.up_proj = linear(c.hidden_size, c.intermediate_size)
-      m.down_proj = linear(c.intermediate_size, c.hidden_size)
+        if not c.shared_expert_intermediate_size:
+          continue
+        m.shared_expert_gate = linear(c.hidden_size, 1)
+        m = m.shared_expert
+      width = m.gate_proj.kernel.shape[1]
+      m.gate_proj = linear(c.hidden_size, width)
+      m.up_proj = linear(c.hidden_size, width)
+      m.down_proj = linear(width, c.hidden_size)
     if not c.tie_word_embeddings:
       self.lm_head = linear(c.hidden_size, c.vocab_size)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3",
-                 "olmo2", "olmo3")
+ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral",
+                 "gemma2", "gemma3", "olmo2", "olmo3")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -92,6 +92,9 @@ class ModelConfig:
   norm_topk_prob: bool = False
   decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0
   mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+  # Qwen2-MoE: a sparse layer also runs every token through a shared SwiGLU expert of this
+  # width, scaled by sigmoid(x @ shared_expert_gate); 0: none.
+  shared_expert_intermediate_size: int = 0
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 2048
   param_dtype: str = "float32"  # Storage dtype of the weights.
@@ -141,6 +144,11 @@ class ModelConfig:
            "moe_intermediate_size", "a positive int", self.moe_intermediate_size)
       need(isinstance(self.decoder_sparse_step, int) and self.decoder_sparse_step > 0,
            "decoder_sparse_step", "a positive int", self.decoder_sparse_step)
+    need(isinstance(self.shared_expert_intermediate_size, int)
+         and self.shared_expert_intermediate_size >= 0
+         and not (self.shared_expert_intermediate_size and not self.num_experts),
+         "shared_expert_intermediate_size", "an int >= 0, and 0 without experts",
+         self.shared_expert_intermediate_size)
     layers = tuple(int(i) for i in self.mlp_only_layers)
     need(all(0 <= i < self.num_layers for i in layers), "mlp_only_layers",
          f"layer indices in [0, {self.num_layers})", self.mlp_only_layers)
@@ -220,6 +228,8 @@ class ModelConfig:
     norms = (4 if self.sandwich_norms else 2) * h
     dense = 3 * h * self.intermediate_size
     moe = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts
+    if self.shared_expert_intermediate_size:
+      moe += 3 * h * self.shared_expert_intermediate_size + h
     layers = sum(attn + norms + (moe if self.moe_layer(i) else dense)
                  for i in range(self.num_layers))
     head = 0 if self.tie_word_embeddings else h * self.vocab_size

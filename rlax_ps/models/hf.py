@@ -41,6 +41,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # HF class name -> our ModelConfig.architecture, and back.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
@@ -69,12 +70,14 @@ _GEMMA_FAMILY = {"hidden_act": "gelu_tanh", "zero_centered_norms": True,
 _OLMO_FAMILY = {"qk_norm": True, "qk_norm_across_heads": True, "post_norms": True}
 _OLMO_THETA = 500000.0  # transformers' Olmo3Config.default_theta
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768,
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768,
+                          "qwen3_moe": 32768,
                           "mistral": 32768, "mixtral": 131072, "gemma2": 8192, "gemma3": 131072,
                           "olmo2": 2048, "olmo3": 2048}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
+    "qwen2_moe": {"qkv_bias": True},
     "qwen3": {"qk_norm": True}, "qwen3_moe": {"qk_norm": True}, "gemma2": _GEMMA_FAMILY,
     "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
     "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY,
@@ -87,6 +90,7 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n
                "decoder_sparse_step", "mlp_only_layers")
 # Mixtral's expert tensors (the Hub layout) under our expert params' names.
 _MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")
 # Configs without layer_types: every 6th Gemma 3 layer and every 2nd Gemma 2 one is full.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 # Buffers some checkpoints carry that hold nothing our model needs.
@@ -156,11 +160,15 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
     window = 4096 if "sliding_window" not in d else window
     types = types or ["sliding_attention" if (i + 1) % 4 else "full_attention"
                       for i in range(num_layers)]
-  elif arch in ("qwen2", "qwen3", "qwen3_moe"):
+  elif arch in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
     if not d.get("use_sliding_window"):
       return None, None
     if arch == "qwen3_moe":  # transformers slides every layer, whatever layer_types says
       types = None
+    elif arch == "qwen2_moe" and not types:  # even layers below max_window_layers slide
+      start = int(d.get("max_window_layers", 28))
+      types = ["sliding_attention" if i % 2 == 0 and i < start else "full_attention"
+               for i in range(num_layers)]
     elif not types:
       start = int(d.get("max_window_layers", num_layers))
       types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
@@ -206,6 +214,8 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   for flag in flags:
     if d.get(flag):
       raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
+  if arch == "qwen2_moe" and d.get("qkv_bias") is False:
+    raise ValueError(f"{CONFIG_FILE}: qkv_bias: expected true (not supported), got false")
   for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
     if d.get(cap) is not None and not gemma:
       raise ValueError(f"{CONFIG_FILE}: {cap}: expected null ({known[0]} has no logit "
@@ -217,7 +227,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   theta, scaling = _rope_from_hf(d)
   window, layer_types = _sliding(d, arch, num_layers)
   cap = lambda key: None if d.get(key) is None else float(d[key])
-  moe = _moe_from_hf(d, arch) if arch in ("qwen3_moe", "mixtral") else {}
+  moe = _moe_from_hf(d, arch) if arch in _MOE_ARCHS else {}
   return ModelConfig(
       vocab_size=int(_get(d, "vocab_size")),
       hidden_size=int(_get(d, "hidden_size")),
@@ -244,15 +254,15 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
 
 
 def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
-  """The ModelConfig MoE fields of a Qwen3-MoE config.json (5.x writes `num_experts` as
-  `num_local_experts`) or a Mixtral one (every layer sparse, experts intermediate_size wide,
-  top-k weights renormalised). Shared experts (Qwen2-MoE's) are refused: we do not compute
-  them."""
+  """The ModelConfig MoE fields of a Qwen2-MoE or Qwen3-MoE config.json (5.x writes
+  `num_experts` as `num_local_experts`) or a Mixtral one (every layer sparse, experts
+  intermediate_size wide, top-k weights renormalised). Only Qwen2-MoE has a shared expert."""
   if arch == "mixtral":
     return dict(num_experts=int(_get(d, "num_local_experts")),
                 num_experts_per_tok=int(_get(d, "num_experts_per_tok")),
                 moe_intermediate_size=int(_get(d, "intermediate_size")), norm_topk_prob=True)
-  if d.get("shared_expert_intermediate_size"):
+  shared = int(d.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
+  if arch != "qwen2_moe" and d.get("shared_expert_intermediate_size"):
     raise ValueError(f"{CONFIG_FILE}: shared_expert_intermediate_size: expected 0 (no shared "
                      f"expert), got {d['shared_expert_intermediate_size']!r}")
   if d.get("num_experts") is None and d.get("num_local_experts") is not None:
@@ -262,7 +272,8 @@ def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
               moe_intermediate_size=int(_get(d, "moe_intermediate_size")),
               norm_topk_prob=bool(_get(d, "norm_topk_prob", False)),
               decoder_sparse_step=int(_get(d, "decoder_sparse_step", 1)),
-              mlp_only_layers=tuple(int(i) for i in _get(d, "mlp_only_layers", ())))
+              mlp_only_layers=tuple(int(i) for i in _get(d, "mlp_only_layers", ())),
+              shared_expert_intermediate_size=shared)
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -296,8 +307,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
       and "full_attention" in c.layer_types):
     raise ValueError(f"ModelConfig.layer_types: {hf_class} slides on every layer or none, got "
                      f"{list(c.layer_types)}")
-  if c.num_experts and arch not in ("qwen3_moe", "mixtral"):
+  if c.num_experts and arch not in _MOE_ARCHS:
     raise ValueError(f"ModelConfig.num_experts: {hf_class} has no experts, got {c.num_experts}")
+  if c.shared_expert_intermediate_size and arch != "qwen2_moe":
+    raise ValueError(f"ModelConfig.shared_expert_intermediate_size: {hf_class} has no shared "
+                     f"expert, got {c.shared_expert_intermediate_size}")
   if arch == "mixtral":
     _check_mixtral(c)
   scaling = dict(c.rope_scaling) if c.rope_scaling else None
@@ -336,11 +350,14 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   elif arch == "qwen3_moe":
     d.update({f: getattr(c, f) for f in _MOE_FIELDS}, mlp_only_layers=list(c.mlp_only_layers),
              use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window)
-  elif arch in ("qwen2", "qwen3"):
+  elif arch in ("qwen2", "qwen2_moe", "qwen3"):
     sliding = c.sliding_window is not None
     d.update(use_sliding_window=sliding, sliding_window=c.sliding_window,
              max_window_layers=types.index("sliding_attention") if sliding else c.num_layers,
              layer_types=types if sliding else ["full_attention"] * c.num_layers)
+  if arch == "qwen2_moe":
+    d.update({f: getattr(c, f) for f in _MOE_FIELDS}, mlp_only_layers=list(c.mlp_only_layers),
+             shared_expert_intermediate_size=c.shared_expert_intermediate_size, qkv_bias=True)
   if arch in ("qwen3", "qwen3_moe") or gemma:
     d.update(attention_bias=False)
   if gemma:
@@ -405,6 +422,11 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
         hf_proj = _MIXTRAL_EXPERTS[proj] if mixtral else proj
         names[f"{ours}.mlp.experts.{proj}"] = (tuple(
             f"{moe}.experts.{e}.{hf_proj}.weight" for e in range(config.num_experts)), True)
+        if config.shared_expert_intermediate_size:
+          names[f"{ours}.mlp.shared_expert.{proj}.kernel"] = (
+              f"{moe}.shared_expert.{proj}.weight", True)
+      if config.shared_expert_intermediate_size:
+        names[f"{ours}.mlp.shared_expert_gate.kernel"] = (f"{moe}.shared_expert_gate.weight", True)
     else:
       for proj in ("gate_proj", "up_proj", "down_proj"):
         names[f"{ours}.mlp.{proj}.kernel"] = (f"{hf}.mlp.{proj}.weight", True)

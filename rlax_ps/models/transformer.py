@@ -5,7 +5,7 @@ RMSNorm, RoPE (plain, linear, Llama-3 or YaRN scaled), grouped-query attention, 
 GeGLU MLP, optional q/k/v biases (Qwen2), q/k norms per head (Qwen3, Gemma 3) or across
 heads (OLMo 2/3), sliding-window layers with their own RoPE base, Gemma's zero-centred and
 sandwich norms, scaled embeddings and soft-capped logits, OLMo's post-norms, mixture-of-experts
-MLPs (Qwen3-MoE, Mixtral), tied or untied embeddings. Several sequences may share a row
+MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert), tied or untied embeddings. Several sequences may share a row
 (segment ids + positions); an optional KVCache serves decoding.
 """
 
@@ -105,14 +105,15 @@ _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, appro
 
 
 class MLP(nnx.Module):
-  """Gated MLP: down(act(gate(x)) * up(x)), SwiGLU (silu) or GeGLU (gelu tanh)."""
+  """Gated MLP: down(act(gate(x)) * up(x)), SwiGLU (silu) or GeGLU (gelu tanh), of width
+  `width` (default intermediate_size)."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    c = config
+  def __init__(self, config: ModelConfig, width: int | None = None, *, rngs: nnx.Rngs):
+    c, w = config, width or config.intermediate_size
     self.hidden_act = c.hidden_act
-    self.gate_proj = _dense(c, c.hidden_size, c.intermediate_size, ("fsdp", "tensor"), False, rngs)
-    self.up_proj = _dense(c, c.hidden_size, c.intermediate_size, ("fsdp", "tensor"), False, rngs)
-    self.down_proj = _dense(c, c.intermediate_size, c.hidden_size, ("tensor", "fsdp"), False, rngs)
+    self.gate_proj = _dense(c, c.hidden_size, w, ("fsdp", "tensor"), False, rngs)
+    self.up_proj = _dense(c, c.hidden_size, w, ("fsdp", "tensor"), False, rngs)
+    self.down_proj = _dense(c, w, c.hidden_size, ("tensor", "fsdp"), False, rngs)
 
   def __call__(self, x):
     return self.down_proj(_ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x))
@@ -153,7 +154,8 @@ class MoE(nnx.Module):
   num_experts_per_tok experts; their outputs are summed, weighted by the picked
   probabilities (renormalised if norm_topk_prob). On TPU and GPU tokens are sorted by
   expert and each expert multiplies only its own rows (Experts.grouped), so compute follows
-  the active parameters; the CPU backend takes Experts.every."""
+  the active parameters; the CPU backend takes Experts.every. With a shared expert
+  (Qwen2-MoE) every token also goes through one more MLP, gated by sigmoid(x @ w)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
@@ -161,6 +163,10 @@ class MoE(nnx.Module):
         c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
     self.router = _dense(c, c.hidden_size, c.num_experts, ("fsdp", None), False, rngs)
     self.experts = Experts(c, rngs=rngs)
+    self.shared = bool(c.shared_expert_intermediate_size)
+    if self.shared:
+      self.shared_expert = MLP(c, c.shared_expert_intermediate_size, rngs=rngs)
+      self.shared_expert_gate = _dense(c, c.hidden_size, 1, ("fsdp", None), False, rngs)
 
   def route(self, flat):
     """(weights [T, k] float32, chosen experts [T, k]) of tokens flat [T, H]."""
@@ -191,6 +197,8 @@ class MoE(nnx.Module):
     weights, chosen = self.route(flat)
     out = jax.lax.platform_dependent(flat, weights, chosen, cpu=self.every,
                                      default=self.grouped)
+    if self.shared:
+      out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
     return out.reshape(b, t, h)
 
 

@@ -55,7 +55,8 @@ def copy_with(tmp_path, name, tensors=None, config=None):
                                         ("qwen3_moe", "config_4x.json"),
                                         ("mixtral", "config_4x.json"),
                                         ("olmo2", "config_4x.json"),
-                                        ("olmo3", "config_4x.json")])
+                                        ("olmo3", "config_4x.json"),
+                                        ("qwen2_moe", "config_4x.json")])
 def test_both_config_layouts_give_the_same_config(name, other):
   new_style = read_json(os.path.join(fixture(name), "config.json"))
   old_style = read_json(os.path.join(fixture(name), other))
@@ -99,6 +100,23 @@ def test_config_fields_read_from_qwen3_moe():
   assert windowed.layer_types is None
   assert [windowed.layer_window(i) for i in range(3)] == [6, 6, 6]
   assert config_from_hf(dict(d, use_sliding_window=False)).sliding_window is None
+
+
+def test_config_fields_read_from_qwen2_moe():
+  d = read_json(os.path.join(fixture("qwen2_moe"), "config_4x.json"))
+  moe = config_from_hf(d)
+  assert (moe.architecture, moe.qkv_bias, moe.qk_norm, moe.num_experts, moe.norm_topk_prob,
+          moe.moe_intermediate_size, moe.shared_expert_intermediate_size) == (
+              "qwen2_moe", True, False, 4, False, 16, 24)
+  # transformers' Qwen2MoeConfig without layer_types: even layers below max_window_layers slide.
+  d = dict(d, use_sliding_window=True, sliding_window=6, max_window_layers=2)
+  d.pop("layer_types", None)
+  assert [config_from_hf(d).layer_window(i) for i in range(3)] == [6, None, None]
+  # Only Qwen2-MoE has a shared expert.
+  with pytest.raises(ValueError, match="ModelConfig.shared_expert_intermediate_size"):
+    config_to_hf(moe.replace(architecture="mixtral", qkv_bias=False))
+  with pytest.raises(ValueError, match="ModelConfig.shared_expert_intermediate_size"):
+    moe.replace(num_experts=0, num_experts_per_tok=0)
 
 
 def test_config_fields_read_from_mixtral():
@@ -231,9 +249,14 @@ def test_config_fields_read_from_gemma_and_sliding_windows():
                 layer_types=("sliding_attention",) * 3 + ("full_attention",), rope_theta=5e5,
                 rope_local_theta=5e5, rope_scaling={"rope_type": "yarn", "factor": 8.0,
                                                     "original_max_position_embeddings": 64}),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=3, num_heads=4,
+                num_kv_heads=2, qkv_bias=True, architecture="qwen2_moe", num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=(1,),
+                shared_expert_intermediate_size=12, sliding_window=9,
+                layer_types=("sliding_attention", "full_attention", "full_attention")),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
         "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window", "mixtral", "mixtral-window",
-        "olmo2", "olmo3"])
+        "olmo2", "olmo3", "qwen2-moe"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -245,8 +268,8 @@ def test_config_to_hf_and_back_is_identity(config):
 
 def test_unknown_architecture_is_named():
   d = read_json(os.path.join(fixture("llama"), "config.json"))
-  d["architectures"] = ["Qwen2MoeForCausalLM"]
-  with pytest.raises(ValueError, match="Qwen2MoeForCausalLM"):
+  d["architectures"] = ["DeepseekV3ForCausalLM"]
+  with pytest.raises(ValueError, match="DeepseekV3ForCausalLM"):
     config_from_hf(d)
 
 
@@ -259,6 +282,7 @@ def test_unknown_architecture_is_named():
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "qwen3"),
     ("attention_bias", True, "qwen3_moe"), ("shared_expert_intermediate_size", 64, "qwen3_moe"),
     ("attention_bias", True, "olmo2"), ("hidden_act", "gelu", "olmo3"),
+    ("qkv_bias", False, "qwen2_moe"),
 ])
 def test_unsupported_config_field_is_named(field, value, arch):
   d = read_json(os.path.join(fixture(arch), "config.json"))
@@ -287,7 +311,9 @@ def test_missing_config_field_is_named():
 @pytest.mark.parametrize("name,tensor", [
     ("qwen3_moe", "model.layers.2.mlp.experts.3.down_proj.weight"),
     ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
-    ("mixtral", "model.layers.0.block_sparse_moe.gate.weight")])
+    ("mixtral", "model.layers.0.block_sparse_moe.gate.weight"),
+    ("qwen2_moe", "model.layers.2.mlp.shared_expert.up_proj.weight"),
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight")])
 def test_missing_expert_tensor_is_named(name, tensor, tmp_path):
   tensors = hf_tensors(fixture(name))
   del tensors[tensor]
@@ -478,7 +504,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "mistral_window", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo2", "olmo3"])
+                                  "mixtral", "olmo2", "olmo3", "qwen2_moe"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

@@ -53,7 +53,8 @@ def with_config(name, config_file, tmp_path):
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "qwen3_yarn", "mistral_window", "gemma3", "gemma3_vision",
-                                  "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3"])
+                                  "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3",
+                                  "qwen2_moe"])
 @pytest.mark.parametrize("config_file", ["config.json", "config_4x.json"])
 def test_logits_match_transformers(name, config_file, tmp_path):
   tokens, expected = reference(name)
@@ -100,7 +101,7 @@ def test_the_windowed_fixtures_exercise_their_window(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo2", "olmo3"])
+                                  "mixtral", "olmo2", "olmo3", "qwen2_moe"])
 def test_packed_sequences_match_transformers(name):
   # Causal logits of a prefix equal the full row's first logits, so a row packing the first
   # 12 tokens of sequence 0 with the first 8 of sequence 1 must reproduce both references.
@@ -129,7 +130,7 @@ def test_cached_decoding_matches_transformers(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
-                                  "qwen3_moe", "mixtral", "olmo2", "olmo3"])
+                                  "qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe"])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""

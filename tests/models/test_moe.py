@@ -25,6 +25,9 @@ CONFIG = ModelConfig(vocab_size=80, hidden_size=16, intermediate_size=32, num_la
                      num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
                      architecture="qwen3", num_experts=4, num_experts_per_tok=2,
                      moe_intermediate_size=8, norm_topk_prob=True, mlp_only_layers=(1,))
+# Qwen2-MoE: a shared expert beside the routed ones, weights not renormalised.
+SHARED = CONFIG.replace(architecture="qwen2_moe", qk_norm=False, qkv_bias=True,
+                        norm_topk_prob=False, shared_expert_intermediate_size=12)
 
 
 @pytest.fixture(scope="module")
@@ -37,34 +40,44 @@ def forward(model, tokens):
   return model(tokens)
 
 
+def _silu_mlp(x, gate, up, down):
+  g = x @ gate
+  return ((g / (1 + np.exp(-g))) * (x @ up)) @ down
+
+
 def _by_hand(moe, x, norm_topk_prob):
-  """Each token through its top-k experts one at a time, in float64."""
+  """(routed, shared): each token through its top-k experts one at a time, and through the
+  shared expert gated (zeros without one), in float64."""
   p = {k: np.asarray(v, np.float64) for k, v in flatten_params(moe).items()}
   flat = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
   logits = flat @ p["router.kernel"]
   probs = np.exp(logits - logits.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
-  out = np.zeros_like(flat)
+  out, shared = np.zeros_like(flat), np.zeros_like(flat)
   for t in range(flat.shape[0]):
     top = np.argsort(-probs[t])[:moe.top_k]
     w = probs[t, top] / (probs[t, top].sum() if norm_topk_prob else 1.0)
     for e, we in zip(top, w):
-      g = flat[t] @ p["experts.gate_proj"][e]
-      h = (g / (1 + np.exp(-g))) * (flat[t] @ p["experts.up_proj"][e])
-      out[t] += we * (h @ p["experts.down_proj"][e])
-  return out.reshape(x.shape)
+      out[t] += we * _silu_mlp(flat[t], *(p[f"experts.{n}_proj"][e] for n in ("gate", "up", "down")))
+    if "shared_expert_gate.kernel" in p:
+      gate = 1 / (1 + np.exp(-(flat[t] @ p["shared_expert_gate.kernel"])))
+      shared[t] = gate * _silu_mlp(flat[t], *(p[f"shared_expert.{n}_proj.kernel"]
+                                              for n in ("gate", "up", "down")))
+  return out.reshape(x.shape), shared.reshape(x.shape)
 
 
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_both_dispatches_equal_routing_each_token_by_hand(norm_topk_prob):
-  config = CONFIG.replace(norm_topk_prob=norm_topk_prob)
+@pytest.mark.parametrize("norm_topk_prob,shared", [(True, 0), (False, 0), (False, 12)])
+def test_both_dispatches_equal_routing_each_token_by_hand(norm_topk_prob, shared):
+  config = CONFIG.replace(norm_topk_prob=norm_topk_prob, shared_expert_intermediate_size=shared)
   moe = Transformer(config, rngs=nnx.Rngs(1)).layers[0].mlp
   x = jax.random.normal(jax.random.key(0), (2, 7, CONFIG.hidden_size))
-  want = _by_hand(moe, x, norm_topk_prob)
+  routed, shared_out = _by_hand(moe, x, norm_topk_prob)
+  assert (np.abs(shared_out).max() > 1e-4) == bool(shared)  # 10x the tolerance below
+  np.testing.assert_allclose(np.asarray(moe(x)), routed + shared_out, atol=1e-5, rtol=1e-5)
   flat = x.reshape(-1, CONFIG.hidden_size)
   weights, chosen = moe.route(flat)
-  for got in (moe(x), moe.grouped(flat, weights, chosen), moe.every(flat, weights, chosen)):
-    np.testing.assert_allclose(np.asarray(got).reshape(x.shape), want, atol=1e-5, rtol=1e-5)
+  for got in (moe.grouped(flat, weights, chosen), moe.every(flat, weights, chosen)):
+    np.testing.assert_allclose(np.asarray(got).reshape(x.shape), routed, atol=1e-5, rtol=1e-5)
   # Every expert is used somewhere, so the test covers the whole sort and scatter.
   probs = jax.nn.softmax(x.reshape(-1, CONFIG.hidden_size) @ moe.router.kernel[...], -1)
   assert len(set(np.asarray(jax.lax.top_k(probs, 2)[1]).ravel().tolist())) == 4
@@ -121,16 +134,18 @@ def test_shared_prefill_samples_as_one_prefill_per_sample(model):
       np.testing.assert_allclose(sample.logprobs, single[b * 2 + j].logprobs, atol=1e-4)
 
 
-def test_an_int8_worker_computes_the_dequantized_models_logits_by_either_dispatch(model):
+@pytest.mark.parametrize("config", [CONFIG, SHARED], ids=["routed", "shared-expert"])
+def test_an_int8_worker_computes_the_dequantized_models_logits_by_either_dispatch(config):
+  model = Transformer(config, rngs=nnx.Rngs(0))
   params = {k: np.asarray(v) for k, v in flatten_params(model).items()}
   held = sync.held_state(params, "int8")
   assert held["layers.0.mlp.experts.gate_proj.scale"].shape == (4, 8)  # per expert, channel
   assert held["layers.0.mlp.router.kernel"].dtype == BF16  # routes as the trainer does
-  policy = HeldPolicy(CONFIG, "int8")
+  policy = HeldPolicy(config, "int8")
   policy.apply(sync.encode(None, params, "int8", version=0))
-  reference = Transformer(CONFIG, rngs=nnx.Rngs(0))
+  reference = Transformer(config, rngs=nnx.Rngs(0))
   assign_params(reference, sync.dequantize(held))
-  tokens = np.random.default_rng(1).integers(0, CONFIG.vocab_size, (2, 9))
+  tokens = np.random.default_rng(1).integers(0, config.vocab_size, (2, 9))
   np.testing.assert_allclose(np.asarray(forward(policy.model, tokens)),
                              np.asarray(forward(reference, tokens)), atol=2e-3, rtol=2e-3)
   # The TPU/GPU dispatch of the int8 experts (each row scaled by its own expert's scales)
