@@ -77,7 +77,8 @@ def main(argv) -> None:
   tokenizer = tokenizer_from_config(cfg.get("tokenizer"), init_from_hf)
   if "model" not in cfg:
     raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
-  model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf)
+  longest = cfg.rl.max_prompt_tokens + config.max_new_tokens if "rl" in cfg else 0
+  model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf, longest)
   with connect_flags.connect("worker") as client:
     worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for)
     stop_on_signals(worker)

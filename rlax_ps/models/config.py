@@ -1,5 +1,5 @@
 """ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / OLMo 2 /
-OLMo 3 family decoder, independent of any checkpoint format."""
+OLMo 3 / Phi-3 family decoder, independent of any checkpoint format."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import dataclasses
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral",
-                 "gemma2", "gemma3", "olmo2", "olmo3")
+                 "gemma2", "gemma3", "olmo2", "olmo3", "phi3")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class FrozenScaling(dict):
@@ -19,7 +19,7 @@ class FrozenScaling(dict):
   which jit hashes as a static argument (a plain dict made Llama-3 models unsampleable)."""
 
   def __hash__(self):
-    return hash(tuple(sorted(self.items())))
+    return hash(tuple(sorted(self.items())))  # list values (LongRoPE's factors) are tuples
 
   def _read_only(self, *args, **kwargs):
     raise TypeError("ModelConfig.rope_scaling is read-only; use config.replace(rope_scaling=...)")
@@ -49,7 +49,7 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-  Gemma 2, Gemma 3, OLMo 2, OLMo 3)."""
+  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3 and Phi-4)."""
 
   vocab_size: int
   hidden_size: int
@@ -62,8 +62,16 @@ class ModelConfig:
   # HF style: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
   # "original_max_position_embeddings"}, {"rope_type": "yarn", "factor",
   # "original_max_position_embeddings"[, "beta_fast", "beta_slow", "attention_factor",
-  # "mscale", "mscale_all_dim", "truncate"]} or {"rope_type": "linear", "factor"}; None = plain.
+  # "mscale", "mscale_all_dim", "truncate"]}, {"rope_type": "linear", "factor"} or
+  # {"rope_type": "longrope", "short_factor", "long_factor", "original_max_position_embeddings"
+  # [, "factor", "attention_factor"]} (Phi-3.5, Phi-4-mini); None = plain.
   rope_scaling: dict[str, Any] | None = None
+  partial_rotary_factor: float = 1.0  # RoPE turns the first int(head_dim * this) dims.
+  # LongRoPE: None picks the long factors per call, when a position reaches
+  # original_max_position_embeddings (transformers' forward); True / False fixes them, so a
+  # trainer and its workers turn every token alike (model_config_from sets it from the run's
+  # longest sequence). Not part of the HF config.
+  rope_long_factors: bool | None = None
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections.
   qk_norm: bool = False  # Qwen3 and Gemma 3 RMS-normalise each head's q and k before RoPE.
@@ -118,6 +126,10 @@ class ModelConfig:
            f"num_heads={self.num_heads}", None)
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
     need(self.head_dim % 2 == 0, "head_dim", "an even int (RoPE rotates pairs)", self.head_dim)
+    need(isinstance(self.partial_rotary_factor, (int, float)) and 0 < self.partial_rotary_factor <= 1
+         and self.rotary_dim > 0 and self.rotary_dim % 2 == 0, "partial_rotary_factor",
+         f"a number in (0, 1] turning an even number of the {self.head_dim} head dims",
+         self.partial_rotary_factor)
     for f in ("param_dtype", "dtype"):
       object.__setattr__(self, f, dtype_name(getattr(self, f), f"ModelConfig.{f}"))
     need(self.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
@@ -174,10 +186,25 @@ class ModelConfig:
       if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
           need(key in scaling, f"rope_scaling.{key}", "a number", None)
+      if rope_type == "longrope":
+        need(isinstance(scaling.get("original_max_position_embeddings"), int),
+             "rope_scaling.original_max_position_embeddings", "an int",
+             scaling.get("original_max_position_embeddings"))
+        for key in ("short_factor", "long_factor"):
+          factors = scaling.get(key)
+          need(isinstance(factors, (list, tuple)) and len(factors) == self.rotary_dim // 2
+               and all(isinstance(f, (int, float)) for f in factors), f"rope_scaling.{key}",
+               f"{self.rotary_dim // 2} numbers (one per rotated pair)", factors)
+          scaling[key] = tuple(float(f) for f in factors)
       scaling["rope_type"] = rope_type
       scaling.pop("type", None)
       object.__setattr__(self, "rope_scaling",
                          FrozenScaling(scaling) if rope_type != "default" else None)
+
+  @property
+  def rotary_dim(self) -> int:
+    """How many leading dims of each head RoPE turns (all but with partial_rotary_factor)."""
+    return int(self.head_dim * self.partial_rotary_factor)
 
   def moe_layer(self, layer: int) -> bool:
     """Whether layer `layer` routes tokens to experts (else it has the dense MLP)."""

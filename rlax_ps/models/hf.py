@@ -1,14 +1,17 @@
 """Hugging Face checkpoints (config.json + safetensors) to and from our Transformer.
 
 Covers LlamaForCausalLM, MistralForCausalLM (v0.1's sliding window included),
-MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
-Gemma2ForCausalLM and Gemma3ForCausalLM (Gemma 3's text model) as transformers 4.x
+MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
+Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text model),
+Olmo2ForCausalLM, Olmo3ForCausalLM and Phi3ForCausalLM (Phi-3, Phi-4) as transformers 4.x
 (top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
 `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights are
 [out, in]; our kernels are [in, out], so every kernel is transposed on the way. Checkpoints
 hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`; Mixtral's Hub layout, which
 transformers 5.x still writes and 4.x reads, `block_sparse_moe.experts.{e}.w1.weight` with
-w1/w3/w2 = gate/up/down), our experts one param stacked over them ([E, H, I]).
+w1/w3/w2 = gate/up/down), our experts one param stacked over them ([E, H, I]). Phi-3's fused
+`qkv_proj` and `gate_up_proj` are split into our q/k/v and gate/up kernels by row ranges
+(`Rows`) and fused again on export.
 
 Mixtral's `router_jitter_noise` is read and ignored: transformers multiplies the router's
 input by that noise only in train mode, never in eval mode or in vLLM, and RL losses need our
@@ -21,7 +24,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import jax
 import ml_dtypes
@@ -36,6 +39,13 @@ from rlax_ps.models.transformer import Transformer
 from rlax_ps.sharding import fit_spec
 
 CONFIG_FILE = "config.json"
+
+
+class Rows(NamedTuple):
+  """Rows [start, stop) of a fused HF tensor (e.g. Phi-3's qkv_proj) that hold one param."""
+  name: str
+  start: int
+  stop: int
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -45,7 +55,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-                 "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3"}
+                 "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
+                 "Phi3ForCausalLM": "phi3"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -73,14 +84,14 @@ _MODEL_TYPE = {"gemma3": "gemma3_text"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768,
                           "qwen3_moe": 32768,
                           "mistral": 32768, "mixtral": 131072, "gemma2": 8192, "gemma3": 131072,
-                          "olmo2": 2048, "olmo3": 2048}
+                          "olmo2": 2048, "olmo3": 2048, "phi3": 4096}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
     "qwen2_moe": {"qkv_bias": True},
     "qwen3": {"qk_norm": True}, "qwen3_moe": {"qk_norm": True}, "gemma2": _GEMMA_FAMILY,
     "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
-    "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY,
+    "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY, "phi3": {},
 }
 _FAMILY_FIELDS = ("qkv_bias", "qk_norm", "qk_norm_across_heads", "hidden_act",
                   "zero_centered_norms", "scale_embeddings", "sandwich_norms", "post_norms")
@@ -106,23 +117,30 @@ def _get(d: Mapping[str, Any], key: str, default: Any = ..., *, where: str = CON
   return default
 
 
-def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-  """(rope_theta, rope_scaling) from 5.x `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
+def _rope_from_hf(d: Mapping[str, Any], arch: str
+                  ) -> tuple[float, dict[str, Any] | None, float]:
+  """(rope_theta, rope_scaling, partial_rotary_factor) from 5.x `rope_parameters` or 4.x
+  `rope_theta`/`rope_scaling`. Phi-3 reads its legacy "su" and "yarn" types as LongRoPE (as
+  transformers does) and keeps original_max_position_embeddings at the top level."""
   rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
   if "full_attention" in rope and isinstance(rope["full_attention"], dict):
     rope = rope["full_attention"]  # 5.x nests per layer type in some configs.
   rope = dict(rope)
   theta = float(rope.pop("rope_theta", d.get("rope_theta") or 10000.0))
   rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-  partial = rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-  if partial not in (None, 1, 1.0):
+  partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
+  if partial != 1 and arch != "phi3":
     raise ValueError(f"{CONFIG_FILE}: partial_rotary_factor: expected 1.0, got {partial!r}")
-  if rope_type not in ("default", "linear", "llama3", "yarn"):
+  if arch == "phi3" and rope_type in ("su", "yarn"):
+    rope_type = "longrope"
+  if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
     raise ValueError(f"{CONFIG_FILE}: rope type: expected one of ['default', 'linear', 'llama3', "
-                     f"'yarn'], got {rope_type!r}")
+                     f"'yarn', 'longrope'], got {rope_type!r}")
+  if rope_type == "longrope" and "original_max_position_embeddings" not in rope:
+    rope["original_max_position_embeddings"] = int(_get(d, "original_max_position_embeddings"))
   if rope_type == "default":
-    return theta, None
-  return theta, {"rope_type": rope_type, **rope}
+    return theta, None, float(partial)
+  return theta, {"rope_type": rope_type, **rope}, float(partial)
 
 
 def _local_rope_theta(d: Mapping[str, Any], arch: str) -> float:
@@ -154,7 +172,7 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
                     or _GEMMA_WINDOW_PATTERN[arch])
       types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                for i in range(num_layers)]
-  elif arch in ("mistral", "mixtral"):
+  elif arch in ("mistral", "mixtral", "phi3"):
     types = None  # every layer slides when a window is set
   elif arch == "olmo3":  # transformers' Olmo3Config: 3 sliding layers of every 4, 4096 wide
     window = 4096 if "sliding_window" not in d else window
@@ -224,7 +242,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   num_layers = int(_get(d, "num_hidden_layers"))
   if arch == "olmo3" and not d.get("rope_theta"):
     d = {**d, "rope_theta": _OLMO_THETA}
-  theta, scaling = _rope_from_hf(d)
+  theta, scaling, partial = _rope_from_hf(d, arch)
   window, layer_types = _sliding(d, arch, num_layers)
   cap = lambda key: None if d.get(key) is None else float(d[key])
   moe = _moe_from_hf(d, arch) if arch in _MOE_ARCHS else {}
@@ -238,7 +256,9 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       head_dim=_get(d, "head_dim", None),
       rope_theta=theta,
       rope_scaling=scaling,
-      rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-5 if arch in ("olmo2", "olmo3") else 1e-6)),
+      partial_rotary_factor=partial,
+      rms_norm_eps=float(_get(d, "rms_norm_eps",
+                              1e-5 if arch in ("olmo2", "olmo3", "phi3") else 1e-6)),
       tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False)),
       max_position_embeddings=int(_get(d, "max_position_embeddings",
                                        _DEFAULT_MAX_POSITIONS[arch])),
@@ -300,10 +320,13 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if getattr(c, field) is not None and not gemma:
       raise ValueError(f"ModelConfig.{field}: {hf_class} has no logit soft-capping, got "
                        f"{getattr(c, field)!r}")
+  if c.partial_rotary_factor != 1 and arch != "phi3":
+    raise ValueError(f"ModelConfig.partial_rotary_factor: {hf_class} turns every head dim, got "
+                     f"{c.partial_rotary_factor}")
   if c.sliding_window is not None and arch in ("llama", "olmo2"):
     raise ValueError(f"ModelConfig.sliding_window: {hf_class} has no sliding window, got "
                      f"{c.sliding_window}")
-  if (arch in ("mistral", "mixtral", "qwen3_moe") and c.layer_types
+  if (arch in ("mistral", "mixtral", "qwen3_moe", "phi3") and c.layer_types
       and "full_attention" in c.layer_types):
     raise ValueError(f"ModelConfig.layer_types: {hf_class} slides on every layer or none, got "
                      f"{list(c.layer_types)}")
@@ -342,6 +365,13 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(attention_bias=False, mlp_bias=False)
   elif arch == "mistral":
     d.update(sliding_window=c.sliding_window)
+  elif arch == "phi3":  # 4.x reads these at the top level, 5.x inside rope_parameters too
+    rope["partial_rotary_factor"] = c.partial_rotary_factor
+    # pad_token_id: Phi3Config's default (32000) must lie inside the vocabulary.
+    d.update(sliding_window=c.sliding_window, partial_rotary_factor=c.partial_rotary_factor,
+             pad_token_id=None)
+    if scaling and scaling["rope_type"] == "longrope":
+      d.update(original_max_position_embeddings=scaling["original_max_position_embeddings"])
   elif arch in ("olmo2", "olmo3"):
     d.update(attention_bias=False)
   elif arch == "mixtral":
@@ -398,17 +428,28 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
   """Our dotted param name -> (HF tensor name, whether the array is transposed between them).
 
   A param stacked over experts maps to a tuple of HF names, one per expert (its slices along
-  axis 0, each transposed on its own).
+  axis 0, each transposed on its own); a param fused with others in one HF tensor maps to
+  its `Rows` of that tensor.
   """
   names = {"embed.embedding": ("model.embed_tokens.weight", False),
            "norm.scale": ("model.norm.weight", False)}
   if not config.tie_word_embeddings:
     names["lm_head.kernel"] = ("lm_head.weight", True)
-  mixtral = config.architecture == "mixtral"
+  mixtral, fused = config.architecture == "mixtral", config.architecture == "phi3"
+  q, kv, inner = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
+                  config.intermediate_size)
   for i in range(config.num_layers):
     ours, hf = f"layers.{i}", f"model.layers.{i}"
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    for proj in ("o_proj",) if fused else ("q_proj", "k_proj", "v_proj", "o_proj"):
       names[f"{ours}.attn.{proj}.kernel"] = (f"{hf}.self_attn.{proj}.weight", True)
+    if fused:  # Phi-3: q, k, v stacked in qkv_proj; gate and up in gate_up_proj
+      qkv = f"{hf}.self_attn.qkv_proj.weight"
+      for proj, start, stop in (("q_proj", 0, q), ("k_proj", q, q + kv),
+                                ("v_proj", q + kv, q + 2 * kv)):
+        names[f"{ours}.attn.{proj}.kernel"] = (Rows(qkv, start, stop), True)
+      gate_up = f"{hf}.mlp.gate_up_proj.weight"
+      names[f"{ours}.mlp.gate_proj.kernel"] = (Rows(gate_up, 0, inner), True)
+      names[f"{ours}.mlp.up_proj.kernel"] = (Rows(gate_up, inner, 2 * inner), True)
     if config.qkv_bias:
       for proj in ("q_proj", "k_proj", "v_proj"):
         names[f"{ours}.attn.{proj}.bias"] = (f"{hf}.self_attn.{proj}.bias", False)
@@ -428,7 +469,7 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
       if config.shared_expert_intermediate_size:
         names[f"{ours}.mlp.shared_expert_gate.kernel"] = (f"{moe}.shared_expert_gate.weight", True)
     else:
-      for proj in ("gate_proj", "up_proj", "down_proj"):
+      for proj in ("down_proj",) if fused else ("gate_proj", "up_proj", "down_proj"):
         names[f"{ours}.mlp.{proj}.kernel"] = (f"{hf}.mlp.{proj}.weight", True)
     if config.post_norms:  # OLMo: post_attention_layernorm norms the attention output.
       names[f"{ours}.attn_out_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
@@ -453,15 +494,18 @@ def read_hf_config(path: str) -> ModelConfig:
     return config_from_hf(json.load(f))
 
 
-def model_config_from(cfg, vocab_size: int, init_from_hf: str = "") -> ModelConfig:
+def model_config_from(cfg, vocab_size: int, init_from_hf: str = "",
+                      max_sequence: int = 0) -> ModelConfig:
   """ModelConfig from the `model` config block (vocab_size 0 takes the tokenizer's), or
-  from the HF checkpoint to start from, keeping only the block's dtypes."""
+  from the HF checkpoint to start from, keeping only the block's dtypes. A LongRoPE model's
+  factors are fixed by `max_sequence` (> 0: the run's longest prompt + response), so that
+  the trainer and the workers turn every token alike."""
   if init_from_hf:
     config = read_hf_config(init_from_hf).replace(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
     if config.vocab_size < vocab_size:
       raise ValueError(f"init_from_hf: the model's vocab_size {config.vocab_size} is smaller "
                        f"than the tokenizer's {vocab_size}")
-    return config
+    return _fix_long_factors(config, max_sequence)
   d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
   if d.get("vocab_size", 0) in (0, None):
     d["vocab_size"] = vocab_size
@@ -469,10 +513,20 @@ def model_config_from(cfg, vocab_size: int, init_from_hf: str = "") -> ModelConf
     raise ValueError(f"model.vocab_size: expected >= the tokenizer's {vocab_size}, got "
                      f"{d['vocab_size']}")
   try:
-    return ModelConfig.from_dict(d)
+    return _fix_long_factors(ModelConfig.from_dict(d), max_sequence)
   except TypeError as e:  # missing shape fields
     raise ValueError(f"model: {e}; give the shape in the model block or init_from_hf naming "
                      f"a Hugging Face checkpoint") from None
+
+
+def _fix_long_factors(config: ModelConfig, max_sequence: int) -> ModelConfig:
+  """config with LongRoPE's long factors fixed on iff max_sequence tokens outgrow the
+  original context (transformers' rule for one forward of that length)."""
+  s = config.rope_scaling
+  if max_sequence <= 0 or s is None or s["rope_type"] != "longrope":
+    return config
+  return config.replace(
+      rope_long_factors=max_sequence > s["original_max_position_embeddings"])
 
 
 def _tensor_files(path: str) -> dict[str, str]:
@@ -537,13 +591,17 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
   """
   names = hf_tensor_names(config)
   files = _language_model_view(_tensor_files(path))
-  # HF name -> (our param, its expert's index in a stacked param or None, transposed)
-  needed = {}
+  # HF name -> [(our param, its expert's index in a stacked param, its Rows of a fused
+  # tensor, or None, transposed)]
+  needed: dict[str, list] = {}
   for ours, (hf, transposed) in names.items():
-    if isinstance(hf, tuple):
-      needed.update({name: (ours, e, transposed) for e, name in enumerate(hf)})
+    if isinstance(hf, Rows):
+      needed.setdefault(hf.name, []).append((ours, hf, transposed))
+    elif isinstance(hf, tuple):
+      for e, name in enumerate(hf):
+        needed.setdefault(name, []).append((ours, e, transposed))
     else:
-      needed[hf] = (ours, None, transposed)
+      needed.setdefault(hf, []).append((ours, None, transposed))
   missing = [name for name in needed if name not in files]
   if missing:
     raise ValueError(f"HF checkpoint {path!r}: missing tensor {missing[0]!r} "
@@ -558,21 +616,27 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
   dtype = _NP_DTYPES[config.param_dtype]
   shapes = _param_shapes(config)
   flat, experts = {}, {}
-  for hf, array in _read_tensors(files, sorted(needed)):
-    ours, expert, transposed = needed[hf]
-    shape = shapes[ours] if expert is None else shapes[ours][1:]
-    want = shape[::-1] if transposed else shape
-    if array.shape != want:
-      raise ValueError(f"tensor {hf!r}: expected shape {want}, got {array.shape}")
-    array = (array.T if transposed else array).astype(dtype, copy=False)
-    if expert is None:
-      flat[ours] = np.ascontiguousarray(array)
-      continue
-    parts = experts.setdefault(ours, {})
-    parts[expert] = array
-    if len(parts) == shapes[ours][0]:  # stacked once its last expert is read
-      flat[ours] = np.stack([parts[e] for e in range(len(parts))])
-      del experts[ours]
+  for hf, full in _read_tensors(files, sorted(needed)):
+    if isinstance(needed[hf][0][1], Rows):  # fused: [sum of rows, in] HF-side
+      rows = max(part.stop for _, part, _ in needed[hf])
+      want = (rows, *shapes[needed[hf][0][0]][:-1][::-1])
+      if full.shape != want:
+        raise ValueError(f"tensor {hf!r}: expected shape {want}, got {full.shape}")
+    for ours, part, transposed in needed[hf]:
+      array = full[part.start:part.stop] if isinstance(part, Rows) else full
+      shape = shapes[ours][1:] if isinstance(part, int) else shapes[ours]
+      want = shape[::-1] if transposed else shape
+      if array.shape != want:
+        raise ValueError(f"tensor {hf!r}: expected shape {want}, got {array.shape}")
+      array = (array.T if transposed else array).astype(dtype, copy=False)
+      if not isinstance(part, int):
+        flat[ours] = np.ascontiguousarray(array)
+        continue
+      parts = experts.setdefault(ours, {})
+      parts[part] = array
+      if len(parts) == shapes[ours][0]:  # stacked once its last expert is read
+        flat[ours] = np.stack([parts[e] for e in range(len(parts))])
+        del experts[ours]
   return flat
 
 
@@ -628,12 +692,18 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   if set(flat) != set(names):
     odd = sorted(set(flat) ^ set(names))
     raise ValueError(f"model params do not match its config: e.g. {odd[0]!r}")
-  tensors = {}
+  tensors, fused = {}, {}
   for ours, (hf, transposed) in names.items():
     array = np.asarray(jax.device_get(flat[ours])).astype(_NP_DTYPES[dtype], copy=False)
+    if isinstance(hf, Rows):
+      fused.setdefault(hf.name, []).append((hf.start, array.T if transposed else array))
+      continue
     parts = zip(hf, array) if isinstance(hf, tuple) else [(hf, array)]  # experts: axis 0
     for name, part in parts:
       tensors[name] = np.ascontiguousarray(part.T if transposed else part)
+  for name, parts in fused.items():
+    tensors[name] = np.ascontiguousarray(  # safetensors writes the buffer as if C-ordered
+        np.concatenate([a for _, a in sorted(parts, key=lambda p: p[0])]))
 
   os.makedirs(path, exist_ok=True)
   for f in os.listdir(path):

@@ -1,4 +1,5 @@
-"""Rotary position embeddings, computed as Hugging Face does (float32, rotate-half layout)."""
+"""Rotary position embeddings, computed as Hugging Face does (float32, rotate-half layout,
+partial rotation of the leading head dims)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def _yarn(config: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
   """YaRN: frequencies that turn fewer than beta_slow times over the original context are
   interpolated (divided by `factor`), those turning more than beta_fast times kept, with a
   linear ramp over the dimensions in between."""
-  s, dim, base = config.rope_scaling, config.head_dim, float(config.rope_theta)
+  s, dim, base = config.rope_scaling, config.rotary_dim, float(config.rope_theta)
   factor, old_len = float(s["factor"]), float(s["original_max_position_embeddings"])
 
   def correction_dim(rotations):
@@ -31,8 +32,14 @@ def _yarn(config: ModelConfig, inv_freq: np.ndarray) -> np.ndarray:
 
 
 def attention_scaling(config: ModelConfig) -> float:
-  """The factor YaRN multiplies cos and sin by (1 for the other kinds)."""
+  """The factor YaRN and LongRoPE multiply cos and sin by (1 for the other kinds)."""
   s = config.rope_scaling
+  if s is not None and s["rope_type"] == "longrope":
+    if s.get("attention_factor") is not None:
+      return float(s["attention_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    factor = float(s.get("factor") or config.max_position_embeddings / old_len)
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
   if s is None or s["rope_type"] != "yarn":
     return 1.0
   if s.get("attention_factor") is not None:
@@ -47,15 +54,19 @@ def attention_scaling(config: ModelConfig) -> float:
   return mscale(factor)
 
 
-def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-  """RoPE inverse frequencies [head_dim // 2] in float32, with linear, Llama-3 or YaRN
-  scaling."""
-  dim = config.head_dim
+def inverse_frequencies(config: ModelConfig, long: bool = False) -> np.ndarray:
+  """RoPE inverse frequencies [rotary_dim // 2] in float32, with linear, Llama-3, YaRN or
+  LongRoPE scaling (LongRoPE: its short factors, or with `long` its long ones)."""
+  dim = config.rotary_dim
   exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-  inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+  powers = np.float32(config.rope_theta) ** exponents
+  inv_freq = (1.0 / powers).astype(np.float32)
   scaling = config.rope_scaling
   if scaling is None:
     return inv_freq
+  if scaling["rope_type"] == "longrope":
+    ext = np.asarray(scaling["long_factor" if long else "short_factor"], np.float32)
+    return (1.0 / (ext * powers)).astype(np.float32)
   factor = float(scaling["factor"])
   if scaling["rope_type"] == "yarn":
     return _yarn(config, inv_freq)
@@ -84,8 +95,31 @@ def rotary_angles(positions: jnp.ndarray, inv_freq: np.ndarray, scale: float = 1
   return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
+def model_angles(config: ModelConfig, positions: jnp.ndarray, segment_ids: jnp.ndarray
+                 ) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """cos, sin [B, T, rotary_dim] of the model's (global) RoPE at positions [B, T]. LongRoPE
+  takes the factors config.rope_long_factors fixes, or else its long ones when a token's
+  position (padding, segment id 0, aside) reaches original_max_position_embeddings and its
+  short ones otherwise, per call as transformers' forward does."""
+  scale = attention_scaling(config)
+  angles = rotary_angles(positions, inverse_frequencies(config), scale)
+  s = config.rope_scaling
+  if s is None or s["rope_type"] != "longrope":
+    return angles
+  long = rotary_angles(positions, inverse_frequencies(config, long=True), scale)
+  if config.rope_long_factors is not None:
+    return long if config.rope_long_factors else angles
+  use_long = jnp.max(jnp.where(segment_ids > 0, positions, 0)) >= s[
+      "original_max_position_embeddings"]
+  return tuple(jnp.where(use_long, b, a) for a, b in zip(angles, long))
+
+
 def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-  """Rotate x [B, T, heads, head_dim] by the angles (rotate-half convention)."""
+  """Rotate x [B, T, heads, head_dim] by the angles (rotate-half convention); with angles
+  for fewer dims than head_dim, only those leading dims turn."""
+  if cos.shape[-1] < x.shape[-1]:
+    rot = cos.shape[-1]
+    return jnp.concatenate([apply_rotary(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
   half = x.shape[-1] // 2
   x1, x2 = x[..., :half], x[..., half:]
   rotated = jnp.concatenate([-x2, x1], axis=-1)

@@ -269,7 +269,7 @@ class Transformer(nnx.Module):
       cache = cache.write_meta(segment_ids, positions)
 
     c = self.config
-    angles = rope.rotary_angles(positions, rope.inverse_frequencies(c), rope.attention_scaling(c))
+    angles = rope.model_angles(c, positions, segment_ids)
     local_angles = angles
     if c.rope_local_theta is not None:
       local = c.replace(rope_theta=c.rope_local_theta, rope_scaling=None)

@@ -49,8 +49,10 @@ class TrainerRun:
     self.init_from_hf = config.get("init_from_hf", "")
     self.tokenizer = tokenizer_from_config(config.tokenizer, self.init_from_hf)
     self.tasks, self.weights = tasks_from(config.tasks)
+    # RL: LongRoPE factors fixed by the longest prompt + response, as the workers fix them.
+    longest = config.rl.max_prompt_tokens + config.worker.max_new_tokens if "rl" in config else 0
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
-                                          self.init_from_hf)
+                                          self.init_from_hf, longest)
 
   @property
   def leader(self) -> bool:

@@ -56,7 +56,8 @@ def copy_with(tmp_path, name, tensors=None, config=None):
                                         ("mixtral", "config_4x.json"),
                                         ("olmo2", "config_4x.json"),
                                         ("olmo3", "config_4x.json"),
-                                        ("qwen2_moe", "config_4x.json")])
+                                        ("qwen2_moe", "config_4x.json"),
+                                        ("phi3", "config_4x.json")])
 def test_both_config_layouts_give_the_same_config(name, other):
   new_style = read_json(os.path.join(fixture(name), "config.json"))
   old_style = read_json(os.path.join(fixture(name), other))
@@ -254,9 +255,17 @@ def test_config_fields_read_from_gemma_and_sliding_windows():
                 num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=(1,),
                 shared_expert_intermediate_size=12, sliding_window=9,
                 layer_types=("sliding_attention", "full_attention", "full_attention")),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                num_kv_heads=1, architecture="phi3", rope_theta=2.5e5, rms_norm_eps=1e-5,
+                max_position_embeddings=64),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2,
+                num_kv_heads=2, architecture="phi3", partial_rotary_factor=0.75,
+                sliding_window=9, max_position_embeddings=64, tie_word_embeddings=True,
+                rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 16,
+                              "short_factor": [1.0, 1.0, 1.5], "long_factor": [2.0, 3.0, 4.0]}),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
         "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window", "mixtral", "mixtral-window",
-        "olmo2", "olmo3", "qwen2-moe"])
+        "olmo2", "olmo3", "qwen2-moe", "phi4", "phi4-mini"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -504,7 +513,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "mistral_window", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo2", "olmo3", "qwen2_moe"])
+                                  "mixtral", "olmo2", "olmo3", "qwen2_moe", "phi3"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

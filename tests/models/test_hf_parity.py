@@ -54,7 +54,7 @@ def with_config(name, config_file, tmp_path):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "qwen3_yarn", "mistral_window", "gemma3", "gemma3_vision",
                                   "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3",
-                                  "qwen2_moe"])
+                                  "qwen2_moe", "phi3"])
 @pytest.mark.parametrize("config_file", ["config.json", "config_4x.json"])
 def test_logits_match_transformers(name, config_file, tmp_path):
   tokens, expected = reference(name)
@@ -85,7 +85,7 @@ def test_the_scaled_rope_fixtures_exercise_their_scaling(name, scaled, tmp_path)
   assert np.abs(np.asarray(forward(model, tokens)) - expected).max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "mixtral", "olmo3"])
+@pytest.mark.parametrize("name", ["mistral_window", "mixtral", "olmo3", "phi3"])
 def test_the_windowed_fixtures_exercise_their_window(name, tmp_path):
   # Their 20-token references reach past the 6-token window: without it the logits differ.
   path = with_config(name, "config.json", tmp_path)
@@ -130,7 +130,8 @@ def test_cached_decoding_matches_transformers(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
-                                  "qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe"])
+                                  "qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe",
+                                  "phi3"])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""
