@@ -1,5 +1,5 @@
 """ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / OLMo 2 /
-OLMo 3 / Phi-3 family decoder, independent of any checkpoint format."""
+OLMo 3 / Phi-3 / SmolLM3 family decoder, independent of any checkpoint format."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral",
-                 "gemma2", "gemma3", "olmo2", "olmo3", "phi3")
+                 "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -49,7 +49,7 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3 and Phi-4)."""
+  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Phi-4, SmolLM3)."""
 
   vocab_size: int
   hidden_size: int
@@ -87,6 +87,7 @@ class ModelConfig:
   sliding_window: int | None = None
   layer_types: tuple[str, ...] | None = None
   rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (unscaled).
+  nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q and k take no rotary embedding.
   # Gemma 2: attention logits and output logits soft-capped as cap * tanh(x / cap).
   attn_logit_softcapping: float | None = None
   final_logit_softcapping: float | None = None
@@ -161,10 +162,11 @@ class ModelConfig:
          and not (self.shared_expert_intermediate_size and not self.num_experts),
          "shared_expert_intermediate_size", "an int >= 0, and 0 without experts",
          self.shared_expert_intermediate_size)
-    layers = tuple(int(i) for i in self.mlp_only_layers)
-    need(all(0 <= i < self.num_layers for i in layers), "mlp_only_layers",
-         f"layer indices in [0, {self.num_layers})", self.mlp_only_layers)
-    object.__setattr__(self, "mlp_only_layers", layers)
+    for f in ("mlp_only_layers", "nope_layers"):
+      layers = tuple(int(i) for i in getattr(self, f))
+      need(all(0 <= i < self.num_layers for i in layers), f,
+           f"layer indices in [0, {self.num_layers})", getattr(self, f))
+      object.__setattr__(self, f, layers)
     if self.sliding_window is not None:
       need(isinstance(self.sliding_window, int) and self.sliding_window > 0, "sliding_window",
            "a positive int or None", self.sliding_window)

@@ -3,8 +3,9 @@
 Covers LlamaForCausalLM, MistralForCausalLM (v0.1's sliding window included),
 MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
 Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text model),
-Olmo2ForCausalLM, Olmo3ForCausalLM and Phi3ForCausalLM (Phi-3, Phi-4) as transformers 4.x
-(top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
+Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-4) and SmolLM3ForCausalLM
+as transformers 4.x (top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`)
+write them, with one
 `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights are
 [out, in]; our kernels are [in, out], so every kernel is transposed on the way. Checkpoints
 hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`; Mixtral's Hub layout, which
@@ -39,6 +40,8 @@ from rlax_ps.models.transformer import Transformer
 from rlax_ps.sharding import fit_spec
 
 CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class Rows(NamedTuple):
@@ -46,8 +49,7 @@ class Rows(NamedTuple):
   name: str
   start: int
   stop: int
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+
 
 # HF class name -> our ModelConfig.architecture, and back.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -56,7 +58,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                 "Phi3ForCausalLM": "phi3"}
+                 "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -82,16 +84,16 @@ _OLMO_FAMILY = {"qk_norm": True, "qk_norm_across_heads": True, "post_norms": Tru
 _OLMO_THETA = 500000.0  # transformers' Olmo3Config.default_theta
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768,
-                          "qwen3_moe": 32768,
-                          "mistral": 32768, "mixtral": 131072, "gemma2": 8192, "gemma3": 131072,
-                          "olmo2": 2048, "olmo3": 2048, "phi3": 4096}
+                          "qwen3_moe": 32768, "mistral": 32768, "mixtral": 131072,
+                          "gemma2": 8192, "gemma3": 131072, "olmo2": 2048, "olmo3": 2048,
+                          "phi3": 4096, "smollm3": 32768}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
     "qwen2_moe": {"qkv_bias": True},
     "qwen3": {"qk_norm": True}, "qwen3_moe": {"qk_norm": True}, "gemma2": _GEMMA_FAMILY,
     "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
-    "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY, "phi3": {},
+    "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY, "phi3": {}, "smollm3": {},
 }
 _FAMILY_FIELDS = ("qkv_bias", "qk_norm", "qk_norm_across_heads", "hidden_act",
                   "zero_centered_norms", "scale_embeddings", "sandwich_norms", "post_norms")
@@ -174,6 +176,12 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
                for i in range(num_layers)]
   elif arch in ("mistral", "mixtral", "phi3"):
     types = None  # every layer slides when a window is set
+  elif arch == "smollm3":  # transformers' SmolLM3Config: the NoPE layers slide
+    if not d.get("use_sliding_window"):
+      return None, None
+    nope = set(_nope_layers(d, num_layers))
+    types = types or ["sliding_attention" if i in nope and window is not None
+                      else "full_attention" for i in range(num_layers)]
   elif arch == "olmo3":  # transformers' Olmo3Config: 3 sliding layers of every 4, 4096 wide
     window = 4096 if "sliding_window" not in d else window
     types = types or ["sliding_attention" if (i + 1) % 4 else "full_attention"
@@ -203,6 +211,19 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
   return int(window), types
 
 
+def _nope_layers(d: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+  """SmolLM3's layers without RoPE: `no_rope_layers` (1: rotary, 0: none) or, as
+  transformers' SmolLM3Config, every `no_rope_layer_interval`-th layer."""
+  flags = d.get("no_rope_layers")
+  if flags is None:
+    interval = int(d.get("no_rope_layer_interval") or 4)
+    flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+  if len(flags) != num_layers:
+    raise ValueError(f"{CONFIG_FILE}: no_rope_layers: expected {num_layers} entries, got "
+                     f"{len(flags)}")
+  return tuple(i for i, rotary in enumerate(flags) if not rotary)
+
+
 def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   """A ModelConfig from a parsed HF config.json (either transformers 4.x or 5.x layout)."""
   archs = d.get("architectures") or []
@@ -225,10 +246,10 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   if _HF_ACT.get(act) != family.get("hidden_act", "silu"):
     want = [k for k, v in _HF_ACT.items() if v == family.get("hidden_act", "silu")][0]
     raise ValueError(f"{CONFIG_FILE}: {act_key}: expected {want!r}, got {act!r}")
-  flags = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",),
-           "qwen3_moe": ("attention_bias",), "gemma2": ("attention_bias",),
-           "gemma3": ("attention_bias",), "olmo2": ("attention_bias",),
-           "olmo3": ("attention_bias",)}.get(arch, ())
+  flags = {"llama": ("attention_bias", "mlp_bias"), "smollm3": ("attention_bias", "mlp_bias"),
+           "qwen3": ("attention_bias",), "qwen3_moe": ("attention_bias",),
+           "gemma2": ("attention_bias",), "gemma3": ("attention_bias",),
+           "olmo2": ("attention_bias",), "olmo3": ("attention_bias",)}.get(arch, ())
   for flag in flags:
     if d.get(flag):
       raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
@@ -266,6 +287,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       sliding_window=window,
       layer_types=layer_types,
       rope_local_theta=_local_rope_theta(d, arch) if arch in ("gemma3", "olmo3") else None,
+      nope_layers=_nope_layers(d, num_layers) if arch == "smollm3" else (),
       attn_logit_softcapping=cap("attn_logit_softcapping"),
       final_logit_softcapping=cap("final_logit_softcapping"),
       architecture=arch,
@@ -323,6 +345,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   if c.partial_rotary_factor != 1 and arch != "phi3":
     raise ValueError(f"ModelConfig.partial_rotary_factor: {hf_class} turns every head dim, got "
                      f"{c.partial_rotary_factor}")
+  if c.nope_layers and arch != "smollm3":
+    raise ValueError(f"ModelConfig.nope_layers: {hf_class} turns every layer by RoPE, got "
+                     f"{list(c.nope_layers)}")
   if c.sliding_window is not None and arch in ("llama", "olmo2"):
     raise ValueError(f"ModelConfig.sliding_window: {hf_class} has no sliding window, got "
                      f"{c.sliding_window}")
@@ -358,6 +383,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
       "rope_parameters": rope,
       "dtype": c.param_dtype,
       "torch_dtype": c.param_dtype,
+      # Some classes' defaults (Phi3Config's 32000, SmolLM3Config's 128004) must lie inside
+      # the vocabulary; the ids a checkpoint really uses come as extra_config.
+      "pad_token_id": None,
   }
   types = ["sliding_attention" if c.sliding_layer(i) else "full_attention"
            for i in range(c.num_layers)]
@@ -365,11 +393,13 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(attention_bias=False, mlp_bias=False)
   elif arch == "mistral":
     d.update(sliding_window=c.sliding_window)
+  elif arch == "smollm3":
+    d.update(attention_bias=False, mlp_bias=False, use_sliding_window=c.sliding_window is not None,
+             sliding_window=c.sliding_window, layer_types=types,
+             no_rope_layers=[int(i not in c.nope_layers) for i in range(c.num_layers)])
   elif arch == "phi3":  # 4.x reads these at the top level, 5.x inside rope_parameters too
     rope["partial_rotary_factor"] = c.partial_rotary_factor
-    # pad_token_id: Phi3Config's default (32000) must lie inside the vocabulary.
-    d.update(sliding_window=c.sliding_window, partial_rotary_factor=c.partial_rotary_factor,
-             pad_token_id=None)
+    d.update(sliding_window=c.sliding_window, partial_rotary_factor=c.partial_rotary_factor)
     if scaling and scaling["rope_type"] == "longrope":
       d.update(original_max_position_embeddings=scaling["original_max_position_embeddings"])
   elif arch in ("olmo2", "olmo3"):

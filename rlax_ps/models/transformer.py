@@ -1,12 +1,13 @@
 """Decoder-only transformer in Flax NNX covering the Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-Gemma 2/3 and OLMo 2/3 families.
+Gemma 2/3, OLMo 2/3, Phi-3/4 and SmolLM3 families.
 
-RMSNorm, RoPE (plain, linear, Llama-3 or YaRN scaled), grouped-query attention, SwiGLU or
-GeGLU MLP, optional q/k/v biases (Qwen2), q/k norms per head (Qwen3, Gemma 3) or across
-heads (OLMo 2/3), sliding-window layers with their own RoPE base, Gemma's zero-centred and
-sandwich norms, scaled embeddings and soft-capped logits, OLMo's post-norms, mixture-of-experts
-MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert), tied or untied embeddings. Several sequences may share a row
-(segment ids + positions); an optional KVCache serves decoding.
+RMSNorm, RoPE (plain, linear, Llama-3, YaRN or LongRoPE scaled, whole or partial heads),
+grouped-query attention, SwiGLU or GeGLU MLP, optional q/k/v biases (Qwen2), q/k norms per
+head (Qwen3, Gemma 3) or across heads (OLMo 2/3), sliding-window layers with their own RoPE
+base, Gemma's zero-centred and sandwich norms, scaled embeddings and soft-capped logits,
+OLMo's post-norms, layers without RoPE (SmolLM3), mixture-of-experts MLPs (Qwen3-MoE,
+Mixtral, Qwen2-MoE's shared expert), tied or untied embeddings. Several sequences may share
+a row (segment ids + positions); an optional KVCache serves decoding.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(c, c.num_kv_heads * c.head_dim if wide else c.head_dim, rngs=rngs)
 
   def __call__(self, x, cos, sin, attend: Callable):
-    """`attend(q, k, v) -> out` is given by the caller: plain, cached or packed attention."""
+    """`attend(q, k, v) -> out` is given by the caller: plain, cached or packed attention;
+    cos/sin None: no rotary embedding (a NoPE layer)."""
     b, t, _ = x.shape
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     if self.use_qk_norm and self.across_heads:
@@ -95,8 +97,8 @@ class Attention(nnx.Module):
     v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.use_qk_norm and not self.across_heads:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = rope.apply_rotary(q, cos, sin)
-    k = rope.apply_rotary(k, cos, sin)
+    if cos is not None:
+      q, k = rope.apply_rotary(q, cos, sin), rope.apply_rotary(k, cos, sin)
     out = attend(q, k, v)
     return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
@@ -282,7 +284,8 @@ class Transformer(nnx.Module):
     sm_scale, softcap = c.attention_scale, c.attn_logit_softcapping
     for i, layer in enumerate(self.layers):
       window = c.layer_window(i)
-      cos, sin = local_angles if c.sliding_layer(i) else angles
+      cos, sin = (None, None) if i in c.nope_layers else (
+          local_angles if c.sliding_layer(i) else angles)
       if cache is None:
         def attend(q, k, v, window=window):
           return attention_fn(q, k, v, segment_ids, positions, segment_ids, positions,

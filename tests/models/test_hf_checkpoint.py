@@ -46,23 +46,17 @@ def copy_with(tmp_path, name, tensors=None, config=None):
   return str(tmp_path)
 
 
-@pytest.mark.parametrize("name,other", [("llama", "config_4x.json"), ("qwen2", "config_4x.json"),
-                                        ("qwen3", "config_4x.json"), ("mistral", "config_4x.json"),
-                                        ("qwen3_yarn", "config_4x.json"),
-                                        ("mistral_window", "config_4x.json"),
-                                        ("gemma3", "config_4x.json"),
-                                        ("gemma2", "config_4x.json"),
-                                        ("qwen3_moe", "config_4x.json"),
-                                        ("mixtral", "config_4x.json"),
-                                        ("olmo2", "config_4x.json"),
-                                        ("olmo3", "config_4x.json"),
-                                        ("qwen2_moe", "config_4x.json"),
-                                        ("phi3", "config_4x.json")])
-def test_both_config_layouts_give_the_same_config(name, other):
+@pytest.mark.parametrize("name", sorted(
+    n for n in os.listdir(FIXTURES) if os.path.exists(os.path.join(FIXTURES, n, "config_4x.json"))))
+def test_both_config_layouts_give_the_same_config(name):
+  # The same config and tensors give the same logits, so test_hf_parity compares the
+  # logits of config.json alone.
   new_style = read_json(os.path.join(fixture(name), "config.json"))
-  old_style = read_json(os.path.join(fixture(name), other))
-  assert "rope_parameters" in new_style and "rope_parameters" not in old_style
-  assert "rope_theta" in old_style
+  old_style = read_json(os.path.join(fixture(name), "config_4x.json"))
+  new_text, old_text = (new_style.get("text_config", new_style),
+                        old_style.get("text_config", old_style))
+  assert "rope_parameters" in new_text and "rope_parameters" not in old_text
+  assert "rope_theta" in old_text
   assert config_from_hf(new_style) == config_from_hf(old_style)
 
 
@@ -263,9 +257,13 @@ def test_config_fields_read_from_gemma_and_sliding_windows():
                 sliding_window=9, max_position_embeddings=64, tie_word_embeddings=True,
                 rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 16,
                               "short_factor": [1.0, 1.0, 1.5], "long_factor": [2.0, 3.0, 4.0]}),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=4, num_heads=4,
+                num_kv_heads=1, architecture="smollm3", nope_layers=(3,), sliding_window=5,
+                layer_types=("full_attention",) * 3 + ("sliding_attention",),
+                tie_word_embeddings=True, rope_theta=5e6),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
         "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window", "mixtral", "mixtral-window",
-        "olmo2", "olmo3", "qwen2-moe", "phi4", "phi4-mini"])
+        "olmo2", "olmo3", "qwen2-moe", "phi4", "phi4-mini", "smollm3"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -273,6 +271,25 @@ def test_config_to_hf_and_back_is_identity(config):
   old_only = {k: v for k, v in hf.items() if k != "rope_parameters"}
   new_only = {k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling")}
   assert config_from_hf(old_only) == config_from_hf(new_only) == config
+
+
+def test_config_fields_read_from_smollm3():
+  d = read_json(os.path.join(fixture("smollm3"), "config_4x.json"))
+  c = config_from_hf(d)
+  assert c.nope_layers == (1, 3) and [c.layer_window(i) for i in range(4)] == [None, 6, None, 6]
+  # transformers' SmolLM3Config: without no_rope_layers every 4th layer (interval) has no
+  # RoPE, and only those layers slide, only with use_sliding_window.
+  for key in ("no_rope_layers", "no_rope_layer_interval", "layer_types"):
+    d.pop(key, None)
+  d["num_hidden_layers"] = 8
+  default = config_from_hf(d)
+  assert default.nope_layers == (3, 7)
+  assert [i for i in range(8) if default.layer_window(i)] == [3, 7]
+  assert config_from_hf(dict(d, use_sliding_window=False)).sliding_window is None
+  with pytest.raises(ValueError, match="no_rope_layers: expected 8 entries"):
+    config_from_hf(dict(d, no_rope_layers=[1, 0]))
+  with pytest.raises(ValueError, match="ModelConfig.nope_layers: LlamaForCausalLM"):
+    config_to_hf(c.replace(architecture="llama", sliding_window=None, layer_types=None))
 
 
 def test_unknown_architecture_is_named():
@@ -513,7 +530,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "mistral_window", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo2", "olmo3", "qwen2_moe", "phi3"])
+                                  "mixtral", "olmo2", "olmo3", "qwen2_moe", "phi3", "smollm3"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

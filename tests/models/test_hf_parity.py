@@ -15,7 +15,7 @@ from flax import nnx
 
 from inference_workers.sampler import generate
 from inference_workers.sampling import SamplingParams
-from rlax_ps.models import KVCache, load_hf_checkpoint
+from rlax_ps.models import KVCache, Transformer, load_hf_checkpoint
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
 TOLERANCE = 1e-4  # max abs logit difference in float32
@@ -54,15 +54,13 @@ def with_config(name, config_file, tmp_path):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "qwen3_yarn", "mistral_window", "gemma3", "gemma3_vision",
                                   "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3",
-                                  "qwen2_moe", "phi3"])
-@pytest.mark.parametrize("config_file", ["config.json", "config_4x.json"])
-def test_logits_match_transformers(name, config_file, tmp_path):
+                                  "qwen2_moe", "phi3", "smollm3"])
+def test_logits_match_transformers(name):
+  # config.json only: test_hf_checkpoint checks that config_4x.json gives the same config.
   tokens, expected = reference(name)
-  model = load_hf_checkpoint(with_config(name, config_file, tmp_path), dtype="float32")
-  logits = np.asarray(forward(model, tokens))
+  logits = np.asarray(forward(fixture_model(name), tokens))
   err = float(np.abs(logits - expected).max())
-  print(f"parity {name} {config_file}: max abs diff {err:.3g} (max |logit| "
-        f"{np.abs(expected).max():.3g})")
+  print(f"parity {name}: max abs diff {err:.3g} (max |logit| {np.abs(expected).max():.3g})")
   assert logits.shape == expected.shape
   assert err < TOLERANCE
 
@@ -85,7 +83,7 @@ def test_the_scaled_rope_fixtures_exercise_their_scaling(name, scaled, tmp_path)
   assert np.abs(np.asarray(forward(model, tokens)) - expected).max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "mixtral", "olmo3", "phi3"])
+@pytest.mark.parametrize("name", ["mistral_window", "mixtral", "olmo3", "phi3", "smollm3"])
 def test_the_windowed_fixtures_exercise_their_window(name, tmp_path):
   # Their 20-token references reach past the 6-token window: without it the logits differ.
   path = with_config(name, "config.json", tmp_path)
@@ -100,8 +98,18 @@ def test_the_windowed_fixtures_exercise_their_window(name, tmp_path):
   assert np.abs(np.asarray(forward(model, tokens)) - expected).max() > 1e-2
 
 
+def test_the_smollm3_fixture_exercises_its_layers_without_rope():
+  # With RoPE on every layer the same weights give clearly different logits.
+  tokens, expected = reference("smollm3")
+  model = fixture_model("smollm3")
+  assert model.config.nope_layers == (1, 3)
+  roped = Transformer(model.config.replace(nope_layers=()), rngs=nnx.Rngs(0))
+  nnx.update(roped, nnx.state(model, nnx.Param))
+  assert np.abs(np.asarray(forward(roped, tokens)) - expected).max() > 1e-2
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo2", "olmo3", "qwen2_moe"])
+                                  "mixtral", "olmo2", "olmo3", "qwen2_moe", "smollm3"])
 def test_packed_sequences_match_transformers(name):
   # Causal logits of a prefix equal the full row's first logits, so a row packing the first
   # 12 tokens of sequence 0 with the first 8 of sequence 1 must reproduce both references.
@@ -115,7 +123,7 @@ def test_packed_sequences_match_transformers(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo3"])
+                                  "mixtral", "olmo3", "smollm3"])
 def test_cached_decoding_matches_transformers(name):
   # A 14-token prefill then one token at a time: the windowed fixtures decode past the window.
   tokens, expected = reference(name)
@@ -131,7 +139,7 @@ def test_cached_decoding_matches_transformers(name):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
                                   "qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe",
-                                  "phi3"])
+                                  "phi3", "smollm3"])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""
