@@ -70,15 +70,15 @@ def main(argv) -> None:
   enable_compile_cache()
   # JAX and the model load only once the flags are valid.
   from inference_workers.loop import Worker
-  from rlax_ps.models import model_config_from
+  from rlax_ps.models import longest_sequence, model_config_from
   from rlax_ps.tokenizers import tokenizer_from_config
 
   init_from_hf = cfg.get("init_from_hf", "")
   tokenizer = tokenizer_from_config(cfg.get("tokenizer"), init_from_hf)
   if "model" not in cfg:
     raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
-  longest = cfg.rl.max_prompt_tokens + config.max_new_tokens if "rl" in cfg else 0
-  model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf, longest)
+  model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf,
+                                   longest_sequence(cfg))
   with connect_flags.connect("worker") as client:
     worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for)
     stop_on_signals(worker)

@@ -95,7 +95,7 @@ class Int8Experts(Experts):
 
 class Int8Transformer(Transformer):
   """`Transformer` whose projections, experts and embedding hold int8 codes (norms, biases
-and routers bf16).
+  and routers bf16).
 
   Build it under `nnx.eval_shape` (as `HeldPolicy` does): the float modules the parent
   constructor makes are replaced before anything is allocated.

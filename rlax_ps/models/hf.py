@@ -549,6 +549,15 @@ def model_config_from(cfg, vocab_size: int, init_from_hf: str = "",
                      f"a Hugging Face checkpoint") from None
 
 
+def longest_sequence(recipe) -> int:
+  """The longest prompt + response an RL recipe runs (rl.max_prompt_tokens +
+  worker.max_new_tokens), 0 for other recipes: what fixes LongRoPE's factors alike for its
+  trainer and its workers."""
+  if "rl" not in recipe:
+    return 0
+  return int(recipe.rl.max_prompt_tokens) + int(recipe.worker.max_new_tokens)
+
+
 def _fix_long_factors(config: ModelConfig, max_sequence: int) -> ModelConfig:
   """config with LongRoPE's long factors fixed on iff max_sequence tokens outgrow the
   original context (transformers' rule for one forward of that length)."""

@@ -13,7 +13,7 @@ from flax import nnx
 
 from rlax_ps import chat
 from rlax_ps import sharding as shd
-from rlax_ps.models import model_config_from, save_hf_checkpoint
+from rlax_ps.models import longest_sequence, model_config_from, save_hf_checkpoint
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, tokenizer_from_config
 from rlax_ps.train import heldout as heldout_lib
@@ -49,10 +49,8 @@ class TrainerRun:
     self.init_from_hf = config.get("init_from_hf", "")
     self.tokenizer = tokenizer_from_config(config.tokenizer, self.init_from_hf)
     self.tasks, self.weights = tasks_from(config.tasks)
-    # RL: LongRoPE factors fixed by the longest prompt + response, as the workers fix them.
-    longest = config.rl.max_prompt_tokens + config.worker.max_new_tokens if "rl" in config else 0
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
-                                          self.init_from_hf, longest)
+                                          self.init_from_hf, longest_sequence(config))
 
   @property
   def leader(self) -> bool:

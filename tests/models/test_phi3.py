@@ -14,9 +14,10 @@ import pytest
 from flax import nnx
 
 from inference_workers.weights import HeldPolicy
-from rlax_ps import sync
+from rlax_ps import config_files, sync
 from rlax_ps.models import (KVCache, ModelConfig, Transformer, assign_params, config_from_hf,
-                            config_to_hf, flatten_params, load_hf_checkpoint, model_config_from)
+                            config_to_hf, flatten_params, load_hf_checkpoint, longest_sequence,
+                            model_config_from)
 from rlax_ps.models import rope
 from safetensors.numpy import load_file
 
@@ -127,11 +128,18 @@ def test_config_fields_legacy_types_and_bad_configs():
     config_to_hf(llama)
 
 
-@pytest.mark.parametrize("longest,want", [(0, None), (18, False), (19, True)])
-def test_a_run_fixes_the_factors_by_its_longest_sequence(longest, want):
-  block = {"param_dtype": "float32", "dtype": "float32"}
-  cfg = type("Block", (), block)()
-  assert model_config_from(cfg, 80, FIXTURE, longest).rope_long_factors is want
+@pytest.mark.parametrize("prompt,response,want", [(10, 8, False), (10, 9, True)])
+def test_an_rl_recipe_fixes_the_factors_by_its_longest_sequence(prompt, response, want):
+  # The trainer and the workers both build their config this way (train/run.py,
+  # inference_workers/cli.py), so they turn every token alike.
+  recipe = config_files.load("configs/rl_instruct.py", "tiny")
+  recipe.rl.max_prompt_tokens, recipe.worker.max_new_tokens = prompt, response
+  assert longest_sequence(recipe) == prompt + response
+  got = model_config_from(recipe.model, 80, FIXTURE, longest_sequence(recipe))
+  assert got.rope_long_factors is want
+  assert model_config_from(recipe.model, 80, FIXTURE).rope_long_factors is None
+  sft = config_files.load("configs/sft_tiny.py", "tiny")
+  assert longest_sequence(sft) == 0  # packed SFT rows: transformers' per-call choice
 
 
 def test_an_int8_worker_computes_the_dequantized_models_logits(model):
