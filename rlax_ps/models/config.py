@@ -1,5 +1,5 @@
 """ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / OLMo 2 /
-OLMo 3 / Phi-3 / SmolLM3 family decoder, independent of any checkpoint format."""
+OLMo 3 / Phi-3 / SmolLM3 / Granite family decoder, independent of any checkpoint format."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral",
-                 "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3")
+                 "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3", "granite")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -49,7 +49,7 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Phi-4, SmolLM3)."""
+  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Phi-4, SmolLM3, Granite 3)."""
 
   vocab_size: int
   hidden_size: int
@@ -82,6 +82,13 @@ class ModelConfig:
   sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs are RMS-normed too.
   post_norms: bool = False  # OLMo 2/3: attention and MLP outputs are RMS-normed, not inputs.
   query_pre_attn_scalar: float | None = None  # Attention logits times this**-0.5 (None: head_dim).
+  # Granite: attention logits times attention_multiplier (instead of any **-0.5 scale), token
+  # embeddings times embedding_multiplier, each branch's output times residual_multiplier
+  # before its residual add, and output logits divided by logits_scaling.
+  attention_multiplier: float | None = None
+  embedding_multiplier: float = 1.0
+  residual_multiplier: float = 1.0
+  logits_scaling: float = 1.0
   # Sliding-window attention: a query sees keys fewer than `sliding_window` positions back, in
   # the layers `layer_types` marks "sliding_attention" (None: every layer when a window is set).
   sliding_window: int | None = None
@@ -143,6 +150,14 @@ class ModelConfig:
     if self.query_pre_attn_scalar is not None:
       need(isinstance(self.query_pre_attn_scalar, (int, float)) and self.query_pre_attn_scalar > 0,
            "query_pre_attn_scalar", "a positive number or None", self.query_pre_attn_scalar)
+    need(self.attention_multiplier is None or self.query_pre_attn_scalar is None,
+         "attention_multiplier", "None with query_pre_attn_scalar (one attention scale)",
+         self.attention_multiplier)
+    for f in ("attention_multiplier", "embedding_multiplier", "residual_multiplier",
+              "logits_scaling"):
+      v = getattr(self, f)
+      if v is not None or f != "attention_multiplier":
+        need(isinstance(v, (int, float)) and v > 0, f, "a positive number", v)
     for f in ("attn_logit_softcapping", "final_logit_softcapping"):
       v = getattr(self, f)
       need(v is None or (isinstance(v, (int, float)) and v > 0), f, "a positive number or None",
@@ -226,7 +241,10 @@ class ModelConfig:
 
   @property
   def attention_scale(self) -> float | None:
-    """The attention logits' scale when it is not head_dim**-0.5 (Gemma), else None."""
+    """The attention logits' scale when it is not head_dim**-0.5 (Gemma, Granite), else
+    None."""
+    if self.attention_multiplier is not None:
+      return float(self.attention_multiplier)
     if self.query_pre_attn_scalar is None:
       return None
     return float(self.query_pre_attn_scalar) ** -0.5

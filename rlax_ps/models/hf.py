@@ -3,8 +3,8 @@
 Covers LlamaForCausalLM, MistralForCausalLM (v0.1's sliding window included),
 MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
 Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text model),
-Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-4) and SmolLM3ForCausalLM
-as transformers 4.x (top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`)
+Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-4), SmolLM3ForCausalLM and
+GraniteForCausalLM (Granite 3) as transformers 4.x (top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`)
 write them, with one
 `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights are
 [out, in]; our kernels are [in, out], so every kernel is transposed on the way. Checkpoints
@@ -58,7 +58,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                 "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3"}
+                 "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
+                 "GraniteForCausalLM": "granite"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -86,14 +87,14 @@ _MODEL_TYPE = {"gemma3": "gemma3_text"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768,
                           "qwen3_moe": 32768, "mistral": 32768, "mixtral": 131072,
                           "gemma2": 8192, "gemma3": 131072, "olmo2": 2048, "olmo3": 2048,
-                          "phi3": 4096, "smollm3": 32768}
+                          "phi3": 4096, "smollm3": 32768, "granite": 2048}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
     "qwen2_moe": {"qkv_bias": True},
     "qwen3": {"qk_norm": True}, "qwen3_moe": {"qk_norm": True}, "gemma2": _GEMMA_FAMILY,
     "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
-    "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY, "phi3": {}, "smollm3": {},
+    "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY, "phi3": {}, "smollm3": {}, "granite": {},
 }
 _FAMILY_FIELDS = ("qkv_bias", "qk_norm", "qk_norm_across_heads", "hidden_act",
                   "zero_centered_norms", "scale_embeddings", "sandwich_norms", "post_norms")
@@ -211,6 +212,17 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
   return int(window), types
 
 
+# Granite's scalars, named alike in config.json and ModelConfig.
+_GRANITE_FIELDS = ("attention_multiplier", "embedding_multiplier", "residual_multiplier",
+                   "logits_scaling")
+
+
+def _granite_multipliers(d: Mapping[str, Any]) -> dict[str, float]:
+  """Granite's multipliers; transformers' GraniteConfig takes 1.0 for each left out (so an
+  attention scale of 1, not head_dim**-0.5)."""
+  return {key: float(_get(d, key, 1.0)) for key in _GRANITE_FIELDS}
+
+
 def _nope_layers(d: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
   """SmolLM3's layers without RoPE: `no_rope_layers` (1: rotary, 0: none) or, as
   transformers' SmolLM3Config, every `no_rope_layer_interval`-th layer."""
@@ -247,6 +259,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     want = [k for k, v in _HF_ACT.items() if v == family.get("hidden_act", "silu")][0]
     raise ValueError(f"{CONFIG_FILE}: {act_key}: expected {want!r}, got {act!r}")
   flags = {"llama": ("attention_bias", "mlp_bias"), "smollm3": ("attention_bias", "mlp_bias"),
+           "granite": ("attention_bias", "mlp_bias"),
            "qwen3": ("attention_bias",), "qwen3_moe": ("attention_bias",),
            "gemma2": ("attention_bias",), "gemma3": ("attention_bias",),
            "olmo2": ("attention_bias",), "olmo3": ("attention_bias",)}.get(arch, ())
@@ -288,6 +301,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       layer_types=layer_types,
       rope_local_theta=_local_rope_theta(d, arch) if arch in ("gemma3", "olmo3") else None,
       nope_layers=_nope_layers(d, num_layers) if arch == "smollm3" else (),
+      **(_granite_multipliers(d) if arch == "granite" else {}),
       attn_logit_softcapping=cap("attn_logit_softcapping"),
       final_logit_softcapping=cap("final_logit_softcapping"),
       architecture=arch,
@@ -345,6 +359,14 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   if c.partial_rotary_factor != 1 and arch != "phi3":
     raise ValueError(f"ModelConfig.partial_rotary_factor: {hf_class} turns every head dim, got "
                      f"{c.partial_rotary_factor}")
+  granite = arch == "granite"
+  for field in _GRANITE_FIELDS:
+    default = None if field == "attention_multiplier" else 1.0
+    if granite and getattr(c, field) is None:
+      raise ValueError(f"ModelConfig.{field}: {hf_class} needs a value, got None")
+    if not granite and getattr(c, field) != default:
+      raise ValueError(f"ModelConfig.{field}: {hf_class} has no {field}, got "
+                       f"{getattr(c, field)!r}")
   if c.nope_layers and arch != "smollm3":
     raise ValueError(f"ModelConfig.nope_layers: {hf_class} turns every layer by RoPE, got "
                      f"{list(c.nope_layers)}")
@@ -393,6 +415,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(attention_bias=False, mlp_bias=False)
   elif arch == "mistral":
     d.update(sliding_window=c.sliding_window)
+  elif granite:
+    d.update(attention_bias=False, mlp_bias=False,
+             **{key: getattr(c, key) for key in _GRANITE_FIELDS})
   elif arch == "smollm3":
     d.update(attention_bias=False, mlp_bias=False, use_sliding_window=c.sliding_window is not None,
              sliding_window=c.sliding_window, layer_types=types,

@@ -1,11 +1,12 @@
 """Decoder-only transformer in Flax NNX covering the Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-Gemma 2/3, OLMo 2/3, Phi-3/4 and SmolLM3 families.
+Gemma 2/3, OLMo 2/3, Phi-3/4, SmolLM3 and Granite 3 families.
 
 RMSNorm, RoPE (plain, linear, Llama-3, YaRN or LongRoPE scaled, whole or partial heads),
 grouped-query attention, SwiGLU or GeGLU MLP, optional q/k/v biases (Qwen2), q/k norms per
 head (Qwen3, Gemma 3) or across heads (OLMo 2/3), sliding-window layers with their own RoPE
 base, Gemma's zero-centred and sandwich norms, scaled embeddings and soft-capped logits,
-OLMo's post-norms, layers without RoPE (SmolLM3), mixture-of-experts MLPs (Qwen3-MoE,
+OLMo's post-norms, layers without RoPE (SmolLM3), Granite's multipliers, mixture-of-experts
+MLPs (Qwen3-MoE,
 Mixtral, Qwen2-MoE's shared expert), tied or untied embeddings. Several sequences may share
 a row (segment ids + positions); an optional KVCache serves decoding.
 """
@@ -218,15 +219,19 @@ class Block(nnx.Module):
       self.post_attn_norm = RMSNorm(config, rngs=rngs)
     self.mlp = MoE(config, rngs=rngs) if moe else MLP(config, rngs=rngs)
     self.out_norms = config.sandwich_norms or config.post_norms
+    self.residual_multiplier = config.residual_multiplier  # Granite
     if self.out_norms:
       self.attn_out_norm = RMSNorm(config, rngs=rngs)
       self.mlp_out_norm = RMSNorm(config, rngs=rngs)
 
   def __call__(self, x, cos, sin, attend: Callable):
     attn = self.attn(self.input_norm(x) if self.pre else x, cos, sin, attend)
-    x = x + (self.attn_out_norm(attn) if self.out_norms else attn)
+    x = x + self._branch(self.attn_out_norm(attn) if self.out_norms else attn)
     mlp = self.mlp(self.post_attn_norm(x) if self.pre else x)
-    return x + (self.mlp_out_norm(mlp) if self.out_norms else mlp)
+    return x + self._branch(self.mlp_out_norm(mlp) if self.out_norms else mlp)
+
+  def _branch(self, y):
+    return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
 
 
 class Transformer(nnx.Module):
@@ -279,6 +284,8 @@ class Transformer(nnx.Module):
     x = self.embed(tokens)
     if c.scale_embeddings:
       x = x * jnp.asarray(c.hidden_size ** 0.5, c.param_dtype).astype(x.dtype)
+    if c.embedding_multiplier != 1.0:  # Granite
+      x = x * c.embedding_multiplier
     if remat and cache is not None:
       raise ValueError("remat: expected no cache (it serves training, not decoding)")
     sm_scale, softcap = c.attention_scale, c.attn_logit_softcapping
@@ -305,8 +312,11 @@ class Transformer(nnx.Module):
     return x, (None if cache is None else cache.advance(t))
 
   def logits_from_hidden(self, x):
-    """Float32 logits of hidden states, soft-capped where the model caps them (Gemma 2)."""
+    """Float32 logits of hidden states, divided by logits_scaling (Granite) and soft-capped
+    where the model caps them (Gemma 2)."""
     logits = self.project_logits(x)
+    if self.config.logits_scaling != 1.0:
+      logits = logits / self.config.logits_scaling
     cap = self.config.final_logit_softcapping
     return logits if cap is None else jnp.tanh(logits / cap) * cap
 

@@ -261,9 +261,13 @@ def test_config_fields_read_from_gemma_and_sliding_windows():
                 num_kv_heads=1, architecture="smollm3", nope_layers=(3,), sliding_window=5,
                 layer_types=("full_attention",) * 3 + ("sliding_attention",),
                 tie_word_embeddings=True, rope_theta=5e6),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                num_kv_heads=1, architecture="granite", attention_multiplier=0.0078125,
+                embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
+                tie_word_embeddings=True, rope_theta=1e7),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
         "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window", "mixtral", "mixtral-window",
-        "olmo2", "olmo3", "qwen2-moe", "phi4", "phi4-mini", "smollm3"])
+        "olmo2", "olmo3", "qwen2-moe", "phi4", "phi4-mini", "smollm3", "granite"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -290,6 +294,23 @@ def test_config_fields_read_from_smollm3():
     config_from_hf(dict(d, no_rope_layers=[1, 0]))
   with pytest.raises(ValueError, match="ModelConfig.nope_layers: LlamaForCausalLM"):
     config_to_hf(c.replace(architecture="llama", sliding_window=None, layer_types=None))
+
+
+def test_granite_multipliers_default_to_transformers_and_are_refused_elsewhere():
+  d = read_json(os.path.join(fixture("granite"), "config_4x.json"))
+  for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier",
+              "logits_scaling"):
+    del d[key]
+  default = config_from_hf(d)  # GraniteConfig: 1.0 each, so attention logits are unscaled
+  assert default.attention_scale == 1.0 and default.logits_scaling == 1.0
+  llama = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1,
+                      num_heads=2, num_kv_heads=1, residual_multiplier=0.5)
+  with pytest.raises(ValueError, match="ModelConfig.residual_multiplier: LlamaForCausalLM"):
+    config_to_hf(llama)
+  with pytest.raises(ValueError, match="ModelConfig.attention_multiplier: GraniteForCausalLM"):
+    config_to_hf(default.replace(attention_multiplier=None))
+  with pytest.raises(ValueError, match="ModelConfig.logits_scaling: expected a positive"):
+    default.replace(logits_scaling=0.0)
 
 
 def test_unknown_architecture_is_named():
@@ -530,7 +551,8 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "mistral_window", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo2", "olmo3", "qwen2_moe", "phi3", "smollm3"])
+                                  "mixtral", "olmo2", "olmo3", "qwen2_moe", "phi3", "smollm3",
+                                  "granite"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

@@ -54,7 +54,7 @@ def with_config(name, config_file, tmp_path):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "qwen3_yarn", "mistral_window", "gemma3", "gemma3_vision",
                                   "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3",
-                                  "qwen2_moe", "phi3", "smollm3"])
+                                  "qwen2_moe", "phi3", "smollm3", "granite"])
 def test_logits_match_transformers(name):
   # config.json only: test_hf_checkpoint checks that config_4x.json gives the same config.
   tokens, expected = reference(name)
@@ -98,6 +98,18 @@ def test_the_windowed_fixtures_exercise_their_window(name, tmp_path):
   assert np.abs(np.asarray(forward(model, tokens)) - expected).max() > 1e-2
 
 
+@pytest.mark.parametrize("field", ["attention_multiplier", "embedding_multiplier",
+                                   "residual_multiplier", "logits_scaling"])
+def test_the_granite_fixture_exercises_each_multiplier(field):
+  # With one multiplier back at 1 the same weights give clearly different logits.
+  tokens, expected = reference("granite")
+  model = fixture_model("granite")
+  assert getattr(model.config, field) != 1.0
+  other = Transformer(model.config.replace(**{field: 1.0}), rngs=nnx.Rngs(0))
+  nnx.update(other, nnx.state(model, nnx.Param))
+  assert np.abs(np.asarray(forward(other, tokens)) - expected).max() > 1e-2
+
+
 def test_the_smollm3_fixture_exercises_its_layers_without_rope():
   # With RoPE on every layer the same weights give clearly different logits.
   tokens, expected = reference("smollm3")
@@ -109,7 +121,8 @@ def test_the_smollm3_fixture_exercises_its_layers_without_rope():
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo2", "olmo3", "qwen2_moe", "smollm3"])
+                                  "mixtral", "olmo2", "olmo3", "qwen2_moe", "smollm3",
+                                  "granite"])
 def test_packed_sequences_match_transformers(name):
   # Causal logits of a prefix equal the full row's first logits, so a row packing the first
   # 12 tokens of sequence 0 with the first 8 of sequence 1 must reproduce both references.
@@ -123,7 +136,7 @@ def test_packed_sequences_match_transformers(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo3", "smollm3"])
+                                  "mixtral", "olmo3", "smollm3", "granite"])
 def test_cached_decoding_matches_transformers(name):
   # A 14-token prefill then one token at a time: the windowed fixtures decode past the window.
   tokens, expected = reference(name)
@@ -139,7 +152,7 @@ def test_cached_decoding_matches_transformers(name):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
                                   "qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe",
-                                  "phi3", "smollm3"])
+                                  "phi3", "smollm3", "granite"])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""
