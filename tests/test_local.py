@@ -223,12 +223,13 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "olmo3", "phi3", "granite"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
-  """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window) or
-  Qwen3-MoE checkpoint with a ChatML tokenizer and template: JSONL math questions as conversations,
-  scored by the math verifier; the export carries the chat template and the end-of-turn stop
-  ids."""
+  """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window),
+  Qwen3-MoE, OLMo 3, Phi-4-mini-like (LongRoPE, which this run's 64 + 8 tokens fix to the long
+  factors in trainer and workers alike) or Granite checkpoint with a ChatML tokenizer and
+  template: JSONL math questions as conversations, scored by the math verifier; the export
+  carries the chat template and the end-of-turn stop ids."""
   import numpy as np
   from flax import nnx
 
@@ -249,6 +250,19 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   if family == "qwen3_moe":
     config = config.replace(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, norm_topk_prob=True)
+  if family == "olmo3":
+    config = config.replace(architecture="olmo3", qk_norm_across_heads=True, post_norms=True,
+                            sliding_window=8, rope_local_theta=1e4,
+                            layer_types=("sliding_attention", "full_attention"))
+  if family == "phi3":
+    config = config.replace(
+        architecture="phi3", qk_norm=False, partial_rotary_factor=0.5,
+        rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 64,
+                      "short_factor": [1.0, 1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0, 8.0]})
+  if family == "granite":
+    config = config.replace(architecture="granite", qk_norm=False, attention_multiplier=0.1,
+                            embedding_multiplier=4.0, residual_multiplier=0.5,
+                            logits_scaling=2.0)
   save_hf_checkpoint(Transformer(config, rngs=nnx.Rngs(0)), str(ckpt))
   for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
     shutil.copy(os.path.join(chat, name), ckpt / name)
@@ -271,6 +285,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       chat, chat_template="auto").chat_template
   assert json.load(open(export / "generation_config.json"))["eos_token_id"] == list(tok.stop_ids)
   exported = json.load(open(export / "config.json"))
-  assert exported["architectures"] == [{"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                                        "qwen3_moe": "Qwen3MoeForCausalLM"}[family]]
-  assert exported.get("sliding_window") == (8 if family == "gemma3" else None)
+  assert exported["architectures"] == [{
+      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+      "qwen3_moe": "Qwen3MoeForCausalLM", "olmo3": "Olmo3ForCausalLM",
+      "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}[family]]
+  assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3") else None)
