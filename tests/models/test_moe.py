@@ -122,6 +122,7 @@ def test_a_worker_holding_the_bf16_keyframe_computes_the_trainers_logits(model):
                              np.asarray(forward(model, tokens)), atol=0.05)
 
 
+@pytest.mark.slow  # ~8 s; test_sampler_decoding covers shared prefills by default
 def test_shared_prefill_samples_as_one_prefill_per_sample(model):
   params = SamplingParams(temperature=1.0, max_new_tokens=6)
   prompts = [[1, 5, 9, 12], [1, 7]]

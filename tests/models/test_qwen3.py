@@ -40,6 +40,7 @@ def test_a_worker_holding_the_published_keyframe_computes_the_trainers_logits(mo
                                 np.asarray(forward(model, tokens)))
 
 
+@pytest.mark.slow  # ~8 s; test_sampler_decoding covers shared prefills by default
 def test_shared_prefill_samples_as_one_prefill_per_sample(model):
   params = SamplingParams(temperature=0.0, max_new_tokens=5)
   prompts = [[1, 5, 9, 12], [1, 7]]

@@ -303,7 +303,8 @@ def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, ov
       np.testing.assert_allclose(m_metrics[k], metrics[k], rtol=1e-4, err_msg=k)
 
 
-@pytest.mark.parametrize("updates", [1, 2])  # 2: PPO epochs against proximal log-probs
+# 2: PPO epochs against proximal log-probs (~20 s; the several-updates test covers them).
+@pytest.mark.parametrize("updates", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_micro_batched_step_on_8_devices_equals_the_whole_batch_step_on_one(updates):
   from rlax_ps import optim, sharding
   from rlax_ps.train.rl import make_rl_step

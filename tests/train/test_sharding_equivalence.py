@@ -109,11 +109,12 @@ MOE = MODEL.replace(num_layers=2, architecture="qwen3", qk_norm=True, num_expert
                     mlp_only_layers=(1,))
 
 
+# ~20 s and ~30 s; the default suite keeps the generic sharded step, the Gemma-shaped packed
+# log-probs on one device and the grouped experts on a mesh.
+@pytest.mark.slow
 @pytest.mark.parametrize("model,moved", [
     (GEMMA, ("layers", 0, "attn_out_norm", "scale")),
-    # ~30 s; the grouped dispatch test below shards the experts in the default suite.
-    pytest.param(MOE, ("layers", 0, "mlp", "experts", "down_proj"), marks=pytest.mark.slow)],
-    ids=["gemma", "moe"])
+    (MOE, ("layers", 0, "mlp", "experts", "down_proj"))], ids=["gemma", "moe"])
 def test_other_families_step_as_on_one_device(model, moved, optimizer):
   # Gemma 3's sandwich and q/k norms, soft-capped logits and a window cutting the 32-token
   # rows, and Qwen3-MoE's router and stacked experts (their expert axis unsharded, the
