@@ -4,7 +4,6 @@ The reference logits were computed by tests/fixtures/make_hf_fixtures.py with tr
 in float32; no torch is needed here.
 """
 
-import functools
 import json
 import os
 import shutil
@@ -13,32 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hf_fixtures import FIXTURES, decode, fixture_model, forward, reference
 from inference_workers.sampler import generate
 from inference_workers.sampling import SamplingParams
 from rlax_ps.models import KVCache, Transformer, load_hf_checkpoint
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
 TOLERANCE = 1e-4  # max abs logit difference in float32
-
-
-def reference(name):
-  ref = np.load(os.path.join(FIXTURES, name, "reference.npz"))
-  return ref["tokens"], ref["logits"]
-
-
-@nnx.jit
-def forward(model, tokens, positions=None, segment_ids=None):
-  return model(tokens, positions=positions, segment_ids=segment_ids)
-
-
-@nnx.jit
-def decode(model, tokens, cache):
-  return model(tokens, cache=cache)
-
-
-@functools.cache
-def fixture_model(name):
-  return load_hf_checkpoint(os.path.join(FIXTURES, name), dtype="float32")
 
 
 def with_config(name, config_file, tmp_path):

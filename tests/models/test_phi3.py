@@ -4,7 +4,6 @@ each head, LongRoPE's short and long factors each equal transformers' (per call,
 for a run so its trainer and workers agree, packed and cached decoding included), legacy
 configs read, bad ones are named, and an int8 worker computes the dequantized logits."""
 
-import json
 import os
 
 import jax
@@ -13,43 +12,28 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hf_fixtures import FIXTURES, decode, fixture_config, fixture_model, forward
 from inference_workers.weights import HeldPolicy
 from rlax_ps import config_files, sync
 from rlax_ps.models import (KVCache, ModelConfig, Transformer, assign_params, config_from_hf,
-                            config_to_hf, flatten_params, load_hf_checkpoint, longest_sequence,
-                            model_config_from)
+                            config_to_hf, flatten_params, longest_sequence, model_config_from)
 from rlax_ps.models import rope
 from safetensors.numpy import load_file
 
-FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf", "phi3")
+FIXTURE = os.path.join(FIXTURES, "phi3")
 REF = np.load(os.path.join(FIXTURE, "reference.npz"))
 TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
 def model():
-  return load_hf_checkpoint(FIXTURE)
+  return fixture_model("phi3")
 
 
 def with_factors(model, long):
   other = Transformer(model.config.replace(rope_long_factors=long), rngs=nnx.Rngs(0))
   nnx.update(other, nnx.state(model, nnx.Param))
   return other
-
-
-@nnx.jit
-def forward(model, tokens, positions=None, segment_ids=None):
-  return model(tokens, positions=positions, segment_ids=segment_ids)
-
-
-@nnx.jit
-def decode(model, tokens, cache):
-  return model(tokens, cache=cache)
-
-
-def read_config(file="config.json"):
-  with open(os.path.join(FIXTURE, file)) as f:
-    return json.load(f)
 
 
 def test_fused_tensors_split_into_the_kernels(model):
@@ -106,11 +90,11 @@ def test_rope_turns_only_the_leading_dims():
 
 
 def test_config_fields_legacy_types_and_bad_configs():
-  c = config_from_hf(read_config())
+  c = config_from_hf(fixture_config("phi3"))
   assert (c.architecture, c.partial_rotary_factor, c.rotary_dim, c.sliding_window) == (
       "phi3", 0.5, 4, 6)
   assert c.rope_scaling["short_factor"] == (1.0, 1.5) and c.rope_long_factors is None
-  old = read_config("config_4x.json")
+  old = fixture_config("phi3", "config_4x.json")
   assert old["rope_scaling"]["type"] == "longrope" and config_from_hf(old) == c
   # Phi-3's first configs call it "su"; transformers reads that, and "yarn", as LongRoPE.
   su = dict(old, rope_scaling=dict(old["rope_scaling"], type="su"))
