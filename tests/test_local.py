@@ -223,10 +223,11 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "olmo3", "phi3", "granite"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_int8", "olmo3",
+                                    "phi3", "granite"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
   """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window),
-  Qwen3-MoE, OLMo 3, Phi-4-mini-like (LongRoPE, which this run's 64 + 8 tokens fix to the long
+  Qwen3-MoE (also published as int8, with scales per expert), OLMo 3, Phi-4-mini-like (LongRoPE, which this run's 64 + 8 tokens fix to the long
   factors in trainer and workers alike) or Granite checkpoint with a ChatML tokenizer and
   template: JSONL math questions as conversations, scored by the math verifier; the export
   carries the chat template and the end-of-turn stop ids."""
@@ -247,7 +248,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
         scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=16, sliding_window=8,
         layer_types=("sliding_attention", "full_attention"), rope_local_theta=1e4,
         tie_word_embeddings=True)
-  if family == "qwen3_moe":
+  if family.startswith("qwen3_moe"):
     config = config.replace(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, norm_topk_prob=True)
   if family == "olmo3":
@@ -274,11 +275,22 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   heldout.write_text("".join(json.dumps({"prompt": f"{a}+{b}", "answer": str(a + b)}) + "\n"
                              for a, b in rows[10:]))
   workdir = tmp_path / "run"
+  int8 = ["--config.publish.format=int8", "--config.worker.weights_format=int8",
+          "--config.loss.correction=tis"] if family.endswith("int8") else []
   proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
-                f"--config.data.heldout_jsonl={heldout}", config="configs/rl_instruct.py:tiny")
+                f"--config.data.heldout_jsonl={heldout}", *int8,
+                config="configs/rl_instruct.py:tiny")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(workdir / "summary.json"))
   assert summary["step"] == 2 and set(summary["heldout_exact_match"]) == {"math", "all"}
+  assert summary["sync"]["format"] == ("int8" if int8 else "bf16")
+  # Every worker ends holding the trainer's published weights (int8 codes and scales too).
+  digests = {v["version"]: v["digest"] for v in _lines(workdir / "versions.jsonl")}
+  worker_logs = sorted((workdir / "logs").glob("worker-*.log"))
+  assert worker_logs
+  for log in worker_logs:
+    version, digest = re.findall(r"holds v(\d+) digest ([0-9a-f]{16})", log.read_text())[-1]
+    assert digests[int(version)] == digest
   assert not os.path.exists(workdir / "sft")
   export = workdir / "hf"
   assert (export / "chat_template.jinja").read_text() == HFTokenizer(
@@ -287,6 +299,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   exported = json.load(open(export / "config.json"))
   assert exported["architectures"] == [{
       "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-      "qwen3_moe": "Qwen3MoeForCausalLM", "olmo3": "Olmo3ForCausalLM",
+      "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_int8": "Qwen3MoeForCausalLM",
+      "olmo3": "Olmo3ForCausalLM",
       "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}[family]]
   assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3") else None)
