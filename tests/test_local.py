@@ -224,11 +224,11 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_int8", "olmo3",
-                                    "phi3", "granite"])
+                                    "phi3", "granite", "glm4"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
   """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window),
   Qwen3-MoE (also published as int8, with scales per expert), OLMo 3, Phi-4-mini-like (LongRoPE, which this run's 64 + 8 tokens fix to the long
-  factors in trainer and workers alike) or Granite checkpoint with a ChatML tokenizer and
+  factors in trainer and workers alike), Granite or GLM-4 checkpoint with a ChatML tokenizer and
   template: JSONL math questions as conversations, scored by the math verifier; the export
   carries the chat template and the end-of-turn stop ids."""
   import numpy as np
@@ -260,6 +260,9 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
         architecture="phi3", qk_norm=False, partial_rotary_factor=0.5,
         rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 64,
                       "short_factor": [1.0, 1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0, 8.0]})
+  if family == "glm4":
+    config = config.replace(architecture="glm4", qk_norm=False, qkv_bias=True,
+                            sandwich_norms=True, partial_rotary_factor=0.5)
   if family == "granite":
     config = config.replace(architecture="granite", qk_norm=False, attention_multiplier=0.1,
                             embedding_multiplier=4.0, residual_multiplier=0.5,
@@ -301,5 +304,6 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
       "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_int8": "Qwen3MoeForCausalLM",
       "olmo3": "Olmo3ForCausalLM",
-      "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}[family]]
+      "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+      "glm4": "Glm4ForCausalLM"}[family]]
   assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3") else None)

@@ -1,5 +1,5 @@
 """ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / OLMo 2 /
-OLMo 3 / Phi-3 / SmolLM3 / Granite family decoder, independent of any checkpoint format."""
+OLMo 3 / Phi-3 / SmolLM3 / Granite / GLM-4 family decoder, independent of any checkpoint format."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral",
-                 "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3", "granite")
+                 "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3", "granite", "glm4")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -49,7 +49,7 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Phi-4, SmolLM3, Granite 3)."""
+  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Phi-4, SmolLM3, Granite 3, GLM-4)."""
 
   vocab_size: int
   hidden_size: int

@@ -3,16 +3,18 @@
 Covers LlamaForCausalLM, MistralForCausalLM (v0.1's sliding window included),
 MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
 Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text model),
-Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-4), SmolLM3ForCausalLM and
-GraniteForCausalLM (Granite 3) as transformers 4.x (top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`)
-write them, with one
+Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-4), SmolLM3ForCausalLM,
+GraniteForCausalLM (Granite 3) and Glm4ForCausalLM (GLM-4-0414, GLM-Z1) as transformers 4.x
+(top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
 `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights are
 [out, in]; our kernels are [in, out], so every kernel is transposed on the way. Checkpoints
 hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`; Mixtral's Hub layout, which
 transformers 5.x still writes and 4.x reads, `block_sparse_moe.experts.{e}.w1.weight` with
 w1/w3/w2 = gate/up/down), our experts one param stacked over them ([E, H, I]). Phi-3's fused
 `qkv_proj` and `gate_up_proj` are split into our q/k/v and gate/up kernels by row ranges
-(`Rows`) and fused again on export.
+(`Rows`) and fused again on export (GLM-4's gate_up_proj too). GLM-4 turns interleaved pairs
+of each head's rotary dims; its q/k output channels are permuted on load into the
+rotate-half order our RoPE turns (attention scores are unchanged) and back on export.
 
 Mixtral's `router_jitter_noise` is read and ignored: transformers multiplies the router's
 input by that noise only in train mode, never in eval mode or in vLLM, and RL losses need our
@@ -59,7 +61,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                  "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
-                 "GraniteForCausalLM": "granite"}
+                 "GraniteForCausalLM": "granite", "Glm4ForCausalLM": "glm4"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -83,11 +85,13 @@ _GEMMA_FAMILY = {"hidden_act": "gelu_tanh", "zero_centered_norms": True,
                  "scale_embeddings": True, "sandwich_norms": True}
 _OLMO_FAMILY = {"qk_norm": True, "qk_norm_across_heads": True, "post_norms": True}
 _OLMO_THETA = 500000.0  # transformers' Olmo3Config.default_theta
+# transformers' rms_norm_eps where a config.json leaves it out (else 1e-6).
+_DEFAULT_RMS_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "glm4": 1.5625e-7}
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768,
                           "qwen3_moe": 32768, "mistral": 32768, "mixtral": 131072,
                           "gemma2": 8192, "gemma3": 131072, "olmo2": 2048, "olmo3": 2048,
-                          "phi3": 4096, "smollm3": 32768, "granite": 2048}
+                          "phi3": 4096, "smollm3": 32768, "granite": 2048, "glm4": 131072}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
@@ -95,6 +99,7 @@ _FAMILY = {
     "qwen3": {"qk_norm": True}, "qwen3_moe": {"qk_norm": True}, "gemma2": _GEMMA_FAMILY,
     "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
     "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY, "phi3": {}, "smollm3": {}, "granite": {},
+    "glm4": {"qkv_bias": True, "sandwich_norms": True},
 }
 _FAMILY_FIELDS = ("qkv_bias", "qk_norm", "qk_norm_across_heads", "hidden_act",
                   "zero_centered_norms", "scale_embeddings", "sandwich_norms", "post_norms")
@@ -131,8 +136,9 @@ def _rope_from_hf(d: Mapping[str, Any], arch: str
   rope = dict(rope)
   theta = float(rope.pop("rope_theta", d.get("rope_theta") or 10000.0))
   rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-  partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
-  if partial != 1 and arch != "phi3":
+  partial = (rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor")
+             or (0.5 if arch == "glm4" else 1.0))  # Glm4Config's default is 0.5
+  if partial != 1 and arch not in ("phi3", "glm4"):
     raise ValueError(f"{CONFIG_FILE}: partial_rotary_factor: expected 1.0, got {partial!r}")
   if arch == "phi3" and rope_type in ("su", "yarn"):
     rope_type = "longrope"
@@ -268,6 +274,8 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
   if arch == "qwen2_moe" and d.get("qkv_bias") is False:
     raise ValueError(f"{CONFIG_FILE}: qkv_bias: expected true (not supported), got false")
+  if arch == "glm4" and d.get("attention_bias") is False:
+    raise ValueError(f"{CONFIG_FILE}: attention_bias: expected true (not supported), got false")
   for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
     if d.get(cap) is not None and not gemma:
       raise ValueError(f"{CONFIG_FILE}: {cap}: expected null ({known[0]} has no logit "
@@ -291,8 +299,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       rope_theta=theta,
       rope_scaling=scaling,
       partial_rotary_factor=partial,
-      rms_norm_eps=float(_get(d, "rms_norm_eps",
-                              1e-5 if arch in ("olmo2", "olmo3", "phi3") else 1e-6)),
+      rms_norm_eps=float(_get(d, "rms_norm_eps", _DEFAULT_RMS_EPS.get(arch, 1e-6))),
       tie_word_embeddings=bool(_get(d, "tie_word_embeddings", False)),
       max_position_embeddings=int(_get(d, "max_position_embeddings",
                                        _DEFAULT_MAX_POSITIONS[arch])),
@@ -356,7 +363,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if getattr(c, field) is not None and not gemma:
       raise ValueError(f"ModelConfig.{field}: {hf_class} has no logit soft-capping, got "
                        f"{getattr(c, field)!r}")
-  if c.partial_rotary_factor != 1 and arch != "phi3":
+  if c.partial_rotary_factor != 1 and arch not in ("phi3", "glm4"):
     raise ValueError(f"ModelConfig.partial_rotary_factor: {hf_class} turns every head dim, got "
                      f"{c.partial_rotary_factor}")
   granite = arch == "granite"
@@ -422,6 +429,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(attention_bias=False, mlp_bias=False, use_sliding_window=c.sliding_window is not None,
              sliding_window=c.sliding_window, layer_types=types,
              no_rope_layers=[int(i not in c.nope_layers) for i in range(c.num_layers)])
+  elif arch == "glm4":
+    rope["partial_rotary_factor"] = c.partial_rotary_factor
+    d.update(attention_bias=True, partial_rotary_factor=c.partial_rotary_factor)
   elif arch == "phi3":  # 4.x reads these at the top level, 5.x inside rope_parameters too
     rope["partial_rotary_factor"] = c.partial_rotary_factor
     d.update(sliding_window=c.sliding_window, partial_rotary_factor=c.partial_rotary_factor)
@@ -490,18 +500,20 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
            "norm.scale": ("model.norm.weight", False)}
   if not config.tie_word_embeddings:
     names["lm_head.kernel"] = ("lm_head.weight", True)
-  mixtral, fused = config.architecture == "mixtral", config.architecture == "phi3"
+  arch = config.architecture
+  mixtral, fused, fused_mlp = arch == "mixtral", arch == "phi3", arch in ("phi3", "glm4")
   q, kv, inner = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim,
                   config.intermediate_size)
   for i in range(config.num_layers):
     ours, hf = f"layers.{i}", f"model.layers.{i}"
     for proj in ("o_proj",) if fused else ("q_proj", "k_proj", "v_proj", "o_proj"):
       names[f"{ours}.attn.{proj}.kernel"] = (f"{hf}.self_attn.{proj}.weight", True)
-    if fused:  # Phi-3: q, k, v stacked in qkv_proj; gate and up in gate_up_proj
+    if fused:  # Phi-3: q, k, v stacked in qkv_proj
       qkv = f"{hf}.self_attn.qkv_proj.weight"
       for proj, start, stop in (("q_proj", 0, q), ("k_proj", q, q + kv),
                                 ("v_proj", q + kv, q + 2 * kv)):
         names[f"{ours}.attn.{proj}.kernel"] = (Rows(qkv, start, stop), True)
+    if fused_mlp:  # gate and up stacked in gate_up_proj
       gate_up = f"{hf}.mlp.gate_up_proj.weight"
       names[f"{ours}.mlp.gate_proj.kernel"] = (Rows(gate_up, 0, inner), True)
       names[f"{ours}.mlp.up_proj.kernel"] = (Rows(gate_up, inner, 2 * inner), True)
@@ -524,14 +536,18 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
       if config.shared_expert_intermediate_size:
         names[f"{ours}.mlp.shared_expert_gate.kernel"] = (f"{moe}.shared_expert_gate.weight", True)
     else:
-      for proj in ("down_proj",) if fused else ("gate_proj", "up_proj", "down_proj"):
+      for proj in ("down_proj",) if fused_mlp else ("gate_proj", "up_proj", "down_proj"):
         names[f"{ours}.mlp.{proj}.kernel"] = (f"{hf}.mlp.{proj}.weight", True)
     if config.post_norms:  # OLMo: post_attention_layernorm norms the attention output.
       names[f"{ours}.attn_out_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
       names[f"{ours}.mlp_out_norm.scale"] = (f"{hf}.post_feedforward_layernorm.weight", False)
       continue
     names[f"{ours}.input_norm.scale"] = (f"{hf}.input_layernorm.weight", False)
-    if config.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output.
+    if arch == "glm4":  # sandwich norms under GLM's names: post_attention_layernorm is pre-MLP
+      names[f"{ours}.attn_out_norm.scale"] = (f"{hf}.post_self_attn_layernorm.weight", False)
+      names[f"{ours}.post_attn_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
+      names[f"{ours}.mlp_out_norm.scale"] = (f"{hf}.post_mlp_layernorm.weight", False)
+    elif config.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output.
       names[f"{ours}.attn_out_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
       names[f"{ours}.post_attn_norm.scale"] = (f"{hf}.pre_feedforward_layernorm.weight", False)
       names[f"{ours}.mlp_out_norm.scale"] = (f"{hf}.post_feedforward_layernorm.weight", False)
@@ -701,7 +717,27 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
       if len(parts) == shapes[ours][0]:  # stacked once its last expert is read
         flat[ours] = np.stack([parts[e] for e in range(len(parts))])
         del experts[ours]
+  if config.architecture == "glm4":
+    _permute_rotary(flat, config, inverse=False)
   return flat
+
+
+def _permute_rotary(flat: dict, config: ModelConfig, *, inverse: bool) -> None:
+  """GLM-4's interleaved RoPE as our rotate-half RoPE, in place: each head's rotary dims of
+  the q and k projections (kernels' output channels, biases) reordered from pairs (2j,
+  2j + 1) to halves (j, j + r/2), so that our rotation of the same positions gives the same
+  q.k scores; `inverse` restores the checkpoint's order for export."""
+  r, d = config.rotary_dim, config.head_dim
+  order = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2), np.arange(r, d)])
+  if inverse:
+    order = np.argsort(order)
+  for name, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+    index = (np.arange(heads)[:, None] * d + order[None, :]).reshape(-1)
+    for i in range(config.num_layers):
+      for kind in ("kernel", "bias"):
+        key = f"layers.{i}.attn.{name}.{kind}"
+        if key in flat:
+          flat[key] = np.ascontiguousarray(np.asarray(flat[key])[..., index])
 
 
 def _abstract_params(config: ModelConfig):
@@ -756,6 +792,9 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   if set(flat) != set(names):
     odd = sorted(set(flat) ^ set(names))
     raise ValueError(f"model params do not match its config: e.g. {odd[0]!r}")
+  if config.architecture == "glm4":
+    flat = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
+    _permute_rotary(flat, config, inverse=True)
   tensors, fused = {}, {}
   for ours, (hf, transposed) in names.items():
     array = np.asarray(jax.device_get(flat[ours])).astype(_NP_DTYPES[dtype], copy=False)

@@ -265,9 +265,13 @@ def test_config_fields_read_from_gemma_and_sliding_windows():
                 num_kv_heads=1, architecture="granite", attention_multiplier=0.0078125,
                 embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
                 tie_word_embeddings=True, rope_theta=1e7),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, architecture="glm4", qkv_bias=True,
+                sandwich_norms=True, partial_rotary_factor=0.5, rms_norm_eps=1.5625e-7,
+                max_position_embeddings=64),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
         "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window", "mixtral", "mixtral-window",
-        "olmo2", "olmo3", "qwen2-moe", "phi4", "phi4-mini", "smollm3", "granite"])
+        "olmo2", "olmo3", "qwen2-moe", "phi4", "phi4-mini", "smollm3", "granite", "glm4"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -313,6 +317,17 @@ def test_granite_multipliers_default_to_transformers_and_are_refused_elsewhere()
     default.replace(logits_scaling=0.0)
 
 
+def test_glm4_defaults_are_transformers():
+  d = read_json(os.path.join(fixture("glm4"), "config_4x.json"))
+  d.pop("partial_rotary_factor", None)
+  d.pop("rms_norm_eps")
+  if d.get("rope_scaling"):
+    d["rope_scaling"].pop("partial_rotary_factor", None)
+  c = config_from_hf(d)  # Glm4Config: half of each head turns, RMS eps 1.5625e-7
+  assert (c.partial_rotary_factor, c.rotary_dim, c.rms_norm_eps) == (0.5, 8, 1.5625e-7)
+  assert c.qkv_bias and c.sandwich_norms and not c.zero_centered_norms
+
+
 def test_unknown_architecture_is_named():
   d = read_json(os.path.join(fixture("llama"), "config.json"))
   d["architectures"] = ["DeepseekV3ForCausalLM"]
@@ -329,7 +344,7 @@ def test_unknown_architecture_is_named():
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "qwen3"),
     ("attention_bias", True, "qwen3_moe"), ("shared_expert_intermediate_size", 64, "qwen3_moe"),
     ("attention_bias", True, "olmo2"), ("hidden_act", "gelu", "olmo3"),
-    ("qkv_bias", False, "qwen2_moe"),
+    ("qkv_bias", False, "qwen2_moe"), ("attention_bias", False, "glm4"),
 ])
 def test_unsupported_config_field_is_named(field, value, arch):
   d = read_json(os.path.join(fixture(arch), "config.json"))
@@ -552,7 +567,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "mistral_window", "gemma3", "gemma2", "qwen3_moe",
                                   "mixtral", "olmo2", "olmo3", "qwen2_moe", "phi3", "smollm3",
-                                  "granite"])
+                                  "granite", "glm4"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

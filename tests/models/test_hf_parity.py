@@ -15,7 +15,8 @@ from flax import nnx
 from hf_fixtures import FIXTURES, decode, fixture_model, forward, reference
 from inference_workers.sampler import generate
 from inference_workers.sampling import SamplingParams
-from rlax_ps.models import KVCache, Transformer, load_hf_checkpoint
+from rlax_ps.models import (KVCache, Transformer, assign_params, flatten_params,
+                            load_hf_checkpoint)
 
 TOLERANCE = 1e-4  # max abs logit difference in float32
 
@@ -33,7 +34,7 @@ def with_config(name, config_file, tmp_path):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "qwen3_yarn", "mistral_window", "gemma3", "gemma3_vision",
                                   "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3",
-                                  "qwen2_moe", "phi3", "smollm3", "granite"])
+                                  "qwen2_moe", "phi3", "smollm3", "granite", "glm4"])
 def test_logits_match_transformers(name):
   # config.json only: test_hf_checkpoint checks that config_4x.json gives the same config.
   tokens, expected = reference(name)
@@ -89,6 +90,23 @@ def test_the_granite_fixture_exercises_each_multiplier(field):
   assert np.abs(np.asarray(forward(other, tokens)) - expected).max() > 1e-2
 
 
+def test_the_glm4_fixture_exercises_its_interleaved_partial_rope():
+  # Loading skips the q/k reordering, or turns every dim: the logits move by more than 1e-2.
+  from rlax_ps.models import hf
+  tokens, expected = reference("glm4")
+  model = fixture_model("glm4")
+  assert model.config.rotary_dim == 8 and model.config.head_dim == 16
+  whole = Transformer(model.config.replace(partial_rotary_factor=1.0), rngs=nnx.Rngs(0))
+  nnx.update(whole, nnx.state(model, nnx.Param))
+  unpermuted = Transformer(model.config, rngs=nnx.Rngs(0))
+  nnx.update(unpermuted, nnx.state(model, nnx.Param))
+  flat = {k: np.asarray(v) for k, v in flatten_params(unpermuted).items()}
+  hf._permute_rotary(flat, model.config, inverse=True)
+  assign_params(unpermuted, flat)
+  for other in (whole, unpermuted):
+    assert np.abs(np.asarray(forward(other, tokens)) - expected).max() > 1e-2
+
+
 def test_the_smollm3_fixture_exercises_its_layers_without_rope():
   # With RoPE on every layer the same weights give clearly different logits.
   tokens, expected = reference("smollm3")
@@ -101,7 +119,7 @@ def test_the_smollm3_fixture_exercises_its_layers_without_rope():
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3_moe",
                                   "mixtral", "olmo2", "olmo3", "qwen2_moe", "smollm3",
-                                  "granite"])
+                                  "granite", "glm4"])
 def test_packed_sequences_match_transformers(name):
   # Causal logits of a prefix equal the full row's first logits, so a row packing the first
   # 12 tokens of sequence 0 with the first 8 of sequence 1 must reproduce both references.
@@ -131,7 +149,7 @@ def test_cached_decoding_matches_transformers(name):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
                                   "qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe",
-                                  "phi3", "smollm3", "granite"])
+                                  "phi3", "smollm3", "granite", "glm4"])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""
