@@ -226,11 +226,12 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_int8", "olmo3",
                                     "phi3", "granite", "glm4"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
-  """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window),
-  Qwen3-MoE (also published as int8, with scales per expert), OLMo 3, Phi-4-mini-like (LongRoPE, which this run's 64 + 8 tokens fix to the long
-  factors in trainer and workers alike), Granite or GLM-4 checkpoint with a ChatML tokenizer and
-  template: JSONL math questions as conversations, scored by the math verifier; the export
-  carries the chat template and the end-of-turn stop ids."""
+  """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window), Qwen3-MoE
+  (also published as int8, with scales per expert), OLMo 3, Phi-4-mini-like (LongRoPE, which
+  this run's 64 + 8 tokens fix to the long factors in trainer and workers alike), Granite or
+  GLM-4 checkpoint with a ChatML tokenizer and template: JSONL math questions as conversations,
+  scored by the math verifier; the export carries the chat template and the end-of-turn stop
+  ids."""
   import numpy as np
   from flax import nnx
 

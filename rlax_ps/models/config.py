@@ -134,8 +134,9 @@ class ModelConfig:
            f"num_heads={self.num_heads}", None)
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
     need(self.head_dim % 2 == 0, "head_dim", "an even int (RoPE rotates pairs)", self.head_dim)
-    need(isinstance(self.partial_rotary_factor, (int, float)) and 0 < self.partial_rotary_factor <= 1
-         and self.rotary_dim > 0 and self.rotary_dim % 2 == 0, "partial_rotary_factor",
+    need(isinstance(self.partial_rotary_factor, (int, float))
+         and 0 < self.partial_rotary_factor <= 1 and self.rotary_dim > 0
+         and self.rotary_dim % 2 == 0, "partial_rotary_factor",
          f"a number in (0, 1] turning an even number of the {self.head_dim} head dims",
          self.partial_rotary_factor)
     for f in ("param_dtype", "dtype"):

@@ -58,7 +58,8 @@ def _by_hand(moe, x, norm_topk_prob):
     top = np.argsort(-probs[t])[:moe.top_k]
     w = probs[t, top] / (probs[t, top].sum() if norm_topk_prob else 1.0)
     for e, we in zip(top, w):
-      out[t] += we * _silu_mlp(flat[t], *(p[f"experts.{n}_proj"][e] for n in ("gate", "up", "down")))
+      out[t] += we * _silu_mlp(flat[t],
+                               *(p[f"experts.{n}_proj"][e] for n in ("gate", "up", "down")))
     if "shared_expert_gate.kernel" in p:
       gate = 1 / (1 + np.exp(-(flat[t] @ p["shared_expert_gate.kernel"])))
       shared[t] = gate * _silu_mlp(flat[t], *(p[f"shared_expert.{n}_proj.kernel"]

@@ -42,7 +42,8 @@ def test_params_of_every_layout_and_dtype_equal_quantize_params():
       "embed.embedding": rng.standard_normal((24, 16)) * 0.02,
       "mlp.kernel": rng.standard_normal(SHAPE) * 0.02,
       "attn.qkv.kernel": rng.standard_normal((4, 6, 16)) * 0.02,
-      "mlp.experts.gate_proj": rng.standard_normal((3, 6, 16)) * np.array([0.02, 2e-30, 3.0])[:, None, None],
+      "mlp.experts.gate_proj": (rng.standard_normal((3, 6, 16))
+                                * np.array([0.02, 2e-30, 3.0])[:, None, None]),
       "norm.scale": 1 + rng.standard_normal(16) * 0.02,
   }
   for dtype in [np.float32, BF16]:
