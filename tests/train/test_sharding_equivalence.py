@@ -109,9 +109,6 @@ MOE = MODEL.replace(num_layers=2, architecture="qwen3", qk_norm=True, num_expert
                     mlp_only_layers=(1,))
 
 
-# ~20 s and ~30 s; the default suite keeps the generic sharded step, the Gemma-shaped packed
-# log-probs on one device and the grouped experts on a mesh.
-@pytest.mark.slow
 @pytest.mark.parametrize("model,moved", [
     (GEMMA, ("layers", 0, "attn_out_norm", "scale")),
     (MOE, ("layers", 0, "mlp", "experts", "down_proj"))], ids=["gemma", "moe"])
