@@ -100,7 +100,9 @@ def model_angles(config: ModelConfig, positions: jnp.ndarray, segment_ids: jnp.n
   """cos, sin [B, T, rotary_dim] of the model's (global) RoPE at positions [B, T]. LongRoPE
   takes the factors config.rope_long_factors fixes, or else its long ones when a token's
   position (padding, segment id 0, aside) reaches original_max_position_embeddings and its
-  short ones otherwise, per call as transformers' forward does."""
+  short ones otherwise, per call as transformers' forward does. (transformers' generate also
+  recomputes its cache with the long set once a generation crosses that length; a cache here
+  keeps the keys it has, which is why an RL run fixes the set.)"""
   scale = attention_scaling(config)
   angles = rotary_angles(positions, inverse_frequencies(config), scale)
   s = config.rope_scaling
