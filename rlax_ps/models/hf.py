@@ -430,11 +430,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
              sliding_window=c.sliding_window, layer_types=types,
              no_rope_layers=[int(i not in c.nope_layers) for i in range(c.num_layers)])
   elif arch == "glm4":
-    rope["partial_rotary_factor"] = c.partial_rotary_factor
-    d.update(attention_bias=True, partial_rotary_factor=c.partial_rotary_factor)
-  elif arch == "phi3":  # 4.x reads these at the top level, 5.x inside rope_parameters too
-    rope["partial_rotary_factor"] = c.partial_rotary_factor
-    d.update(sliding_window=c.sliding_window, partial_rotary_factor=c.partial_rotary_factor)
+    d.update(attention_bias=True)
+  elif arch == "phi3":  # 4.x reads this at the top level, 5.x inside rope_parameters too
+    d.update(sliding_window=c.sliding_window)
     if scaling and scaling["rope_type"] == "longrope":
       d.update(original_max_position_embeddings=scaling["original_max_position_embeddings"])
   elif arch in ("olmo2", "olmo3"):
@@ -443,16 +441,19 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(sliding_window=c.sliding_window, num_local_experts=c.num_experts,
              num_experts_per_tok=c.num_experts_per_tok, router_jitter_noise=0.0)
   elif arch == "qwen3_moe":
-    d.update({f: getattr(c, f) for f in _MOE_FIELDS}, mlp_only_layers=list(c.mlp_only_layers),
-             use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window)
+    d.update(use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window)
   elif arch in ("qwen2", "qwen2_moe", "qwen3"):
     sliding = c.sliding_window is not None
     d.update(use_sliding_window=sliding, sliding_window=c.sliding_window,
              max_window_layers=types.index("sliding_attention") if sliding else c.num_layers,
              layer_types=types if sliding else ["full_attention"] * c.num_layers)
+  if arch in ("qwen2_moe", "qwen3_moe"):
+    d.update({f: getattr(c, f) for f in _MOE_FIELDS}, mlp_only_layers=list(c.mlp_only_layers))
   if arch == "qwen2_moe":
-    d.update({f: getattr(c, f) for f in _MOE_FIELDS}, mlp_only_layers=list(c.mlp_only_layers),
-             shared_expert_intermediate_size=c.shared_expert_intermediate_size, qkv_bias=True)
+    d.update(shared_expert_intermediate_size=c.shared_expert_intermediate_size, qkv_bias=True)
+  if arch in ("phi3", "glm4"):  # 4.x reads it at the top level, 5.x in rope_parameters
+    rope["partial_rotary_factor"] = c.partial_rotary_factor
+    d.update(partial_rotary_factor=c.partial_rotary_factor)
   if arch in ("qwen3", "qwen3_moe") or gemma:
     d.update(attention_bias=False)
   if gemma:

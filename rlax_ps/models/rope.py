@@ -108,9 +108,11 @@ def model_angles(config: ModelConfig, positions: jnp.ndarray, segment_ids: jnp.n
   s = config.rope_scaling
   if s is None or s["rope_type"] != "longrope":
     return angles
+  if config.rope_long_factors is False:
+    return angles
   long = rotary_angles(positions, inverse_frequencies(config, long=True), scale)
-  if config.rope_long_factors is not None:
-    return long if config.rope_long_factors else angles
+  if config.rope_long_factors:
+    return long
   use_long = jnp.max(jnp.where(segment_ids > 0, positions, 0)) >= s[
       "original_max_position_embeddings"]
   return tuple(jnp.where(use_long, b, a) for a, b in zip(angles, long))
