@@ -159,7 +159,7 @@ def prefill_time(model, batch, length, reps):
 
   @jax.jit
   def run(state, tokens, lens):
-    logits, _ = sampler._prefill(nnx.merge(graphdef, state), tokens, lens, length)
+    logits, _, _ = sampler._prefill(nnx.merge(graphdef, state), tokens, lens, length)
     return logits
 
   tokens = jnp.ones((batch, length), jnp.int32)

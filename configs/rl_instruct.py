@@ -16,6 +16,8 @@ Sized for a TPU host as trainer and a fleet of workers on other machines (`rlax-
 `rlax-ps worker` with this config; tpu_scripts/, k8s/). `rlax-ps local` runs it all on one
 machine, the workers on its CPU (`local.worker_platform`). For long thinking, set
 --config.tokenizer.chat_kwargs='' and raise worker.max_new_tokens and loss.overlong_buffer.
+For a mixture-of-experts checkpoint add --config.worker.routing_replay=True: the trainer then
+routes each token to the experts it was sampled with.
 `:tiny` is the seconds-long smoke variant (used by the tests).
 """
 

@@ -148,6 +148,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.lease_deadline_s = 120.0
   c.worker.default_task = "addition"
   c.worker.verifiers = ""  # Python files or modules registering verifiers, comma-separated.
+  # Mixture of experts: workers send each token's experts and the trainer's forward routes
+  # by them (routing replay), so the experts a token goes to are the ones it was sampled with.
+  c.worker.routing_replay = False
 
   # `rlax-ps local`: how many workers to start.
   c.local = ml_collections.ConfigDict()

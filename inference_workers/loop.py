@@ -28,7 +28,7 @@ from inference_workers.sampler import Sample, generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
-                                  make_sample)
+                                  make_routes, make_sample)
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.sync import Update
@@ -58,6 +58,7 @@ def reference_of(prompt: pb.Prompt) -> str:
 class WorkerStats:
   leases: int = 0
   groups_submitted: int = 0
+  groups_refused: int = 0  # rejected by the server as they were (the prompt is released)
   prompts_released: int = 0
   samples: int = 0
   tokens: int = 0
@@ -76,6 +77,9 @@ class Worker:
     self.client = client
     self.tokenizer = tokenizer
     self.config = config
+    if config.routing_replay and not model_config.moe_layers:
+      raise ValueError("WorkerConfig.routing_replay: expected False for a model without "
+                       "mixture-of-experts layers (there are no routes to send)")
     self.policy = HeldPolicy(model_config, config.weights_format)
     self.allocator = allocator if allocator is not None else make_allocator(config)
     self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
@@ -278,7 +282,16 @@ class Worker:
       version = self.policy.version
       groups = self._rollout_groups(chunk, version)
       for prompt, group in zip(chunk, groups):
-        self.client.submit_rollouts(lease.lease_id, group)
+        try:
+          self.client.submit_rollouts(lease.lease_id, group)
+        except ParamServerError as e:
+          if e.code != grpc.StatusCode.INVALID_ARGUMENT:
+            raise
+          # Refused as it is (too large, malformed): the prompt goes back with the lease's
+          # unanswered ones; the others are still submitted.
+          self.stats.groups_refused += 1
+          logging.error("worker: the group of prompt %s was refused: %s", prompt.id, e)
+          continue
         with self._lock:
           self._inflight[lease.lease_id].discard(prompt.id)
         self.stats.groups_submitted += 1
@@ -325,12 +338,18 @@ class Worker:
     meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p)}
-    return [pb.RolloutGroup(
+    groups = [pb.RolloutGroup(
         prompt_id=p.id, policy_version=version, metadata=meta,
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),
-                             logprobs=s.sampling_logprobs, finish_reason=s.finish_reason)
+                             logprobs=s.sampling_logprobs, finish_reason=s.finish_reason,
+                             routes=s.routes)
                  for s, r in zip(got, rs)])
         for p, got, rs in zip(prompts, samples, rewards)]
+    if self.config.routing_replay:  # a prompt's samples share its routes: sent once
+      for group, got in zip(groups, samples):
+        if got:
+          group.prompt_routes.CopyFrom(make_routes(got[0].prompt_routes))
+    return groups
 
   def _draw(self, prompts, tokens, counts, version, round_) -> list[list[Sample]]:
     """counts[i] samples of prompt i: one shared-prefix call when the counts agree."""
@@ -342,13 +361,14 @@ class Worker:
     if len({counts[i] for i in live}) == 1:
       n = counts[live[0]]
       groups = generate_shared(self.policy.model, [tokens[i] for i in live], n,
-                               [seeds[i] for i in live], self.params)
+                               [seeds[i] for i in live], self.params,
+                               record_routes=self.config.routing_replay)
       for i, g in zip(live, groups):
         out[i] = g
       return out
     rows = [(i, s) for i in live for s in seeds[i]]
     flat = generate(self.policy.model, [tokens[i] for i, _ in rows], [s for _, s in rows],
-                    self.params)
+                    self.params, record_routes=self.config.routing_replay)
     for (i, _), sample in zip(rows, flat):
       out[i].append(sample)
     return out

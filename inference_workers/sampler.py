@@ -42,12 +42,17 @@ class Sample:
   sampling_logprobs: log-prob of each token under the distribution it was drawn from
     (temperature, top-k, top-p applied and renormalised; 0 when greedy): the behaviour log-prob.
   finish_reason: "stop" (emitted a stop token) or "length" (reached max_new_tokens).
+  prompt_routes, routes (`record_routes`, mixture of experts): the experts each MoE layer's
+    router picked, [prompt tokens, M, k] for the prompt and [len(tokens) - 1, M, k] for the
+    generated tokens fed back (the last one never is): what routing replay trains with.
   """
 
   tokens: np.ndarray
   logprobs: np.ndarray
   sampling_logprobs: np.ndarray
   finish_reason: str
+  prompt_routes: np.ndarray | None = None
+  routes: np.ndarray | None = None
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -94,29 +99,45 @@ def _check(model_config, prompts, seeds, rows, params: SamplingParams):
     raise ValueError(f"seeds: expected ints in [0, 2**31), got {bad[0]!r}")
 
 
-def _prefill(model, tokens, lens, cache_len: int):
-  """Prefill right-padded prompts; returns (last-token logits [B, V], filled KVCache)."""
+ROUTE_DTYPE = jnp.int16  # expert ids on device (-1: not recorded)
+
+
+def _routes_last(picks):
+  """The model's recorded picks [M, B, T, k] -> [B, T, M, k] ROUTE_DTYPE."""
+  return jnp.transpose(picks, (1, 2, 0, 3)).astype(ROUTE_DTYPE)
+
+
+def _prefill(model, tokens, lens, cache_len: int, record_routes: bool = False):
+  """Prefill right-padded prompts; returns (last-token logits [B, V], filled KVCache, the
+  prompts' routes [B, P, M, k] when `record_routes`, else None)."""
   b, p = tokens.shape
   segment_ids = (jnp.arange(p)[None, :] < lens[:, None]).astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
   cache = KVCache.init(model.config, b, cache_len)
-  hidden, cache = model.hidden_states(tokens, positions=positions, segment_ids=segment_ids,
-                                      cache=cache)
+  hidden, cache, *picks = model.hidden_states(
+      tokens, positions=positions, segment_ids=segment_ids, cache=cache,
+      record_routes=record_routes)
   last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)
-  return model.logits_from_hidden(last)[:, 0], cache
+  routes = _routes_last(picks[0]) if record_routes else None
+  return model.logits_from_hidden(last)[:, 0], cache, routes
 
 
 def _decode(model, cache, first_logits, lens, seeds, active, knobs, mode: DecodeMode,
-            budget: int):
+            budget: int, record_routes: bool = False):
   """Sample up to max_new tokens per row; rows are independent except for sharing the loop.
 
   knobs = (max_new int32, temperature f32, top_p f32, stop token ids [K] int32, -1 = none).
+  Returns (tokens, logp, sampling logp, lengths, finish reasons) and, `record_routes`, the
+  routes [rows, budget, M, k] of each fed-back token (slot t: generated token t).
   """
   max_new, temperature, top_p, stops = knobs
   rows = first_logits.shape[0]
   out_tokens = jnp.zeros((rows, budget), jnp.int32)
   out_logp = jnp.zeros((rows, budget), jnp.float32)
   out_slogp = jnp.zeros((rows, budget), jnp.float32)
+  c = model.config
+  out_routes = (jnp.full((rows, budget, len(c.moe_layers), c.num_experts_per_tok), -1,
+                         ROUTE_DTYPE) if record_routes else None)
 
   def record(step, logits, done, lengths, reasons, tokens_buf, logp_buf, slogp_buf):
     token, slogp, logp = choose_tokens(logits, step_keys(seeds, step), mode, temperature, top_p)
@@ -140,36 +161,46 @@ def _decode(model, cache, first_logits, lens, seeds, active, knobs, mode: Decode
     return (step < max_new) & ~jnp.all(done)
 
   def body(carry):
-    step, cache, token, done, lengths, reasons, *bufs = carry
+    step, cache, token, done, lengths, reasons, routes, *bufs = carry
     positions = (lens + step - 1)[:, None]
-    hidden, cache = model.hidden_states(token[:, None], positions=positions, cache=cache)
+    hidden, cache, *picks = model.hidden_states(token[:, None], positions=positions,
+                                                cache=cache, record_routes=record_routes)
+    if record_routes:  # this step fed generated token step - 1
+      routes = routes.at[:, step - 1].set(_routes_last(picks[0])[:, 0])
     logits = model.logits_from_hidden(hidden)[:, 0]
     token, done, lengths, reasons, *bufs = record(step, logits, done, lengths, reasons, *bufs)
-    return (step + 1, cache, token, done, lengths, reasons, *bufs)
+    return (step + 1, cache, token, done, lengths, reasons, routes, *bufs)
 
-  carry = (jnp.ones((), jnp.int32), cache, token, done, lengths, reasons, *bufs)
-  _, _, _, _, lengths, reasons, tokens_buf, logp_buf, slogp_buf = jax.lax.while_loop(
+  carry = (jnp.ones((), jnp.int32), cache, token, done, lengths, reasons, out_routes, *bufs)
+  _, _, _, _, lengths, reasons, routes, tokens_buf, logp_buf, slogp_buf = jax.lax.while_loop(
       cond, body, carry)
-  return tokens_buf, logp_buf, slogp_buf, lengths, reasons
+  out = (tokens_buf, logp_buf, slogp_buf, lengths, reasons)
+  return out + (routes,) if record_routes else out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "budget"))
-def _generate_jit(graphdef, state, tokens, lens, seeds, active, knobs, *, mode, budget):
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "budget", "record_routes"))
+def _generate_jit(graphdef, state, tokens, lens, seeds, active, knobs, *, mode, budget,
+                  record_routes):
   model = nnx.merge(graphdef, state)
-  logits, cache = _prefill(model, tokens, lens, tokens.shape[1] + budget)
-  return _decode(model, cache, logits, lens, seeds, active, knobs, mode, budget)
+  logits, cache, prompt_routes = _prefill(model, tokens, lens, tokens.shape[1] + budget,
+                                          record_routes)
+  out = _decode(model, cache, logits, lens, seeds, active, knobs, mode, budget, record_routes)
+  return out + (prompt_routes,) if record_routes else out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "budget", "n", "decode_fn"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "budget", "n", "decode_fn",
+                                             "record_routes"))
 def _generate_shared_jit(graphdef, state, tokens, lens, seeds, active, knobs, *, mode, budget,
-                         n, decode_fn):
+                         n, decode_fn, record_routes):
   model = nnx.merge(graphdef, state)
-  logits, prefill = _prefill(model, tokens, lens, tokens.shape[1])
+  logits, prefill, prompt_routes = _prefill(model, tokens, lens, tokens.shape[1],
+                                            record_routes)
   cache = SharedPrefixCache.from_prefill(prefill, lens, n, budget, decode_fn)
   row_lens = jnp.repeat(lens, n)
   row_active = jnp.repeat(active, n)
-  return _decode(model, cache, jnp.repeat(logits, n, axis=0), row_lens, seeds.reshape(-1),
-                 row_active, knobs, mode, budget)
+  out = _decode(model, cache, jnp.repeat(logits, n, axis=0), row_lens, seeds.reshape(-1),
+                row_active, knobs, mode, budget, record_routes)
+  return out + (prompt_routes,) if record_routes else out
 
 
 def _knobs(params: SamplingParams):
@@ -180,20 +211,28 @@ def _knobs(params: SamplingParams):
           np.float32(params.top_p), stops)
 
 
-def _samples(outputs, rows: int) -> list[Sample]:
-  tokens, logp, slogp, lengths, reasons = jax.device_get(outputs)
+def _samples(outputs, rows: int, prompt_lens: Sequence[int], prompt_row=lambda i: i
+             ) -> list[Sample]:
+  """Host Samples of the first `rows` rows; row i's prompt is prompt row prompt_row(i)."""
+  tokens, logp, slogp, lengths, reasons, *routes = jax.device_get(outputs)
   result = []
   for i in range(rows):
-    k = int(lengths[i])
+    k, p = int(lengths[i]), prompt_row(i)
+    extra = {}
+    if routes:
+      extra = dict(routes=routes[0][i, :max(k - 1, 0)],
+                   prompt_routes=routes[1][p, :prompt_lens[p]])
     result.append(Sample(tokens=tokens[i, :k], logprobs=logp[i, :k],
                          sampling_logprobs=slogp[i, :k],
-                         finish_reason=FINISH_REASONS[int(reasons[i])]))
+                         finish_reason=FINISH_REASONS[int(reasons[i])], **extra))
   return result
 
 
 def generate(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-             params: SamplingParams = SamplingParams()) -> list[Sample]:
-  """One sample per prompt (row i drawn with seeds[i])."""
+             params: SamplingParams = SamplingParams(), *, record_routes: bool = False
+             ) -> list[Sample]:
+  """One sample per prompt (row i drawn with seeds[i]); `record_routes`: each Sample also
+  carries its experts (mixture of experts, for routing replay)."""
   graphdef, state, config = _split(model)
   _check(config, prompts, seeds, len(prompts), params)
   batch = bucket(len(prompts))
@@ -203,15 +242,18 @@ def generate(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
   seeds_arr = np.zeros((batch,), np.int32)
   seeds_arr[:len(prompts)] = np.asarray(seeds, np.int64)
   out = _generate_jit(graphdef, state, tokens, lens, seeds_arr, active, _knobs(params),
-                      mode=params.mode, budget=bucket(params.max_new_tokens))
-  return _samples(out, len(prompts))
+                      mode=params.mode, budget=bucket(params.max_new_tokens),
+                      record_routes=record_routes)
+  return _samples(out, len(prompts), lens)
 
 
 def generate_shared(model, prompts: Sequence[Sequence[int]], n: int, seeds,
                     params: SamplingParams = SamplingParams(),
-                    decode_fn: DecodeFn = shared_prefix_decode_attention) -> list[list[Sample]]:
+                    decode_fn: DecodeFn = shared_prefix_decode_attention, *,
+                    record_routes: bool = False) -> list[list[Sample]]:
   """n samples per prompt from one shared prefill; seeds [len(prompts), n] (sample j of prompt b
-  uses seeds[b][j] and equals `generate` on that prompt with that seed)."""
+  uses seeds[b][j] and equals `generate` on that prompt with that seed). `record_routes`: as
+  in `generate`; the n samples of a prompt share its prompt_routes."""
   graphdef, state, config = _split(model)
   if not isinstance(n, int) or n < 1:
     raise ValueError(f"n: expected a positive int (samples per prompt), got {n!r}")
@@ -228,6 +270,6 @@ def generate_shared(model, prompts: Sequence[Sequence[int]], n: int, seeds,
   seeds_arr[:len(prompts)] = seeds
   out = _generate_shared_jit(graphdef, state, tokens, lens, seeds_arr, active, _knobs(params),
                              mode=params.mode, budget=bucket(params.max_new_tokens), n=n,
-                             decode_fn=decode_fn)
-  flat = _samples(out, len(prompts) * n)
+                             decode_fn=decode_fn, record_routes=record_routes)
+  flat = _samples(out, len(prompts) * n, lens, lambda i: i // n)
   return [flat[b * n:(b + 1) * n] for b in range(len(prompts))]

@@ -31,6 +31,8 @@ class WorkerConfig:
   backoff_max_s: float = setting(30.0, "longest wait between reconnection attempts")
   max_leases: int = setting(0, "exit after this many non-empty leases (0 = run until stopped)")
   seed: int = setting(0, "mixed into every sample's seed")
+  routing_replay: bool = setting(False, "mixture of experts: send each token's experts with the "
+                                 "rollouts, for the trainer to route by (routing replay)")
 
   def __post_init__(self):
     def need(cond, field, expected):

@@ -31,7 +31,6 @@ VersionInfo = pb.VersionInfo
 Stats = pb.Stats
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
-_OVERHEAD = 64 << 10
 
 
 class ParamServerError(Exception):
@@ -138,13 +137,34 @@ class PullProgress:
 
 def make_sample(token_ids: Sequence[int], reward: float, *, text: str = "",
                 logprobs: Sequence[float] | np.ndarray | None = None, finish_reason: str = "",
-                metadata: dict[str, str] | None = None) -> pb.Sample:
-  """A sample; logprobs travel packed as little-endian float32."""
+                metadata: dict[str, str] | None = None,
+                routes: np.ndarray | None = None) -> pb.Sample:
+  """A sample; logprobs travel packed as little-endian float32, routes as `make_routes`."""
   s = pb.Sample(token_ids=list(map(int, token_ids)), reward=float(reward), text=text,
                 finish_reason=finish_reason, metadata=metadata or {})
   if logprobs is not None:
     s.logprobs_f32 = np.asarray(logprobs, dtype="<f4").tobytes()
+  if routes is not None:
+    s.routes.CopyFrom(make_routes(routes))
   return s
+
+
+def make_routes(ids: np.ndarray) -> pb.Routes:
+  """Expert ids [tokens, layers, top_k] as a Routes message: one byte per id when they fit
+  (at most 256 experts), else two."""
+  ids = np.asarray(ids)
+  if ids.ndim != 3 or (ids.size and ids.min() < 0):
+    raise ValueError(f"routes: expected expert ids >= 0 of shape [tokens, layers, top_k], got "
+                     f"shape {ids.shape}")
+  width = 1 if not ids.size or ids.max() < 256 else 2
+  return pb.Routes(ids=ids.astype(f"<u{width}").tobytes(), layers=ids.shape[1],
+                   top_k=ids.shape[2], id_bytes=width)
+
+
+def routes_of(routes: pb.Routes) -> np.ndarray:
+  """A Routes message's expert ids [tokens, layers, top_k] (int32)."""
+  flat = np.frombuffer(routes.ids, dtype=f"<u{routes.id_bytes}").astype(np.int32)
+  return flat.reshape(-1, routes.layers, routes.top_k)
 
 
 def sample_logprobs(sample: pb.Sample) -> np.ndarray:
@@ -159,8 +179,8 @@ class ParamServerClient:
 
   def __init__(self, address: str, token: str | None = None, role: str = "worker", *,
                root_certificates: bytes | None = None, tls_server_name: str | None = None,
-               chunk_bytes: int = 4 << 20, max_message_bytes: int = 16 << 20,
-               retry: RetryPolicy = RetryPolicy(), timeout_s: float = 30.0):
+               chunk_bytes: int = 4 << 20, retry: RetryPolicy = RetryPolicy(),
+               timeout_s: float = 30.0):
     self.address = address
     self.role = role
     self.chunk_bytes = chunk_bytes
@@ -168,8 +188,10 @@ class ParamServerClient:
     self.timeout_s = timeout_s
     self.worker_id = ""
     self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    limit = max(chunk_bytes, max_message_bytes) + _OVERHEAD
-    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    # No size limits of its own: the server sets them (`rlax-ps serve --max_message_bytes`)
+    # and tells a worker its request limit when it registers.
+    self.max_request_bytes = 0  # 0: not told
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     if root_certificates is not None:
       if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
@@ -227,6 +249,7 @@ class ParamServerClient:
     reply = self._call("RegisterWorker", pb.RegisterWorkerRequest(name=name, metadata=metadata or {}))
     self.worker_id = reply.worker_id
     self.heartbeat_interval_s = reply.heartbeat_interval_s
+    self.max_request_bytes = reply.max_request_bytes
     return reply.worker_id
 
   def heartbeat(self, version: int = -1, tokens_per_s: float = 0.0, worker_id: str | None = None) -> int:
@@ -368,8 +391,13 @@ class ParamServerClient:
       g.CopyFrom(group)
       g.policy_version = policy_version
       group = g
-    return self._call("SubmitRollouts", pb.SubmitRolloutsRequest(
-        lease_id=lease_id, worker_id=self._require_worker(worker_id), group=group))
+    request = pb.SubmitRolloutsRequest(lease_id=lease_id, worker_id=self._require_worker(worker_id),
+                                       group=group)
+    if self.max_request_bytes and request.ByteSize() > self.max_request_bytes:
+      raise ParamServerError("SubmitRollouts", grpc.StatusCode.INVALID_ARGUMENT, (
+          f"group: {request.ByteSize()} bytes, more than the server takes ({self.max_request_bytes}); "
+          f"raise `rlax-ps serve --max_message_bytes`"))
+    return self._call("SubmitRollouts", request)
 
   def take_rollouts(self, min_version: int = 0, max_n: int = 64, *, wait_s: float = 0.0,
                     ack_deadline_s: float = 60.0, requeue_unacked: bool = False) -> Take:

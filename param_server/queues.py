@@ -125,6 +125,41 @@ def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: 
     for j, t in enumerate(s.token_ids):
       if t < 0:
         raise errors.InvalidArgument(f"{where}.token_ids[{j}]", f"expected >= 0, got {t}")
+  _validate_routes(group)
+
+
+def _routes_tokens(routes: pb.Routes, where: str) -> int:
+  """How many tokens a Routes message covers; InvalidArgument unless its bytes fit."""
+  if routes.id_bytes not in (1, 2) or routes.layers < 1 or routes.top_k < 1:
+    raise errors.InvalidArgument(where, f"expected id_bytes 1 or 2 and layers, top_k >= 1, got "
+                                 f"{routes.id_bytes}, {routes.layers}, {routes.top_k}")
+  row = routes.layers * routes.top_k * routes.id_bytes
+  if len(routes.ids) % row:
+    raise errors.InvalidArgument(f"{where}.ids", f"expected a multiple of {row} bytes (layers x "
+                                 f"top_k x id_bytes), got {len(routes.ids)}")
+  return len(routes.ids) // row
+
+
+def _validate_routes(group: pb.RolloutGroup) -> None:
+  """Routing replay: routes for the prompt and every sample (every token but the last), all
+  of one shape, or none at all."""
+  routed = [s.HasField("routes") for s in group.samples]
+  if not group.HasField("prompt_routes") and not any(routed):
+    return
+  if not group.HasField("prompt_routes"):
+    raise errors.InvalidArgument("group.prompt_routes", "expected with the samples' routes")
+  _routes_tokens(group.prompt_routes, "group.prompt_routes")
+  shape = (group.prompt_routes.layers, group.prompt_routes.top_k)
+  for i, s in enumerate(group.samples):
+    where = f"group.samples[{i}].routes"
+    if not s.HasField("routes"):
+      raise errors.InvalidArgument(where, "expected with group.prompt_routes")
+    if (s.routes.layers, s.routes.top_k) != shape:
+      raise errors.InvalidArgument(where, f"expected layers, top_k = {shape} as the prompt's, got "
+                                   f"{(s.routes.layers, s.routes.top_k)}")
+    tokens, want = _routes_tokens(s.routes, where), max(len(s.token_ids) - 1, 0)
+    if tokens != want:
+      raise errors.InvalidArgument(where, f"expected {want} tokens (all but the last), got {tokens}")
 
 
 class PromptRolloutQueues:

@@ -36,6 +36,11 @@ SERVICE_NAME = "rlax_ps.v1.ParamServer"
 MESSAGE_OVERHEAD = 64 << 10
 
 
+def message_limit(config: "ServerConfig") -> int:
+  """The largest gRPC message the server sends or takes (told to workers on registering)."""
+  return max(config.max_chunk_bytes, config.chunk_bytes, config.max_message_bytes) + MESSAGE_OVERHEAD
+
+
 @dataclasses.dataclass
 class ServerConfig:
   """Everything `rlax-ps serve` can set; each field is also a flag of the same name."""
@@ -292,7 +297,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       self._workers[worker_id] = _Worker(worker_id, request.name, dict(request.metadata))
     logging.info("worker %s registered", worker_id)
     return pb.RegisterWorkerReply(worker_id=worker_id,
-                                  heartbeat_interval_s=self.config.heartbeat_interval_s)
+                                  heartbeat_interval_s=self.config.heartbeat_interval_s,
+                                  max_request_bytes=message_limit(self.config))
 
   @_unary
   def Heartbeat(self, request, context):
@@ -366,7 +372,7 @@ class ParamServer:
             max_lease_prompts=config.max_lease_prompts, max_lease_deadline_s=config.max_lease_deadline_s,
             max_wait_s=config.max_wait_s))
     self.servicer = ParamServerServicer(config, self.weights, self.queues)
-    limit = max(config.max_chunk_bytes, config.chunk_bytes, config.max_message_bytes) + MESSAGE_OVERHEAD
+    limit = message_limit(config)
     self._server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="rpc"),
         interceptors=[auth.TokenAuthInterceptor(self.tokens, on_denied=self.servicer._rejections.bump)],

@@ -227,7 +227,7 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
                                     "phi3", "granite", "glm4"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
   """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window), Qwen3-MoE
-  (also published as int8, with scales per expert), OLMo 3, Phi-4-mini-like (LongRoPE, which
+  (also published as int8, with scales per expert, and routing replay), OLMo 3, Phi-4-mini-like (LongRoPE, which
   this run's 64 + 8 tokens fix to the long factors in trainer and workers alike), Granite or
   GLM-4 checkpoint with a ChatML tokenizer and template: JSONL math questions as conversations,
   scored by the math verifier; the export carries the chat template and the end-of-turn stop
@@ -280,7 +280,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
                              for a, b in rows[10:]))
   workdir = tmp_path / "run"
   int8 = ["--config.publish.format=int8", "--config.worker.weights_format=int8",
-          "--config.loss.correction=tis"] if family.endswith("int8") else []
+          "--config.loss.correction=tis",
+          "--config.worker.routing_replay=True"] if family.endswith("int8") else []
   proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
                 f"--config.data.heldout_jsonl={heldout}", *int8,
                 config="configs/rl_instruct.py:tiny")
@@ -288,6 +289,12 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   summary = json.load(open(workdir / "summary.json"))
   assert summary["step"] == 2 and set(summary["heldout_exact_match"]) == {"math", "all"}
   assert summary["sync"]["format"] == ("int8" if int8 else "bf16")
+  steps = _lines(workdir / "steps.jsonl")
+  if int8:  # every group brought its routes, and the trainer routed by them
+    assert [s["routed_frac"] for s in steps] == [1.0, 1.0]
+    assert all(0.5 < s["router_agreement"] <= 1.0 for s in steps)
+  else:
+    assert "routed_frac" not in steps[0]
   # Every worker ends holding the trainer's published weights (int8 codes and scales too).
   digests = {v["version"]: v["digest"] for v in _lines(workdir / "versions.jsonl")}
   worker_logs = sorted((workdir / "logs").glob("worker-*.log"))

@@ -183,8 +183,20 @@ class ReleaseLeaseReply(_message.Message):
     returned: int
     def __init__(self, returned: _Optional[int] = ...) -> None: ...
 
+class Routes(_message.Message):
+    __slots__ = ("ids", "layers", "top_k", "id_bytes")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    ID_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
+    layers: int
+    top_k: int
+    id_bytes: int
+    def __init__(self, ids: _Optional[bytes] = ..., layers: _Optional[int] = ..., top_k: _Optional[int] = ..., id_bytes: _Optional[int] = ...) -> None: ...
+
 class Sample(_message.Message):
-    __slots__ = ("token_ids", "text", "reward", "logprobs", "logprobs_f32", "finish_reason", "metadata")
+    __slots__ = ("token_ids", "text", "reward", "logprobs", "logprobs_f32", "finish_reason", "metadata", "routes")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +211,7 @@ class Sample(_message.Message):
     LOGPROBS_F32_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     reward: float
@@ -206,10 +219,11 @@ class Sample(_message.Message):
     logprobs_f32: bytes
     finish_reason: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., finish_reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    routes: Routes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., finish_reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., routes: _Optional[_Union[Routes, _Mapping]] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
-    __slots__ = ("prompt_id", "samples", "policy_version", "metadata")
+    __slots__ = ("prompt_id", "samples", "policy_version", "metadata", "prompt_routes")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -221,11 +235,13 @@ class RolloutGroup(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ROUTES_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     policy_version: int
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, prompt_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    prompt_routes: Routes
+    def __init__(self, prompt_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_routes: _Optional[_Union[Routes, _Mapping]] = ...) -> None: ...
 
 class SubmitRolloutsRequest(_message.Message):
     __slots__ = ("lease_id", "worker_id", "group")
@@ -311,12 +327,14 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterWorkerReply(_message.Message):
-    __slots__ = ("worker_id", "heartbeat_interval_s")
+    __slots__ = ("worker_id", "heartbeat_interval_s", "max_request_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     heartbeat_interval_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    max_request_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "version", "tokens_per_s")

@@ -117,19 +117,32 @@ def chunked_response_logprobs(model, hidden, response_tokens, layout: SharedProm
 def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromptLayout, *,
                              backend: str = "auto", block_sizes: BlockSizes | None = None,
                              interpret: bool = False, with_entropy: bool = False,
-                             logits_chunk: int = 0, remat: bool = False):
+                             logits_chunk: int = 0, remat: bool = False, routes=None,
+                             record_routes: bool = False):
   """Runs the model once on the packed group and returns [B, N, R] response log-probs
   (and, `with_entropy`, the policy's entropy at each response position). `logits_chunk` > 0
   projects that many response positions to the vocabulary at a time
   (chunked_response_logprobs); 0 projects the whole row. `remat` recomputes each layer in
-  the backward pass (Transformer.hidden_states)."""
+  the backward pass; `routes` [M, B, L, k] replays experts and `record_routes` appends the
+  routers' own picks to the outputs (Transformer.hidden_states)."""
   attention_fn = packed_attention_fn(layout, backend=backend, block_sizes=block_sizes,
                                      interpret=interpret)
-  hidden, _ = model.hidden_states(tokens, positions=layout.positions(),
-                                  segment_ids=layout.segment_ids(), attention_fn=attention_fn,
-                                  remat=remat)
+  hidden, _, *picks = model.hidden_states(
+      tokens, positions=layout.positions(), segment_ids=layout.segment_ids(),
+      attention_fn=attention_fn, remat=remat, routes=routes, record_routes=record_routes)
   if logits_chunk > 0:
-    return chunked_response_logprobs(model, hidden, response_tokens, layout,
-                                     chunk=logits_chunk, with_entropy=with_entropy)
-  return response_logprobs(model.logits_from_hidden(hidden), response_tokens, layout,
-                           with_entropy=with_entropy)
+    out = chunked_response_logprobs(model, hidden, response_tokens, layout,
+                                    chunk=logits_chunk, with_entropy=with_entropy)
+  else:
+    out = response_logprobs(model.logits_from_hidden(hidden), response_tokens, layout,
+                            with_entropy=with_entropy)
+  if not record_routes:
+    return out
+  return (*out, picks[0]) if with_entropy else (out, picks[0])
+
+
+def pack_routes(prompt_routes, response_routes):
+  """prompt_routes [B, P, M, k], response_routes [B, N, R, M, k] -> the packed rows'
+  routes [M, B, P + N*R, k] (Transformer.hidden_states' layout; -1 stays -1)."""
+  return jnp.moveaxis(join_regions(jnp.asarray(prompt_routes), jnp.asarray(response_routes)),
+                      2, 0)

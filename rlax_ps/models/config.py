@@ -229,6 +229,11 @@ class ModelConfig:
     return (self.num_experts > 0 and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0)
 
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """The layers that route tokens to experts, in order (routing replay's layer axis)."""
+    return tuple(i for i in range(self.num_layers) if self.moe_layer(i))
+
   def sliding_layer(self, layer: int) -> bool:
     """Whether layer `layer` is a sliding (local) one: its window, and its RoPE base when
     rope_local_theta is set (a Gemma 3 local layer keeps that base even with no window)."""

@@ -171,13 +171,21 @@ class MoE(nnx.Module):
       self.shared_expert = MLP(c, c.shared_expert_intermediate_size, rngs=rngs)
       self.shared_expert_gate = _dense(c, c.hidden_size, 1, ("fsdp", None), False, rngs)
 
-  def route(self, flat):
-    """(weights [T, k] float32, chosen experts [T, k]) of tokens flat [T, H]."""
+  def route(self, flat, replay=None):
+    """(weights [T, k] float32, experts used [T, k], experts the router picked [T, k]) of
+    tokens flat [T, H]. replay [T, k] (routing replay): where >= 0, the experts to use
+    instead of the router's picks (the sampler's routes); their weights are the router's
+    own probabilities of them, so the router keeps its gradient."""
     probs = jax.nn.softmax(self.router(flat).astype(jnp.float32), axis=-1)
-    weights, chosen = jax.lax.top_k(probs, self.top_k)
+    weights, picked = jax.lax.top_k(probs, self.top_k)
+    chosen = picked
+    if replay is not None:
+      replay = replay.astype(jnp.int32)
+      chosen = jnp.where(replay >= 0, replay, picked)
+      weights = jnp.take_along_axis(probs, chosen, axis=-1)
     if self.norm_topk_prob:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, chosen
+    return weights, chosen, picked
 
   def grouped(self, flat, weights, chosen):
     """Sort the T * k (token, expert) rows by expert, run them grouped, scatter-add back."""
@@ -194,15 +202,17 @@ class MoE(nnx.Module):
     combine = jnp.zeros((flat.shape[0], self.num_experts), weights.dtype)
     return self.experts.every(flat, combine.at[rows, chosen].set(weights))
 
-  def __call__(self, x):
+  def __call__(self, x, replay=None):
+    """(output [B, T, H], the router's picks [B, T, k]); replay [B, T, k] or None (route)."""
     b, t, h = x.shape
     flat = x.reshape(b * t, h)
-    weights, chosen = self.route(flat)
+    weights, chosen, picked = self.route(
+        flat, None if replay is None else replay.reshape(b * t, self.top_k))
     out = jax.lax.platform_dependent(flat, weights, chosen, cpu=self.every,
                                      default=self.grouped)
     if self.shared:
       out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-    return out.reshape(b, t, h)
+    return out.reshape(b, t, h), picked.reshape(b, t, self.top_k)
 
 
 class Block(nnx.Module):
@@ -224,11 +234,13 @@ class Block(nnx.Module):
       self.attn_out_norm = RMSNorm(config, rngs=rngs)
       self.mlp_out_norm = RMSNorm(config, rngs=rngs)
 
-  def __call__(self, x, cos, sin, attend: Callable):
+  def __call__(self, x, cos, sin, attend: Callable, replay=None):
+    """(output, the router's picks [B, T, k] or None in a dense layer); replay: MoE.route."""
     attn = self.attn(self.input_norm(x) if self.pre else x, cos, sin, attend)
     x = x + self._branch(self.attn_out_norm(attn) if self.out_norms else attn)
-    mlp = self.mlp(self.post_attn_norm(x) if self.pre else x)
-    return x + self._branch(self.mlp_out_norm(mlp) if self.out_norms else mlp)
+    y = self.post_attn_norm(x) if self.pre else x
+    mlp, picked = self.mlp(y, replay) if isinstance(self.mlp, MoE) else (self.mlp(y), None)
+    return x + self._branch(self.mlp_out_norm(mlp) if self.out_norms else mlp), picked
 
   def _branch(self, y):
     return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
@@ -251,10 +263,15 @@ class Transformer(nnx.Module):
       self.lm_head = _dense(c, c.hidden_size, c.vocab_size, ("fsdp", "tensor"), False, rngs)
 
   def hidden_states(self, tokens, *, positions=None, segment_ids=None, cache=None,
-                    attention_fn: Callable = dot_product_attention, remat: bool = False):
+                    attention_fn: Callable = dot_product_attention, remat: bool = False,
+                    routes=None, record_routes: bool = False):
     """Final-norm hidden states [B, T, H] and the updated cache (None without one).
     `remat` (training, no cache): keep only each layer's input for the backward pass and
     recompute the rest, trading a forward pass for most of the activation memory.
+
+    Routing replay (mixture of experts): `routes` [M, B, T, k] int, for the M MoE layers in
+    order, are the experts each token goes to where >= 0 (-1: the router's own pick);
+    `record_routes` also returns the routers' own picks [M, B, T, k] int32, a third output.
 
     `cache` is any object with the KVCache protocol: `write_meta(segment_ids, positions)`,
     `attend(layer, q, k, v, q_segment_ids, q_positions, attention_fn) -> (out, cache)` and
@@ -289,7 +306,17 @@ class Transformer(nnx.Module):
     if remat and cache is not None:
       raise ValueError("remat: expected no cache (it serves training, not decoding)")
     sm_scale, softcap = c.attention_scale, c.attn_logit_softcapping
+    moe_layers = c.moe_layers
+    if (routes is not None or record_routes) and not moe_layers:
+      raise ValueError("routes, record_routes: a model without mixture-of-experts layers "
+                       "has no routes")
+    if routes is not None and routes.shape != (len(moe_layers), b, t, c.num_experts_per_tok):
+      raise ValueError(f"routes: expected shape [moe layers={len(moe_layers)}, {b}, {t}, "
+                       f"top_k={c.num_experts_per_tok}], got {routes.shape}")
+    picks = []
     for i, layer in enumerate(self.layers):
+      replay = (None if routes is None or i not in moe_layers
+                else routes[moe_layers.index(i)])
       window = c.layer_window(i)
       cos, sin = (None, None) if i in c.nope_layers else (
           local_angles if c.sliding_layer(i) else angles)
@@ -298,8 +325,10 @@ class Transformer(nnx.Module):
           return attention_fn(q, k, v, segment_ids, positions, segment_ids, positions,
                               window=window, sm_scale=sm_scale, softcap=softcap)
         if remat:
-          x = jax.checkpoint(lambda x, layer=layer, attend=attend, cos=cos, sin=sin:
-                             layer(x, cos, sin, attend))(x)
+          x, picked = jax.checkpoint(
+              lambda x, replay, layer=layer, attend=attend, cos=cos, sin=sin:
+              layer(x, cos, sin, attend, replay))(x, replay)
+          picks += [] if picked is None else [picked]
           continue
       else:
         def attend(q, k, v, i=i, window=window):
@@ -307,9 +336,11 @@ class Transformer(nnx.Module):
           out, cache = cache.attend(i, q, k, v, segment_ids, positions, attention_fn,
                                     window=window, sm_scale=sm_scale, softcap=softcap)
           return out
-      x = layer(x, cos, sin, attend)
+      x, picked = layer(x, cos, sin, attend, replay)
+      picks += [] if picked is None else [picked]
     x = self.norm(x)
-    return x, (None if cache is None else cache.advance(t))
+    cache = None if cache is None else cache.advance(t)
+    return (x, cache, jnp.stack(picks)) if record_routes else (x, cache)
 
   def logits_from_hidden(self, x):
     """Float32 logits of hidden states, divided by logits_scaling (Granite) and soft-capped

@@ -31,7 +31,7 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
-from param_server.client import ParamServerError, Prompt, sample_logprobs
+from param_server.client import ParamServerError, Prompt, routes_of, sample_logprobs
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
@@ -89,11 +89,26 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
   prompt = taken.prompt
   tokens = list(prompt.token_ids) or tokenizer.encode_prompt(prompt.text)
   samples = taken.group.samples
+  routed = taken.group.HasField("prompt_routes")
   return Group(rollout_id=int(taken.rollout_id), prompt_tokens=np.asarray(tokens, np.int32),
                responses=tuple(np.asarray(s.token_ids, np.int32) for s in samples),
                behaviour_logp=tuple(sample_logprobs(s) for s in samples),
                rewards=np.asarray([s.reward for s in samples], np.float32),
-               policy_version=int(taken.group.policy_version))
+               policy_version=int(taken.group.policy_version),
+               prompt_routes=routes_of(taken.group.prompt_routes) if routed else None,
+               response_routes=tuple(routes_of(s.routes) for s in samples) if routed else None)
+
+
+def routing_shape(model_config, worker) -> dict[str, int]:
+  """BatchShape's routing sizes: the model's when `worker.routing_replay` (the workers send
+  each token's experts and the trainer routes by them), else none."""
+  if not bool(worker.get("routing_replay", False)):
+    return {}
+  if not model_config.moe_layers:
+    raise ValueError("worker.routing_replay: expected False for a model without "
+                     "mixture-of-experts layers (there are no routes to replay)")
+  return dict(moe_layers=len(model_config.moe_layers), top_k=model_config.num_experts_per_tok,
+              num_experts=model_config.num_experts)
 
 
 @dataclasses.dataclass
@@ -128,7 +143,8 @@ class RLTrainer(TrainerRun):
     self.shape = BatchShape(groups=int(rl.groups_per_step),
                             samples=int(config.worker.samples_per_prompt),
                             prompt_len=int(rl.max_prompt_tokens),
-                            response_len=int(config.worker.max_new_tokens))
+                            response_len=int(config.worker.max_new_tokens),
+                            **routing_shape(self.model_config, config.worker))
     self.loss_cfg = LossConfig.from_config(config.loss)
     self.micro_batches = int(rl.get("micro_batches", 1))
     check_micro_batches(self.micro_batches, self.shape.groups, self.loss_cfg)
@@ -178,6 +194,7 @@ class RLTrainer(TrainerRun):
       self._load_metadata(saved)
     self._restart_floor: int | None = None
     self._requeue_next = True  # the first take returns any unacknowledged take
+    self._told_unrouted = False  # warned once of a group without routes (routing replay)
     self._stop = threading.Event()
     self.stop_signal: int | None = None  # the signal that asked for the stop, if any
     self.sync_log: list[tuple[int, int, float, bool]] = []  # (version, bytes, s, keyframe)
@@ -435,6 +452,12 @@ class RLTrainer(TrainerRun):
         logging.warning("rl: rollout group rejected: %s", e)
         self.rejected += 1
         continue
+      if self.shape.routed and group.prompt_routes is None and not self._told_unrouted:
+        self._told_unrouted = True
+        logging.warning("rl: rollout %d came without routes although worker.routing_replay "
+                        "is on (a worker started without it?); the trainer's routers pick "
+                        "its experts (rollouts/routed_frac counts such groups)",
+                        group.rollout_id)
       valid.append(group)
     return valid
 
@@ -498,6 +521,10 @@ class RLTrainer(TrainerRun):
     }
     if self.dynamic:  # totals so far
       record.update(filtered=self.filtered, filled=self.filled)
+    if self.shape.routed:  # routing replay: groups that brought routes, and how alike the
+      # trainer's routers pick (1: as the workers' did)
+      record.update(routed_frac=float(np.mean([g.prompt_routes is not None for g in groups])),
+                    router_agreement=metrics.get("router_agreement", 0.0))
     return record
 
   def _log_step(self, record: dict, metrics: dict, groups: list[Group]) -> None:
@@ -507,6 +534,8 @@ class RLTrainer(TrainerRun):
     w.add_scalar("rollouts/per_second", record["rollouts_per_s"], step)
     for k in ("response_len_mean", "response_len_max", "truncated_frac"):
       w.add_scalar(f"rollouts/{k}", record[k], step)
+    if "routed_frac" in record:
+      w.add_scalar("rollouts/routed_frac", record["routed_frac"], step)
     if "filtered" in record:  # totals so far: left out, and of those trained at the cap
       w.add_scalar("rollouts/filtered", record["filtered"], step)
       w.add_scalar("rollouts/filled", record["filled"], step)

@@ -8,11 +8,16 @@ against the workers' behaviour log-probs (correction "none"), or is 1 with the b
 gap carried by importance weights ("tis", "mis", "decoupled") or bounded by masking the
 tokens of largest second moment ("m2po"). With several steps per batch the
 proximal log-probs are computed once, before the first, and the clip bounds the later ones.
+
+Mixture of experts with routing replay: every forward here (current, proximal, reference)
+sends each token to the experts the workers' sampler used, so the ratios compare policies
+that differ by their weights, not by a router flipping between near-equal experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -21,7 +26,7 @@ from flax import nnx
 
 from algorithms import advantages as adv_lib
 from algorithms import corrections, losses, shaping
-from rlax_ps.kernels import pack_group, packed_response_logprobs
+from rlax_ps.kernels import pack_group, pack_routes, packed_response_logprobs
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo")
 POLICY_LOSSES = ("ppo", "gspo")
@@ -114,20 +119,40 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
   return adv, mask
 
 
+def router_agreement(picked: jax.Array, replayed: jax.Array) -> jax.Array:
+  """The share of the replayed experts [M, B, L, k] (-1: none) that the routers' own top-k
+  picks [M, B, L, k] hold too: 1 where the trainer routes as the workers' sampler did."""
+  replayed = replayed.astype(jnp.int32)
+  hit = functools.reduce(jnp.logical_or, [replayed == picked[..., j:j + 1]
+                                          for j in range(picked.shape[-1])])
+  have = replayed >= 0
+  return jnp.sum(hit & have) / jnp.maximum(jnp.sum(have), 1)
+
+
 def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend: str = "auto",
-                      *, with_entropy: bool = False, logits_chunk: int = 0,
+                      *, with_stats: bool = False, logits_chunk: int = 0,
                       remat: bool = False):
-  """log p(response token) [rows * N, R] under `params`, one packed row per group (and,
-  `with_entropy`, the policy's entropy at each of those positions)."""
+  """log p(response token) [rows * N, R] under `params`, one packed row per group. A batch
+  with routes (routing replay: `prompt_routes`, `response_routes`) sends each token to the
+  experts the workers' sampler did. `with_stats`: also a dict of the policy's `entropy` at
+  each of those positions and, replaying, the `router_agreement`."""
   tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
                               batch["response_tokens"], batch["response_lens"])
+  routes = (pack_routes(batch["prompt_routes"], batch["response_routes"])
+            if "prompt_routes" in batch else None)
   out = packed_response_logprobs(nnx.merge(graphdef, params), tokens,
                                  batch["response_tokens"], layout, backend=backend,
-                                 with_entropy=with_entropy, logits_chunk=logits_chunk,
-                                 remat=remat)
-  if with_entropy:
-    return tuple(x.reshape(-1, x.shape[-1]) for x in out)
-  return out.reshape(-1, out.shape[-1])
+                                 with_entropy=with_stats, logits_chunk=logits_chunk,
+                                 remat=remat, routes=routes,
+                                 record_routes=with_stats and routes is not None)
+  rows = lambda x: x.reshape(-1, x.shape[-1])
+  if not with_stats:
+    return rows(out)
+  logp, entropy, *picked = out
+  stats = {"entropy": rows(entropy)}
+  if picked:
+    stats["router_agreement"] = router_agreement(picked[0], routes)
+  return rows(logp), stats
 
 
 def token_mask(batch: dict, sample_mask: jax.Array) -> jax.Array:
@@ -148,8 +173,9 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
   adv, sample_mask = (group_advantages(batch, num_groups, cfg) if advantages is None
                       else advantages)
   mask = token_mask(batch, sample_mask)
-  logp, entropy = response_logprobs(params, graphdef, batch, cfg.backend, with_entropy=True,
-                                    logits_chunk=cfg.logits_chunk, remat=cfg.remat)
+  logp, stats = response_logprobs(params, graphdef, batch, cfg.backend, with_stats=True,
+                                  logits_chunk=cfg.logits_chunk, remat=cfg.remat)
+  entropy = stats.pop("entropy")
   behaviour = batch["behaviour_logp"].reshape(logp.shape)
   proximal = jax.lax.stop_gradient(logp if proximal is None else proximal)
   ref_logp = None
@@ -191,6 +217,7 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
           jnp.sum(sample_mask), 1.0),
       response_tokens=jnp.sum(mask),
       entropy=jnp.sum(jax.lax.stop_gradient(entropy) * mask) / n_tok,  # of the trainer's policy
+      **stats,
   )
   return loss, metrics
 

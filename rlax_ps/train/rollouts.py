@@ -3,7 +3,8 @@
 A group of k samples fills ceil(k / N) rows (VIGOR's groups are unequal); every row repeats
 its group's prompt and carries the group's index, so advantages are taken over the whole
 group. Row counts are rounded up to `groups * 2**j` so a few compiled shapes serve every
-step; padding rows and slots have a zero sample mask.
+step; padding rows and slots have a zero sample mask. With routing replay the batch also
+carries each token's experts, -1 where a group brought none (the trainer's routers pick).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+ROUTE_DTYPE = np.int16  # expert ids in the batch (-1: the trainer's routers pick)
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchShape:
@@ -23,12 +26,27 @@ class BatchShape:
   samples: int  # N: response slots per packed row.
   prompt_len: int  # P: prompt tokens per row (bos included).
   response_len: int  # R: tokens per response (the workers' max_new_tokens).
+  # Routing replay (worker.routing_replay): the model's MoE layers M, experts per token k
+  # and experts E; 0 = no routes in the batch.
+  moe_layers: int = 0
+  top_k: int = 0
+  num_experts: int = 0
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"BatchShape.{f.name}: expected a positive int, got {v!r}")
+      v, least = getattr(self, f.name), 0 if f.name in _ROUTING else 1
+      if not isinstance(v, int) or v < least:
+        raise ValueError(f"BatchShape.{f.name}: expected an int >= {least}, got {v!r}")
+    if self.moe_layers and not 0 < self.top_k <= self.num_experts:
+      raise ValueError(f"BatchShape.top_k: expected 1 to num_experts={self.num_experts} with "
+                       f"moe_layers={self.moe_layers}, got {self.top_k}")
+
+  @property
+  def routed(self) -> bool:
+    return self.moe_layers > 0
+
+
+_ROUTING = ("moe_layers", "top_k", "num_experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +59,10 @@ class Group:
   behaviour_logp: tuple[np.ndarray, ...]  # k arrays, one log-prob per token
   rewards: np.ndarray  # [k] float32
   policy_version: int
+  # Routing replay: the sampler's experts, [p, M, k] for the prompt and, per sample,
+  # [tokens - 1, M, k] for its fed-back tokens; None when the worker sent none.
+  prompt_routes: np.ndarray | None = None
+  response_routes: tuple[np.ndarray, ...] | None = None
 
 
 def check_group(group: Group, shape: BatchShape) -> None:
@@ -66,6 +88,32 @@ def check_group(group: Group, shape: BatchShape) -> None:
       raise ValueError(f"{where}: samples[{i}].logprobs: expected finite values")
   if not np.all(np.isfinite(group.rewards)):
     raise ValueError(f"{where}: rewards: expected finite values, got {group.rewards}")
+  if group.prompt_routes is not None or group.response_routes is not None:
+    _check_routes(group, shape, where)
+
+
+def _check_routes(group: Group, shape: BatchShape, where: str) -> None:
+  if not shape.routed:
+    raise ValueError(f"{where}: carries routes but the trainer replays none (a model with "
+                     f"experts and worker.routing_replay=True)")
+  if group.prompt_routes is None or group.response_routes is None:
+    raise ValueError(f"{where}: expected routes for the prompt and every sample, or none")
+  if len(group.response_routes) != len(group.responses):
+    raise ValueError(f"{where}: expected routes for each of {len(group.responses)} samples, "
+                     f"got {len(group.response_routes)}")
+  m, k = shape.moe_layers, shape.top_k
+  named = [("prompt_routes", group.prompt_routes, len(group.prompt_tokens))]
+  named += [(f"samples[{i}].routes", r, max(len(t) - 1, 0))
+            for i, (r, t) in enumerate(zip(group.response_routes, group.responses))]
+  for name, routes, tokens in named:
+    if routes.shape != (tokens, m, k):
+      raise ValueError(f"{where}: {name}: expected shape [{tokens} tokens, {m} MoE layers, "
+                       f"top_k={k}], got {list(routes.shape)}")
+    if routes.size and (routes.min() < 0 or routes.max() >= shape.num_experts):
+      raise ValueError(f"{where}: {name}: expected expert ids in [0, {shape.num_experts}), "
+                       f"got [{routes.min()}, {routes.max()}]")
+    if k > 1 and routes.size and np.any(np.diff(np.sort(routes, axis=-1), axis=-1) == 0):
+      raise ValueError(f"{where}: {name}: expected {k} distinct experts per token and layer")
 
 
 def response_stats(groups: Sequence[Group], max_len: int, stop_ids: Sequence[int]
@@ -94,7 +142,13 @@ def rows_needed(groups: Sequence[Group], shape: BatchShape) -> int:
 def empty_batch(rows: int, shape: BatchShape, pad_id: int = 0) -> dict[str, np.ndarray]:
   """A packed batch of `rows` rows holding no sample (build_batch's arrays, padding only)."""
   n, p, r = shape.samples, shape.prompt_len, shape.response_len
+  routes = {}
+  if shape.routed:
+    m, k = shape.moe_layers, shape.top_k
+    routes = {"prompt_routes": np.full((rows, p, m, k), -1, ROUTE_DTYPE),
+              "response_routes": np.full((rows, n, r, m, k), -1, ROUTE_DTYPE)}
   return {
+      **routes,
       "prompt_tokens": np.full((rows, p), pad_id, np.int32),
       "prompt_lens": np.ones((rows,), np.int32),
       "response_tokens": np.full((rows, n, r), pad_id, np.int32),
@@ -112,7 +166,8 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
 
   prompt_tokens [rows, P], prompt_lens [rows], response_tokens [rows, N, R],
   response_lens [rows, N], behaviour_logp [rows, N, R], rewards [rows, N],
-  sample_mask [rows, N] (1 on real samples), row_group [rows] (the group's index).
+  sample_mask [rows, N] (1 on real samples), row_group [rows] (the group's index); routing
+  replay: prompt_routes [rows, P, M, k], response_routes [rows, N, R, M, k] (-1: none).
   """
   if not 1 <= len(groups) <= shape.groups:
     raise ValueError(f"groups: expected 1 to {shape.groups} (rl.groups_per_step), got "
@@ -126,6 +181,9 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
       out["prompt_tokens"][row, :len(g.prompt_tokens)] = g.prompt_tokens
       out["prompt_lens"][row] = len(g.prompt_tokens)
       out["row_group"][row] = gi
+      routed = shape.routed and g.prompt_routes is not None
+      if routed:
+        out["prompt_routes"][row, :len(g.prompt_tokens)] = g.prompt_routes
       for slot, i in enumerate(range(start, min(start + n, len(g.responses)))):
         k = len(g.responses[i])
         out["response_tokens"][row, slot, :k] = g.responses[i]
@@ -133,5 +191,7 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
         out["behaviour_logp"][row, slot, :k] = g.behaviour_logp[i]
         out["rewards"][row, slot] = g.rewards[i]
         out["sample_mask"][row, slot] = 1.0
+        if routed:
+          out["response_routes"][row, slot, :max(k - 1, 0)] = g.response_routes[i]
       row += 1
   return out

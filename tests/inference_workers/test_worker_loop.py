@@ -24,6 +24,8 @@ from rlax_ps.sync import device
 from rlax_ps.models import ModelConfig, Transformer, flatten_params
 from rlax_ps.tasks import get_task
 from rlax_ps.tokenizers import CharTokenizer
+from rlax_ps.train.rl import group_of, routing_shape
+from rlax_ps.train.rollouts import BatchShape, check_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENS = {"trainer": "t-secret", "worker": "w-secret", "viewer": "v-secret"}
@@ -201,6 +203,50 @@ def test_vigor_allocation_spends_the_whole_budget(server, versions):
     assert stats.groups_submitted == 2 and len(groups) == 2
     assert sum(len(g.samples) for g in groups) == 8
     assert all(len(g.samples) >= 2 for g in groups)  # VIGOR's first round: m0 = 2 each
+
+
+def test_routing_replay_sends_each_tokens_experts_that_the_trainer_accepts(server):
+  moe = CONFIG.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+  params = {k: np.asarray(v) for k, v in flatten_params(Transformer(moe, rngs=nnx.Rngs(0))).items()}
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    config = WorkerConfig(max_leases=1, routing_replay=True,
+                          **dict(SMALL, allocator="vigor", samples_per_prompt=4))
+    assert Worker(wc, moe, TOKENIZER, config).run().groups_submitted == 2
+    taken = trainer.take_rollouts(0, 10).rollouts
+  shape = BatchShape(groups=2, samples=4, prompt_len=32, response_len=6,
+                     **routing_shape(moe, {"routing_replay": True}))
+  for t in taken:
+    group = group_of(t, TOKENIZER)
+    check_group(group, shape)  # every token's experts, in range and distinct
+    assert group.prompt_routes.shape == (len(group.prompt_tokens), 2, 2)
+    assert [len(r) for r in group.response_routes] == [len(r) - 1 for r in group.responses]
+  with pytest.raises(ValueError, match="WorkerConfig.routing_replay: expected False for a model "
+                                       "without mixture-of-experts layers"):
+    Worker(wc, CONFIG, TOKENIZER, config)
+
+
+def test_a_group_the_server_refuses_releases_its_prompt_and_the_others_go_on(server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    submit = wc.submit_rollouts
+
+    def refuse_the_first(lease_id, group):  # a group the server would refuse, as it would
+      if group.prompt_id == "p0":
+        wc.max_request_bytes = 10
+      try:
+        return submit(lease_id, group)
+      finally:
+        wc.max_request_bytes = 0
+
+    wc.submit_rollouts = refuse_the_first
+    stats = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **SMALL)).run()
+    assert (stats.groups_refused, stats.groups_submitted) == (1, 1)
+    assert [r.group.prompt_id for r in trainer.take_rollouts(0, 10).rollouts] == ["p1"]
+    st = trainer.stats()
+    assert (st.prompts_queued, st.prompts_leased) == (1, 0)  # p0 is back in the queue
 
 
 def test_checksum_mismatch_triggers_a_keyframe_resync(server, versions):

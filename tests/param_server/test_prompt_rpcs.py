@@ -9,7 +9,8 @@ import grpc
 import numpy as np
 import pytest
 
-from param_server.client import ParamServerError, make_sample, sample_logprobs
+from param_server.client import (ParamServerError, make_routes, make_sample, routes_of,
+                                 sample_logprobs)
 from param_server.protos import param_server_pb2 as pb
 from param_server.status_main import format_stats
 from ps_testlib import REPO, TOKENS, client_for, publish_chain
@@ -152,6 +153,95 @@ def test_bad_requests_get_a_status_naming_the_field(trainer, worker, call, code,
   assert (after.prompts_queued, after.leases_active, after.rollouts_ready) == (
       before.prompts_queued, before.leases_active, before.rollouts_ready)
   assert after.errors == before.errors + 1
+
+
+def routed_group(prompt, experts=4):
+  """group_for(prompt) with routing replay's routes: 2 prompt tokens, 2 of 3 sample tokens."""
+  group = group_for(prompt)
+  rng = np.random.default_rng(0)
+  group.prompt_routes.CopyFrom(make_routes(rng.integers(0, experts, (2, 3, 2))))
+  for s in group.samples:
+    s.routes.CopyFrom(make_routes(rng.integers(0, experts, (2, 3, 2))))
+  return group
+
+
+@pytest.mark.parametrize("experts,id_bytes", [(4, 1), (300, 2)])
+def test_routes_travel_with_their_group(trainer, worker, experts, id_bytes):
+  trainer.enqueue_prompts(prompts(1))
+  lease = worker.lease(1, deadline_s=30)
+  sent = routed_group(lease.prompts[0], experts)
+  assert sent.prompt_routes.id_bytes == id_bytes
+  worker.submit_rollouts(lease.lease_id, sent)
+  got = trainer.take_rollouts(max_n=1).rollouts[0].group
+  np.testing.assert_array_equal(routes_of(got.prompt_routes), routes_of(sent.prompt_routes))
+  assert routes_of(got.samples[1].routes).shape == (2, 3, 2)
+  np.testing.assert_array_equal(routes_of(got.samples[1].routes),
+                                routes_of(sent.samples[1].routes))
+
+
+def _drop_prompt_routes(g):
+  g.ClearField("prompt_routes")
+
+
+def _drop_sample_routes(g):
+  g.samples[1].ClearField("routes")
+
+
+def _one_token_short(g):
+  g.samples[0].routes.ids = g.samples[0].routes.ids[:6]
+
+
+def _odd_bytes(g):
+  g.prompt_routes.ids = g.prompt_routes.ids[:-1]
+
+
+def _other_layers(g):
+  g.samples[0].routes.CopyFrom(make_routes(np.zeros((2, 2, 2), np.int32)))
+
+
+def _bad_width(g):
+  g.prompt_routes.id_bytes = 3
+
+
+@pytest.mark.parametrize("spoil,field", [
+    (_drop_prompt_routes, "group.prompt_routes"), (_drop_sample_routes, "group.samples[1].routes"),
+    (_one_token_short, "group.samples[0].routes"), (_odd_bytes, "group.prompt_routes.ids"),
+    (_other_layers, "group.samples[0].routes"), (_bad_width, "group.prompt_routes")])
+def test_malformed_routes_get_a_status_naming_the_field(trainer, worker, spoil, field):
+  trainer.enqueue_prompts(prompts(1))
+  lease = worker.lease(1, deadline_s=30)
+  group = routed_group(lease.prompts[0])
+  spoil(group)
+  code, details = code_of(lambda: worker.submit_rollouts(lease.lease_id, group))
+  assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field), details
+  worker.submit_rollouts(lease.lease_id, routed_group(lease.prompts[0]))  # the lease holds
+  assert len(trainer.take_rollouts(max_n=10).rollouts) == 1
+
+
+def test_a_group_over_the_servers_limit_is_refused_before_sending(trainer, worker):
+  trainer.enqueue_prompts(prompts(1))
+  lease = worker.lease(1, deadline_s=30)
+  assert worker.max_request_bytes == (1 << 20) + (64 << 10)  # told when it registered
+  big = group_for(lease.prompts[0])
+  big.samples[0].text = "x" * worker.max_request_bytes
+  before = trainer.stats().errors
+  code, details = code_of(lambda: worker.submit_rollouts(lease.lease_id, big))
+  assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("group: ")
+  assert "rlax-ps serve --max_message_bytes" in details
+  assert trainer.stats().errors == before  # never sent
+  worker.submit_rollouts(lease.lease_id, group_for(lease.prompts[0]))
+
+
+def test_groups_larger_than_grpcs_default_pass_when_the_server_takes_them(start_server):
+  server = start_server(max_message_bytes=24 << 20)
+  with client_for(server, "trainer") as trainer, client_for(server, "worker") as worker:
+    worker.register("w")
+    trainer.enqueue_prompts(prompts(1))
+    lease = worker.lease(1, deadline_s=30)
+    big = group_for(lease.prompts[0])
+    big.samples[0].text = "x" * (17 << 20)  # more than 4x gRPC's default limit
+    worker.submit_rollouts(lease.lease_id, big)
+    assert len(trainer.take_rollouts(max_n=1).rollouts[0].group.samples[0].text) == 17 << 20
 
 
 def test_a_foreign_lease_is_rejected(trainer, worker):

@@ -2,6 +2,7 @@
 (unequal groups spanning rows), advantages over whole groups, and the loss and its
 gradient equal to the same objective computed on separate unpacked sequences."""
 
+import dataclasses
 import functools
 
 import jax
@@ -220,6 +221,53 @@ def test_bad_groups_are_refused_naming_the_rollout_and_field():
     build_batch([long_resp], SHAPE)
   with pytest.raises(ValueError, match="rl.groups_per_step"):
     build_batch(GROUPS * 2, SHAPE)
+
+
+ROUTED = dataclasses.replace(SHAPE, moe_layers=2, top_k=2, num_experts=4)
+
+
+def _routed(group, seed=0):
+  """`group` with routes: distinct experts per token and layer, [tokens (- 1), 2, 2]."""
+  rng = np.random.default_rng(seed)
+  ids = lambda n: np.asarray([rng.permutation(4)[:2] for _ in range(2 * n)],
+                             np.int32).reshape(n, 2, 2)
+  return dataclasses.replace(group, prompt_routes=ids(len(group.prompt_tokens)),
+                             response_routes=tuple(ids(len(r) - 1) for r in group.responses))
+
+
+def test_routes_fill_the_rows_of_their_group_and_minus_one_elsewhere():
+  routed = _routed(GROUPS[1])
+  batch = build_batch([GROUPS[0], routed], ROUTED)
+  assert batch["prompt_routes"].shape == (4, 6, 2, 2)
+  assert batch["response_routes"].shape == (4, 4, 5, 2, 2)
+  assert (batch["prompt_routes"][0] == -1).all() and (batch["response_routes"][0] == -1).all()
+  for row, first in ((1, 0), (2, 4)):  # group 1's two rows: samples 0-3, then sample 4
+    np.testing.assert_array_equal(batch["prompt_routes"][row, :4], routed.prompt_routes)
+    assert (batch["prompt_routes"][row, 4:] == -1).all()
+    r = routed.response_routes[first]
+    np.testing.assert_array_equal(batch["response_routes"][row, 0, :len(r)], r)
+    assert (batch["response_routes"][row, 0, len(r):] == -1).all()  # the last token: none
+  # Without routing replay the batch has no routes.
+  assert "prompt_routes" not in build_batch([GROUPS[0]], SHAPE)
+
+
+def test_bad_routes_are_refused_naming_the_rollout_and_field():
+  g = _routed(GROUPS[0])
+  with pytest.raises(ValueError, match="rollout 10: carries routes but the trainer replays none"):
+    build_batch([g], SHAPE)
+  cases = [
+      (dataclasses.replace(g, prompt_routes=None), "expected routes for the prompt and every"),
+      (dataclasses.replace(g, prompt_routes=g.prompt_routes[:-1]),
+       r"prompt_routes: expected shape \[3 tokens, 2 MoE layers, top_k=2\], got \[2, 2, 2\]"),
+      (dataclasses.replace(g, response_routes=(g.response_routes[0] + 4,) + g.response_routes[1:]),
+       r"samples\[0\].routes: expected expert ids in \[0, 4\)"),
+      (dataclasses.replace(g, prompt_routes=np.zeros_like(g.prompt_routes)),
+       "prompt_routes: expected 2 distinct experts per token and layer"),
+      (dataclasses.replace(g, response_routes=g.response_routes[:-1]),
+       "expected routes for each of 3 samples, got 2")]
+  for bad, message in cases:
+    with pytest.raises(ValueError, match=f"rollout 10: {message}"):
+      build_batch([bad], ROUTED)
 
 
 def test_kl_term_is_zero_against_itself_and_positive_against_another_policy():
