@@ -58,39 +58,31 @@ class Int8Embed(nnx.Module):
 
 
 class Int8Experts(Experts):
-  """Stacked int8 experts: codes gate/up [E, H, I], down [E, I, H] and bf16 scales [E, out].
-  A row's output is scaled by its own expert's scales after the matmul, as in Int8Linear."""
+  """Stacked int8 experts: codes gate/up [E, H, I], down [E, I, H] and bf16 scales [E, out]
+  (biases bf16). A row's output is scaled by its own expert's scales after the matmul, as in
+  Int8Linear."""
 
   def __init__(self, config: ModelConfig):
     e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-    self.dtype = jnp.dtype(config.dtype)
+    self._gate_settings(config)
     for name, (n_in, n_out) in (("gate_proj", (h, i)), ("up_proj", (h, i)),
                                 ("down_proj", (i, h))):
       setattr(self, name, nnx.Param(jnp.zeros((e, n_in, n_out), jnp.int8)))
       setattr(self, name + SCALE_ATTR, nnx.Param(jnp.zeros((e, n_out), jnp.bfloat16)))
+    if config.moe_bias:
+      for name, shape, _ in self.bias_shapes(config):
+        setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.bfloat16)))
 
   def _scale(self, name):
     return getattr(self, name + SCALE_ATTR)[...].astype(self.dtype)
 
-  def grouped(self, x, group_sizes):
-    experts = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
-                         total_repeat_length=x.shape[0])  # each sorted row's expert
+  def _grouped_matmul(self, x, proj, group_sizes, experts):
+    y = jax.lax.ragged_dot(x, getattr(self, proj)[...].astype(self.dtype), group_sizes)
+    return y * self._scale(proj)[experts]
 
-    def mm(a, name):
-      y = jax.lax.ragged_dot(a, getattr(self, name)[...].astype(self.dtype), group_sizes)
-      return y * self._scale(name)[experts]
-
-    return mm(jax.nn.silu(mm(x, "gate_proj")) * mm(x, "up_proj"), "down_proj")
-
-  def every(self, x, combine):
-    def mm(spec, a, name):
-      return (jnp.einsum(spec, a, getattr(self, name)[...].astype(self.dtype))
-              * self._scale(name)[:, None, :])
-
-    h = (jax.nn.silu(mm("th,ehi->eti", x, "gate_proj"))
-         * mm("th,ehi->eti", x, "up_proj"))
-    return jnp.einsum("eth,te->th", mm("eti,eih->eth", h, "down_proj"),
-                      combine.astype(self.dtype))
+  def _every_matmul(self, spec, x, proj):
+    return (jnp.einsum(spec, x, getattr(self, proj)[...].astype(self.dtype))
+            * self._scale(proj)[:, None, :])
 
 
 class Int8Transformer(Transformer):
@@ -115,7 +107,7 @@ class Int8Transformer(Transformer):
       a.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias)
       a.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias)
       a.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias)
-      a.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size)
+      a.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, c.attention_out_bias)
       if c.moe_layer(i):
         m.experts = Int8Experts(c)
         if not c.shared_expert_intermediate_size:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
+from rlax_ps.models.attention import with_sinks
 from rlax_ps.models.kv_cache import KVCache
 
 # decode_fn(q [B,N,H,D], prefix_k, prefix_v [B,Sp,Hkv,D], prefix_lens [B],
@@ -66,7 +67,7 @@ class SharedPrefixCache:
 
   def attend(self, layer: int, q, k, v, q_segment_ids, q_positions, attention_fn, *,
              window: int | None = None, sm_scale: float | None = None,
-             softcap: float | None = None):
+             softcap: float | None = None, sinks=None):
     """Write each sample's new k/v [B*N, 1, Hkv, D] at suffix slot `index`, attend prefix+suffix
     (within `window` positions when the layer slides: the query sits at prefix_len + index)."""
     del q_segment_ids, q_positions, attention_fn  # the dense mask path does not apply here
@@ -83,10 +84,12 @@ class SharedPrefixCache:
     new_v = jax.lax.dynamic_update_slice(
         self.suffix_v[layer], v.reshape(b, n, 1, hkv, d).astype(self.suffix_v[layer].dtype), start)
     suffix_lens = jnp.full((b, n), self.index + 1, jnp.int32)
-    out, _ = self.decode_fn(q.reshape(b, n, h, d), self.prefix_k[layer].astype(q.dtype),
-                            self.prefix_v[layer].astype(q.dtype), self.prefix_lens,
-                            new_k.astype(q.dtype), new_v.astype(q.dtype), suffix_lens,
-                            window=window, sm_scale=sm_scale, softcap=softcap)
+    out, lse = self.decode_fn(q.reshape(b, n, h, d), self.prefix_k[layer].astype(q.dtype),
+                              self.prefix_v[layer].astype(q.dtype), self.prefix_lens,
+                              new_k.astype(q.dtype), new_v.astype(q.dtype), suffix_lens,
+                              window=window, sm_scale=sm_scale, softcap=softcap)
+    if sinks is not None:  # gpt-oss: the sinks join the softmax the partials merged
+      out = with_sinks(out, lse, sinks)
     cache = self.replace(suffix_k=self.suffix_k[:layer] + (new_k,) + self.suffix_k[layer + 1:],
                          suffix_v=self.suffix_v[:layer] + (new_v,) + self.suffix_v[layer + 1:])
     return out.reshape(rows, 1, h, d).astype(q.dtype), cache

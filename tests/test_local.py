@@ -224,12 +224,13 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_int8", "olmo3",
-                                    "phi3", "granite", "glm4"])
+                                    "phi3", "granite", "glm4", "gpt_oss"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
   """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window), Qwen3-MoE
   (also published as int8, with scales per expert, and routing replay), OLMo 3, Phi-4-mini-like (LongRoPE, which
   this run's 64 + 8 tokens fix to the long factors in trainer and workers alike), Granite or
-  GLM-4 checkpoint with a ChatML tokenizer and template: JSONL math questions as conversations,
+  GLM-4 or gpt-oss (attention sinks, biased clamped experts; routing replay) checkpoint with a
+  ChatML tokenizer and template: JSONL math questions as conversations,
   scored by the math verifier; the export carries the chat template and the end-of-turn stop
   ids."""
   import numpy as np
@@ -264,6 +265,12 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   if family == "glm4":
     config = config.replace(architecture="glm4", qk_norm=False, qkv_bias=True,
                             sandwich_norms=True, partial_rotary_factor=0.5)
+  if family == "gpt_oss":
+    config = config.replace(
+        architecture="gpt_oss", qk_norm=False, qkv_bias=True, attention_out_bias=True,
+        attention_sinks=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True, moe_bias=True, swiglu_limit=7.0, sliding_window=8,
+        layer_types=("sliding_attention", "full_attention"))
   if family == "granite":
     config = config.replace(architecture="granite", qk_norm=False, attention_multiplier=0.1,
                             embedding_multiplier=4.0, residual_multiplier=0.5,
@@ -280,17 +287,18 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
                              for a, b in rows[10:]))
   workdir = tmp_path / "run"
   int8 = ["--config.publish.format=int8", "--config.worker.weights_format=int8",
-          "--config.loss.correction=tis",
-          "--config.worker.routing_replay=True"] if family.endswith("int8") else []
+          "--config.loss.correction=tis"] if family.endswith("int8") else []
+  replay = family in ("qwen3_moe_int8", "gpt_oss")
   proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
                 f"--config.data.heldout_jsonl={heldout}", *int8,
+                *(["--config.worker.routing_replay=True"] if replay else []),
                 config="configs/rl_instruct.py:tiny")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(workdir / "summary.json"))
   assert summary["step"] == 2 and set(summary["heldout_exact_match"]) == {"math", "all"}
   assert summary["sync"]["format"] == ("int8" if int8 else "bf16")
   steps = _lines(workdir / "steps.jsonl")
-  if int8:  # every group brought its routes, and the trainer routed by them
+  if replay:  # every group brought its routes, and the trainer routed by them
     assert [s["routed_frac"] for s in steps] == [1.0, 1.0]
     assert all(0.5 < s["router_agreement"] <= 1.0 for s in steps)
   else:
@@ -313,5 +321,6 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_int8": "Qwen3MoeForCausalLM",
       "olmo3": "Olmo3ForCausalLM",
       "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-      "glm4": "Glm4ForCausalLM"}[family]]
-  assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3") else None)
+      "glm4": "Glm4ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[family]]
+  assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3", "gpt_oss")
+                                            else None)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from rlax_ps.kernels.dispatch import shared_prompt_attention
+from rlax_ps.models.attention import with_sinks
 from rlax_ps.kernels.layout import SharedPromptLayout, join_regions, make_layout
 from rlax_ps.kernels.schedule import BlockSizes
 
@@ -38,15 +39,16 @@ def packed_attention_fn(layout: SharedPromptLayout, *, backend: str = "auto",
                         block_sizes: BlockSizes | None = None, interpret: bool = False):
   """An `attention_fn` for the model: same signature as models.attention.dot_product_attention,
   the mask comes from the layout (segment ids and positions are not needed); `window`,
-  `sm_scale` and `softcap` go to shared_prompt_attention."""
+  `sm_scale` and `softcap` go to shared_prompt_attention, `sinks` (gpt-oss) rescale its
+  output by its log-sum-exp."""
 
   def attention_fn(q, k, v, q_segment_ids, q_positions, k_segment_ids, k_positions, *,
-                   window=None, sm_scale=None, softcap=None):
+                   window=None, sm_scale=None, softcap=None, sinks=None):
     del q_segment_ids, q_positions, k_segment_ids, k_positions
-    out, _ = shared_prompt_attention(q, k, v, layout, sm_scale=sm_scale, window=window,
-                                     softcap=softcap, backend=backend,
-                                     block_sizes=block_sizes, interpret=interpret)
-    return out
+    out, lse = shared_prompt_attention(q, k, v, layout, sm_scale=sm_scale, window=window,
+                                       softcap=softcap, backend=backend,
+                                       block_sizes=block_sizes, interpret=interpret)
+    return out if sinks is None else with_sinks(out, lse, sinks)
 
   return attention_fn
 

@@ -48,16 +48,25 @@ def attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions, *,
   return mask
 
 
+def with_sinks(out, lse, sinks):
+  """Attention whose softmax also holds one sink logit per head (gpt-oss), from the plain
+  output out [..., H, D] and its keys' log-sum-exp lse [..., H]: each key's weight shrinks
+  by sum / (sum + e^sink), so out * sigmoid(lse - sink). A row with no key (lse -inf) is 0."""
+  scale = jax.nn.sigmoid(lse.astype(jnp.float32) - sinks.astype(jnp.float32))
+  return (out.astype(jnp.float32) * scale[..., None]).astype(out.dtype)
+
+
 def dot_product_attention(q, k, v, q_segment_ids, q_positions, k_segment_ids, k_positions, *,
                           window: int | None = None, sm_scale: float | None = None,
-                          softcap: float | None = None):
+                          softcap: float | None = None, sinks=None):
   """Softmax attention; q [B,T,H,D], k/v [B,S,Hkv,D] -> [B,T,H,D].
 
   Query heads are grouped over the kv heads (GQA); logits and softmax are float32.
   A query with no visible key (only possible for padding) gets zeros, never NaN.
   sm_scale multiplies the logits (None: head_dim ** -0.5); window: see attention_mask;
   softcap (None: none) caps the scaled logits to softcap * tanh(logits / softcap) before the
-  mask, as Gemma 2 does.
+  mask, as Gemma 2 does; sinks [H] (None: none) join each softmax as one more logit that
+  weighs no value (gpt-oss).
   """
   softcap = check_softcap(softcap)
   b, t, h, d = q.shape
@@ -70,7 +79,12 @@ def dot_product_attention(q, k, v, q_segment_ids, q_positions, k_segment_ids, k_
   mask = attention_mask(q_segment_ids, q_positions, k_segment_ids, k_positions, window=window)
   mask = mask[:, None, None, :, :]
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1)
+  if sinks is None:
+    probs = jax.nn.softmax(logits, axis=-1)
+  else:
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, h // hkv, 1, 1),
+                            (*logits.shape[:-1], 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
   probs = jnp.where(mask, probs, 0.0).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
   return out.reshape(b, t, h, d)

@@ -7,7 +7,8 @@ import dataclasses
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral",
-                 "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3", "granite", "glm4")
+                 "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3", "granite", "glm4",
+                 "gpt_oss")
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -49,7 +50,7 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Phi-4, SmolLM3, Granite 3, GLM-4)."""
+  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Phi-4, SmolLM3, Granite 3, GLM-4, gpt-oss)."""
 
   vocab_size: int
   hidden_size: int
@@ -74,6 +75,10 @@ class ModelConfig:
   rope_long_factors: bool | None = None
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections.
+  attention_out_bias: bool = False  # gpt-oss: and on the output projection.
+  # gpt-oss: a learned logit per head joins each query's softmax and takes its share of the
+  # weight without adding a value (an "attention sink").
+  attention_sinks: bool = False
   qk_norm: bool = False  # Qwen3 and Gemma 3 RMS-normalise each head's q and k before RoPE.
   qk_norm_across_heads: bool = False  # OLMo 2/3: over the whole q and k projections instead.
   hidden_act: str = "silu"  # The MLP gate: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma).
@@ -111,6 +116,12 @@ class ModelConfig:
   # Qwen2-MoE: a sparse layer also runs every token through a shared SwiGLU expert of this
   # width, scaled by sigmoid(x @ shared_expert_gate); 0: none.
   shared_expert_intermediate_size: int = 0
+  # gpt-oss: the router and the experts' projections have biases, and the experts' gate is
+  # SwiGLU clamped at swiglu_limit: (clip(up, -l, l) + 1) * g * sigmoid(alpha * g) with
+  # g = min(gate, l) (None: silu(gate) * up).
+  moe_bias: bool = False
+  swiglu_limit: float | None = None
+  swiglu_alpha: float = 1.702
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 2048
   param_dtype: str = "float32"  # Storage dtype of the weights.
@@ -173,6 +184,14 @@ class ModelConfig:
            "moe_intermediate_size", "a positive int", self.moe_intermediate_size)
       need(isinstance(self.decoder_sparse_step, int) and self.decoder_sparse_step > 0,
            "decoder_sparse_step", "a positive int", self.decoder_sparse_step)
+    if self.moe_bias or self.swiglu_limit is not None:
+      need(self.num_experts > 0, "moe_bias" if self.moe_bias else "swiglu_limit",
+           "False / None without experts (they shape the experts)",
+           self.moe_bias if self.moe_bias else self.swiglu_limit)
+    if self.swiglu_limit is not None:
+      for f in ("swiglu_limit", "swiglu_alpha"):
+        v = getattr(self, f)
+        need(isinstance(v, (int, float)) and v > 0, f, "a positive number", v)
     need(isinstance(self.shared_expert_intermediate_size, int)
          and self.shared_expert_intermediate_size >= 0
          and not (self.shared_expert_intermediate_size and not self.num_experts),
@@ -276,11 +295,14 @@ class ModelConfig:
     attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
     if self.qkv_bias:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
+    attn += h * self.attention_out_bias + self.num_heads * self.attention_sinks
     if self.qk_norm:
       attn += d * (self.num_heads + self.num_kv_heads) if self.qk_norm_across_heads else 2 * d
     norms = (4 if self.sandwich_norms else 2) * h
     dense = 3 * h * self.intermediate_size
     moe = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts
+    if self.moe_bias:  # the router's and each expert's gate, up and down biases
+      moe += self.num_experts * (1 + 2 * self.moe_intermediate_size + h)
     if self.shared_expert_intermediate_size:
       moe += 3 * h * self.shared_expert_intermediate_size + h
     layers = sum(attn + norms + (moe if self.moe_layer(i) else dense)

@@ -12,7 +12,9 @@ hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`; Mixtral's Hub la
 transformers 5.x still writes and 4.x reads, `block_sparse_moe.experts.{e}.w1.weight` with
 w1/w3/w2 = gate/up/down), our experts one param stacked over them ([E, H, I]). Phi-3's fused
 `qkv_proj` and `gate_up_proj` are split into our q/k/v and gate/up kernels by row ranges
-(`Rows`) and fused again on export (GLM-4's gate_up_proj too). GLM-4 turns interleaved pairs
+(`Rows`) and fused again on export (GLM-4's gate_up_proj too); gpt-oss interleaves its
+experts' gate and up columns (`Columns`), and its Hub checkpoints store the experts in MXFP4
+(`*_blocks`, `*_scales`), dequantized on load (exported unquantized). GLM-4 turns interleaved pairs
 of each head's rotary dims; its q/k output channels are permuted on load into the
 rotate-half order our RoPE turns (attention scores are unchanged) and back on export.
 
@@ -53,6 +55,38 @@ class Rows(NamedTuple):
   stop: int
 
 
+class Columns(NamedTuple):
+  """Last-axis entries start, start + step, ... of a fused HF tensor stored in our
+  orientation (gpt-oss's experts.gate_up_proj [E, H, 2I]: gate even, up odd)."""
+  name: str
+  start: int
+  step: int
+
+
+# MXFP4 (OCP microscaling FP4, as gpt-oss ships its experts): the value of each 4-bit code,
+# two codes per byte (low nibble first), 32 codes per block sharing a power-of-two scale
+# stored as a biased exponent (e8m0, bias 127).
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
+  """MXFP4 `blocks` [E, out, G, 16] uint8 and `scales` [E, out, G] uint8 -> weights
+  [E, G * 32, out] (x @ W orientation) in `dtype`, one expert at a time (as transformers'
+  convert_moe_packed_tensors, which the fixtures check)."""
+  if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape \
+      or blocks.shape[-1] != 16 or blocks.ndim != 4:
+    raise ValueError(f"MXFP4: expected uint8 blocks [E, out, G, 16] and scales [E, out, G], "
+                     f"got {blocks.dtype} {blocks.shape} and {scales.dtype} {scales.shape}")
+  e, out, g, _ = blocks.shape
+  result = np.empty((e, g * 32, out), dtype)
+  for i in range(e):
+    codes = np.stack([blocks[i] & 0x0F, blocks[i] >> 4], axis=-1).reshape(out, g, 32)
+    values = np.ldexp(_FP4_VALUES[codes], scales[i].astype(np.int32)[..., None] - 127)
+    result[i] = values.reshape(out, g * 32).T.astype(dtype)
+  return result
+
+
 # HF class name -> our ModelConfig.architecture, and back.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -61,7 +95,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                  "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
-                 "GraniteForCausalLM": "granite", "Glm4ForCausalLM": "glm4"}
+                 "GraniteForCausalLM": "granite", "Glm4ForCausalLM": "glm4",
+                 "GptOssForCausalLM": "gpt_oss"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -86,12 +121,14 @@ _GEMMA_FAMILY = {"hidden_act": "gelu_tanh", "zero_centered_norms": True,
 _OLMO_FAMILY = {"qk_norm": True, "qk_norm_across_heads": True, "post_norms": True}
 _OLMO_THETA = 500000.0  # transformers' Olmo3Config.default_theta
 # transformers' rms_norm_eps where a config.json leaves it out (else 1e-6).
-_DEFAULT_RMS_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "glm4": 1.5625e-7}
+_DEFAULT_RMS_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "glm4": 1.5625e-7,
+                    "gpt_oss": 1e-5}
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768,
                           "qwen3_moe": 32768, "mistral": 32768, "mixtral": 131072,
                           "gemma2": 8192, "gemma3": 131072, "olmo2": 2048, "olmo3": 2048,
-                          "phi3": 4096, "smollm3": 32768, "granite": 2048, "glm4": 131072}
+                          "phi3": 4096, "smollm3": 32768, "granite": 2048, "glm4": 131072,
+                          "gpt_oss": 131072}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
@@ -100,16 +137,22 @@ _FAMILY = {
     "gemma3": {"qk_norm": True, **_GEMMA_FAMILY},
     "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY, "phi3": {}, "smollm3": {}, "granite": {},
     "glm4": {"qkv_bias": True, "sandwich_norms": True},
+    "gpt_oss": {"qkv_bias": True, "attention_out_bias": True, "attention_sinks": True},
 }
-_FAMILY_FIELDS = ("qkv_bias", "qk_norm", "qk_norm_across_heads", "hidden_act",
-                  "zero_centered_norms", "scale_embeddings", "sandwich_norms", "post_norms")
+_FAMILY_FIELDS = ("qkv_bias", "attention_out_bias", "attention_sinks", "qk_norm",
+                  "qk_norm_across_heads", "hidden_act", "zero_centered_norms",
+                  "scale_embeddings", "sandwich_norms", "post_norms")
+# transformers' GptOssConfig RoPE where a config.json states none: YaRN x32 over 4096 tokens.
+_GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 _HF_ACT = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Mixture-of-experts fields of ModelConfig, under their config.json names.
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                "decoder_sparse_step", "mlp_only_layers")
 # Mixtral's expert tensors (the Hub layout) under our expert params' names.
 _MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")
+_MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 # Configs without layer_types: every 6th Gemma 3 layer and every 2nd Gemma 2 one is full.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 # Buffers some checkpoints carry that hold nothing our model needs.
@@ -183,6 +226,10 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
                for i in range(num_layers)]
   elif arch in ("mistral", "mixtral", "phi3"):
     types = None  # every layer slides when a window is set
+  elif arch == "gpt_oss":  # transformers' GptOssConfig: every other layer slides, over 128
+    window = 128 if "sliding_window" not in d else window
+    types = types or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                      for i in range(num_layers)]
   elif arch == "smollm3":  # transformers' SmolLM3Config: the NoPE layers slide
     if not d.get("use_sliding_window"):
       return None, None
@@ -274,8 +321,16 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
   if arch == "qwen2_moe" and d.get("qkv_bias") is False:
     raise ValueError(f"{CONFIG_FILE}: qkv_bias: expected true (not supported), got false")
-  if arch == "glm4" and d.get("attention_bias") is False:
+  if arch in ("glm4", "gpt_oss") and d.get("attention_bias") is False:
     raise ValueError(f"{CONFIG_FILE}: attention_bias: expected true (not supported), got false")
+  quant = (d.get("quantization_config") or {}).get("quant_method")
+  if quant not in (None, "mxfp4"):
+    raise ValueError(f"{CONFIG_FILE}: quantization_config.quant_method: expected none or "
+                     f"'mxfp4' (dequantized on load), got {quant!r}")
+  if arch == "gpt_oss":  # GptOssConfig's RoPE where the file states none of it
+    d = {**d, "rope_theta": d.get("rope_theta") or _GPT_OSS_ROPE["rope_theta"]}
+    if not (d.get("rope_parameters") or d.get("rope_scaling")):
+      d["rope_parameters"] = {**_GPT_OSS_ROPE, "rope_theta": d["rope_theta"]}
   for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
     if d.get(cap) is not None and not gemma:
       raise ValueError(f"{CONFIG_FILE}: {cap}: expected null ({known[0]} has no logit "
@@ -324,6 +379,12 @@ def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
     return dict(num_experts=int(_get(d, "num_local_experts")),
                 num_experts_per_tok=int(_get(d, "num_experts_per_tok")),
                 moe_intermediate_size=int(_get(d, "intermediate_size")), norm_topk_prob=True)
+  if arch == "gpt_oss":  # softmax over the top-k router logits: renormalised top-k
+    return dict(num_experts=int(_get(d, "num_local_experts")),
+                num_experts_per_tok=int(_get(d, "num_experts_per_tok", 4)),
+                moe_intermediate_size=int(_get(d, "intermediate_size")), norm_topk_prob=True,
+                moe_bias=True, swiglu_limit=float(_get(d, "swiglu_limit", 7.0)),
+                swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702)))
   shared = int(d.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
   if arch != "qwen2_moe" and d.get("shared_expert_intermediate_size"):
     raise ValueError(f"{CONFIG_FILE}: shared_expert_intermediate_size: expected 0 (no shared "
@@ -389,8 +450,12 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   if c.shared_expert_intermediate_size and arch != "qwen2_moe":
     raise ValueError(f"ModelConfig.shared_expert_intermediate_size: {hf_class} has no shared "
                      f"expert, got {c.shared_expert_intermediate_size}")
-  if arch == "mixtral":
-    _check_mixtral(c)
+  if (c.moe_bias or c.swiglu_limit is not None) and arch != "gpt_oss":
+    raise ValueError(f"ModelConfig.{'moe_bias' if c.moe_bias else 'swiglu_limit'}: "
+                     f"{hf_class} has no expert biases or clamped SwiGLU, got "
+                     f"{c.moe_bias if c.moe_bias else c.swiglu_limit!r}")
+  if arch in ("mixtral", "gpt_oss"):
+    _check_sparse_everywhere(c, hf_class)
   scaling = dict(c.rope_scaling) if c.rope_scaling else None
   rope = {"rope_type": "default", **(scaling or {}), "rope_theta": c.rope_theta}
   d = {
@@ -442,6 +507,10 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
              num_experts_per_tok=c.num_experts_per_tok, router_jitter_noise=0.0)
   elif arch == "qwen3_moe":
     d.update(use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window)
+  elif arch == "gpt_oss":  # an unbounded window: transformers' default would be 128
+    d.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+             swiglu_limit=c.swiglu_limit, swiglu_alpha=c.swiglu_alpha, attention_bias=True,
+             sliding_window=c.sliding_window or c.max_position_embeddings, layer_types=types)
   elif arch in ("qwen2", "qwen2_moe", "qwen3"):
     sliding = c.sliding_window is not None
     d.update(use_sliding_window=sliding, sliding_window=c.sliding_window,
@@ -476,17 +545,22 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   return d
 
 
-def _check_mixtral(c: ModelConfig) -> None:
-  """Refuses, by field, a config MixtralForCausalLM cannot hold: experts on every layer, as
-  wide as intermediate_size, their top-k weights renormalised."""
+def _check_sparse_everywhere(c: ModelConfig, hf_class: str) -> None:
+  """Refuses, by field, a config Mixtral or gpt-oss cannot hold: experts on every layer, as
+  wide as intermediate_size, their top-k weights renormalised (gpt-oss: with biases and the
+  clamped SwiGLU)."""
   if not c.num_experts:
-    raise ValueError("ModelConfig.num_experts: MixtralForCausalLM needs experts, got 0")
+    raise ValueError(f"ModelConfig.num_experts: {hf_class} needs experts, got 0")
   needs = {"decoder_sparse_step": 1, "mlp_only_layers": (), "norm_topk_prob": True,
            "moe_intermediate_size": c.intermediate_size}
+  if c.architecture == "gpt_oss":
+    needs["moe_bias"] = True
+    if c.swiglu_limit is None:
+      raise ValueError(f"ModelConfig.swiglu_limit: {hf_class} needs a value, got None")
   for field, want in needs.items():
     if getattr(c, field) != want:
-      raise ValueError(f"ModelConfig.{field}: MixtralForCausalLM needs {want!r} (experts on "
-                       f"every layer, intermediate_size wide, top-k renormalised), got "
+      raise ValueError(f"ModelConfig.{field}: {hf_class} needs {want!r} (experts on every "
+                       f"layer, intermediate_size wide, top-k renormalised), got "
                        f"{getattr(c, field)!r}")
 
 
@@ -494,8 +568,8 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
   """Our dotted param name -> (HF tensor name, whether the array is transposed between them).
 
   A param stacked over experts maps to a tuple of HF names, one per expert (its slices along
-  axis 0, each transposed on its own); a param fused with others in one HF tensor maps to
-  its `Rows` of that tensor.
+  axis 0, each transposed on its own), or (gpt-oss) to one stacked HF tensor; a param fused
+  with others in one HF tensor maps to its `Rows` or `Columns` of that tensor.
   """
   names = {"embed.embedding": ("model.embed_tokens.weight", False),
            "norm.scale": ("model.norm.weight", False)}
@@ -521,10 +595,16 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
     if config.qkv_bias:
       for proj in ("q_proj", "k_proj", "v_proj"):
         names[f"{ours}.attn.{proj}.bias"] = (f"{hf}.self_attn.{proj}.bias", False)
+    if config.attention_out_bias:
+      names[f"{ours}.attn.o_proj.bias"] = (f"{hf}.self_attn.o_proj.bias", False)
+    if config.attention_sinks:
+      names[f"{ours}.attn.sinks"] = (f"{hf}.self_attn.sinks", False)
     if config.qk_norm:
       for norm in ("q_norm", "k_norm"):
         names[f"{ours}.attn.{norm}.scale"] = (f"{hf}.self_attn.{norm}.weight", False)
-    if config.moe_layer(i):
+    if config.moe_layer(i) and arch == "gpt_oss":
+      names.update(_gpt_oss_moe_names(ours, f"{hf}.mlp"))
+    elif config.moe_layer(i):
       moe = f"{hf}.block_sparse_moe" if mixtral else f"{hf}.mlp"
       names[f"{ours}.mlp.router.kernel"] = (f"{moe}.gate.weight", True)
       for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -555,6 +635,20 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
     else:
       names[f"{ours}.post_attn_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
   return names
+
+
+def _gpt_oss_moe_names(ours: str, moe: str) -> dict[str, tuple[Any, bool]]:
+  """gpt-oss's router (with bias) and its experts stacked in [E, in, out] tensors, gate and
+  up interleaved in gate_up_proj (columns 0, 2, ... and 1, 3, ...), biases alike."""
+  experts, gate_up = f"{moe}.experts", f"{moe}.experts.gate_up_proj"
+  return {f"{ours}.mlp.router.kernel": (f"{moe}.router.weight", True),
+          f"{ours}.mlp.router.bias": (f"{moe}.router.bias", False),
+          f"{ours}.mlp.experts.gate_proj": (Columns(gate_up, 0, 2), False),
+          f"{ours}.mlp.experts.up_proj": (Columns(gate_up, 1, 2), False),
+          f"{ours}.mlp.experts.down_proj": (f"{experts}.down_proj", False),
+          f"{ours}.mlp.experts.gate_bias": (Columns(f"{gate_up}_bias", 0, 2), False),
+          f"{ours}.mlp.experts.up_bias": (Columns(f"{gate_up}_bias", 1, 2), False),
+          f"{ours}.mlp.experts.down_bias": (f"{experts}.down_proj_bias", False)}
 
 
 def read_hf_config(path: str) -> ModelConfig:
@@ -676,35 +770,49 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
   # tensor, or None, transposed)]
   needed: dict[str, list] = {}
   for ours, (hf, transposed) in names.items():
-    if isinstance(hf, Rows):
+    if isinstance(hf, (Rows, Columns)):
       needed.setdefault(hf.name, []).append((ours, hf, transposed))
     elif isinstance(hf, tuple):
       for e, name in enumerate(hf):
         needed.setdefault(name, []).append((ours, e, transposed))
     else:
       needed.setdefault(hf, []).append((ours, None, transposed))
-  missing = [name for name in needed if name not in files]
+  # MXFP4 (gpt-oss): a tensor stored as its `_blocks` and `_scales`, dequantized as read.
+  packed = {name for name in needed if name not in files
+            and f"{name}_blocks" in files and f"{name}_scales" in files}
+  stored = (set(needed) - packed) | {f"{n}_{kind}" for n in packed for kind in ("blocks", "scales")}
+  missing = [name for name in needed if name not in files and name not in packed]
   if missing:
     raise ValueError(f"HF checkpoint {path!r}: missing tensor {missing[0]!r} "
                      f"({len(missing)} missing in all)")
   def ignorable(name):
     return _IGNORABLE.fullmatch(name) or (config.tie_word_embeddings and name == "lm_head.weight")
 
-  unexpected = sorted(n for n in set(files) - set(needed) if not ignorable(n))
+  unexpected = sorted(n for n in set(files) - stored if not ignorable(n))
   if unexpected:
     raise ValueError(f"HF checkpoint {path!r}: unexpected tensor {unexpected[0]!r} "
                      f"({len(unexpected)} unexpected in all) for a {config.architecture} config")
   dtype = _NP_DTYPES[config.param_dtype]
   shapes = _param_shapes(config)
   flat, experts = {}, {}
-  for hf, full in _read_tensors(files, sorted(needed)):
-    if isinstance(needed[hf][0][1], Rows):  # fused: [sum of rows, in] HF-side
-      rows = max(part.stop for _, part, _ in needed[hf])
-      want = (rows, *shapes[needed[hf][0][0]][:-1][::-1])
+  for hf, full in _dequantized(_read_tensors(files, sorted(stored)), packed, dtype):
+    first = needed[hf][0][1]
+    if isinstance(first, (Rows, Columns)):  # fused: [sum of rows, in] HF-side, or columns
+      if isinstance(first, Rows):
+        want = (max(part.stop for _, part, _ in needed[hf]),
+                *shapes[needed[hf][0][0]][:-1][::-1])
+      else:
+        shape = shapes[needed[hf][0][0]]
+        want = (*shape[:-1], shape[-1] * first.step)
       if full.shape != want:
         raise ValueError(f"tensor {hf!r}: expected shape {want}, got {full.shape}")
     for ours, part, transposed in needed[hf]:
-      array = full[part.start:part.stop] if isinstance(part, Rows) else full
+      if isinstance(part, Rows):
+        array = full[part.start:part.stop]
+      elif isinstance(part, Columns):
+        array = full[..., part.start::part.step]
+      else:
+        array = full
       shape = shapes[ours][1:] if isinstance(part, int) else shapes[ours]
       want = shape[::-1] if transposed else shape
       if array.shape != want:
@@ -721,6 +829,26 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
   if config.architecture == "glm4":
     _permute_rotary(flat, config, inverse=False)
   return flat
+
+
+def _dequantized(tensors: Iterator[tuple[str, np.ndarray]], packed: set[str], dtype
+                 ) -> Iterator[tuple[str, np.ndarray]]:
+  """`tensors` with each MXFP4 pair (`name_blocks`, `name_scales`, for name in `packed`)
+  replaced by (name, its dequantized weights in `dtype`)."""
+  pending: dict[str, dict[str, np.ndarray]] = {}
+  for name, array in tensors:
+    base, _, kind = name.rpartition("_")
+    if base not in packed or kind not in ("blocks", "scales"):
+      yield name, array
+      continue
+    parts = pending.setdefault(base, {})
+    parts[kind] = array
+    if len(parts) == 2:
+      del pending[base]
+      try:
+        yield base, dequantize_mxfp4(parts["blocks"], parts["scales"], dtype)
+      except ValueError as e:
+        raise ValueError(f"tensor {base!r}: {e}") from None
 
 
 def _permute_rotary(flat: dict, config: ModelConfig, *, inverse: bool) -> None:
@@ -796,11 +924,14 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   if config.architecture == "glm4":
     flat = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
     _permute_rotary(flat, config, inverse=True)
-  tensors, fused = {}, {}
+  tensors, fused, interleaved = {}, {}, {}
   for ours, (hf, transposed) in names.items():
     array = np.asarray(jax.device_get(flat[ours])).astype(_NP_DTYPES[dtype], copy=False)
     if isinstance(hf, Rows):
       fused.setdefault(hf.name, []).append((hf.start, array.T if transposed else array))
+      continue
+    if isinstance(hf, Columns):
+      interleaved.setdefault(hf.name, []).append((hf, array))
       continue
     parts = zip(hf, array) if isinstance(hf, tuple) else [(hf, array)]  # experts: axis 0
     for name, part in parts:
@@ -808,6 +939,12 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   for name, parts in fused.items():
     tensors[name] = np.ascontiguousarray(  # safetensors writes the buffer as if C-ordered
         np.concatenate([a for _, a in sorted(parts, key=lambda p: p[0])]))
+  for name, parts in interleaved.items():
+    first = parts[0][1]
+    full = np.empty((*first.shape[:-1], first.shape[-1] * parts[0][0].step), first.dtype)
+    for columns, array in parts:
+      full[..., columns.start::columns.step] = array
+    tensors[name] = full
 
   os.makedirs(path, exist_ok=True)
   for f in os.listdir(path):

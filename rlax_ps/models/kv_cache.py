@@ -51,7 +51,7 @@ class KVCache:
 
   def attend(self, layer: int, q, k, v, q_segment_ids, q_positions, attention_fn, *,
              window: int | None = None, sm_scale: float | None = None,
-             softcap: float | None = None):
+             softcap: float | None = None, sinks=None):
     """Write layer `layer`'s new k/v [B, T, Hkv, D] at slot `index`, attend over all slots
     (within `window` positions when the layer slides)."""
     zero = jnp.zeros((), jnp.int32)
@@ -60,7 +60,8 @@ class KVCache:
     layer_v = jax.lax.dynamic_update_slice(self.v[layer], v.astype(self.v[layer].dtype), start)
     out = attention_fn(q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), q_segment_ids,
                        q_positions, self.segment_ids, self.positions, window=window,
-                       sm_scale=sm_scale, softcap=softcap)
+                       sm_scale=sm_scale, softcap=softcap,
+                       **({} if sinks is None else {"sinks": sinks}))
     new_k = self.k[:layer] + (layer_k,) + self.k[layer + 1:]
     new_v = self.v[:layer] + (layer_v,) + self.v[layer + 1:]
     return out, self.replace(k=new_k, v=new_v)

@@ -79,7 +79,11 @@ class Attention(nnx.Module):
     self.v_proj = _dense(c, c.hidden_size, c.num_kv_heads * c.head_dim, ("fsdp", "tensor"),
                          c.qkv_bias, rngs)
     self.o_proj = _dense(c, c.num_heads * c.head_dim, c.hidden_size, ("tensor", "fsdp"),
-                         False, rngs)
+                         c.attention_out_bias, rngs)
+    self.has_sinks = c.attention_sinks
+    if c.attention_sinks:  # gpt-oss: one logit per head in every softmax's denominator
+      self.sinks = nnx.Param(jnp.zeros((c.num_heads,), jnp.dtype(c.param_dtype)),
+                             out_sharding=(None,), eager_sharding=False)
     self.use_qk_norm, self.across_heads = c.qk_norm, c.qk_norm_across_heads
     if c.qk_norm:  # Qwen3: each head's q and k RMS-normed before RoPE; OLMo: all heads at once.
       wide = c.qk_norm_across_heads
@@ -87,8 +91,8 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(c, c.num_kv_heads * c.head_dim if wide else c.head_dim, rngs=rngs)
 
   def __call__(self, x, cos, sin, attend: Callable):
-    """`attend(q, k, v) -> out` is given by the caller: plain, cached or packed attention;
-    cos/sin None: no rotary embedding (a NoPE layer)."""
+    """`attend(q, k, v[, sinks=]) -> out` is given by the caller: plain, cached or packed
+    attention; cos/sin None: no rotary embedding (a NoPE layer)."""
     b, t, _ = x.shape
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     if self.use_qk_norm and self.across_heads:
@@ -100,7 +104,10 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     if cos is not None:
       q, k = rope.apply_rotary(q, cos, sin), rope.apply_rotary(k, cos, sin)
-    out = attend(q, k, v)
+    if self.has_sinks:
+      out = attend(q, k, v, sinks=self.sinks[...].astype(jnp.float32))
+    else:
+      out = attend(q, k, v)
     return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -123,33 +130,80 @@ class MLP(nnx.Module):
 
 
 class Experts(nnx.Module):
-  """num_experts SwiGLU experts stacked: gate/up [E, H, I], down [E, I, H]."""
+  """num_experts SwiGLU experts stacked: gate/up [E, H, I], down [E, I, H]; with moe_bias
+  (gpt-oss) also biases gate/up [E, I] and down [E, H], and with swiglu_limit the clamped
+  gate (ModelConfig)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
     e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    self.dtype = jnp.dtype(c.dtype)
+    self._gate_settings(c)
     init = lambda shape, sharding: nnx.Param(
         nnx.initializers.normal(INIT_STD)(rngs.params(), shape, jnp.dtype(c.param_dtype)),
         out_sharding=sharding, eager_sharding=False)
     self.gate_proj = init((e, h, i), (None, "fsdp", "tensor"))
     self.up_proj = init((e, h, i), (None, "fsdp", "tensor"))
     self.down_proj = init((e, i, h), (None, "tensor", "fsdp"))
+    if c.moe_bias:
+      for name, shape, sharding in self.bias_shapes(c):
+        setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.dtype(c.param_dtype)),
+                                      out_sharding=sharding, eager_sharding=False))
+
+  @staticmethod
+  def bias_shapes(c: ModelConfig):
+    """(name, shape, sharding) of each expert bias (moe_bias)."""
+    e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    return (("gate_bias", (e, i), (None, "tensor")), ("up_bias", (e, i), (None, "tensor")),
+            ("down_bias", (e, h), (None, "fsdp")))
+
+  def _gate_settings(self, c: ModelConfig) -> None:
+    self.dtype = jnp.dtype(c.dtype)
+    self.has_bias, self.limit, self.alpha = c.moe_bias, c.swiglu_limit, c.swiglu_alpha
+
+  def _glu(self, gate, up):
+    """silu(gate) * up, or gpt-oss's clamped form when swiglu_limit is set."""
+    if self.limit is None:
+      return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, self.limit)
+    up = jnp.clip(up, -self.limit, self.limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * self.alpha)
+
+  def _bias(self, proj: str):
+    """The [E, out] bias of projection `proj` ("gate_proj" -> gate_bias)."""
+    return getattr(self, proj.replace("_proj", "_bias"))[...].astype(self.dtype)
+
+  def _grouped_matmul(self, x, proj: str, group_sizes, experts):
+    """x [N, in] sorted by expert through each row's expert's `proj` ([N] its expert)."""
+    del experts
+    return jax.lax.ragged_dot(x, getattr(self, proj)[...].astype(self.dtype), group_sizes)
+
+  def _every_matmul(self, spec: str, x, proj: str):
+    """`proj` of every expert on x, as the einsum `spec` (x, weights [E, in, out])."""
+    return jnp.einsum(spec, x, getattr(self, proj)[...].astype(self.dtype))
 
   def grouped(self, x, group_sizes):
     """x [N, H] sorted by expert, group_sizes [E] -> [N, H]: each row through its expert
     (jax.lax.ragged_dot: a grouped matmul on TPU and GPU)."""
-    mm = lambda a, w: jax.lax.ragged_dot(a, w[...].astype(self.dtype), group_sizes)
-    return mm(jax.nn.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj), self.down_proj)
+    experts = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                         total_repeat_length=x.shape[0])  # each sorted row's expert
+
+    def proj(a, name):
+      y = self._grouped_matmul(a, name, group_sizes, experts)
+      return y + self._bias(name)[experts] if self.has_bias else y
+
+    return proj(self._glu(proj(x, "gate_proj"), proj(x, "up_proj")), "down_proj")
 
   def every(self, x, combine):
     """x [T, H] through every expert, summed with combine [T, E] (zero where not chosen):
     XLA's CPU backend runs ragged_dot as one masked matmul per expert over all rows, so
     there this is the cheaper of the two."""
-    w = lambda p: p[...].astype(self.dtype)
-    h = (jax.nn.silu(jnp.einsum("th,ehi->eti", x, w(self.gate_proj)))
-         * jnp.einsum("th,ehi->eti", x, w(self.up_proj)))
-    return jnp.einsum("eti,eih,te->th", h, w(self.down_proj), combine.astype(self.dtype))
+    def proj(spec, a, name):
+      y = self._every_matmul(spec, a, name)
+      return y + self._bias(name)[:, None, :] if self.has_bias else y
+
+    h = self._glu(proj("th,ehi->eti", x, "gate_proj"), proj("th,ehi->eti", x, "up_proj"))
+    return jnp.einsum("eth,te->th", proj("eti,eih->eth", h, "down_proj"),
+                      combine.astype(self.dtype))
 
 
 class MoE(nnx.Module):
@@ -164,7 +218,7 @@ class MoE(nnx.Module):
     c = config
     self.num_experts, self.top_k, self.norm_topk_prob = (
         c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
-    self.router = _dense(c, c.hidden_size, c.num_experts, ("fsdp", None), False, rngs)
+    self.router = _dense(c, c.hidden_size, c.num_experts, ("fsdp", None), c.moe_bias, rngs)
     self.experts = Experts(c, rngs=rngs)
     self.shared = bool(c.shared_expert_intermediate_size)
     if self.shared:
@@ -321,9 +375,10 @@ class Transformer(nnx.Module):
       cos, sin = (None, None) if i in c.nope_layers else (
           local_angles if c.sliding_layer(i) else angles)
       if cache is None:
-        def attend(q, k, v, window=window):
+        def attend(q, k, v, sinks=None, window=window):
           return attention_fn(q, k, v, segment_ids, positions, segment_ids, positions,
-                              window=window, sm_scale=sm_scale, softcap=softcap)
+                              window=window, sm_scale=sm_scale, softcap=softcap,
+                              **({} if sinks is None else {"sinks": sinks}))
         if remat:
           x, picked = jax.checkpoint(
               lambda x, replay, layer=layer, attend=attend, cos=cos, sin=sin:
@@ -331,10 +386,11 @@ class Transformer(nnx.Module):
           picks += [] if picked is None else [picked]
           continue
       else:
-        def attend(q, k, v, i=i, window=window):
+        def attend(q, k, v, sinks=None, i=i, window=window):
           nonlocal cache
           out, cache = cache.attend(i, q, k, v, segment_ids, positions, attention_fn,
-                                    window=window, sm_scale=sm_scale, softcap=softcap)
+                                    window=window, sm_scale=sm_scale, softcap=softcap,
+                                    sinks=sinks)
           return out
       x, picked = layer(x, cos, sin, attend, replay)
       picks += [] if picked is None else [picked]

@@ -51,6 +51,26 @@ def windowed_group():
   return graphdef, state, rng.integers(1, V, (B, P)), rng.integers(1, V, (B, N, R))
 
 
+@pytest.fixture(scope="module")
+def sink_group():
+  """A gpt-oss shaped model: attention sinks (far from 0) that rescale each softmax by its
+  log-sum-exp in the packed path, a 3-position window on layer 0, q/k/v/o biases, biased
+  experts with the clamped SwiGLU."""
+  cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=8, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8, architecture="gpt_oss",
+                    qkv_bias=True, attention_out_bias=True, attention_sinks=True,
+                    sliding_window=3, layer_types=("sliding_attention", "full_attention"),
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                    norm_topk_prob=True, moe_bias=True, swiglu_limit=0.5)
+  model = Transformer(cfg, rngs=nnx.Rngs(2))
+  rng = np.random.default_rng(2)
+  for layer in model.layers:
+    layer.attn.sinks.value = jnp.asarray(rng.normal(0.0, 2.0, 4), jnp.float32)
+  graphdef, state = nnx.split(model)
+  state = jax.tree.map(lambda x: x * 10 if x.ndim > 1 else x, state)  # the clamp binds
+  return graphdef, state, rng.integers(1, V, (B, P)), rng.integers(1, V, (B, N, R))
+
+
 def _separate_rows(prompts, responses):
   """N independent [prompt, response i] rows (numpy), and where each response token is scored."""
   toks = np.zeros((B * N, P + R), np.int32)
@@ -98,13 +118,25 @@ def test_packed_logprobs_of_a_sliding_window_model_equal_separate_sequences(wind
   test_packed_logprobs_equal_separate_sequences(windowed_group, kw)
 
 
-@pytest.mark.parametrize("which", ["full", "windowed"])
-def test_packed_param_gradients_equal_separate_sequences(group, windowed_group, which):
-  graphdef, state, prompts, responses = group if which == "full" else windowed_group
+@pytest.mark.parametrize("kw", [dict(backend="xla"),
+                                dict(backend="pallas_tpu", interpret=True,
+                                     block_sizes=BlockSizes(8, 8))], ids=["xla", "pallas"])
+def test_packed_logprobs_of_a_model_with_attention_sinks_equal_separate_sequences(sink_group,
+                                                                                   kw):
+  test_packed_logprobs_equal_separate_sequences(sink_group, kw)
+
+
+@pytest.mark.parametrize("which,backend", [("full", "xla"), ("windowed", "xla"),
+                                           ("sinks", "xla"), ("sinks", "pallas_tpu")])
+def test_packed_param_gradients_equal_separate_sequences(group, windowed_group, sink_group,
+                                                         which, backend):
+  graphdef, state, prompts, responses = {"full": group, "windowed": windowed_group,
+                                         "sinks": sink_group}[which]
   loss = lambda fn: jax.jit(jax.grad(
       lambda st: fn(graphdef, st, prompts, responses).sum()))(state)
   want = loss(_separate_logprobs)
-  got = loss(functools.partial(_packed_logprobs, backend="xla"))
+  extra = dict(interpret=True, block_sizes=BlockSizes(8, 8)) if backend == "pallas_tpu" else {}
+  got = loss(functools.partial(_packed_logprobs, backend=backend, **extra))
   for (path, g), (_, w) in zip(jax.tree.leaves_with_path(got), jax.tree.leaves_with_path(want)):
     np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
 

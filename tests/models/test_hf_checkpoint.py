@@ -13,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from rlax_ps.models import (ModelConfig, config_from_hf, config_to_hf, flatten_params,
                             load_hf_checkpoint, save_hf_checkpoint)
+from rlax_ps.models.hf import dequantize_mxfp4
 from rlax_ps.sharding import make_mesh
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
@@ -137,6 +138,64 @@ def test_config_fields_read_from_mixtral():
   # eval mode or vLLM): the log-probs we train on must be the sampler's, so it is ignored.
   assert config_from_hf(dict(new_style, router_jitter_noise=0.01)) == mixtral
   assert config_to_hf(mixtral)["router_jitter_noise"] == 0.0
+
+
+def test_config_fields_read_from_gpt_oss():
+  d = read_json(os.path.join(fixture("gpt_oss"), "config.json"))
+  c = config_from_hf(d)
+  assert (c.architecture, c.qkv_bias, c.attention_out_bias, c.attention_sinks, c.num_experts,
+          c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob, c.moe_bias,
+          c.swiglu_limit, c.swiglu_alpha, c.sliding_window, c.layer_types) == (
+              "gpt_oss", True, True, True, 4, 2, 32, True, True, 0.8, 1.702, 6,
+              ("sliding_attention", "full_attention"))
+  # What GptOssConfig assumes where a config.json is silent: every other layer sliding over
+  # 128 tokens (the first slides), YaRN x32 over 4096 at base 150000, the clamp at 7.
+  bare = {k: v for k, v in d.items() if k not in (
+      "sliding_window", "layer_types", "rope_parameters", "swiglu_limit", "swiglu_alpha",
+      "max_position_embeddings")}
+  defaults = config_from_hf(bare)
+  assert (defaults.sliding_window, defaults.layer_types, defaults.swiglu_limit,
+          defaults.swiglu_alpha, defaults.rope_theta) == (
+              128, ("sliding_attention", "full_attention"), 7.0, 1.702, 150000.0)
+  assert dict(defaults.rope_scaling) == {
+      "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+      "truncate": False, "original_max_position_embeddings": 4096}
+  # The Hub's MXFP4 experts are dequantized on load; other quantizations are refused.
+  mxfp4 = read_json(os.path.join(fixture("gpt_oss_mxfp4"), "config.json"))
+  assert mxfp4["quantization_config"]["quant_method"] == "mxfp4"
+  assert config_from_hf(mxfp4) == c
+  with pytest.raises(ValueError, match="quantization_config.quant_method: expected none or "
+                                       "'mxfp4'"):
+    config_from_hf(dict(d, quantization_config={"quant_method": "fp8"}))
+
+
+def test_mxfp4_dequantizes_as_microscaled_fp4_and_exports_unquantized(tmp_path):
+  # One byte holds two codes, low nibble first; a block of 32 shares 2**(scale - 127).
+  blocks = np.zeros((1, 2, 1, 16), np.uint8)
+  blocks[0, 0, 0, 0] = 0x21  # codes 1 (0.5) then 2 (1.0)
+  blocks[0, 1, 0, 15] = 0xF7  # codes 7 (6.0) then 15 (-6.0): inputs 30 and 31
+  scales = np.array([[[127 + 3], [127 - 1]]], np.uint8)
+  w = dequantize_mxfp4(blocks, scales)  # [E, in = 32, out = 2]
+  assert w.shape == (1, 32, 2)
+  assert (w[0, :2, 0].tolist(), w[0, 30:, 1].tolist()) == ([4.0, 8.0], [3.0, -3.0])
+  assert np.count_nonzero(w) == 4
+  with pytest.raises(ValueError, match="MXFP4: expected uint8 blocks"):
+    dequantize_mxfp4(blocks.astype(np.int8), scales)
+  # Loaded from MXFP4, a model exports plain tensors that transformers reads without the
+  # quantization config (and they hold the dequantized values).
+  model = load_hf_checkpoint(fixture("gpt_oss_mxfp4"))
+  save_hf_checkpoint(model, str(tmp_path))
+  saved, packed = hf_tensors(str(tmp_path)), hf_tensors(fixture("gpt_oss_mxfp4"))
+  key = "model.layers.1.mlp.experts.down_proj"
+  np.testing.assert_array_equal(
+      saved[key], dequantize_mxfp4(packed[f"{key}_blocks"], packed[f"{key}_scales"]))
+  assert not any(k.endswith(("_blocks", "_scales")) for k in saved)
+  assert "quantization_config" not in read_json(tmp_path / "config.json")
+  # A pair missing its scales is named.
+  del packed["model.layers.0.mlp.experts.gate_up_proj_scales"]
+  os.makedirs(tmp_path / "broken")
+  with pytest.raises(ValueError, match="missing tensor 'model.layers.0.mlp.experts.gate_up_proj'"):
+    load_hf_checkpoint(copy_with(tmp_path / "broken", "gpt_oss_mxfp4", packed))
 
 
 def test_config_fields_read_from_gemma_and_sliding_windows():
@@ -269,9 +328,19 @@ def test_config_fields_read_from_gemma_and_sliding_windows():
                 num_kv_heads=2, head_dim=8, architecture="glm4", qkv_bias=True,
                 sandwich_norms=True, partial_rotary_factor=0.5, rms_norm_eps=1.5625e-7,
                 max_position_embeddings=64),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, architecture="gpt_oss", qkv_bias=True,
+                attention_out_bias=True, attention_sinks=True, sliding_window=4,
+                layer_types=("sliding_attention", "full_attention"), num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True,
+                moe_bias=True, swiglu_limit=7.0, rms_norm_eps=1e-5, rope_theta=1.5e5,
+                rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "truncate": False,
+                              "original_max_position_embeddings": 4096}),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
         "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window", "mixtral", "mixtral-window",
-        "olmo2", "olmo3", "qwen2-moe", "phi4", "phi4-mini", "smollm3", "granite", "glm4"])
+        "olmo2", "olmo3", "qwen2-moe", "phi4", "phi4-mini", "smollm3", "granite", "glm4",
+        "gpt-oss"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -345,6 +414,7 @@ def test_unknown_architecture_is_named():
     ("attention_bias", True, "qwen3_moe"), ("shared_expert_intermediate_size", 64, "qwen3_moe"),
     ("attention_bias", True, "olmo2"), ("hidden_act", "gelu", "olmo3"),
     ("qkv_bias", False, "qwen2_moe"), ("attention_bias", False, "glm4"),
+    ("attention_bias", False, "gpt_oss"), ("quantization_config", {"quant_method": "awq"}, "llama"),
 ])
 def test_unsupported_config_field_is_named(field, value, arch):
   d = read_json(os.path.join(fixture(arch), "config.json"))
@@ -448,6 +518,13 @@ def test_moe_config_transformers_cannot_hold_is_refused_on_export():
   with pytest.raises(ValueError, match="ModelConfig.layer_types: MixtralForCausalLM"):
     config_to_hf(as_mixtral.replace(sliding_window=8, layer_types=(
         "full_attention", "sliding_attention", "sliding_attention")))
+  # gpt-oss: biased experts with the clamped SwiGLU, which no other class holds.
+  with pytest.raises(ValueError, match="ModelConfig.moe_bias: Qwen3MoeForCausalLM"):
+    config_to_hf(moe.replace(moe_bias=True))
+  gpt_oss = config_from_hf(read_json(os.path.join(fixture("gpt_oss"), "config.json")))
+  for field, value in (("swiglu_limit", None), ("moe_bias", False), ("attention_sinks", False)):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}: GptOssForCausalLM"):
+      config_to_hf(gpt_oss.replace(**{field: value}))
 
 
 def test_unexpected_tensor_is_named(tmp_path):
@@ -567,7 +644,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "mistral_window", "gemma3", "gemma2", "qwen3_moe",
                                   "mixtral", "olmo2", "olmo3", "qwen2_moe", "phi3", "smollm3",
-                                  "granite", "glm4"])
+                                  "granite", "glm4", "gpt_oss"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from hf_fixtures import FIXTURES, decode, fixture_model, forward, reference
-from inference_workers.sampler import generate
+from inference_workers.sampler import generate, generate_shared
 from inference_workers.sampling import SamplingParams
 from rlax_ps.models import (KVCache, Transformer, assign_params, flatten_params,
                             load_hf_checkpoint)
@@ -34,7 +34,8 @@ def with_config(name, config_file, tmp_path):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "qwen3_yarn", "mistral_window", "gemma3", "gemma3_vision",
                                   "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3",
-                                  "qwen2_moe", "phi3", "smollm3", "granite", "glm4"])
+                                  "qwen2_moe", "phi3", "smollm3", "granite", "glm4",
+                                  "gpt_oss", "gpt_oss_mxfp4"])
 def test_logits_match_transformers(name):
   # config.json only: test_hf_checkpoint checks that config_4x.json gives the same config.
   tokens, expected = reference(name)
@@ -63,7 +64,8 @@ def test_the_scaled_rope_fixtures_exercise_their_scaling(name, scaled, tmp_path)
   assert np.abs(np.asarray(forward(model, tokens)) - expected).max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "mixtral", "olmo3", "phi3", "smollm3"])
+@pytest.mark.parametrize("name", ["mistral_window", "mixtral", "olmo3", "phi3", "smollm3",
+                                  "gpt_oss"])
 def test_the_windowed_fixtures_exercise_their_window(name, tmp_path):
   # Their 20-token references reach past the 6-token window: without it the logits differ.
   path = with_config(name, "config.json", tmp_path)
@@ -119,7 +121,7 @@ def test_the_smollm3_fixture_exercises_its_layers_without_rope():
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3_moe",
                                   "mixtral", "olmo2", "olmo3", "qwen2_moe", "smollm3",
-                                  "granite", "glm4"])
+                                  "granite", "glm4", "gpt_oss"])
 def test_packed_sequences_match_transformers(name):
   # Causal logits of a prefix equal the full row's first logits, so a row packing the first
   # 12 tokens of sequence 0 with the first 8 of sequence 1 must reproduce both references.
@@ -133,7 +135,7 @@ def test_packed_sequences_match_transformers(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo3", "smollm3", "granite"])
+                                  "mixtral", "olmo3", "smollm3", "granite", "gpt_oss"])
 def test_cached_decoding_matches_transformers(name):
   # A 14-token prefill then one token at a time: the windowed fixtures decode past the window.
   tokens, expected = reference(name)
@@ -149,18 +151,35 @@ def test_cached_decoding_matches_transformers(name):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
                                   "qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe",
-                                  "phi3", "smollm3", "granite", "glm4"])
+                                  "phi3", "smollm3", "granite", "glm4", "gpt_oss"])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""
+  prompts, params, expected = _greedy_reference(name)
+  got = generate(fixture_model(name), prompts, list(range(len(prompts))), params)
+  for sample, want in zip(got, expected):
+    assert list(sample.tokens) == want
+
+
+def _greedy_reference(name):
+  """(prompts, greedy SamplingParams, transformers' continuations up to eos) of greedy.npz."""
   ref = np.load(os.path.join(FIXTURES, name, "greedy.npz"))
   prompts = [list(row[mask.astype(bool)]) for row, mask in zip(ref["input_ids"],
                                                                ref["attention_mask"])]
   assert any(0 in p for p in prompts)  # a pad-id token inside a prompt stays a token
   params = SamplingParams(temperature=0.0, max_new_tokens=int(ref["new_tokens"].shape[1]),
                           stop_tokens=(int(ref["eos_token_id"]),))
-  got = generate(fixture_model(name), prompts, list(range(len(prompts))), params)
-  for sample, want in zip(got, ref["new_tokens"]):
-    want = list(want[:int(np.argmax(want == ref["eos_token_id"])) + 1]
-                if ref["eos_token_id"] in want else want)
-    assert list(sample.tokens) == want
+  eos = ref["eos_token_id"]
+  expected = [list(w[:int(np.argmax(w == eos)) + 1] if eos in w else w)
+              for w in ref["new_tokens"]]
+  return prompts, params, expected
+
+
+def test_gpt_oss_shared_prefill_decoding_equals_transformers_greedy_generate():
+  # The samples read one prefix cache and merge two partials by log-sum-exp; the sinks
+  # rescale the merged softmax, past the 6-token window.
+  prompts, params, expected = _greedy_reference("gpt_oss")
+  got = generate_shared(fixture_model("gpt_oss"), prompts, 2, [[i, i] for i in range(3)],
+                        params)
+  for group, want in zip(got, expected):
+    assert [list(s.tokens) for s in group] == [want, want]

@@ -28,6 +28,11 @@ CONFIG = ModelConfig(vocab_size=80, hidden_size=16, intermediate_size=32, num_la
 # Qwen2-MoE: a shared expert beside the routed ones, weights not renormalised.
 SHARED = CONFIG.replace(architecture="qwen2_moe", qk_norm=False, qkv_bias=True,
                         norm_topk_prob=False, shared_expert_intermediate_size=12)
+# gpt-oss: attention sinks, an output-projection bias, a biased router, biased experts with
+# the clamped SwiGLU.
+GPT_OSS = CONFIG.replace(architecture="gpt_oss", qk_norm=False, qkv_bias=True,
+                         attention_out_bias=True, attention_sinks=True, moe_bias=True,
+                         swiglu_limit=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +141,20 @@ def test_shared_prefill_samples_as_one_prefill_per_sample(model):
       np.testing.assert_allclose(sample.logprobs, single[b * 2 + j].logprobs, atol=1e-4)
 
 
-@pytest.mark.parametrize("config", [CONFIG, SHARED], ids=["routed", "shared-expert"])
+@pytest.mark.parametrize("config", [CONFIG, SHARED, GPT_OSS],
+                         ids=["routed", "shared-expert", "gpt-oss"])
 def test_an_int8_worker_computes_the_dequantized_models_logits_by_either_dispatch(config):
   model = Transformer(config, rngs=nnx.Rngs(0))
-  params = {k: np.asarray(v) for k, v in flatten_params(model).items()}
+  rng = np.random.default_rng(3)  # biases and sinks away from their zero init
+  params = {k: np.asarray(v) + (rng.normal(0, 0.3, v.shape).astype(np.float32)
+                                if k.endswith(("bias", "sinks")) else 0)
+            for k, v in flatten_params(model).items()}
   held = sync.held_state(params, "int8")
   assert held["layers.0.mlp.experts.gate_proj.scale"].shape == (4, 8)  # per expert, channel
   assert held["layers.0.mlp.router.kernel"].dtype == BF16  # routes as the trainer does
+  if config.moe_bias:  # expert biases [E, out] stay bf16, as other biases do
+    assert held["layers.0.mlp.experts.gate_bias"].dtype == BF16
+    assert held["layers.0.attn.sinks"].dtype == BF16
   policy = HeldPolicy(config, "int8")
   policy.apply(sync.encode(None, params, "int8", version=0))
   reference = Transformer(config, rngs=nnx.Rngs(0))
