@@ -20,13 +20,19 @@ SCALE_ATTR = "_scale"  # model attribute suffix: `kernel_scale` holds the codec'
 
 
 class Int8Linear(nnx.Module):
-  """y = (x @ codes) * scale[out] (+ bias): the codec's per-output-channel int8 kernel."""
+  """y = (x @ codes) * scale[out] (+ bias): the codec's per-output-channel int8 kernel; with
+  `lora_rank`, plus the trainer's bf16 LoRA adapter (x @ A) @ B * lora_scale."""
 
-  def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype):
+  def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
+               lora_rank: int = 0, lora_scale: float = 0.0):
     self.kernel = nnx.Param(jnp.zeros((in_features, out_features), jnp.int8))
     self.kernel_scale = nnx.Param(jnp.zeros((out_features,), jnp.bfloat16))
     self.bias = nnx.Param(jnp.zeros((out_features,), jnp.bfloat16)) if use_bias else None
     self.dtype = jnp.dtype(dtype)
+    self.lora_scale = lora_scale
+    if lora_rank:
+      self.lora_a = nnx.Param(jnp.zeros((in_features, lora_rank), jnp.bfloat16))
+      self.lora_b = nnx.Param(jnp.zeros((lora_rank, out_features), jnp.bfloat16))
 
   def __call__(self, x, out_dtype=None):
     out_dtype = out_dtype or self.dtype
@@ -35,6 +41,9 @@ class Int8Linear(nnx.Module):
     y = y * self.kernel_scale[...].astype(out_dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(out_dtype)
+    if self.lora_scale:
+      a, b = (p[...].astype(self.dtype) for p in (self.lora_a, self.lora_b))
+      y = y + ((x.astype(self.dtype) @ a) @ b * self.lora_scale).astype(out_dtype)
     return y
 
 
@@ -98,16 +107,19 @@ class Int8Transformer(Transformer):
     super().__init__(config, rngs=rngs)
     c, dtype = config, jnp.dtype(config.dtype)
 
-    def linear(fan_in, fan_out, bias=False):
-      return Int8Linear(fan_in, fan_out, use_bias=bias, dtype=dtype)
+    def linear(fan_in, fan_out, bias=False, name=""):
+      lora = c.lora_rank if name in c.lora_targets else 0
+      return Int8Linear(fan_in, fan_out, use_bias=bias, dtype=dtype, lora_rank=lora,
+                        lora_scale=c.lora_alpha / lora if lora else 0.0)
 
     self.embed = Int8Embed(c.vocab_size, c.hidden_size, dtype=dtype)
     for i, block in enumerate(self.layers):
       a, m = block.attn, block.mlp
-      a.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias)
-      a.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias)
-      a.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias)
-      a.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, c.attention_out_bias)
+      a.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, "q_proj")
+      a.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")
+      a.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")
+      a.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, c.attention_out_bias,
+                        "o_proj")
       if c.moe_layer(i):
         m.experts = Int8Experts(c)
         if not c.shared_expert_intermediate_size:
@@ -115,9 +127,9 @@ class Int8Transformer(Transformer):
         m.shared_expert_gate = linear(c.hidden_size, 1)
         m = m.shared_expert
       width = m.gate_proj.kernel.shape[1]
-      m.gate_proj = linear(c.hidden_size, width)
-      m.up_proj = linear(c.hidden_size, width)
-      m.down_proj = linear(width, c.hidden_size)
+      m.gate_proj = linear(c.hidden_size, width, name="gate_proj")
+      m.up_proj = linear(c.hidden_size, width, name="up_proj")
+      m.down_proj = linear(width, c.hidden_size, name="down_proj")
     if not c.tie_word_embeddings:
       self.lm_head = linear(c.hidden_size, c.vocab_size)
 

@@ -224,12 +224,13 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_int8", "olmo3",
-                                    "phi3", "granite", "glm4", "gpt_oss"])
+                                    "phi3", "granite", "glm4", "gpt_oss", "qwen3_lora"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
   """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window), Qwen3-MoE
   (also published as int8, with scales per expert, and routing replay), OLMo 3, Phi-4-mini-like (LongRoPE, which
   this run's 64 + 8 tokens fix to the long factors in trainer and workers alike), Granite or
-  GLM-4 or gpt-oss (attention sinks, biased clamped experts; routing replay) checkpoint with a
+  GLM-4 or gpt-oss (attention sinks, biased clamped experts; routing replay) checkpoint, or
+  the Qwen3 one with configs/rl_lora.py:tiny (adapters trained, merged on export), with a
   ChatML tokenizer and template: JSONL math questions as conversations,
   scored by the math verifier; the export carries the chat template and the end-of-turn stop
   ids."""
@@ -292,7 +293,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
                 f"--config.data.heldout_jsonl={heldout}", *int8,
                 *(["--config.worker.routing_replay=True"] if replay else []),
-                config="configs/rl_instruct.py:tiny")
+                config="configs/rl_lora.py:tiny" if family == "qwen3_lora"
+                else "configs/rl_instruct.py:tiny")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(workdir / "summary.json"))
   assert summary["step"] == 2 and set(summary["heldout_exact_match"]) == {"math", "all"}
@@ -321,6 +323,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_moe_int8": "Qwen3MoeForCausalLM",
       "olmo3": "Olmo3ForCausalLM",
       "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-      "glm4": "Glm4ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[family]]
+      "glm4": "Glm4ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+      "qwen3_lora": "Qwen3ForCausalLM"}[family]]
   assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3", "gpt_oss")
                                             else None)

@@ -10,6 +10,8 @@ ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral",
                  "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3", "granite", "glm4",
                  "gpt_oss")
 DTYPES = ("float32", "bfloat16")
+# The projections LoRA can adapt (attention and MLP, the shared expert's included).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -122,6 +124,12 @@ class ModelConfig:
   moe_bias: bool = False
   swiglu_limit: float | None = None
   swiglu_alpha: float = 1.702
+  # LoRA: each projection named in lora_targets also adds (x @ A) @ B * lora_alpha / lora_rank,
+  # A [in, rank], B [rank, out] (B starts at 0); a run with lora_rank > 0 trains only A and
+  # B. 0: none. Not part of the HF config (exports merge the adapters into the kernels).
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = LORA_TARGETS
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 2048
   param_dtype: str = "float32"  # Storage dtype of the weights.
@@ -192,6 +200,15 @@ class ModelConfig:
       for f in ("swiglu_limit", "swiglu_alpha"):
         v = getattr(self, f)
         need(isinstance(v, (int, float)) and v > 0, f, "a positive number", v)
+    need(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "lora_rank",
+         "an int >= 0 (0: no LoRA)", self.lora_rank)
+    need(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0, "lora_alpha",
+         "a positive number", self.lora_alpha)
+    targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else self.lora_targets
+    targets = tuple(t.strip() for t in targets for t in t.split(",") if t.strip())
+    need(set(targets) <= set(LORA_TARGETS) and (targets or not self.lora_rank), "lora_targets",
+         f"some of {LORA_TARGETS}", self.lora_targets)
+    object.__setattr__(self, "lora_targets", targets)
     need(isinstance(self.shared_expert_intermediate_size, int)
          and self.shared_expert_intermediate_size >= 0
          and not (self.shared_expert_intermediate_size and not self.num_experts),
@@ -290,21 +307,29 @@ class ModelConfig:
 
   @property
   def num_params(self) -> int:
-    """Parameter count (embeddings included, lm_head counted once when tied)."""
+    """Parameter count (embeddings included, lm_head counted once when tied; LoRA's
+    adapters included)."""
     h, d = self.hidden_size, self.head_dim
+    lora = lambda name, n_in, n_out: (  # noqa: E731
+        self.lora_rank * (n_in + n_out) if self.lora_rank and name in self.lora_targets else 0)
+    mlp_lora = lambda width: (lora("gate_proj", h, width) + lora("up_proj", h, width)  # noqa: E731
+                              + lora("down_proj", width, h))
     attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
     if self.qkv_bias:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
     attn += h * self.attention_out_bias + self.num_heads * self.attention_sinks
+    attn += (lora("q_proj", h, self.num_heads * d) + lora("k_proj", h, self.num_kv_heads * d)
+             + lora("v_proj", h, self.num_kv_heads * d) + lora("o_proj", self.num_heads * d, h))
     if self.qk_norm:
       attn += d * (self.num_heads + self.num_kv_heads) if self.qk_norm_across_heads else 2 * d
     norms = (4 if self.sandwich_norms else 2) * h
-    dense = 3 * h * self.intermediate_size
+    dense = 3 * h * self.intermediate_size + mlp_lora(self.intermediate_size)
     moe = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts
     if self.moe_bias:  # the router's and each expert's gate, up and down biases
       moe += self.num_experts * (1 + 2 * self.moe_intermediate_size + h)
     if self.shared_expert_intermediate_size:
-      moe += 3 * h * self.shared_expert_intermediate_size + h
+      moe += (3 * h * self.shared_expert_intermediate_size + h
+              + mlp_lora(self.shared_expert_intermediate_size))
     layers = sum(attn + norms + (moe if self.moe_layer(i) else dense)
                  for i in range(self.num_layers))
     head = 0 if self.tie_word_embeddings else h * self.vocab_size

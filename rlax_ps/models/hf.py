@@ -663,11 +663,13 @@ def read_hf_config(path: str) -> ModelConfig:
 def model_config_from(cfg, vocab_size: int, init_from_hf: str = "",
                       max_sequence: int = 0) -> ModelConfig:
   """ModelConfig from the `model` config block (vocab_size 0 takes the tokenizer's), or
-  from the HF checkpoint to start from, keeping only the block's dtypes. A LongRoPE model's
-  factors are fixed by `max_sequence` (> 0: the run's longest prompt + response), so that
-  the trainer and the workers turn every token alike."""
+  from the HF checkpoint to start from, keeping only the block's dtypes and LoRA settings. A
+  LongRoPE model's factors are fixed by `max_sequence` (> 0: the run's longest prompt +
+  response), so that the trainer and the workers turn every token alike."""
   if init_from_hf:
-    config = read_hf_config(init_from_hf).replace(param_dtype=cfg.param_dtype, dtype=cfg.dtype)
+    lora = {k: cfg[k] for k in _LORA_FIELDS if k in cfg}
+    config = read_hf_config(init_from_hf).replace(param_dtype=cfg.param_dtype, dtype=cfg.dtype,
+                                                  **lora)
     if config.vocab_size < vocab_size:
       raise ValueError(f"init_from_hf: the model's vocab_size {config.vocab_size} is smaller "
                        f"than the tokenizer's {vocab_size}")
@@ -683,6 +685,9 @@ def model_config_from(cfg, vocab_size: int, init_from_hf: str = "",
   except TypeError as e:  # missing shape fields
     raise ValueError(f"model: {e}; give the shape in the model block or init_from_hf naming "
                      f"a Hugging Face checkpoint") from None
+
+
+_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
 
 
 def longest_sequence(recipe) -> int:
@@ -913,11 +918,14 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   the tensors are split over numbered files with a `model.safetensors.index.json`.
   `extra_config` adds config.json fields our config does not hold (e.g. bos/eos token ids).
   Old safetensors files in `path` are removed first so no stale shard can be read back.
+  LoRA adapters are merged into their kernels (W + A @ B * alpha / rank).
   """
   config: ModelConfig = model.config
   dtype = config.param_dtype if dtype is None else dtype_name(dtype)
-  names = hf_tensor_names(config)
   flat = flatten_params(model)
+  if config.lora_rank:
+    flat, config = merge_adapters(flat, config)
+  names = hf_tensor_names(config)
   if set(flat) != set(names):
     odd = sorted(set(flat) ^ set(names))
     raise ValueError(f"model params do not match its config: e.g. {odd[0]!r}")
@@ -966,6 +974,22 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   hf_config = config_to_hf(config.replace(param_dtype=dtype))
   hf_config.update(extra_config or {})
   _write_json(os.path.join(path, CONFIG_FILE), hf_config)
+
+
+def merge_adapters(flat: Mapping[str, Any], config: ModelConfig
+                   ) -> tuple[dict[str, np.ndarray], ModelConfig]:
+  """(flat params with each LoRA adapter folded into its kernel, computed in float32 and
+  stored in the kernel's dtype; the config without LoRA)."""
+  scale = config.lora_alpha / config.lora_rank
+  out = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()
+         if ".lora_" not in k}
+  for key in flat:
+    if key.endswith(".lora_a"):
+      base = key[:-len("lora_a")]
+      a, b = (np.asarray(jax.device_get(flat[base + p]), np.float32) for p in ("lora_a", "lora_b"))
+      kernel = out[base + "kernel"]
+      out[base + "kernel"] = (kernel.astype(np.float32) + (a @ b) * scale).astype(kernel.dtype)
+  return out, config.replace(lora_rank=0)
 
 
 def _split_shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:

@@ -36,13 +36,40 @@ def _normal(sharding):
   return _partitioned(nnx.initializers.normal(INIT_STD), sharding)
 
 
-def _dense(config: ModelConfig, fan_in: int, fan_out: int, sharding, bias: bool, rngs):
-  return nnx.Linear(
-      fan_in, fan_out, use_bias=bias,
-      dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
-      kernel_init=_normal(sharding),
-      bias_init=_partitioned(nnx.initializers.zeros_init(), (sharding[1],)),
-      rngs=rngs)
+class LoRALinear(nnx.Linear):
+  """nnx.Linear plus a low-rank adapter: y = x @ W (+ b) + (x @ A) @ B * alpha / rank, with A
+  [in, rank] drawn uniform in +-1/sqrt(in) and B [rank, out] zero, so the adapter starts as
+  a no-op (PEFT's LoRA). The kernel and bias keep nnx.Linear's names, so checkpoints read
+  the same; a LoRA run trains A and B only."""
+
+  def __init__(self, fan_in: int, fan_out: int, *, rank: int, alpha: float, sharding,
+               rngs: nnx.Rngs, **kwargs):
+    super().__init__(fan_in, fan_out, rngs=rngs, **kwargs)
+    bound = fan_in ** -0.5
+    self.lora_scale = alpha / rank
+    self.lora_a = nnx.Param(
+        jax.random.uniform(rngs.params(), (fan_in, rank), self.param_dtype, -bound, bound),
+        out_sharding=(sharding[0], None), eager_sharding=False)
+    self.lora_b = nnx.Param(jnp.zeros((rank, fan_out), self.param_dtype),
+                            out_sharding=(None, sharding[1]), eager_sharding=False)
+
+  def __call__(self, x):
+    y = super().__call__(x)
+    a, b = (p[...].astype(self.dtype) for p in (self.lora_a, self.lora_b))
+    return y + ((x.astype(self.dtype) @ a) @ b * self.lora_scale).astype(y.dtype)
+
+
+def _dense(config: ModelConfig, fan_in: int, fan_out: int, sharding, bias: bool, rngs,
+           name: str = ""):
+  """The Linear of projection `name`: a LoRALinear when the config adapts it."""
+  kwargs = dict(use_bias=bias, dtype=jnp.dtype(config.dtype),
+                param_dtype=jnp.dtype(config.param_dtype), kernel_init=_normal(sharding),
+                bias_init=_partitioned(nnx.initializers.zeros_init(), (sharding[1],)),
+                rngs=rngs)
+  if config.lora_rank and name in config.lora_targets:
+    return LoRALinear(fan_in, fan_out, rank=config.lora_rank, alpha=config.lora_alpha,
+                      sharding=sharding, **kwargs)
+  return nnx.Linear(fan_in, fan_out, **kwargs)
 
 
 class RMSNorm(nnx.Module):
@@ -73,13 +100,13 @@ class Attention(nnx.Module):
     c = config
     self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
     self.q_proj = _dense(c, c.hidden_size, c.num_heads * c.head_dim, ("fsdp", "tensor"),
-                         c.qkv_bias, rngs)
+                         c.qkv_bias, rngs, "q_proj")
     self.k_proj = _dense(c, c.hidden_size, c.num_kv_heads * c.head_dim, ("fsdp", "tensor"),
-                         c.qkv_bias, rngs)
+                         c.qkv_bias, rngs, "k_proj")
     self.v_proj = _dense(c, c.hidden_size, c.num_kv_heads * c.head_dim, ("fsdp", "tensor"),
-                         c.qkv_bias, rngs)
+                         c.qkv_bias, rngs, "v_proj")
     self.o_proj = _dense(c, c.num_heads * c.head_dim, c.hidden_size, ("tensor", "fsdp"),
-                         c.attention_out_bias, rngs)
+                         c.attention_out_bias, rngs, "o_proj")
     self.has_sinks = c.attention_sinks
     if c.attention_sinks:  # gpt-oss: one logit per head in every softmax's denominator
       self.sinks = nnx.Param(jnp.zeros((c.num_heads,), jnp.dtype(c.param_dtype)),
@@ -121,9 +148,9 @@ class MLP(nnx.Module):
   def __init__(self, config: ModelConfig, width: int | None = None, *, rngs: nnx.Rngs):
     c, w = config, width or config.intermediate_size
     self.hidden_act = c.hidden_act
-    self.gate_proj = _dense(c, c.hidden_size, w, ("fsdp", "tensor"), False, rngs)
-    self.up_proj = _dense(c, c.hidden_size, w, ("fsdp", "tensor"), False, rngs)
-    self.down_proj = _dense(c, w, c.hidden_size, ("tensor", "fsdp"), False, rngs)
+    self.gate_proj = _dense(c, c.hidden_size, w, ("fsdp", "tensor"), False, rngs, "gate_proj")
+    self.up_proj = _dense(c, c.hidden_size, w, ("fsdp", "tensor"), False, rngs, "up_proj")
+    self.down_proj = _dense(c, w, c.hidden_size, ("tensor", "fsdp"), False, rngs, "down_proj")
 
   def __call__(self, x):
     return self.down_proj(_ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x))

@@ -10,8 +10,9 @@ Layout, per float tensor `name` of the trainer:
     channel, the LAST axis (all other axes reduced): `name` -> int8 codes,
     `name + ".scale"` -> bf16 scales [out].
   * ndim < 2 (norm scales, biases), biases of stacked experts (a last component ending in
-    "bias", e.g. gpt-oss's [E, out]) and expert routers (a path component "router"):
-    `name` -> bf16, not quantized. A router is a sliver of the weights, and int8 steps in
+    "bias", e.g. gpt-oss's [E, out]), LoRA adapters (a last component starting "lora_", what
+    a LoRA run trains) and expert routers (a path component "router"): `name` -> bf16, not
+    quantized. A router is a sliver of the weights, and int8 steps in
     its logits would send tokens to other experts than the trainer's policy picks.
 Quantization is a pure function of the float weights: scale = absmax / 127 rounded UP to
 the next bf16 value (bf16 so that a scale changes only when its channel's absmax moves by
@@ -35,7 +36,8 @@ def layout(name: str, ndim: int) -> str:
   """"bf16" (not quantized), "rows" (embedding tables), "experts" (stacked expert kernels)
   or "channels_last" (kernels) for a float tensor."""
   parts = name.split(".")
-  if ndim < 2 or "router" in parts or parts[-1].endswith("bias"):
+  if (ndim < 2 or "router" in parts or parts[-1].endswith("bias")
+      or parts[-1].startswith("lora_")):
     return "bf16"
   if name.endswith("embedding"):
     return "rows"

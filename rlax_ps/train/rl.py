@@ -46,6 +46,7 @@ from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, 
 from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, hf_params, restore_or_init
 from rlax_ps.train.step import apply_gradients, jit_step
+from rlax_ps.train.trainable import trainable_value_and_grad
 
 
 def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_groups: int,
@@ -59,7 +60,7 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
   gradient over that many slices of the batch's rows (the same gradient, a slice's memory)."""
   if updates_per_batch < 1:
     raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates_per_batch}")
-  grad_fn = jax.value_and_grad(rl_loss, has_aux=True)
+  grad_fn = trainable_value_and_grad(rl_loss)
 
   def update(state: TrainState, batch: dict, ref_params: Any, proximal=None):
     if micro_batches == 1:

@@ -27,6 +27,7 @@ from flax import nnx
 from algorithms import advantages as adv_lib
 from algorithms import corrections, losses, shaping
 from rlax_ps.kernels import pack_group, pack_routes, packed_response_logprobs
+from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo")
 POLICY_LOSSES = ("ppo", "gspo")
@@ -254,6 +255,7 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   minima taken over the slices)."""
   rows = batch["row_group"].shape[0]
   check_micro_batches(micro_batches, rows, cfg)
+  trainable = split_trainable(params)[0]  # what takes a gradient (a LoRA run: the adapters)
   n = batch["rewards"].shape[1]
   adv, sample_mask = group_advantages(batch, num_groups, cfg)
   total = jnp.maximum(_agg_count(batch, sample_mask, cfg.agg), 1.0)
@@ -275,7 +277,7 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
                               proximal=prox, advantages=(mb["adv"].reshape(-1), keep))
       return loss * weight, metrics
 
-    (loss, metrics), grads = jax.value_and_grad(weighted, has_aux=True)(params)
+    (loss, metrics), grads = trainable_value_and_grad(weighted)(params)
     return loss, metrics, grads, weight
 
   def body(acc, mb):
@@ -299,8 +301,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   start = {"_max": -jnp.inf, "_min": jnp.inf}
   init = (jnp.zeros((), jnp.float32),
           {k: jnp.full(v.shape, start.get(k[-4:], 0.0), v.dtype) for k, v in shapes.items()},
-          jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))  # sums in float32
+          jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable))  # sums in f32
   (loss, metrics, grads), _ = jax.lax.scan(body, init, slices)
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
   metrics["loss"] = loss
   return (loss, metrics), grads

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.models import ModelConfig, Transformer, load_hf_checkpoint
+from rlax_ps.train.trainable import join, split_trainable
 
 
 @flax.struct.dataclass
@@ -63,7 +64,7 @@ def make_init_fn(config: ModelConfig, optimizer: optax.GradientTransformation
     model = Transformer(config, rngs=nnx.Rngs(params=param_key))
     params = nnx.state(model, nnx.Param).to_pure_dict()
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params), rng=train_key)
+                      opt_state=optimizer.init(split_trainable(params)[0]), rng=train_key)
 
   return init
 
@@ -107,18 +108,36 @@ def state_from_params(params: Any, optimizer: optax.GradientTransformation,
   """A step-0 TrainState around given params (e.g. a pretrained checkpoint), with the
   optimizer state created directly on its shardings."""
   params = jax.device_put(params, shardings.params)
-  opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+  opt_state = jax.jit(lambda p: optimizer.init(split_trainable(p)[0]),
+                      out_shardings=shardings.opt_state)(params)
   _, train_key = jax.random.split(jax.random.PRNGKey(seed))
   return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
                     params=params, opt_state=opt_state,
                     rng=jax.device_put(train_key, shardings.rng))
 
 
-def hf_params(model_config: ModelConfig, mesh: Mesh, path: str) -> Any:
-  """The params (a pure dict, sharded on `mesh`) of the HF checkpoint folder `path`."""
+def hf_params(model_config: ModelConfig, mesh: Mesh, path: str, seed: int = 0) -> Any:
+  """The params (a pure dict, sharded on `mesh`) of the HF checkpoint folder `path`; a LoRA
+  config adds fresh adapters (B = 0: the model is still the checkpoint's)."""
   model = load_hf_checkpoint(path, model_config.param_dtype, compute_dtype=model_config.dtype,
                              mesh=mesh)
-  return nnx.state(model, nnx.Param).to_pure_dict()
+  params = nnx.state(model, nnx.Param).to_pure_dict()
+  if not model_config.lora_rank:
+    return params
+  return join(fresh_adapters(model_config, mesh, seed), params)
+
+
+def fresh_adapters(config: ModelConfig, mesh: Mesh, seed: int) -> Any:
+  """A LoRA config's adapters as its initializers make them, on their shardings (the rest
+  of the model is traced, never computed: only the adapters are outputs)."""
+  _, abstract, spec_tree = abstract_model(config)
+  specs = split_trainable(shd.param_specs(abstract, spec_tree, mesh))[0]
+
+  def init(key):
+    model = Transformer(config, rngs=nnx.Rngs(params=key))
+    return split_trainable(nnx.state(model, nnx.Param).to_pure_dict())[0]
+
+  return jax.jit(init, out_shardings=shd.named(mesh, specs))(jax.random.PRNGKey(seed))
 
 
 def restore_or_init(model_config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
@@ -132,7 +151,7 @@ def restore_or_init(model_config: ModelConfig, optimizer: optax.GradientTransfor
   if latest is None and init_from_hf:
     target = abstract_state(model_config, optimizer, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, target)
-    params = hf_params(model_config, mesh, init_from_hf)
+    params = hf_params(model_config, mesh, init_from_hf, seed)
     return state_from_params(params, optimizer, shardings, seed), shardings, graphdef, None
   if latest is None:
     return (*sharded_init(model_config, optimizer, mesh, seed), None)

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rlax_ps import sharding as shd
 from rlax_ps.train.state import TrainState
+from rlax_ps.train.trainable import join, split_trainable, trainable_value_and_grad
 
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 
@@ -63,7 +64,7 @@ def split_micro_batches(batch: dict, num_micro: int) -> dict:
 def loss_and_grads(params: Any, graphdef: nnx.GraphDef, batch: dict, num_micro: int = 1,
                    loss_sum_fn: LossFn = sft_loss_sum, mesh=None) -> tuple[jax.Array, Any, dict]:
   """Mean masked loss and its gradient over the whole batch, accumulated over micro-batches."""
-  grad_fn = jax.value_and_grad(loss_sum_fn, has_aux=True)
+  grad_fn = trainable_value_and_grad(loss_sum_fn)
   if num_micro == 1:
     (total, aux), grads = grad_fn(params, graphdef, batch)
   else:
@@ -80,7 +81,7 @@ def loss_and_grads(params: Any, graphdef: nnx.GraphDef, batch: dict, num_micro: 
               jax.tree.map(jnp.add, acc_grads, g)), None
 
     zero_aux = {"tokens": jnp.zeros(()), "correct": jnp.zeros(())}
-    init = (jnp.zeros(()), zero_aux, jax.tree.map(jnp.zeros_like, params))
+    init = (jnp.zeros(()), zero_aux, jax.tree.map(jnp.zeros_like, split_trainable(params)[0]))
     (total, aux, grads), _ = jax.lax.scan(body, init, micro)
   denom = jnp.maximum(aux["tokens"], 1.0)
   grads = jax.tree.map(lambda g: g / denom, grads)
@@ -107,9 +108,11 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 def apply_gradients(state: TrainState, grads: Any, metrics: dict,
                     optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule | None = None) -> tuple[TrainState, dict]:
-  """One optax update of `state` (step + 1, RNG split); adds grad_norm and lr to metrics."""
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  """One optax update of `state` (step + 1, RNG split); adds grad_norm and lr to metrics.
+  `grads` are those of the trainable params (all of them, or a LoRA run's adapters)."""
+  trainable, frozen = split_trainable(state.params)
+  updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+  params = join(optax.apply_updates(trainable, updates), frozen)
   rng, _ = jax.random.split(state.rng)
   metrics["grad_norm"] = optax.global_norm(grads)
   if schedule is not None:

@@ -1,0 +1,228 @@
+"""LoRA: a model whose projections carry low-rank adapters trains the adapters alone. The
+adapter starts as a no-op and adds (x @ A) @ B * alpha / rank; gradients and optimizer state
+cover the adapters only; the frozen base never changes, so each published delta carries
+the adapters alone and workers (bf16 or int8) compute the trainer's adapted model; exports
+merge the adapters into the kernels."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from inference_workers.weights import HeldPolicy
+from rl_testlib import FakeWorker, client, rl_config, start_server
+from rlax_ps import sync
+from rlax_ps.models import (ModelConfig, Transformer, assign_params, flatten_params,
+                            load_hf_checkpoint, save_hf_checkpoint)
+from rlax_ps.models.transformer import LoRALinear
+from rlax_ps.sharding import make_mesh
+from rlax_ps.train.publisher import flat_params
+from rlax_ps.train.rl import RLTrainer
+from rlax_ps.train.state import hf_params
+from rlax_ps.train.trainable import join, split_trainable, trainable_value_and_grad
+
+BASE = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=24, num_layers=2,
+                   num_heads=4, num_kv_heads=2, qkv_bias=True, architecture="qwen2")
+LORA = BASE.replace(lora_rank=4, lora_alpha=8.0)
+TOKENS = np.random.default_rng(0).integers(0, 48, (2, 7))
+
+
+@nnx.jit
+def forward(model, tokens):
+  return model(tokens)
+
+
+def _adapted(seed=0):
+  """A LoRA model whose B matrices are random (trained-looking), and its params."""
+  model = Transformer(LORA, rngs=nnx.Rngs(seed))
+  rng = np.random.default_rng(seed)
+  params = {k: np.asarray(v) + (rng.normal(0, 0.3, v.shape).astype(np.float32)
+                                if k.endswith("lora_b") else 0)
+            for k, v in flatten_params(model).items()}
+  assign_params(model, params)
+  return model, params
+
+
+def test_an_adapter_starts_as_a_no_op_and_adds_its_low_rank_product():
+  lora = Transformer(LORA, rngs=nnx.Rngs(0))
+  flat = flatten_params(lora)
+  assert sorted(k for k in flat if "layers.0." in k and ".lora_" in k) == sorted(
+      f"layers.0.{m}.{p}_proj.lora_{ab}" for m, p in
+      [("attn", "q"), ("attn", "k"), ("attn", "v"), ("attn", "o"), ("mlp", "gate"),
+       ("mlp", "up"), ("mlp", "down")] for ab in "ab")
+  assert LORA.num_params == sum(int(np.prod(v.shape)) for v in flat.values())
+  base = Transformer(BASE, rngs=nnx.Rngs(0))
+  assign_params(base, {k: v for k, v in flat.items() if ".lora_" not in k})
+  np.testing.assert_array_equal(np.asarray(forward(lora, TOKENS)),
+                                np.asarray(forward(base, TOKENS)))  # B = 0
+  layer = LoRALinear(6, 5, rank=2, alpha=3.0, sharding=(None, None), use_bias=True,
+                     rngs=nnx.Rngs(1))
+  layer.lora_b.value = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(4, 6)), jnp.float32)
+  want = (x @ layer.kernel[...] + layer.bias[...]
+          + (x @ layer.lora_a[...]) @ layer.lora_b[...] * 1.5)
+  np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(want), atol=1e-5)
+  with pytest.raises(ValueError, match="ModelConfig.lora_targets"):
+    BASE.replace(lora_rank=4, lora_targets=("lm_head",))
+
+
+def test_only_the_adapters_take_a_gradient():
+  model, _ = _adapted()
+  params = nnx.state(model, nnx.Param).to_pure_dict()
+  trainable, frozen = split_trainable(params)
+  assert jax.tree.leaves(trainable) and all(
+      ".lora_" in ".".join(str(getattr(k, "key", k)) for k in path)
+      for path, _ in jax.tree_util.tree_flatten_with_path(trainable)[0])
+  assert jax.tree.structure(join(trainable, frozen)) == jax.tree.structure(params)
+  graphdef = nnx.graphdef(model)
+
+  def loss(p):
+    return jnp.mean(nnx.merge(graphdef, p)(TOKENS) ** 2), {}
+
+  (_, _), grads = trainable_value_and_grad(loss)(params)
+  assert jax.tree.structure(grads) == jax.tree.structure(trainable)
+  full = jax.grad(lambda p: loss(p)[0])(params)
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                          jax.tree.leaves(split_trainable(full)[0])):
+    np.testing.assert_allclose(g, w, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 0
+  # Without adapters every param trains.
+  plain = nnx.state(Transformer(BASE, rngs=nnx.Rngs(0)), nnx.Param).to_pure_dict()
+  assert split_trainable(plain) == (plain, {})
+
+
+def test_exports_merge_the_adapters_into_the_kernels(tmp_path):
+  model, _ = _adapted()
+  save_hf_checkpoint(model, str(tmp_path))
+  merged = load_hf_checkpoint(str(tmp_path))
+  assert merged.config.lora_rank == 0 and not any(".lora_" in k
+                                                  for k in flatten_params(merged))
+  np.testing.assert_allclose(np.asarray(forward(merged, TOKENS)),
+                             np.asarray(forward(model, TOKENS)), atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_worker_computes_the_adapted_model(fmt):
+  model, params = _adapted()
+  held = sync.held_state(params, fmt)
+  assert held["layers.0.attn.q_proj.lora_a"].dtype == held["layers.0.attn.q_proj.bias"].dtype
+  policy = HeldPolicy(LORA, fmt)
+  policy.apply(sync.encode(None, params, fmt, version=0))
+  reference = Transformer(LORA.replace(param_dtype="bfloat16") if fmt == "bf16" else LORA,
+                          rngs=nnx.Rngs(0))
+  assign_params(reference, sync.dequantize(held) if fmt == "int8" else
+                {k: jnp.asarray(v, jnp.bfloat16) for k, v in params.items()})
+  np.testing.assert_allclose(np.asarray(forward(policy.model, TOKENS)),
+                             np.asarray(forward(reference, TOKENS)), atol=2e-3, rtol=2e-3)
+  # The adapters matter: the same worker without them is another model.
+  assert np.abs(np.asarray(forward(policy.model, TOKENS))
+                - np.asarray(forward(Transformer(BASE, rngs=nnx.Rngs(0)), TOKENS))).max() > 0.01
+
+
+def test_a_checkpoint_to_start_from_gets_fresh_no_op_adapters(tmp_path):
+  base = Transformer(BASE, rngs=nnx.Rngs(5))
+  save_hf_checkpoint(base, str(tmp_path))
+  mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+  params = hf_params(LORA, mesh, str(tmp_path), seed=1)
+  model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Transformer(LORA, rngs=nnx.Rngs(0)))),
+                    params)
+  lora_b = [v for k, v in flatten_params(model).items() if k.endswith("lora_b")]
+  assert lora_b and all(float(jnp.abs(b).max()) == 0 for b in lora_b)
+  assert any(float(jnp.abs(v).max()) > 0 for k, v in flatten_params(model).items()
+             if k.endswith("lora_a"))
+  np.testing.assert_allclose(np.asarray(forward(model, TOKENS)),
+                             np.asarray(forward(base, TOKENS)), atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("lora")
+  server = start_server(tmp / "ps")
+  worker = FakeWorker(server.address, samples=4).start()
+  config = rl_config("tiny")
+  config.rl.steps = 3
+  config.rl.micro_batches = 2
+  config.eval.num_examples = 2
+  config.eval.batch_size = 2
+  config.model.lora_rank = 4
+  config.model.lora_alpha = 8.0
+  config.optimizer.lr = 1e-2
+  with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp / "rl"), tc) as tr:
+    before = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
+    opt_leaves = [".".join(str(getattr(k, "key", k)) for k in path)
+                  for path, x in jax.tree_util.tree_flatten_with_path(tr.state.opt_state)[0]
+                  if np.ndim(x) >= 2]
+    tr.train()
+    after = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
+  worker.stop()
+  with client(server.address, "worker") as wc:
+    updates = [sync.Update.from_bytes(bytes(b)) for b in wc.pull(None)]
+  yield dict(tmp=tmp, before=before, after=after, updates=updates, opt_leaves=opt_leaves)
+  server.stop(grace=0)
+
+
+def test_a_lora_run_trains_the_adapters_and_leaves_the_base_alone(lora_run):
+  before, after = lora_run["before"], lora_run["after"]
+  adapters = [k for k in before if ".lora_" in k]
+  assert adapters and len(adapters) < len(before)
+  for k in before:
+    if k in adapters:
+      continue
+    np.testing.assert_array_equal(after[k], before[k], err_msg=k)  # frozen, bit for bit
+  assert any(np.abs(after[k] - before[k]).max() > 0 for k in adapters if k.endswith("lora_b"))
+  # Optimizer moments exist for the adapters alone.
+  assert lora_run["opt_leaves"] and all(".lora_" in k for k in lora_run["opt_leaves"])
+
+
+def test_a_lora_runs_deltas_carry_only_the_adapters_and_decode_to_its_weights(lora_run):
+  updates, after = lora_run["updates"], lora_run["after"]
+  assert updates[0].is_keyframe and len(updates) > 1
+  held = sync.apply(None, updates[0])
+  for u in updates[1:]:
+    assert not u.is_keyframe
+    u = u.bind(held)
+    changed = [name for name in u.tensors if u.changes(name).kind != "unchanged"]
+    assert changed and all(".lora_" in name for name in changed), changed
+    held = sync.apply(held, u)
+  want = sync.held_state(after, "bf16")
+  for k in want:
+    assert held[k].tobytes() == want[k].tobytes(), k
+
+
+def test_a_lora_runs_export_holds_the_merged_model(lora_run):
+  export = load_hf_checkpoint(str(lora_run["tmp"] / "rl" / "hf"))
+  assert export.config.lora_rank == 0
+  model = Transformer(export.config.replace(lora_rank=4, lora_alpha=8.0), rngs=nnx.Rngs(0))
+  assign_params(model, lora_run["after"])
+  np.testing.assert_allclose(np.asarray(forward(export, TOKENS[:, :5] % 10)),
+                             np.asarray(forward(model, TOKENS[:, :5] % 10)), atol=1e-4)
+  assert os.path.exists(lora_run["tmp"] / "rl" / "hf" / "config.json")
+
+
+@pytest.mark.parametrize("num_micro", [1, 2])
+def test_a_supervised_lora_step_moves_the_adapters_alone(num_micro):
+  from rlax_ps import optim
+  from rlax_ps.train.state import sharded_init
+  from rlax_ps.train.step import make_train_step
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  optimizer = optim.make_optimizer({"lr": 1e-2, "warmup_steps": 0}, 10)
+  state, shardings, graphdef = sharded_init(LORA, optimizer, mesh, seed=0)
+  before = {k: np.asarray(v) for k, v in flat_params(state.params).items()}
+  tokens = np.random.default_rng(1).integers(0, 48, (4, 8)).astype(np.int32)
+  batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
+           "loss_mask": np.ones((4, 8), np.float32),
+           "positions": np.broadcast_to(np.arange(8, dtype=np.int32), (4, 8)).copy(),
+           "segment_ids": np.ones((4, 8), np.int32)}
+  step = make_train_step(graphdef, optimizer, shardings, mesh, num_micro=num_micro)
+  losses = []
+  for _ in range(3):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  after = {k: np.asarray(v) for k, v in flat_params(state.params).items()}
+  moved = {k for k in before if np.abs(after[k] - before[k]).max() > 0}
+  assert moved <= {k for k in before if ".lora_" in k}  # the base stays as it was
+  assert {k for k in before if k.endswith("lora_b")} <= moved
+  assert losses[-1] < losses[0]  # the adapters learn the batch
