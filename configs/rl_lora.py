@@ -2,7 +2,8 @@ r"""rlax-ps local --config=configs/rl_lora.py --workdir=runs/lora \
     --config.init_from_hf=PATH --config.data.jsonl=train.jsonl --config.data.heldout_jsonl=test.jsonl
 
 LoRA RL post-training of your instruct checkpoint: configs/rl_instruct.py with every attention
-and MLP projection adapted at rank 32 (alpha 32) and only the adapters trained. The trainer
+and MLP projection (and, in a mixture of experts, every expert's) adapted at rank 32 (alpha
+32) and only the adapters trained. The trainer
 keeps optimizer moments for the adapters alone (a fraction of a percent of the weights),
 which is what lets a 4B-8B model train on one TPU host or a Colab TPU; the frozen base is
 published once in the first keyframe and every delta after it carries the adapters alone.
@@ -11,7 +12,7 @@ Workers hold the base (bf16, or int8 with --config.publish.format=int8
 <workdir>/hf has them merged into the kernels. LoRA learns at a higher rate than full
 training (1e-5 here, 1e-6 in rl_instruct). Set model.lora_rank, model.lora_alpha and
 model.lora_targets (a comma-separated subset of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,
-down_proj) to change them. `:tiny` is the seconds-long smoke variant (used by the tests).
+down_proj,experts) to change them. `:tiny` is the seconds-long smoke variant (used by the tests).
 """
 
 from rlax_ps.config_files import sibling
@@ -21,7 +22,7 @@ def get_config(arg: str | None = None):
   c = sibling(__file__, "rl_instruct.py", arg)
   c.model.lora_rank = 32
   c.model.lora_alpha = 32.0
-  c.model.lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+  c.model.lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,experts"
   c.optimizer.lr = 1e-5
   c.optimizer.weight_decay = 0.0
   if arg == "tiny":

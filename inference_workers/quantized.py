@@ -81,6 +81,8 @@ class Int8Experts(Experts):
     if config.moe_bias:
       for name, shape, _ in self.bias_shapes(config):
         setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.bfloat16)))
+    for name, shape, _ in self.adapter_shapes(config):  # the trainer's adapters, bf16
+      setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.bfloat16)))
 
   def _scale(self, name):
     return getattr(self, name + SCALE_ATTR)[...].astype(self.dtype)

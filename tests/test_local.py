@@ -224,13 +224,15 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_int8", "olmo3",
-                                    "phi3", "granite", "glm4", "gpt_oss", "qwen3_lora"])
+                                    "phi3", "granite", "glm4", "gpt_oss", "qwen3_lora",
+                                    "qwen3_moe_lora"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
   """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window), Qwen3-MoE
   (also published as int8, with scales per expert, and routing replay), OLMo 3, Phi-4-mini-like (LongRoPE, which
   this run's 64 + 8 tokens fix to the long factors in trainer and workers alike), Granite or
   GLM-4 or gpt-oss (attention sinks, biased clamped experts; routing replay) checkpoint, or
-  the Qwen3 one with configs/rl_lora.py:tiny (adapters trained, merged on export), with a
+  the Qwen3 and Qwen3-MoE ones with configs/rl_lora.py:tiny (adapters, experts' included,
+  trained and merged on export), with a
   ChatML tokenizer and template: JSONL math questions as conversations,
   scored by the math verifier; the export carries the chat template and the end-of-turn stop
   ids."""
@@ -293,7 +295,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
                 f"--config.data.heldout_jsonl={heldout}", *int8,
                 *(["--config.worker.routing_replay=True"] if replay else []),
-                config="configs/rl_lora.py:tiny" if family == "qwen3_lora"
+                config="configs/rl_lora.py:tiny" if family.endswith("lora")
                 else "configs/rl_instruct.py:tiny")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(workdir / "summary.json"))
@@ -324,6 +326,6 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       "olmo3": "Olmo3ForCausalLM",
       "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
       "glm4": "Glm4ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-      "qwen3_lora": "Qwen3ForCausalLM"}[family]]
+      "qwen3_lora": "Qwen3ForCausalLM", "qwen3_moe_lora": "Qwen3MoeForCausalLM"}[family]]
   assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3", "gpt_oss")
                                             else None)

@@ -10,8 +10,10 @@ ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral",
                  "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3", "granite", "glm4",
                  "gpt_oss")
 DTYPES = ("float32", "bfloat16")
-# The projections LoRA can adapt (attention and MLP, the shared expert's included).
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections LoRA can adapt (attention and MLP, the shared expert's included;
+# "experts": every routed expert's gate, up and down, each with adapters of its own).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "experts")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -125,8 +127,9 @@ class ModelConfig:
   swiglu_limit: float | None = None
   swiglu_alpha: float = 1.702
   # LoRA: each projection named in lora_targets also adds (x @ A) @ B * lora_alpha / lora_rank,
-  # A [in, rank], B [rank, out] (B starts at 0); a run with lora_rank > 0 trains only A and
-  # B. 0: none. Not part of the HF config (exports merge the adapters into the kernels).
+  # A [in, rank], B [rank, out] (B starts at 0; stacked experts: one pair per expert); a run
+  # with lora_rank > 0 trains only A and B. 0: none. Not part of the HF config (exports merge
+  # the adapters into the kernels).
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -325,6 +328,8 @@ class ModelConfig:
     norms = (4 if self.sandwich_norms else 2) * h
     dense = 3 * h * self.intermediate_size + mlp_lora(self.intermediate_size)
     moe = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts
+    if self.lora_rank and "experts" in self.lora_targets:
+      moe += 3 * self.num_experts * self.lora_rank * (h + self.moe_intermediate_size)
     if self.moe_bias:  # the router's and each expert's gate, up and down biases
       moe += self.num_experts * (1 + 2 * self.moe_intermediate_size + h)
     if self.shared_expert_intermediate_size:

@@ -984,11 +984,15 @@ def merge_adapters(flat: Mapping[str, Any], config: ModelConfig
   out = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()
          if ".lora_" not in k}
   for key in flat:
-    if key.endswith(".lora_a"):
-      base = key[:-len("lora_a")]
-      a, b = (np.asarray(jax.device_get(flat[base + p]), np.float32) for p in ("lora_a", "lora_b"))
-      kernel = out[base + "kernel"]
-      out[base + "kernel"] = (kernel.astype(np.float32) + (a @ b) * scale).astype(kernel.dtype)
+    match = re.fullmatch(r"(.*\.)lora_a", key) or re.fullmatch(r"(.*\.)lora_(\w+)_a", key)
+    if not match:
+      continue
+    stem = key[:-1]  # "...lora_" or "...lora_gate_"; B is stem + "b"
+    # a LoRALinear's kernel, or an expert stack's `{gate,up,down}_proj`
+    target = match[1] + ("kernel" if match.lastindex == 1 else f"{match[2]}_proj")
+    a, b = (np.asarray(jax.device_get(flat[stem + p]), np.float32) for p in "ab")
+    kernel = out[target]
+    out[target] = (kernel.astype(np.float32) + (a @ b) * scale).astype(kernel.dtype)
   return out, config.replace(lora_rank=0)
 
 

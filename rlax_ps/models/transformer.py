@@ -158,8 +158,9 @@ class MLP(nnx.Module):
 
 class Experts(nnx.Module):
   """num_experts SwiGLU experts stacked: gate/up [E, H, I], down [E, I, H]; with moe_bias
-  (gpt-oss) also biases gate/up [E, I] and down [E, H], and with swiglu_limit the clamped
-  gate (ModelConfig)."""
+  (gpt-oss) also biases gate/up [E, I] and down [E, H], with swiglu_limit the clamped gate,
+  and with LoRA on "experts" one adapter per expert and projection, lora_{gate,up,down}_{a,b}
+  [E, in, rank] and [E, rank, out] (ModelConfig)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
@@ -175,6 +176,27 @@ class Experts(nnx.Module):
       for name, shape, sharding in self.bias_shapes(c):
         setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.dtype(c.param_dtype)),
                                       out_sharding=sharding, eager_sharding=False))
+    for name, shape, sharding in self.adapter_shapes(c):
+      if name.endswith("_a"):  # uniform in +-1/sqrt(in), as LoRALinear's A
+        bound = shape[1] ** -0.5
+        value = jax.random.uniform(rngs.params(), shape, jnp.dtype(c.param_dtype), -bound,
+                                   bound)
+      else:
+        value = jnp.zeros(shape, jnp.dtype(c.param_dtype))
+      setattr(self, name, nnx.Param(value, out_sharding=sharding, eager_sharding=False))
+
+  @staticmethod
+  def adapter_shapes(c: ModelConfig):
+    """(name, shape, sharding) of each expert adapter (LoRA on "experts"; none otherwise)."""
+    if not (c.lora_rank and "experts" in c.lora_targets):
+      return ()
+    e, h, i, r = c.num_experts, c.hidden_size, c.moe_intermediate_size, c.lora_rank
+    return (("lora_gate_a", (e, h, r), (None, "fsdp", None)),
+            ("lora_gate_b", (e, r, i), (None, None, "tensor")),
+            ("lora_up_a", (e, h, r), (None, "fsdp", None)),
+            ("lora_up_b", (e, r, i), (None, None, "tensor")),
+            ("lora_down_a", (e, i, r), (None, "tensor", None)),
+            ("lora_down_b", (e, r, h), (None, None, "fsdp")))
 
   @staticmethod
   def bias_shapes(c: ModelConfig):
@@ -186,6 +208,13 @@ class Experts(nnx.Module):
   def _gate_settings(self, c: ModelConfig) -> None:
     self.dtype = jnp.dtype(c.dtype)
     self.has_bias, self.limit, self.alpha = c.moe_bias, c.swiglu_limit, c.swiglu_alpha
+    adapted = c.lora_rank and "experts" in c.lora_targets
+    self.lora_scale = c.lora_alpha / c.lora_rank if adapted else 0.0
+
+  def _adapter(self, proj: str):
+    """(A, B) of projection `proj`'s adapters ("gate_proj" -> lora_gate_a, lora_gate_b)."""
+    name = "lora_" + proj.replace("_proj", "")
+    return tuple(getattr(self, f"{name}_{ab}")[...].astype(self.dtype) for ab in "ab")
 
   def _glu(self, gate, up):
     """silu(gate) * up, or gpt-oss's clamped form when swiglu_limit is set."""
@@ -216,6 +245,10 @@ class Experts(nnx.Module):
 
     def proj(a, name):
       y = self._grouped_matmul(a, name, group_sizes, experts)
+      if self.lora_scale:
+        lora_a, lora_b = self._adapter(name)
+        low = jax.lax.ragged_dot(a, lora_a, group_sizes)
+        y = y + jax.lax.ragged_dot(low, lora_b, group_sizes) * self.lora_scale
       return y + self._bias(name)[experts] if self.has_bias else y
 
     return proj(self._glu(proj(x, "gate_proj"), proj(x, "up_proj")), "down_proj")
@@ -226,6 +259,11 @@ class Experts(nnx.Module):
     there this is the cheaper of the two."""
     def proj(spec, a, name):
       y = self._every_matmul(spec, a, name)
+      if self.lora_scale:  # the same contraction into rank r, then out of it
+        lora_a, lora_b = self._adapter(name)
+        inputs, out = spec.split("->")
+        low = jnp.einsum(f"{inputs[:-1]}r->{out[:-1]}r", a, lora_a)
+        y = y + jnp.einsum(f"{out[:-1]}r,ero->{out[:-1]}o", low, lora_b) * self.lora_scale
       return y + self._bias(name)[:, None, :] if self.has_bias else y
 
     h = self._glu(proj("th,ehi->eti", x, "gate_proj"), proj("th,ehi->eti", x, "up_proj"))

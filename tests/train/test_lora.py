@@ -226,3 +226,39 @@ def test_a_supervised_lora_step_moves_the_adapters_alone(num_micro):
   assert moved <= {k for k in before if ".lora_" in k}  # the base stays as it was
   assert {k for k in before if k.endswith("lora_b")} <= moved
   assert losses[-1] < losses[0]  # the adapters learn the batch
+
+
+def test_expert_adapters_equal_merged_experts_by_either_dispatch_and_in_int8_workers():
+  from rlax_ps.models.hf import merge_adapters
+  moe = LORA.replace(architecture="qwen3_moe", qkv_bias=False, qk_norm=True, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True)
+  model = Transformer(moe, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(4)
+  params = {k: np.asarray(v) + (rng.normal(0, 0.3, v.shape).astype(np.float32)
+                                if "lora_" in k and k.endswith("_b") else 0)
+            for k, v in flatten_params(model).items()}
+  assert params["layers.0.mlp.experts.lora_down_a"].shape == (4, 8, 4)
+  assert moe.num_params == sum(int(np.prod(v.shape)) for v in params.values())
+  assign_params(model, params)
+  merged_params, merged_config = merge_adapters(params, moe)
+  merged = Transformer(merged_config, rngs=nnx.Rngs(0))
+  assign_params(merged, merged_params)
+  np.testing.assert_allclose(np.asarray(forward(model, TOKENS)),
+                             np.asarray(forward(merged, TOKENS)), atol=1e-5)
+  assert np.abs(merged_params["layers.1.mlp.experts.up_proj"]
+                - params["layers.1.mlp.experts.up_proj"]).max() > 1e-3  # adapters merged
+  # The grouped (TPU/GPU) dispatch adds each row's own expert's adapter.
+  flat = jax.random.normal(jax.random.key(1), (10, 16))
+  weights, chosen, _ = merged.layers[0].mlp.route(flat)
+  np.testing.assert_allclose(
+      np.asarray(model.layers[0].mlp.grouped(flat, weights, chosen)),
+      np.asarray(merged.layers[0].mlp.grouped(flat, weights, chosen)), atol=1e-5)
+  # An int8 worker holds the adapters in bf16 beside its int8 experts.
+  held = sync.held_state(params, "int8")
+  assert held["layers.0.mlp.experts.lora_gate_b"].dtype == held["layers.0.mlp.router.kernel"].dtype
+  policy = HeldPolicy(moe, "int8")
+  policy.apply(sync.encode(None, params, "int8", version=0))
+  reference = Transformer(moe, rngs=nnx.Rngs(0))
+  assign_params(reference, sync.dequantize(held))
+  np.testing.assert_allclose(np.asarray(forward(policy.model, TOKENS)),
+                             np.asarray(forward(reference, TOKENS)), atol=2e-3, rtol=2e-3)
