@@ -90,6 +90,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.m2po_threshold = 0.04  # M2PO's bound on the second moment of log(pi_t / pi_w)
   c.loss.overlong_buffer = 0  # > 0: DAPO's soft overlong punishment over these last tokens
   c.loss.kl_coef = 0.0  # > 0: KL to the frozen warm start.
+  c.loss.router_aux_coef = 0.0  # Mixture of experts: > 0 adds the load-balancing loss.
   c.loss.kl_estimator = "k3"
   c.loss.backend = "auto"  # Shared-prompt attention: Pallas on TPU/GPU, XLA on CPU.
   # > 0: response positions projected to the vocabulary at a time (bounds logits memory).

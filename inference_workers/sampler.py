@@ -114,11 +114,11 @@ def _prefill(model, tokens, lens, cache_len: int, record_routes: bool = False):
   segment_ids = (jnp.arange(p)[None, :] < lens[:, None]).astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
   cache = KVCache.init(model.config, b, cache_len)
-  hidden, cache, *picks = model.hidden_states(
+  hidden, cache, *routing = model.hidden_states(
       tokens, positions=positions, segment_ids=segment_ids, cache=cache,
       record_routes=record_routes)
   last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)
-  routes = _routes_last(picks[0]) if record_routes else None
+  routes = _routes_last(routing[0].picks) if record_routes else None
   return model.logits_from_hidden(last)[:, 0], cache, routes
 
 
@@ -163,10 +163,10 @@ def _decode(model, cache, first_logits, lens, seeds, active, knobs, mode: Decode
   def body(carry):
     step, cache, token, done, lengths, reasons, routes, *bufs = carry
     positions = (lens + step - 1)[:, None]
-    hidden, cache, *picks = model.hidden_states(token[:, None], positions=positions,
-                                                cache=cache, record_routes=record_routes)
+    hidden, cache, *routing = model.hidden_states(token[:, None], positions=positions,
+                                                  cache=cache, record_routes=record_routes)
     if record_routes:  # this step fed generated token step - 1
-      routes = routes.at[:, step - 1].set(_routes_last(picks[0])[:, 0])
+      routes = routes.at[:, step - 1].set(_routes_last(routing[0].picks)[:, 0])
     logits = model.logits_from_hidden(hidden)[:, 0]
     token, done, lengths, reasons, *bufs = record(step, logits, done, lengths, reasons, *bufs)
     return (step + 1, cache, token, done, lengths, reasons, routes, *bufs)

@@ -126,10 +126,11 @@ def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromp
   projects that many response positions to the vocabulary at a time
   (chunked_response_logprobs); 0 projects the whole row. `remat` recomputes each layer in
   the backward pass; `routes` [M, B, L, k] replays experts and `record_routes` appends the
-  routers' own picks to the outputs (Transformer.hidden_states)."""
+  `Routing` (the routers' own picks, the load-balancing loss) to the outputs
+  (Transformer.hidden_states)."""
   attention_fn = packed_attention_fn(layout, backend=backend, block_sizes=block_sizes,
                                      interpret=interpret)
-  hidden, _, *picks = model.hidden_states(
+  hidden, _, *routing = model.hidden_states(
       tokens, positions=layout.positions(), segment_ids=layout.segment_ids(),
       attention_fn=attention_fn, remat=remat, routes=routes, record_routes=record_routes)
   if logits_chunk > 0:
@@ -140,7 +141,7 @@ def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromp
                             with_entropy=with_entropy)
   if not record_routes:
     return out
-  return (*out, picks[0]) if with_entropy else (out, picks[0])
+  return (*out, routing[0]) if with_entropy else (out, routing[0])
 
 
 def pack_routes(prompt_routes, response_routes):

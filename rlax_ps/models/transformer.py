@@ -13,7 +13,7 @@ a row (segment ids + positions); an optional KVCache serves decoding.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -271,6 +271,25 @@ class Experts(nnx.Module):
                       combine.astype(self.dtype))
 
 
+class RouterStats(NamedTuple):
+  """What one MoE layer's routing did: the router's own picks [B, T, k] and, over the real
+  tokens, how often each top-k slot went to each expert (counts [k, E]), the router's
+  summed probabilities [E] and the token count (the load-balancing loss's parts)."""
+  picked: jax.Array
+  counts: jax.Array
+  prob_sums: jax.Array
+  tokens: jax.Array
+
+
+class Routing(NamedTuple):
+  """Transformer.hidden_states' record of routing: the routers' own picks [M, B, T, k] of
+  the M MoE layers, and the load-balancing loss over them (transformers' formula: E * sum
+  over slots and experts of the share of tokens routed there times the mean router
+  probability, the layers' tokens pooled)."""
+  picks: jax.Array
+  load_balance: jax.Array
+
+
 class MoE(nnx.Module):
   """Mixture of experts (Qwen3-MoE): a linear router's softmax picks each token's
   num_experts_per_tok experts; their outputs are summed, weighted by the picked
@@ -321,8 +340,9 @@ class MoE(nnx.Module):
     combine = jnp.zeros((flat.shape[0], self.num_experts), weights.dtype)
     return self.experts.every(flat, combine.at[rows, chosen].set(weights))
 
-  def __call__(self, x, replay=None):
-    """(output [B, T, H], the router's picks [B, T, k]); replay [B, T, k] or None (route)."""
+  def __call__(self, x, replay=None, mask=None):
+    """(output [B, T, H], RouterStats); replay [B, T, k] or None (route); mask [B, T]: the
+    real tokens the statistics count (None: all)."""
     b, t, h = x.shape
     flat = x.reshape(b * t, h)
     weights, chosen, picked = self.route(
@@ -331,7 +351,13 @@ class MoE(nnx.Module):
                                      default=self.grouped)
     if self.shared:
       out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-    return out.reshape(b, t, h), picked.reshape(b, t, self.top_k)
+    m = jnp.ones((b * t,), jnp.float32) if mask is None else mask.reshape(-1).astype(jnp.float32)
+    probs = jax.nn.softmax(self.router(flat).astype(jnp.float32), axis=-1)  # as route's
+    stats = RouterStats(
+        picked=picked.reshape(b, t, self.top_k),
+        counts=jnp.einsum("t,tke->ke", m, jax.nn.one_hot(chosen, self.num_experts)),
+        prob_sums=m @ probs, tokens=jnp.sum(m))
+    return out.reshape(b, t, h), stats
 
 
 class Block(nnx.Module):
@@ -353,13 +379,14 @@ class Block(nnx.Module):
       self.attn_out_norm = RMSNorm(config, rngs=rngs)
       self.mlp_out_norm = RMSNorm(config, rngs=rngs)
 
-  def __call__(self, x, cos, sin, attend: Callable, replay=None):
-    """(output, the router's picks [B, T, k] or None in a dense layer); replay: MoE.route."""
+  def __call__(self, x, cos, sin, attend: Callable, replay=None, mask=None):
+    """(output, RouterStats or None in a dense layer); replay, mask: MoE."""
     attn = self.attn(self.input_norm(x) if self.pre else x, cos, sin, attend)
     x = x + self._branch(self.attn_out_norm(attn) if self.out_norms else attn)
     y = self.post_attn_norm(x) if self.pre else x
-    mlp, picked = self.mlp(y, replay) if isinstance(self.mlp, MoE) else (self.mlp(y), None)
-    return x + self._branch(self.mlp_out_norm(mlp) if self.out_norms else mlp), picked
+    moe = isinstance(self.mlp, MoE)
+    mlp, stats = self.mlp(y, replay, mask) if moe else (self.mlp(y), None)
+    return x + self._branch(self.mlp_out_norm(mlp) if self.out_norms else mlp), stats
 
   def _branch(self, y):
     return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
@@ -390,7 +417,8 @@ class Transformer(nnx.Module):
 
     Routing replay (mixture of experts): `routes` [M, B, T, k] int, for the M MoE layers in
     order, are the experts each token goes to where >= 0 (-1: the router's own pick);
-    `record_routes` also returns the routers' own picks [M, B, T, k] int32, a third output.
+    `record_routes` also returns a third output, `Routing`: the routers' own picks
+    [M, B, T, k] int32 and the load-balancing loss over the real tokens (segment id > 0).
 
     `cache` is any object with the KVCache protocol: `write_meta(segment_ids, positions)`,
     `attend(layer, q, k, v, q_segment_ids, q_positions, attention_fn) -> (out, cache)` and
@@ -432,7 +460,8 @@ class Transformer(nnx.Module):
     if routes is not None and routes.shape != (len(moe_layers), b, t, c.num_experts_per_tok):
       raise ValueError(f"routes: expected shape [moe layers={len(moe_layers)}, {b}, {t}, "
                        f"top_k={c.num_experts_per_tok}], got {routes.shape}")
-    picks = []
+    picks = []  # RouterStats of each MoE layer
+    real = segment_ids > 0
     for i, layer in enumerate(self.layers):
       replay = (None if routes is None or i not in moe_layers
                 else routes[moe_layers.index(i)])
@@ -445,10 +474,10 @@ class Transformer(nnx.Module):
                               window=window, sm_scale=sm_scale, softcap=softcap,
                               **({} if sinks is None else {"sinks": sinks}))
         if remat:
-          x, picked = jax.checkpoint(
+          x, stats = jax.checkpoint(
               lambda x, replay, layer=layer, attend=attend, cos=cos, sin=sin:
-              layer(x, cos, sin, attend, replay))(x, replay)
-          picks += [] if picked is None else [picked]
+              layer(x, cos, sin, attend, replay, real))(x, replay)
+          picks += [] if stats is None else [stats]
           continue
       else:
         def attend(q, k, v, sinks=None, i=i, window=window):
@@ -457,11 +486,17 @@ class Transformer(nnx.Module):
                                     window=window, sm_scale=sm_scale, softcap=softcap,
                                     sinks=sinks)
           return out
-      x, picked = layer(x, cos, sin, attend, replay)
-      picks += [] if picked is None else [picked]
+      x, stats = layer(x, cos, sin, attend, replay, real)
+      picks += [] if stats is None else [stats]
     x = self.norm(x)
     cache = None if cache is None else cache.advance(t)
-    return (x, cache, jnp.stack(picks)) if record_routes else (x, cache)
+    if not record_routes:
+      return x, cache
+    counts = sum(s.counts for s in picks)
+    tokens = jnp.maximum(sum(s.tokens for s in picks), 1.0)
+    load_balance = c.num_experts * jnp.sum(counts / tokens * sum(s.prob_sums for s in picks)
+                                           / tokens)
+    return x, cache, Routing(jnp.stack([s.picked for s in picks]), load_balance)
 
   def logits_from_hidden(self, x):
     """Float32 logits of hidden states, divided by logits_scaling (Granite) and soft-capped

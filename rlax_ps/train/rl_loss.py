@@ -55,6 +55,9 @@ class LossConfig:
   # (worker.max_new_tokens) loses up to 1 reward, linearly; 0 = off.
   overlong_buffer: int = 0
   kl_coef: float = 0.0  # > 0: KL(pi || frozen reference) term
+  # > 0: plus this times the mixture-of-experts load-balancing loss (transformers'
+  # router_aux_loss_coef; train/router_aux_loss reports it either way).
+  router_aux_coef: float = 0.0
   kl_estimator: str = "k3"
   backend: str = "auto"  # shared-prompt attention backend (rlax_ps.kernels)
   # > 0: project this many response positions to the vocabulary at a time (and again in
@@ -83,6 +86,7 @@ class LossConfig:
     need(self.tis_cap > 0, "tis_cap", "> 0")
     need(self.behaviour_cap > 0, "behaviour_cap", "> 0")
     need(self.kl_coef >= 0, "kl_coef", ">= 0")
+    need(self.router_aux_coef >= 0, "router_aux_coef", ">= 0")
     need(self.logits_chunk >= 0, "logits_chunk", ">= 0 positions (0 = whole rows)")
     need(self.kl_estimator in losses.KL_ESTIMATORS, "kl_estimator",
          f"one of {losses.KL_ESTIMATORS}")
@@ -136,23 +140,26 @@ def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend:
   """log p(response token) [rows * N, R] under `params`, one packed row per group. A batch
   with routes (routing replay: `prompt_routes`, `response_routes`) sends each token to the
   experts the workers' sampler did. `with_stats`: also a dict of the policy's `entropy` at
-  each of those positions and, replaying, the `router_agreement`."""
+  each of those positions and, for a mixture of experts, the `router_aux_loss`
+  (load balancing over the packed rows' tokens) and, replaying, the `router_agreement`."""
   tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
                               batch["response_tokens"], batch["response_lens"])
   routes = (pack_routes(batch["prompt_routes"], batch["response_routes"])
             if "prompt_routes" in batch else None)
-  out = packed_response_logprobs(nnx.merge(graphdef, params), tokens,
-                                 batch["response_tokens"], layout, backend=backend,
-                                 with_entropy=with_stats, logits_chunk=logits_chunk,
-                                 remat=remat, routes=routes,
-                                 record_routes=with_stats and routes is not None)
+  model = nnx.merge(graphdef, params)
+  out = packed_response_logprobs(model, tokens, batch["response_tokens"], layout,
+                                 backend=backend, with_entropy=with_stats,
+                                 logits_chunk=logits_chunk, remat=remat, routes=routes,
+                                 record_routes=with_stats and bool(model.config.moe_layers))
   rows = lambda x: x.reshape(-1, x.shape[-1])
   if not with_stats:
     return rows(out)
-  logp, entropy, *picked = out
+  logp, entropy, *routing = out
   stats = {"entropy": rows(entropy)}
-  if picked:
-    stats["router_agreement"] = router_agreement(picked[0], routes)
+  if routing:
+    stats["router_aux_loss"] = routing[0].load_balance
+  if routes is not None:
+    stats["router_agreement"] = router_agreement(routing[0].picks, routes)
   return rows(logp), stats
 
 
@@ -177,6 +184,7 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
   logp, stats = response_logprobs(params, graphdef, batch, cfg.backend, with_stats=True,
                                   logits_chunk=cfg.logits_chunk, remat=cfg.remat)
   entropy = stats.pop("entropy")
+  aux = stats.get("router_aux_loss")
   behaviour = batch["behaviour_logp"].reshape(logp.shape)
   proximal = jax.lax.stop_gradient(logp if proximal is None else proximal)
   ref_logp = None
@@ -205,6 +213,8 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
   else:
     loss, metrics = corrections.decoupled_ppo_loss(logp, proximal, behaviour, adv, mask,
                                                    behaviour_cap=cfg.behaviour_cap, **common)
+  if cfg.router_aux_coef > 0 and aux is not None:  # MoE load balancing, as transformers'
+    loss = loss + cfg.router_aux_coef * aux
   # pi_prox / pi_behav per token: how far the workers' policy is from the trainer's.
   n_tok = jnp.maximum(jnp.sum(mask), 1.0)
   iw = jnp.exp(jnp.where(mask > 0, proximal - behaviour, 0.0))

@@ -175,6 +175,23 @@ def _greedy_reference(name):
   return prompts, params, expected
 
 
+@nnx.jit
+def _load_balance(model, tokens, segment_ids):
+  return model.hidden_states(tokens, segment_ids=segment_ids, record_routes=True)[2].load_balance
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_the_load_balancing_loss_equals_transformers_aux_loss(name):
+  # router_aux.npz: output_router_logits=True's aux_loss, the padding masked out.
+  ref = np.load(os.path.join(FIXTURES, name, "router_aux.npz"))
+  assert ref["attention_mask"].min() == 0
+  got = float(_load_balance(fixture_model(name), ref["tokens"], ref["attention_mask"]))
+  assert abs(got - float(ref["aux_loss"])) < 1e-5
+  unmasked = float(_load_balance(fixture_model(name), ref["tokens"],
+                                 np.ones_like(ref["attention_mask"])))
+  assert abs(unmasked - got) > 1e-4  # the padding's routes are left out
+
+
 def test_gpt_oss_shared_prefill_decoding_equals_transformers_greedy_generate():
   # The samples read one prefix cache and merge two partials by log-sum-exp; the sinks
   # rescale the merged softmax, past the 6-token window.

@@ -5,6 +5,8 @@ picks changes nothing; other experts route as by hand; the recorded routes are w
 forward of the sample picks; replayed, the trainer's log-probs are the sampler's, and the
 router agreement says how often the trainer's routers would have picked alike."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +52,8 @@ def _hidden(model, tokens, routes=None, record=False):
 
 def test_replaying_the_routers_own_picks_changes_nothing(model):
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 80, (2, 7)))
-  x, _, picks = _hidden(model, tokens, record=True)
+  x, _, routing = _hidden(model, tokens, record=True)
+  picks = routing.picks
   assert picks.shape == (M, 2, 7, K) and picks.dtype == jnp.int32
   replayed, _ = _hidden(model, tokens, picks)
   np.testing.assert_array_equal(np.asarray(replayed), np.asarray(x))
@@ -72,7 +75,7 @@ def test_replayed_experts_are_weighted_by_the_routers_probabilities(norm_topk_pr
   x = jax.random.normal(jax.random.key(0), (1, 6, CONFIG.hidden_size))
   replay = _distinct_routes(np.random.default_rng(3), (1, 6))
   replay[0, 2] = -1  # this token keeps the router's own picks
-  out, picked = moe(x, jnp.asarray(replay))
+  out, stats = moe(x, jnp.asarray(replay))
   flat = x.reshape(6, -1)
   probs = np.asarray(jax.nn.softmax(moe.router(flat), -1))
   own_w, own = jax.lax.top_k(probs, K)
@@ -85,7 +88,7 @@ def test_replayed_experts_are_weighted_by_the_routers_probabilities(norm_topk_pr
     combine[0, experts] = w
     want[t] = np.asarray(moe.experts.every(flat[t:t + 1], jnp.asarray(combine)))[0]
   np.testing.assert_allclose(np.asarray(out).reshape(6, -1), want, atol=1e-6, rtol=1e-5)
-  np.testing.assert_array_equal(np.asarray(picked)[0], np.asarray(own))  # the router's own
+  np.testing.assert_array_equal(np.asarray(stats.picked)[0], np.asarray(own))  # its own
   # The router keeps its gradient under replay.
   graphdef, state = nnx.split(moe)
   grad = jax.grad(lambda st: jnp.sum(nnx.merge(graphdef, st)(x, jnp.asarray(replay))[0] ** 2))(
@@ -109,7 +112,7 @@ def test_the_sampler_records_the_experts_a_full_forward_picks(model, samples):
       assert s.prompt_routes.shape == (len(prompt), M, K)
       assert s.routes.shape == (len(s.tokens) - 1, M, K)
       seq = jnp.asarray([prompt + s.tokens[:-1].tolist()])
-      _, _, picks = _hidden(model, seq, record=True)
+      picks = _hidden(model, seq, record=True)[2].picks
       want = np.asarray(picks)[:, 0].transpose(1, 0, 2)  # [tokens, M, K]
       np.testing.assert_array_equal(s.prompt_routes, want[:len(prompt)])
       np.testing.assert_array_equal(s.routes, want[len(prompt):])
@@ -186,3 +189,24 @@ def test_the_benchmarks_mismatch_statistics_on_a_hand_case():
   assert got["ratio outside [0.8, 1.25]"] == 0.5  # 0.6 and 2.5
   assert got["ratio outside [0.5, 2]"] == 0.25  # 2.5
   assert got["max |dlogp|"] == pytest.approx(np.log(2.5))
+
+
+def test_the_load_balancing_term_joins_the_loss_with_its_coefficient(model, samples):
+  from rlax_ps.train.rl_loss import LossConfig, rl_loss
+  graphdef, state = nnx.split(model)
+  batch = _batch(samples, "recorded")
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def loss_and_grad(st, coef):
+    def f(p):
+      return rl_loss(p, graphdef, batch, None, num_groups=2,
+                     cfg=LossConfig(backend="xla", router_aux_coef=coef))
+    return jax.value_and_grad(f, has_aux=True)(st)
+
+  (plain, metrics), grad = loss_and_grad(state, 0.0)
+  (with_aux, _), grad_aux = loss_and_grad(state, 0.5)
+  aux = float(metrics["router_aux_loss"])
+  assert 1.0 <= aux <= CONFIG.num_experts  # E * sum f p: 1 when perfectly balanced
+  assert abs(float(with_aux) - float(plain) - 0.5 * aux) < 1e-5
+  router = lambda g: np.asarray(g["layers"][0]["mlp"]["router"]["kernel"].value)  # noqa: E731
+  assert np.abs(router(grad_aux) - router(grad)).max() > 1e-6  # it trains the router
