@@ -5,8 +5,10 @@ LoRA RL post-training of your instruct checkpoint: configs/rl_instruct.py with e
 and MLP projection (and, in a mixture of experts, every expert's) adapted at rank 32 (alpha
 32) and only the adapters trained. The trainer
 keeps optimizer moments for the adapters alone (a fraction of a percent of the weights),
-which is what lets a 4B-8B model train on one TPU host or a Colab TPU; the frozen base is
-published once in the first keyframe and every delta after it carries the adapters alone.
+and the frozen base is held in bfloat16 (model.param_dtype; the adapters stay float32,
+model.lora_dtype): a quarter of full training's state, what lets a 4B-8B model train on one
+TPU host (benchmarks/rl_step_memory.py). The base is published once in the first keyframe
+and every delta after it carries the adapters alone.
 Workers hold the base (bf16, or int8 with --config.publish.format=int8
 --config.worker.weights_format=int8) plus the adapters; the Hugging Face export in
 <workdir>/hf has them merged into the kernels. LoRA learns at a higher rate than full
@@ -25,6 +27,8 @@ def get_config(arg: str | None = None):
   c.model.lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,experts"
   c.optimizer.lr = 1e-5
   c.optimizer.weight_decay = 0.0
+  c.model.param_dtype = "bfloat16"  # the frozen base; the adapters train in float32
+  c.model.lora_dtype = "float32"
   if arg == "tiny":
     c.model.lora_rank = 4
     c.model.lora_alpha = 8.0

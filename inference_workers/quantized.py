@@ -105,7 +105,7 @@ class Int8Transformer(Transformer):
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    config = config.replace(param_dtype="bfloat16")
+    config = config.replace(param_dtype="bfloat16", lora_dtype="bfloat16")
     super().__init__(config, rngs=rngs)
     c, dtype = config, jnp.dtype(config.dtype)
 

@@ -89,7 +89,7 @@ class HeldPolicy:
     self.fmt = fmt
     self.on_device_checks = on_device_checks
     cls = Transformer if fmt == "bf16" else Int8Transformer
-    held_config = config.replace(param_dtype="bfloat16")
+    held_config = config.replace(param_dtype="bfloat16", lora_dtype="bfloat16")
     shapes = nnx.eval_shape(lambda: cls(held_config, rngs=nnx.Rngs(0)))
     self._layout = {name: var.get_raw_value() for name, var in _variables(shapes).items()}
     self.model = _held_bits(shapes)

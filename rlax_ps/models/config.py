@@ -132,6 +132,9 @@ class ModelConfig:
   # the adapters into the kernels).
   lora_rank: int = 0
   lora_alpha: float = 16.0
+  # The adapters' storage dtype, apart from param_dtype: a LoRA run can hold its frozen base
+  # in bfloat16 (half the memory) and still train float32 adapters.
+  lora_dtype: str = "float32"
   lora_targets: tuple[str, ...] = LORA_TARGETS
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 2048
@@ -161,7 +164,7 @@ class ModelConfig:
          and self.rotary_dim % 2 == 0, "partial_rotary_factor",
          f"a number in (0, 1] turning an even number of the {self.head_dim} head dims",
          self.partial_rotary_factor)
-    for f in ("param_dtype", "dtype"):
+    for f in ("param_dtype", "dtype", "lora_dtype"):
       object.__setattr__(self, f, dtype_name(getattr(self, f), f"ModelConfig.{f}"))
     need(self.architecture in ARCHITECTURES, "architecture", f"one of {ARCHITECTURES}",
          self.architecture)

@@ -687,7 +687,7 @@ def model_config_from(cfg, vocab_size: int, init_from_hf: str = "",
                      f"a Hugging Face checkpoint") from None
 
 
-_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dtype")
 
 
 def longest_sequence(recipe) -> int:

@@ -43,14 +43,15 @@ class LoRALinear(nnx.Linear):
   the same; a LoRA run trains A and B only."""
 
   def __init__(self, fan_in: int, fan_out: int, *, rank: int, alpha: float, sharding,
-               rngs: nnx.Rngs, **kwargs):
+               rngs: nnx.Rngs, lora_dtype="float32", **kwargs):
     super().__init__(fan_in, fan_out, rngs=rngs, **kwargs)
     bound = fan_in ** -0.5
     self.lora_scale = alpha / rank
+    dtype = jnp.dtype(lora_dtype)
     self.lora_a = nnx.Param(
-        jax.random.uniform(rngs.params(), (fan_in, rank), self.param_dtype, -bound, bound),
+        jax.random.uniform(rngs.params(), (fan_in, rank), dtype, -bound, bound),
         out_sharding=(sharding[0], None), eager_sharding=False)
-    self.lora_b = nnx.Param(jnp.zeros((rank, fan_out), self.param_dtype),
+    self.lora_b = nnx.Param(jnp.zeros((rank, fan_out), dtype),
                             out_sharding=(None, sharding[1]), eager_sharding=False)
 
   def __call__(self, x):
@@ -68,7 +69,7 @@ def _dense(config: ModelConfig, fan_in: int, fan_out: int, sharding, bias: bool,
                 rngs=rngs)
   if config.lora_rank and name in config.lora_targets:
     return LoRALinear(fan_in, fan_out, rank=config.lora_rank, alpha=config.lora_alpha,
-                      sharding=sharding, **kwargs)
+                      sharding=sharding, lora_dtype=config.lora_dtype, **kwargs)
   return nnx.Linear(fan_in, fan_out, **kwargs)
 
 
@@ -179,10 +180,10 @@ class Experts(nnx.Module):
     for name, shape, sharding in self.adapter_shapes(c):
       if name.endswith("_a"):  # uniform in +-1/sqrt(in), as LoRALinear's A
         bound = shape[1] ** -0.5
-        value = jax.random.uniform(rngs.params(), shape, jnp.dtype(c.param_dtype), -bound,
+        value = jax.random.uniform(rngs.params(), shape, jnp.dtype(c.lora_dtype), -bound,
                                    bound)
       else:
-        value = jnp.zeros(shape, jnp.dtype(c.param_dtype))
+        value = jnp.zeros(shape, jnp.dtype(c.lora_dtype))
       setattr(self, name, nnx.Param(value, out_sharding=sharding, eager_sharding=False))
 
   @staticmethod

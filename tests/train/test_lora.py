@@ -149,6 +149,8 @@ def lora_run(tmp_path_factory):
   config.eval.batch_size = 2
   config.model.lora_rank = 4
   config.model.lora_alpha = 8.0
+  config.model.param_dtype = "bfloat16"  # the frozen base, as configs/rl_lora.py
+  config.model.lora_dtype = "float32"
   config.optimizer.lr = 1e-2
   with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp / "rl"), tc) as tr:
     before = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
@@ -168,6 +170,8 @@ def test_a_lora_run_trains_the_adapters_and_leaves_the_base_alone(lora_run):
   before, after = lora_run["before"], lora_run["after"]
   adapters = [k for k in before if ".lora_" in k]
   assert adapters and len(adapters) < len(before)
+  assert {str(before[k].dtype) for k in before} == {"bfloat16", "float32"}
+  assert {str(before[k].dtype) for k in adapters} == {"float32"}  # the base is bf16
   for k in before:
     if k in adapters:
       continue
@@ -193,13 +197,16 @@ def test_a_lora_runs_deltas_carry_only_the_adapters_and_decode_to_its_weights(lo
 
 
 def test_a_lora_runs_export_holds_the_merged_model(lora_run):
-  export = load_hf_checkpoint(str(lora_run["tmp"] / "rl" / "hf"))
-  assert export.config.lora_rank == 0
-  model = Transformer(export.config.replace(lora_rank=4, lora_alpha=8.0), rngs=nnx.Rngs(0))
-  assign_params(model, lora_run["after"])
-  np.testing.assert_allclose(np.asarray(forward(export, TOKENS[:, :5] % 10)),
-                             np.asarray(forward(model, TOKENS[:, :5] % 10)), atol=1e-4)
-  assert os.path.exists(lora_run["tmp"] / "rl" / "hf" / "config.json")
+  path = str(lora_run["tmp"] / "rl" / "hf")
+  export = flatten_params(load_hf_checkpoint(path, dtype="bfloat16"))
+  after = lora_run["after"]
+  assert not any(".lora_" in k for k in export)
+  for key in ("layers.0.attn.q_proj.kernel", "layers.0.mlp.down_proj.kernel"):
+    stem = key[:-len("kernel")]
+    merged = (after[key].astype(np.float32) + after[stem + "lora_a"] @ after[stem + "lora_b"]
+              * 2.0).astype(after[key].dtype)  # alpha / rank = 8 / 4, stored as the base
+    assert np.abs(merged.astype(np.float32) - after[key].astype(np.float32)).max() > 0
+    np.testing.assert_array_equal(np.asarray(export[key]), merged, err_msg=key)
 
 
 @pytest.mark.parametrize("num_micro", [1, 2])
@@ -262,3 +269,20 @@ def test_expert_adapters_equal_merged_experts_by_either_dispatch_and_in_int8_wor
   assign_params(reference, sync.dequantize(held))
   np.testing.assert_allclose(np.asarray(forward(policy.model, TOKENS)),
                              np.asarray(forward(reference, TOKENS)), atol=2e-3, rtol=2e-3)
+
+
+def test_the_memory_benchmarks_state_accounting_counts_what_trains():
+  import importlib.util
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__)))), "benchmarks", "rl_step_memory.py")
+  spec = importlib.util.spec_from_file_location("benchmarks_rl_step_memory", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  adapters = sum(int(np.prod(v.shape)) * 4 for k, v in
+                 flatten_params(Transformer(LORA, rngs=nnx.Rngs(0))).items() if ".lora_" in k)
+  params, opt, grad = bench.state_bytes(LORA.replace(param_dtype="bfloat16"))
+  assert grad == adapters  # float32 adapters alone take a gradient
+  assert 2 * adapters <= opt < 2 * adapters + 64  # AdamW's two moments (and its counts)
+  assert params == 2 * (LORA.num_params - adapters // 4) + adapters  # bf16 base + f32 adapters
+  whole = bench.state_bytes(BASE)
+  assert whole[2] == 4 * BASE.num_params and whole[1] >= 8 * BASE.num_params
