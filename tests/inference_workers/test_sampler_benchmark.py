@@ -1,17 +1,11 @@
 """benchmarks/roofline.py: the decode tokens/s that memory bandwidth and matmul FLOP/s allow."""
 
-import importlib.util
-import os
-
 import pytest
 
+from benchmarks_lib import load_benchmark
 from rlax_ps.models import ModelConfig
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                     "benchmarks", "roofline.py")
-_SPEC = importlib.util.spec_from_file_location("benchmarks_roofline", _PATH)
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
+bench = load_benchmark("roofline")
 
 CONFIG = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from benchmarks_lib import load_benchmark
 from inference_workers.sampler import generate, generate_shared
 from inference_workers.sampling import SamplingParams
 from rlax_ps.models import ModelConfig, Transformer
@@ -173,13 +174,7 @@ def test_replayed_the_trainers_log_probs_are_the_samplers(samples, trainer_logpr
 
 
 def test_the_benchmarks_mismatch_statistics_on_a_hand_case():
-  import importlib.util
-  import os
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-      __file__)))), "benchmarks", "routing_replay.py")
-  spec = importlib.util.spec_from_file_location("benchmarks_routing_replay", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
+  bench = load_benchmark("routing_replay")
   worker = np.log(np.array([0.5, 0.5, 0.2, 0.1]))
   trainer = np.log(np.array([0.5, 0.6, 0.12, 0.25]))  # ratios 1, 1.2, 0.6, 2.5
   got = bench.mismatch(trainer, worker)

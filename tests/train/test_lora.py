@@ -4,14 +4,13 @@ cover the adapters only; the frozen base never changes, so each published delta 
 the adapters alone and workers (bf16 or int8) compute the trainer's adapted model; exports
 merge the adapters into the kernels."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from benchmarks_lib import load_benchmark
 from inference_workers.weights import HeldPolicy
 from rl_testlib import FakeWorker, client, rl_config, start_server
 from rlax_ps import sync
@@ -272,12 +271,7 @@ def test_expert_adapters_equal_merged_experts_by_either_dispatch_and_in_int8_wor
 
 
 def test_the_memory_benchmarks_state_accounting_counts_what_trains():
-  import importlib.util
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-      __file__)))), "benchmarks", "rl_step_memory.py")
-  spec = importlib.util.spec_from_file_location("benchmarks_rl_step_memory", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
+  bench = load_benchmark("rl_step_memory")
   adapters = sum(int(np.prod(v.shape)) * 4 for k, v in
                  flatten_params(Transformer(LORA, rngs=nnx.Rngs(0))).items() if ".lora_" in k)
   params, opt, grad = bench.state_bytes(LORA.replace(param_dtype="bfloat16"))
