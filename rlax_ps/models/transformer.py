@@ -311,10 +311,11 @@ class MoE(nnx.Module):
       self.shared_expert_gate = _dense(c, c.hidden_size, 1, ("fsdp", None), False, rngs)
 
   def route(self, flat, replay=None):
-    """(weights [T, k] float32, experts used [T, k], experts the router picked [T, k]) of
-    tokens flat [T, H]. replay [T, k] (routing replay): where >= 0, the experts to use
-    instead of the router's picks (the sampler's routes); their weights are the router's
-    own probabilities of them, so the router keeps its gradient."""
+    """(weights [T, k] float32, experts used [T, k], experts the router picked [T, k], the
+    router's probabilities [T, E]) of tokens flat [T, H]. replay [T, k] (routing replay):
+    where >= 0, the experts to use instead of the router's picks (the sampler's routes);
+    their weights are the router's own probabilities of them, so the router keeps its
+    gradient."""
     probs = jax.nn.softmax(self.router(flat).astype(jnp.float32), axis=-1)
     weights, picked = jax.lax.top_k(probs, self.top_k)
     chosen = picked
@@ -324,7 +325,7 @@ class MoE(nnx.Module):
       weights = jnp.take_along_axis(probs, chosen, axis=-1)
     if self.norm_topk_prob:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, chosen, picked
+    return weights, chosen, picked, probs
 
   def grouped(self, flat, weights, chosen):
     """Sort the T * k (token, expert) rows by expert, run them grouped, scatter-add back."""
@@ -346,14 +347,13 @@ class MoE(nnx.Module):
     real tokens the statistics count (None: all)."""
     b, t, h = x.shape
     flat = x.reshape(b * t, h)
-    weights, chosen, picked = self.route(
+    weights, chosen, picked, probs = self.route(
         flat, None if replay is None else replay.reshape(b * t, self.top_k))
     out = jax.lax.platform_dependent(flat, weights, chosen, cpu=self.every,
                                      default=self.grouped)
     if self.shared:
       out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
     m = jnp.ones((b * t,), jnp.float32) if mask is None else mask.reshape(-1).astype(jnp.float32)
-    probs = jax.nn.softmax(self.router(flat).astype(jnp.float32), axis=-1)  # as route's
     stats = RouterStats(
         picked=picked.reshape(b, t, self.top_k),
         counts=jnp.einsum("t,tke->ke", m, jax.nn.one_hot(chosen, self.num_experts)),
@@ -461,7 +461,7 @@ class Transformer(nnx.Module):
     if routes is not None and routes.shape != (len(moe_layers), b, t, c.num_experts_per_tok):
       raise ValueError(f"routes: expected shape [moe layers={len(moe_layers)}, {b}, {t}, "
                        f"top_k={c.num_experts_per_tok}], got {routes.shape}")
-    picks = []  # RouterStats of each MoE layer
+    layer_stats = []  # RouterStats of each MoE layer
     real = segment_ids > 0
     for i, layer in enumerate(self.layers):
       replay = (None if routes is None or i not in moe_layers
@@ -478,7 +478,7 @@ class Transformer(nnx.Module):
           x, stats = jax.checkpoint(
               lambda x, replay, layer=layer, attend=attend, cos=cos, sin=sin:
               layer(x, cos, sin, attend, replay, real))(x, replay)
-          picks += [] if stats is None else [stats]
+          layer_stats += [] if stats is None else [stats]
           continue
       else:
         def attend(q, k, v, sinks=None, i=i, window=window):
@@ -488,16 +488,16 @@ class Transformer(nnx.Module):
                                     sinks=sinks)
           return out
       x, stats = layer(x, cos, sin, attend, replay, real)
-      picks += [] if stats is None else [stats]
+      layer_stats += [] if stats is None else [stats]
     x = self.norm(x)
     cache = None if cache is None else cache.advance(t)
     if not record_routes:
       return x, cache
-    counts = sum(s.counts for s in picks)
-    tokens = jnp.maximum(sum(s.tokens for s in picks), 1.0)
-    load_balance = c.num_experts * jnp.sum(counts / tokens * sum(s.prob_sums for s in picks)
-                                           / tokens)
-    return x, cache, Routing(jnp.stack([s.picked for s in picks]), load_balance)
+    counts = sum(s.counts for s in layer_stats)
+    tokens = jnp.maximum(sum(s.tokens for s in layer_stats), 1.0)
+    load_balance = c.num_experts * jnp.sum(
+        counts / tokens * sum(s.prob_sums for s in layer_stats) / tokens)
+    return x, cache, Routing(jnp.stack([s.picked for s in layer_stats]), load_balance)
 
   def logits_from_hidden(self, x):
     """Float32 logits of hidden states, divided by logits_scaling (Granite) and soft-capped

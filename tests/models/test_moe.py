@@ -81,7 +81,7 @@ def test_both_dispatches_equal_routing_each_token_by_hand(norm_topk_prob, shared
   assert (np.abs(shared_out).max() > 1e-4) == bool(shared)  # 10x the tolerance below
   np.testing.assert_allclose(np.asarray(moe(x)[0]), routed + shared_out, atol=1e-5, rtol=1e-5)
   flat = x.reshape(-1, CONFIG.hidden_size)
-  weights, chosen, _ = moe.route(flat)
+  weights, chosen, *_ = moe.route(flat)
   for got in (moe.grouped(flat, weights, chosen), moe.every(flat, weights, chosen)):
     np.testing.assert_allclose(np.asarray(got).reshape(x.shape), routed, atol=1e-5, rtol=1e-5)
   # Every expert is used somewhere, so the test covers the whole sort and scatter.
@@ -166,7 +166,7 @@ def test_an_int8_worker_computes_the_dequantized_models_logits_by_either_dispatc
   # equals the CPU one and the dequantized experts.
   moe, want = policy.model.layers[2].mlp, reference.layers[2].mlp
   flat = jax.random.normal(jax.random.key(2), (14, CONFIG.hidden_size))
-  weights, chosen, _ = want.route(flat)
+  weights, chosen, *_ = want.route(flat)
   expected = np.asarray(want.every(flat, weights, chosen))
   for got in (moe.grouped(flat, weights, chosen), moe.every(flat, weights, chosen)):
     np.testing.assert_allclose(np.asarray(got), expected, atol=2e-3, rtol=2e-3)

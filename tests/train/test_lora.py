@@ -255,7 +255,7 @@ def test_expert_adapters_equal_merged_experts_by_either_dispatch_and_in_int8_wor
                 - params["layers.1.mlp.experts.up_proj"]).max() > 1e-3  # adapters merged
   # The grouped (TPU/GPU) dispatch adds each row's own expert's adapter.
   flat = jax.random.normal(jax.random.key(1), (10, 16))
-  weights, chosen, _ = merged.layers[0].mlp.route(flat)
+  weights, chosen, *_ = merged.layers[0].mlp.route(flat)
   np.testing.assert_allclose(
       np.asarray(model.layers[0].mlp.grouped(flat, weights, chosen)),
       np.asarray(merged.layers[0].mlp.grouped(flat, weights, chosen)), atol=1e-5)

@@ -138,7 +138,7 @@ def test_the_grouped_expert_dispatch_on_a_mesh_equals_one_device():
   # directly: expert params on their (None, fsdp, tensor) shardings, tokens over data.
   moe = MoE(MOE, rngs=nnx.Rngs(0))
   flat = jax.random.normal(jax.random.key(1), (24, MOE.hidden_size))
-  weights, chosen, _ = moe.route(flat)
+  weights, chosen, *_ = moe.route(flat)
   want = np.asarray(moe.grouped(flat, weights, chosen))
   mesh = _mesh((2, 2, 2))
   graphdef, state = nnx.split(moe)
