@@ -195,7 +195,7 @@ class RLTrainer(TrainerRun):
       self._load_metadata(saved)
     self._restart_floor: int | None = None
     self._requeue_next = True  # the first take returns any unacknowledged take
-    self._told_unrouted = False  # warned once of a group without routes (routing replay)
+    self._told_routes = False  # warned once of a group whose routes the run does not expect
     self._stop = threading.Event()
     self.stop_signal: int | None = None  # the signal that asked for the stop, if any
     self.sync_log: list[tuple[int, int, float, bool]] = []  # (version, bytes, s, keyframe)
@@ -453,12 +453,15 @@ class RLTrainer(TrainerRun):
         logging.warning("rl: rollout group rejected: %s", e)
         self.rejected += 1
         continue
-      if self.shape.routed and group.prompt_routes is None and not self._told_unrouted:
-        self._told_unrouted = True
-        logging.warning("rl: rollout %d came without routes although worker.routing_replay "
-                        "is on (a worker started without it?); the trainer's routers pick "
-                        "its experts (rollouts/routed_frac counts such groups)",
-                        group.rollout_id)
+      if (group.prompt_routes is None) == self.shape.routed and not self._told_routes:
+        self._told_routes = True  # a worker started with another worker.routing_replay
+        if self.shape.routed:
+          logging.warning("rl: rollout %d came without routes although worker.routing_replay "
+                          "is on; the trainer's routers pick its experts (rollouts/routed_frac "
+                          "counts such groups)", group.rollout_id)
+        else:
+          logging.warning("rl: rollout %d came with routes but worker.routing_replay is off "
+                          "here; they are not used", group.rollout_id)
       valid.append(group)
     return valid
 

@@ -88,14 +88,11 @@ def check_group(group: Group, shape: BatchShape) -> None:
       raise ValueError(f"{where}: samples[{i}].logprobs: expected finite values")
   if not np.all(np.isfinite(group.rewards)):
     raise ValueError(f"{where}: rewards: expected finite values, got {group.rewards}")
-  if group.prompt_routes is not None or group.response_routes is not None:
-    _check_routes(group, shape, where)
+  if shape.routed and (group.prompt_routes is not None or group.response_routes is not None):
+    _check_routes(group, shape, where)  # (a trainer that replays none leaves routes unread)
 
 
 def _check_routes(group: Group, shape: BatchShape, where: str) -> None:
-  if not shape.routed:
-    raise ValueError(f"{where}: carries routes but the trainer replays none (a model with "
-                     f"experts and worker.routing_replay=True)")
   if group.prompt_routes is None or group.response_routes is None:
     raise ValueError(f"{where}: expected routes for the prompt and every sample, or none")
   if len(group.response_routes) != len(group.responses):
