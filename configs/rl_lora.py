@@ -11,7 +11,9 @@ TPU host (benchmarks/rl_step_memory.py). The base is published once in the first
 and every delta after it carries the adapters alone.
 Workers hold the base (bf16, or int8 with --config.publish.format=int8
 --config.worker.weights_format=int8) plus the adapters; the Hugging Face export in
-<workdir>/hf has them merged into the kernels. LoRA learns at a higher rate than full
+<workdir>/hf has them merged into the kernels, and <workdir>/hf/adapter holds them alone as a
+PEFT adapter (for PEFT or vLLM's LoRA serving over the base checkpoint; the dense projections'
+adapters only, so not for a mixture of experts whose experts are adapted). LoRA learns at a higher rate than full
 training (1e-5 here, 1e-6 in rl_instruct). Set model.lora_rank, model.lora_alpha and
 model.lora_targets (a comma-separated subset of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,
 down_proj,experts) to change them. `:tiny` is the seconds-long smoke variant (used by the tests).

@@ -9,11 +9,14 @@ import os
 import shutil
 
 import jax
+from absl import logging
 from flax import nnx
 
 from rlax_ps import chat
 from rlax_ps import sharding as shd
-from rlax_ps.models import longest_sequence, model_config_from, save_hf_checkpoint
+from rlax_ps.models import (flatten_params, longest_sequence, model_config_from,
+                            save_hf_checkpoint)
+from rlax_ps.models.peft import save_peft_adapter
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, tokenizer_from_config
 from rlax_ps.train import heldout as heldout_lib
@@ -76,8 +79,9 @@ class TrainerRun:
   def export_hf(self, path: str | None = None) -> str:
     """Write the model in Hugging Face format (config.json, safetensors, tokenizer files) to
     `path` (default <workdir>/hf) in export.dtype ("" = the params' dtype), replacing an
-    earlier export only once the new one is complete. On a multi-host slice every process
-    gathers the params; process 0 writes."""
+    earlier export only once the new one is complete; a LoRA model's adapters are merged in
+    and also written as a PEFT adapter in `adapter/` where PEFT can hold them. On a
+    multi-host slice every process gathers the params; process 0 writes."""
     path = path or os.path.join(self.workdir, "hf")
     params = shd.to_host(self.state.params)
     if not self.leader:
@@ -86,8 +90,16 @@ class TrainerRun:
     partial = path.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-    save_hf_checkpoint(nnx.merge(self.graphdef, params), partial, extra_config=ids,
-                       dtype=self.config.get("export", {}).get("dtype") or None)
+    model = nnx.merge(self.graphdef, params)
+    dtype = self.config.get("export", {}).get("dtype") or None
+    save_hf_checkpoint(model, partial, extra_config=ids, dtype=dtype)
+    if self.model_config.lora_rank:
+      try:
+        save_peft_adapter(flatten_params(model), self.model_config,
+                          os.path.join(partial, "adapter"), base_model=self.init_from_hf,
+                          dtype=dtype)
+      except ValueError as e:  # adapters PEFT cannot hold: the merged export alone
+        logging.info("export: no PEFT adapter (%s)", e)
     with open(os.path.join(partial, "generation_config.json"), "w") as f:
       json.dump({**ids, "eos_token_id": list(tok.stop_ids)}, f, indent=2)  # stop as trained
     if isinstance(tok, CharTokenizer):

@@ -4,11 +4,14 @@ cover the adapters only; the frozen base never changes, so each published delta 
 the adapters alone and workers (bf16 or int8) compute the trainer's adapted model; exports
 merge the adapters into the kernels."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 from benchmarks_lib import load_benchmark
 from inference_workers.weights import HeldPolicy
@@ -81,9 +84,9 @@ def test_only_the_adapters_take_a_gradient():
   def loss(p):
     return jnp.mean(nnx.merge(graphdef, p)(TOKENS) ** 2), {}
 
-  (_, _), grads = trainable_value_and_grad(loss)(params)
+  (_, _), grads = jax.jit(trainable_value_and_grad(loss))(params)
   assert jax.tree.structure(grads) == jax.tree.structure(trainable)
-  full = jax.grad(lambda p: loss(p)[0])(params)
+  full = jax.jit(jax.grad(lambda p: loss(p)[0]))(params)
   for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
                           jax.tree.leaves(split_trainable(full)[0])):
     np.testing.assert_allclose(g, w, atol=1e-6, err_msg=jax.tree_util.keystr(path))
@@ -206,6 +209,12 @@ def test_a_lora_runs_export_holds_the_merged_model(lora_run):
               * 2.0).astype(after[key].dtype)  # alpha / rank = 8 / 4, stored as the base
     assert np.abs(merged.astype(np.float32) - after[key].astype(np.float32)).max() > 0
     np.testing.assert_array_equal(np.asarray(export[key]), merged, err_msg=key)
+  # ... and the adapters alone as a PEFT adapter (tests/models/test_peft.py loads one in PEFT).
+  adapter = load_file(os.path.join(path, "adapter", "adapter_model.safetensors"))
+  np.testing.assert_array_equal(
+      adapter["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"],
+      after["layers.0.attn.q_proj.lora_b"].T)
+  assert len(adapter) == len([k for k in after if ".lora_" in k])
 
 
 @pytest.mark.parametrize("num_micro", [1, 2])

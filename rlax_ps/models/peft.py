@@ -1,0 +1,77 @@
+"""A LoRA model's adapters as a PEFT adapter folder (adapter_config.json +
+adapter_model.safetensors), which PEFT's `PeftModel.from_pretrained` and vLLM's LoRA serving
+load over the base checkpoint; the merged export (`save_hf_checkpoint`) stays the other way.
+
+PEFT computes x @ lora_A.weight.T @ lora_B.weight.T * lora_alpha / r on a Linear whose
+weight is [out, in]; our A [in, r] and B [r, out] are those weights transposed, under the
+HF name of the kernel they adapt. Adapters of the routed experts or of projections a
+checkpoint fuses (Phi-3's qkv_proj, GLM-4's gate_up_proj and permuted q/k) have no PEFT
+LoRA module to go to: `peft_adapter_names` says which, and the caller keeps the merged
+export alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from rlax_ps.models.config import ModelConfig, dtype_name
+from rlax_ps.models.hf import hf_tensor_names
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."  # PeftModel wraps the causal LM
+
+
+def peft_adapter_names(config: ModelConfig) -> dict[str, str]:
+  """Our adapter param (".lora_a"/".lora_b") -> its PEFT tensor name; ValueError naming
+  model.lora_targets when an adapter has no PEFT module (experts, fused projections)."""
+  if not config.lora_rank:
+    raise ValueError("model.lora_rank: expected > 0 (a model with adapters), got 0")
+  if "experts" in config.lora_targets and config.moe_layers:
+    raise ValueError("model.lora_targets: the routed experts' adapters have no PEFT LoRA "
+                     "module; use the merged export")
+  if config.architecture in ("phi3", "glm4"):
+    raise ValueError(f"model.lora_targets: {config.architecture} checkpoints fuse projections "
+                     f"(or permute q/k) that the adapters are split over; use the merged export")
+  names = {}
+  for ours, (hf, transposed) in hf_tensor_names(config.replace(lora_rank=0)).items():
+    proj = ours.rsplit(".", 2)[-2] if ours.endswith(".kernel") else ""
+    if proj not in config.lora_targets or "experts" in ours:
+      continue
+    assert isinstance(hf, str) and transposed and hf.endswith(".weight"), (ours, hf)
+    stem = _PREFIX + hf[:-len("weight")]
+    names[ours[:-len("kernel")] + "lora_a"] = stem + "lora_A.weight"
+    names[ours[:-len("kernel")] + "lora_b"] = stem + "lora_B.weight"
+  return names
+
+
+def save_peft_adapter(flat: Mapping[str, Any], config: ModelConfig, path: str, *,
+                      base_model: str = "", dtype: str | None = None) -> None:
+  """Write the adapters of `flat` (our flat params, adapters included) as a PEFT adapter
+  folder at `path`; `base_model` names the checkpoint it goes over; `dtype` converts the
+  weights (default: the adapters' own)."""
+  names = peft_adapter_names(config)
+  tensors = {}
+  for ours, peft in names.items():
+    array = np.asarray(jax.device_get(flat[ours]))
+    if dtype is not None:
+      array = array.astype(np.float32 if dtype_name(dtype) == "float32" else ml_dtypes.bfloat16)
+    tensors[peft] = np.ascontiguousarray(array.T)
+  modules = sorted({t for t in config.lora_targets if t != "experts"})
+  os.makedirs(path, exist_ok=True)
+  save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+  adapter_config = {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.lora_rank,
+      "lora_alpha": config.lora_alpha, "target_modules": modules, "lora_dropout": 0.0,
+      "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+      "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True}
+  with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+    json.dump(adapter_config, f, indent=2, sort_keys=True)
+    f.write("\n")

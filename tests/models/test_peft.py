@@ -1,0 +1,76 @@
+"""PEFT adapters: a LoRA model's adapters written as a PEFT adapter folder load in PEFT over
+the base checkpoint to the same model. The committed tests/fixtures/hf/qwen3/peft_adapter
+was written by `_write` below from `_adapted_qwen3()`; its reference.npz holds PEFT's logits
+of it (make_hf_fixtures.py --peft). Adapters PEFT cannot hold are refused by name."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from hf_fixtures import FIXTURES, forward
+from rlax_ps.models import ModelConfig, Transformer, assign_params, flatten_params
+from rlax_ps.models.hf import load_hf_params, read_hf_config
+from rlax_ps.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_peft_adapter
+
+BASE = os.path.join(FIXTURES, "qwen3")
+COMMITTED = os.path.join(BASE, "peft_adapter")
+DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _adapted_qwen3():
+  """(config, flat params): the qwen3 fixture with rank-4 adapters on every dense projection,
+  A and B drawn from numpy's default_rng(0) (numpy: the same bits in every process)."""
+  config = read_hf_config(BASE).replace(lora_rank=4, lora_alpha=8.0, lora_targets=DENSE)
+  flat = {k: np.asarray(v) for k, v in flatten_params(
+      Transformer(config, rngs=nnx.Rngs(0))).items()}
+  flat.update(load_hf_params(BASE, read_hf_config(BASE)))
+  rng = np.random.default_rng(0)
+  for k in sorted(flat):
+    if ".lora_" in k:
+      flat[k] = rng.normal(0, 0.2, flat[k].shape).astype(np.float32)
+  return config, flat
+
+
+def _write(path):
+  config, flat = _adapted_qwen3()
+  save_peft_adapter(flat, config, path, base_model="tests/fixtures/hf/qwen3")
+  return config, flat
+
+
+def test_our_adapter_folder_is_the_committed_one_and_peft_computes_our_model(tmp_path):
+  config, flat = _write(str(tmp_path))
+  with open(tmp_path / ADAPTER_CONFIG) as f, open(os.path.join(COMMITTED, ADAPTER_CONFIG)) as g:
+    assert json.load(f) == json.load(g)
+  ours, committed = (load_file(os.path.join(p, ADAPTER_WEIGHTS)) for p in (tmp_path, COMMITTED))
+  assert sorted(ours) == sorted(committed) and len(ours) == 2 * 7 * config.num_layers
+  for k in committed:
+    np.testing.assert_array_equal(ours[k], committed[k], err_msg=k)
+  assert committed["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (
+      4, config.hidden_size)  # PEFT's [r, in]
+  # PEFT over the transformers checkpoint computes our adapted model.
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  assign_params(model, flat)
+  ref = np.load(os.path.join(COMMITTED, "reference.npz"))
+  logits = np.asarray(forward(model, ref["tokens"]))
+  assert np.abs(logits - ref["logits"]).max() < 1e-4
+  base_logits = np.load(os.path.join(BASE, "reference.npz"))["logits"]
+  assert np.abs(ref["logits"] - base_logits).max() > 0.1  # the adapter matters
+
+
+@pytest.mark.parametrize("config,field", [
+    (ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=2,
+                 num_kv_heads=1, architecture="qwen3_moe", qk_norm=True, num_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=8, lora_rank=2), "experts"),
+    (ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=2,
+                 num_kv_heads=1, architecture="phi3", lora_rank=2), "phi3"),
+    (ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=2,
+                 num_kv_heads=1), "lora_rank")])
+def test_adapters_peft_cannot_hold_are_refused_naming_why(config, field, tmp_path):
+  flat = flatten_params(Transformer(config, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=f"model.lora_\\w+: .*{field}|{field}"):
+    save_peft_adapter(flat, config, str(tmp_path))
+  assert not os.listdir(tmp_path)
