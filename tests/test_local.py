@@ -289,14 +289,13 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   heldout.write_text("".join(json.dumps({"prompt": f"{a}+{b}", "answer": str(a + b)}) + "\n"
                              for a, b in rows[10:]))
   workdir = tmp_path / "run"
-  int8 = ["--config.publish.format=int8", "--config.worker.weights_format=int8",
-          "--config.loss.correction=tis"] if family.endswith("int8") else []
+  int8 = family.endswith("int8")  # configs/rl_moe.py: int8, TIS, replay, load balancing
   replay = family in ("qwen3_moe_int8", "gpt_oss")
   proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
-                f"--config.data.heldout_jsonl={heldout}", *int8,
-                *(["--config.worker.routing_replay=True"] if replay else []),
+                f"--config.data.heldout_jsonl={heldout}",
+                *(["--config.worker.routing_replay=True"] if family == "gpt_oss" else []),
                 config="configs/rl_lora.py:tiny" if family.endswith("lora")
-                else "configs/rl_instruct.py:tiny")
+                else "configs/rl_moe.py:tiny" if int8 else "configs/rl_instruct.py:tiny")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(workdir / "summary.json"))
   assert summary["step"] == 2 and set(summary["heldout_exact_match"]) == {"math", "all"}
@@ -307,6 +306,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
     assert all(0.5 < s["router_agreement"] <= 1.0 for s in steps)
   else:
     assert "routed_frac" not in steps[0]
+  if int8:  # configs/rl_moe.py: the load-balancing term was on
+    assert all(s["router_aux_loss"] >= 1.0 for s in steps)
   # Every worker ends holding the trainer's published weights (int8 codes and scales too).
   digests = {v["version"]: v["digest"] for v in _lines(workdir / "versions.jsonl")}
   worker_logs = sorted((workdir / "logs").glob("worker-*.log"))

@@ -525,6 +525,8 @@ class RLTrainer(TrainerRun):
     }
     if self.dynamic:  # totals so far
       record.update(filtered=self.filtered, filled=self.filled)
+    if "router_aux_loss" in metrics:  # a mixture of experts: its load balance (1 = even)
+      record["router_aux_loss"] = metrics["router_aux_loss"]
     if self.shape.routed:  # routing replay: groups that brought routes, and how alike the
       # trainer's routers pick (1: as the workers' did)
       record.update(routed_frac=float(np.mean([g.prompt_routes is not None for g in groups])),

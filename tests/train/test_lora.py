@@ -145,8 +145,7 @@ def lora_run(tmp_path_factory):
   server = start_server(tmp / "ps")
   worker = FakeWorker(server.address, samples=4).start()
   config = rl_config("tiny")
-  config.rl.steps = 3
-  config.rl.micro_batches = 2
+  config.rl.steps = 2
   config.eval.num_examples = 2
   config.eval.batch_size = 2
   config.model.lora_rank = 4
