@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlax_ps.models.config import ModelConfig
-from rlax_ps.models.transformer import Experts, Transformer
+from rlax_ps.models.transformer import Experts, Transformer, lora_delta
 
 SCALE_ATTR = "_scale"  # model attribute suffix: `kernel_scale` holds the codec's "kernel.scale"
 
@@ -42,8 +42,8 @@ class Int8Linear(nnx.Module):
     if self.bias is not None:
       y = y + self.bias[...].astype(out_dtype)
     if self.lora_scale:
-      a, b = (p[...].astype(self.dtype) for p in (self.lora_a, self.lora_b))
-      y = y + ((x.astype(self.dtype) @ a) @ b * self.lora_scale).astype(out_dtype)
+      y = y + lora_delta(x, self.lora_a, self.lora_b, self.lora_scale,
+                         self.dtype).astype(out_dtype)
     return y
 
 

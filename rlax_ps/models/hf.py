@@ -157,7 +157,7 @@ _MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 # Buffers some checkpoints carry that hold nothing our model needs.
 _IGNORABLE = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
-_NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
 def _get(d: Mapping[str, Any], key: str, default: Any = ..., *, where: str = CONFIG_FILE):
@@ -797,7 +797,7 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
   if unexpected:
     raise ValueError(f"HF checkpoint {path!r}: unexpected tensor {unexpected[0]!r} "
                      f"({len(unexpected)} unexpected in all) for a {config.architecture} config")
-  dtype = _NP_DTYPES[config.param_dtype]
+  dtype = NP_DTYPES[config.param_dtype]
   shapes = _param_shapes(config)
   flat, experts = {}, {}
   for hf, full in _dequantized(_read_tensors(files, sorted(stored)), packed, dtype):
@@ -934,7 +934,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
     _permute_rotary(flat, config, inverse=True)
   tensors, fused, interleaved = {}, {}, {}
   for ours, (hf, transposed) in names.items():
-    array = np.asarray(jax.device_get(flat[ours])).astype(_NP_DTYPES[dtype], copy=False)
+    array = np.asarray(jax.device_get(flat[ours])).astype(NP_DTYPES[dtype], copy=False)
     if isinstance(hf, Rows):
       fused.setdefault(hf.name, []).append((hf.start, array.T if transposed else array))
       continue

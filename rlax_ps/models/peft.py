@@ -17,12 +17,11 @@ import os
 from typing import Any, Mapping
 
 import jax
-import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
 from rlax_ps.models.config import ModelConfig, dtype_name
-from rlax_ps.models.hf import hf_tensor_names
+from rlax_ps.models.hf import NP_DTYPES, hf_tensor_names
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -62,7 +61,7 @@ def save_peft_adapter(flat: Mapping[str, Any], config: ModelConfig, path: str, *
   for ours, peft in names.items():
     array = np.asarray(jax.device_get(flat[ours]))
     if dtype is not None:
-      array = array.astype(np.float32 if dtype_name(dtype) == "float32" else ml_dtypes.bfloat16)
+      array = array.astype(NP_DTYPES[dtype_name(dtype)])
     tensors[peft] = np.ascontiguousarray(array.T)
   modules = sorted({t for t in config.lora_targets if t != "experts"})
   os.makedirs(path, exist_ok=True)

@@ -36,6 +36,18 @@ def _normal(sharding):
   return _partitioned(nnx.initializers.normal(INIT_STD), sharding)
 
 
+def adapter_a_init(key, shape, dtype):
+  """A LoRA A ([..., in, rank]): uniform in +-1/sqrt(in), as PEFT's (its B starts at 0)."""
+  bound = shape[-2] ** -0.5
+  return jax.random.uniform(key, shape, jnp.dtype(dtype), -bound, bound)
+
+
+def lora_delta(x, lora_a, lora_b, scale: float, dtype):
+  """(x @ A) @ B * scale in `dtype`: what an adapter adds to its projection's output."""
+  a, b = (p[...].astype(dtype) for p in (lora_a, lora_b))
+  return (x.astype(dtype) @ a) @ b * scale
+
+
 class LoRALinear(nnx.Linear):
   """nnx.Linear plus a low-rank adapter: y = x @ W (+ b) + (x @ A) @ B * alpha / rank, with A
   [in, rank] drawn uniform in +-1/sqrt(in) and B [rank, out] zero, so the adapter starts as
@@ -45,19 +57,16 @@ class LoRALinear(nnx.Linear):
   def __init__(self, fan_in: int, fan_out: int, *, rank: int, alpha: float, sharding,
                rngs: nnx.Rngs, lora_dtype="float32", **kwargs):
     super().__init__(fan_in, fan_out, rngs=rngs, **kwargs)
-    bound = fan_in ** -0.5
     self.lora_scale = alpha / rank
-    dtype = jnp.dtype(lora_dtype)
-    self.lora_a = nnx.Param(
-        jax.random.uniform(rngs.params(), (fan_in, rank), dtype, -bound, bound),
-        out_sharding=(sharding[0], None), eager_sharding=False)
-    self.lora_b = nnx.Param(jnp.zeros((rank, fan_out), dtype),
+    self.lora_a = nnx.Param(adapter_a_init(rngs.params(), (fan_in, rank), lora_dtype),
+                            out_sharding=(sharding[0], None), eager_sharding=False)
+    self.lora_b = nnx.Param(jnp.zeros((rank, fan_out), jnp.dtype(lora_dtype)),
                             out_sharding=(None, sharding[1]), eager_sharding=False)
 
   def __call__(self, x):
     y = super().__call__(x)
-    a, b = (p[...].astype(self.dtype) for p in (self.lora_a, self.lora_b))
-    return y + ((x.astype(self.dtype) @ a) @ b * self.lora_scale).astype(y.dtype)
+    return y + lora_delta(x, self.lora_a, self.lora_b, self.lora_scale,
+                          self.dtype).astype(y.dtype)
 
 
 def _dense(config: ModelConfig, fan_in: int, fan_out: int, sharding, bias: bool, rngs,
@@ -178,12 +187,8 @@ class Experts(nnx.Module):
         setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.dtype(c.param_dtype)),
                                       out_sharding=sharding, eager_sharding=False))
     for name, shape, sharding in self.adapter_shapes(c):
-      if name.endswith("_a"):  # uniform in +-1/sqrt(in), as LoRALinear's A
-        bound = shape[1] ** -0.5
-        value = jax.random.uniform(rngs.params(), shape, jnp.dtype(c.lora_dtype), -bound,
-                                   bound)
-      else:
-        value = jnp.zeros(shape, jnp.dtype(c.lora_dtype))
+      value = (adapter_a_init(rngs.params(), shape, c.lora_dtype) if name.endswith("_a")
+               else jnp.zeros(shape, jnp.dtype(c.lora_dtype)))
       setattr(self, name, nnx.Param(value, out_sharding=sharding, eager_sharding=False))
 
   @staticmethod
