@@ -48,7 +48,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from inference_workers import sampler
+from inference_workers.decoding import prefill
 from inference_workers.sampler import generate, generate_shared
 from inference_workers.sampling import SamplingParams
 from inference_workers.weights import HeldPolicy
@@ -159,7 +159,7 @@ def prefill_time(model, batch, length, reps):
 
   @jax.jit
   def run(state, tokens, lens):
-    logits, _, _ = sampler._prefill(nnx.merge(graphdef, state), tokens, lens, length)
+    logits, _, _ = prefill(nnx.merge(graphdef, state), tokens, lens, length)
     return logits
 
   tokens = jnp.ones((batch, length), jnp.int32)

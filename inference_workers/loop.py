@@ -4,12 +4,20 @@ A worker is stateless: killed at any instant it loses nothing (its leases expire
 prompts are served again). A SIGTERM (the preemption notice) stops leasing; the prompt being
 generated is finished and submitted, the rest of the lease is released, and the worker exits
 within `grace_s`; a watchdog releases whatever is still open if generation overruns it.
-New versions are pulled by the heartbeat thread while generation runs and applied in place
-only between generation calls; every rollout group carries the version that produced it. An unreachable server is retried with capped exponential backoff.
+With a fixed number of samples per prompt (GRPO) the worker batches continuously
+(`ContinuousBatch`): `prompts_per_call` prompt slots decode together, a finished prompt's
+group is scored and submitted at once and a newly leased prompt takes its slot. New versions
+are pulled by the heartbeat thread while generation runs and applied in place: by default
+once the prompts sampled on the held version have finished (new prompts wait meanwhile), so
+a group is sampled by one version, the one it carries; with `in_flight_updates` between
+decode chunks at once, a group then carrying the oldest version it was sampled with (its
+per-token behaviour log-probs are still exact). VIGOR samples in rounds, one call per
+`prompts_per_call` prompts. An unreachable server is retried with capped exponential backoff.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import threading
@@ -23,8 +31,10 @@ from absl import logging
 
 from algorithms.allocation import FixedAllocator
 from algorithms.verifiers import Verifier, verifiers_by_task
+from inference_workers.continuous import ContinuousBatch
+from inference_workers.decoding import Sample
 from inference_workers.hard_exit import exit_now
-from inference_workers.sampler import Sample, generate, generate_shared
+from inference_workers.sampler import generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
@@ -94,6 +104,14 @@ class Worker:
     self._lease_deadline: dict[str, float] = {}
     self._tokens_per_s = 0.0
     self._prefetched: tuple[int, list[Update]] | None = None  # (base version, updates)
+    # Continuous batching (fixed allocation): prompts leased but not in a slot yet, the
+    # version each prompt in a slot started on, and leases the server took back.
+    self._continuous = isinstance(self.allocator, FixedAllocator)
+    self._batch: ContinuousBatch | None = None
+    self._pending: collections.deque[tuple[str, pb.Prompt]] = collections.deque()
+    self._started: dict[tuple[str, str], tuple[pb.Prompt, int]] = {}
+    self._abandoned: set[str] = set()
+    self._newer_waits = False  # a newer version waits for the running prompts to end
 
   # ------------------------------------------------------------ stopping
 
@@ -198,10 +216,15 @@ class Worker:
       self._with_backoff(lambda: self.client.register(self.config.name))
       if not self.stopping:  # registered (a stop during the retries leaves no worker id)
         heartbeat.start()
-      while not self.stopping:
-        if self.config.max_leases and self.stats.leases >= self.config.max_leases:
-          break
-        self._with_backoff(self._one_lease)
+      while True:
+        if self._continuous:
+          if not (self._may_lease() or self._pending or self._started):
+            break
+          self._with_backoff(self._cycle)
+        else:
+          if not self._may_lease():
+            break
+          self._with_backoff(self._one_lease)
     finally:
       self._release_all()
       self._done.set()
@@ -227,6 +250,10 @@ class Worker:
         wait = next(delays)
         logging.warning("worker: server unreachable (%s); retrying in %.1fs", e.code.name, wait)
         self._stop.wait(wait)
+
+  def _may_lease(self) -> bool:
+    return not self.stopping and not (self.config.max_leases
+                                      and self.stats.leases >= self.config.max_leases)
 
   def _catch_up(self) -> None:
     """Hold the newest published version (prefetched, else pulled now)."""
@@ -300,6 +327,122 @@ class Worker:
     if not left:
       self.client.complete(lease.lease_id)
 
+  # ------------------------------------------------------------ continuous batching
+
+  def _cycle(self) -> None:
+    """One turn: lease while slots are free, start waiting prompts on the newest version the
+    batch allows, decode one chunk, submit the groups that finished."""
+    if self._batch is None:
+      self._batch = ContinuousBatch(self.policy.model, self.config.samples_per_prompt,
+                                    self.config.prompts_per_call, self.params,
+                                    record_routes=self.config.routing_replay,
+                                    chunk_steps=self.config.decode_chunk_steps)
+    batch = self._batch
+    if self.policy.version is None:
+      self._catch_up()
+      if self.policy.version is None:  # nothing published yet
+        self._stop.wait(self.config.lease_wait_s)
+        return
+    if self.stopping:
+      self._release_pending()
+    elif self._may_lease() and len(self._pending) < batch.free:
+      idle = not (batch.running or self._pending)
+      lease = self.client.lease(self.config.prompts_per_lease, self.config.lease_deadline_s,
+                                wait_s=self.config.lease_wait_s if idle else 0.0)
+      if lease.prompts:
+        with self._lock:
+          self._inflight[lease.lease_id] = {p.id for p in lease.prompts}
+          self._lease_deadline[lease.lease_id] = (time.monotonic()
+                                                  + self.config.lease_deadline_s)
+        self.stats.leases += 1
+        self._pending.extend((lease.lease_id, p) for p in lease.prompts)
+    self._start_pending(batch)
+    if not (batch.running or batch.waiting):
+      return
+    t0 = time.monotonic()
+    finished = batch.step()
+    tokens = sum(len(s.tokens) for _, got in finished for s in got)
+    if tokens:
+      self._tokens_per_s = tokens / max(time.monotonic() - t0, 1e-9)
+    for (lease_id, prompt_id), got in finished:
+      self._submit_group(lease_id, prompt_id, got)
+
+  def _start_pending(self, batch: ContinuousBatch) -> None:
+    """Put waiting prompts in free slots, on the newest version. Without in-flight updates
+    a newer version waits for the running prompts to end, and new prompts wait with it."""
+    in_flight = self.config.in_flight_updates
+    if not (self._pending and batch.free):
+      if in_flight:
+        self.apply_prefetched()
+      return
+    if in_flight or not batch.running:
+      self._catch_up()
+    elif self._newer_waits or self.client.latest_version() != self.policy.version:
+      self._newer_waits = True
+      return
+    self._newer_waits = False
+    version = self.policy.version
+    n = self.config.samples_per_prompt
+    while self._pending and batch.free:
+      lease_id, prompt = self._pending.popleft()
+      self._started[(lease_id, prompt.id)] = (prompt, version)
+      batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
+                self._seeds(prompt.id, version, 0, n))
+
+  def _submit_group(self, lease_id: str, prompt_id: str, samples: list[Sample]) -> None:
+    """Score and submit one finished group (an outage is waited out: the group is kept);
+    a group the server refuses as it is releases its prompt, a lease it took back is
+    abandoned."""
+    prompt, version = self._started.pop((lease_id, prompt_id))
+    self.stats.samples += len(samples)
+    self.stats.tokens += sum(len(s.tokens) for s in samples)
+    if lease_id not in self._abandoned:
+      group = self._group(prompt, version, samples, [self._score(prompt, s) for s in samples])
+      try:
+        self._with_backoff(lambda: self.client.submit_rollouts(lease_id, group))
+      except ParamServerError as e:
+        if e.code == grpc.StatusCode.INVALID_ARGUMENT:
+          self.stats.groups_refused += 1
+          logging.error("worker: the group of prompt %s was refused: %s", prompt.id, e)
+        else:  # the lease expired or was taken back: its prompts are queued again
+          logging.warning("worker: lease %s abandoned: %s", lease_id, e)
+          self._abandoned.add(lease_id)
+          self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
+      else:
+        with self._lock:
+          self._inflight[lease_id].discard(prompt.id)
+        self.stats.groups_submitted += 1
+    self._settle(lease_id)
+
+  def _settle(self, lease_id: str) -> None:
+    """Once no prompt of the lease waits or runs: complete it, releasing what was refused."""
+    if any(l == lease_id for l, _ in self._pending) or any(
+        l == lease_id for l, _ in self._started):
+      return
+    with self._lock:
+      left = self._inflight.pop(lease_id, set())
+      self._lease_deadline.pop(lease_id, None)
+    if lease_id in self._abandoned:
+      self._abandoned.discard(lease_id)
+    elif left:
+      self.stats.prompts_released += self._with_backoff(
+          lambda: self.client.release(lease_id, sorted(left))) or 0
+    else:
+      self._with_backoff(lambda: self.client.complete(lease_id))
+
+  def _release_pending(self) -> None:
+    """Stopping: give back the leased prompts that have not started."""
+    by_lease: dict[str, list[str]] = collections.defaultdict(list)
+    while self._pending:
+      lease_id, prompt = self._pending.popleft()
+      by_lease[lease_id].append(prompt.id)
+    for lease_id, ids in by_lease.items():
+      if lease_id not in self._abandoned:
+        self.stats.prompts_released += self.client.release(lease_id, ids)
+      with self._lock:
+        self._inflight.get(lease_id, set()).difference_update(ids)
+      self._settle(lease_id)
+
   # ------------------------------------------------------------ generation
 
   def _prompt_tokens(self, prompt: pb.Prompt) -> list[int]:
@@ -335,21 +478,25 @@ class Worker:
       self.stats.tokens += n_tokens
       self._tokens_per_s = n_tokens / max(elapsed, 1e-9)
       round_ += 1
+    return [self._group(p, version, got, rs) for p, got, rs in zip(prompts, samples, rewards)]
+
+  def _group(self, prompt: pb.Prompt, version: int, samples: list[Sample],
+             rewards: list[float]) -> pb.RolloutGroup:
+    """One prompt's scored samples as a RolloutGroup of `version` (the oldest sampled with;
+    metadata last_version: the newest)."""
     meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
-            "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p)}
-    groups = [pb.RolloutGroup(
-        prompt_id=p.id, policy_version=version, metadata=meta,
+            "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
+            "last_version": str(self.policy.version)}
+    group = pb.RolloutGroup(
+        prompt_id=prompt.id, policy_version=version, metadata=meta,
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),
                              logprobs=s.sampling_logprobs, finish_reason=s.finish_reason,
                              routes=s.routes)
-                 for s, r in zip(got, rs)])
-        for p, got, rs in zip(prompts, samples, rewards)]
-    if self.config.routing_replay:  # a prompt's samples share its routes: sent once
-      for group, got in zip(groups, samples):
-        if got:
-          group.prompt_routes.CopyFrom(make_routes(got[0].prompt_routes))
-    return groups
+                 for s, r in zip(samples, rewards)])
+    if self.config.routing_replay and samples:  # the samples share the prompt's routes
+      group.prompt_routes.CopyFrom(make_routes(samples[0].prompt_routes))
+    return group
 
   def _draw(self, prompts, tokens, counts, version, round_) -> list[list[Sample]]:
     """counts[i] samples of prompt i: one shared-prefix call when the counts agree."""

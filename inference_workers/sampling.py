@@ -109,5 +109,7 @@ def choose_tokens(logits: jax.Array, keys: jax.Array, mode: DecodeMode, temperat
 
 
 def step_keys(seeds: jax.Array, step) -> jax.Array:
-  """Per-row keys for one decode step: fold_in(key(seed), step), reproducible given the seed."""
-  return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seeds)
+  """Per-row keys for one decode step (`step` scalar or per row): fold_in(key(seed), step),
+  reproducible given the seed."""
+  steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), seeds.shape)
+  return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)

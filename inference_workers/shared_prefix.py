@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
 from rlax_ps.models.attention import with_sinks
-from rlax_ps.models.kv_cache import KVCache
 
 # decode_fn(q [B,N,H,D], prefix_k, prefix_v [B,Sp,Hkv,D], prefix_lens [B],
 #           suffix_k, suffix_v [B,N,Ss,Hkv,D], suffix_lens [B,N], *, window, sm_scale,
@@ -32,8 +31,9 @@ DecodeFn = Callable[..., tuple[jax.Array, jax.Array]]
 class SharedPrefixCache:
   """Prefix k/v per layer [B, Sp, Hkv, D] shared by N samples; suffix k/v [B, N, Ss, Hkv, D].
 
-  Prefix slots [0, prefix_lens[b]) hold prompt b; suffix slots [0, index) hold the tokens each
-  sample generated so far (all samples advance together, one token per call).
+  Prefix slots [0, prefix_lens[b]) hold prompt b; suffix slots [0, index[b]) hold the tokens
+  each sample of prompt b generated so far (its N samples advance together, one token per
+  call; prompts advance independently, so one can join while others are mid-way).
   """
 
   prefix_k: tuple[jax.Array, ...]
@@ -41,20 +41,22 @@ class SharedPrefixCache:
   prefix_lens: jax.Array  # [B] int32
   suffix_k: tuple[jax.Array, ...]
   suffix_v: tuple[jax.Array, ...]
-  index: jax.Array  # int32 scalar: next suffix slot
+  index: jax.Array  # [B] int32: next suffix slot of each prompt
   decode_fn: DecodeFn = flax.struct.field(pytree_node=False, default=shared_prefix_decode_attention)
 
   @classmethod
-  def from_prefill(cls, cache: KVCache, prefix_lens: jax.Array, n: int, suffix_len: int,
-                   decode_fn: DecodeFn = shared_prefix_decode_attention) -> "SharedPrefixCache":
-    """Share a prefilled KVCache (batch B, prompts right-padded, filled slots = prompts only)."""
-    b, _, hkv, d = cache.k[0].shape
-    shape = (b, n, suffix_len, hkv, d)
-    dtype = cache.k[0].dtype
-    return cls(prefix_k=cache.k, prefix_v=cache.v, prefix_lens=prefix_lens.astype(jnp.int32),
-               suffix_k=tuple(jnp.zeros(shape, dtype) for _ in cache.k),
-               suffix_v=tuple(jnp.zeros(shape, dtype) for _ in cache.v),
-               index=jnp.zeros((), jnp.int32), decode_fn=decode_fn)
+  def empty(cls, config, b: int, n: int, prefix_len: int, suffix_len: int,
+            decode_fn: DecodeFn = shared_prefix_decode_attention) -> "SharedPrefixCache":
+    """B prompt slots of n samples, each holding a one-token prompt and nothing generated."""
+    dtype = jnp.dtype(config.dtype)
+    kv = (config.num_kv_heads, config.head_dim)
+    layers = range(config.num_layers)
+    return cls(prefix_k=tuple(jnp.zeros((b, prefix_len) + kv, dtype) for _ in layers),
+               prefix_v=tuple(jnp.zeros((b, prefix_len) + kv, dtype) for _ in layers),
+               prefix_lens=jnp.ones((b,), jnp.int32),
+               suffix_k=tuple(jnp.zeros((b, n, suffix_len) + kv, dtype) for _ in layers),
+               suffix_v=tuple(jnp.zeros((b, n, suffix_len) + kv, dtype) for _ in layers),
+               index=jnp.zeros((b,), jnp.int32), decode_fn=decode_fn)
 
   @property
   def num_samples(self) -> int:
@@ -68,22 +70,22 @@ class SharedPrefixCache:
   def attend(self, layer: int, q, k, v, q_segment_ids, q_positions, attention_fn, *,
              window: int | None = None, sm_scale: float | None = None,
              softcap: float | None = None, sinks=None):
-    """Write each sample's new k/v [B*N, 1, Hkv, D] at suffix slot `index`, attend prefix+suffix
-    (within `window` positions when the layer slides: the query sits at prefix_len + index)."""
+    """Write each sample's new k/v [B*N, 1, Hkv, D] at its prompt's suffix slot `index[b]`,
+    attend prefix+suffix (within `window` positions when the layer slides: the query sits at
+    prefix_len + index)."""
     del q_segment_ids, q_positions, attention_fn  # the dense mask path does not apply here
     rows, t, h, d = q.shape
     b, n = self.prefix_lens.shape[0], self.num_samples
     if t != 1 or rows != b * n:
       raise ValueError(f"SharedPrefixCache.attend: expected q of shape [{b * n}, 1, heads, "
                        f"head_dim] (B={b} prompts x N={n} samples, one token), got {q.shape}")
-    zero = jnp.zeros((), jnp.int32)
-    start = (zero, zero, self.index, zero, zero)
     hkv = k.shape[2]
-    new_k = jax.lax.dynamic_update_slice(
-        self.suffix_k[layer], k.reshape(b, n, 1, hkv, d).astype(self.suffix_k[layer].dtype), start)
-    new_v = jax.lax.dynamic_update_slice(
-        self.suffix_v[layer], v.reshape(b, n, 1, hkv, d).astype(self.suffix_v[layer].dtype), start)
-    suffix_lens = jnp.full((b, n), self.index + 1, jnp.int32)
+    at = (jnp.arange(b), slice(None), self.index)  # prompt b's samples at suffix slot index[b]
+    new_k = self.suffix_k[layer].at[at].set(
+        k.reshape(b, n, hkv, d).astype(self.suffix_k[layer].dtype), mode="drop")
+    new_v = self.suffix_v[layer].at[at].set(
+        v.reshape(b, n, hkv, d).astype(self.suffix_v[layer].dtype), mode="drop")
+    suffix_lens = jnp.broadcast_to((self.index + 1)[:, None], (b, n))
     out, lse = self.decode_fn(q.reshape(b, n, h, d), self.prefix_k[layer].astype(q.dtype),
                               self.prefix_v[layer].astype(q.dtype), self.prefix_lens,
                               new_k.astype(q.dtype), new_v.astype(q.dtype), suffix_lens,

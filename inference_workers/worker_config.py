@@ -16,7 +16,12 @@ class WorkerConfig:
   prompts_per_lease: int = setting(8, "prompts asked for per lease")
   lease_deadline_s: float = setting(300.0, "lease length; renewed while work is in flight")
   lease_wait_s: float = setting(2.0, "how long one lease request waits for prompts")
-  prompts_per_call: int = setting(8, "prompts generated together (stop requests are seen between)")
+  prompts_per_call: int = setting(8, "prompts decoded together: the continuous batch's slots "
+                                  "(VIGOR: the prompts of one call)")
+  decode_chunk_steps: int = setting(32, "most decode steps between two looks at new weights, "
+                                    "leases and stop requests")
+  in_flight_updates: bool = setting(False, "apply new weights between decode chunks at once, "
+                                    "not when the prompts started on the held version end")
   samples_per_prompt: int = setting(8, "N for the fixed allocator; VIGOR's per-prompt mean budget")
   allocator: str = setting("fixed", "rollout allocation: fixed (GRPO) or vigor")
   max_new_tokens: int = setting(64, "generation budget per sample")
@@ -40,7 +45,8 @@ class WorkerConfig:
         raise ValueError(f"WorkerConfig.{field}: expected {expected}, got {getattr(self, field)!r}")
     need(self.weights_format in ("bf16", "int8"), "weights_format", "'bf16' or 'int8'")
     need(self.allocator in ("fixed", "vigor"), "allocator", "'fixed' or 'vigor'")
-    for f in ("prompts_per_lease", "prompts_per_call", "samples_per_prompt", "max_new_tokens"):
+    for f in ("prompts_per_lease", "prompts_per_call", "samples_per_prompt", "max_new_tokens",
+              "decode_chunk_steps"):
       need(getattr(self, f) > 0, f, "a positive int")
     for f in ("lease_deadline_s", "grace_s", "backoff_initial_s", "backoff_max_s"):
       need(getattr(self, f) > 0, f, "a positive number of seconds")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from inference_workers.continuous import ContinuousBatch
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import ParamServerClient, RetryPolicy, sample_logprobs
@@ -172,6 +173,36 @@ def test_prefetched_update_waits_for_the_batch_boundary(server, versions):
     assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
 
 
+@pytest.mark.parametrize("in_flight", [False, True], ids=["at_the_drain", "in_flight"])
+def test_a_version_published_mid_generation(server, versions, monkeypatch, in_flight):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 4)
+    config = WorkerConfig(max_leases=2, in_flight_updates=in_flight, decode_chunk_steps=1,
+                          **dict(SMALL, max_new_tokens=12))
+    worker = Worker(wc, CONFIG, TOKENIZER, config)
+    step = ContinuousBatch.step
+
+    def publish_after_the_first_chunk(batch):
+      out = step(batch)
+      if worker.stats.leases == 1 and trainer.latest_version() == 0:
+        trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+        worker.prefetch(1)  # what the heartbeat thread does while a batch is generating
+      return out
+
+    monkeypatch.setattr(ContinuousBatch, "step", publish_after_the_first_chunk)
+    worker.run()
+    groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
+  assert worker.stats.versions_applied == [0, 1] and same_held(worker.policy, versions[1])
+  first, second = [[(groups[p].policy_version, groups[p].metadata["last_version"])
+                    for p in pair] for pair in (("p0", "p1"), ("p2", "p3"))]
+  assert second == [(1, "1"), (1, "1")]  # the second lease starts on the new version
+  if in_flight:  # the first lease's groups went on with the new weights
+    assert first == [(0, "1"), (0, "1")]
+  else:  # the new version waited for them to finish
+    assert first == [(0, "0"), (0, "0")]
+
+
 def test_a_publisher_on_device_seals_fingerprints_that_the_worker_checks_on_device(
     server, versions, monkeypatch):
   on_device = [{k: jnp.asarray(v) for k, v in sync.held_state(p, "bf16").items()}
@@ -205,14 +236,15 @@ def test_vigor_allocation_spends_the_whole_budget(server, versions):
     assert all(len(g.samples) >= 2 for g in groups)  # VIGOR's first round: m0 = 2 each
 
 
-def test_routing_replay_sends_each_tokens_experts_that_the_trainer_accepts(server):
+@pytest.mark.parametrize("allocator", ["vigor", "fixed"])
+def test_routing_replay_sends_each_tokens_experts_that_the_trainer_accepts(server, allocator):
   moe = CONFIG.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
   params = {k: np.asarray(v) for k, v in flatten_params(Transformer(moe, rngs=nnx.Rngs(0))).items()}
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
     config = WorkerConfig(max_leases=1, routing_replay=True,
-                          **dict(SMALL, allocator="vigor", samples_per_prompt=4))
+                          **dict(SMALL, allocator=allocator, samples_per_prompt=4))
     assert Worker(wc, moe, TOKENIZER, config).run().groups_submitted == 2
     taken = trainer.take_rollouts(0, 10).rollouts
   shape = BatchShape(groups=2, samples=4, prompt_len=32, response_len=6,

@@ -1,0 +1,297 @@
+"""Continuous batching of shared-prefix sampling: `slots` prompts x n samples decode together;
+when all n samples of a prompt have finished, the prompt leaves and a waiting one takes its
+slot, so one long response no longer holds the rest of the batch idle.
+
+The device state (`Slots`) is a SharedPrefixCache with one prompt per slot and a write index
+per slot, plus the per-row decode state (row s*n + j is sample j of slot s). Decoding runs
+on device in chunks (a while loop). A chunk returns to the host as soon as a slot finishes
+(or after `chunk_steps`); the host takes the finished groups, to be scored and sent at once,
+and prefills waiting prompts into the freed slots in one batched prefill. The weights are read afresh by each chunk, so a worker may update them in place
+between chunks.
+
+A sample equals `generate`'s for the same prompt and seed, whatever its neighbours and
+whenever it joined: its token at step t is drawn with fold_in(key(seed), t).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from inference_workers.decoding import (MIN_PROMPT_BUCKET, Rows, Sample, bucket, check_request,
+                                        empty_routes, knobs, pad_prompts, prefill, record,
+                                        routes_last, samples_of)
+from inference_workers.sampling import SamplingParams
+from inference_workers.shared_prefix import DecodeFn, SharedPrefixCache
+from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Slots:
+  """Everything on device: the cache, the rows, and (routing replay) the experts each fed-back
+  token [S*n, budget, M, k] and each prompt token [S, Sp, M, k] went to."""
+
+  cache: SharedPrefixCache
+  rows: Rows
+  routes: jax.Array | None
+  prompt_routes: jax.Array | None
+
+
+def _empty_slots(config, s: int, n: int, prompt_len: int, budget: int, decode_fn,
+                 record_routes: bool) -> Slots:
+  return Slots(cache=SharedPrefixCache.empty(config, s, n, prompt_len, budget, decode_fn),
+               rows=Rows.init(jnp.zeros((s * n,), jnp.int32), budget, done=True),
+               routes=empty_routes(config, s * n, budget) if record_routes else None,
+               prompt_routes=empty_routes(config, s, prompt_len) if record_routes else None)
+
+
+def _rows_of(slot_ids, n: int):
+  return (slot_ids[:, None] * n + jnp.arange(n)).reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "record_routes"),
+                   donate_argnames=("slots",))
+def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, knobs_, *, mode,
+            record_routes):
+  """Prefill prompts tokens [m, P] into slots slot_ids [m] (an id past the last slot: padding,
+  dropped) and draw each sample's first token."""
+  model = nnx.merge(graphdef, state)
+  c, n, p = slots.cache, slots.cache.num_samples, tokens.shape[1]
+  logits, filled, prompt_routes = prefill(model, tokens, lens, p, record_routes)
+
+  def put(buf, new):
+    return buf.at[slot_ids, :p].set(new.astype(buf.dtype), mode="drop")
+
+  cache = c.replace(prefix_k=tuple(map(put, c.prefix_k, filled.k)),
+                    prefix_v=tuple(map(put, c.prefix_v, filled.v)),
+                    prefix_lens=c.prefix_lens.at[slot_ids].set(lens, mode="drop"),
+                    index=c.index.at[slot_ids].set(0, mode="drop"))
+  fresh = Rows.init(seeds.reshape(-1), slots.rows.tokens.shape[1],
+                    done=jnp.zeros((seeds.size,), bool))
+  fresh = record(fresh, 0, jnp.repeat(logits, n, axis=0), knobs_, mode)
+  row_ids = _rows_of(slot_ids, n)
+  rows = jax.tree.map(lambda buf, new: buf.at[row_ids].set(new, mode="drop"), slots.rows, fresh)
+  return dataclasses.replace(
+      slots, cache=cache, rows=rows,
+      prompt_routes=put(slots.prompt_routes, prompt_routes) if record_routes else None)
+
+
+def _without_prompts(slots: Slots):
+  """(what decoding only reads: the prompts' caches, lengths and routes; the rest of the
+  slots, with None in their place)."""
+  c = slots.cache
+  fixed = (c.prefix_k, c.prefix_v, c.prefix_lens, slots.prompt_routes)
+  return fixed, dataclasses.replace(
+      slots, cache=c.replace(prefix_k=None, prefix_v=None, prefix_lens=None),
+      prompt_routes=None)
+
+
+def _with_prompts(fixed, slots: Slots) -> Slots:
+  prefix_k, prefix_v, prefix_lens, prompt_routes = fixed
+  return dataclasses.replace(
+      slots, cache=slots.cache.replace(prefix_k=prefix_k, prefix_v=prefix_v,
+                                       prefix_lens=prefix_lens),
+      prompt_routes=prompt_routes)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "record_routes"),
+                   donate_argnames=("moving",))
+def _chunk(graphdef, state, fixed, moving: Slots, knobs_, max_steps, *, mode, record_routes):
+  """Decode until a slot that was running finishes, every slot has, or `max_steps` steps;
+  returns the slots' moving part (see `_without_prompts`; the prompts' part is only read,
+  so it is neither donated nor copied) and which slots have finished [S]."""
+  model = nnx.merge(graphdef, state)
+  slots = _with_prompts(fixed, moving)
+  s, n = slots.cache.prefix_lens.shape[0], slots.cache.num_samples
+  budget = slots.rows.tokens.shape[1]
+
+  def running(rows):
+    return jnp.any(~rows.done.reshape(s, n), axis=1)
+
+  at_start = running(slots.rows)
+
+  def cond(carry):
+    taken, slots = carry
+    now = running(slots.rows)
+    return (taken < max_steps) & jnp.any(now) & ~jnp.any(at_start & ~now)
+
+  def body(carry):
+    taken, slots = carry
+    cache, rows = slots.cache, slots.rows
+    step = jnp.repeat(cache.index + 1, n)  # this step feeds generated token step - 1
+    positions = (jnp.repeat(cache.prefix_lens, n) + step - 1)[:, None]
+    hidden, cache, *routing = model.hidden_states(rows.token[:, None], positions=positions,
+                                                  cache=cache, record_routes=record_routes)
+    # A finished or free slot stops at the end of its suffix (its writes are dropped).
+    cache = cache.replace(index=jnp.minimum(cache.index, budget - 1))
+    routes = slots.routes
+    if record_routes:
+      routes = routes.at[jnp.arange(s * n), step - 1].set(
+          routes_last(routing[0].picks)[:, 0], mode="drop")
+    rows = record(rows, step, model.logits_from_hidden(hidden)[:, 0], knobs_, mode)
+    return taken + 1, dataclasses.replace(slots, cache=cache, rows=rows, routes=routes)
+
+  _, slots = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), slots))
+  return _without_prompts(slots)[1], jnp.all(slots.rows.done.reshape(s, n), axis=1)
+
+
+@jax.jit
+def _collect(slots: Slots, slot_ids):
+  """The rows of slots slot_ids [m]: tokens, logp, sampling logp [m*n, budget], lengths,
+  reasons, and (routing replay) their routes and the slots' prompt routes."""
+  rows = _rows_of(slot_ids, slots.cache.num_samples)
+  r = slots.rows
+  out = (r.tokens[rows], r.logp[rows], r.slogp[rows], r.lengths[rows], r.reasons[rows])
+  if slots.routes is not None:
+    out += (slots.routes[rows], slots.prompt_routes[slot_ids])
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("length",))
+def _grow(slots: Slots, length: int) -> Slots:
+  """Room for prompts of up to `length` tokens (the slots' prompts are kept)."""
+  def pad(a):
+    return jnp.pad(a, [(0, 0), (0, length - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+
+  c = slots.cache
+  return dataclasses.replace(
+      slots, cache=c.replace(prefix_k=tuple(map(pad, c.prefix_k)),
+                             prefix_v=tuple(map(pad, c.prefix_v))),
+      prompt_routes=None if slots.prompt_routes is None else pad(slots.prompt_routes))
+
+
+@dataclasses.dataclass
+class _Waiting:
+  key: Hashable
+  tokens: np.ndarray
+  seeds: np.ndarray
+
+
+class ContinuousBatch:
+  """`slots` prompt slots of n samples each, kept full from a queue of waiting prompts.
+
+  `add(key, prompt, seeds)` queues a prompt; each `step()` fills free slots, decodes one
+  chunk and returns the groups that finished as (key, [n Samples]); `run()` steps until
+  nothing waits or runs. `chunk_steps` (0: no bound) caps the steps of one chunk, so the
+  caller regains control (to apply new weights, or to stop) within that many steps.
+  """
+
+  def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,
+               decode_fn: DecodeFn = shared_prefix_decode_attention,
+               record_routes: bool = False, chunk_steps: int = 0):
+    if not isinstance(model, nnx.Module):
+      raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
+    if not isinstance(n, int) or n < 1:
+      raise ValueError(f"n: expected a positive int (samples per prompt), got {n!r}")
+    if not isinstance(slots, int) or slots < 1:
+      raise ValueError(f"slots: expected a positive int (prompts decoded together), got "
+                       f"{slots!r}")
+    if not isinstance(chunk_steps, int) or chunk_steps < 0:
+      raise ValueError(f"chunk_steps: expected an int >= 0, got {chunk_steps!r}")
+    check_request(model.config, [[0]], [0] * n, n, params)
+    self.model, self.n, self.num_slots, self.params = model, n, slots, params
+    self.record_routes, self.decode_fn = record_routes, decode_fn
+    self.chunk_steps = chunk_steps
+    self._knobs = knobs(params)
+    self._budget = bucket(params.max_new_tokens)
+    self._waiting: collections.deque[_Waiting] = collections.deque()
+    self._held: dict[int, tuple[Hashable, int]] = {}  # slot -> (key, prompt length)
+    self._slots: Slots | None = None
+
+  @property
+  def waiting(self) -> int:
+    """Prompts queued, not yet in a slot."""
+    return len(self._waiting)
+
+  @property
+  def running(self) -> int:
+    """Prompts in a slot whose group has not been returned yet."""
+    return len(self._held)
+
+  @property
+  def free(self) -> int:
+    """Slots that the waiting prompts do not already claim."""
+    return max(0, self.num_slots - self.running - self.waiting)
+
+  def add(self, key: Hashable, prompt: Sequence[int], seeds: Sequence[int]) -> None:
+    """Queue `prompt` (token ids) for n samples, sample j drawn with seeds[j]."""
+    seeds = np.asarray(seeds, np.int64).reshape(-1)
+    check_request(self.model.config, [prompt], seeds.tolist(), self.n, self.params)
+    tokens, lens = pad_prompts([prompt], 1, len(prompt), self.model.config.vocab_size)
+    self._waiting.append(_Waiting(key, tokens[0, :lens[0]], seeds.astype(np.int32)))
+
+  def take_waiting(self) -> list[Hashable]:
+    """Remove and return the keys of the prompts not started yet (a stopping worker
+    releases them)."""
+    keys = [w.key for w in self._waiting]
+    self._waiting.clear()
+    return keys
+
+  def step(self) -> list[tuple[Hashable, list[Sample]]]:
+    """Fill free slots, decode one chunk, return the groups that finished."""
+    self._fill()
+    if not self._held:
+      return []
+    graphdef, state = nnx.split(self.model)
+    fixed, moving = _without_prompts(self._slots)
+    moving, finished = _chunk(
+        graphdef, state, fixed, moving, self._knobs, np.int32(self.chunk_steps or self._budget),
+        mode=self.params.mode, record_routes=self.record_routes)
+    self._slots = _with_prompts(fixed, moving)
+    finished = np.asarray(finished)
+    return self._take([s for s in sorted(self._held) if finished[s]])
+
+  def run(self) -> list[tuple[Hashable, list[Sample]]]:
+    """Step until nothing waits or runs; every group, in the order they finished."""
+    out = []
+    while self._waiting or self._held:
+      out.extend(self.step())
+    return out
+
+  def _fill(self) -> None:
+    free = [s for s in range(self.num_slots) if s not in self._held]
+    joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+    if not joining:
+      return
+    length = bucket(max(w.tokens.size for w in joining), MIN_PROMPT_BUCKET)
+    config = self.model.config
+    if self._slots is None:
+      self._slots = _empty_slots(config, self.num_slots, self.n, length, self._budget,
+                                 self.decode_fn, self.record_routes)
+    elif length > self._slots.cache.prefix_k[0].shape[1]:
+      self._slots = _grow(self._slots, length=length)
+    m = bucket(len(joining))
+    tokens, lens = pad_prompts([w.tokens for w in joining], m, length, config.vocab_size)
+    slot_ids = np.full((m,), self.num_slots, np.int32)  # padding: past the last slot
+    seeds = np.zeros((m, self.n), np.int32)
+    for i, (w, s) in enumerate(zip(joining, free)):
+      slot_ids[i], seeds[i] = s, w.seeds
+      self._held[s] = (w.key, w.tokens.size)
+    graphdef, state = nnx.split(self.model)
+    self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, seeds,
+                          self._knobs, mode=self.params.mode, record_routes=self.record_routes)
+
+  def _take(self, finished: list[int]) -> list[tuple[Hashable, list[Sample]]]:
+    if not finished:
+      return []
+    ids = np.full((bucket(len(finished)),), finished[0], np.int32)
+    ids[:len(finished)] = finished
+    host: Any = jax.device_get(_collect(self._slots, ids))
+    tokens, logp, slogp, lengths, reasons, *routes = host
+    prompt_lens = [self._held[s][1] for s in finished]
+    flat = samples_of(tokens, logp, slogp, lengths[:len(finished) * self.n], reasons,
+                      *(routes or (None, None)), prompt_lens=prompt_lens,
+                      prompt_row=lambda i: i // self.n)
+    out = []
+    for i, s in enumerate(finished):
+      key, _ = self._held.pop(s)
+      out.append((key, flat[i * self.n:(i + 1) * self.n]))
+    return out

@@ -1,0 +1,183 @@
+"""The pieces every sampler shares: the Sample record, shape buckets, prompt padding and
+checks, the jitted prefill, and the per-step token record.
+
+A row's token at step t is drawn with key fold_in(key(seed), t), so a sample depends only on
+its seed, prompt and weights, not on its batch neighbours or on when it joined the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inference_workers.sampling import SamplingParams, choose_tokens, step_keys
+from rlax_ps.models.kv_cache import KVCache
+
+FINISH_REASONS = ("length", "stop")  # index = code used on device
+MIN_PROMPT_BUCKET = 8
+ROUTE_DTYPE = jnp.int16  # expert ids on device (-1: not recorded)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """One generated continuation.
+
+  tokens: generated ids, the stop token included when there was one.
+  logprobs: log_softmax of the model's logits (temperature 1) at each token: the policy's
+    log-prob, what importance ratios against the trainer's policy need.
+  sampling_logprobs: log-prob of each token under the distribution it was drawn from
+    (temperature, top-k, top-p applied and renormalised; 0 when greedy): the behaviour log-prob.
+  finish_reason: "stop" (emitted a stop token) or "length" (reached max_new_tokens).
+  prompt_routes, routes (`record_routes`, mixture of experts): the experts each MoE layer's
+    router picked, [prompt tokens, M, k] for the prompt and [len(tokens) - 1, M, k] for the
+    generated tokens fed back (the last one never is): what routing replay trains with.
+  """
+
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  sampling_logprobs: np.ndarray
+  finish_reason: str
+  prompt_routes: np.ndarray | None = None
+  routes: np.ndarray | None = None
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+  """Smallest power of two >= max(n, minimum)."""
+  n = max(int(n), minimum)
+  return 1 << (n - 1).bit_length()
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], batch: int, length: int, vocab: int):
+  """Right-padded tokens [batch, length] and lengths; padding rows hold one token 0."""
+  tokens = np.zeros((batch, length), np.int32)
+  lens = np.ones((batch,), np.int32)
+  for i, p in enumerate(prompts):
+    p = np.asarray(p, np.int64).reshape(-1)
+    if p.size == 0:
+      raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
+    if p.min() < 0 or p.max() >= vocab:
+      raise ValueError(f"prompts[{i}]: token ids must lie in [0, {vocab}), got "
+                       f"[{p.min()}, {p.max()}]")
+    tokens[i, :p.size] = p
+    lens[i] = p.size
+  return tokens, lens
+
+
+def check_request(model_config, prompts, seeds, rows, params: SamplingParams):
+  """Name what is wrong with a sampling request before anything is compiled."""
+  if not isinstance(params, SamplingParams):
+    raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+  if len(prompts) == 0:
+    raise ValueError("prompts: expected at least one prompt, got none")
+  if len(seeds) != rows:
+    raise ValueError(f"seeds: expected {rows} seeds (one per sample), got {len(seeds)}")
+  longest = max(len(p) for p in prompts)
+  if longest + params.max_new_tokens > model_config.max_position_embeddings:
+    raise ValueError(f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds "
+                     f"max_position_embeddings={model_config.max_position_embeddings}")
+  bad = [s for s in seeds if not 0 <= int(s) < 2 ** 31]
+  if bad:
+    raise ValueError(f"seeds: expected ints in [0, 2**31), got {bad[0]!r}")
+
+
+def knobs(params: SamplingParams):
+  """The traced sampling numbers; stop ids padded with -1 to a power-of-two count."""
+  stops = np.full((bucket(len(params.stop_tokens), 4),), -1, np.int32)
+  stops[:len(params.stop_tokens)] = params.stop_tokens
+  return (np.int32(params.max_new_tokens), np.float32(max(params.temperature, 1e-6)),
+          np.float32(params.top_p), stops)
+
+
+def routes_last(picks):
+  """The model's recorded picks [M, B, T, k] -> [B, T, M, k] ROUTE_DTYPE."""
+  return jnp.transpose(picks, (1, 2, 0, 3)).astype(ROUTE_DTYPE)
+
+
+def prefill(model, tokens, lens, cache_len: int, record_routes: bool = False):
+  """Prefill right-padded prompts; returns (last-token logits [B, V], filled KVCache, the
+  prompts' routes [B, P, M, k] when `record_routes`, else None)."""
+  b, p = tokens.shape
+  segment_ids = (jnp.arange(p)[None, :] < lens[:, None]).astype(jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+  cache = KVCache.init(model.config, b, cache_len)
+  hidden, cache, *routing = model.hidden_states(
+      tokens, positions=positions, segment_ids=segment_ids, cache=cache,
+      record_routes=record_routes)
+  last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], axis=1)
+  routes = routes_last(routing[0].picks) if record_routes else None
+  return model.logits_from_hidden(last)[:, 0], cache, routes
+
+
+def empty_routes(model_config, rows: int, length: int):
+  """A routes buffer [rows, length, M, k] of -1 (nothing recorded)."""
+  return jnp.full((rows, length, len(model_config.moe_layers),
+                   model_config.num_experts_per_tok), -1, ROUTE_DTYPE)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Rows:
+  """Per-row decode state: the last token drawn, whether the row finished, its length and
+  finish reason, its seed, and what it drew so far ([rows, budget] each)."""
+
+  token: jax.Array
+  done: jax.Array
+  lengths: jax.Array
+  reasons: jax.Array
+  seeds: jax.Array
+  tokens: jax.Array
+  logp: jax.Array
+  slogp: jax.Array
+
+  @classmethod
+  def init(cls, seeds, budget: int, done) -> "Rows":
+    rows = seeds.shape[0]
+    zeros = functools.partial(jnp.zeros, (rows,), jnp.int32)  # one buffer each (donation)
+    return cls(token=zeros(), done=jnp.broadcast_to(jnp.asarray(done, bool), (rows,)),
+               lengths=zeros(), reasons=zeros(),
+               seeds=jnp.asarray(seeds, jnp.int32),
+               tokens=jnp.zeros((rows, budget), jnp.int32),
+               logp=jnp.zeros((rows, budget), jnp.float32),
+               slogp=jnp.zeros((rows, budget), jnp.float32))
+
+
+def record(rows: Rows, step, logits, knobs_, mode) -> Rows:
+  """Draw step `step` (scalar or per row) of every row not done from its logits [R, V],
+  write it at that column, and finish rows that stopped or reached max_new."""
+  max_new, temperature, top_p, stops = knobs_
+  step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), rows.done.shape)
+  token, slogp, logp = choose_tokens(logits, step_keys(rows.seeds, step), mode, temperature,
+                                     top_p)
+  live = ~rows.done
+  token = jnp.where(live, token, 0)
+  at = (jnp.arange(step.shape[0]), step)
+  stopped = live & jnp.any(token[:, None] == stops[None, :], axis=-1)
+  return dataclasses.replace(
+      rows, token=token,
+      tokens=rows.tokens.at[at].set(token, mode="drop"),
+      logp=rows.logp.at[at].set(jnp.where(live, logp, 0.0), mode="drop"),
+      slogp=rows.slogp.at[at].set(jnp.where(live, slogp, 0.0), mode="drop"),
+      lengths=rows.lengths + live.astype(jnp.int32),
+      reasons=jnp.where(stopped, FINISH_REASONS.index("stop"), rows.reasons),
+      done=rows.done | stopped | (step + 1 >= max_new))
+
+
+def samples_of(tokens, logp, slogp, lengths, reasons, routes=None, prompt_routes=None,
+               prompt_lens=None, prompt_row=lambda i: i) -> list[Sample]:
+  """Host Samples of host arrays (row i's prompt is prompt row prompt_row(i))."""
+  result = []
+  for i in range(len(lengths)):
+    k, p = int(lengths[i]), prompt_row(i)
+    extra = {}
+    if routes is not None:
+      extra = dict(routes=routes[i, :max(k - 1, 0)],
+                   prompt_routes=prompt_routes[p, :prompt_lens[p]])
+    result.append(Sample(tokens=tokens[i, :k], logprobs=logp[i, :k],
+                         sampling_logprobs=slogp[i, :k],
+                         finish_reason=FINISH_REASONS[int(reasons[i])], **extra))
+  return result

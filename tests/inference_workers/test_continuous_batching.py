@@ -1,0 +1,148 @@
+"""Continuous batching: a finished prompt's slot is refilled while the others decode on, and
+every sample still equals `generate`'s for its prompt and seed (refills, a longer prompt
+growing the slots, routing replay's routes); a long group no longer holds short ones back;
+weights changed between chunks are read by the next one."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from benchmarks_lib import load_benchmark
+from inference_workers.continuous import ContinuousBatch
+from inference_workers.sampler import generate
+from inference_workers.sampling import SamplingParams
+from rlax_ps.models import ModelConfig, Transformer
+
+CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                     num_heads=4, num_kv_heads=2, qkv_bias=True, architecture="qwen2")
+MOE = ModelConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, architecture="qwen3", num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True)
+STOPS = tuple(range(1, 9))  # about one token in eight stops a sample: lengths vary
+PARAMS = SamplingParams(max_new_tokens=12, stop_tokens=STOPS)
+PROMPTS = [[3, 14, 15, 9], [26, 5], [35, 8, 9, 7, 9, 3], [23, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2],
+           [7, 9, 5]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(CONFIG, rngs=nnx.Rngs(0))
+
+
+def seeds_of(i, n=2):
+  return [100 * i + j for j in range(n)]
+
+
+def reference(model, prompt, seeds, params=PARAMS, **kw):
+  return generate(model, [prompt] * len(seeds), seeds, params, **kw)
+
+
+def assert_same(got, want):
+  for a, b in zip(got, want, strict=True):
+    assert a.tokens.tolist() == b.tokens.tolist()
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    np.testing.assert_allclose(a.sampling_logprobs, b.sampling_logprobs, atol=1e-5)
+    assert a.finish_reason == b.finish_reason
+
+
+def test_refilled_slots_give_every_prompt_its_own_samples(model):
+  batch = ContinuousBatch(model, 2, 2, PARAMS)
+  for i, p in enumerate(PROMPTS):  # five prompts through two slots; the fourth is the longest
+    batch.add(i, p, seeds_of(i))
+  assert (batch.waiting, batch.running) == (5, 0)
+  done = batch.run()
+  assert sorted(k for k, _ in done) == list(range(5)) and batch.running == batch.waiting == 0
+  for key, group in done:
+    assert_same(group, reference(model, PROMPTS[key], seeds_of(key)))
+
+
+def lengths(model, prompt, seeds):
+  return [len(s.tokens) for s in reference(model, prompt, seeds)]
+
+
+def test_a_long_group_does_not_hold_back_the_short_ones(model):
+  # Find seeds whose samples of PROMPTS[0] run the whole budget, and some that stop at once.
+  long_ = next(s for s in range(500) if lengths(model, PROMPTS[0], [s, s + 1]) == [12, 12])
+  short = [s for s in range(500) if max(lengths(model, PROMPTS[0], [s, s + 1])) <= 2][:3]
+  assert len(short) == 3
+  batch = ContinuousBatch(model, 2, 2, PARAMS)
+  batch.add("long", PROMPTS[0], [long_, long_ + 1])
+  for s in short:
+    batch.add(s, PROMPTS[0], [s, s + 1])
+  order = [key for key, _ in batch.run()]
+  assert order == short + ["long"]  # the second slot served all three meanwhile
+
+
+def test_a_longer_prompt_grows_the_slots_while_others_run(model):
+  batch = ContinuousBatch(model, 2, 2, PARAMS)
+  batch.add(0, PROMPTS[1], seeds_of(0))  # two tokens: slots sized for 8
+  batch.step()
+  batch.add(1, PROMPTS[3], seeds_of(1))  # twelve tokens: the slots grow to 16
+  got = dict(batch.run())
+  assert_same(got[1], reference(model, PROMPTS[3], seeds_of(1)))
+  if 0 in got:
+    assert_same(got[0], reference(model, PROMPTS[1], seeds_of(0)))
+
+
+def test_weights_changed_between_chunks_are_read_by_the_next_chunk(model):
+  params = SamplingParams(greedy=True, max_new_tokens=8)
+  other = Transformer(CONFIG, rngs=nnx.Rngs(1))
+  old = reference(model, PROMPTS[0], [0], params)[0].tokens.tolist()
+  new = reference(other, PROMPTS[0], [0], params)[0].tokens.tolist()
+  assert old[:3] != new[:3]
+  held = Transformer(CONFIG, rngs=nnx.Rngs(0))
+  batch = ContinuousBatch(held, 1, 1, params, chunk_steps=2)
+  batch.add(0, PROMPTS[0], [0])
+  assert batch.step() == []  # the first token (prefill) and two decode steps on the old weights
+  nnx.update(held, nnx.state(other))
+  (_, [sample]), = batch.run()
+  tokens = sample.tokens.tolist()
+  assert tokens[:3] == old[:3] and tokens != old
+
+
+def test_routes_are_recorded_across_refills():
+  moe = Transformer(MOE, rngs=nnx.Rngs(0))
+  batch = ContinuousBatch(moe, 2, 1, PARAMS, record_routes=True)
+  for i in range(2):
+    batch.add(i, PROMPTS[i], seeds_of(i))
+  for key, group in batch.run():
+    want = reference(moe, PROMPTS[key], seeds_of(key), record_routes=True)
+    assert_same(group, want)
+    for a, b in zip(group, want):
+      np.testing.assert_array_equal(a.routes, b.routes)
+      np.testing.assert_array_equal(a.prompt_routes, b.prompt_routes)
+      assert a.prompt_routes.shape == (len(PROMPTS[key]), 2, 2)
+
+
+def test_waiting_prompts_can_be_taken_back(model):
+  batch = ContinuousBatch(model, 2, 1, PARAMS, chunk_steps=1)
+  for i in range(3):
+    batch.add(i, PROMPTS[i], seeds_of(i))
+  batch.step()
+  assert batch.take_waiting() == [1, 2] and batch.waiting == 0 and batch.running in (0, 1)
+  assert [k for k, _ in batch.run()] in ([0], [])
+
+
+def test_bad_input_is_named(model):
+  with pytest.raises(ValueError, match="slots"):
+    ContinuousBatch(model, 2, 0, PARAMS)
+  with pytest.raises(ValueError, match="n: expected"):
+    ContinuousBatch(model, 0, 2, PARAMS)
+  with pytest.raises(ValueError, match="chunk_steps"):
+    ContinuousBatch(model, 2, 2, PARAMS, chunk_steps=-1)
+  batch = ContinuousBatch(model, 2, 2, PARAMS)
+  with pytest.raises(ValueError, match="seeds"):
+    batch.add(0, PROMPTS[0], [1])
+  with pytest.raises(ValueError, match=r"prompts\[0\]"):
+    batch.add(0, [CONFIG.vocab_size], [1, 2])
+  with pytest.raises(ValueError, match="max_position_embeddings"):
+    batch.add(0, [1] * CONFIG.max_position_embeddings, [1, 2])
+  assert batch.waiting == 0
+
+
+def test_the_benchmark_counts_the_decode_steps_of_each_schedule():
+  steps = load_benchmark("continuous_batching").schedule_steps
+  # One long group (5 tokens: 4 decode steps) and three short ones, two slots: static calls
+  # wait 4 + 1 steps; continuous slots run the three short ones beside the long one.
+  assert steps([5, 2, 2, 2], 2) == {"static": 5, "continuous": 4}
+  assert steps([3, 3, 3, 3], 2) == {"static": 4, "continuous": 4}  # equal lengths: no gain
