@@ -142,7 +142,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.weights_format = "bf16"  # Must equal publish.format.
   c.worker.samples_per_prompt = 8
   c.worker.prompts_per_lease = 8
-  c.worker.prompts_per_call = 8
+  c.worker.prompts_per_call = 8  # Prompts decoding together; a finished one's slot takes the next.
+  # False: a new version waits for the prompts started on the held one (a group is sampled
+  # by the version it carries); True: it is applied between decode chunks at once.
+  c.worker.in_flight_updates = False
   c.worker.max_new_tokens = 20
   c.worker.temperature = 1.0
   c.worker.lease_wait_s = 0.5

@@ -43,6 +43,7 @@ from param_server.protos import param_server_pb2 as pb
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.sync import Update
 
+_RATE_CHUNKS = 64  # decode chunks the reported tokens/s is averaged over
 _HEARTBEAT_JOIN_S = 5.0  # how long run() waits for the heartbeat thread on the way out
 # Failures that mean "the server is not there right now": back off and try again.
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -112,6 +113,7 @@ class Worker:
     self._started: dict[tuple[str, str], tuple[pb.Prompt, int]] = {}
     self._abandoned: set[str] = set()
     self._newer_waits = False  # a newer version waits for the running prompts to end
+    self._chunks: collections.deque[tuple[float, int]] = collections.deque(maxlen=_RATE_CHUNKS)
 
   # ------------------------------------------------------------ stopping
 
@@ -361,9 +363,12 @@ class Worker:
       return
     t0 = time.monotonic()
     finished = batch.step()
-    tokens = sum(len(s.tokens) for _, got in finished for s in got)
-    if tokens:
-      self._tokens_per_s = tokens / max(time.monotonic() - t0, 1e-9)
+    # A group's tokens count when it finishes but were made over many chunks: the rate is
+    # taken over the last _RATE_CHUNKS chunks.
+    self._chunks.append((time.monotonic() - t0,
+                         sum(len(s.tokens) for _, got in finished for s in got)))
+    self._tokens_per_s = (sum(n for _, n in self._chunks)
+                          / max(sum(t for t, _ in self._chunks), 1e-9))
     for (lease_id, prompt_id), got in finished:
       self._submit_group(lease_id, prompt_id, got)
 

@@ -81,8 +81,12 @@ def test_worker_completes_leases_and_submits_scored_groups(server, versions):
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     ids = enqueue_addition(trainer, 4)
     worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=2, **SMALL))
+    start = time.monotonic()
     stats = worker.run()
+    wall = time.monotonic() - start
     assert stats.leases == 2 and stats.groups_submitted == 4
+    # The speed it reports counts decoding time only: at least the whole run's average.
+    assert stats.tokens / wall <= worker._tokens_per_s < float("inf")
     # run() waits for its heartbeat thread: one left inside gRPC aborts the interpreter's exit
     assert not any(t.name == "worker-heartbeat" for t in threading.enumerate())
     take = trainer.take_rollouts(min_version=0, max_n=10)
