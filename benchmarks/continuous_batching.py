@@ -1,18 +1,21 @@
 """Continuous batching: sampling throughput of the worker's ContinuousBatch against static
-calls of the same slots (the next call starts when the longest response of the last ends),
-the same prompts and seeds, measured in one run.
+calls over the same decode rows, the same prompts and seeds, measured in one run.
 
     python benchmarks/continuous_batching.py                     # stops: ~1/48 per token
     python benchmarks/continuous_batching.py --stop_frac=0       # every response full length
 
 A random-weight Qwen2-shaped model samples --samples answers for each of --prompts prompts at
-temperature 1, --slots prompts at a time. A random model's next-token distribution is broad,
-so making --stop_frac of the vocabulary stop tokens gives each token that chance of ending
-its response: lengths spread geometrically up to --max_new_tokens, as in RL on reasoning
-tasks, where a few long answers outlast the rest. Rows: new tokens per second (compile
-excluded, best of --reps, the two alternated), the share of decoded row-steps that produced a token (the
-schedule's utilization, computed from the measured lengths) and the decode steps each
-schedule takes. Both schedules give the same samples (checked).
+temperature 1 on --rows decode rows. A random model's next-token distribution is broad, so
+making --stop_frac of the vocabulary stop tokens gives each token that chance of ending its
+response: lengths spread geometrically up to --max_new_tokens, as in RL on reasoning tasks,
+where a few long answers outlast the rest. Columns: static calls of rows/N prompts (the next
+call starts when the longest response of the last ends); continuous batching with all N
+samples of a prompt at once (a slot is refilled when its prompt's longest sample ends); and
+with --rows_per_prompt rows per prompt (rows / that many slots; a row takes its prompt's next
+sample as soon as its own ends). Rows: new tokens per second (compile excluded, best of
+--reps, the schedules alternated), the share of decoded row-steps that drew a token and the
+decode steps of each schedule (both computed from the measured lengths). Every schedule
+gives the same samples (checked).
 """
 
 from __future__ import annotations
@@ -36,23 +39,37 @@ from inference_workers.sampling import SamplingParams  # noqa: E402
 from rlax_ps.models import ModelConfig, Transformer  # noqa: E402
 
 
-def schedule_steps(group_lengths, slots: int) -> dict[str, int]:
-  """Decode steps of each schedule for groups (in queue order) whose longest sample has
-  that many tokens: static calls of `slots` groups last as long as their longest; continuous
-  slots take the next group as soon as theirs ends (the first token comes from the prefill)."""
-  lengths = [max(int(g) - 1, 0) for g in group_lengths]
-  static = sum(max(lengths[i:i + slots]) for i in range(0, len(lengths), slots))
-  ends = [0] * min(slots, len(lengths))
-  for n in lengths:  # each group goes to the slot that frees first
-    heapq.heapreplace(ends, ends[0] + n)
-  return {"static": static, "continuous": max(ends)}
+def static_steps(sample_lengths, rows: int) -> int:
+  """Decode steps of static calls of rows // N groups (in queue order) of N samples whose
+  lengths are given: each call lasts as long as its longest sample (the first token of
+  each comes from the prefill)."""
+  per_call = rows // len(sample_lengths[0])
+  longest = [max(max(int(x) - 1, 0) for x in g) for g in sample_lengths]
+  return sum(max(longest[i:i + per_call]) for i in range(0, len(longest), per_call))
+
+
+def continuous_steps(sample_lengths, rows: int, rows_per_prompt: int) -> int:
+  """Decode steps of continuous batching: rows // rows_per_prompt slots; a group takes the
+  slot that frees first, its samples the row of the slot that frees first; a slot frees
+  when its group's last sample ends."""
+  slots = [(0, s) for s in range(rows // rows_per_prompt)]
+  end = 0
+  for group in sample_lengths:
+    start, slot = heapq.heappop(slots)
+    ends = [start] * rows_per_prompt
+    for x in group:
+      heapq.heapreplace(ends, ends[0] + max(int(x) - 1, 0))
+    end = max(end, max(ends))
+    heapq.heappush(slots, (max(ends), slot))
+  return end
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--prompts", type=int, default=32)
   ap.add_argument("--samples", type=int, default=8)
-  ap.add_argument("--slots", type=int, default=8)
+  ap.add_argument("--rows", type=int, default=64)
+  ap.add_argument("--rows_per_prompt", type=int, default=2)
   ap.add_argument("--prompt_len", type=int, default=48)
   ap.add_argument("--max_new_tokens", type=int, default=256)
   ap.add_argument("--stop_frac", type=float, default=1 / 48)
@@ -61,6 +78,7 @@ def main():
   ap.add_argument("--vocab", type=int, default=8192)
   ap.add_argument("--reps", type=int, default=2)
   args = ap.parse_args()
+  n, r = args.samples, args.rows_per_prompt
 
   config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                        intermediate_size=3 * args.hidden, num_layers=args.layers,
@@ -71,55 +89,59 @@ def main():
   model = Transformer(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, args.vocab, args.prompt_len).tolist() for _ in range(args.prompts)]
-  seeds = [[i * args.samples + j for j in range(args.samples)] for i in range(args.prompts)]
+  seeds = [[i * n + j for j in range(n)] for i in range(args.prompts)]
   stops = tuple(range(int(round(args.stop_frac * args.vocab))))
   params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_tokens=stops)
+  per_call = args.rows // n
 
   def static():
     out = []
-    for i in range(0, args.prompts, args.slots):
-      out += generate_shared(model, prompts[i:i + args.slots], args.samples,
-                             seeds[i:i + args.slots], params)
+    for i in range(0, args.prompts, per_call):
+      out += generate_shared(model, prompts[i:i + per_call], n, seeds[i:i + per_call], params)
     return out
 
-  def continuous():
-    batch = ContinuousBatch(model, args.samples, args.slots, params)
-    for i, (p, s) in enumerate(zip(prompts, seeds)):
-      batch.add(i, p, s)
-    done = dict(batch.run())
-    return [done[i] for i in range(args.prompts)]
+  def continuous(rows_per_prompt):
+    def run():
+      batch = ContinuousBatch(model, n, args.rows // rows_per_prompt, params,
+                              rows_per_prompt=rows_per_prompt)
+      for i, (p, s) in enumerate(zip(prompts, seeds)):
+        batch.add(i, p, s)
+      done = dict(batch.run())
+      return [done[i] for i in range(args.prompts)]
+    return run
 
-  schedules = {"static": static, "continuous": continuous}
+  schedules = {"static": static, "per prompt": continuous(n),
+               f"{r} rows/prompt": continuous(r)}
   results = {name: fn() for name, fn in schedules.items()}  # compiles
   best = {name: float("inf") for name in schedules}
-  for _ in range(args.reps):  # alternated, so a shared machine's drift hits both alike
+  for _ in range(args.reps):  # alternated, so a shared machine's drift hits all alike
     for name, fn in schedules.items():
       best[name] = min(best[name], _timed(fn))
-  rates = {name: sum(len(s.tokens) for g in results[name] for s in g) / best[name]
-           for name in schedules}
   same = all(a.tokens.tolist() == b.tokens.tolist()
-             for ga, gb in zip(results["static"], results["continuous"]) for a, b in zip(ga, gb))
+             for other in results.values()
+             for ga, gb in zip(results["static"], other) for a, b in zip(ga, gb))
   if not same:
     raise SystemExit("continuous batching sampled differently from static calls")
   lengths = [[len(s.tokens) for s in g] for g in results["static"]]
   flat = np.concatenate(lengths)
-  steps = schedule_steps([max(g) for g in lengths], args.slots)
+  tokens = float(flat.sum())
+  steps = {"static": static_steps(lengths, args.rows),
+           "per prompt": continuous_steps(lengths, args.rows, n),
+           f"{r} rows/prompt": continuous_steps(lengths, args.rows, r)}
   useful = float(np.sum(flat - 1))
-  rows = args.slots * args.samples
 
-  print(f"continuous batching: {args.prompts} prompts x {args.samples} samples, {args.slots} "
-        f"slots ({rows} rows), prompt {args.prompt_len}, up to {args.max_new_tokens} new "
-        f"tokens; response length mean {flat.mean():.0f}, median {np.median(flat):.0f}, "
-        f"max {flat.max()}; {args.layers} layers x {args.hidden}, backend "
-        f"{jax.default_backend()}; same samples: {same}")
-  print(f"{'':28} {'static':>10} {'continuous':>11} {'ratio':>7}")
-  print(f"{'new tokens/s':28} {rates['static']:10.0f} {rates['continuous']:11.0f} "
-        f"{rates['continuous'] / rates['static']:6.2f}x")
-  util = {k: useful / (rows * max(v, 1)) for k, v in steps.items()}
-  print(f"{'row-steps that made a token':28} {util['static']:10.2f} {util['continuous']:11.2f} "
-        f"{util['continuous'] / util['static']:6.2f}x")
-  print(f"{'decode steps':28} {steps['static']:10d} {steps['continuous']:11d} "
-        f"{steps['static'] / max(steps['continuous'], 1):6.2f}x fewer")
+  print(f"continuous batching: {args.prompts} prompts x {n} samples on {args.rows} rows, "
+        f"prompt {args.prompt_len}, up to {args.max_new_tokens} new tokens; response length "
+        f"mean {flat.mean():.0f}, median {np.median(flat):.0f}, max {flat.max()}; "
+        f"{args.layers} layers x {args.hidden}, backend {jax.default_backend()}; same samples")
+  names = list(schedules)
+  print(f"{'':28}" + "".join(f"{k:>16}" for k in names))
+  base = tokens / best["static"]
+  print(f"{'new tokens/s':28}" + "".join(
+      f"{tokens / best[k]:>9.0f} ({tokens / best[k] / base:.2f}x)" for k in names))
+  print(f"{'row-steps that drew a token':28}" + "".join(
+      f"{useful / (args.rows * max(steps[k], 1)):>16.2f}" for k in names))
+  print(f"{'decode steps':28}" + "".join(f"{steps[k]:>16d}" for k in names))
 
 
 def _timed(fn) -> float:

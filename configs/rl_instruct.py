@@ -51,7 +51,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.default_task = "math"
   c.worker.samples_per_prompt = 8
   c.worker.prompts_per_lease = 8
-  c.worker.prompts_per_call = 16
+  # 128 decode rows: 32 prompts at a time, each drawing its 8 answers on 4 rows (a row
+  # takes the next answer when its own ends), so a few long answers leave no row idle.
+  c.worker.prompts_per_call = 32
+  c.worker.rows_per_prompt = 4
   c.worker.max_new_tokens = 1024
   c.worker.lease_deadline_s = 900.0
   c.loss.overlong_buffer = 256  # DAPO's soft punishment over the last quarter of the budget
@@ -77,6 +80,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.worker.samples_per_prompt = 2
     c.worker.prompts_per_lease = 2
     c.worker.prompts_per_call = 2
+    c.worker.rows_per_prompt = 1
     c.worker.max_new_tokens = 8
     c.worker.lease_deadline_s = 120.0
     c.loss.overlong_buffer = 2

@@ -2,8 +2,10 @@
 when all n samples of a prompt have finished, the prompt leaves and a waiting one takes its
 slot, so one long response no longer holds the rest of the batch idle.
 
-The device state (`Slots`) is a SharedPrefixCache with one prompt per slot and a write index
-per slot, plus the per-row decode state (row s*n + j is sample j of slot s). Decoding runs
+A slot's n samples run through its `rows_per_prompt` rows (n by default): a row whose sample
+ends takes the prompt's next one on device, its first token drawn from the prompt's kept
+last-token logits. The device state (`Slots`) is a SharedPrefixCache with one prompt per
+slot and a write index per row, the rows, and an output slot per sample. Decoding runs
 on device in chunks (a while loop). A chunk returns to the host as soon as a slot finishes
 (or after `chunk_steps`); the host takes the finished groups, to be scored and sent at once,
 and prefills waiting prompts into the freed slots in one batched prefill. The weights are read afresh by each chunk, so a worker may update them in place
@@ -36,19 +38,28 @@ from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Slots:
-  """Everything on device: the cache, the rows, and (routing replay) the experts each fed-back
-  token [S*n, budget, M, k] and each prompt token [S, Sp, M, k] went to."""
+  """Everything on device. Per slot: its prompt's cache, seeds [S, n], how many of its
+  samples have started [S] (n: none left, or a free slot) and its last-token logits
+  [S, V], where a row starting a sample draws its first token. The rows [S*r] and outputs
+  [S*n] (`Rows`). Routing replay: the experts each fed-back token [S*n, budget, M, k] and
+  each prompt token [S, Sp, M, k] went to."""
 
   cache: SharedPrefixCache
   rows: Rows
+  seeds: jax.Array
+  next: jax.Array
+  first_logits: jax.Array
   routes: jax.Array | None
   prompt_routes: jax.Array | None
 
 
-def _empty_slots(config, s: int, n: int, prompt_len: int, budget: int, decode_fn,
+def _empty_slots(config, s: int, n: int, r: int, prompt_len: int, budget: int, decode_fn,
                  record_routes: bool) -> Slots:
-  return Slots(cache=SharedPrefixCache.empty(config, s, n, prompt_len, budget, decode_fn),
-               rows=Rows.init(jnp.zeros((s * n,), jnp.int32), budget, done=True),
+  return Slots(cache=SharedPrefixCache.empty(config, s, r, prompt_len, budget, decode_fn),
+               rows=Rows.init(jnp.zeros((s * r,), jnp.int32), budget, done=True,
+                              outputs=s * n),
+               seeds=jnp.zeros((s, n), jnp.int32), next=jnp.full((s,), n, jnp.int32),
+               first_logits=jnp.zeros((s, config.vocab_size), jnp.float32),
                routes=empty_routes(config, s * n, budget) if record_routes else None,
                prompt_routes=empty_routes(config, s, prompt_len) if record_routes else None)
 
@@ -57,14 +68,41 @@ def _rows_of(slot_ids, n: int):
   return (slot_ids[:, None] * n + jnp.arange(n)).reshape(-1)
 
 
+def _start_samples(slots: Slots, knobs_, mode) -> Slots:
+  """Rows that are done take their slot's next samples, drawing each first token from the
+  prompt's last-token logits (skipped when no row does)."""
+  s, r = slots.cache.index.shape
+  n = slots.seeds.shape[1]
+  idle = slots.rows.done.reshape(s, r)
+  k = slots.next[:, None] + jnp.cumsum(idle, axis=1) - 1  # the sample each idle row takes
+  take = idle & (k < n)
+
+  def start(slots: Slots) -> Slots:
+    rows, t = slots.rows, take.reshape(-1)
+    k_ = jnp.minimum(k, n - 1)
+    seeds = jnp.take_along_axis(slots.seeds, k_, axis=1).reshape(-1)
+    sample = (jnp.arange(s)[:, None] * n + k_).reshape(-1)
+    view = dataclasses.replace(rows, done=~t, seeds=jnp.where(t, seeds, rows.seeds),
+                               sample=jnp.where(t, sample, rows.sample))
+    view = record(view, 0, jnp.repeat(slots.first_logits, r, axis=0), knobs_, mode)
+    rows = dataclasses.replace(view, token=jnp.where(t, view.token, rows.token),
+                               done=jnp.where(t, view.done, rows.done))
+    return dataclasses.replace(slots, rows=rows, next=slots.next + take.sum(axis=1),
+                               cache=slots.cache.replace(
+                                   index=jnp.where(take, 0, slots.cache.index)))
+
+  return jax.lax.cond(jnp.any(take), start, lambda slots: slots, slots)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "record_routes"),
                    donate_argnames=("slots",))
 def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, knobs_, *, mode,
             record_routes):
-  """Prefill prompts tokens [m, P] into slots slot_ids [m] (an id past the last slot: padding,
-  dropped) and draw each sample's first token."""
+  """Prefill prompts tokens [m, P] into free slots slot_ids [m] (an id past the last slot:
+  padding, dropped) and start their first samples."""
   model = nnx.merge(graphdef, state)
-  c, n, p = slots.cache, slots.cache.num_samples, tokens.shape[1]
+  c, p = slots.cache, tokens.shape[1]
+  n = slots.seeds.shape[1]
   logits, filled, prompt_routes = prefill(model, tokens, lens, p, record_routes)
 
   def put(buf, new):
@@ -72,82 +110,87 @@ def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, knobs_
 
   cache = c.replace(prefix_k=tuple(map(put, c.prefix_k, filled.k)),
                     prefix_v=tuple(map(put, c.prefix_v, filled.v)),
-                    prefix_lens=c.prefix_lens.at[slot_ids].set(lens, mode="drop"),
-                    index=c.index.at[slot_ids].set(0, mode="drop"))
-  fresh = Rows.init(seeds.reshape(-1), slots.rows.tokens.shape[1],
-                    done=jnp.zeros((seeds.size,), bool))
-  fresh = record(fresh, 0, jnp.repeat(logits, n, axis=0), knobs_, mode)
-  row_ids = _rows_of(slot_ids, n)
-  rows = jax.tree.map(lambda buf, new: buf.at[row_ids].set(new, mode="drop"), slots.rows, fresh)
-  return dataclasses.replace(
-      slots, cache=cache, rows=rows,
+                    prefix_lens=c.prefix_lens.at[slot_ids].set(lens, mode="drop"))
+  out = _rows_of(slot_ids, n)
+  rows = dataclasses.replace(
+      slots.rows, lengths=slots.rows.lengths.at[out].set(0, mode="drop"),
+      reasons=slots.rows.reasons.at[out].set(0, mode="drop"),
+      finished=slots.rows.finished.at[out].set(False, mode="drop"))
+  slots = dataclasses.replace(
+      slots, cache=cache, rows=rows, seeds=slots.seeds.at[slot_ids].set(seeds, mode="drop"),
+      next=slots.next.at[slot_ids].set(0, mode="drop"),
+      first_logits=slots.first_logits.at[slot_ids].set(logits, mode="drop"),
       prompt_routes=put(slots.prompt_routes, prompt_routes) if record_routes else None)
+  return _start_samples(slots, knobs_, mode)
 
 
 def _without_prompts(slots: Slots):
-  """(what decoding only reads: the prompts' caches, lengths and routes; the rest of the
-  slots, with None in their place)."""
+  """(what decoding only reads: the prompts' caches, lengths, routes, seeds and logits; the
+  rest of the slots, with None in their place)."""
   c = slots.cache
-  fixed = (c.prefix_k, c.prefix_v, c.prefix_lens, slots.prompt_routes)
+  fixed = (c.prefix_k, c.prefix_v, c.prefix_lens, slots.prompt_routes, slots.seeds,
+           slots.first_logits)
   return fixed, dataclasses.replace(
       slots, cache=c.replace(prefix_k=None, prefix_v=None, prefix_lens=None),
-      prompt_routes=None)
+      prompt_routes=None, seeds=None, first_logits=None)
 
 
 def _with_prompts(fixed, slots: Slots) -> Slots:
-  prefix_k, prefix_v, prefix_lens, prompt_routes = fixed
+  prefix_k, prefix_v, prefix_lens, prompt_routes, seeds, first_logits = fixed
   return dataclasses.replace(
       slots, cache=slots.cache.replace(prefix_k=prefix_k, prefix_v=prefix_v,
                                        prefix_lens=prefix_lens),
-      prompt_routes=prompt_routes)
+      prompt_routes=prompt_routes, seeds=seeds, first_logits=first_logits)
+
+
+def _slots_done(slots: Slots):
+  """[S]: every sample of the slot's prompt has finished (a free slot's too)."""
+  return jnp.all(slots.rows.finished.reshape(slots.seeds.shape), axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "record_routes"),
                    donate_argnames=("moving",))
 def _chunk(graphdef, state, fixed, moving: Slots, knobs_, max_steps, *, mode, record_routes):
-  """Decode until a slot that was running finishes, every slot has, or `max_steps` steps;
-  returns the slots' moving part (see `_without_prompts`; the prompts' part is only read,
-  so it is neither donated nor copied) and which slots have finished [S]."""
+  """Decode until a prompt that was running has all its samples, every prompt has, or
+  `max_steps` steps; returns the slots' moving part (see `_without_prompts`; the rest is
+  only read, so it is neither donated nor copied) and which slots are done [S]."""
   model = nnx.merge(graphdef, state)
   slots = _with_prompts(fixed, moving)
-  s, n = slots.cache.prefix_lens.shape[0], slots.cache.num_samples
+  s, r = slots.cache.index.shape
   budget = slots.rows.tokens.shape[1]
-
-  def running(rows):
-    return jnp.any(~rows.done.reshape(s, n), axis=1)
-
-  at_start = running(slots.rows)
+  at_start = ~_slots_done(slots)
 
   def cond(carry):
     taken, slots = carry
-    now = running(slots.rows)
-    return (taken < max_steps) & jnp.any(now) & ~jnp.any(at_start & ~now)
+    running = ~_slots_done(slots)
+    return (taken < max_steps) & jnp.any(running) & ~jnp.any(at_start & ~running)
 
   def body(carry):
     taken, slots = carry
     cache, rows = slots.cache, slots.rows
-    step = jnp.repeat(cache.index + 1, n)  # this step feeds generated token step - 1
-    positions = (jnp.repeat(cache.prefix_lens, n) + step - 1)[:, None]
+    step = cache.index.reshape(-1) + 1  # this step feeds generated token step - 1
+    positions = (jnp.repeat(cache.prefix_lens, r) + step - 1)[:, None]
     hidden, cache, *routing = model.hidden_states(rows.token[:, None], positions=positions,
                                                   cache=cache, record_routes=record_routes)
-    # A finished or free slot stops at the end of its suffix (its writes are dropped).
+    # A row with nothing left to draw stops at the end of its suffix (its writes are dropped).
     cache = cache.replace(index=jnp.minimum(cache.index, budget - 1))
     routes = slots.routes
     if record_routes:
-      routes = routes.at[jnp.arange(s * n), step - 1].set(
-          routes_last(routing[0].picks)[:, 0], mode="drop")
+      out = jnp.where(rows.done, routes.shape[0], rows.sample)
+      routes = routes.at[out, step - 1].set(routes_last(routing[0].picks)[:, 0], mode="drop")
     rows = record(rows, step, model.logits_from_hidden(hidden)[:, 0], knobs_, mode)
-    return taken + 1, dataclasses.replace(slots, cache=cache, rows=rows, routes=routes)
+    slots = dataclasses.replace(slots, cache=cache, rows=rows, routes=routes)
+    return taken + 1, _start_samples(slots, knobs_, mode)
 
   _, slots = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), slots))
-  return _without_prompts(slots)[1], jnp.all(slots.rows.done.reshape(s, n), axis=1)
+  return _without_prompts(slots)[1], _slots_done(slots)
 
 
 @jax.jit
 def _collect(slots: Slots, slot_ids):
   """The rows of slots slot_ids [m]: tokens, logp, sampling logp [m*n, budget], lengths,
   reasons, and (routing replay) their routes and the slots' prompt routes."""
-  rows = _rows_of(slot_ids, slots.cache.num_samples)
+  rows = _rows_of(slot_ids, slots.seeds.shape[1])
   r = slots.rows
   out = (r.tokens[rows], r.logp[rows], r.slogp[rows], r.lengths[rows], r.reasons[rows])
   if slots.routes is not None:
@@ -176,16 +219,20 @@ class _Waiting:
 
 
 class ContinuousBatch:
-  """`slots` prompt slots of n samples each, kept full from a queue of waiting prompts.
+  """`slots` prompt slots, kept full from a queue of waiting prompts; each slot's n samples
+  run through `rows_per_prompt` rows (0: n, all at once), a row taking the prompt's next
+  sample when its own ends.
 
   `add(key, prompt, seeds)` queues a prompt; each `step()` fills free slots, decodes one
   chunk and returns the groups that finished as (key, [n Samples]); `run()` steps until
   nothing waits or runs. `chunk_steps` (0: no bound) caps the steps of one chunk, so the
   caller regains control (to apply new weights, or to stop) within that many steps.
+  Fewer rows per prompt (and more slots for the same rows) keep more rows drawing when
+  lengths vary, at the price of a group taking longer to finish.
   """
 
   def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,
-               decode_fn: DecodeFn = shared_prefix_decode_attention,
+               rows_per_prompt: int = 0, decode_fn: DecodeFn = shared_prefix_decode_attention,
                record_routes: bool = False, chunk_steps: int = 0):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
@@ -194,12 +241,16 @@ class ContinuousBatch:
     if not isinstance(slots, int) or slots < 1:
       raise ValueError(f"slots: expected a positive int (prompts decoded together), got "
                        f"{slots!r}")
+    if not isinstance(rows_per_prompt, int) or not 0 <= rows_per_prompt <= n:
+      raise ValueError(f"rows_per_prompt: expected an int in [0, n={n}] (0: n), got "
+                       f"{rows_per_prompt!r}")
     if not isinstance(chunk_steps, int) or chunk_steps < 0:
       raise ValueError(f"chunk_steps: expected an int >= 0, got {chunk_steps!r}")
     check_request(model.config, [[0]], [0] * n, n, params)
     self.model, self.n, self.num_slots, self.params = model, n, slots, params
     self.record_routes, self.decode_fn = record_routes, decode_fn
     self.chunk_steps = chunk_steps
+    self.rows_per_prompt = rows_per_prompt or n
     self._knobs = knobs(params)
     self._budget = bucket(params.max_new_tokens)
     self._waiting: collections.deque[_Waiting] = collections.deque()
@@ -264,8 +315,8 @@ class ContinuousBatch:
     length = bucket(max(w.tokens.size for w in joining), MIN_PROMPT_BUCKET)
     config = self.model.config
     if self._slots is None:
-      self._slots = _empty_slots(config, self.num_slots, self.n, length, self._budget,
-                                 self.decode_fn, self.record_routes)
+      self._slots = _empty_slots(config, self.num_slots, self.n, self.rows_per_prompt, length,
+                                 self._budget, self.decode_fn, self.record_routes)
     elif length > self._slots.cache.prefix_k[0].shape[1]:
       self._slots = _grow(self._slots, length=length)
     m = bucket(len(joining))

@@ -122,49 +122,60 @@ def empty_routes(model_config, rows: int, length: int):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Rows:
-  """Per-row decode state: the last token drawn, whether the row finished, its length and
-  finish reason, its seed, and what it drew so far ([rows, budget] each)."""
+  """Decode state. Per row [R]: the last token drawn, whether the row is done, the seed and
+  output slot (`sample`) of the sample it draws. Per output slot [O]: its length, finish
+  reason, whether it finished, and what it drew ([O, budget]). `generate` gives each row
+  its own slot; `ContinuousBatch` moves a row on to a prompt's next sample."""
 
   token: jax.Array
   done: jax.Array
+  seeds: jax.Array
+  sample: jax.Array
   lengths: jax.Array
   reasons: jax.Array
-  seeds: jax.Array
+  finished: jax.Array
   tokens: jax.Array
   logp: jax.Array
   slogp: jax.Array
 
   @classmethod
-  def init(cls, seeds, budget: int, done) -> "Rows":
+  def init(cls, seeds, budget: int, done, outputs: int | None = None) -> "Rows":
+    """Rows drawing with `seeds`, row i into output slot i; `outputs` slots in all."""
     rows = seeds.shape[0]
-    zeros = functools.partial(jnp.zeros, (rows,), jnp.int32)  # one buffer each (donation)
-    return cls(token=zeros(), done=jnp.broadcast_to(jnp.asarray(done, bool), (rows,)),
-               lengths=zeros(), reasons=zeros(),
-               seeds=jnp.asarray(seeds, jnp.int32),
-               tokens=jnp.zeros((rows, budget), jnp.int32),
-               logp=jnp.zeros((rows, budget), jnp.float32),
-               slogp=jnp.zeros((rows, budget), jnp.float32))
+    outputs = rows if outputs is None else outputs
+    done = jnp.broadcast_to(jnp.asarray(done, bool), (rows,))
+    zeros = functools.partial(jnp.zeros, dtype=jnp.int32)  # one buffer each (donation)
+    return cls(token=zeros((rows,)), done=done, seeds=jnp.asarray(seeds, jnp.int32),
+               sample=jnp.arange(rows, dtype=jnp.int32), lengths=zeros((outputs,)),
+               reasons=zeros((outputs,)), finished=jnp.ones((outputs,), bool),
+               tokens=zeros((outputs, budget)),
+               logp=jnp.zeros((outputs, budget), jnp.float32),
+               slogp=jnp.zeros((outputs, budget), jnp.float32))
 
 
 def record(rows: Rows, step, logits, knobs_, mode) -> Rows:
   """Draw step `step` (scalar or per row) of every row not done from its logits [R, V],
-  write it at that column, and finish rows that stopped or reached max_new."""
+  write it into the row's output slot, and finish rows that stopped or reached max_new."""
   max_new, temperature, top_p, stops = knobs_
   step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), rows.done.shape)
   token, slogp, logp = choose_tokens(logits, step_keys(rows.seeds, step), mode, temperature,
                                      top_p)
   live = ~rows.done
   token = jnp.where(live, token, 0)
-  at = (jnp.arange(step.shape[0]), step)
+  out = jnp.where(live, rows.sample, rows.lengths.shape[0])  # rows not drawing write nothing
   stopped = live & jnp.any(token[:, None] == stops[None, :], axis=-1)
+  ends = live & (stopped | (step + 1 >= max_new))
+  at = (out, step)
   return dataclasses.replace(
-      rows, token=token,
+      rows, token=token, done=rows.done | ends,
       tokens=rows.tokens.at[at].set(token, mode="drop"),
-      logp=rows.logp.at[at].set(jnp.where(live, logp, 0.0), mode="drop"),
-      slogp=rows.slogp.at[at].set(jnp.where(live, slogp, 0.0), mode="drop"),
-      lengths=rows.lengths + live.astype(jnp.int32),
-      reasons=jnp.where(stopped, FINISH_REASONS.index("stop"), rows.reasons),
-      done=rows.done | stopped | (step + 1 >= max_new))
+      logp=rows.logp.at[at].set(logp, mode="drop"),
+      slogp=rows.slogp.at[at].set(slogp, mode="drop"),
+      lengths=rows.lengths.at[out].add(1, mode="drop"),
+      reasons=rows.reasons.at[jnp.where(stopped, out, rows.lengths.shape[0])].set(
+          FINISH_REASONS.index("stop"), mode="drop"),
+      finished=rows.finished.at[jnp.where(ends, out, rows.lengths.shape[0])].set(
+          True, mode="drop"))
 
 
 def samples_of(tokens, logp, slogp, lengths, reasons, routes=None, prompt_routes=None,

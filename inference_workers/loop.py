@@ -5,8 +5,9 @@ prompts are served again). A SIGTERM (the preemption notice) stops leasing; the 
 generated is finished and submitted, the rest of the lease is released, and the worker exits
 within `grace_s`; a watchdog releases whatever is still open if generation overruns it.
 With a fixed number of samples per prompt (GRPO) the worker batches continuously
-(`ContinuousBatch`): `prompts_per_call` prompt slots decode together, a finished prompt's
-group is scored and submitted at once and a newly leased prompt takes its slot. New versions
+(`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
+each), a finished prompt's group is scored and submitted at once and a newly leased prompt
+takes its slot. New versions
 are pulled by the heartbeat thread while generation runs and applied in place: by default
 once the prompts sampled on the held version have finished (new prompts wait meanwhile), so
 a group is sampled by one version, the one it carries; with `in_flight_updates` between
@@ -337,6 +338,7 @@ class Worker:
     if self._batch is None:
       self._batch = ContinuousBatch(self.policy.model, self.config.samples_per_prompt,
                                     self.config.prompts_per_call, self.params,
+                                    rows_per_prompt=self.config.rows_per_prompt,
                                     record_routes=self.config.routing_replay,
                                     chunk_steps=self.config.decode_chunk_steps)
     batch = self._batch

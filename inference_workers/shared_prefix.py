@@ -31,9 +31,9 @@ DecodeFn = Callable[..., tuple[jax.Array, jax.Array]]
 class SharedPrefixCache:
   """Prefix k/v per layer [B, Sp, Hkv, D] shared by N samples; suffix k/v [B, N, Ss, Hkv, D].
 
-  Prefix slots [0, prefix_lens[b]) hold prompt b; suffix slots [0, index[b]) hold the tokens
-  each sample of prompt b generated so far (its N samples advance together, one token per
-  call; prompts advance independently, so one can join while others are mid-way).
+  Prefix slots [0, prefix_lens[b]) hold prompt b; suffix slots [0, index[b, j]) hold the
+  tokens sample j of prompt b generated so far. Every sample advances one token per call
+  and its index is its own, so a sample can start while the others are mid-way.
   """
 
   prefix_k: tuple[jax.Array, ...]
@@ -41,7 +41,7 @@ class SharedPrefixCache:
   prefix_lens: jax.Array  # [B] int32
   suffix_k: tuple[jax.Array, ...]
   suffix_v: tuple[jax.Array, ...]
-  index: jax.Array  # [B] int32: next suffix slot of each prompt
+  index: jax.Array  # [B, N] int32: next suffix slot of each sample
   decode_fn: DecodeFn = flax.struct.field(pytree_node=False, default=shared_prefix_decode_attention)
 
   @classmethod
@@ -56,7 +56,7 @@ class SharedPrefixCache:
                prefix_lens=jnp.ones((b,), jnp.int32),
                suffix_k=tuple(jnp.zeros((b, n, suffix_len) + kv, dtype) for _ in layers),
                suffix_v=tuple(jnp.zeros((b, n, suffix_len) + kv, dtype) for _ in layers),
-               index=jnp.zeros((b,), jnp.int32), decode_fn=decode_fn)
+               index=jnp.zeros((b, n), jnp.int32), decode_fn=decode_fn)
 
   @property
   def num_samples(self) -> int:
@@ -70,8 +70,8 @@ class SharedPrefixCache:
   def attend(self, layer: int, q, k, v, q_segment_ids, q_positions, attention_fn, *,
              window: int | None = None, sm_scale: float | None = None,
              softcap: float | None = None, sinks=None):
-    """Write each sample's new k/v [B*N, 1, Hkv, D] at its prompt's suffix slot `index[b]`,
-    attend prefix+suffix (within `window` positions when the layer slides: the query sits at
+    """Write each sample's new k/v [B*N, 1, Hkv, D] at its suffix slot `index[b, j]`, attend
+    prefix+suffix (within `window` positions when the layer slides: the query sits at
     prefix_len + index)."""
     del q_segment_ids, q_positions, attention_fn  # the dense mask path does not apply here
     rows, t, h, d = q.shape
@@ -80,12 +80,12 @@ class SharedPrefixCache:
       raise ValueError(f"SharedPrefixCache.attend: expected q of shape [{b * n}, 1, heads, "
                        f"head_dim] (B={b} prompts x N={n} samples, one token), got {q.shape}")
     hkv = k.shape[2]
-    at = (jnp.arange(b), slice(None), self.index)  # prompt b's samples at suffix slot index[b]
+    at = (jnp.arange(b)[:, None], jnp.arange(n)[None, :], self.index)
     new_k = self.suffix_k[layer].at[at].set(
         k.reshape(b, n, hkv, d).astype(self.suffix_k[layer].dtype), mode="drop")
     new_v = self.suffix_v[layer].at[at].set(
         v.reshape(b, n, hkv, d).astype(self.suffix_v[layer].dtype), mode="drop")
-    suffix_lens = jnp.broadcast_to((self.index + 1)[:, None], (b, n))
+    suffix_lens = self.index + 1
     out, lse = self.decode_fn(q.reshape(b, n, h, d), self.prefix_k[layer].astype(q.dtype),
                               self.prefix_v[layer].astype(q.dtype), self.prefix_lens,
                               new_k.astype(q.dtype), new_v.astype(q.dtype), suffix_lens,

@@ -18,6 +18,8 @@ class WorkerConfig:
   lease_wait_s: float = setting(2.0, "how long one lease request waits for prompts")
   prompts_per_call: int = setting(8, "prompts decoded together: the continuous batch's slots "
                                   "(VIGOR: the prompts of one call)")
+  rows_per_prompt: int = setting(0, "decode rows per prompt (0: samples_per_prompt); fewer: "
+                                 "a row takes the prompt's next sample when its own ends")
   decode_chunk_steps: int = setting(32, "most decode steps between two looks at new weights, "
                                     "leases and stop requests")
   in_flight_updates: bool = setting(False, "apply new weights between decode chunks at once, "
@@ -48,6 +50,8 @@ class WorkerConfig:
     for f in ("prompts_per_lease", "prompts_per_call", "samples_per_prompt", "max_new_tokens",
               "decode_chunk_steps"):
       need(getattr(self, f) > 0, f, "a positive int")
+    need(0 <= self.rows_per_prompt <= self.samples_per_prompt, "rows_per_prompt",
+         f"an int in [0, samples_per_prompt={self.samples_per_prompt}]")
     for f in ("lease_deadline_s", "grace_s", "backoff_initial_s", "backoff_max_s"):
       need(getattr(self, f) > 0, f, "a positive number of seconds")
 

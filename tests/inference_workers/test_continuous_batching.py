@@ -45,15 +45,17 @@ def assert_same(got, want):
     assert a.finish_reason == b.finish_reason
 
 
-def test_refilled_slots_give_every_prompt_its_own_samples(model):
-  batch = ContinuousBatch(model, 2, 2, PARAMS)
+@pytest.mark.parametrize("n,rows", [(2, 0), (3, 1), (3, 2)])
+def test_refilled_slots_give_every_prompt_its_own_samples(model, n, rows):
+  # rows < n: a row whose sample ends takes the prompt's next sample
+  batch = ContinuousBatch(model, n, 2, PARAMS, rows_per_prompt=rows)
   for i, p in enumerate(PROMPTS):  # five prompts through two slots; the fourth is the longest
-    batch.add(i, p, seeds_of(i))
+    batch.add(i, p, seeds_of(i, n))
   assert (batch.waiting, batch.running) == (5, 0)
   done = batch.run()
   assert sorted(k for k, _ in done) == list(range(5)) and batch.running == batch.waiting == 0
   for key, group in done:
-    assert_same(group, reference(model, PROMPTS[key], seeds_of(key)))
+    assert_same(group, reference(model, PROMPTS[key], seeds_of(key, n)))
 
 
 def lengths(model, prompt, seeds):
@@ -102,7 +104,7 @@ def test_weights_changed_between_chunks_are_read_by_the_next_chunk(model):
 
 def test_routes_are_recorded_across_refills():
   moe = Transformer(MOE, rngs=nnx.Rngs(0))
-  batch = ContinuousBatch(moe, 2, 1, PARAMS, record_routes=True)
+  batch = ContinuousBatch(moe, 2, 1, PARAMS, rows_per_prompt=1, record_routes=True)
   for i in range(2):
     batch.add(i, PROMPTS[i], seeds_of(i))
   for key, group in batch.run():
@@ -128,6 +130,8 @@ def test_bad_input_is_named(model):
     ContinuousBatch(model, 2, 0, PARAMS)
   with pytest.raises(ValueError, match="n: expected"):
     ContinuousBatch(model, 0, 2, PARAMS)
+  with pytest.raises(ValueError, match="rows_per_prompt"):
+    ContinuousBatch(model, 2, 2, PARAMS, rows_per_prompt=3)
   with pytest.raises(ValueError, match="chunk_steps"):
     ContinuousBatch(model, 2, 2, PARAMS, chunk_steps=-1)
   batch = ContinuousBatch(model, 2, 2, PARAMS)
@@ -141,8 +145,14 @@ def test_bad_input_is_named(model):
 
 
 def test_the_benchmark_counts_the_decode_steps_of_each_schedule():
-  steps = load_benchmark("continuous_batching").schedule_steps
-  # One long group (5 tokens: 4 decode steps) and three short ones, two slots: static calls
-  # wait 4 + 1 steps; continuous slots run the three short ones beside the long one.
-  assert steps([5, 2, 2, 2], 2) == {"static": 5, "continuous": 4}
-  assert steps([3, 3, 3, 3], 2) == {"static": 4, "continuous": 4}  # equal lengths: no gain
+  bench = load_benchmark("continuous_batching")
+  # Four one-sample groups (5 tokens: 4 decode steps, then 1 each) on two rows: static
+  # calls wait 4 + 1 steps; continuous slots run the three short ones beside the long one.
+  assert bench.static_steps([[5], [2], [2], [2]], 2) == 5
+  assert bench.continuous_steps([[5], [2], [2], [2]], 2, 1) == 4
+  assert bench.continuous_steps([[3]] * 4, 2, 1) == bench.static_steps([[3]] * 4, 2) == 4
+  # Two samples per group on two rows: a slot per group waits for its longest sample (4 +
+  # 1 + 1); a row per group lets the short groups run beside the long one (4 + 1 -> 5).
+  groups = [[5, 2], [2, 2], [2, 2]]
+  assert bench.static_steps(groups, 2) == bench.continuous_steps(groups, 2, 2) == 6
+  assert bench.continuous_steps(groups, 2, 1) == 5

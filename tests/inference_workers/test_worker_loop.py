@@ -182,7 +182,9 @@ def test_a_version_published_mid_generation(server, versions, monkeypatch, in_fl
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 4)
+    # In flight, one row per prompt: its three samples one after another.
     config = WorkerConfig(max_leases=2, in_flight_updates=in_flight, decode_chunk_steps=1,
+                          rows_per_prompt=1 if in_flight else 0,
                           **dict(SMALL, max_new_tokens=12))
     worker = Worker(wc, CONFIG, TOKENIZER, config)
     step = ContinuousBatch.step
@@ -198,6 +200,7 @@ def test_a_version_published_mid_generation(server, versions, monkeypatch, in_fl
     worker.run()
     groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
   assert worker.stats.versions_applied == [0, 1] and same_held(worker.policy, versions[1])
+  assert worker._batch.rows_per_prompt == (1 if in_flight else 3)
   first, second = [[(groups[p].policy_version, groups[p].metadata["last_version"])
                     for p in pair] for pair in (("p0", "p1"), ("p2", "p3"))]
   assert second == [(1, "1"), (1, "1")]  # the second lease starts on the new version
@@ -379,3 +382,11 @@ def test_sigkill_leaves_leases_that_expire_and_are_served_again(server, versions
     answered = trainer.stats().rollouts_accepted
     assert lease.prompts and {p.id for p in lease.prompts} <= set(ids)
     assert len(lease.prompts) + answered == 32
+
+
+def test_bad_batching_settings_are_named():
+  with pytest.raises(ValueError, match=r"WorkerConfig.rows_per_prompt: expected an int in "
+                                       r"\[0, samples_per_prompt=4\]"):
+    WorkerConfig(samples_per_prompt=4, rows_per_prompt=5)
+  with pytest.raises(ValueError, match="WorkerConfig.decode_chunk_steps"):
+    WorkerConfig(decode_chunk_steps=0)
