@@ -1,18 +1,18 @@
-"""Continuous batching of shared-prefix sampling: `slots` prompts x n samples decode together;
-when all n samples of a prompt have finished, the prompt leaves and a waiting one takes its
-slot, so one long response no longer holds the rest of the batch idle.
+"""Continuous batching of shared-prefix sampling: `slots` prompts decode together; when all
+n samples of a prompt have finished, the prompt leaves and a waiting one takes its slot, so
+one long response no longer holds the rest of the batch idle.
 
-A slot's n samples run through its `rows_per_prompt` rows (n by default): a row whose sample
-ends takes the prompt's next one on device, its first token drawn from the prompt's kept
+A slot's n samples run on its `rows_per_prompt` rows (n by default): a row whose sample ends
+takes the prompt's next one on device, drawing its first token from the prompt's kept
 last-token logits. The device state (`Slots`) is a SharedPrefixCache with one prompt per
-slot and a write index per row, the rows, and an output slot per sample. Decoding runs
-on device in chunks (a while loop). A chunk returns to the host as soon as a slot finishes
+slot and a write index per row, the rows, and an output slot per sample. Decoding runs on
+device in chunks (a while loop). A chunk returns to the host as soon as a prompt finishes
 (or after `chunk_steps`); the host takes the finished groups, to be scored and sent at once,
-and prefills waiting prompts into the freed slots in one batched prefill. The weights are read afresh by each chunk, so a worker may update them in place
-between chunks.
+and prefills waiting prompts into the freed slots in one batched prefill. Each chunk reads
+the weights afresh, so a worker may update them in place between chunks.
 
 A sample equals `generate`'s for the same prompt and seed, whatever its neighbours and
-whenever it joined: its token at step t is drawn with fold_in(key(seed), t).
+whenever it started: its token at step t is drawn with fold_in(key(seed), t).
 """
 
 from __future__ import annotations

@@ -1,19 +1,21 @@
 """The inference worker: pull weights, lease prompts, sample, score, submit; preemption-safe.
 
 A worker is stateless: killed at any instant it loses nothing (its leases expire and the
-prompts are served again). A SIGTERM (the preemption notice) stops leasing; the prompt being
-generated is finished and submitted, the rest of the lease is released, and the worker exits
+prompts are served again). A SIGTERM (the preemption notice) stops leasing; the prompts
+being generated are finished and submitted, the rest are released, and the worker exits
 within `grace_s`; a watchdog releases whatever is still open if generation overruns it.
+
 With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
 each), a finished prompt's group is scored and submitted at once and a newly leased prompt
-takes its slot. New versions
-are pulled by the heartbeat thread while generation runs and applied in place: by default
-once the prompts sampled on the held version have finished (new prompts wait meanwhile), so
-a group is sampled by one version, the one it carries; with `in_flight_updates` between
+takes its slot. VIGOR samples in rounds, one call per `prompts_per_call` prompts.
+
+New versions are pulled by the heartbeat thread while generation runs and applied in place:
+by default once the prompts started on the held version have finished (new prompts wait),
+so a group is sampled by one version, the one it carries; with `in_flight_updates` between
 decode chunks at once, a group then carrying the oldest version it was sampled with (its
-per-token behaviour log-probs are still exact). VIGOR samples in rounds, one call per
-`prompts_per_call` prompts. An unreachable server is retried with capped exponential backoff.
+per-token behaviour log-probs stay exact). An unreachable server is retried with capped
+exponential backoff.
 """
 
 from __future__ import annotations
@@ -266,6 +268,18 @@ class Worker:
       if latest != self.policy.version:
         self.sync_weights()
 
+  def _lease(self, wait_s: float) -> Lease:
+    """Lease prompts (waiting up to wait_s for some); a non-empty lease is tracked (renewed by
+    the heartbeat, released on the way out) and counted."""
+    lease = self.client.lease(self.config.prompts_per_lease, self.config.lease_deadline_s,
+                              wait_s=wait_s)
+    if lease.prompts:
+      with self._lock:
+        self._inflight[lease.lease_id] = {p.id for p in lease.prompts}
+        self._lease_deadline[lease.lease_id] = time.monotonic() + self.config.lease_deadline_s
+      self.stats.leases += 1
+    return lease
+
   def _one_lease(self) -> None:
     self._catch_up()
     if self.policy.version is None:  # nothing published yet
@@ -273,14 +287,9 @@ class Worker:
       return
     if self.stopping:
       return
-    lease = self.client.lease(self.config.prompts_per_lease, self.config.lease_deadline_s,
-                              wait_s=self.config.lease_wait_s)
+    lease = self._lease(self.config.lease_wait_s)
     if not lease.prompts:
       return
-    with self._lock:
-      self._inflight[lease.lease_id] = {p.id for p in lease.prompts}
-      self._lease_deadline[lease.lease_id] = time.monotonic() + self.config.lease_deadline_s
-    self.stats.leases += 1
     try:
       self._serve(lease)
     except ParamServerError as e:
@@ -351,15 +360,8 @@ class Worker:
       self._release_pending()
     elif self._may_lease() and len(self._pending) < batch.free:
       idle = not (batch.running or self._pending)
-      lease = self.client.lease(self.config.prompts_per_lease, self.config.lease_deadline_s,
-                                wait_s=self.config.lease_wait_s if idle else 0.0)
-      if lease.prompts:
-        with self._lock:
-          self._inflight[lease.lease_id] = {p.id for p in lease.prompts}
-          self._lease_deadline[lease.lease_id] = (time.monotonic()
-                                                  + self.config.lease_deadline_s)
-        self.stats.leases += 1
-        self._pending.extend((lease.lease_id, p) for p in lease.prompts)
+      lease = self._lease(self.config.lease_wait_s if idle else 0.0)
+      self._pending.extend((lease.lease_id, p) for p in lease.prompts)
     self._start_pending(batch)
     if not (batch.running or batch.waiting):
       return
