@@ -150,20 +150,19 @@ def _slots_done(slots: Slots):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "record_routes"),
                    donate_argnames=("moving",))
-def _chunk(graphdef, state, fixed, moving: Slots, knobs_, max_steps, *, mode, record_routes):
-  """Decode until a prompt that was running has all its samples, every prompt has, or
-  `max_steps` steps; returns the slots' moving part (see `_without_prompts`; the rest is
-  only read, so it is neither donated nor copied) and which slots are done [S]."""
+def _chunk(graphdef, state, fixed, moving: Slots, held, knobs_, max_steps, *, mode,
+           record_routes):
+  """Decode until a prompt in a held slot (held [S]) has all its samples (at once if one
+  already has) or `max_steps` steps; returns the slots' moving part (see `_without_prompts`;
+  the rest is only read, so it is neither donated nor copied) and which slots are done [S]."""
   model = nnx.merge(graphdef, state)
   slots = _with_prompts(fixed, moving)
   s, r = slots.cache.index.shape
   budget = slots.rows.tokens.shape[1]
-  at_start = ~_slots_done(slots)
 
   def cond(carry):
     taken, slots = carry
-    running = ~_slots_done(slots)
-    return (taken < max_steps) & jnp.any(running) & ~jnp.any(at_start & ~running)
+    return (taken < max_steps) & ~jnp.any(held & _slots_done(slots))
 
   def body(carry):
     taken, slots = carry
@@ -293,9 +292,12 @@ class ContinuousBatch:
       return []
     graphdef, state = nnx.split(self.model)
     fixed, moving = _without_prompts(self._slots)
+    held = np.zeros((self.num_slots,), bool)
+    held[list(self._held)] = True
     moving, finished = _chunk(
-        graphdef, state, fixed, moving, self._knobs, np.int32(self.chunk_steps or self._budget),
-        mode=self.params.mode, record_routes=self.record_routes)
+        graphdef, state, fixed, moving, held, self._knobs,
+        np.int32(self.chunk_steps or self._budget), mode=self.params.mode,
+        record_routes=self.record_routes)
     self._slots = _with_prompts(fixed, moving)
     finished = np.asarray(finished)
     return self._take([s for s in sorted(self._held) if finished[s]])

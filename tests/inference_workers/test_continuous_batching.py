@@ -3,12 +3,17 @@ every sample still equals `generate`'s for its prompt and seed (refills, a longe
 growing the slots, routing replay's routes); a long group no longer holds short ones back;
 weights changed between chunks are read by the next one."""
 
+import re
+
 import numpy as np
 import pytest
 from flax import nnx
+from jax import export
 
 from benchmarks_lib import load_benchmark
+from inference_workers import continuous
 from inference_workers.continuous import ContinuousBatch
+from inference_workers.decoding import knobs
 from inference_workers.sampler import generate
 from inference_workers.sampling import SamplingParams
 from rlax_ps.models import ModelConfig, Transformer
@@ -37,6 +42,13 @@ def reference(model, prompt, seeds, params=PARAMS, **kw):
   return generate(model, [prompt] * len(seeds), seeds, params, **kw)
 
 
+def references(model, n, **kw):
+  """generate's samples of every prompt (seeds_of), in one call: {prompt index: [n]}."""
+  flat = generate(model, [p for p in PROMPTS for _ in range(n)],
+                  [s for i in range(len(PROMPTS)) for s in seeds_of(i, n)], PARAMS, **kw)
+  return {i: flat[i * n:(i + 1) * n] for i in range(len(PROMPTS))}
+
+
 def assert_same(got, want):
   for a, b in zip(got, want, strict=True):
     assert a.tokens.tolist() == b.tokens.tolist()
@@ -45,17 +57,17 @@ def assert_same(got, want):
     assert a.finish_reason == b.finish_reason
 
 
-@pytest.mark.parametrize("n,rows", [(2, 0), (3, 1), (3, 2)])
-def test_refilled_slots_give_every_prompt_its_own_samples(model, n, rows):
-  # rows < n: a row whose sample ends takes the prompt's next sample
-  batch = ContinuousBatch(model, n, 2, PARAMS, rows_per_prompt=rows)
+def test_refilled_slots_give_every_prompt_its_own_samples(model):
+  # Three samples on two rows: the row whose sample ends first takes the third.
+  batch = ContinuousBatch(model, 3, 2, PARAMS, rows_per_prompt=2)
   for i, p in enumerate(PROMPTS):  # five prompts through two slots; the fourth is the longest
-    batch.add(i, p, seeds_of(i, n))
+    batch.add(i, p, seeds_of(i, 3))
   assert (batch.waiting, batch.running) == (5, 0)
   done = batch.run()
   assert sorted(k for k, _ in done) == list(range(5)) and batch.running == batch.waiting == 0
+  want = references(model, 3)
   for key, group in done:
-    assert_same(group, reference(model, PROMPTS[key], seeds_of(key, n)))
+    assert_same(group, want[key])
 
 
 def lengths(model, prompt, seeds):
@@ -63,27 +75,30 @@ def lengths(model, prompt, seeds):
 
 
 def test_a_long_group_does_not_hold_back_the_short_ones(model):
-  # Find seeds whose samples of PROMPTS[0] run the whole budget, and some that stop at once.
-  long_ = next(s for s in range(500) if lengths(model, PROMPTS[0], [s, s + 1]) == [12, 12])
-  short = [s for s in range(500) if max(lengths(model, PROMPTS[0], [s, s + 1])) <= 2][:3]
-  assert len(short) == 3
+  # Seeds whose samples of PROMPTS[0] run the whole budget, and some that stop at once.
+  lens = lengths(model, PROMPTS[0], list(range(64)))
+  long_ = [s for s in range(64) if lens[s] == 12][:2]
+  short = [s for s in range(64) if lens[s] <= 2][:6]
+  assert len(long_) == 2 and len(short) == 6
+  pairs = [short[i:i + 2] for i in range(0, 6, 2)]
   batch = ContinuousBatch(model, 2, 2, PARAMS)
-  batch.add("long", PROMPTS[0], [long_, long_ + 1])
-  for s in short:
-    batch.add(s, PROMPTS[0], [s, s + 1])
+  batch.add("long", PROMPTS[0], long_)
+  for i, pair in enumerate(pairs):
+    batch.add(i, PROMPTS[0], pair)
   order = [key for key, _ in batch.run()]
-  assert order == short + ["long"]  # the second slot served all three meanwhile
+  assert order == [0, 1, 2, "long"]  # the second slot served all three meanwhile
 
 
 def test_a_longer_prompt_grows_the_slots_while_others_run(model):
   batch = ContinuousBatch(model, 2, 2, PARAMS)
-  batch.add(0, PROMPTS[1], seeds_of(0))  # two tokens: slots sized for 8
+  batch.add(1, PROMPTS[1], seeds_of(1))  # two tokens: slots sized for 8
   batch.step()
-  batch.add(1, PROMPTS[3], seeds_of(1))  # twelve tokens: the slots grow to 16
+  batch.add(3, PROMPTS[3], seeds_of(3))  # twelve tokens: the slots grow to 16
   got = dict(batch.run())
-  assert_same(got[1], reference(model, PROMPTS[3], seeds_of(1)))
-  if 0 in got:
-    assert_same(got[0], reference(model, PROMPTS[1], seeds_of(0)))
+  want = references(model, 2)
+  for key, group in got.items():
+    assert_same(group, want[key])
+  assert 3 in got
 
 
 def test_weights_changed_between_chunks_are_read_by_the_next_chunk(model):
@@ -107,8 +122,9 @@ def test_routes_are_recorded_across_refills():
   batch = ContinuousBatch(moe, 2, 1, PARAMS, rows_per_prompt=1, record_routes=True)
   for i in range(2):
     batch.add(i, PROMPTS[i], seeds_of(i))
+  references_ = references(moe, 2, record_routes=True)
   for key, group in batch.run():
-    want = reference(moe, PROMPTS[key], seeds_of(key), record_routes=True)
+    want = references_[key]
     assert_same(group, want)
     for a, b in zip(group, want):
       np.testing.assert_array_equal(a.routes, b.routes)
@@ -156,3 +172,25 @@ def test_the_benchmark_counts_the_decode_steps_of_each_schedule():
   groups = [[5, 2], [2, 2], [2, 2]]
   assert bench.static_steps(groups, 2) == bench.continuous_steps(groups, 2, 2) == 6
   assert bench.continuous_steps(groups, 2, 1) == 5
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_the_decode_chunk_lowers_for_tpu_and_cuda(platform):
+  # The whole chunk (per-row cache writes, rows taking next samples, the decode kernel:
+  # Mosaic on TPU, the XLA path on CUDA) exported from the CPU for the real targets.
+  config = ModelConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=128, architecture="qwen3",
+                       qk_norm=True, dtype="bfloat16")
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  params = SamplingParams(max_new_tokens=256, stop_tokens=STOPS)
+  batch = ContinuousBatch(model, 4, 2, params, rows_per_prompt=2)
+  batch.add(0, list(range(1, 101)), [0, 1, 2, 3])
+  batch._fill()
+  graphdef, state = nnx.split(model)
+  fixed, moving = continuous._without_prompts(batch._slots)
+  exported = export.export(continuous._chunk, platforms=[platform])(
+      graphdef, state, fixed, moving, np.array([True, False]), knobs(params), np.int32(8),
+      mode=params.mode, record_routes=False)
+  assert exported.platforms == (platform,)
+  kernels = set(re.findall(r'kernel_name = "([a-z_]+)"', exported.mlir_module()))
+  assert kernels == ({"shared_prefix_decode"} if platform == "tpu" else set())
