@@ -278,13 +278,6 @@ class ContinuousBatch:
     tokens, lens = pad_prompts([prompt], 1, len(prompt), self.model.config.vocab_size)
     self._waiting.append(_Waiting(key, tokens[0, :lens[0]], seeds.astype(np.int32)))
 
-  def take_waiting(self) -> list[Hashable]:
-    """Remove and return the keys of the prompts not started yet (a stopping worker
-    releases them)."""
-    keys = [w.key for w in self._waiting]
-    self._waiting.clear()
-    return keys
-
   def step(self) -> list[tuple[Hashable, list[Sample]]]:
     """Fill free slots, decode one chunk, return the groups that finished."""
     self._fill()

@@ -132,15 +132,6 @@ def test_routes_are_recorded_across_refills():
       assert a.prompt_routes.shape == (len(PROMPTS[key]), 2, 2)
 
 
-def test_waiting_prompts_can_be_taken_back(model):
-  batch = ContinuousBatch(model, 2, 1, PARAMS, chunk_steps=1)
-  for i in range(3):
-    batch.add(i, PROMPTS[i], seeds_of(i))
-  batch.step()
-  assert batch.take_waiting() == [1, 2] and batch.waiting == 0 and batch.running in (0, 1)
-  assert [k for k, _ in batch.run()] in ([0], [])
-
-
 def test_bad_input_is_named(model):
   with pytest.raises(ValueError, match="slots"):
     ContinuousBatch(model, 2, 0, PARAMS)
