@@ -154,11 +154,14 @@ def _chunk(graphdef, state, fixed, moving: Slots, held, knobs_, max_steps, *, mo
            record_routes):
   """Decode until a prompt in a held slot (held [S]) has all its samples (at once if one
   already has) or `max_steps` steps; returns the slots' moving part (see `_without_prompts`;
-  the rest is only read, so it is neither donated nor copied) and which slots are done [S]."""
+  the rest is only read, so it is neither donated nor copied) and which slots are done [S].
+  With a row per sample every sample starts at its prompt's insertion, so rows never start
+  one here and that branch is not compiled."""
   model = nnx.merge(graphdef, state)
   slots = _with_prompts(fixed, moving)
   s, r = slots.cache.index.shape
   budget = slots.rows.tokens.shape[1]
+  rows_move_on = r < slots.seeds.shape[1]
 
   def cond(carry):
     taken, slots = carry
@@ -179,7 +182,7 @@ def _chunk(graphdef, state, fixed, moving: Slots, held, knobs_, max_steps, *, mo
       routes = routes.at[out, step - 1].set(routes_last(routing[0].picks)[:, 0], mode="drop")
     rows = record(rows, step, model.logits_from_hidden(hidden)[:, 0], knobs_, mode)
     slots = dataclasses.replace(slots, cache=cache, rows=rows, routes=routes)
-    return taken + 1, _start_samples(slots, knobs_, mode)
+    return taken + 1, _start_samples(slots, knobs_, mode) if rows_move_on else slots
 
   _, slots = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), slots))
   return _without_prompts(slots)[1], _slots_done(slots)
@@ -328,7 +331,7 @@ class ContinuousBatch:
   def _take(self, finished: list[int]) -> list[tuple[Hashable, list[Sample]]]:
     if not finished:
       return []
-    ids = np.full((bucket(len(finished)),), finished[0], np.int32)
+    ids = np.full((self.num_slots,), finished[0], np.int32)  # one program per batch shape
     ids[:len(finished)] = finished
     host: Any = jax.device_get(_collect(self._slots, ids))
     tokens, logp, slogp, lengths, reasons, *routes = host

@@ -184,8 +184,7 @@ def test_a_version_published_mid_generation(server, versions, monkeypatch, in_fl
     enqueue_addition(trainer, 4)
     # In flight, one row per prompt: its three samples one after another.
     config = WorkerConfig(max_leases=2, in_flight_updates=in_flight, decode_chunk_steps=1,
-                          rows_per_prompt=1 if in_flight else 0,
-                          **dict(SMALL, max_new_tokens=12))
+                          rows_per_prompt=1 if in_flight else 0, **SMALL)
     worker = Worker(wc, CONFIG, TOKENIZER, config)
     step = ContinuousBatch.step
 
