@@ -242,15 +242,14 @@ def test_vigor_allocation_spends_the_whole_budget(server, versions):
     assert all(len(g.samples) >= 2 for g in groups)  # VIGOR's first round: m0 = 2 each
 
 
-@pytest.mark.parametrize("allocator", ["vigor", "fixed"])
-def test_routing_replay_sends_each_tokens_experts_that_the_trainer_accepts(server, allocator):
+def test_routing_replay_sends_each_tokens_experts_that_the_trainer_accepts(server):
   moe = CONFIG.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
   params = {k: np.asarray(v) for k, v in flatten_params(Transformer(moe, rngs=nnx.Rngs(0))).items()}
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
     config = WorkerConfig(max_leases=1, routing_replay=True,
-                          **dict(SMALL, allocator=allocator, samples_per_prompt=4))
+                          **dict(SMALL, allocator="vigor", samples_per_prompt=4))
     assert Worker(wc, moe, TOKENIZER, config).run().groups_submitted == 2
     taken = trainer.take_rollouts(0, 10).rollouts
   shape = BatchShape(groups=2, samples=4, prompt_len=32, response_len=6,
