@@ -321,23 +321,27 @@ class Worker:
       version = self.policy.version
       groups = self._rollout_groups(chunk, version)
       for prompt, group in zip(chunk, groups):
-        try:
-          self.client.submit_rollouts(lease.lease_id, group)
-        except ParamServerError as e:
-          if e.code != grpc.StatusCode.INVALID_ARGUMENT:
-            raise
-          # Refused as it is (too large, malformed): the prompt goes back with the lease's
-          # unanswered ones; the others are still submitted.
-          self.stats.groups_refused += 1
-          logging.error("worker: the group of prompt %s was refused: %s", prompt.id, e)
-          continue
-        with self._lock:
-          self._inflight[lease.lease_id].discard(prompt.id)
-        self.stats.groups_submitted += 1
+        self._submit(lease.lease_id, prompt.id, group)
     with self._lock:
       left = self._inflight[lease.lease_id]
     if not left:
       self.client.complete(lease.lease_id)
+
+  def _submit(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup) -> None:
+    """Submit one group and mark its prompt answered. A group refused as it is (too large,
+    malformed) is counted and logged, and its prompt goes back with the lease's unanswered
+    ones; any other failure is raised."""
+    try:
+      self.client.submit_rollouts(lease_id, group)
+    except ParamServerError as e:
+      if e.code != grpc.StatusCode.INVALID_ARGUMENT:
+        raise
+      self.stats.groups_refused += 1
+      logging.error("worker: the group of prompt %s was refused: %s", prompt_id, e)
+      return
+    with self._lock:
+      self._inflight[lease_id].discard(prompt_id)
+    self.stats.groups_submitted += 1
 
   # ------------------------------------------------------------ continuous batching
 
@@ -408,19 +412,11 @@ class Worker:
     if lease_id not in self._abandoned:
       group = self._group(prompt, version, samples, [self._score(prompt, s) for s in samples])
       try:
-        self._with_backoff(lambda: self.client.submit_rollouts(lease_id, group))
-      except ParamServerError as e:
-        if e.code == grpc.StatusCode.INVALID_ARGUMENT:
-          self.stats.groups_refused += 1
-          logging.error("worker: the group of prompt %s was refused: %s", prompt.id, e)
-        else:  # the lease expired or was taken back: its prompts are queued again
-          logging.warning("worker: lease %s abandoned: %s", lease_id, e)
-          self._abandoned.add(lease_id)
-          self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
-      else:
-        with self._lock:
-          self._inflight[lease_id].discard(prompt.id)
-        self.stats.groups_submitted += 1
+        self._with_backoff(lambda: self._submit(lease_id, prompt_id, group))
+      except ParamServerError as e:  # the lease expired or was taken back: queued again
+        logging.warning("worker: lease %s abandoned: %s", lease_id, e)
+        self._abandoned.add(lease_id)
+        self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
     self._settle(lease_id)
 
   def _settle(self, lease_id: str) -> None:
