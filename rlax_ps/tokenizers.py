@@ -2,9 +2,10 @@
 Hugging Face `tokenizer.json` files through the `tokenizers` package.
 
 Both give `encode(text) -> list[int]`, `encode_prompt(prompt) -> list[int]` (a prompt as
-the model sees it: [bos] text, or a conversation through the chat template), `decode(ids)
--> str`, `bos_id`, `eos_id`, `stop_ids`, `pad_id` and `vocab_size`, so the trainer, the
-sampler and the verifiers never care which one they hold.
+the model sees it: [bos] text, or a conversation through the chat template),
+`encode_reply(text, after)` (an environment's reply to a turn, as the next message),
+`decode(ids) -> str`, `bos_id`, `eos_id`, `stop_ids`, `pad_id` and `vocab_size`, so the
+trainer, the sampler and the verifiers never care which one they hold.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Tokenizer(Protocol):
   def render_prompt(self, prompt: str | list[dict[str, str]]) -> str: ...
 
   def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]: ...
+
+  def encode_reply(self, text: str, after: int) -> list[int]: ...
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str: ...
 
@@ -94,6 +97,11 @@ class CharTokenizer:
   def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
     """[bos] + the prompt's ids."""
     return self.encode(self.render_prompt(prompt), add_bos=True)
+
+  def encode_reply(self, text: str, after: int) -> list[int]:
+    """An environment's reply after a turn the policy ended: the text's ids (no template)."""
+    del after
+    return self.encode(text)
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     ids = [self.bos_id] if add_bos else []
@@ -193,6 +201,7 @@ class HFTokenizer:
     self._stops = tuple(dict.fromkeys([self._eos, *_generation_eos_ids(directory), *extra]))
     self.chat_template = chat.read_template(chat_template, directory) if chat_template else None
     self.chat_kwargs = dict(chat_kwargs or {})
+    self._reply_frames: dict[int, tuple[str, str]] = {}  # closing token -> encode_reply's frame
     # The special tokens a template sees by name, as transformers passes them.
     self._special = {f"{kind}_token": self._tok.id_to_token(i)
                      for kind, i in (("bos", self._bos), ("eos", self._eos), ("pad", self._pad))}
@@ -255,6 +264,46 @@ class HFTokenizer:
     any bos itself, as transformers' apply_chat_template encodes it)."""
     text = self.render_prompt(prompt)
     return self.encode(text, add_bos=self.chat_template is None)
+
+  def encode_reply(self, text: str, after: int) -> list[int]:
+    """The ids that follow a turn the policy ended with token `after`: the environment's
+    reply `text` as the next message (a "tool" message, a "user" one where the template
+    knows no tool role) and the assistant's turn opened again, as the chat template renders
+    that conversation; without a template, the text's ids."""
+    if self.chat_template is None:
+      return self.encode(text)
+    if after not in self._reply_frames:
+      self._reply_frames[after] = self._reply_frame(after)
+    before, behind = self._reply_frames[after]
+    return self.encode(before + text + behind)
+
+  def _reply_frame(self, after: int) -> tuple[str, str]:
+    """(text before, text after) a reply in the rendered conversation, from the end of the
+    assistant's turn on, the turn's closing token (`after`) left out where it opens it."""
+    content, reply = "\ue000", "\ue001"  # private-use characters no template writes
+    turn = [{"role": "user", "content": "\ue002"}, {"role": "assistant", "content": content}]
+    kw = dict(special_tokens=self._special, **self.chat_kwargs)
+    base = chat.render(self.chat_template, turn, add_generation_prompt=False, **kw)
+    errors = []
+    for role in ("tool", "user"):
+      try:
+        full = chat.render(self.chat_template, turn + [{"role": role, "content": reply}], **kw)
+        break
+      except ValueError as e:
+        errors.append(str(e))
+    else:
+      raise ValueError(f"tokenizer.chat_template: cannot render an environment's reply as a "
+                       f"tool or user message: {errors[-1]}")
+    if not full.startswith(base) or content not in base or full.count(reply) != 1:
+      raise ValueError("tokenizer.chat_template: a reply after the assistant's turn changes "
+                       "how the earlier turns render; multi-turn rollouts need a template whose "
+                       "conversation grows by appending")
+    framed = base[base.index(content) + len(content):] + full[len(base):]
+    closing = self.decode([after], skip_special=False)
+    if closing and framed.startswith(closing):
+      framed = framed[len(closing):]
+    before, behind = framed.split(reply)
+    return before, behind
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

@@ -138,3 +138,36 @@ def test_jsonl_prompts_may_be_conversations(tmp_path):
   path.write_text(json.dumps({"prompt": [], "answer": "3"}) + "\n")
   with pytest.raises(ValueError, match=r"train.jsonl:1: field 'prompt': expected a non-empty"):
     read_prompts(str(path), default_task="addition")
+
+
+@pytest.mark.parametrize("template, closer, role", [
+    ("auto", "<|im_end|>", "tool"), ("llama3.jinja", "<|eot_id|>", "user"),
+    ("gemma3.jinja", "<end_of_turn>", "user")])
+def test_an_environments_reply_continues_the_conversation_as_the_template_renders_it(
+    template, closer, role):
+  # The prompt, the policy's turn up to its closing token, then encode_reply: the ids of the
+  # whole conversation rendered with the reply as the next message (a template without a
+  # tool role gets a user message) and the assistant's turn opened again.
+  tok = tokenizer(template)
+  user, said, reply = "the sum of 12 and 34", "hello world", "46"
+  close = tok._tok.token_to_id(closer)
+  ids = tok.encode_prompt(user) + tok.encode(said) + [close] + tok.encode_reply(reply, close)
+  conversation = [{"role": "user", "content": user}, {"role": "assistant", "content": said},
+                  {"role": role, "content": reply}]
+  assert ids == tok.encode_prompt(conversation)
+  # A turn closed by another stop token keeps the template's own closing after it.
+  other = tok.encode_reply(reply, tok.pad_id)
+  assert other[:1] == [close] and other[1:] == tok.encode_reply(reply, close)
+
+
+def test_a_reply_without_a_template_is_its_text_and_a_template_that_rewrites_history_is_named():
+  assert CharTokenizer().encode_reply("<result>4</result>", 2) == CharTokenizer().encode(
+      "<result>4</result>")
+  assert HFTokenizer(CHAT).encode_reply("46", 2) == HFTokenizer(CHAT).encode("46")
+  rewrites = ("{% for m in messages %}{% if loop.last %}{{ m['content'] }}{% endif %}"
+              "{% endfor %}")
+  tok = HFTokenizer(CHAT, chat_template="auto")
+  tok.chat_template = rewrites
+  with pytest.raises(ValueError, match="tokenizer.chat_template: a reply after the assistant's "
+                                       "turn changes how the earlier turns render"):
+    tok.encode_reply("46", 2)

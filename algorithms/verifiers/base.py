@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any, Callable, Protocol
 
+from algorithms.environments import ENVIRONMENTS
+
 
 @dataclasses.dataclass(frozen=True)
 class VerifierResult:
@@ -121,13 +123,14 @@ _LOADED: dict[str, list[str]] = {}  # imported file or module -> the names it re
 def load_verifiers(spec: str, field: str = "verifiers") -> list[str]:
   """Import each comma-separated Python file (`path/rewards.py`) or module (`pkg.rewards`)
   of `spec`, once per process, so that the verifiers it registers with @register_verifier
-  can score prompts whose task names them. Returns those names; ValueError naming `field`
-  when one cannot be imported or registers nothing."""
+  can score prompts whose task names them (and the environments it registers with
+  @register_environment can answer their turns). Returns the names registered; ValueError
+  naming `field` when one cannot be imported or registers nothing."""
   names: list[str] = []
   for entry in filter(None, (e.strip() for e in spec.split(","))):
     key = os.path.abspath(entry) if entry.endswith(".py") else entry
     if key not in _LOADED:
-      before = set(VERIFIERS)
+      before = set(VERIFIERS) | {f"environment:{e}" for e in ENVIRONMENTS}
       try:
         if key.endswith(".py"):
           if not os.path.isfile(key):
@@ -141,10 +144,11 @@ def load_verifiers(spec: str, field: str = "verifiers") -> list[str]:
           importlib.import_module(key)
       except Exception as e:
         raise ValueError(f"{field}: could not import {entry!r}: {type(e).__name__}: {e}") from e
-      added = sorted(set(VERIFIERS) - before)
+      added = sorted((set(VERIFIERS) | {f"environment:{e}" for e in ENVIRONMENTS}) - before)
       if not added:
-        raise ValueError(f"{field}: {entry!r} registered no verifier; decorate a class or "
-                         f"factory in it with @register_verifier('name')")
+        raise ValueError(f"{field}: {entry!r} registered no verifier or environment; "
+                         f"decorate a class or factory in it with @register_verifier('name') "
+                         f"or @register_environment('name')")
       _LOADED[key] = added
     names += _LOADED[key]
   return names

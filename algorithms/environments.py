@@ -1,0 +1,136 @@
+"""Multi-turn rollouts: an environment answers each turn the policy ends.
+
+When a sample ends a turn (emits a stop token), the worker calls the environment with the
+completion so far (its earlier replies included) and the prompt's reference:
+`environment(completion, reference) -> str | None`. A string is the reply (a tool's output,
+a judge's feedback): the worker appends it as the next message and the policy goes on; None
+ends the sample, which the task's verifier then scores as a whole. The reply's tokens are
+context for the policy, not its actions: they carry no log-prob and no loss.
+
+Registered: "calculator" (`<calc>expression</calc>` -> `<result>value</result>`).
+`@register_environment("name")` in a file or module that worker.verifiers names adds one.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import re
+from typing import Any, Callable, Protocol
+
+
+class Environment(Protocol):
+  def __call__(self, completion: str, reference: Any) -> str | None: ...
+
+
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+
+
+def register_environment(name: str):
+  """Class or factory decorator: `make_environment(name, **kwargs)` will call it. A name
+  taken by another definition is a ValueError; the same definition run again replaces it."""
+
+  def wrap(factory):
+    old = ENVIRONMENTS.get(name)
+    if old is not None and old is not factory and (
+        (old.__module__, old.__qualname__) != (factory.__module__, factory.__qualname__)):
+      raise ValueError(f"environment name: {name!r} is already registered to {old!r}")
+    ENVIRONMENTS[name] = factory
+    return factory
+
+  return wrap
+
+
+def make_environment(name: str, field: str = "worker.environment", **kwargs: Any
+                     ) -> Environment:
+  """A registered environment; ValueError naming `field` for any other name."""
+  if name not in ENVIRONMENTS:
+    raise ValueError(f"{field}: expected one of {sorted(ENVIRONMENTS)} (or one that a file "
+                     f"worker.verifiers names registers), got {name!r}")
+  return ENVIRONMENTS[name](**kwargs)
+
+
+class GuardedEnvironment:
+  """An environment whose exceptions become its reply ("error: ..."), so that a completion
+  it cannot parse neither stops the worker nor loses the prompt; a reply that is neither a
+  string nor None is a TypeError naming the environment (that mistake is in every call)."""
+
+  def __init__(self, name: str, environment: Environment):
+    self.name, self.environment = name, environment
+    self.errors = 0
+
+  def __call__(self, completion: str, reference: Any) -> str | None:
+    try:
+      reply = self.environment(completion, reference)
+    except Exception as e:  # noqa: BLE001 - the environment is the user's code
+      self.errors += 1
+      return f"error: {type(e).__name__}: {e}"
+    if reply is not None and not isinstance(reply, str):
+      raise TypeError(f"environment {self.name!r}: expected a str reply or None, got "
+                      f"{type(reply).__name__}")
+    return reply
+
+
+# ---------------------------------------------------------------- the calculator
+
+_CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_MAX_EXPONENT = 64
+_MAX_DIGITS = 64
+
+
+def evaluate_arithmetic(expression: str) -> int | float:
+  """The value of +, -, *, /, //, %, ** over int and float literals and parentheses; a
+  ValueError for anything else (names, calls, huge powers), so it runs no code."""
+  try:
+    tree = ast.parse(expression.strip(), mode="eval")
+  except SyntaxError as e:
+    raise ValueError(f"not an arithmetic expression: {expression.strip()!r}") from e
+
+  def value(node):
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+      return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+      return _UNARY[type(node.op)](value(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+      left, right = value(node.left), value(node.right)
+      if isinstance(node.op, ast.Pow) and abs(right) > _MAX_EXPONENT:
+        raise ValueError(f"exponent {right} is larger than {_MAX_EXPONENT}")
+      result = _BINARY[type(node.op)](left, right)
+      if isinstance(result, int) and len(str(abs(result))) > _MAX_DIGITS:
+        raise ValueError(f"result has more than {_MAX_DIGITS} digits")
+      return result
+    raise ValueError(f"unsupported syntax {type(node).__name__} in {expression.strip()!r}")
+
+  try:
+    return value(tree.body)
+  except (ZeroDivisionError, OverflowError) as e:
+    raise ValueError(str(e)) from e
+
+
+def _format(number: int | float) -> str:
+  if isinstance(number, float) and math.isfinite(number) and number == int(number):
+    return str(int(number))
+  return repr(number)
+
+
+@register_environment("calculator")
+class Calculator:
+  """A tool: the last `<calc>expression</calc>` of the policy's latest turn is answered with
+  `<result>value</result>` (or `<result>error: ...</result>`); a turn without one ends the
+  sample. Only the text after the last reply counts, so an old call is not answered twice."""
+
+  def __call__(self, completion: str, reference: Any) -> str | None:
+    del reference
+    latest = completion.rsplit("</result>", 1)[-1]
+    calls = _CALL.findall(latest)
+    if not calls:
+      return None
+    try:
+      return f"<result>{_format(evaluate_arithmetic(calls[-1]))}</result>"
+    except ValueError as e:
+      return f"<result>error: {e}</result>"
