@@ -138,12 +138,16 @@ class PullProgress:
 def make_sample(token_ids: Sequence[int], reward: float, *, text: str = "",
                 logprobs: Sequence[float] | np.ndarray | None = None, finish_reason: str = "",
                 metadata: dict[str, str] | None = None,
-                routes: np.ndarray | None = None) -> pb.Sample:
-  """A sample; logprobs travel packed as little-endian float32, routes as `make_routes`."""
+                routes: np.ndarray | None = None,
+                observed: np.ndarray | None = None) -> pb.Sample:
+  """A sample; logprobs travel packed as little-endian float32, routes as `make_routes`,
+  `observed` (multi-turn: True on the environment's tokens) as a byte per token."""
   s = pb.Sample(token_ids=list(map(int, token_ids)), reward=float(reward), text=text,
                 finish_reason=finish_reason, metadata=metadata or {})
   if logprobs is not None:
     s.logprobs_f32 = np.asarray(logprobs, dtype="<f4").tobytes()
+  if observed is not None and np.any(observed):
+    s.observed = np.asarray(observed, bool).astype(np.uint8).tobytes()
   if routes is not None:
     s.routes.CopyFrom(make_routes(routes))
   return s
@@ -165,6 +169,13 @@ def routes_of(routes: pb.Routes) -> np.ndarray:
   """A Routes message's expert ids [tokens, layers, top_k] (int32)."""
   flat = np.frombuffer(routes.ids, dtype=f"<u{routes.id_bytes}").astype(np.int32)
   return flat.reshape(-1, routes.layers, routes.top_k)
+
+
+def sample_observed(sample: pb.Sample) -> np.ndarray | None:
+  """Which of a sample's tokens an environment wrote ([tokens] bool); None: all the policy's."""
+  if not sample.observed:
+    return None
+  return np.frombuffer(sample.observed, dtype=np.uint8).astype(bool)
 
 
 def sample_logprobs(sample: pb.Sample) -> np.ndarray:

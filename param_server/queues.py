@@ -125,6 +125,11 @@ def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: 
     for j, t in enumerate(s.token_ids):
       if t < 0:
         raise errors.InvalidArgument(f"{where}.token_ids[{j}]", f"expected >= 0, got {t}")
+    if s.observed and (len(s.observed) != len(s.token_ids) or s.observed.strip(b"\x00\x01")):
+      other = "" if len(s.observed) != len(s.token_ids) else " holding other values"
+      raise errors.InvalidArgument(
+          f"{where}.observed", f"expected one byte 0 or 1 per token ({len(s.token_ids)}), got "
+          f"{len(s.observed)} bytes{other}")
   _validate_routes(group)
 
 

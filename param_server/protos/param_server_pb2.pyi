@@ -196,7 +196,7 @@ class Routes(_message.Message):
     def __init__(self, ids: _Optional[bytes] = ..., layers: _Optional[int] = ..., top_k: _Optional[int] = ..., id_bytes: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("token_ids", "text", "reward", "logprobs", "logprobs_f32", "finish_reason", "metadata", "routes")
+    __slots__ = ("token_ids", "text", "reward", "logprobs", "logprobs_f32", "finish_reason", "metadata", "routes", "observed")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class Sample(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     reward: float
@@ -220,7 +221,8 @@ class Sample(_message.Message):
     finish_reason: str
     metadata: _containers.ScalarMap[str, str]
     routes: Routes
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., finish_reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., routes: _Optional[_Union[Routes, _Mapping]] = ...) -> None: ...
+    observed: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., finish_reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., routes: _Optional[_Union[Routes, _Mapping]] = ..., observed: _Optional[bytes] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
     __slots__ = ("prompt_id", "samples", "policy_version", "metadata", "prompt_routes")

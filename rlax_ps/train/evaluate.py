@@ -1,4 +1,5 @@
-"""Held-out exact match: greedy decoding with the model's KV cache, scored by each task.
+"""Held-out exact match: greedy decoding with the model's KV cache, scored by each task
+(multi-turn with the workers' environment, when the config names one).
 
 Prompts are left-padded (padding has segment id 0, so no real token attends to it) and
 every row's positions start at 0 at its first real token; decoding then writes one slot per
@@ -76,45 +77,89 @@ def left_pad_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int
                      ) -> dict[str, np.ndarray]:
   """Prompt ids (`encode_prompt`), right-aligned in rows of `length`, with segment ids and
   positions."""
-  b = len(prompts)
-  tokens = np.full((b, length), tokenizer.pad_id, np.int32)
+  return left_pad_ids([tokenizer.encode_prompt(p) for p in prompts], length, tokenizer.pad_id,
+                      prompts)
+
+
+def left_pad_ids(rows: Sequence[Sequence[int]], length: int, pad_id: int,
+                 names: Sequence[Any] | None = None) -> dict[str, np.ndarray]:
+  """Token id rows right-aligned in rows of `length`, with segment ids and positions."""
+  b = len(rows)
+  tokens = np.full((b, length), pad_id, np.int32)
   seg = np.zeros((b, length), np.int32)
   pos = np.zeros((b, length), np.int32)
-  for i, prompt in enumerate(prompts):
-    ids = tokenizer.encode_prompt(prompt)
+  for i, ids in enumerate(rows):
     if len(ids) > length:
-      raise ValueError(f"prompt {prompt!r} has {len(ids)} tokens, more than length={length}")
+      name = rows[i] if names is None else names[i]
+      raise ValueError(f"prompt {name!r} has {len(ids)} tokens, more than length={length}")
     tokens[i, length - len(ids):] = ids
     seg[i, length - len(ids):] = 1
     pos[i, length - len(ids):] = np.arange(len(ids))
   return {"tokens": tokens, "segment_ids": seg, "positions": pos}
 
 
-def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], *,
-                max_new_tokens: int, batch_size: int, prompt_len: int,
-                temperature: float = 0.0, seed: int = 0) -> list[str]:
-  """Completion text of each prompt (up to eos), `batch_size` prompts per call: greedy, or
-  sampled at `temperature` > 0 (batch i drawn with key fold_in(key(seed), i))."""
+def _decode_batches(graphdef, params, tokenizer: Tokenizer, rows: Sequence[Sequence[int]], *,
+                    max_new_tokens: int, batch_size: int, prompt_len: int, temperature: float,
+                    key) -> list[list[int]]:
+  """Each id row's continuation up to and including its first stop id (or the budget),
+  `batch_size` rows per call; batch i sampled with fold_in(key, i) when temperature > 0."""
   gen = jitted_generate(graphdef, max_new_tokens, temperature > 0)
   stops = np.asarray(tokenizer.stop_ids, np.int32)
   extra = ()
-  out: list[str] = []
-  for start in range(0, len(prompts), batch_size):
-    chunk = list(prompts[start:start + batch_size])
+  out: list[list[int]] = []
+  for start in range(0, len(rows), batch_size):
+    chunk = list(rows[start:start + batch_size])
     n = len(chunk)
     chunk += [chunk[-1]] * (batch_size - n)  # Keep one shape: one compile.
-    arrays = left_pad_prompts(tokenizer, chunk, prompt_len)
+    arrays = left_pad_ids(chunk, prompt_len, tokenizer.pad_id)
     if temperature > 0:
-      extra = (np.float32(temperature),
-               jax.random.fold_in(jax.random.PRNGKey(seed), start // batch_size))
+      extra = (np.float32(temperature), jax.random.fold_in(key, start // batch_size))
     ids = np.asarray(to_host(gen(params, arrays["tokens"], arrays["segment_ids"],
                                         arrays["positions"], stops, tokenizer.pad_id,
                                         *extra)))
     for row in ids[:n]:
-      row = list(row)
+      row = [int(t) for t in row]
       ends = [i for i, t in enumerate(row) if t in tokenizer.stop_ids]
-      out.append(tokenizer.decode(row[:ends[0]] if ends else row))
+      out.append(row[:ends[0] + 1] if ends else row)
   return out
+
+
+def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], *,
+                max_new_tokens: int, batch_size: int, prompt_len: int,
+                temperature: float = 0.0, seed: int = 0, environment=None,
+                references: Sequence[Any] = (), max_turns: int = 0) -> list[str]:
+  """Completion text of each prompt (up to eos), `batch_size` prompts per call: greedy, or
+  sampled at `temperature` > 0 (batch i drawn with key fold_in(key(seed), i)).
+
+  Multi-turn (`environment`, as the workers run it): each turn a completion ends is
+  answered by environment(completion so far, references[i]) up to `max_turns` times; the
+  reply joins the conversation (`encode_reply`) and decoding goes on from the whole of it,
+  within `max_new_tokens` in all."""
+  key = jax.random.PRNGKey(seed)
+  ids = [tokenizer.encode_prompt(p) for p in prompts]
+  said: list[list[int]] = [[] for _ in prompts]
+  live = list(range(len(prompts)))
+  for turn in range(max_turns + 1 if environment is not None else 1):
+    rows = [ids[i] + said[i] for i in live]
+    length = prompt_len if turn == 0 else max(prompt_len, 1 << (max(map(len, rows)) - 1)
+                                              .bit_length())
+    got = _decode_batches(graphdef, params, tokenizer, rows, max_new_tokens=max_new_tokens,
+                          batch_size=batch_size, prompt_len=length, temperature=temperature,
+                          key=jax.random.fold_in(key, turn) if turn else key)
+    going = []
+    for i, new in zip(live, got):
+      said[i] += new[:max_new_tokens - len(said[i])]
+      if (environment is None or turn == max_turns or len(said[i]) >= max_new_tokens
+          or said[i][-1] not in tokenizer.stop_ids):
+        continue
+      reply = environment(tokenizer.decode(said[i]), references[i])
+      if reply is not None:
+        said[i] += tokenizer.encode_reply(reply, said[i][-1])[:max_new_tokens - len(said[i])]
+        going.append(i)
+    live = [i for i in going if len(said[i]) < max_new_tokens]
+    if not live:
+      break
+  return [tokenizer.decode(t[:-1] if t and t[-1] in tokenizer.stop_ids else t) for t in said]
 
 
 class VerifierTask:
@@ -151,11 +196,12 @@ def _budgets(tokenizer: Tokenizer, examples: dict[str, list[Example]],
 
 def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
               examples: dict[str, list[Example]], *, k: int, temperature: float = 1.0,
-              seed: int = 0, batch_size: int = 256, max_new_tokens: int | None = None
-              ) -> dict[str, float]:
+              seed: int = 0, batch_size: int = 256, max_new_tokens: int | None = None,
+              environment=None, max_turns: int = 0) -> dict[str, float]:
   """{"pass@1": mean reward of k samples per prompt, "pass@k": share of prompts with at
   least one exact answer among its k samples}, over every held-out example.
-  `max_new_tokens`: the decoding budget (default: the longest answer and eos)."""
+  `max_new_tokens`: the decoding budget (default: the longest answer and eos);
+  `environment`, `max_turns`: multi-turn, as `completions`."""
   if k < 1 or temperature <= 0:
     raise ValueError(f"pass_at_k: expected k >= 1 and temperature > 0, got k={k}, "
                      f"temperature={temperature}")
@@ -166,7 +212,9 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
   prompt_len, max_new = _budgets(tokenizer, examples, max_new_tokens)
   texts = completions(graphdef, params, tokenizer, [e.prompt for _, e in flat for _ in range(k)],
                       max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
-                      temperature=temperature, seed=seed)
+                      temperature=temperature, seed=seed, environment=environment,
+                      references=[e.answer for _, e in flat for _ in range(k)],
+                      max_turns=max_turns)
   rewards = np.array([task.reward(e, texts[i * k + j]) for i, (task, e) in enumerate(flat)
                       for j in range(k)]).reshape(len(flat), k)
   return {"pass@1": float(rewards.mean()), f"pass@{k}": float((rewards.max(axis=1) > 0).mean())}
@@ -174,9 +222,10 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
 
 def exact_match(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
                 examples: dict[str, list[Example]], *, batch_size: int,
-                max_new_tokens: int | None = None) -> dict[str, float]:
-  """{task name: held-out exact-match rate, "all": over every example}; `max_new_tokens`
-  as pass_at_k's."""
+                max_new_tokens: int | None = None, environment=None,
+                max_turns: int = 0) -> dict[str, float]:
+  """{task name: held-out exact-match rate, "all": over every example}; `max_new_tokens`,
+  `environment` and `max_turns` as pass_at_k's."""
   prompt_len, max_new = _budgets(tokenizer, examples, max_new_tokens)
   result, hits, total = {}, 0.0, 0
   for task in tasks:
@@ -184,7 +233,9 @@ def exact_match(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
     if not exs:
       continue
     texts = completions(graphdef, params, tokenizer, [e.prompt for e in exs],
-                        max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len)
+                        max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
+                        environment=environment, references=[e.answer for e in exs],
+                        max_turns=max_turns)
     rewards = [task.reward(e, c) for e, c in zip(exs, texts)]
     result[task.name] = float(np.mean(rewards))
     hits += sum(rewards)

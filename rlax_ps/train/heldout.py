@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from algorithms.environments import GuardedEnvironment, make_environment
+from algorithms.verifiers import load_verifiers
 from rlax_ps.tasks import Example, Task
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
@@ -15,10 +17,13 @@ from rlax_ps.train.prompts import config_records
 @dataclasses.dataclass
 class Heldout:
   """What exact_match and pass_at_k take: the tasks that score each name, the examples per
-  name, and the decoding budget (None: each set's longest answer and eos)."""
+  name, the decoding budget (None: each set's longest answer and eos), and the workers'
+  environment and max_turns (multi-turn; None: one turn)."""
   tasks: list[Any]
   examples: dict[str, list[Example]]
   max_new_tokens: int | None
+  environment: Any = None
+  max_turns: int = 0
 
   @property
   def size(self) -> int:
@@ -29,18 +34,31 @@ def heldout_from_config(config, tasks: Sequence[Task]) -> Heldout:
   """data.heldout_jsonl's records (all of them, each scored by its task's verifier, decoding
   up to worker.max_new_tokens, or without a worker block past the longest answer) if the
   config names one, else eval.num_examples held-out examples of each task (eval.seed)."""
+  worker = config.get("worker", {})
+  turns = _turns(worker)
   path = config.get("data", {}).get("heldout_jsonl", "")
   if not path:
     return Heldout(list(tasks), {t.name: t.examples("heldout", int(config.eval.seed),
                                                     int(config.eval.num_examples))
-                                 for t in tasks}, None)
+                                 for t in tasks}, None, **turns)
   records = config_records(config, "data.heldout_jsonl", path)
   names = sorted({r["task"] for r in records})
   examples = {n: [Example(r["prompt"], r["answer"], n) for r in records if r["task"] == n]
               for n in names}
-  budget = config.get("worker", {}).get("max_new_tokens")
+  budget = worker.get("max_new_tokens")
   return Heldout([evaluate_lib.VerifierTask(n) for n in names], examples,
-                 None if budget is None else int(budget))
+                 None if budget is None else int(budget), **turns)
+
+
+def _turns(worker) -> dict[str, Any]:
+  """The environment worker.environment names (after importing worker.verifiers), and
+  worker.max_turns: held-out answers are decoded in as many turns as the workers'."""
+  name = str(worker.get("environment", ""))
+  if not name:
+    return {}
+  load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
+  return dict(environment=GuardedEnvironment(name, make_environment(name)),
+              max_turns=int(worker.get("max_turns", 4)))
 
 
 def exact_match(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
@@ -48,7 +66,8 @@ def exact_match(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
   """Greedy exact match per name and over all, in batches of eval.batch_size."""
   return evaluate_lib.exact_match(graphdef, params, tokenizer, heldout.tasks, heldout.examples,
                                   batch_size=int(config.eval.batch_size),
-                                  max_new_tokens=heldout.max_new_tokens)
+                                  max_new_tokens=heldout.max_new_tokens,
+                                  environment=heldout.environment, max_turns=heldout.max_turns)
 
 
 def pass_at_k(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
@@ -62,7 +81,8 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
                                 k=k, max_new_tokens=heldout.max_new_tokens,
                                 temperature=pass_temperature(config),
                                 seed=int(config.eval.seed),
-                                batch_size=int(config.eval.batch_size))
+                                batch_size=int(config.eval.batch_size),
+                                environment=heldout.environment, max_turns=heldout.max_turns)
 
 
 def pass_temperature(config) -> float:

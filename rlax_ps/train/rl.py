@@ -31,7 +31,8 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
-from param_server.client import ParamServerError, Prompt, routes_of, sample_logprobs
+from param_server.client import (ParamServerError, Prompt, routes_of, sample_logprobs,
+                                  sample_observed)
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
@@ -91,13 +92,15 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
   tokens = list(prompt.token_ids) or tokenizer.encode_prompt(prompt.text)
   samples = taken.group.samples
   routed = taken.group.HasField("prompt_routes")
+  observed = tuple(sample_observed(s) for s in samples)
   return Group(rollout_id=int(taken.rollout_id), prompt_tokens=np.asarray(tokens, np.int32),
                responses=tuple(np.asarray(s.token_ids, np.int32) for s in samples),
                behaviour_logp=tuple(sample_logprobs(s) for s in samples),
                rewards=np.asarray([s.reward for s in samples], np.float32),
                policy_version=int(taken.group.policy_version),
                prompt_routes=routes_of(taken.group.prompt_routes) if routed else None,
-               response_routes=tuple(routes_of(s.routes) for s in samples) if routed else None)
+               response_routes=tuple(routes_of(s.routes) for s in samples) if routed else None,
+               observed=observed if any(o is not None for o in observed) else None)
 
 
 def routing_shape(model_config, worker) -> dict[str, int]:

@@ -164,10 +164,13 @@ def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend:
 
 
 def token_mask(batch: dict, sample_mask: jax.Array) -> jax.Array:
-  """[rows * N, R]: 1 on the real tokens of kept samples."""
+  """[rows * N, R]: 1 on the real tokens of kept samples that the policy drew."""
   r = batch["response_tokens"].shape[-1]
   lens = batch["response_lens"].reshape(-1)
-  return (jnp.arange(r)[None, :] < lens[:, None]).astype(jnp.float32) * sample_mask[:, None]
+  mask = (jnp.arange(r)[None, :] < lens[:, None]).astype(jnp.float32) * sample_mask[:, None]
+  if "policy_tokens" in batch:  # multi-turn: an environment's replies are not trained on
+    mask = mask * batch["policy_tokens"].reshape(-1, r)
+  return mask
 
 
 def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *,

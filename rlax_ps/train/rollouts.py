@@ -63,6 +63,9 @@ class Group:
   # [tokens - 1, M, k] for its fed-back tokens; None when the worker sent none.
   prompt_routes: np.ndarray | None = None
   response_routes: tuple[np.ndarray, ...] | None = None
+  # Multi-turn: per sample, True on the tokens an environment wrote (no loss), or None for a
+  # sample that is all the policy's; None: every sample is.
+  observed: tuple[np.ndarray | None, ...] | None = None
 
 
 def check_group(group: Group, shape: BatchShape) -> None:
@@ -86,6 +89,14 @@ def check_group(group: Group, shape: BatchShape) -> None:
                        f"got {len(lp)}")
     if len(lp) and not np.all(np.isfinite(lp)):
       raise ValueError(f"{where}: samples[{i}].logprobs: expected finite values")
+  if group.observed is not None:
+    if len(group.observed) != k:
+      raise ValueError(f"{where}: observed: expected one entry per sample ({k}), got "
+                       f"{len(group.observed)}")
+    for i, (toks, seen) in enumerate(zip(group.responses, group.observed)):
+      if seen is not None and len(seen) != len(toks):
+        raise ValueError(f"{where}: samples[{i}].observed: expected {len(toks)} (one per "
+                         f"token), got {len(seen)}")
   if not np.all(np.isfinite(group.rewards)):
     raise ValueError(f"{where}: rewards: expected finite values, got {group.rewards}")
   if shape.routed and (group.prompt_routes is not None or group.response_routes is not None):
@@ -116,15 +127,23 @@ def _check_routes(group: Group, shape: BatchShape, where: str) -> None:
 def response_stats(groups: Sequence[Group], max_len: int, stop_ids: Sequence[int]
                    ) -> dict[str, float]:
   """Mean and max response length of the groups' samples, and the share truncated: at
-  `max_len` tokens without ending on a stop id (what DAPO's overlong punishment targets)."""
+  `max_len` tokens without ending on a stop id (what DAPO's overlong punishment targets).
+  Multi-turn groups add the environment's replies per sample and its share of the tokens."""
   responses = [r for g in groups for r in g.responses]
   if not responses:
     return {"response_len_mean": 0.0, "response_len_max": 0.0, "truncated_frac": 0.0}
   lens = np.asarray([len(r) for r in responses])
   stops = set(int(i) for i in stop_ids)
   cut = [len(r) >= max_len and int(r[-1]) not in stops for r in responses]
-  return {"response_len_mean": float(lens.mean()), "response_len_max": float(lens.max()),
-          "truncated_frac": float(np.mean(cut))}
+  stats = {"response_len_mean": float(lens.mean()), "response_len_max": float(lens.max()),
+           "truncated_frac": float(np.mean(cut))}
+  if any(g.observed is not None for g in groups):
+    seen = [np.asarray(o, bool) if o is not None else np.zeros(len(r), bool)
+            for g in groups for r, o in zip(g.responses, g.observed or (None,) * len(g.responses))]
+    stats["env_replies_mean"] = float(np.mean(
+        [int(np.sum(np.diff(np.concatenate([[False], s]).astype(np.int8)) == 1)) for s in seen]))
+    stats["env_token_frac"] = float(sum(s.sum() for s in seen) / max(lens.sum(), 1))
+  return stats
 
 
 def rows_needed(groups: Sequence[Group], shape: BatchShape) -> int:
@@ -151,6 +170,7 @@ def empty_batch(rows: int, shape: BatchShape, pad_id: int = 0) -> dict[str, np.n
       "response_tokens": np.full((rows, n, r), pad_id, np.int32),
       "response_lens": np.zeros((rows, n), np.int32),
       "behaviour_logp": np.zeros((rows, n, r), np.float32),
+      "policy_tokens": np.ones((rows, n, r), np.float32),
       "rewards": np.zeros((rows, n), np.float32),
       "sample_mask": np.zeros((rows, n), np.float32),
       "row_group": np.zeros((rows,), np.int32),
@@ -162,7 +182,8 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
   """The packed batch of `groups` (at most shape.groups of them), as host arrays.
 
   prompt_tokens [rows, P], prompt_lens [rows], response_tokens [rows, N, R],
-  response_lens [rows, N], behaviour_logp [rows, N, R], rewards [rows, N],
+  response_lens [rows, N], behaviour_logp [rows, N, R], policy_tokens [rows, N, R] (0 on an
+  environment's tokens: context, not trained on), rewards [rows, N],
   sample_mask [rows, N] (1 on real samples), row_group [rows] (the group's index); routing
   replay: prompt_routes [rows, P, M, k], response_routes [rows, N, R, M, k] (-1: none).
   """
@@ -186,6 +207,8 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
         out["response_tokens"][row, slot, :k] = g.responses[i]
         out["response_lens"][row, slot] = k
         out["behaviour_logp"][row, slot, :k] = g.behaviour_logp[i]
+        if g.observed is not None and g.observed[i] is not None:
+          out["policy_tokens"][row, slot, :k] = ~np.asarray(g.observed[i], bool)
         out["rewards"][row, slot] = g.rewards[i]
         out["sample_mask"][row, slot] = 1.0
         if routed:

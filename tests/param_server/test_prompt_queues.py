@@ -83,6 +83,16 @@ def test_renew_extends_the_deadline(queues, clock):
   assert queues.expire_due() == 0
 
 
+def test_a_multi_turn_samples_observed_tokens_are_kept_as_sent(queues):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 10.0)
+  g = group("a")
+  g.samples[0].observed = b"\x00\x01"
+  queues.submit(lease.lease_id, "w1", g)
+  [taken] = queues.take(0, 1, 0.0, 10.0).rollouts
+  assert taken.group.samples[0].observed == b"\x00\x01"
+
+
 def test_submission_is_accepted_exactly_once(queues):
   queues.enqueue(prompts("a", "b"))
   lease = queues.lease("w1", 2, 10.0)
@@ -121,6 +131,10 @@ def test_foreign_and_unknown_leases_are_rejected(queues):
     (lambda g: setattr(g.samples[0], "reward", float("nan")), "reward"),
     (lambda g: g.samples[0].logprobs.append(-1.0), "logprobs"),
     (lambda g: setattr(g, "prompt_id", ""), "group.prompt_id"),
+    (lambda g: setattr(g.samples[0], "observed", b"\x01"),
+     r"group.samples\[0\].observed: expected one byte 0 or 1 per token \(2\), got 1 bytes"),
+    (lambda g: setattr(g.samples[0], "observed", b"\x01\x02"),
+     "observed: .* got 2 bytes holding other values"),
 ])
 def test_bad_groups_are_rejected_naming_the_field(queues, mutate, field):
   queues.enqueue(prompts("a"))

@@ -105,3 +105,43 @@ def test_completions_decode_up_to_eos(model, monkeypatch):
   texts = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=NEW,
                                batch_size=4, prompt_len=16)
   assert texts == ["12", "abcde", ""] and calls == [(NEW, False)]
+
+
+def test_a_multi_turn_completion_feeds_the_environments_replies_back_as_context(model,
+                                                                             monkeypatch):
+  # Turn 1: one row calls the calculator and stops, one answers at once, one runs out of
+  # budget. Turn 2 decodes from the prompt, the first turn and the reply; the reply counts
+  # against the budget.
+  graphdef, params = model
+  eos = TOK.eos_id
+  def row(text, stop=True):
+    ids = TOK.encode(text) + ([eos] if stop else [])
+    return ids + TOK.encode("z" * (16 - len(ids)))
+
+  turns = [np.array([row("<calc>2*3"), row("7"), row("0123456789abcdef", stop=False)],
+                    np.int32), np.array([row("is 6")], np.int32)]
+  seen = []
+
+  def fake_generate(graphdef_, max_new_tokens, sampled=False):
+    def gen(params_, tokens, *rest):
+      seen.append(tokens)
+      return turns[len(seen) - 1][:len(tokens)]
+    return gen
+
+  monkeypatch.setattr(evaluate, "jitted_generate", fake_generate)
+  env = lambda completion, reference: (  # noqa: E731
+      f"={reference}" if completion.endswith("2*3") else None)
+  texts = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=16,
+                               batch_size=3, prompt_len=16, environment=env,
+                               references=["6", "7", "8"], max_turns=2)
+  assert len(seen) == 2
+  first = TOK.encode("<calc>2*3") + [eos]
+  want_prompt = TOK.encode_prompt(PROMPTS[0]) + first + TOK.encode("=6")
+  assert seen[1][0, -len(want_prompt):].tolist() == want_prompt  # the whole conversation
+  # 10 tokens, a reply of 2, then 4 of "is 6<eos>" fit the budget of 16.
+  assert texts == ["<calc>2*3=6is 6", "7", "0123456789abcdef"]
+  # Without an environment the same rows are single-turn completions.
+  seen.clear()
+  plain = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=16,
+                               batch_size=3, prompt_len=16)
+  assert plain[0] == "<calc>2*3" and len(seen) == 1

@@ -110,9 +110,10 @@ def _separate_logprobs(graphdef, params):
   return out
 
 
-def _reference_loss(params, graphdef, correction, overlong=0):
+def _reference_loss(params, graphdef, correction, overlong=0, policy=None):
   """PPO-clip (0.2 / 0.28), token mean, GRPO advantages: by hand, sample by sample; with
-  `overlong`, each reward less DAPO's ramp over the last `overlong` of 5 response tokens."""
+  `overlong`, each reward less DAPO's ramp over the last `overlong` of 5 response tokens;
+  `policy` (per sample, 1 on the tokens the policy drew): the mean over those alone."""
   logps = _separate_logprobs(graphdef, params)
   advs = []
   for g, rewards in zip(GROUPS, REWARDS):
@@ -141,7 +142,8 @@ def _reference_loss(params, graphdef, correction, overlong=0):
       w = jnp.exp(prox - b)
       weight = jnp.where((w >= 0.5) & (w <= 2.0), w, 0.0)
     pg = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.28)) * weight
-    total, count = total + jnp.sum(pg), count + len(lp)
+    mine = np.ones(len(lp)) if policy is None else policy[i]
+    total, count = total + jnp.sum(pg * mine), count + mine.sum()
   return total / count
 
 
@@ -177,6 +179,36 @@ def test_packed_loss_and_gradient_equal_the_objective_on_separate_sequences(corr
     assert 0 < metrics[f"{correction}_masked_frac"] < 1
   if overlong:
     assert any(len(r) > 5 - overlong for g in GROUPS for r in g.responses)
+
+
+def test_an_environments_tokens_are_context_not_trained_on():
+  # Multi-turn: the second and third tokens of every longer response are an environment's
+  # reply. The loss and its gradient are the objective over the policy's tokens alone (the
+  # reply still conditions them: the separate rows hold it).
+  observed = tuple(tuple((np.arange(len(r)) >= 1) & (np.arange(len(r)) < 3) & (len(r) > 3)
+                         for r in g.responses) for g in GROUPS)
+  groups = [dataclasses.replace(g, observed=o) for g, o in zip(GROUPS, observed)]
+  batch = build_batch(groups, SHAPE)
+  fifth = observed[1][4]
+  np.testing.assert_array_equal(batch["policy_tokens"][2, 0, :len(fifth)], ~fifth)
+  policy = [(~o).astype(np.float32) for obs in observed for o in obs]
+  assert 0 < sum(p.sum() for p in policy) < sum(len(p) for p in policy)
+  graphdef, params = _model()
+  cfg = LossConfig(backend="xla")
+  packed = functools.partial(rl_loss, graphdef=graphdef,
+                             batch={k: jnp.asarray(v) for k, v in batch.items()},
+                             ref_params=None, num_groups=2, cfg=cfg)
+  (loss, metrics), grads = jax.jit(jax.value_and_grad(packed, has_aux=True))(params)
+  want, want_grads = jax.jit(jax.value_and_grad(functools.partial(
+      _reference_loss, graphdef=graphdef, correction="none", policy=policy)))(params)
+  np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-6)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6)
+  assert metrics["response_tokens"] == sum(p.sum() for p in policy)
+  bad = dataclasses.replace(GROUPS[0], observed=(np.zeros(9, bool),) + observed[0][1:])
+  with pytest.raises(ValueError, match=r"rollout 10: samples\[0\].observed: expected \d+ "
+                                       r"\(one per token\), got 9"):
+    build_batch([bad], SHAPE)
 
 
 def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
@@ -404,3 +436,13 @@ def test_response_stats_count_lengths_and_truncation_at_the_budget():
                          max_len=4, stop_ids=(2, 7))
   assert stats == {"response_len_mean": 3.25, "response_len_max": 4.0, "truncated_frac": 0.25}
   assert response_stats([], 4, (2,))["truncated_frac"] == 0.0
+
+
+def test_response_stats_count_an_environments_replies_and_tokens():
+  responses = (np.array([5, 2, 9, 9, 5, 2, 9, 5], np.int32), np.array([5, 5], np.int32))
+  observed = (np.array([0, 0, 1, 1, 0, 0, 1, 0], bool), None)  # two replies, then none
+  g = Group(0, np.array([1], np.int32), responses, tuple(np.zeros(len(r), np.float32)
+                                                         for r in responses),
+            np.zeros(2, np.float32), 0, observed=observed)
+  stats = response_stats([g], max_len=8, stop_ids=(2,))
+  assert stats["env_replies_mean"] == 1.0 and stats["env_token_frac"] == 0.3
