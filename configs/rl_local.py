@@ -152,6 +152,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.lease_deadline_s = 120.0
   c.worker.default_task = "addition"
   c.worker.verifiers = ""  # Python files or modules registering verifiers, comma-separated.
+  # Multi-turn: an environment (e.g. "calculator", or one worker.verifiers registers) answers
+  # each turn a sample ends, at most max_turns times; the trainer's loss skips its replies.
+  c.worker.environment = ""
+  c.worker.max_turns = 4
   # Mixture of experts: workers send each token's experts and the trainer's forward routes
   # by them (routing replay), so the experts a token goes to are the ones it was sampled with.
   c.worker.routing_replay = False

@@ -13,6 +13,12 @@ the weights afresh, so a worker may update them in place between chunks.
 
 A sample equals `generate`'s for the same prompt and seed, whatever its neighbours and
 whenever it started: its token at step t is drawn with fold_in(key(seed), t).
+
+Multi-turn (`respond`): a sample that emits a stop token has ended a turn. The chunk returns,
+the host asks `respond(key, j, tokens so far)` for the reply to sample j of that prompt, and
+the row writes the reply's tokens in place of drawing (one per step, through the same decode
+step, so they join its cache like its own) and draws again after them; None (or
+`max_turns` replies given) finishes the sample.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +60,10 @@ class Slots:
 
 
 def _empty_slots(config, s: int, n: int, r: int, prompt_len: int, budget: int, decode_fn,
-                 record_routes: bool) -> Slots:
+                 record_routes: bool, turns: bool) -> Slots:
   return Slots(cache=SharedPrefixCache.empty(config, s, r, prompt_len, budget, decode_fn),
                rows=Rows.init(jnp.zeros((s * r,), jnp.int32), budget, done=True,
-                              outputs=s * n),
+                              outputs=s * n, turns=turns),
                seeds=jnp.zeros((s, n), jnp.int32), next=jnp.full((s,), n, jnp.int32),
                first_logits=jnp.zeros((s, config.vocab_size), jnp.float32),
                routes=empty_routes(config, s * n, budget) if record_routes else None,
@@ -73,7 +79,7 @@ def _start_samples(slots: Slots, knobs_, mode) -> Slots:
   prompt's last-token logits (skipped when no row does)."""
   s, r = slots.cache.index.shape
   n = slots.seeds.shape[1]
-  idle = slots.rows.done.reshape(s, r)
+  idle = slots.rows.idle.reshape(s, r)
   k = slots.next[:, None] + jnp.cumsum(idle, axis=1) - 1  # the sample each idle row takes
   take = idle & (k < n)
 
@@ -165,7 +171,10 @@ def _chunk(graphdef, state, fixed, moving: Slots, held, knobs_, max_steps, *, mo
 
   def cond(carry):
     taken, slots = carry
-    return (taken < max_steps) & ~jnp.any(held & _slots_done(slots))
+    go = (taken < max_steps) & ~jnp.any(held & _slots_done(slots))
+    if slots.rows.paused is not None:  # a turn ended: the host answers it
+      go = go & ~jnp.any(slots.rows.paused)
+    return go
 
   def body(carry):
     taken, slots = carry
@@ -195,9 +204,33 @@ def _collect(slots: Slots, slot_ids):
   rows = _rows_of(slot_ids, slots.seeds.shape[1])
   r = slots.rows
   out = (r.tokens[rows], r.logp[rows], r.slogp[rows], r.lengths[rows], r.reasons[rows])
+  out += (None,) if r.observed is None else (r.observed[rows],)
   if slots.routes is not None:
     out += (slots.routes[rows], slots.prompt_routes[slot_ids])
   return out
+
+
+@jax.jit
+def _turns_of(rows: Rows, row_ids):
+  """Rows row_ids [m]' output slots, and those outputs' lengths and tokens so far."""
+  out = rows.sample[row_ids]
+  return out, rows.lengths[out], rows.tokens[out]
+
+
+@functools.partial(jax.jit, donate_argnames=("rows",))
+def _answer(rows: Rows, row_ids, replies, counts, go_on):
+  """Paused rows row_ids [m] (an id past the last row: padding) go on with replies
+  [m, F] (right-aligned, counts [m] tokens) where go_on [m], else finish their sample."""
+  outs = rows.sample.at[row_ids].get(mode="fill", fill_value=rows.lengths.shape[0])
+  ended = jnp.where(go_on, rows.lengths.shape[0], outs)
+  going = jnp.where(go_on, outs, rows.lengths.shape[0])
+  return dataclasses.replace(
+      rows, paused=rows.paused.at[row_ids].set(False, mode="drop"),
+      done=rows.done.at[row_ids].set(~go_on, mode="drop"),
+      forced=rows.forced.at[row_ids].set(replies, mode="drop"),
+      forced_left=rows.forced_left.at[row_ids].set(jnp.where(go_on, counts, 0), mode="drop"),
+      reasons=rows.reasons.at[going].set(0, mode="drop"),  # a stop ended a turn, not it
+      finished=rows.finished.at[ended].set(True, mode="drop"))
 
 
 @functools.partial(jax.jit, static_argnames=("length",))
@@ -231,11 +264,15 @@ class ContinuousBatch:
   caller regains control (to apply new weights, or to stop) within that many steps.
   Fewer rows per prompt (and more slots for the same rows) keep more rows drawing when
   lengths vary, at the price of a group taking longer to finish.
+  `respond(key, j, tokens) -> token ids | None` makes samples multi-turn (module docstring);
+  each sample gets at most `max_turns` replies.
   """
 
   def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,
                rows_per_prompt: int = 0, decode_fn: DecodeFn = shared_prefix_decode_attention,
-               record_routes: bool = False, chunk_steps: int = 0):
+               record_routes: bool = False, chunk_steps: int = 0,
+               respond: Callable[[Hashable, int, np.ndarray], Sequence[int] | None] | None = None,
+               max_turns: int = 4):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
     if not isinstance(n, int) or n < 1:
@@ -248,10 +285,16 @@ class ContinuousBatch:
                        f"{rows_per_prompt!r}")
     if not isinstance(chunk_steps, int) or chunk_steps < 0:
       raise ValueError(f"chunk_steps: expected an int >= 0, got {chunk_steps!r}")
+    if respond is not None and not callable(respond):
+      raise TypeError(f"respond: expected a callable or None, got {type(respond).__name__}")
+    if not isinstance(max_turns, int) or max_turns < 0:
+      raise ValueError(f"max_turns: expected an int >= 0, got {max_turns!r}")
     check_request(model.config, [[0]], [0] * n, n, params)
     self.model, self.n, self.num_slots, self.params = model, n, slots, params
     self.record_routes, self.decode_fn = record_routes, decode_fn
     self.chunk_steps = chunk_steps
+    self.respond, self.max_turns = respond, max_turns
+    self._replies: dict[int, int] = {}  # output slot -> replies given to its sample
     self.rows_per_prompt = rows_per_prompt or n
     self._knobs = knobs(params)
     self._budget = bucket(params.max_new_tokens)
@@ -295,6 +338,8 @@ class ContinuousBatch:
         np.int32(self.chunk_steps or self._budget), mode=self.params.mode,
         record_routes=self.record_routes)
     self._slots = _with_prompts(fixed, moving)
+    if self.respond is not None and self._answer_turns():
+      finished = _slots_done(self._slots)  # an answer may have finished a sample
     finished = np.asarray(finished)
     return self._take([s for s in sorted(self._held) if finished[s]])
 
@@ -314,7 +359,8 @@ class ContinuousBatch:
     config = self.model.config
     if self._slots is None:
       self._slots = _empty_slots(config, self.num_slots, self.n, self.rows_per_prompt, length,
-                                 self._budget, self.decode_fn, self.record_routes)
+                                 self._budget, self.decode_fn, self.record_routes,
+                                 self.respond is not None)
     elif length > self._slots.cache.prefix_k[0].shape[1]:
       self._slots = _grow(self._slots, length=length)
     m = bucket(len(joining))
@@ -327,6 +373,47 @@ class ContinuousBatch:
     graphdef, state = nnx.split(self.model)
     self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, seeds,
                           self._knobs, mode=self.params.mode, record_routes=self.record_routes)
+    for s in slot_ids[:len(joining)]:
+      for out in range(s * self.n, (s + 1) * self.n):
+        self._replies.pop(out, None)
+    if self.respond is not None:
+      self._answer_turns()  # a first token may have ended a turn
+
+  def _answer_turns(self) -> bool:
+    """Answer every paused row (respond, or finish its sample); True when one was."""
+    rows = self._slots.rows
+    paused = np.flatnonzero(np.asarray(rows.paused))
+    if not paused.size:
+      return False
+    count = rows.paused.shape[0]
+    ids = np.full((count,), count, np.int32)  # one program: padded to every row
+    ids[:paused.size] = paused
+    outs, lengths, tokens = jax.device_get(_turns_of(rows, ids))
+    width = rows.forced.shape[1]
+    replies = np.zeros((count, width), np.int32)
+    counts = np.zeros((count,), np.int32)
+    go_on = np.zeros((count,), bool)
+    vocab = self.model.config.vocab_size
+    for i in range(paused.size):
+      out = int(outs[i])
+      given = self._replies.get(out, 0)
+      if given >= self.max_turns:
+        continue
+      key = self._held[out // self.n][0]
+      reply = self.respond(key, out % self.n, tokens[i, :int(lengths[i])])
+      if reply is None:
+        continue
+      reply = np.asarray(reply, np.int64).reshape(-1)
+      if reply.size and (reply.min() < 0 or reply.max() >= vocab):
+        raise ValueError(f"respond: reply token ids must lie in [0, {vocab}), got "
+                         f"[{reply.min()}, {reply.max()}]")
+      reply = reply[:width]  # the budget ends the sample within the reply anyway
+      self._replies[out] = given + 1
+      go_on[i], counts[i] = True, reply.size
+      replies[i, width - reply.size:] = reply
+    self._slots = dataclasses.replace(self._slots, rows=_answer(
+        self._slots.rows, ids, replies, counts, go_on))
+    return True
 
   def _take(self, finished: list[int]) -> list[tuple[Hashable, list[Sample]]]:
     if not finished:
@@ -334,11 +421,11 @@ class ContinuousBatch:
     ids = np.full((self.num_slots,), finished[0], np.int32)  # one program per batch shape
     ids[:len(finished)] = finished
     host: Any = jax.device_get(_collect(self._slots, ids))
-    tokens, logp, slogp, lengths, reasons, *routes = host
+    tokens, logp, slogp, lengths, reasons, observed, *routes = host
     prompt_lens = [self._held[s][1] for s in finished]
     flat = samples_of(tokens, logp, slogp, lengths[:len(finished) * self.n], reasons,
                       *(routes or (None, None)), prompt_lens=prompt_lens,
-                      prompt_row=lambda i: i // self.n)
+                      prompt_row=lambda i: i // self.n, observed=observed)
     out = []
     for i, s in enumerate(finished):
       key, _ = self._held.pop(s)

@@ -36,6 +36,8 @@ class Sample:
   prompt_routes, routes (`record_routes`, mixture of experts): the experts each MoE layer's
     router picked, [prompt tokens, M, k] for the prompt and [len(tokens) - 1, M, k] for the
     generated tokens fed back (the last one never is): what routing replay trains with.
+  observed (multi-turn): [len(tokens)] bool, True where an environment's reply wrote the
+    token (log-probs 0 there: the policy did not draw it); None for a single turn.
   """
 
   tokens: np.ndarray
@@ -44,6 +46,7 @@ class Sample:
   finish_reason: str
   prompt_routes: np.ndarray | None = None
   routes: np.ndarray | None = None
+  observed: np.ndarray | None = None
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -125,7 +128,12 @@ class Rows:
   """Decode state. Per row [R]: the last token drawn, whether the row is done, the seed and
   output slot (`sample`) of the sample it draws. Per output slot [O]: its length, finish
   reason, whether it finished, and what it drew ([O, budget]). `generate` gives each row
-  its own slot; `ContinuousBatch` moves a row on to a prompt's next sample."""
+  its own slot; `ContinuousBatch` moves a row on to a prompt's next sample.
+
+  Multi-turn (else None): a row that stops ends a turn and is `paused` [R] (done, its sample
+  not finished) until the host answers it; an answer is fed as `forced` tokens [R, F]
+  (right-aligned, `forced_left` [R] of them still to feed), which the row writes in place of
+  drawing, marked in `observed` [O, budget]."""
 
   token: jax.Array
   done: jax.Array
@@ -137,49 +145,85 @@ class Rows:
   tokens: jax.Array
   logp: jax.Array
   slogp: jax.Array
+  paused: jax.Array | None = None
+  forced: jax.Array | None = None
+  forced_left: jax.Array | None = None
+  observed: jax.Array | None = None
 
   @classmethod
-  def init(cls, seeds, budget: int, done, outputs: int | None = None) -> "Rows":
-    """Rows drawing with `seeds`, row i into output slot i; `outputs` slots in all."""
+  def init(cls, seeds, budget: int, done, outputs: int | None = None,
+           turns: bool = False) -> "Rows":
+    """Rows drawing with `seeds`, row i into output slot i; `outputs` slots in all;
+    `turns`: with the multi-turn state."""
     rows = seeds.shape[0]
     outputs = rows if outputs is None else outputs
     done = jnp.broadcast_to(jnp.asarray(done, bool), (rows,))
     zeros = functools.partial(jnp.zeros, dtype=jnp.int32)  # one buffer each (donation)
+    multi = {}
+    if turns:
+      multi = dict(paused=jnp.zeros((rows,), bool), forced=zeros((rows, budget)),
+                   forced_left=zeros((rows,)), observed=jnp.zeros((outputs, budget), bool))
     return cls(token=zeros((rows,)), done=done, seeds=jnp.asarray(seeds, jnp.int32),
                sample=jnp.arange(rows, dtype=jnp.int32), lengths=zeros((outputs,)),
                reasons=zeros((outputs,)), finished=jnp.ones((outputs,), bool),
                tokens=zeros((outputs, budget)),
                logp=jnp.zeros((outputs, budget), jnp.float32),
-               slogp=jnp.zeros((outputs, budget), jnp.float32))
+               slogp=jnp.zeros((outputs, budget), jnp.float32), **multi)
+
+  @property
+  def idle(self) -> jax.Array:
+    """[R]: rows free to take a new sample (done, and not waiting for an answer)."""
+    return self.done if self.paused is None else self.done & ~self.paused
 
 
 def record(rows: Rows, step, logits, knobs_, mode) -> Rows:
   """Draw step `step` (scalar or per row) of every row not done from its logits [R, V],
-  write it into the row's output slot, and finish rows that stopped or reached max_new."""
+  write it into the row's output slot, and finish rows that stopped or reached max_new.
+  Multi-turn: a row with forced tokens left writes the next one instead of drawing, and a
+  row that stops before max_new pauses (its sample goes on once the host answers)."""
   max_new, temperature, top_p, stops = knobs_
   step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), rows.done.shape)
   token, slogp, logp = choose_tokens(logits, step_keys(rows.seeds, step), mode, temperature,
                                      top_p)
   live = ~rows.done
+  multi = {}
+  if rows.paused is not None:
+    force = live & (rows.forced_left > 0)
+    width = rows.forced.shape[1]
+    fed = jnp.take_along_axis(rows.forced, (width - jnp.maximum(rows.forced_left, 1))[:, None],
+                              axis=1)[:, 0]
+    token = jnp.where(force, fed, token)
+    logp, slogp = jnp.where(force, 0.0, logp), jnp.where(force, 0.0, slogp)
   token = jnp.where(live, token, 0)
   out = jnp.where(live, rows.sample, rows.lengths.shape[0])  # rows not drawing write nothing
   stopped = live & jnp.any(token[:, None] == stops[None, :], axis=-1)
-  ends = live & (stopped | (step + 1 >= max_new))
+  last = step + 1 >= max_new
+  if rows.paused is not None:
+    stopped = stopped & ~force
+    turn_ends = stopped & ~last
+    ends = live & last
+    multi = dict(paused=rows.paused | turn_ends,
+                 forced_left=jnp.where(ends, 0, rows.forced_left - force.astype(jnp.int32)),
+                 observed=rows.observed.at[(out, step)].set(force, mode="drop"))
+    ends = ends | turn_ends  # a paused row is done until answered, its sample not finished
+    finishes = live & last
+  else:
+    ends = finishes = live & (stopped | last)
   at = (out, step)
   return dataclasses.replace(
-      rows, token=token, done=rows.done | ends,
+      rows, token=token, done=rows.done | ends, **multi,
       tokens=rows.tokens.at[at].set(token, mode="drop"),
       logp=rows.logp.at[at].set(logp, mode="drop"),
       slogp=rows.slogp.at[at].set(slogp, mode="drop"),
       lengths=rows.lengths.at[out].add(1, mode="drop"),
       reasons=rows.reasons.at[jnp.where(stopped, out, rows.lengths.shape[0])].set(
           FINISH_REASONS.index("stop"), mode="drop"),
-      finished=rows.finished.at[jnp.where(ends, out, rows.lengths.shape[0])].set(
+      finished=rows.finished.at[jnp.where(finishes, out, rows.lengths.shape[0])].set(
           True, mode="drop"))
 
 
 def samples_of(tokens, logp, slogp, lengths, reasons, routes=None, prompt_routes=None,
-               prompt_lens=None, prompt_row=lambda i: i) -> list[Sample]:
+               prompt_lens=None, prompt_row=lambda i: i, observed=None) -> list[Sample]:
   """Host Samples of host arrays (row i's prompt is prompt row prompt_row(i))."""
   result = []
   for i in range(len(lengths)):
@@ -188,6 +232,8 @@ def samples_of(tokens, logp, slogp, lengths, reasons, routes=None, prompt_routes
     if routes is not None:
       extra = dict(routes=routes[i, :max(k - 1, 0)],
                    prompt_routes=prompt_routes[p, :prompt_lens[p]])
+    if observed is not None:
+      extra["observed"] = observed[i, :k]
     result.append(Sample(tokens=tokens[i, :k], logprobs=logp[i, :k],
                          sampling_logprobs=slogp[i, :k],
                          finish_reason=FINISH_REASONS[int(reasons[i])], **extra))

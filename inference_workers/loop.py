@@ -9,6 +9,8 @@ With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
 each), a finished prompt's group is scored and submitted at once and a newly leased prompt
 takes its slot. VIGOR samples in rounds, one call per `prompts_per_call` prompts.
+With an `environment`, each turn a sample ends is answered by it (multi-turn rollouts): the
+reply is rendered as the next message and the sample goes on; the verifier scores the whole.
 
 New versions are pulled by the heartbeat thread while generation runs and applied in place:
 by default once the prompts started on the held version have finished (new prompts wait),
@@ -33,6 +35,7 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import FixedAllocator
+from algorithms.environments import GuardedEnvironment, make_environment
 from algorithms.verifiers import Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample
@@ -79,6 +82,7 @@ class WorkerStats:
   resyncs: int = 0
   reconnects: int = 0
   score_errors: int = 0  # samples scored 0 because their verifier raised
+  replies: int = 0  # multi-turn: environment replies fed to samples
   versions_applied: list = dataclasses.field(default_factory=list)
 
 
@@ -98,6 +102,9 @@ class Worker:
     self.allocator = allocator if allocator is not None else make_allocator(config)
     self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
                                                           config.verifiers)
+    self.environment = (GuardedEnvironment(config.environment,
+                                           make_environment(config.environment))
+                        if config.environment else None)
     self.params = config.sampling(tokenizer.stop_ids)
     self.stats = WorkerStats()
     self._stop = threading.Event()
@@ -353,7 +360,9 @@ class Worker:
                                     self.config.prompts_per_call, self.params,
                                     rows_per_prompt=self.config.rows_per_prompt,
                                     record_routes=self.config.routing_replay,
-                                    chunk_steps=self.config.decode_chunk_steps)
+                                    chunk_steps=self.config.decode_chunk_steps,
+                                    respond=self._respond if self.environment else None,
+                                    max_turns=self.config.max_turns)
     batch = self._batch
     if self.policy.version is None:
       self._catch_up()
@@ -401,6 +410,22 @@ class Worker:
       self._started[(lease_id, prompt.id)] = (prompt, version)
       batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
                 self._seeds(prompt.id, version, 0, n))
+
+  def _respond(self, key: tuple[str, str], j: int, tokens: np.ndarray) -> list[int] | None:
+    """Multi-turn: the environment's reply to a turn sample j of prompt `key` ended (its
+    tokens so far, the closing stop token last), as the ids that continue the sample."""
+    prompt, _ = self._started[key]
+    reply = self.environment(self.tokenizer.decode(tokens), reference_of(prompt))
+    if reply is None:
+      return None
+    try:
+      ids = self.tokenizer.encode_reply(reply, int(tokens[-1]))
+    except ValueError as e:  # e.g. a character the tokenizer lacks: the sample ends here
+      logging.warning("worker: environment %r's reply on prompt %s cannot be tokenized (the "
+                      "sample ends): %s", self.config.environment, prompt.id, e)
+      return None
+    self.stats.replies += 1
+    return ids
 
   def _submit_group(self, lease_id: str, prompt_id: str, samples: list[Sample]) -> None:
     """Score and submit one finished group (an outage is waited out: the group is kept);
@@ -497,7 +522,7 @@ class Worker:
         prompt_id=prompt.id, policy_version=version, metadata=meta,
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),
                              logprobs=s.sampling_logprobs, finish_reason=s.finish_reason,
-                             routes=s.routes)
+                             routes=s.routes, observed=s.observed)
                  for s, r in zip(samples, rewards)])
     if self.config.routing_replay and samples:  # the samples share the prompt's routes
       group.prompt_routes.CopyFrom(make_routes(samples[0].prompt_routes))

@@ -32,7 +32,11 @@ class WorkerConfig:
   top_p: float = setting(1.0, "top-p truncation (1 = off)")
   default_task: str = setting("addition", "verifier for prompts that name no task")
   verifiers: str = setting("", "Python files or modules (comma-separated) to import first: "
-                           "the verifiers they @register_verifier can be a prompt's task")
+                           "the verifiers they @register_verifier can be a prompt's task, "
+                           "the environments they @register_environment answer turns")
+  environment: str = setting("", "multi-turn: the environment that answers each turn a sample "
+                             "ends (e.g. calculator); '' = one turn")
+  max_turns: int = setting(4, "multi-turn: most environment replies per sample")
   grace_s: float = setting(25.0, "after SIGTERM: time to submit or release everything in flight")
   backoff_initial_s: float = setting(0.5, "first wait after the server could not be reached")
   backoff_max_s: float = setting(30.0, "longest wait between reconnection attempts")
@@ -50,6 +54,9 @@ class WorkerConfig:
     for f in ("prompts_per_lease", "prompts_per_call", "samples_per_prompt", "max_new_tokens",
               "decode_chunk_steps"):
       need(getattr(self, f) > 0, f, "a positive int")
+    need(self.max_turns >= 0, "max_turns", "an int >= 0")
+    need(not (self.environment and self.allocator == "vigor"), "environment",
+         "'' with allocator='vigor' (VIGOR's rounds sample one turn)")
     need(0 <= self.rows_per_prompt <= self.samples_per_prompt, "rows_per_prompt",
          f"an int in [0, samples_per_prompt={self.samples_per_prompt}]")
     for f in ("lease_deadline_s", "grace_s", "backoff_initial_s", "backoff_max_s"):

@@ -382,9 +382,68 @@ def test_sigkill_leaves_leases_that_expire_and_are_served_again(server, versions
     assert len(lease.prompts) + answered == 32
 
 
+class ManyStops(CharTokenizer):
+  """Every digit also ends a turn, so a random model's samples end turns often."""
+
+  @property
+  def stop_ids(self):
+    return (self.eos_id,) + tuple(self.encode("0123456789"))
+
+
+def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(server, versions):
+  from algorithms.environments import ENVIRONMENTS, register_environment
+  from rlax_ps.train.rollouts import build_batch
+
+  @register_environment("test_ok")
+  def ok():
+    return lambda completion, reference: None if completion.count("<ok>") >= 2 else "<ok>"
+
+  tok = ManyStops()
+  try:
+    with client(server, "trainer") as trainer, client(server, "worker") as wc:
+      trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+      enqueue_addition(trainer, 2)
+      worker = Worker(wc, CONFIG, tok, WorkerConfig(
+          max_leases=1, environment="test_ok", max_turns=3,
+          **dict(SMALL, max_new_tokens=24)))
+      stats = worker.run()
+      assert stats.groups_submitted == 2 and stats.replies > 0
+      take = trainer.take_rollouts(min_version=0, max_n=10)
+  finally:
+    ENVIRONMENTS.pop("test_ok")
+  reply = tok.encode("<ok>")
+  marked = 0
+  for r in take.rollouts:
+    for s in r.group.samples:
+      ids, lp = np.asarray(s.token_ids), sample_logprobs(s)
+      seen = np.frombuffer(s.observed, np.uint8).astype(bool) if s.observed else np.zeros(
+          len(ids), bool)
+      # Each reply follows a stop token, is "<ok>" (or the start of it, at the budget), and
+      # carries log-prob 0; at most two replies (the environment's own limit).
+      starts = [k for k in range(len(ids)) if seen[k] and (k == 0 or not seen[k - 1])]
+      assert len(starts) <= 2 and int(seen.sum()) <= 2 * len(reply)
+      for k in starts:
+        assert int(ids[k - 1]) in tok.stop_ids
+        assert ids[k:k + len(reply)].tolist() == reply[:len(ids) - k]
+      assert np.all(lp[seen] == 0) and np.all(lp[~seen] < 0)
+      marked += len(starts)
+    group = group_of(r, tok)
+    batch = build_batch([group], BatchShape(groups=1, samples=3, prompt_len=16,
+                                            response_len=24))
+    for j, s in enumerate(group.responses):
+      seen = group.observed[j] if group.observed and group.observed[j] is not None else 0
+      np.testing.assert_array_equal(batch["policy_tokens"][0, j, :len(s)], 1 - np.asarray(seen))
+  assert marked == stats.replies
+
+
 def test_bad_batching_settings_are_named():
   with pytest.raises(ValueError, match=r"WorkerConfig.rows_per_prompt: expected an int in "
                                        r"\[0, samples_per_prompt=4\]"):
     WorkerConfig(samples_per_prompt=4, rows_per_prompt=5)
   with pytest.raises(ValueError, match="WorkerConfig.decode_chunk_steps"):
     WorkerConfig(decode_chunk_steps=0)
+  with pytest.raises(ValueError, match="WorkerConfig.environment: expected '' with "
+                                       "allocator='vigor'"):
+    WorkerConfig(environment="calculator", allocator="vigor")
+  with pytest.raises(ValueError, match="WorkerConfig.max_turns: expected an int >= 0"):
+    WorkerConfig(max_turns=-1)

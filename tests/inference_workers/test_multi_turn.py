@@ -1,0 +1,119 @@
+"""Multi-turn sampling in the continuous batch: a sample that ends a turn gets the host's reply
+written into its row, which then draws on as if the conversation had been its prompt."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from inference_workers.continuous import ContinuousBatch
+from inference_workers.sampler import generate
+from inference_workers.sampling import SamplingParams
+from rlax_ps.models import ModelConfig, Transformer
+
+CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                     num_heads=4, num_kv_heads=2, qkv_bias=True, architecture="qwen2")
+STOPS = tuple(range(1, 9))
+PROMPTS = [[3, 14, 15, 9], [26, 5], [35, 8, 9, 7, 9, 3]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(CONFIG, rngs=nnx.Rngs(0))
+
+
+def reply_to(tokens):
+  """A deterministic environment: replies [50, 40 + turn, 51] to the first two turns."""
+  turn = 0 if not len(tokens) else int(np.sum(np.asarray(tokens) == 50))
+  return None if turn >= 2 else [50, 40 + turn, 51]
+
+
+def test_a_greedy_conversation_equals_decoding_the_whole_transcript_as_a_prompt(model):
+  params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_tokens=STOPS)
+  calls = []
+
+  def respond(key, j, tokens):
+    calls.append((key, j, tokens.tolist()))
+    return reply_to(tokens)
+
+  batch = ContinuousBatch(model, 2, 2, params, respond=respond)
+  for i, p in enumerate(PROMPTS):
+    batch.add(i, p, [7, 8])
+  done = dict(batch.run())
+  assert sorted(done) == [0, 1, 2] and calls
+  turns = 0
+  for i, p in enumerate(PROMPTS):
+    for sample in done[i]:
+      toks, observed = sample.tokens.tolist(), sample.observed.tolist()
+      # Every reply sits right after a stop token, marked observed, with log-prob 0.
+      starts = [k for k in range(len(toks)) if observed[k] and (k == 0 or not observed[k - 1])]
+      turns += len(starts)
+      for k in starts:
+        assert toks[k - 1] in STOPS and toks[k:k + 3][:1] == [50]
+        assert np.all(sample.logprobs[k:k + 3][np.asarray(observed[k:k + 3])] == 0)
+      # Each policy token equals greedy decoding of everything before it as a prompt, with
+      # the same log-prob: the reply joined the row's cache as the prompt would have.
+      after = [k + 3 for k in starts if k + 3 < len(toks)]  # the first token after a reply
+      for k in after + [k for k in range(1, len(toks)) if not observed[k]][:2]:
+        [ref] = generate(model, [p + toks[:k]], [0],
+                         SamplingParams(temperature=0.0, max_new_tokens=1, stop_tokens=STOPS))
+        assert ref.tokens.tolist() == [toks[k]]
+        np.testing.assert_allclose(ref.logprobs, sample.logprobs[k:k + 1], atol=1e-5)
+  assert turns >= 3  # samples were answered and went on
+  for key, j, tokens in calls:  # the host saw each sample's text up to its stop token
+    assert tokens[-1] in STOPS
+
+
+def test_sampled_turns_on_fewer_rows_than_samples_reply_finish_and_stop_at_max_turns(model):
+  params = SamplingParams(max_new_tokens=20, stop_tokens=STOPS)
+  replies_seen = {}
+
+  def respond(key, j, tokens):
+    replies_seen[(key, j)] = replies_seen.get((key, j), 0) + 1
+    return [50, 51]  # always go on: max_turns ends it
+
+  batch = ContinuousBatch(model, 3, 2, params, rows_per_prompt=2, respond=respond,
+                          max_turns=1)
+  for i, p in enumerate(PROMPTS):
+    batch.add(i, p, [11 * i + j for j in range(3)])
+  done = dict(batch.run())
+  assert sorted(done) == [0, 1, 2]
+  assert set(replies_seen.values()) == {1}  # one reply each: then a stop finishes the sample
+  for group in done.values():
+    assert len(group) == 3
+    for s in group:
+      k = int(np.sum(s.observed))
+      assert k in (0, 2) and s.tokens.shape == s.observed.shape == s.logprobs.shape
+      if k:
+        at = int(np.argmax(s.observed))
+        assert s.tokens[at:at + 2].tolist() == [50, 51] and s.tokens[at - 1] in STOPS
+        assert np.all(s.sampling_logprobs[at:at + 2] == 0)
+      ends_on_stop = s.tokens[-1] in STOPS and not s.observed[-1]
+      assert s.finish_reason == ("stop" if ends_on_stop else "length")
+      assert ends_on_stop or len(s.tokens) == 20
+  # The samples that got a reply are the ones that ended a turn within the budget.
+  assert sum(int(np.sum(s.observed) > 0) for g in done.values() for s in g) == len(replies_seen)
+
+
+def test_a_reply_the_budget_cannot_hold_ends_the_sample_by_length(model):
+  params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_tokens=STOPS)
+  batch = ContinuousBatch(model, 1, 1, params, respond=lambda k, j, t: [50] * 30)
+  for i, p in enumerate(PROMPTS):
+    batch.add(i, p, [1])
+  for _, [s] in batch.run():
+    assert len(s.tokens) <= 8
+    if s.observed.any():
+      assert len(s.tokens) == 8 and s.finish_reason == "length" and s.observed[-1]
+
+
+def test_bad_respond_settings_and_replies_are_named(model):
+  with pytest.raises(TypeError, match="respond: expected a callable or None, got int"):
+    ContinuousBatch(model, 1, 1, respond=3)
+  with pytest.raises(ValueError, match="max_turns: expected an int >= 0, got -1"):
+    ContinuousBatch(model, 1, 1, respond=lambda *a: None, max_turns=-1)
+  params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_tokens=STOPS)
+  batch = ContinuousBatch(model, 1, 1, params, respond=lambda k, j, t: [99])
+  for i, p in enumerate(PROMPTS):
+    batch.add(i, p, [1])
+  with pytest.raises(ValueError, match=r"respond: reply token ids must lie in \[0, 61\), got "
+                                       r"\[99, 99\]"):
+    batch.run()
