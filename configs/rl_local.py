@@ -13,6 +13,7 @@ The other recipes change a few fields of this one:
   configs/rl_decoupled.py   decoupled PPO with the workers' behaviour log-probs
   configs/rl_dapo.py        DAPO dynamic sampling (groups with all-equal rewards left out)
   configs/rl_instruct.py    your instruct checkpoint on your math data, via its chat template
+  configs/rl_tools.py       the same, multi-turn: a calculator tool answers each turn
 
 Variants:
   configs/rl_local.py        the `make run` default (2 CPU cores, about 10 minutes of RL).

@@ -19,7 +19,8 @@ RECIPES = sorted(glob.glob(os.path.join(REPO, "configs", "rl_*.py")))
 def test_the_rl_recipes_the_readme_names_exist():
   names = {os.path.basename(p) for p in RECIPES}
   assert {"rl_local.py", "rl_vigor.py", "rl_int8_tis.py", "rl_sync.py",
-          "rl_decoupled.py", "rl_dapo.py", "rl_instruct.py", "rl_lora.py", "rl_moe.py"} <= names
+          "rl_decoupled.py", "rl_dapo.py", "rl_instruct.py", "rl_lora.py", "rl_moe.py",
+          "rl_tools.py"} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)

@@ -225,14 +225,15 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_int8", "olmo3",
                                     "phi3", "granite", "glm4", "gpt_oss", "qwen3_lora",
-                                    "qwen3_moe_lora"])
+                                    "qwen3_moe_lora", "qwen3_tools"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
   """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window), Qwen3-MoE
   (also published as int8, with scales per expert, and routing replay), OLMo 3, Phi-4-mini-like (LongRoPE, which
   this run's 64 + 8 tokens fix to the long factors in trainer and workers alike), Granite or
   GLM-4 or gpt-oss (attention sinks, biased clamped experts; routing replay) checkpoint, or
   the Qwen3 and Qwen3-MoE ones with configs/rl_lora.py:tiny (adapters, experts' included,
-  trained and merged on export), with a
+  trained and merged on export), or the Qwen3 one with configs/rl_tools.py:tiny (multi-turn:
+  a user's environment answers each turn, and every letter token ends one), with a
   ChatML tokenizer and template: JSONL math questions as conversations,
   scored by the math verifier; the export carries the chat template and the end-of-turn stop
   ids."""
@@ -291,11 +292,17 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   workdir = tmp_path / "run"
   int8 = family.endswith("int8")  # configs/rl_moe.py: int8, TIS, replay, load balancing
   replay = family in ("qwen3_moe_int8", "gpt_oss")
+  tools = family == "qwen3_tools"
+  letters = ",".join(chr(c) for c in range(ord("a"), ord("z") + 1))
   proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
                 f"--config.data.heldout_jsonl={heldout}",
                 *(["--config.worker.routing_replay=True"] if family == "gpt_oss" else []),
+                *([f"--config.tokenizer.stop_tokens={letters}",
+                   "--config.worker.verifiers=tests/fixtures/user_verifiers.py",
+                   "--config.worker.environment=fixture_reply"] if tools else []),
                 config="configs/rl_lora.py:tiny" if family.endswith("lora")
-                else "configs/rl_moe.py:tiny" if int8 else "configs/rl_instruct.py:tiny")
+                else "configs/rl_moe.py:tiny" if int8 else "configs/rl_tools.py:tiny" if tools
+                else "configs/rl_instruct.py:tiny")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(workdir / "summary.json"))
   assert summary["step"] == 2 and set(summary["heldout_exact_match"]) == {"math", "all"}
@@ -308,6 +315,10 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
     assert "routed_frac" not in steps[0]
   if int8:  # configs/rl_moe.py: the load-balancing term was on
     assert all(s["router_aux_loss"] >= 1.0 for s in steps)
+  if tools:  # samples ended turns, got replies (at most 2 each) and trained around them
+    assert all(0 < s["env_replies_mean"] <= 2 and 0 < s["env_token_frac"] < 1 for s in steps)
+  else:
+    assert "env_replies_mean" not in steps[0]
   # Every worker ends holding the trainer's published weights (int8 codes and scales too).
   digests = {v["version"]: v["digest"] for v in _lines(workdir / "versions.jsonl")}
   worker_logs = sorted((workdir / "logs").glob("worker-*.log"))
@@ -319,7 +330,9 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   export = workdir / "hf"
   assert (export / "chat_template.jinja").read_text() == HFTokenizer(
       chat, chat_template="auto").chat_template
-  assert json.load(open(export / "generation_config.json"))["eos_token_id"] == list(tok.stop_ids)
+  stops = list(tok.stop_ids) + ([tok._tok.token_to_id(c) for c in letters.split(",")]
+                                if tools else [])
+  assert json.load(open(export / "generation_config.json"))["eos_token_id"] == stops
   exported = json.load(open(export / "config.json"))
   assert exported["architectures"] == [{
       "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
@@ -327,6 +340,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       "olmo3": "Olmo3ForCausalLM",
       "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
       "glm4": "Glm4ForCausalLM", "gpt_oss": "GptOssForCausalLM",
-      "qwen3_lora": "Qwen3ForCausalLM", "qwen3_moe_lora": "Qwen3MoeForCausalLM"}[family]]
+      "qwen3_lora": "Qwen3ForCausalLM", "qwen3_moe_lora": "Qwen3MoeForCausalLM",
+      "qwen3_tools": "Qwen3ForCausalLM"}[family]]
   assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3", "gpt_oss")
                                             else None)
