@@ -14,16 +14,18 @@ the weights afresh, so a worker may update them in place between chunks.
 A sample equals `generate`'s for the same prompt and seed, whatever its neighbours and
 whenever it started: its token at step t is drawn with fold_in(key(seed), t).
 
-Multi-turn (`respond`): a sample that emits a stop token has ended a turn. The chunk returns,
-the host asks `respond(key, j, tokens so far)` for the reply to sample j of that prompt, and
-the row writes the reply's tokens in place of drawing (one per step, through the same decode
-step, so they join its cache like its own) and draws again after them; None (or
-`max_turns` replies given) finishes the sample.
+Multi-turn (`respond`): a sample that emits a stop token has ended a turn and its row pauses.
+The chunk returns; the host asks `respond(key, j, tokens so far)` for the reply to sample j
+of that prompt on a thread pool, and decoding goes on for the other rows meanwhile (a paused
+row's cache stands still). Once the reply is in, the row writes its tokens in place of
+drawing (one per step, through the same decode step, so they join its cache like its own)
+and draws again after them; None (or `max_turns` replies given) finishes the sample.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 from typing import Any, Callable, Hashable, Sequence
@@ -156,13 +158,14 @@ def _slots_done(slots: Slots):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "record_routes"),
                    donate_argnames=("moving",))
-def _chunk(graphdef, state, fixed, moving: Slots, held, knobs_, max_steps, *, mode,
+def _chunk(graphdef, state, fixed, moving: Slots, held, asked, knobs_, max_steps, *, mode,
            record_routes):
   """Decode until a prompt in a held slot (held [S]) has all its samples (at once if one
   already has) or `max_steps` steps; returns the slots' moving part (see `_without_prompts`;
-  the rest is only read, so it is neither donated nor copied) and which slots are done [S].
-  With a row per sample every sample starts at its prompt's insertion, so rows never start
-  one here and that branch is not compiled."""
+  the rest is only read, so it is neither donated nor copied), which slots are done [S] and
+  the steps taken. With a row per sample every sample starts at its prompt's insertion, so
+  rows never start one here and that branch is not compiled. Multi-turn: also returns when
+  a row pauses that the host has not been asked about (asked [R]), or when no row draws."""
   model = nnx.merge(graphdef, state)
   slots = _with_prompts(fixed, moving)
   s, r = slots.cache.index.shape
@@ -172,8 +175,8 @@ def _chunk(graphdef, state, fixed, moving: Slots, held, knobs_, max_steps, *, mo
   def cond(carry):
     taken, slots = carry
     go = (taken < max_steps) & ~jnp.any(held & _slots_done(slots))
-    if slots.rows.paused is not None:  # a turn ended: the host answers it
-      go = go & ~jnp.any(slots.rows.paused)
+    if slots.rows.paused is not None:  # a turn ended: the host asks for the reply
+      go = go & ~jnp.any(slots.rows.paused & ~asked) & ~jnp.all(slots.rows.done)
     return go
 
   def body(carry):
@@ -181,10 +184,14 @@ def _chunk(graphdef, state, fixed, moving: Slots, held, knobs_, max_steps, *, mo
     cache, rows = slots.cache, slots.rows
     step = cache.index.reshape(-1) + 1  # this step feeds generated token step - 1
     positions = (jnp.repeat(cache.prefix_lens, r) + step - 1)[:, None]
+    before = cache.index
     hidden, cache, *routing = model.hidden_states(rows.token[:, None], positions=positions,
                                                   cache=cache, record_routes=record_routes)
     # A row with nothing left to draw stops at the end of its suffix (its writes are dropped).
-    cache = cache.replace(index=jnp.minimum(cache.index, budget - 1))
+    index = jnp.minimum(cache.index, budget - 1)
+    if rows.paused is not None:  # a paused row stays put: its next write overwrites this one
+      index = jnp.where(rows.paused.reshape(s, r), before, index)
+    cache = cache.replace(index=index)
     routes = slots.routes
     if record_routes:
       out = jnp.where(rows.done, routes.shape[0], rows.sample)
@@ -193,8 +200,8 @@ def _chunk(graphdef, state, fixed, moving: Slots, held, knobs_, max_steps, *, mo
     slots = dataclasses.replace(slots, cache=cache, rows=rows, routes=routes)
     return taken + 1, _start_samples(slots, knobs_, mode) if rows_move_on else slots
 
-  _, slots = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), slots))
-  return _without_prompts(slots)[1], _slots_done(slots)
+  taken, slots = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), slots))
+  return _without_prompts(slots)[1], _slots_done(slots), taken
 
 
 @jax.jit
@@ -217,20 +224,26 @@ def _turns_of(rows: Rows, row_ids):
   return out, rows.lengths[out], rows.tokens[out]
 
 
-@functools.partial(jax.jit, donate_argnames=("rows",))
-def _answer(rows: Rows, row_ids, replies, counts, go_on):
+@functools.partial(jax.jit, static_argnames=("mode",), donate_argnames=("slots",))
+def _answer(slots: Slots, row_ids, replies, counts, go_on, knobs_, *, mode):
   """Paused rows row_ids [m] (an id past the last row: padding) go on with replies
-  [m, F] (right-aligned, counts [m] tokens) where go_on [m], else finish their sample."""
+  [m, F] (right-aligned, counts [m] tokens) where go_on [m], else finish their sample (and
+  take their prompt's next one, if any)."""
+  rows = slots.rows
   outs = rows.sample.at[row_ids].get(mode="fill", fill_value=rows.lengths.shape[0])
   ended = jnp.where(go_on, rows.lengths.shape[0], outs)
   going = jnp.where(go_on, outs, rows.lengths.shape[0])
-  return dataclasses.replace(
+  rows = dataclasses.replace(
       rows, paused=rows.paused.at[row_ids].set(False, mode="drop"),
       done=rows.done.at[row_ids].set(~go_on, mode="drop"),
       forced=rows.forced.at[row_ids].set(replies, mode="drop"),
       forced_left=rows.forced_left.at[row_ids].set(jnp.where(go_on, counts, 0), mode="drop"),
       reasons=rows.reasons.at[going].set(0, mode="drop"),  # a stop ended a turn, not it
       finished=rows.finished.at[ended].set(True, mode="drop"))
+  slots = dataclasses.replace(slots, rows=rows)
+  if slots.cache.index.shape[1] < slots.seeds.shape[1]:
+    slots = _start_samples(slots, knobs_, mode)
+  return slots
 
 
 @functools.partial(jax.jit, static_argnames=("length",))
@@ -264,15 +277,15 @@ class ContinuousBatch:
   caller regains control (to apply new weights, or to stop) within that many steps.
   Fewer rows per prompt (and more slots for the same rows) keep more rows drawing when
   lengths vary, at the price of a group taking longer to finish.
-  `respond(key, j, tokens) -> token ids | None` makes samples multi-turn (module docstring);
-  each sample gets at most `max_turns` replies.
+  `respond(key, j, tokens) -> token ids | None` makes samples multi-turn (module docstring):
+  each sample gets at most `max_turns` replies, asked for on `respond_threads` threads.
   """
 
   def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,
                rows_per_prompt: int = 0, decode_fn: DecodeFn = shared_prefix_decode_attention,
                record_routes: bool = False, chunk_steps: int = 0,
                respond: Callable[[Hashable, int, np.ndarray], Sequence[int] | None] | None = None,
-               max_turns: int = 4):
+               max_turns: int = 4, respond_threads: int = 8):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
     if not isinstance(n, int) or n < 1:
@@ -289,12 +302,18 @@ class ContinuousBatch:
       raise TypeError(f"respond: expected a callable or None, got {type(respond).__name__}")
     if not isinstance(max_turns, int) or max_turns < 0:
       raise ValueError(f"max_turns: expected an int >= 0, got {max_turns!r}")
+    if not isinstance(respond_threads, int) or respond_threads < 1:
+      raise ValueError(f"respond_threads: expected a positive int, got {respond_threads!r}")
     check_request(model.config, [[0]], [0] * n, n, params)
     self.model, self.n, self.num_slots, self.params = model, n, slots, params
     self.record_routes, self.decode_fn = record_routes, decode_fn
     self.chunk_steps = chunk_steps
     self.respond, self.max_turns = respond, max_turns
     self._replies: dict[int, int] = {}  # output slot -> replies given to its sample
+    # paused row -> (its output slot, its reply in the making)
+    self._asking: dict[int, tuple[int, concurrent.futures.Future]] = {}
+    self._threads = respond_threads
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made when first asked
     self.rows_per_prompt = rows_per_prompt or n
     self._knobs = knobs(params)
     self._budget = bucket(params.max_new_tokens)
@@ -329,19 +348,36 @@ class ContinuousBatch:
     self._fill()
     if not self._held:
       return []
+    turns = self.respond is not None
+    if turns:
+      self._answers(wait=False)
     graphdef, state = nnx.split(self.model)
     fixed, moving = _without_prompts(self._slots)
     held = np.zeros((self.num_slots,), bool)
     held[list(self._held)] = True
-    moving, finished = _chunk(
-        graphdef, state, fixed, moving, held, self._knobs,
+    asked = None
+    if turns:
+      asked = np.zeros((self._slots.rows.done.shape[0],), bool)
+      asked[list(self._asking)] = True
+    moving, finished, taken = _chunk(
+        graphdef, state, fixed, moving, held, asked, self._knobs,
         np.int32(self.chunk_steps or self._budget), mode=self.params.mode,
         record_routes=self.record_routes)
     self._slots = _with_prompts(fixed, moving)
-    if self.respond is not None and self._answer_turns():
-      finished = _slots_done(self._slots)  # an answer may have finished a sample
     finished = np.asarray(finished)
+    if turns:
+      self._ask()
+      # Nothing decoded (every row waits for a reply or is idle): wait for a reply.
+      if self._answers(wait=int(taken) == 0 and not finished[list(self._held)].any()):
+        finished = np.asarray(_slots_done(self._slots))  # a reply may have ended a sample
     return self._take([s for s in sorted(self._held) if finished[s]])
+
+  def close(self) -> None:
+    """Stop the reply threads (replies still in the making are awaited); a later reply
+    starts them again."""
+    if self._pool is not None:
+      self._pool.shutdown(wait=True)
+      self._pool = None
 
   def run(self) -> list[tuple[Hashable, list[Sample]]]:
     """Step until nothing waits or runs; every group, in the order they finished."""
@@ -377,30 +413,54 @@ class ContinuousBatch:
       for out in range(s * self.n, (s + 1) * self.n):
         self._replies.pop(out, None)
     if self.respond is not None:
-      self._answer_turns()  # a first token may have ended a turn
+      self._ask()  # a first token may have ended a turn
 
-  def _answer_turns(self) -> bool:
-    """Answer every paused row (respond, or finish its sample); True when one was."""
+  def _ask(self) -> None:
+    """Ask for the reply of each row that has paused since: on the thread pool, or at once
+    None when its sample has had `max_turns` replies."""
     rows = self._slots.rows
-    paused = np.flatnonzero(np.asarray(rows.paused))
-    if not paused.size:
-      return False
+    new = [int(r) for r in np.flatnonzero(np.asarray(rows.paused)) if int(r) not in self._asking]
+    if not new:
+      return
     count = rows.paused.shape[0]
     ids = np.full((count,), count, np.int32)  # one program: padded to every row
-    ids[:paused.size] = paused
+    ids[:len(new)] = new
     outs, lengths, tokens = jax.device_get(_turns_of(rows, ids))
-    width = rows.forced.shape[1]
+    for i, row in enumerate(new):
+      out = int(outs[i])
+      if self._replies.get(out, 0) >= self.max_turns:
+        future = concurrent.futures.Future()
+        future.set_result(None)
+      else:
+        if self._pool is None:
+          self._pool = concurrent.futures.ThreadPoolExecutor(self._threads,
+                                                             thread_name_prefix="respond")
+        future = self._pool.submit(self.respond, self._held[out // self.n][0], out % self.n,
+                                   np.array(tokens[i, :int(lengths[i])]))
+      self._asking[row] = (out, future)
+
+  def _answers(self, wait: bool) -> bool:
+    """Feed the replies that are in (after waiting for one, with `wait`) to their rows;
+    True when some were."""
+    if not self._asking:
+      return False
+    if wait:
+      concurrent.futures.wait([f for _, f in self._asking.values()],
+                              return_when=concurrent.futures.FIRST_COMPLETED)
+    ready = [row for row, (_, f) in self._asking.items() if f.done()]
+    if not ready:
+      return False
+    count = self._slots.rows.paused.shape[0]
+    width = self._slots.rows.forced.shape[1]
+    ids = np.full((count,), count, np.int32)  # one program: padded to every row
     replies = np.zeros((count, width), np.int32)
     counts = np.zeros((count,), np.int32)
     go_on = np.zeros((count,), bool)
     vocab = self.model.config.vocab_size
-    for i in range(paused.size):
-      out = int(outs[i])
-      given = self._replies.get(out, 0)
-      if given >= self.max_turns:
-        continue
-      key = self._held[out // self.n][0]
-      reply = self.respond(key, out % self.n, tokens[i, :int(lengths[i])])
+    for i, row in enumerate(ready):
+      out, future = self._asking.pop(row)
+      ids[i] = row
+      reply = future.result()
       if reply is None:
         continue
       reply = np.asarray(reply, np.int64).reshape(-1)
@@ -408,11 +468,11 @@ class ContinuousBatch:
         raise ValueError(f"respond: reply token ids must lie in [0, {vocab}), got "
                          f"[{reply.min()}, {reply.max()}]")
       reply = reply[:width]  # the budget ends the sample within the reply anyway
-      self._replies[out] = given + 1
+      self._replies[out] = self._replies.get(out, 0) + 1
       go_on[i], counts[i] = True, reply.size
       replies[i, width - reply.size:] = reply
-    self._slots = dataclasses.replace(self._slots, rows=_answer(
-        self._slots.rows, ids, replies, counts, go_on))
+    self._slots = _answer(self._slots, ids, replies, counts, go_on, self._knobs,
+                          mode=self.params.mode)
     return True
 
   def _take(self, finished: list[int]) -> list[tuple[Hashable, list[Sample]]]:

@@ -194,7 +194,11 @@ def record(rows: Rows, step, logits, knobs_, mode) -> Rows:
                               axis=1)[:, 0]
     token = jnp.where(force, fed, token)
     logp, slogp = jnp.where(force, 0.0, logp), jnp.where(force, 0.0, slogp)
-  token = jnp.where(live, token, 0)
+    # A paused row keeps its closing token: fed while it waits (rewriting the same slot)
+    # and once it goes on.
+    token = jnp.where(live, token, rows.token)
+  else:
+    token = jnp.where(live, token, 0)
   out = jnp.where(live, rows.sample, rows.lengths.shape[0])  # rows not drawing write nothing
   stopped = live & jnp.any(token[:, None] == stops[None, :], axis=-1)
   last = step + 1 >= max_new

@@ -9,8 +9,9 @@ With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
 each), a finished prompt's group is scored and submitted at once and a newly leased prompt
 takes its slot. VIGOR samples in rounds, one call per `prompts_per_call` prompts.
-With an `environment`, each turn a sample ends is answered by it (multi-turn rollouts): the
-reply is rendered as the next message and the sample goes on; the verifier scores the whole.
+With an `environment`, each turn a sample ends is answered by it (multi-turn rollouts), on
+`environment_threads` threads while the other rows decode on: the reply is rendered as the
+next message and the sample goes on; the verifier scores the whole.
 
 New versions are pulled by the heartbeat thread while generation runs and applied in place:
 by default once the prompts started on the held version have finished (new prompts wait),
@@ -238,6 +239,8 @@ class Worker:
             break
           self._with_backoff(self._one_lease)
     finally:
+      if self._batch is not None:
+        self._batch.close()
       self._release_all()
       self._done.set()
       self._beat_now.set()
@@ -362,7 +365,8 @@ class Worker:
                                     record_routes=self.config.routing_replay,
                                     chunk_steps=self.config.decode_chunk_steps,
                                     respond=self._respond if self.environment else None,
-                                    max_turns=self.config.max_turns)
+                                    max_turns=self.config.max_turns,
+                                    respond_threads=self.config.environment_threads)
     batch = self._batch
     if self.policy.version is None:
       self._catch_up()
@@ -424,7 +428,8 @@ class Worker:
       logging.warning("worker: environment %r's reply on prompt %s cannot be tokenized (the "
                       "sample ends): %s", self.config.environment, prompt.id, e)
       return None
-    self.stats.replies += 1
+    with self._lock:
+      self.stats.replies += 1
     return ids
 
   def _submit_group(self, lease_id: str, prompt_id: str, samples: list[Sample]) -> None:

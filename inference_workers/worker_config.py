@@ -37,6 +37,9 @@ class WorkerConfig:
   environment: str = setting("", "multi-turn: the environment that answers each turn a sample "
                              "ends (e.g. calculator); '' = one turn")
   max_turns: int = setting(4, "multi-turn: most environment replies per sample")
+  environment_threads: int = setting(8, "multi-turn: environment calls run at once (on threads, "
+                                     "while decoding goes on); 1 for one that is not "
+                                     "thread-safe")
   grace_s: float = setting(25.0, "after SIGTERM: time to submit or release everything in flight")
   backoff_initial_s: float = setting(0.5, "first wait after the server could not be reached")
   backoff_max_s: float = setting(30.0, "longest wait between reconnection attempts")
@@ -55,6 +58,7 @@ class WorkerConfig:
               "decode_chunk_steps"):
       need(getattr(self, f) > 0, f, "a positive int")
     need(self.max_turns >= 0, "max_turns", "an int >= 0")
+    need(self.environment_threads > 0, "environment_threads", "a positive int")
     need(not (self.environment and self.allocator == "vigor"), "environment",
          "'' with allocator='vigor' (VIGOR's rounds sample one turn)")
     need(0 <= self.rows_per_prompt <= self.samples_per_prompt, "rows_per_prompt",

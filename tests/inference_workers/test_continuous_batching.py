@@ -165,22 +165,25 @@ def test_the_benchmark_counts_the_decode_steps_of_each_schedule():
   assert bench.continuous_steps(groups, 2, 1) == 5
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_the_decode_chunk_lowers_for_tpu_and_cuda(platform):
+@pytest.mark.parametrize("platform, turns", [("tpu", False), ("cuda", False), ("tpu", True)])
+def test_the_decode_chunk_lowers_for_tpu_and_cuda(platform, turns):
   # The whole chunk (per-row cache writes, rows taking next samples, the decode kernel:
-  # Mosaic on TPU, the XLA path on CUDA) exported from the CPU for the real targets.
+  # Mosaic on TPU, the XLA path on CUDA; multi-turn: replies fed in, paused rows held)
+  # exported from the CPU for the real targets.
   config = ModelConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_layers=1,
                        num_heads=2, num_kv_heads=1, head_dim=128, architecture="qwen3",
                        qk_norm=True, dtype="bfloat16")
   model = Transformer(config, rngs=nnx.Rngs(0))
   params = SamplingParams(max_new_tokens=256, stop_tokens=STOPS)
-  batch = ContinuousBatch(model, 4, 2, params, rows_per_prompt=2)
+  batch = ContinuousBatch(model, 4, 2, params, rows_per_prompt=2,
+                          respond=(lambda *a: None) if turns else None)
   batch.add(0, list(range(1, 101)), [0, 1, 2, 3])
   batch._fill()
   graphdef, state = nnx.split(model)
   fixed, moving = continuous._without_prompts(batch._slots)
   exported = export.export(continuous._chunk, platforms=[platform])(
-      graphdef, state, fixed, moving, np.array([True, False]), knobs(params), np.int32(8),
+      graphdef, state, fixed, moving, np.array([True, False]),
+      np.zeros((4,), bool) if turns else None, knobs(params), np.int32(8),
       mode=params.mode, record_routes=False)
   assert exported.platforms == (platform,)
   kernels = set(re.findall(r'kernel_name = "([a-z_]+)"', exported.mlir_module()))

@@ -1,6 +1,8 @@
 """Multi-turn sampling in the continuous batch: a sample that ends a turn gets the host's reply
 written into its row, which then draws on as if the conversation had been its prompt."""
 
+import threading
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -110,6 +112,8 @@ def test_bad_respond_settings_and_replies_are_named(model):
     ContinuousBatch(model, 1, 1, respond=3)
   with pytest.raises(ValueError, match="max_turns: expected an int >= 0, got -1"):
     ContinuousBatch(model, 1, 1, respond=lambda *a: None, max_turns=-1)
+  with pytest.raises(ValueError, match="respond_threads: expected a positive int, got 0"):
+    ContinuousBatch(model, 1, 1, respond=lambda *a: None, respond_threads=0)
   params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_tokens=STOPS)
   batch = ContinuousBatch(model, 1, 1, params, respond=lambda k, j, t: [99])
   for i, p in enumerate(PROMPTS):
@@ -117,3 +121,42 @@ def test_bad_respond_settings_and_replies_are_named(model):
   with pytest.raises(ValueError, match=r"respond: reply token ids must lie in \[0, 61\), got "
                                        r"\[99, 99\]"):
     batch.run()
+
+
+def test_a_slow_reply_does_not_hold_the_other_rows(model):
+  # Prompt "slow"'s replies wait on an event; the other prompts' groups finish meanwhile,
+  # then the slow one goes on from where it paused, as if it had not waited.
+  params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_tokens=tuple(range(1, 40)))
+  release = threading.Event()
+
+  def respond(key, j, tokens):
+    if key == "slow":
+      assert release.wait(30)
+    return [50, 51] if len(tokens) < 4 else None
+
+  def run(slow_first):
+    batch = ContinuousBatch(model, 1, 3, params, respond=respond, chunk_steps=4)
+    batch.add("slow", PROMPTS[0], [1])
+    for i, p in enumerate(PROMPTS[1:]):
+      batch.add(i, p, [1])
+    done = {}
+    for _ in range(50):
+      done.update(batch.step())
+      if slow_first and len(done) == 2:
+        break
+    else:
+      assert not slow_first
+    if slow_first:
+      assert sorted(done) == [0, 1] and batch.running == 1  # the slow one still waits
+      release.set()
+      done.update(batch.run())
+    batch.close()
+    return done
+
+  waited = run(slow_first=True)
+  plain = run(slow_first=False)  # the event is set: no waiting
+  assert set(waited) == set(plain) == {"slow", 0, 1}
+  for key in plain:
+    assert waited[key][0].tokens.tolist() == plain[key][0].tokens.tolist()
+    assert waited[key][0].observed.tolist() == plain[key][0].observed.tolist()
+  assert waited["slow"][0].observed.any()

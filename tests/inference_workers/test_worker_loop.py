@@ -447,3 +447,5 @@ def test_bad_batching_settings_are_named():
     WorkerConfig(environment="calculator", allocator="vigor")
   with pytest.raises(ValueError, match="WorkerConfig.max_turns: expected an int >= 0"):
     WorkerConfig(max_turns=-1)
+  with pytest.raises(ValueError, match="WorkerConfig.environment_threads: expected a positive"):
+    WorkerConfig(environment_threads=0)
