@@ -7,13 +7,15 @@ a judge's feedback): the worker appends it as the next message and the policy go
 ends the sample, which the task's verifier then scores as a whole. The reply's tokens are
 context for the policy, not its actions: they carry no log-prob and no loss.
 
-Registered: "calculator" (`<calc>expression</calc>` -> `<result>value</result>`).
-`@register_environment("name")` in a file or module that worker.verifiers names adds one.
+Built in: "calculator" (`<calc>expression</calc>` -> `<result>value</result>`) and "python"
+(a sandboxed code interpreter, `algorithms.code_interpreter`). `@register_environment("name")`
+in a file or module that worker.verifiers names adds one.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import math
 import operator
 import re
@@ -25,6 +27,7 @@ class Environment(Protocol):
 
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+_BUILT_IN_MODULES = {"python": "algorithms.code_interpreter"}  # imported when first named
 
 
 def register_environment(name: str):
@@ -44,10 +47,13 @@ def register_environment(name: str):
 
 def make_environment(name: str, field: str = "worker.environment", **kwargs: Any
                      ) -> Environment:
-  """A registered environment; ValueError naming `field` for any other name."""
+  """A registered or built-in environment; ValueError naming `field` for any other name."""
+  if name not in ENVIRONMENTS and name in _BUILT_IN_MODULES:
+    importlib.import_module(_BUILT_IN_MODULES[name])
   if name not in ENVIRONMENTS:
-    raise ValueError(f"{field}: expected one of {sorted(ENVIRONMENTS)} (or one that a file "
-                     f"worker.verifiers names registers), got {name!r}")
+    known = sorted(set(ENVIRONMENTS) | set(_BUILT_IN_MODULES))
+    raise ValueError(f"{field}: expected one of {known} (or one that a file worker.verifiers "
+                     f"names registers), got {name!r}")
   return ENVIRONMENTS[name](**kwargs)
 
 

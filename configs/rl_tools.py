@@ -12,6 +12,8 @@ Put your final answer within \boxed{}." The trainer takes the policy's tokens as
 the tool's replies as context only (no loss on them); held-out questions are answered in as
 many turns as the workers allow.
 
+A code interpreter instead: --config.worker.environment=python (a ```python block runs in a
+sandbox, after the earlier turns' blocks, and its printout comes back as <output>...</output>).
 Your own environment: `@register_environment("name")` on a class or factory in a file
 (algorithms.environments), then --config.worker.verifiers=my_env.py
 --config.worker.environment=name. `:tiny` is the seconds-long smoke variant (the tests').

@@ -60,3 +60,25 @@ def test_the_guard_turns_an_exception_into_a_reply_and_refuses_a_wrong_type():
   assert guarded("a", "b") == "error: KeyError: 'x'" and guarded.errors == 1
   with pytest.raises(TypeError, match="environment 'bad': expected a str reply or None, got int"):
     GuardedEnvironment("bad", lambda c, r: 3)("a", "b")
+
+
+def test_the_python_interpreter_runs_the_latest_block_after_the_earlier_ones():
+  env = make_environment("python", timeout_s=5.0)
+  first = "Let me compute.\n```python\nx = 6 * 7\nprint('first')\n1 / 0\n```"
+  assert env(first, None) == "<output>\nfirst\nZeroDivisionError: division by zero\n</output>"
+  # The next turn sees x (the earlier block ran again, its output and error discarded).
+  second = first + env(first, None) + "So\n```py\nprint(x + 1)\n```"
+  assert env(second, None) == "<output>\n43\n</output>"
+  assert env(second + "\n</output>The answer is 43.", None) is None  # no block: done
+  assert env("no code here", None) is None
+
+
+def test_the_python_interpreter_is_sandboxed_and_bounded():
+  env = make_environment("python", timeout_s=1.0)
+  assert env("```python\nwhile True: pass\n```", None) == (
+      "<output>\nTimeoutError: the code ran past 1 s\n</output>")
+  long = make_environment("python", max_output_chars=32)("```python\nprint('y' * 1000)\n```",
+                                                         None)
+  assert long == "<output>\n" + "y" * 28 + " ...\n</output>"
+  denied = env("```python\nimport socket\nsocket.socket()\n```", None)
+  assert "PermissionError: sandbox: socket.__new__ is not allowed" in denied
