@@ -3,9 +3,10 @@
 The policy writes a ```python block and ends its turn; the block runs in the code
 verifier's sandbox (`algorithms.verifiers.code_exec`: timeout, memory limit, no network)
 and what it printed comes back as `<output>...</output>` (its error, if it raised), cut to
-`max_output_chars`. Each call runs the policy's earlier blocks first, their output
-discarded, so a variable set in one turn is there in the next, as in a notebook, while the
-environment itself keeps no state between calls. A turn without a block ends the sample.
+`max_output_chars`. Each call runs the blocks of the policy's earlier turns first, their
+output discarded, so a variable set in one turn is there in the next, as in a notebook,
+while the environment itself keeps no state between calls. A turn without a block ends
+the sample.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from algorithms.environments import register_environment
 from algorithms.verifiers.code_exec import CodeExecutionVerifier
 
 _BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
-_CLOSE = "</output>"
 # Earlier blocks run with their printing discarded and their errors passed over (as a
 # notebook goes on after a failed cell); the latest one prints for real.
 _QUIET = "import io as _io, sys as _sys\n_sys.stdout = _io.StringIO()\n"
@@ -36,13 +36,13 @@ class PythonInterpreter:
     self.sandbox = CodeExecutionVerifier(timeout_s=timeout_s, memory_mb=memory_mb)
     self.max_output_chars = int(max_output_chars)
 
-  def __call__(self, completion: str, reference: Any) -> str | None:
+  def __call__(self, messages: list[dict[str, str]], reference: Any) -> str | None:
     del reference
-    earlier, _, latest = completion.rpartition(_CLOSE)
-    blocks = _BLOCK.findall(latest)
+    blocks = _BLOCK.findall(messages[-1]["content"])
     if not blocks:
       return None
-    before = "".join(_CELL.format(b) for b in _BLOCK.findall(earlier))
+    before = "".join(_CELL.format(b) for m in messages[:-1] if m["role"] == "assistant"
+                     for b in _BLOCK.findall(m["content"]))
     result = self.sandbox(_QUIET + before + _LOUD, [blocks[-1]])
     info = result.info
     text = info["stdout"]
@@ -52,4 +52,4 @@ class PythonInterpreter:
       text += info["errors"][-1]
     if len(text) > self.max_output_chars:
       text = text[:self.max_output_chars - 4] + " ..."
-    return f"<output>\n{text.rstrip()}\n{_CLOSE}"
+    return f"<output>\n{text.rstrip()}\n</output>"

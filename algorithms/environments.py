@@ -1,15 +1,19 @@
 """Multi-turn rollouts: an environment answers each turn the policy ends.
 
 When a sample ends a turn (emits a stop token), the worker calls the environment with the
-completion so far (its earlier replies included) and the prompt's reference:
-`environment(completion, reference) -> str | None`. A string is the reply (a tool's output,
-a judge's feedback): the worker appends it as the next message and the policy goes on; None
-ends the sample, which the task's verifier then scores as a whole. The reply's tokens are
-context for the policy, not its actions: they carry no log-prob and no loss.
+conversation since the prompt and the prompt's reference:
+`environment(messages, reference) -> reply`, where `messages` alternate
+{"role": "assistant", "content": the policy's turn} and {"role": "tool", "content": an
+earlier reply}, the turn just ended last. A reply is a string (a tool's output, a judge's
+feedback) or a list of them (one tool message each, e.g. one per call the turn made): the
+worker renders it as the next message(s) and the policy goes on. None ends the sample,
+which the task's verifier then scores as a whole. The replies' tokens are context for the
+policy, not its actions: they carry no log-prob and no loss.
 
-Built in: "calculator" (`<calc>expression</calc>` -> `<result>value</result>`) and "python"
-(a sandboxed code interpreter, `algorithms.code_interpreter`). `@register_environment("name")`
-in a file or module that worker.verifiers names adds one.
+Built in: "calculator" (`<calc>expression</calc>` -> `<result>value</result>`), "python"
+(a sandboxed code interpreter, `algorithms.code_interpreter`) and "tool_calls" (your Python
+functions, called as the model's chat template asks for them, `algorithms.tools`).
+`@register_environment("name")` in a file or module that worker.verifiers names adds one.
 """
 
 from __future__ import annotations
@@ -19,15 +23,19 @@ import importlib
 import math
 import operator
 import re
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence, Union
+
+
+Reply = Union[str, list[str], None]
 
 
 class Environment(Protocol):
-  def __call__(self, completion: str, reference: Any) -> str | None: ...
+  def __call__(self, messages: list[dict[str, str]], reference: Any) -> Reply: ...
 
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
-_BUILT_IN_MODULES = {"python": "algorithms.code_interpreter"}  # imported when first named
+# imported when first named
+_BUILT_IN_MODULES = {"python": "algorithms.code_interpreter", "tool_calls": "algorithms.tools"}
 
 
 def register_environment(name: str):
@@ -58,24 +66,40 @@ def make_environment(name: str, field: str = "worker.environment", **kwargs: Any
 
 
 class GuardedEnvironment:
-  """An environment whose exceptions become its reply ("error: ..."), so that a completion
-  it cannot parse neither stops the worker nor loses the prompt; a reply that is neither a
-  string nor None is a TypeError naming the environment (that mistake is in every call)."""
+  """An environment whose exceptions become its reply ("error: ..."), so that a turn it
+  cannot parse neither stops the worker nor loses the prompt; a reply that is not a string,
+  a list of strings or None is a TypeError naming the environment (that mistake is in every
+  call)."""
 
   def __init__(self, name: str, environment: Environment):
     self.name, self.environment = name, environment
     self.errors = 0
 
-  def __call__(self, completion: str, reference: Any) -> str | None:
+  def __call__(self, messages: list[dict[str, str]], reference: Any) -> Reply:
     try:
-      reply = self.environment(completion, reference)
+      reply = self.environment(messages, reference)
     except Exception as e:  # noqa: BLE001 - the environment is the user's code
       self.errors += 1
       return f"error: {type(e).__name__}: {e}"
-    if reply is not None and not isinstance(reply, str):
-      raise TypeError(f"environment {self.name!r}: expected a str reply or None, got "
-                      f"{type(reply).__name__}")
+    if reply is not None and not isinstance(reply, str) and not (
+        isinstance(reply, list) and reply and all(isinstance(r, str) for r in reply)):
+      raise TypeError(f"environment {self.name!r}: expected a str reply, a non-empty list of "
+                      f"them or None, got {type(reply).__name__}")
     return reply
+
+
+def conversation(turns: Sequence[str], replies: Sequence[Reply]) -> list[dict[str, str]]:
+  """The messages an environment sees: the policy's turns (assistant messages), each but
+  the last followed by the reply it got (one tool message per string)."""
+  if len(turns) != len(replies) + 1:
+    raise ValueError(f"conversation: expected one reply fewer than turns, got {len(turns)} "
+                     f"turns and {len(replies)} replies")
+  messages = []
+  for turn, reply in zip(turns, list(replies) + [None]):
+    messages.append({"role": "assistant", "content": turn})
+    for text in ([] if reply is None else [reply] if isinstance(reply, str) else reply):
+      messages.append({"role": "tool", "content": text})
+  return messages
 
 
 # ---------------------------------------------------------------- the calculator
@@ -128,12 +152,11 @@ def _format(number: int | float) -> str:
 class Calculator:
   """A tool: the last `<calc>expression</calc>` of the policy's latest turn is answered with
   `<result>value</result>` (or `<result>error: ...</result>`); a turn without one ends the
-  sample. Only the text after the last reply counts, so an old call is not answered twice."""
+  sample."""
 
-  def __call__(self, completion: str, reference: Any) -> str | None:
+  def __call__(self, messages: list[dict[str, str]], reference: Any) -> str | None:
     del reference
-    latest = completion.rsplit("</result>", 1)[-1]
-    calls = _CALL.findall(latest)
+    calls = _CALL.findall(messages[-1]["content"])
     if not calls:
       return None
     try:

@@ -32,7 +32,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   del c.sft
   c.tokenizer = ml_collections.ConfigDict(dict(
       kind="hf", path="", alphabet="",  # path "": the checkpoint's tokenizer.json
-      chat_template="auto", chat_kwargs='{"enable_thinking": false}', stop_tokens=""))
+      chat_template="auto", chat_kwargs='{"enable_thinking": false}', stop_tokens="",
+      tools=""))
   # The checkpoint gives the shape; these set the trainer's dtypes.
   c.model = ml_collections.ConfigDict(dict(param_dtype="float32", dtype="bfloat16"))
   c.mesh.data, c.mesh.fsdp = 1, -1

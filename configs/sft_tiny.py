@@ -39,6 +39,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # For kind="hf": more tokens that end a sample, comma-separated (e.g. "<|im_end|>" when a
   # base model's files stop only at <|endoftext|>), beside eos and generation_config.json's.
   c.tokenizer.stop_tokens = ""
+  # With a chat template: functions (@register_tool in a worker.verifiers file) offered to the
+  # model in every prompt, comma-separated; worker.environment="tool_calls" runs them.
+  c.tokenizer.tools = ""
 
   # Model (rlax_ps.models.ModelConfig fields). vocab_size 0 = the tokenizer's.
   c.model = ml_collections.ConfigDict()

@@ -74,7 +74,8 @@ def main(argv) -> None:
   from rlax_ps.tokenizers import tokenizer_from_config
 
   init_from_hf = cfg.get("init_from_hf", "")
-  tokenizer = tokenizer_from_config(cfg.get("tokenizer"), init_from_hf)
+  tokenizer = tokenizer_from_config(cfg.get("tokenizer"), init_from_hf,
+                                    str(cfg.get("worker", {}).get("verifiers", "")))
   if "model" not in cfg:
     raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
   model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf,

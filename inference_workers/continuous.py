@@ -15,8 +15,9 @@ A sample equals `generate`'s for the same prompt and seed, whatever its neighbou
 whenever it started: its token at step t is drawn with fold_in(key(seed), t).
 
 Multi-turn (`respond`): a sample that emits a stop token has ended a turn and its row pauses.
-The chunk returns; the host asks `respond(key, j, tokens so far)` for the reply to sample j
-of that prompt on a thread pool, and decoding goes on for the other rows meanwhile (a paused
+The chunk returns; the host asks `respond(key, j, tokens, observed)` for the reply to
+sample j of that prompt (its tokens so far, and which of them earlier replies wrote) on a
+thread pool, and decoding goes on for the other rows meanwhile (a paused
 row's cache stands still). Once the reply is in, the row writes its tokens in place of
 drawing (one per step, through the same decode step, so they join its cache like its own)
 and draws again after them; None (or `max_turns` replies given) finishes the sample.
@@ -219,9 +220,10 @@ def _collect(slots: Slots, slot_ids):
 
 @jax.jit
 def _turns_of(rows: Rows, row_ids):
-  """Rows row_ids [m]' output slots, and those outputs' lengths and tokens so far."""
+  """Rows row_ids [m]' output slots, and those outputs' lengths, tokens so far and which
+  of them replies wrote."""
   out = rows.sample[row_ids]
-  return out, rows.lengths[out], rows.tokens[out]
+  return out, rows.lengths[out], rows.tokens[out], rows.observed[out]
 
 
 @functools.partial(jax.jit, static_argnames=("mode",), donate_argnames=("slots",))
@@ -277,14 +279,16 @@ class ContinuousBatch:
   caller regains control (to apply new weights, or to stop) within that many steps.
   Fewer rows per prompt (and more slots for the same rows) keep more rows drawing when
   lengths vary, at the price of a group taking longer to finish.
-  `respond(key, j, tokens) -> token ids | None` makes samples multi-turn (module docstring):
+  `respond(key, j, tokens, observed) -> token ids | None` makes samples multi-turn (module
+  docstring):
   each sample gets at most `max_turns` replies, asked for on `respond_threads` threads.
   """
 
   def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,
                rows_per_prompt: int = 0, decode_fn: DecodeFn = shared_prefix_decode_attention,
                record_routes: bool = False, chunk_steps: int = 0,
-               respond: Callable[[Hashable, int, np.ndarray], Sequence[int] | None] | None = None,
+               respond: Callable[[Hashable, int, np.ndarray, np.ndarray],
+                                 Sequence[int] | None] | None = None,
                max_turns: int = 4, respond_threads: int = 8):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
@@ -425,7 +429,7 @@ class ContinuousBatch:
     count = rows.paused.shape[0]
     ids = np.full((count,), count, np.int32)  # one program: padded to every row
     ids[:len(new)] = new
-    outs, lengths, tokens = jax.device_get(_turns_of(rows, ids))
+    outs, lengths, tokens, observed = jax.device_get(_turns_of(rows, ids))
     for i, row in enumerate(new):
       out = int(outs[i])
       if self._replies.get(out, 0) >= self.max_turns:
@@ -435,8 +439,9 @@ class ContinuousBatch:
         if self._pool is None:
           self._pool = concurrent.futures.ThreadPoolExecutor(self._threads,
                                                              thread_name_prefix="respond")
+        k = int(lengths[i])
         future = self._pool.submit(self.respond, self._held[out // self.n][0], out % self.n,
-                                   np.array(tokens[i, :int(lengths[i])]))
+                                   np.array(tokens[i, :k]), np.array(observed[i, :k]))
       self._asking[row] = (out, future)
 
   def _answers(self, wait: bool) -> bool:

@@ -36,7 +36,7 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import FixedAllocator
-from algorithms.environments import GuardedEnvironment, make_environment
+from algorithms.environments import GuardedEnvironment, conversation, make_environment
 from algorithms.verifiers import Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample
@@ -63,6 +63,12 @@ def make_allocator(config: WorkerConfig):
     from algorithms.allocation import VigorAllocator
     return VigorAllocator()
   return FixedAllocator(config.samples_per_prompt)
+
+
+def policy_turns(tokens: np.ndarray, observed: np.ndarray) -> list[np.ndarray]:
+  """A multi-turn sample's turns: its runs of tokens the policy drew, between the replies."""
+  cuts = np.flatnonzero(np.diff(np.concatenate([[True], observed, [True]]).astype(np.int8)))
+  return [tokens[a:b] for a, b in zip(cuts[::2], cuts[1::2])]
 
 
 def reference_of(prompt: pb.Prompt) -> str:
@@ -124,6 +130,8 @@ class Worker:
     self._started: dict[tuple[str, str], tuple[pb.Prompt, int]] = {}
     self._abandoned: set[str] = set()
     self._newer_waits = False  # a newer version waits for the running prompts to end
+    # Multi-turn: the replies each running sample got, by prompt key and sample index.
+    self._given: dict[tuple[str, str], dict[int, list]] = collections.defaultdict(dict)
     self._chunks: collections.deque[tuple[float, int]] = collections.deque(maxlen=_RATE_CHUNKS)
 
   # ------------------------------------------------------------ stopping
@@ -415,11 +423,15 @@ class Worker:
       batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
                 self._seeds(prompt.id, version, 0, n))
 
-  def _respond(self, key: tuple[str, str], j: int, tokens: np.ndarray) -> list[int] | None:
-    """Multi-turn: the environment's reply to a turn sample j of prompt `key` ended (its
-    tokens so far, the closing stop token last), as the ids that continue the sample."""
+  def _respond(self, key: tuple[str, str], j: int, tokens: np.ndarray,
+               observed: np.ndarray) -> list[int] | None:
+    """Multi-turn (on a reply thread): the environment's reply to the turn sample j of
+    prompt `key` just ended (its tokens so far, the closing stop token last; `observed`:
+    which of them earlier replies wrote), as the ids that continue the sample."""
     prompt, _ = self._started[key]
-    reply = self.environment(self.tokenizer.decode(tokens), reference_of(prompt))
+    given = self._given[key].setdefault(j, [])
+    turns = [self.tokenizer.decode(t) for t in policy_turns(tokens, observed)]
+    reply = self.environment(conversation(turns, given), reference_of(prompt))
     if reply is None:
       return None
     try:
@@ -428,6 +440,9 @@ class Worker:
       logging.warning("worker: environment %r's reply on prompt %s cannot be tokenized (the "
                       "sample ends): %s", self.config.environment, prompt.id, e)
       return None
+    if not ids:  # nothing to feed (an empty reply without a template): the sample ends
+      return None
+    given.append(reply)
     with self._lock:
       self.stats.replies += 1
     return ids
@@ -437,6 +452,7 @@ class Worker:
     a group the server refuses as it is releases its prompt, a lease it took back is
     abandoned."""
     prompt, version = self._started.pop((lease_id, prompt_id))
+    self._given.pop((lease_id, prompt_id), None)
     self.stats.samples += len(samples)
     self.stats.tokens += sum(len(s.tokens) for s in samples)
     if lease_id not in self._abandoned:

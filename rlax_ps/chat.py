@@ -99,13 +99,13 @@ def _compile(template: str):
 
 def render(template: str, messages: Sequence[Mapping[str, str]], *,
            special_tokens: Mapping[str, str] | None = None, add_generation_prompt: bool = True,
-           **kwargs: Any) -> str:
+           tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
   """The text of `messages` under `template`, ending with the assistant's turn opened
   (`add_generation_prompt`); `special_tokens` (bos_token, eos_token, ...) and `kwargs`
   (e.g. enable_thinking) are template variables, as in transformers."""
   import jinja2
   try:
-    return _compile(template).render(messages=list(messages), tools=None, documents=None,
+    return _compile(template).render(messages=list(messages), tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt,
                                      **{**dict(special_tokens or {}), **kwargs})
   except jinja2.exceptions.TemplateError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import string
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
@@ -47,7 +48,7 @@ class Tokenizer(Protocol):
 
   def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]: ...
 
-  def encode_reply(self, text: str, after: int) -> list[int]: ...
+  def encode_reply(self, text: str | Sequence[str], after: int) -> list[int]: ...
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str: ...
 
@@ -98,10 +99,11 @@ class CharTokenizer:
     """[bos] + the prompt's ids."""
     return self.encode(self.render_prompt(prompt), add_bos=True)
 
-  def encode_reply(self, text: str, after: int) -> list[int]:
-    """An environment's reply after a turn the policy ended: the text's ids (no template)."""
+  def encode_reply(self, text: str | Sequence[str], after: int) -> list[int]:
+    """An environment's reply after a turn the policy ended: the text's ids (no template;
+    several replies joined by newlines)."""
     del after
-    return self.encode(text)
+    return self.encode(text if isinstance(text, str) else "\n".join(text))
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     ids = [self.bos_id] if add_bos else []
@@ -168,12 +170,14 @@ class HFTokenizer:
   Generation stops at eos, at every `eos_token_id` of a sibling generation_config.json
   (instruct models end a turn with their own token) and at each of `stop_tokens`.
   `chat_template` ("auto" or a .jinja path; rlax_ps.chat) renders prompts as a
-  conversation, with `chat_kwargs` as template variables (e.g. {"enable_thinking": False}).
+  conversation, with `chat_kwargs` as template variables (e.g. {"enable_thinking": False})
+  and `tools` (function schemas, `algorithms.tools`) as the tools it offers the model.
   """
 
   def __init__(self, path: str, *, bos_token: str | None = None, eos_token: str | None = None,
                pad_token: str | None = None, chat_template: str = "",
-               chat_kwargs: Mapping[str, Any] | None = None, stop_tokens: Sequence[str] = ()):
+               chat_kwargs: Mapping[str, Any] | None = None, stop_tokens: Sequence[str] = (),
+               tools: Sequence[Mapping[str, Any]] | None = None):
     from tokenizers import Tokenizer as _HFTok
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -201,7 +205,11 @@ class HFTokenizer:
     self._stops = tuple(dict.fromkeys([self._eos, *_generation_eos_ids(directory), *extra]))
     self.chat_template = chat.read_template(chat_template, directory) if chat_template else None
     self.chat_kwargs = dict(chat_kwargs or {})
-    self._reply_frames: dict[int, tuple[str, str]] = {}  # closing token -> encode_reply's frame
+    if tools and self.chat_template is None:
+      raise ValueError("tokenizer.tools: tools are offered through a chat template; set "
+                       "tokenizer.chat_template")
+    self.tools = list(tools) if tools else None
+    self._reply_frames: dict[tuple[int, int], list[str]] = {}  # (closing, count) -> frame
     # The special tokens a template sees by name, as transformers passes them.
     self._special = {f"{kind}_token": self._tok.id_to_token(i)
                      for kind, i in (("bos", self._bos), ("eos", self._eos), ("pad", self._pad))}
@@ -257,7 +265,7 @@ class HFTokenizer:
     messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
                 else chat.check_messages(prompt))
     return chat.render(self.chat_template, messages, special_tokens=self._special,
-                       **self.chat_kwargs)
+                       tools=self.tools, **self.chat_kwargs)
 
   def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
     """The prompt's ids: [bos] + text, or the rendered conversation (its template places
@@ -265,36 +273,42 @@ class HFTokenizer:
     text = self.render_prompt(prompt)
     return self.encode(text, add_bos=self.chat_template is None)
 
-  def encode_reply(self, text: str, after: int) -> list[int]:
+  def encode_reply(self, text: str | Sequence[str], after: int) -> list[int]:
     """The ids that follow a turn the policy ended with token `after`: the environment's
-    reply `text` as the next message (a "tool" message, a "user" one where the template
-    knows no tool role) and the assistant's turn opened again, as the chat template renders
-    that conversation; without a template, the text's ids."""
+    reply `text` as the next message (a list: as that many messages), each a "tool"
+    message (a "user" one where the template knows no tool role), and the assistant's turn
+    opened again, as the chat template renders that conversation; without a template, the
+    text's ids (a list joined by newlines)."""
+    texts = [text] if isinstance(text, str) else list(text)
     if self.chat_template is None:
-      return self.encode(text)
-    if after not in self._reply_frames:
-      self._reply_frames[after] = self._reply_frame(after)
-    before, behind = self._reply_frames[after]
-    return self.encode(before + text + behind)
+      return self.encode("\n".join(texts))
+    key = (after, len(texts))
+    if key not in self._reply_frames:
+      self._reply_frames[key] = self._reply_frame(after, len(texts))
+    frame = self._reply_frames[key]
+    return self.encode("".join(piece + t for piece, t in zip(frame, texts)) + frame[-1])
 
-  def _reply_frame(self, after: int) -> tuple[str, str]:
-    """(text before, text after) a reply in the rendered conversation, from the end of the
+  def _reply_frame(self, after: int, count: int) -> list[str]:
+    """The text around `count` replies in the rendered conversation, from the end of the
     assistant's turn on, the turn's closing token (`after`) left out where it opens it."""
-    content, reply = "\ue000", "\ue001"  # private-use characters no template writes
+    content = "\ue000"  # private-use characters no template writes
+    replies = [chr(0xE100 + i) for i in range(count)]
     turn = [{"role": "user", "content": "\ue002"}, {"role": "assistant", "content": content}]
-    kw = dict(special_tokens=self._special, **self.chat_kwargs)
+    kw = dict(special_tokens=self._special, tools=self.tools, **self.chat_kwargs)
     base = chat.render(self.chat_template, turn, add_generation_prompt=False, **kw)
     errors = []
     for role in ("tool", "user"):
       try:
-        full = chat.render(self.chat_template, turn + [{"role": role, "content": reply}], **kw)
+        full = chat.render(self.chat_template,
+                           turn + [{"role": role, "content": r} for r in replies], **kw)
         break
       except ValueError as e:
         errors.append(str(e))
     else:
       raise ValueError(f"tokenizer.chat_template: cannot render an environment's reply as a "
                        f"tool or user message: {errors[-1]}")
-    if not full.startswith(base) or content not in base or full.count(reply) != 1:
+    if not full.startswith(base) or content not in base or any(
+        full.count(r) != 1 for r in replies):
       raise ValueError("tokenizer.chat_template: a reply after the assistant's turn changes "
                        "how the earlier turns render; multi-turn rollouts need a template whose "
                        "conversation grows by appending")
@@ -302,8 +316,7 @@ class HFTokenizer:
     closing = self.decode([after], skip_special=False)
     if closing and framed.startswith(closing):
       framed = framed[len(closing):]
-    before, behind = framed.split(reply)
-    return before, behind
+    return re.split("|".join(replies), framed)
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
@@ -323,13 +336,15 @@ def _generation_eos_ids(directory: str) -> list[int]:
 
 
 def make_tokenizer(kind: str, path: str = "", alphabet: str = "", *, chat_template: str = "",
-                   chat_kwargs: str | Mapping[str, Any] = "", stop_tokens: str = ""
-                   ) -> CharTokenizer | HFTokenizer:
+                   chat_kwargs: str | Mapping[str, Any] = "", stop_tokens: str = "",
+                   tools: str = "", tool_modules: str = "") -> CharTokenizer | HFTokenizer:
   """From config: kind "char" (optional alphabet) or "hf" (path to tokenizer.json or its
-  dir, optional chat template and its variables as a dict or JSON text, and extra stop
-  tokens, comma-separated)."""
+  dir, optional chat template and its variables as a dict or JSON text, extra stop tokens,
+  comma-separated, and the registered tools its prompts offer, comma-separated, after
+  importing the files `tool_modules` names: worker.verifiers)."""
   if kind == "char":
-    for field, value in (("chat_template", chat_template), ("stop_tokens", stop_tokens)):
+    for field, value in (("chat_template", chat_template), ("stop_tokens", stop_tokens),
+                         ("tools", tools)):
       if value:
         raise ValueError(f"tokenizer.{field}: the char tokenizer takes none; expected '' or "
                          f"kind='hf', got {value!r}")
@@ -346,20 +361,27 @@ def make_tokenizer(kind: str, path: str = "", alphabet: str = "", *, chat_templa
     if not isinstance(chat_kwargs, Mapping):
       raise ValueError(f"tokenizer.chat_kwargs: expected a JSON object, got {chat_kwargs!r}")
     stops = [t.strip() for t in stop_tokens.split(",") if t.strip()]
+    schemas = None
+    if tools:
+      from algorithms.tools import tool_schemas
+      from algorithms.verifiers import load_verifiers
+      load_verifiers(tool_modules, "worker.verifiers")
+      schemas = tool_schemas(tools)
     return HFTokenizer(path, chat_template=chat_template, chat_kwargs=chat_kwargs,
-                       stop_tokens=stops)
+                       stop_tokens=stops, tools=schemas)
   raise ValueError(f"tokenizer.kind: expected 'char' or 'hf', got {kind!r}")
 
 
-def tokenizer_from_config(block: Mapping[str, Any] | None, default_path: str = ""
-                          ) -> CharTokenizer | HFTokenizer:
+def tokenizer_from_config(block: Mapping[str, Any] | None, default_path: str = "",
+                          tool_modules: str = "") -> CharTokenizer | HFTokenizer:
   """The tokenizer a config's `tokenizer` block names (kind, path, alphabet, chat_template,
-  chat_kwargs, stop_tokens); `default_path` (the HF checkpoint started from) when it names
-  no path."""
+  chat_kwargs, stop_tokens, tools); `default_path` (the HF checkpoint started from) when it
+  names no path; `tool_modules` (worker.verifiers) define the tools."""
   block = block or {}
   return make_tokenizer(str(block.get("kind", "char")), str(block.get("path", "") or default_path),
                         str(block.get("alphabet", "")),
                         chat_template=str(block.get("chat_template", "")),
                         chat_kwargs=block.get("chat_kwargs", ""),
-                        stop_tokens=str(block.get("stop_tokens", "")))
+                        stop_tokens=str(block.get("stop_tokens", "")),
+                        tools=str(block.get("tools", "")), tool_modules=tool_modules)
 

@@ -143,21 +143,65 @@ def test_jsonl_prompts_may_be_conversations(tmp_path):
 @pytest.mark.parametrize("template, closer, role", [
     ("auto", "<|im_end|>", "tool"), ("llama3.jinja", "<|eot_id|>", "user"),
     ("gemma3.jinja", "<end_of_turn>", "user")])
+@pytest.mark.parametrize("reply", ["46", ["46", "and 47"]], ids=["one", "two"])
 def test_an_environments_reply_continues_the_conversation_as_the_template_renders_it(
-    template, closer, role):
+    template, closer, role, reply):
   # The prompt, the policy's turn up to its closing token, then encode_reply: the ids of the
-  # whole conversation rendered with the reply as the next message (a template without a
-  # tool role gets a user message) and the assistant's turn opened again.
+  # whole conversation rendered with the reply as the next message(s) (a template without a
+  # tool role gets user messages) and the assistant's turn opened again.
   tok = tokenizer(template)
-  user, said, reply = "the sum of 12 and 34", "hello world", "46"
+  user, said = "the sum of 12 and 34", "hello world"
   close = tok._tok.token_to_id(closer)
+  replies = [reply] if isinstance(reply, str) else reply
+  conversation = [{"role": "user", "content": user}, {"role": "assistant", "content": said}]
+  conversation += [{"role": role, "content": r} for r in replies]
+  if template == "gemma3.jinja" and len(replies) > 1:  # Gemma's roles must alternate
+    with pytest.raises(ValueError, match="cannot render an environment's reply"):
+      tok.encode_reply(reply, close)
+    return
   ids = tok.encode_prompt(user) + tok.encode(said) + [close] + tok.encode_reply(reply, close)
-  conversation = [{"role": "user", "content": user}, {"role": "assistant", "content": said},
-                  {"role": role, "content": reply}]
   assert ids == tok.encode_prompt(conversation)
   # A turn closed by another stop token keeps the template's own closing after it.
   other = tok.encode_reply(reply, tok.pad_id)
   assert other[:1] == [close] and other[1:] == tok.encode_reply(reply, close)
+
+
+TOOLS_TEMPLATE = ("{% for t in tools or [] %}{{ t | tojson }}\n{% endfor %}"
+                  "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOL_FILE = '''from algorithms.tools import register_tool
+
+
+@register_tool
+def add(a: int, b: int) -> int:
+  """Add two integers."""
+  return a + b
+'''
+
+
+def test_the_tools_a_config_names_are_offered_in_every_prompt(tmp_path):
+  from algorithms.tools import TOOLS
+  path = tmp_path / "my_tools.py"
+  path.write_text(TOOL_FILE)
+  template = tmp_path / "tools.jinja"
+  template.write_text(TOOLS_TEMPLATE)
+  try:
+    tok = make_tokenizer("hf", CHAT, chat_template=str(template), tools="add",
+                         tool_modules=str(path))
+    schema = ('{"type": "function", "function": {"name": "add", "description": "Add two '
+              'integers.", "parameters": {"type": "object", "properties": {"a": {"type": '
+              '"integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}')
+    assert tok.render_prompt("hi") == (schema + "\n<|im_start|>user\nhi<|im_end|>\n"
+                                       "<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="tokenizer.tools: 'sub' is not a registered tool"):
+      make_tokenizer("hf", CHAT, chat_template=str(template), tools="sub")
+    with pytest.raises(ValueError, match="tokenizer.tools: tools are offered through a chat "
+                                         "template"):
+      make_tokenizer("hf", CHAT, tools="add")
+    with pytest.raises(ValueError, match="tokenizer.tools: the char tokenizer takes none"):
+      make_tokenizer("char", tools="add")
+  finally:
+    TOOLS.pop("add", None)
 
 
 def test_a_reply_without_a_template_is_its_text_and_a_template_that_rewrites_history_is_named():

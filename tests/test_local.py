@@ -233,7 +233,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   GLM-4 or gpt-oss (attention sinks, biased clamped experts; routing replay) checkpoint, or
   the Qwen3 and Qwen3-MoE ones with configs/rl_lora.py:tiny (adapters, experts' included,
   trained and merged on export), or the Qwen3 one with configs/rl_tools.py:tiny (multi-turn:
-  a user's environment answers each turn, and every letter token ends one), with a
+  a user's environment answers each turn, every letter token ends one, and the prompts offer
+  a user's tool), with a
   ChatML tokenizer and template: JSONL math questions as conversations,
   scored by the math verifier; the export carries the chat template and the end-of-turn stop
   ids."""
@@ -299,6 +300,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
                 *(["--config.worker.routing_replay=True"] if family == "gpt_oss" else []),
                 *([f"--config.tokenizer.stop_tokens={letters}",
                    "--config.worker.verifiers=tests/fixtures/user_verifiers.py",
+                   "--config.tokenizer.tools=fixture_add",
                    "--config.worker.environment=fixture_reply"] if tools else []),
                 config="configs/rl_lora.py:tiny" if family.endswith("lora")
                 else "configs/rl_moe.py:tiny" if int8 else "configs/rl_tools.py:tiny" if tools

@@ -15,6 +15,7 @@ import sys
 from typing import Any, Callable, Protocol
 
 from algorithms.environments import ENVIRONMENTS
+from algorithms.tools import TOOLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,17 +121,22 @@ def known_tasks() -> list[str]:
 _LOADED: dict[str, list[str]] = {}  # imported file or module -> the names it registered
 
 
+def _registered() -> set[str]:
+  return (set(VERIFIERS) | {f"environment:{e}" for e in ENVIRONMENTS}
+          | {f"tool:{t}" for t in TOOLS})
+
+
 def load_verifiers(spec: str, field: str = "verifiers") -> list[str]:
   """Import each comma-separated Python file (`path/rewards.py`) or module (`pkg.rewards`)
   of `spec`, once per process, so that the verifiers it registers with @register_verifier
-  can score prompts whose task names them (and the environments it registers with
-  @register_environment can answer their turns). Returns the names registered; ValueError
-  naming `field` when one cannot be imported or registers nothing."""
+  can score prompts whose task names them (and the environments and tools it registers can
+  answer their turns). Returns the names registered; ValueError naming `field` when one
+  cannot be imported or registers nothing."""
   names: list[str] = []
   for entry in filter(None, (e.strip() for e in spec.split(","))):
     key = os.path.abspath(entry) if entry.endswith(".py") else entry
     if key not in _LOADED:
-      before = set(VERIFIERS) | {f"environment:{e}" for e in ENVIRONMENTS}
+      before = _registered()
       try:
         if key.endswith(".py"):
           if not os.path.isfile(key):
@@ -144,11 +150,11 @@ def load_verifiers(spec: str, field: str = "verifiers") -> list[str]:
           importlib.import_module(key)
       except Exception as e:
         raise ValueError(f"{field}: could not import {entry!r}: {type(e).__name__}: {e}") from e
-      added = sorted((set(VERIFIERS) | {f"environment:{e}" for e in ENVIRONMENTS}) - before)
+      added = sorted(_registered() - before)
       if not added:
-        raise ValueError(f"{field}: {entry!r} registered no verifier or environment; "
+        raise ValueError(f"{field}: {entry!r} registered no verifier, environment or tool; "
                          f"decorate a class or factory in it with @register_verifier('name') "
-                         f"or @register_environment('name')")
+                         f"(or @register_environment('name'), or a function @register_tool)")
       _LOADED[key] = added
     names += _LOADED[key]
   return names

@@ -52,7 +52,8 @@ def evaluate_checkpoint(config, path: str) -> dict[str, Any]:
   block = dict(config.tokenizer.items())
   if not block.get("path") and os.path.isfile(os.path.join(path, "tokenizer.json")):
     block.update(kind="hf", path=path)  # the checkpoint's own (exports carry theirs)
-  tokenizer = tokenizer_from_config(block, path)
+  tokenizer = tokenizer_from_config(block, path,
+                                    str(config.get("worker", {}).get("verifiers", "")))
   model = load_hf_checkpoint(path, dtype=config.model.param_dtype,
                              compute_dtype=config.model.dtype)
   graphdef, params, _ = nnx.split(model, nnx.Param, ...)

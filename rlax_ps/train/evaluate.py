@@ -132,12 +132,15 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
   sampled at `temperature` > 0 (batch i drawn with key fold_in(key(seed), i)).
 
   Multi-turn (`environment`, as the workers run it): each turn a completion ends is
-  answered by environment(completion so far, references[i]) up to `max_turns` times; the
-  reply joins the conversation (`encode_reply`) and decoding goes on from the whole of it,
-  within `max_new_tokens` in all."""
+  answered by environment(the conversation so far, references[i]) up to `max_turns` times;
+  the reply joins it (`encode_reply`) and decoding goes on from the whole of it, within
+  `max_new_tokens` in all."""
+  from algorithms.environments import conversation
   key = jax.random.PRNGKey(seed)
   ids = [tokenizer.encode_prompt(p) for p in prompts]
   said: list[list[int]] = [[] for _ in prompts]
+  turns: list[list[str]] = [[] for _ in prompts]  # multi-turn: each policy turn's text
+  replies: list[list[Any]] = [[] for _ in prompts]
   live = list(range(len(prompts)))
   for turn in range(max_turns + 1 if environment is not None else 1):
     rows = [ids[i] + said[i] for i in live]
@@ -148,13 +151,19 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
                           key=jax.random.fold_in(key, turn) if turn else key)
     going = []
     for i, new in zip(live, got):
-      said[i] += new[:max_new_tokens - len(said[i])]
+      new = new[:max_new_tokens - len(said[i])]
+      said[i] += new
       if (environment is None or turn == max_turns or len(said[i]) >= max_new_tokens
           or said[i][-1] not in tokenizer.stop_ids):
         continue
-      reply = environment(tokenizer.decode(said[i]), references[i])
-      if reply is not None:
-        said[i] += tokenizer.encode_reply(reply, said[i][-1])[:max_new_tokens - len(said[i])]
+      turns[i].append(tokenizer.decode(new))
+      reply = environment(conversation(turns[i], replies[i]), references[i])
+      if reply is None:
+        continue
+      fed = tokenizer.encode_reply(reply, said[i][-1])
+      if fed:
+        replies[i].append(reply)
+        said[i] += fed[:max_new_tokens - len(said[i])]
         going.append(i)
     live = [i for i in going if len(said[i]) < max_new_tokens]
     if not live:

@@ -50,7 +50,9 @@ class TrainerRun:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
     and tokenizer of `init_from_hf` where it names an HF checkpoint)."""
     self.init_from_hf = config.get("init_from_hf", "")
-    self.tokenizer = tokenizer_from_config(config.tokenizer, self.init_from_hf)
+    self.tokenizer = tokenizer_from_config(
+        config.tokenizer, self.init_from_hf,
+        tool_modules=str(config.get("worker", {}).get("verifiers", "")))
     self.tasks, self.weights = tasks_from(config.tasks)
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
                                           self.init_from_hf, longest_sequence(config))

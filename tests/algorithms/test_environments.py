@@ -1,20 +1,36 @@
-"""Environments: the calculator tool, the registry, user files, and the guard."""
+"""Environments: the calculator, the code interpreter, function calling, the registry, user
+files, and the guard."""
 
 import pytest
 
-from algorithms.environments import (ENVIRONMENTS, GuardedEnvironment, evaluate_arithmetic,
-                                     make_environment)
+from algorithms.environments import (ENVIRONMENTS, GuardedEnvironment, conversation,
+                                     evaluate_arithmetic, make_environment)
+from algorithms.tools import TOOLS, function_schema, register_tool, tool_schemas
 from algorithms.verifiers import load_verifiers
+
+
+def said(*turns, replies=None):
+  """The conversation of the policy's `turns`, each but the last answered by `replies`."""
+  return conversation(list(turns), replies if replies is not None else ["ok"] * (len(turns) - 1))
+
+
+def test_the_conversation_alternates_turns_and_replies_one_tool_message_each():
+  assert conversation(["a", "b", "c"], ["r", ["s", "t"]]) == [
+      {"role": "assistant", "content": "a"}, {"role": "tool", "content": "r"},
+      {"role": "assistant", "content": "b"}, {"role": "tool", "content": "s"},
+      {"role": "tool", "content": "t"}, {"role": "assistant", "content": "c"}]
+  with pytest.raises(ValueError, match="expected one reply fewer than turns, got 1 turns and 1"):
+    conversation(["a"], ["r"])
 
 
 def test_the_calculator_answers_the_latest_turns_last_call_and_ends_a_turn_without_one():
   calc = make_environment("calculator")
-  assert calc("let me see <calc>12 * (3 + 4)</calc>", "84") == "<result>84</result>"
-  assert calc("<calc>1+1</calc> then <calc>7/2</calc>", "") == "<result>3.5</result>"
-  assert calc("<calc>2**10</calc><result>1024</result> so 1024", "") is None  # answered
-  assert calc("<calc>1</calc><result>1</result> <calc>-3 % 5</calc>", "") == "<result>2</result>"
-  assert calc("the answer is 84", "84") is None
-  assert calc("<calc>6/3</calc>", "") == "<result>2</result>"
+  assert calc(said("let me see <calc>12 * (3 + 4)</calc>"), "84") == "<result>84</result>"
+  assert calc(said("<calc>1+1</calc> then <calc>7/2</calc>"), "") == "<result>3.5</result>"
+  assert calc(said("<calc>2**10</calc>", "so 1024"), "") is None  # only the latest turn
+  assert calc(said("<calc>1</calc>", "<calc>-3 % 5</calc>"), "") == "<result>2</result>"
+  assert calc(said("the answer is 84"), "84") is None
+  assert calc(said("<calc>6/3</calc>"), "") == "<result>2</result>"
 
 
 @pytest.mark.parametrize("expression, message", [
@@ -28,13 +44,112 @@ def test_the_calculator_answers_the_latest_turns_last_call_and_ends_a_turn_witho
 def test_the_calculator_runs_no_code_and_reports_what_it_refused(expression, message):
   with pytest.raises(ValueError, match=message):
     evaluate_arithmetic(expression)
-  reply = make_environment("calculator")(f"<calc>{expression}</calc>", "")
+  reply = make_environment("calculator")(said(f"<calc>{expression}</calc>"), "")
   assert reply.startswith("<result>error: ") and message.split()[0] in reply
+
+
+def test_the_python_interpreter_runs_the_latest_block_after_the_earlier_ones():
+  env = make_environment("python", timeout_s=5.0)
+  first = "Let me compute.\n```python\nx = 6 * 7\nprint('first')\n1 / 0\n```"
+  reply = env(said(first), None)
+  assert reply == "<output>\nfirst\nZeroDivisionError: division by zero\n</output>"
+  # The next turn sees x (the earlier block ran again, its output and error discarded).
+  second = "So\n```py\nprint(x + 1)\n```"
+  assert env(said(first, second, replies=[reply]), None) == "<output>\n43\n</output>"
+  assert env(said(first, "The answer is 43."), None) is None  # no block: done
+  assert env(said("no code here"), None) is None
+
+
+def test_the_python_interpreter_is_sandboxed_and_bounded():
+  env = make_environment("python", timeout_s=1.0)
+  assert env(said("```python\nwhile True: pass\n```"), None) == (
+      "<output>\nTimeoutError: the code ran past 1 s\n</output>")
+  long = make_environment("python", max_output_chars=32)(said("```python\nprint('y' * 1000)\n```"),
+                                                         None)
+  assert long == "<output>\n" + "y" * 28 + " ...\n</output>"
+  denied = env(said("```python\nimport socket\nsocket.socket()\n```"), None)
+  assert "PermissionError: sandbox: socket.__new__ is not allowed" in denied
+
+
+@pytest.fixture
+def tools():
+  from typing import Literal
+
+  @register_tool
+  def convert(amount: float, unit: Literal["km", "mi"] = "km", digits: int | None = None) -> dict:
+    """Convert a distance between kilometres and miles.
+
+    Args:
+      amount: the distance to convert
+      unit: the unit `amount` is in;
+        the other one is returned.
+      digits (int): decimals to round to
+    """
+    value = amount / 1.609344 if unit == "km" else amount * 1.609344
+    return {"value": round(value, digits) if digits is not None else value}
+
+  @register_tool
+  def shout(text: str) -> str:
+    """Upper-case the text."""
+    return text.upper()
+
+  yield convert
+  TOOLS.pop("convert")
+  TOOLS.pop("shout")
+
+
+def test_a_tools_schema_comes_from_its_type_hints_and_docstring(tools):
+  assert function_schema(tools) == {"type": "function", "function": {
+      "name": "convert", "description": "Convert a distance between kilometres and miles.",
+      "parameters": {"type": "object", "required": ["amount"], "properties": {
+          "amount": {"type": "number", "description": "the distance to convert"},
+          "unit": {"type": "string", "enum": ["km", "mi"],
+                   "description": "the unit `amount` is in; the other one is returned."},
+          "digits": {"type": "integer", "description": "decimals to round to"}}}}}
+  assert [s["function"]["name"] for s in tool_schemas("shout, convert")] == ["shout", "convert"]
+  with pytest.raises(ValueError, match="tokenizer.tools: 'nope' is not a registered tool"):
+    tool_schemas("shout,nope")
+
+
+def test_bad_tools_are_refused_naming_the_function_and_argument():
+  def untyped(x):
+    """Does x."""
+
+  def undocumented(x: int):
+    pass
+
+  def odd(x: set):
+    """Takes a set."""
+
+  with pytest.raises(ValueError, match="tool 'untyped': argument 'x' needs a type hint"):
+    register_tool(untyped)
+  with pytest.raises(ValueError, match="tool 'undocumented': expected a docstring"):
+    register_tool(undocumented)
+  with pytest.raises(ValueError, match="tool 'odd' argument 'x': expected a type hint among"):
+    register_tool(odd)
+  assert not {"untyped", "undocumented", "odd"} & set(TOOLS)
+
+
+def test_tool_calls_are_answered_one_message_each_and_a_wrong_call_learns_its_error(tools):
+  env = make_environment("tool_calls")
+  turn = ('<tool_call>\n{"name": "convert", "arguments": {"amount": 16.09344, "digits": 2}}\n'
+          '</tool_call>\n<tool_call>{"name": "shout", "arguments": "{\\"text\\": \\"hi\\"}"}'
+          '</tool_call>')
+  assert env(said(turn), None) == ['{"value": 10.0}', "HI"]
+  assert env(said(turn, "Ten miles."), None) is None  # only the latest turn's calls
+  wrong = ['<tool_call>{"name": "convert"}</tool_call>', "<tool_call>not json</tool_call>",
+           '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+           '<tool_call>{"name": "shout", "arguments": [1]}</tool_call>']
+  replies = env(said("".join(wrong)), None)
+  assert replies[0].startswith("error: TypeError: ") and "amount" in replies[0]
+  assert replies[1].startswith("error: the tool call is not JSON")
+  assert replies[2].startswith("error: no tool 'nope' (tools: ") and "shout" in replies[2]
+  assert replies[3] == "error: expected the arguments as an object"
 
 
 def test_an_unknown_environment_is_refused_naming_the_field():
   with pytest.raises(ValueError, match=r"^worker.environment: expected one of \[.*'calculator'"
-                                       r".*got 'nope'"):
+                                       r".*'python'.*'tool_calls'.*got 'nope'"):
     make_environment("nope")
 
 
@@ -43,42 +158,23 @@ def test_a_users_file_registering_an_environment_loads_through_worker_verifiers(
   path.write_text("from algorithms.environments import register_environment\n"
                   "@register_environment('echo_once')\n"
                   "def echo():\n"
-                  "  return lambda c, r: None if 'ECHO' in c else 'ECHO ' + r\n")
+                  "  return lambda m, r: None if len(m) > 1 else 'ECHO ' + r\n")
   try:
     assert load_verifiers(str(path), "worker.verifiers") == ["environment:echo_once"]
     env = make_environment("echo_once")
-    assert env("hi", "ref") == "ECHO ref" and env("hi ECHO ref", "ref") is None
+    assert env(said("hi"), "ref") == "ECHO ref" and env(said("hi", "again"), "ref") is None
   finally:
     ENVIRONMENTS.pop("echo_once", None)
 
 
 def test_the_guard_turns_an_exception_into_a_reply_and_refuses_a_wrong_type():
-  def broken(completion, reference):
+  def broken(messages, reference):
     raise KeyError("x")
 
   guarded = GuardedEnvironment("broken", broken)
-  assert guarded("a", "b") == "error: KeyError: 'x'" and guarded.errors == 1
-  with pytest.raises(TypeError, match="environment 'bad': expected a str reply or None, got int"):
-    GuardedEnvironment("bad", lambda c, r: 3)("a", "b")
-
-
-def test_the_python_interpreter_runs_the_latest_block_after_the_earlier_ones():
-  env = make_environment("python", timeout_s=5.0)
-  first = "Let me compute.\n```python\nx = 6 * 7\nprint('first')\n1 / 0\n```"
-  assert env(first, None) == "<output>\nfirst\nZeroDivisionError: division by zero\n</output>"
-  # The next turn sees x (the earlier block ran again, its output and error discarded).
-  second = first + env(first, None) + "So\n```py\nprint(x + 1)\n```"
-  assert env(second, None) == "<output>\n43\n</output>"
-  assert env(second + "\n</output>The answer is 43.", None) is None  # no block: done
-  assert env("no code here", None) is None
-
-
-def test_the_python_interpreter_is_sandboxed_and_bounded():
-  env = make_environment("python", timeout_s=1.0)
-  assert env("```python\nwhile True: pass\n```", None) == (
-      "<output>\nTimeoutError: the code ran past 1 s\n</output>")
-  long = make_environment("python", max_output_chars=32)("```python\nprint('y' * 1000)\n```",
-                                                         None)
-  assert long == "<output>\n" + "y" * 28 + " ...\n</output>"
-  denied = env("```python\nimport socket\nsocket.socket()\n```", None)
-  assert "PermissionError: sandbox: socket.__new__ is not allowed" in denied
+  assert guarded(said("a"), "b") == "error: KeyError: 'x'" and guarded.errors == 1
+  assert GuardedEnvironment("two", lambda m, r: ["x", "y"])(said("a"), "b") == ["x", "y"]
+  for bad, name in ((3, "int"), ([], "list"), (["x", 1], "list")):
+    with pytest.raises(TypeError, match=f"environment 'bad': expected a str reply, a non-empty "
+                                        f"list of them or None, got {name}"):
+      GuardedEnvironment("bad", lambda m, r, bad=bad: bad)(said("a"), "b")

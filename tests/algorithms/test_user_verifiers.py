@@ -13,7 +13,7 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",
 
 def test_a_file_registers_its_verifiers_once_and_they_score_tasks():
   names = ["environment:fixture_reply", "fixture_any", "fixture_contains", "fixture_float",
-           "fixture_strict_int"]
+           "fixture_strict_int", "tool:fixture_add"]
   assert load_verifiers(f" {FIXTURE} ,", "worker.verifiers") == names
   assert load_verifiers(FIXTURE) == names  # not imported again
   assert {"fixture_any", "fixture_contains", "addition", "math"} <= set(known_tasks())
@@ -35,8 +35,8 @@ def test_a_module_by_name_is_imported(tmp_path, monkeypatch):
 @pytest.mark.parametrize("content, message", [
     (None, "could not import .*FileNotFoundError: no file"),
     ("raise RuntimeError('boom')", "could not import .*RuntimeError: boom"),
-    ("x = 1", "registered no verifier or environment; decorate a class or factory in it "
-              "with @register_verifier"),
+    ("x = 1", "registered no verifier, environment or tool; decorate a class or factory in "
+              "it with @register_verifier"),
 ])
 def test_a_file_that_cannot_give_verifiers_is_refused_naming_the_field(tmp_path, content,
                                                                        message):

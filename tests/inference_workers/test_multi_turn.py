@@ -33,8 +33,8 @@ def test_a_greedy_conversation_equals_decoding_the_whole_transcript_as_a_prompt(
   params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_tokens=STOPS)
   calls = []
 
-  def respond(key, j, tokens):
-    calls.append((key, j, tokens.tolist()))
+  def respond(key, j, tokens, observed):
+    calls.append((key, j, tokens.tolist(), observed.tolist()))
     return reply_to(tokens)
 
   batch = ContinuousBatch(model, 2, 2, params, respond=respond)
@@ -61,15 +61,16 @@ def test_a_greedy_conversation_equals_decoding_the_whole_transcript_as_a_prompt(
         assert ref.tokens.tolist() == [toks[k]]
         np.testing.assert_allclose(ref.logprobs, sample.logprobs[k:k + 1], atol=1e-5)
   assert turns >= 3  # samples were answered and went on
-  for key, j, tokens in calls:  # the host saw each sample's text up to its stop token
-    assert tokens[-1] in STOPS
+  for key, j, tokens, observed in calls:  # each sample up to its stop, replies marked
+    assert tokens[-1] in STOPS and len(observed) == len(tokens)
+    assert sum(observed) == 3 * (np.asarray(tokens)[np.asarray(observed, bool)] == 50).sum()
 
 
 def test_sampled_turns_on_fewer_rows_than_samples_reply_finish_and_stop_at_max_turns(model):
   params = SamplingParams(max_new_tokens=20, stop_tokens=STOPS)
   replies_seen = {}
 
-  def respond(key, j, tokens):
+  def respond(key, j, tokens, observed):
     replies_seen[(key, j)] = replies_seen.get((key, j), 0) + 1
     return [50, 51]  # always go on: max_turns ends it
 
@@ -98,7 +99,7 @@ def test_sampled_turns_on_fewer_rows_than_samples_reply_finish_and_stop_at_max_t
 
 def test_a_reply_the_budget_cannot_hold_ends_the_sample_by_length(model):
   params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_tokens=STOPS)
-  batch = ContinuousBatch(model, 1, 1, params, respond=lambda k, j, t: [50] * 30)
+  batch = ContinuousBatch(model, 1, 1, params, respond=lambda k, j, t, o: [50] * 30)
   for i, p in enumerate(PROMPTS):
     batch.add(i, p, [1])
   for _, [s] in batch.run():
@@ -115,7 +116,7 @@ def test_bad_respond_settings_and_replies_are_named(model):
   with pytest.raises(ValueError, match="respond_threads: expected a positive int, got 0"):
     ContinuousBatch(model, 1, 1, respond=lambda *a: None, respond_threads=0)
   params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_tokens=STOPS)
-  batch = ContinuousBatch(model, 1, 1, params, respond=lambda k, j, t: [99])
+  batch = ContinuousBatch(model, 1, 1, params, respond=lambda k, j, t, o: [99])
   for i, p in enumerate(PROMPTS):
     batch.add(i, p, [1])
   with pytest.raises(ValueError, match=r"respond: reply token ids must lie in \[0, 61\), got "
@@ -129,7 +130,7 @@ def test_a_slow_reply_does_not_hold_the_other_rows(model):
   params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_tokens=tuple(range(1, 40)))
   release = threading.Event()
 
-  def respond(key, j, tokens):
+  def respond(key, j, tokens, observed):
     if key == "slow":
       assert release.wait(30)
     return [50, 51] if len(tokens) < 4 else None

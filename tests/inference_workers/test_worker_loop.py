@@ -396,7 +396,11 @@ def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(s
 
   @register_environment("test_ok")
   def ok():
-    return lambda completion, reference: None if completion.count("<ok>") >= 2 else "<ok>"
+    def reply(messages, reference):
+      assert [m["role"] for m in messages[::2]] == ["assistant"] * ((len(messages) + 1) // 2)
+      assert all(m == {"role": "tool", "content": "<ok>"} for m in messages[1::2])
+      return None if len(messages) >= 5 else "<ok>"  # two replies, then done
+    return reply
 
   tok = ManyStops()
   try:

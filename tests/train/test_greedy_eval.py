@@ -129,8 +129,12 @@ def test_a_multi_turn_completion_feeds_the_environments_replies_back_as_context(
     return gen
 
   monkeypatch.setattr(evaluate, "jitted_generate", fake_generate)
-  env = lambda completion, reference: (  # noqa: E731
-      f"={reference}" if completion.endswith("2*3") else None)
+  seen_messages = []
+
+  def env(messages, reference):
+    seen_messages.append(messages)
+    return f"={reference}" if messages[-1]["content"].endswith("2*3") else None
+
   texts = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=16,
                                batch_size=3, prompt_len=16, environment=env,
                                references=["6", "7", "8"], max_turns=2)
@@ -140,6 +144,10 @@ def test_a_multi_turn_completion_feeds_the_environments_replies_back_as_context(
   assert seen[1][0, -len(want_prompt):].tolist() == want_prompt  # the whole conversation
   # 10 tokens, a reply of 2, then 4 of "is 6<eos>" fit the budget of 16.
   assert texts == ["<calc>2*3=6is 6", "7", "0123456789abcdef"]
+  # The environment saw each conversation: the turns, and the reply it gave between them.
+  assert seen_messages[0] == [{"role": "assistant", "content": "<calc>2*3"}]
+  assert seen_messages[1] == [{"role": "assistant", "content": "7"}]
+  assert len(seen_messages) == 2  # the second turn of row 0 ended by the budget
   # Without an environment the same rows are single-turn completions.
   seen.clear()
   plain = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=16,
