@@ -290,12 +290,14 @@ class HFTokenizer:
 
   def _reply_frame(self, after: int, count: int) -> list[str]:
     """The text around `count` replies in the rendered conversation, from the end of the
-    assistant's turn on, the turn's closing token (`after`) left out where it opens it."""
+    assistant's turn on, the turn's closing token (`after`) left out where it opens it.
+    Only what follows the turn is taken: a template may render earlier turns differently
+    once more follow (Qwen3 drops an empty thinking block), but the policy has already
+    seen them as they were sampled."""
     content = "\ue000"  # private-use characters no template writes
     replies = [chr(0xE100 + i) for i in range(count)]
     turn = [{"role": "user", "content": "\ue002"}, {"role": "assistant", "content": content}]
     kw = dict(special_tokens=self._special, tools=self.tools, **self.chat_kwargs)
-    base = chat.render(self.chat_template, turn, add_generation_prompt=False, **kw)
     errors = []
     for role in ("tool", "user"):
       try:
@@ -307,12 +309,11 @@ class HFTokenizer:
     else:
       raise ValueError(f"tokenizer.chat_template: cannot render an environment's reply as a "
                        f"tool or user message: {errors[-1]}")
-    if not full.startswith(base) or content not in base or any(
-        full.count(r) != 1 for r in replies):
-      raise ValueError("tokenizer.chat_template: a reply after the assistant's turn changes "
-                       "how the earlier turns render; multi-turn rollouts need a template whose "
-                       "conversation grows by appending")
-    framed = base[base.index(content) + len(content):] + full[len(base):]
+    framed = full.partition(content)[2]
+    if not framed or any(framed.count(r) != 1 for r in [*replies]) or any(
+        framed.index(a) > framed.index(b) for a, b in zip(replies, replies[1:])):
+      raise ValueError("tokenizer.chat_template: expected the assistant's turn and then each "
+                       "reply, once and in order, in the rendered conversation")
     closing = self.decode([after], skip_special=False)
     if closing and framed.startswith(closing):
       framed = framed[len(closing):]

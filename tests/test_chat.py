@@ -204,7 +204,7 @@ def test_the_tools_a_config_names_are_offered_in_every_prompt(tmp_path):
     TOOLS.pop("add", None)
 
 
-def test_a_reply_without_a_template_is_its_text_and_a_template_that_rewrites_history_is_named():
+def test_a_reply_without_a_template_is_its_text_and_a_template_that_drops_a_turn_is_named():
   assert CharTokenizer().encode_reply("<result>4</result>", 2) == CharTokenizer().encode(
       "<result>4</result>")
   assert HFTokenizer(CHAT).encode_reply("46", 2) == HFTokenizer(CHAT).encode("46")
@@ -212,6 +212,26 @@ def test_a_reply_without_a_template_is_its_text_and_a_template_that_rewrites_his
               "{% endfor %}")
   tok = HFTokenizer(CHAT, chat_template="auto")
   tok.chat_template = rewrites
-  with pytest.raises(ValueError, match="tokenizer.chat_template: a reply after the assistant's "
-                                       "turn changes how the earlier turns render"):
+  with pytest.raises(ValueError, match="tokenizer.chat_template: expected the assistant's turn "
+                                       "and then each reply"):
     tok.encode_reply("46", 2)
+
+
+def test_a_reply_follows_the_turn_as_sampled_where_the_template_rewrites_earlier_turns(tmp_path):
+  # Like Qwen3's, this template writes an empty thinking block only into the last assistant
+  # turn: once a reply follows, the turn renders without it. The reply's ids are what the
+  # template puts after the turn; the turn stays as the policy sampled it.
+  template = tmp_path / "thinks.jinja"
+  template.write_text(
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+      "{% if m.role == 'assistant' and loop.last %}<think></think>{% endif %}"
+      "{{ m.content }}<|im_end|>\n{% endfor %}"
+      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+  tok = HFTokenizer(CHAT, chat_template=str(template))
+  close = tok._tok.token_to_id("<|im_end|>")
+  reply = tok.encode_reply("46", close)
+  full = tok.render_prompt([{"role": "user", "content": "q"},
+                            {"role": "assistant", "content": "A"},
+                            {"role": "tool", "content": "46"}])
+  assert "<think>" not in full  # the earlier turn lost its block ...
+  assert tok.decode(reply, skip_special=False) == full.split("A<|im_end|>", 1)[1]  # ... not us
