@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import math
 import operator
 import re
@@ -86,6 +87,24 @@ class GuardedEnvironment:
       raise TypeError(f"environment {self.name!r}: expected a str reply, a non-empty list of "
                       f"them or None, got {type(reply).__name__}")
     return reply
+
+
+def environment_from(name: str, args: str | dict = "") -> GuardedEnvironment:
+  """The guarded environment worker.environment names, built with worker.environment_args
+  (a JSON object of its constructor's arguments, e.g. '{"timeout_s": 30}'); ValueError
+  naming the field that is wrong."""
+  if isinstance(args, str):
+    try:
+      args = json.loads(args) if args.strip() else {}
+    except json.JSONDecodeError as e:
+      raise ValueError(f"worker.environment_args: expected a JSON object, got {args!r} "
+                       f"({e})") from None
+  if not isinstance(args, dict):
+    raise ValueError(f"worker.environment_args: expected a JSON object, got {args!r}")
+  try:
+    return GuardedEnvironment(name, make_environment(name, **args))
+  except TypeError as e:
+    raise ValueError(f"worker.environment_args: {e}") from None
 
 
 def conversation(turns: Sequence[str], replies: Sequence[Reply]) -> list[dict[str, str]]:

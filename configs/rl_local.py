@@ -156,6 +156,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Multi-turn: an environment (e.g. "calculator", or one worker.verifiers registers) answers
   # each turn a sample ends, at most max_turns times; the trainer's loss skips its replies.
   c.worker.environment = ""
+  c.worker.environment_args = ""  # its arguments as JSON, e.g. '{"timeout_s": 30}'
   c.worker.max_turns = 4
   # Mixture of experts: workers send each token's experts and the trainer's forward routes
   # by them (routing replay), so the experts a token goes to are the ones it was sampled with.

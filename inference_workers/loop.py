@@ -36,7 +36,7 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import FixedAllocator
-from algorithms.environments import GuardedEnvironment, conversation, make_environment
+from algorithms.environments import conversation, environment_from
 from algorithms.verifiers import Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample
@@ -109,8 +109,7 @@ class Worker:
     self.allocator = allocator if allocator is not None else make_allocator(config)
     self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
                                                           config.verifiers)
-    self.environment = (GuardedEnvironment(config.environment,
-                                           make_environment(config.environment))
+    self.environment = (environment_from(config.environment, config.environment_args)
                         if config.environment else None)
     self.params = config.sampling(tokenizer.stop_ids)
     self.stats = WorkerStats()

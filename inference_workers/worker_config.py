@@ -36,6 +36,8 @@ class WorkerConfig:
                            "the environments they @register_environment answer turns")
   environment: str = setting("", "multi-turn: the environment that answers each turn a sample "
                              "ends (e.g. calculator); '' = one turn")
+  environment_args: str = setting("", "multi-turn: the environment's arguments as a JSON object, "
+                                  "e.g. '{\"timeout_s\": 30}' for python")
   max_turns: int = setting(4, "multi-turn: most environment replies per sample")
   environment_threads: int = setting(8, "multi-turn: environment calls run at once (on threads, "
                                      "while decoding goes on); 1 for one that is not "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from algorithms.environments import GuardedEnvironment, make_environment
+from algorithms.environments import environment_from
 from algorithms.verifiers import load_verifiers
 from rlax_ps.tasks import Example, Task
 from rlax_ps.tokenizers import Tokenizer
@@ -57,7 +57,7 @@ def _turns(worker) -> dict[str, Any]:
   if not name:
     return {}
   load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
-  return dict(environment=GuardedEnvironment(name, make_environment(name)),
+  return dict(environment=environment_from(name, worker.get("environment_args", "")),
               max_turns=int(worker.get("max_turns", 4)))
 
 

@@ -178,3 +178,16 @@ def test_the_guard_turns_an_exception_into_a_reply_and_refuses_a_wrong_type():
     with pytest.raises(TypeError, match=f"environment 'bad': expected a str reply, a non-empty "
                                         f"list of them or None, got {name}"):
       GuardedEnvironment("bad", lambda m, r, bad=bad: bad)(said("a"), "b")
+
+
+def test_an_environments_arguments_come_as_json_and_wrong_ones_name_the_field():
+  from algorithms.environments import environment_from
+  env = environment_from("python", '{"max_output_chars": 20}')
+  long = env(said("```python\nprint('z' * 99)\n```"), None)
+  assert long == "<output>\n" + "z" * 16 + " ...\n</output>"
+  assert environment_from("calculator", "")(said("<calc>2+2</calc>"), None) == "<result>4</result>"
+  for args, message in (("[1]", "expected a JSON object, got \\[1\\]"),
+                        ("{oops", "expected a JSON object, got '{oops'"),
+                        ('{"nope": 1}', "unexpected keyword argument 'nope'")):
+    with pytest.raises(ValueError, match=f"^worker.environment_args: .*{message}"):
+      environment_from("python", args)
