@@ -17,10 +17,10 @@ whenever it started: its token at step t is drawn with fold_in(key(seed), t).
 Multi-turn (`respond`): a sample that emits a stop token has ended a turn and its row pauses.
 The chunk returns; the host asks `respond(key, j, tokens, observed)` for the reply to
 sample j of that prompt (its tokens so far, and which of them earlier replies wrote) on a
-thread pool, and decoding goes on for the other rows meanwhile (a paused
-row's cache stands still). Once the reply is in, the row writes its tokens in place of
-drawing (one per step, through the same decode step, so they join its cache like its own)
-and draws again after them; None (or `max_turns` replies given) finishes the sample.
+thread pool, and decoding goes on for the other rows meanwhile (a paused row's cache
+stands still). Once the reply is in, the row writes its tokens in place of drawing (one per
+step, through the same decode step, so they join its cache like its own) and draws again
+after them; None (or `max_turns` replies given) finishes the sample.
 """
 
 from __future__ import annotations
@@ -280,8 +280,8 @@ class ContinuousBatch:
   Fewer rows per prompt (and more slots for the same rows) keep more rows drawing when
   lengths vary, at the price of a group taking longer to finish.
   `respond(key, j, tokens, observed) -> token ids | None` makes samples multi-turn (module
-  docstring):
-  each sample gets at most `max_turns` replies, asked for on `respond_threads` threads.
+  docstring): each sample gets at most `max_turns` replies, asked for on `respond_threads`
+  threads.
   """
 
   def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,

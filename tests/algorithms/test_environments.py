@@ -116,7 +116,7 @@ def test_bad_tools_are_refused_naming_the_function_and_argument():
     """Does x."""
 
   def undocumented(x: int):
-    pass
+    return x
 
   def odd(x: set):
     """Takes a set."""
