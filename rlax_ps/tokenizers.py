@@ -310,7 +310,7 @@ class HFTokenizer:
       raise ValueError(f"tokenizer.chat_template: cannot render an environment's reply as a "
                        f"tool or user message: {errors[-1]}")
     framed = full.partition(content)[2]
-    if not framed or any(framed.count(r) != 1 for r in [*replies]) or any(
+    if not framed or any(framed.count(r) != 1 for r in replies) or any(
         framed.index(a) > framed.index(b) for a, b in zip(replies, replies[1:])):
       raise ValueError("tokenizer.chat_template: expected the assistant's turn and then each "
                        "reply, once and in order, in the rendered conversation")
