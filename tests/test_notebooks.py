@@ -38,3 +38,5 @@ def test_quickstart_runs_the_rl_loop_and_its_delta_is_exact(monkeypatch):
   partial, exact = scope["partial_rewards"], scope["rewards"]
   assert len(partial) == len(exact)
   assert all((p == 1.0) == (e == 1.0) and 0.0 <= p <= 1.0 for p, e in zip(partial, exact))
+  # The notebook's tool, called as the model's <tool_call> asks, and the calculator agree.
+  assert scope["tool_replies"] == ["408"] and scope["calculator_reply"] == "<result>408</result>"
