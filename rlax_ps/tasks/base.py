@@ -10,6 +10,7 @@ import abc
 import dataclasses
 import hashlib
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -20,10 +21,11 @@ EOS_TEXT = "<eos>"  # How a tokenizer spells end-of-sequence when specials are d
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-  """One problem: the model sees `prompt` and should complete it with `answer` then eos."""
+  """One problem: the model sees `prompt` and should complete it with `answer` then eos
+  (supervised data may give a multi-turn demonstration: a list of messages)."""
 
   prompt: str
-  answer: str
+  answer: Any
   task: str = ""
 
 

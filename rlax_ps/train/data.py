@@ -1,6 +1,7 @@
 """SFT batches from the built-in tasks or a prompt file's records: tokenize (prompts as the
 model sees them, chat template included), then pack several examples per row (or pad one
-per row), with the loss on answer tokens only.
+per row), with the loss on answer tokens only (a multi-turn demonstration's replies are
+context).
 
 The batch for step s is a pure function of (seed, s), so the data position of a run is its
 step and a resumed run sees exactly the batches it would have seen.
@@ -18,10 +19,24 @@ from rlax_ps.tokenizers import Tokenizer
 
 
 def encode_example(tokenizer: Tokenizer, example: Example) -> tuple[list[int], list[float]]:
-  """(ids, loss weights) for the prompt's ids, answer, eos; weight 1 on answer and eos ids."""
-  prompt = tokenizer.encode_prompt(example.prompt)
-  answer = tokenizer.encode(example.answer, add_eos=True)
-  return prompt + answer, [0.0] * len(prompt) + [1.0] * len(answer)
+  """(ids, loss weights) for the prompt's ids, answer, eos; weight 1 on answer and eos ids.
+  A multi-turn answer (a list of messages) is laid out as a rollout is sampled: each
+  assistant turn and eos (weight 1), each run of replies as `encode_reply` renders it after
+  that eos (weight 0: context, as in RL)."""
+  ids = tokenizer.encode_prompt(example.prompt)
+  weights = [0.0] * len(ids)
+  turns = [example.answer] if isinstance(example.answer, str) else example.answer
+  replies: list[str] = []
+  for m in turns:
+    if isinstance(m, dict) and m["role"] != "assistant":
+      replies.append(m["content"])
+      continue
+    if replies:
+      fed = tokenizer.encode_reply(replies, tokenizer.eos_id)
+      ids, weights, replies = ids + fed, weights + [0.0] * len(fed), []
+    said = tokenizer.encode(m if isinstance(m, str) else m["content"], add_eos=True)
+    ids, weights = ids + said, weights + [1.0] * len(said)
+  return ids, weights
 
 
 def pack_rows(encoded: Sequence[tuple[list[int], list[float]]], batch_size: int, seq_len: int,

@@ -98,14 +98,29 @@ def _lookup(rec: dict, key: str) -> Any:
   return rec
 
 
+def conversation_answer(messages: Any, field: str) -> list[dict[str, str]]:
+  """A multi-turn demonstration: the policy's turns ("assistant" messages), the first and
+  the last among them, with the environment's replies ("tool" or "user" messages) between;
+  ValueError naming `field` otherwise."""
+  messages = check_messages(messages, field)
+  roles = [m["role"] for m in messages]
+  bad = [i for i, r in enumerate(roles) if r not in ("assistant", "tool", "user")]
+  if bad or roles[0] != "assistant" or roles[-1] != "assistant":
+    raise ValueError(f"{field}: expected assistant turns, the first and the last, with tool "
+                     f"or user replies between, got roles {roles}")
+  return messages
+
+
 def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None = None,
                  field: str = "data.jsonl", *, prompt_key: str = "prompt",
-                 answer_key: str = "answer", task_key: str = "task") -> list[dict[str, Any]]:
+                 answer_key: str = "answer", task_key: str = "task",
+                 demonstrations: bool = False) -> list[dict[str, Any]]:
   """`{"prompt", "answer", "task"}` records of JSONL or Parquet prompt files (`path`: one
   path or URL, or several joined by commas, read in order: read_bytes), read at the given
   (dotted) keys; a record without a task takes `default_task`. A bad record raises
   ValueError naming its file, line or row and key, as does a task not in `known` (when
-  given), with the config `field` that named the file."""
+  given), with the config `field` that named the file. `demonstrations` (supervised
+  data): an answer may also be a multi-turn demonstration (`conversation_answer`)."""
   out = []
   files = [p.strip() for p in path.split(",") if p.strip()]
   for where, rec in (r for one in files for r in _raw_records(one, field)):
@@ -120,8 +135,13 @@ def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
     answer = _lookup(rec, answer_key)
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
       answer = str(answer)
-    if not isinstance(answer, str):
-      raise ValueError(f"{where}: field {answer_key!r}: expected a string, got {answer!r}")
+    if isinstance(answer, (list, tuple)) and demonstrations:
+      answer = conversation_answer(answer, f"{where}: field {answer_key!r}")
+    elif not isinstance(answer, str):
+      also = (" (a list of messages is a multi-turn demonstration, for supervised data)"
+              if isinstance(answer, (list, tuple)) else "")
+      raise ValueError(f"{where}: field {answer_key!r}: expected a string, got "
+                       f"{answer!r}{also}")
     task = _lookup(rec, task_key)
     task = default_task if task is None else task
     if not isinstance(task, str):

@@ -69,7 +69,7 @@ class SFTTrainer(TrainerRun):
     records = read_prompts(path, field="data.jsonl",
                            prompt_key=str(data.get("prompt_key", "prompt")),
                            answer_key=str(data.get("answer_key", "answer")),
-                           task_key=str(data.get("task_key", "task")))
+                           task_key=str(data.get("task_key", "task")), demonstrations=True)
     return [Example(r["prompt"], r["answer"], r["task"]) for r in records]
 
   def _init_or_restore(self) -> tuple[TrainState, TrainState, nnx.GraphDef]:

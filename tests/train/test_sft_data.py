@@ -1,5 +1,7 @@
 """SFT batches: answer-only loss, packing with restarting positions, determinism per step."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -96,3 +98,40 @@ def test_a_record_longer_than_seq_len_is_refused_naming_the_field():
   with pytest.raises(ValueError, match=r"data.seq_len: 24 is too small for 1 of 2 records "
                                        r"\(the longest has 66 next-token pairs, record 2"):
     SFTBatches([], [], TOK, batch_size=4, seq_len=24, seed=0, records=records)
+
+
+def test_a_multi_turn_demonstration_is_laid_out_as_a_rollout_with_loss_on_the_policys_turns():
+  # The same ids a multi-turn rollout of that conversation has: each turn and eos, then the
+  # replies as encode_reply renders them after it; the loss on the turns alone.
+  import os
+  from rlax_ps.tokenizers import HFTokenizer
+  chat = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf",
+                      "chat_tokenizer")
+  answer = [{"role": "assistant", "content": "<calc>12+34</calc>"},
+            {"role": "tool", "content": "46"}, {"role": "tool", "content": "again 46"},
+            {"role": "assistant", "content": "46"}]
+  for tok in (TOK, HFTokenizer(chat, chat_template="auto")):
+    ids, weights = encode_example(tok, Example("12+34=", answer))
+    first = tok.encode("<calc>12+34</calc>", add_eos=True)
+    reply = tok.encode_reply(["46", "again 46"], tok.eos_id)
+    last = tok.encode("46", add_eos=True)
+    prompt = tok.encode_prompt("12+34=")
+    assert ids == prompt + first + reply + last
+    assert weights == [0.0] * len(prompt) + [1.0] * len(first) + [0.0] * len(reply) + [
+        1.0] * len(last)
+
+
+def test_demonstrations_are_supervised_data_only_and_their_roles_are_checked(tmp_path):
+  from rlax_ps.train.prompts import read_prompts
+  good = [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "r"},
+          {"role": "assistant", "content": "b"}]
+  path = tmp_path / "d.jsonl"
+  path.write_text(json.dumps({"prompt": "p", "answer": good}) + "\n")
+  assert read_prompts(str(path), "addition", demonstrations=True)[0]["answer"] == good
+  with pytest.raises(ValueError, match=r"field 'answer': expected a string, got .* \(a list of "
+                                       r"messages is a multi-turn demonstration"):
+    read_prompts(str(path), "addition")
+  path.write_text('{"prompt": "p", "answer": [{"role": "tool", "content": "r"}]}\n')
+  with pytest.raises(ValueError, match=r"d.jsonl:1: field 'answer': expected assistant turns, "
+                                       r"the first and the last, .* got roles \['tool'\]"):
+    read_prompts(str(path), "addition", demonstrations=True)
