@@ -541,8 +541,10 @@ class RLTrainer(TrainerRun):
     w.add_scalar("rollouts/reward_mean", record["reward_mean"], step)
     w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
     w.add_scalar("rollouts/per_second", record["rollouts_per_s"], step)
-    for k in ("response_len_mean", "response_len_max", "truncated_frac"):
-      w.add_scalar(f"rollouts/{k}", record[k], step)
+    for k in ("response_len_mean", "response_len_max", "truncated_frac", "env_replies_mean",
+              "env_token_frac"):
+      if k in record:  # (the env_ ones: multi-turn groups only)
+        w.add_scalar(f"rollouts/{k}", record[k], step)
     if "routed_frac" in record:
       w.add_scalar("rollouts/routed_frac", record["routed_frac"], step)
     if "filtered" in record:  # totals so far: left out, and of those trained at the cap
