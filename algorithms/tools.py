@@ -3,9 +3,12 @@
 `@register_tool` on a typed, documented function (in a file worker.verifiers names) makes
 its JSON schema, in the OpenAI form chat templates take as `tools`; `tokenizer.tools` names
 the ones every prompt offers. The "tool_calls" environment answers a turn's calls, written
-as Hermes / Qwen templates ask: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-one tool message per call with the function's result (JSON unless a string), or the error
-a wrong call raised, so the policy can learn from it. A turn without a call ends the sample.
+as Hermes / Qwen templates ask, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+or as a turn that is itself the call, a JSON object or list of them (Llama 3.1+ and
+Mistral, whose markers `<|python_tag|>` and `[TOOL_CALLS]` are special tokens, not text;
+"parameters" is taken for "arguments"): one tool message per call with the function's
+result (JSON unless a string), or the error a wrong call raised, so the policy can learn
+from it. A turn without a call ends the sample.
 """
 
 from __future__ import annotations
@@ -109,27 +112,46 @@ def tool_schemas(names: str | Sequence[str], field: str = "tokenizer.tools") -> 
   return [_SCHEMAS[n] for n in names]
 
 
+def _whole_turn_calls(turn: str) -> list[dict]:
+  """The calls of a turn that is nothing but a JSON call object or a list of them (each
+  with a "name" and "arguments" or "parameters"); [] for any other turn."""
+  try:
+    value = json.loads(turn.strip())
+  except json.JSONDecodeError:
+    return []
+  calls = value if isinstance(value, list) else [value]
+  if calls and all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                   and ("arguments" in c or "parameters" in c) for c in calls):
+    return calls
+  return []
+
+
 @register_environment("tool_calls")
 class ToolCalls:
   """Calls the registered tools the policy's latest turn asks for (module docstring)."""
 
   def __call__(self, messages: list[dict[str, str]], reference: Any) -> list[str] | None:
     del reference
-    calls = _CALL.findall(messages[-1]["content"])
-    return [self._call(c) for c in calls] or None
+    turn = messages[-1]["content"]
+    tagged = _CALL.findall(turn)
+    if tagged:
+      return [self._call(c) for c in tagged]
+    whole = _whole_turn_calls(turn)
+    return [self._call(c) for c in whole] or None
 
   @staticmethod
-  def _call(text: str) -> str:
-    try:
-      call = json.loads(text)
-    except json.JSONDecodeError as e:
-      return f"error: the tool call is not JSON ({e})"
+  def _call(call: str | dict) -> str:
+    if isinstance(call, str):
+      try:
+        call = json.loads(call)
+      except json.JSONDecodeError as e:
+        return f"error: the tool call is not JSON ({e})"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
       return 'error: expected {"name": ..., "arguments": {...}}'
     fn = TOOLS.get(call["name"])
     if fn is None:
       return f"error: no tool {call['name']!r} (tools: {', '.join(sorted(TOOLS))})"
-    args = call.get("arguments", {})
+    args = call.get("arguments", call.get("parameters", {}))
     if isinstance(args, str):  # some templates write the arguments as a JSON string
       try:
         args = json.loads(args)

@@ -14,7 +14,8 @@ many turns as the workers allow.
 
 A code interpreter instead: --config.worker.environment=python (a ```python block runs in a
 sandbox, after the earlier turns' blocks, and its printout comes back as <output>...</output>).
-Your own functions through the model's native tool calling (Qwen / Hermes <tool_call>):
+Your own functions through the model's native tool calling (Qwen / Hermes <tool_call>,
+Llama 3.1+ and Mistral JSON calls):
 `@register_tool` on typed, documented functions in my_tools.py, then
 --config.worker.verifiers=my_tools.py --config.tokenizer.tools=name,... (offered in every
 prompt through the chat template) --config.worker.environment=tool_calls.

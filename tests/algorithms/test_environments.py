@@ -191,3 +191,14 @@ def test_an_environments_arguments_come_as_json_and_wrong_ones_name_the_field():
                         ('{"nope": 1}', "unexpected keyword argument 'nope'")):
     with pytest.raises(ValueError, match=f"^worker.environment_args: .*{message}"):
       environment_from("python", args)
+
+
+def test_a_turn_that_is_itself_the_call_is_answered_as_llama_and_mistral_write_them(tools):
+  env = make_environment("tool_calls")
+  llama = '{"name": "shout", "parameters": {"text": "hi"}}'  # <|python_tag|> is not text
+  assert env(said(llama), None) == ["HI"]
+  mistral = ('[{"name": "shout", "arguments": {"text": "a"}}, '
+             '{"name": "shout", "arguments": {"text": "b"}}]')
+  assert env(said(mistral), None) == ["A", "B"]
+  for plain in ('{"answer": 4}', "[1, 2]", "The answer is 4.", '{"name": "shout"}'):
+    assert env(said(plain), None) is None  # JSON that is not a call ends the sample
