@@ -144,6 +144,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.samples_per_prompt = 8
   c.worker.prompts_per_lease = 8
   c.worker.prompts_per_call = 8  # Prompts decoding together; a finished one's slot takes the next.
+  c.worker.rows_per_prompt = 0  # Decode rows per prompt (0: samples_per_prompt, all at once).
+  c.worker.decode_chunk_steps = 32  # Most decode steps between looks at weights and leases.
   # False: a new version waits for the prompts started on the held one (a group is sampled
   # by the version it carries); True: it is applied between decode chunks at once.
   c.worker.in_flight_updates = False
@@ -158,6 +160,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.environment = ""
   c.worker.environment_args = ""  # its arguments as JSON, e.g. '{"timeout_s": 30}'
   c.worker.max_turns = 4
+  c.worker.environment_threads = 8  # Replies in the making at once (1: one at a time).
   # Mixture of experts: workers send each token's experts and the trainer's forward routes
   # by them (routing replay), so the experts a token goes to are the ones it was sampled with.
   c.worker.routing_replay = False

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from inference_workers.worker_config import WorkerConfig
 from rlax_ps.config_files import load
 from rlax_ps.train.rl_loss import LossConfig
 
@@ -31,6 +32,7 @@ def test_recipe_loads_and_is_consistent(path):
   for variant in (None, "tiny"):
     c = load(path, variant)
     LossConfig.from_config(c.loss)
+    WorkerConfig(**c.worker.to_dict())  # every worker field is one, and valid
     assert c.worker.weights_format == c.publish.format
     if "sft" in c:
       assert c.model is c.sft.model  # one model block for the warm start and RL
