@@ -161,3 +161,24 @@ def test_a_slow_reply_does_not_hold_the_other_rows(model):
     assert waited[key][0].tokens.tolist() == plain[key][0].tokens.tolist()
     assert waited[key][0].observed.tolist() == plain[key][0].observed.tolist()
   assert waited["slow"][0].observed.any()
+
+
+def test_routing_replay_records_the_experts_of_the_replies_tokens_too():
+  # Replies run through the decode step like the policy's tokens, so the trainer routes
+  # every fed-back token (replies included) as the sampler did.
+  moe = ModelConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_layers=1,
+                    num_heads=4, num_kv_heads=2, head_dim=8, architecture="qwen3",
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                    norm_topk_prob=True)
+  params = SamplingParams(max_new_tokens=12, stop_tokens=tuple(range(1, 20)))
+  batch = ContinuousBatch(Transformer(moe, rngs=nnx.Rngs(0)), 2, 2, params, rows_per_prompt=1,
+                          record_routes=True,
+                          respond=lambda k, j, t, o: [50, 51] if len(t) < 6 else None)
+  for i, p in enumerate(PROMPTS):
+    batch.add(i, p, [i, i + 10])
+  replied = 0
+  for _, group in batch.run():
+    for s in group:
+      assert s.routes.shape == (len(s.tokens) - 1, 1, 2) and (s.routes >= 0).all()
+      replied += int(s.observed.any())
+  assert replied > 0
