@@ -24,7 +24,6 @@ from typing import Any, Callable, Sequence
 from algorithms.environments import register_environment
 
 TOOLS: dict[str, Callable[..., Any]] = {}
-_SCHEMAS: dict[str, dict] = {}
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
                dict: "object"}
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -95,7 +94,7 @@ def register_tool(fn: Callable[..., Any]) -> Callable[..., Any]:
   old = TOOLS.get(fn.__name__)
   if old is not None and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
     raise ValueError(f"tool name: {fn.__name__!r} is already registered to {old!r}")
-  _SCHEMAS[fn.__name__] = function_schema(fn)
+  function_schema(fn)  # a function the model cannot be told about is refused here
   TOOLS[fn.__name__] = fn
   return fn
 
@@ -109,7 +108,7 @@ def tool_schemas(names: str | Sequence[str], field: str = "tokenizer.tools") -> 
     raise ValueError(f"{field}: {unknown[0]!r} is not a registered tool (registered: "
                      f"{sorted(TOOLS)}); decorate it with @register_tool in a file that "
                      f"worker.verifiers names")
-  return [_SCHEMAS[n] for n in names]
+  return [function_schema(TOOLS[n]) for n in names]
 
 
 def _whole_turn_calls(turn: str) -> list[dict]:

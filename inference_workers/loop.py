@@ -430,7 +430,11 @@ class Worker:
     prompt, _ = self._started[key]
     given = self._given[key].setdefault(j, [])
     turns = [self.tokenizer.decode(t) for t in policy_turns(tokens, observed)]
+    errors = self.environment.errors
     reply = self.environment(conversation(turns, given), reference_of(prompt))
+    if self.environment.errors > errors and (errors < 5 or errors % 1000 == 0):
+      logging.warning("worker: environment %r raised on prompt %s (%d so far); its error is "
+                      "the reply: %s", self.config.environment, prompt.id, errors + 1, reply)
     if reply is None:
       return None
     try:

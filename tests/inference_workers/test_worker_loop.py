@@ -453,3 +453,25 @@ def test_bad_batching_settings_are_named():
     WorkerConfig(max_turns=-1)
   with pytest.raises(ValueError, match="WorkerConfig.environment_threads: expected a positive"):
     WorkerConfig(environment_threads=0)
+
+
+def test_an_environment_that_raises_is_logged_and_its_error_is_the_reply(caplog):
+  from algorithms.environments import ENVIRONMENTS, register_environment
+
+  @register_environment("test_raises")
+  def raises():
+    def env(messages, reference):
+      raise RuntimeError("no network")
+    return env
+
+  try:
+    worker = Worker(None, CONFIG, TOKENIZER, WorkerConfig(environment="test_raises", **SMALL))
+    key = ("lease", "p0")
+    worker._started[key] = (pb.Prompt(id="p0", text="1+1="), 0)
+    tokens = np.asarray(TOKENIZER.encode("2") + [TOKENIZER.eos_id])
+    with caplog.at_level("WARNING"):
+      ids = worker._respond(key, 0, tokens, np.zeros(len(tokens), bool))
+  finally:
+    ENVIRONMENTS.pop("test_raises")
+  assert TOKENIZER.decode(ids) == "error: RuntimeError: no network"
+  assert "environment 'test_raises' raised on prompt p0 (1 so far)" in caplog.text
