@@ -52,7 +52,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # of them, each scored by its task's verifier, decoding up to worker.max_new_tokens).
   c.data.heldout_jsonl = ""
   # Where a record keeps each field (dotted for nested ones); a verl file's answer is
-  # "reward_model.ground_truth".
+  # "reward_model.ground_truth"; answer_key "" reads prompts alone (task reward_model:
+  # worker.reward_model scores them).
   c.data.prompt_key = "prompt"
   c.data.answer_key = "answer"
   c.data.task_key = "task"
@@ -161,6 +162,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.environment_args = ""  # its arguments as JSON, e.g. '{"timeout_s": 30}'
   c.worker.max_turns = 4
   c.worker.environment_threads = 8  # Replies in the making at once (1: one at a time).
+  # A reward model (an HF *ForSequenceClassification folder) scores each finished sample:
+  # alone for task reward_model, added x reward_model_weight to any other task's verifier.
+  c.worker.reward_model = ""
+  c.worker.reward_model_weight = 0.0
   # Mixture of experts: workers send each token's experts and the trainer's forward routes
   # by them (routing replay), so the experts a token goes to are the ones it was sampled with.
   c.worker.routing_replay = False

@@ -37,10 +37,11 @@ from absl import logging
 
 from algorithms.allocation import FixedAllocator
 from algorithms.environments import conversation, environment_from
-from algorithms.verifiers import Verifier, verifiers_by_task
+from algorithms.verifiers import REWARD_MODEL_TASK, Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample
 from inference_workers.hard_exit import exit_now
+from inference_workers.reward_scoring import RewardScorer, prompt_messages
 from inference_workers.sampler import generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
@@ -111,6 +112,9 @@ class Worker:
                                                           config.verifiers)
     self.environment = (environment_from(config.environment, config.environment_args)
                         if config.environment else None)
+    self.reward_scorer = (RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,
+                                       config.reward_model_batch)
+                          if config.reward_model else None)
     self.params = config.sampling(tokenizer.stop_ids)
     self.stats = WorkerStats()
     self._stop = threading.Event()
@@ -455,11 +459,11 @@ class Worker:
     a group the server refuses as it is releases its prompt, a lease it took back is
     abandoned."""
     prompt, version = self._started.pop((lease_id, prompt_id))
-    self._given.pop((lease_id, prompt_id), None)
+    given = self._given.pop((lease_id, prompt_id), {})
     self.stats.samples += len(samples)
     self.stats.tokens += sum(len(s.tokens) for s in samples)
     if lease_id not in self._abandoned:
-      group = self._group(prompt, version, samples, [self._score(prompt, s) for s in samples])
+      group = self._group(prompt, version, samples, self._rewards(prompt, samples, given))
       try:
         self._with_backoff(lambda: self._submit(lease_id, prompt_id, group))
       except ParamServerError as e:  # the lease expired or was taken back: queued again
@@ -522,7 +526,7 @@ class Worker:
       elapsed = time.monotonic() - t0
       new_rewards = []
       for i, (prompt, got) in enumerate(zip(prompts, drawn)):
-        scores = [self._score(prompt, s) for s in got]
+        scores = self._rewards(prompt, got)
         samples[i].extend(got)
         rewards[i].extend(scores)
         new_rewards.append(np.asarray(scores, np.float32))
@@ -573,6 +577,34 @@ class Worker:
     for (i, _), sample in zip(rows, flat):
       out[i].append(sample)
     return out
+
+  def _rewards(self, prompt: pb.Prompt, samples: list[Sample],
+               given: dict[int, list] | None = None) -> list[float]:
+    """The samples' rewards: the reward model's scores for task reward_model, else the
+    task verifier's plus reward_model_weight x the reward model's; `given`: each
+    multi-turn sample's replies, by index."""
+    rm_only = (prompt.task or self.config.default_task) == REWARD_MODEL_TASK
+    weight = 1.0 if rm_only else self.config.reward_model_weight
+    rewards = np.zeros(len(samples)) if rm_only else np.asarray(
+        [self._score(prompt, s) for s in samples], np.float64)
+    if self.reward_scorer is not None and weight and samples:
+      rewards = rewards + weight * self._model_scores(prompt, samples, given or {})
+    return [float(r) for r in rewards]
+
+  def _model_scores(self, prompt: pb.Prompt, samples: list[Sample],
+                    given: dict[int, list]) -> np.ndarray:
+    """The reward model's score of each sample's conversation."""
+    scorer, head = self.reward_scorer, self._prompt_tokens(prompt)
+    messages = prompt_messages(prompt.text, dict(prompt.metadata))
+    sequences = []
+    for j, s in enumerate(samples):
+      text = self.tokenizer.decode(s.tokens)
+      turns = ([self.tokenizer.decode(t) for t in policy_turns(s.tokens, s.observed)]
+               if s.observed is not None else []) or [text]
+      response = conversation(turns, given.get(j, [])[:len(turns) - 1])
+      sequences.append(scorer.encode(messages + response, prompt.text, text,
+                                     head + [int(t) for t in s.tokens]))
+    return scorer.scores(sequences)
 
   def _score(self, prompt: pb.Prompt, sample: Sample) -> float:
     text = self.tokenizer.decode(sample.tokens)

@@ -42,6 +42,13 @@ class WorkerConfig:
   environment_threads: int = setting(8, "multi-turn: environment calls run at once (on threads, "
                                      "while decoding goes on); 1 for one that is not "
                                      "thread-safe")
+  reward_model: str = setting("", "a reward model checkpoint (an HF *ForSequenceClassification "
+                              "folder): it scores prompts of task reward_model, and adds "
+                              "reward_model_weight x its score to every other task's reward")
+  reward_model_weight: float = setting(0.0, "weight of the reward model's score added to a "
+                                       "verifier's reward (0: only reward_model tasks use it)")
+  reward_model_dtype: str = setting("bfloat16", "the reward model's params and activations")
+  reward_model_batch: int = setting(16, "sequences the reward model scores per call")
   grace_s: float = setting(25.0, "after SIGTERM: time to submit or release everything in flight")
   backoff_initial_s: float = setting(0.5, "first wait after the server could not be reached")
   backoff_max_s: float = setting(30.0, "longest wait between reconnection attempts")
@@ -59,6 +66,13 @@ class WorkerConfig:
     for f in ("prompts_per_lease", "prompts_per_call", "samples_per_prompt", "max_new_tokens",
               "decode_chunk_steps"):
       need(getattr(self, f) > 0, f, "a positive int")
+    need(self.reward_model_batch > 0, "reward_model_batch", "a positive int")
+    need(self.reward_model_dtype in ("float32", "bfloat16"), "reward_model_dtype",
+         "'float32' or 'bfloat16'")
+    need(self.reward_model or self.default_task != "reward_model", "reward_model",
+         "a reward model checkpoint when default_task='reward_model'")
+    need(self.reward_model or not self.reward_model_weight, "reward_model",
+         f"a reward model checkpoint when reward_model_weight={self.reward_model_weight}")
     need(self.max_turns >= 0, "max_turns", "an int >= 0")
     need(self.environment_threads > 0, "environment_threads", "a positive int")
     need(not (self.environment and self.allocator == "vigor"), "environment",

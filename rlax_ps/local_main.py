@@ -64,6 +64,12 @@ def main(argv: list[str]) -> None:
     print("rlax-ps local: bad flags: --config.init_from_hf: this recipe has no warm start (no "
           "`sft` block); name the Hugging Face checkpoint to start from", file=sys.stderr)
     sys.exit(2)
+  from inference_workers.worker_config import WorkerConfig  # no JAX: checked before any start
+  try:
+    WorkerConfig(**config.worker.to_dict())
+  except (TypeError, ValueError) as e:
+    print(f"rlax-ps local: bad flags: --config.worker: {e}", file=sys.stderr)
+    sys.exit(2)
   workdir = os.path.abspath(_WORKDIR.value)
   overrides = local.override_flags(config_flags.get_override_values(flags.FLAGS["config"]))
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])

@@ -273,6 +273,17 @@ class HFTokenizer:
     text = self.render_prompt(prompt)
     return self.encode(text, add_bos=self.chat_template is None)
 
+  def encode_conversation(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """A whole conversation's ids under the chat template, no turn opened after it (what
+    transformers' apply_chat_template(messages, tokenize=True) gives): what a reward
+    model reads."""
+    if self.chat_template is None:
+      raise ValueError("encode_conversation: expected a tokenizer with a chat template")
+    text = chat.render(self.chat_template, chat.check_messages(list(messages)),
+                       special_tokens=self._special, add_generation_prompt=False,
+                       tools=self.tools, **self.chat_kwargs)
+    return self.encode(text)
+
   def encode_reply(self, text: str | Sequence[str], after: int) -> list[int]:
     """The ids that follow a turn the policy ended with token `after`: the environment's
     reply `text` as the next message (a list: as that many messages), each a "tool"

@@ -21,7 +21,7 @@ def test_the_rl_recipes_the_readme_names_exist():
   names = {os.path.basename(p) for p in RECIPES}
   assert {"rl_local.py", "rl_vigor.py", "rl_int8_tis.py", "rl_sync.py",
           "rl_decoupled.py", "rl_dapo.py", "rl_instruct.py", "rl_lora.py", "rl_moe.py",
-          "rl_tools.py"} <= names
+          "rl_tools.py", "rl_reward_model.py"} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
@@ -32,7 +32,11 @@ def test_recipe_loads_and_is_consistent(path):
   for variant in (None, "tiny"):
     c = load(path, variant)
     LossConfig.from_config(c.loss)
-    WorkerConfig(**c.worker.to_dict())  # every worker field is one, and valid
+    worker = c.worker.to_dict()
+    if "--config.worker.reward_model=" in doc:  # the command names the required checkpoint
+      assert worker["reward_model"] == ""
+      worker["reward_model"] = "RM_PATH"
+    WorkerConfig(**worker)  # every worker field is one, and valid
     assert c.worker.weights_format == c.publish.format
     if "sft" in c:
       assert c.model is c.sft.model  # one model block for the warm start and RL

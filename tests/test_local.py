@@ -222,10 +222,19 @@ def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
   assert not os.path.exists(tmp_path / "sft")
 
 
+def test_the_reward_model_recipe_needs_a_reward_model_named(tmp_path):
+  proc = _local(tmp_path, f"--config.init_from_hf={tmp_path}",
+                config="configs/rl_reward_model.py:tiny", timeout=60)
+  assert proc.returncode == 2
+  assert ("--config.worker: WorkerConfig.reward_model: expected a reward model checkpoint "
+          "when default_task='reward_model'") in proc.stderr
+  assert not os.listdir(tmp_path)  # nothing started
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_int8", "olmo3",
                                     "phi3", "granite", "glm4", "gpt_oss", "qwen3_lora",
-                                    "qwen3_moe_lora", "qwen3_tools"])
+                                    "qwen3_moe_lora", "qwen3_tools", "qwen3_reward"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
   """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window), Qwen3-MoE
   (also published as int8, with scales per expert, and routing replay), OLMo 3, Phi-4-mini-like (LongRoPE, which
@@ -234,7 +243,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   the Qwen3 and Qwen3-MoE ones with configs/rl_lora.py:tiny (adapters, experts' included,
   trained and merged on export), or the Qwen3 one with configs/rl_tools.py:tiny (multi-turn:
   a user's environment answers each turn, every letter token ends one, and the prompts offer
-  a user's tool), with a
+  a user's tool) or configs/rl_reward_model.py:tiny (prompts alone, scored by a reward model
+  with a tokenizer and template of its own; no held-out set), with a
   ChatML tokenizer and template: JSONL math questions as conversations,
   scored by the math verifier; the export carries the chat template and the end-of-turn stop
   ids."""
@@ -294,9 +304,17 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   int8 = family.endswith("int8")  # configs/rl_moe.py: int8, TIS, replay, load balancing
   replay = family in ("qwen3_moe_int8", "gpt_oss")
   tools = family == "qwen3_tools"
+  judged = family == "qwen3_reward"
+  rm = tmp_path / "reward_model"
+  if judged:
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "hf", "qwen3_reward"), rm)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+      shutil.copy(os.path.join(chat, name), rm / name)
   letters = ",".join(chr(c) for c in range(ord("a"), ord("z") + 1))
   proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
-                f"--config.data.heldout_jsonl={heldout}",
+                *([f"--config.worker.reward_model={rm}",
+                   "--config.worker.reward_model_dtype=float32"] if judged
+                  else [f"--config.data.heldout_jsonl={heldout}"]),
                 *(["--config.worker.routing_replay=True"] if family == "gpt_oss" else []),
                 *([f"--config.tokenizer.stop_tokens={letters}",
                    "--config.worker.verifiers=tests/fixtures/user_verifiers.py",
@@ -304,12 +322,17 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
                    "--config.worker.environment=fixture_reply"] if tools else []),
                 config="configs/rl_lora.py:tiny" if family.endswith("lora")
                 else "configs/rl_moe.py:tiny" if int8 else "configs/rl_tools.py:tiny" if tools
+                else "configs/rl_reward_model.py:tiny" if judged
                 else "configs/rl_instruct.py:tiny")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(workdir / "summary.json"))
-  assert summary["step"] == 2 and set(summary["heldout_exact_match"]) == {"math", "all"}
+  assert summary["step"] == 2
+  assert ("heldout_exact_match" not in summary if judged
+          else set(summary["heldout_exact_match"]) == {"math", "all"})
   assert summary["sync"]["format"] == ("int8" if int8 else "bf16")
   steps = _lines(workdir / "steps.jsonl")
+  if judged:  # rewards are the reward model's scores, not a verifier's 0 or 1
+    assert all(s["reward_mean"] not in (0.0, 1.0) for s in steps)
   if replay:  # every group brought its routes, and the trainer routed by them
     assert [s["routed_frac"] for s in steps] == [1.0, 1.0]
     assert all(0.5 < s["router_agreement"] <= 1.0 for s in steps)
@@ -343,6 +366,6 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
       "glm4": "Glm4ForCausalLM", "gpt_oss": "GptOssForCausalLM",
       "qwen3_lora": "Qwen3ForCausalLM", "qwen3_moe_lora": "Qwen3MoeForCausalLM",
-      "qwen3_tools": "Qwen3ForCausalLM"}[family]]
+      "qwen3_tools": "Qwen3ForCausalLM", "qwen3_reward": "Qwen3ForCausalLM"}[family]]
   assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3", "gpt_oss")
                                             else None)

@@ -2,16 +2,17 @@
 
 Registered: "math" (final-answer match), "code" (sandboxed test execution), and
 "task:<name>" for the built-in synthetic tasks of `rlax_ps.tasks`; `load_verifiers` imports
-a user's files or modules that register more.
+a user's files or modules that register more. Prompts of task `reward_model` are scored by
+the worker's reward model instead.
 """
 
-from algorithms.verifiers.base import (VERIFIERS, Verifier, VerifierResult, known_tasks,
+from algorithms.verifiers.base import (REWARD_MODEL_TASK, VERIFIERS, Verifier, VerifierResult, known_tasks,
                                        load_verifiers, make_verifier, register_verifier,
                                        verifier_for_task, verifiers_by_task)
 from algorithms.verifiers.code_exec import CodeExecutionVerifier
 from algorithms.verifiers.math_answer import MathAnswerVerifier
 from algorithms.verifiers.tasks import TaskVerifier, task_verifier
 
-__all__ = ["VERIFIERS", "Verifier", "VerifierResult", "known_tasks", "load_verifiers",
+__all__ = ["REWARD_MODEL_TASK", "VERIFIERS", "Verifier", "VerifierResult", "known_tasks", "load_verifiers",
            "make_verifier", "register_verifier", "verifier_for_task", "verifiers_by_task",
            "CodeExecutionVerifier", "MathAnswerVerifier", "TaskVerifier", "task_verifier"]

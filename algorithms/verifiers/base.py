@@ -33,6 +33,9 @@ class Verifier(Protocol):
 
 
 VERIFIERS: dict[str, Callable[..., Verifier]] = {}
+# The task of prompts that the worker's reward model scores (worker.reward_model), not a
+# verifier: preference data, records with no answer to check.
+REWARD_MODEL_TASK = "reward_model"
 
 
 def register_verifier(name: str):
@@ -69,6 +72,9 @@ def verifier_for_task(task: str, field: str = "task") -> Verifier:
   """The verifier a prompt's task names: a built-in task of `rlax_ps.tasks` (its exact
   checker) or a registered verifier; ValueError naming `field` for any other name."""
   from rlax_ps.tasks import TASKS
+  if task == REWARD_MODEL_TASK:
+    raise ValueError(f"{field}: task {task!r} is scored by the worker's reward model, not a "
+                     f"verifier; set worker.reward_model to a reward model checkpoint")
   if task not in TASKS and task not in VERIFIERS:
     raise ValueError(f"{field}: {task!r} is neither a built-in task nor a registered verifier "
                      f"(known: {', '.join(known_tasks())}); a verifier of your own goes in a "
@@ -81,7 +87,8 @@ def verifiers_by_task(default_task: str, verifiers: str = "") -> Callable[[str],
   importing the files or modules `verifiers` names (WorkerConfig.verifiers). The default
   task's is made now, so that a wrong name fails at start naming worker.default_task."""
   load_verifiers(verifiers, "worker.verifiers")
-  cache = {default_task: verifier_for_task(default_task, "worker.default_task")}
+  cache = ({} if default_task == REWARD_MODEL_TASK else
+           {default_task: verifier_for_task(default_task, "worker.default_task")})
 
   def verifier_for(task: str) -> Verifier:
     task = task or default_task
@@ -113,9 +120,10 @@ class Guarded:
 
 
 def known_tasks() -> list[str]:
-  """The task names a prompt can carry: the built-in tasks and the registered verifiers."""
+  """The task names a prompt can carry: the built-in tasks, the registered verifiers and
+  `reward_model`."""
   from rlax_ps.tasks import TASKS
-  return sorted(set(TASKS) | set(VERIFIERS))
+  return sorted(set(TASKS) | set(VERIFIERS) | {REWARD_MODEL_TASK})
 
 
 _LOADED: dict[str, list[str]] = {}  # imported file or module -> the names it registered

@@ -29,7 +29,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
 import ml_dtypes
@@ -762,12 +762,15 @@ def _read_tensors(view: Mapping[str, tuple[str, str]], wanted: list[str]
         yield name, f.get_tensor(stored)
 
 
-def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
+def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
+                   ) -> dict[str, np.ndarray]:
   """Our flat params (host numpy, config.param_dtype) from the safetensors at `path`.
 
   Every tensor the config needs must be there and nothing else may be, except rotary
   `inv_freq` buffers, a tied checkpoint's redundant `lm_head.weight` and an image-text
-  checkpoint's vision tensors. Per-expert tensors are stacked into their param.
+  checkpoint's vision tensors. Per-expert tensors are stacked into their param. `extra`
+  names tensors beyond the language model's (a reward model's `score.weight`): each must
+  be there too, and comes back as stored, under its own name.
   """
   names = hf_tensor_names(config)
   files = _language_model_view(_tensor_files(path))
@@ -782,6 +785,8 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         needed.setdefault(name, []).append((ours, e, transposed))
     else:
       needed.setdefault(hf, []).append((ours, None, transposed))
+  for name in extra:
+    needed[name] = [(name, None, False)]
   # MXFP4 (gpt-oss): a tensor stored as its `_blocks` and `_scales`, dequantized as read.
   packed = {name for name in needed if name not in files
             and f"{name}_blocks" in files and f"{name}_scales" in files}
@@ -801,6 +806,9 @@ def load_hf_params(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
   shapes = _param_shapes(config)
   flat, experts = {}, {}
   for hf, full in _dequantized(_read_tensors(files, sorted(stored)), packed, dtype):
+    if hf in extra:
+      flat[hf] = np.ascontiguousarray(full.astype(dtype, copy=False))
+      continue
     first = needed[hf][0][1]
     if isinstance(first, (Rows, Columns)):  # fused: [sum of rows, in] HF-side, or columns
       if isinstance(first, Rows):
@@ -896,7 +904,13 @@ def load_hf_checkpoint(path: str, dtype: str = "float32", *, compute_dtype: str 
   dtype = dtype_name(dtype)
   compute = dtype if compute_dtype is None else dtype_name(compute_dtype, "compute_dtype")
   config = read_hf_config(path).replace(param_dtype=dtype, dtype=compute)
-  flat = load_hf_params(path, config)
+  return place_params(config, load_hf_params(path, config), mesh)
+
+
+def place_params(config: ModelConfig, flat: dict[str, np.ndarray],
+                 mesh: jax.sharding.Mesh | None = None) -> Transformer:
+  """The Transformer of `config` holding `flat` (host arrays under our param names, popped
+  as each goes to its device, or with a `mesh` straight into its sharding)."""
   graphdef, state, variables = _abstract_params(config)
   for name, var in variables.items():
     array = flat.pop(name)  # drop each host copy once it is on device

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 import grain
 import numpy as np
 
-from algorithms.verifiers import known_tasks, load_verifiers
+from algorithms.verifiers import REWARD_MODEL_TASK, known_tasks, load_verifiers
 from rlax_ps.chat import check_messages
 from rlax_ps.tasks import Task
 
@@ -120,7 +120,8 @@ def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
   (dotted) keys; a record without a task takes `default_task`. A bad record raises
   ValueError naming its file, line or row and key, as does a task not in `known` (when
   given), with the config `field` that named the file. `demonstrations` (supervised
-  data): an answer may also be a multi-turn demonstration (`conversation_answer`)."""
+  data): an answer may also be a multi-turn demonstration (`conversation_answer`). An
+  empty `answer_key` reads prompts alone (answer ""): for a reward model to score."""
   out = []
   files = [p.strip() for p in path.split(",") if p.strip()]
   for where, rec in (r for one in files for r in _raw_records(one, field)):
@@ -132,7 +133,7 @@ def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
     elif not isinstance(prompt, str) or not prompt:
       raise ValueError(f"{where}: field {prompt_key!r}: expected a non-empty string or a list "
                        f"of {{'role', 'content'}} messages, got {prompt!r}")
-    answer = _lookup(rec, answer_key)
+    answer = _lookup(rec, answer_key) if answer_key else ""
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
       answer = str(answer)
     if isinstance(answer, (list, tuple)) and demonstrations:
@@ -163,11 +164,19 @@ def config_records(config, field: str, path: str) -> list[dict[str, Any]]:
   worker = config.get("worker", {})
   data = config.get("data", {})
   load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
-  return read_prompts(path, default_task=str(worker.get("default_task", "math")),
-                      known=known_tasks(), field=field,
-                      prompt_key=str(data.get("prompt_key", "prompt")),
-                      answer_key=str(data.get("answer_key", "answer")),
-                      task_key=str(data.get("task_key", "task")))
+  if field == "data.heldout_jsonl" and not data.get("answer_key", "answer"):
+    raise ValueError("data.heldout_jsonl: held-out records are scored against their answers, "
+                     "but data.answer_key is '' (prompts alone); leave heldout_jsonl ''")
+  records = read_prompts(path, default_task=str(worker.get("default_task", "math")),
+                         known=known_tasks(), field=field,
+                         prompt_key=str(data.get("prompt_key", "prompt")),
+                         answer_key=str(data.get("answer_key", "answer")),
+                         task_key=str(data.get("task_key", "task")))
+  if "worker" in config and not worker.get("reward_model", "") and any(
+      r["task"] == REWARD_MODEL_TASK for r in records):
+    raise ValueError(f"worker.reward_model: {field} has prompts of task {REWARD_MODEL_TASK!r}; "
+                     f"expected a reward model checkpoint to score them, got ''")
+  return records
 
 
 def prompt_dataset(source: Sequence[dict[str, str]], seed: int) -> grain.IterDataset:

@@ -381,9 +381,13 @@ class RLTrainer(TrainerRun):
       if len(ids) > self.shape.prompt_len:  # its group would be rejected once sampled
         raise ValueError(f"rl.max_prompt_tokens: {self.shape.prompt_len} is too small for "
                          f"prompt {rec['prompt']!r} of {len(ids)} tokens; raise it")
+      text = self.tokenizer.render_prompt(rec["prompt"])
+      # The raw prompt where the text is a rendering of it: a reward model with a chat
+      # template of its own renders the conversation again (inference_workers.reward_scoring).
+      raw = {} if text == rec["prompt"] else {"prompt": json.dumps(rec["prompt"])}
       prompts.append(Prompt(
-          id=f"{self.run_id}-{index}", text=self.tokenizer.render_prompt(rec["prompt"]),
-          task=rec["task"], token_ids=ids, extra=rec["answer"].encode("utf-8")))
+          id=f"{self.run_id}-{index}", text=text, task=rec["task"], token_ids=ids,
+          extra=rec["answer"].encode("utf-8"), metadata=raw))
     self.client.enqueue_prompts(prompts)
 
   def _take_groups(self) -> list[Group] | None:

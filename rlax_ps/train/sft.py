@@ -66,6 +66,9 @@ class SFTTrainer(TrainerRun):
     path = data.get("jsonl", "")
     if not path:
       return None
+    if not data.get("answer_key", "answer"):
+      raise ValueError("data.answer_key: supervised data needs answers; expected the key "
+                       "that holds them, got ''")
     records = read_prompts(path, field="data.jsonl",
                            prompt_key=str(data.get("prompt_key", "prompt")),
                            answer_key=str(data.get("answer_key", "answer")),

@@ -440,6 +440,27 @@ def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(s
   assert marked == stats.replies
 
 
+def test_a_reward_model_scores_the_prompts_of_task_reward_model(server, versions):
+  from inference_workers.reward_scoring import RewardScorer
+  from tests.models.hf_fixtures import FIXTURES
+  rm = os.path.join(FIXTURES, "qwen3_reward")
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    trainer.enqueue_prompts([pb.Prompt(id=f"j{i}", text=t, task="reward_model")
+                             for i, t in enumerate(("say hi", "say bye"))])
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(
+        max_leases=1, reward_model=rm, reward_model_dtype="float32", **SMALL))
+    worker.run()
+    rollouts = trainer.take_rollouts(0, 10).rollouts
+  assert sorted(r.group.prompt_id for r in rollouts) == ["j0", "j1"]
+  scorer = RewardScorer(rm, TOKENIZER, "float32")
+  for r in rollouts:
+    head = TOKENIZER.encode_prompt({"j0": "say hi", "j1": "say bye"}[r.group.prompt_id])
+    want = scorer.scores([head + list(s.token_ids) for s in r.group.samples])
+    np.testing.assert_allclose([s.reward for s in r.group.samples], want, rtol=1e-5)
+    assert len(set(want.tolist())) > 1  # the samples differ and so do their scores
+
+
 def test_bad_batching_settings_are_named():
   with pytest.raises(ValueError, match=r"WorkerConfig.rows_per_prompt: expected an int in "
                                        r"\[0, samples_per_prompt=4\]"):

@@ -111,3 +111,23 @@ def test_a_restored_feed_goes_on_with_the_same_records():
   assert again.take(10) == rest
   with pytest.raises(ValueError, match="checkpoint data state: expected"):
     again.restore({"position": 1})
+
+
+def test_an_empty_answer_key_reads_prompts_alone_but_never_held_out_or_supervised_records(
+    tmp_path):
+  import ml_collections
+
+  from rlax_ps.train.prompts import config_records
+  path = tmp_path / "p.jsonl"
+  path.write_text('{"prompt": "hi", "task": "reward_model"}\n{"prompt": "yo", "answer": 3}\n')
+  assert read_prompts(str(path), "math", answer_key="") == [
+      {"prompt": "hi", "answer": "", "task": "reward_model"},
+      {"prompt": "yo", "answer": "", "task": "math"}]
+  with pytest.raises(ValueError, match="field 'answer': expected a string, got None"):
+    read_prompts(str(path), "math")  # the answer is required unless answer_key is ""
+  config = ml_collections.ConfigDict({"data": {"answer_key": ""},
+                                      "worker": {"default_task": "math", "reward_model": "rm"}})
+  assert len(config_records(config, "data.jsonl", str(path))) == 2
+  with pytest.raises(ValueError, match="data.heldout_jsonl: held-out records are scored "
+                                       "against their answers, but data.answer_key is ''"):
+    config_records(config, "data.heldout_jsonl", str(path))

@@ -124,6 +124,47 @@ def test_a_verl_parquet_file_feeds_the_trainer_through_the_chat_template(tmp_pat
                    for i, m in enumerate(CONVERSATIONS)]
 
 
+def test_prompt_only_records_go_out_with_the_raw_prompt_a_reward_model_renders(tmp_path):
+  """data.answer_key "": prompts alone, of task reward_model, which needs worker.reward_model;
+  each prompt carries its messages beside the rendered text (the reward model's template
+  renders them again)."""
+  (tmp_path / "train.jsonl").write_text(
+      "".join(json.dumps({"prompt": m}) + "\n" for m in CONVERSATIONS))
+  config = rl_config("tiny")
+  config.tokenizer.kind, config.tokenizer.path = "hf", CHAT
+  config.tokenizer.chat_template = "auto"
+  config.rl.max_prompt_tokens = 64
+  config.data.jsonl, config.data.answer_key = str(tmp_path / "train.jsonl"), ""
+  config.worker.default_task = "reward_model"
+  with pytest.raises(ValueError, match="worker.reward_model: data.jsonl has prompts of task "
+                                       "'reward_model'; expected a reward model checkpoint"):
+    RLTrainer(config, str(tmp_path / "a"), object())
+  config.worker.reward_model = os.path.join(os.path.dirname(CHAT), "qwen3_reward")
+  sent = []
+
+  class Queue:
+    def enqueue_prompts(self, prompts):
+      sent.extend(prompts)
+
+  with RLTrainer(config, str(tmp_path / "b"), Queue()) as tr:
+    tr._feed_prompts()
+  assert len(sent) >= len(CONVERSATIONS)
+  for p in sent:
+    raw = json.loads(p.metadata["prompt"])
+    assert raw in CONVERSATIONS and p.task == "reward_model" and p.extra == b""
+    assert p.text == tr.tokenizer.render_prompt(raw)
+
+
+def test_supervised_data_refuses_an_empty_answer_key(tmp_path):
+  from rlax_ps.config_files import load
+  from rlax_ps.train.sft import SFTTrainer
+  (tmp_path / "train.jsonl").write_text('{"prompt": "1+2=", "answer": "3"}\n')
+  config = load(os.path.join(REPO, "configs", "sft_tiny.py"), "tiny")
+  config.data.jsonl, config.data.answer_key = str(tmp_path / "train.jsonl"), ""
+  with pytest.raises(ValueError, match="data.answer_key: supervised data needs answers"):
+    SFTTrainer(config, str(tmp_path / "sft"))
+
+
 def test_sft_trains_on_a_prompt_files_conversations_through_the_template(tmp_path):
   """rlax-ps sft on data.jsonl: the batches hold the rendered conversations followed by the
   answer and the end-of-turn eos, the loss falls, and data.heldout_jsonl is what is scored."""
