@@ -387,10 +387,14 @@ class ParamServerClient:
     return self._call("CompleteLease", pb.CompleteLeaseRequest(
         lease_id=lease_id, worker_id=self._require_worker(worker_id))).prompts_answered
 
-  def release(self, lease: Lease | str, prompt_ids: Sequence[str] = (), *, worker_id: str | None = None) -> int:
+  def release(self, lease: Lease | str, prompt_ids: Sequence[str] = (), *, worker_id: str | None = None,
+              partial: Sequence[pb.PartialRollouts] = ()) -> int:
+    """Returns prompts of a lease to the queue (all its open ones by default), each with the
+    samples `partial` holds for it, which the next worker continues; how many went back."""
     lease_id = lease if isinstance(lease, str) else lease.lease_id
     return self._call("ReleaseLease", pb.ReleaseLeaseRequest(
-        lease_id=lease_id, worker_id=self._require_worker(worker_id), prompt_ids=list(prompt_ids))).returned
+        lease_id=lease_id, worker_id=self._require_worker(worker_id), prompt_ids=list(prompt_ids),
+        partial=list(partial))).returned
 
   # ------------------------------------------------------------ rollouts
 

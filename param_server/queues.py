@@ -18,7 +18,7 @@ import math
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Sequence
 
 from param_server import errors
 from param_server.protos import param_server_pb2 as pb
@@ -100,37 +100,39 @@ def _validate_prompt(prompt: pb.Prompt, where: str) -> None:
     raise errors.InvalidArgument(f"{where}.id", f"expected at most 512 characters, got {len(prompt.id)}")
 
 
-def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: int) -> None:
-  """Checks a submitted rollout group's fields; raises InvalidArgument naming the field."""
+def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: int,
+                   where: str = "group") -> None:
+  """Checks a submitted rollout group's fields (or partial rollouts', as a group named
+  `where`); raises InvalidArgument naming the field."""
   if not group.prompt_id:
-    raise errors.InvalidArgument("group.prompt_id", "expected a prompt id, got ''")
+    raise errors.InvalidArgument(f"{where}.prompt_id", "expected a prompt id, got ''")
   if not group.samples:
-    raise errors.InvalidArgument("group.samples", "expected at least one sample, got 0")
+    raise errors.InvalidArgument(f"{where}.samples", "expected at least one sample, got 0")
   if len(group.samples) > max_samples:
-    raise errors.InvalidArgument("group.samples", f"expected at most {max_samples}, got {len(group.samples)}")
+    raise errors.InvalidArgument(f"{where}.samples", f"expected at most {max_samples}, got {len(group.samples)}")
   top = max(latest_version, 0)
   if not 0 <= group.policy_version <= top:
     raise errors.InvalidArgument(
-        "group.policy_version", f"expected a published version in [0, {top}], got {group.policy_version}")
+        f"{where}.policy_version", f"expected a published version in [0, {top}], got {group.policy_version}")
   for i, s in enumerate(group.samples):
-    where = f"group.samples[{i}]"
+    at = f"{where}.samples[{i}]"
     if not math.isfinite(s.reward):
-      raise errors.InvalidArgument(f"{where}.reward", f"expected a finite number, got {s.reward}")
+      raise errors.InvalidArgument(f"{at}.reward", f"expected a finite number, got {s.reward}")
     if s.logprobs and s.logprobs_f32:
-      raise errors.InvalidArgument(f"{where}.logprobs", "expected logprobs or logprobs_f32, got both")
+      raise errors.InvalidArgument(f"{at}.logprobs", "expected logprobs or logprobs_f32, got both")
     n_lp = len(s.logprobs) if s.logprobs else len(s.logprobs_f32) / 4
     if (s.logprobs or s.logprobs_f32) and n_lp != len(s.token_ids):
       raise errors.InvalidArgument(
-          f"{where}.logprobs", f"expected one per token ({len(s.token_ids)}), got {n_lp:g}")
+          f"{at}.logprobs", f"expected one per token ({len(s.token_ids)}), got {n_lp:g}")
     for j, t in enumerate(s.token_ids):
       if t < 0:
-        raise errors.InvalidArgument(f"{where}.token_ids[{j}]", f"expected >= 0, got {t}")
+        raise errors.InvalidArgument(f"{at}.token_ids[{j}]", f"expected >= 0, got {t}")
     if s.observed and (len(s.observed) != len(s.token_ids) or s.observed.strip(b"\x00\x01")):
       other = "" if len(s.observed) != len(s.token_ids) else " holding other values"
       raise errors.InvalidArgument(
-          f"{where}.observed", f"expected one byte 0 or 1 per token ({len(s.token_ids)}), got "
+          f"{at}.observed", f"expected one byte 0 or 1 per token ({len(s.token_ids)}), got "
           f"{len(s.observed)} bytes{other}")
-  _validate_routes(group)
+  _validate_routes(group, where)
 
 
 def _routes_tokens(routes: pb.Routes, where: str) -> int:
@@ -145,26 +147,26 @@ def _routes_tokens(routes: pb.Routes, where: str) -> int:
   return len(routes.ids) // row
 
 
-def _validate_routes(group: pb.RolloutGroup) -> None:
+def _validate_routes(group: pb.RolloutGroup, where: str) -> None:
   """Routing replay: routes for the prompt and every sample (every token but the last), all
   of one shape, or none at all."""
   routed = [s.HasField("routes") for s in group.samples]
   if not group.HasField("prompt_routes") and not any(routed):
     return
   if not group.HasField("prompt_routes"):
-    raise errors.InvalidArgument("group.prompt_routes", "expected with the samples' routes")
-  _routes_tokens(group.prompt_routes, "group.prompt_routes")
+    raise errors.InvalidArgument(f"{where}.prompt_routes", "expected with the samples' routes")
+  _routes_tokens(group.prompt_routes, f"{where}.prompt_routes")
   shape = (group.prompt_routes.layers, group.prompt_routes.top_k)
   for i, s in enumerate(group.samples):
-    where = f"group.samples[{i}].routes"
+    at = f"{where}.samples[{i}].routes"
     if not s.HasField("routes"):
-      raise errors.InvalidArgument(where, "expected with group.prompt_routes")
+      raise errors.InvalidArgument(at, f"expected with {where}.prompt_routes")
     if (s.routes.layers, s.routes.top_k) != shape:
-      raise errors.InvalidArgument(where, f"expected layers, top_k = {shape} as the prompt's, got "
+      raise errors.InvalidArgument(at, f"expected layers, top_k = {shape} as the prompt's, got "
                                    f"{(s.routes.layers, s.routes.top_k)}")
-    tokens, want = _routes_tokens(s.routes, where), max(len(s.token_ids) - 1, 0)
+    tokens, want = _routes_tokens(s.routes, at), max(len(s.token_ids) - 1, 0)
     if tokens != want:
-      raise errors.InvalidArgument(where, f"expected {want} tokens (all but the last), got {tokens}")
+      raise errors.InvalidArgument(at, f"expected {want} tokens (all but the last), got {tokens}")
 
 
 class PromptRolloutQueues:
@@ -223,6 +225,13 @@ class PromptRolloutQueues:
     elif op == "returned":
       r = record.returned
       lease = self.leases[r.lease_id]
+      for part in r.partial:  # a copy: a lease reply may still hold the prompt as it was
+        prompt = pb.Prompt()
+        prompt.CopyFrom(self.prompts[part.prompt_id])
+        del prompt.partial[:]
+        prompt.partial.extend(part.samples)
+        prompt.partial_version = part.policy_version
+        self.prompts[part.prompt_id] = prompt
       for pid in reversed(r.prompt_ids):
         self.queue[pid] = None
         self.queue.move_to_end(pid, last=False)
@@ -441,8 +450,15 @@ class PromptRolloutQueues:
                       prompts=[self.prompts[p] for p in lease.open_ids])
 
   @_durable
-  def release(self, lease_id: str, worker_id: str, prompt_ids: list[str]) -> int:
-    """Returns the listed (default: all open) prompts to the queue; repeating it is harmless."""
+  def release(self, lease_id: str, worker_id: str, prompt_ids: list[str],
+              partial: Sequence[pb.PartialRollouts] = ()) -> int:
+    """Returns the listed (default: all open) prompts to the queue, each with the partial
+    rollouts given for it (the next worker continues them); repeating it is harmless."""
+    for k, part in enumerate(partial):
+      validate_group(pb.RolloutGroup(prompt_id=part.prompt_id, samples=part.samples,
+                                     policy_version=part.policy_version),
+                     latest_version=self._latest_version(),
+                     max_samples=self.limits.max_samples_per_group, where=f"partial[{k}]")
     with self._lock:
       self.expire_due()
       lease = self._lease_of(lease_id, worker_id, allow_closed=True)
@@ -456,8 +472,13 @@ class PromptRolloutQueues:
           raise errors.FailedPrecondition(
               f"prompt_ids[{i}]", f"prompt {pid!r} already has an accepted rollout group")
       todo = [p for p in dict.fromkeys(wanted) if p not in lease.released]
+      for k, part in enumerate(partial):
+        if part.prompt_id not in todo:
+          raise errors.InvalidArgument(f"partial[{k}].prompt_id", f"prompt {part.prompt_id!r} is "
+                                       f"not among the prompts released now ({len(todo)})")
       if todo:
-        self._commit(pb.WalRecord(returned=pb.WalReturn(lease_id=lease_id, prompt_ids=todo)))
+        self._commit(pb.WalRecord(returned=pb.WalReturn(lease_id=lease_id, prompt_ids=todo,
+                                                        partial=partial)))
       return len(todo)
 
   @_durable

@@ -264,7 +264,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   @_unary
   def ReleaseLease(self, request, context):
     return pb.ReleaseLeaseReply(
-        returned=self.queues.release(request.lease_id, request.worker_id, list(request.prompt_ids)))
+        returned=self.queues.release(request.lease_id, request.worker_id, list(request.prompt_ids),
+                                     list(request.partial)))
 
   # ------------------------------------------------------------ rollouts
 

@@ -81,7 +81,7 @@ class WatchRequest(_message.Message):
     def __init__(self, after_version: _Optional[int] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("id", "text", "token_ids", "task", "metadata", "extra")
+    __slots__ = ("id", "text", "token_ids", "task", "metadata", "extra", "partial", "partial_version")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -95,13 +95,17 @@ class Prompt(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_VERSION_FIELD_NUMBER: _ClassVar[int]
     id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     task: str
     metadata: _containers.ScalarMap[str, str]
     extra: bytes
-    def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., task: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., extra: _Optional[bytes] = ...) -> None: ...
+    partial: _containers.RepeatedCompositeFieldContainer[Sample]
+    partial_version: int
+    def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., task: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., extra: _Optional[bytes] = ..., partial: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., partial_version: _Optional[int] = ...) -> None: ...
 
 class EnqueuePromptsRequest(_message.Message):
     __slots__ = ("prompts",)
@@ -168,14 +172,26 @@ class CompleteLeaseReply(_message.Message):
     def __init__(self, prompts_answered: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id", "worker_id", "prompt_ids")
+    __slots__ = ("lease_id", "worker_id", "prompt_ids", "partial")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     worker_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    partial: _containers.RepeatedCompositeFieldContainer[PartialRollouts]
+    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[str]] = ..., partial: _Optional[_Iterable[_Union[PartialRollouts, _Mapping]]] = ...) -> None: ...
+
+class PartialRollouts(_message.Message):
+    __slots__ = ("prompt_id", "samples", "policy_version")
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    prompt_id: str
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    policy_version: int
+    def __init__(self, prompt_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseReply(_message.Message):
     __slots__ = ("returned",)
@@ -461,14 +477,16 @@ class WalRenew(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
 
 class WalReturn(_message.Message):
-    __slots__ = ("lease_id", "prompt_ids", "expired")
+    __slots__ = ("lease_id", "prompt_ids", "expired", "partial")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[str]
     expired: bool
-    def __init__(self, lease_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[str]] = ..., expired: _Optional[bool] = ...) -> None: ...
+    partial: _containers.RepeatedCompositeFieldContainer[PartialRollouts]
+    def __init__(self, lease_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[str]] = ..., expired: _Optional[bool] = ..., partial: _Optional[_Iterable[_Union[PartialRollouts, _Mapping]]] = ...) -> None: ...
 
 class WalSubmit(_message.Message):
     __slots__ = ("lease_id", "rollout_id", "group", "fingerprint", "worker_id")

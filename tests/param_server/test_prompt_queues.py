@@ -254,3 +254,42 @@ def test_snapshot_rewrite_keeps_the_state_and_shrinks_the_log(tmp_path, clock):
     again.renew(expired_lease.lease_id, "w2", 5.0)
   assert len(again._wal.recovered) == 0 and again._wal.records_since_rewrite < 4 + 2
   again.close()
+
+
+def test_a_prompt_released_with_partial_rollouts_carries_them_across_a_restart(
+    tmp_path, clock):
+  q = make_queues(tmp_path, clock)
+  q.enqueue(prompts("a", "b"))
+  lease = q.lease("w1", 2, 10.0)
+  begun = [pb.Sample(token_ids=[4, 5], logprobs=[-0.5, -0.25]),
+           pb.Sample(token_ids=[6], logprobs=[-1.0], finish_reason="stop")]
+  assert q.release(lease.lease_id, "w1", [], [pb.PartialRollouts(
+      prompt_id="b", samples=begun, policy_version=2)]) == 2
+  assert not lease.prompts[1].partial  # the lease's reply is not changed under it
+  q.close()
+  q = make_queues(tmp_path, clock)  # the write-ahead log replayed
+  again = q.lease("w2", 2, 10.0)
+  a, b = again.prompts
+  assert not a.partial and list(b.partial) == begun and b.partial_version == 2
+  # A later release without partial rollouts keeps the ones it has.
+  q.release(again.lease_id, "w2", ["b"])
+  assert list(q.lease("w3", 1, 10.0).prompts[0].partial) == begun
+  q.close()
+
+
+@pytest.mark.parametrize("partial,field,code", [
+    (pb.PartialRollouts(prompt_id="z", samples=[pb.Sample(token_ids=[1])]),
+     "partial[0].prompt_id", errors.InvalidArgument),
+    (pb.PartialRollouts(prompt_id="a", samples=[pb.Sample(token_ids=[1, 2], logprobs=[-1.0])]),
+     "partial[0].samples[0].logprobs", errors.InvalidArgument),
+    (pb.PartialRollouts(prompt_id="a", samples=[pb.Sample(token_ids=[1])], policy_version=9),
+     "partial[0].policy_version", errors.InvalidArgument),
+])
+def test_bad_partial_rollouts_are_refused_naming_the_field_and_release_nothing(
+    queues, partial, field, code):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 10.0)
+  with pytest.raises(code, match=field.replace("[", r"\[").replace("]", r"\]")):
+    queues.release(lease.lease_id, "w1", ["a"], [partial])
+  assert queues.depths()["prompts_queued"] == 0  # still leased: nothing was lost
+  assert queues.release(lease.lease_id, "w1", ["a"]) == 1

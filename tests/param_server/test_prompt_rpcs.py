@@ -93,6 +93,17 @@ def test_release_puts_prompts_back(trainer, worker):
   assert [p.id for p in worker.lease(5, deadline_s=30).prompts] == ["p1"]
 
 
+def test_partial_rollouts_released_with_a_prompt_reach_the_next_lease(trainer, worker):
+  publish_chain(trainer, 1)
+  trainer.enqueue_prompts(prompts(1))
+  lease = worker.lease(1, deadline_s=30)
+  begun = make_sample([7, 8], 0.0, logprobs=np.array([-0.1, -0.2]))
+  assert worker.release(lease, partial=[pb.PartialRollouts(
+      prompt_id="p0", samples=[begun], policy_version=0)]) == 1
+  again = worker.lease(1, deadline_s=30).prompts[0]
+  assert again.id == "p0" and list(again.partial) == [begun] and again.partial_version == 0
+
+
 def test_lease_long_poll_wakes_when_prompts_arrive(trainer, worker):
   timer = threading.Timer(0.2, lambda: trainer.enqueue_prompts(prompts(1)))
   timer.start()
@@ -132,6 +143,9 @@ def test_take_drops_stale_rollouts_and_requeues_their_prompts(trainer, worker):
     (lambda t, w: w.renew("nope", 1.0), grpc.StatusCode.NOT_FOUND, "lease_id"),
     (lambda t, w: w.complete("nope"), grpc.StatusCode.NOT_FOUND, "lease_id"),
     (lambda t, w: w.release("", ()), grpc.StatusCode.INVALID_ARGUMENT, "lease_id"),
+    (lambda t, w: w.release("x", (), partial=[pb.PartialRollouts(
+        prompt_id="p0", samples=[pb.Sample(token_ids=[-1])])]), grpc.StatusCode.INVALID_ARGUMENT,
+     "partial[0].samples[0].token_ids[0]"),
     (lambda t, w: w.submit_rollouts("nope", pb.RolloutGroup(prompt_id="p0", samples=[pb.Sample()])),
      grpc.StatusCode.NOT_FOUND, "lease_id"),
     (lambda t, w: w.submit_rollouts("x", pb.RolloutGroup(prompt_id="p0")), grpc.StatusCode.INVALID_ARGUMENT,
