@@ -88,6 +88,7 @@ def main(argv) -> None:
   held = ("nothing" if worker.policy.version is None else
           f"v{worker.policy.version} digest {worker.policy.digest():016x}")
   print(f"worker: exiting: {stats.leases} leases, {stats.groups_submitted} groups submitted, "
-        f"{stats.prompts_released} prompts released, {stats.score_errors} samples scored 0 "
+        f"{stats.prompts_released} prompts released ({stats.samples_salvaged} begun samples "
+        f"handed back), {stats.score_errors} samples scored 0 "
         f"by a verifier that raised; holds {held}", flush=True)
   exit_now(0)  # leases released, output flushed: skip a finalization that can abort

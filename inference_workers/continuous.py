@@ -376,6 +376,27 @@ class ContinuousBatch:
         finished = np.asarray(_slots_done(self._slots))  # a reply may have ended a sample
     return self._take([s for s in sorted(self._held) if finished[s]])
 
+  def partial(self) -> list[tuple[Hashable, list[Sample], list[bool]]]:
+    """Each running prompt's n samples so far (one not started yet is empty) and which of
+    them have finished: what a worker that must stop hands back (partial rollouts)."""
+    held = sorted(self._held)
+    if not held:
+      return []
+    ids = np.full((self.num_slots,), held[0], np.int32)
+    ids[:len(held)] = held
+    finished = np.asarray(self._slots.rows.finished).reshape(self.num_slots, self.n)
+    samples = self._samples(ids, held)
+    return [(self._held[s][0], samples[i * self.n:(i + 1) * self.n], finished[s].tolist())
+            for i, s in enumerate(held)]
+
+  def clear(self) -> None:
+    """Drop every prompt, running or waiting, and the device state with them."""
+    self._held.clear()
+    self._waiting.clear()
+    self._asking.clear()
+    self._replies.clear()
+    self._slots = None
+
   def close(self) -> None:
     """Stop the reply threads (replies still in the making are awaited); a later reply
     starts them again."""
@@ -485,14 +506,18 @@ class ContinuousBatch:
       return []
     ids = np.full((self.num_slots,), finished[0], np.int32)  # one program per batch shape
     ids[:len(finished)] = finished
-    host: Any = jax.device_get(_collect(self._slots, ids))
-    tokens, logp, slogp, lengths, reasons, observed, *routes = host
-    prompt_lens = [self._held[s][1] for s in finished]
-    flat = samples_of(tokens, logp, slogp, lengths[:len(finished) * self.n], reasons,
-                      *(routes or (None, None)), prompt_lens=prompt_lens,
-                      prompt_row=lambda i: i // self.n, observed=observed)
+    flat = self._samples(ids, finished)
     out = []
     for i, s in enumerate(finished):
       key, _ = self._held.pop(s)
       out.append((key, flat[i * self.n:(i + 1) * self.n]))
     return out
+
+  def _samples(self, ids: np.ndarray, slots: list[int]) -> list[Sample]:
+    """The samples of `slots` (ids: them, padded to every slot), n per slot, in order."""
+    host: Any = jax.device_get(_collect(self._slots, ids))
+    tokens, logp, slogp, lengths, reasons, observed, *routes = host
+    prompt_lens = [self._held[s][1] for s in slots]
+    return samples_of(tokens, logp, slogp, lengths[:len(slots) * self.n], reasons,
+                      *(routes or (None, None)), prompt_lens=prompt_lens,
+                      prompt_row=lambda i: i // self.n, observed=observed)

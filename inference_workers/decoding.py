@@ -38,6 +38,8 @@ class Sample:
     generated tokens fed back (the last one never is): what routing replay trains with.
   observed (multi-turn): [len(tokens)] bool, True where an environment's reply wrote the
     token (log-probs 0 there: the policy did not draw it); None for a single turn.
+  resumed: begun by another worker (partial rollouts): its first tokens and their log-probs
+    are that worker's, drawn with an older version.
   """
 
   tokens: np.ndarray
@@ -47,6 +49,7 @@ class Sample:
   prompt_routes: np.ndarray | None = None
   routes: np.ndarray | None = None
   observed: np.ndarray | None = None
+  resumed: bool = False
 
 
 def bucket(n: int, minimum: int = 1) -> int:

@@ -46,7 +46,7 @@ from inference_workers.sampler import generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
-                                  make_routes, make_sample)
+                                  make_routes, make_sample, sample_logprobs)
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.sync import Update
@@ -91,6 +91,7 @@ class WorkerStats:
   reconnects: int = 0
   score_errors: int = 0  # samples scored 0 because their verifier raised
   replies: int = 0  # multi-turn: environment replies fed to samples
+  samples_salvaged: int = 0  # begun samples handed back as partial rollouts on a stop
   versions_applied: list = dataclasses.field(default_factory=list)
 
 
@@ -118,6 +119,7 @@ class Worker:
     self.params = config.sampling(tokenizer.stop_ids)
     self.stats = WorkerStats()
     self._stop = threading.Event()
+    self._salvage_at = math.inf  # stopping: when running samples go back as partial rollouts
     self._done = threading.Event()  # set when run() returns
     self._beat_now = threading.Event()  # wakes the heartbeat early: a new version is held
     self._lock = threading.Lock()
@@ -144,6 +146,7 @@ class Worker:
     if self._stop.is_set():
       return
     grace = self.config.grace_s if grace_s is None else grace_s
+    self._salvage_at = time.monotonic() + grace - self.config.salvage_s
     self._stop.set()
     logging.info("worker: stop requested; releasing in-flight prompts within %.1fs", grace)
     threading.Thread(target=self._watchdog, args=(grace,), daemon=True).start()
@@ -379,6 +382,10 @@ class Worker:
                                     max_turns=self.config.max_turns,
                                     respond_threads=self.config.environment_threads)
     batch = self._batch
+    if self.stopping and batch.running and time.monotonic() >= self._salvage_at and (
+        self._resumable):
+      self._salvage(batch)
+      return
     if self.policy.version is None:
       self._catch_up()
       if self.policy.version is None:  # nothing published yet
@@ -423,6 +430,9 @@ class Worker:
     while self._pending and batch.free:
       lease_id, prompt = self._pending.popleft()
       self._started[(lease_id, prompt.id)] = (prompt, version)
+      if prompt.partial and self._resumable:  # begun by a worker that stopped: go on at once
+        self._submit_group(lease_id, prompt.id, self._resume(prompt, version))
+        continue
       batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
                 self._seeds(prompt.id, version, 0, n))
 
@@ -459,6 +469,8 @@ class Worker:
     a group the server refuses as it is releases its prompt, a lease it took back is
     abandoned."""
     prompt, version = self._started.pop((lease_id, prompt_id))
+    if any(s.resumed for s in samples):  # continued from another worker's partial rollouts
+      version = min(version, prompt.partial_version)
     given = self._given.pop((lease_id, prompt_id), {})
     self.stats.samples += len(samples)
     self.stats.tokens += sum(len(s.tokens) for s in samples)
@@ -487,6 +499,68 @@ class Worker:
           lambda: self.client.release(lease_id, sorted(left))) or 0
     else:
       self._with_backoff(lambda: self.client.complete(lease_id))
+
+  @property
+  def _resumable(self) -> bool:
+    """Whether samples are handed back and continued as partial rollouts: with continuous
+    batching, single-turn, without routing replay (a turn's replies and the routes of
+    tokens drawn elsewhere do not travel), when worker.salvage_s is on."""
+    c = self.config
+    return self._continuous and c.salvage_s > 0 and not (c.environment or c.routing_replay)
+
+  def _salvage(self, batch: ContinuousBatch) -> None:
+    """Stopping, with little grace left: hand each running prompt back with the samples it
+    has begun (partial rollouts, which the next worker continues) and the waiting ones as
+    they are."""
+    parts: dict[str, list[pb.PartialRollouts]] = collections.defaultdict(list)
+    for (lease_id, prompt_id), samples, finished in batch.partial():
+      _, version = self._started.pop((lease_id, prompt_id))
+      begun = [make_sample(s.tokens, 0.0, logprobs=s.sampling_logprobs,
+                           finish_reason=s.finish_reason if done else "")
+               for s, done in zip(samples, finished) if len(s.tokens)]
+      if lease_id not in self._abandoned:
+        parts[lease_id].append(pb.PartialRollouts(prompt_id=prompt_id, samples=begun,
+                                                  policy_version=version))
+    batch.clear()
+    self._release_pending()
+    for lease_id, partial in parts.items():
+      ids = [p.prompt_id for p in partial]
+      try:
+        self.stats.prompts_released += self.client.release(lease_id, ids, partial=partial)
+        self.stats.samples_salvaged += sum(len(p.samples) for p in partial)
+      except ParamServerError as e:  # e.g. the lease expired: they are queued again anyway
+        logging.warning("worker: partial rollouts of lease %s not handed back: %s", lease_id, e)
+      with self._lock:
+        self._inflight.get(lease_id, set()).difference_update(ids)
+      self._settle(lease_id)
+    logging.info("worker: handed back %d running prompts with %d begun samples",
+                 sum(map(len, parts.values())), self.stats.samples_salvaged)
+
+  def _resume(self, prompt: pb.Prompt, version: int) -> list[Sample]:
+    """The prompt's samples, continuing the partial rollouts it carries: finished ones as
+    they are, the others drawn on from where they stopped (their tokens so far are the
+    policy's, with the log-probs they were drawn with), the rest drawn afresh; one call."""
+    n, budget = self.config.samples_per_prompt, self.config.max_new_tokens
+    head = self._prompt_tokens(prompt)
+    begun = [(np.asarray(p.token_ids, np.int32)[:budget], sample_logprobs(p)[:budget],
+              p.finish_reason or ("length" if len(p.token_ids) >= budget else ""))
+             for p in list(prompt.partial)[:n]]
+    out = [Sample(t, lp, lp, reason, resumed=True) for t, lp, reason in begun if reason]
+    going = [(t, lp) for t, lp, reason in begun if not reason]
+    going += [(np.zeros(0, np.int32), np.zeros(0, np.float32))] * (n - len(begun))
+    if going:
+      room = budget - min(len(t) for t, _ in going)
+      drawn = generate(self.policy.model, [head + t.tolist() for t, _ in going],
+                       self._seeds(prompt.id, version, 1, len(going)),
+                       dataclasses.replace(self.params, max_new_tokens=room))
+      for (t, lp), d in zip(going, drawn):
+        keep = budget - len(t)
+        reason = d.finish_reason if len(d.tokens) <= keep else "length"
+        out.append(Sample(np.concatenate([t, d.tokens[:keep]]),
+                          np.concatenate([lp, d.logprobs[:keep]]),
+                          np.concatenate([lp, d.sampling_logprobs[:keep]]), reason,
+                          resumed=len(t) > 0))
+    return out
 
   def _release_pending(self) -> None:
     """Stopping: give back the leased prompts that have not started."""
@@ -546,6 +620,9 @@ class Worker:
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
             "last_version": str(self.policy.version)}
+    resumed = sum(s.resumed for s in samples)
+    if resumed:
+      meta["resumed_samples"] = str(resumed)
     group = pb.RolloutGroup(
         prompt_id=prompt.id, policy_version=version, metadata=meta,
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),

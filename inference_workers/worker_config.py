@@ -50,6 +50,9 @@ class WorkerConfig:
   reward_model_dtype: str = setting("bfloat16", "the reward model's params and activations")
   reward_model_batch: int = setting(16, "sequences the reward model scores per call")
   grace_s: float = setting(25.0, "after SIGTERM: time to submit or release everything in flight")
+  salvage_s: float = setting(5.0, "after SIGTERM, with this much grace left, samples still "
+                             "decoding go back with their prompts (partial rollouts) and the "
+                             "next worker continues them; 0: they start over")
   backoff_initial_s: float = setting(0.5, "first wait after the server could not be reached")
   backoff_max_s: float = setting(30.0, "longest wait between reconnection attempts")
   max_leases: int = setting(0, "exit after this many non-empty leases (0 = run until stopped)")
@@ -79,6 +82,8 @@ class WorkerConfig:
          "'' with allocator='vigor' (VIGOR's rounds sample one turn)")
     need(0 <= self.rows_per_prompt <= self.samples_per_prompt, "rows_per_prompt",
          f"an int in [0, samples_per_prompt={self.samples_per_prompt}]")
+    need(0 <= self.salvage_s < self.grace_s, "salvage_s",
+         f"a number of seconds in [0, grace_s={self.grace_s})")
     for f in ("lease_deadline_s", "grace_s", "backoff_initial_s", "backoff_max_s"):
       need(getattr(self, f) > 0, f, "a positive number of seconds")
 

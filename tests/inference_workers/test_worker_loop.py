@@ -16,6 +16,7 @@ from flax import nnx
 
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.loop import Worker
+from inference_workers.sampler import generate
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import ParamServerClient, RetryPolicy, sample_logprobs
 from param_server.protos import param_server_pb2 as pb
@@ -207,6 +208,54 @@ def test_a_version_published_mid_generation(server, versions, monkeypatch, in_fl
     assert first == [(0, "1"), (0, "1")]
   else:  # the new version waited for them to finish
     assert first == [(0, "0"), (0, "0")]
+
+
+def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
+    server, versions, monkeypatch):
+  """SIGTERM's grace runs low mid-generation: the running prompts go back with their begun
+  samples, and the next worker's greedy samples equal uninterrupted greedy decoding."""
+  config = dict(SMALL, temperature=0.0, max_new_tokens=24, decode_chunk_steps=4)
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    first = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
+    step = ContinuousBatch.step
+
+    def stop_after_the_first_chunk(batch):
+      out = step(batch)
+      first.request_stop(grace_s=first.config.salvage_s)  # hand back at the next look
+      return out
+
+    monkeypatch.setattr(ContinuousBatch, "step", stop_after_the_first_chunk)
+    first.run()
+    monkeypatch.setattr(ContinuousBatch, "step", step)
+    assert first.stats.groups_submitted == 0 and first.stats.prompts_released == 2
+    assert first.stats.samples_salvaged == 6  # 2 prompts x 3 samples, each begun
+    with client(server, "worker") as wc2:
+      wc2.register("peek")
+      lease = wc2.lease(2, deadline_s=30)
+      begun = {p.id: [list(s.token_ids) for s in p.partial] for p in lease.prompts}
+      assert all(0 < len(t) < 24 for ts in begun.values() for t in ts)
+      wc2.release(lease)
+    second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
+    second.run()
+    groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
+  assert sorted(groups) == ["p0", "p1"] and second.stats.groups_submitted == 2
+  greedy = second.params
+  for pid, group in groups.items():
+    assert group.metadata["resumed_samples"] == "3" and group.policy_version == 0
+    head = TOKENIZER.encode_prompt(get_task("addition", max_digits=2).examples(
+        "train", 0, 2)[int(pid[1:])].prompt)
+    want = generate(second.policy.model, [head], [0], greedy)[0]
+    for s, prefix in zip(group.samples, begun[pid]):
+      assert list(s.token_ids) == want.tokens.tolist()  # nothing lost, nothing changed
+      assert list(s.token_ids[:len(prefix)]) == prefix
+
+
+def test_salvage_must_leave_part_of_the_grace_period():
+  with pytest.raises(ValueError, match=r"WorkerConfig.salvage_s: expected a number of seconds "
+                                       r"in \[0, grace_s=25.0\), got 25.0"):
+    WorkerConfig(salvage_s=25.0)
 
 
 def test_a_publisher_on_device_seals_fingerprints_that_the_worker_checks_on_device(
