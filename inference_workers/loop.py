@@ -427,14 +427,19 @@ class Worker:
     self._newer_waits = False
     version = self.policy.version
     n = self.config.samples_per_prompt
+    resumed = []  # begun by workers that stopped: continued at once, together
     while self._pending and batch.free:
       lease_id, prompt = self._pending.popleft()
       self._started[(lease_id, prompt.id)] = (prompt, version)
-      if prompt.partial and self._resumable:  # begun by a worker that stopped: go on at once
-        self._submit_group(lease_id, prompt.id, self._resume(prompt, version))
+      if prompt.partial and self._resumable:
+        resumed.append((lease_id, prompt))
         continue
       batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
                 self._seeds(prompt.id, version, 0, n))
+    if resumed:
+      groups = self._resume([p for _, p in resumed], version)
+      for (lease_id, prompt), samples in zip(resumed, groups):
+        self._submit_group(lease_id, prompt.id, samples)
 
   def _respond(self, key: tuple[str, str], j: int, tokens: np.ndarray,
                observed: np.ndarray) -> list[int] | None:
@@ -536,30 +541,38 @@ class Worker:
     logging.info("worker: handed back %d running prompts with %d begun samples",
                  sum(map(len, parts.values())), self.stats.samples_salvaged)
 
-  def _resume(self, prompt: pb.Prompt, version: int) -> list[Sample]:
-    """The prompt's samples, continuing the partial rollouts it carries: finished ones as
+  def _resume(self, prompts: list[pb.Prompt], version: int) -> list[list[Sample]]:
+    """Each prompt's samples, continuing the partial rollouts it carries: finished ones as
     they are, the others drawn on from where they stopped (their tokens so far are the
-    policy's, with the log-probs they were drawn with), the rest drawn afresh; one call."""
+    policy's, with the log-probs they were drawn with), the rest drawn afresh; all of them
+    in one call."""
     n, budget = self.config.samples_per_prompt, self.config.max_new_tokens
-    head = self._prompt_tokens(prompt)
-    begun = [(np.asarray(p.token_ids, np.int32)[:budget], sample_logprobs(p)[:budget],
-              p.finish_reason or ("length" if len(p.token_ids) >= budget else ""))
-             for p in list(prompt.partial)[:n]]
-    out = [Sample(t, lp, lp, reason, resumed=True) for t, lp, reason in begun if reason]
-    going = [(t, lp) for t, lp, reason in begun if not reason]
-    going += [(np.zeros(0, np.int32), np.zeros(0, np.float32))] * (n - len(begun))
-    if going:
-      room = budget - min(len(t) for t, _ in going)
-      drawn = generate(self.policy.model, [head + t.tolist() for t, _ in going],
-                       self._seeds(prompt.id, version, 1, len(going)),
-                       dataclasses.replace(self.params, max_new_tokens=room))
-      for (t, lp), d in zip(going, drawn):
-        keep = budget - len(t)
-        reason = d.finish_reason if len(d.tokens) <= keep else "length"
-        out.append(Sample(np.concatenate([t, d.tokens[:keep]]),
-                          np.concatenate([lp, d.logprobs[:keep]]),
-                          np.concatenate([lp, d.sampling_logprobs[:keep]]), reason,
-                          resumed=len(t) > 0))
+    out: list[list[Sample]] = []
+    going = []  # (prompt index, tokens so far, their log-probs, seed)
+    for i, prompt in enumerate(prompts):
+      out.append([])
+      begun = [(np.asarray(p.token_ids, np.int32)[:budget], sample_logprobs(p)[:budget],
+                p.finish_reason or ("length" if len(p.token_ids) >= budget else ""))
+               for p in list(prompt.partial)[:n]]
+      out[i] += [Sample(t, lp, lp, reason, resumed=True) for t, lp, reason in begun if reason]
+      rows = [(t, lp) for t, lp, reason in begun if not reason]
+      rows += [(np.zeros(0, np.int32), np.zeros(0, np.float32))] * (n - len(begun))
+      seeds = self._seeds(prompt.id, version, 1, len(rows))
+      going += [(i, t, lp, seed) for (t, lp), seed in zip(rows, seeds)]
+    if not going:
+      return out
+    heads = [self._prompt_tokens(p) for p in prompts]
+    room = budget - min(len(t) for _, t, _, _ in going)
+    drawn = generate(self.policy.model, [heads[i] + t.tolist() for i, t, _, _ in going],
+                     [seed for *_, seed in going],
+                     dataclasses.replace(self.params, max_new_tokens=room))
+    for (i, t, lp, _), d in zip(going, drawn):
+      keep = budget - len(t)
+      reason = d.finish_reason if len(d.tokens) <= keep else "length"
+      out[i].append(Sample(np.concatenate([t, d.tokens[:keep]]),
+                           np.concatenate([lp, d.logprobs[:keep]]),
+                           np.concatenate([lp, d.sampling_logprobs[:keep]]), reason,
+                           resumed=len(t) > 0))
     return out
 
   def _release_pending(self) -> None:
