@@ -51,7 +51,9 @@ class Slots:
   samples have started [S] (n: none left, or a free slot) and its last-token logits
   [S, V], where a row starting a sample draws its first token. The rows [S*r] and outputs
   [S*n] (`Rows`). Routing replay: the experts each fed-back token [S*n, budget, M, k] and
-  each prompt token [S, Sp, M, k] went to."""
+  each prompt token [S, Sp, M, k] went to. Resuming (else None): each sample's begun
+  tokens [S*n, budget] (right-aligned, `begun_len` [S*n] of them), which the row that takes
+  the sample writes first, in place of drawing."""
 
   cache: SharedPrefixCache
   rows: Rows
@@ -60,17 +62,21 @@ class Slots:
   first_logits: jax.Array
   routes: jax.Array | None
   prompt_routes: jax.Array | None
+  begun: jax.Array | None = None
+  begun_len: jax.Array | None = None
 
 
 def _empty_slots(config, s: int, n: int, r: int, prompt_len: int, budget: int, decode_fn,
-                 record_routes: bool, turns: bool) -> Slots:
+                 record_routes: bool, turns: bool, resume: bool) -> Slots:
   return Slots(cache=SharedPrefixCache.empty(config, s, r, prompt_len, budget, decode_fn),
                rows=Rows.init(jnp.zeros((s * r,), jnp.int32), budget, done=True,
-                              outputs=s * n, turns=turns),
+                              outputs=s * n, turns=turns, forcing=resume),
                seeds=jnp.zeros((s, n), jnp.int32), next=jnp.full((s,), n, jnp.int32),
                first_logits=jnp.zeros((s, config.vocab_size), jnp.float32),
                routes=empty_routes(config, s * n, budget) if record_routes else None,
-               prompt_routes=empty_routes(config, s, prompt_len) if record_routes else None)
+               prompt_routes=empty_routes(config, s, prompt_len) if record_routes else None,
+               begun=jnp.zeros((s * n, budget), jnp.int32) if resume else None,
+               begun_len=jnp.zeros((s * n,), jnp.int32) if resume else None)
 
 
 def _rows_of(slot_ids, n: int):
@@ -93,6 +99,10 @@ def _start_samples(slots: Slots, knobs_, mode) -> Slots:
     sample = (jnp.arange(s)[:, None] * n + k_).reshape(-1)
     view = dataclasses.replace(rows, done=~t, seeds=jnp.where(t, seeds, rows.seeds),
                                sample=jnp.where(t, sample, rows.sample))
+    if slots.begun is not None:  # a resumed sample writes its begun tokens first
+      view = dataclasses.replace(
+          view, forced=jnp.where(t[:, None], slots.begun[sample], rows.forced),
+          forced_left=jnp.where(t, slots.begun_len[sample], rows.forced_left))
     view = record(view, 0, jnp.repeat(slots.first_logits, r, axis=0), knobs_, mode)
     rows = dataclasses.replace(view, token=jnp.where(t, view.token, rows.token),
                                done=jnp.where(t, view.done, rows.done))
@@ -105,10 +115,12 @@ def _start_samples(slots: Slots, knobs_, mode) -> Slots:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "record_routes"),
                    donate_argnames=("slots",))
-def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, knobs_, *, mode,
-            record_routes):
+def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, knobs_, resumed=None,
+            *, mode, record_routes):
   """Prefill prompts tokens [m, P] into free slots slot_ids [m] (an id past the last slot:
-  padding, dropped) and start their first samples."""
+  padding, dropped) and start their first samples. Resuming: `resumed` = (begun [m, n,
+  budget], begun_len [m, n], complete [m]): each sample's begun tokens, and how many of the
+  prompt's first samples are complete already (they are not drawn)."""
   model = nnx.merge(graphdef, state)
   c, p = slots.cache, tokens.shape[1]
   n = slots.seeds.shape[1]
@@ -121,13 +133,20 @@ def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, knobs_
                     prefix_v=tuple(map(put, c.prefix_v, filled.v)),
                     prefix_lens=c.prefix_lens.at[slot_ids].set(lens, mode="drop"))
   out = _rows_of(slot_ids, n)
+  complete = jnp.zeros(slot_ids.shape, jnp.int32)
+  if resumed is not None:
+    begun, begun_len, complete = resumed
+    slots = dataclasses.replace(
+        slots, begun=slots.begun.at[out].set(begun.reshape(out.shape[0], -1), mode="drop"),
+        begun_len=slots.begun_len.at[out].set(begun_len.reshape(-1), mode="drop"))
   rows = dataclasses.replace(
       slots.rows, lengths=slots.rows.lengths.at[out].set(0, mode="drop"),
       reasons=slots.rows.reasons.at[out].set(0, mode="drop"),
-      finished=slots.rows.finished.at[out].set(False, mode="drop"))
+      finished=slots.rows.finished.at[out].set(
+          (jnp.arange(n)[None, :] < complete[:, None]).reshape(-1), mode="drop"))
   slots = dataclasses.replace(
       slots, cache=cache, rows=rows, seeds=slots.seeds.at[slot_ids].set(seeds, mode="drop"),
-      next=slots.next.at[slot_ids].set(0, mode="drop"),
+      next=slots.next.at[slot_ids].set(complete, mode="drop"),
       first_logits=slots.first_logits.at[slot_ids].set(logits, mode="drop"),
       prompt_routes=put(slots.prompt_routes, prompt_routes) if record_routes else None)
   return _start_samples(slots, knobs_, mode)
@@ -263,9 +282,38 @@ def _grow(slots: Slots, length: int) -> Slots:
 
 @dataclasses.dataclass
 class _Waiting:
+  """A prompt queued or in a slot. Resumed (`begun`): its samples in the order its outputs
+  hold them, the complete ones first (`order`: each output's original sample index)."""
   key: Hashable
   tokens: np.ndarray
   seeds: np.ndarray
+  begun: list[Sample] | None = None
+  order: np.ndarray | None = None
+  complete: int = 0
+
+  def restore(self, samples: list[Sample], finished: list[bool] | None = None
+              ) -> tuple[list[Sample], list[bool] | None]:
+    """The outputs' samples (and finished flags) in the original order, each resumed one
+    whole: the complete ones as they were begun, the others with their begun tokens'
+    log-probs (the device fed those tokens, it did not draw them)."""
+    if self.begun is None:
+      return samples, finished
+    out: list[Sample | None] = [None] * len(samples)
+    flags: list[bool] = [True] * len(samples)
+    for pos, (j, got, before) in enumerate(zip(self.order, samples, self.begun)):
+      k = min(len(before.tokens), len(got.tokens))  # fewer: stopped again while feeding
+      if pos < self.complete:
+        out[j] = before
+      elif len(before.tokens):
+        out[j] = dataclasses.replace(
+            got, logprobs=np.concatenate([before.logprobs[:k], got.logprobs[k:]]),
+            sampling_logprobs=np.concatenate([before.sampling_logprobs[:k],
+                                              got.sampling_logprobs[k:]]), resumed=True)
+      else:
+        out[j] = got
+      if finished is not None:
+        flags[j] = finished[pos]
+    return out, None if finished is None else flags
 
 
 class ContinuousBatch:
@@ -289,7 +337,7 @@ class ContinuousBatch:
                record_routes: bool = False, chunk_steps: int = 0,
                respond: Callable[[Hashable, int, np.ndarray, np.ndarray],
                                  Sequence[int] | None] | None = None,
-               max_turns: int = 4, respond_threads: int = 8):
+               max_turns: int = 4, respond_threads: int = 8, resume: bool = False):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
     if not isinstance(n, int) or n < 1:
@@ -313,6 +361,10 @@ class ContinuousBatch:
     self.record_routes, self.decode_fn = record_routes, decode_fn
     self.chunk_steps = chunk_steps
     self.respond, self.max_turns = respond, max_turns
+    if resume and respond is not None:
+      raise ValueError("resume: expected False with respond (a multi-turn sample's replies "
+                       "are not resumed)")
+    self.resume = resume
     self._replies: dict[int, int] = {}  # output slot -> replies given to its sample
     # paused row -> (its output slot, its reply in the making)
     self._asking: dict[int, tuple[int, concurrent.futures.Future]] = {}
@@ -322,7 +374,7 @@ class ContinuousBatch:
     self._knobs = knobs(params)
     self._budget = bucket(params.max_new_tokens)
     self._waiting: collections.deque[_Waiting] = collections.deque()
-    self._held: dict[int, tuple[Hashable, int]] = {}  # slot -> (key, prompt length)
+    self._held: dict[int, _Waiting] = {}  # slot -> the prompt in it
     self._slots: Slots | None = None
 
   @property
@@ -340,12 +392,37 @@ class ContinuousBatch:
     """Slots that the waiting prompts do not already claim."""
     return max(0, self.num_slots - self.running - self.waiting)
 
-  def add(self, key: Hashable, prompt: Sequence[int], seeds: Sequence[int]) -> None:
-    """Queue `prompt` (token ids) for n samples, sample j drawn with seeds[j]."""
+  def add(self, key: Hashable, prompt: Sequence[int], seeds: Sequence[int],
+          begun: Sequence[Sample] | None = None) -> None:
+    """Queue `prompt` (token ids) for n samples, sample j drawn with seeds[j]. `begun`
+    (with `resume`): samples another run began (partial rollouts, in order, one per
+    sample at most): a finished one is returned as it is; the others write their tokens
+    first and draw on from there, as they would have (step t draws with fold_in(seed, t))."""
     seeds = np.asarray(seeds, np.int64).reshape(-1)
     check_request(self.model.config, [prompt], seeds.tolist(), self.n, self.params)
     tokens, lens = pad_prompts([prompt], 1, len(prompt), self.model.config.vocab_size)
-    self._waiting.append(_Waiting(key, tokens[0, :lens[0]], seeds.astype(np.int32)))
+    waiting = _Waiting(key, tokens[0, :lens[0]], seeds.astype(np.int32))
+    if begun:
+      if not self.resume:
+        raise ValueError("begun: expected None for a batch made with resume=False")
+      if len(begun) > self.n:
+        raise ValueError(f"begun: expected at most n={self.n} samples, got {len(begun)}")
+      vocab, most = self.model.config.vocab_size, self.params.max_new_tokens
+      begun = list(begun) + [Sample(np.zeros(0, np.int32), np.zeros(0, np.float32),
+                                    np.zeros(0, np.float32), "")] * (self.n - len(begun))
+      for j, b in enumerate(begun):
+        if len(b.tokens) and (np.min(b.tokens) < 0 or np.max(b.tokens) >= vocab):
+          raise ValueError(f"begun[{j}].tokens: expected ids in [0, {vocab})")
+        if not b.finish_reason and len(b.tokens) >= most:  # nothing left to draw
+          begun[j] = dataclasses.replace(b, finish_reason="length")
+      done = [j for j, b in enumerate(begun) if b.finish_reason]
+      order = np.asarray(done + [j for j, b in enumerate(begun) if not b.finish_reason])
+      waiting = dataclasses.replace(
+          waiting, seeds=waiting.seeds[order], order=order, complete=len(done),
+          begun=[dataclasses.replace(begun[j], tokens=np.asarray(begun[j].tokens[:most],
+                                                                 np.int32),
+                                     resumed=True) for j in order])
+    self._waiting.append(waiting)
 
   def step(self) -> list[tuple[Hashable, list[Sample]]]:
     """Fill free slots, decode one chunk, return the groups that finished."""
@@ -386,8 +463,12 @@ class ContinuousBatch:
     ids[:len(held)] = held
     finished = np.asarray(self._slots.rows.finished).reshape(self.num_slots, self.n)
     samples = self._samples(ids, held)
-    return [(self._held[s][0], samples[i * self.n:(i + 1) * self.n], finished[s].tolist())
-            for i, s in enumerate(held)]
+    out = []
+    for i, s in enumerate(held):
+      w = self._held[s]
+      got, done = w.restore(samples[i * self.n:(i + 1) * self.n], finished[s].tolist())
+      out.append((w.key, got, done))
+    return out
 
   def clear(self) -> None:
     """Drop every prompt, running or waiting, and the device state with them."""
@@ -421,7 +502,7 @@ class ContinuousBatch:
     if self._slots is None:
       self._slots = _empty_slots(config, self.num_slots, self.n, self.rows_per_prompt, length,
                                  self._budget, self.decode_fn, self.record_routes,
-                                 self.respond is not None)
+                                 self.respond is not None, self.resume)
     elif length > self._slots.cache.prefix_k[0].shape[1]:
       self._slots = _grow(self._slots, length=length)
     m = bucket(len(joining))
@@ -430,10 +511,25 @@ class ContinuousBatch:
     seeds = np.zeros((m, self.n), np.int32)
     for i, (w, s) in enumerate(zip(joining, free)):
       slot_ids[i], seeds[i] = s, w.seeds
-      self._held[s] = (w.key, w.tokens.size)
+      self._held[s] = w
+    resumed = None
+    if self.resume:
+      begun = np.zeros((m, self.n, self._budget), np.int32)  # right-aligned
+      begun_len = np.zeros((m, self.n), np.int32)
+      complete = np.zeros((m,), np.int32)
+      for i, w in enumerate(joining):
+        if w.begun is None:
+          continue
+        complete[i] = w.complete
+        for pos, b in enumerate(w.begun[w.complete:], start=w.complete):
+          if len(b.tokens):
+            begun[i, pos, self._budget - len(b.tokens):] = b.tokens
+            begun_len[i, pos] = len(b.tokens)
+      resumed = (begun, begun_len, complete)
     graphdef, state = nnx.split(self.model)
     self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, seeds,
-                          self._knobs, mode=self.params.mode, record_routes=self.record_routes)
+                          self._knobs, resumed, mode=self.params.mode,
+                          record_routes=self.record_routes)
     for s in slot_ids[:len(joining)]:
       for out in range(s * self.n, (s + 1) * self.n):
         self._replies.pop(out, None)
@@ -461,7 +557,7 @@ class ContinuousBatch:
           self._pool = concurrent.futures.ThreadPoolExecutor(self._threads,
                                                              thread_name_prefix="respond")
         k = int(lengths[i])
-        future = self._pool.submit(self.respond, self._held[out // self.n][0], out % self.n,
+        future = self._pool.submit(self.respond, self._held[out // self.n].key, out % self.n,
                                    np.array(tokens[i, :k]), np.array(observed[i, :k]))
       self._asking[row] = (out, future)
 
@@ -509,15 +605,15 @@ class ContinuousBatch:
     flat = self._samples(ids, finished)
     out = []
     for i, s in enumerate(finished):
-      key, _ = self._held.pop(s)
-      out.append((key, flat[i * self.n:(i + 1) * self.n]))
+      w = self._held.pop(s)
+      out.append((w.key, w.restore(flat[i * self.n:(i + 1) * self.n])[0]))
     return out
 
   def _samples(self, ids: np.ndarray, slots: list[int]) -> list[Sample]:
     """The samples of `slots` (ids: them, padded to every slot), n per slot, in order."""
     host: Any = jax.device_get(_collect(self._slots, ids))
     tokens, logp, slogp, lengths, reasons, observed, *routes = host
-    prompt_lens = [self._held[s][1] for s in slots]
+    prompt_lens = [self._held[s].tokens.size for s in slots]
     return samples_of(tokens, logp, slogp, lengths[:len(slots) * self.n], reasons,
                       *(routes or (None, None)), prompt_lens=prompt_lens,
                       prompt_row=lambda i: i // self.n, observed=observed)

@@ -133,10 +133,11 @@ class Rows:
   reason, whether it finished, and what it drew ([O, budget]). `generate` gives each row
   its own slot; `ContinuousBatch` moves a row on to a prompt's next sample.
 
-  Multi-turn (else None): a row that stops ends a turn and is `paused` [R] (done, its sample
-  not finished) until the host answers it; an answer is fed as `forced` tokens [R, F]
-  (right-aligned, `forced_left` [R] of them still to feed), which the row writes in place of
-  drawing, marked in `observed` [O, budget]."""
+  Forced tokens (multi-turn replies, resumed samples' first tokens; else None): `forced`
+  [R, F] (right-aligned, `forced_left` [R] of them still to feed), which the row writes in
+  place of drawing (log-prob 0). Multi-turn (else None): a row that stops ends a turn and
+  is `paused` [R] (done, its sample not finished) until the host answers it; forced tokens
+  are then replies, marked in `observed` [O, budget]."""
 
   token: jax.Array
   done: jax.Array
@@ -155,17 +156,19 @@ class Rows:
 
   @classmethod
   def init(cls, seeds, budget: int, done, outputs: int | None = None,
-           turns: bool = False) -> "Rows":
+           turns: bool = False, forcing: bool = False) -> "Rows":
     """Rows drawing with `seeds`, row i into output slot i; `outputs` slots in all;
-    `turns`: with the multi-turn state."""
+    `turns`: with the multi-turn state; `forcing`: with forced tokens (turns has them)."""
     rows = seeds.shape[0]
     outputs = rows if outputs is None else outputs
     done = jnp.broadcast_to(jnp.asarray(done, bool), (rows,))
     zeros = functools.partial(jnp.zeros, dtype=jnp.int32)  # one buffer each (donation)
     multi = {}
+    if turns or forcing:
+      multi = dict(forced=zeros((rows, budget)), forced_left=zeros((rows,)))
     if turns:
-      multi = dict(paused=jnp.zeros((rows,), bool), forced=zeros((rows, budget)),
-                   forced_left=zeros((rows,)), observed=jnp.zeros((outputs, budget), bool))
+      multi.update(paused=jnp.zeros((rows,), bool),
+                   observed=jnp.zeros((outputs, budget), bool))
     return cls(token=zeros((rows,)), done=done, seeds=jnp.asarray(seeds, jnp.int32),
                sample=jnp.arange(rows, dtype=jnp.int32), lengths=zeros((outputs,)),
                reasons=zeros((outputs,)), finished=jnp.ones((outputs,), bool),
@@ -190,32 +193,34 @@ def record(rows: Rows, step, logits, knobs_, mode) -> Rows:
                                      top_p)
   live = ~rows.done
   multi = {}
-  if rows.paused is not None:
+  force = jnp.zeros_like(live)
+  if rows.forced is not None:
     force = live & (rows.forced_left > 0)
     width = rows.forced.shape[1]
     fed = jnp.take_along_axis(rows.forced, (width - jnp.maximum(rows.forced_left, 1))[:, None],
                               axis=1)[:, 0]
     token = jnp.where(force, fed, token)
     logp, slogp = jnp.where(force, 0.0, logp), jnp.where(force, 0.0, slogp)
+  if rows.paused is not None:
     # A paused row keeps its closing token: fed while it waits (rewriting the same slot)
     # and once it goes on.
     token = jnp.where(live, token, rows.token)
   else:
     token = jnp.where(live, token, 0)
   out = jnp.where(live, rows.sample, rows.lengths.shape[0])  # rows not drawing write nothing
-  stopped = live & jnp.any(token[:, None] == stops[None, :], axis=-1)
+  stopped = live & jnp.any(token[:, None] == stops[None, :], axis=-1) & ~force
   last = step + 1 >= max_new
   if rows.paused is not None:
-    stopped = stopped & ~force
     turn_ends = stopped & ~last
     ends = live & last
     multi = dict(paused=rows.paused | turn_ends,
-                 forced_left=jnp.where(ends, 0, rows.forced_left - force.astype(jnp.int32)),
                  observed=rows.observed.at[(out, step)].set(force, mode="drop"))
     ends = ends | turn_ends  # a paused row is done until answered, its sample not finished
     finishes = live & last
   else:
     ends = finishes = live & (stopped | last)
+  if rows.forced is not None:
+    multi["forced_left"] = jnp.where(ends, 0, rows.forced_left - force.astype(jnp.int32))
   at = (out, step)
   return dataclasses.replace(
       rows, token=token, done=rows.done | ends, **multi,

@@ -380,7 +380,8 @@ class Worker:
                                     chunk_steps=self.config.decode_chunk_steps,
                                     respond=self._respond if self.environment else None,
                                     max_turns=self.config.max_turns,
-                                    respond_threads=self.config.environment_threads)
+                                    respond_threads=self.config.environment_threads,
+                                    resume=self._resumable)
     batch = self._batch
     if self.stopping and batch.running and time.monotonic() >= self._salvage_at and (
         self._resumable):
@@ -427,19 +428,17 @@ class Worker:
     self._newer_waits = False
     version = self.policy.version
     n = self.config.samples_per_prompt
-    resumed = []  # begun by workers that stopped: continued at once, together
     while self._pending and batch.free:
       lease_id, prompt = self._pending.popleft()
       self._started[(lease_id, prompt.id)] = (prompt, version)
-      if prompt.partial and self._resumable:
-        resumed.append((lease_id, prompt))
+      if prompt.partial and self._resumable:  # begun by a worker that stopped: go on
+        begun = [Sample(np.asarray(p.token_ids, np.int32), sample_logprobs(p),
+                        sample_logprobs(p), p.finish_reason) for p in prompt.partial[:n]]
+        batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
+                  self._seeds(prompt.id, prompt.partial_version, 0, n), begun)
         continue
       batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
                 self._seeds(prompt.id, version, 0, n))
-    if resumed:
-      groups = self._resume([p for _, p in resumed], version)
-      for (lease_id, prompt), samples in zip(resumed, groups):
-        self._submit_group(lease_id, prompt.id, samples)
 
   def _respond(self, key: tuple[str, str], j: int, tokens: np.ndarray,
                observed: np.ndarray) -> list[int] | None:
@@ -474,7 +473,7 @@ class Worker:
     a group the server refuses as it is releases its prompt, a lease it took back is
     abandoned."""
     prompt, version = self._started.pop((lease_id, prompt_id))
-    if any(s.resumed for s in samples):  # continued from another worker's partial rollouts
+    if prompt.partial and self._resumable:  # continued from another worker's samples
       version = min(version, prompt.partial_version)
     given = self._given.pop((lease_id, prompt_id), {})
     self.stats.samples += len(samples)
@@ -514,15 +513,17 @@ class Worker:
     return self._continuous and c.salvage_s > 0 and not (c.environment or c.routing_replay)
 
   def _salvage(self, batch: ContinuousBatch) -> None:
-    """Stopping, with little grace left: hand each running prompt back with the samples it
-    has begun (partial rollouts, which the next worker continues) and the waiting ones as
-    they are."""
+    """Stopping, with little grace left: hand each running prompt back with its samples so
+    far (partial rollouts, which the next worker continues from where they stopped, with
+    the same seeds) and the waiting ones as they are."""
     parts: dict[str, list[pb.PartialRollouts]] = collections.defaultdict(list)
     for (lease_id, prompt_id), samples, finished in batch.partial():
-      _, version = self._started.pop((lease_id, prompt_id))
+      prompt, version = self._started.pop((lease_id, prompt_id))
+      if prompt.partial:  # resumed here: its samples began with that version
+        version = min(version, prompt.partial_version)
       begun = [make_sample(s.tokens, 0.0, logprobs=s.sampling_logprobs,
                            finish_reason=s.finish_reason if done else "")
-               for s, done in zip(samples, finished) if len(s.tokens)]
+               for s, done in zip(samples, finished)]  # in order: sample j's seed is j's
       if lease_id not in self._abandoned:
         parts[lease_id].append(pb.PartialRollouts(prompt_id=prompt_id, samples=begun,
                                                   policy_version=version))
@@ -532,7 +533,7 @@ class Worker:
       ids = [p.prompt_id for p in partial]
       try:
         self.stats.prompts_released += self.client.release(lease_id, ids, partial=partial)
-        self.stats.samples_salvaged += sum(len(p.samples) for p in partial)
+        self.stats.samples_salvaged += sum(bool(s.token_ids) for p in partial for s in p.samples)
       except ParamServerError as e:  # e.g. the lease expired: they are queued again anyway
         logging.warning("worker: partial rollouts of lease %s not handed back: %s", lease_id, e)
       with self._lock:
@@ -540,40 +541,6 @@ class Worker:
       self._settle(lease_id)
     logging.info("worker: handed back %d running prompts with %d begun samples",
                  sum(map(len, parts.values())), self.stats.samples_salvaged)
-
-  def _resume(self, prompts: list[pb.Prompt], version: int) -> list[list[Sample]]:
-    """Each prompt's samples, continuing the partial rollouts it carries: finished ones as
-    they are, the others drawn on from where they stopped (their tokens so far are the
-    policy's, with the log-probs they were drawn with), the rest drawn afresh; all of them
-    in one call."""
-    n, budget = self.config.samples_per_prompt, self.config.max_new_tokens
-    out: list[list[Sample]] = []
-    going = []  # (prompt index, tokens so far, their log-probs, seed)
-    for i, prompt in enumerate(prompts):
-      out.append([])
-      begun = [(np.asarray(p.token_ids, np.int32)[:budget], sample_logprobs(p)[:budget],
-                p.finish_reason or ("length" if len(p.token_ids) >= budget else ""))
-               for p in list(prompt.partial)[:n]]
-      out[i] += [Sample(t, lp, lp, reason, resumed=True) for t, lp, reason in begun if reason]
-      rows = [(t, lp) for t, lp, reason in begun if not reason]
-      rows += [(np.zeros(0, np.int32), np.zeros(0, np.float32))] * (n - len(begun))
-      seeds = self._seeds(prompt.id, version, 1, len(rows))
-      going += [(i, t, lp, seed) for (t, lp), seed in zip(rows, seeds)]
-    if not going:
-      return out
-    heads = [self._prompt_tokens(p) for p in prompts]
-    room = budget - min(len(t) for _, t, _, _ in going)
-    drawn = generate(self.policy.model, [heads[i] + t.tolist() for i, t, _, _ in going],
-                     [seed for *_, seed in going],
-                     dataclasses.replace(self.params, max_new_tokens=room))
-    for (i, t, lp, _), d in zip(going, drawn):
-      keep = budget - len(t)
-      reason = d.finish_reason if len(d.tokens) <= keep else "length"
-      out[i].append(Sample(np.concatenate([t, d.tokens[:keep]]),
-                           np.concatenate([lp, d.logprobs[:keep]]),
-                           np.concatenate([lp, d.sampling_logprobs[:keep]]), reason,
-                           resumed=len(t) > 0))
-    return out
 
   def _release_pending(self) -> None:
     """Stopping: give back the leased prompts that have not started."""

@@ -3,6 +3,7 @@ every sample still equals `generate`'s for its prompt and seed (refills, a longe
 growing the slots, routing replay's routes); a long group no longer holds short ones back;
 weights changed between chunks are read by the next one."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -115,6 +116,42 @@ def test_weights_changed_between_chunks_are_read_by_the_next_chunk(model):
   (_, [sample]), = batch.run()
   tokens = sample.tokens.tolist()
   assert tokens[:3] == old[:3] and tokens != old
+
+
+def test_begun_samples_are_written_and_drawn_on_as_if_never_interrupted(model):
+  """Partial rollouts: a begun sample's tokens are fed first, with the log-probs it was
+  drawn with, then it draws on with its own seed (step t: fold_in(seed, t)), so it equals
+  the uninterrupted sample; a finished one comes back as it was; a sample starting later on
+  device (3 samples on 2 rows) is resumed alike."""
+  lens = lengths(model, PROMPTS[0], list(range(64)))
+  long_ = [s for s in range(64) if lens[s] >= 6]
+  a, b = [long_[0], 1, 2], [3, 4, long_[1]]
+  want_a, want_b = reference(model, PROMPTS[0], a), reference(model, PROMPTS[0], b)
+
+  def begun(sample, k):
+    return dataclasses.replace(sample, tokens=sample.tokens[:k], finish_reason="",
+                               logprobs=np.full(k, -0.5, np.float32),
+                               sampling_logprobs=np.full(k, -0.25, np.float32))
+
+  batch = ContinuousBatch(model, 3, 2, PARAMS, rows_per_prompt=2, resume=True)
+  batch.add("a", PROMPTS[0], a, [begun(want_a[0], 4), want_a[1]])  # the third not begun
+  batch.add("b", PROMPTS[0], b, [begun(want_b[0], 0), begun(want_b[1], 0),
+                                 begun(want_b[2], 3)])
+  batch.add("c", PROMPTS[1], seeds_of(1, 3))  # nothing begun
+  got = dict(batch.run())
+  assert_same([got["a"][2], *got["b"][:2]], [want_a[2], *want_b[:2]])
+  assert_same(got["c"], references(model, 3)[1])
+  assert got["a"][1].resumed and got["a"][1].tokens.tolist() == want_a[1].tokens.tolist()
+  for s, want, k in ((got["a"][0], want_a[0], 4), (got["b"][2], want_b[2], 3)):
+    assert s.resumed and s.tokens.tolist() == want.tokens.tolist()
+    np.testing.assert_array_equal(s.logprobs[:k], -0.5)  # as first drawn, not re-drawn
+    np.testing.assert_array_equal(s.sampling_logprobs[:k], -0.25)
+    np.testing.assert_allclose(s.sampling_logprobs[k:], want.sampling_logprobs[k:], atol=1e-5)
+  assert not got["c"][0].resumed
+  with pytest.raises(ValueError, match="begun: expected None for a batch made with resume"):
+    ContinuousBatch(model, 3, 2, PARAMS).add("x", PROMPTS[0], a, [want_a[0]])
+  with pytest.raises(ValueError, match=r"begun\[0\].tokens: expected ids in \[0, 61\)"):
+    batch.add("x", PROMPTS[0], a, [dataclasses.replace(want_a[0], tokens=np.array([61]))])
 
 
 def test_routes_are_recorded_across_refills():

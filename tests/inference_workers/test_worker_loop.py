@@ -213,8 +213,9 @@ def test_a_version_published_mid_generation(server, versions, monkeypatch, in_fl
 def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
     server, versions, monkeypatch):
   """SIGTERM's grace runs low mid-generation: the running prompts go back with their begun
-  samples, and the next worker's greedy samples equal uninterrupted greedy decoding."""
-  config = dict(SMALL, temperature=0.0, max_new_tokens=24, decode_chunk_steps=4)
+  samples, and the next worker draws them on with the same seeds: the samples are exactly
+  those of an uninterrupted run."""
+  config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4)
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
@@ -234,22 +235,34 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
     with client(server, "worker") as wc2:
       wc2.register("peek")
       lease = wc2.lease(2, deadline_s=30)
-      begun = {p.id: [list(s.token_ids) for s in p.partial] for p in lease.prompts}
-      assert all(0 < len(t) < 24 for ts in begun.values() for t in ts)
-      wc2.release(lease)
+      begun = {p.id: [pb.Sample(token_ids=s.token_ids, logprobs_f32=s.logprobs_f32)
+                      for s in p.partial] for p in lease.prompts}
+      assert all(0 < len(s.token_ids) < 24 for ps in begun.values() for s in ps)
+      # One begun sample altered on its way back: the next worker must write it as given.
+      altered = begun["p0"][0]
+      altered.token_ids[-1] = (altered.token_ids[-1] + 1) % TOKENIZER.vocab_size
+      wc2.release(lease, partial=[pb.PartialRollouts(prompt_id=pid, samples=ps)
+                                  for pid, ps in begun.items()])
     second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
     second.run()
     groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
   assert sorted(groups) == ["p0", "p1"] and second.stats.groups_submitted == 2
-  greedy = second.params
+  examples = get_task("addition", max_digits=2).examples("train", 0, 2)
   for pid, group in groups.items():
     assert group.metadata["resumed_samples"] == "3" and group.policy_version == 0
-    head = TOKENIZER.encode_prompt(get_task("addition", max_digits=2).examples(
-        "train", 0, 2)[int(pid[1:])].prompt)
-    want = generate(second.policy.model, [head], [0], greedy)[0]
-    for s, prefix in zip(group.samples, begun[pid]):
-      assert list(s.token_ids) == want.tokens.tolist()  # nothing lost, nothing changed
-      assert list(s.token_ids[:len(prefix)]) == prefix
+    head = TOKENIZER.encode_prompt(examples[int(pid[1:])].prompt)
+    want = generate(second.policy.model, [head] * 3, second._seeds(pid, 0, 0, 3),
+                    second.params)  # what an uninterrupted worker draws
+    for j, (s, w, before) in enumerate(zip(group.samples, want, begun[pid])):
+      k = len(before.token_ids)
+      assert list(s.token_ids[:k]) == list(before.token_ids)
+      if (pid, j) == ("p0", 0):  # drawn on from the altered token
+        assert s.token_ids[k - 1] != w.tokens[k - 1]
+        continue
+      assert list(s.token_ids) == w.tokens.tolist()
+      lp = sample_logprobs(s)
+      np.testing.assert_array_equal(lp[:k], sample_logprobs(before))  # as first drawn
+      np.testing.assert_allclose(lp[k:], w.sampling_logprobs[k:], atol=1e-5)
 
 
 def test_salvage_must_leave_part_of_the_grace_period():
