@@ -413,15 +413,20 @@ class ContinuousBatch:
       for j, b in enumerate(begun):
         if len(b.tokens) and (np.min(b.tokens) < 0 or np.max(b.tokens) >= vocab):
           raise ValueError(f"begun[{j}].tokens: expected ids in [0, {vocab})")
+        if not len(b.logprobs) == len(b.sampling_logprobs) == len(b.tokens):
+          raise ValueError(f"begun[{j}].logprobs: expected one per token ({len(b.tokens)}), "
+                           f"got {len(b.logprobs)} and {len(b.sampling_logprobs)}")
         if not b.finish_reason and len(b.tokens) >= most:  # nothing left to draw
           begun[j] = dataclasses.replace(b, finish_reason="length")
       done = [j for j, b in enumerate(begun) if b.finish_reason]
       order = np.asarray(done + [j for j, b in enumerate(begun) if not b.finish_reason])
       waiting = dataclasses.replace(
           waiting, seeds=waiting.seeds[order], order=order, complete=len(done),
-          begun=[dataclasses.replace(begun[j], tokens=np.asarray(begun[j].tokens[:most],
-                                                                 np.int32),
-                                     resumed=True) for j in order])
+          begun=[dataclasses.replace(
+              begun[j], tokens=np.asarray(begun[j].tokens[:most], np.int32),
+              logprobs=begun[j].logprobs[:most],
+              sampling_logprobs=begun[j].sampling_logprobs[:most], resumed=True)
+                 for j in order])
     self._waiting.append(waiting)
 
   def step(self) -> list[tuple[Hashable, list[Sample]]]:

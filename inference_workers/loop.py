@@ -128,7 +128,8 @@ class Worker:
     self._tokens_per_s = 0.0
     self._prefetched: tuple[int, list[Update]] | None = None  # (base version, updates)
     # Continuous batching (fixed allocation): prompts leased but not in a slot yet, the
-    # version each prompt in a slot started on, and leases the server took back.
+    # oldest version the samples of each prompt in a slot were drawn with, and leases the
+    # server took back.
     self._continuous = isinstance(self.allocator, FixedAllocator)
     self._batch: ContinuousBatch | None = None
     self._pending: collections.deque[tuple[str, pb.Prompt]] = collections.deque()
@@ -430,15 +431,27 @@ class Worker:
     n = self.config.samples_per_prompt
     while self._pending and batch.free:
       lease_id, prompt = self._pending.popleft()
-      self._started[(lease_id, prompt.id)] = (prompt, version)
-      if prompt.partial and self._resumable:  # begun by a worker that stopped: go on
-        begun = [Sample(np.asarray(p.token_ids, np.int32), sample_logprobs(p),
-                        sample_logprobs(p), p.finish_reason) for p in prompt.partial[:n]]
-        batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
-                  self._seeds(prompt.id, prompt.partial_version, 0, n), begun)
+      if prompt.partial and self._resumable and self._resume(lease_id, prompt, version):
         continue
+      self._started[(lease_id, prompt.id)] = (prompt, version)
       batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
                 self._seeds(prompt.id, version, 0, n))
+
+  def _resume(self, lease_id: str, prompt: pb.Prompt, version: int) -> bool:
+    """Queue a prompt whose samples a worker that stopped began (partial rollouts), to be
+    drawn on with their seeds; False (it starts afresh) when they do not fit this worker."""
+    n = self.config.samples_per_prompt
+    begun = [Sample(np.asarray(p.token_ids, np.int32), sample_logprobs(p), sample_logprobs(p),
+                    p.finish_reason) for p in prompt.partial[:n]]
+    try:
+      self._batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
+                      self._seeds(prompt.id, prompt.partial_version, 0, n), begun)
+    except ValueError as e:  # e.g. another model's ids: what they began is not ours to go on
+      logging.warning("worker: the begun samples of prompt %s are drawn afresh: %s", prompt.id, e)
+      return False
+    # The group's version is the oldest its samples were drawn with.
+    self._started[(lease_id, prompt.id)] = (prompt, min(version, prompt.partial_version))
+    return True
 
   def _respond(self, key: tuple[str, str], j: int, tokens: np.ndarray,
                observed: np.ndarray) -> list[int] | None:
@@ -473,8 +486,6 @@ class Worker:
     a group the server refuses as it is releases its prompt, a lease it took back is
     abandoned."""
     prompt, version = self._started.pop((lease_id, prompt_id))
-    if prompt.partial and self._resumable:  # continued from another worker's samples
-      version = min(version, prompt.partial_version)
     given = self._given.pop((lease_id, prompt_id), {})
     self.stats.samples += len(samples)
     self.stats.tokens += sum(len(s.tokens) for s in samples)
@@ -518,9 +529,7 @@ class Worker:
     the same seeds) and the waiting ones as they are."""
     parts: dict[str, list[pb.PartialRollouts]] = collections.defaultdict(list)
     for (lease_id, prompt_id), samples, finished in batch.partial():
-      prompt, version = self._started.pop((lease_id, prompt_id))
-      if prompt.partial:  # resumed here: its samples began with that version
-        version = min(version, prompt.partial_version)
+      _, version = self._started.pop((lease_id, prompt_id))
       begun = [make_sample(s.tokens, 0.0, logprobs=s.sampling_logprobs,
                            finish_reason=s.finish_reason if done else "")
                for s, done in zip(samples, finished)]  # in order: sample j's seed is j's

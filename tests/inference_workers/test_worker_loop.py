@@ -265,6 +265,24 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
       np.testing.assert_allclose(lp[k:], w.sampling_logprobs[k:], atol=1e-5)
 
 
+def test_begun_samples_that_do_not_fit_are_drawn_afresh(server, versions, caplog):
+  config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4)
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 1)
+    with client(server, "worker") as other:  # a worker of another model hands it back
+      other.register("other")
+      lease = other.lease(1, deadline_s=30)
+      other.release(lease, partial=[pb.PartialRollouts(prompt_id="p0", samples=[
+          pb.Sample(token_ids=[10 ** 6], logprobs=[-1.0])])])
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
+    worker.run()
+    (r,) = trainer.take_rollouts(0, 10).rollouts
+  assert "resumed_samples" not in r.group.metadata and len(r.group.samples) == 3
+  assert all(10 ** 6 not in s.token_ids for s in r.group.samples)
+  assert "the begun samples of prompt p0 are drawn afresh: begun[0].tokens" in caplog.text
+
+
 def test_salvage_must_leave_part_of_the_grace_period():
   with pytest.raises(ValueError, match=r"WorkerConfig.salvage_s: expected a number of seconds "
                                        r"in \[0, grace_s=25.0\), got 25.0"):
