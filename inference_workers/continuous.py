@@ -302,8 +302,8 @@ class _Waiting:
     flags: list[bool] = [True] * len(samples)
     for pos, (j, got, before) in enumerate(zip(self.order, samples, self.begun)):
       k = min(len(before.tokens), len(got.tokens))  # fewer: stopped again while feeding
-      if pos < self.complete:
-        out[j] = before
+      if pos < self.complete:  # the prompt's routes are this run's (one prefill)
+        out[j] = dataclasses.replace(before, prompt_routes=got.prompt_routes)
       elif len(before.tokens):
         out[j] = dataclasses.replace(
             got, logprobs=np.concatenate([before.logprobs[:k], got.logprobs[k:]]),
@@ -416,6 +416,12 @@ class ContinuousBatch:
         if not len(b.logprobs) == len(b.sampling_logprobs) == len(b.tokens):
           raise ValueError(f"begun[{j}].logprobs: expected one per token ({len(b.tokens)}), "
                            f"got {len(b.logprobs)} and {len(b.sampling_logprobs)}")
+        routed = max(len(b.tokens) - 1, 0)  # a finished one keeps its routes: it is not fed
+        if self.record_routes and b.finish_reason and (
+            b.routes is None or len(b.routes) != routed):
+          raise ValueError(f"begun[{j}].routes: expected the experts of its {routed} tokens "
+                           f"but the last (routing replay), got "
+                           f"{None if b.routes is None else len(b.routes)}")
         if not b.finish_reason and len(b.tokens) >= most:  # nothing left to draw
           begun[j] = dataclasses.replace(b, finish_reason="length")
       done = [j for j, b in enumerate(begun) if b.finish_reason]

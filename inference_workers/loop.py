@@ -46,7 +46,7 @@ from inference_workers.sampler import generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
-                                  make_routes, make_sample, sample_logprobs)
+                                  make_routes, make_sample, routes_of, sample_logprobs)
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.sync import Update
@@ -442,7 +442,8 @@ class Worker:
     drawn on with their seeds; False (it starts afresh) when they do not fit this worker."""
     n = self.config.samples_per_prompt
     begun = [Sample(np.asarray(p.token_ids, np.int32), sample_logprobs(p), sample_logprobs(p),
-                    p.finish_reason) for p in prompt.partial[:n]]
+                    p.finish_reason, routes=routes_of(p.routes) if p.HasField("routes") else None)
+             for p in prompt.partial[:n]]
     try:
       self._batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
                       self._seeds(prompt.id, prompt.partial_version, 0, n), begun)
@@ -518,10 +519,9 @@ class Worker:
   @property
   def _resumable(self) -> bool:
     """Whether samples are handed back and continued as partial rollouts: with continuous
-    batching, single-turn, without routing replay (a turn's replies and the routes of
-    tokens drawn elsewhere do not travel), when worker.salvage_s is on."""
+    batching, single-turn (a turn's replies do not travel), when worker.salvage_s is on."""
     c = self.config
-    return self._continuous and c.salvage_s > 0 and not (c.environment or c.routing_replay)
+    return self._continuous and c.salvage_s > 0 and not c.environment
 
   def _salvage(self, batch: ContinuousBatch) -> None:
     """Stopping, with little grace left: hand each running prompt back with its samples so
@@ -531,7 +531,7 @@ class Worker:
     for (lease_id, prompt_id), samples, finished in batch.partial():
       _, version = self._started.pop((lease_id, prompt_id))
       begun = [make_sample(s.tokens, 0.0, logprobs=s.sampling_logprobs,
-                           finish_reason=s.finish_reason if done else "")
+                           finish_reason=s.finish_reason if done else "", routes=s.routes)
                for s, done in zip(samples, finished)]  # in order: sample j's seed is j's
       if lease_id not in self._abandoned:
         parts[lease_id].append(pb.PartialRollouts(prompt_id=prompt_id, samples=begun,

@@ -101,9 +101,10 @@ def _validate_prompt(prompt: pb.Prompt, where: str) -> None:
 
 
 def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: int,
-                   where: str = "group") -> None:
-  """Checks a submitted rollout group's fields (or partial rollouts', as a group named
-  `where`); raises InvalidArgument naming the field."""
+                   where: str = "group", partial: bool = False) -> None:
+  """Checks a submitted rollout group's fields (or `partial` rollouts', as a group named
+  `where`: their samples' routes come without the prompt's); raises InvalidArgument naming
+  the field."""
   if not group.prompt_id:
     raise errors.InvalidArgument(f"{where}.prompt_id", "expected a prompt id, got ''")
   if not group.samples:
@@ -132,7 +133,7 @@ def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: 
       raise errors.InvalidArgument(
           f"{at}.observed", f"expected one byte 0 or 1 per token ({len(s.token_ids)}), got "
           f"{len(s.observed)} bytes{other}")
-  _validate_routes(group, where)
+  _validate_routes(group, where, partial)
 
 
 def _routes_tokens(routes: pb.Routes, where: str) -> int:
@@ -147,22 +148,27 @@ def _routes_tokens(routes: pb.Routes, where: str) -> int:
   return len(routes.ids) // row
 
 
-def _validate_routes(group: pb.RolloutGroup, where: str) -> None:
-  """Routing replay: routes for the prompt and every sample (every token but the last), all
-  of one shape, or none at all."""
+def _validate_routes(group: pb.RolloutGroup, where: str, partial: bool = False) -> None:
+  """Routing replay: routes for the prompt (not for partial rollouts) and every sample
+  (every token but the last), all of one shape, or none at all."""
   routed = [s.HasField("routes") for s in group.samples]
   if not group.HasField("prompt_routes") and not any(routed):
     return
-  if not group.HasField("prompt_routes"):
-    raise errors.InvalidArgument(f"{where}.prompt_routes", "expected with the samples' routes")
-  _routes_tokens(group.prompt_routes, f"{where}.prompt_routes")
-  shape = (group.prompt_routes.layers, group.prompt_routes.top_k)
+  first = group.samples[routed.index(True)].routes if any(routed) else group.prompt_routes
+  if not partial:
+    if not group.HasField("prompt_routes"):
+      raise errors.InvalidArgument(f"{where}.prompt_routes", "expected with the samples' routes")
+    _routes_tokens(group.prompt_routes, f"{where}.prompt_routes")
+    first = group.prompt_routes
+  shape = (first.layers, first.top_k)
   for i, s in enumerate(group.samples):
     at = f"{where}.samples[{i}].routes"
     if not s.HasField("routes"):
-      raise errors.InvalidArgument(at, f"expected with {where}.prompt_routes")
+      raise errors.InvalidArgument(at, f"expected with {where}.prompt_routes" if not partial
+                                   else "expected with the other samples' routes")
     if (s.routes.layers, s.routes.top_k) != shape:
-      raise errors.InvalidArgument(at, f"expected layers, top_k = {shape} as the prompt's, got "
+      raise errors.InvalidArgument(at, f"expected layers, top_k = {shape} as the "
+                                   f"{'prompt' if not partial else 'first sample'}'s, got "
                                    f"{(s.routes.layers, s.routes.top_k)}")
     tokens, want = _routes_tokens(s.routes, at), max(len(s.token_ids) - 1, 0)
     if tokens != want:
@@ -458,7 +464,8 @@ class PromptRolloutQueues:
       validate_group(pb.RolloutGroup(prompt_id=part.prompt_id, samples=part.samples,
                                      policy_version=part.policy_version),
                      latest_version=self._latest_version(),
-                     max_samples=self.limits.max_samples_per_group, where=f"partial[{k}]")
+                     max_samples=self.limits.max_samples_per_group, where=f"partial[{k}]",
+                     partial=True)
     with self._lock:
       self.expire_due()
       lease = self._lease_of(lease_id, worker_id, allow_closed=True)

@@ -169,6 +169,27 @@ def test_routes_are_recorded_across_refills():
       assert a.prompt_routes.shape == (len(PROMPTS[key]), 2, 2)
 
 
+def test_resumed_samples_carry_the_routes_of_an_uninterrupted_run():
+  """Routing replay: a begun sample's fed tokens are routed as drawn ones were; a finished
+  one keeps the routes it came with, beside this run's prompt routes."""
+  moe = Transformer(MOE, rngs=nnx.Rngs(0))
+  want = reference(moe, PROMPTS[0], [0, 1], record_routes=True)
+  k = 4
+  assert len(want[0].tokens) > k  # seed 0 draws 10 tokens: 4 begun, 6 drawn on
+  begun = [dataclasses.replace(want[0], tokens=want[0].tokens[:k], logprobs=want[0].logprobs[:k],
+                               sampling_logprobs=want[0].sampling_logprobs[:k], routes=None,
+                               finish_reason=""), want[1]]
+  batch = ContinuousBatch(moe, 2, 1, PARAMS, record_routes=True, resume=True)
+  batch.add(0, PROMPTS[0], [0, 1], begun)
+  (_, got), = batch.run()
+  assert_same(got, want)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a.routes, b.routes)
+    np.testing.assert_array_equal(a.prompt_routes, b.prompt_routes)
+  with pytest.raises(ValueError, match=r"begun\[1\].routes: expected the experts of its"):
+    batch.add(1, PROMPTS[0], [0, 1], [begun[0], dataclasses.replace(want[1], routes=None)])
+
+
 def test_bad_input_is_named(model):
   with pytest.raises(ValueError, match="slots"):
     ContinuousBatch(model, 2, 0, PARAMS)

@@ -18,7 +18,7 @@ from inference_workers.continuous import ContinuousBatch
 from inference_workers.loop import Worker
 from inference_workers.sampler import generate
 from inference_workers.worker_config import WorkerConfig
-from param_server.client import ParamServerClient, RetryPolicy, sample_logprobs
+from param_server.client import ParamServerClient, RetryPolicy, routes_of, sample_logprobs
 from param_server.protos import param_server_pb2 as pb
 from param_server.server import ParamServer, ServerConfig
 from rlax_ps import sync
@@ -263,6 +263,47 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
       lp = sample_logprobs(s)
       np.testing.assert_array_equal(lp[:k], sample_logprobs(before))  # as first drawn
       np.testing.assert_allclose(lp[k:], w.sampling_logprobs[k:], atol=1e-5)
+
+
+def test_begun_samples_travel_with_their_experts_under_routing_replay(server, monkeypatch):
+  """Mixture of experts: the begun samples go back with their routes; the next worker's
+  groups carry every token's experts, as an uninterrupted run's, and the trainer takes them."""
+  moe = CONFIG.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+  params = {k: np.asarray(v) for k, v in flatten_params(Transformer(moe, rngs=nnx.Rngs(0))).items()}
+  config = WorkerConfig(max_leases=1, routing_replay=True, max_new_tokens=24,
+                        decode_chunk_steps=4, **{k: v for k, v in SMALL.items()
+                                                 if k != "max_new_tokens"})
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    first = Worker(wc, moe, TOKENIZER, config)
+    step = ContinuousBatch.step
+
+    def stop_after_the_first_chunk(batch):
+      out = step(batch)
+      first.request_stop(grace_s=first.config.salvage_s)
+      return out
+
+    monkeypatch.setattr(ContinuousBatch, "step", stop_after_the_first_chunk)
+    first.run()
+    monkeypatch.setattr(ContinuousBatch, "step", step)
+    assert first.stats.samples_salvaged > 0 and first.stats.groups_submitted < 2
+    second = Worker(wc, moe, TOKENIZER, config)
+    second.run()
+    taken = trainer.take_rollouts(0, 10).rollouts
+  assert len(taken) == 2 and any("resumed_samples" in t.group.metadata for t in taken)
+  shape = BatchShape(groups=2, samples=3, prompt_len=32, response_len=24,
+                     **routing_shape(moe, {"routing_replay": True}))
+  examples = get_task("addition", max_digits=2).examples("train", 0, 2)
+  for t in taken:
+    check_group(group_of(t, TOKENIZER), shape)  # every token's experts, in range and distinct
+    pid = t.group.prompt_id
+    head = TOKENIZER.encode_prompt(examples[int(pid[1:])].prompt)
+    want = generate(second.policy.model, [head] * 3, second._seeds(pid, 0, 0, 3),
+                    second.params, record_routes=True)
+    for s, w in zip(t.group.samples, want):
+      assert list(s.token_ids) == w.tokens.tolist()
+      np.testing.assert_array_equal(routes_of(s.routes), w.routes)
 
 
 def test_begun_samples_that_do_not_fit_are_drawn_afresh(server, versions, caplog):

@@ -263,14 +263,17 @@ def test_a_prompt_released_with_partial_rollouts_carries_them_across_a_restart(
   lease = q.lease("w1", 2, 10.0)
   begun = [pb.Sample(token_ids=[4, 5], logprobs=[-0.5, -0.25]),
            pb.Sample(token_ids=[6], logprobs=[-1.0], finish_reason="stop")]
+  routed = [pb.Sample(token_ids=[4, 5], routes=pb.Routes(ids=b"\x01\x02", layers=1, top_k=2,
+                                                         id_bytes=1))]  # no prompt routes
   assert q.release(lease.lease_id, "w1", [], [pb.PartialRollouts(
-      prompt_id="b", samples=begun, policy_version=2)]) == 2
+      prompt_id="b", samples=begun, policy_version=2), pb.PartialRollouts(
+      prompt_id="a", samples=routed)]) == 2
   assert not lease.prompts[1].partial  # the lease's reply is not changed under it
   q.close()
   q = make_queues(tmp_path, clock)  # the write-ahead log replayed
   again = q.lease("w2", 2, 10.0)
   a, b = again.prompts
-  assert not a.partial and list(b.partial) == begun and b.partial_version == 2
+  assert list(a.partial) == routed and list(b.partial) == begun and b.partial_version == 2
   # A later release without partial rollouts keeps the ones it has.
   q.release(again.lease_id, "w2", ["b"])
   assert list(q.lease("w3", 1, 10.0).prompts[0].partial) == begun
@@ -284,6 +287,10 @@ def test_a_prompt_released_with_partial_rollouts_carries_them_across_a_restart(
      "partial[0].samples[0].logprobs", errors.InvalidArgument),
     (pb.PartialRollouts(prompt_id="a", samples=[pb.Sample(token_ids=[1])], policy_version=9),
      "partial[0].policy_version", errors.InvalidArgument),
+    (pb.PartialRollouts(prompt_id="a", samples=[  # routing replay: routes for every sample
+        pb.Sample(token_ids=[1, 2], routes=pb.Routes(ids=b"\x01\x02", layers=1, top_k=2,
+                                                      id_bytes=1)),
+        pb.Sample(token_ids=[3])]), "partial[0].samples[1].routes", errors.InvalidArgument),
 ])
 def test_bad_partial_rollouts_are_refused_naming_the_field_and_release_nothing(
     queues, partial, field, code):
