@@ -21,6 +21,11 @@ thread pool, and decoding goes on for the other rows meanwhile (a paused row's c
 stands still). Once the reply is in, the row writes its tokens in place of drawing (one per
 step, through the same decode step, so they join its cache like its own) and draws again
 after them; None (or `max_turns` replies given) finishes the sample.
+
+Resuming (`resume`): a prompt may come with samples another run began (partial rollouts):
+a finished one is returned as it is; the others write their tokens first, as forced
+tokens (with their own log-probs and reply flags), then draw on with their seeds, so they
+end as the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -305,10 +310,14 @@ class _Waiting:
       if pos < self.complete:  # the prompt's routes are this run's (one prefill)
         out[j] = dataclasses.replace(before, prompt_routes=got.prompt_routes)
       elif len(before.tokens):
+        seen = {}
+        if before.observed is not None and got.observed is not None:
+          seen["observed"] = np.concatenate([before.observed[:k], got.observed[k:]])
         out[j] = dataclasses.replace(
             got, logprobs=np.concatenate([before.logprobs[:k], got.logprobs[k:]]),
             sampling_logprobs=np.concatenate([before.sampling_logprobs[:k],
-                                              got.sampling_logprobs[k:]]), resumed=True)
+                                              got.sampling_logprobs[k:]]), resumed=True,
+            **seen)
       else:
         out[j] = got
       if finished is not None:
@@ -361,9 +370,6 @@ class ContinuousBatch:
     self.record_routes, self.decode_fn = record_routes, decode_fn
     self.chunk_steps = chunk_steps
     self.respond, self.max_turns = respond, max_turns
-    if resume and respond is not None:
-      raise ValueError("resume: expected False with respond (a multi-turn sample's replies "
-                       "are not resumed)")
     self.resume = resume
     self._replies: dict[int, int] = {}  # output slot -> replies given to its sample
     # paused row -> (its output slot, its reply in the making)
@@ -416,6 +422,9 @@ class ContinuousBatch:
         if not len(b.logprobs) == len(b.sampling_logprobs) == len(b.tokens):
           raise ValueError(f"begun[{j}].logprobs: expected one per token ({len(b.tokens)}), "
                            f"got {len(b.logprobs)} and {len(b.sampling_logprobs)}")
+        if b.observed is not None and len(b.observed) != len(b.tokens):
+          raise ValueError(f"begun[{j}].observed: expected one flag per token "
+                           f"({len(b.tokens)}), got {len(b.observed)}")
         routed = max(len(b.tokens) - 1, 0)  # a finished one keeps its routes: it is not fed
         if self.record_routes and b.finish_reason and (
             b.routes is None or len(b.routes) != routed):
@@ -431,7 +440,10 @@ class ContinuousBatch:
           begun=[dataclasses.replace(
               begun[j], tokens=np.asarray(begun[j].tokens[:most], np.int32),
               logprobs=begun[j].logprobs[:most],
-              sampling_logprobs=begun[j].sampling_logprobs[:most], resumed=True)
+              sampling_logprobs=begun[j].sampling_logprobs[:most], resumed=True,
+              observed=None if self.respond is None else np.asarray(
+                  np.zeros(len(begun[j].tokens)) if begun[j].observed is None
+                  else begun[j].observed, bool)[:most])  # multi-turn: none fed = all 0
                  for j in order])
     self._waiting.append(waiting)
 
@@ -541,9 +553,13 @@ class ContinuousBatch:
     self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, seeds,
                           self._knobs, resumed, mode=self.params.mode,
                           record_routes=self.record_routes)
-    for s in slot_ids[:len(joining)]:
-      for out in range(s * self.n, (s + 1) * self.n):
+    for w, s in zip(joining, slot_ids):
+      for pos, out in enumerate(range(s * self.n, (s + 1) * self.n)):
         self._replies.pop(out, None)
+        before = None if w.begun is None else w.begun[pos].observed
+        if before is not None and len(before):  # replies it had: each run of reply tokens
+          self._replies[out] = int(np.sum(np.diff(np.concatenate([[0], before.astype(int)]))
+                                          == 1))
     if self.respond is not None:
       self._ask()  # a first token may have ended a turn
 
@@ -568,8 +584,14 @@ class ContinuousBatch:
           self._pool = concurrent.futures.ThreadPoolExecutor(self._threads,
                                                              thread_name_prefix="respond")
         k = int(lengths[i])
-        future = self._pool.submit(self.respond, self._held[out // self.n].key, out % self.n,
-                                   np.array(tokens[i, :k]), np.array(observed[i, :k]))
+        w, pos = self._held[out // self.n], out % self.n
+        seen = np.array(observed[i, :k])
+        if w.begun is not None:  # a resumed sample: its own index, its begun tokens' flags
+          before = w.begun[pos].observed
+          if before is not None:
+            seen[:len(before)] = before[:k]
+          pos = int(w.order[pos])
+        future = self._pool.submit(self.respond, w.key, pos, np.array(tokens[i, :k]), seen)
       self._asking[row] = (out, future)
 
   def _answers(self, wait: bool) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 import threading
 import time
@@ -46,7 +47,8 @@ from inference_workers.sampler import generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
-                                  make_routes, make_sample, routes_of, sample_logprobs)
+                                  make_routes, make_sample, routes_of, sample_logprobs,
+                                  sample_observed)
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.sync import Update
@@ -437,22 +439,67 @@ class Worker:
       batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
                 self._seeds(prompt.id, version, 0, n))
 
+  @staticmethod
+  def _begun(s: Sample, done: bool, replies: list) -> pb.Sample:
+    """A sample so far as a partial rollout: a reply not fed whole is left out (the next
+    worker asks for it again); the replies it holds travel as JSON metadata."""
+    tokens, logprobs, observed, routes = s.tokens, s.sampling_logprobs, s.observed, s.routes
+    if observed is not None and not done and len(observed) and observed[-1]:
+      k = len(observed) - int(np.argmin(observed[::-1])) if not observed.all() else 0
+      tokens, logprobs, observed = tokens[:k], logprobs[:k], observed[:k]
+      routes = None if routes is None else routes[:max(k - 1, 0)]
+    runs = 0 if observed is None else int(np.sum(np.diff(np.concatenate(
+        [[0], observed.astype(int)])) == 1))
+    meta = {"replies": json.dumps(list(replies[:runs]))} if runs else None
+    return make_sample(tokens, 0.0, logprobs=logprobs, finish_reason=s.finish_reason if done
+                       else "", routes=routes, observed=observed, metadata=meta)
+
   def _resume(self, lease_id: str, prompt: pb.Prompt, version: int) -> bool:
     """Queue a prompt whose samples a worker that stopped began (partial rollouts), to be
-    drawn on with their seeds; False (it starts afresh) when they do not fit this worker."""
-    n = self.config.samples_per_prompt
-    begun = [Sample(np.asarray(p.token_ids, np.int32), sample_logprobs(p), sample_logprobs(p),
-                    p.finish_reason, routes=routes_of(p.routes) if p.HasField("routes") else None)
-             for p in prompt.partial[:n]]
-    try:
-      self._batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
-                      self._seeds(prompt.id, prompt.partial_version, 0, n), begun)
-    except ValueError as e:  # e.g. another model's ids: what they began is not ours to go on
-      logging.warning("worker: the begun samples of prompt %s are drawn afresh: %s", prompt.id, e)
-      return False
+    drawn on with their seeds; False (it starts afresh) when they do not fit this worker.
+    A multi-turn sample that had ended a turn gets its reply first (asked for now)."""
+    n, key = self.config.samples_per_prompt, (lease_id, prompt.id)
     # The group's version is the oldest its samples were drawn with.
-    self._started[(lease_id, prompt.id)] = (prompt, min(version, prompt.partial_version))
+    self._started[key] = (prompt, min(version, prompt.partial_version))
+    try:
+      begun = [self._begun_sample(key, j, p) for j, p in enumerate(prompt.partial[:n])]
+      self._batch.add(key, self._prompt_tokens(prompt),
+                      self._seeds(prompt.id, prompt.partial_version, 0, n), begun)
+    except (ValueError, TypeError) as e:  # e.g. another model's ids: not ours to go on
+      logging.warning("worker: the begun samples of prompt %s are drawn afresh: %s", prompt.id, e)
+      self._given.pop(key, None)
+      del self._started[key]
+      return False
     return True
+
+  def _begun_sample(self, key: tuple[str, str], j: int, p: pb.Sample) -> Sample:
+    """Sample j of a partial rollout; multi-turn: its replies restored, and the reply to a
+    turn it had ended appended (or it finishes, as the environment or max_turns says)."""
+    tokens, logprobs = np.asarray(p.token_ids, np.int32), sample_logprobs(p)
+    observed = sample_observed(p)
+    sample = Sample(tokens, logprobs, logprobs, p.finish_reason, observed=observed,
+                    routes=routes_of(p.routes) if p.HasField("routes") else None)
+    if self.environment is None or p.finish_reason or not len(tokens):
+      return sample
+    replies = json.loads(p.metadata.get("replies", "[]"))
+    if not isinstance(replies, list):
+      raise TypeError(f"partial sample {j}: metadata replies: expected a JSON list")
+    self._given[key][j] = replies
+    turn_ended = int(tokens[-1]) in self.params.stop_tokens and (
+        observed is None or not observed[-1])
+    if not turn_ended:
+      return sample
+    ids = None if len(replies) >= self.config.max_turns else self._respond(
+        key, j, tokens, np.zeros(len(tokens), bool) if observed is None else observed)
+    if ids is None:  # the conversation ends at that turn
+      return dataclasses.replace(sample, finish_reason="stop")
+    fed = np.ones(len(ids), bool)
+    return dataclasses.replace(
+        sample, tokens=np.concatenate([tokens, np.asarray(ids, np.int32)]),
+        logprobs=np.concatenate([logprobs, np.zeros(len(ids), np.float32)]),
+        sampling_logprobs=np.concatenate([logprobs, np.zeros(len(ids), np.float32)]),
+        observed=np.concatenate([np.zeros(len(tokens), bool) if observed is None else observed,
+                                 fed]))
 
   def _respond(self, key: tuple[str, str], j: int, tokens: np.ndarray,
                observed: np.ndarray) -> list[int] | None:
@@ -519,9 +566,8 @@ class Worker:
   @property
   def _resumable(self) -> bool:
     """Whether samples are handed back and continued as partial rollouts: with continuous
-    batching, single-turn (a turn's replies do not travel), when worker.salvage_s is on."""
-    c = self.config
-    return self._continuous and c.salvage_s > 0 and not c.environment
+    batching, when worker.salvage_s is on."""
+    return self._continuous and self.config.salvage_s > 0
 
   def _salvage(self, batch: ContinuousBatch) -> None:
     """Stopping, with little grace left: hand each running prompt back with its samples so
@@ -530,9 +576,9 @@ class Worker:
     parts: dict[str, list[pb.PartialRollouts]] = collections.defaultdict(list)
     for (lease_id, prompt_id), samples, finished in batch.partial():
       _, version = self._started.pop((lease_id, prompt_id))
-      begun = [make_sample(s.tokens, 0.0, logprobs=s.sampling_logprobs,
-                           finish_reason=s.finish_reason if done else "", routes=s.routes)
-               for s, done in zip(samples, finished)]  # in order: sample j's seed is j's
+      given = self._given.pop((lease_id, prompt_id), {})
+      begun = [self._begun(s, done, given.get(j, []))  # in order: sample j's seed is j's
+               for j, (s, done) in enumerate(zip(samples, finished))]
       if lease_id not in self._abandoned:
         parts[lease_id].append(pb.PartialRollouts(prompt_id=prompt_id, samples=begun,
                                                   policy_version=version))

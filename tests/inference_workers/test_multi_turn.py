@@ -182,3 +182,44 @@ def test_routing_replay_records_the_experts_of_the_replies_tokens_too():
       assert s.routes.shape == (len(s.tokens) - 1, 1, 2) and (s.routes >= 0).all()
       replied += int(s.observed.any())
   assert replied > 0
+
+
+def test_a_resumed_conversation_goes_on_as_if_never_interrupted(model):
+  """Partial rollouts of multi-turn samples: begun turns and replies are fed with their
+  flags, the replies they had count toward max_turns, and each later turn and reply is the
+  uninterrupted run's (the environment sees the sample's own index and flags)."""
+  import dataclasses
+  params = SamplingParams(max_new_tokens=24, stop_tokens=STOPS)
+  calls = {"a": [], "b": []}
+
+  def respond_for(run):
+    def respond(key, j, tokens, observed):
+      calls[run].append((j, tokens.tolist(), observed.tolist()))
+      return [50, 40 + int(np.sum(tokens == 50)), 51]  # always answers: max_turns ends it
+    return respond
+
+  seeds = [7, 8, 9]
+  whole = ContinuousBatch(model, 3, 1, params, respond=respond_for("a"), max_turns=2)
+  whole.add(0, PROMPTS[0], seeds)
+  (_, want), = whole.run()
+  replied = [s for s in want if s.observed.any()]
+  assert len(replied) >= 2
+  begun = []
+  for s in want:  # cut 2 tokens after the first reply, or mid first turn
+    first = np.flatnonzero(s.observed)
+    k = first[0] + 5 if len(first) else max(1, len(s.tokens) // 2)
+    k = min(k, len(s.tokens) - 1)
+    begun.append(dataclasses.replace(s, tokens=s.tokens[:k], logprobs=s.logprobs[:k],
+                                     sampling_logprobs=s.sampling_logprobs[:k],
+                                     observed=s.observed[:k], finish_reason=""))
+  resumed = ContinuousBatch(model, 3, 1, params, respond=respond_for("b"), max_turns=2,
+                            resume=True)
+  resumed.add(0, PROMPTS[0], seeds, begun)
+  (_, got), = resumed.run()
+  for a, b in zip(got, want):
+    assert a.resumed and a.tokens.tolist() == b.tokens.tolist()
+    assert a.observed.tolist() == b.observed.tolist()
+    np.testing.assert_allclose(a.sampling_logprobs, b.sampling_logprobs, atol=1e-5)
+  # The resumed run asked only for the turns after the cut, exactly as the whole run did.
+  later = [c for c in calls["a"] if len(c[1]) > len(begun[c[0]].tokens)]
+  assert sorted(calls["b"]) == sorted(later) and later

@@ -1,6 +1,7 @@
 """The worker loop against a real parameter server on 127.0.0.1: leases, versions, resyncs,
 and preemption (SIGTERM releases within the grace period; SIGKILL leases expire)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -559,6 +560,81 @@ def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(s
       seen = group.observed[j] if group.observed and group.observed[j] is not None else 0
       np.testing.assert_array_equal(batch["policy_tokens"][0, j, :len(s)], 1 - np.asarray(seen))
   assert marked == stats.replies
+
+
+def test_a_stopped_multi_turn_run_is_continued_as_if_never_interrupted(
+    server, versions, tmp_path, monkeypatch):
+  """Multi-turn partial rollouts: the replies a sample had travel with it (the environment
+  sees the whole conversation again), a reply not fed whole is asked for again, and the
+  groups equal an uninterrupted run's on another server."""
+  from algorithms.environments import ENVIRONMENTS, register_environment
+
+  @register_environment("test_turns")
+  def turns():
+    def reply(messages, reference):
+      assert [m["role"] for m in messages] == ["assistant", "tool"] * (len(messages) // 2) + [
+          "assistant"]
+      return None if len(messages) >= 5 else f"<{len(messages)}>"
+    return reply
+
+  tok = ManyStops()
+  config = WorkerConfig(max_leases=1, environment="test_turns", max_turns=3,
+                        **dict(SMALL, max_new_tokens=24, decode_chunk_steps=4))
+  other = ParamServer(ServerConfig(storage_dir=str(tmp_path / "ps2"), port=0, threads=8,
+                                   compact_in_background=False, wal_fsync=False,
+                                   trainer_token=TOKENS["trainer"],
+                                   worker_token=TOKENS["worker"])).start()
+  try:
+    groups = []
+    for place, stop in ((other, False), (server, True)):
+      with client(place, "trainer") as trainer, client(place, "worker") as wc:
+        trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+        enqueue_addition(trainer, 2)
+        worker = Worker(wc, CONFIG, tok, config)
+        step, chunks = ContinuousBatch.step, []
+
+        def stop_after_three_chunks(batch, worker=worker):
+          out = step(batch)
+          chunks.append(out)
+          if len(chunks) == 3:  # some samples have had replies, some wait for one
+            worker.request_stop(grace_s=worker.config.salvage_s)
+          return out
+
+        if stop:
+          monkeypatch.setattr(ContinuousBatch, "step", stop_after_three_chunks)
+          worker.run()
+          monkeypatch.setattr(ContinuousBatch, "step", step)
+          assert worker.stats.samples_salvaged > 0
+          worker = Worker(wc, CONFIG, tok, config)
+        worker.run()
+        groups.append({r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts})
+  finally:
+    other.stop(grace=0)
+    ENVIRONMENTS.pop("test_turns")
+  whole, resumed = groups
+  assert sorted(whole) == sorted(resumed) == ["p0", "p1"]
+  assert any("resumed_samples" in g.metadata for g in resumed.values())
+  replied = 0
+  for pid in whole:
+    for a, b in zip(resumed[pid].samples, whole[pid].samples):
+      assert list(a.token_ids) == list(b.token_ids) and a.observed == b.observed
+      replied += bool(b.observed.strip(b"\x00"))
+  assert replied  # some samples got replies
+
+
+def test_a_reply_not_fed_whole_is_left_out_of_a_partial_rollout():
+  from inference_workers.decoding import Sample
+  from param_server.client import sample_observed
+  seen = np.array([0, 0, 1, 1, 0, 0, 1], bool)  # two replies given, the second cut short
+  sample = Sample(np.arange(7, dtype=np.int32), -np.ones(7, np.float32), -np.ones(7, np.float32),
+                  "length", routes=np.zeros((6, 1, 2), np.int32), observed=seen)
+  cut = Worker._begun(sample, False, ["r1", "r2", "r3"])  # r3: asked, not yet fed
+  assert list(cut.token_ids) == [0, 1, 2, 3, 4, 5] and cut.finish_reason == ""
+  assert sample_observed(cut).tolist() == seen[:6].tolist()
+  assert json.loads(cut.metadata["replies"]) == ["r1"] and len(routes_of(cut.routes)) == 5
+  whole = Worker._begun(sample, True, ["r1", "r2"])  # finished: kept whole
+  assert len(whole.token_ids) == 7 and whole.finish_reason == "length"
+  assert json.loads(whole.metadata["replies"]) == ["r1", "r2"]
 
 
 def test_a_reward_model_scores_the_prompts_of_task_reward_model(server, versions):
