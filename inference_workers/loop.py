@@ -583,7 +583,10 @@ class Worker:
         parts[lease_id].append(pb.PartialRollouts(prompt_id=prompt_id, samples=begun,
                                                   policy_version=version))
     batch.clear()
-    self._release_pending()
+    # Prompts the batch had queued but not started go back as they are, after these (a
+    # lease is settled once none of its prompts waits: here, by _release_pending).
+    self._pending.extendleft((key[0], prompt) for key, (prompt, _) in self._started.items())
+    self._started.clear()
     for lease_id, partial in parts.items():
       ids = [p.prompt_id for p in partial]
       try:
@@ -594,6 +597,7 @@ class Worker:
       with self._lock:
         self._inflight.get(lease_id, set()).difference_update(ids)
       self._settle(lease_id)
+    self._release_pending()
     logging.info("worker: handed back %d running prompts with %d begun samples",
                  sum(map(len, parts.values())), self.stats.samples_salvaged)
 

@@ -175,6 +175,15 @@ def _validate_routes(group: pb.RolloutGroup, where: str, partial: bool = False) 
       raise errors.InvalidArgument(at, f"expected {want} tokens (all but the last), got {tokens}")
 
 
+def _without_partial(prompt: pb.Prompt) -> pb.Prompt:
+  """A copy of the prompt without the partial rollouts it carried."""
+  copy = pb.Prompt()
+  copy.CopyFrom(prompt)
+  copy.ClearField("partial")
+  copy.ClearField("partial_version")
+  return copy
+
+
 class PromptRolloutQueues:
   """Prompt queue + leases + rollout queue; thread-safe, durable through a WriteAheadLog."""
 
@@ -253,7 +262,10 @@ class PromptRolloutQueues:
       pid = r.group.prompt_id
       lease.answered[pid] = r.rollout_id
       lease.fingerprints[pid] = r.fingerprint
-      self.ready[r.rollout_id] = RolloutEntry(r.rollout_id, self.prompts.pop(pid), r.group, r.worker_id)
+      prompt = self.prompts.pop(pid)
+      if prompt.partial:  # answered: were its group dropped as stale, it starts afresh
+        prompt = _without_partial(prompt)
+      self.ready[r.rollout_id] = RolloutEntry(r.rollout_id, prompt, r.group, r.worker_id)
       self.next_rollout_id = max(self.next_rollout_id, r.rollout_id + 1)
       self.counters["rollouts_accepted"] += 1
       self._close_if_done(lease)

@@ -266,6 +266,32 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
       np.testing.assert_allclose(lp[k:], w.sampling_logprobs[k:], atol=1e-5)
 
 
+def test_a_stop_hands_back_running_prompts_with_their_samples_and_waiting_ones_as_they_are(
+    server, versions, monkeypatch):
+  config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4, prompts_per_lease=4)
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 4)  # one lease of four; two decode, two wait for a slot
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
+    step = ContinuousBatch.step
+
+    def stop_after_the_first_chunk(batch):
+      out = step(batch)
+      worker.request_stop(grace_s=worker.config.salvage_s)
+      return out
+
+    monkeypatch.setattr(ContinuousBatch, "step", stop_after_the_first_chunk)
+    stats = worker.run()
+    assert stats.prompts_released + stats.groups_submitted == 4
+    st = trainer.stats()
+    assert st.prompts_leased == 0 and st.prompts_queued == stats.prompts_released
+    with client(server, "worker") as peek:
+      peek.register("peek")
+      back = peek.lease(4, deadline_s=30).prompts
+  begun = sorted(p.id for p in back if p.partial)
+  assert len(begun) == 2 - stats.groups_submitted and len(back) - len(begun) == 2
+
+
 def test_begun_samples_travel_with_their_experts_under_routing_replay(server, monkeypatch):
   """Mixture of experts: the begun samples go back with their routes; the next worker's
   groups carry every token's experts, as an uninterrupted run's, and the trainer takes them."""

@@ -300,3 +300,17 @@ def test_bad_partial_rollouts_are_refused_naming_the_field_and_release_nothing(
     queues.release(lease.lease_id, "w1", ["a"], [partial])
   assert queues.depths()["prompts_queued"] == 0  # still leased: nothing was lost
   assert queues.release(lease.lease_id, "w1", ["a"]) == 1
+
+
+def test_an_answered_prompt_drops_its_partial_rollouts_so_a_stale_group_starts_afresh(queues):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 10.0)
+  queues.release(lease.lease_id, "w1", ["a"], [pb.PartialRollouts(
+      prompt_id="a", samples=[pb.Sample(token_ids=[4], logprobs=[-0.5])], policy_version=1)])
+  again = queues.lease("w2", 1, 10.0)
+  assert again.prompts[0].partial
+  queues.submit(again.lease_id, "w2", group("a", version=1))
+  taken = queues.take(min_version=4, max_groups=1, wait_s=0.0, ack_deadline_s=10.0)
+  assert not taken.rollouts  # too stale: dropped, its prompt queued again
+  fresh = queues.lease("w3", 1, 10.0).prompts[0]
+  assert fresh.id == "a" and not fresh.partial and fresh.partial_version == 0
