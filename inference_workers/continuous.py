@@ -425,14 +425,14 @@ class ContinuousBatch:
         if b.observed is not None and len(b.observed) != len(b.tokens):
           raise ValueError(f"begun[{j}].observed: expected one flag per token "
                            f"({len(b.tokens)}), got {len(b.observed)}")
+        if not b.finish_reason and len(b.tokens) >= most:  # nothing left to draw
+          b = begun[j] = dataclasses.replace(b, finish_reason="length")
         routed = max(len(b.tokens) - 1, 0)  # a finished one keeps its routes: it is not fed
         if self.record_routes and b.finish_reason and (
             b.routes is None or len(b.routes) != routed):
           raise ValueError(f"begun[{j}].routes: expected the experts of its {routed} tokens "
                            f"but the last (routing replay), got "
                            f"{None if b.routes is None else len(b.routes)}")
-        if not b.finish_reason and len(b.tokens) >= most:  # nothing left to draw
-          begun[j] = dataclasses.replace(b, finish_reason="length")
       done = [j for j, b in enumerate(begun) if b.finish_reason]
       order = np.asarray(done + [j for j, b in enumerate(begun) if not b.finish_reason])
       waiting = dataclasses.replace(
@@ -441,6 +441,7 @@ class ContinuousBatch:
               begun[j], tokens=np.asarray(begun[j].tokens[:most], np.int32),
               logprobs=begun[j].logprobs[:most],
               sampling_logprobs=begun[j].sampling_logprobs[:most], resumed=True,
+              routes=None if begun[j].routes is None else begun[j].routes[:max(most - 1, 0)],
               observed=None if self.respond is None else np.asarray(
                   np.zeros(len(begun[j].tokens)) if begun[j].observed is None
                   else begun[j].observed, bool)[:most])  # multi-turn: none fed = all 0

@@ -479,6 +479,9 @@ class Worker:
     observed = sample_observed(p)
     sample = Sample(tokens, logprobs, logprobs, p.finish_reason, observed=observed,
                     routes=routes_of(p.routes) if p.HasField("routes") else None)
+    if self.environment is None and observed is not None and observed.any():
+      raise ValueError(f"partial sample {j}: holds an environment's replies; this worker "
+                       f"has no worker.environment")
     if self.environment is None or p.finish_reason or not len(tokens):
       return sample
     replies = json.loads(p.metadata.get("replies", "[]"))
