@@ -76,6 +76,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # step is filled with the first ones left out.
   c.rl.dynamic_sampling = False
   c.rl.dynamic_sampling_max_factor = 3.0
+  # data.jsonl: a record whose group came back all correct (every reward >= 1) is not fed
+  # again; its later epochs would spend rollouts on groups with no advantage.
+  c.rl.retire_solved = False
 
   # The objective (rlax_ps.train.rl_loss.LossConfig).
   c.loss = ml_collections.ConfigDict()

@@ -180,9 +180,10 @@ def config_records(config, field: str, path: str) -> list[dict[str, Any]]:
 
 
 def prompt_dataset(source: Sequence[dict[str, str]], seed: int) -> grain.IterDataset:
-  """The shuffled, endlessly repeated stream of `source` (each epoch in a new order)."""
-  ds = grain.MapDataset.source(source).shuffle(seed=int(seed) & 0x7FFFFFFF).repeat(None)
-  return ds.to_iter_dataset()
+  """The shuffled, endlessly repeated stream of `source` (each epoch in a new order), each
+  record with its index in `source` under "record"."""
+  ds = grain.MapDataset.range(len(source)).shuffle(seed=int(seed) & 0x7FFFFFFF).repeat(None)
+  return ds.map(lambda i: {**source[i], "record": int(i)}).to_iter_dataset()
 
 
 class PromptFeed:
@@ -190,6 +191,7 @@ class PromptFeed:
   checkpoint keeps, `restore(state)` goes back to it."""
 
   def __init__(self, source: Sequence[dict[str, str]], seed: int):
+    self.size = len(source)
     self._dataset = prompt_dataset(source, seed)
     self._it = iter(self._dataset)
     self.position = 0

@@ -178,12 +178,18 @@ class RLTrainer(TrainerRun):
                                 updates_per_batch=int(rl.get("updates_per_batch", 1)),
                                 micro_batches=self.micro_batches)
     self.feed = PromptFeed(self._prompt_source(), int(config.seed))
+    self.retire_solved = bool(rl.get("retire_solved", False))
+    if self.retire_solved and not config.data.get("jsonl", ""):
+      raise ValueError("rl.retire_solved: expected data.jsonl (the built-in tasks' stream "
+                       "never repeats a prompt), got none")
     self.publisher = Publisher(client, str(config.publish.format),
                                int(config.publish.keyframe_every))
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
     self.heldout = heldout_lib.heldout_from_config(config, self.tasks)
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)
+    self.solved: set[int] = set()  # records whose group was all correct (rl.retire_solved)
+    self.retired = 0  # feed positions passed over as solved
     self.trained_rollouts = 0
     self.pending: list[PendingTake] = []  # takes trained on, not yet in a durable checkpoint
     self.saved_version = -1
@@ -235,6 +241,8 @@ class RLTrainer(TrainerRun):
         "step": self.step,
         "data": self.feed.state(),
         "consumed": self.consumed,
+        "solved": sorted(self.solved),
+        "retired": self.retired,
         "trained_rollouts": self.trained_rollouts,
         "version": self.version,
         "pending_takes": [dataclasses.asdict(t) for t in self.pending],
@@ -246,6 +254,8 @@ class RLTrainer(TrainerRun):
   def _load_metadata(self, saved: dict[str, Any]) -> None:
     self.feed.restore(saved["data"])
     self.consumed = int(saved["consumed"])
+    self.solved = set(saved.get("solved", []))
+    self.retired = int(saved.get("retired", 0))
     self.trained_rollouts = int(saved.get("trained_rollouts", 0))
     self.saved_version = int(saved["version"])
     self.pending = [PendingTake(**t) for t in saved.get("pending_takes", [])]
@@ -372,11 +382,22 @@ class RLTrainer(TrainerRun):
     """Keep max(max_staleness, 1) steps of prompts queued or in flight: a prompt fed now is
     then trained on within that many versions, so it is rarely sampled too stale to use."""
     target = self.shape.groups * max(self.max_staleness, 1)
-    missing = target - (self.feed.position - self.consumed)
+    missing = target - (self.feed.position - self.retired - self.consumed)
     if missing <= 0:
       return
     prompts = []
-    for index, rec in self.feed.take(missing):
+    passed = 0  # solved records passed over in this call: at most an epoch's worth
+    while len(prompts) < missing:
+      (index, rec), = self.feed.take(1)
+      if rec["record"] in self.solved:
+        if passed < self.feed.size:
+          passed += 1
+          self.retired += 1
+          continue
+        if passed == self.feed.size:  # an epoch of them: feed them rather than stall
+          passed += 1
+          logging.warning("rl.retire_solved: every record of data.jsonl is solved; feeding "
+                          "solved ones again")
       ids = self.tokenizer.encode_prompt(rec["prompt"])
       if len(ids) > self.shape.prompt_len:  # its group would be rejected once sampled
         raise ValueError(f"rl.max_prompt_tokens: {self.shape.prompt_len} is too small for "
@@ -387,7 +408,7 @@ class RLTrainer(TrainerRun):
       raw = {} if text == rec["prompt"] else {"prompt": json.dumps(rec["prompt"])}
       prompts.append(Prompt(
           id=f"{self.run_id}-{index}", text=text, task=rec["task"], token_ids=ids,
-          extra=rec["answer"].encode("utf-8"), metadata=raw))
+          extra=rec["answer"].encode("utf-8"), metadata={**raw, "record": str(rec["record"])}))
     self.client.enqueue_prompts(prompts)
 
   def _take_groups(self) -> list[Group] | None:
@@ -444,6 +465,9 @@ class RLTrainer(TrainerRun):
     valid = []
     for taken in taken_rollouts:
       self.consumed += 1
+      if self.retire_solved and "record" in taken.prompt.metadata and len(taken.group.samples) \
+          and min(s.reward for s in taken.group.samples) >= 1.0:
+        self.solved.add(int(taken.prompt.metadata["record"]))  # not sampled again
       if taken.group.policy_version >= self.version and self._restart_floor is not None:
         self._restart_floor = None  # fresh rollouts arrive: the lost steps' came first
       if taken.rollout_id in self.skip_ids:

@@ -360,3 +360,47 @@ def test_jsonl_prompts_and_heldout_records_are_scored_by_a_users_verifiers(tmp_p
                                        "built-in task or a registered verifier \\(.*"
                                        "fixture_contains.*\\), got 'nope'"):
     RLTrainer(config, str(tmp_path / "rl2"), object())
+
+
+def test_retired_records_are_not_fed_again_and_the_checkpoint_keeps_them(tmp_path):
+  """rl.retire_solved: a record whose group came back all correct is passed over from then
+  on (every record solved: fed again rather than stall); the solved set is checkpointed."""
+  from param_server.protos import param_server_pb2 as pb
+  (tmp_path / "d.jsonl").write_text("".join(
+      json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i), "task": "addition"}) + "\n"
+      for i in range(4)))
+  config = _config(retire_solved=True)
+  config.data.jsonl = str(tmp_path / "d.jsonl")
+  sent = []
+
+  class Queue:
+    def enqueue_prompts(self, prompts):
+      sent.extend(prompts)
+
+  def taken(prompt, rewards):
+    return pb.TakenRollout(rollout_id=len(sent), prompt=prompt, group=pb.RolloutGroup(
+        prompt_id=prompt.id, samples=[pb.Sample(token_ids=[1], reward=r) for r in rewards]))
+
+  with RLTrainer(config, str(tmp_path / "rl"), Queue()) as tr:
+    tr._feed_prompts()
+    first = list(sent)
+    records = {int(p.metadata["record"]) for p in first}
+    assert len(first) == tr.shape.groups and len(records) == len(first)
+    solved, unsolved = first[0], first[1]
+    tr._valid_groups([taken(solved, [1.0, 1.0]), taken(unsolved, [1.0, 0.0])])
+    assert tr.solved == {int(solved.metadata["record"])}
+    for _ in range(6):  # many epochs: the solved record never comes back
+      tr._feed_prompts()
+      tr._valid_groups([taken(p, [0.0, 0.0]) for p in sent[len(first):]])
+      first = list(sent)
+    fed = [int(p.metadata["record"]) for p in sent[tr.shape.groups:]]
+    assert fed and int(solved.metadata["record"]) not in fed
+    assert tr.metadata()["solved"] == [int(solved.metadata["record"])]
+    assert tr.metadata()["retired"] == tr.retired > 0
+    tr.solved = set(range(4))  # all solved: fed anyway, not a stalled run
+    tr.consumed = tr.feed.position - tr.retired
+    before = len(sent)
+    tr._feed_prompts()
+    assert len(sent) - before == tr.shape.groups
+  with pytest.raises(ValueError, match="rl.retire_solved: expected data.jsonl"):
+    RLTrainer(_config(retire_solved=True), str(tmp_path / "b"), object())
