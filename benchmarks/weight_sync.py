@@ -81,6 +81,12 @@ def bound_bytes(old: dict, new: dict) -> tuple[float, int, int]:
   return total, changed, elements
 
 
+
+def _share(ratio: float) -> str:
+  """A time ratio as a percentage, with two significant digits below 10% (a small one must
+  not read as 0%)."""
+  return f"{ratio:.0%}" if ratio >= 0.1 else f"{100 * ratio:.2g}%"
+
 def measure(label, fmt, base_held, target, reps, full_bf16, evict):
   import jax  # noqa: PLC0415 (the publish column only)
   from rlax_ps.sync import device  # noqa: PLC0415
@@ -121,8 +127,8 @@ def measure(label, fmt, base_held, target, reps, full_bf16, evict):
   modes = sorted({m.mode for m in update.tensors.values()} - {"unchanged"})
   return [label, fmt, f"{nnz / n:.2%}", f"{update.nbytes:,}", f"{full_bf16 / update.nbytes:.1f}x",
           f"{update.nbytes / max(bound, 1):.3f}", f"{update.nbytes / keyframe.nbytes:.2%}",
-          f"{t_copy / t_enc:.0%}", f"{t_copy / t_app:.0%}", f"{t_copy / t_inplace:.0%}",
-          f"{t_copy / t_pub:.0%}", f"{t_copy / t_diff:.0%}", f"{model / t_copy / 1e9:.1f}",
+          *(_share(t_copy / t) for t in (t_enc, t_app, t_inplace, t_pub, t_diff)),
+          f"{model / t_copy / 1e9:.1f}",
           "+".join(modes) or "-"]
 
 
