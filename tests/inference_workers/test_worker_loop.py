@@ -78,6 +78,23 @@ def same_held(policy, params, fmt="bf16"):
   return all(np.asarray(got[k]).tobytes() == want[k].tobytes() for k in want)
 
 
+def run_until_stopped(worker, monkeypatch, chunks=1):
+  """worker.run(), stopped after `chunks` decode chunks with only salvage_s of grace left:
+  it hands its running prompts back at the next look."""
+  step, seen = ContinuousBatch.step, []
+
+  def stopping_step(batch):
+    out = step(batch)
+    seen.append(out)
+    if len(seen) == chunks:
+      worker.request_stop(grace_s=worker.config.salvage_s)
+    return out
+
+  with monkeypatch.context() as m:
+    m.setattr(ContinuousBatch, "step", stopping_step)
+    return worker.run()
+
+
 def test_worker_completes_leases_and_submits_scored_groups(server, versions):
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
@@ -221,16 +238,7 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
     first = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
-    step = ContinuousBatch.step
-
-    def stop_after_the_first_chunk(batch):
-      out = step(batch)
-      first.request_stop(grace_s=first.config.salvage_s)  # hand back at the next look
-      return out
-
-    monkeypatch.setattr(ContinuousBatch, "step", stop_after_the_first_chunk)
-    first.run()
-    monkeypatch.setattr(ContinuousBatch, "step", step)
+    run_until_stopped(first, monkeypatch)
     assert first.stats.groups_submitted == 0 and first.stats.prompts_released == 2
     assert first.stats.samples_salvaged == 6  # 2 prompts x 3 samples, each begun
     with client(server, "worker") as wc2:
@@ -273,15 +281,7 @@ def test_a_stop_hands_back_running_prompts_with_their_samples_and_waiting_ones_a
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 4)  # one lease of four; two decode, two wait for a slot
     worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
-    step = ContinuousBatch.step
-
-    def stop_after_the_first_chunk(batch):
-      out = step(batch)
-      worker.request_stop(grace_s=worker.config.salvage_s)
-      return out
-
-    monkeypatch.setattr(ContinuousBatch, "step", stop_after_the_first_chunk)
-    stats = worker.run()
+    stats = run_until_stopped(worker, monkeypatch)
     assert stats.prompts_released + stats.groups_submitted == 4
     st = trainer.stats()
     assert st.prompts_leased == 0 and st.prompts_queued == stats.prompts_released
@@ -304,16 +304,7 @@ def test_begun_samples_travel_with_their_experts_under_routing_replay(server, mo
     trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
     first = Worker(wc, moe, TOKENIZER, config)
-    step = ContinuousBatch.step
-
-    def stop_after_the_first_chunk(batch):
-      out = step(batch)
-      first.request_stop(grace_s=first.config.salvage_s)
-      return out
-
-    monkeypatch.setattr(ContinuousBatch, "step", stop_after_the_first_chunk)
-    first.run()
-    monkeypatch.setattr(ContinuousBatch, "step", step)
+    run_until_stopped(first, monkeypatch)
     assert first.stats.samples_salvaged > 0 and first.stats.groups_submitted < 2
     second = Worker(wc, moe, TOKENIZER, config)
     second.run()
@@ -617,20 +608,8 @@ def test_a_stopped_multi_turn_run_is_continued_as_if_never_interrupted(
         trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
         enqueue_addition(trainer, 2)
         worker = Worker(wc, CONFIG, tok, config)
-        step, chunks = ContinuousBatch.step, []
-
-        def stop_after_three_chunks(batch, worker=worker):
-          out = step(batch)
-          chunks.append(out)
-          if len(chunks) == 3:  # some samples have had replies, some wait for one
-            worker.request_stop(grace_s=worker.config.salvage_s)
-          return out
-
-        if stop:
-          monkeypatch.setattr(ContinuousBatch, "step", stop_after_three_chunks)
-          worker.run()
-          monkeypatch.setattr(ContinuousBatch, "step", step)
-          assert worker.stats.samples_salvaged > 0
+        if stop:  # after three chunks some samples have had replies, some wait for one
+          assert run_until_stopped(worker, monkeypatch, chunks=3).samples_salvaged > 0
           worker = Worker(wc, CONFIG, tok, config)
         worker.run()
         groups.append({r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts})
