@@ -1,0 +1,29 @@
+"""Fixtures of the worker-loop tests: two published weight versions of the tiny model and a
+parameter server on 127.0.0.1 (stopped after each test)."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from param_server.server import ParamServer, ServerConfig
+from rlax_ps.models import Transformer, flatten_params
+from worker_testlib import CONFIG, TOKENS
+
+
+@pytest.fixture(scope="module")
+def versions():
+  v0 = {k: np.asarray(v) for k, v in flatten_params(Transformer(CONFIG, rngs=nnx.Rngs(0))).items()}
+  rng = np.random.default_rng(1)
+  v1 = {k: (v + (rng.random(v.shape) < 0.02) * 0.01).astype(np.float32) for k, v in v0.items()}
+  return [v0, v1]
+
+
+@pytest.fixture
+def server(tmp_path):
+  config = ServerConfig(storage_dir=str(tmp_path / "ps"), port=0, reap_interval_s=0.05,
+                        compact_in_background=False, threads=32, wal_fsync=False,
+                        trainer_token=TOKENS["trainer"], worker_token=TOKENS["worker"],
+                        viewer_token=TOKENS["viewer"])
+  s = ParamServer(config).start()
+  yield s
+  s.stop(grace=0)

@@ -1,0 +1,67 @@
+"""What the worker-loop tests share: a tiny model and its char tokenizer, role tokens,
+clients of a test server, addition prompts, and a worker stopped mid-generation."""
+
+import os
+
+import numpy as np
+
+from inference_workers.continuous import ContinuousBatch
+from param_server.client import ParamServerClient, RetryPolicy
+from param_server.protos import param_server_pb2 as pb
+from rlax_ps import sync
+from rlax_ps.models import ModelConfig
+from rlax_ps.tasks import get_task
+from rlax_ps.tokenizers import CharTokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENS = {"trainer": "t-secret", "worker": "w-secret", "viewer": "v-secret"}
+TOKENIZER = CharTokenizer()
+MODEL = dict(hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+             max_position_embeddings=64)
+CONFIG = ModelConfig(vocab_size=TOKENIZER.vocab_size, **MODEL)
+SMALL = dict(prompts_per_lease=2, prompts_per_call=2, samples_per_prompt=3, max_new_tokens=6,
+             lease_wait_s=0.2, lease_deadline_s=60.0, backoff_initial_s=0.05)
+
+
+def client(server, role):
+  return ParamServerClient(server.address, token=TOKENS[role], role=role, timeout_s=10.0,
+                           retry=RetryPolicy(deadline_s=5.0))
+
+
+def enqueue_addition(trainer, n, seed=0):
+  examples = get_task("addition", max_digits=2).examples("train", seed, n)
+  prompts = [pb.Prompt(id=f"p{i}", text=e.prompt, task="addition", extra=e.answer.encode())
+             for i, e in enumerate(examples)]
+  trainer.enqueue_prompts(prompts)
+  return [p.id for p in prompts]
+
+
+def same_held(policy, params, fmt="bf16"):
+  want = sync.held_state(params, fmt)
+  got = policy.held_state()
+  return all(np.asarray(got[k]).tobytes() == want[k].tobytes() for k in want)
+
+
+def run_until_stopped(worker, monkeypatch, chunks=1):
+  """worker.run(), stopped after `chunks` decode chunks with only salvage_s of grace left:
+  it hands its running prompts back at the next look."""
+  step, seen = ContinuousBatch.step, []
+
+  def stopping_step(batch):
+    out = step(batch)
+    seen.append(out)
+    if len(seen) == chunks:
+      worker.request_stop(grace_s=worker.config.salvage_s)
+    return out
+
+  with monkeypatch.context() as m:
+    m.setattr(ContinuousBatch, "step", stopping_step)
+    return worker.run()
+
+
+class ManyStops(CharTokenizer):
+  """Every digit also ends a turn, so a random model's samples end turns often."""
+
+  @property
+  def stop_ids(self):
+    return (self.eos_id,) + tuple(self.encode("0123456789"))
