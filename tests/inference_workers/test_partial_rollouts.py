@@ -87,6 +87,7 @@ def test_a_stop_hands_back_running_prompts_with_their_samples_and_waiting_ones_a
   assert len(begun) == 2 - stats.groups_submitted and len(back) - len(begun) == 2
 
 
+@pytest.mark.slow  # two MoE workers; test_continuous_batching covers the routes
 def test_begun_samples_travel_with_their_experts_under_routing_replay(server, monkeypatch):
   """Mixture of experts: the begun samples go back with their routes; the next worker's
   groups carry every token's experts, as an uninterrupted run's, and the trainer takes them."""
@@ -143,6 +144,7 @@ def test_salvage_must_leave_part_of_the_grace_period():
     WorkerConfig(salvage_s=25.0)
 
 
+@pytest.mark.slow  # three workers, two servers; test_multi_turn covers the batch
 def test_a_stopped_multi_turn_run_is_continued_as_if_never_interrupted(
     server, versions, tmp_path, monkeypatch):
   """Multi-turn partial rollouts: the replies a sample had travel with it (the environment
