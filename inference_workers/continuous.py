@@ -43,7 +43,7 @@ from flax import nnx
 
 from inference_workers.decoding import (MIN_PROMPT_BUCKET, Rows, Sample, bucket, check_request,
                                         empty_routes, knobs, pad_prompts, prefill, record,
-                                        routes_last, samples_of)
+                                        replies_in, routes_last, samples_of)
 from inference_workers.sampling import SamplingParams
 from inference_workers.shared_prefix import DecodeFn, SharedPrefixCache
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
@@ -557,10 +557,8 @@ class ContinuousBatch:
     for w, s in zip(joining, slot_ids):
       for pos, out in enumerate(range(s * self.n, (s + 1) * self.n)):
         self._replies.pop(out, None)
-        before = None if w.begun is None else w.begun[pos].observed
-        if before is not None and len(before):  # replies it had: each run of reply tokens
-          self._replies[out] = int(np.sum(np.diff(np.concatenate([[0], before.astype(int)]))
-                                          == 1))
+        if w.begun is not None and replies_in(w.begun[pos].observed):  # replies it had
+          self._replies[out] = replies_in(w.begun[pos].observed)
     if self.respond is not None:
       self._ask()  # a first token may have ended a turn
 

@@ -52,6 +52,13 @@ class Sample:
   resumed: bool = False
 
 
+def replies_in(observed: np.ndarray | None) -> int:
+  """How many environment replies a multi-turn sample holds: its runs of observed tokens."""
+  if observed is None:
+    return 0
+  return int(np.sum(np.diff(np.concatenate([[0], np.asarray(observed, int)])) == 1))
+
+
 def bucket(n: int, minimum: int = 1) -> int:
   """Smallest power of two >= max(n, minimum)."""
   n = max(int(n), minimum)

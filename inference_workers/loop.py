@@ -40,7 +40,7 @@ from algorithms.allocation import FixedAllocator
 from algorithms.environments import conversation, environment_from
 from algorithms.verifiers import REWARD_MODEL_TASK, Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
-from inference_workers.decoding import Sample
+from inference_workers.decoding import Sample, replies_in
 from inference_workers.hard_exit import exit_now
 from inference_workers.reward_scoring import RewardScorer, prompt_messages
 from inference_workers.sampler import generate, generate_shared
@@ -448,8 +448,7 @@ class Worker:
       k = len(observed) - int(np.argmin(observed[::-1])) if not observed.all() else 0
       tokens, logprobs, observed = tokens[:k], logprobs[:k], observed[:k]
       routes = None if routes is None else routes[:max(k - 1, 0)]
-    runs = 0 if observed is None else int(np.sum(np.diff(np.concatenate(
-        [[0], observed.astype(int)])) == 1))
+    runs = replies_in(observed)
     meta = {"replies": json.dumps(list(replies[:runs]))} if runs else None
     return make_sample(tokens, 0.0, logprobs=logprobs, finish_reason=s.finish_reason if done
                        else "", routes=routes, observed=observed, metadata=meta)
