@@ -55,6 +55,7 @@ from rlax_ps.sync import Update
 
 _RATE_CHUNKS = 64  # decode chunks the reported tokens/s is averaged over
 _HEARTBEAT_JOIN_S = 5.0  # how long run() waits for the heartbeat thread on the way out
+_RENEW_BYTES = 3 << 20  # begun samples per renewal call: under gRPC's default 4 MiB limit
 # Failures that mean "the server is not there right now": back off and try again.
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -94,6 +95,7 @@ class WorkerStats:
   score_errors: int = 0  # samples scored 0 because their verifier raised
   replies: int = 0  # multi-turn: environment replies fed to samples
   samples_salvaged: int = 0  # begun samples handed back as partial rollouts on a stop
+  checkpoints: int = 0  # lease renewals that carried begun samples (worker.checkpoint_s)
   versions_applied: list = dataclasses.field(default_factory=list)
 
 
@@ -127,6 +129,9 @@ class Worker:
     self._lock = threading.Lock()
     self._inflight: dict[str, set[str]] = {}  # lease id -> prompt ids not yet answered
     self._lease_deadline: dict[str, float] = {}
+    # Begun samples of running prompts, by lease, for the heartbeat's next renewals to carry.
+    self._checkpoint: dict[str, list[pb.PartialRollouts]] = {}
+    self._checkpointed_at = time.monotonic()
     self._tokens_per_s = 0.0
     self._prefetched: tuple[int, list[Update]] | None = None  # (base version, updates)
     # Continuous batching (fixed allocation): prompts leased but not in a slot yet, the
@@ -414,6 +419,9 @@ class Worker:
                           / max(sum(t for t, _ in self._chunks), 1e-9))
     for (lease_id, prompt_id), got in finished:
       self._submit_group(lease_id, prompt_id, got)
+    every = self.config.checkpoint_s
+    if every and self._resumable and time.monotonic() - self._checkpointed_at >= every:
+      self._take_checkpoint(batch)
 
   def _start_pending(self, batch: ContinuousBatch) -> None:
     """Put waiting prompts in free slots, on the newest version. Without in-flight updates
@@ -571,19 +579,41 @@ class Worker:
     batching, when worker.salvage_s is on."""
     return self._continuous and self.config.salvage_s > 0
 
+  def _partial_rollouts(self, batch: ContinuousBatch
+                        ) -> list[tuple[tuple[str, str], pb.PartialRollouts]]:
+    """Each running prompt's samples so far, by key, in sample order (sample j's seed is j's)."""
+    out = []
+    for key, samples, finished in batch.partial():
+      given = self._given.get(key, {})
+      begun = [self._begun(s, done, given.get(j, []))
+               for j, (s, done) in enumerate(zip(samples, finished))]
+      out.append((key, pb.PartialRollouts(prompt_id=key[1], samples=begun,
+                                          policy_version=self._started[key][1])))
+    return out
+
+  def _take_checkpoint(self, batch: ContinuousBatch) -> None:
+    """Hand the heartbeat the running prompts' samples so far: its next renewals carry them,
+    and should the lease expire (a worker killed without notice) the next worker continues
+    them."""
+    parts: dict[str, list[pb.PartialRollouts]] = collections.defaultdict(list)
+    for (lease_id, _), part in self._partial_rollouts(batch):
+      if lease_id not in self._abandoned:
+        parts[lease_id].append(part)
+    with self._lock:
+      self._checkpoint = dict(parts)
+    self._checkpointed_at = time.monotonic()
+    self._beat_now.set()
+
   def _salvage(self, batch: ContinuousBatch) -> None:
     """Stopping, with little grace left: hand each running prompt back with its samples so
     far (partial rollouts, which the next worker continues from where they stopped, with
     the same seeds) and the waiting ones as they are."""
     parts: dict[str, list[pb.PartialRollouts]] = collections.defaultdict(list)
-    for (lease_id, prompt_id), samples, finished in batch.partial():
-      _, version = self._started.pop((lease_id, prompt_id))
-      given = self._given.pop((lease_id, prompt_id), {})
-      begun = [self._begun(s, done, given.get(j, []))  # in order: sample j's seed is j's
-               for j, (s, done) in enumerate(zip(samples, finished))]
-      if lease_id not in self._abandoned:
-        parts[lease_id].append(pb.PartialRollouts(prompt_id=prompt_id, samples=begun,
-                                                  policy_version=version))
+    for key, part in self._partial_rollouts(batch):
+      del self._started[key]
+      self._given.pop(key, None)
+      if key[0] not in self._abandoned:
+        parts[key[0]].append(part)
     batch.clear()
     # Prompts the batch had queued but not started go back as they are, after these (a
     # lease is settled once none of its prompts waits: here, by _release_pending).
@@ -739,7 +769,8 @@ class Worker:
 
   def _heartbeat_loop(self) -> None:
     """Report liveness, speed and the version held (at once after registering and after
-    each new version, else every interval); renew leases past half their deadline."""
+    each new version, else every interval); renew leases past half their deadline or with
+    begun samples to carry."""
     interval = max(0.2, min(getattr(self.client, "heartbeat_interval_s", 10.0) or 10.0,
                             self.config.lease_deadline_s / 4))
     while True:
@@ -751,13 +782,45 @@ class Worker:
         latest = self.client.heartbeat(
             -1 if self.policy.version is None else self.policy.version, self._tokens_per_s)
         self.prefetch(latest)
-        now = time.monotonic()
-        with self._lock:
-          due = [k for k, d in self._lease_deadline.items()
-                 if d - now < self.config.lease_deadline_s / 2 and self._inflight.get(k)]
-        for lease_id in due:
-          self.client.renew(lease_id, self.config.lease_deadline_s)
-          with self._lock:
-            self._lease_deadline[lease_id] = now + self.config.lease_deadline_s
       except ParamServerError as e:
         logging.warning("worker: heartbeat failed: %s", e)
+      self._renew_leases()
+
+  def _renew_leases(self) -> None:
+    """Renew the leases past half their deadline and those with begun samples to carry."""
+    now, length = time.monotonic(), self.config.lease_deadline_s
+    with self._lock:
+      checkpoint, self._checkpoint = self._checkpoint, {}
+      due = [k for k, d in self._lease_deadline.items()
+             if (d - now < length / 2 or k in checkpoint) and self._inflight.get(k)]
+    for lease_id in due:
+      try:
+        self._renew(lease_id, checkpoint.get(lease_id, []))
+      except ParamServerError as e:  # e.g. answered meanwhile: the lease is closed
+        logging.warning("worker: renewal of lease %s failed: %s", lease_id, e)
+        continue
+      with self._lock:
+        self._lease_deadline[lease_id] = now + length
+
+  def _renew(self, lease_id: str, partial: list[pb.PartialRollouts]) -> None:
+    """One lease renewal, its begun samples split over calls that stay under gRPC's
+    default 4 MiB message limit; samples the server refuses are dropped, the lease renewed."""
+    calls, size = [[]], 0
+    for part in partial:
+      n = part.ByteSize()
+      if calls[-1] and size + n > _RENEW_BYTES:
+        calls.append([])
+        size = 0
+      calls[-1].append(part)
+      size += n
+    for chunk in calls:
+      try:
+        self.client.renew(lease_id, self.config.lease_deadline_s, partial=chunk)
+      except ParamServerError as e:
+        if not chunk:
+          raise
+        logging.warning("worker: begun samples of lease %s not kept: %s", lease_id, e)
+        self.client.renew(lease_id, self.config.lease_deadline_s)
+        continue
+      if chunk:
+        self.stats.checkpoints += 1

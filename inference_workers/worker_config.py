@@ -53,6 +53,10 @@ class WorkerConfig:
   salvage_s: float = setting(5.0, "after SIGTERM, with this much grace left, samples still "
                              "decoding go back with their prompts (partial rollouts) and the "
                              "next worker continues them; 0: they start over")
+  checkpoint_s: float = setting(60.0, "with salvage_s: every this many seconds the samples "
+                                "still decoding go to the server with the lease renewals, so "
+                                "that a worker killed without notice loses at most about this "
+                                "much decoding; 0: only on SIGTERM")
   backoff_initial_s: float = setting(0.5, "first wait after the server could not be reached")
   backoff_max_s: float = setting(30.0, "longest wait between reconnection attempts")
   max_leases: int = setting(0, "exit after this many non-empty leases (0 = run until stopped)")
@@ -84,6 +88,7 @@ class WorkerConfig:
          f"an int in [0, samples_per_prompt={self.samples_per_prompt}]")
     need(0 <= self.salvage_s < self.grace_s, "salvage_s",
          f"a number of seconds in [0, grace_s={self.grace_s})")
+    need(self.checkpoint_s >= 0, "checkpoint_s", "a number of seconds >= 0")
     for f in ("lease_deadline_s", "grace_s", "backoff_initial_s", "backoff_max_s"):
       need(getattr(self, f) > 0, f, "a positive number of seconds")
 

@@ -377,10 +377,14 @@ class ParamServerClient:
         timeout_s=self.timeout_s + wait_s)
     return Lease.from_proto(reply)
 
-  def renew(self, lease: Lease | str, deadline_s: float, *, worker_id: str | None = None) -> Lease:
+  def renew(self, lease: Lease | str, deadline_s: float, *, worker_id: str | None = None,
+            partial: Sequence[pb.PartialRollouts] = ()) -> Lease:
+    """Extends a lease to `deadline_s` from now; `partial`: samples begun for its open
+    prompts, which go back to the queue with them should the lease expire."""
     lease_id = lease if isinstance(lease, str) else lease.lease_id
     return Lease.from_proto(self._call("RenewLease", pb.RenewLeaseRequest(
-        lease_id=lease_id, worker_id=self._require_worker(worker_id), deadline_s=deadline_s)))
+        lease_id=lease_id, worker_id=self._require_worker(worker_id), deadline_s=deadline_s,
+        partial=list(partial))))
 
   def complete(self, lease: Lease | str, *, worker_id: str | None = None) -> int:
     lease_id = lease if isinstance(lease, str) else lease.lease_id

@@ -237,16 +237,11 @@ class PromptRolloutQueues:
       self.leases[r.lease_id] = LeaseState(r.lease_id, r.worker_id, list(r.prompt_ids), r.deadline_unix_s)
     elif op == "renew":
       self.leases[record.renew.lease_id].deadline = record.renew.deadline_unix_s
+      self._hold_partial(record.renew.partial)
     elif op == "returned":
       r = record.returned
       lease = self.leases[r.lease_id]
-      for part in r.partial:  # a copy: a lease reply may still hold the prompt as it was
-        prompt = pb.Prompt()
-        prompt.CopyFrom(self.prompts[part.prompt_id])
-        del prompt.partial[:]
-        prompt.partial.extend(part.samples)
-        prompt.partial_version = part.policy_version
-        self.prompts[part.prompt_id] = prompt
+      self._hold_partial(r.partial)
       for pid in reversed(r.prompt_ids):
         self.queue[pid] = None
         self.queue.move_to_end(pid, last=False)
@@ -296,6 +291,17 @@ class PromptRolloutQueues:
       self.counters["rollouts_stale_dropped"] += len(record.drop_stale.rollout_ids)
     else:
       raise ValueError(f"write-ahead log record: unknown op {op!r}")
+
+  def _hold_partial(self, parts: Sequence[pb.PartialRollouts]) -> None:
+    """Each prompt named keeps these begun samples (in place of any it had), for the next
+    worker should it go back to the queue."""
+    for part in parts:  # a copy: a lease reply may still hold the prompt as it was
+      prompt = pb.Prompt()
+      prompt.CopyFrom(self.prompts[part.prompt_id])
+      del prompt.partial[:]
+      prompt.partial.extend(part.samples)
+      prompt.partial_version = part.policy_version
+      self.prompts[part.prompt_id] = prompt
 
   def _close_if_done(self, lease: LeaseState) -> None:
     if lease.closed and lease.lease_id in self.leases:
@@ -455,29 +461,44 @@ class PromptRolloutQueues:
     return lease
 
   @_durable
-  def renew(self, lease_id: str, worker_id: str, deadline_s: float) -> pb.Lease:
+  def renew(self, lease_id: str, worker_id: str, deadline_s: float,
+            partial: Sequence[pb.PartialRollouts] = ()) -> pb.Lease:
+    """Extends a lease; the samples `partial` holds for its open prompts are kept with them,
+    so that, should the lease expire, the next worker continues them. Those of prompts
+    answered or released meanwhile are passed over."""
     self._check_deadline(deadline_s)
+    self._validate_partial(partial)
     with self._lock:
       self.expire_due()
       lease = self._lease_of(lease_id, worker_id)
       if lease.closed:
         raise errors.FailedPrecondition("lease_id", f"lease {lease_id!r} is closed: no prompt left open")
+      for k, part in enumerate(partial):
+        if part.prompt_id not in lease.prompt_ids:
+          raise errors.InvalidArgument(f"partial[{k}].prompt_id",
+                                       f"prompt {part.prompt_id!r} is not in lease {lease_id!r}")
+      held = [part for part in partial if part.prompt_id in lease.open_ids]
       deadline = self._clock() + deadline_s
-      self._commit(pb.WalRecord(renew=pb.WalRenew(lease_id=lease_id, deadline_unix_s=deadline)))
+      self._commit(pb.WalRecord(renew=pb.WalRenew(lease_id=lease_id, deadline_unix_s=deadline,
+                                                  partial=held)))
       return pb.Lease(lease_id=lease_id, worker_id=worker_id, deadline_unix_s=deadline,
-                      prompts=[self.prompts[p] for p in lease.open_ids])
+                      prompts=[_without_partial(self.prompts[p]) for p in lease.open_ids])
 
-  @_durable
-  def release(self, lease_id: str, worker_id: str, prompt_ids: list[str],
-              partial: Sequence[pb.PartialRollouts] = ()) -> int:
-    """Returns the listed (default: all open) prompts to the queue, each with the partial
-    rollouts given for it (the next worker continues them); repeating it is harmless."""
+  def _validate_partial(self, partial: Sequence[pb.PartialRollouts]) -> None:
+    """Checks begun samples as a group's samples (a status naming `partial[k]...`)."""
     for k, part in enumerate(partial):
       validate_group(pb.RolloutGroup(prompt_id=part.prompt_id, samples=part.samples,
                                      policy_version=part.policy_version),
                      latest_version=self._latest_version(),
                      max_samples=self.limits.max_samples_per_group, where=f"partial[{k}]",
                      partial=True)
+
+  @_durable
+  def release(self, lease_id: str, worker_id: str, prompt_ids: list[str],
+              partial: Sequence[pb.PartialRollouts] = ()) -> int:
+    """Returns the listed (default: all open) prompts to the queue, each with the partial
+    rollouts given for it (the next worker continues them); repeating it is harmless."""
+    self._validate_partial(partial)
     with self._lock:
       self.expire_due()
       lease = self._lease_of(lease_id, worker_id, allow_closed=True)

@@ -255,7 +255,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   @_unary
   def RenewLease(self, request, context):
     _finite("deadline_s", request.deadline_s)
-    return self.queues.renew(request.lease_id, request.worker_id, request.deadline_s)
+    return self.queues.renew(request.lease_id, request.worker_id, request.deadline_s,
+                             list(request.partial))
 
   @_unary
   def CompleteLease(self, request, context):

@@ -148,14 +148,16 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
-    __slots__ = ("lease_id", "worker_id", "deadline_s")
+    __slots__ = ("lease_id", "worker_id", "deadline_s", "partial")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     worker_id: str
     deadline_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    partial: _containers.RepeatedCompositeFieldContainer[PartialRollouts]
+    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., partial: _Optional[_Iterable[_Union[PartialRollouts, _Mapping]]] = ...) -> None: ...
 
 class CompleteLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "worker_id")
@@ -469,12 +471,14 @@ class WalLease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[str]] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
 
 class WalRenew(_message.Message):
-    __slots__ = ("lease_id", "deadline_unix_s")
+    __slots__ = ("lease_id", "deadline_unix_s", "partial")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     deadline_unix_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    partial: _containers.RepeatedCompositeFieldContainer[PartialRollouts]
+    def __init__(self, lease_id: _Optional[str] = ..., deadline_unix_s: _Optional[float] = ..., partial: _Optional[_Iterable[_Union[PartialRollouts, _Mapping]]] = ...) -> None: ...
 
 class WalReturn(_message.Message):
     __slots__ = ("lease_id", "prompt_ids", "expired", "partial")

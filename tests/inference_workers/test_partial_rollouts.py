@@ -3,11 +3,13 @@ the samples it began, and the next worker finishes them as if never interrupted 
 turn, routing replay, multi-turn), against real parameter servers on 127.0.0.1."""
 
 import json
+import time
 
 import numpy as np
 import pytest
 from flax import nnx
 
+from inference_workers.continuous import ContinuousBatch
 from inference_workers.loop import Worker
 from inference_workers.sampler import generate
 from inference_workers.worker_config import WorkerConfig
@@ -51,22 +53,73 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
     second.run()
     groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
   assert sorted(groups) == ["p0", "p1"] and second.stats.groups_submitted == 2
+  assert_finished_as_begun(second, groups, begun, altered=("p0", 0))
+
+
+def assert_finished_as_begun(worker, groups, begun, altered=None):
+  """Each group resumed whole from its begun samples (their tokens and log-probs as first
+  drawn) and drawn on as an uninterrupted worker would; the `altered` sample (prompt id,
+  index) is drawn on from its altered last token."""
   examples = get_task("addition", max_digits=2).examples("train", 0, 2)
   for pid, group in groups.items():
     assert group.metadata["resumed_samples"] == "3" and group.policy_version == 0
     head = TOKENIZER.encode_prompt(examples[int(pid[1:])].prompt)
-    want = generate(second.policy.model, [head] * 3, second._seeds(pid, 0, 0, 3),
-                    second.params)  # what an uninterrupted worker draws
+    want = generate(worker.policy.model, [head] * 3, worker._seeds(pid, 0, 0, 3),
+                    worker.params)  # what an uninterrupted worker draws
     for j, (s, w, before) in enumerate(zip(group.samples, want, begun[pid])):
       k = len(before.token_ids)
       assert list(s.token_ids[:k]) == list(before.token_ids)
-      if (pid, j) == ("p0", 0):  # drawn on from the altered token
+      if (pid, j) == altered:
         assert s.token_ids[k - 1] != w.tokens[k - 1]
         continue
       assert list(s.token_ids) == w.tokens.tolist()
       lp = sample_logprobs(s)
       np.testing.assert_array_equal(lp[:k], sample_logprobs(before))  # as first drawn
       np.testing.assert_allclose(lp[k:], w.sampling_logprobs[k:], atol=1e-5)
+
+
+class Killed(Exception):
+  """The worker's process is gone: nothing more of it reaches the server."""
+
+
+def test_a_worker_killed_without_notice_loses_only_what_it_decoded_since_its_checkpoint(
+    server, versions, monkeypatch):
+  """kill -9: no SIGTERM, no release. The begun samples its lease renewals carried go back
+  with the prompts once the lease expires, and the next worker finishes them as an
+  uninterrupted run would."""
+  config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4)
+  queues, ids = server.queues, ("p0", "p1")
+  step, chunks = ContinuousBatch.step, []
+
+  def step_then_die(batch):
+    chunks.append(step(batch))
+    if len(chunks) == 3:  # two checkpoints taken: wait for the heartbeat to carry one
+      deadline = time.monotonic() + 30
+      while not all(queues.prompts[p].partial for p in ids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+      raise Killed
+    return chunks[-1]
+
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    first = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(
+        max_leases=1, checkpoint_s=1e-3, **dict(config, lease_deadline_s=1.0)))
+    monkeypatch.setattr(first, "_release_all", lambda: 0)  # a killed process releases nothing
+    with monkeypatch.context() as m, pytest.raises(Killed):
+      m.setattr(ContinuousBatch, "step", step_then_die)
+      first.run()
+    assert first.stats.checkpoints >= 1 and first.stats.groups_submitted == 0
+    begun = {p: [pb.Sample(token_ids=s.token_ids, logprobs_f32=s.logprobs_f32)
+                 for s in queues.prompts[p].partial] for p in ids}
+    assert all(0 < len(s.token_ids) < 24 for ps in begun.values() for s in ps)
+    assert trainer.stats().prompts_leased == 2  # until the lease expires
+    second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
+    second.run()
+    groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
+    assert trainer.stats().leases_expired == 1
+  assert sorted(groups) == list(ids)
+  assert_finished_as_begun(second, groups, begun)
 
 
 def test_a_stop_hands_back_running_prompts_with_their_samples_and_waiting_ones_as_they_are(

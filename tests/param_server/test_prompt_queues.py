@@ -280,6 +280,53 @@ def test_a_prompt_released_with_partial_rollouts_carries_them_across_a_restart(
   q.close()
 
 
+def test_samples_sent_with_a_renewal_go_back_with_the_prompts_of_an_expired_lease(
+    tmp_path, clock):
+  """A worker killed without notice: its last renewal's begun samples are what the next
+  worker gets, across a server restart; a prompt answered or released meanwhile keeps none."""
+  q = make_queues(tmp_path, clock)
+  q.enqueue(prompts("a", "b", "c"))
+  lease = q.lease("w1", 3, 10.0)
+  first = [pb.Sample(token_ids=[4], logprobs=[-0.5])]
+  later = [pb.Sample(token_ids=[4, 5], logprobs=[-0.5, -0.25]),
+           pb.Sample(token_ids=[6], logprobs=[-1.0], finish_reason="stop")]
+  q.renew(lease.lease_id, "w1", 10.0, [pb.PartialRollouts(prompt_id="a", samples=first,
+                                                          policy_version=3)])
+  q.submit(lease.lease_id, "w1", group("b"))
+  q.release(lease.lease_id, "w1", ["c"])
+  renewed = q.renew(lease.lease_id, "w1", 10.0, [
+      pb.PartialRollouts(prompt_id="a", samples=later, policy_version=2),
+      pb.PartialRollouts(prompt_id="b", samples=first),  # answered since: passed over
+      pb.PartialRollouts(prompt_id="c", samples=first)])  # released since: passed over
+  assert [p.id for p in renewed.prompts] == ["a"] and not renewed.prompts[0].partial
+  assert not q.lease("w2", 1, 10.0).prompts[0].partial  # c, leased again as it was
+  q.close()
+  q = make_queues(tmp_path, clock)  # the write-ahead log replayed
+  clock.t += 11.0
+  assert q.expire_due() == 2  # both leases
+  again = {p.id: p for p in q.lease("w3", 2, 10.0).prompts}
+  assert list(again["a"].partial) == later and again["a"].partial_version == 2
+  assert not again["c"].partial
+  q.close()
+
+
+@pytest.mark.parametrize("partial,field", [
+    (pb.PartialRollouts(prompt_id="z", samples=[pb.Sample(token_ids=[1])]),
+     "partial[0].prompt_id"),
+    (pb.PartialRollouts(prompt_id="a", samples=[pb.Sample(token_ids=[1], logprobs=[])],
+                        policy_version=9), "partial[0].policy_version"),
+])
+def test_bad_partial_rollouts_with_a_renewal_are_refused_and_keep_the_lease(
+    queues, clock, partial, field):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 5.0)
+  with pytest.raises(errors.InvalidArgument, match=field.replace("[", r"\[").replace("]", r"\]")):
+    queues.renew(lease.lease_id, "w1", 5.0, [partial])
+  clock.t += 6.0  # the refused renewal extended nothing, and held no samples
+  assert queues.expire_due() == 1
+  assert not queues.lease("w2", 1, 5.0).prompts[0].partial
+
+
 @pytest.mark.parametrize("partial,field,code", [
     (pb.PartialRollouts(prompt_id="z", samples=[pb.Sample(token_ids=[1])]),
      "partial[0].prompt_id", errors.InvalidArgument),

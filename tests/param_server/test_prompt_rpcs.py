@@ -141,6 +141,9 @@ def test_take_drops_stale_rollouts_and_requeues_their_prompts(trainer, worker):
     (lambda t, w: w.lease(0, deadline_s=1), grpc.StatusCode.INVALID_ARGUMENT, "n"),
     (lambda t, w: w.lease(1, deadline_s=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "deadline_s"),
     (lambda t, w: w.renew("nope", 1.0), grpc.StatusCode.NOT_FOUND, "lease_id"),
+    (lambda t, w: w.renew("x", 1.0, partial=[pb.PartialRollouts(
+        prompt_id="p0", samples=[pb.Sample(token_ids=[1], logprobs=[-0.5, -1.0])])]),
+     grpc.StatusCode.INVALID_ARGUMENT, "partial[0].samples[0].logprobs"),
     (lambda t, w: w.complete("nope"), grpc.StatusCode.NOT_FOUND, "lease_id"),
     (lambda t, w: w.release("", ()), grpc.StatusCode.INVALID_ARGUMENT, "lease_id"),
     (lambda t, w: w.release("x", (), partial=[pb.PartialRollouts(
