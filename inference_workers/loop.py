@@ -782,9 +782,10 @@ class Worker:
         latest = self.client.heartbeat(
             -1 if self.policy.version is None else self.policy.version, self._tokens_per_s)
         self.prefetch(latest)
-      except ParamServerError as e:
+      except ParamServerError as e:  # the server is away: renewals would fail alike
         logging.warning("worker: heartbeat failed: %s", e)
-      self._renew_leases()
+      else:
+        self._renew_leases()
 
   def _renew_leases(self) -> None:
     """Renew the leases past half their deadline and those with begun samples to carry."""

@@ -37,8 +37,11 @@ class QueueLimits:
   # Closed or expired leases remembered to acknowledge retried submissions.
   closed_lease_history: int = 100_000
   acked_take_history: int = 10_000
-  # Rewrite the log as one snapshot after this many records.
+  # Rewrite the log as one snapshot after this many records, or once it holds this many
+  # bytes and 4x its size after the last rewrite (begun samples sent with every renewal
+  # replace the last ones, so the log grows faster than the state it holds).
   wal_compact_records: int = 20_000
+  wal_compact_bytes: int = 64 << 20
 
 
 @dataclasses.dataclass
@@ -218,8 +221,10 @@ class PromptRolloutQueues:
     returns only once the record is on disk (`_durable`)."""
     self._local.position = self._wal.append(record)
     self._apply(record)
-    if self._wal.records_since_rewrite >= self.limits.wal_compact_records:
-      self._wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
+    wal = self._wal
+    if (wal.records_since_rewrite >= self.limits.wal_compact_records
+        or wal.bytes >= max(self.limits.wal_compact_bytes, 4 * wal.base_bytes)):
+      wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
     self._cond.notify_all()
 
   def _apply(self, record: pb.WalRecord) -> None:

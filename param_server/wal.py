@@ -82,6 +82,7 @@ class WriteAheadLog:
     self.recovered = records
     self._file = open(path, "ab", buffering=0)
     self.bytes = valid
+    self.base_bytes = valid  # the log's size when opened or last rewritten
     self.records_since_rewrite = len(records)
     self._written = 0  # logical positions: never reset, also across rewrites
     self._synced = 0
@@ -120,7 +121,7 @@ class WriteAheadLog:
       _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
       self._file.close()
       self._file = open(self.path, "ab", buffering=0)
-      self.bytes = len(blob)
+      self.bytes = self.base_bytes = len(blob)
       self.records_since_rewrite = 1
       self._synced = self._written
 

@@ -256,6 +256,35 @@ def test_snapshot_rewrite_keeps_the_state_and_shrinks_the_log(tmp_path, clock):
   again.close()
 
 
+def test_renewals_carrying_begun_samples_keep_the_log_within_a_few_times_the_state(
+    tmp_path, clock):
+  """Each renewal's begun samples replace the last: the log is rewritten by size too, so it
+  holds about the live state, not every checkpoint ever sent."""
+  def checkpoints(where, **limits):
+    where.mkdir()
+    q = make_queues(where, clock, **limits)
+    q.enqueue(prompts("a"))
+    lease = q.lease("w1", 1, 10.0)
+    sizes = []
+    for n in range(1, 201):  # 200 checkpoints of a sample growing to 200 tokens
+      q.renew(lease.lease_id, "w1", 10.0, [pb.PartialRollouts(prompt_id="a", samples=[
+          pb.Sample(token_ids=list(range(n)), logprobs=[-0.5] * n)])])
+      sizes.append(os.path.getsize(os.path.join(where, "q.wal")))
+    q.close()
+    return sizes
+
+  floor = 16 << 10
+  every = checkpoints(tmp_path / "all")  # what the log would hold without the size rule
+  sizes = checkpoints(tmp_path / "compacted", wal_compact_bytes=floor)
+  assert every[-1] > 6 * floor and max(sizes) < 2 * floor
+  q = make_queues(tmp_path / "compacted", clock)
+  clock.t += 11.0
+  q.expire_due()
+  (a,) = q.lease("w2", 1, 10.0).prompts
+  assert list(a.partial[0].token_ids) == list(range(200))  # the last checkpoint
+  q.close()
+
+
 def test_a_prompt_released_with_partial_rollouts_carries_them_across_a_restart(
     tmp_path, clock):
   q = make_queues(tmp_path, clock)
