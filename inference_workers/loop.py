@@ -42,7 +42,6 @@ from algorithms.verifiers import REWARD_MODEL_TASK, Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample, replies_in
 from inference_workers.hard_exit import exit_now
-from inference_workers.reward_scoring import RewardScorer, prompt_messages
 from inference_workers.sampler import generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
@@ -51,6 +50,7 @@ from param_server.client import (Lease, ParamServerClient, ParamServerError, Ret
                                   sample_observed)
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps.models.config import ModelConfig
+from rlax_ps.reward_scoring import RewardScorer, prompt_messages
 from rlax_ps.sync import Update
 
 _RATE_CHUNKS = 64  # decode chunks the reported tokens/s is averaged over

@@ -195,19 +195,27 @@ class StepReader:
     return [json.loads(line) for line in text[:end].splitlines() if line.strip()]
 
 
-def _pct(x) -> str:
-  return "-" if x is None else f"{100 * x:.1f}%"
+def heldout_cell(x: float | None, scores: dict[str, Any], digits: int = 1) -> str:
+  """A held-out figure as the tables print it: a percentage, or where a reward model scores
+  the set (a "reward_model" name among `scores`), its score."""
+  if x is None:
+    return "-"
+  return f"{x:.3f}" if "reward_model" in scores else f"{100 * x:.{digits}f}%"
 
 
 def summary_table(summary: dict[str, Any]) -> str:
   """The end-of-run table: held-out accuracy before and after RL, sync and throughput."""
   before = summary.get("warm_start") or {}
   after = summary.get("heldout_exact_match") or {}
-  rows = [("held-out exact match", "warm start", "after RL")]
-  for name in sorted(set(before) | set(after), key=lambda n: (n == "all", n)):
-    rows.append((f"  {name}", _pct(before.get(name)), _pct(after.get(name))))
+  scores = {**before, **after}
+  title = "held-out score" if "reward_model" in scores else "held-out exact match"
+  rows = [(title, "warm start", "after RL")]
+  for name in sorted(scores, key=lambda n: (n == "all", n)):
+    rows.append((f"  {name}", heldout_cell(before.get(name), scores),
+                 heldout_cell(after.get(name), scores)))
   for name, v in (summary.get("heldout_pass") or {}).items():
-    rows.append((f"  {name} (T={summary.get('pass_temperature', 1.0)})", "", _pct(v)))
+    rows.append((f"  {name} (T={summary.get('pass_temperature', 1.0)})", "",
+                 heldout_cell(v, scores)))
   sync = summary.get("sync", {})
   rows += [
       ("steps / versions", "", f"{summary['step']} / v{summary['version']}"),

@@ -29,9 +29,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def _postfix(record: dict, synced: int) -> dict:
+  from rlax_ps.local import heldout_cell
   acc = record.get("heldout")
   return {"v": record["version"], "reward": f"{record['reward_mean']:.2f}",
-          "acc": "-" if not acc else f"{100 * acc['all']:.0f}%",
+          "acc": "-" if not acc else heldout_cell(acc["all"], acc, digits=0),
           "len": f"{record.get('response_len_mean', 0):.0f}",
           "rollouts/s": f"{record['rollouts_per_s']:.1f}",
           "stale": f"{record['staleness_mean']:.1f}", "synced": f"{synced / 1e6:.1f}MB"}

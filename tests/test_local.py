@@ -175,13 +175,24 @@ def test_workers_run_on_the_cpu_leaving_the_accelerators_to_the_trainer(tmp_path
     platforms(trainer_gpus=2)
 
 
-def test_the_summary_table_shows_groups_left_out_by_dynamic_sampling():
+def test_the_summary_table_shows_groups_left_out_and_a_reward_models_scores():
   summary = {"step": 3, "version": 3, "rollout_groups_trained": 12, "seconds": 9.0,
              "warm_start": {"all": 0.5}, "heldout_exact_match": {"all": 0.75}}
   assert "left out" not in local.summary_table(summary)
   table = local.summary_table({**summary, "filtered": 6, "filled": 3})
   assert re.search(r"all-equal-reward groups left out / filled\s+6 / 3$", table, re.M)
   assert re.search(r"^  all\s+50\.0%\s+75\.0%$", table, re.M)
+  # Held-out prompts a reward model scores: its mean scores, not percentages.
+  table = local.summary_table({**summary, "warm_start": {"reward_model": -0.5, "all": -0.5},
+                               "heldout_exact_match": {"reward_model": 0.25, "all": 0.25},
+                               "heldout_pass": {"pass@1": 0.125, "pass@4": 0.75}})
+  assert re.search(r"^held-out score\s+warm start\s+after RL$", table, re.M)
+  assert re.search(r"^  reward_model\s+-0\.500\s+0\.250$", table, re.M)
+  assert re.search(r"^  pass@4 \(T=1\.0\)\s+0\.750$", table, re.M)
+  from rlax_ps.train.eval_main import table as eval_table  # `rlax-ps eval`'s, alike
+  table = eval_table({p: {"heldout_exact_match": {"reward_model": v, "all": v},
+                          "heldout_pass": None} for p, v in (("a/hf", -0.5), ("b/hf", 0.25))})
+  assert re.search(r"^score reward_model\s+-0\.500\s+0\.250$", table, re.M)
 
 
 @pytest.mark.slow
@@ -244,7 +255,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   trained and merged on export), or the Qwen3 one with configs/rl_tools.py:tiny (multi-turn:
   a user's environment answers each turn, every letter token ends one, and the prompts offer
   a user's tool) or configs/rl_reward_model.py:tiny (prompts alone, scored by a reward model
-  with a tokenizer and template of its own; no held-out set), with a
+  with a tokenizer and template of its own, on the workers and held out), with a
   ChatML tokenizer and template: JSONL math questions as conversations,
   scored by the math verifier; the export carries the chat template and the end-of-turn stop
   ids."""
@@ -306,6 +317,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   tools = family == "qwen3_tools"
   judged = family == "qwen3_reward"
   rm = tmp_path / "reward_model"
+  prompts_only = tmp_path / "heldout_prompts.jsonl"  # the reward model scores the answers
+  prompts_only.write_text("".join(json.dumps({"prompt": f"{a}+{b}"}) + "\n" for a, b in rows[10:]))
   if judged:
     shutil.copytree(os.path.join(REPO, "tests", "fixtures", "hf", "qwen3_reward"), rm)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -313,7 +326,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   letters = ",".join(chr(c) for c in range(ord("a"), ord("z") + 1))
   proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
                 *([f"--config.worker.reward_model={rm}",
-                   "--config.worker.reward_model_dtype=float32"] if judged
+                   "--config.worker.reward_model_dtype=float32",
+                   f"--config.data.heldout_jsonl={prompts_only}"] if judged
                   else [f"--config.data.heldout_jsonl={heldout}"]),
                 *(["--config.worker.routing_replay=True"] if family == "gpt_oss" else []),
                 *([f"--config.tokenizer.stop_tokens={letters}",
@@ -327,8 +341,11 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(workdir / "summary.json"))
   assert summary["step"] == 2
-  assert ("heldout_exact_match" not in summary if judged
-          else set(summary["heldout_exact_match"]) == {"math", "all"})
+  assert set(summary["heldout_exact_match"]) == {"reward_model" if judged else "math", "all"}
+  if judged:  # the reward model's mean score of greedy answers; best-of-k >= mean of k
+    assert set(summary["warm_start"]) == {"reward_model", "all"}
+    assert summary["heldout_pass"]["pass@2"] >= summary["heldout_pass"]["pass@1"]
+    assert "held-out score" in proc.stdout
   assert summary["sync"]["format"] == ("int8" if int8 else "bf16")
   steps = _lines(workdir / "steps.jsonl")
   if judged:  # rewards are the reward model's scores, not a verifier's 0 or 1

@@ -58,31 +58,31 @@ def evaluate_checkpoint(config, path: str) -> dict[str, Any]:
                              compute_dtype=config.model.dtype)
   graphdef, params, _ = nnx.split(model, nnx.Param, ...)
   params = params.to_pure_dict()
-  heldout = heldout_lib.heldout_from_config(config, tasks_from(config.tasks)[0])
+  heldout = heldout_lib.heldout_from_config(config, tasks_from(config.tasks)[0], tokenizer)
   return {"heldout_exact_match": heldout_lib.exact_match(graphdef, params, tokenizer, heldout,
                                                          config),
           "heldout_pass": heldout_lib.pass_at_k(graphdef, params, tokenizer, heldout, config)}
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-  """One column per checkpoint: exact match per name, then pass@1 and pass@k."""
+  """One column per checkpoint: exact match (a reward model's: its score) per name, then
+  pass@1 and pass@k."""
+  from rlax_ps.local import heldout_cell
   paths = list(results)
   names = []
   for r in results.values():
     names += [n for n in r["heldout_exact_match"] if n not in names and n != "all"]
+  what = "score" if "reward_model" in names else "exact match"
   rows = [("held-out", *["/".join(pathlib.PurePath(p).parts[-2:]) for p in paths])]
   for name in names + ["all"]:
-    rows.append((f"exact match {name}", *[_pct(results[p]["heldout_exact_match"].get(name))
-                                          for p in paths]))
+    rows.append((f"{what} {name}", *[heldout_cell(results[p]["heldout_exact_match"].get(name),
+                                                  dict.fromkeys(names)) for p in paths]))
   for key in (results[paths[0]]["heldout_pass"] or {}):
-    rows.append((key, *[_pct((results[p]["heldout_pass"] or {}).get(key)) for p in paths]))
+    rows.append((key, *[heldout_cell((results[p]["heldout_pass"] or {}).get(key),
+                                     dict.fromkeys(names)) for p in paths]))
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                              for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
-
-
-def _pct(x) -> str:
-  return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def main(argv: list[str]) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from algorithms.verifiers import REWARD_MODEL_TASK
 from rlax_ps.models import KVCache
 from rlax_ps.sharding import to_host
 from rlax_ps.tasks import Example, Task
@@ -191,6 +192,36 @@ class VerifierTask:
     return float(result.passed)
 
 
+class RewardModelTask:
+  """Held-out prompts of task reward_model: a completion's reward is the reward model's score
+  of the conversation, the prompt's messages then the completion as the assistant's turn
+  (read as `scorer.encode` does; where it shares the policy's ids, the completion's text is
+  encoded again). Scored in batches (`rewards`); a score, not pass/fail."""
+
+  name = REWARD_MODEL_TASK
+
+  def __init__(self, scorer, tokenizer: Tokenizer):
+    self.scorer, self.tokenizer = scorer, tokenizer
+
+  def rewards(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
+    tok, sequences = self.tokenizer, []
+    for e, text in zip(examples, completions):
+      messages = [{"role": "user", "content": e.prompt}] if isinstance(e.prompt, str) else list(
+          e.prompt)
+      sequences.append(self.scorer.encode(
+          messages + [{"role": "assistant", "content": text}], tok.render_prompt(e.prompt), text,
+          tok.encode_prompt(e.prompt) + tok.encode(text)))
+    return [float(r) for r in self.scorer.scores(sequences)]
+
+
+def rewards_of(task, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
+  """Each completion's reward: in one batch where the task scores batches (a reward model),
+  else one by one."""
+  if hasattr(task, "rewards"):
+    return task.rewards(examples, completions)
+  return [float(task.reward(e, c)) for e, c in zip(examples, completions)]
+
+
 def _budgets(tokenizer: Tokenizer, examples: dict[str, list[Example]],
              max_new_tokens: int | None = None) -> tuple[int, int]:
   """(prompt length, new-token budget) that fit every example: the budget is the longest
@@ -207,8 +238,9 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
               examples: dict[str, list[Example]], *, k: int, temperature: float = 1.0,
               seed: int = 0, batch_size: int = 256, max_new_tokens: int | None = None,
               environment=None, max_turns: int = 0) -> dict[str, float]:
-  """{"pass@1": mean reward of k samples per prompt, "pass@k": share of prompts with at
-  least one exact answer among its k samples}, over every held-out example.
+  """{"pass@1": mean reward of k samples per prompt, "pass@k": mean of each prompt's best
+  reward among its k samples (pass/fail tasks: the share of prompts with at least one exact
+  answer; a reward model's: its best-of-k score)}, over every held-out example.
   `max_new_tokens`: the decoding budget (default: the longest answer and eos);
   `environment`, `max_turns`: multi-turn, as `completions`."""
   if k < 1 or temperature <= 0:
@@ -224,17 +256,22 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
                       temperature=temperature, seed=seed, environment=environment,
                       references=[e.answer for _, e in flat for _ in range(k)],
                       max_turns=max_turns)
-  rewards = np.array([task.reward(e, texts[i * k + j]) for i, (task, e) in enumerate(flat)
-                      for j in range(k)]).reshape(len(flat), k)
-  return {"pass@1": float(rewards.mean()), f"pass@{k}": float((rewards.max(axis=1) > 0).mean())}
+  rewards = np.zeros((len(flat), k))
+  for task in tasks:
+    rows = [i for i, (t, _) in enumerate(flat) if t is task]
+    got = rewards_of(task, [flat[i][1] for i in rows for _ in range(k)],
+                     [texts[i * k + j] for i in rows for j in range(k)])
+    rewards[rows] = np.asarray(got, np.float64).reshape(len(rows), k)
+  return {"pass@1": float(rewards.mean()), f"pass@{k}": float(rewards.max(axis=1).mean())}
 
 
 def exact_match(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
                 examples: dict[str, list[Example]], *, batch_size: int,
                 max_new_tokens: int | None = None, environment=None,
                 max_turns: int = 0) -> dict[str, float]:
-  """{task name: held-out exact-match rate, "all": over every example}; `max_new_tokens`,
-  `environment` and `max_turns` as pass_at_k's."""
+  """{task name: held-out exact-match rate (a reward model's task: its mean score), "all":
+  the mean over every example}; `max_new_tokens`, `environment` and `max_turns` as
+  pass_at_k's."""
   prompt_len, max_new = _budgets(tokenizer, examples, max_new_tokens)
   result, hits, total = {}, 0.0, 0
   for task in tasks:
@@ -245,7 +282,7 @@ def exact_match(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
                         max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
                         environment=environment, references=[e.answer for e in exs],
                         max_turns=max_turns)
-    rewards = [task.reward(e, c) for e, c in zip(exs, texts)]
+    rewards = rewards_of(task, exs, texts)
     result[task.name] = float(np.mean(rewards))
     hits += sum(rewards)
     total += len(exs)

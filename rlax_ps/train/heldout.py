@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from algorithms.environments import environment_from
-from algorithms.verifiers import load_verifiers
+from algorithms.verifiers import REWARD_MODEL_TASK, load_verifiers
 from rlax_ps.tasks import Example, Task
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import evaluate as evaluate_lib
@@ -30,10 +30,12 @@ class Heldout:
     return sum(len(v) for v in self.examples.values())
 
 
-def heldout_from_config(config, tasks: Sequence[Task]) -> Heldout:
-  """data.heldout_jsonl's records (all of them, each scored by its task's verifier, decoding
-  up to worker.max_new_tokens, or without a worker block past the longest answer) if the
-  config names one, else eval.num_examples held-out examples of each task (eval.seed)."""
+def heldout_from_config(config, tasks: Sequence[Task], tokenizer: Tokenizer | None = None
+                        ) -> Heldout:
+  """data.heldout_jsonl's records (all of them, each scored by its task's verifier, or those
+  of task reward_model by worker.reward_model, loaded here beside the policy `tokenizer`;
+  decoding up to worker.max_new_tokens, or without a worker block past the longest answer)
+  if the config names one, else eval.num_examples held-out examples of each task (eval.seed)."""
   worker = config.get("worker", {})
   turns = _turns(worker)
   path = config.get("data", {}).get("heldout_jsonl", "")
@@ -46,8 +48,22 @@ def heldout_from_config(config, tasks: Sequence[Task]) -> Heldout:
   examples = {n: [Example(r["prompt"], r["answer"], n) for r in records if r["task"] == n]
               for n in names}
   budget = worker.get("max_new_tokens")
-  return Heldout([evaluate_lib.VerifierTask(n) for n in names], examples,
+  scored = [evaluate_lib.VerifierTask(n) if n != REWARD_MODEL_TASK
+            else evaluate_lib.RewardModelTask(_reward_scorer(worker, tokenizer), tokenizer)
+            for n in names]
+  return Heldout(scored, examples,
                  None if budget is None else int(budget), **turns)
+
+
+def _reward_scorer(worker, tokenizer: Tokenizer | None):
+  """worker.reward_model, loaded as the workers load it."""
+  from rlax_ps.reward_scoring import RewardScorer
+  if tokenizer is None:
+    raise ValueError(f"data.heldout_jsonl: records of task {REWARD_MODEL_TASK!r} are scored by "
+                     f"worker.reward_model, which this command does not load")
+  return RewardScorer(str(worker.reward_model), tokenizer,
+                      str(worker.get("reward_model_dtype", "bfloat16")),
+                      int(worker.get("reward_model_batch", 16)))
 
 
 def _turns(worker) -> dict[str, Any]:

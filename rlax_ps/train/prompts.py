@@ -133,7 +133,13 @@ def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
     elif not isinstance(prompt, str) or not prompt:
       raise ValueError(f"{where}: field {prompt_key!r}: expected a non-empty string or a list "
                        f"of {{'role', 'content'}} messages, got {prompt!r}")
+    task = _lookup(rec, task_key)
+    task = default_task if task is None else task
+    if not isinstance(task, str):
+      raise ValueError(f"{where}: field {task_key!r}: expected a string, got {task!r}")
     answer = _lookup(rec, answer_key) if answer_key else ""
+    if answer is None and task == REWARD_MODEL_TASK:  # a reward model needs no answer
+      answer = ""
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
       answer = str(answer)
     if isinstance(answer, (list, tuple)) and demonstrations:
@@ -143,10 +149,6 @@ def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
               if isinstance(answer, (list, tuple)) else "")
       raise ValueError(f"{where}: field {answer_key!r}: expected a string, got "
                        f"{answer!r}{also}")
-    task = _lookup(rec, task_key)
-    task = default_task if task is None else task
-    if not isinstance(task, str):
-      raise ValueError(f"{where}: field {task_key!r}: expected a string, got {task!r}")
     if known is not None and task not in known:
       raise ValueError(f"{field} {where}: field {task_key!r}: expected a built-in task or a "
                        f"registered verifier ({', '.join(known)}; worker.verifiers "
@@ -164,9 +166,6 @@ def config_records(config, field: str, path: str) -> list[dict[str, Any]]:
   worker = config.get("worker", {})
   data = config.get("data", {})
   load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
-  if field == "data.heldout_jsonl" and not data.get("answer_key", "answer"):
-    raise ValueError("data.heldout_jsonl: held-out records are scored against their answers, "
-                     "but data.answer_key is '' (prompts alone); leave heldout_jsonl ''")
   records = read_prompts(path, default_task=str(worker.get("default_task", "math")),
                          known=known_tasks(), field=field,
                          prompt_key=str(data.get("prompt_key", "prompt")),
@@ -176,6 +175,13 @@ def config_records(config, field: str, path: str) -> list[dict[str, Any]]:
       r["task"] == REWARD_MODEL_TASK for r in records):
     raise ValueError(f"worker.reward_model: {field} has prompts of task {REWARD_MODEL_TASK!r}; "
                      f"expected a reward model checkpoint to score them, got ''")
+  if field == "data.heldout_jsonl" and not data.get("answer_key", "answer"):
+    unscored = sorted({r["task"] for r in records} - {REWARD_MODEL_TASK})
+    if unscored:
+      raise ValueError(f"data.heldout_jsonl: held-out records of task(s) {unscored} are scored "
+                       f"against their answers, but data.answer_key is '' (prompts alone); "
+                       f"give them task {REWARD_MODEL_TASK!r} (scored by worker.reward_model) "
+                       f"or an answer key")
   return records
 
 

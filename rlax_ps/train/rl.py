@@ -185,7 +185,7 @@ class RLTrainer(TrainerRun):
     self.publisher = Publisher(client, str(config.publish.format),
                                int(config.publish.keyframe_every))
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
-    self.heldout = heldout_lib.heldout_from_config(config, self.tasks)
+    self.heldout = heldout_lib.heldout_from_config(config, self.tasks, self.tokenizer)
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)
     self.solved: set[int] = set()  # records whose group was all correct (rl.retire_solved)
@@ -404,7 +404,7 @@ class RLTrainer(TrainerRun):
                          f"prompt {rec['prompt']!r} of {len(ids)} tokens; raise it")
       text = self.tokenizer.render_prompt(rec["prompt"])
       # The raw prompt where the text is a rendering of it: a reward model with a chat
-      # template of its own renders the conversation again (inference_workers.reward_scoring).
+      # template of its own renders the conversation again (rlax_ps.reward_scoring).
       raw = {} if text == rec["prompt"] else {"prompt": json.dumps(rec["prompt"])}
       prompts.append(Prompt(
           id=f"{self.run_id}-{index}", text=text, task=rec["task"], token_ids=ids,

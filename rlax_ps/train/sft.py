@@ -56,7 +56,7 @@ class SFTTrainer(TrainerRun):
     self.state, self.shardings, self.graphdef = self._init_or_restore()
     self.train_step = make_train_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                       num_micro=num_micro, schedule=self.schedule)
-    self.heldout = heldout_from_config(config, self.tasks)
+    self.heldout = heldout_from_config(config, self.tasks, self.tokenizer)
 
   # -- state ------------------------------------------------------------------------------
 

@@ -11,10 +11,10 @@ import pytest
 from algorithms.environments import conversation
 from inference_workers.decoding import Sample
 from inference_workers.loop import Worker
-from inference_workers.reward_scoring import RewardScorer, prompt_messages
 from inference_workers.worker_config import WorkerConfig
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps.models import ModelConfig
+from rlax_ps.reward_scoring import RewardScorer, prompt_messages
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer
 from tests.models.hf_fixtures import FIXTURES
 

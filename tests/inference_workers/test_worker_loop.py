@@ -396,7 +396,7 @@ def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(s
 
 
 def test_a_reward_model_scores_the_prompts_of_task_reward_model(server, versions):
-  from inference_workers.reward_scoring import RewardScorer
+  from rlax_ps.reward_scoring import RewardScorer
   from tests.models.hf_fixtures import FIXTURES
   rm = os.path.join(FIXTURES, "qwen3_reward")
   with client(server, "trainer") as trainer, client(server, "worker") as wc:

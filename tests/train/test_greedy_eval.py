@@ -153,3 +153,80 @@ def test_a_multi_turn_completion_feeds_the_environments_replies_back_as_context(
   plain = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=16,
                                batch_size=3, prompt_len=16)
   assert plain[0] == "<calc>2*3" and len(seen) == 1
+
+
+class Graded:
+  """A task whose rewards are scores (as a reward model's), one batch per call."""
+  name = "graded"
+
+  def __init__(self):
+    self.calls = []
+
+  def rewards(self, examples, completions):
+    self.calls.append(len(completions))
+    return [float(len(c)) for c in completions]
+
+
+def test_pass_at_k_takes_each_prompts_best_reward(model, monkeypatch):
+  """pass@k is the mean of each prompt's best of k: for pass/fail tasks the share of prompts
+  with an exact answer, for scored ones the best-of-k score; a scored task gets one batch."""
+  graphdef, params = model
+  texts = iter(["3", "x", "3", "4", "x", "x",  # addition: "1+2=" hit twice; "2+2=" missed
+                "", "ab", "a", "abc", "", "abcde"])  # graded: lengths 0 2 1 | 3 0 5
+  monkeypatch.setattr(evaluate, "completions",
+                      lambda g, p, tok, prompts, **kw: [next(texts) for _ in prompts])
+  graded = Graded()
+  examples = {"addition": [Example("1+2=", "3"), Example("2+2=", "5")],
+              "graded": [Example("p", "", "graded"), Example("q", "", "graded")]}
+  got = evaluate.pass_at_k(graphdef, params, TOK, [get_task("addition"), graded], examples,
+                           k=3, max_new_tokens=4)
+  assert graded.calls == [6]
+  assert got["pass@1"] == pytest.approx((2 + 0 + 3 + 8) / 12)
+  assert got["pass@3"] == pytest.approx((1 + 0 + 2 + 5) / 4)
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+  """The committed tiny Qwen3 reward model, with the ChatML tokenizer beside it."""
+  import os
+  import shutil
+
+  from tests.models.hf_fixtures import FIXTURES
+  path = tmp_path_factory.mktemp("rm") / "rm"
+  shutil.copytree(os.path.join(FIXTURES, "qwen3_reward"), path)
+  for f in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(FIXTURES, "chat_tokenizer", f), path / f)
+  return str(path)
+
+
+def test_a_reward_model_scores_held_out_answers_as_transformers_does(model, reward_model,
+                                                                     monkeypatch, tmp_path):
+  """Held-out prompts of task reward_model (no answers): the greedy answer's score is the
+  reward model's score of the conversation, as transformers gives it."""
+  import json
+  import os
+
+  import ml_collections
+
+  from rlax_ps.train import heldout as heldout_lib
+  ref = np.load(os.path.join(reward_model, "reference.npz"))
+  (user, assistant) = json.loads(str(ref["conversation"]))
+  path = tmp_path / "heldout.jsonl"
+  path.write_text(json.dumps({"prompt": user["content"]}) + "\n")  # a text: one user message
+  config = ml_collections.ConfigDict({
+      "data": {"heldout_jsonl": str(path), "answer_key": ""},
+      "worker": {"default_task": "reward_model", "reward_model": reward_model,
+                 "reward_model_dtype": "float32", "max_new_tokens": 4},
+      "eval": {"batch_size": 4, "seed": 0}})
+  with pytest.raises(ValueError, match="data.heldout_jsonl: records of task 'reward_model' "
+                                       "are scored by worker.reward_model"):
+    heldout_lib.heldout_from_config(config, [])  # no tokenizer: nothing to load it beside
+  heldout = heldout_lib.heldout_from_config(config, [], TOK)
+  assert [t.name for t in heldout.tasks] == ["reward_model"] and heldout.max_new_tokens == 4
+  monkeypatch.setattr(evaluate, "completions",
+                      lambda g, p, tok, prompts, **kw: [assistant["content"] for _ in prompts])
+  got = heldout_lib.exact_match(graphdef=model[0], params=model[1], tokenizer=TOK,
+                                heldout=heldout, config=config)
+  want = float(ref["conversation_score"][0])
+  assert got == {"reward_model": pytest.approx(want, rel=2e-5, abs=2e-5),
+                 "all": pytest.approx(want, rel=2e-5, abs=2e-5)}

@@ -113,7 +113,7 @@ def test_a_restored_feed_goes_on_with_the_same_records():
     again.restore({"position": 1})
 
 
-def test_an_empty_answer_key_reads_prompts_alone_but_never_held_out_or_supervised_records(
+def test_an_empty_answer_key_reads_prompts_alone_held_out_only_for_the_reward_model(
     tmp_path):
   import ml_collections
 
@@ -123,11 +123,18 @@ def test_an_empty_answer_key_reads_prompts_alone_but_never_held_out_or_supervise
   assert read_prompts(str(path), "math", answer_key="") == [
       {"prompt": "hi", "answer": "", "task": "reward_model"},
       {"prompt": "yo", "answer": "", "task": "math"}]
-  with pytest.raises(ValueError, match="field 'answer': expected a string, got None"):
-    read_prompts(str(path), "math")  # the answer is required unless answer_key is ""
+  # The answer is required unless answer_key is "" or the task is the reward model's.
+  assert read_prompts(str(path), "math")[1] == {"prompt": "yo", "answer": "3", "task": "math"}
+  path.write_text('{"prompt": "hi", "task": "reward_model"}\n{"prompt": "yo"}\n')
+  with pytest.raises(ValueError, match=r"p.jsonl:2: field 'answer': expected a string, got None"):
+    read_prompts(str(path), "math")
   config = ml_collections.ConfigDict({"data": {"answer_key": ""},
                                       "worker": {"default_task": "math", "reward_model": "rm"}})
   assert len(config_records(config, "data.jsonl", str(path))) == 2
-  with pytest.raises(ValueError, match="data.heldout_jsonl: held-out records are scored "
-                                       "against their answers, but data.answer_key is ''"):
+  with pytest.raises(ValueError, match=r"data.heldout_jsonl: held-out records of task\(s\) "
+                                       r"\['math'\] are scored against their answers"):
     config_records(config, "data.heldout_jsonl", str(path))
+  path.write_text('{"prompt": "hi"}\n')  # held out for the reward model to score
+  config.worker.default_task = "reward_model"
+  assert config_records(config, "data.heldout_jsonl", str(path)) == [
+      {"prompt": "hi", "answer": "", "task": "reward_model"}]

@@ -1,5 +1,5 @@
-"""The worker's reward model: each finished sample's conversation, as the reward model reads
-it, scored in padded batches on the worker's device, beside the policy.
+"""A reward model scoring conversations, as it reads them, in padded batches on the local
+device: the workers' rewards (beside the policy) and the trainer's held-out score.
 
 A reward model folder with its own tokenizer (tokenizer.json) reads the conversation
 re-rendered by its chat template (the prompt's messages, then the policy's turns and any
