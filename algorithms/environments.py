@@ -93,18 +93,67 @@ def environment_from(name: str, args: str | dict = "") -> GuardedEnvironment:
   """The guarded environment worker.environment names, built with worker.environment_args
   (a JSON object of its constructor's arguments, e.g. '{"timeout_s": 30}'); ValueError
   naming the field that is wrong."""
-  if isinstance(args, str):
-    try:
-      args = json.loads(args) if args.strip() else {}
-    except json.JSONDecodeError as e:
-      raise ValueError(f"worker.environment_args: expected a JSON object, got {args!r} "
-                       f"({e})") from None
-  if not isinstance(args, dict):
-    raise ValueError(f"worker.environment_args: expected a JSON object, got {args!r}")
+  args = _json_object(args, "worker.environment_args")
   try:
     return GuardedEnvironment(name, make_environment(name, **args))
   except TypeError as e:
     raise ValueError(f"worker.environment_args: {e}") from None
+
+
+def _json_object(args: str | dict, field: str) -> dict:
+  """`args` as a dict: a JSON object's text ('' is {}), or a dict as it is."""
+  if isinstance(args, str):
+    try:
+      args = json.loads(args) if args.strip() else {}
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{field}: expected a JSON object, got {args!r} ({e})") from None
+  if not isinstance(args, dict):
+    raise ValueError(f"{field}: expected a JSON object, got {args!r}")
+  return args
+
+
+def environment_names(spec: str) -> dict[str, str]:
+  """worker.environment's names by task ("*": every other task), its syntax checked but no
+  environment made: "" -> {}, "NAME" -> {"*": NAME}, "TASK=NAME,..." -> as written."""
+  spec = spec.strip()
+  if not spec:
+    return {}
+  if "=" not in spec:
+    return {"*": spec}
+  by_task: dict[str, str] = {}
+  for i, item in enumerate(p.strip() for p in spec.split(",")):
+    task, _, name = (x.strip() for x in item.partition("="))
+    if not task or not name or task in by_task:
+      raise ValueError(f"worker.environment: expected NAME or TASK=NAME,... with each task "
+                       f"once, got {spec!r} (item {i}: {item!r})")
+    by_task[task] = name
+  return by_task
+
+
+def environments_from(spec: str, args: str | dict = "") -> dict[str, GuardedEnvironment]:
+  """worker.environment as environments by task: "NAME" answers every task (key "*");
+  "TASK=NAME,TASK=NAME" each task listed, "*=NAME" the others, and a task without one is
+  single-turn. worker.environment_args: the JSON arguments of the one environment, or by
+  task, an object of them by environment name. ValueError naming the field that is wrong."""
+  by_task = environment_names(spec)
+  if not by_task:
+    return {}
+  if "=" not in spec:
+    return {"*": environment_from(by_task["*"], args)}
+  args = _json_object(args, "worker.environment_args")
+  unknown = sorted(set(args) - set(by_task.values()))
+  if unknown:
+    raise ValueError(f"worker.environment_args: with environments by task, expected their "
+                     f"arguments by environment name ({sorted(set(by_task.values()))}), got "
+                     f"{unknown}")
+  made = {name: environment_from(name, args.get(name, {})) for name in set(by_task.values())}
+  return {task: made[name] for task, name in by_task.items()}
+
+
+def environment_for(environments: dict[str, GuardedEnvironment], task: str
+                    ) -> GuardedEnvironment | None:
+  """The environment that answers a task's turns (environments_from); None: single-turn."""
+  return environments.get(task, environments.get("*"))
 
 
 def conversation(turns: Sequence[str], replies: Sequence[Reply]) -> list[dict[str, str]]:

@@ -21,7 +21,9 @@ Llama 3.1+ and Mistral JSON calls):
 prompt through the chat template) --config.worker.environment=tool_calls.
 Your own environment: `@register_environment("name")` on a class or factory in a file
 (algorithms.environments), then --config.worker.verifiers=my_env.py
---config.worker.environment=name. `:tiny` is the seconds-long smoke variant (the tests').
+--config.worker.environment=name. Mixed data, each task its own (or none, single-turn):
+--config.worker.environment='math=python,arith=calculator'.
+`:tiny` is the seconds-long smoke variant (the tests').
 """
 
 import ml_collections

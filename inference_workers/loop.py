@@ -9,9 +9,9 @@ With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
 each), a finished prompt's group is scored and submitted at once and a newly leased prompt
 takes its slot. VIGOR samples in rounds, one call per `prompts_per_call` prompts.
-With an `environment`, each turn a sample ends is answered by it (multi-turn rollouts), on
-`environment_threads` threads while the other rows decode on: the reply is rendered as the
-next message and the sample goes on; the verifier scores the whole.
+With an `environment` for a prompt's task, each turn a sample ends is answered by it
+(multi-turn rollouts), on `environment_threads` threads while the other rows decode on: the
+reply is rendered as the next message and the sample goes on; the verifier scores the whole.
 
 New versions are pulled by the heartbeat thread while generation runs and applied in place:
 by default once the prompts started on the held version have finished (new prompts wait),
@@ -37,7 +37,7 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import FixedAllocator
-from algorithms.environments import conversation, environment_from
+from algorithms.environments import conversation, environment_for, environments_from
 from algorithms.verifiers import REWARD_MODEL_TASK, Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample, replies_in
@@ -115,8 +115,7 @@ class Worker:
     self.allocator = allocator if allocator is not None else make_allocator(config)
     self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
                                                           config.verifiers)
-    self.environment = (environment_from(config.environment, config.environment_args)
-                        if config.environment else None)
+    self.environments = environments_from(config.environment, config.environment_args)
     self.reward_scorer = (RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,
                                        config.reward_model_batch)
                           if config.reward_model else None)
@@ -386,7 +385,7 @@ class Worker:
                                     rows_per_prompt=self.config.rows_per_prompt,
                                     record_routes=self.config.routing_replay,
                                     chunk_steps=self.config.decode_chunk_steps,
-                                    respond=self._respond if self.environment else None,
+                                    respond=self._respond if self.environments else None,
                                     max_turns=self.config.max_turns,
                                     respond_threads=self.config.environment_threads,
                                     resume=self._resumable)
@@ -469,7 +468,9 @@ class Worker:
     # The group's version is the oldest its samples were drawn with.
     self._started[key] = (prompt, min(version, prompt.partial_version))
     try:
-      begun = [self._begun_sample(key, j, p) for j, p in enumerate(prompt.partial[:n])]
+      environment = self._environment(prompt)
+      begun = [self._begun_sample(key, j, p, environment)
+               for j, p in enumerate(prompt.partial[:n])]
       self._batch.add(key, self._prompt_tokens(prompt),
                       self._seeds(prompt.id, prompt.partial_version, 0, n), begun)
     except (ValueError, TypeError) as e:  # e.g. another model's ids: not ours to go on
@@ -479,17 +480,18 @@ class Worker:
       return False
     return True
 
-  def _begun_sample(self, key: tuple[str, str], j: int, p: pb.Sample) -> Sample:
-    """Sample j of a partial rollout; multi-turn: its replies restored, and the reply to a
-    turn it had ended appended (or it finishes, as the environment or max_turns says)."""
+  def _begun_sample(self, key: tuple[str, str], j: int, p: pb.Sample, environment) -> Sample:
+    """Sample j of a partial rollout; multi-turn (the `environment` of its prompt's task):
+    its replies restored, and the reply to a turn it had ended appended (or it finishes, as
+    the environment or max_turns says)."""
     tokens, logprobs = np.asarray(p.token_ids, np.int32), sample_logprobs(p)
     observed = sample_observed(p)
     sample = Sample(tokens, logprobs, logprobs, p.finish_reason, observed=observed,
                     routes=routes_of(p.routes) if p.HasField("routes") else None)
-    if self.environment is None and observed is not None and observed.any():
+    if environment is None and observed is not None and observed.any():
       raise ValueError(f"partial sample {j}: holds an environment's replies; this worker "
-                       f"has no worker.environment")
-    if self.environment is None or p.finish_reason or not len(tokens):
+                       f"has no worker.environment for its task")
+    if environment is None or p.finish_reason or not len(tokens):
       return sample
     replies = json.loads(p.metadata.get("replies", "[]"))
     if not isinstance(replies, list):
@@ -511,26 +513,33 @@ class Worker:
         observed=np.concatenate([np.zeros(len(tokens), bool) if observed is None else observed,
                                  fed]))
 
+  def _environment(self, prompt: pb.Prompt):
+    """The environment that answers the prompt's task (None: single-turn)."""
+    return environment_for(self.environments, prompt.task or self.config.default_task)
+
   def _respond(self, key: tuple[str, str], j: int, tokens: np.ndarray,
                observed: np.ndarray) -> list[int] | None:
     """Multi-turn (on a reply thread): the environment's reply to the turn sample j of
     prompt `key` just ended (its tokens so far, the closing stop token last; `observed`:
     which of them earlier replies wrote), as the ids that continue the sample."""
     prompt, _ = self._started[key]
+    environment = self._environment(prompt)
+    if environment is None:  # a single-turn task: the sample ends at its stop token
+      return None
     given = self._given[key].setdefault(j, [])
     turns = [self.tokenizer.decode(t) for t in policy_turns(tokens, observed)]
-    errors = self.environment.errors
-    reply = self.environment(conversation(turns, given), reference_of(prompt))
-    if self.environment.errors > errors and (errors < 5 or errors % 1000 == 0):
+    errors = environment.errors
+    reply = environment(conversation(turns, given), reference_of(prompt))
+    if environment.errors > errors and (errors < 5 or errors % 1000 == 0):
       logging.warning("worker: environment %r raised on prompt %s (%d so far); its error is "
-                      "the reply: %s", self.config.environment, prompt.id, errors + 1, reply)
+                      "the reply: %s", environment.name, prompt.id, errors + 1, reply)
     if reply is None:
       return None
     try:
       ids = self.tokenizer.encode_reply(reply, int(tokens[-1]))
     except ValueError as e:  # e.g. a character the tokenizer lacks: the sample ends here
       logging.warning("worker: environment %r's reply on prompt %s cannot be tokenized (the "
-                      "sample ends): %s", self.config.environment, prompt.id, e)
+                      "sample ends): %s", environment.name, prompt.id, e)
       return None
     if not ids:  # nothing to feed (an empty reply without a template): the sample ends
       return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from algorithms.environments import environment_names
 from rlax_ps.dataclass_flags import setting
 
 
@@ -35,9 +36,12 @@ class WorkerConfig:
                            "the verifiers they @register_verifier can be a prompt's task, "
                            "the environments they @register_environment answer turns")
   environment: str = setting("", "multi-turn: the environment that answers each turn a sample "
-                             "ends (e.g. calculator); '' = one turn")
+                             "ends (e.g. calculator), or environments by task "
+                             "('math=python,chat=calculator'; '*=NAME': the other tasks; a "
+                             "task without one is single-turn); '' = one turn")
   environment_args: str = setting("", "multi-turn: the environment's arguments as a JSON object, "
-                                  "e.g. '{\"timeout_s\": 30}' for python")
+                                  "e.g. '{\"timeout_s\": 30}' for python; with several, an "
+                                  "object of them by environment name")
   max_turns: int = setting(4, "multi-turn: most environment replies per sample")
   environment_threads: int = setting(8, "multi-turn: environment calls run at once (on threads, "
                                      "while decoding goes on); 1 for one that is not "
@@ -82,6 +86,10 @@ class WorkerConfig:
          f"a reward model checkpoint when reward_model_weight={self.reward_model_weight}")
     need(self.max_turns >= 0, "max_turns", "an int >= 0")
     need(self.environment_threads > 0, "environment_threads", "a positive int")
+    try:
+      environment_names(self.environment)
+    except ValueError as e:
+      raise ValueError(f"WorkerConfig.{str(e).removeprefix('worker.')}") from None
     need(not (self.environment and self.allocator == "vigor"), "environment",
          "'' with allocator='vigor' (VIGOR's rounds sample one turn)")
     need(0 <= self.rows_per_prompt <= self.samples_per_prompt, "rows_per_prompt",

@@ -1,5 +1,5 @@
 """Held-out exact match: greedy decoding with the model's KV cache, scored by each task
-(multi-turn with the workers' environment, when the config names one).
+(multi-turn with the workers' environment for the task, when the config names one).
 
 Prompts are left-padded (padding has segment id 0, so no real token attends to it) and
 every row's positions start at 0 at its first real token; decoding then writes one slot per
@@ -17,6 +17,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from algorithms.environments import environment_for
 from algorithms.verifiers import REWARD_MODEL_TASK
 from rlax_ps.models import KVCache
 from rlax_ps.sharding import to_host
@@ -237,12 +238,14 @@ def _budgets(tokenizer: Tokenizer, examples: dict[str, list[Example]],
 def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
               examples: dict[str, list[Example]], *, k: int, temperature: float = 1.0,
               seed: int = 0, batch_size: int = 256, max_new_tokens: int | None = None,
-              environment=None, max_turns: int = 0) -> dict[str, float]:
+              environments: dict | None = None, max_turns: int = 0) -> dict[str, float]:
   """{"pass@1": mean reward of k samples per prompt, "pass@k": mean of each prompt's best
   reward among its k samples (pass/fail tasks: the share of prompts with at least one exact
   answer; a reward model's: its best-of-k score)}, over every held-out example.
   `max_new_tokens`: the decoding budget (default: the longest answer and eos);
-  `environment`, `max_turns`: multi-turn, as `completions`."""
+  `environments` (by task: algorithms.environments.environments_from), `max_turns`:
+  multi-turn, as `completions`; the tasks of each environment decode in one call (seed + its
+  index)."""
   if k < 1 or temperature <= 0:
     raise ValueError(f"pass_at_k: expected k >= 1 and temperature > 0, got k={k}, "
                      f"temperature={temperature}")
@@ -251,11 +254,20 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
   if not flat:
     return {"pass@1": 0.0, f"pass@{k}": 0.0}
   prompt_len, max_new = _budgets(tokenizer, examples, max_new_tokens)
-  texts = completions(graphdef, params, tokenizer, [e.prompt for _, e in flat for _ in range(k)],
+  texts: list[str] = [""] * (len(flat) * k)
+  calls: dict[int, tuple[Any, list[int]]] = {}  # environment (by id) -> its example indices
+  for i, (task, _) in enumerate(flat):
+    env = environment_for(environments or {}, task.name)
+    calls.setdefault(id(env), (env, []))[1].append(i)
+  for g, (env, rows) in enumerate(calls.values()):
+    got = completions(graphdef, params, tokenizer,
+                      [flat[i][1].prompt for i in rows for _ in range(k)],
                       max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
-                      temperature=temperature, seed=seed, environment=environment,
-                      references=[e.answer for _, e in flat for _ in range(k)],
+                      temperature=temperature, seed=seed + g, environment=env,
+                      references=[flat[i][1].answer for i in rows for _ in range(k)],
                       max_turns=max_turns)
+    for n, i in enumerate(rows):
+      texts[i * k:(i + 1) * k] = got[n * k:(n + 1) * k]
   rewards = np.zeros((len(flat), k))
   for task in tasks:
     rows = [i for i, (t, _) in enumerate(flat) if t is task]
@@ -267,10 +279,10 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
 
 def exact_match(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
                 examples: dict[str, list[Example]], *, batch_size: int,
-                max_new_tokens: int | None = None, environment=None,
+                max_new_tokens: int | None = None, environments: dict | None = None,
                 max_turns: int = 0) -> dict[str, float]:
   """{task name: held-out exact-match rate (a reward model's task: its mean score), "all":
-  the mean over every example}; `max_new_tokens`, `environment` and `max_turns` as
+  the mean over every example}; `max_new_tokens`, `environments` and `max_turns` as
   pass_at_k's."""
   prompt_len, max_new = _budgets(tokenizer, examples, max_new_tokens)
   result, hits, total = {}, 0.0, 0
@@ -280,7 +292,8 @@ def exact_match(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
       continue
     texts = completions(graphdef, params, tokenizer, [e.prompt for e in exs],
                         max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
-                        environment=environment, references=[e.answer for e in exs],
+                        environment=environment_for(environments or {}, task.name),
+                        references=[e.answer for e in exs],
                         max_turns=max_turns)
     rewards = rewards_of(task, exs, texts)
     result[task.name] = float(np.mean(rewards))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from algorithms.environments import environment_from
+from algorithms.environments import environments_from
 from algorithms.verifiers import REWARD_MODEL_TASK, load_verifiers
 from rlax_ps.tasks import Example, Task
 from rlax_ps.tokenizers import Tokenizer
@@ -18,11 +18,11 @@ from rlax_ps.train.prompts import config_records
 class Heldout:
   """What exact_match and pass_at_k take: the tasks that score each name, the examples per
   name, the decoding budget (None: each set's longest answer and eos), and the workers'
-  environment and max_turns (multi-turn; None: one turn)."""
+  environments by task and max_turns (multi-turn; none: one turn)."""
   tasks: list[Any]
   examples: dict[str, list[Example]]
   max_new_tokens: int | None
-  environment: Any = None
+  environments: dict = dataclasses.field(default_factory=dict)
   max_turns: int = 0
 
   @property
@@ -67,13 +67,13 @@ def _reward_scorer(worker, tokenizer: Tokenizer | None):
 
 
 def _turns(worker) -> dict[str, Any]:
-  """The environment worker.environment names (after importing worker.verifiers), and
-  worker.max_turns: held-out answers are decoded in as many turns as the workers'."""
-  name = str(worker.get("environment", ""))
-  if not name:
+  """The environments worker.environment names by task (after importing worker.verifiers),
+  and worker.max_turns: held-out answers are decoded in as many turns as the workers'."""
+  spec = str(worker.get("environment", ""))
+  if not spec:
     return {}
   load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
-  return dict(environment=environment_from(name, worker.get("environment_args", "")),
+  return dict(environments=environments_from(spec, worker.get("environment_args", "")),
               max_turns=int(worker.get("max_turns", 4)))
 
 
@@ -83,7 +83,8 @@ def exact_match(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
   return evaluate_lib.exact_match(graphdef, params, tokenizer, heldout.tasks, heldout.examples,
                                   batch_size=int(config.eval.batch_size),
                                   max_new_tokens=heldout.max_new_tokens,
-                                  environment=heldout.environment, max_turns=heldout.max_turns)
+                                  environments=heldout.environments,
+                                  max_turns=heldout.max_turns)
 
 
 def pass_at_k(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
@@ -98,7 +99,8 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
                                 temperature=pass_temperature(config),
                                 seed=int(config.eval.seed),
                                 batch_size=int(config.eval.batch_size),
-                                environment=heldout.environment, max_turns=heldout.max_turns)
+                                environments=heldout.environments,
+                                max_turns=heldout.max_turns)
 
 
 def pass_temperature(config) -> float:

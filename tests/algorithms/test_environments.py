@@ -193,6 +193,31 @@ def test_an_environments_arguments_come_as_json_and_wrong_ones_name_the_field():
       environment_from("python", args)
 
 
+def test_environments_by_task_each_answer_their_tasks_and_the_rest_are_single_turn():
+  from algorithms.environments import environment_for, environments_from
+  one = environments_from("calculator")
+  assert environment_for(one, "math").name == environment_for(one, "any").name == "calculator"
+  assert environments_from("") == {}
+  envs = environments_from("math=python, arith=calculator,sums=calculator",
+                           '{"python": {"max_output_chars": 20}}')
+  assert environment_for(envs, "arith") is environment_for(envs, "sums")  # one instance
+  assert environment_for(envs, "chat") is None  # single-turn
+  long = environment_for(envs, "math")(said("```python\nprint('z' * 99)\n```"), None)
+  assert long == "<output>\n" + "z" * 16 + " ...\n</output>"  # its own arguments
+  fallback = environments_from("math=python,*=calculator")
+  assert environment_for(fallback, "chat").name == "calculator"
+  for spec, args, message in (
+      ("math=python,math=calculator", "", "worker.environment: expected NAME or TASK=NAME,"
+                                          "... with each task once.*item 1"),
+      ("math=", "", "worker.environment: expected NAME or TASK=NAME"),
+      ("math=nope", "", "worker.environment: expected one of"),
+      ("math=python", '{"max_output_chars": 20}',
+       r"worker.environment_args: with environments by task, expected their arguments by "
+       r"environment name \(\['python'\]\), got \['max_output_chars'\]")):
+    with pytest.raises(ValueError, match=message):
+      environments_from(spec, args)
+
+
 def test_a_turn_that_is_itself_the_call_is_answered_as_llama_and_mistral_write_them(tools):
   env = make_environment("tool_calls")
   llama = '{"name": "shout", "parameters": {"text": "hi"}}'  # <|python_tag|> is not text

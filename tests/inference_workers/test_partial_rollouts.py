@@ -251,9 +251,9 @@ def test_a_worker_without_the_environment_will_not_resume_replies_as_its_own_tok
   worker = Worker(None, CONFIG, TOKENIZER, WorkerConfig())
   begun = make_sample([5, 6, 7], 0.0, logprobs=np.zeros(3), observed=np.array([0, 1, 0], bool))
   with pytest.raises(ValueError, match="partial sample 0: holds an environment's replies"):
-    worker._begun_sample(("lease", "p0"), 0, begun)
+    worker._begun_sample(("lease", "p0"), 0, begun, None)
   plain = make_sample([5, 6, 7], 0.0, logprobs=np.zeros(3))
-  assert worker._begun_sample(("lease", "p0"), 0, plain).tokens.tolist() == [5, 6, 7]
+  assert worker._begun_sample(("lease", "p0"), 0, plain, None).tokens.tolist() == [5, 6, 7]
 
 
 def test_a_reply_not_fed_whole_is_left_out_of_a_partial_rollout():

@@ -22,6 +22,7 @@ from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
 from rlax_ps.sync import device
 from rlax_ps.models import Transformer, flatten_params
+from rlax_ps.tasks import get_task
 from rlax_ps.train.rl import group_of, routing_shape
 from rlax_ps.train.rollouts import BatchShape, check_group
 from worker_testlib import (CONFIG, MODEL, REPO, SMALL, TOKENIZER, TOKENS, ManyStops, client,
@@ -346,6 +347,8 @@ def test_sigkill_leaves_leases_that_expire_and_are_served_again(server, versions
 
 
 def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(server, versions):
+  """worker.environment by task: the addition prompts' turns are answered, and their
+  replies reach the trainer marked; the reversal prompts' samples end at their first turn."""
   from algorithms.environments import ENVIRONMENTS, register_environment
   from rlax_ps.train.rollouts import build_batch
 
@@ -362,17 +365,29 @@ def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(s
     with client(server, "trainer") as trainer, client(server, "worker") as wc:
       trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
       enqueue_addition(trainer, 2)
+      examples = get_task("reversal").examples("train", 0, 2)
+      trainer.enqueue_prompts([pb.Prompt(id=f"r{i}", text=e.prompt, task="reversal",
+                                         extra=e.answer.encode())
+                               for i, e in enumerate(examples)])
       worker = Worker(wc, CONFIG, tok, WorkerConfig(
-          max_leases=1, environment="test_ok", max_turns=3,
+          max_leases=2, environment="addition=test_ok", max_turns=3,
           **dict(SMALL, max_new_tokens=24)))
       stats = worker.run()
-      assert stats.groups_submitted == 2 and stats.replies > 0
+      assert stats.groups_submitted == 4 and stats.replies > 0
       take = trainer.take_rollouts(min_version=0, max_n=10)
   finally:
     ENVIRONMENTS.pop("test_ok")
   reply = tok.encode("<ok>")
   marked = 0
+  single = [r for r in take.rollouts if r.prompt.task == "reversal"]
+  assert len(single) == 2
+  for r in single:  # no environment for reversal: one turn, ended by its first stop token
+    for s in r.group.samples:
+      assert not s.observed or not any(s.observed)
+      assert not [t for t in s.token_ids[:-1] if t in tok.stop_ids]
   for r in take.rollouts:
+    if r.prompt.task == "reversal":
+      continue
     for s in r.group.samples:
       ids, lp = np.asarray(s.token_ids), sample_logprobs(s)
       seen = np.frombuffer(s.observed, np.uint8).astype(bool) if s.observed else np.zeros(
@@ -425,6 +440,11 @@ def test_bad_batching_settings_are_named():
   with pytest.raises(ValueError, match="WorkerConfig.environment: expected '' with "
                                        "allocator='vigor'"):
     WorkerConfig(environment="calculator", allocator="vigor")
+  with pytest.raises(ValueError, match="WorkerConfig.environment: expected NAME or TASK=NAME"):
+    WorkerConfig(environment="math=python,code")
+  with pytest.raises(ValueError, match="WorkerConfig.checkpoint_s: expected a number of "
+                                       "seconds >= 0, got -1"):
+    WorkerConfig(checkpoint_s=-1)
   with pytest.raises(ValueError, match="WorkerConfig.max_turns: expected an int >= 0"):
     WorkerConfig(max_turns=-1)
   with pytest.raises(ValueError, match="WorkerConfig.environment_threads: expected a positive"):

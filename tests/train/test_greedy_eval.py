@@ -230,3 +230,31 @@ def test_a_reward_model_scores_held_out_answers_as_transformers_does(model, rewa
   want = float(ref["conversation_score"][0])
   assert got == {"reward_model": pytest.approx(want, rel=2e-5, abs=2e-5),
                  "all": pytest.approx(want, rel=2e-5, abs=2e-5)}
+
+
+def test_held_out_tasks_decode_with_their_own_environment(model, monkeypatch):
+  """worker.environment by task: each task's prompts decode with its environment (or none),
+  greedy and sampled; the tasks of one environment share a sampling call."""
+  graphdef, params = model
+  calls = []
+
+  def fake(g, p, tok, prompts, *, environment=None, seed=0, **kw):
+    calls.append((sorted(set(prompts)), environment, seed))
+    return ["0"] * len(prompts)
+
+  monkeypatch.setattr(evaluate, "completions", fake)
+  calc = object()
+  envs = {"addition": calc, "*": None}
+  add, rev = get_task("addition"), get_task("reversal")
+  examples = {"addition": [Example("1+2=", "3")], "reversal": [Example("rev ab=", "ba")]}
+  evaluate.exact_match(graphdef, params, TOK, [add, rev], examples, batch_size=4,
+                       environments=envs, max_new_tokens=4)
+  assert calls == [(["1+2="], calc, 0), (["rev ab="], None, 0)]
+  calls.clear()
+  evaluate.pass_at_k(graphdef, params, TOK, [add, rev], examples, k=2, seed=7,
+                     environments=envs, max_new_tokens=4)
+  assert calls == [(["1+2="], calc, 7), (["rev ab="], None, 8)]
+  calls.clear()
+  evaluate.pass_at_k(graphdef, params, TOK, [add, rev], examples, k=2, seed=7,
+                     max_new_tokens=4)  # single-turn: one call, as ever
+  assert calls == [(["1+2=", "rev ab="], None, 7)]
