@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # Test modules run side by side in one process per core (at most 4): most of a cold run is
 # single-threaded XLA and numba compilation. XDIST="" runs them in one process.
-XDIST ?= --numprocesses=auto --maxprocesses=4 --dist=loadscope
+XDIST ?= --numprocesses=auto --maxprocesses=4 --dist=loadscope --no-loadscope-reorder
 # Extra flags for `make run`, e.g. RUN_ARGS="--config.rl.max_seconds=120".
 RUN_ARGS ?=
 

@@ -23,3 +23,23 @@ jax.config.update(
     "jax_compilation_cache_dir",
     os.environ.get("RLAX_PS_JAX_CACHE", os.path.expanduser("~/.cache/rlax_ps/jax")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+# The longest modules first (about 30-100 s each on 2 cores; the rest follow in collection
+# order). xdist hands out whole modules in this order (`make test` passes
+# --no-loadscope-reorder, whose default orders them by test count): a long one handed out
+# last would leave the other process idle at the end.
+_LONGEST_FIRST = [
+    "tests/test_local.py", "tests/train/test_rl_loss.py", "tests/models/test_hf_parity.py",
+    "tests/train/test_lora.py", "tests/kernels/test_packed_model_logprobs.py",
+    "tests/inference_workers/test_continuous_batching.py", "tests/train/test_rl_trainer.py",
+    "tests/inference_workers/test_worker_loop.py", "tests/train/test_multihost.py",
+    "tests/train/test_sharding_equivalence.py", "tests/inference_workers/test_multi_turn.py",
+    "tests/kernels/test_shared_prompt_window.py", "tests/models/test_routing_replay.py",
+    "tests/param_server/test_weight_store.py", "tests/train/test_rl_chat.py",
+    "tests/test_notebooks.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {m: i for i, m in enumerate(_LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
