@@ -226,6 +226,7 @@ def summary_table(summary: dict[str, Any]) -> str:
       ("sync: seconds per delta", "", f"{sync.get('delta_seconds_mean', 0):.3f}"),
       ("sync: keyframe bytes", "", f"{sync.get('keyframe_bytes', 0):,}"),
       ("stale groups dropped", "", str(summary.get("dropped_stale", 0))),
+      ("samples resumed after a worker stopped", "", str(summary.get("samples_resumed", 0))),
   ]
   if "filtered" in summary:
     rows.append(("all-equal-reward groups left out / filled", "",

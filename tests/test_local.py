@@ -182,6 +182,7 @@ def test_the_summary_table_shows_groups_left_out_and_a_reward_models_scores():
   table = local.summary_table({**summary, "filtered": 6, "filled": 3})
   assert re.search(r"all-equal-reward groups left out / filled\s+6 / 3$", table, re.M)
   assert re.search(r"^  all\s+50\.0%\s+75\.0%$", table, re.M)
+  assert re.search(r"^samples resumed after a worker stopped\s+0$", table, re.M)
   # Held-out prompts a reward model scores: its mean scores, not percentages.
   table = local.summary_table({**summary, "warm_start": {"reward_model": -0.5, "all": -0.5},
                                "heldout_exact_match": {"reward_model": 0.25, "all": 0.25},

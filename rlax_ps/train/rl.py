@@ -100,7 +100,13 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                policy_version=int(taken.group.policy_version),
                prompt_routes=routes_of(taken.group.prompt_routes) if routed else None,
                response_routes=tuple(routes_of(s.routes) for s in samples) if routed else None,
-               observed=observed if any(o is not None for o in observed) else None)
+               observed=observed if any(o is not None for o in observed) else None,
+               resumed=_count(taken.group.metadata.get("resumed_samples", "")))
+
+
+def _count(text: str) -> int:
+  """A count a worker wrote as metadata; 0 when absent or not a count."""
+  return int(text) if text.isdigit() else 0
 
 
 def routing_shape(model_config, worker) -> dict[str, int]:
@@ -191,6 +197,7 @@ class RLTrainer(TrainerRun):
     self.solved: set[int] = set()  # records whose group was all correct (rl.retire_solved)
     self.retired = 0  # feed positions passed over as solved
     self.trained_rollouts = 0
+    self.resumed_samples = 0  # trained samples that a stopped worker began
     self.pending: list[PendingTake] = []  # takes trained on, not yet in a durable checkpoint
     self.saved_version = -1
     self.warm_start_eval: dict[str, float] | None = None
@@ -244,6 +251,7 @@ class RLTrainer(TrainerRun):
         "solved": sorted(self.solved),
         "retired": self.retired,
         "trained_rollouts": self.trained_rollouts,
+        "resumed_samples": self.resumed_samples,
         "version": self.version,
         "pending_takes": [dataclasses.asdict(t) for t in self.pending],
         "warm_start_eval": self.warm_start_eval,
@@ -257,6 +265,7 @@ class RLTrainer(TrainerRun):
     self.solved = set(saved.get("solved", []))
     self.retired = int(saved.get("retired", 0))
     self.trained_rollouts = int(saved.get("trained_rollouts", 0))
+    self.resumed_samples = int(saved.get("resumed_samples", 0))
     self.saved_version = int(saved["version"])
     self.pending = [PendingTake(**t) for t in saved.get("pending_takes", [])]
     self.warm_start_eval = saved.get("warm_start_eval")
@@ -347,6 +356,7 @@ class RLTrainer(TrainerRun):
         record = {}  # the leader's log line; the other processes do the same device work
         if self.leader:
           self.trained_rollouts += len(groups)
+          self.resumed_samples += sum(g.resumed for g in groups)
           record = self._step_record(done, groups, batch, metrics,
                                      samples / (time.time() - t0))
         if done % self.publish_every == 0:
@@ -548,6 +558,7 @@ class RLTrainer(TrainerRun):
         "rollout_ids": [g.rollout_id for g in groups],
         "reward_mean": float(batch["rewards"][mask].mean()),
         "pass_at_n": float(np.mean([g.rewards.max() >= 1.0 for g in groups])),
+        "resumed_samples": sum(g.resumed for g in groups),
         "staleness_mean": float(np.mean(staleness)),
         "rollouts_per_s": rollouts_per_s,
         "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac", 0.0),
@@ -569,6 +580,7 @@ class RLTrainer(TrainerRun):
     w.add_scalar("rollouts/reward_mean", record["reward_mean"], step)
     w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
     w.add_scalar("rollouts/per_second", record["rollouts_per_s"], step)
+    w.add_scalar("rollouts/resumed_samples", record["resumed_samples"], step)
     for k in ("response_len_mean", "response_len_max", "truncated_frac", "env_replies_mean",
               "env_token_frac"):
       if k in record:  # (the env_ ones: multi-turn groups only)
@@ -593,6 +605,7 @@ class RLTrainer(TrainerRun):
     summary: dict[str, Any] = {"step": self.step, "version": self.version, "seconds": seconds,
                                "steps_this_run": self.step - start_step,
                                "rollout_groups_trained": self.trained_rollouts,
+                               "samples_resumed": self.resumed_samples,
                                "warm_start": self.warm_start_eval}
     if self.heldout.size:
       summary["heldout_exact_match"] = self.evaluate()

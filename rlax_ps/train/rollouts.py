@@ -66,6 +66,8 @@ class Group:
   # Multi-turn: per sample, True on the tokens an environment wrote (no loss), or None for a
   # sample that is all the policy's; None: every sample is.
   observed: tuple[np.ndarray | None, ...] | None = None
+  # Samples a stopped or killed worker began and another finished (partial rollouts).
+  resumed: int = 0
 
 
 def check_group(group: Group, shape: BatchShape) -> None:

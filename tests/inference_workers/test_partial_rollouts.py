@@ -51,9 +51,11 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
                                   for pid, ps in begun.items()])
     second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
     second.run()
-    groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
+    taken = trainer.take_rollouts(0, 10).rollouts
+    groups = {r.group.prompt_id: r.group for r in taken}
   assert sorted(groups) == ["p0", "p1"] and second.stats.groups_submitted == 2
   assert_finished_as_begun(second, groups, begun, altered=("p0", 0))
+  assert all(group_of(t, TOKENIZER).resumed == 3 for t in taken)  # what the trainer counts
 
 
 def assert_finished_as_begun(worker, groups, begun, altered=None):

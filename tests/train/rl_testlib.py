@@ -36,7 +36,9 @@ class FakeWorker:
   """Leases prompts and submits groups of `samples` random responses (reward 1 on even
   samples, behaviour log-probs -1.5) with the latest version, until `limit` groups or
   `stop()`. `submitted` holds the accepted rollout ids. With `uniform_every` = u > 0, every
-  u-th group (the 1st, the (u+1)-th, ...) has all rewards 0; `uniform` holds their ids."""
+  u-th group (the 1st, the (u+1)-th, ...) has all rewards 0; `uniform` holds their ids.
+  Group i says that i % 3 of its samples were resumed from a stopped worker's
+  (`resumed_samples`)."""
 
   def __init__(self, address, *, samples=4, limit=None, vocab=60, max_len=6, seed=0,
                uniform_every=0):
@@ -65,7 +67,8 @@ class FakeWorker:
       toks = self.rng.integers(3, self.vocab, int(self.rng.integers(1, self.max_len + 1)))
       reward = 0.0 if uniform else float(j % 2 == 0)
       samples.append(make_sample(toks, reward, logprobs=np.full(len(toks), -1.5)))
-    return RolloutGroup(prompt_id=prompt_id, samples=samples, policy_version=version)
+    return RolloutGroup(prompt_id=prompt_id, samples=samples, policy_version=version,
+                        metadata={"resumed_samples": str(len(self.submitted) % 3)})
 
   def _run(self):
     try:

@@ -73,12 +73,33 @@ def test_each_step_trains_on_whole_distinct_groups(run):
   assert all(len(s["rollout_ids"]) == 4 for s in steps)  # rl.groups_per_step
   assert len(ids) == len(set(ids)) and set(ids) <= set(run["worker"].submitted)
   assert run["summary"]["rollout_groups_trained"] == 16
+  # Samples a stopped worker began, as the groups said (the i-th submitted: i % 3 of them).
+  resumed = {r: i % 3 for i, r in enumerate(run["worker"].submitted)}
+  assert [s["resumed_samples"] for s in steps] == [
+      sum(resumed[i] for i in s["rollout_ids"]) for s in steps]
+  assert run["summary"]["samples_resumed"] == sum(resumed[i] for i in ids) > 0
   # The fake worker rewards half of each group: the batch's mean reward is 0.5.
   assert all(s["reward_mean"] == pytest.approx(0.5) for s in steps)
   # Its responses hold 1 to 6 tokens, under the 8-token budget: none is truncated.
   assert all(1 <= s["response_len_mean"] <= s["response_len_max"] <= 6 for s in steps)
   assert all(s["truncated_frac"] == 0.0 for s in steps)
   assert all(0 < s["entropy"] for s in steps)  # the trainer's policy, from the loss pass
+
+
+def test_a_groups_resumed_samples_are_read_from_its_metadata_and_junk_counts_none():
+  from param_server.client import make_sample
+  from param_server.protos import param_server_pb2 as pb
+  from rlax_ps.tokenizers import CharTokenizer
+  from rlax_ps.train.rl import group_of
+
+  def taken(meta):
+    return pb.TakenRollout(rollout_id=1, prompt=pb.Prompt(id="p", token_ids=[1, 2]),
+                           group=pb.RolloutGroup(prompt_id="p", metadata=meta, samples=[
+                               make_sample(np.array([5]), 1.0, logprobs=np.zeros(1))]))
+  tok = CharTokenizer()
+  assert group_of(taken({"resumed_samples": "3"}), tok).resumed == 3
+  assert [group_of(taken(m), tok).resumed for m in ({}, {"resumed_samples": "x"},
+                                                     {"resumed_samples": "-1"})] == [0, 0, 0]
 
 
 def test_every_taken_group_is_acknowledged_after_the_final_checkpoint(run):
