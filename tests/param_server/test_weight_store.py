@@ -96,6 +96,7 @@ def _compaction_peak(root: str) -> tuple[float, int]:
   return _rss_mib("VmHWM") - before, len(blobs[0])
 
 
+@pytest.mark.slow  # a memory figure (benchmarks/param_server.py shows the server's whole)
 def test_compacting_a_chain_holds_little_more_than_one_model(tmp_path):
   # In a fresh process: a test process's earlier allocations blur its peak.
   run = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True,
