@@ -17,6 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from child_env import child_env
 from param_server import auth
 from ports import free_port
 
@@ -333,7 +334,7 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
     sft = subprocess.run([sys.executable, "-m", "rlax_ps", "sft", "--config=configs/sft_tiny.py:tiny",
                           f"--workdir={tmp_path / 'model'}", "--progress=false"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300,
-                         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                         env=child_env())
     assert sft.returncode == 0, sft.stderr[-3000:]
     volumes["model"] = tmp_path / "model" / "hf"
   port, metrics_port = free_port(), free_port()
@@ -349,7 +350,7 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
         text = re.sub(rf"(^|=){re.escape(path)}(?=/|$)", lambda m: m.group(1) + str(local), text)
       return text
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "_TOKEN" not in k}
+    env = child_env(tokens=False)
     for e in c.get("env", []):
       source = e.get("valueFrom", {})
       if "secretKeyRef" in source:

@@ -16,13 +16,14 @@ import time
 
 import pytest
 
+from child_env import child_env
 from rlax_ps import local
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _local(workdir, *extra, timeout=400, config="configs/rl_local.py:tiny"):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   return subprocess.run([sys.executable, "-m", "rlax_ps", "local", f"--config={config}",
                          f"--workdir={workdir}", "--progress=false", *extra],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -82,7 +83,7 @@ def test_tokens_stay_in_an_owner_only_file(run):
 
 
 def _eval(*flags):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   return subprocess.run([sys.executable, "-m", "rlax_ps", "eval", "--config=configs/rl_local.py:tiny",
                          *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -109,7 +110,7 @@ def test_sigterm_stops_every_child_and_exits_143(run, tmp_path):
   must stop them all, not leave a server, trainer and workers running."""
   workdir, _ = run
   shutil.copytree(workdir / "sft", tmp_path / "sft")  # the warm start, reused
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   proc = subprocess.Popen([sys.executable, "-m", "rlax_ps", "local",
                            "--config=configs/rl_local.py:tiny", f"--workdir={tmp_path}",
                            "--progress=false", "--config.rl.steps=1000"],

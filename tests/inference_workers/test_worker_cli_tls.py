@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from child_env import child_env
 from param_server.client import ParamServerClient, Prompt, RetryPolicy
 from param_server.server import ParamServer, ServerConfig
 from rlax_ps import config_files, sync
@@ -31,7 +32,7 @@ def _self_signed(tmp_path):
 
 
 def _worker(address, token_file, *extra):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "_TOKEN" not in k}
+  env = child_env(tokens=False)
   return subprocess.run([sys.executable, "-m", "rlax_ps", "worker", f"--config={CONFIG}",
                          f"--address={address}", f"--token_file={token_file}", "--max_leases=1",
                          "--backoff_max_s=0.5", *extra],

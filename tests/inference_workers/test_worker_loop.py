@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from child_env import child_env
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
@@ -275,8 +276,7 @@ def spawn_worker(tmp_path, address, **flags):
             tokenizer=dict(kind="char"), model=dict(vocab_size=0, **{MODEL!r})))
       """))
   args = [f"--{k}={v}" for k, v in flags.items()]
-  env = dict(os.environ, RLAX_PS_WORKER_TOKEN=TOKENS["worker"], JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = dict(child_env(), RLAX_PS_WORKER_TOKEN=TOKENS["worker"], JAX_PLATFORMS="cpu")
   return subprocess.Popen(
       [sys.executable, "-m", "rlax_ps", "worker", f"--address={address}", f"--config={config}",
        *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

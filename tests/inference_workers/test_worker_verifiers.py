@@ -10,6 +10,7 @@ import sys
 import numpy as np
 from flax import nnx
 
+from child_env import child_env
 from param_server.client import ParamServerClient, Prompt, RetryPolicy
 from param_server.server import ParamServer, ServerConfig
 from rlax_ps import config_files, sync
@@ -22,7 +23,7 @@ FIXTURE = "tests/fixtures/user_verifiers.py"
 
 
 def _worker(address, token_file, *extra):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "_TOKEN" not in k}
+  env = child_env(tokens=False)
   return subprocess.run([sys.executable, "-m", "rlax_ps", "worker",
                          "--config=configs/rl_local.py:tiny", f"--address={address}",
                          f"--token_file={token_file}", "--max_leases=1", "--backoff_max_s=0.5",

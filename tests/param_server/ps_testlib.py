@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 
+from child_env import child_env
 from param_server.client import ParamServerClient, RetryPolicy
 from param_server.server import ServerConfig
 from rlax_ps import sync
@@ -72,8 +73,7 @@ def spawn_server(storage_dir, *extra_flags):
   flags = ["--config=configs/param_server.py:tiny", f"--storage_dir={storage_dir}", "--port=0", f"--chunk_bytes={CHUNK}",
            f"--max_chunk_bytes={CHUNK}", "--reap_interval_s=0.05", "--threads=32",
            "--nocompact_in_background"]
-  env = dict(os.environ, **{f"RLAX_PS_{r.upper()}_TOKEN": t for r, t in TOKENS.items()})
-  env.pop("XLA_FLAGS", None)
+  env = dict(child_env(), **{f"RLAX_PS_{r.upper()}_TOKEN": t for r, t in TOKENS.items()})
   proc = subprocess.Popen([sys.executable, "-m", "rlax_ps", "serve", *flags, *extra_flags], cwd=REPO,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
   line = proc.stdout.readline()

@@ -5,7 +5,6 @@ server and writes logs and exports; each run must end cleanly on both processes 
 what it published or exported equal to what it checkpointed."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from child_env import child_env
 from ports import free_port
 from rl_testlib import REPO, TOKENS, FakeWorker, rl_config, start_server
 from rlax_ps import sharding as shd
@@ -31,8 +31,7 @@ STEPS, GROUPS = 4, 4  # the :tiny config's groups_per_step
 
 def _launch(tmp, job, config, *args):
   """Two processes of `rlax-ps job` on one coordinator, params sharded over both."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  env = child_env(devices=2)
   coordinator = f"127.0.0.1:{free_port()}"
   procs = []
   for i in range(2):

@@ -4,19 +4,19 @@ SIGTERM), and the rollout groups that reached training (the steps that survive) 
 compared with those submitted."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
+from child_env import child_env
 from rl_testlib import REPO, TOKENS, FakeWorker, client, start_server
 
 STEPS, GROUPS = 6, 4  # the :tiny config's groups_per_step
 
 
 def _trainer(tmp, address):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   log = open(tmp / "trainer.log", "ab")
   proc = subprocess.Popen(
       [sys.executable, "-m", "rlax_ps", "train", "--config=configs/rl_local.py:tiny",
