@@ -110,8 +110,7 @@ MOE = MODEL.replace(num_layers=2, architecture="qwen3", qk_norm=True, num_expert
 
 
 @pytest.mark.parametrize("model,moved", [
-    pytest.param(GEMMA, ("layers", 0, "attn_out_norm", "scale"),
-                 marks=pytest.mark.slow),  # dense (above) and MoE stay in the default suite
+    (GEMMA, ("layers", 0, "attn_out_norm", "scale")),
     (MOE, ("layers", 0, "mlp", "experts", "down_proj"))], ids=["gemma", "moe"])
 def test_other_families_step_as_on_one_device(model, moved, optimizer):
   # Gemma 3's sandwich and q/k norms, soft-capped logits and a window cutting the 32-token
