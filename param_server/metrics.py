@@ -20,6 +20,8 @@ COUNTERS = {
     "rollouts_duplicate": "duplicate submissions of accepted groups (acknowledged, not kept)",
     "rollouts_stale_dropped": "groups dropped as older than the trainer's staleness floor",
     "leases_expired": "leases that expired, their prompts returned to the queue",
+    "prompts_resumed": "prompts leased again with samples a stopped or killed worker began",
+    "samples_resumed": "begun samples handed to the next worker to continue",
     "bytes_served": "weight bytes sent to pulls",
     "pulls_served": "pulls served",
     "errors": "requests rejected (bad input or auth)",

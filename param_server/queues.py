@@ -239,6 +239,10 @@ class PromptRolloutQueues:
       r = record.lease
       for pid in r.prompt_ids:
         del self.queue[pid]
+        begun = sum(bool(s.token_ids) for s in self.prompts[pid].partial)
+        if begun:
+          self.counters["prompts_resumed"] += 1
+          self.counters["samples_resumed"] += begun
       self.leases[r.lease_id] = LeaseState(r.lease_id, r.worker_id, list(r.prompt_ids), r.deadline_unix_s)
     elif op == "renew":
       self.leases[record.renew.lease_id].deadline = record.renew.deadline_unix_s
@@ -323,6 +327,8 @@ class PromptRolloutQueues:
         rollouts_duplicate=self.counters["rollouts_duplicate"],
         rollouts_stale_dropped=self.counters["rollouts_stale_dropped"],
         leases_expired=self.counters["leases_expired"],
+        prompts_resumed=self.counters["prompts_resumed"],
+        samples_resumed=self.counters["samples_resumed"],
         acked_takes=list(self.acked_takes))
     for lease in list(self.closed_leases.values()) + list(self.leases.values()):
       snap.leases.append(pb.WalLeaseState(
@@ -364,7 +370,8 @@ class PromptRolloutQueues:
     self.next_rollout_id = snap.next_rollout_id
     self.counters = collections.Counter(
         rollouts_accepted=snap.rollouts_accepted, rollouts_duplicate=snap.rollouts_duplicate,
-        rollouts_stale_dropped=snap.rollouts_stale_dropped, leases_expired=snap.leases_expired)
+        rollouts_stale_dropped=snap.rollouts_stale_dropped, leases_expired=snap.leases_expired,
+        prompts_resumed=snap.prompts_resumed, samples_resumed=snap.samples_resumed)
 
   # ------------------------------------------------------------ time-driven changes
 
@@ -648,7 +655,9 @@ class PromptRolloutQueues:
           rollouts_accepted=self.counters["rollouts_accepted"],
           rollouts_duplicate=self.counters["rollouts_duplicate"],
           rollouts_stale_dropped=self.counters["rollouts_stale_dropped"],
-          leases_expired=self.counters["leases_expired"])
+          leases_expired=self.counters["leases_expired"],
+          prompts_resumed=self.counters["prompts_resumed"],
+          samples_resumed=self.counters["samples_resumed"])
 
   def close(self) -> None:
     with self._lock:

@@ -282,6 +282,10 @@ def test_renewals_carrying_begun_samples_keep_the_log_within_a_few_times_the_sta
   q.expire_due()
   (a,) = q.lease("w2", 1, 10.0).prompts
   assert list(a.partial[0].token_ids) == list(range(200))  # the last checkpoint
+  q._wal.rewrite(pb.WalRecord(snapshot=q._snapshot()))
+  q.close()
+  q = make_queues(tmp_path / "compacted", clock)  # the counts come back with the snapshot
+  assert (q.depths()["prompts_resumed"], q.depths()["samples_resumed"]) == (1, 1)
   q.close()
 
 
@@ -336,6 +340,8 @@ def test_samples_sent_with_a_renewal_go_back_with_the_prompts_of_an_expired_leas
   again = {p.id: p for p in q.lease("w3", 2, 10.0).prompts}
   assert list(again["a"].partial) == later and again["a"].partial_version == 2
   assert not again["c"].partial
+  counts = q.depths()
+  assert (counts["prompts_resumed"], counts["samples_resumed"]) == (1, 2)
   q.close()
 
 

@@ -1,5 +1,6 @@
 """Prompts, leases, rollouts and workers over gRPC: each RPC's happy path and its status codes."""
 
+import re
 import subprocess
 import sys
 import threading
@@ -102,6 +103,9 @@ def test_partial_rollouts_released_with_a_prompt_reach_the_next_lease(trainer, w
       prompt_id="p0", samples=[begun], policy_version=0)]) == 1
   again = worker.lease(1, deadline_s=30).prompts[0]
   assert again.id == "p0" and list(again.partial) == [begun] and again.partial_version == 0
+  stats = trainer.stats()
+  assert (stats.prompts_resumed, stats.samples_resumed) == (1, 1)
+  assert re.search(r"prompts resumed\s+1 \(1 begun samples continued\)", format_stats(stats))
 
 
 def test_lease_long_poll_wakes_when_prompts_arrive(trainer, worker):
