@@ -13,12 +13,12 @@ With an `environment` for a prompt's task, each turn a sample ends is answered b
 (multi-turn rollouts), on `environment_threads` threads while the other rows decode on: the
 reply is rendered as the next message and the sample goes on; the verifier scores the whole.
 
-New versions are pulled by the heartbeat thread while generation runs and applied in place:
-by default once the prompts started on the held version have finished (new prompts wait),
-so a group is sampled by one version, the one it carries; with `in_flight_updates` between
-decode chunks at once, a group then carrying the oldest version it was sampled with (its
-per-token behaviour log-probs stay exact). An unreachable server is retried with capped
-exponential backoff.
+New versions are pulled on a thread of their own as the heartbeat hears of them, while
+generation runs, and applied in place: by default once the prompts started on the held
+version have finished (new prompts wait), so a group is sampled by one version, the one it
+carries; with `in_flight_updates` between decode chunks at once, a group then carrying the
+oldest version it was sampled with (its per-token behaviour log-probs stay exact). An
+unreachable server is retried with capped exponential backoff.
 """
 
 from __future__ import annotations
@@ -125,6 +125,10 @@ class Worker:
     self._salvage_at = math.inf  # stopping: when running samples go back as partial rollouts
     self._done = threading.Event()  # set when run() returns
     self._beat_now = threading.Event()  # wakes the heartbeat early: a new version is held
+    # The newest version the heartbeat heard of, for the prefetch thread to pull (a long
+    # pull must not silence the heartbeat: the server expires a silent worker's leases).
+    self._latest_heard = -1
+    self._pull_now = threading.Event()
     self._lock = threading.Lock()
     self._inflight: dict[str, set[str]] = {}  # lease id -> prompt ids not yet answered
     self._lease_deadline: dict[str, float] = {}
@@ -246,10 +250,12 @@ class Worker:
     self._done.clear()
     self._beat_now.set()  # the first heartbeat goes out as soon as the worker registers
     heartbeat = threading.Thread(target=self._heartbeat_loop, name="worker-heartbeat", daemon=True)
+    puller = threading.Thread(target=self._prefetch_loop, name="worker-prefetch", daemon=True)
     try:
       self._with_backoff(lambda: self.client.register(self.config.name))
       if not self.stopping:  # registered (a stop during the retries leaves no worker id)
         heartbeat.start()
+        puller.start()
       while True:
         if self._continuous:
           if not (self._may_lease() or self._pending or self._started):
@@ -265,8 +271,10 @@ class Worker:
       self._release_all()
       self._done.set()
       self._beat_now.set()
-      if heartbeat.is_alive():  # let an in-flight heartbeat or prefetch finish: a daemon
-        heartbeat.join(_HEARTBEAT_JOIN_S)  # thread inside gRPC at interpreter exit aborts
+      self._pull_now.set()
+      for thread in (heartbeat, puller):  # let an in-flight heartbeat or pull finish: a
+        if thread.is_alive():  # daemon thread inside gRPC at interpreter exit aborts
+          thread.join(_HEARTBEAT_JOIN_S)
     return self.stats
 
   def _with_backoff(self, fn: Callable[[], Any]) -> Any:
@@ -788,13 +796,25 @@ class Worker:
       if self._done.is_set():
         return
       try:
-        latest = self.client.heartbeat(
+        self._latest_heard = self.client.heartbeat(
             -1 if self.policy.version is None else self.policy.version, self._tokens_per_s)
-        self.prefetch(latest)
+        self._pull_now.set()
       except ParamServerError as e:  # the server is away: renewals would fail alike
         logging.warning("worker: heartbeat failed: %s", e)
       else:
         self._renew_leases()
+
+  def _prefetch_loop(self) -> None:
+    """Pull the updates past the held version as the heartbeat hears of them (`prefetch`)."""
+    while True:
+      self._pull_now.wait()
+      self._pull_now.clear()
+      if self._done.is_set():
+        return
+      try:
+        self.prefetch(self._latest_heard)
+      except ParamServerError as e:
+        logging.warning("worker: prefetch failed: %s", e)
 
   def _renew_leases(self) -> None:
     """Renew the leases past half their deadline and those with begun samples to carry."""

@@ -390,6 +390,18 @@ class PromptRolloutQueues:
         changes += 1
     return changes
 
+  @_durable
+  def expire_leases_of(self, worker_ids: Sequence[str]) -> dict[str, int]:
+    """Expires now the open leases of these workers (silent ones, presumed dead): their
+    prompts go back to the queue as at a deadline. Returns {lease id: prompts returned}."""
+    silent, out = set(worker_ids), {}
+    with self._lock:
+      for lease in [l for l in self.leases.values() if l.worker_id in silent and not l.closed]:
+        out[lease.lease_id] = len(lease.open_ids)
+        self._commit(pb.WalRecord(returned=pb.WalReturn(
+            lease_id=lease.lease_id, prompt_ids=lease.open_ids, expired=True)))
+    return out
+
   def _wait(self, ready: Callable[[], bool], wait_s: float) -> None:
     end = time.monotonic() + wait_s
     while not ready():

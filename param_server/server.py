@@ -56,6 +56,10 @@ class ServerConfig:
   compact_in_background: bool = setting(True, "compact the delta chain in a background thread")
   cache_bytes: int = setting(32 << 20, "recently read chunks kept in memory, shared by concurrent pulls")
   heartbeat_interval_s: float = setting(10.0, "heartbeat period asked of workers; 3 missed = not alive")
+  silent_worker_heartbeats: float = setting(
+      6.0, "a worker silent this many heartbeat periods (killed, or cut off) loses its leases "
+      "at once: their prompts go back to the queue with the samples its renewals carried, "
+      "long before the leases' deadlines; 0 = only at the deadlines")
   reap_interval_s: float = setting(0.25, "how often expired leases and unacked takes are returned")
   threads: int = setting(128, "handler threads (each long poll or Watch stream holds one)")
   wal_fsync: bool = setting(True, "fsync the write-ahead log before acknowledging a change")
@@ -71,6 +75,9 @@ class ServerConfig:
                               "metrics; 0 picks a free port, -1 = off")
 
   def __post_init__(self):
+    if not (self.silent_worker_heartbeats == 0 or self.silent_worker_heartbeats >= 2):
+      raise ValueError(f"ServerConfig.silent_worker_heartbeats: expected 0 (off) or >= 2, got "
+                       f"{self.silent_worker_heartbeats}")
     if not -1 <= self.metrics_port <= 65535:
       raise ValueError(f"ServerConfig.metrics_port: expected -1 (off) or a port 0-65535, got "
                        f"{self.metrics_port}")
@@ -250,11 +257,15 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def LeasePrompts(self, request, context):
     _finite("deadline_s", request.deadline_s)
     _finite("wait_s", request.wait_s)
-    return self.queues.lease(request.worker_id, request.n, request.deadline_s, request.wait_s)
+    self._touch(request.worker_id)
+    lease = self.queues.lease(request.worker_id, request.n, request.deadline_s, request.wait_s)
+    self._touch(request.worker_id)  # a lease made after a long poll is not a silent worker's
+    return lease
 
   @_unary
   def RenewLease(self, request, context):
     _finite("deadline_s", request.deadline_s)
+    self._touch(request.worker_id)
     return self.queues.renew(request.lease_id, request.worker_id, request.deadline_s,
                              list(request.partial))
 
@@ -274,6 +285,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def SubmitRollouts(self, request, context):
     if not request.HasField("group"):
       raise errors.InvalidArgument("group", "expected a rollout group, got none")
+    self._touch(request.worker_id)
     return self.queues.submit(request.lease_id, request.worker_id, request.group)
 
   @_unary
@@ -317,6 +329,21 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       worker.tokens_per_s = request.tokens_per_s
       worker.last_seen = time.monotonic()
     return pb.HeartbeatReply(latest_version=self.weights.latest)
+
+  def _touch(self, worker_id: str) -> None:
+    """A registered worker's lease call is a sign of life, as a heartbeat is."""
+    with self._lock:
+      worker = self._workers.get(worker_id)
+      if worker is not None:
+        worker.last_seen = time.monotonic()
+
+  def silent_workers(self) -> list[str]:
+    """Workers heard from once but silent for `silent_worker_heartbeats` periods."""
+    if not self.config.silent_worker_heartbeats:
+      return []
+    cutoff = time.monotonic() - self.config.silent_worker_heartbeats * self.config.heartbeat_interval_s
+    with self._lock:
+      return [w.worker_id for w in self._workers.values() if w.last_seen < cutoff]
 
   def _forget_silent_workers(self) -> None:
     """Drops workers silent for 30 heartbeat intervals (preempted ones never say goodbye)."""
@@ -401,6 +428,11 @@ class ParamServer:
     while not self.servicer.stopping.wait(self.config.reap_interval_s):
       try:
         self.queues.expire_due()
+        silent = self.servicer.silent_workers()
+        expired = self.queues.expire_leases_of(silent) if silent else {}
+        if expired:
+          logging.warning("reaper: workers %s are silent; their leases expire now (%d "
+                          "prompts back in the queue)", silent, sum(expired.values()))
       except Exception:
         logging.exception("reaper: expiring leases failed")
 

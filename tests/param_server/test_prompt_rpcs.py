@@ -13,6 +13,7 @@ import pytest
 from param_server.client import (ParamServerError, make_routes, make_sample, routes_of,
                                  sample_logprobs)
 from param_server.protos import param_server_pb2 as pb
+from param_server.server import ServerConfig
 from param_server.status_main import format_stats
 from ps_testlib import REPO, TOKENS, client_for, publish_chain
 
@@ -106,6 +107,39 @@ def test_partial_rollouts_released_with_a_prompt_reach_the_next_lease(trainer, w
   stats = trainer.stats()
   assert (stats.prompts_resumed, stats.samples_resumed) == (1, 1)
   assert re.search(r"prompts resumed\s+1 \(1 begun samples continued\)", format_stats(stats))
+
+
+def test_a_silent_workers_leases_expire_long_before_their_deadlines(start_server):
+  """A worker killed without notice falls silent: after silent_worker_heartbeats periods its
+  leases expire, their prompts queued again with the samples its renewal carried, while a
+  worker that keeps beating (or leasing) keeps its own."""
+  server = start_server(heartbeat_interval_s=0.1, silent_worker_heartbeats=3,
+                        reap_interval_s=0.05)
+  with client_for(server, "trainer") as trainer, client_for(server, "worker") as dead, \
+       client_for(server, "worker") as alive:
+    trainer.enqueue_prompts(prompts(4))
+    dead.register("dies")
+    alive.register("lives")
+    gone, kept = dead.lease(2, deadline_s=600), alive.lease(2, deadline_s=600)
+    begun = make_sample([7, 8], 0.0, logprobs=np.array([-0.1, -0.2]))
+    dead.renew(gone, 600, partial=[pb.PartialRollouts(prompt_id=gone.prompts[0].id,
+                                                      samples=[begun])])
+    end = time.monotonic() + 20
+    while trainer.stats().leases_expired == 0 and time.monotonic() < end:
+      alive.heartbeat(version=-1, tokens_per_s=0.0)
+      time.sleep(0.05)
+    stats = trainer.stats()
+    assert stats.leases_expired == 1 and stats.prompts_queued == 2
+    alive.renew(kept, 600)  # still its own
+    code, details = code_of(lambda: dead.submit_rollouts(gone.lease_id,
+                                                         group_for(gone.prompts[0])))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "expired" in details
+    back = {p.id: p for p in alive.lease(4, deadline_s=600).prompts}
+  assert set(back) == {p.id for p in gone.prompts}
+  assert list(back[gone.prompts[0].id].partial) == [begun]
+  with pytest.raises(ValueError, match=r"ServerConfig.silent_worker_heartbeats: expected 0 "
+                                       r"\(off\) or >= 2, got 1"):
+    ServerConfig(silent_worker_heartbeats=1)
 
 
 def test_lease_long_poll_wakes_when_prompts_arrive(trainer, worker):
