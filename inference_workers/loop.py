@@ -813,7 +813,7 @@ class Worker:
         return
       try:
         self.prefetch(self._latest_heard)
-      except ParamServerError as e:
+      except Exception as e:  # noqa: BLE001 - the next version is pulled (or resynced) anyway
         logging.warning("worker: prefetch failed: %s", e)
 
   def _renew_leases(self) -> None:
