@@ -72,14 +72,15 @@ def table(results: dict[str, dict[str, Any]]) -> str:
   names = []
   for r in results.values():
     names += [n for n in r["heldout_exact_match"] if n not in names and n != "all"]
-  what = "score" if "reward_model" in names else "exact match"
+  scores = dict.fromkeys(names)
+  what = "score" if "reward_model" in scores else "exact match"
   rows = [("held-out", *["/".join(pathlib.PurePath(p).parts[-2:]) for p in paths])]
   for name in names + ["all"]:
     rows.append((f"{what} {name}", *[heldout_cell(results[p]["heldout_exact_match"].get(name),
-                                                  dict.fromkeys(names)) for p in paths]))
+                                                  scores) for p in paths]))
   for key in (results[paths[0]]["heldout_pass"] or {}):
-    rows.append((key, *[heldout_cell((results[p]["heldout_pass"] or {}).get(key),
-                                     dict.fromkeys(names)) for p in paths]))
+    rows.append((key, *[heldout_cell((results[p]["heldout_pass"] or {}).get(key), scores)
+                        for p in paths]))
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                              for i, (c, w) in enumerate(zip(r, widths))) for r in rows)

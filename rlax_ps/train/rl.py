@@ -356,9 +356,9 @@ class RLTrainer(TrainerRun):
         record = {}  # the leader's log line; the other processes do the same device work
         if self.leader:
           self.trained_rollouts += len(groups)
-          self.resumed_samples += sum(g.resumed for g in groups)
           record = self._step_record(done, groups, batch, metrics,
                                      samples / (time.time() - t0))
+          self.resumed_samples += record["resumed_samples"]
         if done % self.publish_every == 0:
           pub = self._publish(self.version + 1)
           record.update(sync_bytes=pub.bytes, sync_seconds=pub.seconds, version=pub.version)
