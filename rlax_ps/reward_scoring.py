@@ -28,9 +28,10 @@ def _scores(model: RewardModel, tokens, last):
   return model(tokens, last)[:, 0]
 
 
-def prompt_messages(prompt_text: str, metadata: dict[str, str]) -> list[dict[str, Any]]:
+def prompt_messages(prompt_text: str | list, metadata: dict[str, str]) -> list[dict[str, Any]]:
   """The prompt as chat messages: the trainer's raw prompt (metadata "prompt": JSON text
-  or messages) where it rendered it, else its text as one user message."""
+  or messages) where it rendered it, else its text as one user message (a list of
+  messages: those)."""
   raw = json.loads(metadata["prompt"]) if "prompt" in metadata else prompt_text
   return [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
 

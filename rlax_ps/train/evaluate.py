@@ -20,6 +20,7 @@ from flax import nnx
 from algorithms.environments import environment_for
 from algorithms.verifiers import REWARD_MODEL_TASK
 from rlax_ps.models import KVCache
+from rlax_ps.reward_scoring import prompt_messages
 from rlax_ps.sharding import to_host
 from rlax_ps.tasks import Example, Task
 from rlax_ps.tokenizers import Tokenizer
@@ -207,11 +208,9 @@ class RewardModelTask:
   def rewards(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
     tok, sequences = self.tokenizer, []
     for e, text in zip(examples, completions):
-      messages = [{"role": "user", "content": e.prompt}] if isinstance(e.prompt, str) else list(
-          e.prompt)
       sequences.append(self.scorer.encode(
-          messages + [{"role": "assistant", "content": text}], tok.render_prompt(e.prompt), text,
-          tok.encode_prompt(e.prompt) + tok.encode(text)))
+          prompt_messages(e.prompt, {}) + [{"role": "assistant", "content": text}],
+          tok.render_prompt(e.prompt), text, tok.encode_prompt(e.prompt) + tok.encode(text)))
     return [float(r) for r in self.scorer.scores(sequences)]
 
 
