@@ -4,7 +4,10 @@ import json
 import os
 import pathlib
 
+import jax
 import pytest
+
+from child_env import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -16,6 +19,9 @@ def code_of(path: pathlib.Path) -> str:
 
 def test_quickstart_runs_the_rl_loop_and_its_delta_is_exact(monkeypatch):
   monkeypatch.chdir(ROOT)
+  jax.devices()  # this process keeps its devices; the notebook's `rlax-ps local` gets a child's
+  for name, value in child_env().items():
+    monkeypatch.setenv(name, value)
   scope: dict = {}
   exec(compile(code_of(ROOT / "notebooks" / "quickstart.ipynb"), "quickstart.ipynb", "exec"),
        scope)
