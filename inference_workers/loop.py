@@ -132,8 +132,11 @@ class Worker:
     self._lock = threading.Lock()
     self._inflight: dict[str, set[str]] = {}  # lease id -> prompt ids not yet answered
     self._lease_deadline: dict[str, float] = {}
-    # Begun samples of running prompts, by lease, for the heartbeat's next renewals to carry.
+    # Begun samples of running prompts, by lease, for the heartbeat's next renewals to carry,
+    # past the tokens of each sample the server holds (its last renewal's, or those the
+    # prompt was leased with), by prompt key: checkpoints send what is new.
     self._checkpoint: dict[str, list[pb.PartialRollouts]] = {}
+    self._held: dict[tuple[str, str], list[int]] = {}
     self._checkpointed_at = time.monotonic()
     self._tokens_per_s = 0.0
     self._prefetched: tuple[int, list[Update]] | None = None  # (base version, updates)
@@ -455,9 +458,10 @@ class Worker:
                 self._seeds(prompt.id, version, 0, n))
 
   @staticmethod
-  def _begun(s: Sample, done: bool, replies: list) -> pb.Sample:
-    """A sample so far as a partial rollout: a reply not fed whole is left out (the next
-    worker asks for it again); the replies it holds travel as JSON metadata."""
+  def _begun(s: Sample, done: bool, replies: list, held: int = 0) -> tuple[pb.Sample, int]:
+    """A sample so far as a partial rollout, past the first `held` tokens (those the server
+    holds; returned with how many of them it keeps): a reply not fed whole is left out (the
+    next worker asks for it again); the replies it holds travel as JSON metadata."""
     tokens, logprobs, observed, routes = s.tokens, s.sampling_logprobs, s.observed, s.routes
     if observed is not None and not done and len(observed) and observed[-1]:
       k = len(observed) - int(np.argmin(observed[::-1])) if not observed.all() else 0
@@ -465,8 +469,12 @@ class Worker:
       routes = None if routes is None else routes[:max(k - 1, 0)]
     runs = replies_in(observed)
     meta = {"replies": json.dumps(list(replies[:runs]))} if runs else None
-    return make_sample(tokens, 0.0, logprobs=logprobs, finish_reason=s.finish_reason if done
-                       else "", routes=routes, observed=observed, metadata=meta)
+    kept = min(held, len(tokens))  # routes: every token but the last, so from kept - 1 on
+    return make_sample(tokens[kept:], 0.0, logprobs=logprobs[kept:],
+                       finish_reason=s.finish_reason if done else "",
+                       routes=None if routes is None else routes[max(kept - 1, 0):],
+                       observed=None if observed is None else observed[kept:],
+                       metadata=meta), kept
 
   def _resume(self, lease_id: str, prompt: pb.Prompt, version: int) -> bool:
     """Queue a prompt whose samples a worker that stopped began (partial rollouts), to be
@@ -486,6 +494,8 @@ class Worker:
       self._given.pop(key, None)
       del self._started[key]
       return False
+    with self._lock:
+      self._held[key] = [len(p.token_ids) for p in prompt.partial]
     return True
 
   def _begun_sample(self, key: tuple[str, str], j: int, p: pb.Sample, environment) -> Sample:
@@ -596,16 +606,22 @@ class Worker:
     batching, when worker.salvage_s is on."""
     return self._continuous and self.config.salvage_s > 0
 
-  def _partial_rollouts(self, batch: ContinuousBatch
+  def _partial_rollouts(self, batch: ContinuousBatch, incremental: bool = False
                         ) -> list[tuple[tuple[str, str], pb.PartialRollouts]]:
-    """Each running prompt's samples so far, by key, in sample order (sample j's seed is j's)."""
+    """Each running prompt's samples so far, by key, in sample order (sample j's seed is
+    j's); `incremental`: past the tokens the server holds (`kept`)."""
     out = []
+    with self._lock:
+      held = dict(self._held) if incremental else {}
     for key, samples, finished in batch.partial():
-      given = self._given.get(key, {})
-      begun = [self._begun(s, done, given.get(j, []))
+      given, have = self._given.get(key, {}), held.get(key, [])
+      begun = [self._begun(s, done, given.get(j, []), have[j] if j < len(have) else 0)
                for j, (s, done) in enumerate(zip(samples, finished))]
-      out.append((key, pb.PartialRollouts(prompt_id=key[1], samples=begun,
-                                          policy_version=self._started[key][1])))
+      part = pb.PartialRollouts(prompt_id=key[1], samples=[b for b, _ in begun],
+                                policy_version=self._started[key][1])
+      if any(k for _, k in begun):
+        part.kept.extend(k for _, k in begun)
+      out.append((key, part))
     return out
 
   def _take_checkpoint(self, batch: ContinuousBatch) -> None:
@@ -613,11 +629,14 @@ class Worker:
     and should the lease expire (a worker killed without notice) the next worker continues
     them."""
     parts: dict[str, list[pb.PartialRollouts]] = collections.defaultdict(list)
-    for (lease_id, _), part in self._partial_rollouts(batch):
+    begun = self._partial_rollouts(batch, incremental=True)
+    for (lease_id, _), part in begun:
       if lease_id not in self._abandoned:
         parts[lease_id].append(part)
     with self._lock:
       self._checkpoint = dict(parts)
+      running = {key for key, _ in begun}
+      self._held = {key: n for key, n in self._held.items() if key in running}
     self._checkpointed_at = time.monotonic()
     self._beat_now.set()
 
@@ -834,7 +853,8 @@ class Worker:
 
   def _renew(self, lease_id: str, partial: list[pb.PartialRollouts]) -> None:
     """One lease renewal, its begun samples split over calls that stay under gRPC's
-    default 4 MiB message limit; samples the server refuses are dropped, the lease renewed."""
+    default 4 MiB message limit; samples the server refuses are dropped (the next
+    checkpoint sends them whole), the lease renewed."""
     calls, size = [[]], 0
     for part in partial:
       n = part.ByteSize()
@@ -850,7 +870,15 @@ class Worker:
         if not chunk:
           raise
         logging.warning("worker: begun samples of lease %s not kept: %s", lease_id, e)
+        with self._lock:
+          for part in chunk:
+            self._held.pop((lease_id, part.prompt_id), None)
         self.client.renew(lease_id, self.config.lease_deadline_s)
         continue
+      with self._lock:
+        for part in chunk:
+          kept = list(part.kept) or [0] * len(part.samples)
+          self._held[(lease_id, part.prompt_id)] = [
+              k + len(sample.token_ids) for k, sample in zip(kept, part.samples)]
       if chunk:
         self.stats.checkpoints += 1

@@ -57,10 +57,10 @@ class WorkerConfig:
   salvage_s: float = setting(5.0, "after SIGTERM, with this much grace left, samples still "
                              "decoding go back with their prompts (partial rollouts) and the "
                              "next worker continues them; 0: they start over")
-  checkpoint_s: float = setting(60.0, "with salvage_s: every this many seconds the samples "
-                                "still decoding go to the server with the lease renewals, so "
-                                "that a worker killed without notice loses at most about this "
-                                "much decoding; 0: only on SIGTERM")
+  checkpoint_s: float = setting(60.0, "with salvage_s: every this many seconds the tokens "
+                                "decoded since the last checkpoint go to the server with the "
+                                "lease renewals, so that a worker killed without notice loses "
+                                "at most about this much decoding; 0: only on SIGTERM")
   backoff_initial_s: float = setting(0.5, "first wait after the server could not be reached")
   backoff_max_s: float = setting(30.0, "longest wait between reconnection attempts")
   max_leases: int = setting(0, "exit after this many non-empty leases (0 = run until stopped)")

@@ -20,6 +20,8 @@ import time
 import uuid
 from typing import Callable, Sequence
 
+import numpy as np
+
 from param_server import errors
 from param_server.protos import param_server_pb2 as pb
 from param_server.wal import WriteAheadLog
@@ -128,9 +130,10 @@ def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: 
     if (s.logprobs or s.logprobs_f32) and n_lp != len(s.token_ids):
       raise errors.InvalidArgument(
           f"{at}.logprobs", f"expected one per token ({len(s.token_ids)}), got {n_lp:g}")
-    for j, t in enumerate(s.token_ids):
-      if t < 0:
-        raise errors.InvalidArgument(f"{at}.token_ids[{j}]", f"expected >= 0, got {t}")
+    negative = np.flatnonzero(np.asarray(s.token_ids, np.int64) < 0)
+    if negative.size:
+      j = int(negative[0])
+      raise errors.InvalidArgument(f"{at}.token_ids[{j}]", f"expected >= 0, got {s.token_ids[j]}")
     if s.observed and (len(s.observed) != len(s.token_ids) or s.observed.strip(b"\x00\x01")):
       other = "" if len(s.observed) != len(s.token_ids) else " holding other values"
       raise errors.InvalidArgument(
@@ -176,6 +179,64 @@ def _validate_routes(group: pb.RolloutGroup, where: str, partial: bool = False) 
     tokens, want = _routes_tokens(s.routes, at), max(len(s.token_ids) - 1, 0)
     if tokens != want:
       raise errors.InvalidArgument(at, f"expected {want} tokens (all but the last), got {tokens}")
+
+
+def joined_partial(held: Sequence[pb.Sample], part: pb.PartialRollouts,
+                   where: str = "partial") -> pb.PartialRollouts:
+  """Begun samples whole. With `part.kept` (an incremental checkpoint) sample i is the first
+  kept[i] tokens of the held sample i followed by part's sample i (whose other fields
+  win); without, `part` as it is. InvalidArgument names a count that does not fit."""
+  if not part.kept:
+    return part
+  if len(part.kept) != len(part.samples):
+    raise errors.InvalidArgument(f"{where}.kept", f"expected one count per sample "
+                                 f"({len(part.samples)}), got {len(part.kept)}")
+  whole = pb.PartialRollouts(prompt_id=part.prompt_id, policy_version=part.policy_version)
+  for i, (sample, k) in enumerate(zip(part.samples, part.kept)):
+    have = len(held[i].token_ids) if i < len(held) else 0
+    if not 0 <= k <= have:
+      raise errors.InvalidArgument(f"{where}.kept[{i}]", f"expected 0 to the {have} tokens held "
+                                   f"for sample {i}, got {k}")
+    whole.samples.append(_joined(held[i], k, sample, f"{where}.samples[{i}]") if k else sample)
+  return whole
+
+
+def _joined(held: pb.Sample, k: int, new: pb.Sample, where: str) -> pb.Sample:
+  """The first k tokens of `held` (with their log-probs, observed flags and routes), then
+  `new`'s; the rest of `new` as it is."""
+  out = pb.Sample(text=new.text, reward=new.reward, finish_reason=new.finish_reason,
+                  metadata=new.metadata)
+  out.token_ids.extend(held.token_ids[:k])
+  out.token_ids.extend(new.token_ids)
+  n = len(new.token_ids)
+  if held.logprobs or held.logprobs_f32 or new.logprobs or new.logprobs_f32:
+    out.logprobs_f32 = _f32(held)[:k].tobytes() + _f32(new).tobytes()
+  if held.observed or new.observed:
+    out.observed = (held.observed[:k] or bytes(k)) + (new.observed or bytes(n))
+  if held.HasField("routes") or new.HasField("routes"):
+    routes = [r for r, has in ((held.routes, held.HasField("routes")),
+                               (new.routes, new.HasField("routes"))) if has]
+    if new.HasField("routes"):
+      _routes_tokens(new.routes, f"{where}.routes")
+    if len({(r.layers, r.top_k) for r in routes}) > 1:
+      raise errors.InvalidArgument(f"{where}.routes", f"expected layers, top_k = "
+                                   f"{(held.routes.layers, held.routes.top_k)} as the held "
+                                   f"sample's, got {(new.routes.layers, new.routes.top_k)}")
+    layers, top_k = routes[0].layers, routes[0].top_k
+    width = max(r.id_bytes for r in routes)
+    ids = [np.frombuffer(r.ids, f"<u{r.id_bytes}").astype(f"<u{width}") for r in routes]
+    if held.HasField("routes"):  # every token but the last: the first k tokens' k - 1 rows
+      ids[0] = ids[0][:max(k - 1, 0) * layers * top_k]
+    out.routes.CopyFrom(pb.Routes(ids=b"".join(a.tobytes() for a in ids), layers=layers,
+                                  top_k=top_k, id_bytes=width))
+  return out
+
+
+def _f32(sample: pb.Sample) -> np.ndarray:
+  """A sample's log-probs as little-endian float32, whichever way they were sent."""
+  if sample.logprobs_f32:
+    return np.frombuffer(sample.logprobs_f32, "<f4")
+  return np.asarray(sample.logprobs, "<f4")
 
 
 def _without_partial(prompt: pb.Prompt) -> pb.Prompt:
@@ -302,11 +363,12 @@ class PromptRolloutQueues:
       raise ValueError(f"write-ahead log record: unknown op {op!r}")
 
   def _hold_partial(self, parts: Sequence[pb.PartialRollouts]) -> None:
-    """Each prompt named keeps these begun samples (in place of any it had), for the next
-    worker should it go back to the queue."""
+    """Each prompt named keeps these begun samples (in place of any it had; increments
+    joined to them), for the next worker should it go back to the queue."""
     for part in parts:  # a copy: a lease reply may still hold the prompt as it was
       prompt = pb.Prompt()
       prompt.CopyFrom(self.prompts[part.prompt_id])
+      part = joined_partial(prompt.partial, part)
       del prompt.partial[:]
       prompt.partial.extend(part.samples)
       prompt.partial_version = part.policy_version
@@ -501,6 +563,7 @@ class PromptRolloutQueues:
         if part.prompt_id not in lease.prompt_ids:
           raise errors.InvalidArgument(f"partial[{k}].prompt_id",
                                        f"prompt {part.prompt_id!r} is not in lease {lease_id!r}")
+      self._validate_joined(partial, lambda part: part.prompt_id in lease.open_ids)
       held = [part for part in partial if part.prompt_id in lease.open_ids]
       deadline = self._clock() + deadline_s
       self._commit(pb.WalRecord(renew=pb.WalRenew(lease_id=lease_id, deadline_unix_s=deadline,
@@ -509,13 +572,29 @@ class PromptRolloutQueues:
                       prompts=[_without_partial(self.prompts[p]) for p in lease.open_ids])
 
   def _validate_partial(self, partial: Sequence[pb.PartialRollouts]) -> None:
-    """Checks begun samples as a group's samples (a status naming `partial[k]...`)."""
+    """Checks whole begun samples as a group's samples (a status naming `partial[k]...`);
+    increments (`kept`) are checked joined, under the lock (`_validate_joined`)."""
+    if len({part.prompt_id for part in partial}) != len(partial):
+      raise errors.InvalidArgument("partial", "expected each prompt at most once")
     for k, part in enumerate(partial):
-      validate_group(pb.RolloutGroup(prompt_id=part.prompt_id, samples=part.samples,
-                                     policy_version=part.policy_version),
-                     latest_version=self._latest_version(),
-                     max_samples=self.limits.max_samples_per_group, where=f"partial[{k}]",
-                     partial=True)
+      if not part.kept:
+        self._check_begun(part, f"partial[{k}]")
+
+  def _validate_joined(self, partial: Sequence[pb.PartialRollouts],
+                       kept: Callable[[pb.PartialRollouts], bool]) -> None:
+    """Under the lock: checks the increments among `partial` that will be `kept`, joined to
+    the samples their prompts hold."""
+    for k, part in enumerate(partial):
+      if part.kept and kept(part):
+        where = f"partial[{k}]"
+        self._check_begun(joined_partial(self.prompts[part.prompt_id].partial, part, where),
+                          where)
+
+  def _check_begun(self, part: pb.PartialRollouts, where: str) -> None:
+    validate_group(pb.RolloutGroup(prompt_id=part.prompt_id, samples=part.samples,
+                                   policy_version=part.policy_version),
+                   latest_version=self._latest_version(),
+                   max_samples=self.limits.max_samples_per_group, where=where, partial=True)
 
   @_durable
   def release(self, lease_id: str, worker_id: str, prompt_ids: list[str],
@@ -540,6 +619,7 @@ class PromptRolloutQueues:
         if part.prompt_id not in todo:
           raise errors.InvalidArgument(f"partial[{k}].prompt_id", f"prompt {part.prompt_id!r} is "
                                        f"not among the prompts released now ({len(todo)})")
+      self._validate_joined(partial, lambda part: True)
       if todo:
         self._commit(pb.WalRecord(returned=pb.WalReturn(lease_id=lease_id, prompt_ids=todo,
                                                         partial=partial)))

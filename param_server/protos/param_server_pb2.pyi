@@ -186,14 +186,16 @@ class ReleaseLeaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[str]] = ..., partial: _Optional[_Iterable[_Union[PartialRollouts, _Mapping]]] = ...) -> None: ...
 
 class PartialRollouts(_message.Message):
-    __slots__ = ("prompt_id", "samples", "policy_version")
+    __slots__ = ("prompt_id", "samples", "policy_version", "kept")
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     policy_version: int
-    def __init__(self, prompt_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    kept: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., kept: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseLeaseReply(_message.Message):
     __slots__ = ("returned",)

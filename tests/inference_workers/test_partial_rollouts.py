@@ -86,23 +86,27 @@ class Killed(Exception):
 
 def test_a_worker_killed_without_notice_loses_only_what_it_decoded_since_its_checkpoint(
     server, versions, monkeypatch):
-  """kill -9: no SIGTERM, no release. The begun samples its lease renewals carried go back
-  with the prompts once the lease expires, and the next worker finishes them as an
-  uninterrupted run would."""
+  """kill -9: no SIGTERM, no release. The begun samples its lease renewals carried (after
+  the first, only each sample's new tokens) go back with the prompts once the lease
+  expires, and the next worker finishes them as an uninterrupted run would."""
   config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4)
   queues, ids = server.queues, ("p0", "p1")
-  step, chunks = ContinuousBatch.step, []
+  step, chunks, sent = ContinuousBatch.step, [], []
 
   def step_then_die(batch):
     chunks.append(step(batch))
-    if len(chunks) == 3:  # two checkpoints taken: wait for the heartbeat to carry one
-      deadline = time.monotonic() + 30
-      while not all(queues.prompts[p].partial for p in ids) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    n = len(sent)  # each chunk's checkpoint, carried by the heartbeat before the next chunk
+    deadline = time.monotonic() + 30
+    while len(sent) == n and time.monotonic() < deadline:
+      time.sleep(0.02)
+    if len(chunks) == 3:  # the second and third went as increments
       raise Killed
     return chunks[-1]
 
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    renew = wc.renew
+    monkeypatch.setattr(wc, "renew", lambda *a, partial=(), **k: (
+        renew(*a, partial=partial, **k), sent.extend(partial))[0])
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
     first = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(
@@ -111,10 +115,14 @@ def test_a_worker_killed_without_notice_loses_only_what_it_decoded_since_its_che
     with monkeypatch.context() as m, pytest.raises(Killed):
       m.setattr(ContinuousBatch, "step", step_then_die)
       first.run()
-    assert first.stats.checkpoints >= 1 and first.stats.groups_submitted == 0
+    assert first.stats.checkpoints >= 2 and first.stats.groups_submitted == 0
     begun = {p: [pb.Sample(token_ids=s.token_ids, logprobs_f32=s.logprobs_f32)
                  for s in queues.prompts[p].partial] for p in ids}
     assert all(0 < len(s.token_ids) < 24 for ps in begun.values() for s in ps)
+    # An increment keeps what the server held and carries the rest.
+    increment = next(p for p in sent if p.kept)
+    assert 0 < sum(increment.kept) and all(
+        k + len(s.token_ids) <= 24 for k, s in zip(increment.kept, increment.samples))
     assert trainer.stats().prompts_leased == 2  # until the lease expires
     second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
     second.run()
@@ -264,10 +272,17 @@ def test_a_reply_not_fed_whole_is_left_out_of_a_partial_rollout():
   seen = np.array([0, 0, 1, 1, 0, 0, 1], bool)  # two replies given, the second cut short
   sample = Sample(np.arange(7, dtype=np.int32), -np.ones(7, np.float32), -np.ones(7, np.float32),
                   "length", routes=np.zeros((6, 1, 2), np.int32), observed=seen)
-  cut = Worker._begun(sample, False, ["r1", "r2", "r3"])  # r3: asked, not yet fed
-  assert list(cut.token_ids) == [0, 1, 2, 3, 4, 5] and cut.finish_reason == ""
+  cut, kept = Worker._begun(sample, False, ["r1", "r2", "r3"])  # r3: asked, not yet fed
+  assert list(cut.token_ids) == [0, 1, 2, 3, 4, 5] and cut.finish_reason == "" and kept == 0
   assert sample_observed(cut).tolist() == seen[:6].tolist()
   assert json.loads(cut.metadata["replies"]) == ["r1"] and len(routes_of(cut.routes)) == 5
-  whole = Worker._begun(sample, True, ["r1", "r2"])  # finished: kept whole
+  whole, _ = Worker._begun(sample, True, ["r1", "r2"])  # finished: kept whole
   assert len(whole.token_ids) == 7 and whole.finish_reason == "length"
   assert json.loads(whole.metadata["replies"]) == ["r1", "r2"]
+  # Past the 4 tokens the server holds: the rest, with the routes from token 3's on.
+  new, kept = Worker._begun(sample, False, ["r1", "r2", "r3"], held=4)
+  assert kept == 4 and list(new.token_ids) == [4, 5] and sample_observed(new) is None
+  assert len(routes_of(new.routes)) == 2 and json.loads(new.metadata["replies"]) == ["r1"]
+  # The server holds more than the partial rollout now has (a reply cut short since).
+  new, kept = Worker._begun(sample, False, ["r1", "r2", "r3"], held=7)
+  assert kept == 6 and not new.token_ids and len(routes_of(new.routes)) == 0

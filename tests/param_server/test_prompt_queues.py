@@ -3,9 +3,11 @@
 import os
 
 import grpc
+import numpy as np
 import pytest
 
 from param_server import errors
+from param_server.client import make_routes, make_sample, routes_of, sample_logprobs, sample_observed
 from param_server.protos import param_server_pb2 as pb
 from param_server.queues import PromptRolloutQueues, QueueLimits
 from param_server.wal import WriteAheadLog
@@ -396,3 +398,101 @@ def test_an_answered_prompt_drops_its_partial_rollouts_so_a_stale_group_starts_a
   assert not taken.rollouts  # too stale: dropped, its prompt queued again
   fresh = queues.lease("w3", 1, 10.0).prompts[0]
   assert fresh.id == "a" and not fresh.partial and fresh.partial_version == 0
+
+
+def _routes(rows, width=1):
+  return make_routes(np.asarray(rows, np.int32).reshape(-1, 1, 2)) if width == 1 else pb.Routes(
+      ids=np.asarray(rows, "<u2").tobytes(), layers=1, top_k=2, id_bytes=2)
+
+
+def _as_arrays(sample):
+  observed = sample_observed(sample)
+  return (list(sample.token_ids), sample_logprobs(sample).tolist(),
+          None if observed is None else observed.tolist(), routes_of(sample.routes).tolist(),
+          sample.finish_reason)
+
+
+def test_incremental_checkpoints_join_to_the_whole_samples_across_a_restart(tmp_path, clock):
+  """A renewal may send only each sample's tokens past those the server holds (`kept`);
+  the next worker gets the samples whole, as had they been sent whole, after a restart."""
+  q = make_queues(tmp_path, clock)
+  q.enqueue(prompts("a"))
+  lease = q.lease("w1", 1, 10.0)
+  renew = lambda *parts: q.renew(lease.lease_id, "w1", 10.0, list(parts))  # noqa: E731
+  renew(pb.PartialRollouts(prompt_id="a", policy_version=3, samples=[pb.Sample(
+      token_ids=[4, 5, 6], logprobs=[-1.0, -2.0, -3.0], observed=b"\x00\x01\x00",
+      routes=_routes([[1, 2], [3, 4]]))]))
+  renew(pb.PartialRollouts(prompt_id="a", policy_version=3, kept=[3, 0], samples=[
+      make_sample([7, 8], 0.0, logprobs=[-4.0, -5.0], routes=np.asarray(
+          [[[5, 6]], [[7, 8]]])),  # the rows of tokens 6 and 7
+      make_sample([9], 0.0, logprobs=[-1.0], routes=np.zeros((0, 1, 2)))]))
+  # Sample 0 keeps two tokens (a reply the worker had not fed whole is left out) and goes
+  # on, its new routes two bytes wide; sample 1 ends with no new token.
+  renew(pb.PartialRollouts(prompt_id="a", policy_version=2, kept=[2, 1], samples=[
+      pb.Sample(token_ids=[6, 10], logprobs_f32=np.asarray([-3.0, -6.0], "<f4").tobytes(),
+                routes=_routes([[3, 4], [300, 1]], width=2), metadata={"replies": "[]"}),
+      make_sample([], 0.0, logprobs=[], finish_reason="stop", routes=np.zeros((0, 1, 2)))]))
+  q.close()
+  q = make_queues(tmp_path, clock)  # the write-ahead log replayed
+  clock.t += 11.0
+  q.expire_due()
+  (a,) = q.lease("w2", 1, 10.0).prompts
+  assert a.partial_version == 2 and a.partial[0].metadata["replies"] == "[]"
+  assert [_as_arrays(s) for s in a.partial] == [
+      ([4, 5, 6, 10], [-1.0, -2.0, -3.0, -6.0], [False, True, False, False],
+       [[[1, 2]], [[3, 4]], [[300, 1]]], ""),
+      ([9], [-1.0], None, [], "stop")]
+  q.close()
+
+
+def test_incremental_checkpoints_grow_the_log_by_what_is_new(tmp_path, clock):
+  """40 checkpoints of a sample growing 25 tokens each: whole, the log holds every prefix
+  (quadratic in the length); as increments, each token once."""
+  def log_bytes(where, incremental):
+    where.mkdir()
+    q = make_queues(where, clock)
+    q.enqueue(prompts("a"))
+    lease = q.lease("w1", 1, 10.0)
+    for n in range(25, 1001, 25):
+      new = range(n - 25, n) if incremental else range(n)
+      q.renew(lease.lease_id, "w1", 10.0, [pb.PartialRollouts(
+          prompt_id="a", kept=[n - 25] if incremental else [],
+          samples=[make_sample(list(new), 0.0, logprobs=[-0.5] * len(new))])])
+    clock.t += 11.0
+    q.expire_due()
+    (a,) = q.lease("w2", 1, 10.0).prompts
+    assert list(a.partial[0].token_ids) == list(range(1000))
+    q.close()
+    return os.path.getsize(os.path.join(where, "q.wal"))
+
+  whole, increments = log_bytes(tmp_path / "whole", False), log_bytes(tmp_path / "inc", True)
+  assert whole > 10 * increments
+
+
+@pytest.mark.parametrize("part,field", [
+    (pb.PartialRollouts(prompt_id="a", kept=[3], samples=[pb.Sample(token_ids=[7])]),
+     "partial[0].kept[0]"),  # more than the 2 tokens held
+    (pb.PartialRollouts(prompt_id="a", kept=[0, 0], samples=[pb.Sample(token_ids=[7])]),
+     "partial[0].kept"),
+    (pb.PartialRollouts(prompt_id="a", kept=[2], samples=[pb.Sample(token_ids=[7])]),
+     "partial[0].samples[0].logprobs"),  # the held tokens have log-probs, the new none
+    (pb.PartialRollouts(prompt_id="a", kept=[2], samples=[make_sample(
+        [7], 0.0, logprobs=[-1.0], routes=np.zeros((1, 2, 2)))]),
+     "partial[0].samples[0].routes"),  # the held sample's routes are 1 layer x top-2
+    (pb.PartialRollouts(prompt_id="a", kept=[2], samples=[make_sample(
+        [7, 8], 0.0, logprobs=[-1.0, -1.0], routes=np.zeros((1, 1, 2)))]),
+     "partial[0].samples[0].routes"),  # 2 rows wanted: those of tokens 5 and 7
+])
+def test_bad_incremental_checkpoints_are_refused_naming_the_field(queues, clock, part, field):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 5.0)
+  held = pb.PartialRollouts(prompt_id="a", samples=[make_sample(
+      [4, 5], 0.0, logprobs=[-0.5, -0.5], routes=np.ones((1, 1, 2)))])
+  queues.renew(lease.lease_id, "w1", 5.0, [held])
+  with pytest.raises(errors.InvalidArgument, match=field.replace("[", r"\[").replace("]", r"\]")):
+    queues.renew(lease.lease_id, "w1", 5.0, [part])
+  with pytest.raises(errors.InvalidArgument, match="at most once"):
+    queues.renew(lease.lease_id, "w1", 5.0, [held, held])
+  clock.t += 6.0  # refused: nothing extended, the samples held are the last accepted
+  assert queues.expire_due() == 1
+  assert list(queues.lease("w2", 1, 5.0).prompts[0].partial) == list(held.samples)
