@@ -109,6 +109,22 @@ def test_partial_rollouts_released_with_a_prompt_reach_the_next_lease(trainer, w
   assert re.search(r"prompts resumed\s+1 \(1 begun samples continued\)", format_stats(stats))
 
 
+def test_a_renewal_naming_more_tokens_than_the_server_holds_gets_a_status(trainer, worker):
+  publish_chain(trainer, 1)
+  trainer.enqueue_prompts(prompts(1))
+  lease = worker.lease(1, deadline_s=30)
+  begun = make_sample([7, 8], 0.0, logprobs=np.array([-0.1, -0.2]))
+  worker.renew(lease, 30, partial=[pb.PartialRollouts(prompt_id="p0", samples=[begun])])
+  more = make_sample([9], 0.0, logprobs=np.array([-0.3]))
+  code, details = code_of(lambda: worker.renew(lease, 30, partial=[pb.PartialRollouts(
+      prompt_id="p0", samples=[more], kept=[3])]))
+  assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("partial[0].kept[0]")
+  worker.renew(lease, 30, partial=[pb.PartialRollouts(prompt_id="p0", samples=[more], kept=[2])])
+  assert worker.release(lease) == 1
+  (again,) = worker.lease(1, deadline_s=30).prompts[0].partial
+  assert list(again.token_ids) == [7, 8, 9]
+
+
 def test_a_silent_workers_leases_expire_long_before_their_deadlines(start_server):
   """A worker killed without notice falls silent: after silent_worker_heartbeats periods its
   leases expire, their prompts queued again with the samples its renewal carried, while a
