@@ -23,9 +23,11 @@ step, through the same decode step, so they join its cache like its own) and dra
 after them; None (or `max_turns` replies given) finishes the sample.
 
 Resuming (`resume`): a prompt may come with samples another run began (partial rollouts):
-a finished one is returned as it is; the others write their tokens first, as forced
-tokens (with their own log-probs and reply flags), then draw on with their seeds, so they
-end as the uninterrupted run would have.
+a finished one is returned as it is; the others take their begun tokens first (with their
+own log-probs and reply flags), then draw on with their seeds, so they end as the
+uninterrupted run would have. The rows that take them as the prompt is inserted prefill
+those tokens in one pass (`_prefill_begun`); a sample that starts later on a freed row
+(fewer rows than samples) feeds them as forced tokens, one per decode step.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from inference_workers.decoding import (MIN_PROMPT_BUCKET, Rows, Sample, bucket,
 from inference_workers.sampling import SamplingParams
 from inference_workers.shared_prefix import DecodeFn, SharedPrefixCache
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
+from rlax_ps.models.kv_cache import KVCache
 
 
 @jax.tree_util.register_dataclass
@@ -155,6 +158,75 @@ def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, knobs_
       first_logits=slots.first_logits.at[slot_ids].set(logits, mode="drop"),
       prompt_routes=put(slots.prompt_routes, prompt_routes) if record_routes else None)
   return _start_samples(slots, knobs_, mode)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "width", "record_routes"),
+                   donate_argnames=("slots",))
+def _prefill_begun(graphdef, state, slots: Slots, slot_ids, tokens, lens, *, width,
+                   record_routes):
+  """Resuming: the rows that took a begun sample at insertion (slots slot_ids [m], their
+  prompts tokens [m, P], lens [m]) take its tokens in one prefill instead of one per decode
+  step: the k/v of all but the last (at most `width` of them) fill the row's suffix, and
+  the row stands as if it had fed them: its last begun token next to feed."""
+  model = nnx.merge(graphdef, state)
+  s, r = slots.cache.index.shape
+  rows, p = slots.rows, tokens.shape[1]
+  budget = rows.tokens.shape[1]
+  count = rows.token.shape[0]
+  row_ids = _rows_of(slot_ids, r)  # [m*r]; padding slots give ids past the last row
+  valid = row_ids < count
+  row_at = jnp.minimum(row_ids, count - 1)
+  out = rows.sample[row_at]
+  n_begun = jnp.where(valid & ~rows.done[row_at], slots.begun_len[out], 0)
+  fed = jnp.maximum(n_begun - 1, 0)  # the last begun token is fed by the next decode step
+  go = fed > 0
+  # The begun tokens left-aligned (slots.begun holds them right-aligned in the budget).
+  at = jnp.arange(budget)[None, :]
+  left = jnp.take_along_axis(slots.begun[out], jnp.clip(budget - n_begun[:, None] + at, 0,
+                                                        budget - 1), axis=1)
+  left = jnp.where(at < n_begun[:, None], left, 0)
+  head = jnp.repeat(tokens, r, axis=0)
+  plen = jnp.repeat(lens, r)
+  cols = jnp.arange(width)[None, :]
+  fill = cols < fed[:, None]
+  seq = jnp.concatenate([head, jnp.where(fill, left[:, :width], 0)], axis=1)
+  segment_ids = jnp.concatenate([jnp.arange(p)[None, :] < plen[:, None], fill],
+                                axis=1).astype(jnp.int32)
+  positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(p), head.shape),
+                               plen[:, None] + cols], axis=1).astype(jnp.int32)
+  cache = KVCache.init(model.config, seq.shape[0], p + width)
+  _, cache, *routing = model.hidden_states(seq, positions=positions, segment_ids=segment_ids,
+                                           cache=cache, record_routes=record_routes)
+  # Each row's suffix slots [0, width) (those past `fed` are not read: its index says so).
+  where = (jnp.repeat(slot_ids, r), jnp.tile(jnp.arange(r), slot_ids.shape[0]))
+  c = slots.cache
+
+  def put(buf, new):
+    return buf.at[where + (slice(0, width),)].set(new[:, p:].astype(buf.dtype), mode="drop")
+
+  cache = c.replace(suffix_k=tuple(map(put, c.suffix_k, cache.k)),
+                    suffix_v=tuple(map(put, c.suffix_v, cache.v)),
+                    index=c.index.at[where].set(jnp.where(go, fed, c.index[where]), mode="drop"))
+  outs = jnp.where(go, out, rows.lengths.shape[0])  # the rows not prefilled write nothing
+  mine = at < n_begun[:, None]
+  fields = dict(
+      token=rows.token.at[jnp.where(go, row_ids, count)].set(
+          jnp.take_along_axis(left, fed[:, None], axis=1)[:, 0], mode="drop"),
+      tokens=rows.tokens.at[outs].set(jnp.where(mine, left, rows.tokens[out]), mode="drop"),
+      logp=rows.logp.at[outs].set(jnp.where(mine, 0.0, rows.logp[out]), mode="drop"),
+      slogp=rows.slogp.at[outs].set(jnp.where(mine, 0.0, rows.slogp[out]), mode="drop"),
+      lengths=rows.lengths.at[outs].set(n_begun, mode="drop"),
+      forced_left=rows.forced_left.at[jnp.where(go, row_ids, count)].set(0, mode="drop"))
+  if rows.observed is not None:  # as the forced path marks them (the host restores them)
+    fields["observed"] = rows.observed.at[outs].set(rows.observed[out] | mine, mode="drop")
+  routes = slots.routes
+  if record_routes:
+    picks = routes_last(routing[0].picks)[:, p:]  # [m*r, width, M, k]: token i's experts
+    mask = (cols < fed[:, None])[:, :, None, None]
+    routes = routes.at[outs, :width].set(jnp.where(mask, picks, routes[out, :width]),
+                                         mode="drop")
+  return dataclasses.replace(slots, cache=cache, rows=dataclasses.replace(rows, **fields),
+                             routes=routes)
 
 
 def _without_prompts(slots: Slots):
@@ -554,6 +626,10 @@ class ContinuousBatch:
     self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, seeds,
                           self._knobs, resumed, mode=self.params.mode,
                           record_routes=self.record_routes)
+    if resumed is not None and resumed[1].max() > 1:  # begun tokens to prefill
+      self._slots = _prefill_begun(graphdef, state, self._slots, slot_ids, tokens, lens,
+                                   width=bucket(int(resumed[1].max()) - 1),
+                                   record_routes=self.record_routes)
     for w, s in zip(joining, slot_ids):
       for pos, out in enumerate(range(s * self.n, (s + 1) * self.n)):
         self._replies.pop(out, None)

@@ -154,6 +154,34 @@ def test_begun_samples_are_written_and_drawn_on_as_if_never_interrupted(model):
     batch.add("x", PROMPTS[0], a, [dataclasses.replace(want_a[0], tokens=np.array([61]))])
 
 
+def test_begun_tokens_are_prefilled_not_fed_a_decode_step_each(model, monkeypatch):
+  """Resuming costs one prefill, not a decode step per begun token: the resumed group takes
+  k - 1 fewer steps than drawing it afresh (the last begun token is fed by the first step),
+  and its samples are the uninterrupted ones."""
+  lens = lengths(model, PROMPTS[2], list(range(64)))
+  seeds = [s for s in range(64) if lens[s] >= 9][:2]
+  want = reference(model, PROMPTS[2], seeds)
+  steps = []
+
+  def counted(*args, **kwargs):
+    out = chunk(*args, **kwargs)
+    steps.append(int(out[2]))
+    return out
+
+  chunk = continuous._chunk
+  monkeypatch.setattr(continuous, "_chunk", counted)
+  for k in (0, 7):
+    batch = ContinuousBatch(model, 2, 1, PARAMS, resume=True)
+    batch.add("a", PROMPTS[2], seeds, [dataclasses.replace(w, tokens=w.tokens[:k],
+                                                           logprobs=w.logprobs[:k],
+                                                           sampling_logprobs=w.sampling_logprobs[:k],
+                                                           finish_reason="") for w in want])
+    (_, got), = batch.run()
+    assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
+  fresh, resumed = steps
+  assert resumed == fresh - 6
+
+
 def test_routes_are_recorded_across_refills():
   moe = Transformer(MOE, rngs=nnx.Rngs(0))
   batch = ContinuousBatch(moe, 2, 1, PARAMS, rows_per_prompt=1, record_routes=True)
