@@ -18,16 +18,17 @@ Multi-turn (`respond`): a sample that emits a stop token has ended a turn and it
 The chunk returns; the host asks `respond(key, j, tokens, observed)` for the reply to
 sample j of that prompt (its tokens so far, and which of them earlier replies wrote) on a
 thread pool, and decoding goes on for the other rows meanwhile (a paused row's cache
-stands still). Once the reply is in, the row writes its tokens in place of drawing (one per
-step, through the same decode step, so they join its cache like its own) and draws again
-after them; None (or `max_turns` replies given) finishes the sample.
+stands still). Once the reply is in, the row takes its tokens in place of drawing, all in
+one step (`_feed_rows`: they join its cache like its own; a reply the budget cuts short is
+fed one token per decode step instead), and draws again after them; None (or `max_turns`
+replies given) finishes the sample.
 
 Resuming (`resume`): a prompt may come with samples another run began (partial rollouts):
 a finished one is returned as it is; the others take their begun tokens first (with their
 own log-probs and reply flags), then draw on with their seeds, so they end as the
-uninterrupted run would have. The rows that take them as the prompt is inserted prefill
-those tokens in one pass (`_prefill_begun`); a sample that starts later on a freed row
-(fewer rows than samples) feeds them as forced tokens, one per decode step.
+uninterrupted run would have. The rows that take them as the prompt is inserted feed
+those tokens at once (`_feed_rows`); a sample that starts later on a freed row (fewer rows
+than samples) feeds them one per decode step.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ from inference_workers.decoding import (MIN_PROMPT_BUCKET, Rows, Sample, bucket,
 from inference_workers.sampling import SamplingParams
 from inference_workers.shared_prefix import DecodeFn, SharedPrefixCache
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
-from rlax_ps.models.kv_cache import KVCache
+
+
+# The most forced tokens a row feeds in one step (`_feed_rows`): a longer run takes several,
+# so that the step's attention scores stay bounded.
+_FEED_TOKENS = 256
 
 
 @jax.tree_util.register_dataclass
@@ -160,71 +165,56 @@ def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, knobs_
   return _start_samples(slots, knobs_, mode)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "width", "record_routes"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "record_routes"),
                    donate_argnames=("slots",))
-def _prefill_begun(graphdef, state, slots: Slots, slot_ids, tokens, lens, *, width,
-                   record_routes):
-  """Resuming: the rows that took a begun sample at insertion (slots slot_ids [m], their
-  prompts tokens [m, P], lens [m]) take its tokens in one prefill instead of one per decode
-  step: the k/v of all but the last (at most `width` of them) fill the row's suffix, and
-  the row stands as if it had fed them: its last begun token next to feed."""
+def _feed_rows(graphdef, state, slots: Slots, row_ids, tokens, counts, *, record_routes):
+  """Rows row_ids [m] (an id past the last row: padding) take tokens [m, T] (left-aligned,
+  counts [m] of them) as forced tokens, all in one step instead of one per decode step:
+  the row's current token and all of them but the last are fed (k/v into its suffix,
+  experts recorded), and the last becomes its current token, as after the forced steps.
+  Only these rows run: each gets its prompt's prefix for the step."""
   model = nnx.merge(graphdef, state)
-  s, r = slots.cache.index.shape
-  rows, p = slots.rows, tokens.shape[1]
-  budget = rows.tokens.shape[1]
-  count = rows.token.shape[0]
-  row_ids = _rows_of(slot_ids, r)  # [m*r]; padding slots give ids past the last row
-  valid = row_ids < count
-  row_at = jnp.minimum(row_ids, count - 1)
-  out = rows.sample[row_at]
-  n_begun = jnp.where(valid & ~rows.done[row_at], slots.begun_len[out], 0)
-  fed = jnp.maximum(n_begun - 1, 0)  # the last begun token is fed by the next decode step
-  go = fed > 0
-  # The begun tokens left-aligned (slots.begun holds them right-aligned in the budget).
-  at = jnp.arange(budget)[None, :]
-  left = jnp.take_along_axis(slots.begun[out], jnp.clip(budget - n_begun[:, None] + at, 0,
-                                                        budget - 1), axis=1)
-  left = jnp.where(at < n_begun[:, None], left, 0)
-  head = jnp.repeat(tokens, r, axis=0)
-  plen = jnp.repeat(lens, r)
-  cols = jnp.arange(width)[None, :]
-  fill = cols < fed[:, None]
-  seq = jnp.concatenate([head, jnp.where(fill, left[:, :width], 0)], axis=1)
-  segment_ids = jnp.concatenate([jnp.arange(p)[None, :] < plen[:, None], fill],
-                                axis=1).astype(jnp.int32)
-  positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(p), head.shape),
-                               plen[:, None] + cols], axis=1).astype(jnp.int32)
-  cache = KVCache.init(model.config, seq.shape[0], p + width)
-  _, cache, *routing = model.hidden_states(seq, positions=positions, segment_ids=segment_ids,
-                                           cache=cache, record_routes=record_routes)
-  # Each row's suffix slots [0, width) (those past `fed` are not read: its index says so).
-  where = (jnp.repeat(slot_ids, r), jnp.tile(jnp.arange(r), slot_ids.shape[0]))
-  c = slots.cache
-
-  def put(buf, new):
-    return buf.at[where + (slice(0, width),)].set(new[:, p:].astype(buf.dtype), mode="drop")
-
-  cache = c.replace(suffix_k=tuple(map(put, c.suffix_k, cache.k)),
-                    suffix_v=tuple(map(put, c.suffix_v, cache.v)),
-                    index=c.index.at[where].set(jnp.where(go, fed, c.index[where]), mode="drop"))
-  outs = jnp.where(go, out, rows.lengths.shape[0])  # the rows not prefilled write nothing
-  mine = at < n_begun[:, None]
+  rows, c = slots.rows, slots.cache
+  count, budget = rows.token.shape[0], rows.tokens.shape[1]
+  s, r = c.index.shape
+  t = tokens.shape[1]
+  ok = (row_ids < count) & (counts > 0)
+  at = jnp.minimum(row_ids, count - 1)
+  slot, j = at // r, at % r
+  sub = SharedPrefixCache(
+      prefix_k=tuple(k[slot] for k in c.prefix_k), prefix_v=tuple(v[slot] for v in c.prefix_v),
+      prefix_lens=c.prefix_lens[slot], suffix_k=tuple(k[slot, j][:, None] for k in c.suffix_k),
+      suffix_v=tuple(v[slot, j][:, None] for v in c.suffix_v), index=c.index[slot, j][:, None],
+      decode_fn=c.decode_fn)
+  seq = jnp.concatenate([rows.token[at][:, None], tokens[:, :t - 1]], axis=1)
+  positions = (sub.prefix_lens + sub.index[:, 0])[:, None] + jnp.arange(t)
+  _, sub, *routing = model.hidden_states(seq, positions=positions, cache=sub,
+                                         record_routes=record_routes)
+  back = (jnp.where(ok, slot, s), j)  # the rows not fed write nothing back
+  cache = c.replace(
+      suffix_k=tuple(k.at[back].set(new[:, 0], mode="drop") for k, new in zip(c.suffix_k, sub.suffix_k)),
+      suffix_v=tuple(v.at[back].set(new[:, 0], mode="drop") for v, new in zip(c.suffix_v, sub.suffix_v)),
+      index=c.index.at[back].add(counts, mode="drop"))
+  out = jnp.where(ok, rows.sample[at], rows.lengths.shape[0])
+  start = rows.lengths[rows.sample[at]]  # the current token is output start - 1
+  keep = jnp.arange(t) < counts[:, None]
+  cols = (out[:, None], jnp.where(keep, start[:, None] + jnp.arange(t), budget))
+  mine = jnp.where(ok, row_ids, count)
   fields = dict(
-      token=rows.token.at[jnp.where(go, row_ids, count)].set(
-          jnp.take_along_axis(left, fed[:, None], axis=1)[:, 0], mode="drop"),
-      tokens=rows.tokens.at[outs].set(jnp.where(mine, left, rows.tokens[out]), mode="drop"),
-      logp=rows.logp.at[outs].set(jnp.where(mine, 0.0, rows.logp[out]), mode="drop"),
-      slogp=rows.slogp.at[outs].set(jnp.where(mine, 0.0, rows.slogp[out]), mode="drop"),
-      lengths=rows.lengths.at[outs].set(n_begun, mode="drop"),
-      forced_left=rows.forced_left.at[jnp.where(go, row_ids, count)].set(0, mode="drop"))
-  if rows.observed is not None:  # as the forced path marks them (the host restores them)
-    fields["observed"] = rows.observed.at[outs].set(rows.observed[out] | mine, mode="drop")
+      token=rows.token.at[mine].set(
+          jnp.take_along_axis(tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0],
+          mode="drop"),
+      tokens=rows.tokens.at[cols].set(tokens, mode="drop"),
+      logp=rows.logp.at[cols].set(0.0, mode="drop"),
+      slogp=rows.slogp.at[cols].set(0.0, mode="drop"),
+      lengths=rows.lengths.at[out].add(counts, mode="drop"),
+      forced_left=rows.forced_left.at[mine].set(0, mode="drop"))
+  if rows.observed is not None:  # as the forced steps mark them
+    fields["observed"] = rows.observed.at[cols].set(True, mode="drop")
   routes = slots.routes
-  if record_routes:
-    picks = routes_last(routing[0].picks)[:, p:]  # [m*r, width, M, k]: token i's experts
-    mask = (cols < fed[:, None])[:, :, None, None]
-    routes = routes.at[outs, :width].set(jnp.where(mask, picks, routes[out, :width]),
-                                         mode="drop")
+  if record_routes:  # the fed tokens: the current one (output start - 1) and the rest
+    fed = (out[:, None], jnp.where(keep, start[:, None] - 1 + jnp.arange(t), budget))
+    routes = routes.at[fed].set(routes_last(routing[0].picks), mode="drop")
   return dataclasses.replace(slots, cache=cache, rows=dataclasses.replace(rows, **fields),
                              routes=routes)
 
@@ -444,8 +434,8 @@ class ContinuousBatch:
     self.respond, self.max_turns = respond, max_turns
     self.resume = resume
     self._replies: dict[int, int] = {}  # output slot -> replies given to its sample
-    # paused row -> (its output slot, its reply in the making)
-    self._asking: dict[int, tuple[int, concurrent.futures.Future]] = {}
+    # paused row -> (its output slot, its sample's length, its reply in the making)
+    self._asking: dict[int, tuple[int, int, concurrent.futures.Future]] = {}
     self._threads = respond_threads
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made when first asked
     self.rows_per_prompt = rows_per_prompt or n
@@ -626,10 +616,14 @@ class ContinuousBatch:
     self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, seeds,
                           self._knobs, resumed, mode=self.params.mode,
                           record_routes=self.record_routes)
-    if resumed is not None and resumed[1].max() > 1:  # begun tokens to prefill
-      self._slots = _prefill_begun(graphdef, state, self._slots, slot_ids, tokens, lens,
-                                   width=bucket(int(resumed[1].max()) - 1),
-                                   record_routes=self.record_routes)
+    if self.resume:  # the rows that took begun samples feed their tokens at once
+      r, feeds = self.rows_per_prompt, {}
+      for w, s in zip(joining, slot_ids):
+        for j in range(r if w.begun is not None else 0):
+          pos = w.complete + j  # row j took the prompt's sample `pos`
+          if pos < self.n and len(w.begun[pos].tokens) > 1:
+            feeds[int(s) * r + j] = w.begun[pos].tokens[1:]  # the first: drawn, forced
+      self._feed(feeds)
     for w, s in zip(joining, slot_ids):
       for pos, out in enumerate(range(s * self.n, (s + 1) * self.n)):
         self._replies.pop(out, None)
@@ -637,6 +631,25 @@ class ContinuousBatch:
           self._replies[out] = replies_in(w.begun[pos].observed)
     if self.respond is not None:
       self._ask()  # a first token may have ended a turn
+
+  def _feed(self, feeds: dict[int, np.ndarray]) -> None:
+    """Rows take these forced tokens (by row) at once, `_FEED_TOKENS` a call at most."""
+    if not feeds:
+      return
+    count = self._slots.rows.token.shape[0]
+    ids = np.full((bucket(len(feeds)),), count, np.int32)  # padding: past the last row
+    ids[:len(feeds)] = list(feeds)
+    longest = max(len(f) for f in feeds.values())
+    width = min(bucket(longest), _FEED_TOKENS)
+    graphdef, state = nnx.split(self.model)
+    for start in range(0, longest, width):
+      tokens = np.zeros((ids.size, width), np.int32)
+      counts = np.zeros((ids.size,), np.int32)
+      for i, f in enumerate(feeds.values()):
+        part = f[start:start + width]
+        tokens[i, :len(part)], counts[i] = part, len(part)
+      self._slots = _feed_rows(graphdef, state, self._slots, ids, tokens, counts,
+                               record_routes=self.record_routes)
 
   def _ask(self) -> None:
     """Ask for the reply of each row that has paused since: on the thread pool, or at once
@@ -667,7 +680,7 @@ class ContinuousBatch:
             seen[:len(before)] = before[:k]
           pos = int(w.order[pos])
         future = self._pool.submit(self.respond, w.key, pos, np.array(tokens[i, :k]), seen)
-      self._asking[row] = (out, future)
+      self._asking[row] = (out, int(lengths[i]), future)
 
   def _answers(self, wait: bool) -> bool:
     """Feed the replies that are in (after waiting for one, with `wait`) to their rows;
@@ -675,9 +688,9 @@ class ContinuousBatch:
     if not self._asking:
       return False
     if wait:
-      concurrent.futures.wait([f for _, f in self._asking.values()],
+      concurrent.futures.wait([f for _, _, f in self._asking.values()],
                               return_when=concurrent.futures.FIRST_COMPLETED)
-    ready = [row for row, (_, f) in self._asking.items() if f.done()]
+    ready = [row for row, (_, _, f) in self._asking.items() if f.done()]
     if not ready:
       return False
     count = self._slots.rows.paused.shape[0]
@@ -687,8 +700,9 @@ class ContinuousBatch:
     counts = np.zeros((count,), np.int32)
     go_on = np.zeros((count,), bool)
     vocab = self.model.config.vocab_size
+    feeds = {}  # the replies fed at once: those the budget does not cut short
     for i, row in enumerate(ready):
-      out, future = self._asking.pop(row)
+      out, length, future = self._asking.pop(row)
       ids[i] = row
       reply = future.result()
       if reply is None:
@@ -701,8 +715,11 @@ class ContinuousBatch:
       self._replies[out] = self._replies.get(out, 0) + 1
       go_on[i], counts[i] = True, reply.size
       replies[i, width - reply.size:] = reply
+      if reply.size and length + reply.size < self.params.max_new_tokens:
+        feeds[row] = reply
     self._slots = _answer(self._slots, ids, replies, counts, go_on, self._knobs,
                           mode=self.params.mode)
+    self._feed(feeds)
     return True
 
   def _take(self, finished: list[int]) -> list[tuple[Hashable, list[Sample]]]:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
+from rlax_ps.kernels.reference import extend_two_pass
 from rlax_ps.models.attention import with_sinks
 
 # decode_fn(q [B,N,H,D], prefix_k, prefix_v [B,Sp,Hkv,D], prefix_lens [B],
@@ -32,8 +33,8 @@ class SharedPrefixCache:
   """Prefix k/v per layer [B, Sp, Hkv, D] shared by N samples; suffix k/v [B, N, Ss, Hkv, D].
 
   Prefix slots [0, prefix_lens[b]) hold prompt b; suffix slots [0, index[b, j]) hold the
-  tokens sample j of prompt b generated so far. Every sample advances one token per call
-  and its index is its own, so a sample can start while the others are mid-way.
+  tokens sample j of prompt b generated so far. Every sample advances T tokens a call (1: a
+  decode step) and its index is its own, so a sample can start while the others are mid-way.
   """
 
   prefix_k: tuple[jax.Array, ...]
@@ -70,31 +71,38 @@ class SharedPrefixCache:
   def attend(self, layer: int, q, k, v, q_segment_ids, q_positions, attention_fn, *,
              window: int | None = None, sm_scale: float | None = None,
              softcap: float | None = None, sinks=None):
-    """Write each sample's new k/v [B*N, 1, Hkv, D] at its suffix slot `index[b, j]`, attend
-    prefix+suffix (within `window` positions when the layer slides: the query sits at
-    prefix_len + index)."""
+    """Write each sample's new k/v [B*N, T, Hkv, D] at its suffix slots from `index[b, j]`,
+    attend prefix+suffix (within `window` positions when the layer slides: query t sits at
+    prefix_len + index + t). One token a row is a decode step (`decode_fn`); several are
+    fed at once (`extend_two_pass`)."""
     del q_segment_ids, q_positions, attention_fn  # the dense mask path does not apply here
     rows, t, h, d = q.shape
     b, n = self.prefix_lens.shape[0], self.num_samples
-    if t != 1 or rows != b * n:
-      raise ValueError(f"SharedPrefixCache.attend: expected q of shape [{b * n}, 1, heads, "
-                       f"head_dim] (B={b} prompts x N={n} samples, one token), got {q.shape}")
+    if rows != b * n:
+      raise ValueError(f"SharedPrefixCache.attend: expected q of shape [{b * n}, T, heads, "
+                       f"head_dim] (B={b} prompts x N={n} samples), got {q.shape}")
     hkv = k.shape[2]
-    at = (jnp.arange(b)[:, None], jnp.arange(n)[None, :], self.index)
+    at = (jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None],
+          self.index[:, :, None] + jnp.arange(t))
     new_k = self.suffix_k[layer].at[at].set(
-        k.reshape(b, n, hkv, d).astype(self.suffix_k[layer].dtype), mode="drop")
+        k.reshape(b, n, t, hkv, d).astype(self.suffix_k[layer].dtype), mode="drop")
     new_v = self.suffix_v[layer].at[at].set(
-        v.reshape(b, n, hkv, d).astype(self.suffix_v[layer].dtype), mode="drop")
-    suffix_lens = self.index + 1
-    out, lse = self.decode_fn(q.reshape(b, n, h, d), self.prefix_k[layer].astype(q.dtype),
-                              self.prefix_v[layer].astype(q.dtype), self.prefix_lens,
-                              new_k.astype(q.dtype), new_v.astype(q.dtype), suffix_lens,
-                              window=window, sm_scale=sm_scale, softcap=softcap)
+        v.reshape(b, n, t, hkv, d).astype(self.suffix_v[layer].dtype), mode="drop")
+    prefix_k, prefix_v = self.prefix_k[layer].astype(q.dtype), self.prefix_v[layer].astype(q.dtype)
+    if t == 1:
+      out, lse = self.decode_fn(q.reshape(b, n, h, d), prefix_k, prefix_v, self.prefix_lens,
+                                new_k.astype(q.dtype), new_v.astype(q.dtype), self.index + 1,
+                                window=window, sm_scale=sm_scale, softcap=softcap)
+    else:  # several tokens a row (a reply fed at once): XLA, the prefix read once for all
+      out, lse = extend_two_pass(q.reshape(b, n, t, h, d), prefix_k, prefix_v,
+                                 self.prefix_lens, new_k.astype(q.dtype),
+                                 new_v.astype(q.dtype), self.index, window=window,
+                                 sm_scale=sm_scale, softcap=softcap)
     if sinks is not None:  # gpt-oss: the sinks join the softmax the partials merged
       out = with_sinks(out, lse, sinks)
     cache = self.replace(suffix_k=self.suffix_k[:layer] + (new_k,) + self.suffix_k[layer + 1:],
                          suffix_v=self.suffix_v[:layer] + (new_v,) + self.suffix_v[layer + 1:])
-    return out.reshape(rows, 1, h, d).astype(q.dtype), cache
+    return out.reshape(rows, t, h, d).astype(q.dtype), cache
 
   def advance(self, t: int) -> "SharedPrefixCache":
     return self.replace(index=self.index + t)

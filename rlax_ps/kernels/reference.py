@@ -256,6 +256,36 @@ def decode_window_starts(prefix_lens, suffix_lens, window: int):
   return (prefix_lens[:, None] + suffix_start).astype(jnp.int32), suffix_start
 
 
+def extend_two_pass(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, index,
+                    sm_scale=None, window=None, softcap=None):
+  """T tokens of each of N samples in one step (a reply or begun tokens fed at once):
+  q [B, N, T, H, D]; their keys already written at suffix slots [index, index + T) (index
+  [B, N]). Query t of sample (b, n) sits at prefix_lens[b] + index[b, n] + t and sees the
+  prefix and its suffix up to its own slot; the prefix is read once for all N*T queries.
+  -> (o [B, N, T, H, D], lse [B, N, T, H])."""
+  b, n, t, h, d = q.shape
+  check_decode(q[:, :, 0], prefix_k, prefix_v, suffix_k, suffix_v)
+  window = check_window(window)
+  softcap = check_softcap(softcap)
+  lens = index[:, :, None] + jnp.arange(1, t + 1)  # [B, N, T]: suffix keys each query sees
+  pre_start = suf_start = None
+  if window is not None:
+    pre_start, suf_start = decode_window_starts(prefix_lens, lens.reshape(b, n * t), window)
+  o1, l1 = decode_prefix_partial(q.reshape(b, n * t, h, d), prefix_k, prefix_v, prefix_lens,
+                                 sm_scale, pre_start, softcap)
+  ss = suffix_k.shape[2]
+  mask = jnp.arange(ss) < lens[..., None]
+  if suf_start is not None:
+    mask = mask & (jnp.arange(ss) >= suf_start.reshape(b, n, t)[..., None])
+  fold = lambda x: x.reshape(b * n, ss, *x.shape[3:])  # noqa: E731
+  o2, l2 = masked_attention(q.reshape(b * n, t, h, d), fold(suffix_k), fold(suffix_v),
+                            mask.reshape(b * n, t, ss), sm_scale, out_dtype=jnp.float32,
+                            softcap=softcap)
+  o, lse = merge_lse(o1.reshape(b * n, t, h, d), l1.reshape(b * n, t, h), o2, l2,
+                     out_dtype=q.dtype)
+  return o.reshape(b, n, t, h, d), lse.reshape(b, n, t, h)
+
+
 def decode_n_copies(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, suffix_lens,
                     sm_scale=None, window=None, softcap=None):
   """Ground truth: each sample attends its own copy of [prefix, suffix]."""

@@ -274,3 +274,22 @@ def test_the_decode_chunk_lowers_for_tpu_and_cuda(platform, turns):
   assert exported.platforms == (platform,)
   kernels = set(re.findall(r'kernel_name = "([a-z_]+)"', exported.mlir_module()))
   assert kernels == ({"shared_prefix_decode"} if platform == "tpu" else set())
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_feeding_rows_several_tokens_at_once_lowers_for_tpu_and_cuda(platform):
+  # Replies and begun tokens fed in one step (`_feed_rows`: the rows' own prefixes, the
+  # multi-token attention in XLA), exported from the CPU for the real targets.
+  config = ModelConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=128, architecture="qwen3",
+                       qk_norm=True, dtype="bfloat16")
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  batch = ContinuousBatch(model, 4, 2, SamplingParams(max_new_tokens=256, stop_tokens=STOPS),
+                          rows_per_prompt=2, resume=True)
+  batch.add(0, list(range(1, 101)), [0, 1, 2, 3])
+  batch._fill()
+  graphdef, state = nnx.split(model)
+  exported = export.export(continuous._feed_rows, platforms=[platform])(
+      graphdef, state, batch._slots, np.array([0, 1], np.int32), np.ones((2, 16), np.int32),
+      np.array([16, 3], np.int32), record_routes=False)
+  assert exported.platforms == (platform,)

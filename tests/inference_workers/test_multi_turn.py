@@ -223,3 +223,36 @@ def test_a_resumed_conversation_goes_on_as_if_never_interrupted(model):
   # The resumed run asked only for the turns after the cut, exactly as the whole run did.
   later = [c for c in calls["a"] if len(c[1]) > len(begun[c[0]].tokens)]
   assert sorted(calls["b"]) == sorted(later) and later
+
+
+def test_a_reply_is_fed_in_one_step_not_one_decode_step_a_token(model, monkeypatch):
+  """A 6-token reply joins the row in one step: the conversation takes 6 fewer decode steps
+  than feeding it a token a step (the fallback, forced here), with the same tokens."""
+  from inference_workers import continuous
+  params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_tokens=STOPS)
+  reply = [50, 51, 52, 53, 54, 55]
+  steps = []
+  chunk = continuous._chunk
+
+  def counted(*args, **kwargs):
+    out = chunk(*args, **kwargs)
+    steps[-1] += int(out[2])
+    return out
+
+  monkeypatch.setattr(continuous, "_chunk", counted)
+  runs = []
+  for fed in (True, False):
+    with monkeypatch.context() as m:
+      if not fed:
+        m.setattr(ContinuousBatch, "_feed", lambda self, feeds: None)
+      steps.append(0)
+      batch = ContinuousBatch(model, 1, 1, params, respond=lambda key, j, tokens, observed: (
+          None if np.any(observed) else reply))
+      batch.add(0, PROMPTS[2], [7])
+      [(_, [sample])] = batch.run()
+      runs.append(sample)
+  one_step, a_token_a_step = runs
+  assert one_step.observed.sum() == len(reply)  # answered once, then it went on
+  assert one_step.tokens.tolist() == a_token_a_step.tokens.tolist()
+  np.testing.assert_allclose(one_step.logprobs, a_token_a_step.logprobs, atol=1e-5)
+  assert steps[0] == steps[1] - len(reply)

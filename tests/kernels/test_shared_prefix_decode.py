@@ -57,3 +57,21 @@ def test_decode_rejects_mismatched_suffix_shape():
   q, pk, pv, pl, sk, sv, sl = _inputs(jnp.float32)
   with pytest.raises(ValueError, match="suffix_k and suffix_v must both be"):
     shared_prefix_decode_attention(q, pk, pv, pl, sk[:, :2], sv[:, :2], sl, backend="xla")
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (4, 30.0)])
+def test_t_tokens_at_once_attend_as_t_decode_steps(window, softcap):
+  """extend_two_pass (a reply fed in one step): query t of a sample sees what a decode step
+  at suffix length index + t + 1 sees, window and soft-cap included."""
+  t = 4
+  q, pk, pv, pl, sk, sv, _ = _inputs(jnp.float32)
+  qs = jax.random.normal(jax.random.key(3), (B, N, t, H, D), jnp.float32)
+  index = np.array([[0, 8, 3], [2, 5, 0]], np.int32)  # + t fits the 12 suffix slots
+  o, lse = jax.jit(functools.partial(reference.extend_two_pass, window=window,
+                                     softcap=softcap))(qs, pk, pv, pl, sk, sv, index)
+  assert o.shape == (B, N, t, H, D) and lse.shape == (B, N, t, H)
+  for i in range(t):
+    want = reference.decode_n_copies(qs[:, :, i], pk, pv, pl, sk, sv, index + i + 1,
+                                     window=window, softcap=softcap)
+    np.testing.assert_allclose(o[:, :, i], want[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(lse[:, :, i], want[1], atol=1e-5, rtol=1e-5)
