@@ -52,11 +52,6 @@ from inference_workers.shared_prefix import DecodeFn, SharedPrefixCache
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
 
 
-# The most forced tokens a row feeds in one step (`_feed_rows`): a longer run takes several,
-# so that the step's attention scores stay bounded.
-_FEED_TOKENS = 256
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Slots:
@@ -400,7 +395,8 @@ class ContinuousBatch:
   lengths vary, at the price of a group taking longer to finish.
   `respond(key, j, tokens, observed) -> token ids | None` makes samples multi-turn (module
   docstring): each sample gets at most `max_turns` replies, asked for on `respond_threads`
-  threads.
+  threads. A reply (or a resumed sample's begun tokens) joins its row in steps of up to
+  `feed_tokens` tokens (1: one a decode step), which bounds that step's attention scores.
   """
 
   def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,
@@ -408,7 +404,8 @@ class ContinuousBatch:
                record_routes: bool = False, chunk_steps: int = 0,
                respond: Callable[[Hashable, int, np.ndarray, np.ndarray],
                                  Sequence[int] | None] | None = None,
-               max_turns: int = 4, respond_threads: int = 8, resume: bool = False):
+               max_turns: int = 4, respond_threads: int = 8, resume: bool = False,
+               feed_tokens: int = 256):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
     if not isinstance(n, int) or n < 1:
@@ -427,12 +424,15 @@ class ContinuousBatch:
       raise ValueError(f"max_turns: expected an int >= 0, got {max_turns!r}")
     if not isinstance(respond_threads, int) or respond_threads < 1:
       raise ValueError(f"respond_threads: expected a positive int, got {respond_threads!r}")
+    if not isinstance(feed_tokens, int) or feed_tokens < 1:
+      raise ValueError(f"feed_tokens: expected a positive int, got {feed_tokens!r}")
     check_request(model.config, [[0]], [0] * n, n, params)
     self.model, self.n, self.num_slots, self.params = model, n, slots, params
     self.record_routes, self.decode_fn = record_routes, decode_fn
     self.chunk_steps = chunk_steps
     self.respond, self.max_turns = respond, max_turns
     self.resume = resume
+    self.feed_tokens = feed_tokens
     self._replies: dict[int, int] = {}  # output slot -> replies given to its sample
     # paused row -> (its output slot, its sample's length, its reply in the making)
     self._asking: dict[int, tuple[int, int, concurrent.futures.Future]] = {}
@@ -633,14 +633,15 @@ class ContinuousBatch:
       self._ask()  # a first token may have ended a turn
 
   def _feed(self, feeds: dict[int, np.ndarray]) -> None:
-    """Rows take these forced tokens (by row) at once, `_FEED_TOKENS` a call at most."""
-    if not feeds:
+    """Rows take these forced tokens (by row) at once, `feed_tokens` a call at most (1: they
+    are left to the decode steps, one a step)."""
+    if not feeds or self.feed_tokens == 1:
       return
     count = self._slots.rows.token.shape[0]
     ids = np.full((bucket(len(feeds)),), count, np.int32)  # padding: past the last row
     ids[:len(feeds)] = list(feeds)
     longest = max(len(f) for f in feeds.values())
-    width = min(bucket(longest), _FEED_TOKENS)
+    width = min(bucket(longest), bucket(self.feed_tokens + 1) // 2)  # powers of two: few shapes
     graphdef, state = nnx.split(self.model)
     for start in range(0, longest, width):
       tokens = np.zeros((ids.size, width), np.int32)

@@ -115,6 +115,8 @@ def test_bad_respond_settings_and_replies_are_named(model):
     ContinuousBatch(model, 1, 1, respond=lambda *a: None, max_turns=-1)
   with pytest.raises(ValueError, match="respond_threads: expected a positive int, got 0"):
     ContinuousBatch(model, 1, 1, respond=lambda *a: None, respond_threads=0)
+  with pytest.raises(ValueError, match="feed_tokens: expected a positive int, got 0"):
+    ContinuousBatch(model, 1, 1, respond=lambda *a: None, feed_tokens=0)
   params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_tokens=STOPS)
   batch = ContinuousBatch(model, 1, 1, params, respond=lambda k, j, t, o: [99])
   for i, p in enumerate(PROMPTS):
@@ -227,7 +229,7 @@ def test_a_resumed_conversation_goes_on_as_if_never_interrupted(model):
 
 def test_a_reply_is_fed_in_one_step_not_one_decode_step_a_token(model, monkeypatch):
   """A 6-token reply joins the row in one step: the conversation takes 6 fewer decode steps
-  than feeding it a token a step (the fallback, forced here), with the same tokens."""
+  than feeding it a token a step (feed_tokens=1), with the same tokens."""
   from inference_workers import continuous
   params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_tokens=STOPS)
   reply = [50, 51, 52, 53, 54, 55]
@@ -241,16 +243,14 @@ def test_a_reply_is_fed_in_one_step_not_one_decode_step_a_token(model, monkeypat
 
   monkeypatch.setattr(continuous, "_chunk", counted)
   runs = []
-  for fed in (True, False):
-    with monkeypatch.context() as m:
-      if not fed:
-        m.setattr(ContinuousBatch, "_feed", lambda self, feeds: None)
-      steps.append(0)
-      batch = ContinuousBatch(model, 1, 1, params, respond=lambda key, j, tokens, observed: (
-          None if np.any(observed) else reply))
-      batch.add(0, PROMPTS[2], [7])
-      [(_, [sample])] = batch.run()
-      runs.append(sample)
+  for feed_tokens in (256, 1):
+    steps.append(0)
+    batch = ContinuousBatch(model, 1, 1, params, feed_tokens=feed_tokens,
+                            respond=lambda key, j, tokens, observed: (
+                                None if np.any(observed) else reply))
+    batch.add(0, PROMPTS[2], [7])
+    [(_, [sample])] = batch.run()
+    runs.append(sample)
   one_step, a_token_a_step = runs
   assert one_step.observed.sum() == len(reply)  # answered once, then it went on
   assert one_step.tokens.tolist() == a_token_a_step.tokens.tolist()
