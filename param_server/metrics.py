@@ -22,6 +22,7 @@ COUNTERS = {
     "leases_expired": "leases that expired, their prompts returned to the queue",
     "prompts_resumed": "prompts leased again with samples a stopped or killed worker began",
     "samples_resumed": "begun samples handed to the next worker to continue",
+    "tokens_resumed": "tokens of those samples: decoding not done again",
     "bytes_served": "weight bytes sent to pulls",
     "pulls_served": "pulls served",
     "errors": "requests rejected (bad input or auth)",

@@ -304,6 +304,7 @@ class PromptRolloutQueues:
         if begun:
           self.counters["prompts_resumed"] += 1
           self.counters["samples_resumed"] += begun
+          self.counters["tokens_resumed"] += sum(len(s.token_ids) for s in self.prompts[pid].partial)
       self.leases[r.lease_id] = LeaseState(r.lease_id, r.worker_id, list(r.prompt_ids), r.deadline_unix_s)
     elif op == "renew":
       self.leases[record.renew.lease_id].deadline = record.renew.deadline_unix_s
@@ -391,6 +392,7 @@ class PromptRolloutQueues:
         leases_expired=self.counters["leases_expired"],
         prompts_resumed=self.counters["prompts_resumed"],
         samples_resumed=self.counters["samples_resumed"],
+        tokens_resumed=self.counters["tokens_resumed"],
         acked_takes=list(self.acked_takes))
     for lease in list(self.closed_leases.values()) + list(self.leases.values()):
       snap.leases.append(pb.WalLeaseState(
@@ -433,7 +435,8 @@ class PromptRolloutQueues:
     self.counters = collections.Counter(
         rollouts_accepted=snap.rollouts_accepted, rollouts_duplicate=snap.rollouts_duplicate,
         rollouts_stale_dropped=snap.rollouts_stale_dropped, leases_expired=snap.leases_expired,
-        prompts_resumed=snap.prompts_resumed, samples_resumed=snap.samples_resumed)
+        prompts_resumed=snap.prompts_resumed, samples_resumed=snap.samples_resumed,
+        tokens_resumed=snap.tokens_resumed)
 
   # ------------------------------------------------------------ time-driven changes
 
@@ -749,7 +752,8 @@ class PromptRolloutQueues:
           rollouts_stale_dropped=self.counters["rollouts_stale_dropped"],
           leases_expired=self.counters["leases_expired"],
           prompts_resumed=self.counters["prompts_resumed"],
-          samples_resumed=self.counters["samples_resumed"])
+          samples_resumed=self.counters["samples_resumed"],
+          tokens_resumed=self.counters["tokens_resumed"])
 
   def close(self) -> None:
     with self._lock:

@@ -287,7 +287,9 @@ def test_renewals_carrying_begun_samples_keep_the_log_within_a_few_times_the_sta
   q._wal.rewrite(pb.WalRecord(snapshot=q._snapshot()))
   q.close()
   q = make_queues(tmp_path / "compacted", clock)  # the counts come back with the snapshot
-  assert (q.depths()["prompts_resumed"], q.depths()["samples_resumed"]) == (1, 1)
+  counts = q.depths()
+  assert (counts["prompts_resumed"], counts["samples_resumed"], counts["tokens_resumed"]) == (
+      1, 1, 200)
   q.close()
 
 
@@ -343,7 +345,8 @@ def test_samples_sent_with_a_renewal_go_back_with_the_prompts_of_an_expired_leas
   assert list(again["a"].partial) == later and again["a"].partial_version == 2
   assert not again["c"].partial
   counts = q.depths()
-  assert (counts["prompts_resumed"], counts["samples_resumed"]) == (1, 2)
+  assert (counts["prompts_resumed"], counts["samples_resumed"], counts["tokens_resumed"]) == (
+      1, 2, 3)
   q.close()
 
 

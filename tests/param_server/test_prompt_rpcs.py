@@ -105,8 +105,9 @@ def test_partial_rollouts_released_with_a_prompt_reach_the_next_lease(trainer, w
   again = worker.lease(1, deadline_s=30).prompts[0]
   assert again.id == "p0" and list(again.partial) == [begun] and again.partial_version == 0
   stats = trainer.stats()
-  assert (stats.prompts_resumed, stats.samples_resumed) == (1, 1)
-  assert re.search(r"prompts resumed\s+1 \(1 begun samples continued\)", format_stats(stats))
+  assert (stats.prompts_resumed, stats.samples_resumed, stats.tokens_resumed) == (1, 1, 2)
+  assert re.search(r"prompts resumed\s+1 \(1 begun samples, 2 tokens continued\)",
+                   format_stats(stats))
 
 
 def test_a_renewal_naming_more_tokens_than_the_server_holds_gets_a_status(trainer, worker):
