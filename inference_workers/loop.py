@@ -643,9 +643,10 @@ class Worker:
   def _salvage(self, batch: ContinuousBatch) -> None:
     """Stopping, with little grace left: hand each running prompt back with its samples so
     far (partial rollouts, which the next worker continues from where they stopped, with
-    the same seeds) and the waiting ones as they are."""
+    the same seeds; past the tokens the last checkpoint gave the server) and the waiting
+    ones as they are."""
     parts: dict[str, list[pb.PartialRollouts]] = collections.defaultdict(list)
-    for key, part in self._partial_rollouts(batch):
+    for key, part in self._partial_rollouts(batch, incremental=True):
       del self._started[key]
       self._given.pop(key, None)
       if key[0] not in self._abandoned:
@@ -659,11 +660,14 @@ class Worker:
       ids = [p.prompt_id for p in partial]
       try:
         self.stats.prompts_released += self.client.release(lease_id, ids, partial=partial)
-        self.stats.samples_salvaged += sum(bool(s.token_ids) for p in partial for s in p.samples)
-      except ParamServerError as e:  # e.g. the lease expired: they are queued again anyway
+        self.stats.samples_salvaged += sum(
+            bool(s.token_ids) or k > 0 for p in partial
+            for s, k in zip(p.samples, list(p.kept) or [0] * len(p.samples)))
+      except ParamServerError as e:  # e.g. refused: _settle releases them as the server holds them
         logging.warning("worker: partial rollouts of lease %s not handed back: %s", lease_id, e)
-      with self._lock:
-        self._inflight.get(lease_id, set()).difference_update(ids)
+      else:
+        with self._lock:
+          self._inflight.get(lease_id, set()).difference_update(ids)
       self._settle(lease_id)
     self._release_pending()
     logging.info("worker: handed back %d running prompts with %d begun samples",

@@ -13,6 +13,7 @@ from inference_workers.continuous import ContinuousBatch
 from inference_workers.loop import Worker
 from inference_workers.sampler import generate
 from inference_workers.worker_config import WorkerConfig
+from param_server import errors
 from param_server.client import routes_of, sample_logprobs
 from param_server.protos import param_server_pb2 as pb
 from param_server.server import ParamServer, ServerConfig
@@ -84,36 +85,56 @@ class Killed(Exception):
   """The worker's process is gone: nothing more of it reaches the server."""
 
 
+def checkpointed_steps(sent, last, then):
+  """ContinuousBatch.step that waits, before each chunk, for the heartbeat to carry the
+  checkpoint the chunk before left (`sent`: the partial rollouts renewals carried; two
+  prompts a checkpoint), and calls `then()` in place of chunk `last` + 1."""
+  step, chunks = ContinuousBatch.step, [0]
+
+  def stepping(batch):
+    deadline = time.monotonic() + 30
+    while chunks[0] <= last and len(sent) < 2 * chunks[0] and time.monotonic() < deadline:
+      time.sleep(0.02)
+    if chunks[0] == last:
+      then()
+    chunks[0] += 1
+    return step(batch)
+
+  return stepping
+
+
+def spy_on(wc, method, sent):
+  """The partial rollouts the client's `method` (renew or release) sent and got accepted."""
+  call = getattr(wc, method)
+
+  def spied(*args, partial=(), **kwargs):
+    out = call(*args, partial=partial, **kwargs)
+    sent.extend(partial)
+    return out
+
+  setattr(wc, method, spied)
+
+
 def test_a_worker_killed_without_notice_loses_only_what_it_decoded_since_its_checkpoint(
     server, versions, monkeypatch):
   """kill -9: no SIGTERM, no release. The begun samples its lease renewals carried (after
   the first, only each sample's new tokens) go back with the prompts once the lease
   expires, and the next worker finishes them as an uninterrupted run would."""
   config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4)
-  queues, ids = server.queues, ("p0", "p1")
-  step, chunks, sent = ContinuousBatch.step, [], []
+  queues, ids, sent = server.queues, ("p0", "p1"), []
 
-  def step_then_die(batch):
-    chunks.append(step(batch))
-    n = len(sent)  # each chunk's checkpoint, carried by the heartbeat before the next chunk
-    deadline = time.monotonic() + 30
-    while len(sent) == n and time.monotonic() < deadline:
-      time.sleep(0.02)
-    if len(chunks) == 3:  # the second and third went as increments
-      raise Killed
-    return chunks[-1]
+  def die():  # three checkpoints carried: the second and third as increments
+    raise Killed
 
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
-    renew = wc.renew
-    monkeypatch.setattr(wc, "renew", lambda *a, partial=(), **k: (
-        renew(*a, partial=partial, **k), sent.extend(partial))[0])
+    spy_on(wc, "renew", sent)
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
     first = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(
         max_leases=1, checkpoint_s=1e-3, **dict(config, lease_deadline_s=1.0)))
     monkeypatch.setattr(first, "_release_all", lambda: 0)  # a killed process releases nothing
     with monkeypatch.context() as m, pytest.raises(Killed):
-      m.setattr(ContinuousBatch, "step", step_then_die)
+      m.setattr(ContinuousBatch, "step", checkpointed_steps(sent, 3, die))
       first.run()
     assert first.stats.checkpoints >= 2 and first.stats.groups_submitted == 0
     begun = {p: [pb.Sample(token_ids=s.token_ids, logprobs_f32=s.logprobs_f32)
@@ -128,6 +149,57 @@ def test_a_worker_killed_without_notice_loses_only_what_it_decoded_since_its_che
     second.run()
     groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
     assert trainer.stats().leases_expired == 1
+  assert sorted(groups) == list(ids)
+  assert_finished_as_begun(second, groups, begun)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_stop_after_checkpoints_hands_back_only_what_is_new(server, versions, monkeypatch,
+                                                              refused):
+  """SIGTERM after two checkpoints: the samples handed back go past what the server holds;
+  joined, the next worker finishes them as an uninterrupted run. Refused (counts the server
+  does not hold), the prompts are still released, with the samples of the last checkpoint."""
+  config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4)
+  queues, ids, renewed, released = server.queues, ("p0", "p1"), [], []
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    spy_on(wc, "renew", renewed)
+    spy_on(wc, "release", released)
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    first = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, checkpoint_s=1e-3,
+                                                       **config))
+
+    if refused:  # e.g. counts the server does not hold
+      release = queues.release
+
+      def refusing(lease_id, worker_id, prompt_ids, partial=()):
+        if partial:
+          raise errors.InvalidArgument("partial[0].kept[0]", "expected at most 4, got 9")
+        return release(lease_id, worker_id, prompt_ids, partial)
+
+      monkeypatch.setattr(queues, "release", refusing)
+    with monkeypatch.context() as m:
+      m.setattr(ContinuousBatch, "step", checkpointed_steps(
+          renewed, 2, lambda: first.request_stop(grace_s=first.config.salvage_s)))
+      first.run()
+    assert first.stats.groups_submitted == 0 and first.stats.prompts_released == 2
+    begun = {p: [pb.Sample(token_ids=s.token_ids, logprobs_f32=s.logprobs_f32)
+                 for s in queues.prompts[p].partial] for p in ids}
+    last = {p.prompt_id: p for p in renewed[-2:]}  # the second checkpoint
+    if refused:
+      assert first.stats.samples_salvaged == 0 and not released
+      assert all(len(s.token_ids) == k + len(n.token_ids) for p in ids
+                 for s, k, n in zip(begun[p], last[p].kept, last[p].samples))
+    else:
+      assert first.stats.samples_salvaged == 6
+      assert len(released) == 2 and all(p.kept for p in released)
+      new = sum(len(s.token_ids) for p in released for s in p.samples)
+      assert new < sum(sum(p.kept) for p in released)  # a chunk's tokens, not the samples
+      assert all(len(s.token_ids) == k + len(n.token_ids) for p in released
+                 for s, k, n in zip(begun[p.prompt_id], p.kept, p.samples))
+    second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
+    second.run()
+    groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
   assert sorted(groups) == list(ids)
   assert_finished_as_begun(second, groups, begun)
 
