@@ -256,3 +256,38 @@ def test_a_reply_is_fed_in_one_step_not_one_decode_step_a_token(model, monkeypat
   assert one_step.tokens.tolist() == a_token_a_step.tokens.tolist()
   np.testing.assert_allclose(one_step.logprobs, a_token_a_step.logprobs, atol=1e-5)
   assert steps[0] == steps[1] - len(reply)
+
+
+@pytest.mark.parametrize("variant", ["window-softcap", "sinks"])
+def test_a_reply_fed_at_once_attends_as_a_prompt_would(variant):
+  """The several-token step keeps the attention variants: after a reply, greedy decoding
+  goes on exactly as decoding the transcript as a prompt (a 5-token window that the reply
+  crosses and soft-capped logits; gpt-oss's attention sinks)."""
+  from rlax_ps.models import assign_params, flatten_params
+  config = (CONFIG.replace(sliding_window=5, attn_logit_softcapping=20.0)
+            if variant == "window-softcap" else
+            CONFIG.replace(architecture="gpt_oss", attention_sinks=True, attention_out_bias=True))
+  model = Transformer(config, rngs=nnx.Rngs(2))
+  rng = np.random.default_rng(3)  # sinks away from their zero init
+  assign_params(model, {k: np.asarray(v) + (rng.normal(0, 1.0, v.shape).astype(np.float32)
+                                            if k.endswith("sinks") else 0)
+                        for k, v in flatten_params(model).items()})
+  params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_tokens=STOPS)
+  reply = [50, 51, 52, 53, 54]
+  batch = ContinuousBatch(model, 1, len(PROMPTS), params,
+                          respond=lambda key, j, tokens, observed: None if observed.any() else reply)
+  for i, p in enumerate(PROMPTS):
+    batch.add(i, p, [0])
+  checked = 0
+  for i, [s] in batch.run():
+    end = int(np.flatnonzero(s.observed)[-1]) + 1 if s.observed.any() else 0  # past the reply
+    toks = s.tokens.tolist()
+    if not end or end == len(toks):
+      continue
+    assert toks[end - len(reply):end] == reply
+    [ref] = generate(model, [PROMPTS[i] + toks[:end]], [0], SamplingParams(
+        temperature=0.0, max_new_tokens=len(toks) - end, stop_tokens=STOPS))
+    assert ref.tokens.tolist() == toks[end:]
+    np.testing.assert_allclose(ref.logprobs, s.logprobs[end:], atol=1e-5)
+    checked += 1
+  assert checked >= 2
