@@ -6,11 +6,12 @@ replies, measured in one run.
     python benchmarks/multi_turn.py --reply_tokens=256 --max_new_tokens=1024
 
 A random-weight Qwen2-shaped model samples --samples answers for each of --prompts prompts,
---slots prompts at a time (continuous batching, a row per sample); --stop_frac of the vocabulary are stop tokens, so turns end after
-about 1/stop_frac tokens, and each gets a reply of --reply_tokens tokens (a tool's output),
-up to --max_turns. Rows: policy tokens per second (compile excluded, best of --reps, the two
-alternated), decode steps, and the share of samples identical under both (they differ only
-where float rounding flips a draw).
+--slots prompts at a time (continuous batching, a row per sample); --stop_frac of the
+vocabulary are stop tokens, so turns end after about 1/stop_frac tokens, and each gets a
+reply of --reply_tokens tokens (a tool's output), up to --max_turns. Rows: policy tokens
+per second (compile excluded, best of --reps, the two alternated) and decode steps; the
+header gives the share of samples identical under both (they differ only where float
+rounding flips a draw).
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def main():
   same = np.mean([a.tokens.tolist() == b.tokens.tolist() for a, b in zip(ours, theirs)])
   policy = {name: sum(int((~s.observed).sum()) for s in got) for name, got in results.items()}
   replies = sum(int(s.observed.sum()) for s in ours)
-  print(f"multi-turn: {args.prompts} prompts x {n} samples on {args.slots * n} rows, replies of {args.reply_tokens} "
-        f"tokens (up to {args.max_turns}), up to {args.max_new_tokens} tokens a sample; "
+  print(f"multi-turn: {args.prompts} prompts x {n} samples on {args.slots * n} rows, replies "
+        f"of {args.reply_tokens} tokens (up to {args.max_turns}), up to {args.max_new_tokens} "
+        f"tokens a sample; "
         f"{replies} reply tokens, {policy['reply in one step']} policy tokens; "
         f"{args.layers} layers x {args.hidden}, backend {jax.default_backend()}; "
         f"{same:.0%} of samples identical")

@@ -186,10 +186,11 @@ def _feed_rows(graphdef, state, slots: Slots, row_ids, tokens, counts, *, record
   _, sub, *routing = model.hidden_states(seq, positions=positions, cache=sub,
                                          record_routes=record_routes)
   back = (jnp.where(ok, slot, s), j)  # the rows not fed write nothing back
-  cache = c.replace(
-      suffix_k=tuple(k.at[back].set(new[:, 0], mode="drop") for k, new in zip(c.suffix_k, sub.suffix_k)),
-      suffix_v=tuple(v.at[back].set(new[:, 0], mode="drop") for v, new in zip(c.suffix_v, sub.suffix_v)),
-      index=c.index.at[back].add(counts, mode="drop"))
+  def put(bufs, news):
+    return tuple(buf.at[back].set(new[:, 0], mode="drop") for buf, new in zip(bufs, news))
+
+  cache = c.replace(suffix_k=put(c.suffix_k, sub.suffix_k), suffix_v=put(c.suffix_v, sub.suffix_v),
+                    index=c.index.at[back].add(counts, mode="drop"))
   out = jnp.where(ok, rows.sample[at], rows.lengths.shape[0])
   start = rows.lengths[rows.sample[at]]  # the current token is output start - 1
   keep = jnp.arange(t) < counts[:, None]

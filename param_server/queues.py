@@ -300,11 +300,12 @@ class PromptRolloutQueues:
       r = record.lease
       for pid in r.prompt_ids:
         del self.queue[pid]
-        begun = sum(bool(s.token_ids) for s in self.prompts[pid].partial)
+        partial = self.prompts[pid].partial
+        begun = sum(bool(s.token_ids) for s in partial)
         if begun:
           self.counters["prompts_resumed"] += 1
           self.counters["samples_resumed"] += begun
-          self.counters["tokens_resumed"] += sum(len(s.token_ids) for s in self.prompts[pid].partial)
+          self.counters["tokens_resumed"] += sum(len(s.token_ids) for s in partial)
       self.leases[r.lease_id] = LeaseState(r.lease_id, r.worker_id, list(r.prompt_ids), r.deadline_unix_s)
     elif op == "renew":
       self.leases[record.renew.lease_id].deadline = record.renew.deadline_unix_s

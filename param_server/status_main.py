@@ -31,8 +31,8 @@ def format_stats(s: pb.Stats) -> str:
       ("prompts queued", s.prompts_queued),
       ("prompts leased", f"{s.prompts_leased} in {s.leases_active} leases"),
       ("leases expired", s.leases_expired),
-      ("prompts resumed", f"{s.prompts_resumed} ({s.samples_resumed} begun samples, {s.tokens_resumed} "
-                           f"tokens continued)"),
+      ("prompts resumed", f"{s.prompts_resumed} ({s.samples_resumed} begun samples, "
+                           f"{s.tokens_resumed} tokens continued)"),
       ("rollouts ready", s.rollouts_ready),
       ("rollouts in flight", f"{s.rollouts_in_flight} (taken, not acked)"),
       ("rollouts accepted", f"{s.rollouts_accepted} (+{s.rollouts_duplicate} duplicate submissions acked)"),
