@@ -8,7 +8,8 @@ within `grace_s`; a watchdog releases whatever is still open if generation overr
 With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
 each), a finished prompt's group is scored and submitted at once and a newly leased prompt
-takes its slot. VIGOR samples in rounds, one call per `prompts_per_call` prompts.
+takes its slot. VIGOR samples in rounds, one call per `prompts_per_call` prompts (multi-turn:
+each sample on a row of its own in a continuous batch).
 With an `environment` for a prompt's task, each turn a sample ends is answered by it
 (multi-turn rollouts), on `environment_threads` threads while the other rows decode on: the
 reply is rendered as the next message and the sample goes on; the verifier scores the whole.
@@ -707,11 +708,11 @@ class Worker:
     while not state.done:
       counts = [int(c) for c in self.allocator.requests(state)]
       t0 = time.monotonic()
-      drawn = self._draw(prompts, tokens, counts, version, round_)
+      drawn, given = self._draw(prompts, tokens, counts, version, round_)
       elapsed = time.monotonic() - t0
       new_rewards = []
       for i, (prompt, got) in enumerate(zip(prompts, drawn)):
-        scores = self._rewards(prompt, got)
+        scores = self._rewards(prompt, got, given[i])
         samples[i].extend(got)
         rewards[i].extend(scores)
         new_rewards.append(np.asarray(scores, np.float32))
@@ -744,13 +745,18 @@ class Worker:
       group.prompt_routes.CopyFrom(make_routes(samples[0].prompt_routes))
     return group
 
-  def _draw(self, prompts, tokens, counts, version, round_) -> list[list[Sample]]:
-    """counts[i] samples of prompt i: one shared-prefix call when the counts agree."""
+  def _draw(self, prompts, tokens, counts, version, round_
+            ) -> tuple[list[list[Sample]], list[dict[int, list]]]:
+    """counts[i] samples of prompt i (one shared-prefix call when the counts agree), and the
+    replies each multi-turn sample got, by prompt and sample index."""
     live = [i for i, c in enumerate(counts) if c > 0]
     out: list[list[Sample]] = [[] for _ in prompts]
+    given: list[dict[int, list]] = [{} for _ in prompts]
     if not live:
-      return out
+      return out, given
     seeds = {i: self._seeds(prompts[i].id, version, round_, counts[i]) for i in live}
+    if self.environments:
+      return self._draw_turns(prompts, tokens, seeds, version, out, given)
     if len({counts[i] for i in live}) == 1:
       n = counts[live[0]]
       groups = generate_shared(self.policy.model, [tokens[i] for i in live], n,
@@ -758,13 +764,41 @@ class Worker:
                                record_routes=self.config.routing_replay)
       for i, g in zip(live, groups):
         out[i] = g
-      return out
+      return out, given
     rows = [(i, s) for i in live for s in seeds[i]]
     flat = generate(self.policy.model, [tokens[i] for i, _ in rows], [s for _, s in rows],
                     self.params, record_routes=self.config.routing_replay)
     for (i, _), sample in zip(rows, flat):
       out[i].append(sample)
-    return out
+    return out, given
+
+  def _draw_turns(self, prompts, tokens, seeds, version, out, given
+                  ) -> tuple[list[list[Sample]], list[dict[int, list]]]:
+    """Multi-turn rounds (VIGOR): each sample on a row of its own in a continuous batch,
+    whose environment answers its turns; a prompt's samples do not share its prefill."""
+    batch = ContinuousBatch(self.policy.model, 1,
+                            self.config.prompts_per_call * self.config.samples_per_prompt,
+                            self.params, record_routes=self.config.routing_replay,
+                            respond=self._respond, max_turns=self.config.max_turns,
+                            respond_threads=self.config.environment_threads)
+    keys = {i: [(f"sample {j}", prompts[i].id) for j in range(len(s))] for i, s in seeds.items()}
+    try:
+      for i, ks in keys.items():
+        for key, seed in zip(ks, seeds[i]):
+          self._started[key] = (prompts[i], version)
+          batch.add(key, tokens[i], [seed])
+      done = dict(batch.run())
+    finally:
+      batch.close()
+      for i, ks in keys.items():
+        for j, key in enumerate(ks):
+          self._started.pop(key, None)
+          replies = self._given.pop(key, {}).get(0)
+          if replies:
+            given[i][j] = replies
+    for i, ks in keys.items():
+      out[i] = [done[key][0] for key in ks]
+    return out, given
 
   def _rewards(self, prompt: pb.Prompt, samples: list[Sample],
                given: dict[int, list] | None = None) -> list[float]:

@@ -90,8 +90,6 @@ class WorkerConfig:
       environment_names(self.environment)
     except ValueError as e:
       raise ValueError(f"WorkerConfig.{str(e).removeprefix('worker.')}") from None
-    need(not (self.environment and self.allocator == "vigor"), "environment",
-         "'' with allocator='vigor' (VIGOR's rounds sample one turn)")
     need(0 <= self.rows_per_prompt <= self.samples_per_prompt, "rows_per_prompt",
          f"an int in [0, samples_per_prompt={self.samples_per_prompt}]")
     need(0 <= self.salvage_s < self.grace_s, "salvage_s",

@@ -346,9 +346,12 @@ def test_sigkill_leaves_leases_that_expire_and_are_served_again(server, versions
     assert seen <= back | answered  # (answered between the look and the kill: rare)
 
 
-def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(server, versions):
+@pytest.mark.parametrize("allocator", ["fixed", "vigor"])
+def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(
+    server, versions, allocator):
   """worker.environment by task: the addition prompts' turns are answered, and their
-  replies reach the trainer marked; the reversal prompts' samples end at their first turn."""
+  replies reach the trainer marked; the reversal prompts' samples end at their first turn.
+  VIGOR's rounds too (unequal groups, the budget spent)."""
   from algorithms.environments import ENVIRONMENTS, register_environment
   from rlax_ps.train.rollouts import build_batch
 
@@ -370,7 +373,7 @@ def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(s
                                          extra=e.answer.encode())
                                for i, e in enumerate(examples)])
       worker = Worker(wc, CONFIG, tok, WorkerConfig(
-          max_leases=2, environment="addition=test_ok", max_turns=3,
+          max_leases=2, environment="addition=test_ok", max_turns=3, allocator=allocator,
           **dict(SMALL, max_new_tokens=24)))
       stats = worker.run()
       assert stats.groups_submitted == 4 and stats.replies > 0
@@ -379,6 +382,8 @@ def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(s
     ENVIRONMENTS.pop("test_ok")
   reply = tok.encode("<ok>")
   marked = 0
+  sizes = [len(r.group.samples) for r in take.rollouts]
+  assert sum(sizes) == 4 * 3 and (set(sizes) == {3} if allocator == "fixed" else min(sizes) >= 2)
   single = [r for r in take.rollouts if r.prompt.task == "reversal"]
   assert len(single) == 2
   for r in single:  # no environment for reversal: one turn, ended by its first stop token
@@ -402,7 +407,7 @@ def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(s
       assert np.all(lp[seen] == 0) and np.all(lp[~seen] < 0)
       marked += len(starts)
     group = group_of(r, tok)
-    batch = build_batch([group], BatchShape(groups=1, samples=3, prompt_len=16,
+    batch = build_batch([group], BatchShape(groups=1, samples=max(sizes), prompt_len=16,
                                             response_len=24))
     for j, s in enumerate(group.responses):
       seen = group.observed[j] if group.observed and group.observed[j] is not None else 0
@@ -437,9 +442,6 @@ def test_bad_batching_settings_are_named():
     WorkerConfig(samples_per_prompt=4, rows_per_prompt=5)
   with pytest.raises(ValueError, match="WorkerConfig.decode_chunk_steps"):
     WorkerConfig(decode_chunk_steps=0)
-  with pytest.raises(ValueError, match="WorkerConfig.environment: expected '' with "
-                                       "allocator='vigor'"):
-    WorkerConfig(environment="calculator", allocator="vigor")
   with pytest.raises(ValueError, match="WorkerConfig.environment: expected NAME or TASK=NAME"):
     WorkerConfig(environment="math=python,code")
   with pytest.raises(ValueError, match="WorkerConfig.checkpoint_s: expected a number of "
