@@ -31,12 +31,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from inference_workers.continuous import ContinuousBatch  # noqa: E402
 from inference_workers.sampler import generate_shared  # noqa: E402
-from inference_workers.sampling import SamplingParams  # noqa: E402
-from rlax_ps.models import ModelConfig, Transformer  # noqa: E402
+from random_model import add_flags, model_prompts_params  # noqa: E402 (benchmarks/)
 
 
 def static_steps(sample_lengths, rows: int) -> int:
@@ -70,28 +68,11 @@ def main():
   ap.add_argument("--samples", type=int, default=8)
   ap.add_argument("--rows", type=int, default=64)
   ap.add_argument("--rows_per_prompt", type=int, default=2)
-  ap.add_argument("--prompt_len", type=int, default=48)
-  ap.add_argument("--max_new_tokens", type=int, default=256)
-  ap.add_argument("--stop_frac", type=float, default=1 / 48)
-  ap.add_argument("--hidden", type=int, default=256)
-  ap.add_argument("--layers", type=int, default=4)
-  ap.add_argument("--vocab", type=int, default=8192)
-  ap.add_argument("--reps", type=int, default=2)
+  add_flags(ap, max_new_tokens=256)
   args = ap.parse_args()
   n, r = args.samples, args.rows_per_prompt
-
-  config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                       intermediate_size=3 * args.hidden, num_layers=args.layers,
-                       num_heads=max(1, args.hidden // 64), num_kv_heads=max(1, args.hidden // 256),
-                       architecture="qwen2", qkv_bias=True, dtype="float32",
-                       param_dtype="float32",
-                       max_position_embeddings=args.prompt_len + args.max_new_tokens)
-  model = Transformer(config, rngs=nnx.Rngs(0))
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(0, args.vocab, args.prompt_len).tolist() for _ in range(args.prompts)]
+  model, prompts, params = model_prompts_params(args)
   seeds = [[i * n + j for j in range(n)] for i in range(args.prompts)]
-  stops = tuple(range(int(round(args.stop_frac * args.vocab))))
-  params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_tokens=stops)
   per_call = args.rows // n
 
   def static():

@@ -26,12 +26,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from inference_workers import continuous  # noqa: E402
 from inference_workers.continuous import ContinuousBatch  # noqa: E402
-from inference_workers.sampling import SamplingParams  # noqa: E402
-from rlax_ps.models import ModelConfig, Transformer  # noqa: E402
+from random_model import add_flags, model_prompts_params  # noqa: E402 (benchmarks/)
 
 
 def main():
@@ -39,30 +37,13 @@ def main():
   ap.add_argument("--prompts", type=int, default=16)
   ap.add_argument("--slots", type=int, default=4)
   ap.add_argument("--samples", type=int, default=4)
-  ap.add_argument("--prompt_len", type=int, default=48)
-  ap.add_argument("--max_new_tokens", type=int, default=512)
   ap.add_argument("--reply_tokens", type=int, default=64)
   ap.add_argument("--max_turns", type=int, default=3)
-  ap.add_argument("--stop_frac", type=float, default=1 / 48)
-  ap.add_argument("--hidden", type=int, default=256)
-  ap.add_argument("--layers", type=int, default=4)
-  ap.add_argument("--vocab", type=int, default=8192)
-  ap.add_argument("--reps", type=int, default=2)
+  add_flags(ap, max_new_tokens=512)
   args = ap.parse_args()
   n = args.samples
-
-  config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                       intermediate_size=3 * args.hidden, num_layers=args.layers,
-                       num_heads=max(1, args.hidden // 64), num_kv_heads=max(1, args.hidden // 256),
-                       architecture="qwen2", qkv_bias=True, dtype="float32",
-                       param_dtype="float32",
-                       max_position_embeddings=args.prompt_len + args.max_new_tokens)
-  model = Transformer(config, rngs=nnx.Rngs(0))
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(0, args.vocab, args.prompt_len).tolist() for _ in range(args.prompts)]
-  stops = tuple(range(int(round(args.stop_frac * args.vocab))))
-  params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_tokens=stops)
-  low = len(stops)  # replies hold no stop token
+  model, prompts, params = model_prompts_params(args)
+  low = len(params.stop_tokens)  # replies hold no stop token
 
   def respond(key, j, tokens, observed):
     turn = int(np.sum(np.diff(np.concatenate([[0], observed.astype(int)])) == 1))
