@@ -56,8 +56,9 @@ from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
 @dataclasses.dataclass
 class Slots:
   """Everything on device. Per slot: its prompt's cache, seeds [S, n], how many of its
-  samples have started [S] (n: none left, or a free slot) and its last-token logits
-  [S, V], where a row starting a sample draws its first token. The rows [S*r] and outputs
+  samples have started [S] and how many it draws (`limit` [S], at most n; a free slot has
+  none left), and its last-token logits [S, V], where a row starting a sample draws its
+  first token. The rows [S*r] and outputs
   [S*n] (`Rows`). Routing replay: the experts each fed-back token [S*n, budget, M, k] and
   each prompt token [S, Sp, M, k] went to. Resuming (else None): each sample's begun
   tokens [S*n, budget] (right-aligned, `begun_len` [S*n] of them), which the row that takes
@@ -67,6 +68,7 @@ class Slots:
   rows: Rows
   seeds: jax.Array
   next: jax.Array
+  limit: jax.Array
   first_logits: jax.Array
   routes: jax.Array | None
   prompt_routes: jax.Array | None
@@ -80,6 +82,7 @@ def _empty_slots(config, s: int, n: int, r: int, prompt_len: int, budget: int, d
                rows=Rows.init(jnp.zeros((s * r,), jnp.int32), budget, done=True,
                               outputs=s * n, turns=turns, forcing=resume),
                seeds=jnp.zeros((s, n), jnp.int32), next=jnp.full((s,), n, jnp.int32),
+               limit=jnp.full((s,), n, jnp.int32),
                first_logits=jnp.zeros((s, config.vocab_size), jnp.float32),
                routes=empty_routes(config, s * n, budget) if record_routes else None,
                prompt_routes=empty_routes(config, s, prompt_len) if record_routes else None,
@@ -98,7 +101,7 @@ def _start_samples(slots: Slots, knobs_, mode) -> Slots:
   n = slots.seeds.shape[1]
   idle = slots.rows.idle.reshape(s, r)
   k = slots.next[:, None] + jnp.cumsum(idle, axis=1) - 1  # the sample each idle row takes
-  take = idle & (k < n)
+  take = idle & (k < slots.limit[:, None])
 
   def start(slots: Slots) -> Slots:
     rows, t = slots.rows, take.reshape(-1)
@@ -123,10 +126,11 @@ def _start_samples(slots: Slots, knobs_, mode) -> Slots:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "record_routes"),
                    donate_argnames=("slots",))
-def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, knobs_, resumed=None,
-            *, mode, record_routes):
+def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, limits, knobs_,
+            resumed=None, *, mode, record_routes):
   """Prefill prompts tokens [m, P] into free slots slot_ids [m] (an id past the last slot:
-  padding, dropped) and start their first samples. Resuming: `resumed` = (begun [m, n,
+  padding, dropped), each to draw its first limits [m] samples (the rest count as
+  finished), and start their first samples. Resuming: `resumed` = (begun [m, n,
   budget], begun_len [m, n], complete [m]): each sample's begun tokens, and how many of the
   prompt's first samples are complete already (they are not drawn)."""
   model = nnx.merge(graphdef, state)
@@ -151,10 +155,12 @@ def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, knobs_
       slots.rows, lengths=slots.rows.lengths.at[out].set(0, mode="drop"),
       reasons=slots.rows.reasons.at[out].set(0, mode="drop"),
       finished=slots.rows.finished.at[out].set(
-          (jnp.arange(n)[None, :] < complete[:, None]).reshape(-1), mode="drop"))
+          ((jnp.arange(n)[None, :] < complete[:, None])
+           | (jnp.arange(n)[None, :] >= limits[:, None])).reshape(-1), mode="drop"))
   slots = dataclasses.replace(
       slots, cache=cache, rows=rows, seeds=slots.seeds.at[slot_ids].set(seeds, mode="drop"),
       next=slots.next.at[slot_ids].set(complete, mode="drop"),
+      limit=slots.limit.at[slot_ids].set(limits, mode="drop"),
       first_logits=slots.first_logits.at[slot_ids].set(logits, mode="drop"),
       prompt_routes=put(slots.prompt_routes, prompt_routes) if record_routes else None)
   return _start_samples(slots, knobs_, mode)
@@ -349,7 +355,8 @@ class _Waiting:
   hold them, the complete ones first (`order`: each output's original sample index)."""
   key: Hashable
   tokens: np.ndarray
-  seeds: np.ndarray
+  seeds: np.ndarray  # [n]: the first `count` are drawn
+  count: int
   begun: list[Sample] | None = None
   order: np.ndarray | None = None
   complete: int = 0
@@ -389,7 +396,7 @@ class ContinuousBatch:
   sample when its own ends.
 
   `add(key, prompt, seeds)` queues a prompt; each `step()` fills free slots, decodes one
-  chunk and returns the groups that finished as (key, [n Samples]); `run()` steps until
+  chunk and returns the groups that finished as (key, [its Samples]); `run()` steps until
   nothing waits or runs. `chunk_steps` (0: no bound) caps the steps of one chunk, so the
   caller regains control (to apply new weights, or to stop) within that many steps.
   Fewer rows per prompt (and more slots for the same rows) keep more rows drawing when
@@ -463,17 +470,26 @@ class ContinuousBatch:
 
   def add(self, key: Hashable, prompt: Sequence[int], seeds: Sequence[int],
           begun: Sequence[Sample] | None = None) -> None:
-    """Queue `prompt` (token ids) for n samples, sample j drawn with seeds[j]. `begun`
+    """Queue `prompt` (token ids) for len(seeds) samples (at most n), sample j drawn with
+    seeds[j]; its group has as many. `begun`
     (with `resume`): samples another run began (partial rollouts, in order, one per
     sample at most): a finished one is returned as it is; the others write their tokens
     first and draw on from there, as they would have (step t draws with fold_in(seed, t))."""
     seeds = np.asarray(seeds, np.int64).reshape(-1)
-    check_request(self.model.config, [prompt], seeds.tolist(), self.n, self.params)
+    if not 1 <= seeds.size <= self.n:
+      raise ValueError(f"seeds: expected 1 to n={self.n} seeds (one per sample), got "
+                       f"{seeds.size}")
+    check_request(self.model.config, [prompt], seeds.tolist(), seeds.size, self.params)
     tokens, lens = pad_prompts([prompt], 1, len(prompt), self.model.config.vocab_size)
-    waiting = _Waiting(key, tokens[0, :lens[0]], seeds.astype(np.int32))
+    padded = np.zeros((self.n,), np.int32)
+    padded[:seeds.size] = seeds
+    waiting = _Waiting(key, tokens[0, :lens[0]], padded, seeds.size)
     if begun:
       if not self.resume:
         raise ValueError("begun: expected None for a batch made with resume=False")
+      if seeds.size != self.n:
+        raise ValueError(f"begun: expected n={self.n} seeds with begun samples, got "
+                         f"{seeds.size}")
       if len(begun) > self.n:
         raise ValueError(f"begun: expected at most n={self.n} samples, got {len(begun)}")
       vocab, most = self.model.config.vocab_size, self.params.max_new_tokens
@@ -541,7 +557,7 @@ class ContinuousBatch:
     return self._take([s for s in sorted(self._held) if finished[s]])
 
   def partial(self) -> list[tuple[Hashable, list[Sample], list[bool]]]:
-    """Each running prompt's n samples so far (one not started yet is empty) and which of
+    """Each running prompt's samples so far (one not started yet is empty) and which of
     them have finished: what a worker that must stop hands back (partial rollouts)."""
     held = sorted(self._held)
     if not held:
@@ -553,7 +569,8 @@ class ContinuousBatch:
     out = []
     for i, s in enumerate(held):
       w = self._held[s]
-      got, done = w.restore(samples[i * self.n:(i + 1) * self.n], finished[s].tolist())
+      got, done = w.restore(samples[i * self.n:i * self.n + w.count],
+                            finished[s].tolist()[:w.count])
       out.append((w.key, got, done))
     return out
 
@@ -596,8 +613,9 @@ class ContinuousBatch:
     tokens, lens = pad_prompts([w.tokens for w in joining], m, length, config.vocab_size)
     slot_ids = np.full((m,), self.num_slots, np.int32)  # padding: past the last slot
     seeds = np.zeros((m, self.n), np.int32)
+    limits = np.zeros((m,), np.int32)
     for i, (w, s) in enumerate(zip(joining, free)):
-      slot_ids[i], seeds[i] = s, w.seeds
+      slot_ids[i], seeds[i], limits[i] = s, w.seeds, w.count
       self._held[s] = w
     resumed = None
     if self.resume:
@@ -614,7 +632,7 @@ class ContinuousBatch:
             begun_len[i, pos] = len(b.tokens)
       resumed = (begun, begun_len, complete)
     graphdef, state = nnx.split(self.model)
-    self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, seeds,
+    self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, seeds, limits,
                           self._knobs, resumed, mode=self.params.mode,
                           record_routes=self.record_routes)
     if self.resume:  # the rows that took begun samples feed their tokens at once
@@ -733,7 +751,7 @@ class ContinuousBatch:
     out = []
     for i, s in enumerate(finished):
       w = self._held.pop(s)
-      out.append((w.key, w.restore(flat[i * self.n:(i + 1) * self.n])[0]))
+      out.append((w.key, w.restore(flat[i * self.n:i * self.n + w.count])[0]))
     return out
 
   def _samples(self, ids: np.ndarray, slots: list[int]) -> list[Sample]:

@@ -9,7 +9,7 @@ With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
 each), a finished prompt's group is scored and submitted at once and a newly leased prompt
 takes its slot. VIGOR samples in rounds, one call per `prompts_per_call` prompts (multi-turn:
-each sample on a row of its own in a continuous batch).
+a continuous batch a round, whose groups may be unequal).
 With an `environment` for a prompt's task, each turn a sample ends is answered by it
 (multi-turn rollouts), on `environment_threads` threads while the other rows decode on: the
 reply is rendered as the next message and the sample goes on; the verifier scores the whole.
@@ -774,30 +774,26 @@ class Worker:
 
   def _draw_turns(self, prompts, tokens, seeds, version, out, given
                   ) -> tuple[list[list[Sample]], list[dict[int, list]]]:
-    """Multi-turn rounds (VIGOR): each sample on a row of its own in a continuous batch,
-    whose environment answers its turns; a prompt's samples do not share its prefill."""
-    batch = ContinuousBatch(self.policy.model, 1,
-                            self.config.prompts_per_call * self.config.samples_per_prompt,
-                            self.params, record_routes=self.config.routing_replay,
-                            respond=self._respond, max_turns=self.config.max_turns,
+    """Multi-turn rounds (VIGOR): the round's prompts in one continuous batch whose
+    environments answer their samples' turns, each prompt's samples on one prefill."""
+    batch = ContinuousBatch(self.policy.model, max(len(s) for s in seeds.values()),
+                            self.config.prompts_per_call, self.params,
+                            record_routes=self.config.routing_replay, respond=self._respond,
+                            max_turns=self.config.max_turns,
                             respond_threads=self.config.environment_threads)
-    keys = {i: [(f"sample {j}", prompts[i].id) for j in range(len(s))] for i, s in seeds.items()}
+    keys = {i: ("vigor", prompts[i].id) for i in seeds}
     try:
-      for i, ks in keys.items():
-        for key, seed in zip(ks, seeds[i]):
-          self._started[key] = (prompts[i], version)
-          batch.add(key, tokens[i], [seed])
+      for i, key in keys.items():
+        self._started[key] = (prompts[i], version)
+        batch.add(key, tokens[i], seeds[i])
       done = dict(batch.run())
     finally:
       batch.close()
-      for i, ks in keys.items():
-        for j, key in enumerate(ks):
-          self._started.pop(key, None)
-          replies = self._given.pop(key, {}).get(0)
-          if replies:
-            given[i][j] = replies
-    for i, ks in keys.items():
-      out[i] = [done[key][0] for key in ks]
+      for i, key in keys.items():
+        self._started.pop(key, None)
+        given[i] = self._given.pop(key, {})
+    for i, key in keys.items():
+      out[i] = done[key]
     return out, given
 
   def _rewards(self, prompt: pb.Prompt, samples: list[Sample],

@@ -182,6 +182,23 @@ def test_begun_tokens_are_prefilled_not_fed_a_decode_step_each(model, monkeypatc
   assert resumed == fresh - 6
 
 
+@pytest.mark.parametrize("rows_per_prompt", [0, 2])
+def test_a_prompt_may_ask_for_fewer_samples_than_n(model, rows_per_prompt):
+  """Unequal groups (VIGOR's rounds) in one batch: each prompt gets the samples its seeds
+  ask for, each equal to generate's."""
+  batch = ContinuousBatch(model, 4, 2, PARAMS, rows_per_prompt=rows_per_prompt)
+  asked = {0: 1, 1: 4, 2: 3, 3: 2}
+  for i, k in asked.items():
+    batch.add(i, PROMPTS[i], seeds_of(i, 4)[:k])
+  done = dict(batch.run())
+  want = references(model, 4)
+  for i, k in asked.items():
+    assert len(done[i]) == k
+    assert_same(done[i], want[i][:k])
+  with pytest.raises(ValueError, match="seeds: expected 1 to n=4 seeds"):
+    batch.add(9, PROMPTS[0], seeds_of(0, 5))
+
+
 def test_routes_are_recorded_across_refills():
   moe = Transformer(MOE, rngs=nnx.Rngs(0))
   batch = ContinuousBatch(moe, 2, 1, PARAMS, rows_per_prompt=1, record_routes=True)
@@ -228,8 +245,10 @@ def test_bad_input_is_named(model):
   with pytest.raises(ValueError, match="chunk_steps"):
     ContinuousBatch(model, 2, 2, PARAMS, chunk_steps=-1)
   batch = ContinuousBatch(model, 2, 2, PARAMS)
-  with pytest.raises(ValueError, match="seeds"):
-    batch.add(0, PROMPTS[0], [1])
+  with pytest.raises(ValueError, match="seeds: expected 1 to n=2 seeds"):
+    batch.add(0, PROMPTS[0], [1, 2, 3])
+  with pytest.raises(ValueError, match="seeds: expected 1 to n=2 seeds"):
+    batch.add(0, PROMPTS[0], [])
   with pytest.raises(ValueError, match=r"prompts\[0\]"):
     batch.add(0, [CONFIG.vocab_size], [1, 2])
   with pytest.raises(ValueError, match="max_position_embeddings"):
