@@ -8,8 +8,8 @@ within `grace_s`; a watchdog releases whatever is still open if generation overr
 With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
 each), a finished prompt's group is scored and submitted at once and a newly leased prompt
-takes its slot. VIGOR samples in rounds, one call per `prompts_per_call` prompts (multi-turn:
-a continuous batch a round, whose groups may be unequal).
+takes its slot. VIGOR samples in rounds, one continuous batch a round of `prompts_per_call`
+prompts, whose groups may be unequal.
 With an `environment` for a prompt's task, each turn a sample ends is answered by it
 (multi-turn rollouts), on `environment_threads` threads while the other rows decode on: the
 reply is rendered as the next message and the sample goes on; the verifier scores the whole.
@@ -43,7 +43,6 @@ from algorithms.verifiers import REWARD_MODEL_TASK, Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample, replies_in
 from inference_workers.hard_exit import exit_now
-from inference_workers.sampler import generate, generate_shared
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
@@ -747,45 +746,25 @@ class Worker:
 
   def _draw(self, prompts, tokens, counts, version, round_
             ) -> tuple[list[list[Sample]], list[dict[int, list]]]:
-    """counts[i] samples of prompt i (one shared-prefix call when the counts agree), and the
-    replies each multi-turn sample got, by prompt and sample index."""
-    live = [i for i, c in enumerate(counts) if c > 0]
+    """counts[i] samples of prompt i, and the replies each multi-turn sample got (by prompt
+    and sample index): the round's prompts in one continuous batch, each prompt's samples
+    on one prefill, their turns answered by their tasks' environments."""
     out: list[list[Sample]] = [[] for _ in prompts]
     given: list[dict[int, list]] = [{} for _ in prompts]
+    live = [i for i, c in enumerate(counts) if c > 0]
     if not live:
       return out, given
-    seeds = {i: self._seeds(prompts[i].id, version, round_, counts[i]) for i in live}
-    if self.environments:
-      return self._draw_turns(prompts, tokens, seeds, version, out, given)
-    if len({counts[i] for i in live}) == 1:
-      n = counts[live[0]]
-      groups = generate_shared(self.policy.model, [tokens[i] for i in live], n,
-                               [seeds[i] for i in live], self.params,
-                               record_routes=self.config.routing_replay)
-      for i, g in zip(live, groups):
-        out[i] = g
-      return out, given
-    rows = [(i, s) for i in live for s in seeds[i]]
-    flat = generate(self.policy.model, [tokens[i] for i, _ in rows], [s for _, s in rows],
-                    self.params, record_routes=self.config.routing_replay)
-    for (i, _), sample in zip(rows, flat):
-      out[i].append(sample)
-    return out, given
-
-  def _draw_turns(self, prompts, tokens, seeds, version, out, given
-                  ) -> tuple[list[list[Sample]], list[dict[int, list]]]:
-    """Multi-turn rounds (VIGOR): the round's prompts in one continuous batch whose
-    environments answer their samples' turns, each prompt's samples on one prefill."""
-    batch = ContinuousBatch(self.policy.model, max(len(s) for s in seeds.values()),
+    batch = ContinuousBatch(self.policy.model, max(counts[i] for i in live),
                             self.config.prompts_per_call, self.params,
-                            record_routes=self.config.routing_replay, respond=self._respond,
+                            record_routes=self.config.routing_replay,
+                            respond=self._respond if self.environments else None,
                             max_turns=self.config.max_turns,
                             respond_threads=self.config.environment_threads)
-    keys = {i: ("vigor", prompts[i].id) for i in seeds}
+    keys = {i: ("round", prompts[i].id) for i in live}
     try:
       for i, key in keys.items():
         self._started[key] = (prompts[i], version)
-        batch.add(key, tokens[i], seeds[i])
+        batch.add(key, tokens[i], self._seeds(prompts[i].id, version, round_, counts[i]))
       done = dict(batch.run())
     finally:
       batch.close()
