@@ -41,7 +41,7 @@ from algorithms.allocation import FixedAllocator
 from algorithms.environments import conversation, environment_for, environments_from
 from algorithms.verifiers import REWARD_MODEL_TASK, Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
-from inference_workers.decoding import Sample, replies_in
+from inference_workers.decoding import Sample, bucket, replies_in
 from inference_workers.hard_exit import exit_now
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
@@ -754,8 +754,8 @@ class Worker:
     live = [i for i, c in enumerate(counts) if c > 0]
     if not live:
       return out, given
-    batch = ContinuousBatch(self.policy.model, max(counts[i] for i in live),
-                            self.config.prompts_per_call, self.params,
+    batch = ContinuousBatch(self.policy.model, bucket(max(counts[i] for i in live)),
+                            self.config.prompts_per_call, self.params,  # few programs: n 2^k
                             record_routes=self.config.routing_replay,
                             respond=self._respond if self.environments else None,
                             max_turns=self.config.max_turns,
