@@ -12,6 +12,9 @@ Mixtral, gpt-oss): configs/rl_instruct.py with what MoE RL needs on top.
   and truncated importance sampling corrects the rounding gap (loss.correction=tis).
 - The load-balancing loss at transformers' usual 0.001 (loss.router_aux_coef), so RL does
   not collapse the routing onto a few experts.
+- Expert parallelism (model.expert_parallel): each chip of the fsdp axis holds whole
+  experts and the tokens routed to them travel, instead of every layer gathering all the
+  experts' weights (fsdp must divide the expert count; the trainer's first line says).
 A long response's routes take layers x top_k bytes per token: raise `rlax-ps serve
 --max_message_bytes` for thinking-length responses. `:tiny` is the smoke variant (tests).
 """
@@ -26,4 +29,5 @@ def get_config(arg: str | None = None):
   c.worker.weights_format = "int8"
   c.loss.correction = "tis"
   c.loss.router_aux_coef = 0.001
+  c.model.expert_parallel = True
   return c

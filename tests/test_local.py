@@ -22,8 +22,8 @@ from rlax_ps import local
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _local(workdir, *extra, timeout=400, config="configs/rl_local.py:tiny"):
-  env = child_env()
+def _local(workdir, *extra, timeout=400, config="configs/rl_local.py:tiny", devices=0):
+  env = child_env(devices=devices)
   return subprocess.run([sys.executable, "-m", "rlax_ps", "local", f"--config={config}",
                          f"--workdir={workdir}", "--progress=false", *extra],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -339,7 +339,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
                 config="configs/rl_lora.py:tiny" if family.endswith("lora")
                 else "configs/rl_moe.py:tiny" if int8 else "configs/rl_tools.py:tiny" if tools
                 else "configs/rl_reward_model.py:tiny" if judged
-                else "configs/rl_instruct.py:tiny")
+                else "configs/rl_instruct.py:tiny",
+                devices=2 if int8 else 0)  # rl_moe: experts split over 2 devices' fsdp
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(workdir / "summary.json"))
   assert summary["step"] == 2
@@ -357,8 +358,10 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
     assert all(0.5 < s["router_agreement"] <= 1.0 for s in steps)
   else:
     assert "routed_frac" not in steps[0]
-  if int8:  # configs/rl_moe.py: the load-balancing term was on
+  if int8:  # configs/rl_moe.py: the load-balancing term was on, the experts parallel
     assert all(s["router_aux_loss"] >= 1.0 for s in steps)
+    assert "expert parallel: 2 whole experts a device" in (
+        workdir / "logs" / "trainer.log").read_text()
   if tools:  # samples ended turns, got replies (at most 2 each) and trained around them
     assert all(0 < s["env_replies_mean"] <= 2 and 0 < s["env_token_frac"] < 1 for s in steps)
   else:

@@ -126,6 +126,11 @@ class ModelConfig:
   moe_bias: bool = False
   swiglu_limit: float | None = None
   swiglu_alpha: float = 1.702
+  # Expert parallelism: each device of the mesh's fsdp axis holds num_experts / fsdp whole
+  # experts (their matrices still split over tensor) and the tokens routed to them come to
+  # it, instead of every expert's matrices split over fsdp and gathered for each layer. Not
+  # part of the HF config; it changes where the weights live, not what the model computes.
+  expert_parallel: bool = False
   # LoRA: each projection named in lora_targets also adds (x @ A) @ B * lora_alpha / lora_rank,
   # A [in, rank], B [rank, out] (B starts at 0; stacked experts: one pair per expert); a run
   # with lora_rank > 0 trains only A and B. 0: none. Not part of the HF config (exports merge
@@ -202,6 +207,9 @@ class ModelConfig:
       need(self.num_experts > 0, "moe_bias" if self.moe_bias else "swiglu_limit",
            "False / None without experts (they shape the experts)",
            self.moe_bias if self.moe_bias else self.swiglu_limit)
+    need(isinstance(self.expert_parallel, bool) and (self.num_experts or not
+                                                     self.expert_parallel),
+         "expert_parallel", "a bool, False without experts", self.expert_parallel)
     if self.swiglu_limit is not None:
       for f in ("swiglu_limit", "swiglu_alpha"):
         v = getattr(self, f)

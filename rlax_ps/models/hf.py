@@ -663,13 +663,14 @@ def read_hf_config(path: str) -> ModelConfig:
 def model_config_from(cfg, vocab_size: int, init_from_hf: str = "",
                       max_sequence: int = 0) -> ModelConfig:
   """ModelConfig from the `model` config block (vocab_size 0 takes the tokenizer's), or
-  from the HF checkpoint to start from, keeping only the block's dtypes and LoRA settings. A
-  LongRoPE model's factors are fixed by `max_sequence` (> 0: the run's longest prompt +
-  response), so that the trainer and the workers turn every token alike."""
+  from the HF checkpoint to start from, keeping only the block's dtypes and run settings
+  (LoRA, expert_parallel). A LongRoPE model's factors are fixed by `max_sequence` (> 0: the
+  run's longest prompt + response), so that the trainer and the workers turn every token
+  alike."""
   if init_from_hf:
-    lora = {k: cfg[k] for k in _LORA_FIELDS if k in cfg}
+    run = {k: cfg[k] for k in _RUN_FIELDS if k in cfg}
     config = read_hf_config(init_from_hf).replace(param_dtype=cfg.param_dtype, dtype=cfg.dtype,
-                                                  **lora)
+                                                  **run)
     if config.vocab_size < vocab_size:
       raise ValueError(f"init_from_hf: the model's vocab_size {config.vocab_size} is smaller "
                        f"than the tokenizer's {vocab_size}")
@@ -687,7 +688,8 @@ def model_config_from(cfg, vocab_size: int, init_from_hf: str = "",
                      f"a Hugging Face checkpoint") from None
 
 
-_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dtype")
+# The block's settings of the run, not of the checkpoint's model: kept over init_from_hf.
+_RUN_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dtype", "expert_parallel")
 
 
 def longest_sequence(recipe) -> int:

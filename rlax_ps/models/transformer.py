@@ -13,12 +13,15 @@ a row (segment ids + positions); an optional KVCache serves decoding.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from rlax_ps import sharding as shd
 from rlax_ps.models import rope
 from rlax_ps.models.attention import dot_product_attention
 from rlax_ps.models.config import ModelConfig
@@ -166,6 +169,14 @@ class MLP(nnx.Module):
     return self.down_proj(_ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x))
 
 
+def _expert_spec(c: ModelConfig, spec: tuple) -> tuple:
+  """An expert tensor's sharding ([E, ...]): with expert_parallel the experts split over
+  fsdp, each held whole along its other dims but for tensor."""
+  if not c.expert_parallel:
+    return spec
+  return ("fsdp",) + tuple(None if a == "fsdp" else a for a in spec[1:])
+
+
 class Experts(nnx.Module):
   """num_experts SwiGLU experts stacked: gate/up [E, H, I], down [E, I, H]; with moe_bias
   (gpt-oss) also biases gate/up [E, I] and down [E, H], with swiglu_limit the clamped gate,
@@ -178,18 +189,20 @@ class Experts(nnx.Module):
     self._gate_settings(c)
     init = lambda shape, sharding: nnx.Param(
         nnx.initializers.normal(INIT_STD)(rngs.params(), shape, jnp.dtype(c.param_dtype)),
-        out_sharding=sharding, eager_sharding=False)
+        out_sharding=_expert_spec(c, sharding), eager_sharding=False)
     self.gate_proj = init((e, h, i), (None, "fsdp", "tensor"))
     self.up_proj = init((e, h, i), (None, "fsdp", "tensor"))
     self.down_proj = init((e, i, h), (None, "tensor", "fsdp"))
     if c.moe_bias:
       for name, shape, sharding in self.bias_shapes(c):
         setattr(self, name, nnx.Param(jnp.zeros(shape, jnp.dtype(c.param_dtype)),
-                                      out_sharding=sharding, eager_sharding=False))
+                                      out_sharding=_expert_spec(c, sharding),
+                                      eager_sharding=False))
     for name, shape, sharding in self.adapter_shapes(c):
       value = (adapter_a_init(rngs.params(), shape, c.lora_dtype) if name.endswith("_a")
                else jnp.zeros(shape, jnp.dtype(c.lora_dtype)))
-      setattr(self, name, nnx.Param(value, out_sharding=sharding, eager_sharding=False))
+      setattr(self, name, nnx.Param(value, out_sharding=_expert_spec(c, sharding),
+                                    eager_sharding=False))
 
   @staticmethod
   def adapter_shapes(c: ModelConfig):
@@ -277,6 +290,43 @@ class Experts(nnx.Module):
                       combine.astype(self.dtype))
 
 
+def _axes(spec: P, dim: int = 0) -> tuple[str, ...]:
+  """The mesh axes a PartitionSpec splits dimension `dim` over."""
+  entry = spec[dim] if len(spec) > dim else None
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def experts_per_device(expert_parallel: bool, num_experts: int, mesh) -> int:
+  """How many whole experts each device holds under expert parallelism on `mesh` (its fsdp
+  axis > 1 dividing num_experts), or 0: experts split along their matrices instead."""
+  if not (expert_parallel and num_experts) or mesh is None or getattr(mesh, "empty", False):
+    return 0
+  f = dict(mesh.shape).get("fsdp", 1)
+  return num_experts // f if f > 1 and num_experts % f == 0 else 0
+
+
+def _grouped(experts: Experts, num: int, flat, weights, chosen):
+  """Tokens flat [T, H] through their chosen [T, k] experts, weighted: the T * k rows sorted
+  by expert, run grouped (only each expert's own rows), scatter-added back. An expert id
+  `num` (past experts' last) marks a row no expert here takes."""
+  top_k = chosen.shape[1]
+  chosen = chosen.reshape(-1)
+  order = jnp.argsort(chosen, stable=True)
+  token = order // top_k
+  group_sizes = jnp.bincount(chosen, length=num + 1)[:num].astype(jnp.int32)
+  out = experts.grouped(flat[token], group_sizes)
+  taken = (chosen[order] < num)[:, None]  # rows past the groups: nothing computed them
+  out = jnp.where(taken, out * weights.reshape(-1)[order].astype(flat.dtype)[:, None], 0)
+  return jnp.zeros_like(flat).at[token].add(out)
+
+
+def _every(experts: Experts, num: int, flat, weights, chosen):
+  """As _grouped, with every expert run on every token (the CPU's cheaper way)."""
+  rows = jnp.arange(flat.shape[0])[:, None]
+  combine = jnp.zeros((flat.shape[0], num + 1), weights.dtype)
+  return experts.every(flat, combine.at[rows, chosen].set(weights)[:, :num])
+
+
 class RouterStats(NamedTuple):
   """What one MoE layer's routing did: the router's own picks [B, T, k] and, over the real
   tokens, how often each top-k slot went to each expert (counts [k, E]), the router's
@@ -301,13 +351,16 @@ class MoE(nnx.Module):
   num_experts_per_tok experts; their outputs are summed, weighted by the picked
   probabilities (renormalised if norm_topk_prob). On TPU and GPU tokens are sorted by
   expert and each expert multiplies only its own rows (Experts.grouped), so compute follows
-  the active parameters; the CPU backend takes Experts.every. With a shared expert
-  (Qwen2-MoE) every token also goes through one more MLP, gated by sigmoid(x @ w)."""
+  the active parameters; the CPU backend takes Experts.every. With expert_parallel and a
+  mesh in context (the train step's), each fsdp device runs its own whole experts
+  (`parallel`). With a shared expert (Qwen2-MoE) every token also goes through one more
+  MLP, gated by sigmoid(x @ w)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
     self.num_experts, self.top_k, self.norm_topk_prob = (
         c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
+    self.expert_parallel = c.expert_parallel
     self.router = _dense(c, c.hidden_size, c.num_experts, ("fsdp", None), c.moe_bias, rngs)
     self.experts = Experts(c, rngs=rngs)
     self.shared = bool(c.shared_expert_intermediate_size)
@@ -334,18 +387,64 @@ class MoE(nnx.Module):
 
   def grouped(self, flat, weights, chosen):
     """Sort the T * k (token, expert) rows by expert, run them grouped, scatter-add back."""
-    chosen = chosen.reshape(-1)
-    order = jnp.argsort(chosen, stable=True)
-    token = order // self.top_k
-    group_sizes = jnp.bincount(chosen, length=self.num_experts).astype(jnp.int32)
-    out = self.experts.grouped(flat[token], group_sizes)
-    out = out * weights.reshape(-1)[order].astype(flat.dtype)[:, None]
-    return jnp.zeros_like(flat).at[token].add(out)
+    return _grouped(self.experts, self.num_experts, flat, weights, chosen)
 
   def every(self, flat, weights, chosen):
-    rows = jnp.arange(flat.shape[0])[:, None]
-    combine = jnp.zeros((flat.shape[0], self.num_experts), weights.dtype)
-    return self.experts.every(flat, combine.at[rows, chosen].set(weights))
+    return _every(self.experts, self.num_experts, flat, weights, chosen)
+
+  def dispatch(self, flat, weights, chosen):
+    """Each token through its chosen experts, weighted: grouped on TPU and GPU, every expert
+    on CPU; split over the mesh's fsdp axis with expert parallelism (`parallel`)."""
+    mesh = self._expert_mesh()
+    if mesh is not None:
+      return self.parallel(flat, weights, chosen, mesh)
+    return jax.lax.platform_dependent(flat, weights, chosen, cpu=self.every,
+                                      default=self.grouped)
+
+  def _expert_mesh(self):
+    """The mesh in context when its fsdp axis splits the experts, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh if experts_per_device(self.expert_parallel, self.num_experts, mesh) else None
+
+  def parallel(self, flat, weights, chosen, mesh, grouped: bool | None = None):
+    """Expert parallelism: the f devices of an fsdp group each hold num_experts / f whole
+    experts. Each gathers the group's tokens and their picks, runs the rows routed to its
+    own experts, and the outputs are summed back onto the tokens' devices (a reduce-
+    scatter): tokens cross the network, not expert weights. Experts split over tensor sum
+    their partial outputs over it; the down bias is added by one tensor shard. `grouped`:
+    the TPU/GPU dispatch (True) or the CPU's (False) on any platform (None: by platform)."""
+    graphdef, state = nnx.split(self.experts)
+    specs = jax.tree.map(lambda spec, x: shd.fit_spec(spec, x.shape, mesh),
+                         nnx.get_partition_spec(state), state,
+                         is_leaf=lambda x: isinstance(x, P))
+    rows = shd.fit_spec(P(tuple(a for a in shd.BATCH_AXES if a in mesh.axis_names)),
+                        flat.shape, mesh)
+    gathered = "fsdp" in _axes(rows)
+    split = "tensor" in _axes(specs["gate_proj"], 2)  # each expert's width over tensor
+    local = experts_per_device(True, self.num_experts, mesh)
+
+    def body(x, w, c, state):
+      if gathered:
+        x, w, c = (jax.lax.all_gather(a, "fsdp", axis=0, tiled=True) for a in (x, w, c))
+      c = c - jax.lax.axis_index("fsdp") * local
+      mine = (c >= 0) & (c < local)
+      w, c = jnp.where(mine, w, 0.0), jnp.where(mine, c, local)  # local: no expert here
+      experts = nnx.merge(graphdef, state)
+      if split and experts.has_bias:
+        experts.down_bias.value = jnp.where(jax.lax.axis_index("tensor") == 0,
+                                            experts.down_bias.value, 0)
+      runs = {False: functools.partial(_every, experts, local),
+              True: functools.partial(_grouped, experts, local)}
+      out = (runs[grouped](x, w, c) if grouped is not None else
+             jax.lax.platform_dependent(x, w, c, cpu=runs[False], default=runs[True]))
+      if split:
+        out = jax.lax.psum(out, "tensor")
+      if gathered:
+        return jax.lax.psum_scatter(out, "fsdp", scatter_dimension=0, tiled=True)
+      return jax.lax.psum(out, "fsdp")
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, specs),
+                         out_specs=rows)(flat, weights, chosen, state)
 
   def __call__(self, x, replay=None, mask=None):
     """(output [B, T, H], RouterStats); replay [B, T, k] or None (route); mask [B, T]: the
@@ -354,8 +453,7 @@ class MoE(nnx.Module):
     flat = x.reshape(b * t, h)
     weights, chosen, picked, probs = self.route(
         flat, None if replay is None else replay.reshape(b * t, self.top_k))
-    out = jax.lax.platform_dependent(flat, weights, chosen, cpu=self.every,
-                                     default=self.grouped)
+    out = self.dispatch(flat, weights, chosen)
     if self.shared:
       out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
     m = jnp.ones((b * t,), jnp.float32) if mask is None else mask.reshape(-1).astype(jnp.float32)

@@ -50,6 +50,7 @@ def main(argv: list[str]) -> None:
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
   from rlax_ps.train.rl import RLTrainer, stop_on_signals
+  from rlax_ps.train.state import mesh_layout
 
   config = _CONFIG.value
   if leader and connect_flags.TOKEN_FILE.value:  # a server started beside us writes it
@@ -60,7 +61,8 @@ def main(argv: list[str]) -> None:
     if trainer.restored:
       print(f"resuming from checkpoint step {trainer.step} in {trainer.checkpointer.directory}",
             flush=True)
-    print(f"rl: model {trainer.model_config.num_params:,} params; {trainer.total_steps} steps "
+    print(f"rl: model {trainer.model_config.num_params:,} params; "
+          f"{mesh_layout(trainer.model_config, trainer.mesh)}; {trainer.total_steps} steps "
           f"of {trainer.shape.groups} groups x {trainer.shape.samples} samples; "
           + (f"server {client.address}" if leader else
              f"process {jax.process_index()} of {jax.process_count()}"), flush=True)

@@ -25,7 +25,7 @@ from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.heldout import heldout_from_config
 from rlax_ps.train.prompts import read_prompts
 from rlax_ps.train.run import TrainerRun
-from rlax_ps.train.state import TrainState, restore_or_init
+from rlax_ps.train.state import TrainState, mesh_layout, restore_or_init
 from rlax_ps.train.step import make_train_step
 
 
@@ -153,8 +153,8 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> dict[s
     if trainer.step:
       print(f"resuming from checkpoint step {trainer.step} in {trainer.checkpointer.directory}",
             flush=True)
-    print(f"model: {trainer.model_config.num_params:,} params; mesh "
-          f"{dict(trainer.mesh.shape)}; {trainer.total_steps} steps of "
+    print(f"model: {trainer.model_config.num_params:,} params; "
+          f"{mesh_layout(trainer.model_config, trainer.mesh)}; {trainer.total_steps} steps of "
           f"{config.data.batch_size}x{config.data.seq_len} tokens", flush=True)
     last = trainer.train(progress=progress)
     result = trainer.evaluate()

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.models import ModelConfig, Transformer, load_hf_checkpoint
+from rlax_ps.models.transformer import experts_per_device
 from rlax_ps.train.trainable import join, split_trainable
 
 
@@ -42,6 +43,20 @@ class TrainState:
   def from_tree(cls, tree: dict[str, Any]) -> "TrainState":
     return cls(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"],
                rng=tree["rng"])
+
+
+def mesh_layout(config: ModelConfig, mesh: Mesh) -> str:
+  """One line for the log: the mesh, and how an MoE's experts lie on it."""
+  line = f"mesh {dict(mesh.shape)}"
+  if not config.num_experts:
+    return line
+  per = experts_per_device(config.expert_parallel, config.num_experts, mesh)
+  if per:
+    return f"{line}; expert parallel: {per} whole experts a device, tokens sent to them"
+  if config.expert_parallel:
+    return (f"{line}; expert_parallel not applied (fsdp={mesh.shape['fsdp']} does not split "
+            f"{config.num_experts} experts): experts split along their matrices")
+  return line
 
 
 def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, Any, Any]:

@@ -124,6 +124,13 @@ def jit_step(step: Callable, state_shardings: TrainState, mesh) -> Callable:
   """jit(step)(state, *args) -> (new state, metrics) with the state donated.
 
   Inputs keep the shardings they arrive with (state from `sharded_init`, batch from
-  `shard_batch`); outputs are pinned so the state never drifts off its layout."""
+  `shard_batch`); outputs are pinned so the state never drifts off its layout. The step is
+  traced with the mesh in context: a model may split work over its axes by hand (expert
+  parallelism)."""
   replicated = NamedSharding(mesh, P())
-  return jax.jit(step, out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+
+  def on_mesh(*args):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return step(*args)
+
+  return jax.jit(on_mesh, out_shardings=(state_shardings, replicated), donate_argnums=(0,))
