@@ -277,18 +277,19 @@ class PromptRolloutQueues:
 
   # ------------------------------------------------------------ logging core
 
-  def _commit(self, record: pb.WalRecord) -> None:
+  def _commit(self, record: pb.WalRecord, joined: dict | None = None) -> None:
     """Logs then applies one record; called with the lock held. The calling public method
-    returns only once the record is on disk (`_durable`)."""
+    returns only once the record is on disk (`_durable`). `joined`: its increments joined
+    already (by prompt id), as validation made them."""
     self._local.position = self._wal.append(record)
-    self._apply(record)
+    self._apply(record, joined)
     wal = self._wal
     if (wal.records_since_rewrite >= self.limits.wal_compact_records
         or wal.bytes >= max(self.limits.wal_compact_bytes, 4 * wal.base_bytes)):
       wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
     self._cond.notify_all()
 
-  def _apply(self, record: pb.WalRecord) -> None:
+  def _apply(self, record: pb.WalRecord, joined: dict | None = None) -> None:
     op = record.WhichOneof("op")
     if op == "snapshot":
       self._load_snapshot(record.snapshot)
@@ -309,11 +310,11 @@ class PromptRolloutQueues:
       self.leases[r.lease_id] = LeaseState(r.lease_id, r.worker_id, list(r.prompt_ids), r.deadline_unix_s)
     elif op == "renew":
       self.leases[record.renew.lease_id].deadline = record.renew.deadline_unix_s
-      self._hold_partial(record.renew.partial)
+      self._hold_partial(record.renew.partial, joined)
     elif op == "returned":
       r = record.returned
       lease = self.leases[r.lease_id]
-      self._hold_partial(r.partial)
+      self._hold_partial(r.partial, joined)
       for pid in reversed(r.prompt_ids):
         self.queue[pid] = None
         self.queue.move_to_end(pid, last=False)
@@ -364,13 +365,15 @@ class PromptRolloutQueues:
     else:
       raise ValueError(f"write-ahead log record: unknown op {op!r}")
 
-  def _hold_partial(self, parts: Sequence[pb.PartialRollouts]) -> None:
+  def _hold_partial(self, parts: Sequence[pb.PartialRollouts],
+                    joined: dict | None = None) -> None:
     """Each prompt named keeps these begun samples (in place of any it had; increments
-    joined to them), for the next worker should it go back to the queue."""
+    joined to them, or taken from `joined`), for the next worker should it go back to the
+    queue."""
     for part in parts:  # a copy: a lease reply may still hold the prompt as it was
       prompt = pb.Prompt()
       prompt.CopyFrom(self.prompts[part.prompt_id])
-      part = joined_partial(prompt.partial, part)
+      part = (joined or {}).get(part.prompt_id) or joined_partial(prompt.partial, part)
       del prompt.partial[:]
       prompt.partial.extend(part.samples)
       prompt.partial_version = part.policy_version
@@ -567,11 +570,11 @@ class PromptRolloutQueues:
         if part.prompt_id not in lease.prompt_ids:
           raise errors.InvalidArgument(f"partial[{k}].prompt_id",
                                        f"prompt {part.prompt_id!r} is not in lease {lease_id!r}")
-      self._validate_joined(partial, lambda part: part.prompt_id in lease.open_ids)
+      joined = self._validate_joined(partial, lambda part: part.prompt_id in lease.open_ids)
       held = [part for part in partial if part.prompt_id in lease.open_ids]
       deadline = self._clock() + deadline_s
       self._commit(pb.WalRecord(renew=pb.WalRenew(lease_id=lease_id, deadline_unix_s=deadline,
-                                                  partial=held)))
+                                                  partial=held)), joined)
       return pb.Lease(lease_id=lease_id, worker_id=worker_id, deadline_unix_s=deadline,
                       prompts=[_without_partial(self.prompts[p]) for p in lease.open_ids])
 
@@ -585,14 +588,19 @@ class PromptRolloutQueues:
         self._check_begun(part, f"partial[{k}]")
 
   def _validate_joined(self, partial: Sequence[pb.PartialRollouts],
-                       kept: Callable[[pb.PartialRollouts], bool]) -> None:
+                       kept: Callable[[pb.PartialRollouts], bool]
+                       ) -> dict[str, pb.PartialRollouts]:
     """Under the lock: checks the increments among `partial` that will be `kept`, joined to
-    the samples their prompts hold."""
+    the samples their prompts hold; returns them joined, by prompt id (the record's apply
+    holds these instead of joining again)."""
+    joined = {}
     for k, part in enumerate(partial):
       if part.kept and kept(part):
         where = f"partial[{k}]"
-        self._check_begun(joined_partial(self.prompts[part.prompt_id].partial, part, where),
-                          where)
+        whole = joined_partial(self.prompts[part.prompt_id].partial, part, where)
+        self._check_begun(whole, where)
+        joined[part.prompt_id] = whole
+    return joined
 
   def _check_begun(self, part: pb.PartialRollouts, where: str) -> None:
     validate_group(pb.RolloutGroup(prompt_id=part.prompt_id, samples=part.samples,
@@ -623,10 +631,10 @@ class PromptRolloutQueues:
         if part.prompt_id not in todo:
           raise errors.InvalidArgument(f"partial[{k}].prompt_id", f"prompt {part.prompt_id!r} is "
                                        f"not among the prompts released now ({len(todo)})")
-      self._validate_joined(partial, lambda part: True)
+      joined = self._validate_joined(partial, lambda part: True)
       if todo:
         self._commit(pb.WalRecord(returned=pb.WalReturn(lease_id=lease_id, prompt_ids=todo,
-                                                        partial=partial)))
+                                                        partial=partial)), joined)
       return len(todo)
 
   @_durable

@@ -8,6 +8,7 @@ step for all rows at once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Sequence
 
@@ -60,15 +61,19 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
 
 
 @functools.lru_cache(maxsize=8)
-def jitted_generate(graphdef: nnx.GraphDef, max_new_tokens: int, sampled: bool = False):
+def jitted_generate(graphdef: nnx.GraphDef, max_new_tokens: int, sampled: bool = False,
+                    mesh: jax.sharding.Mesh | None = None):
   """jit(greedy_generate) for one model and budget:
   f(params, tokens, segment_ids, positions, stop_ids, pad_id) -> [B, max_new_tokens], or
-  with `sampled`, f(..., pad_id, temperature, key)."""
+  with `sampled`, f(..., pad_id, temperature, key). `mesh`: the params' (traced in its
+  context, as the train step is: expert parallelism runs there too)."""
   def generate(params, tokens, segment_ids, positions, stop_ids, pad_id, temperature=0.0,
                key=None):
-    return greedy_generate(graphdef, params, tokens, segment_ids, positions,
-                           max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
-                           temperature=temperature, key=key)
+    with (contextlib.nullcontext() if mesh is None
+          else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
+      return greedy_generate(graphdef, params, tokens, segment_ids, positions,
+                             max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
+                             temperature=temperature, key=key)
 
   if sampled:
     return jax.jit(generate)
@@ -106,7 +111,9 @@ def _decode_batches(graphdef, params, tokenizer: Tokenizer, rows: Sequence[Seque
                     key) -> list[list[int]]:
   """Each id row's continuation up to and including its first stop id (or the budget),
   `batch_size` rows per call; batch i sampled with fold_in(key, i) when temperature > 0."""
-  gen = jitted_generate(graphdef, max_new_tokens, temperature > 0)
+  mesh = getattr(getattr(jax.tree.leaves(params)[0], "sharding", None), "mesh", None)
+  gen = jitted_generate(graphdef, max_new_tokens, temperature > 0,
+                        mesh if isinstance(mesh, jax.sharding.Mesh) else None)
   stops = np.asarray(tokenizer.stop_ids, np.int32)
   extra = ()
   out: list[list[int]] = []

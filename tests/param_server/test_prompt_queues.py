@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from param_server import errors
+from param_server import queues as queues_lib
 from param_server.client import make_routes, make_sample, routes_of, sample_logprobs, sample_observed
 from param_server.protos import param_server_pb2 as pb
 from param_server.queues import PromptRolloutQueues, QueueLimits
@@ -470,6 +471,37 @@ def test_incremental_checkpoints_grow_the_log_by_what_is_new(tmp_path, clock):
 
   whole, increments = log_bytes(tmp_path / "whole", False), log_bytes(tmp_path / "inc", True)
   assert whole > 10 * increments
+
+
+def test_a_live_increment_is_joined_once_and_held_as_replay_joins_it(tmp_path, clock,
+                                                                    monkeypatch):
+  # Validation joins an increment to check it whole; the record's apply holds that join
+  # instead of making it again. Replaying the log joins it once more, to the same samples.
+  calls = []
+  join = queues_lib.joined_partial
+  monkeypatch.setattr(queues_lib, "joined_partial",
+                      lambda *a, **k: calls.append(1) or join(*a, **k))
+  q = make_queues(tmp_path, clock)
+  q.enqueue(prompts("a", "b"))
+  lease = q.lease("w1", 2, 10.0)
+  first = [pb.PartialRollouts(prompt_id=p, samples=[make_sample([4, 5], 0.0,
+                                                                logprobs=[-1.0, -2.0])])
+           for p in "ab"]
+  q.renew(lease.lease_id, "w1", 10.0, first)
+  calls.clear()
+  q.renew(lease.lease_id, "w1", 10.0, [pb.PartialRollouts(
+      prompt_id="a", kept=[1], samples=[make_sample([6], 0.0, logprobs=[-3.0])])])
+  q.release(lease.lease_id, "w1", ["b"], [pb.PartialRollouts(
+      prompt_id="b", kept=[2], samples=[make_sample([7], 0.0, logprobs=[-4.0])])])
+  assert len(calls) == 2  # one join for each increment
+  held = lambda q: {p: [(list(s.token_ids), sample_logprobs(s).tolist())  # noqa: E731
+                         for s in q.prompts[p].partial] for p in "ab"}
+  live = held(q)
+  assert live == {"a": [([4, 6], [-1.0, -3.0])], "b": [([4, 5, 7], [-1.0, -2.0, -4.0])]}
+  q.close()
+  q = make_queues(tmp_path, clock)  # replayed: the log's increments joined the same way
+  assert held(q) == live
+  q.close()
 
 
 @pytest.mark.parametrize("part,field", [

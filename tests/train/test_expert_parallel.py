@@ -16,11 +16,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rlax_ps import optim
 from rlax_ps import sharding as shd
-from rlax_ps.models import ModelConfig
+from rlax_ps.models import ModelConfig, Transformer
 from rlax_ps.models.hf import model_config_from
 from rlax_ps.models.transformer import MoE
 from rlax_ps.tasks import get_task
 from rlax_ps.tokenizers import CharTokenizer
+from rlax_ps.train import evaluate
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.state import sharded_init
 from rlax_ps.train.step import make_train_step
@@ -178,3 +179,23 @@ def test_the_benchmark_counts_fewer_collective_bytes_with_whole_experts():
   whole = bench.collective_bytes(bench.layer_program(small.replace(expert_parallel=True), mesh,
                                                      64))
   assert 0 < whole < split
+
+
+def test_held_out_decoding_on_the_mesh_runs_the_experts_parallel(monkeypatch):
+  # The trainer's evaluation decodes with its sharded params: traced in their mesh, so the
+  # experts stay put there too, and the answers equal one device's.
+  config = MOE.replace(expert_parallel=True)
+  mesh = _mesh((1, 4, 2))
+  graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+  prompts = ["12+34=", "7+8=", "99+1=", "5+5="]
+  want = evaluate.completions(graphdef, state, TOKENIZER, prompts, max_new_tokens=6,
+                              batch_size=4, prompt_len=8)
+  calls = []
+  parallel = MoE.parallel
+  monkeypatch.setattr(MoE, "parallel", lambda self, *a, **k: calls.append(1) or parallel(
+      self, *a, **k))
+  sharded = jax.device_put(state, shd.named(mesh, shd.param_specs(
+      state, nnx.get_partition_spec(state), mesh)))
+  got = evaluate.completions(graphdef, sharded, TOKENIZER, prompts, max_new_tokens=6,
+                             batch_size=4, prompt_len=8)
+  assert calls and got == want

@@ -97,7 +97,7 @@ def test_completions_decode_up_to_eos(model, monkeypatch):
                    TOK.encode("zzzzz")], np.int32)  # padding row of the batch
   calls = []
 
-  def fake_generate(graphdef_, max_new_tokens, sampled=False):
+  def fake_generate(graphdef_, max_new_tokens, sampled=False, mesh=None):
     calls.append((max_new_tokens, sampled))
     return lambda *args: rows
 
@@ -122,7 +122,7 @@ def test_a_multi_turn_completion_feeds_the_environments_replies_back_as_context(
                     np.int32), np.array([row("is 6")], np.int32)]
   seen = []
 
-  def fake_generate(graphdef_, max_new_tokens, sampled=False):
+  def fake_generate(graphdef_, max_new_tokens, sampled=False, mesh=None):
     def gen(params_, tokens, *rest):
       seen.append(tokens)
       return turns[len(seen) - 1][:len(tokens)]
