@@ -6,13 +6,20 @@ on CUDA, the XLA two-pass LSE-merge path elsewhere (CPU, ROCm) and for decode on
 GPU. Explicit backends: "pallas_tpu", "pallas_gpu" (with interpret=True both run
 anywhere, for tests), "xla" (two-pass), "xla_dense" (packed dense mask),
 "reference" (N copies).
+
+Traced with a mesh in context (the train step's), each call runs per device under
+shard_map, rows split over the batch axes (data, fsdp) and heads over tensor as far as
+they divide: XLA cannot split a Pallas kernel itself, and would otherwise gather every
+row and head onto every device and run the whole batch there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from rlax_ps.kernels import decode_tpu, reference, shared_prompt_gpu, shared_prompt_tpu
 from rlax_ps.kernels.layout import SharedPromptLayout
@@ -20,6 +27,40 @@ from rlax_ps.kernels.schedule import BlockSizes
 
 TRAIN_BACKENDS = ("auto", "pallas_tpu", "pallas_gpu", "xla", "xla_dense", "reference")
 DECODE_BACKENDS = ("auto", "pallas_tpu", "xla", "reference")
+
+
+def _per_device(fn, args, heads: tuple[int, ...], head_dims: tuple[int | None, ...],
+                out_head_dims: tuple[int, ...]):
+  """fn(*args) under shard_map over the mesh in context (none, or all axes of size 1: fn
+  as it is). Every arg and output has the rows first; arg i has heads at head_dims[i]
+  (None: no heads dim), output j at out_head_dims[j]; `heads`: the head counts that the
+  tensor axis must divide (q's and k/v's)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return fn(*args)
+  shape = dict(mesh.shape)
+  rows, size = [], 1
+  for axis in ("data", "fsdp"):  # as far as they divide the rows, as the batch is split
+    if shape.get(axis, 1) > 1 and args[0].shape[0] % (size * shape[axis]) == 0:
+      rows.append(axis)
+      size *= shape[axis]
+  t = shape.get("tensor", 1)
+  tensor = "tensor" if t > 1 and all(h % t == 0 for h in heads) else None
+  if not rows and tensor is None:
+    return fn(*args)
+  row = tuple(rows) or None
+
+  def spec(ndim, head_dim):
+    entries = [row] + [None] * (ndim - 1)
+    if head_dim is not None:
+      entries[head_dim] = tensor
+    return P(*entries)
+
+  in_specs = tuple(spec(a.ndim, h) for a, h in zip(args, head_dims))
+  out_shapes = jax.eval_shape(fn, *args)
+  out_specs = tuple(spec(o.ndim, h) for o, h in zip(out_shapes, out_head_dims))
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)(*args)
 
 
 def _check_backend(backend: str, allowed) -> None:
@@ -48,19 +89,30 @@ def shared_prompt_attention(q, k, v, layout: SharedPromptLayout, *, sm_scale=Non
                              interpret=interpret, window=window, softcap=softcap)
   xla = functools.partial(reference.two_pass_attention, layout=layout, sm_scale=sm_scale,
                           window=window, softcap=softcap)
-  if backend == "pallas_tpu":
-    return pallas(q, k, v)
-  if backend == "pallas_gpu":
-    return triton(q, k, v)
-  if backend == "xla":
-    return xla(q, k, v)
-  if backend == "xla_dense":
-    return reference.packed_dense_attention(q, k, v, layout, sm_scale, window, softcap)
-  if backend == "reference":
-    return reference.n_copies_attention(q, k, v, layout, sm_scale, window, softcap)
-  if interpret:
-    return pallas(q, k, v)
-  return jax.lax.platform_dependent(q, k, v, tpu=pallas, cuda=triton, default=xla)
+  if backend == "pallas_tpu" or (backend == "auto" and interpret):
+    run = pallas
+  elif backend == "pallas_gpu":
+    run = triton
+  elif backend == "xla":
+    run = xla
+  elif backend == "xla_dense":
+    run = functools.partial(reference.packed_dense_attention, layout=layout,
+                            sm_scale=sm_scale, window=window, softcap=softcap)
+  elif backend == "reference":
+    run = functools.partial(reference.n_copies_attention, layout=layout, sm_scale=sm_scale,
+                            window=window, softcap=softcap)
+  else:
+    def run(q, k, v, layout):
+      return jax.lax.platform_dependent(
+          q, k, v, tpu=functools.partial(pallas, layout=layout),
+          cuda=functools.partial(triton, layout=layout),
+          default=functools.partial(xla, layout=layout))
+  per_row = lambda q, k, v, prompt_lens, response_lens: run(  # noqa: E731
+      q, k, v, layout=dataclasses.replace(layout, prompt_lens=prompt_lens,
+                                          response_lens=response_lens))
+  return _per_device(per_row, (q, k, v, layout.prompt_lens, layout.response_lens),
+                     heads=(q.shape[2], k.shape[2]), head_dims=(2, 2, 2, None, None),
+                     out_head_dims=(2, 2))
 
 
 def shared_prefix_decode_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
@@ -83,13 +135,15 @@ def shared_prefix_decode_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k,
                              softcap=softcap)
   xla = functools.partial(reference.decode_two_pass, sm_scale=sm_scale, window=window,
                           softcap=softcap)
-  if backend == "pallas_tpu":
-    return pallas(*args)
-  if backend == "xla":
-    return xla(*args)
-  if backend == "reference":
-    return reference.decode_n_copies(*args, sm_scale=sm_scale, window=window,
-                                     softcap=softcap)
-  if interpret:
-    return pallas(*args)
-  return jax.lax.platform_dependent(*args, tpu=pallas, default=xla)
+  if backend == "pallas_tpu" or (backend == "auto" and interpret):
+    run = pallas
+  elif backend == "xla":
+    run = xla
+  elif backend == "reference":
+    run = functools.partial(reference.decode_n_copies, sm_scale=sm_scale, window=window,
+                            softcap=softcap)
+  else:
+    def run(*args):
+      return jax.lax.platform_dependent(*args, tpu=pallas, default=xla)
+  return _per_device(run, args, heads=(q.shape[2], prefix_k.shape[2]),
+                     head_dims=(2, 2, 2, None, 3, 3, None), out_head_dims=(2, 2))

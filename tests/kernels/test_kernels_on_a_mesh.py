@@ -1,0 +1,103 @@
+"""The attention kernels traced with a mesh in context (the train step's) run per device
+under shard_map, rows over (data, fsdp) and heads over tensor: the same outputs and
+gradients as on one device, for the XLA path and the Pallas kernels (interpret mode), and
+the TPU export holds the Mosaic kernel inside the per-device computation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from kernel_cases import ODD_GQA_PADDED
+from rlax_ps import sharding as shd
+from rlax_ps.kernels.dispatch import shared_prefix_decode_attention, shared_prompt_attention
+
+# Two rows, 4 q heads over 2 kv heads: rows split over data, heads over tensor.
+MESH_AXES = {"data": 2, "fsdp": 1, "tensor": 2}
+
+
+def _mesh():
+  return shd.make_mesh(MESH_AXES, jax.devices()[:4])
+
+
+def _traced(mesh, fn):
+  """fn jitted, traced with the mesh in context (as jit_step does)."""
+  def on_mesh(*args):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args)
+  return jax.jit(on_mesh)
+
+
+@pytest.mark.parametrize("backend,kw", [("auto", {}), ("pallas_tpu", dict(interpret=True))],
+                         ids=["auto", "pallas"])
+def test_training_attention_per_device_equals_one_device(backend, kw):
+  layout, q, k, v, do = ODD_GQA_PADDED.inputs()
+  attend = functools.partial(shared_prompt_attention, layout=layout, backend=backend, **kw)
+
+  def loss(q, k, v):
+    o, lse = attend(q, k, v)
+    return jnp.sum(o * do) + jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, lse)), (o, lse)
+
+  (want, (o1, lse1)), grads1 = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(
+      q, k, v)
+  mesh = _mesh()
+  heads = NamedSharding(mesh, P("data", None, "tensor"))
+  step = _traced(mesh, jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+  args = [jax.device_put(a, heads) for a in (q, k, v)]
+  assert "shard_map" in str(jax.make_jaxpr(step)(*args))  # it runs per device
+  (got, (o, lse)), grads = step(*args)
+  np.testing.assert_allclose(np.asarray(o), np.asarray(o1), atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse1))
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  for a, b in zip(grads, grads1):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_attention_per_device_equals_one_device():
+  ks = jax.random.split(jax.random.key(7), 5)
+  b, n, h, hkv, d, s, ss = 2, 3, 4, 2, 16, 20, 12
+  args = (jax.random.normal(ks[0], (b, n, h, d)), jax.random.normal(ks[1], (b, s, hkv, d)),
+          jax.random.normal(ks[2], (b, s, hkv, d)), np.array([20, 5], np.int32),
+          jax.random.normal(ks[3], (b, n, ss, hkv, d)),
+          jax.random.normal(ks[4], (b, n, ss, hkv, d)),
+          np.array([[1, 12, 0], [3, 0, 7]], np.int32))
+  decode = functools.partial(shared_prefix_decode_attention, backend="pallas_tpu",
+                             interpret=True, block_s=8)
+  want = jax.jit(decode)(*args)
+  mesh = _mesh()
+  step = _traced(mesh, decode)
+  args = jax.device_put(args, NamedSharding(mesh, P()))  # the cache on the mesh's devices
+  assert "shard_map" in str(jax.make_jaxpr(step)(*args))
+  for got, ref in zip(step(*args), want):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_one_device_or_no_mesh_calls_the_kernel_as_it_is():
+  layout, q, k, v, _ = ODD_GQA_PADDED.inputs()
+  attend = functools.partial(shared_prompt_attention, layout=layout)
+  assert "shard_map" not in str(jax.make_jaxpr(attend)(q, k, v))
+  one = shd.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  assert "shard_map" not in str(jax.make_jaxpr(_traced(one, attend))(q, k, v))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_the_export_runs_the_kernel_per_device(platform):
+  layout, q, k, v, do = ODD_GQA_PADDED.inputs()
+  mesh = _mesh()
+
+  def grads(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(shared_prompt_attention(q, k, v, layout)[0] * do),
+                    (0, 1, 2))(q, k, v)
+
+  heads = NamedSharding(mesh, P("data", None, "tensor"))
+  abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=heads) for a in (q, k, v)]
+  checks = [] if platform == "tpu" else [  # Triton calls have no stability guarantee
+      jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  text = jax.export.export(_traced(mesh, grads), platforms=[platform],
+                           disabled_checks=checks)(*abstract).mlir_module()
+  kernel = "tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton"
+  manual = text.index("sdy.manual_computation")
+  assert kernel in text[manual:]  # the kernel sits inside the per-device computation
