@@ -56,6 +56,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # takes the next answer when its own ends), so a few long answers leave no row idle.
   c.worker.prompts_per_call = 32
   c.worker.rows_per_prompt = 4
+  # Every chip of a worker's VM: the 32 slots split over them, a copy of the model on each
+  # (worker.tensor_parallel > 1 splits a model one chip cannot hold over that many).
+  c.worker.devices = 0
   c.worker.max_new_tokens = 1024
   c.worker.lease_deadline_s = 900.0
   c.loss.overlong_buffer = 256  # DAPO's soft punishment over the last quarter of the budget

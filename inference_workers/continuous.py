@@ -39,10 +39,13 @@ import dataclasses
 import functools
 from typing import Any, Callable, Hashable, Sequence
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from inference_workers.decoding import (MIN_PROMPT_BUCKET, Rows, Sample, bucket, check_request,
                                         empty_routes, knobs, pad_prompts, prefill, record,
@@ -88,6 +91,24 @@ def _empty_slots(config, s: int, n: int, r: int, prompt_len: int, budget: int, d
                prompt_routes=empty_routes(config, s, prompt_len) if record_routes else None,
                begun=jnp.zeros((s * n, budget), jnp.int32) if resume else None,
                begun_len=jnp.zeros((s * n,), jnp.int32) if resume else None)
+
+
+def _slot_shardings(slots: Slots, mesh):
+  """Where each part of the slots lives on a worker's mesh: its leading dim (slots, rows or
+  outputs) split over data, the KV caches' heads over tensor, as far as they divide."""
+  from rlax_ps import sharding as shd
+  cache = slots.cache
+  heads = {id(x) for x in cache.prefix_k + cache.prefix_v + cache.suffix_k + cache.suffix_v}
+
+  def spec(x):
+    if not x.ndim:
+      return NamedSharding(mesh, P())
+    entries = ["data"] + [None] * (x.ndim - 1)
+    if id(x) in heads:
+      entries[x.ndim - 2] = "tensor"
+    return NamedSharding(mesh, shd.fit_spec(P(*entries), x.shape, mesh))
+
+  return jax.tree.map(spec, slots)
 
 
 def _rows_of(slot_ids, n: int):
@@ -405,6 +426,8 @@ class ContinuousBatch:
   docstring): each sample gets at most `max_turns` replies, asked for on `respond_threads`
   threads. A reply (or a resumed sample's begun tokens) joins its row in steps of up to
   `feed_tokens` tokens (1: one a decode step), which bounds that step's attention scores.
+  `mesh` (the model's weights on it): the slots split over its data axis and the caches'
+  heads over tensor; every step is traced with it in context, so attention runs per device.
   """
 
   def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,
@@ -413,7 +436,7 @@ class ContinuousBatch:
                respond: Callable[[Hashable, int, np.ndarray, np.ndarray],
                                  Sequence[int] | None] | None = None,
                max_turns: int = 4, respond_threads: int = 8, resume: bool = False,
-               feed_tokens: int = 256):
+               feed_tokens: int = 256, mesh: jax.sharding.Mesh | None = None):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
     if not isinstance(n, int) or n < 1:
@@ -441,6 +464,7 @@ class ContinuousBatch:
     self.respond, self.max_turns = respond, max_turns
     self.resume = resume
     self.feed_tokens = feed_tokens
+    self.mesh = mesh
     self._replies: dict[int, int] = {}  # output slot -> replies given to its sample
     # paused row -> (its output slot, its sample's length, its reply in the making)
     self._asking: dict[int, tuple[int, int, concurrent.futures.Future]] = {}
@@ -527,8 +551,16 @@ class ContinuousBatch:
                  for j in order])
     self._waiting.append(waiting)
 
+  def _on_mesh(self):
+    """The mesh in context (jit traces see it), if the batch has one."""
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
   def step(self) -> list[tuple[Hashable, list[Sample]]]:
     """Fill free slots, decode one chunk, return the groups that finished."""
+    with self._on_mesh():
+      return self._step()
+
+  def _step(self) -> list[tuple[Hashable, list[Sample]]]:
     self._fill()
     if not self._held:
       return []
@@ -565,7 +597,8 @@ class ContinuousBatch:
     ids = np.full((self.num_slots,), held[0], np.int32)
     ids[:len(held)] = held
     finished = np.asarray(self._slots.rows.finished).reshape(self.num_slots, self.n)
-    samples = self._samples(ids, held)
+    with self._on_mesh():
+      samples = self._samples(ids, held)
     out = []
     for i, s in enumerate(held):
       w = self._held[s]
@@ -604,9 +637,11 @@ class ContinuousBatch:
     length = bucket(max(w.tokens.size for w in joining), MIN_PROMPT_BUCKET)
     config = self.model.config
     if self._slots is None:
-      self._slots = _empty_slots(config, self.num_slots, self.n, self.rows_per_prompt, length,
-                                 self._budget, self.decode_fn, self.record_routes,
-                                 self.respond is not None, self.resume)
+      empty = functools.partial(_empty_slots, config, self.num_slots, self.n,
+                                self.rows_per_prompt, length, self._budget, self.decode_fn,
+                                self.record_routes, self.respond is not None, self.resume)
+      self._slots = empty() if self.mesh is None else jax.jit(  # made where they live
+          empty, out_shardings=_slot_shardings(jax.eval_shape(empty), self.mesh))()
     elif length > self._slots.cache.prefix_k[0].shape[1]:
       self._slots = _grow(self._slots, length=length)
     m = bucket(len(joining))

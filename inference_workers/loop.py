@@ -34,6 +34,7 @@ import zlib
 from typing import Any, Callable
 
 import grpc
+import jax
 import numpy as np
 from absl import logging
 
@@ -49,6 +50,7 @@ from param_server.client import (Lease, ParamServerClient, ParamServerError, Ret
                                   make_routes, make_sample, routes_of, sample_logprobs,
                                   sample_observed)
 from param_server.protos import param_server_pb2 as pb
+from rlax_ps import sharding as shd
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.reward_scoring import RewardScorer, prompt_messages
 from rlax_ps.sync import Update
@@ -59,6 +61,23 @@ _RENEW_BYTES = 3 << 20  # begun samples per renewal call: under gRPC's default 4
 # Failures that mean "the server is not there right now": back off and try again.
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def worker_mesh(config: WorkerConfig):
+  """The (data, tensor) mesh of the local devices the worker decodes on (worker.devices,
+  worker.tensor_parallel); None for one device (the default device, as placed)."""
+  local = jax.local_devices()
+  count = config.devices or len(local)
+  if count > len(local):
+    raise ValueError(f"WorkerConfig.devices: expected at most the {len(local)} local devices, "
+                     f"got {count}")
+  if count % config.tensor_parallel:
+    raise ValueError(f"WorkerConfig.tensor_parallel: expected a divisor of the {count} "
+                     f"devices, got {config.tensor_parallel}")
+  if count == 1:
+    return None
+  return shd.make_mesh({"data": count // config.tensor_parallel, "fsdp": 1,
+                        "tensor": config.tensor_parallel}, local[:count])
 
 
 def make_allocator(config: WorkerConfig):
@@ -111,7 +130,8 @@ class Worker:
     if config.routing_replay and not model_config.moe_layers:
       raise ValueError("WorkerConfig.routing_replay: expected False for a model without "
                        "mixture-of-experts layers (there are no routes to send)")
-    self.policy = HeldPolicy(model_config, config.weights_format)
+    self.mesh = worker_mesh(config)
+    self.policy = HeldPolicy(model_config, config.weights_format, mesh=self.mesh)
     self.allocator = allocator if allocator is not None else make_allocator(config)
     self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
                                                           config.verifiers)
@@ -399,7 +419,7 @@ class Worker:
                                     respond=self._respond if self.environments else None,
                                     max_turns=self.config.max_turns,
                                     respond_threads=self.config.environment_threads,
-                                    resume=self._resumable)
+                                    resume=self._resumable, mesh=self.mesh)
     batch = self._batch
     if self.stopping and batch.running and time.monotonic() >= self._salvage_at and (
         self._resumable):
@@ -759,7 +779,7 @@ class Worker:
                             record_routes=self.config.routing_replay,
                             respond=self._respond if self.environments else None,
                             max_turns=self.config.max_turns,
-                            respond_threads=self.config.environment_threads)
+                            respond_threads=self.config.environment_threads, mesh=self.mesh)
     keys = {i: ("round", prompts[i].id) for i in live}
     try:
       for i, key in keys.items():

@@ -14,6 +14,11 @@ class WorkerConfig:
   """Everything `rlax-ps worker` can set besides the model; each is also a flag."""
   name: str = setting("worker", "name reported to the server (the server assigns the id)")
   weights_format: str = setting("bf16", "held weights: bf16 or int8 (must match the publications)")
+  devices: int = setting(1, "local accelerators this worker decodes on (0: all of them): the "
+                         "model split over tensor_parallel of them, the decode slots over "
+                         "the rest")
+  tensor_parallel: int = setting(1, "devices each copy of the model is split over (heads and "
+                                 "widths); must divide devices")
   prompts_per_lease: int = setting(8, "prompts asked for per lease")
   lease_deadline_s: float = setting(300.0, "lease length; renewed while work is in flight")
   lease_wait_s: float = setting(2.0, "how long one lease request waits for prompts")
@@ -77,6 +82,10 @@ class WorkerConfig:
     for f in ("prompts_per_lease", "prompts_per_call", "samples_per_prompt", "max_new_tokens",
               "decode_chunk_steps"):
       need(getattr(self, f) > 0, f, "a positive int")
+    need(self.devices >= 0, "devices", "an int >= 0 (0: all local devices)")
+    need(self.tensor_parallel > 0 and (self.devices == 0 or self.devices % self.tensor_parallel
+                                       == 0), "tensor_parallel",
+         f"a positive divisor of devices={self.devices}")
     need(self.reward_model_batch > 0, "reward_model_batch", "a positive int")
     need(self.reward_model_dtype in ("float32", "bfloat16"), "reward_model_dtype",
          "'float32' or 'bfloat16'")

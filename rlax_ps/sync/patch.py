@@ -21,12 +21,14 @@ from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.wire import TensorChanges, Update
 
 
-@functools.partial(jax.jit, static_argnums=3, donate_argnums=0)
-def _scatter(bufs, indices, offsets, caps):
+@functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=0)
+def _scatter(bufs, indices, offsets, caps, shardings=None):
   """Each buffer of `bufs` (bit arrays) plus its segment of offsets at its indices: buffer
-  i's segment is the next caps[i] entries of the arrays of its dtype."""
+  i's segment is the next caps[i] entries of the arrays of its dtype. `shardings`: the
+  buffers' own, over several devices, which the results keep (the flattening would
+  otherwise let XLA pick another)."""
   start, out = {}, []
-  for buf, cap in zip(bufs, caps):
+  for i, (buf, cap) in enumerate(zip(bufs, caps)):
     key = jnp.dtype(buf.dtype).name
     s = start.get(key, 0)
     start[key] = s + cap
@@ -34,7 +36,10 @@ def _scatter(bufs, indices, offsets, caps):
     flat = flat.at[indices[key][s:s + cap]].add(  # in the buffer's sharding (Explicit axes)
         offsets[key][s:s + cap], mode="drop", indices_are_sorted=True,
         out_sharding=jax.typeof(flat).sharding)
-    out.append(flat.reshape(buf.shape))
+    flat = flat.reshape(buf.shape)
+    if shardings is not None:
+      flat = jax.lax.with_sharding_constraint(flat, shardings[i])
+    out.append(flat)
   return tuple(out)
 
 
@@ -141,12 +146,19 @@ class Patcher:
         idx[s + n:s + cap] = int(np.prod(held[name].shape))  # out of bounds: dropped
         s += cap
       indices[key], offsets[key] = jnp.asarray(idx), jnp.asarray(off)
-    new = _scatter(tuple(held[name] for name in group), indices, offsets, caps)
+    bufs = tuple(held[name] for name in group)
+    shardings = tuple(b.sharding for b in bufs)
+    auto = all(isinstance(sh, jax.sharding.NamedSharding) and all(
+        t == jax.sharding.AxisType.Auto for t in sh.mesh.axis_types) for sh in shardings)
+    spread = auto and any(len(sh.device_set) > 1 for sh in shardings)  # Explicit: kept
+    new = _scatter(bufs, indices, offsets, caps, shardings if spread else None)
     held.update(zip(group, new))
 
 
 def _placed(bits: np.ndarray, like) -> jax.Array:
-  """Host bits on the devices (and sharding) of the held array `like`, if it is one."""
-  if isinstance(like, jax.Array):
-    return jax.device_put(bits, like.sharding)
+  """Host bits on the devices (and sharding) of the held array `like`, or of the sharding a
+  placeholder (jax.ShapeDtypeStruct) names; else on the default device."""
+  sharding = getattr(like, "sharding", None)
+  if sharding is not None:
+    return jax.device_put(bits, sharding)
   return jnp.asarray(bits)

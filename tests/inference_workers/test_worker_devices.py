@@ -1,0 +1,89 @@
+"""A worker on several local devices (worker.devices, worker.tensor_parallel): the held
+weights split over the tensor axis and kept split through keyframes and deltas, the decode
+slots over the data axis, attention per device; it samples what a one-device worker samples."""
+
+import jax
+import numpy as np
+import pytest
+
+from inference_workers.loop import Worker, worker_mesh
+from inference_workers.weights import HeldPolicy
+from inference_workers.worker_config import WorkerConfig
+from param_server.client import sample_logprobs
+from param_server.server import ParamServer, ServerConfig
+from rlax_ps import sync
+from worker_testlib import CONFIG, SMALL, TOKENIZER, TOKENS, client, enqueue_addition, same_held
+
+FOUR = dict(devices=4, tensor_parallel=2)  # data 2 x tensor 2
+
+
+def _server(path):
+  return ParamServer(ServerConfig(
+      storage_dir=str(path), port=0, reap_interval_s=0.05, compact_in_background=False,
+      threads=32, wal_fsync=False, trainer_token=TOKENS["trainer"],
+      worker_token=TOKENS["worker"], viewer_token=TOKENS["viewer"])).start()
+
+
+def _spec(policy, name):
+  return policy.held_state()[name].sharding.spec
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_held_weights_stay_split_over_the_tensor_axis_through_updates(versions, fmt):
+  mesh = worker_mesh(WorkerConfig(**FOUR))
+  policy = HeldPolicy(CONFIG, fmt, mesh=mesh)
+  policy.apply(sync.Update.from_bytes(sync.encode(None, versions[0], fmt, version=0).to_bytes()))
+  delta = sync.encode(versions[0], versions[1], fmt, version=1)
+  policy.apply(sync.Update.from_bytes(delta.to_bytes()))
+  assert policy.version == 1 and same_held(policy, versions[1], fmt)
+  q = "layers.0.attn.q_proj.kernel"
+  # Split as the trainer splits them: q's heads, the MLP's width (a 99-row vocabulary
+  # does not split in 2: the embedding is whole on each device).
+  assert _spec(policy, q) == jax.sharding.PartitionSpec(None, "tensor")
+  assert _spec(policy, "layers.0.mlp.down_proj.kernel") == jax.sharding.PartitionSpec("tensor")
+  if fmt == "int8":  # a scale per output channel follows its codes' split
+    assert _spec(policy, q + ".scale") == jax.sharding.PartitionSpec("tensor")
+  assert {d.id for d in policy.held_state()[q].sharding.device_set} == {
+      d.id for d in jax.local_devices()[:4]}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_worker_on_four_devices_samples_as_a_worker_on_one(versions, tmp_path, fmt):
+  made = {}
+  for name, extra in (("one", {}), ("four", FOUR)):
+    server = _server(tmp_path / name)
+    try:
+      with client(server, "trainer") as trainer, client(server, "worker") as wc:
+        trainer.publish(sync.encode(None, versions[0], fmt, version=0).to_bytes())
+        enqueue_addition(trainer, 4)
+        config = WorkerConfig(max_leases=2, weights_format=fmt, **SMALL, **extra)
+        worker = Worker(wc, CONFIG, TOKENIZER, config)
+        assert worker.run().groups_submitted == 4
+        made[name] = {r.group.prompt_id: [(list(s.token_ids), sample_logprobs(s), s.reward)
+                                          for s in r.group.samples]
+                      for r in trainer.take_rollouts(0, 10).rollouts}
+        if extra:  # the weights it sampled with were split, and it held them exactly
+          assert "tensor" in str(_spec(worker.policy, "layers.0.mlp.up_proj.kernel"))
+          assert same_held(worker.policy, versions[0], fmt)
+    finally:
+      server.stop(grace=0)
+  assert made["four"].keys() == made["one"].keys() and len(made["one"]) == 4
+  for pid, samples in made["one"].items():
+    for (tokens, logprobs, reward), (tokens4, logprobs4, reward4) in zip(samples,
+                                                                         made["four"][pid]):
+      assert tokens4 == tokens and reward4 == reward
+      np.testing.assert_allclose(logprobs4, logprobs, atol=1e-4)
+
+
+def test_device_counts_that_do_not_fit_are_refused_naming_the_field():
+  with pytest.raises(ValueError, match="WorkerConfig.tensor_parallel"):
+    WorkerConfig(devices=4, tensor_parallel=3)
+  with pytest.raises(ValueError, match="WorkerConfig.devices"):
+    WorkerConfig(devices=-1)
+  with pytest.raises(ValueError, match="WorkerConfig.devices: expected at most the"):
+    worker_mesh(WorkerConfig(devices=len(jax.local_devices()) + 1))
+  with pytest.raises(ValueError, match="WorkerConfig.tensor_parallel"):
+    worker_mesh(WorkerConfig(devices=0, tensor_parallel=3))  # 8 local devices
+  assert worker_mesh(WorkerConfig()) is None  # one device: placed as before
+  assert dict(worker_mesh(WorkerConfig(devices=0)).shape) == {"data": 8, "fsdp": 1,
+                                                              "tensor": 1}
