@@ -82,6 +82,10 @@ def main(argv) -> None:
                                    longest_sequence(cfg))
   with connect_flags.connect("worker") as client:
     worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for)
+    mesh = worker.mesh
+    print("worker: decoding on " + ("the default device" if mesh is None else
+                                    f"{mesh.size} devices (data {mesh.shape['data']} x "
+                                    f"tensor {mesh.shape['tensor']})"), flush=True)
     stop_on_signals(worker)
     stats = worker.run()
   logging.info("worker: done: %s", stats)

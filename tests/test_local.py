@@ -362,6 +362,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
     assert all(s["router_aux_loss"] >= 1.0 for s in steps)
     assert "expert parallel: 2 whole experts a device" in (
         workdir / "logs" / "trainer.log").read_text()
+    for log in (workdir / "logs").glob("worker-*.log"):  # rl_instruct: every local device
+      assert "decoding on 2 devices (data 2 x tensor 1)" in log.read_text()
   if tools:  # samples ended turns, got replies (at most 2 each) and trained around them
     assert all(0 < s["env_replies_mean"] <= 2 and 0 < s["env_token_frac"] < 1 for s in steps)
   else:
