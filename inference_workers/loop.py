@@ -9,7 +9,8 @@ With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
 each), a finished prompt's group is scored and submitted at once and a newly leased prompt
 takes its slot. VIGOR samples in rounds, one continuous batch a round of `prompts_per_call`
-prompts, whose groups may be unequal.
+prompts, whose groups may be unequal; stopping, it sends each prompt's samples so far as its
+group (two or more) once only salvage_s of the grace period is left.
 With an `environment` for a prompt's task, each turn a sample ends is answered by it
 (multi-turn rollouts), on `environment_threads` threads while the other rows decode on: the
 reply is rendered as the next message and the sample goes on; the verifier scores the whole.
@@ -383,7 +384,8 @@ class Worker:
       version = self.policy.version
       groups = self._rollout_groups(chunk, version)
       for prompt, group in zip(chunk, groups):
-        self._submit(lease.lease_id, prompt.id, group)
+        if group is not None:  # None: stopped before its group was worth sending
+          self._submit(lease.lease_id, prompt.id, group)
     with self._lock:
       left = self._inflight[lease.lease_id]
     if not left:
@@ -421,8 +423,7 @@ class Worker:
                                     respond_threads=self.config.environment_threads,
                                     resume=self._resumable, mesh=self.mesh)
     batch = self._batch
-    if self.stopping and batch.running and time.monotonic() >= self._salvage_at and (
-        self._resumable):
+    if batch.running and self._salvaging and self._resumable:
       self._salvage(batch)
       return
     if self.policy.version is None:
@@ -717,14 +718,17 @@ class Worker:
     base = zlib.crc32(f"{self.config.seed}:{prompt_id}:{version}:{round_}".encode())
     return [(base + 7919 * j) % (2 ** 31) for j in range(n)]
 
-  def _rollout_groups(self, prompts: list[pb.Prompt], version: int) -> list[pb.RolloutGroup]:
-    """Allocate samples over the prompts (rounds for adaptive allocators), score, package."""
+  def _rollout_groups(self, prompts: list[pb.Prompt], version: int
+                      ) -> list[pb.RolloutGroup | None]:
+    """Allocate samples over the prompts (rounds for adaptive allocators), score, package.
+    Stopping with only salvage_s of grace left, the rounds end where they are: a prompt
+    with two samples or more (finished ones) gets its group, the others None (released)."""
     tokens = [self._prompt_tokens(p) for p in prompts]
     state = self.allocator.start(len(prompts), self.config.samples_per_prompt * len(prompts))
     samples: list[list[Sample]] = [[] for _ in prompts]
     rewards: list[list[float]] = [[] for _ in prompts]
     round_ = 0
-    while not state.done:
+    while not state.done and not self._salvaging:
       counts = [int(c) for c in self.allocator.requests(state)]
       t0 = time.monotonic()
       drawn, given = self._draw(prompts, tokens, counts, version, round_)
@@ -735,13 +739,24 @@ class Worker:
         samples[i].extend(got)
         rewards[i].extend(scores)
         new_rewards.append(np.asarray(scores, np.float32))
-      state = self.allocator.observe(state, new_rewards)
       n_tokens = sum(len(s.tokens) for got in drawn for s in got)
-      self.stats.samples += sum(counts)
+      self.stats.samples += sum(map(len, drawn))
       self.stats.tokens += n_tokens
       self._tokens_per_s = n_tokens / max(elapsed, 1e-9)
       round_ += 1
-    return [self._group(p, version, got, rs) for p, got, rs in zip(prompts, samples, rewards)]
+      if self._salvaging:  # the round may be cut short: the allocator plans no more
+        break
+      state = self.allocator.observe(state, new_rewards)
+    if not state.done:
+      logging.info("worker: stopping: %d of %d prompts keep the samples of %d rounds",
+                   sum(len(got) >= 2 for got in samples), len(prompts), round_)
+    return [self._group(p, version, got, rs) if state.done or len(got) >= 2 else None
+            for p, got, rs in zip(prompts, samples, rewards)]
+
+  @property
+  def _salvaging(self) -> bool:
+    """Stopping, with only salvage_s of the grace period left: what runs ends now."""
+    return self.stopping and time.monotonic() >= self._salvage_at
 
   def _group(self, prompt: pb.Prompt, version: int, samples: list[Sample],
              rewards: list[float]) -> pb.RolloutGroup:
@@ -768,7 +783,8 @@ class Worker:
             ) -> tuple[list[list[Sample]], list[dict[int, list]]]:
     """counts[i] samples of prompt i, and the replies each multi-turn sample got (by prompt
     and sample index): the round's prompts in one continuous batch, each prompt's samples
-    on one prefill, their turns answered by their tasks' environments."""
+    on one prefill, their turns answered by their tasks' environments. Stopping with only
+    salvage_s of grace left: the samples finished so far."""
     out: list[list[Sample]] = [[] for _ in prompts]
     given: list[dict[int, list]] = [{} for _ in prompts]
     live = [i for i, c in enumerate(counts) if c > 0]
@@ -779,18 +795,30 @@ class Worker:
                             record_routes=self.config.routing_replay,
                             respond=self._respond if self.environments else None,
                             max_turns=self.config.max_turns,
-                            respond_threads=self.config.environment_threads, mesh=self.mesh)
+                            respond_threads=self.config.environment_threads, mesh=self.mesh,
+                            chunk_steps=self.config.decode_chunk_steps)  # stops heard soon
     keys = {i: ("round", prompts[i].id) for i in live}
     try:
       for i, key in keys.items():
         self._started[key] = (prompts[i], version)
         batch.add(key, tokens[i], self._seeds(prompts[i].id, version, round_, counts[i]))
-      done = dict(batch.run())
+      done, kept = {}, {}  # kept: a cut round's finished samples, by their index in it
+      while batch.waiting or batch.running:
+        if self._salvaging:  # stopping: the round's finished samples, the rest dropped
+          for key, got, ended in batch.partial():
+            kept[key] = [j for j, end in enumerate(ended) if end]
+            done[key] = [got[j] for j in kept[key]]
+          done.update((keys[i], []) for i in live if keys[i] not in done)
+          break
+        done.update(batch.step())
     finally:
       batch.close()
       for i, key in keys.items():
         self._started.pop(key, None)
         given[i] = self._given.pop(key, {})
+    for i, key in keys.items():  # replies follow their samples' new indices
+      if key in kept:
+        given[i] = {new: given[i][j] for new, j in enumerate(kept[key]) if j in given[i]}
     for i, key in keys.items():
       out[i] = done[key]
     return out, given

@@ -196,6 +196,46 @@ def test_vigor_allocation_spends_the_whole_budget(server, versions):
     assert all(len(g.samples) >= 2 for g in groups)  # VIGOR's first round: m0 = 2 each
 
 
+@pytest.mark.parametrize("cut", ["between rounds", "mid-round"])
+def test_a_stopping_vigor_worker_sends_the_groups_its_rounds_made(server, versions,
+                                                                 monkeypatch, cut):
+  # A stop with only salvage_s of grace left ends the rounds where they are: each prompt
+  # with two finished samples or more is sent as its group (the rest released), where the
+  # watchdog used to release every prompt of the call and lose its rounds.
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    config = WorkerConfig(max_leases=1, **dict(SMALL, allocator="vigor", samples_per_prompt=4,
+                                               decode_chunk_steps=1))
+    worker = Worker(wc, CONFIG, TOKENIZER, config)
+    draw, step, rounds, steps = Worker._draw, ContinuousBatch.step, [], []
+
+    def counted_draw(self, *args):
+      out = draw(self, *args)
+      rounds.append(args[2])
+      if cut == "between rounds":
+        self.request_stop(grace_s=self.config.salvage_s)
+      return out
+
+    def counted_step(batch):
+      steps.append(len(rounds))
+      if cut == "mid-round" and steps.count(1) == 2:  # round 1's second decode step
+        worker.request_stop(grace_s=worker.config.salvage_s)
+      return step(batch)
+
+    monkeypatch.setattr(Worker, "_draw", counted_draw)
+    monkeypatch.setattr(ContinuousBatch, "step", counted_step)
+    stats = worker.run()
+    groups = [r.group for r in trainer.take_rollouts(0, 10).rollouts]
+    assert stats.groups_submitted == len(groups) == 2  # m0 = 2 samples each after round 0
+    assert all(len(g.samples) >= 2 and all(s.finish_reason for s in g.samples)
+               for g in groups)
+    made = sum(len(g.samples) for g in groups)
+    assert made == 4 if cut == "between rounds" else 4 <= made < 8
+    assert len(rounds) == (1 if cut == "between rounds" else 2)
+    assert trainer.stats().prompts_leased == 0  # nothing left behind on the lease
+
+
 def test_routing_replay_sends_each_tokens_experts_that_the_trainer_accepts(server):
   moe = CONFIG.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
   params = {k: np.asarray(v) for k, v in flatten_params(Transformer(moe, rngs=nnx.Rngs(0))).items()}
