@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Hashable, Sequence
-
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +51,7 @@ from inference_workers.decoding import (MIN_PROMPT_BUCKET, Rows, Sample, bucket,
                                         replies_in, routes_last, samples_of)
 from inference_workers.sampling import SamplingParams
 from inference_workers.shared_prefix import DecodeFn, SharedPrefixCache
+from rlax_ps import sharding as shd
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
 
 
@@ -96,7 +96,6 @@ def _empty_slots(config, s: int, n: int, r: int, prompt_len: int, budget: int, d
 def _slot_shardings(slots: Slots, mesh):
   """Where each part of the slots lives on a worker's mesh: its leading dim (slots, rows or
   outputs) split over data, the KV caches' heads over tensor, as far as they divide."""
-  from rlax_ps import sharding as shd
   cache = slots.cache
   heads = {id(x) for x in cache.prefix_k + cache.prefix_v + cache.suffix_k + cache.suffix_v}
 

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from inference_workers.quantized import Int8Transformer, held_name
+from rlax_ps import sharding as shd
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.transformer import Transformer
 from rlax_ps.sync import CodecError, Update, checksum, parallel, state_digest
@@ -75,7 +76,6 @@ def held_shardings(config: ModelConfig, names_shapes: dict, mesh) -> dict:
   """Held name -> NamedSharding on `mesh` of each held tensor: the bf16 model's sharding of
   the weight of that name (fitted to the mesh); an int8 scale follows its codes, less the
   dimension it was taken over."""
-  from rlax_ps import sharding as shd
   model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   state = nnx.state(model, nnx.Param)
   specs = {held_name(".".join(map(str, path))): (spec, tuple(var.shape)) for (path, spec), (_, var)
