@@ -291,3 +291,39 @@ def test_a_reply_fed_at_once_attends_as_a_prompt_would(variant):
     np.testing.assert_allclose(ref.logprobs, s.logprobs[end:], atol=1e-5)
     checked += 1
   assert checked >= 2
+
+
+def test_turns_and_resumed_samples_on_a_mesh_equal_one_devices(model):
+  # Replies fed at once (_feed_rows), paused rows answered (_answer) and begun samples
+  # inserted with their tokens, on slots split over data and heads over tensor.
+  import dataclasses
+  import jax
+  from rlax_ps import sharding as shd
+  params = SamplingParams(max_new_tokens=24, stop_tokens=STOPS)
+  mesh = shd.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])
+  graphdef, state = nnx.split(model)
+  on_mesh = nnx.merge(graphdef, jax.device_put(state, shd.named(
+      mesh, shd.param_specs(state, nnx.get_partition_spec(state), mesh))))
+  respond = lambda key, j, tokens, observed: reply_to(tokens)  # noqa: E731
+  seeds = [[7, 8, 9], [1, 2, 3], [4, 5, 6]]
+
+  def run(m, mesh, begun=()):
+    batch = ContinuousBatch(m, 3, 2, params, respond=respond, max_turns=2, resume=True,
+                            rows_per_prompt=2, mesh=mesh)
+    for i, (prompt, s) in enumerate(zip(PROMPTS, seeds)):
+      batch.add(i, prompt, s, begun[i] if begun else None)
+    return dict(batch.run())
+
+  want = run(model, None)
+  assert sum(s.observed.any() for got in want.values() for s in got) >= 2
+  begun = {i: [dataclasses.replace(s, tokens=s.tokens[:len(s.tokens) // 2],
+                                   logprobs=s.logprobs[:len(s.tokens) // 2],
+                                   sampling_logprobs=s.sampling_logprobs[:len(s.tokens) // 2],
+                                   observed=s.observed[:len(s.tokens) // 2], finish_reason="")
+               for s in got] for i, got in want.items()}
+  got = run(on_mesh, mesh, begun)  # resumed halfway: their later turns still come
+  for i in want:
+    for a, b in zip(got[i], want[i]):
+      assert a.tokens.tolist() == b.tokens.tolist()
+      assert a.observed.tolist() == b.observed.tolist()
+      np.testing.assert_allclose(a.sampling_logprobs, b.sampling_logprobs, atol=1e-5)
