@@ -180,7 +180,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # TPU host's chips take one process); "" = JAX's default (split the devices yourself).
   c.local.worker_platform = "cpu"
   # A GPU host: the trainer gets GPUs 0..trainer_gpus-1 and each worker the next
-  # gpus_per_worker (CUDA_VISIBLE_DEVICES; worker_platform is then not used); 0 = off.
+  # gpus_per_worker (CUDA_VISIBLE_DEVICES; worker_platform is then not used); 0 = off. A
+  # worker decodes on worker.devices of its GPUs: set it to 0 (all) with more than one.
   c.local.trainer_gpus = 0
   c.local.gpus_per_worker = 0
 
