@@ -293,6 +293,7 @@ def test_a_reply_fed_at_once_attends_as_a_prompt_would(variant):
   assert checked >= 2
 
 
+@pytest.mark.slow  # ~20 s cold: 4-device compiles of the resume and reply programs
 def test_turns_and_resumed_samples_on_a_mesh_equal_one_devices(model):
   # Replies fed at once (_feed_rows), paused rows answered (_answer) and begun samples
   # inserted with their tokens, on slots split over data and heads over tensor.
