@@ -36,8 +36,8 @@ def _per_device(fn, args, heads: tuple[int, ...], head_dims: tuple[int | None, .
   (None: no heads dim), output j at out_head_dims[j]; `heads`: the head counts that the
   tensor axis must divide (q's and k/v's)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return fn(*args)
+  if mesh.empty or mesh.size == 1 or jax.sharding.AxisType.Manual in mesh.axis_types:
+    return fn(*args)  # no mesh, one device, or per device already (inside a shard_map)
   shape = dict(mesh.shape)
   rows, size = [], 1
   for axis in ("data", "fsdp"):  # as far as they divide the rows, as the batch is split

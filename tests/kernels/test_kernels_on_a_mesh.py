@@ -101,3 +101,21 @@ def test_the_export_runs_the_kernel_per_device(platform):
   kernel = "tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton"
   manual = text.index("sdy.manual_computation")
   assert kernel in text[manual:]  # the kernel sits inside the per-device computation
+
+
+def test_inside_a_shard_map_the_kernel_is_already_per_device():
+  layout, q, k, v, _ = ODD_GQA_PADDED.inputs()
+  want = shared_prompt_attention(q, k, v, layout)[0]
+  mesh = _mesh()
+  rows = P("data")
+
+  def per_device(q, k, v, prompt_lens, response_lens):
+    local = layout.__class__(prompt_lens, response_lens, layout.num_responses,
+                             layout.prompt_capacity, layout.response_capacity)
+    return shared_prompt_attention(q, k, v, local)[0]
+
+  fn = _traced(mesh, jax.shard_map(per_device, mesh=mesh, in_specs=(rows,) * 5,
+                                   out_specs=rows, check_vma=False))  # as Pallas wants
+  args = jax.device_put((q, k, v, layout.prompt_lens, layout.response_lens),
+                        NamedSharding(mesh, rows))
+  np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(want), atol=1e-5, rtol=1e-5)
