@@ -301,6 +301,8 @@ def experts_per_device(expert_parallel: bool, num_experts: int, mesh) -> int:
   axis > 1 dividing num_experts), or 0: experts split along their matrices instead."""
   if not (expert_parallel and num_experts) or mesh is None or getattr(mesh, "empty", False):
     return 0
+  if jax.sharding.AxisType.Manual in tuple(getattr(mesh, "axis_types", ())):
+    return 0  # inside a shard_map: each device runs the layer on what it holds
   f = dict(mesh.shape).get("fsdp", 1)
   return num_experts // f if f > 1 and num_experts % f == 0 else 0
 

@@ -199,3 +199,20 @@ def test_held_out_decoding_on_the_mesh_runs_the_experts_parallel(monkeypatch):
   got = evaluate.completions(graphdef, sharded, TOKENIZER, prompts, max_new_tokens=6,
                              batch_size=4, prompt_len=8)
   assert calls and got == want
+
+
+def test_inside_a_shard_map_the_layer_runs_on_what_each_device_holds():
+  # Manual axes already (a user's shard_map): no second shard_map; each device's tokens go
+  # through the whole experts it was given, as on one device.
+  graphdef, state = _layer(MOE.replace(expert_parallel=True))
+  x = jax.random.normal(jax.random.key(1), (4, 6, MOE.hidden_size))
+  want = nnx.merge(graphdef, state)(x)[0]
+  mesh = _mesh((1, 2, 1))  # fsdp 2 would split the 4 experts, outside a shard_map
+
+  def per_device(state, x):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return jax.shard_map(lambda st, x: nnx.merge(graphdef, st)(x)[0], mesh=mesh,
+                           in_specs=(P(), P("fsdp")), out_specs=P("fsdp"))(state, x)
+
+  got = jax.jit(per_device)(state, jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
