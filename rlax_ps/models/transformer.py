@@ -416,9 +416,7 @@ class MoE(nnx.Module):
     their partial outputs over it; the down bias is added by one tensor shard. `grouped`:
     the TPU/GPU dispatch (True) or the CPU's (False) on any platform (None: by platform)."""
     graphdef, state = nnx.split(self.experts)
-    specs = jax.tree.map(lambda spec, x: shd.fit_spec(spec, x.shape, mesh),
-                         nnx.get_partition_spec(state), state,
-                         is_leaf=lambda x: isinstance(x, P))
+    specs = shd.param_specs(state, nnx.get_partition_spec(state), mesh)
     rows = shd.fit_spec(P(tuple(a for a in shd.BATCH_AXES if a in mesh.axis_names)),
                         flat.shape, mesh)
     gathered = "fsdp" in _axes(rows)
