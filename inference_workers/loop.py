@@ -138,7 +138,7 @@ class Worker:
                                                           config.verifiers)
     self.environments = environments_from(config.environment, config.environment_args)
     self.reward_scorer = (RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,
-                                       config.reward_model_batch)
+                                       config.reward_model_batch, mesh=self.mesh)
                           if config.reward_model else None)
     self.params = config.sampling(tokenizer.stop_ids)
     self.stats = WorkerStats()

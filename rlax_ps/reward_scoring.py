@@ -1,5 +1,5 @@
-"""A reward model scoring conversations, as it reads them, in padded batches on the local
-device: the workers' rewards (beside the policy) and the trainer's held-out score.
+"""A reward model scoring conversations, as it reads them, in padded batches: the workers'
+rewards (beside the policy, on the worker's devices) and the trainer's held-out score.
 
 A reward model folder with its own tokenizer (tokenizer.json) reads the conversation
 re-rendered by its chat template (the prompt's messages, then the policy's turns and any
@@ -13,8 +13,10 @@ import json
 import os
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rlax_ps import chat
 from rlax_ps.models.reward_model import RewardModel, load_reward_model, pooled_index
@@ -38,11 +40,14 @@ def prompt_messages(prompt_text: str | list, metadata: dict[str, str]) -> list[d
 
 class RewardScorer:
   """A reward model loaded once (`path`: an HF `*ForSequenceClassification` folder, params
-  in `dtype`), scoring up to `batch_size` sequences per call."""
+  in `dtype`), scoring up to `batch_size` sequences per call. On a `mesh` (the worker's data x
+  tensor mesh) its weights split as the policy's do and each batch's rows over data, so a
+  reward model too large for one device fits, and every device scores."""
 
   def __init__(self, path: str, policy_tokenizer: Any, dtype: str = "bfloat16",
-               batch_size: int = 16):
-    self.model = load_reward_model(path, dtype)
+               batch_size: int = 16, *, mesh: jax.sharding.Mesh | None = None):
+    self.model = load_reward_model(path, dtype, mesh=mesh)
+    self.mesh = mesh
     self.batch_size = batch_size
     self.tokenizer: HFTokenizer | None = None
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -70,17 +75,26 @@ class RewardScorer:
     """Float32 scores [n] of the sequences (label 0), `batch_size` at a time, each batch
     padded to a power of two of rows and of tokens so that few programs compile."""
     out = []
+    data = 1 if self.mesh is None else self.mesh.shape.get("data", 1)
     for start in range(0, len(sequences), self.batch_size):
       part = sequences[start:start + self.batch_size]
-      rows = _bucket(len(part), 1)
+      rows = -(-_bucket(len(part), 1) // data) * data
       length = _bucket(max(len(s) for s in part), _MIN_LENGTH)
       tokens = np.full((rows, length), self._pad, np.int32)
       last = np.zeros(rows, np.int32)
       for i, ids in enumerate(part):
         tokens[i, :len(ids)] = ids
         last[i] = pooled_index(ids, self.model.pad_id)
-      out.append(np.asarray(_scores(self.model, tokens, last))[:len(part)])
+      out.append(np.asarray(self._score(tokens, last))[:len(part)])
     return np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
+
+
+  def _score(self, tokens: np.ndarray, last: np.ndarray):
+    if self.mesh is None:
+      return _scores(self.model, tokens, last)
+    rows = NamedSharding(self.mesh, P("data"))
+    with jax.set_mesh(self.mesh):
+      return _scores(self.model, jax.device_put(tokens, rows), jax.device_put(last, rows))
 
 
 def _bucket(n: int, floor: int) -> int:

@@ -83,5 +83,7 @@ def load_reward_model(path: str, dtype: str = "bfloat16", *, compute_dtype: str 
                      f"{config.hidden_size}], got {score.shape}")
   pad = d.get("pad_token_id")
   pad = pad[0] if isinstance(pad, list) else pad
-  return RewardModel(place_params(config, flat, mesh), jnp.asarray(score.T),
+  head = (jnp.asarray(score.T) if mesh is None else  # small: whole on every device
+          jax.device_put(score.T, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+  return RewardModel(place_params(config, flat, mesh), head,
                      None if pad is None else int(pad))

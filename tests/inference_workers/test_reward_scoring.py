@@ -45,6 +45,18 @@ def test_padded_batches_score_as_transformers_does_on_the_policys_ids():
   np.testing.assert_allclose(scorer.scores(rows), REF["scores"][:, 0], rtol=2e-5, atol=2e-5)
 
 
+def test_on_the_workers_devices_the_model_splits_and_scores_as_on_one():
+  worker = _worker(RM, devices=4, tensor_parallel=2)  # data 2 x tensor 2
+  scorer = worker.reward_scorer
+  assert scorer.mesh is worker.mesh
+  q = scorer.model.body.layers[0].attn.q_proj.kernel[...]
+  assert q.sharding.shard_shape(q.shape) == (q.shape[0], q.shape[1] // 2)  # heads over tensor
+  assert len(q.sharding.device_set) == 4
+  tokens = REF["tokens"]
+  rows = [tokens[0], tokens[1][:14], tokens[2]]  # 3 rows: padded to split over data
+  np.testing.assert_allclose(scorer.scores(rows), REF["scores"][:, 0], rtol=2e-5, atol=2e-5)
+
+
 def test_its_own_template_renders_the_conversation_as_transformers_does(rm_with_tokenizer):
   scorer = RewardScorer(rm_with_tokenizer, POLICY, "float32")
   messages = json.loads(str(REF["conversation"]))
