@@ -85,7 +85,8 @@ def main(argv) -> None:
     mesh = worker.mesh
     print("worker: decoding on " + ("the default device" if mesh is None else
                                     f"{mesh.size} devices (data {mesh.shape['data']} x "
-                                    f"tensor {mesh.shape['tensor']})"), flush=True)
+                                    f"tensor {mesh.shape['tensor']})")
+          + f"; {worker.batching}", flush=True)
     stop_on_signals(worker)
     stats = worker.run()
   logging.info("worker: done: %s", stats)

@@ -754,6 +754,15 @@ class Worker:
             for p, got, rs in zip(prompts, samples, rewards)]
 
   @property
+  def batching(self) -> str:
+    """How prompts are decoded, for the worker's first log line."""
+    c = self.config
+    if self._continuous:
+      return (f"continuous batching of {c.prompts_per_call} prompts x "
+              f"{c.rows_per_prompt or c.samples_per_prompt} rows")
+    return f"{c.allocator} rounds of {c.prompts_per_call} prompts"
+
+  @property
   def _salvaging(self) -> bool:
     """Stopping, with only salvage_s of the grace period left: what runs ends now."""
     return self.stopping and time.monotonic() >= self._salvage_at

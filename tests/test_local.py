@@ -63,14 +63,43 @@ def test_versions_advance_and_rollouts_are_trained_on(run):
 
 
 def test_every_worker_holds_the_trainers_weights_of_its_version(run):
-  workdir, _ = run
+  _holds_the_trainers_weights(run[0])
+
+
+def _holds_the_trainers_weights(workdir, workers=2):
   digests = {v["version"]: v["digest"] for v in _lines(workdir / "versions.jsonl")}
-  for i in range(2):
+  for i in range(workers):
     log = (workdir / "logs" / f"worker-{i}.log").read_text()
     held = re.findall(r"holds v(\d+) digest ([0-9a-f]{16})", log)
     assert held, log[-2000:]
     version, digest = held[-1]
     assert digests[int(version)] == digest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["rl_vigor", "rl_sync", "rl_decoupled", "rl_dapo",
+                                    "rl_int8_tis"])
+def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
+  """Every recipe the README lists runs as `rlax-ps local` does it: versions advance, the
+  groups are trained on once, the workers end on the trainer's weights, and the recipe's
+  own setting shows where it acts."""
+  proc = _local(tmp_path, config=f"configs/{recipe}.py:tiny")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  summary = json.load(open(tmp_path / "summary.json"))
+  steps = _lines(tmp_path / "steps.jsonl")
+  ids = [i for s in steps for i in s["rollout_ids"]]
+  assert summary["step"] == len(steps) == 4 and len(ids) == len(set(ids)) > 0
+  assert [v["version"] for v in _lines(tmp_path / "versions.jsonl")] == [0, 1, 2, 3, 4]
+  _holds_the_trainers_weights(tmp_path)
+  worker_log = (tmp_path / "logs" / "worker-0.log").read_text()
+  if recipe == "rl_sync":  # max_staleness 0: every group sampled by the newest version
+    assert all(s["staleness_mean"] == 0.0 for s in steps)
+  if recipe == "rl_int8_tis":
+    assert summary["sync"]["format"] == "int8"
+  # VIGOR samples in rounds (unequal groups); the others batch continuously.
+  batching = ("vigor rounds of 2 prompts" if recipe == "rl_vigor" else
+              "continuous batching of 2 prompts x 4 rows")
+  assert f"worker: decoding on the default device; {batching}" in worker_log, worker_log[-2000:]
 
 
 def test_tokens_stay_in_an_owner_only_file(run):
