@@ -6,7 +6,8 @@ held once per prompt, never copied N times; each sample only owns its suffix (th
 generated). Attention is computed in two partials merged by log-sum-exp: all N queries of a
 prompt against its prefix in one matmul ([N*group, D] x [D, S]), each query against its own
 suffix. The partial/merge function is pluggable (`decode_fn`); the default is the kernels'
-dispatch (the XLA two-pass path on CPU/GPU, the Pallas decode kernel on TPU).
+dispatch (the XLA two-pass path on CPU/GPU, the Pallas decode kernel on TPU); several tokens
+a row at once (`shared_prefix_extend_attention`) likewise.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
-from rlax_ps.kernels.reference import extend_two_pass
+from rlax_ps.kernels.dispatch import (shared_prefix_decode_attention,
+                                      shared_prefix_extend_attention)
 from rlax_ps.models.attention import with_sinks
 
 # decode_fn(q [B,N,H,D], prefix_k, prefix_v [B,Sp,Hkv,D], prefix_lens [B],
@@ -74,7 +75,7 @@ class SharedPrefixCache:
     """Write each sample's new k/v [B*N, T, Hkv, D] at its suffix slots from `index[b, j]`,
     attend prefix+suffix (within `window` positions when the layer slides: query t sits at
     prefix_len + index + t). One token a row is a decode step (`decode_fn`); several are
-    fed at once (`extend_two_pass`)."""
+    fed at once (`shared_prefix_extend_attention`)."""
     del q_segment_ids, q_positions, attention_fn  # the dense mask path does not apply here
     rows, t, h, d = q.shape
     b, n = self.prefix_lens.shape[0], self.num_samples
@@ -93,11 +94,11 @@ class SharedPrefixCache:
       out, lse = self.decode_fn(q.reshape(b, n, h, d), prefix_k, prefix_v, self.prefix_lens,
                                 new_k.astype(q.dtype), new_v.astype(q.dtype), self.index + 1,
                                 window=window, sm_scale=sm_scale, softcap=softcap)
-    else:  # several tokens a row (a reply fed at once): XLA, the prefix read once for all
-      out, lse = extend_two_pass(q.reshape(b, n, t, h, d), prefix_k, prefix_v,
-                                 self.prefix_lens, new_k.astype(q.dtype),
-                                 new_v.astype(q.dtype), self.index, window=window,
-                                 sm_scale=sm_scale, softcap=softcap)
+    else:  # several tokens a row (a reply fed at once): the prefix read once for all
+      out, lse = shared_prefix_extend_attention(
+          q.reshape(b, n, t, h, d), prefix_k, prefix_v, self.prefix_lens,
+          new_k.astype(q.dtype), new_v.astype(q.dtype), self.index, window=window,
+          sm_scale=sm_scale, softcap=softcap)
     if sinks is not None:  # gpt-oss: the sinks join the softmax the partials merged
       out = with_sinks(out, lse, sinks)
     cache = self.replace(suffix_k=self.suffix_k[:layer] + (new_k,) + self.suffix_k[layer + 1:],

@@ -9,6 +9,10 @@ by log-sum-exp (reference.merge_lse). Caches stay in the model's
 gives each query row a first visible key ([M, 128] int32 tile, lanes equal); the
 blocks below a grid row's least one are neither fetched nor computed. A softcap
 caps each block's scaled logits before the mask.
+
+Extending (T tokens of each sample at once: a tool's reply, resumed tokens) is the same
+kernel with N*T*G query rows against the prefix, blocked `block_m` rows at a time so the
+tiles fit VMEM, and each row's own last suffix key (causal within the T tokens).
 """
 
 from __future__ import annotations
@@ -28,15 +32,18 @@ _MASKED = -1e30
 _NT = (((1,), (1,)), ((), ()))
 
 
-def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, sm_scale, windowed,
-                   softcap):
-  if windowed:
-    (lens_ref, lo_ref, q_ref, start_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr,
-     acc_scr) = refs
-  else:
-    lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
-  x, s_idx = pl.program_id(0), pl.program_id(1)
-  length = lens_ref[x]
+def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, num_row_blocks,
+                   sm_scale, windowed, bounded, softcap):
+  refs = list(refs)
+  hi_ref = refs.pop(0)
+  lo_ref = refs.pop(0) if windowed else None
+  q_ref = refs.pop(0)
+  start_ref = refs.pop(0) if windowed else None
+  end_ref = refs.pop(0) if bounded else None
+  k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
+  x, r, s_idx = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  block = x * num_row_blocks + r
+  length = hi_ref[block]  # the keys any row of this block sees end here
 
   @pl.when(s_idx == 0)
   def _init():
@@ -46,7 +53,7 @@ def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, sm_scale,
 
   live = s_idx * block_s < length
   if windowed:  # blocks wholly below every row's first visible key are skipped
-    live = live & ((s_idx + 1) * block_s > lo_ref[x])
+    live = live & ((s_idx + 1) * block_s > lo_ref[block])
 
   @pl.when(live)
   def _compute():
@@ -61,7 +68,7 @@ def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, sm_scale,
       s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * sm_scale
       s = cap_logits(s, softcap)
       cols = s_idx * block_s + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-      mask = cols < length
+      mask = cols < (end_ref[:, :1] if bounded else length)
       if windowed:
         mask = mask & (cols >= start_ref[:, :1])
       s = jnp.where(mask, s, _MASKED)
@@ -83,58 +90,87 @@ def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, sm_scale,
     lse_ref[...] = jnp.where(has, m_scr[...] + jnp.log(l_safe), -jnp.inf)
 
 
+def _row_tile(rows, m_pad: int, fill: int):
+  """[X, M] per-row int32 bounds -> [X, M_pad, 128] (lanes equal), padded rows `fill`."""
+  rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, m_pad - rows.shape[1])),
+                 constant_values=fill)
+  return jnp.broadcast_to(rows[..., None], rows.shape + (LANES,))
+
+
 def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=False,
-                          starts=None, softcap=None):
+                          starts=None, ends=None, softcap=None, block_m=512):
   """q [X, Hkv, M, D] attends k, v [X, S, Hkv, D] up to lens [X] (<= S):
   -> (o [X, Hkv, M, D] f32, lse [X, Hkv, M] f32). starts [X, M] (optional): query row m
-  sees keys from index starts[x, m] on; the blocks below a grid row's least start are
-  neither fetched nor computed. softcap (optional): logits softcap * tanh(s / softcap)."""
+  sees keys from index starts[x, m] on; ends [X, M] (optional, <= lens): row m sees keys
+  below ends[x, m]. Rows go `block_m` at a time; the key blocks a row block's bounds
+  exclude are neither fetched nor computed. softcap (optional): logits
+  softcap * tanh(s / softcap)."""
   x, hkv, m, d = q.shape
   s = k.shape[1]
   bs = min(block_s, s)
   nb = pl.cdiv(s, bs)  # no copy of the cache: a partial last block is masked in the kernel
+  bm = m if m <= block_m else block_m - block_m % 8  # a multiple of 8 sublanes, or all rows
+  mb = pl.cdiv(m, bm)
+  m_pad = mb * bm
   k2 = k.reshape(x, s, hkv * d)
   v2 = v.reshape(x, s, hkv * d)
-  windowed = starts is not None
+  windowed, bounded = starts is not None, ends is not None
+  lens = lens.astype(jnp.int32)
+  if m_pad != m:
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, m_pad - m), (0, 0)))
 
-  def kv_map(i, j, lens_ref, *lo):
-    last = jnp.maximum(jax.lax.div(lens_ref[i] + bs - 1, bs) - 1, 0)
+  def per_block(rows, reduce, fill):  # [X, M] -> [X * MB]: each row block's bound
+    rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, m_pad - m)), constant_values=fill)
+    return reduce(rows.reshape(x, mb, bm), axis=2).reshape(-1)
+
+  hi = jnp.repeat(lens, mb)
+  if bounded:
+    hi = jnp.minimum(hi, per_block(ends, jnp.max, 0))
+
+  def kv_map(i, r, j, hi_ref, *lo):
+    last = jnp.maximum(jax.lax.div(hi_ref[i * mb + r] + bs - 1, bs) - 1, 0)
     if windowed:
-      j = jnp.maximum(j, jax.lax.div(lo[0][i], bs))
+      j = jnp.maximum(j, jax.lax.div(lo[0][i * mb + r], bs))
     return i, jnp.minimum(j, last), 0
 
-  row_map = lambda i, j, *_: (i, 0, 0, 0)
-  in_specs = [pl.BlockSpec((None, hkv, m, d), row_map),
-              pl.BlockSpec((None, bs, hkv * d), kv_map),
-              pl.BlockSpec((None, bs, hkv * d), kv_map)]
-  prefetch = [lens.astype(jnp.int32)]
-  operands = [q, k2, v2]
+  row_map = lambda i, r, j, *_: (i, 0, r, 0)
+  tile_map = lambda i, r, j, *_: (i, r, 0)
+  in_specs = [pl.BlockSpec((None, hkv, bm, d), row_map)]
+  prefetch = [hi]
+  operands = [q]
   if windowed:
     starts = jnp.maximum(starts.astype(jnp.int32), 0)
-    prefetch.append(jnp.min(starts, axis=1))
-    in_specs.insert(1, pl.BlockSpec((None, m, LANES), lambda i, j, *_: (i, 0, 0)))
-    operands.insert(1, jnp.broadcast_to(starts[..., None], (x, m, LANES)))
+    prefetch.append(per_block(starts, jnp.min, s))
+    in_specs.append(pl.BlockSpec((None, bm, LANES), tile_map))
+    operands.append(_row_tile(starts, m_pad, 0))
+  if bounded:
+    in_specs.append(pl.BlockSpec((None, bm, LANES), tile_map))
+    operands.append(_row_tile(jnp.minimum(ends, lens[:, None]), m_pad, 0))
+  in_specs += [pl.BlockSpec((None, bs, hkv * d), kv_map),
+               pl.BlockSpec((None, bs, hkv * d), kv_map)]
+  operands += [k2, v2]
   kernel = functools.partial(_decode_kernel, num_kv_heads=hkv, head_dim=d, block_s=bs,
-                             num_blocks=nb, sm_scale=sm_scale, windowed=windowed,
-                             softcap=softcap)
+                             num_blocks=nb, num_row_blocks=mb, sm_scale=sm_scale,
+                             windowed=windowed, bounded=bounded, softcap=softcap)
   o, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(prefetch),
-          grid=(x, nb),
+          grid=(x, mb, nb),
           in_specs=in_specs,
-          out_specs=[pl.BlockSpec((None, hkv, m, d), row_map),
-                     pl.BlockSpec((None, hkv, m, LANES), row_map)],
-          scratch_shapes=[pltpu.VMEM((hkv, m, LANES), jnp.float32),
-                          pltpu.VMEM((hkv, m, LANES), jnp.float32),
-                          pltpu.VMEM((hkv, m, d), jnp.float32)]),
-      out_shape=[jax.ShapeDtypeStruct((x, hkv, m, d), jnp.float32),
-                 jax.ShapeDtypeStruct((x, hkv, m, LANES), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+          out_specs=[pl.BlockSpec((None, hkv, bm, d), row_map),
+                     pl.BlockSpec((None, hkv, bm, LANES), row_map)],
+          scratch_shapes=[pltpu.VMEM((hkv, bm, LANES), jnp.float32),
+                          pltpu.VMEM((hkv, bm, LANES), jnp.float32),
+                          pltpu.VMEM((hkv, bm, d), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct((x, hkv, m_pad, d), jnp.float32),
+                 jax.ShapeDtypeStruct((x, hkv, m_pad, LANES), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=interpret,
       name="shared_prefix_decode",
   )(*prefetch, *operands)
-  return o, lse[..., 0]
+  return o[:, :, :m], lse[:, :, :m, 0]
 
 
 def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
@@ -171,3 +207,48 @@ def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k
       suffix_v.reshape(b * n, ss, hkv, d), suffix_lens.reshape(b * n), sm_scale=scale,
       block_s=block_s, interpret=interpret, starts=suf_start, softcap=softcap)
   return merge_lse(o1, l1, o2.reshape(b, n, h, d), l2.reshape(b, n, h), out_dtype=q.dtype)
+
+
+def shared_prefix_extend_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
+                                    index, *, sm_scale=None, block_s=512, block_m=512,
+                                    interpret=False, window: int | None = None,
+                                    softcap: float | None = None):
+  """T tokens of each of N samples at once, as `reference.extend_two_pass`: q [B, N, T, H, D],
+  their keys already written at suffix slots [index, index + T) (index [B, N]); query t sees
+  the prefix and its suffix below index + t + 1 -> (o [B, N, T, H, D], lse [B, N, T, H]).
+  The prefix is read once for all N*T*G query rows of a KV head."""
+  b, n, t, h, d = q.shape
+  check_decode(q[:, :, 0], prefix_k, prefix_v, suffix_k, suffix_v)
+  window = check_window(window)
+  softcap = check_softcap(softcap)
+  hkv = prefix_k.shape[2]
+  g = h // hkv
+  scale = default_scale(d) if sm_scale is None else float(sm_scale)
+  index = index.astype(jnp.int32)
+  ends = index[:, :, None] + jnp.arange(1, t + 1, dtype=jnp.int32)  # [B, N, T]
+  pre_start = suf_start = None
+  if window is not None:
+    pre_start, suf_start = decode_window_starts(prefix_lens, ends.reshape(b, n * t), window)
+    pre_start = jnp.repeat(pre_start, g, axis=1)  # rows of pass 1 are (n, t, g)
+    suf_start = jnp.repeat(suf_start.reshape(b * n, t), g, axis=1)  # pass 2: (t, g)
+  qg = q.reshape(b, n, t, hkv, g, d)
+  # Pass 1: [B, Hkv, N*T*G, D] rows against the shared prefix.
+  q_pre = jnp.transpose(qg, (0, 3, 1, 2, 4, 5)).reshape(b, hkv, n * t * g, d)
+  o1, l1 = decode_partial_pallas(q_pre, prefix_k, prefix_v, prefix_lens, sm_scale=scale,
+                                 block_s=block_s, block_m=block_m, interpret=interpret,
+                                 starts=pre_start, softcap=softcap)
+  o1 = jnp.transpose(o1.reshape(b, hkv, n, t, g, d), (0, 2, 3, 1, 4, 5))
+  l1 = jnp.transpose(l1.reshape(b, hkv, n, t, g), (0, 2, 3, 1, 4))
+  # Pass 2: each sample's [Hkv, T*G, D] queries against its own suffix, causally.
+  ss = suffix_k.shape[2]
+  q_suf = jnp.transpose(qg, (0, 1, 3, 2, 4, 5)).reshape(b * n, hkv, t * g, d)
+  o2, l2 = decode_partial_pallas(
+      q_suf, suffix_k.reshape(b * n, ss, hkv, d), suffix_v.reshape(b * n, ss, hkv, d),
+      jnp.minimum(index + t, ss).reshape(b * n), sm_scale=scale, block_s=block_s,
+      block_m=block_m, interpret=interpret, starts=suf_start,
+      ends=jnp.repeat(ends.reshape(b * n, t), g, axis=1), softcap=softcap)
+  o2 = jnp.transpose(o2.reshape(b, n, hkv, t, g, d), (0, 1, 3, 2, 4, 5))
+  l2 = jnp.transpose(l2.reshape(b, n, hkv, t, g), (0, 1, 3, 2, 4))
+  o, lse = merge_lse(o1.reshape(b, n, t, h, d), l1.reshape(b, n, t, h),
+                     o2.reshape(b, n, t, h, d), l2.reshape(b, n, t, h), out_dtype=q.dtype)
+  return o, lse

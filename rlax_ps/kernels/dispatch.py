@@ -27,6 +27,7 @@ from rlax_ps.kernels.schedule import BlockSizes
 
 TRAIN_BACKENDS = ("auto", "pallas_tpu", "pallas_gpu", "xla", "xla_dense", "reference")
 DECODE_BACKENDS = ("auto", "pallas_tpu", "xla", "reference")
+EXTEND_BACKENDS = ("auto", "pallas_tpu", "xla")
 
 
 def _per_device(fn, args, heads: tuple[int, ...], head_dims: tuple[int | None, ...],
@@ -147,3 +148,34 @@ def shared_prefix_decode_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k,
       return jax.lax.platform_dependent(*args, tpu=pallas, default=xla)
   return _per_device(run, args, heads=(q.shape[2], prefix_k.shape[2]),
                      head_dims=(2, 2, 2, None, 3, 3, None), out_head_dims=(2, 2))
+
+
+def shared_prefix_extend_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
+                                   index, *, sm_scale=None, window: int | None = None,
+                                   softcap: float | None = None, backend: str = "auto",
+                                   block_s: int = 512, block_m: int = 512,
+                                   interpret: bool = False):
+  """T tokens of each of N samples sharing a prefix cache in one step (a tool's reply, or
+  a resumed sample's tokens): q [B, N, T, H, D]; their keys already written at suffix slots
+  [index, index + T) (index [B, N]) -> (o [B, N, T, H, D], lse [B, N, T, H]). Query t of
+  sample (b, n) sits at position prefix_lens[b] + index[b, n] + t and sees the prefix and
+  its suffix up to its own slot; window and softcap as in the decode step. The Pallas
+  kernel on TPU (query rows blocked `block_m` at a time), XLA elsewhere."""
+  _check_backend(backend, EXTEND_BACKENDS)
+  window = reference.check_window(window)
+  softcap = reference.check_softcap(softcap)
+  args = (q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, index)
+  pallas = functools.partial(decode_tpu.shared_prefix_extend_pallas_tpu, sm_scale=sm_scale,
+                             block_s=block_s, block_m=block_m, interpret=interpret,
+                             window=window, softcap=softcap)
+  xla = functools.partial(reference.extend_two_pass, sm_scale=sm_scale, window=window,
+                          softcap=softcap)
+  if backend == "pallas_tpu" or (backend == "auto" and interpret):
+    run = pallas
+  elif backend == "xla":
+    run = xla
+  else:
+    def run(*args):
+      return jax.lax.platform_dependent(*args, tpu=pallas, default=xla)
+  return _per_device(run, args, heads=(q.shape[3], prefix_k.shape[2]),
+                     head_dims=(3, 2, 2, None, 3, 3, None), out_head_dims=(3, 3))

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-from rlax_ps.kernels.dispatch import shared_prefix_decode_attention, shared_prompt_attention
+from rlax_ps.kernels.dispatch import (shared_prefix_decode_attention,
+                                      shared_prefix_extend_attention, shared_prompt_attention)
 from rlax_ps.kernels.layout import make_layout
 
 B, N, P, R, H, HKV, D = 1, 3, 200, 100, 4, 2, 128  # P, R not block multiples
@@ -40,6 +41,10 @@ def _decode_args(dtype):
           jax.ShapeDtypeStruct((B,), jnp.int32),
           *[jax.ShapeDtypeStruct((B, N, 256, HKV, D), dtype)] * 2,
           jax.ShapeDtypeStruct((B, N), jnp.int32))
+
+
+def _extend_args(dtype, t=64):
+  return (jax.ShapeDtypeStruct((B, N, t, H, D), dtype), *_decode_args(dtype)[1:])
 
 
 def _kernel_names(exported):
@@ -88,3 +93,19 @@ def test_decode_lowers_for_cuda_through_xla_path():
   assert exp.platforms == ("cuda",)
   assert "custom_call" not in exp.mlir_module()
   assert "dot_general" in exp.mlir_module()
+
+
+@DTYPE_WINDOW
+def test_extend_kernel_lowers_for_tpu(dtype, window, softcap):
+  """T = 64 tokens of 3 samples: 384 prefix-pass rows in blocks of 256 (the second padded),
+  each sample's 128 rows in one; per-row last keys, starts and block clamps lower."""
+  fn = jax.jit(functools.partial(shared_prefix_extend_attention, block_s=256, block_m=256,
+                                 window=window, softcap=softcap))
+  exp = export.export(fn, platforms=["tpu"])(*_extend_args(dtype))
+  assert _kernel_names(exp) == {"shared_prefix_decode"}
+
+
+def test_extend_lowers_for_cuda_through_xla_path():
+  exp = export.export(jax.jit(shared_prefix_extend_attention), platforms=["cuda"])(
+      *_extend_args(jnp.bfloat16))
+  assert "custom_call" not in exp.mlir_module() and "dot_general" in exp.mlir_module()

@@ -13,7 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kernel_cases import ODD_GQA_PADDED
 from rlax_ps import sharding as shd
-from rlax_ps.kernels.dispatch import shared_prefix_decode_attention, shared_prompt_attention
+from rlax_ps.kernels.dispatch import (shared_prefix_decode_attention,
+                                      shared_prefix_extend_attention, shared_prompt_attention)
 
 # Two rows, 4 q heads over 2 kv heads: rows split over data, heads over tensor.
 MESH_AXES = {"data": 2, "fsdp": 1, "tensor": 2}
@@ -56,19 +57,22 @@ def test_training_attention_per_device_equals_one_device(backend, kw):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
-def test_decode_attention_per_device_equals_one_device():
+@pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
+def test_decode_attention_per_device_equals_one_device(extend):
   ks = jax.random.split(jax.random.key(7), 5)
-  b, n, h, hkv, d, s, ss = 2, 3, 4, 2, 16, 20, 12
-  args = (jax.random.normal(ks[0], (b, n, h, d)), jax.random.normal(ks[1], (b, s, hkv, d)),
+  b, n, h, hkv, d, s, ss, t = 2, 3, 4, 2, 16, 20, 12, 3
+  q = jax.random.normal(ks[0], (b, n, t, h, d) if extend else (b, n, h, d))
+  args = (q, jax.random.normal(ks[1], (b, s, hkv, d)),
           jax.random.normal(ks[2], (b, s, hkv, d)), np.array([20, 5], np.int32),
           jax.random.normal(ks[3], (b, n, ss, hkv, d)),
           jax.random.normal(ks[4], (b, n, ss, hkv, d)),
-          np.array([[1, 12, 0], [3, 0, 7]], np.int32))
-  decode = functools.partial(shared_prefix_decode_attention, backend="pallas_tpu",
-                             interpret=True, block_s=8)
-  want = jax.jit(decode)(*args)
+          np.array([[1, 9, 0], [3, 0, 7]], np.int32))  # lengths, or where t tokens go
+  attend = functools.partial(
+      shared_prefix_extend_attention if extend else shared_prefix_decode_attention,
+      backend="pallas_tpu", interpret=True, block_s=8)
+  want = jax.jit(attend)(*args)
   mesh = _mesh()
-  step = _traced(mesh, decode)
+  step = _traced(mesh, attend)
   args = jax.device_put(args, NamedSharding(mesh, P()))  # the cache on the mesh's devices
   assert "shard_map" in str(jax.make_jaxpr(step)(*args))
   for got, ref in zip(step(*args), want):

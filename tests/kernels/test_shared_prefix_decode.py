@@ -1,4 +1,6 @@
-"""Shared-prefix decode attention: XLA two-pass and Pallas (interpret) vs N copies."""
+"""Shared-prefix decode attention: XLA two-pass and Pallas (interpret) vs N copies; T tokens
+a sample at once (extend): Pallas (interpret) vs the XLA path, itself checked against T
+decode steps."""
 
 import functools
 
@@ -8,7 +10,8 @@ import numpy as np
 import pytest
 
 from rlax_ps.kernels import reference
-from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
+from rlax_ps.kernels.dispatch import (shared_prefix_decode_attention,
+                                      shared_prefix_extend_attention)
 
 B, N, H, HKV, D = 2, 3, 4, 2, 16
 PREFIX, SUFFIX = 20, 12  # not multiples of the block (8)
@@ -75,3 +78,25 @@ def test_t_tokens_at_once_attend_as_t_decode_steps(window, softcap):
                                      window=window, softcap=softcap)
     np.testing.assert_allclose(o[:, :, i], want[0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(lse[:, :, i], want[1], atol=1e-5, rtol=1e-5)
+
+
+def _extend_inputs(t=6):
+  q, pk, pv, pl, sk, sv, _ = _inputs(jnp.float32)
+  qs = jax.random.normal(jax.random.key(3), (B, N, t, H, D), jnp.float32)
+  index = np.array([[0, 6, 3], [2, 5, 0]], np.int32)  # + t fits the 12 suffix slots
+  return qs, pk, pv, pl, sk, sv, index
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (4, 30.0)])
+def test_extend_pallas_matches_the_xla_path(window, softcap):
+  """The Pallas extend kernel equals the XLA path with its query rows blocked 8 at a time:
+  the prefix pass's N*T*G = 36 rows in 5 blocks, each sample's T*G = 12 in 2 (the last
+  padded), every block skipping the key blocks past its rows' last suffix keys."""
+  args = _extend_inputs()
+  want = jax.jit(functools.partial(shared_prefix_extend_attention, backend="xla",
+                                   window=window, softcap=softcap))(*args)
+  got = jax.jit(functools.partial(shared_prefix_extend_attention, backend="pallas_tpu",
+                                  interpret=True, block_s=8, block_m=8, window=window,
+                                  softcap=softcap))(*args)
+  np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
