@@ -91,9 +91,12 @@ def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler) -
 class TokenAuthInterceptor(grpc.ServerInterceptor):
   """Maps `authorization: Bearer <token>` to a role and checks it against the method."""
 
-  def __init__(self, tokens: dict[str, str], on_denied=None):
+  def __init__(self, tokens: dict[str, str], on_denied=None, methods=None):
     self._tokens = [(role, tok.encode()) for role, tok in tokens.items()]
     self._on_denied = on_denied or (lambda: None)
+    # Only these methods are checked here (None: all); a relay leaves the calls it passes
+    # through to the server, which checks them.
+    self._methods = None if methods is None else set(methods)
 
   def role_of(self, metadata) -> str | None:
     header = dict(metadata or ()).get("authorization", "")
@@ -114,6 +117,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     if handler is None:
       return None
     name = method[len(SERVICE):] if method.startswith(SERVICE) else method
+    if self._methods is not None and name not in self._methods:
+      return handler
     allowed = METHOD_ROLES.get(name, set())
     role = self.role_of(handler_call_details.invocation_metadata)
     if role is None:

@@ -218,6 +218,12 @@ class ParamServerClient:
 
   # ------------------------------------------------------------ plumbing
 
+  @property
+  def channel(self) -> grpc.Channel:
+    """The channel to the server (TLS and limits as this client's), for a relay's
+    passed-through calls."""
+    return self._channel
+
   def close(self) -> None:
     self._channel.close()
 
@@ -292,6 +298,13 @@ class ParamServerClient:
     timeout = self.timeout_s + total / (50 << 20)
     return self._with_retry("Publish", lambda: self._stub.Publish(
         chunks(), metadata=self._metadata, timeout=timeout))
+
+  def stream_pull(self, have_version: int | None = None):
+    """The raw Pull stream from `have_version` (None: nothing held): the chunks
+    (`pull_wire.PullChunkView`, data not copied) as they arrive, no retries; `cancel()`
+    it to stop early. A relay streams them to disk."""
+    return self._pull(PullProgress(have_version=have_version).request(),
+                      metadata=self._metadata)
 
   def pull(self, have_version: int | None = None, *, progress: PullProgress | None = None,
            on_chunk: Callable[[pull_wire.PullChunkView], None] | None = None) -> list[bytearray]:

@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("rlax_ps.train.sft_main", "supervised warm start on a built-in task"),
     "eval": ("rlax_ps.train.eval_main", "held-out accuracy of Hugging Face checkpoints, side by side"),
     "serve": ("param_server.serve_main", "run the parameter server (gRPC)"),
+    "relay": ("param_server.relay_main", "a weight relay for a group of workers: each version "
+              "crosses from the server once"),
     "status": ("param_server.status_main", "print a parameter server's versions, queues and workers"),
     "worker": ("inference_workers.cli", "run an inference worker: pull weights, lease, sample, submit"),
 }

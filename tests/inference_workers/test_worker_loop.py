@@ -70,6 +70,32 @@ def test_new_version_is_picked_up_between_leases(server, versions):
     assert made == [0, 0, 1, 1]
 
 
+def test_a_worker_behind_a_weight_relay_pulls_from_it_and_leases_from_the_server(
+    server, versions, tmp_path):
+  from param_server.relay import RelayConfig, WeightRelay
+  with client(server, "trainer") as trainer:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    ids = enqueue_addition(trainer, 4)
+    relay = WeightRelay(RelayConfig(storage_dir=str(tmp_path / "relay"), threads=16),
+                        client(server, "worker"), TOKENS["worker"]).start()
+    try:
+      with client(relay, "worker") as wc:
+        worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **SMALL))
+        worker.run()
+        trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+        worker.config.max_leases = 2
+        worker.run()
+      assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
+      assert worker.stats.versions_applied == [0, 1]
+      # The server sent each version once, to the relay; the worker pulled from the relay.
+      assert relay.fetches == 2 and server.servicer.bytes_served == relay.bytes_fetched
+      assert relay.servicer.bytes_served >= relay.bytes_fetched
+    finally:
+      relay.stop(grace=0)
+    took = trainer.take_rollouts(0, 10).rollouts
+    assert sorted(r.group.prompt_id for r in took) == sorted(ids)
+
+
 def test_the_server_sees_each_new_version_at_once_not_a_heartbeat_interval_later(server, versions):
   # The server asks for a heartbeat every 10 s; the worker reports at registration and
   # after each version it applies, so status and metrics never show a stale version long.

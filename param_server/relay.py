@@ -1,0 +1,244 @@
+"""A weight relay: a cache of the parameter server's weights for a group of workers (a zone,
+a rack, a node pool), so that each version crosses the long link once, not once per worker.
+
+The relay follows the server (Watch), pulls each new version once, streaming it into a
+`WeightStore` of its own (verified, kept on disk, compacted as the server's is), and serves
+`Pull`, `Watch` and `GetLatest` from there. Every other call (leases, rollouts, heartbeats,
+stats) passes through to the server unchanged, the caller's token with it, so a worker
+points `--address` at its relay and needs nothing else. A pull that arrives while the relay
+is still fetching the version the server announced waits for it (up to `max_wait_s`), so a
+worker behind a relay is as current as one beside the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from absl import logging
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from param_server import auth, errors
+from param_server.client import ParamServerClient, ParamServerError
+from param_server.protos import param_server_pb2 as pb
+from param_server.server import (MESSAGE_OVERHEAD, SERVICE_NAME, ParamServerServicer,
+                                 ServerConfig, method_handlers)
+from param_server.weights import WeightLimits, WeightStore
+from rlax_ps.dataclass_flags import setting
+
+# What the relay answers itself (checking the caller's token); everything else goes to the
+# server, which checks it. A publication is refused: it belongs to the server.
+SERVED_HERE = ("GetLatest", "Pull", "Watch")
+
+
+@dataclasses.dataclass
+class RelayConfig:
+  """Everything `rlax-ps relay` can set; each field is also a flag of the same name."""
+  storage_dir: str = setting("runs/relay", "folder for the relayed weights")
+  host: str = setting("127.0.0.1", "interface to listen on (0.0.0.0 for all)")
+  port: int = setting(0, "port to listen on; 0 picks a free one")
+  chunk_bytes: int = setting(4 << 20, "bytes per Pull chunk and per stored array chunk")
+  max_message_bytes: int = setting(16 << 20, "gRPC message size limit (passed-through calls)")
+  cache_bytes: int = setting(32 << 20, "recently read chunks kept in memory, shared by pulls")
+  delta_history: int = setting(4, "deltas kept before the newest keyframe, for workers that lag")
+  threads: int = setting(128, "handler threads (each long poll or stream holds one)")
+  max_wait_s: float = setting(60.0, "how long a pull waits for a version the relay is fetching")
+  tls_cert: str = setting("", "PEM certificate; with tls_key, serve TLS to the workers")
+  tls_key: str = setting("", "PEM private key")
+
+  def __post_init__(self):
+    for name in ("chunk_bytes", "max_message_bytes", "threads"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"RelayConfig.{name}: expected a positive int, got {getattr(self, name)}")
+    if not self.max_wait_s >= 0:
+      raise ValueError(f"RelayConfig.max_wait_s: expected >= 0, got {self.max_wait_s}")
+
+
+class _RelayServicer(ParamServerServicer):
+  """The server's weight handlers on the relay's store; a pull or a version query first
+  waits for the version the server announced; a publication is refused (it goes to the
+  server)."""
+
+  def __init__(self, config: ServerConfig, weights: WeightStore, relay: "WeightRelay"):
+    super().__init__(config, weights, queues=None)
+    self._relay = relay
+
+  def Publish(self, request_iterator, context):
+    self._rejections.abort(context, "Publish", errors.FailedPrecondition(
+        "Publish", "this is a weight relay: publish to the parameter server it follows"))
+
+  def GetLatest(self, request, context):
+    self._relay.wait_current(context)
+    return super().GetLatest(request, context)
+
+  def Pull(self, request, context):
+    self._relay.wait_current(context)
+    yield from super().Pull(request, context)
+
+
+def _passing(method: str, channel: grpc.Channel, timeout_s: float):
+  """A handler that sends a call's bytes to the server and its answer (or status) back."""
+  call = channel.unary_unary(f"/{SERVICE_NAME}/{method}")
+
+  def forward(request: bytes, context):
+    metadata = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
+    remaining = context.time_remaining()
+    try:
+      return call(request, metadata=metadata,
+                  timeout=timeout_s if remaining is None else min(remaining, timeout_s))
+    except grpc.RpcError as e:
+      context.abort(e.code(), e.details() or "")
+
+  return grpc.unary_unary_rpc_method_handler(forward)
+
+
+class WeightRelay:
+  """A running relay with a lifetime: `start()`, `stop()`; also a context manager.
+  `upstream`: a worker-role client of the server, whose token the relay also asks of the
+  callers of what it serves itself."""
+
+  def __init__(self, config: RelayConfig, upstream: ParamServerClient, token: str):
+    self.config = config
+    self.upstream = upstream
+    self.server_latest = -1  # the newest version the server announced
+    self.fetches = 0  # updates pulled from the server
+    self.bytes_fetched = 0
+    self._changed = threading.Condition()
+    self._stopping = threading.Event()
+    limit = max(config.chunk_bytes, config.max_message_bytes) + MESSAGE_OVERHEAD
+    self.weights = WeightStore(config.storage_dir, chunk_bytes=config.chunk_bytes, limits=WeightLimits(
+        max_chunk_bytes=64 << 20, delta_history=config.delta_history, cache_bytes=config.cache_bytes))
+    served = ServerConfig(storage_dir=config.storage_dir, chunk_bytes=config.chunk_bytes,
+                          max_message_bytes=config.max_message_bytes)
+    self.servicer = _RelayServicer(served, self.weights, self)
+    self._server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="relay"),
+        interceptors=[auth.TokenAuthInterceptor({"worker": token}, methods=SERVED_HERE,
+                                                on_denied=self.servicer._rejections.bump)],
+        options=[("grpc.max_receive_message_length", limit),
+                 ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)])
+    handlers = {name: h for name, h in method_handlers(self.servicer).items()
+                if name in SERVED_HERE + ("Publish",)}
+    for m in pb.DESCRIPTOR.services_by_name["ParamServer"].methods:
+      if m.name not in handlers:
+        handlers[m.name] = _passing(m.name, upstream.channel, upstream.timeout_s + 120.0)
+    self._server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    self._health = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert or config.tls_key:
+      with open(config.tls_key, "rb") as f:
+        key = f.read()
+      with open(config.tls_cert, "rb") as f:
+        cert = f.read()
+      self.port = self._server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+      self.port = self._server.add_insecure_port(address)
+    self.address = f"{config.host}:{self.port}"
+    self._follower = threading.Thread(target=self._follow, name="relay-follow", daemon=True)
+
+  # ------------------------------------------------------------ following the server
+
+  def _follow(self) -> None:
+    """Fetch each version the server announces; on a failure, log it and start again."""
+    while not self._stopping.is_set():
+      try:
+        for info in self.upstream.watch(after_version=self.weights.latest):
+          with self._changed:
+            self.server_latest = max(self.server_latest, info.latest_version)
+            self._changed.notify_all()
+          self._fetch()
+          if self._stopping.is_set():
+            return
+      except Exception as e:  # noqa: BLE001: the relay outlives a server restart
+        if self._stopping.is_set():
+          return
+        logging.warning("relay: following %s failed (%s); retrying", self.upstream.address, e)
+      self._stopping.wait(1.0)
+
+  def _fetch(self) -> None:
+    """Bring the store up to the server's latest, one update at a time, each streamed from
+    the server into a publication of the store (verified as the server verifies it)."""
+    while self.weights.latest < self.server_latest and not self._stopping.is_set():
+      have = self.weights.latest
+      writer = None
+      call = self.upstream.stream_pull(None if have < 0 else have)
+      try:
+        for chunk in call:
+          if chunk.update_count == 0:  # nothing newer after all
+            with self._changed:
+              self.server_latest = max(self.weights.latest, chunk.version)
+            return
+          if chunk.offset == 0:
+            writer = self.weights.begin_publish(chunk.update_bytes)
+          elif writer is None:
+            raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
+                                   f"chunk at offset {chunk.offset} of an update not begun")
+          writer.write(chunk.offset, chunk.data)
+          if writer.received == writer.total:
+            blob, _ = self.weights.commit(writer)
+            writer = None
+            self.fetches += 1
+            self.bytes_fetched += blob.nbytes
+            logging.info("relay: holds v%d (%s, %d bytes)", blob.version,
+                         "keyframe" if blob.is_keyframe else f"delta on v{blob.base_version}",
+                         blob.nbytes)
+            with self._changed:
+              self._changed.notify_all()
+      except grpc.RpcError as e:
+        raise ParamServerError("Pull", e.code(), e.details() or "") from None
+      finally:
+        if writer is not None:
+          writer.abort()
+        call.cancel()
+      if self.weights.latest == have:
+        raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
+                               f"the server's stream ended before v{self.server_latest} arrived")
+
+  def wait_current(self, context) -> None:
+    """Wait (up to max_wait_s, while the caller is there) until the store holds the newest
+    version the server announced."""
+    end = time.monotonic() + self.config.max_wait_s
+    with self._changed:
+      while (self.weights.latest < self.server_latest and not self._stopping.is_set()
+             and context.is_active()):
+        left = end - time.monotonic()
+        if left <= 0:
+          logging.warning("relay: serving v%d; v%d not fetched within %gs", self.weights.latest,
+                          self.server_latest, self.config.max_wait_s)
+          return
+        self._changed.wait(min(left, 0.5))
+
+  # ------------------------------------------------------------ lifetime
+
+  def start(self) -> "WeightRelay":
+    try:  # what the server holds now: pulls wait for it rather than find the relay empty
+      self.server_latest = self.upstream.latest_version()
+    except ParamServerError as e:
+      logging.warning("relay: %s not reachable yet (%s); following it once it is",
+                      self.upstream.address, e)
+    self._server.start()
+    self._follower.start()
+    for name in ("", SERVICE_NAME):
+      self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logging.info("relay on %s for %s, storage %s, holds v%d", self.address,
+                 self.upstream.address, self.config.storage_dir, self.weights.latest)
+    return self
+
+  def stop(self, grace: float = 1.0) -> None:
+    self._stopping.set()
+    self.servicer.stopping.set()
+    self._health.enter_graceful_shutdown()
+    self._server.stop(grace).wait()
+    self.upstream.close()  # ends the follower's watch
+    if self._follower.is_alive():
+      self._follower.join(timeout=10)
+
+  def __enter__(self) -> "WeightRelay":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()

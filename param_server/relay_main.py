@@ -1,0 +1,44 @@
+"""`rlax-ps relay`: a weight relay for a group of workers, in front of the parameter server.
+
+  rlax-ps relay --address=SERVER:50051 --token_file=tokens.json --host=0.0.0.0 --port=50052
+
+It pulls each version from the server once and serves the workers' pulls itself; their other
+calls pass through. Workers behind it run `rlax-ps worker --address=RELAY:50052` with the
+same worker token (the relay's own, from --token, $RLAX_PS_WORKER_TOKEN or --token_file).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from absl import app, logging
+
+from param_server import connect_flags
+from param_server.relay import RelayConfig, WeightRelay
+from rlax_ps.dataclass_flags import define_flags, resolve
+
+define_flags(RelayConfig)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments {argv[1:]}")
+  try:
+    config = resolve(RelayConfig, None, "relay settings")
+    token = connect_flags.token_for("worker", connect_flags.TOKEN.value,
+                                    connect_flags.TOKEN_FILE.value)
+  except (ValueError, TypeError, OSError) as e:
+    raise app.UsageError(str(e)) from None
+  if not token:
+    raise app.UsageError("a worker token: --token, $RLAX_PS_WORKER_TOKEN or --token_file")
+  relay = WeightRelay(config, connect_flags.connect("worker"), token).start()
+  print(f"weight relay listening on {relay.address}, following {relay.upstream.address}",
+        flush=True)
+  done = threading.Event()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda *_: done.set())
+  done.wait()
+  logging.info("relay: shutting down (%d updates fetched, %d bytes served)", relay.fetches,
+               relay.servicer.bytes_served)
+  relay.stop(grace=2.0)

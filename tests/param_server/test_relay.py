@@ -1,0 +1,204 @@
+"""A weight relay in front of the server: each version crosses from the server once however
+many workers pull it from the relay; pulls through it equal pulls from the server and wait for
+the version being fetched; leases, rollouts and heartbeats pass through with the caller's
+token; what it keeps survives its restart."""
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from param_server.client import ParamServerClient, ParamServerError, RetryPolicy, make_sample
+from param_server.protos import param_server_pb2 as pb
+from param_server.relay import RelayConfig, WeightRelay
+from child_env import child_env
+from ps_testlib import (CHUNK, REPO, TOKENS, apply_blobs, client_for, perturbed, publish_chain,
+                       tiny_weights)
+from rlax_ps import sync
+
+
+@pytest.fixture
+def start_relay(tmp_path):
+  relays = []
+
+  def start(server, **overrides):
+    config = RelayConfig(**{"storage_dir": str(tmp_path / "relay"), "port": 0,
+                            "chunk_bytes": CHUNK, "threads": 16, "max_wait_s": 10.0,
+                            **overrides})
+    relay = WeightRelay(config, client_for(server, "worker"), TOKENS["worker"]).start()
+    relays.append(relay)
+    return relay
+
+  yield start
+  for r in relays:
+    r.stop(grace=0)
+
+
+def _until(predicate, timeout_s=10.0):
+  end = time.monotonic() + timeout_s
+  while not predicate():
+    assert time.monotonic() < end, "timed out"
+    time.sleep(0.02)
+
+
+def _same(a, b):
+  return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_workers_pull_through_the_relay_what_the_server_holds_each_version_sent_once(
+    server, trainer, start_relay):
+  versions = publish_chain(trainer, 3)
+  relay = start_relay(server)
+  _until(lambda: relay.weights.latest == 2)
+  sent = server.servicer.bytes_served
+  held = []
+  for _ in range(3):  # three workers behind one relay
+    with client_for(relay, "worker") as w:
+      held.append(apply_blobs(w.pull()))
+  with client_for(server, "worker") as direct:
+    want = apply_blobs(direct.pull())
+  assert all(_same(h, want) for h in held)
+  assert _same(want, apply_blobs([sync.encode(None, versions[2], "bf16", version=2).to_bytes()]))
+  # The server sent the chain to the relay once; the relay served the three pulls.
+  assert relay.fetches == 3 and sent == relay.bytes_fetched
+  assert relay.servicer.bytes_served == 3 * relay.bytes_fetched
+  # A new version: the relay fetches only the delta; a worker's pull from v2 gets it.
+  versions.append(perturbed(versions[-1], 0.05, seed=9))
+  trainer.publish(sync.encode(versions[2], versions[3], "bf16", version=3).to_bytes())
+  _until(lambda: relay.weights.latest == 3)
+  with client_for(relay, "worker") as w:
+    (delta,) = w.pull(have_version=2)
+  assert sync.Update.from_bytes(bytes(delta)).base_version == 2 and relay.fetches == 4
+
+
+def test_a_pull_waits_for_the_version_the_relay_is_fetching(server, trainer, start_relay):
+  versions = publish_chain(trainer, 1)
+  relay = start_relay(server)
+  _until(lambda: relay.weights.latest == 0)
+  slow = relay.upstream.stream_pull
+
+  def after_a_second(*args):
+    time.sleep(1.0)
+    return slow(*args)
+
+  relay.upstream.stream_pull = after_a_second
+  versions.append(perturbed(versions[0], 0.05, seed=1))
+  trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+  _until(lambda: relay.server_latest == 1)
+  assert relay.weights.latest == 0  # still fetching
+  with client_for(relay, "worker") as w:
+    (delta,) = w.pull(have_version=0)  # as current as the server
+  assert sync.Update.from_bytes(bytes(delta)).version == 1
+
+
+def test_leases_rollouts_and_heartbeats_pass_through_with_the_callers_token(
+    server, trainer, start_relay):
+  publish_chain(trainer, 1)
+  relay = start_relay(server)
+  trainer.enqueue_prompts([pb.Prompt(id="p0", text="1+1=", token_ids=[1, 2])])
+  with client_for(relay, "worker") as w:
+    worker_id = w.register("behind-relay")
+    assert w.heartbeat(version=0) == 0
+    lease = w.lease(1, deadline_s=30.0, wait_s=1.0)
+    assert [p.id for p in lease.prompts] == ["p0"]
+    group = pb.RolloutGroup(prompt_id="p0", policy_version=0,
+                            samples=[make_sample([5, 6], 1.0), make_sample([7], 0.0)])
+    w.submit_rollouts(lease.lease_id, group)
+  take = trainer.take_rollouts(max_n=4, wait_s=2.0)
+  assert [r.group.prompt_id for r in take.rollouts] == ["p0"]
+  stats = trainer.stats()
+  assert [x.worker_id for x in stats.workers] == [worker_id]  # the server saw the worker
+  # The server checks what passes through: a trainer's call with a worker's token is denied.
+  with client_for(relay, "worker") as w:
+    with pytest.raises(ParamServerError) as denied:
+      w.take_rollouts(max_n=1)
+  assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_the_relay_checks_tokens_and_refuses_publications(server, trainer, start_relay):
+  publish_chain(trainer, 1)
+  relay = start_relay(server)
+  with ParamServerClient(relay.address, token="wrong", retry=RetryPolicy(deadline_s=1.0)) as bad:
+    with pytest.raises(ParamServerError) as pull:
+      bad.pull()
+    with pytest.raises(ParamServerError) as lease:  # passed through: the server says no
+      bad.lease(1, deadline_s=30.0, worker_id="w")
+  assert pull.value.code == lease.value.code == grpc.StatusCode.UNAUTHENTICATED
+  with client_for(relay, "trainer") as t:
+    with pytest.raises(ParamServerError) as publish:
+      t.publish(sync.encode(None, tiny_weights(), "bf16", version=5).to_bytes())
+  assert publish.value.code == grpc.StatusCode.FAILED_PRECONDITION
+  assert "weight relay" in publish.value.details and trainer.latest_version() == 0
+
+
+def test_a_restarted_relay_keeps_what_it_fetched(server, trainer, start_relay):
+  versions = publish_chain(trainer, 2)
+  relay = start_relay(server)
+  _until(lambda: relay.weights.latest == 1)
+  relay.stop(grace=0)
+  versions.append(perturbed(versions[-1], 0.05, seed=5))
+  trainer.publish(sync.encode(versions[1], versions[2], "bf16", version=2).to_bytes())
+  again = start_relay(server)
+  _until(lambda: again.weights.latest == 2)
+  assert again.fetches == 1  # the new delta only
+  with client_for(again, "worker") as w:
+    held = apply_blobs(w.pull())
+  assert _same(held, apply_blobs([sync.encode(None, versions[2], "bf16", version=2).to_bytes()]))
+
+
+def test_relay_settings_are_checked_naming_the_field():
+  with pytest.raises(ValueError, match="RelayConfig.max_wait_s"):
+    RelayConfig(max_wait_s=-1.0)
+  with pytest.raises(ValueError, match="RelayConfig.chunk_bytes"):
+    RelayConfig(chunk_bytes=0)
+
+
+def test_many_pullers_at_once_get_one_fetch(server, trainer, start_relay):
+  publish_chain(trainer, 2)
+  relay = start_relay(server)
+  results, errors = [], []
+
+  def pull():
+    try:
+      with client_for(relay, "worker") as w:
+        results.append(apply_blobs(w.pull()))
+    except Exception as e:  # noqa: BLE001
+      errors.append(e)
+
+  threads = [threading.Thread(target=pull) for _ in range(6)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors and len(results) == 6 and all(_same(r, results[0]) for r in results)
+  assert relay.fetches == 2
+
+
+def test_rlax_ps_relay_serves_workers_and_stops_on_sigterm(server, trainer, tmp_path):
+  publish_chain(trainer, 2)
+  env = dict(child_env(), RLAX_PS_WORKER_TOKEN=TOKENS["worker"])
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "rlax_ps", "relay", f"--address={server.address}", "--port=0",
+       f"--storage_dir={tmp_path / 'relay'}", f"--chunk_bytes={CHUNK}"],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    line = proc.stdout.readline()
+    assert line.startswith("weight relay listening on 127.0.0.1:"), proc.stderr.read()[-2000:]
+    address = line.split()[4].rstrip(",")
+    assert f"following {server.address}" in line
+    with client_for(address, "worker") as w:
+      held = apply_blobs(w.pull())
+    with client_for(server, "worker") as direct:
+      assert _same(held, apply_blobs(direct.pull()))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+  finally:
+    proc.kill()
+  no_token = subprocess.run([sys.executable, "-m", "rlax_ps", "relay", "--address=127.0.0.1:1"],
+                            cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60)
+  assert no_token.returncode != 0 and "worker token" in no_token.stderr
