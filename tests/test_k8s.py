@@ -31,7 +31,9 @@ pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installe
 
 # A user's overlay that adds a component: its resources and components, relative to k8s/.
 COMPOSED = {"base+hf-checkpoint": ("base", "components/hf-checkpoint"),
-            "gke-tpu+hf-checkpoint": ("overlays/gke-tpu", "components/hf-checkpoint")}
+            "gke-tpu+hf-checkpoint": ("overlays/gke-tpu", "components/hf-checkpoint"),
+            "gke-tpu+weight-relay": ("overlays/gke-tpu", "components/weight-relay"),
+            "base+weight-relay": ("base", "components/weight-relay")}
 RENDERED = OVERLAYS + list(COMPOSED)
 
 
@@ -90,7 +92,8 @@ def workloads(overlay: str) -> dict[str, dict]:
   docs = render(overlay)
   found = {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Job"), **by_kind(docs, "JobSet"),
            **by_kind(docs, "Deployment")}
-  assert set(found) == {"rlax-ps-server", "rlax-ps-trainer", "rlax-ps-worker"}
+  relay = {"rlax-ps-relay"} if "weight-relay" in overlay else set()
+  assert set(found) == {"rlax-ps-server", "rlax-ps-trainer", "rlax-ps-worker"} | relay
   return found
 
 
@@ -126,6 +129,8 @@ if name == "serve":
   module.config_from_flags()
 if name == "worker":
   module.worker_config_from(module._CONFIG.value.get("worker"))
+if name == "relay":
+  module.resolve(module.RelayConfig, None, "relay settings")
 """
 
 
@@ -173,9 +178,24 @@ def test_clients_reach_the_server_service_with_their_role_tokens_from_the_secret
             if "secretKeyRef" in e.get("valueFrom", {})}
 
   assert tokens(serve) == {auth.env_var(r): {"name": SECRET, "key": r} for r in auth.ROLES}
-  for workload, role in (("rlax-ps-trainer", "trainer"), ("rlax-ps-worker", "worker")):
+  server_address = f"{service['metadata']['name']}:{sp['port']}"
+  clients = [("rlax-ps-trainer", "trainer", server_address)]
+  if "rlax-ps-relay" in found:  # the workers reach the server through the relay
+    relay = found["rlax-ps-relay"]
+    relay_service = by_kind(render(overlay), "Service")["rlax-ps-relay"]
+    (rp,) = relay_service["spec"]["ports"]
+    (rc,) = pod_spec(relay)["containers"]
+    assert {p["name"]: p["containerPort"] for p in rc["ports"]}[rp["targetPort"]] == int(
+        flag(rc["args"], "port"))
+    assert relay_service["spec"]["selector"].items() <= (
+        relay["spec"]["template"]["metadata"]["labels"].items())
+    clients += [("rlax-ps-relay", "worker", server_address),
+                ("rlax-ps-worker", "worker", f"rlax-ps-relay:{rp['port']}")]
+  else:
+    clients.append(("rlax-ps-worker", "worker", server_address))
+  for workload, role, address in clients:
     (client,) = pod_spec(found[workload])["containers"]
-    assert flag(client["args"], "address") == f"{service['metadata']['name']}:{sp['port']}"
+    assert flag(client["args"], "address") == address
     assert tokens(client) == {auth.env_var(role): {"name": SECRET, "key": role}}
 
 
@@ -320,12 +340,13 @@ def test_the_image_installs_every_package_and_ships_the_recipes_the_manifests_na
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlay", ["base", "base+hf-checkpoint"])
+@pytest.mark.parametrize("overlay", ["base", "base+hf-checkpoint", "base+weight-relay"])
 def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_path):
-  """What a cluster would run, with only volumes, the Service address and the recipe's size
-  rewritten: the server (tokens from the environment only), the warm start (or, with
+  """What a cluster would run, with only volumes, the Services' addresses and the recipe's
+  size rewritten: the server (tokens from the environment only), the warm start (or, with
   hf-checkpoint, a Hugging Face checkpoint on the model volume), then the trainer and a
-  worker, which finish the run and leave the worker holding its weights."""
+  worker (with weight-relay, behind the relay), which finish the run and leave the worker
+  holding its weights."""
   import time
   found = workloads(overlay)
   service = by_kind(render(overlay), "Service")["rlax-ps-server"]
@@ -337,7 +358,7 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
                          env=child_env())
     assert sft.returncode == 0, sft.stderr[-3000:]
     volumes["model"] = tmp_path / "model" / "hf"
-  port, metrics_port = free_port(), free_port()
+  port, metrics_port, relay_port = free_port(), free_port(), free_port()
   address = f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
   tokens = {r: f"token-{r}" for r in auth.ROLES}
   procs = []
@@ -363,7 +384,9 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
     for a in c["args"]:
       a = on_this_machine(re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a))
       a = a.replace(f"--address={address}", f"--address=127.0.0.1:{port}")
+      a = a.replace("--address=rlax-ps-relay:50052", f"--address=127.0.0.1:{relay_port}")
       a = a.replace("--port=50051", f"--port={port}").replace("--host=0.0.0.0", "--host=127.0.0.1")
+      a = a.replace("--port=50052", f"--port={relay_port}")
       a = a.replace("--metrics_port=9090", f"--metrics_port={metrics_port}")
       a = re.sub(r"^--config=(configs/\w+\.py)$", r"--config=\1:tiny", a)
       argv.append(a)
@@ -385,6 +408,10 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
   try:
     (serve,) = pod_spec(found["rlax-ps-server"])["containers"]
     server = start(serve, "rlax-ps-server-0")
+    relay = None
+    if "rlax-ps-relay" in found:
+      (rc,) = pod_spec(found["rlax-ps-relay"])["containers"]
+      relay = start(rc, "rlax-ps-relay-abc")
     trainer_job = found["rlax-ps-trainer"]
     for warm in pod_spec(trainer_job).get("initContainers", []):
       assert start(warm, "rlax-ps-trainer-x").wait(300) == 0, log(warm["name"])[-3000:]
@@ -394,8 +421,8 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
     worker = start(wc, "rlax-ps-worker-abc")
     deadline = time.monotonic() + 400
     while trainer.poll() is None and time.monotonic() < deadline:
-      for p, name in ((server, "server"), (worker, "worker")):
-        assert p.poll() is None, log(name)[-3000:]
+      for p, name in ((server, "server"), (worker, "worker"), (relay, "relay")):
+        assert p is None or p.poll() is None, log(name)[-3000:]
       time.sleep(0.5)
     assert trainer.returncode == 0, log("trainer")[-3000:]
     worker.terminate()  # the pod's SIGTERM: it releases what it holds and exits cleanly
@@ -419,6 +446,8 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
   assert re.search(rf"latest version\s+v{summary['version']} \(bf16\)", status.stdout)
   assert re.search(rf"^rlax_ps_latest_version {summary['version']}\.0$", metrics, re.M)
   assert int(re.search(r"(\d+) groups submitted", log("worker")).group(1)) > 0
+  if relay is not None:  # the worker's weights came through the relay
+    assert re.search(r"relay: holds v\d+", log("relay")), log("relay")[-3000:]
   # The trainer's compiles went to its volume, where a restarted pod finds them.
   assert any((tmp_path / "rlax-ps-trainer-x" / "workdir" / "jax_cache").iterdir())
   # The server took every role's token from the environment and wrote no token file.
