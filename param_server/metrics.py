@@ -1,7 +1,9 @@
 """Prometheus metrics of a running parameter server: what `rlax-ps status` shows, read from
-the server's stats at each scrape, for dashboards, alerts and scaling workers on the queue.
+the server's stats at each scrape, for dashboards, alerts and scaling workers on the queue;
+and of a weight relay: the version it holds against the server's, what it fetched and served.
 
-`serve_metrics(stats, host, port)` serves them over HTTP (`/metrics`) with prometheus_client.
+`serve_metrics(collector, host, port)` serves them over HTTP (`/metrics`) with
+prometheus_client.
 """
 
 from __future__ import annotations
@@ -72,10 +74,34 @@ class StatsCollector:
     yield from (version, speed, seen)
 
 
-def serve_metrics(stats: Callable[[], pb.Stats], host: str, port: int):
-  """Serve the collector's metrics on http://host:port/metrics in a daemon thread (port 0
-  picks a free one); returns the HTTP server (`server_port`, `shutdown()`)."""
+class RelayCollector:
+  """A weight relay's metrics (`param_server.relay.WeightRelay`), read at each scrape."""
+
+  def __init__(self, relay):
+    self._relay = relay
+
+  def collect(self) -> Iterator[Metric]:
+    r = self._relay
+    yield GaugeMetricFamily(PREFIX + "relay_version", "newest version the relay holds (-1: none)",
+                            value=r.weights.latest)
+    yield GaugeMetricFamily(PREFIX + "relay_server_version",
+                            "newest version the server announced (-1: none)",
+                            value=r.server_latest)
+    yield CounterMetricFamily(PREFIX + "relay_updates_fetched", "updates pulled from the server",
+                              value=r.fetches)
+    yield CounterMetricFamily(PREFIX + "relay_bytes_fetched", "weight bytes pulled from the server",
+                              value=r.bytes_fetched)
+    yield CounterMetricFamily(PREFIX + "relay_bytes_served", "weight bytes sent to pulls",
+                              value=r.servicer.bytes_served)
+    yield CounterMetricFamily(PREFIX + "relay_pulls_served", "pulls served",
+                              value=r.servicer.pulls_served)
+
+
+def serve_metrics(collector, host: str, port: int):
+  """Serve a collector's metrics (`StatsCollector`, `RelayCollector`) on
+  http://host:port/metrics in a daemon thread (port 0 picks a free one); returns the HTTP
+  server (`server_port`, `shutdown()`)."""
   registry = CollectorRegistry(auto_describe=False)
-  registry.register(StatsCollector(stats))
+  registry.register(collector)
   server, _ = start_http_server(port, addr=host, registry=registry)
   return server

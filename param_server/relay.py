@@ -46,8 +46,13 @@ class RelayConfig:
   delta_history: int = setting(4, "deltas kept before the newest keyframe, for workers that lag")
   threads: int = setting(128, "handler threads (each long poll or stream holds one)")
   max_wait_s: float = setting(60.0, "how long a pull waits for a version the relay is fetching")
+  poll_s: float = setting(30.0, "how often the relay asks the server's version besides watching "
+                          "it (a server restarted on an empty store is noticed then)")
   tls_cert: str = setting("", "PEM certificate; with tls_key, serve TLS to the workers")
   tls_key: str = setting("", "PEM private key")
+  metrics_port: int = setting(-1, "serve Prometheus metrics (no token) on http://host:PORT/"
+                              "metrics: the version held against the server's, bytes fetched "
+                              "and served; 0 picks a free port, -1 = off")
 
   def __post_init__(self):
     for name in ("chunk_bytes", "max_message_bytes", "threads"):
@@ -55,6 +60,11 @@ class RelayConfig:
         raise ValueError(f"RelayConfig.{name}: expected a positive int, got {getattr(self, name)}")
     if not self.max_wait_s >= 0:
       raise ValueError(f"RelayConfig.max_wait_s: expected >= 0, got {self.max_wait_s}")
+    if not self.poll_s > 0:
+      raise ValueError(f"RelayConfig.poll_s: expected > 0, got {self.poll_s}")
+    if not -1 <= self.metrics_port <= 65535:
+      raise ValueError(f"RelayConfig.metrics_port: expected -1 (off) or a port 0-65535, got "
+                       f"{self.metrics_port}")
 
 
 class _RelayServicer(ParamServerServicer):
@@ -70,11 +80,18 @@ class _RelayServicer(ParamServerServicer):
     self._rejections.abort(context, "Publish", errors.FailedPrecondition(
         "Publish", "this is a weight relay: publish to the parameter server it follows"))
 
+  def _refuse_if_diverged(self, context, method: str) -> None:
+    if self._relay.diverged:
+      self._rejections.abort(context, method,
+                             errors.FailedPrecondition("relay", self._relay.diverged))
+
   def GetLatest(self, request, context):
+    self._refuse_if_diverged(context, "GetLatest")
     self._relay.wait_current(context)
     return super().GetLatest(request, context)
 
   def Pull(self, request, context):
+    self._refuse_if_diverged(context, "Pull")
     self._relay.wait_current(context)
     yield from super().Pull(request, context)
 
@@ -104,6 +121,11 @@ class WeightRelay:
     self.config = config
     self.upstream = upstream
     self.server_latest = -1  # the newest version the server announced
+    # Set while the server holds less than the relay (restarted on an empty store: a new
+    # run): the relay serves nothing it holds, and says so.
+    self.diverged = ""
+    self.metrics_port: int | None = None  # the bound port, once serving metrics
+    self._metrics = None
     self.fetches = 0  # updates pulled from the server
     self.bytes_fetched = 0
     self._changed = threading.Condition()
@@ -143,21 +165,40 @@ class WeightRelay:
   # ------------------------------------------------------------ following the server
 
   def _follow(self) -> None:
-    """Fetch each version the server announces; on a failure, log it and start again."""
+    """Ask the server's version, fetch up to it, then fetch each version the server announces,
+    asking again every poll_s; on a failure, log it and start again."""
     while not self._stopping.is_set():
       try:
-        for info in self.upstream.watch(after_version=self.weights.latest):
-          with self._changed:
-            self.server_latest = max(self.server_latest, info.latest_version)
-            self._changed.notify_all()
+        self._announce(self.upstream.latest_version(), asked=True)
+        self._fetch()
+        for info in self.upstream.watch(after_version=self.weights.latest,
+                                        timeout_s=self.config.poll_s):
+          self._announce(info.latest_version)
           self._fetch()
           if self._stopping.is_set():
             return
+        continue
       except Exception as e:  # noqa: BLE001: the relay outlives a server restart
         if self._stopping.is_set():
           return
         logging.warning("relay: following %s failed (%s); retrying", self.upstream.address, e)
       self._stopping.wait(1.0)
+
+  def _announce(self, latest: int, asked: bool = False) -> None:
+    held = self.weights.latest
+    with self._changed:
+      if asked and latest < held:
+        if not self.diverged:
+          logging.error("relay: the server holds v%d, older than the v%d this relay holds: "
+                        "it restarted on an empty store (a new run)", latest, held)
+        self.diverged = (f"the server {self.upstream.address} holds v{latest}, older than the "
+                         f"v{held} this relay holds (a new run?): restart the relay with an "
+                         f"empty storage_dir")
+      elif asked:
+        self.diverged = ""
+      if not self.diverged:
+        self.server_latest = latest if asked else max(self.server_latest, latest)
+      self._changed.notify_all()
 
   def _fetch(self) -> None:
     """Bring the store up to the server's latest, one update at a time, each streamed from
@@ -170,7 +211,8 @@ class WeightRelay:
         for chunk in call:
           if chunk.update_count == 0:  # nothing newer after all
             with self._changed:
-              self.server_latest = max(self.weights.latest, chunk.version)
+              self.server_latest = self.weights.latest
+              self._changed.notify_all()
             return
           if chunk.offset == 0:
             writer = self.weights.begin_publish(chunk.update_bytes)
@@ -216,7 +258,7 @@ class WeightRelay:
 
   def start(self) -> "WeightRelay":
     try:  # what the server holds now: pulls wait for it rather than find the relay empty
-      self.server_latest = self.upstream.latest_version()
+      self._announce(self.upstream.latest_version(), asked=True)
     except ParamServerError as e:
       logging.warning("relay: %s not reachable yet (%s); following it once it is",
                       self.upstream.address, e)
@@ -224,6 +266,11 @@ class WeightRelay:
     self._follower.start()
     for name in ("", SERVICE_NAME):
       self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if self.config.metrics_port >= 0:
+      from param_server.metrics import RelayCollector, serve_metrics
+      self._metrics = serve_metrics(RelayCollector(self), self.config.host,
+                                    self.config.metrics_port)
+      self.metrics_port = self._metrics.server_port
     logging.info("relay on %s for %s, storage %s, holds v%d", self.address,
                  self.upstream.address, self.config.storage_dir, self.weights.latest)
     return self
@@ -232,6 +279,10 @@ class WeightRelay:
     self._stopping.set()
     self.servicer.stopping.set()
     self._health.enter_graceful_shutdown()
+    if self._metrics is not None:
+      self._metrics.shutdown()
+      self._metrics.server_close()
+      self._metrics = None
     self._server.stop(grace).wait()
     self.upstream.close()  # ends the follower's watch
     if self._follower.is_alive():

@@ -35,6 +35,8 @@ def main(argv) -> None:
   relay = WeightRelay(config, connect_flags.connect("worker"), token).start()
   print(f"weight relay listening on {relay.address}, following {relay.upstream.address}",
         flush=True)
+  if relay.metrics_port is not None:
+    print(f"metrics on http://{config.host}:{relay.metrics_port}/metrics", flush=True)
   done = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: done.set())

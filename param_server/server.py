@@ -442,9 +442,9 @@ class ParamServer:
     for name in ("", SERVICE_NAME):
       self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
     if self.config.metrics_port >= 0:
-      from param_server.metrics import serve_metrics
-      self._metrics = serve_metrics(lambda: self.servicer.GetStats(None, None), self.config.host,
-                                    self.config.metrics_port)
+      from param_server.metrics import StatsCollector, serve_metrics
+      self._metrics = serve_metrics(StatsCollector(lambda: self.servicer.GetStats(None, None)),
+                                    self.config.host, self.config.metrics_port)
       self.metrics_port = self._metrics.server_port
     logging.info("parameter server on %s (%s), storage %s, latest v%d", self.address,
                  "TLS" if self.config.tls_cert else "plaintext", self.config.storage_dir, self.weights.latest)

@@ -3,11 +3,13 @@ many workers pull it from the relay; pulls through it equal pulls from the serve
 the version being fetched; leases, rollouts and heartbeats pass through with the caller's
 token; what it keeps survives its restart."""
 
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -151,11 +153,59 @@ def test_a_restarted_relay_keeps_what_it_fetched(server, trainer, start_relay):
   assert _same(held, apply_blobs([sync.encode(None, versions[2], "bf16", version=2).to_bytes()]))
 
 
+def test_the_relays_metrics_show_its_version_against_the_servers(server, trainer,
+                                                                  start_relay):
+  publish_chain(trainer, 2)
+  relay = start_relay(server, metrics_port=0)
+  _until(lambda: relay.weights.latest == 1)
+  with client_for(relay, "worker") as w:
+    w.pull()
+  with urllib.request.urlopen(f"http://127.0.0.1:{relay.metrics_port}/metrics",
+                              timeout=10) as r:
+    text = r.read().decode()
+
+  def value(name):
+    return float(re.search(rf"^rlax_ps_{name} (\S+)$", text, re.M).group(1))
+
+  assert value("relay_version") == value("relay_server_version") == 1.0
+  assert value("relay_updates_fetched_total") == 2.0
+  assert value("relay_bytes_fetched_total") == relay.bytes_fetched > 0
+  assert value("relay_bytes_served_total") == relay.bytes_fetched  # one pull of the chain
+  assert value("relay_pulls_served_total") == 1.0
+
+
+def test_a_relay_refuses_to_serve_a_run_older_than_what_it_holds(start_server, start_relay,
+                                                                   tmp_path):
+  """The server restarted on an empty store (a new run) while the relay kept the old run's
+  versions: its pulls are refused, naming the fix, not served stale weights."""
+  first = start_server(storage_dir=tmp_path / "run1")
+  with client_for(first, "trainer") as trainer:
+    publish_chain(trainer, 2)
+  relay = start_relay(first, poll_s=0.2)
+  _until(lambda: relay.weights.latest == 1)
+  port = first.port
+  first.stop(grace=0)
+  second = start_server(storage_dir=tmp_path / "run2", port=port)
+  with client_for(second, "trainer") as trainer:
+    publish_chain(trainer, 1)
+  _until(lambda: relay.diverged != "")
+  with client_for(relay, "worker") as w:
+    with pytest.raises(ParamServerError) as refused:
+      w.pull()
+  assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+  assert "holds v0, older than the v1" in refused.value.details
+  assert "empty storage_dir" in refused.value.details
+
+
 def test_relay_settings_are_checked_naming_the_field():
   with pytest.raises(ValueError, match="RelayConfig.max_wait_s"):
     RelayConfig(max_wait_s=-1.0)
   with pytest.raises(ValueError, match="RelayConfig.chunk_bytes"):
     RelayConfig(chunk_bytes=0)
+  with pytest.raises(ValueError, match="RelayConfig.metrics_port"):
+    RelayConfig(metrics_port=70000)
+  with pytest.raises(ValueError, match="RelayConfig.poll_s"):
+    RelayConfig(poll_s=0.0)
 
 
 def test_many_pullers_at_once_get_one_fetch(server, trainer, start_relay):
