@@ -18,7 +18,8 @@ from param_server import auth
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 ADDRESS = flags.DEFINE_string("address", None, f"parameter server host:port (default "
-                              f"{DEFAULT_ADDRESS})")
+                              f"{DEFAULT_ADDRESS}); ipv4:RELAY_IP:PORT,SERVER_IP:PORT: a "
+                              f"weight relay, and the server should the relay not answer")
 TOKEN = flags.DEFINE_string("token", None, "bearer token; else $RLAX_PS_<ROLE>_TOKEN, else "
                             "--token_file")
 TOKEN_FILE = flags.DEFINE_string("token_file", None, "the server's tokens.json (owner-only); "

@@ -7,7 +7,9 @@ The relay follows the server (Watch), pulls each new version once, streaming it 
 stats) passes through to the server unchanged, the caller's token with it, so a worker
 points `--address` at its relay and needs nothing else. A pull that arrives while the relay
 is still fetching the version the server announced waits for it (up to `max_wait_s`), so a
-worker behind a relay is as current as one beside the server.
+worker behind a relay is as current as one beside the server. Given
+`--address=ipv4:RELAY_IP:PORT,SERVER_IP:PORT`, a worker talks to the server directly while
+its relay does not answer (gRPC's pick_first).
 """
 
 from __future__ import annotations

@@ -197,6 +197,22 @@ def test_a_relay_refuses_to_serve_a_run_older_than_what_it_holds(start_server, s
   assert "empty storage_dir" in refused.value.details
 
 
+def test_a_worker_given_the_relay_then_the_server_goes_on_when_the_relay_dies(
+    server, trainer, start_relay):
+  """--address=ipv4:RELAY,SERVER: gRPC's pick_first takes the relay while it answers and
+  the server once it does not, so a relay is no single point of failure."""
+  publish_chain(trainer, 2)
+  relay = start_relay(server)
+  with client_for(f"ipv4:127.0.0.1:{relay.port},127.0.0.1:{server.port}", "worker") as w:
+    want = apply_blobs(w.pull())
+    assert relay.servicer.pulls_served == 1 and server.servicer.pulls_served == 1  # the relay's
+    relay.stop(grace=0)
+    assert _same(apply_blobs(w.pull()), want)
+    assert server.servicer.pulls_served == 2  # the worker's own, from the server
+    w.register("fell-back")
+    assert w.heartbeat(version=1) == 1
+
+
 def test_relay_settings_are_checked_naming_the_field():
   with pytest.raises(ValueError, match="RelayConfig.max_wait_s"):
     RelayConfig(max_wait_s=-1.0)
