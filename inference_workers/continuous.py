@@ -52,6 +52,7 @@ from inference_workers.decoding import (MIN_PROMPT_BUCKET, Rows, Sample, bucket,
 from inference_workers.sampling import SamplingParams
 from inference_workers.shared_prefix import DecodeFn, SharedPrefixCache
 from rlax_ps import sharding as shd
+from inference_workers.worker_config import KV_DTYPES
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
 
 
@@ -80,8 +81,9 @@ class Slots:
 
 
 def _empty_slots(config, s: int, n: int, r: int, prompt_len: int, budget: int, decode_fn,
-                 record_routes: bool, turns: bool, resume: bool) -> Slots:
-  return Slots(cache=SharedPrefixCache.empty(config, s, r, prompt_len, budget, decode_fn),
+                 record_routes: bool, turns: bool, resume: bool, kv_dtype=None) -> Slots:
+  return Slots(cache=SharedPrefixCache.empty(config, s, r, prompt_len, budget, decode_fn,
+                                             kv_dtype),
                rows=Rows.init(jnp.zeros((s * r,), jnp.int32), budget, done=True,
                               outputs=s * n, turns=turns, forcing=resume),
                seeds=jnp.zeros((s, n), jnp.int32), next=jnp.full((s,), n, jnp.int32),
@@ -427,6 +429,9 @@ class ContinuousBatch:
   `feed_tokens` tokens (1: one a decode step), which bounds that step's attention scores.
   `mesh` (the model's weights on it): the slots split over its data axis and the caches'
   heads over tensor; every step is traced with it in context, so attention runs per device.
+  `kv_dtype` (one of KV_DTYPES; None: the model's compute dtype): what the caches hold k/v
+  in; float8_e4m3fn fits twice the rows of a bf16 cache in the same memory (attention reads
+  each layer's cache converted back to the compute dtype: memory is saved, not bandwidth).
   """
 
   def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,
@@ -435,7 +440,8 @@ class ContinuousBatch:
                respond: Callable[[Hashable, int, np.ndarray, np.ndarray],
                                  Sequence[int] | None] | None = None,
                max_turns: int = 4, respond_threads: int = 8, resume: bool = False,
-               feed_tokens: int = 256, mesh: jax.sharding.Mesh | None = None):
+               feed_tokens: int = 256, mesh: jax.sharding.Mesh | None = None,
+               kv_dtype: str | None = None):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
     if not isinstance(n, int) or n < 1:
@@ -456,6 +462,9 @@ class ContinuousBatch:
       raise ValueError(f"respond_threads: expected a positive int, got {respond_threads!r}")
     if not isinstance(feed_tokens, int) or feed_tokens < 1:
       raise ValueError(f"feed_tokens: expected a positive int, got {feed_tokens!r}")
+    if kv_dtype not in (None,) + KV_DTYPES:
+      raise ValueError(f"kv_dtype: expected None (the model's) or one of {KV_DTYPES}, got "
+                       f"{kv_dtype!r}")
     check_request(model.config, [[0]], [0] * n, n, params)
     self.model, self.n, self.num_slots, self.params = model, n, slots, params
     self.record_routes, self.decode_fn = record_routes, decode_fn
@@ -464,6 +473,7 @@ class ContinuousBatch:
     self.resume = resume
     self.feed_tokens = feed_tokens
     self.mesh = mesh
+    self.kv_dtype = kv_dtype
     self._replies: dict[int, int] = {}  # output slot -> replies given to its sample
     # paused row -> (its output slot, its sample's length, its reply in the making)
     self._asking: dict[int, tuple[int, int, concurrent.futures.Future]] = {}
@@ -638,7 +648,8 @@ class ContinuousBatch:
     if self._slots is None:
       empty = functools.partial(_empty_slots, config, self.num_slots, self.n,
                                 self.rows_per_prompt, length, self._budget, self.decode_fn,
-                                self.record_routes, self.respond is not None, self.resume)
+                                self.record_routes, self.respond is not None, self.resume,
+                                self.kv_dtype)
       self._slots = empty() if self.mesh is None else jax.jit(  # made where they live
           empty, out_shardings=_slot_shardings(jax.eval_shape(empty), self.mesh))()
     elif length > self._slots.cache.prefix_k[0].shape[1]:

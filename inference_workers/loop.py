@@ -421,7 +421,8 @@ class Worker:
                                     respond=self._respond if self.environments else None,
                                     max_turns=self.config.max_turns,
                                     respond_threads=self.config.environment_threads,
-                                    resume=self._resumable, mesh=self.mesh)
+                                    resume=self._resumable, mesh=self.mesh,
+                                    kv_dtype=self.config.kv_cache_dtype or None)
     batch = self._batch
     if batch.running and self._salvaging and self._resumable:
       self._salvage(batch)
@@ -805,7 +806,8 @@ class Worker:
                             respond=self._respond if self.environments else None,
                             max_turns=self.config.max_turns,
                             respond_threads=self.config.environment_threads, mesh=self.mesh,
-                            chunk_steps=self.config.decode_chunk_steps)  # stops heard soon
+                            chunk_steps=self.config.decode_chunk_steps,  # stops heard soon
+                            kv_dtype=self.config.kv_cache_dtype or None)
     keys = {i: ("round", prompts[i].id) for i in live}
     try:
       for i, key in keys.items():

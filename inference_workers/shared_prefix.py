@@ -48,9 +48,12 @@ class SharedPrefixCache:
 
   @classmethod
   def empty(cls, config, b: int, n: int, prefix_len: int, suffix_len: int,
-            decode_fn: DecodeFn = shared_prefix_decode_attention) -> "SharedPrefixCache":
-    """B prompt slots of n samples, each holding a one-token prompt and nothing generated."""
-    dtype = jnp.dtype(config.dtype)
+            decode_fn: DecodeFn = shared_prefix_decode_attention,
+            dtype=None) -> "SharedPrefixCache":
+    """B prompt slots of n samples, each holding a one-token prompt and nothing generated;
+    k/v held in `dtype` (default: the model's compute dtype; float8_e4m3fn halves a bf16
+    cache, read back in the compute dtype)."""
+    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
     kv = (config.num_kv_heads, config.head_dim)
     layers = range(config.num_layers)
     return cls(prefix_k=tuple(jnp.zeros((b, prefix_len) + kv, dtype) for _ in layers),

@@ -9,6 +9,11 @@ from algorithms.environments import environment_names
 from rlax_ps.dataclass_flags import setting
 
 
+# What a decode cache may hold keys and values in: float8 halves a bf16 cache with no scales
+# (values read back in the compute dtype), as vLLM's fp8 cache does by default.
+KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
+
+
 @dataclasses.dataclass
 class WorkerConfig:
   """Everything `rlax-ps worker` can set besides the model; each is also a flag."""
@@ -26,6 +31,10 @@ class WorkerConfig:
                                   "(VIGOR: the prompts of one call)")
   rows_per_prompt: int = setting(0, "decode rows per prompt (0: samples_per_prompt); fewer: "
                                  "a row takes the prompt's next sample when its own ends")
+  kv_cache_dtype: str = setting("", "dtype of the decode cache's keys and values: '' = the "
+                                "model's compute dtype; float8_e4m3fn halves a bf16 cache "
+                                "(twice the rows in the same memory; no scales, as vLLM's "
+                                "fp8 cache; the behaviour log-probs are the ones sampled with)")
   decode_chunk_steps: int = setting(32, "most decode steps between two looks at new weights, "
                                     "leases and stop requests")
   in_flight_updates: bool = setting(False, "apply new weights between decode chunks at once, "
@@ -93,6 +102,8 @@ class WorkerConfig:
          "a reward model checkpoint when default_task='reward_model'")
     need(self.reward_model or not self.reward_model_weight, "reward_model",
          f"a reward model checkpoint when reward_model_weight={self.reward_model_weight}")
+    need(self.kv_cache_dtype in ("",) + KV_DTYPES, "kv_cache_dtype",
+         f"'' (the model's) or one of {KV_DTYPES}")
     need(self.max_turns >= 0, "max_turns", "an int >= 0")
     need(self.environment_threads > 0, "environment_threads", "a positive int")
     try:

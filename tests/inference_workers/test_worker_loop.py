@@ -55,6 +55,19 @@ def test_worker_completes_leases_and_submits_scored_groups(server, versions):
     assert st.prompts_leased == 0 and st.prompts_queued == 0
 
 
+def test_a_worker_with_an_fp8_cache_decodes_through_it(server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, kv_cache_dtype=
+                                                        "float8_e4m3fn", **SMALL))
+    stats = worker.run()
+    assert stats.groups_submitted == 2
+    assert {x.dtype.name for x in worker._batch._slots.cache.prefix_k} == {"float8_e4m3fn"}
+    for r in trainer.take_rollouts(0, 10).rollouts:
+      assert all(np.all(np.isfinite(sample_logprobs(s))) for s in r.group.samples)
+
+
 def test_new_version_is_picked_up_between_leases(server, versions):
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
@@ -517,6 +530,8 @@ def test_bad_batching_settings_are_named():
     WorkerConfig(max_turns=-1)
   with pytest.raises(ValueError, match="WorkerConfig.environment_threads: expected a positive"):
     WorkerConfig(environment_threads=0)
+  with pytest.raises(ValueError, match="WorkerConfig.kv_cache_dtype: expected '' .* got 'int4'"):
+    WorkerConfig(kv_cache_dtype="int4")
 
 
 def test_an_environment_that_raises_is_logged_and_its_error_is_the_reply(caplog):
