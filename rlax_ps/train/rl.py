@@ -43,7 +43,7 @@ from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_loss import LossConfig, check_micro_batches, micro_batched_loss_and_grad, \
   response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
-  response_stats
+  fit_response_len, response_stats
 from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, hf_params, restore_or_init
 from rlax_ps.train.step import apply_gradients, jit_step
@@ -155,7 +155,13 @@ class RLTrainer(TrainerRun):
                             prompt_len=int(rl.max_prompt_tokens),
                             response_len=int(config.worker.max_new_tokens),
                             **routing_shape(self.model_config, config.worker))
-    self.loss_cfg = LossConfig.from_config(config.loss)
+    self.loss_cfg = dataclasses.replace(LossConfig.from_config(config.loss),
+                                        budget=self.shape.response_len)
+    # A step's rows are packed to the smallest of these many capacities (the budget, half
+    # of it, ...) that holds its longest response.
+    self.response_buckets = int(rl.get("response_buckets", 1))
+    if self.response_buckets < 1:
+      raise ValueError(f"rl.response_buckets: expected >= 1, got {self.response_buckets}")
     self.micro_batches = int(rl.get("micro_batches", 1))
     check_micro_batches(self.micro_batches, self.shape.groups, self.loss_cfg)
     self.dynamic = _dynamic_sampler(config, self.shape.samples)
@@ -311,14 +317,18 @@ class RLTrainer(TrainerRun):
       self._ack_durable()
       groups = self._take_groups()
       if groups is not None:
-        batch = build_batch(groups, self.shape, self.tokenizer.pad_id)
+        batch = build_batch(groups, fit_response_len(groups, self.shape,
+                                                     self.response_buckets),
+                            self.tokenizer.pad_id)
     rows = self._shared(0 if batch is None else len(batch["row_group"]))
     if not rows:
       return None, None
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
+      packed = self._shared(batch["response_tokens"].shape[-1] if self.leader else 0)
+      shape = dataclasses.replace(self.shape, response_len=packed)
       batch = multihost_utils.broadcast_one_to_all(
-          batch if self.leader else empty_batch(rows, self.shape, self.tokenizer.pad_id))
+          batch if self.leader else empty_batch(rows, shape, self.tokenizer.pad_id))
     return batch, groups
 
   # -- the loop ---------------------------------------------------------------------------
@@ -564,6 +574,7 @@ class RLTrainer(TrainerRun):
         "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac", 0.0),
         "iw_mean": metrics["iw_mean"], "entropy": metrics["entropy"], "heldout": None,
         **response_stats(groups, self.shape.response_len, self.tokenizer.stop_ids),
+        "response_capacity": int(batch["response_tokens"].shape[-1]),  # what rows packed
     }
     if self.dynamic:  # totals so far
       record.update(filtered=self.filtered, filled=self.filled)
@@ -581,8 +592,8 @@ class RLTrainer(TrainerRun):
     w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
     w.add_scalar("rollouts/per_second", record["rollouts_per_s"], step)
     w.add_scalar("rollouts/resumed_samples", record["resumed_samples"], step)
-    for k in ("response_len_mean", "response_len_max", "truncated_frac", "env_replies_mean",
-              "env_token_frac"):
+    for k in ("response_len_mean", "response_len_max", "response_capacity", "truncated_frac",
+              "env_replies_mean", "env_token_frac"):
       if k in record:  # (the env_ ones: multi-turn groups only)
         w.add_scalar(f"rollouts/{k}", record[k], step)
     if "routed_frac" in record:

@@ -65,6 +65,10 @@ class LossConfig:
   # and large vocabularies.
   logits_chunk: int = 0
   remat: bool = False  # recompute each layer's activations in the backward pass
+  # The responses' token budget (worker.max_new_tokens; the trainer sets it): DAPO's
+  # overlong punishment and Dr. GRPO's constant normaliser count from it, whatever length
+  # a step's batch is packed to (rl.response_buckets). 0: the batch's padded length.
+  budget: int = 0
 
   def __post_init__(self):
     def need(cond, field, expected):
@@ -88,6 +92,7 @@ class LossConfig:
     need(self.kl_coef >= 0, "kl_coef", ">= 0")
     need(self.router_aux_coef >= 0, "router_aux_coef", ">= 0")
     need(self.logits_chunk >= 0, "logits_chunk", ">= 0 positions (0 = whole rows)")
+    need(self.budget >= 0, "budget", ">= 0 tokens")
     need(self.kl_estimator in losses.KL_ESTIMATORS, "kl_estimator",
          f"one of {losses.KL_ESTIMATORS}")
 
@@ -107,7 +112,7 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
   n = batch["rewards"].shape[1]
   rewards = batch["rewards"].reshape(-1)
   if cfg.overlong_buffer:
-    budget = batch["response_tokens"].shape[-1]  # worker.max_new_tokens
+    budget = cfg.budget or batch["response_tokens"].shape[-1]
     rewards = rewards + shaping.soft_overlong_punishment(
         batch["response_lens"].reshape(-1), budget, min(cfg.overlong_buffer, budget))
   mask = batch["sample_mask"].reshape(-1)
@@ -195,7 +200,8 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
     ref_logp = jax.lax.stop_gradient(response_logprobs(ref_params, graphdef, batch,
                                                        cfg.backend,
                                                        logits_chunk=cfg.logits_chunk))
-  common = dict(agg=cfg.agg, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
+  norm = cfg.budget or None  # seq-mean-token-sum-norm: the budget, not the packed length
+  common = dict(agg=cfg.agg, norm_const=norm, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
                 kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
   policy_loss = losses.gspo_loss if cfg.policy_loss == "gspo" else losses.ppo_clip_loss
   if cfg.correction == "none":
@@ -212,7 +218,8 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
     metrics["mis_masked_frac"] = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(mask), 1.0)
   elif cfg.correction == "m2po":
     loss, metrics = corrections.m2po_loss(logp, proximal, behaviour, adv, mask,
-                                          threshold=cfg.m2po_threshold, agg=cfg.agg)
+                                          threshold=cfg.m2po_threshold, agg=cfg.agg,
+                                          norm_const=norm)
   else:
     loss, metrics = corrections.decoupled_ppo_loss(logp, proximal, behaviour, adv, mask,
                                                    behaviour_cap=cfg.behaviour_cap, **common)

@@ -148,6 +148,25 @@ def response_stats(groups: Sequence[Group], max_len: int, stop_ids: Sequence[int
   return stats
 
 
+def fit_response_len(groups: Sequence[Group], shape: BatchShape, buckets: int) -> BatchShape:
+  """`shape` with the response capacity cut to the smallest of `buckets` sizes (the budget R,
+  R/2, R/4, ..., each rounded up to 8 tokens) that holds the groups' longest response: a
+  step of short responses packs and computes [P + N*R'] rows, not [P + N*R], and at most
+  `buckets` shapes compile. A response over R is left for check_group to refuse."""
+  if buckets < 1:
+    raise ValueError(f"rl.response_buckets: expected >= 1, got {buckets}")
+  cap = shape.response_len
+  longest = max((len(r) for g in groups for r in g.responses), default=0)
+  fits = [c for c in response_lens(cap, buckets) if c >= longest]
+  return dataclasses.replace(shape, response_len=fits[0] if fits else cap)
+
+
+def response_lens(cap: int, buckets: int) -> list[int]:
+  """The response capacities a budget of `cap` tokens packs to, smallest first."""
+  ceil = lambda a, b: -(-a // b)  # noqa: E731
+  return sorted({min(cap, ceil(ceil(cap, 2 ** k), 8) * 8) for k in range(buckets)})
+
+
 def rows_needed(groups: Sequence[Group], shape: BatchShape) -> int:
   """Packed rows for `groups`, rounded up to shape.groups * 2**j."""
   need = sum(math.ceil(len(g.responses) / shape.samples) for g in groups)

@@ -48,7 +48,7 @@ def test_a_bad_record_is_refused_naming_its_line_and_field(tmp_path, line, messa
 
 def test_a_missing_file_or_object_is_refused_naming_the_field(tmp_path):
   for missing in (str(tmp_path / "nope.jsonl"), f"file://{tmp_path}/nope.jsonl"):
-    with pytest.raises(ValueError, match=f"^data.jsonl: no (file|object at) .*nope.jsonl"):
+    with pytest.raises(ValueError, match="^data.jsonl: no (file|object at) .*nope.jsonl"):
       read_prompts(missing)
   with pytest.raises(ValueError, match="^data.jsonl: cannot read bogus://b/k: .*scheme"):
     read_prompts("bogus://b/k")

@@ -14,7 +14,8 @@ from flax import nnx
 from algorithms import corrections
 from rlax_ps.models import ModelConfig, Transformer
 from rlax_ps.train.rl_loss import LossConfig, group_advantages, rl_loss
-from rlax_ps.train.rollouts import BatchShape, Group, build_batch, response_stats
+from rlax_ps.train.rollouts import (BatchShape, Group, build_batch, fit_response_len,
+                                   response_lens, response_stats)
 
 V = 40
 SHAPE = BatchShape(groups=2, samples=4, prompt_len=6, response_len=5)
@@ -449,3 +450,40 @@ def test_response_stats_count_an_environments_replies_and_tokens():
             np.zeros(2, np.float32), 0, observed=observed)
   stats = response_stats([g], max_len=8, stop_ids=(2,))
   assert stats["env_replies_mean"] == 1.0 and stats["env_token_frac"] == 0.3
+
+
+def test_response_capacities_halve_the_budget_in_multiples_of_8():
+  assert response_lens(1024, 4) == [128, 256, 512, 1024]
+  assert response_lens(20, 4) == [8, 16, 20] and response_lens(1024, 1) == [1024]
+  big = dataclasses.replace(SHAPE, response_len=32)
+  assert fit_response_len(GROUPS, big, 4).response_len == 8  # the longest response holds 5
+  assert fit_response_len(GROUPS, big, 1).response_len == 32
+  with pytest.raises(ValueError, match="rl.response_buckets: expected >= 1"):
+    fit_response_len(GROUPS, big, 0)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(advantage="dr_grpo", agg="seq-mean-token-sum-norm"),
+    dict(overlong_buffer=30), dict(correction="m2po")],
+    ids=["grpo", "dr_grpo", "overlong", "m2po"])
+def test_a_batch_packed_to_its_bucket_trains_as_at_the_full_budget(overrides):
+  """rl.response_buckets: the groups packed to 8 response positions give the loss and
+  gradient they give packed to the 32-token budget, the budget-relative terms (Dr. GRPO's
+  constant normaliser, DAPO's overlong ramp) counting from the budget, not the rows."""
+  graphdef, params = _model()
+  big = dataclasses.replace(SHAPE, response_len=32)
+  cfg = LossConfig(budget=32, **overrides)
+  fitted = fit_response_len(GROUPS, big, 4)
+  assert fitted.response_len == 8
+  results = []
+  for shape in (big, fitted):
+    batch = {k: jnp.asarray(v) for k, v in build_batch(GROUPS, shape).items()}
+    fn = jax.value_and_grad(functools.partial(rl_loss, graphdef=graphdef, batch=batch,
+                                              ref_params=None, num_groups=2, cfg=cfg),
+                            has_aux=True)
+    (loss, _), grads = jax.jit(fn)(params)
+    results.append((loss, grads))
+  (full, g_full), (packed, g_packed) = results
+  np.testing.assert_allclose(packed, full, rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_full)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -42,6 +42,7 @@ def run(tmp_path_factory):
   worker = FakeWorker(server.address, samples=4).start()
   config = _config(steps=4, micro_batches=2)  # exact (test_rl_loss); here: wired through
   config.loss.logits_chunk = 4
+  config.worker.max_new_tokens = 16  # the fake responses (at most 6) pack to 8 (response_buckets)
   config.export.every_steps = 2
   exported_at = {}
 
@@ -80,9 +81,11 @@ def test_each_step_trains_on_whole_distinct_groups(run):
   assert run["summary"]["samples_resumed"] == sum(resumed[i] for i in ids) > 0
   # The fake worker rewards half of each group: the batch's mean reward is 0.5.
   assert all(s["reward_mean"] == pytest.approx(0.5) for s in steps)
-  # Its responses hold 1 to 6 tokens, under the 8-token budget: none is truncated.
+  # Its responses hold 1 to 6 tokens, under the 16-token budget: none is truncated, and the
+  # rows packed them in 8 response positions, not 16.
   assert all(1 <= s["response_len_mean"] <= s["response_len_max"] <= 6 for s in steps)
   assert all(s["truncated_frac"] == 0.0 for s in steps)
+  assert all(s["response_capacity"] == 8 for s in steps)
   assert all(0 < s["entropy"] for s in steps)  # the trainer's policy, from the loss pass
 
 
