@@ -17,17 +17,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from concurrent import futures
 
 import grpc
 from absl import logging
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from param_server import auth, errors
 from param_server.client import ParamServerClient, ParamServerError
 from param_server.protos import param_server_pb2 as pb
 from param_server.server import (MESSAGE_OVERHEAD, SERVICE_NAME, ParamServerServicer,
-                                 ServerConfig, method_handlers)
+                                 ServerConfig, grpc_server, method_handlers)
 from param_server.weights import WeightLimits, WeightStore
 from rlax_ps.dataclass_flags import setting
 
@@ -138,29 +137,16 @@ class WeightRelay:
     served = ServerConfig(storage_dir=config.storage_dir, chunk_bytes=config.chunk_bytes,
                           max_message_bytes=config.max_message_bytes)
     self.servicer = _RelayServicer(served, self.weights, self)
-    self._server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="relay"),
-        interceptors=[auth.TokenAuthInterceptor({"worker": token}, methods=SERVED_HERE,
-                                                on_denied=self.servicer._rejections.bump)],
-        options=[("grpc.max_receive_message_length", limit),
-                 ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)])
     handlers = {name: h for name, h in method_handlers(self.servicer).items()
                 if name in SERVED_HERE + ("Publish",)}
     for m in pb.DESCRIPTOR.services_by_name["ParamServer"].methods:
       if m.name not in handlers:
         handlers[m.name] = _passing(m.name, upstream.channel, upstream.timeout_s + 120.0)
-    self._server.add_registered_method_handlers(SERVICE_NAME, handlers)
-    self._health = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-    address = f"{config.host}:{config.port}"
-    if config.tls_cert or config.tls_key:
-      with open(config.tls_key, "rb") as f:
-        key = f.read()
-      with open(config.tls_cert, "rb") as f:
-        cert = f.read()
-      self.port = self._server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-    else:
-      self.port = self._server.add_insecure_port(address)
+    self._server, self._health, self.port = grpc_server(
+        handlers, auth.TokenAuthInterceptor({"worker": token}, methods=SERVED_HERE,
+                                            on_denied=self.servicer._rejections.bump),
+        threads=config.threads, limit=limit, host=config.host, port=config.port,
+        tls_cert=config.tls_cert, tls_key=config.tls_key)
     self.address = f"{config.host}:{self.port}"
     self._follower = threading.Thread(target=self._follow, name="relay-follow", daemon=True)
 

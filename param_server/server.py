@@ -381,6 +381,32 @@ def method_handlers(servicer: ParamServerServicer) -> dict[str, grpc.RpcMethodHa
   return handlers
 
 
+def grpc_server(handlers: dict[str, grpc.RpcMethodHandler], interceptor, *, threads: int,
+                limit: int, host: str, port: int, tls_cert: str = "", tls_key: str = ""):
+  """(server, health servicer, bound port): the service's `handlers` behind `interceptor`,
+  with health checking and reflection, on host:port (TLS with a certificate and key), not
+  started. The parameter server and a weight relay listen alike."""
+  server = grpc.server(
+      futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
+      interceptors=[interceptor],
+      options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+               ("grpc.so_reuseport", 0)])
+  server.add_registered_method_handlers(SERVICE_NAME, handlers)
+  health_servicer = health.HealthServicer()
+  health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+  reflection.enable_server_reflection(
+      (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+  address = f"{host}:{port}"
+  if tls_cert or tls_key:
+    with open(tls_key, "rb") as f:
+      key = f.read()
+    with open(tls_cert, "rb") as f:
+      cert = f.read()
+    return server, health_servicer, server.add_secure_port(
+        address, grpc.ssl_server_credentials([(key, cert)]))
+  return server, health_servicer, server.add_insecure_port(address)
+
+
 class ParamServer:
   """A running server with a lifetime: `start()`, `stop()`; also a context manager."""
 
@@ -402,25 +428,11 @@ class ParamServer:
             max_wait_s=config.max_wait_s))
     self.servicer = ParamServerServicer(config, self.weights, self.queues)
     limit = message_limit(config)
-    self._server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="rpc"),
-        interceptors=[auth.TokenAuthInterceptor(self.tokens, on_denied=self.servicer._rejections.bump)],
-        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-                 ("grpc.so_reuseport", 0)])
-    self._server.add_registered_method_handlers(SERVICE_NAME, method_handlers(self.servicer))
-    self._health = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-    address = f"{config.host}:{config.port}"
-    if config.tls_cert or config.tls_key:
-      with open(config.tls_key, "rb") as f:
-        key = f.read()
-      with open(config.tls_cert, "rb") as f:
-        cert = f.read()
-      self.port = self._server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-    else:
-      self.port = self._server.add_insecure_port(address)
+    self._server, self._health, self.port = grpc_server(
+        method_handlers(self.servicer),
+        auth.TokenAuthInterceptor(self.tokens, on_denied=self.servicer._rejections.bump),
+        threads=config.threads, limit=limit, host=config.host, port=config.port,
+        tls_cert=config.tls_cert, tls_key=config.tls_key)
     self.address = f"{config.host}:{self.port}"
     self._reaper = threading.Thread(target=self._reap, name="reaper", daemon=True)
 

@@ -116,6 +116,21 @@ def shared_prompt_attention(q, k, v, layout: SharedPromptLayout, *, sm_scale=Non
                      out_head_dims=(2, 2))
 
 
+def _tpu_or_xla(backend: str, interpret: bool, pallas, xla, reference=None):
+  """The decode-time attention a backend names: the Pallas TPU kernel, XLA, the N-copies
+  reference, or (auto) the kernel on TPU and XLA elsewhere."""
+  if backend == "pallas_tpu" or (backend == "auto" and interpret):
+    return pallas
+  if backend == "xla":
+    return xla
+  if backend == "reference":
+    return reference
+
+  def run(*args):
+    return jax.lax.platform_dependent(*args, tpu=pallas, default=xla)
+  return run
+
+
 def shared_prefix_decode_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
                                    suffix_lens, *, sm_scale=None, window: int | None = None,
                                    softcap: float | None = None, backend: str = "auto",
@@ -136,16 +151,8 @@ def shared_prefix_decode_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k,
                              softcap=softcap)
   xla = functools.partial(reference.decode_two_pass, sm_scale=sm_scale, window=window,
                           softcap=softcap)
-  if backend == "pallas_tpu" or (backend == "auto" and interpret):
-    run = pallas
-  elif backend == "xla":
-    run = xla
-  elif backend == "reference":
-    run = functools.partial(reference.decode_n_copies, sm_scale=sm_scale, window=window,
-                            softcap=softcap)
-  else:
-    def run(*args):
-      return jax.lax.platform_dependent(*args, tpu=pallas, default=xla)
+  run = _tpu_or_xla(backend, interpret, pallas, xla, reference=functools.partial(
+      reference.decode_n_copies, sm_scale=sm_scale, window=window, softcap=softcap))
   return _per_device(run, args, heads=(q.shape[2], prefix_k.shape[2]),
                      head_dims=(2, 2, 2, None, 3, 3, None), out_head_dims=(2, 2))
 
@@ -170,12 +177,6 @@ def shared_prefix_extend_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k,
                              window=window, softcap=softcap)
   xla = functools.partial(reference.extend_two_pass, sm_scale=sm_scale, window=window,
                           softcap=softcap)
-  if backend == "pallas_tpu" or (backend == "auto" and interpret):
-    run = pallas
-  elif backend == "xla":
-    run = xla
-  else:
-    def run(*args):
-      return jax.lax.platform_dependent(*args, tpu=pallas, default=xla)
+  run = _tpu_or_xla(backend, interpret, pallas, xla)
   return _per_device(run, args, heads=(q.shape[3], prefix_k.shape[2]),
                      head_dims=(3, 2, 2, None, 3, 3, None), out_head_dims=(3, 3))
