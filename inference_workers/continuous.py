@@ -430,8 +430,9 @@ class ContinuousBatch:
   `mesh` (the model's weights on it): the slots split over its data axis and the caches'
   heads over tensor; every step is traced with it in context, so attention runs per device.
   `kv_dtype` (one of KV_DTYPES; None: the model's compute dtype): what the caches hold k/v
-  in; float8_e4m3fn fits twice the rows of a bf16 cache in the same memory (attention reads
-  each layer's cache converted back to the compute dtype: memory is saved, not bandwidth).
+  in; float8_e4m3fn fits twice the rows of a bf16 cache in the same memory, and on TPU the
+  decode kernel reads it at that width (widening a block at a time in VMEM; XLA elsewhere
+  widens each layer's cache first).
   """
 
   def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,

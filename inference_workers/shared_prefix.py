@@ -25,7 +25,7 @@ from rlax_ps.models.attention import with_sinks
 # decode_fn(q [B,N,H,D], prefix_k, prefix_v [B,Sp,Hkv,D], prefix_lens [B],
 #           suffix_k, suffix_v [B,N,Ss,Hkv,D], suffix_lens [B,N], *, window, sm_scale,
 #           softcap)
-#   -> (out [B,N,H,D], lse)
+#   -> (out [B,N,H,D], lse); the caches come in the dtype they are held in (fp8 too).
 DecodeFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
@@ -92,16 +92,16 @@ class SharedPrefixCache:
         k.reshape(b, n, t, hkv, d).astype(self.suffix_k[layer].dtype), mode="drop")
     new_v = self.suffix_v[layer].at[at].set(
         v.reshape(b, n, t, hkv, d).astype(self.suffix_v[layer].dtype), mode="drop")
-    prefix_k, prefix_v = self.prefix_k[layer].astype(q.dtype), self.prefix_v[layer].astype(q.dtype)
+    # The caches go as they are held (fp8 too): the attention widens them as it reads.
+    prefix_k, prefix_v = self.prefix_k[layer], self.prefix_v[layer]
     if t == 1:
       out, lse = self.decode_fn(q.reshape(b, n, h, d), prefix_k, prefix_v, self.prefix_lens,
-                                new_k.astype(q.dtype), new_v.astype(q.dtype), self.index + 1,
-                                window=window, sm_scale=sm_scale, softcap=softcap)
+                                new_k, new_v, self.index + 1, window=window,
+                                sm_scale=sm_scale, softcap=softcap)
     else:  # several tokens a row (a reply fed at once): the prefix read once for all
       out, lse = shared_prefix_extend_attention(
-          q.reshape(b, n, t, h, d), prefix_k, prefix_v, self.prefix_lens,
-          new_k.astype(q.dtype), new_v.astype(q.dtype), self.index, window=window,
-          sm_scale=sm_scale, softcap=softcap)
+          q.reshape(b, n, t, h, d), prefix_k, prefix_v, self.prefix_lens, new_k, new_v,
+          self.index, window=window, sm_scale=sm_scale, softcap=softcap)
     if sinks is not None:  # gpt-oss: the sinks join the softmax the partials merged
       out = with_sinks(out, lse, sinks)
     cache = self.replace(suffix_k=self.suffix_k[:layer] + (new_k,) + self.suffix_k[layer + 1:],

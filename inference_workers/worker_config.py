@@ -33,8 +33,9 @@ class WorkerConfig:
                                  "a row takes the prompt's next sample when its own ends")
   kv_cache_dtype: str = setting("", "dtype of the decode cache's keys and values: '' = the "
                                 "model's compute dtype; float8_e4m3fn halves a bf16 cache "
-                                "(twice the rows in the same memory; no scales, as vLLM's "
-                                "fp8 cache; the behaviour log-probs are the ones sampled with)")
+                                "(twice the rows in the same memory, half the bytes a TPU "
+                                "decode step reads; no scales, as vLLM's fp8 cache; the "
+                                "behaviour log-probs are the ones sampled with)")
   decode_chunk_steps: int = setting(32, "most decode steps between two looks at new weights, "
                                     "leases and stop requests")
   in_flight_updates: bool = setting(False, "apply new weights between decode chunks at once, "

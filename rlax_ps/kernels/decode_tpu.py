@@ -59,8 +59,10 @@ def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, num_row_b
   def _compute():
     for h in range(num_kv_heads):
       q = q_ref[h]  # [M, D]
-      k = k_ref[:, h * head_dim:(h + 1) * head_dim]  # [bs, D]
-      v = v_ref[:, h * head_dim:(h + 1) * head_dim]
+      # A cache held narrower than the queries (fp8) widens here, a block at a time: HBM
+      # is read at the cache's width.
+      k = k_ref[:, h * head_dim:(h + 1) * head_dim].astype(q.dtype)  # [bs, D]
+      v = v_ref[:, h * head_dim:(h + 1) * head_dim].astype(q.dtype)
       # The last block may overhang the cache (unspecified values): zero those rows of v
       # so that 0 * garbage cannot reach the output.
       v_rows = s_idx * block_s + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)

@@ -116,6 +116,17 @@ def shared_prompt_attention(q, k, v, layout: SharedPromptLayout, *, sm_scale=Non
                      out_head_dims=(2, 2))
 
 
+def _widened(fn):
+  """fn with the caches (prefix_k, prefix_v, suffix_k, suffix_v) in the queries' dtype: a
+  cache may be held narrower (fp8); XLA widens it whole, the Pallas kernel a block at a
+  time."""
+  def run(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, lens):
+    prefix_k, prefix_v, suffix_k, suffix_v = (
+        x.astype(q.dtype) for x in (prefix_k, prefix_v, suffix_k, suffix_v))
+    return fn(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, lens)
+  return run
+
+
 def _tpu_or_xla(backend: str, interpret: bool, pallas, xla, reference=None):
   """The decode-time attention a backend names: the Pallas TPU kernel, XLA, the N-copies
   reference, or (auto) the kernel on TPU and XLA elsewhere."""
@@ -149,10 +160,10 @@ def shared_prefix_decode_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k,
   pallas = functools.partial(decode_tpu.shared_prefix_decode_pallas_tpu, sm_scale=sm_scale,
                              block_s=block_s, interpret=interpret, window=window,
                              softcap=softcap)
-  xla = functools.partial(reference.decode_two_pass, sm_scale=sm_scale, window=window,
-                          softcap=softcap)
-  run = _tpu_or_xla(backend, interpret, pallas, xla, reference=functools.partial(
-      reference.decode_n_copies, sm_scale=sm_scale, window=window, softcap=softcap))
+  xla = _widened(functools.partial(reference.decode_two_pass, sm_scale=sm_scale,
+                                   window=window, softcap=softcap))
+  run = _tpu_or_xla(backend, interpret, pallas, xla, reference=_widened(functools.partial(
+      reference.decode_n_copies, sm_scale=sm_scale, window=window, softcap=softcap)))
   return _per_device(run, args, heads=(q.shape[2], prefix_k.shape[2]),
                      head_dims=(2, 2, 2, None, 3, 3, None), out_head_dims=(2, 2))
 
@@ -175,8 +186,8 @@ def shared_prefix_extend_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k,
   pallas = functools.partial(decode_tpu.shared_prefix_extend_pallas_tpu, sm_scale=sm_scale,
                              block_s=block_s, block_m=block_m, interpret=interpret,
                              window=window, softcap=softcap)
-  xla = functools.partial(reference.extend_two_pass, sm_scale=sm_scale, window=window,
-                          softcap=softcap)
+  xla = _widened(functools.partial(reference.extend_two_pass, sm_scale=sm_scale,
+                                   window=window, softcap=softcap))
   run = _tpu_or_xla(backend, interpret, pallas, xla)
   return _per_device(run, args, heads=(q.shape[3], prefix_k.shape[2]),
                      head_dims=(3, 2, 2, None, 3, 3, None), out_head_dims=(3, 3))

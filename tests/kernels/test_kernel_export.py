@@ -74,6 +74,22 @@ def test_decode_kernel_lowers_for_tpu(dtype, window, softcap):
   assert _kernel_names(exp) == {"shared_prefix_decode"}
 
 
+def test_decode_kernel_lowers_for_tpu_reading_fp8_caches():
+  """worker.kv_cache_dtype=float8_e4m3fn: the kernel takes the fp8 caches and widens each
+  block in VMEM (no widened copy of the cache in HBM)."""
+  q, *rest = _decode_args(jnp.bfloat16)
+  caches = {1, 2, 4, 5}
+  args = [q] + [jax.ShapeDtypeStruct(a.shape, jnp.float8_e4m3fn) if i + 1 in caches else a
+                for i, a in enumerate(rest)]
+  fn = jax.jit(functools.partial(shared_prefix_decode_attention, block_s=256))
+  exp = export.export(fn, platforms=["tpu"])(*args)
+  assert _kernel_names(exp) == {"shared_prefix_decode"}
+  calls = [l for l in exp.mlir_module().splitlines() if "tpu_custom_call" in l]
+  assert len(calls) == 2  # prefix and suffix passes, each reading its fp8 cache as it is
+  assert all(re.search(r": \(tensor<\d+xi32>, tensor<[0-9x]+bf16>(, tensor<[0-9x]+xf8E4M3FN>){2}\)",
+                       l) for l in calls), calls
+
+
 # Triton calls carry no serialization-compatibility guarantee; we only need the lowering.
 _TRITON_OK = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 

@@ -100,3 +100,23 @@ def test_extend_pallas_matches_the_xla_path(window, softcap):
                                   softcap=softcap))(*args)
   np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
+def test_fp8_caches_are_widened_alike_by_the_kernel_and_the_xla_path(extend):
+  """Caches held in fp8 (worker.kv_cache_dtype): the Pallas kernel widens each block as it
+  reads it, XLA the whole cache first; both give what the widened caches give."""
+  if extend:
+    q, pk, pv, pl, sk, sv, lens = _extend_inputs()
+    attend = shared_prefix_extend_attention
+  else:
+    q, pk, pv, pl, sk, sv, lens = _inputs(jnp.float32)
+    attend = shared_prefix_decode_attention
+  f8 = [x.astype(jnp.float8_e4m3fn) for x in (pk, pv, sk, sv)]
+  widened = [x.astype(jnp.float32) for x in f8]
+  want = jax.jit(functools.partial(attend, backend="xla"))(
+      q, widened[0], widened[1], pl, widened[2], widened[3], lens)
+  for kw in (dict(backend="xla"), dict(backend="pallas_tpu", interpret=True, block_s=8)):
+    got = jax.jit(functools.partial(attend, **kw))(q, f8[0], f8[1], pl, f8[2], f8[3], lens)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
