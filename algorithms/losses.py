@@ -167,6 +167,32 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2,
                  kl_coef, kl_estimator, metrics)
 
 
+def cispo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 1.0,
+               clip_high: float = 0.28, agg: str = "token-mean",
+               norm_const: float | None = None, token_weights=None, ref_logp=None,
+               kl_coef: float = 0.0, kl_estimator: str = "k3"):
+  """CISPO (MiniMax-M1): REINFORCE on every token, each weighted by its importance ratio
+  r = pi/pi_old clipped to [1 - clip_low, 1 + clip_high] and held constant:
+  -sg(clip(r)) * A * log pi. Unlike PPO's clip, no token's gradient is dropped (a rare
+  token whose ratio runs off still teaches, at the capped weight); clip_low = 1 leaves
+  the weight no lower bound, as the paper does. Metrics: clip_frac (weights capped),
+  clip_frac_low, clip_frac_high, approx_kl, ratio_mean/max/min, pg_loss, kl_ref.
+  """
+  if not (clip_low >= 0 and clip_high >= 0):
+    raise ValueError(f"clip_low/clip_high: expected >= 0, got {clip_low}/{clip_high}")
+  logp, old_logp, adv, mask, weights = _prepare(logp, old_logp, advantages, mask,
+                                                token_weights)
+  ratio = jnp.exp(logp - old_logp)
+  r = jax.lax.stop_gradient(ratio)
+  low, high = r < 1.0 - clip_low, r > 1.0 + clip_high
+  weight = jax.lax.stop_gradient(jnp.clip(r, 1.0 - clip_low, 1.0 + clip_high))
+  pg = -weight * adv * logp
+  metrics = {"clip_frac_low": _frac(low, mask), "clip_frac_high": _frac(high, mask),
+             "clip_frac": _frac(low | high, mask)}
+  return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
+                 kl_coef, kl_estimator, metrics)
+
+
 def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 3e-4,
               clip_high: float = 4e-4, agg: str = "seq-mean-token-mean",
               norm_const: float | None = None, token_weights=None, ref_logp=None,

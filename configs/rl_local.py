@@ -87,7 +87,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The objective (rlax_ps.train.rl_loss.LossConfig).
   c.loss = ml_collections.ConfigDict()
   c.loss.advantage = "grpo"  # grpo | dr_grpo | rloo | mc_grpo
-  c.loss.policy_loss = "ppo"  # ppo | gspo
+  c.loss.policy_loss = "ppo"  # ppo | gspo | cispo (REINFORCE weighted by the clipped ratio)
   c.loss.correction = "none"  # none | tis | mis | decoupled | m2po
   c.loss.clip_low = 0.2
   c.loss.clip_high = 0.28  # > clip_low: DAPO's clip-higher.

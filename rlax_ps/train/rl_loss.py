@@ -30,7 +30,7 @@ from rlax_ps.kernels import pack_group, pack_routes, packed_response_logprobs
 from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo")
-POLICY_LOSSES = ("ppo", "gspo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 CORRECTIONS = ("none", "tis", "mis", "decoupled", "m2po")
 
 
@@ -39,7 +39,9 @@ class LossConfig:
   """The `loss` config block: which estimator, loss and correction, and their knobs."""
 
   advantage: str = "grpo"  # grpo | dr_grpo (no std scaling) | rloo | mc_grpo (median baseline)
-  policy_loss: str = "ppo"  # ppo (clip, clip-higher when clip_high > clip_low) | gspo
+  # ppo (clip, clip-higher when clip_high > clip_low) | gspo | cispo (every token's
+  # log-prob weighted by its ratio clipped to [1 - clip_low, 1 + clip_high], held constant)
+  policy_loss: str = "ppo"
   # none | tis (truncated IS) | mis (masked IS) | decoupled (decoupled PPO) | m2po (M2PO:
   # unclipped ratio, tokens of largest (log pi_prox/pi_behav)^2 masked)
   correction: str = "none"
@@ -77,9 +79,9 @@ class LossConfig:
     need(self.advantage in ADVANTAGES, "advantage", f"one of {ADVANTAGES}")
     need(self.policy_loss in POLICY_LOSSES, "policy_loss", f"one of {POLICY_LOSSES}")
     need(self.correction in CORRECTIONS, "correction", f"one of {CORRECTIONS}")
-    need(not (self.policy_loss == "gspo" and self.correction in ("decoupled", "m2po")),
-         "correction", "'none', 'tis' or 'mis' with policy_loss='gspo' (decoupled PPO and "
-         "M2PO are losses of their own)")
+    need(not (self.policy_loss != "ppo" and self.correction in ("decoupled", "m2po")),
+         "correction", f"'none', 'tis' or 'mis' with policy_loss={self.policy_loss!r} "
+         "(decoupled PPO and M2PO are losses of their own)")
     need(not (self.correction == "m2po" and self.kl_coef > 0), "correction",
          "not 'm2po' with kl_coef > 0 (M2PO's objective has no KL term)")
     need(0 <= self.mis_low < self.mis_high, "mis_low", f"0 <= mis_low < mis_high={self.mis_high}")
@@ -203,7 +205,8 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
   norm = cfg.budget or None  # seq-mean-token-sum-norm: the budget, not the packed length
   common = dict(agg=cfg.agg, norm_const=norm, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
                 kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-  policy_loss = losses.gspo_loss if cfg.policy_loss == "gspo" else losses.ppo_clip_loss
+  policy_loss = {"ppo": losses.ppo_clip_loss, "gspo": losses.gspo_loss,
+                 "cispo": losses.cispo_loss}[cfg.policy_loss]
   if cfg.correction == "none":
     loss, metrics = policy_loss(logp, behaviour, adv, mask, **common)
   elif cfg.correction == "tis":

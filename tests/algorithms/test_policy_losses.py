@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from algorithms.corrections import decoupled_ppo_loss, m2po_loss
-from algorithms.losses import aggregate, gspo_loss, kl_penalty, ppo_clip_loss
+from algorithms.losses import aggregate, cispo_loss, gspo_loss, kl_penalty, ppo_clip_loss
 
 
 def test_aggregation_modes():
@@ -93,6 +93,29 @@ def test_gspo_sequence_ratio_hand_example():
                       clip_high=0.1)
   assert float(loss) == pytest.approx((-1.1 - math.exp(-0.05)) / 2, rel=1e-5)
   assert float(m["clip_frac_high"]) == pytest.approx(0.5)
+
+
+def test_cispo_weights_every_tokens_log_prob_by_its_clipped_ratio_hand_example():
+  # ratios 1.5, 0.5, 1.1 with advantages +1, -1, +1; weights clipped to [0.8, 1.28]:
+  # 1.28 (capped high), 0.8 (capped low), 1.1; loss = mean(-w * A * logp).
+  old = jnp.zeros((1, 3))
+  logp = jnp.log(jnp.array([[1.5, 0.5, 1.1]]))
+  adv = jnp.array([[1.0, -1.0, 1.0]])
+  mask = jnp.ones((1, 3))
+  loss, m = cispo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+  lp = np.log([1.5, 0.5, 1.1])
+  want = -(1.28 * lp[0] - 0.8 * lp[1] + 1.1 * lp[2]) / 3
+  assert float(loss) == pytest.approx(want, rel=1e-5)
+  assert float(m["clip_frac"]) == pytest.approx(2 / 3)
+  assert float(m["clip_frac_high"]) == pytest.approx(1 / 3)
+  # Every token keeps a gradient, the capped ones too: d/dlogp = -w * A / 3 (PPO's clip
+  # would give tokens 0 and 1 none).
+  grad = jax.grad(lambda x: cispo_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.28)[0])(
+      logp)
+  np.testing.assert_allclose(grad, [[-1.28 / 3, 0.8 / 3, -1.1 / 3]], rtol=1e-5)
+  ppo_grad = jax.grad(lambda x: ppo_clip_loss(x, old, adv, mask, clip_low=0.2,
+                                              clip_high=0.28)[0])(logp)
+  assert float(ppo_grad[0, 0]) == 0.0 and float(ppo_grad[0, 1]) == 0.0
 
 
 def test_losses_reject_bad_shapes_and_params():

@@ -236,6 +236,9 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
 def test_bad_loss_settings_name_the_field(field, value, message):
   with pytest.raises(ValueError, match=message):
     LossConfig(**{field: value})
+  with pytest.raises(ValueError, match="loss.correction: expected 'none', 'tis' or 'mis' with "
+                                       "policy_loss='cispo'"):
+    LossConfig(policy_loss="cispo", correction="decoupled")
 
 
 def test_bad_groups_are_refused_naming_the_rollout_and_field():
@@ -355,7 +358,9 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind():
     (2, dict(agg="seq-mean-token-mean", correction="tis", kl_coef=0.1, logits_chunk=3)),
     (4, dict(agg="seq-mean-token-sum-norm", correction="decoupled")),
     (2, dict(policy_loss="gspo", agg="seq-mean-token-sum", advantage="rloo")),
-], ids=["token-mean", "seq-mean-tis-kl-chunked", "sum-norm-decoupled-4", "gspo-rloo"])
+    (2, dict(policy_loss="cispo", correction="tis")),
+], ids=["token-mean", "seq-mean-tis-kl-chunked", "sum-norm-decoupled-4", "gspo-rloo",
+        "cispo-tis"])
 def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, overrides):
   """Rows 1 and 2 hold one group: with 2 micro-batches (rows 0, 2 and rows 1, 3) it is split,
   so its advantages must come from the whole batch."""
