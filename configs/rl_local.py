@@ -71,7 +71,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.max_prompt_tokens = 24  # Packed prompt capacity, bos included.
   # A step's rows are packed to the smallest of this many response capacities (the budget
   # worker.max_new_tokens, half of it, a quarter, ...) that holds its longest response: short
-  # responses cost short rows; at most this many step shapes compile. 1: always the budget.
+  # responses cost short rows; the step is compiled ahead for each. 1: always the budget.
   c.rl.response_buckets = 4
   c.rl.ack_deadline_s = 1800.0  # Taken groups come back if unacknowledged this long.
   c.rl.take_timeout_s = 600.0  # Give up when no rollout arrives for this long.

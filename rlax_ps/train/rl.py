@@ -16,6 +16,7 @@ alone keeps the host copy of the published weights and encodes them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -43,7 +44,7 @@ from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_loss import LossConfig, check_micro_batches, micro_batched_loss_and_grad, \
   response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
-  fit_response_len, response_stats
+  fit_response_len, response_lens, response_stats
 from rlax_ps.train.run import TrainerRun
 from rlax_ps.train.state import TrainState, hf_params, restore_or_init
 from rlax_ps.train.step import apply_gradients, jit_step
@@ -189,6 +190,10 @@ class RLTrainer(TrainerRun):
                                 schedule=self.schedule,
                                 updates_per_batch=int(rl.get("updates_per_batch", 1)),
                                 micro_batches=self.micro_batches)
+    # The step compiled ahead for each response capacity (_precompile), by batch shape.
+    self._compiles: dict[tuple[int, int], concurrent.futures.Future] = {}
+    self._compiler = None
+    self.precompiled_steps = 0  # steps that ran a step compiled ahead
     self.feed = PromptFeed(self._prompt_source(), int(config.seed))
     self.retire_solved = bool(rl.get("retire_solved", False))
     if self.retire_solved and not config.data.get("jsonl", ""):
@@ -308,6 +313,36 @@ class RLTrainer(TrainerRun):
     from jax.experimental import multihost_utils
     return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
+  def _precompile(self) -> None:
+    """Compile the step for each response capacity (rl.response_buckets), smallest first, on
+    a thread of its own: a batch that packs to a capacity not seen yet does not stop
+    training for its compile (minutes for a large model)."""
+    def abstract(tree):
+      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                          if isinstance(x, jax.Array) else x, tree)
+
+    state, ref = abstract(self.state), abstract(self.ref_params)
+    rows = self.shape.groups
+    self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl-compile")
+    for capacity in response_lens(self.shape.response_len, self.response_buckets):
+      shape = dataclasses.replace(self.shape, response_len=capacity)
+      batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=jax.sharding.NamedSharding(
+          self.mesh, shd.batch_spec(self.mesh, v.shape)))
+               for k, v in empty_batch(rows, shape, self.tokenizer.pad_id).items()}
+      self._compiles[(rows, capacity)] = self._compiler.submit(
+          lambda batch=batch: self.rl_step.lower(state, batch, ref).compile())
+
+  def _step_for(self, batch: dict):
+    """The step for this batch's shape: compiled ahead if that compile is done or under way
+    (waited for), else the jitted step (a compile queued behind others is dropped)."""
+    key = (len(batch["row_group"]), batch["response_tokens"].shape[-1])
+    future = self._compiles.get(key)
+    if future is None or future.cancel():
+      self._compiles.pop(key, None)
+      return self.rl_step
+    self.precompiled_steps += 1
+    return future.result()
+
   def _next_batch(self, go: bool) -> tuple[dict | None, list[Group] | None]:
     """(host batch, its groups) of the next step, or (None, None) to stop. The leader
     decides (`go`: its own limits) and takes the groups; every other process of a
@@ -343,6 +378,7 @@ class RLTrainer(TrainerRun):
     checkpoint, evaluate and write summary.json. Returns the summary."""
     t0 = time.time()
     self.start()
+    self._precompile()
     if self.warm_start_eval is None and self.heldout.size:
       self.warm_start_eval = self.evaluate()
       self.log_eval(self.warm_start_eval, self.step)
@@ -356,8 +392,8 @@ class RLTrainer(TrainerRun):
         batch, groups = self._next_batch(go)
         if batch is None:  # done, or stopped while waiting
           break
-        self.state, metrics = self.rl_step(self.state, shd.shard_batch(self.mesh, batch),
-                                           self.ref_params)
+        self.state, metrics = self._step_for(batch)(
+            self.state, shd.shard_batch(self.mesh, batch), self.ref_params)
         done = self.step
         metrics = {k: float(v) for k, v in shd.to_host(metrics).items()}
         samples += int(batch["sample_mask"].sum())
@@ -387,6 +423,8 @@ class RLTrainer(TrainerRun):
     finally:
       if steps_log is not None:
         steps_log.close()
+      if self._compiler is not None:  # compiles not begun are dropped
+        self._compiler.shutdown(wait=False, cancel_futures=True)
     self.save()
     self.checkpointer.wait()
     self._ack_durable()

@@ -56,6 +56,8 @@ def run(tmp_path_factory):
     summary = tr.train()
     params = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
     enqueued = tr.feed.position
+    compiled = {k: f.done() for k, f in tr._compiles.items()}
+    precompiled_steps = tr.precompiled_steps
   worker.stop()
   with client(server.address, "viewer") as vc:
     stats = vc.stats()
@@ -63,7 +65,7 @@ def run(tmp_path_factory):
     updates = [sync.Update.from_bytes(bytes(b)) for b in wc.pull(None)]
   yield dict(tmp=tmp, summary=summary, params=params, stats=stats, updates=updates,
              worker=worker, enqueued=enqueued, server=server, config=config,
-             exported_at=exported_at)
+             exported_at=exported_at, compiled=compiled, precompiled_steps=precompiled_steps)
   server.stop(grace=0)
 
 
@@ -86,6 +88,10 @@ def test_each_step_trains_on_whole_distinct_groups(run):
   assert all(1 <= s["response_len_mean"] <= s["response_len_max"] <= 6 for s in steps)
   assert all(s["truncated_frac"] == 0.0 for s in steps)
   assert all(s["response_capacity"] == 8 for s in steps)
+  # The step was compiled ahead for both capacities of the 16-token budget (4 rows each),
+  # and the steps ran the one compiled for 8.
+  assert set(run["compiled"]) == {(4, 8), (4, 16)}
+  assert run["precompiled_steps"] == len(steps)
   assert all(0 < s["entropy"] for s in steps)  # the trainer's policy, from the loss pass
 
 
