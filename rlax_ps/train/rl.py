@@ -340,8 +340,14 @@ class RLTrainer(TrainerRun):
     if future is None or future.cancel():
       self._compiles.pop(key, None)
       return self.rl_step
+    try:
+      compiled = future.result()
+    except Exception as e:  # noqa: BLE001: the jitted step compiles it again, or says why
+      logging.warning("rl: the step compiled ahead for %s failed (%s); compiling it now", key, e)
+      self._compiles.pop(key, None)
+      return self.rl_step
     self.precompiled_steps += 1
-    return future.result()
+    return compiled
 
   def _next_batch(self, go: bool) -> tuple[dict | None, list[Group] | None]:
     """(host batch, its groups) of the next step, or (None, None) to stop. The leader

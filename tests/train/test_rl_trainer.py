@@ -434,3 +434,24 @@ def test_retired_records_are_not_fed_again_and_the_checkpoint_keeps_them(tmp_pat
     assert len(sent) - before == tr.shape.groups
   with pytest.raises(ValueError, match="rl.retire_solved: expected data.jsonl"):
     RLTrainer(_config(retire_solved=True), str(tmp_path / "b"), object())
+
+
+def test_a_step_whose_compile_ahead_failed_or_is_queued_compiles_when_taken():
+  import concurrent.futures
+  tr = RLTrainer.__new__(RLTrainer)  # only the step choice: no run needed
+  tr.rl_step, tr.precompiled_steps = "jitted", 0
+  failed, queued, done = (concurrent.futures.Future() for _ in range(3))
+  failed.set_running_or_notify_cancel()
+  failed.set_exception(RuntimeError("out of memory while compiling"))
+  done.set_running_or_notify_cancel()
+  done.set_result("compiled")
+  tr._compiles = {(4, 8): failed, (4, 16): queued, (4, 32): done}
+
+  def batch(capacity):
+    return {"row_group": np.zeros(4), "response_tokens": np.zeros((4, 2, capacity))}
+
+  assert tr._step_for(batch(8)) == "jitted"  # the failure is logged, the step compiles
+  assert tr._step_for(batch(16)) == "jitted" and queued.cancelled()  # not waited for
+  assert tr._step_for(batch(32)) == "compiled" and tr.precompiled_steps == 1
+  assert tr._step_for(batch(64)) == "jitted"  # a shape not compiled ahead
+  assert set(tr._compiles) == {(4, 32)}
