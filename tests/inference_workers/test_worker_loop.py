@@ -425,7 +425,7 @@ def test_sigkill_leaves_leases_that_expire_and_are_served_again(server, versions
     assert seen <= back | answered  # (answered between the look and the kill: rare)
 
 
-@pytest.mark.parametrize("allocator", ["fixed", "vigor"])
+@pytest.mark.parametrize("allocator", ["fixed", pytest.param("vigor", marks=pytest.mark.slow)])
 def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(
     server, versions, allocator):
   """worker.environment by task: the addition prompts' turns are answered, and their

@@ -23,6 +23,7 @@ CONVERSATIONS = [
      {"role": "user", "content": f"{a}+{b}="}] for a, b in ((1, 2), (12, 34), (5, 5), (7, 8))]
 
 
+@pytest.mark.slow  # ~30 s; chat recipes run end to end in test_local's slow family runs too
 def test_conversations_are_rendered_sampled_to_a_stop_id_trained_and_exported(tmp_path):
   records = [{"prompt": m, "answer": str(sum(map(int, m[1]["content"][:-1].split("+")))),
               "task": "addition"} for m in CONVERSATIONS]

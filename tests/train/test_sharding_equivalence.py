@@ -109,9 +109,11 @@ MOE = MODEL.replace(num_layers=2, architecture="qwen3", qk_norm=True, num_expert
                     mlp_only_layers=(1,))
 
 
+# ~15 s each: slow (experts' sharding is also checked by test_expert_parallel).
 @pytest.mark.parametrize("model,moved", [
-    (GEMMA, ("layers", 0, "attn_out_norm", "scale")),
-    (MOE, ("layers", 0, "mlp", "experts", "down_proj"))], ids=["gemma", "moe"])
+    pytest.param(GEMMA, ("layers", 0, "attn_out_norm", "scale"), marks=pytest.mark.slow),
+    pytest.param(MOE, ("layers", 0, "mlp", "experts", "down_proj"), marks=pytest.mark.slow)],
+    ids=["gemma", "moe"])
 def test_other_families_step_as_on_one_device(model, moved, optimizer):
   # Gemma 3's sandwich and q/k norms, soft-capped logits and a window cutting the 32-token
   # rows, and Qwen3-MoE's router and stacked experts (their expert axis unsharded, the
