@@ -33,7 +33,6 @@ _LONGEST_FIRST = [
     "tests/train/test_lora.py", "tests/kernels/test_packed_model_logprobs.py",
     "tests/inference_workers/test_continuous_batching.py", "tests/train/test_rl_trainer.py",
     "tests/inference_workers/test_worker_loop.py", "tests/train/test_multihost.py",
-    "tests/train/test_rl_exactly_once.py", "tests/train/test_expert_parallel.py",
     "tests/train/test_sharding_equivalence.py", "tests/inference_workers/test_multi_turn.py",
     "tests/kernels/test_shared_prompt_window.py", "tests/models/test_routing_replay.py",
     "tests/param_server/test_weight_store.py", "tests/train/test_rl_chat.py",
