@@ -9,13 +9,12 @@ same worker token (the relay's own, from --token, $RLAX_PS_WORKER_TOKEN or --tok
 
 from __future__ import annotations
 
-import signal
-import threading
 
 from absl import app, logging
 
 from param_server import connect_flags
 from param_server.relay import RelayConfig, WeightRelay
+from param_server.signals import wait_for_stop
 from rlax_ps.dataclass_flags import define_flags, resolve
 
 define_flags(RelayConfig)
@@ -37,10 +36,7 @@ def main(argv) -> None:
         flush=True)
   if relay.metrics_port is not None:
     print(f"metrics on http://{config.host}:{relay.metrics_port}/metrics", flush=True)
-  done = threading.Event()
-  for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda *_: done.set())
-  done.wait()
+  wait_for_stop()
   logging.info("relay: shutting down (%d updates fetched, %d bytes served)", relay.fetches,
                relay.servicer.bytes_served)
   relay.stop(grace=2.0)

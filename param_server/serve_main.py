@@ -9,13 +9,12 @@ Settings come from `ServerConfig` defaults, then the `--config` file (its
 from __future__ import annotations
 
 import ctypes
-import signal
-import threading
 
 from absl import app, logging
 from ml_collections import config_flags
 
 from param_server.server import ParamServer, ServerConfig
+from param_server.signals import wait_for_stop
 from rlax_ps.dataclass_flags import define_flags, resolve
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "optional ml_collections file with server settings")
@@ -60,9 +59,6 @@ def main(argv) -> None:
   print(f"parameter server listening on {server.address}", flush=True)
   if server.metrics_port is not None:
     print(f"metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
-  done = threading.Event()
-  for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda *_: done.set())
-  done.wait()
+  wait_for_stop()
   logging.info("shutting down")
   server.stop(grace=2.0)
