@@ -299,12 +299,17 @@ class ParamServerClient:
     return self._with_retry("Publish", lambda: self._stub.Publish(
         chunks(), metadata=self._metadata, timeout=timeout))
 
-  def stream_pull(self, have_version: int | None = None):
+  def stream_pull(self, have_version: int | None = None,
+                  resume: tuple[int, int, int] | None = None):
     """The raw Pull stream from `have_version` (None: nothing held): the chunks
     (`pull_wire.PullChunkView`, data not copied) as they arrive, no retries; `cancel()`
-    it to stop early. A relay streams them to disk."""
-    return self._pull(PullProgress(have_version=have_version).request(),
-                      metadata=self._metadata)
+    it to stop early. `resume` = (version, base_version, bytes held) of a first update
+    already begun: the server starts there if that is still its first update. A relay
+    streams them to disk."""
+    request = PullProgress(have_version=have_version).request()
+    if resume is not None:
+      request.resume_version, request.resume_base_version, request.resume_offset = resume
+    return self._pull(request, metadata=self._metadata)
 
   def pull(self, have_version: int | None = None, *, progress: PullProgress | None = None,
            on_chunk: Callable[[pull_wire.PullChunkView], None] | None = None) -> list[bytearray]:

@@ -35,3 +35,8 @@ class NotFound(RequestError):
 class ResourceExhausted(RequestError):
   code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
+
+
+class Unavailable(RequestError):
+  """Not served now, worth retrying (a relay's link to the server stalled)."""
+  code = grpc.StatusCode.UNAVAILABLE

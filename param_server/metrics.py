@@ -95,6 +95,12 @@ class RelayCollector:
                               value=r.servicer.bytes_served)
     yield CounterMetricFamily(PREFIX + "relay_pulls_served", "pulls served",
                               value=r.servicer.pulls_served)
+    yield CounterMetricFamily(PREFIX + "relay_pulls_cut_through",
+                              "pulls served (in part) from an update still arriving",
+                              value=r.pulls_cut_through)
+    yield CounterMetricFamily(PREFIX + "relay_bytes_resumed",
+                              "bytes of broken streams from the server not sent again",
+                              value=r.bytes_resumed)
 
 
 def serve_metrics(collector, host: str, port: int):

@@ -6,8 +6,12 @@ The relay follows the server (Watch), pulls each new version once, streaming it 
 `Pull`, `Watch` and `GetLatest` from there. Every other call (leases, rollouts, heartbeats,
 stats) passes through to the server unchanged, the caller's token with it, so a worker
 points `--address` at its relay and needs nothing else. A pull that arrives while the relay
-is still fetching the version the server announced waits for it (up to `max_wait_s`), so a
-worker behind a relay is as current as one beside the server. Given
+is still fetching the version the server announced is served cut-through: the update's
+bytes go on to the worker as they arrive (read back from the file they stream into), so a
+worker behind a relay has a version about as soon as the relay does, however large it is.
+A stream from the server that breaks is resumed from the byte it broke at; the pulls
+reading it wait (up to `max_wait_s` without progress), then fail as UNAVAILABLE, which
+workers retry. Workers verify what they apply, as from the server. Given
 `--address=ipv4:RELAY_IP:PORT,SERVER_IP:PORT`, a worker talks to the server directly while
 its relay does not answer (gRPC's pick_first).
 """
@@ -15,6 +19,7 @@ its relay does not answer (gRPC's pick_first).
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 
@@ -25,9 +30,9 @@ from grpc_health.v1 import health_pb2
 from param_server import auth, errors
 from param_server.client import ParamServerClient, ParamServerError
 from param_server.protos import param_server_pb2 as pb
-from param_server.server import (MESSAGE_OVERHEAD, SERVICE_NAME, ParamServerServicer,
+from param_server.server import (MESSAGE_OVERHEAD, SERVICE_NAME, ParamServerServicer, PullSource,
                                  ServerConfig, grpc_server, method_handlers)
-from param_server.weights import WeightLimits, WeightStore
+from param_server.weights import PublishWriter, WeightLimits, WeightStore
 from rlax_ps.dataclass_flags import setting
 
 # What the relay answers itself (checking the caller's token); everything else goes to the
@@ -46,7 +51,8 @@ class RelayConfig:
   cache_bytes: int = setting(32 << 20, "recently read chunks kept in memory, shared by pulls")
   delta_history: int = setting(4, "deltas kept before the newest keyframe, for workers that lag")
   threads: int = setting(128, "handler threads (each long poll or stream holds one)")
-  max_wait_s: float = setting(60.0, "how long a pull waits for a version the relay is fetching")
+  max_wait_s: float = setting(60.0, "how long a pull waits for a version the relay is fetching "
+                              "to begin, or for its next bytes")
   poll_s: float = setting(30.0, "how often the relay asks the server's version besides watching "
                           "it (a server restarted on an empty store is noticed then)")
   tls_cert: str = setting("", "PEM certificate; with tls_key, serve TLS to the workers")
@@ -68,10 +74,63 @@ class RelayConfig:
                        f"{self.metrics_port}")
 
 
+class _Arriving:
+  """The update the relay is receiving from the server, readable while it arrives: pulls
+  read its bytes back from the file they stream into (a descriptor of their own, so the
+  file stays readable after the store takes it in)."""
+
+  def __init__(self, writer: PublishWriter, version: int, base_version: int):
+    self.writer = writer
+    self.version = version
+    self.base_version = base_version  # -1: a keyframe
+    self.nbytes = writer.total
+    self.received = 0
+    self.failed = ""  # why its readers must stop, once it cannot complete
+    self._changed = threading.Condition()
+    self._file = open(writer.path, "rb", buffering=0)
+
+  def write(self, offset: int, data) -> None:
+    self.writer.write(offset, data)
+    with self._changed:
+      self.received = self.writer.received
+      self._changed.notify_all()
+
+  def fail(self, why: str) -> None:
+    with self._changed:
+      self.failed = why
+      self._changed.notify_all()
+
+  def source(self, context, stopping: threading.Event, patience_s: float) -> PullSource:
+    """The update for a pull: `read` waits for the bytes it asks (at most `patience_s`
+    without progress, while the caller is there)."""
+
+    def read(start: int, stop: int) -> bytes:
+      with self._changed:
+        seen, since = self.received, time.monotonic()
+        while self.received < stop and not self.failed:
+          if stopping.is_set() or not context.is_active():
+            raise errors.Unavailable("Pull", "the relay is stopping")
+          if self.received != seen:
+            seen, since = self.received, time.monotonic()
+          elif time.monotonic() - since > patience_s:
+            raise errors.Unavailable("Pull", f"v{self.version} from the server stalled at byte "
+                                     f"{self.received} of {self.nbytes} for {patience_s:g}s")
+          self._changed.wait(0.5)
+        if self.failed:
+          raise errors.Unavailable("Pull", self.failed)
+      return os.pread(self._file.fileno(), stop - start, start)
+
+    return PullSource(self.version, self.base_version, self.nbytes, read)
+
+
+def _nothing_to_release() -> None:
+  pass
+
+
 class _RelayServicer(ParamServerServicer):
   """The server's weight handlers on the relay's store; a pull or a version query first
-  waits for the version the server announced; a publication is refused (it goes to the
-  server)."""
+  waits for the version the server announced (a pull only until it begins to arrive: it is
+  streamed on as it comes); a publication is refused (it goes to the server)."""
 
   def __init__(self, config: ServerConfig, weights: WeightStore, relay: "WeightRelay"):
     super().__init__(config, weights, queues=None)
@@ -93,8 +152,26 @@ class _RelayServicer(ParamServerServicer):
 
   def Pull(self, request, context):
     self._refuse_if_diverged(context, "Pull")
-    self._relay.wait_current(context)
     yield from super().Pull(request, context)
+
+  def _pull_plan(self, have, context):
+    """What is stored, then the update arriving (when it brings the server's latest)."""
+    arriving = self._relay.wait_current(context, cut_through=True)
+    if arriving is None or self.weights.latest >= arriving.version:
+      return super()._pull_plan(have, context)
+    if have is not None and have >= arriving.version:
+      return [], _nothing_to_release, arriving.version
+    source = arriving.source(context, self.stopping, self._relay.config.max_wait_s)
+    if arriving.base_version < 0:  # a keyframe: all a puller needs
+      with self._lock:
+        self._relay.pulls_cut_through += 1
+      return [source], _nothing_to_release, arriving.version
+    plan, release, latest = super()._pull_plan(have, context)
+    if latest >= arriving.version:  # stored meanwhile
+      return plan, release, latest
+    with self._lock:
+      self._relay.pulls_cut_through += 1
+    return plan + [source], release, arriving.version
 
 
 def _passing(method: str, channel: grpc.Channel, timeout_s: float):
@@ -129,6 +206,9 @@ class WeightRelay:
     self._metrics = None
     self.fetches = 0  # updates pulled from the server
     self.bytes_fetched = 0
+    self.bytes_resumed = 0  # bytes of broken streams from the server not sent again
+    self.pulls_cut_through = 0  # pulls served (in part) from an update still arriving
+    self._arriving: _Arriving | None = None
     self._changed = threading.Condition()
     self._stopping = threading.Event()
     limit = max(config.chunk_bytes, config.max_message_bytes) + MESSAGE_OVERHEAD
@@ -190,57 +270,96 @@ class WeightRelay:
 
   def _fetch(self) -> None:
     """Bring the store up to the server's latest, one update at a time, each streamed from
-    the server into a publication of the store (verified as the server verifies it)."""
+    the server into a publication of the store (verified as the server verifies it); an
+    update begun by a broken stream is resumed where it broke."""
     while self.weights.latest < self.server_latest and not self._stopping.is_set():
-      have = self.weights.latest
-      writer = None
-      call = self.upstream.stream_pull(None if have < 0 else have)
+      have, arriving = self.weights.latest, self._arriving
+      resume = None
+      if arriving is not None and arriving.received:
+        resume = (arriving.version, arriving.base_version, arriving.received)
+      call = self.upstream.stream_pull(None if have < 0 else have, resume=resume)
       try:
         for chunk in call:
+          if resume is not None:
+            if chunk.offset == resume[2]:
+              self.bytes_resumed += chunk.offset
+            resume = None
           if chunk.update_count == 0:  # nothing newer after all
+            self._drop_arriving(f"the server holds nothing newer than v{chunk.version}")
             with self._changed:
               self.server_latest = self.weights.latest
               self._changed.notify_all()
             return
-          if chunk.offset == 0:
-            writer = self.weights.begin_publish(chunk.update_bytes)
-          elif writer is None:
-            raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
-                                   f"chunk at offset {chunk.offset} of an update not begun")
-          writer.write(chunk.offset, chunk.data)
-          if writer.received == writer.total:
-            blob, _ = self.weights.commit(writer)
-            writer = None
-            self.fetches += 1
-            self.bytes_fetched += blob.nbytes
-            logging.info("relay: holds v%d (%s, %d bytes)", blob.version,
-                         "keyframe" if blob.is_keyframe else f"delta on v{blob.base_version}",
-                         blob.nbytes)
-            with self._changed:
-              self._changed.notify_all()
+          self._receive(chunk)
       except grpc.RpcError as e:
         raise ParamServerError("Pull", e.code(), e.details() or "") from None
       finally:
-        if writer is not None:
-          writer.abort()
         call.cancel()
       if self.weights.latest == have:
         raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
                                f"the server's stream ended before v{self.server_latest} arrived")
 
-  def wait_current(self, context) -> None:
+  def _receive(self, chunk) -> None:
+    """One chunk from the server: into the arriving update (begun by it, or resumed), which
+    is stored once complete."""
+    arriving = self._arriving
+    if arriving is not None and (arriving.version, arriving.base_version) == (
+        chunk.version, chunk.base_version) and chunk.offset == arriving.received != 0:
+      pass  # the next chunk, or the first of a resumed stream
+    elif chunk.offset == 0:
+      self._drop_arriving(f"the server sent another update than v{arriving.version}: pull again"
+                          if arriving is not None else "")
+      arriving = _Arriving(self.weights.begin_publish(chunk.update_bytes), chunk.version,
+                           chunk.base_version)
+      with self._changed:
+        self._arriving = arriving
+        self._changed.notify_all()
+    else:
+      raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
+                             f"chunk at offset {chunk.offset} of an update not begun")
+    arriving.write(chunk.offset, chunk.data)
+    if arriving.received < arriving.nbytes:
+      return
+    try:
+      blob, _ = self.weights.commit(arriving.writer)
+    except Exception as e:
+      self._drop_arriving(f"v{arriving.version} failed the relay's checks: {e}")
+      raise
+    self.fetches += 1
+    self.bytes_fetched += blob.nbytes
+    logging.info("relay: holds v%d (%s, %d bytes)", blob.version,
+                 "keyframe" if blob.is_keyframe else f"delta on v{blob.base_version}", blob.nbytes)
+    with self._changed:
+      self._arriving = None
+      self._changed.notify_all()
+
+  def _drop_arriving(self, why: str) -> None:
+    """Give up the update being received: its file goes, its readers stop with `why`."""
+    with self._changed:
+      arriving, self._arriving = self._arriving, None
+      self._changed.notify_all()
+    if arriving is not None:
+      arriving.fail(why or f"the relay gave up v{arriving.version}: pull again")
+      arriving.writer.abort()
+
+  def wait_current(self, context, cut_through: bool = False) -> _Arriving | None:
     """Wait (up to max_wait_s, while the caller is there) until the store holds the newest
-    version the server announced."""
+    version the server announced, or (`cut_through`) until that version begins to arrive:
+    then return it."""
     end = time.monotonic() + self.config.max_wait_s
     with self._changed:
       while (self.weights.latest < self.server_latest and not self._stopping.is_set()
              and context.is_active()):
+        arriving = self._arriving
+        if cut_through and arriving is not None and arriving.version == self.server_latest:
+          return arriving
         left = end - time.monotonic()
         if left <= 0:
           logging.warning("relay: serving v%d; v%d not fetched within %gs", self.weights.latest,
                           self.server_latest, self.config.max_wait_s)
-          return
+          return None
         self._changed.wait(min(left, 0.5))
+    return None
 
   # ------------------------------------------------------------ lifetime
 
@@ -275,6 +394,7 @@ class WeightRelay:
     self.upstream.close()  # ends the follower's watch
     if self._follower.is_alive():
       self._follower.join(timeout=10)
+    self._drop_arriving("the relay stopped")
 
   def __enter__(self) -> "WeightRelay":
     return self.start()

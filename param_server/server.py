@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from concurrent import futures
+from typing import Callable
 
 import grpc
 from absl import logging
@@ -125,6 +126,15 @@ def _streaming(method):
   return wrapper
 
 
+@dataclasses.dataclass(frozen=True)
+class PullSource:
+  """One update of a pull: its header and `read(start, stop)`, its bytes [start, stop)."""
+  version: int
+  base_version: int  # -1: a keyframe
+  nbytes: int
+  read: Callable[[int, int], object]
+
+
 @dataclasses.dataclass
 class _Worker:
   worker_id: str
@@ -185,14 +195,10 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def GetLatest(self, request, context):
     return self._version_info()
 
-  @_streaming
-  def Pull(self, request, context):
-    have = request.have_version if request.HasField("have_version") else None
-    if have is not None and have < -1:
-      raise errors.InvalidArgument("have_version", f"expected >= -1 or absent, got {have}")
-    if request.resume_offset < 0:
-      raise errors.InvalidArgument("resume_offset", f"expected >= 0, got {request.resume_offset}")
-    plan = self.weights.plan(None if have == -1 else have)
+  def _pull_plan(self, have: int | None, context) -> tuple[list["PullSource"], Callable[[], None], int]:
+    """(the updates that bring `have` to the latest, what releases them, the version they
+    reach): stored blobs, pinned until `release` runs."""
+    plan = self.weights.plan(have)
     released = threading.Event()
 
     def release():
@@ -200,32 +206,52 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
         released.set()
         self.weights.release(plan)
 
+    return [self._stored(b) for b in plan], release, plan[-1].version if plan else self.weights.latest
+
+  def _stored(self, blob) -> "PullSource":
+    array = None
+
+    def read(start: int, stop: int):
+      nonlocal array
+      if array is None:
+        array = self.weights.open_array(blob)
+      return self.weights.read_range(blob, array, start, stop)
+
+    return PullSource(blob.version, -1 if blob.base_version is None else blob.base_version,
+                      blob.nbytes, read)
+
+  @_streaming
+  def Pull(self, request, context):
+    have = request.have_version if request.HasField("have_version") else None
+    if have is not None and have < -1:
+      raise errors.InvalidArgument("have_version", f"expected >= -1 or absent, got {have}")
+    if request.resume_offset < 0:
+      raise errors.InvalidArgument("resume_offset", f"expected >= 0, got {request.resume_offset}")
+    plan, release, latest = self._pull_plan(None if have == -1 else have, context)
     context.add_callback(release)
     try:
       with self._lock:
         self.pulls_served += 1
       if not plan:
-        yield pull_wire.encode_pull_chunk(b"", update_count=0, version=self.weights.latest)
+        yield pull_wire.encode_pull_chunk(b"", update_count=0, version=latest)
         return
       start = 0
       first = plan[0]
-      first_base = -1 if first.base_version is None else first.base_version
       if (request.resume_offset and request.resume_version == first.version
-          and request.resume_base_version == first_base and request.resume_offset < first.nbytes):
+          and request.resume_base_version == first.base_version
+          and request.resume_offset < first.nbytes):
         start = request.resume_offset
       step = self.config.chunk_bytes
-      for index, blob in enumerate(plan):
-        array = self.weights.open_array(blob)
-        base = -1 if blob.base_version is None else blob.base_version
+      for index, update in enumerate(plan):
         offset = start if index == 0 else 0
-        while offset < blob.nbytes:
+        while offset < update.nbytes:
           if not context.is_active() or self.stopping.is_set():
             return
-          end = min(offset + step, blob.nbytes)
-          data = self.weights.read_range(blob, array, offset, end)
+          end = min(offset + step, update.nbytes)
+          data = update.read(offset, end)
           yield pull_wire.encode_pull_chunk(data, update_index=index, update_count=len(plan),
-                                            version=blob.version, base_version=base,
-                                            update_bytes=blob.nbytes, offset=offset)
+                                            version=update.version, base_version=update.base_version,
+                                            update_bytes=update.nbytes, offset=offset)
           with self._lock:
             self.bytes_served += end - offset
           offset = end

@@ -112,6 +112,7 @@ class PublishWriter:
       raise errors.InvalidArgument(
           "data", f"expected {self.total} bytes in all (total_bytes), got at least {self.received + len(data)}")
     self._file.write(data)
+    self._file.flush()  # readable from the file at once: a relay streams it on as it arrives
     self.sha256.update(data)
     self.received += len(data)
 

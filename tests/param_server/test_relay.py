@@ -84,9 +84,9 @@ def test_a_pull_waits_for_the_version_the_relay_is_fetching(server, trainer, sta
   _until(lambda: relay.weights.latest == 0)
   slow = relay.upstream.stream_pull
 
-  def after_a_second(*args):
+  def after_a_second(*args, **kwargs):
     time.sleep(1.0)
-    return slow(*args)
+    return slow(*args, **kwargs)
 
   relay.upstream.stream_pull = after_a_second
   versions.append(perturbed(versions[0], 0.05, seed=1))
@@ -96,6 +96,130 @@ def test_a_pull_waits_for_the_version_the_relay_is_fetching(server, trainer, sta
   with client_for(relay, "worker") as w:
     (delta,) = w.pull(have_version=0)  # as current as the server
   assert sync.Update.from_bytes(bytes(delta)).version == 1
+
+
+class _Broken(grpc.RpcError):
+  def code(self):
+    return grpc.StatusCode.UNAVAILABLE
+
+  def details(self):
+    return "link cut by the test"
+
+
+class _Upstream:
+  """The relay's Pull streams from the server, held back before their last chunk until
+  `go` is set, or (`break_after`) cut after that many chunks of the first stream."""
+
+  def __init__(self, relay, break_after=None):
+    self.stream_pull, self.calls = relay.upstream.stream_pull, []
+    self.held, self.go, self.break_after = threading.Event(), threading.Event(), break_after
+    self.last_bytes = 0
+    relay.upstream.stream_pull = self
+
+  def __call__(self, have=None, resume=None):
+    self.calls.append((have, resume))
+    call = self.stream_pull(have, resume=resume)
+    broken = self.break_after is not None and len(self.calls) == 1
+
+    class Stream:
+      def __iter__(s):
+        for i, chunk in enumerate(call):
+          if broken and i == self.break_after:
+            raise _Broken()
+          if (not broken and chunk.update_index == chunk.update_count - 1
+              and chunk.offset + len(chunk.data) == chunk.update_bytes):
+            self.last_bytes = len(chunk.data)
+            self.held.set()
+            self.go.wait(20)
+          yield chunk
+
+      def cancel(s):
+        call.cancel()
+
+    return Stream()
+
+
+def _big_keyframe(version=0):
+  weights = {"w": np.random.default_rng(3).normal(size=(128, 256)).astype(np.float32)}
+  return sync.encode(None, weights, "bf16", version=version).to_bytes()  # 16 chunks
+
+
+def _pull_in_thread(relay, out, received):
+  def pull():
+    with client_for(relay, "worker") as w:
+      out.append(w.pull(on_chunk=lambda c: received.append(len(c.data))))
+
+  thread = threading.Thread(target=pull)
+  thread.start()
+  return thread
+
+
+def test_a_version_arriving_at_the_relay_streams_on_to_workers_as_it_comes(
+    server, trainer, start_relay):
+  """Cut-through: a worker behind the relay holds all but the last chunk of a version while
+  the relay still waits for that chunk from the server."""
+  relay = start_relay(server)
+  upstream = _Upstream(relay)
+  keyframe = _big_keyframe()
+  trainer.publish(keyframe)
+  out, received = [], []
+  puller = _pull_in_thread(relay, out, received)
+  assert upstream.held.wait(10)
+  _until(lambda: sum(received) == len(keyframe) - upstream.last_bytes)
+  assert relay.weights.latest == -1 and relay.pulls_cut_through == 1  # not stored yet
+  upstream.go.set()
+  puller.join(timeout=20)
+  assert [bytes(b) for b in out[0]] == [keyframe]
+  _until(lambda: relay.weights.latest == 0)
+  # A delta on what the relay holds streams on the same way, after the stored part.
+  upstream.held.clear()
+  upstream.go.clear()
+  held = apply_blobs([keyframe])
+  delta = sync.encode(held, {k: v * 1.01 for k, v in held.items()}, "bf16", version=1).to_bytes()
+  trainer.publish(delta)
+  assert upstream.held.wait(10)
+  with client_for(relay, "worker") as w:
+    fresh = []
+    thread = threading.Thread(target=lambda: fresh.append(w.pull()))
+    thread.start()
+    _until(lambda: relay.pulls_cut_through == 2)
+    assert relay.weights.latest == 0
+    upstream.go.set()
+    thread.join(timeout=20)
+  assert [bytes(b) for b in fresh[0]] == [keyframe, delta]  # keyframe stored, delta arriving
+
+
+def test_a_broken_link_to_the_server_resumes_where_it_broke_and_pulls_wait_for_it(
+    server, trainer, start_relay):
+  relay = start_relay(server)
+  upstream = _Upstream(relay, break_after=3)
+  upstream.go.set()
+  keyframe = _big_keyframe()
+  out, received = [], []
+  trainer.publish(keyframe)
+  _until(lambda: relay._arriving is not None)
+  puller = _pull_in_thread(relay, out, received)
+  puller.join(timeout=20)
+  assert [bytes(b) for b in out[0]] == [keyframe]
+  _until(lambda: relay.weights.latest == 0)
+  assert upstream.calls[1] == (None, (0, -1, 3 * CHUNK))  # resumed at the break
+  assert relay.bytes_resumed == 3 * CHUNK and relay.fetches == 1
+
+
+def test_a_stalled_link_fails_pulls_as_unavailable_then_they_succeed(
+    server, trainer, start_relay):
+  relay = start_relay(server, max_wait_s=0.5)
+  upstream = _Upstream(relay)
+  keyframe = _big_keyframe()
+  trainer.publish(keyframe)
+  assert upstream.held.wait(10)
+  with client_for(relay, "worker") as w:
+    with pytest.raises(grpc.RpcError) as stalled:
+      list(w.stream_pull())
+    assert stalled.value.code() == grpc.StatusCode.UNAVAILABLE  # workers retry it
+    assert "stalled at byte" in stalled.value.details()
+    upstream.go.set()
+    assert [bytes(b) for b in w.pull()] == [keyframe]
 
 
 def test_leases_rollouts_and_heartbeats_pass_through_with_the_callers_token(
@@ -172,6 +296,8 @@ def test_the_relays_metrics_show_its_version_against_the_servers(server, trainer
   assert value("relay_bytes_fetched_total") == relay.bytes_fetched > 0
   assert value("relay_bytes_served_total") == relay.bytes_fetched  # one pull of the chain
   assert value("relay_pulls_served_total") == 1.0
+  assert value("relay_pulls_cut_through_total") == relay.pulls_cut_through
+  assert value("relay_bytes_resumed_total") == relay.bytes_resumed
 
 
 def test_a_relay_refuses_to_serve_a_run_older_than_what_it_holds(start_server, start_relay,
