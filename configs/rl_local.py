@@ -80,9 +80,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # step is filled with the first ones left out.
   c.rl.dynamic_sampling = False
   c.rl.dynamic_sampling_max_factor = 3.0
-  # data.jsonl: a record whose group came back all correct (every reward >= 1) is not fed
-  # again; its later epochs would spend rollouts on groups with no advantage.
-  c.rl.retire_solved = False
+  # Selective rollouts over data.jsonl's epochs (algorithms.selection): a record whose last
+  # z groups came back all correct (every reward >= 1) is fed again with probability
+  # revisit_solved ** z, one whose last z groups were all equal below 1 with revisit_failed
+  # ** z; 1.0: always (off), 0.0: never again. Such groups have no advantage to learn from.
+  c.rl.revisit_solved = 1.0
+  c.rl.revisit_failed = 1.0
 
   # The objective (rlax_ps.train.rl_loss.LossConfig).
   c.loss = ml_collections.ConfigDict()

@@ -32,6 +32,7 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
+from algorithms.selection import check_revisit, fed, next_streak
 from param_server.client import (ParamServerError, Prompt, routes_of, sample_logprobs,
                                   sample_observed)
 from rlax_ps import optim
@@ -195,18 +196,25 @@ class RLTrainer(TrainerRun):
     self._compiler = None
     self.precompiled_steps = 0  # steps that ran a step compiled ahead
     self.feed = PromptFeed(self._prompt_source(), int(config.seed))
-    self.retire_solved = bool(rl.get("retire_solved", False))
-    if self.retire_solved and not config.data.get("jsonl", ""):
-      raise ValueError("rl.retire_solved: expected data.jsonl (the built-in tasks' stream "
-                       "never repeats a prompt), got none")
+    if "retire_solved" in rl:
+      raise ValueError("rl.retire_solved: replaced by rl.revisit_solved (0.0: a solved record "
+                       "is not fed again)")
+    self.revisit = (check_revisit("rl.revisit_solved", rl.get("revisit_solved", 1.0)),
+                    check_revisit("rl.revisit_failed", rl.get("revisit_failed", 1.0)))
+    self.selective = self.revisit != (1.0, 1.0)
+    if self.selective and not config.data.get("jsonl", ""):
+      raise ValueError("rl.revisit_solved, rl.revisit_failed: expected data.jsonl (the "
+                       "built-in tasks' stream never repeats a prompt), got none")
     self.publisher = Publisher(client, str(config.publish.format),
                                int(config.publish.keyframe_every))
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
     self.heldout = heldout_lib.heldout_from_config(config, self.tasks, self.tokenizer)
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)
-    self.solved: set[int] = set()  # records whose group was all correct (rl.retire_solved)
-    self.retired = 0  # feed positions passed over as solved
+    # Records' streaks of groups with all-equal rewards (algorithms.selection), and the
+    # feed positions passed over for them.
+    self.streaks: dict[int, int] = {}
+    self.retired = 0
     self.trained_rollouts = 0
     self.resumed_samples = 0  # trained samples that a stopped worker began
     self.pending: list[PendingTake] = []  # takes trained on, not yet in a durable checkpoint
@@ -259,7 +267,7 @@ class RLTrainer(TrainerRun):
         "step": self.step,
         "data": self.feed.state(),
         "consumed": self.consumed,
-        "solved": sorted(self.solved),
+        "streaks": sorted(self.streaks.items()),
         "retired": self.retired,
         "trained_rollouts": self.trained_rollouts,
         "resumed_samples": self.resumed_samples,
@@ -273,7 +281,7 @@ class RLTrainer(TrainerRun):
   def _load_metadata(self, saved: dict[str, Any]) -> None:
     self.feed.restore(saved["data"])
     self.consumed = int(saved["consumed"])
-    self.solved = set(saved.get("solved", []))
+    self.streaks = {int(r): int(z) for r, z in saved.get("streaks", [])}
     self.retired = int(saved.get("retired", 0))
     self.trained_rollouts = int(saved.get("trained_rollouts", 0))
     self.resumed_samples = int(saved.get("resumed_samples", 0))
@@ -450,18 +458,19 @@ class RLTrainer(TrainerRun):
     if missing <= 0:
       return
     prompts = []
-    passed = 0  # solved records passed over in this call: at most an epoch's worth
+    passed = 0  # records passed over in this call: at most an epoch's worth
     while len(prompts) < missing:
       (index, rec), = self.feed.take(1)
-      if rec["record"] in self.solved:
+      streak = self.streaks.get(rec["record"], 0)
+      if streak and not fed(streak, int(self.config.seed), index, *self.revisit):
         if passed < self.feed.size:
           passed += 1
           self.retired += 1
           continue
         if passed == self.feed.size:  # an epoch of them: feed them rather than stall
           passed += 1
-          logging.warning("rl.retire_solved: every record of data.jsonl is solved; feeding "
-                          "solved ones again")
+          logging.warning("rl.revisit_*: a whole epoch of data.jsonl passed over; feeding "
+                          "its records again")
       ids = self.tokenizer.encode_prompt(rec["prompt"])
       if len(ids) > self.shape.prompt_len:  # its group would be rejected once sampled
         raise ValueError(f"rl.max_prompt_tokens: {self.shape.prompt_len} is too small for "
@@ -529,9 +538,13 @@ class RLTrainer(TrainerRun):
     valid = []
     for taken in taken_rollouts:
       self.consumed += 1
-      if self.retire_solved and "record" in taken.prompt.metadata and len(taken.group.samples) \
-          and min(s.reward for s in taken.group.samples) >= 1.0:
-        self.solved.add(int(taken.prompt.metadata["record"]))  # not sampled again
+      if self.selective and "record" in taken.prompt.metadata:
+        record = int(taken.prompt.metadata["record"])
+        streak = next_streak(self.streaks.get(record, 0), [s.reward for s in taken.group.samples])
+        if streak:
+          self.streaks[record] = streak
+        else:
+          self.streaks.pop(record, None)
       if taken.group.policy_version >= self.version and self._restart_floor is not None:
         self._restart_floor = None  # fresh rollouts arrive: the lost steps' came first
       if taken.rollout_id in self.skip_ids:
@@ -622,6 +635,8 @@ class RLTrainer(TrainerRun):
     }
     if self.dynamic:  # totals so far
       record.update(filtered=self.filtered, filled=self.filled)
+    if self.selective:  # totals so far: records passed over, records on a streak now
+      record.update(passed_over=self.retired, uniform_records=len(self.streaks))
     if "router_aux_loss" in metrics:  # a mixture of experts: its load balance (1 = even)
       record["router_aux_loss"] = metrics["router_aux_loss"]
     if self.shape.routed:  # routing replay: groups that brought routes, and how alike the
@@ -642,9 +657,9 @@ class RLTrainer(TrainerRun):
         w.add_scalar(f"rollouts/{k}", record[k], step)
     if "routed_frac" in record:
       w.add_scalar("rollouts/routed_frac", record["routed_frac"], step)
-    if "filtered" in record:  # totals so far: left out, and of those trained at the cap
-      w.add_scalar("rollouts/filtered", record["filtered"], step)
-      w.add_scalar("rollouts/filled", record["filled"], step)
+    for k in ("filtered", "filled", "passed_over", "uniform_records"):
+      if k in record:  # totals so far (dynamic sampling, selective rollouts)
+        w.add_scalar(f"rollouts/{k}", record[k], step)
     w.add_histogram("rollouts/staleness",
                     np.asarray([self.version - g.policy_version for g in groups]), step)
     for k, v in metrics.items():

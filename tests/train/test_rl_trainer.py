@@ -3,6 +3,7 @@ worker: steps take whole groups, versions are published and decode to the traine
 weights, groups are acknowledged only once checkpointed, prompts are paced, and a restart
 republishes a keyframe of the next version."""
 
+import collections
 import json
 import os
 import threading
@@ -392,14 +393,16 @@ def test_jsonl_prompts_and_heldout_records_are_scored_by_a_users_verifiers(tmp_p
     RLTrainer(config, str(tmp_path / "rl2"), object())
 
 
-def test_retired_records_are_not_fed_again_and_the_checkpoint_keeps_them(tmp_path):
-  """rl.retire_solved: a record whose group came back all correct is passed over from then
-  on (every record solved: fed again rather than stall); the solved set is checkpointed."""
+def test_records_whose_groups_stay_uniform_are_fed_less_and_the_checkpoint_keeps_them(tmp_path):
+  """Selective rollouts: rl.revisit_solved=0 retires a record answered all correct; with
+  rl.revisit_failed=0.5 one answered all wrong comes back about half as often, and as before
+  once a group of it carries a signal; the streaks are checkpointed; a whole epoch passed
+  over is fed anyway rather than stall."""
   from param_server.protos import param_server_pb2 as pb
   (tmp_path / "d.jsonl").write_text("".join(
       json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i), "task": "addition"}) + "\n"
-      for i in range(4)))
-  config = _config(retire_solved=True)
+      for i in range(8)))
+  config = _config(revisit_solved=0.0, revisit_failed=0.5)
   config.data.jsonl = str(tmp_path / "d.jsonl")
   sent = []
 
@@ -411,29 +414,40 @@ def test_retired_records_are_not_fed_again_and_the_checkpoint_keeps_them(tmp_pat
     return pb.TakenRollout(rollout_id=len(sent), prompt=prompt, group=pb.RolloutGroup(
         prompt_id=prompt.id, samples=[pb.Sample(token_ids=[1], reward=r) for r in rewards]))
 
+  def record(prompt):
+    return int(prompt.metadata["record"])
+
   with RLTrainer(config, str(tmp_path / "rl"), Queue()) as tr:
-    tr._feed_prompts()
-    first = list(sent)
-    records = {int(p.metadata["record"]) for p in first}
-    assert len(first) == tr.shape.groups and len(records) == len(first)
-    solved, unsolved = first[0], first[1]
-    tr._valid_groups([taken(solved, [1.0, 1.0]), taken(unsolved, [1.0, 0.0])])
-    assert tr.solved == {int(solved.metadata["record"])}
-    for _ in range(6):  # many epochs: the solved record never comes back
+    solved, failed, mixed = 0, 1, 2  # records
+    outcome = {solved: [1.0, 1.0], failed: [0.0, 0.0]}
+    for _ in range(40):  # 40 steps' groups, about 10 epochs
+      done = len(sent)
       tr._feed_prompts()
-      tr._valid_groups([taken(p, [0.0, 0.0]) for p in sent[len(first):]])
-      first = list(sent)
-    fed = [int(p.metadata["record"]) for p in sent[tr.shape.groups:]]
-    assert fed and int(solved.metadata["record"]) not in fed
-    assert tr.metadata()["solved"] == [int(solved.metadata["record"])]
+      tr._valid_groups([taken(p, outcome.get(record(p), [1.0, 0.0])) for p in sent[done:]])
+    fed = collections.Counter(record(p) for p in sent)
+    assert fed[solved] == 1  # retired after its first group
+    assert 1 <= fed[failed] < fed[mixed] / 2  # 1/2, 1/4, ... of its turns
+    assert tr.streaks[solved] == 1 and tr.streaks[failed] <= -2 and mixed not in tr.streaks
+    assert tr.metadata()["streaks"] == sorted(tr.streaks.items())
     assert tr.metadata()["retired"] == tr.retired > 0
-    tr.solved = set(range(4))  # all solved: fed anyway, not a stalled run
+    tr._valid_groups([taken(sent[-1], [1.0, 0.0]) for _ in [0]])  # a signal ends a streak
+    assert record(sent[-1]) not in tr.streaks
+    tr.streaks = {r: 1 for r in range(8)}  # all retired: fed anyway, not a stalled run
     tr.consumed = tr.feed.position - tr.retired
     before = len(sent)
     tr._feed_prompts()
     assert len(sent) - before == tr.shape.groups
-  with pytest.raises(ValueError, match="rl.retire_solved: expected data.jsonl"):
-    RLTrainer(_config(retire_solved=True), str(tmp_path / "b"), object())
+    saved = tr.metadata()
+  with RLTrainer(config, str(tmp_path / "rl2"), Queue()) as again:
+    again._load_metadata(saved)
+    assert again.streaks == {r: 1 for r in range(8)}
+  with pytest.raises(ValueError, match="rl.revisit_solved, rl.revisit_failed: expected "
+                                       "data.jsonl"):
+    RLTrainer(_config(revisit_failed=0.5), str(tmp_path / "b"), object())
+  with pytest.raises(ValueError, match="rl.revisit_failed: expected a probability"):
+    RLTrainer(_config(revisit_failed=1.5), str(tmp_path / "c"), object())
+  with pytest.raises(ValueError, match="rl.retire_solved: replaced by rl.revisit_solved"):
+    RLTrainer(_config(retire_solved=True), str(tmp_path / "d"), object())
 
 
 def test_a_step_whose_compile_ahead_failed_or_is_queued_compiles_when_taken():
