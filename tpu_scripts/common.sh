@@ -22,15 +22,29 @@ gtpu() {
   run gcloud compute tpus tpu-vm "$@" --project="$TPU_PROJECT" --zone="$TPU_ZONE"
 }
 
-# ship_repo NAME: copy this checkout (as `git archive`, so no venvs or runs) to every host
-# of TPU VM NAME and install it with the TPU extra. Its status is that of the first step that
-# failed, also where the caller has turned `set -e` off.
+# gvm: the same for plain Compute Engine VMs (a weight relay needs no accelerator).
+gvm() {
+  run gcloud compute "$@" --project="$TPU_PROJECT" --zone="$TPU_ZONE"
+}
+
+# ship_repo NAME [vm]: copy this checkout (as `git archive`, so no venvs or runs) to every
+# host of TPU VM NAME and install it with the TPU extra (setup_vm.sh: Python 3.11+ in
+# .venv); with `vm`, to Compute Engine VM NAME, without it. Its status is that of the first step that failed, also where the caller
+# has turned `set -e` off.
 ship_repo() {
-  local name="$1" tarball status=0
+  local name="$1" kind="${2:-tpu}" tarball status=0 extras="tpu,parquet"
+  local install="mkdir -p $RLAX_PS_DIR && tar xzf rlax-ps.tar.gz -C $RLAX_PS_DIR && cd $RLAX_PS_DIR && bash tpu_scripts/setup_vm.sh"
   tarball="$(mktemp -t rlax-ps-XXXX.tar.gz)" || return 1
+  if [[ "$kind" == "vm" ]]; then
+    extras="parquet"
+    copy() { gvm scp "$tarball" "$name:rlax-ps.tar.gz"; }
+    remote() { gvm ssh "$name" --command="$1"; }
+  else
+    copy() { gtpu scp "$tarball" "$name:rlax-ps.tar.gz" --worker=all; }
+    remote() { gtpu ssh "$name" --worker=all --command="$1"; }
+  fi
   if ! { run git -C "$REPO_ROOT" archive --format=tar.gz -o "$tarball" "$RLAX_PS_REF" &&
-         gtpu scp "$tarball" "$name:rlax-ps.tar.gz" --worker=all &&
-         gtpu ssh "$name" --worker=all --command="mkdir -p $RLAX_PS_DIR && tar xzf rlax-ps.tar.gz -C $RLAX_PS_DIR && cd $RLAX_PS_DIR && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu,parquet]'"; }; then
+         copy && remote "$install $extras"; }; then
     status=1
   fi
   rm -f "$tarball"

@@ -22,7 +22,7 @@ def run(script, *args, env=ENV):
 
 
 @pytest.mark.parametrize("script", ["common.sh", "launch_trainer.sh", "launch_workers.sh",
-                                    "teardown.sh"])
+                                    "launch_relay.sh", "setup_vm.sh", "teardown.sh"])
 def test_scripts_parse(script):
   assert subprocess.run(["bash", "-n", str(SCRIPTS / script)]).returncode == 0
 
@@ -92,9 +92,10 @@ def test_every_command_passes_the_real_gcloud_parser(tmp_path):
              TPU_STATES="w-0 PREEMPTED")
   outs = [run("launch_trainer.sh", "trainer-a", "v4-8", env=env),
           run("launch_workers.sh", "w", "2", "v5litepod-4", env=env),
+          run("launch_relay.sh", "relay-a", env=env),
           run("teardown.sh", "w", env=env)]
   commands = {tuple(l) for out in outs for l in gcloud_lines(out)}
-  assert len(commands) >= 9
+  assert len(commands) >= 13
   gcloud_env = dict(os.environ, CLOUDSDK_CONFIG=str(tmp_path), CLOUDSDK_CORE_DISABLE_PROMPTS="1")
   for argv in sorted(commands):
     got = subprocess.run([GCLOUD, *argv[1:]], env=gcloud_env, capture_output=True, text=True,
@@ -105,6 +106,70 @@ def test_every_command_passes_the_real_gcloud_parser(tmp_path):
   for out in (run("launch_workers.sh", "w", "2", "v5litepod-4", env=env), run("teardown.sh", "w", env=env)):
     assert out.returncode == 1 and "account" in out.stderr, out.stderr[-2000:]
     assert "unrecognized" not in out.stderr and "gcloud" not in out.stdout
+
+
+def test_a_relay_vm_follows_the_server_and_tells_how_workers_reach_it():
+  env = dict(ENV, SERVER_ADDRESS="10.1.2.3:50051", WORKER_TOKEN="s3cret", RELAY_PORT="50060")
+  out = run("launch_relay.sh", "relay-a", env=env)
+  assert out.returncode == 0, out.stderr
+  lines = gcloud_lines(out)
+  create = lines[0]
+  assert create[:5] == ["gcloud", "compute", "instances", "create", "relay-a"]
+  assert not any("spot" in a.lower() for a in create)  # the zone's pulls depend on it
+  assert all("--project=proj-x" in l and "--zone=zone-y" in l for l in lines)
+  install, start = (next(a for a in l if a.startswith("--command=")) for l in lines[-2:])
+  assert "tpu_scripts/setup_vm.sh parquet" in install  # no TPU extra on a plain VM
+  assert "preemption_watchdog --restart -- .venv/bin/rlax-ps relay --address=10.1.2.3:50051 " \
+         "--host=0.0.0.0 --port=50060" in start
+  assert "--token" not in start and "RLAX_PS_WORKER_TOKEN='s3cret'" in start
+  assert "SERVER_ADDRESS=ipv4:<relay-a's internal IP>:50060,10.1.2.3:50051" in out.stdout
+  for bad, message in ((dict(SERVER_ADDRESS="ipv4:a:1,b:2"), "SERVER_ADDRESS: expected the "
+                        "server's host:port"), (dict(RELAY_PORT="x"), "RELAY_PORT"),
+                       (dict(WORKER_TOKEN=""), "WORKER_TOKEN")):
+    refused = run("launch_relay.sh", "relay-a", env=dict(env, **bad))
+    assert refused.returncode != 0 and message in refused.stderr
+    assert "gcloud" not in refused.stdout
+
+
+FAKE_SETUP_TOOLS = {
+    # python3 says it is 3.10 (Ubuntu 22.04's) unless $NEW_PYTHON3 is set.
+    "python3": '[[ "$1" == -c ]] && { [[ -n "${NEW_PYTHON3:-}" ]]; exit; }\n'
+               'echo "python3 $*" >> "$LOG"; mkdir -p .venv/bin\n'
+               'printf \'#!/usr/bin/env bash\\necho "pip $*" >> "$LOG"\\n\' > .venv/bin/pip\n'
+               'chmod +x .venv/bin/pip',
+    "sudo": 'exec env "$@"',  # as sudo: VAR=value settings first
+    "apt-get": 'echo "apt-get $*" >> "$LOG"\n'
+               '[[ "$*" == *"install -y python3.11 "* ]] && cp "$BIN/python3" "$BIN/python3.11"\n'
+               'exit 0',
+}
+
+
+@pytest.mark.parametrize("new_python3", [False, True])
+def test_setup_vm_makes_a_python_3_11_venv_where_the_image_has_an_older_one(tmp_path,
+                                                                           new_python3):
+  """Ubuntu 22.04 (the TPU runtimes) has Python 3.10: python3.11 comes from apt first."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  for name, body in FAKE_SETUP_TOOLS.items():
+    (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body + "\n")
+    (bin_dir / name).chmod(0o755)
+  for tool in ("bash", "env", "mkdir", "chmod", "cp"):  # nothing else: no python3.11 of this host
+    (bin_dir / tool).symlink_to(shutil.which(tool))
+  log = tmp_path / "log"
+  log.write_text("")
+  env = dict(PATH=str(bin_dir), LOG=str(log), BIN=str(bin_dir),
+             **({"NEW_PYTHON3": "1"} if new_python3 else {}))
+  out = subprocess.run(["bash", str(SCRIPTS / "setup_vm.sh"), "tpu,parquet"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  calls = log.read_text().splitlines()
+  if new_python3:
+    assert calls == ["python3 -m venv .venv", "pip install -q -e .[tpu,parquet]"]
+  else:
+    assert calls[0] == "apt-get -qq update"
+    assert calls[1] == "apt-get -qq install -y python3.11 python3.11-venv"
+    assert calls[2:] == ["python3 -m venv .venv", "pip install -q -e .[tpu,parquet]"]
+    assert (bin_dir / "python3.11").exists()  # what made the venv
 
 
 def test_workers_are_spot_vms_under_the_watchdog_and_token_stays_off_argv():

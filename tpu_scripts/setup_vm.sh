@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Run on a VM in the root of the shipped checkout: make .venv with Python 3.11+ and install
+# rlax-ps with the extras given. Ubuntu 22.04 (the TPU runtimes' base) has Python 3.10, so
+# python3.11 and its venv module come from the distribution first where python3 is older.
+#
+#   bash tpu_scripts/setup_vm.sh tpu,parquet
+set -euo pipefail
+
+extras="${1:-}"
+apt_install() {
+  sudo apt-get -qq update && sudo DEBIAN_FRONTEND=noninteractive apt-get -qq install -y "$@"
+}
+
+py=python3
+if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  py=python3.11
+  command -v "$py" > /dev/null || apt_install python3.11 python3.11-venv
+fi
+if ! "$py" -m venv .venv; then  # the distribution packs the venv module apart
+  apt_install "$("$py" -c 'import sys; print("python3.%d-venv" % sys.version_info[1])')"
+  "$py" -m venv .venv
+fi
+.venv/bin/pip install -q -e ".${extras:+[$extras]}"
