@@ -8,7 +8,9 @@ stats) passes through to the server unchanged, the caller's token with it, so a 
 points `--address` at its relay and needs nothing else. A pull that arrives while the relay
 is still fetching the version the server announced is served cut-through: the update's
 bytes go on to the worker as they arrive (read back from the file they stream into), so a
-worker behind a relay has a version about as soon as the relay does, however large it is.
+worker behind a relay has a version about as soon as the relay does, however large it is;
+Watch and GetLatest announce a version once it begins to arrive, so relays in tiers (a
+region's, then a zone's following it) pipeline it the same way.
 A stream from the server that breaks is resumed from the byte it broke at; the pulls
 reading it wait (up to `max_wait_s` without progress), then fail as UNAVAILABLE, which
 workers retry. Workers verify what they apply, as from the server. Given
@@ -135,6 +137,15 @@ class _RelayServicer(ParamServerServicer):
   def __init__(self, config: ServerConfig, weights: WeightStore, relay: "WeightRelay"):
     super().__init__(config, weights, queues=None)
     self._relay = relay
+    self._version_changed = relay._changed
+
+  def _latest(self) -> int:
+    return self._relay.announced()
+
+  def _version_info(self) -> pb.VersionInfo:
+    info = super()._version_info()
+    info.latest_version = max(info.latest_version, self._relay.announced())
+    return info
 
   def Publish(self, request_iterator, context):
     self._rejections.abort(context, "Publish", errors.FailedPrecondition(
@@ -147,7 +158,7 @@ class _RelayServicer(ParamServerServicer):
 
   def GetLatest(self, request, context):
     self._refuse_if_diverged(context, "GetLatest")
-    self._relay.wait_current(context)
+    self._relay.wait_current(context, cut_through=True)
     return super().GetLatest(request, context)
 
   def Pull(self, request, context):
@@ -155,7 +166,11 @@ class _RelayServicer(ParamServerServicer):
     yield from super().Pull(request, context)
 
   def _pull_plan(self, have, context):
-    """What is stored, then the update arriving (when it brings the server's latest)."""
+    """What is stored, then the update arriving (when it brings the server's latest). A
+    puller holding all this relay knows of may have heard of a newer version from the
+    server (its heartbeat): the relay asks the server first."""
+    if (-1 if have is None else have) >= self._relay.announced():
+      self._relay.refresh()
     arriving = self._relay.wait_current(context, cut_through=True)
     if arriving is None or self.weights.latest >= arriving.version:
       return super()._pull_plan(have, context)
@@ -341,6 +356,21 @@ class WeightRelay:
     if arriving is not None:
       arriving.fail(why or f"the relay gave up v{arriving.version}: pull again")
       arriving.writer.abort()
+
+  def announced(self) -> int:
+    """The newest version a pull gets here now: the store's, or the one arriving for the
+    server's latest (served cut-through)."""
+    arriving = self._arriving
+    if arriving is not None and arriving.version == self.server_latest:
+      return max(self.weights.latest, arriving.version)
+    return self.weights.latest
+
+  def refresh(self) -> None:
+    """Ask the server its latest version now (besides watching it)."""
+    try:
+      self._announce(self.upstream.latest_version(), asked=True)
+    except ParamServerError as e:
+      logging.warning("relay: asking %s its version failed (%s)", self.upstream.address, e)
 
   def wait_current(self, context, cut_through: bool = False) -> _Arriving | None:
     """Wait (up to max_wait_s, while the caller is there) until the store holds the newest

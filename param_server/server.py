@@ -159,8 +159,13 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self.pulls_served = 0
     self.started = time.monotonic()
     self.stopping = threading.Event()
+    self._version_changed = weights.changed  # notified as _latest() may change
 
   # ------------------------------------------------------------ weights
+
+  def _latest(self) -> int:
+    """The newest version a pull gets now (what Watch announces)."""
+    return self.weights.latest
 
   def _version_info(self) -> pb.VersionInfo:
     return pb.VersionInfo(**self.weights.info())
@@ -263,12 +268,12 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     if request.after_version < -1:
       raise errors.InvalidArgument("after_version", f"expected >= -1, got {request.after_version}")
     last = request.after_version
-    changed = self.weights.changed
+    changed = self._version_changed
     while context.is_active() and not self.stopping.is_set():
       with changed:
-        if self.weights.latest <= last:
+        if self._latest() <= last:
           changed.wait(timeout=0.5)
-        latest = self.weights.latest
+        latest = self._latest()
       if latest > last:
         last = latest
         yield self._version_info()
