@@ -54,6 +54,7 @@ from inference_workers.shared_prefix import DecodeFn, SharedPrefixCache
 from rlax_ps import sharding as shd
 from inference_workers.worker_config import KV_DTYPES
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
+from rlax_ps.kernels.kv_quant import QuantizedKV, kv_write
 
 
 @jax.tree_util.register_dataclass
@@ -99,14 +100,16 @@ def _slot_shardings(slots: Slots, mesh):
   """Where each part of the slots lives on a worker's mesh: its leading dim (slots, rows or
   outputs) split over data, the KV caches' heads over tensor, as far as they divide."""
   cache = slots.cache
-  heads = {id(x) for x in cache.prefix_k + cache.prefix_v + cache.suffix_k + cache.suffix_v}
+  caches = cache.prefix_k + cache.prefix_v + cache.suffix_k + cache.suffix_v
+  heads = {id(x) for x in jax.tree.leaves(caches)}
+  scales = {id(x.scales) for x in caches if isinstance(x, QuantizedKV)}  # [.., S, Hkv]
 
   def spec(x):
     if not x.ndim:
       return NamedSharding(mesh, P())
     entries = ["data"] + [None] * (x.ndim - 1)
     if id(x) in heads:
-      entries[x.ndim - 2] = "tensor"
+      entries[x.ndim - (1 if id(x) in scales else 2)] = "tensor"
     return NamedSharding(mesh, shd.fit_spec(P(*entries), x.shape, mesh))
 
   return jax.tree.map(spec, slots)
@@ -161,7 +164,7 @@ def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, limits
   logits, filled, prompt_routes = prefill(model, tokens, lens, p, record_routes)
 
   def put(buf, new):
-    return buf.at[slot_ids, :p].set(new.astype(buf.dtype), mode="drop")
+    return kv_write(buf, (slot_ids, slice(None, p)), new)
 
   cache = c.replace(prefix_k=tuple(map(put, c.prefix_k, filled.k)),
                     prefix_v=tuple(map(put, c.prefix_v, filled.v)),
@@ -215,7 +218,7 @@ def _feed_rows(graphdef, state, slots: Slots, row_ids, tokens, counts, *, record
                                          record_routes=record_routes)
   back = (jnp.where(ok, slot, s), j)  # the rows not fed write nothing back
   def put(bufs, news):
-    return tuple(buf.at[back].set(new[:, 0], mode="drop") for buf, new in zip(bufs, news))
+    return tuple(kv_write(buf, back, new[:, 0]) for buf, new in zip(bufs, news))
 
   cache = c.replace(suffix_k=put(c.suffix_k, sub.suffix_k), suffix_v=put(c.suffix_v, sub.suffix_v),
                     index=c.index.at[back].add(counts, mode="drop"))
@@ -365,9 +368,9 @@ def _grow(slots: Slots, length: int) -> Slots:
     return jnp.pad(a, [(0, 0), (0, length - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
 
   c = slots.cache
-  return dataclasses.replace(
-      slots, cache=c.replace(prefix_k=tuple(map(pad, c.prefix_k)),
-                             prefix_v=tuple(map(pad, c.prefix_v))),
+  return dataclasses.replace(  # (an int8 cache: its codes and scales alike)
+      slots, cache=c.replace(prefix_k=jax.tree.map(pad, c.prefix_k),
+                             prefix_v=jax.tree.map(pad, c.prefix_v)),
       prompt_routes=None if slots.prompt_routes is None else pad(slots.prompt_routes))
 
 
@@ -430,9 +433,9 @@ class ContinuousBatch:
   `mesh` (the model's weights on it): the slots split over its data axis and the caches'
   heads over tensor; every step is traced with it in context, so attention runs per device.
   `kv_dtype` (one of KV_DTYPES; None: the model's compute dtype): what the caches hold k/v
-  in; float8_e4m3fn fits twice the rows of a bf16 cache in the same memory, and on TPU the
-  decode kernel reads it at that width (widening a block at a time in VMEM; XLA elsewhere
-  widens each layer's cache first).
+  in; float8_e4m3fn, or int8 with a scale per token and head, fits twice the rows of a bf16
+  cache in the same memory, and on TPU the decode kernel reads it at that width (widening
+  a block at a time in VMEM; XLA elsewhere widens each layer's cache first).
   """
 
   def __init__(self, model, n: int, slots: int, params: SamplingParams = SamplingParams(), *,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from rlax_ps.kernels.dispatch import (shared_prefix_decode_attention,
                                       shared_prefix_extend_attention)
+from rlax_ps.kernels.kv_quant import kv_write, kv_zeros
 from rlax_ps.models.attention import with_sinks
 
 # decode_fn(q [B,N,H,D], prefix_k, prefix_v [B,Sp,Hkv,D], prefix_lens [B],
@@ -31,7 +32,8 @@ DecodeFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 @flax.struct.dataclass
 class SharedPrefixCache:
-  """Prefix k/v per layer [B, Sp, Hkv, D] shared by N samples; suffix k/v [B, N, Ss, Hkv, D].
+  """Prefix k/v per layer [B, Sp, Hkv, D] shared by N samples; suffix k/v [B, N, Ss, Hkv, D]
+  (arrays, or `kv_quant.QuantizedKV`s for an int8 cache).
 
   Prefix slots [0, prefix_lens[b]) hold prompt b; suffix slots [0, index[b, j]) hold the
   tokens sample j of prompt b generated so far. Every sample advances T tokens a call (1: a
@@ -51,16 +53,17 @@ class SharedPrefixCache:
             decode_fn: DecodeFn = shared_prefix_decode_attention,
             dtype=None) -> "SharedPrefixCache":
     """B prompt slots of n samples, each holding a one-token prompt and nothing generated;
-    k/v held in `dtype` (default: the model's compute dtype; float8_e4m3fn halves a bf16
-    cache, read back in the compute dtype)."""
+    k/v held in `dtype` (default: the model's compute dtype; float8_e4m3fn or int8 (codes
+    with a scale per token and head, `kv_quant`) halve a bf16 cache, read back in the
+    compute dtype)."""
     dtype = jnp.dtype(config.dtype if dtype is None else dtype)
     kv = (config.num_kv_heads, config.head_dim)
     layers = range(config.num_layers)
-    return cls(prefix_k=tuple(jnp.zeros((b, prefix_len) + kv, dtype) for _ in layers),
-               prefix_v=tuple(jnp.zeros((b, prefix_len) + kv, dtype) for _ in layers),
+    return cls(prefix_k=tuple(kv_zeros((b, prefix_len) + kv, dtype) for _ in layers),
+               prefix_v=tuple(kv_zeros((b, prefix_len) + kv, dtype) for _ in layers),
                prefix_lens=jnp.ones((b,), jnp.int32),
-               suffix_k=tuple(jnp.zeros((b, n, suffix_len) + kv, dtype) for _ in layers),
-               suffix_v=tuple(jnp.zeros((b, n, suffix_len) + kv, dtype) for _ in layers),
+               suffix_k=tuple(kv_zeros((b, n, suffix_len) + kv, dtype) for _ in layers),
+               suffix_v=tuple(kv_zeros((b, n, suffix_len) + kv, dtype) for _ in layers),
                index=jnp.zeros((b, n), jnp.int32), decode_fn=decode_fn)
 
   @property
@@ -88,11 +91,9 @@ class SharedPrefixCache:
     hkv = k.shape[2]
     at = (jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None],
           self.index[:, :, None] + jnp.arange(t))
-    new_k = self.suffix_k[layer].at[at].set(
-        k.reshape(b, n, t, hkv, d).astype(self.suffix_k[layer].dtype), mode="drop")
-    new_v = self.suffix_v[layer].at[at].set(
-        v.reshape(b, n, t, hkv, d).astype(self.suffix_v[layer].dtype), mode="drop")
-    # The caches go as they are held (fp8 too): the attention widens them as it reads.
+    new_k = kv_write(self.suffix_k[layer], at, k.reshape(b, n, t, hkv, d))
+    new_v = kv_write(self.suffix_v[layer], at, v.reshape(b, n, t, hkv, d))
+    # The caches go as they are held (fp8, int8 too): the attention widens them as it reads.
     prefix_k, prefix_v = self.prefix_k[layer], self.prefix_v[layer]
     if t == 1:
       out, lse = self.decode_fn(q.reshape(b, n, h, d), prefix_k, prefix_v, self.prefix_lens,

@@ -11,7 +11,7 @@ from rlax_ps.dataclass_flags import setting
 
 # What a decode cache may hold keys and values in: float8 halves a bf16 cache with no scales
 # (values read back in the compute dtype), as vLLM's fp8 cache does by default.
-KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
+KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
 
 
 @dataclasses.dataclass
@@ -32,10 +32,12 @@ class WorkerConfig:
   rows_per_prompt: int = setting(0, "decode rows per prompt (0: samples_per_prompt); fewer: "
                                  "a row takes the prompt's next sample when its own ends")
   kv_cache_dtype: str = setting("", "dtype of the decode cache's keys and values: '' = the "
-                                "model's compute dtype; float8_e4m3fn halves a bf16 cache "
-                                "(twice the rows in the same memory, half the bytes a TPU "
-                                "decode step reads; no scales, as vLLM's fp8 cache; the "
-                                "behaviour log-probs are the ones sampled with)")
+                                "model's compute dtype; float8_e4m3fn or int8 halve a bf16 "
+                                "cache (twice the rows in the same memory, half the bytes a "
+                                "TPU decode step reads); int8 keeps a scale per token and "
+                                "head (closer to the policy; TPUs before v6 widen int8 "
+                                "natively, not fp8), fp8 none, as vLLM's; the behaviour "
+                                "log-probs are the ones sampled with")
   decode_chunk_steps: int = setting(32, "most decode steps between two looks at new weights, "
                                     "leases and stop requests")
   in_flight_updates: bool = setting(False, "apply new weights between decode chunks at once, "

@@ -5,7 +5,8 @@ Pass 1 puts all N samples' queries of a KV head in one [N*G, D] tile, so every
 prefix block is read from HBM once per step for the whole group; pass 2 runs
 each sample's query against its own suffix cache. The two partials are merged
 by log-sum-exp (reference.merge_lse). Caches stay in the model's
-[.., S, Hkv, D] layout, viewed as lane-dense [S, Hkv*D] tiles. A sliding window
+[.., S, Hkv, D] layout, viewed as lane-dense [S, Hkv*D] tiles; an int8 cache's scales
+[.., S, Hkv] come block by block beside its codes. A sliding window
 gives each query row a first visible key ([M, 128] int32 tile, lanes equal); the
 blocks below a grid row's least one are neither fetched nor computed. A softcap
 caps each block's scaled logits before the mask.
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from rlax_ps.kernels.kv_quant import QuantizedKV
 from rlax_ps.kernels.reference import (cap_logits, check_decode, check_softcap, check_window,
                                        decode_window_starts, default_scale, merge_lse)
 
@@ -33,14 +35,16 @@ _NT = (((1,), (1,)), ((), ()))
 
 
 def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, num_row_blocks,
-                   sm_scale, windowed, bounded, softcap):
+                   sm_scale, windowed, bounded, softcap, scaled):
   refs = list(refs)
   hi_ref = refs.pop(0)
   lo_ref = refs.pop(0) if windowed else None
   q_ref = refs.pop(0)
   start_ref = refs.pop(0) if windowed else None
   end_ref = refs.pop(0) if bounded else None
-  k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
+  k_ref, v_ref = refs.pop(0), refs.pop(0)
+  ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
+  o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
   x, r, s_idx = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block = x * num_row_blocks + r
   length = hi_ref[block]  # the keys any row of this block sees end here
@@ -59,10 +63,14 @@ def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, num_row_b
   def _compute():
     for h in range(num_kv_heads):
       q = q_ref[h]  # [M, D]
-      # A cache held narrower than the queries (fp8) widens here, a block at a time: HBM
-      # is read at the cache's width.
-      k = k_ref[:, h * head_dim:(h + 1) * head_dim].astype(q.dtype)  # [bs, D]
-      v = v_ref[:, h * head_dim:(h + 1) * head_dim].astype(q.dtype)
+      # A cache held narrower than the queries (fp8, int8) widens here, a block at a time:
+      # HBM is read at the cache's width. int8 codes take their token's scale ([bs, 1]).
+      k = k_ref[:, h * head_dim:(h + 1) * head_dim]  # [bs, D]
+      v = v_ref[:, h * head_dim:(h + 1) * head_dim]
+      if scaled:
+        k = k.astype(jnp.float32) * ks_ref[:, h:h + 1]
+        v = v.astype(jnp.float32) * vs_ref[:, h:h + 1]
+      k, v = k.astype(q.dtype), v.astype(q.dtype)
       # The last block may overhang the cache (unspecified values): zero those rows of v
       # so that 0 * garbage cannot reach the output.
       v_rows = s_idx * block_s + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
@@ -101,7 +109,8 @@ def _row_tile(rows, m_pad: int, fill: int):
 
 def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=False,
                           starts=None, ends=None, softcap=None, block_m=512):
-  """q [X, Hkv, M, D] attends k, v [X, S, Hkv, D] up to lens [X] (<= S):
+  """q [X, Hkv, M, D] attends k, v [X, S, Hkv, D] (arrays, or int8 `QuantizedKV`s) up to
+  lens [X] (<= S):
   -> (o [X, Hkv, M, D] f32, lse [X, Hkv, M] f32). starts [X, M] (optional): query row m
   sees keys from index starts[x, m] on; ends [X, M] (optional, <= lens): row m sees keys
   below ends[x, m]. Rows go `block_m` at a time; the key blocks a row block's bounds
@@ -109,6 +118,9 @@ def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=Fal
   softcap * tanh(s / softcap)."""
   x, hkv, m, d = q.shape
   s = k.shape[1]
+  scaled = isinstance(k, QuantizedKV)
+  if scaled:
+    k, v, k_scales, v_scales = k.values, v.values, k.scales, v.scales
   bs = min(block_s, s)
   nb = pl.cdiv(s, bs)  # no copy of the cache: a partial last block is masked in the kernel
   bm = m if m <= block_m else block_m - block_m % 8  # a multiple of 8 sublanes, or all rows
@@ -151,9 +163,13 @@ def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=Fal
   in_specs += [pl.BlockSpec((None, bs, hkv * d), kv_map),
                pl.BlockSpec((None, bs, hkv * d), kv_map)]
   operands += [k2, v2]
+  if scaled:  # [X, S, Hkv] float32: each key block's scales beside it
+    in_specs += [pl.BlockSpec((None, bs, hkv), kv_map), pl.BlockSpec((None, bs, hkv), kv_map)]
+    operands += [k_scales, v_scales]
   kernel = functools.partial(_decode_kernel, num_kv_heads=hkv, head_dim=d, block_s=bs,
                              num_blocks=nb, num_row_blocks=mb, sm_scale=sm_scale,
-                             windowed=windowed, bounded=bounded, softcap=softcap)
+                             windowed=windowed, bounded=bounded, softcap=softcap,
+                             scaled=scaled)
   o, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -205,8 +221,8 @@ def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k
   # Pass 2: each sample's [Hkv, G, D] query against its own suffix.
   ss = suffix_k.shape[2]
   o2, l2 = decode_partial_pallas(
-      qg.reshape(b * n, hkv, g, d), suffix_k.reshape(b * n, ss, hkv, d),
-      suffix_v.reshape(b * n, ss, hkv, d), suffix_lens.reshape(b * n), sm_scale=scale,
+      qg.reshape(b * n, hkv, g, d), suffix_k.reshape((b * n, ss, hkv, d)),
+      suffix_v.reshape((b * n, ss, hkv, d)), suffix_lens.reshape(b * n), sm_scale=scale,
       block_s=block_s, interpret=interpret, starts=suf_start, softcap=softcap)
   return merge_lse(o1, l1, o2.reshape(b, n, h, d), l2.reshape(b, n, h), out_dtype=q.dtype)
 
@@ -245,7 +261,7 @@ def shared_prefix_extend_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k
   ss = suffix_k.shape[2]
   q_suf = jnp.transpose(qg, (0, 1, 3, 2, 4, 5)).reshape(b * n, hkv, t * g, d)
   o2, l2 = decode_partial_pallas(
-      q_suf, suffix_k.reshape(b * n, ss, hkv, d), suffix_v.reshape(b * n, ss, hkv, d),
+      q_suf, suffix_k.reshape((b * n, ss, hkv, d)), suffix_v.reshape((b * n, ss, hkv, d)),
       jnp.minimum(index + t, ss).reshape(b * n), sm_scale=scale, block_s=block_s,
       block_m=block_m, interpret=interpret, starts=suf_start,
       ends=jnp.repeat(ends.reshape(b * n, t), g, axis=1), softcap=softcap)

@@ -22,6 +22,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from rlax_ps.kernels import decode_tpu, reference, shared_prompt_gpu, shared_prompt_tpu
+from rlax_ps.kernels.kv_quant import kv_widen
 from rlax_ps.kernels.layout import SharedPromptLayout
 from rlax_ps.kernels.schedule import BlockSizes
 
@@ -57,7 +58,9 @@ def _per_device(fn, args, heads: tuple[int, ...], head_dims: tuple[int | None, .
       entries[head_dim] = tensor
     return P(*entries)
 
-  in_specs = tuple(spec(a.ndim, h) for a, h in zip(args, head_dims))
+  # An int8 cache (kv_quant.QuantizedKV): its scales have the heads where its codes do.
+  in_specs = tuple(jax.tree.map(lambda leaf, h=h: spec(leaf.ndim, h), a)
+                   for a, h in zip(args, head_dims))
   out_shapes = jax.eval_shape(fn, *args)
   out_specs = tuple(spec(o.ndim, h) for o, h in zip(out_shapes, out_head_dims))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -118,11 +121,11 @@ def shared_prompt_attention(q, k, v, layout: SharedPromptLayout, *, sm_scale=Non
 
 def _widened(fn):
   """fn with the caches (prefix_k, prefix_v, suffix_k, suffix_v) in the queries' dtype: a
-  cache may be held narrower (fp8); XLA widens it whole, the Pallas kernel a block at a
-  time."""
+  cache may be held narrower (fp8, int8 with scales); XLA widens it whole, the Pallas
+  kernel a block at a time."""
   def run(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, lens):
     prefix_k, prefix_v, suffix_k, suffix_v = (
-        x.astype(q.dtype) for x in (prefix_k, prefix_v, suffix_k, suffix_v))
+        kv_widen(x, q.dtype) for x in (prefix_k, prefix_v, suffix_k, suffix_v))
     return fn(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, lens)
   return run
 

@@ -56,7 +56,9 @@ def test_a_worker_on_four_devices_samples_as_a_worker_on_one(versions, tmp_path,
       with client(server, "trainer") as trainer, client(server, "worker") as wc:
         trainer.publish(sync.encode(None, versions[0], fmt, version=0).to_bytes())
         enqueue_addition(trainer, 4)
-        config = WorkerConfig(max_leases=2, weights_format=fmt, **SMALL, **extra)
+        # int8 weights with an int8 cache: its codes and scales split over the mesh alike.
+        config = WorkerConfig(max_leases=2, weights_format=fmt, **SMALL, **extra,
+                              kv_cache_dtype="int8" if fmt == "int8" else "")
         worker = Worker(wc, CONFIG, TOKENIZER, config)
         assert worker.run().groups_submitted == 4
         made[name] = {r.group.prompt_id: [(list(s.token_ids), sample_logprobs(s), s.reward)
@@ -65,6 +67,9 @@ def test_a_worker_on_four_devices_samples_as_a_worker_on_one(versions, tmp_path,
         if extra:  # the weights it sampled with were split, and it held them exactly
           assert "tensor" in str(_spec(worker.policy, "layers.0.mlp.up_proj.kernel"))
           assert same_held(worker.policy, versions[0], fmt)
+          if fmt == "int8":
+            cache = worker._batch._slots.cache.suffix_k[0]
+            assert cache.values.sharding.spec[3] == cache.scales.sharding.spec[3] == "tensor"
     finally:
       server.stop(grace=0)
   assert made["four"].keys() == made["one"].keys() and len(made["one"]) == 4

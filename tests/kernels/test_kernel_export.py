@@ -12,6 +12,7 @@ from jax import export
 
 from rlax_ps.kernels.dispatch import (shared_prefix_decode_attention,
                                       shared_prefix_extend_attention, shared_prompt_attention)
+from rlax_ps.kernels.kv_quant import QuantizedKV
 from rlax_ps.kernels.layout import make_layout
 
 B, N, P, R, H, HKV, D = 1, 3, 200, 100, 4, 2, 128  # P, R not block multiples
@@ -88,6 +89,26 @@ def test_decode_kernel_lowers_for_tpu_reading_fp8_caches():
   assert len(calls) == 2  # prefix and suffix passes, each reading its fp8 cache as it is
   assert all(re.search(r": \(tensor<\d+xi32>, tensor<[0-9x]+bf16>(, tensor<[0-9x]+xf8E4M3FN>){2}\)",
                        l) for l in calls), calls
+
+
+@pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
+def test_decode_kernels_lower_for_tpu_reading_int8_caches_with_scales(extend):
+  """worker.kv_cache_dtype=int8: the kernels take the int8 codes and their float32 scales
+  per token and head as held, block by block (no widened copy in HBM)."""
+  q, *rest = (_extend_args if extend else _decode_args)(jnp.bfloat16)
+
+  def held(a):
+    return QuantizedKV(jax.ShapeDtypeStruct(a.shape, jnp.int8),
+                       jax.ShapeDtypeStruct(a.shape[:-1], jnp.float32))
+
+  args = [q] + [held(a) if i in (0, 1, 3, 4) else a for i, a in enumerate(rest)]
+  attend = shared_prefix_extend_attention if extend else shared_prefix_decode_attention
+  exp = export.export(jax.jit(functools.partial(attend, block_s=256)), platforms=["tpu"])(*args)
+  assert _kernel_names(exp) == {"shared_prefix_decode"}
+  calls = [l for l in exp.mlir_module().splitlines() if "tpu_custom_call" in l]
+  assert len(calls) == 2
+  assert all(re.search(r"(, tensor<[0-9x]+xi8>){2}(, tensor<[0-9x]+xf32>){2}\)", l)
+             for l in calls), calls
 
 
 # Triton calls carry no serialization-compatibility guarantee; we only need the lowering.

@@ -15,6 +15,7 @@ from kernel_cases import ODD_GQA_PADDED
 from rlax_ps import sharding as shd
 from rlax_ps.kernels.dispatch import (shared_prefix_decode_attention,
                                       shared_prefix_extend_attention, shared_prompt_attention)
+from rlax_ps.kernels.kv_quant import quantize
 
 # Two rows, 4 q heads over 2 kv heads: rows split over data, heads over tensor.
 MESH_AXES = {"data": 2, "fsdp": 1, "tensor": 2}
@@ -57,8 +58,9 @@ def test_training_attention_per_device_equals_one_device(backend, kw):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("held", [None, "int8"])
 @pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
-def test_decode_attention_per_device_equals_one_device(extend):
+def test_decode_attention_per_device_equals_one_device(extend, held):
   ks = jax.random.split(jax.random.key(7), 5)
   b, n, h, hkv, d, s, ss, t = 2, 3, 4, 2, 16, 20, 12, 3
   q = jax.random.normal(ks[0], (b, n, t, h, d) if extend else (b, n, h, d))
@@ -67,6 +69,8 @@ def test_decode_attention_per_device_equals_one_device(extend):
           jax.random.normal(ks[3], (b, n, ss, hkv, d)),
           jax.random.normal(ks[4], (b, n, ss, hkv, d)),
           np.array([[1, 9, 0], [3, 0, 7]], np.int32))  # lengths, or where t tokens go
+  if held:  # int8 codes and their scales split alike (heads over tensor)
+    args = tuple(quantize(a) if i in (1, 2, 4, 5) else a for i, a in enumerate(args))
   attend = functools.partial(
       shared_prefix_extend_attention if extend else shared_prefix_decode_attention,
       backend="pallas_tpu", interpret=True, block_s=8)

@@ -12,6 +12,7 @@ import pytest
 from rlax_ps.kernels import reference
 from rlax_ps.kernels.dispatch import (shared_prefix_decode_attention,
                                       shared_prefix_extend_attention)
+from rlax_ps.kernels.kv_quant import kv_widen, kv_write, kv_zeros, quantize
 
 B, N, H, HKV, D = 2, 3, 4, 2, 16
 PREFIX, SUFFIX = 20, 12  # not multiples of the block (8)
@@ -102,21 +103,48 @@ def test_extend_pallas_matches_the_xla_path(window, softcap):
   np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("held", ["float8_e4m3fn", "int8"])
 @pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
-def test_fp8_caches_are_widened_alike_by_the_kernel_and_the_xla_path(extend):
-  """Caches held in fp8 (worker.kv_cache_dtype): the Pallas kernel widens each block as it
-  reads it, XLA the whole cache first; both give what the widened caches give."""
+def test_narrow_caches_are_widened_alike_by_the_kernel_and_the_xla_path(extend, held):
+  """Caches held in fp8, or int8 codes with a scale per token and head
+  (worker.kv_cache_dtype): the Pallas kernel widens each block as it reads it, XLA the whole
+  cache first; both give what the widened caches give."""
   if extend:
     q, pk, pv, pl, sk, sv, lens = _extend_inputs()
     attend = shared_prefix_extend_attention
   else:
     q, pk, pv, pl, sk, sv, lens = _inputs(jnp.float32)
     attend = shared_prefix_decode_attention
-  f8 = [x.astype(jnp.float8_e4m3fn) for x in (pk, pv, sk, sv)]
-  widened = [x.astype(jnp.float32) for x in f8]
+  if held == "int8":
+    narrow = [quantize(x) for x in (pk, pv, sk, sv)]
+  else:
+    narrow = [x.astype(held) for x in (pk, pv, sk, sv)]
+  widened = [kv_widen(x, jnp.float32) for x in narrow]
   want = jax.jit(functools.partial(attend, backend="xla"))(
       q, widened[0], widened[1], pl, widened[2], widened[3], lens)
   for kw in (dict(backend="xla"), dict(backend="pallas_tpu", interpret=True, block_s=8)):
-    got = jax.jit(functools.partial(attend, **kw))(q, f8[0], f8[1], pl, f8[2], f8[3], lens)
+    got = jax.jit(functools.partial(attend, **kw))(q, narrow[0], narrow[1], pl, narrow[2],
+                                                   narrow[3], lens)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
+  if held == "int8":  # and the scales matter: codes read as they are would differ
+    raw = [x.values.astype(jnp.float32) for x in narrow]
+    off = jax.jit(functools.partial(attend, backend="xla"))(q, raw[0], raw[1], pl, raw[2],
+                                                            raw[3], lens)
+    assert np.abs(np.asarray(off[0]) - np.asarray(want[0])).max() > 1e-2
+
+
+def test_int8_codes_keep_each_token_within_half_a_level_of_its_range():
+  x = jax.random.normal(jax.random.key(0), (3, 5, 2, 16)) * jnp.arange(1, 4)[:, None, None, None]
+  x = x.at[0, 0, 0].set(0.0)  # a token of zeros: scale 1, codes 0
+  held = quantize(x)
+  assert held.values.dtype == jnp.int8 and held.scales.shape == (3, 5, 2)
+  err = np.abs(np.asarray(kv_widen(held, jnp.float32) - x))
+  half_level = np.asarray(jnp.max(jnp.abs(x), axis=-1) / 127 / 2)[..., None]
+  assert (err <= half_level + 1e-6).all()
+  assert np.asarray(held.values).max() == 127 or np.asarray(held.values).min() == -127
+  assert float(held.scales[0, 0, 0]) == 1.0 and not np.asarray(held.values[0, 0, 0]).any()
+  buf = kv_zeros((3, 5, 2, 16), "int8")
+  buf = kv_write(buf, (jnp.arange(3), 1), x[:, 1])
+  np.testing.assert_array_equal(buf.values[:, 1], held.values[:, 1])
+  assert buf[1].shape == (5, 2, 16) and buf.nbytes == 3 * 5 * 2 * (16 + 4)

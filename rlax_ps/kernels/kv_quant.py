@@ -1,0 +1,86 @@
+"""KV caches held as int8 codes with a scale per token and KV head (a worker's
+`kv_cache_dtype=int8`): half a bf16 cache, and every TPU generation widens int8 natively.
+
+`QuantizedKV(values int8 [..., S, Hkv, D], scales float32 [..., S, Hkv])` stands where a
+cache array does; these helpers take either: `kv_zeros` makes one, `kv_write` stores new
+k/v (quantized on the way in), `kv_widen` reads it back in a compute dtype, indexing
+(`x[i]`) selects in both parts. A token's keys of one head round to the nearest of 255
+levels of their largest magnitude (symmetric), so the error per element is at most half a
+level of that token's own range. The decode kernels take it as held and widen a block at a
+time (`decode_tpu`); XLA widens first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+LEVELS = 127
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantizedKV:
+  values: jax.Array  # int8 [..., S, Hkv, D]
+  scales: jax.Array  # float32 [..., S, Hkv]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.values.shape
+
+  @property
+  def ndim(self) -> int:
+    return self.values.ndim
+
+  @property
+  def dtype(self):
+    return self.values.dtype
+
+  @property
+  def nbytes(self) -> int:
+    return self.values.nbytes + self.scales.nbytes
+
+  def __getitem__(self, index) -> "QuantizedKV":
+    return QuantizedKV(self.values[index], self.scales[index])
+
+  def reshape(self, *shape) -> "QuantizedKV":
+    """A new shape of the leading dims (S, Hkv and D stay)."""
+    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+    return QuantizedKV(self.values.reshape(shape), self.scales.reshape(shape[:-1]))
+
+
+def quantize(x) -> QuantizedKV:
+  """k or v [..., Hkv, D] -> int8 codes and a scale per [..., Hkv] (its largest |x| / 127)."""
+  x = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=-1)
+  scales = jnp.where(amax > 0, amax / LEVELS, 1.0)
+  values = jnp.clip(jnp.round(x / scales[..., None]), -LEVELS, LEVELS).astype(jnp.int8)
+  return QuantizedKV(values, scales)
+
+
+def kv_zeros(shape: tuple[int, ...], dtype) -> jax.Array | QuantizedKV:
+  """An empty cache [..., S, Hkv, D] held in `dtype` (int8: a QuantizedKV)."""
+  if jnp.dtype(dtype) == jnp.int8:
+    return QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.ones(shape[:-1], jnp.float32))
+  return jnp.zeros(shape, dtype)
+
+
+def kv_write(buf, index, new):
+  """buf with `new` (k or v, any float dtype, or already a QuantizedKV) at `index` (out of
+  range: dropped), in the dtype buf holds."""
+  if isinstance(buf, QuantizedKV):
+    if not isinstance(new, QuantizedKV):
+      new = quantize(new)
+    return QuantizedKV(buf.values.at[index].set(new.values, mode="drop"),
+                       buf.scales.at[index].set(new.scales, mode="drop"))
+  return buf.at[index].set(new.astype(buf.dtype), mode="drop")
+
+
+def kv_widen(x, dtype):
+  """A cache as an array of `dtype` (an int8 one dequantized)."""
+  if isinstance(x, QuantizedKV):
+    return (x.values.astype(jnp.float32) * x.scales[..., None]).astype(dtype)
+  return x.astype(dtype)
+
