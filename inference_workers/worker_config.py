@@ -35,9 +35,8 @@ class WorkerConfig:
                                 "model's compute dtype; float8_e4m3fn or int8 halve a bf16 "
                                 "cache (twice the rows in the same memory, half the bytes a "
                                 "TPU decode step reads); int8 keeps a scale per token and "
-                                "head (closer to the policy; TPUs before v6 widen int8 "
-                                "natively, not fp8), fp8 none, as vLLM's; the behaviour "
-                                "log-probs are the ones sampled with")
+                                "head (closer to the policy), fp8 none, as vLLM's; the "
+                                "behaviour log-probs are the ones sampled with")
   decode_chunk_steps: int = setting(32, "most decode steps between two looks at new weights, "
                                     "leases and stop requests")
   in_flight_updates: bool = setting(False, "apply new weights between decode chunks at once, "

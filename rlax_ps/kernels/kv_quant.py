@@ -1,5 +1,5 @@
 """KV caches held as int8 codes with a scale per token and KV head (a worker's
-`kv_cache_dtype=int8`): half a bf16 cache, and every TPU generation widens int8 natively.
+`kv_cache_dtype=int8`): half a bf16 cache, closer to it than fp8 without scales.
 
 `QuantizedKV(values int8 [..., S, Hkv, D], scales float32 [..., S, Hkv])` stands where a
 cache array does; these helpers take either: `kv_zeros` makes one, `kv_write` stores new
