@@ -144,6 +144,19 @@ def _big_keyframe(version=0):
   return sync.encode(None, weights, "bf16", version=version).to_bytes()  # 16 chunks
 
 
+def _held_back_pull(trainer, upstream, target):
+  """Publish a keyframe whose last chunk `upstream` holds back, pull it from `target` on a
+  thread; return (keyframe, what the pull returns, the thread) once the pull holds all but
+  that chunk."""
+  keyframe = _big_keyframe()
+  trainer.publish(keyframe)
+  out, received = [], []
+  puller = _pull_in_thread(target, out, received)
+  assert upstream.held.wait(10)
+  _until(lambda: sum(received) == len(keyframe) - upstream.last_bytes)
+  return keyframe, out, puller
+
+
 def _pull_in_thread(relay, out, received):
   def pull():
     with client_for(relay, "worker") as w:
@@ -160,12 +173,7 @@ def test_a_version_arriving_at_the_relay_streams_on_to_workers_as_it_comes(
   the relay still waits for that chunk from the server."""
   relay = start_relay(server)
   upstream = _Upstream(relay)
-  keyframe = _big_keyframe()
-  trainer.publish(keyframe)
-  out, received = [], []
-  puller = _pull_in_thread(relay, out, received)
-  assert upstream.held.wait(10)
-  _until(lambda: sum(received) == len(keyframe) - upstream.last_bytes)
+  keyframe, out, puller = _held_back_pull(trainer, upstream, relay)
   assert relay.weights.latest == -1 and relay.pulls_cut_through == 1  # not stored yet
   upstream.go.set()
   puller.join(timeout=20)
@@ -424,12 +432,7 @@ def test_relays_in_tiers_stream_a_version_on_as_it_arrives(server, trainer, star
   region = start_relay(server)
   upstream = _Upstream(region)
   zone = start_relay(region, storage_dir=str(tmp_path / "zone"))
-  keyframe = _big_keyframe()
-  trainer.publish(keyframe)
-  out, received = [], []
-  puller = _pull_in_thread(zone, out, received)
-  assert upstream.held.wait(10)
-  _until(lambda: sum(received) == len(keyframe) - upstream.last_bytes)
+  keyframe, out, puller = _held_back_pull(trainer, upstream, zone)
   assert region.weights.latest == zone.weights.latest == -1  # neither has stored it yet
   upstream.go.set()
   puller.join(timeout=20)
