@@ -224,6 +224,9 @@ class WeightRelay:
     self.bytes_resumed = 0  # bytes of broken streams from the server not sent again
     self.pulls_cut_through = 0  # pulls served (in part) from an update still arriving
     self._arriving: _Arriving | None = None
+    self._refreshing = threading.Lock()
+    self._refreshed_at = -1.0
+    self.refreshes = 0  # times a pull made the relay ask the server's version
     self._changed = threading.Condition()
     self._stopping = threading.Event()
     limit = max(config.chunk_bytes, config.max_message_bytes) + MESSAGE_OVERHEAD
@@ -366,11 +369,18 @@ class WeightRelay:
     return self.weights.latest
 
   def refresh(self) -> None:
-    """Ask the server its latest version now (besides watching it)."""
-    try:
-      self._announce(self.upstream.latest_version(), asked=True)
-    except ParamServerError as e:
-      logging.warning("relay: asking %s its version failed (%s)", self.upstream.address, e)
+    """Ask the server its latest version now (besides watching it). Callers that arrive
+    while an asking is under way take its answer (many pulls at once ask once)."""
+    called = time.monotonic()
+    with self._refreshing:
+      if self._refreshed_at >= called:
+        return
+      try:
+        self._announce(self.upstream.latest_version(), asked=True)
+        self.refreshes += 1
+      except ParamServerError as e:
+        logging.warning("relay: asking %s its version failed (%s)", self.upstream.address, e)
+      self._refreshed_at = time.monotonic()
 
   def wait_current(self, context, cut_through: bool = False) -> _Arriving | None:
     """Wait (up to max_wait_s, while the caller is there) until the store holds the newest
