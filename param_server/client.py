@@ -269,10 +269,13 @@ class ParamServerClient:
     self.max_request_bytes = reply.max_request_bytes
     return reply.worker_id
 
-  def heartbeat(self, version: int = -1, tokens_per_s: float = 0.0, worker_id: str | None = None) -> int:
-    """Reports the version held and the generation speed; returns the latest version."""
+  def heartbeat(self, version: int = -1, tokens_per_s: float = 0.0, worker_id: str | None = None,
+                kind: str = "") -> int:
+    """Reports the version held and the generation speed (kind "relay": a weight relay's
+    version); returns the latest version."""
     return self._call("Heartbeat", pb.HeartbeatRequest(
-        worker_id=self._require_worker(worker_id), version=version, tokens_per_s=tokens_per_s)).latest_version
+        worker_id=self._require_worker(worker_id), version=version, tokens_per_s=tokens_per_s,
+        kind=kind)).latest_version
 
   def stats(self) -> pb.Stats:
     return self._call("GetStats", pb.GetStatsRequest())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import threading
 import time
 
@@ -40,6 +41,7 @@ from rlax_ps.dataclass_flags import setting
 # What the relay answers itself (checking the caller's token); everything else goes to the
 # server, which checks it. A publication is refused: it belongs to the server.
 SERVED_HERE = ("GetLatest", "Pull", "Watch")
+REPORT_S = 5.0  # how often the relay tells the server the version it holds
 
 
 @dataclasses.dataclass
@@ -57,6 +59,8 @@ class RelayConfig:
                               "to begin, or for its next bytes")
   poll_s: float = setting(30.0, "how often the relay asks the server's version besides watching "
                           "it (a server restarted on an empty store is noticed then)")
+  name: str = setting("", "the relay's id in the server's stats (`rlax-ps status`); default "
+                      "relay@HOSTNAME:PORT")
   tls_cert: str = setting("", "PEM certificate; with tls_key, serve TLS to the workers")
   tls_key: str = setting("", "PEM private key")
   metrics_port: int = setting(-1, "serve Prometheus metrics (no token) on http://host:PORT/"
@@ -246,7 +250,9 @@ class WeightRelay:
         threads=config.threads, limit=limit, host=config.host, port=config.port,
         tls_cert=config.tls_cert, tls_key=config.tls_key)
     self.address = f"{config.host}:{self.port}"
+    self.relay_id = config.name or f"relay@{socket.gethostname()}:{self.port}"
     self._follower = threading.Thread(target=self._follow, name="relay-follow", daemon=True)
+    self._reporter = threading.Thread(target=self._report, name="relay-report", daemon=True)
 
   # ------------------------------------------------------------ following the server
 
@@ -269,6 +275,16 @@ class WeightRelay:
           return
         logging.warning("relay: following %s failed (%s); retrying", self.upstream.address, e)
       self._stopping.wait(1.0)
+
+  def _report(self) -> None:
+    """Tell the server the version held, every REPORT_S, as workers do (kind "relay"): its
+    stats and `rlax-ps status` list the relays and how far behind each is."""
+    while not self._stopping.wait(REPORT_S):
+      try:
+        self.upstream.heartbeat(version=self.weights.latest, worker_id=self.relay_id,
+                                kind="relay")
+      except ParamServerError as e:
+        logging.warning("relay: reporting to %s failed (%s)", self.upstream.address, e)
 
   def _announce(self, latest: int, asked: bool = False) -> None:
     held = self.weights.latest
@@ -411,6 +427,7 @@ class WeightRelay:
                       self.upstream.address, e)
     self._server.start()
     self._follower.start()
+    self._reporter.start()
     for name in ("", SERVICE_NAME):
       self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
     if self.config.metrics_port >= 0:
@@ -432,8 +449,9 @@ class WeightRelay:
       self._metrics = None
     self._server.stop(grace).wait()
     self.upstream.close()  # ends the follower's watch
-    if self._follower.is_alive():
-      self._follower.join(timeout=10)
+    for thread in (self._follower, self._reporter):
+      if thread.is_alive():
+        thread.join(timeout=10)
     self._drop_arriving("the relay stopped")
 
   def __enter__(self) -> "WeightRelay":

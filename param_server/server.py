@@ -143,6 +143,7 @@ class _Worker:
   version: int = -1
   tokens_per_s: float = 0.0
   last_seen: float = dataclasses.field(default_factory=time.monotonic)
+  kind: str = ""  # "relay": a weight relay (HeartbeatRequest.kind)
 
 
 class ParamServerServicer(pb_grpc.ParamServerServicer):
@@ -352,13 +353,16 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     if request.version < -1:
       raise errors.InvalidArgument("version", f"expected >= -1, got {request.version}")
     _finite("tokens_per_s", request.tokens_per_s)
+    if request.kind not in ("", "relay"):
+      raise errors.InvalidArgument("kind", f"expected '' (a worker) or 'relay', got {request.kind!r}")
     with self._lock:
       self._forget_silent_workers()
-      # Upsert: workers registered before a server restart keep their id.
+      # Upsert: workers registered before a server restart keep their id (a relay's is its own).
       worker = self._workers.setdefault(request.worker_id, _Worker(request.worker_id, request.worker_id, {}))
       worker.version = request.version
       worker.tokens_per_s = request.tokens_per_s
       worker.last_seen = time.monotonic()
+      worker.kind = request.kind
     return pb.HeartbeatReply(latest_version=self.weights.latest)
 
   def _touch(self, worker_id: str) -> None:
@@ -390,12 +394,13 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     with self._lock:
       workers = [pb.WorkerStats(worker_id=w.worker_id, name=w.name, version=w.version,
                                 tokens_per_s=w.tokens_per_s, seconds_since_heartbeat=now - w.last_seen,
-                                leases=leases.get(w.worker_id, 0))
+                                leases=leases.get(w.worker_id, 0), kind=w.kind)
                  for w in self._workers.values()]
       served, pulls = self.bytes_served, self.pulls_served
     return pb.Stats(versions=self._version_info(), **self.queues.depths(),
                     bytes_served=served, pulls_served=pulls,
-                    workers_alive=sum(w.seconds_since_heartbeat <= alive_after for w in workers),
+                    workers_alive=sum(w.seconds_since_heartbeat <= alive_after and not w.kind
+                                      for w in workers),
                     workers=workers, uptime_s=now - self.started, errors=self._rejections.count)
 
 

@@ -1,4 +1,4 @@
-"""`rlax-ps status`: print a parameter server's versions, queues, leases and workers.
+"""`rlax-ps status`: print a parameter server's versions, queues, leases, workers and relays.
 
   rlax-ps status --address=127.0.0.1:50051 [--token=... | $RLAX_PS_VIEWER_TOKEN | --token_file=runs/ps/tokens.json]
 """
@@ -39,16 +39,24 @@ def format_stats(s: pb.Stats) -> str:
       ("stale rollouts dropped", s.rollouts_stale_dropped),
       ("bytes served", f"{_mb(s.bytes_served)} in {s.pulls_served} pulls"),
       ("rejected requests", s.errors),
-      ("workers alive", f"{s.workers_alive} of {len(s.workers)}"),
+      ("workers alive", f"{s.workers_alive} of {sum(not w.kind for w in s.workers)}"),
       ("uptime", f"{s.uptime_s:,.0f} s"),
   ]
   width = max(len(k) for k, _ in rows)
   lines = [f"{k:<{width}}  {val}" for k, val in rows]
-  if s.workers:
+  workers = sorted((w for w in s.workers if not w.kind), key=lambda w: w.worker_id)
+  relays = sorted((w for w in s.workers if w.kind == "relay"), key=lambda w: w.worker_id)
+  if workers:
     lines += ["", f"{'worker':<28} {'version':>7} {'tok/s':>9} {'leases':>6} {'last seen':>9}"]
-    for w in sorted(s.workers, key=lambda w: w.worker_id):
+    for w in workers:
       lines.append(f"{w.worker_id:<28} {w.version:>7} {w.tokens_per_s:>9.1f} {w.leases:>6} "
                    f"{w.seconds_since_heartbeat:>8.1f}s")
+  if relays:
+    lines += ["", f"{'weight relay':<28} {'version':>7} {'behind':>9} {'last seen':>16}"]
+    for r in relays:
+      behind = max(0, v.latest_version - r.version) if r.version >= 0 else "-"
+      lines.append(f"{r.worker_id:<28} {r.version:>7} {behind:>9} "
+                   f"{r.seconds_since_heartbeat:>15.1f}s")
   return "\n".join(lines)
 
 

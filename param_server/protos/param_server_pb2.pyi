@@ -359,14 +359,16 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "version", "tokens_per_s")
+    __slots__ = ("worker_id", "version", "tokens_per_s", "kind")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     version: int
     tokens_per_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+    kind: str
+    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("latest_version",)
@@ -379,20 +381,22 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "name", "version", "tokens_per_s", "seconds_since_heartbeat", "leases")
+    __slots__ = ("worker_id", "name", "version", "tokens_per_s", "seconds_since_heartbeat", "leases", "kind")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     version: int
     tokens_per_s: float
     seconds_since_heartbeat: float
     leases: int
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., seconds_since_heartbeat: _Optional[float] = ..., leases: _Optional[int] = ...) -> None: ...
+    kind: str
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., seconds_since_heartbeat: _Optional[float] = ..., leases: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("versions", "prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "bytes_served", "pulls_served", "workers_alive", "workers", "uptime_s", "errors", "prompts_resumed", "samples_resumed", "tokens_resumed")

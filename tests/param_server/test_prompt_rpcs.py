@@ -335,6 +335,22 @@ def test_workers_register_heartbeat_and_show_in_stats(trainer, worker, viewer):
   assert worker.worker_id in table and "v1 (bf16)" in table
 
 
+def test_relays_report_their_version_apart_from_the_workers(trainer, worker, viewer):
+  publish_chain(trainer, 3)
+  worker.heartbeat(version=2)
+  assert worker.heartbeat(version=0, worker_id="relay@zone-a:50052", kind="relay") == 2
+  stats = viewer.stats()
+  assert stats.workers_alive == 1  # the relay is no worker
+  kinds = {w.worker_id: (w.kind, w.version) for w in stats.workers}
+  assert kinds == {worker.worker_id: ("", 2), "relay@zone-a:50052": ("relay", 0)}
+  table = format_stats(stats)
+  assert "workers alive 1 of 1" in " ".join(table.split())
+  relay_row = next(l for l in table.splitlines() if l.startswith("relay@zone-a:50052"))
+  assert relay_row.split()[1:3] == ["0", "2"]  # holds v0, two versions behind
+  code, details = code_of(lambda: worker.heartbeat(version=1, kind="mirror"))
+  assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("kind")
+
+
 def test_rlax_ps_status_prints_the_table(server, trainer):
   trainer.enqueue_prompts(prompts(4))
   out = subprocess.run([sys.executable, "-m", "rlax_ps", "status", f"--address={server.address}",

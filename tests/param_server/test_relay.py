@@ -17,6 +17,7 @@ import pytest
 
 from param_server.client import ParamServerClient, ParamServerError, RetryPolicy, make_sample
 from param_server.protos import param_server_pb2 as pb
+from param_server import relay as relay_module
 from param_server.relay import RelayConfig, WeightRelay
 from child_env import child_env
 from ps_testlib import (CHUNK, REPO, TOKENS, apply_blobs, client_for, perturbed, publish_chain,
@@ -306,6 +307,20 @@ def test_the_relays_metrics_show_its_version_against_the_servers(server, trainer
   assert value("relay_pulls_served_total") == 1.0
   assert value("relay_pulls_cut_through_total") == relay.pulls_cut_through
   assert value("relay_bytes_resumed_total") == relay.bytes_resumed
+
+
+def test_a_relay_reports_the_version_it_holds_to_the_server(server, trainer, start_relay,
+                                                              monkeypatch):
+  monkeypatch.setattr(relay_module, "REPORT_S", 0.05)
+  publish_chain(trainer, 2)
+  relay = start_relay(server, name="relay@zone-b")
+  _until(lambda: relay.weights.latest == 1)
+
+  def reported():
+    return {w.worker_id: (w.kind, w.version) for w in server.servicer.GetStats(
+        pb.GetStatsRequest(), None).workers}
+
+  _until(lambda: reported().get("relay@zone-b") == ("relay", 1))
 
 
 def test_a_relay_refuses_to_serve_a_run_older_than_what_it_holds(start_server, start_relay,
