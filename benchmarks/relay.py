@@ -14,6 +14,7 @@ the link; a relay streams a version on as it arrives (cut-through), so it comes 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -83,19 +84,14 @@ class _Link:
     time.sleep(max(0.0, until - time.monotonic()))
 
   def _pump(self, src: socket.socket, dst: socket.socket, throttled: bool) -> None:
-    try:
+    with contextlib.suppress(OSError):  # either side closed: the connection is over
       while data := src.recv(256 << 10):
         if throttled:
           self._spend(len(data))
         dst.sendall(data)
-    except OSError:
-      pass
-    finally:
-      for s in (src, dst):
-        try:
-          s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-          pass
+    for s in (src, dst):
+      with contextlib.suppress(OSError):
+        s.shutdown(socket.SHUT_RDWR)
 
   def _accept(self) -> None:
     while True:

@@ -130,7 +130,7 @@ class _Arriving:
 
 
 def _nothing_to_release() -> None:
-  pass
+  """What a plan of nothing stored releases: nothing (it pinned no blob)."""
 
 
 class _RelayServicer(ParamServerServicer):
