@@ -1,5 +1,6 @@
 """The gcloud launch scripts, run with DRY_RUN=1: the commands they would issue."""
 
+import concurrent.futures
 import os
 import pathlib
 import shlex
@@ -97,10 +98,14 @@ def test_every_command_passes_the_real_gcloud_parser(tmp_path):
   commands = {tuple(l) for out in outs for l in gcloud_lines(out)}
   assert len(commands) >= 13
   gcloud_env = dict(os.environ, CLOUDSDK_CONFIG=str(tmp_path), CLOUDSDK_CORE_DISABLE_PROMPTS="1")
-  for argv in sorted(commands):
-    got = subprocess.run([GCLOUD, *argv[1:]], env=gcloud_env, capture_output=True, text=True,
-                         timeout=120)
-    assert got.returncode == 1 and "account" in got.stderr, (argv, got.stderr[-2000:])
+
+  def parse(argv):  # gcloud starts slowly: several at once
+    return argv, subprocess.run([GCLOUD, *argv[1:]], env=gcloud_env, capture_output=True,
+                                text=True, timeout=120)
+
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    for argv, got in pool.map(parse, sorted(commands)):
+      assert got.returncode == 1 and "account" in got.stderr, (argv, got.stderr[-2000:])
   # The listings run for real even with DRY_RUN=1: gcloud accepts them, then finds no account.
   env = dict(gcloud_env, **{k: v for k, v in env.items() if k not in ("TPU_NAMES", "TPU_STATES")})
   for out in (run("launch_workers.sh", "w", "2", "v5litepod-4", env=env), run("teardown.sh", "w", env=env)):
