@@ -538,6 +538,11 @@ class RLTrainer(TrainerRun):
     valid = []
     for taken in taken_rollouts:
       self.consumed += 1
+      if taken.group.policy_version >= self.version and self._restart_floor is not None:
+        self._restart_floor = None  # fresh rollouts arrive: the lost steps' came first
+      if taken.rollout_id in self.skip_ids:  # (its record's streak is in the checkpoint)
+        self.skip_ids.discard(taken.rollout_id)
+        continue
       if self.selective and "record" in taken.prompt.metadata:
         record = int(taken.prompt.metadata["record"])
         streak = next_streak(self.streaks.get(record, 0), [s.reward for s in taken.group.samples])
@@ -545,11 +550,6 @@ class RLTrainer(TrainerRun):
           self.streaks[record] = streak
         else:
           self.streaks.pop(record, None)
-      if taken.group.policy_version >= self.version and self._restart_floor is not None:
-        self._restart_floor = None  # fresh rollouts arrive: the lost steps' came first
-      if taken.rollout_id in self.skip_ids:
-        self.skip_ids.discard(taken.rollout_id)
-        continue
       group = group_of(taken, self.tokenizer)
       try:
         check_group(group, self.shape)

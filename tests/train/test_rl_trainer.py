@@ -430,6 +430,11 @@ def test_records_whose_groups_stay_uniform_are_fed_less_and_the_checkpoint_keeps
     assert tr.streaks[solved] == 1 and tr.streaks[failed] <= -2 and mixed not in tr.streaks
     assert tr.metadata()["streaks"] == sorted(tr.streaks.items())
     assert tr.metadata()["retired"] == tr.retired > 0
+    again = taken(sent[-1], [0.0, 0.0])
+    tr.skip_ids.add(again.rollout_id)  # trained before a restart: counted in the checkpoint
+    before = dict(tr.streaks)
+    tr._valid_groups([again])
+    assert tr.streaks == before
     tr._valid_groups([taken(sent[-1], [1.0, 0.0]) for _ in [0]])  # a signal ends a streak
     assert record(sent[-1]) not in tr.streaks
     tr.streaks = {r: 1 for r in range(8)}  # all retired: fed anyway, not a stalled run
