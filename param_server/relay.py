@@ -180,16 +180,15 @@ class _RelayServicer(ParamServerServicer):
       return super()._pull_plan(have, context)
     if have is not None and have >= arriving.version:
       return [], _nothing_to_release, arriving.version
-    source = arriving.source(context, self.stopping, self._relay.config.max_wait_s)
     if arriving.base_version < 0:  # a keyframe: all a puller needs
-      with self._lock:
-        self._relay.pulls_cut_through += 1
-      return [source], _nothing_to_release, arriving.version
-    plan, release, latest = super()._pull_plan(have, context)
-    if latest >= arriving.version:  # stored meanwhile
-      return plan, release, latest
+      plan, release = [], _nothing_to_release
+    else:  # a delta on what is stored: the stored updates up to its base first
+      plan, release, latest = super()._pull_plan(have, context)
+      if latest >= arriving.version:  # stored meanwhile
+        return plan, release, latest
     with self._lock:
       self._relay.pulls_cut_through += 1
+    source = arriving.source(context, self.stopping, self._relay.config.max_wait_s)
     return plan + [source], release, arriving.version
 
 

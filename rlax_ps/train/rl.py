@@ -212,7 +212,7 @@ class RLTrainer(TrainerRun):
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)
     # Records' streaks of groups with all-equal rewards (algorithms.selection), and the
-    # feed positions passed over for them.
+    # feed positions passed over for them (rl.revisit_*; "retired" in the checkpoint).
     self.streaks: dict[int, int] = {}
     self.retired = 0
     self.trained_rollouts = 0
