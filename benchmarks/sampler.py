@@ -4,16 +4,19 @@ int8 vs bf16 held weights, in-place 1% update vs full reload, all measured in on
   .venv/bin/python benchmarks/sampler.py                               # ~40M Qwen2, CPU
   .venv/bin/python benchmarks/sampler.py --torch_python=/work/torchenv/bin/python
   .venv/bin/python benchmarks/sampler.py --hidden=256 --layers=4 --vocab=16000   # quicker
+  python3 benchmarks/sampler.py --dtype=bfloat16 --hidden=2048 --layers=16 --heads=16 \
+      --intermediate=5632 --densities=0.01   # ~0.9B, on a GPU (HF generate on it too)
 
 Model: a random Qwen2-family config (tied embeddings, GQA, q/k/v biases). Rows:
-  machine: memory bandwidth (a 256 MiB numpy copy: bytes read + written per second) and
-    matmul FLOP/s (a jitted 1024^3 float32 matmul), measured first in the same run.
+  machine: the default device's memory bandwidth (a jitted copy: bytes read + written per
+    second) and matmul FLOP/s (a jitted --dtype matmul), measured first in the same run.
   decode, one row per --batches B: greedy generation of B prompts x --prompt_len tokens ->
     --new_tokens tokens; new tokens per second over the whole call (prefill included,
     compile excluded; ours measured before and after HF, best kept, since a shared
-    machine's load drifts), ours (float32 weights, jitted while-loop decode) vs
-    `transformers` generate with its KV cache on the same float32 weights (exported with
-    save_hf_checkpoint), same prompts; greedy tokens are compared. torch is used when
+    machine's load drifts), ours (--dtype weights, jitted while-loop decode) vs
+    `transformers` generate with its KV cache on the same weights (exported with
+    save_hf_checkpoint) on the same device kind (CUDA when JAX runs on a GPU), same
+    prompts; greedy tokens are compared. torch is used when
     importable here, else through --torch_python (a separate interpreter), else the
     column is skipped with the reason.
   roofline, per decode row: the tokens/s the machine allows: prefill at the matmul rate,
@@ -25,8 +28,10 @@ Model: a random Qwen2-family config (tied embeddings, GQA, q/k/v biases). Rows:
     generate_shared vs generate on N copies of the prompt.
   int8 vs bf16: bytes of held weights, and decode throughput of each held policy.
   update, one pair per --densities d: apply a delta changing ~d of the bf16 elements in
-    place (decoded, one donated scatter of the held bits, checksums verified) vs applying
-    the full keyframe (reload: copied to the device, checksums verified), best of --reps;
+    place (decoded, one donated scatter of the held bits) vs applying the full keyframe
+    (reload: copied to the device), best of --reps, each verified as a worker verifies a
+    trainer's update: the sealed fingerprints checked on an accelerator, the tensors'
+    checksums on the CPU (where a reload is a host alias and a delta costs its decode more);
     and the bytes a worker pulls for each. Both start from bytes in memory: the network
     time of a reload's far larger pull is not counted.
 """
@@ -70,6 +75,8 @@ _SHARED_NEW = flags.DEFINE_integer("shared_new_tokens", 32, "shared end-to-end: 
 _DENSITIES = flags.DEFINE_list("densities", ["0.01", "0.001"],
                                "update rows: fraction of elements changed, one row each")
 _REPS = flags.DEFINE_integer("reps", 3, "timed repetitions (best is reported)")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "weights and activations (bfloat16 on an accelerator)")
 _TORCH_PY = flags.DEFINE_string("torch_python", "", "python with torch + transformers, for the "
                                 "HF column when torch is not importable here")
 
@@ -89,15 +96,18 @@ HF_SCRIPT = textwrap.dedent("""
     import torch
     from transformers import AutoModelForCausalLM
     path, prompts, new, reps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)
+    dtype, device = getattr(torch, sys.argv[5]), sys.argv[6]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True,
               pad_token_id=0, attention_mask=torch.ones_like(ids))
     with torch.inference_mode():
       model.generate(ids, **kw)
       best = float("inf")
       for _ in range(reps):
-        t = time.perf_counter(); out = model.generate(ids, **kw); best = min(best, time.perf_counter() - t)
+        sync(); t = time.perf_counter(); out = model.generate(ids, **kw); sync()
+        best = min(best, time.perf_counter() - t)
     print(json.dumps({"seconds": best, "tokens": out[:, ids.shape[1]:].tolist(),
                       "torch": torch.__version__, "threads": torch.get_num_threads()}))
     """)
@@ -105,7 +115,8 @@ HF_SCRIPT = textwrap.dedent("""
 
 def hf_generate(path, prompts, new, reps):
   """(result dict, None) from transformers generate, or (None, reason) when unavailable."""
-  args = [path, json.dumps(prompts), str(new), str(reps)]
+  device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+  args = [path, json.dumps(prompts), str(new), str(reps), _DTYPE.value, device]
   try:
     import torch  # noqa: F401
     import transformers  # noqa: F401
@@ -180,7 +191,7 @@ def update_rows(policy, base, keyframe, density, rng, reps):
   keyframe (both verified), and the bytes pulled for each."""
   target = {k: np.where(rng.random(v.shape) < density, v * 1.05 + 1e-3, v).astype(np.float32)
             for k, v in base.items()}
-  delta = sync.encode(base, target, "bf16", version=1)
+  delta = sync.encode(base, target, "bf16", version=1, fingerprints=True)  # as publishers seal
   changed = sum(changed_elements(delta.changes(k)) for k in delta.tensors)
 
   def in_place():
@@ -215,14 +226,15 @@ def main(argv):
   config = ModelConfig(vocab_size=_VOCAB.value, hidden_size=_HIDDEN.value,
                        intermediate_size=_INTER.value, num_layers=_LAYERS.value, num_heads=heads,
                        num_kv_heads=max(1, heads // 4), qkv_bias=True, tie_word_embeddings=True,
-                       max_position_embeddings=4096, rope_theta=1e6, architecture="qwen2")
+                       max_position_embeddings=4096, rope_theta=1e6, architecture="qwen2",
+                       param_dtype=_DTYPE.value, dtype=_DTYPE.value)
   print(f"model: Qwen2-style, {config.num_params / 1e6:.1f}M params (hidden {config.hidden_size}, "
         f"{config.num_layers} layers, {heads}/{config.num_kv_heads} heads, vocab "
-        f"{config.vocab_size}); {jax.devices()[0].platform}, {os.cpu_count()} cpus", flush=True)
+        f"{config.vocab_size}, {_DTYPE.value}); {jax.devices()[0].device_kind}, {os.cpu_count()} cpus", flush=True)
   model = Transformer(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
-  bandwidth, flops = machine_limits(reps, best_time)
-  print(f"machine: copy {bandwidth / 1e9:.1f} GB/s (read + written), float32 matmul "
+  bandwidth, flops = machine_limits(reps, best_time, _DTYPE.value)
+  print(f"machine: copy {bandwidth / 1e9:.1f} GB/s (read + written), {_DTYPE.value} matmul "
         f"{flops / 1e9:.1f} GFLOP/s", flush=True)
   rows = []
 
@@ -258,7 +270,7 @@ def main(argv):
   print("shared end-to-end done", flush=True)
 
   # 4. int8 vs bf16 held weights; 5. in-place updates vs reload.
-  base = {k: np.asarray(v) for k, v in flatten_params(model).items()}
+  base = {k: np.asarray(v, np.float32) for k, v in flatten_params(model).items()}
   del model
   policies, rates = {}, {"bf16": 0.0, "int8": 0.0}
   for fmt in ("bf16", "int8"):
@@ -275,7 +287,7 @@ def main(argv):
 
   policy = policies["bf16"]
   del policies["int8"]
-  keyframe = sync.encode(None, base, "bf16", version=0)
+  keyframe = sync.encode(None, base, "bf16", version=0, fingerprints=True)
   for density in map(float, _DENSITIES.value):
     rows += update_rows(policy, base, keyframe, density, rng, reps)
 

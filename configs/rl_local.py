@@ -184,7 +184,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.local = ml_collections.ConfigDict()
   c.local.workers = 2
   # The workers' JAX platform: "cpu" leaves this machine's accelerators to the trainer (a
-  # TPU host's chips take one process); "" = JAX's default (split the devices yourself).
+  # TPU host's chips take one process); "" = JAX's default: on one GPU the trainer and the
+  # workers share it (none preallocates; the run measured in benchmarks/README.md).
   c.local.worker_platform = "cpu"
   # A GPU host: the trainer gets GPUs 0..trainer_gpus-1 and each worker the next
   # gpus_per_worker (CUDA_VISIBLE_DEVICES; worker_platform is then not used); 0 = off. A

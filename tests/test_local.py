@@ -180,8 +180,10 @@ def test_workers_run_on_the_cpu_leaving_the_accelerators_to_the_trainer(tmp_path
   monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on a TPU VM
   monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
   fake = tmp_path / "python"
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
   fake.write_text('#!/bin/sh\necho "platform=[${JAX_PLATFORMS:-default}] '
-                  'gpus=[${CUDA_VISIBLE_DEVICES:-all}] $4"\n')
+                  'gpus=[${CUDA_VISIBLE_DEVICES:-all}] '
+                  'prealloc=[${XLA_PYTHON_CLIENT_PREALLOCATE:-default}] $4"\n')
   fake.chmod(0o755)
 
   def platforms(**kwargs):
@@ -191,15 +193,19 @@ def test_workers_run_on_the_cpu_leaving_the_accelerators_to_the_trainer(tmp_path
     children = [run.start_trainer("hf"), *run.start_workers("hf")]
     for child in children:
       child.process.wait(30)
-    return {c.name: re.findall(r"platform=\[(\w+)\] gpus=\[([\w,]+)\]", open(c.log).read())[-1]
+    return {c.name: re.findall(r"platform=\[(\w+)\] gpus=\[([\w,]+)\] prealloc=\[(\w+)\]",
+                               open(c.log).read())[-1]
             for c in children}
 
-  assert platforms() == {"trainer": ("default", "all"), "worker-0": ("cpu", "all"),
-                         "worker-1": ("cpu", "all")}
-  assert platforms(worker_platform="")["worker-1"] == ("default", "all")
+  assert platforms() == {"trainer": ("default", "all", "default"),
+                         "worker-0": ("cpu", "all", "default"),
+                         "worker-1": ("cpu", "all", "default")}
+  # All on JAX's default platform share its accelerators (one GPU): none preallocates.
+  assert set(platforms(worker_platform="").values()) == {("default", "all", "false")}
   # A GPU host: the trainer's GPUs first, then each worker its own, on JAX's default platform.
   assert platforms(trainer_gpus=2, gpus_per_worker=1) == {
-      "trainer": ("default", "0,1"), "worker-0": ("default", "2"), "worker-1": ("default", "3")}
+      "trainer": ("default", "0,1", "default"), "worker-0": ("default", "2", "default"),
+      "worker-1": ("default", "3", "default")}
   with pytest.raises(ValueError, match="local.trainer_gpus, local.gpus_per_worker: expected "
                                        "both > 0"):
     platforms(trainer_gpus=2)

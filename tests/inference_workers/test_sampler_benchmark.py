@@ -33,3 +33,9 @@ def test_larger_batches_raise_the_bandwidth_bound_roofline():
   rates = [bench.roofline_rate(CONFIG, b, 16, 8, bandwidth=1e10, flops=1e13)
            for b in (8, 64, 256)]
   assert rates[0] < rates[1] < rates[2]
+
+
+def test_bfloat16_weights_and_cache_double_the_bandwidth_bound_roofline():
+  bf16 = ModelConfig(**{**CONFIG.__dict__, "param_dtype": "bfloat16", "dtype": "bfloat16"})
+  f32 = bench.roofline_rate(CONFIG, 8, 16, 4, bandwidth=1e9, flops=1e30)
+  assert bench.roofline_rate(bf16, 8, 16, 4, bandwidth=1e9, flops=1e30) == pytest.approx(2 * f32)
