@@ -10,11 +10,13 @@ making --stop_frac of the vocabulary stop tokens gives each token that chance of
 response: lengths spread geometrically up to --max_new_tokens, as in RL on reasoning tasks,
 where a few long answers outlast the rest. Columns: static calls of rows/N prompts (the next
 call starts when the longest response of the last ends); continuous batching with all N
-samples of a prompt at once (a slot is refilled when its prompt's longest sample ends); and
-with --rows_per_prompt rows per prompt (rows / that many slots; a row takes its prompt's next
-sample as soon as its own ends). Rows: new tokens per second (compile excluded, best of
---reps, the schedules alternated), the share of decoded row-steps that drew a token and the
-decode steps of each schedule (both computed from the measured lengths). Every schedule
+samples of a prompt at once (a slot is refilled when its prompt's longest sample ends); with
+--rows_per_prompt rows per prompt (rows / that many slots; a row takes its prompt's next
+sample as soon as its own ends); and with the rows shared by every prompt's samples
+(`SampleBatch`, a worker's `sample_rows`: a row takes the next queued sample of any prompt). Rows: new tokens per second (compile excluded, best of
+--reps, the schedules alternated), the share of decoded row-steps that drew a token, the
+decode steps of each schedule and the mean steps from a group's first token to its last
+(what its staleness grows with), these computed from the measured lengths. Every schedule
 gives the same samples (checked).
 """
 
@@ -33,33 +35,50 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from inference_workers.continuous import ContinuousBatch  # noqa: E402
+from inference_workers.sample_batch import SampleBatch  # noqa: E402
 from inference_workers.sampler import generate_shared  # noqa: E402
 from random_model import add_flags, model_prompts_params  # noqa: E402 (benchmarks/)
 
 
-def static_steps(sample_lengths, rows: int) -> int:
-  """Decode steps of static calls of rows // N groups (in queue order) of N samples whose
-  lengths are given: each call lasts as long as its longest sample (the first token of
-  each comes from the prefill)."""
+def static_steps(sample_lengths, rows: int) -> tuple[int, float]:
+  """(decode steps, mean steps a group takes from its first token to its last) of static
+  calls of rows // N groups (in queue order) of N samples whose lengths are given: each
+  call lasts as long as its longest sample (the first token of each comes from the
+  prefill), and so does each of its groups."""
   per_call = rows // len(sample_lengths[0])
   longest = [max(max(int(x) - 1, 0) for x in g) for g in sample_lengths]
-  return sum(max(longest[i:i + per_call]) for i in range(0, len(longest), per_call))
+  calls = [max(longest[i:i + per_call]) for i in range(0, len(longest), per_call)]
+  return sum(calls), float(np.mean([calls[i // per_call] for i in range(len(longest))]))
 
 
-def continuous_steps(sample_lengths, rows: int, rows_per_prompt: int) -> int:
-  """Decode steps of continuous batching: rows // rows_per_prompt slots; a group takes the
-  slot that frees first, its samples the row of the slot that frees first; a slot frees
-  when its group's last sample ends."""
+def continuous_steps(sample_lengths, rows: int, rows_per_prompt: int) -> tuple[int, float]:
+  """(decode steps, mean group latency) of continuous batching: rows // rows_per_prompt
+  slots; a group takes the slot that frees first, its samples the row of the slot that
+  frees first; a slot frees when its group's last sample ends."""
   slots = [(0, s) for s in range(rows // rows_per_prompt)]
-  end = 0
+  end, latency = 0, []
   for group in sample_lengths:
     start, slot = heapq.heappop(slots)
     ends = [start] * rows_per_prompt
     for x in group:
       heapq.heapreplace(ends, ends[0] + max(int(x) - 1, 0))
     end = max(end, max(ends))
+    latency.append(max(ends) - start)
     heapq.heappush(slots, (max(ends), slot))
-  return end
+  return end, float(np.mean(latency))
+
+
+def shared_row_steps(sample_lengths, rows: int) -> tuple[int, float]:
+  """(decode steps, mean group latency) when every sample, in queue order, takes the row
+  that frees first."""
+  ends, latency = [0] * rows, []
+  for group in sample_lengths:
+    first, last = ends[0], 0
+    for x in group:
+      last = max(last, ends[0] + max(int(x) - 1, 0))
+      heapq.heapreplace(ends, ends[0] + max(int(x) - 1, 0))
+    latency.append(last - first)
+  return max(ends), float(np.mean(latency))
 
 
 def main():
@@ -83,8 +102,9 @@ def main():
 
   def continuous(rows_per_prompt):
     def run():
-      batch = ContinuousBatch(model, n, args.rows // rows_per_prompt, params,
-                              rows_per_prompt=rows_per_prompt)
+      batch = (SampleBatch(model, n, args.rows, params) if rows_per_prompt == 0 else
+               ContinuousBatch(model, n, args.rows // rows_per_prompt, params,
+                               rows_per_prompt=rows_per_prompt))
       for i, (p, s) in enumerate(zip(prompts, seeds)):
         batch.add(i, p, s)
       done = dict(batch.run())
@@ -92,7 +112,7 @@ def main():
     return run
 
   schedules = {"static": static, "per prompt": continuous(n),
-               f"{r} rows/prompt": continuous(r)}
+               f"{r} rows/prompt": continuous(r), "shared rows": continuous(0)}
   results = {name: fn() for name, fn in schedules.items()}  # compiles
   best = {name: float("inf") for name in schedules}
   for _ in range(args.reps):  # alternated, so a shared machine's drift hits all alike
@@ -108,8 +128,10 @@ def main():
   tokens = float(flat.sum())
   steps = {"static": static_steps(lengths, args.rows),
            "per prompt": continuous_steps(lengths, args.rows, n),
-           f"{r} rows/prompt": continuous_steps(lengths, args.rows, r)}
+           f"{r} rows/prompt": continuous_steps(lengths, args.rows, r),
+           "shared rows": shared_row_steps(lengths, args.rows)}
   useful = float(np.sum(flat - 1))
+  steps, latency = {k: v[0] for k, v in steps.items()}, {k: v[1] for k, v in steps.items()}
 
   print(f"continuous batching: {args.prompts} prompts x {n} samples on {args.rows} rows, "
         f"prompt {args.prompt_len}, up to {args.max_new_tokens} new tokens; response length "
@@ -123,6 +145,7 @@ def main():
   print(f"{'row-steps that drew a token':28}" + "".join(
       f"{useful / (args.rows * max(steps[k], 1)):>16.2f}" for k in names))
   print(f"{'decode steps':28}" + "".join(f"{steps[k]:>16d}" for k in names))
+  print(f"{'group latency (steps)':28}" + "".join(f"{latency[k]:>16.0f}" for k in names))
 
 
 def _timed(fn) -> float:

@@ -156,6 +156,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.prompts_per_lease = 8
   c.worker.prompts_per_call = 8  # Prompts decoding together; a finished one's slot takes the next.
   c.worker.rows_per_prompt = 0  # Decode rows per prompt (0: samples_per_prompt, all at once).
+  # > 0: this many rows shared by every prompt's samples, a row taking the next queued
+  # sample of any prompt when its own ends (prompts_per_call, rows_per_prompt then unused).
+  c.worker.sample_rows = 0
   c.worker.decode_chunk_steps = 32  # Most decode steps between looks at weights and leases.
   # False: a new version waits for the prompts started on the held one (a group is sampled
   # by the version it carries); True: it is applied between decode chunks at once.

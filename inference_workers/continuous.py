@@ -272,10 +272,10 @@ def _slots_done(slots: Slots):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "record_routes"),
                    donate_argnames=("moving",))
-def _chunk(graphdef, state, fixed, moving: Slots, held, asked, knobs_, max_steps, *, mode,
-           record_routes):
-  """Decode until a prompt in a held slot (held [S]) has all its samples (at once if one
-  already has) or `max_steps` steps; returns the slots' moving part (see `_without_prompts`;
+def _chunk(graphdef, state, fixed, moving: Slots, held, asked, knobs_, max_steps, need, *,
+           mode, record_routes):
+  """Decode until `need` prompts in held slots (held [S]) have all their samples (at once if
+  so many already have) or `max_steps` steps; returns the slots' moving part (see `_without_prompts`;
   the rest is only read, so it is neither donated nor copied), which slots are done [S] and
   the steps taken. With a row per sample every sample starts at its prompt's insertion, so
   rows never start one here and that branch is not compiled. Multi-turn: also returns when
@@ -288,7 +288,7 @@ def _chunk(graphdef, state, fixed, moving: Slots, held, asked, knobs_, max_steps
 
   def cond(carry):
     taken, slots = carry
-    go = (taken < max_steps) & ~jnp.any(held & _slots_done(slots))
+    go = (taken < max_steps) & (jnp.sum(held & _slots_done(slots)) < need)
     if slots.rows.paused is not None:  # a turn ended: the host asks for the reply
       go = go & ~jnp.any(slots.rows.paused & ~asked) & ~jnp.all(slots.rows.done)
     return go
@@ -423,7 +423,8 @@ class ContinuousBatch:
   `add(key, prompt, seeds)` queues a prompt; each `step()` fills free slots, decodes one
   chunk and returns the groups that finished as (key, [its Samples]); `run()` steps until
   nothing waits or runs. `chunk_steps` (0: no bound) caps the steps of one chunk, so the
-  caller regains control (to apply new weights, or to stop) within that many steps.
+  caller regains control (to apply new weights, or to stop) within that many steps; a chunk
+  also ends once `return_after` prompts have all their samples (or every prompt held has).
   Fewer rows per prompt (and more slots for the same rows) keep more rows drawing when
   lengths vary, at the price of a group taking longer to finish.
   `respond(key, j, tokens, observed) -> token ids | None` makes samples multi-turn (module
@@ -445,7 +446,7 @@ class ContinuousBatch:
                                  Sequence[int] | None] | None = None,
                max_turns: int = 4, respond_threads: int = 8, resume: bool = False,
                feed_tokens: int = 256, mesh: jax.sharding.Mesh | None = None,
-               kv_dtype: str | None = None):
+               kv_dtype: str | None = None, return_after: int = 1):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
     if not isinstance(n, int) or n < 1:
@@ -466,6 +467,8 @@ class ContinuousBatch:
       raise ValueError(f"respond_threads: expected a positive int, got {respond_threads!r}")
     if not isinstance(feed_tokens, int) or feed_tokens < 1:
       raise ValueError(f"feed_tokens: expected a positive int, got {feed_tokens!r}")
+    if not isinstance(return_after, int) or return_after < 1:
+      raise ValueError(f"return_after: expected a positive int, got {return_after!r}")
     if kv_dtype not in (None,) + KV_DTYPES:
       raise ValueError(f"kv_dtype: expected None (the model's) or one of {KV_DTYPES}, got "
                        f"{kv_dtype!r}")
@@ -478,6 +481,7 @@ class ContinuousBatch:
     self.feed_tokens = feed_tokens
     self.mesh = mesh
     self.kv_dtype = kv_dtype
+    self.return_after = return_after
     self._replies: dict[int, int] = {}  # output slot -> replies given to its sample
     # paused row -> (its output slot, its sample's length, its reply in the making)
     self._asking: dict[int, tuple[int, int, concurrent.futures.Future]] = {}
@@ -505,6 +509,11 @@ class ContinuousBatch:
     """Slots that the waiting prompts do not already claim."""
     return max(0, self.num_slots - self.running - self.waiting)
 
+  @property
+  def running_keys(self) -> list[Hashable]:
+    """The keys of the prompts in slots."""
+    return [w.key for w in self._held.values()]
+
   def add(self, key: Hashable, prompt: Sequence[int], seeds: Sequence[int],
           begun: Sequence[Sample] | None = None) -> None:
     """Queue `prompt` (token ids) for len(seeds) samples (at most n), sample j drawn with
@@ -512,6 +521,16 @@ class ContinuousBatch:
     (with `resume`): samples another run began (partial rollouts, in order, one per
     sample at most): a finished one is returned as it is; the others write their tokens
     first and draw on from there, as they would have (step t draws with fold_in(seed, t))."""
+    self.queue([self.entry(key, prompt, seeds, begun)])
+
+  def queue(self, entries: Sequence[_Waiting]) -> None:
+    """Queue entries that `entry` made."""
+    self._waiting.extend(entries)
+
+  def entry(self, key: Hashable, prompt: Sequence[int], seeds: Sequence[int],
+            begun: Sequence[Sample] | None = None) -> _Waiting:
+    """add's checks and queue entry, not queued yet (so that several can be checked before
+    any is queued)."""
     seeds = np.asarray(seeds, np.int64).reshape(-1)
     if not 1 <= seeds.size <= self.n:
       raise ValueError(f"seeds: expected 1 to n={self.n} seeds (one per sample), got "
@@ -562,7 +581,7 @@ class ContinuousBatch:
                   np.zeros(len(begun[j].tokens)) if begun[j].observed is None
                   else begun[j].observed, bool)[:most])  # multi-turn: none fed = all 0
                  for j in order])
-    self._waiting.append(waiting)
+    return waiting
 
   def _on_mesh(self):
     """The mesh in context (jit traces see it), if the batch has one."""
@@ -590,7 +609,8 @@ class ContinuousBatch:
       asked[list(self._asking)] = True
     moving, finished, taken = _chunk(
         graphdef, state, fixed, moving, held, asked, self._knobs,
-        np.int32(self.chunk_steps or self._budget), mode=self.params.mode,
+        np.int32(self.chunk_steps or self._budget),
+        np.int32(min(self.return_after, len(self._held))), mode=self.params.mode,
         record_routes=self.record_routes)
     self._slots = _with_prompts(fixed, moving)
     finished = np.asarray(finished)

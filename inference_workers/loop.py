@@ -8,7 +8,8 @@ within `grace_s`; a watchdog releases whatever is still open if generation overr
 With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
 each), a finished prompt's group is scored and submitted at once and a newly leased prompt
-takes its slot. VIGOR samples in rounds, one continuous batch a round of `prompts_per_call`
+takes its slot; or (`sample_rows`, `SampleBatch`) rows shared by every prompt's samples,
+a row taking the next queued sample as soon as its own ends. VIGOR samples in rounds, one continuous batch a round of `prompts_per_call`
 prompts, whose groups may be unequal; stopping, it sends each prompt's samples so far as its
 group (two or more) once only salvage_s of the grace period is left.
 With an `environment` for a prompt's task, each turn a sample ends is answered by it
@@ -45,6 +46,7 @@ from algorithms.verifiers import REWARD_MODEL_TASK, Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample, bucket, replies_in
 from inference_workers.hard_exit import exit_now
+from inference_workers.sample_batch import SampleBatch
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
@@ -165,7 +167,7 @@ class Worker:
     # oldest version the samples of each prompt in a slot were drawn with, and leases the
     # server took back.
     self._continuous = isinstance(self.allocator, FixedAllocator)
-    self._batch: ContinuousBatch | None = None
+    self._batch: ContinuousBatch | SampleBatch | None = None
     self._pending: collections.deque[tuple[str, pb.Prompt]] = collections.deque()
     self._started: dict[tuple[str, str], tuple[pb.Prompt, int]] = {}
     self._abandoned: set[str] = set()
@@ -413,16 +415,18 @@ class Worker:
     """One turn: lease while slots are free, start waiting prompts on the newest version the
     batch allows, decode one chunk, submit the groups that finished."""
     if self._batch is None:
-      self._batch = ContinuousBatch(self.policy.model, self.config.samples_per_prompt,
-                                    self.config.prompts_per_call, self.params,
-                                    rows_per_prompt=self.config.rows_per_prompt,
-                                    record_routes=self.config.routing_replay,
-                                    chunk_steps=self.config.decode_chunk_steps,
-                                    respond=self._respond if self.environments else None,
-                                    max_turns=self.config.max_turns,
-                                    respond_threads=self.config.environment_threads,
-                                    resume=self._resumable, mesh=self.mesh,
-                                    kv_dtype=self.config.kv_cache_dtype or None)
+      c = self.config
+      common = dict(record_routes=c.routing_replay, chunk_steps=c.decode_chunk_steps,
+                    respond=self._respond if self.environments else None,
+                    max_turns=c.max_turns, respond_threads=c.environment_threads,
+                    resume=self._resumable, mesh=self.mesh, kv_dtype=c.kv_cache_dtype or None)
+      if c.sample_rows:
+        self._batch = SampleBatch(self.policy.model, c.samples_per_prompt, c.sample_rows,
+                                  self.params, **common)
+      else:
+        self._batch = ContinuousBatch(self.policy.model, c.samples_per_prompt,
+                                      c.prompts_per_call, self.params,
+                                      rows_per_prompt=c.rows_per_prompt, **common)
     batch = self._batch
     if batch.running and self._salvaging and self._resumable:
       self._salvage(batch)
@@ -758,6 +762,8 @@ class Worker:
   def batching(self) -> str:
     """How prompts are decoded, for the worker's first log line."""
     c = self.config
+    if self._continuous and c.sample_rows:
+      return f"continuous batching of samples on {c.sample_rows} rows"
     if self._continuous:
       return (f"continuous batching of {c.prompts_per_call} prompts x "
               f"{c.rows_per_prompt or c.samples_per_prompt} rows")

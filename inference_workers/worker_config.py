@@ -31,6 +31,11 @@ class WorkerConfig:
                                   "(VIGOR: the prompts of one call)")
   rows_per_prompt: int = setting(0, "decode rows per prompt (0: samples_per_prompt); fewer: "
                                  "a row takes the prompt's next sample when its own ends")
+  sample_rows: int = setting(0, "> 0: this many decode rows shared by every leased prompt's "
+                             "samples, each row drawing one sample and taking the next queued "
+                             "one (of any prompt) when it ends, so no row waits for its "
+                             "group's longest answer; each sample is prefilled on its own. "
+                             "prompts_per_call and rows_per_prompt then do not apply")
   kv_cache_dtype: str = setting("", "dtype of the decode cache's keys and values: '' = the "
                                 "model's compute dtype; float8_e4m3fn or int8 halve a bf16 "
                                 "cache (twice the rows in the same memory, half the bytes a "
@@ -114,6 +119,9 @@ class WorkerConfig:
       raise ValueError(f"WorkerConfig.{str(e).removeprefix('worker.')}") from None
     need(0 <= self.rows_per_prompt <= self.samples_per_prompt, "rows_per_prompt",
          f"an int in [0, samples_per_prompt={self.samples_per_prompt}]")
+    need(self.sample_rows >= 0, "sample_rows", "an int >= 0 (0: prompts_per_call slots)")
+    need(not self.sample_rows or self.allocator == "fixed", "sample_rows",
+         f"0 with allocator={self.allocator!r} (its rounds decode prompts_per_call prompts)")
     need(0 <= self.salvage_s < self.grace_s, "salvage_s",
          f"a number of seconds in [0, grace_s={self.grace_s})")
     need(self.checkpoint_s >= 0, "checkpoint_s", "a number of seconds >= 0")

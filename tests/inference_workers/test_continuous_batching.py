@@ -293,14 +293,21 @@ def test_the_benchmark_counts_the_decode_steps_of_each_schedule():
   bench = load_benchmark("continuous_batching")
   # Four one-sample groups (5 tokens: 4 decode steps, then 1 each) on two rows: static
   # calls wait 4 + 1 steps; continuous slots run the three short ones beside the long one.
-  assert bench.static_steps([[5], [2], [2], [2]], 2) == 5
-  assert bench.continuous_steps([[5], [2], [2], [2]], 2, 1) == 4
-  assert bench.continuous_steps([[3]] * 4, 2, 1) == bench.static_steps([[3]] * 4, 2) == 4
+  assert bench.static_steps([[5], [2], [2], [2]], 2) == (5, 2.5)  # calls of 4 and of 1
+  assert bench.continuous_steps([[5], [2], [2], [2]], 2, 1) == (4, 1.75)
+  assert bench.continuous_steps([[3]] * 4, 2, 1)[0] == bench.static_steps([[3]] * 4, 2)[0] == 4
   # Two samples per group on two rows: a slot per group waits for its longest sample (4 +
-  # 1 + 1); a row per group lets the short groups run beside the long one (4 + 1 -> 5).
+  # 1 + 1); a row per group lets the short groups run beside the long one (4 + 1 -> 5),
+  # each taking its two samples' steps one after the other.
   groups = [[5, 2], [2, 2], [2, 2]]
-  assert bench.static_steps(groups, 2) == bench.continuous_steps(groups, 2, 2) == 6
-  assert bench.continuous_steps(groups, 2, 1) == 5
+  assert bench.static_steps(groups, 2)[0] == bench.continuous_steps(groups, 2, 2)[0] == 6
+  assert bench.continuous_steps(groups, 2, 1) == (5, 3.0)  # groups of 5, 2 and 2 steps
+  # Rows shared by every sample: the long sample's row holds it alone (4 steps) while the
+  # other row runs the five short ones (one step each): 5 steps; the first group ends in 4,
+  # the short ones in 2 each. With two steps each the short ones spill onto the long one's
+  # row once it frees: 4 + 2 + 2.
+  assert bench.shared_row_steps(groups, 2) == (5, 8 / 3)
+  assert bench.shared_row_steps([[5, 3], [3, 3], [3, 3]], 2)[0] == 8
 
 
 @pytest.mark.parametrize("platform, turns", [("tpu", False), ("cuda", False), ("tpu", True)])
@@ -321,7 +328,7 @@ def test_the_decode_chunk_lowers_for_tpu_and_cuda(platform, turns):
   fixed, moving = continuous._without_prompts(batch._slots)
   exported = export.export(continuous._chunk, platforms=[platform])(
       graphdef, state, fixed, moving, np.array([True, False]),
-      np.zeros((4,), bool) if turns else None, knobs(params), np.int32(8),
+      np.zeros((4,), bool) if turns else None, knobs(params), np.int32(8), np.int32(1),
       mode=params.mode, record_routes=False)
   assert exported.platforms == (platform,)
   kernels = set(re.findall(r'kernel_name = "([a-z_]+)"', exported.mlir_module()))

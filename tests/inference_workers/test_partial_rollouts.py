@@ -26,12 +26,13 @@ from worker_testlib import (CONFIG, SMALL, TOKENIZER, TOKENS, ManyStops, client,
                             enqueue_addition, run_until_stopped)
 
 
+@pytest.mark.parametrize("sample_rows", [0, 6], ids=["slots", "sample_rows"])
 def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
-    server, versions, monkeypatch):
+    server, versions, monkeypatch, sample_rows):
   """SIGTERM's grace runs low mid-generation: the running prompts go back with their begun
   samples, and the next worker draws them on with the same seeds: the samples are exactly
-  those of an uninterrupted run."""
-  config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4)
+  those of an uninterrupted run. Likewise with rows shared by the samples (6: all begin)."""
+  config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4, sample_rows=sample_rows)
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
@@ -54,6 +55,7 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
     second.run()
     taken = trainer.take_rollouts(0, 10).rollouts
     groups = {r.group.prompt_id: r.group for r in taken}
+  assert type(second._batch).__name__ == ("SampleBatch" if sample_rows else "ContinuousBatch")
   assert sorted(groups) == ["p0", "p1"] and second.stats.groups_submitted == 2
   assert_finished_as_begun(second, groups, begun, altered=("p0", 0))
   assert all(group_of(t, TOKENIZER).resumed == 3 for t in taken)  # what the trainer counts

@@ -528,6 +528,11 @@ def test_bad_batching_settings_are_named():
     WorkerConfig(checkpoint_s=-1)
   with pytest.raises(ValueError, match="WorkerConfig.max_turns: expected an int >= 0"):
     WorkerConfig(max_turns=-1)
+  with pytest.raises(ValueError, match="WorkerConfig.sample_rows: expected an int >= 0"):
+    WorkerConfig(sample_rows=-1)
+  with pytest.raises(ValueError, match="WorkerConfig.sample_rows: expected 0 with "
+                                       "allocator='vigor'"):
+    WorkerConfig(sample_rows=8, allocator="vigor")
   with pytest.raises(ValueError, match="WorkerConfig.environment_threads: expected a positive"):
     WorkerConfig(environment_threads=0)
   with pytest.raises(ValueError, match="WorkerConfig.kv_cache_dtype: expected '' .* got 'int4'"):
