@@ -13,11 +13,11 @@ call starts when the longest response of the last ends); continuous batching wit
 samples of a prompt at once (a slot is refilled when its prompt's longest sample ends); with
 --rows_per_prompt rows per prompt (rows / that many slots; a row takes its prompt's next
 sample as soon as its own ends); and with the rows shared by every prompt's samples
-(`SampleBatch`, a worker's `sample_rows`: a row takes the next queued sample of any prompt). Rows: new tokens per second (compile excluded, best of
---reps, the schedules alternated), the share of decoded row-steps that drew a token, the
-decode steps of each schedule and the mean steps from a group's first token to its last
-(what its staleness grows with), these computed from the measured lengths. Every schedule
-gives the same samples (checked).
+(`SampleBatch`, a worker's `sample_rows`: a row takes the next queued sample of any prompt).
+Rows: new tokens per second (compile excluded, best of --reps, the schedules alternated),
+the share of decoded row-steps that drew a token, the decode steps of each schedule and the
+mean steps from a group's first token to its last (what its staleness grows with), these
+computed from the measured lengths. Every schedule gives the same samples (checked).
 """
 
 from __future__ import annotations

@@ -230,7 +230,8 @@ def main(argv):
                        param_dtype=_DTYPE.value, dtype=_DTYPE.value)
   print(f"model: Qwen2-style, {config.num_params / 1e6:.1f}M params (hidden {config.hidden_size}, "
         f"{config.num_layers} layers, {heads}/{config.num_kv_heads} heads, vocab "
-        f"{config.vocab_size}, {_DTYPE.value}); {jax.devices()[0].device_kind}, {os.cpu_count()} cpus", flush=True)
+        f"{config.vocab_size}, {_DTYPE.value}); {jax.devices()[0].device_kind}, "
+        f"{os.cpu_count()} cpus", flush=True)
   model = Transformer(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   bandwidth, flops = machine_limits(reps, best_time, _DTYPE.value)

@@ -275,11 +275,12 @@ def _slots_done(slots: Slots):
 def _chunk(graphdef, state, fixed, moving: Slots, held, asked, knobs_, max_steps, need, *,
            mode, record_routes):
   """Decode until `need` prompts in held slots (held [S]) have all their samples (at once if
-  so many already have) or `max_steps` steps; returns the slots' moving part (see `_without_prompts`;
-  the rest is only read, so it is neither donated nor copied), which slots are done [S] and
-  the steps taken. With a row per sample every sample starts at its prompt's insertion, so
-  rows never start one here and that branch is not compiled. Multi-turn: also returns when
-  a row pauses that the host has not been asked about (asked [R]), or when no row draws."""
+  so many already have) or `max_steps` steps; returns the slots' moving part (see
+  `_without_prompts`; the rest is only read, so it is neither donated nor copied), which
+  slots are done [S] and the steps taken. With a row per sample every sample starts at its
+  prompt's insertion, so rows never start one here and that branch is not compiled.
+  Multi-turn: also returns when a row pauses that the host has not been asked about (asked
+  [R]), or when no row draws."""
   model = nnx.merge(graphdef, state)
   slots = _with_prompts(fixed, moving)
   s, r = slots.cache.index.shape

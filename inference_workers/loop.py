@@ -8,10 +8,11 @@ within `grace_s`; a watchdog releases whatever is still open if generation overr
 With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
 each), a finished prompt's group is scored and submitted at once and a newly leased prompt
-takes its slot; or (`sample_rows`, `SampleBatch`) rows shared by every prompt's samples,
-a row taking the next queued sample as soon as its own ends. VIGOR samples in rounds, one continuous batch a round of `prompts_per_call`
-prompts, whose groups may be unequal; stopping, it sends each prompt's samples so far as its
-group (two or more) once only salvage_s of the grace period is left.
+takes its slot; or (`sample_rows`, `SampleBatch`) rows shared by every prompt's samples, a
+row taking the next queued sample as soon as its own ends. VIGOR samples in rounds, one
+continuous batch a round of `prompts_per_call` prompts, whose groups may be unequal;
+stopping, it sends each prompt's samples so far as its group (two or more) once only
+salvage_s of the grace period is left.
 With an `environment` for a prompt's task, each turn a sample ends is answered by it
 (multi-turn rollouts), on `environment_threads` threads while the other rows decode on: the
 reply is rendered as the next message and the sample goes on; the verifier scores the whole.
