@@ -157,7 +157,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.prompts_per_call = 8  # Prompts decoding together; a finished one's slot takes the next.
   c.worker.rows_per_prompt = 0  # Decode rows per prompt (0: samples_per_prompt, all at once).
   # > 0: this many rows shared by every prompt's samples, a row taking the next queued
-  # sample of any prompt when its own ends (prompts_per_call, rows_per_prompt then unused).
+  # sample of any prompt when its own ends (prompts_per_call, rows_per_prompt then unused):
+  # for long, uneven answers; this recipe's short ones run faster on slots.
   c.worker.sample_rows = 0
   c.worker.decode_chunk_steps = 32  # Most decode steps between looks at weights and leases.
   # False: a new version waits for the prompts started on the held one (a group is sampled
