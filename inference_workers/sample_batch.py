@@ -17,14 +17,11 @@ import dataclasses
 import functools
 from typing import Callable, Hashable, Sequence
 
-import jax
 import numpy as np
 
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample
 from inference_workers.sampling import SamplingParams
-from inference_workers.shared_prefix import DecodeFn
-from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
 
 
 def _by_group(respond, entry, _, tokens, observed):
@@ -43,19 +40,16 @@ class _Group:
 
 
 class SampleBatch:
-  """`rows` decode rows shared by every queued prompt's samples (module docstring). The
-  arguments are ContinuousBatch's, `n` the most samples a prompt draws; `return_after`
-  (0: rows // 8, at least 1) samples ending make a chunk return, so the rows they free
-  take new samples."""
+  """`rows` decode rows shared by every queued prompt's samples (module docstring). `n`:
+  the most samples a prompt draws; `return_after` (0: rows // 8, at least 1) samples
+  ending make a chunk return, so the rows they free take new samples; `respond` and the
+  other settings (record_routes, chunk_steps, resume, mesh, kv_dtype, ...) are
+  ContinuousBatch's."""
 
   def __init__(self, model, n: int, rows: int, params: SamplingParams = SamplingParams(), *,
-               decode_fn: DecodeFn = shared_prefix_decode_attention,
-               record_routes: bool = False, chunk_steps: int = 0,
                respond: Callable[[Hashable, int, np.ndarray, np.ndarray],
                                  Sequence[int] | None] | None = None,
-               max_turns: int = 4, respond_threads: int = 8, resume: bool = False,
-               feed_tokens: int = 256, mesh: jax.sharding.Mesh | None = None,
-               kv_dtype: str | None = None, return_after: int = 0):
+               return_after: int = 0, **batch_settings):
     if not isinstance(n, int) or n < 1:
       raise ValueError(f"n: expected a positive int (samples per prompt), got {n!r}")
     if not isinstance(rows, int) or rows < 1:
@@ -65,13 +59,11 @@ class SampleBatch:
                        f"{return_after!r}")
     if respond is not None and not callable(respond):
       raise TypeError(f"respond: expected a callable or None, got {type(respond).__name__}")
-    inner_respond = None if respond is None else functools.partial(_by_group, respond)
     self.n, self.rows = n, rows
     self._inner = ContinuousBatch(
-        model, 1, rows, params, decode_fn=decode_fn, record_routes=record_routes,
-        chunk_steps=chunk_steps, respond=inner_respond, max_turns=max_turns,
-        respond_threads=respond_threads, resume=resume, feed_tokens=feed_tokens, mesh=mesh,
-        kv_dtype=kv_dtype, return_after=return_after or max(1, rows // 8))
+        model, 1, rows, params,
+        respond=None if respond is None else functools.partial(_by_group, respond),
+        return_after=return_after or max(1, rows // 8), **batch_settings)
     self._groups: dict[Hashable, _Group] = {}  # in the order they were added
 
   @property

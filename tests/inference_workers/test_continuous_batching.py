@@ -108,6 +108,19 @@ def lengths(model, prompt, seeds):
   return [len(s.tokens) for s in reference(model, prompt, seeds)]
 
 
+def count_decode_steps(monkeypatch) -> list[int]:
+  """The decode steps of each chunk run from now on (appended as they run)."""
+  steps, chunk = [], continuous._chunk
+
+  def counted(*args, **kwargs):
+    out = chunk(*args, **kwargs)
+    steps.append(int(out[2]))
+    return out
+
+  monkeypatch.setattr(continuous, "_chunk", counted)
+  return steps
+
+
 def test_a_long_group_does_not_hold_back_the_short_ones(model):
   # Seeds whose samples of PROMPTS[0] run the whole budget, and some that stop at once.
   lens = lengths(model, PROMPTS[0], list(range(64)))
@@ -194,15 +207,7 @@ def test_begun_tokens_are_prefilled_not_fed_a_decode_step_each(model, monkeypatc
   lens = lengths(model, PROMPTS[2], list(range(64)))
   seeds = [s for s in range(64) if lens[s] >= 9][:2]
   want = reference(model, PROMPTS[2], seeds)
-  steps = []
-
-  def counted(*args, **kwargs):
-    out = chunk(*args, **kwargs)
-    steps.append(int(out[2]))
-    return out
-
-  chunk = continuous._chunk
-  monkeypatch.setattr(continuous, "_chunk", counted)
+  steps = count_decode_steps(monkeypatch)
   for k in (0, 7):
     batch = ContinuousBatch(model, 2, 1, PARAMS, resume=True)
     batch.add("a", PROMPTS[2], seeds, [dataclasses.replace(w, tokens=w.tokens[:k],

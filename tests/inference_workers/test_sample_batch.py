@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 from flax import nnx
 
-from inference_workers import continuous
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.sample_batch import SampleBatch
 from rlax_ps.models import Transformer
-from test_continuous_batching import (CONFIG, PARAMS, PROMPTS, STOPS, assert_same, lengths,
-                                      reference, references, seeds_of)
+from test_continuous_batching import (CONFIG, PARAMS, PROMPTS, STOPS, assert_same,
+                                      count_decode_steps, lengths, reference, references,
+                                      seeds_of)
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +63,7 @@ def test_a_long_answer_holds_no_other_row_back(model, monkeypatch):
   lens = lengths(model, PROMPTS[0], list(range(64)))
   long_ = next(s for s in range(64) if lens[s] == PARAMS.max_new_tokens)
   short = [s for s in range(64) if lens[s] <= 3][:3]
-  steps = []
-
-  def counted(*args, **kwargs):
-    out = chunk(*args, **kwargs)
-    steps.append(int(out[2]))
-    return out
-
-  chunk = continuous._chunk
-  monkeypatch.setattr(continuous, "_chunk", counted)
+  steps = count_decode_steps(monkeypatch)
   runs = {}
   for name, batch in (("slot per prompt", ContinuousBatch(model, 2, 1, PARAMS)),
                       ("shared rows", SampleBatch(model, 2, 2, PARAMS, return_after=1))):
