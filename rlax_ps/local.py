@@ -4,9 +4,9 @@ The supervised warm start runs first (in <workdir>/sft, reused once finished) un
 config names `init_from_hf`. Then a parameter server, the trainer and the workers run as
 child processes on 127.0.0.1, each logging to <workdir>/logs/. The supervisor itself never
 starts a JAX backend (the warm start is a child too), so the trainer can have this
-machine's accelerators; the workers run on the CPU unless `local.worker_platform` says (""
-: all share one GPU, none preallocating its memory), or on a GPU host each gets GPUs of its
-own (`local.trainer_gpus`, `local.gpus_per_worker`).
+machine's accelerators; the workers run on the CPU unless `local.worker_platform` says
+('': all share one GPU, none preallocating its memory), or on a GPU host each gets GPUs of
+its own (`local.trainer_gpus`, `local.gpus_per_worker`).
 Tokens are made fresh in the server's owner-only tokens.json, which the children read
 (never a command line). One live line shows the trainer's progress; the run ends at the
 trainer's last step, on Ctrl-C, or when any child fails (then with a non-zero exit naming
