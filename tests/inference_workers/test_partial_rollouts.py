@@ -282,11 +282,12 @@ def test_salvage_must_leave_part_of_the_grace_period():
 
 
 @pytest.mark.slow  # three workers, two servers; test_multi_turn covers the batch
+@pytest.mark.parametrize("sample_rows", [0, 6], ids=["slots", "sample_rows"])
 def test_a_stopped_multi_turn_run_is_continued_as_if_never_interrupted(
-    server, versions, tmp_path, monkeypatch):
+    server, versions, tmp_path, monkeypatch, sample_rows):
   """Multi-turn partial rollouts: the replies a sample had travel with it (the environment
   sees the whole conversation again), a reply not fed whole is asked for again, and the
-  groups equal an uninterrupted run's on another server."""
+  groups equal an uninterrupted run's on another server; with slots or shared rows."""
   from algorithms.environments import ENVIRONMENTS, register_environment
 
   @register_environment("test_turns")
@@ -299,6 +300,7 @@ def test_a_stopped_multi_turn_run_is_continued_as_if_never_interrupted(
 
   tok = ManyStops()
   config = WorkerConfig(max_leases=1, environment="test_turns", max_turns=3,
+                        sample_rows=sample_rows,
                         **dict(SMALL, max_new_tokens=24, decode_chunk_steps=4))
   other = ParamServer(ServerConfig(storage_dir=str(tmp_path / "ps2"), port=0, threads=8,
                                    compact_in_background=False, wal_fsync=False,
