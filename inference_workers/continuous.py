@@ -375,6 +375,22 @@ def _grow(slots: Slots, length: int) -> Slots:
       prompt_routes=None if slots.prompt_routes is None else pad(slots.prompt_routes))
 
 
+class _ModelSplit:
+  """nnx.split of a model, kept until one of its variables holds another array (weights
+  applied in place set new ones): a split flattens the whole graph, a millisecond or more
+  for each of the calls a chunk makes otherwise."""
+
+  def __init__(self, model):
+    self._model, self._split, self._held = model, None, ()
+
+  def __call__(self):
+    if self._split is None or any(v.get_raw_value() is not x for v, x in self._held):
+      self._split = nnx.split(self._model)
+      self._held = tuple((v, v.get_raw_value()) for _, v in nnx.iter_graph(self._model)
+                         if isinstance(v, nnx.Variable))
+    return self._split
+
+
 @dataclasses.dataclass
 class _Waiting:
   """A prompt queued or in a slot. Resumed (`begun`): its samples in the order its outputs
@@ -475,6 +491,7 @@ class ContinuousBatch:
                        f"{kv_dtype!r}")
     check_request(model.config, [[0]], [0] * n, n, params)
     self.model, self.n, self.num_slots, self.params = model, n, slots, params
+    self._model_split = _ModelSplit(model)
     self.record_routes, self.decode_fn = record_routes, decode_fn
     self.chunk_steps = chunk_steps
     self.respond, self.max_turns = respond, max_turns
@@ -600,7 +617,7 @@ class ContinuousBatch:
     turns = self.respond is not None
     if turns:
       self._answers(wait=False)
-    graphdef, state = nnx.split(self.model)
+    graphdef, state = self._model_split()
     fixed, moving = _without_prompts(self._slots)
     held = np.zeros((self.num_slots,), bool)
     held[list(self._held)] = True
@@ -701,7 +718,7 @@ class ContinuousBatch:
             begun[i, pos, self._budget - len(b.tokens):] = b.tokens
             begun_len[i, pos] = len(b.tokens)
       resumed = (begun, begun_len, complete)
-    graphdef, state = nnx.split(self.model)
+    graphdef, state = self._model_split()
     self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, seeds, limits,
                           self._knobs, resumed, mode=self.params.mode,
                           record_routes=self.record_routes)
@@ -731,7 +748,7 @@ class ContinuousBatch:
     ids[:len(feeds)] = list(feeds)
     longest = max(len(f) for f in feeds.values())
     width = min(bucket(longest), bucket(self.feed_tokens + 1) // 2)  # powers of two: few shapes
-    graphdef, state = nnx.split(self.model)
+    graphdef, state = self._model_split()
     for start in range(0, longest, width):
       tokens = np.zeros((ids.size, width), np.int32)
       counts = np.zeros((ids.size,), np.int32)

@@ -164,6 +164,21 @@ def test_weights_changed_between_chunks_are_read_by_the_next_chunk(model):
   assert tokens[:3] == old[:3] and tokens != old
 
 
+def test_the_model_is_split_again_only_when_its_weights_change(model, monkeypatch):
+  split, calls = nnx.split, []
+  monkeypatch.setattr(continuous.nnx, "split", lambda m: calls.append(1) or split(m))
+  held = Transformer(CONFIG, rngs=nnx.Rngs(0))
+  batch = ContinuousBatch(held, 2, 1, PARAMS, chunk_steps=2)
+  for i in range(2):
+    batch.add(i, PROMPTS[i], seeds_of(i))
+  batch.step()
+  batch.step()  # a prefill and chunks, one split
+  assert len(calls) == 1
+  nnx.update(held, nnx.state(Transformer(CONFIG, rngs=nnx.Rngs(1))))  # new weights
+  batch.step()
+  assert len(calls) == 2
+
+
 def test_begun_samples_are_written_and_drawn_on_as_if_never_interrupted(model):
   """Partial rollouts: a begun sample's tokens are fed first, with the log-probs it was
   drawn with, then it draws on with its own seed (step t: fold_in(seed, t)), so it equals
