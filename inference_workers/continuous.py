@@ -151,23 +151,26 @@ def _start_samples(slots: Slots, knobs_, mode) -> Slots:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "record_routes"),
                    donate_argnames=("slots",))
-def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, seeds, limits, knobs_,
-            resumed=None, *, mode, record_routes):
-  """Prefill prompts tokens [m, P] into free slots slot_ids [m] (an id past the last slot:
-  padding, dropped), each to draw its first limits [m] samples (the rest count as
-  finished), and start their first samples. Resuming: `resumed` = (begun [m, n,
+def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, source, seeds, limits,
+            knobs_, resumed=None, *, mode, record_routes):
+  """Prefill prompts tokens [u, P] (lens [u]) once each, into free slots slot_ids [m] (an
+  id past the last slot: padding, dropped), slot i taking prompt source[i] (several slots
+  may take one prompt: a SampleBatch's samples), each to draw its first limits [m] samples
+  (the rest count as finished), and start their first samples. Resuming: `resumed` = (begun [m, n,
   budget], begun_len [m, n], complete [m]): each sample's begun tokens, and how many of the
   prompt's first samples are complete already (they are not drawn)."""
   model = nnx.merge(graphdef, state)
   c, p = slots.cache, tokens.shape[1]
   n = slots.seeds.shape[1]
   logits, filled, prompt_routes = prefill(model, tokens, lens, p, record_routes)
+  logits, lens = logits[source], lens[source]
+  prompt_routes = None if prompt_routes is None else prompt_routes[source]
 
   def put(buf, new):
     return kv_write(buf, (slot_ids, slice(None, p)), new)
 
-  cache = c.replace(prefix_k=tuple(map(put, c.prefix_k, filled.k)),
-                    prefix_v=tuple(map(put, c.prefix_v, filled.v)),
+  cache = c.replace(prefix_k=tuple(put(b, k[source]) for b, k in zip(c.prefix_k, filled.k)),
+                    prefix_v=tuple(put(b, v[source]) for b, v in zip(c.prefix_v, filled.v)),
                     prefix_lens=c.prefix_lens.at[slot_ids].set(lens, mode="drop"))
   out = _rows_of(slot_ids, n)
   complete = jnp.zeros(slot_ids.shape, jnp.int32)
@@ -697,7 +700,13 @@ class ContinuousBatch:
     elif length > self._slots.cache.prefix_k[0].shape[1]:
       self._slots = _grow(self._slots, length=length)
     m = bucket(len(joining))
-    tokens, lens = pad_prompts([w.tokens for w in joining], m, length, config.vocab_size)
+    # One prefill per distinct prompt (a SampleBatch queues each sample of a prompt).
+    keys = [w.tokens.tobytes() for w in joining]
+    distinct = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    source = np.zeros((m,), np.int32)
+    source[:len(joining)] = [distinct[k] for k in keys]
+    firsts = [joining[keys.index(k)].tokens for k in distinct]
+    tokens, lens = pad_prompts(firsts, bucket(len(firsts)), length, config.vocab_size)
     slot_ids = np.full((m,), self.num_slots, np.int32)  # padding: past the last slot
     seeds = np.zeros((m, self.n), np.int32)
     limits = np.zeros((m,), np.int32)
@@ -719,8 +728,8 @@ class ContinuousBatch:
             begun_len[i, pos] = len(b.tokens)
       resumed = (begun, begun_len, complete)
     graphdef, state = self._model_split()
-    self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, seeds, limits,
-                          self._knobs, resumed, mode=self.params.mode,
+    self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, source, seeds,
+                          limits, self._knobs, resumed, mode=self.params.mode,
                           record_routes=self.record_routes)
     if self.resume:  # the rows that took begun samples feed their tokens at once
       r, feeds = self.rows_per_prompt, {}

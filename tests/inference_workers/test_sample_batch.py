@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 from flax import nnx
 
+from inference_workers import continuous
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.sample_batch import SampleBatch
 from rlax_ps.models import Transformer
@@ -42,6 +43,24 @@ def test_every_sample_is_generates_and_groups_come_back_whole(model):
   (key, got), = batch.run()
   assert key == 9 and len(got) == 2
   assert_same(got, want[0][:2])
+
+
+def test_a_prompts_samples_share_one_prefill(model, monkeypatch):
+  insert, prefilled = continuous._insert, []
+
+  def recorded(graphdef, state, slots, slot_ids, tokens, *args, **kwargs):
+    prefilled.append((len(slot_ids), tokens.shape[0]))
+    return insert(graphdef, state, slots, slot_ids, tokens, *args, **kwargs)
+
+  monkeypatch.setattr(continuous, "_insert", recorded)
+  batch = SampleBatch(model, 3, 6, PARAMS)
+  for i in range(2):
+    batch.add(i, PROMPTS[i], seeds_of(i, 3))
+  done = dict(batch.run())
+  assert prefilled[0] == (8, 2)  # six samples (padded to 8 slots), two prompts prefilled
+  want = references(model, 3)
+  for i in range(2):
+    assert_same(done[i], want[i])
 
 
 def test_bad_settings_are_refused_naming_them(model):
