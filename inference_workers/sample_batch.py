@@ -5,9 +5,10 @@ reasoning tasks), and a group's samples run side by side on as many rows as are 
 
 `SampleBatch` keeps ContinuousBatch's interface (add / step / partial / run, prompts and
 groups by key) over a ContinuousBatch of one sample per slot: sample j of prompt `key` is
-its entry (key, j). Each sample is prefilled on its own (no prefix shared across a group's
-rows: prompts are short beside RL answers), and a sample equals ContinuousBatch's for the
-same prompt and seed. A chunk returns once `return_after` samples have ended (or the chunk
+its entry (key, j). The samples of a prompt that start together share one prefill, but
+each row holds its own copy of the prompt's keys and values (no prefix read once for a
+group's rows: prompts are short beside RL answers), and a sample equals ContinuousBatch's
+for the same prompt and seed. A chunk returns once `return_after` samples have ended (or the chunk
 steps run out), and the finished rows take new samples then.
 """
 

@@ -34,7 +34,8 @@ class WorkerConfig:
   sample_rows: int = setting(0, "> 0: this many decode rows shared by every leased prompt's "
                              "samples, each row drawing one sample and taking the next queued "
                              "one (of any prompt) when it ends, so no row waits for its "
-                             "group's longest answer; each sample is prefilled on its own. "
+                             "group's longest answer; each row holds its own copy of its "
+                             "prompt's keys and values. "
                              "prompts_per_call and rows_per_prompt then do not apply")
   kv_cache_dtype: str = setting("", "dtype of the decode cache's keys and values: '' = the "
                                 "model's compute dtype; float8_e4m3fn or int8 halve a bf16 "
