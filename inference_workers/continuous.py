@@ -153,12 +153,12 @@ def _start_samples(slots: Slots, knobs_, mode) -> Slots:
                    donate_argnames=("slots",))
 def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, source, seeds, limits,
             knobs_, resumed=None, *, mode, record_routes):
-  """Prefill prompts tokens [u, P] (lens [u]) once each, into free slots slot_ids [m] (an
-  id past the last slot: padding, dropped), slot i taking prompt source[i] (several slots
-  may take one prompt: a SampleBatch's samples), each to draw its first limits [m] samples
-  (the rest count as finished), and start their first samples. Resuming: `resumed` = (begun [m, n,
-  budget], begun_len [m, n], complete [m]): each sample's begun tokens, and how many of the
-  prompt's first samples are complete already (they are not drawn)."""
+  """Prefill prompts tokens [u, P] (lens [u]) once each, into free slots slot_ids [m] (an id
+  past the last slot: padding, dropped), slot i taking prompt source[i] (several slots may
+  take one prompt: a SampleBatch's samples), each to draw its first limits [m] samples (the
+  rest count as finished), and start their first samples. Resuming: `resumed` = (begun [m,
+  n, budget], begun_len [m, n], complete [m]): each sample's begun tokens, and how many of
+  the prompt's first samples are complete already (they are not drawn)."""
   model = nnx.merge(graphdef, state)
   c, p = slots.cache, tokens.shape[1]
   n = slots.seeds.shape[1]
@@ -701,12 +701,15 @@ class ContinuousBatch:
       self._slots = _grow(self._slots, length=length)
     m = bucket(len(joining))
     # One prefill per distinct prompt (a SampleBatch queues each sample of a prompt).
+    distinct: dict[bytes, np.ndarray] = {}  # prompt bytes -> its tokens, in first-seen order
     keys = [w.tokens.tobytes() for w in joining]
-    distinct = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    for key, w in zip(keys, joining):
+      distinct.setdefault(key, w.tokens)
+    index = {key: i for i, key in enumerate(distinct)}
     source = np.zeros((m,), np.int32)
-    source[:len(joining)] = [distinct[k] for k in keys]
-    firsts = [joining[keys.index(k)].tokens for k in distinct]
-    tokens, lens = pad_prompts(firsts, bucket(len(firsts)), length, config.vocab_size)
+    source[:len(joining)] = [index[key] for key in keys]
+    tokens, lens = pad_prompts(list(distinct.values()), bucket(len(distinct)), length,
+                               config.vocab_size)
     slot_ids = np.full((m,), self.num_slots, np.int32)  # padding: past the last slot
     seeds = np.zeros((m, self.n), np.int32)
     limits = np.zeros((m,), np.int32)
