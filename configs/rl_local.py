@@ -24,7 +24,8 @@ Override any field, e.g. --config.rl.steps=50 --config.local.workers=1.
 
 import ml_collections
 
-from rlax_ps.config_files import sibling
+from inference_workers.worker_config import WorkerConfig
+from rlax_ps.config_files import sibling, with_defaults
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -183,6 +184,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Mixture of experts: workers send each token's experts and the trainer's forward routes
   # by them (routing replay), so the experts a token goes to are the ones it was sampled with.
   c.worker.routing_replay = False
+  # Every other WorkerConfig field (top_p, kv_cache_dtype, grace_s, ...) at its default, so
+  # that each can be overridden here (a worker's name and seed are its own flags).
+  with_defaults(c.worker, WorkerConfig, skip=("name", "seed"))
 
   # `rlax-ps local`: how many workers to start.
   c.local = ml_collections.ConfigDict()

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import os
+
+RUN_CONFIG = "run_config.json"  # the config a run in a workdir was started with
 
 
 def load(path: str, arg: str | None = None):
@@ -21,3 +25,46 @@ def load(path: str, arg: str | None = None):
 def sibling(file: str, name: str, arg: str | None = None):
   """`get_config(arg)` of the config file `name` in the folder of `file`."""
   return load(os.path.join(os.path.dirname(os.path.abspath(file)), name), arg)
+
+
+def with_defaults(block, cls, skip=()):
+  """`block` (a ConfigDict) with each field of the dataclass `cls` that it lacks, but those
+  in `skip`, added at its default: a locked config takes overrides of its fields alone."""
+  for field in dataclasses.fields(cls):
+    if field.name not in block and field.name not in skip:
+      block[field.name] = field.default
+  return block
+
+
+def save_run_config(config, workdir: str) -> None:
+  """Write `config` to <workdir>/run_config.json (what a later run compares with)."""
+  with open(os.path.join(workdir, RUN_CONFIG), "w") as f:
+    json.dump(_plain(config), f, indent=1)
+
+
+def run_config_changes(workdir: str, config) -> list[str]:
+  """'field: saved -> now' for each field where `config` differs from the one a run in
+  `workdir` saved; [] when they agree or none was saved."""
+  path = os.path.join(workdir, RUN_CONFIG)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    saved = json.load(f)
+  now, out = _plain(config), []
+
+  def walk(a, b, prefix):
+    for key in sorted(set(a) | set(b)):
+      x, y = a.get(key, "(none)"), b.get(key, "(none)")
+      if isinstance(x, dict) and isinstance(y, dict):
+        walk(x, y, f"{prefix}{key}.")
+      elif x != y:
+        out.append(f"{prefix}{key}: {x!r} -> {y!r}")
+
+  walk(saved, now, "")
+  return out
+
+
+def _plain(config) -> dict:
+  """A ConfigDict (or dict) as JSON values."""
+  return json.loads(json.dumps(config.to_dict() if hasattr(config, "to_dict") else dict(config),
+                               default=str))

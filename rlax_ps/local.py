@@ -27,6 +27,7 @@ import time
 from typing import Any, Sequence
 
 from param_server import auth
+from rlax_ps.config_files import run_config_changes
 
 LISTENING = re.compile(r"parameter server listening on (\S+)")
 TAIL_LINES = 20
@@ -244,16 +245,22 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 def warm_start(config, workdir: str) -> str:
   """The HF checkpoint RL starts from: config.init_from_hf, else the export of the `sft`
-  block trained in <workdir>/sft (reused when a finished one is there)."""
+  block trained in <workdir>/sft (reused when a finished one is there, resumed when begun).
+  ValueError naming --workdir when the one there was begun with another `sft` block."""
   if config.init_from_hf:
     return config.init_from_hf
   sft_dir = os.path.join(os.path.abspath(workdir), "sft")
   hf = os.path.join(sft_dir, "hf")
+  config.sft.export.hf = True  # RL starts from the export
+  changes = run_config_changes(sft_dir, config.sft)
+  if changes:
+    raise ValueError(f"--workdir: the warm start in {sft_dir} was begun with another `sft` "
+                     f"config ({'; '.join(changes[:4])}{'; ...' if len(changes) > 4 else ''}); "
+                     f"use another --workdir, or delete {sft_dir} to train it anew")
   if os.path.exists(os.path.join(sft_dir, "summary.json")) and os.path.exists(
       os.path.join(hf, "config.json")):
     print(f"warm start: reusing {hf}", flush=True)
     return hf
-  config.sft.export.hf = True  # RL starts from the export
   print(f"warm start: supervised training in {sft_dir}", flush=True)
   child = multiprocessing.get_context("spawn").Process(target=_sft, args=(config.sft, sft_dir),
                                                        name="sft")

@@ -71,6 +71,12 @@ def main(argv: list[str]) -> None:
   except (TypeError, ValueError) as e:
     print(f"rlax-ps local: bad flags: --config.worker: {e}", file=sys.stderr)
     sys.exit(2)
+  from rlax_ps.train.rl_checks import check_rl_config  # imports JAX, starts no backend
+  try:
+    check_rl_config(config)  # the trainer's and workers' checks, before the warm start
+  except (OSError, TypeError, ValueError) as e:
+    print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
+    sys.exit(2)
   workdir = os.path.abspath(_WORKDIR.value)
   overrides = local.override_flags(config_flags.get_override_values(flags.FLAGS["config"]))
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
@@ -90,6 +96,9 @@ def main(argv: list[str]) -> None:
   except local.ChildFailed as e:
     print(f"rlax-ps local: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
+  except ValueError as e:
+    print(f"rlax-ps local: bad flags: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   except Terminated:
     print("rlax-ps local: terminated during the warm start", file=sys.stderr, flush=True)
     sys.exit(143)

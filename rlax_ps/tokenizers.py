@@ -4,8 +4,9 @@ Hugging Face `tokenizer.json` files through the `tokenizers` package.
 Both give `encode(text) -> list[int]`, `encode_prompt(prompt) -> list[int]` (a prompt as
 the model sees it: [bos] text, or a conversation through the chat template),
 `encode_reply(text, after)` (an environment's reply to a turn, as the next message),
-`decode(ids) -> str`, `bos_id`, `eos_id`, `stop_ids`, `pad_id` and `vocab_size`, so the
-trainer, the sampler and the verifiers never care which one they hold.
+`decode(ids) -> str`, `bos_id`, `eos_id`, `stop_ids`, `pad_id`, `vocab_size` and
+`save(directory)` (Hugging Face files beside an exported model), so the trainer, the
+sampler and the verifiers never care which one they hold.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Tokenizer(Protocol):
   def encode_reply(self, text: str | Sequence[str], after: int) -> list[int]: ...
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str: ...
+
+  def save(self, directory: str) -> str: ...
 
 
 class CharTokenizer:
@@ -131,14 +134,34 @@ class CharTokenizer:
         out.append(self.alphabet[i - n])
     return "".join(out)
 
+  @property
+  def vocab(self) -> dict[str, int]:
+    """token -> id: the specials, then the alphabet."""
+    return {**{tok: i for i, tok in enumerate(self.specials)}, **self._ids}
+
+  def check_checkpoint(self, checkpoint: str) -> None:
+    """ValueError naming tokenizer.kind when the Hugging Face checkpoint folder `checkpoint`
+    ships a tokenizer.json other than this one's (its model was trained on other ids)."""
+    file = os.path.join(checkpoint, "tokenizer.json")
+    if not os.path.isfile(file):
+      return
+    with open(file) as f:
+      model = json.load(f).get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") == "WordLevel" and vocab == self.vocab:
+      return
+    raise ValueError(f"tokenizer.kind: 'char' (the built-in character tokenizer, "
+                     f"{self.vocab_size} ids) is not the tokenizer of the checkpoint "
+                     f"{checkpoint} (its tokenizer.json: a {model.get('type', '?')} model of "
+                     f"{len(vocab or ())} tokens); set --config.tokenizer.kind=hf to use the "
+                     f"checkpoint's")
+
   def save(self, directory: str) -> str:
     """Write an equivalent Hugging Face `tokenizer.json` (loadable by HFTokenizer and by
     `transformers`), so an exported model ships with its tokenizer."""
     from tokenizers import Regex, Tokenizer as _HFTok, decoders, models, pre_tokenizers
 
-    vocab = {tok: i for i, tok in enumerate(self.specials)}
-    vocab.update(self._ids)
-    tok = _HFTok(models.WordLevel(vocab, unk_token=None))
+    tok = _HFTok(models.WordLevel(self.vocab, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(self.specials))
@@ -149,6 +172,11 @@ class CharTokenizer:
       json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, f, indent=1)
     return path
 
+
+# The files of a Hugging Face tokenizer that HFTokenizer.save copies along when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", chat.TEMPLATE_FILE, "chat_template.json", "vocab.json",
+                   "merges.txt", "tokenizer.model")
 
 # Special-token spellings tried, in order, when tokenizer_config.json does not name them.
 _BOS_GUESSES = ("<|begin_of_text|>", "<s>", BOS, "<|endoftext|>")
@@ -333,6 +361,24 @@ class HFTokenizer:
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
+  def save(self, directory: str) -> str:
+    """Copy this tokenizer's files (tokenizer.json and the files beside it that transformers
+    reads: its config, special tokens, chat templates, vocabularies) to `directory`, and the
+    chat template it renders with, if set, as chat_template.jinja."""
+    import shutil
+
+    source = os.path.dirname(self.path)
+    os.makedirs(directory, exist_ok=True)
+    for name in TOKENIZER_FILES:
+      if os.path.isfile(os.path.join(source, name)):
+        shutil.copy(os.path.join(source, name), os.path.join(directory, name))
+    if os.path.basename(self.path) != "tokenizer.json":
+      shutil.copy(self.path, os.path.join(directory, "tokenizer.json"))
+    if self.chat_template is not None:
+      with open(os.path.join(directory, chat.TEMPLATE_FILE), "w") as f:
+        f.write(self.chat_template)
+    return os.path.join(directory, "tokenizer.json")
+
 
 def _generation_eos_ids(directory: str) -> list[int]:
   """generation_config.json's eos_token_id (an id or a list) in `directory`, if any."""
@@ -388,12 +434,16 @@ def tokenizer_from_config(block: Mapping[str, Any] | None, default_path: str = "
                           tool_modules: str = "") -> CharTokenizer | HFTokenizer:
   """The tokenizer a config's `tokenizer` block names (kind, path, alphabet, chat_template,
   chat_kwargs, stop_tokens, tools); `default_path` (the HF checkpoint started from) when it
-  names no path; `tool_modules` (worker.verifiers) define the tools."""
+  names no path; `tool_modules` (worker.verifiers) define the tools. The char tokenizer is
+  refused for a checkpoint that ships another tokenizer."""
   block = block or {}
-  return make_tokenizer(str(block.get("kind", "char")), str(block.get("path", "") or default_path),
+  tokenizer = make_tokenizer(str(block.get("kind", "char")), str(block.get("path", "") or default_path),
                         str(block.get("alphabet", "")),
                         chat_template=str(block.get("chat_template", "")),
                         chat_kwargs=block.get("chat_kwargs", ""),
                         stop_tokens=str(block.get("stop_tokens", "")),
                         tools=str(block.get("tools", "")), tool_modules=tool_modules)
+  if isinstance(tokenizer, CharTokenizer) and default_path:
+    tokenizer.check_checkpoint(default_path)
+  return tokenizer
 

@@ -1,7 +1,7 @@
 """Every recipe in configs/ loads (default and :tiny), names the command that runs it first
-in its docstring, and is consistent: a valid loss, workers holding the published format, one
-model block shared with the warm start (or, with no warm start, the checkpoint's tokenizer
-and chat template)."""
+in its docstring, and is consistent: it passes the trainer's config checks, its workers hold
+the published format and every worker field can be overridden, one model block is shared
+with the warm start (or, with no warm start, the checkpoint's tokenizer and chat template)."""
 
 import ast
 import glob
@@ -11,7 +11,7 @@ import pytest
 
 from inference_workers.worker_config import WorkerConfig
 from rlax_ps.config_files import load
-from rlax_ps.train.rl_loss import LossConfig
+from rlax_ps.train.rl_checks import check_rl_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "configs", "rl_*.py")))
@@ -31,8 +31,9 @@ def test_recipe_loads_and_is_consistent(path):
   assert doc.splitlines()[0].startswith(f"rlax-ps local --config={name} ")
   for variant in (None, "tiny"):
     c = load(path, variant)
-    LossConfig.from_config(c.loss)
+    check_rl_config(c)
     worker = c.worker.to_dict()
+    assert set(WorkerConfig.__dataclass_fields__) - set(worker) == {"name", "seed"}
     if "--config.worker.reward_model=" in doc:  # the command names the required checkpoint
       assert worker["reward_model"] == ""
       worker["reward_model"] = "RM_PATH"

@@ -263,6 +263,28 @@ def test_a_half_given_gpu_split_is_refused_before_the_warm_start(tmp_path):
   assert not os.path.exists(tmp_path / "sft")
 
 
+@pytest.mark.parametrize("flag, message", [
+    ("--config.worker.samples_per_prompt=1", "worker.samples_per_prompt: loss.advantage='grpo'"),
+    ("--config.worker.default_task=no_such_task", "worker.default_task: 'no_such_task'"),
+])
+def test_a_wrong_rl_field_is_refused_before_the_warm_start(flag, message, tmp_path):
+  proc = _local(tmp_path, flag, timeout=60)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert f"rlax-ps local: bad flags: {message}" in proc.stderr
+  assert not os.listdir(tmp_path)  # nothing started
+
+
+def test_a_warm_start_begun_with_another_model_is_not_reused(run):
+  workdir, _ = run
+  logs = workdir / "logs"
+  before = {name: os.path.getsize(logs / name) for name in os.listdir(logs)}
+  proc = _local(workdir, "--config.model.num_layers=3", timeout=60)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "was begun with another `sft` config (model.num_layers: 1 -> 3)" in proc.stderr
+  assert "warm start: reusing" not in proc.stdout
+  assert {name: os.path.getsize(logs / name) for name in os.listdir(logs)} == before  # none ran
+
+
 def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):
   proc = _local(tmp_path, config="configs/rl_instruct.py:tiny", timeout=60)
   assert proc.returncode == 2

@@ -32,7 +32,7 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
-from algorithms.selection import check_revisit, fed, next_streak
+from algorithms.selection import fed, next_streak
 from param_server.client import (ParamServerError, Prompt, routes_of, sample_logprobs,
                                   sample_observed)
 from rlax_ps import optim
@@ -42,7 +42,8 @@ from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
 from rlax_ps.train.publisher import Publisher
-from rlax_ps.train.rl_loss import LossConfig, check_micro_batches, micro_batched_loss_and_grad, \
+from rlax_ps.train.rl_checks import check_rl_config
+from rlax_ps.train.rl_loss import LossConfig, micro_batched_loss_and_grad, \
   response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
@@ -145,31 +146,21 @@ class RLTrainer(TrainerRun):
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     rl = config.rl
+    self.loss_cfg = check_rl_config(config, files=False)  # the files are read below
     self.read_model(config)
     self.total_steps = int(rl.steps)
     self.max_staleness = int(rl.max_staleness)
     self.publish_every = int(rl.publish_every)
-    if self.total_steps < 1 or self.max_staleness < 0 or self.publish_every < 1:
-      raise ValueError(f"rl: expected steps >= 1, max_staleness >= 0, publish_every >= 1, got "
-                       f"{self.total_steps}, {self.max_staleness}, {self.publish_every}")
     self.shape = BatchShape(groups=int(rl.groups_per_step),
                             samples=int(config.worker.samples_per_prompt),
                             prompt_len=int(rl.max_prompt_tokens),
                             response_len=int(config.worker.max_new_tokens),
                             **routing_shape(self.model_config, config.worker))
-    self.loss_cfg = dataclasses.replace(LossConfig.from_config(config.loss),
-                                        budget=self.shape.response_len)
     # A step's rows are packed to the smallest of these many capacities (the budget, half
     # of it, ...) that holds its longest response.
     self.response_buckets = int(rl.get("response_buckets", 1))
-    if self.response_buckets < 1:
-      raise ValueError(f"rl.response_buckets: expected >= 1, got {self.response_buckets}")
     self.micro_batches = int(rl.get("micro_batches", 1))
-    check_micro_batches(self.micro_batches, self.shape.groups, self.loss_cfg)
     self.dynamic = _dynamic_sampler(config, self.shape.samples)
-    if str(config.worker.weights_format) != str(config.publish.format):
-      raise ValueError(f"worker.weights_format: expected publish.format="
-                       f"{config.publish.format!r}, got {config.worker.weights_format!r}")
     if self.loss_cfg.kl_coef > 0 and not self.init_from_hf:
       raise ValueError("loss.kl_coef: a KL term needs a reference policy; set init_from_hf")
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
@@ -196,15 +187,8 @@ class RLTrainer(TrainerRun):
     self._compiler = None
     self.precompiled_steps = 0  # steps that ran a step compiled ahead
     self.feed = PromptFeed(self._prompt_source(), int(config.seed))
-    if "retire_solved" in rl:
-      raise ValueError("rl.retire_solved: replaced by rl.revisit_solved (0.0: a solved record "
-                       "is not fed again)")
-    self.revisit = (check_revisit("rl.revisit_solved", rl.get("revisit_solved", 1.0)),
-                    check_revisit("rl.revisit_failed", rl.get("revisit_failed", 1.0)))
+    self.revisit = (float(rl.get("revisit_solved", 1.0)), float(rl.get("revisit_failed", 1.0)))
     self.selective = self.revisit != (1.0, 1.0)
-    if self.selective and not config.data.get("jsonl", ""):
-      raise ValueError("rl.revisit_solved, rl.revisit_failed: expected data.jsonl (the "
-                       "built-in tasks' stream never repeats a prompt), got none")
     self.publisher = Publisher(client, str(config.publish.format),
                                int(config.publish.keyframe_every))
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
@@ -706,20 +690,12 @@ class RLTrainer(TrainerRun):
     return summary
 
 def _dynamic_sampler(config, samples: int) -> DynamicSampler | None:
-  """DAPO dynamic sampling as rl.dynamic_sampling asks (None: off); ValueError naming the
-  field that rules it out."""
-  rl = config.rl
-  if not rl.get("dynamic_sampling", False):
+  """DAPO dynamic sampling as rl.dynamic_sampling asks (None: off; check_rl_config checked
+  its settings)."""
+  if not config.rl.get("dynamic_sampling", False):
     return None
-  if str(config.worker.get("allocator", "fixed")) != "fixed":
-    raise ValueError(f"rl.dynamic_sampling: needs worker.allocator='fixed' (VIGOR already "
-                     f"spends samples where rewards vary), got {config.worker.allocator!r}")
-  if samples < 2:
-    raise ValueError(f"rl.dynamic_sampling: needs worker.samples_per_prompt >= 2, got {samples}")
-  factor = float(rl.get("dynamic_sampling_max_factor", 3.0))
-  if not factor >= 1.0:
-    raise ValueError(f"rl.dynamic_sampling_max_factor: expected >= 1, got {factor}")
-  return DynamicSampler(group_size=samples, max_groups_factor=factor)
+  return DynamicSampler(group_size=samples,
+                        max_groups_factor=float(config.rl.get("dynamic_sampling_max_factor", 3.0)))
 
 
 def stop_on_signals(trainer: RLTrainer) -> None:

@@ -12,13 +12,12 @@ import jax
 from absl import logging
 from flax import nnx
 
-from rlax_ps import chat
 from rlax_ps import sharding as shd
 from rlax_ps.models import (flatten_params, longest_sequence, model_config_from,
                             save_hf_checkpoint)
 from rlax_ps.models.peft import save_peft_adapter
 from rlax_ps.tasks import Task, get_task
-from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, tokenizer_from_config
+from rlax_ps.tokenizers import tokenizer_from_config
 from rlax_ps.train import heldout as heldout_lib
 
 
@@ -104,16 +103,7 @@ class TrainerRun:
         logging.info("export: no PEFT adapter (%s)", e)
     with open(os.path.join(partial, "generation_config.json"), "w") as f:
       json.dump({**ids, "eos_token_id": list(tok.stop_ids)}, f, indent=2)  # stop as trained
-    if isinstance(tok, CharTokenizer):
-      tok.save(partial)
-    elif isinstance(tok, HFTokenizer):
-      for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        src = os.path.join(os.path.dirname(tok.path), name)
-        if os.path.exists(src):
-          shutil.copy(src, os.path.join(partial, name))
-      if tok.chat_template is not None:  # the template the policy was trained with
-        with open(os.path.join(partial, chat.TEMPLATE_FILE), "w") as f:
-          f.write(tok.chat_template)
+    tok.save(partial)  # with the chat template the policy was trained with, if any
     shutil.rmtree(path, ignore_errors=True)
     os.rename(partial, path)
     return path

@@ -20,6 +20,7 @@ from flax import nnx
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
+from rlax_ps.config_files import save_run_config
 from rlax_ps.tasks import Example
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.heldout import heldout_from_config
@@ -150,6 +151,8 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> dict[s
   """The `rlax-ps sft` job: train (resuming if possible), evaluate, export, report."""
   t0 = time.time()
   with SFTTrainer(config, workdir) as trainer:
+    if trainer.leader:  # what `rlax-ps local` compares before reusing this warm start
+      save_run_config(config, trainer.workdir)
     if trainer.step:
       print(f"resuming from checkpoint step {trainer.step} in {trainer.checkpointer.directory}",
             flush=True)

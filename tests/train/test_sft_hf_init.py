@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -62,5 +63,13 @@ def test_vocab_smaller_than_the_tokenizer_is_an_error(pretrained, tmp_path):
   config = _tiny_config()
   config.init_from_hf = path
   config.tokenizer.alphabet = "".join(chr(c) for c in range(0x100, 0x200))  # 259 ids.
+  with pytest.raises(ValueError, match="tokenizer.kind: 'char' .* not the tokenizer of the "
+                                       "checkpoint"):  # it ships its own (99 ids)
+    SFTTrainer(config, str(tmp_path / "a"), devices=jax.devices()[:1])
+  bare = tmp_path / "bare"  # a checkpoint without a tokenizer: its vocabulary is too small
+  bare.mkdir()
+  for name in ("config.json", "model.safetensors"):
+    shutil.copy(os.path.join(path, name), bare / name)
+  config.init_from_hf = str(bare)
   with pytest.raises(ValueError, match="init_from_hf: the model's vocab_size 104"):
-    SFTTrainer(config, str(tmp_path), devices=jax.devices()[:1])
+    SFTTrainer(config, str(tmp_path / "b"), devices=jax.devices()[:1])

@@ -1,0 +1,73 @@
+"""The checks of an RL config that need no model, devices or server: the trainer runs them
+first, and `rlax-ps local` before its warm start, so a wrong field fails in seconds with
+its name rather than minutes later in a child."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from algorithms.selection import check_revisit
+from rlax_ps.train.rl_loss import LossConfig, check_micro_batches
+
+
+def check_rl_config(config, *, files: bool = True) -> LossConfig:
+  """ValueError naming the field unless the config's `rl`, `loss`, `publish` and `worker`
+  settings fit together; returns the loss settings (budget: worker.max_new_tokens). With
+  `files`, also reads the prompt files and verifier modules the config names (and the
+  tokenizer of init_from_hf): what the trainer and workers would refuse at their start."""
+  rl, worker = config.rl, config.worker
+  steps, staleness, every = int(rl.steps), int(rl.max_staleness), int(rl.publish_every)
+  if steps < 1 or staleness < 0 or every < 1:
+    raise ValueError(f"rl: expected steps >= 1, max_staleness >= 0, publish_every >= 1, got "
+                     f"{steps}, {staleness}, {every}")
+  updates = int(rl.get("updates_per_batch", 1))
+  if updates < 1:
+    raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates}")
+  if int(rl.get("response_buckets", 1)) < 1:
+    raise ValueError(f"rl.response_buckets: expected >= 1, got {rl.response_buckets}")
+  loss = dataclasses.replace(LossConfig.from_config(config.loss),
+                             budget=int(worker.max_new_tokens))
+  check_micro_batches(int(rl.get("micro_batches", 1)), int(rl.groups_per_step), loss)
+  samples, allocator = int(worker.samples_per_prompt), str(worker.get("allocator", "fixed"))
+  if allocator == "fixed" and samples < 2:
+    raise ValueError(f"worker.samples_per_prompt: loss.advantage={loss.advantage!r} weighs "
+                     f"each sample against the others of its group; expected >= 2, got "
+                     f"{samples} (every advantage would be 0)")
+  if rl.get("dynamic_sampling", False):
+    if allocator != "fixed":
+      raise ValueError(f"rl.dynamic_sampling: needs worker.allocator='fixed' (VIGOR already "
+                       f"spends samples where rewards vary), got {allocator!r}")
+    factor = float(rl.get("dynamic_sampling_max_factor", 3.0))
+    if not factor >= 1.0:
+      raise ValueError(f"rl.dynamic_sampling_max_factor: expected >= 1, got {factor}")
+  if str(worker.weights_format) != str(config.publish.format):
+    raise ValueError(f"worker.weights_format: expected publish.format="
+                     f"{config.publish.format!r}, got {worker.weights_format!r}")
+  if "retire_solved" in rl:
+    raise ValueError("rl.retire_solved: replaced by rl.revisit_solved (0.0: a solved record "
+                     "is not fed again)")
+  revisit = (check_revisit("rl.revisit_solved", rl.get("revisit_solved", 1.0)),
+             check_revisit("rl.revisit_failed", rl.get("revisit_failed", 1.0)))
+  if revisit != (1.0, 1.0) and not config.data.get("jsonl", ""):
+    raise ValueError("rl.revisit_solved, rl.revisit_failed: expected data.jsonl (the "
+                     "built-in tasks' stream never repeats a prompt), got none")
+  if files:
+    _check_files(config)
+  return loss
+
+
+def _check_files(config) -> None:
+  """The verifiers, prompt files and tokenizer the config names load and hold what the
+  trainer and workers expect of them."""
+  from algorithms.verifiers import verifiers_by_task
+  from rlax_ps.tokenizers import tokenizer_from_config
+  from rlax_ps.train.prompts import config_records
+  worker = config.worker
+  verifiers_by_task(str(worker.default_task), str(worker.get("verifiers", "")))
+  for field in ("jsonl", "heldout_jsonl"):
+    path = config.data.get(field, "")
+    if path:
+      config_records(config, f"data.{field}", path)
+  if config.get("init_from_hf", ""):
+    tokenizer_from_config(config.tokenizer, config.init_from_hf,
+                          tool_modules=str(worker.get("verifiers", "")))

@@ -1,0 +1,111 @@
+"""The RL config checks that run before any model, device or child starts
+(rlax_ps.train.rl_checks): each wrong field is refused naming it; the char tokenizer is
+refused for a checkpoint that ships another; a run's saved config names what changed."""
+
+import json
+import os
+
+import pytest
+
+from rl_testlib import REPO, rl_config
+from rlax_ps.config_files import run_config_changes, save_run_config
+from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, tokenizer_from_config
+from rlax_ps.train.rl_checks import check_rl_config
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
+
+
+def _set(config, **fields):
+  for path, value in fields.items():
+    block, _, name = path.rpartition("__")
+    node = config
+    for part in block.split("__") if block else ():
+      node = node[part]
+    node[name] = value
+  return config
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"worker__samples_per_prompt": 1}, "worker.samples_per_prompt: loss.advantage='grpo' "
+                                        "weighs each sample against the others"),
+    ({"loss__advantage": "ppo"}, "loss.advantage: expected one of"),
+    ({"loss__clip": 0.3}, r"loss: unknown fields \['clip'\]"),
+    ({"rl__max_staleness": -1}, "rl: expected steps >= 1, max_staleness >= 0"),
+    ({"rl__updates_per_batch": 0}, "rl.updates_per_batch: expected >= 1"),
+    ({"rl__micro_batches": 3}, "rl.micro_batches: expected a divisor"),
+    ({"rl__dynamic_sampling": True, "worker__allocator": "vigor"},
+     "rl.dynamic_sampling: needs worker.allocator='fixed'"),
+    ({"rl__dynamic_sampling": True, "rl__dynamic_sampling_max_factor": 0.5},
+     "rl.dynamic_sampling_max_factor: expected >= 1"),
+    ({"publish__format": "int8"}, "worker.weights_format: expected publish.format='int8'"),
+    ({"rl__revisit_solved": 0.5}, "rl.revisit_solved, rl.revisit_failed: expected data.jsonl"),
+    ({"worker__default_task": "no_such_task"}, "worker.default_task: 'no_such_task' is neither"),
+])
+def test_each_wrong_field_is_refused_naming_it(fields, message):
+  config = _set(rl_config(), **fields)
+  with pytest.raises(ValueError, match=message):
+    check_rl_config(config)
+
+
+def test_vigor_groups_need_no_fixed_size_and_the_recipes_pass():
+  vigor = _set(rl_config(path="configs/rl_vigor.py"), worker__samples_per_prompt=1)
+  assert check_rl_config(vigor).advantage == "grpo"
+  loss = check_rl_config(rl_config())
+  assert loss.budget == rl_config().worker.max_new_tokens
+
+
+def test_prompt_files_are_read_only_when_asked(tmp_path):
+  bad = tmp_path / "train.jsonl"
+  bad.write_text(json.dumps({"prompt": "1+1="}) + "\n")  # no answer
+  config = _set(rl_config(), data__jsonl=str(bad))
+  with pytest.raises(ValueError, match="train.jsonl.*'answer'"):
+    check_rl_config(config)
+  check_rl_config(config, files=False)  # the trainer reads them itself, later
+  config.data.jsonl = str(tmp_path / "missing.jsonl")
+  with pytest.raises((OSError, ValueError), match="missing.jsonl"):
+    check_rl_config(config)
+
+
+def test_the_char_tokenizer_is_refused_for_a_checkpoint_with_its_own(tmp_path):
+  block = {"kind": "char"}
+  with pytest.raises(ValueError, match=r"tokenizer.kind: 'char' .* set "
+                                       r"--config.tokenizer.kind=hf"):
+    tokenizer_from_config(block, os.path.join(FIXTURES, "tokenizer"))
+  CharTokenizer().save(str(tmp_path))  # a warm start's export: the same tokenizer
+  assert tokenizer_from_config(block, str(tmp_path)).vocab == CharTokenizer().vocab
+  with pytest.raises(ValueError, match="tokenizer.kind: 'char'"):  # another alphabet
+    tokenizer_from_config({"kind": "char", "alphabet": "0123456789"}, str(tmp_path))
+  config = _set(rl_config(), init_from_hf=os.path.join(FIXTURES, "tokenizer"))
+  with pytest.raises(ValueError, match="tokenizer.kind: 'char'"):
+    check_rl_config(config)
+
+
+def test_an_hf_tokenizer_saves_its_files_and_its_chat_template(tmp_path):
+  source = os.path.join(FIXTURES, "chat_tokenizer")
+  tok = HFTokenizer(source, chat_template=os.path.join(source, "llama3.jinja"))
+  tok.save(str(tmp_path / "out"))
+  saved = sorted(os.listdir(tmp_path / "out"))
+  assert saved == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+  again = HFTokenizer(str(tmp_path / "out"), chat_template="auto")
+  assert again.chat_template == tok.chat_template
+  assert again.encode_prompt([{"role": "user", "content": "hi"}]) == tok.encode_prompt(
+      [{"role": "user", "content": "hi"}])
+  (tmp_path / "src").mkdir()  # a template that comes as a file of its own is copied along
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    (tmp_path / "src" / name).write_bytes(open(os.path.join(source, name), "rb").read())
+  (tmp_path / "src" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+  HFTokenizer(str(tmp_path / "src")).save(str(tmp_path / "out2"))
+  assert (tmp_path / "out2" / "chat_template.jinja").read_text() == (
+      "{{ messages[0]['content'] }}!")
+
+
+def test_a_saved_run_config_names_each_changed_field(tmp_path):
+  config = rl_config().sft
+  assert run_config_changes(str(tmp_path), config) == []  # none saved
+  save_run_config(config, str(tmp_path))
+  assert run_config_changes(str(tmp_path), config) == []
+  config.model.num_layers = config.model.num_layers + 2
+  config.train.steps = 7
+  changes = run_config_changes(str(tmp_path), config)
+  assert len(changes) == 2 and changes[0].startswith("model.num_layers: ")
+  assert changes[1].endswith("-> 7") and changes[1].startswith("train.steps: ")
