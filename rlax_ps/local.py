@@ -9,13 +9,15 @@ machine's accelerators; the workers run on the CPU unless `local.worker_platform
 its own (`local.trainer_gpus`, `local.gpus_per_worker`).
 Tokens are made fresh in the server's owner-only tokens.json, which the children read
 (never a command line). One live line shows the trainer's progress; the run ends at the
-trainer's last step, on Ctrl-C, or when any child fails (then with a non-zero exit naming
-the child and its last log lines).
+trainer's last step, on Ctrl-C, SIGTERM or SIGHUP, or when any child fails (then with a
+non-zero exit naming the child and its last log lines). A supervisor killed without notice
+takes its children with it (each gets a SIGTERM, Linux).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -31,6 +33,7 @@ from rlax_ps.config_files import run_config_changes
 
 LISTENING = re.compile(r"parameter server listening on (\S+)")
 TAIL_LINES = 20
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class ChildFailed(RuntimeError):
@@ -44,6 +47,18 @@ def override_flags(overrides: dict[str, Any]) -> list[str]:
     text = value if isinstance(value, str) else repr(value)
     out.append(f"--config.{path}={text}")
   return out
+
+
+def stop_with_parent(parent_pid: int) -> None:
+  """In a child: a SIGTERM once the process `parent_pid` is gone, even killed without
+  notice (Linux's parent-death signal; elsewhere nothing), so a supervisor that dies leaves
+  no server, trainer or worker running on."""
+  if not sys.platform.startswith("linux"):
+    return
+  import ctypes
+  ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+  if os.getppid() != parent_pid:  # it died before the call
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def tail(path: str, n: int = TAIL_LINES) -> str:
@@ -112,7 +127,8 @@ class LocalRun:
       f.flush()
       process = subprocess.Popen([self.python, "-m", "rlax_ps", *args], stdout=f,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env={**os.environ, **(env or {})}, start_new_session=True)
+                                 env={**os.environ, **(env or {})}, start_new_session=True,
+                                 preexec_fn=functools.partial(stop_with_parent, os.getpid()))
     child = Child(name, process, log)
     self.children.append(child)
     return child
@@ -262,8 +278,8 @@ def warm_start(config, workdir: str) -> str:
     print(f"warm start: reusing {hf}", flush=True)
     return hf
   print(f"warm start: supervised training in {sft_dir}", flush=True)
-  child = multiprocessing.get_context("spawn").Process(target=_sft, args=(config.sft, sft_dir),
-                                                       name="sft")
+  child = multiprocessing.get_context("spawn").Process(
+      target=_sft, args=(config.sft, sft_dir, os.getpid()), name="sft")
   child.start()
   try:
     child.join()
@@ -277,8 +293,10 @@ def warm_start(config, workdir: str) -> str:
   return hf
 
 
-def _sft(config, workdir: str) -> None:
-  """The warm start's process: `rlax-ps sft` on the config's `sft` block."""
+def _sft(config, workdir: str, parent_pid: int) -> None:
+  """The warm start's process: `rlax-ps sft` on the config's `sft` block, stopped with its
+  supervisor."""
+  stop_with_parent(parent_pid)
   from absl import logging
 
   from rlax_ps.compile_cache import enable_compile_cache

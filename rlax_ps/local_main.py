@@ -39,20 +39,29 @@ def _postfix(record: dict, synced: int) -> dict:
 
 
 class Terminated(Exception):
-  """A SIGTERM: stop the children as on Ctrl-C (they run in sessions of their own, so the
-  signal does not reach them)."""
+  """A SIGTERM or SIGHUP (a closed terminal): stop the children as on Ctrl-C (they run in
+  sessions of their own, so the signal does not reach them); exit 128 + its number."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.code = 128 + signum
 
 
 def _raise_terminated(signum, frame) -> None:
   del frame
-  signal.signal(signum, signal.SIG_IGN)  # one is enough: the stop must not be cut short
-  raise Terminated()
+  for stop in STOP_SIGNALS:  # one is enough: the stop must not be cut short
+    signal.signal(stop, signal.SIG_IGN)
+  raise Terminated(signum)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise SystemExit(f"rlax-ps local: unexpected arguments {argv[1:]}; flags are --name=value")
-  signal.signal(signal.SIGTERM, _raise_terminated)
+  for stop in STOP_SIGNALS:
+    signal.signal(stop, _raise_terminated)
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   from tqdm import tqdm
@@ -99,9 +108,12 @@ def main(argv: list[str]) -> None:
   except ValueError as e:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
-  except Terminated:
+  except Terminated as e:
     print("rlax-ps local: terminated during the warm start", file=sys.stderr, flush=True)
-    sys.exit(143)
+    sys.exit(e.code)
+  except KeyboardInterrupt:
+    print("rlax-ps local: interrupted during the warm start", file=sys.stderr, flush=True)
+    sys.exit(130)
   steps = local.StepReader(os.path.join(workdir, "steps.jsonl"))
   code, message = 0, ""
   try:
@@ -124,8 +136,8 @@ def main(argv: list[str]) -> None:
     code, message = 1, f"rlax-ps local: {e}"
   except KeyboardInterrupt:
     code, message = 130, "rlax-ps local: interrupted; children stopped"
-  except Terminated:
-    code, message = 143, "rlax-ps local: terminated; children stopped"
+  except Terminated as e:
+    code, message = e.code, "rlax-ps local: terminated; children stopped"
   finally:
     run.stop()
   if code:

@@ -134,9 +134,13 @@ def test_eval_scores_the_warm_start_and_the_trained_policy_as_the_run_did(run, t
   assert bad.returncode == 2 and "--checkpoints" in bad.stderr and "nowhere" in bad.stderr
 
 
-def test_sigterm_stops_every_child_and_exits_143(run, tmp_path):
-  """A SIGTERM reaches `rlax-ps local` alone (its children run in sessions of their own): it
-  must stop them all, not leave a server, trainer and workers running."""
+@pytest.mark.parametrize("signum", [
+    signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow), signal.SIGKILL],
+    ids=lambda s: signal.Signals(s).name)
+def test_a_stopped_or_killed_run_leaves_no_child_running(signum, run, tmp_path):
+  """A SIGTERM or SIGHUP reaches `rlax-ps local` alone (its children run in sessions of
+  their own): it must stop them all and exit 128 + the signal, not leave a server, trainer
+  and workers running; killed without notice (SIGKILL), its children stop by themselves."""
   workdir, _ = run
   shutil.copytree(workdir / "sft", tmp_path / "sft")  # the warm start, reused
   env = child_env()
@@ -154,14 +158,24 @@ def test_sigterm_stops_every_child_and_exits_143(run, tmp_path):
     while not (tmp_path / "steps.jsonl").exists():  # the trainer is training
       assert proc.poll() is None and time.monotonic() < deadline
       time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
   finally:
     if proc.poll() is None:
       proc.kill()
-  assert proc.returncode == 143 and "terminated; children stopped" in err
-  ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-  assert str(tmp_path) not in ps  # no child left: server, trainer, workers
+  if signum == signal.SIGKILL:
+    assert proc.returncode == -signal.SIGKILL
+  else:
+    assert proc.returncode == 128 + signum and "terminated; children stopped" in err
+
+  def children():  # server, trainer, workers: their command lines name the workdir
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if str(tmp_path) in line]
+
+  deadline = time.monotonic() + 120
+  while children() and time.monotonic() < deadline:
+    time.sleep(0.5)
+  assert not children()
   host, port = address.rsplit(":", 1)
   with pytest.raises(OSError):
     socket.create_connection((host, int(port)), timeout=2).close()
