@@ -28,6 +28,7 @@ from param_server import auth, errors, pull_wire
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
 from param_server.queues import PromptRolloutQueues, QueueLimits
+from param_server.storage_lock import StorageLock
 from param_server.wal import WriteAheadLog
 from param_server.weights import WeightLimits, WeightStore
 from rlax_ps.dataclass_flags import setting
@@ -451,6 +452,15 @@ class ParamServer:
     self.metrics_port: int | None = None  # the bound port, once serving metrics
     self._metrics = None
     os.makedirs(config.storage_dir, exist_ok=True)
+    self._lock = StorageLock(config.storage_dir)  # StorageInUse: another server has it
+    try:
+      self._open(config)
+    except BaseException:
+      self._lock.release()
+      raise
+
+  def _open(self, config: ServerConfig) -> None:
+    """Tokens, weights, queues (replaying the write-ahead log) and the gRPC server."""
     self.tokens = auth.load_tokens(config.storage_dir, {
         "trainer": config.trainer_token, "worker": config.worker_token, "viewer": config.viewer_token})
     self.weights = WeightStore(config.storage_dir, chunk_bytes=config.chunk_bytes, limits=WeightLimits(
@@ -512,6 +522,7 @@ class ParamServer:
     if self._reaper.is_alive():
       self._reaper.join()
     self.queues.close()
+    self._lock.release()
 
   def __enter__(self) -> "ParamServer":
     return self.start()
