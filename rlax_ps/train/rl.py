@@ -207,6 +207,7 @@ class RLTrainer(TrainerRun):
     self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
     self.dropped_stale = 0  # groups the server dropped as older than the staleness floor
     self.rejected = 0  # groups that could not enter a batch (logged)
+    self.last_rejection: str | None = None  # why the last of them could not
     self.filtered = 0  # groups with all-equal rewards left out (rl.dynamic_sampling)
     self.filled = 0  # such groups that filled a step at the cap (rl.dynamic_sampling)
     self.restored = saved is not None
@@ -495,15 +496,18 @@ class RLTrainer(TrainerRun):
           ack_deadline_s=float(rl.ack_deadline_s), requeue_unacked=self._requeue_next)
       self._requeue_next = False
       self.dropped_stale += take.dropped_stale
+      valid, rejected = [], self.rejected
+      if take.rollouts:  # acknowledged with this step, the rejected groups too
+        self.pending.append(PendingTake(take.take_id,
+                                        [int(r.rollout_id) for r in take.rollouts],
+                                        self.step + 1))
+        valid = self._valid_groups(take.rollouts)
+      if self.rejected - rejected < len(take.rollouts):  # a group came that was not refused
+        waited_since = time.monotonic()
+      elif time.monotonic() - waited_since > float(rl.take_timeout_s):
+        raise TimeoutError(self._no_groups_message())
       if not take.rollouts:
-        if time.monotonic() - waited_since > float(rl.take_timeout_s):
-          raise TimeoutError(f"rl.take_timeout_s: no rollout group for {rl.take_timeout_s}s; "
-                             f"are workers running against {self.client.address}?")
         continue
-      waited_since = time.monotonic()
-      self.pending.append(PendingTake(take.take_id, [int(r.rollout_id) for r in take.rollouts],
-                               self.step + 1))
-      valid = self._valid_groups(take.rollouts)
       if sampling is None:
         groups += valid
         continue
@@ -516,6 +520,14 @@ class RLTrainer(TrainerRun):
           uniform.append(group)
           self.filtered += 1
     return groups
+
+  def _no_groups_message(self) -> str:
+    """Why rl.take_timeout_s ran out: no group came, or none that could be trained on."""
+    waited = f"rl.take_timeout_s: no usable rollout group for {self.config.rl.take_timeout_s}s"
+    if self.last_rejection is None:
+      return f"{waited}; are workers running against {self.client.address}?"
+    return (f"{waited}; {self.rejected} groups rejected, the last: {self.last_rejection} (do "
+            f"the workers run this trainer's config?)")
 
   def _valid_groups(self, taken_rollouts) -> list[Group]:
     """The groups of a take that can enter a batch; the others are counted and logged."""
@@ -542,8 +554,9 @@ class RLTrainer(TrainerRun):
                            f"rl.dynamic_sampling needs worker.samples_per_prompt="
                            f"{self.shape.samples}")
       except ValueError as e:
-        logging.warning("rl: rollout group rejected: %s", e)
+        logging.log_every_n_seconds(logging.WARNING, "rl: rollout group rejected: %s", 10, e)
         self.rejected += 1
+        self.last_rejection = str(e)
         continue
       if (group.prompt_routes is None) == self.shape.routed and not self._told_routes:
         self._told_routes = True  # a worker started with another worker.routing_replay

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from param_server.client import RolloutGroup, make_sample
 from rl_testlib import FakeWorker, client, rl_config, start_server
 from rlax_ps import sync
 from rlax_ps.sync.bits import BF16
@@ -474,3 +475,34 @@ def test_a_step_whose_compile_ahead_failed_or_is_queued_compiles_when_taken():
   assert tr._step_for(batch(32)) == "compiled" and tr.precompiled_steps == 1
   assert tr._step_for(batch(64)) == "jitted"  # a shape not compiled ahead
   assert set(tr._compiles) == {(4, 32)}
+
+
+class _Overlong(FakeWorker):
+  """A worker sampling with a larger budget than the trainer's: every group is refused."""
+
+  def group(self, prompt_id, version, uniform=False):
+    toks = np.full(self.max_len, 5)
+    return RolloutGroup(prompt_id=prompt_id, policy_version=version, samples=[
+        make_sample(toks, float(j % 2), logprobs=np.full(len(toks), -1.5))
+        for j in range(self.samples)])
+
+
+def test_groups_it_cannot_train_on_end_the_run_at_take_timeout_naming_why(tmp_path):
+  """Rejected groups do not count as arrivals: with only those coming, rl.take_timeout_s ends
+  the run with the reason, instead of a trainer that waits forever at step 0."""
+  config = _config(steps=2)
+  config.eval.num_examples = 0
+  config.rl.take_timeout_s = 3.0
+  server = start_server(tmp_path / "ps")
+  worker = _Overlong(server.address, samples=4,
+                     max_len=int(config.worker.max_new_tokens) + 1).start()
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      with pytest.raises(TimeoutError, match=(
+          r"rl.take_timeout_s: no usable rollout group for 3.0s; \d+ groups rejected, the "
+          r"last: .*more than worker.max_new_tokens=\d+ \(do the workers run this")):
+        tr.train()
+      assert tr.step == 0 and tr.rejected >= 1
+  finally:
+    worker.stop()
+    server.stop(grace=0)
