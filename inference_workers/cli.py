@@ -12,7 +12,9 @@ SIGTERM (a preemption notice) stops the worker cleanly within --grace_s.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
+import sys
 import threading
 
 from absl import app, flags, logging
@@ -27,11 +29,14 @@ STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "ml_collections file with `model`, `tokenizer` and optional `worker` "
-    "sections, e.g. configs/sft_tiny.py")
+    "sections: the trainer's, e.g. configs/rl_local.py")
 flags.adopt_module_key_flags(connect_flags)
-flags.mark_flags_as_required(["config", "address"])
+flags.mark_flags_as_required(["config"])
+connect_flags.require_address()
 
 define_flags(WorkerConfig)
+for _field in dataclasses.fields(WorkerConfig):  # listed by `rlax-ps worker --help`
+  flags.declare_key_flag(_field.name)
 
 
 def worker_config_from(section) -> WorkerConfig:
@@ -39,13 +44,16 @@ def worker_config_from(section) -> WorkerConfig:
   return resolve(WorkerConfig, section, "--config worker section")
 
 
-def stop_on_signals(worker) -> None:
+def stop_on_signals(worker, client=None) -> None:
   """Turn SIGTERM/SIGINT into `worker.request_stop()` even while the main thread is inside a
   long XLA call: the signals are blocked in every thread (call `block_stop_signals` before
-  any thread starts) and one thread waits for them."""
+  any thread starts) and one thread waits for them. A call the client is retrying (the
+  server unreachable) gives up at once."""
   def wait():
     signal.sigwait(STOP_SIGNALS)
     worker.request_stop()
+    if client is not None:
+      client.interrupt.set()
 
   threading.Thread(target=wait, name="stop-signals", daemon=True).start()
 
@@ -80,15 +88,20 @@ def main(argv) -> None:
     raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
   model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf,
                                    longest_sequence(cfg))
-  with connect_flags.connect("worker") as client:
-    worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for)
-    mesh = worker.mesh
-    print("worker: decoding on " + ("the default device" if mesh is None else
-                                    f"{mesh.size} devices (data {mesh.shape['data']} x "
-                                    f"tensor {mesh.shape['tensor']})")
-          + f"; {worker.batching}", flush=True)
-    stop_on_signals(worker)
-    stats = worker.run()
+  from param_server.client import ParamServerError
+  try:
+    with connect_flags.connect("worker") as client:
+      worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for)
+      mesh = worker.mesh
+      print("worker: decoding on " + ("the default device" if mesh is None else
+                                      f"{mesh.size} devices (data {mesh.shape['data']} x "
+                                      f"tensor {mesh.shape['tensor']})")
+            + f"; {worker.batching}", flush=True)
+      stop_on_signals(worker, client)
+      stats = worker.run()
+  except (ParamServerError, connect_flags.TokenFileError) as e:
+    print(f"rlax-ps worker: {e}", file=sys.stderr, flush=True)
+    exit_now(1)  # leases released: skip a finalization that can abort
   logging.info("worker: done: %s", stats)
   held = ("nothing" if worker.policy.version is None else
           f"v{worker.policy.version} digest {worker.policy.digest():016x}")

@@ -14,6 +14,7 @@ import hmac
 import json
 import os
 import secrets
+import ssl
 
 import grpc
 from absl import logging
@@ -76,6 +77,23 @@ def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str
   return tokens
 
 
+def check_tls_files(cert: str, key: str) -> None:
+  """ValueError naming the flags unless --tls_cert and --tls_key are both empty, or a PEM
+  certificate and its private key that load together (gRPC says only that it could not
+  bind)."""
+  if not cert and not key:
+    return
+  if not cert or not key:
+    given, missing = ("--tls_cert", "--tls_key") if cert else ("--tls_key", "--tls_cert")
+    raise ValueError(f"{given}={cert or key}: TLS needs {missing} too")
+  try:
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+  except (OSError, ssl.SSLError) as e:
+    raise ValueError(f"--tls_cert={cert} --tls_key={key}: could not be loaded as a PEM "
+                     f"certificate and its private key ({getattr(e, 'strerror', None) or e}); "
+                     f"swapped?") from None
+
+
 def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
   def abort(request, context):
     context.abort(code, message)
@@ -91,9 +109,13 @@ def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler) -
 class TokenAuthInterceptor(grpc.ServerInterceptor):
   """Maps `authorization: Bearer <token>` to a role and checks it against the method."""
 
-  def __init__(self, tokens: dict[str, str], on_denied=None, methods=None):
+  def __init__(self, tokens: dict[str, str], on_denied=None, methods=None, unavailable=None):
     self._tokens = [(role, tok.encode()) for role, tok in tokens.items()]
     self._on_denied = on_denied or (lambda: None)
+    # unavailable() -> why the checked methods cannot be served now ("" when they can): a
+    # relay whose server refused or cannot be reached answers UNAVAILABLE, not a verdict on
+    # the caller's token, which it cannot judge then.
+    self._unavailable = unavailable or (lambda: "")
     # Only these methods are checked here (None: all); a relay leaves the calls it passes
     # through to the server, which checks them.
     self._methods = None if methods is None else set(methods)
@@ -119,13 +141,18 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     name = method[len(SERVICE):] if method.startswith(SERVICE) else method
     if self._methods is not None and name not in self._methods:
       return handler
+    down = self._unavailable()
+    if down:
+      return _deny(grpc.StatusCode.UNAVAILABLE, down, handler)
     allowed = METHOD_ROLES.get(name, set())
     role = self.role_of(handler_call_details.invocation_metadata)
     if role is None:
       self._on_denied()
       logging.warning("auth: %s without a valid bearer token", name)
+      given = dict(handler_call_details.invocation_metadata or ()).get("authorization")
       return _deny(grpc.StatusCode.UNAUTHENTICATED,
-                   "authorization: expected 'Bearer <token>' with a known token", handler)
+                   "authorization: token rejected: not a known token" if given else
+                   "authorization: no token given: expected 'Bearer <token>'", handler)
     if role not in allowed:
       self._on_denied()
       logging.warning("auth: role %s may not call %s", role, name)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 from typing import Callable, Iterable, Iterator, Sequence
 
 import grpc
 import numpy as np
+from absl import logging
 
 from param_server import pull_wire
 from param_server.protos import param_server_pb2 as pb
@@ -31,6 +33,23 @@ VersionInfo = pb.VersionInfo
 Stats = pb.Stats
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# How a weight relay begins the UNAVAILABLE it answers while it cannot reach, or is refused
+# by, the server it follows: a client given `ipv4:RELAY,SERVER` then talks to the server.
+RELAY_DOWN = "weight relay cannot serve:"
+RETRY_LOG_S = 30.0  # a call that keeps failing is logged at once, then at most this often
+
+
+def _flag_hint(role: str) -> str:
+  return f"--token, ${'RLAX_PS_' + role.upper() + '_TOKEN'} or --token_file"
+
+
+def fallback_address(address: str) -> str | None:
+  """`ipv4:RELAY:PORT,SERVER:PORT` -> `ipv4:SERVER:PORT` (the addresses after the first);
+  None for a single address."""
+  scheme, sep, rest = address.partition(":")
+  if not sep or scheme not in ("ipv4", "ipv6") or "," not in rest:
+    return None
+  return f"{scheme}:{rest.split(',', 1)[1]}"
 
 
 class ParamServerError(Exception):
@@ -198,18 +217,33 @@ class ParamServerClient:
     self.retry = retry
     self.timeout_s = timeout_s
     self.worker_id = ""
+    self._has_token = bool(token)
     self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    self._tls = root_certificates is not None
+    # Set (by a stop request) to end any retry wait at once: the call then fails UNAVAILABLE.
+    self.interrupt = threading.Event()
+    self._retry_logged_at = -RETRY_LOG_S
     # No size limits of its own: the server sets them (`rlax-ps serve --max_message_bytes`)
     # and tells a worker its request limit when it registers.
     self.max_request_bytes = 0  # 0: not told
-    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    self._options = [("grpc.max_receive_message_length", -1),
+                     ("grpc.max_send_message_length", -1)]
     if root_certificates is not None:
       if tls_server_name:
-        options.append(("grpc.ssl_target_name_override", tls_server_name))
-      self._channel = grpc.secure_channel(
-          address, grpc.ssl_channel_credentials(root_certificates=root_certificates), options=options)
+        self._options.append(("grpc.ssl_target_name_override", tls_server_name))
+      self._credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
     else:
-      self._channel = grpc.insecure_channel(address, options=options)
+      self._credentials = None
+    self._fallback = fallback_address(address)
+    self._fallback_lock = threading.Lock()
+    self._connect(address)
+    self._relay_channel = self._channel
+
+  def _connect(self, address: str) -> None:
+    if self._credentials is not None:
+      self._channel = grpc.secure_channel(address, self._credentials, options=self._options)
+    else:
+      self._channel = grpc.insecure_channel(address, options=self._options)
     self._stub = pb_grpc.ParamServerStub(self._channel)
     # Pull parses its chunks without copying their bytes (pull_wire.py).
     self._pull = self._channel.unary_stream(
@@ -226,6 +260,8 @@ class ParamServerClient:
 
   def close(self) -> None:
     self._channel.close()
+    if self._relay_channel is not self._channel:  # fell back from a relay
+      self._relay_channel.close()
 
   def __enter__(self) -> "ParamServerClient":
     return self
@@ -233,26 +269,63 @@ class ParamServerClient:
   def __exit__(self, *exc) -> None:
     self.close()
 
+  def error(self, method: str, code: grpc.StatusCode, details: str) -> ParamServerError:
+    """A ParamServerError whose message says what to do where the status alone misleads: no
+    token vs a token refused, and a plaintext client that met a TLS server."""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+      details = (f"no token given for role {self.role!r} ({_flag_hint(self.role)}); {details}"
+                 if not self._has_token else
+                 f"the {self.role} token was rejected by {self.address}; {details}")
+    elif (code == grpc.StatusCode.UNAVAILABLE and not self._tls
+          and "socket closed" in details.lower()):
+      details += f" (is the server at {self.address} using TLS? pass --tls_ca)"
+    return ParamServerError(method, code, details)
+
+  def _fall_back(self, details: str) -> bool:
+    """Given `ipv4:RELAY,SERVER` and a relay that says it cannot serve, talk to the server
+    from now on; False when there is nowhere to fall back to."""
+    if not details.startswith(RELAY_DOWN):
+      return False
+    with self._fallback_lock:  # calls on other threads may meet the relay's answer too
+      if self._fallback is None:
+        return self._channel is not self._relay_channel  # another thread switched already
+      logging.warning("param server client: %s; talking to %s instead", details, self._fallback)
+      fallback, self._fallback = self._fallback, None
+      self._connect(fallback)  # the relay's channel is left open for calls still on it
+    return True
+
+  def _wait_to_retry(self, method: str, code: grpc.StatusCode, details: str, delays) -> None:
+    """Sleep the next backoff delay after a failed attempt (logged at once, then at most
+    every RETRY_LOG_S); raise once the retries are spent or a stop was requested."""
+    if self._fall_back(details):
+      return
+    delay = next(delays, None)
+    if delay is None:
+      raise self.error(method, code, f"still failing after {self.retry.deadline_s:g}s of "
+                       f"retries: {details}")
+    now = time.monotonic()
+    if now - self._retry_logged_at >= RETRY_LOG_S:
+      self._retry_logged_at = now
+      logging.warning("param server %s: %s failed (%s: %s); retrying for up to %gs",
+                      self.address, method, code.name, details, self.retry.deadline_s)
+    if self.interrupt.wait(delay):
+      raise ParamServerError(method, code, f"stop requested while retrying: {details}")
+
   def _with_retry(self, method: str, fn: Callable[[], object]):
-    last = None
     delays = self.retry.delays()
     while True:
       try:
         return fn()
       except grpc.RpcError as e:
         if e.code() not in RETRYABLE:
-          raise ParamServerError(method, e.code(), e.details() or "") from None
-        last = e
-      delay = next(delays, None)
-      if delay is None:
-        raise ParamServerError(method, last.code(), f"still failing after {self.retry.deadline_s}s of "
-                               f"retries: {last.details()}") from None
-      time.sleep(delay)
+          raise self.error(method, e.code(), e.details() or "") from None
+        code, details = e.code(), e.details() or ""
+      self._wait_to_retry(method, code, details, delays)
 
   def _call(self, method: str, request, timeout_s: float | None = None):
-    rpc = getattr(self._stub, method)
     timeout = self.timeout_s if timeout_s is None else timeout_s
-    return self._with_retry(method, lambda: rpc(request, metadata=self._metadata, timeout=timeout))
+    return self._with_retry(method, lambda: getattr(self._stub, method)(
+        request, metadata=self._metadata, timeout=timeout))
 
   def _require_worker(self, worker_id: str | None) -> str:
     wid = worker_id or self.worker_id
@@ -343,13 +416,9 @@ class ParamServerClient:
         error = "the stream ended before the last update was complete"
       except grpc.RpcError as e:
         if e.code() not in RETRYABLE:
-          raise ParamServerError("Pull", e.code(), e.details() or "") from None
-        error = e.details()
-      delay = next(delays, None)
-      if delay is None:
-        raise ParamServerError("Pull", grpc.StatusCode.UNAVAILABLE,
-                               f"still failing after {self.retry.deadline_s}s of retries: {error}")
-      time.sleep(delay)
+          raise self.error("Pull", e.code(), e.details() or "") from None
+        error = e.details() or ""
+      self._wait_to_retry("Pull", grpc.StatusCode.UNAVAILABLE, error, delays)
     return progress.updates
 
   def pull_updates(self, have_version: int | None = None, **kwargs) -> list:
@@ -377,11 +446,8 @@ class ParamServerClient:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
           return
         if e.code() not in RETRYABLE:
-          raise ParamServerError("Watch", e.code(), e.details() or "") from None
-        delay = next(delays, None)
-        if delay is None:
-          raise ParamServerError("Watch", e.code(), f"still failing after {self.retry.deadline_s}s") from None
-        time.sleep(delay)
+          raise self.error("Watch", e.code(), e.details() or "") from None
+        self._wait_to_retry("Watch", e.code(), e.details() or "", delays)
       finally:
         stream.cancel()
 

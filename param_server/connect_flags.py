@@ -11,7 +11,7 @@ import json
 import os
 import time
 
-from absl import flags
+from absl import flags, logging
 
 from param_server import auth
 
@@ -19,7 +19,8 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 ADDRESS = flags.DEFINE_string("address", None, f"parameter server host:port (default "
                               f"{DEFAULT_ADDRESS}); ipv4:RELAY_IP:PORT,SERVER_IP:PORT: a "
-                              f"weight relay, and the server should the relay not answer")
+                              f"weight relay, and the server should the relay not answer or "
+                              f"not serve")
 TOKEN = flags.DEFINE_string("token", None, "bearer token; else $RLAX_PS_<ROLE>_TOKEN, else "
                             "--token_file")
 TOKEN_FILE = flags.DEFINE_string("token_file", None, "the server's tokens.json (owner-only); "
@@ -27,6 +28,18 @@ TOKEN_FILE = flags.DEFINE_string("token_file", None, "the server's tokens.json (
 TLS_CA = flags.DEFINE_string("tls_ca", None, "PEM root certificate to trust (enables TLS)")
 TLS_NAME = flags.DEFINE_string("tls_server_name", None, "name to expect in the server "
                                "certificate")
+
+
+class TokenFileError(ValueError):
+  """--token_file could not give this client's token; the message names the flag and path."""
+
+
+def require_address() -> None:
+  """Make --address required for the calling command, its help claiming no default."""
+  flags.mark_flag_as_required("address")
+  flags.FLAGS["address"].help = ("parameter server host:port (required); "
+                                 "ipv4:RELAY_IP:PORT,SERVER_IP:PORT: a weight relay, and the "
+                                 "server should the relay not answer or not serve")
 
 
 def await_file(path: str, timeout_s: float, poll_s: float = 0.2) -> None:
@@ -40,33 +53,54 @@ def await_file(path: str, timeout_s: float, poll_s: float = 0.2) -> None:
     time.sleep(poll_s)
 
 
-def token_for(role: str, token: str | None = None, token_file: str | None = None) -> str:
+def token_for(role: str, token: str | None = None, token_file: str | None = None,
+              wait_s: float = 0.0) -> str:
   """The bearer token of `role`: given, else the environment, else the token file ('' if
-  none). A token file without the role raises ValueError naming the file and role."""
+  none). Only then, and only while the file is missing, wait up to `wait_s` for it (a
+  server started beside this process writes it), saying so at once. TokenFileError (a
+  ValueError) names the flag and path when the file is missing, not JSON or lacks the role."""
   if token:
     return token
   if os.environ.get(auth.env_var(role)):
     return os.environ[auth.env_var(role)]
   if not token_file:
     return ""
-  with open(token_file) as f:
-    tokens = json.load(f)
+  if wait_s > 0 and not (os.path.exists(token_file) and os.path.getsize(token_file) > 0):
+    logging.warning("waiting up to %gs for --token_file %s (`rlax-ps serve` writes it when it "
+                    "starts); --token or $%s needs no wait", wait_s, token_file,
+                    auth.env_var(role))
+    try:
+      await_file(token_file, wait_s)
+    except FileNotFoundError as e:
+      raise TokenFileError(str(e)) from None
+  try:
+    with open(token_file) as f:
+      tokens = json.load(f)
+  except FileNotFoundError:
+    raise TokenFileError(f"--token_file {token_file}: no such file (`rlax-ps serve "
+                         f"--storage_dir=DIR` writes DIR/{auth.TOKEN_FILE})") from None
+  except json.JSONDecodeError as e:
+    raise TokenFileError(f"--token_file {token_file}: not valid JSON ({e})") from None
+  except OSError as e:
+    raise TokenFileError(f"--token_file {token_file}: {e.strerror or e}") from None
   if not isinstance(tokens, dict) or not tokens.get(role):
-    raise ValueError(f"--token_file {token_file}: expected a JSON object with a {role!r} "
-                     f"token, found keys {sorted(tokens) if isinstance(tokens, dict) else []}")
+    raise TokenFileError(f"--token_file {token_file}: expected a JSON object with a {role!r} "
+                         f"token, found keys {sorted(tokens) if isinstance(tokens, dict) else []}")
   return tokens[role]
 
 
-def connect(role: str, **client_kwargs):
-  """A ParamServerClient for `role` from the flags above. gRPC is imported here, not with
-  the flags: a worker blocks its stop signals before any gRPC thread starts."""
+def connect(role: str, token_wait_s: float = 0.0, **client_kwargs):
+  """A ParamServerClient for `role` from the flags above (`token_wait_s`: how long to wait
+  for a --token_file not yet written). gRPC is imported here, not with the flags: a worker
+  blocks its stop signals before any gRPC thread starts."""
   from param_server.client import ParamServerClient
   root = None
   if TLS_CA.value:
     with open(TLS_CA.value, "rb") as f:
       root = f.read()
   return ParamServerClient(ADDRESS.value or DEFAULT_ADDRESS,
-                           token=token_for(role, TOKEN.value, TOKEN_FILE.value), role=role,
+                           token=token_for(role, TOKEN.value, TOKEN_FILE.value, token_wait_s),
+                           role=role,
                            root_certificates=root, tls_server_name=TLS_NAME.value,
                            **client_kwargs)
 

@@ -31,7 +31,7 @@ from absl import logging
 from grpc_health.v1 import health_pb2
 
 from param_server import auth, errors
-from param_server.client import ParamServerClient, ParamServerError
+from param_server.client import RELAY_DOWN, ParamServerClient, ParamServerError
 from param_server.protos import param_server_pb2 as pb
 from param_server.server import (MESSAGE_OVERHEAD, SERVICE_NAME, ParamServerServicer, PullSource,
                                  ServerConfig, grpc_server, method_handlers)
@@ -42,6 +42,12 @@ from rlax_ps.dataclass_flags import setting
 # server, which checks it. A publication is refused: it belongs to the server.
 SERVED_HERE = ("GetLatest", "Pull", "Watch")
 REPORT_S = 5.0  # how often the relay tells the server the version it holds
+# The server refused the relay's own token: no retry mends that.
+REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+class UpstreamRefused(Exception):
+  """The server the relay follows refused the relay's token (or role)."""
 
 
 @dataclasses.dataclass
@@ -192,7 +198,7 @@ class _RelayServicer(ParamServerServicer):
     return plan + [source], release, arriving.version
 
 
-def _passing(method: str, channel: grpc.Channel, timeout_s: float):
+def _passing(method: str, channel: grpc.Channel, timeout_s: float, upstream_address: str):
   """A handler that sends a call's bytes to the server and its answer (or status) back."""
   call = channel.unary_unary(f"/{SERVICE_NAME}/{method}")
 
@@ -203,7 +209,10 @@ def _passing(method: str, channel: grpc.Channel, timeout_s: float):
       return call(request, metadata=metadata,
                   timeout=timeout_s if remaining is None else min(remaining, timeout_s))
     except grpc.RpcError as e:
-      context.abort(e.code(), e.details() or "")
+      details = e.details() or ""
+      if e.code() == grpc.StatusCode.UNAVAILABLE:  # the caller may go to the server itself
+        details = f"{RELAY_DOWN} {method} to {upstream_address}: {details}"
+      context.abort(e.code(), details)
 
   return grpc.unary_unary_rpc_method_handler(forward)
 
@@ -227,6 +236,9 @@ class WeightRelay:
     self.bytes_resumed = 0  # bytes of broken streams from the server not sent again
     self.pulls_cut_through = 0  # pulls served (in part) from an update still arriving
     self._arriving: _Arriving | None = None
+    # Why the server cannot be followed now ("" once it answered the relay): callers of
+    # what the relay serves then get UNAVAILABLE saying so, and may go to the server.
+    self.upstream_problem = "not asked yet"
     self._refreshing = threading.Lock()
     self._refreshed_at = -1.0
     self.refreshes = 0  # times a pull made the relay ask the server's version
@@ -242,10 +254,12 @@ class WeightRelay:
                 if name in SERVED_HERE + ("Publish",)}
     for m in pb.DESCRIPTOR.services_by_name["ParamServer"].methods:
       if m.name not in handlers:
-        handlers[m.name] = _passing(m.name, upstream.channel, upstream.timeout_s + 120.0)
+        handlers[m.name] = _passing(m.name, upstream.channel, upstream.timeout_s + 120.0,
+                                    upstream.address)
     self._server, self._health, self.port = grpc_server(
         handlers, auth.TokenAuthInterceptor({"worker": token}, methods=SERVED_HERE,
-                                            on_denied=self.servicer._rejections.bump),
+                                            on_denied=self.servicer._rejections.bump,
+                                            unavailable=self.upstream_down),
         threads=config.threads, limit=limit, host=config.host, port=config.port,
         tls_cert=config.tls_cert, tls_key=config.tls_key)
     self.address = f"{config.host}:{self.port}"
@@ -260,7 +274,7 @@ class WeightRelay:
     asking again every poll_s; on a failure, log it and start again."""
     while not self._stopping.is_set():
       try:
-        self._announce(self.upstream.latest_version(), asked=True)
+        self._announce(self._ask_upstream(), asked=True)
         self._fetch()
         for info in self.upstream.watch(after_version=self.weights.latest,
                                         timeout_s=self.config.poll_s):
@@ -274,6 +288,27 @@ class WeightRelay:
           return
         logging.warning("relay: following %s failed (%s); retrying", self.upstream.address, e)
       self._stopping.wait(1.0)
+
+  def _ask_upstream(self) -> int:
+    """The server's latest version; notes whether the server can be followed."""
+    try:
+      latest = self.upstream.latest_version()
+    except ParamServerError as e:
+      # Refused: nothing it holds can be trusted to be current. Unreachable: what it holds
+      # is served on through the server's blip; holding nothing, it sends callers there.
+      if e.code in REFUSED or (e.code == grpc.StatusCode.UNAVAILABLE and self.weights.latest < 0):
+        self.upstream_problem = str(e)
+      raise
+    self.upstream_problem = ""
+    return latest
+
+  def upstream_down(self) -> str:
+    """What a caller of what the relay serves is told while the server cannot be followed
+    ("" while it can)."""
+    problem = self.upstream_problem
+    if not problem:
+      return ""
+    return f"{RELAY_DOWN} it cannot follow its server {self.upstream.address}: {problem}"
 
   def _report(self) -> None:
     """Tell the server the version held, every REPORT_S, as workers do (kind "relay"): its
@@ -391,7 +426,7 @@ class WeightRelay:
       if self._refreshed_at >= called:
         return
       try:
-        self._announce(self.upstream.latest_version(), asked=True)
+        self._announce(self._ask_upstream(), asked=True)
         self.refreshes += 1
       except ParamServerError as e:
         logging.warning("relay: asking %s its version failed (%s)", self.upstream.address, e)
@@ -419,11 +454,20 @@ class WeightRelay:
   # ------------------------------------------------------------ lifetime
 
   def start(self) -> "WeightRelay":
+    """Serve, following the server; UpstreamRefused (nothing started) when the server
+    refuses the relay's token: a relay that cannot follow must not stand in for it."""
     try:  # what the server holds now: pulls wait for it rather than find the relay empty
-      self._announce(self.upstream.latest_version(), asked=True)
+      self._announce(self._ask_upstream(), asked=True)
     except ParamServerError as e:
-      logging.warning("relay: %s not reachable yet (%s); following it once it is",
-                      self.upstream.address, e)
+      if e.code in REFUSED:
+        self.upstream.close()
+        self._server.stop(0)
+        raise UpstreamRefused(
+            f"the server {self.upstream.address} refused the relay's worker token ({e}); "
+            f"give the server's worker token: --token, $RLAX_PS_WORKER_TOKEN or --token_file"
+        ) from None
+      logging.warning("relay: %s not reachable yet (%s); following it once it is; until then "
+                      "workers are told to go to the server", self.upstream.address, e)
     self._server.start()
     self._follower.start()
     self._reporter.start()

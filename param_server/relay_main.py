@@ -9,15 +9,22 @@ same worker token (the relay's own, from --token, $RLAX_PS_WORKER_TOKEN or --tok
 
 from __future__ import annotations
 
+import sys
 
-from absl import app, logging
+import dataclasses
+
+from absl import app, flags, logging
 
 from param_server import connect_flags
-from param_server.relay import RelayConfig, WeightRelay
+from param_server.auth import check_tls_files
+from param_server.relay import RelayConfig, UpstreamRefused, WeightRelay
 from param_server.signals import wait_for_stop
 from rlax_ps.dataclass_flags import define_flags, resolve
 
+flags.adopt_module_key_flags(connect_flags)
 define_flags(RelayConfig)
+for _field in dataclasses.fields(RelayConfig):  # listed by `rlax-ps relay --help`
+  flags.declare_key_flag(_field.name)
 
 
 def main(argv) -> None:
@@ -25,13 +32,18 @@ def main(argv) -> None:
     raise ValueError(f"unexpected arguments {argv[1:]}")
   try:
     config = resolve(RelayConfig, None, "relay settings")
+    check_tls_files(config.tls_cert, config.tls_key)
     token = connect_flags.token_for("worker", connect_flags.TOKEN.value,
                                     connect_flags.TOKEN_FILE.value)
   except (ValueError, TypeError, OSError) as e:
     raise app.UsageError(str(e)) from None
   if not token:
     raise app.UsageError("a worker token: --token, $RLAX_PS_WORKER_TOKEN or --token_file")
-  relay = WeightRelay(config, connect_flags.connect("worker"), token).start()
+  try:
+    relay = WeightRelay(config, connect_flags.connect("worker"), token).start()
+  except UpstreamRefused as e:
+    print(f"rlax-ps relay: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   print(f"weight relay listening on {relay.address}, following {relay.upstream.address}",
         flush=True)
   if relay.metrics_port is not None:

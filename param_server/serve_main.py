@@ -9,10 +9,12 @@ Settings come from `ServerConfig` defaults, then the `--config` file (its
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
-from absl import app, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
+from param_server.auth import check_tls_files
 from param_server.server import ParamServer, ServerConfig
 from param_server.signals import wait_for_stop
 from rlax_ps.dataclass_flags import define_flags, resolve
@@ -20,6 +22,8 @@ from rlax_ps.dataclass_flags import define_flags, resolve
 _CONFIG = config_flags.DEFINE_config_file("config", None, "optional ml_collections file with server settings")
 
 define_flags(ServerConfig)
+for _field in dataclasses.fields(ServerConfig):  # listed by `rlax-ps serve --help`
+  flags.declare_key_flag(_field.name)
 
 
 def config_from_flags() -> ServerConfig:
@@ -53,6 +57,7 @@ def main(argv) -> None:
   bound_malloc_arenas()
   try:
     config = config_from_flags()
+    check_tls_files(config.tls_cert, config.tls_key)
   except (ValueError, TypeError) as e:
     raise app.UsageError(str(e)) from None
   server = ParamServer(config).start()

@@ -71,4 +71,4 @@ def main(argv) -> None:
       print(f"rlax-ps status: {e}", file=sys.stderr)
       sys.exit(1)
     print(f"parameter server {client.address}")
-    print(format_stats(stats))
+    print(format_stats(stats), flush=True)  # `| head` closing early: a BrokenPipeError here

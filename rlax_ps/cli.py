@@ -8,6 +8,7 @@ Each subcommand lives in its own module that defines its absl flags and a
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # name -> (module with main(argv), one-line help).
@@ -48,11 +49,51 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(2)
   module = importlib.import_module(SUBCOMMANDS[name][0])
   from absl import app, flags  # imported late: keeps `rlax-ps --help` instant.
-  # `rlax-ps <name> --help` shows the subcommand's docstring and its own flags.
+  # `rlax-ps <name> --help` shows the subcommand's docstring and its key flags: its own and
+  # those it adopts (where to connect, the token, TLS, a config dataclass's settings).
   sys.modules["__main__"].__doc__ = module.__doc__
-  for flag in flags.FLAGS.get_flags_for_module(module.__name__):
+  for flag in flags.FLAGS.get_key_flags_for_module(module.__name__):
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-  app.run(module.main, argv=[f"{prog} {name}"] + argv[2:], flags_parser=parse_flags)
+  app.run(reporting_errors(module.main, f"{prog} {name}"), argv=[f"{prog} {name}"] + argv[2:],
+          flags_parser=parse_flags)
+
+
+# Errors a user mends (a token, a token file, a server that refused a call, a storage folder
+# another server holds): one line on
+# stderr and exit status 1, not a traceback. Checked by name, so `rlax-ps --help` need not
+# import gRPC: an error of a module never imported cannot have been raised.
+USER_ERRORS = (("param_server.client", "ParamServerError"),
+               ("param_server.connect_flags", "TokenFileError"),
+               ("param_server.storage_lock", "StorageInUse"))
+
+
+def _user_error_types() -> tuple[type, ...]:
+  return tuple(getattr(sys.modules[m], n) for m, n in USER_ERRORS if m in sys.modules)
+
+
+def reporting_errors(main_fn, prog: str):
+  """`main_fn`, with a usage error (a bad setting) in one line as a bad flag is (exit 2),
+  user errors in one line (exit 1) and a closed stdout (`| head`) ending the command
+  quietly, as SIGPIPE would (exit 141)."""
+  from absl import app
+
+  def run(argv):
+    try:
+      return main_fn(argv)
+    except app.UsageError as e:
+      print(f"{prog}: {e}", file=sys.stderr)
+      print(f"`{prog} --help` lists the flags.", file=sys.stderr, flush=True)
+      sys.exit(2)
+    except BrokenPipeError:
+      devnull = os.open(os.devnull, os.O_WRONLY)  # nothing left to flush at exit
+      os.dup2(devnull, sys.stdout.fileno())
+      sys.exit(141)
+    except Exception as e:  # noqa: BLE001: re-raised unless a user error
+      if not isinstance(e, _user_error_types()):
+        raise
+      print(f"{prog}: {e}", file=sys.stderr, flush=True)
+      sys.exit(1)
+  return run
 
 
 def _innermost_message(e: BaseException) -> str:

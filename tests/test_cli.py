@@ -75,3 +75,56 @@ def test_a_bad_server_setting_in_a_config_file_is_named(tmp_path):
   r = _run("serve", f"--config={config}", f"--storage_dir={tmp_path / 'ps'}")
   assert r.returncode != 0 and "Traceback" not in r.stderr
   assert "--config server settings: unknown settings ['colour']" in r.stderr
+
+
+def test_each_subcommands_help_lists_the_flags_a_user_sets():
+  wanted = {"serve": ["--storage_dir", "--port", "--tls_cert", "--tls_key", "--worker_token"],
+            "relay": ["--address", "--token", "--token_file", "--tls_ca", "--storage_dir",
+                      "--port"],
+            "worker": ["--address", "--token", "--token_file", "--tls_ca", "--tls_server_name",
+                       "--samples_per_prompt"],
+            "status": ["--address", "--token", "--token_file", "--tls_ca", "--timeout_s"],
+            "train": ["--address", "--token", "--token_file", "--tls_ca", "--workdir",
+                      "--coordinator_address"]}
+  for name, names in wanted.items():
+    r = _run(name, "--help")
+    assert r.returncode == 0, r.stderr
+    listed = {line.split(":")[0].strip().replace("[no]", "") for line in r.stdout.splitlines()
+              if line.strip().startswith("--")}
+    assert set(names) <= listed, (name, sorted(set(names) - listed))
+
+
+def test_a_required_address_claims_no_default():
+  r = _run("train", "--helpfull")
+  address = [line for line in r.stdout.splitlines() if line.strip().startswith("--address:")]
+  assert address and "(required)" in address[0]
+  assert "127.0.0.1:50051" not in r.stdout.split("--address:")[1].split("--")[0]
+
+
+def _self_signed(tmp_path):
+  key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                  "-out", str(cert), "-days", "1", "-subj", "/CN=localhost"], check=True,
+                 capture_output=True)
+  return key, cert
+
+
+def test_serve_names_a_missing_or_swapped_tls_file(tmp_path):
+  key, cert = _self_signed(tmp_path)
+  alone = _run("serve", f"--tls_cert={cert}", f"--storage_dir={tmp_path / 'ps'}")
+  assert alone.returncode == 2 and "Traceback" not in alone.stderr
+  assert "TLS needs --tls_key too" in alone.stderr
+  swapped = _run("serve", f"--tls_cert={key}", f"--tls_key={cert}",
+                 f"--storage_dir={tmp_path / 'ps'}")
+  assert swapped.returncode == 2 and "Traceback" not in swapped.stderr
+  assert f"--tls_cert={key} --tls_key={cert}: could not be loaded" in swapped.stderr
+
+
+def test_a_second_server_on_one_storage_folder_is_refused_in_one_line(tmp_path):
+  from param_server.server import ParamServer, ServerConfig
+  with ParamServer(ServerConfig(storage_dir=str(tmp_path), host="127.0.0.1", port=0)):
+    r = _run("serve", f"--storage_dir={tmp_path}", "--port=0", "--host=127.0.0.1")
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines() == [
+      f"rlax-ps serve: --storage_dir {tmp_path}: in use by another parameter server (pid "
+      f"{os.getpid()}, {tmp_path}/LOCK); stop it, or give this one another folder"]

@@ -36,7 +36,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, Ten
 TOKEN_FILE_WAIT_S = 300.0
 flags.adopt_module_key_flags(connect_flags)
 flags.adopt_module_key_flags(distributed)
-flags.mark_flags_as_required(["config", "workdir", "address"])
+flags.mark_flags_as_required(["config", "workdir"])
+connect_flags.require_address()
 
 
 def main(argv: list[str]) -> None:
@@ -53,9 +54,9 @@ def main(argv: list[str]) -> None:
   from rlax_ps.train.state import mesh_layout
 
   config = _CONFIG.value
-  if leader and connect_flags.TOKEN_FILE.value:  # a server started beside us writes it
-    connect_flags.await_file(connect_flags.TOKEN_FILE.value, TOKEN_FILE_WAIT_S)
-  with (connect_flags.connect("trainer") if leader else contextlib.nullcontext()) as client, \
+  # A server started beside the trainer writes its token file at start: wait for it.
+  with (connect_flags.connect("trainer", token_wait_s=TOKEN_FILE_WAIT_S) if leader
+        else contextlib.nullcontext()) as client, \
        RLTrainer(config, _WORKDIR.value, client) as trainer:
     stop_on_signals(trainer)
     if trainer.restored:

@@ -77,3 +77,16 @@ def test_a_token_file_without_the_workers_role_is_refused_naming_it(tls_server, 
   done = _worker(server.address, tokens, f"--tls_ca={cert}", "--tls_server_name=rlax-test")
   assert done.returncode != 0
   assert f"--token_file {tokens}: expected a JSON object with a 'worker' token" in done.stderr
+
+
+def test_a_wrong_token_or_a_missing_token_file_is_one_line_not_a_traceback(tls_server, tmp_path):
+  server, cert = tls_server
+  tokens = tmp_path / "tokens.json"
+  tokens.write_text(json.dumps({"worker": "not-the-servers"}))
+  tls = (f"--tls_ca={cert}", "--tls_server_name=rlax-test")
+  refused = _worker(server.address, tokens, *tls)
+  assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+  assert "UNAUTHENTICATED: the worker token was rejected by" in refused.stderr
+  missing = _worker(server.address, tmp_path / "tokns.json", *tls)
+  assert missing.returncode != 0 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
+  assert f"--token_file {tmp_path / 'tokns.json'}: no such file" in missing.stderr

@@ -23,3 +23,36 @@ def test_await_file_names_the_file_when_it_never_comes(tmp_path):
   path = tmp_path / "missing.json"
   with pytest.raises(FileNotFoundError, match="missing.json: not written within 0.2s"):
     connect_flags.await_file(str(path), timeout_s=0.2, poll_s=0.05)
+
+
+def test_a_given_token_needs_no_token_file_and_no_wait(tmp_path, monkeypatch):
+  typo = str(tmp_path / "tokns.json")
+  monkeypatch.delenv("RLAX_PS_TRAINER_TOKEN", raising=False)
+  assert connect_flags.token_for("trainer", "t", typo, wait_s=300.0) == "t"
+  monkeypatch.setenv("RLAX_PS_TRAINER_TOKEN", "from-env")
+  assert connect_flags.token_for("trainer", None, typo, wait_s=300.0) == "from-env"
+
+
+def test_waiting_for_the_token_file_is_said_at_once_and_its_end_names_flag_and_path(
+    tmp_path, monkeypatch):
+  monkeypatch.delenv("RLAX_PS_TRAINER_TOKEN", raising=False)
+  typo = str(tmp_path / "tokns.json")
+  said = []
+  monkeypatch.setattr(connect_flags.logging, "warning", lambda msg, *a: said.append(msg % a))
+  with pytest.raises(connect_flags.TokenFileError,
+                     match=f"--token_file {typo}: not written within 0.2s"):
+    connect_flags.token_for("trainer", None, typo, wait_s=0.2)
+  assert len(said) == 1 and f"waiting up to 0.2s for --token_file {typo}" in said[0]
+  assert "rlax-ps serve" in said[0]
+
+
+def test_token_file_errors_name_the_flag_and_path(tmp_path, monkeypatch):
+  monkeypatch.delenv("RLAX_PS_WORKER_TOKEN", raising=False)
+  missing = str(tmp_path / "missing.json")
+  with pytest.raises(connect_flags.TokenFileError, match=f"--token_file {missing}: no such file"):
+    connect_flags.token_for("worker", None, missing)
+  garbled = tmp_path / "tokens.json"
+  garbled.write_text("{worker: x")
+  with pytest.raises(connect_flags.TokenFileError,
+                     match=f"--token_file {garbled}: not valid JSON"):
+    connect_flags.token_for("worker", None, str(garbled))

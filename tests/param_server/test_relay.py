@@ -482,3 +482,45 @@ def test_relays_in_tiers_stream_a_version_on_as_it_arrives(server, trainer, star
   puller.join(timeout=20)
   assert [bytes(b) for b in out[0]] == [keyframe]
   _until(lambda: zone.weights.latest == 0)
+
+
+def test_a_relay_whose_token_the_server_refuses_does_not_start(server, tmp_path):
+  config = RelayConfig(storage_dir=str(tmp_path / "relay"), port=0, chunk_bytes=CHUNK)
+  upstream = ParamServerClient(server.address, token="wrong", role="worker", timeout_s=10.0,
+                               retry=RetryPolicy(deadline_s=5.0))
+  with pytest.raises(relay_module.UpstreamRefused, match="refused the relay's worker token"):
+    WeightRelay(config, upstream, "wrong").start()
+
+
+def test_rlax_ps_relay_with_a_wrong_token_exits_at_once_saying_so(server, tmp_path):
+  r = subprocess.run(
+      [sys.executable, "-m", "rlax_ps", "relay", f"--address={server.address}", "--port=0",
+       "--token=wrong", f"--storage_dir={tmp_path / 'relay'}"],
+      cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert "refused the relay's worker token" in r.stderr and "UNAUTHENTICATED" in r.stderr
+  assert "Traceback" not in r.stderr
+
+
+def test_a_relay_that_cannot_follow_its_server_sends_workers_to_the_server(
+    server, trainer, tmp_path):
+  """A relay whose server is unreachable answers UNAVAILABLE naming that, never a verdict on
+  the worker's token; a worker given ipv4:RELAY,SERVER then talks to the server."""
+  from ports import free_port
+  publish_chain(trainer, 1)
+  config = RelayConfig(storage_dir=str(tmp_path / "relay"), port=0, chunk_bytes=CHUNK)
+  nowhere = ParamServerClient(f"127.0.0.1:{free_port()}", token="wrong", role="worker",
+                              timeout_s=2.0, retry=RetryPolicy(deadline_s=0.1))
+  relay = WeightRelay(config, nowhere, "wrong").start()
+  try:
+    with client_for(relay, "worker", retry=RetryPolicy(deadline_s=0.1)) as w:
+      with pytest.raises(ParamServerError) as down:
+        w.latest_version()
+    assert down.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "cannot follow its server" in down.value.details
+    with client_for(f"ipv4:127.0.0.1:{relay.port},127.0.0.1:{server.port}", "worker") as w:
+      assert w.latest_version() == 0
+      w.register("fell-back")
+      assert w.heartbeat(version=0) == 0
+  finally:
+    relay.stop(grace=0)

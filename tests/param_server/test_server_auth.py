@@ -116,3 +116,20 @@ def test_tls_serves_trusting_clients_only(tmp_path, start_server):
     assert c.latest_version() == -1
   with client_for(server, "viewer", retry=NO_RETRY) as plain:
     assert error_code(plain.latest_version) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_no_token_is_told_apart_from_a_rejected_one(server):
+  with ParamServerClient(server.address, token=None, role="viewer", retry=NO_RETRY) as c:
+    with pytest.raises(ParamServerError, match="no token given for role 'viewer'.*--token_file"):
+      c.stats()
+  with ParamServerClient(server.address, token="wrong", role="viewer", retry=NO_RETRY) as c:
+    with pytest.raises(ParamServerError, match="the viewer token was rejected by"):
+      c.stats()
+
+
+def test_a_plaintext_client_of_a_tls_server_is_told_to_pass_tls_ca(tmp_path, start_server):
+  key, cert = _self_signed(tmp_path)
+  server = start_server(tls_cert=str(cert), tls_key=str(key))
+  with client_for(server, "viewer", retry=NO_RETRY) as plain:
+    with pytest.raises(ParamServerError, match="is the server at .* using TLS\\? pass --tls_ca"):
+      plain.latest_version()

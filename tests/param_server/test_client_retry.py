@@ -1,0 +1,41 @@
+"""A client retrying an unreachable server says so at once, and a stop request ends its
+wait at once (a worker told to stop holds nothing up)."""
+
+import threading
+
+from param_server import client as client_module
+from param_server.client import ParamServerClient, ParamServerError, RetryPolicy
+from ports import free_port
+
+
+def test_the_first_failed_attempt_is_logged_and_a_stop_ends_the_retrying(monkeypatch):
+  said, first = [], threading.Event()
+
+  def warning(msg, *args):
+    said.append(msg % args)
+    first.set()
+
+  monkeypatch.setattr(client_module.logging, "warning", warning)
+  c = ParamServerClient(f"127.0.0.1:{free_port()}", token="t", role="worker", timeout_s=1.0,
+                        retry=RetryPolicy(initial_s=5.0, max_s=5.0, deadline_s=3600.0))
+  errors = []
+
+  def call():
+    try:
+      c.latest_version()
+    except ParamServerError as e:
+      errors.append(e)
+
+  caller = threading.Thread(target=call, daemon=True)
+  caller.start()
+  try:
+    assert first.wait(60), "the first failed attempt was not logged"
+    assert "GetLatest failed (UNAVAILABLE" in said[0] and "retrying for up to 3600s" in said[0]
+    c.interrupt.set()
+    caller.join(60)  # a guard against a hang, not a measure: the retry deadline is an hour
+    assert not caller.is_alive() and len(errors) == 1
+    assert "stop requested while retrying" in str(errors[0])
+    assert len(said) == 1  # the rate cap: one line for the whole outage so far
+  finally:
+    c.interrupt.set()
+    c.close()
