@@ -684,10 +684,16 @@ class RLTrainer(TrainerRun):
         summary["pass_temperature"] = heldout_lib.pass_temperature(self.config)
         for name, v in passes.items():
           self.writer.add_scalar(f"eval/{name}", v, self.step)
-    deltas = [(b, s) for _, b, s, key in self.sync_log if not key]
-    keys = [(b, s) for _, b, s, key in self.sync_log if key]
+    log = self.sync_log
+    path = os.path.join(self.workdir, "versions.jsonl")
+    if self.leader and os.path.exists(path):  # every run's publications, not this run's alone
+      with open(path) as f:
+        log = [(r["version"], r["bytes"], r["seconds"], r["keyframe"])
+               for r in (json.loads(line) for line in f if line.strip())]
+    deltas = [(b, s) for _, b, s, key in log if not key]
+    keys = [(b, s) for _, b, s, key in log if key]
     summary["sync"] = {
-        "format": self.publisher.fmt, "versions": len(self.sync_log),
+        "format": self.publisher.fmt, "versions": len(log),
         "delta_bytes_mean": float(np.mean([b for b, _ in deltas])) if deltas else 0.0,
         "delta_seconds_mean": float(np.mean([s for _, s in deltas])) if deltas else 0.0,
         "keyframe_bytes": keys[-1][0] if keys else 0,

@@ -316,8 +316,11 @@ def test_a_stop_mid_batch_leaves_the_partial_take_to_be_trained_after_restart(tm
       assert tr.step == 1
     worker.limit = 12
     with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
-      tr.train()
+      summary = tr.train()
       assert tr.step == 3
+      # The summary's sync figures cover both runs' publications, not the restart's alone.
+      published = _lines(tmp_path / "rl" / "versions.jsonl")
+      assert summary["sync"]["versions"] == len(published) > len(tr.sync_log)
   finally:
     worker.stop()
     server.stop(grace=0)
