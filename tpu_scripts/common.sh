@@ -1,6 +1,10 @@
 # shellcheck shell=bash
 # Shared settings and helpers for the gcloud TPU VM scripts. Source it; do not run it.
-# Every gcloud call goes through `run`, so DRY_RUN=1 prints the commands instead.
+# Every gcloud call goes through `run`, so DRY_RUN=1 prints each gcloud command on stdout
+# and runs none: a listing (`gcloud ... list`) then answers nothing, so DRY_RUN shows what
+# an empty zone would get (TPU_STATES, TPU_NAMES, RELAY_NAMES stand in for the listings).
+# Files the scripts make (the repo tarball, the worker token file) live in one private
+# temporary directory, removed on exit, Ctrl-C or kill.
 set -euo pipefail
 
 : "${TPU_PROJECT:?set TPU_PROJECT to your gcloud project id}"
@@ -9,12 +13,28 @@ TPU_RUNTIME="${TPU_RUNTIME:-tpu-ubuntu2204-base}"
 RLAX_PS_REF="${RLAX_PS_REF:-HEAD}"          # git ref of this checkout to ship to the VMs
 RLAX_PS_DIR="${RLAX_PS_DIR:-rlax-ps}"       # where it lands in the VM user's home
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck disable=SC2034  # used by the scripts that source this file
+RELAY_LABEL="rlax_ps=relay"                 # marks the relay VMs teardown.sh may delete
+# On exit: remove $SCRATCH and end the background jobs (launch_workers.sh's sleep).
+cleanup() {
+  local jobs
+  rm -rf "${SCRATCH:-}"
+  jobs="$(jobs -p)"
+  # shellcheck disable=SC2086  # one word per job
+  [[ -z "$jobs" ]] || kill $jobs 2> /dev/null || true
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+SCRATCH="$(mktemp -d -t rlax-ps-XXXXXX)"
+exec 3>&1  # DRY_RUN's listing: to stdout also from inside $(...)
 
+# run CMD...: run it, or with DRY_RUN=1 print it (shell-quoted) and output nothing.
 run() {
   if [[ "${DRY_RUN:-0}" == "1" ]]; then
-    printf '+'; printf ' %q' "$@"; printf '\n'
+    { printf '+'; printf ' %q' "$@"; printf '\n'; } >&3
   else
-    "$@"
+    "$@" 3>&-
   fi
 }
 
@@ -27,14 +47,41 @@ gvm() {
   run gcloud compute "$@" --project="$TPU_PROJECT" --zone="$TPU_ZONE"
 }
 
+# q WORD: WORD as one word for the VM's shell (any POSIX shell): as it is when it holds
+# nothing special, else in single quotes, each ' in it written '\''.
+q() {
+  if [[ "$1" =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then
+    printf '%s' "$1"
+  else
+    printf "'%s'" "${1//\'/\'\\\'\'}"
+  fi
+}
+
+# The worker token goes to the VMs as a file, never on a command line (not even gcloud's):
+# WORKER_TOKEN_FILE, {"worker": $WORKER_TOKEN} in $SCRATCH (owner-only; printf is a shell
+# builtin), is copied to REMOTE_TOKEN_FILE in the VM user's home, kept owner-only there
+# (chmod 600), and given to `rlax-ps worker` / `relay` as --token_file.
+WORKER_TOKEN_FILE="$SCRATCH/worker-token.json"
+# shellcheck disable=SC2034  # used by the scripts that source this file
+REMOTE_TOKEN_FILE="rlax-ps-worker-token.json"
+write_worker_token_file() {
+  local token="${WORKER_TOKEN//\\/\\\\}"
+  [[ "$WORKER_TOKEN" != *[[:cntrl:]]* ]] || {
+    echo "WORKER_TOKEN: expected no control characters (newline, tab, ...), got some" >&2
+    return 2; }
+  (umask 077 && printf '{"worker": "%s"}\n' "${token//\"/\\\"}" > "$WORKER_TOKEN_FILE")
+}
+
 # ship_repo NAME [vm]: copy this checkout (as `git archive`, so no venvs or runs) to every
 # host of TPU VM NAME and install it with the TPU extra (setup_vm.sh: Python 3.11+ in
-# .venv); with `vm`, to Compute Engine VM NAME, without it. Its status is that of the first step that failed, also where the caller
-# has turned `set -e` off.
+# .venv); with `vm`, to Compute Engine VM NAME, without it. Its status is that of the first
+# step that failed, also where the caller has turned `set -e` off.
 ship_repo() {
-  local name="$1" kind="${2:-tpu}" tarball status=0 extras="tpu,parquet"
-  local install="mkdir -p $RLAX_PS_DIR && tar xzf rlax-ps.tar.gz -C $RLAX_PS_DIR && cd $RLAX_PS_DIR && bash tpu_scripts/setup_vm.sh"
-  tarball="$(mktemp -t rlax-ps-XXXX.tar.gz)" || return 1
+  local name="$1" kind="${2:-tpu}" tarball="$SCRATCH/rlax-ps.tar.gz" status=0 extras="tpu,parquet"
+  local dir
+  dir="$(q "$RLAX_PS_DIR")"
+  local install="mkdir -p $dir && tar xzf rlax-ps.tar.gz -C $dir && cd $dir &&"
+  install+=" bash tpu_scripts/setup_vm.sh"
   if [[ "$kind" == "vm" ]]; then
     extras="parquet"
     copy() { gvm scp "$tarball" "$name:rlax-ps.tar.gz"; }

@@ -14,7 +14,9 @@
 # e.g. --config.init_from_hf=... for the warm start), TRAIN_HOSTS (0 or all), TRAIN_CMD
 # (replaces the trainer command),
 # SERVE_ARGS (extra `rlax-ps serve` flags), SERVER_PORT (default 50051), DRY_RUN=1 to print
-# the gcloud commands only.
+# the gcloud commands only. TRAIN_ARGS, TRAIN_CMD and SERVE_ARGS are shell words, read once
+# by the VM's shell as if typed there: quote a value with spaces or quotes as you would on
+# a command line, e.g. TRAIN_ARGS="--config.tokenizer.chat_kwargs='{\"enable_thinking\": false}'".
 # shellcheck source=tpu_scripts/common.sh
 source "$(dirname "$0")/common.sh"
 
@@ -41,6 +43,8 @@ ship_repo "$name"
 # Both run under the watchdog: a crash restarts them (the server from its storage, the
 # trainer from its checkpoint); a clean end, a stop or a preemption notice does not.
 supervise=".venv/bin/python -m inference_workers.preemption_watchdog --restart --"
-gtpu ssh "$name" --worker=0 --command="cd $RLAX_PS_DIR && nohup $supervise .venv/bin/rlax-ps serve --port=$port --host=0.0.0.0 --storage_dir=\$HOME/rlax-ps-server ${SERVE_ARGS:-} > serve.log 2>&1 &"
-gtpu ssh "$name" --worker="$hosts" --command="cd $RLAX_PS_DIR && nohup $supervise bash -c '$train_cmd' > train.log 2>&1 &"
+# The trainer command is one word to the VM's shell (quoted with q), which bash -c then reads.
+dir="$(q "$RLAX_PS_DIR")"
+gtpu ssh "$name" --worker=0 --command="cd $dir && nohup $supervise .venv/bin/rlax-ps serve --port=$port --host=0.0.0.0 --storage_dir=\$HOME/rlax-ps-server ${SERVE_ARGS:-} > serve.log 2>&1 &"
+gtpu ssh "$name" --worker="$hosts" --command="cd $dir && nohup $supervise bash -c $(q "$train_cmd") > train.log 2>&1 &"
 echo "trainer $name started; server on host 0 port $port (tokens in ~/rlax-ps-server on host 0)"

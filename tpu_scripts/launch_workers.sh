@@ -11,8 +11,11 @@
 #   TPU_PROJECT=my-proj TPU_ZONE=us-central2-b SERVER_ADDRESS=10.0.0.2:50051 \
 #   WORKER_TOKEN=... tpu_scripts/launch_workers.sh rlax-worker 8 v5litepod-4
 #
-# Env: WORKER_ARGS (more `rlax-ps worker` flags, at least --config=configs/...),
-# KEEP_INTERVAL_S, DRY_RUN=1 (print the gcloud commands that change anything).
+# Env: WORKER_ARGS (more `rlax-ps worker` flags, at least --config=configs/...; shell words,
+# read once by the VM's shell: quote a value with spaces as on a command line),
+# KEEP_INTERVAL_S, DRY_RUN=1 (print the gcloud commands, run none: the listing then answers
+# nothing, so every VM is created; TPU_STATES="NAME STATE" lines stands in for it).
+# The worker token reaches each VM as an owner-only file (common.sh), not on any argv.
 # shellcheck source=tpu_scripts/common.sh
 source "$(dirname "$0")/common.sh"
 
@@ -32,9 +35,9 @@ interval="${KEEP_INTERVAL_S:-}"
 start_worker() {
   local name="$1"
   gtpu create "$name" --accelerator-type="$accelerator" --version="$TPU_RUNTIME" --spot || return 1
-  # The token travels in the environment of the remote command, never on its argv.
   if ! { ship_repo "$name" &&
-         gtpu ssh "$name" --worker=all --command="cd $RLAX_PS_DIR && RLAX_PS_WORKER_TOKEN='$WORKER_TOKEN' nohup .venv/bin/python -m inference_workers.preemption_watchdog --restart -- .venv/bin/rlax-ps worker --address=$SERVER_ADDRESS ${WORKER_ARGS:-} > worker.log 2>&1 &"; }; then
+         gtpu scp "$WORKER_TOKEN_FILE" "$name:$REMOTE_TOKEN_FILE" --worker=all &&
+         gtpu ssh "$name" --worker=all --command="chmod 600 $REMOTE_TOKEN_FILE && cd $(q "$RLAX_PS_DIR") && nohup .venv/bin/python -m inference_workers.preemption_watchdog --restart -- .venv/bin/rlax-ps worker --address=$(q "$SERVER_ADDRESS") --token_file=\$HOME/$REMOTE_TOKEN_FILE ${WORKER_ARGS:-} > worker.log 2>&1 &"; }; then
     gtpu delete "$name" --quiet --async
     return 1
   fi
@@ -45,8 +48,7 @@ list_states() {
   if [[ -v TPU_STATES ]]; then
     printf '%s\n' "$TPU_STATES"
   else
-    gcloud compute tpus tpu-vm list --project="$TPU_PROJECT" --zone="$TPU_ZONE" \
-      --format='value(name.basename(),state)'
+    gtpu list --format='value(name.basename(),state)'
   fi
 }
 
@@ -72,12 +74,13 @@ keep_once() {
   return "$failed"
 }
 
+write_worker_token_file
 if [[ -z "$interval" ]]; then
   keep_once
   echo "$count spot workers kept under prefix $prefix"
 else
   while true; do
     keep_once || true
-    sleep "$interval"
+    sleep "$interval" & wait "$!"  # in the background: a kill ends the wait at once
   done
 fi

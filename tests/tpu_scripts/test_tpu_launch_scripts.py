@@ -1,10 +1,12 @@
 """The gcloud launch scripts, run with DRY_RUN=1: the commands they would issue."""
 
 import concurrent.futures
+import json
 import os
 import pathlib
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +22,17 @@ ENV = dict(os.environ, TPU_PROJECT="proj-x", TPU_ZONE="zone-y", DRY_RUN="1")
 def run(script, *args, env=ENV):
   return subprocess.run(["bash", str(SCRIPTS / script), *args], env=env, capture_output=True,
                         text=True, timeout=60)
+
+
+@pytest.fixture(autouse=True)
+def private_tmpdir(tmp_path, monkeypatch):
+  """Each test's scripts make their temporary files under its own TMPDIR, which they must
+  leave empty: a run, dry or not, finished or killed, leaves nothing behind."""
+  tmpdir = tmp_path / "tmpdir"
+  tmpdir.mkdir()
+  monkeypatch.setitem(ENV, "TMPDIR", str(tmpdir))
+  yield tmpdir
+  assert not list(tmpdir.iterdir())
 
 
 @pytest.mark.parametrize("script", ["common.sh", "launch_trainer.sh", "launch_workers.sh",
@@ -90,13 +103,18 @@ def test_every_command_passes_the_real_gcloud_parser(tmp_path):
   """gcloud parses before it needs an account: exit 2 is a usage error, exit 1 with no
   account means the command line was accepted."""
   env = dict(ENV, SERVER_ADDRESS="10.1.2.3:50051", WORKER_TOKEN="t", TPU_NAMES="w-0",
-             TPU_STATES="w-0 PREEMPTED")
+             TPU_STATES="w-0 PREEMPTED", RELAY_NAMES="w-relay")
+  listed = {k: v for k, v in env.items() if k not in ("TPU_NAMES", "TPU_STATES", "RELAY_NAMES")}
   outs = [run("launch_trainer.sh", "trainer-a", "v4-8", env=env),
           run("launch_workers.sh", "w", "2", "v5litepod-4", env=env),
           run("launch_relay.sh", "relay-a", env=env),
-          run("teardown.sh", "w", env=env)]
+          run("teardown.sh", "w", env=env),
+          run("launch_workers.sh", "w", "1", "v5litepod-4", env=listed),  # the listings
+          run("teardown.sh", "w", env=listed)]
+  assert all(out.returncode == 0 for out in outs), [out.stderr for out in outs]
   commands = {tuple(l) for out in outs for l in gcloud_lines(out)}
-  assert len(commands) >= 13
+  assert len(commands) >= 19
+  assert sum("list" in c for c in commands) == 3  # TPU VMs (workers', teardown's), relays
   gcloud_env = dict(os.environ, CLOUDSDK_CONFIG=str(tmp_path), CLOUDSDK_CORE_DISABLE_PROMPTS="1")
 
   def parse(argv):  # gcloud starts slowly: several at once
@@ -106,11 +124,6 @@ def test_every_command_passes_the_real_gcloud_parser(tmp_path):
   with concurrent.futures.ThreadPoolExecutor(4) as pool:
     for argv, got in pool.map(parse, sorted(commands)):
       assert got.returncode == 1 and "account" in got.stderr, (argv, got.stderr[-2000:])
-  # The listings run for real even with DRY_RUN=1: gcloud accepts them, then finds no account.
-  env = dict(gcloud_env, **{k: v for k, v in env.items() if k not in ("TPU_NAMES", "TPU_STATES")})
-  for out in (run("launch_workers.sh", "w", "2", "v5litepod-4", env=env), run("teardown.sh", "w", env=env)):
-    assert out.returncode == 1 and "account" in out.stderr, out.stderr[-2000:]
-    assert "unrecognized" not in out.stderr and "gcloud" not in out.stdout
 
 
 def test_a_relay_vm_follows_the_server_and_tells_how_workers_reach_it():
@@ -122,11 +135,12 @@ def test_a_relay_vm_follows_the_server_and_tells_how_workers_reach_it():
   assert create[:5] == ["gcloud", "compute", "instances", "create", "relay-a"]
   assert not any("spot" in a.lower() for a in create)  # the zone's pulls depend on it
   assert all("--project=proj-x" in l and "--zone=zone-y" in l for l in lines)
-  install, start = (next(a for a in l if a.startswith("--command=")) for l in lines[-2:])
+  install, start = (next(a for a in l if a.startswith("--command="))
+                    for l in lines if any(a.startswith("--command=") for a in l))
   assert "tpu_scripts/setup_vm.sh parquet" in install  # no TPU extra on a plain VM
   assert "preemption_watchdog --restart -- .venv/bin/rlax-ps relay --address=10.1.2.3:50051 " \
          "--host=0.0.0.0 --port=50060" in start
-  assert "--token" not in start and "RLAX_PS_WORKER_TOKEN='s3cret'" in start
+  assert "--token_file=$HOME/rlax-ps-worker-token.json" in start and "s3cret" not in out.stdout
   assert "SERVER_ADDRESS=ipv4:<relay-a's internal IP>:50060,10.1.2.3:50051" in out.stdout
   for bad, message in ((dict(SERVER_ADDRESS="ipv4:a:1,b:2"), "SERVER_ADDRESS: expected the "
                         "server's host:port"), (dict(RELAY_PORT="x"), "RELAY_PORT"),
@@ -185,9 +199,9 @@ def test_workers_are_spot_vms_under_the_watchdog_and_token_stays_off_argv():
   assert [c.split(" create ")[1].split()[0] for c in creates] == ["w-0", "w-1", "w-2"]
   assert all("--spot" in c for c in creates)
   starts = [l for l in out.stdout.splitlines() if "preemption_watchdog" in l]
-  assert len(starts) == 3
-  assert all("--token" not in s and "RLAX_PS_WORKER_TOKEN" in s for s in starts)
+  assert len(starts) == 3 and "s3cret" not in out.stdout
   commands = [a for l in gcloud_lines(out) for a in l if "preemption_watchdog" in a]
+  assert all("--token_file=$HOME/rlax-ps-worker-token.json" in c for c in commands)
   assert all("preemption_watchdog --restart -- " in c for c in commands)  # a crash restarts
 
 
@@ -235,8 +249,18 @@ def test_a_workers_pass_recreates_preempted_vms_creates_missing_ones_and_leaves_
 
 FAKE_GCLOUD = """#!/usr/bin/env bash
 # Logs each call and fails one whose argv matches $FAIL. The zone is $STATES_FILE ("NAME
-# STATE" lines): `list` prints it, `create` adds a READY VM, `delete` removes one.
+# STATE" lines): `list` prints it, `create` adds a READY VM, `delete` removes one. A .json
+# file it copies is kept as $GCLOUD_LOG.sent (its mode in .sent.mode). On a call matching
+# $KILL_ON it lists $TMPDIR's files to $GCLOUD_LOG.tmp and sends SIGTERM to its caller.
 echo "$*" >> "$GCLOUD_LOG"
+for a; do
+  [[ "$a" == *.json && -f "$a" ]] || continue
+  cp "$a" "$GCLOUD_LOG.sent"; stat -c %a "$a" > "$GCLOUD_LOG.sent.mode"
+done
+if [[ -n "${KILL_ON:-}" && "$*" =~ $KILL_ON ]]; then
+  find "$TMPDIR" -type f > "$GCLOUD_LOG.tmp"
+  kill -TERM "$PPID"
+fi
 [[ -n "${FAIL:-}" && "$*" =~ $FAIL ]] && exit 1
 case "$4" in
   list) cat "$STATES_FILE" ;;
@@ -296,3 +320,145 @@ def test_with_an_interval_the_fleet_is_refilled_after_a_preemption(tmp_path):
   finally:
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def test_a_killed_pass_leaves_no_tarball_behind(tmp_path, private_tmpdir):
+  env, log = fake_gcloud(tmp_path, "")
+  out = run("launch_workers.sh", "w", "2", "v5litepod-4",
+            env=dict(env, KILL_ON=r"tpu-vm scp .* w-0:rlax-ps.tar.gz"))
+  assert out.returncode == 143, out.stderr  # its TERM trap ran, after the scp it waited on
+  held = (tmp_path / "gcloud.log.tmp").read_text().split()
+  assert any(f.endswith(".tar.gz") for f in held)  # what there was to remove
+  assert not any(" create w-1 " in c for c in log.read_text().splitlines())
+  assert not list(private_tmpdir.iterdir())
+
+
+def test_a_kill_during_the_interval_ends_the_wait_at_once(tmp_path):
+  """`sleep` is waited on in the background: a kill does not wait out KEEP_INTERVAL_S."""
+  env, log = fake_gcloud(tmp_path, "")
+  real_sleep, pid_file = shutil.which("sleep"), tmp_path / "sleep.pid"
+  (tmp_path / "bin" / "sleep").write_text(  # kill the script, then sleep
+      f'#!/usr/bin/env bash\necho $$ > {pid_file}\nkill -TERM "$PPID"\nexec {real_sleep} "$@"\n')
+  (tmp_path / "bin" / "sleep").chmod(0o755)
+  try:
+    out = run("launch_workers.sh", "w", "1", "v4-8", env=dict(env, KEEP_INTERVAL_S="3600"))
+  except subprocess.TimeoutExpired:  # the kill waited for the sleep: end that sleep here
+    os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    raise
+  assert out.returncode == 143, out.stderr
+  assert [c.split()[3:5] for c in log.read_text().splitlines() if " create " in c] == \
+         [["create", "w-0"]]
+
+
+def test_a_dry_run_runs_no_gcloud_and_prints_the_listings(tmp_path, private_tmpdir):
+  """DRY_RUN=1 runs no gcloud, listings included: it prints them and takes their answer as
+  empty (every worker VM is missing; nothing to tear down). It leaves no file behind."""
+  env, log = fake_gcloud(tmp_path, "w-0 READY\nw-relay READY\n")
+  env = dict(env, DRY_RUN="1")
+  workers = run("launch_workers.sh", "w", "2", "v5litepod-4", env=env)
+  teardown = run("teardown.sh", "w", env=env)
+  assert workers.returncode == 0 and teardown.returncode == 0, workers.stderr + teardown.stderr
+  assert log.read_text() == ""  # the stub gcloud on PATH was never called
+  lines = gcloud_lines(workers)
+  assert lines[0][:5] == ["gcloud", "compute", "tpus", "tpu-vm", "list"]
+  assert [l[5] for l in lines if l[4] == "create"] == ["w-0", "w-1"]
+  listings = gcloud_lines(teardown)
+  assert [l[:5] for l in listings] == [
+      ["gcloud", "compute", "tpus", "tpu-vm", "list"],
+      ["gcloud", "compute", "instances", "list", "--project=proj-x"]]
+  assert not list(private_tmpdir.iterdir())
+
+
+def test_teardown_deletes_the_prefixs_relay_vms_by_their_label():
+  relay = run("launch_relay.sh", "w-relay", env=dict(ENV, SERVER_ADDRESS="h:1", WORKER_TOKEN="t"))
+  label = next(a for a in gcloud_lines(relay)[0] if a.startswith("--labels="))[len("--labels="):]
+  listing = gcloud_lines(run("teardown.sh", "w"))[1]
+  assert listing[2:4] == ["instances", "list"] and "--zones=zone-y" in listing
+  assert f"--filter=name~^w AND labels.{label}" in listing  # only VMs launch_relay.sh made
+  out = run("teardown.sh", "w", env=dict(ENV, TPU_NAMES="w-0 trainer-a",
+                                         RELAY_NAMES="w-relay x-relay"))
+  assert out.returncode == 0, out.stderr
+  deletes = [l for l in gcloud_lines(out) if "delete" in l]
+  assert [l[:5] for l in deletes] == [["gcloud", "compute", "tpus", "tpu-vm", "delete"],
+                                      ["gcloud", "compute", "instances", "delete", "w-relay"]]
+  assert deletes[0][5] == "w-0" and "--zone=zone-y" in deletes[1]
+
+
+@pytest.mark.parametrize("script,args", [("launch_workers.sh", ("w", "1", "v4-8")),
+                                         ("launch_relay.sh", ("r",))])
+def test_the_worker_token_reaches_the_vms_in_an_owner_only_file_on_no_argv(tmp_path, script,
+                                                                           args):
+  token = 's3cret "quoted" \\ token'
+  env, log = fake_gcloud(tmp_path, "")
+  out = run(script, *args, env=dict(env, WORKER_TOKEN=token))
+  assert out.returncode == 0, out.stderr
+  calls = log.read_text().splitlines()
+  assert not any("s3cret" in c for c in calls)  # on no gcloud command line, so on no ssh one
+  assert json.loads((tmp_path / "gcloud.log.sent").read_text()) == {"worker": token}
+  assert (tmp_path / "gcloud.log.sent.mode").read_text().strip() == "600"
+  assert any(" scp " in c and " r:rlax-ps-worker-token.json " in c.replace(" w-0:", " r:")
+             for c in calls)  # to the VM user's home
+  start = next(c for c in calls if "preemption_watchdog" in c)
+  assert start.startswith(("compute tpus tpu-vm ssh", "compute ssh"))
+  assert "chmod 600 rlax-ps-worker-token.json &&" in start
+  assert "--token_file=$HOME/rlax-ps-worker-token.json" in start
+  bad = run(script, *args, env=dict(env, WORKER_TOKEN="a\nb"))
+  assert bad.returncode == 2 and "WORKER_TOKEN: expected no control characters" in bad.stderr
+
+
+# The VM side of a start command: the watchdog runs what follows `--`; rlax-ps writes its
+# argv, one NUL-terminated word each, to $ARGV_OUT.
+FAKE_VM_TOOLS = {
+    ".venv/bin/python": 'while [[ "$1" != -- ]]; do shift; done; shift; exec "$@"',
+    ".venv/bin/rlax-ps": 'printf "%s\\0" "$@" > "$ARGV_OUT"',
+}
+
+
+def remote_argv(tmp_path, out, verb):
+  """Run the printed command that starts `rlax-ps VERB` as the VM's shell would (bash -c,
+  HOME a fake home with the checkout at RLAX_PS_DIR); the argv its `rlax-ps` received."""
+  command = next(a for l in gcloud_lines(out) for a in l
+                 if a.startswith("--command=") and f"rlax-ps {verb} " in a)
+  home = tmp_path / "home"
+  for path, body in FAKE_VM_TOOLS.items():
+    (home / "rlax ps" / path).parent.mkdir(parents=True, exist_ok=True)
+    (home / "rlax ps" / path).write_text("#!/usr/bin/env bash\n" + body + "\n")
+    (home / "rlax ps" / path).chmod(0o755)
+  (home / "rlax-ps-worker-token.json").write_text("{}")
+  argv_out = tmp_path / "argv"
+  done = subprocess.run(["bash", "-c", command[len("--command="):] + "\nwait"], cwd=home,
+                        env=dict(os.environ, HOME=str(home), ARGV_OUT=str(argv_out)),
+                        capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0, done.stderr
+  return argv_out.read_text().split("\0")[:-1], home
+
+
+QUOTED_ARGS = ["--config.worker.environment_args={\"timeout_s\": 30}",
+               "--config.tokenizer.chat_kwargs={\"enable_thinking\": false}",
+               "--config.name=it's $HOME, `not` run; * \\ done"]
+
+
+@pytest.mark.parametrize("script,args,verb,var,address", [
+    ("launch_trainer.sh", ("t", "v4-8"), "train", "TRAIN_ARGS", "127.0.0.1:50051"),
+    ("launch_trainer.sh", ("t", "v4-8"), "serve", "SERVE_ARGS", None),
+    ("launch_workers.sh", ("w", "1", "v4-8"), "worker", "WORKER_ARGS",
+     "ipv4:10.0.0.9:50052,10.1.2.3:50051"),
+    ("launch_relay.sh", ("r",), "relay", "RELAY_ARGS", "10.1.2.3:50051"),
+])
+def test_user_arguments_reach_the_remote_process_exactly(tmp_path, script, args, verb, var,
+                                                         address):
+  """*_ARGS are shell words, read once by the VM's shell: each word, with its spaces,
+  quotes and JSON, is one argument of the remote rlax-ps, as the user quoted it."""
+  env = dict(ENV, SERVER_ADDRESS=address or "", WORKER_TOKEN="t", TPU_STATES="",
+             RLAX_PS_DIR="rlax ps", **{var: shlex.join(QUOTED_ARGS)})
+  out = run(script, *args, env=env)
+  assert out.returncode == 0, out.stderr
+  argv, home = remote_argv(tmp_path, out, verb)
+  assert argv[0] == verb and argv[-len(QUOTED_ARGS):] == QUOTED_ARGS
+  if verb == "train":
+    assert argv[1:-len(QUOTED_ARGS)] == [
+        "--config=configs/rl_local.py", "--workdir=runs/rl", f"--address={address}",
+        f"--token_file={home}/rlax-ps-server/tokens.json"]
+  elif verb != "serve":
+    assert f"--address={address}" in argv
+    assert f"--token_file={home}/rlax-ps-worker-token.json" in argv
