@@ -434,14 +434,23 @@ def grpc_server(handlers: dict[str, grpc.RpcMethodHandler], interceptor, *, thre
   reflection.enable_server_reflection(
       (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
   address = f"{host}:{port}"
-  if tls_cert or tls_key:
-    with open(tls_key, "rb") as f:
-      key = f.read()
-    with open(tls_cert, "rb") as f:
-      cert = f.read()
-    return server, health_servicer, server.add_secure_port(
-        address, grpc.ssl_server_credentials([(key, cert)]))
-  return server, health_servicer, server.add_insecure_port(address)
+  try:
+    if tls_cert or tls_key:
+      with open(tls_key, "rb") as f:
+        key = f.read()
+      with open(tls_cert, "rb") as f:
+        cert = f.read()
+      bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+      bound = server.add_insecure_port(address)
+  except RuntimeError as e:  # gRPC: "Failed to bind to address ..."
+    raise CannotListen(f"--host {host} --port {port}: cannot listen there ({e}); is another "
+                       f"server on that port?") from None
+  return server, health_servicer, bound
+
+
+class CannotListen(RuntimeError):
+  """The server's address cannot be bound (the port is taken, or the host is not ours)."""
 
 
 class ParamServer:

@@ -9,6 +9,7 @@ one snapshot record atomically (temp file, fsync, rename, fsync of the folder).
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import threading
@@ -86,11 +87,31 @@ class WriteAheadLog:
     self.records_since_rewrite = len(records)
     self._written = 0  # logical positions: never reset, also across rewrites
     self._synced = 0
+    self._broken = ""  # why a torn record is still at the tail (appends are refused)
 
   def append(self, record: pb.WalRecord) -> int:
+    """Write one record; OSError (e.g. a full disk) leaves the log as it was, ending at its
+    last whole record, so the caller applies and acknowledges nothing, and records written
+    later do not follow a torn one (which recovery would discard with them)."""
     blob = encode_record(record)
     with self._lock:
-      self._file.write(blob)
+      if self._broken:
+        raise OSError(errno.EIO, f"write-ahead log {self.path}: a failed record could not be "
+                      f"cut off ({self._broken}); restart the server to recover the log")
+      written = 0
+      try:
+        while written < len(blob):  # a write to a nearly full disk may take part of it
+          n = self._file.write(memoryview(blob)[written:])
+          if not n:
+            raise OSError(errno.ENOSPC, f"write-ahead log {self.path}: short write")
+          written += n
+      except OSError:
+        if written:
+          try:
+            os.ftruncate(self._file.fileno(), self.bytes)
+          except OSError as e:
+            self._broken = str(e)
+        raise
       self.bytes += len(blob)
       self._written += len(blob)
       self.records_since_rewrite += 1

@@ -128,3 +128,17 @@ def test_a_second_server_on_one_storage_folder_is_refused_in_one_line(tmp_path):
   assert r.stderr.strip().splitlines() == [
       f"rlax-ps serve: --storage_dir {tmp_path}: in use by another parameter server (pid "
       f"{os.getpid()}, {tmp_path}/LOCK); stop it, or give this one another folder"]
+
+
+def test_a_taken_port_is_named_in_one_line(tmp_path):
+  import socket
+  with socket.socket() as taken:
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    r = _run("serve", f"--storage_dir={tmp_path}", f"--port={port}", "--host=127.0.0.1")
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
+  assert r.stderr.strip().splitlines()[-1].startswith(
+      f"rlax-ps serve: --host 127.0.0.1 --port {port}: cannot listen there"), r.stderr

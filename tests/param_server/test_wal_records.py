@@ -1,6 +1,10 @@
-"""The write-ahead log: records survive reopening; a torn or corrupt tail is discarded."""
+"""The write-ahead log: records survive reopening; a torn or corrupt tail is discarded; an
+append that does not fit fails and leaves no torn record."""
 
+import errno
 import os
+
+import pytest
 
 from param_server.protos import param_server_pb2 as pb
 from param_server.wal import WriteAheadLog, encode_record, read_records
@@ -58,3 +62,41 @@ def test_rewrite_replaces_the_log_with_one_record(tmp_path):
   wal.close()
   records, _, _ = read_records(path)
   assert records[0].snapshot.next_rollout_id == 42 and len(records) == 2
+
+
+class _FillingDisk:
+  """The log's file on a disk with `room` bytes left: a write takes what fits (a short
+  write, as on a nearly full disk), then ENOSPC, until `room` is raised again."""
+
+  def __init__(self, file, room):
+    self.file, self.room = file, room
+
+  def write(self, data):
+    if self.room <= 0:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    n = self.file.write(bytes(data[:self.room]))
+    self.room -= n
+    return n
+
+  def __getattr__(self, name):
+    return getattr(self.file, name)
+
+
+def test_a_full_disk_fails_the_append_and_leaves_no_torn_record(tmp_path):
+  """A record that did not fit is cut off again: the append fails (nothing is acknowledged)
+  and records appended once there is room follow the last whole one, so recovery keeps
+  every record whose append returned (a torn record in between used to cost them all)."""
+  path = str(tmp_path / "a.wal")
+  wal = WriteAheadLog(path)
+  wal.append(record(0))
+  size = os.path.getsize(path)
+  wal._file = _FillingDisk(wal._file, room=len(encode_record(record(1))) // 2)
+  with pytest.raises(OSError, match="No space left"):
+    wal.append(record(1))
+  assert os.path.getsize(path) == size  # the half-written record is gone
+  wal._file.room = 1 << 20  # space freed
+  wal.append(record(2))
+  wal.append(record(3))
+  wal.close()
+  records, _, torn = read_records(path)
+  assert [r.ack.take_id for r in records] == ["take-0", "take-2", "take-3"] and torn == 0
