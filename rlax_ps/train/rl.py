@@ -205,6 +205,7 @@ class RLTrainer(TrainerRun):
     self.saved_version = -1
     self.warm_start_eval: dict[str, float] | None = None
     self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
+    self.came_back = 0  # groups trained on already that a requeued take brought again
     self.dropped_stale = 0  # groups the server dropped as older than the staleness floor
     self.rejected = 0  # groups that could not enter a batch (logged)
     self.last_rejection: str | None = None  # why the last of them could not
@@ -498,10 +499,11 @@ class RLTrainer(TrainerRun):
       self.dropped_stale += take.dropped_stale
       valid, rejected = [], self.rejected
       if take.rollouts:  # acknowledged with this step, the rejected groups too
+        taken_before = {i for t in self.pending for i in t.rollout_ids}
         self.pending.append(PendingTake(take.take_id,
                                         [int(r.rollout_id) for r in take.rollouts],
                                         self.step + 1))
-        valid = self._valid_groups(take.rollouts)
+        valid = self._valid_groups(take.rollouts, taken_before)
       if self.rejected - rejected < len(take.rollouts):  # a group came that was not refused
         waited_since = time.monotonic()
       elif time.monotonic() - waited_since > float(rl.take_timeout_s):
@@ -529,8 +531,10 @@ class RLTrainer(TrainerRun):
     return (f"{waited}; {self.rejected} groups rejected, the last: {self.last_rejection} (do "
             f"the workers run this trainer's config?)")
 
-  def _valid_groups(self, taken_rollouts) -> list[Group]:
-    """The groups of a take that can enter a batch; the others are counted and logged."""
+  def _valid_groups(self, taken_rollouts, taken_before: set[int] = frozenset()) -> list[Group]:
+    """The groups of a take that can enter a batch; the others are counted and logged.
+    Skipped: groups trained on already, whose take expired before a checkpoint held it
+    (`skip_ids`, or still in an earlier take `taken_before` not yet acknowledged)."""
     valid = []
     for taken in taken_rollouts:
       self.consumed += 1
@@ -538,6 +542,13 @@ class RLTrainer(TrainerRun):
         self._restart_floor = None  # fresh rollouts arrive: the lost steps' came first
       if taken.rollout_id in self.skip_ids:  # (its record's streak is in the checkpoint)
         self.skip_ids.discard(taken.rollout_id)
+        self.came_back += 1
+        continue
+      if taken.rollout_id in taken_before:
+        self.came_back += 1
+        logging.log_every_n_seconds(
+            logging.WARNING, "rl: rollout %d came back before the checkpoint of its first "
+            "take (rl.ack_deadline_s passed); skipped, trained on once", 10, taken.rollout_id)
         continue
       if self.selective and "record" in taken.prompt.metadata:
         record = int(taken.prompt.metadata["record"])
@@ -605,10 +616,21 @@ class RLTrainer(TrainerRun):
       return
     keep = []
     for take in self.pending:
-      if take.step <= durable:
-        self.client.ack(take.take_id)
-      else:
+      if take.step > durable:
         keep.append(take)
+        continue
+      try:
+        self.client.ack(take.take_id)
+      except ParamServerError as e:
+        if e.code != grpc.StatusCode.NOT_FOUND:
+          raise
+        # Its ack deadline passed before this checkpoint: the server serves its groups
+        # again, and they are skipped (trained on already) when they come.
+        logging.warning("rl: take %s expired before the checkpoint of step %d held it; its "
+                        "%d groups are skipped when they come back (rl.ack_deadline_s %gs is "
+                        "shorter than checkpoint.every_steps steps take)", take.take_id,
+                        take.step, len(take.rollout_ids), float(self.config.rl.ack_deadline_s))
+        self.skip_ids.update(take.rollout_ids)
     self.pending = keep
 
   # -- logs, evaluation, summary ----------------------------------------------------------

@@ -509,3 +509,27 @@ def test_groups_it_cannot_train_on_end_the_run_at_take_timeout_naming_why(tmp_pa
   finally:
     worker.stop()
     server.stop(grace=0)
+
+
+def test_a_take_that_expires_before_its_checkpoint_is_trained_on_once(tmp_path):
+  """rl.ack_deadline_s shorter than the checkpoint interval: the server serves an expired
+  take's groups again while the trainer holds them unacknowledged; they are skipped (no
+  group in two steps), and the failed acknowledgements do not stop the run."""
+  config = _config(steps=4)
+  config.eval.num_examples = 0
+  config.rl.max_staleness = 20  # the returned groups are not too stale to be taken again
+  config.rl.ack_deadline_s = 0.2  # the first take expires while the first step compiles
+  config.checkpoint.every_steps = 100  # only the last step is checkpointed
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4).start()
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      tr.train()
+      came_back = tr.came_back
+      assert tr.step == 4
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+  trained = [i for s in _lines(tmp_path / "rl" / "steps.jsonl") for i in s["rollout_ids"]]
+  assert len(trained) == 16 and len(set(trained)) == 16
+  assert came_back >= 1  # the case arose: an expired take's groups came again
