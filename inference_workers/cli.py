@@ -88,6 +88,7 @@ def main(argv) -> None:
     raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
   model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf,
                                    longest_sequence(cfg))
+  from inference_workers.weights import WeightsDoNotFit
   from param_server.client import ParamServerError
   try:
     with connect_flags.connect("worker") as client:
@@ -99,7 +100,7 @@ def main(argv) -> None:
             + f"; {worker.batching}", flush=True)
       stop_on_signals(worker, client)
       stats = worker.run()
-  except (ParamServerError, connect_flags.TokenFileError) as e:
+  except (ParamServerError, connect_flags.TokenFileError, WeightsDoNotFit) as e:
     print(f"rlax-ps worker: {e}", file=sys.stderr, flush=True)
     exit_now(1)  # leases released: skip a finalization that can abort
   logging.info("worker: done: %s", stats)

@@ -4,6 +4,8 @@ A worker is stateless: killed at any instant it loses nothing (its leases expire
 prompts are served again). A SIGTERM (the preemption notice) stops leasing; the prompts
 being generated are finished and submitted, the rest are released, and the worker exits
 within `grace_s`; a watchdog releases whatever is still open if generation overruns it.
+No call made while stopping outlasts the grace period, whatever the server does: a prompt
+left unreleased is not lost, its lease expires and the server serves it again.
 
 With a fixed number of samples per prompt (GRPO) the worker batches continuously
 (`ContinuousBatch`): `prompts_per_call` prompt slots decode together (`rows_per_prompt` rows
@@ -61,6 +63,8 @@ from rlax_ps.sync import Update
 
 _RATE_CHUNKS = 64  # decode chunks the reported tokens/s is averaged over
 _HEARTBEAT_JOIN_S = 5.0  # how long run() waits for the heartbeat thread on the way out
+_WATCHDOG_LEAD_S = 1.0  # stopping: the watchdog releases what is open this long before the end
+_EXIT_SLACK_S = 1.0  # past the grace period, how long the watchdog lets its releases go on
 _RENEW_BYTES = 3 << 20  # begun samples per renewal call: under gRPC's default 4 MiB limit
 # Failures that mean "the server is not there right now": back off and try again.
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -147,6 +151,9 @@ class Worker:
     self.stats = WorkerStats()
     self._stop = threading.Event()
     self._salvage_at = math.inf  # stopping: when running samples go back as partial rollouts
+    self._grace_end = math.inf  # stopping: when the grace period ends (time.monotonic)
+    # The client's own call timeout: once stopping, each call gets at most the grace left.
+    self._client_timeout = getattr(client, "timeout_s", None)
     self._done = threading.Event()  # set when run() returns
     self._beat_now = threading.Event()  # wakes the heartbeat early: a new version is held
     # The newest version the heartbeat heard of, for the prefetch thread to pull (a long
@@ -184,41 +191,88 @@ class Worker:
     if self._stop.is_set():
       return
     grace = self.config.grace_s if grace_s is None else grace_s
-    self._salvage_at = time.monotonic() + grace - self.config.salvage_s
+    self._grace_end = time.monotonic() + grace
+    self._salvage_at = self._grace_end - self.config.salvage_s
     self._stop.set()
     logging.info("worker: stop requested; releasing in-flight prompts within %.1fs", grace)
     threading.Thread(target=self._watchdog, args=(grace,), daemon=True).start()
 
   def _watchdog(self, grace: float) -> None:
-    """If generation overruns the grace period, release what is open and leave."""
-    if self._done.wait(max(0.0, grace - 1.0)):
+    """If the worker is still at work near the end of the grace period, release what is open
+    and leave: by the end of the grace period plus _EXIT_SLACK_S, whatever the server does
+    (a call begun before the stop keeps its full timeout; this does not wait for it)."""
+    if self._done.wait(max(0.0, grace - _WATCHDOG_LEAD_S)):
       return
-    released = self._release_all()
-    logging.warning("worker: grace period over while generating; released %d prompts, exiting",
-                    released)
+    released = []
+    releaser = threading.Thread(target=lambda: released.append(self._release_all()),
+                                name="worker-release", daemon=True)
+    releaser.start()
+    releaser.join(max(0.0, self._grace_left()) + _EXIT_SLACK_S)
+    if released:
+      logging.warning("worker: grace period over while generating; released %d prompts, "
+                      "exiting", released[0])
+    else:  # the server did not answer in time: the leases' expiry serves their prompts again
+      logging.warning("worker: grace period over while generating and releasing; exiting")
     exit_now(0)
 
   def _release_all(self) -> int:
+    """Release every open prompt; how many went back. Stopping, no call outlasts the grace
+    period and none is made once it is spent. Nothing is lost when a release fails or is
+    not sent: the lease expires and the server serves its prompts again."""
     with self._lock:
       open_leases = {k: sorted(v) for k, v in self._inflight.items() if v}
     total = 0
     for lease_id, ids in open_leases.items():
       try:
-        total += self.client.release(lease_id, ids)
+        total += self._rpc("release", lease_id, ids)
       except ParamServerError as e:
-        # One of them may have been answered meanwhile (the server then refuses the whole
-        # call): release them one by one.
-        logging.warning("worker: release of lease %s failed (%s); releasing one by one",
-                        lease_id, e)
-        for pid in ids:
-          try:
-            total += self.client.release(lease_id, [pid])
-          except ParamServerError as e_one:  # answered meanwhile: nothing left to release
-            logging.info("worker: prompt %s of lease %s not released: %s", pid, lease_id, e_one)
+        if e.code in TRANSIENT:  # the server is away or slow, or the grace is spent
+          logging.warning("worker: release of lease %s failed (%s); its %d prompts are served "
+                          "again when it expires", lease_id, e.code.name, len(ids))
+        else:
+          # One of them may have been answered meanwhile (the server then refuses the whole
+          # call): release them one by one.
+          logging.warning("worker: release of lease %s failed (%s); releasing one by one",
+                          lease_id, e)
+          total += self._release_one_by_one(lease_id, ids)
       with self._lock:
         self._inflight.get(lease_id, set()).difference_update(ids)
     self.stats.prompts_released += total
     return total
+
+  def _release_one_by_one(self, lease_id: str, ids: list[str]) -> int:
+    """Release the prompts of a lease one call each, until the server is away or slow or the
+    grace period is spent (the lease's expiry then serves the rest again)."""
+    total = 0
+    for pid in ids:
+      try:
+        total += self._rpc("release", lease_id, [pid])
+      except ParamServerError as e:
+        if e.code in TRANSIENT:
+          logging.warning("worker: releasing lease %s stopped (%s); the rest of its prompts "
+                          "are served again when it expires", lease_id, e.code.name)
+          break
+        logging.info("worker: prompt %s of lease %s not released: %s", pid, lease_id, e)
+    return total
+
+  def _grace_left(self) -> float:
+    """Seconds left of the grace period (math.inf until a stop is requested)."""
+    return self._grace_end - time.monotonic()
+
+  def _rpc(self, method: str, *args, **kwargs):
+    """self.client.<method>(*args, **kwargs); once stopping, with a timeout no longer than
+    the grace left, and refused (DEADLINE_EXCEEDED, nothing sent) once it is spent. The
+    client's lease, rollout and heartbeat methods take no timeout of their own: the
+    client's default (`timeout_s`, which every call reads as it starts) is cut instead,
+    for the calls of every thread alike."""
+    if self.stopping:
+      left = self._grace_left()
+      if left <= 0:
+        raise ParamServerError(method, grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "not sent: the grace period is spent")
+      if self._client_timeout is not None:
+        self.client.timeout_s = min(self._client_timeout, left)
+    return getattr(self.client, method)(*args, **kwargs)
 
   @property
   def stopping(self) -> bool:
@@ -301,7 +355,9 @@ class Worker:
       self._pull_now.set()
       for thread in (heartbeat, puller):  # let an in-flight heartbeat or pull finish: a
         if thread.is_alive():  # daemon thread inside gRPC at interpreter exit aborts
-          thread.join(_HEARTBEAT_JOIN_S)
+          thread.join(min(_HEARTBEAT_JOIN_S, max(0.0, self._grace_left())))
+      if self.stopping and self._client_timeout is not None:  # the client may serve on
+        self.client.timeout_s = self._client_timeout
     return self.stats
 
   def _with_backoff(self, fn: Callable[[], Any]) -> Any:
@@ -328,7 +384,7 @@ class Worker:
 
   def _catch_up(self) -> None:
     """Hold the newest published version (prefetched, else pulled now)."""
-    latest = self.client.latest_version()
+    latest = self._rpc("latest_version")
     if latest >= 0 and latest != self.policy.version:
       self.apply_prefetched()
       if latest != self.policy.version:
@@ -347,6 +403,8 @@ class Worker:
     return lease
 
   def _one_lease(self) -> None:
+    if self.stopping:
+      return
     self._catch_up()
     if self.policy.version is None:  # nothing published yet
       self._stop.wait(self.config.lease_wait_s)
@@ -392,14 +450,14 @@ class Worker:
     with self._lock:
       left = self._inflight[lease.lease_id]
     if not left:
-      self.client.complete(lease.lease_id)
+      self._rpc("complete", lease.lease_id)
 
   def _submit(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup) -> None:
     """Submit one group and mark its prompt answered. A group refused as it is (too large,
     malformed) is counted and logged, and its prompt goes back with the lease's unanswered
     ones; any other failure is raised."""
     try:
-      self.client.submit_rollouts(lease_id, group)
+      self._rpc("submit_rollouts", lease_id, group)
     except ParamServerError as e:
       if e.code != grpc.StatusCode.INVALID_ARGUMENT:
         raise
@@ -470,7 +528,7 @@ class Worker:
       return
     if in_flight or not batch.running:
       self._catch_up()
-    elif self._newer_waits or self.client.latest_version() != self.policy.version:
+    elif self._newer_waits or self._rpc("latest_version") != self.policy.version:
       self._newer_waits = True
       return
     self._newer_waits = False
@@ -623,9 +681,9 @@ class Worker:
       self._abandoned.discard(lease_id)
     elif left:
       self.stats.prompts_released += self._with_backoff(
-          lambda: self.client.release(lease_id, sorted(left))) or 0
+          lambda: self._rpc("release", lease_id, sorted(left))) or 0
     else:
-      self._with_backoff(lambda: self.client.complete(lease_id))
+      self._with_backoff(lambda: self._rpc("complete", lease_id))
 
   @property
   def _resumable(self) -> bool:
@@ -686,7 +744,7 @@ class Worker:
     for lease_id, partial in parts.items():
       ids = [p.prompt_id for p in partial]
       try:
-        self.stats.prompts_released += self.client.release(lease_id, ids, partial=partial)
+        self.stats.prompts_released += self._rpc("release", lease_id, ids, partial=partial)
         self.stats.samples_salvaged += sum(
             bool(s.token_ids) or k > 0 for p in partial
             for s, k in zip(p.samples, list(p.kept) or [0] * len(p.samples)))
@@ -708,7 +766,11 @@ class Worker:
       by_lease[lease_id].append(prompt.id)
     for lease_id, ids in by_lease.items():
       if lease_id not in self._abandoned:
-        self.stats.prompts_released += self.client.release(lease_id, ids)
+        try:
+          self.stats.prompts_released += self._rpc("release", lease_id, ids)
+        except ParamServerError as e:  # no more calls for it: its expiry serves them again
+          logging.warning("worker: release of lease %s failed (left to expire): %s", lease_id, e)
+          self._abandoned.add(lease_id)
       with self._lock:
         self._inflight.get(lease_id, set()).difference_update(ids)
       self._settle(lease_id)
@@ -894,8 +956,9 @@ class Worker:
       if self._done.is_set():
         return
       try:
-        self._latest_heard = self.client.heartbeat(
-            -1 if self.policy.version is None else self.policy.version, self._tokens_per_s)
+        self._latest_heard = self._rpc(
+            "heartbeat", -1 if self.policy.version is None else self.policy.version,
+            self._tokens_per_s)
         self._pull_now.set()
       except ParamServerError as e:  # the server is away: renewals would fail alike
         logging.warning("worker: heartbeat failed: %s", e)
@@ -944,7 +1007,7 @@ class Worker:
       size += n
     for chunk in calls:
       try:
-        self.client.renew(lease_id, self.config.lease_deadline_s, partial=chunk)
+        self._rpc("renew", lease_id, self.config.lease_deadline_s, partial=chunk)
       except ParamServerError as e:
         if not chunk:
           raise
@@ -952,7 +1015,7 @@ class Worker:
         with self._lock:
           for part in chunk:
             self._held.pop((lease_id, part.prompt_id), None)
-        self.client.renew(lease_id, self.config.lease_deadline_s)
+        self._rpc("renew", lease_id, self.config.lease_deadline_s)
         continue
       with self._lock:
         for part in chunk:

@@ -8,7 +8,8 @@ update's seal: on an accelerator, by device fingerprints (rlax_ps.sync.fingerpri
 per changed tensor reach the host) where the publisher sealed them; otherwise by the xxh3
 result seal (changed tensors pulled and hashed). Unchanged tensors keep the digest they
 had. A delta whose base is not the held version, or any mismatch, raises `ResyncNeeded`
-and leaves the policy without a version: the caller pulls a keyframe.
+and leaves the policy without a version: the caller pulls a keyframe. A keyframe of other
+tensor names or shapes (another model) raises `WeightsDoNotFit`: no update can mend that.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ FORMATS = ("bf16", "int8")
 
 class ResyncNeeded(Exception):
   """The held weights cannot take this update; only a keyframe can bring them back."""
+
+
+class WeightsDoNotFit(ValueError):
+  """A keyframe whose tensors (names or shapes) are not this worker's model's: the worker
+  was given another model than the trainer publishes. No update can mend that."""
 
 
 class HeldBits(nnx.Param):
@@ -155,7 +161,8 @@ class HeldPolicy:
     """Bring the held weights to `update.version` in place (keyframe or delta).
 
     Raises ResyncNeeded when the update does not apply to what is held (format, base
-    version, tensor names or shapes) or the result fails the update's seal.
+    version, tensor names or shapes) or the result fails the update's seal, and
+    WeightsDoNotFit (nothing changed) for a keyframe made for another model.
     """
     try:
       self._apply(update, verify)
@@ -166,6 +173,8 @@ class HeldPolicy:
   def _apply(self, update: Update, verify: bool) -> None:
     if update.fmt != self.fmt:
       raise ResyncNeeded(f"update format: expected {self.fmt!r}, got {update.fmt!r}")
+    if update.is_keyframe:
+      self.check_fits(update)
     if not update.is_keyframe and update.base_version != self.version:
       raise ResyncNeeded(f"update {update.version} is a delta from version {update.base_version}; "
                          f"held version is {self.version}")
@@ -188,6 +197,27 @@ class HeldPolicy:
     if verify:
       self._verify(update, list(update.tensors))
     self.version = update.version
+
+  def check_fits(self, keyframe: Update) -> None:
+    """WeightsDoNotFit, naming the first tensor that differs and its shapes, unless the
+    keyframe's tensors are this model's, name for name and shape for shape."""
+    published = {name: tuple(meta.shape) for name, meta in keyframe.tensors.items()}
+    held = {name: tuple(x.shape) for name, x in self._layout.items()}
+    odd = sorted(n for n in published.keys() | held.keys() if published.get(n) != held.get(n))
+    if not odd:
+      return
+    name = odd[0]
+    if name not in held:
+      what = f"tensor {name!r} {list(published[name])} is published, not in this model"
+    elif name not in published:
+      what = f"tensor {name!r} {list(held[name])} of this model is not published"
+    else:
+      what = (f"tensor {name!r} is published {list(published[name])}, "
+              f"{list(held[name])} in this model")
+    raise WeightsDoNotFit(
+        f"the published weights (version {keyframe.version}) do not fit this worker's model: "
+        f"{what} ({len(odd)} of {len(published.keys() | held.keys())} tensors differ); give "
+        f"the worker the trainer's config (its model section, or the same init_from_hf)")
 
   def _checks_on_device(self) -> bool:
     if self.on_device_checks is not None:

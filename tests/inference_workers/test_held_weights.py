@@ -8,7 +8,7 @@ from flax import nnx
 from inference_workers.sampler import generate
 from inference_workers.sampling import SamplingParams
 from inference_workers import weights
-from inference_workers.weights import HeldPolicy, ResyncNeeded
+from inference_workers.weights import HeldPolicy, ResyncNeeded, WeightsDoNotFit
 from rlax_ps import sync
 from rlax_ps.models import ModelConfig, Transformer, assign_params, flatten_params
 from rlax_ps.sync import patch
@@ -124,7 +124,7 @@ def test_wrong_format_or_model_is_named(versions):
     HeldPolicy(UNTIED, "fp8")
   with pytest.raises(ResyncNeeded, match="format"):
     HeldPolicy(UNTIED, "int8").apply(sync.encode(None, versions[0], "bf16", version=0))
-  with pytest.raises(ResyncNeeded, match="tensors differ"):
+  with pytest.raises(WeightsDoNotFit, match="do not fit this worker's model"):
     HeldPolicy(TIED, "bf16").apply(sync.encode(None, versions[0], "bf16", version=0))
 
 

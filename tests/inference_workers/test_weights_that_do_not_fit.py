@@ -1,0 +1,108 @@
+"""A worker given another model than the trainer publishes: the first keyframe is refused
+in one line that names the first differing tensor and its shapes and says what to give the
+worker (the trainer's config), and `rlax-ps worker` exits 1 without a traceback."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from child_env import child_env
+from inference_workers.loop import Worker
+from inference_workers.weights import HeldPolicy, WeightsDoNotFit
+from inference_workers.worker_config import WorkerConfig
+from rlax_ps import sync
+from rlax_ps.models import Transformer, flatten_params
+from worker_testlib import CONFIG, MODEL, REPO, SMALL, TOKENIZER, TOKENS, client
+
+
+def keyframe_of(config, fmt="bf16"):
+  params = {k: np.asarray(v) for k, v in
+            flatten_params(Transformer(config, rngs=nnx.Rngs(0))).items()}
+  return sync.encode(None, params, fmt, version=0)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_keyframe_of_other_shapes_names_the_first_tensor_and_both_shapes(fmt):
+  policy = HeldPolicy(CONFIG, fmt)
+  wider = keyframe_of(CONFIG.replace(num_kv_heads=4), fmt)  # k/v projections twice as wide
+  with pytest.raises(WeightsDoNotFit) as e:
+    policy.apply(wider)
+  message = str(e.value)
+  name = next(n for n in sorted(wider.tensors)
+              if tuple(wider.tensors[n].shape) != tuple(policy.held_state()[n].shape))
+  assert (f"tensor {name!r} is published {list(wider.tensors[name].shape)}, "
+          f"{list(policy.held_state()[name].shape)} in this model") in message
+  assert "do not fit this worker's model" in message
+  assert "the trainer's config" in message and "init_from_hf" in message
+  assert "\n" not in message
+  assert policy.version is None  # nothing applied
+
+
+def test_a_keyframe_of_more_layers_names_a_tensor_this_model_lacks():
+  policy = HeldPolicy(CONFIG)
+  deeper = keyframe_of(CONFIG.replace(num_layers=3))
+  with pytest.raises(WeightsDoNotFit, match=r"tensor 'layers\.2\.[^']+' \[\d+(, \d+)*\] "
+                                            r"is published, not in this model"):
+    policy.apply(deeper)
+
+
+def test_a_keyframe_that_fits_still_applies():
+  policy = HeldPolicy(CONFIG)
+  policy.apply(keyframe_of(CONFIG))
+  assert policy.version == 0
+
+
+class PublishingClient:
+  """A server with one keyframe published and no prompts."""
+
+  def __init__(self, keyframe):
+    self.keyframe, self.pulls = keyframe, []
+
+  def register(self, name):
+    return "w1"
+
+  def heartbeat(self, version=-1, tokens_per_s=0.0):
+    return 0
+
+  def latest_version(self):
+    return 0
+
+  def pull_updates(self, have_version=None):
+    self.pulls.append(have_version)
+    return [sync.Update.from_bytes(self.keyframe.to_bytes())]
+
+
+def test_the_worker_stops_at_the_first_keyframe_that_does_not_fit():
+  fake = PublishingClient(keyframe_of(CONFIG.replace(num_layers=3)))
+  worker = Worker(fake, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+  with pytest.raises(WeightsDoNotFit):
+    worker.run()
+  assert worker.stats.resyncs == 0 and worker.policy.version is None
+  assert fake.pulls[0] is None  # a keyframe; no second pull
+
+
+def test_rlax_ps_worker_says_the_weights_do_not_fit_in_one_line(server, tmp_path):
+  with client(server, "trainer") as trainer:
+    trainer.publish(keyframe_of(CONFIG.replace(num_layers=3)).to_bytes())
+  config = tmp_path / "worker_config.py"
+  config.write_text(textwrap.dedent(f"""
+      import ml_collections
+      def get_config():
+        return ml_collections.ConfigDict(dict(
+            tokenizer=dict(kind="char"), model=dict(vocab_size=0, **{MODEL!r})))
+      """))
+  env = dict(child_env(), RLAX_PS_WORKER_TOKEN=TOKENS["worker"], JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "rlax_ps", "worker", f"--address={server.address}",
+       f"--config={config}", "--max_new_tokens=16", "--backoff_max_s=0.5"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stdout + proc.stderr
+  assert "Traceback" not in proc.stderr, proc.stderr
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("rlax-ps worker:")]
+  assert len(errors) == 1, proc.stderr
+  assert "do not fit this worker's model: tensor 'layers.2." in errors[0]
+  assert "init_from_hf" in errors[0]
