@@ -11,6 +11,9 @@ import importlib
 import os
 import sys
 
+# Set by `rlax-ps local` in its children's environment: the supervisor's pid.
+STOP_WITH_PARENT = "RLAX_PS_STOP_WITH_PARENT"
+
 # name -> (module with main(argv), one-line help).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "local": ("rlax_ps.local_main", "the whole RL loop on this machine: server, trainer, workers"),
@@ -38,6 +41,10 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> None:
   argv = list(sys.argv if argv is None else argv)
   prog = "rlax-ps"
+  parent = os.environ.pop(STOP_WITH_PARENT, "")
+  if parent:  # a child of `rlax-ps local`: it stops when its supervisor dies
+    from rlax_ps.local import stop_with_parent
+    stop_with_parent(int(parent))
   if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
     print(usage())
     sys.exit(0 if len(argv) >= 2 else 2)

@@ -17,7 +17,6 @@ takes its children with it (each gets a SIGTERM, Linux).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import multiprocessing
 import os
@@ -29,6 +28,7 @@ import time
 from typing import Any, Sequence
 
 from param_server import auth
+from rlax_ps.cli import STOP_WITH_PARENT
 from rlax_ps.config_files import run_config_changes
 
 LISTENING = re.compile(r"parameter server listening on (\S+)")
@@ -52,7 +52,8 @@ def override_flags(overrides: dict[str, Any]) -> list[str]:
 def stop_with_parent(parent_pid: int) -> None:
   """In a child: a SIGTERM once the process `parent_pid` is gone, even killed without
   notice (Linux's parent-death signal; elsewhere nothing), so a supervisor that dies leaves
-  no server, trainer or worker running on."""
+  no server, trainer or worker running on. Each child calls it first thing (the `rlax-ps`
+  entry point, told the supervisor's pid in its environment; the warm start's process)."""
   if not sys.platform.startswith("linux"):
     return
   import ctypes
@@ -127,8 +128,9 @@ class LocalRun:
       f.flush()
       process = subprocess.Popen([self.python, "-m", "rlax_ps", *args], stdout=f,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env={**os.environ, **(env or {})}, start_new_session=True,
-                                 preexec_fn=functools.partial(stop_with_parent, os.getpid()))
+                                 env={**os.environ, **(env or {}),
+                                      STOP_WITH_PARENT: str(os.getpid())},
+                                 start_new_session=True)
     child = Child(name, process, log)
     self.children.append(child)
     return child
