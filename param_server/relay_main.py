@@ -9,9 +9,8 @@ same worker token (the relay's own, from --token, $RLAX_PS_WORKER_TOKEN or --tok
 
 from __future__ import annotations
 
-import sys
-
 import dataclasses
+import sys
 
 from absl import app, flags, logging
 
