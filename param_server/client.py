@@ -294,25 +294,28 @@ class ParamServerClient:
       self._connect(fallback)  # the relay's channel is left open for calls still on it
     return True
 
-  def _wait_to_retry(self, method: str, code: grpc.StatusCode, details: str, delays) -> None:
+  def _wait_to_retry(self, method: str, code: grpc.StatusCode, details: str, delays,
+                     retry: RetryPolicy | None = None) -> None:
     """Sleep the next backoff delay after a failed attempt (logged at once, then at most
-    every RETRY_LOG_S); raise once the retries are spent or a stop was requested."""
+    every RETRY_LOG_S); raise once the retries (`retry`, else the client's) are spent or a
+    stop was requested."""
     if self._fall_back(details):
       return
+    deadline_s = (retry or self.retry).deadline_s
     delay = next(delays, None)
     if delay is None:
-      raise self.error(method, code, f"still failing after {self.retry.deadline_s:g}s of "
-                       f"retries: {details}")
+      raise self.error(method, code, f"still failing after {deadline_s:g}s of retries: "
+                       f"{details}" if deadline_s > 0 else details)
     now = time.monotonic()
     if now - self._retry_logged_at >= RETRY_LOG_S:
       self._retry_logged_at = now
       logging.warning("param server %s: %s failed (%s: %s); retrying for up to %gs",
-                      self.address, method, code.name, details, self.retry.deadline_s)
+                      self.address, method, code.name, details, deadline_s)
     if self.interrupt.wait(delay):
       raise ParamServerError(method, code, f"stop requested while retrying: {details}")
 
-  def _with_retry(self, method: str, fn: Callable[[], object]):
-    delays = self.retry.delays()
+  def _with_retry(self, method: str, fn: Callable[[], object], retry: RetryPolicy | None = None):
+    delays = (retry or self.retry).delays()
     while True:
       try:
         return fn()
@@ -320,12 +323,13 @@ class ParamServerClient:
         if e.code() not in RETRYABLE:
           raise self.error(method, e.code(), e.details() or "") from None
         code, details = e.code(), e.details() or ""
-      self._wait_to_retry(method, code, details, delays)
+      self._wait_to_retry(method, code, details, delays, retry)
 
-  def _call(self, method: str, request, timeout_s: float | None = None):
+  def _call(self, method: str, request, timeout_s: float | None = None,
+            retry: RetryPolicy | None = None):
     timeout = self.timeout_s if timeout_s is None else timeout_s
     return self._with_retry(method, lambda: getattr(self._stub, method)(
-        request, metadata=self._metadata, timeout=timeout))
+        request, metadata=self._metadata, timeout=timeout), retry)
 
   def _require_worker(self, worker_id: str | None) -> str:
     wid = worker_id or self.worker_id
@@ -355,11 +359,13 @@ class ParamServerClient:
 
   # ------------------------------------------------------------ weights
 
-  def version_info(self) -> pb.VersionInfo:
-    return self._call("GetLatest", pb.GetLatestRequest())
+  def version_info(self, retry: RetryPolicy | None = None) -> pb.VersionInfo:
+    """The server's latest version and its details; `retry` for this call instead of the
+    client's (RetryPolicy(deadline_s=0): one attempt)."""
+    return self._call("GetLatest", pb.GetLatestRequest(), retry=retry)
 
-  def latest_version(self) -> int:
-    return self.version_info().latest_version
+  def latest_version(self, retry: RetryPolicy | None = None) -> int:
+    return self.version_info(retry).latest_version
 
   def publish(self, update_bytes) -> pb.PublishReply:
     """Sends one `Update.to_bytes()` blob in chunks (trainer only)."""

@@ -31,7 +31,7 @@ from absl import logging
 from grpc_health.v1 import health_pb2
 
 from param_server import auth, errors
-from param_server.client import RELAY_DOWN, ParamServerClient, ParamServerError
+from param_server.client import RELAY_DOWN, ParamServerClient, ParamServerError, RetryPolicy
 from param_server.protos import param_server_pb2 as pb
 from param_server.server import (MESSAGE_OVERHEAD, SERVICE_NAME, ParamServerServicer, PullSource,
                                  ServerConfig, grpc_server, method_handlers)
@@ -42,6 +42,7 @@ from rlax_ps.dataclass_flags import setting
 # server, which checks it. A publication is refused: it belongs to the server.
 SERVED_HERE = ("GetLatest", "Pull", "Watch")
 REPORT_S = 5.0  # how often the relay tells the server the version it holds
+ONE_ATTEMPT = RetryPolicy(deadline_s=0.0)  # asking the server while a caller waits
 # The server refused the relay's own token: no retry mends that.
 REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
@@ -167,7 +168,10 @@ class _RelayServicer(ParamServerServicer):
                              errors.FailedPrecondition("relay", self._relay.diverged))
 
   def GetLatest(self, request, context):
+    """The server's latest (asked now: a relay behind this one asks when its pullers hold
+    all it knows), once it begins to arrive here."""
     self._refuse_if_diverged(context, "GetLatest")
+    self._relay.refresh()
     self._relay.wait_current(context, cut_through=True)
     return super().GetLatest(request, context)
 
@@ -289,10 +293,10 @@ class WeightRelay:
         logging.warning("relay: following %s failed (%s); retrying", self.upstream.address, e)
       self._stopping.wait(1.0)
 
-  def _ask_upstream(self) -> int:
+  def _ask_upstream(self, retry: RetryPolicy | None = None) -> int:
     """The server's latest version; notes whether the server can be followed."""
     try:
-      latest = self.upstream.latest_version()
+      latest = self.upstream.latest_version(retry)
     except ParamServerError as e:
       # Refused: nothing it holds can be trusted to be current. Unreachable: what it holds
       # is served on through the server's blip; holding nothing, it sends callers there.
@@ -317,7 +321,9 @@ class WeightRelay:
       try:
         self.upstream.heartbeat(version=self.weights.latest, worker_id=self.relay_id,
                                 kind="relay")
-      except ParamServerError as e:
+      except (ParamServerError, ValueError) as e:  # ValueError: its channel closed
+        if self._stopping.is_set():
+          return
         logging.warning("relay: reporting to %s failed (%s)", self.upstream.address, e)
 
   def _announce(self, latest: int, asked: bool = False) -> None:
@@ -419,14 +425,16 @@ class WeightRelay:
     return self.weights.latest
 
   def refresh(self) -> None:
-    """Ask the server its latest version now (besides watching it). Callers that arrive
-    while an asking is under way take its answer (many pulls at once ask once)."""
+    """Ask the server its latest version now (besides watching it), once: through a
+    server's blip the caller is served what is held, not held for the client's retries.
+    Callers that arrive while an asking is under way take its answer (many pulls at once
+    ask once)."""
     called = time.monotonic()
     with self._refreshing:
       if self._refreshed_at >= called:
         return
       try:
-        self._announce(self._ask_upstream(), asked=True)
+        self._announce(self._ask_upstream(ONE_ATTEMPT), asked=True)
         self.refreshes += 1
       except ParamServerError as e:
         logging.warning("relay: asking %s its version failed (%s)", self.upstream.address, e)
@@ -491,6 +499,7 @@ class WeightRelay:
       self._metrics.server_close()
       self._metrics = None
     self._server.stop(grace).wait()
+    self.upstream.interrupt.set()  # ends a retry's wait
     self.upstream.close()  # ends the follower's watch
     for thread in (self._follower, self._reporter):
       if thread.is_alive():

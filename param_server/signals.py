@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import threading
 
+STOP_LIMIT_S = 30.0  # from the stop signal to the process's exit, whatever its threads do
 
-def wait_for_stop() -> None:
-  """Return on the first SIGINT or SIGTERM (Ctrl-C, a pod's or VM's stop)."""
+
+def wait_for_stop(limit_s: float = STOP_LIMIT_S) -> None:
+  """Return on the first SIGINT or SIGTERM (Ctrl-C, a pod's or VM's stop). From then on the
+  process exits within `limit_s`: past it, every thread's stack goes to stderr and it exits 1
+  (a thread stuck in a call must not keep a stopped server's port and storage lock)."""
   done = threading.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda *_: done.set())
-  done.wait()
+  # Waking every second: a signal the kernel gave another thread (gRPC's) runs its Python
+  # handler only once the main thread runs again; a wait with no end would never see it.
+  while not done.wait(1.0):
+    pass
+  faulthandler.dump_traceback_later(limit_s, exit=True)

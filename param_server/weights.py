@@ -466,6 +466,12 @@ class WeightStore:
         self._doomed.discard(blob.name)
         self._delete(blob)
 
+  @property
+  def pinned(self) -> int:
+    """Blobs held by pulls under way (none is deleted by compaction until released)."""
+    with self._lock:
+      return len(self._pins)
+
   def release(self, plan: list[Blob]) -> None:
     with self._lock:
       for b in plan:

@@ -362,6 +362,26 @@ def test_a_worker_given_the_relay_then_the_server_goes_on_when_the_relay_dies(
     assert w.heartbeat(version=1) == 1
 
 
+def test_through_a_server_outage_a_pull_gets_what_the_relay_holds_at_once(
+    server, trainer, tmp_path):
+  """A pull holding all the relay holds makes it ask the server once, not for the length of
+  its client's retries: the worker (5 s deadline) is told nothing is newer."""
+  publish_chain(trainer, 2)
+  config = RelayConfig(storage_dir=str(tmp_path / "relay"), port=0, chunk_bytes=CHUNK)
+  upstream = client_for(server, "worker", retry=RetryPolicy(deadline_s=60.0))
+  with WeightRelay(config, upstream, TOKENS["worker"]) as relay:
+    _until(lambda: relay.weights.latest == 1)
+    server.stop(grace=0)
+    with client_for(relay, "worker", retry=RetryPolicy(deadline_s=0.0)) as w:
+      answers = []
+      puller = threading.Thread(target=lambda: answers.append(w.pull(have_version=1)))
+      puller.start()
+      puller.join(timeout=20.0)  # the upstream's retries would hold it 60 s
+      assert answers == [[]]
+      w.timeout_s = 20.0
+      assert w.latest_version() == 1
+
+
 def test_relay_settings_are_checked_naming_the_field():
   with pytest.raises(ValueError, match="RelayConfig.max_wait_s"):
     RelayConfig(max_wait_s=-1.0)
@@ -404,9 +424,9 @@ def test_pulls_that_find_nothing_newer_ask_the_server_once_between_them(server, 
   _until(lambda: relay.weights.latest == 0)
   ask = relay.upstream.latest_version
 
-  def slowly():
+  def slowly(retry=None):
     time.sleep(0.5)
-    return ask()
+    return ask(retry)
 
   relay.upstream.latest_version = slowly
   answers = []
@@ -426,14 +446,16 @@ def test_pulls_that_find_nothing_newer_ask_the_server_once_between_them(server, 
 
 def test_rlax_ps_relay_serves_workers_and_stops_on_sigterm(server, trainer, tmp_path):
   publish_chain(trainer, 2)
-  env = dict(child_env(), RLAX_PS_WORKER_TOKEN=TOKENS["worker"])
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "rlax_ps", "relay", f"--address={server.address}", "--port=0",
-       f"--storage_dir={tmp_path / 'relay'}", f"--chunk_bytes={CHUNK}"],
-      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  env = dict(child_env(), RLAX_PS_WORKER_TOKEN=TOKENS["worker"], PYTHONFAULTHANDLER="1")
+  log = tmp_path / "relay.log"
+  with open(log, "w") as stderr:  # a file: a pipe nobody reads could block the relay's logging
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlax_ps", "relay", f"--address={server.address}", "--port=0",
+         f"--storage_dir={tmp_path / 'relay'}", f"--chunk_bytes={CHUNK}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
   try:
     line = proc.stdout.readline()
-    assert line.startswith("weight relay listening on 127.0.0.1:"), proc.stderr.read()[-2000:]
+    assert line.startswith("weight relay listening on 127.0.0.1:"), log.read_text()[-2000:]
     address = line.split()[4].rstrip(",")
     assert f"following {server.address}" in line
     with client_for(address, "worker") as w:
@@ -441,7 +463,13 @@ def test_rlax_ps_relay_serves_workers_and_stops_on_sigterm(server, trainer, tmp_
     with client_for(server, "worker") as direct:
       assert _same(held, apply_blobs(direct.pull()))
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    try:
+      code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      proc.send_signal(signal.SIGABRT)  # faulthandler: every thread's stack, into the log
+      proc.wait(timeout=30)
+      code = None
+    assert code == 0, log.read_text()[-6000:]
   finally:
     proc.kill()
   no_token = subprocess.run([sys.executable, "-m", "rlax_ps", "relay", "--address=127.0.0.1:1"],

@@ -6,6 +6,7 @@ Also: half-written versions are discarded, and a pull broken mid-stream resumes.
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -160,6 +161,10 @@ def test_a_client_dying_mid_pull_resumes_from_its_last_chunk(server, trainer, wo
     worker.pull(None, progress=progress, on_chunk=die_after_some)
   held_bytes = progress.partial_filled
   assert held_bytes > 0 and not progress.done
+  end = time.monotonic() + 10  # the dead pull's stream may send on until the server sees it gone
+  while server.weights.pinned:
+    assert time.monotonic() < end, "the dead pull's stream did not end"
+    time.sleep(0.01)
   served_before = server.servicer.bytes_served
   blobs = worker.pull(progress=progress)
   assert progress.resumed_bytes == held_bytes
