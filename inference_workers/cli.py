@@ -92,7 +92,10 @@ def main(argv) -> None:
   from param_server.client import ParamServerError
   try:
     with connect_flags.connect("worker") as client:
-      worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for)
+      try:
+        worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for)
+      except ValueError as e:  # settings the model cannot honour
+        raise app.UsageError(str(e)) from None
       mesh = worker.mesh
       print("worker: decoding on " + ("the default device" if mesh is None else
                                       f"{mesh.size} devices (data {mesh.shape['data']} x "
@@ -108,6 +111,7 @@ def main(argv) -> None:
           f"v{worker.policy.version} digest {worker.policy.digest():016x}")
   print(f"worker: exiting: {stats.leases} leases, {stats.groups_submitted} groups submitted, "
         f"{stats.prompts_released} prompts released ({stats.samples_salvaged} begun samples "
-        f"handed back), {stats.score_errors} samples scored 0 "
+        f"handed back), {stats.prompts_failed} prompts it could not sample, "
+        f"{stats.score_errors} samples scored 0 "
         f"by a verifier that raised; holds {held}", flush=True)
   exit_now(0)  # leases released, output flushed: skip a finalization that can abort

@@ -24,7 +24,10 @@ generation runs, and applied in place: by default once the prompts started on th
 version have finished (new prompts wait), so a group is sampled by one version, the one it
 carries; with `in_flight_updates` between decode chunks at once, a group then carrying the
 oldest version it was sampled with (its per-token behaviour log-probs stay exact). An
-unreachable server is retried with capped exponential backoff.
+unreachable server is retried with capped exponential backoff. A prompt the worker cannot
+sample (too long for its model with max_new_tokens, ids outside its vocabulary) is answered
+with a group holding the reason and no samples: the trainer counts it and logs why, and no
+such prompt goes round the fleet failing each worker.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from algorithms.allocation import FixedAllocator
 from algorithms.environments import conversation, environment_for, environments_from
 from algorithms.verifiers import REWARD_MODEL_TASK, Verifier, verifiers_by_task
 from inference_workers.continuous import ContinuousBatch
-from inference_workers.decoding import Sample, bucket, replies_in
+from inference_workers.decoding import Sample, bucket, check_request, pad_prompts, replies_in
 from inference_workers.hard_exit import exit_now
 from inference_workers.sample_batch import SampleBatch
 from inference_workers.weights import HeldPolicy, ResyncNeeded
@@ -114,6 +117,7 @@ class WorkerStats:
   leases: int = 0
   groups_submitted: int = 0
   groups_refused: int = 0  # rejected by the server as they were (the prompt is released)
+  prompts_failed: int = 0  # could not be sampled here: answered with the reason, no samples
   prompts_released: int = 0
   samples: int = 0
   tokens: int = 0
@@ -138,6 +142,10 @@ class Worker:
     if config.routing_replay and not model_config.moe_layers:
       raise ValueError("WorkerConfig.routing_replay: expected False for a model without "
                        "mixture-of-experts layers (there are no routes to send)")
+    if config.max_new_tokens >= model_config.max_position_embeddings:
+      raise ValueError(f"WorkerConfig.max_new_tokens: expected fewer than the model's "
+                       f"max_position_embeddings={model_config.max_position_embeddings} "
+                       f"(the prompt's tokens need positions too), got {config.max_new_tokens}")
     self.mesh = worker_mesh(config)
     self.policy = HeldPolicy(model_config, config.weights_format, mesh=self.mesh)
     self.allocator = allocator if allocator is not None else make_allocator(config)
@@ -443,7 +451,13 @@ class Worker:
       # out a publication: groups of the older version could be too stale to train on.
       self._catch_up()
       version = self.policy.version
-      groups = self._rollout_groups(chunk, version)
+      faults = {p.id: self._fault(p) for p in chunk}
+      for prompt in chunk:
+        if faults[prompt.id]:
+          self._submit(lease.lease_id, prompt.id, self._failed(prompt, version,
+                                                               faults[prompt.id]))
+      chunk = [p for p in chunk if not faults[p.id]]
+      groups = self._rollout_groups(chunk, version) if chunk else []
       for prompt, group in zip(chunk, groups):
         if group is not None:  # None: stopped before its group was worth sending
           self._submit(lease.lease_id, prompt.id, group)
@@ -536,6 +550,10 @@ class Worker:
     n = self.config.samples_per_prompt
     while self._pending and batch.free:
       lease_id, prompt = self._pending.popleft()
+      fault = self._fault(prompt)
+      if fault:
+        self._send(lease_id, prompt.id, self._failed(prompt, version, fault))
+        continue
       if prompt.partial and self._resumable and self._resume(lease_id, prompt, version):
         continue
       self._started[(lease_id, prompt.id)] = (prompt, version)
@@ -660,14 +678,44 @@ class Worker:
     self.stats.samples += len(samples)
     self.stats.tokens += sum(len(s.tokens) for s in samples)
     if lease_id not in self._abandoned:
-      group = self._group(prompt, version, samples, self._rewards(prompt, samples, given))
-      try:
-        self._with_backoff(lambda: self._submit(lease_id, prompt_id, group))
-      except ParamServerError as e:  # the lease expired or was taken back: queued again
-        logging.warning("worker: lease %s abandoned: %s", lease_id, e)
-        self._abandoned.add(lease_id)
-        self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
+      self._send(lease_id, prompt_id,
+                 self._group(prompt, version, samples, self._rewards(prompt, samples, given)))
+    else:
+      self._settle(lease_id)
+
+  def _send(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup) -> None:
+    """Submit a group of a continuous batch's lease (an outage is waited out: the group is
+    kept), then settle the lease; a lease the server took back is abandoned."""
+    try:
+      self._with_backoff(lambda: self._submit(lease_id, prompt_id, group))
+    except ParamServerError as e:  # the lease expired or was taken back: queued again
+      logging.warning("worker: lease %s abandoned: %s", lease_id, e)
+      self._abandoned.add(lease_id)
+      self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
     self._settle(lease_id)
+
+  def _fault(self, prompt: pb.Prompt) -> str:
+    """Why this worker cannot sample the prompt ("" when it can): its text does not encode,
+    its ids lie outside the model's vocabulary, or it leaves no room for max_new_tokens."""
+    try:
+      tokens = self._prompt_tokens(prompt)
+    except (ValueError, KeyError, UnicodeError) as e:
+      return f"its text does not encode: {e}"
+    config = self.policy.model.config
+    try:
+      pad_prompts([tokens], 1, max(len(tokens), 1), config.vocab_size)
+      check_request(config, [tokens], [0], 1, self.params)
+    except ValueError as e:
+      return str(e).replace("prompts[0]: ", "")
+    return ""
+
+  def _failed(self, prompt: pb.Prompt, version: int, fault: str) -> pb.RolloutGroup:
+    """The answer to a prompt this worker cannot sample: the reason, no samples."""
+    self.stats.prompts_failed += 1
+    logging.log_every_n_seconds(logging.WARNING, "worker: prompt %s cannot be sampled "
+                                "here (%s); the trainer is told", 10, prompt.id, fault)
+    return pb.RolloutGroup(prompt_id=prompt.id, policy_version=version, failure=fault[:1000],
+                           metadata={"worker": self.config.name})
 
   def _settle(self, lease_id: str) -> None:
     """Once no prompt of the lease waits or runs: complete it, releasing what was refused."""

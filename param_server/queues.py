@@ -105,6 +105,9 @@ def _validate_prompt(prompt: pb.Prompt, where: str) -> None:
     raise errors.InvalidArgument(f"{where}.id", f"expected at most 512 characters, got {len(prompt.id)}")
 
 
+MAX_FAILURE_CHARS = 2000  # a worker's reason for not sampling a prompt, kept with it
+
+
 def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: int,
                    where: str = "group", partial: bool = False) -> None:
   """Checks a submitted rollout group's fields (or `partial` rollouts', as a group named
@@ -112,8 +115,15 @@ def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: 
   the field."""
   if not group.prompt_id:
     raise errors.InvalidArgument(f"{where}.prompt_id", "expected a prompt id, got ''")
-  if not group.samples:
-    raise errors.InvalidArgument(f"{where}.samples", "expected at least one sample, got 0")
+  if group.failure and (group.samples or partial):
+    raise errors.InvalidArgument(f"{where}.samples", f"expected none with a failure (the "
+                                 f"prompt could not be sampled), got {len(group.samples)}")
+  if len(group.failure) > MAX_FAILURE_CHARS:
+    raise errors.InvalidArgument(f"{where}.failure", f"expected at most {MAX_FAILURE_CHARS} "
+                                 f"characters, got {len(group.failure)}")
+  if not group.samples and not group.failure:
+    raise errors.InvalidArgument(f"{where}.samples", "expected at least one sample (or a "
+                                 "failure saying why there is none), got 0")
   if len(group.samples) > max_samples:
     raise errors.InvalidArgument(f"{where}.samples", f"expected at most {max_samples}, got {len(group.samples)}")
   top = max(latest_version, 0)

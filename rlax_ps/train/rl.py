@@ -550,6 +550,10 @@ class RLTrainer(TrainerRun):
             logging.WARNING, "rl: rollout %d came back before the checkpoint of its first "
             "take (rl.ack_deadline_s passed); skipped, trained on once", 10, taken.rollout_id)
         continue
+      if taken.group.failure:  # a prompt no worker could sample: answered, not trained on
+        self._reject(f"prompt {taken.group.prompt_id} could not be sampled by worker "
+                     f"{taken.group.metadata.get('worker', '?')!r}: {taken.group.failure}")
+        continue
       if self.selective and "record" in taken.prompt.metadata:
         record = int(taken.prompt.metadata["record"])
         streak = next_streak(self.streaks.get(record, 0), [s.reward for s in taken.group.samples])
@@ -565,9 +569,7 @@ class RLTrainer(TrainerRun):
                            f"rl.dynamic_sampling needs worker.samples_per_prompt="
                            f"{self.shape.samples}")
       except ValueError as e:
-        logging.log_every_n_seconds(logging.WARNING, "rl: rollout group rejected: %s", 10, e)
-        self.rejected += 1
-        self.last_rejection = str(e)
+        self._reject(str(e))
         continue
       if (group.prompt_routes is None) == self.shape.routed and not self._told_routes:
         self._told_routes = True  # a worker started with another worker.routing_replay
@@ -580,6 +582,12 @@ class RLTrainer(TrainerRun):
                           "here; they are not used", group.rollout_id)
       valid.append(group)
     return valid
+
+  def _reject(self, why: str) -> None:
+    """Count and log (at most every 10 s) a group that cannot enter a batch."""
+    logging.log_every_n_seconds(logging.WARNING, "rl: rollout group rejected: %s", 10, why)
+    self.rejected += 1
+    self.last_rejection = why
 
   def _publish(self, version: int, *, keyframe: bool = False):
     """Publish the current params as `version`; one line of versions.jsonl per version."""

@@ -334,7 +334,7 @@ def test_a_stopped_multi_turn_run_is_continued_as_if_never_interrupted(
 
 def test_a_worker_without_the_environment_will_not_resume_replies_as_its_own_tokens():
   from param_server.client import make_sample
-  worker = Worker(None, CONFIG, TOKENIZER, WorkerConfig())
+  worker = Worker(None, CONFIG, TOKENIZER, WorkerConfig(max_new_tokens=8))
   begun = make_sample([5, 6, 7], 0.0, logprobs=np.zeros(3), observed=np.array([0, 1, 0], bool))
   with pytest.raises(ValueError, match="partial sample 0: holds an environment's replies"):
     worker._begun_sample(("lease", "p0"), 0, begun, None)

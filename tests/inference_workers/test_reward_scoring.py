@@ -91,7 +91,8 @@ def _sample(text, observed=None):
 
 def _worker(rm, **config):
   return Worker(None, POLICY_CONFIG, POLICY,
-                WorkerConfig(reward_model=rm, reward_model_dtype="float32", **config))
+                WorkerConfig(reward_model=rm, reward_model_dtype="float32", max_new_tokens=8,
+                             **config))
 
 
 def test_rewards_are_the_models_scores_or_a_verifiers_plus_a_weighted_score(monkeypatch):

@@ -90,3 +90,7 @@ def test_a_wrong_token_or_a_missing_token_file_is_one_line_not_a_traceback(tls_s
   missing = _worker(server.address, tmp_path / "tokns.json", *tls)
   assert missing.returncode != 0 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
   assert f"--token_file {tmp_path / 'tokns.json'}: no such file" in missing.stderr
+  tokens.write_text(json.dumps(TOKENS))
+  too_long = _worker(server.address, tokens, *tls, "--max_new_tokens=100000")
+  assert too_long.returncode != 0 and "Traceback" not in too_long.stderr, too_long.stderr[-2000:]
+  assert "WorkerConfig.max_new_tokens: expected fewer than the model's" in too_long.stderr

@@ -18,7 +18,7 @@ from child_env import child_env
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
-from param_server.client import ParamServerClient, RetryPolicy, sample_logprobs
+from param_server.client import ParamServerClient, ParamServerError, RetryPolicy, sample_logprobs
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
 from rlax_ps.sync import device
@@ -321,6 +321,52 @@ def test_a_group_the_server_refuses_releases_its_prompt_and_the_others_go_on(ser
     assert [r.group.prompt_id for r in trainer.take_rollouts(0, 10).rollouts] == ["p1"]
     st = trainer.stats()
     assert (st.prompts_queued, st.prompts_leased) == (1, 0)  # p0 is back in the queue
+
+
+@pytest.mark.parametrize("allocator", ["fixed", "vigor"])
+def test_a_prompt_the_worker_cannot_sample_is_answered_with_why_and_the_others_go_on(
+    server, versions, allocator):
+  """Too long for the model with max_new_tokens, or ids outside its vocabulary: each is
+  answered with the reason and no samples (it would crash every worker it went to)."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 1)
+    trainer.enqueue_prompts([pb.Prompt(id="long", text="1+" * 30, task="addition"),
+                             pb.Prompt(id="ids", token_ids=[3, CONFIG.vocab_size + 5],
+                                       task="addition")])
+    config = WorkerConfig(max_leases=1, **dict(SMALL, prompts_per_lease=3, allocator=allocator))
+    stats = Worker(wc, CONFIG, TOKENIZER, config).run()
+    assert (stats.prompts_failed, stats.groups_submitted) == (2, 3)
+    groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
+    assert groups["p0"].samples and not groups["p0"].failure
+    assert not groups["long"].samples and not groups["ids"].samples
+    long = len(TOKENIZER.encode_prompt("1+" * 30))
+    assert groups["long"].failure == (f"prompt length {long} + max_new_tokens 6 exceeds "
+                                      f"max_position_embeddings={CONFIG.max_position_embeddings}")
+    assert groups["ids"].failure.startswith(f"token ids must lie in [0, {CONFIG.vocab_size})")
+    st = trainer.stats()
+    assert (st.prompts_queued, st.prompts_leased) == (0, 0)
+
+
+def test_a_budget_the_model_cannot_hold_is_refused_at_the_start_naming_the_field():
+  with pytest.raises(ValueError, match=r"WorkerConfig.max_new_tokens: expected fewer than the "
+                     r"model's max_position_embeddings=64 .*got 64"):
+    Worker(None, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, max_new_tokens=64)))
+
+
+def test_a_failure_group_is_checked_by_the_server(server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 1)
+    wc.register("w")
+    lease = wc.lease(1, deadline_s=30.0)
+    sample = pb.Sample(token_ids=[3], reward=1.0)
+    for group, field in [(pb.RolloutGroup(prompt_id="p0"), "group.samples"),
+                         (pb.RolloutGroup(prompt_id="p0", failure="x", samples=[sample]),
+                          "group.samples"),
+                         (pb.RolloutGroup(prompt_id="p0", failure="x" * 3000), "group.failure")]:
+      with pytest.raises(ParamServerError, match=field):
+        wc.submit_rollouts(lease.lease_id, group)
 
 
 def test_checksum_mismatch_triggers_a_keyframe_resync(server, versions):

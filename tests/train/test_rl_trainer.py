@@ -490,22 +490,38 @@ class _Overlong(FakeWorker):
         for j in range(self.samples)])
 
 
-def test_groups_it_cannot_train_on_end_the_run_at_take_timeout_naming_why(tmp_path):
-  """Rejected groups do not count as arrivals: with only those coming, rl.take_timeout_s ends
-  the run with the reason, instead of a trainer that waits forever at step 0."""
+class _CannotSample(FakeWorker):
+  """A worker whose model cannot sample the prompts: each is answered with the reason."""
+
+  def group(self, prompt_id, version, uniform=False):
+    return RolloutGroup(prompt_id=prompt_id, policy_version=version, metadata={"worker": "w7"},
+                        failure="prompt length 70 + max_new_tokens 8 exceeds "
+                                "max_position_embeddings=64")
+
+
+@pytest.mark.parametrize("worker_kind, why", [
+    (_Overlong, r"more than worker.max_new_tokens=\d+"),
+    (_CannotSample, r"prompt \S+ could not be sampled by worker 'w7': prompt length 70 "),
+])
+def test_groups_it_cannot_train_on_end_the_run_at_take_timeout_naming_why(tmp_path, worker_kind,
+                                                                          why):
+  """Rejected groups (and prompts a worker could not sample) do not count as arrivals: with
+  only those coming, rl.take_timeout_s ends the run with the reason, instead of a trainer
+  that waits forever at step 0."""
   config = _config(steps=2)
   config.eval.num_examples = 0
   config.rl.take_timeout_s = 3.0
   server = start_server(tmp_path / "ps")
-  worker = _Overlong(server.address, samples=4,
-                     max_len=int(config.worker.max_new_tokens) + 1).start()
+  worker = worker_kind(server.address, samples=4,
+                       max_len=int(config.worker.max_new_tokens) + 1).start()
   try:
     with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
       with pytest.raises(TimeoutError, match=(
           r"rl.take_timeout_s: no usable rollout group for 3.0s; \d+ groups rejected, the "
-          r"last: .*more than worker.max_new_tokens=\d+ \(do the workers run this")):
+          r"last: .*" + why + r".* \(do the workers run this")):
         tr.train()
       assert tr.step == 0 and tr.rejected >= 1
+      assert tr.consumed == tr.rejected  # answered: the prompts are not fed twice
   finally:
     worker.stop()
     server.stop(grace=0)
