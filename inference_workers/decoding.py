@@ -65,14 +65,24 @@ def bucket(n: int, minimum: int = 1) -> int:
   return 1 << (n - 1).bit_length()
 
 
+def token_ids(field: str, prompt) -> np.ndarray:
+  """`prompt` as int64 token ids [T], T >= 1; a ValueError naming `field` for anything else
+  (a float id would otherwise be cut to an int, a scalar has no length)."""
+  ids = np.asarray(prompt)
+  if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+    raise ValueError(f"{field}: expected a sequence of int token ids, got "
+                     f"{ids.dtype} of shape {ids.shape}")
+  if ids.size == 0:
+    raise ValueError(f"{field}: expected at least one token, got an empty prompt")
+  return ids.astype(np.int64, copy=False)
+
+
 def pad_prompts(prompts: Sequence[Sequence[int]], batch: int, length: int, vocab: int):
   """Right-padded tokens [batch, length] and lengths; padding rows hold one token 0."""
   tokens = np.zeros((batch, length), np.int32)
   lens = np.ones((batch,), np.int32)
   for i, p in enumerate(prompts):
-    p = np.asarray(p, np.int64).reshape(-1)
-    if p.size == 0:
-      raise ValueError(f"prompts[{i}]: expected at least one token, got an empty prompt")
+    p = token_ids(f"prompts[{i}]", p)
     if p.min() < 0 or p.max() >= vocab:
       raise ValueError(f"prompts[{i}]: token ids must lie in [0, {vocab}), got "
                        f"[{p.min()}, {p.max()}]")
@@ -85,15 +95,22 @@ def check_request(model_config, prompts, seeds, rows, params: SamplingParams):
   """Name what is wrong with a sampling request before anything is compiled."""
   if not isinstance(params, SamplingParams):
     raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+  if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+    raise ValueError(f"prompts: expected a list of prompts (each a list of token ids), got "
+                     f"{type(prompts).__name__}")
   if len(prompts) == 0:
     raise ValueError("prompts: expected at least one prompt, got none")
+  seeds = np.asarray(seeds)
+  if seeds.ndim != 1 or not (np.issubdtype(seeds.dtype, np.integer) or seeds.size == 0):
+    raise ValueError(f"seeds: expected a sequence of {rows} ints (one per sample), got "
+                     f"{seeds.dtype} of shape {seeds.shape}")
   if len(seeds) != rows:
     raise ValueError(f"seeds: expected {rows} seeds (one per sample), got {len(seeds)}")
-  longest = max(len(p) for p in prompts)
+  longest = max(len(token_ids(f"prompts[{i}]", p)) for i, p in enumerate(prompts))
   if longest + params.max_new_tokens > model_config.max_position_embeddings:
     raise ValueError(f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds "
                      f"max_position_embeddings={model_config.max_position_embeddings}")
-  bad = [s for s in seeds if not 0 <= int(s) < 2 ** 31]
+  bad = [s for s in seeds.tolist() if not 0 <= s < 2 ** 31]
   if bad:
     raise ValueError(f"seeds: expected ints in [0, 2**31), got {bad[0]!r}")
 

@@ -16,6 +16,7 @@ depends only on its seed, prompt and weights, not on its batch neighbours.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Sequence
 
 import jax
@@ -103,12 +104,16 @@ def generate_shared(model, prompts: Sequence[Sequence[int]], n: int, seeds,
   """n samples per prompt from one shared prefill; seeds [len(prompts), n] (sample j of prompt b
   uses seeds[b][j] and equals `generate` on that prompt with that seed). `record_routes`: as
   in `generate`; the n samples of a prompt share its prompt_routes."""
-  if not isinstance(n, int) or n < 1:
+  if not isinstance(n, numbers.Integral) or isinstance(n, (bool, np.bool_)) or n < 1:
     raise ValueError(f"n: expected a positive int (samples per prompt), got {n!r}")
-  seeds = np.asarray(seeds, np.int64)
+  n = int(n)
+  seeds = np.asarray(seeds)
   if seeds.shape != (len(prompts), n):
     raise ValueError(f"seeds: expected shape ({len(prompts)}, {n}) (prompts x samples), "
                      f"got {seeds.shape}")
+  if seeds.size and not np.issubdtype(seeds.dtype, np.integer):
+    raise ValueError(f"seeds: expected ints, got {seeds.dtype}")
+  seeds = seeds.astype(np.int64)
   if len(prompts) == 0:
     raise ValueError("prompts: expected at least one prompt, got none")
   batch = ContinuousBatch(model, n, bucket(len(prompts)), params, decode_fn=decode_fn,

@@ -2,15 +2,21 @@
 
 Pure functions on logits; the decode loop in `sampler.py` calls `choose_tokens` once per step.
 Only `DecodeMode` (greedy, top_k, whether top-p is on) is compiled in; temperature, top_p,
-stop tokens and max_new_tokens are traced, so changing them does not recompile.
+stop tokens and max_new_tokens are traced, so changing them does not recompile, except where
+max_new_tokens or the number of stop tokens moves to another power-of-two bucket (the
+buffers' sizes).
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,26 +43,46 @@ class SamplingParams:
       if not cond:
         raise ValueError(f"SamplingParams.{field}: expected {expected}, got {got!r}")
 
-    need(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature",
-         "a number >= 0", self.temperature)
-    need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an int >= 0", self.top_k)
-    need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
-         "a number in (0, 1]", self.top_p)
-    need(isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0, "max_new_tokens",
+    # numpy scalars (np.int64 from an array, np.float32) count as the numbers they hold; a
+    # bool is no number here (top_k=True would mean top-1) and greedy must be a real bool.
+    need(_is_real(self.temperature) and self.temperature >= 0
+         and math.isfinite(self.temperature), "temperature", "a finite number >= 0",
+         self.temperature)
+    need(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0", self.top_k)
+    need(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]",
+         self.top_p)
+    need(isinstance(self.greedy, (bool, np.bool_)), "greedy", "a bool", self.greedy)
+    need(_is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
          "a positive int", self.max_new_tokens)
-    stops = tuple(self.stop_tokens)
-    need(all(isinstance(t, int) and t >= 0 for t in stops), "stop_tokens",
+    need(isinstance(self.stop_tokens, collections.abc.Iterable)
+         and not isinstance(self.stop_tokens, (str, bytes)), "stop_tokens",
+         "a sequence of token ids", self.stop_tokens)
+    stops = tuple(np.asarray(self.stop_tokens).reshape(-1).tolist()
+                  if isinstance(self.stop_tokens, np.ndarray) else self.stop_tokens)
+    need(all(_is_int(t) and t >= 0 for t in stops), "stop_tokens",
          "non-negative token ids", self.stop_tokens)
-    object.__setattr__(self, "stop_tokens", tuple(sorted(set(stops))))
+    object.__setattr__(self, "stop_tokens", tuple(sorted({int(t) for t in stops})))
     object.__setattr__(self, "temperature", float(self.temperature))
     object.__setattr__(self, "top_p", float(self.top_p))
-    if self.temperature == 0:
-      object.__setattr__(self, "greedy", True)
+    object.__setattr__(self, "top_k", int(self.top_k))
+    object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+    object.__setattr__(self, "greedy", bool(self.greedy) or self.temperature == 0)
 
   @property
   def mode(self) -> "DecodeMode":
     """The part of these settings that shapes the compiled program."""
     return DecodeMode(greedy=self.greedy, top_k=self.top_k, nucleus=self.top_p < 1.0)
+
+
+def _is_int(value) -> bool:
+  """An int or numpy integer, not a bool."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+  """A real number (numpy's too), not a bool and not NaN."""
+  return (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+          and not math.isnan(value))
 
 
 @dataclasses.dataclass(frozen=True)

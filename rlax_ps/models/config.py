@@ -4,6 +4,7 @@ OLMo 3 / Phi-3 / SmolLM3 / Granite / GLM-4 family decoder, independent of any ch
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral",
@@ -153,9 +154,18 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{field}: expected {expected}, got {got!r}")
 
     for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-              "num_kv_heads"):
+              "num_kv_heads", "max_position_embeddings", "head_dim"):
       v = getattr(self, f)
-      need(isinstance(v, int) and v > 0, f, "a positive int", v)
+      if v is None and f == "head_dim":
+        continue
+      # numpy ints (sizes read from arrays) are the ints they hold; a bool is not a size.
+      need(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0, f,
+           "a positive int", v)
+      object.__setattr__(self, f, int(v))
+    need(isinstance(self.rope_theta, numbers.Real) and self.rope_theta > 0, "rope_theta",
+         "a positive number", self.rope_theta)
+    need(isinstance(self.rms_norm_eps, numbers.Real) and self.rms_norm_eps >= 0,
+         "rms_norm_eps", "a number >= 0", self.rms_norm_eps)
     need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
          f"a divisor of num_heads={self.num_heads}", self.num_kv_heads)
     if self.head_dim is None:

@@ -40,7 +40,15 @@ class KVCache:
     return self.segment_ids.shape[1]
 
   def write_meta(self, segment_ids: jax.Array, positions: jax.Array) -> "KVCache":
-    """Record the segment ids and positions of T new tokens at slots [index, index+T)."""
+    """Record the segment ids and positions of T new tokens at slots [index, index+T).
+    Tokens past max_len are a ValueError (a slice write would clamp and overwrite the last
+    slots: wrong logits); under jit only when T alone exceeds it, the index being traced."""
+    t = segment_ids.shape[1]
+    filled = None if isinstance(self.index, jax.core.Tracer) else int(self.index)
+    if (filled or 0) + t > self.max_len:
+      raise ValueError(f"cache: {t} new tokens after {'its' if filled is None else filled} "
+                       f"filled slots overflow a KVCache of max_len={self.max_len}; make it "
+                       "with a larger max_len")
     start = (jnp.zeros((), jnp.int32), self.index)
     return self.replace(
         segment_ids=jax.lax.dynamic_update_slice(self.segment_ids,

@@ -1,6 +1,7 @@
 """encode / apply over flat dicts of name -> array, in the bf16 or int8 format."""
 
 import functools
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -90,6 +91,13 @@ def _message(base, target, fmt, version, base_version, base_checksums, fingerpri
   """The arguments of wire.build / wire.message_parts for encode's update."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt expected one of {FORMATS}, got {fmt!r}")
+  for field, value in (("version", version), ("base_version", base_version)):
+    if value is not None and (isinstance(value, (bool, np.bool_))
+                              or not isinstance(value, (int, np.integer))):
+      raise ValueError(f"{field} expected an int, got {value!r}")
+  if not isinstance(target, Mapping) or (base is not None and not isinstance(base, Mapping)):
+    what, given = ("target", target) if not isinstance(target, Mapping) else ("base", base)
+    raise ValueError(f"{what} expected a dict of name -> array, got {type(given).__name__}")
   if base is None:
     if base_version is not None:
       raise ValueError(f"base_version must be None for a keyframe, got {base_version}")

@@ -165,3 +165,51 @@ def test_bad_prompts_and_seeds_are_named(model):
     generate(model, [[1], [CONFIG.vocab_size]], [0, 1], SamplingParams())
   with pytest.raises(ValueError, match="seeds: expected shape"):
     generate_shared(model, PROMPTS, 2, [[0, 1]], SamplingParams())
+
+
+def test_sampling_params_take_numpy_numbers(model, sampled):
+  """Numbers read from numpy arrays (np.int64 ids, np.float32 temperature) are the numbers
+  they hold: the same samples as Python's."""
+  params = SamplingParams(temperature=np.float32(1.0), top_p=np.float64(1.0),
+                          top_k=np.int32(0), max_new_tokens=np.int64(NEW),
+                          stop_tokens=np.array([], np.int64))
+  assert params == SamplingParams(max_new_tokens=NEW)
+  assert SamplingParams(stop_tokens=(np.int64(3), 1)).stop_tokens == (1, 3)
+  again = generate(model, PROMPTS, np.array([11, 12]), params)
+  assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in sampled]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("greedy", "no"),  # truthy: it made the sampler greedy
+    ("top_k", True),  # a bool is not top-1
+    ("temperature", True),
+    ("temperature", float("inf")),  # every token equally likely
+    ("stop_tokens", 3),  # TypeError: 'int' object is not iterable
+    ("stop_tokens", "3"),
+])
+def test_bad_sampling_params_are_named(field, value):
+  with pytest.raises(ValueError, match=f"SamplingParams.{field}: expected"):
+    SamplingParams(**{field: value})
+
+
+def test_malformed_prompts_and_seeds_are_named(model):
+  """Wrong shapes and float ids fail naming the argument before anything compiles, instead
+  of a TypeError from len() or a float silently cut to an int."""
+  params = SamplingParams(max_new_tokens=NEW)
+  with pytest.raises(ValueError, match="seeds: expected a sequence of 1 ints"):
+    generate(model, PROMPTS[:1], 0, params)
+  with pytest.raises(ValueError, match="seeds: expected a sequence"):
+    generate(model, PROMPTS[:1], [0.5], params)
+  with pytest.raises(ValueError, match=r"prompts\[0\]: expected a sequence of int token ids"):
+    generate(model, [1, 2, 3], [0, 1, 2], params)
+  with pytest.raises(ValueError, match=r"prompts\[1\]: expected a sequence of int token ids"):
+    generate(model, [[1, 2], [1.5, 2.0]], [0, 1], params)
+  with pytest.raises(ValueError, match="seeds: expected ints"):
+    generate_shared(model, PROMPTS, 2, [[0.5, 1.0], [2.0, 3.0]], params)
+
+
+def test_shared_prefix_takes_a_numpy_n(model):
+  params = SamplingParams(greedy=True, max_new_tokens=NEW)
+  out = generate_shared(model, PROMPTS[:1], np.int64(2), np.array([[0, 1]]), params)
+  base = generate(model, PROMPTS[:1], [0], params)[0]
+  assert [s.tokens.tolist() for s in out[0]] == [base.tokens.tolist()] * 2

@@ -39,6 +39,17 @@ def test_incremental_decoding_with_cache_matches_full_forward(model, tokens):
   assert int(cache.index) == 9
 
 
+
+def test_tokens_past_the_cache_are_refused(model, tokens):
+  """A prefill longer than the cache (a TypeError deep in the slice write before), in jit or
+  not, and an eager decode step past its end (clamped over the last slot: wrong logits)
+  name the cache's max_len."""
+  with pytest.raises(ValueError, match="overflow a KVCache of max_len=4"):
+    _forward(model, tokens[:, :6], cache=KVCache.init(CONFIG, batch=2, max_len=4))
+  _, cache = model(tokens[:, :4], cache=KVCache.init(CONFIG, batch=2, max_len=4))
+  with pytest.raises(ValueError, match="1 new tokens after 4 filled slots overflow"):
+    model(tokens[:, 4:5], cache=cache)
+
 def test_packed_row_equals_separate_sequences(model, tokens):
   a, b = tokens[0, :4], tokens[1, :5]
   packed = jnp.concatenate([a, b])[None]
@@ -113,11 +124,24 @@ def test_assign_params_names_the_bad_tensor(model):
     ("layer_types", ("sliding_attention",), "layer_types"),
     ("layer_types", ("local",) * 2, "layer_types"),
     ("query_pre_attn_scalar", -1.0, "query_pre_attn_scalar"),
+    ("max_position_embeddings", 0, "max_position_embeddings"),  # accepted before
+    ("rope_theta", -1.0, "rope_theta"),  # accepted before: NaN logits
+    ("rms_norm_eps", -1e-6, "rms_norm_eps"),
+    ("head_dim", 0, "head_dim"),  # named partial_rotary_factor before
+    ("vocab_size", True, "vocab_size"),
 ])
 def test_config_rejects_bad_fields_by_name(field, value, match):
   with pytest.raises(ValueError, match=match):
     CONFIG.replace(**{field: value})
 
+
+
+def test_config_takes_numpy_ints_as_sizes():
+  """Sizes read from arrays (np.int64) are the ints they hold (a ValueError before)."""
+  config = CONFIG.replace(vocab_size=np.int64(61), hidden_size=np.int32(32),
+                          max_position_embeddings=np.int64(128))
+  assert config == CONFIG.replace(max_position_embeddings=128)
+  assert type(config.vocab_size) is int and type(config.max_position_embeddings) is int
 
 def test_tokens_must_be_two_dimensional(model):
   with pytest.raises(ValueError, match="tokens"):

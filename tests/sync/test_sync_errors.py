@@ -197,6 +197,23 @@ def test_bad_arguments_name_the_field(pair):
     sync.apply(base, b"bytes")
 
 
+
+def test_bad_versions_and_non_dicts_name_the_argument(pair):
+  """A float or str version (a TypeError deep in the varint writer before) and a list of
+  arrays for a dict (an AttributeError) are ValueErrors naming the argument; numpy ints
+  are ints."""
+  base, target, _ = pair
+  for bad in (1.5, "1", True):
+    with pytest.raises(ValueError, match="version expected an int"):
+      sync.encode(None, target, version=bad)
+  with pytest.raises(ValueError, match="base_version expected an int"):
+    sync.encode(base, target, version=2, base_version=1.0)
+  with pytest.raises(ValueError, match="target expected a dict"):
+    sync.encode(None, list(target.values()), version=0)
+  with pytest.raises(ValueError, match="base expected a dict"):
+    sync.encode(list(base.values()), target, version=1)
+  assert sync.encode(base, target, version=np.int64(2)).base_version == 1
+
 def test_wrong_base_checksums_never_give_wrong_weights(pair):
   base, target, _ = pair
   target = dict(target, **{"norm.scale": base["norm.scale"]})  # one tensor unchanged
