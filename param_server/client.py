@@ -368,8 +368,15 @@ class ParamServerClient:
     return self.version_info(retry).latest_version
 
   def publish(self, update_bytes) -> pb.PublishReply:
-    """Sends one `Update.to_bytes()` blob in chunks (trainer only)."""
-    view = memoryview(update_bytes).cast("B")
+    """Sends one `Update.to_bytes()` blob (or the `rlax_ps.sync.Update` itself) in chunks
+    (trainer only)."""
+    if hasattr(update_bytes, "to_bytes") and not isinstance(update_bytes, (bytes, bytearray)):
+      update_bytes = update_bytes.to_bytes()
+    try:
+      view = memoryview(update_bytes).cast("B")
+    except TypeError:
+      raise TypeError(f"update_bytes: expected the bytes of an rlax_ps.sync.Update, got "
+                      f"{type(update_bytes).__name__}") from None
     total = len(view)
 
     def chunks():

@@ -79,6 +79,16 @@ def test_watch_streams_each_new_version(trainer, worker):
   assert seen[0] == 0 and seen[-1] == 2 and seen == sorted(set(seen))
 
 
+def test_publish_takes_an_update_or_its_bytes_and_names_anything_else(trainer, worker):
+  weights = tiny_weights()
+  assert trainer.publish(sync.encode(None, weights, "bf16", version=0)).info.latest_version == 0
+  held, want = apply_blobs(worker.pull()), sync.held_state(weights, "bf16")
+  assert all(np.array_equal(held[k].view(np.uint16), want[k].view(np.uint16)) for k in want)
+  with pytest.raises(TypeError, match="update_bytes: expected the bytes of an rlax_ps.sync.Update, "
+                     "got dict"):
+    trainer.publish(weights)
+
+
 def test_a_retried_publication_is_acknowledged_as_duplicate(trainer):
   blob = sync.encode(None, tiny_weights(), version=0).to_bytes()
   assert not trainer.publish(blob).duplicate
