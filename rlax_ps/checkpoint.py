@@ -11,6 +11,7 @@ Restoring takes an abstract target whose shardings may be those of another mesh.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 import jax
@@ -27,6 +28,8 @@ class Checkpointer:
       raise ValueError(f"checkpoint.max_to_keep: expected >= 1, got {max_to_keep}")
     # A local path, or a URL orbax writes through (gs://bucket/run/checkpoints).
     self.directory = directory if "://" in directory else os.path.abspath(directory)
+    if "://" not in directory:
+      _check_writable(self.directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)
@@ -59,8 +62,22 @@ class Checkpointer:
     abstract = jax.tree.map(
         lambda x: x if isinstance(x, jax.ShapeDtypeStruct)
         else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
-    restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardRestore(abstract), METADATA: ocp.args.JsonRestore()}))
+    try:
+      restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
+          STATE: ocp.args.StandardRestore(abstract), METADATA: ocp.args.JsonRestore()}))
+    except (KeyError, FileNotFoundError) as e:  # an item or a file of it missing
+      raise self._damaged(int(step), e) from e
+    except ValueError as e:
+      if not any(m in str(e) for m in ("tree structures do not match", "Structure mismatch")):
+        raise
+      raise ValueError(
+          f"checkpoint: step {step} in {self.directory} holds a state laid out otherwise than "
+          f"this config's (a changed optimizer?): {str(e).split('If this mismatch')[0].strip()}"
+          f"; resume with the settings it was written with, or use another workdir") from e
+    except Exception as e:  # e.g. truncated array data: where, and what deleting it does
+      e.add_note(self._damaged(int(step), e).args[0].replace("is incomplete or damaged",
+                                                              "could not be read"))
+      raise
     return restored[STATE], dict(restored[METADATA])
 
   def metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -68,9 +85,21 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-    restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
-        METADATA: ocp.args.JsonRestore()}))
+    try:
+      restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
+          METADATA: ocp.args.JsonRestore()}))
+    except (KeyError, OSError, ValueError) as e:
+      raise self._damaged(int(step), e) from e
     return dict(restored[METADATA])
+
+  def _damaged(self, step: int, error: Exception) -> ValueError:
+    """The error for a step folder that cannot be read (emptied, truncated, half deleted):
+    which folder, and what deleting it resumes from."""
+    older = [s for s in self.all_steps() if s < step]
+    then = f"resume from step {older[-1]}" if older else "start anew"
+    return ValueError(f"checkpoint: step {step} in {self.directory} is incomplete or damaged "
+                      f"({type(error).__name__}: {error}); delete "
+                      f"{os.path.join(self.directory, str(step))} to {then}")
 
   def saving(self) -> bool:
     """True while an async save is still being written (not yet durable)."""
@@ -89,3 +118,15 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _check_writable(directory: str) -> None:
+  """Create `directory` and write a file in it, so that a read-only or wrong checkpoint
+  directory stops a run before its first step, not at (or, async, well after) its first save."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".write_check."):
+      pass
+  except OSError as e:
+    raise OSError(e.errno, f"checkpoint.directory: expected a directory this process can "
+                  f"write, got {directory} ({e.strerror})") from e

@@ -289,6 +289,10 @@ def warm_start(config, workdir: str) -> str:
     if child.is_alive():
       child.terminate()
       child.join()
+  if child.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+    raise ChildFailed(f"sft (the warm start) was stopped by "
+                      f"{signal.Signals(child.exitcode - 128).name}; the step it reached is "
+                      f"checkpointed in {sft_dir}: a rerun resumes it")
   if child.exitcode != 0:
     raise ChildFailed(f"sft (the warm start) exited with status {child.exitcode}; its "
                       f"output is above")
@@ -305,4 +309,7 @@ def _sft(config, workdir: str, parent_pid: int) -> None:
   from rlax_ps.train.sft import train_and_evaluate
   logging.set_verbosity(logging.WARNING)
   enable_compile_cache()
-  train_and_evaluate(config, workdir)
+  # Ctrl-C reaches it too: the step reached is checkpointed, and the next run resumes it.
+  summary = train_and_evaluate(config, workdir, stop_on_signals=True)
+  if summary.get("stopped"):  # not finished: no export for RL to start from
+    sys.exit(128 + summary["stopped"])

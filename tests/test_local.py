@@ -181,6 +181,29 @@ def test_a_stopped_or_killed_run_leaves_no_child_running(signum, run, tmp_path):
     socket.create_connection((host, int(port)), timeout=2).close()
 
 
+@pytest.mark.slow
+def test_ctrl_c_during_the_warm_start_checkpoints_it_and_a_rerun_resumes(tmp_path):
+  """Ctrl-C reaches the whole process group: the warm start checkpoints the step reached."""
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "rlax_ps", "local", "--config=configs/rl_local.py:tiny",
+       f"--workdir={tmp_path}", "--config.sft.train.steps=100000"], cwd=REPO,
+      env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      start_new_session=True)
+  try:
+    for line in proc.stdout:  # the model line: the sft loop starts next
+      if "steps of" in line:
+        break
+    time.sleep(3)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+  finally:
+    proc.kill()
+  assert proc.returncode == 130, out[-3000:]
+  step = re.search(r"sft: stopped by SIGINT at step (\d+) of 100000; checkpointed", out)
+  assert step and int(step.group(1)) > 0, out[-3000:]
+  assert str(int(step.group(1))) in os.listdir(tmp_path / "sft" / "checkpoints")
+
+
 def test_a_failing_child_stops_the_run_naming_it(run):
   workdir, _ = run  # the warm start is reused
   proc = _local(workdir, "--config.mesh.data=3")  # the trainer has one device

@@ -9,12 +9,16 @@ process 0 alone writes logs, the summary and the export.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 import time
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 
 from rlax_ps import optim
@@ -58,6 +62,8 @@ class SFTTrainer(TrainerRun):
     self.train_step = make_train_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                       num_micro=num_micro, schedule=self.schedule)
     self.heldout = heldout_from_config(config, self.tasks, self.tokenizer)
+    self._stop = threading.Event()
+    self.stop_signal: int | None = None  # the signal that asked for the stop, if any
 
   # -- state ------------------------------------------------------------------------------
 
@@ -105,6 +111,19 @@ class SFTTrainer(TrainerRun):
 
   # -- loop -------------------------------------------------------------------------------
 
+  def request_stop(self, signum: int | None = None) -> None:
+    """Finish the current step, checkpoint and return (a SIGTERM or Ctrl-C: `signum`)."""
+    self.stop_signal = self.stop_signal or signum
+    self._stop.set()
+
+  def _stopping(self) -> bool:
+    """Whether any process was asked to stop: on a multi-host slice all stop at one step."""
+    stop = self._stop.is_set()
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      stop = bool(np.max(multihost_utils.process_allgather(np.int32(stop))))
+    return stop
+
   def train(self, until: int | None = None, *, progress: bool = True) -> dict[str, float]:
     """Run steps up to `until` (default: train.steps); returns the last logged metrics."""
     from tqdm import tqdm
@@ -119,6 +138,8 @@ class SFTTrainer(TrainerRun):
                disable=not (progress and self.leader), dynamic_ncols=True)
     t0 = time.time()
     for step in range(start, until):
+      if self._stopping():
+        break
       batch = shd.shard_batch(self.mesh, self.data.batch(step))
       self.state, metrics = self.train_step(self.state, batch)
       done = step + 1
@@ -136,7 +157,7 @@ class SFTTrainer(TrainerRun):
       if eval_every and done % eval_every == 0 and done < until:
         self.log_eval(self.evaluate(), done)
     bar.close()
-    if self.step == self.total_steps:
+    if self.step == self.total_steps or self._stop.is_set():
       self.save()
     return last
 
@@ -147,10 +168,28 @@ def format_accuracy(result: dict[str, float], n_per_task: int) -> str:
           f"({n_per_task} per task)")
 
 
-def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> dict[str, Any]:
-  """The `rlax-ps sft` job: train (resuming if possible), evaluate, export, report."""
+@contextlib.contextmanager
+def _stop_on_signals(trainer: SFTTrainer, enabled: bool):
+  """SIGTERM / SIGINT: finish the step, checkpoint and return (the handlers restored after)."""
+  if not enabled:
+    yield
+    return
+  old = {sig: signal.signal(sig, lambda signum, _: trainer.request_stop(signum))
+         for sig in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for sig, handler in old.items():
+      signal.signal(sig, handler)
+
+
+def train_and_evaluate(config, workdir: str, *, progress: bool = True,
+                       stop_on_signals: bool = False) -> dict[str, Any]:
+  """The `rlax-ps sft` job: train (resuming if possible), evaluate, export, report. With
+  `stop_on_signals`, a SIGTERM or Ctrl-C checkpoints the step reached and returns at once
+  (no evaluation or export), "stopped" in the summary naming the signal."""
   t0 = time.time()
-  with SFTTrainer(config, workdir) as trainer:
+  with SFTTrainer(config, workdir) as trainer, _stop_on_signals(trainer, stop_on_signals):
     if trainer.leader:  # what `rlax-ps local` compares before reusing this warm start
       save_run_config(config, trainer.workdir)
     if trainer.step:
@@ -160,6 +199,13 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True) -> dict[s
           f"{mesh_layout(trainer.model_config, trainer.mesh)}; {trainer.total_steps} steps of "
           f"{config.data.batch_size}x{config.data.seq_len} tokens", flush=True)
     last = trainer.train(progress=progress)
+    if trainer.stop_signal and trainer.step < trainer.total_steps:
+      trainer.checkpointer.wait()
+      print(f"sft: stopped by {signal.Signals(trainer.stop_signal).name} at step "
+            f"{trainer.step} of {trainer.total_steps}; checkpointed, a rerun resumes",
+            flush=True)
+      return {"step": trainer.step, "train": last, "stopped": trainer.stop_signal,
+              "seconds": time.time() - t0}
     result = trainer.evaluate()
     trainer.log_eval(result, trainer.step)
     export = trainer.export_hf() if config.export.hf else None

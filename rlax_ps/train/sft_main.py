@@ -5,9 +5,13 @@
 
 On a multi-host slice run the same command on every host with --coordinator_address=auto
 (TPU VMs) and --config.checkpoint.directory on storage every host sees (e.g. gs://).
+SIGTERM or Ctrl-C finishes the step, checkpoints and, with steps left, exits with 128 + the
+signal (143 for SIGTERM); a rerun resumes.
 """
 
 from __future__ import annotations
+
+import sys
 
 from absl import flags, logging
 from ml_collections import config_flags
@@ -33,4 +37,7 @@ def main(argv: list[str]) -> None:
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
   from rlax_ps.train.sft import train_and_evaluate  # JAX loads only once flags are valid.
-  train_and_evaluate(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
+  summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value,
+                               stop_on_signals=True)
+  if summary.get("stopped"):  # steps left: not done, so a supervisor restarts it
+    sys.exit(128 + summary["stopped"])

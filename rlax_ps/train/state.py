@@ -173,8 +173,12 @@ def restore_or_init(model_config: ModelConfig, optimizer: optax.GradientTransfor
   saved = checkpointer.metadata(latest)
   want = json.loads(json.dumps(model_config.to_dict()))
   if saved.get("model_config") not in (None, want):
+    was = saved["model_config"]
+    changed = [f"model.{k}: {was.get(k)!r} in the checkpoint, {want.get(k)!r} now"
+               for k in sorted(set(was) | set(want)) if was.get(k) != want.get(k)]
     raise ValueError(f"model: the checkpoint in {checkpointer.directory} was written for "
-                     f"{saved['model_config']}, the config now asks for {want}")
+                     f"another model ({'; '.join(changed)}); resume with its model, or use "
+                     f"another workdir")
   target = abstract_state(model_config, optimizer, mesh)
   tree, metadata = checkpointer.restore(target.to_tree(), latest)
   shardings = jax.tree.map(lambda x: x.sharding, target)

@@ -1,8 +1,10 @@
 """Checkpoints: a run killed (SIGKILL) between saves resumes from its last complete one
 with the same step, RNG, params and data position; restores land on another mesh."""
 
+import dataclasses
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.models import ModelConfig
 from rlax_ps.train.sft import SFTTrainer
-from rlax_ps.train.state import TrainState, abstract_state, sharded_init
+from rlax_ps.train.state import TrainState, abstract_state, restore_or_init, sharded_init
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OVERRIDES = {"train.steps": 100000, "checkpoint.every_steps": 3, "checkpoint.max_to_keep": 2,
@@ -145,3 +147,76 @@ def test_restore_without_checkpoint_names_the_directory(tmp_path):
     assert ck.latest_step() is None
     with pytest.raises(FileNotFoundError, match="empty"):
       ck.restore({"w": jax.ShapeDtypeStruct((4,), np.float32)})
+
+
+def test_unwritable_directory_is_refused_before_any_step(tmp_path):
+  """A checkpoint directory the run cannot write (here a file; read-only or not permitted
+  alike) is named at once, not at the first save (async: a 5-minute hang, then tracebacks)."""
+  path = tmp_path / "a_file"
+  path.write_text("")
+  with pytest.raises(OSError, match=f"checkpoint.directory: expected a directory this "
+                                    f"process can write, got {path}"):
+    Checkpointer(str(path))
+
+
+def _two_steps(directory):
+  with Checkpointer(directory, async_save=False) as ck:
+    for step in (1, 2):
+      ck.save(step, {"w": np.full(4, step, np.float32)}, {"step": step})
+
+
+@pytest.mark.parametrize("damage", ["emptied", "state_deleted", "metadata_deleted"])
+def test_damaged_latest_step_names_the_folder_and_what_deleting_it_resumes(tmp_path, damage):
+  """A latest step folder that cannot be read (emptied, an item gone) is named, with the step
+  that deleting it resumes from, instead of orbax's KeyError about items."""
+  directory = str(tmp_path)
+  _two_steps(directory)
+  folder = os.path.join(directory, "2")
+  if damage == "emptied":
+    for name in os.listdir(folder):
+      path = os.path.join(folder, name)
+      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+  elif damage == "state_deleted":
+    shutil.rmtree(os.path.join(folder, "state"))
+  else:
+    os.remove(os.path.join(folder, "metadata", "metadata"))
+  want = f"step 2 in {directory} is incomplete or damaged .*delete {folder} to resume from step 1"
+  with Checkpointer(directory) as ck:
+    assert ck.latest_step() == 2
+    with pytest.raises(ValueError, match=want):
+      ck.restore({"w": jax.ShapeDtypeStruct((4,), np.float32)})
+  shutil.rmtree(folder)  # as the message says: the step before is restored
+  with Checkpointer(directory) as ck:
+    tree, meta = ck.restore({"w": jax.ShapeDtypeStruct((4,), np.float32)})
+  assert meta == {"step": 1}
+  np.testing.assert_array_equal(np.asarray(tree["w"]), np.full(4, 1, np.float32))
+
+
+def test_state_of_another_layout_is_named_as_such(tmp_path):
+  """A restore target laid out otherwise (a changed optimizer) is named as that, without
+  orbax's advice to pass partial_restore, an argument no user of the trainers has."""
+  directory = str(tmp_path)
+  _two_steps(directory)
+  target = {"w": jax.ShapeDtypeStruct((4,), np.float32),
+            "mu": jax.ShapeDtypeStruct((4,), np.float32)}
+  with Checkpointer(directory) as ck:
+    with pytest.raises(ValueError, match=f"step 2 in {directory} holds a state laid out "
+                                         "otherwise than this config's") as e:
+      ck.restore(target)
+  assert "partial_restore" not in str(e.value)
+
+
+def test_changed_model_names_the_changed_fields(tmp_path):
+  """Resuming with another model names each changed field with both values, not two dumps
+  of every field."""
+  tx = optim.make_optimizer(OPT, total_steps=10)
+  mesh = _mesh((1, 1, 1))
+  state, _, _ = sharded_init(MODEL, tx, mesh, seed=0)
+  with Checkpointer(str(tmp_path), async_save=False) as ck:
+    ck.save(1, state.to_tree(), {"model_config": MODEL.to_dict()})
+  wider = dataclasses.replace(MODEL, hidden_size=64)
+  with Checkpointer(str(tmp_path)) as ck:
+    with pytest.raises(ValueError, match="model.hidden_size: 32 in the checkpoint, 64 now\\)") \
+        as e:
+      restore_or_init(wider, tx, mesh, ck)
+  assert "rope_theta" not in str(e.value)  # the unchanged fields are not listed

@@ -7,6 +7,8 @@ import glob
 import importlib.util
 import json
 import os
+import signal
+import threading
 
 import jax
 import numpy as np
@@ -102,3 +104,24 @@ def test_training_learns_what_an_untrained_model_cannot(tmp_path):
     trained = trainer.evaluate()["all"]
   assert last < first / 4, (first, last)
   assert untrained <= 0.05 and trained >= 0.5, (untrained, trained)
+
+
+def test_sigterm_checkpoints_the_step_reached_and_stops(tmp_path):
+  """A SIGTERM (a preempted VM) finishes the step and checkpoints it: the run loses nothing
+  and a rerun resumes there (before, the default handler ended it with no checkpoint)."""
+  config = _tiny_config()
+  config.train.steps = 100000
+  config.checkpoint.every_steps = 0
+  config.export.hf = False
+  timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+  timer.start()
+  try:
+    summary = train_and_evaluate(config, str(tmp_path), progress=False, stop_on_signals=True)
+  finally:
+    timer.cancel()
+  assert summary["stopped"] == signal.SIGTERM
+  assert summary["step"] < config.train.steps
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+  with SFTTrainer(config, str(tmp_path), devices=jax.devices()[:1]) as resumed:
+    assert resumed.step == summary["step"]
+    assert resumed.checkpointer.all_steps() == [summary["step"]]
