@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from typing import Any, Callable, Protocol
@@ -79,7 +80,18 @@ def verifier_for_task(task: str, field: str = "task") -> Verifier:
     raise ValueError(f"{field}: {task!r} is neither a built-in task nor a registered verifier "
                      f"(known: {', '.join(known_tasks())}); a verifier of your own goes in a "
                      f"file that worker.verifiers names")
-  return Guarded(task, make_verifier(f"task:{task}" if task in TASKS else task))
+  if task in TASKS:
+    return Guarded(task, make_verifier(f"task:{task}"))
+  try:
+    verifier = make_verifier(task)
+  except Exception as e:  # noqa: BLE001 - the factory is the user's code
+    raise ValueError(f"{field}: the verifier {task!r} could not be made: {type(e).__name__}: "
+                     f"{e} (@register_verifier decorates a class, or a factory of no "
+                     f"arguments, whose instances take (completion, reference))") from e
+  if not callable(verifier):
+    raise ValueError(f"{field}: the verifier {task!r} made a {type(verifier).__name__}; expected "
+                     f"a callable (completion, reference) -> VerifierResult")
+  return Guarded(task, verifier)
 
 
 def verifiers_by_task(default_task: str, verifiers: str = "") -> Callable[[str], Verifier]:
@@ -102,8 +114,10 @@ def verifiers_by_task(default_task: str, verifiers: str = "") -> Callable[[str],
 class Guarded:
   """A task's verifier whose exceptions score the completion 0, not passed, with the error
   in `info["error"]`: a completion the verifier cannot parse must not stop a worker (the
-  prompt would go back to the queue and stop the next worker too). A result that is not a
-  VerifierResult is a TypeError naming the task: that mistake is in every call."""
+  prompt would go back to the queue and stop the next worker too). A NaN or infinite reward
+  is scored so too (the server refuses such a group, and its prompt would come back for
+  ever). A result that is not a VerifierResult of a numeric reward is a TypeError naming
+  the task: that mistake is in every call."""
 
   def __init__(self, task: str, verifier: Verifier):
     self.task, self.verifier = task, verifier
@@ -116,7 +130,18 @@ class Guarded:
     if not isinstance(result, VerifierResult):
       raise TypeError(f"verifier of task {self.task!r}: expected a VerifierResult(reward, "
                       f"passed), got {type(result).__name__}")
-    return result
+    try:
+      if isinstance(result.reward, (str, bytes)):
+        raise TypeError
+      reward = float(result.reward)  # a Python, NumPy or JAX scalar
+    except (TypeError, ValueError):
+      raise TypeError(f"verifier of task {self.task!r}: expected a VerifierResult whose reward "
+                      f"is a number, got {type(result.reward).__name__} "
+                      f"{result.reward!r}") from None
+    if not math.isfinite(reward):
+      return VerifierResult(0.0, False, {**result.info, "task": self.task, "error": (
+          f"reward: expected a finite number, got {reward}")})
+    return VerifierResult(reward, bool(result.passed), result.info)
 
 
 def known_tasks() -> list[str]:

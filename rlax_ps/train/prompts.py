@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grain
 import numpy as np
@@ -79,7 +79,11 @@ def _raw_records(path: str, field: str) -> Iterator[tuple[str, Any]]:
     for n, rec in enumerate(table.to_pylist()):
       yield f"{path}:row {n}", rec
     return
-  for n, line in enumerate(data.decode("utf-8").split("\n"), 1):
+  for n, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
+    try:
+      line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{path}:{n}: not UTF-8: {e}") from None
     if not line.strip():
       continue
     try:
@@ -111,17 +115,33 @@ def conversation_answer(messages: Any, field: str) -> list[dict[str, str]]:
   return messages
 
 
+def _check_encodable(value: Any, where: str, key: str) -> None:
+  """ValueError naming the record and key when a string in `value` is not valid Unicode (a
+  lone surrogate such as JSON's "\\ud83d" of a cut emoji): it could not be sent or tokenized."""
+  texts = [value] if isinstance(value, str) else [m["content"] for m in value]
+  for text in texts:
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError as e:
+      raise ValueError(f"{where}: field {key!r}: not valid Unicode: {e.reason} at "
+                       f"{text[max(0, e.start - 10):e.end + 10]!r}") from None
+
+
 def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None = None,
                  field: str = "data.jsonl", *, prompt_key: str = "prompt",
                  answer_key: str = "answer", task_key: str = "task",
-                 demonstrations: bool = False) -> list[dict[str, Any]]:
+                 demonstrations: bool = False,
+                 check: Callable[[dict[str, Any]], None] | None = None
+                 ) -> list[dict[str, Any]]:
   """`{"prompt", "answer", "task"}` records of JSONL or Parquet prompt files (`path`: one
   path or URL, or several joined by commas, read in order: read_bytes), read at the given
   (dotted) keys; a record without a task takes `default_task`. A bad record raises
   ValueError naming its file, line or row and key, as does a task not in `known` (when
   given), with the config `field` that named the file. `demonstrations` (supervised
   data): an answer may also be a multi-turn demonstration (`conversation_answer`). An
-  empty `answer_key` reads prompts alone (answer ""): for a reward model to score."""
+  empty `answer_key` reads prompts alone (answer ""): for a reward model to score.
+  `check(record)`: a further check of each record, whose ValueError is raised naming the
+  record's file and line."""
   out = []
   files = [p.strip() for p in path.split(",") if p.strip()]
   for where, rec in (r for one in files for r in _raw_records(one, field)):
@@ -153,16 +173,27 @@ def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
       raise ValueError(f"{field} {where}: field {task_key!r}: expected a built-in task or a "
                        f"registered verifier ({', '.join(known)}; worker.verifiers "
                        f"registers more), got {task!r}")
-    out.append({"prompt": prompt, "answer": answer, "task": task})
+    _check_encodable(prompt, where, prompt_key)
+    _check_encodable(answer, where, answer_key)
+    record = {"prompt": prompt, "answer": answer, "task": task}
+    if check is not None:
+      try:
+        check(record)
+      except ValueError as e:
+        raise ValueError(f"{field} {where}: {e}") from None
+    out.append(record)
   if not out:
     raise ValueError(f"{path}: no prompt records")
   return out
 
 
-def config_records(config, field: str, path: str) -> list[dict[str, Any]]:
+def config_records(config, field: str, path: str,
+                   check: Callable[[dict[str, Any]], None] | None = None
+                   ) -> list[dict[str, Any]]:
   """The records of a prompt file the config names, read at its data.*_key keys, each task
   (else worker.default_task, or math in a config without workers) checked against the
-  built-in tasks and the verifiers that worker.verifiers registers (imported here)."""
+  built-in tasks and the verifiers that worker.verifiers registers (imported here), and
+  each record by `check` (read_prompts)."""
   worker = config.get("worker", {})
   data = config.get("data", {})
   load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
@@ -170,7 +201,7 @@ def config_records(config, field: str, path: str) -> list[dict[str, Any]]:
                          known=known_tasks(), field=field,
                          prompt_key=str(data.get("prompt_key", "prompt")),
                          answer_key=str(data.get("answer_key", "answer")),
-                         task_key=str(data.get("task_key", "task")))
+                         task_key=str(data.get("task_key", "task")), check=check)
   if "worker" in config and not worker.get("reward_model", "") and any(
       r["task"] == REWARD_MODEL_TASK for r in records):
     raise ValueError(f"worker.reward_model: {field} has prompts of task {REWARD_MODEL_TASK!r}; "

@@ -5,6 +5,7 @@ its name rather than minutes later in a child."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from algorithms.selection import check_revisit
 from rlax_ps.train.rl_loss import LossConfig, check_micro_batches
@@ -57,17 +58,42 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
 
 
 def _check_files(config) -> None:
-  """The verifiers, prompt files and tokenizer the config names load and hold what the
-  trainer and workers expect of them."""
-  from algorithms.verifiers import verifiers_by_task
+  """The verifiers, environments, prompt files and tokenizer the config names load and hold
+  what the trainer and workers expect of them: each task of the records gets its verifier
+  made now (a worker makes it at the first prompt of that task)."""
+  from algorithms.environments import environment_names, environments_from
+  from algorithms.verifiers import (REWARD_MODEL_TASK, known_tasks, verifier_for_task,
+                                    verifiers_by_task)
   from rlax_ps.tokenizers import tokenizer_from_config
   from rlax_ps.train.prompts import config_records
   worker = config.worker
   verifiers_by_task(str(worker.default_task), str(worker.get("verifiers", "")))
+  tokenizer, block = None, config.get("tokenizer") or {}
+  if config.get("init_from_hf", "") or str(block.get("kind", "char")) == "char":
+    tokenizer = tokenizer_from_config(block, config.get("init_from_hf", ""),
+                                      tool_modules=str(worker.get("verifiers", "")))
   for field in ("jsonl", "heldout_jsonl"):
     path = config.data.get(field, "")
     if path:
-      config_records(config, f"data.{field}", path)
-  if config.get("init_from_hf", ""):
-    tokenizer_from_config(config.tokenizer, config.init_from_hf,
-                          tool_modules=str(worker.get("verifiers", "")))
+      limit = int(config.rl.max_prompt_tokens) if field == "jsonl" else None
+      check = None if tokenizer is None else functools.partial(_check_prompt, tokenizer, limit)
+      tasks = {r["task"] for r in config_records(config, f"data.{field}", path, check)}
+      for task in sorted(tasks - {REWARD_MODEL_TASK, str(worker.default_task)}):
+        verifier_for_task(task, f"data.{field} task")
+  spec = str(worker.get("environment", ""))
+  unknown = sorted(set(environment_names(spec)) - {"*"} - set(known_tasks()))
+  if unknown:
+    raise ValueError(f"worker.environment: expected tasks among {known_tasks()} (worker.verifiers "
+                     f"registers more), got {unknown} in {spec!r}; their prompts would be "
+                     f"single-turn")
+  environments_from(spec, worker.get("environment_args", ""))
+
+
+def _check_prompt(tokenizer, limit: int | None, record: dict) -> None:
+  """The record's prompt encodes (its characters in the tokenizer, messages under a chat
+  template) into at most `limit` tokens (rl.max_prompt_tokens) when given: the trainer
+  refuses any other at its start."""
+  ids = tokenizer.encode_prompt(record["prompt"])
+  if limit is not None and len(ids) > limit:
+    raise ValueError(f"rl.max_prompt_tokens: {limit} is too small for this prompt of "
+                     f"{len(ids)} tokens; raise it or shorten the prompt")

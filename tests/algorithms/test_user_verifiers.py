@@ -3,9 +3,11 @@ and the errors that name the field when one cannot be imported or a task is unkn
 
 import os
 
+import numpy as np
 import pytest
 
-from algorithms.verifiers import VERIFIERS, known_tasks, load_verifiers, verifier_for_task
+from algorithms.verifiers import (VERIFIERS, VerifierResult, known_tasks, load_verifiers,
+                                  verifier_for_task)
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",
                        "user_verifiers.py")
@@ -64,3 +66,37 @@ def test_a_verifier_that_raises_scores_zero_with_the_error_and_a_wrong_result_is
   with pytest.raises(TypeError, match="verifier of task 'fixture_float': expected a "
                                       "VerifierResult\(reward, passed\), got float"):
     verifier_for_task("fixture_float")("x", "y")
+
+
+def test_a_nan_reward_scores_zero_with_the_error_and_a_reward_not_a_number_is_named():
+  """A NaN or infinite reward would make the server refuse the group and send its prompt
+  back for ever; it scores 0 as a raising verifier does. A reward that is no number (None,
+  an array) is named, not left to a float() deep in the worker."""
+  from algorithms.verifiers.base import Guarded
+  for bad in (float("nan"), float("inf")):
+    got = Guarded("nan_task", lambda c, r, bad=bad: VerifierResult(bad, True))("x", "y")
+    assert (got.reward, got.passed) == (0.0, False)
+    assert got.info["error"] == f"reward: expected a finite number, got {bad}"
+  half = Guarded("np_task", lambda c, r: VerifierResult(np.float32(0.5), np.bool_(True)))
+  assert half("x", "y") == VerifierResult(0.5, True)
+  for bad, name in ((None, "NoneType"), (np.array([0.5, 1.0]), "ndarray"), ("1", "str")):
+    with pytest.raises(TypeError, match=f"verifier of task 'bad': expected a VerifierResult "
+                                        f"whose reward is a number, got {name}"):
+      Guarded("bad", lambda c, r, bad=bad: VerifierResult(bad, False))("x", "y")
+
+
+def test_a_verifier_that_cannot_be_made_is_refused_naming_the_field(tmp_path):
+  """A plain function under @register_verifier is called as a factory of no arguments: the
+  error names the field and says what the decorator takes."""
+  path = tmp_path / "plain_fn.py"
+  path.write_text("from algorithms.verifiers import VerifierResult, register_verifier\n"
+                  "@register_verifier('plain_fn')\n"
+                  "def plain_fn(completion, reference):\n"
+                  "  return VerifierResult(1.0, True)\n")
+  try:
+    load_verifiers(str(path))
+    with pytest.raises(ValueError, match="^worker.default_task: the verifier 'plain_fn' could "
+                                         "not be made: TypeError: .*a factory of no arguments"):
+      verifier_for_task("plain_fn", "worker.default_task")
+  finally:
+    VERIFIERS.pop("plain_fn", None)

@@ -138,3 +138,27 @@ def test_an_empty_answer_key_reads_prompts_alone_held_out_only_for_the_reward_mo
   config.worker.default_task = "reward_model"
   assert config_records(config, "data.heldout_jsonl", str(path)) == [
       {"prompt": "hi", "answer": "", "task": "reward_model"}]
+
+
+def test_bytes_not_utf8_are_refused_naming_the_line_and_a_utf8_bom_is_read(tmp_path):
+  """A file saved by an editor that writes a byte-order mark reads; one with bytes that are
+  not UTF-8 is refused naming its line, not with a bare UnicodeDecodeError."""
+  path = tmp_path / "data.jsonl"
+  path.write_bytes(b"\xef\xbb\xbf" + json.dumps(RECORDS[0]).encode() + b"\r\n")
+  assert read_prompts(str(path)) == [RECORDS[0]]
+  path.write_bytes(json.dumps(RECORDS[0]).encode() + b"\n\n" + b'{"prompt": "\xff"}\n')
+  with pytest.raises(ValueError, match="data.jsonl:3: not UTF-8"):
+    read_prompts(str(path))
+
+
+@pytest.mark.parametrize("record, key", [
+    ({"prompt": "x", "answer": "\ud800"}, "answer"),
+    ({"prompt": "cut \ud83d", "answer": "1"}, "prompt"),
+    ({"prompt": [{"role": "user", "content": "\udc00"}], "answer": "1"}, "prompt"),
+])
+def test_a_lone_surrogate_is_refused_naming_its_line_and_field(tmp_path, record, key):
+  """JSON's "\\ud83d" (an emoji cut in half) parses to a string that cannot be encoded: the
+  trainer would fail on it only when the record is fed, mid-run."""
+  path = _write(tmp_path, [json.dumps(RECORDS[0]), json.dumps(record)])
+  with pytest.raises(ValueError, match=f"data.jsonl:2: field '{key}': not valid Unicode"):
+    read_prompts(str(path), default_task="math")

@@ -66,6 +66,53 @@ def test_prompt_files_are_read_only_when_asked(tmp_path):
     check_rl_config(config)
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"worker__environment": "nope"}, "worker.environment: expected one of .*got 'nope'"),
+    ({"worker__environment": "math=nope"}, "worker.environment: expected one of .*got 'nope'"),
+    ({"worker__environment": "mth=calculator"}, r"worker.environment: expected tasks among "
+                                                r".*got \['mth'\] in 'mth=calculator'"),
+    ({"worker__environment": "calculator", "worker__environment_args": "{oops"},
+     "worker.environment_args: expected a JSON object"),
+    ({"worker__environment": "calculator", "worker__environment_args": '{"x": 1}'},
+     "worker.environment_args: .*takes no arguments"),
+])
+def test_the_environment_is_made_before_the_start(fields, message):
+  """A wrong environment name, task or argument fails here, not in the trainer and every
+  worker after the warm start (a task the spec misspells would be single-turn)."""
+  with pytest.raises(ValueError, match=message):
+    check_rl_config(_set(rl_config(), **fields))
+  check_rl_config(_set(rl_config(), worker__environment="addition=calculator,*=python"))
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"prompt": "h\u00e9llo=", "answer": "1"}, r"data.jsonl .*train.jsonl:3: CharTokenizer"
+                                                r".encode: character '\u00e9'"),
+    ({"prompt": "1" * 40 + "=", "answer": "1"}, "data.jsonl .*train.jsonl:3: "
+                                                "rl.max_prompt_tokens: 16 is too small"),
+    ({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"},
+     "data.jsonl .*train.jsonl:3: prompt: a list of messages needs an HF tokenizer"),
+    ({"prompt": "1+1=", "answer": "2", "task": "plain_fn_task"},
+     "data.jsonl task: the verifier 'plain_fn_task' could not be made: TypeError"),
+])
+def test_each_record_is_encoded_and_its_tasks_verifier_made_naming_it(tmp_path, line, message):
+  """What the trainer refuses of a record at its start (after the warm start) and a worker
+  of a task's verifier at its first prompt is refused here, naming the file and line."""
+  from algorithms.verifiers import VERIFIERS
+  rewards = tmp_path / "plain_fn.py"
+  rewards.write_text("from algorithms.verifiers import VerifierResult, register_verifier\n"
+                     "@register_verifier('plain_fn_task')\n"
+                     "def plain_fn(completion, reference):\n"
+                     "  return VerifierResult(1.0, True)\n")
+  data = tmp_path / "train.jsonl"
+  data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n\n" + json.dumps(line)
+                  + "\n")
+  try:
+    with pytest.raises(ValueError, match=message):
+      check_rl_config(_set(rl_config(), data__jsonl=str(data), worker__verifiers=str(rewards)))
+  finally:
+    VERIFIERS.pop("plain_fn_task", None)
+
+
 def test_the_char_tokenizer_is_refused_for_a_checkpoint_with_its_own(tmp_path):
   block = {"kind": "char"}
   with pytest.raises(ValueError, match=r"tokenizer.kind: 'char' .* set "
