@@ -22,6 +22,7 @@ import numpy as np
 from absl import logging
 
 from param_server import pull_wire
+from param_server.keepalive import DEAD_AFTER_S, client_options
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
 
@@ -210,7 +211,7 @@ class ParamServerClient:
   def __init__(self, address: str, token: str | None = None, role: str = "worker", *,
                root_certificates: bytes | None = None, tls_server_name: str | None = None,
                chunk_bytes: int = 4 << 20, retry: RetryPolicy = RetryPolicy(),
-               timeout_s: float = 30.0):
+               timeout_s: float = 30.0, dead_after_s: float = DEAD_AFTER_S):
     self.address = address
     self.role = role
     self.chunk_bytes = chunk_bytes
@@ -227,7 +228,7 @@ class ParamServerClient:
     # and tells a worker its request limit when it registers.
     self.max_request_bytes = 0  # 0: not told
     self._options = [("grpc.max_receive_message_length", -1),
-                     ("grpc.max_send_message_length", -1)]
+                     ("grpc.max_send_message_length", -1), *client_options(dead_after_s)]
     if root_certificates is not None:
       if tls_server_name:
         self._options.append(("grpc.ssl_target_name_override", tls_server_name))

@@ -36,6 +36,7 @@ GAUGES = {
     "rollouts_ready": "groups waiting for the trainer",
     "rollouts_in_flight": "groups taken by the trainer, not yet acknowledged",
     "workers_alive": "workers heard from within three heartbeats",
+    "streams_open": "Pull and Watch streams being served",
     "uptime_s": "seconds since the server started",
 }
 VERSIONS = {

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from param_server import auth, errors, pull_wire
+from param_server.keepalive import DEAD_AFTER_S, server_options
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
 from param_server.queues import PromptRolloutQueues, QueueLimits
@@ -64,6 +65,8 @@ class ServerConfig:
       "long before the leases' deadlines; 0 = only at the deadlines")
   reap_interval_s: float = setting(0.25, "how often expired leases and unacked takes are returned")
   threads: int = setting(128, "handler threads (each long poll or Watch stream holds one)")
+  dead_after_s: float = setting(DEAD_AFTER_S, "a client whose connection answers no ping for "
+                                "this long is dropped (a vanished worker's streams end)")
   wal_fsync: bool = setting(True, "fsync the write-ahead log before acknowledging a change")
   tls_cert: str = setting("", "PEM server certificate; with tls_key, serve TLS")
   tls_key: str = setting("", "PEM server private key")
@@ -83,6 +86,9 @@ class ServerConfig:
     if not -1 <= self.metrics_port <= 65535:
       raise ValueError(f"ServerConfig.metrics_port: expected -1 (off) or a port 0-65535, got "
                        f"{self.metrics_port}")
+    if not (math.isfinite(self.dead_after_s) and self.dead_after_s >= 1):
+      raise ValueError(f"ServerConfig.dead_after_s: expected a number of seconds >= 1, got "
+                       f"{self.dead_after_s}")
 
 
 def _finite(field: str, value: float, lo: float = 0.0) -> None:
@@ -120,10 +126,15 @@ def _unary(method):
 def _streaming(method):
   @functools.wraps(method)
   def wrapper(self, request, context):
+    with self._lock:
+      self.streams_open += 1
     try:
       yield from method(self, request, context)
     except errors.RequestError as e:
       self._rejections.abort(context, method.__name__, e)
+    finally:
+      with self._lock:
+        self.streams_open -= 1
   return wrapper
 
 
@@ -159,6 +170,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self._lock = threading.Lock()
     self.bytes_served = 0
     self.pulls_served = 0
+    self.streams_open = 0  # Pull and Watch streams being served
     self.started = time.monotonic()
     self.stopping = threading.Event()
     self._version_changed = weights.changed  # notified as _latest() may change
@@ -397,9 +409,9 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
                                 tokens_per_s=w.tokens_per_s, seconds_since_heartbeat=now - w.last_seen,
                                 leases=leases.get(w.worker_id, 0), kind=w.kind)
                  for w in self._workers.values()]
-      served, pulls = self.bytes_served, self.pulls_served
+      served, pulls, streams = self.bytes_served, self.pulls_served, self.streams_open
     return pb.Stats(versions=self._version_info(), **self.queues.depths(),
-                    bytes_served=served, pulls_served=pulls,
+                    bytes_served=served, pulls_served=pulls, streams_open=streams,
                     workers_alive=sum(w.seconds_since_heartbeat <= alive_after and not w.kind
                                       for w in workers),
                     workers=workers, uptime_s=now - self.started, errors=self._rejections.count)
@@ -419,7 +431,8 @@ def method_handlers(servicer: ParamServerServicer) -> dict[str, grpc.RpcMethodHa
 
 
 def grpc_server(handlers: dict[str, grpc.RpcMethodHandler], interceptor, *, threads: int,
-                limit: int, host: str, port: int, tls_cert: str = "", tls_key: str = ""):
+                limit: int, host: str, port: int, tls_cert: str = "", tls_key: str = "",
+                dead_after_s: float = DEAD_AFTER_S):
   """(server, health servicer, bound port): the service's `handlers` behind `interceptor`,
   with health checking and reflection, on host:port (TLS with a certificate and key), not
   started. The parameter server and a weight relay listen alike."""
@@ -427,7 +440,7 @@ def grpc_server(handlers: dict[str, grpc.RpcMethodHandler], interceptor, *, thre
       futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
       interceptors=[interceptor],
       options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-               ("grpc.so_reuseport", 0)])
+               ("grpc.so_reuseport", 0), *server_options(dead_after_s)])
   server.add_registered_method_handlers(SERVICE_NAME, handlers)
   health_servicer = health.HealthServicer()
   health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -487,7 +500,7 @@ class ParamServer:
         method_handlers(self.servicer),
         auth.TokenAuthInterceptor(self.tokens, on_denied=self.servicer._rejections.bump),
         threads=config.threads, limit=limit, host=config.host, port=config.port,
-        tls_cert=config.tls_cert, tls_key=config.tls_key)
+        tls_cert=config.tls_cert, tls_key=config.tls_key, dead_after_s=config.dead_after_s)
     self.address = f"{config.host}:{self.port}"
     self._reaper = threading.Thread(target=self._reap, name="reaper", daemon=True)
 

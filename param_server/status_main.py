@@ -38,6 +38,7 @@ def format_stats(s: pb.Stats) -> str:
       ("rollouts accepted", f"{s.rollouts_accepted} (+{s.rollouts_duplicate} duplicate submissions acked)"),
       ("stale rollouts dropped", s.rollouts_stale_dropped),
       ("bytes served", f"{_mb(s.bytes_served)} in {s.pulls_served} pulls"),
+      ("streams open", f"{s.streams_open} (pulls and watches now)"),
       ("rejected requests", s.errors),
       ("workers alive", f"{s.workers_alive} of {sum(not w.kind for w in s.workers)}"),
       ("uptime", f"{s.uptime_s:,.0f} s"),

@@ -401,7 +401,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., seconds_since_heartbeat: _Optional[float] = ..., leases: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("versions", "prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "bytes_served", "pulls_served", "workers_alive", "workers", "uptime_s", "errors", "prompts_resumed", "samples_resumed", "tokens_resumed")
+    __slots__ = ("versions", "prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "bytes_served", "pulls_served", "workers_alive", "workers", "uptime_s", "errors", "prompts_resumed", "samples_resumed", "tokens_resumed", "streams_open")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_LEASED_FIELD_NUMBER: _ClassVar[int]
@@ -421,6 +421,7 @@ class Stats(_message.Message):
     PROMPTS_RESUMED_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_RESUMED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_RESUMED_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
     versions: VersionInfo
     prompts_queued: int
     prompts_leased: int
@@ -440,7 +441,8 @@ class Stats(_message.Message):
     prompts_resumed: int
     samples_resumed: int
     tokens_resumed: int
-    def __init__(self, versions: _Optional[_Union[VersionInfo, _Mapping]] = ..., prompts_queued: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., leases_active: _Optional[int] = ..., rollouts_ready: _Optional[int] = ..., rollouts_in_flight: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_served: _Optional[int] = ..., pulls_served: _Optional[int] = ..., workers_alive: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., errors: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ...) -> None: ...
+    streams_open: int
+    def __init__(self, versions: _Optional[_Union[VersionInfo, _Mapping]] = ..., prompts_queued: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., leases_active: _Optional[int] = ..., rollouts_ready: _Optional[int] = ..., rollouts_in_flight: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_served: _Optional[int] = ..., pulls_served: _Optional[int] = ..., workers_alive: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., errors: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., streams_open: _Optional[int] = ...) -> None: ...
 
 class WalRecord(_message.Message):
     __slots__ = ("snapshot", "enqueue", "lease", "renew", "returned", "submit", "take", "ack", "requeue_take", "drop_stale")
