@@ -29,10 +29,10 @@ from param_server.keepalive import DEAD_AFTER_S, server_options
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
 from param_server.queues import PromptRolloutQueues, QueueLimits
-from param_server.storage_lock import StorageLock
 from param_server.wal import WriteAheadLog
 from param_server.weights import WeightLimits, WeightStore
 from rlax_ps.dataclass_flags import setting
+from rlax_ps.folder_lock import FolderLock
 
 SERVICE_NAME = "rlax_ps.v1.ParamServer"
 # Room for the fields around a chunk's bytes in one message.
@@ -474,7 +474,8 @@ class ParamServer:
     self.metrics_port: int | None = None  # the bound port, once serving metrics
     self._metrics = None
     os.makedirs(config.storage_dir, exist_ok=True)
-    self._lock = StorageLock(config.storage_dir)  # StorageInUse: another server has it
+    # FolderInUse: another server has it.
+    self._lock = FolderLock(config.storage_dir, holder="parameter server", flag="--storage_dir")
     try:
       self._open(config)
     except BaseException:

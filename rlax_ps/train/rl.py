@@ -144,7 +144,15 @@ class RLTrainer(TrainerRun):
       raise ValueError(f"client: expected one on process 0 only, process "
                        f"{jax.process_index()} got {client!r}")
     self.workdir = os.path.abspath(workdir)
-    os.makedirs(self.workdir, exist_ok=True)
+    self.hold_workdir()
+    try:
+      self._build(config, devices)
+    except BaseException:  # a config refused, say: the workdir is free again
+      self.release_workdir()
+      raise
+
+  def _build(self, config, devices) -> None:
+    """The trainer's parts, built once it holds its workdir."""
     rl = config.rl
     self.loss_cfg = check_rl_config(config, files=False)  # the files are read below
     self.read_model(config)
@@ -189,7 +197,7 @@ class RLTrainer(TrainerRun):
     self.feed = PromptFeed(self._prompt_source(), int(config.seed))
     self.revisit = (float(rl.get("revisit_solved", 1.0)), float(rl.get("revisit_failed", 1.0)))
     self.selective = self.revisit != (1.0, 1.0)
-    self.publisher = Publisher(client, str(config.publish.format),
+    self.publisher = Publisher(self.client, str(config.publish.format),
                                int(config.publish.keyframe_every))
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
     self.heldout = heldout_lib.heldout_from_config(config, self.tasks, self.tokenizer)

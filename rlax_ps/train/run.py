@@ -13,6 +13,7 @@ from absl import logging
 from flax import nnx
 
 from rlax_ps import sharding as shd
+from rlax_ps.folder_lock import FolderLock
 from rlax_ps.models import (flatten_params, longest_sequence, model_config_from,
                             save_hf_checkpoint)
 from rlax_ps.models.peft import save_peft_adapter
@@ -43,7 +44,16 @@ class TrainerRun:
   heldout (a heldout.Heldout), and calls read_model."""
 
   _writer = None
+  _workdir_lock = None
   last_eval: dict[str, float] | None = None
+
+  def hold_workdir(self) -> None:
+    """Create the workdir and hold it (process 0) while the trainer lives: a second trainer
+    on it (a rerun while the first still runs) is refused, naming the first's pid, rather
+    than interleaving checkpoints with it."""
+    os.makedirs(self.workdir, exist_ok=True)
+    if self.leader:
+      self._workdir_lock = FolderLock(self.workdir, holder="trainer", flag="--workdir")
 
   def read_model(self, config) -> None:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
@@ -113,10 +123,17 @@ class TrainerRun:
       self.writer.add_scalar(f"eval/exact_match/{k}", v, step)
     self.writer.flush()
 
+  def release_workdir(self) -> None:
+    if self._workdir_lock is not None:
+      self._workdir_lock.release()
+
   def close(self) -> None:
-    self.checkpointer.close()
-    if self._writer is not None:
-      self._writer.close()
+    try:
+      self.checkpointer.close()
+      if self._writer is not None:
+        self._writer.close()
+    finally:
+      self.release_workdir()
 
   def __enter__(self):
     return self

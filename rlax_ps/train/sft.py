@@ -40,7 +40,15 @@ class SFTTrainer(TrainerRun):
   def __init__(self, config, workdir: str, *, devices: Sequence[jax.Device] | None = None):
     self.config = config
     self.workdir = os.path.abspath(workdir)
-    os.makedirs(self.workdir, exist_ok=True)
+    self.hold_workdir()
+    try:
+      self._build(config, devices)
+    except BaseException:  # a config refused, say: the workdir is free again
+      self.release_workdir()
+      raise
+
+  def _build(self, config, devices: Sequence[jax.Device] | None) -> None:
+    """The trainer's parts, built once it holds its workdir."""
     self.read_model(config)
     self.total_steps = int(config.train.steps)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)

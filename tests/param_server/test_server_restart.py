@@ -14,7 +14,7 @@ import pytest
 from param_server.client import ParamServerError, PullProgress, RetryPolicy
 from param_server.protos import param_server_pb2 as pb
 from param_server.server import ParamServer, ServerConfig
-from param_server.storage_lock import StorageInUse
+from rlax_ps.folder_lock import FolderInUse
 from param_server.weights import WeightStore
 from ports import free_port
 from ps_testlib import CHUNK, apply_blobs, client_for, perturbed, publish_chain, tiny_weights
@@ -49,7 +49,7 @@ def test_kill9_and_restart_keeps_every_acknowledged_change(tmp_path, server_proc
   worker.submit_rollouts(lease.lease_id, group(lease.prompts[1].id))
   take = trainer.take_rollouts(max_n=1, ack_deadline_s=900)
   before = trainer.stats()
-  with pytest.raises(StorageInUse, match=f"--storage_dir {storage}: in use by another "
+  with pytest.raises(FolderInUse, match=f"--storage_dir {storage}: in use by another "
                                          f"parameter server \\(pid {proc.pid}"):
     ParamServer(ServerConfig(storage_dir=str(storage), port=0))  # while the first lives
   kill9(proc)  # its lock goes with it

@@ -17,6 +17,7 @@ import pytest
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
+from rlax_ps.folder_lock import FolderInUse
 from rlax_ps.models import ModelConfig
 from rlax_ps.train.sft import SFTTrainer
 from rlax_ps.train.state import TrainState, abstract_state, restore_or_init, sharded_init
@@ -157,6 +158,23 @@ def test_unwritable_directory_is_refused_before_any_step(tmp_path):
   with pytest.raises(OSError, match=f"checkpoint.directory: expected a directory this "
                                     f"process can write, got {path}"):
     Checkpointer(str(path))
+
+
+def test_a_second_trainer_on_a_workdir_in_use_is_refused_naming_the_first(tmp_path):
+  """A rerun while the first run still trains (an orphan, another terminal) would interleave
+  checkpoints with it: refused. A trainer whose config was refused, or that closed, leaves
+  the workdir free."""
+  workdir = str(tmp_path / "run")
+  bad = _config()
+  bad.optimizer.grad_accum_steps = 3  # not a divisor of data.batch_size
+  with pytest.raises(ValueError, match="optimizer.grad_accum_steps"):
+    SFTTrainer(bad, workdir)
+  with SFTTrainer(_config(), workdir):
+    with pytest.raises(FolderInUse, match=f"--workdir {workdir}: in use by another trainer "
+                       f"\\(pid {os.getpid()}, "):
+      SFTTrainer(_config(), workdir)
+  with SFTTrainer(_config(), workdir) as again:
+    assert again.workdir == workdir
 
 
 def _two_steps(directory):

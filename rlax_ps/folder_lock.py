@@ -1,0 +1,39 @@
+"""One live process per folder: an exclusive lock on <folder>/LOCK, held while its holder
+lives and let go by the kernel when the process dies (even by kill -9). A parameter server
+holds its --storage_dir (a second would interleave its write-ahead log and weights with the
+first one's); a trainer holds its --workdir (a second would interleave checkpoints)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+LOCK_FILE = "LOCK"
+
+
+class FolderInUse(RuntimeError):
+  """Another live process holds the folder."""
+
+
+class FolderLock:
+  """The lock on a folder, taken at construction by a `holder` (what the message calls it)
+  given the folder by `flag`; `release()` lets it go."""
+
+  def __init__(self, folder: str, *, holder: str, flag: str):
+    self.path = os.path.join(folder, LOCK_FILE)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      pid = os.read(fd, 64).decode(errors="replace").strip() or "?"
+      os.close(fd)
+      raise FolderInUse(f"{flag} {folder}: in use by another {holder} (pid {pid}, "
+                        f"{self.path}); stop it, or give this one another folder") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    self._fd: int | None = fd
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)  # closing the descriptor drops the lock
+      self._fd = None
