@@ -368,9 +368,10 @@ class ParamServerClient:
   def latest_version(self, retry: RetryPolicy | None = None) -> int:
     return self.version_info(retry).latest_version
 
-  def publish(self, update_bytes) -> pb.PublishReply:
+  def publish(self, update_bytes, *, run: str = "") -> pb.PublishReply:
     """Sends one `Update.to_bytes()` blob (or the `rlax_ps.sync.Update` itself) in chunks
-    (trainer only)."""
+    (trainer only). `run`: the publishing run's id; a server holding another run's versions
+    refuses it (FAILED_PRECONDITION), so that two runs never share one weight stream."""
     if hasattr(update_bytes, "to_bytes") and not isinstance(update_bytes, (bytes, bytearray)):
       update_bytes = update_bytes.to_bytes()
     try:
@@ -383,7 +384,8 @@ class ParamServerClient:
     def chunks():
       for offset in range(0, max(total, 1), self.chunk_bytes):
         yield pb.PublishChunk(total_bytes=total if offset == 0 else 0, offset=offset,
-                              data=bytes(view[offset:offset + self.chunk_bytes]))
+                              data=bytes(view[offset:offset + self.chunk_bytes]),
+                              run=run if offset == 0 else "")
 
     timeout = self.timeout_s + total / (50 << 20)
     return self._with_retry("Publish", lambda: self._stub.Publish(

@@ -91,6 +91,17 @@ class ServerConfig:
                        f"{self.dead_after_s}")
 
 
+RUN_FILE = "RUN"
+
+
+def _read_run(storage_dir: str) -> str:
+  try:
+    with open(os.path.join(storage_dir, RUN_FILE)) as f:
+      return f.read().strip()
+  except FileNotFoundError:
+    return ""
+
+
 def _finite(field: str, value: float, lo: float = 0.0) -> None:
   if not math.isfinite(value) or value < lo:
     raise errors.InvalidArgument(field, f"expected a finite number >= {lo}, got {value}")
@@ -171,6 +182,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self.bytes_served = 0
     self.pulls_served = 0
     self.streams_open = 0  # Pull and Watch streams being served
+    self._run_lock = threading.Lock()
+    self.run = _read_run(config.storage_dir)  # the run whose versions are held ("": none said)
     self.started = time.monotonic()
     self.stopping = threading.Event()
     self._version_changed = weights.changed  # notified as _latest() may change
@@ -186,10 +199,12 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
 
   @_unary
   def Publish(self, request_iterator, context):
-    writer = None
+    writer, run = None, ""
     try:
       for i, chunk in enumerate(request_iterator):
         if writer is None:
+          run = chunk.run
+          self._check_run(run)
           writer = self.weights.begin_publish(chunk.total_bytes)
         elif chunk.total_bytes not in (0, writer.total):
           raise errors.InvalidArgument(
@@ -200,7 +215,11 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       if not context.is_active():
         writer.abort()
         return pb.PublishReply()
-      blob, duplicate = self.weights.commit(writer)
+      with self._run_lock:  # another run's publication cannot slip in between
+        self._check_run(run)
+        blob, duplicate = self.weights.commit(writer)
+        if run and run != self.run:
+          self._keep_run(run)
       writer = None
       logging.info("published v%d (%s, %d bytes)%s", blob.version,
                    "keyframe" if blob.is_keyframe else f"delta on v{blob.base_version}", blob.nbytes,
@@ -209,6 +228,22 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     finally:
       if writer is not None:
         writer.abort()
+
+  def _check_run(self, run: str) -> None:
+    """FailedPrecondition when `run` is not the run whose versions the server holds."""
+    if run and self.run and run != self.run and self.weights.latest >= 0:
+      raise errors.FailedPrecondition(
+          "run", f"this server holds the versions of another run ({self.run}, up to "
+          f"v{self.weights.latest}) and its prompts and rollouts; a new run needs a server "
+          f"of its own (a fresh --storage_dir), or resume that run's --workdir")
+
+  def _keep_run(self, run: str) -> None:
+    """Record the run whose versions the server holds, in <storage_dir>/RUN."""
+    path = os.path.join(self.config.storage_dir, RUN_FILE)
+    with open(path + ".tmp", "w") as f:
+      f.write(run + "\n")
+    os.replace(path + ".tmp", path)
+    self.run = run
 
   @_unary
   def GetLatest(self, request, context):

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PublishChunk(_message.Message):
-    __slots__ = ("total_bytes", "offset", "data")
+    __slots__ = ("total_bytes", "offset", "data", "run")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     total_bytes: int
     offset: int
     data: bytes
-    def __init__(self, total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    run: str
+    def __init__(self, total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., run: _Optional[str] = ...) -> None: ...
 
 class PublishReply(_message.Message):
     __slots__ = ("info", "duplicate")

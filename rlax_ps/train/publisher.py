@@ -70,6 +70,7 @@ class Publisher:
     self._checksums: dict | None = None
     self.version: int | None = None
     self._since_keyframe = 0
+    self.run = ""  # the publishing run's id, sent with each publication (the server checks it)
 
   def publish(self, params: Any, version: int, *, keyframe: bool = False) -> Publication:
     """Encode and send `params` as `version`: a delta from the last publication unless this
@@ -92,7 +93,7 @@ class Publisher:
       update = sync.encode(base, host, self.fmt, version=version, fingerprints=prints,
                            base_checksums=checksums)
       wire = update.to_bytes()
-      self.client.publish(wire)
+      self.client.publish(wire, run=self.run)
       self._host, self._checksums = host, update.checksums
       size, digest = len(wire), sync.state_digest(update.checksums)
     self._device, self.version = new_device, version

@@ -200,6 +200,7 @@ class RLTrainer(TrainerRun):
     self.publisher = Publisher(self.client, str(config.publish.format),
                                int(config.publish.keyframe_every))
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
+    self.publisher.run = self.run_id
     self.heldout = heldout_lib.heldout_from_config(config, self.tasks, self.tokenizer)
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)
@@ -268,6 +269,7 @@ class RLTrainer(TrainerRun):
         "version": self.version,
         "pending_takes": [dataclasses.asdict(t) for t in self.pending],
         "warm_start_eval": self.warm_start_eval,
+        "run_id": self.run_id,
         "model_config": self.model_config.to_dict(),
         "config": json.loads(self.config.to_json_best_effort()),
     }
@@ -282,6 +284,8 @@ class RLTrainer(TrainerRun):
     self.saved_version = int(saved["version"])
     self.pending = [PendingTake(**t) for t in saved.get("pending_takes", [])]
     self.warm_start_eval = saved.get("warm_start_eval")
+    # A run resumed elsewhere (another machine, a moved workdir) keeps its id.
+    self.run_id = self.publisher.run = str(saved.get("run_id", self.run_id))
 
   # -- server side of a (re)start ---------------------------------------------------------
 

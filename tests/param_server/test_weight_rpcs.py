@@ -89,6 +89,25 @@ def test_publish_takes_an_update_or_its_bytes_and_names_anything_else(trainer, w
     trainer.publish(weights)
 
 
+def test_a_server_holding_one_runs_versions_refuses_another_runs_even_after_a_restart(
+    start_server, tmp_path):
+  server = start_server()
+  weights = [tiny_weights(0), tiny_weights(1), tiny_weights(2)]
+  with client_for(server, "trainer") as t:
+    t.publish(sync.encode(None, weights[0], "bf16", version=0), run="run-a")
+    with pytest.raises(ParamServerError, match=r"FAILED_PRECONDITION: run: this server holds "
+                       r"the versions of another run \(run-a, up to v0\)"):
+      t.publish(sync.encode(None, weights[1], "bf16", version=1), run="run-b")
+    assert t.latest_version() == 0  # nothing of it kept
+    t.publish(sync.encode(weights[0], weights[1], "bf16", version=1), run="run-a")
+  server.stop(grace=0)
+  again = start_server(storage_dir=server.config.storage_dir)
+  with client_for(again, "trainer") as t:
+    with pytest.raises(ParamServerError, match="another run \\(run-a, up to v1\\)"):
+      t.publish(sync.encode(None, weights[2], "bf16", version=2), run="run-b")
+    t.publish(sync.encode(None, weights[2], "bf16", version=2))  # no run said: not checked
+
+
 def test_a_retried_publication_is_acknowledged_as_duplicate(trainer):
   blob = sync.encode(None, tiny_weights(), version=0).to_bytes()
   assert not trainer.publish(blob).duplicate

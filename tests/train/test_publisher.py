@@ -15,7 +15,7 @@ class _Client:
   def __init__(self):
     self.sent = []
 
-  def publish(self, wire):
+  def publish(self, wire, run=""):
     self.sent.append(wire)
 
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from param_server.client import RolloutGroup, make_sample
+from param_server.client import ParamServerError, RolloutGroup, make_sample
 from rl_testlib import FakeWorker, client, rl_config, start_server
 from rlax_ps import sync
 from rlax_ps.sync.bits import BF16
@@ -246,6 +246,18 @@ def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
   assert versions[5]["keyframe"] and versions[5]["step"] == 4
   steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
   assert steps[-1]["step"] == 5 and steps[-1]["version"] == 6
+
+
+def test_a_new_run_against_a_server_holding_another_runs_versions_is_refused(run, tmp_path):
+  """Another workdir against the module run's server: it would take over the workers and
+  train on that run's prompts; refused at its first publication, nothing published."""
+  with client(run["server"].address, "trainer") as tc:
+    latest = tc.latest_version()
+    with RLTrainer(_config(), str(tmp_path / "other"), tc) as tr:
+      with pytest.raises(ParamServerError, match=r"FAILED_PRECONDITION: run: this server "
+                         r"holds the versions of another run \(\w+, up to v\d+\)"):
+        tr.start()
+    assert tc.latest_version() == latest
 
 
 def test_mismatched_worker_format_is_refused_naming_the_field(run, tmp_path):
