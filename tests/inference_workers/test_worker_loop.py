@@ -406,18 +406,23 @@ def spawn_worker(tmp_path, address, **flags):
       """))
   args = [f"--{k}={v}" for k, v in flags.items()]
   env = dict(child_env(), RLAX_PS_WORKER_TOKEN=TOKENS["worker"], JAX_PLATFORMS="cpu")
-  return subprocess.Popen(
-      [sys.executable, "-m", "rlax_ps", "worker", f"--address={address}", f"--config={config}",
-       *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  log = tmp_path / "worker.log"  # a file: a pipe nobody reads would stall the worker's logging
+  with open(log, "w") as out:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlax_ps", "worker", f"--address={address}", f"--config={config}",
+         *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+  proc.log = log
+  return proc
 
 
-def wait_for(cond, timeout, what):
+def wait_for(cond, timeout, what, log=None):
   end = time.monotonic() + timeout
   while time.monotonic() < end:
     if cond():
       return
     time.sleep(0.05)
-  raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+  raise AssertionError(f"timed out after {timeout}s waiting for {what}"
+                       + (f"; the worker's log ends:\n{log.read_text()[-3000:]}" if log else ""))
 
 
 def test_sigterm_releases_leases_within_the_grace_period(server, versions, tmp_path):
@@ -427,15 +432,16 @@ def test_sigterm_releases_leases_within_the_grace_period(server, versions, tmp_p
     proc = spawn_worker(tmp_path, server.address, prompts_per_lease=32, prompts_per_call=1,
                         samples_per_prompt=4, max_new_tokens=16, grace_s=8)
     try:
-      wait_for(lambda: trainer.stats().prompts_leased > 0, 180, "the worker's first lease")
+      wait_for(lambda: trainer.stats().prompts_leased > 0, 180, "the worker's first lease",
+               proc.log)
       proc.send_signal(signal.SIGTERM)
       sent = time.monotonic()
       rc = proc.wait(timeout=30)
       took = time.monotonic() - sent
     finally:
       proc.kill()
-      out = proc.stdout.read()
-      proc.stdout.close()
+      proc.wait()
+    out = proc.log.read_text()
     assert rc == 0, out
     assert took < 8 + 2, out
     st = trainer.stats()
@@ -452,25 +458,25 @@ def test_sigkill_leaves_leases_that_expire_and_are_served_again(server, versions
 
   with client(server, "trainer") as trainer, client(server, "worker") as other:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
-    ids = enqueue_addition(trainer, 32)
+    ids = enqueue_addition(trainer, 96)  # leases of 32: decoding outlasts a few renewals
     proc = spawn_worker(tmp_path, server.address, prompts_per_lease=32, prompts_per_call=1,
                         samples_per_prompt=4, max_new_tokens=40, decode_chunk_steps=2,
                         lease_deadline_s=2, checkpoint_s=0.05)
     try:
       wait_for(lambda: trainer.stats().prompts_leased > 0 and begun(), 180,
-               "the worker's first checkpoint")
+               "the worker's first checkpoint", proc.log)
       seen = begun()
       proc.kill()
       proc.wait(timeout=30)
     finally:
       proc.kill()
-      proc.stdout.close()
+      proc.wait()
     wait_for(lambda: trainer.stats().leases_expired > 0, 30, "the lease to expire")
     other.register("other")
-    lease = other.lease(32, 30.0, wait_s=5.0)
-    answered = {r.prompt.id for r in trainer.take_rollouts(0, 32).rollouts}
+    lease = other.lease(96, 30.0, wait_s=5.0)
+    answered = {r.prompt.id for r in trainer.take_rollouts(0, 96).rollouts}
     assert lease.prompts and {p.id for p in lease.prompts} <= set(ids)
-    assert len(lease.prompts) + len(answered) == 32
+    assert len(lease.prompts) + len(answered) == 96
     back = {p.id for p in lease.prompts if p.partial}
     assert seen <= back | answered  # (answered between the look and the kill: rare)
 
