@@ -6,13 +6,19 @@ vanished worker's streams, freeing their handler threads."""
 
 from __future__ import annotations
 
-PING_EVERY_S = 20.0  # an idle connection is pinged this often (gRPC clamps below 10 s)
 DEAD_AFTER_S = 20.0  # a ping unanswered this long closes the connection
+LEAST_PING_S = 10.0  # gRPC pings no more often (clients); servers permit half of it
+
+
+def _ping_ms(dead_after_s: float) -> int:
+  """An idle connection is pinged every dead_after_s (at least LEAST_PING_S): a silent peer
+  is found within twice dead_after_s."""
+  return int(max(LEAST_PING_S, dead_after_s) * 1000)
 
 
 def client_options(dead_after_s: float = DEAD_AFTER_S) -> list[tuple[str, int]]:
   ms = int(dead_after_s * 1000)
-  return [("grpc.keepalive_time_ms", int(PING_EVERY_S * 1000)),
+  return [("grpc.keepalive_time_ms", _ping_ms(dead_after_s)),
           ("grpc.keepalive_timeout_ms", ms),
           ("grpc.http2.ping_timeout_ms", ms),  # any ping's answer, not only keepalive's
           ("grpc.keepalive_permit_without_calls", 1),
@@ -21,10 +27,10 @@ def client_options(dead_after_s: float = DEAD_AFTER_S) -> list[tuple[str, int]]:
 
 def server_options(dead_after_s: float = DEAD_AFTER_S) -> list[tuple[str, int]]:
   ms = int(dead_after_s * 1000)
-  return [("grpc.keepalive_time_ms", int(PING_EVERY_S * 1000)),
+  return [("grpc.keepalive_time_ms", _ping_ms(dead_after_s)),
           ("grpc.keepalive_timeout_ms", ms),
           ("grpc.http2.ping_timeout_ms", ms),
           ("grpc.keepalive_permit_without_calls", 1),
           # Clients' pings as often as they send them are welcome (not answered by GOAWAY).
-          ("grpc.http2.min_ping_interval_without_data_ms", int(PING_EVERY_S * 1000) // 2),
+          ("grpc.http2.min_ping_interval_without_data_ms", int(LEAST_PING_S * 1000) // 2),
           ("grpc.http2.max_pings_without_data", 0)]

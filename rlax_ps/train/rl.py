@@ -143,13 +143,7 @@ class RLTrainer(TrainerRun):
     if (client is None) == self.leader:
       raise ValueError(f"client: expected one on process 0 only, process "
                        f"{jax.process_index()} got {client!r}")
-    self.workdir = os.path.abspath(workdir)
-    self.hold_workdir()
-    try:
-      self._build(config, devices)
-    except BaseException:  # a config refused, say: the workdir is free again
-      self.release_workdir()
-      raise
+    self.open_workdir(workdir, lambda: self._build(config, devices))
 
   def _build(self, config, devices) -> None:
     """The trainer's parts, built once it holds its workdir."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Callable
 
 import jax
 from absl import logging
@@ -47,13 +48,20 @@ class TrainerRun:
   _workdir_lock = None
   last_eval: dict[str, float] | None = None
 
-  def hold_workdir(self) -> None:
-    """Create the workdir and hold it (process 0) while the trainer lives: a second trainer
-    on it (a rerun while the first still runs) is refused, naming the first's pid, rather
-    than interleaving checkpoints with it."""
+  def open_workdir(self, workdir: str, build: Callable[[], None]) -> None:
+    """Create the workdir and hold it (process 0) while the trainer lives, then `build()` the
+    trainer's parts (a build that raises, a config refused, frees it again): a second
+    trainer on it (a rerun while the first still runs) is refused, naming the first's pid,
+    rather than interleaving checkpoints with it."""
+    self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     if self.leader:
       self._workdir_lock = FolderLock(self.workdir, holder="trainer", flag="--workdir")
+    try:
+      build()
+    except BaseException:
+      self.release_workdir()
+      raise
 
   def read_model(self, config) -> None:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model

@@ -39,13 +39,7 @@ class SFTTrainer(TrainerRun):
 
   def __init__(self, config, workdir: str, *, devices: Sequence[jax.Device] | None = None):
     self.config = config
-    self.workdir = os.path.abspath(workdir)
-    self.hold_workdir()
-    try:
-      self._build(config, devices)
-    except BaseException:  # a config refused, say: the workdir is free again
-      self.release_workdir()
-      raise
+    self.open_workdir(workdir, lambda: self._build(config, devices))
 
   def _build(self, config, devices: Sequence[jax.Device] | None) -> None:
     """The trainer's parts, built once it holds its workdir."""

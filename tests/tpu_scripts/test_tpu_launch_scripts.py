@@ -115,7 +115,14 @@ def test_every_command_passes_the_real_gcloud_parser(tmp_path):
   commands = {tuple(l) for out in outs for l in gcloud_lines(out)}
   assert len(commands) >= 19
   assert sum("list" in c for c in commands) == 3  # TPU VMs (workers', teardown's), relays
-  gcloud_env = dict(os.environ, CLOUDSDK_CONFIG=str(tmp_path), CLOUDSDK_CORE_DISABLE_PROMPTS="1")
+  # A home of its own: `gcloud compute scp/ssh` make an SSH key there first (four at once
+  # raced on one in the real ~/.ssh, and the test must leave nothing outside tmp_path).
+  home = tmp_path / "home"
+  (home / ".ssh").mkdir(parents=True)
+  subprocess.run(["ssh-keygen", "-q", "-t", "rsa", "-N", "", "-f",
+                  str(home / ".ssh" / "google_compute_engine")], check=True, capture_output=True)
+  gcloud_env = dict(os.environ, CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), HOME=str(home),
+                    CLOUDSDK_CORE_DISABLE_PROMPTS="1")
 
   def parse(argv):  # gcloud starts slowly: several at once
     return argv, subprocess.run([GCLOUD, *argv[1:]], env=gcloud_env, capture_output=True,
