@@ -982,11 +982,11 @@ class Worker:
   def _score(self, prompt: pb.Prompt, sample: Sample) -> float:
     text = self.tokenizer.decode(sample.tokens)
     result = self.verifier_for(prompt.task)(text, reference_of(prompt))
-    if "error" in result.info:  # the verifier raised: scored 0 (algorithms.verifiers.Guarded)
+    if "error" in result.info:  # it raised, or gave NaN / inf: scored 0 (verifiers.Guarded)
       self.stats.score_errors += 1
       if self.stats.score_errors <= 5 or self.stats.score_errors % 1000 == 0:
-        logging.warning("worker: verifier of task %r raised on prompt %s (scored 0; %d so "
-                        "far): %s", prompt.task or self.config.default_task, prompt.id,
+        logging.warning("worker: verifier of task %r gave no reward on prompt %s (scored 0; "
+                        "%d so far): %s", prompt.task or self.config.default_task, prompt.id,
                         self.stats.score_errors, result.info["error"])
     return float(result.reward)
 

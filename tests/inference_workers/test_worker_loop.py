@@ -15,7 +15,9 @@ import pytest
 from flax import nnx
 
 from child_env import child_env
+from algorithms.verifiers.base import Guarded, VerifierResult
 from inference_workers.continuous import ContinuousBatch
+from inference_workers.decoding import Sample
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import ParamServerClient, ParamServerError, RetryPolicy, sample_logprobs
@@ -569,6 +571,21 @@ def test_a_reward_model_scores_the_prompts_of_task_reward_model(server, versions
     want = scorer.scores([head + list(s.token_ids) for s in r.group.samples])
     np.testing.assert_allclose([s.reward for s in r.group.samples], want, rtol=1e-5)
     assert len(set(want.tolist())) > 1  # the samples differ and so do their scores
+
+
+def test_a_verifier_giving_nan_scores_zero_and_the_warning_says_so(caplog):
+  def nan(completion, reference):
+    return VerifierResult(float("nan"), True)
+
+  worker = Worker(None, CONFIG, TOKENIZER, WorkerConfig(max_new_tokens=8),
+                  verifier_for=lambda task: Guarded(task, nan))
+  sample = Sample(np.array([5, 6], np.int32), np.zeros(2, np.float32), np.zeros(2, np.float32),
+                  "stop")
+  with caplog.at_level("WARNING"):
+    assert worker._score(pb.Prompt(id="p7", task="mine"), sample) == 0.0
+  assert worker.stats.score_errors == 1
+  assert ("verifier of task 'mine' gave no reward on prompt p7 (scored 0; 1 so far): reward: "
+          "expected a finite number, got nan") in caplog.text
 
 
 def test_bad_batching_settings_are_named():
