@@ -49,12 +49,19 @@ class SFTTrainer(TrainerRun):
     self.optimizer = optim.make_optimizer(config.optimizer, self.total_steps)
     self.schedule = optim.learning_rate_schedule(config.optimizer, self.total_steps)
     num_micro = optim.grad_accum_steps(config.optimizer)
-    batch_size = int(config.data.batch_size)
+    batch_size, seq_len = int(config.data.batch_size), int(config.data.seq_len)
+    if batch_size < 1 or seq_len < 2:
+      raise ValueError(f"data.batch_size, data.seq_len: expected >= 1 and >= 2, got "
+                       f"{batch_size}, {seq_len}")
+    if seq_len > self.model_config.max_position_embeddings:
+      raise ValueError(f"data.seq_len: expected at most the model's max_position_embeddings="
+                       f"{self.model_config.max_position_embeddings} (positions past it were "
+                       f"never trained and rope scaling is not meant for them), got {seq_len}")
     if batch_size % num_micro:
       raise ValueError(f"optimizer.grad_accum_steps: expected a divisor of data.batch_size="
                        f"{batch_size}, got {num_micro}")
     self.data = SFTBatches(self.tasks, self.weights, self.tokenizer, batch_size=batch_size,
-                           seq_len=int(config.data.seq_len), seed=int(config.seed),
+                           seq_len=seq_len, seed=int(config.seed),
                            packing=bool(config.data.packing), records=self._records())
     self.checkpointer = Checkpointer(config.checkpoint.get("directory", "")
                                      or os.path.join(self.workdir, "checkpoints"),

@@ -165,10 +165,15 @@ def test_a_second_trainer_on_a_workdir_in_use_is_refused_naming_the_first(tmp_pa
   checkpoints with it: refused. A trainer whose config was refused, or that closed, leaves
   the workdir free."""
   workdir = str(tmp_path / "run")
-  bad = _config()
-  bad.optimizer.grad_accum_steps = 3  # not a divisor of data.batch_size
-  with pytest.raises(ValueError, match="optimizer.grad_accum_steps"):
-    SFTTrainer(bad, workdir)
+  for field, value, message in [("optimizer.grad_accum_steps", 3, "a divisor of"),
+                                ("data.batch_size", 0, "expected >= 1"),
+                                ("model.max_position_embeddings", 8, "data.seq_len: expected "
+                                 "at most the model's max_position_embeddings=8")]:
+    bad = _config()
+    block, key = field.split(".")
+    bad[block][key] = value
+    with pytest.raises(ValueError, match=message):
+      SFTTrainer(bad, workdir)
   with SFTTrainer(_config(), workdir):
     with pytest.raises(FolderInUse, match=f"--workdir {workdir}: in use by another trainer "
                        f"\\(pid {os.getpid()}, "):
