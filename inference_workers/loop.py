@@ -451,13 +451,13 @@ class Worker:
       # out a publication: groups of the older version could be too stale to train on.
       self._catch_up()
       version = self.policy.version
-      faults = {p.id: self._fault(p) for p in chunk}
-      for prompt in chunk:
-        if faults[prompt.id]:
-          self._submit(lease.lease_id, prompt.id, self._failed(prompt, version,
-                                                               faults[prompt.id]))
-      chunk = [p for p in chunk if not faults[p.id]]
-      groups = self._rollout_groups(chunk, version) if chunk else []
+      checked = [(p, *self._checked_tokens(p)) for p in chunk]
+      for prompt, _, fault in checked:
+        if fault:
+          self._submit(lease.lease_id, prompt.id, self._failed(prompt, version, fault))
+      chunk = [p for p, _, fault in checked if not fault]
+      tokens = [t for _, t, fault in checked if not fault]
+      groups = self._rollout_groups(chunk, tokens, version) if chunk else []
       for prompt, group in zip(chunk, groups):
         if group is not None:  # None: stopped before its group was worth sending
           self._submit(lease.lease_id, prompt.id, group)
@@ -550,15 +550,14 @@ class Worker:
     n = self.config.samples_per_prompt
     while self._pending and batch.free:
       lease_id, prompt = self._pending.popleft()
-      fault = self._fault(prompt)
+      tokens, fault = self._checked_tokens(prompt)
       if fault:
         self._send(lease_id, prompt.id, self._failed(prompt, version, fault))
         continue
       if prompt.partial and self._resumable and self._resume(lease_id, prompt, version):
         continue
       self._started[(lease_id, prompt.id)] = (prompt, version)
-      batch.add((lease_id, prompt.id), self._prompt_tokens(prompt),
-                self._seeds(prompt.id, version, 0, n))
+      batch.add((lease_id, prompt.id), tokens, self._seeds(prompt.id, version, 0, n))
 
   @staticmethod
   def _begun(s: Sample, done: bool, replies: list, held: int = 0) -> tuple[pb.Sample, int]:
@@ -694,20 +693,21 @@ class Worker:
       self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
     self._settle(lease_id)
 
-  def _fault(self, prompt: pb.Prompt) -> str:
-    """Why this worker cannot sample the prompt ("" when it can): its text does not encode,
-    its ids lie outside the model's vocabulary, or it leaves no room for max_new_tokens."""
+  def _checked_tokens(self, prompt: pb.Prompt) -> tuple[list[int], str]:
+    """The prompt's token ids, and why this worker cannot sample it ("" when it can): its
+    text does not encode, its ids lie outside the model's vocabulary, or it leaves no room
+    for max_new_tokens."""
     try:
       tokens = self._prompt_tokens(prompt)
     except (ValueError, KeyError, UnicodeError) as e:
-      return f"its text does not encode: {e}"
+      return [], f"its text does not encode: {e}"
     config = self.policy.model.config
     try:
       pad_prompts([tokens], 1, max(len(tokens), 1), config.vocab_size)
       check_request(config, [tokens], [0], 1, self.params)
     except ValueError as e:
-      return str(e).replace("prompts[0]: ", "")
-    return ""
+      return tokens, str(e).replace("prompts[0]: ", "")
+    return tokens, ""
 
   def _failed(self, prompt: pb.Prompt, version: int, fault: str) -> pb.RolloutGroup:
     """The answer to a prompt this worker cannot sample: the reason, no samples."""
@@ -834,12 +834,12 @@ class Worker:
     base = zlib.crc32(f"{self.config.seed}:{prompt_id}:{version}:{round_}".encode())
     return [(base + 7919 * j) % (2 ** 31) for j in range(n)]
 
-  def _rollout_groups(self, prompts: list[pb.Prompt], version: int
+  def _rollout_groups(self, prompts: list[pb.Prompt], tokens: list[list[int]], version: int
                       ) -> list[pb.RolloutGroup | None]:
-    """Allocate samples over the prompts (rounds for adaptive allocators), score, package.
-    Stopping with only salvage_s of grace left, the rounds end where they are: a prompt
-    with two samples or more (finished ones) gets its group, the others None (released)."""
-    tokens = [self._prompt_tokens(p) for p in prompts]
+    """Allocate samples over the prompts (their token ids `tokens`; rounds for adaptive
+    allocators), score, package. Stopping with only salvage_s of grace left, the rounds end
+    where they are: a prompt with two samples or more (finished ones) gets its group, the
+    others None (released)."""
     state = self.allocator.start(len(prompts), self.config.samples_per_prompt * len(prompts))
     samples: list[list[Sample]] = [[] for _ in prompts]
     rewards: list[list[float]] = [[] for _ in prompts]

@@ -18,6 +18,6 @@ def wait_for_stop(limit_s: float = STOP_LIMIT_S) -> None:
     signal.signal(sig, lambda *_: done.set())
   # Waking every second: a signal the kernel gave another thread (gRPC's) runs its Python
   # handler only once the main thread runs again; a wait with no end would never see it.
-  while not done.wait(1.0):
-    pass
+  while not done.is_set():
+    done.wait(1.0)
   faulthandler.dump_traceback_later(limit_s, exit=True)

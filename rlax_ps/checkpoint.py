@@ -125,8 +125,7 @@ def _check_writable(directory: str) -> None:
   directory stops a run before its first step, not at (or, async, well after) its first save."""
   try:
     os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=".write_check."):
-      pass
+    tempfile.TemporaryFile(dir=directory).close()  # made and gone: nothing left behind
   except OSError as e:
     raise OSError(e.errno, f"checkpoint.directory: expected a directory this process can "
                   f"write, got {directory} ({e.strerror})") from e
