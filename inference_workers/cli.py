@@ -44,16 +44,13 @@ def worker_config_from(section) -> WorkerConfig:
   return resolve(WorkerConfig, section, "--config worker section")
 
 
-def stop_on_signals(worker, client=None) -> None:
+def stop_on_signals(worker) -> None:
   """Turn SIGTERM/SIGINT into `worker.request_stop()` even while the main thread is inside a
   long XLA call: the signals are blocked in every thread (call `block_stop_signals` before
-  any thread starts) and one thread waits for them. A call the client is retrying (the
-  server unreachable) gives up at once."""
+  any thread starts) and one thread waits for them."""
   def wait():
     signal.sigwait(STOP_SIGNALS)
     worker.request_stop()
-    if client is not None:
-      client.interrupt.set()
 
   threading.Thread(target=wait, name="stop-signals", daemon=True).start()
 
@@ -101,7 +98,7 @@ def main(argv) -> None:
                                       f"{mesh.size} devices (data {mesh.shape['data']} x "
                                       f"tensor {mesh.shape['tensor']})")
             + f"; {worker.batching}", flush=True)
-      stop_on_signals(worker, client)
+      stop_on_signals(worker)
       stats = worker.run()
   except (ParamServerError, connect_flags.TokenFileError, WeightsDoNotFit) as e:
     print(f"rlax-ps worker: {e}", file=sys.stderr, flush=True)

@@ -162,6 +162,8 @@ class Worker:
     self._grace_end = math.inf  # stopping: when the grace period ends (time.monotonic)
     # The client's own call timeout: once stopping, each call gets at most the grace left.
     self._client_timeout = getattr(client, "timeout_s", None)
+    # Set once stopping: the client then retries nothing (its retry waits end at once).
+    self._interrupt = getattr(client, "interrupt", None)
     self._done = threading.Event()  # set when run() returns
     self._beat_now = threading.Event()  # wakes the heartbeat early: a new version is held
     # The newest version the heartbeat heard of, for the prefetch thread to pull (a long
@@ -195,13 +197,17 @@ class Worker:
   # ------------------------------------------------------------ stopping
 
   def request_stop(self, grace_s: float | None = None) -> None:
-    """Stop leasing; finish the current call, release the rest, exit within the grace period."""
+    """Stop leasing; finish the current call, release the rest, exit within the grace period.
+    A call the client is retrying (the server unreachable or stalled) gives up at once, and
+    so does any later call that fails."""
     if self._stop.is_set():
       return
     grace = self.config.grace_s if grace_s is None else grace_s
     self._grace_end = time.monotonic() + grace
     self._salvage_at = self._grace_end - self.config.salvage_s
     self._stop.set()
+    if self._interrupt is not None:
+      self._interrupt.set()
     logging.info("worker: stop requested; releasing in-flight prompts within %.1fs", grace)
     threading.Thread(target=self._watchdog, args=(grace,), daemon=True).start()
 
@@ -366,6 +372,8 @@ class Worker:
           thread.join(min(_HEARTBEAT_JOIN_S, max(0.0, self._grace_left())))
       if self.stopping and self._client_timeout is not None:  # the client may serve on
         self.client.timeout_s = self._client_timeout
+        if self._interrupt is not None:
+          self._interrupt.clear()
     return self.stats
 
   def _with_backoff(self, fn: Callable[[], Any]) -> Any:

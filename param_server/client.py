@@ -1,7 +1,8 @@
 """`ParamServerClient`: the trainer's and the workers' handle on the parameter server.
 
 Calls are retried with exponential backoff and full jitter while the server is
-UNAVAILABLE (restarting, or the network blinked); every other failure raises a
+UNAVAILABLE (restarting, or the network blinked) or a call ran past its deadline (a
+server stalled for a while); every other failure raises a
 `ParamServerError` carrying the gRPC code and the server's message (which names
 the field). A broken `pull` resumes from the last byte it holds. Retrying is
 safe for every call: publishing the same update twice, enqueueing the same
@@ -12,6 +13,7 @@ once; a lease or take whose reply was lost simply expires and is served again.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import threading
 import time
@@ -33,10 +35,11 @@ RolloutGroup = pb.RolloutGroup
 VersionInfo = pb.VersionInfo
 Stats = pb.Stats
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # How a weight relay begins the UNAVAILABLE it answers while it cannot reach, or is refused
 # by, the server it follows: a client given `ipv4:RELAY,SERVER` then talks to the server.
 RELAY_DOWN = "weight relay cannot serve:"
+RELAY_AGAIN_S = 60.0  # a client that left its relay tries it again after this long
 RETRY_LOG_S = 30.0  # a call that keeps failing is logged at once, then at most this often
 
 
@@ -44,13 +47,23 @@ def _flag_hint(role: str) -> str:
   return f"--token, ${'RLAX_PS_' + role.upper() + '_TOKEN'} or --token_file"
 
 
-def fallback_address(address: str) -> str | None:
-  """`ipv4:RELAY:PORT,SERVER:PORT` -> `ipv4:SERVER:PORT` (the addresses after the first);
-  None for a single address."""
+def relay_and_server(address: str) -> tuple[str, str] | None:
+  """`ipv4:RELAY:PORT,SERVER:PORT` -> (`ipv4:RELAY:PORT`, `ipv4:SERVER:PORT`) (the server:
+  the addresses after the first); None for a single address."""
   scheme, sep, rest = address.partition(":")
   if not sep or scheme not in ("ipv4", "ipv6") or "," not in rest:
     return None
-  return f"{scheme}:{rest.split(',', 1)[1]}"
+  relay, server = rest.split(",", 1)
+  return f"{scheme}:{relay}", f"{scheme}:{server}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+  """One channel to call on, the relay's or the server's, with its stubs."""
+  address: str
+  channel: grpc.Channel
+  stub: pb_grpc.ParamServerStub
+  pull: Callable  # Pull, its chunks parsed without copying their bytes (pull_wire.py)
 
 
 class ParamServerError(Exception):
@@ -211,7 +224,8 @@ class ParamServerClient:
   def __init__(self, address: str, token: str | None = None, role: str = "worker", *,
                root_certificates: bytes | None = None, tls_server_name: str | None = None,
                chunk_bytes: int = 4 << 20, retry: RetryPolicy = RetryPolicy(),
-               timeout_s: float = 30.0, dead_after_s: float = DEAD_AFTER_S):
+               timeout_s: float = 30.0, dead_after_s: float = DEAD_AFTER_S,
+               relay_again_s: float = RELAY_AGAIN_S):
     self.address = address
     self.role = role
     self.chunk_bytes = chunk_bytes
@@ -235,34 +249,45 @@ class ParamServerClient:
       self._credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
     else:
       self._credentials = None
-    self._fallback = fallback_address(address)
-    self._fallback_lock = threading.Lock()
-    self._connect(address)
-    self._relay_channel = self._channel
+    # Given `ipv4:RELAY,SERVER`: calls go to the relay; one it cannot answer (down, or
+    # unable to follow its server) goes to the server, and so do the calls after it until
+    # `relay_again_s` has passed; then the relay is tried again (it may have restarted).
+    relay_server = relay_and_server(address)
+    self.relay_again_s = relay_again_s
+    self._relay = self._open(relay_server[0] if relay_server else address)
+    self._server_address = relay_server[1] if relay_server else None
+    self._server: _Route | None = None  # opened when first needed
+    self._route = self._relay
+    self._relay_again_at = math.inf
+    self._route_lock = threading.Lock()
 
-  def _connect(self, address: str) -> None:
+  def _open(self, address: str) -> _Route:
     if self._credentials is not None:
-      self._channel = grpc.secure_channel(address, self._credentials, options=self._options)
+      channel = grpc.secure_channel(address, self._credentials, options=self._options)
     else:
-      self._channel = grpc.insecure_channel(address, options=self._options)
-    self._stub = pb_grpc.ParamServerStub(self._channel)
-    # Pull parses its chunks without copying their bytes (pull_wire.py).
-    self._pull = self._channel.unary_stream(
+      channel = grpc.insecure_channel(address, options=self._options)
+    pull = channel.unary_stream(
         "/rlax_ps.v1.ParamServer/Pull", request_serializer=pb.PullRequest.SerializeToString,
         response_deserializer=pull_wire.decode_pull_chunk)
+    return _Route(address, channel, pb_grpc.ParamServerStub(channel), pull)
 
   # ------------------------------------------------------------ plumbing
 
   @property
   def channel(self) -> grpc.Channel:
-    """The channel to the server (TLS and limits as this client's), for a relay's
+    """The channel calls go to now (TLS and limits as this client's), for a relay's
     passed-through calls."""
-    return self._channel
+    return self._now().channel
+
+  @property
+  def on_relay(self) -> bool:
+    """Whether calls go to the relay now (a single address: always)."""
+    return self._route is self._relay
 
   def close(self) -> None:
-    self._channel.close()
-    if self._relay_channel is not self._channel:  # fell back from a relay
-      self._relay_channel.close()
+    self._relay.channel.close()
+    if self._server is not None:
+      self._server.channel.close()
 
   def __enter__(self) -> "ParamServerClient":
     return self
@@ -282,25 +307,41 @@ class ParamServerClient:
       details += f" (is the server at {self.address} using TLS? pass --tls_ca)"
     return ParamServerError(method, code, details)
 
-  def _fall_back(self, details: str) -> bool:
-    """Given `ipv4:RELAY,SERVER` and a relay that says it cannot serve, talk to the server
-    from now on; False when there is nowhere to fall back to."""
-    if not details.startswith(RELAY_DOWN):
+  def _now(self) -> _Route:
+    """Where a call goes: the relay, or the server while the relay is left (until
+    relay_again_s after leaving it)."""
+    if self._route is not self._relay and time.monotonic() >= self._relay_again_at:
+      with self._route_lock:
+        if self._route is not self._relay:
+          logging.info("param server client: trying the relay %s again", self._relay.address)
+          self._route = self._relay
+    return self._route
+
+  def _leave_relay(self, route: _Route, details: str) -> bool:
+    """After a call to the relay failed as retryable: the server takes the calls from now
+    (True), the relay tried again relay_again_s later; False with no server to go to or
+    when the failed call went to the server."""
+    if self._server_address is None or route is not self._relay:
       return False
-    with self._fallback_lock:  # calls on other threads may meet the relay's answer too
-      if self._fallback is None:
-        return self._channel is not self._relay_channel  # another thread switched already
-      logging.warning("param server client: %s; talking to %s instead", details, self._fallback)
-      fallback, self._fallback = self._fallback, None
-      self._connect(fallback)  # the relay's channel is left open for calls still on it
+    with self._route_lock:  # calls on other threads may fail on the relay too
+      if self._route is self._relay:
+        logging.warning("param server client: the relay %s cannot serve (%s); talking to %s "
+                        "for %gs", self._relay.address, details, self._server_address,
+                        self.relay_again_s)
+        if self._server is None:
+          self._server = self._open(self._server_address)
+        self._route = self._server
+        self._relay_again_at = time.monotonic() + self.relay_again_s
     return True
 
   def _wait_to_retry(self, method: str, code: grpc.StatusCode, details: str, delays,
-                     retry: RetryPolicy | None = None) -> None:
-    """Sleep the next backoff delay after a failed attempt (logged at once, then at most
-    every RETRY_LOG_S); raise once the retries (`retry`, else the client's) are spent or a
-    stop was requested."""
-    if self._fall_back(details):
+                     route: _Route, retry: RetryPolicy | None = None) -> None:
+    """Sleep the next backoff delay after a failed attempt on `route` (logged at once, then
+    at most every RETRY_LOG_S); raise once the retries (`retry`, else the client's) are
+    spent or a stop was requested. A relay that failed is left for the server at once."""
+    if self.interrupt.is_set():
+      raise ParamServerError(method, code, f"stop requested: {details}")
+    if self._leave_relay(route, details):
       return
     deadline_s = (retry or self.retry).deadline_s
     delay = next(delays, None)
@@ -315,21 +356,24 @@ class ParamServerClient:
     if self.interrupt.wait(delay):
       raise ParamServerError(method, code, f"stop requested while retrying: {details}")
 
-  def _with_retry(self, method: str, fn: Callable[[], object], retry: RetryPolicy | None = None):
+  def _with_retry(self, method: str, fn: Callable[[pb_grpc.ParamServerStub], object],
+                  retry: RetryPolicy | None = None):
+    """fn(stub) for the route of the moment, retried as RETRYABLE says."""
     delays = (retry or self.retry).delays()
     while True:
+      route = self._now()
       try:
-        return fn()
+        return fn(route.stub)
       except grpc.RpcError as e:
         if e.code() not in RETRYABLE:
           raise self.error(method, e.code(), e.details() or "") from None
         code, details = e.code(), e.details() or ""
-      self._wait_to_retry(method, code, details, delays, retry)
+      self._wait_to_retry(method, code, details, delays, route, retry)
 
   def _call(self, method: str, request, timeout_s: float | None = None,
             retry: RetryPolicy | None = None):
     timeout = self.timeout_s if timeout_s is None else timeout_s
-    return self._with_retry(method, lambda: getattr(self._stub, method)(
+    return self._with_retry(method, lambda stub: getattr(stub, method)(
         request, metadata=self._metadata, timeout=timeout), retry)
 
   def _require_worker(self, worker_id: str | None) -> str:
@@ -388,7 +432,7 @@ class ParamServerClient:
                               run=run if offset == 0 else "")
 
     timeout = self.timeout_s + total / (50 << 20)
-    return self._with_retry("Publish", lambda: self._stub.Publish(
+    return self._with_retry("Publish", lambda stub: stub.Publish(
         chunks(), metadata=self._metadata, timeout=timeout))
 
   def stream_pull(self, have_version: int | None = None,
@@ -401,7 +445,7 @@ class ParamServerClient:
     request = PullProgress(have_version=have_version).request()
     if resume is not None:
       request.resume_version, request.resume_base_version, request.resume_offset = resume
-    return self._pull(request, metadata=self._metadata)
+    return self._now().pull(request, metadata=self._metadata)
 
   def pull(self, have_version: int | None = None, *, progress: PullProgress | None = None,
            on_chunk: Callable[[pull_wire.PullChunkView], None] | None = None) -> list[bytearray]:
@@ -415,8 +459,9 @@ class ParamServerClient:
     while not progress.done:
       progress.attempts += 1
       request = progress.request()
+      route = self._now()
       try:
-        first, call = True, self._pull(request, metadata=self._metadata)
+        first, call = True, route.pull(request, metadata=self._metadata)
         try:
           for chunk in call:
             if first and request.resume_offset and chunk.offset == request.resume_offset:
@@ -434,7 +479,7 @@ class ParamServerClient:
         if e.code() not in RETRYABLE:
           raise self.error("Pull", e.code(), e.details() or "") from None
         error = e.details() or ""
-      self._wait_to_retry("Pull", grpc.StatusCode.UNAVAILABLE, error, delays)
+      self._wait_to_retry("Pull", grpc.StatusCode.UNAVAILABLE, error, delays, route)
     return progress.updates
 
   def pull_updates(self, have_version: int | None = None, **kwargs) -> list:
@@ -450,7 +495,8 @@ class ParamServerClient:
     delays = self.retry.delays()
     while end is None or time.monotonic() < end:
       left = None if end is None else max(0.0, end - time.monotonic())
-      stream = self._stub.Watch(pb.WatchRequest(after_version=after_version), metadata=self._metadata,
+      route = self._now()
+      stream = route.stub.Watch(pb.WatchRequest(after_version=after_version), metadata=self._metadata,
                                 timeout=left)
       try:
         for info in stream:
@@ -463,7 +509,7 @@ class ParamServerClient:
           return
         if e.code() not in RETRYABLE:
           raise self.error("Watch", e.code(), e.details() or "") from None
-        self._wait_to_retry("Watch", e.code(), e.details() or "", delays)
+        self._wait_to_retry("Watch", e.code(), e.details() or "", delays, route)
       finally:
         stream.cancel()
 

@@ -19,8 +19,8 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 ADDRESS = flags.DEFINE_string("address", None, f"parameter server host:port (default "
                               f"{DEFAULT_ADDRESS}); ipv4:RELAY_IP:PORT,SERVER_IP:PORT: a "
-                              f"weight relay, and the server should the relay not answer or "
-                              f"not serve")
+                              f"weight relay, and the server while the relay does not answer or "
+                              f"serve (the relay is tried again each minute)")
 TOKEN = flags.DEFINE_string("token", None, "bearer token; else $RLAX_PS_<ROLE>_TOKEN, else "
                             "--token_file")
 TOKEN_FILE = flags.DEFINE_string("token_file", None, "the server's tokens.json (owner-only); "
@@ -39,7 +39,8 @@ def require_address() -> None:
   flags.mark_flag_as_required("address")
   flags.FLAGS["address"].help = ("parameter server host:port (required); "
                                  "ipv4:RELAY_IP:PORT,SERVER_IP:PORT: a weight relay, and the "
-                                 "server should the relay not answer or not serve")
+                                 "server while the relay does not answer or serve (the relay "
+                                 "is tried again each minute)")
 
 
 def await_file(path: str, timeout_s: float, poll_s: float = 0.2) -> None:

@@ -14,8 +14,9 @@ region's, then a zone's following it) pipeline it the same way.
 A stream from the server that breaks is resumed from the byte it broke at; the pulls
 reading it wait (up to `max_wait_s` without progress), then fail as UNAVAILABLE, which
 workers retry. Workers verify what they apply, as from the server. Given
-`--address=ipv4:RELAY_IP:PORT,SERVER_IP:PORT`, a worker talks to the server directly while
-its relay does not answer (gRPC's pick_first).
+`--address=ipv4:RELAY_IP:PORT,SERVER_IP:PORT`, a worker talks to the server directly once
+its relay does not answer or cannot follow the server, and tries the relay again a minute
+later (`ParamServerClient.relay_again_s`): a replaced relay gets its workers back.
 """
 
 from __future__ import annotations

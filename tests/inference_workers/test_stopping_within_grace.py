@@ -237,3 +237,21 @@ def test_a_real_client_s_release_arrives_with_the_grace_left_as_its_deadline(
   # What reached the server: the grace left, not the client's 10 s (gRPC's timeout header
   # may round it up by a few milliseconds).
   assert len(seen) == 1 and 0 < seen[0] < 2.5
+
+
+def test_a_stop_ends_the_client_s_retrying_of_an_unreachable_server(monkeypatch):
+  # The worker's client retries an unreachable server for up to an hour; request_stop (not
+  # only `rlax-ps worker`'s signal thread) ends that wait at once.
+  from param_server.client import ParamServerClient, RetryPolicy
+  from ports import free_port
+  monkeypatch.setattr(Worker, "_watchdog", lambda self, grace: None)
+  with ParamServerClient(f"127.0.0.1:{free_port()}", token="t", timeout_s=1.0,
+                         retry=RetryPolicy(initial_s=2.0, max_s=2.0, deadline_s=3600.0)) as wc:
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    errors = []
+    caller = threading.Thread(target=lambda: errors.append(
+        pytest.raises(ParamServerError, wc.latest_version)), daemon=True)
+    caller.start()
+    worker.request_stop()
+    caller.join(60)  # a guard against a hang: the retries would last an hour
+    assert not caller.is_alive() and "stop requested" in str(errors[0].value)

@@ -348,8 +348,8 @@ def test_a_relay_refuses_to_serve_a_run_older_than_what_it_holds(start_server, s
 
 def test_a_worker_given_the_relay_then_the_server_goes_on_when_the_relay_dies(
     server, trainer, start_relay):
-  """--address=ipv4:RELAY,SERVER: gRPC's pick_first takes the relay while it answers and
-  the server once it does not, so a relay is no single point of failure."""
+  """--address=ipv4:RELAY,SERVER: the client takes the relay while it answers and the
+  server once it does not, so a relay is no single point of failure."""
   publish_chain(trainer, 2)
   relay = start_relay(server)
   with client_for(f"ipv4:127.0.0.1:{relay.port},127.0.0.1:{server.port}", "worker") as w:
@@ -360,6 +360,36 @@ def test_a_worker_given_the_relay_then_the_server_goes_on_when_the_relay_dies(
     assert server.servicer.pulls_served == 2  # the worker's own, from the server
     w.register("fell-back")
     assert w.heartbeat(version=1) == 1
+
+
+def test_a_worker_that_left_its_relay_goes_back_to_it_once_it_serves_again(
+    server, trainer, start_relay):
+  """A relay restarted (its VM preempted and replaced) gets its workers back: a client that
+  went to the server tries the relay again relay_again_s later, instead of leaving the
+  server to carry every worker's pulls for good."""
+  publish_chain(trainer, 2)
+  relay = start_relay(server)
+  port = relay.port
+  with client_for(f"ipv4:127.0.0.1:{port},127.0.0.1:{server.port}", "worker",
+                  relay_again_s=0.5) as w:
+    want = apply_blobs(w.pull())
+    relay.stop(grace=0)
+    assert _same(apply_blobs(w.pull()), want) and not w.on_relay
+    time.sleep(0.6)  # the relay is tried again, still down: the server answers at once
+    assert _same(apply_blobs(w.pull()), want) and not w.on_relay
+    served = server.servicer.pulls_served
+    again = start_relay(server, port=port)
+    _until(lambda: again.weights.latest == 1)
+    end = time.monotonic() + 10.0
+    while not again.servicer.pulls_served:
+      assert time.monotonic() < end, "the worker never went back to its relay"
+      assert _same(apply_blobs(w.pull()), want)
+      time.sleep(0.1)
+    assert w.on_relay
+    pulls_via_server = server.servicer.pulls_served - served
+    assert _same(apply_blobs(w.pull()), want)
+    assert again.servicer.pulls_served == 2
+    assert server.servicer.pulls_served - served == pulls_via_server  # the relay's, not more
 
 
 def test_through_a_server_outage_a_pull_gets_what_the_relay_holds_at_once(
