@@ -552,11 +552,11 @@ class ContinuousBatch:
             begun: Sequence[Sample] | None = None) -> _Waiting:
     """add's checks and queue entry, not queued yet (so that several can be checked before
     any is queued)."""
-    seeds = np.asarray(seeds, np.int64).reshape(-1)
+    seeds = np.asarray(seeds).reshape(-1)
     if not 1 <= seeds.size <= self.n:
       raise ValueError(f"seeds: expected 1 to n={self.n} seeds (one per sample), got "
                        f"{seeds.size}")
-    check_request(self.model.config, [prompt], seeds.tolist(), seeds.size, self.params)
+    check_request(self.model.config, [prompt], seeds, seeds.size, self.params)
     tokens, lens = pad_prompts([prompt], 1, len(prompt), self.model.config.vocab_size)
     padded = np.zeros((self.n,), np.int32)
     padded[:seeds.size] = seeds

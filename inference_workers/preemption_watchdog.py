@@ -92,10 +92,20 @@ class PreemptionWatchdog:
 
   def run(self) -> int:
     """Start the child and watch it until it exits (and, with `restart`, until one exits
-    cleanly or is stopped); return the last exit code."""
-    if threading.current_thread() is threading.main_thread():  # forward our own SIGTERM too
+    cleanly or is stopped); return the last exit code. Our own SIGTERM and SIGINT are
+    forwarded to the child meanwhile (from the main thread); the handlers before are put
+    back on return."""
+    before = {}
+    if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: self.terminate())
+        before[sig] = signal.signal(sig, lambda *_: self.terminate())
+    try:
+      return self._run()
+    finally:
+      for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+  def _run(self) -> int:
     delay = self.backoff_s
     while True:
       started = time.monotonic()

@@ -302,6 +302,8 @@ def test_bad_input_is_named(model):
     batch.add(0, PROMPTS[0], [1, 2, 3])
   with pytest.raises(ValueError, match="seeds: expected 1 to n=2 seeds"):
     batch.add(0, PROMPTS[0], [])
+  with pytest.raises(ValueError, match="seeds: expected a sequence of 2 ints"):
+    batch.add(0, PROMPTS[0], [1.7, 2.2])  # not truncated to 1 and 2
   with pytest.raises(ValueError, match=r"prompts\[0\]"):
     batch.add(0, [CONFIG.vocab_size], [1, 2])
   with pytest.raises(ValueError, match="max_position_embeddings"):

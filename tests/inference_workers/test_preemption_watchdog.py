@@ -168,6 +168,22 @@ def test_without_restart_the_first_failure_is_the_exit_code(tmp_path):
   assert watchdog.run() == 3 and watchdog.starts == 1
 
 
+def test_run_puts_back_the_signal_handlers_it_found(tmp_path):
+  # It forwards SIGTERM and SIGINT while its child runs, not for the rest of the process.
+  import signal
+
+  def mine(*_):
+    return None
+
+  before = {sig: signal.signal(sig, mine) for sig in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    assert _flaky(tmp_path, fails=0, sleep_s=0).run() == 0
+    assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is mine
+  finally:
+    for sig, handler in before.items():
+      signal.signal(sig, handler)
+
+
 def test_a_stopped_child_is_not_restarted_even_if_it_fails(tmp_path):
   watchdog = _flaky(tmp_path, fails=0, sleep_s=60, restart=True)
   thread, result = _start(watchdog)
