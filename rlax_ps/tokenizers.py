@@ -32,7 +32,7 @@ class Tokenizer(Protocol):
   def vocab_size(self) -> int: ...
 
   @property
-  def bos_id(self) -> int: ...
+  def bos_id(self) -> int | None: ...  # None: prompts start with no bos
 
   @property
   def eos_id(self) -> int: ...
@@ -141,9 +141,12 @@ class CharTokenizer:
 
   def check_checkpoint(self, checkpoint: str) -> None:
     """ValueError naming tokenizer.kind when the Hugging Face checkpoint folder `checkpoint`
-    ships a tokenizer.json other than this one's (its model was trained on other ids)."""
+    ships a tokenizer.json other than this one's (its model was trained on other ids), or
+    ships none and embeds more ids than this one has (another tokenizer's model: it would
+    sample ids this one cannot decode); FileNotFoundError when it has no config.json."""
     file = os.path.join(checkpoint, "tokenizer.json")
     if not os.path.isfile(file):
+      self._check_vocab_size(checkpoint)
       return
     with open(file) as f:
       model = json.load(f).get("model") or {}
@@ -156,15 +159,36 @@ class CharTokenizer:
                      f"{len(vocab or ())} tokens); set --config.tokenizer.kind=hf to use the "
                      f"checkpoint's")
 
+  def _check_vocab_size(self, checkpoint: str) -> None:
+    """ValueError when the config.json of `checkpoint` (which ships no tokenizer.json) has a
+    vocab_size above this tokenizer's."""
+    config = os.path.join(checkpoint, "config.json")
+    if not os.path.isfile(config):
+      raise FileNotFoundError(f"no config.json in HF checkpoint folder {checkpoint!r}")
+    with open(config) as f:
+      d = json.load(f)
+    vocab = d.get("vocab_size") or (d.get("text_config") or {}).get("vocab_size")
+    if isinstance(vocab, int) and vocab > self.vocab_size:
+      raise ValueError(f"tokenizer.kind: 'char' (the built-in character tokenizer, "
+                       f"{self.vocab_size} ids) is not the tokenizer of the checkpoint "
+                       f"{checkpoint} (its config.json: vocab_size {vocab}, and no "
+                       f"tokenizer.json); set --config.tokenizer.kind=hf and "
+                       f"--config.tokenizer.path to its tokenizer")
+
   def save(self, directory: str) -> str:
     """Write an equivalent Hugging Face `tokenizer.json` (loadable by HFTokenizer and by
-    `transformers`), so an exported model ships with its tokenizer."""
+    `transformers`), so an exported model ships with its tokenizer. Its post-processor
+    starts each text with <bos>, as encode_prompt does: transformers and vLLM then give
+    the exported model the prompt ids it was trained on."""
     from tokenizers import Regex, Tokenizer as _HFTok, decoders, models, pre_tokenizers
+    from tokenizers import processors
 
     tok = _HFTok(models.WordLevel(self.vocab, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(self.specials))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, self.bos_id)])
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "tokenizer.json")
     tok.save(path)
@@ -195,6 +219,8 @@ class HFTokenizer:
 
   Special tokens come from the arguments, else the sibling `tokenizer_config.json`, else
   common spellings; pad falls back to eos, as for Llama checkpoints that have no pad token.
+  A tokenizer_config.json that states `"bos_token": null` (Qwen's) means no bos, as in
+  transformers: prompts then start with their text, and bos_id is None.
   Generation stops at eos, at every `eos_token_id` of a sibling generation_config.json
   (instruct models end a turn with their own token) and at each of `stop_tokens`.
   `chat_template` ("auto" or a .jinja path; rlax_ps.chat) renders prompts as a
@@ -219,7 +245,9 @@ class HFTokenizer:
     if os.path.exists(cfg_file):
       with open(cfg_file) as f:
         cfg = json.load(f)
-    self._bos = self._resolve("bos", bos_token or _token_text(cfg.get("bos_token")), _BOS_GUESSES)
+    bos = bos_token or _token_text(cfg.get("bos_token"))
+    self._bos = (None if bos is None and "bos_token" in cfg
+                 else self._resolve("bos", bos, _BOS_GUESSES))
     self._eos = self._resolve("eos", eos_token or _token_text(cfg.get("eos_token")), _EOS_GUESSES)
     pad = self._resolve("pad", pad_token or _token_text(cfg.get("pad_token")), _PAD_GUESSES,
                         required=False)
@@ -240,7 +268,8 @@ class HFTokenizer:
     self._reply_frames: dict[tuple[int, int], list[str]] = {}  # (closing, count) -> frame
     # The special tokens a template sees by name, as transformers passes them.
     self._special = {f"{kind}_token": self._tok.id_to_token(i)
-                     for kind, i in (("bos", self._bos), ("eos", self._eos), ("pad", self._pad))}
+                     for kind, i in (("bos", self._bos), ("eos", self._eos), ("pad", self._pad))
+                     if i is not None}
 
   def _resolve(self, kind, name, guesses, required=True):
     if name is not None:
@@ -263,7 +292,7 @@ class HFTokenizer:
     return self._tok.get_vocab_size(with_added_tokens=True)
 
   @property
-  def bos_id(self) -> int:
+  def bos_id(self) -> int | None:
     return self._bos
 
   @property
@@ -280,7 +309,8 @@ class HFTokenizer:
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     ids = self._tok.encode(text, add_special_tokens=False).ids
-    return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+    bos = [self.bos_id] if add_bos and self.bos_id is not None else []
+    return bos + ids + ([self.eos_id] if add_eos else [])
 
   def render_prompt(self, prompt: str | list[dict[str, str]]) -> str:
     """The prompt text the model sees: with a chat template, a text prompt is one user
@@ -435,7 +465,7 @@ def tokenizer_from_config(block: Mapping[str, Any] | None, default_path: str = "
   """The tokenizer a config's `tokenizer` block names (kind, path, alphabet, chat_template,
   chat_kwargs, stop_tokens, tools); `default_path` (the HF checkpoint started from) when it
   names no path; `tool_modules` (worker.verifiers) define the tools. The char tokenizer is
-  refused for a checkpoint that ships another tokenizer."""
+  refused for a checkpoint that ships another tokenizer, or none and more ids."""
   block = block or {}
   tokenizer = make_tokenizer(str(block.get("kind", "char")), str(block.get("path", "") or default_path),
                         str(block.get("alphabet", "")),

@@ -36,7 +36,7 @@ def test_a_text_prompt_is_one_user_message_and_without_a_template_stays_text():
   assert tok.encode_prompt(one["messages"][0]["content"]) == one["ids"]
   plain = HFTokenizer(CHAT)
   assert plain.chat_template is None
-  assert plain.encode_prompt("hello world") == [plain.bos_id] + plain.encode("hello world")
+  assert plain.encode_prompt("hello world") == plain.encode("hello world")  # it states no bos
 
 
 def test_generation_stops_at_eos_and_every_generation_config_eos():

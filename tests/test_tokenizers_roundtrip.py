@@ -1,8 +1,13 @@
 """Tokenizers: char-level round trips, special ids, HF tokenizer.json through one interface."""
 
+import json
+import os
+import re
+import shutil
+
 import pytest
 
-from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer
+from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer, tokenizer_from_config
 
 
 def test_char_tokenizer_round_trips_text():
@@ -62,3 +67,42 @@ def test_make_tokenizer_checks_kind(tmp_path):
     make_tokenizer("bpe")
   with pytest.raises(ValueError, match="tokenizer.path"):
     make_tokenizer("hf")
+
+
+def test_a_tokenizer_config_stating_no_bos_starts_prompts_with_no_bos(tmp_path):
+  # Qwen's tokenizer_config.json says "bos_token": null: transformers' tokenizer("hello
+  # world").input_ids is [325, 334] for this one, with no <|endoftext|> before it.
+  chat = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "chat_tokenizer")
+  tok = HFTokenizer(chat)
+  assert tok.bos_id is None
+  assert tok.encode_prompt("hello world") == [325, 334]
+  assert tok.encode("hello world", add_bos=True, add_eos=True) == [325, 334, tok.eos_id]
+  shutil.copy(os.path.join(chat, "tokenizer.json"), tmp_path / "tokenizer.json")
+  assert HFTokenizer(str(tmp_path)).bos_id is not None  # no config: a common spelling
+
+
+def test_a_saved_char_tokenizer_gives_transformers_the_prompt_ids_we_train_on(tmp_path):
+  # transformers' tokenizer(text) (and vLLM's) is the tokenizer.json's encode with its
+  # post-processor: it must put <bos> first, as encode_prompt does.
+  from tokenizers import Tokenizer
+  char = CharTokenizer()
+  char.save(str(tmp_path))
+  saved = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+  assert saved.encode("12+3=").ids == char.encode_prompt("12+3=")
+  assert saved.decode(saved.encode("12+3=").ids) == "12+3="
+  assert HFTokenizer(str(tmp_path)).encode_prompt("12+3=") == char.encode_prompt("12+3=")
+
+
+def test_the_char_tokenizer_is_refused_for_a_tokenizerless_checkpoint_of_more_ids(tmp_path):
+  # A model of 300 ids with no tokenizer.json is another tokenizer's: it would sample ids
+  # the char tokenizer cannot decode, so the run stops before it starts, not at its first
+  # decode.
+  (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+  with pytest.raises(ValueError, match=re.escape(
+      "tokenizer.kind: 'char' (the built-in character tokenizer, 99 ids) is not the tokenizer "
+      f"of the checkpoint {tmp_path} (its config.json: vocab_size 300, and no tokenizer.json)")):
+    tokenizer_from_config({"kind": "char"}, str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 99}))
+  assert tokenizer_from_config({"kind": "char"}, str(tmp_path)).vocab_size == 99
+  with pytest.raises(FileNotFoundError, match="no config.json in HF checkpoint folder"):
+    tokenizer_from_config({"kind": "char"}, str(tmp_path / "nowhere"))

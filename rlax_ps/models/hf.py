@@ -122,7 +122,11 @@ _OLMO_FAMILY = {"qk_norm": True, "qk_norm_across_heads": True, "post_norms": Tru
 _OLMO_THETA = 500000.0  # transformers' Olmo3Config.default_theta
 # transformers' rms_norm_eps where a config.json leaves it out (else 1e-6).
 _DEFAULT_RMS_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "glm4": 1.5625e-7,
-                    "gpt_oss": 1e-5}
+                    "gpt_oss": 1e-5, "mixtral": 1e-5}
+# Other fields whose transformers default, where a config.json leaves them out, is not ours
+# (RoPE base 10000, untied head).
+_CLASS_DEFAULTS = {"mixtral": {"rope_theta": 1e6},
+                   "smollm3": {"rope_theta": 2e6, "tie_word_embeddings": True}}
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768,
                           "qwen3_moe": 32768, "mistral": 32768, "mixtral": 131072,
@@ -305,6 +309,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   gemma = arch in _GEMMA_DEFAULTS
   if gemma:
     d = {**_GEMMA_DEFAULTS[arch], **d}
+  d = {**d, **{k: v for k, v in _CLASS_DEFAULTS.get(arch, {}).items() if d.get(k) is None}}
   family = dict(_FAMILY[arch])
   act_key = "hidden_activation" if gemma else "hidden_act"
   act = d.get(act_key) or d.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
@@ -720,12 +725,26 @@ def _tensor_files(path: str) -> dict[str, str]:
   index = os.path.join(path, INDEX_FILE)
   if not os.path.isfile(index):
     raise FileNotFoundError(f"HF checkpoint folder {path!r} has neither {SINGLE_FILE} "
-                            f"nor {INDEX_FILE}")
+                            f"nor {INDEX_FILE}{_torch_weights_hint(path)}")
   with open(index) as f:
     weight_map = json.load(f).get("weight_map")
   if not isinstance(weight_map, dict):
     raise ValueError(f"{index}: weight_map: expected a dict of tensor -> file, got {weight_map!r}")
   return {name: os.path.join(path, file) for name, file in weight_map.items()}
+
+
+# The weight files of torch-pickle checkpoints (save_pretrained(safe_serialization=False)).
+_TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _torch_weights_hint(path: str) -> str:
+  """What to do about a folder holding torch-pickle weights instead of safetensors, or ''."""
+  found = [f for f in _TORCH_WEIGHTS if os.path.isfile(os.path.join(path, f))]
+  if not found:
+    return ""
+  return (f" (its weights are in {found[0]}, a torch pickle, which is not read: save them as "
+          "safetensors, e.g. transformers' model.save_pretrained(folder) with "
+          "safe_serialization=True)")
 
 
 def _language_model_view(files: Mapping[str, str]) -> dict[str, tuple[str, str]]:
@@ -764,22 +783,27 @@ def _read_tensors(view: Mapping[str, tuple[str, str]], wanted: list[str]
         yield name, f.get_tensor(stored)
 
 
-def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
-                   ) -> dict[str, np.ndarray]:
-  """Our flat params (host numpy, config.param_dtype) from the safetensors at `path`.
-
-  Every tensor the config needs must be there and nothing else may be, except rotary
-  `inv_freq` buffers, a tied checkpoint's redundant `lm_head.weight` and an image-text
-  checkpoint's vision tensors. Per-expert tensors are stacked into their param. `extra`
-  names tensors beyond the language model's (a reward model's `score.weight`): each must
-  be there too, and comes back as stored, under its own name.
-  """
-  names = hf_tensor_names(config)
+def check_hf_checkpoint(path: str) -> ModelConfig:
+  """The ModelConfig of the HF checkpoint folder `path`, once its safetensors' headers (no
+  weights read) name every tensor that config needs and no other, in files that exist: what
+  load_hf_checkpoint would refuse for its config or tensor names, found before loading."""
+  config = read_hf_config(path)
   files = _language_model_view(_tensor_files(path))
-  # HF name -> [(our param, its expert's index in a stacked param, its Rows of a fused
-  # tensor, or None, transposed)]
+  _needed_tensors(path, config, files)
+  for file in sorted({file for file, _ in files.values()}):
+    if not os.path.isfile(file):
+      raise FileNotFoundError(f"HF checkpoint {path!r}: file {file!r} named by {INDEX_FILE} "
+                              "does not exist")
+  return config
+
+
+def _needed_tensors(path: str, config: ModelConfig, files: Mapping[str, tuple[str, str]],
+                    extra: Sequence[str] = ()) -> tuple[dict[str, list], set[str], set[str]]:
+  """(HF name -> [(our param, its expert's index in a stacked param, its Rows or Columns of a
+  fused tensor, or None, transposed)], the stored names to read, the MXFP4-packed names) for
+  `config` over the checkpoint's `files`; a ValueError names a missing or unexpected tensor."""
   needed: dict[str, list] = {}
-  for ours, (hf, transposed) in names.items():
+  for ours, (hf, transposed) in hf_tensor_names(config).items():
     if isinstance(hf, (Rows, Columns)):
       needed.setdefault(hf.name, []).append((ours, hf, transposed))
     elif isinstance(hf, tuple):
@@ -804,6 +828,21 @@ def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
   if unexpected:
     raise ValueError(f"HF checkpoint {path!r}: unexpected tensor {unexpected[0]!r} "
                      f"({len(unexpected)} unexpected in all) for a {config.architecture} config")
+  return needed, stored, packed
+
+
+def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
+                   ) -> dict[str, np.ndarray]:
+  """Our flat params (host numpy, config.param_dtype) from the safetensors at `path`.
+
+  Every tensor the config needs must be there and nothing else may be, except rotary
+  `inv_freq` buffers, a tied checkpoint's redundant `lm_head.weight` and an image-text
+  checkpoint's vision tensors. Per-expert tensors are stacked into their param. `extra`
+  names tensors beyond the language model's (a reward model's `score.weight`): each must
+  be there too, and comes back as stored, under its own name.
+  """
+  files = _language_model_view(_tensor_files(path))
+  needed, stored, packed = _needed_tensors(path, config, files, extra)
   dtype = NP_DTYPES[config.param_dtype]
   shapes = _param_shapes(config)
   flat, experts = {}, {}

@@ -9,6 +9,8 @@ scored by its tasks' verifiers (`worker.verifiers`, decoding up to `worker.max_n
 greedy exact match, then pass@1 and pass@`eval.pass_k` sampled at `worker.temperature`. Each
 checkpoint's config.json gives its shape and its tokenizer.json its tokenizer (else the
 config's `tokenizer`, as does `tokenizer.path` when set); the config's `model` dtypes apply.
+Every checkpoint (its config, tensor names and tokenizer against its vocabulary), the held-out
+set and each tokenizer's encoding of its prompts are checked before any checkpoint is scored.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import pathlib
 from typing import Any
 
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -30,35 +32,96 @@ _OUTPUT = flags.DEFINE_string("output", "", "Also write the results as JSON here
 flags.mark_flags_as_required(["config", "checkpoints"])
 
 
+def _paths(paths) -> list[str]:
+  """The --checkpoints entries, empty ones (a trailing or doubled comma) left out."""
+  return [p for p in paths or [] if p.strip()]
+
+
 @flags.validator("checkpoints")
 def _checkpoints_exist(paths) -> bool:
-  missing = [p for p in paths or [] if not os.path.isfile(os.path.join(p, "config.json"))]
-  if missing or not paths:
+  missing = [p for p in _paths(paths) if not os.path.isfile(os.path.join(p, "config.json"))]
+  if missing or not _paths(paths):
     raise flags.ValidationError(f"expected Hugging Face checkpoint folders (with a "
                                 f"config.json), not found: {', '.join(missing) or '(none)'}")
   return True
 
 
-def evaluate_checkpoint(config, path: str) -> dict[str, Any]:
+def checkpoint_tokenizer(config, path: str):
+  """The tokenizer of the checkpoint at `path`: its own tokenizer.json (exports carry
+  theirs) unless the config's `tokenizer.path` names one, else the config's tokenizer."""
+  from rlax_ps.tokenizers import tokenizer_from_config
+  block = dict(config.tokenizer.items())
+  if not block.get("path") and os.path.isfile(os.path.join(path, "tokenizer.json")):
+    block.update(kind="hf", path=path)
+  return tokenizer_from_config(block, path, str(config.get("worker", {}).get("verifiers", "")))
+
+
+def check_checkpoint(config, path: str):
+  """The tokenizer of the checkpoint at `path`, once its config.json and its tensors' names
+  (no weights read) load and the model embeds every id of that tokenizer; else a ValueError
+  naming the checkpoint, so that no checkpoint is evaluated before every one is known good."""
+  from rlax_ps.models.hf import check_hf_checkpoint
+  try:
+    model = check_hf_checkpoint(path)
+    tokenizer = checkpoint_tokenizer(config, path)
+  except (ValueError, FileNotFoundError) as e:
+    raise ValueError(f"checkpoint {path}: {e}") from None
+  _check_vocab(tokenizer, model.vocab_size, path)
+  return tokenizer
+
+
+def _check_vocab(tokenizer, vocab_size: int, path: str) -> None:
+  """ValueError unless the model of `path` (`vocab_size` rows) embeds every id of
+  `tokenizer` (ids past its table would be clamped into it, silently), and, where it ships
+  no tokenizer.json, the char tokenizer fills that table exactly (else it is another
+  tokenizer's model)."""
+  from rlax_ps.tokenizers import CharTokenizer
+  char = isinstance(tokenizer, CharTokenizer)
+  own = os.path.isfile(os.path.join(path, "tokenizer.json"))
+  n, kind = tokenizer.vocab_size, "char" if char else "hf"
+  if char and not own and n != vocab_size:
+    raise ValueError(f"checkpoint {path}: config.json vocab_size: expected {n} (the char "
+                     f"tokenizer's ids), got {vocab_size}; it ships no tokenizer.json, so set "
+                     f"--config.tokenizer.kind=hf --config.tokenizer.path= to its tokenizer")
+  if n > vocab_size:
+    raise ValueError(f"checkpoint {path}: config.json vocab_size: expected at least {n} (the "
+                     f"{kind} tokenizer's ids), got {vocab_size}")
+
+
+def heldout_for(config, tokenizer):
+  """The config's held-out set, read with `tokenizer` (a reward model's task scores beside
+  it): its records and verifiers are checked as it is made."""
+  from rlax_ps.train import heldout as heldout_lib
+  from rlax_ps.train.run import tasks_from
+  return heldout_lib.heldout_from_config(config, tasks_from(config.tasks)[0], tokenizer)
+
+
+def check_prompts(heldout, tokenizer, path: str) -> None:
+  """ValueError naming checkpoint `path` when its tokenizer cannot encode a held-out prompt
+  (a character the char tokenizer lacks, messages without a chat template)."""
+  for name, examples in heldout.examples.items():
+    for example in examples:
+      try:
+        tokenizer.encode_prompt(example.prompt)
+      except ValueError as e:
+        raise ValueError(f"checkpoint {path}: held-out prompt of {name!r}: {e}") from None
+
+
+def evaluate_checkpoint(config, path: str, tokenizer=None, heldout=None) -> dict[str, Any]:
   """{"heldout_exact_match": {name: rate, "all": rate}, "heldout_pass": {"pass@1", "pass@k"}
-  or None} of the checkpoint at `path`, as the trainers compute them."""
+  or None} of the checkpoint at `path` (with `tokenizer`, else its own: checkpoint_tokenizer,
+  on `heldout`, else heldout_for it), as the trainers compute them."""
   from flax import nnx
 
   from rlax_ps.models import load_hf_checkpoint
-  from rlax_ps.tokenizers import tokenizer_from_config
   from rlax_ps.train import heldout as heldout_lib
-  from rlax_ps.train.run import tasks_from
 
-  block = dict(config.tokenizer.items())
-  if not block.get("path") and os.path.isfile(os.path.join(path, "tokenizer.json")):
-    block.update(kind="hf", path=path)  # the checkpoint's own (exports carry theirs)
-  tokenizer = tokenizer_from_config(block, path,
-                                    str(config.get("worker", {}).get("verifiers", "")))
+  tokenizer = tokenizer or checkpoint_tokenizer(config, path)
   model = load_hf_checkpoint(path, dtype=config.model.param_dtype,
                              compute_dtype=config.model.dtype)
   graphdef, params, _ = nnx.split(model, nnx.Param, ...)
   params = params.to_pure_dict()
-  heldout = heldout_lib.heldout_from_config(config, tasks_from(config.tasks)[0], tokenizer)
+  heldout = heldout or heldout_for(config, tokenizer)
   return {"heldout_exact_match": heldout_lib.exact_match(graphdef, params, tokenizer, heldout,
                                                          config),
           "heldout_pass": heldout_lib.pass_at_k(graphdef, params, tokenizer, heldout, config)}
@@ -69,6 +132,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
   pass@1 and pass@k."""
   from rlax_ps.local import heldout_cell
   paths = list(results)
+  if not paths:
+    return "held-out: no checkpoints evaluated"
   names = []
   for r in results.values():
     names += [n for n in r["heldout_exact_match"] if n not in names and n != "all"]
@@ -86,12 +151,35 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                              for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
 
 
+def _checked(config, paths: list[str]):
+  """({path: its tokenizer}, the held-out set read with the first's) once every checkpoint
+  (check_checkpoint), the held-out set and each tokenizer's encoding of its prompts are
+  good; else a usage error naming the flag, before any checkpoint is evaluated."""
+  try:
+    tokenizers = {p: check_checkpoint(config, p) for p in paths}
+  except ValueError as e:
+    raise app.UsageError(f"--checkpoints: {e}") from None
+  try:
+    first = heldout_for(config, tokenizers[paths[0]])
+  except (ValueError, FileNotFoundError) as e:
+    raise app.UsageError(f"--config: held-out set: {e}") from None
+  try:
+    for p in paths:
+      check_prompts(first, tokenizers[p], p)
+  except ValueError as e:
+    raise app.UsageError(f"--checkpoints: {e}") from None
+  return tokenizers, first
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise SystemExit(f"rlax-ps eval: unexpected arguments {argv[1:]}; flags are --name=value")
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
-  results = {p: evaluate_checkpoint(_CONFIG.value, p) for p in _CHECKPOINTS.value}
+  config, paths = _CONFIG.value, list(dict.fromkeys(_paths(_CHECKPOINTS.value)))
+  tokenizers, first = _checked(config, paths)
+  results = {p: evaluate_checkpoint(config, p, tokenizers[p], first if p == paths[0] else None)
+             for p in paths}
   print(table(results), flush=True)
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w") as f:
