@@ -62,12 +62,16 @@ def stop_with_parent(parent_pid: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def tail(path: str, n: int = TAIL_LINES) -> str:
+def tail(path: str, n: int = TAIL_LINES, start: int = 0) -> str:
+  """The last `n` lines of the log at `path` from byte `start` on (a log is appended to by
+  every run on the workdir: this run's part alone)."""
   try:
-    with open(path, errors="replace") as f:
-      return "".join(f.readlines()[-n:])
+    with open(path, "rb") as f:
+      f.seek(start)
+      text = f.read().decode(errors="replace")
   except OSError:
     return "(no log)"
+  return "".join(text.splitlines(keepends=True)[-n:])
 
 
 @dataclasses.dataclass
@@ -75,10 +79,11 @@ class Child:
   name: str
   process: subprocess.Popen
   log: str
+  start: int = 0  # where this run's part of the log begins
 
   def failed_message(self) -> str:
     return (f"{self.name} exited with status {self.process.returncode}; last lines of "
-            f"{self.log}:\n{tail(self.log)}")
+            f"{self.log}:\n{tail(self.log, start=self.start)}")
 
 
 class LocalRun:
@@ -124,6 +129,7 @@ class LocalRun:
   def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
     log = os.path.join(self.logs, f"{name}.log")
     with open(log, "ab") as f:
+      start = f.tell()
       f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} {name}\n".encode())
       f.flush()
       process = subprocess.Popen([self.python, "-m", "rlax_ps", *args], stdout=f,
@@ -131,7 +137,7 @@ class LocalRun:
                                  env={**os.environ, **(env or {}),
                                       STOP_WITH_PARENT: str(os.getpid())},
                                  start_new_session=True)
-    child = Child(name, process, log)
+    child = Child(name, process, log, start)
     self.children.append(child)
     return child
 
@@ -155,7 +161,7 @@ class LocalRun:
         return self.address
       time.sleep(0.1)
     raise ChildFailed(f"server: no 'listening' line in {server.log} after {timeout_s}s:\n"
-                      f"{tail(server.log)}")
+                      f"{tail(server.log, start=server.start)}")
 
   def _client_flags(self) -> list[str]:
     return [f"--config={self.config_file}", *self.overrides, f"--address={self.address}",
@@ -259,6 +265,21 @@ def summary_table(summary: dict[str, Any]) -> str:
                  f"{summary['filtered']} / {summary['filled']}"))
   width = max(len(r[0]) for r in rows)
   return "\n".join(f"{a:<{width}}  {b:>10}  {c:>10}" for a, b, c in rows)
+
+
+def finished_summary(workdir: str, steps: int) -> dict[str, Any] | None:
+  """The summary.json of a run in `workdir` that trained all `steps` (rl.steps) already, or
+  None: a rerun of a finished run has nothing to train and says so rather than starting
+  the server, trainer and workers to evaluate and export the same weights again."""
+  path = os.path.join(workdir, "summary.json")
+  try:
+    with open(path) as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(summary, dict) or int(summary.get("step", -1)) < steps:
+    return None
+  return summary
 
 
 def warm_start(config, workdir: str) -> str:

@@ -5,7 +5,8 @@ workers), with a live progress line and a summary table at the end.
   rlax-ps local --config=configs/rl_local.py:tiny --workdir=/tmp/rl --config.local.workers=1
 
 Children log to <workdir>/logs/; TensorBoard events are in <workdir>/tb. A rerun on the same
-workdir reuses the warm start and resumes the trainer from its checkpoint.
+workdir reuses the warm start and resumes the trainer from its checkpoint; a rerun of a run
+that trained its rl.steps starts nothing and shows its summary (raise rl.steps to go on).
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ def main(argv: list[str]) -> None:
   except KeyboardInterrupt:
     print("rlax-ps local: interrupted during the warm start", file=sys.stderr, flush=True)
     sys.exit(130)
+  done = local.finished_summary(workdir, int(config.rl.steps))
+  if done is not None:
+    _show_finished(workdir, done, int(config.rl.steps))
+    return
   steps = local.StepReader(os.path.join(workdir, "steps.jsonl"))
   code, message = 0, ""
   try:
@@ -143,10 +148,23 @@ def main(argv: list[str]) -> None:
   if code:
     print(message, file=sys.stderr, flush=True)
     sys.exit(code)
-  summary_path = os.path.join(workdir, "summary.json")
-  with open(summary_path) as f:
-    summary = json.load(f)
+  with open(os.path.join(workdir, "summary.json")) as f:
+    _show_summary(workdir, json.load(f))
+
+
+def _show_summary(workdir: str, summary: dict) -> None:
+  """The summary table, the export and where the summary and TensorBoard events are."""
+  from rlax_ps import local
   print(local.summary_table(summary), flush=True)
   if summary.get("export"):
     print(f"trained policy (Hugging Face format): {summary['export']}", flush=True)
-  print(f"summary: {summary_path}; TensorBoard: {os.path.join(workdir, 'tb')}", flush=True)
+  print(f"summary: {os.path.join(workdir, 'summary.json')}; TensorBoard: "
+        f"{os.path.join(workdir, 'tb')}", flush=True)
+
+
+def _show_finished(workdir: str, summary: dict, steps: int) -> None:
+  """A rerun of a finished run: nothing to train; what it trained."""
+  print(f"rlax-ps local: {workdir} has trained {summary['step']} steps (rl.steps={steps}): "
+        f"nothing to train; raise --config.rl.steps to train on, or use another --workdir. "
+        f"Its summary:", flush=True)
+  _show_summary(workdir, summary)

@@ -206,10 +206,28 @@ def test_ctrl_c_during_the_warm_start_checkpoints_it_and_a_rerun_resumes(tmp_pat
 
 def test_a_failing_child_stops_the_run_naming_it(run):
   workdir, _ = run  # the warm start is reused
-  proc = _local(workdir, "--config.mesh.data=3")  # the trainer has one device
+  # (more steps: a finished run's rerun starts nothing)
+  proc = _local(workdir, "--config.mesh.data=3", "--config.rl.steps=5")  # trainer: 1 device
   assert proc.returncode == 1, proc.stderr[-2000:]
-  assert "trainer exited with status 1" in proc.stderr
-  assert "mesh: expected data*fsdp*tensor == 1 devices" in proc.stderr  # its log's last lines
+  assert "trainer exited with status 2" in proc.stderr  # a setting it refused
+  assert "rlax-ps train: mesh: expected data*fsdp*tensor == 1 devices" in proc.stderr  # its log
+
+
+def test_a_rerun_of_a_finished_run_says_so_and_starts_nothing(run):
+  """The same command again on a finished workdir: no server, trainer or worker is started
+  to evaluate and export the same weights as a new version; it says the run is done, how to
+  go on, and shows the run's summary."""
+  workdir, _ = run
+  logs = workdir / "logs"
+  before = {name: os.path.getsize(logs / name) for name in os.listdir(logs)}
+  summary = (workdir / "summary.json").read_text()
+  proc = _local(workdir, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert (f"rlax-ps local: {workdir} has trained 4 steps (rl.steps=4): nothing to train; "
+          f"raise --config.rl.steps to train on") in proc.stdout
+  assert re.search(r"^steps / versions\s+4 / v4$", proc.stdout, re.M), proc.stdout
+  assert {name: os.path.getsize(logs / name) for name in os.listdir(logs)} == before
+  assert (workdir / "summary.json").read_text() == summary
 
 
 def test_workers_run_on_the_cpu_leaving_the_accelerators_to_the_trainer(tmp_path, monkeypatch):
@@ -487,3 +505,21 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       "qwen3_tools": "Qwen3ForCausalLM", "qwen3_reward": "Qwen3ForCausalLM"}[family]]
   assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3", "gpt_oss")
                                             else None)
+
+
+def test_a_failing_childs_message_shows_this_runs_log_lines_not_an_earlier_runs(tmp_path):
+  """Every run on a workdir appends to logs/<child>.log: the lines a failure shows are the
+  ones this run's child wrote, not the end of an earlier run's (its `done`, say)."""
+  fake = tmp_path / "python"
+  fake.write_text('#!/bin/sh\necho "this run: boom"\nexit 3\n')
+  fake.chmod(0o755)
+  logs = tmp_path / "w" / "logs"
+  logs.mkdir(parents=True)
+  (logs / "trainer.log").write_text("".join(f"earlier run line {i}\n" for i in range(30)))
+  run = local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=1, python=str(fake))
+  run.address = "127.0.0.1:1"
+  trainer = run.start_trainer("hf")
+  trainer.process.wait(30)
+  message = trainer.failed_message()
+  assert message.startswith("trainer exited with status 3") and "this run: boom" in message
+  assert "earlier run" not in message

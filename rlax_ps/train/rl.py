@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
 from rlax_ps.train.publisher import Publisher
-from rlax_ps.train.rl_checks import check_rl_config
+from rlax_ps.train.rl_checks import check_prompt, check_rl_config
 from rlax_ps.train.rl_loss import LossConfig, micro_batched_loss_and_grad, \
   response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
@@ -131,6 +132,11 @@ class PendingTake:
   take_id: str
   rollout_ids: list[int]
   step: int
+
+
+# The run totals (RLTrainer attributes) that the checkpoint carries: groups dropped as stale,
+# rejected, left out or filled by dynamic sampling, and trained groups that came back.
+COUNTS = ("dropped_stale", "rejected", "filtered", "filled", "came_back")
 
 
 class RLTrainer(TrainerRun):
@@ -232,15 +238,9 @@ class RLTrainer(TrainerRun):
     path = self.config.data.get("jsonl", "")
     if not path:
       return TaskPrompts(self.tasks, self.weights, int(self.config.seed))
-    records = config_records(self.config, "data.jsonl", path)
-    lengths = [len(self.tokenizer.encode_prompt(r["prompt"])) for r in records]
-    over = [i for i, n in enumerate(lengths) if n > self.shape.prompt_len]
-    if over:
-      raise ValueError(
-          f"rl.max_prompt_tokens: {self.shape.prompt_len} is too small for {len(over)} of "
-          f"{len(records)} prompts of data.jsonl {path} (the longest has {max(lengths)} "
-          f"tokens, record {over[0] + 1} has {lengths[over[0]]}); raise it or shorten them")
-    return records
+    # The first prompt too long is named by its file and line, as `rlax-ps local` names it.
+    return config_records(self.config, "data.jsonl", path,
+                          functools.partial(check_prompt, self.tokenizer, self.shape.prompt_len))
 
   @property
   def step(self) -> int:
@@ -262,6 +262,7 @@ class RLTrainer(TrainerRun):
         "resumed_samples": self.resumed_samples,
         "version": self.version,
         "pending_takes": [dataclasses.asdict(t) for t in self.pending],
+        "counts": self.counts(),
         "warm_start_eval": self.warm_start_eval,
         "run_id": self.run_id,
         "model_config": self.model_config.to_dict(),
@@ -278,8 +279,19 @@ class RLTrainer(TrainerRun):
     self.saved_version = int(saved["version"])
     self.pending = [PendingTake(**t) for t in saved.get("pending_takes", [])]
     self.warm_start_eval = saved.get("warm_start_eval")
+    self.restore_counts(saved.get("counts", {}))
     # A run resumed elsewhere (another machine, a moved workdir) keeps its id.
     self.run_id = self.publisher.run = str(saved.get("run_id", self.run_id))
+
+  def counts(self) -> dict[str, int]:
+    """The run's totals the summary reports beside rollout_groups_trained: kept in the
+    checkpoint so that after a restart they count every run, as that one does."""
+    return {name: int(getattr(self, name)) for name in COUNTS}
+
+  def restore_counts(self, saved: dict[str, int]) -> None:
+    """The totals of counts() from a checkpoint (0 where it has none)."""
+    for name in COUNTS:
+      setattr(self, name, int(saved.get(name, 0)))
 
   # -- server side of a (re)start ---------------------------------------------------------
 
@@ -375,9 +387,22 @@ class RLTrainer(TrainerRun):
   # -- the loop ---------------------------------------------------------------------------
 
   def request_stop(self, signum: int | None = None) -> None:
-    """Finish the current step, checkpoint and return (a SIGTERM or Ctrl-C: `signum`)."""
+    """Finish the current step, checkpoint and return (a SIGTERM or Ctrl-C: `signum`). A
+    server call retrying meanwhile gives up at once: a server gone too (its supervisor
+    killed) must not hold the stop, and the workdir, for the client's retry deadline."""
     self.stop_signal = self.stop_signal or signum
     self._stop.set()
+    if self.client is not None:
+      self.client.interrupt.set()
+
+  def _stopping(self, error: ParamServerError, what: str) -> bool:
+    """True (and logged) when `error` ended a server call because a stop was requested: the
+    checkpoint then keeps what the call would have done (its takes are acked at the next
+    start)."""
+    if not self._stop.is_set():
+      return False
+    logging.warning("rl: stopping; %s left to the next start: %s", what, error)
+    return True
 
   def train(self, *, max_seconds: float = 0.0) -> dict[str, Any]:
     """Run RL steps up to rl.steps (or `max_seconds` of wall time; 0 = no limit), then
@@ -412,8 +437,12 @@ class RLTrainer(TrainerRun):
                                      samples / (time.time() - t0))
           self.resumed_samples += record["resumed_samples"]
         if done % self.publish_every == 0:
-          pub = self._publish(self.version + 1)
-          record.update(sync_bytes=pub.bytes, sync_seconds=pub.seconds, version=pub.version)
+          try:
+            pub = self._publish(self.version + 1)
+            record.update(sync_bytes=pub.bytes, sync_seconds=pub.seconds, version=pub.version)
+          except ParamServerError as e:  # the next start publishes a keyframe of this step
+            if not self._stopping(e, f"the publication of step {done}"):
+              raise
         if eval_every and done % eval_every == 0 and done < self.total_steps:
           self.log_eval(self.evaluate(), done)
           record["heldout"] = self.last_eval
@@ -497,10 +526,15 @@ class RLTrainer(TrainerRun):
           self.filled += want
           self.filtered -= want
           return groups + uniform[:want]
-      self._feed_prompts()  # before each take: groups left out need prompts in their place
-      take = self.client.take_rollouts(
-          self._min_version(), want, wait_s=1.0,
-          ack_deadline_s=float(rl.ack_deadline_s), requeue_unacked=self._requeue_next)
+      try:
+        self._feed_prompts()  # before each take: groups left out need prompts in their place
+        take = self.client.take_rollouts(
+            self._min_version(), want, wait_s=1.0,
+            ack_deadline_s=float(rl.ack_deadline_s), requeue_unacked=self._requeue_next)
+      except ParamServerError as e:
+        if self._stopping(e, "the step's take"):
+          return None
+        raise
       self._requeue_next = False
       self.dropped_stale += take.dropped_stale
       valid, rejected = [], self.rejected
@@ -637,6 +671,10 @@ class RLTrainer(TrainerRun):
         self.client.ack(take.take_id)
       except ParamServerError as e:
         if e.code != grpc.StatusCode.NOT_FOUND:
+          if self._stopping(e, f"the acknowledgement of take {take.take_id} (step "
+                               f"{take.step}, checkpointed)"):
+            keep.append(take)
+            continue
           raise
         # Its ack deadline passed before this checkpoint: the server serves its groups
         # again, and they are skipped (trained on already) when they come.

@@ -76,7 +76,7 @@ def _check_files(config) -> None:
     path = config.data.get(field, "")
     if path:
       limit = int(config.rl.max_prompt_tokens) if field == "jsonl" else None
-      check = None if tokenizer is None else functools.partial(_check_prompt, tokenizer, limit)
+      check = None if tokenizer is None else functools.partial(check_prompt, tokenizer, limit)
       tasks = {r["task"] for r in config_records(config, f"data.{field}", path, check)}
       for task in sorted(tasks - {REWARD_MODEL_TASK, str(worker.default_task)}):
         verifier_for_task(task, f"data.{field} task")
@@ -89,7 +89,7 @@ def _check_files(config) -> None:
   environments_from(spec, worker.get("environment_args", ""))
 
 
-def _check_prompt(tokenizer, limit: int | None, record: dict) -> None:
+def check_prompt(tokenizer, limit: int | None, record: dict) -> None:
   """The record's prompt encodes (its characters in the tokenizer, messages under a chat
   template) into at most `limit` tokens (rl.max_prompt_tokens) when given: the trainer
   refuses any other at its start."""

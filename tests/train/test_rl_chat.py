@@ -5,6 +5,7 @@ template and stop ids for transformers / vLLM."""
 
 import json
 import os
+import re
 import threading
 
 import numpy as np
@@ -93,8 +94,10 @@ def test_prompts_longer_than_the_packed_capacity_are_refused_before_sampling(tmp
       "".join(json.dumps({"prompt": p, "answer": "3", "task": "addition"}) + "\n"
               for p in (CONVERSATIONS[0][1:], long, CONVERSATIONS[1][1:])))
   config.data.jsonl = str(tmp_path / "train.jsonl")
-  with pytest.raises(ValueError, match=r"rl.max_prompt_tokens: 30 is too small for 1 of 3 "
-                                       r"prompts of data.jsonl .*record 2 has \d+"):
+  # `rlax-ps train` names the prompt's file and line, as `rlax-ps local`'s check does.
+  where = re.escape(f"data.jsonl {tmp_path / 'train.jsonl'}:2: ")
+  with pytest.raises(ValueError, match=where + r"rl.max_prompt_tokens: 30 is too small for "
+                                       r"this prompt of \d+ tokens"):
     RLTrainer(config, str(tmp_path / "a"), object())
   # The built-in tasks' prompts, rendered as conversations, outgrow 16 tokens: the first
   # feed says so instead of every group being rejected after sampling.

@@ -6,14 +6,16 @@ republishes a keyframe of the next version."""
 import collections
 import json
 import os
+import signal
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from param_server.client import ParamServerError, RolloutGroup, make_sample
-from rl_testlib import FakeWorker, client, rl_config, start_server
+from param_server.client import (ParamServerClient, ParamServerError, RetryPolicy, RolloutGroup,
+                                  make_sample)
+from rl_testlib import TOKENS, FakeWorker, client, rl_config, start_server
 from rlax_ps import sync
 from rlax_ps.sync.bits import BF16
 from rlax_ps.models import load_hf_checkpoint
@@ -561,3 +563,62 @@ def test_a_take_that_expires_before_its_checkpoint_is_trained_on_once(tmp_path):
   trained = [i for s in _lines(tmp_path / "rl" / "steps.jsonl") for i in s["rollout_ids"]]
   assert len(trained) == 16 and len(set(trained)) == 16
   assert came_back >= 1  # the case arose: an expired take's groups came again
+
+
+def test_a_stop_with_the_server_gone_ends_at_once_and_a_restart_trains_every_group_once(
+    tmp_path):
+  """The supervisor killed: its server is gone and the trainer gets a SIGTERM. It must not
+  retry the server for the client's whole deadline (holding the workdir that a rerun
+  wants): it checkpoints, leaves the acknowledgements to the next start and returns."""
+  config = _config(steps=4)
+  config.eval.num_examples = 0
+  config.rl.max_staleness = 20  # the fake worker submits ahead: nothing is stale here
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4, limit=10).start()  # two steps and a half
+  workdir = str(tmp_path / "rl")
+  slow = ParamServerClient(server.address, token=TOKENS["trainer"], role="trainer",
+                           timeout_s=10.0, retry=RetryPolicy(deadline_s=60.0))
+  with slow as tc, RLTrainer(config, workdir, tc) as tr:
+
+    def kill_server_then_stop():
+      while not any(t.step == 3 for t in list(tr.pending)):  # steps 1 and 2 are done
+        time.sleep(0.05)
+      worker.stop()
+      server.stop(grace=0)
+      time.sleep(1.0)  # the trainer is retrying its take
+      tr.request_stop(signal.SIGTERM)
+
+    threading.Thread(target=kill_server_then_stop, daemon=True).start()
+    t0 = time.monotonic()
+    tr.train()
+    assert time.monotonic() - t0 < 30, "the stop waited for the dead server"
+    assert tr.step == 2 and tr.checkpointer.latest_step() == 2
+  server = start_server(tmp_path / "ps")
+  worker2 = FakeWorker(server.address, samples=4, limit=6, seed=1).start()
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
+      tr.train()
+      assert tr.step == 4
+  finally:
+    worker2.stop()
+    server.stop(grace=0)
+  trained = [i for r in _lines(tmp_path / "rl" / "steps.jsonl") for i in r["rollout_ids"]]
+  assert len(trained) == len(set(trained)) == 16
+  assert sorted(trained) == sorted(worker.submitted + worker2.submitted)
+
+
+def test_the_summarys_group_counts_are_run_totals_across_restarts(run):
+  """dropped_stale, rejected, filtered and filled are kept in the checkpoint as
+  rollout_groups_trained is: a restart's summary counts every run, not its own alone."""
+  from rlax_ps.checkpoint import Checkpointer
+  from rlax_ps.train import rl as rl_lib
+  with Checkpointer(str(run["tmp"] / "rl" / "checkpoints")) as ckpt:
+    saved = ckpt.metadata()
+  assert saved["counts"] == {name: 0 for name in rl_lib.COUNTS}
+  before = RLTrainer.__new__(RLTrainer)
+  before.restore_counts({})
+  assert before.counts() == {name: 0 for name in rl_lib.COUNTS}
+  before.dropped_stale, before.rejected, before.filtered, before.filled = 5, 2, 3, 1
+  after = RLTrainer.__new__(RLTrainer)
+  after.restore_counts(json.loads(json.dumps(before.counts())))
+  assert (after.dropped_stale, after.rejected, after.filtered, after.filled) == (5, 2, 3, 1)
