@@ -46,6 +46,20 @@ def test_bad_config_value_type_is_reported():
   assert "Traceback" not in r.stderr
 
 
+def test_a_setting_the_sft_trainer_refuses_is_one_line_not_a_traceback(tmp_path):
+  # Found as the trainer is built (from the config's values, not its keys), before step 1.
+  r = _run("sft", "--config=configs/sft_tiny.py:tiny", "--config.data.batch_size=0",
+           f"--workdir={tmp_path / 'a'}")
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert "rlax-ps sft: data.batch_size, data.seq_len: expected >= 1" in r.stderr
+  assert "Traceback" not in r.stderr
+  r = _run("sft", "--config=configs/sft_tiny.py:tiny", f"--config.init_from_hf={tmp_path}/nope",
+           f"--workdir={tmp_path / 'b'}")
+  assert r.returncode == 2 and f"no config.json in HF checkpoint folder '{tmp_path}/nope'" in (
+      r.stderr), r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
+
+
 def test_unknown_config_variant_is_reported():
   r = _run("sft", "--config=configs/sft_tiny.py:huge", "--workdir=/nonexistent/x")
   assert r.returncode != 0 and "unknown variant 'huge'" in r.stderr

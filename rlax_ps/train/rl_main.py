@@ -40,18 +40,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 connect_flags.require_address()
 
 
-def build_trainer(config, workdir: str, client):
-  """The RLTrainer of this config; a setting it refuses (a field, a prompt file's line, a
-  checkpoint of another model, a missing file) ends the command with that one line and exit
-  status 2, as a bad flag does, not a traceback."""
-  from rlax_ps.train.rl import RLTrainer
-  try:
-    return RLTrainer(config, workdir, client)
-  except (OSError, ValueError) as e:
-    print(f"rlax-ps train: {e}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise SystemExit(f"rlax-ps train: unexpected arguments {argv[1:]}; flags are --name=value")
@@ -62,14 +50,16 @@ def main(argv: list[str]) -> None:
 
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
-  from rlax_ps.train.rl import stop_on_signals
+  from rlax_ps.train.rl import RLTrainer, stop_on_signals
+  from rlax_ps.train.run import built_or_exit
   from rlax_ps.train.state import mesh_layout
 
   config = _CONFIG.value
   # A server started beside the trainer writes its token file at start: wait for it.
   with (connect_flags.connect("trainer", token_wait_s=TOKEN_FILE_WAIT_S) if leader
         else contextlib.nullcontext()) as client, \
-       build_trainer(config, _WORKDIR.value, client) as trainer:
+       built_or_exit("rlax-ps train", lambda: RLTrainer(config, _WORKDIR.value, client)
+                     ) as trainer:
     stop_on_signals(trainer)
     if trainer.restored:
       print(f"resuming from checkpoint step {trainer.step} in {trainer.checkpointer.directory}",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from typing import Callable
 
 import jax
@@ -21,6 +22,17 @@ from rlax_ps.models.peft import save_peft_adapter
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import tokenizer_from_config
 from rlax_ps.train import heldout as heldout_lib
+
+
+def built_or_exit(prog: str, build: Callable[[], "TrainerRun"]) -> "TrainerRun":
+  """build() (a trainer); a setting it refuses (a field, a prompt file's line, a checkpoint
+  of another model, a missing file) ends the command `prog` with that one line and exit
+  status 2, as a bad flag does, not a traceback."""
+  try:
+    return build()
+  except (OSError, ValueError) as e:
+    print(f"{prog}: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def tasks_from(cfg) -> tuple[list[Task], list[float]]:

@@ -193,12 +193,15 @@ def _stop_on_signals(trainer: SFTTrainer, enabled: bool):
 
 
 def train_and_evaluate(config, workdir: str, *, progress: bool = True,
-                       stop_on_signals: bool = False) -> dict[str, Any]:
+                       stop_on_signals: bool = False,
+                       trainer: SFTTrainer | None = None) -> dict[str, Any]:
   """The `rlax-ps sft` job: train (resuming if possible), evaluate, export, report. With
   `stop_on_signals`, a SIGTERM or Ctrl-C checkpoints the step reached and returns at once
-  (no evaluation or export), "stopped" in the summary naming the signal."""
+  (no evaluation or export), "stopped" in the summary naming the signal. `trainer`: the
+  SFTTrainer of `config` and `workdir` if built already."""
   t0 = time.time()
-  with SFTTrainer(config, workdir) as trainer, _stop_on_signals(trainer, stop_on_signals):
+  with (trainer or SFTTrainer(config, workdir)) as trainer, \
+       _stop_on_signals(trainer, stop_on_signals):
     if trainer.leader:  # what `rlax-ps local` compares before reusing this warm start
       save_run_config(config, trainer.workdir)
     if trainer.step:

@@ -36,8 +36,11 @@ def main(argv: list[str]) -> None:
   distributed.initialize()  # before any JAX backend starts
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
-  from rlax_ps.train.sft import train_and_evaluate  # JAX loads only once flags are valid.
-  summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value,
-                               stop_on_signals=True)
+  from rlax_ps.train.run import built_or_exit  # JAX loads only once flags are valid.
+  from rlax_ps.train.sft import SFTTrainer, train_and_evaluate
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  trainer = built_or_exit("rlax-ps sft", lambda: SFTTrainer(config, workdir))
+  summary = train_and_evaluate(config, workdir, progress=_PROGRESS.value, stop_on_signals=True,
+                               trainer=trainer)
   if summary.get("stopped"):  # steps left: not done, so a supervisor restarts it
     sys.exit(128 + summary["stopped"])
