@@ -72,6 +72,8 @@ def _check_files(config) -> None:
   if config.get("init_from_hf", "") or str(block.get("kind", "char")) == "char":
     tokenizer = tokenizer_from_config(block, config.get("init_from_hf", ""),
                                       tool_modules=str(worker.get("verifiers", "")))
+  if config.get("init_from_hf", ""):
+    _check_checkpoint(str(config.init_from_hf))
   for field in ("jsonl", "heldout_jsonl"):
     path = config.data.get(field, "")
     if path:
@@ -87,6 +89,16 @@ def _check_files(config) -> None:
                      f"registers more), got {unknown} in {spec!r}; their prompts would be "
                      f"single-turn")
   environments_from(spec, worker.get("environment_args", ""))
+
+
+def _check_checkpoint(path: str) -> None:
+  """init_from_hf's config and tensor names (from the safetensors' headers: no weights
+  read) are what the trainer and workers load: a missing or foreign tensor is named now."""
+  from rlax_ps.models.hf import check_hf_checkpoint
+  try:
+    check_hf_checkpoint(path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"init_from_hf: {e}") from None
 
 
 def check_prompt(tokenizer, limit: int | None, record: dict) -> None:

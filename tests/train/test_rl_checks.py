@@ -127,6 +127,18 @@ def test_the_char_tokenizer_is_refused_for_a_checkpoint_with_its_own(tmp_path):
     check_rl_config(config)
 
 
+def test_a_starting_checkpoint_missing_a_tensor_is_named_before_anything_starts(tmp_path):
+  import shutil
+  path = tmp_path / "llama"
+  shutil.copytree(os.path.join(FIXTURES, "llama"), path)
+  config = _set(rl_config(), init_from_hf=str(path), tokenizer__alphabet="".join(
+      chr(33 + i) for i in range(93)))  # 96 ids: the fixture's vocabulary
+  check_rl_config(config)
+  shutil.copy(os.path.join(FIXTURES, "qwen2", "model.safetensors"), path)  # other tensors
+  with pytest.raises(ValueError, match=f"init_from_hf: HF checkpoint '{path}': missing tensor"):
+    check_rl_config(config)
+
+
 def test_an_hf_tokenizer_saves_its_files_and_its_chat_template(tmp_path):
   source = os.path.join(FIXTURES, "chat_tokenizer")
   tok = HFTokenizer(source, chat_template=os.path.join(source, "llama3.jinja"))
