@@ -1,7 +1,6 @@
 """`rlax-ps eval` on odd inputs: every checkpoint is checked (config, tensor names, tokenizer
 against the model's vocabulary) before any is evaluated, and the table takes no results."""
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -10,6 +9,7 @@ import sys
 import pytest
 
 from child_env import child_env
+from rlax_ps import config_files
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer
 from rlax_ps.train import eval_main
 
@@ -19,11 +19,7 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
 
 def tiny_config():
   """configs/rl_local.py:tiny, as `rlax-ps eval --config=configs/rl_local.py:tiny` reads it."""
-  spec = importlib.util.spec_from_file_location("rl_local_eval",
-                                                os.path.join(REPO, "configs", "rl_local.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config("tiny")
+  return config_files.load(os.path.join(REPO, "configs", "rl_local.py"), "tiny")
 
 
 def llama_copy(tmp_path, tokenizer_from=None):

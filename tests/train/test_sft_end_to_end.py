@@ -4,7 +4,6 @@ match; a rerun on the same workdir resumes instead of starting over; and trainin
 (loss and held-out exact match against the untrained model)."""
 
 import glob
-import importlib.util
 import json
 import os
 import signal
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rlax_ps import config_files
 from rlax_ps.models import flatten_params, load_hf_checkpoint
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer
 from rlax_ps.train.sft import SFTTrainer, train_and_evaluate
@@ -23,11 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _tiny_config():
-  spec = importlib.util.spec_from_file_location("sft_tiny_e2e",
-                                                os.path.join(REPO, "configs", "sft_tiny.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config("tiny")
+  return config_files.load(os.path.join(REPO, "configs", "sft_tiny.py"), "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """SFT can start from a Hugging Face checkpoint folder: its config, weights and tokenizer."""
 
-import importlib.util
 import os
 import shutil
 
@@ -9,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rlax_ps import config_files
 from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer
 from rlax_ps.train.sft import SFTTrainer
@@ -18,11 +18,7 @@ TOK = CharTokenizer()
 
 
 def _tiny_config():
-  spec = importlib.util.spec_from_file_location("sft_tiny_hf",
-                                                os.path.join(REPO, "configs", "sft_tiny.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config("tiny")
+  return config_files.load(os.path.join(REPO, "configs", "sft_tiny.py"), "tiny")
 
 
 @pytest.fixture(scope="module")
