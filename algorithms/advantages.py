@@ -47,6 +47,8 @@ def grpo_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
   std_scaling: "group" divides by the group's std (GRPO), "batch" by the std of all
   rewards in the batch (group mean, batch std), "none" leaves r - mean (Dr. GRPO).
   unbiased: std with the n-1 denominator. A zero std gives advantage 0 whatever eps.
+  eps defaults to verl's 1e-6; TRL's GRPOTrainer (scale_rewards of the same names) adds
+  1e-4, a relative difference of about 1e-4 / std: eps=1e-4 reproduces it.
   """
   _check_scaling(std_scaling)
   rewards, group_ids, mask = check_group_inputs(rewards, group_ids, num_groups, sample_mask)

@@ -58,7 +58,8 @@ def truncated_importance_weights(proximal_logp, behaviour_logp, mask, *, level: 
 
   level "token": each token's ratio; "sequence": the product over the sequence's tokens;
   "geometric": the geometric mean over its tokens (length-normalised sequence ratio).
-  Returns `[B, T]` weights, 0 on padding.
+  Returns `[B, T]` weights, 0 on padding. TRL: vllm_importance_sampling_mode
+  "{token,sequence}_truncate" with clip_max=cap.
   """
   if not cap > 0:
     raise ValueError(f"cap: expected > 0, got {cap!r}")
@@ -73,6 +74,7 @@ def masked_importance_weights(proximal_logp, behaviour_logp, mask, *, level: str
 
   Returns (weights [B, T], new mask [B, T]): kept tokens carry their untruncated ratio,
   dropped ones have weight 0 and mask 0. level as in `truncated_importance_weights`.
+  TRL: "{token,sequence}_mask" with clip_min=low (None: 0), clip_max=high.
   """
   if not 0 <= low < high:
     raise ValueError(f"low/high: expected 0 <= low < high, got {low!r}/{high!r}")

@@ -42,6 +42,9 @@ def aggregate(per_token, mask, mode: str = "token-mean", norm_const: float | Non
   seq-mean-token-sum-norm: sum over all tokens / (B * norm_const), a constant
     normaliser (Dr. GRPO); norm_const defaults to T, the padded length.
   Sequences without real tokens are left out of the seq-mean modes; nothing is NaN.
+  TRL's GRPOTrainer loss_type: bnpo and dapo = token-mean, grpo = seq-mean-token-mean
+  (TRL counts a sequence without tokens as a 0), dr_grpo = seq-mean-token-sum-norm with
+  norm_const = max_completion_length.
   """
   if mode not in AGGREGATIONS:
     raise ValueError(f"aggregation mode: expected one of {AGGREGATIONS}, got {mode!r}")
@@ -70,6 +73,8 @@ def kl_penalty(logp, ref_logp, estimator: str = "k3"):
 
   With log r = ref_logp - logp: k1 = -log r (unbiased, can be negative),
   k2 = (log r)^2 / 2 (biased, low variance), k3 = r - 1 - log r (unbiased, >= 0).
+  The losses add it as is, as the GRPO paper does (= TRL with use_bias_correction_kl=False);
+  TRL's default multiplies it by pi/pi_old (DeepSeek-V3.2), which changes the gradient.
   """
   if estimator not in KL_ESTIMATORS:
     raise ValueError(f"kl estimator: expected one of {KL_ESTIMATORS}, got {estimator!r}")
@@ -175,8 +180,10 @@ def cispo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 1.0,
   r = pi/pi_old clipped to [1 - clip_low, 1 + clip_high] and held constant:
   -sg(clip(r)) * A * log pi. Unlike PPO's clip, no token's gradient is dropped (a rare
   token whose ratio runs off still teaches, at the capped weight); clip_low = 1 leaves
-  the weight no lower bound, as the paper does. Metrics: clip_frac (weights capped),
-  clip_frac_low, clip_frac_high, approx_kl, ratio_mean/max/min, pg_loss, kl_ref.
+  the weight no lower bound, as the paper does. TRL's loss_type="cispo" with epsilon_high=E
+  is clip_low=1, clip_high=E - 1. Metrics: clip_frac (weights capped, either sign of A;
+  TRL's cispo_clip_ratio counts A > 0 only), clip_frac_low, clip_frac_high, approx_kl,
+  ratio_mean/max/min, pg_loss, kl_ref.
   """
   if not (clip_low >= 0 and clip_high >= 0):
     raise ValueError(f"clip_low/clip_high: expected >= 0, got {clip_low}/{clip_high}")

@@ -45,6 +45,9 @@ class LossConfig:
   # none | tis (truncated IS) | mis (masked IS) | decoupled (decoupled PPO) | m2po (M2PO:
   # unclipped ratio, tokens of largest (log pi_prox/pi_behav)^2 masked)
   correction: str = "none"
+  # The clip bounds of whichever policy loss: PPO's (0.2 / 0.28: DAPO's clip-higher); CISPO
+  # as published wants clip_low=1 (no floor on the weight), GSPO a length-normalised ratio's
+  # 3e-4 / 4e-4 with agg="seq-mean-token-mean" (token-mean weighs a sequence by its length).
   clip_low: float = 0.2
   clip_high: float = 0.28
   agg: str = "token-mean"  # algorithms.losses.AGGREGATIONS

@@ -1,0 +1,199 @@
+"""Our advantages, losses and corrections against Hugging Face TRL's GRPOTrainer and
+RLOOTrainer on the same inputs (tests/fixtures/trl_losses.json, written by TRL's own code
+through tests/fixtures/make_trl_loss_fixtures.py; no torch here).
+
+Settings map as follows (TRL -> ours):
+- scale_rewards group / batch / none -> grpo_advantages std_scaling, eps=1e-4 (TRL's);
+- loss_type grpo -> agg seq-mean-token-mean, bnpo and dapo (one process, one accumulation
+  step) -> token-mean, dr_grpo -> seq-mean-token-sum-norm with norm_const =
+  max_completion_length, cispo -> cispo_loss with clip_low=1, clip_high=epsilon_high - 1;
+- epsilon / epsilon_high -> clip_low / clip_high, delta -> dual_clip;
+- importance_sampling_level="sequence" -> gspo_loss;
+- vLLM IS {token,sequence}_truncate -> truncated_importance_weights (cap = clip_max),
+  {token,sequence}_mask -> masked_importance_weights (low = clip_min or 0, high = clip_max);
+- beta (k3) -> kl_coef, kl_estimator="k3"; use_bias_correction_kl=True has no counterpart.
+"""
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from algorithms import advantages as adv_lib
+from algorithms import corrections, losses, shaping
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "trl_losses.json")
+with open(FIXTURE) as _f:
+  DATA = json.load(_f)
+CASES = DATA["cases"]
+AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+       "dr_grpo": "seq-mean-token-sum-norm", "cispo": "token-mean"}
+
+
+def _arrays(name):
+  b = DATA["batches"][name]
+  arr = {k: jnp.asarray(np.asarray(b[k], np.float32))
+         for k in ("mask", "logp", "old_logp", "behaviour_logp", "ref_logp")}
+  arr["group_ids"] = jnp.repeat(jnp.arange(b["groups"]), b["n"])
+  arr["groups"] = b["groups"]
+  return arr
+
+
+def _case_id(case):
+  cfg = ",".join(f"{k}={v}" for k, v in sorted(case["config"].items()) if k != "use_vllm")
+  return f"{case['trainer']}-{case['batch']}-{cfg}"
+
+
+def _close(ours, theirs, rtol=1e-5, atol=1e-6):
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs, np.float32), rtol=rtol,
+                             atol=atol)
+
+
+def _rewards(case):
+  r = np.asarray(case.get("rewards", DATA["batches"][case["batch"]]["rewards"]), np.float32)
+  return jnp.asarray(np.nan_to_num(r)), jnp.asarray(~np.isnan(r), jnp.float32)
+
+
+ADV_CASES = [c for c in CASES if c["trainer"] == "grpo" and not c.get("overlong")
+             and ("rewards" in c or not c["config"].get("use_vllm", False))]
+
+
+@pytest.mark.parametrize("case", ADV_CASES[::3] + [c for c in ADV_CASES if "rewards" in c],
+                         ids=_case_id)
+def test_grpo_advantages_equal_trl_with_its_eps(case):
+  """TRL divides by (std + 1e-4); with that eps ours equal its advantages, an unscorable
+  (NaN reward) sample being our masked sample: out of the baseline, advantage 0."""
+  a = _arrays(case["batch"])
+  rewards, mask = _rewards(case)
+  scale = case["config"].get("scale_rewards", "group")
+  ours = adv_lib.grpo_advantages(rewards, a["group_ids"], a["groups"], mask,
+                                 std_scaling=scale, eps=1e-4)
+  _close(ours, case["advantages"])
+
+
+def test_grpo_advantages_default_eps_is_documented_not_trls():
+  """Our default eps is 1e-6 (verl's), TRL's 1e-4: a relative difference of about 1e-4 / std."""
+  case = next(c for c in CASES if c["trainer"] == "grpo" and c["batch"] == "b2x5"
+              and c["config"].get("scale_rewards", "group") == "group")
+  a = _arrays("b2x5")
+  rewards, mask = _rewards(case)
+  ours = adv_lib.grpo_advantages(rewards, a["group_ids"], a["groups"], mask)
+  r = np.asarray(rewards).reshape(2, 5)
+  expected = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
+  _close(ours, expected.reshape(-1))
+  theirs = np.asarray(case["advantages"])
+  assert 0 < np.max(np.abs(np.asarray(ours) - theirs)) < 1e-3 * np.max(np.abs(theirs))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c["trainer"] == "rloo"], ids=_case_id)
+def test_rloo_advantages_equal_trl(case):
+  a = _arrays(case["batch"])
+  rewards, mask = _rewards(case)
+  _close(adv_lib.rloo_advantages(rewards, a["group_ids"], a["groups"], mask),
+         case["advantages"])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.get("overlong")], ids=_case_id)
+def test_overlong_punished_advantages_equal_trl(case):
+  """DAPO's soft punishment added to the task reward before the group statistics, as TRL
+  does with its `get_soft_overlong_punishment` as a second reward function."""
+  a = _arrays(case["batch"])
+  rewards, mask = _rewards(case)
+  lens = jnp.asarray(DATA["batches"][case["batch"]]["lens"])
+  o = case["overlong"]
+  shaped = rewards + shaping.soft_overlong_punishment(lens, o["max_completion_len"],
+                                                      o["soft_punish_cache"])
+  ours = adv_lib.grpo_advantages(shaped, a["group_ids"], a["groups"], mask,
+                                 std_scaling=case["config"]["scale_rewards"], eps=1e-4)
+  _close(ours, case["advantages"])
+
+
+def test_soft_overlong_punishment_equals_trl():
+  o = DATA["overlong"]
+  ours = shaping.soft_overlong_punishment(jnp.asarray(o["lengths"]), o["max_completion_len"],
+                                          o["soft_punish_cache"])
+  _close(ours, o["rewards"])
+
+
+def _our_loss(cfg, a, adv):
+  """(loss function of logp, our importance weights or None) for one TRL config."""
+  loss_type = cfg.get("loss_type", "dapo")
+  eps = cfg.get("epsilon", 0.2)
+  eps_high = cfg.get("epsilon_high") or eps
+  beta = cfg.get("beta", 0.0)
+  common = dict(agg=AGG[loss_type], norm_const=DATA["max_completion_length"],
+                ref_logp=a["ref_logp"] if beta else None, kl_coef=beta, kl_estimator="k3")
+  weights = None
+  if cfg.get("use_vllm") and cfg.get("vllm_importance_sampling_correction", True):
+    mode = cfg.get("vllm_importance_sampling_mode", "sequence_mask")
+    level, kind = mode.split("_")
+    cap = cfg.get("vllm_importance_sampling_clip_max", 3.0)
+    if kind == "truncate":
+      weights = corrections.truncated_importance_weights(
+          a["old_logp"], a["behaviour_logp"], a["mask"], level=level, cap=cap)
+    else:
+      weights, _ = corrections.masked_importance_weights(
+          a["old_logp"], a["behaviour_logp"], a["mask"], level=level,
+          low=cfg.get("vllm_importance_sampling_clip_min") or 0.0, high=cap)
+  if loss_type == "cispo":
+    fn = functools.partial(losses.cispo_loss, clip_low=1.0, clip_high=eps_high - 1.0)
+  elif cfg.get("importance_sampling_level") == "sequence":
+    fn = functools.partial(losses.gspo_loss, clip_low=eps, clip_high=eps_high)
+  else:
+    fn = functools.partial(losses.ppo_clip_loss, clip_low=eps, clip_high=eps_high,
+                           dual_clip=cfg.get("delta"))
+
+  def loss(logp):
+    return fn(logp, a["old_logp"], adv, a["mask"], token_weights=weights, **common)
+  return loss, weights
+
+
+def _kl_bias_corrected(case):
+  return case["config"].get("beta", 0.0) > 0 and case["config"].get("use_bias_correction_kl",
+                                                                      True)
+
+
+LOSS_CASES = [c for c in CASES if c["trainer"] == "grpo" and "loss" in c]
+
+
+@pytest.mark.parametrize("case", [c for c in LOSS_CASES if not _kl_bias_corrected(c)],
+                         ids=_case_id)
+def test_loss_and_gradient_equal_trl(case):
+  a = _arrays(case["batch"])
+  adv = jnp.asarray(np.asarray(case["advantages"], np.float32))
+  loss, weights = _our_loss(case["config"], a, adv)
+  if weights is not None:
+    _close(weights, np.asarray(case["is_ratio"]) * np.asarray(a["mask"]))
+  (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(a["logp"])
+  _close(value, case["loss"])
+  _close(grad * a["mask"], case["grad_logp"])
+  theirs = case["metrics"]
+  if "clip_ratio/region_mean" in theirs:  # TRL's clip fractions: ratio past a bound, A's sign
+    _close(metrics["clip_frac_low"], theirs["clip_ratio/low_mean"])
+    _close(metrics["clip_frac_high"], theirs["clip_ratio/high_mean"])
+    _close(metrics["clip_frac"], theirs["clip_ratio/region_mean"])
+
+
+def _bias_twins():
+  plain = {(c["batch"], c["config"]["loss_type"]): c for c in LOSS_CASES
+           if c["config"].get("beta") and c["config"].get("use_bias_correction_kl") is False
+           and not c["config"].get("use_vllm") and "importance_sampling_level" not in c["config"]
+           and c["config"]["loss_type"] != "cispo"}
+  return [(c, plain[(c["batch"], c["config"]["loss_type"])]) for c in LOSS_CASES
+          if _kl_bias_corrected(c)]
+
+
+@pytest.mark.parametrize("pair", _bias_twins(), ids=lambda p: _case_id(p[0]))
+def test_kl_term_is_trls_without_bias_correction(pair):
+  """TRL's default use_bias_correction_kl=True multiplies the k3 term by pi/pi_old (DeepSeek
+  V3.2); ours is the GRPO paper's plain k3 term: TRL's value with the correction off."""
+  corrected, plain = pair
+  a = _arrays(corrected["batch"])
+  loss, _ = _our_loss(corrected["config"], a, jnp.asarray(corrected["advantages"]))
+  value = float(loss(a["logp"])[0])
+  _close(value, plain["loss"])
+  assert abs(value - corrected["loss"]) > 1e-4
