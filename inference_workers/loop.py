@@ -387,7 +387,9 @@ class Worker:
       except ParamServerError as e:
         if e.code not in TRANSIENT:
           raise
-        if self.stopping:
+        if self.stopping:  # said, not silent: a group or a release may be left undone
+          logging.warning("worker: stopping with the server unreachable; not done: %s (a "
+                          "lease left open is served again when it expires)", e)
           return None
         self.stats.reconnects += 1
         wait = next(delays)
@@ -545,7 +547,9 @@ class Worker:
     a newer version waits for the running prompts to end, and new prompts wait with it."""
     in_flight = self.config.in_flight_updates
     if not (self._pending and batch.free):
-      if in_flight:
+      # An idle worker takes a prefetched version too: it holds the newest (and shows it)
+      # when the run ends or work comes back, not the one its last prompts were sampled by.
+      if in_flight or not self._started:
         self.apply_prefetched()
       return
     if in_flight or not batch.running:

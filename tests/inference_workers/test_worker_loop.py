@@ -9,6 +9,7 @@ import textwrap
 import threading
 import time
 
+import grpc
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -174,6 +175,29 @@ def test_prefetched_update_waits_for_the_batch_boundary(server, versions):
     assert worker.policy.version == 0 and same_held(worker.policy, versions[0])
     assert worker.apply_prefetched()
     assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
+
+
+def test_an_idle_worker_takes_the_version_it_prefetched(server, versions):
+  # With no prompts to sample (the run ended, or the trainer restarts), a worker must not
+  # stay on the version its last prompts used: it holds the one its heartbeat heard of.
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+      deadline = time.monotonic() + 30
+      while worker.policy.version != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+      trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+      worker.prefetch(1)  # what the heartbeat thread does as it hears of version 1
+      deadline = time.monotonic() + 3
+      while worker.policy.version != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+      assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
+    finally:
+      worker.request_stop(30.0)
+      thread.join(30)
 
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["at_the_drain", "in_flight"])
@@ -393,6 +417,24 @@ def test_unreachable_server_is_retried_with_backoff(versions):
   threading.Timer(1.5, worker.request_stop).start()
   stats = worker.run()
   assert stats.reconnects >= 2 and stats.leases == 0
+
+
+def test_a_group_a_stop_leaves_unsent_with_the_server_away_is_logged(server, versions, caplog):
+  # SIGTERM while the server is down: the finished group cannot go; the worker must say
+  # what it leaves undone, not exit as if all were handed over.
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **SMALL))
+
+    def submit_while_the_server_is_away(*args, **kwargs):
+      worker.request_stop(5.0)
+      raise ParamServerError("SubmitRollouts", grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    wc.submit_rollouts = submit_while_the_server_is_away
+    stats = worker.run()
+  assert stats.groups_submitted == 0
+  assert "stopping with the server unreachable; not done: SubmitRollouts" in caplog.text
 
 
 # ---------------------------------------------------------------- preemption (subprocesses)
