@@ -75,7 +75,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # responses cost short rows; the step is compiled ahead for each. 1: always the budget.
   c.rl.response_buckets = 4
   c.rl.ack_deadline_s = 1800.0  # Taken groups come back if unacknowledged this long.
-  c.rl.take_timeout_s = 600.0  # Give up when no rollout arrives for this long.
+  c.rl.take_timeout_s = 600.0  # Give up when no rollout arrives, or the server does not
+  # answer, for this long.
   # DAPO dynamic sampling: leave out groups whose rewards are all equal (zero advantage) and
   # take more, at most dynamic_sampling_max_factor * groups_per_step a step; past that the
   # step is filled with the first ones left out.

@@ -34,8 +34,8 @@ from absl import logging
 
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from algorithms.selection import fed, next_streak
-from param_server.client import (ParamServerError, Prompt, routes_of, sample_logprobs,
-                                  sample_observed)
+from param_server.client import (ParamServerError, Prompt, RetryPolicy, routes_of,
+                                 sample_logprobs, sample_observed)
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
@@ -789,6 +789,13 @@ def _dynamic_sampler(config, samples: int) -> DynamicSampler | None:
     return None
   return DynamicSampler(group_size=samples,
                         max_groups_factor=float(config.rl.get("dynamic_sampling_max_factor", 3.0)))
+
+
+def server_retry(config) -> RetryPolicy:
+  """How long the trainer's server calls are retried while the server does not answer (a
+  restart, a route down): rl.take_timeout_s, its patience for rollouts that do not come,
+  not the client's 60 s (a server back after 80 s ended the trainer)."""
+  return RetryPolicy(deadline_s=float(config.rl.take_timeout_s))
 
 
 def stop_on_signals(trainer: RLTrainer) -> None:

@@ -50,13 +50,14 @@ def main(argv: list[str]) -> None:
 
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
-  from rlax_ps.train.rl import RLTrainer, stop_on_signals
+  from rlax_ps.train.rl import RLTrainer, server_retry, stop_on_signals
   from rlax_ps.train.run import built_or_exit
   from rlax_ps.train.state import mesh_layout
 
   config = _CONFIG.value
   # A server started beside the trainer writes its token file at start: wait for it.
-  with (connect_flags.connect("trainer", token_wait_s=TOKEN_FILE_WAIT_S) if leader
+  with (connect_flags.connect("trainer", token_wait_s=TOKEN_FILE_WAIT_S,
+                              retry=server_retry(config)) if leader
         else contextlib.nullcontext()) as client, \
        built_or_exit("rlax-ps train", lambda: RLTrainer(config, _WORKDIR.value, client)
                      ) as trainer:

@@ -22,7 +22,7 @@ from rlax_ps.models import load_hf_checkpoint
 from rlax_ps.models.params import flatten_params
 from rlax_ps.tokenizers import make_tokenizer
 from rlax_ps.train.publisher import flat_params
-from rlax_ps.train.rl import RLTrainer
+from rlax_ps.train.rl import RLTrainer, server_retry
 
 
 def _config(**rl):
@@ -622,3 +622,11 @@ def test_the_summarys_group_counts_are_run_totals_across_restarts(run):
   after = RLTrainer.__new__(RLTrainer)
   after.restore_counts(json.loads(json.dumps(before.counts())))
   assert (after.dropped_stale, after.rejected, after.filtered, after.filled) == (5, 2, 3, 1)
+
+
+def test_the_trainer_waits_for_a_server_as_long_as_for_rollouts():
+  # `rlax-ps train` retries a server that does not answer for rl.take_timeout_s (a server
+  # restarted after 80 s ended the trainer at the client's default 60 s).
+  config = rl_config()
+  config.rl.take_timeout_s = 321.0
+  assert server_retry(config).deadline_s == 321.0
