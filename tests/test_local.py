@@ -295,7 +295,9 @@ def test_own_prompts_rewards_and_heldout_records_run_through_the_loop(run, tmp_p
   workdir, _ = run
   shutil.copytree(workdir / "sft", tmp_path / "sft")  # the warm start, reused
   train, heldout = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
-  train.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1),
+  # One-digit answers: a sample of the tiny warm start contains one often enough that some
+  # groups' rewards differ.
+  train.write_text("".join(json.dumps({"prompt": f"{i % 9}+1=", "answer": str(i % 9 + 1),
                                        "task": "fixture_contains"}) + "\n" for i in range(40)))
   heldout.write_text("".join(json.dumps({"prompt": f"{i}+2=", "answer": str(i + 2),
                                          "task": "fixture_any"}) + "\n" for i in range(4)))
@@ -309,6 +311,11 @@ def test_own_prompts_rewards_and_heldout_records_run_through_the_loop(run, tmp_p
   for s in steps:  # 16 samples a step, n of them rewarded 1.0 and the others 0.25
     n = (s["reward_mean"] * 16 - 4) / 0.75
     assert 0 <= round(n) <= 16 and abs(n - round(n)) < 1e-6, s["reward_mean"]
+  # Rewards that differ within a group move the weights: the workers end on the trainer's
+  # weights of their version through deltas that changed them, not the first keyframe's.
+  digests = [v["digest"] for v in _lines(tmp_path / "versions.jsonl")]
+  assert digests[-1] != digests[0], [s["reward_mean"] for s in steps]
+  _holds_the_trainers_weights(tmp_path)
 
 
 def test_a_half_given_gpu_split_is_refused_before_the_warm_start(tmp_path):
