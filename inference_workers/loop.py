@@ -169,6 +169,7 @@ class Worker:
     # The newest version the heartbeat heard of, for the prefetch thread to pull (a long
     # pull must not silence the heartbeat: the server expires a silent worker's leases).
     self._latest_heard = -1
+    self._skipped_version = -1  # the newest version seen in another format (not pulled again)
     self._pull_now = threading.Event()
     self._lock = threading.Lock()
     self._inflight: dict[str, set[str]] = {}  # lease id -> prompt ids not yet answered
@@ -303,7 +304,7 @@ class Worker:
   def prefetch(self, latest: int) -> None:
     """Pull (network + decode) the updates past the held version, to apply between batches."""
     held = self.policy.version
-    if held is None or latest <= held:
+    if held is None or latest <= held or latest == self._skipped_version:
       return
     with self._lock:
       pre = self._prefetched
@@ -323,13 +324,34 @@ class Worker:
     return True
 
   def _apply_or_resync(self, updates: list[Update]) -> None:
-    """Apply in order; on any mismatch start again from the latest keyframe."""
+    """Apply in order; on any mismatch start again from the latest keyframe. Versions
+    published in another format than this worker's are not applied (_other_format)."""
+    if self._other_format(updates):
+      return
     try:
       self._apply_all(updates)
     except ResyncNeeded as e:
       logging.warning("worker: %s; resynchronising from a keyframe", e)
       self.stats.resyncs += 1
-      self._apply_all(self.client.pull_updates(None))
+      keyframe = self.client.pull_updates(None)
+      if not self._other_format(keyframe):
+        self._apply_all(keyframe)
+
+  def _other_format(self, updates: list[Update]) -> bool:
+    """True (said once per version) when `updates` are published in another format than
+    worker.weights_format: the worker keeps what it holds and waits for a version in its
+    own (the trainer's publish.format was changed on a resumed run: its first keyframe
+    brings one), pulling that version no more."""
+    other = next((u.fmt for u in updates if u.fmt != self.policy.fmt), None)
+    if other is None:
+      return False
+    if updates[-1].version != self._skipped_version:
+      self._skipped_version = updates[-1].version
+      logging.warning("worker: v%d is published in %s, not this worker's %s (worker."
+                      "weights_format, which must equal the trainer's publish.format); "
+                      "waiting for a version in %s", updates[-1].version, other,
+                      self.policy.fmt, self.policy.fmt)
+    return True
 
   def _apply_all(self, updates: list[Update]) -> None:
     for update in updates:
@@ -403,7 +425,7 @@ class Worker:
   def _catch_up(self) -> None:
     """Hold the newest published version (prefetched, else pulled now)."""
     latest = self._rpc("latest_version")
-    if latest >= 0 and latest != self.policy.version:
+    if latest >= 0 and latest not in (self.policy.version, self._skipped_version):
       self.apply_prefetched()
       if latest != self.policy.version:
         self.sync_weights()

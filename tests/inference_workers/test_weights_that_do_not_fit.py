@@ -19,10 +19,10 @@ from rlax_ps.models import Transformer, flatten_params
 from worker_testlib import CONFIG, MODEL, REPO, SMALL, TOKENIZER, TOKENS, client
 
 
-def keyframe_of(config, fmt="bf16"):
+def keyframe_of(config, fmt="bf16", version=0):
   params = {k: np.asarray(v) for k, v in
             flatten_params(Transformer(config, rngs=nnx.Rngs(0))).items()}
-  return sync.encode(None, params, fmt, version=0)
+  return sync.encode(None, params, fmt, version=version)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
@@ -106,3 +106,27 @@ def test_rlax_ps_worker_says_the_weights_do_not_fit_in_one_line(server, tmp_path
   assert len(errors) == 1, proc.stderr
   assert "do not fit this worker's model: tensor 'layers.2." in errors[0]
   assert "init_from_hf" in errors[0]
+
+
+class ReformattedClient(PublishingClient):
+  """A server whose newest version is a keyframe, replaced by `publish`."""
+
+  def latest_version(self):
+    return self.keyframe.version
+
+  def publish(self, keyframe):
+    self.keyframe = keyframe
+
+
+def test_a_worker_waits_out_versions_of_another_format_and_takes_the_next_in_its_own():
+  # A resumed run whose publish.format changed: the server's newest version is still the
+  # last run's bf16 one when an int8 worker starts. It is not applied, nor pulled again,
+  # and the worker does not crash; the trainer's int8 keyframe is taken when it comes.
+  fake = ReformattedClient(keyframe_of(CONFIG, "bf16", version=3))
+  worker = Worker(fake, CONFIG, TOKENIZER, WorkerConfig(**SMALL, weights_format="int8"))
+  worker._catch_up()
+  worker._catch_up()
+  assert worker.policy.version is None and fake.pulls == [None]
+  fake.publish(keyframe_of(CONFIG, "int8", version=4))
+  worker._catch_up()
+  assert worker.policy.version == 4 and fake.pulls == [None, None]
