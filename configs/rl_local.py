@@ -94,9 +94,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.advantage = "grpo"  # grpo | dr_grpo | rloo | mc_grpo
   c.loss.policy_loss = "ppo"  # ppo | gspo | cispo (REINFORCE weighted by the clipped ratio)
   c.loss.correction = "none"  # none | tis | mis | decoupled | m2po
-  c.loss.clip_low = 0.2
-  c.loss.clip_high = 0.28  # > clip_low: DAPO's clip-higher.
-  c.loss.agg = "token-mean"
+  # The policy loss's clip bounds and aggregation; unset: its own (ppo: 0.2 and 0.28, DAPO's
+  # clip-higher, token-mean; gspo: 3e-4, 4e-4, seq-mean-token-mean; cispo: 1.0, 0.28).
+  c.loss.clip_low = ml_collections.config_dict.placeholder(float)
+  c.loss.clip_high = ml_collections.config_dict.placeholder(float)
+  c.loss.agg = ml_collections.config_dict.placeholder(str)
   c.loss.tis_cap = 2.0
   c.loss.behaviour_cap = 5.0
   c.loss.mis_low = 0.5  # masked IS: tokens with pi_trainer / pi_worker outside weigh 0

@@ -31,6 +31,13 @@ from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
+# Each policy loss's clip bounds and aggregation as published, for the fields left unset:
+# PPO with DAPO's clip-higher; GSPO's bounds of a length-normalised sequence ratio, averaged
+# per sequence (token-mean would weigh a sequence by its length); CISPO with no floor on the
+# weight (MiniMax-M1).
+POLICY_DEFAULTS = {"ppo": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),
+                   "gspo": dict(clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
+                   "cispo": dict(clip_low=1.0, clip_high=0.28, agg="token-mean")}
 CORRECTIONS = ("none", "tis", "mis", "decoupled", "m2po")
 
 
@@ -45,12 +52,12 @@ class LossConfig:
   # none | tis (truncated IS) | mis (masked IS) | decoupled (decoupled PPO) | m2po (M2PO:
   # unclipped ratio, tokens of largest (log pi_prox/pi_behav)^2 masked)
   correction: str = "none"
-  # The clip bounds of whichever policy loss: PPO's (0.2 / 0.28: DAPO's clip-higher); CISPO
-  # as published wants clip_low=1 (no floor on the weight), GSPO a length-normalised ratio's
-  # 3e-4 / 4e-4 with agg="seq-mean-token-mean" (token-mean weighs a sequence by its length).
-  clip_low: float = 0.2
-  clip_high: float = 0.28
-  agg: str = "token-mean"  # algorithms.losses.AGGREGATIONS
+  # The policy loss's clip bounds and aggregation (algorithms.losses.AGGREGATIONS); None:
+  # that loss's own as published (POLICY_DEFAULTS), so that choosing GSPO or CISPO does not
+  # keep PPO's.
+  clip_low: float | None = None
+  clip_high: float | None = None
+  agg: str | None = None
   tis_cap: float = 2.0  # TIS: weights min(pi_prox / pi_behav, cap)
   behaviour_cap: float = 5.0  # decoupled PPO: cap on pi_prox / pi_behav
   mis_low: float = 0.5  # MIS: tokens whose pi_prox / pi_behav leaves [low, high] weigh 0
@@ -82,6 +89,9 @@ class LossConfig:
     need(self.advantage in ADVANTAGES, "advantage", f"one of {ADVANTAGES}")
     need(self.policy_loss in POLICY_LOSSES, "policy_loss", f"one of {POLICY_LOSSES}")
     need(self.correction in CORRECTIONS, "correction", f"one of {CORRECTIONS}")
+    for field, value in POLICY_DEFAULTS[self.policy_loss].items():
+      if getattr(self, field) is None:
+        object.__setattr__(self, field, value)
     need(not (self.policy_loss != "ppo" and self.correction in ("decoupled", "m2po")),
          "correction", f"'none', 'tis' or 'mis' with policy_loss={self.policy_loss!r} "
          "(decoupled PPO and M2PO are losses of their own)")

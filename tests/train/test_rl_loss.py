@@ -4,6 +4,7 @@ gradient equal to the same objective computed on separate unpacked sequences."""
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -239,6 +240,22 @@ def test_bad_loss_settings_name_the_field(field, value, message):
   with pytest.raises(ValueError, match="loss.correction: expected 'none', 'tis' or 'mis' with "
                                        "policy_loss='cispo'"):
     LossConfig(policy_loss="cispo", correction="decoupled")
+
+
+def test_each_policy_loss_takes_its_own_clip_and_aggregation_unless_set():
+  # The default recipe leaves them unset: a user choosing GSPO gets GSPO's bounds (a
+  # sequence ratio within 3e-4 of 1), not PPO's 0.2 / 0.28, under which it never clipped.
+  from rlax_ps import config_files
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  config = config_files.load(os.path.join(repo, "configs", "rl_local.py"))
+  ppo = LossConfig.from_config(config.loss)
+  assert (ppo.clip_low, ppo.clip_high, ppo.agg) == (0.2, 0.28, "token-mean")
+  config.loss.policy_loss = "gspo"
+  gspo = LossConfig.from_config(config.loss)
+  assert (gspo.clip_low, gspo.clip_high, gspo.agg) == (3e-4, 4e-4, "seq-mean-token-mean")
+  config.loss.policy_loss, config.loss.clip_high = "cispo", 0.5
+  cispo = LossConfig.from_config(config.loss)
+  assert (cispo.clip_low, cispo.clip_high, cispo.agg) == (1.0, 0.5, "token-mean")
 
 
 def test_bad_groups_are_refused_naming_the_rollout_and_field():
