@@ -392,11 +392,24 @@ class Worker:
       for thread in (heartbeat, puller):  # let an in-flight heartbeat or pull finish: a
         if thread.is_alive():  # daemon thread inside gRPC at interpreter exit aborts
           thread.join(min(_HEARTBEAT_JOIN_S, max(0.0, self._grace_left())))
+      self._say_leaving()
       if self.stopping and self._client_timeout is not None:  # the client may serve on
         self.client.timeout_s = self._client_timeout
         if self._interrupt is not None:
           self._interrupt.clear()
     return self.stats
+
+  def _say_leaving(self) -> None:
+    """Tell the server this worker is gone (its leases settled), so that status and metrics
+    stop counting it at once; if the server is away or the grace is spent, its silence
+    tells it later."""
+    if not getattr(self.client, "worker_id", ""):  # never registered
+      return
+    try:
+      self._rpc("heartbeat", -1 if self.policy.version is None else self.policy.version,
+                leaving=True)
+    except ParamServerError as e:
+      logging.info("worker: could not say it is leaving: %s", e)
 
   def _with_backoff(self, fn: Callable[[], Any]) -> Any:
     """fn(), retried with the client's capped exponential backoff (no deadline: a worker

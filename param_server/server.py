@@ -405,6 +405,9 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       raise errors.InvalidArgument("kind", f"expected '' (a worker) or 'relay', got {request.kind!r}")
     with self._lock:
       self._forget_silent_workers()
+      if request.leaving:  # stopped cleanly: not counted alive for its last heartbeats' span
+        self._workers.pop(request.worker_id, None)
+        return pb.HeartbeatReply(latest_version=self.weights.latest)
       # Upsert: workers registered before a server restart keep their id (a relay's is its own).
       worker = self._workers.setdefault(request.worker_id, _Worker(request.worker_id, request.worker_id, {}))
       worker.version = request.version

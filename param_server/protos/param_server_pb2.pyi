@@ -363,16 +363,18 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "version", "tokens_per_s", "kind")
+    __slots__ = ("worker_id", "version", "tokens_per_s", "kind", "leaving")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     version: int
     tokens_per_s: float
     kind: str
-    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kind: _Optional[str] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kind: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("latest_version",)

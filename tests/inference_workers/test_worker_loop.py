@@ -84,6 +84,8 @@ def test_new_version_is_picked_up_between_leases(server, versions):
     assert worker.stats.versions_applied == [0, 1]  # the delta, not a second keyframe
     made = sorted(r.group.policy_version for r in trainer.take_rollouts(0, 10).rollouts)
     assert made == [0, 0, 1, 1]
+    # Its work done, the worker said it was leaving: the server lists it no more.
+    assert trainer.stats().workers_alive == 0 and not trainer.stats().workers
 
 
 def test_a_worker_behind_a_weight_relay_pulls_from_it_and_leases_from_the_server(

@@ -335,6 +335,15 @@ def test_workers_register_heartbeat_and_show_in_stats(trainer, worker, viewer):
   assert worker.worker_id in table and "v1 (bf16)" in table
 
 
+def test_a_leaving_worker_is_listed_and_counted_no_more(trainer, worker, viewer):
+  publish_chain(trainer, 1)
+  worker.heartbeat(version=0)
+  assert viewer.stats().workers_alive == 1
+  assert worker.heartbeat(version=0, leaving=True) == 0
+  stats = viewer.stats()
+  assert stats.workers_alive == 0 and not stats.workers
+
+
 def test_relays_report_their_version_apart_from_the_workers(trainer, worker, viewer):
   publish_chain(trainer, 3)
   worker.heartbeat(version=2)
