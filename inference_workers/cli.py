@@ -65,10 +65,12 @@ def main(argv) -> None:
     raise SystemExit(f"rlax-ps worker: unexpected arguments {argv[1:]}; flags are --name=value")
   block_stop_signals()  # before JAX or gRPC start any thread
   cfg = _CONFIG.value
-  try:
+  try:  # what the config names is made before JAX and the model load
     config = worker_config_from(cfg.get("worker"))
+    from algorithms.environments import environments_from
     from algorithms.verifiers import verifiers_by_task
     verifier_for = verifiers_by_task(config.default_task, config.verifiers)
+    environments = environments_from(config.environment, config.environment_args)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   from rlax_ps.compile_cache import enable_compile_cache
@@ -90,7 +92,8 @@ def main(argv) -> None:
   try:
     with connect_flags.connect("worker") as client:
       try:
-        worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for)
+        worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for,
+                        environments=environments)
       except ValueError as e:  # settings the model cannot honour
         raise app.UsageError(str(e)) from None
       mesh = worker.mesh

@@ -135,7 +135,8 @@ class Worker:
 
   def __init__(self, client: ParamServerClient, model_config: ModelConfig, tokenizer: Any,
                config: WorkerConfig = WorkerConfig(), *, allocator=None,
-               verifier_for: Callable[[str], Verifier] | None = None):
+               verifier_for: Callable[[str], Verifier] | None = None,
+               environments: dict | None = None):
     self.client = client
     self.tokenizer = tokenizer
     self.config = config
@@ -151,7 +152,8 @@ class Worker:
     self.allocator = allocator if allocator is not None else make_allocator(config)
     self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
                                                           config.verifiers)
-    self.environments = environments_from(config.environment, config.environment_args)
+    self.environments = (environments if environments is not None else
+                         environments_from(config.environment, config.environment_args))
     self.reward_scorer = (RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,
                                        config.reward_model_batch, mesh=self.mesh)
                           if config.reward_model else None)

@@ -70,3 +70,13 @@ def test_a_worker_scores_with_verifiers_from_a_users_file(tmp_path):
     assert "worker.default_task: 'fixture_any' is neither a built-in task" in unknown.stderr
   finally:
     server.stop(grace=0)
+
+
+def test_an_unknown_environment_is_named_before_the_model_loads(tmp_path):
+  # The model's checkpoint does not exist either: the environment is checked first, with
+  # the verifiers, in one line (exit 2), not after loading the tokenizer and model.
+  done = _worker("127.0.0.1:1", tmp_path / "tokens.json", "--environment=nope",
+                 f"--config.init_from_hf={tmp_path / 'no_checkpoint'}")
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert "worker.environment" in done.stderr and "'nope'" in done.stderr, done.stderr
+  assert "Traceback" not in done.stderr
