@@ -100,6 +100,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.clip_high = ml_collections.config_dict.placeholder(float)
   c.loss.agg = ml_collections.config_dict.placeholder(str)
   c.loss.tis_cap = 2.0
+  c.loss.is_level = "token"  # tis / mis ratio: token | sequence (the product) | geometric
   c.loss.behaviour_cap = 5.0
   c.loss.mis_low = 0.5  # masked IS: tokens with pi_trainer / pi_worker outside weigh 0
   c.loss.mis_high = 2.0

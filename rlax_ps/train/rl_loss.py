@@ -59,6 +59,9 @@ class LossConfig:
   clip_high: float | None = None
   agg: str | None = None
   tis_cap: float = 2.0  # TIS: weights min(pi_prox / pi_behav, cap)
+  # TIS and MIS: the ratio of each token, of the whole sequence (the product: TRL's
+  # sequence_truncate / sequence_mask) or its geometric mean (corrections.LEVELS)
+  is_level: str = "token"
   behaviour_cap: float = 5.0  # decoupled PPO: cap on pi_prox / pi_behav
   mis_low: float = 0.5  # MIS: tokens whose pi_prox / pi_behav leaves [low, high] weigh 0
   mis_high: float = 2.0
@@ -103,6 +106,7 @@ class LossConfig:
     need(self.clip_low >= 0 and self.clip_high >= 0, "clip_low", "clip bounds >= 0")
     need(self.agg in losses.AGGREGATIONS, "agg", f"one of {losses.AGGREGATIONS}")
     need(self.tis_cap > 0, "tis_cap", "> 0")
+    need(self.is_level in corrections.LEVELS, "is_level", f"one of {corrections.LEVELS}")
     need(self.behaviour_cap > 0, "behaviour_cap", "> 0")
     need(self.kl_coef >= 0, "kl_coef", ">= 0")
     need(self.router_aux_coef >= 0, "router_aux_coef", ">= 0")
@@ -224,12 +228,12 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
     loss, metrics = policy_loss(logp, behaviour, adv, mask, **common)
   elif cfg.correction == "tis":
     weights = corrections.truncated_importance_weights(proximal, behaviour, mask,
-                                                       cap=cfg.tis_cap)
+                                                       level=cfg.is_level, cap=cfg.tis_cap)
     loss, metrics = policy_loss(logp, proximal, adv, mask, token_weights=weights, **common)
     metrics["tis_weight_mean"] = jnp.sum(weights) / jnp.maximum(jnp.sum(mask), 1.0)
   elif cfg.correction == "mis":  # dropped tokens weigh 0 and still count in the mean
-    weights, kept = corrections.masked_importance_weights(proximal, behaviour, mask,
-                                                          low=cfg.mis_low, high=cfg.mis_high)
+    weights, kept = corrections.masked_importance_weights(
+        proximal, behaviour, mask, level=cfg.is_level, low=cfg.mis_low, high=cfg.mis_high)
     loss, metrics = policy_loss(logp, proximal, adv, mask, token_weights=weights, **common)
     metrics["mis_masked_frac"] = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(mask), 1.0)
   elif cfg.correction == "m2po":
