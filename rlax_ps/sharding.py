@@ -118,6 +118,19 @@ def batch_spec(mesh: Mesh, shape: Sequence[int]) -> P:
   return fit_spec(P(BATCH_AXES), shape, mesh)
 
 
+def unsplit_rows(mesh: Mesh, rows: int) -> str | None:
+  """Why `rows` (a micro-batch's) would not be split over all data*fsdp devices, or None: the
+  axes that do not divide it are dropped, and the devices along them repeat one another's
+  work."""
+  split = math.prod(mesh.shape[a] for a in BATCH_AXES)
+  if rows % split == 0:
+    return None
+  kept = batch_spec(mesh, (rows,))
+  used = math.prod(mesh.shape[a] for e in kept if e for a in ((e,) if isinstance(e, str) else e))
+  return (f"{rows} rows a micro-batch are not a multiple of mesh data*fsdp = {split}, so they "
+          f"are split {used} way(s) and each share is computed {split // used} times over")
+
+
 def shard_batch(mesh: Mesh, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
   """Place a global host batch on the mesh, rows split over (data, fsdp).
 

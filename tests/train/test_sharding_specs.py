@@ -58,3 +58,11 @@ def test_optimizer_state_follows_param_specs():
   adam = out[0]
   assert adam.mu == specs and adam.nu == specs
   assert adam.count == P()  # Scalars are replicated.
+
+
+def test_rows_that_the_batch_axes_do_not_divide_are_named():
+  mesh = shd.make_mesh({"data": 2, "fsdp": 4, "tensor": 1})
+  assert shd.unsplit_rows(mesh, 16) is None
+  assert shd.unsplit_rows(mesh, 12) == ("12 rows a micro-batch are not a multiple of mesh "
+                                        "data*fsdp = 8, so they are split 2 way(s) and each "
+                                        "share is computed 4 times over")

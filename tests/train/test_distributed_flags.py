@@ -1,0 +1,47 @@
+"""The multi-host flags: a combination jax.distributed cannot join (or one that would leave
+each host training alone) is refused in one line naming the flag and its value, before any
+JAX backend or coordinator starts."""
+
+import jax
+import pytest
+from absl import app, flags
+from absl.testing import flagsaver
+
+from rlax_ps import distributed
+
+
+@pytest.fixture
+def parsed_flags():
+  """FLAGS readable (as after absl parsing) for the test, and as found afterwards; the CPU
+  collectives setting initialize() changes is put back too."""
+  was_parsed = flags.FLAGS.is_parsed()
+  collectives = jax.config.jax_cpu_collectives_implementation
+  flags.FLAGS.mark_as_parsed()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_cpu_collectives_implementation", collectives)
+    if not was_parsed:
+      flags.FLAGS.unparse_flags()
+
+
+@pytest.mark.parametrize("given, named", [
+    (dict(num_processes=2, process_id=1), "--num_processes=2, --process_id=1"),
+    (dict(coordinator_address="127.0.0.1:8476"), "--num_processes"),
+    (dict(coordinator_address="127.0.0.1:8476", num_processes=2), "--process_id"),
+    (dict(coordinator_address="127.0.0.1:8476", num_processes=2, process_id=2),
+     "--process_id: expected this process's index, 0 to 1 (--num_processes=2), got 2"),
+    (dict(coordinator_address="localhost", num_processes=1, process_id=0),
+     "--coordinator_address: expected HOST:PORT"),
+    (dict(coordinator_address="auto"), "--coordinator_address=auto: found no multi-host"),
+])
+def test_flags_it_cannot_join_with_are_named(parsed_flags, given, named):
+  with flagsaver.flagsaver(**given), pytest.raises(app.UsageError) as raised:
+    distributed.initialize()
+  assert named in str(raised.value)
+  assert not jax.distributed.is_initialized()
+
+
+def test_one_process_needs_no_coordinator(parsed_flags):
+  with flagsaver.flagsaver(num_processes=1, process_id=0):
+    assert distributed.initialize()
