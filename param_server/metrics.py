@@ -62,16 +62,21 @@ class StatsCollector:
       yield GaugeMetricFamily(PREFIX + name, help_text, value=getattr(s, field))
     for field, help_text in VERSIONS.items():
       yield GaugeMetricFamily(PREFIX + field, help_text, value=getattr(s.versions, field))
-    version = GaugeMetricFamily(PREFIX + "worker_version", "version a worker holds (-1: none)",
-                                labels=["worker_id", "name"])
-    speed = GaugeMetricFamily(PREFIX + "worker_tokens_per_second", "a worker's generation speed",
-                              labels=["worker_id", "name"])
+    # kind "worker" or "relay" (a weight relay heartbeats as workers do, generating nothing):
+    # a fleet's sum or mean of tokens per second selects kind="worker".
+    labels = ["worker_id", "name", "kind"]
+    version = GaugeMetricFamily(PREFIX + "worker_version",
+                                "version a worker or relay holds (-1: none)", labels=labels)
+    speed = GaugeMetricFamily(PREFIX + "worker_tokens_per_second",
+                              "a worker's generation speed (tokens per second; relays 0)",
+                              labels=labels)
     seen = GaugeMetricFamily(PREFIX + "worker_seconds_since_heartbeat",
-                             "seconds since a worker was heard from", labels=["worker_id", "name"])
+                             "seconds since a worker or relay was heard from", labels=labels)
     for w in s.workers:
-      version.add_metric([w.worker_id, w.name], w.version)
-      speed.add_metric([w.worker_id, w.name], w.tokens_per_s)
-      seen.add_metric([w.worker_id, w.name], w.seconds_since_heartbeat)
+      values = [w.worker_id, w.name, w.kind or "worker"]
+      version.add_metric(values, w.version)
+      speed.add_metric(values, w.tokens_per_s)
+      seen.add_metric(values, w.seconds_since_heartbeat)
     yield from (version, speed, seen)
 
 

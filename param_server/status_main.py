@@ -12,13 +12,10 @@ from absl import flags
 from param_server import connect_flags
 from param_server.client import ParamServerError, RetryPolicy
 from param_server.protos import param_server_pb2 as pb
+from rlax_ps.sizes import human_bytes
 
 flags.adopt_module_key_flags(connect_flags)
 _TIMEOUT = flags.DEFINE_float("timeout_s", 10.0, "give up after this long")
-
-
-def _mb(n: int) -> str:
-  return f"{n / 2**20:,.1f} MiB"
 
 
 def format_stats(s: pb.Stats) -> str:
@@ -26,8 +23,8 @@ def format_stats(s: pb.Stats) -> str:
   v = s.versions
   rows = [
       ("latest version", "none" if v.latest_version < 0 else f"v{v.latest_version} ({v.fmt})"),
-      ("keyframe", "none" if v.keyframe_version < 0 else f"v{v.keyframe_version}, {_mb(v.keyframe_bytes)}"),
-      ("delta chain", f"{_mb(v.delta_chain_bytes)}; deltas reach back to v{v.oldest_delta_base}"),
+      ("keyframe", "none" if v.keyframe_version < 0 else f"v{v.keyframe_version}, {human_bytes(v.keyframe_bytes)}"),
+      ("delta chain", f"{human_bytes(v.delta_chain_bytes)}; deltas reach back to v{v.oldest_delta_base}"),
       ("prompts queued", s.prompts_queued),
       ("prompts leased", f"{s.prompts_leased} in {s.leases_active} leases"),
       ("leases expired", s.leases_expired),
@@ -37,7 +34,7 @@ def format_stats(s: pb.Stats) -> str:
       ("rollouts in flight", f"{s.rollouts_in_flight} (taken, not acked)"),
       ("rollouts accepted", f"{s.rollouts_accepted} (+{s.rollouts_duplicate} duplicate submissions acked)"),
       ("stale rollouts dropped", s.rollouts_stale_dropped),
-      ("bytes served", f"{_mb(s.bytes_served)} in {s.pulls_served} pulls"),
+      ("bytes served", f"{human_bytes(s.bytes_served)} in {s.pulls_served} pulls"),
       ("streams open", f"{s.streams_open} (pulls and watches now)"),
       ("rejected requests", s.errors),
       ("workers alive", f"{s.workers_alive} of {sum(not w.kind for w in s.workers)}"),

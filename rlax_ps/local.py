@@ -30,6 +30,7 @@ from typing import Any, Sequence
 from param_server import auth
 from rlax_ps.cli import STOP_WITH_PARENT
 from rlax_ps.config_files import run_config_changes
+from rlax_ps.sizes import human_bytes
 
 LISTENING = re.compile(r"parameter server listening on (\S+)")
 TAIL_LINES = 20
@@ -235,6 +236,28 @@ def heldout_cell(x: float | None, scores: dict[str, Any], digits: int = 1) -> st
   return f"{x:.3f}" if "reward_model" in scores else f"{100 * x:.{digits}f}%"
 
 
+class Progress:
+  """The live line's figures from the trainer's steps.jsonl records: the latest step's, the
+  bytes published over the records read, and the last held-out evaluation (the records
+  between evaluations carry none)."""
+
+  def __init__(self):
+    self.synced = 0
+    self.heldout: dict[str, Any] | None = None
+
+  def postfix(self, record: dict[str, Any]) -> dict[str, str]:
+    """The line's fields after `record`, the newest step."""
+    self.synced += record.get("sync_bytes", 0)
+    if record.get("heldout"):
+      self.heldout = record["heldout"]
+    acc = self.heldout
+    return {"v": str(record["version"]), "reward": f"{record['reward_mean']:.2f}",
+            "acc": "-" if not acc else heldout_cell(acc["all"], acc, digits=0),
+            "len": f"{record.get('response_len_mean', 0):.0f}tok",
+            "samples/s": f"{record['samples_per_s']:.1f}",
+            "stale": f"{record['staleness_mean']:.1f}v", "synced": human_bytes(self.synced)}
+
+
 def summary_table(summary: dict[str, Any]) -> str:
   """The end-of-run table: held-out accuracy before and after RL, sync and throughput."""
   before = summary.get("warm_start") or {}
@@ -252,12 +275,14 @@ def summary_table(summary: dict[str, Any]) -> str:
   rows += [
       ("steps / versions", "", f"{summary['step']} / v{summary['version']}"),
       ("rollout groups trained", "", str(summary["rollout_groups_trained"])),
-      ("wall time this run", "", f"{summary['seconds']:.0f} s"),
+      ("RL time this run (rl.max_seconds)", "", f"{summary['seconds']:.0f} s"),
       (f"sync ({sync.get('format', '?')}): bytes per delta", "",
        f"{sync.get('delta_bytes_mean', 0):,.0f}"),
-      ("sync: seconds per delta", "", f"{sync.get('delta_seconds_mean', 0):.3f}"),
+      ("sync: seconds per delta (median)", "",
+       f"{sync.get('delta_seconds_median', sync.get('delta_seconds_mean', 0)):.3f}"),
       ("sync: keyframe bytes", "", f"{sync.get('keyframe_bytes', 0):,}"),
       ("stale groups dropped", "", str(summary.get("dropped_stale", 0))),
+      ("groups rejected (trainer log: why)", "", str(summary.get("rejected", 0))),
       ("samples resumed after a worker stopped", "", str(summary.get("samples_resumed", 0))),
   ]
   if "filtered" in summary:

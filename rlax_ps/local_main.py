@@ -29,16 +29,6 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show the live progress line.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _postfix(record: dict, synced: int) -> dict:
-  from rlax_ps.local import heldout_cell
-  acc = record.get("heldout")
-  return {"v": record["version"], "reward": f"{record['reward_mean']:.2f}",
-          "acc": "-" if not acc else heldout_cell(acc["all"], acc, digits=0),
-          "len": f"{record.get('response_len_mean', 0):.0f}",
-          "rollouts/s": f"{record['rollouts_per_s']:.1f}",
-          "stale": f"{record['staleness_mean']:.1f}", "synced": f"{synced / 1e6:.1f}MB"}
-
-
 class Terminated(Exception):
   """A SIGTERM or SIGHUP (a closed terminal): stop the children as on Ctrl-C (they run in
   sessions of their own, so the signal does not reach them); exit 128 + its number."""
@@ -128,12 +118,11 @@ def main(argv: list[str]) -> None:
     run.start_workers(init_from_hf)
     bar = tqdm(total=int(config.rl.steps), desc="rl", unit="step", disable=not _PROGRESS.value,
                dynamic_ncols=True)
-    synced = 0
+    progress = local.Progress()
     while not run.check(trainer):
       for record in steps.read():
-        synced += record.get("sync_bytes", 0)
         bar.n = record["step"]
-        bar.set_postfix(_postfix(record, synced), refresh=False)
+        bar.set_postfix(progress.postfix(record), refresh=False)
         bar.refresh()
       time.sleep(0.5)
     bar.close()

@@ -287,6 +287,33 @@ def test_the_summary_table_shows_groups_left_out_and_a_reward_models_scores():
   assert re.search(r"^score reward_model\s+-0\.500\s+0\.250$", table, re.M)
 
 
+def _record(step, **kw):
+  return {"step": step, "version": step, "reward_mean": 0.5, "response_len_mean": 7.9,
+          "samples_per_s": 12.0, "staleness_mean": 0.5, "heldout": None, **kw}
+
+
+def test_the_progress_line_keeps_the_last_accuracy_and_shows_bytes_in_a_fitting_unit():
+  progress = local.Progress()
+  line = progress.postfix(_record(1, sync_bytes=82))
+  assert line["acc"] == "-" and line["synced"] == "82 B"
+  assert line["samples/s"] == "12.0" and line["stale"] == "0.5v" and line["len"] == "8tok"
+  line = progress.postfix(_record(2, sync_bytes=31_500, heldout={"add": 0.25, "all": 0.25}))
+  assert line["acc"] == "25%" and line["synced"] == "30.8 KiB"
+  line = progress.postfix(_record(3, sync_bytes=2 << 20))  # a step without an evaluation
+  assert line["acc"] == "25%" and line["synced"] == "2.0 MiB"
+
+
+def test_the_summary_table_shows_a_deltas_median_seconds_rejected_groups_and_rl_time():
+  summary = {"step": 3, "version": 3, "rollout_groups_trained": 12, "seconds": 9.0,
+             "rejected": 2, "sync": {"format": "bf16", "delta_seconds_mean": 0.3,
+                                     "delta_seconds_median": 0.01}}
+  table = local.summary_table(summary)
+  assert re.search(r"^sync: seconds per delta \(median\)\s+0\.010$", table, re.M)
+  assert re.search(r"^groups rejected \(trainer log: why\)\s+2$", table, re.M)
+  # The trainer's clock (rl.max_seconds'), not the command's: no warm start, no final eval.
+  assert re.search(r"^RL time this run \(rl.max_seconds\)\s+9 s$", table, re.M)
+
+
 @pytest.mark.slow
 def test_own_prompts_rewards_and_heldout_records_run_through_the_loop(run, tmp_path):
   """A user's JSONL prompts scored by the verifiers of their own file, evaluated on their

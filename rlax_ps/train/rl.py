@@ -16,6 +16,7 @@ alone keeps the host copy of the published weights and encodes them.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -132,6 +133,26 @@ class PendingTake:
   take_id: str
   rollout_ids: list[int]
   step: int
+
+
+class StepRate:
+  """Samples trained per second over the last `window` steps, as the live line shows it. The
+  clock starts with the training loop; the first step's span (step compiles, the workers'
+  first samples) counts only until the second step ends."""
+
+  def __init__(self, window: int = 10, now: float | None = None):
+    self.marks = collections.deque([(time.monotonic() if now is None else now, 0)],
+                                   maxlen=window + 1)
+    self.steps = 0
+
+  def add(self, samples: int, now: float | None = None) -> float:
+    """Note a step of `samples` samples ending `now`; the rate over the window it closes."""
+    self.steps += 1
+    if self.steps == 2:  # the loop's start mark goes: from here steady-state steps only
+      self.marks.popleft()
+    self.marks.append((time.monotonic() if now is None else now, int(samples)))
+    span = self.marks[-1][0] - self.marks[0][0]
+    return sum(n for _, n in list(self.marks)[1:]) / span if span > 0 else 0.0
 
 
 # The run totals (RLTrainer attributes) that the checkpoint carries: groups dropped as stale,
@@ -414,7 +435,7 @@ class RLTrainer(TrainerRun):
       self.warm_start_eval = self.evaluate()
       self.log_eval(self.warm_start_eval, self.step)
     start_step = self.step
-    samples = 0
+    rate = StepRate()  # from here: the warm start's evaluation is not sampling time
     steps_log = open(os.path.join(self.workdir, "steps.jsonl"), "a") if self.leader else None
     try:
       while True:
@@ -427,14 +448,13 @@ class RLTrainer(TrainerRun):
             self.state, shd.shard_batch(self.mesh, batch), self.ref_params)
         done = self.step
         metrics = {k: float(v) for k, v in shd.to_host(metrics).items()}
-        samples += int(batch["sample_mask"].sum())
         every = int(self.config.checkpoint.every_steps)
         eval_every = int(self.config.eval.every_steps)
         record = {}  # the leader's log line; the other processes do the same device work
         if self.leader:
           self.trained_rollouts += len(groups)
           record = self._step_record(done, groups, batch, metrics,
-                                     samples / (time.time() - t0))
+                                     rate.add(int(batch["sample_mask"].sum())))
           self.resumed_samples += record["resumed_samples"]
         if done % self.publish_every == 0:
           try:
@@ -447,7 +467,7 @@ class RLTrainer(TrainerRun):
           self.log_eval(self.evaluate(), done)
           record["heldout"] = self.last_eval
         if self.leader:
-          self._log_step(record, metrics, groups)
+          self._log_step(record, metrics)
           steps_log.write(json.dumps(record) + "\n")
           steps_log.flush()
         if every and done % every == 0:
@@ -688,7 +708,9 @@ class RLTrainer(TrainerRun):
   # -- logs, evaluation, summary ----------------------------------------------------------
 
   def _step_record(self, step: int, groups: list[Group], batch: dict, metrics: dict,
-                   rollouts_per_s: float) -> dict[str, Any]:
+                   samples_per_s: float) -> dict[str, Any]:
+    """The step's line of steps.jsonl; taken before the step's publication, so staleness is
+    versions behind the weights the step trained (one per group, as rollout_ids)."""
     mask = batch["sample_mask"] > 0
     staleness = [self.version - g.policy_version for g in groups]
     record = {
@@ -697,9 +719,11 @@ class RLTrainer(TrainerRun):
         "reward_mean": float(batch["rewards"][mask].mean()),
         "pass_at_n": float(np.mean([g.rewards.max() >= 1.0 for g in groups])),
         "resumed_samples": sum(g.resumed for g in groups),
-        "staleness_mean": float(np.mean(staleness)),
-        "rollouts_per_s": rollouts_per_s,
-        "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac", 0.0),
+        "staleness": staleness, "staleness_mean": float(np.mean(staleness)),
+        "staleness_max": int(max(staleness)),
+        "samples_per_s": samples_per_s,
+        # None where the loss clips nothing (m2po masks: train/m2po_masked_frac)
+        "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac"),
         "iw_mean": metrics["iw_mean"], "entropy": metrics["entropy"], "heldout": None,
         **response_stats(groups, self.shape.response_len, self.tokenizer.stop_ids),
         "response_capacity": int(batch["response_tokens"].shape[-1]),  # what rows packed
@@ -716,11 +740,13 @@ class RLTrainer(TrainerRun):
                     router_agreement=metrics.get("router_agreement", 0.0))
     return record
 
-  def _log_step(self, record: dict, metrics: dict, groups: list[Group]) -> None:
+  def _log_step(self, record: dict, metrics: dict) -> None:
     w, step = self.writer, record["step"]
     w.add_scalar("rollouts/reward_mean", record["reward_mean"], step)
     w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
-    w.add_scalar("rollouts/per_second", record["rollouts_per_s"], step)
+    w.add_scalar("rollouts/samples_per_second", record["samples_per_s"], step)
+    w.add_scalar("rollouts/staleness_mean", record["staleness_mean"], step)
+    w.add_scalar("rollouts/staleness_max", record["staleness_max"], step)
     w.add_scalar("rollouts/resumed_samples", record["resumed_samples"], step)
     for k in ("response_len_mean", "response_len_max", "response_capacity", "truncated_frac",
               "env_replies_mean", "env_token_frac"):
@@ -731,8 +757,7 @@ class RLTrainer(TrainerRun):
     for k in ("filtered", "filled", "passed_over", "uniform_records"):
       if k in record:  # totals so far (dynamic sampling, selective rollouts)
         w.add_scalar(f"rollouts/{k}", record[k], step)
-    w.add_histogram("rollouts/staleness",
-                    np.asarray([self.version - g.policy_version for g in groups]), step)
+    w.add_histogram("rollouts/staleness", np.asarray(record["staleness"]), step)
     for k, v in metrics.items():
       w.add_scalar(f"train/{k}", v, step)
     try:
@@ -770,6 +795,8 @@ class RLTrainer(TrainerRun):
         "format": self.publisher.fmt, "versions": len(log),
         "delta_bytes_mean": float(np.mean([b for b, _ in deltas])) if deltas else 0.0,
         "delta_seconds_mean": float(np.mean([s for _, s in deltas])) if deltas else 0.0,
+        # The first delta's seconds hold the diff's compile: the median is a delta's cost.
+        "delta_seconds_median": float(np.median([s for _, s in deltas])) if deltas else 0.0,
         "keyframe_bytes": keys[-1][0] if keys else 0,
     }
     summary["export"] = self.export_hf() if self.config.export.hf else None

@@ -7,6 +7,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from param_server.metrics import StatsCollector
 from param_server.protos import param_server_pb2 as pb
 from param_server.server import ServerConfig
 from ps_testlib import client_for, publish_chain
@@ -40,7 +41,7 @@ def test_metrics_report_what_the_stats_say(start_server):
   assert got[("rlax_ps_keyframe_bytes", ())] == stats.versions.keyframe_bytes > 0
   assert got[("rlax_ps_workers_alive", ())] == 1
   assert 0 < got[("rlax_ps_uptime_seconds", ())] <= stats.uptime_s
-  labels = (("name", "gpu-7"), ("worker_id", worker_id))
+  labels = (("kind", "worker"), ("name", "gpu-7"), ("worker_id", worker_id))
   assert got[("rlax_ps_worker_version", labels)] == 2
   assert got[("rlax_ps_worker_tokens_per_second", labels)] == 123.5
   server.stop(grace=0)
@@ -52,3 +53,17 @@ def test_metrics_are_off_by_default_and_a_bad_port_names_the_field(start_server)
   assert start_server().metrics_port is None
   with pytest.raises(ValueError, match="ServerConfig.metrics_port"):
     ServerConfig(metrics_port=-2)
+
+
+def test_a_relays_heartbeat_is_labelled_apart_from_the_workers():
+  """A relay heartbeats as a worker does: its series carry kind="relay", so a fleet's
+  tokens per second or count of workers can leave it out."""
+  stats = pb.Stats(workers=[pb.WorkerStats(worker_id="w1", name="gpu-7", version=3,
+                                           tokens_per_s=100.0),
+                            pb.WorkerStats(worker_id="relay@zone-a:50052", name="r", version=3,
+                                           kind="relay")])
+  speeds = {tuple(sorted(s.labels.items())): s.value
+            for family in StatsCollector(lambda: stats).collect()
+            if family.name == "rlax_ps_worker_tokens_per_second" for s in family.samples}
+  assert speeds == {(("kind", "worker"), ("name", "gpu-7"), ("worker_id", "w1")): 100.0,
+                    (("kind", "relay"), ("name", "r"), ("worker_id", "relay@zone-a:50052")): 0.0}

@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 from child_env import child_env
+from param_server.protos import param_server_pb2 as pb
+from param_server.status_main import format_stats
 from ps_testlib import REPO, TOKENS
 
 
@@ -45,3 +47,13 @@ def test_status_says_no_token_apart_from_a_rejected_one(server, tmp_path):
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and said in err, err[-2000:]
+
+
+def test_status_shows_sizes_in_a_unit_that_reads():
+  """A small model's keyframe is kilobytes, not "0.0 MiB"; a large one's stays in MiB or GiB."""
+  text = format_stats(pb.Stats(versions=pb.VersionInfo(
+      latest_version=4, keyframe_version=0, fmt="bf16", keyframe_bytes=31_521,
+      delta_chain_bytes=328), bytes_served=3 * 2**30))
+  assert "v0, 30.8 KiB" in text
+  assert "delta chain" in text and "328 B; deltas" in text
+  assert "3.0 GiB in 0 pulls" in text

@@ -1,0 +1,90 @@
+"""The RL trainer's step figures, recomputed from their inputs: staleness (versions behind the
+weights a step trained, in steps.jsonl and TensorBoard alike), samples per second (steady
+state, not the loop's start), and the summary's sync cost."""
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+from rlax_ps.train.rl import RLTrainer, StepRate
+from rlax_ps.train.rollouts import BatchShape, Group
+
+
+class Writer:
+  """A SummaryWriter that keeps what it is given."""
+
+  def __init__(self):
+    self.scalars, self.histograms = {}, {}
+
+  def add_scalar(self, tag, value, step):
+    self.scalars[tag] = (value, step)
+
+  def add_histogram(self, tag, values, step):
+    self.histograms[tag] = (np.asarray(values), step)
+
+
+def _group(rollout_id, version, rewards):
+  return Group(rollout_id=rollout_id, prompt_tokens=np.asarray([1, 2], np.int32),
+               responses=tuple(np.asarray([3, 4], np.int32) for _ in rewards),
+               behaviour_logp=tuple(np.zeros(2, np.float32) for _ in rewards),
+               rewards=np.asarray(rewards, np.float32), policy_version=version)
+
+
+def _trainer(version):
+  stats = types.SimpleNamespace(workers_alive=2)
+  return types.SimpleNamespace(
+      version=version, shape=BatchShape(groups=2, samples=2, prompt_len=4, response_len=8),
+      tokenizer=types.SimpleNamespace(stop_ids=(0,)), dynamic=None, selective=False,
+      writer=Writer(), client=types.SimpleNamespace(stats=lambda: stats))
+
+
+def _batch(rewards, mask):
+  return {"rewards": np.asarray(rewards, np.float32),
+          "sample_mask": np.asarray(mask, np.float32),
+          "response_tokens": np.zeros((2, 2, 8), np.int32)}
+
+
+METRICS = {"loss": 0.5, "iw_mean": 1.0, "entropy": 2.0, "clip_frac": 0.25}
+
+
+def test_staleness_is_versions_behind_the_trained_weights_in_the_log_and_tensorboard():
+  trainer = _trainer(version=5)
+  groups = [_group(1, 5, [1.0, 0.0]), _group(2, 3, [0.0, 0.0])]
+  record = RLTrainer._step_record(trainer, 6, groups, _batch([[1, 0], [0, 0]], [[1, 1], [1, 1]]),
+                                  METRICS, 3.0)
+  assert record["staleness"] == [0, 2]
+  assert record["staleness_mean"] == 1.0 and record["staleness_max"] == 2
+  trainer.version = 6  # the step's publication comes between the record and the log
+  RLTrainer._log_step(trainer, record, METRICS)
+  hist, step = trainer.writer.histograms["rollouts/staleness"]
+  assert step == 6 and sorted(hist.tolist()) == [0, 2]
+  assert trainer.writer.scalars["rollouts/staleness_max"] == (2, 6)
+  assert trainer.writer.scalars["rollouts/samples_per_second"] == (3.0, 6)
+  json.dumps(record)  # a steps.jsonl line
+
+
+def test_reward_mean_and_pass_at_n_count_real_samples_only():
+  trainer = _trainer(version=1)
+  groups = [_group(1, 1, [1.0]), _group(2, 1, [0.0, 0.5])]
+  # The first row's second slot is padding (its reward slot holds junk).
+  record = RLTrainer._step_record(trainer, 1, groups, _batch([[1, 9], [0, 0.5]],
+                                                             [[1, 0], [1, 1]]), METRICS, 0.0)
+  assert record["reward_mean"] == pytest.approx(0.5)
+  assert record["pass_at_n"] == 0.5
+
+
+def test_samples_per_second_leaves_out_the_loops_start_and_is_over_recent_steps():
+  rate = StepRate(window=2, now=0.0)
+  assert rate.add(16, now=100.0) == pytest.approx(0.16)  # the first step: compiles and all
+  assert rate.add(16, now=101.0) == pytest.approx(16.0)  # not 32 / 101
+  assert rate.add(16, now=103.0) == pytest.approx(32 / 3)
+  assert rate.add(8, now=104.0) == pytest.approx(24 / 3)  # the window: the last 2 steps
+
+
+def test_a_loss_that_clips_nothing_logs_no_clip_fraction():
+  metrics = {k: v for k, v in METRICS.items() if k != "clip_frac"}  # loss.correction=m2po
+  record = RLTrainer._step_record(_trainer(version=1), 1, [_group(1, 1, [1.0, 0.0])],
+                                  _batch([[1, 0], [0, 0]], [[1, 1], [0, 0]]), metrics, 0.0)
+  assert record["clip_frac"] is None
