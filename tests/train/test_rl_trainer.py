@@ -630,3 +630,15 @@ def test_the_trainer_waits_for_a_server_as_long_as_for_rollouts():
   config = rl_config()
   config.rl.take_timeout_s = 321.0
   assert server_retry(config).deadline_s == 321.0
+
+
+def test_groups_the_devices_cannot_split_are_named_before_any_step(tmp_path, caplog):
+  # One packed row per group: 4 groups on data 8 are not split, and the devices repeat one
+  # another's work; said when the trainer is built.
+  config = rl_config()
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  with RLTrainer(config, str(tmp_path / "rl"), object()) as trainer:
+    assert trainer.mesh.shape["data"] == 8
+  assert ("rl.groups_per_step=4, rl.micro_batches=1: 4 rows a micro-batch are not a multiple "
+          "of mesh data*fsdp = 8" in caplog.text)
+  assert "a multiple of 8 uses every device" in caplog.text
