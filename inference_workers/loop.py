@@ -727,7 +727,7 @@ class Worker:
     self.stats.tokens += sum(len(s.tokens) for s in samples)
     if lease_id not in self._abandoned:
       self._send(lease_id, prompt_id,
-                 self._group(prompt, version, samples, self._rewards(prompt, samples, given)))
+                 self._group(prompt, version, samples, *self._rewards(prompt, samples, given)))
     else:
       self._settle(lease_id)
 
@@ -892,6 +892,7 @@ class Worker:
     state = self.allocator.start(len(prompts), self.config.samples_per_prompt * len(prompts))
     samples: list[list[Sample]] = [[] for _ in prompts]
     rewards: list[list[float]] = [[] for _ in prompts]
+    passed: list[list[bool] | None] = [[] for _ in prompts]
     round_ = 0
     while not state.done and not self._salvaging:
       counts = [int(c) for c in self.allocator.requests(state)]
@@ -900,9 +901,10 @@ class Worker:
       elapsed = time.monotonic() - t0
       new_rewards = []
       for i, (prompt, got) in enumerate(zip(prompts, drawn)):
-        scores = self._rewards(prompt, got, given[i])
+        scores, passes = self._rewards(prompt, got, given[i])
         samples[i].extend(got)
         rewards[i].extend(scores)
+        passed[i] = None if passes is None else passed[i] + passes
         new_rewards.append(np.asarray(scores, np.float32))
       n_tokens = sum(len(s.tokens) for got in drawn for s in got)
       self.stats.samples += sum(map(len, drawn))
@@ -915,8 +917,8 @@ class Worker:
     if not state.done:
       logging.info("worker: stopping: %d of %d prompts keep the samples of %d rounds",
                    sum(len(got) >= 2 for got in samples), len(prompts), round_)
-    return [self._group(p, version, got, rs) if state.done or len(got) >= 2 else None
-            for p, got, rs in zip(prompts, samples, rewards)]
+    return [self._group(p, version, got, rs, ps) if state.done or len(got) >= 2 else None
+            for p, got, rs, ps in zip(prompts, samples, rewards, passed)]
 
   @property
   def batching(self) -> str:
@@ -935,9 +937,10 @@ class Worker:
     return self.stopping and time.monotonic() >= self._salvage_at
 
   def _group(self, prompt: pb.Prompt, version: int, samples: list[Sample],
-             rewards: list[float]) -> pb.RolloutGroup:
+             rewards: list[float], passed: list[bool] | None = None) -> pb.RolloutGroup:
     """One prompt's scored samples as a RolloutGroup of `version` (the oldest sampled with;
-    metadata last_version: the newest)."""
+    metadata last_version: the newest); each sample's metadata "passed" ("1" or "0"): its
+    verifier's verdict, where one scored it."""
     meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
@@ -949,8 +952,9 @@ class Worker:
         prompt_id=prompt.id, policy_version=version, metadata=meta,
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),
                              logprobs=s.sampling_logprobs, finish_reason=s.finish_reason,
-                             routes=s.routes, observed=s.observed)
-                 for s, r in zip(samples, rewards)])
+                             routes=s.routes, observed=s.observed,
+                             metadata=None if passed is None else {"passed": str(int(p))})
+                 for s, r, p in zip(samples, rewards, passed or [None] * len(samples))])
     if self.config.routing_replay and samples:  # the samples share the prompt's routes
       group.prompt_routes.CopyFrom(make_routes(samples[0].prompt_routes))
     return group
@@ -1001,17 +1005,19 @@ class Worker:
     return out, given
 
   def _rewards(self, prompt: pb.Prompt, samples: list[Sample],
-               given: dict[int, list] | None = None) -> list[float]:
+               given: dict[int, list] | None = None) -> tuple[list[float], list[bool] | None]:
     """The samples' rewards: the reward model's scores for task reward_model, else the
-    task verifier's plus reward_model_weight x the reward model's; `given`: each
-    multi-turn sample's replies, by index."""
+    task verifier's plus reward_model_weight x the reward model's; and the verifier's
+    verdicts (None for task reward_model: a score has none); `given`: each multi-turn
+    sample's replies, by index."""
     rm_only = (prompt.task or self.config.default_task) == REWARD_MODEL_TASK
     weight = 1.0 if rm_only else self.config.reward_model_weight
-    rewards = np.zeros(len(samples)) if rm_only else np.asarray(
-        [self._score(prompt, s) for s in samples], np.float64)
+    scored = [] if rm_only else [self._score(prompt, s) for s in samples]
+    rewards = np.zeros(len(samples)) if rm_only else np.asarray([r for r, _ in scored],
+                                                                np.float64)
     if self.reward_scorer is not None and weight and samples:
       rewards = rewards + weight * self._model_scores(prompt, samples, given or {})
-    return [float(r) for r in rewards]
+    return [float(r) for r in rewards], None if rm_only else [p for _, p in scored]
 
   def _model_scores(self, prompt: pb.Prompt, samples: list[Sample],
                     given: dict[int, list]) -> np.ndarray:
@@ -1028,7 +1034,8 @@ class Worker:
                                      head + [int(t) for t in s.tokens]))
     return scorer.scores(sequences)
 
-  def _score(self, prompt: pb.Prompt, sample: Sample) -> float:
+  def _score(self, prompt: pb.Prompt, sample: Sample) -> tuple[float, bool]:
+    """The task verifier's (reward, passed) of one sample."""
     text = self.tokenizer.decode(sample.tokens)
     result = self.verifier_for(prompt.task)(text, reference_of(prompt))
     if "error" in result.info:  # it raised, or gave NaN / inf: scored 0 (verifiers.Guarded)
@@ -1037,7 +1044,7 @@ class Worker:
         logging.warning("worker: verifier of task %r gave no reward on prompt %s (scored 0; "
                         "%d so far): %s", prompt.task or self.config.default_task, prompt.id,
                         self.stats.score_errors, result.info["error"])
-    return float(result.reward)
+    return float(result.reward), bool(result.passed)
 
   # ------------------------------------------------------------ heartbeat
 

@@ -106,7 +106,24 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                prompt_routes=routes_of(taken.group.prompt_routes) if routed else None,
                response_routes=tuple(routes_of(s.routes) for s in samples) if routed else None,
                observed=observed if any(o is not None for o in observed) else None,
-               resumed=_count(taken.group.metadata.get("resumed_samples", "")))
+               resumed=_count(taken.group.metadata.get("resumed_samples", "")),
+               passed=_verdicts(samples))
+
+
+def _verdicts(samples) -> tuple[bool, ...] | None:
+  """The samples' "passed" metadata (the worker's verifier verdicts); None unless every
+  sample carries one."""
+  marks = [s.metadata.get("passed") for s in samples]
+  if not marks or any(m not in ("0", "1") for m in marks):
+    return None
+  return tuple(m == "1" for m in marks)
+
+
+def pass_at_n(groups: list[Group]) -> float | None:
+  """The share of groups with a sample its verifier passed, over the groups that carry
+  verdicts; None when none does (a reward model's scores only)."""
+  judged = [any(g.passed) for g in groups if g.passed is not None]
+  return float(np.mean(judged)) if judged else None
 
 
 def _count(text: str) -> int:
@@ -722,7 +739,7 @@ class RLTrainer(TrainerRun):
         "step": step, "version": self.version, "time": time.time(),
         "rollout_ids": [g.rollout_id for g in groups],
         "reward_mean": float(batch["rewards"][mask].mean()),
-        "pass_at_n": float(np.mean([g.rewards.max() >= 1.0 for g in groups])),
+        "pass_at_n": pass_at_n(groups),
         "resumed_samples": sum(g.resumed for g in groups),
         "staleness": staleness, "staleness_mean": float(np.mean(staleness)),
         "staleness_max": int(max(staleness)),
@@ -748,7 +765,8 @@ class RLTrainer(TrainerRun):
   def _log_step(self, record: dict, metrics: dict) -> None:
     w, step = self.writer, record["step"]
     w.add_scalar("rollouts/reward_mean", record["reward_mean"], step)
-    w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
+    if record["pass_at_n"] is not None:
+      w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
     w.add_scalar("rollouts/samples_per_second", record["samples_per_s"], step)
     w.add_scalar("rollouts/staleness_mean", record["staleness_mean"], step)
     w.add_scalar("rollouts/staleness_max", record["staleness_max"], step)

@@ -68,6 +68,9 @@ class Group:
   observed: tuple[np.ndarray | None, ...] | None = None
   # Samples a stopped or killed worker began and another finished (partial rollouts).
   resumed: int = 0
+  # Each sample's verifier verdict (reward alone cannot tell it once a reward model's score
+  # is added); None when the worker sent none (task reward_model: a score).
+  passed: tuple[bool, ...] | None = None
 
 
 def check_group(group: Group, shape: BatchShape) -> None:

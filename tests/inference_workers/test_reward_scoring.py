@@ -102,13 +102,16 @@ def test_rewards_are_the_models_scores_or_a_verifiers_plus_a_weighted_score(monk
   head = POLICY.encode_prompt("5+7=")
   want = scorer.scores([head + list(s.tokens) for s in samples])
   judged = pb.Prompt(id="a", text="5+7=", token_ids=head, task="reward_model")
-  np.testing.assert_allclose(worker._rewards(judged, samples), want, rtol=1e-6)
+  rewards, passed = worker._rewards(judged, samples)
+  np.testing.assert_allclose(rewards, want, rtol=1e-6)
+  assert passed is None  # a score is no verdict
   verified = pb.Prompt(id="b", text="5+7=", token_ids=head, task="addition", extra=b"12")
-  np.testing.assert_allclose(worker._rewards(verified, samples),
-                             [0.5 * want[0], 1.0 + 0.5 * want[1]], rtol=1e-6)
+  rewards, passed = worker._rewards(verified, samples)
+  np.testing.assert_allclose(rewards, [0.5 * want[0], 1.0 + 0.5 * want[1]], rtol=1e-6)
+  assert passed == [False, True]  # the verifier's, whatever the reward model adds
   unweighted = _worker(RM)  # weight 0: verified tasks never run the reward model
   monkeypatch.setattr(unweighted.reward_scorer, "scores", None)
-  assert unweighted._rewards(verified, samples) == [0.0, 1.0]
+  assert unweighted._rewards(verified, samples) == ([0.0, 1.0], [False, True])
 
 
 def test_a_multi_turn_sample_is_read_as_its_conversation(rm_with_tokenizer, monkeypatch):

@@ -82,8 +82,11 @@ def test_new_version_is_picked_up_between_leases(server, versions):
     worker.run()
     assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
     assert worker.stats.versions_applied == [0, 1]  # the delta, not a second keyframe
-    made = sorted(r.group.policy_version for r in trainer.take_rollouts(0, 10).rollouts)
-    assert made == [0, 0, 1, 1]
+    taken = trainer.take_rollouts(0, 10).rollouts
+    assert sorted(r.group.policy_version for r in taken) == [0, 0, 1, 1]
+    # Each sample carries its verifier's verdict (addition: passed exactly when rewarded).
+    assert all(s.metadata["passed"] == str(int(s.reward == 1.0))
+               for r in taken for s in r.group.samples)
     # Its work done, the worker said it was leaving: the server lists it no more.
     assert trainer.stats().workers_alive == 0 and not trainer.stats().workers
 
@@ -265,6 +268,8 @@ def test_vigor_allocation_spends_the_whole_budget(server, versions):
     assert stats.groups_submitted == 2 and len(groups) == 2
     assert sum(len(g.samples) for g in groups) == 8
     assert all(len(g.samples) >= 2 for g in groups)  # VIGOR's first round: m0 = 2 each
+    assert all(s.metadata["passed"] == str(int(s.reward == 1.0))  # its rounds' verdicts
+               for g in groups for s in g.samples)
 
 
 @pytest.mark.parametrize("cut", ["between rounds", "mid-round"])
@@ -626,7 +631,7 @@ def test_a_verifier_giving_nan_scores_zero_and_the_warning_says_so(caplog):
   sample = Sample(np.array([5, 6], np.int32), np.zeros(2, np.float32), np.zeros(2, np.float32),
                   "stop")
   with caplog.at_level("WARNING"):
-    assert worker._score(pb.Prompt(id="p7", task="mine"), sample) == 0.0
+    assert worker._score(pb.Prompt(id="p7", task="mine"), sample) == (0.0, False)
   assert worker.stats.score_errors == 1
   assert ("verifier of task 'mine' gave no reward on prompt p7 (scored 0; 1 so far): reward: "
           "expected a finite number, got nan") in caplog.text

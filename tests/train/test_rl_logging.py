@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from rlax_ps.train.rl import RLTrainer, StepRate
+from rlax_ps.train.rl import RLTrainer, StepRate, group_of, pass_at_n
 from rlax_ps.train.rollouts import BatchShape, Group
 
 
@@ -25,11 +25,12 @@ class Writer:
     self.histograms[tag] = (np.asarray(values), step)
 
 
-def _group(rollout_id, version, rewards):
+def _group(rollout_id, version, rewards, passed=None):
   return Group(rollout_id=rollout_id, prompt_tokens=np.asarray([1, 2], np.int32),
                responses=tuple(np.asarray([3, 4], np.int32) for _ in rewards),
                behaviour_logp=tuple(np.zeros(2, np.float32) for _ in rewards),
-               rewards=np.asarray(rewards, np.float32), policy_version=version)
+               rewards=np.asarray(rewards, np.float32), policy_version=version,
+               passed=None if passed is None else tuple(passed))
 
 
 def _trainer(version):
@@ -67,12 +68,38 @@ def test_staleness_is_versions_behind_the_trained_weights_in_the_log_and_tensorb
 
 def test_reward_mean_and_pass_at_n_count_real_samples_only():
   trainer = _trainer(version=1)
-  groups = [_group(1, 1, [1.0]), _group(2, 1, [0.0, 0.5])]
+  groups = [_group(1, 1, [1.0], [True]), _group(2, 1, [0.0, 0.5], [False, False])]
   # The first row's second slot is padding (its reward slot holds junk).
   record = RLTrainer._step_record(trainer, 1, groups, _batch([[1, 9], [0, 0.5]],
                                                              [[1, 0], [1, 1]]), METRICS, 0.0)
   assert record["reward_mean"] == pytest.approx(0.5)
   assert record["pass_at_n"] == 0.5
+
+
+def test_pass_at_n_is_the_verifiers_verdict_not_a_reward_threshold():
+  # A verifier's pass plus a reward model's weighted score: 1.3 failed, 0.6 passed; a
+  # reward model's task alone has no verdict and counts in neither share.
+  groups = [_group(1, 1, [1.3, 0.2], [False, False]), _group(2, 1, [0.6, 0.1], [True, False]),
+            _group(3, 1, [2.0, 1.5])]
+  assert pass_at_n(groups) == 0.5
+  assert pass_at_n(groups[2:]) is None
+  trainer = _trainer(version=1)
+  record = RLTrainer._step_record(trainer, 1, groups[2:], _batch([[2.0, 1.5]], [[1, 1]]),
+                                  METRICS, 0.0)
+  RLTrainer._log_step(trainer, record, METRICS)
+  assert record["pass_at_n"] is None and "rollouts/pass_at_n" not in trainer.writer.scalars
+
+
+def test_the_trainer_reads_each_samples_verdict_from_the_worker():
+  from param_server.client import make_sample
+  from param_server.protos import param_server_pb2 as pb
+  taken = pb.TakenRollout(rollout_id=4, prompt=pb.Prompt(id="p", token_ids=[1, 2]),
+                          group=pb.RolloutGroup(prompt_id="p", samples=[
+                              make_sample([3], 1.2, metadata={"passed": "0"}),
+                              make_sample([4], 0.7, metadata={"passed": "1"})]))
+  assert group_of(taken, None).passed == (False, True)
+  del taken.group.samples[1].metadata["passed"]  # a worker that sent no verdict
+  assert group_of(taken, None).passed is None
 
 
 def test_samples_per_second_leaves_out_the_loops_start_and_is_over_recent_steps():
