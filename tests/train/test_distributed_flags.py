@@ -2,12 +2,19 @@
 each host training alone) is refused in one line naming the flag and its value, before any
 JAX backend or coordinator starts."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import pytest
 from absl import app, flags
 from absl.testing import flagsaver
 
+from child_env import child_env
 from rlax_ps import distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -33,7 +40,6 @@ def parsed_flags():
      "--process_id: expected this process's index, 0 to 1 (--num_processes=2), got 2"),
     (dict(coordinator_address="localhost", num_processes=1, process_id=0),
      "--coordinator_address: expected HOST:PORT"),
-    (dict(coordinator_address="auto"), "--coordinator_address=auto: found no multi-host"),
 ])
 def test_flags_it_cannot_join_with_are_named(parsed_flags, given, named):
   with flagsaver.flagsaver(**given), pytest.raises(app.UsageError) as raised:
@@ -45,3 +51,14 @@ def test_flags_it_cannot_join_with_are_named(parsed_flags, given, named):
 def test_one_process_needs_no_coordinator(parsed_flags):
   with flagsaver.flagsaver(num_processes=1, process_id=0):
     assert distributed.initialize()
+
+
+def test_auto_off_a_multi_host_environment_is_named_in_one_line(tmp_path):
+  # In a process of its own: jax.distributed must start before any JAX backend, as it does
+  # in `rlax-ps sft` (a test process has started one already).
+  r = subprocess.run([sys.executable, "-m", "rlax_ps", "sft", "--config=configs/sft_tiny.py:tiny",
+                      f"--workdir={tmp_path}", "--coordinator_address=auto"], cwd=REPO,
+                     env=child_env(), capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert "rlax-ps sft: --coordinator_address=auto: found no multi-host" in r.stderr
+  assert "Traceback" not in r.stderr
