@@ -210,11 +210,9 @@ class RLTrainer(TrainerRun):
     if self.loss_cfg.kl_coef > 0 and not self.init_from_hf:
       raise ValueError("loss.kl_coef: a KL term needs a reference policy; set init_from_hf")
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
-    unsplit = shd.unsplit_rows(self.mesh, self.shape.groups // self.micro_batches)
-    if unsplit:  # one packed row per group
-      logging.warning("rl.groups_per_step=%d, rl.micro_batches=%d: %s; a multiple of %d uses "
-                      "every device", self.shape.groups, self.micro_batches, unsplit,
-                      self.mesh.shape["data"] * self.mesh.shape["fsdp"] * self.micro_batches)
+    self.warn_unsplit_rows(self.shape.groups, self.micro_batches,  # a packed row per group
+                           f"rl.groups_per_step={self.shape.groups}, "
+                           f"rl.micro_batches={self.micro_batches}")
     self.optimizer = optim.make_optimizer(config.optimizer, self.total_steps)
     self.schedule = optim.learning_rate_schedule(config.optimizer, self.total_steps)
     self.checkpointer = Checkpointer(config.checkpoint.get("directory", "")

@@ -60,6 +60,15 @@ class TrainerRun:
   _workdir_lock = None
   last_eval: dict[str, float] | None = None
 
+  def warn_unsplit_rows(self, rows: int, micro: int, fields: str) -> None:
+    """Warn before step 1 when a micro-batch's rows (`rows` a step in `micro` slices) do not
+    split over data*fsdp, so that the devices repeat one another's work; `fields` names the
+    settings that make them."""
+    unsplit = shd.unsplit_rows(self.mesh, rows // micro)
+    if unsplit:
+      logging.warning("%s: %s; a multiple of %d uses every device", fields, unsplit,
+                      self.mesh.shape["data"] * self.mesh.shape["fsdp"] * micro)
+
   def open_workdir(self, workdir: str, build: Callable[[], None]) -> None:
     """Create the workdir and hold it (process 0) while the trainer lives, then `build()` the
     trainer's parts (a build that raises, a config refused, frees it again): a second

@@ -19,7 +19,6 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from absl import logging
 from flax import nnx
 
 from rlax_ps import optim
@@ -61,11 +60,8 @@ class SFTTrainer(TrainerRun):
     if batch_size % num_micro:
       raise ValueError(f"optimizer.grad_accum_steps: expected a divisor of data.batch_size="
                        f"{batch_size}, got {num_micro}")
-    unsplit = shd.unsplit_rows(self.mesh, batch_size // num_micro)
-    if unsplit:
-      logging.warning("data.batch_size=%d, optimizer.grad_accum_steps=%d: %s; a multiple of "
-                      "%d uses every device", batch_size, num_micro, unsplit,
-                      self.mesh.shape["data"] * self.mesh.shape["fsdp"] * num_micro)
+    self.warn_unsplit_rows(batch_size, num_micro, f"data.batch_size={batch_size}, "
+                           f"optimizer.grad_accum_steps={num_micro}")
     self.data = SFTBatches(self.tasks, self.weights, self.tokenizer, batch_size=batch_size,
                            seq_len=seq_len, seed=int(config.seed),
                            packing=bool(config.data.packing), records=self._records())
