@@ -68,6 +68,8 @@ def test_every_worker_holds_the_trainers_weights_of_its_version(run):
 
 def _holds_the_trainers_weights(workdir, workers=2):
   digests = {v["version"]: v["digest"] for v in _lines(workdir / "versions.jsonl")}
+  # The tiny configs' length penalty moves the weights: the workers' match is not trivial.
+  assert len(set(digests.values())) > 1, digests
   for i in range(workers):
     log = (workdir / "logs" / f"worker-{i}.log").read_text()
     held = re.findall(r"holds v(\d+) digest ([0-9a-f]{16})", log)
