@@ -1,12 +1,14 @@
 """The "python" environment: a code interpreter for tool-integrated reasoning.
 
-The policy writes a ```python block and ends its turn; the block runs in the code
-verifier's sandbox (`algorithms.verifiers.code_exec`: timeout, memory limit, no network)
-and what it printed comes back as `<output>...</output>` (its error, if it raised), cut to
-`max_output_chars`. Each call runs the blocks of the policy's earlier turns first, their
-output discarded, so a variable set in one turn is there in the next, as in a notebook,
-while the environment itself keeps no state between calls. A turn without a block ends
-the sample.
+The policy writes ```python blocks and ends its turn; they run, in order, in the code
+verifier's sandbox (`algorithms.verifiers.code_exec`: timeout, memory and process limits,
+no network, and what it does not protect against) and what they printed comes back as
+`<output>...</output>` (the error, if one raised), cut to `max_output_chars`. Each call
+runs the blocks of the policy's earlier turns first, their output discarded, so a variable
+set in one turn is there in the next, as in a notebook, while the environment itself keeps
+no state between calls; a turn whose code timed out or ended the interpreter is left out,
+so it does not stop every later one. All of it shares one `timeout_s`. A turn without a
+block ends the sample.
 """
 
 from __future__ import annotations
@@ -23,17 +25,21 @@ _BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
 _QUIET = "import io as _io, sys as _sys\n_sys.stdout = _io.StringIO()\n"
 _CELL = "try:\n  exec({!r}, globals())\nexcept BaseException:\n  pass\n"
 _LOUD = "_sys.stdout = _sys.__stdout__\n"
+_TIMED_OUT = "TimeoutError: the code ran past"
+_EXITED = "SystemExit: the interpreter ended"
 
 
 @register_environment("python")
 class PythonInterpreter:
-  """Runs the latest turn's last ```python block after the earlier turns' blocks."""
+  """Runs the latest turn's ```python blocks after the earlier turns' (module docstring);
+  `run_as`: the sandbox user when the worker is root (CodeExecutionVerifier)."""
 
   def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512,
-               max_output_chars: int = 1024):
+               max_output_chars: int = 1024, run_as: str | int | None = "nobody"):
     if max_output_chars < 16:
       raise ValueError(f"max_output_chars: expected >= 16, got {max_output_chars!r}")
-    self.sandbox = CodeExecutionVerifier(timeout_s=timeout_s, memory_mb=memory_mb)
+    self.sandbox = CodeExecutionVerifier(timeout_s=timeout_s, memory_mb=memory_mb,
+                                         run_as=run_as)
     self.max_output_chars = int(max_output_chars)
 
   def __call__(self, messages: list[dict[str, str]], reference: Any) -> str | None:
@@ -41,15 +47,29 @@ class PythonInterpreter:
     blocks = _BLOCK.findall(messages[-1]["content"])
     if not blocks:
       return None
-    before = "".join(_CELL.format(b) for m in messages[:-1] if m["role"] == "assistant"
-                     for b in _BLOCK.findall(m["content"]))
-    result = self.sandbox(_QUIET + before + _LOUD, [blocks[-1]])
+    before = "".join(_CELL.format(b) for b in _earlier_blocks(messages[:-1]))
+    result = self.sandbox(_QUIET + before + _LOUD, ["\n".join(blocks)])
     info = result.info
     text = info["stdout"]
     if info["timed_out"]:
-      text += f"TimeoutError: the code ran past {self.sandbox.timeout_s:g} s"
+      text += f"{_TIMED_OUT} {self.sandbox.timeout_s:g} s"
+    elif info["errors"] == ["not run"]:  # the interpreter died: os._exit, a signal, a limit
+      text += f"{_EXITED} with status {info['returncode']}"
     elif info["errors"]:
       text += info["errors"][-1]
     if len(text) > self.max_output_chars:
       text = text[:self.max_output_chars - 4] + " ..."
     return f"<output>\n{text.rstrip()}\n</output>"
+
+
+def _earlier_blocks(messages: list[dict[str, str]]) -> list[str]:
+  """The blocks of the assistant turns, but those of a turn whose reply says its code timed
+  out or ended the interpreter (run again, it would end every later turn the same way)."""
+  blocks = []
+  for i, m in enumerate(messages):
+    if m["role"] != "assistant":
+      continue
+    reply = "".join(r["content"] for r in messages[i + 1:i + 2] if r["role"] == "tool")
+    if _TIMED_OUT not in reply and _EXITED not in reply:
+      blocks.extend(_BLOCK.findall(m["content"]))
+  return blocks

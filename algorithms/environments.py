@@ -179,15 +179,27 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _MAX_EXPONENT = 64
 _MAX_DIGITS = 64
+_MAX_CHARS = 1000
+
+
+def _shown(expression: str) -> str:
+  """An expression for an error message, cut to 60 characters."""
+  text = expression.strip()
+  return repr(text if len(text) <= 60 else text[:57] + "...")
+
+
+def _real(number: int | float | complex) -> int | float:
+  if isinstance(number, complex) or (isinstance(number, float) and not math.isfinite(number)):
+    raise ValueError(f"result is not a finite real number: {number}")
+  return number
 
 
 def evaluate_arithmetic(expression: str) -> int | float:
   """The value of +, -, *, /, //, %, ** over int and float literals and parentheses; a
-  ValueError for anything else (names, calls, huge powers), so it runs no code."""
-  try:
-    tree = ast.parse(expression.strip(), mode="eval")
-  except SyntaxError as e:
-    raise ValueError(f"not an arithmetic expression: {expression.strip()!r}") from e
+  ValueError for anything else (names, calls, huge powers, complex or infinite results,
+  over _MAX_CHARS characters), so it runs no code and stays bounded."""
+  if len(expression) > _MAX_CHARS:
+    raise ValueError(f"expression longer than {_MAX_CHARS} characters: {_shown(expression)}")
 
   def value(node):
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
@@ -201,11 +213,15 @@ def evaluate_arithmetic(expression: str) -> int | float:
       result = _BINARY[type(node.op)](left, right)
       if isinstance(result, int) and len(str(abs(result))) > _MAX_DIGITS:
         raise ValueError(f"result has more than {_MAX_DIGITS} digits")
-      return result
-    raise ValueError(f"unsupported syntax {type(node).__name__} in {expression.strip()!r}")
+      return _real(result)
+    raise ValueError(f"unsupported syntax {type(node).__name__} in {_shown(expression)}")
 
   try:
-    return value(tree.body)
+    return _real(value(ast.parse(expression.strip(), mode="eval").body))
+  except SyntaxError as e:
+    raise ValueError(f"not an arithmetic expression: {_shown(expression)}") from e
+  except (RecursionError, MemoryError) as e:
+    raise ValueError(f"expression nested too deeply: {_shown(expression)}") from e
   except (ZeroDivisionError, OverflowError) as e:
     raise ValueError(str(e)) from e
 
@@ -218,16 +234,18 @@ def _format(number: int | float) -> str:
 
 @register_environment("calculator")
 class Calculator:
-  """A tool: the last `<calc>expression</calc>` of the policy's latest turn is answered with
-  `<result>value</result>` (or `<result>error: ...</result>`); a turn without one ends the
-  sample."""
+  """A tool: each `<calc>expression</calc>` of the policy's latest turn is answered with
+  `<result>value</result>` (or `<result>error: ...</result>`), one tool message each, in
+  order; a turn without one ends the sample."""
 
-  def __call__(self, messages: list[dict[str, str]], reference: Any) -> str | None:
+  def __call__(self, messages: list[dict[str, str]], reference: Any) -> Reply:
     del reference
-    calls = _CALL.findall(messages[-1]["content"])
-    if not calls:
-      return None
-    try:
-      return f"<result>{_format(evaluate_arithmetic(calls[-1]))}</result>"
-    except ValueError as e:
-      return f"<result>error: {e}</result>"
+    results = [_result(c) for c in _CALL.findall(messages[-1]["content"])]
+    return (results[0] if len(results) == 1 else results) or None
+
+
+def _result(expression: str) -> str:
+  try:
+    return f"<result>{_format(evaluate_arithmetic(expression))}</result>"
+  except ValueError as e:
+    return f"<result>error: {e}</result>"

@@ -7,8 +7,10 @@ as Hermes / Qwen templates ask, `<tool_call>{"name": ..., "arguments": {...}}</t
 or as a turn that is itself the call, a JSON object or list of them (Llama 3.1+ and
 Mistral, whose markers `<|python_tag|>` and `[TOOL_CALLS]` are special tokens, not text;
 "parameters" is taken for "arguments"): one tool message per call with the function's
-result (JSON unless a string), or the error a wrong call raised, so the policy can learn
-from it. A turn without a call ends the sample.
+result (JSON unless a string) cut to `max_output_chars`, or the error a wrong call raised
+(or that it ran past `timeout_s`), so the policy can learn from it. A turn without a call
+ends the sample. Tools run in the worker's process, unsandboxed: a tool that runs past
+its timeout is left running on a thread of its own, its result dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import collections.abc
 import inspect
 import json
 import re
+import threading
 import types
 import typing
 from typing import Any, Callable, Sequence
@@ -129,17 +132,20 @@ def _whole_turn_calls(turn: str) -> list[dict]:
 class ToolCalls:
   """Calls the registered tools the policy's latest turn asks for (module docstring)."""
 
+  def __init__(self, timeout_s: float = 30.0, max_output_chars: int = 8192):
+    if not timeout_s > 0:
+      raise ValueError(f"timeout_s: expected > 0, got {timeout_s!r}")
+    if not max_output_chars >= 16:
+      raise ValueError(f"max_output_chars: expected >= 16, got {max_output_chars!r}")
+    self.timeout_s, self.max_output_chars = float(timeout_s), int(max_output_chars)
+
   def __call__(self, messages: list[dict[str, str]], reference: Any) -> list[str] | None:
     del reference
     turn = messages[-1]["content"]
-    tagged = _CALL.findall(turn)
-    if tagged:
-      return [self._call(c) for c in tagged]
-    whole = _whole_turn_calls(turn)
-    return [self._call(c) for c in whole] or None
+    calls = _CALL.findall(turn) or _whole_turn_calls(turn)
+    return [_cut(self._call(c), self.max_output_chars) for c in calls] or None
 
-  @staticmethod
-  def _call(call: str | dict) -> str:
+  def _call(self, call: str | dict) -> str:
     if isinstance(call, str):
       try:
         call = json.loads(call)
@@ -158,8 +164,35 @@ class ToolCalls:
         return f"error: the arguments are not JSON ({e})"
     if not isinstance(args, dict):
       return "error: expected the arguments as an object"
+    return _call_within(fn, args, self.timeout_s)
+
+
+def _call_within(fn: Callable[..., Any], args: dict, timeout_s: float) -> str:
+  """fn(**args) as text, on a daemon thread (a hung tool holds neither the worker nor its
+  exit); its error, or a TimeoutError past timeout_s, as "error: ..."."""
+  done: dict[str, Any] = {}
+
+  def call():
     try:
-      result = fn(**args)
-    except Exception as e:  # noqa: BLE001 - a wrong call is the policy's to learn from
-      return f"error: {type(e).__name__}: {e}"
-    return result if isinstance(result, str) else json.dumps(result, default=str)
+      done["result"] = fn(**args)
+    except BaseException as e:  # noqa: BLE001 - a wrong call is the policy's to learn from
+      done["error"] = e
+
+  thread = threading.Thread(target=call, name=f"tool {fn.__name__}", daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  if thread.is_alive():
+    return f"error: TimeoutError: tool {fn.__name__!r} ran past {timeout_s:g} s"
+  if "error" in done:
+    return f"error: {type(done['error']).__name__}: {done['error']}"
+  result = done["result"]
+  if isinstance(result, str):
+    return result
+  try:
+    return json.dumps(result, default=str)
+  except (TypeError, ValueError):  # e.g. non-string keys, a cycle
+    return str(result)
+
+
+def _cut(text: str, most: int) -> str:
+  return text if len(text) <= most else text[:most - 4] + " ..."

@@ -12,11 +12,15 @@ Put your final answer within \boxed{}." The trainer takes the policy's tokens as
 the tool's replies as context only (no loss on them); held-out questions are answered in as
 many turns as the workers allow.
 
-A code interpreter instead: --config.worker.environment=python (a ```python block runs in a
-sandbox, after the earlier turns' blocks, and its printout comes back as <output>...</output>).
+Several calls in one turn get one result message each.
+A code interpreter instead: --config.worker.environment=python (a turn's ```python blocks run
+in a sandbox, after the earlier turns' blocks, and their printout comes back as
+<output>...</output>; algorithms/verifiers/code_exec.py says what the sandbox does not stop:
+run workers as root, so the code runs as nobody).
 Your own functions through the model's native tool calling (Qwen / Hermes <tool_call>,
 Llama 3.1+ and Mistral JSON calls):
-`@register_tool` on typed, documented functions in my_tools.py, then
+`@register_tool` on typed, documented functions in my_tools.py (run in the worker, cut at
+--config.worker.environment_args='{"timeout_s": 30}'), then
 --config.worker.verifiers=my_tools.py --config.tokenizer.tools=name,... (offered in every
 prompt through the chat template) --config.worker.environment=tool_calls.
 Your own environment: `@register_environment("name")` on a class or factory in a file

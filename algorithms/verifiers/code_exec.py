@@ -1,13 +1,20 @@
 """Code-execution verifier: run candidate Python against tests in a sandboxed subprocess.
 
-The child gets a wall-clock timeout (its whole process group is killed), an address
-space limit (RLIMIT_AS), CPU, file-size and core limits, a fresh scratch directory as
-cwd/HOME/TMPDIR, an isolated interpreter (-I -B, empty environment), and no network:
-a new network namespace (`unshare -n`) when the host allows it, and always an audit
-hook that refuses socket creation/connection, subprocesses, exec and fork.
-These bound resources and stop accidents and reward hacks through the network or
-filesystem; code in the same interpreter can still tamper with the harness itself,
-so this is not a security boundary against a hostile adversary.
+What bounds the child: a wall-clock timeout (its process group is killed); address space
+(RLIMIT_AS), CPU, per-file size and core limits; a fresh scratch directory as
+cwd/HOME/TMPDIR; an isolated interpreter (-I -B) with an empty environment. Where
+`unshare` works (root, or user namespaces), new network, PID and mount namespaces: no
+network, no other process to see or signal, and whatever it forks dies with it. Where the
+worker runs as root, the child drops to `run_as` (nobody) with a process limit, so it
+cannot signal the worker, read its files or environment (`/proc`), or write outside
+the scratch directory and world-writable places.
+An audit hook also refuses sockets, subprocesses, exec, fork, signals, and writes,
+renames and removals outside the scratch directory; it is a tripwire for accidents and
+reward hacks, not a boundary: code in the same interpreter can get around it (frames,
+symlink races) and tamper with the harness. So without root (no `run_as`) the child can
+read what the worker's user can read and, without namespaces, signal its processes; and
+its scratch writes are limited per file, not in total. Run workers as root in a
+container, or use an OS sandbox (gVisor, a VM) for code you must not trust.
 
 The reference is a sequence of test snippets (Python source, usually `assert` lines)
 run one by one after the candidate, in its namespace. reward = fraction of tests
@@ -18,7 +25,9 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+import pwd
 import secrets
 import shutil
 import signal
@@ -37,7 +46,7 @@ from algorithms.verifiers.base import VerifierResult, register_verifier
 # cannot garble a report).
 _HARNESS = r"""
 import json, os, resource, sys
-nonce, report_fd, mem, cpu, fsize = sys.stdin.readline().split()
+nonce, report_fd, mem, cpu, fsize, uid, gid, nproc = sys.stdin.readline().split()
 for limit, value in ((resource.RLIMIT_AS, int(mem)), (resource.RLIMIT_CPU, int(cpu)),
                      (resource.RLIMIT_FSIZE, int(fsize)), (resource.RLIMIT_CORE, 0)):
   resource.setrlimit(limit, (value, value))
@@ -47,22 +56,53 @@ with open("job.json") as f:
   job = json.load(f)
 os.remove("job.json")
 scratch = os.path.realpath(os.getcwd())
+if int(uid) >= 0:  # root: run as the sandbox user, with a process limit it cannot lift
+  resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
+  os.setgroups([])
+  os.setgid(int(gid))
+  os.setuid(int(uid))
 out = os.fdopen(int(report_fd), "w")
-BLOCKED = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
-           "socket.sendto", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn",
-           "os.spawn", "os.fork", "os.forkpty", "pty.spawn", "ctypes.dlopen",
-           "ctypes.dlsym", "sys.addaudithook"}
+import _posixsubprocess  # subprocess's fork+exec, which raises no audit event of its own
+def _refused(*args):
+  raise PermissionError("sandbox: _posixsubprocess.fork_exec is not allowed")
+_posixsubprocess.fork_exec = _refused
+BLOCKED = frozenset({
+    "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
+    "socket.sendto", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn",
+    "os.spawn", "os.fork", "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym",
+    "sys.addaudithook", "os.kill", "os.killpg", "gc.get_objects", "gc.get_referrers",
+    "gc.get_referents"})
+# event -> positions of its path arguments (and of their dir_fd) that must lie in scratch
+CHANGES = {"os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),),
+           "os.rename": ((0, 2), (1, 3)), "os.link": ((0, 2), (1, 3)),
+           "os.symlink": ((1, 2),), "os.chmod": ((0, 2),), "os.chown": ((0, 3),),
+           "os.utime": ((0, 3),), "os.truncate": ((0, None),), "os.setxattr": ((0, None),),
+           "os.removexattr": ((0, None),), "os.chflags": ((0, None),)}
+def inside(path, dir_fd=None):
+  if isinstance(path, int):
+    return False
+  path = os.fsdecode(path)
+  if dir_fd is not None and dir_fd >= 0 and not os.path.isabs(path):
+    path = os.path.join(os.readlink("/proc/self/fd/%d" % dir_fd), path)
+  path = os.path.realpath(path)
+  return path == scratch or path.startswith(scratch + os.sep)
 def hook(event, args):
-  if event in BLOCKED:
-    raise PermissionError("sandbox: " + event + " is not allowed")
+  if event in BLOCKED or (event == "import" and args[0] == "_posixsubprocess"):
+    raise PermissionError("sandbox: " + event + (" " + args[0] if event == "import" else "")
+                          + " is not allowed")
+  if event in CHANGES and not (event == "os.truncate" and isinstance(args[0], int)):
+    for at, fd_at in CHANGES[event]:  # (a file opened for writing is in scratch)
+      if not inside(args[at], None if fd_at is None else args[fd_at]):
+        raise PermissionError("sandbox: " + event + " outside the scratch directory: " +
+                              str(args[at]))
   if event == "open" and args[0] is not None and not isinstance(args[0], int):
     mode, flags = args[1], args[2]
     writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
         isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-    if writing:
-      path = os.path.realpath(os.fsdecode(args[0]))
-      if not (path == scratch or path.startswith(scratch + os.sep)):
-        raise PermissionError("sandbox: writing outside the scratch directory: " + path)
+    path = os.path.realpath(os.fsdecode(args[0]))
+    if (writing or os.path.isdir(path)) and not inside(path):  # a directory: a dir_fd
+      raise PermissionError("sandbox: " + ("writing" if writing else "opening a directory")
+                            + " outside the scratch directory: " + path)
 sys.addaudithook(hook)
 def report(step, ok, error=""):
   out.write(nonce + json.dumps({"step": step, "ok": ok, "error": error[:500]}) + "\n")
@@ -84,26 +124,66 @@ else:
   ns.clear()
 
 """
+# The sandbox user's process (and thread) limit, counted over all its processes.
+_SANDBOX_PROCESSES = 64
+
+
+_NAMESPACES = ("-n", "-p", "-f", "--mount-proc", "--kill-child")
 
 
 @functools.lru_cache(maxsize=1)
-def network_namespace_available() -> bool:
-  """Whether `unshare -n` works here (root or user namespaces); probed once."""
+def namespace_flags() -> tuple[str, ...]:
+  """The `unshare` flags that work here (root or user namespaces): new network, PID and
+  mount namespaces, else a network namespace alone, else none; probed once."""
   exe = shutil.which("unshare")
-  if exe is None:
-    return False
+  for flags in (_NAMESPACES, ("-n",)) if exe else ():
+    try:
+      if subprocess.run([exe, *flags, "true"], capture_output=True, timeout=10).returncode == 0:
+        return flags
+    except (OSError, subprocess.SubprocessError):
+      pass
+  return ()
+
+
+def _user_ids(run_as: str | int) -> tuple[int, int]:
+  """(uid, gid) of a user name or uid; ValueError naming run_as for an unknown one."""
   try:
-    return subprocess.run([exe, "-n", "true"], capture_output=True, timeout=10).returncode == 0
+    entry = pwd.getpwuid(run_as) if isinstance(run_as, int) else pwd.getpwnam(run_as)
+  except (KeyError, TypeError):
+    raise ValueError(f"run_as: expected a user name or uid of this host, got {run_as!r}"
+                     ) from None
+  return entry.pw_uid, entry.pw_gid
+
+
+_LIST_PATH = "import json, os, sys; print(json.dumps([p for p in sys.path if os.path.isdir(p)]))"
+_READ_PATH = "import json, math, os, sys; [os.listdir(p) for p in json.loads(sys.argv[1])]"
+
+
+@functools.lru_cache(maxsize=None)
+def _can_run_as(python: str, uid: int, gid: int) -> bool:
+  """Whether user uid can start `python` and read its whole module path; probed once."""
+  try:
+    dirs = subprocess.run([python, "-I", "-B", "-c", _LIST_PATH], capture_output=True,
+                          timeout=30, check=True, cwd="/").stdout.decode().strip()
+    subprocess.run([python, "-I", "-B", "-c", _READ_PATH, dirs], capture_output=True,
+                   timeout=30, check=True, cwd="/", user=uid, group=gid, extra_groups=[],
+                   env={"PATH": "/usr/bin:/bin"})
+    return True
   except (OSError, subprocess.SubprocessError):
+    logging.getLogger(__name__).warning(
+        "code sandbox: user %d cannot run %s or read its modules, so sandboxed code runs "
+        "as root (give that user read access to the Python installation)", uid, python)
     return False
 
 
 @register_verifier("code")
 class CodeExecutionVerifier:
-  """Scores a Python program by the fraction of test snippets that pass (module docstring)."""
+  """Scores a Python program by the fraction of test snippets that pass (module docstring).
+  `run_as`: the user the child runs as when the worker is root (None: root itself)."""
 
   def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, output_mb: int = 8,
-               use_network_namespace: bool = True, python: str | None = None):
+               use_network_namespace: bool = True, python: str | None = None,
+               run_as: str | int | None = "nobody"):
     if not timeout_s > 0:
       raise ValueError(f"timeout_s: expected > 0, got {timeout_s!r}")
     if not memory_mb >= 64:
@@ -112,8 +192,11 @@ class CodeExecutionVerifier:
     self.timeout_s = float(timeout_s)
     self.memory_bytes = int(memory_mb) << 20
     self.output_bytes = int(output_mb) << 20
-    self.netns = use_network_namespace and network_namespace_available()
+    self.unshare = namespace_flags() if use_network_namespace else ()
+    self.netns = bool(self.unshare)
     self.python = python or sys.executable
+    ids = None if run_as is None else _user_ids(run_as)
+    self.user = ids if ids and os.geteuid() == 0 and _can_run_as(self.python, *ids) else None
 
   def __call__(self, completion: str, reference: Any) -> VerifierResult:
     tests = reference.get("tests") if isinstance(reference, dict) else reference
@@ -130,9 +213,14 @@ class CodeExecutionVerifier:
       out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
       report_path = os.path.join(root, "reports")
       cmd = [self.python, "-I", "-B", "-c", _HARNESS]
-      if self.netns:
-        cmd = [shutil.which("unshare"), "-n", "--"] + cmd
-      env = {"HOME": scratch, "TMPDIR": scratch, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+      if self.unshare:
+        cmd = [shutil.which("unshare"), *self.unshare, "--"] + cmd
+      uid, gid = self.user or (-1, -1)
+      if self.user:  # the sandbox user writes in scratch and may pass through root
+        os.chown(scratch, uid, gid)
+        os.chmod(root, 0o711)
+      env = {"HOME": scratch, "TMPDIR": scratch, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
+             "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
       timed_out = False
       with open(out_path, "wb") as out, open(err_path, "wb") as err, open(
           report_path, "wb") as reports:
@@ -141,7 +229,8 @@ class CodeExecutionVerifier:
             start_new_session=True, pass_fds=(reports.fileno(),))
         try:
           proc.stdin.write(f"{nonce} {reports.fileno()} {self.memory_bytes} "
-                           f"{int(self.timeout_s) + 1} {self.output_bytes}\n".encode())
+                           f"{int(self.timeout_s) + 1} {self.output_bytes} {uid} {gid} "
+                           f"{_SANDBOX_PROCESSES}\n".encode())
           proc.stdin.close()
         except BrokenPipeError:
           pass  # the child died before reading its settings; its exit status says why
@@ -164,7 +253,8 @@ class CodeExecutionVerifier:
     errors = [steps.get("program", {}).get("error", "")] + [r.get("error", "") for r in results]
     info = {"n_tests": len(tests), "n_passed": n_passed, "timed_out": timed_out,
             "returncode": proc.returncode, "errors": [e for e in errors if e],
-            "stdout": stdout_head, "stderr": stderr_tail, "network_namespace": self.netns}
+            "stdout": stdout_head, "stderr": stderr_tail, "network_namespace": self.netns,
+            "uid": uid if self.user else os.geteuid()}
     return VerifierResult(reward=fraction, passed=passed, info=info)
 
 

@@ -1,9 +1,13 @@
 """Code-execution verifier: scoring, and the sandbox's time, memory, network and
 filesystem limits."""
 
+import os
+import sys
+
 import pytest
 
 from algorithms.verifiers import CodeExecutionVerifier, make_verifier
+from algorithms.verifiers.code_exec import _can_run_as
 
 PROGRAM = "def add(a, b):\n  return a + b\n"
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 5"]
@@ -87,3 +91,66 @@ def test_registered_as_code_and_rejects_bad_reference():
     verify(PROGRAM, "assert add(1, 2) == 3")
   with pytest.raises(ValueError, match="timeout_s: expected > 0"):
     CodeExecutionVerifier(timeout_s=0)
+
+
+def test_signals_spawning_and_changes_outside_scratch_are_refused(verify, tmp_path):
+  kept = tmp_path / "kept.txt"
+  kept.write_text("mine")
+  attempts = {
+      "os.kill": "import os\nos.kill(os.getpid(), 0)\n",
+      "os.remove outside": f"import os\nos.remove({str(kept)!r})\n",
+      "os.rename outside": f"import os\nos.rename({str(kept)!r}, 'taken.txt')\n",
+      "os.mkdir outside": f"import os\nos.mkdir({str(tmp_path / 'made')!r})\n",
+      "opening a directory outside": (  # a dir_fd would bypass the write check
+          f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+          "os.open('kept.txt', os.O_WRONLY, dir_fd=fd)\n"),
+      "fork_exec is not allowed": (  # subprocess's own fork+exec raises no audit event
+          "import _posixsubprocess\n_posixsubprocess.fork_exec(*[None] * 23)\n"),
+      "gc.get_objects": "import gc\ngc.get_objects()\n",
+  }
+  for refusal, program in attempts.items():
+    result = verify(program, [])
+    assert not result.passed and refusal in result.info["errors"][0], (refusal, result.info)
+  assert kept.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == [
+      "kept.txt"]
+  # inside scratch, the same calls work (shutil.rmtree uses dir_fd)
+  inside = ("import os, shutil\nos.mkdir('d')\nopen('a', 'w').write('x')\n"
+            "os.rename('a', 'd/b')\nshutil.rmtree('d')\nassert os.listdir('.') == []\n")
+  assert verify(inside, []).passed
+
+
+def _python_others_can_run():
+  """A Python that user nobody can run, for the root-only tests (None: there is none)."""
+  for python in (sys.executable, "/usr/bin/python3"):
+    if os.geteuid() == 0 and os.path.exists(python) and _can_run_as(python, 65534, 65534):
+      return python
+  return None
+
+
+def test_as_root_the_child_runs_as_nobody_so_code_past_the_hook_cannot_reach_the_worker(
+    tmp_path):
+  python = _python_others_can_run()
+  if python is None:
+    pytest.skip("needs root and a Python that user nobody can run")
+  secret = tmp_path / "token"
+  secret.write_text("s3cret")
+  secret.chmod(0o600)
+  verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=python)
+  # the audit hook is a tripwire: code can switch it off through a frame
+  unhook = ("try:\n  1 / 0\nexcept ZeroDivisionError as e:\n"
+            "  g = e.__traceback__.tb_frame.f_back.f_globals\n"
+            "g['BLOCKED'] = frozenset(); g['CHANGES'] = {}; g['inside'] = lambda *a: True\n"
+            "import os\n")
+  for program in [f"open({str(secret)!r}).read()", f"open({str(secret)!r}, 'w')",
+                  f"os.kill({os.getpid()}, 0)"]:  # not seen (PID namespace) or not allowed
+    result = verify(unhook + program + "\n", [])
+    assert result.info["uid"] == 65534 and not result.passed, result.info
+    assert result.info["errors"][0].startswith(("PermissionError: [Errno 13]",
+                                                "ProcessLookupError: [Errno 3]")), result.info
+  assert secret.read_text() == "s3cret"
+
+
+def test_an_unknown_run_as_user_is_refused_naming_the_field():
+  with pytest.raises(ValueError, match="run_as: expected a user name or uid of this host, "
+                                       "got 'no-such-user-here'"):
+    CodeExecutionVerifier(run_as="no-such-user-here")

@@ -23,10 +23,11 @@ def test_the_conversation_alternates_turns_and_replies_one_tool_message_each():
     conversation(["a"], ["r"])
 
 
-def test_the_calculator_answers_the_latest_turns_last_call_and_ends_a_turn_without_one():
+def test_the_calculator_answers_each_call_of_the_latest_turn_and_ends_a_turn_without_one():
   calc = make_environment("calculator")
   assert calc(said("let me see <calc>12 * (3 + 4)</calc>"), "84") == "<result>84</result>"
-  assert calc(said("<calc>1+1</calc> then <calc>7/2</calc>"), "") == "<result>3.5</result>"
+  assert calc(said("<calc>1+1</calc> then <calc>7/2</calc>"), "") == [
+      "<result>2</result>", "<result>3.5</result>"]  # one tool message each, in order
   assert calc(said("<calc>2**10</calc>", "so 1024"), "") is None  # only the latest turn
   assert calc(said("<calc>1</calc>", "<calc>-3 % 5</calc>"), "") == "<result>2</result>"
   assert calc(said("the answer is 84"), "84") is None
@@ -40,12 +41,18 @@ def test_the_calculator_answers_the_latest_turns_last_call_and_ends_a_turn_witho
     ("1 / 0", "division by zero"),
     ("1 +", "not an arithmetic expression"),
     ("9" * 40 + " * " + "9" * 40, "more than 64 digits"),
+    ("(-8) ** 0.5", "not a finite real number"),
+    ("(-1) ** 0.5 // 2", "not a finite real number"),
+    ("1e308 * 10", "not a finite real number"),
+    ("-" * 5000 + "1", "longer than 1000 characters"),
+    ("(" * 400 + "1" + ")" * 400, "not an arithmetic expression"),
 ])
 def test_the_calculator_runs_no_code_and_reports_what_it_refused(expression, message):
   with pytest.raises(ValueError, match=message):
     evaluate_arithmetic(expression)
   reply = make_environment("calculator")(said(f"<calc>{expression}</calc>"), "")
   assert reply.startswith("<result>error: ") and message.split()[0] in reply
+  assert len(reply) < 200  # a huge expression is not echoed back
 
 
 def test_the_python_interpreter_runs_the_latest_block_after_the_earlier_ones():
@@ -69,6 +76,19 @@ def test_the_python_interpreter_is_sandboxed_and_bounded():
   assert long == "<output>\n" + "y" * 28 + " ...\n</output>"
   denied = env(said("```python\nimport socket\nsocket.socket()\n```"), None)
   assert "PermissionError: sandbox: socket.__new__ is not allowed" in denied
+
+
+def test_the_python_interpreter_runs_all_the_turns_blocks_and_skips_turns_that_hung_or_died():
+  env = make_environment("python", timeout_s=1.0)
+  two = "```python\ndef f(x):\n  return x + 1\n```\nthen\n```python\nprint(f(2))\n```"
+  assert env(said(two), None) == "<output>\n3\n</output>"
+  died = env(said("```python\nimport os\nos._exit(3)\n```"), None)
+  assert died == "<output>\nSystemExit: the interpreter ended with status 3\n</output>"
+  hung = "<output>\nTimeoutError: the code ran past 1 s\n</output>"
+  later = said("```python\nx = 1\n```", "```python\nwhile True: pass\n```",
+               "```python\nimport os\nos._exit(3)\n```", "```python\nprint(x + 41)\n```",
+               replies=["<output>\n\n</output>", hung, died])
+  assert env(later, None) == "<output>\n42\n</output>"  # as a notebook goes on
 
 
 @pytest.fixture
@@ -145,6 +165,42 @@ def test_tool_calls_are_answered_one_message_each_and_a_wrong_call_learns_its_er
   assert replies[1].startswith("error: the tool call is not JSON")
   assert replies[2].startswith("error: no tool 'nope' (tools: ") and "shout" in replies[2]
   assert replies[3] == "error: expected the arguments as an object"
+
+
+def test_a_tool_that_hangs_exits_or_returns_too_much_gets_an_error_or_a_cut_reply(tools):
+  import threading
+  release = threading.Event()
+
+  @register_tool
+  def wait() -> str:
+    """Wait until released."""
+    release.wait()
+    return "late"
+
+  @register_tool
+  def leave() -> str:
+    """Exit."""
+    raise SystemExit(2)
+
+  @register_tool
+  def dump(n: int) -> dict:
+    """A big or odd result."""
+    return {(1, 2): "tuple key"} if n < 0 else {"x": "y" * n}
+
+  try:
+    env = make_environment("tool_calls", timeout_s=0.05, max_output_chars=64)
+    calls = "".join(f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+                    for name, args in [("wait", "{}"), ("leave", "{}"), ("dump", '{"n": 100}'),
+                                       ("dump", '{"n": -1}')])
+    assert env(said(calls), None) == [
+        "error: TimeoutError: tool 'wait' ran past 0.05 s", "error: SystemExit: 2",
+        '{"x": "' + "y" * 53 + " ...", "{(1, 2): 'tuple key'}"]
+    with pytest.raises(ValueError, match="max_output_chars: expected >= 16, got 4"):
+      make_environment("tool_calls", max_output_chars=4)
+  finally:
+    release.set()
+    for name in ("wait", "leave", "dump"):
+      TOOLS.pop(name)
 
 
 def test_an_unknown_environment_is_refused_naming_the_field():
