@@ -203,7 +203,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model")
 
 # Special-token spellings tried, in order, when tokenizer_config.json does not name them.
-_BOS_GUESSES = ("<|begin_of_text|>", "<s>", BOS, "<|endoftext|>")
 _EOS_GUESSES = ("<|end_of_text|>", "<|endoftext|>", "</s>", EOS, "<|im_end|>", "<|eot_id|>")
 _PAD_GUESSES = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>", "<|endoftext|>", "<unk>")
 
@@ -218,9 +217,12 @@ class HFTokenizer:
   """A Hugging Face `tokenizer.json` (via the `tokenizers` package) with bos/eos/pad ids.
 
   Special tokens come from the arguments, else the sibling `tokenizer_config.json`, else
-  common spellings; pad falls back to eos, as for Llama checkpoints that have no pad token.
-  A tokenizer_config.json that states `"bos_token": null` (Qwen's) means no bos, as in
-  transformers: prompts then start with their text, and bos_id is None.
+  (eos and pad) common spellings; pad falls back to eos, as for Llama checkpoints that have
+  no pad token. A text prompt is encoded as transformers' (5.x) AutoTokenizer encodes it:
+  with the special tokens of tokenizer.json's post-processor (a Llama-3 or Gemma bos,
+  or none, whatever tokenizer_config.json's add_bos_token says, which transformers 5 ignores
+  beside a tokenizer.json). bos_id is the named bos, else the one the post-processor puts
+  first, else None (prompts then start with their text).
   Generation stops at eos, at every `eos_token_id` of a sibling generation_config.json
   (instruct models end a turn with their own token) and at each of `stop_tokens`.
   `chat_template` ("auto" or a .jinja path; rlax_ps.chat) renders prompts as a
@@ -245,12 +247,13 @@ class HFTokenizer:
     if os.path.exists(cfg_file):
       with open(cfg_file) as f:
         cfg = json.load(f)
-    bos = bos_token or _token_text(cfg.get("bos_token"))
-    self._bos = (None if bos is None and "bos_token" in cfg
-                 else self._resolve("bos", bos, _BOS_GUESSES))
-    self._eos = self._resolve("eos", eos_token or _token_text(cfg.get("eos_token")), _EOS_GUESSES)
-    pad = self._resolve("pad", pad_token or _token_text(cfg.get("pad_token")), _PAD_GUESSES,
-                        required=False)
+    named = {kind: given or _token_text(cfg.get(f"{kind}_token")) for kind, given in
+             (("bos", bos_token), ("eos", eos_token), ("pad", pad_token))}
+    bos = named["bos"]
+    self._bos = (self._resolve("bos", bos, ()) if bos is not None
+                 else _leading_special(self._tok))
+    self._eos = self._resolve("eos", named["eos"], _EOS_GUESSES)
+    pad = self._resolve("pad", named["pad"], _PAD_GUESSES, required=False)
     self._pad = self._eos if pad is None else pad
     directory = os.path.dirname(file)
     extra = [self._tok.token_to_id(t) for t in stop_tokens]
@@ -266,10 +269,9 @@ class HFTokenizer:
                        "tokenizer.chat_template")
     self.tools = list(tools) if tools else None
     self._reply_frames: dict[tuple[int, int], list[str]] = {}  # (closing, count) -> frame
-    # The special tokens a template sees by name, as transformers passes them.
-    self._special = {f"{kind}_token": self._tok.id_to_token(i)
-                     for kind, i in (("bos", self._bos), ("eos", self._eos), ("pad", self._pad))
-                     if i is not None}
+    # The special tokens a template sees by name: those the arguments or tokenizer_config.json
+    # name, as transformers passes them (a guessed one renders as nothing there).
+    self._special = {f"{kind}_token": name for kind, name in named.items() if name is not None}
 
   def _resolve(self, kind, name, guesses, required=True):
     if name is not None:
@@ -326,10 +328,11 @@ class HFTokenizer:
                        tools=self.tools, **self.chat_kwargs)
 
   def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]:
-    """The prompt's ids: [bos] + text, or the rendered conversation (its template places
-    any bos itself, as transformers' apply_chat_template encodes it)."""
+    """The prompt's ids: the text with the post-processor's special tokens (transformers'
+    encode), or the rendered conversation without them (its template places any bos
+    itself, as transformers' apply_chat_template encodes it)."""
     text = self.render_prompt(prompt)
-    return self.encode(text, add_bos=self.chat_template is None)
+    return self._tok.encode(text, add_special_tokens=self.chat_template is None).ids
 
   def encode_conversation(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
     """A whole conversation's ids under the chat template, no turn opened after it (what
@@ -408,6 +411,15 @@ class HFTokenizer:
       with open(os.path.join(directory, chat.TEMPLATE_FILE), "w") as f:
         f.write(self.chat_template)
     return os.path.join(directory, "tokenizer.json")
+
+
+def _leading_special(tok) -> int | None:
+  """The special token a tokenizer.json's post-processor puts before a text, or None."""
+  plain = tok.encode("a", add_special_tokens=False).ids
+  full = tok.encode("a", add_special_tokens=True).ids
+  if len(full) > len(plain) and full[1:1 + len(plain)] == plain:
+    return full[0]
+  return None
 
 
 def _generation_eos_ids(directory: str) -> list[int]:

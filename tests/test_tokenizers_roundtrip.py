@@ -9,6 +9,8 @@ import pytest
 
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, make_tokenizer, tokenizer_from_config
 
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
 
 def test_char_tokenizer_round_trips_text():
   tok = CharTokenizer()
@@ -77,8 +79,9 @@ def test_a_tokenizer_config_stating_no_bos_starts_prompts_with_no_bos(tmp_path):
   assert tok.bos_id is None
   assert tok.encode_prompt("hello world") == [325, 334]
   assert tok.encode("hello world", add_bos=True, add_eos=True) == [325, 334, tok.eos_id]
+  # No config and a post-processor that adds nothing: transformers starts with no bos either.
   shutil.copy(os.path.join(chat, "tokenizer.json"), tmp_path / "tokenizer.json")
-  assert HFTokenizer(str(tmp_path)).bos_id is not None  # no config: a common spelling
+  assert HFTokenizer(str(tmp_path)).encode_prompt("hello world") == [325, 334]
 
 
 def test_a_saved_char_tokenizer_gives_transformers_the_prompt_ids_we_train_on(tmp_path):
@@ -106,3 +109,26 @@ def test_the_char_tokenizer_is_refused_for_a_tokenizerless_checkpoint_of_more_id
   assert tokenizer_from_config({"kind": "char"}, str(tmp_path)).vocab_size == 99
   with pytest.raises(FileNotFoundError, match="no config.json in HF checkpoint folder"):
     tokenizer_from_config({"kind": "char"}, str(tmp_path / "nowhere"))
+
+
+with open(os.path.join(FIXTURES, "hf_defaults.json")) as f:
+  DEFAULTS = json.load(f)
+
+
+@pytest.mark.parametrize("case", DEFAULTS["tokenizers"],
+                         ids=lambda c: f"{c['post_processor']}-{c['config']}")
+def test_prompt_ids_are_transformers_whatever_the_bos_settings(case, tmp_path):
+  # A prompt gets the bos that tokenizer.json's post-processor adds (Llama 3's, Gemma's, or
+  # none), as AutoTokenizer's encode gives it, whatever tokenizer_config.json names or its
+  # add_bos_token says; a chat template's bos_token is the one the config names, or none.
+  chat = os.path.join(FIXTURES, "hf", "chat_tokenizer")
+  with open(os.path.join(chat, "tokenizer.json")) as f:
+    tok = json.load(f)
+  tok["post_processor"] = DEFAULTS["post_processors"][case["post_processor"]]
+  (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+  config = DEFAULTS["tokenizer_configs"][case["config"]]
+  if config is not None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  assert HFTokenizer(str(tmp_path)).encode_prompt(DEFAULTS["text"]) == case["encode"]
+  templated = HFTokenizer(str(tmp_path), chat_template=os.path.join(chat, "llama3.jinja"))
+  assert templated.encode_prompt(DEFAULTS["messages"]) == case["chat"]

@@ -129,7 +129,7 @@ _CLASS_DEFAULTS = {"mixtral": {"rope_theta": 1e6},
                    "smollm3": {"rope_theta": 2e6, "tie_word_embeddings": True}}
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768,
-                          "qwen3_moe": 32768, "mistral": 32768, "mixtral": 131072,
+                          "qwen3_moe": 32768, "mistral": 131072, "mixtral": 131072,
                           "gemma2": 8192, "gemma3": 131072, "olmo2": 2048, "olmo3": 2048,
                           "phi3": 4096, "smollm3": 32768, "granite": 2048, "glm4": 131072,
                           "gpt_oss": 131072}
@@ -146,6 +146,12 @@ _FAMILY = {
 _FAMILY_FIELDS = ("qkv_bias", "attention_out_bias", "attention_sinks", "qk_norm",
                   "qk_norm_across_heads", "hidden_act", "zero_centered_norms",
                   "scale_embeddings", "sandwich_norms", "post_norms")
+# Phi3Config's original_max_position_embeddings, where a config.json leaves it out.
+_PHI3_ORIGINAL_CONTEXT = 4096
+# transformers' sliding_window where a config.json leaves the field out (an explicit null is
+# no window); Gemma's come with _GEMMA_DEFAULTS, and Qwen's apply with use_sliding_window.
+_DEFAULT_WINDOW = {"mistral": 4096, "qwen2": 4096, "qwen2_moe": 4096, "qwen3": 4096,
+                   "qwen3_moe": 4096, "gpt_oss": 128, "olmo3": 4096}
 # transformers' GptOssConfig RoPE where a config.json states none: YaRN x32 over 4096 tokens.
 _GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -192,11 +198,27 @@ def _rope_from_hf(d: Mapping[str, Any], arch: str
   if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
     raise ValueError(f"{CONFIG_FILE}: rope type: expected one of ['default', 'linear', 'llama3', "
                      f"'yarn', 'longrope'], got {rope_type!r}")
-  if rope_type == "longrope" and "original_max_position_embeddings" not in rope:
-    rope["original_max_position_embeddings"] = int(_get(d, "original_max_position_embeddings"))
+  if rope_type in ("llama3", "yarn", "longrope"):
+    rope["original_max_position_embeddings"] = _original_context(d, rope, arch)
+  if rope_type == "yarn" and rope.get("factor") is None:  # transformers' YaRN: the ratio
+    rope["factor"] = _max_positions(d, arch) / rope["original_max_position_embeddings"]
   if rope_type == "default":
     return theta, None, float(partial)
   return theta, {"rope_type": rope_type, **rope}, float(partial)
+
+
+def _max_positions(d: Mapping[str, Any], arch: str) -> int:
+  return int(_get(d, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch]))
+
+
+def _original_context(d: Mapping[str, Any], rope: Mapping[str, Any], arch: str) -> int:
+  """The pre-extension context of Llama-3, YaRN and LongRoPE scaling, as transformers'
+  standardize_rope_params sets it: Phi-3's top-level field (4096 when left out) over any in
+  the rope dict, as Phi3Config holds one; for the others the rope dict's, else
+  max_position_embeddings (a top-level field is not read)."""
+  if arch == "phi3":
+    return int(_get(d, "original_max_position_embeddings", _PHI3_ORIGINAL_CONTEXT))
+  return int(_get(rope, "original_max_position_embeddings", _max_positions(d, arch)))
 
 
 def _local_rope_theta(d: Mapping[str, Any], arch: str) -> float:
@@ -218,7 +240,7 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
              ) -> tuple[int | None, tuple[str, ...] | None]:
   """(sliding_window, layer_types) as each family's config.json states them."""
   types = d.get("layer_types")
-  window = d.get("sliding_window")
+  window = d["sliding_window"] if "sliding_window" in d else _DEFAULT_WINDOW.get(arch)
   if arch in _GEMMA_DEFAULTS:
     if d.get("use_bidirectional_attention"):
       raise ValueError(f"{CONFIG_FILE}: use_bidirectional_attention: expected false (a causal "
@@ -231,7 +253,6 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
   elif arch in ("mistral", "mixtral", "phi3"):
     types = None  # every layer slides when a window is set
   elif arch == "gpt_oss":  # transformers' GptOssConfig: every other layer slides, over 128
-    window = 128 if "sliding_window" not in d else window
     types = types or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                       for i in range(num_layers)]
   elif arch == "smollm3":  # transformers' SmolLM3Config: the NoPE layers slide
@@ -241,7 +262,6 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
     types = types or ["sliding_attention" if i in nope and window is not None
                       else "full_attention" for i in range(num_layers)]
   elif arch == "olmo3":  # transformers' Olmo3Config: 3 sliding layers of every 4, 4096 wide
-    window = 4096 if "sliding_window" not in d else window
     types = types or ["sliding_attention" if (i + 1) % 4 else "full_attention"
                       for i in range(num_layers)]
   elif arch in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
@@ -253,12 +273,12 @@ def _sliding(d: Mapping[str, Any], arch: str, num_layers: int
       start = int(d.get("max_window_layers", 28))
       types = ["sliding_attention" if i % 2 == 0 and i < start else "full_attention"
                for i in range(num_layers)]
-    elif not types:
-      start = int(d.get("max_window_layers", num_layers))
+    elif not types:  # Qwen2Config and Qwen3Config: layers from max_window_layers (28) on
+      start = int(_get(d, "max_window_layers", 28))
       types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
   else:
     return None, None
-  max_positions = int(_get(d, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch]))
+  max_positions = _max_positions(d, arch)
   if window is not None and int(window) >= max_positions:  # a window no sequence outgrows
     window = None
   if arch in ("gemma3", "olmo3"):  # local layers keep their RoPE base with or without a window

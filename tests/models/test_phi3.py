@@ -99,9 +99,9 @@ def test_config_fields_legacy_types_and_bad_configs():
   # Phi-3's first configs call it "su"; transformers reads that, and "yarn", as LongRoPE.
   su = dict(old, rope_scaling=dict(old["rope_scaling"], type="su"))
   assert config_from_hf(su) == c
+  # Phi3Config holds original_max_position_embeddings (4096 when left out) over the rope dict's.
   no_original = {k: v for k, v in old.items() if k != "original_max_position_embeddings"}
-  with pytest.raises(ValueError, match="original_max_position_embeddings"):
-    config_from_hf(no_original)
+  assert config_from_hf(no_original).rope_scaling["original_max_position_embeddings"] == 4096
   with pytest.raises(ValueError, match=r"ModelConfig.rope_scaling.long_factor: expected 2"):
     c.replace(rope_scaling=dict(c.rope_scaling, long_factor=[1.0, 2.0, 3.0]))
   with pytest.raises(ValueError, match="ModelConfig.partial_rotary_factor"):
