@@ -63,12 +63,12 @@ class RewardScorer:
              policy_ids: Sequence[int]) -> list[int]:
     """The ids the reward model scores for one sample: `messages` (the prompt's, then the
     sample's turns) under its template, else `prompt_text + response_text` in its
-    tokenizer, else `policy_ids` (prompt and sample as the policy saw them)."""
+    tokenizer (with its post-processor's special tokens), else `policy_ids` (prompt and sample as the policy saw them)."""
     tok = self.tokenizer
     if tok is None:
       return [int(i) for i in policy_ids]
-    if tok.chat_template is None:
-      return tok.encode(prompt_text + response_text, add_bos=True)
+    if tok.chat_template is None:  # as its AutoTokenizer encodes the text
+      return tok.encode_prompt(prompt_text + response_text)
     return tok.encode_conversation(messages)
 
   def scores(self, sequences: Sequence[Sequence[int]]) -> np.ndarray:

@@ -66,6 +66,24 @@ def test_its_own_template_renders_the_conversation_as_transformers_does(rm_with_
                              atol=2e-5)
 
 
+def test_without_a_template_it_reads_the_text_as_its_autotokenizer_encodes_it(tmp_path):
+  # A sequence classifier scores the last token: a post-processor that appends eos (as
+  # transformers' tokenizer(text) applies it) must be kept, not replaced by a bos.
+  with open(os.path.join(FIXTURES, os.pardir, "hf_defaults.json")) as f:
+    defaults = json.load(f)
+  case = next(c for c in defaults["tokenizers"]
+              if c["post_processor"] == "eos_after" and c["config"] == "none")
+  shutil.copytree(RM, tmp_path / "rm")
+  with open(os.path.join(FIXTURES, "chat_tokenizer", "tokenizer.json")) as f:
+    tok = json.load(f)
+  tok["post_processor"] = defaults["post_processors"]["eos_after"]
+  (tmp_path / "rm" / "tokenizer.json").write_text(json.dumps(tok))
+  scorer = RewardScorer(str(tmp_path / "rm"), POLICY, "float32")
+  text = defaults["text"]
+  cut = len(text) // 2
+  assert scorer.encode([], text[:cut], text[cut:], [1, 2, 3]) == case["encode"]
+
+
 def test_a_policy_vocabulary_the_reward_model_cannot_read_is_refused():
   class Wide:
     vocab_size = 1000
