@@ -58,6 +58,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.prompt_key = "prompt"
   c.data.answer_key = "answer"
   c.data.task_key = "task"
+  # A rerun on data other than its checkpoint's is refused; True trains on the new data
+  # instead (RL: from its first record).
+  c.data.allow_new_source = False
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 5000  # Optimizer steps in all (on 2 CPU cores max_seconds ends the run first).

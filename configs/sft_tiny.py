@@ -90,6 +90,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.prompt_key = "prompt"
   c.data.answer_key = "answer"
   c.data.task_key = "task"
+  # A rerun on data other than its checkpoint's is refused; True trains on the new data
+  # instead (RL: from its first record).
+  c.data.allow_new_source = False
 
   # Optimizer (rlax_ps.optim): AdamW + clipping + warmup/cosine + accumulation.
   c.optimizer = ml_collections.ConfigDict()

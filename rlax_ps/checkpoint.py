@@ -92,6 +92,11 @@ class Checkpointer:
       raise self._damaged(int(step), e) from e
     return dict(restored[METADATA])
 
+  def latest_metadata(self) -> dict[str, Any] | None:
+    """The JSON blob of the newest complete checkpoint, or None when there is none."""
+    step = self.latest_step()
+    return None if step is None else self.metadata(step)
+
   def _damaged(self, step: int, error: Exception) -> ValueError:
     """The error for a step folder that cannot be read (emptied, truncated, half deleted):
     which folder, and what deleting it resumes from."""

@@ -66,6 +66,71 @@ def learning_rate_schedule(cfg, total_steps: int) -> optax.Schedule:
   return lambda count: base(count + 1)
 
 
+def schedule_settings(cfg, total_steps: int) -> dict[str, Any]:
+  """The schedule as numbers, decay_steps resolved: what a checkpoint records so that a
+  resumed run can tell whether, and how, its learning rate changes."""
+  return {"lr": float(_get(cfg, "lr")), "warmup_steps": int(_get(cfg, "warmup_steps")),
+          "decay_steps": int(_get(cfg, "decay_steps")) or int(total_steps),
+          "min_lr_ratio": float(_get(cfg, "min_lr_ratio"))}
+
+
+def saved_schedule(metadata: Mapping[str, Any] | None, steps_field: str
+                   ) -> dict[str, Any] | None:
+  """The schedule a checkpoint's metadata records; for a checkpoint that records none, the
+  one its saved config implies (its `steps_field`, e.g. "rl.steps", as the horizon); None
+  when neither is there (or no checkpoint: `metadata` None)."""
+  if not metadata:
+    return None
+  if metadata.get("schedule"):
+    return dict(metadata["schedule"])
+  config = metadata.get("config") or {}
+  steps = config
+  for key in steps_field.split("."):
+    steps = steps.get(key) if isinstance(steps, Mapping) else None
+  if not isinstance(config.get("optimizer"), Mapping) or not isinstance(steps, int):
+    return None
+  return schedule_settings(config["optimizer"], steps)
+
+
+def resumed_optimizer_config(cfg, total_steps: int, saved: Mapping[str, Any] | None,
+                             step: int, steps_field: str) -> tuple[dict[str, Any], str | None]:
+  """(optimizer config, log line or None) for a run resuming at `step` from a checkpoint
+  whose schedule was `saved` (schedule_settings; None: nothing to follow).
+
+  With decay_steps unset (0) a decaying schedule keeps the checkpoint's horizon when
+  `steps_field` changed: the lr goes on down the curve it was on, and stays at its floor past
+  the end, instead of jumping to the curve stretched over the new length (set decay_steps to
+  stretch it). Any other change is applied as asked; the line names it and the lr it moves
+  the next step to. A constant schedule after warmup has no horizon: a new length is silent."""
+  plain = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+  if saved is None:
+    return plain, None
+  decaying = float(_get(plain, "min_lr_ratio")) < 1.0
+  pinned = (decaying and not int(_get(plain, "decay_steps"))
+            and int(saved["decay_steps"]) != int(total_steps))
+  if pinned:
+    plain["decay_steps"] = int(saved["decay_steps"])
+  now = schedule_settings(plain, total_steps)
+  was = {k: saved.get(k, now[k]) for k in now}
+  if not decaying and float(was["min_lr_ratio"]) >= 1.0:  # constant: no horizon to compare
+    was["decay_steps"] = now["decay_steps"]
+  changed = [f"optimizer.{k}: {was[k]!r} in the checkpoint, {now[k]!r} now"
+             for k in now if was[k] != now[k]]
+  lr_was = float(learning_rate_schedule(was, total_steps)(step))
+  lr_now = float(learning_rate_schedule(now, total_steps)(step))
+  if changed:
+    return plain, (f"optimizer: resuming at step {step} with another schedule "
+                   f"({'; '.join(changed)}): the next step's lr is {lr_now:.4g}, "
+                   f"{lr_was:.4g} on the checkpoint's")
+  if pinned:
+    end = max(now["decay_steps"], now["warmup_steps"] + 1)  # the first step at the floor
+    return plain, (f"optimizer: {steps_field} is {total_steps} now, the lr schedule keeps the "
+                   f"checkpoint's decay over {now['decay_steps']} steps (next step's lr "
+                   f"{lr_now:.4g}, {now['lr'] * now['min_lr_ratio']:.4g} from step {end} "
+                   f"on); set optimizer.decay_steps to decay over another length")
+  return plain, None
+
+
 def decay_mask(params):
   """Weight decay on matrices only: norms and biases (ndim < 2) are left alone."""
   return jax.tree.map(lambda p: p.ndim >= 2, params)

@@ -241,6 +241,11 @@ class PromptFeed:
   def state(self) -> dict[str, Any]:
     return {"position": self.position, "iterator": self._it.get_state()}
 
+  def number_from(self, position: int) -> None:
+    """Feed this source from its start, numbering its records from `position` on: a source
+    that replaces another after `position` records keeps each prompt's index unique."""
+    self.position = int(position)
+
   def restore(self, state: dict[str, Any]) -> None:
     try:
       self._it.set_state(state["iterator"])

@@ -37,7 +37,6 @@ from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from algorithms.selection import fed, next_streak
 from param_server.client import (ParamServerError, Prompt, RetryPolicy, routes_of,
                                  sample_logprobs, sample_observed)
-from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.tokenizers import Tokenizer
@@ -49,7 +48,7 @@ from rlax_ps.train.rl_loss import LossConfig, micro_batched_loss_and_grad, \
   response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
-from rlax_ps.train.run import TrainerRun
+from rlax_ps.train.run import TrainerRun, data_source
 from rlax_ps.train.state import TrainState, hf_params, restore_or_init
 from rlax_ps.train.step import apply_gradients, jit_step
 from rlax_ps.train.trainable import trainable_value_and_grad
@@ -213,12 +212,17 @@ class RLTrainer(TrainerRun):
     self.warn_unsplit_rows(self.shape.groups, self.micro_batches,  # a packed row per group
                            f"rl.groups_per_step={self.shape.groups}, "
                            f"rl.micro_batches={self.micro_batches}")
-    self.optimizer = optim.make_optimizer(config.optimizer, self.total_steps)
-    self.schedule = optim.learning_rate_schedule(config.optimizer, self.total_steps)
     self.checkpointer = Checkpointer(config.checkpoint.get("directory", "")
                                      or os.path.join(self.workdir, "checkpoints"),
                                      max_to_keep=int(config.checkpoint.max_to_keep),
                                      async_save=bool(config.checkpoint.async_save))
+    source, latest = self._prompt_source(), self.checkpointer.latest_metadata()
+    read = None if isinstance(source, TaskPrompts) else [
+        (r["prompt"], r["answer"], r["task"]) for r in source]
+    self.new_source = self.check_data_source(  # True: fed from its start (_load_metadata)
+        latest, data_source(config, read), "the run feeds this data from its first record "
+        "(prompts of the old data still queued at the server are trained on too)")
+    self.build_optimizer(latest, "rl.steps")
     self.state, self.shardings, self.graphdef, saved = restore_or_init(
         self.model_config, self.optimizer, self.mesh, self.checkpointer,
         init_from_hf=self.init_from_hf, seed=int(config.seed))
@@ -235,7 +239,7 @@ class RLTrainer(TrainerRun):
     self._compiles: dict[tuple[int, int], concurrent.futures.Future] = {}
     self._compiler = None
     self.precompiled_steps = 0  # steps that ran a step compiled ahead
-    self.feed = PromptFeed(self._prompt_source(), int(config.seed))
+    self.feed = PromptFeed(source, int(config.seed))
     self.revisit = (float(rl.get("revisit_solved", 1.0)), float(rl.get("revisit_failed", 1.0)))
     self.selective = self.revisit != (1.0, 1.0)
     self.publisher = Publisher(self.client, str(config.publish.format),
@@ -296,6 +300,8 @@ class RLTrainer(TrainerRun):
     return {
         "step": self.step,
         "data": self.feed.state(),
+        "data_source": self.data_source,
+        "schedule": self.schedule_settings,
         "consumed": self.consumed,
         "streaks": sorted(self.streaks.items()),
         "retired": self.retired,
@@ -311,9 +317,12 @@ class RLTrainer(TrainerRun):
     }
 
   def _load_metadata(self, saved: dict[str, Any]) -> None:
-    self.feed.restore(saved["data"])
+    if self.new_source:  # data.allow_new_source: its first record, numbered on (ids unique)
+      self.feed.number_from(int(saved["data"]["position"]))
+    else:
+      self.feed.restore(saved["data"])
+      self.streaks = {int(r): int(z) for r, z in saved.get("streaks", [])}
     self.consumed = int(saved["consumed"])
-    self.streaks = {int(r): int(z) for r, z in saved.get("streaks", [])}
     self.retired = int(saved.get("retired", 0))
     self.trained_rollouts = int(saved.get("trained_rollouts", 0))
     self.resumed_samples = int(saved.get("resumed_samples", 0))

@@ -4,16 +4,18 @@ checkpointer to close, and a context manager."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import sys
-from typing import Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 from absl import logging
 from flax import nnx
 
+from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.folder_lock import FolderLock
 from rlax_ps.models import (flatten_params, longest_sequence, model_config_from,
@@ -52,6 +54,51 @@ def tasks_from(cfg) -> tuple[list[Task], list[float]]:
   return tasks, weights
 
 
+def data_source(config, records: Sequence[tuple[Any, Any, str]] | None) -> dict[str, Any]:
+  """What a run's data position is a position in, as its checkpoint records it: the seed,
+  and data.jsonl's path with the count and a digest of its `records` ((prompt, answer, task)
+  as read), or else the tasks in the mix (weight > 0) with their settings."""
+  source: dict[str, Any] = {"seed": int(config.seed)}
+  if records is None:
+    plain = config.tasks.to_dict() if hasattr(config.tasks, "to_dict") else dict(config.tasks)
+    source["tasks"] = {name: dict(block) for name, block in sorted(plain.items())
+                       if float(block.get("weight", 1.0)) > 0}
+    return source
+  return {**source, "jsonl": str(config.data.get("jsonl", "")), "records": len(records),
+          "digest": _records_digest(records)}
+
+
+def _records_digest(records: Iterable[tuple[Any, Any, str]]) -> str:
+  digest = hashlib.blake2b(digest_size=8)
+  for record in records:
+    digest.update(json.dumps(list(record), sort_keys=True).encode() + b"\n")
+  return digest.hexdigest()
+
+
+def _described(source: dict[str, Any]) -> str:
+  if "tasks" in source:
+    return f"'' (the tasks {', '.join(source['tasks'])})"
+  return f"{source['jsonl']} ({source['records']} records, digest {source['digest']})"
+
+
+def data_source_changes(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
+  """'field: <checkpoint's> in the checkpoint, <now> now' for each way the data source `now`
+  differs from `was` (data_source); a file moved or renamed with the same records is none."""
+  out = []
+  if was.get("seed") != now.get("seed"):
+    out.append(f"seed: {was.get('seed')!r} in the checkpoint, {now.get('seed')!r} now")
+  if "tasks" in was and "tasks" in now:
+    for name in sorted(set(was["tasks"]) | set(now["tasks"])):
+      a, b = was["tasks"].get(name), now["tasks"].get(name)
+      if a is None or b is None:  # in the mix on one side only: its weight says it
+        a, b = ({"weight": (t or {"weight": 0.0}).get("weight", 1.0)} for t in (a, b))
+      out += [f"tasks.{name}.{k}: {a.get(k)!r} in the checkpoint, {b.get(k)!r} now"
+              for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+  elif (was.get("records"), was.get("digest")) != (now.get("records"), now.get("digest")):
+    out.append(f"data.jsonl: {_described(was)} in the checkpoint, {_described(now)} now")
+  return out
+
+
 class TrainerRun:
   """Mixin for a trainer that sets workdir, checkpointer, graphdef, state, config and
   heldout (a heldout.Heldout), and calls read_model."""
@@ -83,6 +130,43 @@ class TrainerRun:
     except BaseException:
       self.release_workdir()
       raise
+
+  def check_data_source(self, saved: dict[str, Any] | None, source: dict[str, Any],
+                        switch: str) -> bool:
+    """Before any step: whether this run trains on a data source other than the one of the
+    checkpoint it resumes (`saved`, its metadata; None: a fresh run). Another source is
+    refused (ValueError naming the fields) unless data.allow_new_source, which then `switch`es
+    (a phrase: what the run does with the new data); a checkpoint that records no source
+    resumes unchecked. `source` (data_source) is what this run's checkpoints record."""
+    self.data_source = source
+    was = (saved or {}).get("data_source")
+    changes = data_source_changes(was, source) if was else []
+    if not changes:
+      return False
+    where = f"the checkpoint in {self.checkpointer.directory} (step {saved.get('step', '?')})"
+    if bool(self.config.data.get("allow_new_source", False)):
+      if self.leader:
+        logging.warning("data: %s was trained on other data (%s); data.allow_new_source: %s",
+                        where, "; ".join(changes), switch)
+      return True
+    raise ValueError(f"data: {where} was trained on other data than this config's "
+                     f"({'; '.join(changes)}): its data position does not apply here. Resume "
+                     f"with the data it was trained on, use another --workdir (init_from_hf="
+                     f"<its hf export> starts from its weights), or set "
+                     f"data.allow_new_source=True ({switch})")
+
+  def build_optimizer(self, saved: dict[str, Any] | None, steps_field: str) -> None:
+    """The optimizer and its lr schedule over total_steps (`steps_field`); resuming from the
+    checkpoint of metadata `saved`, its schedule goes on as optim.resumed_optimizer_config
+    says, and a log line says what changes."""
+    cfg, line = optim.resumed_optimizer_config(
+        self.config.optimizer, self.total_steps, optim.saved_schedule(saved, steps_field),
+        int((saved or {}).get("step", 0)), steps_field)
+    if line and self.leader:
+      logging.warning("%s", line)
+    self.optimizer = optim.make_optimizer(cfg, self.total_steps)
+    self.schedule = optim.learning_rate_schedule(cfg, self.total_steps)
+    self.schedule_settings = optim.schedule_settings(cfg, self.total_steps)  # checkpointed
 
   def read_model(self, config) -> None:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model

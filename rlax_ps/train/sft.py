@@ -29,7 +29,7 @@ from rlax_ps.tasks import Example
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.heldout import heldout_from_config
 from rlax_ps.train.prompts import read_prompts
-from rlax_ps.train.run import TrainerRun
+from rlax_ps.train.run import TrainerRun, data_source
 from rlax_ps.train.state import TrainState, mesh_layout, restore_or_init
 from rlax_ps.train.step import make_train_step
 
@@ -46,8 +46,6 @@ class SFTTrainer(TrainerRun):
     self.read_model(config)
     self.total_steps = int(config.train.steps)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
-    self.optimizer = optim.make_optimizer(config.optimizer, self.total_steps)
-    self.schedule = optim.learning_rate_schedule(config.optimizer, self.total_steps)
     num_micro = optim.grad_accum_steps(config.optimizer)
     batch_size, seq_len = int(config.data.batch_size), int(config.data.seq_len)
     if batch_size < 1 or seq_len < 2:
@@ -62,13 +60,19 @@ class SFTTrainer(TrainerRun):
                        f"{batch_size}, got {num_micro}")
     self.warn_unsplit_rows(batch_size, num_micro, f"data.batch_size={batch_size}, "
                            f"optimizer.grad_accum_steps={num_micro}")
-    self.data = SFTBatches(self.tasks, self.weights, self.tokenizer, batch_size=batch_size,
-                           seq_len=seq_len, seed=int(config.seed),
-                           packing=bool(config.data.packing), records=self._records())
     self.checkpointer = Checkpointer(config.checkpoint.get("directory", "")
                                      or os.path.join(self.workdir, "checkpoints"),
                                      max_to_keep=int(config.checkpoint.max_to_keep),
                                      async_save=bool(config.checkpoint.async_save))
+    saved = self.checkpointer.latest_metadata()
+    records = self._records()
+    read = None if records is None else [(e.prompt, e.answer, e.task) for e in records]
+    self.check_data_source(saved, data_source(config, read),
+                           "the steps left draw their batches from this data")
+    self.build_optimizer(saved, "train.steps")
+    self.data = SFTBatches(self.tasks, self.weights, self.tokenizer, batch_size=batch_size,
+                           seq_len=seq_len, seed=int(config.seed),
+                           packing=bool(config.data.packing), records=records)
     self.state, self.shardings, self.graphdef = self._init_or_restore()
     self.train_step = make_train_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                       num_micro=num_micro, schedule=self.schedule)
@@ -107,6 +111,8 @@ class SFTTrainer(TrainerRun):
     return {
         "step": step,
         "data": {"seed": int(self.config.seed), "position": step},
+        "data_source": self.data_source,
+        "schedule": self.schedule_settings,
         "model_config": self.model_config.to_dict(),
         "tokenizer": {"kind": self.config.tokenizer.kind, "path": self.config.tokenizer.path,
                       "vocab_size": self.tokenizer.vocab_size},
