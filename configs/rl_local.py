@@ -207,6 +207,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # worker decodes on worker.devices of its GPUs: set it to 0 (all) with more than one.
   c.local.trainer_gpus = 0
   c.local.gpus_per_worker = 0
+  # The parameter server's Prometheus metrics (`rlax-ps serve --metrics_port`, no token) on
+  # http://127.0.0.1:PORT/metrics; 0 = any free port (the URL is printed); -1 = off.
+  c.local.metrics_port = -1
 
   if arg == "tiny":
     c.rl.steps = 4

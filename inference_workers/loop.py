@@ -430,7 +430,8 @@ class Worker:
           return None
         self.stats.reconnects += 1
         wait = next(delays)
-        logging.warning("worker: server unreachable (%s); retrying in %.1fs", e.code.name, wait)
+        logging.warning("worker: server unreachable (%s); retrying until it answers or the worker "
+                        "stops (no deadline), next in %.1fs", e.code.name, wait)
         self._stop.wait(wait)
 
   def _may_lease(self) -> bool:

@@ -25,6 +25,8 @@ COUNTERS = {
     "prompts_resumed": "prompts leased again with samples a stopped or killed worker began",
     "samples_resumed": "begun samples handed to the next worker to continue",
     "tokens_resumed": "tokens of those samples: decoding not done again",
+    "takes_requeued": "trainer takes given back unacknowledged (a restarted trainer's, or "
+                      "past their ack deadline), their groups delivered again",
     "bytes_served": "weight bytes sent to pulls",
     "pulls_served": "pulls served",
     "errors": "requests rejected (bad input or auth)",

@@ -407,6 +407,7 @@ class PromptRolloutQueues:
         prompts_resumed=self.counters["prompts_resumed"],
         samples_resumed=self.counters["samples_resumed"],
         tokens_resumed=self.counters["tokens_resumed"],
+        takes_requeued=self.counters["takes_requeued"],
         acked_takes=list(self.acked_takes))
     for lease in list(self.closed_leases.values()) + list(self.leases.values()):
       snap.leases.append(pb.WalLeaseState(
@@ -450,7 +451,7 @@ class PromptRolloutQueues:
         rollouts_accepted=snap.rollouts_accepted, rollouts_duplicate=snap.rollouts_duplicate,
         rollouts_stale_dropped=snap.rollouts_stale_dropped, leases_expired=snap.leases_expired,
         prompts_resumed=snap.prompts_resumed, samples_resumed=snap.samples_resumed,
-        tokens_resumed=snap.tokens_resumed)
+        tokens_resumed=snap.tokens_resumed, takes_requeued=snap.takes_requeued)
 
   # ------------------------------------------------------------ time-driven changes
 
@@ -772,7 +773,8 @@ class PromptRolloutQueues:
           leases_expired=self.counters["leases_expired"],
           prompts_resumed=self.counters["prompts_resumed"],
           samples_resumed=self.counters["samples_resumed"],
-          tokens_resumed=self.counters["tokens_resumed"])
+          tokens_resumed=self.counters["tokens_resumed"],
+          takes_requeued=self.counters["takes_requeued"])
 
   def close(self) -> None:
     with self._lock:

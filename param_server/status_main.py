@@ -32,6 +32,8 @@ def format_stats(s: pb.Stats) -> str:
                            f"{s.tokens_resumed} tokens continued)"),
       ("rollouts ready", s.rollouts_ready),
       ("rollouts in flight", f"{s.rollouts_in_flight} (taken, not acked)"),
+      ("takes requeued", f"{s.takes_requeued} (given back unacked: trainer restart or "
+                         "ack deadline)"),
       ("rollouts accepted", f"{s.rollouts_accepted} (+{s.rollouts_duplicate} duplicate submissions acked)"),
       ("stale rollouts dropped", s.rollouts_stale_dropped),
       ("bytes served", f"{human_bytes(s.bytes_served)} in {s.pulls_served} pulls"),

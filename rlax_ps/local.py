@@ -8,9 +8,10 @@ machine's accelerators; the workers run on the CPU unless `local.worker_platform
 ('': all share one GPU, none preallocating its memory), or on a GPU host each gets GPUs of
 its own (`local.trainer_gpus`, `local.gpus_per_worker`).
 Tokens are made fresh in the server's owner-only tokens.json, which the children read
-(never a command line). One live line shows the trainer's progress; the run ends at the
-trainer's last step, on Ctrl-C, SIGTERM or SIGHUP, or when any child fails (then with a
-non-zero exit naming the child and its last log lines). A supervisor killed without notice
+(never a command line); `local.metrics_port` turns on the server's Prometheus metrics. One
+live line shows the trainer's progress; the run ends at the trainer's last step, on Ctrl-C,
+SIGTERM or SIGHUP, or when any child fails (then with a non-zero exit naming the child and
+its last log lines). A supervisor killed without notice
 takes its children with it (each gets a SIGTERM, Linux).
 """
 
@@ -33,6 +34,7 @@ from rlax_ps.config_files import run_config_changes
 from rlax_ps.sizes import human_bytes
 
 LISTENING = re.compile(r"parameter server listening on (\S+)")
+METRICS = re.compile(r"metrics on (http://\S+)")
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
@@ -92,9 +94,12 @@ class LocalRun:
 
   def __init__(self, workdir: str, config_file: str, overrides: Sequence[str], *,
                workers: int, worker_platform: str = "cpu", trainer_gpus: int = 0,
-               gpus_per_worker: int = 0, python: str = sys.executable):
+               gpus_per_worker: int = 0, metrics_port: int = -1, python: str = sys.executable):
     if workers < 1:
       raise ValueError(f"local.workers: expected >= 1, got {workers}")
+    if not -1 <= metrics_port <= 65535:
+      raise ValueError(f"local.metrics_port: expected -1 (off) or a port 0-65535 (0: any "
+                       f"free one), got {metrics_port}")
     if (trainer_gpus > 0) != (gpus_per_worker > 0) or min(trainer_gpus, gpus_per_worker) < 0:
       raise ValueError(f"local.trainer_gpus, local.gpus_per_worker: expected both > 0 (a GPU "
                        f"split) or both 0, got {trainer_gpus} and {gpus_per_worker}")
@@ -124,6 +129,8 @@ class LocalRun:
     self.token_file = os.path.join(self.ps_dir, auth.TOKEN_FILE)
     self.children: list[Child] = []
     self.address = ""
+    self.metrics_port = metrics_port
+    self.metrics_url = ""  # the server's Prometheus /metrics, once started with a port
     os.makedirs(self.logs, exist_ok=True)
     os.makedirs(self.ps_dir, exist_ok=True)
 
@@ -142,26 +149,36 @@ class LocalRun:
     self.children.append(child)
     return child
 
+  def server_args(self) -> list[str]:
+    """The `rlax-ps serve` command line of the run's server: loopback, a free port, and
+    Prometheus metrics on `local.metrics_port` when it is not -1."""
+    args = ["serve", f"--storage_dir={self.ps_dir}", "--port=0", "--host=127.0.0.1"]
+    if self.metrics_port >= 0:
+      args.append(f"--metrics_port={self.metrics_port}")
+    return args
+
   def start_server(self, timeout_s: float = 60.0) -> str:
-    """Start the parameter server on a free loopback port; returns its address."""
+    """Start the parameter server on a free loopback port; returns its address (and sets
+    `metrics_url` when it serves metrics)."""
     auth.load_tokens(self.ps_dir, {})  # fresh tokens, owner-only, before anything reads them
     for role in auth.ROLES:  # the children read the file, not the environment
       os.environ.pop(auth.env_var(role), None)
-    server = self._spawn("server", ["serve", f"--storage_dir={self.ps_dir}", "--port=0",
-                                    "--host=127.0.0.1"])
-    start = os.path.getsize(server.log)
+    server = self._spawn("server", self.server_args())
+    wanted = "'listening' and 'metrics on' lines" if self.metrics_port >= 0 else "'listening' line"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
       if server.process.poll() is not None:
         raise ChildFailed(server.failed_message())
       with open(server.log, errors="replace") as f:
-        f.seek(start)
-        found = LISTENING.search(f.read())
-      if found:
+        f.seek(server.start)  # this run's part, however soon the server wrote to it
+        text = f.read()
+      found, metrics = LISTENING.search(text), METRICS.search(text)
+      if found and (metrics or self.metrics_port < 0):
         self.address = found.group(1)
+        self.metrics_url = metrics.group(1) if metrics else ""
         return self.address
       time.sleep(0.1)
-    raise ChildFailed(f"server: no 'listening' line in {server.log} after {timeout_s}s:\n"
+    raise ChildFailed(f"server: no {wanted} in {server.log} after {timeout_s}s:\n"
                       f"{tail(server.log, start=server.start)}")
 
   def _client_flags(self) -> list[str]:

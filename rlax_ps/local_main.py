@@ -86,7 +86,8 @@ def main(argv: list[str]) -> None:
     run = local.LocalRun(workdir, config_file, overrides, workers=int(config.local.workers),
                          worker_platform=str(config.local.get("worker_platform", "cpu")),
                          trainer_gpus=int(config.local.get("trainer_gpus", 0)),
-                         gpus_per_worker=int(config.local.get("gpus_per_worker", 0)))
+                         gpus_per_worker=int(config.local.get("gpus_per_worker", 0)),
+                         metrics_port=int(config.local.get("metrics_port", -1)))
   except ValueError as e:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
     sys.exit(2)
@@ -114,6 +115,8 @@ def main(argv: list[str]) -> None:
   try:
     address = run.start_server()
     print(f"parameter server on {address}; logs in {run.logs}", flush=True)
+    if run.metrics_url:
+      print(f"parameter server metrics (Prometheus, no token) on {run.metrics_url}", flush=True)
     trainer = run.start_trainer(init_from_hf)
     run.start_workers(init_from_hf)
     bar = tqdm(total=int(config.rl.steps), desc="rl", unit="step", disable=not _PROGRESS.value,

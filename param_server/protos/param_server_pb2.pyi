@@ -405,7 +405,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., seconds_since_heartbeat: _Optional[float] = ..., leases: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("versions", "prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "bytes_served", "pulls_served", "workers_alive", "workers", "uptime_s", "errors", "prompts_resumed", "samples_resumed", "tokens_resumed", "streams_open")
+    __slots__ = ("versions", "prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "bytes_served", "pulls_served", "workers_alive", "workers", "uptime_s", "errors", "prompts_resumed", "samples_resumed", "tokens_resumed", "streams_open", "takes_requeued")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_LEASED_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +426,7 @@ class Stats(_message.Message):
     SAMPLES_RESUMED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_RESUMED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    TAKES_REQUEUED_FIELD_NUMBER: _ClassVar[int]
     versions: VersionInfo
     prompts_queued: int
     prompts_leased: int
@@ -446,7 +447,8 @@ class Stats(_message.Message):
     samples_resumed: int
     tokens_resumed: int
     streams_open: int
-    def __init__(self, versions: _Optional[_Union[VersionInfo, _Mapping]] = ..., prompts_queued: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., leases_active: _Optional[int] = ..., rollouts_ready: _Optional[int] = ..., rollouts_in_flight: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_served: _Optional[int] = ..., pulls_served: _Optional[int] = ..., workers_alive: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., errors: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., streams_open: _Optional[int] = ...) -> None: ...
+    takes_requeued: int
+    def __init__(self, versions: _Optional[_Union[VersionInfo, _Mapping]] = ..., prompts_queued: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., leases_active: _Optional[int] = ..., rollouts_ready: _Optional[int] = ..., rollouts_in_flight: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_served: _Optional[int] = ..., pulls_served: _Optional[int] = ..., workers_alive: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., errors: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., streams_open: _Optional[int] = ..., takes_requeued: _Optional[int] = ...) -> None: ...
 
 class WalRecord(_message.Message):
     __slots__ = ("snapshot", "enqueue", "lease", "renew", "returned", "submit", "take", "ack", "requeue_take", "drop_stale")
@@ -603,7 +605,7 @@ class WalRollout(_message.Message):
     def __init__(self, rollout_id: _Optional[int] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., group: _Optional[_Union[RolloutGroup, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WalSnapshot(_message.Message):
-    __slots__ = ("queued", "leases", "rollouts", "takes", "acked_takes", "next_rollout_id", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "prompts_resumed", "samples_resumed", "tokens_resumed")
+    __slots__ = ("queued", "leases", "rollouts", "takes", "acked_takes", "next_rollout_id", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "prompts_resumed", "samples_resumed", "tokens_resumed", "takes_requeued")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
@@ -617,6 +619,7 @@ class WalSnapshot(_message.Message):
     PROMPTS_RESUMED_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_RESUMED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_RESUMED_FIELD_NUMBER: _ClassVar[int]
+    TAKES_REQUEUED_FIELD_NUMBER: _ClassVar[int]
     queued: _containers.RepeatedCompositeFieldContainer[Prompt]
     leases: _containers.RepeatedCompositeFieldContainer[WalLeaseState]
     rollouts: _containers.RepeatedCompositeFieldContainer[WalRollout]
@@ -630,4 +633,5 @@ class WalSnapshot(_message.Message):
     prompts_resumed: int
     samples_resumed: int
     tokens_resumed: int
-    def __init__(self, queued: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[WalLeaseState, _Mapping]]] = ..., rollouts: _Optional[_Iterable[_Union[WalRollout, _Mapping]]] = ..., takes: _Optional[_Iterable[_Union[WalTake, _Mapping]]] = ..., acked_takes: _Optional[_Iterable[str]] = ..., next_rollout_id: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ...) -> None: ...
+    takes_requeued: int
+    def __init__(self, queued: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[WalLeaseState, _Mapping]]] = ..., rollouts: _Optional[_Iterable[_Union[WalRollout, _Mapping]]] = ..., takes: _Optional[_Iterable[_Union[WalTake, _Mapping]]] = ..., acked_takes: _Optional[_Iterable[str]] = ..., next_rollout_id: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., takes_requeued: _Optional[int] = ...) -> None: ...

@@ -245,6 +245,7 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
                                                    behaviour_cap=cfg.behaviour_cap, **common)
   if cfg.router_aux_coef > 0 and aux is not None:  # MoE load balancing, as transformers'
     loss = loss + cfg.router_aux_coef * aux
+  metrics["loss"] = loss  # the objective optimized, load-balancing term included
   # pi_prox / pi_behav per token: how far the workers' policy is from the trainer's.
   n_tok = jnp.maximum(jnp.sum(mask), 1.0)
   iw = jnp.exp(jnp.where(mask > 0, proximal - behaviour, 0.0))
@@ -263,14 +264,40 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
   return loss, metrics
 
 
-def _agg_count(batch: dict, sample_mask: jax.Array, agg: str) -> jax.Array:
-  """What `agg` divides by over these rows: real tokens, sequences with tokens, or samples."""
+def metric_counts(batch: dict, sample_mask: jax.Array, agg: str) -> dict[str, jax.Array]:
+  """What the metrics of `rl_loss` on these rows are means over (`metric_kind`): "agg"
+  what the aggregation divides by, "tokens" real tokens, "sequences" samples with tokens,
+  "samples" kept samples, "routes" the replayed expert slots (routing replay)."""
   mask = token_mask(batch, sample_mask)
-  if agg == "token-mean":
-    return jnp.sum(mask)
-  if agg == "seq-mean-token-sum-norm":
-    return jnp.asarray(mask.shape[0], jnp.float32)
-  return jnp.sum((jnp.sum(mask, axis=-1) > 0).astype(jnp.float32))
+  sequences = jnp.sum((jnp.sum(mask, axis=-1) > 0).astype(jnp.float32))
+  counts = {"tokens": jnp.sum(mask), "sequences": sequences,
+            "samples": jnp.sum(sample_mask.astype(jnp.float32))}
+  counts["agg"] = {"token-mean": counts["tokens"], "seq-mean-token-sum-norm":
+                   jnp.asarray(mask.shape[0], jnp.float32)}.get(agg, sequences)
+  if "prompt_routes" in batch:
+    routes = pack_routes(batch["prompt_routes"], batch["response_routes"])
+    counts["routes"] = jnp.sum((routes >= 0).astype(jnp.float32))
+  return counts
+
+
+def metric_kind(name: str, cfg: LossConfig) -> str:
+  """How metric `name` of `rl_loss` combines over slices of a batch: "max", "min", "sum",
+  or the key of `metric_counts` its mean is over. The loss's parts follow the aggregation
+  (the MoE load-balancing loss too, as it enters the loss: a product of two token means, it
+  is not exactly the whole batch's); GSPO's clip fractions are over sequences."""
+  if name.endswith("_max") or name.endswith("_min"):
+    return name[-3:]
+  if name == "response_tokens":
+    return "sum"
+  if name in ("loss", "pg_loss", "kl_ref", "router_aux_loss"):
+    return "agg"
+  if name == "advantage_abs_mean":
+    return "samples"
+  if name == "router_agreement":
+    return "routes"
+  if cfg.policy_loss == "gspo" and name.startswith("clip_frac"):
+    return "sequences"
+  return "tokens"
 
 
 def check_micro_batches(micro_batches: int, rows: int, cfg: LossConfig) -> None:
@@ -291,14 +318,15 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   slices of its rows so that only one slice's activations live at a time. Advantages are
   taken over the whole batch first and each slice's loss is weighted by its share of the
   aggregation's count, so the result is the whole batch's loss and gradient (summed in
-  float32, returned in the params' dtype). Metrics are weighted the same way (maxima and
-  minima taken over the slices)."""
+  float32, returned in the params' dtype). Each metric is weighted by the slice's share of
+  what it is a mean over (`metric_kind`), so it is the whole batch's too."""
   rows = batch["row_group"].shape[0]
   check_micro_batches(micro_batches, rows, cfg)
   trainable = split_trainable(params)[0]  # what takes a gradient (a LoRA run: the adapters)
   n = batch["rewards"].shape[1]
   adv, sample_mask = group_advantages(batch, num_groups, cfg)
-  total = jnp.maximum(_agg_count(batch, sample_mask, cfg.agg), 1.0)
+  totals = {k: jnp.maximum(v, 1.0)
+            for k, v in metric_counts(batch, sample_mask, cfg.agg).items()}
   per_row = dict(batch, adv=adv.reshape(rows, n), keep=sample_mask.reshape(rows, n))
   if proximal is not None:
     per_row["proximal"] = proximal.reshape(rows, n, -1)
@@ -309,38 +337,37 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   def one(mb):
     sub = {k: v for k, v in mb.items() if k not in ("adv", "keep", "proximal")}
     keep = mb["keep"].reshape(-1)
-    weight = _agg_count(sub, keep, cfg.agg) / total
+    shares = {k: v / totals[k] for k, v in metric_counts(sub, keep, cfg.agg).items()}
     prox = mb["proximal"].reshape(-1, mb["proximal"].shape[-1]) if "proximal" in mb else None
 
     def weighted(p):
       loss, metrics = rl_loss(p, graphdef, sub, ref_params, num_groups=num_groups, cfg=cfg,
                               proximal=prox, advantages=(mb["adv"].reshape(-1), keep))
-      return loss * weight, metrics
+      return loss * shares["agg"], metrics
 
     (loss, metrics), grads = trainable_value_and_grad(weighted)(params)
-    return loss, metrics, grads, weight
+    return loss, metrics, grads, shares
+
+  def merge(kind, acc, value, shares):
+    if kind == "max":
+      return jnp.maximum(acc, value)
+    if kind == "min":
+      return jnp.minimum(acc, value)
+    return acc + (value if kind == "sum" else shares[kind] * value)
 
   def body(acc, mb):
-    loss, metrics, grads, weight = one(mb)
+    loss, metrics, grads, shares = one(mb)
     a_loss, a_metrics, a_grads = acc
-    merged = {}
-    for k, v in metrics.items():
-      if k.endswith("_max"):
-        merged[k] = jnp.maximum(a_metrics[k], v)
-      elif k.endswith("_min"):
-        merged[k] = jnp.minimum(a_metrics[k], v)
-      elif k == "response_tokens":
-        merged[k] = a_metrics[k] + v
-      else:
-        merged[k] = a_metrics[k] + weight * v
+    merged = {k: merge(metric_kind(k, cfg), a_metrics[k], v, shares) for k, v in metrics.items()}
     return (a_loss + loss, merged,
             jax.tree.map(lambda a, g: a + g.astype(jnp.float32), a_grads, grads)), None
 
   slices = jax.tree.map(split, per_row)
   _, shapes, _, _ = jax.eval_shape(one, jax.tree.map(lambda x: x[0], slices))
-  start = {"_max": -jnp.inf, "_min": jnp.inf}
+  start = {"max": -jnp.inf, "min": jnp.inf}
   init = (jnp.zeros((), jnp.float32),
-          {k: jnp.full(v.shape, start.get(k[-4:], 0.0), v.dtype) for k, v in shapes.items()},
+          {k: jnp.full(v.shape, start.get(metric_kind(k, cfg), 0.0), v.dtype)
+           for k, v in shapes.items()},
           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable))  # sums in f32
   (loss, metrics, grads), _ = jax.lax.scan(body, init, slices)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)

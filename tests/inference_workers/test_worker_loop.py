@@ -417,13 +417,15 @@ def test_checksum_mismatch_triggers_a_keyframe_resync(server, versions):
     assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
 
 
-def test_unreachable_server_is_retried_with_backoff(versions):
+def test_unreachable_server_is_retried_with_backoff(versions, caplog):
   wc = ParamServerClient("127.0.0.1:1", token="x", role="worker", timeout_s=1.0,
                          retry=RetryPolicy(deadline_s=0.2))
   worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
   threading.Timer(1.5, worker.request_stop).start()
   stats = worker.run()
   assert stats.reconnects >= 2 and stats.leases == 0
+  # The client's "retrying for up to 0.2s" is one call's; the worker says it goes on.
+  assert "retrying until it answers or the worker stops (no deadline)" in caplog.text
 
 
 def test_a_group_a_stop_leaves_unsent_with_the_server_away_is_logged(server, versions, caplog):

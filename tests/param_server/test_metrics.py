@@ -38,6 +38,7 @@ def test_metrics_report_what_the_stats_say(start_server):
   assert got[("rlax_ps_bytes_served_total", ())] == stats.bytes_served > 0
   assert got[("rlax_ps_prompts_resumed_total", ())] == stats.prompts_resumed == 0
   assert got[("rlax_ps_tokens_resumed_total", ())] == stats.tokens_resumed == 0
+  assert got[("rlax_ps_takes_requeued_total", ())] == stats.takes_requeued == 0
   assert got[("rlax_ps_keyframe_bytes", ())] == stats.versions.keyframe_bytes > 0
   assert got[("rlax_ps_workers_alive", ())] == 1
   assert 0 < got[("rlax_ps_uptime_seconds", ())] <= stats.uptime_s

@@ -205,6 +205,29 @@ def test_unacked_take_is_redelivered_after_its_deadline(queues, clock):
     queues.ack(take.take_id)
 
 
+def test_requeued_takes_are_counted_and_the_count_survives_a_restart(tmp_path, clock):
+  """One take past its ack deadline, one given back by a restarted trainer: two requeued,
+  counted again from the log and kept by a snapshot."""
+  q = make_queues(tmp_path, clock)
+  q.enqueue(prompts("a", "b"))
+  lease = q.lease("w1", 2, 10.0)
+  q.submit(lease.lease_id, "w1", group("a"))
+  q.submit(lease.lease_id, "w1", group("b"))
+  q.take(0, 1, 0.0, 5.0)
+  clock.t += 6.0
+  q.take(0, 2, 0.0, 30.0)  # the first take's deadline passed: it goes back first
+  assert len(q.take(0, 2, 0.0, 30.0, requeue_unacked=True).rollouts) == 2
+  assert q.depths()["takes_requeued"] == 2
+  q.close()
+  q = make_queues(tmp_path, clock)  # the write-ahead log replayed
+  assert q.depths()["takes_requeued"] == 2
+  q._wal.rewrite(pb.WalRecord(snapshot=q._snapshot()))
+  q.close()
+  q = make_queues(tmp_path, clock)  # the snapshot loaded
+  assert q.depths()["takes_requeued"] == 2
+  q.close()
+
+
 def test_stale_rollouts_are_dropped_and_their_prompts_requeued(queues):
   queues.enqueue(prompts("a", "b"))
   lease = queues.lease("w1", 2, 10.0)

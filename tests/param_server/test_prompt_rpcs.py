@@ -179,6 +179,9 @@ def test_unacked_rollouts_are_delivered_again(trainer, worker):
   code, _ = code_of(lambda: trainer.ack(first))
   assert code == grpc.StatusCode.NOT_FOUND
   assert trainer.ack(second) == 1
+  stats = trainer.stats()
+  assert stats.takes_requeued == 1
+  assert re.search(r"takes requeued\s+1 \(given back unacked", format_stats(stats))
 
 
 def test_take_drops_stale_rollouts_and_requeues_their_prompts(trainer, worker):
