@@ -24,6 +24,7 @@ import json
 import math
 import operator
 import re
+import threading
 from typing import Any, Callable, Protocol, Sequence, Union
 
 
@@ -66,19 +67,49 @@ def make_environment(name: str, field: str = "worker.environment", **kwargs: Any
   return ENVIRONMENTS[name](**kwargs)
 
 
+def run_within(fn: Callable[[], Any], timeout_s: float | None, what: str) -> Any:
+  """fn() on a daemon thread (one that hangs holds neither its caller nor the process's
+  exit): its result or its exception (a SystemExit as a RuntimeError), or a TimeoutError
+  naming `what` once timeout_s (None: no limit) has passed, fn left running."""
+  done: dict[str, Any] = {}
+
+  def call():
+    try:
+      done["result"] = fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+      done["error"] = e
+
+  thread = threading.Thread(target=call, name=what, daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  if thread.is_alive():
+    raise TimeoutError(f"{what} ran past {timeout_s:g} s")
+  error = done.get("error")
+  if isinstance(error, Exception):
+    raise error
+  if error is not None:
+    raise RuntimeError(f"{what} raised {type(error).__name__}: {error}")
+  return done["result"]
+
+
 class GuardedEnvironment:
   """An environment whose exceptions become its reply ("error: ..."), so that a turn it
-  cannot parse neither stops the worker nor loses the prompt; a reply that is not a string,
-  a list of strings or None is a TypeError naming the environment (that mistake is in every
-  call)."""
+  cannot parse neither stops the worker nor loses the prompt; so does running past
+  `timeout_s` (None: no limit; the call is left on its thread), so that one that hangs
+  does not hold its sample's row for good. A reply that is not a string, a list of strings
+  or None is a TypeError naming the environment (that mistake is in every call)."""
 
-  def __init__(self, name: str, environment: Environment):
-    self.name, self.environment = name, environment
+  def __init__(self, name: str, environment: Environment, timeout_s: float | None = None):
+    if timeout_s is not None and not timeout_s > 0:
+      raise ValueError(f"worker.environment_timeout_s: expected > 0 (or none), got "
+                       f"{timeout_s!r}")
+    self.name, self.environment, self.timeout_s = name, environment, timeout_s
     self.errors = 0
 
   def __call__(self, messages: list[dict[str, str]], reference: Any) -> Reply:
     try:
-      reply = self.environment(messages, reference)
+      reply = run_within(lambda: self.environment(messages, reference), self.timeout_s,
+                         f"environment {self.name!r}")
     except Exception as e:  # noqa: BLE001 - the environment is the user's code
       self.errors += 1
       return f"error: {type(e).__name__}: {e}"
@@ -89,13 +120,15 @@ class GuardedEnvironment:
     return reply
 
 
-def environment_from(name: str, args: str | dict = "") -> GuardedEnvironment:
+def environment_from(name: str, args: str | dict = "", timeout_s: float | None = None
+                     ) -> GuardedEnvironment:
   """The guarded environment worker.environment names, built with worker.environment_args
-  (a JSON object of its constructor's arguments, e.g. '{"timeout_s": 30}'); ValueError
-  naming the field that is wrong."""
+  (a JSON object of its constructor's arguments, e.g. '{"timeout_s": 30}'), each call cut
+  at `timeout_s` (worker.environment_timeout_s); ValueError naming the field that is
+  wrong."""
   args = _json_object(args, "worker.environment_args")
   try:
-    return GuardedEnvironment(name, make_environment(name, **args))
+    return GuardedEnvironment(name, make_environment(name, **args), timeout_s)
   except TypeError as e:
     raise ValueError(f"worker.environment_args: {e}") from None
 
@@ -130,23 +163,26 @@ def environment_names(spec: str) -> dict[str, str]:
   return by_task
 
 
-def environments_from(spec: str, args: str | dict = "") -> dict[str, GuardedEnvironment]:
+def environments_from(spec: str, args: str | dict = "", timeout_s: float | None = None
+                      ) -> dict[str, GuardedEnvironment]:
   """worker.environment as environments by task: "NAME" answers every task (key "*");
   "TASK=NAME,TASK=NAME" each task listed, "*=NAME" the others, and a task without one is
   single-turn. worker.environment_args: the JSON arguments of the one environment, or by
-  task, an object of them by environment name. ValueError naming the field that is wrong."""
+  task, an object of them by environment name; `timeout_s`: each call's limit (None: none).
+  ValueError naming the field that is wrong."""
   by_task = environment_names(spec)
   if not by_task:
     return {}
   if "=" not in spec:
-    return {"*": environment_from(by_task["*"], args)}
+    return {"*": environment_from(by_task["*"], args, timeout_s)}
   args = _json_object(args, "worker.environment_args")
   unknown = sorted(set(args) - set(by_task.values()))
   if unknown:
     raise ValueError(f"worker.environment_args: with environments by task, expected their "
                      f"arguments by environment name ({sorted(set(by_task.values()))}), got "
                      f"{unknown}")
-  made = {name: environment_from(name, args.get(name, {})) for name in set(by_task.values())}
+  made = {name: environment_from(name, args.get(name, {}), timeout_s)
+          for name in set(by_task.values())}
   return {task: made[name] for task, name in by_task.items()}
 
 

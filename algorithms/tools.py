@@ -19,12 +19,11 @@ import collections.abc
 import inspect
 import json
 import re
-import threading
 import types
 import typing
 from typing import Any, Callable, Sequence
 
-from algorithms.environments import register_environment
+from algorithms.environments import register_environment, run_within
 
 TOOLS: dict[str, Callable[..., Any]] = {}
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
@@ -168,24 +167,12 @@ class ToolCalls:
 
 
 def _call_within(fn: Callable[..., Any], args: dict, timeout_s: float) -> str:
-  """fn(**args) as text, on a daemon thread (a hung tool holds neither the worker nor its
-  exit); its error, or a TimeoutError past timeout_s, as "error: ..."."""
-  done: dict[str, Any] = {}
-
-  def call():
-    try:
-      done["result"] = fn(**args)
-    except BaseException as e:  # noqa: BLE001 - a wrong call is the policy's to learn from
-      done["error"] = e
-
-  thread = threading.Thread(target=call, name=f"tool {fn.__name__}", daemon=True)
-  thread.start()
-  thread.join(timeout_s)
-  if thread.is_alive():
-    return f"error: TimeoutError: tool {fn.__name__!r} ran past {timeout_s:g} s"
-  if "error" in done:
-    return f"error: {type(done['error']).__name__}: {done['error']}"
-  result = done["result"]
+  """fn(**args) as text (run_within: a hung tool holds neither the worker nor its exit);
+  its error, or a TimeoutError past timeout_s, as "error: ..."."""
+  try:
+    result = run_within(lambda: fn(**args), timeout_s, f"tool {fn.__name__!r}")
+  except Exception as e:  # noqa: BLE001 - a wrong call is the policy's to learn from
+    return f"error: {type(e).__name__}: {e}"
   if isinstance(result, str):
     return result
   try:

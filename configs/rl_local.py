@@ -182,6 +182,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # each turn a sample ends, at most max_turns times; the trainer's loss skips its replies.
   c.worker.environment = ""
   c.worker.environment_args = ""  # its arguments as JSON, e.g. '{"timeout_s": 30}'
+  c.worker.environment_timeout_s = 300.0  # a call past it is answered with a TimeoutError
   c.worker.max_turns = 4
   c.worker.environment_threads = 8  # Replies in the making at once (1: one at a time).
   # A reward model (an HF *ForSequenceClassification folder) scores each finished sample:

@@ -70,7 +70,8 @@ def main(argv) -> None:
     from algorithms.environments import environments_from
     from algorithms.verifiers import verifiers_by_task
     verifier_for = verifiers_by_task(config.default_task, config.verifiers)
-    environments = environments_from(config.environment, config.environment_args)
+    environments = environments_from(config.environment, config.environment_args,
+                                     config.environment_timeout_s or None)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   from rlax_ps.compile_cache import enable_compile_cache

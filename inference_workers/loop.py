@@ -153,7 +153,8 @@ class Worker:
     self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
                                                           config.verifiers)
     self.environments = (environments if environments is not None else
-                         environments_from(config.environment, config.environment_args))
+                         environments_from(config.environment, config.environment_args,
+                                           config.environment_timeout_s or None))
     self.reward_scorer = (RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,
                                        config.reward_model_batch, mesh=self.mesh)
                           if config.reward_model else None)

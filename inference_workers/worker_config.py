@@ -64,6 +64,9 @@ class WorkerConfig:
   environment_args: str = setting("", "multi-turn: the environment's arguments as a JSON object, "
                                   "e.g. '{\"timeout_s\": 30}' for python; with several, an "
                                   "object of them by environment name")
+  environment_timeout_s: float = setting(300.0, "multi-turn: an environment call that takes "
+                                         "longer gets a TimeoutError as its reply (the call "
+                                         "is left on its thread); 0 = no limit")
   max_turns: int = setting(4, "multi-turn: most environment replies per sample")
   environment_threads: int = setting(8, "multi-turn: environment calls run at once (on threads, "
                                      "while decoding goes on); 1 for one that is not "
@@ -114,6 +117,7 @@ class WorkerConfig:
          f"'' (the model's) or one of {KV_DTYPES}")
     need(self.max_turns >= 0, "max_turns", "an int >= 0")
     need(self.environment_threads > 0, "environment_threads", "a positive int")
+    need(self.environment_timeout_s >= 0, "environment_timeout_s", "seconds >= 0 (0: no limit)")
     try:
       environment_names(self.environment)
     except ValueError as e:

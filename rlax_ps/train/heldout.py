@@ -73,7 +73,8 @@ def _turns(worker) -> dict[str, Any]:
   if not spec:
     return {}
   load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
-  return dict(environments=environments_from(spec, worker.get("environment_args", "")),
+  timeout_s = float(worker.get("environment_timeout_s", 0)) or None
+  return dict(environments=environments_from(spec, worker.get("environment_args", ""), timeout_s),
               max_turns=int(worker.get("max_turns", 4)))
 
 

@@ -1,10 +1,12 @@
 """Environments: the calculator, the code interpreter, function calling, the registry, user
 files, and the guard."""
 
+import threading
+
 import pytest
 
 from algorithms.environments import (ENVIRONMENTS, GuardedEnvironment, conversation,
-                                     evaluate_arithmetic, make_environment)
+                                     environments_from, evaluate_arithmetic, make_environment)
 from algorithms.tools import TOOLS, function_schema, register_tool, tool_schemas
 from algorithms.verifiers import load_verifiers
 
@@ -168,7 +170,6 @@ def test_tool_calls_are_answered_one_message_each_and_a_wrong_call_learns_its_er
 
 
 def test_a_tool_that_hangs_exits_or_returns_too_much_gets_an_error_or_a_cut_reply(tools):
-  import threading
   release = threading.Event()
 
   @register_tool
@@ -193,7 +194,7 @@ def test_a_tool_that_hangs_exits_or_returns_too_much_gets_an_error_or_a_cut_repl
                     for name, args in [("wait", "{}"), ("leave", "{}"), ("dump", '{"n": 100}'),
                                        ("dump", '{"n": -1}')])
     assert env(said(calls), None) == [
-        "error: TimeoutError: tool 'wait' ran past 0.05 s", "error: SystemExit: 2",
+        "error: TimeoutError: tool 'wait' ran past 0.05 s", "error: RuntimeError: tool 'leave' raised SystemExit: 2",
         '{"x": "' + "y" * 53 + " ...", "{(1, 2): 'tuple key'}"]
     with pytest.raises(ValueError, match="max_output_chars: expected >= 16, got 4"):
       make_environment("tool_calls", max_output_chars=4)
@@ -234,6 +235,25 @@ def test_the_guard_turns_an_exception_into_a_reply_and_refuses_a_wrong_type():
     with pytest.raises(TypeError, match=f"environment 'bad': expected a str reply, a non-empty "
                                         f"list of them or None, got {name}"):
       GuardedEnvironment("bad", lambda m, r, bad=bad: bad)(said("a"), "b")
+
+
+def test_the_guard_answers_a_hung_or_exiting_environment_with_an_error_reply():
+  # A user's environment that hangs would hold its sample's row (and a reply thread) for
+  # good; one that calls sys.exit would end the reply thread's future with SystemExit.
+  release = threading.Event()
+  try:
+    hung = GuardedEnvironment("hung", lambda m, r: release.wait() and "late", timeout_s=0.05)
+    assert hung(said("a"), "b") == "error: TimeoutError: environment 'hung' ran past 0.05 s"
+    assert hung.errors == 1
+  finally:
+    release.set()
+  leaving = GuardedEnvironment("leaving", lambda m, r: exit(3))
+  assert leaving(said("a"), "b") == ("error: RuntimeError: environment 'leaving' raised "
+                                     "SystemExit: 3")
+  by_task = environments_from("math=calculator,*=python", "", timeout_s=7.0)
+  assert {e.timeout_s for e in by_task.values()} == {7.0}
+  with pytest.raises(ValueError, match="worker.environment_timeout_s: expected > 0"):
+    environments_from("calculator", "", timeout_s=-1.0)
 
 
 def test_an_environments_arguments_come_as_json_and_wrong_ones_name_the_field():

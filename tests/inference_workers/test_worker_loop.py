@@ -659,6 +659,8 @@ def test_bad_batching_settings_are_named():
     WorkerConfig(sample_rows=8, allocator="vigor")
   with pytest.raises(ValueError, match="WorkerConfig.environment_threads: expected a positive"):
     WorkerConfig(environment_threads=0)
+  with pytest.raises(ValueError, match="WorkerConfig.environment_timeout_s: expected seconds >= 0"):
+    WorkerConfig(environment_timeout_s=-1.0)
   with pytest.raises(ValueError, match="WorkerConfig.kv_cache_dtype: expected '' .* got 'int4'"):
     WorkerConfig(kv_cache_dtype="int4")
 
