@@ -5,8 +5,10 @@ workers), with a live progress line and a summary table at the end.
   rlax-ps local --config=configs/rl_local.py:tiny --workdir=/tmp/rl --config.local.workers=1
 
 Children log to <workdir>/logs/; TensorBoard events are in <workdir>/tb. A rerun on the same
-workdir reuses the warm start and resumes the trainer from its checkpoint; a rerun of a run
-that trained its rl.steps starts nothing and shows its summary (raise rl.steps to go on).
+workdir reuses the warm start and resumes the trainer from its checkpoint (one on other data
+is refused before anything starts, as the trainer refuses it, and what the trainer says of
+its lr schedule is printed); a rerun of a run that trained its rl.steps starts nothing and
+shows its summary (raise rl.steps to go on).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def main(argv: list[str]) -> None:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
     sys.exit(2)
   workdir = os.path.abspath(_WORKDIR.value)
+  _check_resume(config, workdir)
   overrides = local.override_flags(config_flags.get_override_values(flags.FLAGS["config"]))
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   path, _, variant = config_file.partition(":")
@@ -142,6 +145,25 @@ def main(argv: list[str]) -> None:
     sys.exit(code)
   with open(os.path.join(workdir, "summary.json")) as f:
     _show_summary(workdir, json.load(f))
+
+
+def _check_resume(config, workdir: str) -> None:
+  """Before anything starts: exit 2 with the trainer's line where it would refuse to resume
+  the workdir's checkpoint on this config's data, else print the lines it logs on resuming
+  it (the lr schedule kept or changed), which would be in its log alone."""
+  import jax
+
+  from rlax_ps.train.rl_checks import resume_lines
+  # The supervisor's own JAX (the schedule's lr in a line) runs on the CPU: an accelerator
+  # it opened would be held from the trainer and workers.
+  jax.config.update("jax_platforms", "cpu")
+  try:
+    lines = resume_lines(config, workdir)
+  except (OSError, ValueError) as e:
+    print(f"rlax-ps local: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  for line in lines:
+    print(line, flush=True)
 
 
 def _show_summary(workdir: str, summary: dict) -> None:

@@ -11,7 +11,9 @@ the scratch directory and world-writable places.
 An audit hook also refuses sockets, subprocesses, exec, fork, signals, and writes,
 renames and removals outside the scratch directory; it is a tripwire for accidents and
 reward hacks, not a boundary: code in the same interpreter can get around it (frames,
-symlink races) and tamper with the harness. So without root (no `run_as`) the child can
+symlink races) and tamper with the harness. It refuses ctypes (which numpy and sympy
+import) too, since a native call passes it by, unless the child runs as `run_as` in the
+namespaces: then the OS is the boundary. So without root (no `run_as`) the child can
 read what the worker's user can read and, without namespaces, signal its processes; and
 its scratch writes are limited per file, not in total. Run workers as root in a
 container, or use an OS sandbox (gVisor, a VM) for code you must not trust.
@@ -55,6 +57,7 @@ sys.stdin = open(os.devnull)
 with open("job.json") as f:
   job = json.load(f)
 os.remove("job.json")
+native = job.pop("native")  # ctypes allowed: the OS bounds the child
 scratch = os.path.realpath(os.getcwd())
 if int(uid) >= 0:  # root: run as the sandbox user, with a process limit it cannot lift
   resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
@@ -72,6 +75,12 @@ BLOCKED = frozenset({
     "os.spawn", "os.fork", "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym",
     "sys.addaudithook", "os.kill", "os.killpg", "gc.get_objects", "gc.get_referrers",
     "gc.get_referents"})
+CTYPES = frozenset({"ctypes.dlopen", "ctypes.dlsym"})
+CTYPES_HINT = (" (numpy and sympy import ctypes) unless the code runs as the sandbox user in "
+               "namespaces: run the worker as root, with a run_as user that can run this "
+               "Python; see algorithms/verifiers/code_exec.py")
+if native:
+  BLOCKED -= CTYPES
 # event -> positions of its path arguments (and of their dir_fd) that must lie in scratch
 CHANGES = {"os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),),
            "os.rename": ((0, 2), (1, 3)), "os.link": ((0, 2), (1, 3)),
@@ -89,7 +98,7 @@ def inside(path, dir_fd=None):
 def hook(event, args):
   if event in BLOCKED or (event == "import" and args[0] == "_posixsubprocess"):
     raise PermissionError("sandbox: " + event + (" " + args[0] if event == "import" else "")
-                          + " is not allowed")
+                          + " is not allowed" + (CTYPES_HINT if event in CTYPES else ""))
   if event in CHANGES and not (event == "os.truncate" and isinstance(args[0], int)):
     for at, fd_at in CHANGES[event]:  # (a file opened for writing is in scratch)
       if not inside(args[at], None if fd_at is None else args[fd_at]):
@@ -197,6 +206,8 @@ class CodeExecutionVerifier:
     self.python = python or sys.executable
     ids = None if run_as is None else _user_ids(run_as)
     self.user = ids if ids and os.geteuid() == 0 and _can_run_as(self.python, *ids) else None
+    # ctypes (numpy, sympy) where the OS bounds the child: its own user, namespaces
+    self.native = bool(self.user) and self.unshare == _NAMESPACES
 
   def __call__(self, completion: str, reference: Any) -> VerifierResult:
     tests = reference.get("tests") if isinstance(reference, dict) else reference
@@ -208,7 +219,7 @@ class CodeExecutionVerifier:
       scratch = os.path.join(root, "scratch")
       os.mkdir(scratch)
       with open(os.path.join(scratch, "job.json"), "w") as f:
-        json.dump({"program": completion, "tests": list(tests)}, f)
+        json.dump({"program": completion, "tests": list(tests), "native": self.native}, f)
       nonce = secrets.token_hex(16)
       out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
       report_path = os.path.join(root, "reports")

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+from typing import Any
 
 from algorithms.selection import check_revisit
 from rlax_ps.train.rl_loss import LossConfig, check_micro_batches
+
+# What an RL trainer does with a data source other than its checkpoint's, under
+# data.allow_new_source (run.resumed_source_line's `switch`).
+NEW_SOURCE_FED = ("the run feeds this data from its first record (prompts of the old data "
+                  "still queued at the server are trained on too)")
 
 
 def check_rl_config(config, *, files: bool = True) -> LossConfig:
@@ -109,3 +117,49 @@ def check_prompt(tokenizer, limit: int | None, record: dict) -> None:
   if limit is not None and len(ids) > limit:
     raise ValueError(f"rl.max_prompt_tokens: {limit} is too small for this prompt of "
                      f"{len(ids)} tokens; raise it or shorten the prompt")
+
+
+def resume_lines(config, workdir: str) -> list[str]:
+  """What an RL trainer on `config` says before step 1 when it resumes the latest checkpoint
+  of `workdir`: ValueError where it refuses this config's data source, else the lines it
+  logs (data.allow_new_source taking other data, the lr schedule kept or changed); [] when
+  there is none to resume. Reads that checkpoint's metadata alone, writing nothing."""
+  from rlax_ps.train.prompts import config_records
+  from rlax_ps.train.run import data_source, resumed_optimizer, resumed_source_line
+  directory = config.checkpoint.get("directory", "") or os.path.join(workdir, "checkpoints")
+  if "://" in directory:  # a bucket: the trainer checks it
+    return []
+  directory = os.path.abspath(directory)  # as the trainer's Checkpointer names it
+  saved = latest_metadata(directory)
+  if saved is None:
+    return []
+  records, path = None, config.data.get("jsonl", "")
+  if path and saved.get("data_source"):
+    records = [(r["prompt"], r["answer"], r["task"])
+               for r in config_records(config, "data.jsonl", path)]
+  lines = [resumed_source_line(saved, data_source(config, records), directory,
+                               bool(config.data.get("allow_new_source", False)),
+                               NEW_SOURCE_FED),
+           resumed_optimizer(config.optimizer, int(config.rl.steps), saved, "rl.steps")[1]]
+  return [line for line in lines if line]
+
+
+def latest_metadata(directory: str) -> dict[str, Any] | None:
+  """The JSON metadata of the newest complete checkpoint in a local checkpoint directory
+  (rlax_ps.checkpoint's layout: <step>/metadata/metadata; a step still being written has
+  another name), read without orbax: no arrays, no JAX backend, nothing cleaned up under a
+  trainer that may be saving there. None when there is none or it is unreadable (the
+  trainer names a damaged one)."""
+  from rlax_ps.checkpoint import METADATA
+  try:
+    steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
+  except OSError:  # none yet
+    return None
+  if not steps:
+    return None
+  try:
+    with open(os.path.join(directory, str(max(steps)), METADATA, METADATA)) as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return saved if isinstance(saved, dict) else None

@@ -99,6 +99,37 @@ def data_source_changes(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
   return out
 
 
+def resumed_source_line(saved: dict[str, Any] | None, source: dict[str, Any], directory: str,
+                        allow_new: bool, switch: str) -> str | None:
+  """Whether a run on the data `source` (data_source) may resume the checkpoint of metadata
+  `saved` in `directory` (None: a fresh run): None when that checkpoint was trained on it or
+  records no source; the line to log when `allow_new` (data.allow_new_source: the run
+  `switch`es, a phrase saying what it does with the new data); else ValueError naming what
+  changed. The trainer and `rlax-ps local` (before it starts anything) say the same."""
+  was = (saved or {}).get("data_source")
+  changes = data_source_changes(was, source) if was else []
+  if not changes:
+    return None
+  where = f"the checkpoint in {directory} (step {saved.get('step', '?')})"
+  if allow_new:
+    return (f"data: {where} was trained on other data ({'; '.join(changes)}); "
+            f"data.allow_new_source: {switch}")
+  raise ValueError(f"data: {where} was trained on other data than this config's "
+                   f"({'; '.join(changes)}): its data position does not apply here. Resume "
+                   f"with the data it was trained on, use another --workdir (init_from_hf="
+                   f"<its hf export> starts from its weights), or set "
+                   f"data.allow_new_source=True ({switch})")
+
+
+def resumed_optimizer(cfg, total_steps: int, saved: dict[str, Any] | None,
+                      steps_field: str) -> tuple[dict[str, Any], str | None]:
+  """(optimizer config, line or None) of a run of `total_steps` (`steps_field`) resuming the
+  checkpoint of metadata `saved` (None: a fresh run): optim.resumed_optimizer_config."""
+  return optim.resumed_optimizer_config(cfg, total_steps,
+                                        optim.saved_schedule(saved, steps_field),
+                                        int((saved or {}).get("step", 0)), steps_field)
+
+
 class TrainerRun:
   """Mixin for a trainer that sets workdir, checkpointer, graphdef, state, config and
   heldout (a heldout.Heldout), and calls read_model."""
@@ -134,34 +165,21 @@ class TrainerRun:
   def check_data_source(self, saved: dict[str, Any] | None, source: dict[str, Any],
                         switch: str) -> bool:
     """Before any step: whether this run trains on a data source other than the one of the
-    checkpoint it resumes (`saved`, its metadata; None: a fresh run). Another source is
-    refused (ValueError naming the fields) unless data.allow_new_source, which then `switch`es
-    (a phrase: what the run does with the new data); a checkpoint that records no source
-    resumes unchecked. `source` (data_source) is what this run's checkpoints record."""
+    checkpoint it resumes (`saved`, its metadata; None: a fresh run), as resumed_source_line
+    allows it (logged) or refuses it. `source` (data_source) is what this run's checkpoints
+    record."""
     self.data_source = source
-    was = (saved or {}).get("data_source")
-    changes = data_source_changes(was, source) if was else []
-    if not changes:
-      return False
-    where = f"the checkpoint in {self.checkpointer.directory} (step {saved.get('step', '?')})"
-    if bool(self.config.data.get("allow_new_source", False)):
-      if self.leader:
-        logging.warning("data: %s was trained on other data (%s); data.allow_new_source: %s",
-                        where, "; ".join(changes), switch)
-      return True
-    raise ValueError(f"data: {where} was trained on other data than this config's "
-                     f"({'; '.join(changes)}): its data position does not apply here. Resume "
-                     f"with the data it was trained on, use another --workdir (init_from_hf="
-                     f"<its hf export> starts from its weights), or set "
-                     f"data.allow_new_source=True ({switch})")
+    line = resumed_source_line(saved, source, self.checkpointer.directory,
+                               bool(self.config.data.get("allow_new_source", False)), switch)
+    if line and self.leader:
+      logging.warning("%s", line)
+    return line is not None
 
   def build_optimizer(self, saved: dict[str, Any] | None, steps_field: str) -> None:
     """The optimizer and its lr schedule over total_steps (`steps_field`); resuming from the
     checkpoint of metadata `saved`, its schedule goes on as optim.resumed_optimizer_config
     says, and a log line says what changes."""
-    cfg, line = optim.resumed_optimizer_config(
-        self.config.optimizer, self.total_steps, optim.saved_schedule(saved, steps_field),
-        int((saved or {}).get("step", 0)), steps_field)
+    cfg, line = resumed_optimizer(self.config.optimizer, self.total_steps, saved, steps_field)
     if line and self.leader:
       logging.warning("%s", line)
     self.optimizer = optim.make_optimizer(cfg, self.total_steps)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from algorithms.verifiers import CodeExecutionVerifier, make_verifier
-from algorithms.verifiers.code_exec import _can_run_as
+from algorithms.verifiers.code_exec import _NAMESPACES, _can_run_as
 
 PROGRAM = "def add(a, b):\n  return a + b\n"
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 5"]
@@ -154,3 +154,28 @@ def test_an_unknown_run_as_user_is_refused_naming_the_field():
   with pytest.raises(ValueError, match="run_as: expected a user name or uid of this host, "
                                        "got 'no-such-user-here'"):
     CodeExecutionVerifier(run_as="no-such-user-here")
+
+
+CTYPES_PROGRAM = "import ctypes\nassert ctypes.CDLL(None).getpid() > 0\n"
+
+
+def test_as_nobody_in_namespaces_ctypes_loads_so_numpy_and_sympy_can():
+  python = _python_others_can_run()
+  verify = python and CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=python)
+  if not verify or verify.unshare != _NAMESPACES:
+    pytest.skip("needs root, a Python that user nobody can run, and namespaces")
+  result = verify(CTYPES_PROGRAM, [])
+  assert result.passed and result.info["uid"] == 65534, result.info
+
+
+@pytest.mark.parametrize("settings", [{"run_as": None}, {"use_network_namespace": False}])
+def test_ctypes_is_refused_where_the_os_does_not_bound_the_code_saying_how(settings):
+  """Not as the sandbox user, or not in namespaces: a native call would pass the audit hook
+  by, so ctypes (numpy's and sympy's import) stays refused, naming what allows it."""
+  python = _python_others_can_run() or sys.executable
+  result = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=python, **settings)(
+      CTYPES_PROGRAM, [])
+  assert not result.passed
+  assert result.info["errors"][0].startswith(
+      "PermissionError: sandbox: ctypes.dlopen is not allowed (numpy and sympy import ctypes) "
+      "unless the code runs as the sandbox user in namespaces: run the worker as root"), result.info
