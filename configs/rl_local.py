@@ -139,6 +139,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.max_to_keep = 2
   c.checkpoint.async_save = False
 
+  # Weights & Biases (pip install 'rlax-ps[wandb]'): the run's scalars go to this project too
+  # (TensorBoard in <workdir>/tb always); a resumed run goes on in the same W&B run.
+  # WANDB_MODE=offline keeps it on disk for `wandb sync`.
+  c.wandb = ml_collections.ConfigDict()
+  c.wandb.project = ""  # "" = off
+  c.wandb.entity = ""  # "" = your default entity
+  c.wandb.group = ""
+
   # The trained policy in Hugging Face format (config.json, safetensors, tokenizer) in
   # <workdir>/hf at the end of each run, for transformers, vLLM or the next recipe.
   c.export = ml_collections.ConfigDict()

@@ -133,6 +133,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.max_to_keep = 2
   c.checkpoint.async_save = True
 
+  # Weights & Biases (pip install 'rlax-ps[wandb]'): the run's scalars go to this project too
+  # (TensorBoard in <workdir>/tb always); a resumed run goes on in the same W&B run.
+  # WANDB_MODE=offline keeps it on disk for `wandb sync`.
+  c.wandb = ml_collections.ConfigDict()
+  c.wandb.project = ""  # "" = off
+  c.wandb.entity = ""  # "" = your default entity
+  c.wandb.group = ""
+
   # Export at the end: Hugging Face format (config.json + model.safetensors + tokenizer)
   # under <workdir>/hf, loadable by transformers / vLLM.
   c.export = ml_collections.ConfigDict()

@@ -24,6 +24,7 @@ from rlax_ps.models.peft import save_peft_adapter
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import tokenizer_from_config
 from rlax_ps.train import heldout as heldout_lib
+from rlax_ps.train.events import Events, NoEvents, open_wandb
 
 
 def built_or_exit(prog: str, build: Callable[[], "TrainerRun"]) -> "TrainerRun":
@@ -158,6 +159,7 @@ class TrainerRun:
       self._workdir_lock = FolderLock(self.workdir, holder="trainer", flag="--workdir")
     try:
       build()
+      self.writer  # TensorBoard, and W&B (wandb.project): refused now, not at the first step
     except BaseException:
       self.release_workdir()
       raise
@@ -204,12 +206,20 @@ class TrainerRun:
     return jax.process_index() == 0
 
   @property
-  def writer(self):
+  def writer(self) -> Events | NoEvents:
+    """The run's events (process 0): TensorBoard in <workdir>/tb, and the W&B run that
+    wandb.project names, resumed under this trainer's id (rl-<run id>, sft-<workdir hash>)."""
     if self._writer is None and not self.leader:
-      self._writer = _NoEvents()
+      self._writer = NoEvents()
     if self._writer is None:
-      from tensorboardX import SummaryWriter
-      self._writer = SummaryWriter(os.path.join(self.workdir, "tb"), flush_secs=10)
+      kind = type(self).__name__.removesuffix("Trainer").lower()
+      key = getattr(self, "run_id", "") or hashlib.blake2b(
+          self.workdir.encode(), digest_size=4).hexdigest()
+      config = self.config.to_dict() if hasattr(self.config, "to_dict") else dict(self.config)
+      run = open_wandb(self.config.get("wandb"), run_id=f"{kind}-{key}",
+                       name=f"{os.path.basename(self.workdir)}-{kind}",
+                       directory=self.workdir, config=config)
+      self._writer = Events(os.path.join(self.workdir, "tb"), run)
     return self._writer
 
   def evaluate(self) -> dict[str, float]:
@@ -271,17 +281,3 @@ class TrainerRun:
 
   def __exit__(self, *exc) -> None:
     self.close()
-
-
-class _NoEvents:
-  """The writer of a process that writes no TensorBoard events."""
-
-  def add_scalar(self, *args, **kwargs) -> None:
-    del args, kwargs
-
-  add_histogram = add_scalar
-
-  def flush(self) -> None:
-    """Nothing is buffered."""
-
-  close = flush

@@ -1,0 +1,79 @@
+"""Where a trainer's scalars and histograms go: TensorBoard events in <workdir>/tb, and a
+Weights & Biases run too when `wandb.project` is set (`pip install 'rlax-ps[wandb]'`;
+WANDB_MODE=offline keeps it on disk for `wandb sync`). A resumed run logs to the same W&B
+run (its id is the trainer's), so one run's curves stay one run however often it restarts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+
+class Events:
+  """TensorBoard events in `directory`, mirrored to `wandb_run` (None: TensorBoard alone)."""
+
+  def __init__(self, directory: str, wandb_run: Any = None):
+    from tensorboardX import SummaryWriter
+    self.tb = SummaryWriter(directory, flush_secs=10)
+    self.wandb_run = wandb_run
+
+  def add_scalar(self, tag: str, value: float, step: int) -> None:
+    self.tb.add_scalar(tag, value, step)
+    if self.wandb_run is not None:
+      self.wandb_run.log({tag: float(value)}, step=int(step))
+
+  def add_histogram(self, tag: str, values, step: int) -> None:
+    self.tb.add_histogram(tag, values, step)
+    if self.wandb_run is not None:
+      import wandb
+      self.wandb_run.log({tag: wandb.Histogram(np.asarray(values))}, step=int(step))
+
+  def flush(self) -> None:
+    self.tb.flush()
+
+  def close(self) -> None:
+    self.tb.close()
+    if self.wandb_run is not None:
+      self.wandb_run.finish()
+      self.wandb_run = None
+
+
+class NoEvents:
+  """The writer of a process that writes no events (not process 0 of a slice)."""
+
+  def add_scalar(self, *args, **kwargs) -> None:
+    del args, kwargs
+
+  add_histogram = add_scalar
+
+  def flush(self) -> None:
+    """Nothing is buffered."""
+
+  close = flush
+
+
+def open_wandb(cfg, *, run_id: str, name: str, directory: str, config: dict[str, Any]):
+  """The W&B run that `cfg` (the config's wandb block: project, entity, group) asks for,
+  resumed by `run_id` when it exists, its files under `directory`; None when no project is
+  set. ValueError naming wandb.project when wandb is not installed or cannot start (no API
+  key: `wandb login`, or WANDB_MODE=offline)."""
+  cfg = cfg or {}
+  project = str(cfg.get("project", ""))
+  if not project:
+    return None
+  try:
+    import wandb
+  except ImportError:
+    raise ValueError(f"wandb.project: logging to Weights & Biases project {project!r} needs "
+                     f"the wandb package: pip install 'rlax-ps[wandb]'") from None
+  os.makedirs(directory, exist_ok=True)
+  try:
+    return wandb.init(project=project, entity=str(cfg.get("entity", "")) or None,
+                      group=str(cfg.get("group", "")) or None, id=run_id, name=name,
+                      resume="allow", dir=directory, config=config)
+  except Exception as e:  # noqa: BLE001 - wandb's own errors (auth, network) name the cause
+    raise ValueError(f"wandb.project: Weights & Biases run {run_id!r} of project {project!r} "
+                     f"did not start: {type(e).__name__}: {e}") from None

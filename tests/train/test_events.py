@@ -1,0 +1,130 @@
+"""A trainer's events: TensorBoard always, and a Weights & Biases run (here offline, read
+back from its record file) when wandb.project is set, resumed under the trainer's id."""
+
+import glob
+import os
+import re
+import struct
+import sys
+import time
+
+import pytest
+
+from rlax_ps.train.events import Events, open_wandb
+from rlax_ps.train.run import TrainerRun
+
+wandb = pytest.importorskip("wandb")
+from wandb.proto import wandb_internal_pb2  # noqa: E402 - after the skip
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def _records(run_dir):
+  """The protobuf records of an offline run's .wandb file (a leveldb-style log of 32 KiB
+  blocks, each record a 7-byte header: crc, length, type 1 full / 2 first / 3 middle /
+  4 last)."""
+  (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+  with open(path, "rb") as f:
+    data = f.read()
+  assert data[:4] == b":W&B"
+  pos, pending = 7, b""
+  while pos + 7 <= len(data):
+    left = 32768 - pos % 32768
+    _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+    if length == 0 and kind == 0:
+      pos += left
+      continue
+    pending += data[pos + 7:pos + 7 + length]
+    pos += 7 + length
+    if kind in (1, 4):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(pending)
+      pending = b""
+      yield record
+
+
+def _finished(run_dir, wait_s=60.0):
+  """The run's records once its exit record is on disk: wandb's service process writes the
+  offline file after finish() returns."""
+  deadline = time.monotonic() + wait_s
+  while True:
+    records = list(_records(run_dir))
+    if any(r.WhichOneof("record_type") == "exit" for r in records) or (
+        time.monotonic() > deadline):
+      return records
+    time.sleep(0.05)
+
+
+def _history(run_dir):
+  rows = []
+  for r in _finished(run_dir):
+    if r.WhichOneof("record_type") == "history":
+      rows.append({(i.key or "/".join(i.nested_key)): i.value_json for i in r.history.item})
+  return rows
+
+
+def test_scalars_and_histograms_reach_tensorboard_and_the_wandb_run(tmp_path):
+  run = open_wandb({"project": "p"}, run_id="rl-1234", name="n", directory=str(tmp_path),
+                   config={"rl": {"steps": 3}})
+  events = Events(str(tmp_path / "tb"), run)
+  events.add_scalar("rollouts/reward_mean", 0.25, 1)
+  events.add_scalar("train/loss", 2.0, 1)
+  events.add_histogram("rollouts/staleness", [0, 1, 1], 1)
+  events.add_scalar("rollouts/reward_mean", 0.5, 2)
+  events.close()
+  assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+  (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*-rl-1234"))
+  rows = _history(run_dir)
+  assert [(r["_step"], r.get("rollouts/reward_mean"), r.get("train/loss")) for r in rows] == [
+      ("1", "0.25", "2"), ("2", "0.5", None)]
+  assert rows[0]["rollouts/staleness/_type"] == '"histogram"'
+  (meta,) = [r.run for r in _finished(run_dir) if r.WhichOneof("record_type") == "run"]
+  assert (meta.run_id, meta.project) == ("rl-1234", "p")
+  assert "rl" in meta.config.SerializeToString().decode(errors="replace")
+
+
+class FakeTrainer(TrainerRun):
+  """The parts of a trainer its events need."""
+
+  def __init__(self, workdir, project):
+    self.config = {"wandb": {"project": project}, "seed": 0}
+    self.checkpointer = None
+    self.open_workdir(str(workdir), lambda: None)
+
+  def close(self):
+    self._writer.close()
+    self.release_workdir()
+
+
+def test_a_rerun_on_the_workdir_logs_to_the_same_wandb_run(tmp_path):
+  for _ in range(2):
+    trainer = FakeTrainer(tmp_path / "work", "p")
+    trainer.writer.add_scalar("train/loss", 1.0, 1)
+    trainer.close()
+  runs = glob.glob(str(tmp_path / "work" / "wandb" / "offline-run-*"))
+  ids = [r.run.run_id for d in runs for r in _finished(d) if r.WhichOneof("record_type") == "run"]
+  assert len(ids) == 2 and len(set(ids)) == 1 and re.fullmatch("fake-[0-9a-f]{8}", ids[0])
+  plain = FakeTrainer(tmp_path / "plain", "")
+  assert plain.writer.wandb_run is None and not os.path.exists(tmp_path / "plain" / "wandb")
+  plain.close()
+
+
+def test_wandb_that_cannot_start_is_refused_naming_the_field(tmp_path, monkeypatch):
+  def refuse(**kwargs):
+    raise RuntimeError("api_key not configured (no-tty)")
+
+  monkeypatch.setattr(wandb, "init", refuse)
+  with pytest.raises(ValueError, match=r"^wandb.project: Weights & Biases run 'fake-[0-9a-f]{8}' "
+                                       r"of project 'p' did not start: RuntimeError: api_key"):
+    FakeTrainer(tmp_path / "work", "p")
+  FakeTrainer(tmp_path / "work", "").close()  # the refused trainer left the workdir free
+  monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+  with pytest.raises(ValueError, match=r"wandb.project: .* needs the wandb package: pip "
+                                       r"install 'rlax-ps\[wandb\]'"):
+    open_wandb({"project": "p"}, run_id="x", name="x", directory=str(tmp_path), config={})
+  assert open_wandb({"project": ""}, run_id="x", name="x", directory=str(tmp_path),
+                    config={}) is None
