@@ -4,7 +4,9 @@ Calls are retried with exponential backoff and full jitter while the server is
 UNAVAILABLE (restarting, or the network blinked) or a call ran past its deadline (a
 server stalled for a while); every other failure raises a
 `ParamServerError` carrying the gRPC code and the server's message (which names
-the field). A broken `pull` resumes from the last byte it holds. Retrying is
+the field). A broken `pull` resumes from the last byte it holds, for as long as each attempt
+brings bytes (a large keyframe over a link that breaks now and then still arrives); one that
+fails outright is resumed by the next `pull` from the same version. Retrying is
 safe for every call: publishing the same update twice, enqueueing the same
 prompt id, submitting the same group, acking the same take are all acknowledged
 once; a lease or take whose reply was lost simply expires and is served again.
@@ -12,6 +14,7 @@ once; a lease or take whose reply was lost simply expires and is served again.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import random
@@ -64,6 +67,7 @@ class _Route:
   channel: grpc.Channel
   stub: pb_grpc.ParamServerStub
   pull: Callable  # Pull, its chunks parsed without copying their bytes (pull_wire.py)
+  pull_channel: grpc.Channel  # a connection of its own: see ParamServerClient._open
 
 
 class ParamServerError(Exception):
@@ -126,6 +130,11 @@ class PullProgress:
   done: bool = False
   attempts: int = 0
   resumed_bytes: int = 0  # bytes the server skipped thanks to resumption
+
+  @property
+  def position(self) -> tuple[int, int]:
+    """(updates complete, bytes of the next one held): grows with every chunk received."""
+    return len(self.updates), self.partial_filled
 
   def request(self) -> pb.PullRequest:
     req = pb.PullRequest()
@@ -238,6 +247,13 @@ class ParamServerClient:
     # Set (by a stop request) to end any retry wait at once: the call then fails UNAVAILABLE.
     self.interrupt = threading.Event()
     self._retry_logged_at = -RETRY_LOG_S
+    self._answered = False  # some call got an answer: a closed socket is no TLS mismatch
+    # Pulls under way by have_version, which a second caller joins rather than fetch the
+    # same bytes again, and the progress of the last one that failed, which the next pull
+    # from the same version resumes.
+    self._pulls: dict[int | None, concurrent.futures.Future] = {}
+    self._unfinished: tuple[int | None, PullProgress] | None = None
+    self._pulls_lock = threading.Lock()
     # No size limits of its own: the server sets them (`rlax-ps serve --max_message_bytes`)
     # and tells a worker its request limit when it registers.
     self.max_request_bytes = 0  # 0: not told
@@ -261,15 +277,21 @@ class ParamServerClient:
     self._relay_again_at = math.inf
     self._route_lock = threading.Lock()
 
-  def _open(self, address: str) -> _Route:
+  def _channel(self, address: str, options: list) -> grpc.Channel:
     if self._credentials is not None:
-      channel = grpc.secure_channel(address, self._credentials, options=self._options)
-    else:
-      channel = grpc.insecure_channel(address, options=self._options)
-    pull = channel.unary_stream(
+      return grpc.secure_channel(address, self._credentials, options=options)
+    return grpc.insecure_channel(address, options=options)
+
+  def _open(self, address: str) -> _Route:
+    """The channels to `address`. Pulls go on a TCP connection of their own: on one shared
+    with the other calls, a heartbeat's or a renewal's answer queues behind the pull's bytes
+    in flight, seconds on a slow link."""
+    channel = self._channel(address, self._options)
+    pull_channel = self._channel(address, [*self._options, ("grpc.use_local_subchannel_pool", 1)])
+    pull = pull_channel.unary_stream(
         "/rlax_ps.v1.ParamServer/Pull", request_serializer=pb.PullRequest.SerializeToString,
         response_deserializer=pull_wire.decode_pull_chunk)
-    return _Route(address, channel, pb_grpc.ParamServerStub(channel), pull)
+    return _Route(address, channel, pb_grpc.ParamServerStub(channel), pull, pull_channel)
 
   # ------------------------------------------------------------ plumbing
 
@@ -285,9 +307,10 @@ class ParamServerClient:
     return self._route is self._relay
 
   def close(self) -> None:
-    self._relay.channel.close()
-    if self._server is not None:
-      self._server.channel.close()
+    for route in (self._relay, self._server):
+      if route is not None:
+        route.channel.close()
+        route.pull_channel.close()
 
   def __enter__(self) -> "ParamServerClient":
     return self
@@ -302,7 +325,7 @@ class ParamServerClient:
       details = (f"no token given for role {self.role!r} ({_flag_hint(self.role)}); {details}"
                  if not self._has_token else
                  f"the {self.role} token was rejected by {self.address}; {details}")
-    elif (code == grpc.StatusCode.UNAVAILABLE and not self._tls
+    elif (code == grpc.StatusCode.UNAVAILABLE and not self._tls and not self._answered
           and "socket closed" in details.lower()):
       details += f" (is the server at {self.address} using TLS? pass --tls_ca)"
     return ParamServerError(method, code, details)
@@ -363,7 +386,9 @@ class ParamServerClient:
     while True:
       route = self._now()
       try:
-        return fn(route.stub)
+        reply = fn(route.stub)
+        self._answered = True
+        return reply
       except grpc.RpcError as e:
         if e.code() not in RETRYABLE:
           raise self.error(method, e.code(), e.details() or "") from None
@@ -453,18 +478,51 @@ class ParamServerClient:
     """The update blobs (keyframe and/or deltas, in order) that bring `have_version` to the latest.
 
     Pass a `PullProgress` to keep what arrived if this call fails, and pass it again
-    to resume from the last byte received. An empty list means `have_version` is the latest.
+    to resume from the last byte received. Without one, a call from the version a pull
+    under way started at waits for that pull and returns its blobs (the same objects), and
+    a call from the version a failed pull started at resumes it. An empty list means
+    `have_version` is the latest.
     """
-    progress = progress or PullProgress(have_version=have_version)
+    if progress is not None or on_chunk is not None:
+      return self._pull(progress or PullProgress(have_version=have_version), on_chunk)
+    with self._pulls_lock:
+      shared = self._pulls.get(have_version)
+      if shared is not None:
+        leader = False
+      else:
+        leader, shared = True, self._pulls.setdefault(have_version, concurrent.futures.Future())
+        unfinished, self._unfinished = self._unfinished, None
+    if not leader:
+      return shared.result()
+    progress = (unfinished[1] if unfinished is not None and unfinished[0] == have_version
+                else PullProgress(have_version=have_version))
+    try:
+      shared.set_result(self._pull(progress, None))
+    except BaseException as e:
+      shared.set_exception(e)
+      if (isinstance(e, ParamServerError) and e.code in RETRYABLE
+          and progress.position != (0, 0)):  # unreachable for a while: resumed next time
+        with self._pulls_lock:
+          self._unfinished = (have_version, progress)
+    finally:
+      with self._pulls_lock:
+        del self._pulls[have_version]
+    return shared.result()
+
+  def _pull(self, progress: PullProgress,
+            on_chunk: Callable[[pull_wire.PullChunkView], None] | None) -> list[bytearray]:
+    """`pull` into `progress`, retried while the server is unreachable; an attempt that
+    brought bytes starts the retries' deadline and backoff afresh."""
     delays = self.retry.delays()
     while not progress.done:
       progress.attempts += 1
       request = progress.request()
-      route = self._now()
+      route, before = self._now(), progress.position
       try:
         first, call = True, route.pull(request, metadata=self._metadata)
         try:
           for chunk in call:
+            self._answered = True
             if first and request.resume_offset and chunk.offset == request.resume_offset:
               progress.resumed_bytes += chunk.offset
             first = False
@@ -480,6 +538,8 @@ class ParamServerClient:
         if e.code() not in RETRYABLE:
           raise self.error("Pull", e.code(), e.details() or "") from None
         error = e.details() or ""
+      if progress.position != before:
+        delays = self.retry.delays()
       self._wait_to_retry("Pull", grpc.StatusCode.UNAVAILABLE, error, delays, route)
     return progress.updates
 
