@@ -95,14 +95,26 @@ def group_fingerprint(group: pb.RolloutGroup) -> bytes:
   return hashlib.sha256(group.SerializeToString(deterministic=True)).digest()
 
 
+MAX_ID_CHARS = 512  # a prompt's or a worker's id, kept in the write-ahead log
+
+
+def check_id_length(field: str, value: str) -> None:
+  """InvalidArgument naming `field` when an id is longer than MAX_ID_CHARS."""
+  if len(value) > MAX_ID_CHARS:
+    raise errors.InvalidArgument(field, f"expected at most {MAX_ID_CHARS} characters, got {len(value)}")
+
+
 def _validate_prompt(prompt: pb.Prompt, where: str) -> None:
   if not prompt.text and not prompt.token_ids:
     raise errors.InvalidArgument(f"{where}", "a prompt needs text or token_ids, got neither")
   for i, t in enumerate(prompt.token_ids):
     if t < 0:
       raise errors.InvalidArgument(f"{where}.token_ids[{i}]", f"expected >= 0, got {t}")
-  if len(prompt.id) > 512:
-    raise errors.InvalidArgument(f"{where}.id", f"expected at most 512 characters, got {len(prompt.id)}")
+  check_id_length(f"{where}.id", prompt.id)
+  if prompt.partial or prompt.partial_version:
+    raise errors.InvalidArgument(f"{where}.partial", "expected none: begun samples are set by the "
+                                 "server (a released prompt's), got "
+                                 f"{len(prompt.partial)} samples at v{prompt.partial_version}")
 
 
 MAX_FAILURE_CHARS = 2000  # a worker's reason for not sampling a prompt, kept with it
@@ -140,6 +152,12 @@ def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: 
     if (s.logprobs or s.logprobs_f32) and n_lp != len(s.token_ids):
       raise errors.InvalidArgument(
           f"{at}.logprobs", f"expected one per token ({len(s.token_ids)}), got {n_lp:g}")
+    logprobs = _f32(s)
+    bad = np.flatnonzero(~np.isfinite(logprobs))
+    if bad.size:
+      j = int(bad[0])
+      raise errors.InvalidArgument(f"{at}.logprobs[{j}]", f"expected a finite number, got "
+                                   f"{logprobs[j]} ({bad.size} of {logprobs.size} are not)")
     negative = np.flatnonzero(np.asarray(s.token_ids, np.int64) < 0)
     if negative.size:
       j = int(negative[0])
@@ -505,9 +523,9 @@ class PromptRolloutQueues:
         raise errors.InvalidArgument(f"prompts[{i}].id", f"expected unique ids in one call, got {p.id!r} twice")
       seen.add(p.id)
     with self._lock:
-      duplicates = 0
+      duplicates, waiting = 0, self._answered_ids()
       for p in prompts:
-        if p.id and p.id in self.prompts:
+        if p.id and (p.id in self.prompts or p.id in waiting):
           duplicates += 1
           ids.append(p.id)
           continue
@@ -520,6 +538,12 @@ class PromptRolloutQueues:
       if fresh:
         self._commit(pb.WalRecord(enqueue=pb.WalEnqueue(prompts=fresh)))
       return pb.EnqueuePromptsReply(ids=ids, duplicates=duplicates, queue_depth=len(self.queue))
+
+  def _answered_ids(self) -> set[str]:
+    """Ids of the prompts whose rollout group waits for the trainer (ready or taken): an
+    enqueue of one is a retry, else the prompt would be in two places once its group is
+    dropped as stale."""
+    return {e.prompt.id for e in (*self.ready.values(), *self.in_flight.values())}
 
   def _check_deadline(self, deadline_s: float) -> None:
     if not (0 < deadline_s <= self.limits.max_lease_deadline_s):
@@ -534,6 +558,7 @@ class PromptRolloutQueues:
   def lease(self, worker_id: str, n: int, deadline_s: float, wait_s: float = 0.0) -> pb.Lease:
     if not worker_id:
       raise errors.InvalidArgument("worker_id", "expected a worker id, got ''")
+    check_id_length("worker_id", worker_id)
     if not 1 <= n <= self.limits.max_lease_prompts:
       raise errors.InvalidArgument("n", f"expected in [1, {self.limits.max_lease_prompts}], got {n}")
     self._check_deadline(deadline_s)
@@ -702,6 +727,11 @@ class PromptRolloutQueues:
       raise errors.InvalidArgument("max_groups", f"expected in [1, {self.limits.max_take_groups}], got {max_groups}")
     if min_version < 0:
       raise errors.InvalidArgument("min_version", f"expected >= 0, got {min_version}")
+    top = max(self._latest_version(), 0)
+    if min_version > top:  # every group would be dropped as stale
+      raise errors.FailedPrecondition(
+          "min_version", f"expected at most the latest published version v{top} (no group is "
+          f"newer), got {min_version}")
     if not (0 < ack_deadline_s <= self.limits.max_lease_deadline_s):
       raise errors.InvalidArgument(
           "ack_deadline_s", f"expected in (0, {self.limits.max_lease_deadline_s}], got {ack_deadline_s}")

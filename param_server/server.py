@@ -21,6 +21,7 @@ from typing import Callable
 
 import grpc
 from absl import logging
+from google.protobuf import message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -28,7 +29,7 @@ from param_server import auth, errors, pull_wire
 from param_server.keepalive import DEAD_AFTER_S, server_options
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
-from param_server.queues import PromptRolloutQueues, QueueLimits
+from param_server.queues import PromptRolloutQueues, QueueLimits, check_id_length
 from param_server.wal import WriteAheadLog
 from param_server.weights import WeightLimits, WeightStore
 from rlax_ps.dataclass_flags import setting
@@ -107,6 +108,44 @@ def _finite(field: str, value: float, lo: float = 0.0) -> None:
     raise errors.InvalidArgument(field, f"expected a finite number >= {lo}, got {value}")
 
 
+MAX_RUN_CHARS = 128
+
+
+def _check_run_id(run: str) -> None:
+  """A run id is kept in <storage_dir>/RUN and compared with later ones: printable, without
+  surrounding spaces (which that file would not keep), at most MAX_RUN_CHARS."""
+  if len(run) > MAX_RUN_CHARS or not run.isprintable() or run != run.strip():
+    raise errors.InvalidArgument(
+        "run", f"expected at most {MAX_RUN_CHARS} printable characters without surrounding "
+        f"spaces, got {run[:MAX_RUN_CHARS]!r}{'...' if len(run) > MAX_RUN_CHARS else ''}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MalformedRequest:
+  """Bytes that do not parse as the request's message type, passed to the handler to be
+  answered INVALID_ARGUMENT (gRPC would answer INTERNAL, as if the server had failed)."""
+  type_name: str
+  error: str
+
+
+def _parser(message_type):
+  """The request deserializer of `message_type`: a message, or a MalformedRequest."""
+  def parse(data: bytes):
+    try:
+      return message_type.FromString(data)
+    except message.DecodeError as e:
+      return MalformedRequest(message_type.DESCRIPTOR.full_name, str(e))
+  return parse
+
+
+def _well_formed(request, field: str = "request"):
+  """The request, unless it is a MalformedRequest (InvalidArgument naming `field`)."""
+  if isinstance(request, MalformedRequest):
+    raise errors.InvalidArgument(field, f"expected a {request.type_name} message, got bytes "
+                                 f"that do not parse as one ({request.error})")
+  return request
+
+
 class _Rejections:
   """Turns RequestErrors into logged gRPC statuses; counts them for stats."""
 
@@ -128,7 +167,7 @@ def _unary(method):
   @functools.wraps(method)
   def wrapper(self, request, context):
     try:
-      return method(self, request, context)
+      return method(self, _well_formed(request), context)
     except errors.RequestError as e:
       self._rejections.abort(context, method.__name__, e)
   return wrapper
@@ -140,7 +179,7 @@ def _streaming(method):
     with self._lock:
       self.streams_open += 1
     try:
-      yield from method(self, request, context)
+      yield from method(self, _well_formed(request), context)
     except errors.RequestError as e:
       self._rejections.abort(context, method.__name__, e)
     finally:
@@ -202,8 +241,10 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     writer, run = None, ""
     try:
       for i, chunk in enumerate(request_iterator):
+        chunk = _well_formed(chunk, f"chunks[{i}]")
         if writer is None:
           run = chunk.run
+          _check_run_id(run)
           self._check_run(run)
           writer = self.weights.begin_publish(chunk.total_bytes)
         elif chunk.total_bytes not in (0, writer.total):
@@ -398,6 +439,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def Heartbeat(self, request, context):
     if not request.worker_id:
       raise errors.InvalidArgument("worker_id", "expected a worker id, got ''")
+    check_id_length("worker_id", request.worker_id)
     if request.version < -1:
       raise errors.InvalidArgument("version", f"expected >= -1, got {request.version}")
     _finite("tokens_per_s", request.tokens_per_s)
@@ -456,7 +498,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
 
 
 def method_handlers(servicer: ParamServerServicer) -> dict[str, grpc.RpcMethodHandler]:
-  """The service's handlers, as the generated code makes them, except that Pull yields pre-serialised bytes."""
+  """The service's handlers, as the generated code makes them, except that Pull yields
+  pre-serialised bytes and a request that does not parse reaches its handler (MalformedRequest)."""
   make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
           (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
   handlers = {}
@@ -464,7 +507,7 @@ def method_handlers(servicer: ParamServerServicer) -> dict[str, grpc.RpcMethodHa
     request, reply = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
     serialize = (lambda b: b) if m.name == "Pull" else reply.SerializeToString
     handlers[m.name] = make[(m.client_streaming, m.server_streaming)](
-        getattr(servicer, m.name), request_deserializer=request.FromString, response_serializer=serialize)
+        getattr(servicer, m.name), request_deserializer=_parser(request), response_serializer=serialize)
   return handlers
 
 

@@ -238,6 +238,25 @@ def test_stale_rollouts_are_dropped_and_their_prompts_requeued(queues):
   assert [p.id for p in queues.lease("w2", 5, 10.0).prompts] == ["a"]
 
 
+def test_a_prompt_enqueued_again_while_its_group_waits_is_never_in_two_places(tmp_path, clock):
+  """Were the second enqueue queued, the stale drop would put "a" in the queue while a lease
+  holds it: two groups for one prompt, the second failing mid-log and the log unreplayable."""
+  q = make_queues(tmp_path, clock)
+  q.enqueue(prompts("a"))
+  first = q.lease("w1", 1, 10.0)
+  q.submit(first.lease_id, "w1", group("a", version=1))
+  assert q.enqueue(prompts("a")).duplicates == 1  # a retry: its group waits for the trainer
+  assert q.take(3, 10, 0.0, 5.0).dropped_stale == 1  # "a" back in the queue, once
+  again = q.lease("w2", 5, 10.0)
+  assert [p.id for p in again.prompts] == ["a"] and not q.lease("w3", 5, 10.0).prompts
+  q.submit(again.lease_id, "w2", group("a", version=4))
+  before = _state(q)
+  q.close()
+  replayed = make_queues(tmp_path, clock)
+  assert _state(replayed) == before
+  replayed.close()
+
+
 def _state(q):
   return (list(q.queue), sorted((l.lease_id, tuple(l.open_ids), l.deadline) for l in q.leases.values()),
           list(q.ready), sorted(q.in_flight), sorted(q.takes), q.next_rollout_id, q.depths())
