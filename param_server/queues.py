@@ -21,6 +21,7 @@ import uuid
 from typing import Callable, Sequence
 
 import numpy as np
+from absl import logging
 
 from param_server import errors
 from param_server.protos import param_server_pb2 as pb
@@ -310,7 +311,15 @@ class PromptRolloutQueues:
     returns only once the record is on disk (`_durable`). `joined`: its increments joined
     already (by prompt id), as validation made them."""
     self._local.position = self._wal.append(record)
-    self._apply(record, joined)
+    try:
+      self._apply(record, joined)
+    except Exception:
+      # A record that cannot be applied would fail every replay: the log becomes what the
+      # server holds now, so that it still starts after this, and the caller gets the error.
+      logging.exception("queues: a %s record failed to apply; the log is rewritten as the "
+                        "state held now", record.WhichOneof("op"))
+      self._wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
+      raise
     wal = self._wal
     if (wal.records_since_rewrite >= self.limits.wal_compact_records
         or wal.bytes >= max(self.limits.wal_compact_bytes, 4 * wal.base_bytes)):

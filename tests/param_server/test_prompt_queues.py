@@ -257,6 +257,32 @@ def test_a_prompt_enqueued_again_while_its_group_waits_is_never_in_two_places(tm
   replayed.close()
 
 
+def test_a_record_that_fails_to_apply_leaves_a_log_the_server_starts_from(
+    tmp_path, clock, monkeypatch):
+  # Logged, then failing in _apply (a bug, half applied): replayed, it would fail again and
+  # the server could not start. The log is rewritten as the state held at the failure.
+  q = make_queues(tmp_path, clock)
+  q.enqueue(prompts("a", "b"))
+  apply = q._apply
+
+  def half_then_fail(record, joined=None):
+    if record.WhichOneof("op") == "lease":
+      del q.queue[record.lease.prompt_ids[0]]
+      raise KeyError("no such prompt")
+    apply(record, joined)
+
+  monkeypatch.setattr(q, "_apply", half_then_fail)
+  with pytest.raises(KeyError):
+    q.lease("w1", 1, 10.0)
+  monkeypatch.setattr(q, "_apply", apply)
+  q.enqueue(prompts("c"))  # the server goes on, and logs on top of the rewritten log
+  before = _state(q)
+  q.close()
+  replayed = make_queues(tmp_path, clock)
+  assert _state(replayed) == before and list(replayed.queue) == ["b", "c"]
+  replayed.close()
+
+
 def _state(q):
   return (list(q.queue), sorted((l.lease_id, tuple(l.open_ids), l.deadline) for l in q.leases.values()),
           list(q.ready), sorted(q.in_flight), sorted(q.takes), q.next_rollout_id, q.depths())
