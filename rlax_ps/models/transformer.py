@@ -339,13 +339,30 @@ class RouterStats(NamedTuple):
   tokens: jax.Array
 
 
+def load_balancing_loss(counts: jax.Array, prob_sums: jax.Array, tokens: jax.Array
+                        ) -> jax.Array:
+  """transformers' load-balancing loss: E * sum over slots and experts of the share of
+  tokens routed there (counts [k, E] / tokens) times the mean router probability
+  (prob_sums [E] / tokens). Its parts are sums over tokens, so those of several batches add
+  up to their union's."""
+  n = jnp.maximum(tokens, 1.0)
+  return counts.shape[-1] * jnp.sum(counts / n * prob_sums / n)
+
+
 class Routing(NamedTuple):
   """Transformer.hidden_states' record of routing: the routers' own picks [M, B, T, k] of
-  the M MoE layers, and the load-balancing loss over them (transformers' formula: E * sum
-  over slots and experts of the share of tokens routed there times the mean router
-  probability, the layers' tokens pooled)."""
+  the M MoE layers and the load-balancing loss's parts, the layers' tokens pooled (as
+  transformers pools them): routed counts [k, E], router probability sums [E] and the
+  token count, over the real tokens."""
   picks: jax.Array
-  load_balance: jax.Array
+  counts: jax.Array
+  prob_sums: jax.Array
+  tokens: jax.Array
+
+  @property
+  def load_balance(self) -> jax.Array:
+    """The load-balancing loss over these tokens (`load_balancing_loss`)."""
+    return load_balancing_loss(self.counts, self.prob_sums, self.tokens)
 
 
 class MoE(nnx.Module):
@@ -522,7 +539,8 @@ class Transformer(nnx.Module):
     Routing replay (mixture of experts): `routes` [M, B, T, k] int, for the M MoE layers in
     order, are the experts each token goes to where >= 0 (-1: the router's own pick);
     `record_routes` also returns a third output, `Routing`: the routers' own picks
-    [M, B, T, k] int32 and the load-balancing loss over the real tokens (segment id > 0).
+    [M, B, T, k] int32 and the load-balancing loss's parts over the real tokens (segment
+    id > 0).
 
     `cache` is any object with the KVCache protocol: `write_meta(segment_ids, positions)`,
     `attend(layer, q, k, v, q_segment_ids, q_positions, attention_fn) -> (out, cache)` and
@@ -596,11 +614,9 @@ class Transformer(nnx.Module):
     cache = None if cache is None else cache.advance(t)
     if not record_routes:
       return x, cache
-    counts = sum(s.counts for s in layer_stats)
-    tokens = jnp.maximum(sum(s.tokens for s in layer_stats), 1.0)
-    load_balance = c.num_experts * jnp.sum(
-        counts / tokens * sum(s.prob_sums for s in layer_stats) / tokens)
-    return x, cache, Routing(jnp.stack([s.picked for s in layer_stats]), load_balance)
+    return x, cache, Routing(jnp.stack([s.picked for s in layer_stats]),
+                             *(sum(getattr(s, f) for s in layer_stats)
+                               for f in ("counts", "prob_sums", "tokens")))
 
   def logits_from_hidden(self, x):
     """Float32 logits of hidden states, divided by logits_scaling (Granite) and soft-capped

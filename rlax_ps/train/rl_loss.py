@@ -27,6 +27,7 @@ from flax import nnx
 from algorithms import advantages as adv_lib
 from algorithms import corrections, losses, shaping
 from rlax_ps.kernels import pack_group, pack_routes, packed_response_logprobs
+from rlax_ps.models.transformer import load_balancing_loss
 from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo")
@@ -164,8 +165,9 @@ def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend:
   """log p(response token) [rows * N, R] under `params`, one packed row per group. A batch
   with routes (routing replay: `prompt_routes`, `response_routes`) sends each token to the
   experts the workers' sampler did. `with_stats`: also a dict of the policy's `entropy` at
-  each of those positions and, for a mixture of experts, the `router_aux_loss`
-  (load balancing over the packed rows' tokens) and, replaying, the `router_agreement`."""
+  each of those positions and, for a mixture of experts, the `routing` (the model's
+  `Routing` record: the load-balancing loss's parts over the packed rows' tokens) and,
+  replaying, the `router_agreement`."""
   tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
                               batch["response_tokens"], batch["response_lens"])
   routes = (pack_routes(batch["prompt_routes"], batch["response_routes"])
@@ -181,7 +183,7 @@ def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend:
   logp, entropy, *routing = out
   stats = {"entropy": rows(entropy)}
   if routing:
-    stats["router_aux_loss"] = routing[0].load_balance
+    stats["routing"] = routing[0]
   if routes is not None:
     stats["router_agreement"] = router_agreement(routing[0].picks, routes)
   return rows(logp), stats
@@ -205,13 +207,30 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
   the log-probs [rows * N, R] of the weights the batch's updates started from (several
   updates per batch); None: the current ones (one update per batch). `advantages`: the
   (advantages, sample mask) of these rows when computed over a larger batch."""
+  loss, metrics, routing = rl_loss_terms(params, graphdef, batch, ref_params,
+                                         num_groups=num_groups, cfg=cfg, proximal=proximal,
+                                         advantages=advantages)
+  if cfg.router_aux_coef > 0 and routing is not None:  # MoE load balancing, as transformers'
+    loss = loss + cfg.router_aux_coef * routing.load_balance
+  metrics["loss"] = loss  # the objective optimized, load-balancing term included
+  return loss, metrics
+
+
+def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *,
+                  num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None,
+                  advantages: tuple[jax.Array, jax.Array] | None = None
+                  ) -> tuple[jax.Array, dict, Any]:
+  """`rl_loss` before its load-balancing term: (the policy loss, the metrics, the model's
+  `Routing` record or None for a dense model)."""
   adv, sample_mask = (group_advantages(batch, num_groups, cfg) if advantages is None
                       else advantages)
   mask = token_mask(batch, sample_mask)
   logp, stats = response_logprobs(params, graphdef, batch, cfg.backend, with_stats=True,
                                   logits_chunk=cfg.logits_chunk, remat=cfg.remat)
   entropy = stats.pop("entropy")
-  aux = stats.get("router_aux_loss")
+  routing = stats.pop("routing", None)
+  if routing is not None:
+    stats["router_aux_loss"] = routing.load_balance
   behaviour = batch["behaviour_logp"].reshape(logp.shape)
   proximal = jax.lax.stop_gradient(logp if proximal is None else proximal)
   ref_logp = None
@@ -243,9 +262,6 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
   else:
     loss, metrics = corrections.decoupled_ppo_loss(logp, proximal, behaviour, adv, mask,
                                                    behaviour_cap=cfg.behaviour_cap, **common)
-  if cfg.router_aux_coef > 0 and aux is not None:  # MoE load balancing, as transformers'
-    loss = loss + cfg.router_aux_coef * aux
-  metrics["loss"] = loss  # the objective optimized, load-balancing term included
   # pi_prox / pi_behav per token: how far the workers' policy is from the trainer's.
   n_tok = jnp.maximum(jnp.sum(mask), 1.0)
   iw = jnp.exp(jnp.where(mask > 0, proximal - behaviour, 0.0))
@@ -261,7 +277,7 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
       entropy=jnp.sum(jax.lax.stop_gradient(entropy) * mask) / n_tok,  # of the trainer's policy
       **stats,
   )
-  return loss, metrics
+  return loss, metrics, routing
 
 
 def metric_counts(batch: dict, sample_mask: jax.Array, agg: str) -> dict[str, jax.Array]:
@@ -282,14 +298,14 @@ def metric_counts(batch: dict, sample_mask: jax.Array, agg: str) -> dict[str, ja
 
 def metric_kind(name: str, cfg: LossConfig) -> str:
   """How metric `name` of `rl_loss` combines over slices of a batch: "max", "min", "sum",
-  or the key of `metric_counts` its mean is over. The loss's parts follow the aggregation
-  (the MoE load-balancing loss too, as it enters the loss: a product of two token means, it
-  is not exactly the whole batch's); GSPO's clip fractions are over sequences."""
+  or the key of `metric_counts` its mean is over. The loss's parts follow the aggregation;
+  GSPO's clip fractions are over sequences. (The MoE load-balancing loss, a product of two
+  token means, is none of these: it is formed from its parts summed over the slices.)"""
   if name.endswith("_max") or name.endswith("_min"):
     return name[-3:]
   if name == "response_tokens":
     return "sum"
-  if name in ("loss", "pg_loss", "kl_ref", "router_aux_loss"):
+  if name in ("loss", "pg_loss", "kl_ref"):
     return "agg"
   if name == "advantage_abs_mean":
     return "samples"
@@ -310,6 +326,22 @@ def check_micro_batches(micro_batches: int, rows: int, cfg: LossConfig) -> None:
                      "mask is a statistic of the whole batch)")
 
 
+def routed_counts(params: Any, graphdef: nnx.GraphDef, slices: dict, backend: str
+                  ) -> tuple[jax.Array, jax.Array] | None:
+  """The routed token counts [k, E] and token count (`Routing`) of all `slices` (a batch's
+  rows as [slices, rows / slices, ...]) by a forward pass of each, or None for a dense
+  model: the load-balancing loss's token shares, which each slice's gradient of it needs
+  before any slice's backward pass. Only the layers up to the last router are live."""
+  def count(sub):
+    routing = response_logprobs(params, graphdef, sub, backend, with_stats=True)[1].get(
+        "routing")
+    return None if routing is None else (routing.counts, routing.tokens)
+
+  counts = jax.lax.map(count, slices)
+  return None if counts is None else jax.lax.stop_gradient(
+      jax.tree.map(lambda x: jnp.sum(x, axis=0), counts))
+
+
 def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict,
                                 ref_params: Any, *, num_groups: int, cfg: LossConfig,
                                 micro_batches: int, proximal: jax.Array | None = None
@@ -319,7 +351,14 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   taken over the whole batch first and each slice's loss is weighted by its share of the
   aggregation's count, so the result is the whole batch's loss and gradient (summed in
   float32, returned in the params' dtype). Each metric is weighted by the slice's share of
-  what it is a mean over (`metric_kind`), so it is the whole batch's too."""
+  what it is a mean over (`metric_kind`), so it is the whole batch's too.
+
+  A mixture of experts' load-balancing loss is E * sum_e f_e P_e over the whole batch's
+  tokens (f: the routed shares, constants; P: the mean router probabilities). Its parts
+  are summed over the slices and the loss formed from the totals. With
+  loss.router_aux_coef > 0 a forward pass of every slice first counts f
+  (`routed_counts`), so that each slice adds E * sum_e f_e * (its part of P_e) to the
+  objective: these add up to the whole batch's term, value and gradient."""
   rows = batch["row_group"].shape[0]
   check_micro_batches(micro_batches, rows, cfg)
   trainable = split_trainable(params)[0]  # what takes a gradient (a LoRA run: the adapters)
@@ -334,19 +373,34 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   def split(x):  # [rows, ...] -> [M, rows / M, ...]: slice m holds rows m, m + M, ...
     return jnp.moveaxis(x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]), 1, 0)
 
+  def rows_of(mb):  # a slice's batch rows
+    return {k: v for k, v in mb.items() if k not in ("adv", "keep", "proximal")}
+
+  slices = jax.tree.map(split, per_row)
+  whole = (routed_counts(params, graphdef, rows_of(slices), cfg.backend)
+           if cfg.router_aux_coef > 0 else None)
+
   def one(mb):
-    sub = {k: v for k, v in mb.items() if k not in ("adv", "keep", "proximal")}
+    sub = rows_of(mb)
     keep = mb["keep"].reshape(-1)
     shares = {k: v / totals[k] for k, v in metric_counts(sub, keep, cfg.agg).items()}
     prox = mb["proximal"].reshape(-1, mb["proximal"].shape[-1]) if "proximal" in mb else None
 
     def weighted(p):
-      loss, metrics = rl_loss(p, graphdef, sub, ref_params, num_groups=num_groups, cfg=cfg,
-                              proximal=prox, advantages=(mb["adv"].reshape(-1), keep))
-      return loss * shares["agg"], metrics
+      loss, metrics, routing = rl_loss_terms(p, graphdef, sub, ref_params,
+                                             num_groups=num_groups, cfg=cfg, proximal=prox,
+                                             advantages=(mb["adv"].reshape(-1), keep))
+      loss, parts = loss * shares["agg"], None
+      if routing is not None:  # the load-balancing loss: from the slices' summed parts
+        del metrics["router_aux_loss"]
+        parts = (routing.counts, routing.prob_sums, routing.tokens)
+        if whole is not None:  # this slice's part of the whole batch's term
+          loss = loss + cfg.router_aux_coef * load_balancing_loss(
+              whole[0], routing.prob_sums, whole[1])
+      return loss, (metrics, parts)
 
-    (loss, metrics), grads = trainable_value_and_grad(weighted)(params)
-    return loss, metrics, grads, shares
+    (loss, (metrics, parts)), grads = trainable_value_and_grad(weighted)(params)
+    return loss, metrics, parts, grads, shares
 
   def merge(kind, acc, value, shares):
     if kind == "max":
@@ -356,20 +410,25 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
     return acc + (value if kind == "sum" else shares[kind] * value)
 
   def body(acc, mb):
-    loss, metrics, grads, shares = one(mb)
-    a_loss, a_metrics, a_grads = acc
+    loss, metrics, parts, grads, shares = one(mb)
+    a_loss, a_metrics, a_parts, a_grads = acc
     merged = {k: merge(metric_kind(k, cfg), a_metrics[k], v, shares) for k, v in metrics.items()}
-    return (a_loss + loss, merged,
+    return (a_loss + loss, merged, jax.tree.map(jnp.add, a_parts, parts),
             jax.tree.map(lambda a, g: a + g.astype(jnp.float32), a_grads, grads)), None
 
-  slices = jax.tree.map(split, per_row)
-  _, shapes, _, _ = jax.eval_shape(one, jax.tree.map(lambda x: x[0], slices))
+  _, shapes, part_shapes, _, _ = jax.eval_shape(one, jax.tree.map(lambda x: x[0], slices))
   start = {"max": -jnp.inf, "min": jnp.inf}
   init = (jnp.zeros((), jnp.float32),
           {k: jnp.full(v.shape, start.get(metric_kind(k, cfg), 0.0), v.dtype)
            for k, v in shapes.items()},
+          jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), part_shapes),
           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable))  # sums in f32
-  (loss, metrics, grads), _ = jax.lax.scan(body, init, slices)
+  (loss, metrics, parts, grads), _ = jax.lax.scan(body, init, slices)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
   metrics["loss"] = loss
+  if parts is not None:
+    counts, prob_sums, tokens = parts
+    if whole is not None:  # the shares the loss used
+      counts, tokens = whole
+    metrics["router_aux_loss"] = load_balancing_loss(counts, prob_sums, tokens)
   return (loss, metrics), grads

@@ -407,10 +407,12 @@ def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, ov
     np.testing.assert_allclose(m_metrics[k], metrics[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-def test_micro_batched_moe_metrics_are_the_whole_batchs():
+def test_micro_batched_moe_loss_gradient_and_metrics_are_the_whole_batchs():
   """Routing replay on group 1 alone: the slices (rows 0, 2 and rows 1, 3) replay unequal
   numbers of expert slots, so the routers' agreement is a mean over those, not tokens. The
-  logged loss is the one optimized, load-balancing term included."""
+  load-balancing loss, E * sum over experts of (token share) * (mean probability), is a
+  product of two means over the whole batch's tokens: its value, its gradient and the loss
+  it joins are the whole batch's only if the slices' token shares are the whole batch's."""
   from rlax_ps.train.rl_loss import micro_batched_loss_and_grad
   model_cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,
                           num_heads=2, num_kv_heads=1, max_position_embeddings=32,
@@ -420,16 +422,25 @@ def test_micro_batched_moe_metrics_are_the_whole_batchs():
   batch = {k: jnp.asarray(v)
            for k, v in build_batch([GROUPS[0], _routed(GROUPS[1])], ROUTED).items()}
   cfg = LossConfig(backend="xla", router_aux_coef=0.5)
-  loss, metrics = jax.jit(lambda p: rl_loss(p, graphdef, batch, None, num_groups=2,
-                                            cfg=cfg))(params)
-  (_, m_metrics), _ = jax.jit(lambda p: micro_batched_loss_and_grad(
+  (loss, metrics), grads = jax.jit(jax.value_and_grad(
+      lambda p: rl_loss(p, graphdef, batch, None, num_groups=2, cfg=cfg), has_aux=True))(params)
+  (m_loss, m_metrics), m_grads = jax.jit(lambda p: micro_batched_loss_and_grad(
       p, graphdef, batch, None, num_groups=2, cfg=cfg, micro_batches=2))(params)
   np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
   assert 0.0 < float(metrics["router_agreement"]) < 1.0
-  # The load-balancing loss is E * sum of (token share) * (mean probability) per expert: a
-  # product of two means, so a slice-weighted one (and the loss it joins) is not the batch's.
-  for k in sorted(set(metrics) - {"router_aux_loss", "loss"}):
+  np.testing.assert_allclose(m_loss, loss, rtol=1e-5, atol=1e-7)
+  for (path, g), (_, w) in zip(jax.tree.leaves_with_path(m_grads),
+                               jax.tree.leaves_with_path(grads)):
+    np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+  assert set(m_metrics) == set(metrics)
+  for k in sorted(metrics):
     np.testing.assert_allclose(m_metrics[k], metrics[k], rtol=1e-4, atol=1e-6, err_msg=k)
+  # Without the term in the loss (no counting pass) the logged one is the whole batch's too.
+  (_, unweighted), _ = jax.jit(lambda p: micro_batched_loss_and_grad(
+      p, graphdef, batch, None, num_groups=2, cfg=dataclasses.replace(cfg, router_aux_coef=0.0),
+      micro_batches=2))(params)
+  np.testing.assert_allclose(unweighted["router_aux_loss"], metrics["router_aux_loss"],
+                             rtol=1e-5)
 
 
 # 2: PPO epochs against proximal log-probs (~20 s; the several-updates test covers them).
