@@ -1096,8 +1096,9 @@ class Worker:
       except ParamServerError as e:  # e.g. answered meanwhile: the lease is closed
         logging.warning("worker: renewal of lease %s failed: %s", lease_id, e)
         continue
-      with self._lock:
-        self._lease_deadline[lease_id] = now + length
+      with self._lock:  # a lease settled during the call stays forgotten
+        if lease_id in self._lease_deadline:
+          self._lease_deadline[lease_id] = now + length
 
   def _renew(self, lease_id: str, partial: list[pb.PartialRollouts]) -> None:
     """One lease renewal, its begun samples split over calls that stay under gRPC's

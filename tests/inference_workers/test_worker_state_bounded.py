@@ -1,0 +1,26 @@
+"""A long-running worker's bookkeeping stays bounded: nothing is kept for leases it settled."""
+
+import threading
+import types
+
+from inference_workers.loop import Worker
+
+
+def test_a_lease_settled_while_its_renewal_is_in_flight_leaves_no_deadline_behind():
+  """The heartbeat renews a lease while the decode loop submits its last group and settles
+  it (forgetting its deadline): the renewal's answer must not bring the entry back, or every
+  such race keeps one for the worker's lifetime."""
+  worker = types.SimpleNamespace(
+      config=types.SimpleNamespace(lease_deadline_s=60.0), _lock=threading.Lock(),
+      _checkpoint={}, _lease_deadline={"done": 0.0, "open": 0.0},
+      _inflight={"done": {"p0"}, "open": {"p1"}})
+
+  def renew(lease_id, partial):
+    if lease_id == "done":  # settled by the decode loop during the call (Worker._settle)
+      worker._inflight.pop("done")
+      worker._lease_deadline.pop("done")
+
+  worker._renew = renew
+  Worker._renew_leases(worker)
+  assert set(worker._lease_deadline) == {"open"}
+  assert worker._lease_deadline["open"] > 0.0
