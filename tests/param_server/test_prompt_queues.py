@@ -116,6 +116,21 @@ def test_last_submission_closes_the_lease_and_retry_still_acked(queues):
   assert queues.depths()["leases_active"] == 0
 
 
+def test_the_closed_lease_history_keeps_the_newest_and_survives_a_restart(tmp_path, clock):
+  q = make_queues(tmp_path, clock, closed_lease_history=2)
+  q.enqueue(prompts("a", "b", "c"))
+  leases = [q.lease("w1", 1, 10.0) for _ in range(3)]
+  for lease, pid in zip(leases, "abc"):
+    q.submit(lease.lease_id, "w1", group(pid))
+  assert list(q.closed_leases) == [l.lease_id for l in leases[1:]]
+  q.close()
+  q = make_queues(tmp_path, clock, closed_lease_history=2)
+  assert q.submit(leases[2].lease_id, "w1", group("c")).duplicate  # a retry, acknowledged
+  with pytest.raises(errors.NotFound, match="lease_id"):  # forgotten: long accepted
+    q.submit(leases[0].lease_id, "w1", group("a"))
+  q.close()
+
+
 def test_foreign_and_unknown_leases_are_rejected(queues):
   queues.enqueue(prompts("a"))
   lease = queues.lease("w1", 1, 10.0)
