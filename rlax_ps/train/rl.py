@@ -43,7 +43,7 @@ from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
 from rlax_ps.train.publisher import Publisher
-from rlax_ps.train.rl_checks import check_prompt, check_rl_config
+from rlax_ps.train.rl_checks import NEW_SOURCE_FED, check_prompt, check_rl_config
 from rlax_ps.train.rl_loss import LossConfig, micro_batched_loss_and_grad, \
   response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
@@ -220,8 +220,7 @@ class RLTrainer(TrainerRun):
     read = None if isinstance(source, TaskPrompts) else [
         (r["prompt"], r["answer"], r["task"]) for r in source]
     self.new_source = self.check_data_source(  # True: fed from its start (_load_metadata)
-        latest, data_source(config, read), "the run feeds this data from its first record "
-        "(prompts of the old data still queued at the server are trained on too)")
+        latest, data_source(config, read), NEW_SOURCE_FED)
     self.build_optimizer(latest, "rl.steps")
     self.state, self.shardings, self.graphdef, saved = restore_or_init(
         self.model_config, self.optimizer, self.mesh, self.checkpointer,
@@ -652,7 +651,7 @@ class RLTrainer(TrainerRun):
           self.streaks.pop(record, None)
       group = group_of(taken, self.tokenizer)
       try:
-        check_group(group, self.shape)
+        check_group(group, self.shape, self.model_config.vocab_size)
         if self.dynamic and len(group.rewards) != self.shape.samples:
           raise ValueError(f"rollout {group.rollout_id}: {len(group.rewards)} samples; "
                            f"rl.dynamic_sampling needs worker.samples_per_prompt="

@@ -73,8 +73,9 @@ class Group:
   passed: tuple[bool, ...] | None = None
 
 
-def check_group(group: Group, shape: BatchShape) -> None:
-  """ValueError naming the rollout and the field when `group` cannot enter a batch."""
+def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None) -> None:
+  """ValueError naming the rollout and the field when `group` cannot enter a batch (token
+  ids past `vocab_size` too: an embedding lookup would clamp them, silently)."""
   where = f"rollout {group.rollout_id}"
   p = len(group.prompt_tokens)
   if not 1 <= p <= shape.prompt_len:
@@ -104,6 +105,13 @@ def check_group(group: Group, shape: BatchShape) -> None:
                          f"token), got {len(seen)}")
   if not np.all(np.isfinite(group.rewards)):
     raise ValueError(f"{where}: rewards: expected finite values, got {group.rewards}")
+  if vocab_size is not None:
+    for field, ids in [("prompt", group.prompt_tokens),
+                       *((f"samples[{i}]", t) for i, t in enumerate(group.responses))]:
+      if len(ids) and int(np.max(ids)) >= vocab_size:
+        raise ValueError(f"{where}: {field}.token_ids: expected ids below the model's vocab_size "
+                         f"{vocab_size}, got {int(np.max(ids))} (a worker with another "
+                         f"tokenizer or model?)")
   if shape.routed and (group.prompt_routes is not None or group.response_routes is not None):
     _check_routes(group, shape, where)  # (a trainer that replays none leaves routes unread)
 

@@ -15,7 +15,7 @@ from flax import nnx
 from algorithms import corrections
 from rlax_ps.models import ModelConfig, Transformer
 from rlax_ps.train.rl_loss import LossConfig, group_advantages, rl_loss
-from rlax_ps.train.rollouts import (BatchShape, Group, build_batch, fit_response_len,
+from rlax_ps.train.rollouts import (BatchShape, Group, build_batch, check_group, fit_response_len,
                                    response_lens, response_stats)
 
 V = 40
@@ -274,6 +274,17 @@ def test_bad_groups_are_refused_naming_the_rollout_and_field():
     build_batch([long_resp], SHAPE)
   with pytest.raises(ValueError, match="rl.groups_per_step"):
     build_batch(GROUPS * 2, SHAPE)
+  # Ids past the model's vocabulary (a worker with another tokenizer) would be clamped by
+  # the embedding lookup and trained on silently.
+  check_group(g, SHAPE, vocab_size=V)
+  past = Group(4, g.prompt_tokens, (np.asarray([1, V], np.int32),) + g.responses[1:],
+               (np.zeros(2, np.float32),) + g.behaviour_logp[1:], g.rewards, 0)
+  with pytest.raises(ValueError, match=rf"rollout 4: samples\[0\].token_ids: expected ids "
+                                       rf"below the model's vocab_size {V}, got {V}"):
+    check_group(past, SHAPE, vocab_size=V)
+  with pytest.raises(ValueError, match=r"rollout 1: prompt.token_ids"):
+    check_group(Group(1, np.asarray([1, V + 3], np.int32), g.responses, g.behaviour_logp,
+                      g.rewards, 0), SHAPE, vocab_size=V)
 
 
 ROUTED = dataclasses.replace(SHAPE, moe_layers=2, top_k=2, num_experts=4)
