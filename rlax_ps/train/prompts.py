@@ -42,44 +42,97 @@ class TaskPrompts(Sequence):
     return {"prompt": ex.prompt, "answer": ex.answer, "task": task.name}
 
 
+# A URL's object is read in byte ranges of this size: a large file is never held whole.
+URL_CHUNK_BYTES = 16 << 20
+# Parquet rows are decoded this many at a time.
+PARQUET_BATCH_ROWS = 4096
+
+
 def read_bytes(path: str, field: str = "path") -> bytes:
   """A local file's bytes, or an object's at a URL that tensorstore reads (gs://bucket/key,
   s3://, file://): TPU VMs keep data in buckets. ValueError naming `field` when absent."""
   if "://" not in path:
-    try:
-      with open(path, "rb") as f:
-        return f.read()
-    except FileNotFoundError:
-      raise ValueError(f"{field}: no file {path}") from None
+    with _open_local(path, field) as f:
+      return f.read()
+  return b"".join(_url_chunks(path, field))
+
+
+def _open_local(path: str, field: str):
+  try:
+    return open(path, "rb")
+  except FileNotFoundError:
+    raise ValueError(f"{field}: no file {path}") from None
+
+
+def _url_chunks(path: str, field: str) -> Iterator[bytes]:
+  """The bytes of the object at `path`, in order, URL_CHUNK_BYTES at a time."""
   import tensorstore as ts
   try:
-    got = ts.KvStore.open(path).result().read("").result()
+    store = ts.KvStore.open(path).result()
   except ValueError as e:
     raise ValueError(f"{field}: cannot read {path}: {e}") from None
-  if got.state != "value":
-    raise ValueError(f"{field}: no object at {path}")
-  return got.value
+  offset, size = 0, URL_CHUNK_BYTES
+  while True:
+    try:
+      got = store.read("", byte_range=slice(offset, offset + size)).result()
+    except ValueError as e:  # a range past the end: the rest of the object
+      if "OUT_OF_RANGE" not in str(e):
+        raise ValueError(f"{field}: cannot read {path}: {e}") from None
+      got = store.read("", byte_range=slice(offset, None)).result()
+    if got.state != "value":
+      raise ValueError(f"{field}: no object at {path}")
+    yield got.value
+    if len(got.value) < size:
+      return
+    offset += size
+
+
+def _lines(path: str, field: str) -> Iterator[bytes]:
+  """The lines of a local file or of the object at a URL, read as they are iterated."""
+  if "://" not in path:
+    with _open_local(path, field) as f:
+      yield from f
+    return
+  pending = b""
+  for chunk in _url_chunks(path, field):
+    lines = chunk.split(b"\n")
+    lines[0] = pending + lines[0]
+    pending = lines.pop()
+    yield from lines
+  if pending:
+    yield pending
+
+
+def _parquet_rows(path: str, field: str) -> Iterator[dict[str, Any]]:
+  """The rows of a Parquet file, decoded PARQUET_BATCH_ROWS at a time (a URL's object is
+  fetched whole: Parquet is read from its end)."""
+  try:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+  except ImportError:
+    raise ValueError(f"{field}: reading Parquet needs pyarrow: pip install "
+                     f"'rlax-ps[parquet]'") from None
+  source = path if "://" not in path else pa.BufferReader(read_bytes(path, field))
+  try:
+    with pq.ParquetFile(source) as table:
+      for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        yield from batch.to_pylist()
+  except FileNotFoundError:
+    raise ValueError(f"{field}: no file {path}") from None
+  except pa.ArrowException as e:
+    raise ValueError(f"{field}: {path} is not a readable Parquet file: {e}") from None
 
 
 def _raw_records(path: str, field: str) -> Iterator[tuple[str, Any]]:
   """(where, record) of each JSONL line, or of each row of a `.parquet` file (the format
-  verl and Hugging Face datasets keep prompts in)."""
-  data = read_bytes(path, field)
+  verl and Hugging Face datasets keep prompts in), read as they are iterated."""
   if path.endswith(".parquet"):
-    try:
-      import pyarrow as pa
-      import pyarrow.parquet as pq
-    except ImportError:
-      raise ValueError(f"{field}: reading Parquet needs pyarrow: pip install "
-                       f"'rlax-ps[parquet]'") from None
-    try:
-      table = pq.read_table(pa.BufferReader(data))
-    except pa.ArrowException as e:
-      raise ValueError(f"{field}: {path} is not a readable Parquet file: {e}") from None
-    for n, rec in enumerate(table.to_pylist()):
+    for n, rec in enumerate(_parquet_rows(path, field)):
       yield f"{path}:row {n}", rec
     return
-  for n, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
+  for n, raw in enumerate(_lines(path, field), 1):
+    if n == 1:
+      raw = raw.removeprefix(b"\xef\xbb\xbf")
     try:
       line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -127,22 +180,22 @@ def _check_encodable(value: Any, where: str, key: str) -> None:
                        f"{text[max(0, e.start - 10):e.end + 10]!r}") from None
 
 
-def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None = None,
+def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None = None,
                  field: str = "data.jsonl", *, prompt_key: str = "prompt",
                  answer_key: str = "answer", task_key: str = "task",
                  demonstrations: bool = False,
                  check: Callable[[dict[str, Any]], None] | None = None
-                 ) -> list[dict[str, Any]]:
-  """`{"prompt", "answer", "task"}` records of JSONL or Parquet prompt files (`path`: one
-  path or URL, or several joined by commas, read in order: read_bytes), read at the given
+                 ) -> Iterator[dict[str, Any]]:
+  """The `{"prompt", "answer", "task"}` records of JSONL or Parquet prompt files (`path`: one
+  path or URL, or several joined by commas, read in order), read at the given
   (dotted) keys; a record without a task takes `default_task`. A bad record raises
   ValueError naming its file, line or row and key, as does a task not in `known` (when
   given), with the config `field` that named the file. `demonstrations` (supervised
   data): an answer may also be a multi-turn demonstration (`conversation_answer`). An
   empty `answer_key` reads prompts alone (answer ""): for a reward model to score.
   `check(record)`: a further check of each record, whose ValueError is raised naming the
-  record's file and line."""
-  out = []
+  record's file and line. Records are read as they are iterated, none held."""
+  count = 0
   files = [p.strip() for p in path.split(",") if p.strip()]
   for where, rec in (r for one in files for r in _raw_records(one, field)):
     if not isinstance(rec, dict):
@@ -181,39 +234,54 @@ def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
         check(record)
       except ValueError as e:
         raise ValueError(f"{field} {where}: {e}") from None
-    out.append(record)
-  if not out:
+    count += 1
+    yield record
+  if not count:
     raise ValueError(f"{path}: no prompt records")
-  return out
 
 
-def config_records(config, field: str, path: str,
-                   check: Callable[[dict[str, Any]], None] | None = None
-                   ) -> list[dict[str, Any]]:
+def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None = None,
+                 field: str = "data.jsonl", **kwargs) -> list[dict[str, Any]]:
+  """All the records of iter_prompts (same arguments), in a list."""
+  return list(iter_prompts(path, default_task, known, field, **kwargs))
+
+
+def iter_config_records(config, field: str, path: str,
+                        check: Callable[[dict[str, Any]], None] | None = None
+                        ) -> Iterator[dict[str, Any]]:
   """The records of a prompt file the config names, read at its data.*_key keys, each task
   (else worker.default_task, or math in a config without workers) checked against the
   built-in tasks and the verifiers that worker.verifiers registers (imported here), and
-  each record by `check` (read_prompts)."""
+  each record by `check` (iter_prompts); the checks of the whole file's tasks follow its
+  last record. One at a time: a check of a large file holds none of them."""
   worker = config.get("worker", {})
   data = config.get("data", {})
   load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
-  records = read_prompts(path, default_task=str(worker.get("default_task", "math")),
-                         known=known_tasks(), field=field,
-                         prompt_key=str(data.get("prompt_key", "prompt")),
-                         answer_key=str(data.get("answer_key", "answer")),
-                         task_key=str(data.get("task_key", "task")), check=check)
-  if "worker" in config and not worker.get("reward_model", "") and any(
-      r["task"] == REWARD_MODEL_TASK for r in records):
+  tasks = set()
+  for record in iter_prompts(path, default_task=str(worker.get("default_task", "math")),
+                             known=known_tasks(), field=field,
+                             prompt_key=str(data.get("prompt_key", "prompt")),
+                             answer_key=str(data.get("answer_key", "answer")),
+                             task_key=str(data.get("task_key", "task")), check=check):
+    tasks.add(record["task"])
+    yield record
+  if "worker" in config and not worker.get("reward_model", "") and REWARD_MODEL_TASK in tasks:
     raise ValueError(f"worker.reward_model: {field} has prompts of task {REWARD_MODEL_TASK!r}; "
                      f"expected a reward model checkpoint to score them, got ''")
   if field == "data.heldout_jsonl" and not data.get("answer_key", "answer"):
-    unscored = sorted({r["task"] for r in records} - {REWARD_MODEL_TASK})
+    unscored = sorted(tasks - {REWARD_MODEL_TASK})
     if unscored:
       raise ValueError(f"data.heldout_jsonl: held-out records of task(s) {unscored} are scored "
                        f"against their answers, but data.answer_key is '' (prompts alone); "
                        f"give them task {REWARD_MODEL_TASK!r} (scored by worker.reward_model) "
                        f"or an answer key")
-  return records
+
+
+def config_records(config, field: str, path: str,
+                   check: Callable[[dict[str, Any]], None] | None = None
+                   ) -> list[dict[str, Any]]:
+  """All the records of iter_config_records (same arguments), in a list."""
+  return list(iter_config_records(config, field, path, check))
 
 
 def prompt_dataset(source: Sequence[dict[str, str]], seed: int) -> grain.IterDataset:

@@ -73,7 +73,7 @@ def _check_files(config) -> None:
   from algorithms.verifiers import (REWARD_MODEL_TASK, known_tasks, verifier_for_task,
                                     verifiers_by_task)
   from rlax_ps.tokenizers import tokenizer_from_config
-  from rlax_ps.train.prompts import config_records
+  from rlax_ps.train.prompts import iter_config_records
   worker = config.worker
   verifiers_by_task(str(worker.default_task), str(worker.get("verifiers", "")))
   tokenizer, block = None, config.get("tokenizer") or {}
@@ -87,7 +87,7 @@ def _check_files(config) -> None:
     if path:
       limit = int(config.rl.max_prompt_tokens) if field == "jsonl" else None
       check = None if tokenizer is None else functools.partial(check_prompt, tokenizer, limit)
-      tasks = {r["task"] for r in config_records(config, f"data.{field}", path, check)}
+      tasks = {r["task"] for r in iter_config_records(config, f"data.{field}", path, check)}
       for task in sorted(tasks - {REWARD_MODEL_TASK, str(worker.default_task)}):
         verifier_for_task(task, f"data.{field} task")
   spec = str(worker.get("environment", ""))
@@ -124,7 +124,7 @@ def resume_lines(config, workdir: str) -> list[str]:
   of `workdir`: ValueError where it refuses this config's data source, else the lines it
   logs (data.allow_new_source taking other data, the lr schedule kept or changed); [] when
   there is none to resume. Reads that checkpoint's metadata alone, writing nothing."""
-  from rlax_ps.train.prompts import config_records
+  from rlax_ps.train.prompts import iter_config_records
   from rlax_ps.train.run import data_source, resumed_optimizer, resumed_source_line
   directory = config.checkpoint.get("directory", "") or os.path.join(workdir, "checkpoints")
   if "://" in directory:  # a bucket: the trainer checks it
@@ -135,8 +135,8 @@ def resume_lines(config, workdir: str) -> list[str]:
     return []
   records, path = None, config.data.get("jsonl", "")
   if path and saved.get("data_source"):
-    records = [(r["prompt"], r["answer"], r["task"])
-               for r in config_records(config, "data.jsonl", path)]
+    records = ((r["prompt"], r["answer"], r["task"])  # digested as read, none held
+               for r in iter_config_records(config, "data.jsonl", path))
   lines = [resumed_source_line(saved, data_source(config, records), directory,
                                bool(config.data.get("allow_new_source", False)),
                                NEW_SOURCE_FED),

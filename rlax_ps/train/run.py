@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import sys
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import jax
 from absl import logging
@@ -55,25 +55,30 @@ def tasks_from(cfg) -> tuple[list[Task], list[float]]:
   return tasks, weights
 
 
-def data_source(config, records: Sequence[tuple[Any, Any, str]] | None) -> dict[str, Any]:
+def data_source(config, records: Iterable[tuple[Any, Any, str]] | None) -> dict[str, Any]:
   """What a run's data position is a position in, as its checkpoint records it: the seed,
   and data.jsonl's path with the count and a digest of its `records` ((prompt, answer, task)
-  as read), or else the tasks in the mix (weight > 0) with their settings."""
+  as read; one pass, so a generator need hold none), or else the tasks in the mix (weight
+  > 0) with their settings."""
   source: dict[str, Any] = {"seed": int(config.seed)}
   if records is None:
     plain = config.tasks.to_dict() if hasattr(config.tasks, "to_dict") else dict(config.tasks)
     source["tasks"] = {name: dict(block) for name, block in sorted(plain.items())
                        if float(block.get("weight", 1.0)) > 0}
     return source
-  return {**source, "jsonl": str(config.data.get("jsonl", "")), "records": len(records),
-          "digest": _records_digest(records)}
+  count, digest = _records_digest(records)
+  return {**source, "jsonl": str(config.data.get("jsonl", "")), "records": count,
+          "digest": digest}
 
 
-def _records_digest(records: Iterable[tuple[Any, Any, str]]) -> str:
+def _records_digest(records: Iterable[tuple[Any, Any, str]]) -> tuple[int, str]:
+  """(count, digest) of the records: each one's sorted-key JSON, a line each."""
   digest = hashlib.blake2b(digest_size=8)
-  for record in records:
-    digest.update(json.dumps(list(record), sort_keys=True).encode() + b"\n")
-  return digest.hexdigest()
+  encode = json.JSONEncoder(sort_keys=True).encode  # json.dumps(..., sort_keys=True), made once
+  count = 0
+  for count, record in enumerate(records, 1):
+    digest.update(encode(list(record)).encode() + b"\n")
+  return count, digest.hexdigest()
 
 
 def _described(source: dict[str, Any]) -> str:

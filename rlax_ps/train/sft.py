@@ -66,7 +66,7 @@ class SFTTrainer(TrainerRun):
                                      async_save=bool(config.checkpoint.async_save))
     saved = self.checkpointer.latest_metadata()
     records = self._records()
-    read = None if records is None else [(e.prompt, e.answer, e.task) for e in records]
+    read = None if records is None else ((e.prompt, e.answer, e.task) for e in records)
     self.check_data_source(saved, data_source(config, read),
                            "the steps left draw their batches from this data")
     self.build_optimizer(saved, "train.steps")
