@@ -33,6 +33,7 @@ such prompt goes round the fleet failing each worker.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -58,6 +59,7 @@ from inference_workers.worker_config import WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
                                   make_routes, make_sample, routes_of, sample_logprobs,
                                   sample_observed)
+from param_server.protos import WORKER_ACTIVITIES
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sharding as shd
 from rlax_ps.models.config import ModelConfig
@@ -112,6 +114,67 @@ def reference_of(prompt: pb.Prompt) -> str:
   return prompt.metadata.get("answer", "")
 
 
+class TimeSplit:
+  """Where the decode loop's wall time goes: seconds by activity (a span counts for its own
+  time, not its inner spans'), and decode seconds weighted by the fraction of slots full.
+  Spans open on the thread that called `start()` only; `snapshot()` reads from any thread."""
+
+  def __init__(self, clock: Callable[[], float] = time.monotonic):
+    self._clock = clock
+    self._lock = threading.Lock()
+    self._owner: int | None = None
+    self.started = self._since = clock()
+    self.seconds = dict.fromkeys(WORKER_ACTIVITIES, 0.0)
+    self.slot_s = 0.0
+    self._open: list[tuple[str, float | None]] = []  # (activity, slots full), innermost last
+
+  def start(self) -> None:
+    """Count from now, the calling thread's spans."""
+    with self._lock:
+      self._owner = threading.get_ident()
+      self.started = self._since = self._clock()
+
+  @contextlib.contextmanager
+  def span(self, activity: str, full: float | None = None):
+    """Count the time inside as `activity` (`full`: the fraction of decode slots in use)."""
+    if threading.get_ident() != self._owner:
+      yield
+      return
+    with self._lock:
+      self._charge()
+      self._open.append((activity, full))
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._charge()
+        self._open.pop()
+
+  def _charge(self) -> None:
+    now = self._clock()
+    if self._open:
+      activity, full = self._open[-1]
+      self.seconds[activity] += now - self._since
+      if full is not None:
+        self.slot_s += full * (now - self._since)
+    self._since = now
+
+  def snapshot(self) -> pb.WorkerTime:
+    """The split so far (an open span counted up to now)."""
+    with self._lock:
+      self._charge()
+      return pb.WorkerTime(total_s=self._since - self.started, slot_s=self.slot_s,
+                           **{f"{a}_s": v for a, v in self.seconds.items()})
+
+  def __repr__(self) -> str:
+    t = self.snapshot()
+    total = max(t.total_s, 1e-9)
+    parts = [f"{a.replace('_', ' ')} {getattr(t, a + '_s') / total:.0%}"
+             for a in WORKER_ACTIVITIES]
+    return (f"TimeSplit({t.total_s:.0f}s: {', '.join(parts)}; slots full while decoding "
+            f"{t.slot_s / max(t.decoding_s, 1e-9):.0%})")
+
+
 @dataclasses.dataclass
 class WorkerStats:
   leases: int = 0
@@ -128,6 +191,7 @@ class WorkerStats:
   samples_salvaged: int = 0  # begun samples handed back as partial rollouts on a stop
   checkpoints: int = 0  # lease renewals that carried begun samples (worker.checkpoint_s)
   versions_applied: list = dataclasses.field(default_factory=list)
+  time: TimeSplit = dataclasses.field(default_factory=TimeSplit)  # reported by the heartbeat
 
 
 class Worker:
@@ -190,6 +254,7 @@ class Worker:
     # server took back.
     self._continuous = isinstance(self.allocator, FixedAllocator)
     self._batch: ContinuousBatch | SampleBatch | None = None
+    self._slots = 1  # prompts the batch decodes at once (set when it is made)
     self._pending: collections.deque[tuple[str, pb.Prompt]] = collections.deque()
     self._started: dict[tuple[str, str], tuple[pb.Prompt, int]] = {}
     self._abandoned: set[str] = set()
@@ -368,6 +433,7 @@ class Worker:
   def run(self) -> WorkerStats:
     """Register, then lease/generate/submit until stopped or `max_leases` leases are done."""
     self._done.clear()
+    self.stats.time.start()
     self._beat_now.set()  # the first heartbeat goes out as soon as the worker registers
     heartbeat = threading.Thread(target=self._heartbeat_loop, name="worker-heartbeat", daemon=True)
     puller = threading.Thread(target=self._prefetch_loop, name="worker-prefetch", daemon=True)
@@ -441,17 +507,24 @@ class Worker:
 
   def _catch_up(self) -> None:
     """Hold the newest published version (prefetched, else pulled now)."""
-    latest = self._rpc("latest_version")
-    if latest >= 0 and latest not in (self.policy.version, self._skipped_version):
-      self.apply_prefetched()
-      if latest != self.policy.version:
-        self.sync_weights()
+    with self.stats.time.span("waiting_weights"):
+      latest = self._rpc("latest_version")
+      if latest >= 0 and latest not in (self.policy.version, self._skipped_version):
+        self.apply_prefetched()
+        if latest != self.policy.version:
+          self.sync_weights()
+
+  def _await_first_version(self) -> None:
+    """Nothing published yet: wait a while for a first version."""
+    with self.stats.time.span("waiting_weights"):
+      self._stop.wait(self.config.lease_wait_s)
 
   def _lease(self, wait_s: float) -> Lease:
     """Lease prompts (waiting up to wait_s for some); a non-empty lease is tracked (renewed by
     the heartbeat, released on the way out) and counted."""
-    lease = self.client.lease(self.config.prompts_per_lease, self.config.lease_deadline_s,
-                              wait_s=wait_s)
+    with self.stats.time.span("waiting_prompts"):
+      lease = self.client.lease(self.config.prompts_per_lease, self.config.lease_deadline_s,
+                                wait_s=wait_s)
     if lease.prompts:
       with self._lock:
         self._inflight[lease.lease_id] = {p.id for p in lease.prompts}
@@ -464,7 +537,7 @@ class Worker:
       return
     self._catch_up()
     if self.policy.version is None:  # nothing published yet
-      self._stop.wait(self.config.lease_wait_s)
+      self._await_first_version()
       return
     if self.stopping:
       return
@@ -513,14 +586,16 @@ class Worker:
     with self._lock:
       left = self._inflight[lease.lease_id]
     if not left:
-      self._rpc("complete", lease.lease_id)
+      with self.stats.time.span("submitting"):
+        self._rpc("complete", lease.lease_id)
 
   def _submit(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup) -> None:
     """Submit one group and mark its prompt answered. A group refused as it is (too large,
     malformed) is counted and logged, and its prompt goes back with the lease's unanswered
     ones; any other failure is raised."""
     try:
-      self._rpc("submit_rollouts", lease_id, group)
+      with self.stats.time.span("submitting"):
+        self._rpc("submit_rollouts", lease_id, group)
     except ParamServerError as e:
       if e.code != grpc.StatusCode.INVALID_ARGUMENT:
         raise
@@ -549,6 +624,7 @@ class Worker:
         self._batch = ContinuousBatch(self.policy.model, c.samples_per_prompt,
                                       c.prompts_per_call, self.params,
                                       rows_per_prompt=c.rows_per_prompt, **common)
+      self._slots = self._batch.free  # prompts it decodes at once, empty
     batch = self._batch
     if batch.running and self._salvaging and self._resumable:
       self._salvage(batch)
@@ -556,7 +632,7 @@ class Worker:
     if self.policy.version is None:
       self._catch_up()
       if self.policy.version is None:  # nothing published yet
-        self._stop.wait(self.config.lease_wait_s)
+        self._await_first_version()
         return
     if self.stopping:
       self._release_pending()
@@ -568,7 +644,8 @@ class Worker:
     if not (batch.running or batch.waiting):
       return
     t0 = time.monotonic()
-    finished = batch.step()
+    with self.stats.time.span("decoding", 1 - batch.free / self._slots):
+      finished = batch.step()
     # A group's tokens count when it finishes but were made over many chunks: the rate is
     # taken over the last _RATE_CHUNKS chunks.
     self._chunks.append((time.monotonic() - t0,
@@ -589,11 +666,12 @@ class Worker:
       # An idle worker takes a prefetched version too: it holds the newest (and shows it)
       # when the run ends or work comes back, not the one its last prompts were sampled by.
       if in_flight or not self._started:
-        self.apply_prefetched()
+        with self.stats.time.span("waiting_weights"):
+          self.apply_prefetched()
       return
     if in_flight or not batch.running:
       self._catch_up()
-    elif self._newer_waits or self._rpc("latest_version") != self.policy.version:
+    elif self._newer_waits or self._newer_published():
       self._newer_waits = True
       return
     self._newer_waits = False
@@ -609,6 +687,11 @@ class Worker:
         continue
       self._started[(lease_id, prompt.id)] = (prompt, version)
       batch.add((lease_id, prompt.id), tokens, self._seeds(prompt.id, version, 0, n))
+
+  def _newer_published(self) -> bool:
+    """Whether the server holds a version newer than the one held."""
+    with self.stats.time.span("waiting_weights"):
+      return self._rpc("latest_version") != self.policy.version
 
   @staticmethod
   def _begun(s: Sample, done: bool, replies: list, held: int = 0) -> tuple[pb.Sample, int]:
@@ -778,11 +861,13 @@ class Worker:
       self._lease_deadline.pop(lease_id, None)
     if lease_id in self._abandoned:
       self._abandoned.discard(lease_id)
-    elif left:
-      self.stats.prompts_released += self._with_backoff(
-          lambda: self._rpc("release", lease_id, sorted(left))) or 0
-    else:
-      self._with_backoff(lambda: self._rpc("complete", lease_id))
+      return
+    with self.stats.time.span("submitting"):
+      if left:
+        self.stats.prompts_released += self._with_backoff(
+            lambda: self._rpc("release", lease_id, sorted(left))) or 0
+      else:
+        self._with_backoff(lambda: self._rpc("complete", lease_id))
 
   @property
   def _resumable(self) -> bool:
@@ -993,7 +1078,8 @@ class Worker:
             done[key] = [got[j] for j in kept[key]]
           done.update((keys[i], []) for i in live if keys[i] not in done)
           break
-        done.update(batch.step())
+        with self.stats.time.span("decoding", 1 - batch.free / self.config.prompts_per_call):
+          done.update(batch.step())
     finally:
       batch.close()
       for i, key in keys.items():
@@ -1014,11 +1100,12 @@ class Worker:
     sample's replies, by index."""
     rm_only = (prompt.task or self.config.default_task) == REWARD_MODEL_TASK
     weight = 1.0 if rm_only else self.config.reward_model_weight
-    scored = [] if rm_only else [self._score(prompt, s) for s in samples]
-    rewards = np.zeros(len(samples)) if rm_only else np.asarray([r for r, _ in scored],
-                                                                np.float64)
-    if self.reward_scorer is not None and weight and samples:
-      rewards = rewards + weight * self._model_scores(prompt, samples, given or {})
+    with self.stats.time.span("scoring"):
+      scored = [] if rm_only else [self._score(prompt, s) for s in samples]
+      rewards = np.zeros(len(samples)) if rm_only else np.asarray([r for r, _ in scored],
+                                                                  np.float64)
+      if self.reward_scorer is not None and weight and samples:
+        rewards = rewards + weight * self._model_scores(prompt, samples, given or {})
     return [float(r) for r in rewards], None if rm_only else [p for _, p in scored]
 
   def _model_scores(self, prompt: pb.Prompt, samples: list[Sample],
@@ -1064,7 +1151,7 @@ class Worker:
       try:
         self._latest_heard = self._rpc(
             "heartbeat", -1 if self.policy.version is None else self.policy.version,
-            self._tokens_per_s)
+            self._tokens_per_s, time=self.stats.time.snapshot())
         self._pull_now.set()
       except ParamServerError as e:  # the server is away: renewals would fail alike
         logging.warning("worker: heartbeat failed: %s", e)

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from param_server.protos import WORKER_ACTIVITIES
 from param_server.protos import param_server_pb2 as pb
 
 PREFIX = "rlax_ps_"
@@ -74,12 +75,27 @@ class StatsCollector:
                               labels=labels)
     seen = GaugeMetricFamily(PREFIX + "worker_seconds_since_heartbeat",
                              "seconds since a worker or relay was heard from", labels=labels)
+    # Where each worker's time went (rate() of it: the share of a second), by activity;
+    # "other" is the rest of its time; slot seconds: decoding weighted by the slots full.
+    spent = CounterMetricFamily(PREFIX + "worker_seconds",
+                                "seconds of a worker's decode loop, by activity",
+                                labels=labels + ["activity"])
+    slots = CounterMetricFamily(PREFIX + "worker_slot_seconds",
+                                "a worker's decoding seconds times the fraction of its decode "
+                                "slots in use", labels=labels)
     for w in s.workers:
       values = [w.worker_id, w.name, w.kind or "worker"]
       version.add_metric(values, w.version)
       speed.add_metric(values, w.tokens_per_s)
       seen.add_metric(values, w.seconds_since_heartbeat)
-    yield from (version, speed, seen)
+      if w.HasField("time"):
+        t, counted = w.time, 0.0
+        for activity in WORKER_ACTIVITIES:
+          counted += getattr(t, activity + "_s")
+          spent.add_metric(values + [activity], getattr(t, activity + "_s"))
+        spent.add_metric(values + ["other"], max(0.0, t.total_s - counted))
+        slots.add_metric(values, t.slot_s)
+    yield from (version, speed, seen, spent, slots)
 
 
 class RelayCollector:

@@ -206,6 +206,7 @@ class _Worker:
   tokens_per_s: float = 0.0
   last_seen: float = dataclasses.field(default_factory=time.monotonic)
   kind: str = ""  # "relay": a weight relay (HeartbeatRequest.kind)
+  time: pb.WorkerTime | None = None  # where its time went, as its last heartbeat said
 
 
 class ParamServerServicer(pb_grpc.ParamServerServicer):
@@ -445,6 +446,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     _finite("tokens_per_s", request.tokens_per_s)
     if request.kind not in ("", "relay"):
       raise errors.InvalidArgument("kind", f"expected '' (a worker) or 'relay', got {request.kind!r}")
+    for f in pb.WorkerTime.DESCRIPTOR.fields:
+      _finite(f"time.{f.name}", getattr(request.time, f.name))
     with self._lock:
       self._forget_silent_workers()
       if request.leaving:  # stopped cleanly: not counted alive for its last heartbeats' span
@@ -456,6 +459,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       worker.tokens_per_s = request.tokens_per_s
       worker.last_seen = time.monotonic()
       worker.kind = request.kind
+      if request.HasField("time"):
+        worker.time = request.time
     return pb.HeartbeatReply(latest_version=self.weights.latest)
 
   def _touch(self, worker_id: str) -> None:
@@ -487,7 +492,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     with self._lock:
       workers = [pb.WorkerStats(worker_id=w.worker_id, name=w.name, version=w.version,
                                 tokens_per_s=w.tokens_per_s, seconds_since_heartbeat=now - w.last_seen,
-                                leases=leases.get(w.worker_id, 0), kind=w.kind)
+                                leases=leases.get(w.worker_id, 0), kind=w.kind, time=w.time)
                  for w in self._workers.values()]
       served, pulls, streams = self.bytes_served, self.pulls_served, self.streams_open
     return pb.Stats(versions=self._version_info(), **self.queues.depths(),

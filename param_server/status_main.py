@@ -18,6 +18,16 @@ flags.adopt_module_key_flags(connect_flags)
 _TIMEOUT = flags.DEFINE_float("timeout_s", 10.0, "give up after this long")
 
 
+def time_columns(t: pb.WorkerTime) -> str:
+  """A worker's busy, slots, wait prompts and wait weights columns ('-': not reported)."""
+  if t.total_s <= 0:
+    return f"{'-':>5} {'-':>5} {'-':>12} {'-':>12}"
+  share = lambda seconds, of: f"{seconds / of:.0%}" if of > 0 else "-"
+  return (f"{share(t.decoding_s, t.total_s):>5} {share(t.slot_s, t.decoding_s):>5} "
+          f"{share(t.waiting_prompts_s, t.total_s):>12} "
+          f"{share(t.waiting_weights_s, t.total_s):>12}")
+
+
 def format_stats(s: pb.Stats) -> str:
   """A readable table of one Stats message."""
   v = s.versions
@@ -47,10 +57,13 @@ def format_stats(s: pb.Stats) -> str:
   workers = sorted((w for w in s.workers if not w.kind), key=lambda w: w.worker_id)
   relays = sorted((w for w in s.workers if w.kind == "relay"), key=lambda w: w.worker_id)
   if workers:
-    lines += ["", f"{'worker':<28} {'version':>7} {'tok/s':>9} {'leases':>6} {'last seen':>9}"]
+    lines += ["", f"{'worker':<28} {'version':>7} {'tok/s':>9} {'leases':>6} {'busy':>5} "
+                  f"{'slots':>5} {'wait prompts':>12} {'wait weights':>12} {'last seen':>9}"]
     for w in workers:
       lines.append(f"{w.worker_id:<28} {w.version:>7} {w.tokens_per_s:>9.1f} {w.leases:>6} "
-                   f"{w.seconds_since_heartbeat:>8.1f}s")
+                   f"{time_columns(w.time)} {w.seconds_since_heartbeat:>8.1f}s")
+    lines += ["(busy: share of its time decoding; slots: of its decode slots full meanwhile; "
+              "wait: share asking for prompts, or checking, pulling, applying weights)"]
   if relays:
     lines += ["", f"{'weight relay':<28} {'version':>7} {'behind':>9} {'last seen':>16}"]
     for r in relays:

@@ -8,3 +8,7 @@ the repo root (`make protos`):
 
 `tests/param_server/test_proto_codegen.py` fails when the committed code is stale.
 """
+
+# What a worker's decode loop spends time on: pb.WorkerTime's fields NAME_s besides total_s
+# and slot_s (the worker's heartbeats, `rlax-ps status`, the metrics' activity label).
+WORKER_ACTIVITIES = ("decoding", "waiting_prompts", "waiting_weights", "submitting", "scoring")

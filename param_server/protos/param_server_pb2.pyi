@@ -363,18 +363,38 @@ class RegisterWorkerReply(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "version", "tokens_per_s", "kind", "leaving")
+    __slots__ = ("worker_id", "version", "tokens_per_s", "kind", "leaving", "time")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     version: int
     tokens_per_s: float
     kind: str
     leaving: bool
-    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kind: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    time: WorkerTime
+    def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., kind: _Optional[str] = ..., leaving: _Optional[bool] = ..., time: _Optional[_Union[WorkerTime, _Mapping]] = ...) -> None: ...
+
+class WorkerTime(_message.Message):
+    __slots__ = ("total_s", "decoding_s", "waiting_prompts_s", "waiting_weights_s", "submitting_s", "scoring_s", "slot_s")
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODING_S_FIELD_NUMBER: _ClassVar[int]
+    WAITING_PROMPTS_S_FIELD_NUMBER: _ClassVar[int]
+    WAITING_WEIGHTS_S_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTING_S_FIELD_NUMBER: _ClassVar[int]
+    SCORING_S_FIELD_NUMBER: _ClassVar[int]
+    SLOT_S_FIELD_NUMBER: _ClassVar[int]
+    total_s: float
+    decoding_s: float
+    waiting_prompts_s: float
+    waiting_weights_s: float
+    submitting_s: float
+    scoring_s: float
+    slot_s: float
+    def __init__(self, total_s: _Optional[float] = ..., decoding_s: _Optional[float] = ..., waiting_prompts_s: _Optional[float] = ..., waiting_weights_s: _Optional[float] = ..., submitting_s: _Optional[float] = ..., scoring_s: _Optional[float] = ..., slot_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("latest_version",)
@@ -387,7 +407,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "name", "version", "tokens_per_s", "seconds_since_heartbeat", "leases", "kind")
+    __slots__ = ("worker_id", "name", "version", "tokens_per_s", "seconds_since_heartbeat", "leases", "kind", "time")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +415,7 @@ class WorkerStats(_message.Message):
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     version: int
@@ -402,7 +423,8 @@ class WorkerStats(_message.Message):
     seconds_since_heartbeat: float
     leases: int
     kind: str
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., seconds_since_heartbeat: _Optional[float] = ..., leases: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+    time: WorkerTime
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., seconds_since_heartbeat: _Optional[float] = ..., leases: _Optional[int] = ..., kind: _Optional[str] = ..., time: _Optional[_Union[WorkerTime, _Mapping]] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("versions", "prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "bytes_served", "pulls_served", "workers_alive", "workers", "uptime_s", "errors", "prompts_resumed", "samples_resumed", "tokens_resumed", "streams_open", "takes_requeued")

@@ -254,6 +254,8 @@ class RLTrainer(TrainerRun):
     self.retired = 0
     self.trained_rollouts = 0
     self.resumed_samples = 0  # trained samples that a stopped worker began
+    # Seconds the last step, and this run's steps, waited for rollout groups.
+    self.rollout_wait_s = self.rollout_wait_total_s = 0.0
     self.pending: list[PendingTake] = []  # takes trained on, not yet in a durable checkpoint
     self.saved_version = -1
     self.warm_start_eval: dict[str, float] | None = None
@@ -417,7 +419,10 @@ class RLTrainer(TrainerRun):
     groups = batch = None
     if self.leader and go:
       self._ack_durable()
+      t0 = time.monotonic()
       groups = self._take_groups()
+      self.rollout_wait_s = time.monotonic() - t0
+      self.rollout_wait_total_s += self.rollout_wait_s
       if groups is not None:
         batch = build_batch(groups, fit_response_len(groups, self.shape,
                                                      self.response_buckets),
@@ -519,10 +524,12 @@ class RLTrainer(TrainerRun):
       floor = min(floor, self._restart_floor)
     return max(0, floor)
 
-  def _feed_prompts(self) -> None:
-    """Keep max(max_staleness, 1) steps of prompts queued or in flight: a prompt fed now is
-    then trained on within that many versions, so it is rarely sampled too stale to use."""
-    target = self.shape.groups * max(self.max_staleness, 1)
+  def _feed_prompts(self, want: int = 0) -> None:
+    """Keep queued or in flight the `want` groups the step being taken still needs and
+    max_staleness steps' more: a group sampled by the version published now may train
+    that many steps after this one, so the workers sample ahead while the trainer trains,
+    and none that would be too stale (max_staleness 0: the step's own groups only)."""
+    target = want + self.shape.groups * self.max_staleness
     missing = target - (self.feed.position - self.retired - self.consumed)
     if missing <= 0:
       return
@@ -575,7 +582,7 @@ class RLTrainer(TrainerRun):
           self.filtered -= want
           return groups + uniform[:want]
       try:
-        self._feed_prompts()  # before each take: groups left out need prompts in their place
+        self._feed_prompts(want)  # before each take: groups left out need prompts in their place
         take = self.client.take_rollouts(
             self._min_version(), want, wait_s=1.0,
             ack_deadline_s=float(rl.ack_deadline_s), requeue_unacked=self._requeue_next)
@@ -750,6 +757,7 @@ class RLTrainer(TrainerRun):
         "staleness": staleness, "staleness_mean": float(np.mean(staleness)),
         "staleness_max": int(max(staleness)),
         "samples_per_s": samples_per_s,
+        "rollout_wait_s": self.rollout_wait_s,  # taking the step's groups (waiting for them)
         # None where the loss clips nothing (m2po masks: train/m2po_masked_frac)
         "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac"),
         "iw_mean": metrics["iw_mean"], "entropy": metrics["entropy"], "heldout": None,
@@ -774,6 +782,7 @@ class RLTrainer(TrainerRun):
     if record["pass_at_n"] is not None:
       w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
     w.add_scalar("rollouts/samples_per_second", record["samples_per_s"], step)
+    w.add_scalar("rollouts/wait_seconds", record["rollout_wait_s"], step)
     w.add_scalar("rollouts/staleness_mean", record["staleness_mean"], step)
     w.add_scalar("rollouts/staleness_max", record["staleness_max"], step)
     w.add_scalar("rollouts/resumed_samples", record["resumed_samples"], step)
@@ -801,6 +810,9 @@ class RLTrainer(TrainerRun):
                                "steps_this_run": self.step - start_step,
                                "rollout_groups_trained": self.trained_rollouts,
                                "samples_resumed": self.resumed_samples,
+                               # the share of this run's time spent taking groups
+                               "rollout_wait_frac": self.rollout_wait_total_s
+                                                    / max(seconds, 1e-9),
                                "warm_start": self.warm_start_eval}
     if self.heldout.size:
       summary["heldout_exact_match"] = self.evaluate()

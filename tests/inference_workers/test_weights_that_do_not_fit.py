@@ -65,7 +65,7 @@ class PublishingClient:
   def register(self, name):
     return "w1"
 
-  def heartbeat(self, version=-1, tokens_per_s=0.0):
+  def heartbeat(self, version=-1, tokens_per_s=0.0, **kwargs):
     return 0
 
   def latest_version(self):

@@ -82,11 +82,11 @@ class FakeWorker:
       if self.limit is not None and len(self.submitted) >= self.limit:
         time.sleep(0.05)
         continue
-      version = self.client.latest_version()
-      if version < 0:
+      if self.client.latest_version() < 0:
         time.sleep(0.05)
         continue
       lease = self.client.lease(1, 60.0, wait_s=0.2)
+      version = self.client.latest_version()  # what it samples with: read after the wait
       for p in lease.prompts:
         uniform = bool(self.uniform_every) and len(self.submitted) % self.uniform_every == 0
         reply = self.client.submit_rollouts(lease.lease_id, self.group(p.id, version, uniform))
