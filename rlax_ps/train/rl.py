@@ -43,7 +43,7 @@ from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
 from rlax_ps.train.publisher import Publisher
-from rlax_ps.train.rl_checks import NEW_SOURCE_FED, check_prompt, check_rl_config
+from rlax_ps.train.rl_checks import NEW_SOURCE_FED, check_prompt, check_rl_config, prompt_limit
 from rlax_ps.train.rl_loss import LossConfig, micro_batched_loss_and_grad, \
   response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
@@ -284,9 +284,11 @@ class RLTrainer(TrainerRun):
     path = self.config.data.get("jsonl", "")
     if not path:
       return TaskPrompts(self.tasks, self.weights, int(self.config.seed))
-    # The first prompt too long is named by its file and line, as `rlax-ps local` names it.
+    # The first prompt too long is named by its file and line, as `rlax-ps local` names it;
+    # with the model's positions as the bound where they allow less than rl.max_prompt_tokens.
+    limit, bound = prompt_limit(self.config, self.model_config.max_position_embeddings)
     return config_records(self.config, "data.jsonl", path,
-                          functools.partial(check_prompt, self.tokenizer, self.shape.prompt_len))
+                          functools.partial(check_prompt, self.tokenizer, limit, field=bound))
 
   @property
   def step(self) -> int:

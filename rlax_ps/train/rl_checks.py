@@ -109,14 +109,31 @@ def _check_checkpoint(path: str) -> None:
     raise ValueError(f"init_from_hf: {e}") from None
 
 
-def check_prompt(tokenizer, limit: int | None, record: dict) -> None:
+def check_prompt(tokenizer, limit: int | None, record: dict,
+                 field: str = "rl.max_prompt_tokens") -> None:
   """The record's prompt encodes (its characters in the tokenizer, messages under a chat
-  template) into at most `limit` tokens (rl.max_prompt_tokens) when given: the trainer
+  template) into at most `limit` tokens (the setting `field`) when given: the trainer
   refuses any other at its start."""
   ids = tokenizer.encode_prompt(record["prompt"])
   if limit is not None and len(ids) > limit:
-    raise ValueError(f"rl.max_prompt_tokens: {limit} is too small for this prompt of "
-                     f"{len(ids)} tokens; raise it or shorten the prompt")
+    raise ValueError(f"{field}: {limit} is too small for this prompt of {len(ids)} tokens; "
+                     f"raise it or shorten the prompt")
+
+
+def prompt_limit(config, max_positions: int) -> tuple[int, str]:
+  """(the longest prompt a worker can sample, the settings that bound it): rl.max_prompt_tokens,
+  or the model's max_position_embeddings less worker.max_new_tokens where that is less (every
+  worker would refuse a longer prompt). ValueError naming worker.max_new_tokens when it leaves
+  no room for a prompt."""
+  asked, new = int(config.rl.max_prompt_tokens), int(config.worker.max_new_tokens)
+  room = int(max_positions) - new
+  if room < 1:
+    raise ValueError(f"worker.max_new_tokens: {new} leaves no room for a prompt in the "
+                     f"model's max_position_embeddings={max_positions}")
+  if room < asked:
+    return room, (f"the model's max_position_embeddings={max_positions} - "
+                  f"worker.max_new_tokens={new}")
+  return asked, "rl.max_prompt_tokens"
 
 
 def resume_lines(config, workdir: str) -> list[str]:

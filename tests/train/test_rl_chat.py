@@ -16,6 +16,7 @@ from inference_workers.worker_config import WorkerConfig
 from rl_testlib import REPO, client, rl_config, start_server
 from rlax_ps.tokenizers import HFTokenizer, tokenizer_from_config
 from rlax_ps.train.rl import RLTrainer
+from rlax_ps.train.rl_checks import prompt_limit
 
 CHAT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf",
                     "chat_tokenizer")
@@ -99,6 +100,19 @@ def test_prompts_longer_than_the_packed_capacity_are_refused_before_sampling(tmp
   with pytest.raises(ValueError, match=where + r"rl.max_prompt_tokens: 30 is too small for "
                                        r"this prompt of \d+ tokens"):
     RLTrainer(config, str(tmp_path / "a"), object())
+  # A model with fewer positions than rl.max_prompt_tokens + worker.max_new_tokens: a prompt
+  # no worker could sample is refused at the start, naming that bound (every group of it
+  # was rejected after sampling, one by one).
+  config.rl.max_prompt_tokens = 200
+  config.model.max_position_embeddings = 8 + config.worker.max_new_tokens
+  with pytest.raises(ValueError, match=re.escape(
+      f"data.jsonl {tmp_path / 'train.jsonl'}:1: the model's max_position_embeddings={config.model.max_position_embeddings} - "
+      f"worker.max_new_tokens={config.worker.max_new_tokens}: 8 is too small for this "
+      f"prompt of")):
+    RLTrainer(config, str(tmp_path / "c"), object())
+  with pytest.raises(ValueError, match="worker.max_new_tokens: 8 leaves no room for a prompt"):
+    prompt_limit(config, 8)
+  config.model.max_position_embeddings = 128
   # The built-in tasks' prompts, rendered as conversations, outgrow 16 tokens: the first
   # feed says so instead of every group being rejected after sampling.
   config.data.jsonl, config.rl.max_prompt_tokens = "", 16
