@@ -212,11 +212,12 @@ class RLTrainer(TrainerRun):
     self.warn_unsplit_rows(self.shape.groups, self.micro_batches,  # a packed row per group
                            f"rl.groups_per_step={self.shape.groups}, "
                            f"rl.micro_batches={self.micro_batches}")
+    source = self._prompt_source()  # its records checked before any checkpoint is opened
     self.checkpointer = Checkpointer(config.checkpoint.get("directory", "")
                                      or os.path.join(self.workdir, "checkpoints"),
                                      max_to_keep=int(config.checkpoint.max_to_keep),
                                      async_save=bool(config.checkpoint.async_save))
-    source, latest = self._prompt_source(), self.checkpointer.latest_metadata()
+    latest = self.checkpointer.latest_metadata()
     read = None if isinstance(source, TaskPrompts) else [
         (r["prompt"], r["answer"], r["task"]) for r in source]
     self.new_source = self.check_data_source(  # True: fed from its start (_load_metadata)

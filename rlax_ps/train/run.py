@@ -166,6 +166,8 @@ class TrainerRun:
       build()
       self.writer  # TensorBoard, and W&B (wandb.project): refused now, not at the first step
     except BaseException:
+      if getattr(self, "checkpointer", None) is not None:  # its threads end before the exit
+        self.checkpointer.close()
       self.release_workdir()
       raise
 
