@@ -4,7 +4,7 @@ ends its wait at once (a worker told to stop holds nothing up)."""
 import threading
 
 from param_server import client as client_module
-from frozen_link import FreezableLink
+from netem import Link
 from param_server.client import ParamServerClient, ParamServerError, RetryPolicy
 from ports import free_port
 from ps_testlib import TOKENS
@@ -47,13 +47,13 @@ def test_a_call_that_ran_past_its_deadline_is_tried_again(server):
   """A server that stalls for longer than a call's timeout (here its link freezes for a few
   seconds) fails the attempt DEADLINE_EXCEEDED; the client tries again, as for UNAVAILABLE,
   instead of ending the trainer that called it."""
-  link = FreezableLink(server.port)
+  link = Link(server.port)
   try:
     with ParamServerClient(link.address, token=TOKENS["viewer"], role="viewer", timeout_s=1.0,
                            retry=RetryPolicy(deadline_s=60.0)) as c:
       assert c.latest_version() == -1
-      link.frozen.set()
-      threading.Timer(2.5, link.frozen.clear).start()
+      link.stalled.set()
+      threading.Timer(2.5, link.stalled.clear).start()
       assert c.stats().versions.latest_version == -1
   finally:
     link.close()

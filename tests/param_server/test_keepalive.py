@@ -8,19 +8,19 @@ import time
 
 import pytest
 
-from frozen_link import FreezableLink
+from netem import Link
 from param_server.client import ParamServerError, RetryPolicy
 from ps_testlib import client_for, publish_chain
 
 
 def test_a_pull_over_a_link_gone_silent_fails_unavailable_instead_of_hanging(server, trainer):
   publish_chain(trainer, 2)
-  link = FreezableLink(server.port)
+  link = Link(server.port)
   try:
     with client_for(link.address, "worker", retry=RetryPolicy(deadline_s=0.0),
                     dead_after_s=2.0) as w:
       assert w.pull()  # the link passes bytes
-      link.frozen.set()
+      link.stalled.set()
       errors = []
 
       def pull():
@@ -41,7 +41,7 @@ def test_a_pull_over_a_link_gone_silent_fails_unavailable_instead_of_hanging(ser
 @pytest.mark.slow
 def test_the_server_ends_the_streams_of_a_client_gone_silent(start_server):
   server = start_server(dead_after_s=2.0)
-  link = FreezableLink(server.port)
+  link = Link(server.port)
   try:
     with client_for(link.address, "worker", retry=RetryPolicy(deadline_s=0.0),
                     dead_after_s=600.0) as w:  # the client does not give up first
@@ -56,7 +56,7 @@ def test_the_server_ends_the_streams_of_a_client_gone_silent(start_server):
       while server.servicer.streams_open != 1:
         assert time.monotonic() < end, "the watch did not begin"
         time.sleep(0.05)
-      link.frozen.set()
+      link.stalled.set()
       end = time.monotonic() + 60.0  # a ping within 10 s, 2 s for its answer
       while server.servicer.streams_open:
         assert time.monotonic() < end, "the server still serves the vanished client's watch"
