@@ -150,7 +150,7 @@ def namespace_flags() -> tuple[str, ...]:
       if subprocess.run([exe, *flags, "true"], capture_output=True, timeout=10).returncode == 0:
         return flags
     except (OSError, subprocess.SubprocessError):
-      pass
+      continue  # these namespaces are not allowed here: try fewer
   return ()
 
 

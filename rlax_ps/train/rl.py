@@ -38,7 +38,6 @@ from algorithms.selection import fed, next_streak
 from param_server.client import (ParamServerError, Prompt, RetryPolicy, routes_of,
                                  sample_logprobs, sample_observed)
 from rlax_ps import sharding as shd
-from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
@@ -48,7 +47,7 @@ from rlax_ps.train.rl_loss import LossConfig, micro_batched_loss_and_grad, \
   response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
-from rlax_ps.train.run import TrainerRun, data_source
+from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
 from rlax_ps.train.state import TrainState, hf_params, restore_or_init
 from rlax_ps.train.step import apply_gradients, jit_step
 from rlax_ps.train.trainable import trainable_value_and_grad
@@ -213,10 +212,7 @@ class RLTrainer(TrainerRun):
                            f"rl.groups_per_step={self.shape.groups}, "
                            f"rl.micro_batches={self.micro_batches}")
     source = self._prompt_source()  # its records checked before any checkpoint is opened
-    self.checkpointer = Checkpointer(config.checkpoint.get("directory", "")
-                                     or os.path.join(self.workdir, "checkpoints"),
-                                     max_to_keep=int(config.checkpoint.max_to_keep),
-                                     async_save=bool(config.checkpoint.async_save))
+    self.checkpointer = open_checkpointer(config, self.workdir)
     latest = self.checkpointer.latest_metadata()
     read = None if isinstance(source, TaskPrompts) else [
         (r["prompt"], r["answer"], r["task"]) for r in source]

@@ -142,8 +142,9 @@ def resume_lines(config, workdir: str) -> list[str]:
   logs (data.allow_new_source taking other data, the lr schedule kept or changed); [] when
   there is none to resume. Reads that checkpoint's metadata alone, writing nothing."""
   from rlax_ps.train.prompts import iter_config_records
-  from rlax_ps.train.run import data_source, resumed_optimizer, resumed_source_line
-  directory = config.checkpoint.get("directory", "") or os.path.join(workdir, "checkpoints")
+  from rlax_ps.train.run import (checkpoint_directory, data_source, resumed_optimizer,
+                                 resumed_source_line)
+  directory = checkpoint_directory(config, workdir)
   if "://" in directory:  # a bucket: the trainer checks it
     return []
   directory = os.path.abspath(directory)  # as the trainer's Checkpointer names it

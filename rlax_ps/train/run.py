@@ -17,6 +17,7 @@ from flax import nnx
 
 from rlax_ps import optim
 from rlax_ps import sharding as shd
+from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.folder_lock import FolderLock
 from rlax_ps.models import (flatten_params, longest_sequence, model_config_from,
                             save_hf_checkpoint)
@@ -53,6 +54,18 @@ def tasks_from(cfg) -> tuple[list[Task], list[float]]:
   if not tasks:
     raise ValueError(f"tasks: expected at least one task with weight > 0, got {plain}")
   return tasks, weights
+
+
+def checkpoint_directory(config, workdir: str) -> str:
+  """Where a run's checkpoints go: checkpoint.directory, else <workdir>/checkpoints."""
+  return config.checkpoint.get("directory", "") or os.path.join(workdir, "checkpoints")
+
+
+def open_checkpointer(config, workdir: str) -> Checkpointer:
+  """The run's Checkpointer, as its config's checkpoint block sets it."""
+  return Checkpointer(checkpoint_directory(config, workdir),
+                      max_to_keep=int(config.checkpoint.max_to_keep),
+                      async_save=bool(config.checkpoint.async_save))
 
 
 def data_source(config, records: Iterable[tuple[Any, Any, str]] | None) -> dict[str, Any]:

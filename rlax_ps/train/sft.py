@@ -23,13 +23,12 @@ from flax import nnx
 
 from rlax_ps import optim
 from rlax_ps import sharding as shd
-from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.config_files import save_run_config
 from rlax_ps.tasks import Example
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.heldout import heldout_from_config
 from rlax_ps.train.prompts import read_prompts
-from rlax_ps.train.run import TrainerRun, data_source
+from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
 from rlax_ps.train.state import TrainState, mesh_layout, restore_or_init
 from rlax_ps.train.step import make_train_step
 
@@ -60,10 +59,7 @@ class SFTTrainer(TrainerRun):
                        f"{batch_size}, got {num_micro}")
     self.warn_unsplit_rows(batch_size, num_micro, f"data.batch_size={batch_size}, "
                            f"optimizer.grad_accum_steps={num_micro}")
-    self.checkpointer = Checkpointer(config.checkpoint.get("directory", "")
-                                     or os.path.join(self.workdir, "checkpoints"),
-                                     max_to_keep=int(config.checkpoint.max_to_keep),
-                                     async_save=bool(config.checkpoint.async_save))
+    self.checkpointer = open_checkpointer(config, self.workdir)
     saved = self.checkpointer.latest_metadata()
     records = self._records()
     read = None if records is None else ((e.prompt, e.answer, e.task) for e in records)
