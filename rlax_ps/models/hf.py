@@ -410,7 +410,8 @@ def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
                 moe_intermediate_size=int(_get(d, "intermediate_size")), norm_topk_prob=True,
                 moe_bias=True, swiglu_limit=float(_get(d, "swiglu_limit", 7.0)),
                 swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702)))
-  shared = int(d.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
+  # Left out, transformers' Qwen2MoeConfig takes 5632 (Qwen1.5-MoE's width); null or 0: none.
+  shared = int(d.get("shared_expert_intermediate_size", 5632) or 0) if arch == "qwen2_moe" else 0
   if arch != "qwen2_moe" and d.get("shared_expert_intermediate_size"):
     raise ValueError(f"{CONFIG_FILE}: shared_expert_intermediate_size: expected 0 (no shared "
                      f"expert), got {d['shared_expert_intermediate_size']!r}")

@@ -108,6 +108,10 @@ def test_config_fields_read_from_qwen2_moe():
   d = dict(d, use_sliding_window=True, sliding_window=6, max_window_layers=2)
   d.pop("layer_types", None)
   assert [config_from_hf(d).layer_window(i) for i in range(3)] == [6, None, None]
+  # Left out, the shared expert is transformers' default width; null means none.
+  d.pop("shared_expert_intermediate_size")
+  assert config_from_hf(d).shared_expert_intermediate_size == 5632
+  assert config_from_hf(dict(d, shared_expert_intermediate_size=None)).shared_expert_intermediate_size == 0
   # Only Qwen2-MoE has a shared expert.
   with pytest.raises(ValueError, match="ModelConfig.shared_expert_intermediate_size"):
     config_to_hf(moe.replace(architecture="mixtral", qkv_bias=False))
