@@ -147,6 +147,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.wandb.entity = ""  # "" = your default entity
   c.wandb.group = ""
 
+  # Sample completions, to read what the policy writes (reward hacking, format collapse,
+  # truncation): every completions_every steps (0 = off) the step's first completions_groups
+  # groups, all their samples (prompt, answer, completion, reward, advantage, tokens, finish
+  # reason, worker), go to <workdir>/completions.jsonl and a table in TensorBoard's text tab
+  # (W&B: a wandb.Table).
+  c.log = ml_collections.ConfigDict()
+  c.log.completions_every = 10
+  c.log.completions_groups = 2
+
   # The trained policy in Hugging Face format (config.json, safetensors, tokenizer) in
   # <workdir>/hf at the end of each run, for transformers, vLLM or the next recipe.
   c.export = ml_collections.ConfigDict()

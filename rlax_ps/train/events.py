@@ -1,5 +1,5 @@
-"""Where a trainer's scalars and histograms go: TensorBoard events in <workdir>/tb, and a
-Weights & Biases run too when `wandb.project` is set (`pip install 'rlax-ps[wandb]'`;
+"""Where a trainer's scalars, histograms and tables go: TensorBoard events in <workdir>/tb,
+and a Weights & Biases run too when `wandb.project` is set (`pip install 'rlax-ps[wandb]'`;
 WANDB_MODE=offline keeps it on disk for `wandb sync`). A resumed run logs to the same W&B
 run (its id is the trainer's), so one run's curves stay one run however often it restarts.
 """
@@ -7,7 +7,7 @@ run (its id is the trainer's), so one run's curves stay one run however often it
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -31,6 +31,15 @@ class Events:
       import wandb
       self.wandb_run.log({tag: wandb.Histogram(np.asarray(values))}, step=int(step))
 
+  def add_table(self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                step: int) -> None:
+    """A table: TensorBoard's text tab shows it as markdown, W&B as a wandb.Table."""
+    self.tb.add_text(tag, markdown_table(columns, rows), step)
+    if self.wandb_run is not None:
+      import wandb
+      self.wandb_run.log({tag: wandb.Table(columns=list(columns), data=[list(r) for r in rows])},
+                         step=int(step))
+
   def flush(self) -> None:
     self.tb.flush()
 
@@ -47,12 +56,25 @@ class NoEvents:
   def add_scalar(self, *args, **kwargs) -> None:
     del args, kwargs
 
-  add_histogram = add_scalar
+  add_histogram = add_table = add_scalar
 
   def flush(self) -> None:
     """Nothing is buffered."""
 
   close = flush
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  """`rows` as a markdown table; a cell's pipes are escaped and its line breaks kept as <br>,
+  so that a completion stays in its cell."""
+  def cell(value: Any) -> str:
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace(
+        "\n", "<br>")
+
+  lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + "---|" * len(columns)]
+  lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+  return "\n".join(lines)
 
 
 def open_wandb(cfg, *, run_id: str, name: str, directory: str, config: dict[str, Any]):

@@ -43,7 +43,7 @@ from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_checks import NEW_SOURCE_FED, check_prompt, check_rl_config, prompt_limit
-from rlax_ps.train.rl_loss import LossConfig, micro_batched_loss_and_grad, \
+from rlax_ps.train.rl_loss import LossConfig, group_advantages, micro_batched_loss_and_grad, \
   response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
@@ -272,6 +272,10 @@ class RLTrainer(TrainerRun):
     self._stop = threading.Event()
     self.stop_signal: int | None = None  # the signal that asked for the stop, if any
     self.sync_log: list[tuple[int, int, float, bool]] = []  # (version, bytes, s, keyframe)
+    log = config.get("log") or {}  # the completions log (check_rl_config checked it)
+    self.completions_every = int(log.get("completions_every", 0))
+    self.completions_groups = int(log.get("completions_groups", 0))
+    self._taken: dict[int, Any] = {}  # the taken rollouts of the step being taken, by id
 
   # -- configuration and state ------------------------------------------------------------
 
@@ -500,6 +504,7 @@ class RLTrainer(TrainerRun):
           record["heldout"] = self.last_eval
         if self.leader:
           self._log_step(record, metrics)
+          self._log_completions(done, groups, batch)
           steps_log.write(json.dumps(record) + "\n")
           steps_log.flush()
         if every and done % every == 0:
@@ -674,6 +679,8 @@ class RLTrainer(TrainerRun):
         else:
           logging.warning("rl: rollout %d came with routes but worker.routing_replay is off "
                           "here; they are not used", group.rollout_id)
+      if self.completions_every:  # their texts, for the completions log
+        self._taken[group.rollout_id] = taken
       valid.append(group)
     return valid
 
@@ -802,6 +809,25 @@ class RLTrainer(TrainerRun):
     except ParamServerError as e:
       logging.warning("rl: stats: %s", e)
 
+  def _log_completions(self, step: int, groups: list[Group], batch: dict) -> None:
+    """Every log.completions_every steps, the step's first log.completions_groups groups
+    with all their samples: a line each in completions.jsonl and a table in the events."""
+    taken, self._taken = self._taken, {}
+    if not self.completions_every or step % self.completions_every:
+      return
+    adv, mask = group_advantages(batch, self.shape.groups, self.loss_cfg)
+    trained = np.asarray(adv * mask).reshape(batch["rewards"].shape)  # 0: left out (mc_grpo)
+    records = []
+    for gi, group in enumerate(groups[:self.completions_groups]):
+      rows = batch["row_group"] == gi
+      advantages = trained[rows][batch["sample_mask"][rows] > 0]  # in sample order
+      records.append(completion_record(step, group, taken[group.rollout_id], advantages,
+                                       self.tokenizer))
+    with open(os.path.join(self.workdir, "completions.jsonl"), "a") as f:
+      f.writelines(json.dumps(r) + "\n" for r in records)
+    self.writer.add_table("rollouts/completions", COMPLETION_COLUMNS,
+                          [row for r in records for row in completion_rows(r)], step)
+
   def finish(self, seconds: float, start_step: int) -> dict[str, Any]:
     """Final evaluation (exact match, pass@1 and pass@k), the Hugging Face export and
     summary.json."""
@@ -848,6 +874,38 @@ class RLTrainer(TrainerRun):
         json.dump(summary, f, indent=1)
     self.writer.flush()
     return summary
+
+
+def completion_record(step: int, group: Group, taken, advantages: np.ndarray,
+                      tokenizer: Tokenizer) -> dict[str, Any]:
+  """A line of completions.jsonl: a trained group's prompt, answer and samples as the worker
+  submitted them (`taken`, its TakenRollout; a text left empty is decoded from the tokens),
+  each with its reward, the advantage it was trained with and its token count."""
+  prompt = taken.prompt
+  return {
+      "step": step, "policy_version": group.policy_version, "rollout_id": group.rollout_id,
+      "prompt_id": prompt.id, "task": prompt.task,
+      "prompt": prompt.text or tokenizer.decode(group.prompt_tokens),
+      "answer": prompt.extra.decode("utf-8", "replace"), "worker_id": taken.worker_id,
+      "samples": [{"completion": s.text or tokenizer.decode(tokens), "reward": float(reward),
+                   "advantage": float(adv), "tokens": len(tokens),
+                   "finish_reason": s.finish_reason}  # stop | length | "": not sent
+                  for s, tokens, reward, adv in zip(taken.group.samples, group.responses,
+                                                    group.rewards, advantages)],
+  }
+
+
+COMPLETION_COLUMNS = ("prompt_id", "version", "worker", "prompt", "answer", "completion",
+                      "reward", "advantage", "tokens", "finish")
+
+
+def completion_rows(record: dict[str, Any]) -> list[list[Any]]:
+  """A completions.jsonl line as table rows (COMPLETION_COLUMNS), one per sample."""
+  head = [record["prompt_id"], record["policy_version"], record["worker_id"], record["prompt"],
+          record["answer"]]
+  return [head + [s["completion"], s["reward"], s["advantage"], s["tokens"], s["finish_reason"]]
+          for s in record["samples"]]
+
 
 def _dynamic_sampler(config, samples: int) -> DynamicSampler | None:
   """DAPO dynamic sampling as rl.dynamic_sampling asks (None: off; check_rl_config checked

@@ -20,7 +20,7 @@ NEW_SOURCE_FED = ("the run feeds this data from its first record (prompts of the
 
 
 def check_rl_config(config, *, files: bool = True) -> LossConfig:
-  """ValueError naming the field unless the config's `rl`, `loss`, `publish` and `worker`
+  """ValueError naming the field unless the config's `rl`, `loss`, `publish`, `worker` and `log`
   settings fit together; returns the loss settings (budget: worker.max_new_tokens). With
   `files`, also reads the prompt files and verifier modules the config names (and the
   tokenizer of init_from_hf): what the trainer and workers would refuse at their start."""
@@ -60,6 +60,14 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   if revisit != (1.0, 1.0) and not config.data.get("jsonl", ""):
     raise ValueError("rl.revisit_solved, rl.revisit_failed: expected data.jsonl (the "
                      "built-in tasks' stream never repeats a prompt), got none")
+  log = config.get("log") or {}  # the completions log
+  for key in ("completions_every", "completions_groups"):
+    value = log.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ValueError(f"log.{key}: expected a whole number >= 0, got {value!r}")
+  if log.get("completions_every", 0) and not log.get("completions_groups", 0):
+    raise ValueError(f"log.completions_groups: expected >= 1 while log.completions_every="
+                     f"{log['completions_every']} logs completions (0 turns the log off), got 0")
   if files:
     _check_files(config)
   return loss

@@ -2,6 +2,7 @@
 back from its record file) when wandb.project is set, resumed under the trainer's id."""
 
 import glob
+import json
 import os
 import re
 import struct
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from rlax_ps.train.events import Events, open_wandb
+from rlax_ps.train.events import Events, NoEvents, open_wandb
 from rlax_ps.train.run import TrainerRun
 
 wandb = pytest.importorskip("wandb")
@@ -128,3 +129,40 @@ def test_wandb_that_cannot_start_is_refused_naming_the_field(tmp_path, monkeypat
     open_wandb({"project": "p"}, run_id="x", name="x", directory=str(tmp_path), config={})
   assert open_wandb({"project": ""}, run_id="x", name="x", directory=str(tmp_path),
                     config={}) is None
+
+
+def _tensorboard_texts(directory):
+  """(tag, step, text) of the text summaries in a TensorBoard event file (TFRecords: length,
+  its crc, the Event, its crc)."""
+  from tensorboardX.proto import event_pb2
+  (path,) = glob.glob(os.path.join(directory, "events.out.tfevents.*"))
+  with open(path, "rb") as f:
+    data = f.read()
+  pos, texts = 0, []
+  while pos < len(data):
+    (length,) = struct.unpack("<Q", data[pos:pos + 8])
+    event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+    pos += 16 + length
+    texts += [(v.tag, event.step, v.tensor.string_val[0].decode()) for v in event.summary.value
+              if v.metadata.plugin_data.plugin_name == "text"]
+  return texts
+
+
+def test_a_table_reaches_tensorboards_text_tab_and_the_wandb_run(tmp_path):
+  run = open_wandb({"project": "p"}, run_id="rl-5678", name="n", directory=str(tmp_path),
+                   config={})
+  events = Events(str(tmp_path / "tb"), run)
+  events.add_table("rollouts/completions", ("prompt", "completion", "reward"),
+                   [["1+1=", "2 | x\ny", 1.0], ["1+1=", "3", 0.0]], 4)
+  events.close()
+  assert _tensorboard_texts(str(tmp_path / "tb")) == [(
+      "rollouts/completions/text_summary", 4,
+      "| prompt | completion | reward |\n|---|---|---|\n| 1+1= | 2 \\| x<br>y | 1 |\n"
+      "| 1+1= | 3 | 0 |")]  # a completion's pipe and line break stay in its cell
+  (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*-rl-5678"))
+  (row,) = _history(run_dir)
+  assert row["_step"] == "4" and row["rollouts/completions/_type"] == '"table-file"'
+  with open(os.path.join(run_dir, "files", json.loads(row["rollouts/completions/path"]))) as f:
+    assert json.load(f) == {"columns": ["prompt", "completion", "reward"],
+                            "data": [["1+1=", "2 | x\ny", 1.0], ["1+1=", "3", 0.0]]}
+  NoEvents().add_table("rollouts/completions", ("a",), [[1]], 4)  # not process 0: nothing
