@@ -233,8 +233,9 @@ class Worker:
     self._interrupt = getattr(client, "interrupt", None)
     self._done = threading.Event()  # set when run() returns
     self._beat_now = threading.Event()  # wakes the heartbeat early: a new version is held
-    # The newest version the heartbeat heard of, for the prefetch thread to pull (a long
-    # pull must not silence the heartbeat: the server expires a silent worker's leases).
+    # The newest version the heartbeat (or a lease or submission reply: `_hear`) heard of,
+    # for the prefetch thread to pull (a long pull must not silence the heartbeat: the
+    # server expires a silent worker's leases).
     self._latest_heard = -1
     self._skipped_version = -1  # the newest version seen in another format (not pulled again)
     self._pull_now = threading.Event()
@@ -249,6 +250,9 @@ class Worker:
     self._checkpointed_at = time.monotonic()
     self._tokens_per_s = 0.0
     self._prefetched: tuple[int, list[Update]] | None = None  # (base version, updates)
+    # The base version of the prefetch under way, and its end (`_prefetch_done`).
+    self._prefetching: int | None = None
+    self._prefetch_done = threading.Condition(self._lock)
     # Continuous batching (fixed allocation): prompts leased but not in a slot yet, the
     # oldest version the samples of each prompt in a slot were drawn with, and leases the
     # server took back.
@@ -376,11 +380,24 @@ class Worker:
       return
     with self._lock:
       pre = self._prefetched
-    if pre is not None and pre[0] == held and pre[1] and pre[1][-1].version >= latest:
-      return
-    updates = self.client.pull_updates(held)
+      if pre is not None and pre[0] == held and pre[1] and pre[1][-1].version >= latest:
+        return
+      self._prefetching = held
+    try:
+      updates = self.client.pull_updates(held)
+      with self._lock:
+        self._prefetched = (held, updates)
+    finally:
+      with self._lock:
+        self._prefetching = None
+        self._prefetch_done.notify_all()
+
+  def _await_prefetch(self) -> None:
+    """Wait for a prefetch under way from the held version: a pull now would share its
+    bytes (`ParamServerClient.pull`) but decode them again, and its updates would go unused."""
     with self._lock:
-      self._prefetched = (held, updates)
+      while self._prefetching is not None and self._prefetching == self.policy.version:
+        self._prefetch_done.wait()
 
   def apply_prefetched(self) -> bool:
     """Apply prefetched updates if they start from the held version; True when applied."""
@@ -510,6 +527,7 @@ class Worker:
     with self.stats.time.span("waiting_weights"):
       latest = self._rpc("latest_version")
       if latest >= 0 and latest not in (self.policy.version, self._skipped_version):
+        self._await_prefetch()
         self.apply_prefetched()
         if latest != self.policy.version:
           self.sync_weights()
@@ -525,6 +543,7 @@ class Worker:
     with self.stats.time.span("waiting_prompts"):
       lease = self.client.lease(self.config.prompts_per_lease, self.config.lease_deadline_s,
                                 wait_s=wait_s)
+    self._hear(lease.latest_version)
     if lease.prompts:
       with self._lock:
         self._inflight[lease.lease_id] = {p.id for p in lease.prompts}
@@ -595,13 +614,14 @@ class Worker:
     ones; any other failure is raised."""
     try:
       with self.stats.time.span("submitting"):
-        self._rpc("submit_rollouts", lease_id, group)
+        reply = self._rpc("submit_rollouts", lease_id, group)
     except ParamServerError as e:
       if e.code != grpc.StatusCode.INVALID_ARGUMENT:
         raise
       self.stats.groups_refused += 1
       logging.error("worker: the group of prompt %s was refused: %s", prompt_id, e)
       return
+    self._hear(getattr(reply, "latest_version", -1))
     with self._lock:
       self._inflight[lease_id].discard(prompt_id)
     self.stats.groups_submitted += 1
@@ -1158,8 +1178,18 @@ class Worker:
       else:
         self._renew_leases()
 
+  def _hear(self, latest: int) -> None:
+    """A reply (a lease, a submission) named the server's latest version: one newer than
+    the held and than the last heard wakes the prefetch thread, so that its pull and
+    decode overlap decoding instead of a wait at the next version check."""
+    held = self.policy.version
+    if latest > max(self._latest_heard, -1 if held is None else held):
+      self._latest_heard = latest
+      self._pull_now.set()
+
   def _prefetch_loop(self) -> None:
-    """Pull the updates past the held version as the heartbeat hears of them (`prefetch`)."""
+    """Pull the updates past the held version as the heartbeat, a lease or a submission
+    hears of them (`prefetch`)."""
     while True:
       self._pull_now.wait()
       self._pull_now.clear()

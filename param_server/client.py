@@ -103,10 +103,11 @@ class Lease:
   worker_id: str
   prompts: list[pb.Prompt]
   deadline_unix_s: float
+  latest_version: int = -1  # the server's latest version as it answered
 
   @classmethod
   def from_proto(cls, m: pb.Lease) -> "Lease":
-    return cls(m.lease_id, m.worker_id, list(m.prompts), m.deadline_unix_s)
+    return cls(m.lease_id, m.worker_id, list(m.prompts), m.deadline_unix_s, m.latest_version)
 
 
 @dataclasses.dataclass
@@ -614,7 +615,8 @@ class ParamServerClient:
 
   def submit_rollouts(self, lease_id: str, group: pb.RolloutGroup, policy_version: int | None = None,
                       worker_id: str | None = None) -> pb.SubmitRolloutsReply:
-    """Submits one leased prompt's rollout group; a retry of the same group is acknowledged once."""
+    """Submits one leased prompt's rollout group; a retry of the same group is acknowledged
+    once. The reply names the server's latest version (`latest_version`)."""
     if policy_version is not None:
       g = pb.RolloutGroup()
       g.CopyFrom(group)

@@ -270,6 +270,13 @@ def _f32(sample: pb.Sample) -> np.ndarray:
   return np.asarray(sample.logprobs, "<f4")
 
 
+def _oldest_policy_first(entries) -> list[RolloutEntry]:
+  """Ready groups in the order a take hands them out: oldest policy version first (ties:
+  submission order), so a group sampled by an older policy is trained on before it falls
+  under the trainer's staleness floor and is dropped, its sampling wasted."""
+  return sorted(entries, key=lambda e: (e.group.policy_version, e.rollout_id))
+
+
 def _without_partial(prompt: pb.Prompt) -> pb.Prompt:
   """A copy of the prompt without the partial rollouts it carried."""
   copy = pb.Prompt()
@@ -730,7 +737,8 @@ class PromptRolloutQueues:
   @_durable
   def take(self, min_version: int, max_groups: int, wait_s: float, ack_deadline_s: float,
            max_bytes: int = 8 << 20, requeue_unacked: bool = False) -> pb.TakeRolloutsReply:
-    """Hands out up to `max_groups` groups (and about `max_bytes`) made at `min_version` or later.
+    """Hands out up to `max_groups` groups (and about `max_bytes`) made at `min_version` or
+    later, oldest policy version first (`_oldest_policy_first`).
 
     `requeue_unacked` first returns every unacknowledged take to the queue (a restarted
     trainer's first call: the groups of its lost steps come back, oldest first)."""
@@ -764,11 +772,11 @@ class PromptRolloutQueues:
 
       self._wait(drop_stale, wait_s)
       ids, size = [], 0
-      for rid, entry in self.ready.items():
+      for entry in _oldest_policy_first(self.ready.values()):
         size += entry.group.ByteSize() + entry.prompt.ByteSize()
         if len(ids) == max_groups or (ids and size > max_bytes):
           break
-        ids.append(rid)
+        ids.append(entry.rollout_id)
       if not ids:
         return pb.TakeRolloutsReply(dropped_stale=dropped)
       take_id = uuid.uuid4().hex

@@ -382,14 +382,17 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self._touch(request.worker_id)
     lease = self.queues.lease(request.worker_id, request.n, request.deadline_s, request.wait_s)
     self._touch(request.worker_id)  # a lease made after a long poll is not a silent worker's
+    lease.latest_version = self._latest()
     return lease
 
   @_unary
   def RenewLease(self, request, context):
     _finite("deadline_s", request.deadline_s)
     self._touch(request.worker_id)
-    return self.queues.renew(request.lease_id, request.worker_id, request.deadline_s,
-                             list(request.partial))
+    lease = self.queues.renew(request.lease_id, request.worker_id, request.deadline_s,
+                              list(request.partial))
+    lease.latest_version = self._latest()
+    return lease
 
   @_unary
   def CompleteLease(self, request, context):
@@ -408,7 +411,9 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     if not request.HasField("group"):
       raise errors.InvalidArgument("group", "expected a rollout group, got none")
     self._touch(request.worker_id)
-    return self.queues.submit(request.lease_id, request.worker_id, request.group)
+    reply = self.queues.submit(request.lease_id, request.worker_id, request.group)
+    reply.latest_version = self._latest()
+    return reply
 
   @_unary
   def TakeRollouts(self, request, context):
