@@ -247,4 +247,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.num_examples = 8
     c.eval.batch_size = 8
     c.eval.pass_k = 2
+    c.log.completions_every = 2
   return c

@@ -60,6 +60,12 @@ def test_versions_advance_and_rollouts_are_trained_on(run):
   steps = _lines(workdir / "steps.jsonl")
   ids = [i for s in steps for i in s["rollout_ids"]]
   assert len(steps) == 4 and len(ids) == len(set(ids)) == 16
+  # What the policy wrote, every 2nd step: two trained groups each, all their samples.
+  logged = _lines(workdir / "completions.jsonl")
+  assert [c["step"] for c in logged] == [2, 2, 4, 4]
+  trained = {s["step"]: set(s["rollout_ids"]) for s in steps}
+  assert all(c["rollout_id"] in trained[c["step"]] for c in logged)
+  assert all(len(c["samples"]) == 4 and c["prompt"] for c in logged)
 
 
 def test_every_worker_holds_the_trainers_weights_of_its_version(run):
