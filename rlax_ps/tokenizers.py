@@ -11,11 +11,15 @@ sampler and the verifiers never care which one they hold.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import os
 import re
 import string
 from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+import numpy as np
 
 from rlax_ps import chat
 
@@ -69,6 +73,9 @@ class CharTokenizer:
     self.alphabet = alphabet
     self.specials = (PAD, BOS, EOS)
     self._ids = {c: i + len(self.specials) for i, c in enumerate(alphabet)}
+    # id by code point, -1 where none; the last entry stands for every code point past it.
+    self._table = np.full(max(map(ord, alphabet)) + 2, -1, np.int32)
+    self._table[[ord(c) for c in alphabet]] = np.arange(len(alphabet)) + len(self.specials)
 
   @property
   def vocab_size(self) -> int:
@@ -109,16 +116,22 @@ class CharTokenizer:
     return self.encode(text if isinstance(text, str) else "\n".join(text))
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-    ids = [self.bos_id] if add_bos else []
-    for pos, c in enumerate(text):
-      i = self._ids.get(c)
-      if i is None:
-        raise ValueError(f"CharTokenizer.encode: character {c!r} at position {pos} of "
-                         f"{text!r} is not in the alphabet")
-      ids.append(i)
-    if add_eos:
-      ids.append(self.eos_id)
-    return ids
+    """The characters' ids, looked up all at once by code point (one per character of the
+    str, a lone surrogate included, which no alphabet holds)."""
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+    ids = self._table.take(points, mode="clip")
+    if len(ids) and ids.min() < 0:
+      pos = int(np.argmax(ids < 0))
+      raise ValueError(f"CharTokenizer.encode: character {text[pos]!r} at position {pos} of "
+                       f"{text!r} is not in the alphabet")
+    return ([self.bos_id] if add_bos else []) + ids.tolist() + ([self.eos_id] if add_eos else [])
+
+  @property
+  def fingerprint(self) -> str:
+    """A digest of what encode_prompt depends on (the alphabet): a cached check of prompt
+    lengths (rl_checks.check_prompt_lengths) holds for this tokenizer alone."""
+    return "char:" + hashlib.blake2b(self.alphabet.encode("utf-8", "surrogatepass"),
+                                     digest_size=16).hexdigest()
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
     out = []
@@ -313,6 +326,21 @@ class HFTokenizer:
     ids = self._tok.encode(text, add_special_tokens=False).ids
     bos = [self.bos_id] if add_bos and self.bos_id is not None else []
     return bos + ids + ([self.eos_id] if add_eos else [])
+
+  @property
+  def fingerprint(self) -> str:
+    """A digest of what encode_prompt depends on (tokenizer.json, the `tokenizers` version,
+    the chat template with its variables, tools and special tokens, and the date where the
+    template reads the clock): a cached check of prompt lengths holds for this one alone."""
+    import tokenizers
+    with open(self.path, "rb") as f:
+      digest = hashlib.blake2b(f.read(), digest_size=16)
+    today = (datetime.date.today().isoformat()
+             if self.chat_template and "strftime_now" in self.chat_template else "")
+    digest.update(json.dumps([tokenizers.__version__, self.chat_template, self.chat_kwargs,
+                              self.tools, self._special, today], sort_keys=True,
+                             default=repr).encode())
+    return "hf:" + digest.hexdigest()
 
   def render_prompt(self, prompt: str | list[dict[str, str]]) -> str:
     """The prompt text the model sees: with a chat template, a text prompt is one user

@@ -5,6 +5,7 @@ The environment must be set before jax is imported anywhere.
 """
 
 import os
+import tempfile
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -23,6 +24,8 @@ jax.config.update(
     "jax_compilation_cache_dir",
     os.environ.get("RLAX_PS_JAX_CACHE", os.path.expanduser("~/.cache/rlax_ps/jax")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Prompt-length checks kept for the session alone (children inherit it): a test sees its own.
+os.environ.setdefault("RLAX_PS_PROMPT_CHECKS", tempfile.mkdtemp(prefix="rlax_ps_prompt_checks_"))
 
 # The longest modules first (about 30-100 s each on 2 cores; the rest follow in collection
 # order). xdist hands out whole modules in this order (`make test` passes

@@ -6,9 +6,11 @@ the trainer's checkpoint so a restarted trainer feeds on from where its checkpoi
 
 from __future__ import annotations
 
+import array
 import json
+import operator
 import zlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import grain
 import numpy as np
@@ -282,6 +284,43 @@ def config_records(config, field: str, path: str,
                    ) -> list[dict[str, Any]]:
   """All the records of iter_config_records (same arguments), in a list."""
   return list(iter_config_records(config, field, path, check))
+
+
+_LINE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_LINE_VALUE = json.JSONDecoder().raw_decode  # (a line's value, where it ends)
+
+
+def record_line(record: dict[str, Any]) -> bytes:
+  """A record's prompt, answer and task as one line of compact UTF-8 JSON (a JSON string
+  escapes every newline): what PromptRecords holds of it."""
+  return (_LINE_JSON([record["prompt"], record["answer"], record["task"]]) + "\n").encode()
+
+
+class PromptRecords(Sequence):
+  """`{"prompt", "answer", "task"}` records held as one buffer of their lines (record_line)
+  and where each ends, each decoded when it is asked for: random access for the shuffled
+  feed at a fraction of the memory of as many dicts (a large prompt file is held whole)."""
+
+  def __init__(self, records: Iterable[dict[str, Any]]):
+    self._lines, self._ends = bytearray(), array.array("q")
+    for record in records:
+      self._lines += record_line(record)
+      self._ends.append(len(self._lines))
+
+  def __len__(self) -> int:
+    return len(self._ends)
+
+  def __getitem__(self, i: int) -> dict[str, Any]:
+    i = operator.index(i)
+    if not -len(self) <= i < len(self):
+      raise IndexError(f"record {i} of {len(self)}")
+    i %= len(self)
+    line = self._lines[self._ends[i - 1] if i else 0:self._ends[i]].decode()
+    (prompt, answer, task), _ = _LINE_VALUE(line)
+    return {"prompt": prompt, "answer": answer, "task": task}
+
+  def __iter__(self) -> Iterator[dict[str, Any]]:
+    return (self[i] for i in range(len(self)))
 
 
 def prompt_dataset(source: Sequence[dict[str, str]], seed: int) -> grain.IterDataset:

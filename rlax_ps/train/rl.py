@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -40,9 +39,10 @@ from param_server.client import (ParamServerError, Prompt, RetryPolicy, routes_o
 from rlax_ps import sharding as shd
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
-from rlax_ps.train.prompts import PromptFeed, TaskPrompts, config_records
+from rlax_ps.train.prompts import PromptFeed, PromptRecords, TaskPrompts, iter_config_records
 from rlax_ps.train.publisher import Publisher
-from rlax_ps.train.rl_checks import NEW_SOURCE_FED, check_prompt, check_rl_config, prompt_limit
+from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check_rl_config,
+                                     prompt_limit)
 from rlax_ps.train.rl_loss import LossConfig, group_advantages, micro_batched_loss_and_grad, \
   response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
@@ -211,13 +211,12 @@ class RLTrainer(TrainerRun):
     self.warn_unsplit_rows(self.shape.groups, self.micro_batches,  # a packed row per group
                            f"rl.groups_per_step={self.shape.groups}, "
                            f"rl.micro_batches={self.micro_batches}")
-    source = self._prompt_source()  # its records checked before any checkpoint is opened
+    # Its records checked before any checkpoint is opened.
+    source, recorded = self._prompt_source()
     self.checkpointer = open_checkpointer(config, self.workdir)
     latest = self.checkpointer.latest_metadata()
-    read = None if isinstance(source, TaskPrompts) else [
-        (r["prompt"], r["answer"], r["task"]) for r in source]
     self.new_source = self.check_data_source(  # True: fed from its start (_load_metadata)
-        latest, data_source(config, read), NEW_SOURCE_FED)
+        latest, recorded, NEW_SOURCE_FED)
     self.build_optimizer(latest, "rl.steps")
     self.state, self.shardings, self.graphdef, saved = restore_or_init(
         self.model_config, self.optimizer, self.mesh, self.checkpointer,
@@ -279,17 +278,23 @@ class RLTrainer(TrainerRun):
 
   # -- configuration and state ------------------------------------------------------------
 
-  def _prompt_source(self) -> Sequence[dict[str, str]]:
-    """data.jsonl's records, each checked to fit rl.max_prompt_tokens now rather than when
-    its group is rejected after sampling; else the built-in tasks' stream."""
+  def _prompt_source(self) -> tuple[Sequence[dict[str, str]], dict[str, Any]]:
+    """(data.jsonl's records, held compactly, else the built-in tasks' stream; the source as
+    checkpoints record it, data_source). Each record is checked to fit rl.max_prompt_tokens
+    now rather than when its group is rejected after sampling, unless a check of the same
+    records (their digest) with this tokenizer passed before (`rlax-ps local`'s)."""
     path = self.config.data.get("jsonl", "")
     if not path:
-      return TaskPrompts(self.tasks, self.weights, int(self.config.seed))
+      return (TaskPrompts(self.tasks, self.weights, int(self.config.seed)),
+              data_source(self.config, None))
+    records = PromptRecords(iter_config_records(self.config, "data.jsonl", path))
+    recorded = data_source(self.config, ((r["prompt"], r["answer"], r["task"]) for r in records))
     # The first prompt too long is named by its file and line, as `rlax-ps local` names it;
     # with the model's positions as the bound where they allow less than rl.max_prompt_tokens.
     limit, bound = prompt_limit(self.config, self.model_config.max_position_embeddings)
-    return config_records(self.config, "data.jsonl", path,
-                          functools.partial(check_prompt, self.tokenizer, limit, field=bound))
+    check_prompt_lengths(self.config, "data.jsonl", path, recorded["digest"], self.tokenizer,
+                         limit, bound)
+    return records, recorded
 
   @property
   def step(self) -> int:

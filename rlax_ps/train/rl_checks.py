@@ -5,7 +5,7 @@ its name rather than minutes later in a child."""
 from __future__ import annotations
 
 import dataclasses
-import functools
+import hashlib
 import json
 import os
 from typing import Any
@@ -93,9 +93,13 @@ def _check_files(config) -> None:
   for field in ("jsonl", "heldout_jsonl"):
     path = config.data.get(field, "")
     if path:
-      limit = int(config.rl.max_prompt_tokens) if field == "jsonl" else None
-      check = None if tokenizer is None else functools.partial(check_prompt, tokenizer, limit)
-      tasks = {r["task"] for r in iter_config_records(config, f"data.{field}", path, check)}
+      records = iter_config_records(config, f"data.{field}", path)
+      if tokenizer is None:
+        tasks = {r["task"] for r in records}
+      else:
+        tasks, digest = _tasks_and_digest(config, records)
+        limit = int(config.rl.max_prompt_tokens) if field == "jsonl" else None
+        check_prompt_lengths(config, f"data.{field}", path, digest, tokenizer, limit)
       for task in sorted(tasks - {REWARD_MODEL_TASK, str(worker.default_task)}):
         verifier_for_task(task, f"data.{field} task")
   spec = str(worker.get("environment", ""))
@@ -105,6 +109,19 @@ def _check_files(config) -> None:
                      f"registers more), got {unknown} in {spec!r}; their prompts would be "
                      f"single-turn")
   environments_from(spec, worker.get("environment_args", ""))
+
+
+def _tasks_and_digest(config, records) -> tuple[set[str], str]:
+  """The tasks of a stream of records and their digest (data_source's), in one pass."""
+  from rlax_ps.train.run import data_source  # orbax and the trainer's helpers: on use
+  tasks = set()
+
+  def read():
+    for record in records:
+      tasks.add(record["task"])
+      yield record["prompt"], record["answer"], record["task"]
+
+  return tasks, data_source(config, read())["digest"]
 
 
 def _check_checkpoint(path: str) -> None:
@@ -118,14 +135,80 @@ def _check_checkpoint(path: str) -> None:
 
 
 def check_prompt(tokenizer, limit: int | None, record: dict,
-                 field: str = "rl.max_prompt_tokens") -> None:
-  """The record's prompt encodes (its characters in the tokenizer, messages under a chat
-  template) into at most `limit` tokens (the setting `field`) when given: the trainer
-  refuses any other at its start."""
+                 field: str = "rl.max_prompt_tokens") -> int:
+  """The number of tokens the record's prompt encodes into (its characters in the tokenizer,
+  messages under a chat template); ValueError naming the setting `field` when that is more
+  than `limit` (when given): the trainer refuses any other at its start."""
   ids = tokenizer.encode_prompt(record["prompt"])
   if limit is not None and len(ids) > limit:
     raise ValueError(f"{field}: {limit} is too small for this prompt of {len(ids)} tokens; "
                      f"raise it or shorten the prompt")
+  return len(ids)
+
+
+# Where check_prompt_lengths keeps what it found: RLAX_PS_PROMPT_CHECKS moves it, '' turns
+# it off.
+PROMPT_CHECKS_DIR = os.path.join("~", ".cache", "rlax_ps", "prompt_checks")
+
+
+def check_prompt_lengths(config, field: str, path: str, digest: str, tokenizer,
+                         limit: int | None, bound: str = "rl.max_prompt_tokens") -> None:
+  """check_prompt of each record of the prompt file `path` (the config's `field`), the
+  first one refused named by its file and line, unless a check of the same records (their
+  `digest`, data_source's) with the same tokenizer found every prompt within `limit` tokens:
+  the longest prompt found is kept for the next check (`rlax-ps local`'s, then its
+  trainer's, or a restarted trainer's), so a large file is tokenized once."""
+  cached = _prompt_check_file(digest, tokenizer)
+  longest = _read_longest(cached)
+  if longest is not None and (limit is None or longest <= limit):
+    return
+  longest = 0
+
+  def check(record: dict) -> None:
+    nonlocal longest
+    longest = max(longest, check_prompt(tokenizer, limit, record, bound))
+
+  from rlax_ps.train.prompts import iter_config_records
+  for _ in iter_config_records(config, field, path, check):
+    pass
+  if cached is not None:
+    _write_longest(cached, longest)
+
+
+def _prompt_check_file(digest: str, tokenizer) -> str | None:
+  """The file of check_prompt_lengths' result for these records and this tokenizer (None:
+  not kept, for a tokenizer without a fingerprint or with RLAX_PS_PROMPT_CHECKS='')."""
+  directory = os.environ.get("RLAX_PS_PROMPT_CHECKS", PROMPT_CHECKS_DIR)
+  identity = getattr(tokenizer, "fingerprint", None)
+  if not directory or identity is None:
+    return None
+  key = hashlib.blake2b(f"{digest}/{identity}".encode(), digest_size=16).hexdigest()
+  return os.path.join(os.path.expanduser(directory), f"{key}.json")
+
+
+def _read_longest(file: str | None) -> int | None:
+  """The longest prompt kept in `file`; None where none is kept, or it is unreadable."""
+  if file is None:
+    return None
+  try:
+    with open(file) as f:
+      longest = json.load(f)["longest"]
+  except (OSError, TypeError, ValueError, KeyError):
+    return None
+  return longest if isinstance(longest, int) else None
+
+
+def _write_longest(file: str, longest: int) -> None:
+  """Kept atomically (trainers of one run may check at once); where it cannot be written,
+  the next check is made again."""
+  try:
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    temporary = f"{file}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+      json.dump({"longest": longest}, f)
+    os.replace(temporary, file)
+  except OSError:
+    pass
 
 
 def prompt_limit(config, max_positions: int) -> tuple[int, str]:
