@@ -365,6 +365,24 @@ def _answer(slots: Slots, row_ids, replies, counts, go_on, knobs_, *, mode):
   return slots
 
 
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def _free(slots: Slots, slot_ids) -> Slots:
+  """Slots slot_ids [m] (an id past the last slot: padding) let go of their prompts: their
+  rows stop (done, not paused, nothing forced), their samples count as finished and none
+  is left to start, as in a slot whose group was taken."""
+  r, n = slots.cache.index.shape[1], slots.seeds.shape[1]
+  rows, ids = slots.rows, _rows_of(slot_ids, r)
+  fields = dict(done=rows.done.at[ids].set(True, mode="drop"),
+                finished=rows.finished.at[_rows_of(slot_ids, n)].set(True, mode="drop"))
+  if rows.paused is not None:
+    fields["paused"] = rows.paused.at[ids].set(False, mode="drop")
+  if rows.forced_left is not None:
+    fields["forced_left"] = rows.forced_left.at[ids].set(0, mode="drop")
+  return dataclasses.replace(slots, rows=dataclasses.replace(rows, **fields),
+                             next=slots.next.at[slot_ids].set(n, mode="drop"),
+                             limit=slots.limit.at[slot_ids].set(n, mode="drop"))
+
+
 @functools.partial(jax.jit, static_argnames=("length",))
 def _grow(slots: Slots, length: int) -> Slots:
   """Room for prompts of up to `length` tokens (the slots' prompts are kept)."""
@@ -660,6 +678,26 @@ class ContinuousBatch:
                             finished[s].tolist()[:w.count])
       out.append((w.key, got, done))
     return out
+
+  def drop(self, keys: Sequence[Hashable]) -> None:
+    """Take the prompts of `keys` out, waiting or running: what they drew is dropped, their
+    replies in the making go unused and their slots are free for the next prompts."""
+    keys = set(keys)
+    self._waiting = collections.deque(w for w in self._waiting if w.key not in keys)
+    slots = [s for s, w in self._held.items() if w.key in keys]
+    if not slots:
+      return
+    outs = {out for s in slots for out in range(s * self.n, (s + 1) * self.n)}
+    for s in slots:
+      del self._held[s]
+    for row in [row for row, (out, _, _) in self._asking.items() if out in outs]:
+      del self._asking[row]
+    for out in outs:
+      self._replies.pop(out, None)
+    ids = np.full((self.num_slots,), self.num_slots, np.int32)  # one program: padded
+    ids[:len(slots)] = slots
+    with self._on_mesh():
+      self._slots = _free(self._slots, ids)
 
   def clear(self) -> None:
     """Drop every prompt, running or waiting, and the device state with them."""

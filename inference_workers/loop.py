@@ -190,6 +190,9 @@ class WorkerStats:
   replies: int = 0  # multi-turn: environment replies fed to samples
   samples_salvaged: int = 0  # begun samples handed back as partial rollouts on a stop
   checkpoints: int = 0  # lease renewals that carried begun samples (worker.checkpoint_s)
+  # Prompts begun on a version under the trainer's staleness floor (the server would drop
+  # their groups): stopped, or not sent once finished, and released to be sampled anew.
+  groups_abandoned_stale: int = 0
   versions_applied: list = dataclasses.field(default_factory=list)
   time: TimeSplit = dataclasses.field(default_factory=TimeSplit)  # reported by the heartbeat
 
@@ -237,6 +240,9 @@ class Worker:
     # for the prefetch thread to pull (a long pull must not silence the heartbeat: the
     # server expires a silent worker's leases).
     self._latest_heard = -1
+    # The trainer's staleness floor as the last lease, renewal or submission reply named it
+    # (0: none): prompts begun on an older version are stopped (`_stop_stale`).
+    self._floor = 0
     self._skipped_version = -1  # the newest version seen in another format (not pulled again)
     self._pull_now = threading.Event()
     self._lock = threading.Lock()
@@ -543,7 +549,7 @@ class Worker:
     with self.stats.time.span("waiting_prompts"):
       lease = self.client.lease(self.config.prompts_per_lease, self.config.lease_deadline_s,
                                 wait_s=wait_s)
-    self._hear(lease.latest_version)
+    self._hear(lease.latest_version, lease.staleness_floor)
     if lease.prompts:
       with self._lock:
         self._inflight[lease.lease_id] = {p.id for p in lease.prompts}
@@ -599,9 +605,18 @@ class Worker:
       chunk = [p for p, _, fault in checked if not fault]
       tokens = [t for _, t, fault in checked if not fault]
       groups = self._rollout_groups(chunk, tokens, version) if chunk else []
+      stale = []
       for prompt, group in zip(chunk, groups):
-        if group is not None:  # None: stopped before its group was worth sending
+        if self._stale(version):  # a submission's reply may name a higher floor
+          stale.append(prompt.id)
+        elif group is not None:  # None: stopped before its group was worth sending
           self._submit(lease.lease_id, prompt.id, group)
+      if stale:
+        self._count_stale(len(stale), version)
+        with self.stats.time.span("submitting"):
+          self.stats.prompts_released += self._rpc("release", lease.lease_id, stale)
+        with self._lock:
+          self._inflight[lease.lease_id].difference_update(stale)
     with self._lock:
       left = self._inflight[lease.lease_id]
     if not left:
@@ -621,7 +636,7 @@ class Worker:
       self.stats.groups_refused += 1
       logging.error("worker: the group of prompt %s was refused: %s", prompt_id, e)
       return
-    self._hear(getattr(reply, "latest_version", -1))
+    self._hear(getattr(reply, "latest_version", -1), getattr(reply, "staleness_floor", 0))
     with self._lock:
       self._inflight[lease_id].discard(prompt_id)
     self.stats.groups_submitted += 1
@@ -646,6 +661,7 @@ class Worker:
                                       rows_per_prompt=c.rows_per_prompt, **common)
       self._slots = self._batch.free  # prompts it decodes at once, empty
     batch = self._batch
+    self._stop_stale(batch)
     if batch.running and self._salvaging and self._resumable:
       self._salvage(batch)
       return
@@ -703,7 +719,8 @@ class Worker:
       if fault:
         self._send(lease_id, prompt.id, self._failed(prompt, version, fault))
         continue
-      if prompt.partial and self._resumable and self._resume(lease_id, prompt, version):
+      if (prompt.partial and self._resumable and not self._stale(prompt.partial_version)
+          and self._resume(lease_id, prompt, version)):
         continue
       self._started[(lease_id, prompt.id)] = (prompt, version)
       batch.add((lease_id, prompt.id), tokens, self._seeds(prompt.id, version, 0, n))
@@ -796,7 +813,9 @@ class Worker:
     """Multi-turn (on a reply thread): the environment's reply to the turn sample j of
     prompt `key` just ended (its tokens so far, the closing stop token last; `observed`:
     which of them earlier replies wrote), as the ids that continue the sample."""
-    prompt, _ = self._started[key]
+    prompt, _ = self._started.get(key, (None, 0))
+    if prompt is None:  # stopped meanwhile (`_stop_stale`): the reply would go unused
+      return None
     environment = self._environment(prompt)
     if environment is None:  # a single-turn task: the sample ends at its stop token
       return None
@@ -830,11 +849,15 @@ class Worker:
     given = self._given.pop((lease_id, prompt_id), {})
     self.stats.samples += len(samples)
     self.stats.tokens += sum(len(s.tokens) for s in samples)
-    if lease_id not in self._abandoned:
+    if lease_id in self._abandoned:
+      self._settle(lease_id)
+    elif self._stale(version):  # the server would drop it: sampled anew elsewhere
+      self._count_stale(1, version)
+      self._release_stale(lease_id, [prompt_id])
+      self._settle(lease_id)
+    else:
       self._send(lease_id, prompt_id,
                  self._group(prompt, version, samples, *self._rewards(prompt, samples, given)))
-    else:
-      self._settle(lease_id)
 
   def _send(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup) -> None:
     """Submit a group of a continuous batch's lease (an outage is waited out: the group is
@@ -846,6 +869,65 @@ class Worker:
       self._abandoned.add(lease_id)
       self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
     self._settle(lease_id)
+
+  def _stale(self, version: int) -> bool:
+    """Whether a group of `version` is under the trainer's staleness floor (the server drops
+    it at the trainer's next take), while versions at the floor are ones this worker can
+    hold: not when they are published in another format (`_other_format`), where prompts
+    begun again would start on the same old version."""
+    return version < self._floor and self._skipped_version < self._floor
+
+  def _stop_stale(self, batch: ContinuousBatch | SampleBatch) -> None:
+    """Take out of the batch the prompts begun on a version under the trainer's staleness
+    floor, freeing their slots for prompts started on the newest version, and release them
+    without their samples (those would keep the old version)."""
+    stale = [key for key, (_, version) in self._started.items() if self._stale(version)]
+    if not stale:
+      return
+    batch.drop(stale)
+    self._count_stale(len(stale), min(self._started[key][1] for key in stale))
+    by_lease: dict[str, list[str]] = collections.defaultdict(list)
+    for key in stale:
+      del self._started[key]
+      self._given.pop(key, None)
+      by_lease[key[0]].append(key[1])
+    with self._lock:  # nor are their samples so far sent with a renewal
+      for key in stale:
+        self._held.pop(key, None)
+      for lease_id, ids in by_lease.items():
+        if lease_id in self._checkpoint:
+          self._checkpoint[lease_id] = [p for p in self._checkpoint[lease_id]
+                                        if p.prompt_id not in ids]
+    for lease_id, ids in by_lease.items():
+      self._release_stale(lease_id, ids)
+      self._settle(lease_id)
+
+  def _count_stale(self, n: int, version: int) -> None:
+    """Count (and say) `n` prompts begun on `version` (the oldest), under the floor."""
+    self.stats.groups_abandoned_stale += n
+    logging.info("worker: %d prompts begun on v%d, under the trainer's staleness floor v%d, "
+                 "released to be sampled anew (%d so far)", n, version, self._floor,
+                 self.stats.groups_abandoned_stale)
+
+  def _release_stale(self, lease_id: str, ids: list[str]) -> None:
+    """Release prompts begun on a version under the staleness floor, without their
+    samples, to be sampled anew. A lease the server took back is abandoned (its prompts
+    are queued again already)."""
+    if lease_id in self._abandoned:
+      return
+    try:
+      with self.stats.time.span("submitting"):
+        released = self._with_backoff(lambda: self._rpc("release", lease_id, ids))
+    except ParamServerError as e:  # the lease expired or was taken back: queued again
+      logging.warning("worker: lease %s abandoned: %s", lease_id, e)
+      self._abandoned.add(lease_id)
+      self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
+      return
+    if released is None:  # stopping with the server away: the lease's expiry serves them
+      return
+    self.stats.prompts_released += released
+    with self._lock:
+      self._inflight.get(lease_id, set()).difference_update(ids)
 
   def _checked_tokens(self, prompt: pb.Prompt) -> tuple[list[int], str]:
     """The prompt's token ids, and why this worker cannot sample it ("" when it can): its
@@ -1001,7 +1083,7 @@ class Worker:
     rewards: list[list[float]] = [[] for _ in prompts]
     passed: list[list[bool] | None] = [[] for _ in prompts]
     round_ = 0
-    while not state.done and not self._salvaging:
+    while not state.done and not self._salvaging and not self._stale(version):
       counts = [int(c) for c in self.allocator.requests(state)]
       t0 = time.monotonic()
       drawn, given = self._draw(prompts, tokens, counts, version, round_)
@@ -1018,9 +1100,11 @@ class Worker:
       self.stats.tokens += n_tokens
       self._tokens_per_s = n_tokens / max(elapsed, 1e-9)
       round_ += 1
-      if self._salvaging:  # the round may be cut short: the allocator plans no more
+      if self._salvaging or self._stale(version):  # the round may be cut short
         break
       state = self.allocator.observe(state, new_rewards)
+    if self._stale(version):  # the server would drop them: `_serve` releases the prompts
+      return [None] * len(prompts)
     if not state.done:
       logging.info("worker: stopping: %d of %d prompts keep the samples of %d rounds",
                    sum(len(got) >= 2 for got in samples), len(prompts), round_)
@@ -1092,6 +1176,9 @@ class Worker:
         batch.add(key, tokens[i], self._seeds(prompts[i].id, version, round_, counts[i]))
       done, kept = {}, {}  # kept: a cut round's finished samples, by their index in it
       while batch.waiting or batch.running:
+        if self._stale(version):  # under the staleness floor: nothing of it is sent
+          done.update((keys[i], []) for i in live)
+          break
         if self._salvaging:  # stopping: the round's finished samples, the rest dropped
           for key, got, ended in batch.partial():
             kept[key] = [j for j, end in enumerate(ended) if end]
@@ -1178,10 +1265,13 @@ class Worker:
       else:
         self._renew_leases()
 
-  def _hear(self, latest: int) -> None:
-    """A reply (a lease, a submission) named the server's latest version: one newer than
-    the held and than the last heard wakes the prefetch thread, so that its pull and
-    decode overlap decoding instead of a wait at the next version check."""
+  def _hear(self, latest: int, floor: int | None = None) -> None:
+    """A reply (a lease, a renewal, a submission) named the server's latest version and
+    the trainer's staleness `floor` (None: not named). A version newer than the held and
+    than the last heard wakes the prefetch thread, so that its pull and decode overlap
+    decoding instead of a wait at the next version check."""
+    if floor is not None:  # as named: a restarted trainer's floor may be lower
+      self._floor = floor
     held = self.policy.version
     if latest > max(self._latest_heard, -1 if held is None else held):
       self._latest_heard = latest
@@ -1231,7 +1321,8 @@ class Worker:
       size += n
     for chunk in calls:
       try:
-        self._rpc("renew", lease_id, self.config.lease_deadline_s, partial=chunk)
+        reply = self._rpc("renew", lease_id, self.config.lease_deadline_s, partial=chunk)
+        self._hear(getattr(reply, "latest_version", -1), getattr(reply, "staleness_floor", 0))
       except ParamServerError as e:
         if not chunk:
           raise

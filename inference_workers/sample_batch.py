@@ -142,6 +142,12 @@ class SampleBatch:
       out.append((key, samples, finished))
     return out
 
+  def drop(self, keys: Sequence[Hashable]) -> None:
+    """Take the prompts of `keys` out, queued or running, as ContinuousBatch.drop: the
+    rows of their samples are free for the next ones."""
+    groups = [(key, self._groups.pop(key)) for key in keys if key in self._groups]
+    self._inner.drop([(key, j) for key, group in groups for j in range(group.count)])
+
   def clear(self) -> None:
     """Drop every prompt, running or queued."""
     self._inner.clear()

@@ -104,10 +104,12 @@ class Lease:
   prompts: list[pb.Prompt]
   deadline_unix_s: float
   latest_version: int = -1  # the server's latest version as it answered
+  staleness_floor: int = 0  # the trainer's latest take's min_version (0: none heard)
 
   @classmethod
   def from_proto(cls, m: pb.Lease) -> "Lease":
-    return cls(m.lease_id, m.worker_id, list(m.prompts), m.deadline_unix_s, m.latest_version)
+    return cls(m.lease_id, m.worker_id, list(m.prompts), m.deadline_unix_s, m.latest_version,
+               m.staleness_floor)
 
 
 @dataclasses.dataclass
@@ -616,7 +618,8 @@ class ParamServerClient:
   def submit_rollouts(self, lease_id: str, group: pb.RolloutGroup, policy_version: int | None = None,
                       worker_id: str | None = None) -> pb.SubmitRolloutsReply:
     """Submits one leased prompt's rollout group; a retry of the same group is acknowledged
-    once. The reply names the server's latest version (`latest_version`)."""
+    once. The reply names the server's latest version (`latest_version`) and the trainer's
+    staleness floor (`staleness_floor`)."""
     if policy_version is not None:
       g = pb.RolloutGroup()
       g.CopyFrom(group)

@@ -309,6 +309,10 @@ class PromptRolloutQueues:
     self.acked_takes: collections.OrderedDict[str, int] = collections.OrderedDict()
     self.next_rollout_id = 1
     self.counters = collections.Counter()
+    # The min_version of the trainer's latest take, named in lease and submission replies
+    # so that workers stop prompts begun on an older policy. Not logged: after a restart
+    # 0 (no floor) until the trainer's next take says it again.
+    self.staleness_floor = 0
     for record in wal.recovered:
       self._apply(record)
     wal.recovered = []
@@ -756,6 +760,7 @@ class PromptRolloutQueues:
           "ack_deadline_s", f"expected in (0, {self.limits.max_lease_deadline_s}], got {ack_deadline_s}")
     self._check_wait(wait_s)
     with self._lock:
+      self.staleness_floor = min_version  # a restarted trainer's may be lower: said as it is
       self.expire_due()
       if requeue_unacked:
         for take_id in list(self.takes):

@@ -383,6 +383,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     lease = self.queues.lease(request.worker_id, request.n, request.deadline_s, request.wait_s)
     self._touch(request.worker_id)  # a lease made after a long poll is not a silent worker's
     lease.latest_version = self._latest()
+    lease.staleness_floor = self.queues.staleness_floor
     return lease
 
   @_unary
@@ -392,6 +393,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     lease = self.queues.renew(request.lease_id, request.worker_id, request.deadline_s,
                               list(request.partial))
     lease.latest_version = self._latest()
+    lease.staleness_floor = self.queues.staleness_floor
     return lease
 
   @_unary
@@ -413,6 +415,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self._touch(request.worker_id)
     reply = self.queues.submit(request.lease_id, request.worker_id, request.group)
     reply.latest_version = self._latest()
+    reply.staleness_floor = self.queues.staleness_floor
     return reply
 
   @_unary

@@ -138,18 +138,20 @@ class LeasePromptsRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., n: _Optional[int] = ..., deadline_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "worker_id", "prompts", "deadline_unix_s", "latest_version")
+    __slots__ = ("lease_id", "worker_id", "prompts", "deadline_unix_s", "latest_version", "staleness_floor")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FLOOR_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     worker_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     deadline_unix_s: float
     latest_version: int
-    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ..., latest_version: _Optional[int] = ...) -> None: ...
+    staleness_floor: int
+    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ..., latest_version: _Optional[int] = ..., staleness_floor: _Optional[int] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "worker_id", "deadline_s", "partial")
@@ -282,16 +284,18 @@ class SubmitRolloutsRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., group: _Optional[_Union[RolloutGroup, _Mapping]] = ...) -> None: ...
 
 class SubmitRolloutsReply(_message.Message):
-    __slots__ = ("rollout_id", "duplicate", "lease_closed", "latest_version")
+    __slots__ = ("rollout_id", "duplicate", "lease_closed", "latest_version", "staleness_floor")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     LEASE_CLOSED_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FLOOR_FIELD_NUMBER: _ClassVar[int]
     rollout_id: int
     duplicate: bool
     lease_closed: bool
     latest_version: int
-    def __init__(self, rollout_id: _Optional[int] = ..., duplicate: _Optional[bool] = ..., lease_closed: _Optional[bool] = ..., latest_version: _Optional[int] = ...) -> None: ...
+    staleness_floor: int
+    def __init__(self, rollout_id: _Optional[int] = ..., duplicate: _Optional[bool] = ..., lease_closed: _Optional[bool] = ..., latest_version: _Optional[int] = ..., staleness_floor: _Optional[int] = ...) -> None: ...
 
 class TakeRolloutsRequest(_message.Message):
     __slots__ = ("min_version", "max_groups", "wait_s", "ack_deadline_s", "requeue_unacked")

@@ -1,0 +1,168 @@
+"""A worker stops the prompts it began on a version under the trainer's staleness floor (as
+lease, renewal and submission replies name it): they leave the batch, their slots free,
+and go back to the server without their samples, to be sampled anew on the newest
+version; a group that finishes under the floor is released, not sent."""
+
+import numpy as np
+import pytest
+
+from inference_workers.continuous import ContinuousBatch
+from inference_workers.decoding import Sample
+from inference_workers.loop import Worker
+from inference_workers.sample_batch import SampleBatch
+from inference_workers.worker_config import WorkerConfig
+from param_server.protos import param_server_pb2 as pb
+from rlax_ps import sync
+from worker_testlib import CONFIG, SMALL, TOKENIZER, client, enqueue_addition
+
+# The worker tests' shapes and sampling (SMALL), so that they share compiled programs.
+PARAMS = WorkerConfig(**SMALL).sampling(TOKENIZER.stop_ids)
+
+
+def publish(trainer, versions, v):
+  trainer.publish(sync.encode(versions[v - 1] if v else None, versions[v], "bf16",
+                              version=v).to_bytes())
+
+
+@pytest.mark.parametrize("kind", ["slots", pytest.param("sample_rows", marks=pytest.mark.slow)])
+def test_a_dropped_prompt_frees_its_slot_and_the_next_draws_as_if_alone(
+    server, versions, kind):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    publish(trainer, versions, 0)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))  # the model as held
+    worker.sync_weights()
+  model = worker.policy.model
+
+  def make():
+    if kind == "slots":
+      return ContinuousBatch(model, 3, 2, PARAMS, chunk_steps=1)
+    return SampleBatch(model, 3, 6, PARAMS, chunk_steps=1)
+
+  new, old = TOKENIZER.encode_prompt("12+34="), TOKENIZER.encode_prompt("5+6=")
+  alone = make()
+  alone.add("new", new, [11, 12, 13])
+  want = dict(alone.run())["new"]
+  batch = make()
+  batch.add("old", old, [21, 22, 23])
+  batch.add("other", old, [31, 32, 33])
+  assert batch.step() == [] and batch.running == 2
+  batch.drop(["old", "other"])
+  assert (batch.running, batch.waiting, batch.free) == (0, 0, 2)
+  batch.add("new", new, [11, 12, 13])
+  got = dict(batch.run())
+  assert list(got) == ["new"]
+  assert [s.tokens.tolist() for s in got["new"]] == [s.tokens.tolist() for s in want]
+
+
+def test_prompts_begun_under_a_risen_floor_go_back_and_start_again_on_the_newest(
+    server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    publish(trainer, versions, 0)
+    enqueue_addition(trainer, 2)
+    wc.register("floor")
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, decode_chunk_steps=1)))
+    worker.sync_weights()
+    worker._cycle()  # leases both prompts, starts them on v0, decodes one step
+    assert sorted(v for _, v in worker._started.values()) == [0, 0]
+    assert worker._batch.running == 2
+    publish(trainer, versions, 1)
+    assert trainer.take_rollouts(min_version=1, max_n=4).rollouts == []  # the floor is v1
+    lease_id, = worker._inflight
+    worker._renew(lease_id, [])  # its reply names the floor
+    assert worker._floor == 1
+    worker._cycle()  # they stop and go back; leased again, they start on v1
+    assert worker.stats.groups_abandoned_stale == 2 and worker.stats.prompts_released == 2
+    assert sorted(v for _, v in worker._started.values()) == [1, 1]
+    while worker._started:
+      worker._cycle()
+    take = trainer.take_rollouts(min_version=1, max_n=4)
+  assert sorted(r.prompt.id for r in take.rollouts) == ["p0", "p1"]
+  assert [r.group.policy_version for r in take.rollouts] == [1, 1]
+  assert take.dropped_stale == 0 and worker.stats.groups_abandoned_stale == 2
+
+
+def test_a_group_finished_under_the_floor_is_released_not_sent(server, versions):
+  """The first group's submission reply names a floor past its sibling's version: the
+  sibling's prompt goes back instead of a group the server would drop."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    publish(trainer, versions, 0)
+    publish(trainer, versions, 1)
+    enqueue_addition(trainer, 2)
+    wc.register("floor")
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    lease = worker._lease(0.0)
+    trainer.take_rollouts(min_version=1, max_n=4)
+    worker._submit(lease.lease_id, "p0", pb.RolloutGroup(
+        prompt_id="p0", policy_version=1, failure="not sampled: a test"))
+    assert worker._floor == 1
+    worker._started[(lease.lease_id, "p1")] = (lease.prompts[1], 0)
+    sample = Sample(np.array([5, 6], np.int32), np.zeros(2, np.float32),
+                    np.zeros(2, np.float32), "length")
+    worker._submit_group(lease.lease_id, "p1", [sample] * 3)
+    assert worker.stats.groups_submitted == 1 and worker.stats.groups_abandoned_stale == 1
+    assert worker.stats.prompts_released == 1 and not worker._inflight
+    assert [p.id for p in wc.lease(2, deadline_s=30).prompts] == ["p1"]
+    # Versions at the floor in another format than the worker's: nothing is stopped (a
+    # prompt begun again would start on the same old version).
+    worker._skipped_version = 1
+    assert not worker._stale(0)
+
+
+class Recorded:
+  """A batch that records what is added to it."""
+  free, running, waiting = 2, 0, 0
+
+  def __init__(self):
+    self.added = []
+
+  def add(self, key, tokens, seeds, begun=None):
+    self.added.append((key, begun))
+
+
+def test_begun_samples_under_the_floor_are_drawn_afresh_on_the_held_version(server, versions):
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    publish(trainer, versions, 0)
+    publish(trainer, versions, 1)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    worker.sync_weights()
+    worker._hear(1, 1)
+    worker._batch = batch = Recorded()
+    begun = pb.Sample(token_ids=[5, 6], logprobs_f32=np.zeros(2, "<f4").tobytes())
+    prompt = pb.Prompt(id="p0", text="1+2=", partial=[begun], partial_version=0)
+    worker._pending.append(("L", prompt))
+    worker._start_pending(batch)
+  assert batch.added == [(("L", "p0"), None)] and worker._started[("L", "p0")][1] == 1
+
+
+def test_a_reply_asked_for_a_stopped_prompt_is_none(server):
+  with client(server, "worker") as wc:
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    assert worker._respond(("L", "gone"), 0, np.array([5]), np.zeros(1, bool)) is None
+    assert not worker._given
+
+
+def test_vigor_rounds_end_when_the_floor_passes_their_version(server, versions):
+  """Without continuous batching (VIGOR's rounds), a chunk whose version falls under the
+  floor draws no more rounds and its prompts go back."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    publish(trainer, versions, 0)
+    enqueue_addition(trainer, 2)
+    wc.register("vigor")
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, allocator="vigor")))
+    worker.sync_weights()
+    draw, rounds = worker._draw, []
+
+    def draw_then_floor(*args):
+      rounds.append(args[-1])
+      out = draw(*args)
+      publish(trainer, versions, 1)
+      trainer.take_rollouts(min_version=1, max_n=4)
+      worker._renew(*worker._inflight, [])
+      return out
+
+    worker._draw = draw_then_floor
+    lease = worker._lease(0.0)
+    worker._serve(lease)
+  assert rounds == [0]
+  assert worker.stats.groups_submitted == 0 and worker.stats.groups_abandoned_stale == 2
+  assert worker.stats.prompts_released == 2 and not worker._inflight[lease.lease_id]
