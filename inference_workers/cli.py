@@ -112,7 +112,8 @@ def main(argv) -> None:
           f"v{worker.policy.version} digest {worker.policy.digest():016x}")
   print(f"worker: exiting: {stats.leases} leases, {stats.groups_submitted} groups submitted, "
         f"{stats.prompts_released} prompts released ({stats.samples_salvaged} begun samples "
-        f"handed back), {stats.prompts_failed} prompts it could not sample, "
+        f"handed back; {stats.groups_abandoned_stale} begun under the trainer's staleness "
+        f"floor), {stats.prompts_failed} prompts it could not sample, "
         f"{stats.score_errors} samples scored 0 "
         f"by a verifier that raised; holds {held}", flush=True)
   exit_now(0)  # leases released, output flushed: skip a finalization that can abort
