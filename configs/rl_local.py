@@ -14,6 +14,9 @@ The other recipes change a few fields of this one:
   configs/rl_dapo.py        DAPO dynamic sampling (groups with all-equal rewards left out)
   configs/rl_instruct.py    your instruct checkpoint on your math data, via its chat template
   configs/rl_tools.py       the same, multi-turn: a calculator tool answers each turn
+  configs/rl_lora.py        the same, LoRA: adapters trained and synced alone
+  configs/rl_moe.py         the same for a mixture of experts (routing replay, int8 experts)
+  configs/rl_reward_model.py  the same, prompts scored by a reward model (RLHF)
 
 Variants:
   configs/rl_local.py        the `make run` default (2 CPU cores, about 10 minutes of RL).

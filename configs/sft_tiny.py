@@ -2,10 +2,11 @@ r"""rlax-ps sft --config=configs/sft_tiny.py --workdir=runs/sft_tiny
 
 Supervised warm start from scratch on the built-in addition and string-reversal tasks: a
 small Llama-style model, character tokenizer, packed rows, held-out exact match at the end.
-This is the embedded default of `make run`: about 3 minutes on 2 CPU cores (166 CPU-seconds,
-compiles included), reaching a partial held-out exact match, a starting point for RL:
-49.5% (addition 13%, reversal 86%) after the default 400 steps. More steps keep improving
-it: `--config.train.steps=1000` gives 94% (addition 98%, reversal 89%).
+This is the embedded default of `make run`: about a minute on 2 idle CPU cores (three on
+busy ones; compiles included), reaching a partial held-out exact match, a starting point
+for RL: 49.5% to 59% (addition 13% to 30%, reversal 86% to 89%, by host) after the default
+400 steps. More steps keep improving it: `--config.train.steps=1000` gives 94% (addition
+98%, reversal 89%).
 
 Variants:
   configs/sft_tiny.py        the `make run` default (CPU, minutes).
