@@ -281,7 +281,8 @@ def summary_table(summary: dict[str, Any]) -> str:
   after = summary.get("heldout_exact_match") or {}
   scores = {**before, **after}
   title = "held-out score" if "reward_model" in scores else "held-out exact match"
-  rows = [(title, "warm start", "after RL")]
+  # Without a held-out set (a reward model's recipe may have none), no header without rows.
+  rows = [(title, "warm start", "after RL")] if scores or summary.get("heldout_pass") else []
   for name in sorted(scores, key=lambda n: (n == "all", n)):
     rows.append((f"  {name}", heldout_cell(before.get(name), scores),
                  heldout_cell(after.get(name), scores)))

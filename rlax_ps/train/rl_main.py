@@ -2,8 +2,8 @@
 is `rlax_ps.train.rl.RLTrainer.train`.
 
   rlax-ps train --config=configs/rl_local.py --workdir=runs/rl \\
-      --address=127.0.0.1:50051 --token_file=runs/rl/ps/tokens.json \\
-      --config.init_from_hf=runs/rl/sft/hf
+      --address=127.0.0.1:50051 --token_file=runs/ps/tokens.json \\
+      --config.init_from_hf=runs/rl_local/sft/hf
 
 A rerun with the same workdir resumes from its latest checkpoint. SIGTERM or Ctrl-C finishes
 the step, checkpoints and, if the run had steps left, exits with 128 + the signal (143 for
