@@ -98,6 +98,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The objective (rlax_ps.train.rl_loss.LossConfig).
   c.loss = ml_collections.ConfigDict()
   c.loss.advantage = "grpo"  # grpo | dr_grpo | rloo | mc_grpo
+  # grpo, mc_grpo: divide by the std of each group (unset: "group") or of the whole batch's
+  # rewards ("batch": TRL's scale_rewards="batch"); dr_grpo and rloo divide by none.
+  c.loss.scale_rewards = ml_collections.config_dict.placeholder(str)
+  c.loss.std_eps = 1e-6  # grpo, mc_grpo: added to that std (verl's; TRL's is 1e-4).
   c.loss.policy_loss = "ppo"  # ppo | gspo | cispo (REINFORCE weighted by the clipped ratio)
   c.loss.correction = "none"  # none | tis | mis | decoupled | m2po
   # The policy loss's clip bounds and aggregation; unset: its own (ppo: 0.2 and 0.28, DAPO's
@@ -105,6 +109,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.clip_low = ml_collections.config_dict.placeholder(float)
   c.loss.clip_high = ml_collections.config_dict.placeholder(float)
   c.loss.agg = ml_collections.config_dict.placeholder(str)
+  # ppo: a negative-advantage token's loss stops growing at -dual_clip * A (dual-clip PPO,
+  # > 1: verl's clip_ratio_c, TRL's delta); unset: off.
+  c.loss.dual_clip = ml_collections.config_dict.placeholder(float)
   c.loss.tis_cap = 2.0
   c.loss.is_level = "token"  # tis / mis ratio: token | sequence (the product) | geometric
   c.loss.behaviour_cap = 5.0
@@ -114,7 +121,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.overlong_buffer = 0  # > 0: DAPO's soft overlong punishment over these last tokens
   c.loss.kl_coef = 0.0  # > 0: KL to the frozen warm start.
   c.loss.router_aux_coef = 0.0  # Mixture of experts: > 0 adds the load-balancing loss.
-  c.loss.kl_estimator = "k3"
+  c.loss.kl_estimator = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(pi || reference))
   c.loss.backend = "auto"  # Shared-prompt attention: Pallas on TPU/GPU, XLA on CPU.
   # > 0: response positions projected to the vocabulary at a time (bounds logits memory).
   c.loss.logits_chunk = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -31,6 +32,10 @@ from rlax_ps.models.transformer import load_balancing_loss
 from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo")
+# The advantages divided by a std of the rewards, and the stds they may take: their group's
+# or the whole batch's (dr_grpo is grpo divided by none; rloo has none).
+SCALED_ADVANTAGES = ("grpo", "mc_grpo")
+SCALE_REWARDS = ("group", "batch")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 # Each policy loss's clip bounds and aggregation as published, for the fields left unset:
 # PPO with DAPO's clip-higher; GSPO's bounds of a length-normalised sequence ratio, averaged
@@ -47,6 +52,11 @@ class LossConfig:
   """The `loss` config block: which estimator, loss and correction, and their knobs."""
 
   advantage: str = "grpo"  # grpo | dr_grpo (no std scaling) | rloo | mc_grpo (median baseline)
+  # grpo and mc_grpo: divide by the std of the sample's group ("group") or of the whole
+  # batch's rewards ("batch", around each group's baseline: TRL's scale_rewards="batch");
+  # None: "group". Unset for dr_grpo and rloo, which divide by no std.
+  scale_rewards: str | None = None
+  std_eps: float = 1e-6  # grpo, mc_grpo: (r - baseline) / (std + std_eps); TRL's is 1e-4
   # ppo (clip, clip-higher when clip_high > clip_low) | gspo | cispo (every token's
   # log-prob weighted by its ratio clipped to [1 - clip_low, 1 + clip_high], held constant)
   policy_loss: str = "ppo"
@@ -59,6 +69,9 @@ class LossConfig:
   clip_low: float | None = None
   clip_high: float | None = None
   agg: str | None = None
+  # ppo: > 1 bounds a negative-advantage token's loss at -dual_clip * A however large its
+  # ratio (dual-clip PPO: verl's clip_ratio_c, TRL's delta); None: off.
+  dual_clip: float | None = None
   tis_cap: float = 2.0  # TIS: weights min(pi_prox / pi_behav, cap)
   # TIS and MIS: the ratio of each token, of the whole sequence (the product: TRL's
   # sequence_truncate / sequence_mask) or its geometric mean (corrections.LEVELS)
@@ -93,6 +106,16 @@ class LossConfig:
     need(self.advantage in ADVANTAGES, "advantage", f"one of {ADVANTAGES}")
     need(self.policy_loss in POLICY_LOSSES, "policy_loss", f"one of {POLICY_LOSSES}")
     need(self.correction in CORRECTIONS, "correction", f"one of {CORRECTIONS}")
+    if self.advantage in SCALED_ADVANTAGES:
+      if self.scale_rewards is None:
+        object.__setattr__(self, "scale_rewards", "group")
+      need(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
+           f"one of {SCALE_REWARDS} with advantage={self.advantage!r} (no std: "
+           "advantage='dr_grpo')")
+    need(self.advantage in SCALED_ADVANTAGES or self.scale_rewards is None, "scale_rewards",
+         f"unset with advantage={self.advantage!r}, which divides by no std (grpo and "
+         "mc_grpo do)")
+    need(math.isfinite(self.std_eps) and self.std_eps >= 0, "std_eps", "a finite eps >= 0")
     for field, value in POLICY_DEFAULTS[self.policy_loss].items():
       if getattr(self, field) is None:
         object.__setattr__(self, field, value)
@@ -103,6 +126,11 @@ class LossConfig:
          "not 'm2po' with kl_coef > 0 (M2PO's objective has no KL term)")
     need(0 <= self.mis_low < self.mis_high, "mis_low", f"0 <= mis_low < mis_high={self.mis_high}")
     need(self.m2po_threshold >= 0, "m2po_threshold", ">= 0")
+    if self.dual_clip is not None:
+      need(self.dual_clip > 1, "dual_clip", "a constant > 1 (None: off)")
+      need(self.policy_loss == "ppo" and self.correction != "m2po", "dual_clip",
+           f"None with policy_loss={self.policy_loss!r}, correction={self.correction!r} "
+           "(it bounds PPO's clipped loss)")
     need(self.overlong_buffer >= 0, "overlong_buffer", ">= 0 tokens")
     need(self.clip_low >= 0 and self.clip_high >= 0, "clip_low", "clip bounds >= 0")
     need(self.agg in losses.AGGREGATIONS, "agg", f"one of {losses.AGGREGATIONS}")
@@ -137,14 +165,15 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
         batch["response_lens"].reshape(-1), budget, min(cfg.overlong_buffer, budget))
   mask = batch["sample_mask"].reshape(-1)
   group_ids = jnp.repeat(batch["row_group"], n)
+  scaling = dict(std_scaling=cfg.scale_rewards, eps=cfg.std_eps)
   if cfg.advantage == "grpo":
-    adv = adv_lib.grpo_advantages(rewards, group_ids, num_groups, mask)
+    adv = adv_lib.grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
   elif cfg.advantage == "dr_grpo":
     adv = adv_lib.grpo_advantages(rewards, group_ids, num_groups, mask, std_scaling="none")
   elif cfg.advantage == "rloo":
     adv = adv_lib.rloo_advantages(rewards, group_ids, num_groups, mask)
   else:
-    adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask)
+    adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
     mask = mask * keep.astype(mask.dtype)
   return adv, mask
 
@@ -241,7 +270,8 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   norm = cfg.budget or None  # seq-mean-token-sum-norm: the budget, not the packed length
   common = dict(agg=cfg.agg, norm_const=norm, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
                 kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
-  policy_loss = {"ppo": losses.ppo_clip_loss, "gspo": losses.gspo_loss,
+  policy_loss = {"ppo": functools.partial(losses.ppo_clip_loss, dual_clip=cfg.dual_clip),
+                 "gspo": losses.gspo_loss,
                  "cispo": losses.cispo_loss}[cfg.policy_loss]
   if cfg.correction == "none":
     loss, metrics = policy_loss(logp, behaviour, adv, mask, **common)
@@ -261,7 +291,8 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                                           norm_const=norm)
   else:
     loss, metrics = corrections.decoupled_ppo_loss(logp, proximal, behaviour, adv, mask,
-                                                   behaviour_cap=cfg.behaviour_cap, **common)
+                                                   behaviour_cap=cfg.behaviour_cap,
+                                                   dual_clip=cfg.dual_clip, **common)
   # pi_prox / pi_behav per token: how far the workers' policy is from the trainer's.
   n_tok = jnp.maximum(jnp.sum(mask), 1.0)
   iw = jnp.exp(jnp.where(mask > 0, proximal - behaviour, 0.0))
