@@ -12,4 +12,7 @@ from rlax_ps.config_files import sibling
 def get_config(arg: str | None = None):
   c = sibling(__file__, "rl_local.py", arg)
   c.worker.allocator = "vigor"
+  # Its schedule: m0 samples per prompt first, then `rounds` rounds keeping the top `alpha`
+  # of prompts by reward variance, each giving `gamma` times more samples ('' = 2, 4, 0.5, 2).
+  c.worker.allocator_args = ""
   return c

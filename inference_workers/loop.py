@@ -97,7 +97,7 @@ def make_allocator(config: WorkerConfig):
   """The allocation policy named by the config (fixed N by default)."""
   if config.allocator == "vigor":
     from algorithms.allocation import VigorAllocator
-    return VigorAllocator()
+    return VigorAllocator(**config.allocator_settings())
   return FixedAllocator(config.samples_per_prompt)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Sequence
 
 from algorithms.environments import environment_names
@@ -49,6 +50,9 @@ class WorkerConfig:
                                     "not when the prompts started on the held version end")
   samples_per_prompt: int = setting(8, "N for the fixed allocator; VIGOR's per-prompt mean budget")
   allocator: str = setting("fixed", "rollout allocation: fixed (GRPO) or vigor")
+  allocator_args: str = setting("", "vigor: its settings as a JSON object, e.g. '{\"m0\": 4, "
+                                "\"rounds\": 3, \"alpha\": 0.5, \"gamma\": 2}' (unset: "
+                                "algorithms.allocation.VigorAllocator's)")
   max_new_tokens: int = setting(64, "generation budget per sample")
   temperature: float = setting(1.0, "sampling temperature (0 = greedy)")
   top_k: int = setting(0, "top-k truncation (0 = off)")
@@ -93,12 +97,37 @@ class WorkerConfig:
   routing_replay: bool = setting(False, "mixture of experts: send each token's experts with the "
                                  "rollouts, for the trainer to route by (routing replay)")
 
+  def allocator_settings(self) -> dict:
+    """allocator_args as keyword arguments of the allocator (ValueError naming the field)."""
+    if not self.allocator_args:
+      return {}
+    try:
+      args = json.loads(self.allocator_args)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"WorkerConfig.allocator_args: expected a JSON object, got "
+                       f"{self.allocator_args!r} ({e})") from None
+    if not isinstance(args, dict):
+      raise ValueError(f"WorkerConfig.allocator_args: expected a JSON object, got "
+                       f"{self.allocator_args!r}")
+    from algorithms.allocation import VigorAllocator
+    try:
+      VigorAllocator(**args)
+    except TypeError as e:  # an unknown setting
+      raise ValueError(f"WorkerConfig.allocator_args: {e}; expected m0, rounds, alpha, "
+                       "gamma") from None
+    except ValueError as e:
+      raise ValueError(f"WorkerConfig.allocator_args: {e}") from None
+    return args
+
   def __post_init__(self):
     def need(cond, field, expected):
       if not cond:
         raise ValueError(f"WorkerConfig.{field}: expected {expected}, got {getattr(self, field)!r}")
     need(self.weights_format in ("bf16", "int8"), "weights_format", "'bf16' or 'int8'")
     need(self.allocator in ("fixed", "vigor"), "allocator", "'fixed' or 'vigor'")
+    need(not self.allocator_args or self.allocator == "vigor", "allocator_args",
+         "'' with allocator='fixed' (its N is samples_per_prompt)")
+    self.allocator_settings()  # checked now, named, rather than when the first lease comes
     for f in ("prompts_per_lease", "prompts_per_call", "samples_per_prompt", "max_new_tokens",
               "decode_chunk_steps"):
       need(getattr(self, f) > 0, f, "a positive int")
