@@ -35,6 +35,10 @@ def test_quickstart_runs_the_rl_loop_and_its_delta_is_exact(monkeypatch):
   assert os.path.exists(os.path.join(scope["hf_dir"], "config.json"))
   assert scope["rl"].returncode == 0 and "after RL" in scope["rl"].stdout
   assert scope["summary"]["step"] == 4 and scope["summary"]["rollout_groups_trained"] == 16
+  # What the policy wrote: a trained group's samples, each with its reward and advantage.
+  last = scope["last"]
+  assert last["step"] == 4 and len(last["samples"]) == 4
+  assert all({"completion", "reward", "advantage"} <= set(s) for s in last["samples"])
   # The side-by-side evaluation reproduces the run's own numbers for both checkpoints.
   compared, summary = scope["compared"], scope["summary"]
   assert compared[scope["hf_dir"]]["heldout_exact_match"] == summary["warm_start"]
