@@ -270,7 +270,9 @@ class RLTrainer(TrainerRun):
     self._told_routes = False  # warned once of a group whose routes the run does not expect
     self._stop = threading.Event()
     self.stop_signal: int | None = None  # the signal that asked for the stop, if any
-    self.sync_log: list[tuple[int, int, float, bool]] = []  # (version, bytes, s, keyframe)
+    # (version, bytes, s, keyframe) of a follower's publications; the leader's are in
+    # versions.jsonl.
+    self.sync_log: list[tuple[int, int, float, bool]] = []
     log = config.get("log") or {}  # the completions log (check_rl_config checked it)
     self.completions_every = int(log.get("completions_every", 0))
     self.completions_groups = int(log.get("completions_groups", 0))
@@ -698,8 +700,8 @@ class RLTrainer(TrainerRun):
   def _publish(self, version: int, *, keyframe: bool = False):
     """Publish the current params as `version`; one line of versions.jsonl per version."""
     pub = self.publisher.publish(self.state.params, version, keyframe=keyframe)
-    self.sync_log.append((pub.version, pub.bytes, pub.seconds, pub.keyframe))
-    if not self.leader:
+    if not self.leader:  # the leader's go to versions.jsonl alone, not to a list per step
+      self.sync_log.append((pub.version, pub.bytes, pub.seconds, pub.keyframe))
       return pub
     with open(os.path.join(self.workdir, "versions.jsonl"), "a") as f:
       f.write(json.dumps({"version": pub.version, "step": self.step, "keyframe": pub.keyframe,
