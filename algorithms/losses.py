@@ -1,5 +1,6 @@
 """Policy losses on token-level log-probs: PPO-clip (DAPO clip-higher, dual clip), GSPO,
-KL penalty to a reference policy, and the loss aggregation modes.
+KL penalty to a reference policy, the loss aggregation modes, and the high-entropy token
+selection ("Beyond the 80/20 rule").
 
 Shapes: `logp`, `old_logp`, `ref_logp`, `mask` are `[B, T]` (B sequences of T
 response tokens, `mask` 1 on real tokens); `advantages` is `[B]` (one per sequence)
@@ -84,6 +85,22 @@ def kl_penalty(logp, ref_logp, estimator: str = "k3"):
   if estimator == "k2":
     return 0.5 * log_r * log_r
   return jnp.expm1(log_r) - log_r
+
+
+def entropy_threshold(entropy, mask, quantile: float):
+  """The entropy that the top `quantile` of the real tokens (`mask`) reach: the 1 - quantile
+  quantile of their entropies, interpolated linearly as TRL's torch.quantile is (NaN
+  without a token). A constant: no gradient flows through the selection."""
+  x = jnp.where(jnp.asarray(mask) > 0, jax.lax.stop_gradient(entropy), jnp.nan)
+  return jnp.nanquantile(x.reshape(-1).astype(jnp.float32), 1.0 - quantile)
+
+
+def high_entropy_tokens(entropy, mask, threshold):
+  """[B, T] 1 on the real tokens whose entropy reaches `threshold` (the "forking" tokens
+  that alone get policy loss in "Beyond the 80/20 rule", TRL's top_entropy_quantile), else 0."""
+  mask = jnp.asarray(mask)
+  keep = (jax.lax.stop_gradient(entropy) >= threshold) & (mask > 0)
+  return keep.astype(mask.dtype)
 
 
 def _masked_stats(x, mask):

@@ -119,6 +119,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.mis_high = 2.0
   c.loss.m2po_threshold = 0.04  # M2PO's bound on the second moment of log(pi_t / pi_w)
   c.loss.overlong_buffer = 0  # > 0: DAPO's soft overlong punishment over these last tokens
+  # True: responses cut at worker.max_new_tokens get no loss (their rewards still join their
+  # group's baseline): DAPO's advice, TRL's mask_truncated_completions.
+  c.loss.mask_truncated = False
+  # < 1: policy loss on this top share of the batch's tokens by entropy alone (0.2: "Beyond
+  # the 80/20 rule", TRL's top_entropy_quantile); 1.0: every token.
+  c.loss.top_entropy_quantile = 1.0
+  c.loss.entropy_coef = 0.0  # > 0: an entropy bonus, minus coef * entropy (verl's entropy_coeff).
   c.loss.kl_coef = 0.0  # > 0: KL to the frozen warm start.
   c.loss.router_aux_coef = 0.0  # Mixture of experts: > 0 adds the load-balancing loss.
   c.loss.kl_estimator = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(pi || reference))

@@ -60,6 +60,7 @@ def test_versions_advance_and_rollouts_are_trained_on(run):
   steps = _lines(workdir / "steps.jsonl")
   ids = [i for s in steps for i in s["rollout_ids"]]
   assert len(steps) == 4 and len(ids) == len(set(ids)) == 16
+  assert [s["trained_token_frac"] for s in steps] == [1.0] * 4  # every token: no selection
   # What the policy wrote, every 2nd step: two trained groups each, all their samples.
   logged = _lines(workdir / "completions.jsonl")
   assert [c["step"] for c in logged] == [2, 2, 4, 4]

@@ -192,6 +192,8 @@ class RLTrainer(TrainerRun):
     rl = config.rl
     self.loss_cfg = check_rl_config(config, files=False)  # the files are read below
     self.read_model(config)
+    # A response of the whole budget that ends on a stop id stopped; else it was cut.
+    self.loss_cfg = dataclasses.replace(self.loss_cfg, stop_ids=tuple(self.tokenizer.stop_ids))
     self.total_steps = int(rl.steps)
     self.max_staleness = int(rl.max_staleness)
     self.publish_every = int(rl.publish_every)
@@ -774,6 +776,7 @@ class RLTrainer(TrainerRun):
         # None where the loss clips nothing (m2po masks: train/m2po_masked_frac)
         "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac"),
         "iw_mean": metrics["iw_mean"], "entropy": metrics["entropy"], "heldout": None,
+        "trained_token_frac": metrics.get("trained_token_frac"),
         **response_stats(groups, self.shape.response_len, self.tokenizer.stop_ids),
         "response_capacity": int(batch["response_tokens"].shape[-1]),  # what rows packed
     }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -45,6 +46,10 @@ POLICY_DEFAULTS = {"ppo": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),
                    "gspo": dict(clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
                    "cispo": dict(clip_low=1.0, clip_high=0.28, agg="token-mean")}
 CORRECTIONS = ("none", "tis", "mis", "decoupled", "m2po")
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +88,18 @@ class LossConfig:
   # DAPO's soft overlong punishment: a response within this many tokens of the budget
   # (worker.max_new_tokens) loses up to 1 reward, linearly; 0 = off.
   overlong_buffer: int = 0
+  # True: a response cut at the budget (no stop token: `truncated_samples`) gets no loss; its
+  # reward still counts in its group's baseline and std (DAPO; TRL's
+  # mask_truncated_completions, which masks after the advantages too).
+  mask_truncated: bool = False
+  # < 1: only the tokens whose entropy (the trainer's policy) is in this top share of the
+  # whole batch's get policy loss; the others weigh 0 and still count in its mean ("Beyond
+  # the 80/20 rule", 0.2; TRL's top_entropy_quantile). 1.0: every token.
+  top_entropy_quantile: float = 1.0
+  # > 0: minus this times the policy's entropy, aggregated as the policy loss (`agg`) over
+  # all its tokens (those top_entropy_quantile leaves out too), joins the loss with its
+  # gradient (verl's entropy_coeff; TRL's takes the token mean of the selected ones).
+  entropy_coef: float = 0.0
   kl_coef: float = 0.0  # > 0: KL(pi || frozen reference) term
   # > 0: plus this times the mixture-of-experts load-balancing loss (transformers'
   # router_aux_loss_coef; train/router_aux_loss reports it either way).
@@ -98,6 +115,9 @@ class LossConfig:
   # overlong punishment and Dr. GRPO's constant normaliser count from it, whatever length
   # a step's batch is packed to (rl.response_buckets). 0: the batch's padded length.
   budget: int = 0
+  # The tokenizer's stop ids (the trainer sets them): a response of `budget` tokens that ends
+  # on one stopped rather than being cut (mask_truncated). (): none is known.
+  stop_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     def need(cond, field, expected):
@@ -132,6 +152,17 @@ class LossConfig:
            f"None with policy_loss={self.policy_loss!r}, correction={self.correction!r} "
            "(it bounds PPO's clipped loss)")
     need(self.overlong_buffer >= 0, "overlong_buffer", ">= 0 tokens")
+    need(isinstance(self.mask_truncated, bool), "mask_truncated", "True or False")
+    need(_is_number(self.top_entropy_quantile) and 0 < self.top_entropy_quantile <= 1,
+         "top_entropy_quantile", "a share in (0, 1] (1.0: every token)")
+    need(self.top_entropy_quantile == 1 or self.correction in ("none", "tis", "mis"),
+         "top_entropy_quantile", f"1.0 with correction={self.correction!r} (its loss takes no "
+         "token weights; 'none', 'tis' and 'mis' do)")
+    need(_is_number(self.entropy_coef) and math.isfinite(self.entropy_coef)
+         and self.entropy_coef >= 0, "entropy_coef", "a finite coefficient >= 0 (0: off)")
+    need(all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0
+             for i in self.stop_ids), "stop_ids", "token ids >= 0")
+    object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
     need(self.clip_low >= 0 and self.clip_high >= 0, "clip_low", "clip bounds >= 0")
     need(self.agg in losses.AGGREGATIONS, "agg", f"one of {losses.AGGREGATIONS}")
     need(self.tis_cap > 0, "tis_cap", "> 0")
@@ -154,9 +185,23 @@ class LossConfig:
     return cls(**d)
 
 
+def truncated_samples(batch: dict, cfg: LossConfig) -> jax.Array:
+  """[rows * N] bool: the samples cut at the budget (cfg.budget, else the padded length)
+  rather than ended by a stop id of cfg.stop_ids: the workers' finish_reason "length", by
+  rollouts.response_stats's rule."""
+  r = batch["response_tokens"].shape[-1]
+  lens = batch["response_lens"].reshape(-1)
+  last = jnp.take_along_axis(batch["response_tokens"].reshape(-1, r),
+                             jnp.clip(lens - 1, 0, r - 1)[:, None], axis=1)[:, 0]
+  cut = lens >= (cfg.budget or r)
+  return cut & ~jnp.isin(last, jnp.asarray(cfg.stop_ids, last.dtype)) if cfg.stop_ids else cut
+
+
 def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
                      ) -> tuple[jax.Array, jax.Array]:
-  """(advantages [rows * N], sample mask [rows * N]) over each row's whole group."""
+  """(advantages [rows * N], sample mask [rows * N]) over each row's whole group. The mask
+  is of the samples trained on: with loss.mask_truncated it leaves out the truncated ones,
+  after their rewards joined their group's statistics."""
   n = batch["rewards"].shape[1]
   rewards = batch["rewards"].reshape(-1)
   if cfg.overlong_buffer:
@@ -175,6 +220,8 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
   else:
     adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
     mask = mask * keep.astype(mask.dtype)
+  if cfg.mask_truncated:
+    mask = mask * (~truncated_samples(batch, cfg)).astype(mask.dtype)
   return adv, mask
 
 
@@ -247,10 +294,13 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
 
 def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *,
                   num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None,
-                  advantages: tuple[jax.Array, jax.Array] | None = None
+                  advantages: tuple[jax.Array, jax.Array] | None = None,
+                  entropy_threshold: jax.Array | None = None
                   ) -> tuple[jax.Array, dict, Any]:
   """`rl_loss` before its load-balancing term: (the policy loss, the metrics, the model's
-  `Routing` record or None for a dense model)."""
+  `Routing` record or None for a dense model). `entropy_threshold`: the entropy the top
+  tokens reach (loss.top_entropy_quantile) over a larger batch these rows are a slice of;
+  None: over these rows."""
   adv, sample_mask = (group_advantages(batch, num_groups, cfg) if advantages is None
                       else advantages)
   mask = token_mask(batch, sample_mask)
@@ -273,17 +323,31 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   policy_loss = {"ppo": functools.partial(losses.ppo_clip_loss, dual_clip=cfg.dual_clip),
                  "gspo": losses.gspo_loss,
                  "cispo": losses.cispo_loss}[cfg.policy_loss]
+  trained = mask  # the tokens that get policy loss
+  if cfg.top_entropy_quantile < 1:  # the others weigh 0 and still count in its mean
+    if entropy_threshold is None:
+      entropy_threshold = losses.entropy_threshold(entropy, mask, cfg.top_entropy_quantile)
+    trained = losses.high_entropy_tokens(entropy, mask, entropy_threshold)
+
+  def selected(weights):  # the correction's token weights (None: 1) on the trained tokens
+    if trained is mask:
+      return weights
+    return trained if weights is None else weights * trained
+
   if cfg.correction == "none":
-    loss, metrics = policy_loss(logp, behaviour, adv, mask, **common)
+    loss, metrics = policy_loss(logp, behaviour, adv, mask, token_weights=selected(None),
+                                **common)
   elif cfg.correction == "tis":
     weights = corrections.truncated_importance_weights(proximal, behaviour, mask,
                                                        level=cfg.is_level, cap=cfg.tis_cap)
-    loss, metrics = policy_loss(logp, proximal, adv, mask, token_weights=weights, **common)
+    loss, metrics = policy_loss(logp, proximal, adv, mask, token_weights=selected(weights),
+                                **common)
     metrics["tis_weight_mean"] = jnp.sum(weights) / jnp.maximum(jnp.sum(mask), 1.0)
   elif cfg.correction == "mis":  # dropped tokens weigh 0 and still count in the mean
     weights, kept = corrections.masked_importance_weights(
         proximal, behaviour, mask, level=cfg.is_level, low=cfg.mis_low, high=cfg.mis_high)
-    loss, metrics = policy_loss(logp, proximal, adv, mask, token_weights=weights, **common)
+    loss, metrics = policy_loss(logp, proximal, adv, mask, token_weights=selected(weights),
+                                **common)
     metrics["mis_masked_frac"] = 1.0 - jnp.sum(kept) / jnp.maximum(jnp.sum(mask), 1.0)
   elif cfg.correction == "m2po":
     loss, metrics = corrections.m2po_loss(logp, proximal, behaviour, adv, mask,
@@ -293,6 +357,8 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
     loss, metrics = corrections.decoupled_ppo_loss(logp, proximal, behaviour, adv, mask,
                                                    behaviour_cap=cfg.behaviour_cap,
                                                    dual_clip=cfg.dual_clip, **common)
+  if cfg.entropy_coef > 0:  # the entropy bonus, with its gradient: verl's entropy_coeff
+    loss = loss - cfg.entropy_coef * losses.aggregate(entropy, mask, cfg.agg, norm)
   # pi_prox / pi_behav per token: how far the workers' policy is from the trainer's.
   n_tok = jnp.maximum(jnp.sum(mask), 1.0)
   iw = jnp.exp(jnp.where(mask > 0, proximal - behaviour, 0.0))
@@ -306,6 +372,7 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
           jnp.sum(sample_mask), 1.0),
       response_tokens=jnp.sum(mask),
       entropy=jnp.sum(jax.lax.stop_gradient(entropy) * mask) / n_tok,  # of the trainer's policy
+      trained_token_frac=jnp.sum(trained) / n_tok,  # with policy loss (top_entropy_quantile)
       **stats,
   )
   return loss, metrics, routing
@@ -357,20 +424,34 @@ def check_micro_batches(micro_batches: int, rows: int, cfg: LossConfig) -> None:
                      "mask is a statistic of the whole batch)")
 
 
-def routed_counts(params: Any, graphdef: nnx.GraphDef, slices: dict, backend: str
-                  ) -> tuple[jax.Array, jax.Array] | None:
-  """The routed token counts [k, E] and token count (`Routing`) of all `slices` (a batch's
-  rows as [slices, rows / slices, ...]) by a forward pass of each, or None for a dense
-  model: the load-balancing loss's token shares, which each slice's gradient of it needs
-  before any slice's backward pass. Only the layers up to the last router are live."""
-  def count(sub):
-    routing = response_logprobs(params, graphdef, sub, backend, with_stats=True)[1].get(
-        "routing")
-    return None if routing is None else (routing.counts, routing.tokens)
+def whole_batch_stats(params: Any, graphdef: nnx.GraphDef, slices: dict, keep: jax.Array,
+                      cfg: LossConfig) -> dict:
+  """What each slice's loss needs of the whole batch before any slice's backward pass, by a
+  forward pass of every slice (`slices`: a batch's rows as [slices, rows / slices, ...];
+  `keep`: their sample masks [slices, rows / slices * N]), as constants. With
+  loss.router_aux_coef > 0 and a mixture of experts, "routed": the routed token counts
+  [k, E] and token count (`Routing`), the load-balancing loss's token shares; with
+  loss.top_entropy_quantile < 1, "entropy_threshold": the entropy the batch's top tokens
+  reach. Only what is asked for is live (routes alone: the layers up to the last router)."""
+  def one(args):
+    sub, k = args
+    stats = response_logprobs(params, graphdef, sub, cfg.backend, with_stats=True,
+                              logits_chunk=cfg.logits_chunk)[1]
+    out = {}
+    if cfg.router_aux_coef > 0 and "routing" in stats:
+      out["routed"] = (stats["routing"].counts, stats["routing"].tokens)
+    if cfg.top_entropy_quantile < 1:
+      out["entropy"] = (stats["entropy"], token_mask(sub, k))
+    return out
 
-  counts = jax.lax.map(count, slices)
-  return None if counts is None else jax.lax.stop_gradient(
-      jax.tree.map(lambda x: jnp.sum(x, axis=0), counts))
+  out = jax.lax.stop_gradient(jax.lax.map(one, (slices, keep)))
+  if "routed" in out:
+    out["routed"] = jax.tree.map(lambda x: jnp.sum(x, axis=0), out["routed"])
+  if "entropy" in out:
+    entropy, mask = (x.reshape(-1, x.shape[-1]) for x in out.pop("entropy"))
+    out["entropy_threshold"] = losses.entropy_threshold(entropy, mask,
+                                                        cfg.top_entropy_quantile)
+  return out
 
 
 def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict,
@@ -388,8 +469,10 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   tokens (f: the routed shares, constants; P: the mean router probabilities). Its parts
   are summed over the slices and the loss formed from the totals. With
   loss.router_aux_coef > 0 a forward pass of every slice first counts f
-  (`routed_counts`), so that each slice adds E * sum_e f_e * (its part of P_e) to the
-  objective: these add up to the whole batch's term, value and gradient."""
+  (`whole_batch_stats`), so that each slice adds E * sum_e f_e * (its part of P_e) to the
+  objective: these add up to the whole batch's term, value and gradient. The same pass
+  finds the entropy that the whole batch's top tokens reach (loss.top_entropy_quantile), so
+  that every slice trains on the tokens the whole batch would."""
   rows = batch["row_group"].shape[0]
   check_micro_batches(micro_batches, rows, cfg)
   trainable = split_trainable(params)[0]  # what takes a gradient (a LoRA run: the adapters)
@@ -408,8 +491,11 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
     return {k: v for k, v in mb.items() if k not in ("adv", "keep", "proximal")}
 
   slices = jax.tree.map(split, per_row)
-  whole = (routed_counts(params, graphdef, rows_of(slices), cfg.backend)
-           if cfg.router_aux_coef > 0 else None)
+  stats = {}
+  if cfg.router_aux_coef > 0 or cfg.top_entropy_quantile < 1:
+    stats = whole_batch_stats(params, graphdef, rows_of(slices),
+                              slices["keep"].reshape(micro_batches, -1), cfg)
+  whole = stats.get("routed")
 
   def one(mb):
     sub = rows_of(mb)
@@ -420,7 +506,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
     def weighted(p):
       loss, metrics, routing = rl_loss_terms(p, graphdef, sub, ref_params,
                                              num_groups=num_groups, cfg=cfg, proximal=prox,
-                                             advantages=(mb["adv"].reshape(-1), keep))
+                                             advantages=(mb["adv"].reshape(-1), keep),
+                                             entropy_threshold=stats.get("entropy_threshold"))
       loss, parts = loss * shares["agg"], None
       if routing is not None:  # the load-balancing loss: from the slices' summed parts
         del metrics["router_aux_loss"]

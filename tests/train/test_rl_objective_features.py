@@ -1,0 +1,254 @@
+"""The objective features set in the config: loss.mask_truncated (no loss on responses cut
+at the budget), loss.top_entropy_quantile (policy loss on the batch's high-entropy tokens
+alone) and loss.entropy_coef (an entropy bonus): against Hugging Face TRL's GRPOTrainer on
+its own numbers (tests/fixtures/trl_losses.json) and verl's formula, whole or
+micro-batched, with the bonus's gradient through the packed model; bad values are refused
+naming the field."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rl_testlib import rl_config
+from rlax_ps.kernels import pack_group, packed_response_logprobs
+from rlax_ps.kernels.schedule import BlockSizes
+from rlax_ps.models import ModelConfig, Transformer
+from rlax_ps.train import rl_loss as rl_loss_lib
+from rlax_ps.train.rl_checks import check_rl_config
+from rlax_ps.train.rl_loss import (LossConfig, group_advantages, micro_batched_loss_and_grad,
+                                   rl_loss)
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "trl_losses.json")
+with open(FIXTURE) as _f:
+  DATA = json.load(_f)
+EOS = 1  # the fixture's eos id: it ends every sample but the truncated ones
+# TRL's eps and its default clip (epsilon 0.2, epsilon_high unset: 0.2) as our fields
+TRL = dict(std_eps=1e-4, clip_high=0.2, stop_ids=(EOS,))
+# b2x5: two samples cut at the budget, one stopped there. b3x4 (its own shapes: op-by-op
+# compiles, ~3 s) adds a group of equal rewards.
+BATCHES = ["b2x5", pytest.param("b3x4", marks=pytest.mark.slow)]
+
+
+def _find(batch, **cfg):
+  return next(c for c in DATA["feature_cases"] if c["batch"] == batch and c["config"] == cfg)
+
+
+def _trl_batch(name, truncated=()):
+  """The fixture's batch as the trainer packs it (one row per group), its samples ending on
+  eos but the `truncated` ones; the policy ({"logp", "entropy"} [rows * N, R]) as params."""
+  b = DATA["batches"][name]
+  g, n = b["groups"], b["n"]
+  f = lambda k: np.asarray(b[k], np.float32)  # noqa: E731
+  t = f("mask").shape[-1]
+  lens = np.asarray(b["lens"], np.int32)
+  tokens = np.full((g * n, t), 5, np.int32)
+  for i, k in enumerate(lens):
+    tokens[i, k - 1] = 5 if i in truncated else EOS
+  batch = {"rewards": f("rewards").reshape(g, n), "sample_mask": np.ones((g, n), np.float32),
+           "row_group": np.arange(g, dtype=np.int32), "row_ids": np.arange(g, dtype=np.int32),
+           "response_lens": lens.reshape(g, n), "response_tokens": tokens.reshape(g, n, t),
+           "behaviour_logp": f("old_logp").reshape(g, n, t)}  # correction none: TRL's `old`
+  policy = {"logp": f("logp"), "entropy": np.asarray(DATA["entropies"][name], np.float32)}
+  return ({k: jnp.asarray(v) for k, v in batch.items()},
+          {k: jnp.asarray(v) for k, v in policy.items()}, g)
+
+
+@pytest.fixture
+def fixture_policy(monkeypatch):
+  """The policy is its per-token log-probs and entropies: the batch's rows of them."""
+  def response_logprobs(params, graphdef, batch, backend="auto", *, with_stats=False, **_):
+    rows = batch["row_group"].shape[0]
+    n, r = batch["response_tokens"].shape[1:]
+    pick = lambda x: x.reshape(-1, n, r)[batch["row_ids"]].reshape(rows * n, r)  # noqa: E731
+    logp = pick(params["logp"])
+    return (logp, {"entropy": pick(params["entropy"])}) if with_stats else logp
+  monkeypatch.setattr(rl_loss_lib, "response_logprobs", response_logprobs)
+
+
+def _loss_and_grad(batch, policy, groups, cfg):
+  loss = lambda p: rl_loss(p, None, batch, None, num_groups=groups, cfg=cfg)  # noqa: E731
+  (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(policy)
+  return value, metrics, grad
+
+
+def _assert_trls(case, value, grad):
+  np.testing.assert_allclose(value, case["loss"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(grad["logp"], np.asarray(case["grad_logp"], np.float32),
+                             rtol=1e-5, atol=1e-6)
+  if "grad_entropy" in case:
+    np.testing.assert_allclose(grad["entropy"], np.asarray(case["grad_entropy"], np.float32),
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.usefixtures("fixture_policy")
+@pytest.mark.parametrize("name", BATCHES)
+def test_truncated_samples_get_no_loss_and_keep_their_groups_statistics_as_in_trl(name):
+  """One sample of each batch reaches the budget ending on eos: stopped, trained on (with no
+  stop ids known, every sample at the budget counts as cut)."""
+  case = _find(name, loss_type="dapo", mask_truncated_completions=True, use_vllm=False)
+  batch, policy, groups = _trl_batch(name, case["truncated"])
+  cfg = LossConfig(mask_truncated=True, **TRL)
+  adv, mask = group_advantages(batch, groups, cfg)
+  np.testing.assert_allclose(adv, case["advantages"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.flatnonzero(np.asarray(mask) == 0), case["truncated"])
+  lens = np.asarray(DATA["batches"][name]["lens"])
+  _, by_length = group_advantages(batch, groups, dataclasses.replace(cfg, stop_ids=()))
+  np.testing.assert_array_equal(by_length, lens < lens.max())
+  value, _, grad = _loss_and_grad(batch, policy, groups, cfg)
+  _assert_trls(case, value, grad)
+
+
+TOP_ENTROPY = [("dapo", "token-mean", False), ("grpo", "seq-mean-token-mean", False),
+               ("dapo", "token-mean", True)]
+
+
+@pytest.mark.usefixtures("fixture_policy")
+@pytest.mark.parametrize("name", BATCHES)
+@pytest.mark.parametrize("loss_type,agg,truncated", TOP_ENTROPY,
+                         ids=["dapo", "grpo", "dapo-mask-truncated"])
+def test_the_top_entropy_tokens_alone_get_policy_loss_as_in_trl(name, loss_type, agg,
+                                                                truncated):
+  """The others weigh 0 and still count in the mean; with truncated samples masked, the
+  quantile is over the others' tokens."""
+  trl_cfg = dict(loss_type=loss_type, top_entropy_quantile=0.2, use_vllm=False)
+  if truncated:
+    trl_cfg = dict(loss_type=loss_type, mask_truncated_completions=True,
+                   top_entropy_quantile=0.2, use_vllm=False)
+  case = _find(name, **trl_cfg)
+  batch, policy, groups = _trl_batch(name, case.get("truncated", ()))
+  cfg = LossConfig(top_entropy_quantile=0.2, agg=agg, mask_truncated=truncated, **TRL)
+  value, metrics, grad = _loss_and_grad(batch, policy, groups, cfg)
+  _assert_trls(case, value, grad)
+  valid = np.asarray(DATA["batches"][name]["mask"]) > 0
+  valid[case.get("truncated", [])] = False
+  ent = np.asarray(policy["entropy"])
+  trained = valid & (ent >= np.quantile(ent[valid], 0.8))
+  np.testing.assert_allclose(metrics["trained_token_frac"], trained.sum() / valid.sum(),
+                             rtol=1e-6)
+
+
+def _verl_agg(loss_mat, mask, mode):
+  """verl's core_algos.agg_loss, in numpy."""
+  if mode == "token-mean":
+    return (loss_mat * mask).sum() / mask.sum()
+  return ((loss_mat * mask).sum(-1) / mask.sum(-1)).mean()  # seq-mean-token-mean
+
+
+@pytest.mark.usefixtures("fixture_policy")
+@pytest.mark.parametrize("name", BATCHES)
+def test_the_entropy_bonus_is_trls_and_verls_with_its_gradient(name):
+  """verl: policy_loss = pg_loss - entropy_coeff * agg_loss(entropy, response_mask, mode)."""
+  case = _find(name, loss_type="dapo", entropy_coef=0.05, use_vllm=False)
+  batch, policy, groups = _trl_batch(name)
+  value, metrics, grad = _loss_and_grad(batch, policy, groups,
+                                        LossConfig(entropy_coef=0.05, **TRL))
+  _assert_trls(case, value, grad)
+  mask = np.asarray(DATA["batches"][name]["mask"], np.float32)
+  ent = np.asarray(policy["entropy"])
+  np.testing.assert_allclose(metrics["entropy"], _verl_agg(ent, mask, "token-mean"), rtol=1e-6)
+  cfg = LossConfig(agg="seq-mean-token-mean", **TRL)
+  off, _, _ = _loss_and_grad(batch, policy, groups, cfg)
+  on, _, grad = _loss_and_grad(batch, policy, groups, LossConfig(
+      agg="seq-mean-token-mean", entropy_coef=0.3, **TRL))
+  np.testing.assert_allclose(on, off - 0.3 * _verl_agg(ent, mask, "seq-mean-token-mean"),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(grad["entropy"], -0.3 * mask / mask.sum(-1, keepdims=True)
+                             / len(mask), rtol=1e-5)
+
+
+@pytest.mark.usefixtures("fixture_policy")
+def test_micro_batches_select_the_whole_batchs_high_entropy_tokens():
+  """Two slices of one row: each row's own top 20% are not the batch's, so the loss,
+  gradient and metrics are the whole batch's only if the quantile is."""
+  case = _find("b2x5", loss_type="dapo", mask_truncated_completions=True,
+               top_entropy_quantile=0.2, use_vllm=False)
+  batch, policy, groups = _trl_batch("b2x5", case["truncated"])
+  cfg = LossConfig(top_entropy_quantile=0.2, mask_truncated=True, entropy_coef=0.05,
+                   correction="tis", **TRL)
+  proximal = policy["logp"] - 0.1
+  (loss, metrics), grads = jax.value_and_grad(
+      lambda p: rl_loss(p, None, batch, None, num_groups=groups, cfg=cfg, proximal=proximal),
+      has_aux=True)(policy)
+  (m_loss, m_metrics), m_grads = micro_batched_loss_and_grad(
+      policy, None, batch, None, num_groups=groups, cfg=cfg, micro_batches=2,
+      proximal=proximal)
+  np.testing.assert_allclose(m_loss, loss, rtol=1e-5, atol=1e-7)
+  for k in grads:
+    np.testing.assert_allclose(m_grads[k], grads[k], rtol=1e-4, atol=1e-7, err_msg=k)
+  assert set(m_metrics) == set(metrics)
+  for k in sorted(metrics):
+    np.testing.assert_allclose(m_metrics[k], metrics[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+V, P, R = 24, 4, 3
+
+
+# Compiles of a model's gradient (~3 s each): the trainer's path (XLA attention, chunked
+# logits recomputed in the backward pass) and the Pallas kernel's (interpreted on CPU).
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(backend="xla", logits_chunk=2),
+                                dict(backend="pallas_tpu", interpret=True,
+                                     block_sizes=BlockSizes(8, 8))], ids=["xla", "pallas"])
+def test_the_entropy_bonus_takes_its_gradient_through_the_packed_model(kw):
+  """d/dparams of the packed path's token-mean entropy equals that of each sample's own
+  forward pass: the bonus trains the policy whichever attention backend runs."""
+  cfg = ModelConfig(vocab_size=V, hidden_size=8, intermediate_size=16, num_layers=1,
+                    num_heads=2, num_kv_heads=1, max_position_embeddings=16)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(2, V, (1, P)).astype(np.int32)
+  responses = rng.integers(2, V, (1, 2, R)).astype(np.int32)
+  lens = np.asarray([[R, 2]], np.int32)
+  mask = (np.arange(R)[None] < lens[0][:, None]).astype(np.float32)
+
+  def packed(st):
+    tokens, layout = pack_group(prompt, np.asarray([P]), responses, lens)
+    _, ent = packed_response_logprobs(nnx.merge(graphdef, st), tokens, responses, layout,
+                                      with_entropy=True, **kw)
+    return jnp.sum(ent[0] * mask) / mask.sum()
+
+  def separate(st):
+    rows = jnp.asarray(np.concatenate([np.repeat(prompt, 2, 0), responses[0]], 1))
+    logits = nnx.merge(graphdef, st)(rows)[:, P - 1:P - 1 + R]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    return jnp.sum(-jnp.sum(jnp.exp(logp) * logp, -1) * mask) / mask.sum()
+
+  want = jax.jit(jax.grad(separate))(state)
+  got = jax.jit(jax.grad(packed))(state)
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(got)) > 1e-4
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_config_keeps_todays_objective_unless_the_features_are_set():
+  cfg = check_rl_config(rl_config(), files=False)
+  assert (cfg.mask_truncated, cfg.top_entropy_quantile, cfg.entropy_coef) == (False, 1.0, 0.0)
+  config = rl_config()
+  config.loss.mask_truncated, config.loss.top_entropy_quantile = True, 0.2
+  config.loss.entropy_coef = 0.01
+  cfg = check_rl_config(config, files=False)
+  assert (cfg.mask_truncated, cfg.top_entropy_quantile, cfg.entropy_coef) == (True, 0.2, 0.01)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"mask_truncated": 1}, r"loss.mask_truncated: expected True or False, got 1"),
+    ({"top_entropy_quantile": 0.0},
+     r"loss.top_entropy_quantile: expected a share in \(0, 1\] \(1.0: every token\), got 0.0"),
+    ({"top_entropy_quantile": 1.5}, r"loss.top_entropy_quantile: expected a share in \(0, 1\]"),
+    ({"top_entropy_quantile": 0.2, "correction": "m2po"},
+     "loss.top_entropy_quantile: expected 1.0 with correction='m2po'"),
+    ({"top_entropy_quantile": 0.2, "correction": "decoupled"},
+     "loss.top_entropy_quantile: expected 1.0 with correction='decoupled'"),
+    ({"entropy_coef": -0.01}, r"loss.entropy_coef: expected a finite coefficient >= 0 \(0: "
+                              r"off\), got -0.01"),
+    ({"entropy_coef": float("inf")}, "loss.entropy_coef: expected a finite coefficient"),
+])
+def test_bad_feature_values_are_refused_naming_the_field(fields, message):
+  with pytest.raises(ValueError, match=message):
+    LossConfig(**fields)
