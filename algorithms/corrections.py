@@ -13,6 +13,8 @@ Which function needs which:
   and behaviour; their weights go to a loss's `token_weights` (and MIS's mask to `mask`).
 - `decoupled_ppo_loss`: all three (PPO clip on pi/pi_prox, weight pi_prox/pi_behav).
 - `m2po_mask` / `m2po_loss`: proximal and behaviour for the mask, logp for the loss.
+The two losses take `token_weights` as `algorithms.losses` does: a constant weight per
+token multiplying its loss, the token still counting in the aggregation's denominators.
 Weights and masks are constants (stop-gradient); all functions are jittable.
 """
 
@@ -38,6 +40,16 @@ def _check(proximal_logp, behaviour_logp, mask):
   mask = jnp.asarray(mask).astype(proximal_logp.dtype)
   log_ratio = jax.lax.stop_gradient((proximal_logp - jnp.asarray(behaviour_logp)) * mask)
   return log_ratio, mask
+
+
+def _token_weights(token_weights, like):
+  """`token_weights` as a constant `[B, T]` array like `like` (None: 1 on every token)."""
+  if token_weights is None:
+    return jnp.ones_like(like)
+  if jnp.shape(token_weights) != like.shape:
+    raise ValueError(f"token_weights: expected shape {like.shape} like logp, got "
+                     f"{jnp.shape(token_weights)}")
+  return jax.lax.stop_gradient(jnp.asarray(token_weights).astype(like.dtype))
 
 
 def _log_weights(log_ratio, mask, level: str):
@@ -88,14 +100,15 @@ def masked_importance_weights(proximal_logp, behaviour_logp, mask, *, level: str
 
 def decoupled_ppo_loss(logp, proximal_logp, behaviour_logp, advantages, mask, *,
                        behaviour_cap: float | None = 5.0, cap_mode: str = "truncate",
-                       **ppo_kwargs):
+                       token_weights=None, **ppo_kwargs):
   """Decoupled PPO: clip pi/pi_prox as in PPO, weight each token by pi_prox/pi_behav.
 
   The proximal policy (trainer, full precision) anchors the trust region; the behaviour
   policy (worker: stale and/or int8) only enters through the weight. behaviour_cap
   bounds that weight: cap_mode "truncate" takes min(w, cap), "mask" drops tokens with
-  w > cap. Other keyword arguments go to `ppo_clip_loss`. Metrics add
-  behaviour_weight_mean and behaviour_capped_frac.
+  w > cap. token_weights multiply that weight (e.g. the high-entropy token selection).
+  Other keyword arguments go to `ppo_clip_loss`. Metrics add behaviour_weight_mean and
+  behaviour_capped_frac (over every real token, whatever its token weight).
   """
   if cap_mode not in ("truncate", "mask"):
     raise ValueError(f"cap_mode: expected 'truncate' or 'mask', got {cap_mode!r}")
@@ -107,7 +120,8 @@ def decoupled_ppo_loss(logp, proximal_logp, behaviour_logp, advantages, mask, *,
       raise ValueError(f"behaviour_cap: expected > 0 or None, got {behaviour_cap!r}")
     capped = (w > behaviour_cap).astype(w.dtype) * fmask
     w = jnp.minimum(w, behaviour_cap) if cap_mode == "truncate" else w * (1.0 - capped)
-  loss, metrics = ppo_clip_loss(logp, proximal_logp, advantages, mask, token_weights=w * fmask,
+  weights = w * fmask * _token_weights(token_weights, w)
+  loss, metrics = ppo_clip_loss(logp, proximal_logp, advantages, mask, token_weights=weights,
                                 **ppo_kwargs)
   n = jnp.maximum(jnp.sum(fmask), 1.0)
   metrics["behaviour_weight_mean"] = jnp.sum(w * fmask) / n
@@ -144,17 +158,23 @@ def m2po_mask(proximal_logp, behaviour_logp, mask, *, threshold: float = 0.04):
 
 def m2po_loss(logp, proximal_logp, behaviour_logp, advantages, mask, *,
               threshold: float = 0.04, agg: str = "token-mean",
-              norm_const: float | None = None):
-  """M2PO objective: -M * (pi/pi_prox) * A, no clipping, with M from `m2po_mask`.
+              norm_const: float | None = None, token_weights=None):
+  """M2PO objective: -M * (pi/pi_prox) * A * token_weights, no clipping, with M from
+  `m2po_mask`.
 
+  M's second moment is over every real token (`mask`), unweighted: it measures how far the
+  behaviour policy is from the proximal one on the batch, as the paper's threshold does;
+  token_weights (e.g. the high-entropy selection) only weigh the loss.
   Metrics: m2po_masked_frac, m2 (second moment before masking), loss.
   """
-  keep = m2po_mask(proximal_logp, behaviour_logp, mask, threshold=threshold)
   logp = jnp.asarray(logp)
+  weights = _token_weights(token_weights, logp)
+  keep = m2po_mask(proximal_logp, behaviour_logp, mask, threshold=threshold)
   adv = jnp.asarray(advantages)
   adv = adv[:, None] if adv.ndim == 1 else adv
   ratio = jnp.exp(logp - jax.lax.stop_gradient(proximal_logp))
-  loss = aggregate(-ratio * adv * keep, jnp.asarray(mask).astype(logp.dtype), agg, norm_const)
+  loss = aggregate(-ratio * adv * keep * weights, jnp.asarray(mask).astype(logp.dtype), agg,
+                   norm_const)
   log_ratio, fmask = _check(proximal_logp, behaviour_logp, mask)
   n = jnp.maximum(jnp.sum(fmask), 1.0)
   metrics = {"loss": loss, "m2": jnp.sum(log_ratio * log_ratio) / n,

@@ -155,9 +155,6 @@ class LossConfig:
     need(isinstance(self.mask_truncated, bool), "mask_truncated", "True or False")
     need(_is_number(self.top_entropy_quantile) and 0 < self.top_entropy_quantile <= 1,
          "top_entropy_quantile", "a share in (0, 1] (1.0: every token)")
-    need(self.top_entropy_quantile == 1 or self.correction in ("none", "tis", "mis"),
-         "top_entropy_quantile", f"1.0 with correction={self.correction!r} (its loss takes no "
-         "token weights; 'none', 'tis' and 'mis' do)")
     need(_is_number(self.entropy_coef) and math.isfinite(self.entropy_coef)
          and self.entropy_coef >= 0, "entropy_coef", "a finite coefficient >= 0 (0: off)")
     need(all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0
@@ -352,11 +349,12 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   elif cfg.correction == "m2po":
     loss, metrics = corrections.m2po_loss(logp, proximal, behaviour, adv, mask,
                                           threshold=cfg.m2po_threshold, agg=cfg.agg,
-                                          norm_const=norm)
+                                          norm_const=norm, token_weights=selected(None))
   else:
     loss, metrics = corrections.decoupled_ppo_loss(logp, proximal, behaviour, adv, mask,
                                                    behaviour_cap=cfg.behaviour_cap,
-                                                   dual_clip=cfg.dual_clip, **common)
+                                                   dual_clip=cfg.dual_clip,
+                                                   token_weights=selected(None), **common)
   if cfg.entropy_coef > 0:  # the entropy bonus, with its gradient: verl's entropy_coeff
     loss = loss - cfg.entropy_coef * losses.aggregate(entropy, mask, cfg.agg, norm)
   # pi_prox / pi_behav per token: how far the workers' policy is from the trainer's.

@@ -2,10 +2,12 @@
 at the budget), loss.top_entropy_quantile (policy loss on the batch's high-entropy tokens
 alone) and loss.entropy_coef (an entropy bonus): against Hugging Face TRL's GRPOTrainer on
 its own numbers (tests/fixtures/trl_losses.json) and verl's formula, whole or
-micro-batched, with the bonus's gradient through the packed model; bad values are refused
-naming the field."""
+micro-batched, with the bonus's gradient through the packed model; the selection with
+decoupled PPO and M2PO (their token weights) against plain-jnp references; bad values are
+refused naming the field."""
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from algorithms.corrections import decoupled_ppo_loss, m2po_loss, m2po_mask
 from rl_testlib import rl_config
 from rlax_ps.kernels import pack_group, packed_response_logprobs
 from rlax_ps.kernels.schedule import BlockSizes
@@ -186,6 +189,108 @@ def test_micro_batches_select_the_whole_batchs_high_entropy_tokens():
     np.testing.assert_allclose(m_metrics[k], metrics[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+# Two sequences (the second padded): PPO clips some ratios pi/pi_prox, the behaviour cap
+# (2) some weights pi_prox/pi_behav. Weights 0/1: the selection. M2PO masks the first
+# token by the second moment over all 7 real tokens; over the 4 selected ones alone it
+# would mask the second row's third too.
+_LOGP = np.log(np.float32([[0.5, 0.2, 0.9, 0.4], [0.3, 0.6, 0.7, 0.1]]))
+_PROX = _LOGP - np.float32([[0.3, -0.1, 0.05, -0.4], [0.0, 0.2, -0.25, 0.0]])
+_BEHAV = _PROX - np.float32([[1.0, -0.2, 0.1, 0.0], [0.05, 0.05, -0.35, 3.0]])
+_ADV = np.float32([[1.0, -2.0, 0.5, 1.5], [-1.0, 2.0, -0.5, 1.0]])
+_MASK = np.float32([[1, 1, 1, 1], [1, 1, 1, 0]])
+_SELECTED = np.float32([[1, 0, 1, 0], [0, 1, 1, 0]])
+_CORRECTED = {
+    "decoupled": lambda logp, **kw: decoupled_ppo_loss(logp, _PROX, _BEHAV, _ADV, _MASK,
+                                                       behaviour_cap=2.0, **kw)[0],
+    "m2po": lambda logp, **kw: m2po_loss(logp, _PROX, _BEHAV, _ADV, _MASK, threshold=0.04,
+                                         **kw)[0]}
+
+
+@functools.partial(jax.jit, static_argnames=("correction", "agg"))
+def _corrected(weights, correction, agg="token-mean"):
+  """(loss, d loss / d logp) of the correction's loss at _LOGP; weights None: not passed."""
+  kw = {} if weights is None else {"token_weights": weights}
+  return jax.value_and_grad(lambda x: _CORRECTED[correction](x, agg=agg, **kw))(_LOGP)
+
+
+@functools.partial(jax.jit, static_argnames=("correction", "agg"))
+def _reference(weights, correction, agg):
+  """`_corrected` in plain jnp, each token's loss times its weight: decoupled PPO's clipped
+  ratio times the capped behaviour weight, M2PO's unclipped ratio on the tokens its mask
+  (over every real token) keeps; every real token counts in the denominators."""
+  def loss(logp):
+    ratio = jnp.exp(logp - _PROX)
+    if correction == "m2po":
+      per_token = -ratio * _ADV * m2po_mask(_PROX, _BEHAV, _MASK, threshold=0.04)
+    else:
+      per_token = (jnp.maximum(-_ADV * ratio, -_ADV * jnp.clip(ratio, 0.8, 1.2))
+                   * jnp.minimum(jnp.exp(_PROX - _BEHAV), 2.0))
+    per_token = per_token * weights * _MASK
+    if agg == "token-mean":
+      return jnp.sum(per_token) / jnp.sum(_MASK)
+    return jnp.mean(jnp.sum(per_token, -1) / jnp.sum(_MASK, -1))
+  return jax.value_and_grad(loss)(_LOGP)
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "m2po"])
+def test_the_corrections_take_token_weights_of_one_as_none(correction):
+  value, grad = _corrected(np.ones_like(_LOGP), correction)
+  today, today_grad = _corrected(None, correction)
+  np.testing.assert_allclose(value, today, rtol=1e-6)
+  np.testing.assert_allclose(grad, today_grad, rtol=1e-6)
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "m2po"])
+def test_the_corrections_refuse_token_weights_of_another_shape(correction):
+  with pytest.raises(ValueError, match=r"token_weights: expected shape \(2, 4\) like logp, "
+                                       r"got \(2, 3\)"):
+    _CORRECTED[correction](_LOGP, token_weights=np.ones((2, 3), np.float32))
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("correction", ["decoupled", "m2po"])
+def test_the_corrections_weigh_unselected_tokens_0_and_still_count_them(correction, agg):
+  """As `algorithms.losses`: the weighted loss is the one with the unselected tokens'
+  per-token loss set to 0, over the same denominators; their log-probs get no gradient."""
+  unselected = (_MASK > 0) & (_SELECTED == 0)
+  _, unweighted = _corrected(None, correction, agg)
+  assert bool(jnp.all(unweighted[unselected] != 0))  # each would train without the weights
+  value, grad = _corrected(_SELECTED, correction, agg)
+  want, want_grad = _reference(_SELECTED, correction, agg)
+  np.testing.assert_allclose(value, want, rtol=1e-6)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+  np.testing.assert_array_equal(grad[unselected], 0.0)
+
+
+@pytest.mark.usefixtures("fixture_policy")
+@pytest.mark.parametrize("correction", ["decoupled", "m2po"])
+def test_the_top_entropy_tokens_alone_get_policy_loss_with_every_correction(correction):
+  """Through `rl_loss`: pi/pi_prox = e^0.1 (unclipped), so each token's loss is -A * its
+  ratio times decoupled PPO's behaviour weight or M2PO's mask (over all tokens), and
+  only the batch's top 20% by entropy keep it, over every real token's count."""
+  batch, policy, groups = _trl_batch("b2x5")
+  cfg = LossConfig(top_entropy_quantile=0.2, correction=correction, **TRL)
+  proximal = policy["logp"] - 0.1
+  (value, metrics), grad = jax.jit(jax.value_and_grad(
+      lambda p: rl_loss(p, None, batch, None, num_groups=groups, cfg=cfg, proximal=proximal),
+      has_aux=True))(policy)
+  adv, _ = group_advantages(batch, groups, cfg)
+  mask = np.asarray(DATA["batches"]["b2x5"]["mask"], np.float32)
+  ent = np.asarray(policy["entropy"])
+  behaviour = np.asarray(batch["behaviour_logp"]).reshape(mask.shape)
+  selected = (mask > 0) & (ent >= np.quantile(ent[mask > 0], 0.8))
+  if correction == "m2po":
+    weight = np.asarray(jax.jit(functools.partial(m2po_mask, threshold=cfg.m2po_threshold))(
+        proximal, behaviour, mask))
+  else:
+    weight = np.minimum(np.exp(np.asarray(proximal) - behaviour), cfg.behaviour_cap)
+  d_logp = -np.asarray(adv)[:, None] * np.exp(0.1) * weight * selected * mask / mask.sum()
+  np.testing.assert_allclose(value, d_logp.sum(), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(grad["logp"], d_logp, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(metrics["trained_token_frac"], selected.sum() / mask.sum(),
+                             rtol=1e-6)
+
+
 V, P, R = 24, 4, 3
 
 
@@ -236,15 +341,17 @@ def test_the_config_keeps_todays_objective_unless_the_features_are_set():
   assert (cfg.mask_truncated, cfg.top_entropy_quantile, cfg.entropy_coef) == (True, 0.2, 0.01)
 
 
+@pytest.mark.parametrize("correction", ["none", "tis", "mis", "decoupled", "m2po"])
+def test_the_top_entropy_selection_is_accepted_with_every_correction(correction):
+  cfg = LossConfig(top_entropy_quantile=0.2, correction=correction)
+  assert (cfg.top_entropy_quantile, cfg.correction) == (0.2, correction)
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"mask_truncated": 1}, r"loss.mask_truncated: expected True or False, got 1"),
     ({"top_entropy_quantile": 0.0},
      r"loss.top_entropy_quantile: expected a share in \(0, 1\] \(1.0: every token\), got 0.0"),
     ({"top_entropy_quantile": 1.5}, r"loss.top_entropy_quantile: expected a share in \(0, 1\]"),
-    ({"top_entropy_quantile": 0.2, "correction": "m2po"},
-     "loss.top_entropy_quantile: expected 1.0 with correction='m2po'"),
-    ({"top_entropy_quantile": 0.2, "correction": "decoupled"},
-     "loss.top_entropy_quantile: expected 1.0 with correction='decoupled'"),
     ({"entropy_coef": -0.01}, r"loss.entropy_coef: expected a finite coefficient >= 0 \(0: "
                               r"off\), got -0.01"),
     ({"entropy_coef": float("inf")}, "loss.entropy_coef: expected a finite coefficient"),
