@@ -316,7 +316,7 @@ def run_load(address: str, seconds: float, n_workers: int) -> dict:
     try:
       c.register(f"sim{k}")
       while not stop.is_set():
-        latest = timed_call("Heartbeat", lambda: c.heartbeat(-1 if held_version is None else held_version, 100.0))
+        latest = timed_call("Heartbeat", lambda: c.heartbeat(-1 if held_version is None else held_version, 100.0)).latest_version
         if latest >= 0 and latest != held_version:
           blobs = timed_call("Pull", lambda: c.pull(held_version))
           for b in blobs:

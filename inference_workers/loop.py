@@ -240,8 +240,8 @@ class Worker:
     # for the prefetch thread to pull (a long pull must not silence the heartbeat: the
     # server expires a silent worker's leases).
     self._latest_heard = -1
-    # The trainer's staleness floor as the last lease, renewal or submission reply named it
-    # (0: none): prompts begun on an older version are stopped (`_stop_stale`).
+    # The trainer's staleness floor as the last lease, renewal, submission or heartbeat reply
+    # named it (0: none): prompts begun on an older version are stopped (`_stop_stale`).
     self._floor = 0
     self._skipped_version = -1  # the newest version seen in another format (not pulled again)
     self._pull_now = threading.Event()
@@ -607,9 +607,11 @@ class Worker:
       groups = self._rollout_groups(chunk, tokens, version) if chunk else []
       stale = []
       for prompt, group in zip(chunk, groups):
-        if self._stale(version):  # a submission's reply may name a higher floor
-          stale.append(prompt.id)
-        elif group is not None:  # None: stopped before its group was worth sending
+        if group is None and self._salvaging:  # stopped before its group was worth sending
+          continue  # released on the way out
+        if group is None or self._stale(version):  # None: stopped under the floor (which may
+          stale.append(prompt.id)  # have fallen since); a submission's reply may raise it
+        else:
           self._submit(lease.lease_id, prompt.id, group)
       if stale:
         self._count_stale(len(stale), version)
@@ -1255,21 +1257,27 @@ class Worker:
       self._beat_now.clear()
       if self._done.is_set():
         return
-      try:
-        self._latest_heard = self._rpc(
-            "heartbeat", -1 if self.policy.version is None else self.policy.version,
-            self._tokens_per_s, time=self.stats.time.snapshot())
-        self._pull_now.set()
-      except ParamServerError as e:  # the server is away: renewals would fail alike
-        logging.warning("worker: heartbeat failed: %s", e)
-      else:
-        self._renew_leases()
+      self._beat()
+
+  def _beat(self) -> None:
+    """One heartbeat: report, hear the latest version and the staleness floor (a worker
+    decoding one long group makes no other call for a while), renew the leases due."""
+    try:
+      reply = self._rpc("heartbeat", -1 if self.policy.version is None else self.policy.version,
+                        self._tokens_per_s, time=self.stats.time.snapshot())
+    except ParamServerError as e:  # the server is away: renewals would fail alike
+      logging.warning("worker: heartbeat failed: %s", e)
+      return
+    self._latest_heard = reply.latest_version  # as said: lower after a new run's restart
+    self._hear(reply.latest_version, reply.staleness_floor)
+    self._pull_now.set()
+    self._renew_leases()
 
   def _hear(self, latest: int, floor: int | None = None) -> None:
-    """A reply (a lease, a renewal, a submission) named the server's latest version and
-    the trainer's staleness `floor` (None: not named). A version newer than the held and
-    than the last heard wakes the prefetch thread, so that its pull and decode overlap
-    decoding instead of a wait at the next version check."""
+    """A reply (a lease, a renewal, a submission, a heartbeat) named the server's latest
+    version and the trainer's staleness `floor` (None: not named). A version newer than the
+    held and than the last heard wakes the prefetch thread, so that its pull and decode
+    overlap decoding instead of a wait at the next version check."""
     if floor is not None:  # as named: a restarted trainer's floor may be lower
       self._floor = floor
     held = self.policy.version

@@ -420,13 +420,15 @@ class ParamServerClient:
     return reply.worker_id
 
   def heartbeat(self, version: int = -1, tokens_per_s: float = 0.0, worker_id: str | None = None,
-                kind: str = "", leaving: bool = False, time: pb.WorkerTime | None = None) -> int:
+                kind: str = "", leaving: bool = False, time: pb.WorkerTime | None = None
+                ) -> pb.HeartbeatReply:
     """Reports the version held and the generation speed (kind "relay": a weight relay's
-    version) and where the worker's time went (`time`); returns the latest version.
-    `leaving`: the last one of a worker that stops (the server then lists it no more)."""
+    version) and where the worker's time went (`time`); the reply names the latest version
+    and the trainer's staleness floor. `leaving`: the last one of a worker that stops (the
+    server then lists it no more)."""
     return self._call("Heartbeat", pb.HeartbeatRequest(
         worker_id=self._require_worker(worker_id), version=version, tokens_per_s=tokens_per_s,
-        kind=kind, leaving=leaving, time=time)).latest_version
+        kind=kind, leaving=leaving, time=time))
 
   def stats(self) -> pb.Stats:
     return self._call("GetStats", pb.GetStatsRequest())

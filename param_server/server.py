@@ -460,7 +460,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       self._forget_silent_workers()
       if request.leaving:  # stopped cleanly: not counted alive for its last heartbeats' span
         self._workers.pop(request.worker_id, None)
-        return pb.HeartbeatReply(latest_version=self.weights.latest)
+        return self._heartbeat_reply()
       # Upsert: workers registered before a server restart keep their id (a relay's is its own).
       worker = self._workers.setdefault(request.worker_id, _Worker(request.worker_id, request.worker_id, {}))
       worker.version = request.version
@@ -469,7 +469,12 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       worker.kind = request.kind
       if request.HasField("time"):
         worker.time = request.time
-    return pb.HeartbeatReply(latest_version=self.weights.latest)
+    return self._heartbeat_reply()
+
+  def _heartbeat_reply(self) -> pb.HeartbeatReply:
+    """The latest version and the trainer's staleness floor, as the server answers."""
+    return pb.HeartbeatReply(latest_version=self._latest(),
+                             staleness_floor=self.queues.staleness_floor)
 
   def _touch(self, worker_id: str) -> None:
     """A registered worker's lease call is a sign of life, as a heartbeat is."""

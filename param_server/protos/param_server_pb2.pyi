@@ -405,10 +405,12 @@ class WorkerTime(_message.Message):
     def __init__(self, total_s: _Optional[float] = ..., decoding_s: _Optional[float] = ..., waiting_prompts_s: _Optional[float] = ..., waiting_weights_s: _Optional[float] = ..., submitting_s: _Optional[float] = ..., scoring_s: _Optional[float] = ..., slot_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("latest_version",)
+    __slots__ = ("latest_version", "staleness_floor")
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FLOOR_FIELD_NUMBER: _ClassVar[int]
     latest_version: int
-    def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
+    staleness_floor: int
+    def __init__(self, latest_version: _Optional[int] = ..., staleness_floor: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

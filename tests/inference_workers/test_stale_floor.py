@@ -1,7 +1,7 @@
 """A worker stops the prompts it began on a version under the trainer's staleness floor (as
-lease, renewal and submission replies name it): they leave the batch, their slots free,
-and go back to the server without their samples, to be sampled anew on the newest
-version; a group that finishes under the floor is released, not sent."""
+lease, renewal, submission and heartbeat replies name it): they leave the batch, their
+slots free, and go back to the server without their samples, to be sampled anew on the
+newest version; a group that finishes under the floor is released, not sent."""
 
 import numpy as np
 import pytest
@@ -79,6 +79,29 @@ def test_prompts_begun_under_a_risen_floor_go_back_and_start_again_on_the_newest
   assert sorted(r.prompt.id for r in take.rollouts) == ["p0", "p1"]
   assert [r.group.policy_version for r in take.rollouts] == [1, 1]
   assert take.dropped_stale == 0 and worker.stats.groups_abandoned_stale == 2
+
+
+def test_a_heartbeat_alone_tells_of_a_risen_floor_and_the_next_cycle_stops_the_prompts(
+    server, versions):
+  """A worker decoding long groups makes no lease, renewal or submission call for a while:
+  its heartbeat is the call that names the floor."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    publish(trainer, versions, 0)
+    enqueue_addition(trainer, 2)
+    wc.register("floor")
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, decode_chunk_steps=1)))
+    worker.sync_weights()
+    worker._cycle()  # leases both prompts, starts them on v0, decodes one step
+    publish(trainer, versions, 1)
+    trainer.take_rollouts(min_version=1, max_n=4)  # the floor is v1
+    rpc, calls = worker._rpc, []
+    worker._rpc = lambda method, *a, **k: calls.append(method) or rpc(method, *a, **k)
+    worker._beat()
+    assert calls == ["heartbeat"] and worker._floor == 1  # no lease was due a renewal
+    worker._rpc = rpc
+    worker._cycle()
+  assert worker.stats.groups_abandoned_stale == 2 and worker.stats.prompts_released == 2
+  assert sorted(v for _, v in worker._started.values()) == [1, 1]
 
 
 def test_a_group_finished_under_the_floor_is_released_not_sent(server, versions):
@@ -166,3 +189,24 @@ def test_vigor_rounds_end_when_the_floor_passes_their_version(server, versions):
   assert rounds == [0]
   assert worker.stats.groups_submitted == 0 and worker.stats.groups_abandoned_stale == 2
   assert worker.stats.prompts_released == 2 and not worker._inflight[lease.lease_id]
+
+
+def test_prompts_stopped_under_a_floor_that_fell_since_still_go_back(server, versions):
+  """A restarted trainer's lower floor, heard between a chunk's stop and its submission:
+  the stopped prompts are released all the same, not left open in a renewed lease."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    publish(trainer, versions, 0)
+    enqueue_addition(trainer, 2)
+    wc.register("fell")
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, allocator="vigor")))
+    worker.sync_weights()
+
+    def stopped_then_fell(prompts, tokens, version):
+      worker._floor = 0
+      return [None] * len(prompts)
+
+    worker._rollout_groups = stopped_then_fell
+    lease = worker._lease(0.0)
+    worker._serve(lease)
+  assert worker.stats.groups_submitted == 0 and worker.stats.prompts_released == 2
+  assert not worker._inflight[lease.lease_id]

@@ -14,6 +14,7 @@ from child_env import child_env
 from inference_workers.loop import Worker
 from inference_workers.weights import HeldPolicy, WeightsDoNotFit
 from inference_workers.worker_config import WorkerConfig
+from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
 from rlax_ps.models import Transformer, flatten_params
 from worker_testlib import CONFIG, MODEL, REPO, SMALL, TOKENIZER, TOKENS, client
@@ -66,7 +67,7 @@ class PublishingClient:
     return "w1"
 
   def heartbeat(self, version=-1, tokens_per_s=0.0, **kwargs):
-    return 0
+    return pb.HeartbeatReply(latest_version=0)
 
   def latest_version(self):
     return 0

@@ -329,7 +329,7 @@ def test_a_foreign_lease_is_rejected(trainer, worker):
 
 def test_workers_register_heartbeat_and_show_in_stats(trainer, worker, viewer):
   publish_chain(trainer, 2)
-  assert worker.heartbeat(version=1, tokens_per_s=123.0) == 1
+  assert worker.heartbeat(version=1, tokens_per_s=123.0).latest_version == 1
   stats = viewer.stats()
   assert stats.workers_alive == 1
   (w,) = stats.workers
@@ -342,7 +342,7 @@ def test_a_leaving_worker_is_listed_and_counted_no_more(trainer, worker, viewer)
   publish_chain(trainer, 1)
   worker.heartbeat(version=0)
   assert viewer.stats().workers_alive == 1
-  assert worker.heartbeat(version=0, leaving=True) == 0
+  assert worker.heartbeat(version=0, leaving=True).latest_version == 0
   stats = viewer.stats()
   assert stats.workers_alive == 0 and not stats.workers
 
@@ -350,7 +350,8 @@ def test_a_leaving_worker_is_listed_and_counted_no_more(trainer, worker, viewer)
 def test_relays_report_their_version_apart_from_the_workers(trainer, worker, viewer):
   publish_chain(trainer, 3)
   worker.heartbeat(version=2)
-  assert worker.heartbeat(version=0, worker_id="relay@zone-a:50052", kind="relay") == 2
+  reply = worker.heartbeat(version=0, worker_id="relay@zone-a:50052", kind="relay")
+  assert reply.latest_version == 2
   stats = viewer.stats()
   assert stats.workers_alive == 1  # the relay is no worker
   kinds = {w.worker_id: (w.kind, w.version) for w in stats.workers}

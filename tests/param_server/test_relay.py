@@ -238,7 +238,7 @@ def test_leases_rollouts_and_heartbeats_pass_through_with_the_callers_token(
   trainer.enqueue_prompts([pb.Prompt(id="p0", text="1+1=", token_ids=[1, 2])])
   with client_for(relay, "worker") as w:
     worker_id = w.register("behind-relay")
-    assert w.heartbeat(version=0) == 0
+    assert w.heartbeat(version=0).latest_version == 0
     lease = w.lease(1, deadline_s=30.0, wait_s=1.0)
     assert [p.id for p in lease.prompts] == ["p0"]
     group = pb.RolloutGroup(prompt_id="p0", policy_version=0,
@@ -359,7 +359,7 @@ def test_a_worker_given_the_relay_then_the_server_goes_on_when_the_relay_dies(
     assert _same(apply_blobs(w.pull()), want)
     assert server.servicer.pulls_served == 2  # the worker's own, from the server
     w.register("fell-back")
-    assert w.heartbeat(version=1) == 1
+    assert w.heartbeat(version=1).latest_version == 1
 
 
 def test_a_worker_that_left_its_relay_goes_back_to_it_once_it_serves_again(
@@ -579,6 +579,6 @@ def test_a_relay_that_cannot_follow_its_server_sends_workers_to_the_server(
     with client_for(f"ipv4:127.0.0.1:{relay.port},127.0.0.1:{server.port}", "worker") as w:
       assert w.latest_version() == 0
       w.register("fell-back")
-      assert w.heartbeat(version=0) == 0
+      assert w.heartbeat(version=0).latest_version == 0
   finally:
     relay.stop(grace=0)

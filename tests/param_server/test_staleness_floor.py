@@ -1,6 +1,6 @@
 """The trainer's staleness floor (its latest take's min_version): the server remembers it and
-names it in lease, renewal and submission replies, so that workers stop prompts begun on
-an older policy; after a server restart it is 0 (no floor) until the trainer's next take."""
+names it in lease, renewal, submission and heartbeat replies, so that workers stop prompts
+begun on an older policy; after a server restart it is 0 (no floor) until the trainer's next take."""
 
 import os
 
@@ -43,6 +43,17 @@ def test_lease_renewal_and_submission_replies_name_the_floor(trainer, worker):
   assert worker.renew(lease, 30).staleness_floor == 3
   reply = worker.submit_rollouts(lease.lease_id, group(lease.prompts[0].id, 3))
   assert (reply.staleness_floor, reply.latest_version) == (3, 3)
+
+
+def test_a_heartbeat_reply_names_the_floor(trainer, worker):
+  """A worker decoding one long group makes no other call meanwhile: its heartbeat (a
+  leaving one's too) is where it hears the floor rise."""
+  publish_chain(trainer, 3)
+  assert worker.heartbeat(version=0).staleness_floor == 0  # no take yet: no floor
+  trainer.take_rollouts(min_version=2, max_n=1)
+  reply = worker.heartbeat(version=0)
+  assert (reply.latest_version, reply.staleness_floor) == (2, 2)
+  assert worker.heartbeat(version=0, leaving=True).staleness_floor == 2
 
 
 def test_a_group_submitted_under_the_floor_is_accepted_then_dropped_at_the_next_take(
