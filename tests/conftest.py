@@ -39,7 +39,6 @@ _LONGEST_FIRST = [
     "tests/train/test_sharding_equivalence.py", "tests/inference_workers/test_multi_turn.py",
     "tests/kernels/test_shared_prompt_window.py", "tests/models/test_routing_replay.py",
     "tests/param_server/test_weight_store.py", "tests/train/test_rl_chat.py",
-    "tests/test_notebooks.py",
 ]
 
 

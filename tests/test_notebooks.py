@@ -17,6 +17,9 @@ def code_of(path: pathlib.Path) -> str:
   return "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
 
 
+# Slow: its RL loop is test_local.py's tiny run, its warm start, evaluation and export the
+# SFT and eval tests'; this checks the notebook's cells run in order.
+@pytest.mark.slow
 def test_quickstart_runs_the_rl_loop_and_its_delta_is_exact(monkeypatch):
   monkeypatch.chdir(ROOT)
   jax.devices()  # this process keeps its devices; the notebook's `rlax-ps local` gets a child's
