@@ -4,6 +4,7 @@ its name rather than minutes later in a child."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -169,8 +170,7 @@ def check_prompt_lengths(config, field: str, path: str, digest: str, tokenizer,
     longest = max(longest, check_prompt(tokenizer, limit, record, bound))
 
   from rlax_ps.train.prompts import iter_config_records
-  for _ in iter_config_records(config, field, path, check):
-    pass
+  collections.deque(iter_config_records(config, field, path, check), maxlen=0)  # check each
   if cached is not None:
     _write_longest(cached, longest)
 
@@ -207,8 +207,8 @@ def _write_longest(file: str, longest: int) -> None:
     with open(temporary, "w") as f:
       json.dump({"longest": longest}, f)
     os.replace(temporary, file)
-  except OSError:
-    pass
+  except OSError:  # a read-only or full cache: the next check tokenizes again, no harm
+    return
 
 
 def prompt_limit(config, max_positions: int) -> tuple[int, str]:

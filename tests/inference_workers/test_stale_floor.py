@@ -54,15 +54,21 @@ def test_a_dropped_prompt_frees_its_slot_and_the_next_draws_as_if_alone(
   assert [s.tokens.tolist() for s in got["new"]] == [s.tokens.tolist() for s in want]
 
 
+def _two_prompts_begun_on_v0(trainer, wc, versions):
+  """A worker that leased two prompts and began them on v0, one decode step in."""
+  publish(trainer, versions, 0)
+  enqueue_addition(trainer, 2)
+  wc.register("floor")
+  worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, decode_chunk_steps=1)))
+  worker.sync_weights()
+  worker._cycle()
+  return worker
+
+
 def test_prompts_begun_under_a_risen_floor_go_back_and_start_again_on_the_newest(
     server, versions):
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
-    publish(trainer, versions, 0)
-    enqueue_addition(trainer, 2)
-    wc.register("floor")
-    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, decode_chunk_steps=1)))
-    worker.sync_weights()
-    worker._cycle()  # leases both prompts, starts them on v0, decodes one step
+    worker = _two_prompts_begun_on_v0(trainer, wc, versions)
     assert sorted(v for _, v in worker._started.values()) == [0, 0]
     assert worker._batch.running == 2
     publish(trainer, versions, 1)
@@ -86,12 +92,7 @@ def test_a_heartbeat_alone_tells_of_a_risen_floor_and_the_next_cycle_stops_the_p
   """A worker decoding long groups makes no lease, renewal or submission call for a while:
   its heartbeat is the call that names the floor."""
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
-    publish(trainer, versions, 0)
-    enqueue_addition(trainer, 2)
-    wc.register("floor")
-    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, decode_chunk_steps=1)))
-    worker.sync_weights()
-    worker._cycle()  # leases both prompts, starts them on v0, decodes one step
+    worker = _two_prompts_begun_on_v0(trainer, wc, versions)
     publish(trainer, versions, 1)
     trainer.take_rollouts(min_version=1, max_n=4)  # the floor is v1
     rpc, calls = worker._rpc, []
