@@ -1,10 +1,9 @@
 """Rollout allocation: how many samples each prompt gets (fixed N, VIGOR) and DAPO dynamic
 sampling (which groups to keep, how many more to draw).
 
-An allocator is a stateless policy; its progress lives in a small state value that
-serialises to JSON (`to_json` / `from_json`), so rounds can run on a worker, and a
-round cut by a preemption is re-planned from the last saved state (the same request,
-since planning is a pure function of the state). The protocol, for a batch of prompts:
+An allocator is a stateless policy; its progress lives in a small state value, and
+planning is a pure function of it (a round planned again from the same state asks for the
+same samples). The protocol, for a batch of prompts:
 
     state = allocator.start(num_prompts, budget)
     while not state.done:
@@ -18,7 +17,6 @@ Budget-exact: the counts over all rounds sum to `budget`, never more. Numpy only
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Protocol, Sequence
 
@@ -70,20 +68,6 @@ class AllocationState:
     mean = self.sums / np.maximum(n, 1.0)
     var = (self.sumsq - n * mean * mean) / np.maximum(n - 1.0, 1.0)
     return np.where(n > 1, np.maximum(var, 0.0), 0.0)
-
-  def to_json(self) -> str:
-    return json.dumps({
-        "budget": self.budget, "round": self.round, "num_rounds": self.num_rounds,
-        "counts": self.counts.tolist(), "sums": self.sums.tolist(),
-        "sumsq": self.sumsq.tolist(), "active": self.active.tolist()})
-
-  @classmethod
-  def from_json(cls, text: str) -> "AllocationState":
-    d = json.loads(text)
-    return cls(budget=int(d["budget"]), round=int(d["round"]), num_rounds=int(d["num_rounds"]),
-               counts=np.asarray(d["counts"], np.int64), sums=np.asarray(d["sums"], np.float64),
-               sumsq=np.asarray(d["sumsq"], np.float64),
-               active=np.asarray(d["active"], bool))
 
 
 def _new_state(num_prompts: int, budget: int, num_rounds: int) -> AllocationState:
@@ -283,13 +267,6 @@ class DynamicSamplingState:
   @property
   def samples_drawn(self) -> int:
     return self.drawn * self.group_size
-
-  def to_json(self) -> str:
-    return json.dumps(dataclasses.asdict(self))
-
-  @classmethod
-  def from_json(cls, text: str) -> "DynamicSamplingState":
-    return cls(**json.loads(text))
 
 
 @dataclasses.dataclass(frozen=True)

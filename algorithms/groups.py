@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def check_group_inputs(rewards, group_ids, num_groups: int, sample_mask=None):
@@ -76,18 +75,3 @@ def ranks_within_group(values, group_ids, num_groups: int, mask):
   rank_sorted = jnp.arange(n, dtype=jnp.int32) - starts[jnp.minimum(sorted_ids, num_groups - 1)]
   rank_sorted = jnp.where(in_group, rank_sorted, -1)
   return jnp.zeros((n,), jnp.int32).at[order].set(rank_sorted)
-
-
-def group_ids_from_sizes(sizes, total: int | None = None):
-  """Host-side: group ids for consecutive groups of the given sizes (e.g. VIGOR's counts),
-  padded to `total` rows; returns (group_ids [total] int32, sample_mask [total] bool)."""
-  sizes = np.asarray(sizes, np.int64)
-  if sizes.ndim != 1 or (sizes < 0).any():
-    raise ValueError(f"sizes: expected a 1-d array of counts >= 0, got {sizes.tolist()}")
-  n = int(sizes.sum())
-  total = n if total is None else int(total)
-  if total < n:
-    raise ValueError(f"total: expected >= sum(sizes) = {n}, got {total}")
-  ids = np.zeros(total, np.int32)
-  ids[:n] = np.repeat(np.arange(sizes.shape[0], dtype=np.int32), sizes)
-  return ids, np.arange(total) < n

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from algorithms.advantages import grpo_advantages, mc_grpo_advantages, rloo_advantages
-from algorithms.groups import group_ids_from_sizes
 
 # Two groups of unequal size: group 0 = [1, 0, 1], group 1 = [0, 2].
 REWARDS = np.array([1.0, 0.0, 1.0, 0.0, 2.0], np.float32)
@@ -123,12 +122,20 @@ def test_bad_inputs_name_the_field():
     rloo_advantages(jnp.ones((2, 2)), jnp.zeros((2, 2), jnp.int32), 1)
 
 
+def _ids_of_sizes(sizes, total):
+  """Group ids for consecutive groups of the given sizes, padded to `total` rows."""
+  n = int(np.sum(sizes))
+  ids = np.zeros(total, np.int32)
+  ids[:n] = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+  return ids, np.arange(total) < n
+
+
 def test_random_unequal_groups_match_a_per_group_numpy_loop():
   # one padded shape for every draw (one compile); reference: plain numpy per group
   rng = np.random.default_rng(0)
   for _ in range(5):
     sizes = rng.integers(0, 7, size=6)
-    ids, mask = group_ids_from_sizes(sizes, total=40)
+    ids, mask = _ids_of_sizes(sizes, total=40)
     rewards = np.where(mask, rng.integers(0, 4, size=40) / 2, 0.0).astype(np.float32)
     grpo = np.asarray(grpo_advantages(rewards, ids, 6, mask, eps=0.0))
     rloo = np.asarray(rloo_advantages(rewards, ids, 6, mask))
@@ -147,11 +154,3 @@ def test_random_unequal_groups_match_a_per_group_numpy_loop():
       np.testing.assert_allclose(np.asarray(mc)[sl], r - np.median(r), atol=1e-6)
       assert int(np.sum(~np.asarray(keep)[sl])) == n % 2
     np.testing.assert_array_equal(grpo[~mask], 0.0)
-
-
-def test_group_ids_from_sizes_pads_and_checks():
-  ids, mask = group_ids_from_sizes([2, 0, 1], total=5)
-  np.testing.assert_array_equal(ids, [0, 0, 2, 0, 0])
-  np.testing.assert_array_equal(mask, [True, True, True, False, False])
-  with pytest.raises(ValueError, match="total: expected >= sum\\(sizes\\) = 3, got 2"):
-    group_ids_from_sizes([2, 0, 1], total=2)
