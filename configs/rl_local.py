@@ -223,6 +223,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # alone for task reward_model, added x reward_model_weight to any other task's verifier.
   c.worker.reward_model = ""
   c.worker.reward_model_weight = 0.0
+  c.worker.reward_terms = ""  # e.g. "think_format:0.5": verifiers added x weight, logged apart
   # Mixture of experts: workers send each token's experts and the trainer's forward routes
   # by them (routing replay), so the experts a token goes to are the ones it was sampled with.
   c.worker.routing_replay = False

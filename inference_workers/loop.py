@@ -49,7 +49,8 @@ from absl import logging
 
 from algorithms.allocation import FixedAllocator
 from algorithms.environments import conversation, environment_for, environments_from
-from algorithms.verifiers import REWARD_MODEL_TASK, Verifier, verifiers_by_task
+from algorithms.verifiers import (REWARD_MODEL_TASK, Verifier, VerifierResult, load_verifiers,
+                                  verifier_for_task, verifiers_by_task)
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample, bucket, check_request, pad_prompts, replies_in
 from inference_workers.hard_exit import exit_now
@@ -105,6 +106,27 @@ def policy_turns(tokens: np.ndarray, observed: np.ndarray) -> list[np.ndarray]:
   """A multi-turn sample's turns: its runs of tokens the policy drew, between the replies."""
   cuts = np.flatnonzero(np.diff(np.concatenate([[True], observed, [True]]).astype(np.int8)))
   return [tokens[a:b] for a, b in zip(cuts[::2], cuts[1::2])]
+
+
+def reward_term_verifiers(config: WorkerConfig) -> list[tuple[str, float, Verifier]]:
+  """worker.reward_terms as (name, weight, verifier), made once at start after the files
+  worker.verifiers names are imported: a name no verifier has is a ValueError naming the
+  field. A name resolves as a prompt's task does (`task:<name>` too)."""
+  terms = config.reward_term_weights()
+  if terms:
+    load_verifiers(config.verifiers, "worker.verifiers")
+  return [(name, weight, verifier_for_task(name.removeprefix("task:"),
+                                           "WorkerConfig.reward_terms"))
+          for name, weight in terms]
+
+
+def sample_metadata(passed: bool | None, parts: dict[str, float] | None
+                    ) -> dict[str, str] | None:
+  """A sample's metadata: "passed" ("1" or "0"), its verifier's verdict, where one scored
+  it; "reward/<name>" (repr of a float), each raw reward part, where the worker logs them."""
+  meta = {} if passed is None else {"passed": str(int(passed))}
+  meta.update((f"reward/{name}", repr(float(v))) for name, v in (parts or {}).items())
+  return meta or None
 
 
 def reference_of(prompt: pb.Prompt) -> str:
@@ -186,7 +208,7 @@ class WorkerStats:
   tokens: int = 0
   resyncs: int = 0
   reconnects: int = 0
-  score_errors: int = 0  # samples scored 0 because their verifier raised
+  score_errors: int = 0  # scores of 0 because a verifier (task's or reward term's) raised
   replies: int = 0  # multi-turn: environment replies fed to samples
   samples_salvaged: int = 0  # begun samples handed back as partial rollouts on a stop
   checkpoints: int = 0  # lease renewals that carried begun samples (worker.checkpoint_s)
@@ -219,6 +241,7 @@ class Worker:
     self.allocator = allocator if allocator is not None else make_allocator(config)
     self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
                                                           config.verifiers)
+    self.reward_terms = reward_term_verifiers(config)
     self.environments = (environments if environments is not None else
                          environments_from(config.environment, config.environment_args,
                                            config.environment_timeout_s or None))
@@ -859,7 +882,7 @@ class Worker:
       self._settle(lease_id)
     else:
       self._send(lease_id, prompt_id,
-                 self._group(prompt, version, samples, *self._rewards(prompt, samples, given)))
+                 self._group(prompt, version, samples, *self._scored(prompt, samples, given)))
 
   def _send(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup) -> None:
     """Submit a group of a continuous batch's lease (an outage is waited out: the group is
@@ -1084,6 +1107,7 @@ class Worker:
     samples: list[list[Sample]] = [[] for _ in prompts]
     rewards: list[list[float]] = [[] for _ in prompts]
     passed: list[list[bool] | None] = [[] for _ in prompts]
+    parts: list[list[dict[str, float]] | None] = [[] for _ in prompts]
     round_ = 0
     while not state.done and not self._salvaging and not self._stale(version):
       counts = [int(c) for c in self.allocator.requests(state)]
@@ -1092,10 +1116,11 @@ class Worker:
       elapsed = time.monotonic() - t0
       new_rewards = []
       for i, (prompt, got) in enumerate(zip(prompts, drawn)):
-        scores, passes = self._rewards(prompt, got, given[i])
+        scores, passes, got_parts = self._scored(prompt, got, given[i])
         samples[i].extend(got)
         rewards[i].extend(scores)
         passed[i] = None if passes is None else passed[i] + passes
+        parts[i] = None if got_parts is None else parts[i] + got_parts
         new_rewards.append(np.asarray(scores, np.float32))
       n_tokens = sum(len(s.tokens) for got in drawn for s in got)
       self.stats.samples += sum(map(len, drawn))
@@ -1110,8 +1135,8 @@ class Worker:
     if not state.done:
       logging.info("worker: stopping: %d of %d prompts keep the samples of %d rounds",
                    sum(len(got) >= 2 for got in samples), len(prompts), round_)
-    return [self._group(p, version, got, rs, ps) if state.done or len(got) >= 2 else None
-            for p, got, rs, ps in zip(prompts, samples, rewards, passed)]
+    return [self._group(p, version, got, rs, ps, pp) if state.done or len(got) >= 2 else None
+            for p, got, rs, ps, pp in zip(prompts, samples, rewards, passed, parts)]
 
   @property
   def batching(self) -> str:
@@ -1130,10 +1155,11 @@ class Worker:
     return self.stopping and time.monotonic() >= self._salvage_at
 
   def _group(self, prompt: pb.Prompt, version: int, samples: list[Sample],
-             rewards: list[float], passed: list[bool] | None = None) -> pb.RolloutGroup:
+             rewards: list[float], passed: list[bool] | None = None,
+             parts: list[dict[str, float]] | None = None) -> pb.RolloutGroup:
     """One prompt's scored samples as a RolloutGroup of `version` (the oldest sampled with;
-    metadata last_version: the newest); each sample's metadata "passed" ("1" or "0"): its
-    verifier's verdict, where one scored it."""
+    metadata last_version: the newest); each sample's metadata: `sample_metadata` of its
+    verdict and reward parts."""
     meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
@@ -1146,8 +1172,9 @@ class Worker:
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),
                              logprobs=s.sampling_logprobs, finish_reason=s.finish_reason,
                              routes=s.routes, observed=s.observed,
-                             metadata=None if passed is None else {"passed": str(int(p))})
-                 for s, r, p in zip(samples, rewards, passed or [None] * len(samples))])
+                             metadata=sample_metadata(p, pp))
+                 for s, r, p, pp in zip(samples, rewards, passed or [None] * len(samples),
+                                        parts or [None] * len(samples))])
     if self.config.routing_replay and samples:  # the samples share the prompt's routes
       group.prompt_routes.CopyFrom(make_routes(samples[0].prompt_routes))
     return group
@@ -1201,21 +1228,32 @@ class Worker:
       out[i] = done[key]
     return out, given
 
-  def _rewards(self, prompt: pb.Prompt, samples: list[Sample],
-               given: dict[int, list] | None = None) -> tuple[list[float], list[bool] | None]:
+  def _scored(self, prompt: pb.Prompt, samples: list[Sample],
+              given: dict[int, list] | None = None
+              ) -> tuple[list[float], list[bool] | None, list[dict[str, float]] | None]:
     """The samples' rewards: the reward model's scores for task reward_model, else the
-    task verifier's plus reward_model_weight x the reward model's; and the verifier's
-    verdicts (None for task reward_model: a score has none); `given`: each multi-turn
-    sample's replies, by index."""
+    task verifier's plus reward_model_weight x the reward model's; plus each reward term's
+    weight x its reward. Then the verifier's verdicts (None for task reward_model: a score
+    has none; terms never change them), and each sample's raw parts by name ("task", each
+    term's, "reward_model" where it scored) when reward_terms or a reward model is set,
+    else None. `given`: each multi-turn sample's replies, by index."""
     rm_only = (prompt.task or self.config.default_task) == REWARD_MODEL_TASK
     weight = 1.0 if rm_only else self.config.reward_model_weight
     with self.stats.time.span("scoring"):
       scored = [] if rm_only else [self._score(prompt, s) for s in samples]
-      rewards = np.zeros(len(samples)) if rm_only else np.asarray([r for r, _ in scored],
-                                                                  np.float64)
+      parts = {} if rm_only else {"task": np.asarray([r for r, _ in scored], np.float64)}
+      rewards = parts.get("task", np.zeros(len(samples)))
+      texts = [self.tokenizer.decode(s.tokens) for s in samples] if self.reward_terms else []
+      for name, term_weight, verifier in self.reward_terms:
+        parts[name] = np.asarray([self._checked(f"reward term {name!r}", verifier, prompt,
+                                                text).reward for text in texts], np.float64)
+        rewards = rewards + term_weight * parts[name]
       if self.reward_scorer is not None and weight and samples:
-        rewards = rewards + weight * self._model_scores(prompt, samples, given or {})
-    return [float(r) for r in rewards], None if rm_only else [p for _, p in scored]
+        parts["reward_model"] = self._model_scores(prompt, samples, given or {})
+        rewards = rewards + weight * parts["reward_model"]
+    by_sample = ([{name: float(v[j]) for name, v in parts.items()} for j in range(len(samples))]
+                 if self.reward_terms or self.reward_scorer is not None else None)
+    return [float(r) for r in rewards], None if rm_only else [p for _, p in scored], by_sample
 
   def _model_scores(self, prompt: pb.Prompt, samples: list[Sample],
                     given: dict[int, list]) -> np.ndarray:
@@ -1234,15 +1272,22 @@ class Worker:
 
   def _score(self, prompt: pb.Prompt, sample: Sample) -> tuple[float, bool]:
     """The task verifier's (reward, passed) of one sample."""
-    text = self.tokenizer.decode(sample.tokens)
-    result = self.verifier_for(prompt.task)(text, reference_of(prompt))
-    if "error" in result.info:  # it raised, or gave NaN / inf: scored 0 (verifiers.Guarded)
+    task = prompt.task or self.config.default_task
+    result = self._checked(f"verifier of task {task!r}", self.verifier_for(prompt.task),
+                           prompt, self.tokenizer.decode(sample.tokens))
+    return float(result.reward), bool(result.passed)
+
+  def _checked(self, what: str, verifier: Verifier, prompt: pb.Prompt, text: str
+               ) -> VerifierResult:
+    """`verifier`'s result on `text` against the prompt's reference; one that raised or
+    gave NaN / inf (scored 0 by verifiers.Guarded) is counted and logged."""
+    result = verifier(text, reference_of(prompt))
+    if "error" in result.info:
       self.stats.score_errors += 1
       if self.stats.score_errors <= 5 or self.stats.score_errors % 1000 == 0:
-        logging.warning("worker: verifier of task %r gave no reward on prompt %s (scored 0; "
-                        "%d so far): %s", prompt.task or self.config.default_task, prompt.id,
-                        self.stats.score_errors, result.info["error"])
-    return float(result.reward), bool(result.passed)
+        logging.warning("worker: %s gave no reward on prompt %s (scored 0; %d so far): %s",
+                        what, prompt.id, self.stats.score_errors, result.info["error"])
+    return result
 
   # ------------------------------------------------------------ heartbeat
 

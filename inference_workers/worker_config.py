@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Sequence
 
 from algorithms.environments import environment_names
@@ -13,6 +14,9 @@ from rlax_ps.dataclass_flags import setting
 # What a decode cache may hold keys and values in: float8 halves a bf16 cache with no scales
 # (values read back in the compute dtype), as vLLM's fp8 cache does by default.
 KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
+# The reward parts besides worker.reward_terms, by their names in a sample's metadata
+# ("reward/<name>"): the prompt task's verifier and the reward model.
+RESERVED_PARTS = ("task", "reward_model")
 
 
 @dataclasses.dataclass
@@ -80,6 +84,12 @@ class WorkerConfig:
                               "reward_model_weight x its score to every other task's reward")
   reward_model_weight: float = setting(0.0, "weight of the reward model's score added to a "
                                        "verifier's reward (0: only reward_model tasks use it)")
+  reward_terms: str = setting("", "rewards added to every sample's, as TRL's reward_funcs and "
+                              "reward_weights: comma-separated NAME:WEIGHT (NAME alone: "
+                              "weight 1; the weight follows the last colon, may be negative, "
+                              "0 logs the term only), each NAME a prompt task's verifier "
+                              "(think_format, math, task:addition, one worker.verifiers "
+                              "registers); each sample's raw parts go to the trainer's log")
   reward_model_dtype: str = setting("bfloat16", "the reward model's params and activations")
   reward_model_batch: int = setting(16, "sequences the reward model scores per call")
   grace_s: float = setting(25.0, "after SIGTERM: time to submit or release everything in flight")
@@ -119,6 +129,29 @@ class WorkerConfig:
       raise ValueError(f"WorkerConfig.allocator_args: {e}") from None
     return args
 
+  def reward_term_weights(self) -> list[tuple[str, float]]:
+    """reward_terms as (verifier name, weight) pairs (ValueError naming the field)."""
+    terms: list[tuple[str, float]] = []
+    for entry in self.reward_terms.split(",") if self.reward_terms.strip() else []:
+      name, colon, weight = entry.strip().rpartition(":")
+      if not colon or name == "task":  # NAME alone (task:<name> included): weight 1
+        name, weight = entry.strip(), "1"
+      try:
+        value = float(weight)
+      except ValueError:
+        value = math.nan
+      name = name.strip()
+      if not name or not math.isfinite(value):
+        raise ValueError(f"WorkerConfig.reward_terms: expected comma-separated NAME:WEIGHT "
+                         f"(WEIGHT a finite float) or NAME, got {entry.strip()!r} in "
+                         f"{self.reward_terms!r}")
+      if name in RESERVED_PARTS or any(name == n for n, _ in terms):
+        raise ValueError(f"WorkerConfig.reward_terms: expected each verifier once and none "
+                         f"of {RESERVED_PARTS} (the names of the other reward parts), got "
+                         f"{name!r} in {self.reward_terms!r}")
+      terms.append((name, value))
+    return terms
+
   def __post_init__(self):
     def need(cond, field, expected):
       if not cond:
@@ -128,6 +161,7 @@ class WorkerConfig:
     need(not self.allocator_args or self.allocator == "vigor", "allocator_args",
          "'' with allocator='fixed' (its N is samples_per_prompt)")
     self.allocator_settings()  # checked now, named, rather than when the first lease comes
+    self.reward_term_weights()
     for f in ("prompts_per_lease", "prompts_per_call", "samples_per_prompt", "max_new_tokens",
               "decode_chunk_steps"):
       need(getattr(self, f) > 0, f, "a positive int")

@@ -96,6 +96,7 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
   samples = taken.group.samples
   routed = taken.group.HasField("prompt_routes")
   observed = tuple(sample_observed(s) for s in samples)
+  parts, bad = reward_parts_of(samples)
   return Group(rollout_id=int(taken.rollout_id), prompt_tokens=np.asarray(tokens, np.int32),
                responses=tuple(np.asarray(s.token_ids, np.int32) for s in samples),
                behaviour_logp=tuple(sample_logprobs(s) for s in samples),
@@ -105,7 +106,9 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                response_routes=tuple(routes_of(s.routes) for s in samples) if routed else None,
                observed=observed if any(o is not None for o in observed) else None,
                resumed=_count(taken.group.metadata.get("resumed_samples", "")),
-               passed=_verdicts(samples))
+               passed=_verdicts(samples),
+               reward_parts={k: tuple(v) for k, v in parts.items()} or None,
+               reward_parts_bad=tuple(bad))
 
 
 def _verdicts(samples) -> tuple[bool, ...] | None:
@@ -122,6 +125,31 @@ def pass_at_n(groups: list[Group]) -> float | None:
   verdicts; None when none does (a reward model's scores only)."""
   judged = [any(g.passed) for g in groups if g.passed is not None]
   return float(np.mean(judged)) if judged else None
+
+
+REWARD_PART = "reward/"  # sample metadata "reward/<name>": one raw part of its reward
+
+
+def reward_parts_of(samples) -> tuple[dict[str, list[float]], list[str]]:
+  """The samples' reward parts by name (metadata "reward/<name>": the worker's raw task
+  verifier, worker.reward_terms and reward model values), and the entries skipped as
+  malformed (no name, or not a finite float) as key=value."""
+  parts: dict[str, list[float]] = {}
+  bad: list[str] = []
+  for s in samples:
+    for key, text in s.metadata.items():
+      if not key.startswith(REWARD_PART):
+        continue
+      try:
+        value = float(text)
+      except ValueError:
+        value = float("nan")
+      name = key[len(REWARD_PART):]
+      if name and np.isfinite(value):
+        parts.setdefault(name, []).append(value)
+      else:
+        bad.append(f"{key}={text!r}")
+  return parts, bad
 
 
 def _count(text: str) -> int:
@@ -279,6 +307,7 @@ class RLTrainer(TrainerRun):
     self.completions_every = int(log.get("completions_every", 0))
     self.completions_groups = int(log.get("completions_groups", 0))
     self._taken: dict[int, Any] = {}  # the taken rollouts of the step being taken, by id
+    self.reward_parts_malformed = 0  # reward part values skipped so far (warned of once)
 
   # -- configuration and state ------------------------------------------------------------
 
@@ -501,6 +530,7 @@ class RLTrainer(TrainerRun):
           record = self._step_record(done, groups, batch, metrics,
                                      rate.add(int(batch["sample_mask"].sum())))
           self.resumed_samples += record["resumed_samples"]
+          record.update(self._reward_parts_record(groups))
         if done % self.publish_every == 0:
           try:
             pub = self._publish(self.version + 1)
@@ -690,8 +720,32 @@ class RLTrainer(TrainerRun):
                           "here; they are not used", group.rollout_id)
       if self.completions_every:  # their texts, for the completions log
         self._taken[group.rollout_id] = taken
+      self._count_malformed(group)
       valid.append(group)
     return valid
+
+  def _count_malformed(self, group: Group) -> None:
+    """Count a group's malformed reward parts (skipped); a malformed one must not stop the
+    run, and is warned of once."""
+    if group.reward_parts_bad and not self.reward_parts_malformed:
+      logging.warning("rl: rollout %d: reward part metadata %s: expected a finite number; "
+                      "skipped (steps.jsonl's reward_parts_malformed counts such values)",
+                      group.rollout_id, ", ".join(group.reward_parts_bad))
+    self.reward_parts_malformed += len(group.reward_parts_bad)
+
+  def _reward_parts_record(self, groups: list[Group]) -> dict[str, Any]:
+    """steps.jsonl's reward_parts: each part's mean over the step's samples that carry it
+    (absent when none does); reward_parts_malformed: the values skipped so far, if any."""
+    values: dict[str, list[float]] = {}
+    for group in groups:
+      for name, got in (group.reward_parts or {}).items():
+        values.setdefault(name, []).extend(got)
+    record: dict[str, Any] = {}
+    if values:
+      record["reward_parts"] = {name: float(np.mean(values[name])) for name in sorted(values)}
+    if self.reward_parts_malformed:
+      record["reward_parts_malformed"] = self.reward_parts_malformed
+    return record
 
   def _reject(self, why: str) -> None:
     """Count and log (at most every 10 s) a group that cannot enter a batch."""
@@ -795,6 +849,8 @@ class RLTrainer(TrainerRun):
   def _log_step(self, record: dict, metrics: dict) -> None:
     w, step = self.writer, record["step"]
     w.add_scalar("rollouts/reward_mean", record["reward_mean"], step)
+    for name, mean in record.get("reward_parts", {}).items():
+      w.add_scalar(f"rollouts/reward/{name}", mean, step)
     if record["pass_at_n"] is not None:
       w.add_scalar("rollouts/pass_at_n", record["pass_at_n"], step)
     w.add_scalar("rollouts/samples_per_second", record["samples_per_s"], step)

@@ -71,6 +71,11 @@ class Group:
   # Each sample's verifier verdict (reward alone cannot tell it once a reward model's score
   # is added); None when the worker sent none (task reward_model: a score).
   passed: tuple[bool, ...] | None = None
+  # The raw parts of the samples' rewards by name (metadata "reward/<name>": the task
+  # verifier's, worker.reward_terms', the reward model's), for the step's log; and the
+  # entries skipped as malformed, as key=value.
+  reward_parts: dict[str, tuple[float, ...]] | None = None
+  reward_parts_bad: tuple[str, ...] = ()
 
 
 def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None) -> None:

@@ -120,16 +120,18 @@ def test_rewards_are_the_models_scores_or_a_verifiers_plus_a_weighted_score(monk
   head = POLICY.encode_prompt("5+7=")
   want = scorer.scores([head + list(s.tokens) for s in samples])
   judged = pb.Prompt(id="a", text="5+7=", token_ids=head, task="reward_model")
-  rewards, passed = worker._rewards(judged, samples)
+  rewards, passed, parts = worker._scored(judged, samples)
   np.testing.assert_allclose(rewards, want, rtol=1e-6)
   assert passed is None  # a score is no verdict
+  np.testing.assert_allclose([p["reward_model"] for p in parts], want, rtol=1e-6)
   verified = pb.Prompt(id="b", text="5+7=", token_ids=head, task="addition", extra=b"12")
-  rewards, passed = worker._rewards(verified, samples)
+  rewards, passed, parts = worker._scored(verified, samples)
   np.testing.assert_allclose(rewards, [0.5 * want[0], 1.0 + 0.5 * want[1]], rtol=1e-6)
   assert passed == [False, True]  # the verifier's, whatever the reward model adds
+  assert [p["task"] for p in parts] == [0.0, 1.0]  # the parts are unweighted
   unweighted = _worker(RM)  # weight 0: verified tasks never run the reward model
   monkeypatch.setattr(unweighted.reward_scorer, "scores", None)
-  assert unweighted._rewards(verified, samples) == ([0.0, 1.0], [False, True])
+  assert unweighted._scored(verified, samples)[:2] == ([0.0, 1.0], [False, True])
 
 
 def test_a_multi_turn_sample_is_read_as_its_conversation(rm_with_tokenizer, monkeypatch):
@@ -142,7 +144,7 @@ def test_a_multi_turn_sample_is_read_as_its_conversation(rm_with_tokenizer, monk
   raw = [{"role": "user", "content": "hello world"}]
   prompt = pb.Prompt(id="c", text="<rendered>", token_ids=[1, 2],
                      metadata={"prompt": json.dumps(raw)})
-  worker._rewards(prompt, [sample], {0: ["R"]})
+  worker._scored(prompt, [sample], {0: ["R"]})
   rm_tok = HFTokenizer(rm_with_tokenizer, chat_template="auto")
   want = rm_tok.encode_conversation(raw + conversation(["ab", "cd"], ["R"]))
   assert seen == [want]

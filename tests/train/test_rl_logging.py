@@ -116,3 +116,36 @@ def test_a_loss_that_clips_nothing_logs_no_clip_fraction():
   record = RLTrainer._step_record(_trainer(version=1), 1, [_group(1, 1, [1.0, 0.0])],
                                   _batch([[1, 0], [0, 0]], [[1, 1], [0, 0]]), metrics, 0.0)
   assert record["clip_frac"] is None
+
+
+def test_reward_parts_are_the_means_over_the_steps_samples_and_junk_is_skipped(caplog):
+  from param_server.client import make_sample
+  from param_server.protos import param_server_pb2 as pb
+  trainer = _trainer(version=1)
+  trainer.reward_parts_malformed = 0
+
+  def taken(rollout_id, *metas):  # a taken group whose samples carry `metas`
+    group = group_of(pb.TakenRollout(
+        rollout_id=rollout_id, prompt=pb.Prompt(id="p", token_ids=[1, 2]),
+        group=pb.RolloutGroup(prompt_id="p", samples=[
+            make_sample([3], 0.0, metadata=m) for m in metas])), None)
+    RLTrainer._count_malformed(trainer, group)
+    return group
+
+  with caplog.at_level("WARNING"):
+    groups = [taken(1, {"passed": "1", "reward/task": "1.0", "reward/think_format": "0.5"},
+                    {"reward/task": "0.0", "reward/think_format": "nope"}),
+              taken(2, {"reward/task": "0.5", "reward/reward_model": "-2.0", "reward/": "1"})]
+  assert caplog.text.count("reward part metadata") == 1  # warned once, counted after
+  assert "reward/think_format='nope': expected a finite number; skipped" in caplog.text
+  parts = RLTrainer._reward_parts_record(trainer, groups)
+  assert parts == {"reward_parts": {"reward_model": -2.0, "task": 0.5, "think_format": 0.5},
+                   "reward_parts_malformed": 2}
+  record = RLTrainer._step_record(trainer, 1, [_group(1, 1, [1.0, 0.0]), _group(2, 1, [0.5])],
+                                  _batch([[1, 0], [0.5, 0]], [[1, 1], [1, 0]]), METRICS, 0.0)
+  RLTrainer._log_step(trainer, {**record, **parts}, METRICS)
+  assert trainer.writer.scalars["rollouts/reward/task"] == (0.5, 1)
+  assert trainer.writer.scalars["rollouts/reward/think_format"] == (0.5, 1)
+  json.dumps({**record, **parts})  # a steps.jsonl line
+  trainer.reward_parts_malformed = 0
+  assert RLTrainer._reward_parts_record(trainer, [_group(3, 1, [1.0])]) == {}  # none carry parts

@@ -39,11 +39,24 @@ def _lines(path):
     return [json.loads(line) for line in f]
 
 
+def _with_reward_parts(group_of_worker):
+  """The fake worker's groups with reward parts, as worker.reward_terms sends them: each
+  sample's reward as its task part, and a think_format part of 1 on its first sample."""
+  def group(*args, **kwargs):
+    g = group_of_worker(*args, **kwargs)
+    for j, s in enumerate(g.samples):
+      s.metadata.update({"reward/task": repr(s.reward), "reward/think_format": str(int(j == 0))})
+    return g
+  return group
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("rl")
   server = start_server(tmp / "ps")
-  worker = FakeWorker(server.address, samples=4).start()
+  worker = FakeWorker(server.address, samples=4)
+  worker.group = _with_reward_parts(worker.group)
+  worker.start()
   config = _config(steps=4, micro_batches=2)  # exact (test_rl_loss); here: wired through
   config.loss.logits_chunk = 4
   config.worker.max_new_tokens = 16  # the fake responses (at most 6) pack to 8 (response_buckets)
@@ -97,6 +110,13 @@ def test_each_step_trains_on_whole_distinct_groups(run):
   assert set(run["compiled"]) == {(4, 8), (4, 16)}
   assert run["precompiled_steps"] == len(steps)
   assert all(0 < s["entropy"] for s in steps)  # the trainer's policy, from the loss pass
+
+
+def test_each_steps_reward_parts_are_the_means_over_its_samples(run):
+  steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
+  assert all(s["reward_parts"] == {"task": pytest.approx(s["reward_mean"]),
+                                   "think_format": pytest.approx(0.25)} for s in steps)
+  assert all("reward_parts_malformed" not in s for s in steps)
 
 
 def test_a_groups_resumed_samples_are_read_from_its_metadata_and_junk_counts_none():
