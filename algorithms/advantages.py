@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators: GRPO (and Dr. GRPO), MC-GRPO, RLOO.
+"""Group-relative advantage estimators: GRPO (and Dr. GRPO), MC-GRPO, RLOO, OPO, pass@k.
 
 Inputs use the flat layout of `algorithms.groups`: `rewards [B]`, `group_ids [B]`
 (ints in `[0, num_groups)`, `num_groups` static), optional `sample_mask [B]`.
@@ -108,3 +108,49 @@ def mc_grpo_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
   pivot = (n % 2 == 1) & (rank == lo[group_ids]) & (mask > 0)
   adv = jnp.where(pivot, 0.0, adv)
   return adv, (mask > 0) & ~pivot
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups",))
+def opo_advantages(rewards, lengths, group_ids, num_groups: int, sample_mask=None):
+  """OPO (On-Policy RL with Optimal reward baseline, arXiv 2505.23585; verl's "opo"):
+  r_i minus the group's length-weighted mean reward sum_j(l_j r_j) / sum_j(l_j), the
+  baseline that minimizes the gradient's variance when each token's gradient is alike.
+
+  `lengths [B]`: each response's tokens. A group of one sample gets 0 (verl keeps its raw
+  reward: it has nothing to compare with); a group whose lengths are all 0 uses the mean.
+  """
+  rewards, group_ids, mask = check_group_inputs(rewards, group_ids, num_groups, sample_mask)
+  lengths = jnp.asarray(lengths, rewards.dtype)
+  if lengths.shape != rewards.shape:
+    raise ValueError(f"lengths: expected shape {rewards.shape} like rewards, got "
+                     f"{lengths.shape}")
+  count, mean, _ = group_mean_std(rewards, group_ids, num_groups, mask)
+  weight = segment_sum(lengths * mask, group_ids, num_groups)
+  weighted = segment_sum(lengths * rewards * mask, group_ids, num_groups)
+  baseline = jnp.where(weight > 0, weighted / jnp.where(weight > 0, weight, 1.0), mean)
+  return jnp.where(count[group_ids] > 1, rewards - baseline[group_ids], 0.0) * mask
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "std_scaling", "unbiased"))
+def passk_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
+                     std_scaling: str = "group", eps: float = 1e-6, unbiased: bool = True):
+  """Pass@k training (arXiv 2503.19595; verl's "grpo_passk"): only each group's best sample
+  learns, with advantage r_max - r_second_max (0 when the best is tied), divided by the
+  group's std as `std_scaling` says; every other sample gets 0. Optimizes the chance that
+  one of k samples is right, rather than each sample's."""
+  _check_scaling(std_scaling)
+  rewards, group_ids, mask = check_group_inputs(rewards, group_ids, num_groups, sample_mask)
+  count, _, std = group_mean_std(rewards, group_ids, num_groups, mask, unbiased)
+  count_i = count.astype(jnp.int32)
+  rank = ranks_within_group(rewards, group_ids, num_groups, mask)
+  top = segment_sum(jnp.where(rank == count_i[group_ids] - 1, rewards, 0.0) * mask, group_ids,
+                    num_groups)
+  second = segment_sum(jnp.where(rank == count_i[group_ids] - 2, rewards, 0.0) * mask,
+                       group_ids, num_groups)
+  best = (rank == count_i[group_ids] - 1) & (count_i[group_ids] > 1) & (mask > 0)
+  gap = jnp.where(best, (top - second)[group_ids], 0.0)
+  if std_scaling == "group":
+    return _scale(gap, std[group_ids], eps)
+  if std_scaling == "batch":
+    return _scale(gap, _batch_std(rewards, mask, unbiased), eps)
+  return gap

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                 "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# Schulman's k1, k2, k3; verl's low_var_kl (k3 clamped) and abs. verl's kl_loss_type "kl" is
+# k1 and "mse" is k2; verl's "k3" is its low_var_kl (clamped), ours is not.
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 
 
 def _check_tokens(name: str, x, shape):
@@ -74,8 +76,10 @@ def kl_penalty(logp, ref_logp, estimator: str = "k3"):
 
   With log r = ref_logp - logp: k1 = -log r (unbiased, can be negative),
   k2 = (log r)^2 / 2 (biased, low variance), k3 = r - 1 - log r (unbiased, >= 0).
-  The losses add it as is, as the GRPO paper does (= TRL with use_bias_correction_kl=False);
-  TRL's default multiplies it by pi/pi_old (DeepSeek-V3.2), which changes the gradient.
+  low_var_kl is verl's: k3 with log r clamped to [-20, 20] and the result to [-10, 10], so
+  that one token far from the reference bounds its term (and gets no gradient); abs is
+  verl's |log r|. The losses add it as is, as the GRPO paper does (= TRL with
+  use_bias_correction_kl=False); their kl_bias_correction multiplies it by pi/pi_old.
   """
   if estimator not in KL_ESTIMATORS:
     raise ValueError(f"kl estimator: expected one of {KL_ESTIMATORS}, got {estimator!r}")
@@ -84,6 +88,11 @@ def kl_penalty(logp, ref_logp, estimator: str = "k3"):
     return -log_r
   if estimator == "k2":
     return 0.5 * log_r * log_r
+  if estimator == "abs":
+    return jnp.abs(log_r)
+  if estimator == "low_var_kl":
+    log_r = jnp.clip(log_r, -20.0, 20.0)
+    return jnp.clip(jnp.expm1(log_r) - log_r, -10.0, 10.0)
   return jnp.expm1(log_r) - log_r
 
 
@@ -119,7 +128,7 @@ def _frac(cond, mask):
 
 
 def _finish(pg_per_token, logp, old_logp, ratio, mask, agg, norm_const, ref_logp, kl_coef,
-            kl_estimator, metrics):
+            kl_estimator, kl_bias_correction, metrics):
   loss = aggregate(pg_per_token, mask, agg, norm_const)
   metrics["pg_loss"] = loss
   log_ratio = jax.lax.stop_gradient(logp - old_logp)
@@ -129,6 +138,8 @@ def _finish(pg_per_token, logp, old_logp, ratio, mask, agg, norm_const, ref_logp
   if ref_logp is not None:
     _check_tokens("ref_logp", ref_logp, logp.shape)
     kl = kl_penalty(logp, ref_logp, kl_estimator)
+    if kl_bias_correction:  # TRL's use_bias_correction_kl: times the loss's ratio, not detached
+      kl = kl * ratio
     kl_loss = aggregate(kl, mask, agg, norm_const)
     metrics["kl_ref"] = kl_loss
     loss = loss + kl_coef * kl_loss
@@ -156,12 +167,13 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2,
                   clip_high: float = 0.2, dual_clip: float | None = None,
                   agg: str = "token-mean", norm_const: float | None = None,
                   token_weights=None, ref_logp=None, kl_coef: float = 0.0,
-                  kl_estimator: str = "k3"):
+                  kl_estimator: str = "k3", kl_bias_correction: bool = False):
   """PPO-clip with ratio r = pi/pi_old clipped to [1 - clip_low, 1 + clip_high].
 
   clip_high > clip_low is DAPO's clip-higher (e.g. 0.2 / 0.28). dual_clip = c > 1
   bounds the loss of negative-advantage tokens at -c * A (dual-clip PPO). With
-  ref_logp, adds kl_coef * aggregated KL(pi || pi_ref) by `kl_estimator`.
+  ref_logp, adds kl_coef * aggregated KL(pi || pi_ref) by `kl_estimator`, each token's
+  times its ratio r with kl_bias_correction (TRL's use_bias_correction_kl, DeepSeek-V3.2).
   Metrics: clip_frac (either bound active), clip_frac_low, clip_frac_high,
   dual_clip_frac, approx_kl (k3 estimate of KL(pi_old || pi)), ratio_mean/max/min, pg_loss, kl_ref.
   """
@@ -186,13 +198,14 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.2,
     pg = jnp.where(adv < 0, jnp.minimum(pg, bound), pg)
     metrics["dual_clip_frac"] = _frac(dual, mask)
   return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
-                 kl_coef, kl_estimator, metrics)
+                 kl_coef, kl_estimator, kl_bias_correction, metrics)
 
 
 def cispo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 1.0,
                clip_high: float = 0.28, agg: str = "token-mean",
                norm_const: float | None = None, token_weights=None, ref_logp=None,
-               kl_coef: float = 0.0, kl_estimator: str = "k3"):
+               kl_coef: float = 0.0, kl_estimator: str = "k3",
+               kl_bias_correction: bool = False):
   """CISPO (MiniMax-M1): REINFORCE on every token, each weighted by its importance ratio
   r = pi/pi_old clipped to [1 - clip_low, 1 + clip_high] and held constant:
   -sg(clip(r)) * A * log pi. Unlike PPO's clip, no token's gradient is dropped (a rare
@@ -214,13 +227,14 @@ def cispo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 1.0,
   metrics = {"clip_frac_low": _frac(low, mask), "clip_frac_high": _frac(high, mask),
              "clip_frac": _frac(low | high, mask)}
   return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
-                 kl_coef, kl_estimator, metrics)
+                 kl_coef, kl_estimator, kl_bias_correction, metrics)
 
 
 def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 3e-4,
               clip_high: float = 4e-4, agg: str = "seq-mean-token-mean",
               norm_const: float | None = None, token_weights=None, ref_logp=None,
-              kl_coef: float = 0.0, kl_estimator: str = "k3"):
+              kl_coef: float = 0.0, kl_estimator: str = "k3",
+              kl_bias_correction: bool = False):
   """GSPO: one ratio per sequence, s_i = exp(mean_t (logp - old_logp)), clipped per sequence.
 
   advantages must be per sequence `[B]`. The sequence's clipped term is given to each
@@ -245,4 +259,4 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 3e-4,
       "clip_frac": _frac(clipped[:, 0] > unclipped[:, 0], seq_mask),
   }
   return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
-                 kl_coef, kl_estimator, metrics)
+                 kl_coef, kl_estimator, kl_bias_correction, metrics)

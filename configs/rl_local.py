@@ -94,12 +94,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # ** z; 1.0: always (off), 0.0: never again. Such groups have no advantage to learn from.
   c.rl.revisit_solved = 1.0
   c.rl.revisit_failed = 1.0
+  # TRL's reference-model sync (TR-DPO; its sync_ref_model, ref_model_sync_steps,
+  # ref_model_mixup_alpha): every ref_sync_steps steps the KL reference (loss.kl_coef > 0)
+  # becomes ref_mixup_alpha * policy + (1 - ref_mixup_alpha) * reference; 0 = never (frozen).
+  c.rl.ref_sync_steps = 0
+  c.rl.ref_mixup_alpha = 0.6
 
   # The objective (rlax_ps.train.rl_loss.LossConfig).
   c.loss = ml_collections.ConfigDict()
-  c.loss.advantage = "grpo"  # grpo | dr_grpo | rloo | mc_grpo
-  # grpo, mc_grpo: divide by the std of each group (unset: "group") or of the whole batch's
-  # rewards ("batch": TRL's scale_rewards="batch"); dr_grpo and rloo divide by none.
+  c.loss.advantage = "grpo"  # grpo | dr_grpo | rloo | mc_grpo | opo | passk (pass@k training)
+  # grpo, mc_grpo, passk: divide by the std of each group (unset: "group") or of the whole
+  # batch's rewards ("batch": TRL's scale_rewards="batch"); dr_grpo, rloo, opo divide by none.
   c.loss.scale_rewards = ml_collections.config_dict.placeholder(str)
   c.loss.std_eps = 1e-6  # grpo, mc_grpo: added to that std (verl's; TRL's is 1e-4).
   c.loss.policy_loss = "ppo"  # ppo | gspo | cispo (REINFORCE weighted by the clipped ratio)
@@ -126,9 +131,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the 80/20 rule", TRL's top_entropy_quantile); 1.0: every token.
   c.loss.top_entropy_quantile = 1.0
   c.loss.entropy_coef = 0.0  # > 0: an entropy bonus, minus coef * entropy (verl's entropy_coeff).
-  c.loss.kl_coef = 0.0  # > 0: KL to the frozen warm start.
+  c.loss.kl_coef = 0.0  # > 0: KL to the warm start (frozen unless rl.ref_sync_steps).
   c.loss.router_aux_coef = 0.0  # Mixture of experts: > 0 adds the load-balancing loss.
-  c.loss.kl_estimator = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(pi || reference))
+  # Schulman's estimators of KL(pi || reference): k1 (verl's kl_loss_type "kl") | k2 (verl's
+  # "mse") | k3 | low_var_kl (verl's default and its "k3": k3 clamped to [-10, 10]) | abs (verl's).
+  c.loss.kl_estimator = "k3"
+  # True: each token's KL times its ratio pi / pi_old (TRL's use_bias_correction_kl).
+  c.loss.kl_bias_correction = False
   c.loss.backend = "auto"  # Shared-prompt attention: Pallas on TPU/GPU, XLA on CPU.
   # > 0: response positions projected to the vocabulary at a time (bounds logits memory).
   c.loss.logits_chunk = 0

@@ -44,13 +44,20 @@ from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check_rl_config,
                                      prompt_limit)
 from rlax_ps.train.rl_loss import LossConfig, group_advantages, micro_batched_loss_and_grad, \
-  response_logprobs, rl_loss
+  ref_sync_settings, response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
 from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
-from rlax_ps.train.state import TrainState, hf_params, restore_or_init
+from rlax_ps.train.state import TrainState, hf_params, restore_or_init, restore_state
 from rlax_ps.train.step import apply_gradients, jit_step
 from rlax_ps.train.trainable import trainable_value_and_grad
+
+
+def mix_reference(ref_params: Any, params: Any, alpha: float) -> Any:
+  """alpha * params + (1 - alpha) * ref_params, leaf by leaf in float32, in the reference's
+  dtypes: TRL's reference-model sync (TR-DPO's soft update)."""
+  return jax.tree.map(lambda r, p: (alpha * p.astype(np.float32) + (1.0 - alpha) *
+                                    r.astype(np.float32)).astype(r.dtype), ref_params, params)
 
 
 def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_groups: int,
@@ -237,6 +244,8 @@ class RLTrainer(TrainerRun):
     self.dynamic = _dynamic_sampler(config, self.shape.samples)
     if self.loss_cfg.kl_coef > 0 and not self.init_from_hf:
       raise ValueError("loss.kl_coef: a KL term needs a reference policy; set init_from_hf")
+    self.ref_sync_steps, ref_alpha = ref_sync_settings(rl, self.loss_cfg,
+                                                       self.model_config.lora_rank)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
     self.warn_unsplit_rows(self.shape.groups, self.micro_batches,  # a packed row per group
                            f"rl.groups_per_step={self.shape.groups}, "
@@ -248,13 +257,25 @@ class RLTrainer(TrainerRun):
     self.new_source = self.check_data_source(  # True: fed from its start (_load_metadata)
         latest, recorded, NEW_SOURCE_FED)
     self.build_optimizer(latest, "rl.steps")
-    self.state, self.shardings, self.graphdef, saved = restore_or_init(
-        self.model_config, self.optimizer, self.mesh, self.checkpointer,
-        init_from_hf=self.init_from_hf, seed=int(config.seed))
+    held = {}  # a reference mixed with the policy (rl.ref_sync_steps), as checkpointed
+    if latest is not None and latest.get("mixed_reference"):
+      self.state, self.shardings, self.graphdef, saved, held = restore_state(
+          self.model_config, self.optimizer, self.mesh, self.checkpointer,
+          self.checkpointer.latest_step(), params_like=("ref_params",))
+    else:
+      self.state, self.shardings, self.graphdef, saved = restore_or_init(
+          self.model_config, self.optimizer, self.mesh, self.checkpointer,
+          init_from_hf=self.init_from_hf, seed=int(config.seed))
     self.ref_params = None
-    if self.loss_cfg.kl_coef > 0:  # the frozen warm start, whatever step this is
-      self.ref_params = jax.device_put(hf_params(self.model_config, self.mesh,
-                                                 self.init_from_hf), self.shardings.params)
+    if self.loss_cfg.kl_coef > 0:  # the checkpoint's mixed reference, else the warm start
+      self.ref_params = held.get("ref_params")
+      if self.ref_params is None:
+        self.ref_params = jax.device_put(hf_params(self.model_config, self.mesh,
+                                                   self.init_from_hf), self.shardings.params)
+    # Once mixed, the reference is no longer the warm start: the checkpoints carry it.
+    self.mixed_reference = self.ref_params is not None and bool(self.ref_sync_steps or held)
+    self._mix_reference = jax.jit(lambda ref, params: mix_reference(ref, params, ref_alpha),
+                                  out_shardings=self.shardings.params, donate_argnums=0)
     self.rl_step = make_rl_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                 num_groups=self.shape.groups, loss_cfg=self.loss_cfg,
                                 schedule=self.schedule,
@@ -354,6 +375,7 @@ class RLTrainer(TrainerRun):
         "counts": self.counts(),
         "warm_start_eval": self.warm_start_eval,
         "run_id": self.run_id,
+        "mixed_reference": self.mixed_reference,  # the state holds ref_params
         "model_config": self.model_config.to_dict(),
         "config": json.loads(self.config.to_json_best_effort()),
     }
@@ -521,6 +543,8 @@ class RLTrainer(TrainerRun):
         self.state, metrics = self._step_for(batch)(
             self.state, shd.shard_batch(self.mesh, batch), self.ref_params)
         done = self.step
+        if self.ref_sync_steps and done % self.ref_sync_steps == 0:  # TRL's sync_ref_model
+          self.ref_params = self._mix_reference(self.ref_params, self.state.params)
         metrics = {k: float(v) for k, v in shd.to_host(metrics).items()}
         every = int(self.config.checkpoint.every_steps)
         eval_every = int(self.config.eval.every_steps)
@@ -775,7 +799,10 @@ class RLTrainer(TrainerRun):
     step = self.step
     if step in self.checkpointer.all_steps():
       return
-    self.checkpointer.save(step, self.state.to_tree(), self.metadata())
+    tree = self.state.to_tree()
+    if self.mixed_reference:
+      tree["ref_params"] = self.ref_params
+    self.checkpointer.save(step, tree, self.metadata())
     if not self.config.checkpoint.async_save:
       self._ack_durable()
 

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from algorithms.selection import check_revisit
-from rlax_ps.train.rl_loss import LossConfig, check_micro_batches
+from rlax_ps.train.rl_loss import LossConfig, check_micro_batches, ref_sync_settings
 
 # What an RL trainer does with a data source other than its checkpoint's, under
 # data.allow_new_source (run.resumed_source_line's `switch`).
@@ -38,6 +38,7 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   loss = dataclasses.replace(LossConfig.from_config(config.loss),
                              budget=int(worker.max_new_tokens))
   check_micro_batches(int(rl.get("micro_batches", 1)), int(rl.groups_per_step), loss)
+  ref_sync_settings(rl, loss, int(config.model.get("lora_rank", 0)))
   samples, allocator = int(worker.samples_per_prompt), str(worker.get("allocator", "fixed"))
   if allocator == "fixed" and samples < 2:
     raise ValueError(f"worker.samples_per_prompt: loss.advantage={loss.advantage!r} weighs "

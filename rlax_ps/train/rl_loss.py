@@ -32,10 +32,10 @@ from rlax_ps.kernels import pack_group, pack_routes, packed_response_logprobs
 from rlax_ps.models.transformer import load_balancing_loss
 from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "opo", "passk")
 # The advantages divided by a std of the rewards, and the stds they may take: their group's
-# or the whole batch's (dr_grpo is grpo divided by none; rloo has none).
-SCALED_ADVANTAGES = ("grpo", "mc_grpo")
+# or the whole batch's (dr_grpo is grpo divided by none; rloo and opo have none).
+SCALED_ADVANTAGES = ("grpo", "mc_grpo", "passk")
 SCALE_REWARDS = ("group", "batch")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 # Each policy loss's clip bounds and aggregation as published, for the fields left unset:
@@ -56,7 +56,9 @@ def _is_number(x) -> bool:
 class LossConfig:
   """The `loss` config block: which estimator, loss and correction, and their knobs."""
 
-  advantage: str = "grpo"  # grpo | dr_grpo (no std scaling) | rloo | mc_grpo (median baseline)
+  # grpo | dr_grpo (no std scaling) | rloo | mc_grpo (median baseline) | opo (length-weighted
+  # mean baseline) | passk (only each group's best sample learns: pass@k training)
+  advantage: str = "grpo"
   # grpo and mc_grpo: divide by the std of the sample's group ("group") or of the whole
   # batch's rewards ("batch", around each group's baseline: TRL's scale_rewards="batch");
   # None: "group". Unset for dr_grpo and rloo, which divide by no std.
@@ -104,7 +106,12 @@ class LossConfig:
   # > 0: plus this times the mixture-of-experts load-balancing loss (transformers'
   # router_aux_loss_coef; train/router_aux_loss reports it either way).
   router_aux_coef: float = 0.0
+  # KL(pi || reference) per token (algorithms.losses.kl_penalty): k1 (verl's "kl") | k2
+  # (verl's "mse") | k3 (unclamped) | low_var_kl (verl's default: k3 clamped) | abs (verl's)
   kl_estimator: str = "k3"
+  # True: each token's KL times its ratio pi/pi_old, the policy loss's, with its gradient
+  # (TRL's use_bias_correction_kl, DeepSeek-V3.2's unbiased KL); needs kl_coef > 0.
+  kl_bias_correction: bool = False
   backend: str = "auto"  # shared-prompt attention backend (rlax_ps.kernels)
   # > 0: project this many response positions to the vocabulary at a time (and again in
   # the backward pass) instead of whole rows: bounds the logits' memory for long responses
@@ -171,6 +178,9 @@ class LossConfig:
     need(self.budget >= 0, "budget", ">= 0 tokens")
     need(self.kl_estimator in losses.KL_ESTIMATORS, "kl_estimator",
          f"one of {losses.KL_ESTIMATORS}")
+    need(isinstance(self.kl_bias_correction, bool), "kl_bias_correction", "True or False")
+    need(not (self.kl_bias_correction and self.kl_coef <= 0), "kl_bias_correction",
+         "False with kl_coef=0 (it corrects the KL term, which kl_coef > 0 turns on)")
 
   @classmethod
   def from_config(cls, block) -> "LossConfig":
@@ -214,6 +224,11 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
     adv = adv_lib.grpo_advantages(rewards, group_ids, num_groups, mask, std_scaling="none")
   elif cfg.advantage == "rloo":
     adv = adv_lib.rloo_advantages(rewards, group_ids, num_groups, mask)
+  elif cfg.advantage == "opo":
+    adv = adv_lib.opo_advantages(rewards, batch["response_lens"].reshape(-1), group_ids,
+                                 num_groups, mask)
+  elif cfg.advantage == "passk":
+    adv = adv_lib.passk_advantages(rewards, group_ids, num_groups, mask, **scaling)
   else:
     adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
     mask = mask * keep.astype(mask.dtype)
@@ -316,7 +331,8 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                                                        logits_chunk=cfg.logits_chunk))
   norm = cfg.budget or None  # seq-mean-token-sum-norm: the budget, not the packed length
   common = dict(agg=cfg.agg, norm_const=norm, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
-                kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+                kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.kl_bias_correction,
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high)
   policy_loss = {"ppo": functools.partial(losses.ppo_clip_loss, dual_clip=cfg.dual_clip),
                  "gspo": losses.gspo_loss,
                  "cispo": losses.cispo_loss}[cfg.policy_loss]
@@ -420,6 +436,26 @@ def check_micro_batches(micro_batches: int, rows: int, cfg: LossConfig) -> None:
   if cfg.correction == "m2po" and micro_batches > 1:
     raise ValueError("rl.micro_batches: expected 1 with loss.correction='m2po' (its token "
                      "mask is a statistic of the whole batch)")
+
+
+def ref_sync_settings(rl, cfg: LossConfig, lora_rank: int = 0) -> tuple[int, float]:
+  """(rl.ref_sync_steps, rl.ref_mixup_alpha), checked: TRL's sync_ref_model (TR-DPO), every
+  that many steps the frozen reference becomes alpha * policy + (1 - alpha) * reference; 0
+  steps: never. ValueError naming the field."""
+  steps, alpha = rl.get("ref_sync_steps", 0), rl.get("ref_mixup_alpha", 0.6)
+  if not (isinstance(steps, numbers.Integral) and not isinstance(steps, bool) and steps >= 0):
+    raise ValueError(f"rl.ref_sync_steps: expected a whole number of steps >= 0 (0: never), "
+                     f"got {steps!r}")
+  if not (_is_number(alpha) and 0 < alpha <= 1):
+    raise ValueError(f"rl.ref_mixup_alpha: expected the policy's share in (0, 1], got {alpha!r}")
+  if steps and not cfg.kl_coef > 0:
+    raise ValueError(f"rl.ref_sync_steps: expected 0 with loss.kl_coef={cfg.kl_coef} (no KL "
+                     f"term: no reference to sync), got {steps}")
+  if steps and lora_rank:
+    raise ValueError(f"rl.ref_sync_steps: expected 0 with model.lora_rank={lora_rank} (the "
+                     f"adapters mixed apart do not mix the models; TRL refuses PEFT too), got "
+                     f"{steps}")
+  return int(steps), float(alpha)
 
 
 def whole_batch_stats(params: Any, graphdef: nnx.GraphDef, slices: dict, keep: jax.Array,

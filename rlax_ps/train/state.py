@@ -161,16 +161,28 @@ def restore_or_init(model_config: ModelConfig, optimizer: optax.GradientTransfor
   """(state, its shardings, graphdef, checkpoint metadata or None): the latest checkpoint
   in `checkpointer` if there is one (its model must be `model_config`), else the weights
   of the HF checkpoint `init_from_hf`, else a fresh sharded init."""
-  graphdef = abstract_model(model_config)[0]
   latest = checkpointer.latest_step()
   if latest is None and init_from_hf:
+    graphdef = abstract_model(model_config)[0]
     target = abstract_state(model_config, optimizer, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, target)
     params = hf_params(model_config, mesh, init_from_hf, seed)
     return state_from_params(params, optimizer, shardings, seed), shardings, graphdef, None
   if latest is None:
     return (*sharded_init(model_config, optimizer, mesh, seed), None)
-  saved = checkpointer.metadata(latest)
+  state, shardings, graphdef, metadata, _ = restore_state(model_config, optimizer, mesh,
+                                                          checkpointer, latest)
+  return state, shardings, graphdef, metadata
+
+
+def restore_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
+                  checkpointer: Checkpointer, step: int, *, params_like: tuple[str, ...] = ()
+                  ) -> tuple[TrainState, TrainState, nnx.GraphDef, dict, dict[str, Any]]:
+  """(state, its shardings, graphdef, metadata, {name: tree}) of checkpoint `step`, whose
+  model must be `model_config`. `params_like`: the names of more entries its state holds,
+  laid out as the params (the RL trainer's mixed reference)."""
+  graphdef = abstract_model(model_config)[0]
+  saved = checkpointer.metadata(step)
   want = json.loads(json.dumps(model_config.to_dict()))
   if saved.get("model_config") not in (None, want):
     was = saved["model_config"]
@@ -180,6 +192,8 @@ def restore_or_init(model_config: ModelConfig, optimizer: optax.GradientTransfor
                      f"another model ({'; '.join(changed)}); resume with its model, or use "
                      f"another workdir")
   target = abstract_state(model_config, optimizer, mesh)
-  tree, metadata = checkpointer.restore(target.to_tree(), latest)
+  tree, metadata = checkpointer.restore(
+      dict(target.to_tree(), **{name: target.params for name in params_like}), step)
   shardings = jax.tree.map(lambda x: x.sharding, target)
-  return TrainState.from_tree(tree), shardings, graphdef, metadata
+  extras = {name: tree.pop(name) for name in params_like}
+  return TrainState.from_tree(tree), shardings, graphdef, metadata, extras

@@ -84,6 +84,57 @@ def test_kl_estimators_hand_values():
     kl_penalty(logp, ref, "k4")
 
 
+def _verl_kl_penalty_forward(logprob, ref_logprob, kind):
+  """verl's core_algos.kl_penalty_forward (no "+": no straight-through), in numpy."""
+  if kind == "abs":
+    return np.abs(logprob - ref_logprob)
+  kl = np.clip(ref_logprob - logprob, -20, 20)  # low_var_kl
+  return np.clip(np.exp(kl) - kl - 1, -10, 10)
+
+
+def test_verl_low_var_kl_and_abs_equal_verls_formula_and_clamp_far_tokens():
+  # log r = ref - logp: -log 2, 0.5, 3 (k3 = 16.1: clamped to 10), 25 and -30 (clamped to
+  # +-20 first, then the value to 10).
+  logp = jnp.array([[math.log(0.5), -1.0, -4.0, -26.0, 0.0]])
+  ref = jnp.array([[math.log(0.25), -0.5, -1.0, -1.0, -30.0]])
+  lp, rf = np.asarray(logp, np.float64), np.asarray(ref, np.float64)
+  low_var = np.asarray(kl_penalty(logp, ref, "low_var_kl"))
+  np.testing.assert_allclose(low_var, _verl_kl_penalty_forward(lp, rf, "low_var_kl"), rtol=1e-5)
+  np.testing.assert_allclose(low_var[0, :2], [0.5 - 1 + math.log(2), math.exp(0.5) - 1.5],
+                             rtol=1e-5)
+  np.testing.assert_array_equal(low_var[0, 2:], [10.0, 10.0, 10.0])
+  assert float(kl_penalty(logp, ref, "k3")[0, 2]) == pytest.approx(math.exp(3) - 4, rel=1e-5)
+  np.testing.assert_allclose(kl_penalty(logp, ref, "abs"),
+                             _verl_kl_penalty_forward(lp, rf, "abs"), rtol=1e-6)
+  np.testing.assert_allclose(kl_penalty(logp, ref, "abs")[0, :3], [math.log(2), 0.5, 3.0],
+                             rtol=1e-5)
+  # A clamped token's term is a constant: no gradient pulls it back (as verl's torch.clamp).
+  grad = np.asarray(jax.grad(lambda x: jnp.sum(kl_penalty(x, ref, "low_var_kl")))(logp))
+  np.testing.assert_allclose(grad[0, :2], [1 - 0.5, 1 - math.exp(0.5)], rtol=1e-5)
+  np.testing.assert_array_equal(grad[0, 2:], [0.0, 0.0, 0.0])
+
+
+def test_kl_bias_correction_multiplies_each_tokens_kl_by_the_losss_ratio():
+  """TRL's use_bias_correction_kl: per_token_kl * coef_1, coef_1 = exp(logp - old_logp) per
+  token, or exp of the sequence's mean log ratio at importance_sampling_level="sequence"
+  (GSPO); the term is then aggregated as the policy loss."""
+  old, logp, ref = (np.asarray(x, np.float32) for x in _case())
+  mask = _MASK.astype(np.float32)
+  k3 = np.exp(ref - logp) - (ref - logp) - 1
+  token_ratio = np.exp(logp - old)
+  seq_ratio = np.exp(((logp - old) * mask).sum(-1, keepdims=True) / mask.sum(-1, keepdims=True))
+  token_mean = lambda x: (x * mask).sum() / mask.sum()
+  seq_mean = lambda x: np.mean((x * mask).sum(-1) / mask.sum(-1))
+  kw = dict(ref_logp=ref, kl_coef=0.1, kl_bias_correction=True)
+  for fn, agg, ratio, mean in [(ppo_clip_loss, "token-mean", token_ratio, token_mean),
+                               (cispo_loss, "token-mean", token_ratio, token_mean),
+                               (gspo_loss, "seq-mean-token-mean", seq_ratio, seq_mean)]:
+    _, m = fn(logp, old, _ADV[:, 0], mask, agg=agg, **kw)
+    assert float(m["kl_ref"]) == pytest.approx(mean(k3 * ratio), rel=1e-5), fn.__name__
+    _, plain = fn(logp, old, _ADV[:, 0], mask, agg=agg, ref_logp=ref, kl_coef=0.1)
+    assert float(plain["kl_ref"]) == pytest.approx(mean(k3), rel=1e-5), fn.__name__
+
+
 def test_gspo_sequence_ratio_hand_example():
   # seq 0 log ratios [0.1, 0.3]: s = e^0.2 = 1.2214 > 1.1 -> clipped term -1.1 (A = +1)
   # seq 1 log ratio [-0.05]: s = e^-0.05 = 0.9512, inside [0.9, 1.1] -> -0.9512

@@ -11,7 +11,7 @@ Settings map as follows (TRL -> ours):
 - importance_sampling_level="sequence" -> gspo_loss;
 - vLLM IS {token,sequence}_truncate -> truncated_importance_weights (cap = clip_max),
   {token,sequence}_mask -> masked_importance_weights (low = clip_min or 0, high = clip_max);
-- beta (k3) -> kl_coef, kl_estimator="k3"; use_bias_correction_kl=True has no counterpart.
+- beta (k3) -> kl_coef, kl_estimator="k3"; use_bias_correction_kl -> kl_bias_correction.
 """
 
 import functools
@@ -126,7 +126,8 @@ def _our_loss(cfg, a, adv):
   eps_high = cfg.get("epsilon_high") or eps
   beta = cfg.get("beta", 0.0)
   common = dict(agg=AGG[loss_type], norm_const=DATA["max_completion_length"],
-                ref_logp=a["ref_logp"] if beta else None, kl_coef=beta, kl_estimator="k3")
+                ref_logp=a["ref_logp"] if beta else None, kl_coef=beta, kl_estimator="k3",
+                kl_bias_correction=_kl_bias_corrected(cfg))
   weights = None
   if cfg.get("use_vllm") and cfg.get("vllm_importance_sampling_correction", True):
     mode = cfg.get("vllm_importance_sampling_mode", "sequence_mask")
@@ -152,16 +153,14 @@ def _our_loss(cfg, a, adv):
   return loss, weights
 
 
-def _kl_bias_corrected(case):
-  return case["config"].get("beta", 0.0) > 0 and case["config"].get("use_bias_correction_kl",
-                                                                      True)
+def _kl_bias_corrected(cfg):
+  return cfg.get("beta", 0.0) > 0 and cfg.get("use_bias_correction_kl", True)  # TRL 1.16's default
 
 
 LOSS_CASES = [c for c in CASES if c["trainer"] == "grpo" and "loss" in c]
 
 
-@pytest.mark.parametrize("case", [c for c in LOSS_CASES if not _kl_bias_corrected(c)],
-                         ids=_case_id)
+@pytest.mark.parametrize("case", LOSS_CASES, ids=_case_id)
 def test_loss_and_gradient_equal_trl(case):
   a = _arrays(case["batch"])
   adv = jnp.asarray(np.asarray(case["advantages"], np.float32))
@@ -184,16 +183,18 @@ def _bias_twins():
            and not c["config"].get("use_vllm") and "importance_sampling_level" not in c["config"]
            and c["config"]["loss_type"] != "cispo"}
   return [(c, plain[(c["batch"], c["config"]["loss_type"])]) for c in LOSS_CASES
-          if _kl_bias_corrected(c)]
+          if _kl_bias_corrected(c["config"])]
 
 
 @pytest.mark.parametrize("pair", _bias_twins(), ids=lambda p: _case_id(p[0]))
 def test_kl_term_is_trls_without_bias_correction(pair):
-  """TRL's default use_bias_correction_kl=True multiplies the k3 term by pi/pi_old (DeepSeek
-  V3.2); ours is the GRPO paper's plain k3 term: TRL's value with the correction off."""
+  """TRL's use_bias_correction_kl=True multiplies the k3 term by pi/pi_old (DeepSeek V3.2):
+  on these cases a change of the loss; ours without kl_bias_correction is TRL's value with
+  the correction off (the GRPO paper's plain k3 term)."""
   corrected, plain = pair
   a = _arrays(corrected["batch"])
-  loss, _ = _our_loss(corrected["config"], a, jnp.asarray(corrected["advantages"]))
+  loss, _ = _our_loss(dict(corrected["config"], use_bias_correction_kl=False), a,
+                      jnp.asarray(corrected["advantages"]))
   value = float(loss(a["logp"])[0])
   _close(value, plain["loss"])
   assert abs(value - corrected["loss"]) > 1e-4

@@ -76,6 +76,19 @@ def test_dr_grpo_and_rloo_use_their_own_baselines():
   np.testing.assert_allclose(dr[1], [0.4, 0.4, -0.6, -0.6], rtol=1e-6)
   rloo = np.asarray(group_advantages(batch, 2, LossConfig(advantage="rloo"))[0]).reshape(4, 4)
   np.testing.assert_allclose(rloo[0, :3], [1.0, -0.5, -0.5], rtol=1e-6)  # r - mean(others)
+  # OPO: each group's length-weighted mean reward as baseline, from the samples' own lengths.
+  opo = np.asarray(group_advantages(batch, 2, LossConfig(advantage="opo"))[0]).reshape(4, 4)
+  for g, at in ((GROUPS[0], [(0, 0), (0, 1), (0, 2)]),
+                (GROUPS[1], [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0)])):
+    lens = np.asarray([len(r) for r in g.responses], np.float64)
+    want = g.rewards - np.sum(lens * g.rewards) / np.sum(lens)
+    np.testing.assert_allclose([opo[i, j] for i, j in at], want, rtol=1e-5, atol=1e-6)
+  # pass@k: group 0's single best sample (1 over 0) alone, over the group's std; group 1's
+  # best reward is tied three ways: nothing to learn.
+  passk = np.asarray(group_advantages(batch, 2, LossConfig(advantage="passk"))[0]).reshape(4, 4)
+  want = np.zeros((4, 4))
+  want[0, 0] = 1.0 / (np.sqrt(1 / 3) + 1e-6)
+  np.testing.assert_allclose(passk, want, rtol=1e-5)
 
 
 def _model():
@@ -233,7 +246,9 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
     ("advantage", "ppo", "loss.advantage"), ("correction", "is", "loss.correction"),
     ("agg", "sum", "loss.agg"), ("kl_coef", -1.0, "loss.kl_coef"),
     ("mis_low", 3.0, "loss.mis_low: expected 0 <= mis_low < mis_high=2.0"),
-    ("overlong_buffer", -1, "loss.overlong_buffer")])
+    ("overlong_buffer", -1, "loss.overlong_buffer"),
+    ("kl_estimator", "mse", "loss.kl_estimator: expected one of .*'low_var_kl', 'abs'"),
+    ("kl_bias_correction", True, "loss.kl_bias_correction: expected False with kl_coef=0")])
 def test_bad_loss_settings_name_the_field(field, value, message):
   with pytest.raises(ValueError, match=message):
     LossConfig(**{field: value})
@@ -352,6 +367,29 @@ def test_kl_term_is_zero_against_itself_and_positive_against_another_policy():
   np.testing.assert_allclose(shifted, plain + 0.5 * m_other["kl_ref"], rtol=1e-5)
 
 
+def test_bias_corrected_kl_is_each_tokens_kl_times_its_ratio_to_the_behaviour_policy():
+  """TRL's use_bias_correction_kl on the packed path: with correction "none" the ratio is
+  pi / pi_behaviour, and verl's low_var_kl is the k3 estimate clamped to [-10, 10]."""
+  from rlax_ps.train.rl_loss import response_logprobs, token_mask
+  graphdef, params = _model()
+  batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
+  other = jax.tree.map(lambda x: x * 1.5, params)
+  cfg = LossConfig(backend="xla", kl_coef=0.5, kl_estimator="low_var_kl",
+                   kl_bias_correction=True)
+  def run(p, ref):  # the loss's metrics, and the log-probs it was computed from
+    logps = [response_logprobs(x, graphdef, batch, "xla") for x in (p, ref)]
+    return rl_loss(p, graphdef, batch, ref, num_groups=2, cfg=cfg)[1], logps
+
+  metrics, logps = jax.jit(run)(params, other)
+  logp, ref = (np.asarray(x, np.float64) for x in logps)
+  behaviour = np.asarray(batch["behaviour_logp"], np.float64).reshape(logp.shape)
+  mask = np.asarray(token_mask(batch, group_advantages(batch, 2, cfg)[1]), np.float64)
+  log_r = np.clip(ref - logp, -20, 20)
+  per_token = np.clip(np.exp(log_r) - log_r - 1, -10, 10) * np.exp(logp - behaviour)
+  want = (per_token * mask).sum() / mask.sum()
+  assert float(metrics["kl_ref"]) == pytest.approx(want, rel=1e-4)
+
+
 def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind():
   from rlax_ps import optim, sharding
   from rlax_ps.train.rl import make_rl_step
@@ -380,7 +418,8 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind():
 
 @pytest.mark.parametrize("micro,overrides", [
     (2, dict()),
-    (2, dict(agg="seq-mean-token-mean", correction="tis", kl_coef=0.1, logits_chunk=3)),
+    (2, dict(agg="seq-mean-token-mean", correction="tis", kl_coef=0.1, logits_chunk=3,
+             kl_estimator="low_var_kl", kl_bias_correction=True)),
     (4, dict(agg="seq-mean-token-sum-norm", correction="decoupled")),
     (2, dict(policy_loss="gspo", agg="seq-mean-token-sum", advantage="rloo")),
     (2, dict(policy_loss="cispo", correction="tis")),
