@@ -115,13 +115,19 @@ def parse_flags(argv: list[str]) -> list[str]:
   field the config lacks) into one line on stderr and exit status 2, not a traceback."""
   from absl import flags
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
+    message = _unloaded_config_file(flags.FLAGS)
+    if not message:
+      return rest
   except SystemExit as e:  # absl's --help/--helpfull print usage, then exit 1; help is no error.
     asked = {"-h", "--help", "-?", "--helpshort", "--helpfull", "--helpxml"} & set(argv[1:])
     sys.exit(0 if asked else e.code)
   except flags.Error as e:
-    message = str(e)
-  except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
+    message = _without_traceback(str(e))
+  except OSError as e:  # an override of a config file that did not load
+    given = [a for a in argv[1:] if a.startswith("--config=")]
+    message = f"{given[-1] if given else '--config'}: {_load_failure(e)}"
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
     lines = _innermost_message(e).replace("\\n", "\n").split("\n")
     field = lines[0].strip("'\"")
     message = " ".join(lines)
@@ -131,6 +137,37 @@ def parse_flags(argv: list[str]) -> list[str]:
   print(f"{argv[0]}: bad flags: {message.strip()}", file=sys.stderr)
   print(f"`{argv[0]} --help` lists the flags.", file=sys.stderr)
   sys.exit(2)
+
+
+def _without_traceback(message: str) -> str:
+  """A flag's error with the traceback that ml_collections puts in it (a config file's
+  get_config raised) cut to its last line, the error itself."""
+  head, trace, rest = message.partition("Traceback (most recent call last):")
+  if not trace:
+    return message
+  last = [line for line in rest.splitlines() if line.strip()][-1]
+  return f"{head.split(': Error whilst parsing')[0].strip()}: {last.strip()}"
+
+
+def _unloaded_config_file(parsed) -> str:
+  """'--config=PATH: why' for a config-file flag whose file did not load (ml_collections
+  defers that error to the config's first use, deep in a command), else ''."""
+  for name in parsed:
+    flag = parsed[name]
+    if type(flag.value).__name__ != "_ErrorConfig":  # ml_collections' failed config file
+      continue
+    try:
+      flag.value.lock()
+    except OSError as e:
+      return f"--{name}={getattr(flag, 'config_filename', '')}: {_load_failure(e)}"
+  return ""
+
+
+def _load_failure(error: OSError) -> str:
+  """Why ml_collections could not load a config file: the last line of its report (the
+  path tried and the error, e.g. no such file)."""
+  lines = [line.strip() for line in str(error.__cause__ or error).splitlines() if line.strip()]
+  return lines[-1] if lines else str(error)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,33 @@ def with_defaults(block, cls, skip=()):
   return block
 
 
+def make_workdir(path: str, flag: str = "--workdir") -> str:
+  """The absolute path of the run folder `path`, made if absent; ValueError naming `flag`
+  where it cannot be (a file of that name, a file above it, no permission)."""
+  path = os.path.abspath(path)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"{flag}: cannot use {path} as a folder: {e.strerror}") from None
+  return path
+
+
+def check_counts(config, fields) -> None:
+  """ValueError naming the first of the dotted `fields` the config has that is not a whole
+  number >= 0 (every-N-steps settings, where 0 means off and a negative one would act on
+  every step)."""
+  for name in fields:
+    block, _, key = name.rpartition(".")
+    parent = config
+    for part in filter(None, block.split(".")):
+      parent = parent.get(part) if hasattr(parent, "get") else None
+    if not hasattr(parent, "get") or parent.get(key) is None:
+      continue
+    value = parent.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ValueError(f"{name}: expected a whole number >= 0 (0: off), got {value!r}")
+
+
 def save_run_config(config, workdir: str) -> None:
   """Write `config` to <workdir>/run_config.json (what a later run compares with)."""
   with open(os.path.join(workdir, RUN_CONFIG), "w") as f:

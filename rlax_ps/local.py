@@ -30,7 +30,8 @@ from typing import Any, Sequence
 
 from param_server import auth
 from rlax_ps.cli import STOP_WITH_PARENT
-from rlax_ps.config_files import run_config_changes
+from rlax_ps.config_files import make_workdir, run_config_changes
+from rlax_ps.folder_lock import FolderLock
 from rlax_ps.sizes import human_bytes
 
 LISTENING = re.compile(r"parameter server listening on (\S+)")
@@ -121,7 +122,7 @@ class LocalRun:
       self.worker_envs = [{"CUDA_VISIBLE_DEVICES": gpus(trainer_gpus + i * gpus_per_worker,
                                                         gpus_per_worker)}
                           for i in range(workers)]
-    self.workdir = os.path.abspath(workdir)
+    self.workdir = make_workdir(workdir)
     self.config_file, self.overrides = config_file, list(overrides)
     self.num_workers, self.python = workers, python
     self.logs = os.path.join(self.workdir, "logs")
@@ -133,6 +134,12 @@ class LocalRun:
     self.metrics_url = ""  # the server's Prometheus /metrics, once started with a port
     os.makedirs(self.logs, exist_ok=True)
     os.makedirs(self.ps_dir, exist_ok=True)
+
+  def hold_workdir(self) -> None:
+    """Lock the run's logs folder while this supervisor lives (`workdir_lock`): a second
+    `rlax-ps local` on the workdir is refused (FolderInUse, naming the first's pid) before
+    its warm start and server, rather than failing in them."""
+    self.workdir_lock = FolderLock(self.logs, holder="`rlax-ps local`", flag="--workdir")
 
   def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
     log = os.path.join(self.logs, f"{name}.log")

@@ -94,6 +94,7 @@ def main(argv: list[str]) -> None:
   except ValueError as e:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
     sys.exit(2)
+  run.hold_workdir()  # held until this process exits
   enable_compile_cache()
   try:
     init_from_hf = os.path.abspath(local.warm_start(config, workdir))

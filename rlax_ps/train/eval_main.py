@@ -117,8 +117,11 @@ def evaluate_checkpoint(config, path: str, tokenizer=None, heldout=None) -> dict
   from rlax_ps.train import heldout as heldout_lib
 
   tokenizer = tokenizer or checkpoint_tokenizer(config, path)
-  model = load_hf_checkpoint(path, dtype=config.model.param_dtype,
-                             compute_dtype=config.model.dtype)
+  try:
+    model = load_hf_checkpoint(path, dtype=config.model.param_dtype,
+                               compute_dtype=config.model.dtype)
+  except ValueError as e:  # tensors that do not fit its config.json: the flag, not a traceback
+    raise app.UsageError(f"--checkpoints: checkpoint {path}: {e}") from None
   graphdef, params, _ = nnx.split(model, nnx.Param, ...)
   params = params.to_pure_dict()
   heldout = heldout or heldout_for(config, tokenizer)

@@ -64,6 +64,8 @@ def _open_local(path: str, field: str):
     return open(path, "rb")
   except FileNotFoundError:
     raise ValueError(f"{field}: no file {path}") from None
+  except OSError as e:  # a folder, no permission
+    raise ValueError(f"{field}: cannot read {path}: {e.strerror}") from None
 
 
 def _url_chunks(path: str, field: str) -> Iterator[bytes]:
@@ -142,7 +144,7 @@ def _raw_records(path: str, field: str) -> Iterator[tuple[str, Any]]:
     if not line.strip():
       continue
     try:
-      rec = json.loads(line)
+      rec = json.loads(line.rstrip("\r\n"))  # an error's column is then the line's own
     except json.JSONDecodeError as e:
       raise ValueError(f"{path}:{n}: not JSON: {e}") from None
     yield f"{path}:{n}", rec
@@ -239,7 +241,7 @@ def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
     count += 1
     yield record
   if not count:
-    raise ValueError(f"{path}: no prompt records")
+    raise ValueError(f"{field}: {path}: no prompt records")
 
 
 def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None = None,

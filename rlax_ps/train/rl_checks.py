@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from algorithms.selection import check_revisit
+from rlax_ps.config_files import check_counts
 from rlax_ps.train.rl_loss import LossConfig, check_micro_batches, ref_sync_settings
 
 # What an RL trainer does with a data source other than its checkpoint's, under
@@ -30,6 +31,12 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   if steps < 1 or staleness < 0 or every < 1:
     raise ValueError(f"rl: expected steps >= 1, max_staleness >= 0, publish_every >= 1, got "
                      f"{steps}, {staleness}, {every}")
+  if int(rl.groups_per_step) < 1:
+    raise ValueError(f"rl.groups_per_step: expected >= 1, got {rl.groups_per_step}")
+  seconds = rl.get("max_seconds", 0.0)
+  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+    raise ValueError(f"rl.max_seconds: expected seconds >= 0 (0: no limit), got {seconds!r}")
+  check_counts(config, ("checkpoint.every_steps", "eval.every_steps", "export.every_steps"))
   updates = int(rl.get("updates_per_batch", 1))
   if updates < 1:
     raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates}")
@@ -91,7 +98,8 @@ def _check_files(config) -> None:
     tokenizer = tokenizer_from_config(block, config.get("init_from_hf", ""),
                                       tool_modules=str(worker.get("verifiers", "")))
   if config.get("init_from_hf", ""):
-    _check_checkpoint(str(config.init_from_hf))
+    from rlax_ps.train.run import check_init_from_hf
+    check_init_from_hf(str(config.init_from_hf))
   for field in ("jsonl", "heldout_jsonl"):
     path = config.data.get(field, "")
     if path:
@@ -124,16 +132,6 @@ def _tasks_and_digest(config, records) -> tuple[set[str], str]:
       yield record["prompt"], record["answer"], record["task"]
 
   return tasks, data_source(config, read())["digest"]
-
-
-def _check_checkpoint(path: str) -> None:
-  """init_from_hf's config and tensor names (from the safetensors' headers: no weights
-  read) are what the trainer and workers load: a missing or foreign tensor is named now."""
-  from rlax_ps.models.hf import check_hf_checkpoint
-  try:
-    check_hf_checkpoint(path)
-  except (OSError, ValueError) as e:
-    raise ValueError(f"init_from_hf: {e}") from None
 
 
 def check_prompt(tokenizer, limit: int | None, record: dict,

@@ -167,7 +167,8 @@ class LossConfig:
     need(all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0
              for i in self.stop_ids), "stop_ids", "token ids >= 0")
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
-    need(self.clip_low >= 0 and self.clip_high >= 0, "clip_low", "clip bounds >= 0")
+    need(self.clip_low >= 0, "clip_low", "a clip bound >= 0")
+    need(self.clip_high >= 0, "clip_high", "a clip bound >= 0")
     need(self.agg in losses.AGGREGATIONS, "agg", f"one of {losses.AGGREGATIONS}")
     need(self.tis_cap > 0, "tis_cap", "> 0")
     need(self.is_level in corrections.LEVELS, "is_level", f"one of {corrections.LEVELS}")

@@ -18,6 +18,7 @@ from flax import nnx
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
+from rlax_ps.config_files import make_workdir
 from rlax_ps.folder_lock import FolderLock
 from rlax_ps.models import (flatten_params, longest_sequence, model_config_from,
                             save_hf_checkpoint)
@@ -37,6 +38,17 @@ def built_or_exit(prog: str, build: Callable[[], "TrainerRun"]) -> "TrainerRun":
   except (OSError, ValueError) as e:
     print(f"{prog}: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def check_init_from_hf(path: str) -> None:
+  """init_from_hf's config and tensor names (from the safetensors' headers: no weights read)
+  are what a trainer or worker loads: a missing folder, file or foreign tensor is named now,
+  with the field."""
+  from rlax_ps.models.hf import check_hf_checkpoint
+  try:
+    check_hf_checkpoint(path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"init_from_hf: {e}") from None
 
 
 def tasks_from(cfg) -> tuple[list[Task], list[float]]:
@@ -171,8 +183,7 @@ class TrainerRun:
     trainer's parts (a build that raises, a config refused, frees it again): a second
     trainer on it (a rerun while the first still runs) is refused, naming the first's pid,
     rather than interleaving checkpoints with it."""
-    self.workdir = os.path.abspath(workdir)
-    os.makedirs(self.workdir, exist_ok=True)
+    self.workdir = make_workdir(workdir)
     if self.leader:
       self._workdir_lock = FolderLock(self.workdir, holder="trainer", flag="--workdir")
     try:
@@ -212,6 +223,8 @@ class TrainerRun:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
     and tokenizer of `init_from_hf` where it names an HF checkpoint)."""
     self.init_from_hf = config.get("init_from_hf", "")
+    if self.init_from_hf:
+      check_init_from_hf(self.init_from_hf)
     self.tokenizer = tokenizer_from_config(
         config.tokenizer, self.init_from_hf,
         tool_modules=str(config.get("worker", {}).get("verifiers", "")))

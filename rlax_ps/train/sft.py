@@ -23,7 +23,7 @@ from flax import nnx
 
 from rlax_ps import optim
 from rlax_ps import sharding as shd
-from rlax_ps.config_files import save_run_config
+from rlax_ps.config_files import check_counts, save_run_config
 from rlax_ps.tasks import Example
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.heldout import heldout_from_config
@@ -59,16 +59,19 @@ class SFTTrainer(TrainerRun):
                        f"{batch_size}, got {num_micro}")
     self.warn_unsplit_rows(batch_size, num_micro, f"data.batch_size={batch_size}, "
                            f"optimizer.grad_accum_steps={num_micro}")
+    check_counts(config, ("checkpoint.every_steps", "train.eval_every"))
+    # The data is checked before the checkpointer starts, so a bad file or seq_len is the
+    # one line the command ends with.
+    records = self._records()
+    self.data = SFTBatches(self.tasks, self.weights, self.tokenizer, batch_size=batch_size,
+                           seq_len=seq_len, seed=int(config.seed),
+                           packing=bool(config.data.packing), records=records)
     self.checkpointer = open_checkpointer(config, self.workdir)
     saved = self.checkpointer.latest_metadata()
-    records = self._records()
     read = None if records is None else ((e.prompt, e.answer, e.task) for e in records)
     self.check_data_source(saved, data_source(config, read),
                            "the steps left draw their batches from this data")
     self.build_optimizer(saved, "train.steps")
-    self.data = SFTBatches(self.tasks, self.weights, self.tokenizer, batch_size=batch_size,
-                           seq_len=seq_len, seed=int(config.seed),
-                           packing=bool(config.data.packing), records=records)
     self.state, self.shardings, self.graphdef = self._init_or_restore()
     self.train_step = make_train_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                       num_micro=num_micro, schedule=self.schedule)

@@ -133,9 +133,13 @@ def state_from_params(params: Any, optimizer: optax.GradientTransformation,
 
 def hf_params(model_config: ModelConfig, mesh: Mesh, path: str, seed: int = 0) -> Any:
   """The params (a pure dict, sharded on `mesh`) of the HF checkpoint folder `path`; a LoRA
-  config adds fresh adapters (B = 0: the model is still the checkpoint's)."""
-  model = load_hf_checkpoint(path, model_config.param_dtype, compute_dtype=model_config.dtype,
-                             mesh=mesh)
+  config adds fresh adapters (B = 0: the model is still the checkpoint's). ValueError naming
+  init_from_hf where its tensors do not fit its config (a shape, a dtype)."""
+  try:
+    model = load_hf_checkpoint(path, model_config.param_dtype,
+                               compute_dtype=model_config.dtype, mesh=mesh)
+  except ValueError as e:
+    raise ValueError(f"init_from_hf: HF checkpoint {path!r}: {e}") from None
   params = nnx.state(model, nnx.Param).to_pure_dict()
   if not model_config.lora_rank:
     return params

@@ -247,6 +247,8 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
     ("agg", "sum", "loss.agg"), ("kl_coef", -1.0, "loss.kl_coef"),
     ("mis_low", 3.0, "loss.mis_low: expected 0 <= mis_low < mis_high=2.0"),
     ("overlong_buffer", -1, "loss.overlong_buffer"),
+    ("clip_high", -1.0, "loss.clip_high: expected a clip bound >= 0"),
+    ("clip_low", -0.1, "loss.clip_low: expected a clip bound >= 0"),
     ("kl_estimator", "mse", "loss.kl_estimator: expected one of .*'low_var_kl', 'abs'"),
     ("kl_bias_correction", True, "loss.kl_bias_correction: expected False with kl_coef=0")])
 def test_bad_loss_settings_name_the_field(field, value, message):

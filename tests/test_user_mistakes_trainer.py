@@ -1,0 +1,148 @@
+"""A new user's mistakes with the trainer-side commands (`rlax-ps local`, `sft`, `train`,
+`eval`): each is refused in one line naming the flag or config field, before anything runs,
+rather than a traceback, a late failure in a child or a silently different run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from absl import app
+
+from rlax_ps import config_files, local
+from rlax_ps.folder_lock import FolderInUse
+from rlax_ps.train.prompts import read_prompts
+from rlax_ps.train.rl_checks import check_rl_config
+from rlax_ps.train.run import TrainerRun
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = os.path.join(REPO, "tests", "fixtures", "hf", "llama")
+
+
+def _config(name: str):
+  return config_files.load(os.path.join(REPO, "configs", name), "tiny")
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "rlax_ps", *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+
+
+def test_a_config_file_that_does_not_load_is_one_line_naming_the_flag():
+  missing = _cli("local", "--config=configs/nope.py", "--workdir=/nonexistent/x",
+                 "--config.rl.steps=2")
+  variant = _cli("sft", "--config=configs/sft_tiny.py:tiyn", "--workdir=/nonexistent/x")
+  for r in (missing, variant):
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+  assert "--config=configs/nope.py: [Errno 2] No such file" in missing.stderr
+  assert "--config=configs/sft_tiny.py:tiyn: ValueError: configs/sft_tiny.py: unknown " \
+         "variant 'tiyn'" in variant.stderr
+
+
+def test_a_prompt_file_that_is_a_folder_empty_or_bad_json_is_named(tmp_path):
+  with pytest.raises(ValueError, match="data.jsonl: cannot read .*: Is a directory"):
+    read_prompts(str(tmp_path))
+  (tmp_path / "empty.jsonl").write_text("")
+  with pytest.raises(ValueError, match="data.jsonl: .*empty.jsonl: no prompt records"):
+    read_prompts(str(tmp_path / "empty.jsonl"))
+  (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n' * 6
+                                      + '{"prompt": "3+3=", "answer": 6\n')
+  # The error's position is within line 7, not "line 2" of the line and its newline.
+  with pytest.raises(ValueError, match="bad.jsonl:7: not JSON: .* line 1 column 31"):
+    read_prompts(str(tmp_path / "bad.jsonl"))
+
+
+def test_a_workdir_that_is_a_file_names_the_flag(tmp_path):
+  file = tmp_path / "run"
+  file.write_text("")
+  with pytest.raises(ValueError, match="--workdir: cannot use .*run as a folder"):
+    TrainerRun().open_workdir(str(file), lambda: None)
+  with pytest.raises(ValueError, match="--workdir: cannot use .*run/sub as a folder"):
+    local.LocalRun(str(file / "sub"), "cfg.py", [], workers=1)
+
+
+def test_a_second_local_run_on_a_workdir_is_refused_before_it_starts(tmp_path):
+  first = local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=1)
+  first.hold_workdir()
+  try:
+    with pytest.raises(FolderInUse, match=r"--workdir .*w/logs: in use by another "
+                                          r"`rlax-ps local` \(pid %d" % os.getpid()):
+      local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=1).hold_workdir()
+  finally:
+    first.workdir_lock.release()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_seconds", -5.0, r"rl.max_seconds: expected seconds >= 0 \(0: no limit\), got -5.0"),
+    ("groups_per_step", 0, "rl.groups_per_step: expected >= 1, got 0"),
+])
+def test_rl_settings_that_would_train_nothing_are_refused(field, value, message):
+  config = _config("rl_local.py")
+  config.rl[field] = value
+  with pytest.raises(ValueError, match=message):
+    check_rl_config(config, files=False)
+
+
+@pytest.mark.parametrize("path", ["checkpoint.every_steps", "eval.every_steps",
+                                  "export.every_steps"])
+def test_a_negative_every_steps_is_refused_not_run_every_step(path):
+  config = _config("rl_local.py")
+  block, key = path.split(".")
+  config[block][key] = -1
+  with pytest.raises(ValueError, match=rf"{path}: expected a whole number >= 0 \(0: off\), "
+                                       r"got -1"):
+    check_rl_config(config, files=False)
+
+
+def test_sft_refuses_bad_data_and_counts_before_its_checkpointer_starts(tmp_path):
+  from rlax_ps.train.sft import SFTTrainer
+  (tmp_path / "empty.jsonl").write_text("")
+  config = _config("sft_tiny.py")
+  config.data.jsonl = str(tmp_path / "empty.jsonl")
+  with pytest.raises(ValueError, match="data.jsonl: .*no prompt records"):
+    SFTTrainer(config, str(tmp_path / "w"))
+  # No checkpointer was opened: its background clean-up cannot outlive the command.
+  assert not os.path.exists(tmp_path / "w" / "checkpoints")
+  config = _config("sft_tiny.py")
+  config.train.eval_every = -1
+  with pytest.raises(ValueError, match="train.eval_every: expected a whole number >= 0"):
+    SFTTrainer(config, str(tmp_path / "w"))
+
+
+def test_an_init_from_hf_folder_without_a_checkpoint_names_the_field(tmp_path):
+  from rlax_ps.train.sft import SFTTrainer
+  config = _config("sft_tiny.py")
+  config.init_from_hf = str(tmp_path)
+  with pytest.raises(ValueError, match="init_from_hf: no config.json"):
+    SFTTrainer(config, str(tmp_path / "w"))
+
+
+@pytest.fixture
+def misshapen(tmp_path):
+  """The llama fixture with a config.json whose MLP width its tensors do not have."""
+  path = tmp_path / "misshapen"
+  shutil.copytree(LLAMA, path)
+  config = json.loads((path / "config.json").read_text())
+  (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
+  return str(path)
+
+
+def test_init_from_hf_tensors_that_do_not_fit_its_config_name_the_field(misshapen):
+  import jax
+
+  from rlax_ps import sharding as shd
+  from rlax_ps.models.hf import read_hf_config
+  from rlax_ps.train.state import hf_params
+  mesh = shd.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  with pytest.raises(ValueError, match=f"init_from_hf: HF checkpoint '{misshapen}': tensor "
+                                       ".*expected shape"):
+    hf_params(read_hf_config(misshapen), mesh, misshapen)
+
+
+def test_eval_of_a_checkpoint_whose_tensors_do_not_fit_names_the_flag(misshapen):
+  from rlax_ps.train.eval_main import evaluate_checkpoint
+  with pytest.raises(app.UsageError, match=f"--checkpoints: checkpoint {misshapen}: tensor "
+                                           ".*expected shape"):
+    evaluate_checkpoint(_config("rl_local.py"), misshapen, tokenizer=object())
