@@ -50,6 +50,39 @@ def env_var(role: str) -> str:
   return f"RLAX_PS_{role.upper()}_TOKEN"
 
 
+class TokenStoreError(ValueError):
+  """<storage_dir>/tokens.json cannot be read as role tokens; the message names the file."""
+
+
+def warn_if_shared(path: str, what: str) -> None:
+  """Log a warning when the token file `path` (given by `what`) is readable by other users."""
+  try:
+    mode = os.stat(path).st_mode & 0o777
+  except OSError:
+    return
+  if mode & 0o077:
+    logging.warning("auth: %s %s is readable by other users (mode %04o): they can act with "
+                    "its tokens; chmod 600 it", what, path, mode)
+
+
+def read_saved_tokens(path: str) -> dict[str, str]:
+  """The role tokens saved in `path` ({} when absent); TokenStoreError naming the file when
+  it is not a JSON object of strings (the server must not make new tokens over it)."""
+  if not os.path.exists(path):
+    return {}
+  warn_if_shared(path, "token file")
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise TokenStoreError(f"{path}: expected a JSON object of role tokens, not valid JSON "
+                          f"({e}); mend it, or remove it to make new tokens") from None
+  if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
+    raise TokenStoreError(f"{path}: expected a JSON object of role tokens (strings), got "
+                          f"{type(saved).__name__}; mend it, or remove it to make new tokens")
+  return saved
+
+
 def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str]:
   """Role -> token: from `given` (flags), else the environment, else the token file (made if needed)."""
   tokens = {r: given.get(r) or os.environ.get(env_var(r)) or "" for r in ROLES}
@@ -57,10 +90,7 @@ def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str
   if not missing:
     return tokens
   path = os.path.join(storage_dir, TOKEN_FILE)
-  saved = {}
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
+  saved = read_saved_tokens(path)
   for r in missing:
     tokens[r] = saved.get(r) or secrets.token_urlsafe(32)
   if any(saved.get(r) != tokens[r] for r in missing):
@@ -109,8 +139,11 @@ def _deny(code: grpc.StatusCode, message: str, handler: grpc.RpcMethodHandler) -
 class TokenAuthInterceptor(grpc.ServerInterceptor):
   """Maps `authorization: Bearer <token>` to a role and checks it against the method."""
 
-  def __init__(self, tokens: dict[str, str], on_denied=None, methods=None, unavailable=None):
+  def __init__(self, tokens: dict[str, str], on_denied=None, methods=None, unavailable=None,
+               unknown_hint: str = ""):
     self._tokens = [(role, tok.encode()) for role, tok in tokens.items()]
+    # Added to the answer to a token it does not know (a relay: whom it serves).
+    self._unknown_hint = unknown_hint
     self._on_denied = on_denied or (lambda: None)
     # unavailable() -> why the checked methods cannot be served now ("" when they can): a
     # relay whose server refused or cannot be reached answers UNAVAILABLE, not a verdict on
@@ -151,7 +184,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
       logging.warning("auth: %s without a valid bearer token", name)
       given = dict(handler_call_details.invocation_metadata or ()).get("authorization")
       return _deny(grpc.StatusCode.UNAUTHENTICATED,
-                   "authorization: token rejected: not a known token" if given else
+                   f"authorization: token rejected: not a known token{self._unknown_hint}"
+                   if given else
                    "authorization: no token given: expected 'Bearer <token>'", handler)
     if role not in allowed:
       self._on_denied()

@@ -323,15 +323,32 @@ class ParamServerClient:
 
   def error(self, method: str, code: grpc.StatusCode, details: str) -> ParamServerError:
     """A ParamServerError whose message says what to do where the status alone misleads: no
-    token vs a token refused, and a plaintext client that met a TLS server."""
+    token vs a token refused, and the connection failures `explained` names."""
     if code == grpc.StatusCode.UNAUTHENTICATED:
       details = (f"no token given for role {self.role!r} ({_flag_hint(self.role)}); {details}"
                  if not self._has_token else
                  f"the {self.role} token was rejected by {self.address}; {details}")
-    elif (code == grpc.StatusCode.UNAVAILABLE and not self._tls and not self._answered
-          and "socket closed" in details.lower()):
-      details += f" (is the server at {self.address} using TLS? pass --tls_ca)"
-    return ParamServerError(method, code, details)
+    return ParamServerError(method, code, self.explained(code, details))
+
+  def explained(self, code: grpc.StatusCode, details: str) -> str:
+    """`details` of a failed call, with the likely mistake named where gRPC's words hide it:
+    TLS on one side only, an HTTP server at the address, a certificate for another name."""
+    if code != grpc.StatusCode.UNAVAILABLE or self._answered:
+      return details
+    said = details.lower()
+    if not self._tls and "socket closed" in said:
+      hint = f"is the server at {self.address} using TLS? pass --tls_ca"
+    elif "failed parsing http/2" in said:
+      hint = (f"{self.address} is not a gRPC server (an HTTP server answered: a metrics "
+              f"port?); give the parameter server's or relay's --port")
+    elif self._tls and "wrong_version_number" in said:
+      hint = f"the server at {self.address} is not using TLS; drop --tls_ca"
+    elif self._tls and "hostname verification" in said:
+      hint = (f"the server's certificate is not for the host in {self.address}; pass "
+              f"--tls_server_name=NAME, a name the certificate holds")
+    else:
+      return details
+    return f"{details} ({hint})"
 
   def _now(self) -> _Route:
     """Where a call goes: the relay, or the server while the relay is left (until
@@ -378,7 +395,8 @@ class ParamServerClient:
     if now - self._retry_logged_at >= RETRY_LOG_S:
       self._retry_logged_at = now
       logging.warning("param server %s: %s failed (%s: %s); retrying for up to %gs",
-                      self.address, method, code.name, details, deadline_s)
+                      self.address, method, code.name, self.explained(code, details),
+                      deadline_s)
     if self.interrupt.wait(delay):
       raise ParamServerError(method, code, f"stop requested while retrying: {details}")
 

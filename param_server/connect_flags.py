@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import time
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 from param_server import auth
 
@@ -74,6 +75,7 @@ def token_for(role: str, token: str | None = None, token_file: str | None = None
       await_file(token_file, wait_s)
     except FileNotFoundError as e:
       raise TokenFileError(str(e)) from None
+  auth.warn_if_shared(token_file, "--token_file")
   try:
     with open(token_file) as f:
       tokens = json.load(f)
@@ -90,15 +92,38 @@ def token_for(role: str, token: str | None = None, token_file: str | None = None
   return tokens[role]
 
 
+def check_address(address: str) -> None:
+  """app.UsageError naming --address when it lacks a port (gRPC would quietly try 443) or is
+  a URL (gRPC takes host:port, or a target such as ipv4:A:PORT,B:PORT or dns:///host:port)."""
+  scheme = address.partition("://")[0]
+  if scheme in ("http", "https", "grpc", "grpcs"):
+    raise app.UsageError(f"--address={address}: expected host:port, not a URL (drop "
+                         f"'{scheme}://'; TLS is --tls_ca)")
+  if ":" not in address:
+    raise app.UsageError(f"--address={address}: expected host:port, got no port (the "
+                         f"server's --port, e.g. {address}:50051)")
+
+
+def read_tls_ca(path: str) -> bytes:
+  """The PEM root certificate(s) in `path`; app.UsageError naming --tls_ca when it cannot be
+  read or holds no certificate (gRPC would only fail every handshake)."""
+  try:
+    ssl.create_default_context(cafile=path)
+    with open(path, "rb") as f:
+      return f.read()
+  except (OSError, ssl.SSLError) as e:
+    raise app.UsageError(f"--tls_ca={path}: expected a PEM certificate (the server's "
+                         f"--tls_cert or the CA that signed it), could not load it "
+                         f"({getattr(e, 'strerror', None) or e})") from None
+
+
 def connect(role: str, token_wait_s: float = 0.0, **client_kwargs):
   """A ParamServerClient for `role` from the flags above (`token_wait_s`: how long to wait
   for a --token_file not yet written). gRPC is imported here, not with the flags: a worker
   blocks its stop signals before any gRPC thread starts."""
   from param_server.client import ParamServerClient
-  root = None
-  if TLS_CA.value:
-    with open(TLS_CA.value, "rb") as f:
-      root = f.read()
+  check_address(ADDRESS.value or DEFAULT_ADDRESS)
+  root = read_tls_ca(TLS_CA.value) if TLS_CA.value else None
   return ParamServerClient(ADDRESS.value or DEFAULT_ADDRESS,
                            token=token_for(role, TOKEN.value, TOKEN_FILE.value, token_wait_s),
                            role=role,

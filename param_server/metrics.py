@@ -130,8 +130,13 @@ class RelayCollector:
 def serve_metrics(collector, host: str, port: int):
   """Serve a collector's metrics (`StatsCollector`, `RelayCollector`) on
   http://host:port/metrics in a daemon thread (port 0 picks a free one); returns the HTTP
-  server (`server_port`, `shutdown()`)."""
+  server (`server_port`, `shutdown()`); CannotListen naming the flags when it cannot bind."""
   registry = CollectorRegistry(auto_describe=False)
   registry.register(collector)
-  server, _ = start_http_server(port, addr=host, registry=registry)
+  try:
+    server, _ = start_http_server(port, addr=host, registry=registry)
+  except OSError as e:  # the port is taken, or the host is not this machine's
+    from param_server.server import CannotListen
+    raise CannotListen(f"--host {host} --metrics_port {port}: cannot serve metrics there "
+                       f"({e.strerror or e}); is another server on that port?") from None
   return server

@@ -38,18 +38,45 @@ from param_server.server import (MESSAGE_OVERHEAD, SERVICE_NAME, ParamServerServ
                                  ServerConfig, grpc_server, method_handlers)
 from param_server.weights import PublishWriter, WeightLimits, WeightStore
 from rlax_ps.dataclass_flags import setting
+from rlax_ps.folder_lock import FolderLock
 
 # What the relay answers itself (checking the caller's token); everything else goes to the
 # server, which checks it. A publication is refused: it belongs to the server.
 SERVED_HERE = ("GetLatest", "Pull", "Watch")
 REPORT_S = 5.0  # how often the relay tells the server the version it holds
 ONE_ATTEMPT = RetryPolicy(deadline_s=0.0)  # asking the server while a caller waits
+# What a caller whose token the relay does not know is told (a trainer sent to a relay).
+RELAY_TOKEN_HINT = ("; this is a weight relay: it serves workers and takes the server's worker "
+                    "token only (a trainer's --address is the parameter server's)")
 # The server refused the relay's own token: no retry mends that.
 REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class UpstreamRefused(Exception):
-  """The server the relay follows refused the relay's token (or role)."""
+  """The relay cannot follow --address: the server refused the relay's token (or role), or
+  the address is the relay's own."""
+
+
+def _ips(host: str) -> set[str]:
+  try:
+    return {info[4][0] for info in socket.getaddrinfo(host, None)}
+  except OSError:
+    return set()
+
+
+def names_itself(address: str, host: str, port: int) -> bool:
+  """Whether the client target `address` (host:port, ipv4:/ipv6:/dns:/// ones too) is this
+  relay's own listening `host`:`port` (a wildcard host: this machine's loopback or name)."""
+  target = address
+  for scheme in ("dns:///", "ipv4:", "ipv6:"):
+    target = target.removeprefix(scheme)
+  name, sep, target_port = target.rpartition(":")
+  if "," in target or not sep or not target_port.isdigit() or int(target_port) != port:
+    return False
+  own = _ips(host)
+  if own & {"0.0.0.0", "::"}:
+    own = {"127.0.0.1", "::1"} | _ips(socket.gethostname())
+  return bool(_ips(name.strip("[]")) & own)
 
 
 @dataclasses.dataclass
@@ -83,6 +110,9 @@ class RelayConfig:
       raise ValueError(f"RelayConfig.max_wait_s: expected >= 0, got {self.max_wait_s}")
     if not self.poll_s > 0:
       raise ValueError(f"RelayConfig.poll_s: expected > 0, got {self.poll_s}")
+    if not 0 <= self.port <= 65535:  # gRPC would take it modulo 65536
+      raise ValueError(f"RelayConfig.port: expected a port 0-65535 (0 picks a free one), got "
+                       f"{self.port}")
     if not -1 <= self.metrics_port <= 65535:
       raise ValueError(f"RelayConfig.metrics_port: expected -1 (off) or a port 0-65535, got "
                        f"{self.metrics_port}")
@@ -249,24 +279,32 @@ class WeightRelay:
     self.refreshes = 0  # times a pull made the relay ask the server's version
     self._changed = threading.Condition()
     self._stopping = threading.Event()
-    limit = max(config.chunk_bytes, config.max_message_bytes) + MESSAGE_OVERHEAD
-    self.weights = WeightStore(config.storage_dir, chunk_bytes=config.chunk_bytes, limits=WeightLimits(
-        max_chunk_bytes=64 << 20, delta_history=config.delta_history, cache_bytes=config.cache_bytes))
-    served = ServerConfig(storage_dir=config.storage_dir, chunk_bytes=config.chunk_bytes,
-                          max_message_bytes=config.max_message_bytes)
-    self.servicer = _RelayServicer(served, self.weights, self)
-    handlers = {name: h for name, h in method_handlers(self.servicer).items()
-                if name in SERVED_HERE + ("Publish",)}
-    for m in pb.DESCRIPTOR.services_by_name["ParamServer"].methods:
-      if m.name not in handlers:
-        handlers[m.name] = _passing(m.name, upstream.channel, upstream.timeout_s + 120.0,
-                                    upstream.address)
-    self._server, self._health, self.port = grpc_server(
-        handlers, auth.TokenAuthInterceptor({"worker": token}, methods=SERVED_HERE,
-                                            on_denied=self.servicer._rejections.bump,
-                                            unavailable=self.upstream_down),
-        threads=config.threads, limit=limit, host=config.host, port=config.port,
-        tls_cert=config.tls_cert, tls_key=config.tls_key)
+    os.makedirs(config.storage_dir, exist_ok=True)
+    # FolderInUse: another relay (or a server) has it; two would rename over each other.
+    self._lock = FolderLock(config.storage_dir, holder="weight relay", flag="--storage_dir")
+    try:
+      limit = max(config.chunk_bytes, config.max_message_bytes) + MESSAGE_OVERHEAD
+      self.weights = WeightStore(config.storage_dir, chunk_bytes=config.chunk_bytes, limits=WeightLimits(
+          max_chunk_bytes=64 << 20, delta_history=config.delta_history, cache_bytes=config.cache_bytes))
+      served = ServerConfig(storage_dir=config.storage_dir, chunk_bytes=config.chunk_bytes,
+                            max_message_bytes=config.max_message_bytes)
+      self.servicer = _RelayServicer(served, self.weights, self)
+      handlers = {name: h for name, h in method_handlers(self.servicer).items()
+                  if name in SERVED_HERE + ("Publish",)}
+      for m in pb.DESCRIPTOR.services_by_name["ParamServer"].methods:
+        if m.name not in handlers:
+          handlers[m.name] = _passing(m.name, upstream.channel, upstream.timeout_s + 120.0,
+                                      upstream.address)
+      self._server, self._health, self.port = grpc_server(
+          handlers, auth.TokenAuthInterceptor({"worker": token}, methods=SERVED_HERE,
+                                              on_denied=self.servicer._rejections.bump,
+                                              unavailable=self.upstream_down,
+                                              unknown_hint=RELAY_TOKEN_HINT),
+          threads=config.threads, limit=limit, host=config.host, port=config.port,
+          tls_cert=config.tls_cert, tls_key=config.tls_key)
+    except BaseException:
+      self._lock.release()
+      raise
     self.address = f"{config.host}:{self.port}"
     self.relay_id = config.name or f"relay@{socket.gethostname()}:{self.port}"
     self._follower = threading.Thread(target=self._follow, name="relay-follow", daemon=True)
@@ -465,12 +503,19 @@ class WeightRelay:
   def start(self) -> "WeightRelay":
     """Serve, following the server; UpstreamRefused (nothing started) when the server
     refuses the relay's token: a relay that cannot follow must not stand in for it."""
+    if names_itself(self.upstream.address, self.config.host, self.port):
+      self.upstream.close()
+      self._server.stop(0)
+      self._lock.release()
+      raise UpstreamRefused(f"--address {self.upstream.address} is this relay's own --host/"
+                            f"--port; give the parameter server's address")
     try:  # what the server holds now: pulls wait for it rather than find the relay empty
       self._announce(self._ask_upstream(), asked=True)
     except ParamServerError as e:
       if e.code in REFUSED:
         self.upstream.close()
         self._server.stop(0)
+        self._lock.release()
         raise UpstreamRefused(
             f"the server {self.upstream.address} refused the relay's worker token ({e}); "
             f"give the server's worker token: --token, $RLAX_PS_WORKER_TOKEN or --token_file"
@@ -506,6 +551,7 @@ class WeightRelay:
       if thread.is_alive():
         thread.join(timeout=10)
     self._drop_arriving("the relay stopped")
+    self._lock.release()
 
   def __enter__(self) -> "WeightRelay":
     return self.start()

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from param_server.auth import check_tls_files
+from param_server.auth import TokenStoreError, check_tls_files
 from param_server.server import ParamServer, ServerConfig
 from param_server.signals import wait_for_stop
 from rlax_ps.dataclass_flags import define_flags, resolve
@@ -60,7 +61,13 @@ def main(argv) -> None:
     check_tls_files(config.tls_cert, config.tls_key)
   except (ValueError, TypeError) as e:
     raise app.UsageError(str(e)) from None
-  server = ParamServer(config).start()
+  try:
+    server = ParamServer(config)
+  except (OSError, TokenStoreError) as e:  # a read-only, full or misnamed folder; bad tokens
+    print(f"rlax-ps serve: --storage_dir {config.storage_dir}: cannot serve from it: {e}",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
+  server.start()
   print(f"parameter server listening on {server.address}", flush=True)
   if server.metrics_port is not None:
     print(f"metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)

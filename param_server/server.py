@@ -84,6 +84,9 @@ class ServerConfig:
     if not (self.silent_worker_heartbeats == 0 or self.silent_worker_heartbeats >= 2):
       raise ValueError(f"ServerConfig.silent_worker_heartbeats: expected 0 (off) or >= 2, got "
                        f"{self.silent_worker_heartbeats}")
+    if not 0 <= self.port <= 65535:  # gRPC would take it modulo 65536
+      raise ValueError(f"ServerConfig.port: expected a port 0-65535 (0 picks a free one), got "
+                       f"{self.port}")
     if not -1 <= self.metrics_port <= 65535:
       raise ValueError(f"ServerConfig.metrics_port: expected -1 (off) or a port 0-65535, got "
                        f"{self.metrics_port}")
@@ -163,6 +166,15 @@ class _Rejections:
     context.abort(err.code, str(err))
 
 
+def storage_failed(storage_dir: str, e: OSError) -> errors.Unavailable:
+  """The status of a call the storage folder failed (full, read-only, gone): UNAVAILABLE, so
+  that clients keep their data and retry while the operator mends it."""
+  return errors.Unavailable("storage_dir", f"{storage_dir}: storage failed ({e.strerror or e}"
+                            f"{': ' + str(e.filename) if e.filename else ''}); this call failed "
+                            f"and the server keeps what it acknowledged before; free "
+                            f"space or mend the folder (clients retry)")
+
+
 def _unary(method):
   @functools.wraps(method)
   def wrapper(self, request, context):
@@ -170,6 +182,9 @@ def _unary(method):
       return method(self, _well_formed(request), context)
     except errors.RequestError as e:
       self._rejections.abort(context, method.__name__, e)
+    except OSError as e:
+      self._rejections.abort(context, method.__name__,
+                             storage_failed(self.config.storage_dir, e))
   return wrapper
 
 
@@ -182,6 +197,9 @@ def _streaming(method):
       yield from method(self, _well_formed(request), context)
     except errors.RequestError as e:
       self._rejections.abort(context, method.__name__, e)
+    except OSError as e:
+      self._rejections.abort(context, method.__name__,
+                             storage_failed(self.config.storage_dir, e))
     finally:
       with self._lock:
         self.streams_open -= 1
@@ -613,6 +631,10 @@ class ParamServer:
         if expired:
           logging.warning("reaper: workers %s are silent; their leases expire now (%d "
                           "prompts back in the queue)", silent, sum(expired.values()))
+      except OSError as e:  # a full or failing storage folder: said, not a traceback a tick
+        logging.log_every_n_seconds(logging.WARNING, "reaper: expiring leases failed: %s "
+                                    "(expired leases stay open until it can log them)", 30,
+                                    storage_failed(self.config.storage_dir, e))
       except Exception:
         logging.exception("reaper: expiring leases failed")
 

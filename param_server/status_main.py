@@ -16,6 +16,8 @@ from rlax_ps.sizes import human_bytes
 
 flags.adopt_module_key_flags(connect_flags)
 _TIMEOUT = flags.DEFINE_float("timeout_s", 10.0, "give up after this long")
+flags.register_validator("timeout_s", lambda s: s > 0,
+                         "--timeout_s: expected a positive number of seconds")
 
 
 def time_columns(t: pb.WorkerTime) -> str:
