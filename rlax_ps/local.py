@@ -41,7 +41,12 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class ChildFailed(RuntimeError):
-  """A child process of the run exited while the run needed it."""
+  """A child process of the run exited while the run needed it; `code`: the exit status the
+  run ends with (1, or 128 + the signal that stopped it)."""
+
+  def __init__(self, message: str, code: int = 1):
+    super().__init__(message)
+    self.code = code
 
 
 def override_flags(overrides: dict[str, Any]) -> list[str]:
@@ -332,10 +337,11 @@ def finished_summary(workdir: str, steps: int) -> dict[str, Any] | None:
   return summary
 
 
-def warm_start(config, workdir: str) -> str:
+def warm_start(config, workdir: str, progress: bool = True) -> str:
   """The HF checkpoint RL starts from: config.init_from_hf, else the export of the `sft`
-  block trained in <workdir>/sft (reused when a finished one is there, resumed when begun).
-  ValueError naming --workdir when the one there was begun with another `sft` block."""
+  block trained in <workdir>/sft (reused when a finished one is there, resumed when begun;
+  `progress`: its progress bar). ValueError naming --workdir when the one there was begun
+  with another `sft` block."""
   if config.init_from_hf:
     return config.init_from_hf
   sft_dir = os.path.join(os.path.abspath(workdir), "sft")
@@ -352,7 +358,7 @@ def warm_start(config, workdir: str) -> str:
     return hf
   print(f"warm start: supervised training in {sft_dir}", flush=True)
   child = multiprocessing.get_context("spawn").Process(
-      target=_sft, args=(config.sft, sft_dir, os.getpid()), name="sft")
+      target=_sft, args=(config.sft, sft_dir, os.getpid(), progress), name="sft")
   child.start()
   try:
     child.join()
@@ -363,14 +369,14 @@ def warm_start(config, workdir: str) -> str:
   if child.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
     raise ChildFailed(f"sft (the warm start) was stopped by "
                       f"{signal.Signals(child.exitcode - 128).name}; the step it reached is "
-                      f"checkpointed in {sft_dir}: a rerun resumes it")
+                      f"checkpointed in {sft_dir}: a rerun resumes it", child.exitcode)
   if child.exitcode != 0:
     raise ChildFailed(f"sft (the warm start) exited with status {child.exitcode}; its "
                       f"output is above")
   return hf
 
 
-def _sft(config, workdir: str, parent_pid: int) -> None:
+def _sft(config, workdir: str, parent_pid: int, progress: bool = True) -> None:
   """The warm start's process: `rlax-ps sft` on the config's `sft` block, stopped with its
   supervisor."""
   stop_with_parent(parent_pid)
@@ -381,6 +387,6 @@ def _sft(config, workdir: str, parent_pid: int) -> None:
   logging.set_verbosity(logging.WARNING)
   enable_compile_cache()
   # Ctrl-C reaches it too: the step reached is checkpointed, and the next run resumes it.
-  summary = train_and_evaluate(config, workdir, stop_on_signals=True)
+  summary = train_and_evaluate(config, workdir, progress=progress, stop_on_signals=True)
   if summary.get("stopped"):  # not finished: no export for RL to start from
     sys.exit(128 + summary["stopped"])

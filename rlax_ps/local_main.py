@@ -97,10 +97,10 @@ def main(argv: list[str]) -> None:
   run.hold_workdir()  # held until this process exits
   enable_compile_cache()
   try:
-    init_from_hf = os.path.abspath(local.warm_start(config, workdir))
-  except local.ChildFailed as e:
+    init_from_hf = os.path.abspath(local.warm_start(config, workdir, _PROGRESS.value))
+  except local.ChildFailed as e:  # 130 / 143 when Ctrl-C or SIGTERM stopped it
     print(f"rlax-ps local: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+    sys.exit(e.code)
   except ValueError as e:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr, flush=True)
     sys.exit(2)

@@ -44,6 +44,7 @@ def test_the_loop_runs_and_ends_with_the_summary_table(run):
   workdir, proc = run
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   assert "held-out exact match" in proc.stdout and "after RL" in proc.stdout
+  assert not re.search(r"sft:\s+\d+%\|", proc.stderr)  # --progress=false: the warm start's too
   summary = json.load(open(workdir / "summary.json"))
   assert summary["step"] == 4 and summary["rollout_groups_trained"] == 16
   # The trained policy, in Hugging Face format, named at the end.
