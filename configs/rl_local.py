@@ -217,6 +217,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.in_flight_updates = False
   c.worker.max_new_tokens = 20
   c.worker.temperature = 1.0
+  c.worker.min_p = 0.0  # > 0: drop tokens under min_p x the likeliest's probability (vLLM's).
   c.worker.lease_wait_s = 0.5
   c.worker.lease_deadline_s = 120.0
   c.worker.default_task = "addition"

@@ -31,7 +31,8 @@ class Sample:
   logprobs: log_softmax of the model's logits (temperature 1) at each token: the policy's
     log-prob, what importance ratios against the trainer's policy need.
   sampling_logprobs: log-prob of each token under the distribution it was drawn from
-    (temperature, top-k, top-p applied and renormalised; 0 when greedy): the behaviour log-prob.
+    (temperature, min-p, top-k, top-p applied and renormalised; 0 when greedy): the behaviour
+    log-prob.
   finish_reason: "stop" (emitted a stop token) or "length" (reached max_new_tokens).
   prompt_routes, routes (`record_routes`, mixture of experts): the experts each MoE layer's
     router picked, [prompt tokens, M, k] for the prompt and [len(tokens) - 1, M, k] for the
@@ -120,7 +121,7 @@ def knobs(params: SamplingParams):
   stops = np.full((bucket(len(params.stop_tokens), 4),), -1, np.int32)
   stops[:len(params.stop_tokens)] = params.stop_tokens
   return (np.int32(params.max_new_tokens), np.float32(max(params.temperature, 1e-6)),
-          np.float32(params.top_p), stops)
+          np.float32(params.top_p), np.float32(params.min_p), stops)
 
 
 def routes_last(picks):
@@ -211,10 +212,10 @@ def record(rows: Rows, step, logits, knobs_, mode) -> Rows:
   write it into the row's output slot, and finish rows that stopped or reached max_new.
   Multi-turn: a row with forced tokens left writes the next one instead of drawing, and a
   row that stops before max_new pauses (its sample goes on once the host answers)."""
-  max_new, temperature, top_p, stops = knobs_
+  max_new, temperature, top_p, min_p, stops = knobs_
   step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), rows.done.shape)
   token, slogp, logp = choose_tokens(logits, step_keys(rows.seeds, step), mode, temperature,
-                                     top_p)
+                                     top_p, min_p)
   live = ~rows.done
   multi = {}
   force = jnp.zeros_like(live)

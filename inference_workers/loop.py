@@ -1163,6 +1163,7 @@ class Worker:
     meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
+            "min_p": repr(self.params.min_p),
             "last_version": str(self.policy.version)}
     resumed = sum(s.resumed for s in samples)
     if resumed:

@@ -1,10 +1,10 @@
-"""Sampling settings and the per-step token choice (temperature, top-k, top-p, greedy).
+"""Sampling settings and the per-step token choice (temperature, min-p, top-k, top-p, greedy).
 
 Pure functions on logits; the decode loop in `sampler.py` calls `choose_tokens` once per step.
-Only `DecodeMode` (greedy, top_k, whether top-p is on) is compiled in; temperature, top_p,
-stop tokens and max_new_tokens are traced, so changing them does not recompile, except where
-max_new_tokens or the number of stop tokens moves to another power-of-two bucket (the
-buffers' sizes).
+Only `DecodeMode` (greedy, top_k, whether top-p and min-p are on) is compiled in; temperature,
+top_p, min_p, stop tokens and max_new_tokens are traced, so changing them does not recompile,
+except where max_new_tokens or the number of stop tokens moves to another power-of-two bucket
+(the buffers' sizes).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import numpy as np
 class SamplingParams:
   """How tokens are drawn.
 
-  temperature: logits are divided by it before top-k/top-p; 0 means greedy.
+  temperature: logits are divided by it before min-p/top-k/top-p; 0 means greedy.
   top_k: keep the k most likely tokens (0 = all).
   top_p: keep the smallest most-likely set whose probability reaches top_p (1.0 = all).
+  min_p: keep the tokens whose probability is at least min_p x the most likely one's
+    (0.0 = all), as vLLM's and TRL's min_p.
   greedy: always take the argmax (the sampling distribution is then a point mass).
   max_new_tokens: generation stops after this many tokens ("length").
   stop_tokens: generation stops after emitting any of these (kept in the output, "stop").
@@ -34,6 +36,7 @@ class SamplingParams:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0
   greedy: bool = False
   max_new_tokens: int = 64
   stop_tokens: tuple[int, ...] = ()
@@ -51,6 +54,8 @@ class SamplingParams:
     need(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0", self.top_k)
     need(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]",
          self.top_p)
+    need(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]",
+         self.min_p)
     need(isinstance(self.greedy, (bool, np.bool_)), "greedy", "a bool", self.greedy)
     need(_is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
          "a positive int", self.max_new_tokens)
@@ -64,6 +69,7 @@ class SamplingParams:
     object.__setattr__(self, "stop_tokens", tuple(sorted({int(t) for t in stops})))
     object.__setattr__(self, "temperature", float(self.temperature))
     object.__setattr__(self, "top_p", float(self.top_p))
+    object.__setattr__(self, "min_p", float(self.min_p))
     object.__setattr__(self, "top_k", int(self.top_k))
     object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
     object.__setattr__(self, "greedy", bool(self.greedy) or self.temperature == 0)
@@ -71,7 +77,8 @@ class SamplingParams:
   @property
   def mode(self) -> "DecodeMode":
     """The part of these settings that shapes the compiled program."""
-    return DecodeMode(greedy=self.greedy, top_k=self.top_k, nucleus=self.top_p < 1.0)
+    return DecodeMode(greedy=self.greedy, top_k=self.top_k, nucleus=self.top_p < 1.0,
+                      min_p_on=self.min_p > 0)
 
 
 def _is_int(value) -> bool:
@@ -87,20 +94,31 @@ def _is_real(value) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeMode:
-  """Static sampling structure (one compiled decode loop each); the numbers stay traced."""
+  """Static sampling structure (one compiled decode loop each); the numbers stay traced.
+
+  nucleus: top-p is on (top_p < 1); min_p_on: min-p is on (min_p > 0).
+  """
 
   greedy: bool
   top_k: int
   nucleus: bool
+  min_p_on: bool = False
 
 
-def truncated_logprobs(logits: jax.Array, mode: DecodeMode, temperature, top_p):
+def truncated_logprobs(logits: jax.Array, mode: DecodeMode, temperature, top_p, min_p=0.0):
   """(log-probs of the sampling distribution over candidates [B, C], candidate ids [B, C] or None).
 
-  Temperature first, then top-k, then top-p (the smallest most-likely set whose mass reaches
-  top_p), renormalised. Without truncation the candidates are the whole vocabulary (ids None).
+  Temperature first, then min-p, then top-k, then top-p (the smallest most-likely set whose
+  mass, renormalised over what min-p kept, reaches top_p), renormalised: the order of vLLM's V1
+  sampler (vllm/v1/sample/sampler.py; v1/worker/gpu/sample/min_p.py), where min-p sees the
+  whole vocabulary. Without top-k/top-p the candidates are the whole vocabulary (ids None),
+  the tokens min-p drops at log-prob -inf.
   """
   scaled = logits / temperature
+  if mode.min_p_on:
+    # p_i >= min_p * p_max  <=>  scaled_i >= max(scaled) + log(min_p)
+    floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)
+    scaled = jnp.where(scaled >= floor, scaled, -jnp.inf)
   if not (mode.top_k or mode.nucleus):
     return jax.nn.log_softmax(scaled, axis=-1), None
   k = min(mode.top_k or logits.shape[-1], logits.shape[-1])
@@ -112,12 +130,13 @@ def truncated_logprobs(logits: jax.Array, mode: DecodeMode, temperature, top_p):
   return jax.nn.log_softmax(vals, axis=-1), ids
 
 
-def choose_tokens(logits: jax.Array, keys: jax.Array, mode: DecodeMode, temperature, top_p):
+def choose_tokens(logits: jax.Array, keys: jax.Array, mode: DecodeMode, temperature, top_p,
+                  min_p=0.0):
   """Draw one token per row from float32 logits [B, V] with per-row keys [B].
 
   Returns (tokens [B] int32, sampling log-probs [B], model log-probs [B]):
   the sampling log-prob is log q(token) under the distribution actually sampled from
-  (temperature, then top-k, then top-p, renormalised; 0 for greedy, a point mass); the model
+  (temperature, then min-p, top-k, top-p, renormalised; 0 for greedy, a point mass); the model
   log-prob is log_softmax(logits) at temperature 1, the policy's own log-prob.
   """
   model_logp = jax.nn.log_softmax(logits, axis=-1)
@@ -125,7 +144,7 @@ def choose_tokens(logits: jax.Array, keys: jax.Array, mode: DecodeMode, temperat
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampling_logp = jnp.zeros(tokens.shape, jnp.float32)
   else:
-    logp, ids = truncated_logprobs(logits, mode, temperature, top_p)
+    logp, ids = truncated_logprobs(logits, mode, temperature, top_p, min_p)
     choice = jax.vmap(jax.random.categorical)(keys, logp)
     sampling_logp = jnp.take_along_axis(logp, choice[:, None], axis=-1)[:, 0]
     tokens = choice if ids is None else jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]

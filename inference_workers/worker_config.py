@@ -61,6 +61,9 @@ class WorkerConfig:
   temperature: float = setting(1.0, "sampling temperature (0 = greedy)")
   top_k: int = setting(0, "top-k truncation (0 = off)")
   top_p: float = setting(1.0, "top-p truncation (1 = off)")
+  min_p: float = setting(0.0, "min-p truncation: keep the tokens at least min_p x as likely as "
+                         "the most likely one, after temperature, before top-k/top-p, as "
+                         "vLLM's (0 = off)")
   default_task: str = setting("addition", "verifier for prompts that name no task")
   verifiers: str = setting("", "Python files or modules (comma-separated) to import first: "
                            "the verifiers they @register_verifier can be a prompt's task, "
@@ -178,6 +181,7 @@ class WorkerConfig:
          f"a reward model checkpoint when reward_model_weight={self.reward_model_weight}")
     need(self.kv_cache_dtype in ("",) + KV_DTYPES, "kv_cache_dtype",
          f"'' (the model's) or one of {KV_DTYPES}")
+    need(0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0: off)")
     need(self.max_turns >= 0, "max_turns", "an int >= 0")
     need(self.environment_threads > 0, "environment_threads", "a positive int")
     need(self.environment_timeout_s >= 0, "environment_timeout_s", "seconds >= 0 (0: no limit)")
@@ -200,4 +204,5 @@ class WorkerConfig:
     """The SamplingParams these settings describe."""
     from inference_workers.sampling import SamplingParams  # imports JAX
     return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                          min_p=self.min_p,
                           max_new_tokens=self.max_new_tokens, stop_tokens=tuple(stop_tokens))
