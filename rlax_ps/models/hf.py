@@ -25,6 +25,7 @@ log-probs to equal the sampler's, so we never jitter; export writes no jitter (0
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -35,7 +36,7 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from rlax_ps.models.config import ModelConfig, dtype_name
@@ -74,17 +75,26 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -
   """MXFP4 `blocks` [E, out, G, 16] uint8 and `scales` [E, out, G] uint8 -> weights
   [E, G * 32, out] (x @ W orientation) in `dtype`, one expert at a time (as transformers'
   convert_moe_packed_tensors, which the fixtures check)."""
-  if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape \
-      or blocks.shape[-1] != 16 or blocks.ndim != 4:
-    raise ValueError(f"MXFP4: expected uint8 blocks [E, out, G, 16] and scales [E, out, G], "
-                     f"got {blocks.dtype} {blocks.shape} and {scales.dtype} {scales.shape}")
+  shape = _mxfp4_shape((blocks.shape, str(blocks.dtype)), (scales.shape, str(scales.dtype)))
   e, out, g, _ = blocks.shape
-  result = np.empty((e, g * 32, out), dtype)
+  result = np.empty(shape, dtype)
   for i in range(e):
     codes = np.stack([blocks[i] & 0x0F, blocks[i] >> 4], axis=-1).reshape(out, g, 32)
     values = np.ldexp(_FP4_VALUES[codes], scales[i].astype(np.int32)[..., None] - 127)
     result[i] = values.reshape(out, g * 32).T.astype(dtype)
   return result
+
+
+def _mxfp4_shape(blocks: tuple[Sequence[int], str], scales: tuple[Sequence[int], str]
+                ) -> tuple[int, ...]:
+  """The shape [E, G * 32, out] that MXFP4 `blocks` and `scales` (each as (shape, numpy
+  dtype name)) dequantize to; a ValueError unless they are uint8 [E, out, G, 16] and
+  [E, out, G]. Shapes alone, so that a header can be checked without reading data."""
+  (b, b_dtype), (s, s_dtype) = (tuple(blocks[0]), blocks[1]), (tuple(scales[0]), scales[1])
+  if (b_dtype, s_dtype) != ("uint8", "uint8") or len(b) != 4 or b[:-1] != s or b[-1] != 16:
+    raise ValueError(f"MXFP4: expected uint8 blocks [E, out, G, 16] and scales [E, out, G], "
+                     f"got {b_dtype} {b} and {s_dtype} {s}")
+  return (b[0], b[2] * 32, b[1])
 
 
 # HF class name -> our ModelConfig.architecture, and back.
@@ -737,11 +747,24 @@ def _fix_long_factors(config: ModelConfig, max_sequence: int) -> ModelConfig:
       rope_long_factors=max_sequence > s["original_max_position_embeddings"])
 
 
+@contextlib.contextmanager
+def _safetensors(file: str):
+  """safe_open(file); a file safetensors cannot read (a download cut short, not safetensors)
+  is a ValueError naming it, not safetensors' own error type."""
+  try:
+    f = safe_open(file, framework="numpy")
+  except SafetensorError as e:
+    raise ValueError(f"{file}: not a readable safetensors file ({e}); a download cut short? "
+                     "fetch it again") from None
+  with f:
+    yield f
+
+
 def _tensor_files(path: str) -> dict[str, str]:
   """HF tensor name -> safetensors file holding it (single file first, as transformers does)."""
   single = os.path.join(path, SINGLE_FILE)
   if os.path.isfile(single):
-    with safe_open(single, framework="numpy") as f:
+    with _safetensors(single) as f:
       return {name: single for name in f.keys()}
   index = os.path.join(path, INDEX_FILE)
   if not os.path.isfile(index):
@@ -784,9 +807,10 @@ def _language_model_view(files: Mapping[str, str]) -> dict[str, tuple[str, str]]
   return {name: (file, name) for name, file in files.items()}
 
 
-def _read_tensors(view: Mapping[str, tuple[str, str]], wanted: list[str]
-                  ) -> Iterator[tuple[str, np.ndarray]]:
-  """(name, array) for each wanted tensor, opening each file once."""
+def _open_tensors(view: Mapping[str, tuple[str, str]], wanted: list[str]
+                  ) -> Iterator[tuple[str, Any, str]]:
+  """(name, its open safetensors file, its stored name) for each wanted tensor, opening each
+  file once; an error names a file the index names that is missing or lacks the tensor."""
   by_file: dict[str, list[str]] = {}
   for name in wanted:
     by_file.setdefault(view[name][0], []).append(name)
@@ -794,28 +818,99 @@ def _read_tensors(view: Mapping[str, tuple[str, str]], wanted: list[str]
     if not os.path.isfile(file):
       raise FileNotFoundError(f"tensor {view[names[0]][1]!r}: file {file!r} named by "
                               f"{INDEX_FILE} does not exist")
-    with safe_open(file, framework="numpy") as f:
+    with _safetensors(file) as f:
       present = set(f.keys())
       for name in names:
         stored = view[name][1]
         if stored not in present:
           raise ValueError(f"tensor {stored!r}: {INDEX_FILE} places it in {file!r}, "
                            "which does not hold it")
-        yield name, f.get_tensor(stored)
+        yield name, f, stored
+
+
+def _read_tensors(view: Mapping[str, tuple[str, str]], wanted: list[str]
+                  ) -> Iterator[tuple[str, np.ndarray]]:
+  """(name, array) for each wanted tensor, opening each file once."""
+  for name, f, stored in _open_tensors(view, wanted):
+    yield name, f.get_tensor(stored)
+
+
+# safetensors' dtype codes under numpy's names (as the loader reads the tensors).
+_SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16",
+                       "I16": "int16", "U32": "uint32", "I32": "int32", "U64": "uint64",
+                       "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+                       "F64": "float64"}
+
+
+def _header_shapes(view: Mapping[str, tuple[str, str]], wanted: list[str]
+                   ) -> dict[str, tuple[tuple[int, ...], str]]:
+  """(shape, numpy dtype name) of each wanted tensor, from its file's header: no data read."""
+  out = {}
+  for name, f, stored in _open_tensors(view, wanted):
+    header = f.get_slice(stored)
+    dtype = header.get_dtype()
+    out[name] = (tuple(header.get_shape()), _SAFETENSORS_DTYPES.get(dtype, dtype))
+  return out
 
 
 def check_hf_checkpoint(path: str) -> ModelConfig:
   """The ModelConfig of the HF checkpoint folder `path`, once its safetensors' headers (no
-  weights read) name every tensor that config needs and no other, in files that exist: what
-  load_hf_checkpoint would refuse for its config or tensor names, found before loading."""
+  weights read) name every tensor that config needs and no other, in files that exist, each
+  of the shape the loader requires: what load_hf_checkpoint would refuse for its config or
+  tensors, found before loading."""
   config = read_hf_config(path)
   files = _language_model_view(_tensor_files(path))
-  _needed_tensors(path, config, files)
+  needed, stored, packed = _needed_tensors(path, config, files)
   for file in sorted({file for file, _ in files.values()}):
     if not os.path.isfile(file):
       raise FileNotFoundError(f"HF checkpoint {path!r}: file {file!r} named by {INDEX_FILE} "
                               "does not exist")
+  want = _tensor_shapes(_param_shapes(config), needed)
+  try:
+    headers = _header_shapes(files, sorted(stored))
+    for name in sorted(want):
+      _check_shape(name, want[name], _shape_as_read(name, headers, packed))
+  except ValueError as e:
+    raise ValueError(f"HF checkpoint {path!r}: {e}") from None
   return config
+
+
+def _shape_as_read(name: str, headers: Mapping[str, tuple[tuple[int, ...], str]],
+                   packed: set[str]) -> tuple[int, ...]:
+  """The shape the loader reads tensor `name` as, from `headers`: an MXFP4 pair's once
+  dequantized (a ValueError names a pair that is not MXFP4)."""
+  if name not in packed:
+    return headers[name][0]
+  try:
+    return _mxfp4_shape(headers[f"{name}_blocks"], headers[f"{name}_scales"])
+  except ValueError as e:
+    raise ValueError(f"tensor {name!r}: {e}") from None
+
+
+def _tensor_shapes(shapes: Mapping[str, tuple[int, ...]], needed: Mapping[str, list]
+                   ) -> dict[str, tuple[int, ...]]:
+  """HF tensor name -> the shape the loader requires of it as read, from our params'
+  `shapes` and `_needed_tensors`' map: its param's (reversed where transposed), one
+  expert's slice of a stacked param, or a whole fused tensor (Rows: every part's rows by
+  the params' input; Columns: the params' last axis `step` times)."""
+  want = {}
+  for hf, parts in needed.items():
+    ours, part, transposed = parts[0]
+    shape = shapes[ours]
+    if isinstance(part, Rows):  # [sum of rows, in] HF-side
+      want[hf] = (max(p.stop for _, p, _ in parts), *shape[:-1][::-1])
+    elif isinstance(part, Columns):
+      want[hf] = (*shape[:-1], shape[-1] * part.step)
+    else:
+      shape = shape[1:] if isinstance(part, int) else shape
+      want[hf] = shape[::-1] if transposed else shape
+  return want
+
+
+def _check_shape(name: str, want: tuple[int, ...], got: Sequence[int]) -> None:
+  """The loader's and the check's refusal of a tensor of another shape than `want`."""
+  if tuple(got) != want:
+    raise ValueError(f"tensor {name!r}: expected shape {want}, got {tuple(got)}")
 
 
 def _needed_tensors(path: str, config: ModelConfig, files: Mapping[str, tuple[str, str]],
@@ -866,21 +961,13 @@ def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
   needed, stored, packed = _needed_tensors(path, config, files, extra)
   dtype = NP_DTYPES[config.param_dtype]
   shapes = _param_shapes(config)
+  want = _tensor_shapes(shapes, {hf: parts for hf, parts in needed.items() if hf not in extra})
   flat, experts = {}, {}
   for hf, full in _dequantized(_read_tensors(files, sorted(stored)), packed, dtype):
     if hf in extra:
       flat[hf] = np.ascontiguousarray(full.astype(dtype, copy=False))
       continue
-    first = needed[hf][0][1]
-    if isinstance(first, (Rows, Columns)):  # fused: [sum of rows, in] HF-side, or columns
-      if isinstance(first, Rows):
-        want = (max(part.stop for _, part, _ in needed[hf]),
-                *shapes[needed[hf][0][0]][:-1][::-1])
-      else:
-        shape = shapes[needed[hf][0][0]]
-        want = (*shape[:-1], shape[-1] * first.step)
-      if full.shape != want:
-        raise ValueError(f"tensor {hf!r}: expected shape {want}, got {full.shape}")
+    _check_shape(hf, want[hf], full.shape)  # so each part fits: its range is the config's
     for ours, part, transposed in needed[hf]:
       if isinstance(part, Rows):
         array = full[part.start:part.stop]
@@ -888,10 +975,6 @@ def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
         array = full[..., part.start::part.step]
       else:
         array = full
-      shape = shapes[ours][1:] if isinstance(part, int) else shapes[ours]
-      want = shape[::-1] if transposed else shape
-      if array.shape != want:
-        raise ValueError(f"tensor {hf!r}: expected shape {want}, got {array.shape}")
       array = (array.T if transposed else array).astype(dtype, copy=False)
       if not isinstance(part, int):
         flat[ours] = np.ascontiguousarray(array)
