@@ -9,7 +9,9 @@ per changed tensor reach the host) where the publisher sealed them; otherwise by
 result seal (changed tensors pulled and hashed). Unchanged tensors keep the digest they
 had. A delta whose base is not the held version, or any mismatch, raises `ResyncNeeded`
 and leaves the policy without a version: the caller pulls a keyframe. A keyframe of other
-tensor names or shapes (another model) raises `WeightsDoNotFit`: no update can mend that.
+tensor names or shapes, or any update published by a model whose config fields differ from
+this worker's where shapes do not show it (rope_theta, norm eps, ...), raises
+`WeightsDoNotFit`: another model; no update can mend that.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ class ResyncNeeded(Exception):
 
 
 class WeightsDoNotFit(ValueError):
-  """A keyframe whose tensors (names or shapes) are not this worker's model's: the worker
-  was given another model than the trainer publishes. No update can mend that."""
+  """A keyframe whose tensors (names or shapes), or an update whose publishing model's config
+  fields, are not this worker's model's: the worker was given another model than the
+  trainer publishes. No update can mend that."""
 
 
 class HeldBits(nnx.Param):
@@ -102,6 +105,12 @@ def held_shardings(config: ModelConfig, names_shapes: dict, mesh) -> dict:
   return out
 
 
+def _shown(fields: dict, name: str) -> str:
+  """A config field's value as an error shows it; a field one side lacks comes from
+  another rlax-ps version."""
+  return repr(fields[name]) if name in fields else "absent (another rlax-ps version?)"
+
+
 def _variables(model: nnx.Module) -> dict[str, nnx.Variable]:
   state = nnx.state(model, nnx.Param)
   return {held_name(".".join(map(str, path))): var for path, var in nnx.to_flat_state(state)}
@@ -129,6 +138,7 @@ class HeldPolicy:
                        f"{on_device_checks!r}")
     self.fmt = fmt
     self.on_device_checks = on_device_checks
+    self.model_fields = config.forward_fields()  # what publishers' fields must equal
     cls = Transformer if fmt == "bf16" else Int8Transformer
     held_config = config.replace(param_dtype="bfloat16", lora_dtype="bfloat16")
     shapes = nnx.eval_shape(lambda: cls(held_config, rngs=nnx.Rngs(0)))
@@ -162,7 +172,7 @@ class HeldPolicy:
 
     Raises ResyncNeeded when the update does not apply to what is held (format, base
     version, tensor names or shapes) or the result fails the update's seal, and
-    WeightsDoNotFit (nothing changed) for a keyframe made for another model.
+    WeightsDoNotFit (nothing changed) for an update made by another model.
     """
     try:
       self._apply(update, verify)
@@ -173,6 +183,7 @@ class HeldPolicy:
   def _apply(self, update: Update, verify: bool) -> None:
     if update.fmt != self.fmt:
       raise ResyncNeeded(f"update format: expected {self.fmt!r}, got {update.fmt!r}")
+    self.check_model(update)
     if update.is_keyframe:
       self.check_fits(update)
     if not update.is_keyframe and update.base_version != self.version:
@@ -197,6 +208,24 @@ class HeldPolicy:
     if verify:
       self._verify(update, list(update.tensors))
     self.version = update.version
+
+  def check_model(self, update: Update) -> None:
+    """WeightsDoNotFit naming every differing field and both values, unless the model that
+    published `update` has this worker's forward fields (ModelConfig.forward_fields); an
+    update that carries none (an older publisher's, or one not given its model) passes."""
+    published, own = update.model, self.model_fields
+    if published is None:
+      return
+    odd = sorted(n for n in published.keys() | own.keys()
+                 if n not in published or n not in own or published[n] != own[n])
+    if not odd:
+      return
+    what = "; ".join(f"model.{n}: published {_shown(published, n)}, this worker's "
+                     f"{_shown(own, n)}" for n in odd)
+    raise WeightsDoNotFit(
+        f"the published weights (version {update.version}) do not fit this worker's model: "
+        f"{what}; give the worker the trainer's config (its model section, or the same "
+        f"init_from_hf)")
 
   def check_fits(self, keyframe: Update) -> None:
     """WeightsDoNotFit, naming the first tensor that differs and its shapes, unless the

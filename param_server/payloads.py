@@ -26,6 +26,8 @@ class PayloadInfo:
   # name -> (shape, dtype name); None for a delta read without its model's layout
   tensors: dict[str, tuple[tuple[int, ...], str]] | None
   fingerprinted: bool = False  # seals its results' device fingerprints
+  # The publishing model's config fields (ModelConfig.forward_fields), where it gave them.
+  model: dict | None = None
 
   @property
   def is_keyframe(self) -> bool:
@@ -60,7 +62,7 @@ def _info(header) -> PayloadInfo:
       tensors=None if header.tensors is None else {
           name: (tuple(int(d) for d in meta.shape), str(np.dtype(meta.dtype)))
           for name, meta in header.tensors.items()},
-      fingerprinted=header.fingerprints is not None)
+      fingerprinted=header.fingerprints is not None, model=header.model)
 
 
 def verify(blob, *, decode_keyframe: bool, layout: dict | None = None,
@@ -108,10 +110,11 @@ def materialize(read: Callable[[int, int], np.ndarray], nbytes: int, deltas) -> 
 
 
 def keyframe_parts(weights: dict[str, np.ndarray], fmt: str, version: int, *,
-                   fingerprints: bool = False) -> list:
+                   fingerprints: bool = False, model: dict | None = None) -> list:
   """Materialised weights re-encoded as a keyframe at `version`, as a list of buffers (its
   header, then views of the weights): written out a part at a time, never held twice.
   With `fingerprints` (as the update it replaces had), its results' device fingerprints
-  are sealed too, so that workers on accelerators keep checking their weights on device."""
+  are sealed too, so that workers on accelerators keep checking their weights on device.
+  `model`: the replaced update's model fields, carried on so that workers still check them."""
   return sync.keyframe_parts(weights, fmt, version=version,
-                             fingerprints=True if fingerprints else None)
+                             fingerprints=True if fingerprints else None, model=model)

@@ -386,11 +386,12 @@ class WeightStore:
   def _compact(self, blobs: list[Blob]) -> None:
     try:
       target = blobs[-1]
-      printed = payloads.read_stored_info(self._reader(target), target.nbytes).fingerprinted
+      info = payloads.read_stored_info(self._reader(target), target.nbytes)
       # The keyframe read a tensor at a time: one model in memory.
       weights = payloads.materialize(self._reader(blobs[0]), blobs[0].nbytes,
                                      (self.read_all(b) for b in blobs[1:]))
-      parts = payloads.keyframe_parts(weights, target.fmt, target.version, fingerprints=printed)
+      parts = payloads.keyframe_parts(weights, target.fmt, target.version,
+                                      fingerprints=info.fingerprinted, model=info.model)
       total, sha = sum(memoryview(p).nbytes for p in parts), hashlib.sha256()
       blob = Blob(target.version, None, target.fmt, total, "", self.keyframe.tensors)
       self._write_parts(self._path(blob), parts, total, hasher=sha)  # views of the weights

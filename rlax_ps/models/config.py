@@ -4,6 +4,7 @@ OLMo 3 / Phi-3 / SmolLM3 / Granite / GLM-4 family decoder, independent of any ch
 from __future__ import annotations
 
 import dataclasses
+import json
 import numbers
 from typing import Any
 
@@ -18,6 +19,14 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# Fields that leave what the model computes from its weights alone: dtypes (the published
+# weights fix the held ones; each side picks its compute dtype), where weights live, the
+# HF export name, and the context a side allows (a worker may allow fewer positions).
+_NOT_FORWARD = ("param_dtype", "dtype", "lora_dtype", "expert_parallel", "architecture",
+                "max_position_embeddings")
+_MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+               "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
+               "moe_bias", "swiglu_limit", "swiglu_alpha")
 
 
 class FrozenScaling(dict):
@@ -314,6 +323,27 @@ class ModelConfig:
     if self.query_pre_attn_scalar is None:
       return None
     return float(self.query_pre_attn_scalar) ** -0.5
+
+  def forward_fields(self) -> dict[str, Any]:
+    """The fields that decide what the model computes from given weights, as JSON values
+    (tuples as lists), less those another setting makes idle: what a trainer publishes with
+    its weights and a worker must equal (shapes alone do not show e.g. rope_theta)."""
+    scaling = self.rope_scaling or {}
+    longrope = scaling.get("rope_type") == "longrope"
+    idle = set(_NOT_FORWARD)
+    if not self.lora_rank:
+      idle |= {"lora_alpha", "lora_targets"}
+    if not self.num_experts:
+      idle |= set(_MOE_FIELDS)
+    if self.swiglu_limit is None:
+      idle.add("swiglu_alpha")
+    if not longrope:
+      idle.add("rope_long_factors")
+    if longrope and not scaling.get("factor") and scaling.get("attention_factor") is None:
+      idle.discard("max_position_embeddings")  # LongRoPE's scale is derived from it
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+              if f.name not in idle}
+    return json.loads(json.dumps(fields, default=lambda v: v.item()))
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

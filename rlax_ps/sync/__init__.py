@@ -24,6 +24,8 @@ Host usage:
   parts = keyframe_parts(params, "bf16", version=v)  # a keyframe as buffers (views): written
                                     # out a part at a time; read back with header_nbytes and
                                     # read_header(head, nbytes=...)
+  update = encode(..., model=config.forward_fields())  # the header carries the model's
+                                    # config fields: update.model, which workers check
   held = apply(held, update)        # new arrays, verified bit for bit against the seals
   held = apply(held, update, inplace=True)   # writes only the changed elements
   A delta names its tensors by the digest of its base's layout (names, shapes, dtypes):

@@ -11,7 +11,7 @@ from rlax_ps.sync.errors import CodecError
 from rlax_ps.sync.fingerprints import of_state as host_fingerprints
 from rlax_ps.sync.integrity import checksum
 from rlax_ps.sync.wire import (FORMATS, PACKED, RAW, SPARSE, UNCHANGED, Update, build,
-                               check_names, message_parts)
+                               check_names, message_parts, model_json)
 
 # Tensors of fewer elements share their dtype's pack: one section (and one pair of entropy
 # tables) for all the norms, biases and scales of a model.
@@ -60,7 +60,8 @@ def _diff(old: np.ndarray, new: np.ndarray, base_sum: int | None) -> tuple:
 
 def encode(base, target, fmt: str = "bf16", *, version: int,
            base_version: int | None = None, base_checksums: dict | None = None,
-           fingerprints: dict | bool | None = None, threads: int | None = None) -> Update:
+           fingerprints: dict | bool | None = None, threads: int | None = None,
+           model: dict | None = None) -> Update:
   """The update taking `base` (None: a keyframe) to `target`, recorded as `version`.
 
   `target` and `base` hold float weights (numpy or jax; rounded or quantized exactly as
@@ -71,23 +72,25 @@ def encode(base, target, fmt: str = "bf16", *, version: int,
   `fingerprints`: seal the results' device fingerprints too (fingerprints.py): name ->
   fingerprint of every target tensor as held (device.fingerprints_of on the publisher's
   devices), or True to compute them here. `threads`: tensors coded side by side (None: the
-  host's cores, at most 8); the bytes do not depend on it."""
+  host's cores, at most 8); the bytes do not depend on it. `model`: the publishing model's
+  config fields (ModelConfig.forward_fields()), carried in the header for workers to check
+  against their own (Update.model)."""
   return build(*_message(base, target, fmt, version, base_version, base_checksums,
-                         fingerprints, threads))
+                         fingerprints, threads, model))
 
 
 def keyframe_parts(target, fmt: str = "bf16", *, version: int,
                    fingerprints: dict | bool | None = None,
-                   threads: int | None = None) -> list:
+                   threads: int | None = None, model: dict | None = None) -> list:
   """encode(None, target, ...)'s bytes as a list of buffers: the prefix and header, then
   each tensor's held bytes as a view of its array (of `target`'s own where it is held
   already): a large keyframe written out a part at a time is never held twice."""
   return message_parts(*_message(None, target, fmt, version, None, None, fingerprints,
-                                 threads))
+                                 threads, model))
 
 
 def _message(base, target, fmt, version, base_version, base_checksums, fingerprints,
-             threads) -> tuple:
+             threads, model) -> tuple:
   """The arguments of wire.build / wire.message_parts for encode's update."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt expected one of {FORMATS}, got {fmt!r}")
@@ -110,6 +113,8 @@ def _message(base, target, fmt, version, base_version, base_checksums, fingerpri
                      f"base_version={base_version}, version={version}")
   if not len(target):
     raise ValueError("target: expected at least one tensor, got none")
+  if model is not None:
+    model_json(model)  # ValueError naming `model` before any tensor is coded
   new = held_state(target, fmt)
   names = sorted(new)
   threads = parallel.resolve(threads)
@@ -135,7 +140,7 @@ def _message(base, target, fmt, version, base_version, base_checksums, fingerpri
           [(n, new[n].shape, new[n].dtype, row[0]) for n, row in zip(names, rows)],
           [row[1] for row in rows], packs, [row[2] for row in rows],
           None if base is None else [row[3] for row in rows],
-          None if fingerprints is None else [fingerprints[n] for n in names])
+          None if fingerprints is None else [fingerprints[n] for n in names], model)
 
 
 def _u64s(what: str, given, new: dict) -> dict:

@@ -2,14 +2,15 @@
 
 A message is a prefix, a header (versions, format, the layout: every tensor's name, shape
 and dtype, or for a delta the digest of its base's layout; each tensor's mode and section
-length; the seals) and the sections. Tensor modes: "unchanged" (no section), "raw" (the
-new held bytes), "sparse" (sparse.py) and "packed" (a small tensor whose changes are coded
-with the other packed tensors of its dtype in one sparse section over their concatenated
-elements, in name order: a pack).
+length; the seals; the publishing model's config fields, where given) and the sections.
+Tensor modes: "unchanged" (no section), "raw" (the new held bytes), "sparse" (sparse.py)
+and "packed" (a small tensor whose changes are coded with the other packed tensors of its
+dtype in one sparse section over their concatenated elements, in name order: a pack).
 """
 
 import dataclasses
 import functools
+import json
 import math
 import struct
 import threading
@@ -32,7 +33,7 @@ FORMATS = ("bf16", "int8")
 DTYPES = (BF16, INT8)
 MODES = ("unchanged", "raw", "sparse", "packed")
 UNCHANGED, RAW, SPARSE, PACKED = range(4)
-KEYFRAME, FINGERPRINTED = 1, 2  # flag bits
+KEYFRAME, FINGERPRINTED, MODEL = 1, 2, 4  # flag bits
 MAX_ELEMENTS = 1 << 40
 MAX_NDIM = 16
 _PREFIX = struct.Struct("<4sHII")  # magic | wire version | header length | crc32(header)
@@ -87,6 +88,8 @@ class UpdateHeader(typing.NamedTuple):
   packs: dict  # held dtype -> (offset, nbytes) of its pack section
   layout: int | None  # a delta's layout digest (layout_digest of its base's layout)
   spans: tuple  # (mode code, offset, nbytes) of each tensor's section, in name order
+  # The publishing model's config fields (ModelConfig.forward_fields), where it gave them.
+  model: dict | None = None
 
   @property
   def is_keyframe(self) -> bool:
@@ -154,19 +157,43 @@ def layout_digest(layout: tuple) -> int:
   return xxhash.xxh3_64_intdigest(b"".join(_layout_rows(layout)))
 
 
+def model_json(model) -> bytes:
+  """The header's bytes of `model` (a dict of config field -> JSON value): compact JSON
+  with sorted keys; ValueError naming `model` for anything else."""
+  if not isinstance(model, dict) or not all(isinstance(k, str) for k in model):
+    raise ValueError(f"model: expected a dict of field name -> value, got {model!r:.80}")
+  try:
+    return json.dumps(model, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"model: expected JSON values (numbers, strings, lists, dicts, None): "
+                     f"{e}") from None
+
+
+def _read_model(r: ByteReader) -> dict:
+  try:
+    model = json.loads(bytes(r.take(r.varint())))
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    raise CodecError(f"update header: model fields: not JSON ({e})") from None
+  if not isinstance(model, dict):
+    raise CodecError(f"update header: model fields: expected a JSON object, got "
+                     f"{type(model).__name__}")
+  return model
+
+
 def message_parts(fmt: str, version: int, base_version: int | None, metas: list,
                   sections: list, packs: dict, checksums: list, base_checksums: list | None,
-                  fingerprints: list | None) -> list:
+                  fingerprints: list | None, model: dict | None = None) -> list:
   """The message of `metas` ((name, shape, dtype, mode code) each, name order), their
   `sections` (bytes-likes; b"" where none), the pack sections (dtype -> bytes) and the
   per-tensor digests the seals cover, as a list of buffers: the prefix and header, then the
   sections as given (views stay views). A keyframe writes its layout; a delta, the
-  layout's digest."""
+  layout's digest. `model`: the publishing model's config fields, carried in the header."""
   keyframe = base_version is None
   layout = tuple((name, tuple(shape), np.dtype(dtype)) for name, shape, dtype, _ in metas)
   sections = [s if isinstance(s, bytes) else memoryview(s).cast("B") for s in sections]
   head = [bytes([FORMATS.index(fmt), (KEYFRAME if keyframe else 0)
-                 | (0 if fingerprints is None else FINGERPRINTED)]), varint(version)]
+                 | (0 if fingerprints is None else FINGERPRINTED)
+                 | (0 if model is None else MODEL)]), varint(version)]
   if keyframe:
     head += [varint(len(metas)), *_layout_rows(layout)]
   else:
@@ -183,16 +210,19 @@ def message_parts(fmt: str, version: int, base_version: int | None, metas: list,
   head.append(_seal_bytes(Seal.of(xxhash.xxh3_64_intdigest(s) for s in body)))
   if fingerprints is not None:
     head.append(_seal_bytes(Seal.of(fingerprints)))
+  if model is not None:
+    fields = model_json(model)
+    head += [varint(len(fields)), fields]
   header = _ZSTD.compressor().compress(b"".join(head))
   return [_PREFIX.pack(MAGIC, WIRE_VERSION, len(header), zlib.crc32(header)) + header, *body]
 
 
 def build(fmt: str, version: int, base_version: int | None, metas: list, sections: list,
           packs: dict, checksums: list, base_checksums: list | None,
-          fingerprints: list | None) -> "Update":
+          fingerprints: list | None, model: dict | None = None) -> "Update":
   """The Update of message_parts' message, knowing its checksums (and fingerprints)."""
   data = b"".join(message_parts(fmt, version, base_version, metas, sections, packs, checksums,
-                                base_checksums, fingerprints))
+                                base_checksums, fingerprints, model))
   header = read_header(data)
   if base_version is not None:
     header = bind(header, tuple((name, tuple(shape), np.dtype(dtype))
@@ -258,7 +288,7 @@ def read_header(b, layout=None, *, nbytes: int | None = None) -> UpdateHeader:
   fmt_code, flags = r.u8(), r.u8()
   if fmt_code >= len(FORMATS):
     raise CodecError(f"update header: unknown fmt code {fmt_code}")
-  if flags & ~(KEYFRAME | FINGERPRINTED):
+  if flags & ~(KEYFRAME | FINGERPRINTED | MODEL):
     raise CodecError(f"update header: unknown flags {flags:#04x}")
   keyframe = bool(flags & KEYFRAME)
   version = r.varint()
@@ -282,6 +312,7 @@ def read_header(b, layout=None, *, nbytes: int | None = None) -> UpdateHeader:
   filled = sum(1 for n in lengths if n) + sum(1 for n in pack_len.values() if n)
   sections = _read_seal(r, filled)
   printed = _read_seal(r, count) if flags & FINGERPRINTED else None
+  model = _read_model(r) if flags & MODEL else None
   r.done()
   spans, offset = [], body_start
   for mode, nbytes in zip(modes, lengths):
@@ -299,7 +330,7 @@ def read_header(b, layout=None, *, nbytes: int | None = None) -> UpdateHeader:
     raise CodecError(f"update: {kind}: the sections end at byte {offset}, the message has "
                      f"{total}")
   header = UpdateHeader(version, base_version, FORMATS[fmt_code], None, total, results,
-                        bases, sections, printed, packs, digest, tuple(spans))
+                        bases, sections, printed, packs, digest, tuple(spans), model)
   if own is not None or layout is not None:
     header = bind(header, own if own is not None else layout_of(layout))
   return header
@@ -385,6 +416,7 @@ class Update:
   is_keyframe = property(lambda self: self.header.is_keyframe)
   nbytes = property(lambda self: self.header.nbytes)
   fingerprinted = property(lambda self: self.header.fingerprints is not None)
+  model = property(lambda self: self.header.model)  # the publisher's model fields, or None
 
   @property
   def tensors(self) -> dict[str, TensorMeta]:

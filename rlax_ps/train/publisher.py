@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlax_ps import sync
+from rlax_ps.models.config import ModelConfig
 from rlax_ps.sharding import to_host
 from rlax_ps.sync import device as sync_device
 from rlax_ps.sync import int8_device
@@ -58,12 +59,17 @@ class Publisher:
   multi-host slice every process runs it on the same params, since the device work and
   the gathers are collective; only the process with a `client` keeps a host copy, encodes
   and sends. The others (client None) keep nothing on the host and return Publications
-  with bytes 0 and digest 0."""
+  with bytes 0 and digest 0. `model`: the trainer's model config, whose forward fields every
+  keyframe carries (a keyframe a server compacts from deltas keeps them, and every worker
+  starts from a keyframe), so that a worker of another model refuses the weights instead of
+  sampling wrong."""
 
-  def __init__(self, client, fmt: str = "bf16", keyframe_every: int = 50):
+  def __init__(self, client, fmt: str = "bf16", keyframe_every: int = 50,
+               model: ModelConfig | None = None):
     if keyframe_every < 1:
       raise ValueError(f"publish.keyframe_every: expected >= 1, got {keyframe_every}")
     self.client, self.fmt, self.keyframe_every = client, fmt, int(keyframe_every)
+    self.model_fields = None if model is None else model.forward_fields()
     self._held = held_state_fn(fmt)
     self._device: dict | None = None  # the last published held state, on device
     self._host: dict | None = None  # the same, on the host
@@ -91,7 +97,8 @@ class Publisher:
     size, digest = 0, 0
     if sends:
       update = sync.encode(base, host, self.fmt, version=version, fingerprints=prints,
-                           base_checksums=checksums)
+                           base_checksums=checksums,
+                           model=self.model_fields if keyframe else None)
       wire = update.to_bytes()
       self.client.publish(wire, run=self.run)
       self._host, self._checksums = host, update.checksums

@@ -289,7 +289,7 @@ class RLTrainer(TrainerRun):
     self.revisit = (float(rl.get("revisit_solved", 1.0)), float(rl.get("revisit_failed", 1.0)))
     self.selective = self.revisit != (1.0, 1.0)
     self.publisher = Publisher(self.client, str(config.publish.format),
-                               int(config.publish.keyframe_every))
+                               int(config.publish.keyframe_every), model=self.model_config)
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
     self.publisher.run = self.run_id
     self.heldout = heldout_lib.heldout_from_config(config, self.tasks, self.tokenizer)

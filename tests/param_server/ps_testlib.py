@@ -49,16 +49,18 @@ def perturbed(weights, density, seed):
   return out
 
 
-def publish_chain(trainer_client, n_versions, fmt="bf16", density=0.05, fingerprints=None):
+def publish_chain(trainer_client, n_versions, fmt="bf16", density=0.05, fingerprints=None,
+                  model=None):
   """Publishes a keyframe (v0) and n_versions-1 deltas; returns the float weights of each
-  version. `fingerprints`: encode's argument (True: seal device fingerprints)."""
+  version. `fingerprints`, `model`: encode's arguments (True: seal device fingerprints; the
+  publishing model's config fields)."""
   versions = [tiny_weights()]
   trainer_client.publish(sync.encode(None, versions[0], fmt, version=0,
-                                     fingerprints=fingerprints).to_bytes())
+                                     fingerprints=fingerprints, model=model).to_bytes())
   for v in range(1, n_versions):
     versions.append(perturbed(versions[-1], density, seed=v))
     trainer_client.publish(sync.encode(versions[-2], versions[-1], fmt, version=v,
-                                       fingerprints=fingerprints).to_bytes())
+                                       fingerprints=fingerprints, model=model).to_bytes())
   return versions
 
 

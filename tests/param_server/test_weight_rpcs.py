@@ -131,20 +131,26 @@ def test_compaction_builds_a_keyframe_and_keeps_history(start_server):
     assert_same(apply_blobs(worker.pull(lagging), held(versions[lagging])), held(versions[-1]))
 
 
-def test_compaction_keeps_the_fingerprint_seal_of_a_fingerprinted_chain(start_server, tmp_path):
+def test_compaction_keeps_the_seals_and_model_fields_of_the_chain(start_server, tmp_path):
+  """A compacted keyframe keeps what the updates it replaces carried: the fingerprint seal
+  (workers on accelerators check on device) and the publishing model's config fields
+  (workers refuse another model's weights)."""
   server = start_server(delta_history=2)
+  model = {"rope_theta": 10000.0, "num_heads": 2}
   with client_for(server, "trainer") as trainer, client_for(server, "worker") as worker:
-    versions = publish_chain(trainer, 12, density=0.5, fingerprints=True)
+    versions = publish_chain(trainer, 12, density=0.5, fingerprints=True, model=model)
     assert server.weights.compactions >= 1
     keyframe = sync.Update.from_bytes(bytes(worker.pull(None)[0]))
-    assert keyframe.is_keyframe and keyframe.fingerprinted
+    assert keyframe.is_keyframe and keyframe.fingerprinted and keyframe.version > 0
+    assert keyframe.model == model
     want = held(versions[keyframe.version])
     keyframe.check_fingerprints(fingerprints.of_state(want))
   plain = start_server(delta_history=2, storage_dir=tmp_path / "plain")
   with client_for(plain, "trainer") as trainer, client_for(plain, "worker") as worker:
     publish_chain(trainer, 12, density=0.5)
     assert plain.weights.compactions >= 1
-    assert not sync.Update.from_bytes(bytes(worker.pull(None)[0])).fingerprinted
+    keyframe = sync.Update.from_bytes(bytes(worker.pull(None)[0]))
+    assert not keyframe.fingerprinted and keyframe.model is None
 
 
 def _publish_error(client, blob):

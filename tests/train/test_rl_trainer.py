@@ -308,6 +308,7 @@ def test_int8_recipe_publishes_the_quantized_trainer_weights(tmp_path, experts):
          RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
       tr.train()
       params = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
+      fields = tr.model_config.forward_fields()
     with client(server.address, "worker") as wc:
       updates = [sync.Update.from_bytes(bytes(b)) for b in wc.pull(None)]
   finally:
@@ -317,6 +318,8 @@ def test_int8_recipe_publishes_the_quantized_trainer_weights(tmp_path, experts):
   for u in updates:
     held = sync.apply(held, u)
   assert updates[-1].fmt == "int8" and updates[-1].version == 2
+  # The keyframe names the trainer's model: a worker of another model refuses it.
+  assert updates[0].is_keyframe and updates[0].model == fields and fields["num_heads"]
   want = sync.quantize_params(params)
   assert set(held) == set(want)
   for name in want:

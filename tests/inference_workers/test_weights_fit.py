@@ -1,0 +1,113 @@
+"""A worker whose model differs from the publisher's where shapes do not show it (rope_theta,
+norm eps, ...) refuses the weights, naming each field and both values; the same model's
+updates apply, and so do updates that carry no model fields (older publications)."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from inference_workers.loop import Worker
+from inference_workers.weights import HeldPolicy, WeightsDoNotFit
+from inference_workers.worker_config import WorkerConfig
+from param_server.protos import param_server_pb2 as pb
+from rlax_ps import sync
+from rlax_ps.models import Transformer, flatten_params
+from worker_testlib import CONFIG, SMALL, TOKENIZER
+
+
+def params_of(config, seed=0):
+  return {k: np.asarray(v) for k, v in
+          flatten_params(Transformer(config, rngs=nnx.Rngs(seed))).items()}
+
+
+def published(config, fmt="bf16", version=0, base=None, *, fields=True):
+  """An update of `config`'s weights as its trainer publishes it (with its model fields),
+  a keyframe unless `base` (the last version's params) is given."""
+  params = params_of(config, seed=version)
+  return sync.Update.from_bytes(sync.encode(
+      base, params, fmt, version=version,
+      model=config.forward_fields() if fields else None).to_bytes()), params
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_keyframe_of_another_rope_theta_is_refused_naming_the_field(fmt):
+  policy = HeldPolicy(CONFIG, fmt)
+  other = CONFIG.replace(rope_theta=5.0)  # every tensor's shape the same
+  keyframe, _ = published(other, fmt)
+  policy.check_fits(keyframe)  # the shapes alone fit
+  with pytest.raises(WeightsDoNotFit) as e:
+    policy.apply(keyframe)
+  message = str(e.value)
+  assert "model.rope_theta: published 5.0, this worker's 10000.0" in message
+  assert "do not fit this worker's model" in message and "init_from_hf" in message
+  assert "\n" not in message
+  assert policy.version is None  # nothing applied
+
+
+def test_every_differing_field_is_named_with_both_values():
+  policy = HeldPolicy(CONFIG)
+  keyframe, _ = published(CONFIG.replace(rms_norm_eps=1e-5, hidden_act="gelu_tanh"))
+  with pytest.raises(WeightsDoNotFit, match=r"model\.hidden_act: published 'gelu_tanh', this "
+                                            r"worker's 'silu'; model\.rms_norm_eps: published "
+                                            r"1e-05, this worker's 1e-06; give"):
+    policy.apply(keyframe)
+
+
+def test_the_same_models_keyframe_and_delta_apply():
+  policy = HeldPolicy(CONFIG.replace(dtype="bfloat16"))  # the compute dtype is the worker's
+  keyframe, params = published(CONFIG)
+  policy.apply(keyframe)
+  delta, _ = published(CONFIG, version=1, base=params)
+  policy.apply(delta)
+  assert policy.version == 1
+
+
+def test_updates_without_model_fields_apply_unchecked():
+  policy = HeldPolicy(CONFIG)
+  keyframe, params = published(CONFIG, fields=False)
+  delta, _ = published(CONFIG, version=1, base=params, fields=False)
+  assert keyframe.model is None and delta.model is None
+  policy.apply(keyframe)
+  policy.apply(delta)
+  assert policy.version == 1
+
+
+def test_a_delta_of_another_model_after_a_keyframe_without_fields_is_refused():
+  # A keyframe a server compacted from a chain carries no fields: the next delta does.
+  policy = HeldPolicy(CONFIG)
+  other = CONFIG.replace(rope_theta=5.0)
+  keyframe, params = published(other, fields=False)
+  policy.apply(keyframe)
+  delta, _ = published(other, version=1, base=params)
+  with pytest.raises(WeightsDoNotFit, match="model.rope_theta: published 5.0"):
+    policy.apply(delta)
+  assert policy.version == 0  # the delta changed nothing
+
+
+class PublishingClient:
+  """A server with one keyframe published and no prompts."""
+
+  def __init__(self, keyframe):
+    self.keyframe = keyframe
+
+  def register(self, name):
+    return "w1"
+
+  def heartbeat(self, version=-1, tokens_per_s=0.0, **kwargs):
+    return pb.HeartbeatReply(latest_version=0)
+
+  def latest_version(self):
+    return 0
+
+  def pull_updates(self, have_version=None):
+    return [self.keyframe]
+
+
+def test_the_worker_stops_at_a_keyframe_of_another_rope_theta():
+  # The worker's run ends in WeightsDoNotFit, which `rlax-ps worker` prints as one line
+  # and exits 1 on (test_weights_that_do_not_fit.py).
+  keyframe, _ = published(CONFIG.replace(rope_theta=5.0))
+  worker = Worker(PublishingClient(keyframe), CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+  with pytest.raises(WeightsDoNotFit, match="model.rope_theta"):
+    worker.run()
+  assert worker.policy.version is None and worker.stats.resyncs == 0
