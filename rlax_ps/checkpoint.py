@@ -23,11 +23,22 @@ STATE, METADATA = "state", "metadata"
 class Checkpointer:
   """Saves and restores (state pytree, JSON metadata) pairs under one directory."""
 
-  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True,
+               read_only: bool = False):
+    """`read_only`: another process's checkpoints (a run that may be saving there): nothing
+    in the directory is created, cleaned up or written; only restores and `restore_params`."""
     if max_to_keep < 1:
       raise ValueError(f"checkpoint.max_to_keep: expected >= 1, got {max_to_keep}")
     # A local path, or a URL orbax writes through (gs://bucket/run/checkpoints).
     self.directory = directory if "://" in directory else os.path.abspath(directory)
+    if read_only:
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                             save_interval_steps=0)
+      self._manager = ocp.CheckpointManager(
+          self.directory, options=options, item_names=(STATE, METADATA),
+          item_handlers={STATE: ocp.PyTreeCheckpointHandler(),
+                         METADATA: ocp.JsonCheckpointHandler()})
+      return
     if "://" not in directory:
       _check_writable(self.directory)
     options = ocp.CheckpointManagerOptions(
@@ -79,6 +90,20 @@ class Checkpointer:
                                                               "could not be read"))
       raise
     return restored[STATE], dict(restored[METADATA])
+
+  def restore_params(self, target: Any, step: int) -> Any:
+    """Only the params of checkpoint `step` (a read-only Checkpointer's), laid out as
+    `target` (ShapeDtypeStructs with shardings); the rest of the state is not read."""
+    item = {"params": target}
+    args = ocp.args.PyTreeRestore(
+        item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True)
+    try:
+      restored = self._manager.restore(int(step), args=ocp.args.Composite(**{STATE: args}))
+    except (KeyError, OSError, ValueError) as e:  # files missing or cut: named in a line
+      e.args = ((str(e).strip().splitlines() or [""])[0],)
+      raise self._damaged(int(step), e) from e
+    return restored[STATE]["params"]
 
   def metadata(self, step: int | None = None) -> dict[str, Any]:
     """Only the JSON blob of `step` (default: the latest)."""

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("rlax_ps.train.rl_main", "the RL trainer against a parameter server"),
     "sft": ("rlax_ps.train.sft_main", "supervised warm start on a built-in task"),
     "eval": ("rlax_ps.train.eval_main", "held-out accuracy of Hugging Face checkpoints, side by side"),
+    "export": ("rlax_ps.train.export_main", "any checkpoint of a run as a Hugging Face checkpoint"),
     "serve": ("param_server.serve_main", "run the parameter server (gRPC)"),
     "relay": ("param_server.relay_main", "a weight relay for a group of workers: each version "
               "crosses from the server once"),

@@ -37,6 +37,7 @@ from algorithms.selection import fed, next_streak
 from param_server.client import (ParamServerError, Prompt, RetryPolicy, routes_of,
                                  sample_logprobs, sample_observed)
 from rlax_ps import sharding as shd
+from rlax_ps.config_files import save_run_config
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import PromptFeed, PromptRecords, TaskPrompts, iter_config_records
@@ -292,6 +293,8 @@ class RLTrainer(TrainerRun):
                                int(config.publish.keyframe_every), model=self.model_config)
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
     self.publisher.run = self.run_id
+    if self.leader:  # where `rlax-ps export --workdir` finds the checkpoints (gs:// too)
+      save_run_config(config, self.workdir)
     self.heldout = heldout_lib.heldout_from_config(config, self.tasks, self.tokenizer)
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)

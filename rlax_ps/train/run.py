@@ -29,10 +29,10 @@ from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.events import Events, NoEvents, open_wandb
 
 
-def built_or_exit(prog: str, build: Callable[[], "TrainerRun"]) -> "TrainerRun":
-  """build() (a trainer); a setting it refuses (a field, a prompt file's line, a checkpoint
-  of another model, a missing file) ends the command `prog` with that one line and exit
-  status 2, as a bad flag does, not a traceback."""
+def built_or_exit(prog: str, build: Callable[[], Any]) -> Any:
+  """build() (a trainer, an export); a setting it refuses (a field, a prompt file's line, a
+  checkpoint of another model, a missing file) ends the command `prog` with that one line
+  and exit status 2, as a bad flag does, not a traceback."""
   try:
     return build()
   except (OSError, ValueError) as e:
@@ -161,6 +161,55 @@ def resumed_optimizer(cfg, total_steps: int, saved: dict[str, Any] | None,
                                         int((saved or {}).get("step", 0)), steps_field)
 
 
+def run_tokenizer(config):
+  """The tokenizer a run's config names: its `tokenizer` block, else init_from_hf's, with the
+  tools of worker.verifiers."""
+  return tokenizer_from_config(config.tokenizer, config.get("init_from_hf", ""),
+                               tool_modules=str(config.get("worker", {}).get("verifiers", "")))
+
+
+def export_dtype(config) -> str | None:
+  """The dtype a run's Hugging Face exports are written in: export.dtype, None for the
+  params' own ("")."""
+  return config.get("export", {}).get("dtype") or None
+
+
+# What `rlax-ps export` writes beside an export: the run and step it holds.
+EXPORT_RECORD = "rlax_ps_export.json"
+
+
+def write_hf_export(graphdef: nnx.GraphDef, params: Any, tokenizer, path: str, *,
+                    dtype: str | None = None, peft: bool = False, base_model: str = "",
+                    record: dict[str, Any] | None = None) -> str:
+  """Write the model (`graphdef` over host `params`) in Hugging Face format to `path`:
+  config.json and safetensors in `dtype` (None: the params'), a LoRA model's adapters merged
+  in, the generation config and the tokenizer files (its chat template) as trained; with
+  `peft`, the adapters also as a PEFT adapter over `base_model` in `adapter/` where PEFT can
+  hold them; `record` as EXPORT_RECORD. An earlier folder at `path` is replaced only once
+  the new one is complete."""
+  tok = tokenizer
+  partial = path.rstrip("/") + ".partial"
+  shutil.rmtree(partial, ignore_errors=True)
+  ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+  model = nnx.merge(graphdef, params)
+  save_hf_checkpoint(model, partial, extra_config=ids, dtype=dtype)
+  if peft:
+    try:
+      save_peft_adapter(flatten_params(model), model.config, os.path.join(partial, "adapter"),
+                        base_model=base_model, dtype=dtype)
+    except ValueError as e:  # adapters PEFT cannot hold: the merged export alone
+      logging.info("export: no PEFT adapter (%s)", e)
+  with open(os.path.join(partial, "generation_config.json"), "w") as f:
+    json.dump({**ids, "eos_token_id": list(tok.stop_ids)}, f, indent=2)  # stop as trained
+  tok.save(partial)  # with the chat template the policy was trained with, if any
+  if record is not None:
+    with open(os.path.join(partial, EXPORT_RECORD), "w") as f:
+      json.dump(record, f, indent=1)
+  shutil.rmtree(path, ignore_errors=True)
+  os.rename(partial, path)
+  return path
+
+
 class TrainerRun:
   """Mixin for a trainer that sets workdir, checkpointer, graphdef, state, config and
   heldout (a heldout.Heldout), and calls read_model."""
@@ -225,9 +274,7 @@ class TrainerRun:
     self.init_from_hf = config.get("init_from_hf", "")
     if self.init_from_hf:
       check_init_from_hf(self.init_from_hf)
-    self.tokenizer = tokenizer_from_config(
-        config.tokenizer, self.init_from_hf,
-        tool_modules=str(config.get("worker", {}).get("verifiers", "")))
+    self.tokenizer = run_tokenizer(config)
     self.tasks, self.weights = tasks_from(config.tasks)
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
                                           self.init_from_hf, longest_sequence(config))
@@ -262,35 +309,16 @@ class TrainerRun:
     return self.last_eval
 
   def export_hf(self, path: str | None = None) -> str:
-    """Write the model in Hugging Face format (config.json, safetensors, tokenizer files) to
-    `path` (default <workdir>/hf) in export.dtype ("" = the params' dtype), replacing an
-    earlier export only once the new one is complete; a LoRA model's adapters are merged in
-    and also written as a PEFT adapter in `adapter/` where PEFT can hold them. On a
-    multi-host slice every process gathers the params; process 0 writes."""
+    """write_hf_export of the model to `path` (default <workdir>/hf), in export.dtype, a LoRA
+    model's adapters also as a PEFT adapter where PEFT can hold them. On a multi-host slice
+    every process gathers the params; process 0 writes."""
     path = path or os.path.join(self.workdir, "hf")
     params = shd.to_host(self.state.params)
     if not self.leader:
       return path
-    tok = self.tokenizer
-    partial = path.rstrip("/") + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-    model = nnx.merge(self.graphdef, params)
-    dtype = self.config.get("export", {}).get("dtype") or None
-    save_hf_checkpoint(model, partial, extra_config=ids, dtype=dtype)
-    if self.model_config.lora_rank:
-      try:
-        save_peft_adapter(flatten_params(model), self.model_config,
-                          os.path.join(partial, "adapter"), base_model=self.init_from_hf,
-                          dtype=dtype)
-      except ValueError as e:  # adapters PEFT cannot hold: the merged export alone
-        logging.info("export: no PEFT adapter (%s)", e)
-    with open(os.path.join(partial, "generation_config.json"), "w") as f:
-      json.dump({**ids, "eos_token_id": list(tok.stop_ids)}, f, indent=2)  # stop as trained
-    tok.save(partial)  # with the chat template the policy was trained with, if any
-    shutil.rmtree(path, ignore_errors=True)
-    os.rename(partial, path)
-    return path
+    return write_hf_export(self.graphdef, params, self.tokenizer, path,
+                           dtype=export_dtype(self.config),
+                           peft=bool(self.model_config.lora_rank), base_model=self.init_from_hf)
 
   def log_eval(self, result: dict[str, float], step: int) -> None:
     for k, v in result.items():

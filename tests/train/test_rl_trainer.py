@@ -175,6 +175,21 @@ def test_the_trained_policy_is_exported_in_hugging_face_format(run):
   assert hf.encode("12+34=") == char.encode("12+34=") and hf.eos_id == char.eos_id
 
 
+def test_rlax_ps_export_of_the_run_writes_what_the_trainer_exported(run, tmp_path):
+  """`rlax-ps export --workdir` of an RL run: it finds the checkpoints through the config the
+  trainer recorded, and the latest step's export is the trainer's own, file for file."""
+  from rlax_ps.train.export_main import checkpoints_of, export_checkpoint
+  workdir = run["tmp"] / "rl"
+  saved = json.load(open(workdir / "run_config.json"))
+  assert saved["checkpoint"]["directory"] == run["config"].checkpoint.directory
+  assert checkpoints_of(str(workdir)) == str(workdir / "checkpoints")
+  step, out = export_checkpoint(str(workdir), out=str(tmp_path / "exported"))
+  assert step == 4
+  trainer = workdir / "hf"
+  for name in os.listdir(trainer):
+    assert (trainer / name).read_bytes() == open(os.path.join(out, name), "rb").read(), name
+
+
 def test_export_every_steps_writes_the_weights_of_that_step(run):
   exports = run["tmp"] / "rl" / "exports"
   assert sorted(os.listdir(exports)) == ["step_000002"]  # step 4 is the final export, in hf/

@@ -1,0 +1,202 @@
+r"""`rlax-ps export`: any checkpoint of a run as a Hugging Face checkpoint, without resuming it.
+
+  rlax-ps export --workdir=runs/rl_local                  # its latest step, in <workdir>/hf-step-N
+  rlax-ps export --workdir=runs/rl_local/sft --step=200 --out=/tmp/sft-200
+
+--workdir is a trainer's run folder: that of `rlax-ps train` or `rlax-ps sft`, or of
+`rlax-ps local` (its RL trainer's; the warm start's is <workdir>/sft). The files are those
+the trainer's own export writes (export.dtype, config.json, generation config, tokenizer
+files and chat template, LoRA adapters merged; --peft: also the PEFT adapter), and a
+rlax_ps_export.json naming the run and step. The run's config and model come from the
+checkpoint, not from a --config. The run is only read (no lock, nothing written in it but the
+default --out), so a run may go on training meanwhile; the params alone are read, onto one
+device (the CPU unless JAX_PLATFORMS names another platform), whatever mesh trained them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from absl import flags, logging
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "A trainer's run folder: the --workdir of "
+                               "`rlax-ps train`, `rlax-ps sft` or `rlax-ps local`.")
+_STEP = flags.DEFINE_integer("step", None, "The checkpoint step to export (default: the "
+                             "latest complete one).")
+_OUT = flags.DEFINE_string("out", "", "Folder to write (default <workdir>/hf-step-N). An earlier "
+                           "export of the same step there is replaced; any other files refuse it.")
+_PEFT = flags.DEFINE_bool("peft", False, "A LoRA run: also write its adapters as a PEFT adapter "
+                          "in <out>/adapter, as the trainer's export does.")
+flags.mark_flags_as_required(["workdir"])
+
+
+def _saved_run_config(workdir: str) -> dict[str, Any]:
+  """The run_config.json of `workdir` (an SFT run writes one), or {}."""
+  from rlax_ps.config_files import RUN_CONFIG
+  path = os.path.join(workdir, RUN_CONFIG)
+  if not os.path.isfile(path):
+    return {}
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"--workdir: cannot read {path}: {e}") from None
+
+
+def checkpoints_of(workdir: str) -> str:
+  """Where the run in `workdir` checkpoints: its run_config.json's checkpoint.directory, else
+  <workdir>/checkpoints (as the trainers choose)."""
+  import ml_collections
+
+  from rlax_ps.train.run import checkpoint_directory
+  block = _saved_run_config(workdir).get("checkpoint") or {}
+  return checkpoint_directory(ml_collections.ConfigDict({"checkpoint": block}), workdir)
+
+
+def open_reader(workdir: str):
+  """The checkpoints of the run in `workdir`, read only; ValueError naming
+  --workdir where it is no run folder, has no complete checkpoint, or cannot be read."""
+  if not os.path.isdir(workdir):
+    raise ValueError(f"--workdir: {workdir} is not a folder")
+  directory = checkpoints_of(workdir)
+  if "://" not in directory and not os.path.isdir(directory):
+    raise ValueError(f"--workdir: no checkpoints in {workdir} ({directory} not found); expected "
+                     f"the --workdir of `rlax-ps train`, `rlax-ps sft` or `rlax-ps local`")
+  try:
+    from rlax_ps.checkpoint import Checkpointer  # orbax (and JAX) load once flags parse
+    reader = Checkpointer(directory, read_only=True)
+    steps = reader.all_steps()
+  except OSError as e:
+    raise ValueError(f"--workdir: cannot read {directory}: {e.strerror or e}") from None
+  if not steps:
+    reader.close()
+    raise ValueError(f"--workdir: no complete checkpoint in {directory}")
+  return reader
+
+
+def chosen_step(steps: list[int], step: int | None, directory: str) -> int:
+  """`step` (None: the latest of `steps`); ValueError naming --step and the saved ones when it
+  is not saved."""
+  if step is None:
+    return steps[-1]
+  if step not in steps:
+    raise ValueError(f"--step: {step} is not saved in {directory}; saved steps: "
+                     f"{', '.join(map(str, steps))}")
+  return step
+
+
+def check_out(out: str, record: dict[str, Any]) -> None:
+  """ValueError naming --out unless `out` is absent, an empty folder, or an earlier export of
+  the same step of the same run (its EXPORT_RECORD is `record`): nothing else is written over."""
+  from rlax_ps.train.run import EXPORT_RECORD
+  if not os.path.lexists(out):
+    return
+  if not os.path.isdir(out):
+    raise ValueError(f"--out: {out} is a file, expected a folder")
+  names = sorted(os.listdir(out))
+  if not names:
+    return
+  try:
+    with open(os.path.join(out, EXPORT_RECORD)) as f:
+      was = json.load(f)
+  except (OSError, ValueError):
+    was = None
+  if was == record:
+    return
+  if not isinstance(was, dict):
+    raise ValueError(f"--out: {out} is not empty ({', '.join(names[:3])}"
+                     f"{', ...' if len(names) > 3 else ''}) and holds no export of `rlax-ps "
+                     f"export`; name a new or empty folder")
+  raise ValueError(f"--out: {out} holds the export of step {was.get('step')} of "
+                   f"{was.get('checkpoints')}, not of step {record['step']} of "
+                   f"{record['checkpoints']}; name another folder, or delete it")
+
+
+def checkpoint_params(reader, step: int, model_config, device) -> tuple[Any, Any]:
+  """(graphdef, params on `device`) of checkpoint `step` of a `model_config` model; the
+  checkpoint's other state (optimizer moments, a reference) is not read."""
+  import jax
+
+  from rlax_ps.train.state import abstract_model
+  graphdef, abstract, _ = abstract_model(model_config)
+  where = jax.sharding.SingleDeviceSharding(device)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+                        abstract)
+  return graphdef, reader.restore_params(target, step)
+
+
+def _run_of(saved: dict[str, Any], workdir: str, step: int):
+  """(config, model config) that checkpoint `step` records (its config, else the workdir's
+  run_config.json); ValueError naming --workdir where it records none."""
+  import ml_collections
+
+  from rlax_ps.models import ModelConfig
+  config = saved.get("config") or _saved_run_config(workdir)
+  if not config or not saved.get("model_config"):
+    raise ValueError(f"--workdir: checkpoint step {step} records no "
+                     f"{'config' if not config else 'model_config'}: not a checkpoint of "
+                     f"`rlax-ps train`, `sft` or `local`")
+  return ml_collections.ConfigDict(config), ModelConfig.from_dict(saved["model_config"])
+
+
+def check_peft(model_config) -> None:
+  """ValueError naming --peft unless the model's adapters can be written as a PEFT adapter."""
+  from rlax_ps.models.peft import peft_adapter_names
+  try:
+    peft_adapter_names(model_config)
+  except ValueError as e:
+    raise ValueError(f"--peft: the run's model has no adapters PEFT can hold ({e})") from None
+
+
+def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
+                      peft: bool = False) -> tuple[int, str]:
+  """(step, folder) of the Hugging Face export of checkpoint `step` (None: the latest) of the
+  run in `workdir` to `out` (default <workdir>/hf-step-N), as the trainer's export writes it
+  (run.write_hf_export) with an EXPORT_RECORD; `peft`: also the PEFT adapter. ValueError
+  naming the flag (--workdir, --step, --out, --peft) for input it refuses."""
+  import jax
+
+  from rlax_ps.train.run import export_dtype, run_tokenizer, write_hf_export
+  workdir = os.path.abspath(workdir)
+  with open_reader(workdir) as reader:
+    step = chosen_step(reader.all_steps(), step, reader.directory)
+    out = os.path.abspath(out or os.path.join(workdir, f"hf-step-{step}"))
+    record = {"checkpoints": reader.directory, "step": step}
+    check_out(out, record)
+    try:
+      saved = reader.metadata(step)
+    except ValueError as e:  # a damaged step: which, and what deleting it does
+      raise ValueError(f"--step: {e}") from None
+    config, model_config = _run_of(saved, workdir, step)
+    if peft:
+      check_peft(model_config)
+    try:
+      tokenizer = run_tokenizer(config)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"--workdir: the run's tokenizer (its config's `tokenizer` block): "
+                       f"{e}") from None
+    try:
+      graphdef, params = checkpoint_params(reader, step, model_config, jax.local_devices()[0])
+    except ValueError as e:
+      raise ValueError(f"--step: {e}") from None
+  try:
+    path = write_hf_export(graphdef, jax.device_get(params), tokenizer, out,
+                           dtype=export_dtype(config), peft=peft,
+                           base_model=str(config.get("init_from_hf", "")), record=record)
+  except OSError as e:
+    raise ValueError(f"--out: cannot write {out}: {e.strerror or e}") from None
+  return step, path
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise SystemExit(f"rlax-ps export: unexpected arguments {argv[1:]}; flags are --name=value")
+  if not flags.FLAGS["verbosity"].present:  # orbax warns that it opens the checkpoints read only
+    logging.set_verbosity(logging.ERROR)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX starts: no accelerator is touched
+  from rlax_ps.train.run import built_or_exit
+  step, path = built_or_exit("rlax-ps export", lambda: export_checkpoint(
+      _WORKDIR.value, _STEP.value, _OUT.value, _PEFT.value))
+  print(f"Hugging Face export of step {step}: {path}", flush=True)

@@ -1,0 +1,209 @@
+"""`rlax-ps export`: a checkpoint of a run, the latest or an earlier one, as the Hugging Face
+checkpoint the trainer's own export writes (same files, the weights of that step bit for bit in
+export.dtype), read on one device from a run trained on a 2x2 mesh while the run holds its
+workdir; a step not saved and an --out holding other files are refused, naming the flag."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from child_env import child_env
+from rlax_ps import config_files
+from rlax_ps.models import ModelConfig, load_hf_checkpoint
+from rlax_ps.models.params import flatten_params
+from rlax_ps.train import export_main
+from rlax_ps.train.export_main import export_checkpoint
+from rlax_ps.train.publisher import flat_params
+from rlax_ps.train.run import EXPORT_RECORD
+from rlax_ps.train.sft import SFTTrainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _config(**model):
+  """configs/sft_tiny.py:tiny for 4 steps, checkpointed at 2 and 4, exported in bfloat16, on
+  a mesh of 2 fsdp x 2 tensor."""
+  config = config_files.load(os.path.join(REPO, "configs", "sft_tiny.py"), "tiny")
+  config.train.steps, config.checkpoint.every_steps = 4, 2
+  config.export.dtype = "bfloat16"
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 2, 2
+  for k, v in model.items():
+    config.model[k] = v
+  return config
+
+
+def _host(params):
+  return {k: np.asarray(v) for k, v in flat_params(jax.device_get(params)).items()}
+
+
+def _trained(workdir, config):
+  """Train `config` in `workdir` on 4 devices; the trainer's exports (step 2 in exports/,
+  step 4 in hf/), its params at both steps, and `rlax-ps export`'s of step 2 made while the
+  trainer held the workdir."""
+  with SFTTrainer(config, workdir, devices=jax.devices()[:4]) as trainer:
+    trainer.train(until=2, progress=False)
+    trainer.save()
+    trainer.checkpointer.wait()
+    params = {2: _host(trainer.state.params)}
+    layout = {(len(x.sharding.device_set), str(x.sharding.spec))
+              for x in jax.tree.leaves(trainer.state.params)}
+    exports = {2: trainer.export_hf(os.path.join(workdir, "exports", "step_2"))}
+    during = export_checkpoint(workdir, peft=bool(config.model.get("lora_rank", 0)))
+    trainer.train(progress=False)
+    trainer.checkpointer.wait()
+    params[4] = _host(trainer.state.params)
+    exports[4] = trainer.export_hf()
+  return dict(workdir=workdir, params=params, exports=exports, during=during, layout=layout)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  return _trained(str(tmp_path_factory.mktemp("sft")), _config())
+
+
+def _files(folder):
+  return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+          for d, _, names in os.walk(folder) for f in names}
+
+
+def _same_as_the_trainers(path, trainers, step, checkpoints):
+  ours, theirs = _files(path), _files(trainers)
+  assert json.loads(ours.pop(EXPORT_RECORD)) == {"checkpoints": checkpoints, "step": step}
+  assert set(ours) == set(theirs)
+  for name in theirs:
+    assert ours[name] == theirs[name], name
+
+
+def test_the_latest_step_is_exported_as_the_trainer_exported_it(run, tmp_path):
+  step, path = export_checkpoint(run["workdir"], out=str(tmp_path / "latest"))
+  assert (step, path) == (4, str(tmp_path / "latest"))
+  _same_as_the_trainers(path, run["exports"][4], 4, os.path.join(run["workdir"], "checkpoints"))
+
+
+def test_an_earlier_step_holds_its_weights_bit_for_bit_in_the_export_dtype(run, tmp_path):
+  step, path = export_checkpoint(run["workdir"], step=2, out=str(tmp_path / "two"))
+  assert step == 2
+  _same_as_the_trainers(path, run["exports"][2], 2, os.path.join(run["workdir"], "checkpoints"))
+  got = flatten_params(load_hf_checkpoint(path, "bfloat16"))
+  want = run["params"][2]
+  assert set(got) == set(want) and not all(
+      np.array_equal(want[k], run["params"][4][k]) for k in want)  # step 2's, not step 4's
+  for name, value in want.items():
+    np.testing.assert_array_equal(np.asarray(got[name]).view(np.uint16),
+                                  value.astype(jax.numpy.bfloat16).view(np.uint16), err_msg=name)
+
+
+def test_a_run_holding_its_workdir_is_exported_and_trains_on(run):
+  # Made while the trainer held the workdir, at step 2: no lock taken, nothing else written.
+  assert run["during"] == (2, os.path.join(run["workdir"], "hf-step-2"))
+  _same_as_the_trainers(run["during"][1], run["exports"][2], 2,
+                        os.path.join(run["workdir"], "checkpoints"))
+  assert sorted(os.listdir(os.path.join(run["workdir"], "checkpoints"))) == ["2", "4"]
+
+
+def test_a_save_in_progress_and_the_checkpoints_are_left_as_they_are(run, tmp_path):
+  checkpoints = os.path.join(run["workdir"], "checkpoints")
+  saving = os.path.join(checkpoints, "6.orbax-checkpoint-tmp-1")  # a trainer's save under way
+  os.makedirs(os.path.join(saving, "state"))
+  with open(os.path.join(saving, "state", "written_so_far"), "wb") as f:
+    f.write(b"\0" * 8)
+  try:
+    before = _files(checkpoints)
+    assert export_checkpoint(run["workdir"], out=str(tmp_path / "x"))[0] == 4
+    assert _files(checkpoints) == before
+  finally:
+    shutil.rmtree(saving)
+
+
+def test_a_run_trained_on_a_2x2_mesh_is_read_on_one_device(run):
+  assert {n for n, _ in run["layout"]} == {4}  # the run's params lay on 4 devices, split
+  assert {str(P("fsdp", "tensor")), str(P("tensor", "fsdp"))} <= {s for _, s in run["layout"]}
+  with export_main.open_reader(run["workdir"]) as reader:
+    model_config = ModelConfig.from_dict(reader.metadata(4)["model_config"])
+    _, params = export_main.checkpoint_params(reader, 4, model_config, jax.devices()[0])
+  assert all(x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(params))
+  got = _host(params)
+  assert set(got) == set(run["params"][4])
+  for name, value in got.items():
+    np.testing.assert_array_equal(value, run["params"][4][name], err_msg=name)
+
+
+def test_a_step_not_saved_is_named_with_the_saved_ones(run, tmp_path):
+  with pytest.raises(ValueError, match=r"^--step: 3 is not saved in .*checkpoints; saved steps: "
+                                       r"2, 4$"):
+    export_checkpoint(run["workdir"], step=3, out=str(tmp_path / "x"))
+  assert not os.path.exists(tmp_path / "x")
+
+
+def test_an_out_folder_holding_other_files_is_refused_and_kept(run, tmp_path):
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "notes.txt").write_text("keep")
+  with pytest.raises(ValueError, match=r"^--out: .*mine is not empty \(notes.txt\) and holds no "
+                                       r"export of `rlax-ps export`"):
+    export_checkpoint(run["workdir"], out=str(mine))
+  assert os.listdir(mine) == ["notes.txt"]
+  # An earlier export of another step is refused too; one of the same step is replaced.
+  earlier = os.path.join(run["workdir"], "hf-step-2")
+  with pytest.raises(ValueError, match=r"^--out: .*hf-step-2 holds the export of step 2 of "):
+    export_checkpoint(run["workdir"], step=4, out=earlier)
+  assert export_checkpoint(run["workdir"], step=2) == (2, earlier)
+
+
+def test_peft_on_a_run_without_adapters_names_the_flag(run, tmp_path):
+  with pytest.raises(ValueError, match=r"^--peft: the run's model has no adapters PEFT can "
+                                       r"hold \(model.lora_rank: expected > 0"):
+    export_checkpoint(run["workdir"], out=str(tmp_path / "x"), peft=True)
+
+
+def test_a_folder_without_checkpoints_names_workdir(tmp_path):
+  with pytest.raises(ValueError, match=r"^--workdir: no checkpoints in .*; expected the "
+                                       r"--workdir of `rlax-ps train`, `rlax-ps sft` or "):
+    export_checkpoint(str(tmp_path))
+  (tmp_path / "checkpoints").mkdir()
+  with pytest.raises(ValueError, match=r"^--workdir: no complete checkpoint in "):
+    export_checkpoint(str(tmp_path))
+  with pytest.raises(ValueError, match=r"^--workdir: .*absent is not a folder$"):
+    export_checkpoint(str(tmp_path / "absent"))
+
+
+def _command(*args):
+  return subprocess.run([sys.executable, "-m", "rlax_ps", "export", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=120, env=child_env())
+
+
+def test_the_command_refuses_a_step_not_saved_in_one_line(run, tmp_path):
+  refused = _command(f"--workdir={run['workdir']}", "--step=3", f"--out={tmp_path / 'x'}")
+  assert refused.returncode == 2
+  assert refused.stderr.strip().splitlines() == [
+      f"rlax-ps export: --step: 3 is not saved in {run['workdir']}/checkpoints; saved steps: 2, 4"]
+
+
+@pytest.mark.slow
+def test_the_command_writes_the_export_and_names_it(run, tmp_path):
+  done = _command(f"--workdir={run['workdir']}", "--step=2", f"--out={tmp_path / 'cli'}")
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip() == f"Hugging Face export of step 2: {tmp_path / 'cli'}"
+  _same_as_the_trainers(str(tmp_path / "cli"), run["exports"][2], 2,
+                        os.path.join(run["workdir"], "checkpoints"))
+
+
+@pytest.mark.slow
+def test_a_lora_run_exports_merged_and_with_peft_its_adapter_as_the_trainer(tmp_path):
+  lora = _trained(str(tmp_path / "lora"), _config(lora_rank=4, lora_alpha=8.0,
+                                                  lora_targets="q_proj,v_proj"))
+  _same_as_the_trainers(lora["during"][1], lora["exports"][2], 2,
+                        os.path.join(lora["workdir"], "checkpoints"))
+  assert os.path.isfile(os.path.join(lora["during"][1], "adapter", "adapter_model.safetensors"))
+  _, merged = export_checkpoint(lora["workdir"], out=str(tmp_path / "merged"))
+  assert "adapter" not in os.listdir(merged)
+  trainers = _files(lora["exports"][4])
+  assert {k: v for k, v in _files(merged).items() if k != EXPORT_RECORD} == {
+      k: v for k, v in trainers.items() if not k.startswith("adapter")}
