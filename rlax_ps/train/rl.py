@@ -747,7 +747,8 @@ class RLTrainer(TrainerRun):
                           "here; they are not used", group.rollout_id)
       if self.completions_every:  # their texts, for the completions log
         self._taken[group.rollout_id] = taken
-      self._count_malformed(group)
+      if group.reward_parts_bad:
+        self._count_malformed(group)
       valid.append(group)
     return valid
 
