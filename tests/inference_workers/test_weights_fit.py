@@ -9,10 +9,9 @@ from flax import nnx
 from inference_workers.loop import Worker
 from inference_workers.weights import HeldPolicy, WeightsDoNotFit
 from inference_workers.worker_config import WorkerConfig
-from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
 from rlax_ps.models import Transformer, flatten_params
-from worker_testlib import CONFIG, SMALL, TOKENIZER
+from worker_testlib import CONFIG, PublishingClient, SMALL, TOKENIZER
 
 
 def params_of(config, seed=0):
@@ -82,25 +81,6 @@ def test_a_delta_of_another_model_after_a_keyframe_without_fields_is_refused():
   with pytest.raises(WeightsDoNotFit, match="model.rope_theta: published 5.0"):
     policy.apply(delta)
   assert policy.version == 0  # the delta changed nothing
-
-
-class PublishingClient:
-  """A server with one keyframe published and no prompts."""
-
-  def __init__(self, keyframe):
-    self.keyframe = keyframe
-
-  def register(self, name):
-    return "w1"
-
-  def heartbeat(self, version=-1, tokens_per_s=0.0, **kwargs):
-    return pb.HeartbeatReply(latest_version=0)
-
-  def latest_version(self):
-    return 0
-
-  def pull_updates(self, have_version=None):
-    return [self.keyframe]
 
 
 def test_the_worker_stops_at_a_keyframe_of_another_rope_theta():

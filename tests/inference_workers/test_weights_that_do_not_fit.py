@@ -14,10 +14,9 @@ from child_env import child_env
 from inference_workers.loop import Worker
 from inference_workers.weights import HeldPolicy, WeightsDoNotFit
 from inference_workers.worker_config import WorkerConfig
-from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
 from rlax_ps.models import Transformer, flatten_params
-from worker_testlib import CONFIG, MODEL, REPO, SMALL, TOKENIZER, TOKENS, client
+from worker_testlib import CONFIG, MODEL, PublishingClient, REPO, SMALL, TOKENIZER, TOKENS, client
 
 
 def keyframe_of(config, fmt="bf16", version=0):
@@ -55,26 +54,6 @@ def test_a_keyframe_that_fits_still_applies():
   policy = HeldPolicy(CONFIG)
   policy.apply(keyframe_of(CONFIG))
   assert policy.version == 0
-
-
-class PublishingClient:
-  """A server with one keyframe published and no prompts."""
-
-  def __init__(self, keyframe):
-    self.keyframe, self.pulls = keyframe, []
-
-  def register(self, name):
-    return "w1"
-
-  def heartbeat(self, version=-1, tokens_per_s=0.0, **kwargs):
-    return pb.HeartbeatReply(latest_version=0)
-
-  def latest_version(self):
-    return 0
-
-  def pull_updates(self, have_version=None):
-    self.pulls.append(have_version)
-    return [sync.Update.from_bytes(self.keyframe.to_bytes())]
 
 
 def test_the_worker_stops_at_the_first_keyframe_that_does_not_fit():

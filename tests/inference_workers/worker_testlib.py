@@ -65,3 +65,23 @@ class ManyStops(CharTokenizer):
   @property
   def stop_ids(self):
     return (self.eos_id,) + tuple(self.encode("0123456789"))
+
+
+class PublishingClient:
+  """A server with one keyframe published and no prompts; `pulls`: the versions pulled from."""
+
+  def __init__(self, keyframe):
+    self.keyframe, self.pulls = keyframe, []
+
+  def register(self, name):
+    return "w1"
+
+  def heartbeat(self, version=-1, tokens_per_s=0.0, **kwargs):
+    return pb.HeartbeatReply(latest_version=0)
+
+  def latest_version(self):
+    return 0
+
+  def pull_updates(self, have_version=None):
+    self.pulls.append(have_version)
+    return [sync.Update.from_bytes(self.keyframe.to_bytes())]
