@@ -2,30 +2,12 @@
 norm eps, ...) refuses the weights, naming each field and both values; the same model's
 updates apply, and so do updates that carry no model fields (older publications)."""
 
-import numpy as np
 import pytest
-from flax import nnx
 
 from inference_workers.loop import Worker
 from inference_workers.weights import HeldPolicy, WeightsDoNotFit
 from inference_workers.worker_config import WorkerConfig
-from rlax_ps import sync
-from rlax_ps.models import Transformer, flatten_params
-from worker_testlib import CONFIG, PublishingClient, SMALL, TOKENIZER
-
-
-def params_of(config, seed=0):
-  return {k: np.asarray(v) for k, v in
-          flatten_params(Transformer(config, rngs=nnx.Rngs(seed))).items()}
-
-
-def published(config, fmt="bf16", version=0, base=None, *, fields=True):
-  """An update of `config`'s weights as its trainer publishes it (with its model fields),
-  a keyframe unless `base` (the last version's params) is given."""
-  params = params_of(config, seed=version)
-  return sync.Update.from_bytes(sync.encode(
-      base, params, fmt, version=version,
-      model=config.forward_fields() if fields else None).to_bytes()), params
+from worker_testlib import CONFIG, SMALL, TOKENIZER, PublishingClient, published
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])

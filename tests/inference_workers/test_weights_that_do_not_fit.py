@@ -6,29 +6,21 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
-from flax import nnx
 
 from child_env import child_env
 from inference_workers.loop import Worker
 from inference_workers.weights import HeldPolicy, WeightsDoNotFit
 from inference_workers.worker_config import WorkerConfig
-from rlax_ps import sync
-from rlax_ps.models import Transformer, flatten_params
-from worker_testlib import CONFIG, MODEL, PublishingClient, REPO, SMALL, TOKENIZER, TOKENS, client
-
-
-def keyframe_of(config, fmt="bf16", version=0):
-  params = {k: np.asarray(v) for k, v in
-            flatten_params(Transformer(config, rngs=nnx.Rngs(0))).items()}
-  return sync.encode(None, params, fmt, version=version)
+from worker_testlib import (CONFIG, MODEL, REPO, SMALL, TOKENIZER, TOKENS, PublishingClient,
+                            client, published)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_a_keyframe_of_other_shapes_names_the_first_tensor_and_both_shapes(fmt):
   policy = HeldPolicy(CONFIG, fmt)
-  wider = keyframe_of(CONFIG.replace(num_kv_heads=4), fmt)  # k/v projections twice as wide
+  # k/v projections twice as wide
+  wider = published(CONFIG.replace(num_kv_heads=4), fmt, fields=False)[0]
   with pytest.raises(WeightsDoNotFit) as e:
     policy.apply(wider)
   message = str(e.value)
@@ -44,7 +36,7 @@ def test_a_keyframe_of_other_shapes_names_the_first_tensor_and_both_shapes(fmt):
 
 def test_a_keyframe_of_more_layers_names_a_tensor_this_model_lacks():
   policy = HeldPolicy(CONFIG)
-  deeper = keyframe_of(CONFIG.replace(num_layers=3))
+  deeper = published(CONFIG.replace(num_layers=3), fields=False)[0]
   with pytest.raises(WeightsDoNotFit, match=r"tensor 'layers\.2\.[^']+' \[\d+(, \d+)*\] "
                                             r"is published, not in this model"):
     policy.apply(deeper)
@@ -52,12 +44,12 @@ def test_a_keyframe_of_more_layers_names_a_tensor_this_model_lacks():
 
 def test_a_keyframe_that_fits_still_applies():
   policy = HeldPolicy(CONFIG)
-  policy.apply(keyframe_of(CONFIG))
+  policy.apply(published(CONFIG, fields=False)[0])
   assert policy.version == 0
 
 
 def test_the_worker_stops_at_the_first_keyframe_that_does_not_fit():
-  fake = PublishingClient(keyframe_of(CONFIG.replace(num_layers=3)))
+  fake = PublishingClient(published(CONFIG.replace(num_layers=3), fields=False)[0])
   worker = Worker(fake, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
   with pytest.raises(WeightsDoNotFit):
     worker.run()
@@ -67,7 +59,7 @@ def test_the_worker_stops_at_the_first_keyframe_that_does_not_fit():
 
 def test_rlax_ps_worker_says_the_weights_do_not_fit_in_one_line(server, tmp_path):
   with client(server, "trainer") as trainer:
-    trainer.publish(keyframe_of(CONFIG.replace(num_layers=3)).to_bytes())
+    trainer.publish(published(CONFIG.replace(num_layers=3), fields=False)[0].to_bytes())
   config = tmp_path / "worker_config.py"
   config.write_text(textwrap.dedent(f"""
       import ml_collections
@@ -102,11 +94,11 @@ def test_a_worker_waits_out_versions_of_another_format_and_takes_the_next_in_its
   # A resumed run whose publish.format changed: the server's newest version is still the
   # last run's bf16 one when an int8 worker starts. It is not applied, nor pulled again,
   # and the worker does not crash; the trainer's int8 keyframe is taken when it comes.
-  fake = ReformattedClient(keyframe_of(CONFIG, "bf16", version=3))
+  fake = ReformattedClient(published(CONFIG, "bf16", version=3, fields=False)[0])
   worker = Worker(fake, CONFIG, TOKENIZER, WorkerConfig(**SMALL, weights_format="int8"))
   worker._catch_up()
   worker._catch_up()
   assert worker.policy.version is None and fake.pulls == [None]
-  fake.publish(keyframe_of(CONFIG, "int8", version=4))
+  fake.publish(published(CONFIG, "int8", version=4, fields=False)[0])
   worker._catch_up()
   assert worker.policy.version == 4 and fake.pulls == [None, None]

@@ -4,12 +4,13 @@ clients of a test server, addition prompts, and a worker stopped mid-generation.
 import os
 
 import numpy as np
+from flax import nnx
 
 from inference_workers.continuous import ContinuousBatch
 from param_server.client import ParamServerClient, RetryPolicy
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
-from rlax_ps.models import ModelConfig
+from rlax_ps.models import ModelConfig, Transformer, flatten_params
 from rlax_ps.tasks import get_task
 from rlax_ps.tokenizers import CharTokenizer
 
@@ -85,3 +86,19 @@ class PublishingClient:
   def pull_updates(self, have_version=None):
     self.pulls.append(have_version)
     return [sync.Update.from_bytes(self.keyframe.to_bytes())]
+
+
+def params_of(config, seed=0):
+  """A fresh `config` model's params, flat, on the host."""
+  return {k: np.asarray(v) for k, v in
+          flatten_params(Transformer(config, rngs=nnx.Rngs(seed))).items()}
+
+
+def published(config, fmt="bf16", version=0, base=None, *, fields=True):
+  """(an update of `config`'s weights as its trainer publishes it, with its model fields
+  unless `fields` is False; its params): a keyframe unless `base` (the last version's
+  params) is given."""
+  params = params_of(config, seed=version)
+  return sync.Update.from_bytes(sync.encode(
+      base, params, fmt, version=version,
+      model=config.forward_fields() if fields else None).to_bytes()), params
