@@ -44,6 +44,11 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 RELAY_DOWN = "weight relay cannot serve:"
 RELAY_AGAIN_S = 60.0  # a client that left its relay tries it again after this long
 RETRY_LOG_S = 30.0  # a call that keeps failing is logged at once, then at most this often
+# A connection mistake `explained` names (an HTTP port, TLS on one side only, a certificate
+# for another host), failing this many attempts in a row before any call was answered, is
+# raised as FAILED_PRECONDITION rather than retried: a restarting server refuses
+# connections, it does not answer as the wrong kind of endpoint.
+MISTAKE_TRIES = 3
 
 
 def _flag_hint(role: str) -> str:
@@ -251,6 +256,7 @@ class ParamServerClient:
     self.interrupt = threading.Event()
     self._retry_logged_at = -RETRY_LOG_S
     self._answered = False  # some call got an answer: a closed socket is no TLS mismatch
+    self._mistakes = 0  # attempts in a row that failed as a named connection mistake
     # Pulls under way by have_version, which a second caller joins rather than fetch the
     # same bytes again, and the progress of the last one that failed, which the next pull
     # from the same version resumes.
@@ -333,22 +339,26 @@ class ParamServerClient:
   def explained(self, code: grpc.StatusCode, details: str) -> str:
     """`details` of a failed call, with the likely mistake named where gRPC's words hide it:
     TLS on one side only, an HTTP server at the address, a certificate for another name."""
+    hint = self._mistake(code, details)
+    return f"{details} ({hint})" if hint else details
+
+  def _mistake(self, code: grpc.StatusCode, details: str) -> str:
+    """What to fix when a failure before any answer reads as a connection mistake; ""
+    otherwise (the server may just be away)."""
     if code != grpc.StatusCode.UNAVAILABLE or self._answered:
-      return details
+      return ""
     said = details.lower()
     if not self._tls and "socket closed" in said:
-      hint = f"is the server at {self.address} using TLS? pass --tls_ca"
-    elif "failed parsing http/2" in said:
-      hint = (f"{self.address} is not a gRPC server (an HTTP server answered: a metrics "
+      return f"is the server at {self.address} using TLS? pass --tls_ca"
+    if "failed parsing http/2" in said:
+      return (f"{self.address} is not a gRPC server (an HTTP server answered: a metrics "
               f"port?); give the parameter server's or relay's --port")
-    elif self._tls and "wrong_version_number" in said:
-      hint = f"the server at {self.address} is not using TLS; drop --tls_ca"
-    elif self._tls and "hostname verification" in said:
-      hint = (f"the server's certificate is not for the host in {self.address}; pass "
+    if self._tls and "wrong_version_number" in said:
+      return f"the server at {self.address} is not using TLS; drop --tls_ca"
+    if self._tls and "hostname verification" in said:
+      return (f"the server's certificate is not for the host in {self.address}; pass "
               f"--tls_server_name=NAME, a name the certificate holds")
-    else:
-      return details
-    return f"{details} ({hint})"
+    return ""
 
   def _now(self) -> _Route:
     """Where a call goes: the relay, or the server while the relay is left (until
@@ -386,6 +396,12 @@ class ParamServerClient:
       raise ParamServerError(method, code, f"stop requested: {details}")
     if self._leave_relay(route, details):
       return
+    hint = self._mistake(code, details)
+    self._mistakes = self._mistakes + 1 if hint else 0
+    if self._mistakes >= MISTAKE_TRIES:
+      raise ParamServerError(method, grpc.StatusCode.FAILED_PRECONDITION,
+                             f"{details} ({hint}); not retried: {self._mistakes} attempts in a "
+                             f"row failed so")
     deadline_s = (retry or self.retry).deadline_s
     delay = next(delays, None)
     if delay is None:
@@ -394,9 +410,10 @@ class ParamServerClient:
     now = time.monotonic()
     if now - self._retry_logged_at >= RETRY_LOG_S:
       self._retry_logged_at = now
-      logging.warning("param server %s: %s failed (%s: %s); retrying for up to %gs",
-                      self.address, method, code.name, self.explained(code, details),
-                      deadline_s)
+      logging.warning("param server %s: %s failed (%s: %s); retrying %s", self.address,
+                      method, code.name, self.explained(code, details),
+                      f"for up to {deadline_s:g}s" if math.isfinite(deadline_s) else
+                      "until it answers")
     if self.interrupt.wait(delay):
       raise ParamServerError(method, code, f"stop requested while retrying: {details}")
 

@@ -512,11 +512,13 @@ class WeightRelay:
     try:  # what the server holds now: pulls wait for it rather than find the relay empty
       self._announce(self._ask_upstream(), asked=True)
     except ParamServerError as e:
-      if e.code in REFUSED:
+      # Refused, or not a parameter server at all (an HTTP port, TLS on one side only).
+      if e.code in REFUSED or e.code == grpc.StatusCode.FAILED_PRECONDITION:
         self.upstream.close()
         self._server.stop(0)
         self._lock.release()
         raise UpstreamRefused(
+            f"--address {self.upstream.address}: {e}" if e.code not in REFUSED else
             f"the server {self.upstream.address} refused the relay's worker token ({e}); "
             f"give the server's worker token: --token, $RLAX_PS_WORKER_TOKEN or --token_file"
         ) from None

@@ -5,6 +5,7 @@ silent wrong run."""
 import errno
 import http.server
 import json
+import math
 import os
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from absl import app
 
 from child_env import child_env
 from param_server import auth, connect_flags
+from param_server import client as client_lib
 from param_server.client import ParamServerClient, ParamServerError, Prompt, RetryPolicy
 from param_server.metrics import serve_metrics
 from param_server.relay import RelayConfig, UpstreamRefused, WeightRelay, names_itself
@@ -138,21 +140,41 @@ def test_a_full_storage_folder_answers_unavailable_naming_it_and_keeps_the_queue
     assert trainer.stats().prompts_queued == 1
 
 
-def test_a_client_pointed_at_an_http_port_is_told_so_while_it_retries(monkeypatch):
+@pytest.fixture
+def http_address():
+  """host:port of an HTTP server (what a metrics port answers), stopped after the test."""
   http_server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
   threading.Thread(target=http_server.serve_forever, daemon=True).start()
+  yield f"127.0.0.1:{http_server.server_port}"
+  http_server.shutdown()
+  http_server.server_close()
+
+
+def test_a_client_pointed_at_an_http_port_is_told_so_and_not_kept_retrying(monkeypatch,
+                                                                           http_address):
   said = []
   monkeypatch.setattr("param_server.client.logging.warning",
                       lambda msg, *a: said.append(msg % a))
-  address = f"127.0.0.1:{http_server.server_port}"
-  try:
-    with ParamServerClient(address, token="w", retry=RetryPolicy(deadline_s=0.5)) as c:
-      with pytest.raises(ParamServerError, match="is not a gRPC server \\(an HTTP server"):
-        c.latest_version()
-  finally:
-    http_server.shutdown()
-    http_server.server_close()
-  assert said and "is not a gRPC server" in said[0]  # what a worker, retrying forever, logs
+  # No deadline (a worker's): the named mistake ends the retries, not the clock.
+  with ParamServerClient(http_address, token="w", retry=RetryPolicy(deadline_s=math.inf)) as c:
+    with pytest.raises(ParamServerError, match="is not a gRPC server \\(an HTTP server") as e:
+      c.latest_version()
+  assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION  # a worker does not retry it
+  assert f"not retried: {client_lib.MISTAKE_TRIES} attempts in a row" in str(e.value)
+  assert said and "is not a gRPC server" in said[0]  # what the first retries log
+
+
+def test_a_relay_following_an_http_port_does_not_start(tmp_path, http_address):
+  with pytest.raises(UpstreamRefused, match=f"--address {http_address}: .*is not a gRPC server"):
+    _relay(tmp_path, http_address, retry=RetryPolicy(deadline_s=math.inf)).start()
+
+
+def test_a_server_that_is_away_is_still_retried_to_the_deadline():
+  address = f"127.0.0.1:{free_port()}"  # nothing listens: connection refused
+  with ParamServerClient(address, token="w", retry=RetryPolicy(deadline_s=0.5)) as c:
+    with pytest.raises(ParamServerError, match="still failing after 0.5s") as e:
+      c.latest_version()
+  assert e.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_tls_client_of_a_plaintext_server_is_told_to_drop_tls_ca(server):
