@@ -248,11 +248,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # TPU host's chips take one process); "" = JAX's default: on one GPU the trainer and the
   # workers share it (none preallocates; the run measured in benchmarks/README.md).
   c.local.worker_platform = "cpu"
-  # A GPU host: the trainer gets GPUs 0..trainer_gpus-1 and each worker the next
-  # gpus_per_worker (CUDA_VISIBLE_DEVICES; worker_platform is then not used); 0 = off. A
-  # worker decodes on worker.devices of its GPUs: set it to 0 (all) with more than one.
-  c.local.trainer_gpus = 0
-  c.local.gpus_per_worker = 0
+  # This host's chips split between the processes (both > 0, or 0 = off): the trainer gets
+  # chips 0..trainer_chips-1 and each worker the next chips_per_worker, found from /dev
+  # (worker_platform is then not used). A GPU host: GPUs by CUDA_VISIBLE_DEVICES, any
+  # counts. A TPU host (v4-8, v5litepod-8, v6e-8, ...): TPU chips by libtpu's
+  # TPU_VISIBLE_CHIPS and sub-slice settings, 1, 2 or 4 chips a process, each starting at a
+  # multiple of its count (trainer_chips a multiple of chips_per_worker). A worker decodes
+  # on worker.devices of its chips: set it to 0 (all) with more than one.
+  c.local.trainer_chips = 0
+  c.local.chips_per_worker = 0
   # The parameter server's Prometheus metrics (`rlax-ps serve --metrics_port`, no token) on
   # http://127.0.0.1:PORT/metrics; 0 = any free port (the URL is printed); -1 = off.
   c.local.metrics_port = -1

@@ -5,8 +5,8 @@ config names `init_from_hf`. Then a parameter server, the trainer and the worker
 child processes on 127.0.0.1, each logging to <workdir>/logs/. The supervisor itself never
 starts a JAX backend (the warm start is a child too), so the trainer can have this
 machine's accelerators; the workers run on the CPU unless `local.worker_platform` says
-('': all share one GPU, none preallocating its memory), or on a GPU host each gets GPUs of
-its own (`local.trainer_gpus`, `local.gpus_per_worker`).
+('': all share one GPU, none preallocating its memory), or each gets GPUs or TPU chips of
+its own (`local.trainer_chips`, `local.chips_per_worker`; rlax_ps/chips.py).
 Tokens are made fresh in the server's owner-only tokens.json, which the children read
 (never a command line); `local.metrics_port` turns on the server's Prometheus metrics. One
 live line shows the trainer's progress; the run ends at the trainer's last step, on Ctrl-C,
@@ -29,6 +29,7 @@ import time
 from typing import Any, Sequence
 
 from param_server import auth
+from rlax_ps import chips
 from rlax_ps.cli import STOP_WITH_PARENT
 from rlax_ps.config_files import make_workdir, run_config_changes
 from rlax_ps.folder_lock import FolderLock
@@ -99,34 +100,29 @@ class LocalRun:
   """The children of one `rlax-ps local` run and their supervision."""
 
   def __init__(self, workdir: str, config_file: str, overrides: Sequence[str], *,
-               workers: int, worker_platform: str = "cpu", trainer_gpus: int = 0,
-               gpus_per_worker: int = 0, metrics_port: int = -1, python: str = sys.executable):
+               workers: int, worker_platform: str = "cpu", trainer_chips: int = 0,
+               chips_per_worker: int = 0, metrics_port: int = -1, python: str = sys.executable,
+               dev: str = "/dev"):
     if workers < 1:
       raise ValueError(f"local.workers: expected >= 1, got {workers}")
     if not -1 <= metrics_port <= 65535:
       raise ValueError(f"local.metrics_port: expected -1 (off) or a port 0-65535 (0: any "
                        f"free one), got {metrics_port}")
-    if (trainer_gpus > 0) != (gpus_per_worker > 0) or min(trainer_gpus, gpus_per_worker) < 0:
-      raise ValueError(f"local.trainer_gpus, local.gpus_per_worker: expected both > 0 (a GPU "
-                       f"split) or both 0, got {trainer_gpus} and {gpus_per_worker}")
+    if (trainer_chips > 0) != (chips_per_worker > 0) or min(trainer_chips, chips_per_worker) < 0:
+      raise ValueError(f"{chips.FIELDS}: expected both > 0 (a split of this host's GPUs or "
+                       f"TPU chips) or both 0, got {trainer_chips} and {chips_per_worker}")
     self.trainer_env: dict[str, str] = {}
     self.worker_envs = [{"JAX_PLATFORMS": worker_platform} if worker_platform else {}
                         for _ in range(workers)]
-    if not worker_platform and not trainer_gpus:  # all share the accelerators (one GPU):
+    if not worker_platform and not trainer_chips:  # all share the accelerators (one GPU):
       # none takes 75% of a GPU's memory at start (JAX's default), each allocates as it goes
       share = {"XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE",
                                                                "false")}
       self.trainer_env = dict(share)
       self.worker_envs = [{**env, **share} for env in self.worker_envs]
-    if trainer_gpus:  # CUDA_VISIBLE_DEVICES: the trainer first, then each worker its own
-
-      def gpus(start, n):
-        return ",".join(str(g) for g in range(start, start + n))
-
-      self.trainer_env = {"CUDA_VISIBLE_DEVICES": gpus(0, trainer_gpus)}
-      self.worker_envs = [{"CUDA_VISIBLE_DEVICES": gpus(trainer_gpus + i * gpus_per_worker,
-                                                        gpus_per_worker)}
-                          for i in range(workers)]
+    if trainer_chips:  # the trainer's chips first, then each worker its own
+      self.trainer_env, *self.worker_envs = chips.split_envs(trainer_chips, chips_per_worker,
+                                                             workers, dev)
     self.workdir = make_workdir(workdir)
     self.config_file, self.overrides = config_file, list(overrides)
     self.num_workers, self.python = workers, python

@@ -88,8 +88,8 @@ def main(argv: list[str]) -> None:
   try:
     run = local.LocalRun(workdir, config_file, overrides, workers=int(config.local.workers),
                          worker_platform=str(config.local.get("worker_platform", "cpu")),
-                         trainer_gpus=int(config.local.get("trainer_gpus", 0)),
-                         gpus_per_worker=int(config.local.get("gpus_per_worker", 0)),
+                         trainer_chips=int(config.local.get("trainer_chips", 0)),
+                         chips_per_worker=int(config.local.get("chips_per_worker", 0)),
                          metrics_port=int(config.local.get("metrics_port", -1)))
   except ValueError as e:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)

@@ -241,13 +241,14 @@ def test_a_rerun_of_a_finished_run_says_so_and_starts_nothing(run):
 
 
 def test_workers_run_on_the_cpu_leaving_the_accelerators_to_the_trainer(tmp_path, monkeypatch):
-  """LocalRun's children, with a stand-in interpreter that logs its JAX platform and GPUs."""
-  monkeypatch.delenv("JAX_PLATFORMS", raising=False)  # as on a TPU VM
-  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  """LocalRun's children, with a stand-in interpreter that logs its JAX platform, GPUs and
+  TPU chips."""
+  for name in ("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS"):
+    monkeypatch.delenv(name, raising=False)  # as on a TPU VM
   fake = tmp_path / "python"
   monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
   fake.write_text('#!/bin/sh\necho "platform=[${JAX_PLATFORMS:-default}] '
-                  'gpus=[${CUDA_VISIBLE_DEVICES:-all}] '
+                  'gpus=[${CUDA_VISIBLE_DEVICES:-all}] tpu=[${TPU_VISIBLE_CHIPS:-all}] '
                   'prealloc=[${XLA_PYTHON_CLIENT_PREALLOCATE:-default}] $4"\n')
   fake.chmod(0o755)
 
@@ -258,22 +259,37 @@ def test_workers_run_on_the_cpu_leaving_the_accelerators_to_the_trainer(tmp_path
     children = [run.start_trainer("hf"), *run.start_workers("hf")]
     for child in children:
       child.process.wait(30)
-    return {c.name: re.findall(r"platform=\[(\w+)\] gpus=\[([\w,]+)\] prealloc=\[(\w+)\]",
-                               open(c.log).read())[-1]
+    return {c.name: re.findall(r"platform=\[(\w+)\] gpus=\[([\w,]+)\] tpu=\[([\w,]+)\] "
+                               r"prealloc=\[(\w+)\]", open(c.log).read())[-1]
             for c in children}
 
-  assert platforms() == {"trainer": ("default", "all", "default"),
-                         "worker-0": ("cpu", "all", "default"),
-                         "worker-1": ("cpu", "all", "default")}
+  def fake_dev(name, *files):  # a /dev with these device files
+    dev = tmp_path / name
+    (dev / "vfio").mkdir(parents=True)
+    for f in files:
+      (dev / f).touch()
+    return str(dev)
+
+  assert platforms() == {"trainer": ("default", "all", "all", "default"),
+                         "worker-0": ("cpu", "all", "all", "default"),
+                         "worker-1": ("cpu", "all", "all", "default")}
   # All on JAX's default platform share its accelerators (one GPU): none preallocates.
-  assert set(platforms(worker_platform="").values()) == {("default", "all", "false")}
+  assert set(platforms(worker_platform="").values()) == {("default", "all", "all", "false")}
   # A GPU host: the trainer's GPUs first, then each worker its own, on JAX's default platform.
-  assert platforms(trainer_gpus=2, gpus_per_worker=1) == {
-      "trainer": ("default", "0,1", "default"), "worker-0": ("default", "2", "default"),
-      "worker-1": ("default", "3", "default")}
-  with pytest.raises(ValueError, match="local.trainer_gpus, local.gpus_per_worker: expected "
+  gpu_host = fake_dev("gpu", "nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl")
+  assert platforms(trainer_chips=2, chips_per_worker=1, dev=gpu_host) == {
+      "trainer": ("default", "0,1", "all", "default"),
+      "worker-0": ("default", "2", "all", "default"),
+      "worker-1": ("default", "3", "all", "default")}
+  # A TPU host (v5e-8: /dev/vfio/0..7), through the same fields: TPU chips of its own each.
+  tpu_host = fake_dev("tpu", "vfio/vfio", *(f"vfio/{i}" for i in range(8)))
+  assert platforms(trainer_chips=4, chips_per_worker=2, dev=tpu_host) == {
+      "trainer": ("default", "all", "0,1,2,3", "default"),
+      "worker-0": ("default", "all", "4,5", "default"),
+      "worker-1": ("default", "all", "6,7", "default")}
+  with pytest.raises(ValueError, match="local.trainer_chips, local.chips_per_worker: expected "
                                        "both > 0"):
-    platforms(trainer_gpus=2)
+    platforms(trainer_chips=2)
 
 
 def test_the_summary_table_shows_groups_left_out_and_a_reward_models_scores():
@@ -358,10 +374,10 @@ def test_own_prompts_rewards_and_heldout_records_run_through_the_loop(run, tmp_p
   _holds_the_trainers_weights(tmp_path)
 
 
-def test_a_half_given_gpu_split_is_refused_before_the_warm_start(tmp_path):
-  proc = _local(tmp_path, "--config.local.trainer_gpus=2", timeout=60)
+def test_a_half_given_chip_split_is_refused_before_the_warm_start(tmp_path):
+  proc = _local(tmp_path, "--config.local.trainer_chips=2", timeout=60)
   assert proc.returncode == 2
-  assert "local.trainer_gpus, local.gpus_per_worker: expected both > 0" in proc.stderr
+  assert "local.trainer_chips, local.chips_per_worker: expected both > 0" in proc.stderr
   assert not os.path.exists(tmp_path / "sft")
 
 
