@@ -1,13 +1,14 @@
 """RL step memory: the trainer's loss-and-gradient program with the memory settings
 (rl.micro_batches, loss.logits_chunk, loss.remat, model.lora_rank) against the same program
-without them, and the trainer's resident state of an 8B model trained whole or by LoRA.
+without them, and the trainer's resident state of an 8B model trained whole or by LoRA, in
+one table (each block's ratios to its first row).
 
 XLA's own accounting of the compiled program (`memory_analysis()`: temporary buffers, the
 activations and logits a step holds) for a long-response, large-vocabulary batch, each
 setting alone and all together, as a ratio to the whole-batch program (the settings give
 the same loss and gradient: tests/train/test_rl_loss.py, tests/kernels/). Compiles only,
 runs nothing (the baseline would not fit this machine), so the figures do not depend on
-the host's load. The state table is shapes only (jax.eval_shape of the trainer's init): the
+the host's load. The state rows are shapes only (jax.eval_shape of the trainer's init): the
 params, AdamW's two moments and one gradient of what trains, in the recipes' dtypes.
   .venv/bin/python benchmarks/rl_step_memory.py            # 8 groups x 8 x 512 tokens, 32k vocab
   .venv/bin/python benchmarks/rl_step_memory.py --scale=2  # responses and vocab halved
@@ -52,20 +53,16 @@ def _program(graphdef, params, batch, cfg: LossConfig, micro: int):
   return jax.jit(fn).lower(params).compile()
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--scale", type=int, default=1, help="divide responses and vocab by this")
-  args = parser.parse_args()
+def step_rows(scale: int) -> tuple[str, list[tuple]]:
+  """(what was compiled, (setting, XLA temp bytes) per setting) of the loss-and-gradient
+  program, the whole-batch baseline first."""
   groups, samples, prompt = 8, 8, 64
-  response, vocab = 512 // args.scale, 32768 // args.scale
+  response, vocab = 512 // scale, 32768 // scale
   config = ModelConfig(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_layers=4,
                        num_heads=4, num_kv_heads=2, max_position_embeddings=8192)
   graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
   params = state.to_pure_dict()
   batch = _batch(groups, samples, prompt, response, vocab)
-  print(f"batch: {groups} groups x {samples} samples, prompt {prompt}, response {response} "
-        f"tokens, vocab {vocab}; model {config.num_params / 1e6:.1f}M params, "
-        f"{config.num_layers} layers")
   lora_graphdef, lora_state = nnx.split(Transformer(config.replace(lora_rank=16),
                                                     rngs=nnx.Rngs(0)))
   lora = (lora_graphdef, lora_state.to_pure_dict())
@@ -75,15 +72,14 @@ def main() -> None:
            ("rl.micro_batches=8", 8, {}, None),
            ("all three", 8, dict(logits_chunk=256, remat=True), None),
            ("model.lora_rank=16", 1, {}, lora)]
-  base = None
-  print(f"{'setting':<26} {'temp MiB':>10} {'vs baseline':>12}")
+  rows = []
   for name, micro, kw, model in cases:
     g, p = model or (graphdef, params)
     compiled = _program(g, p, batch, LossConfig(backend="xla", **kw), micro)
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    base = base or temp
-    print(f"{name:<26} {temp / 2**20:>10.1f} {temp / base:>11.3f}x")
-  state_table()
+    rows.append((name, compiled.memory_analysis().temp_size_in_bytes))
+  return (f"step temp: {groups} groups x {samples} samples, prompt {prompt}, response "
+          f"{response} tokens, vocab {vocab}; model {config.num_params / 1e6:.1f}M params, "
+          f"{config.num_layers} layers (XLA temp of the compiled program)"), rows
 
 
 def state_bytes(config: ModelConfig) -> tuple[int, int, int]:
@@ -94,25 +90,48 @@ def state_bytes(config: ModelConfig) -> tuple[int, int, int]:
   return size(state.params), size(state.opt_state), size(split_trainable(state.params)[0])
 
 
-def state_table() -> None:
-  """The trainer's resident state of a Qwen3-8B-shaped model, trained whole or by LoRA
-  (rank 32 on all seven projections), float32 params as configs/rl_instruct.py, and with the
-  frozen base in bfloat16 as configs/rl_lora.py (float32 adapters)."""
+def state_rows() -> tuple[str, list[tuple]]:
+  """(what was measured, (setting, total, params, optimizer, gradient bytes) per setting) of the
+  trainer's resident state of a Qwen3-8B-shaped model, trained whole or by LoRA (rank 32 on
+  all seven projections), float32 params as configs/rl_instruct.py, and with the frozen base
+  in bfloat16 as configs/rl_lora.py (float32 adapters); the whole model first."""
   shape = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                       num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True,
                       architecture="qwen3")
-  print(f"\ntrainer state, {shape.num_params / 1e9:.1f}B-param Qwen3-8B shape (GiB; AdamW "
-        f"moments and one gradient of what trains):")
-  print(f"{'':<26} {'params':>8} {'optimizer':>10} {'gradient':>9} {'total':>8} {'vs whole':>9}")
-  whole = None
   lora = shape.replace(lora_rank=32)
-  for name, config in (("whole model", shape), ("LoRA rank 32", lora),
+  rows = []
+  for name, config in (("whole model (baseline)", shape), ("LoRA rank 32", lora),
                        ("LoRA rank 32, bf16 base", lora.replace(param_dtype="bfloat16"))):
     params, opt, grad = state_bytes(config)
-    total = params + opt + grad
-    whole = whole or total
-    print(f"{name:<26} {params / 2**30:>8.1f} {opt / 2**30:>10.2f} {grad / 2**30:>9.2f} "
-          f"{total / 2**30:>8.1f} {total / whole:>8.3f}x")
+    rows.append((name, params + opt + grad, params, opt, grad))
+  return (f"state: {shape.num_params / 1e9:.1f}B-param Qwen3-8B shape (AdamW moments and one "
+          f"gradient of what trains; shapes only)"), rows
+
+
+def table(blocks: list[tuple[str, str, list[tuple]]]) -> list[str]:
+  """The lines of one table of `blocks` (name, unit "MiB" or "GiB", rows of (setting, total
+  bytes, and optionally params, optimizer, gradient bytes)), each row's total as a ratio to
+  the first row of its block."""
+  lines = [f"{'':<11} {'setting':<26} {'total':>13} {'params':>8} {'optimizer':>10} "
+           f"{'gradient':>9} {'vs baseline':>12}"]
+  for name, unit, rows in blocks:
+    div = 2**20 if unit == "MiB" else 2**30
+    for setting, total, *parts in rows:
+      split = ([f"{parts[0] / div:>8.1f}", f"{parts[1] / div:>10.2f}", f"{parts[2] / div:>9.2f}"]
+               if parts else [f"{'-':>8}", f"{'-':>10}", f"{'-':>9}"])
+      lines.append(f"{name:<11} {setting:<26} {total / div:>9.1f} {unit} {' '.join(split)} "
+                   f"{total / rows[0][1]:>11.3f}x")
+  return lines
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--scale", type=int, default=1, help="divide responses and vocab by this")
+  args = parser.parse_args()
+  step_what, steps = step_rows(args.scale)
+  state_what, states = state_rows()
+  print(f"RL step memory; {step_what}; {state_what}")
+  print("\n".join(table([("step temp", "MiB", steps), ("state", "GiB", states)])))
 
 
 if __name__ == "__main__":

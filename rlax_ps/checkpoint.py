@@ -140,7 +140,10 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
+    """Wait for pending saves and orbax's start-up cleanup of leftover tmp folders, then close:
+    a process may exit right after."""
     self._manager.wait_until_finished()
+    _await_tmp_cleanup(self._manager)
     self._manager.close()
 
   def __enter__(self) -> "Checkpointer":
@@ -148,6 +151,16 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _await_tmp_cleanup(manager: ocp.CheckpointManager) -> None:
+  """Wait for the removal of unfinished saves' tmp folders that a CheckpointManager starts in
+  a thread when it opens. Only its save() awaits it: unawaited, an exit cuts it short (folders
+  left, "cannot schedule new futures after shutdown" on stderr). orbax has no public wait for
+  it, hence its private one; an orbax without it closes as before."""
+  wait = getattr(manager, "_maybe_await_cleanup_tmp_directory", None)
+  if callable(wait):
+    wait()
 
 
 def _check_writable(directory: str) -> None:

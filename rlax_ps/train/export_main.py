@@ -11,6 +11,8 @@ rlax_ps_export.json naming the run and step. The run's config and model come fro
 checkpoint, not from a --config. The run is only read (no lock, nothing written in it but the
 default --out), so a run may go on training meanwhile; the params alone are read, onto one
 device (the CPU unless JAX_PLATFORMS names another platform), whatever mesh trained them.
+A run moved or copied elsewhere is exported where it lies: the paths its config recorded in
+its old folder (checkpoint.directory, a warm start's init_from_hf) are read in --workdir.
 """
 
 from __future__ import annotations
@@ -51,8 +53,66 @@ def checkpoints_of(workdir: str) -> str:
   import ml_collections
 
   from rlax_ps.train.run import checkpoint_directory
-  block = _saved_run_config(workdir).get("checkpoint") or {}
+  block = dict(_saved_run_config(workdir).get("checkpoint") or {})
+  if block.get("directory"):
+    block["directory"] = moved_path("checkpoint.directory", str(block["directory"]), workdir)
   return checkpoint_directory(ml_collections.ConfigDict({"checkpoint": block}), workdir)
+
+
+# The fields of a run's config that name a file or folder the export reads.
+PATH_FIELDS = ("init_from_hf", "tokenizer.path", "tokenizer.chat_template")
+
+
+def moved_path(field: str, recorded: str, workdir: str) -> str:
+  """Where config `field`'s `recorded` path lies for the run now in `workdir` (moved or copied
+  since): a path inside the run's old folder at the same place in `workdir`, any other as
+  recorded; ValueError naming `field` where it is gone. The old folder is not recorded: it is
+  the folder above `recorded` holding the same run_config.json (a copy's original), else, where
+  `recorded` is gone, the one above it whose longest tail of `recorded` exists in `workdir`."""
+  if not recorded or "://" in recorded or (field == "tokenizer.chat_template"
+                                           and recorded == "auto"):
+    return recorded
+  workdir, path = os.path.abspath(workdir), os.path.abspath(recorded)
+  parts = path.strip(os.sep).split(os.sep)
+  record = _run_config_bytes(workdir)
+  for i in range(len(parts) - 1, 0, -1):  # the folders above `path`, nearest first
+    old = os.sep + os.path.join(*parts[:i])
+    if old == workdir:
+      return recorded  # in the run's folder already
+    if record is not None and _run_config_bytes(old) == record:
+      return os.path.join(workdir, *parts[i:])
+  if os.path.exists(path):
+    return recorded
+  for i in range(len(parts)):  # the longest tail first
+    here = os.path.join(workdir, *parts[i:])
+    if os.path.exists(here):
+      return here
+  raise ValueError(f"{field}: {recorded}, as the run recorded it, is not found, nor at its place "
+                   f"in --workdir {workdir}; put it back there, or into --workdir where it lay "
+                   f"in the run's folder")
+
+
+def _run_config_bytes(folder: str) -> bytes | None:
+  """The bytes of `folder`'s run_config.json, None where it has none."""
+  from rlax_ps.config_files import RUN_CONFIG
+  try:
+    with open(os.path.join(folder, RUN_CONFIG), "rb") as f:
+      return f.read()
+  except OSError:
+    return None
+
+
+def moved_config(config, workdir: str):
+  """`config` with its PATH_FIELDS where they lie for the run now in `workdir` (moved_path)."""
+  config = config.copy_and_resolve_references()
+  for field in PATH_FIELDS:
+    block, _, key = field.rpartition(".")
+    parent = config.get(block) if block else config
+    recorded = str(parent.get(key) or "") if parent is not None else ""
+    moved = moved_path(field, recorded, workdir)
+    if moved != recorded:
+      parent[key] = moved
+  return config
 
 
 def open_reader(workdir: str):
@@ -138,7 +198,8 @@ def _run_of(saved: dict[str, Any], workdir: str, step: int):
     raise ValueError(f"--workdir: checkpoint step {step} records no "
                      f"{'config' if not config else 'model_config'}: not a checkpoint of "
                      f"`rlax-ps train`, `sft` or `local`")
-  return ml_collections.ConfigDict(config), ModelConfig.from_dict(saved["model_config"])
+  return (moved_config(ml_collections.ConfigDict(config), workdir),
+          ModelConfig.from_dict(saved["model_config"]))
 
 
 def check_peft(model_config) -> None:

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from child_env import child_env
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
@@ -141,6 +142,22 @@ def test_keeps_only_the_last_n(tmp_path):
     restored, meta = ck.restore({"w": jax.ShapeDtypeStruct((4,), np.float32)})
   assert meta == {"step": 4}
   np.testing.assert_array_equal(np.asarray(restored["w"]), tree["w"] + 4)
+
+
+def test_close_awaits_the_cleanup_of_unfinished_saves_before_an_exit(tmp_path):
+  """Unfinished saves' tmp folders, which orbax removes in a thread as a Checkpointer opens, are
+  gone once close() returns, and a process that exits at once prints no error about it."""
+  for step in range(20):
+    os.makedirs(tmp_path / f"{step}.orbax-checkpoint-tmp-{step}" / "state")
+  (tmp_path / "7").mkdir()  # not a save's tmp folder: kept
+  opens_and_exits = ("import os, sys; from rlax_ps.checkpoint import Checkpointer; "
+                     "Checkpointer(sys.argv[1]).close(); print(sorted(os.listdir(sys.argv[1])))")
+  child = subprocess.run([sys.executable, "-c", opens_and_exits, str(tmp_path)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env=child_env())
+  assert child.returncode == 0, child.stderr
+  assert child.stdout.split() == ["['7']"]
+  assert "cannot schedule new futures" not in child.stderr, child.stderr
+  assert sorted(os.listdir(tmp_path)) == ["7"]
 
 
 def test_restore_without_checkpoint_names_the_directory(tmp_path):

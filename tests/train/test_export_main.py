@@ -174,6 +174,47 @@ def test_a_folder_without_checkpoints_names_workdir(tmp_path):
     export_checkpoint(str(tmp_path / "absent"))
 
 
+def _record_paths_inside(workdir, checkpoints, warm_start):
+  """Make `workdir` (a copy of the run) record what a run of `rlax-ps local` does: its
+  run_config.json names `checkpoints`, and its checkpoints' configs a warm start
+  (init_from_hf) `warm_start`, both inside the folder."""
+  with open(os.path.join(workdir, config_files.RUN_CONFIG), "w") as f:
+    json.dump({"checkpoint": {"directory": checkpoints}}, f)
+  for step in ("2", "4"):
+    path = os.path.join(workdir, "checkpoints", step, "metadata", "metadata")
+    with open(path) as f:
+      saved = json.load(f)
+    saved["config"]["init_from_hf"] = warm_start
+    with open(path, "w") as f:
+      json.dump(saved, f)
+
+
+def test_a_moved_run_is_exported_from_where_it_lies_now(run, tmp_path):
+  old, new = str(tmp_path / "old"), str(tmp_path / "elsewhere" / "renamed")
+  shutil.copytree(run["workdir"], old)
+  _record_paths_inside(old, os.path.join(old, "checkpoints"),
+                       os.path.join(old, "exports", "step_2"))
+  shutil.move(old, new)
+  assert not os.path.exists(old)
+  step, path = export_checkpoint(new, out=str(tmp_path / "out"))
+  assert step == 4
+  _same_as_the_trainers(path, run["exports"][4], 4, os.path.join(new, "checkpoints"))
+
+
+def test_a_recorded_path_outside_the_run_is_used_and_named_when_gone(run, tmp_path):
+  outside = str(tmp_path / "outside")
+  os.makedirs(outside)
+  with open(os.path.join(outside, config_files.RUN_CONFIG), "w") as f:
+    json.dump({"checkpoint": {"directory": os.path.join(run["workdir"], "checkpoints")}}, f)
+  assert export_main.checkpoints_of(outside) == os.path.join(run["workdir"], "checkpoints")
+  gone = str(tmp_path / "gone" / "checkpoints")
+  with open(os.path.join(outside, config_files.RUN_CONFIG), "w") as f:
+    json.dump({"checkpoint": {"directory": gone}}, f)
+  with pytest.raises(ValueError, match=rf"^checkpoint.directory: {gone}, as the run recorded "
+                                       rf"it, is not found, nor at its place in --workdir "):
+    export_checkpoint(outside)
+
+
 def _command(*args):
   return subprocess.run([sys.executable, "-m", "rlax_ps", "export", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=120, env=child_env())

@@ -288,3 +288,16 @@ def test_the_memory_benchmarks_state_accounting_counts_what_trains():
   assert params == 2 * (LORA.num_params - adapters // 4) + adapters  # bf16 base + f32 adapters
   whole = bench.state_bytes(BASE)
   assert whole[2] == 4 * BASE.num_params and whole[1] >= 8 * BASE.num_params
+
+
+def test_the_memory_benchmark_prints_one_table_with_a_baseline_per_block():
+  bench = load_benchmark("rl_step_memory")
+  lines = bench.table([
+      ("step temp", "MiB", [("whole batch", 4 * 2**20), ("chunked", 2**20)]),
+      ("state", "GiB", [("whole", 8 * 2**30, 2 * 2**30, 4 * 2**30, 2 * 2**30),
+                        ("lora", 2**30, 2**29, 2**28, 2**28)])])
+  assert len(lines) == 5 and lines[0].split() == ["setting", "total", "params", "optimizer",
+                                                  "gradient", "vs", "baseline"]
+  assert [line.split()[-1] for line in lines[1:]] == ["1.000x", "0.250x", "1.000x", "0.125x"]
+  assert lines[2].split()[2:] == ["chunked", "1.0", "MiB", "-", "-", "-", "0.250x"]
+  assert lines[3].split()[1:] == ["whole", "8.0", "GiB", "2.0", "4.00", "2.00", "1.000x"]
