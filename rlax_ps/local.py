@@ -283,6 +283,14 @@ class Progress:
             "stale": f"{record['staleness_mean']:.1f}v", "synced": human_bytes(self.synced)}
 
 
+def sampling_label(sampling: dict[str, float]) -> str:
+  """How pass@k sampled, e.g. "T=1.0, top_p=0.95": the temperature and each truncation on."""
+  shown = [f"T={sampling.get('temperature', 1.0)}"]
+  off = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+  shown += [f"{k}={sampling[k]}" for k in off if sampling.get(k, off[k]) != off[k]]
+  return ", ".join(shown)
+
+
 def summary_table(summary: dict[str, Any]) -> str:
   """The end-of-run table: held-out accuracy before and after RL, sync and throughput."""
   before = summary.get("warm_start") or {}
@@ -295,7 +303,7 @@ def summary_table(summary: dict[str, Any]) -> str:
     rows.append((f"  {name}", heldout_cell(before.get(name), scores),
                  heldout_cell(after.get(name), scores)))
   for name, v in (summary.get("heldout_pass") or {}).items():
-    rows.append((f"  {name} (T={summary.get('pass_temperature', 1.0)})", "",
+    rows.append((f"  {name} ({sampling_label(summary.get('pass_sampling') or {})})", "",
                  heldout_cell(v, scores)))
   sync = summary.get("sync", {})
   rows += [

@@ -306,10 +306,12 @@ def test_the_summary_table_shows_groups_left_out_and_a_reward_models_scores():
   # Held-out prompts a reward model scores: its mean scores, not percentages.
   table = local.summary_table({**summary, "warm_start": {"reward_model": -0.5, "all": -0.5},
                                "heldout_exact_match": {"reward_model": 0.25, "all": 0.25},
-                               "heldout_pass": {"pass@1": 0.125, "pass@4": 0.75}})
+                               "heldout_pass": {"pass@1": 0.125, "pass@4": 0.75},
+                               "pass_sampling": {"temperature": 1.0, "top_k": 0,
+                                                 "top_p": 0.95, "min_p": 0.0}})
   assert re.search(r"^held-out score\s+warm start\s+after RL$", table, re.M)
   assert re.search(r"^  reward_model\s+-0\.500\s+0\.250$", table, re.M)
-  assert re.search(r"^  pass@4 \(T=1\.0\)\s+0\.750$", table, re.M)
+  assert re.search(r"^  pass@4 \(T=1\.0, top_p=0\.95\)\s+0\.750$", table, re.M)
   from rlax_ps.train.eval_main import table as eval_table  # `rlax-ps eval`'s, alike
   table = eval_table({p: {"heldout_exact_match": {"reward_model": v, "all": v},
                           "heldout_pass": None} for p, v in (("a/hf", -0.5), ("b/hf", 0.25))})

@@ -6,9 +6,10 @@ r"""`rlax-ps eval`: held-out accuracy of Hugging Face checkpoints, side by side.
 The config names the held-out set and how it is scored, as the trainer's does: the built-in
 tasks' held-out split (`tasks`, `eval.num_examples`, `eval.seed`), or `data.heldout_jsonl`
 scored by its tasks' verifiers (`worker.verifiers`, decoding up to `worker.max_new_tokens`);
-greedy exact match, then pass@1 and pass@`eval.pass_k` sampled at `worker.temperature`. Each
-checkpoint's config.json gives its shape and its tokenizer.json its tokenizer (else the
-config's `tokenizer`, as does `tokenizer.path` when set); the config's `model` dtypes apply.
+greedy exact match, then pass@1 and pass@`eval.pass_k` sampled as the workers sample
+(worker.temperature, top_k, top_p, min_p). Each checkpoint's config.json gives its shape
+and its tokenizer.json its tokenizer (else the config's `tokenizer`, as does `tokenizer.path`
+when set); the config's `model` dtypes apply.
 Every checkpoint (its config, tensor names and tokenizer against its vocabulary), the held-out
 set and each tokenizer's encoding of its prompts are checked before any checkpoint is scored.
 """

@@ -20,18 +20,24 @@ from flax import nnx
 
 from algorithms.environments import environment_for
 from algorithms.verifiers import REWARD_MODEL_TASK
+from inference_workers.sampling import DecodeMode, SamplingParams, truncated_logprobs
 from rlax_ps.models import KVCache
 from rlax_ps.reward_scoring import prompt_messages
 from rlax_ps.sharding import to_host
 from rlax_ps.tasks import Example, Task
 from rlax_ps.tokenizers import Tokenizer
 
+# Sampling from the whole distribution at the temperature: no top-k, top-p or min-p.
+UNTRUNCATED = DecodeMode(greedy=False, top_k=0, nucleus=False)
+
 
 def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
                     segment_ids: jax.Array, positions: jax.Array, *, max_new_tokens: int,
-                    stop_ids: jax.Array, pad_id: int, temperature=0.0, key=None) -> jax.Array:
+                    stop_ids: jax.Array, pad_id: int, mode: DecodeMode = UNTRUNCATED,
+                    temperature=1.0, top_p=1.0, min_p=0.0, key=None) -> jax.Array:
   """[B, max_new_tokens] continuations of left-padded prompts: greedy, or with a `key`
-  sampled at `temperature`; after a row's first stop id (kept) the row is `pad_id`."""
+  sampled as the workers sample (`mode`'s truncations at `temperature`, `top_p`, `min_p`:
+  inference_workers.sampling); after a row's first stop id (kept) the row is `pad_id`."""
   model = nnx.merge(graphdef, params)
   b, p = tokens.shape
 
@@ -39,8 +45,11 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
     if key is None:
       return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     t = jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
-    return jax.random.categorical(jax.random.fold_in(key, step), logits / t,
-                                  axis=-1).astype(jnp.int32)
+    logp, ids = truncated_logprobs(logits.astype(jnp.float32), mode, t, top_p, min_p)
+    pick = jax.random.categorical(jax.random.fold_in(key, step), logp, axis=-1)
+    if ids is not None:
+      pick = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
+    return pick.astype(jnp.int32)
 
   cache = KVCache.init(model.config, b, p + max_new_tokens)
   logits, cache = model(tokens, positions=positions, segment_ids=segment_ids, cache=cache)
@@ -61,24 +70,34 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
 
 
 @functools.lru_cache(maxsize=8)
-def jitted_generate(graphdef: nnx.GraphDef, max_new_tokens: int, sampled: bool = False,
-                    mesh: jax.sharding.Mesh | None = None):
+def jitted_generate(graphdef: nnx.GraphDef, max_new_tokens: int,
+                    mode: DecodeMode | None = None, mesh: jax.sharding.Mesh | None = None):
   """jit(greedy_generate) for one model and budget:
   f(params, tokens, segment_ids, positions, stop_ids, pad_id) -> [B, max_new_tokens], or
-  with `sampled`, f(..., pad_id, temperature, key). `mesh`: the params' (traced in its
+  sampled with a `mode` (its truncations compiled in),
+  f(..., pad_id, temperature, top_p, min_p, key). `mesh`: the params' (traced in its
   context, as the train step is: expert parallelism runs there too)."""
-  def generate(params, tokens, segment_ids, positions, stop_ids, pad_id, temperature=0.0,
-               key=None):
+  def generate(params, tokens, segment_ids, positions, stop_ids, pad_id, temperature=1.0,
+               top_p=1.0, min_p=0.0, key=None):
     with (contextlib.nullcontext() if mesh is None
           else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
       return greedy_generate(graphdef, params, tokens, segment_ids, positions,
                              max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
-                             temperature=temperature, key=key)
+                             mode=mode, temperature=temperature, top_p=top_p, min_p=min_p,
+                             key=key)
 
-  if sampled:
+  if mode is not None:
     return jax.jit(generate)
   return jax.jit(lambda params, tokens, segment_ids, positions, stop_ids, pad_id: generate(
       params, tokens, segment_ids, positions, stop_ids, pad_id))
+
+
+def sampling_mode(temperature: float, top_k: int, top_p: float, min_p: float
+                  ) -> DecodeMode | None:
+  """The compiled-in part of the workers' sampling settings (SamplingParams checks them);
+  None: greedy (temperature 0)."""
+  mode = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).mode
+  return None if mode.greedy else mode
 
 
 def left_pad_prompts(tokenizer: Tokenizer, prompts: Sequence[str], length: int
@@ -107,12 +126,14 @@ def left_pad_ids(rows: Sequence[Sequence[int]], length: int, pad_id: int,
 
 
 def _decode_batches(graphdef, params, tokenizer: Tokenizer, rows: Sequence[Sequence[int]], *,
-                    max_new_tokens: int, batch_size: int, prompt_len: int, temperature: float,
-                    key) -> list[list[int]]:
+                    max_new_tokens: int, batch_size: int, prompt_len: int,
+                    mode: DecodeMode | None, draw: tuple[float, float, float], key
+                    ) -> list[list[int]]:
   """Each id row's continuation up to and including its first stop id (or the budget),
-  `batch_size` rows per call; batch i sampled with fold_in(key, i) when temperature > 0."""
+  `batch_size` rows per call: greedy, or with a `mode` sampled at `draw` (temperature, top_p,
+  min_p), batch i with fold_in(key, i)."""
   mesh = getattr(getattr(jax.tree.leaves(params)[0], "sharding", None), "mesh", None)
-  gen = jitted_generate(graphdef, max_new_tokens, temperature > 0,
+  gen = jitted_generate(graphdef, max_new_tokens, mode,
                         mesh if isinstance(mesh, jax.sharding.Mesh) else None)
   stops = np.asarray(tokenizer.stop_ids, np.int32)
   extra = ()
@@ -122,8 +143,8 @@ def _decode_batches(graphdef, params, tokenizer: Tokenizer, rows: Sequence[Seque
     n = len(chunk)
     chunk += [chunk[-1]] * (batch_size - n)  # Keep one shape: one compile.
     arrays = left_pad_ids(chunk, prompt_len, tokenizer.pad_id)
-    if temperature > 0:
-      extra = (np.float32(temperature), jax.random.fold_in(key, start // batch_size))
+    if mode is not None:
+      extra = (*map(np.float32, draw), jax.random.fold_in(key, start // batch_size))
     ids = np.asarray(to_host(gen(params, arrays["tokens"], arrays["segment_ids"],
                                         arrays["positions"], stops, tokenizer.pad_id,
                                         *extra)))
@@ -136,10 +157,12 @@ def _decode_batches(graphdef, params, tokenizer: Tokenizer, rows: Sequence[Seque
 
 def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], *,
                 max_new_tokens: int, batch_size: int, prompt_len: int,
-                temperature: float = 0.0, seed: int = 0, environment=None,
+                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0, seed: int = 0, environment=None,
                 references: Sequence[Any] = (), max_turns: int = 0) -> list[str]:
   """Completion text of each prompt (up to eos), `batch_size` prompts per call: greedy, or
-  sampled at `temperature` > 0 (batch i drawn with key fold_in(key(seed), i)).
+  sampled at `temperature` > 0 with the workers' top_k, top_p and min_p (SamplingParams;
+  batch i drawn with key fold_in(key(seed), i)).
 
   Multi-turn (`environment`, as the workers run it): each turn a completion ends is
   answered by environment(the conversation so far, references[i]) up to `max_turns` times;
@@ -147,6 +170,7 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
   `max_new_tokens` in all."""
   from algorithms.environments import conversation
   key = jax.random.PRNGKey(seed)
+  mode = sampling_mode(temperature, top_k, top_p, min_p)
   ids = [tokenizer.encode_prompt(p) for p in prompts]
   said: list[list[int]] = [[] for _ in prompts]
   turns: list[list[str]] = [[] for _ in prompts]  # multi-turn: each policy turn's text
@@ -157,7 +181,8 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
     length = prompt_len if turn == 0 else max(prompt_len, 1 << (max(map(len, rows)) - 1)
                                               .bit_length())
     got = _decode_batches(graphdef, params, tokenizer, rows, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, prompt_len=length, temperature=temperature,
+                          batch_size=batch_size, prompt_len=length, mode=mode,
+                          draw=(temperature, top_p, min_p),
                           key=jax.random.fold_in(key, turn) if turn else key)
     going = []
     for i, new in zip(live, got):
@@ -243,11 +268,13 @@ def _budgets(tokenizer: Tokenizer, examples: dict[str, list[Example]],
 
 def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
               examples: dict[str, list[Example]], *, k: int, temperature: float = 1.0,
-              seed: int = 0, batch_size: int = 256, max_new_tokens: int | None = None,
+              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+              batch_size: int = 256, max_new_tokens: int | None = None,
               environments: dict | None = None, max_turns: int = 0) -> dict[str, float]:
   """{"pass@1": mean reward of k samples per prompt, "pass@k": mean of each prompt's best
   reward among its k samples (pass/fail tasks: the share of prompts with at least one exact
-  answer; a reward model's: its best-of-k score)}, over every held-out example.
+  answer; a reward model's: its best-of-k score)}, over every held-out example, the samples
+  drawn at `temperature` with `top_k`, `top_p` and `min_p` as a worker draws them.
   `max_new_tokens`: the decoding budget (default: the longest answer and eos);
   `environments` (by task: algorithms.environments.environments_from), `max_turns`:
   multi-turn, as `completions`; the tasks of each environment decode in one call (seed + its
@@ -269,7 +296,8 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
     got = completions(graphdef, params, tokenizer,
                       [flat[i][1].prompt for i in rows for _ in range(k)],
                       max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
-                      temperature=temperature, seed=seed + g, environment=env,
+                      temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                      seed=seed + g, environment=env,
                       references=[flat[i][1].answer for i in rows for _ in range(k)],
                       max_turns=max_turns)
     for n, i in enumerate(rows):

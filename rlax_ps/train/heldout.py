@@ -4,6 +4,7 @@ built-in tasks' held-out split, or a JSONL file's records scored by their verifi
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Sequence
 
 from algorithms.environments import environments_from
@@ -17,13 +18,15 @@ from rlax_ps.train.prompts import config_records
 @dataclasses.dataclass
 class Heldout:
   """What exact_match and pass_at_k take: the tasks that score each name, the examples per
-  name, the decoding budget (None: each set's longest answer and eos), and the workers'
-  environments by task and max_turns (multi-turn; none: one turn)."""
+  name, the decoding budget (None: each set's longest answer and eos), the workers'
+  environments by task and max_turns (multi-turn; none: one turn), and the workers'
+  sampling settings that pass@k draws with (`worker_sampling`)."""
   tasks: list[Any]
   examples: dict[str, list[Example]]
   max_new_tokens: int | None
   environments: dict = dataclasses.field(default_factory=dict)
   max_turns: int = 0
+  sampling: dict[str, float] = dataclasses.field(default_factory=lambda: worker_sampling({}))
 
   @property
   def size(self) -> int:
@@ -37,12 +40,12 @@ def heldout_from_config(config, tasks: Sequence[Task], tokenizer: Tokenizer | No
   decoding up to worker.max_new_tokens, or without a worker block past the longest answer)
   if the config names one, else eval.num_examples held-out examples of each task (eval.seed)."""
   worker = config.get("worker", {})
-  turns = _turns(worker)
+  decoding = dict(_turns(worker), sampling=worker_sampling(worker))
   path = config.get("data", {}).get("heldout_jsonl", "")
   if not path:
     return Heldout(list(tasks), {t.name: t.examples("heldout", int(config.eval.seed),
                                                     int(config.eval.num_examples))
-                                 for t in tasks}, None, **turns)
+                                 for t in tasks}, None, **decoding)
   records = config_records(config, "data.heldout_jsonl", path)
   names = sorted({r["task"] for r in records})
   examples = {n: [Example(r["prompt"], r["answer"], n) for r in records if r["task"] == n]
@@ -52,7 +55,7 @@ def heldout_from_config(config, tasks: Sequence[Task], tokenizer: Tokenizer | No
             else evaluate_lib.RewardModelTask(_reward_scorer(worker, tokenizer), tokenizer)
             for n in names]
   return Heldout(scored, examples,
-                 None if budget is None else int(budget), **turns)
+                 None if budget is None else int(budget), **decoding)
 
 
 def _reward_scorer(worker, tokenizer: Tokenizer | None):
@@ -90,20 +93,30 @@ def exact_match(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
 
 def pass_at_k(graphdef, params, tokenizer: Tokenizer, heldout: Heldout, config
               ) -> dict[str, float] | None:
-  """pass@1 and pass@eval.pass_k sampled at worker.temperature (eval.seed); None when
-  eval.pass_k is 0."""
+  """pass@1 and pass@eval.pass_k sampled as the workers sample (heldout.sampling, eval.seed);
+  None when eval.pass_k is 0."""
   k = int(config.eval.get("pass_k", 0))
   if not k:
     return None
   return evaluate_lib.pass_at_k(graphdef, params, tokenizer, heldout.tasks, heldout.examples,
                                 k=k, max_new_tokens=heldout.max_new_tokens,
-                                temperature=pass_temperature(config),
-                                seed=int(config.eval.seed),
+                                **heldout.sampling, seed=int(config.eval.seed),
                                 batch_size=int(config.eval.batch_size),
                                 environments=heldout.environments,
                                 max_turns=heldout.max_turns)
 
 
-def pass_temperature(config) -> float:
-  """The temperature pass@k samples at: the workers'."""
-  return float(config.get("worker", {}).get("temperature", 1.0))
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def worker_sampling(worker) -> dict[str, float]:
+  """The temperature, top_k, top_p and min_p a worker of this `worker` block samples with:
+  WorkerConfig.sampling of its settings (WorkerConfig's defaults where it has none).
+  ValueError naming the worker.<field> a worker would refuse."""
+  from inference_workers.worker_config import WorkerConfig
+  given = {name: worker[name] for name in SAMPLING_FIELDS if name in worker}
+  try:
+    params = dataclasses.replace(WorkerConfig(), **given).sampling(())
+  except (TypeError, ValueError) as e:
+    raise ValueError(re.sub(r"^(WorkerConfig|SamplingParams)\.", "worker.", str(e))) from None
+  return {name: getattr(params, name) for name in SAMPLING_FIELDS}

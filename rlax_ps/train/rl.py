@@ -160,6 +160,29 @@ def reward_parts_of(samples) -> tuple[dict[str, list[float]], list[str]]:
   return parts, bad
 
 
+def part_values(groups: list[Group]) -> dict[str, list[float]]:
+  """The reward parts' values by name over the groups' samples that carry them."""
+  values: dict[str, list[float]] = {}
+  for group in groups:
+    for name, got in (group.reward_parts or {}).items():
+      values.setdefault(name, []).extend(got)
+  return values
+
+
+def add_part_totals(totals: dict[str, list[float]], values: dict[str, list[float]]) -> None:
+  """Add part_values to the run's [sum, count] of each part (in place)."""
+  for name, got in values.items():
+    total = totals.setdefault(name, [0.0, 0])
+    total[0] += float(np.sum(got))
+    total[1] += len(got)
+
+
+def part_means(totals: dict[str, list[float]]) -> dict[str, float]:
+  """summary.json's reward_parts: each part's mean over the run's trained samples that carry
+  it (every restart's: the totals are in the checkpoint, as rollout_groups_trained is)."""
+  return {name: total / n for name, (total, n) in sorted(totals.items())}
+
+
 def _count(text: str) -> int:
   """A count a worker wrote as metadata; 0 when absent or not a count."""
   return int(text) if text.isdigit() else 0
@@ -207,8 +230,10 @@ class StepRate:
 
 
 # The run totals (RLTrainer attributes) that the checkpoint carries: groups dropped as stale,
-# rejected, left out or filled by dynamic sampling, and trained groups that came back.
-COUNTS = ("dropped_stale", "rejected", "filtered", "filled", "came_back")
+# rejected, left out or filled by dynamic sampling, trained groups that came back, and the
+# malformed reward part values skipped.
+COUNTS = ("dropped_stale", "rejected", "filtered", "filled", "came_back",
+          "reward_parts_malformed")
 
 
 class RLTrainer(TrainerRun):
@@ -316,6 +341,9 @@ class RLTrainer(TrainerRun):
     self.last_rejection: str | None = None  # why the last of them could not
     self.filtered = 0  # groups with all-equal rewards left out (rl.dynamic_sampling)
     self.filled = 0  # such groups that filled a step at the cap (rl.dynamic_sampling)
+    self.reward_parts_malformed = 0  # reward part values skipped (warned of once)
+    # Each reward part's [sum, count] over the run's trained samples that carry it.
+    self.reward_parts_totals: dict[str, list[float]] = {}
     self.restored = saved is not None
     if saved is not None:
       self._load_metadata(saved)
@@ -331,7 +359,6 @@ class RLTrainer(TrainerRun):
     self.completions_every = int(log.get("completions_every", 0))
     self.completions_groups = int(log.get("completions_groups", 0))
     self._taken: dict[int, Any] = {}  # the taken rollouts of the step being taken, by id
-    self.reward_parts_malformed = 0  # reward part values skipped so far (warned of once)
 
   # -- configuration and state ------------------------------------------------------------
 
@@ -376,6 +403,7 @@ class RLTrainer(TrainerRun):
         "version": self.version,
         "pending_takes": [dataclasses.asdict(t) for t in self.pending],
         "counts": self.counts(),
+        "reward_parts_totals": self.reward_parts_totals,
         "warm_start_eval": self.warm_start_eval,
         "run_id": self.run_id,
         "mixed_reference": self.mixed_reference,  # the state holds ref_params
@@ -397,6 +425,8 @@ class RLTrainer(TrainerRun):
     self.pending = [PendingTake(**t) for t in saved.get("pending_takes", [])]
     self.warm_start_eval = saved.get("warm_start_eval")
     self.restore_counts(saved.get("counts", {}))
+    self.reward_parts_totals = {name: [float(total), int(n)] for name, (total, n)
+                                in saved.get("reward_parts_totals", {}).items()}
     # A run resumed elsewhere (another machine, a moved workdir) keeps its id.
     self.run_id = self.publisher.run = str(saved.get("run_id", self.run_id))
 
@@ -557,6 +587,7 @@ class RLTrainer(TrainerRun):
           record = self._step_record(done, groups, batch, metrics,
                                      rate.add(int(batch["sample_mask"].sum())))
           self.resumed_samples += record["resumed_samples"]
+          add_part_totals(self.reward_parts_totals, part_values(groups))
           record.update(self._reward_parts_record(groups))
         if done % self.publish_every == 0:
           try:
@@ -763,11 +794,9 @@ class RLTrainer(TrainerRun):
 
   def _reward_parts_record(self, groups: list[Group]) -> dict[str, Any]:
     """steps.jsonl's reward_parts: each part's mean over the step's samples that carry it
-    (absent when none does); reward_parts_malformed: the values skipped so far, if any."""
-    values: dict[str, list[float]] = {}
-    for group in groups:
-      for name, got in (group.reward_parts or {}).items():
-        values.setdefault(name, []).extend(got)
+    (absent when none does); reward_parts_malformed: the values skipped since the run
+    began (every restart's), if any."""
+    values = part_values(groups)
     record: dict[str, Any] = {}
     if values:
       record["reward_parts"] = {name: float(np.mean(values[name])) for name in sorted(values)}
@@ -943,7 +972,7 @@ class RLTrainer(TrainerRun):
                                      self.heldout, self.config)
       if passes:
         summary["heldout_pass"] = passes
-        summary["pass_temperature"] = heldout_lib.pass_temperature(self.config)
+        summary["pass_sampling"] = dict(self.heldout.sampling)  # the workers' settings
         for name, v in passes.items():
           self.writer.add_scalar(f"eval/{name}", v, self.step)
     log = self.sync_log
@@ -966,6 +995,9 @@ class RLTrainer(TrainerRun):
     summary["dropped_stale"], summary["rejected"] = self.dropped_stale, self.rejected
     if self.dynamic:
       summary["filtered"], summary["filled"] = self.filtered, self.filled
+    if self.reward_parts_totals:
+      summary["reward_parts"] = part_means(self.reward_parts_totals)
+    summary["reward_parts_malformed"] = self.reward_parts_malformed
     if self.leader:
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -97,14 +97,14 @@ def test_completions_decode_up_to_eos(model, monkeypatch):
                    TOK.encode("zzzzz")], np.int32)  # padding row of the batch
   calls = []
 
-  def fake_generate(graphdef_, max_new_tokens, sampled=False, mesh=None):
-    calls.append((max_new_tokens, sampled))
+  def fake_generate(graphdef_, max_new_tokens, mode=None, mesh=None):
+    calls.append((max_new_tokens, mode))
     return lambda *args: rows
 
   monkeypatch.setattr(evaluate, "jitted_generate", fake_generate)
   texts = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=NEW,
                                batch_size=4, prompt_len=16)
-  assert texts == ["12", "abcde", ""] and calls == [(NEW, False)]
+  assert texts == ["12", "abcde", ""] and calls == [(NEW, None)]  # greedy
 
 
 def test_a_multi_turn_completion_feeds_the_environments_replies_back_as_context(model,
@@ -122,7 +122,7 @@ def test_a_multi_turn_completion_feeds_the_environments_replies_back_as_context(
                     np.int32), np.array([row("is 6")], np.int32)]
   seen = []
 
-  def fake_generate(graphdef_, max_new_tokens, sampled=False, mesh=None):
+  def fake_generate(graphdef_, max_new_tokens, mode=None, mesh=None):
     def gen(params_, tokens, *rest):
       seen.append(tokens)
       return turns[len(seen) - 1][:len(tokens)]
@@ -258,3 +258,43 @@ def test_held_out_tasks_decode_with_their_own_environment(model, monkeypatch):
   evaluate.pass_at_k(graphdef, params, TOK, [add, rev], examples, k=2, seed=7,
                      max_new_tokens=4)  # single-turn: one call, as ever
   assert calls == [(["1+2=", "rev ab="], None, 7)]
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 1}, {"min_p": 1.0}])
+def test_sampled_completions_truncate_as_the_workers_settings_say(model, truncation):
+  """top_k=1, or min_p=1 (only the likeliest token), leave one token to draw: the samples
+  are the greedy answers even at a temperature whose untruncated samples are not."""
+  graphdef, params = model
+  decode = functools.partial(evaluate.completions, graphdef, params, TOK, PROMPTS,
+                             max_new_tokens=NEW, batch_size=4, prompt_len=16, seed=3)
+  greedy = decode()
+  assert decode(temperature=5.0) != greedy
+  assert decode(temperature=5.0, **truncation) == greedy
+
+
+def test_held_out_pass_at_k_samples_with_the_workers_settings(model, monkeypatch):
+  """worker.temperature, top_k, top_p and min_p, WorkerConfig's defaults for those the
+  config leaves out, reach pass@k's sampling; a value a worker refuses is named."""
+  import ml_collections
+
+  from inference_workers.worker_config import WorkerConfig
+  from rlax_ps.train import heldout as heldout_lib
+  config = ml_collections.ConfigDict({
+      "worker": {"temperature": 0.7, "top_p": 0.9},
+      "eval": {"batch_size": 4, "seed": 0, "num_examples": 2, "pass_k": 2}})
+  heldout = heldout_lib.heldout_from_config(config, [get_task("addition")])
+  default = WorkerConfig()
+  want = {"temperature": 0.7, "top_k": default.top_k, "top_p": 0.9, "min_p": default.min_p}
+  assert heldout.sampling == pytest.approx(want)
+  seen = []
+
+  def fake(g, p, tok, prompts, **kw):
+    seen.append({name: kw[name] for name in want})
+    return ["0"] * len(prompts)
+
+  monkeypatch.setattr(evaluate, "completions", fake)
+  heldout_lib.pass_at_k(model[0], model[1], TOK, heldout, config)
+  assert seen == [pytest.approx(want)]
+  config.worker.top_p = 1.5
+  with pytest.raises(ValueError, match=r"^worker\.top_p: expected a number in \(0, 1\]"):
+    heldout_lib.heldout_from_config(config, [get_task("addition")])

@@ -41,11 +41,13 @@ def _lines(path):
 
 def _with_reward_parts(group_of_worker):
   """The fake worker's groups with reward parts, as worker.reward_terms sends them: each
-  sample's reward as its task part, and a think_format part of 1 on its first sample."""
+  sample's reward as its task part, and a think_format part of 1 on its first sample; its
+  last sample has a malformed one."""
   def group(*args, **kwargs):
     g = group_of_worker(*args, **kwargs)
     for j, s in enumerate(g.samples):
       s.metadata.update({"reward/task": repr(s.reward), "reward/think_format": str(int(j == 0))})
+    g.samples[-1].metadata["reward/length"] = "nan"
     return g
   return group
 
@@ -61,6 +63,7 @@ def run(tmp_path_factory):
   config.loss.logits_chunk = 4
   config.worker.max_new_tokens = 16  # the fake responses (at most 6) pack to 8 (response_buckets)
   config.export.every_steps = 2
+  config.worker.top_p = 0.95  # what pass@k samples with (the fake worker ignores it)
   exported_at = {}
 
   def keep_params(path=None):  # the weights each export was asked to write
@@ -116,7 +119,14 @@ def test_each_steps_reward_parts_are_the_means_over_its_samples(run):
   steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
   assert all(s["reward_parts"] == {"task": pytest.approx(s["reward_mean"]),
                                    "think_format": pytest.approx(0.25)} for s in steps)
-  assert all("reward_parts_malformed" not in s for s in steps)
+  # One malformed value per group (4 a step), counted since the run began.
+  assert [s["reward_parts_malformed"] for s in steps] == [4, 8, 12, 16]
+
+
+def test_the_summary_has_the_runs_reward_part_means_and_malformed_count(run):
+  s = run["summary"]
+  assert s["reward_parts"] == {"task": pytest.approx(0.5), "think_format": pytest.approx(0.25)}
+  assert s["reward_parts_malformed"] == 16
 
 
 def test_a_groups_resumed_samples_are_read_from_its_metadata_and_junk_counts_none():
@@ -265,17 +275,23 @@ def test_summary_reports_warm_start_and_final_evaluation(run):
   assert set(s["warm_start"]) == {"addition", "reversal", "all"}
   assert set(s["heldout_exact_match"]) == {"addition", "reversal", "all"}
   assert set(s["heldout_pass"]) == {"pass@1", "pass@2"}
+  # pass@k sampled as the workers do: the config's top_p, WorkerConfig's other defaults.
+  assert s["pass_sampling"] == {"temperature": 1.0, "top_k": 0, "top_p": pytest.approx(0.95),
+                                "min_p": 0.0}
   assert s["sync"]["versions"] == 5 and s["sync"]["delta_bytes_mean"] > 0
 
 
 def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
   config = _config(steps=5)
-  worker = FakeWorker(run["server"].address, samples=4, seed=1).start()
+  worker = FakeWorker(run["server"].address, samples=4, seed=1).start()  # no reward parts
   try:
     with client(run["server"].address, "trainer") as tc, \
          RLTrainer(config, str(run["tmp"] / "rl"), tc) as tr:
       assert tr.restored and tr.step == 4 and tr.feed.position == run["enqueued"]
-      tr.train()
+      # The reward parts' run totals, as the first run left them (16 groups of 4 samples).
+      assert tr.reward_parts_malformed == 16
+      assert tr.reward_parts_totals == {"task": [32.0, 64], "think_format": [16.0, 64]}
+      summary = tr.train()
   finally:
     worker.stop()
   versions = _lines(run["tmp"] / "rl" / "versions.jsonl")
@@ -283,6 +299,12 @@ def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
   assert versions[5]["keyframe"] and versions[5]["step"] == 4
   steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
   assert steps[-1]["step"] == 5 and steps[-1]["version"] == 6
+  # Counted since the run began: 16 before the restart, and one for each group left queued
+  # by the first run's worker that step 5 trained on (this worker sends no reward parts).
+  old = len(set(steps[-1]["rollout_ids"]) & set(run["worker"].submitted))
+  assert steps[-1]["reward_parts_malformed"] == summary["reward_parts_malformed"] == 16 + old
+  assert summary["reward_parts"] == {"task": pytest.approx(0.5),
+                                     "think_format": pytest.approx(0.25)}
 
 
 def test_a_new_run_against_a_server_holding_another_runs_versions_is_refused(run, tmp_path):
@@ -652,7 +674,9 @@ def test_the_summarys_group_counts_are_run_totals_across_restarts(run):
   from rlax_ps.train import rl as rl_lib
   with Checkpointer(str(run["tmp"] / "rl" / "checkpoints")) as ckpt:
     saved = ckpt.metadata()
-  assert saved["counts"] == {name: 0 for name in rl_lib.COUNTS}
+  malformed = _lines(run["tmp"] / "rl" / "steps.jsonl")[-1]["reward_parts_malformed"]
+  assert saved["counts"] == {**{name: 0 for name in rl_lib.COUNTS},
+                             "reward_parts_malformed": malformed}  # the fake worker's (run)
   before = RLTrainer.__new__(RLTrainer)
   before.restore_counts({})
   assert before.counts() == {name: 0 for name in rl_lib.COUNTS}
