@@ -8,6 +8,11 @@ them; with `init_from_hf`, that checkpoint's config.json gives the model's shape
 optionally a `worker` section of WorkerConfig fields; explicit flags win over it. The token
 comes from --token, $RLAX_PS_WORKER_TOKEN or --token_file; --tls_ca turns TLS on.
 SIGTERM (a preemption notice) stops the worker cleanly within --grace_s.
+
+A multi-host slice runs one worker: the same command on every host with
+--coordinator_address (auto on TPU VMs; else process 0's HOST:PORT with --num_processes and
+--process_id). Process 0 talks to the server; the others follow its device calls
+(inference_workers/multihost.py).
 """
 
 from __future__ import annotations
@@ -23,14 +28,17 @@ from ml_collections import config_flags
 from inference_workers.hard_exit import exit_now
 from inference_workers.worker_config import WorkerConfig
 from param_server import connect_flags
+from rlax_ps import distributed
 from rlax_ps.dataclass_flags import define_flags, resolve
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+_FOLLOWER_MARGIN_S = 30.0  # past grace_s: a follower signalled to stop waits this long more
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "ml_collections file with `model`, `tokenizer` and optional `worker` "
     "sections: the trainer's, e.g. configs/rl_local.py")
 flags.adopt_module_key_flags(connect_flags)
+flags.adopt_module_key_flags(distributed)
 flags.mark_flags_as_required(["config"])
 connect_flags.require_address()
 
@@ -55,6 +63,20 @@ def stop_on_signals(worker) -> None:
   threading.Thread(target=wait, name="stop-signals", daemon=True).start()
 
 
+def leave_on_signals(grace_s: float) -> None:
+  """A multi-host worker's process other than 0: a stop signal is the leader's to act on
+  (its samples go back through every host's devices); this process leaves by itself only if
+  the leader has not stopped it within `grace_s` and a margin."""
+  def wait():
+    signal.sigwait(STOP_SIGNALS)
+    threading.Event().wait(grace_s + _FOLLOWER_MARGIN_S)
+    print("rlax-ps worker: stopped by a signal, and the leader (process 0) did not end the "
+          "job within the grace period", file=sys.stderr, flush=True)
+    exit_now(1)
+
+  threading.Thread(target=wait, name="stop-signals", daemon=True).start()
+
+
 def block_stop_signals() -> None:
   """Keep stop signals pending for `stop_on_signals`; threads started later inherit this."""
   signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -74,6 +96,10 @@ def main(argv) -> None:
                                      config.environment_timeout_s or None)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  leader = distributed.initialize()  # a multi-host worker: before any JAX backend starts
+  import jax
+
+  from inference_workers import multihost
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
   # JAX and the model load only once the flags are valid.
@@ -90,12 +116,40 @@ def main(argv) -> None:
                                    longest_sequence(cfg))
   from inference_workers.weights import WeightsDoNotFit
   from param_server.client import ParamServerError
+  if jax.process_count() > 1:  # every host must hold the same model and decode alike
+    same = {f"model.{k}": v for k, v in model_config.to_dict().items()}
+    same.update((f"worker.{k}", v) for k, v in dataclasses.asdict(config).items() if k != "name")
+    try:
+      multihost.check_same(same, multihost.Channel())
+    except ValueError as e:
+      print(f"rlax-ps worker: {e}", file=sys.stderr, flush=True)
+      jax.distributed.shutdown()
+      exit_now(2)
+  if not leader:  # another host of a multi-host worker: process 0 talks to the server
+    from inference_workers.loop import follow_leader
+    leave_on_signals(config.grace_s)
+    follow_leader(model_config, tokenizer, config, multihost.Channel())
+    jax.distributed.shutdown()
+    exit_now(0)
+  mirror = multihost.Mirror(multihost.Channel()) if jax.process_count() > 1 else None
+
+  def let_go() -> None:
+    """The other processes of a multi-host worker stop following (before this one exits)."""
+    if mirror is not None:
+      mirror.stop()
+      jax.distributed.shutdown()
+
+  def leave(code: int) -> None:
+    let_go()
+    exit_now(code)
+
   try:
     with connect_flags.connect("worker") as client:
       try:
         worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for,
-                        environments=environments)
+                        environments=environments, mirror=mirror)
       except ValueError as e:  # settings the model cannot honour
+        let_go()
         raise app.UsageError(str(e)) from None
       mesh = worker.mesh
       print("worker: decoding on " + ("the default device" if mesh is None else
@@ -106,7 +160,7 @@ def main(argv) -> None:
       stats = worker.run()
   except (ParamServerError, connect_flags.TokenFileError, WeightsDoNotFit) as e:
     print(f"rlax-ps worker: {e}", file=sys.stderr, flush=True)
-    exit_now(1)  # leases released: skip a finalization that can abort
+    leave(1)  # leases released: skip a finalization that can abort
   logging.info("worker: done: %s", stats)
   held = ("nothing" if worker.policy.version is None else
           f"v{worker.policy.version} digest {worker.policy.digest():016x}")
@@ -116,4 +170,4 @@ def main(argv) -> None:
         f"floor), {stats.prompts_failed} prompts it could not sample, "
         f"{stats.score_errors} samples scored 0 "
         f"by a verifier that raised; holds {held}", flush=True)
-  exit_now(0)  # leases released, output flushed: skip a finalization that can abort
+  leave(0)  # leases released, output flushed: skip a finalization that can abort

@@ -412,6 +412,123 @@ class _ModelSplit:
     return self._split
 
 
+# SlotsDevice's methods: each a device call (mirrored on a multi-host worker's followers).
+SLOTS_CALLS = ("prepare", "insert", "feed_rows", "chunk", "done", "paused", "finished",
+               "turns_of", "answer", "free", "collect", "clear")
+
+
+class SlotsDevice:
+  """A ContinuousBatch's device half: the slots and every call that reads or changes them,
+  each taking and giving host values only, so that every process of a multi-host worker
+  makes the same calls with the same inputs (inference_workers.multihost). `settings`: what
+  such a process needs to make its own (all but the model and the mesh)."""
+
+  def __init__(self, model, *, slots: int, n: int, rows_per_prompt: int, budget: int,
+               params: SamplingParams, decode_fn: DecodeFn, record_routes: bool, turns: bool,
+               resume: bool, kv_dtype: str | None, mesh: jax.sharding.Mesh | None = None):
+    self.settings = dict(slots=slots, n=n, rows_per_prompt=rows_per_prompt, budget=budget,
+                         params=params, decode_fn=decode_fn, record_routes=record_routes,
+                         turns=turns, resume=resume, kv_dtype=kv_dtype)
+    self.config = model.config
+    self._model_split = _ModelSplit(model)
+    self.num_slots, self.n, self.r, self.budget = slots, n, rows_per_prompt, budget
+    self.mode, self._knobs = params.mode, knobs(params)
+    self.decode_fn, self.record_routes = decode_fn, record_routes
+    self.turns, self.resume, self.kv_dtype = turns, resume, kv_dtype
+    self.mesh = mesh
+    self.slots: Slots | None = None
+
+  @property
+  def row_count(self) -> int:
+    """Decode rows: r per slot."""
+    return self.num_slots * self.r
+
+  @property
+  def reply_width(self) -> int:
+    """The most tokens a multi-turn reply feeds a row."""
+    return self.slots.rows.forced.shape[1]
+
+  def _on_mesh(self):
+    """The mesh in context (jit traces see it), if the batch has one."""
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+  def prepare(self, length: int) -> None:
+    """Slots made (where they live), with room for prompts of `length` tokens."""
+    with self._on_mesh():
+      if self.slots is None:
+        empty = functools.partial(_empty_slots, self.config, self.num_slots, self.n, self.r,
+                                  length, self.budget, self.decode_fn, self.record_routes,
+                                  self.turns, self.resume, self.kv_dtype)
+        self.slots = empty() if self.mesh is None else jax.jit(
+            empty, out_shardings=_slot_shardings(jax.eval_shape(empty), self.mesh))()
+      elif length > self.slots.cache.prefix_k[0].shape[1]:
+        self.slots = _grow(self.slots, length=length)
+
+  def insert(self, slot_ids, tokens, lens, source, seeds, limits, resumed) -> None:
+    """_insert's prefill of prompts into free slots."""
+    graphdef, state = self._model_split()
+    with self._on_mesh():
+      self.slots = _insert(graphdef, state, self.slots, slot_ids, tokens, lens, source,
+                           seeds, limits, self._knobs, resumed, mode=self.mode,
+                           record_routes=self.record_routes)
+
+  def feed_rows(self, ids, tokens, counts) -> None:
+    """_feed_rows: rows take forced tokens at once."""
+    graphdef, state = self._model_split()
+    with self._on_mesh():
+      self.slots = _feed_rows(graphdef, state, self.slots, ids, tokens, counts,
+                              record_routes=self.record_routes)
+
+  def chunk(self, held, asked, max_steps, need) -> tuple[np.ndarray, int]:
+    """One decode chunk (_chunk): which slots are done [S], and the steps taken."""
+    graphdef, state = self._model_split()
+    with self._on_mesh():
+      fixed, moving = _without_prompts(self.slots)
+      moving, finished, taken = _chunk(graphdef, state, fixed, moving, held, asked,
+                                       self._knobs, max_steps, need, mode=self.mode,
+                                       record_routes=self.record_routes)
+      self.slots = _with_prompts(fixed, moving)
+      return shd.to_host(finished), int(shd.to_host(taken))
+
+  def done(self) -> np.ndarray:
+    """[S]: every sample of the slot's prompt has finished."""
+    with self._on_mesh():
+      return shd.to_host(_slots_done(self.slots))
+
+  def paused(self) -> np.ndarray:
+    """[R]: rows paused at the end of a turn."""
+    return shd.to_host(self.slots.rows.paused)
+
+  def finished(self) -> np.ndarray:
+    """[S*n]: outputs whose sample has finished."""
+    return shd.to_host(self.slots.rows.finished)
+
+  def turns_of(self, ids) -> tuple:
+    """_turns_of rows `ids`, on the host."""
+    with self._on_mesh():
+      return shd.to_host(_turns_of(self.slots.rows, ids))
+
+  def answer(self, ids, replies, counts, go_on) -> None:
+    """_answer: paused rows go on with replies, or finish."""
+    with self._on_mesh():
+      self.slots = _answer(self.slots, ids, replies, counts, go_on, self._knobs,
+                           mode=self.mode)
+
+  def free(self, ids) -> None:
+    """_free: slots let go of their prompts."""
+    with self._on_mesh():
+      self.slots = _free(self.slots, ids)
+
+  def collect(self, ids) -> tuple:
+    """_collect of slots `ids`, on the host."""
+    with self._on_mesh():
+      return shd.to_host(_collect(self.slots, ids))
+
+  def clear(self) -> None:
+    """The device state goes."""
+    self.slots = None
+
+
 @dataclasses.dataclass
 class _Waiting:
   """A prompt queued or in a slot. Resumed (`begun`): its samples in the order its outputs
@@ -484,7 +601,7 @@ class ContinuousBatch:
                                  Sequence[int] | None] | None = None,
                max_turns: int = 4, respond_threads: int = 8, resume: bool = False,
                feed_tokens: int = 256, mesh: jax.sharding.Mesh | None = None,
-               kv_dtype: str | None = None, return_after: int = 1):
+               kv_dtype: str | None = None, return_after: int = 1, mirror=None):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"model: expected an nnx Transformer, got {type(model).__name__}")
     if not isinstance(n, int) or n < 1:
@@ -512,7 +629,6 @@ class ContinuousBatch:
                        f"{kv_dtype!r}")
     check_request(model.config, [[0]], [0] * n, n, params)
     self.model, self.n, self.num_slots, self.params = model, n, slots, params
-    self._model_split = _ModelSplit(model)
     self.record_routes, self.decode_fn = record_routes, decode_fn
     self.chunk_steps = chunk_steps
     self.respond, self.max_turns = respond, max_turns
@@ -527,11 +643,18 @@ class ContinuousBatch:
     self._threads = respond_threads
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made when first asked
     self.rows_per_prompt = rows_per_prompt or n
-    self._knobs = knobs(params)
     self._budget = bucket(params.max_new_tokens)
     self._waiting: collections.deque[_Waiting] = collections.deque()
     self._held: dict[int, _Waiting] = {}  # slot -> the prompt in it
-    self._slots: Slots | None = None
+    device = SlotsDevice(model, slots=slots, n=n, rows_per_prompt=self.rows_per_prompt,
+                         budget=self._budget, params=params, decode_fn=decode_fn,
+                         record_routes=record_routes, turns=respond is not None,
+                         resume=resume, kv_dtype=kv_dtype, mesh=mesh)
+    # A multi-host worker's `mirror` (inference_workers.multihost.Mirror): every device call
+    # is made by each of its processes too.
+    self._mirror = mirror
+    self._dev = device if mirror is None else mirror.mirrored("slots", device, device.settings,
+                                                              SLOTS_CALLS)
 
   @property
   def waiting(self) -> int:
@@ -622,42 +745,27 @@ class ContinuousBatch:
                  for j in order])
     return waiting
 
-  def _on_mesh(self):
-    """The mesh in context (jit traces see it), if the batch has one."""
-    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
-
   def step(self) -> list[tuple[Hashable, list[Sample]]]:
     """Fill free slots, decode one chunk, return the groups that finished."""
-    with self._on_mesh():
-      return self._step()
-
-  def _step(self) -> list[tuple[Hashable, list[Sample]]]:
     self._fill()
     if not self._held:
       return []
     turns = self.respond is not None
     if turns:
       self._answers(wait=False)
-    graphdef, state = self._model_split()
-    fixed, moving = _without_prompts(self._slots)
     held = np.zeros((self.num_slots,), bool)
     held[list(self._held)] = True
     asked = None
     if turns:
-      asked = np.zeros((self._slots.rows.done.shape[0],), bool)
+      asked = np.zeros((self._dev.row_count,), bool)
       asked[list(self._asking)] = True
-    moving, finished, taken = _chunk(
-        graphdef, state, fixed, moving, held, asked, self._knobs,
-        np.int32(self.chunk_steps or self._budget),
-        np.int32(min(self.return_after, len(self._held))), mode=self.params.mode,
-        record_routes=self.record_routes)
-    self._slots = _with_prompts(fixed, moving)
-    finished = np.asarray(finished)
+    finished, taken = self._dev.chunk(held, asked, np.int32(self.chunk_steps or self._budget),
+                                      np.int32(min(self.return_after, len(self._held))))
     if turns:
       self._ask()
       # Nothing decoded (every row waits for a reply or is idle): wait for a reply.
-      if self._answers(wait=int(taken) == 0 and not finished[list(self._held)].any()):
-        finished = np.asarray(_slots_done(self._slots))  # a reply may have ended a sample
+      if self._answers(wait=taken == 0 and not finished[list(self._held)].any()):
+        finished = self._dev.done()  # a reply may have ended a sample
     return self._take([s for s in sorted(self._held) if finished[s]])
 
   def partial(self) -> list[tuple[Hashable, list[Sample], list[bool]]]:
@@ -668,9 +776,8 @@ class ContinuousBatch:
       return []
     ids = np.full((self.num_slots,), held[0], np.int32)
     ids[:len(held)] = held
-    finished = np.asarray(self._slots.rows.finished).reshape(self.num_slots, self.n)
-    with self._on_mesh():
-      samples = self._samples(ids, held)
+    finished = self._dev.finished().reshape(self.num_slots, self.n)
+    samples = self._samples(ids, held)
     out = []
     for i, s in enumerate(held):
       w = self._held[s]
@@ -696,8 +803,7 @@ class ContinuousBatch:
       self._replies.pop(out, None)
     ids = np.full((self.num_slots,), self.num_slots, np.int32)  # one program: padded
     ids[:len(slots)] = slots
-    with self._on_mesh():
-      self._slots = _free(self._slots, ids)
+    self._dev.free(ids)
 
   def clear(self) -> None:
     """Drop every prompt, running or waiting, and the device state with them."""
@@ -705,7 +811,7 @@ class ContinuousBatch:
     self._waiting.clear()
     self._asking.clear()
     self._replies.clear()
-    self._slots = None
+    self._dev.clear()
 
   def close(self) -> None:
     """Stop the reply threads (replies still in the making are awaited); a later reply
@@ -713,6 +819,14 @@ class ContinuousBatch:
     if self._pool is not None:
       self._pool.shutdown(wait=True)
       self._pool = None
+
+  def release(self) -> None:
+    """Done with the batch: its reply threads stop and its device state goes (on every
+    process of a multi-host worker)."""
+    self.close()
+    self.clear()
+    if self._mirror is not None:
+      self._dev.forget()
 
   def run(self) -> list[tuple[Hashable, list[Sample]]]:
     """Step until nothing waits or runs; every group, in the order they finished."""
@@ -728,15 +842,7 @@ class ContinuousBatch:
       return
     length = bucket(max(w.tokens.size for w in joining), MIN_PROMPT_BUCKET)
     config = self.model.config
-    if self._slots is None:
-      empty = functools.partial(_empty_slots, config, self.num_slots, self.n,
-                                self.rows_per_prompt, length, self._budget, self.decode_fn,
-                                self.record_routes, self.respond is not None, self.resume,
-                                self.kv_dtype)
-      self._slots = empty() if self.mesh is None else jax.jit(  # made where they live
-          empty, out_shardings=_slot_shardings(jax.eval_shape(empty), self.mesh))()
-    elif length > self._slots.cache.prefix_k[0].shape[1]:
-      self._slots = _grow(self._slots, length=length)
+    self._dev.prepare(length)
     m = bucket(len(joining))
     # One prefill per distinct prompt (a SampleBatch queues each sample of a prompt).
     distinct: dict[bytes, np.ndarray] = {}  # prompt bytes -> its tokens, in first-seen order
@@ -768,10 +874,7 @@ class ContinuousBatch:
             begun[i, pos, self._budget - len(b.tokens):] = b.tokens
             begun_len[i, pos] = len(b.tokens)
       resumed = (begun, begun_len, complete)
-    graphdef, state = self._model_split()
-    self._slots = _insert(graphdef, state, self._slots, slot_ids, tokens, lens, source, seeds,
-                          limits, self._knobs, resumed, mode=self.params.mode,
-                          record_routes=self.record_routes)
+    self._dev.insert(slot_ids, tokens, lens, source, seeds, limits, resumed)
     if self.resume:  # the rows that took begun samples feed their tokens at once
       r, feeds = self.rows_per_prompt, {}
       for w, s in zip(joining, slot_ids):
@@ -793,32 +896,29 @@ class ContinuousBatch:
     are left to the decode steps, one a step)."""
     if not feeds or self.feed_tokens == 1:
       return
-    count = self._slots.rows.token.shape[0]
+    count = self._dev.row_count
     ids = np.full((bucket(len(feeds)),), count, np.int32)  # padding: past the last row
     ids[:len(feeds)] = list(feeds)
     longest = max(len(f) for f in feeds.values())
     width = min(bucket(longest), bucket(self.feed_tokens + 1) // 2)  # powers of two: few shapes
-    graphdef, state = self._model_split()
     for start in range(0, longest, width):
       tokens = np.zeros((ids.size, width), np.int32)
       counts = np.zeros((ids.size,), np.int32)
       for i, f in enumerate(feeds.values()):
         part = f[start:start + width]
         tokens[i, :len(part)], counts[i] = part, len(part)
-      self._slots = _feed_rows(graphdef, state, self._slots, ids, tokens, counts,
-                               record_routes=self.record_routes)
+      self._dev.feed_rows(ids, tokens, counts)
 
   def _ask(self) -> None:
     """Ask for the reply of each row that has paused since: on the thread pool, or at once
     None when its sample has had `max_turns` replies."""
-    rows = self._slots.rows
-    new = [int(r) for r in np.flatnonzero(np.asarray(rows.paused)) if int(r) not in self._asking]
+    new = [int(r) for r in np.flatnonzero(self._dev.paused()) if int(r) not in self._asking]
     if not new:
       return
-    count = rows.paused.shape[0]
+    count = self._dev.row_count
     ids = np.full((count,), count, np.int32)  # one program: padded to every row
     ids[:len(new)] = new
-    outs, lengths, tokens, observed = jax.device_get(_turns_of(rows, ids))
+    outs, lengths, tokens, observed = self._dev.turns_of(ids)
     for i, row in enumerate(new):
       out = int(outs[i])
       if self._replies.get(out, 0) >= self.max_turns:
@@ -850,8 +950,8 @@ class ContinuousBatch:
     ready = [row for row, (_, _, f) in self._asking.items() if f.done()]
     if not ready:
       return False
-    count = self._slots.rows.paused.shape[0]
-    width = self._slots.rows.forced.shape[1]
+    count = self._dev.row_count
+    width = self._dev.reply_width
     ids = np.full((count,), count, np.int32)  # one program: padded to every row
     replies = np.zeros((count, width), np.int32)
     counts = np.zeros((count,), np.int32)
@@ -874,8 +974,7 @@ class ContinuousBatch:
       replies[i, width - reply.size:] = reply
       if reply.size and length + reply.size < self.params.max_new_tokens:
         feeds[row] = reply
-    self._slots = _answer(self._slots, ids, replies, counts, go_on, self._knobs,
-                          mode=self.params.mode)
+    self._dev.answer(ids, replies, counts, go_on)
     self._feed(feeds)
     return True
 
@@ -893,7 +992,7 @@ class ContinuousBatch:
 
   def _samples(self, ids: np.ndarray, slots: list[int]) -> list[Sample]:
     """The samples of `slots` (ids: them, padded to every slot), n per slot, in order."""
-    host: Any = jax.device_get(_collect(self._slots, ids))
+    host: Any = self._dev.collect(ids)
     tokens, logp, slogp, lengths, reasons, observed, *routes = host
     prompt_lens = [self._held[s].tokens.size for s in slots]
     return samples_of(tokens, logp, slogp, lengths[:len(slots) * self.n], reasons,

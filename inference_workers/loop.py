@@ -51,7 +51,8 @@ from algorithms.allocation import FixedAllocator
 from algorithms.environments import conversation, environment_for, environments_from
 from algorithms.verifiers import (REWARD_MODEL_TASK, Verifier, VerifierResult, load_verifiers,
                                   verifier_for_task, verifiers_by_task)
-from inference_workers.continuous import ContinuousBatch
+from inference_workers import multihost
+from inference_workers.continuous import ContinuousBatch, SlotsDevice
 from inference_workers.decoding import Sample, bucket, check_request, pad_prompts, replies_in
 from inference_workers.hard_exit import exit_now
 from inference_workers.sample_batch import SampleBatch
@@ -78,20 +79,38 @@ TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 
 
 def worker_mesh(config: WorkerConfig):
-  """The (data, tensor) mesh of the local devices the worker decodes on (worker.devices,
-  worker.tensor_parallel); None for one device (the default device, as placed)."""
+  """The (data, tensor) mesh the worker decodes on: worker.devices of each process's local
+  devices (every host of a multi-host worker), worker.tensor_parallel; None for one device
+  (the default device, as placed)."""
   local = jax.local_devices()
   count = config.devices or len(local)
   if count > len(local):
     raise ValueError(f"WorkerConfig.devices: expected at most the {len(local)} local devices, "
                      f"got {count}")
-  if count % config.tensor_parallel:
-    raise ValueError(f"WorkerConfig.tensor_parallel: expected a divisor of the {count} "
+  devices = [d for p in range(jax.process_count())
+             for d in sorted((d for d in jax.devices() if d.process_index == p),
+                             key=lambda d: d.id)[:count]]
+  if len(devices) % config.tensor_parallel:
+    raise ValueError(f"WorkerConfig.tensor_parallel: expected a divisor of the {len(devices)} "
                      f"devices, got {config.tensor_parallel}")
-  if count == 1:
+  if len(devices) == 1:
     return None
-  return shd.make_mesh({"data": count // config.tensor_parallel, "fsdp": 1,
-                        "tensor": config.tensor_parallel}, local[:count])
+  return shd.make_mesh({"data": len(devices) // config.tensor_parallel, "fsdp": 1,
+                        "tensor": config.tensor_parallel}, devices)
+
+
+def follow_leader(model_config: ModelConfig, tokenizer: Any, config: WorkerConfig,
+                  channel: multihost.Channel) -> None:
+  """A multi-host worker's process other than 0: hold the weights, the decode state and a
+  reward model on this host's devices and make the leader's device calls
+  (multihost.follow) until it stops."""
+  mesh = worker_mesh(config)
+  policy = HeldPolicy(model_config, config.weights_format, mesh=mesh)
+  multihost.follow(channel, {
+      "policy": lambda: multihost.PolicyCalls(policy),
+      "slots": lambda **settings: SlotsDevice(policy.model, mesh=mesh, **settings),
+      "reward": lambda: RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,
+                                     config.reward_model_batch, mesh=mesh)})
 
 
 def make_allocator(config: WorkerConfig):
@@ -225,7 +244,7 @@ class Worker:
   def __init__(self, client: ParamServerClient, model_config: ModelConfig, tokenizer: Any,
                config: WorkerConfig = WorkerConfig(), *, allocator=None,
                verifier_for: Callable[[str], Verifier] | None = None,
-               environments: dict | None = None):
+               environments: dict | None = None, mirror: multihost.Mirror | None = None):
     self.client = client
     self.tokenizer = tokenizer
     self.config = config
@@ -237,7 +256,10 @@ class Worker:
                        f"max_position_embeddings={model_config.max_position_embeddings} "
                        f"(the prompt's tokens need positions too), got {config.max_new_tokens}")
     self.mesh = worker_mesh(config)
-    self.policy = HeldPolicy(model_config, config.weights_format, mesh=self.mesh)
+    # A multi-host worker (this is process 0): every device call is mirrored to the others.
+    self.mirror = mirror
+    policy = HeldPolicy(model_config, config.weights_format, mesh=self.mesh)
+    self.policy = policy if mirror is None else multihost.MirroredPolicy(policy, mirror)
     self.allocator = allocator if allocator is not None else make_allocator(config)
     self.verifier_for = verifier_for or verifiers_by_task(config.default_task,
                                                           config.verifiers)
@@ -248,6 +270,8 @@ class Worker:
     self.reward_scorer = (RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,
                                        config.reward_model_batch, mesh=self.mesh)
                           if config.reward_model else None)
+    if self.reward_scorer is not None and mirror is not None:
+      self.reward_scorer = mirror.mirrored("reward", self.reward_scorer, {}, ("scores",))
     self.params = config.sampling(tokenizer.stop_ids)
     self.stats = WorkerStats()
     self._stop = threading.Event()
@@ -676,7 +700,8 @@ class Worker:
       common = dict(record_routes=c.routing_replay, chunk_steps=c.decode_chunk_steps,
                     respond=self._respond if self.environments else None,
                     max_turns=c.max_turns, respond_threads=c.environment_threads,
-                    resume=self._resumable, mesh=self.mesh, kv_dtype=c.kv_cache_dtype or None)
+                    resume=self._resumable, mesh=self.mesh, kv_dtype=c.kv_cache_dtype or None,
+                    mirror=self.mirror)
       if c.sample_rows:
         self._batch = SampleBatch(self.policy.model, c.samples_per_prompt, c.sample_rows,
                                   self.params, **common)
@@ -1198,7 +1223,7 @@ class Worker:
                             max_turns=self.config.max_turns,
                             respond_threads=self.config.environment_threads, mesh=self.mesh,
                             chunk_steps=self.config.decode_chunk_steps,  # stops heard soon
-                            kv_dtype=self.config.kv_cache_dtype or None)
+                            kv_dtype=self.config.kv_cache_dtype or None, mirror=self.mirror)
     keys = {i: ("round", prompts[i].id) for i in live}
     try:
       for i, key in keys.items():
@@ -1218,7 +1243,7 @@ class Worker:
         with self.stats.time.span("decoding", 1 - batch.free / self.config.prompts_per_call):
           done.update(batch.step())
     finally:
-      batch.close()
+      batch.release()
       for i, key in keys.items():
         self._started.pop(key, None)
         given[i] = self._given.pop(key, {})

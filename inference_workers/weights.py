@@ -273,7 +273,9 @@ class HeldPolicy:
     tasks = [(self._vars[name].get_raw_value().size,
               functools.partial(self._pulled_checksum, name))
              for name in todo]
-    self._checksums.update(zip(todo, parallel.run(tasks, parallel.resolve(None))))
+    # Across processes a pull gathers from every one: in one order everywhere, one thread.
+    threads = parallel.resolve(None) if jax.process_count() == 1 else 1
+    self._checksums.update(zip(todo, parallel.run(tasks, threads)))
     return {name: self._checksums[name] for name in names}
 
   def digest(self) -> int:
@@ -282,7 +284,7 @@ class HeldPolicy:
     return state_digest({name: self._pulled_checksum(name) for name in self._vars})
 
   def _pulled_checksum(self, name: str) -> int:
-    return checksum(np.asarray(jax.device_get(self._vars[name].get_raw_value())))
+    return checksum(np.asarray(shd.to_host(self._vars[name].get_raw_value())))
 
   def verify_all(self, update: Update) -> None:
     """Check every held tensor afresh (on device or pulled, as apply would) against

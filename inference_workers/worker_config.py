@@ -24,11 +24,11 @@ class WorkerConfig:
   """Everything `rlax-ps worker` can set besides the model; each is also a flag."""
   name: str = setting("worker", "name reported to the server (the server assigns the id)")
   weights_format: str = setting("bf16", "held weights: bf16 or int8 (must match the publications)")
-  devices: int = setting(1, "local accelerators this worker decodes on (0: all of them): the "
-                         "model split over tensor_parallel of them, the decode slots over "
-                         "the rest")
+  devices: int = setting(1, "accelerators of each host this worker decodes on (0: all of "
+                         "them): the model split over tensor_parallel of them, the decode "
+                         "slots over the rest")
   tensor_parallel: int = setting(1, "devices each copy of the model is split over (heads and "
-                                 "widths); must divide devices")
+                                 "widths); must divide the devices of all hosts")
   prompts_per_lease: int = setting(8, "prompts asked for per lease")
   lease_deadline_s: float = setting(300.0, "lease length; renewed while work is in flight")
   lease_wait_s: float = setting(2.0, "how long one lease request waits for prompts")

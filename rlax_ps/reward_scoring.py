@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rlax_ps import chat
+from rlax_ps import sharding as shd
 from rlax_ps.models.reward_model import RewardModel, load_reward_model, pooled_index
 from rlax_ps.tokenizers import HFTokenizer
 
@@ -85,7 +86,7 @@ class RewardScorer:
       for i, ids in enumerate(part):
         tokens[i, :len(ids)] = ids
         last[i] = pooled_index(ids, self.model.pad_id)
-      out.append(np.asarray(self._score(tokens, last))[:len(part)])
+      out.append(np.asarray(shd.to_host(self._score(tokens, last)))[:len(part)])
     return np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
 
 

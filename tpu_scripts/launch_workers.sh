@@ -25,6 +25,11 @@ accelerator="${3:?usage: launch_workers.sh PREFIX COUNT ACCELERATOR_TYPE}"
 : "${SERVER_ADDRESS:?set SERVER_ADDRESS to the parameter server host:port}"
 : "${WORKER_TOKEN:?set WORKER_TOKEN to the worker token of the server}"
 [[ "$count" =~ ^[1-9][0-9]*$ ]] || { echo "COUNT: expected a positive integer, got '$count'" >&2; exit 2; }
+# Every generation's single-host types end in a number <= 8 (v4-8, v5litepod-4). A
+# multi-host slice (v4-16, v5litepod-16, ...) runs one worker over all its hosts: one
+# jax.distributed job whose host 0 talks to the server.
+multi=""
+[[ "$accelerator" =~ -[1-8]$ ]] || multi=" --coordinator_address=auto"
 interval="${KEEP_INTERVAL_S:-}"
 [[ -z "$interval" || "$interval" =~ ^[1-9][0-9]*$ ]] || {
   echo "KEEP_INTERVAL_S: expected a positive number of seconds, got '$interval'" >&2; exit 2; }
@@ -37,7 +42,7 @@ start_worker() {
   gtpu create "$name" --accelerator-type="$accelerator" --version="$TPU_RUNTIME" --spot || return 1
   if ! { ship_repo "$name" &&
          gtpu scp "$WORKER_TOKEN_FILE" "$name:$REMOTE_TOKEN_FILE" --worker=all &&
-         gtpu ssh "$name" --worker=all --command="chmod 600 $REMOTE_TOKEN_FILE && cd $(q "$RLAX_PS_DIR") && nohup .venv/bin/python -m inference_workers.preemption_watchdog --restart -- .venv/bin/rlax-ps worker --address=$(q "$SERVER_ADDRESS") --token_file=\$HOME/$REMOTE_TOKEN_FILE ${WORKER_ARGS:-} > worker.log 2>&1 &"; }; then
+         gtpu ssh "$name" --worker=all --command="chmod 600 $REMOTE_TOKEN_FILE && cd $(q "$RLAX_PS_DIR") && nohup .venv/bin/python -m inference_workers.preemption_watchdog --restart -- .venv/bin/rlax-ps worker --address=$(q "$SERVER_ADDRESS") --token_file=\$HOME/$REMOTE_TOKEN_FILE$multi ${WORKER_ARGS:-} > worker.log 2>&1 &"; }; then
     gtpu delete "$name" --quiet --async
     return 1
   fi

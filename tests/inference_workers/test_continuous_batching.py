@@ -83,7 +83,7 @@ def test_a_narrow_cache_holds_a_byte_a_value_and_its_log_probs_stay_the_policys(
   for i, p in enumerate(PROMPTS[:3]):
     narrow.add(i, p, seeds_of(i))
   done = dict(narrow.run())
-  c = narrow._slots.cache
+  c = narrow._dev.slots.cache
   kv = c.prefix_k + c.prefix_v + c.suffix_k + c.suffix_v
   assert {x.dtype.name for x in kv} == {held}
   scales = sum(x.scales.size for x in kv) if held == "int8" else 0
@@ -347,7 +347,7 @@ def test_the_decode_chunk_lowers_for_tpu_and_cuda(platform, turns):
   batch.add(0, list(range(1, 101)), [0, 1, 2, 3])
   batch._fill()
   graphdef, state = nnx.split(model)
-  fixed, moving = continuous._without_prompts(batch._slots)
+  fixed, moving = continuous._without_prompts(batch._dev.slots)
   exported = export.export(continuous._chunk, platforms=[platform])(
       graphdef, state, fixed, moving, np.array([True, False]),
       np.zeros((4,), bool) if turns else None, knobs(params), np.int32(8), np.int32(1),
@@ -371,6 +371,6 @@ def test_feeding_rows_several_tokens_at_once_lowers_for_tpu_and_cuda(platform):
   batch._fill()
   graphdef, state = nnx.split(model)
   exported = export.export(continuous._feed_rows, platforms=[platform])(
-      graphdef, state, batch._slots, np.array([0, 1], np.int32), np.ones((2, 16), np.int32),
+      graphdef, state, batch._dev.slots, np.array([0, 1], np.int32), np.ones((2, 16), np.int32),
       np.array([16, 3], np.int32), record_routes=False)
   assert exported.platforms == (platform,)

@@ -68,7 +68,7 @@ def test_a_worker_on_four_devices_samples_as_a_worker_on_one(versions, tmp_path,
           assert "tensor" in str(_spec(worker.policy, "layers.0.mlp.up_proj.kernel"))
           assert same_held(worker.policy, versions[0], fmt)
           if fmt == "int8":
-            cache = worker._batch._slots.cache.suffix_k[0]
+            cache = worker._batch._dev.slots.cache.suffix_k[0]
             assert cache.values.sharding.spec[3] == cache.scales.sharding.spec[3] == "tensor"
     finally:
       server.stop(grace=0)

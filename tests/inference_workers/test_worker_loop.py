@@ -66,7 +66,7 @@ def test_a_worker_with_an_fp8_cache_decodes_through_it(server, versions):
                                                         "float8_e4m3fn", **SMALL))
     stats = worker.run()
     assert stats.groups_submitted == 2
-    assert {x.dtype.name for x in worker._batch._slots.cache.prefix_k} == {"float8_e4m3fn"}
+    assert {x.dtype.name for x in worker._batch._dev.slots.cache.prefix_k} == {"float8_e4m3fn"}
     for r in trainer.take_rollouts(0, 10).rollouts:
       assert all(np.all(np.isfinite(sample_logprobs(s))) for s in r.group.samples)
 

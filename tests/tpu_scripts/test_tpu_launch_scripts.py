@@ -231,6 +231,22 @@ def test_workers_reject_bad_input_by_name(args, env_drop, message):
   assert "gcloud" not in out.stdout
 
 
+def test_a_multi_host_slice_runs_one_worker_over_all_its_hosts():
+  """Single-host types (a number <= 8 in every generation) start a worker per VM; a
+  multi-host slice's hosts start one jax.distributed job (--coordinator_address=auto)."""
+  env = dict(ENV, SERVER_ADDRESS="h:1", WORKER_TOKEN="t", TPU_STATES="")
+  for accelerator, multi in (("v2-8", False), ("v4-8", False), ("v5p-8", False),
+                             ("v5litepod-1", False), ("v5litepod-8", False), ("v6e-8", False),
+                             ("v4-16", True), ("v5litepod-16", True), ("v6e-32", True),
+                             ("v5p-16", True)):
+    out = run("launch_workers.sh", "w", "1", accelerator, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = gcloud_lines(out)
+    assert f"--accelerator-type={accelerator}" in lines[0]
+    start = next(" ".join(line) for line in lines if "rlax-ps worker" in " ".join(line))
+    assert ("--coordinator_address=auto" in start) == multi, (accelerator, start)
+
+
 def test_teardown_deletes_only_matching_names():
   out = run("teardown.sh", "w", env=dict(ENV, TPU_NAMES="w-0 w-1 trainer-a"))
   assert out.returncode == 0, out.stderr

@@ -1,0 +1,251 @@
+"""A worker over several hosts (inference_workers.multihost): every device call the leader
+makes is made by each follower with the same inputs. In one process, through a loopback
+channel: a follower's copy of the decode state and of the weights ends bit for bit as the
+leader's, whatever calls a run made (turns, resumed samples, drops, partial rollouts, a
+keyframe and a delta). Slow: `rlax-ps worker` as one jax.distributed job over two
+processes (two CPU devices each) samples as one process does on four devices."""
+
+import json
+import os
+import pickle
+import queue
+import re
+import subprocess
+import sys
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from child_env import child_env
+from inference_workers import multihost
+from inference_workers.continuous import SLOTS_CALLS, ContinuousBatch, SlotsDevice
+from inference_workers.decoding import Sample
+from inference_workers.sampling import SamplingParams
+from inference_workers.weights import HeldPolicy
+from param_server.client import ParamServerClient, Prompt, RetryPolicy
+from param_server.server import ParamServer, ServerConfig
+from ports import free_port
+from rlax_ps import config_files, sync
+from rlax_ps.models import ModelConfig, Transformer, flatten_params, model_config_from
+from rlax_ps.tokenizers import CharTokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENS = {"trainer": "t-mh", "worker": "w-mh", "viewer": "v-mh"}
+CONFIG = "configs/rl_local.py:tiny"
+PROMPTS = [Prompt(id=f"p{i}", text=f"{i}+{i + 1}=", task="addition", extra=str(2 * i + 1).encode())
+           for i in range(4)]
+
+
+TINY = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                   num_heads=4, num_kv_heads=2, qkv_bias=True, architecture="qwen2")
+STOPS = tuple(range(1, 9))
+
+
+class Loopback:
+  """A channel to a follower in this process: what crosses is pickled, as between hosts."""
+
+  def __init__(self):
+    self._queue = queue.Queue()
+
+  def send(self, message):
+    self._queue.put(pickle.dumps(message))
+
+  def receive(self):
+    return pickle.loads(self._queue.get())
+
+
+def _follower(makers):
+  """(a leader's Mirror, the follower thread, the calls it made by method name)."""
+  channel, called = Loopback(), []
+
+  def counted(make):
+    def made(**settings):
+      obj = make(**settings)
+      for name in [n for n, v in vars(type(obj)).items()
+                   if callable(v) and not n.startswith("_")]:
+        setattr(obj, name, lambda *a, _f=getattr(obj, name), _n=name, **k: (
+            called.append(_n), _f(*a, **k))[1])
+      return obj
+    return made
+
+  thread = threading.Thread(target=multihost.follow,
+                            args=(channel, {k: counted(m) for k, m in makers.items()}),
+                            daemon=True)
+  thread.start()
+  return multihost.Mirror(channel), thread, called
+
+
+def _reply(key, j, tokens, observed):
+  turn = int(np.sum(np.asarray(tokens) == 50))
+  return None if turn >= 2 else [50, 40 + turn, 51]
+
+
+def test_a_followers_decode_state_ends_as_the_leaders_whatever_the_calls():
+  model = Transformer(TINY, rngs=nnx.Rngs(0))
+  twin = Transformer(TINY, rngs=nnx.Rngs(0))
+  params = SamplingParams(max_new_tokens=24, stop_tokens=STOPS)
+  prompts = [[3, 14, 15, 9], [26, 5], [35, 8, 9, 7, 9, 3], [7, 9, 5]]
+  # Begun samples (partial rollouts), one of them past a turn and its reply.
+  said = np.asarray([10, 11, 12, 50, 40, 51, 13], np.int32)
+  begun = [Sample(said[:k], np.zeros(k, np.float32), np.zeros(k, np.float32), "",
+                  observed=np.asarray([0, 0, 0, 1, 1, 1, 0][:k], bool)) for k in (2, 7, 0)]
+  devices = []
+
+  def make_slots(**settings):
+    devices.append(SlotsDevice(twin, **settings))
+    return devices[-1]
+
+  mirror, thread, called = _follower({"slots": make_slots})
+  batch = ContinuousBatch(model, 3, 2, params, respond=_reply, max_turns=2, resume=True,
+                          rows_per_prompt=2, mirror=mirror)
+  for i, prompt in enumerate(prompts):
+    batch.add(i, prompt, [3 * i, 3 * i + 1, 3 * i + 2], begun)
+  got = dict(batch.step())
+  dropped = batch.running_keys[0]  # a running prompt dropped mid-run
+  batch.drop([dropped])
+  assert dropped not in {key for key, _, _ in batch.partial()}
+  got.update(batch.run())
+  mirror.stop()
+  thread.join(60)
+  assert not thread.is_alive()
+  assert sorted(got) == sorted(set(range(4)) - {dropped})
+  for samples in got.values():  # each drew on from its begun tokens
+    assert all(s.tokens[:len(b.tokens)].tolist() == b.tokens.tolist()
+               for s, b in zip(samples, begun))
+  # Every call crossed: the follower's slots are the leader's, leaf for leaf.
+  assert set(called) >= set(SLOTS_CALLS) - {"clear", "done"}, set(called)
+  leader, follower = jax.tree.leaves(batch._dev.slots), jax.tree.leaves(devices[0].slots)
+  assert len(leader) == len(follower)
+  for a, b in zip(leader, follower):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_followers_weights_follow_the_leaders_keyframe_and_delta():
+  v0 = {k: np.asarray(v) for k, v in flatten_params(Transformer(TINY, rngs=nnx.Rngs(0))).items()}
+  rng = np.random.default_rng(1)
+  v1 = {k: (v + (rng.random(v.shape) < 0.02) * 0.01).astype(np.float32) for k, v in v0.items()}
+  held = HeldPolicy(TINY)
+  mirror, thread, called = _follower({"policy": lambda: multihost.PolicyCalls(held)})
+  policy = multihost.MirroredPolicy(HeldPolicy(TINY), mirror)
+  policy.apply(sync.encode(None, v0, "bf16", version=0))
+  policy.apply(sync.encode(v0, v1, "bf16", version=1))
+  digest = policy.digest()
+  mirror.stop()
+  thread.join(60)
+  assert called == ["apply", "apply", "digest"]
+  assert held.version == policy.version == 1 and held.digest() == digest
+  assert digest == sync.state_digest({k: sync.checksum(v) for k, v in
+                                      sync.held_state(v1, "bf16").items()})
+
+
+def test_a_worker_leading_followers_scores_with_a_reward_model_on_every_host(monkeypatch):
+  """Worker(mirror=...) makes its held weights and its reward model on the followers too
+  (follow_leader), and each score is computed on every host from the same sequences."""
+  from inference_workers.loop import Worker, follow_leader
+  from inference_workers.worker_config import WorkerConfig
+  from param_server.protos import param_server_pb2 as pb
+  from rlax_ps.reward_scoring import RewardScorer
+  from tests.models.hf_fixtures import FIXTURES
+  scored = []
+  plain = RewardScorer.scores
+  monkeypatch.setattr(RewardScorer, "scores", lambda self, rows: (
+      scored.append((id(self), [list(r) for r in rows])), plain(self, rows))[1])
+  tokenizer = CharTokenizer()
+  model_config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
+                             intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                             max_position_embeddings=64)
+  config = WorkerConfig(reward_model=os.path.join(FIXTURES, "qwen3_reward"),
+                        reward_model_dtype="float32", max_new_tokens=8)
+  channel = Loopback()
+  follower = threading.Thread(target=follow_leader, daemon=True,
+                              args=(model_config, tokenizer, config, channel))
+  follower.start()
+  worker = Worker(None, model_config, tokenizer, config, mirror=multihost.Mirror(channel))
+  head = tokenizer.encode_prompt("5+7=")
+  samples = [Sample(np.asarray(tokenizer.encode(t), np.int32), np.zeros(len(t), np.float32),
+                    np.zeros(len(t), np.float32), "stop") for t in ("7", "12")]
+  rewards, _, _ = worker._scored(pb.Prompt(id="a", text="5+7=", token_ids=head,
+                                           task="reward_model"), samples)
+  worker.mirror.stop()
+  follower.join(60)
+  assert not follower.is_alive()
+  # Two scorers (the leader's and the follower's) scored the same rows.
+  mine = id(worker.reward_scorer._obj)
+  assert len(scored) == 2 and [i == mine for i, _ in scored].count(True) == 1
+  assert scored[0][1] == scored[1][1] == [head + list(s.tokens) for s in samples]
+  assert len(rewards) == 2
+
+
+def _start(address, token_file, devices, *extra):
+  return subprocess.Popen(
+      [sys.executable, "-m", "rlax_ps", "worker", f"--config={CONFIG}", f"--address={address}",
+       f"--token_file={token_file}", "--max_leases=2", "--prompts_per_lease=2",
+       "--prompts_per_call=4", "--samples_per_prompt=2", "--devices=0", "--backoff_max_s=0.5",
+       *extra],
+      cwd=REPO, env=child_env(devices=devices, tokens=False), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+
+
+def _groups(tmp_path, name, *jobs):
+  """The groups a fresh server gets from a worker made of `jobs` (devices, extra flags)."""
+  server = ParamServer(ServerConfig(storage_dir=str(tmp_path / name), port=0, wal_fsync=False,
+                                    compact_in_background=False, threads=16,
+                                    **{f"{r}_token": t for r, t in TOKENS.items()})).start()
+  tokens = tmp_path / f"{name}.json"
+  tokens.write_text(json.dumps(TOKENS))
+  tokens.chmod(0o600)
+  cfg = config_files.load(os.path.join(REPO, "configs", "rl_local.py"), "tiny")
+  model_config = model_config_from(cfg.model, CharTokenizer().vocab_size)
+  params = {k: np.asarray(v) for k, v in
+            flatten_params(Transformer(model_config, rngs=nnx.Rngs(0))).items()}
+  try:
+    with ParamServerClient(server.address, token=TOKENS["trainer"], role="trainer",
+                           retry=RetryPolicy(deadline_s=5.0)) as trainer:
+      trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
+      moved = {k: v + np.float32(0.01) * np.sign(v) for k, v in params.items()}
+      trainer.publish(sync.encode(params, moved, "bf16", version=1).to_bytes())  # a delta
+      trainer.enqueue_prompts(PROMPTS)
+      procs = [_start(server.address, tokens, devices, *extra) for devices, extra in jobs]
+      outs = [p.communicate(timeout=600) for p in procs]
+      for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+      taken = trainer.take_rollouts(0, 16).rollouts
+  finally:
+    server.stop(grace=0)
+  return {t.prompt.id: [list(s.token_ids) for s in t.group.samples] for t in taken}, outs
+
+
+@pytest.mark.slow
+def test_two_processes_sample_as_one_with_all_their_devices(tmp_path):
+  port = free_port()
+  job = [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+  two, outs = _groups(tmp_path, "two", (2, (*job, "--process_id=0")),
+                      (2, (*job, "--process_id=1")))
+  leader = outs[0][0]
+  one, (alone,) = _groups(tmp_path, "one", (4, ()))
+  assert "decoding on 4 devices (data 4 x tensor 1)" in leader and "4 groups submitted" in leader, (
+      leader + outs[0][1][-3000:])
+  assert sorted(two) == [p.id for p in PROMPTS] and all(len(g) == 2 for g in two.values())
+  assert two == one
+  # The keyframe and the delta applied on both processes: each held tensor read back whole
+  # (gathered from both processes) is the published one.
+  digest = re.search(r"holds v1 digest [0-9a-f]{16}", alone[0]).group()
+  assert digest in leader, (leader, alone[0])
+
+
+@pytest.mark.slow
+def test_hosts_given_different_settings_all_stop_naming_them(tmp_path):
+  tokens = tmp_path / "tokens.json"
+  tokens.write_text(json.dumps(TOKENS))
+  tokens.chmod(0o600)
+  job = [f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2"]
+  procs = [_start("127.0.0.1:1", tokens, 2, *job, "--process_id=0"),
+           _start("127.0.0.1:1", tokens, 2, *job, "--process_id=1", "--prompts_per_call=2")]
+  (_, leader), (_, other) = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [2, 2], (leader[-2000:], other[-2000:])
+  assert "the settings of hosts [1] differ from host 0's" in leader
+  assert ("this host's settings differ from host 0's: worker.prompts_per_call: host 0 4, "
+          "here 2") in other
