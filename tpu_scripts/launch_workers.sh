@@ -2,7 +2,8 @@
 # Keep COUNT spot TPU VMs named PREFIX-0..PREFIX-(COUNT-1) running, each with one inference
 # worker under the preemption watchdog (a preemption notice becomes SIGTERM: leases are
 # released, nothing is lost; a hard kill loses nothing either because leases expire; a
-# worker that crashes is started again).
+# worker that crashes is started again). A multi-host TYPE (v5litepod-16, v4-32, ...) runs
+# one worker over all the hosts of each slice (--coordinator_address=auto).
 # One pass creates the VMs that are missing and deletes and recreates those that are
 # PREEMPTED or TERMINATED; others (READY, CREATING, STOPPED by you, ...) are left alone.
 # Rerunning it is safe. With KEEP_INTERVAL_S=N it makes a pass every N seconds until
