@@ -629,13 +629,11 @@ class ContinuousBatch:
                        f"{kv_dtype!r}")
     check_request(model.config, [[0]], [0] * n, n, params)
     self.model, self.n, self.num_slots, self.params = model, n, slots, params
-    self.record_routes, self.decode_fn = record_routes, decode_fn
+    self.record_routes = record_routes
     self.chunk_steps = chunk_steps
     self.respond, self.max_turns = respond, max_turns
     self.resume = resume
     self.feed_tokens = feed_tokens
-    self.mesh = mesh
-    self.kv_dtype = kv_dtype
     self.return_after = return_after
     self._replies: dict[int, int] = {}  # output slot -> replies given to its sample
     # paused row -> (its output slot, its sample's length, its reply in the making)
