@@ -29,12 +29,28 @@ SECRET = "rlax-ps-tokens"
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
 
 
-# A user's overlay that adds a component: its resources and components, relative to k8s/.
+# A user's overlay that adds components: its resource, then its components in order, relative
+# to k8s/.
 COMPOSED = {"base+hf-checkpoint": ("base", "components/hf-checkpoint"),
             "gke-tpu+hf-checkpoint": ("overlays/gke-tpu", "components/hf-checkpoint"),
             "gke-tpu+weight-relay": ("overlays/gke-tpu", "components/weight-relay"),
-            "base+weight-relay": ("base", "components/weight-relay")}
+            "base+weight-relay": ("base", "components/weight-relay"),
+            "gke-tpu+multihost-workers": ("overlays/gke-tpu", "components/multihost-workers"),
+            "gke-tpu-multihost+multihost-workers": ("overlays/gke-tpu-multihost",
+                                                    "components/multihost-workers"),
+            "gke-tpu+multihost-workers+hf-checkpoint": (
+                "overlays/gke-tpu", "components/multihost-workers", "components/hf-checkpoint"),
+            "gke-tpu+multihost-workers+weight-relay": (
+                "overlays/gke-tpu", "components/multihost-workers", "components/weight-relay"),
+            "gke-tpu+weight-relay+multihost-workers": (
+                "overlays/gke-tpu", "components/weight-relay", "components/multihost-workers")}
 RENDERED = OVERLAYS + list(COMPOSED)
+# Each render with multi-host workers -> the same render with the Deployment of workers.
+SINGLE_HOST_WORKERS = {"gke-tpu+multihost-workers": "overlays/gke-tpu",
+                       "gke-tpu-multihost+multihost-workers": "overlays/gke-tpu-multihost",
+                       "gke-tpu+multihost-workers+hf-checkpoint": "gke-tpu+hf-checkpoint",
+                       "gke-tpu+multihost-workers+weight-relay": "gke-tpu+weight-relay",
+                       "gke-tpu+weight-relay+multihost-workers": "gke-tpu+weight-relay"}
 
 
 @functools.cache
@@ -42,8 +58,9 @@ def overlay_dir(name: str) -> pathlib.Path:
   if name not in COMPOSED:
     return K8S / name
   root = pathlib.Path(tempfile.mkdtemp(prefix="rlax-ps-k8s-"))
-  resource, component = (os.path.relpath(K8S / p, root) for p in COMPOSED[name])
-  (root / "kustomization.yaml").write_text(f"resources: [{resource}]\ncomponents: [{component}]\n")
+  resource, *components = (os.path.relpath(K8S / p, root) for p in COMPOSED[name])
+  (root / "kustomization.yaml").write_text(
+      f"resources: [{resource}]\ncomponents: [{', '.join(components)}]\n")
   return root
 
 
@@ -88,6 +105,12 @@ def flag(args: list[str], name: str) -> str:
   return values[0]
 
 
+def from_your_checkpoint(overlay: str) -> bool:
+  """Whether the trainer and workers start from your checkpoint (hf-checkpoint) instead of
+  the warm start."""
+  return "hf-checkpoint" in overlay or "gke-tpu-multihost" in overlay
+
+
 def workloads(overlay: str) -> dict[str, dict]:
   docs = render(overlay)
   found = {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Job"), **by_kind(docs, "JobSet"),
@@ -100,9 +123,10 @@ def workloads(overlay: str) -> dict[str, dict]:
 @pytest.mark.parametrize("overlay", RENDERED)
 def test_manifests_match_the_kubernetes_api_schemas(overlay):
   docs = render(overlay)
-  kinds = {d["kind"] for d in docs}
-  assert kinds >= {"Service", "StatefulSet", "Deployment", "PersistentVolumeClaim"}
-  assert len(kinds & {"Job", "JobSet"}) == 1  # the trainer: one host, or a slice's hosts
+  assert {d["kind"] for d in docs} >= {"Service", "StatefulSet", "PersistentVolumeClaim"}
+  found = workloads(overlay)  # the trainer and the workers: on one host, or a slice's hosts
+  assert found["rlax-ps-trainer"]["kind"] in {"Job", "JobSet"}
+  assert found["rlax-ps-worker"]["kind"] in {"Deployment", "JobSet"}
   version = kubernetes_validate.latest_version()
   for doc in docs:  # strict: an unknown or misspelt field fails too
     if doc["kind"] == "JobSet":  # a custom resource: its Job template is checked as a Job
@@ -129,6 +153,10 @@ if name == "serve":
   module.config_from_flags()
 if name == "worker":
   module.worker_config_from(module._CONFIG.value.get("worker"))
+if "coordinator_address" in flags.FLAGS:  # train, sft, worker: one host or a slice's hosts
+  from rlax_ps import distributed
+  distributed.check_flags(*(flags.FLAGS[f].value for f in
+                            ("coordinator_address", "num_processes", "process_id")))
 if name == "relay":
   module.resolve(module.RelayConfig, None, "relay settings")
 """
@@ -253,7 +281,7 @@ def test_server_and_trainer_state_is_on_persistent_volumes(overlay):
                   if (flag(train["args"], "workdir") + "/").startswith(m["mountPath"] + "/")]
     assert "ReadWriteMany" in claims[pvc[workdir]]["spec"]["accessModes"]
   start = flag(train["args"], "config.init_from_hf")
-  if "hf-checkpoint" not in overlay and "multihost" not in overlay:
+  if not from_your_checkpoint(overlay):
     # The trainer starts from the warm start's Hugging Face export, on the same volume.
     (warm,) = spec["initContainers"]
     assert warm["args"][0] == "sft" and on_pvc(warm, flag(warm["args"], "workdir"))
@@ -315,6 +343,46 @@ def test_the_multihost_overlay_runs_one_jax_job_over_every_host_of_the_slice():
                                           "PersistentVolumeClaim")
   assert pod_spec(found["rlax-ps-worker"]) == pod_spec(workloads("gke-tpu+hf-checkpoint")[
       "rlax-ps-worker"])
+
+
+@pytest.mark.parametrize("overlay", SINGLE_HOST_WORKERS)
+def test_the_multihost_workers_component_runs_each_worker_over_every_host_of_its_slice(overlay):
+  worker = workloads(overlay)["rlax-ps-worker"]
+  # It replaces the single-host workers: no Deployment of them remains.
+  assert worker["kind"] == "JobSet" and "rlax-ps-worker" not in by_kind(render(overlay),
+                                                                         "Deployment")
+  job, spec = job_spec(worker), pod_spec(worker)
+  (c,) = spec["containers"]
+  per_host = int(c["resources"]["limits"]["google.com/tpu"])
+  assert int(c["resources"]["requests"]["google.com/tpu"]) == per_host
+  # One process per host, all of them at once, the slice's chips in all.
+  assert job["parallelism"] == job["completions"] > 1
+  assert job["parallelism"] * per_host == chips(spec)
+  # The single-host workers' command, environment (token, pod name) and volumes on every
+  # host, with what the components did to them (the model, the relay's address).
+  single_pod = pod_spec(workloads(SINGLE_HOST_WORKERS[overlay])["rlax-ps-worker"])
+  (single,) = single_pod["containers"]
+  assert c["args"][0] == single["args"][0] == "worker"  # the flags in any order
+  assert sorted(c["args"]) == sorted(single["args"] + ["--coordinator_address=auto"])
+  assert c["env"] == single["env"] and c["image"] == single["image"] == "rlax-ps:tpu"
+  assert c.get("volumeMounts") == single.get("volumeMounts")
+  assert spec.get("volumes") == single_pod.get("volumes")
+  # The multi-host trainer's slices, on spot nodes; one node pool per slice.
+  trainer = workloads("overlays/gke-tpu-multihost")["rlax-ps-trainer"]
+  selector = dict(spec["nodeSelector"])
+  assert selector.pop("cloud.google.com/gke-spot") == "true"
+  assert selector == pod_spec(trainer)["nodeSelector"]
+  assert worker["metadata"]["annotations"] == trainer["metadata"]["annotations"]
+  assert spec["terminationGracePeriodSeconds"] <= 15  # what GKE gives a preempted pod
+  # A failed host fails its slice's Job and the set restarts; a preemption's failure (a pod
+  # DisruptionTarget fails the Job by its pod failure policy) does not count.
+  assert job["backoffLimit"] == 0 and spec["restartPolicy"] == "Never"
+  assert worker["spec"]["failurePolicy"]["maxRestarts"] >= 10
+  (rule,) = worker["spec"]["failurePolicy"]["rules"]
+  assert rule["action"] == "RestartJobSetAndIgnoreMaxRestarts"
+  assert rule["onJobFailureReasons"] == ["PodFailurePolicy"]
+  assert job["podFailurePolicy"]["rules"] == [{"action": "FailJob", "onPodConditions": [
+      {"type": "DisruptionTarget", "status": "True"}]}]
 
 
 def test_the_image_installs_every_package_and_ships_the_recipes_the_manifests_name():
