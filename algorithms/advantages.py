@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators: GRPO (and Dr. GRPO), MC-GRPO, RLOO, OPO, pass@k.
+"""Group-relative advantage estimators: GRPO (and Dr. GRPO), GDPO, MC-GRPO, RLOO, OPO, pass@k.
 
 Inputs use the flat layout of `algorithms.groups`: `rewards [B]`, `group_ids [B]`
 (ints in `[0, num_groups)`, `num_groups` static), optional `sample_mask [B]`.
@@ -59,6 +59,26 @@ def grpo_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
   if std_scaling == "batch":
     return _scale(centred, _batch_std(rewards, mask, unbiased), eps)
   return centred
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "unbiased"))
+def gdpo_advantages(parts, weights, group_ids, num_groups: int, sample_mask=None, *,
+                    eps: float = 1e-6, unbiased: bool = True):
+  """GDPO (arXiv 2601.05242; TRL's multi_objective_aggregation="normalize_then_sum"): each
+  reward part of `parts [B, K]` normalised within its group as GRPO does, over the samples
+  that have it (NaN: the part does not apply, it adds nothing), weighted by `weights` ([K]
+  or [B, K]) and summed; that sum is then normalised over the whole batch. Normalising the
+  parts apart keeps a part of small spread from being drowned by one of large spread."""
+  parts = jnp.asarray(parts, jnp.float32)
+  if parts.ndim != 2:
+    raise ValueError(f"parts: expected shape [B, K], got {parts.shape}")
+  _, group_ids, mask = check_group_inputs(parts[:, 0], group_ids, num_groups, sample_mask)
+  weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), parts.shape)
+  have = (~jnp.isnan(parts) & (mask[:, None] > 0)).astype(jnp.float32)
+  each = jax.vmap(lambda r, m: grpo_advantages(r, group_ids, num_groups, m, eps=eps,
+                                               unbiased=unbiased), in_axes=1, out_axes=1)
+  total = jnp.sum(each(jnp.where(have > 0, parts, 0.0), have) * weights, axis=1)
+  return grpo_advantages(total, jnp.zeros_like(group_ids), 1, mask, eps=eps, unbiased=unbiased)
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups",))

@@ -13,6 +13,7 @@ Which function needs which:
   and behaviour; their weights go to a loss's `token_weights` (and MIS's mask to `mask`).
 - `decoupled_ppo_loss`: all three (PPO clip on pi/pi_prox, weight pi_prox/pi_behav).
 - `m2po_mask` / `m2po_loss`: proximal and behaviour for the mask, logp for the loss.
+- `off_policy_sequence_mask`: behaviour and logp (gradient stopped), and the advantages.
 The two losses take `token_weights` as `algorithms.losses` does: a constant weight per
 token multiplying its loss, the token still counting in the aggregation's denominators.
 Weights and masks are constants (stop-gradient); all functions are jittable.
@@ -180,3 +181,21 @@ def m2po_loss(logp, proximal_logp, behaviour_logp, advantages, mask, *,
   metrics = {"loss": loss, "m2": jnp.sum(log_ratio * log_ratio) / n,
              "m2po_masked_frac": 1.0 - jnp.sum(keep) / n}
   return loss, metrics
+
+
+def off_policy_sequence_mask(logp, behaviour_logp, advantages, mask, *, threshold: float):
+  """DeepSeek-V3.2's off-policy sequence masking (TRL's off_policy_mask_threshold): a
+  sequence with negative advantage whose mean log(pi_behav / pi) over its tokens exceeds
+  `threshold` gets no policy loss. pi is the current policy (gradient stopped), pi_behav
+  the sampler's. Returns (keep [B, T]: `mask` with those sequences' tokens 0, dropped [B])."""
+  if not threshold >= 0:
+    raise ValueError(f"threshold: expected >= 0, got {threshold!r}")
+  logp = jnp.asarray(logp)
+  log_ratio, fmask = _check(jax.lax.stop_gradient(logp), behaviour_logp, mask)
+  mean = -jnp.sum(log_ratio, axis=-1) / jnp.maximum(jnp.sum(fmask, axis=-1), 1.0)
+  adv = jnp.asarray(advantages)
+  if adv.shape != logp.shape[:1]:
+    raise ValueError(f"advantages: expected one per sequence, shape {logp.shape[:1]}, got "
+                     f"{adv.shape}")
+  dropped = (jax.lax.stop_gradient(adv) < 0) & (mean > threshold)
+  return fmask * (~dropped)[:, None].astype(fmask.dtype), dropped

@@ -107,6 +107,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # batch's rewards ("batch": TRL's scale_rewards="batch"); dr_grpo, rloo, opo divide by none.
   c.loss.scale_rewards = ml_collections.config_dict.placeholder(str)
   c.loss.std_eps = 1e-6  # grpo, mc_grpo: added to that std (verl's; TRL's is 1e-4).
+  # sum: the workers' weighted sum of the reward parts | normalize_then_sum (GDPO, TRL's
+  # multi_objective_aggregation): each of worker.reward_terms' parts normalised apart.
+  c.loss.reward_aggregation = "sum"
   c.loss.policy_loss = "ppo"  # ppo | gspo | cispo (REINFORCE weighted by the clipped ratio)
   c.loss.correction = "none"  # none | tis | mis | decoupled | m2po
   # The policy loss's clip bounds and aggregation; unset: its own (ppo: 0.2 and 0.28, DAPO's
@@ -123,6 +126,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.mis_low = 0.5  # masked IS: tokens with pi_trainer / pi_worker outside weigh 0
   c.loss.mis_high = 2.0
   c.loss.m2po_threshold = 0.04  # M2PO's bound on the second moment of log(pi_t / pi_w)
+  # > 0: no policy loss for a negative-advantage sample whose mean log(pi_worker / pi_trainer)
+  # exceeds this (DeepSeek-V3.2, TRL's off_policy_mask_threshold); unset: off.
+  c.loss.off_policy_mask = ml_collections.config_dict.placeholder(float)
   c.loss.overlong_buffer = 0  # > 0: DAPO's soft overlong punishment over these last tokens
   # True: responses cut at worker.max_new_tokens get no loss (their rewards still join their
   # group's baseline): DAPO's advice, TRL's mask_truncated_completions.

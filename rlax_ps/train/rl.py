@@ -262,6 +262,7 @@ class RLTrainer(TrainerRun):
                             samples=int(config.worker.samples_per_prompt),
                             prompt_len=int(rl.max_prompt_tokens),
                             response_len=int(config.worker.max_new_tokens),
+                            reward_parts=tuple(n for n, _ in self.loss_cfg.reward_parts),
                             **routing_shape(self.model_config, config.worker))
     # A step's rows are packed to the smallest of these many capacities (the budget, half
     # of it, ...) that holds its longest response.
@@ -759,7 +760,7 @@ class RLTrainer(TrainerRun):
           self.streaks.pop(record, None)
       group = group_of(taken, self.tokenizer)
       try:
-        check_group(group, self.shape, self.model_config.vocab_size)
+        check_group(group, self.shape, self.model_config.vocab_size, self.loss_cfg.reward_parts)
         if self.dynamic and len(group.rewards) != self.shape.samples:
           raise ValueError(f"rollout {group.rollout_id}: {len(group.rewards)} samples; "
                            f"rl.dynamic_sampling needs worker.samples_per_prompt="

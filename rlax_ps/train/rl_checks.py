@@ -44,6 +44,13 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
     raise ValueError(f"rl.response_buckets: expected >= 1, got {rl.response_buckets}")
   loss = dataclasses.replace(LossConfig.from_config(config.loss),
                              budget=int(worker.max_new_tokens))
+  if loss.reward_aggregation == "normalize_then_sum":
+    parts = reward_part_weights(worker)
+    if not parts:
+      raise ValueError("loss.reward_aggregation: expected 'sum' when the workers send no "
+                       "reward parts (worker.reward_terms and worker.reward_model unset), got "
+                       "'normalize_then_sum'")
+    loss = dataclasses.replace(loss, reward_parts=parts)
   check_micro_batches(int(rl.get("micro_batches", 1)), int(rl.groups_per_step), loss)
   ref_sync_settings(rl, loss, int(config.model.get("lora_rank", 0)))
   samples, allocator = int(worker.samples_per_prompt), str(worker.get("allocator", "fixed"))
@@ -80,6 +87,19 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   if files:
     _check_files(config)
   return loss
+
+
+def reward_part_weights(worker) -> tuple[tuple[str, float], ...]:
+  """The reward parts the workers send, by name, with the weights their reward sums them
+  with (inference_workers.loop's _scored): the task verifier's 1, each worker.reward_terms
+  term's own, the reward model's worker.reward_model_weight; () when they send none."""
+  from inference_workers.worker_config import WorkerConfig
+  terms = WorkerConfig(reward_terms=str(worker.get("reward_terms", ""))).reward_term_weights()
+  scorer = bool(str(worker.get("reward_model", "")))
+  if not terms and not scorer:
+    return ()
+  rm = [("reward_model", float(worker.get("reward_model_weight", 0.0)))] if scorer else []
+  return (("task", 1.0), *terms, *rm)
 
 
 def _check_files(config) -> None:

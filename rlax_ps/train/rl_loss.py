@@ -46,6 +46,7 @@ POLICY_DEFAULTS = {"ppo": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),
                    "gspo": dict(clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
                    "cispo": dict(clip_low=1.0, clip_high=0.28, agg="token-mean")}
 CORRECTIONS = ("none", "tis", "mis", "decoupled", "m2po")
+REWARD_AGGREGATIONS = ("sum", "normalize_then_sum")
 
 
 def _is_number(x) -> bool:
@@ -64,6 +65,15 @@ class LossConfig:
   # None: "group". Unset for dr_grpo and rloo, which divide by no std.
   scale_rewards: str | None = None
   std_eps: float = 1e-6  # grpo, mc_grpo: (r - baseline) / (std + std_eps); TRL's is 1e-4
+  # sum: the advantages of each sample's reward, the workers' weighted sum of its parts |
+  # normalize_then_sum (GDPO; TRL's multi_objective_aggregation): each reward part normalised
+  # within its group, weighted and summed, the sum normalised over the batch (advantage
+  # grpo, std_eps at both steps).
+  reward_aggregation: str = "sum"
+  # normalize_then_sum: (name, weight) of each reward part the batch carries, as the workers
+  # weigh them (the trainer sets them from worker.reward_terms and worker.reward_model_weight;
+  # the reward model's weighs 1 in a group without a task part, of task reward_model).
+  reward_parts: tuple[tuple[str, float], ...] = ()
   # ppo (clip, clip-higher when clip_high > clip_low) | gspo | cispo (every token's
   # log-prob weighted by its ratio clipped to [1 - clip_low, 1 + clip_high], held constant)
   policy_loss: str = "ppo"
@@ -87,6 +97,12 @@ class LossConfig:
   mis_low: float = 0.5  # MIS: tokens whose pi_prox / pi_behav leaves [low, high] weigh 0
   mis_high: float = 2.0
   m2po_threshold: float = 0.04  # M2PO: bound on the kept tokens' mean second moment
+  # > 0: a sample with negative advantage whose mean log(pi_behav / pi) over its tokens
+  # exceeds this gets no policy loss (DeepSeek-V3.2's off-policy sequence masking; TRL's
+  # off_policy_mask_threshold); pi_behav: the workers' sampling log-probs (behaviour_logp),
+  # pi: the current policy (the proximal one at an update's start), with any correction.
+  # None or 0: off.
+  off_policy_mask: float | None = None
   # DAPO's soft overlong punishment: a response within this many tokens of the budget
   # (worker.max_new_tokens) loses up to 1 reward, linearly; 0 = off.
   overlong_buffer: int = 0
@@ -143,6 +159,21 @@ class LossConfig:
          f"unset with advantage={self.advantage!r}, which divides by no std (grpo and "
          "mc_grpo do)")
     need(math.isfinite(self.std_eps) and self.std_eps >= 0, "std_eps", "a finite eps >= 0")
+    need(self.reward_aggregation in REWARD_AGGREGATIONS, "reward_aggregation",
+         f"one of {REWARD_AGGREGATIONS}")
+    need(self.reward_aggregation == "sum" or (self.advantage == "grpo"
+                                              and self.scale_rewards == "group"),
+         "reward_aggregation", f"'sum' with advantage={self.advantage!r}, scale_rewards="
+         f"{self.scale_rewards!r} (normalize_then_sum is GDPO's GRPO: group, then batch)")
+    need(all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) and p[0]
+             and _is_number(p[1]) and math.isfinite(p[1]) for p in self.reward_parts),
+         "reward_parts", "(name, finite weight) pairs")
+    object.__setattr__(self, "reward_parts", tuple((n, float(w)) for n, w in self.reward_parts))
+    need(self.off_policy_mask is None or (_is_number(self.off_policy_mask)
+                                          and math.isfinite(self.off_policy_mask)
+                                          and self.off_policy_mask >= 0),
+         "off_policy_mask", "a finite threshold > 0 on the mean log(pi_behav / pi) (None or "
+         "0: off)")
     for field, value in POLICY_DEFAULTS[self.policy_loss].items():
       if getattr(self, field) is None:
         object.__setattr__(self, field, value)
@@ -219,7 +250,10 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
   mask = batch["sample_mask"].reshape(-1)
   group_ids = jnp.repeat(batch["row_group"], n)
   scaling = dict(std_scaling=cfg.scale_rewards, eps=cfg.std_eps)
-  if cfg.advantage == "grpo":
+  if cfg.reward_aggregation == "normalize_then_sum":
+    parts, weights = reward_parts(batch, cfg)
+    adv = adv_lib.gdpo_advantages(parts, weights, group_ids, num_groups, mask, eps=cfg.std_eps)
+  elif cfg.advantage == "grpo":
     adv = adv_lib.grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
   elif cfg.advantage == "dr_grpo":
     adv = adv_lib.grpo_advantages(rewards, group_ids, num_groups, mask, std_scaling="none")
@@ -236,6 +270,35 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
   if cfg.mask_truncated:
     mask = mask * (~truncated_samples(batch, cfg)).astype(mask.dtype)
   return adv, mask
+
+
+def reward_parts(batch: dict, cfg: LossConfig) -> tuple[jax.Array, jax.Array]:
+  """(parts [rows * N, K], weights [rows * N, K]) for loss.reward_aggregation=
+  "normalize_then_sum": the batch's reward parts (NaN where a sample has none) with the
+  workers' weights (cfg.reward_parts), and DAPO's overlong punishment as one more part of
+  weight 1 (loss.overlong_buffer: TRL's soft overlong punishment reward function)."""
+  if "reward_parts" not in batch or not cfg.reward_parts:
+    raise ValueError("loss.reward_aggregation: expected 'sum' for a batch without reward "
+                     "parts (set worker.reward_terms or worker.reward_model: the parts "
+                     "normalize_then_sum normalises apart)")
+  k = len(cfg.reward_parts)
+  parts = batch["reward_parts"].reshape(-1, batch["reward_parts"].shape[-1])
+  if parts.shape[-1] != k:
+    raise ValueError(f"loss.reward_parts: expected {parts.shape[-1]} (name, weight) pairs, one "
+                     f"per part of the batch, got {k}")
+  names = [name for name, _ in cfg.reward_parts]
+  weights = jnp.broadcast_to(jnp.asarray([w for _, w in cfg.reward_parts], jnp.float32),
+                             parts.shape)
+  if "task" in names and "reward_model" in names:  # task reward_model: its score alone, x 1
+    task, rm = names.index("task"), names.index("reward_model")
+    weights = weights.at[:, rm].set(jnp.where(jnp.isnan(parts[:, task]), 1.0, weights[:, rm]))
+  if cfg.overlong_buffer:
+    budget = cfg.budget or batch["response_tokens"].shape[-1]
+    punish = shaping.soft_overlong_punishment(batch["response_lens"].reshape(-1), budget,
+                                              min(cfg.overlong_buffer, budget))
+    parts = jnp.concatenate([parts, punish[:, None].astype(parts.dtype)], axis=1)
+    weights = jnp.concatenate([weights, jnp.ones_like(weights[:, :1])], axis=1)
+  return parts, weights
 
 
 def router_agreement(picked: jax.Array, replayed: jax.Array) -> jax.Array:
@@ -342,6 +405,13 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
     if entropy_threshold is None:
       entropy_threshold = losses.entropy_threshold(entropy, mask, cfg.top_entropy_quantile)
     trained = losses.high_entropy_tokens(entropy, mask, entropy_threshold)
+  off_policy = {}
+  if cfg.off_policy_mask:  # the policy loss only: the KL term keeps every token, as TRL's
+    kept, dropped = corrections.off_policy_sequence_mask(logp, behaviour, adv, mask,
+                                                         threshold=cfg.off_policy_mask)
+    trained = trained * kept
+    off_policy["off_policy_masked_frac"] = jnp.sum(dropped) / jnp.maximum(
+        jnp.sum(jnp.sum(mask, axis=-1) > 0), 1.0)
 
   def selected(weights):  # the correction's token weights (None: 1) on the trained tokens
     if trained is mask:
@@ -387,7 +457,9 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
           jnp.sum(sample_mask), 1.0),
       response_tokens=jnp.sum(mask),
       entropy=jnp.sum(jax.lax.stop_gradient(entropy) * mask) / n_tok,  # of the trainer's policy
-      trained_token_frac=jnp.sum(trained) / n_tok,  # with policy loss (top_entropy_quantile)
+      # with policy loss (top_entropy_quantile, off_policy_mask)
+      trained_token_frac=jnp.sum(trained) / n_tok,
+      **off_policy,
       **stats,
   )
   return loss, metrics, routing
@@ -425,6 +497,8 @@ def metric_kind(name: str, cfg: LossConfig) -> str:
   if name == "router_agreement":
     return "routes"
   if cfg.policy_loss == "gspo" and name.startswith("clip_frac"):
+    return "sequences"
+  if name == "off_policy_masked_frac":
     return "sequences"
   return "tokens"
 

@@ -31,9 +31,18 @@ class BatchShape:
   moe_layers: int = 0
   top_k: int = 0
   num_experts: int = 0
+  # The reward parts the batch carries by name, reward_parts [rows, N, K] (loss.
+  # reward_aggregation="normalize_then_sum"); (): none.
+  reward_parts: tuple[str, ...] = ()
 
   def __post_init__(self):
+    if (not isinstance(self.reward_parts, tuple) or len(set(self.reward_parts))
+        != len(self.reward_parts) or not all(isinstance(n, str) for n in self.reward_parts)):
+      raise ValueError(f"BatchShape.reward_parts: expected a tuple of distinct names, got "
+                       f"{self.reward_parts!r}")
     for f in dataclasses.fields(self):
+      if f.name == "reward_parts":
+        continue
       v, least = getattr(self, f.name), 0 if f.name in _ROUTING else 1
       if not isinstance(v, int) or v < least:
         raise ValueError(f"BatchShape.{f.name}: expected an int >= {least}, got {v!r}")
@@ -78,9 +87,11 @@ class Group:
   reward_parts_bad: tuple[str, ...] = ()
 
 
-def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None) -> None:
+def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None,
+                reward_weights: tuple[tuple[str, float], ...] = ()) -> None:
   """ValueError naming the rollout and the field when `group` cannot enter a batch (token
-  ids past `vocab_size` too: an embedding lookup would clamp them, silently)."""
+  ids past `vocab_size` too: an embedding lookup would clamp them, silently; with
+  `reward_weights` (loss.reward_parts), rewards that are not their parts' weighted sum)."""
   where = f"rollout {group.rollout_id}"
   p = len(group.prompt_tokens)
   if not 1 <= p <= shape.prompt_len:
@@ -119,6 +130,35 @@ def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None) 
                          f"tokenizer or model?)")
   if shape.routed and (group.prompt_routes is not None or group.response_routes is not None):
     _check_routes(group, shape, where)  # (a trainer that replays none leaves routes unread)
+  if shape.reward_parts:
+    _check_reward_parts(group, shape, where, dict(reward_weights))
+
+
+def _check_reward_parts(group: Group, shape: BatchShape, where: str,
+                        weights: dict[str, float]) -> None:
+  """The group's reward parts are among the batch's, each with a value for every sample."""
+  parts = group.reward_parts or {}
+  if not parts or set(parts) - set(shape.reward_parts):
+    raise ValueError(f"{where}: reward parts {sorted(parts)}: expected some of "
+                     f"{list(shape.reward_parts)}, the parts loss.reward_aggregation="
+                     f"'normalize_then_sum' weighs (worker.reward_terms, worker.reward_model)")
+  for name, values in parts.items():
+    if len(values) != len(group.responses):
+      raise ValueError(f"{where}: reward part {name!r}: expected a value for each of "
+                       f"{len(group.responses)} samples, got {len(values)}")
+  if not weights:
+    return
+  if "task" not in parts and "reward_model" in weights:  # task reward_model: its score, x 1
+    weights = {**weights, "reward_model": 1.0}
+  summed = sum(weights[name] * np.asarray(values, np.float64) for name, values in parts.items())
+  odd = np.flatnonzero(~np.isclose(summed, group.rewards, rtol=1e-4, atol=1e-4))
+  if len(odd):
+    i = int(odd[0])
+    raise ValueError(
+        f"{where}: samples[{i}].reward {group.rewards[i]:g} is not the weighted sum of its "
+        f"parts with this trainer's weights {weights} ({float(summed[i]):g}): the workers "
+        f"weigh worker.reward_terms / worker.reward_model_weight otherwise than this config, "
+        f"whose weights loss.reward_aggregation='normalize_then_sum' uses; give both the same")
 
 
 def _check_routes(group: Group, shape: BatchShape, where: str) -> None:
@@ -195,13 +235,15 @@ def rows_needed(groups: Sequence[Group], shape: BatchShape) -> int:
 def empty_batch(rows: int, shape: BatchShape, pad_id: int = 0) -> dict[str, np.ndarray]:
   """A packed batch of `rows` rows holding no sample (build_batch's arrays, padding only)."""
   n, p, r = shape.samples, shape.prompt_len, shape.response_len
-  routes = {}
+  extra = {}
   if shape.routed:
     m, k = shape.moe_layers, shape.top_k
-    routes = {"prompt_routes": np.full((rows, p, m, k), -1, ROUTE_DTYPE),
-              "response_routes": np.full((rows, n, r, m, k), -1, ROUTE_DTYPE)}
+    extra = {"prompt_routes": np.full((rows, p, m, k), -1, ROUTE_DTYPE),
+             "response_routes": np.full((rows, n, r, m, k), -1, ROUTE_DTYPE)}
+  if shape.reward_parts:
+    extra["reward_parts"] = np.full((rows, n, len(shape.reward_parts)), np.nan, np.float32)
   return {
-      **routes,
+      **extra,
       "prompt_tokens": np.full((rows, p), pad_id, np.int32),
       "prompt_lens": np.ones((rows,), np.int32),
       "response_tokens": np.full((rows, n, r), pad_id, np.int32),
@@ -222,7 +264,8 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
   response_lens [rows, N], behaviour_logp [rows, N, R], policy_tokens [rows, N, R] (0 on an
   environment's tokens: context, not trained on), rewards [rows, N],
   sample_mask [rows, N] (1 on real samples), row_group [rows] (the group's index); routing
-  replay: prompt_routes [rows, P, M, k], response_routes [rows, N, R, M, k] (-1: none).
+  replay: prompt_routes [rows, P, M, k], response_routes [rows, N, R, M, k] (-1: none);
+  shape.reward_parts: reward_parts [rows, N, K], the samples' raw parts (NaN: none).
   """
   if not 1 <= len(groups) <= shape.groups:
     raise ValueError(f"groups: expected 1 to {shape.groups} (rl.groups_per_step), got "
@@ -247,6 +290,9 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
         if g.observed is not None and g.observed[i] is not None:
           out["policy_tokens"][row, slot, :k] = ~np.asarray(g.observed[i], bool)
         out["rewards"][row, slot] = g.rewards[i]
+        for j, name in enumerate(shape.reward_parts):
+          if name in (g.reward_parts or {}):
+            out["reward_parts"][row, slot, j] = g.reward_parts[name][i]
         out["sample_mask"][row, slot] = 1.0
         if routed:
           out["response_routes"][row, slot, :max(k - 1, 0)] = g.response_routes[i]

@@ -11,7 +11,10 @@ Settings map as follows (TRL -> ours):
 - importance_sampling_level="sequence" -> gspo_loss;
 - vLLM IS {token,sequence}_truncate -> truncated_importance_weights (cap = clip_max),
   {token,sequence}_mask -> masked_importance_weights (low = clip_min or 0, high = clip_max);
-- beta (k3) -> kl_coef, kl_estimator="k3"; use_bias_correction_kl -> kl_bias_correction.
+- beta (k3) -> kl_coef, kl_estimator="k3"; use_bias_correction_kl -> kl_bias_correction;
+- off_policy_mask_threshold -> corrections.off_policy_sequence_mask (the sampler's log-probs
+  against the current policy's) on the policy loss's token weights;
+- multi_objective_aggregation normalize_then_sum with reward_weights -> gdpo_advantages.
 """
 
 import functools
@@ -59,6 +62,7 @@ def _rewards(case):
 
 
 ADV_CASES = [c for c in CASES if c["trainer"] == "grpo" and not c.get("overlong")
+             and "second_reward" not in c
              and ("rewards" in c or not c["config"].get("use_vllm", False))]
 
 
@@ -97,7 +101,9 @@ def test_rloo_advantages_equal_trl(case):
          case["advantages"])
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.get("overlong")], ids=_case_id)
+@pytest.mark.parametrize("case", [c for c in CASES if c.get("overlong")
+                                  and "multi_objective_aggregation" not in c["config"]],
+                         ids=_case_id)
 def test_overlong_punished_advantages_equal_trl(case):
   """DAPO's soft punishment added to the task reward before the group statistics, as TRL
   does with its `get_soft_overlong_punishment` as a second reward function."""
@@ -117,6 +123,23 @@ def test_soft_overlong_punishment_equals_trl():
   ours = shaping.soft_overlong_punishment(jnp.asarray(o["lengths"]), o["max_completion_len"],
                                           o["soft_punish_cache"])
   _close(ours, o["rewards"])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "second_reward" in c], ids=_case_id)
+def test_two_reward_functions_advantages_equal_trl(case):
+  """GDPO (normalize_then_sum): each reward function normalised in its group, weighted and
+  summed, normalised over the batch; a NaN reward: that function does not apply. TRL's
+  default sum_then_normalize: GRPO on the weighted sum (the workers' reward)."""
+  a = _arrays(case["batch"])
+  rewards, _ = _rewards(case)
+  parts = jnp.stack([rewards, jnp.asarray(case["second_reward"], jnp.float32)], axis=1)
+  weights = jnp.asarray(case["config"]["reward_weights"], jnp.float32)
+  if case["config"].get("multi_objective_aggregation") == "normalize_then_sum":
+    ours = adv_lib.gdpo_advantages(parts, weights, a["group_ids"], a["groups"], eps=1e-4)
+  else:
+    total = jnp.sum(jnp.nan_to_num(parts) * weights, axis=1)
+    ours = adv_lib.grpo_advantages(total, a["group_ids"], a["groups"], eps=1e-4)
+  _close(ours, case["advantages"])
 
 
 def _our_loss(cfg, a, adv):
@@ -140,6 +163,12 @@ def _our_loss(cfg, a, adv):
       weights, _ = corrections.masked_importance_weights(
           a["old_logp"], a["behaviour_logp"], a["mask"], level=level,
           low=cfg.get("vllm_importance_sampling_clip_min") or 0.0, high=cap)
+  token_weights = weights
+  if cfg.get("off_policy_mask_threshold") is not None:
+    kept, _ = corrections.off_policy_sequence_mask(a["logp"], a["behaviour_logp"], adv,
+                                                   a["mask"],
+                                                   threshold=cfg["off_policy_mask_threshold"])
+    token_weights = kept if weights is None else weights * kept
   if loss_type == "cispo":
     fn = functools.partial(losses.cispo_loss, clip_low=1.0, clip_high=eps_high - 1.0)
   elif cfg.get("importance_sampling_level") == "sequence":
@@ -149,7 +178,7 @@ def _our_loss(cfg, a, adv):
                            dual_clip=cfg.get("delta"))
 
   def loss(logp):
-    return fn(logp, a["old_logp"], adv, a["mask"], token_weights=weights, **common)
+    return fn(logp, a["old_logp"], adv, a["mask"], token_weights=token_weights, **common)
   return loss, weights
 
 
@@ -181,7 +210,8 @@ def _bias_twins():
   plain = {(c["batch"], c["config"]["loss_type"]): c for c in LOSS_CASES
            if c["config"].get("beta") and c["config"].get("use_bias_correction_kl") is False
            and not c["config"].get("use_vllm") and "importance_sampling_level" not in c["config"]
-           and c["config"]["loss_type"] != "cispo"}
+           and c["config"]["loss_type"] != "cispo"
+           and "off_policy_mask_threshold" not in c["config"]}
   return [(c, plain[(c["batch"], c["config"]["loss_type"])]) for c in LOSS_CASES
           if _kl_bias_corrected(c["config"])]
 
@@ -198,3 +228,21 @@ def test_kl_term_is_trls_without_bias_correction(pair):
   value = float(loss(a["logp"])[0])
   _close(value, plain["loss"])
   assert abs(value - corrected["loss"]) > 1e-4
+
+
+OFF_POLICY_CASES = [c for c in LOSS_CASES if "off_policy_mask_threshold" in c["config"]]
+
+
+@pytest.mark.parametrize("case", OFF_POLICY_CASES[:1] + OFF_POLICY_CASES[8:9], ids=_case_id)
+def test_off_policy_mask_drops_some_negative_sequences_and_binds(case):
+  """On each batch the threshold drops some negative-advantage sequences and keeps others,
+  and without the mask the loss is not TRL's."""
+  a = _arrays(case["batch"])
+  adv = jnp.asarray(case["advantages"], jnp.float32)
+  threshold = case["config"]["off_policy_mask_threshold"]
+  _, dropped = corrections.off_policy_sequence_mask(a["logp"], a["behaviour_logp"], adv,
+                                                    a["mask"], threshold=threshold)
+  assert 0 < int(jnp.sum(dropped)) < int(jnp.sum(adv < 0))
+  plain = {k: v for k, v in case["config"].items() if k != "off_policy_mask_threshold"}
+  loss, _ = _our_loss(plain, a, adv)
+  assert abs(float(loss(a["logp"])[0]) - case["loss"]) > 1e-4

@@ -594,3 +594,73 @@ def test_a_batch_packed_to_its_bucket_trains_as_at_the_full_budget(overrides):
   np.testing.assert_allclose(packed, full, rtol=1e-5, atol=1e-6)
   for a, b in zip(jax.tree.leaves(g_packed), jax.tree.leaves(g_full)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+PARTS = dataclasses.replace(SHAPE, reward_parts=("task", "second"))
+
+
+def _with_parts():
+  """GROUPS with reward parts: group 0 its task part alone, group 1 both."""
+  first = dataclasses.replace(GROUPS[0], reward_parts={"task": (1.0, 0.0, 0.0)})
+  second = dataclasses.replace(GROUPS[1], reward_parts={"task": (1.0, 1.0, 0.0, 0.0, 1.0),
+                                                        "second": (0.5, 0.0, 2.0, 1.0, 0.5)})
+  return [first, second]
+
+
+def test_reward_parts_fill_their_samples_and_nan_elsewhere():
+  batch = build_batch(_with_parts(), PARTS)
+  assert batch["reward_parts"].shape == (4, 4, 2)
+  np.testing.assert_array_equal(batch["reward_parts"][0, :, 0], [1.0, 0.0, 0.0, np.nan])
+  assert np.isnan(batch["reward_parts"][0, :, 1]).all()  # group 0 has no "second"
+  np.testing.assert_array_equal(batch["reward_parts"][1, :, 1], [0.5, 0.0, 2.0, 1.0])
+  np.testing.assert_array_equal(batch["reward_parts"][2, :, 1], [0.5, np.nan, np.nan, np.nan])
+  assert np.isnan(batch["reward_parts"][3]).all()
+  # Without loss.reward_aggregation="normalize_then_sum" the batch is as before.
+  plain = build_batch(_with_parts(), SHAPE)
+  assert set(plain) == set(BATCH)
+  for k in BATCH:
+    np.testing.assert_array_equal(plain[k], BATCH[k])
+
+
+def test_normalize_then_sum_takes_each_part_over_its_whole_group():
+  batch = {k: jnp.asarray(v) for k, v in build_batch(_with_parts(), PARTS).items()}
+  cfg = LossConfig(reward_aggregation="normalize_then_sum",
+                   reward_parts=(("task", 1.0), ("second", 2.0)))
+  adv, _ = group_advantages(batch, 2, cfg)
+  z = lambda x: (np.asarray(x) - np.mean(x)) / np.std(x, ddof=1)
+  total = np.concatenate([z([1.0, 0.0, 0.0]),
+                          z([1.0, 1.0, 0.0, 0.0, 1.0]) + 2.0 * z([0.5, 0.0, 2.0, 1.0, 0.5])])
+  expected = z(total)
+  got = np.asarray(adv).reshape(4, 4)
+  np.testing.assert_allclose(got[0, :3], expected[:3], rtol=1e-4)
+  np.testing.assert_allclose(np.concatenate([got[1], got[2, :1]]), expected[3:], rtol=1e-4)
+
+
+def test_groups_without_the_batchs_reward_parts_are_refused():
+  with pytest.raises(ValueError, match=r"rollout 10: reward parts \[\]: expected some of "
+                                       r"\['task', 'second'\]"):
+    check_group(GROUPS[0], PARTS)
+  other = dataclasses.replace(GROUPS[0], reward_parts={"task": (1.0, 0.0, 0.0),
+                                                       "length": (0.0, 0.0, 1.0)})
+  with pytest.raises(ValueError, match=r"reward parts \['length', 'task'\]"):
+    check_group(other, PARTS)
+  short = dataclasses.replace(GROUPS[0], reward_parts={"task": (1.0, 0.0)})
+  with pytest.raises(ValueError, match="reward part 'task': expected a value for each of 3 "
+                                       "samples, got 2"):
+    check_group(short, PARTS)
+
+
+def test_rewards_the_workers_weigh_otherwise_than_the_trainer_are_refused():
+  # Group 1's rewards are its task part plus 0.5 x its second part, as its worker weighs them.
+  second = dataclasses.replace(_with_parts()[1], rewards=(1.25, 1.0, 1.0, 0.5, 1.25))
+  check_group(second, PARTS, reward_weights=(("task", 1.0), ("second", 0.5)))
+  check_group(second, PARTS)  # no weights given: not checked
+  with pytest.raises(ValueError, match=r"rollout 11: samples\[0\].reward 1.25 is not the "
+                                       r"weighted sum of its parts .*\(2\): the workers weigh "
+                                       r"worker.reward_terms"):
+    check_group(second, PARTS, reward_weights=(("task", 1.0), ("second", 2.0)))
+  # A reward model's score alone (task reward_model: no task part) weighs 1, as the workers'.
+  judged = dataclasses.replace(GROUPS[0], rewards=(0.5, -1.0, 2.0),
+                               reward_parts={"reward_model": (0.5, -1.0, 2.0)})
+  check_group(judged, dataclasses.replace(SHAPE, reward_parts=("task", "reward_model")),
+              reward_weights=(("task", 1.0), ("reward_model", 0.25)))

@@ -1,7 +1,8 @@
 """The loss options a user sets in the config (loss.scale_rewards, loss.std_eps,
-loss.dual_clip) change what the trainer computes: by hand on a small batch, and as
-Hugging Face TRL's GRPOTrainer computes its scale_rewards, eps and delta
-(tests/fixtures/trl_losses.json); bad values are refused naming the field."""
+loss.dual_clip, loss.off_policy_mask, loss.reward_aggregation) change what the trainer
+computes: by hand on a small batch, and as Hugging Face TRL's GRPOTrainer computes its
+scale_rewards, eps and delta (tests/fixtures/trl_losses.json); bad values are refused
+naming the field."""
 
 import json
 import os
@@ -147,6 +148,17 @@ def test_the_config_keeps_todays_objective_unless_the_options_are_set():
      "loss.dual_clip: expected None with policy_loss='gspo'"),
     ({"correction": "m2po", "dual_clip": 3.0},
      "loss.dual_clip: expected None with policy_loss='ppo', correction='m2po'"),
+    ({"off_policy_mask": -0.1}, r"loss.off_policy_mask: expected a finite threshold > 0 .*"
+                                r"got -0.1"),
+    ({"off_policy_mask": float("inf")}, "loss.off_policy_mask: expected a finite threshold"),
+    ({"reward_aggregation": "mean"},
+     r"loss.reward_aggregation: expected one of \('sum', 'normalize_then_sum'\), got 'mean'"),
+    ({"reward_aggregation": "normalize_then_sum", "advantage": "rloo"},
+     "loss.reward_aggregation: expected 'sum' with advantage='rloo'"),
+    ({"reward_aggregation": "normalize_then_sum", "scale_rewards": "batch"},
+     "loss.reward_aggregation: expected 'sum' with advantage='grpo', scale_rewards='batch'"),
+    ({"reward_aggregation": "normalize_then_sum"},
+     "loss.reward_aggregation: expected 'sum' when the workers send no reward parts"),
 ])
 def test_bad_loss_options_are_refused_naming_the_field(fields, message):
   config = rl_config()
@@ -154,3 +166,15 @@ def test_bad_loss_options_are_refused_naming_the_field(fields, message):
     config.loss[key] = value
   with pytest.raises(ValueError, match=message):
     check_rl_config(config, files=False)
+
+
+def test_normalize_then_sum_weighs_the_parts_as_the_workers_do():
+  """The trainer takes the parts' names and weights from the workers' settings."""
+  config = rl_config()
+  config.loss.reward_aggregation = "normalize_then_sum"
+  config.worker.reward_terms = "think_format:0.5,math"
+  config.worker.reward_model, config.worker.reward_model_weight = "/rm", 0.25
+  assert check_rl_config(config, files=False).reward_parts == (
+      ("task", 1.0), ("think_format", 0.5), ("math", 1.0), ("reward_model", 0.25))
+  config.loss.reward_aggregation = "sum"
+  assert check_rl_config(config, files=False).reward_parts == ()

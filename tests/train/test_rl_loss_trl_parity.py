@@ -4,6 +4,7 @@ see tests/algorithms/test_trl_parity.py for the function-level map). The model f
 replaced by the fixture's log-probs, so this checks the wiring: which log-probs anchor the
 ratio, which weights and masks, which aggregation and normaliser, the KL term."""
 
+import dataclasses
 import json
 import os
 
@@ -101,6 +102,24 @@ WIRING = [
      dict(policy_loss="cispo", correction="tis", tis_cap=2.0, clip_low=1.0, clip_high=0.28),
      False, True),
 ]
+OPSM = dict(off_policy_mask_threshold=0.2)  # TRL's: the sampler's log-probs against pi's
+# Off-policy sequence masking with each correction (TRL's old: our proximal).
+OFF_POLICY_WIRING = [
+    (dict(loss_type="dapo", use_vllm=True, vllm_importance_sampling_correction=True,
+          vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
+          **OPSM),
+     dict(correction="tis", tis_cap=2.0, clip_high=0.2, off_policy_mask=0.2), False, True),
+    (dict(loss_type="dapo", use_vllm=True, vllm_importance_sampling_correction=True,
+          vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
+          **OPSM),
+     dict(correction="decoupled", behaviour_cap=2.0, clip_high=0.2, off_policy_mask=0.2),
+     False, True),
+    (dict(loss_type="dapo", use_vllm=True, vllm_importance_sampling_correction=True,
+          vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=2.0,
+          vllm_importance_sampling_clip_min=0.5, **OPSM),
+     dict(correction="mis", is_level="sequence", mis_low=0.5, mis_high=2.0, clip_high=0.2,
+          off_policy_mask=0.2), False, True),
+]
 
 
 def _ids(w):
@@ -120,7 +139,7 @@ def _inputs(name, trl_cfg, fields, old_is_behaviour, give_advantages):
 
 
 @pytest.mark.parametrize("name", ["b3x4", "b2x5"])
-@pytest.mark.parametrize("wiring", WIRING, ids=_ids)
+@pytest.mark.parametrize("wiring", WIRING + OFF_POLICY_WIRING, ids=_ids)
 def test_rl_loss_equals_trl(name, wiring):
   case, batch, lp, groups, cfg, proximal, adv = _inputs(name, *wiring)
 
@@ -158,6 +177,80 @@ def test_overlong_buffer_advantages_equal_trls_punishment_reward():
               and c["config"]["scale_rewards"] == "none")
   batch, _, groups = _batch(case["batch"])
   cfg = LossConfig(advantage="dr_grpo", overlong_buffer=case["overlong"]["soft_punish_cache"],
+                   budget=case["overlong"]["max_completion_len"])
+  adv, _ = group_advantages(batch, groups, cfg)
+  np.testing.assert_allclose(adv, case["advantages"], rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batched_off_policy_mask_equals_trls_whole_batch():
+  """Each slice masks its own sequences: the slices' loss, gradient and masked share are the
+  whole batch's (the advantages the trainer's, with TRL's eps)."""
+  case, batch, lp, groups, cfg, proximal, _ = _inputs("b3x4", *OFF_POLICY_WIRING[0])
+  cfg = dataclasses.replace(cfg, std_eps=1e-4)
+  (value, metrics), grad = micro_batched_loss_and_grad(
+      {"logp": lp["logp"]}, None, batch, {"logp": lp["ref_logp"]}, num_groups=groups, cfg=cfg,
+      micro_batches=3, proximal=proximal)
+  np.testing.assert_allclose(value, case["loss"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(grad["logp"], np.asarray(case["grad_logp"], np.float32),
+                             rtol=1e-5, atol=1e-6)
+  _, whole = rl_loss({"logp": lp["logp"]}, None, batch, None, num_groups=groups, cfg=cfg,
+                     proximal=proximal)
+  assert 0 < float(whole["off_policy_masked_frac"]) < 1
+  np.testing.assert_allclose(metrics["off_policy_masked_frac"], whole["off_policy_masked_frac"],
+                             rtol=1e-6)
+
+
+def _gdpo_inputs(case):
+  """The case's batch carrying its two reward functions as the batch's reward parts, and the
+  loss settings that weigh them as TRL's reward_weights."""
+  batch, lp, groups = _batch(case["batch"])
+  parts = np.stack([np.asarray(batch["rewards"]).reshape(-1),
+                    np.asarray(case["second_reward"], np.float32)], axis=1)
+  batch["reward_parts"] = jnp.asarray(parts.reshape(groups, -1, 2))
+  batch["behaviour_logp"] = lp["old_logp"].reshape(batch["behaviour_logp"].shape)
+  w = case["config"]["reward_weights"]
+  cfg = LossConfig(reward_aggregation="normalize_then_sum", std_eps=1e-4, clip_high=0.2,
+                   reward_parts=(("task", w[0]), ("second", w[1])))
+  return batch, lp, groups, cfg
+
+
+@pytest.mark.parametrize("case", [c for c in DATA["cases"] if c.get("second_reward")
+                                  and c["config"].get("multi_objective_aggregation")],
+                         ids=lambda c: f"{c['batch']}-{c['config']['reward_weights']}")
+def test_normalize_then_sum_equals_trls_advantages_and_loss(case):
+  """loss.reward_aggregation="normalize_then_sum" on the batch's reward parts: TRL's GDPO
+  advantages, and its loss and gradient (dapo, old log-probs the workers')."""
+  batch, lp, groups, cfg = _gdpo_inputs(case)
+  adv, _ = group_advantages(batch, groups, cfg)
+  np.testing.assert_allclose(adv, case["advantages"], rtol=1e-5, atol=1e-6)
+  loss = lambda p: rl_loss(p, None, batch, None, num_groups=groups, cfg=cfg)
+  (value, _), grad = jax.value_and_grad(loss, has_aux=True)({"logp": lp["logp"]})
+  np.testing.assert_allclose(value, case["loss"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(grad["logp"], np.asarray(case["grad_logp"], np.float32),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_reward_model_weighs_one_in_a_group_without_task_part():
+  """As the worker sums them: a group of task reward_model (no task part) adds its reward
+  model score x 1, the others x worker.reward_model_weight."""
+  parts = np.asarray([[[1.0, 2.0], [0.0, 4.0]], [[np.nan, 2.0], [np.nan, 4.0]]], np.float32)
+  batch = {"reward_parts": jnp.asarray(parts), "response_tokens": jnp.ones((2, 2, 3), jnp.int32)}
+  cfg = LossConfig(reward_aggregation="normalize_then_sum",
+                   reward_parts=(("task", 1.0), ("reward_model", 0.25)))
+  _, weights = rl_loss_lib.reward_parts(batch, cfg)
+  np.testing.assert_array_equal(weights, [[1.0, 0.25]] * 2 + [[1.0, 1.0]] * 2)
+
+
+def test_normalize_then_sum_counts_the_overlong_punishment_as_a_part():
+  """loss.overlong_buffer with normalize_then_sum: the punishment normalised apart, as TRL's
+  soft overlong punishment reward function is."""
+  case = next(c for c in DATA["cases"] if c.get("overlong")
+              and c["config"].get("multi_objective_aggregation") == "normalize_then_sum")
+  batch, _, groups = _batch(case["batch"])
+  batch["reward_parts"] = batch["rewards"][..., None]
+  cfg = LossConfig(reward_aggregation="normalize_then_sum", std_eps=1e-4,
+                   reward_parts=(("task", 1.0),),
+                   overlong_buffer=case["overlong"]["soft_punish_cache"],
                    budget=case["overlong"]["max_completion_len"])
   adv, _ = group_advantages(batch, groups, cfg)
   np.testing.assert_allclose(adv, case["advantages"], rtol=1e-5, atol=1e-6)
