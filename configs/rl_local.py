@@ -137,6 +137,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the 80/20 rule", TRL's top_entropy_quantile); 1.0: every token.
   c.loss.top_entropy_quantile = 1.0
   c.loss.entropy_coef = 0.0  # > 0: an entropy bonus, minus coef * entropy (verl's entropy_coeff).
+  # True: entropy_coef starts an adaptive coefficient (Skywork-OR1, TRL's use_adaptive_entropy).
+  c.loss.adaptive_entropy = False
+  c.loss.entropy_target = 0.2  # The bonus applies while the last step's entropy is at most this.
+  c.loss.entropy_coef_delta = 0.005  # Each step: up by this if entropy <= target, else down.
+  c.loss.entropy_coef_min = 0.0  # The adaptive coefficient's bounds.
+  c.loss.entropy_coef_max = 1.0
   c.loss.kl_coef = 0.0  # > 0: KL to the warm start (frozen unless rl.ref_sync_steps).
   c.loss.router_aux_coef = 0.0  # Mixture of experts: > 0 adds the load-balancing loss.
   # Schulman's estimators of KL(pi || reference): k1 (verl's kl_loss_type "kl") | k2 (verl's

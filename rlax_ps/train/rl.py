@@ -21,6 +21,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import signal
 import threading
@@ -44,8 +45,8 @@ from rlax_ps.train.prompts import PromptFeed, PromptRecords, TaskPrompts, iter_c
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check_rl_config,
                                      prompt_limit)
-from rlax_ps.train.rl_loss import LossConfig, group_advantages, micro_batched_loss_and_grad, \
-  ref_sync_settings, response_logprobs, rl_loss
+from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, entropy_bonus_coef, \
+  group_advantages, micro_batched_loss_and_grad, ref_sync_settings, response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
 from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
@@ -64,7 +65,9 @@ def mix_reference(ref_params: Any, params: Any, alpha: float) -> Any:
 def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_groups: int,
                  loss_cfg: LossConfig, schedule=None, updates_per_batch: int = 1,
                  micro_batches: int = 1):
-  """jit(step)(state, batch, ref_params) -> (new state, metrics), the state donated.
+  """jit(step)(state, batch, ref_params[, entropy_coef]) -> (new state, metrics), the state
+  donated. `entropy_coef`: the entropy bonus's coefficient as a float32 scalar input
+  (loss.adaptive_entropy: a new value each step, one compile); absent: loss.entropy_coef.
 
   `updates_per_batch` > 1 takes that many optimizer updates on the batch (PPO epochs)
   against proximal log-probs computed once; the state's step still counts batches and the
@@ -74,24 +77,27 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
     raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates_per_batch}")
   grad_fn = trainable_value_and_grad(rl_loss)
 
-  def update(state: TrainState, batch: dict, ref_params: Any, proximal=None):
+  def update(state: TrainState, batch: dict, ref_params: Any, proximal, entropy_coef):
     if micro_batches == 1:
       (_, metrics), grads = grad_fn(state.params, graphdef, batch, ref_params,
-                                    num_groups=num_groups, cfg=loss_cfg, proximal=proximal)
+                                    num_groups=num_groups, cfg=loss_cfg, proximal=proximal,
+                                    entropy_coef=entropy_coef)
     else:
       (_, metrics), grads = micro_batched_loss_and_grad(
           state.params, graphdef, batch, ref_params, num_groups=num_groups, cfg=loss_cfg,
-          micro_batches=micro_batches, proximal=proximal)
+          micro_batches=micro_batches, proximal=proximal, entropy_coef=entropy_coef)
     return apply_gradients(state, grads, metrics, optimizer, schedule)
 
-  def step(state: TrainState, batch: dict, ref_params: Any) -> tuple[TrainState, dict]:
+  def step(state: TrainState, batch: dict, ref_params: Any,
+           entropy_coef: jax.Array | None = None) -> tuple[TrainState, dict]:
     if updates_per_batch == 1:
-      return update(state, batch, ref_params)
+      return update(state, batch, ref_params, None, entropy_coef)
     proximal = jax.lax.stop_gradient(
         response_logprobs(state.params, graphdef, batch, loss_cfg.backend,
                           logits_chunk=loss_cfg.logits_chunk))
-    final, metrics = jax.lax.scan(lambda st, _: update(st, batch, ref_params, proximal), state,
-                                  None, length=updates_per_batch)
+    final, metrics = jax.lax.scan(
+        lambda st, _: update(st, batch, ref_params, proximal, entropy_coef), state, None,
+        length=updates_per_batch)
     return final.replace(step=state.step + 1), jax.tree.map(lambda m: m.mean(0), metrics)
 
   return jit_step(step, state_shardings, mesh)
@@ -345,6 +351,9 @@ class RLTrainer(TrainerRun):
     self.reward_parts_malformed = 0  # reward part values skipped (warned of once)
     # Each reward part's [sum, count] over the run's trained samples that carry it.
     self.reward_parts_totals: dict[str, list[float]] = {}
+    # loss.adaptive_entropy's controller: its coefficient and the entropy the last step
+    # measured (inf: none yet), as TRL's entropy_ctrl_state.json holds them.
+    self.entropy_coef, self.last_entropy = self.loss_cfg.entropy_coef, math.inf
     self.restored = saved is not None
     if saved is not None:
       self._load_metadata(saved)
@@ -391,7 +400,7 @@ class RLTrainer(TrainerRun):
 
   def metadata(self) -> dict[str, Any]:
     """The JSON blob saved with each checkpoint."""
-    return {
+    saved = {
         "step": self.step,
         "data": self.feed.state(),
         "data_source": self.data_source,
@@ -411,6 +420,11 @@ class RLTrainer(TrainerRun):
         "model_config": self.model_config.to_dict(),
         "config": json.loads(self.config.to_json_best_effort()),
     }
+    if self.loss_cfg.adaptive_entropy:  # last_entropy None: none measured (or not finite)
+      saved["entropy_control"] = {"entropy_coef": self.entropy_coef, "last_entropy":
+                                  self.last_entropy if math.isfinite(self.last_entropy)
+                                  else None}
+    return saved
 
   def _load_metadata(self, saved: dict[str, Any]) -> None:
     if self.new_source:  # data.allow_new_source: its first record, numbered on (ids unique)
@@ -428,6 +442,11 @@ class RLTrainer(TrainerRun):
     self.restore_counts(saved.get("counts", {}))
     self.reward_parts_totals = {name: [float(total), int(n)] for name, (total, n)
                                 in saved.get("reward_parts_totals", {}).items()}
+    control = saved.get("entropy_control")
+    if self.loss_cfg.adaptive_entropy and control:  # else it starts at loss.entropy_coef
+      self.entropy_coef = float(control["entropy_coef"])
+      last = control["last_entropy"]
+      self.last_entropy = math.inf if last is None else float(last)
     # A run resumed elsewhere (another machine, a moved workdir) keeps its id.
     self.run_id = self.publisher.run = str(saved.get("run_id", self.run_id))
 
@@ -473,6 +492,22 @@ class RLTrainer(TrainerRun):
     from jax.experimental import multihost_utils
     return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
+  def _step_inputs(self) -> tuple[jax.Array, ...]:
+    """The step's inputs after the reference: with loss.adaptive_entropy, the coefficient
+    this step's bonus applies (entropy_bonus_coef), replicated; else none."""
+    if not self.loss_cfg.adaptive_entropy:
+      return ()
+    coef = np.float32(entropy_bonus_coef(self.entropy_coef, self.last_entropy, self.loss_cfg))
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return (jax.make_array_from_callback((), replicated, lambda _: coef),)
+
+  def _adapt_entropy(self, entropy: float) -> float:
+    """loss.adaptive_entropy's controller after a step that measured `entropy` (the step's
+    train/entropy); returns the new coefficient."""
+    self.entropy_coef = adapt_entropy_coef(self.entropy_coef, entropy, self.loss_cfg)
+    self.last_entropy = entropy
+    return self.entropy_coef
+
   def _precompile(self) -> None:
     """Compile the step for each response capacity (rl.response_buckets), smallest first, on
     a thread of its own: a batch that packs to a capacity not seen yet does not stop
@@ -481,7 +516,8 @@ class RLTrainer(TrainerRun):
       return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                           if isinstance(x, jax.Array) else x, tree)
 
-    state, ref = abstract(self.state), abstract(self.ref_params)
+    state, ref, extra = abstract(self.state), abstract(self.ref_params), abstract(
+        self._step_inputs())
     rows = self.shape.groups
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl-compile")
     for capacity in response_lens(self.shape.response_len, self.response_buckets):
@@ -490,7 +526,7 @@ class RLTrainer(TrainerRun):
           self.mesh, shd.batch_spec(self.mesh, v.shape)))
                for k, v in empty_batch(rows, shape, self.tokenizer.pad_id).items()}
       self._compiles[(rows, capacity)] = self._compiler.submit(
-          lambda batch=batch: self.rl_step.lower(state, batch, ref).compile())
+          lambda batch=batch: self.rl_step.lower(state, batch, ref, *extra).compile())
 
   def _step_for(self, batch: dict):
     """The step for this batch's shape: compiled ahead if that compile is done or under way
@@ -575,11 +611,13 @@ class RLTrainer(TrainerRun):
         if batch is None:  # done, or stopped while waiting
           break
         self.state, metrics = self._step_for(batch)(
-            self.state, shd.shard_batch(self.mesh, batch), self.ref_params)
+            self.state, shd.shard_batch(self.mesh, batch), self.ref_params, *self._step_inputs())
         done = self.step
         if self.ref_sync_steps and done % self.ref_sync_steps == 0:  # TRL's sync_ref_model
           self.ref_params = self._mix_reference(self.ref_params, self.state.params)
         metrics = {k: float(v) for k, v in shd.to_host(metrics).items()}
+        if self.loss_cfg.adaptive_entropy:  # TRL's logged entropy_coef: after the update
+          metrics["entropy_coef"] = self._adapt_entropy(metrics["entropy"])
         every = int(self.config.checkpoint.every_steps)
         eval_every = int(self.config.eval.every_steps)
         record = {}  # the leader's log line; the other processes do the same device work
@@ -899,6 +937,8 @@ class RLTrainer(TrainerRun):
       record.update(filtered=self.filtered, filled=self.filled)
     if self.selective:  # totals so far: records passed over, records on a streak now
       record.update(passed_over=self.retired, uniform_records=len(self.streaks))
+    if "entropy_coef" in metrics:  # loss.adaptive_entropy's, for the next step
+      record["entropy_coef"] = metrics["entropy_coef"]
     if "router_aux_loss" in metrics:  # a mixture of experts: its load balance (1 = even)
       record["router_aux_loss"] = metrics["router_aux_loss"]
     if self.shape.routed:  # routing replay: groups that brought routes, and how alike the

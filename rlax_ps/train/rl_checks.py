@@ -52,6 +52,10 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                        "'normalize_then_sum'")
     loss = dataclasses.replace(loss, reward_parts=parts)
   check_micro_batches(int(rl.get("micro_batches", 1)), int(rl.groups_per_step), loss)
+  if loss.adaptive_entropy and updates > 1:
+    raise ValueError(f"rl.updates_per_batch: expected 1 with loss.adaptive_entropy=True (the "
+                     f"coefficient adapts after each update from its entropy, as TRL's; a "
+                     f"batch's updates run as one step), got {updates}")
   ref_sync_settings(rl, loss, int(config.model.get("lora_rank", 0)))
   samples, allocator = int(worker.samples_per_prompt), str(worker.get("allocator", "fixed"))
   if allocator == "fixed" and samples < 2:

@@ -118,6 +118,17 @@ class LossConfig:
   # all its tokens (those top_entropy_quantile leaves out too), joins the loss with its
   # gradient (verl's entropy_coeff; TRL's takes the token mean of the selected ones).
   entropy_coef: float = 0.0
+  # True: entropy_coef is where an adaptive coefficient starts (Skywork-OR1; TRL's
+  # use_adaptive_entropy): after each step it moves up by entropy_coef_delta if the step's
+  # entropy (train/entropy: the token mean over all the tokens the bonus acts on; TRL's,
+  # with top_entropy_quantile < 1, over the selected ones its bonus acts on) was at or below
+  # entropy_target, else down, within [entropy_coef_min, entropy_coef_max]; a step applies
+  # it only when the last step's entropy was at or below the target (the first: none).
+  adaptive_entropy: bool = False
+  entropy_target: float = 0.2  # nats a token (TRL's default)
+  entropy_coef_delta: float = 0.005
+  entropy_coef_min: float = 0.0
+  entropy_coef_max: float = 1.0
   kl_coef: float = 0.0  # > 0: KL(pi || frozen reference) term
   # > 0: plus this times the mixture-of-experts load-balancing loss (transformers'
   # router_aux_loss_coef; train/router_aux_loss reports it either way).
@@ -195,6 +206,19 @@ class LossConfig:
          "top_entropy_quantile", "a share in (0, 1] (1.0: every token)")
     need(_is_number(self.entropy_coef) and math.isfinite(self.entropy_coef)
          and self.entropy_coef >= 0, "entropy_coef", "a finite coefficient >= 0 (0: off)")
+    need(isinstance(self.adaptive_entropy, bool), "adaptive_entropy", "True or False")
+    for field, low in (("entropy_target", ">= 0"), ("entropy_coef_delta", "> 0"),
+                       ("entropy_coef_min", ">= 0")):
+      value = getattr(self, field)
+      need(_is_number(value) and math.isfinite(value)
+           and (value > 0 if low == "> 0" else value >= 0), field, f"a finite value {low}")
+    need(_is_number(self.entropy_coef_max) and math.isfinite(self.entropy_coef_max)
+         and self.entropy_coef_max >= self.entropy_coef_min, "entropy_coef_max",
+         f"a finite bound >= entropy_coef_min={self.entropy_coef_min}")
+    need(not self.adaptive_entropy
+         or self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max,
+         "entropy_coef", f"a starting coefficient in [entropy_coef_min, entropy_coef_max] = "
+         f"[{self.entropy_coef_min}, {self.entropy_coef_max}] with adaptive_entropy=True")
     need(all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0
              for i in self.stop_ids), "stop_ids", "token ids >= 0")
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
@@ -222,6 +246,22 @@ class LossConfig:
     if unknown:
       raise ValueError(f"loss: unknown fields {unknown}; known: {sorted(known)}")
     return cls(**d)
+
+
+def entropy_bonus_coef(coef: float, last_entropy: float, cfg: LossConfig) -> float:
+  """The coefficient a step's entropy bonus applies under loss.adaptive_entropy: the
+  controller's `coef` if the last step's entropy was at or below loss.entropy_target, else
+  0 (TRL's rule; before any step `last_entropy` is inf)."""
+  return coef if last_entropy <= cfg.entropy_target else 0.0
+
+
+def adapt_entropy_coef(coef: float, entropy: float, cfg: LossConfig) -> float:
+  """The controller's coefficient after a step that measured `entropy`: up by
+  loss.entropy_coef_delta if at or below loss.entropy_target, else down, clipped to
+  [entropy_coef_min, entropy_coef_max] (Skywork-OR1; TRL's use_adaptive_entropy)."""
+  if entropy <= cfg.entropy_target:
+    return min(coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+  return max(coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
 
 
 def truncated_samples(batch: dict, cfg: LossConfig) -> jax.Array:
@@ -353,15 +393,17 @@ def token_mask(batch: dict, sample_mask: jax.Array) -> jax.Array:
 
 def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *,
             num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None,
-            advantages: tuple[jax.Array, jax.Array] | None = None
-            ) -> tuple[jax.Array, dict]:
+            advantages: tuple[jax.Array, jax.Array] | None = None,
+            entropy_coef: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """(scalar loss, metrics) of one packed batch; differentiable in `params`. `proximal`:
   the log-probs [rows * N, R] of the weights the batch's updates started from (several
   updates per batch); None: the current ones (one update per batch). `advantages`: the
-  (advantages, sample mask) of these rows when computed over a larger batch."""
+  (advantages, sample mask) of these rows when computed over a larger batch.
+  `entropy_coef`: the entropy bonus's coefficient as an input (loss.adaptive_entropy's, a
+  run state); None: loss.entropy_coef."""
   loss, metrics, routing = rl_loss_terms(params, graphdef, batch, ref_params,
                                          num_groups=num_groups, cfg=cfg, proximal=proximal,
-                                         advantages=advantages)
+                                         advantages=advantages, entropy_coef=entropy_coef)
   if cfg.router_aux_coef > 0 and routing is not None:  # MoE load balancing, as transformers'
     loss = loss + cfg.router_aux_coef * routing.load_balance
   metrics["loss"] = loss  # the objective optimized, load-balancing term included
@@ -371,12 +413,12 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
 def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *,
                   num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None,
                   advantages: tuple[jax.Array, jax.Array] | None = None,
-                  entropy_threshold: jax.Array | None = None
-                  ) -> tuple[jax.Array, dict, Any]:
+                  entropy_threshold: jax.Array | None = None,
+                  entropy_coef: jax.Array | None = None) -> tuple[jax.Array, dict, Any]:
   """`rl_loss` before its load-balancing term: (the policy loss, the metrics, the model's
   `Routing` record or None for a dense model). `entropy_threshold`: the entropy the top
   tokens reach (loss.top_entropy_quantile) over a larger batch these rows are a slice of;
-  None: over these rows."""
+  None: over these rows. `entropy_coef`: as `rl_loss`'s."""
   adv, sample_mask = (group_advantages(batch, num_groups, cfg) if advantages is None
                       else advantages)
   mask = token_mask(batch, sample_mask)
@@ -442,8 +484,9 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                                                    behaviour_cap=cfg.behaviour_cap,
                                                    dual_clip=cfg.dual_clip,
                                                    token_weights=selected(None), **common)
-  if cfg.entropy_coef > 0:  # the entropy bonus, with its gradient: verl's entropy_coeff
-    loss = loss - cfg.entropy_coef * losses.aggregate(entropy, mask, cfg.agg, norm)
+  if entropy_coef is not None or cfg.entropy_coef > 0:  # with its gradient: verl's entropy_coeff
+    coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
+    loss = loss - coef * losses.aggregate(entropy, mask, cfg.agg, norm)
   # pi_prox / pi_behav per token: how far the workers' policy is from the trainer's.
   n_tok = jnp.maximum(jnp.sum(mask), 1.0)
   iw = jnp.exp(jnp.where(mask > 0, proximal - behaviour, 0.0))
@@ -565,7 +608,8 @@ def whole_batch_stats(params: Any, graphdef: nnx.GraphDef, slices: dict, keep: j
 
 def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict,
                                 ref_params: Any, *, num_groups: int, cfg: LossConfig,
-                                micro_batches: int, proximal: jax.Array | None = None
+                                micro_batches: int, proximal: jax.Array | None = None,
+                                entropy_coef: jax.Array | None = None
                                 ) -> tuple[tuple[jax.Array, dict], Any]:
   """((loss, metrics), gradient) of the whole batch, accumulated over `micro_batches`
   slices of its rows so that only one slice's activations live at a time. Advantages are
@@ -581,7 +625,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   (`whole_batch_stats`), so that each slice adds E * sum_e f_e * (its part of P_e) to the
   objective: these add up to the whole batch's term, value and gradient. The same pass
   finds the entropy that the whole batch's top tokens reach (loss.top_entropy_quantile), so
-  that every slice trains on the tokens the whole batch would."""
+  that every slice trains on the tokens the whole batch would. `entropy_coef`: as
+  `rl_loss`'s."""
   rows = batch["row_group"].shape[0]
   check_micro_batches(micro_batches, rows, cfg)
   trainable = split_trainable(params)[0]  # what takes a gradient (a LoRA run: the adapters)
@@ -616,7 +661,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
       loss, metrics, routing = rl_loss_terms(p, graphdef, sub, ref_params,
                                              num_groups=num_groups, cfg=cfg, proximal=prox,
                                              advantages=(mb["adv"].reshape(-1), keep),
-                                             entropy_threshold=stats.get("entropy_threshold"))
+                                             entropy_threshold=stats.get("entropy_threshold"),
+                                             entropy_coef=entropy_coef)
       loss, parts = loss * shares["agg"], None
       if routing is not None:  # the load-balancing loss: from the slices' summed parts
         del metrics["router_aux_loss"]

@@ -1,7 +1,8 @@
 """The objective features set in the config: loss.mask_truncated (no loss on responses cut
 at the budget), loss.top_entropy_quantile (policy loss on the batch's high-entropy tokens
-alone) and loss.entropy_coef (an entropy bonus): against Hugging Face TRL's GRPOTrainer on
-its own numbers (tests/fixtures/trl_losses.json) and verl's formula, whole or
+alone) and loss.entropy_coef (an entropy bonus, fixed or adapted each step:
+loss.adaptive_entropy): against Hugging Face TRL's GRPOTrainer on its own numbers
+(tests/fixtures/trl_losses.json, trl_adaptive_entropy.json) and verl's formula, whole or
 micro-batched, with the bonus's gradient through the packed model; the selection with
 decoupled PPO and M2PO (their token weights) against plain-jnp references; bad values are
 refused naming the field."""
@@ -355,7 +356,90 @@ def test_the_top_entropy_selection_is_accepted_with_every_correction(correction)
     ({"entropy_coef": -0.01}, r"loss.entropy_coef: expected a finite coefficient >= 0 \(0: "
                               r"off\), got -0.01"),
     ({"entropy_coef": float("inf")}, "loss.entropy_coef: expected a finite coefficient"),
+    ({"adaptive_entropy": 1}, r"loss.adaptive_entropy: expected True or False, got 1"),
+    ({"entropy_target": -0.5}, r"loss.entropy_target: expected a finite value >= 0, got -0.5"),
+    ({"entropy_target": float("nan")}, r"loss.entropy_target: expected a finite value >= 0"),
+    ({"entropy_coef_delta": 0.0}, r"loss.entropy_coef_delta: expected a finite value > 0"),
+    ({"entropy_coef_min": -0.1}, r"loss.entropy_coef_min: expected a finite value >= 0"),
+    ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1},
+     r"loss.entropy_coef_max: expected a finite bound >= entropy_coef_min=0.5, got 0.1"),
+    ({"adaptive_entropy": True, "entropy_coef": 0.5, "entropy_coef_max": 0.2},
+     r"loss.entropy_coef: expected a starting coefficient in \[entropy_coef_min, "
+     r"entropy_coef_max\] = \[0.0, 0.2\] with adaptive_entropy=True, got 0.5"),
 ])
 def test_bad_feature_values_are_refused_naming_the_field(fields, message):
   with pytest.raises(ValueError, match=message):
     LossConfig(**fields)
+
+
+with open(os.path.join(os.path.dirname(__file__), "..", "fixtures",
+                       "trl_adaptive_entropy.json")) as _f:
+  ADAPTIVE = json.load(_f)  # TRL's controller over 12 steps of b2x5 (its generator's docstring)
+
+
+def _adaptive_cfg(**fields):
+  trl = ADAPTIVE["config"]
+  return LossConfig(adaptive_entropy=True, entropy_coef=trl["entropy_coef"],
+                    entropy_target=trl["entropy_target"],
+                    entropy_coef_delta=trl["entropy_coef_delta"],
+                    entropy_coef_min=trl["entropy_coef_min"],
+                    entropy_coef_max=trl["entropy_coef_max"], **TRL, **fields)
+
+
+def test_the_adaptive_coefficient_moves_as_trls_after_each_step():
+  """Up and down across the target, held at both bounds, up at the target itself; the bonus
+  applies only after a step at or below the target (none before the first)."""
+  cfg = _adaptive_cfg()
+  coef, last, applied = cfg.entropy_coef, float("inf"), []
+  for step in ADAPTIVE["steps"]:
+    assert (coef, last) == (step["before"]["entropy_coef"], step["before"]["last_world_entropy"])
+    applied.append(rl_loss_lib.entropy_bonus_coef(coef, last, cfg))
+    coef, last = rl_loss_lib.adapt_entropy_coef(coef, step["entropy"], cfg), step["entropy"]
+    assert coef == step["after"]["entropy_coef"] == step["logged_coef"]
+  coefs = [s["after"]["entropy_coef"] for s in ADAPTIVE["steps"]]
+  assert max(coefs) == cfg.entropy_coef_max and min(coefs) == cfg.entropy_coef_min
+  assert applied[:2] == [0.0, 0.0] and 0.0 < applied[-1] == coefs[-2]  # last == target
+
+
+@pytest.mark.usefixtures("fixture_policy")
+def test_the_adaptive_coefficient_is_a_step_input_giving_trls_loss_at_each_step():
+  """One compile for every coefficient; each step's loss and gradients are TRL's with the
+  coefficient its controller applied, the fixed coefficient's, whole or micro-batched."""
+  batch, policy, groups = _trl_batch(ADAPTIVE["batch"])
+  cfg = _adaptive_cfg()
+
+  @jax.jit
+  def step(p, coef):
+    loss = lambda p: rl_loss(p, None, batch, None, num_groups=groups, cfg=cfg,  # noqa: E731
+                             entropy_coef=coef)
+    return jax.value_and_grad(loss, has_aux=True)(p)
+
+  for s in ADAPTIVE["steps"]:
+    coef = rl_loss_lib.entropy_bonus_coef(s["before"]["entropy_coef"],
+                                          s["before"]["last_world_entropy"], cfg)
+    at = dict(policy, entropy=policy["entropy"] * s["scale"])
+    (value, metrics), grad = step(at, jnp.float32(coef))
+    np.testing.assert_allclose(value, s["loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad["logp"], s["grad_logp"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad["entropy"], s["grad_entropy"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics["entropy"], s["entropy"], rtol=1e-6)  # what it adapts on
+  assert step._cache_size() == 1
+  # A coefficient of 0.05 as input: TRL's fixed entropy_coef=0.05, as loss.entropy_coef=0.05
+  # gives (test_the_entropy_bonus_is_trls_and_verls_with_its_gradient); micro-batched too.
+  fixed = _find(ADAPTIVE["batch"], loss_type="dapo", entropy_coef=0.05, use_vllm=False)
+  (value, _), grad = step(policy, jnp.float32(0.05))
+  _assert_trls(fixed, value, grad)
+  (m_value, _), m_grad = micro_batched_loss_and_grad(
+      policy, None, batch, None, num_groups=groups, cfg=cfg, micro_batches=2,
+      entropy_coef=jnp.float32(0.05))
+  _assert_trls(fixed, m_value, m_grad)
+
+
+def test_adaptive_entropy_is_refused_with_several_updates_a_batch():
+  config = rl_config()
+  config.loss.adaptive_entropy, config.rl.updates_per_batch = True, 2
+  with pytest.raises(ValueError, match=r"rl.updates_per_batch: expected 1 with "
+                                       r"loss.adaptive_entropy=True .*, got 2"):
+    check_rl_config(config, files=False)
+  config.rl.updates_per_batch = 1
+  assert check_rl_config(config, files=False).adaptive_entropy

@@ -52,6 +52,13 @@ def _with_reward_parts(group_of_worker):
   return group
 
 
+def _adaptive_entropy(config):
+  """loss.adaptive_entropy with a target above any entropy: the coefficient rises from 0.01
+  by 0.005 after each step."""
+  config.loss.adaptive_entropy = True
+  config.loss.entropy_coef, config.loss.entropy_target = 0.01, 100.0
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("rl")
@@ -64,7 +71,9 @@ def run(tmp_path_factory):
   config.worker.max_new_tokens = 16  # the fake responses (at most 6) pack to 8 (response_buckets)
   config.export.every_steps = 2
   config.worker.top_p = 0.95  # what pass@k samples with (the fake worker ignores it)
+  _adaptive_entropy(config)
   exported_at = {}
+  logged = []  # each step's metrics
 
   def keep_params(path=None):  # the weights each export was asked to write
     exported_at[os.path.basename(path or "hf")] = {
@@ -73,6 +82,9 @@ def run(tmp_path_factory):
 
   with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp / "rl"), tc) as tr:
     export, tr.export_hf = tr.export_hf, keep_params
+    log_step = tr._log_step
+    tr._log_step = lambda record, metrics: (logged.append(dict(metrics)),
+                                            log_step(record, metrics))
     summary = tr.train()
     params = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
     enqueued = tr.feed.position
@@ -85,7 +97,8 @@ def run(tmp_path_factory):
     updates = [sync.Update.from_bytes(bytes(b)) for b in wc.pull(None)]
   yield dict(tmp=tmp, summary=summary, params=params, stats=stats, updates=updates,
              worker=worker, enqueued=enqueued, server=server, config=config,
-             exported_at=exported_at, compiled=compiled, precompiled_steps=precompiled_steps)
+             exported_at=exported_at, compiled=compiled, precompiled_steps=precompiled_steps,
+             logged=logged)
   server.stop(grace=0)
 
 
@@ -113,6 +126,25 @@ def test_each_step_trains_on_whole_distinct_groups(run):
   assert set(run["compiled"]) == {(4, 8), (4, 16)}
   assert run["precompiled_steps"] == len(steps)
   assert all(0 < s["entropy"] for s in steps)  # the trainer's policy, from the loss pass
+
+
+def test_the_adaptive_entropy_coefficient_is_each_steps_input_and_logged(run):
+  """Step 1 applies none (no entropy measured before it), step k the coefficient after step
+  k - 1: through the micro-batched steps compiled ahead, the bonus is that times the entropy
+  (token-mean). The controller's state is in the checkpoint."""
+  from rlax_ps.checkpoint import Checkpointer
+  steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
+  coefs = [s["entropy_coef"] for s in steps]
+  np.testing.assert_allclose(coefs, [0.015, 0.02, 0.025, 0.03], rtol=1e-12)
+  applied = [0.0] + coefs[:-1]
+  for metrics, coef, after in zip(run["logged"], applied, coefs, strict=True):
+    assert metrics["entropy_coef"] == after  # train/entropy_coef
+    np.testing.assert_allclose(metrics["loss"] - metrics["pg_loss"], -coef * metrics["entropy"],
+                               rtol=1e-4, atol=1e-7)
+  with Checkpointer(str(run["tmp"] / "rl" / "checkpoints")) as ckpt:
+    saved = ckpt.metadata()
+  assert saved["entropy_control"] == {"entropy_coef": coefs[-1],
+                                      "last_entropy": steps[-1]["entropy"]}
 
 
 def test_each_steps_reward_parts_are_the_means_over_its_samples(run):
@@ -283,6 +315,7 @@ def test_summary_reports_warm_start_and_final_evaluation(run):
 
 def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
   config = _config(steps=5)
+  _adaptive_entropy(config)
   worker = FakeWorker(run["server"].address, samples=4, seed=1).start()  # no reward parts
   try:
     with client(run["server"].address, "trainer") as tc, \
@@ -291,6 +324,8 @@ def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
       # The reward parts' run totals, as the first run left them (16 groups of 4 samples).
       assert tr.reward_parts_malformed == 16
       assert tr.reward_parts_totals == {"task": [32.0, 64], "think_format": [16.0, 64]}
+      before = _lines(run["tmp"] / "rl" / "steps.jsonl")[-1]
+      assert (tr.entropy_coef, tr.last_entropy) == (before["entropy_coef"], before["entropy"])
       summary = tr.train()
   finally:
     worker.stop()
@@ -299,6 +334,7 @@ def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
   assert versions[5]["keyframe"] and versions[5]["step"] == 4
   steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
   assert steps[-1]["step"] == 5 and steps[-1]["version"] == 6
+  assert steps[-1]["entropy_coef"] == pytest.approx(0.035)  # on from the restored 0.03
   # Counted since the run began: 16 before the restart, and one for each group left queued
   # by the first run's worker that step 5 trained on (this worker sends no reward parts).
   old = len(set(steps[-1]["rollout_ids"]) & set(run["worker"].submitted))
