@@ -126,7 +126,8 @@ class Int8Transformer(Transformer):
         m.experts = Int8Experts(c)
         if not c.shared_expert_intermediate_size:
           continue
-        m.shared_expert_gate = linear(c.hidden_size, 1)
+        if c.shared_expert_gated:  # Qwen2-MoE's; GLM-4.5's shared experts are ungated
+          m.shared_expert_gate = linear(c.hidden_size, 1)
         m = m.shared_expert
       width = m.gate_proj.kernel.shape[1]
       m.gate_proj = linear(c.hidden_size, width, name="gate_proj")

@@ -1,5 +1,6 @@
 """ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / OLMo 2 /
-OLMo 3 / Phi-3 / SmolLM3 / Granite / GLM-4 family decoder, independent of any checkpoint format."""
+OLMo 3 / Phi-3 / SmolLM3 / Granite / GLM-4 / GLM-4.5 family decoder, independent of any
+checkpoint format."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral",
                  "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3", "granite", "glm4",
-                 "gpt_oss")
+                 "gpt_oss", "glm4_moe")
 DTYPES = ("float32", "bfloat16")
 # The projections LoRA can adapt (attention and MLP, the shared expert's included;
 # "experts": every routed expert's gate, up and down, each with adapters of its own).
@@ -19,6 +20,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 # Fields that leave what the model computes from its weights alone: dtypes (the published
 # weights fix the held ones; each side picks its compute dtype), where weights live, the
 # HF export name, and the context a side allows (a worker may allow fewer positions).
@@ -26,7 +28,8 @@ _NOT_FORWARD = ("param_dtype", "dtype", "lora_dtype", "expert_parallel", "archit
                 "max_position_embeddings")
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
-               "moe_bias", "swiglu_limit", "swiglu_alpha")
+               "shared_expert_gated", "moe_bias", "swiglu_limit", "swiglu_alpha",
+               "router_scoring", "expert_groups", "topk_groups", "routed_scaling_factor")
 
 
 class FrozenScaling(dict):
@@ -64,7 +67,8 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Phi-4, SmolLM3, Granite 3, GLM-4, gpt-oss)."""
+  Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Phi-4, SmolLM3, Granite 3, GLM-4, gpt-oss,
+  GLM-4.5)."""
 
   vocab_size: int
   hidden_size: int
@@ -128,8 +132,21 @@ class ModelConfig:
   decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0
   mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
   # Qwen2-MoE: a sparse layer also runs every token through a shared SwiGLU expert of this
-  # width, scaled by sigmoid(x @ shared_expert_gate); 0: none.
+  # width, scaled by sigmoid(x @ shared_expert_gate); 0: none. shared_expert_gated False
+  # (GLM-4.5): its output is added unscaled, and there is no gate.
   shared_expert_intermediate_size: int = 0
+  shared_expert_gated: bool = True
+  # GLM-4.5 (DeepSeek-V3's routing): "sigmoid" scores each expert sigmoid(logit) and picks the
+  # top k of score + correction_bias, a fixed per-expert bias (HF's e_score_correction_bias)
+  # that moves the picks but not their weights (the picked plain scores); "softmax": the
+  # softmax probabilities do both. With expert_groups > 1 the experts form that many equal
+  # groups and a token picks only from the topk_groups groups whose best two biased scores
+  # sum highest. The picked weights (renormalised if norm_topk_prob) are then times
+  # routed_scaling_factor.
+  router_scoring: str = "softmax"
+  expert_groups: int = 1
+  topk_groups: int = 1
+  routed_scaling_factor: float = 1.0
   # gpt-oss: the router and the experts' projections have biases, and the experts' gate is
   # SwiGLU clamped at swiglu_limit: (clip(up, -l, l) + 1) * g * sigmoid(alpha * g) with
   # g = min(gate, l) (None: silu(gate) * up).
@@ -222,6 +239,7 @@ class ModelConfig:
            "moe_intermediate_size", "a positive int", self.moe_intermediate_size)
       need(isinstance(self.decoder_sparse_step, int) and self.decoder_sparse_step > 0,
            "decoder_sparse_step", "a positive int", self.decoder_sparse_step)
+    self._check_routing(need)
     if self.moe_bias or self.swiglu_limit is not None:
       need(self.num_experts > 0, "moe_bias" if self.moe_bias else "swiglu_limit",
            "False / None without experts (they shape the experts)",
@@ -287,6 +305,35 @@ class ModelConfig:
       scaling.pop("type", None)
       object.__setattr__(self, "rope_scaling",
                          FrozenScaling(scaling) if rope_type != "default" else None)
+
+  def _check_routing(self, need) -> None:
+    """The router's fields (router_scoring, expert_groups, topk_groups,
+    routed_scaling_factor, shared_expert_gated), each named where it is bad."""
+    need(self.router_scoring in ROUTER_SCORINGS, "router_scoring", f"one of {ROUTER_SCORINGS}",
+         self.router_scoring)
+    need(isinstance(self.shared_expert_gated, bool), "shared_expert_gated", "a bool",
+         self.shared_expert_gated)
+    need(isinstance(self.routed_scaling_factor, numbers.Real)
+         and not isinstance(self.routed_scaling_factor, bool)
+         and self.routed_scaling_factor > 0, "routed_scaling_factor", "a positive number",
+         self.routed_scaling_factor)
+    g = self.expert_groups
+    need(isinstance(g, int) and not isinstance(g, bool) and g > 0
+         and (g == 1 or (self.num_experts % g == 0 and self.num_experts // g >= 2)),
+         "expert_groups", f"1, or a divisor of num_experts={self.num_experts} leaving >= 2 "
+         "experts a group", g)
+    need(g == 1 or self.router_scoring == "sigmoid", "expert_groups",
+         "1 unless router_scoring='sigmoid' (the groups are DeepSeek-V3's)", g)
+    k = self.topk_groups
+    need(isinstance(k, int) and not isinstance(k, bool) and 0 < k <= g
+         and (g == 1 or k * (self.num_experts // g) >= self.num_experts_per_tok),
+         "topk_groups", f"an int in [1, expert_groups={g}] whose groups hold at least "
+         f"num_experts_per_tok={self.num_experts_per_tok} experts", k)
+    if not self.num_experts:
+      for field, default in (("router_scoring", "softmax"), ("topk_groups", 1),
+                             ("routed_scaling_factor", 1.0)):
+        need(getattr(self, field) == default, field, f"{default!r} without experts",
+             getattr(self, field))
 
   @property
   def rotary_dim(self) -> int:
@@ -379,12 +426,13 @@ class ModelConfig:
     norms = (4 if self.sandwich_norms else 2) * h
     dense = 3 * h * self.intermediate_size + mlp_lora(self.intermediate_size)
     moe = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts
+    moe += self.num_experts * (self.router_scoring == "sigmoid")  # the correction bias
     if self.lora_rank and "experts" in self.lora_targets:
       moe += 3 * self.num_experts * self.lora_rank * (h + self.moe_intermediate_size)
     if self.moe_bias:  # the router's and each expert's gate, up and down biases
       moe += self.num_experts * (1 + 2 * self.moe_intermediate_size + h)
     if self.shared_expert_intermediate_size:
-      moe += (3 * h * self.shared_expert_intermediate_size + h
+      moe += (3 * h * self.shared_expert_intermediate_size + h * self.shared_expert_gated
               + mlp_lora(self.shared_expert_intermediate_size))
     layers = sum(attn + norms + (moe if self.moe_layer(i) else dense)
                  for i in range(self.num_layers))

@@ -4,7 +4,8 @@ Covers LlamaForCausalLM, MistralForCausalLM (v0.1's sliding window included),
 MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
 Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text model),
 Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-4), SmolLM3ForCausalLM,
-GraniteForCausalLM (Granite 3) and Glm4ForCausalLM (GLM-4-0414, GLM-Z1) as transformers 4.x
+GraniteForCausalLM (Granite 3), Glm4ForCausalLM (GLM-4-0414, GLM-Z1) and Glm4MoeForCausalLM
+(GLM-4.5, GLM-4.5-Air) as transformers 4.x
 (top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
 `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights are
 [out, in]; our kernels are [in, out], so every kernel is transposed on the way. Checkpoints
@@ -16,7 +17,11 @@ w1/w3/w2 = gate/up/down), our experts one param stacked over them ([E, H, I]). P
 experts' gate and up columns (`Columns`), and its Hub checkpoints store the experts in MXFP4
 (`*_blocks`, `*_scales`), dequantized on load (exported unquantized). GLM-4 turns interleaved pairs
 of each head's rotary dims; its q/k output channels are permuted on load into the
-rotate-half order our RoPE turns (attention scores are unchanged) and back on export.
+rotate-half order our RoPE turns (attention scores are unchanged) and back on export (GLM-4.5
+turns rotate-half pairs, as stored). GLM-4.5's router keeps its `e_score_correction_bias`
+(our `mlp.correction_bias`, held fixed in training); its multi-token-prediction layers
+(`model.layers.{n}` for n >= num_hidden_layers) serve speculative decoding only, are skipped
+on load as transformers skips them, and are not exported.
 
 Mixtral's `router_jitter_noise` is read and ignored: transformers multiplies the router's
 input by that noise only in train mode, never in eval mode or in vLLM, and RL losses need our
@@ -106,7 +111,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                  "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
                  "GraniteForCausalLM": "granite", "Glm4ForCausalLM": "glm4",
-                 "GptOssForCausalLM": "gpt_oss"}
+                 "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -132,7 +137,7 @@ _OLMO_FAMILY = {"qk_norm": True, "qk_norm_across_heads": True, "post_norms": Tru
 _OLMO_THETA = 500000.0  # transformers' Olmo3Config.default_theta
 # transformers' rms_norm_eps where a config.json leaves it out (else 1e-6).
 _DEFAULT_RMS_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "glm4": 1.5625e-7,
-                    "gpt_oss": 1e-5, "mixtral": 1e-5}
+                    "gpt_oss": 1e-5, "mixtral": 1e-5, "glm4_moe": 1e-5}
 # Other fields whose transformers default, where a config.json leaves them out, is not ours
 # (RoPE base 10000, untied head).
 _CLASS_DEFAULTS = {"mixtral": {"rope_theta": 1e6},
@@ -142,7 +147,7 @@ _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qw
                           "qwen3_moe": 32768, "mistral": 131072, "mixtral": 131072,
                           "gemma2": 8192, "gemma3": 131072, "olmo2": 2048, "olmo3": 2048,
                           "phi3": 4096, "smollm3": 32768, "granite": 2048, "glm4": 131072,
-                          "gpt_oss": 131072}
+                          "gpt_oss": 131072, "glm4_moe": 131072}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
@@ -152,7 +157,10 @@ _FAMILY = {
     "olmo2": _OLMO_FAMILY, "olmo3": _OLMO_FAMILY, "phi3": {}, "smollm3": {}, "granite": {},
     "glm4": {"qkv_bias": True, "sandwich_norms": True},
     "gpt_oss": {"qkv_bias": True, "attention_out_bias": True, "attention_sinks": True},
+    "glm4_moe": {},  # its q/k/v biases and q/k norms come from config.json (_GLM4_MOE_FLAGS)
 }
+# GLM-4.5's config.json flags of ModelConfig fields that _FAMILY fixes for the others.
+_GLM4_MOE_FLAGS = {"qkv_bias": "attention_bias", "qk_norm": "use_qk_norm"}
 _FAMILY_FIELDS = ("qkv_bias", "attention_out_bias", "attention_sinks", "qk_norm",
                   "qk_norm_across_heads", "hidden_act", "zero_centered_norms",
                   "scale_embeddings", "sandwich_norms", "post_norms")
@@ -172,7 +180,12 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n
                "decoder_sparse_step", "mlp_only_layers")
 # Mixtral's expert tensors (the Hub layout) under our expert params' names.
 _MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
+_MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe")
+# transformers' Glm4MoeConfig where a config.json leaves a routing field out.
+_GLM4_MOE_DEFAULTS = {"n_routed_experts": 128, "num_experts_per_tok": 8,
+                      "moe_intermediate_size": 1408, "n_shared_experts": 1, "n_group": 1,
+                      "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+                      "routed_scaling_factor": 1.0}
 # Configs without layer_types: every 6th Gemma 3 layer and every 2nd Gemma 2 one is full.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 # Buffers some checkpoints carry that hold nothing our model needs.
@@ -200,8 +213,8 @@ def _rope_from_hf(d: Mapping[str, Any], arch: str
   theta = float(rope.pop("rope_theta", d.get("rope_theta") or 10000.0))
   rope_type = rope.pop("rope_type", rope.pop("type", "default"))
   partial = (rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor")
-             or (0.5 if arch == "glm4" else 1.0))  # Glm4Config's default is 0.5
-  if partial != 1 and arch not in ("phi3", "glm4"):
+             or (0.5 if arch in ("glm4", "glm4_moe") else 1.0))  # Glm4(Moe)Config's default
+  if partial != 1 and arch not in ("phi3", "glm4", "glm4_moe"):
     raise ValueError(f"{CONFIG_FILE}: partial_rotary_factor: expected 1.0, got {partial!r}")
   if arch == "phi3" and rope_type in ("su", "yarn"):
     rope_type = "longrope"
@@ -341,6 +354,8 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     d = {**_GEMMA_DEFAULTS[arch], **d}
   d = {**d, **{k: v for k, v in _CLASS_DEFAULTS.get(arch, {}).items() if d.get(k) is None}}
   family = dict(_FAMILY[arch])
+  if arch == "glm4_moe":  # Glm4MoeConfig: no biases, no q/k norms where the file is silent
+    family.update({ours: bool(_get(d, key, False)) for ours, key in _GLM4_MOE_FLAGS.items()})
   act_key = "hidden_activation" if gemma else "hidden_act"
   act = d.get(act_key) or d.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
   if _HF_ACT.get(act) != family.get("hidden_act", "silu"):
@@ -409,7 +424,10 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
 def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
   """The ModelConfig MoE fields of a Qwen2-MoE or Qwen3-MoE config.json (5.x writes
   `num_experts` as `num_local_experts`) or a Mixtral one (every layer sparse, experts
-  intermediate_size wide, top-k weights renormalised). Only Qwen2-MoE has a shared expert."""
+  intermediate_size wide, top-k weights renormalised), a gpt-oss one or a GLM-4.5 one
+  (`_glm4_moe_from_hf`). Only Qwen2-MoE and GLM-4.5 have a shared expert."""
+  if arch == "glm4_moe":
+    return _glm4_moe_from_hf(d)
   if arch == "mixtral":
     return dict(num_experts=int(_get(d, "num_local_experts")),
                 num_experts_per_tok=int(_get(d, "num_experts_per_tok")),
@@ -436,6 +454,29 @@ def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
               shared_expert_intermediate_size=shared)
 
 
+def _glm4_moe_from_hf(d: Mapping[str, Any]) -> dict[str, Any]:
+  """GLM-4.5's routing (`n_routed_experts`, or 5.x's alias `num_local_experts`): sigmoid
+  scores with a correction bias over n_group groups, n_shared_experts ungated shared experts
+  as one MLP moe_intermediate_size * n_shared_experts wide, and its first
+  first_k_dense_replace layers dense (our mlp_only_layers)."""
+  if d.get("n_routed_experts") is None and d.get("num_local_experts") is not None:
+    d = {**d, "n_routed_experts": d["num_local_experts"]}
+  get = lambda key: _get(d, key, _GLM4_MOE_DEFAULTS[key])  # noqa: E731
+  for key in ("n_shared_experts", "first_k_dense_replace"):
+    if not isinstance(get(key), int) or get(key) < 0:
+      raise ValueError(f"{CONFIG_FILE}: {key}: expected an int >= 0, got {get(key)!r}")
+  width = int(get("moe_intermediate_size"))
+  dense = min(get("first_k_dense_replace"), int(_get(d, "num_hidden_layers")))
+  return dict(num_experts=int(get("n_routed_experts")),
+              num_experts_per_tok=int(get("num_experts_per_tok")),
+              moe_intermediate_size=width, norm_topk_prob=bool(get("norm_topk_prob")),
+              mlp_only_layers=tuple(range(dense)),
+              shared_expert_intermediate_size=width * get("n_shared_experts"),
+              shared_expert_gated=False, router_scoring="sigmoid",
+              expert_groups=int(get("n_group")), topk_groups=int(get("topk_group")),
+              routed_scaling_factor=float(get("routed_scaling_factor")))
+
+
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   """The config.json dict for a ModelConfig, readable by transformers 4.x and 5.x alike.
 
@@ -446,6 +487,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   arch, hf_class = c.architecture, _HF_CLASS[c.architecture]
   defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
   for field in _FAMILY_FIELDS:
+    if arch == "glm4_moe" and field in _GLM4_MOE_FLAGS:
+      continue  # either way, as config.json says
     want = _FAMILY[arch].get(field, defaults[field])
     if getattr(c, field) != want:
       raise ValueError(f"ModelConfig.{field}: {hf_class} needs {want!r}, got "
@@ -460,7 +503,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if getattr(c, field) is not None and not gemma:
       raise ValueError(f"ModelConfig.{field}: {hf_class} has no logit soft-capping, got "
                        f"{getattr(c, field)!r}")
-  if c.partial_rotary_factor != 1 and arch not in ("phi3", "glm4"):
+  if c.partial_rotary_factor != 1 and arch not in ("phi3", "glm4", "glm4_moe"):
     raise ValueError(f"ModelConfig.partial_rotary_factor: {hf_class} turns every head dim, got "
                      f"{c.partial_rotary_factor}")
   granite = arch == "granite"
@@ -483,9 +526,17 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
                      f"{list(c.layer_types)}")
   if c.num_experts and arch not in _MOE_ARCHS:
     raise ValueError(f"ModelConfig.num_experts: {hf_class} has no experts, got {c.num_experts}")
-  if c.shared_expert_intermediate_size and arch != "qwen2_moe":
+  if c.shared_expert_intermediate_size and arch not in ("qwen2_moe", "glm4_moe"):
     raise ValueError(f"ModelConfig.shared_expert_intermediate_size: {hf_class} has no shared "
                      f"expert, got {c.shared_expert_intermediate_size}")
+  if arch == "glm4_moe":
+    _check_glm4_moe(c, hf_class)
+  else:
+    for field, want in _SOFTMAX_ROUTING.items():
+      if getattr(c, field) != want:
+        raise ValueError(f"ModelConfig.{field}: {hf_class} routes by softmax with one expert "
+                         f"group, unscaled, its shared expert gated: needs {want!r}, got "
+                         f"{getattr(c, field)!r}")
   if (c.moe_bias or c.swiglu_limit is not None) and arch != "gpt_oss":
     raise ValueError(f"ModelConfig.{'moe_bias' if c.moe_bias else 'swiglu_limit'}: "
                      f"{hf_class} has no expert biases or clamped SwiGLU, got "
@@ -556,7 +607,15 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update({f: getattr(c, f) for f in _MOE_FIELDS}, mlp_only_layers=list(c.mlp_only_layers))
   if arch == "qwen2_moe":
     d.update(shared_expert_intermediate_size=c.shared_expert_intermediate_size, qkv_bias=True)
-  if arch in ("phi3", "glm4"):  # 4.x reads it at the top level, 5.x in rope_parameters
+  if arch == "glm4_moe":  # no multi-token-prediction layers are written
+    d.update(attention_bias=c.qkv_bias, use_qk_norm=c.qk_norm, n_routed_experts=c.num_experts,
+             num_experts_per_tok=c.num_experts_per_tok,
+             moe_intermediate_size=c.moe_intermediate_size,
+             n_shared_experts=c.shared_expert_intermediate_size // c.moe_intermediate_size,
+             norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
+             n_group=c.expert_groups, topk_group=c.topk_groups,
+             first_k_dense_replace=len(c.mlp_only_layers), num_nextn_predict_layers=0)
+  if arch in ("phi3", "glm4", "glm4_moe"):  # 4.x reads it at the top, 5.x in rope_parameters
     rope["partial_rotary_factor"] = c.partial_rotary_factor
     d.update(partial_rotary_factor=c.partial_rotary_factor)
   if arch in ("qwen3", "qwen3_moe") or gemma:
@@ -579,6 +638,33 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   if arch == "gemma3":
     d.update(rope_local_base_freq=c.rope_local_theta)
   return d
+
+
+# The routing of every MoE class but GLM-4.5's (ModelConfig fields).
+_SOFTMAX_ROUTING = {"router_scoring": "softmax", "expert_groups": 1, "topk_groups": 1,
+                    "routed_scaling_factor": 1.0, "shared_expert_gated": True}
+
+
+def _check_glm4_moe(c: ModelConfig, hf_class: str) -> None:
+  """Refuses, by field, a config GLM-4.5's class cannot hold: experts after the first
+  len(mlp_only_layers) layers, all of them, routed by biased sigmoid scores, beside an
+  ungated shared expert a whole number of experts wide."""
+  if not c.num_experts:
+    raise ValueError(f"ModelConfig.num_experts: {hf_class} needs experts, got 0")
+  dense = len(c.mlp_only_layers)
+  needs = {"router_scoring": "sigmoid", "shared_expert_gated": False,
+           "decoder_sparse_step": 1, "mlp_only_layers": tuple(range(dense)),
+           "sliding_window": None}
+  for field, want in needs.items():
+    if getattr(c, field) != want:
+      raise ValueError(f"ModelConfig.{field}: {hf_class} needs {want!r} (dense first layers, "
+                       f"then experts routed by biased sigmoid scores), got "
+                       f"{getattr(c, field)!r}")
+  shared = c.shared_expert_intermediate_size
+  if shared % c.moe_intermediate_size:
+    raise ValueError(f"ModelConfig.shared_expert_intermediate_size: {hf_class} needs a "
+                     f"multiple of moe_intermediate_size={c.moe_intermediate_size} (its "
+                     f"n_shared_experts), got {shared}")
 
 
 def _check_sparse_everywhere(c: ModelConfig, hf_class: str) -> None:
@@ -643,14 +729,16 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
     elif config.moe_layer(i):
       moe = f"{hf}.block_sparse_moe" if mixtral else f"{hf}.mlp"
       names[f"{ours}.mlp.router.kernel"] = (f"{moe}.gate.weight", True)
+      if config.router_scoring == "sigmoid":
+        names[f"{ours}.mlp.correction_bias"] = (f"{moe}.gate.e_score_correction_bias", False)
+      shared = f"{moe}.shared_experts" if arch == "glm4_moe" else f"{moe}.shared_expert"
       for proj in ("gate_proj", "up_proj", "down_proj"):
         hf_proj = _MIXTRAL_EXPERTS[proj] if mixtral else proj
         names[f"{ours}.mlp.experts.{proj}"] = (tuple(
             f"{moe}.experts.{e}.{hf_proj}.weight" for e in range(config.num_experts)), True)
         if config.shared_expert_intermediate_size:
-          names[f"{ours}.mlp.shared_expert.{proj}.kernel"] = (
-              f"{moe}.shared_expert.{proj}.weight", True)
-      if config.shared_expert_intermediate_size:
+          names[f"{ours}.mlp.shared_expert.{proj}.kernel"] = (f"{shared}.{proj}.weight", True)
+      if config.shared_expert_intermediate_size and config.shared_expert_gated:
         names[f"{ours}.mlp.shared_expert_gate.kernel"] = (f"{moe}.shared_expert_gate.weight", True)
     else:
       for proj in ("down_proj",) if fused_mlp else ("gate_proj", "up_proj", "down_proj"):
@@ -938,7 +1026,8 @@ def _needed_tensors(path: str, config: ModelConfig, files: Mapping[str, tuple[st
     raise ValueError(f"HF checkpoint {path!r}: missing tensor {missing[0]!r} "
                      f"({len(missing)} missing in all)")
   def ignorable(name):
-    return _IGNORABLE.fullmatch(name) or (config.tie_word_embeddings and name == "lm_head.weight")
+    return (_IGNORABLE.fullmatch(name) or _mtp_layer(name, config)
+            or (config.tie_word_embeddings and name == "lm_head.weight"))
 
   unexpected = sorted(n for n in set(files) - stored if not ignorable(n))
   if unexpected:
@@ -947,15 +1036,24 @@ def _needed_tensors(path: str, config: ModelConfig, files: Mapping[str, tuple[st
   return needed, stored, packed
 
 
+def _mtp_layer(name: str, config: ModelConfig) -> bool:
+  """Whether tensor `name` is in a GLM-4.5 multi-token-prediction layer (`model.layers.{n}.`,
+  n >= num_hidden_layers): speculative decoding's, which transformers skips on load too."""
+  match = re.match(r"model\.layers\.(\d+)\.", name)
+  return (config.architecture == "glm4_moe" and match is not None
+          and int(match[1]) >= config.num_layers)
+
+
 def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
                    ) -> dict[str, np.ndarray]:
   """Our flat params (host numpy, config.param_dtype) from the safetensors at `path`.
 
   Every tensor the config needs must be there and nothing else may be, except rotary
-  `inv_freq` buffers, a tied checkpoint's redundant `lm_head.weight` and an image-text
-  checkpoint's vision tensors. Per-expert tensors are stacked into their param. `extra`
-  names tensors beyond the language model's (a reward model's `score.weight`): each must
-  be there too, and comes back as stored, under its own name.
+  `inv_freq` buffers, a tied checkpoint's redundant `lm_head.weight`, an image-text
+  checkpoint's vision tensors and GLM-4.5's multi-token-prediction layers. Per-expert
+  tensors are stacked into their param. `extra` names tensors beyond the language model's
+  (a reward model's `score.weight`): each must be there too, and comes back as stored,
+  under its own name.
   """
   files = _language_model_view(_tensor_files(path))
   needed, stored, packed = _needed_tensors(path, config, files, extra)

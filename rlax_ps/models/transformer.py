@@ -1,13 +1,13 @@
 """Decoder-only transformer in Flax NNX covering the Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-Gemma 2/3, OLMo 2/3, Phi-3/4, SmolLM3 and Granite 3 families.
+Gemma 2/3, OLMo 2/3, Phi-3/4, SmolLM3, Granite 3 and GLM-4/4.5 families.
 
 RMSNorm, RoPE (plain, linear, Llama-3, YaRN or LongRoPE scaled, whole or partial heads),
 grouped-query attention, SwiGLU or GeGLU MLP, optional q/k/v biases (Qwen2), q/k norms per
 head (Qwen3, Gemma 3) or across heads (OLMo 2/3), sliding-window layers with their own RoPE
 base, Gemma's zero-centred and sandwich norms, scaled embeddings and soft-capped logits,
 OLMo's post-norms, layers without RoPE (SmolLM3), Granite's multipliers, mixture-of-experts
-MLPs (Qwen3-MoE,
-Mixtral, Qwen2-MoE's shared expert), tied or untied embeddings. Several sequences may share
+MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE's gated shared expert, gpt-oss, GLM-4.5's biased sigmoid
+routing over expert groups), tied or untied embeddings. Several sequences may share
 a row (segment ids + positions); an optional KVCache serves decoding.
 """
 
@@ -373,36 +373,71 @@ class MoE(nnx.Module):
   the active parameters; the CPU backend takes Experts.every. With expert_parallel and a
   mesh in context (the train step's), each fsdp device runs its own whole experts
   (`parallel`). With a shared expert (Qwen2-MoE) every token also goes through one more
-  MLP, gated by sigmoid(x @ w)."""
+  MLP, gated by sigmoid(x @ w) (GLM-4.5: ungated). GLM-4.5 routes by sigmoid scores
+  (ModelConfig.router_scoring) with a `correction_bias` that only moves the picks: a
+  buffer its pretraining balanced the experts with, held fixed here (no gradient reaches
+  it, so the optimizer leaves it and every publication carries it unchanged)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
     self.num_experts, self.top_k, self.norm_topk_prob = (
         c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
+    self.sigmoid = c.router_scoring == "sigmoid"
+    self.groups, self.topk_groups = c.expert_groups, c.topk_groups
+    self.scaling = c.routed_scaling_factor
     self.expert_parallel = c.expert_parallel
     self.router = _dense(c, c.hidden_size, c.num_experts, ("fsdp", None), c.moe_bias, rngs)
+    if self.sigmoid:
+      self.correction_bias = nnx.Param(jnp.zeros((c.num_experts,), jnp.dtype(c.param_dtype)),
+                                       out_sharding=(None,), eager_sharding=False)
     self.experts = Experts(c, rngs=rngs)
     self.shared = bool(c.shared_expert_intermediate_size)
+    self.shared_gated = self.shared and c.shared_expert_gated
     if self.shared:
       self.shared_expert = MLP(c, c.shared_expert_intermediate_size, rngs=rngs)
+    if self.shared_gated:
       self.shared_expert_gate = _dense(c, c.hidden_size, 1, ("fsdp", None), False, rngs)
 
   def route(self, flat, replay=None):
     """(weights [T, k] float32, experts used [T, k], experts the router picked [T, k], the
-    router's probabilities [T, E]) of tokens flat [T, H]. replay [T, k] (routing replay):
-    where >= 0, the experts to use instead of the router's picks (the sampler's routes);
-    their weights are the router's own probabilities of them, so the router keeps its
-    gradient."""
-    probs = jax.nn.softmax(self.router(flat).astype(jnp.float32), axis=-1)
-    weights, picked = jax.lax.top_k(probs, self.top_k)
+    router's softmax probabilities [T, E] (the load-balancing loss's)) of tokens flat
+    [T, H]. replay [T, k] (routing replay): where >= 0, the experts to use instead of the
+    router's picks (the sampler's routes); their weights are the router's own scores of
+    them, so the router keeps its gradient."""
+    if self.sigmoid:  # in float32, as transformers' Glm4MoeTopkRouter
+      logits = flat.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
+      if self.router.use_bias:
+        logits = logits + self.router.bias[...].astype(jnp.float32)
+      scores = jax.nn.sigmoid(logits)
+      bias = jax.lax.stop_gradient(self.correction_bias[...].astype(jnp.float32))
+      _, picked = jax.lax.top_k(self._within_top_groups(scores + bias), self.top_k)
+      weights = jnp.take_along_axis(scores, picked, axis=-1)
+    else:
+      logits = self.router(flat).astype(jnp.float32)
+      scores = jax.nn.softmax(logits, axis=-1)
+      weights, picked = jax.lax.top_k(scores, self.top_k)
     chosen = picked
     if replay is not None:
       replay = replay.astype(jnp.int32)
       chosen = jnp.where(replay >= 0, replay, picked)
-      weights = jnp.take_along_axis(probs, chosen, axis=-1)
+      weights = jnp.take_along_axis(scores, chosen, axis=-1)
     if self.norm_topk_prob:
       weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if self.scaling != 1.0:
+      weights = weights * self.scaling
+    probs = jax.nn.softmax(logits, axis=-1) if self.sigmoid else scores
     return weights, chosen, picked, probs
+
+  def _within_top_groups(self, choice):
+    """choice [T, E] with -inf outside each token's topk_groups best expert groups, a
+    group's score being the sum of its two best (DeepSeek-V3's group-limited routing)."""
+    if self.groups == 1:
+      return choice
+    t, size = choice.shape[0], self.num_experts // self.groups
+    group_scores = jnp.sum(jax.lax.top_k(choice.reshape(t, self.groups, size), 2)[0], -1)
+    _, top = jax.lax.top_k(group_scores, self.topk_groups)
+    kept = jnp.any(jax.nn.one_hot(top, self.groups, dtype=jnp.bool_), axis=1)  # [T, groups]
+    return jnp.where(jnp.repeat(kept, size, axis=1), choice, -jnp.inf)
 
   def grouped(self, flat, weights, chosen):
     """Sort the T * k (token, expert) rows by expert, run them grouped, scatter-add back."""
@@ -471,8 +506,10 @@ class MoE(nnx.Module):
     weights, chosen, picked, probs = self.route(
         flat, None if replay is None else replay.reshape(b * t, self.top_k))
     out = self.dispatch(flat, weights, chosen)
-    if self.shared:
+    if self.shared_gated:
       out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+    elif self.shared:
+      out = out + self.shared_expert(flat)
     m = jnp.ones((b * t,), jnp.float32) if mask is None else mask.reshape(-1).astype(jnp.float32)
     stats = RouterStats(
         picked=picked.reshape(b, t, self.top_k),

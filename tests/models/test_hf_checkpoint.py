@@ -173,6 +173,89 @@ def test_config_fields_read_from_gpt_oss():
     config_from_hf(dict(d, quantization_config={"quant_method": "fp8"}))
 
 
+# GLM-4.5-Air's config.json (transformers 4.x layout): 106B parameters, 12B active.
+GLM45_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 10944,
+    "partial_rotary_factor": 0.5, "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1408, "norm_topk_prob": True, "num_attention_heads": 96,
+    "n_group": 1, "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+    "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+    "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_qk_norm": False,
+    "vocab_size": 151552}
+
+
+def test_config_fields_read_from_glm4_moe():
+  c = config_from_hf(read_json(os.path.join(fixture("glm4_moe"), "config.json")))
+  assert (c.architecture, c.qkv_bias, c.qk_norm, c.partial_rotary_factor, c.num_experts,
+          c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size,
+          c.shared_expert_gated, c.router_scoring, c.expert_groups, c.topk_groups,
+          c.routed_scaling_factor, c.norm_topk_prob, c.mlp_only_layers, c.moe_layers) == (
+              "glm4_moe", True, True, 0.5, 8, 2, 16, 16, False, "sigmoid", 4, 2, 2.5, True,
+              (0,), (1, 2))
+  air = config_from_hf(GLM45_AIR)
+  assert (air.qkv_bias, air.qk_norm, air.head_dim, air.rotary_dim, air.moe_layers[:2],
+          air.shared_expert_intermediate_size, air.expert_groups) == (
+              True, False, 128, 64, (1, 2), 1408, 1)
+  assert round(air.num_params / 1e9) == 107
+  # GLM-4.5 itself: 3 dense layers, 160 experts scaled by 2.5, q/k norms; 355B with its
+  # multi-token-prediction layer, which is not loaded.
+  full = config_from_hf(dict(GLM45_AIR, hidden_size=5120, intermediate_size=12288,
+                             moe_intermediate_size=1536, n_routed_experts=160,
+                             num_hidden_layers=92, first_k_dense_replace=3,
+                             routed_scaling_factor=2.5, use_qk_norm=True))
+  assert (full.mlp_only_layers, full.qk_norm, full.routed_scaling_factor) == ((0, 1, 2), True, 2.5)
+  assert round(full.num_params / 1e9) == 353
+  # Glm4MoeConfig's defaults where a config.json is silent (5.x may write num_local_experts).
+  bare = {k: v for k, v in GLM45_AIR.items() if k not in (
+      "partial_rotary_factor", "n_group", "topk_group", "n_shared_experts", "norm_topk_prob",
+      "routed_scaling_factor", "first_k_dense_replace", "use_qk_norm", "attention_bias",
+      "rms_norm_eps", "n_routed_experts")}
+  defaults = config_from_hf(dict(bare, num_local_experts=64))
+  assert (defaults.partial_rotary_factor, defaults.expert_groups, defaults.topk_groups,
+          defaults.shared_expert_intermediate_size, defaults.norm_topk_prob,
+          defaults.routed_scaling_factor, defaults.mlp_only_layers, defaults.qk_norm,
+          defaults.qkv_bias, defaults.rms_norm_eps, defaults.num_experts) == (
+              0.5, 1, 1, 1408, True, 1.0, (0,), False, False, 1e-5, 64)
+  with pytest.raises(ValueError, match="n_shared_experts: expected an int >= 0"):
+    config_from_hf(dict(GLM45_AIR, n_shared_experts=-1))
+  with pytest.raises(ValueError, match="ModelConfig.topk_groups"):
+    config_from_hf(dict(GLM45_AIR, n_group=4, topk_group=5))
+
+
+def test_glm4_moe_configs_transformers_cannot_hold_are_refused_on_export():
+  c = config_from_hf(read_json(os.path.join(fixture("glm4_moe"), "config.json")))
+  for field, value in (("mlp_only_layers", (1,)), ("shared_expert_gated", True),
+                       ("router_scoring", "softmax"), ("decoder_sparse_step", 2),
+                       ("shared_expert_intermediate_size", 24)):
+    changes = {field: value}
+    if field == "router_scoring":
+      changes.update(expert_groups=1, topk_groups=1)
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}: Glm4MoeForCausalLM"):
+      config_to_hf(c.replace(**changes))
+  # ... and GLM-4.5's routing in another class.
+  qwen = config_from_hf(read_json(os.path.join(fixture("qwen2_moe"), "config.json")))
+  for field, value in (("router_scoring", "sigmoid"), ("routed_scaling_factor", 2.5),
+                       ("shared_expert_gated", False)):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}: Qwen2MoeForCausalLM"):
+      config_to_hf(qwen.replace(**{field: value}))
+
+
+def test_glm4_moe_multi_token_prediction_layers_are_skipped(tmp_path):
+  # GLM-4.5 ships one more layer for speculative decoding; transformers skips it, as we do.
+  tensors = hf_tensors(fixture("glm4_moe"))
+  tensors["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)
+  tensors["model.layers.3.mlp.gate.e_score_correction_bias"] = np.zeros(8, np.float32)
+  model = load_hf_checkpoint(copy_with(tmp_path, "glm4_moe", tensors))
+  assert len(model.layers) == 3
+  llama = hf_tensors(fixture("llama"))
+  llama["model.layers.2.input_layernorm.weight"] = np.ones(48, np.float32)
+  with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.2\."):
+    load_hf_checkpoint(copy_with(tmp_path, "llama", llama))
+
+
 def test_mxfp4_dequantizes_as_microscaled_fp4_and_exports_unquantized(tmp_path):
   # One byte holds two codes, low nibble first; a block of 32 shares 2**(scale - 127).
   blocks = np.zeros((1, 2, 1, 16), np.uint8)
@@ -341,10 +424,23 @@ def test_config_fields_read_from_gemma_and_sliding_windows():
                 rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                               "beta_slow": 1.0, "truncate": False,
                               "original_max_position_embeddings": 4096}),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=3, num_heads=4,
+                num_kv_heads=2, head_dim=8, architecture="glm4_moe", qkv_bias=True,
+                qk_norm=True, partial_rotary_factor=0.5, rms_norm_eps=1e-5, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=4, norm_topk_prob=True,
+                mlp_only_layers=(0, 1), shared_expert_intermediate_size=8,
+                shared_expert_gated=False, router_scoring="sigmoid", expert_groups=4,
+                topk_groups=2, routed_scaling_factor=2.5, rope_theta=1e6),
+    ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, architecture="glm4_moe", partial_rotary_factor=0.25,
+                num_experts=4, num_experts_per_tok=1, moe_intermediate_size=4,
+                shared_expert_gated=False, router_scoring="sigmoid",
+                rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 512}),
 ], ids=["llama", "qwen2", "qwen3", "mistral", "qwen3-yarn", "mistral-window", "qwen2-window",
         "gemma3", "gemma2", "qwen3-moe", "qwen3-moe-window", "mixtral", "mixtral-window",
         "olmo2", "olmo3", "qwen2-moe", "phi4", "phi4-mini", "smollm3", "granite", "glm4",
-        "gpt-oss"])
+        "gpt-oss", "glm-4.5", "glm-4.5-plain"])
 def test_config_to_hf_and_back_is_identity(config):
   hf = config_to_hf(config)
   assert config_from_hf(hf) == config
@@ -447,7 +543,10 @@ def test_missing_config_field_is_named():
     ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
     ("mixtral", "model.layers.0.block_sparse_moe.gate.weight"),
     ("qwen2_moe", "model.layers.2.mlp.shared_expert.up_proj.weight"),
-    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight")])
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight"),
+    ("glm4_moe", "model.layers.1.mlp.gate.e_score_correction_bias"),
+    ("glm4_moe", "model.layers.2.mlp.shared_experts.down_proj.weight"),
+    ("glm4_moe", "model.layers.0.mlp.up_proj.weight")])
 def test_missing_expert_tensor_is_named(name, tensor, tmp_path):
   tensors = hf_tensors(fixture(name))
   del tensors[tensor]
@@ -646,7 +745,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_sharded", "qwen3", "mistral",
                                   "mistral_window", "gemma3", "gemma2", "qwen3_moe",
                                   "mixtral", "olmo2", "olmo3", "qwen2_moe", "phi3", "smollm3",
-                                  "granite", "glm4", "gpt_oss"])
+                                  "granite", "glm4", "gpt_oss", "glm4_moe"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

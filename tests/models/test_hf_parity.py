@@ -35,7 +35,7 @@ def with_config(name, config_file, tmp_path):
                                   "qwen3_yarn", "mistral_window", "gemma3", "gemma3_vision",
                                   "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3",
                                   "qwen2_moe", "phi3", "smollm3", "granite", "glm4",
-                                  "gpt_oss", "gpt_oss_mxfp4"])
+                                  "gpt_oss", "gpt_oss_mxfp4", "glm4_moe"])
 def test_logits_match_transformers(name):
   # config.json only: test_hf_checkpoint checks that config_4x.json gives the same config.
   tokens, expected = reference(name)
@@ -109,6 +109,24 @@ def test_the_glm4_fixture_exercises_its_interleaved_partial_rope():
     assert np.abs(np.asarray(forward(other, tokens)) - expected).max() > 1e-2
 
 
+@pytest.mark.parametrize("change", ["correction_bias", "expert_groups"])
+def test_the_glm4_moe_fixture_exercises_its_biased_group_limited_routing(change):
+  # With the correction bias zeroed, or every group open to every token, the routers pick
+  # other experts and the same weights give clearly different logits.
+  tokens, expected = reference("glm4_moe")
+  model = fixture_model("glm4_moe")
+  assert (model.config.expert_groups, model.config.topk_groups) == (4, 2)
+  params = {k: np.asarray(v) for k, v in flatten_params(model).items()}
+  config = model.config
+  if change == "correction_bias":
+    params = {k: np.zeros_like(v) if k.endswith(change) else v for k, v in params.items()}
+  else:
+    config = config.replace(expert_groups=1, topk_groups=1)
+  other = Transformer(config, rngs=nnx.Rngs(0))
+  assign_params(other, params)
+  assert np.abs(np.asarray(forward(other, tokens)) - expected).max() > 1e-2
+
+
 def test_the_smollm3_fixture_exercises_its_layers_without_rope():
   # With RoPE on every layer the same weights give clearly different logits.
   tokens, expected = reference("smollm3")
@@ -121,7 +139,7 @@ def test_the_smollm3_fixture_exercises_its_layers_without_rope():
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3_moe",
                                   "mixtral", "olmo2", "olmo3", "qwen2_moe", "smollm3",
-                                  "granite", "glm4", "gpt_oss"])
+                                  "granite", "glm4", "gpt_oss", "glm4_moe"])
 def test_packed_sequences_match_transformers(name):
   # Causal logits of a prefix equal the full row's first logits, so a row packing the first
   # 12 tokens of sequence 0 with the first 8 of sequence 1 must reproduce both references.
@@ -151,7 +169,8 @@ def test_cached_decoding_matches_transformers(name):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
                                   "qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe",
-                                  "phi3", "smollm3", "granite", "glm4", "gpt_oss"])
+                                  "phi3", "smollm3", "granite", "glm4", "gpt_oss",
+                                  "glm4_moe"])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""

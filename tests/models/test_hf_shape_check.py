@@ -43,6 +43,9 @@ MISFITS = [
     # gpt-oss's stacked experts in MXFP4: the shape they dequantize to, from the headers.
     ("gpt_oss_mxfp4", {"intermediate_size": 64}, "model.layers.0.mlp.experts.down_proj",
      (4, 64, 64), (4, 32, 64)),
+    # GLM-4.5's shared experts: two of them make one MLP twice as wide.
+    ("glm4_moe", {"n_shared_experts": 2}, "model.layers.1.mlp.shared_experts.down_proj.weight",
+     (32, 32), (32, 16)),
 ]
 
 
@@ -60,10 +63,12 @@ def test_a_config_of_another_size_names_the_tensor_and_both_shapes(
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_sharded", "phi3", "glm4", "mixtral",
-                                  "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "gemma3_vision"])
+                                  "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "gemma3_vision",
+                                  "glm4_moe"])
 def test_good_checkpoints_pass(name):
   # Fused rows (phi3, glm4), per-expert (mixtral, qwen2_moe) and stacked, interleaved
-  # (gpt_oss) experts, MXFP4, tied embeddings and an image-text checkpoint's text model.
+  # (gpt_oss) experts, MXFP4, tied embeddings, an image-text checkpoint's text model and
+  # GLM-4.5's router with its correction bias.
   check_hf_checkpoint(os.path.join(FIXTURES, name))  # raises on any tensor it misjudges
 
 

@@ -3,7 +3,9 @@ all-experts one equal routing each token by hand, the TPU and CUDA programs mult
 chosen experts' rows, the packed RL loss trains the router and the experts, a worker holding
 the bf16 keyframe computes the trainer's logits and samples with a shared prefill as with
 separate ones, and one holding int8 experts (scales per expert, routers bf16) computes the
-dequantized model's logits by either dispatch."""
+dequantized model's logits by either dispatch. GLM-4.5's sigmoid routing: its correction
+bias and expert groups move the picks (by hand), not their weights, and training leaves the
+bias as loaded."""
 
 import re
 
@@ -16,8 +18,12 @@ from flax import nnx
 from inference_workers.sampler import generate, generate_shared
 from inference_workers.sampling import SamplingParams
 from inference_workers.weights import HeldPolicy
+import optax
+
 from rlax_ps import sync
+from rlax_ps.optim import make_optimizer
 from rlax_ps.models import ModelConfig, Transformer, assign_params, flatten_params
+from rlax_ps.models.transformer import MoE
 from rlax_ps.sync.bits import BF16
 from rl_grads import rl_loss_and_grads
 
@@ -33,6 +39,11 @@ SHARED = CONFIG.replace(architecture="qwen2_moe", qk_norm=False, qkv_bias=True,
 GPT_OSS = CONFIG.replace(architecture="gpt_oss", qk_norm=False, qkv_bias=True,
                          attention_out_bias=True, attention_sinks=True, moe_bias=True,
                          swiglu_limit=0.05)
+# GLM-4.5: sigmoid scores chosen with a correction bias, experts in 2 groups of 2 (each token
+# picks from the best group), weights renormalised and scaled by 2.5, an ungated shared expert.
+GLM = CONFIG.replace(architecture="glm4_moe", qkv_bias=True, router_scoring="sigmoid",
+                     expert_groups=2, topk_groups=1, routed_scaling_factor=2.5,
+                     shared_expert_intermediate_size=8, shared_expert_gated=False)
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +152,8 @@ def test_shared_prefill_samples_as_one_prefill_per_sample(model):
       np.testing.assert_allclose(sample.logprobs, single[b * 2 + j].logprobs, atol=1e-4)
 
 
-@pytest.mark.parametrize("config", [CONFIG, SHARED, GPT_OSS],
-                         ids=["routed", "shared-expert", "gpt-oss"])
+@pytest.mark.parametrize("config", [CONFIG, SHARED, GPT_OSS, GLM],
+                         ids=["routed", "shared-expert", "gpt-oss", "glm4-moe"])
 def test_an_int8_worker_computes_the_dequantized_models_logits_by_either_dispatch(config):
   model = Transformer(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(3)  # biases and sinks away from their zero init
@@ -173,8 +184,69 @@ def test_an_int8_worker_computes_the_dequantized_models_logits_by_either_dispatc
   assert _ragged_dots(policy.model, "tpu") == 3 * 2
 
 
+@pytest.mark.parametrize("bias,groups,want", [
+    ((0, 0, 0, 0), 1, (0, 1)),  # the best two scores
+    ((0, 0, 0.5, 0), 1, (0, 2)),  # the bias lifts expert 2 past expert 1
+    ((0, 0, 0.5, 0), 2, (0, 1)),  # ... but its group {2, 3} sums lower than {0, 1}
+    ((0, 0, 0.5, 0.6), 2, (2, 3))])  # ... unless expert 3's bias lifts that group too
+def test_the_correction_bias_and_groups_move_the_picks_not_their_weights(bias, groups, want):
+  moe = MoE(GLM.replace(expert_groups=groups), rngs=nnx.Rngs(0))
+  logits = np.array([2.0, 1.0, 0.0, -1.0])  # sigmoid: 0.881, 0.731, 0.5, 0.269
+  kernel = np.zeros((GLM.hidden_size, 4), np.float32)
+  kernel[0] = logits
+  moe.router.kernel.value = jnp.asarray(kernel)
+  moe.correction_bias.value = jnp.asarray(bias, jnp.float32)
+  x = jnp.zeros((1, GLM.hidden_size)).at[0, 0].set(1.0)
+  weights, chosen, picked, _ = moe.route(x)
+  np.testing.assert_array_equal(chosen, picked)
+  order = np.argsort(np.asarray(chosen[0]))
+  assert tuple(np.asarray(chosen[0])[order]) == want
+  scores = 1 / (1 + np.exp(-logits[list(want)]))  # the plain scores weigh them
+  np.testing.assert_allclose(np.asarray(weights[0])[order], 2.5 * scores / scores.sum(),
+                             rtol=1e-6)
+
+
+def test_training_leaves_the_correction_bias_as_loaded():
+  # The bias only moves the picks: no gradient reaches it, AdamW does not decay a vector,
+  # so a step changes the router and keeps the bias bit for bit (published unchanged).
+  moe = MoE(GLM, rngs=nnx.Rngs(0))
+  moe.correction_bias.value = jnp.asarray([0.1, -0.2, 0.3, 0.05])
+  graphdef, state = nnx.split(moe)
+  params = state.to_pure_dict()
+  x = jax.random.normal(jax.random.key(0), (2, 7, GLM.hidden_size))
+  loss = lambda p: jnp.sum(nnx.merge(graphdef, nnx.State(p))(x)[0] ** 2)  # noqa: E731
+  optimizer = make_optimizer({"warmup_steps": 0}, total_steps=10)
+
+  @jax.jit
+  def step(params):
+    grad = jax.grad(loss)(params)
+    updates, _ = optimizer.update(grad, optimizer.init(params), params)
+    return grad, optax.apply_updates(params, updates)
+
+  grad, stepped = step(params)
+  assert not np.asarray(grad["correction_bias"]).any()
+  np.testing.assert_array_equal(stepped["correction_bias"], params["correction_bias"])
+  assert np.abs(np.asarray(stepped["router"]["kernel"] - params["router"]["kernel"])).max() > 0
+  shapes = jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: Transformer(GLM, rngs=nnx.Rngs(0))),
+                                     nnx.Param))
+  assert GLM.num_params == sum(int(np.prod(v.shape)) for v in shapes)
+
+
 @pytest.mark.parametrize("field,value", [("num_experts_per_tok", 5), ("moe_intermediate_size", 0),
-                                         ("mlp_only_layers", (3,)), ("decoder_sparse_step", 0)])
+                                         ("mlp_only_layers", (3,)), ("decoder_sparse_step", 0),
+                                         ("router_scoring", "tanh"), ("expert_groups", 2),
+                                         ("topk_groups", 2), ("routed_scaling_factor", 0.0)])
 def test_bad_expert_fields_are_named(field, value):
   with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
     CONFIG.replace(**{field: value})
+
+
+def test_bad_glm4_moe_routing_fields_are_named():
+  # Groups hold >= 2 experts each, and the groups a token may pick from hold its top k.
+  with pytest.raises(ValueError, match="ModelConfig.topk_groups"):
+    GLM.replace(num_experts_per_tok=3)
+  with pytest.raises(ValueError, match="ModelConfig.expert_groups"):
+    GLM.replace(expert_groups=3)
+  with pytest.raises(ValueError, match="ModelConfig.router_scoring"):
+    GLM.replace(num_experts=0, num_experts_per_tok=0, expert_groups=1,
+                shared_expert_intermediate_size=0)

@@ -17,6 +17,7 @@ from benchmarks_lib import load_benchmark
 from inference_workers.sampler import generate, generate_shared
 from inference_workers.sampling import SamplingParams
 from rlax_ps.models import ModelConfig, Transformer
+from rlax_ps.models.transformer import MoE
 from rlax_ps.train.rl_loss import response_logprobs
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch
 
@@ -95,6 +96,31 @@ def test_replayed_experts_are_weighted_by_the_routers_probabilities(norm_topk_pr
   grad = jax.grad(lambda st: jnp.sum(nnx.merge(graphdef, st)(x, jnp.asarray(replay))[0] ** 2))(
       state)
   assert np.abs(np.asarray(grad["router"]["kernel"].value)).sum() > 0
+
+
+def test_glm4_moe_records_its_biased_group_limited_picks_and_replays_them_exactly():
+  # GLM-4.5 picks by sigmoid score + correction bias within each token's best 2 of 4 expert
+  # groups: those picks (not the plain scores' top k) are the routes a sampler records.
+  config = CONFIG.replace(architecture="glm4_moe", qk_norm=False, qkv_bias=True,
+                          num_experts=8, router_scoring="sigmoid", expert_groups=4,
+                          topk_groups=2)
+  moe = MoE(config, rngs=nnx.Rngs(4))
+  bias = np.random.default_rng(6).normal(0, 0.3, 8).astype(np.float32)
+  moe.correction_bias.value = jnp.asarray(bias)
+  x = jax.random.normal(jax.random.key(1), (1, 12, CONFIG.hidden_size))
+  out, stats = moe(x)
+  picked = np.asarray(stats.picked[0])
+  scores = 1 / (1 + np.exp(-np.asarray(x[0] @ moe.router.kernel[...], np.float64)))
+  biased = scores + bias
+  groups = biased.reshape(12, 4, 2).sum(-1)  # a group's best two: both of its experts
+  for t in range(12):
+    open_groups = np.argsort(-groups[t])[:2]
+    allowed = np.where(np.isin(np.arange(8) // 2, open_groups), biased[t], -np.inf)
+    assert set(picked[t]) == set(np.argsort(-allowed)[:K])
+  plain = np.argsort(-scores, -1)[:, :K]
+  assert any(set(plain[t]) != set(picked[t]) for t in range(12))
+  replayed, _ = moe(x, stats.picked)
+  np.testing.assert_array_equal(np.asarray(replayed), np.asarray(out))
 
 
 def test_routes_of_the_wrong_shape_or_for_a_dense_model_are_refused(model):
