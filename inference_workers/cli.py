@@ -65,16 +65,27 @@ def stop_on_signals(worker) -> None:
 
 def leave_on_signals(grace_s: float) -> None:
   """A multi-host worker's process other than 0: a stop signal is the leader's to act on
-  (its samples go back through every host's devices); this process leaves by itself only if
-  the leader has not stopped it within `grace_s` and a margin."""
+  (its samples go back through every host's devices), so it is passed to the leader; this
+  process leaves by itself only if the leader has not stopped it within `grace_s` and a
+  margin."""
   def wait():
     signal.sigwait(STOP_SIGNALS)
+    from inference_workers import multihost
+    multihost.ask_leader_to_stop()
     threading.Event().wait(grace_s + _FOLLOWER_MARGIN_S)
     print("rlax-ps worker: stopped by a signal, and the leader (process 0) did not end the "
           "job within the grace period", file=sys.stderr, flush=True)
     exit_now(1)
 
   threading.Thread(target=wait, name="stop-signals", daemon=True).start()
+
+
+def lost_host_message(e: Exception, process: int) -> str:
+  """One line for a device call across the hosts that failed: a host of the job is gone (the
+  collective's error names its address) or failed."""
+  said = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+  return (f"rlax-ps worker: a device call across the hosts of this multi-host worker failed, "
+          f"so a host is gone or failed (this is process {process}): {said}")
 
 
 def block_stop_signals() -> None:
@@ -96,14 +107,14 @@ def main(argv) -> None:
                                      config.environment_timeout_s or None)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  leader = distributed.initialize()  # a multi-host worker: before any JAX backend starts
+  leader = distributed.initialize("rlax-ps worker")  # multi-host: before any JAX backend starts
   import jax
 
   from inference_workers import multihost
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
   # JAX and the model load only once the flags are valid.
-  from inference_workers.loop import Worker
+  from inference_workers.loop import Worker, worker_mesh
   from rlax_ps.models import longest_sequence, model_config_from
   from rlax_ps.tokenizers import tokenizer_from_config
 
@@ -121,6 +132,7 @@ def main(argv) -> None:
     same.update((f"worker.{k}", v) for k, v in dataclasses.asdict(config).items() if k != "name")
     try:
       multihost.check_same(same, multihost.Channel())
+      worker_mesh(config)  # a mesh the hosts cannot make is refused by each, not a follower
     except ValueError as e:
       print(f"rlax-ps worker: {e}", file=sys.stderr, flush=True)
       jax.distributed.shutdown()
@@ -128,7 +140,15 @@ def main(argv) -> None:
   if not leader:  # another host of a multi-host worker: process 0 talks to the server
     from inference_workers.loop import follow_leader
     leave_on_signals(config.grace_s)
-    follow_leader(model_config, tokenizer, config, multihost.Channel())
+    try:
+      follow_leader(model_config, tokenizer, config, multihost.Channel())
+    except jax.errors.JaxRuntimeError as e:  # the leader or another host is gone
+      print(lost_host_message(e, jax.process_index()), file=sys.stderr, flush=True)
+      exit_now(1)  # no jax.distributed.shutdown: it would wait for the lost host
+    except Exception as e:  # noqa: BLE001: leave, so the leader's next device call fails
+      print(f"rlax-ps worker: process {jax.process_index()}: {type(e).__name__}: {e}",
+            file=sys.stderr, flush=True)
+      exit_now(1)  # jax.distributed.shutdown would wait for the leader, the leader for this
     jax.distributed.shutdown()
     exit_now(0)
   mirror = multihost.Mirror(multihost.Channel()) if jax.process_count() > 1 else None
@@ -136,7 +156,10 @@ def main(argv) -> None:
   def let_go() -> None:
     """The other processes of a multi-host worker stop following (before this one exits)."""
     if mirror is not None:
-      mirror.stop()
+      try:
+        mirror.stop()
+      except jax.errors.JaxRuntimeError:  # a host is gone: shutdown would wait for it
+        return
       jax.distributed.shutdown()
 
   def leave(code: int) -> None:
@@ -157,10 +180,19 @@ def main(argv) -> None:
                                       f"tensor {mesh.shape['tensor']})")
             + f"; {worker.batching}", flush=True)
       stop_on_signals(worker)
+      if mirror is not None:  # a follower's host stopped by a signal stops the whole job
+        multihost.on_stop_asked(lambda process: (
+            print(f"worker: process {process} was stopped by a signal; stopping every host",
+                  flush=True), worker.request_stop()))
       stats = worker.run()
   except (ParamServerError, connect_flags.TokenFileError, WeightsDoNotFit) as e:
     print(f"rlax-ps worker: {e}", file=sys.stderr, flush=True)
     leave(1)  # leases released: skip a finalization that can abort
+  except jax.errors.JaxRuntimeError as e:
+    if mirror is None:
+      raise
+    print(lost_host_message(e, 0) + "; open leases released", file=sys.stderr, flush=True)
+    exit_now(1)  # no stop message nor jax.distributed.shutdown: both wait for the lost host
   logging.info("worker: done: %s", stats)
   held = ("nothing" if worker.policy.version is None else
           f"v{worker.policy.version} digest {worker.policy.digest():016x}")

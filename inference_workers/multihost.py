@@ -25,6 +25,7 @@ import numpy as np
 from absl import logging
 
 PIECE_BYTES = 64 << 20
+STOP_KEY = "rlax_ps/worker/stop"  # set by a follower stopped by a signal: the leader stops all
 _MIN_PIECE = 256  # pieces are padded to powers of two from here: few programs compile
 
 
@@ -62,6 +63,42 @@ class Channel:
       if got is not None:
         got += out[:size].tobytes()
     return data if got is None else bytes(got)
+
+
+def _job_client():
+  """The jax.distributed job's client: its key-value store reaches process 0 without a
+  device call (jax has no public handle on it)."""
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
+def ask_leader_to_stop() -> None:
+  """A follower stopped by a signal (its host's preemption notice): ask the leader to stop
+  the whole job, so that its samples go back through every host's devices in time."""
+  try:
+    _job_client().key_value_set(STOP_KEY, str(jax.process_index()))
+  except Exception as e:  # noqa: BLE001: another asked first, or the job is gone
+    logging.info("worker follower: could not ask the leader to stop: %s", e)
+
+
+def on_stop_asked(stop: Callable[[int], None], poll_s: float = 0.5) -> None:
+  """The leader: stop(process) once a follower asks (ask_leader_to_stop); a daemon thread
+  polls for it until the job ends."""
+  client = _job_client()
+
+  def watch():
+    while True:
+      try:
+        asker = client.key_value_try_get(STOP_KEY)
+      except Exception:  # noqa: BLE001: NOT_FOUND until asked; anything else: the job ended
+        if _job_client() is None:
+          return
+        threading.Event().wait(poll_s)
+        continue
+      stop(int(asker))
+      return
+
+  threading.Thread(target=watch, name="follower-stops", daemon=True).start()
 
 
 def check_same(settings: dict[str, Any], channel: Channel) -> None:

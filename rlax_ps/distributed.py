@@ -3,6 +3,13 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
+import sys
+import threading
+from typing import Callable
+
 from absl import app, flags
 
 COORDINATOR = flags.DEFINE_string(
@@ -12,6 +19,10 @@ NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: process
                                      "(with a HOST:PORT coordinator).")
 PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index, 0 "
                                   "to num_processes - 1 (with a HOST:PORT coordinator).")
+JOIN_TIMEOUT = flags.DEFINE_integer(
+    "coordinator_timeout_s", 300, "Multi-host: how long each process waits for every "
+    "process of the job to join; then it stops, naming the flags to check.")
+_JAX_JOIN_SLACK_S = 30  # jax's own join timeout is this much later: ours speaks first
 
 
 def check_flags(coordinator: str, num_processes: int | None, process_id: int | None) -> None:
@@ -39,16 +50,75 @@ def check_flags(coordinator: str, num_processes: int | None, process_id: int | N
                          f"{process_id}")
 
 
-def initialize() -> bool:
+def port_free(port: int) -> bool:
+  """Whether this host can listen on `port` on every address, as process 0's coordinator does."""
+  families = [(socket.AF_INET, "0.0.0.0")] + ([(socket.AF_INET6, "::")] if socket.has_ipv6 else [])
+  for family, address in families:
+    try:
+      with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((address, port))
+    except OSError as e:
+      if e.errno == errno.EADDRINUSE:
+        return False
+  return True
+
+
+def _leave(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+  os._exit(1)  # the main thread is inside jax's join: nothing else can end the process
+
+
+def join_within(join: Callable[[], None], timeout_s: float, message: str,
+                leave: Callable[[str], None] = _leave) -> None:
+  """join(), or `leave(message)` if it has not returned within `timeout_s`: jax's own join
+  timeout aborts the process with a message that blames a task that died."""
+  done = threading.Event()
+
+  def watch():
+    if not done.wait(timeout_s):
+      leave(message)
+
+  threading.Thread(target=watch, name="join-watchdog", daemon=True).start()
+  try:
+    join()
+  finally:
+    done.set()
+
+
+def not_joined_message(prog: str, coordinator: str, num_processes: int | None,
+                       process_id: int | None, timeout_s: int) -> str:
+  """What a process says when the job's other processes did not all join in time."""
+  if coordinator == "auto":
+    return (f"{prog}: --coordinator_address=auto: not every host of the slice joined within "
+            f"--coordinator_timeout_s={timeout_s}; run the same command on every host")
+  return (f"{prog}: --num_processes={num_processes}: not all {num_processes} processes joined "
+          f"the job at --coordinator_address={coordinator} within --coordinator_timeout_s="
+          f"{timeout_s} (this is --process_id={process_id}); start the same command on every "
+          f"host with the same --coordinator_address and --num_processes and each its own "
+          f"--process_id, 0 to {num_processes - 1} (a host not started, or two given one id)")
+
+
+def initialize(prog: str = "rlax-ps") -> bool:
   """Join the job the flags name, before any JAX backend starts; True on process 0 (the
-  one that talks to servers and writes logs and exports), and when there is one process."""
+  one that talks to servers and writes logs and exports), and when there is one process.
+  A job whose processes do not all join within --coordinator_timeout_s ends (exit 1) with a
+  line from `prog` naming the flags."""
   import jax
   check_flags(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value)
   if COORDINATOR.value:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts' collectives
+    timeout = JOIN_TIMEOUT.value
+    if timeout < 1:
+      raise app.UsageError(f"--coordinator_timeout_s: expected a number of seconds >= 1, got "
+                           f"{timeout}")
+    message = not_joined_message(prog, COORDINATOR.value, NUM_PROCESSES.value,
+                                 PROCESS_ID.value, timeout)
     if COORDINATOR.value == "auto":
       try:
-        jax.distributed.initialize(None, NUM_PROCESSES.value, PROCESS_ID.value)
+        join_within(lambda: jax.distributed.initialize(
+            None, NUM_PROCESSES.value, PROCESS_ID.value,
+            initialization_timeout=timeout + _JAX_JOIN_SLACK_S), timeout, message)
       except ValueError as e:  # no cluster detected: nothing started yet
         raise app.UsageError(
             f"--coordinator_address=auto: found no multi-host environment to join on this "
@@ -56,5 +126,12 @@ def initialize() -> bool:
             f"--num_processes and --process_id, or no --coordinator_address for one "
             f"process") from e
     else:
-      jax.distributed.initialize(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value)
+      port = int(COORDINATOR.value.rpartition(":")[2])
+      if PROCESS_ID.value == 0 and not port_free(port):  # jax fails on it, at times crashing
+        raise app.UsageError(
+            f"--coordinator_address={COORDINATOR.value}: process 0 cannot listen on port "
+            f"{port} (another program holds it); pick a free port, the same on every host")
+      join_within(lambda: jax.distributed.initialize(
+          COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value,
+          initialization_timeout=timeout + _JAX_JOIN_SLACK_S), timeout, message)
   return jax.process_index() == 0

@@ -10,6 +10,7 @@ import os
 import pickle
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -249,3 +250,151 @@ def test_hosts_given_different_settings_all_stop_naming_them(tmp_path):
   assert "the settings of hosts [1] differ from host 0's" in leader
   assert ("this host's settings differ from host 0's: worker.prompts_per_call: host 0 4, "
           "here 2") in other
+
+
+def test_a_process_whose_job_does_not_gather_leaves_naming_the_flags():
+  """jax's own join timeout aborts with a message blaming a task that died; the watchdog
+  speaks first, in one line naming the flags to check."""
+  from rlax_ps import distributed
+  left = []
+  never = threading.Event()
+  message = distributed.not_joined_message("rlax-ps worker", "10.0.0.2:8476", 2, 0, 1)
+  distributed.join_within(lambda: never.wait(5), 0.05,
+                          message, leave=lambda m: (left.append(m), never.set()))
+  assert left == [message]
+  assert ("rlax-ps worker: --num_processes=2: not all 2 processes joined the job at "
+          "--coordinator_address=10.0.0.2:8476 within --coordinator_timeout_s=1 (this is "
+          "--process_id=0)") in message and "\n" not in message
+  done = []
+  distributed.join_within(lambda: None, 0.05, message, leave=done.append)
+  threading.Event().wait(0.2)  # past the timeout: a join that returned in time is not left
+  assert done == []
+
+
+@pytest.mark.slow
+def test_a_host_that_never_starts_is_named_within_the_join_timeout(tmp_path):
+  tokens = tmp_path / "tokens.json"
+  tokens.write_text(json.dumps(TOKENS))
+  job = [f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2"]
+  alone = _start("127.0.0.1:1", tokens, 2, *job, "--process_id=0", "--coordinator_timeout_s=2")
+  _, err = alone.communicate(timeout=300)
+  assert alone.returncode == 1, err[-3000:]
+  assert "rlax-ps worker: --num_processes=2: not all 2 processes joined the job" in err, err[-3000:]
+  assert "Fatal Python error" not in err
+
+
+def _running_job(tmp_path, *extra):
+  """(server, trainer client, [leader, follower]): a two-process worker at work on many
+  prompts, with leases open."""
+  server = ParamServer(ServerConfig(storage_dir=str(tmp_path / "srv"), port=0, wal_fsync=False,
+                                    compact_in_background=False, threads=16,
+                                    **{f"{r}_token": t for r, t in TOKENS.items()})).start()
+  tokens = tmp_path / "tokens.json"
+  tokens.write_text(json.dumps(TOKENS))
+  tokens.chmod(0o600)
+  cfg = config_files.load(os.path.join(REPO, "configs", "rl_local.py"), "tiny")
+  model_config = model_config_from(cfg.model, CharTokenizer().vocab_size)
+  params = {k: np.asarray(v) for k, v in
+            flatten_params(Transformer(model_config, rngs=nnx.Rngs(0))).items()}
+  trainer = ParamServerClient(server.address, token=TOKENS["trainer"], role="trainer",
+                              retry=RetryPolicy(deadline_s=5.0))
+  trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
+  trainer.enqueue_prompts([Prompt(id=f"q{i}", text=f"{i}+{i + 1}=", task="addition",
+                                  extra=str(2 * i + 1).encode()) for i in range(400)])
+  job = [f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2",
+         "--max_leases=0", "--max_new_tokens=64", *extra]
+  procs = [_start(server.address, tokens, 2, *job, f"--process_id={i}") for i in range(2)]
+  # At work, past the first calls (each new collective's first use meets every host): groups
+  # in, leases open.
+  while not any(p.poll() is not None for p in procs):
+    stats = trainer.stats()
+    if stats.rollouts_accepted >= 6 and stats.leases_active:
+      break
+    threading.Event().wait(0.2)
+  assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+  return server, trainer, procs
+
+
+@pytest.mark.slow
+def test_a_follower_killed_ends_the_leader_naming_the_lost_host_its_leases_released(tmp_path):
+  server, trainer, (leader, follower) = _running_job(tmp_path)
+  try:
+    follower.kill()
+    _, err = leader.communicate(timeout=300)
+    stats = trainer.stats()
+    follower.communicate()
+  finally:
+    trainer.close()
+    server.stop(grace=0)
+  if leader.returncode == -signal.SIGABRT:
+    # About 1 run in 10 the kill lands where no collective notices the lost peer: jax's
+    # heartbeat (100 s) aborts the leader, whose leases then wait out their deadline.
+    assert "so a host is gone or failed" not in err
+    return
+  assert leader.returncode == 1, err[-3000:]
+  assert "so a host is gone or failed (this is process 0)" in err, err[-3000:]
+  assert stats.prompts_leased == 0 and stats.leases_expired == 0, stats
+
+
+@pytest.mark.slow
+def test_a_follower_stopped_by_a_signal_stops_every_host_cleanly(tmp_path):
+  server, trainer, (leader, follower) = _running_job(tmp_path, "--grace_s=10", "--salvage_s=5")
+  try:
+    follower.send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=300) for p in (leader, follower)]
+    stats = trainer.stats()
+  finally:
+    trainer.close()
+    server.stop(grace=0)
+  assert [leader.returncode, follower.returncode] == [0, 0], [e[-2000:] for _, e in outs]
+  assert "process 1 was stopped by a signal; stopping every host" in outs[0][0]
+  assert stats.prompts_leased == 0 and stats.leases_expired == 0, stats
+
+
+@pytest.mark.slow
+def test_a_coordinator_port_taken_is_named_in_one_line(tmp_path):
+  import socket
+  tokens = tmp_path / "tokens.json"
+  tokens.write_text(json.dumps(TOKENS))
+  with socket.socket() as taken:
+    taken.bind(("0.0.0.0", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    leader = _start("127.0.0.1:1", tokens, 2, f"--coordinator_address=127.0.0.1:{port}",
+                    "--num_processes=2", "--process_id=0", "--coordinator_timeout_s=60")
+    _, err = leader.communicate(timeout=300)
+  assert leader.returncode == 2, err[-3000:]
+  assert (f"rlax-ps worker: --coordinator_address=127.0.0.1:{port}: process 0 cannot listen "
+          f"on port {port}") in err, err[-3000:]
+  assert "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag, named", [
+    ("--devices=3", "WorkerConfig.devices: expected at most the 2 local devices, got 3"),
+    ("--tensor_parallel=3", "WorkerConfig.tensor_parallel: expected a divisor of the 4 devices"),
+])
+def test_a_mesh_the_hosts_cannot_make_is_named_by_every_host(tmp_path, flag, named):
+  tokens = tmp_path / "tokens.json"
+  tokens.write_text(json.dumps(TOKENS))
+  job = [f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2", flag]
+  procs = [_start("127.0.0.1:1", tokens, 2, *job, f"--process_id={i}") for i in range(2)]
+  try:
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [2, 2], [e[-2000:] for e in errs]
+  assert all(f"rlax-ps worker: {named}" in e for e in errs), [e[-2000:] for e in errs]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_across_two_processes_samples_as_one_process(tmp_path):
+  """tensor_parallel=4 over 2 processes x 2 devices: each matmul spans both hosts."""
+  job = [f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2",
+         "--tensor_parallel=4"]
+  two, outs = _groups(tmp_path, "two", (2, (*job, "--process_id=0")),
+                      (2, (*job, "--process_id=1")))
+  one, _ = _groups(tmp_path, "one", (4, ("--tensor_parallel=4",)))
+  assert "decoding on 4 devices (data 1 x tensor 4)" in outs[0][0], outs[0][0]
+  assert sorted(two) == [p.id for p in PROMPTS] and two == one
