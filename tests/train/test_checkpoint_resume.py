@@ -52,6 +52,7 @@ def _complete_steps(directory):
   return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
 
+@pytest.mark.slow  # suite time: the RL trainer's kill-and-resume test stays in the default suite
 def test_killed_run_resumes_from_last_complete_checkpoint(tmp_path):
   workdir = str(tmp_path / "killed")
   # The same 8 fake devices and compile cache as this process: its compiles are reused here.

@@ -104,6 +104,7 @@ def _gathered(compiled_hlo: str, num_experts: int) -> list[str]:
   return [s for s in shapes if s.count(",") == 2 and int(s.split(",")[0]) == num_experts]
 
 
+@pytest.mark.slow  # suite time: the layer-level equality tests stay in the default suite
 def test_the_train_step_matches_one_device_and_gathers_no_expert_weights():
   optimizer = optim.make_optimizer({"lr": 1e-2, "warmup_steps": 0, "eps": 1e-4}, total_steps=10)
   batch = SFTBatches([get_task("addition")], [1.0], TOKENIZER, batch_size=8, seq_len=32,
