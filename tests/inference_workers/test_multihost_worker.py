@@ -190,8 +190,8 @@ def _start(address, token_file, devices, *extra):
       stderr=subprocess.PIPE, text=True)
 
 
-def _groups(tmp_path, name, *jobs):
-  """The groups a fresh server gets from a worker made of `jobs` (devices, extra flags)."""
+def _server(tmp_path, name):
+  """(a fresh server, its owner-only token file, the tiny recipe model's params)."""
   server = ParamServer(ServerConfig(storage_dir=str(tmp_path / name), port=0, wal_fsync=False,
                                     compact_in_background=False, threads=16,
                                     **{f"{r}_token": t for r, t in TOKENS.items()})).start()
@@ -200,8 +200,13 @@ def _groups(tmp_path, name, *jobs):
   tokens.chmod(0o600)
   cfg = config_files.load(os.path.join(REPO, "configs", "rl_local.py"), "tiny")
   model_config = model_config_from(cfg.model, CharTokenizer().vocab_size)
-  params = {k: np.asarray(v) for k, v in
-            flatten_params(Transformer(model_config, rngs=nnx.Rngs(0))).items()}
+  return server, tokens, {k: np.asarray(v) for k, v in
+                          flatten_params(Transformer(model_config, rngs=nnx.Rngs(0))).items()}
+
+
+def _groups(tmp_path, name, *jobs):
+  """The groups a fresh server gets from a worker made of `jobs` (devices, extra flags)."""
+  server, tokens, params = _server(tmp_path, name)
   try:
     with ParamServerClient(server.address, token=TOKENS["trainer"], role="trainer",
                            retry=RetryPolicy(deadline_s=5.0)) as trainer:
@@ -286,16 +291,7 @@ def test_a_host_that_never_starts_is_named_within_the_join_timeout(tmp_path):
 def _running_job(tmp_path, *extra):
   """(server, trainer client, [leader, follower]): a two-process worker at work on many
   prompts, with leases open."""
-  server = ParamServer(ServerConfig(storage_dir=str(tmp_path / "srv"), port=0, wal_fsync=False,
-                                    compact_in_background=False, threads=16,
-                                    **{f"{r}_token": t for r, t in TOKENS.items()})).start()
-  tokens = tmp_path / "tokens.json"
-  tokens.write_text(json.dumps(TOKENS))
-  tokens.chmod(0o600)
-  cfg = config_files.load(os.path.join(REPO, "configs", "rl_local.py"), "tiny")
-  model_config = model_config_from(cfg.model, CharTokenizer().vocab_size)
-  params = {k: np.asarray(v) for k, v in
-            flatten_params(Transformer(model_config, rngs=nnx.Rngs(0))).items()}
+  server, tokens, params = _server(tmp_path, "srv")
   trainer = ParamServerClient(server.address, token=TOKENS["trainer"], role="trainer",
                               retry=RetryPolicy(deadline_s=5.0))
   trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())

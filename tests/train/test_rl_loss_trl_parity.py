@@ -162,12 +162,18 @@ def test_micro_batched_loss_equals_trls_whole_batch(wiring):
   sequences, its dr_grpo over B * max length: micro-batches weighted by their share of that
   count give the same loss and gradient."""
   case, batch, lp, groups, cfg, proximal, _ = _inputs("b3x4", *wiring)
-  (value, _), grad = micro_batched_loss_and_grad(
+  _micro_batched_equals_trl(case, batch, lp, groups, cfg, proximal)
+
+
+def _micro_batched_equals_trl(case, batch, lp, groups, cfg, proximal):
+  """The loss and gradient of 3 micro-batches equal TRL's whole batch's; their metrics."""
+  (value, metrics), grad = micro_batched_loss_and_grad(
       {"logp": lp["logp"]}, None, batch, {"logp": lp["ref_logp"]}, num_groups=groups, cfg=cfg,
       micro_batches=3, proximal=proximal)
   np.testing.assert_allclose(value, case["loss"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(grad["logp"], np.asarray(case["grad_logp"], np.float32),
                              rtol=1e-5, atol=1e-6)
+  return metrics
 
 
 def test_overlong_buffer_advantages_equal_trls_punishment_reward():
@@ -187,12 +193,7 @@ def test_micro_batched_off_policy_mask_equals_trls_whole_batch():
   whole batch's (the advantages the trainer's, with TRL's eps)."""
   case, batch, lp, groups, cfg, proximal, _ = _inputs("b3x4", *OFF_POLICY_WIRING[0])
   cfg = dataclasses.replace(cfg, std_eps=1e-4)
-  (value, metrics), grad = micro_batched_loss_and_grad(
-      {"logp": lp["logp"]}, None, batch, {"logp": lp["ref_logp"]}, num_groups=groups, cfg=cfg,
-      micro_batches=3, proximal=proximal)
-  np.testing.assert_allclose(value, case["loss"], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(grad["logp"], np.asarray(case["grad_logp"], np.float32),
-                             rtol=1e-5, atol=1e-6)
+  metrics = _micro_batched_equals_trl(case, batch, lp, groups, cfg, proximal)
   _, whole = rl_loss({"logp": lp["logp"]}, None, batch, None, num_groups=groups, cfg=cfg,
                      proximal=proximal)
   assert 0 < float(whole["off_policy_masked_frac"]) < 1
