@@ -141,7 +141,7 @@ def main(argv) -> None:
     from inference_workers.loop import follow_leader
     leave_on_signals(config.grace_s)
     try:
-      follow_leader(model_config, tokenizer, config, multihost.Channel())
+      code = follow_leader(model_config, tokenizer, config, multihost.Channel())
     except jax.errors.JaxRuntimeError as e:  # the leader or another host is gone
       print(lost_host_message(e, jax.process_index()), file=sys.stderr, flush=True)
       exit_now(1)  # no jax.distributed.shutdown: it would wait for the lost host
@@ -150,20 +150,21 @@ def main(argv) -> None:
             file=sys.stderr, flush=True)
       exit_now(1)  # jax.distributed.shutdown would wait for the leader, the leader for this
     jax.distributed.shutdown()
-    exit_now(0)
+    exit_now(code)  # the leader's: a job it refused fails on every host
   mirror = multihost.Mirror(multihost.Channel()) if jax.process_count() > 1 else None
 
-  def let_go() -> None:
-    """The other processes of a multi-host worker stop following (before this one exits)."""
+  def let_go(code: int) -> None:
+    """The other processes of a multi-host worker stop following, to exit with `code`
+    (before this one exits with it)."""
     if mirror is not None:
       try:
-        mirror.stop()
+        mirror.stop(code)
       except jax.errors.JaxRuntimeError:  # a host is gone: shutdown would wait for it
         return
       jax.distributed.shutdown()
 
   def leave(code: int) -> None:
-    let_go()
+    let_go(code)
     exit_now(code)
 
   try:
@@ -172,7 +173,7 @@ def main(argv) -> None:
         worker = Worker(client, model_config, tokenizer, config, verifier_for=verifier_for,
                         environments=environments, mirror=mirror)
       except ValueError as e:  # settings the model cannot honour
-        let_go()
+        let_go(2)  # the exit status rlax-ps gives a UsageError
         raise app.UsageError(str(e)) from None
       mesh = worker.mesh
       print("worker: decoding on " + ("the default device" if mesh is None else

@@ -100,13 +100,13 @@ def worker_mesh(config: WorkerConfig):
 
 
 def follow_leader(model_config: ModelConfig, tokenizer: Any, config: WorkerConfig,
-                  channel: multihost.Channel) -> None:
+                  channel: multihost.Channel) -> int:
   """A multi-host worker's process other than 0: hold the weights, the decode state and a
   reward model on this host's devices and make the leader's device calls
-  (multihost.follow) until it stops."""
+  (multihost.follow) until it stops; the exit status the leader ends with."""
   mesh = worker_mesh(config)
   policy = HeldPolicy(model_config, config.weights_format, mesh=mesh)
-  multihost.follow(channel, {
+  return multihost.follow(channel, {
       "policy": lambda: multihost.PolicyCalls(policy),
       "slots": lambda **settings: SlotsDevice(policy.model, mesh=mesh, **settings),
       "reward": lambda: RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,

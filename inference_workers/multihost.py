@@ -155,10 +155,10 @@ class Mirror:
     with self._lock:
       self.channel.send(("forget", key))
 
-  def stop(self) -> None:
-    """Let the followers return from `follow`."""
+  def stop(self, code: int = 0) -> None:
+    """Let the followers return `code` from `follow`: the exit status the leader ends with."""
     with self._lock:
-      self.channel.send(("stop",))
+      self.channel.send(("stop", code))
 
 
 class Mirrored:
@@ -222,16 +222,17 @@ class MirroredPolicy:
     return self._mirror.call(self._key, "digest", (), {}, self._policy.digest)
 
 
-def follow(channel: Channel, makers: dict[str, Callable[..., Any]]) -> None:
-  """A follower's loop: make, call and forget what the leader says, until it says stop. A
-  call that raises here raised on the leader too (same inputs, same state): the leader
-  decides what follows, so it is logged and the loop goes on."""
+def follow(channel: Channel, makers: dict[str, Callable[..., Any]]) -> int:
+  """A follower's loop: make, call and forget what the leader says, until it says stop;
+  returns the exit status the leader ends with. A call that raises here raised on the
+  leader too (same inputs, same state): the leader decides what follows, so it is logged and
+  the loop goes on."""
   objects: dict[int, Any] = {}
   while True:
     message = channel.receive()
     op = message[0]
     if op == "stop":
-      return
+      return int(message[1])
     if op == "make":
       _, key, kind, settings = message
       objects[key] = makers[kind](**settings)

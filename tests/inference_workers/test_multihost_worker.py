@@ -243,6 +243,19 @@ def test_two_processes_sample_as_one_with_all_their_devices(tmp_path):
 
 
 @pytest.mark.slow
+def test_settings_the_leader_refuses_fail_every_host(tmp_path):
+  tokens = tmp_path / "tokens.json"
+  tokens.write_text(json.dumps(TOKENS))
+  tokens.chmod(0o600)
+  job = [f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2",
+         "--max_new_tokens=100000"]  # the same on both hosts; more than the model's positions
+  procs = [_start("127.0.0.1:1", tokens, 2, *job, f"--process_id={i}") for i in range(2)]
+  (_, leader), (_, other) = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [2, 2], (leader[-2000:], other[-2000:])
+  assert "WorkerConfig.max_new_tokens: expected fewer than the model's" in leader
+
+
+@pytest.mark.slow
 def test_hosts_given_different_settings_all_stop_naming_them(tmp_path):
   tokens = tmp_path / "tokens.json"
   tokens.write_text(json.dumps(TOKENS))
