@@ -102,3 +102,12 @@ def published(config, fmt="bf16", version=0, base=None, *, fields=True):
   return sync.Update.from_bytes(sync.encode(
       base, params, fmt, version=version,
       model=config.forward_fields() if fields else None).to_bytes()), params
+
+
+def assert_refused_whole(message: str, policy) -> None:
+  """A WeightsDoNotFit message says what to give the worker, in one line, and the policy
+  applied nothing."""
+  assert "do not fit this worker's model" in message
+  assert "the trainer's config" in message and "init_from_hf" in message
+  assert "\n" not in message
+  assert policy.version is None
