@@ -443,10 +443,15 @@ class RLTrainer(TrainerRun):
     self.reward_parts_totals = {name: [float(total), int(n)] for name, (total, n)
                                 in saved.get("reward_parts_totals", {}).items()}
     control = saved.get("entropy_control")
-    if self.loss_cfg.adaptive_entropy and control:  # else it starts at loss.entropy_coef
+    if self.loss_cfg.adaptive_entropy and control:
       self.entropy_coef = float(control["entropy_coef"])
       last = control["last_entropy"]
       self.last_entropy = math.inf if last is None else float(last)
+    elif self.loss_cfg.adaptive_entropy and self.leader:  # it starts at loss.entropy_coef
+      logging.warning("loss.adaptive_entropy: the checkpoint at step %d holds no entropy "
+                      "coefficient (written without loss.adaptive_entropy, or by an older "
+                      "rlax-ps); it starts at loss.entropy_coef=%g", int(saved["step"]),
+                      self.loss_cfg.entropy_coef)
     # A run resumed elsewhere (another machine, a moved workdir) keeps its id.
     self.run_id = self.publisher.run = str(saved.get("run_id", self.run_id))
 

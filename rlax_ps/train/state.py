@@ -8,6 +8,7 @@ lands on one device.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Callable
 
@@ -15,12 +16,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rlax_ps import sharding as shd
 from rlax_ps.checkpoint import Checkpointer
 from rlax_ps.models import ModelConfig, Transformer, load_hf_checkpoint
+from rlax_ps.models.config import _NOT_FORWARD
 from rlax_ps.models.transformer import experts_per_device
 from rlax_ps.train.trainable import join, split_trainable
 
@@ -179,6 +182,27 @@ def restore_or_init(model_config: ModelConfig, optimizer: optax.GradientTransfor
   return state, shardings, graphdef, metadata
 
 
+def model_changes(saved: dict[str, Any] | None, model_config: ModelConfig
+                  ) -> tuple[list[str], dict[str, Any]]:
+  """(a line per model field the checkpoint's config `saved` sets otherwise than
+  `model_config`, {field: default} of those an older rlax-ps did not write). A field added
+  since takes its default, which keeps what the older code built; a field idle in both
+  configs (LoRA's targets without LoRA, an MoE's routing without experts) restores alike."""
+  if not saved:  # a checkpoint that does not record its model: shapes alone are checked
+    return [], {}
+  fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(saved) - set(fields))
+  if unknown:
+    return [f"model.{k}: {saved[k]!r} in the checkpoint, a field this rlax-ps does not know "
+            f"(a newer one wrote it)" for k in unknown], {}
+  added = {k: v for k, v in fields.items() if k not in saved and v is not dataclasses.MISSING}
+  was = ModelConfig.from_dict({**saved, **added})
+  old, new = (json.loads(json.dumps(c.to_dict())) for c in (was, model_config))
+  used = set(was.forward_fields()) | set(model_config.forward_fields()) | set(_NOT_FORWARD)
+  return [f"model.{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in sorted(old)
+          if old[k] != new[k] and k in used], added
+
+
 def restore_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
                   checkpointer: Checkpointer, step: int, *, params_like: tuple[str, ...] = ()
                   ) -> tuple[TrainState, TrainState, nnx.GraphDef, dict, dict[str, Any]]:
@@ -187,14 +211,15 @@ def restore_state(model_config: ModelConfig, optimizer: optax.GradientTransforma
   laid out as the params (the RL trainer's mixed reference)."""
   graphdef = abstract_model(model_config)[0]
   saved = checkpointer.metadata(step)
-  want = json.loads(json.dumps(model_config.to_dict()))
-  if saved.get("model_config") not in (None, want):
-    was = saved["model_config"]
-    changed = [f"model.{k}: {was.get(k)!r} in the checkpoint, {want.get(k)!r} now"
-               for k in sorted(set(was) | set(want)) if was.get(k) != want.get(k)]
+  changed, added = model_changes(saved.get("model_config"), model_config)
+  if changed:
     raise ValueError(f"model: the checkpoint in {checkpointer.directory} was written for "
                      f"another model ({'; '.join(changed)}); resume with its model, or use "
                      f"another workdir")
+  if added:
+    logging.warning("model: the checkpoint in %s predates fields added to the model config "
+                    "since; they take their defaults, as the older rlax-ps built it: %s",
+                    checkpointer.directory, ", ".join(f"{k}={v!r}" for k, v in added.items()))
   target = abstract_state(model_config, optimizer, mesh)
   tree, metadata = checkpointer.restore(
       dict(target.to_tree(), **{name: target.params for name in params_like}), step)
