@@ -123,6 +123,7 @@ class Take:
   take_id: str
   rollouts: list[pb.TakenRollout]
   dropped_stale: int
+  store_id: str = ""  # the server's storage id (pb.VersionInfo.store_id)
 
 
 @dataclasses.dataclass
@@ -679,7 +680,7 @@ class ParamServerClient:
         min_version=min_version, max_groups=max_n, wait_s=wait_s, ack_deadline_s=ack_deadline_s,
         requeue_unacked=requeue_unacked),
         timeout_s=self.timeout_s + wait_s)
-    return Take(reply.take_id, list(reply.rollouts), reply.dropped_stale)
+    return Take(reply.take_id, list(reply.rollouts), reply.dropped_stale, reply.store_id)
 
   def ack(self, take: Take | str) -> int:
     take_id = take if isinstance(take, str) else take.take_id

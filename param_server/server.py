@@ -96,6 +96,28 @@ class ServerConfig:
 
 
 RUN_FILE = "RUN"
+STORE_FILE = "STORE"
+
+
+def store_id_of(storage_dir: str) -> str:
+  """The id of `storage_dir`, made (at random) and kept in <storage_dir>/STORE the first
+  time a server uses the folder: a trainer that meets another id at its server's address
+  knows the server lost what it held (the folder lost or replaced)."""
+  path = os.path.join(storage_dir, STORE_FILE)
+  try:
+    with open(path) as f:
+      kept = f.read().strip()
+    if kept:
+      return kept
+  except FileNotFoundError:
+    pass
+  store = uuid.uuid4().hex
+  with open(path + ".tmp", "w") as f:
+    f.write(store + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(path + ".tmp", path)
+  return store
 
 
 def _read_run(storage_dir: str) -> str:
@@ -242,6 +264,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self.streams_open = 0  # Pull and Watch streams being served
     self._run_lock = threading.Lock()
     self.run = _read_run(config.storage_dir)  # the run whose versions are held ("": none said)
+    self.store_id = store_id_of(config.storage_dir)
     self.started = time.monotonic()
     self.stopping = threading.Event()
     self._version_changed = weights.changed  # notified as _latest() may change
@@ -253,7 +276,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     return self.weights.latest
 
   def _version_info(self) -> pb.VersionInfo:
-    return pb.VersionInfo(**self.weights.info())
+    return pb.VersionInfo(**self.weights.info(), store_id=self.store_id)
 
   @_unary
   def Publish(self, request_iterator, context):
@@ -440,9 +463,11 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def TakeRollouts(self, request, context):
     _finite("wait_s", request.wait_s)
     _finite("ack_deadline_s", request.ack_deadline_s)
-    return self.queues.take(request.min_version, request.max_groups, request.wait_s,
-                            request.ack_deadline_s, max_bytes=self.config.max_message_bytes // 2,
-                            requeue_unacked=request.requeue_unacked)
+    reply = self.queues.take(request.min_version, request.max_groups, request.wait_s,
+                             request.ack_deadline_s, max_bytes=self.config.max_message_bytes // 2,
+                             requeue_unacked=request.requeue_unacked)
+    reply.store_id = self.store_id
+    return reply
 
   @_unary
   def AckRollouts(self, request, context):

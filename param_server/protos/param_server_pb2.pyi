@@ -31,20 +31,22 @@ class GetLatestRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("latest_version", "keyframe_version", "oldest_delta_base", "fmt", "keyframe_bytes", "delta_chain_bytes")
+    __slots__ = ("latest_version", "keyframe_version", "oldest_delta_base", "fmt", "keyframe_bytes", "delta_chain_bytes", "store_id")
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     KEYFRAME_VERSION_FIELD_NUMBER: _ClassVar[int]
     OLDEST_DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
     FMT_FIELD_NUMBER: _ClassVar[int]
     KEYFRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     DELTA_CHAIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     latest_version: int
     keyframe_version: int
     oldest_delta_base: int
     fmt: str
     keyframe_bytes: int
     delta_chain_bytes: int
-    def __init__(self, latest_version: _Optional[int] = ..., keyframe_version: _Optional[int] = ..., oldest_delta_base: _Optional[int] = ..., fmt: _Optional[str] = ..., keyframe_bytes: _Optional[int] = ..., delta_chain_bytes: _Optional[int] = ...) -> None: ...
+    store_id: str
+    def __init__(self, latest_version: _Optional[int] = ..., keyframe_version: _Optional[int] = ..., oldest_delta_base: _Optional[int] = ..., fmt: _Optional[str] = ..., keyframe_bytes: _Optional[int] = ..., delta_chain_bytes: _Optional[int] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("have_version", "resume_version", "resume_base_version", "resume_offset")
@@ -324,14 +326,16 @@ class TakenRollout(_message.Message):
     def __init__(self, rollout_id: _Optional[int] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., group: _Optional[_Union[RolloutGroup, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class TakeRolloutsReply(_message.Message):
-    __slots__ = ("take_id", "rollouts", "dropped_stale")
+    __slots__ = ("take_id", "rollouts", "dropped_stale", "store_id")
     TAKE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     take_id: str
     rollouts: _containers.RepeatedCompositeFieldContainer[TakenRollout]
     dropped_stale: int
-    def __init__(self, take_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[TakenRollout, _Mapping]]] = ..., dropped_stale: _Optional[int] = ...) -> None: ...
+    store_id: str
+    def __init__(self, take_id: _Optional[str] = ..., rollouts: _Optional[_Iterable[_Union[TakenRollout, _Mapping]]] = ..., dropped_stale: _Optional[int] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class AckRolloutsRequest(_message.Message):
     __slots__ = ("take_id",)

@@ -1,7 +1,9 @@
 """Publishing the trainer's weights as versions: the held state (bf16 rounding or int8
 quantization) is made on device, only the elements that changed since the last publication
 are fetched (`rlax_ps.sync.device.publish_state`), and the host encodes a delta against the
-last published version, or a keyframe every `keyframe_every` versions.
+last published version, or a keyframe every `keyframe_every` versions. A delta the server
+cannot apply (it lost the base: a new storage folder) goes again as a keyframe, encoded from
+the host copy.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ import functools
 import time
 from typing import Any, Callable
 
+import grpc
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 
+from param_server.client import ParamServerError
 from rlax_ps import sync
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.sharding import to_host
@@ -100,9 +105,40 @@ class Publisher:
                            base_checksums=checksums,
                            model=self.model_fields if keyframe else None)
       wire = update.to_bytes()
-      self.client.publish(wire, run=self.run)
+      try:
+        self.client.publish(wire, run=self.run)
+      except ParamServerError as e:
+        if keyframe or not lacks_base(e):
+          raise
+        update, wire = self._send_keyframe(host, version)
+        keyframe = True
       self._host, self._checksums = host, update.checksums
       size, digest = len(wire), sync.state_digest(update.checksums)
     self._device, self.version = new_device, version
     self._since_keyframe = 0 if keyframe else self._since_keyframe + 1
     return Publication(version, keyframe, size, time.perf_counter() - t0, digest)
+
+  def resend_keyframe(self) -> Publication:
+    """The last published version again, as a keyframe encoded from the host copy (no device
+    work, so one process of a multi-host slice may do it): for a server that lost it."""
+    if self.client is None or self._host is None:
+      raise ValueError("resend_keyframe: expected a publisher that sent a version before")
+    t0 = time.perf_counter()
+    update, wire = self._send_keyframe(self._host, self.version)
+    self._since_keyframe = 0
+    return Publication(self.version, True, len(wire), time.perf_counter() - t0,
+                       sync.state_digest(update.checksums))
+
+  def _send_keyframe(self, host: dict, version: int) -> tuple[sync.Update, bytes]:
+    logging.warning("publish: sending v%d as a keyframe: the server lacks its base (it lost "
+                    "its weights)", version)
+    update = sync.encode(None, host, self.fmt, version=version, fingerprints=True,
+                         model=self.model_fields)
+    wire = update.to_bytes()
+    self.client.publish(wire, run=self.run)
+    return update, wire
+
+
+def lacks_base(e: ParamServerError) -> bool:
+  """Whether a publication was refused for its base version (the server does not hold it)."""
+  return e.code == grpc.StatusCode.FAILED_PRECONDITION and e.details.startswith("base_version")

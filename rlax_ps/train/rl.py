@@ -236,10 +236,11 @@ class StepRate:
 
 
 # The run totals (RLTrainer attributes) that the checkpoint carries: groups dropped as stale,
-# rejected, left out or filled by dynamic sampling, trained groups that came back, and the
-# malformed reward part values skipped.
+# rejected, left out or filled by dynamic sampling, trained groups that came back, the
+# malformed reward part values skipped, and servers met that had lost what they held.
 COUNTS = ("dropped_stale", "rejected", "filtered", "filled", "came_back",
-          "reward_parts_malformed")
+          "reward_parts_malformed", "servers_lost")
+ENQUEUE_BATCH = 1024  # prompts per call when a server that lost them is fed them again
 
 
 class RLTrainer(TrainerRun):
@@ -318,6 +319,7 @@ class RLTrainer(TrainerRun):
     self._compiles: dict[tuple[int, int], concurrent.futures.Future] = {}
     self._compiler = None
     self.precompiled_steps = 0  # steps that ran a step compiled ahead
+    self.source = source
     self.feed = PromptFeed(source, int(config.seed))
     self.revisit = (float(rl.get("revisit_solved", 1.0)), float(rl.get("revisit_failed", 1.0)))
     self.selective = self.revisit != (1.0, 1.0)
@@ -342,6 +344,11 @@ class RLTrainer(TrainerRun):
     self.saved_version = -1
     self.warm_start_eval: dict[str, float] | None = None
     self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
+    # Prompts fed and not yet back as groups: id -> (feed index, record), fed again to a
+    # server that lost them; and the id of the server's storage folder (VersionInfo.store_id).
+    self.outstanding: dict[str, tuple[int, int]] = {}
+    self.store_id = ""
+    self.servers_lost = 0
     self.came_back = 0  # groups trained on already that a requeued take brought again
     self.dropped_stale = 0  # groups the server dropped as older than the staleness floor
     self.rejected = 0  # groups that could not enter a batch (logged)
@@ -412,6 +419,8 @@ class RLTrainer(TrainerRun):
         "resumed_samples": self.resumed_samples,
         "version": self.version,
         "pending_takes": [dataclasses.asdict(t) for t in self.pending],
+        "server_store": self.store_id,
+        "outstanding": sorted(self.outstanding.values()),
         "counts": self.counts(),
         "reward_parts_totals": self.reward_parts_totals,
         "warm_start_eval": self.warm_start_eval,
@@ -438,6 +447,10 @@ class RLTrainer(TrainerRun):
     self.resumed_samples = int(saved.get("resumed_samples", 0))
     self.saved_version = int(saved["version"])
     self.pending = [PendingTake(**t) for t in saved.get("pending_takes", [])]
+    self.store_id = str(saved.get("server_store", ""))
+    if not self.new_source:  # another source's records cannot be fed again by index
+      self.outstanding = {self._prompt_id(i): (int(i), int(r))
+                          for i, r in saved.get("outstanding", [])}
     self.warm_start_eval = saved.get("warm_start_eval")
     self.restore_counts(saved.get("counts", {}))
     self.reward_parts_totals = {name: [float(total), int(n)] for name, (total, n)
@@ -476,7 +489,11 @@ class RLTrainer(TrainerRun):
     self._publish(version, keyframe=True)
 
   def _server_start(self) -> int:
-    """The leader's side of start(): acknowledgements; returns the version to publish."""
+    """The leader's side of start(): acknowledgements (or, on a server that lost what it
+    held, the prompts fed again); returns the version to publish."""
+    info = self.client.version_info()
+    if self._server_lost(info.store_id):
+      return max(info.latest_version, self.saved_version) + 1
     for take in self.pending:
       if take.step > self.step:  # taken for a step the checkpoint does not hold: requeued
         continue
@@ -488,7 +505,33 @@ class RLTrainer(TrainerRun):
         # Requeued meanwhile (its ack deadline passed): skip its groups when they come back.
         self.skip_ids.update(take.rollout_ids)
     self.pending = []
-    return max(self.client.latest_version(), self.saved_version) + 1
+    return max(info.latest_version, self.saved_version) + 1
+
+  def _server_lost(self, store_id: str) -> bool:
+    """Whether the server's storage id `store_id` says it is not the one this run fed (its
+    storage folder lost or replaced). If so: its takes cannot be acknowledged (the steps
+    that used them are trained on; the checkpoint holds them or they are lost with the
+    server's copies), the prompts fed and not trained on are fed again, and the latest
+    version is sent again as a keyframe where the server lacks it."""
+    if not store_id:  # a server from before storage ids
+      return False
+    if not self.store_id or store_id == self.store_id:
+      self.store_id = store_id
+      return False
+    logging.warning("rl: the parameter server at %s holds storage %s, not %s, which this run "
+                    "fed: it lost its weights and queues (a new --storage_dir?); feeding "
+                    "its %d prompts again and sending v%d as a keyframe", self.client.address,
+                    store_id, self.store_id, len(self.outstanding), self.version)
+    self.store_id, self.pending = store_id, []
+    self.skip_ids.clear()  # ids of the lost server's rollouts
+    self.servers_lost += 1
+    fed = sorted(self.outstanding.values())
+    for i in range(0, len(fed), ENQUEUE_BATCH):
+      self.client.enqueue_prompts([self._prompt(index, {**self.source[record], "record": record})
+                                   for index, record in fed[i:i + ENQUEUE_BATCH]])
+    if self.publisher.version is not None and self.client.latest_version() < self.version:
+      self.publisher.resend_keyframe()
+    return True
 
   def _shared(self, value: int) -> int:
     """The leader's `value`, on every process of a multi-host slice."""
@@ -692,18 +735,26 @@ class RLTrainer(TrainerRun):
           passed += 1
           logging.warning("rl.revisit_*: a whole epoch of data.jsonl passed over; feeding "
                           "its records again")
-      ids = self.tokenizer.encode_prompt(rec["prompt"])
-      if len(ids) > self.shape.prompt_len:  # its group would be rejected once sampled
-        raise ValueError(f"rl.max_prompt_tokens: {self.shape.prompt_len} is too small for "
-                         f"prompt {rec['prompt']!r} of {len(ids)} tokens; raise it")
-      text = self.tokenizer.render_prompt(rec["prompt"])
-      # The raw prompt where the text is a rendering of it: a reward model with a chat
-      # template of its own renders the conversation again (rlax_ps.reward_scoring).
-      raw = {} if text == rec["prompt"] else {"prompt": json.dumps(rec["prompt"])}
-      prompts.append(Prompt(
-          id=f"{self.run_id}-{index}", text=text, task=rec["task"], token_ids=ids,
-          extra=rec["answer"].encode("utf-8"), metadata={**raw, "record": str(rec["record"])}))
+      prompts.append(self._prompt(index, rec))
+      self.outstanding[prompts[-1].id] = (index, int(rec["record"]))
     self.client.enqueue_prompts(prompts)
+
+  def _prompt_id(self, index: int) -> str:
+    return f"{self.run_id}-{index}"
+
+  def _prompt(self, index: int, rec: dict[str, Any]) -> Prompt:
+    """The prompt fed at feed position `index`: record `rec` rendered and tokenized."""
+    ids = self.tokenizer.encode_prompt(rec["prompt"])
+    if len(ids) > self.shape.prompt_len:  # its group would be rejected once sampled
+      raise ValueError(f"rl.max_prompt_tokens: {self.shape.prompt_len} is too small for "
+                       f"prompt {rec['prompt']!r} of {len(ids)} tokens; raise it")
+    text = self.tokenizer.render_prompt(rec["prompt"])
+    # The raw prompt where the text is a rendering of it: a reward model with a chat
+    # template of its own renders the conversation again (rlax_ps.reward_scoring).
+    raw = {} if text == rec["prompt"] else {"prompt": json.dumps(rec["prompt"])}
+    return Prompt(id=self._prompt_id(index), text=text, task=rec["task"], token_ids=ids,
+                  extra=rec["answer"].encode("utf-8"),
+                  metadata={**raw, "record": str(rec["record"])})
 
   def _take_groups(self) -> list[Group] | None:
     """groups_per_step valid groups at or above the staleness floor; None when stopped.
@@ -736,6 +787,7 @@ class RLTrainer(TrainerRun):
           return None
         raise
       self._requeue_next = False
+      self._server_lost(take.store_id)
       self.dropped_stale += take.dropped_stale
       valid, rejected = [], self.rejected
       if take.rollouts:  # acknowledged with this step, the rejected groups too
@@ -778,6 +830,7 @@ class RLTrainer(TrainerRun):
     valid = []
     for taken in taken_rollouts:
       self.consumed += 1
+      self.outstanding.pop(taken.prompt.id, None)
       if taken.group.policy_version >= self.version and self._restart_floor is not None:
         self._restart_floor = None  # fresh rollouts arrive: the lost steps' came first
       if taken.rollout_id in self.skip_ids:  # (its record's streak is in the checkpoint)
@@ -904,6 +957,8 @@ class RLTrainer(TrainerRun):
             keep.append(take)
             continue
           raise
+        if self._server_lost(self.client.version_info().store_id):
+          return  # no take of this run's is left to acknowledge
         # Its ack deadline passed before this checkpoint: the server serves its groups
         # again, and they are skipped (trained on already) when they come.
         logging.warning("rl: take %s expired before the checkpoint of step %d held it; its "
@@ -1039,6 +1094,8 @@ class RLTrainer(TrainerRun):
     }
     summary["export"] = self.export_hf() if self.config.export.hf else None
     summary["dropped_stale"], summary["rejected"] = self.dropped_stale, self.rejected
+    if self.servers_lost:
+      summary["servers_lost"] = self.servers_lost
     if self.dynamic:
       summary["filtered"], summary["filled"] = self.filtered, self.filled
     if self.reward_parts_totals:

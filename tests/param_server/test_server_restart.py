@@ -224,3 +224,18 @@ def test_calls_and_watch_ride_out_a_server_restart(tmp_path, server_process):
   assert seen == [0, 1]
   trainer.close()
   watcher.close()
+
+
+def test_a_storage_folder_keeps_its_id_and_another_folder_has_another(tmp_path):
+  """The id a trainer tells a server that lost its state by: the same across restarts on one
+  folder, in every GetLatest and TakeRollouts reply; another folder's differs."""
+  from ps_testlib import small_config
+  ids = []
+  for folder in ("a", "a", "b"):
+    with ParamServer(small_config(tmp_path / folder)) as server, \
+        client_for(server, "trainer") as tc:
+      info, take = tc.version_info(), tc.take_rollouts(0, 1)
+      assert info.store_id == take.store_id != ""
+      ids.append(info.store_id)
+  assert ids[0] == ids[1] != ids[2]
+  assert (tmp_path / "a" / "STORE").read_text().strip() == ids[0]

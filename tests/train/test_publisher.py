@@ -57,3 +57,45 @@ def test_a_follower_makes_the_senders_gathers_and_keeps_nothing(fmt, monkeypatch
   want = sync.held_state(jax.device_get(publisher_lib.flat_params(_params(4))), fmt)
   for name in want:
     np.testing.assert_array_equal(held[name].view(np.uint8), want[name].view(np.uint8), name)
+
+
+def _held_from(server):
+  """The held state a worker pulls from `server`, and its latest version."""
+  from rl_testlib import client
+  with client(server.address, "worker") as wc:
+    held = None
+    for blob in wc.pull(None):
+      held = sync.apply(held, sync.Update.from_bytes(bytes(blob)))
+    return held, wc.latest_version()
+
+
+def test_a_server_that_lost_its_weights_gets_the_version_as_a_keyframe(tmp_path):
+  """A delta to a server without its base (a new storage folder) goes again as a keyframe of
+  the same version; resend_keyframe sends the last version to another such server. What the
+  workers pull there is the trainer's held state."""
+  from rl_testlib import client, start_server
+  servers = [start_server(tmp_path / name) for name in "abc"]
+  clients = [client(s.address, "trainer") for s in servers]
+  try:
+    pub = publisher_lib.Publisher(clients[0], "bf16", keyframe_every=50)
+    pub.publish(_params(0), 0)
+    assert not pub.publish(_params(1), 1).keyframe
+    pub.client = clients[1]  # the same address, its storage lost
+    sent = pub.publish(_params(2), 2)
+    assert sent.keyframe and sent.version == 2
+    want = sync.held_state(jax.device_get(publisher_lib.flat_params(_params(2))), "bf16")
+    held, latest = _held_from(servers[1])
+    assert latest == 2
+    for name in want:
+      np.testing.assert_array_equal(held[name].view(np.uint8), want[name].view(np.uint8), name)
+    assert not pub.publish(_params(3), 3).keyframe  # deltas go on from it
+    pub.client = clients[2]
+    again = pub.resend_keyframe()
+    held, latest = _held_from(servers[2])
+    assert (again.version, again.keyframe, latest) == (3, True, 3)
+    assert sync.state_digest({k: sync.checksum(v) for k, v in held.items()}) == again.digest
+  finally:
+    for c in clients:
+      c.close()
+    for s in servers:
+      s.stop(grace=0)

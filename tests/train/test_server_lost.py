@@ -1,0 +1,173 @@
+"""A parameter server that lost what it held (its storage folder lost or replaced) behind the
+same address: the trainer notices by the server's storage id, feeds it again the prompts it
+had fed and not trained on, sends it the latest version as a keyframe and trains on; at a
+restart too. Unit tests on a fake server, and (slow) a real server replaced mid-run."""
+
+import os
+import socket
+import threading
+import types
+
+import pytest
+
+from param_server.client import Take, make_sample
+from param_server.protos import param_server_pb2 as pb
+from rl_testlib import TOKENS, FakeWorker, client, rl_config
+from rlax_ps.train.rl import PendingTake, RLTrainer
+
+
+class FakeServer:
+  """Answers each take with one group of the oldest prompt fed to it and not yet answered,
+  with its storage id; `lose()` forgets everything, as a new storage folder would."""
+
+  def __init__(self):
+    self.address = "fake:1"
+    self.store, self.fed, self.taken, self.acked, self.takes = "store-a", [], 0, [], 0
+    self.latest = 3
+
+  def lose(self):
+    self.store, self.fed, self.taken, self.latest = "store-b", [], 0, -1
+
+  def enqueue_prompts(self, prompts):  # as the server: an id it holds already is skipped
+    held = {p.id for p in self.fed}
+    self.fed.extend(p for p in prompts if p.id not in held)
+
+  def take_rollouts(self, min_version, max_n, **kwargs):
+    self.takes += 1
+    assert self.takes <= 40, "the step took too many times"
+    if self.taken == len(self.fed):
+      return Take("", [], 0, self.store)
+    prompt = self.fed[self.taken]
+    self.taken += 1
+    group = pb.RolloutGroup(prompt_id=prompt.id, policy_version=min_version, samples=[
+        make_sample([5, 6], float(j % 2), logprobs=[-1.0, -1.0]) for j in range(4)])
+    return Take(f"{self.store}-t{self.taken}", [pb.TakenRollout(
+        rollout_id=self.taken, prompt=prompt, group=group)], 0, self.store)
+
+  def version_info(self):
+    return pb.VersionInfo(latest_version=self.latest, store_id=self.store)
+
+  def latest_version(self):
+    return self.latest
+
+  def ack(self, take_id):
+    self.acked.append(take_id)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+  config = rl_config("tiny")
+  config.rl.max_staleness = 1
+  server = FakeServer()
+  with RLTrainer(config, str(tmp_path_factory.mktemp("rl")), server) as tr:
+    yield tr, server
+
+
+def _fresh(tr, server):
+  """The trainer and the server as after a first step's takes from store-a."""
+  server.__init__()
+  tr.store_id, tr.outstanding, tr.pending, tr.servers_lost = "", {}, [], 0
+  tr.consumed = tr.feed.position - tr.retired  # nothing outstanding from an earlier test
+  groups = tr._take_groups()
+  tr.pending = [PendingTake(f"store-a-t{i + 1}", [i + 1], tr.step) for i in range(server.taken)]
+  return groups
+
+
+def test_a_server_that_lost_its_queues_is_fed_again_and_gets_the_weights(trainer):
+  tr, server = trainer
+  step1 = _fresh(tr, server)
+  per_step = tr.shape.groups
+  assert len(step1) == per_step and tr.store_id == "store-a"
+  waiting = [p.id for p in server.fed[server.taken:]]  # fed, not yet sampled
+  assert len(waiting) == per_step * tr.max_staleness and set(tr.outstanding) == set(waiting)
+  resent = []
+  tr.publisher = types.SimpleNamespace(version=3, resend_keyframe=lambda: resent.append(3))
+  server.lose()
+  step2 = tr._take_groups()
+  # The new server was fed the prompts the lost one held (beside new ones) and answered the
+  # next step from its own queue; the latest version went to it as a keyframe.
+  fed = [p.id for p in server.fed]
+  assert set(waiting) <= set(fed)
+  assert [g.rollout_id for g in step2] == list(range(1, per_step + 1)) == list(range(
+      1, server.taken + 1))
+  assert resent == [3] and tr.servers_lost == 1 and tr.store_id == "store-b"
+  # The lost server's takes are not acknowledged (or kept): only the new one's are pending.
+  assert all(t.take_id.startswith("store-b") for t in tr.pending)
+  # What a checkpoint keeps of it, and gives back.
+  saved = tr.metadata()
+  assert saved["server_store"] == "store-b"
+  assert sorted(saved["outstanding"]) == sorted(tr.outstanding.values())
+  outstanding = dict(tr.outstanding)
+  tr.outstanding, tr.store_id = {}, ""
+  tr._load_metadata(saved)
+  assert tr.outstanding == outstanding and tr.store_id == "store-b"
+
+
+def test_a_restart_on_a_server_that_lost_its_queues_feeds_it_again_and_acks_nothing(trainer):
+  tr, server = trainer
+  _fresh(tr, server)
+  waiting = [p.id for p in server.fed[server.taken:]]
+  tr.saved_version = 7
+  server.lose()
+  assert tr._server_start() == 8  # the restored weights go as v8, a keyframe
+  assert server.acked == [] and tr.pending == []
+  assert sorted(p.id for p in server.fed) == sorted(waiting)
+  assert tr.store_id == "store-b" and tr.servers_lost == 1
+
+
+def test_a_restart_on_the_same_server_acknowledges_and_feeds_nothing_again(trainer):
+  tr, server = trainer
+  _fresh(tr, server)
+  fed, pending = len(server.fed), [t.take_id for t in tr.pending]
+  tr.saved_version = 7
+  assert tr._server_start() == 8
+  assert server.acked == pending and len(server.fed) == fed and tr.servers_lost == 0
+
+
+def _port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_run_whose_server_is_replaced_by_an_empty_one_trains_to_the_end(tmp_path):
+  """The server is stopped after step 2 and an empty one (another storage folder) starts on
+  its address: the run trains every step, on groups of the new server once it is fed, and
+  the new server holds the trainer's last version."""
+  from param_server.server import ParamServer, ServerConfig
+  port = _port()
+
+  def start(folder):
+    return ParamServer(ServerConfig(
+        storage_dir=str(tmp_path / folder), port=port, reap_interval_s=0.05,
+        compact_in_background=False, threads=32, wal_fsync=False,
+        trainer_token=TOKENS["trainer"], worker_token=TOKENS["worker"],
+        viewer_token=TOKENS["viewer"])).start()
+
+  first = start("ps1")
+  worker = FakeWorker(first.address, samples=4).start()
+  config = rl_config("tiny")
+  config.rl.steps = 5
+  out = {}
+  with client(first.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+    thread = threading.Thread(target=lambda: out.update(summary=tr.train()), daemon=True)
+    thread.start()
+    while tr.step < 2 and thread.is_alive():
+      thread.join(0.1)
+    worker.stop()
+    first.stop(grace=0)
+    second = start("ps2")
+    worker2 = FakeWorker(second.address, samples=4, seed=1).start()
+    thread.join(120)
+    assert not thread.is_alive()
+    worker2.stop()
+  try:
+    summary = out["summary"]
+    assert summary["step"] == 5 and summary["servers_lost"] == 1
+    with client(second.address, "viewer") as vc:
+      assert vc.latest_version() == summary["version"]
+    assert set(worker2.submitted)  # the new server's groups were trained on
+  finally:
+    second.stop(grace=0)
+  assert os.path.exists(tmp_path / "ps2" / "STORE")
