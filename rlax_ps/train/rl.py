@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -492,8 +493,10 @@ class RLTrainer(TrainerRun):
     """The leader's side of start(): acknowledgements (or, on a server that lost what it
     held, the prompts fed again); returns the version to publish."""
     info = self.client.version_info()
-    if self._server_lost(info.store_id):
-      return max(info.latest_version, self.saved_version) + 1
+    # A server behind the checkpoint's version lost it (a publication is saved once sent).
+    if self._server_lost(info.store_id, behind=info.latest_version < self.saved_version):
+      # Workers may hold a newer version of this run's than the checkpoint's: go above it.
+      return max(info.latest_version, self.saved_version, self._published_before()) + 1
     for take in self.pending:
       if take.step > self.step:  # taken for a step the checkpoint does not hold: requeued
         continue
@@ -507,22 +510,22 @@ class RLTrainer(TrainerRun):
     self.pending = []
     return max(info.latest_version, self.saved_version) + 1
 
-  def _server_lost(self, store_id: str) -> bool:
-    """Whether the server's storage id `store_id` says it is not the one this run fed (its
-    storage folder lost or replaced). If so: its takes cannot be acknowledged (the steps
-    that used them are trained on; the checkpoint holds them or they are lost with the
-    server's copies), the prompts fed and not trained on are fed again, and the latest
-    version is sent again as a keyframe where the server lacks it."""
-    if not store_id:  # a server from before storage ids
+  def _server_lost(self, store_id: str, behind: bool = False) -> bool:
+    """Whether the server lost what this run fed it: its storage id `store_id` is not the
+    one the run met before (its storage folder lost or replaced), or it is `behind` the
+    run. If so: its takes cannot be acknowledged (the steps that used them are trained on;
+    the checkpoint holds them or they are lost with the server's copies), the prompts fed
+    and not trained on are fed again, and the latest version is sent again as a keyframe
+    where the server lacks it."""
+    known = self.store_id
+    self.store_id = store_id or known  # "": a server from before storage ids
+    if not (behind or (known and store_id and store_id != known)):
       return False
-    if not self.store_id or store_id == self.store_id:
-      self.store_id = store_id
-      return False
-    logging.warning("rl: the parameter server at %s holds storage %s, not %s, which this run "
-                    "fed: it lost its weights and queues (a new --storage_dir?); feeding "
-                    "its %d prompts again and sending v%d as a keyframe", self.client.address,
-                    store_id, self.store_id, len(self.outstanding), self.version)
-    self.store_id, self.pending = store_id, []
+    logging.warning("rl: the parameter server at %s (storage %s; this run fed %s) lost its "
+                    "weights and queues (a new --storage_dir?); feeding it %d prompts again "
+                    "and sending v%d as a keyframe", self.client.address, store_id or "?",
+                    known or "?", len(self.outstanding), self.version)
+    self.pending = []
     self.skip_ids.clear()  # ids of the lost server's rollouts
     self.servers_lost += 1
     fed = sorted(self.outstanding.values())
@@ -532,6 +535,16 @@ class RLTrainer(TrainerRun):
     if self.publisher.version is not None and self.client.latest_version() < self.version:
       self.publisher.resend_keyframe()
     return True
+
+  def _published_before(self) -> int:
+    """The highest version in this run's versions.jsonl (-1: none)."""
+    top = -1
+    with contextlib.suppress(FileNotFoundError), open(
+        os.path.join(self.workdir, "versions.jsonl")) as f:
+      for line in f:
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # a line a kill tore
+          top = max(top, int(json.loads(line)["version"]))
+    return top
 
   def _shared(self, value: int) -> int:
     """The leader's `value`, on every process of a multi-host slice."""
