@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlax_ps.models.config import ModelConfig
-from rlax_ps.models.transformer import Experts, Transformer, lora_delta
+from rlax_ps.models.transformer import Experts, LatentAttention, Transformer, lora_delta
 
 SCALE_ATTR = "_scale"  # model attribute suffix: `kernel_scale` holds the codec's "kernel.scale"
 
@@ -117,11 +117,16 @@ class Int8Transformer(Transformer):
     self.embed = Int8Embed(c.vocab_size, c.hidden_size, dtype=dtype)
     for i, block in enumerate(self.layers):
       a, m = block.attn, block.mlp
-      a.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, "q_proj")
-      a.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")
-      a.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")
-      a.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, c.attention_out_bias,
-                        "o_proj")
+      if c.kv_lora_rank:  # latent attention: its projections as built, none biased
+        for name in LatentAttention.PROJECTIONS:
+          if hasattr(a, name):
+            setattr(a, name, linear(*getattr(a, name).kernel.shape, name=name))
+      else:
+        a.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, "q_proj")
+        a.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")
+        a.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")
+        a.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, c.attention_out_bias,
+                          "o_proj")
       if c.moe_layer(i):
         m.experts = Int8Experts(c)
         if not c.shared_expert_intermediate_size:

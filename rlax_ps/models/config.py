@@ -1,26 +1,31 @@
 """ModelConfig: the shape of a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / OLMo 2 /
-OLMo 3 / Phi-3 / SmolLM3 / Granite / GLM-4 / GLM-4.5 family decoder, independent of any
-checkpoint format."""
+OLMo 3 / Phi-3 / SmolLM3 / Granite / GLM-4 / GLM-4.5 / DeepSeek-V2 / DeepSeek-V3 family decoder,
+independent of any checkpoint format."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral",
                  "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3", "granite", "glm4",
-                 "gpt_oss", "glm4_moe")
+                 "gpt_oss", "glm4_moe", "deepseek_v3", "deepseek_v2")
 DTYPES = ("float32", "bfloat16")
-# The projections LoRA can adapt (attention and MLP, the shared expert's included;
-# "experts": every routed expert's gate, up and down, each with adapters of its own).
+# The projections LoRA can adapt (attention, latent attention's and MLP, the shared expert's
+# included; "experts": every routed expert's gate, up and down, each with adapters of its own).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                "experts")
+                "experts", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+_MLA_TARGETS = LORA_TARGETS[-4:]  # dropped from a model without latent attention
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ROUTER_SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORINGS = ("top2_sum", "max")
+# Multi-head latent attention's fields, idle (and 0) without it.
+_MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
 # Fields that leave what the model computes from its weights alone: dtypes (the published
 # weights fix the held ones; each side picks its compute dtype), where weights live, the
 # HF export name, and the context a side allows (a worker may allow fewer positions).
@@ -29,7 +34,8 @@ _NOT_FORWARD = ("param_dtype", "dtype", "lora_dtype", "expert_parallel", "archit
 _MOE_FIELDS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
                "shared_expert_gated", "moe_bias", "swiglu_limit", "swiglu_alpha",
-               "router_scoring", "expert_groups", "topk_groups", "routed_scaling_factor")
+               "router_scoring", "expert_groups", "topk_groups", "routed_scaling_factor",
+               "group_scoring")
 
 
 class FrozenScaling(dict):
@@ -68,7 +74,7 @@ def dtype_name(value: Any, field: str = "dtype") -> str:
 class ModelConfig:
   """Hyper-parameters of a decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
   Gemma 2, Gemma 3, OLMo 2, OLMo 3, Phi-3, Phi-4, SmolLM3, Granite 3, GLM-4, gpt-oss,
-  GLM-4.5)."""
+  GLM-4.5, DeepSeek-V2, DeepSeek-V3)."""
 
   vocab_size: int
   hidden_size: int
@@ -121,6 +127,16 @@ class ModelConfig:
   # Gemma 2: attention logits and output logits soft-capped as cap * tanh(x / cap).
   attn_logit_softcapping: float | None = None
   final_logit_softcapping: float | None = None
+  # Multi-head latent attention (DeepSeek-V2/V3): kv_lora_rank > 0 compresses each token's keys
+  # and values into an RMS-normed latent of that width, which kv_b_proj expands per head into
+  # a key part of head_dim - qk_rope_head_dim dims and a value of v_head_dim dims; one rotary
+  # key of qk_rope_head_dim dims is shared by every head (num_kv_heads = num_heads). Queries
+  # go through a q_lora_rank-wide RMS-normed bottleneck (0: one q_proj). head_dim is the q/k
+  # head width; softmax scale head_dim**-0.5, times YaRN's mscale(mscale_all_dim)**2.
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
   # Mixture of experts (Qwen3-MoE): num_experts > 0 gives the layers `moe_layer` picks a
   # router over num_experts SwiGLU experts of width moe_intermediate_size, each token going
   # to its num_experts_per_tok best (their softmax weights renormalised if norm_topk_prob);
@@ -141,12 +157,14 @@ class ModelConfig:
   # that moves the picks but not their weights (the picked plain scores); "softmax": the
   # softmax probabilities do both. With expert_groups > 1 the experts form that many equal
   # groups and a token picks only from the topk_groups groups whose best two biased scores
-  # sum highest. The picked weights (renormalised if norm_topk_prob) are then times
-  # routed_scaling_factor.
+  # sum highest (group_scoring "top2_sum"; DeepSeek-V2's "max": softmax scores, a group
+  # scored by its best expert). The picked weights (renormalised if norm_topk_prob) are then
+  # times routed_scaling_factor.
   router_scoring: str = "softmax"
   expert_groups: int = 1
   topk_groups: int = 1
   routed_scaling_factor: float = 1.0
+  group_scoring: str = "top2_sum"
   # gpt-oss: the router and the experts' projections have biases, and the experts' gate is
   # SwiGLU clamped at swiglu_limit: (clip(up, -l, l) + 1) * g * sigmoid(alpha * g) with
   # g = min(gate, l) (None: silu(gate) * up).
@@ -200,6 +218,7 @@ class ModelConfig:
            f"num_heads={self.num_heads}", None)
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
     need(self.head_dim % 2 == 0, "head_dim", "an even int (RoPE rotates pairs)", self.head_dim)
+    self._check_latent_attention(need)
     need(isinstance(self.partial_rotary_factor, (int, float))
          and 0 < self.partial_rotary_factor <= 1 and self.rotary_dim > 0
          and self.rotary_dim % 2 == 0, "partial_rotary_factor",
@@ -259,6 +278,10 @@ class ModelConfig:
     targets = tuple(t.strip() for t in targets for t in t.split(",") if t.strip())
     need(set(targets) <= set(LORA_TARGETS) and (targets or not self.lora_rank), "lora_targets",
          f"some of {LORA_TARGETS}", self.lora_targets)
+    if not self.kv_lora_rank:  # as the targets of an rlax-ps before latent attention
+      targets = tuple(t for t in targets if t not in _MLA_TARGETS)
+      need(targets or not self.lora_rank, "lora_targets",
+           f"some of {LORA_TARGETS[:-4]} without latent attention", self.lora_targets)
     object.__setattr__(self, "lora_targets", targets)
     need(isinstance(self.shared_expert_intermediate_size, int)
          and self.shared_expert_intermediate_size >= 0
@@ -306,6 +329,34 @@ class ModelConfig:
       object.__setattr__(self, "rope_scaling",
                          FrozenScaling(scaling) if rope_type != "default" else None)
 
+  def _check_latent_attention(self, need) -> None:
+    """Multi-head latent attention's fields (kv_lora_rank, q_lora_rank, qk_rope_head_dim,
+    v_head_dim), each named where it is bad; all 0 without it."""
+    for f in _MLA_FIELDS:
+      v = getattr(self, f)
+      need(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0, f,
+           "an int >= 0", v)
+      object.__setattr__(self, f, int(v))
+    if not self.kv_lora_rank:
+      for f in _MLA_FIELDS[1:]:
+        need(getattr(self, f) == 0, f, "0 without latent attention (kv_lora_rank 0)",
+             getattr(self, f))
+      return
+    rope = self.qk_rope_head_dim
+    need(0 < rope < self.head_dim and rope % 2 == 0, "qk_rope_head_dim",
+         f"an even int in (0, head_dim={self.head_dim}) (the q/k head's rotary part)", rope)
+    need(0 < self.v_head_dim <= self.head_dim, "v_head_dim",
+         f"an int in [1, head_dim={self.head_dim}] (values are zero-padded to the q/k width)",
+         self.v_head_dim)
+    need(self.num_kv_heads == self.num_heads, "num_kv_heads",
+         f"num_heads={self.num_heads} with latent attention (a key and value per head)",
+         self.num_kv_heads)
+    for f in ("qkv_bias", "qk_norm", "attention_out_bias", "attention_sinks"):
+      need(not getattr(self, f), f, "False with latent attention", getattr(self, f))
+    need(self.partial_rotary_factor == 1, "partial_rotary_factor",
+         "1 with latent attention (qk_rope_head_dim sets the rotary dims)",
+         self.partial_rotary_factor)
+
   def _check_routing(self, need) -> None:
     """The router's fields (router_scoring, expert_groups, topk_groups,
     routed_scaling_factor, shared_expert_gated), each named where it is bad."""
@@ -322,8 +373,12 @@ class ModelConfig:
          and (g == 1 or (self.num_experts % g == 0 and self.num_experts // g >= 2)),
          "expert_groups", f"1, or a divisor of num_experts={self.num_experts} leaving >= 2 "
          "experts a group", g)
-    need(g == 1 or self.router_scoring == "sigmoid", "expert_groups",
-         "1 unless router_scoring='sigmoid' (the groups are DeepSeek-V3's)", g)
+    need(self.group_scoring in GROUP_SCORINGS, "group_scoring", f"one of {GROUP_SCORINGS}",
+         self.group_scoring)
+    need(g == 1 or (self.router_scoring, self.group_scoring) in (("sigmoid", "top2_sum"),
+                                                                  ("softmax", "max")),
+         "expert_groups", "1 unless the groups are DeepSeek-V3's (router_scoring='sigmoid', "
+         "group_scoring='top2_sum') or DeepSeek-V2's ('softmax', 'max')", g)
     k = self.topk_groups
     need(isinstance(k, int) and not isinstance(k, bool) and 0 < k <= g
          and (g == 1 or k * (self.num_experts // g) >= self.num_experts_per_tok),
@@ -331,13 +386,16 @@ class ModelConfig:
          f"num_experts_per_tok={self.num_experts_per_tok} experts", k)
     if not self.num_experts:
       for field, default in (("router_scoring", "softmax"), ("topk_groups", 1),
-                             ("routed_scaling_factor", 1.0)):
+                             ("routed_scaling_factor", 1.0), ("group_scoring", "top2_sum")):
         need(getattr(self, field) == default, field, f"{default!r} without experts",
              getattr(self, field))
 
   @property
   def rotary_dim(self) -> int:
-    """How many leading dims of each head RoPE turns (all but with partial_rotary_factor)."""
+    """How many leading dims of each head RoPE turns (all but with partial_rotary_factor;
+    latent attention: qk_rope_head_dim, its q/k heads hold those dims first)."""
+    if self.kv_lora_rank:
+      return self.qk_rope_head_dim
     return int(self.head_dim * self.partial_rotary_factor)
 
   def moe_layer(self, layer: int) -> bool:
@@ -363,13 +421,22 @@ class ModelConfig:
 
   @property
   def attention_scale(self) -> float | None:
-    """The attention logits' scale when it is not head_dim**-0.5 (Gemma, Granite), else
-    None."""
+    """The attention logits' scale when it is not head_dim**-0.5 (Gemma, Granite, latent
+    attention under YaRN with mscale_all_dim), else None."""
+    if self.kv_lora_rank:
+      return self.head_dim ** -0.5 * _mla_mscale(self.rope_scaling) ** 2
     if self.attention_multiplier is not None:
       return float(self.attention_multiplier)
     if self.query_pre_attn_scalar is None:
       return None
     return float(self.query_pre_attn_scalar) ** -0.5
+
+  @staticmethod
+  def absent_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """{name: default, as a JSON value} of the fields `fields` (a config's to_dict or
+    forward_fields, maybe an older rlax-ps's) lacks: what the older code computed with."""
+    return {f.name: json.loads(json.dumps(f.default)) for f in dataclasses.fields(ModelConfig)
+            if f.name not in fields and f.default is not dataclasses.MISSING}
 
   def forward_fields(self) -> dict[str, Any]:
     """The fields that decide what the model computes from given weights, as JSON values
@@ -386,6 +453,8 @@ class ModelConfig:
       idle.add("swiglu_alpha")
     if not longrope:
       idle.add("rope_long_factors")
+    if not self.kv_lora_rank:
+      idle |= set(_MLA_FIELDS)
     if longrope and not scaling.get("factor") and scaling.get("attention_factor") is None:
       idle.discard("max_position_embeddings")  # LongRoPE's scale is derived from it
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -415,12 +484,15 @@ class ModelConfig:
         self.lora_rank * (n_in + n_out) if self.lora_rank and name in self.lora_targets else 0)
     mlp_lora = lambda width: (lora("gate_proj", h, width) + lora("up_proj", h, width)  # noqa: E731
                               + lora("down_proj", width, h))
-    attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
+    if self.kv_lora_rank:
+      attn = self._latent_attention_params(lora)
+    else:
+      attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
+      attn += (lora("q_proj", h, self.num_heads * d) + lora("k_proj", h, self.num_kv_heads * d)
+               + lora("v_proj", h, self.num_kv_heads * d) + lora("o_proj", self.num_heads * d, h))
     if self.qkv_bias:
       attn += d * (self.num_heads + 2 * self.num_kv_heads)
     attn += h * self.attention_out_bias + self.num_heads * self.attention_sinks
-    attn += (lora("q_proj", h, self.num_heads * d) + lora("k_proj", h, self.num_kv_heads * d)
-             + lora("v_proj", h, self.num_kv_heads * d) + lora("o_proj", self.num_heads * d, h))
     if self.qk_norm:
       attn += d * (self.num_heads + self.num_kv_heads) if self.qk_norm_across_heads else 2 * d
     norms = (4 if self.sandwich_norms else 2) * h
@@ -438,3 +510,25 @@ class ModelConfig:
                  for i in range(self.num_layers))
     head = 0 if self.tie_word_embeddings else h * self.vocab_size
     return self.vocab_size * h + layers + h + head
+
+  def _latent_attention_params(self, lora) -> int:
+    """One layer's latent-attention parameters (projections, latent norms, adapters)."""
+    h, heads, d, r = self.hidden_size, self.num_heads, self.head_dim, self.kv_lora_rank
+    q, qr, v = heads * d, self.q_lora_rank, heads * self.v_head_dim
+    kv_a, kv_b = r + self.qk_rope_head_dim, heads * (d - self.qk_rope_head_dim) + v
+    if qr:
+      n = h * qr + qr + qr * q + lora("q_a_proj", h, qr) + lora("q_b_proj", qr, q)
+    else:
+      n = h * q + lora("q_proj", h, q)
+    n += h * kv_a + r + r * kv_b + v * h
+    return n + lora("kv_a_proj_with_mqa", h, kv_a) + lora("kv_b_proj", r, kv_b) + lora(
+        "o_proj", v, h)
+
+
+def _mla_mscale(scaling) -> float:
+  """YaRN's mscale(factor, mscale_all_dim) (1 without it), which latent attention's softmax
+  scale takes squared, as transformers' yarn_apply_mscale."""
+  if not scaling or not scaling.get("mscale_all_dim"):
+    return 1.0
+  factor = float(scaling["factor"])
+  return 1.0 if factor <= 1 else 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0

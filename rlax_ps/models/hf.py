@@ -4,8 +4,9 @@ Covers LlamaForCausalLM, MistralForCausalLM (v0.1's sliding window included),
 MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
 Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (Gemma 3's text model),
 Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-4), SmolLM3ForCausalLM,
-GraniteForCausalLM (Granite 3), Glm4ForCausalLM (GLM-4-0414, GLM-Z1) and Glm4MoeForCausalLM
-(GLM-4.5, GLM-4.5-Air) as transformers 4.x
+GraniteForCausalLM (Granite 3), Glm4ForCausalLM (GLM-4-0414, GLM-Z1), Glm4MoeForCausalLM
+(GLM-4.5, GLM-4.5-Air), DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi K2, Moonlight) and
+DeepseekV2ForCausalLM (DeepSeek-V2, V2-Lite) as transformers 4.x
 (top-level `rope_theta`/`rope_scaling`) and 5.x (`rope_parameters`) write them, with one
 `model.safetensors` or a sharded `model.safetensors.index.json`. HF linear weights are
 [out, in]; our kernels are [in, out], so every kernel is transposed on the way. Checkpoints
@@ -21,7 +22,11 @@ rotate-half order our RoPE turns (attention scores are unchanged) and back on ex
 turns rotate-half pairs, as stored). GLM-4.5's router keeps its `e_score_correction_bias`
 (our `mlp.correction_bias`, held fixed in training); its multi-token-prediction layers
 (`model.layers.{n}` for n >= num_hidden_layers) serve speculative decoding only, are skipped
-on load as transformers skips them, and are not exported.
+on load as transformers skips them, and are not exported. DeepSeek-V3 routes as GLM-4.5 does
+(its MTP layers skipped alike), DeepSeek-V2 by softmax scores (`topk_method` greedy or
+group_limited_greedy). Their latent attention's q and k_pe output channels are permuted on load
+so that each head holds its rotary dims first in rotate-half order (from interleaved pairs
+under V3's `rope_interleave`, V2's always), and back on export, which writes interleaved pairs.
 
 Mixtral's `router_jitter_noise` is read and ignored: transformers multiplies the router's
 input by that noise only in train mode, never in eval mode or in vLLM, and RL losses need our
@@ -111,7 +116,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                  "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
                  "GraniteForCausalLM": "granite", "Glm4ForCausalLM": "glm4",
-                 "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe"}
+                 "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe",
+                 "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -147,7 +153,8 @@ _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qw
                           "qwen3_moe": 32768, "mistral": 131072, "mixtral": 131072,
                           "gemma2": 8192, "gemma3": 131072, "olmo2": 2048, "olmo3": 2048,
                           "phi3": 4096, "smollm3": 32768, "granite": 2048, "glm4": 131072,
-                          "gpt_oss": 131072, "glm4_moe": 131072}
+                          "gpt_oss": 131072, "glm4_moe": 131072, "deepseek_v3": 4096,
+                          "deepseek_v2": 2048}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
@@ -158,6 +165,7 @@ _FAMILY = {
     "glm4": {"qkv_bias": True, "sandwich_norms": True},
     "gpt_oss": {"qkv_bias": True, "attention_out_bias": True, "attention_sinks": True},
     "glm4_moe": {},  # its q/k/v biases and q/k norms come from config.json (_GLM4_MOE_FLAGS)
+    "deepseek_v3": {}, "deepseek_v2": {},
 }
 # GLM-4.5's config.json flags of ModelConfig fields that _FAMILY fixes for the others.
 _GLM4_MOE_FLAGS = {"qkv_bias": "attention_bias", "qk_norm": "use_qk_norm"}
@@ -180,12 +188,31 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n
                "decoder_sparse_step", "mlp_only_layers")
 # Mixtral's expert tensors (the Hub layout) under our expert params' names.
 _MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe")
+_MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3",
+              "deepseek_v2")
+# The families with multi-head latent attention (ModelConfig.kv_lora_rank > 0).
+_MLA_ARCHS = ("deepseek_v3", "deepseek_v2")
 # transformers' Glm4MoeConfig where a config.json leaves a routing field out.
 _GLM4_MOE_DEFAULTS = {"n_routed_experts": 128, "num_experts_per_tok": 8,
                       "moe_intermediate_size": 1408, "n_shared_experts": 1, "n_group": 1,
                       "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
                       "routed_scaling_factor": 1.0}
+# transformers' DeepseekV3Config and DeepseekV2Config where a config.json leaves a field out.
+_DEEPSEEK_DEFAULTS = {
+    "deepseek_v3": {"n_routed_experts": 256, "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 2048, "n_shared_experts": 1, "n_group": 8,
+                    "topk_group": 4, "first_k_dense_replace": 3, "norm_topk_prob": True,
+                    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128},
+    "deepseek_v2": {"n_routed_experts": 64, "moe_intermediate_size": 1407,
+                    "n_shared_experts": 2, "n_group": 1, "topk_group": 1,
+                    "first_k_dense_replace": 0, "norm_topk_prob": False,
+                    "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+                    "topk_method": "greedy"},
+}
+# The router scoring each DeepSeek class computes (whatever config.json's scoring_func says).
+_DEEPSEEK_SCORING = {"deepseek_v3": "sigmoid", "deepseek_v2": "softmax"}
 # Configs without layer_types: every 6th Gemma 3 layer and every 2nd Gemma 2 one is full.
 _GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 # Buffers some checkpoints carry that hold nothing our model needs.
@@ -365,7 +392,9 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
            "granite": ("attention_bias", "mlp_bias"),
            "qwen3": ("attention_bias",), "qwen3_moe": ("attention_bias",),
            "gemma2": ("attention_bias",), "gemma3": ("attention_bias",),
-           "olmo2": ("attention_bias",), "olmo3": ("attention_bias",)}.get(arch, ())
+           "olmo2": ("attention_bias",), "olmo3": ("attention_bias",),
+           "deepseek_v3": ("attention_bias",),
+           "deepseek_v2": ("attention_bias", "mlp_bias")}.get(arch, ())
   for flag in flags:
     if d.get(flag):
       raise ValueError(f"{CONFIG_FILE}: {flag}: expected false (not supported), got {d[flag]!r}")
@@ -393,6 +422,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   window, layer_types = _sliding(d, arch, num_layers)
   cap = lambda key: None if d.get(key) is None else float(d[key])
   moe = _moe_from_hf(d, arch) if arch in _MOE_ARCHS else {}
+  mla = _mla_from_hf(d, arch) if arch in _MLA_ARCHS else {}
   return ModelConfig(
       vocab_size=int(_get(d, "vocab_size")),
       hidden_size=int(_get(d, "hidden_size")),
@@ -400,7 +430,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       num_layers=num_layers,
       num_heads=num_heads,
       num_kv_heads=int(_get(d, "num_key_value_heads", num_heads)),
-      head_dim=_get(d, "head_dim", None),
+      head_dim=mla.pop("head_dim") if mla else _get(d, "head_dim", None),
       rope_theta=theta,
       rope_scaling=scaling,
       partial_rotary_factor=partial,
@@ -418,7 +448,8 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
       final_logit_softcapping=cap("final_logit_softcapping"),
       architecture=arch,
       **family,
-      **moe)
+      **moe,
+      **mla)
 
 
 def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
@@ -428,6 +459,8 @@ def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
   (`_glm4_moe_from_hf`). Only Qwen2-MoE and GLM-4.5 have a shared expert."""
   if arch == "glm4_moe":
     return _glm4_moe_from_hf(d)
+  if arch in _MLA_ARCHS:
+    return _deepseek_moe_from_hf(d, arch)
   if arch == "mixtral":
     return dict(num_experts=int(_get(d, "num_local_experts")),
                 num_experts_per_tok=int(_get(d, "num_experts_per_tok")),
@@ -454,14 +487,17 @@ def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
               shared_expert_intermediate_size=shared)
 
 
-def _glm4_moe_from_hf(d: Mapping[str, Any]) -> dict[str, Any]:
-  """GLM-4.5's routing (`n_routed_experts`, or 5.x's alias `num_local_experts`): sigmoid
-  scores with a correction bias over n_group groups, n_shared_experts ungated shared experts
-  as one MLP moe_intermediate_size * n_shared_experts wide, and its first
-  first_k_dense_replace layers dense (our mlp_only_layers)."""
-  if d.get("n_routed_experts") is None and d.get("num_local_experts") is not None:
-    d = {**d, "n_routed_experts": d["num_local_experts"]}
-  get = lambda key: _get(d, key, _GLM4_MOE_DEFAULTS[key])  # noqa: E731
+def _glm4_moe_from_hf(d: Mapping[str, Any],
+                      defaults: Mapping[str, Any] = _GLM4_MOE_DEFAULTS) -> dict[str, Any]:
+  """GLM-4.5's routing, DeepSeek-V3's too (`n_routed_experts`, or the alias
+  `num_local_experts` / `num_experts`): sigmoid scores with a correction bias over n_group
+  groups, n_shared_experts ungated shared experts as one MLP moe_intermediate_size *
+  n_shared_experts wide, and its first first_k_dense_replace layers dense (our
+  mlp_only_layers); `defaults`: the class's, for fields config.json leaves out."""
+  for alias in ("num_local_experts", "num_experts"):
+    if d.get("n_routed_experts") is None and d.get(alias) is not None:
+      d = {**d, "n_routed_experts": d[alias]}
+  get = lambda key: _get(d, key, defaults.get(key, ...))  # noqa: E731
   for key in ("n_shared_experts", "first_k_dense_replace"):
     if not isinstance(get(key), int) or get(key) < 0:
       raise ValueError(f"{CONFIG_FILE}: {key}: expected an int >= 0, got {get(key)!r}")
@@ -475,6 +511,51 @@ def _glm4_moe_from_hf(d: Mapping[str, Any]) -> dict[str, Any]:
               shared_expert_gated=False, router_scoring="sigmoid",
               expert_groups=int(get("n_group")), topk_groups=int(get("topk_group")),
               routed_scaling_factor=float(get("routed_scaling_factor")))
+
+
+def _deepseek_moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
+  """DeepSeek-V3's routing (GLM-4.5's) or DeepSeek-V2's: softmax scores, the top k of all
+  experts (`topk_method` greedy) or of the topk_group groups holding the best single scores
+  (group_limited_greedy), not renormalised, times routed_scaling_factor; config.json fields
+  the class ignores are refused where they say otherwise."""
+  scoring = d.get("scoring_func")
+  if scoring is not None and scoring != _DEEPSEEK_SCORING[arch]:
+    raise ValueError(f"{CONFIG_FILE}: scoring_func: expected {_DEEPSEEK_SCORING[arch]!r} (what "
+                     f"transformers' {_HF_CLASS[arch]} computes), got {scoring!r}")
+  defaults = _DEEPSEEK_DEFAULTS[arch]
+  moe = _glm4_moe_from_hf(d, defaults)
+  if arch == "deepseek_v3":
+    return moe
+  method = _get(d, "topk_method", defaults["topk_method"])
+  if method not in ("greedy", "group_limited_greedy"):
+    raise ValueError(f"{CONFIG_FILE}: topk_method: expected 'greedy' or "
+                     f"'group_limited_greedy', got {method!r}")
+  if moe["norm_topk_prob"]:
+    raise ValueError(f"{CONFIG_FILE}: norm_topk_prob: expected false (transformers' "
+                     "DeepseekV2ForCausalLM does not renormalise the top-k weights), got true")
+  groups = method == "group_limited_greedy"
+  return {**moe, "router_scoring": "softmax", "group_scoring": "max" if groups else "top2_sum",
+          "expert_groups": moe["expert_groups"] if groups else 1,
+          "topk_groups": moe["topk_groups"] if groups else 1}
+
+
+def _mla_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
+  """Latent attention's ModelConfig fields (head_dim: the q/k head width, nope + rope) of a
+  DeepSeek config.json; a null q_lora_rank (V2-Lite) is a plain q_proj (0)."""
+  defaults = _DEEPSEEK_DEFAULTS[arch]
+  get = lambda key: _get(d, key, defaults[key])  # noqa: E731
+  sizes = {}
+  for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+    if not isinstance(get(key), int) or get(key) <= 0:
+      raise ValueError(f"{CONFIG_FILE}: {key}: expected a positive int, got {get(key)!r}")
+    sizes[key] = get(key)
+  q_rank = d["q_lora_rank"] if "q_lora_rank" in d else defaults["q_lora_rank"]
+  if q_rank is not None and (not isinstance(q_rank, int) or q_rank <= 0):
+    raise ValueError(f"{CONFIG_FILE}: q_lora_rank: expected a positive int or null, got "
+                     f"{q_rank!r}")
+  return dict(head_dim=sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"],
+              kv_lora_rank=sizes["kv_lora_rank"], q_lora_rank=q_rank or 0,
+              qk_rope_head_dim=sizes["qk_rope_head_dim"], v_head_dim=sizes["v_head_dim"])
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -526,10 +607,14 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
                      f"{list(c.layer_types)}")
   if c.num_experts and arch not in _MOE_ARCHS:
     raise ValueError(f"ModelConfig.num_experts: {hf_class} has no experts, got {c.num_experts}")
-  if c.shared_expert_intermediate_size and arch not in ("qwen2_moe", "glm4_moe"):
+  if c.shared_expert_intermediate_size and arch not in ("qwen2_moe", "glm4_moe", *_MLA_ARCHS):
     raise ValueError(f"ModelConfig.shared_expert_intermediate_size: {hf_class} has no shared "
                      f"expert, got {c.shared_expert_intermediate_size}")
-  if arch == "glm4_moe":
+  if bool(c.kv_lora_rank) != (arch in _MLA_ARCHS):
+    raise ValueError(f"ModelConfig.kv_lora_rank: {hf_class} "
+                     f"{'needs' if arch in _MLA_ARCHS else 'has no'} latent attention, got "
+                     f"{c.kv_lora_rank}")
+  if arch in ("glm4_moe", *_MLA_ARCHS):
     _check_glm4_moe(c, hf_class)
   else:
     for field, want in _SOFTMAX_ROUTING.items():
@@ -615,6 +700,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
              norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
              n_group=c.expert_groups, topk_group=c.topk_groups,
              first_k_dense_replace=len(c.mlp_only_layers), num_nextn_predict_layers=0)
+  if arch in _MLA_ARCHS:  # exported with interleaved rotary pairs; no MTP layers written
+    d.update(_deepseek_to_hf(c))
   if arch in ("phi3", "glm4", "glm4_moe"):  # 4.x reads it at the top, 5.x in rope_parameters
     rope["partial_rotary_factor"] = c.partial_rotary_factor
     d.update(partial_rotary_factor=c.partial_rotary_factor)
@@ -640,31 +727,55 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   return d
 
 
-# The routing of every MoE class but GLM-4.5's (ModelConfig fields).
+# The routing of every MoE class but GLM-4.5's and DeepSeek's (ModelConfig fields).
 _SOFTMAX_ROUTING = {"router_scoring": "softmax", "expert_groups": 1, "topk_groups": 1,
-                    "routed_scaling_factor": 1.0, "shared_expert_gated": True}
+                    "routed_scaling_factor": 1.0, "shared_expert_gated": True,
+                    "group_scoring": "top2_sum"}
 
 
 def _check_glm4_moe(c: ModelConfig, hf_class: str) -> None:
-  """Refuses, by field, a config GLM-4.5's class cannot hold: experts after the first
-  len(mlp_only_layers) layers, all of them, routed by biased sigmoid scores, beside an
-  ungated shared expert a whole number of experts wide."""
+  """Refuses, by field, a config GLM-4.5's or DeepSeek-V3's class cannot hold: experts after
+  the first len(mlp_only_layers) layers, all of them, routed by biased sigmoid scores (V2's:
+  softmax scores, not renormalised), beside an ungated shared expert a whole number of
+  experts wide."""
   if not c.num_experts:
     raise ValueError(f"ModelConfig.num_experts: {hf_class} needs experts, got 0")
   dense = len(c.mlp_only_layers)
-  needs = {"router_scoring": "sigmoid", "shared_expert_gated": False,
+  v2 = c.architecture == "deepseek_v2"
+  needs = {"router_scoring": "softmax" if v2 else "sigmoid", "shared_expert_gated": False,
            "decoder_sparse_step": 1, "mlp_only_layers": tuple(range(dense)),
            "sliding_window": None}
+  needs.update({"norm_topk_prob": False} if v2 else {"group_scoring": "top2_sum"})
   for field, want in needs.items():
     if getattr(c, field) != want:
       raise ValueError(f"ModelConfig.{field}: {hf_class} needs {want!r} (dense first layers, "
-                       f"then experts routed by biased sigmoid scores), got "
-                       f"{getattr(c, field)!r}")
+                       f"then experts routed by {'softmax' if v2 else 'biased sigmoid'} "
+                       f"scores), got {getattr(c, field)!r}")
   shared = c.shared_expert_intermediate_size
   if shared % c.moe_intermediate_size:
     raise ValueError(f"ModelConfig.shared_expert_intermediate_size: {hf_class} needs a "
                      f"multiple of moe_intermediate_size={c.moe_intermediate_size} (its "
                      f"n_shared_experts), got {shared}")
+
+
+def _deepseek_to_hf(c: ModelConfig) -> dict[str, Any]:
+  """A DeepSeek config.json's latent-attention and routing fields (head_dim as transformers
+  writes it: the rotary part)."""
+  d = dict(attention_bias=False, kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank or None,
+           qk_rope_head_dim=c.qk_rope_head_dim, qk_nope_head_dim=c.head_dim - c.qk_rope_head_dim,
+           v_head_dim=c.v_head_dim, head_dim=c.qk_rope_head_dim, n_routed_experts=c.num_experts,
+           num_experts_per_tok=c.num_experts_per_tok,
+           moe_intermediate_size=c.moe_intermediate_size,
+           n_shared_experts=c.shared_expert_intermediate_size // c.moe_intermediate_size,
+           norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
+           n_group=c.expert_groups, topk_group=c.topk_groups,
+           first_k_dense_replace=len(c.mlp_only_layers))
+  if c.architecture == "deepseek_v3":
+    d.update(rope_interleave=True, num_nextn_predict_layers=0)
+  else:
+    d.update(mlp_bias=False, topk_method="group_limited_greedy" if c.expert_groups > 1
+             else "greedy")
+  return d
 
 
 def _check_sparse_everywhere(c: ModelConfig, hf_class: str) -> None:
@@ -703,7 +814,10 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
                   config.intermediate_size)
   for i in range(config.num_layers):
     ours, hf = f"layers.{i}", f"model.layers.{i}"
-    for proj in ("o_proj",) if fused else ("q_proj", "k_proj", "v_proj", "o_proj"):
+    if config.kv_lora_rank:
+      names.update(_latent_attention_names(config, f"{ours}.attn", f"{hf}.self_attn"))
+    for proj in (() if config.kv_lora_rank else ("o_proj",) if fused
+                 else ("q_proj", "k_proj", "v_proj", "o_proj")):
       names[f"{ours}.attn.{proj}.kernel"] = (f"{hf}.self_attn.{proj}.weight", True)
     if fused:  # Phi-3: q, k, v stacked in qkv_proj
       qkv = f"{hf}.self_attn.qkv_proj.weight"
@@ -731,7 +845,8 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
       names[f"{ours}.mlp.router.kernel"] = (f"{moe}.gate.weight", True)
       if config.router_scoring == "sigmoid":
         names[f"{ours}.mlp.correction_bias"] = (f"{moe}.gate.e_score_correction_bias", False)
-      shared = f"{moe}.shared_experts" if arch == "glm4_moe" else f"{moe}.shared_expert"
+      shared = (f"{moe}.shared_experts" if arch in ("glm4_moe", *_MLA_ARCHS)
+                else f"{moe}.shared_expert")
       for proj in ("gate_proj", "up_proj", "down_proj"):
         hf_proj = _MIXTRAL_EXPERTS[proj] if mixtral else proj
         names[f"{ours}.mlp.experts.{proj}"] = (tuple(
@@ -758,6 +873,18 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, tuple[str | tuple[str, ...
       names[f"{ours}.mlp_out_norm.scale"] = (f"{hf}.post_feedforward_layernorm.weight", False)
     else:
       names[f"{ours}.post_attn_norm.scale"] = (f"{hf}.post_attention_layernorm.weight", False)
+  return names
+
+
+def _latent_attention_names(config: ModelConfig, ours: str, hf: str
+                            ) -> dict[str, tuple[str, bool]]:
+  """One layer's latent-attention params under DeepSeek's names (the latent norms are our
+  q_a_norm and kv_a_norm)."""
+  projs = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+  projs += ["q_a_proj", "q_b_proj"] if config.q_lora_rank else ["q_proj"]
+  names = {f"{ours}.{p}.kernel": (f"{hf}.{p}.weight", True) for p in projs}
+  for norm in ("q_a", "kv_a") if config.q_lora_rank else ("kv_a",):
+    names[f"{ours}.{norm}_norm.scale"] = (f"{hf}.{norm}_layernorm.weight", False)
   return names
 
 
@@ -1037,10 +1164,11 @@ def _needed_tensors(path: str, config: ModelConfig, files: Mapping[str, tuple[st
 
 
 def _mtp_layer(name: str, config: ModelConfig) -> bool:
-  """Whether tensor `name` is in a GLM-4.5 multi-token-prediction layer (`model.layers.{n}.`,
-  n >= num_hidden_layers): speculative decoding's, which transformers skips on load too."""
+  """Whether tensor `name` is in a GLM-4.5 or DeepSeek-V3 multi-token-prediction layer
+  (`model.layers.{n}.`, n >= num_hidden_layers): speculative decoding's, which transformers
+  skips on load too."""
   match = re.match(r"model\.layers\.(\d+)\.", name)
-  return (config.architecture == "glm4_moe" and match is not None
+  return (config.architecture in ("glm4_moe", "deepseek_v3") and match is not None
           and int(match[1]) >= config.num_layers)
 
 
@@ -1084,6 +1212,9 @@ def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
         del experts[ours]
   if config.architecture == "glm4":
     _permute_rotary(flat, config, inverse=False)
+  if config.kv_lora_rank:
+    _permute_latent_rotary(flat, config, interleaved=_rope_interleaved(path, config),
+                           inverse=False)
   return flat
 
 
@@ -1123,6 +1254,37 @@ def _permute_rotary(flat: dict, config: ModelConfig, *, inverse: bool) -> None:
         key = f"layers.{i}.attn.{name}.{kind}"
         if key in flat:
           flat[key] = np.ascontiguousarray(np.asarray(flat[key])[..., index])
+
+
+def _rope_interleaved(path: str, config: ModelConfig) -> bool:
+  """Whether the DeepSeek checkpoint at `path` turns interleaved rotary pairs: V2 always, V3
+  as its config.json's rope_interleave says (transformers' default: true)."""
+  if config.architecture != "deepseek_v3":
+    return True
+  with open(os.path.join(path, CONFIG_FILE)) as f:
+    return bool(json.load(f).get("rope_interleave", True))
+
+
+def _permute_latent_rotary(flat: dict, config: ModelConfig, *, interleaved: bool,
+                           inverse: bool) -> None:
+  """DeepSeek's latent attention in our layout, in place: each head's query channels from
+  [nope, rope] to [rope, nope] (our RoPE turns leading dims) and, `interleaved`, the rotary
+  dims of the query and of kv_a_proj_with_mqa's shared key from pairs (2j, 2j + 1) to halves
+  (j, j + r/2), so that the same q.k scores come out; `inverse` restores the checkpoint's
+  order for export."""
+  r, d, rank = config.qk_rope_head_dim, config.head_dim, config.kv_lora_rank
+  rope = (np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]) if interleaved
+          else np.arange(r))
+  q_order = np.concatenate([d - r + rope, np.arange(d - r)])
+  kv_order = np.concatenate([np.arange(rank), rank + rope])
+  if inverse:
+    q_order, kv_order = np.argsort(q_order), np.argsort(kv_order)
+  q_index = (np.arange(config.num_heads)[:, None] * d + q_order[None, :]).reshape(-1)
+  q_proj = "q_b_proj" if config.q_lora_rank else "q_proj"
+  for i in range(config.num_layers):
+    for key, index in ((f"layers.{i}.attn.{q_proj}.kernel", q_index),
+                       (f"layers.{i}.attn.kv_a_proj_with_mqa.kernel", kv_order)):
+      flat[key] = np.ascontiguousarray(np.asarray(flat[key])[..., index])
 
 
 def _abstract_params(config: ModelConfig):
@@ -1186,9 +1348,12 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   if set(flat) != set(names):
     odd = sorted(set(flat) ^ set(names))
     raise ValueError(f"model params do not match its config: e.g. {odd[0]!r}")
-  if config.architecture == "glm4":
+  if config.architecture == "glm4" or config.kv_lora_rank:
     flat = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
+  if config.architecture == "glm4":
     _permute_rotary(flat, config, inverse=True)
+  if config.kv_lora_rank:
+    _permute_latent_rotary(flat, config, interleaved=True, inverse=True)
   tensors, fused, interleaved = {}, {}, {}
   for ours, (hf, transposed) in names.items():
     array = np.asarray(jax.device_get(flat[ours])).astype(NP_DTYPES[dtype], copy=False)

@@ -5,9 +5,9 @@ load over the base checkpoint; the merged export (`save_hf_checkpoint`) stays th
 PEFT computes x @ lora_A.weight.T @ lora_B.weight.T * lora_alpha / r on a Linear whose
 weight is [out, in]; our A [in, r] and B [r, out] are those weights transposed, under the
 HF name of the kernel they adapt. Adapters of the routed experts or of projections a
-checkpoint fuses (Phi-3's qkv_proj, GLM-4's gate_up_proj and permuted q/k) have no PEFT
-LoRA module to go to: `peft_adapter_names` says which, and the caller keeps the merged
-export alone.
+checkpoint fuses or permutes (Phi-3's qkv_proj, GLM-4's gate_up_proj and q/k, DeepSeek's q and
+rotary key) have no PEFT LoRA module to go to: `peft_adapter_names` says which, and the caller
+keeps the merged export alone.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def peft_adapter_names(config: ModelConfig) -> dict[str, str]:
   if "experts" in config.lora_targets and config.moe_layers:
     raise ValueError("model.lora_targets: the routed experts' adapters have no PEFT LoRA "
                      "module; use the merged export")
-  if config.architecture in ("phi3", "glm4"):
+  if config.architecture in ("phi3", "glm4") or config.kv_lora_rank:
     raise ValueError(f"model.lora_targets: {config.architecture} checkpoints fuse projections "
                      f"(or permute q/k) that the adapters are split over; use the merged export")
   names = {}

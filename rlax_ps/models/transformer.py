@@ -1,5 +1,5 @@
 """Decoder-only transformer in Flax NNX covering the Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
-Gemma 2/3, OLMo 2/3, Phi-3/4, SmolLM3, Granite 3 and GLM-4/4.5 families.
+Gemma 2/3, OLMo 2/3, Phi-3/4, SmolLM3, Granite 3, GLM-4/4.5 and DeepSeek-V2/V3 families.
 
 RMSNorm, RoPE (plain, linear, Llama-3, YaRN or LongRoPE scaled, whole or partial heads),
 grouped-query attention, SwiGLU or GeGLU MLP, optional q/k/v biases (Qwen2), q/k norms per
@@ -7,7 +7,8 @@ head (Qwen3, Gemma 3) or across heads (OLMo 2/3), sliding-window layers with the
 base, Gemma's zero-centred and sandwich norms, scaled embeddings and soft-capped logits,
 OLMo's post-norms, layers without RoPE (SmolLM3), Granite's multipliers, mixture-of-experts
 MLPs (Qwen3-MoE, Mixtral, Qwen2-MoE's gated shared expert, gpt-oss, GLM-4.5's biased sigmoid
-routing over expert groups), tied or untied embeddings. Several sequences may share
+routing over expert groups, DeepSeek-V2's softmax one), DeepSeek's multi-head latent
+attention, tied or untied embeddings. Several sequences may share
 a row (segment ids + positions); an optional KVCache serves decoding.
 """
 
@@ -89,9 +90,10 @@ class RMSNorm(nnx.Module):
   """x / rms(x) * scale over the last axis (`size`, default hidden_size), normalised in
   float32 as Hugging Face does; zero-centred (Gemma): scaled by 1 + w in float32."""
 
-  def __init__(self, config: ModelConfig, size: int | None = None, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, size: int | None = None, *, rngs: nnx.Rngs,
+               eps: float | None = None):
     del rngs
-    self.eps = config.rms_norm_eps
+    self.eps = config.rms_norm_eps if eps is None else eps
     self.dtype = jnp.dtype(config.dtype)
     self.zero_centered = config.zero_centered_norms
     init = jnp.zeros if self.zero_centered else jnp.ones
@@ -149,6 +151,68 @@ class Attention(nnx.Module):
     else:
       out = attend(q, k, v)
     return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+# transformers' DeepSeek latent norms (q_a_layernorm, kv_a_layernorm) take RMSNorm's default
+# eps, not the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentAttention(nnx.Module):
+  """DeepSeek's multi-head latent attention (ModelConfig.kv_lora_rank > 0).
+
+  Each head's query is [rotary part, plain part] (the HF loader moves the rotary dims first,
+  in rotate-half order), so our RoPE turns its leading qk_rope_head_dim dims; the key is the
+  shared rotary key beside the head's decompressed plain key. Values are zero-padded to the
+  q/k width and the output sliced back, so that every attention path (XLA, the Pallas
+  kernels, the caches) sees one head_dim for q, k and v and computes the same softmax; the
+  cache holds decompressed per-head keys and values, as transformers' own does."""
+
+  PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.num_heads, self.head_dim, self.v_head_dim = c.num_heads, c.head_dim, c.v_head_dim
+    self.rank, self.nope = c.kv_lora_rank, c.head_dim - c.qk_rope_head_dim
+    q_width = c.num_heads * c.head_dim
+    self.q_bottleneck = bool(c.q_lora_rank)
+    if c.q_lora_rank:
+      self.q_a_proj = _dense(c, c.hidden_size, c.q_lora_rank, ("fsdp", None), False, rngs,
+                             "q_a_proj")
+      self.q_a_norm = RMSNorm(c, c.q_lora_rank, rngs=rngs, eps=LATENT_NORM_EPS)
+      self.q_b_proj = _dense(c, c.q_lora_rank, q_width, ("fsdp", "tensor"), False, rngs,
+                             "q_b_proj")
+    else:
+      self.q_proj = _dense(c, c.hidden_size, q_width, ("fsdp", "tensor"), False, rngs, "q_proj")
+    self.kv_a_proj_with_mqa = _dense(c, c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
+                                     ("fsdp", None), False, rngs, "kv_a_proj_with_mqa")
+    self.kv_a_norm = RMSNorm(c, c.kv_lora_rank, rngs=rngs, eps=LATENT_NORM_EPS)
+    self.kv_b_proj = _dense(c, c.kv_lora_rank, c.num_heads * (self.nope + c.v_head_dim),
+                            ("fsdp", "tensor"), False, rngs, "kv_b_proj")
+    self.o_proj = _dense(c, c.num_heads * c.v_head_dim, c.hidden_size, ("tensor", "fsdp"),
+                         False, rngs, "o_proj")
+
+  def __call__(self, x, cos, sin, attend: Callable):
+    """As Attention.__call__ (no sinks)."""
+    b, t, _ = x.shape
+    h, d, dv = self.num_heads, self.head_dim, self.v_head_dim
+    if self.q_bottleneck:
+      q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+    else:
+      q = self.q_proj(x)
+    q = q.reshape(b, t, h, d)
+    kv = self.kv_a_proj_with_mqa(x)
+    k_rope = kv[..., None, self.rank:]  # [B, T, 1, rope]: one rotary key for every head
+    kv = self.kv_b_proj(self.kv_a_norm(kv[..., :self.rank])).reshape(b, t, h, self.nope + dv)
+    if cos is not None:
+      q, k_rope = rope.apply_rotary(q, cos, sin), rope.apply_rotary(k_rope, cos, sin)
+    k = jnp.concatenate([jnp.broadcast_to(k_rope, (b, t, h, d - self.nope)),
+                         kv[..., :self.nope]], axis=-1)
+    v = kv[..., self.nope:]
+    if dv < d:
+      v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))
+    out = attend(q, k, v)[..., :dv]
+    return self.o_proj(out.reshape(b, t, h * dv))
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -376,7 +440,9 @@ class MoE(nnx.Module):
   MLP, gated by sigmoid(x @ w) (GLM-4.5: ungated). GLM-4.5 routes by sigmoid scores
   (ModelConfig.router_scoring) with a `correction_bias` that only moves the picks: a
   buffer its pretraining balanced the experts with, held fixed here (no gradient reaches
-  it, so the optimizer leaves it and every publication carries it unchanged)."""
+  it, so the optimizer leaves it and every publication carries it unchanged). DeepSeek-V3
+  routes as GLM-4.5; DeepSeek-V2 limits softmax picks to the groups of the best single
+  scores (group_scoring "max")."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
@@ -384,6 +450,7 @@ class MoE(nnx.Module):
         c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
     self.sigmoid = c.router_scoring == "sigmoid"
     self.groups, self.topk_groups = c.expert_groups, c.topk_groups
+    self.group_max = c.group_scoring == "max"
     self.scaling = c.routed_scaling_factor
     self.expert_parallel = c.expert_parallel
     self.router = _dense(c, c.hidden_size, c.num_experts, ("fsdp", None), c.moe_bias, rngs)
@@ -415,7 +482,8 @@ class MoE(nnx.Module):
     else:
       logits = self.router(flat).astype(jnp.float32)
       scores = jax.nn.softmax(logits, axis=-1)
-      weights, picked = jax.lax.top_k(scores, self.top_k)
+      _, picked = jax.lax.top_k(self._within_top_groups(scores), self.top_k)
+      weights = jnp.take_along_axis(scores, picked, axis=-1)
     chosen = picked
     if replay is not None:
       replay = replay.astype(jnp.int32)
@@ -430,11 +498,14 @@ class MoE(nnx.Module):
 
   def _within_top_groups(self, choice):
     """choice [T, E] with -inf outside each token's topk_groups best expert groups, a
-    group's score being the sum of its two best (DeepSeek-V3's group-limited routing)."""
+    group's score being the sum of its two best (DeepSeek-V3's group-limited routing) or,
+    with group_scoring "max", its best (DeepSeek-V2's group_limited_greedy)."""
     if self.groups == 1:
       return choice
     t, size = choice.shape[0], self.num_experts // self.groups
-    group_scores = jnp.sum(jax.lax.top_k(choice.reshape(t, self.groups, size), 2)[0], -1)
+    grouped = choice.reshape(t, self.groups, size)
+    group_scores = (jnp.max(grouped, -1) if self.group_max
+                    else jnp.sum(jax.lax.top_k(grouped, 2)[0], -1))
     _, top = jax.lax.top_k(group_scores, self.topk_groups)
     kept = jnp.any(jax.nn.one_hot(top, self.groups, dtype=jnp.bool_), axis=1)  # [T, groups]
     return jnp.where(jnp.repeat(kept, size, axis=1), choice, -jnp.inf)
@@ -527,7 +598,7 @@ class Block(nnx.Module):
     self.pre = not config.post_norms
     if self.pre:
       self.input_norm = RMSNorm(config, rngs=rngs)
-    self.attn = Attention(config, rngs=rngs)
+    self.attn = (LatentAttention if config.kv_lora_rank else Attention)(config, rngs=rngs)
     if self.pre:
       self.post_attn_norm = RMSNorm(config, rngs=rngs)
     self.mlp = MoE(config, rngs=rngs) if moe else MLP(config, rngs=rngs)

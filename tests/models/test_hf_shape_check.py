@@ -46,6 +46,9 @@ MISFITS = [
     # GLM-4.5's shared experts: two of them make one MLP twice as wide.
     ("glm4_moe", {"n_shared_experts": 2}, "model.layers.1.mlp.shared_experts.down_proj.weight",
      (32, 32), (32, 16)),
+    # DeepSeek's latent attention: a wider kv latent (kv_lora_rank) than the checkpoint's.
+    ("deepseek_v3", {"kv_lora_rank": 16},
+     "model.layers.0.self_attn.kv_a_layernorm.weight", (16,), (12,)),
 ]
 
 
@@ -64,7 +67,7 @@ def test_a_config_of_another_size_names_the_tensor_and_both_shapes(
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_sharded", "phi3", "glm4", "mixtral",
                                   "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "gemma3_vision",
-                                  "glm4_moe"])
+                                  "glm4_moe", "deepseek_v3", "deepseek_v2"])
 def test_good_checkpoints_pass(name):
   # Fused rows (phi3, glm4), per-expert (mixtral, qwen2_moe) and stacked, interleaved
   # (gpt_oss) experts, MXFP4, tied embeddings, an image-text checkpoint's text model and

@@ -44,6 +44,15 @@ GPT_OSS = CONFIG.replace(architecture="gpt_oss", qk_norm=False, qkv_bias=True,
 GLM = CONFIG.replace(architecture="glm4_moe", qkv_bias=True, router_scoring="sigmoid",
                      expert_groups=2, topk_groups=1, routed_scaling_factor=2.5,
                      shared_expert_intermediate_size=8, shared_expert_gated=False)
+# DeepSeek-V3: GLM-4.5's routing beside latent attention (q through a rank-8 bottleneck, k/v
+# from a rank-6 latent, 4 of each head's 8 q/k dims rotary, 6-wide values).
+DEEPSEEK = GLM.replace(architecture="deepseek_v3", qk_norm=False, qkv_bias=False,
+                       num_kv_heads=4, kv_lora_rank=6, q_lora_rank=8, qk_rope_head_dim=4,
+                       v_head_dim=6)
+# DeepSeek-V2's group_limited_greedy: softmax scores, a group scored by its best expert.
+DEEPSEEK_V2 = CONFIG.replace(architecture="deepseek_v2", router_scoring="softmax",
+                             group_scoring="max", expert_groups=2, topk_groups=1,
+                             norm_topk_prob=False)
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +161,8 @@ def test_shared_prefill_samples_as_one_prefill_per_sample(model):
       np.testing.assert_allclose(sample.logprobs, single[b * 2 + j].logprobs, atol=1e-4)
 
 
-@pytest.mark.parametrize("config", [CONFIG, SHARED, GPT_OSS, GLM],
-                         ids=["routed", "shared-expert", "gpt-oss", "glm4-moe"])
+@pytest.mark.parametrize("config", [CONFIG, SHARED, GPT_OSS, GLM, DEEPSEEK],
+                         ids=["routed", "shared-expert", "gpt-oss", "glm4-moe", "deepseek"])
 def test_an_int8_worker_computes_the_dequantized_models_logits_by_either_dispatch(config):
   model = Transformer(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(3)  # biases and sinks away from their zero init
@@ -206,6 +215,25 @@ def test_the_correction_bias_and_groups_move_the_picks_not_their_weights(bias, g
                              rtol=1e-6)
 
 
+@pytest.mark.parametrize("groups,want", [
+    (1, (0, 2)),  # the best two softmax scores
+    (2, (0, 1))])  # ... within the group {0, 1} holding the best single score
+def test_deepseek_v2_groups_are_scored_by_their_best_expert(groups, want):
+  # Group {2, 3} sums higher (0.9 + 0.8) than {0, 1} (1.0 + 0.0) but its best is lower.
+  moe = MoE(DEEPSEEK_V2.replace(expert_groups=groups, routed_scaling_factor=2.0),
+            rngs=nnx.Rngs(0))
+  logits = np.array([1.0, 0.0, 0.9, 0.8])
+  kernel = np.zeros((CONFIG.hidden_size, 4), np.float32)
+  kernel[0] = logits
+  moe.router.kernel.value = jnp.asarray(kernel)
+  x = jnp.zeros((1, CONFIG.hidden_size)).at[0, 0].set(1.0)
+  weights, chosen, _, _ = moe.route(x)
+  order = np.argsort(np.asarray(chosen[0]))
+  assert tuple(np.asarray(chosen[0])[order]) == want
+  probs = np.exp(logits) / np.exp(logits).sum()  # not renormalised, times 2
+  np.testing.assert_allclose(np.asarray(weights[0])[order], 2 * probs[list(want)], rtol=1e-6)
+
+
 def test_training_leaves_the_correction_bias_as_loaded():
   # The bias only moves the picks: no gradient reaches it, AdamW does not decay a vector,
   # so a step changes the router and keeps the bias bit for bit (published unchanged).
@@ -235,7 +263,8 @@ def test_training_leaves_the_correction_bias_as_loaded():
 @pytest.mark.parametrize("field,value", [("num_experts_per_tok", 5), ("moe_intermediate_size", 0),
                                          ("mlp_only_layers", (3,)), ("decoder_sparse_step", 0),
                                          ("router_scoring", "tanh"), ("expert_groups", 2),
-                                         ("topk_groups", 2), ("routed_scaling_factor", 0.0)])
+                                         ("topk_groups", 2), ("routed_scaling_factor", 0.0),
+                                         ("group_scoring", "mean")])
 def test_bad_expert_fields_are_named(field, value):
   with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
     CONFIG.replace(**{field: value})
