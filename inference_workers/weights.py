@@ -211,11 +211,15 @@ class HeldPolicy:
 
   def check_model(self, update: Update) -> None:
     """WeightsDoNotFit naming every differing field and both values, unless the model that
-    published `update` has this worker's forward fields (ModelConfig.forward_fields); an
-    update that carries none (an older publisher's, or one not given its model) passes."""
+    published `update` has this worker's forward fields (ModelConfig.forward_fields; one an
+    older publisher lacks, at its default); an update that carries none (one not given its
+    model) passes."""
     published, own = update.model, self.model_fields
     if published is None:
       return
+    # A field an older publisher did not know counts as its default, which it computed with.
+    published = {**{n: v for n, v in ModelConfig.absent_defaults(published).items()
+                    if n in own}, **published}
     odd = sorted(n for n in published.keys() | own.keys()
                  if n not in published or n not in own or published[n] != own[n])
     if not odd:

@@ -190,12 +190,11 @@ def model_changes(saved: dict[str, Any] | None, model_config: ModelConfig
   configs (LoRA's targets without LoRA, an MoE's routing without experts) restores alike."""
   if not saved:  # a checkpoint that does not record its model: shapes alone are checked
     return [], {}
-  fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-  unknown = sorted(set(saved) - set(fields))
+  unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(ModelConfig)})
   if unknown:
     return [f"model.{k}: {saved[k]!r} in the checkpoint, a field this rlax-ps does not know "
             f"(a newer one wrote it)" for k in unknown], {}
-  added = {k: v for k, v in fields.items() if k not in saved and v is not dataclasses.MISSING}
+  added = ModelConfig.absent_defaults(saved)
   was = ModelConfig.from_dict({**saved, **added})
   old, new = (json.loads(json.dumps(c.to_dict())) for c in (was, model_config))
   used = set(was.forward_fields()) | set(model_config.forward_fields()) | set(_NOT_FORWARD)

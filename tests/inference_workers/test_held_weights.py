@@ -128,6 +128,21 @@ def test_wrong_format_or_model_is_named(versions):
     HeldPolicy(TIED, "bf16").apply(sync.encode(None, versions[0], "bf16", version=0))
 
 
+def test_a_field_an_older_publisher_lacks_counts_as_its_default(versions):
+  """A trainer of an older rlax-ps publishes without the model fields added since: they
+  count as their defaults (what it computed with), so workers may be upgraded first."""
+  def older(config):
+    return {k: v for k, v in config.forward_fields().items() if k != "attn_logit_softcapping"}
+  policy = HeldPolicy(UNTIED, "bf16")
+  policy.apply(sync.encode(None, versions[0], "bf16", version=0, model=older(UNTIED)))
+  assert policy.version == 0
+  capped = UNTIED.replace(attn_logit_softcapping=30.0)  # not the default the older one had
+  with pytest.raises(WeightsDoNotFit, match=r"attn_logit_softcapping: published None, this "
+                                            r"worker's 30\.0"):
+    HeldPolicy(capped, "bf16").apply(sync.encode(None, versions[0], "bf16", version=0,
+                                                 model=older(capped)))
+
+
 def test_sampler_runs_the_int8_policy(versions):
   policy = HeldPolicy(UNTIED, "int8")
   policy.apply(sync.encode(None, versions[0], "int8", version=0))

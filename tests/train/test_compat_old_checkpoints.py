@@ -84,3 +84,16 @@ def test_an_rl_checkpoint_without_an_entropy_coefficient_starts_it_at_the_config
     assert tr.entropy_coef == 0.01
   assert ("loss.adaptive_entropy: the checkpoint at step 0 holds no entropy coefficient"
           in caplog.text and "loss.entropy_coef=0.01" in caplog.text)
+
+
+def test_an_older_lora_model_has_todays_default_targets_without_latent_attention():
+  """An older rlax-ps's default LoRA targets are today's for a model without latent
+  attention (whose projections are targets too now): its LoRA runs resume."""
+  from rlax_ps.models import ModelConfig
+  from rlax_ps.train.state import model_changes
+  with open(os.path.join(OLD_SFT, "2", "metadata", "metadata")) as f:
+    saved = json.load(f)["model_config"]
+  saved.update(lora_rank=2, lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                          "up_proj", "down_proj", "experts"])  # aa42d71's
+  now = ModelConfig.from_dict({k: v for k, v in saved.items() if k != "lora_targets"})
+  assert model_changes(saved, now)[0] == []
