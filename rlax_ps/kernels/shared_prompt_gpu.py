@@ -278,8 +278,9 @@ def shared_prompt_attention_pallas_gpu(q, k, v, layout: SharedPromptLayout, *, s
                                        interpret=False, window: int | None = None,
                                        softcap: float | None = None):
   """Packed shared-prompt attention on GPU (Pallas Triton): q [B, L, H, D],
-  k/v [B, L, Hkv, D] -> (o [B, L, H, D], lse [B, L, H] f32). Block sizes and
-  head_dim must be powers of two; regions are re-padded to block multiples.
+  k/v [B, L, Hkv, D] -> (o [B, L, H, D], lse [B, L, H] f32). Block sizes must be powers of
+  two; regions are re-padded to block multiples, and heads with zeros to a power-of-two
+  width (Triton's tiles; e.g. Phi-3-mini's 96, DeepSeek's 192), which changes no logit.
   A window shortens the key (and, backward, query) loops to the blocks it reaches; a softcap
   caps the scaled logits (recomputed from q and k in dq and dk/dv)."""
   check_qkv(q, k, v)
@@ -289,9 +290,15 @@ def shared_prompt_attention_pallas_gpu(q, k, v, layout: SharedPromptLayout, *, s
   # 64-wide tiles for 16-bit inputs; f32 tiles take twice the shared memory.
   default = 64 if jnp.dtype(q.dtype).itemsize <= 2 else 32
   blocks = block_sizes or sched_lib.BlockSizes(default, default)
-  for name, val in (("block_q", blocks.block_q), ("block_kv", blocks.block_kv),
-                    ("head_dim", q.shape[-1])):
+  for name, val in (("block_q", blocks.block_q), ("block_kv", blocks.block_kv)):
     if val & (val - 1):
       raise ValueError(f"{name} must be a power of two for the GPU kernel, got {val}")
-  return call_on_aligned_regions(_attention_bhld, q, k, v, layout, blocks, sm_scale, interpret,
-                                 window, softcap)
+  d = q.shape[-1]
+  if sm_scale is None:
+    sm_scale = d ** -0.5
+  wide = 1 << (d - 1).bit_length()
+  if wide != d:
+    q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, wide - d)]) for x in (q, k, v))
+  o, lse = call_on_aligned_regions(_attention_bhld, q, k, v, layout, blocks, sm_scale,
+                                   interpret, window, softcap)
+  return o[..., :d], lse

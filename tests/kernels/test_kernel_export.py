@@ -28,11 +28,11 @@ def _train_fn(backend, window=None, softcap=None):
   return loss_and_grads
 
 
-def _train_args(dtype):
+def _train_args(dtype, d=D):
   length = P + N * R
-  return (jax.ShapeDtypeStruct((B, length, H, D), dtype),
-          jax.ShapeDtypeStruct((B, length, HKV, D), dtype),
-          jax.ShapeDtypeStruct((B, length, HKV, D), dtype),
+  return (jax.ShapeDtypeStruct((B, length, H, d), dtype),
+          jax.ShapeDtypeStruct((B, length, HKV, d), dtype),
+          jax.ShapeDtypeStruct((B, length, HKV, d), dtype),
           jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B, N), jnp.int32))
 
 
@@ -122,6 +122,18 @@ def test_training_kernels_lower_for_cuda_triton(dtype, window, softcap):
   names = set(re.findall(r'name = "(shared_prompt_[a-z_]+)"', exp.mlir_module()))
   assert names == {"shared_prompt_fwd_gpu", "shared_prompt_dq_gpu", "shared_prompt_dkv_gpu"}
   assert ("tanh" in exp.mlir_module()) == (softcap is not None)  # the cap is in the kernels
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("d", [96, 192])
+def test_training_kernels_lower_for_heads_of_no_power_of_two_width(platform, d):
+  """Phi-3-mini's heads of 96, DeepSeek's q/k of 192: the Triton kernel pads them to 128 and
+  256; the TPU kernel takes them as they are."""
+  checks = _TRITON_OK if platform == "cuda" else []
+  exp = export.export(jax.jit(_train_fn("auto")), platforms=[platform],
+                      disabled_checks=checks)(*_train_args(jnp.bfloat16, d))
+  assert re.findall(r'name = "(shared_prompt_[a-z_]+)"', exp.mlir_module())
+  assert exp.out_avals[0].shape[-1] == d
 
 
 def test_decode_lowers_for_cuda_through_xla_path():
