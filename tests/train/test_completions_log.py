@@ -38,6 +38,7 @@ def _trainer(workdir, every, groups):
   """The parts of an RLTrainer that take groups and log their completions."""
   return types.SimpleNamespace(
       consumed=0, version=3, _restart_floor=None, skip_ids=set(), selective=False, dynamic=None,
+      outstanding={},
       _told_routes=False, tokenizer=TOK, model_config=types.SimpleNamespace(
           vocab_size=TOK.vocab_size),
       shape=BatchShape(groups=len(REWARDS), samples=4, prompt_len=8, response_len=8),
