@@ -1,7 +1,9 @@
-"""Group-relative advantage estimators: GRPO (and Dr. GRPO), GDPO, MC-GRPO, RLOO, OPO, pass@k.
+"""Group-relative advantage estimators: GRPO (and Dr. GRPO), GDPO, MC-GRPO, RLOO, OPO, pass@k,
+and verl's REINFORCE++ (with and without its group baseline), whose advantages are per token.
 
 Inputs use the flat layout of `algorithms.groups`: `rewards [B]`, `group_ids [B]`
-(ints in `[0, num_groups)`, `num_groups` static), optional `sample_mask [B]`.
+(ints in `[0, num_groups)`, `num_groups` static), optional `sample_mask [B]`; the
+per-token ones take `[B, T]` token rewards or a `[B, T]` token mask.
 All are jittable with `num_groups` (and the string options) static. Degenerate
 groups are defined, never NaN: a group of one sample or of all-equal rewards gets
 advantage 0 for every sample; masked (padding) samples get 0.
@@ -174,3 +176,63 @@ def passk_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
   if std_scaling == "batch":
     return _scale(gap, _batch_std(rewards, mask, unbiased), eps)
   return gap
+
+
+def masked_whiten(values, mask):
+  """verl's masked_whiten: (values - mean) / sqrt(var + 1e-8) over the entries `mask` holds,
+  the mean and variance dividing by their count + 1e-8 and the variance unbiased (n / (n - 1);
+  a single entry: none)."""
+  mask = jnp.asarray(mask, values.dtype)
+  n = jnp.sum(mask)
+  mean = jnp.sum(values * mask) / (n + 1e-8)
+  var = jnp.sum((values - mean) ** 2 * mask) / (n + 1e-8)
+  var = var * jnp.where(n > 1, n / jnp.maximum(n - 1.0, 1.0), 1.0)
+  return (values - mean) * jax.lax.rsqrt(var + 1e-8)
+
+
+def token_rewards(scores, lengths, token_mask, kl=None, kl_coef: float = 0.0):
+  """[B, T] per-token rewards as verl builds them: each sample's score on its last token
+  (`lengths - 1`; none without tokens), minus `kl_coef` times each `token_mask`ed token's
+  `kl [B, T]` (verl's algorithm.use_kl_in_reward)."""
+  token_mask = jnp.asarray(token_mask, jnp.float32)
+  last = jax.nn.one_hot(jnp.asarray(lengths) - 1, token_mask.shape[-1], dtype=jnp.float32)
+  rewards = jnp.asarray(scores, jnp.float32)[:, None] * last
+  return rewards if kl is None else rewards - kl_coef * kl * token_mask
+
+
+def discounted_returns(rewards, token_mask, gamma: float = 1.0):
+  """[B, T] G_t = r_t + gamma G_(t+1) on the `token_mask`ed tokens, 0 elsewhere; an unmasked
+  token (an environment's reply) passes the return through undiscounted and adds no reward,
+  as verl's REINFORCE++ does."""
+  mask = jnp.asarray(token_mask, jnp.float32)
+  a = jnp.where(mask > 0, gamma, 1.0)  # G_t = a_t G_(t+1) + b_t, composed from the end
+  b = jnp.asarray(rewards, jnp.float32) * mask
+  compose = lambda later, here: (later[0] * here[0], here[0] * later[1] + here[1])
+  _, returns = jax.lax.associative_scan(compose, (a, b), reverse=True, axis=1)
+  return returns * mask
+
+
+@functools.partial(jax.jit, static_argnames=("gamma",))
+def reinforce_pp_advantages(rewards, token_mask, *, gamma: float = 1.0):
+  """REINFORCE++ (arXiv 2501.03262; verl's "reinforce_plus_plus"): each token's discounted
+  return from per-token `rewards [B, T]` (`token_rewards`), whitened over all the batch's
+  `token_mask`ed tokens (no critic, no group: the batch is the baseline)."""
+  mask = jnp.asarray(token_mask, jnp.float32)
+  return masked_whiten(discounted_returns(rewards, mask, gamma), mask) * mask
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups",))
+def reinforce_pp_baseline_advantages(scores, group_ids, num_groups: int, token_mask,
+                                     sample_mask=None):
+  """REINFORCE++ with baseline (verl's "reinforce_plus_plus_baseline"): each sample's score
+  `scores [B]` minus its group's mean (a group of one keeps its score, as verl's), given to
+  each of its tokens and whitened over all the batch's `token_mask [B, T]`ed tokens."""
+  scores, group_ids, mask = check_group_inputs(scores, group_ids, num_groups, sample_mask)
+  tokens = jnp.asarray(token_mask, jnp.float32)
+  if tokens.shape[:1] != scores.shape:
+    raise ValueError(f"token_mask: expected shape [{scores.shape[0]}, T] like scores, got "
+                     f"{tokens.shape}")
+  count, mean, _ = group_mean_std(scores, group_ids, num_groups, mask)
+  baseline = jnp.where(count > 1, mean, 0.0)[group_ids]
+  centred = ((scores - baseline) * mask)[:, None] * tokens
+  return masked_whiten(centred, tokens) * tokens

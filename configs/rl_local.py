@@ -102,7 +102,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # The objective (rlax_ps.train.rl_loss.LossConfig).
   c.loss = ml_collections.ConfigDict()
-  c.loss.advantage = "grpo"  # grpo | dr_grpo | rloo | mc_grpo | opo | passk (pass@k training)
+  # grpo | dr_grpo | rloo | mc_grpo | opo | passk (pass@k training) | reinforce_pp |
+  # reinforce_pp_baseline (verl's REINFORCE++: per-token, whitened over the batch's tokens)
+  c.loss.advantage = "grpo"
+  c.loss.gamma = 1.0  # reinforce_pp: the returns' discount (verl's algorithm.gamma)
   # grpo, mc_grpo, passk: divide by the std of each group (unset: "group") or of the whole
   # batch's rewards ("batch": TRL's scale_rewards="batch"); dr_grpo, rloo, opo divide by none.
   c.loss.scale_rewards = ml_collections.config_dict.placeholder(str)
@@ -144,6 +147,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.entropy_coef_min = 0.0  # The adaptive coefficient's bounds.
   c.loss.entropy_coef_max = 1.0
   c.loss.kl_coef = 0.0  # > 0: KL to the warm start (frozen unless rl.ref_sync_steps).
+  # > 0: each token's reward minus this times its KL to the warm start (verl's
+  # use_kl_in_reward with a fixed kl_ctrl.kl_coef), the score on the last token.
+  c.loss.kl_in_reward = 0.0
   c.loss.router_aux_coef = 0.0  # Mixture of experts: > 0 adds the load-balancing loss.
   # Schulman's estimators of KL(pi || reference): k1 (verl's kl_loss_type "kl") | k2 (verl's
   # "mse") | k3 | low_var_kl (verl's default and its "k3": k3 clamped to [-10, 10]) | abs (verl's).

@@ -47,7 +47,8 @@ from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check_rl_config,
                                      prompt_limit)
 from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, entropy_bonus_coef, \
-  group_advantages, micro_batched_loss_and_grad, ref_sync_settings, response_logprobs, rl_loss
+  logged_advantages, micro_batched_loss_and_grad, needs_reference, ref_sync_settings, \
+  response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
 from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
@@ -277,8 +278,9 @@ class RLTrainer(TrainerRun):
     self.response_buckets = int(rl.get("response_buckets", 1))
     self.micro_batches = int(rl.get("micro_batches", 1))
     self.dynamic = _dynamic_sampler(config, self.shape.samples)
-    if self.loss_cfg.kl_coef > 0 and not self.init_from_hf:
-      raise ValueError("loss.kl_coef: a KL term needs a reference policy; set init_from_hf")
+    if needs_reference(self.loss_cfg) and not self.init_from_hf:
+      field = "loss.kl_coef" if self.loss_cfg.kl_coef > 0 else "loss.kl_in_reward"
+      raise ValueError(f"{field}: a KL term needs a reference policy; set init_from_hf")
     self.ref_sync_steps, ref_alpha = ref_sync_settings(rl, self.loss_cfg,
                                                        self.model_config.lora_rank)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
@@ -302,7 +304,7 @@ class RLTrainer(TrainerRun):
           self.model_config, self.optimizer, self.mesh, self.checkpointer,
           init_from_hf=self.init_from_hf, seed=int(config.seed))
     self.ref_params = None
-    if self.loss_cfg.kl_coef > 0:  # the checkpoint's mixed reference, else the warm start
+    if needs_reference(self.loss_cfg):  # the checkpoint's mixed reference, else the warm start
       self.ref_params = held.get("ref_params")
       if self.ref_params is None:
         self.ref_params = jax.device_put(hf_params(self.model_config, self.mesh,
@@ -1055,7 +1057,7 @@ class RLTrainer(TrainerRun):
     taken, self._taken = self._taken, {}
     if not self.completions_every or step % self.completions_every:
       return
-    adv, mask = group_advantages(batch, self.shape.groups, self.loss_cfg)
+    adv, mask = logged_advantages(batch, self.shape.groups, self.loss_cfg)
     trained = np.asarray(adv * mask).reshape(batch["rewards"].shape)  # 0: left out (mc_grpo)
     records = []
     for gi, group in enumerate(groups[:self.completions_groups]):

@@ -32,7 +32,10 @@ from rlax_ps.kernels import pack_group, pack_routes, packed_response_logprobs
 from rlax_ps.models.transformer import load_balancing_loss
 from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "opo", "passk")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "opo", "passk", "reinforce_pp",
+              "reinforce_pp_baseline")
+# The advantages given per token ([rows * N, R]), whitened over the whole batch's tokens.
+TOKEN_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline")
 # The advantages divided by a std of the rewards, and the stds they may take: their group's
 # or the whole batch's (dr_grpo is grpo divided by none; rloo and opo have none).
 SCALED_ADVANTAGES = ("grpo", "mc_grpo", "passk")
@@ -58,8 +61,13 @@ class LossConfig:
   """The `loss` config block: which estimator, loss and correction, and their knobs."""
 
   # grpo | dr_grpo (no std scaling) | rloo | mc_grpo (median baseline) | opo (length-weighted
-  # mean baseline) | passk (only each group's best sample learns: pass@k training)
+  # mean baseline) | passk (only each group's best sample learns: pass@k training) |
+  # reinforce_pp (verl's reinforce_plus_plus: each token's return, whitened over the batch's
+  # tokens) | reinforce_pp_baseline (verl's reinforce_plus_plus_baseline: the score minus
+  # its group's mean, whitened over the batch's tokens). These two are per token.
   advantage: str = "grpo"
+  # reinforce_pp: the returns' discount (verl's algorithm.gamma); 1.0 for the others.
+  gamma: float = 1.0
   # grpo and mc_grpo: divide by the std of the sample's group ("group") or of the whole
   # batch's rewards ("batch", around each group's baseline: TRL's scale_rewards="batch");
   # None: "group". Unset for dr_grpo and rloo, which divide by no std.
@@ -130,6 +138,11 @@ class LossConfig:
   entropy_coef_min: float = 0.0
   entropy_coef_max: float = 1.0
   kl_coef: float = 0.0  # > 0: KL(pi || frozen reference) term
+  # > 0: each response token's reward loses this times its KL(pi_behav || frozen reference)
+  # by kl_estimator (pi_behav: the workers' sampling log-probs), the score on its last
+  # token: verl's algorithm.use_kl_in_reward with a fixed kl_ctrl.kl_coef. The advantages of
+  # one number per sample take the sum of its token rewards, as verl's. 0: off.
+  kl_in_reward: float = 0.0
   # > 0: plus this times the mixture-of-experts load-balancing loss (transformers'
   # router_aux_loss_coef; train/router_aux_loss reports it either way).
   router_aux_coef: float = 0.0
@@ -166,9 +179,23 @@ class LossConfig:
       need(self.scale_rewards in SCALE_REWARDS, "scale_rewards",
            f"one of {SCALE_REWARDS} with advantage={self.advantage!r} (no std: "
            "advantage='dr_grpo')")
+    need(self.advantage not in TOKEN_ADVANTAGES or self.scale_rewards is None,
+         "scale_rewards", f"unset with advantage={self.advantage!r}, which whitens over the "
+         "batch's tokens itself")
     need(self.advantage in SCALED_ADVANTAGES or self.scale_rewards is None, "scale_rewards",
          f"unset with advantage={self.advantage!r}, which divides by no std (grpo and "
          "mc_grpo do)")
+    need(_is_number(self.gamma) and 0 < self.gamma <= 1, "gamma", "a discount in (0, 1]")
+    need(self.gamma == 1 or self.advantage == "reinforce_pp", "gamma",
+         f"1.0 with advantage={self.advantage!r} (only reinforce_pp discounts returns)")
+    need(_is_number(self.kl_in_reward) and math.isfinite(self.kl_in_reward)
+         and self.kl_in_reward >= 0, "kl_in_reward", "a finite coefficient >= 0 (0: off)")
+    need(not (self.kl_in_reward > 0 and self.reward_aggregation != "sum"), "kl_in_reward",
+         f"0 with reward_aggregation={self.reward_aggregation!r} (the KL penalty is no "
+         "reward part of its own)")
+    need(not (self.advantage in TOKEN_ADVANTAGES and self.off_policy_mask), "off_policy_mask",
+         f"None or 0 with advantage={self.advantage!r} (it masks a sample by the sign of "
+         "its advantage; these are per token)")
     need(math.isfinite(self.std_eps) and self.std_eps >= 0, "std_eps", "a finite eps >= 0")
     need(self.reward_aggregation in REWARD_AGGREGATIONS, "reward_aggregation",
          f"one of {REWARD_AGGREGATIONS}")
@@ -188,6 +215,9 @@ class LossConfig:
     for field, value in POLICY_DEFAULTS[self.policy_loss].items():
       if getattr(self, field) is None:
         object.__setattr__(self, field, value)
+    need(not (self.advantage in TOKEN_ADVANTAGES and self.policy_loss == "gspo"), "policy_loss",
+         f"'ppo' or 'cispo' with advantage={self.advantage!r} (GSPO's sequence ratio takes "
+         "one advantage per sample)")
     need(not (self.policy_loss != "ppo" and self.correction in ("decoupled", "m2po")),
          "correction", f"'none', 'tis' or 'mis' with policy_loss={self.policy_loss!r} "
          "(decoupled PPO and M2PO are losses of their own)")
@@ -248,6 +278,12 @@ class LossConfig:
     return cls(**d)
 
 
+def needs_reference(cfg: LossConfig) -> bool:
+  """Whether the objective reads the frozen reference's log-probs: a KL loss term
+  (loss.kl_coef) or a KL penalty in the rewards (loss.kl_in_reward)."""
+  return cfg.kl_coef > 0 or cfg.kl_in_reward > 0
+
+
 def entropy_bonus_coef(coef: float, last_entropy: float, cfg: LossConfig) -> float:
   """The coefficient a step's entropy bonus applies under loss.adaptive_entropy: the
   controller's `coef` if the last step's entropy was at or below loss.entropy_target, else
@@ -276,11 +312,13 @@ def truncated_samples(batch: dict, cfg: LossConfig) -> jax.Array:
   return cut & ~jnp.isin(last, jnp.asarray(cfg.stop_ids, last.dtype)) if cfg.stop_ids else cut
 
 
-def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
-                     ) -> tuple[jax.Array, jax.Array]:
-  """(advantages [rows * N], sample mask [rows * N]) over each row's whole group. The mask
-  is of the samples trained on: with loss.mask_truncated it leaves out the truncated ones,
-  after their rewards joined their group's statistics."""
+def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
+                     ref_logp: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(advantages, sample mask [rows * N]) over each row's whole group: [rows * N] advantages,
+  or [rows * N, R] for loss.advantage in TOKEN_ADVANTAGES (whitened over all the batch's
+  tokens). The mask is of the samples trained on: with loss.mask_truncated it leaves out
+  the truncated ones, after their rewards joined their group's statistics. `ref_logp`: the
+  frozen reference's log-probs [rows * N, R], needed by loss.kl_in_reward."""
   n = batch["rewards"].shape[1]
   rewards = batch["rewards"].reshape(-1)
   if cfg.overlong_buffer:
@@ -290,7 +328,25 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
   mask = batch["sample_mask"].reshape(-1)
   group_ids = jnp.repeat(batch["row_group"], n)
   scaling = dict(std_scaling=cfg.scale_rewards, eps=cfg.std_eps)
-  if cfg.reward_aggregation == "normalize_then_sum":
+  per_token = cfg.advantage in TOKEN_ADVANTAGES or cfg.kl_in_reward > 0
+  tokens = token_mask(batch, mask) if per_token else None
+  kl = None
+  if cfg.kl_in_reward > 0:
+    if ref_logp is None:
+      raise ValueError("loss.kl_in_reward: the advantages need the frozen reference's "
+                       "log-probs (ref_logp), got none")
+    behaviour = batch["behaviour_logp"].reshape(tokens.shape)
+    kl = losses.kl_penalty(behaviour, ref_logp.reshape(tokens.shape), cfg.kl_estimator) * tokens
+  if cfg.advantage == "reinforce_pp":
+    token_rewards = adv_lib.token_rewards(rewards, batch["response_lens"].reshape(-1), tokens,
+                                          kl, cfg.kl_in_reward)
+    adv = adv_lib.reinforce_pp_advantages(token_rewards, tokens, gamma=cfg.gamma)
+    return _without_truncated(adv, mask, batch, cfg)
+  if kl is not None:  # one number per sample: the sum of its token rewards, as verl's
+    rewards = rewards - cfg.kl_in_reward * jnp.sum(kl, axis=-1)
+  if cfg.advantage == "reinforce_pp_baseline":
+    adv = adv_lib.reinforce_pp_baseline_advantages(rewards, group_ids, num_groups, tokens, mask)
+  elif cfg.reward_aggregation == "normalize_then_sum":
     parts, weights = reward_parts(batch, cfg)
     adv = adv_lib.gdpo_advantages(parts, weights, group_ids, num_groups, mask, eps=cfg.std_eps)
   elif cfg.advantage == "grpo":
@@ -307,8 +363,26 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig
   else:
     adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
     mask = mask * keep.astype(mask.dtype)
+  return _without_truncated(adv, mask, batch, cfg)
+
+
+def _without_truncated(adv: jax.Array, mask: jax.Array, batch: dict, cfg: LossConfig
+                       ) -> tuple[jax.Array, jax.Array]:
+  """(adv, mask) with loss.mask_truncated's truncated samples out of the mask."""
   if cfg.mask_truncated:
     mask = mask * (~truncated_samples(batch, cfg)).astype(mask.dtype)
+  return adv, mask
+
+
+def logged_advantages(batch: dict, num_groups: int, cfg: LossConfig
+                      ) -> tuple[jax.Array, jax.Array]:
+  """(advantages [rows * N], sample mask) the completions log shows, one per sample: those of
+  `group_advantages`, a per-token one as its mean over the sample's tokens, loss.kl_in_reward's
+  penalty left out (the log runs no reference)."""
+  adv, mask = group_advantages(batch, num_groups, dataclasses.replace(cfg, kl_in_reward=0.0))
+  if adv.ndim == 2:
+    tokens = token_mask(batch, mask)
+    adv = jnp.sum(adv * tokens, axis=-1) / jnp.maximum(jnp.sum(tokens, axis=-1), 1.0)
   return adv, mask
 
 
@@ -414,12 +488,19 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                   num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None,
                   advantages: tuple[jax.Array, jax.Array] | None = None,
                   entropy_threshold: jax.Array | None = None,
-                  entropy_coef: jax.Array | None = None) -> tuple[jax.Array, dict, Any]:
+                  entropy_coef: jax.Array | None = None,
+                  ref_logp: jax.Array | None = None) -> tuple[jax.Array, dict, Any]:
   """`rl_loss` before its load-balancing term: (the policy loss, the metrics, the model's
   `Routing` record or None for a dense model). `entropy_threshold`: the entropy the top
   tokens reach (loss.top_entropy_quantile) over a larger batch these rows are a slice of;
-  None: over these rows. `entropy_coef`: as `rl_loss`'s."""
-  adv, sample_mask = (group_advantages(batch, num_groups, cfg) if advantages is None
+  None: over these rows. `entropy_coef`: as `rl_loss`'s. `ref_logp`: the reference's
+  log-probs of these rows when computed already; None: computed here if needed."""
+  if ref_logp is None and needs_reference(cfg):
+    ref_logp = response_logprobs(ref_params, graphdef, batch, cfg.backend,
+                                 logits_chunk=cfg.logits_chunk)
+  if ref_logp is not None:
+    ref_logp = jax.lax.stop_gradient(ref_logp)
+  adv, sample_mask = (group_advantages(batch, num_groups, cfg, ref_logp) if advantages is None
                       else advantages)
   mask = token_mask(batch, sample_mask)
   logp, stats = response_logprobs(params, graphdef, batch, cfg.backend, with_stats=True,
@@ -430,13 +511,9 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
     stats["router_aux_loss"] = routing.load_balance
   behaviour = batch["behaviour_logp"].reshape(logp.shape)
   proximal = jax.lax.stop_gradient(logp if proximal is None else proximal)
-  ref_logp = None
-  if cfg.kl_coef > 0:
-    ref_logp = jax.lax.stop_gradient(response_logprobs(ref_params, graphdef, batch,
-                                                       cfg.backend,
-                                                       logits_chunk=cfg.logits_chunk))
   norm = cfg.budget or None  # seq-mean-token-sum-norm: the budget, not the packed length
-  common = dict(agg=cfg.agg, norm_const=norm, ref_logp=ref_logp, kl_coef=cfg.kl_coef,
+  common = dict(agg=cfg.agg, norm_const=norm,
+                ref_logp=ref_logp if cfg.kl_coef > 0 else None, kl_coef=cfg.kl_coef,
                 kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.kl_bias_correction,
                 clip_low=cfg.clip_low, clip_high=cfg.clip_high)
   policy_loss = {"ppo": functools.partial(losses.ppo_clip_loss, dual_clip=cfg.dual_clip),
@@ -496,8 +573,8 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
       iw_max=jnp.max(jnp.where(mask > 0, iw, -big)),
       iw_min=jnp.min(jnp.where(mask > 0, iw, big)),
       behaviour_kl=jnp.sum((behaviour - proximal) * mask) / n_tok,
-      advantage_abs_mean=jnp.sum(jnp.abs(adv) * sample_mask) / jnp.maximum(
-          jnp.sum(sample_mask), 1.0),
+      advantage_abs_mean=jnp.sum(_sample_abs_advantages(adv, mask) * sample_mask)
+      / jnp.maximum(jnp.sum(sample_mask), 1.0),
       response_tokens=jnp.sum(mask),
       entropy=jnp.sum(jax.lax.stop_gradient(entropy) * mask) / n_tok,  # of the trainer's policy
       # with policy loss (top_entropy_quantile, off_policy_mask)
@@ -506,6 +583,13 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
       **stats,
   )
   return loss, metrics, routing
+
+
+def _sample_abs_advantages(adv: jax.Array, mask: jax.Array) -> jax.Array:
+  """[B] |advantage| of each sample: a per-token one's mean over its `mask`ed tokens."""
+  if adv.ndim == 1:
+    return jnp.abs(adv)
+  return jnp.sum(jnp.abs(adv) * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
 
 
 def metric_counts(batch: dict, sample_mask: jax.Array, agg: str) -> dict[str, jax.Array]:
@@ -566,9 +650,10 @@ def ref_sync_settings(rl, cfg: LossConfig, lora_rank: int = 0) -> tuple[int, flo
                      f"got {steps!r}")
   if not (_is_number(alpha) and 0 < alpha <= 1):
     raise ValueError(f"rl.ref_mixup_alpha: expected the policy's share in (0, 1], got {alpha!r}")
-  if steps and not cfg.kl_coef > 0:
-    raise ValueError(f"rl.ref_sync_steps: expected 0 with loss.kl_coef={cfg.kl_coef} (no KL "
-                     f"term: no reference to sync), got {steps}")
+  if steps and not needs_reference(cfg):
+    raise ValueError(f"rl.ref_sync_steps: expected 0 with loss.kl_coef={cfg.kl_coef} and "
+                     f"loss.kl_in_reward={cfg.kl_in_reward} (no KL term: no reference to "
+                     f"sync), got {steps}")
   if steps and lora_rank:
     raise ValueError(f"rl.ref_sync_steps: expected 0 with model.lora_rank={lora_rank} (the "
                      f"adapters mixed apart do not mix the models; TRL refuses PEFT too), got "
@@ -625,24 +710,37 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   (`whole_batch_stats`), so that each slice adds E * sum_e f_e * (its part of P_e) to the
   objective: these add up to the whole batch's term, value and gradient. The same pass
   finds the entropy that the whole batch's top tokens reach (loss.top_entropy_quantile), so
-  that every slice trains on the tokens the whole batch would. `entropy_coef`: as
-  `rl_loss`'s."""
+  that every slice trains on the tokens the whole batch would. With loss.kl_in_reward > 0
+  the reference's log-probs of every slice come first (the advantages need the whole
+  batch's), and each slice's KL term reuses its own. `entropy_coef`: as `rl_loss`'s."""
   rows = batch["row_group"].shape[0]
   check_micro_batches(micro_batches, rows, cfg)
   trainable = split_trainable(params)[0]  # what takes a gradient (a LoRA run: the adapters)
   n = batch["rewards"].shape[1]
-  adv, sample_mask = group_advantages(batch, num_groups, cfg)
-  totals = {k: jnp.maximum(v, 1.0)
-            for k, v in metric_counts(batch, sample_mask, cfg.agg).items()}
-  per_row = dict(batch, adv=adv.reshape(rows, n), keep=sample_mask.reshape(rows, n))
-  if proximal is not None:
-    per_row["proximal"] = proximal.reshape(rows, n, -1)
 
   def split(x):  # [rows, ...] -> [M, rows / M, ...]: slice m holds rows m, m + M, ...
     return jnp.moveaxis(x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]), 1, 0)
 
+  ref_logp = None
+  if cfg.kl_in_reward > 0:  # [M, rows / M * N, R] -> the whole batch's rows, in order
+    ref_logp = jax.lax.stop_gradient(jax.lax.map(
+        lambda sub: response_logprobs(ref_params, graphdef, sub, cfg.backend,
+                                      logits_chunk=cfg.logits_chunk),
+        jax.tree.map(split, batch)))
+    ref_logp = jnp.moveaxis(ref_logp.reshape(micro_batches, rows // micro_batches, n, -1),
+                            0, 1).reshape(rows * n, -1)
+  adv, sample_mask = group_advantages(batch, num_groups, cfg, ref_logp)
+  totals = {k: jnp.maximum(v, 1.0)
+            for k, v in metric_counts(batch, sample_mask, cfg.agg).items()}
+  per_row = dict(batch, adv=adv.reshape(rows, n, *adv.shape[1:]),
+                 keep=sample_mask.reshape(rows, n))
+  if proximal is not None:
+    per_row["proximal"] = proximal.reshape(rows, n, -1)
+  if ref_logp is not None:
+    per_row["ref_logp"] = ref_logp.reshape(rows, n, -1)
+
   def rows_of(mb):  # a slice's batch rows
-    return {k: v for k, v in mb.items() if k not in ("adv", "keep", "proximal")}
+    return {k: v for k, v in mb.items() if k not in ("adv", "keep", "proximal", "ref_logp")}
 
   slices = jax.tree.map(split, per_row)
   stats = {}
@@ -655,14 +753,17 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
     sub = rows_of(mb)
     keep = mb["keep"].reshape(-1)
     shares = {k: v / totals[k] for k, v in metric_counts(sub, keep, cfg.agg).items()}
-    prox = mb["proximal"].reshape(-1, mb["proximal"].shape[-1]) if "proximal" in mb else None
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # [rows / M, N, R] -> [rows / M * N, R]
+    prox = flat(mb["proximal"]) if "proximal" in mb else None
+    ref = flat(mb["ref_logp"]) if "ref_logp" in mb else None
+    slice_adv = mb["adv"].reshape(keep.shape[0], *adv.shape[1:])
 
     def weighted(p):
       loss, metrics, routing = rl_loss_terms(p, graphdef, sub, ref_params,
                                              num_groups=num_groups, cfg=cfg, proximal=prox,
-                                             advantages=(mb["adv"].reshape(-1), keep),
+                                             advantages=(slice_adv, keep),
                                              entropy_threshold=stats.get("entropy_threshold"),
-                                             entropy_coef=entropy_coef)
+                                             entropy_coef=entropy_coef, ref_logp=ref)
       loss, parts = loss * shares["agg"], None
       if routing is not None:  # the load-balancing loss: from the slices' summed parts
         del metrics["router_aux_loss"]

@@ -424,12 +424,15 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind():
              kl_estimator="low_var_kl", kl_bias_correction=True)),
     (4, dict(agg="seq-mean-token-sum-norm", correction="decoupled")),
     (2, dict(policy_loss="gspo", agg="seq-mean-token-sum", advantage="rloo")),
+    # Per-token advantages whitened over the whole batch, of rewards with the KL penalty:
+    # the reference's log-probs of every slice, back in the batch's row order.
+    (2, dict(advantage="reinforce_pp", gamma=0.9, kl_in_reward=0.1, kl_estimator="k1")),
     # ~8 s each: the losses' own tests cover them whole; micro-batching them adds no new path.
     pytest.param(2, dict(policy_loss="cispo", correction="tis"), marks=pytest.mark.slow),
     pytest.param(2, dict(policy_loss="gspo", agg="token-mean", correction="mis", mis_low=0.9),
                  marks=pytest.mark.slow),
 ], ids=["token-mean", "seq-mean-tis-kl-chunked", "sum-norm-decoupled-4", "gspo-rloo",
-        "cispo-tis", "gspo-token-mean-mis"])
+        "reinforce-pp-kl-in-reward", "cispo-tis", "gspo-token-mean-mis"])
 def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, overrides):
   """Rows 1 and 2 hold one group: with 2 micro-batches (rows 0, 2 and rows 1, 3) it is split,
   so its advantages must come from the whole batch. The slices hold unequal numbers of

@@ -159,6 +159,19 @@ def test_the_config_keeps_todays_objective_unless_the_options_are_set():
      "loss.reward_aggregation: expected 'sum' with advantage='grpo', scale_rewards='batch'"),
     ({"reward_aggregation": "normalize_then_sum"},
      "loss.reward_aggregation: expected 'sum' when the workers send no reward parts"),
+    ({"advantage": "reinforce_pp", "scale_rewards": "batch"},
+     "loss.scale_rewards: expected unset with advantage='reinforce_pp', which whitens over "
+     "the batch's tokens itself"),
+    ({"advantage": "reinforce_pp_baseline", "off_policy_mask": 0.2},
+     "loss.off_policy_mask: expected None or 0 with advantage='reinforce_pp_baseline'"),
+    ({"advantage": "reinforce_pp", "policy_loss": "gspo"},
+     "loss.policy_loss: expected 'ppo' or 'cispo' with advantage='reinforce_pp'"),
+    ({"gamma": 0.9}, r"loss.gamma: expected 1.0 with advantage='grpo' \(only reinforce_pp "
+                     r"discounts returns\), got 0.9"),
+    ({"advantage": "reinforce_pp", "gamma": 0.0}, r"loss.gamma: expected a discount in \(0, 1\]"),
+    ({"kl_in_reward": -0.1}, "loss.kl_in_reward: expected a finite coefficient >= 0"),
+    ({"kl_in_reward": 0.1, "reward_aggregation": "normalize_then_sum"},
+     "loss.kl_in_reward: expected 0 with reward_aggregation='normalize_then_sum'"),
 ])
 def test_bad_loss_options_are_refused_naming_the_field(fields, message):
   config = rl_config()
