@@ -1014,12 +1014,15 @@ class Worker:
     if lease_id in self._abandoned:
       self._abandoned.discard(lease_id)
       return
-    with self.stats.time.span("submitting"):
-      if left:
-        self.stats.prompts_released += self._with_backoff(
-            lambda: self._rpc("release", lease_id, sorted(left))) or 0
-      else:
-        self._with_backoff(lambda: self._rpc("complete", lease_id))
+    try:
+      with self.stats.time.span("submitting"):
+        if left:
+          self.stats.prompts_released += self._with_backoff(
+              lambda: self._rpc("release", lease_id, sorted(left))) or 0
+        else:
+          self._with_backoff(lambda: self._rpc("complete", lease_id))
+    except ParamServerError as e:  # expired, or a server that lost it: nothing left to settle
+      logging.warning("worker: lease %s abandoned: %s", lease_id, e)
 
   @property
   def _resumable(self) -> bool:

@@ -711,7 +711,10 @@ class PromptRolloutQueues:
 
   @_durable
   def submit(self, lease_id: str, worker_id: str, group: pb.RolloutGroup) -> pb.SubmitRolloutsReply:
-    """Accepts one prompt's rollout group once per lease; an identical retry is acknowledged again."""
+    """Accepts one prompt's rollout group once per lease; an identical retry is acknowledged again.
+    An unknown lease is NOT_FOUND whatever the group (a server that lost it cannot judge it)."""
+    with self._lock:
+      self._lease_of(lease_id, worker_id, allow_closed=True)
     validate_group(group, latest_version=self._latest_version(),
                    max_samples=self.limits.max_samples_per_group)
     fingerprint = group_fingerprint(group)

@@ -43,11 +43,11 @@ class Fleet:
   def log(self, name):
     return (self.root / f"{name}.log").read_text(errors="replace")
 
-  def serve(self):
-    """Start the server on the fleet's port and storage; return once it listens."""
+  def serve(self, storage="ps"):
+    """Start the server on the fleet's port and `storage`; return once it listens."""
     log = self.root / "server.log"
     before = log.read_text().count("listening on") if log.exists() else 0
-    proc = self.start("server", "serve", f"--storage_dir={self.root / 'ps'}",
+    proc = self.start("server", "serve", f"--storage_dir={self.root / storage}",
                       f"--port={self.port}", "--host=127.0.0.1")
     _wait(lambda: self.log("server").count("listening on") > before, 60, "the server", proc,
           self)
@@ -186,6 +186,52 @@ def test_the_fleet_rides_out_kills_of_a_worker_the_server_and_the_trainer(tmp_pa
   assert not set(trained) & left and stats.rollouts_duplicate == 0
   # Every accepted group was trained on, is still queued, or was dropped as too stale.
   assert stats.rollouts_accepted == len(trained) + len(left) + stats.rollouts_stale_dropped
+  digests = {json.loads(line)["version"]: json.loads(line)["digest"]
+             for line in (tmp_path / "rl" / "versions.jsonl").read_text().splitlines()}
+  held = _workers_hold(fleet, ["worker-1", "worker-2"])
+  assert all(digests[v] == d for v, d in held.values()), held
+
+
+def test_a_server_replaced_by_an_empty_one_is_fed_again_and_the_run_goes_on(tmp_path):
+  """kill -9 of the server, and another started on its port with an empty storage folder
+  (the tokens given again, as an operator's secret would): the trainer feeds it, sends it
+  the weights, and the run reaches its step target with the workers on its newest weights."""
+  sft = subprocess.run([sys.executable, "-m", "rlax_ps", "sft", "--config=configs/sft_tiny.py:tiny",
+                        f"--workdir={tmp_path / 'sft'}"], cwd=REPO, env=child_env(),
+                       capture_output=True, text=True, timeout=300)
+  assert sft.returncode == 0, sft.stderr[-3000:]
+  fleet = Fleet(tmp_path)
+  try:
+    fleet.serve()
+    fleet.train()
+    fleet.worker(1)
+    fleet.worker(2)
+    _wait_steps(fleet, 6)
+    fleet.kill("server")
+    (tmp_path / "ps2").mkdir()
+    (tmp_path / "ps2" / "tokens.json").write_bytes((tmp_path / "ps" / "tokens.json").read_bytes())
+    os.chmod(tmp_path / "ps2" / "tokens.json", 0o600)
+    fleet.serve("ps2")
+    trainer = fleet.procs["trainer"]
+    _wait(lambda: trainer.poll() is not None, 240, "the trainer's end")
+    assert trainer.returncode == 0, fleet.log("trainer")[-3000:]
+    assert "lost its weights and queues" in fleet.log("trainer")
+    with fleet.client("trainer") as tc:
+      latest = tc.latest_version()
+      held = _live_versions(tc)
+      end = time.monotonic() + 40
+      while held != [latest, latest] and time.monotonic() < end:
+        time.sleep(0.2)
+        held = _live_versions(tc)
+      assert held == [latest, latest], f"workers hold {held}; the newest is v{latest}"
+    for name in ("worker-1", "worker-2"):
+      fleet.procs[name].send_signal(signal.SIGTERM)
+      assert fleet.procs[name].wait(60) == 0, fleet.log(name)[-3000:]
+  finally:
+    fleet.stop()
+  assert [r["step"] for r in _records(tmp_path)] == list(range(1, STEPS + 1))
+  summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
+  assert summary["servers_lost"] == 1
   digests = {json.loads(line)["version"]: json.loads(line)["digest"]
              for line in (tmp_path / "rl" / "versions.jsonl").read_text().splitlines()}
   held = _workers_hold(fleet, ["worker-1", "worker-2"])

@@ -800,6 +800,10 @@ class RLTrainer(TrainerRun):
       except ParamServerError as e:
         if self._stopping(e, "the step's take"):
           return None
+        # e.g. min_version above anything a server that lost its weights holds: feed it
+        if (e.code == grpc.StatusCode.FAILED_PRECONDITION
+            and self._server_lost(self.client.version_info().store_id)):
+          continue
         raise
       self._requeue_next = False
       self._server_lost(take.store_id)

@@ -24,3 +24,26 @@ def test_a_lease_settled_while_its_renewal_is_in_flight_leaves_no_deadline_behin
   Worker._renew_leases(worker)
   assert set(worker._lease_deadline) == {"open"}
   assert worker._lease_deadline["open"] > 0.0
+
+
+def test_a_lease_the_server_no_longer_holds_is_abandoned_on_settling():
+  """Settling a lease that a server no longer holds (expired, or the server lost its
+  storage): NOT_FOUND is logged and the worker goes on, holding nothing of the lease."""
+  import contextlib
+
+  import grpc
+
+  from param_server.client import ParamServerError
+  calls = []
+
+  def rpc(method, *args):
+    calls.append(method)
+    raise ParamServerError("ReleaseLease", grpc.StatusCode.NOT_FOUND, "lease_id: no lease 'x'")
+
+  worker = types.SimpleNamespace(
+      _pending=[], _started={}, _lock=threading.Lock(), _inflight={"x": {"p0"}},
+      _lease_deadline={"x": 0.0}, _abandoned=set(), _rpc=rpc, _with_backoff=lambda fn: fn(),
+      stats=types.SimpleNamespace(prompts_released=0, time=types.SimpleNamespace(
+          span=lambda name: contextlib.nullcontext())))
+  Worker._settle(worker, "x")
+  assert calls == ["release"] and worker._inflight == {} and worker._lease_deadline == {}

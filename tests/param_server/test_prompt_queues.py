@@ -138,6 +138,10 @@ def test_foreign_and_unknown_leases_are_rejected(queues):
     queues.submit(lease.lease_id, "w2", group("a"))
   with pytest.raises(errors.NotFound, match="lease_id"):
     queues.submit("nope", "w1", group("a"))
+  # A lease a server never had (it lost its storage): NOT_FOUND, which a worker takes as the
+  # lease gone, even for a group of a version it never published.
+  with pytest.raises(errors.NotFound, match="lease_id"):
+    queues.submit("nope", "w1", group("a", version=99))
   with pytest.raises(errors.InvalidArgument, match="group.prompt_id"):
     queues.submit(lease.lease_id, "w1", group("zzz"))
   assert queues.depths()["rollouts_ready"] == 0

@@ -10,7 +10,9 @@ import types
 
 import pytest
 
-from param_server.client import Take, make_sample
+import grpc
+
+from param_server.client import ParamServerError, Take, make_sample
 from param_server.protos import param_server_pb2 as pb
 from rl_testlib import TOKENS, FakeWorker, client, rl_config
 from rlax_ps.train.rl import PendingTake, RLTrainer
@@ -35,6 +37,9 @@ class FakeServer:
   def take_rollouts(self, min_version, max_n, **kwargs):
     self.takes += 1
     assert self.takes <= 40, "the step took too many times"
+    if min_version > max(self.latest, 0):  # as the server: no group can be that new
+      raise ParamServerError("TakeRollouts", grpc.StatusCode.FAILED_PRECONDITION,
+                             f"min_version: expected at most v{self.latest}")
     if self.taken == len(self.fed):
       return Take("", [], 0, self.store)
     prompt = self.fed[self.taken]
@@ -81,8 +86,9 @@ def test_a_server_that_lost_its_queues_is_fed_again_and_gets_the_weights(trainer
   waiting = [p.id for p in server.fed[server.taken:]]  # fed, not yet sampled
   assert len(waiting) == per_step * tr.max_staleness and set(tr.outstanding) == set(waiting)
   resent = []
-  tr.publisher = types.SimpleNamespace(version=3, resend_keyframe=lambda: resent.append(3))
-  server.lose()
+  tr.publisher = types.SimpleNamespace(
+      version=3, resend_keyframe=lambda: (resent.append(3), setattr(server, "latest", 3)))
+  server.lose()  # the trainer's first take asks it for v2 or newer: refused
   step2 = tr._take_groups()
   # The new server was fed the prompts the lost one held (beside new ones) and answered the
   # next step from its own queue; the latest version went to it as a keyframe.
