@@ -150,6 +150,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # > 0: each token's reward minus this times its KL to the warm start (verl's
   # use_kl_in_reward with a fixed kl_ctrl.kl_coef), the score on the last token.
   c.loss.kl_in_reward = 0.0
+  # Set: kl_in_reward adapts toward this KL (verl's kl_ctrl.type=adaptive, target_kl, horizon
+  # in samples); unset: fixed.
+  c.loss.kl_target = ml_collections.config_dict.placeholder(float)
+  c.loss.kl_horizon = 10000
   c.loss.router_aux_coef = 0.0  # Mixture of experts: > 0 adds the load-balancing loss.
   # Schulman's estimators of KL(pi || reference): k1 (verl's kl_loss_type "kl") | k2 (verl's
   # "mse") | k3 | low_var_kl (verl's default and its "k3": k3 clamped to [-10, 10]) | abs (verl's).

@@ -46,9 +46,9 @@ from rlax_ps.train.prompts import PromptFeed, PromptRecords, TaskPrompts, iter_c
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check_rl_config,
                                      prompt_limit)
-from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, entropy_bonus_coef, \
-  logged_advantages, micro_batched_loss_and_grad, needs_reference, ref_sync_settings, \
-  response_logprobs, rl_loss
+from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, adapt_kl_coef, \
+  entropy_bonus_coef, logged_advantages, micro_batched_loss_and_grad, needs_reference, \
+  ref_sync_settings, response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
 from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
@@ -67,9 +67,10 @@ def mix_reference(ref_params: Any, params: Any, alpha: float) -> Any:
 def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_groups: int,
                  loss_cfg: LossConfig, schedule=None, updates_per_batch: int = 1,
                  micro_batches: int = 1):
-  """jit(step)(state, batch, ref_params[, entropy_coef]) -> (new state, metrics), the state
-  donated. `entropy_coef`: the entropy bonus's coefficient as a float32 scalar input
-  (loss.adaptive_entropy: a new value each step, one compile); absent: loss.entropy_coef.
+  """jit(step)(state, batch, ref_params[, entropy_coef[, kl_beta]]) -> (new state, metrics),
+  the state donated. `entropy_coef`: the entropy bonus's coefficient as a float32 scalar
+  input (loss.adaptive_entropy: a new value each step, one compile); None or absent:
+  loss.entropy_coef. `kl_beta`: loss.kl_in_reward's likewise (loss.kl_target).
 
   `updates_per_batch` > 1 takes that many optimizer updates on the batch (PPO epochs)
   against proximal log-probs computed once; the state's step still counts batches and the
@@ -79,27 +80,29 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
     raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates_per_batch}")
   grad_fn = trainable_value_and_grad(rl_loss)
 
-  def update(state: TrainState, batch: dict, ref_params: Any, proximal, entropy_coef):
+  def update(state: TrainState, batch: dict, ref_params: Any, proximal, entropy_coef, kl_beta):
     if micro_batches == 1:
       (_, metrics), grads = grad_fn(state.params, graphdef, batch, ref_params,
                                     num_groups=num_groups, cfg=loss_cfg, proximal=proximal,
-                                    entropy_coef=entropy_coef)
+                                    entropy_coef=entropy_coef, kl_beta=kl_beta)
     else:
       (_, metrics), grads = micro_batched_loss_and_grad(
           state.params, graphdef, batch, ref_params, num_groups=num_groups, cfg=loss_cfg,
-          micro_batches=micro_batches, proximal=proximal, entropy_coef=entropy_coef)
+          micro_batches=micro_batches, proximal=proximal, entropy_coef=entropy_coef,
+          kl_beta=kl_beta)
     return apply_gradients(state, grads, metrics, optimizer, schedule)
 
   def step(state: TrainState, batch: dict, ref_params: Any,
-           entropy_coef: jax.Array | None = None) -> tuple[TrainState, dict]:
+           entropy_coef: jax.Array | None = None,
+           kl_beta: jax.Array | None = None) -> tuple[TrainState, dict]:
     if updates_per_batch == 1:
-      return update(state, batch, ref_params, None, entropy_coef)
+      return update(state, batch, ref_params, None, entropy_coef, kl_beta)
     proximal = jax.lax.stop_gradient(
         response_logprobs(state.params, graphdef, batch, loss_cfg.backend,
                           logits_chunk=loss_cfg.logits_chunk))
     final, metrics = jax.lax.scan(
-        lambda st, _: update(st, batch, ref_params, proximal, entropy_coef), state, None,
-        length=updates_per_batch)
+        lambda st, _: update(st, batch, ref_params, proximal, entropy_coef, kl_beta), state,
+        None, length=updates_per_batch)
     return final.replace(step=state.step + 1), jax.tree.map(lambda m: m.mean(0), metrics)
 
   return jit_step(step, state_shardings, mesh)
@@ -364,6 +367,7 @@ class RLTrainer(TrainerRun):
     # loss.adaptive_entropy's controller: its coefficient and the entropy the last step
     # measured (inf: none yet), as TRL's entropy_ctrl_state.json holds them.
     self.entropy_coef, self.last_entropy = self.loss_cfg.entropy_coef, math.inf
+    self.kl_beta = self.loss_cfg.kl_in_reward  # loss.kl_target's controller: its coefficient
     self.restored = saved is not None
     if saved is not None:
       self._load_metadata(saved)
@@ -432,6 +436,8 @@ class RLTrainer(TrainerRun):
         "model_config": self.model_config.to_dict(),
         "config": json.loads(self.config.to_json_best_effort()),
     }
+    if self.loss_cfg.kl_target is not None:
+      saved["kl_control"] = {"kl_in_reward": self.kl_beta}
     if self.loss_cfg.adaptive_entropy:  # last_entropy None: none measured (or not finite)
       saved["entropy_control"] = {"entropy_coef": self.entropy_coef, "last_entropy":
                                   self.last_entropy if math.isfinite(self.last_entropy)
@@ -458,6 +464,8 @@ class RLTrainer(TrainerRun):
     self.restore_counts(saved.get("counts", {}))
     self.reward_parts_totals = {name: [float(total), int(n)] for name, (total, n)
                                 in saved.get("reward_parts_totals", {}).items()}
+    if self.loss_cfg.kl_target is not None and "kl_control" in saved:  # else kl_in_reward
+      self.kl_beta = float(saved["kl_control"]["kl_in_reward"])
     control = saved.get("entropy_control")
     if self.loss_cfg.adaptive_entropy and control:
       self.entropy_coef = float(control["entropy_coef"])
@@ -555,14 +563,20 @@ class RLTrainer(TrainerRun):
     from jax.experimental import multihost_utils
     return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
-  def _step_inputs(self) -> tuple[jax.Array, ...]:
-    """The step's inputs after the reference: with loss.adaptive_entropy, the coefficient
-    this step's bonus applies (entropy_bonus_coef), replicated; else none."""
-    if not self.loss_cfg.adaptive_entropy:
-      return ()
-    coef = np.float32(entropy_bonus_coef(self.entropy_coef, self.last_entropy, self.loss_cfg))
+  def _step_inputs(self) -> tuple[jax.Array | None, ...]:
+    """The step's inputs after the reference, replicated: with loss.adaptive_entropy, the
+    coefficient this step's bonus applies (entropy_bonus_coef); with loss.kl_target,
+    loss.kl_in_reward's (None where the other is not adaptive); else none."""
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    return (jax.make_array_from_callback((), replicated, lambda _: coef),)
+
+    def scalar(value):
+      return jax.make_array_from_callback((), replicated, lambda _: np.float32(value))
+
+    entropy = (scalar(entropy_bonus_coef(self.entropy_coef, self.last_entropy, self.loss_cfg))
+               if self.loss_cfg.adaptive_entropy else None)
+    if self.loss_cfg.kl_target is not None:
+      return entropy, scalar(self.kl_beta)
+    return () if entropy is None else (entropy,)
 
   def _adapt_entropy(self, entropy: float) -> float:
     """loss.adaptive_entropy's controller after a step that measured `entropy` (the step's
@@ -681,6 +695,10 @@ class RLTrainer(TrainerRun):
         metrics = {k: float(v) for k, v in shd.to_host(metrics).items()}
         if self.loss_cfg.adaptive_entropy:  # TRL's logged entropy_coef: after the update
           metrics["entropy_coef"] = self._adapt_entropy(metrics["entropy"])
+        if self.loss_cfg.kl_target is not None:  # verl's reward_kl_penalty_coeff: the step's
+          metrics["kl_in_reward"] = self.kl_beta
+          self.kl_beta = adapt_kl_coef(self.kl_beta, metrics["reward_kl"],
+                                       int(batch["sample_mask"].sum()), self.loss_cfg)
         every = int(self.config.checkpoint.every_steps)
         eval_every = int(self.config.eval.every_steps)
         record = {}  # the leader's log line; the other processes do the same device work
@@ -1018,6 +1036,9 @@ class RLTrainer(TrainerRun):
       record.update(passed_over=self.retired, uniform_records=len(self.streaks))
     if "entropy_coef" in metrics:  # loss.adaptive_entropy's, for the next step
       record["entropy_coef"] = metrics["entropy_coef"]
+    for k in ("reward_kl", "kl_in_reward"):  # loss.kl_in_reward's KL; loss.kl_target's beta
+      if k in metrics:
+        record[k] = metrics[k]
     if "router_aux_loss" in metrics:  # a mixture of experts: its load balance (1 = even)
       record["router_aux_loss"] = metrics["router_aux_loss"]
     if self.shape.routed:  # routing replay: groups that brought routes, and how alike the

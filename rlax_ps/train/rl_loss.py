@@ -143,6 +143,12 @@ class LossConfig:
   # token: verl's algorithm.use_kl_in_reward with a fixed kl_ctrl.kl_coef. The advantages of
   # one number per sample take the sum of its token rewards, as verl's. 0: off.
   kl_in_reward: float = 0.0
+  # A KL target: kl_in_reward is where an adaptive coefficient starts (verl's kl_ctrl.type
+  # "adaptive", target_kl, horizon; Ziegler et al. 2019): after each step it is multiplied
+  # by 1 + clip(KL / kl_target - 1, -0.2, 0.2) * samples / kl_horizon, KL the step's mean
+  # over its samples of their token-mean KL (train/reward_kl). None: fixed.
+  kl_target: float | None = None
+  kl_horizon: int = 10000
   # > 0: plus this times the mixture-of-experts load-balancing loss (transformers'
   # router_aux_loss_coef; train/router_aux_loss reports it either way).
   router_aux_coef: float = 0.0
@@ -190,6 +196,13 @@ class LossConfig:
          f"1.0 with advantage={self.advantage!r} (only reinforce_pp discounts returns)")
     need(_is_number(self.kl_in_reward) and math.isfinite(self.kl_in_reward)
          and self.kl_in_reward >= 0, "kl_in_reward", "a finite coefficient >= 0 (0: off)")
+    need(self.kl_target is None or (_is_number(self.kl_target) and math.isfinite(self.kl_target)
+                                    and self.kl_target > 0), "kl_target",
+         "a finite KL > 0 (None: a fixed kl_in_reward)")
+    need(self.kl_target is None or self.kl_in_reward > 0, "kl_target",
+         "None with kl_in_reward=0 (it adapts the KL-in-reward coefficient, which starts there)")
+    need(isinstance(self.kl_horizon, numbers.Integral) and not isinstance(self.kl_horizon, bool)
+         and self.kl_horizon > 0, "kl_horizon", "a whole number of samples > 0")
     need(not (self.kl_in_reward > 0 and self.reward_aggregation != "sum"), "kl_in_reward",
          f"0 with reward_aggregation={self.reward_aggregation!r} (the KL penalty is no "
          "reward part of its own)")
@@ -312,13 +325,41 @@ def truncated_samples(batch: dict, cfg: LossConfig) -> jax.Array:
   return cut & ~jnp.isin(last, jnp.asarray(cfg.stop_ids, last.dtype)) if cfg.stop_ids else cut
 
 
+def adapt_kl_coef(beta: float, reward_kl: float, samples: int, cfg: LossConfig) -> float:
+  """loss.kl_target's controller after a step whose samples' mean KL was `reward_kl`: beta
+  times 1 + clip(reward_kl / kl_target - 1, -0.2, 0.2) * samples / kl_horizon (verl's
+  AdaptiveKLController, from TRL's PPO)."""
+  error = min(max(reward_kl / cfg.kl_target - 1.0, -0.2), 0.2)
+  return beta * (1.0 + error * samples / cfg.kl_horizon)
+
+
+def reward_kl(batch: dict, ref_logp: jax.Array, tokens: jax.Array, cfg: LossConfig
+              ) -> jax.Array:
+  """loss.kl_in_reward's KL(pi_behav || reference) of each token [rows * N, R] by
+  loss.kl_estimator, 0 off `tokens` (the trained ones)."""
+  behaviour = batch["behaviour_logp"].reshape(tokens.shape)
+  return losses.kl_penalty(behaviour, ref_logp.reshape(tokens.shape), cfg.kl_estimator) * tokens
+
+
+def reward_kl_mean(batch: dict, ref_logp: jax.Array, sample_mask: jax.Array,
+                   cfg: LossConfig) -> jax.Array:
+  """The batch's mean over its samples of each one's token-mean reward_kl (verl's
+  actor/reward_kl_penalty, what loss.kl_target's controller reads)."""
+  tokens = token_mask(batch, sample_mask)
+  per_sample = (jnp.sum(reward_kl(batch, ref_logp, tokens, cfg), axis=-1)
+                / (jnp.sum(tokens, axis=-1) + 1e-8))
+  return jnp.sum(per_sample * sample_mask) / jnp.maximum(jnp.sum(sample_mask), 1.0)
+
+
 def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
-                     ref_logp: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                     ref_logp: jax.Array | None = None, kl_beta: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
   """(advantages, sample mask [rows * N]) over each row's whole group: [rows * N] advantages,
   or [rows * N, R] for loss.advantage in TOKEN_ADVANTAGES (whitened over all the batch's
   tokens). The mask is of the samples trained on: with loss.mask_truncated it leaves out
   the truncated ones, after their rewards joined their group's statistics. `ref_logp`: the
-  frozen reference's log-probs [rows * N, R], needed by loss.kl_in_reward."""
+  frozen reference's log-probs [rows * N, R], needed by loss.kl_in_reward. `kl_beta`: its
+  coefficient as an input (loss.kl_target's, a run state); None: loss.kl_in_reward."""
   n = batch["rewards"].shape[1]
   rewards = batch["rewards"].reshape(-1)
   if cfg.overlong_buffer:
@@ -335,15 +376,15 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
     if ref_logp is None:
       raise ValueError("loss.kl_in_reward: the advantages need the frozen reference's "
                        "log-probs (ref_logp), got none")
-    behaviour = batch["behaviour_logp"].reshape(tokens.shape)
-    kl = losses.kl_penalty(behaviour, ref_logp.reshape(tokens.shape), cfg.kl_estimator) * tokens
+    kl = reward_kl(batch, ref_logp, tokens, cfg)
+  beta = cfg.kl_in_reward if kl_beta is None else kl_beta
   if cfg.advantage == "reinforce_pp":
     token_rewards = adv_lib.token_rewards(rewards, batch["response_lens"].reshape(-1), tokens,
-                                          kl, cfg.kl_in_reward)
+                                          kl, beta)
     adv = adv_lib.reinforce_pp_advantages(token_rewards, tokens, gamma=cfg.gamma)
     return _without_truncated(adv, mask, batch, cfg)
   if kl is not None:  # one number per sample: the sum of its token rewards, as verl's
-    rewards = rewards - cfg.kl_in_reward * jnp.sum(kl, axis=-1)
+    rewards = rewards - beta * jnp.sum(kl, axis=-1)
   if cfg.advantage == "reinforce_pp_baseline":
     adv = adv_lib.reinforce_pp_baseline_advantages(rewards, group_ids, num_groups, tokens, mask)
   elif cfg.reward_aggregation == "normalize_then_sum":
@@ -379,7 +420,8 @@ def logged_advantages(batch: dict, num_groups: int, cfg: LossConfig
   """(advantages [rows * N], sample mask) the completions log shows, one per sample: those of
   `group_advantages`, a per-token one as its mean over the sample's tokens, loss.kl_in_reward's
   penalty left out (the log runs no reference)."""
-  adv, mask = group_advantages(batch, num_groups, dataclasses.replace(cfg, kl_in_reward=0.0))
+  adv, mask = group_advantages(batch, num_groups,
+                               dataclasses.replace(cfg, kl_in_reward=0.0, kl_target=None))
   if adv.ndim == 2:
     tokens = token_mask(batch, mask)
     adv = jnp.sum(adv * tokens, axis=-1) / jnp.maximum(jnp.sum(tokens, axis=-1), 1.0)
@@ -468,16 +510,18 @@ def token_mask(batch: dict, sample_mask: jax.Array) -> jax.Array:
 def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *,
             num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None,
             advantages: tuple[jax.Array, jax.Array] | None = None,
-            entropy_coef: jax.Array | None = None) -> tuple[jax.Array, dict]:
+            entropy_coef: jax.Array | None = None,
+            kl_beta: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """(scalar loss, metrics) of one packed batch; differentiable in `params`. `proximal`:
   the log-probs [rows * N, R] of the weights the batch's updates started from (several
   updates per batch); None: the current ones (one update per batch). `advantages`: the
   (advantages, sample mask) of these rows when computed over a larger batch.
   `entropy_coef`: the entropy bonus's coefficient as an input (loss.adaptive_entropy's, a
-  run state); None: loss.entropy_coef."""
+  run state); None: loss.entropy_coef. `kl_beta`: as `group_advantages`'."""
   loss, metrics, routing = rl_loss_terms(params, graphdef, batch, ref_params,
                                          num_groups=num_groups, cfg=cfg, proximal=proximal,
-                                         advantages=advantages, entropy_coef=entropy_coef)
+                                         advantages=advantages, entropy_coef=entropy_coef,
+                                         kl_beta=kl_beta)
   if cfg.router_aux_coef > 0 and routing is not None:  # MoE load balancing, as transformers'
     loss = loss + cfg.router_aux_coef * routing.load_balance
   metrics["loss"] = loss  # the objective optimized, load-balancing term included
@@ -489,19 +533,21 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                   advantages: tuple[jax.Array, jax.Array] | None = None,
                   entropy_threshold: jax.Array | None = None,
                   entropy_coef: jax.Array | None = None,
-                  ref_logp: jax.Array | None = None) -> tuple[jax.Array, dict, Any]:
+                  ref_logp: jax.Array | None = None,
+                  kl_beta: jax.Array | None = None) -> tuple[jax.Array, dict, Any]:
   """`rl_loss` before its load-balancing term: (the policy loss, the metrics, the model's
   `Routing` record or None for a dense model). `entropy_threshold`: the entropy the top
   tokens reach (loss.top_entropy_quantile) over a larger batch these rows are a slice of;
   None: over these rows. `entropy_coef`: as `rl_loss`'s. `ref_logp`: the reference's
-  log-probs of these rows when computed already; None: computed here if needed."""
+  log-probs of these rows when computed already; None: computed here if needed. `kl_beta`:
+  as `group_advantages`' (with `advantages` given: unused)."""
   if ref_logp is None and needs_reference(cfg):
     ref_logp = response_logprobs(ref_params, graphdef, batch, cfg.backend,
                                  logits_chunk=cfg.logits_chunk)
   if ref_logp is not None:
     ref_logp = jax.lax.stop_gradient(ref_logp)
-  adv, sample_mask = (group_advantages(batch, num_groups, cfg, ref_logp) if advantages is None
-                      else advantages)
+  adv, sample_mask = (group_advantages(batch, num_groups, cfg, ref_logp, kl_beta)
+                      if advantages is None else advantages)
   mask = token_mask(batch, sample_mask)
   logp, stats = response_logprobs(params, graphdef, batch, cfg.backend, with_stats=True,
                                   logits_chunk=cfg.logits_chunk, remat=cfg.remat)
@@ -582,6 +628,8 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
       **off_policy,
       **stats,
   )
+  if cfg.kl_in_reward > 0 and advantages is None:  # a slice's: the whole batch's is taken
+    metrics["reward_kl"] = reward_kl_mean(batch, ref_logp, sample_mask, cfg)
   return loss, metrics, routing
 
 
@@ -694,7 +742,8 @@ def whole_batch_stats(params: Any, graphdef: nnx.GraphDef, slices: dict, keep: j
 def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict,
                                 ref_params: Any, *, num_groups: int, cfg: LossConfig,
                                 micro_batches: int, proximal: jax.Array | None = None,
-                                entropy_coef: jax.Array | None = None
+                                entropy_coef: jax.Array | None = None,
+                                kl_beta: jax.Array | None = None
                                 ) -> tuple[tuple[jax.Array, dict], Any]:
   """((loss, metrics), gradient) of the whole batch, accumulated over `micro_batches`
   slices of its rows so that only one slice's activations live at a time. Advantages are
@@ -712,7 +761,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   finds the entropy that the whole batch's top tokens reach (loss.top_entropy_quantile), so
   that every slice trains on the tokens the whole batch would. With loss.kl_in_reward > 0
   the reference's log-probs of every slice come first (the advantages need the whole
-  batch's), and each slice's KL term reuses its own. `entropy_coef`: as `rl_loss`'s."""
+  batch's), and each slice's KL term reuses its own. `entropy_coef`, `kl_beta`: as
+  `rl_loss`'s."""
   rows = batch["row_group"].shape[0]
   check_micro_batches(micro_batches, rows, cfg)
   trainable = split_trainable(params)[0]  # what takes a gradient (a LoRA run: the adapters)
@@ -729,7 +779,7 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
         jax.tree.map(split, batch)))
     ref_logp = jnp.moveaxis(ref_logp.reshape(micro_batches, rows // micro_batches, n, -1),
                             0, 1).reshape(rows * n, -1)
-  adv, sample_mask = group_advantages(batch, num_groups, cfg, ref_logp)
+  adv, sample_mask = group_advantages(batch, num_groups, cfg, ref_logp, kl_beta)
   totals = {k: jnp.maximum(v, 1.0)
             for k, v in metric_counts(batch, sample_mask, cfg.agg).items()}
   per_row = dict(batch, adv=adv.reshape(rows, n, *adv.shape[1:]),
@@ -800,6 +850,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   (loss, metrics, parts, grads), _ = jax.lax.scan(body, init, slices)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trainable)
   metrics["loss"] = loss
+  if ref_logp is not None:
+    metrics["reward_kl"] = reward_kl_mean(batch, ref_logp, sample_mask, cfg)
   if parts is not None:
     counts, prob_sums, tokens = parts
     if whole is not None:  # the shares the loss used

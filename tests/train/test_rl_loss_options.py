@@ -172,6 +172,10 @@ def test_the_config_keeps_todays_objective_unless_the_options_are_set():
     ({"kl_in_reward": -0.1}, "loss.kl_in_reward: expected a finite coefficient >= 0"),
     ({"kl_in_reward": 0.1, "reward_aggregation": "normalize_then_sum"},
      "loss.kl_in_reward: expected 0 with reward_aggregation='normalize_then_sum'"),
+    ({"kl_target": 0.1}, "loss.kl_target: expected None with kl_in_reward=0"),
+    ({"kl_in_reward": 0.1, "kl_target": -1.0}, r"loss.kl_target: expected a finite KL > 0"),
+    ({"kl_in_reward": 0.1, "kl_target": 0.1, "kl_horizon": 0},
+     "loss.kl_horizon: expected a whole number of samples > 0"),
 ])
 def test_bad_loss_options_are_refused_naming_the_field(fields, message):
   config = rl_config()

@@ -152,9 +152,9 @@ def test_rl_loss_trains_on_verls_advantages_whole_and_micro_batched(fixture_logp
 def test_logged_advantages_are_one_per_sample_without_the_kl_penalty():
   """The completions log shows a per-token advantage as its mean over the sample's tokens."""
   batch, _ = _batch()
-  cfg = LossConfig(advantage="reinforce_pp_baseline", kl_in_reward=0.1)
+  cfg = LossConfig(advantage="reinforce_pp_baseline", kl_in_reward=0.1, kl_target=0.05)
   adv, mask = logged_advantages(batch, G, cfg)
-  tokens, _ = group_advantages(batch, G, dataclasses.replace(cfg, kl_in_reward=0.0))
+  tokens, _ = group_advantages(batch, G, LossConfig(advantage="reinforce_pp_baseline"))
   m = token_mask(batch, mask)
   assert adv.shape == (G * N,)
   np.testing.assert_allclose(adv, np.sum(tokens * m, 1) / np.maximum(np.sum(m, 1), 1),
@@ -166,3 +166,45 @@ def test_kl_in_reward_keeps_a_reference_to_sync():
   assert ref_sync_settings(rl, LossConfig(kl_in_reward=0.1)) == (4, 0.6)
   assert rl_loss_lib.needs_reference(LossConfig(kl_in_reward=0.1))
   assert not rl_loss_lib.needs_reference(LossConfig())
+
+
+@pytest.mark.parametrize("case", DATA["adaptive"], ids=lambda c: f"{c['kl_estimator']}-"
+                                                               f"target{c['kl_target']}")
+def test_the_adaptive_kl_controller_moves_the_coefficient_as_verls(case):
+  """loss.kl_target: the step's reward_kl is verl's reward_kl_penalty, and each step's
+  coefficient after it is verl's AdaptiveKLController's (n_steps: the batch's samples)."""
+  batch, ref = _batch()
+  cfg = LossConfig(kl_in_reward=case["kl_in_reward"], kl_target=case["kl_target"],
+                   kl_horizon=case["kl_horizon"], kl_estimator=case["kl_estimator"])
+  mask = batch["sample_mask"].reshape(-1)
+  kl = float(rl_loss_lib.reward_kl_mean(batch, ref, mask, cfg))
+  beta = cfg.kl_in_reward
+  for want_kl, applied, after in case["steps"]:
+    np.testing.assert_allclose(kl, want_kl, rtol=1e-5)
+    assert beta == pytest.approx(applied, rel=1e-6)
+    beta = rl_loss_lib.adapt_kl_coef(beta, kl, int(REAL.sum()), cfg)
+    assert beta == pytest.approx(after, rel=1e-6)
+
+
+def test_a_kl_coefficient_given_as_input_is_the_configured_one_and_reward_kl_is_logged(
+    fixture_logprobs):
+  """The step's kl_beta input (loss.kl_target's coefficient) weighs the KL in the rewards as
+  loss.kl_in_reward set to it would, whole and micro-batched; both log reward_kl."""
+  batch, ref = _batch()
+  logp = batch["behaviour_logp"].reshape(-1, T) + jnp.asarray(
+      np.random.default_rng(5).normal(0, 0.2, (G * N, T)), jnp.float32)
+  adaptive = LossConfig(advantage="reinforce_pp_baseline", kl_in_reward=0.1, kl_target=0.05,
+                        kl_estimator="k1")
+  fixed = dataclasses.replace(adaptive, kl_in_reward=0.3, kl_target=None)
+  run = lambda cfg, **kw: rl_loss({"logp": logp}, None, batch, {"logp": ref}, num_groups=G,
+                                  cfg=cfg, **kw)
+  (want, want_m), (got, got_m) = run(fixed), run(adaptive, kl_beta=jnp.float32(0.3))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert float(run(adaptive)[0]) != pytest.approx(float(want), rel=1e-3)  # 0.1 differs
+  kl = rl_loss_lib.reward_kl_mean(batch, ref, batch["sample_mask"].reshape(-1), fixed)
+  np.testing.assert_allclose([got_m["reward_kl"], want_m["reward_kl"]], [kl, kl], rtol=1e-6)
+  (m_value, m_metrics), _ = micro_batched_loss_and_grad(
+      {"logp": logp}, None, batch, {"logp": ref}, num_groups=G, cfg=adaptive, micro_batches=3,
+      kl_beta=jnp.float32(0.3))
+  np.testing.assert_allclose([m_value, m_metrics["reward_kl"]], [want, kl], rtol=1e-5)
+  assert abs(float(want)) > 1e-3  # the losses compared are not ~0
