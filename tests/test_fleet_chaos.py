@@ -133,14 +133,49 @@ def _workers_hold(fleet, names):
   return held
 
 
-def test_the_fleet_rides_out_kills_of_a_worker_the_server_and_the_trainer(tmp_path):
-  """kill -9 of a worker mid-lease (a new one joins), of the server (restarted on its port
-  and storage) and of the trainer (rerun): about 40 s on 2 cores."""
+def _warm_fleet(tmp_path):
+  """The fleet of a run in tmp_path, after its supervised warm start (tmp_path/sft)."""
   sft = subprocess.run([sys.executable, "-m", "rlax_ps", "sft", "--config=configs/sft_tiny.py:tiny",
                         f"--workdir={tmp_path / 'sft'}"], cwd=REPO, env=child_env(),
                        capture_output=True, text=True, timeout=300)
   assert sft.returncode == 0, sft.stderr[-3000:]
-  fleet = Fleet(tmp_path)
+  return Fleet(tmp_path)
+
+
+def _wait_trainer_end(fleet):
+  trainer = fleet.procs["trainer"]
+  _wait(lambda: trainer.poll() is not None, 240, "the trainer's end")
+  assert trainer.returncode == 0, fleet.log("trainer")[-3000:]
+
+
+def _wait_live_workers_hold(client, latest):
+  """Idle now, every worker still running takes the newest version (a heartbeat away)."""
+  held = _live_versions(client)
+  end = time.monotonic() + 40
+  while held != [latest, latest] and time.monotonic() < end:
+    time.sleep(0.2)
+    held = _live_versions(client)
+  assert held == [latest, latest], f"workers hold {held}; the newest is v{latest}"
+
+
+def _stop_live_workers(fleet):
+  for name in ("worker-1", "worker-2"):
+    fleet.procs[name].send_signal(signal.SIGTERM)
+    assert fleet.procs[name].wait(60) == 0, fleet.log(name)[-3000:]
+
+
+def _assert_workers_hold_published_weights(fleet):
+  """Each worker's exit line names a version the trainer published, with its digest."""
+  digests = {json.loads(line)["version"]: json.loads(line)["digest"]
+             for line in (fleet.root / "rl" / "versions.jsonl").read_text().splitlines()}
+  held = _workers_hold(fleet, ["worker-1", "worker-2"])
+  assert all(digests[v] == d for v, d in held.values()), held
+
+
+def test_the_fleet_rides_out_kills_of_a_worker_the_server_and_the_trainer(tmp_path):
+  """kill -9 of a worker mid-lease (a new one joins), of the server (restarted on its port
+  and storage) and of the trainer (rerun): about 40 s on 2 cores."""
+  fleet = _warm_fleet(tmp_path)
   try:
     fleet.serve()
     fleet.train()
@@ -157,23 +192,13 @@ def test_the_fleet_rides_out_kills_of_a_worker_the_server_and_the_trainer(tmp_pa
     _wait_steps(fleet, done + 2)
     fleet.kill("trainer")
     fleet.train()
-    trainer = fleet.procs["trainer"]
-    _wait(lambda: trainer.poll() is not None, 240, "the trainer's end")
-    assert trainer.returncode == 0, fleet.log("trainer")[-3000:]
+    _wait_trainer_end(fleet)
     with fleet.client("trainer") as tc:
       latest = tc.latest_version()
-      # Idle now, every worker still running takes the newest version (a heartbeat away).
-      held = _live_versions(tc)
-      end = time.monotonic() + 40
-      while held != [latest, latest] and time.monotonic() < end:
-        time.sleep(0.2)
-        held = _live_versions(tc)
-      assert held == [latest, latest], f"workers hold {held}; the newest is v{latest}"
+      _wait_live_workers_hold(tc, latest)
       left = {int(r.rollout_id) for r in tc.take_rollouts(0, 1000).rollouts}
       stats = tc.stats()
-    for name in ("worker-1", "worker-2"):
-      fleet.procs[name].send_signal(signal.SIGTERM)
-      assert fleet.procs[name].wait(60) == 0, fleet.log(name)[-3000:]
+    _stop_live_workers(fleet)
   finally:
     fleet.stop()
 
@@ -186,21 +211,14 @@ def test_the_fleet_rides_out_kills_of_a_worker_the_server_and_the_trainer(tmp_pa
   assert not set(trained) & left and stats.rollouts_duplicate == 0
   # Every accepted group was trained on, is still queued, or was dropped as too stale.
   assert stats.rollouts_accepted == len(trained) + len(left) + stats.rollouts_stale_dropped
-  digests = {json.loads(line)["version"]: json.loads(line)["digest"]
-             for line in (tmp_path / "rl" / "versions.jsonl").read_text().splitlines()}
-  held = _workers_hold(fleet, ["worker-1", "worker-2"])
-  assert all(digests[v] == d for v, d in held.values()), held
+  _assert_workers_hold_published_weights(fleet)
 
 
 def test_a_server_replaced_by_an_empty_one_is_fed_again_and_the_run_goes_on(tmp_path):
   """kill -9 of the server, and another started on its port with an empty storage folder
   (the tokens given again, as an operator's secret would): the trainer feeds it, sends it
   the weights, and the run reaches its step target with the workers on its newest weights."""
-  sft = subprocess.run([sys.executable, "-m", "rlax_ps", "sft", "--config=configs/sft_tiny.py:tiny",
-                        f"--workdir={tmp_path / 'sft'}"], cwd=REPO, env=child_env(),
-                       capture_output=True, text=True, timeout=300)
-  assert sft.returncode == 0, sft.stderr[-3000:]
-  fleet = Fleet(tmp_path)
+  fleet = _warm_fleet(tmp_path)
   try:
     fleet.serve()
     fleet.train()
@@ -212,27 +230,15 @@ def test_a_server_replaced_by_an_empty_one_is_fed_again_and_the_run_goes_on(tmp_
     (tmp_path / "ps2" / "tokens.json").write_bytes((tmp_path / "ps" / "tokens.json").read_bytes())
     os.chmod(tmp_path / "ps2" / "tokens.json", 0o600)
     fleet.serve("ps2")
-    trainer = fleet.procs["trainer"]
-    _wait(lambda: trainer.poll() is not None, 240, "the trainer's end")
-    assert trainer.returncode == 0, fleet.log("trainer")[-3000:]
+    _wait_trainer_end(fleet)
     assert "lost its weights and queues" in fleet.log("trainer")
     with fleet.client("trainer") as tc:
       latest = tc.latest_version()
-      held = _live_versions(tc)
-      end = time.monotonic() + 40
-      while held != [latest, latest] and time.monotonic() < end:
-        time.sleep(0.2)
-        held = _live_versions(tc)
-      assert held == [latest, latest], f"workers hold {held}; the newest is v{latest}"
-    for name in ("worker-1", "worker-2"):
-      fleet.procs[name].send_signal(signal.SIGTERM)
-      assert fleet.procs[name].wait(60) == 0, fleet.log(name)[-3000:]
+      _wait_live_workers_hold(tc, latest)
+    _stop_live_workers(fleet)
   finally:
     fleet.stop()
   assert [r["step"] for r in _records(tmp_path)] == list(range(1, STEPS + 1))
   summary = json.loads((tmp_path / "rl" / "summary.json").read_text())
   assert summary["servers_lost"] == 1
-  digests = {json.loads(line)["version"]: json.loads(line)["digest"]
-             for line in (tmp_path / "rl" / "versions.jsonl").read_text().splitlines()}
-  held = _workers_hold(fleet, ["worker-1", "worker-2"])
-  assert all(digests[v] == d for v, d in held.values()), held
+  _assert_workers_hold_published_weights(fleet)

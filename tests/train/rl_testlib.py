@@ -19,6 +19,23 @@ def rl_config(variant="tiny", path="configs/rl_local.py"):
   return config_files.load(os.path.join(REPO, path), variant)
 
 
+def save_warm_start(folder, seed=3):
+  """A tiny random model (char tokenizer's vocabulary) saved as an HF export in `folder`,
+  as `init_from_hf` takes it; returns the model."""
+  from flax import nnx
+
+  from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
+  from rlax_ps.tokenizers import CharTokenizer
+  tok = CharTokenizer()
+  model = Transformer(ModelConfig(vocab_size=tok.vocab_size, hidden_size=32,
+                                  intermediate_size=64, num_layers=1, num_heads=4,
+                                  num_kv_heads=2, head_dim=8, max_position_embeddings=64),
+                      rngs=nnx.Rngs(seed))
+  save_hf_checkpoint(model, str(folder))
+  tok.save(str(folder))
+  return model
+
+
 def start_server(storage_dir):
   config = ServerConfig(storage_dir=str(storage_dir), port=0, reap_interval_s=0.05,
                         compact_in_background=False, threads=32, wal_fsync=False,

@@ -5,24 +5,16 @@ goes on from the checkpointed coefficient, not loss.kl_in_reward."""
 import json
 
 import pytest
-from flax import nnx
 
-from rl_testlib import FakeWorker, client, rl_config, start_server
-from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
-from rlax_ps.tokenizers import CharTokenizer
+from rl_testlib import FakeWorker, client, rl_config, save_warm_start, start_server
 from rlax_ps.train.rl import RLTrainer
 from rlax_ps.train.rl_loss import adapt_kl_coef
 
 
 @pytest.mark.slow
 def test_the_kl_coefficient_adapts_each_step_and_survives_a_restart(tmp_path):
-  tok = CharTokenizer()
   warm = str(tmp_path / "warm")
-  save_hf_checkpoint(Transformer(ModelConfig(
-      vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=1,
-      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64),
-      rngs=nnx.Rngs(3)), warm)
-  tok.save(warm)
+  save_warm_start(warm)
   config = rl_config("tiny")
   config.init_from_hf = warm
   config.rl.steps = 2

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rl_testlib import FakeWorker, client, rl_config, start_server
+from rl_testlib import FakeWorker, client, rl_config, save_warm_start, start_server
 from rlax_ps import optim, sharding
 from rlax_ps.checkpoint import Checkpointer
-from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
-from rlax_ps.tokenizers import CharTokenizer
+from rlax_ps.models import ModelConfig
 from rlax_ps.train.publisher import flat_params
 from rlax_ps.train.rl import RLTrainer, mix_reference
 from rlax_ps.train.rl_loss import LossConfig, ref_sync_settings
@@ -70,14 +69,8 @@ def test_the_mix_is_trls_soft_update_and_a_checkpoint_gives_it_back(tmp_path):
 
 @pytest.mark.slow  # a 2-step run against a server, and a restart
 def test_the_reference_is_mixed_with_the_policy_and_a_restart_keeps_the_mix(tmp_path):
-  tok = CharTokenizer()
   warm = str(tmp_path / "warm")
-  model = Transformer(ModelConfig(vocab_size=tok.vocab_size, hidden_size=32,
-                                  intermediate_size=64, num_layers=1, num_heads=4,
-                                  num_kv_heads=2, head_dim=8, max_position_embeddings=64),
-                      rngs=nnx.Rngs(3))
-  save_hf_checkpoint(model, warm)
-  tok.save(warm)
+  model = save_warm_start(warm)
   start = _flat(nnx.state(model, nnx.Param).to_pure_dict())
   config = rl_config("tiny")
   config.init_from_hf = warm
