@@ -31,9 +31,12 @@ def roofline_rate(config: ModelConfig, batch: int, prompt_len: int, new: int,
   in config.dtype) at `bandwidth` and its FLOPs (2 per weight per token, attention over the
   context) at `flops`."""
   weights = jnp.dtype(config.param_dtype).itemsize * config.num_params
-  kv_per_token = (2 * config.num_layers * config.num_kv_heads * config.head_dim
+  heads, width, values = config.kv_cache_layout
+  kv_per_token = ((1 + values) * config.num_layers * heads * width
                   * jnp.dtype(config.dtype).itemsize)
-  attn_per_ctx = 4 * config.num_layers * config.num_heads * config.head_dim
+  # Per query head and cached position: a width-long dot for the logit, one for the value.
+  attn_per_ctx = 4 * config.num_layers * config.num_heads * (width if not values else
+                                                              config.head_dim)
 
   def token_flops(ctx):
     return 2 * config.num_params + attn_per_ctx * ctx

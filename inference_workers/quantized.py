@@ -46,6 +46,15 @@ class Int8Linear(nnx.Module):
                          self.dtype).astype(out_dtype)
     return y
 
+  def weight(self, dtype):
+    """The [in, out] matrix this layer multiplies by: codes times their scales (plus the
+    adapter's A @ B * lora_scale), for a latent cache's absorbed heads."""
+    w = self.kernel[...].astype(dtype) * self.kernel_scale[...].astype(dtype)
+    if self.lora_scale:
+      a, b = (p[...].astype(dtype) for p in (self.lora_a, self.lora_b))
+      w = w + (a @ b * self.lora_scale).astype(dtype)
+    return w
+
 
 class Int8Embed(nnx.Module):
   """Embedding rows = codes[token] * scale[token]; `attend` is the tied output projection."""

@@ -22,6 +22,7 @@ from rlax_ps.kernels.dispatch import (shared_prefix_decode_attention,
                                       shared_prefix_extend_attention)
 from rlax_ps.kernels.kv_quant import kv_write, kv_zeros
 from rlax_ps.models.attention import with_sinks
+from rlax_ps.models.kv_cache import check_values
 
 # decode_fn(q [B,N,H,D], prefix_k, prefix_v [B,Sp,Hkv,D], prefix_lens [B],
 #           suffix_k, suffix_v [B,N,Ss,Hkv,D], suffix_lens [B,N], *, window, sm_scale,
@@ -33,7 +34,8 @@ DecodeFn = Callable[..., tuple[jax.Array, jax.Array]]
 @flax.struct.dataclass
 class SharedPrefixCache:
   """Prefix k/v per layer [B, Sp, Hkv, D] shared by N samples; suffix k/v [B, N, Ss, Hkv, D]
-  (arrays, or `kv_quant.QuantizedKV`s for an int8 cache).
+  (arrays, or `kv_quant.QuantizedKV`s for an int8 cache), shaped by the config's
+  `kv_cache_layout` (latent attention: no values, prefix_v and suffix_v are ()).
 
   Prefix slots [0, prefix_lens[b]) hold prompt b; suffix slots [0, index[b, j]) hold the
   tokens sample j of prompt b generated so far. Every sample advances T tokens a call (1: a
@@ -57,13 +59,15 @@ class SharedPrefixCache:
     with a scale per token and head, `kv_quant`) halve a bf16 cache, read back in the
     compute dtype)."""
     dtype = jnp.dtype(config.dtype if dtype is None else dtype)
-    kv = (config.num_kv_heads, config.head_dim)
+    heads, width, values = config.kv_cache_layout
+    kv = (heads, width)
     layers = range(config.num_layers)
+    v_layers = layers if values else ()  # latent attention: the keys are the values
     return cls(prefix_k=tuple(kv_zeros((b, prefix_len) + kv, dtype) for _ in layers),
-               prefix_v=tuple(kv_zeros((b, prefix_len) + kv, dtype) for _ in layers),
+               prefix_v=tuple(kv_zeros((b, prefix_len) + kv, dtype) for _ in v_layers),
                prefix_lens=jnp.ones((b,), jnp.int32),
                suffix_k=tuple(kv_zeros((b, n, suffix_len) + kv, dtype) for _ in layers),
-               suffix_v=tuple(kv_zeros((b, n, suffix_len) + kv, dtype) for _ in layers),
+               suffix_v=tuple(kv_zeros((b, n, suffix_len) + kv, dtype) for _ in v_layers),
                index=jnp.zeros((b, n), jnp.int32), decode_fn=decode_fn)
 
   @property
@@ -88,13 +92,19 @@ class SharedPrefixCache:
     if rows != b * n:
       raise ValueError(f"SharedPrefixCache.attend: expected q of shape [{b * n}, T, heads, "
                        f"head_dim] (B={b} prompts x N={n} samples), got {q.shape}")
-    hkv = k.shape[2]
+    check_values(v, bool(self.suffix_v))
+    hkv, dk = k.shape[2:]
     at = (jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None],
           self.index[:, :, None] + jnp.arange(t))
-    new_k = kv_write(self.suffix_k[layer], at, k.reshape(b, n, t, hkv, d))
-    new_v = kv_write(self.suffix_v[layer], at, v.reshape(b, n, t, hkv, d))
+    new_k = kv_write(self.suffix_k[layer], at, k.reshape(b, n, t, hkv, dk))
     # The caches go as they are held (fp8, int8 too): the attention widens them as it reads.
-    prefix_k, prefix_v = self.prefix_k[layer], self.prefix_v[layer]
+    prefix_k = self.prefix_k[layer]
+    if v is None:  # latent attention: one cache read as keys and values
+      new_v, prefix_v, suffix_v = new_k, prefix_k, self.suffix_v
+    else:
+      new_v = kv_write(self.suffix_v[layer], at, v.reshape(b, n, t, hkv, dk))
+      prefix_v = self.prefix_v[layer]
+      suffix_v = self.suffix_v[:layer] + (new_v,) + self.suffix_v[layer + 1:]
     if t == 1:
       out, lse = self.decode_fn(q.reshape(b, n, h, d), prefix_k, prefix_v, self.prefix_lens,
                                 new_k, new_v, self.index + 1, window=window,
@@ -106,7 +116,7 @@ class SharedPrefixCache:
     if sinks is not None:  # gpt-oss: the sinks join the softmax the partials merged
       out = with_sinks(out, lse, sinks)
     cache = self.replace(suffix_k=self.suffix_k[:layer] + (new_k,) + self.suffix_k[layer + 1:],
-                         suffix_v=self.suffix_v[:layer] + (new_v,) + self.suffix_v[layer + 1:])
+                         suffix_v=suffix_v)
     return out.reshape(rows, t, h, d).astype(q.dtype), cache
 
   def advance(self, t: int) -> "SharedPrefixCache":

@@ -424,20 +424,23 @@ def test_the_reward_model_recipe_needs_a_reward_model_named(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_int8", "olmo3",
                                     "phi3", "granite", "glm4", "gpt_oss", "qwen3_lora",
-                                    "qwen3_moe_lora", "qwen3_tools", "qwen3_reward"])
+                                    "qwen3_moe_lora", "qwen3_tools", "qwen3_reward",
+                                    "deepseek_v3", "deepseek_v3_int8"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
   """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window), Qwen3-MoE
   (also published as int8, with scales per expert, and routing replay), OLMo 3, Phi-4-mini-like (LongRoPE, which
   this run's 64 + 8 tokens fix to the long factors in trainer and workers alike), Granite or
   GLM-4 or gpt-oss (attention sinks, biased clamped experts; routing replay) checkpoint, or
   the Qwen3 and Qwen3-MoE ones with configs/rl_lora.py:tiny (adapters, experts' included,
-  trained and merged on export), or the Qwen3 one with configs/rl_tools.py:tiny (multi-turn:
-  a user's environment answers each turn, every letter token ends one, and the prompts offer
-  a user's tool) or configs/rl_reward_model.py:tiny (prompts alone, scored by a reward model
-  with a tokenizer and template of its own, on the workers and held out), with a
-  ChatML tokenizer and template: JSONL math questions as conversations,
-  scored by the math verifier; the export carries the chat template and the end-of-turn stop
-  ids."""
+  trained and merged on export), or a DeepSeek-V3 one (latent attention, its workers
+  decoding from the latent cache; also as configs/rl_moe.py:tiny: int8 publication, routing
+  replay, experts parallel, an int8 KV cache), or the Qwen3 one with
+  configs/rl_tools.py:tiny (multi-turn: a user's environment answers each turn, every
+  letter token ends one, and the prompts offer a user's tool) or
+  configs/rl_reward_model.py:tiny (prompts alone, scored by a reward model with a tokenizer
+  and template of its own, on the workers and held out), with a ChatML tokenizer and
+  template: JSONL math questions as conversations, scored by the math verifier; the export
+  carries the chat template and the end-of-turn stop ids."""
   import numpy as np
   from flax import nnx
 
@@ -480,6 +483,11 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
     config = config.replace(architecture="granite", qk_norm=False, attention_multiplier=0.1,
                             embedding_multiplier=4.0, residual_multiplier=0.5,
                             logits_scaling=2.0)
+  if family.startswith("deepseek_v3"):  # the fixture's shapes, the chat tokenizer's vocab
+    from rlax_ps.models import config_from_hf
+    with open(os.path.join(REPO, "tests", "fixtures", "hf", "deepseek_v3", "config.json")) as f:
+      config = config_from_hf(json.load(f)).replace(vocab_size=tok.vocab_size,
+                                                    max_position_embeddings=256)
   save_hf_checkpoint(Transformer(config, rngs=nnx.Rngs(0)), str(ckpt))
   for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
     shutil.copy(os.path.join(chat, name), ckpt / name)
@@ -492,7 +500,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
                              for a, b in rows[10:]))
   workdir = tmp_path / "run"
   int8 = family.endswith("int8")  # configs/rl_moe.py: int8, TIS, replay, load balancing
-  replay = family in ("qwen3_moe_int8", "gpt_oss")
+  replay = family in ("qwen3_moe_int8", "gpt_oss", "deepseek_v3_int8")
   tools = family == "qwen3_tools"
   judged = family == "qwen3_reward"
   rm = tmp_path / "reward_model"
@@ -509,6 +517,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
                    f"--config.data.heldout_jsonl={prompts_only}"] if judged
                   else [f"--config.data.heldout_jsonl={heldout}"]),
                 *(["--config.worker.routing_replay=True"] if family == "gpt_oss" else []),
+                *(["--config.worker.kv_cache_dtype=int8"] if family == "deepseek_v3_int8"
+                  else []),
                 *([f"--config.tokenizer.stop_tokens={letters}",
                    "--config.worker.verifiers=tests/fixtures/user_verifiers.py",
                    "--config.tokenizer.tools=fixture_add",
@@ -537,7 +547,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
     assert "routed_frac" not in steps[0]
   if int8:  # configs/rl_moe.py: the load-balancing term was on, the experts parallel
     assert all(s["router_aux_loss"] >= 1.0 for s in steps)
-    assert "expert parallel: 2 whole experts a device" in (
+    assert f"expert parallel: {config.num_experts // 2} whole experts a device" in (
         workdir / "logs" / "trainer.log").read_text()
     for log in (workdir / "logs").glob("worker-*.log"):  # rl_instruct: every local device
       assert "decoding on 2 devices (data 2 x tensor 1)" in log.read_text()
@@ -567,7 +577,9 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
       "glm4": "Glm4ForCausalLM", "gpt_oss": "GptOssForCausalLM",
       "qwen3_lora": "Qwen3ForCausalLM", "qwen3_moe_lora": "Qwen3MoeForCausalLM",
-      "qwen3_tools": "Qwen3ForCausalLM", "qwen3_reward": "Qwen3ForCausalLM"}[family]]
+      "qwen3_tools": "Qwen3ForCausalLM", "qwen3_reward": "Qwen3ForCausalLM",
+      "deepseek_v3": "DeepseekV3ForCausalLM",
+      "deepseek_v3_int8": "DeepseekV3ForCausalLM"}[family]]
   assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3", "gpt_oss")
                                             else None)
 

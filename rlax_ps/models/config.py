@@ -420,6 +420,16 @@ class ModelConfig:
     return self.sliding_window if self.sliding_layer(layer) else None
 
   @property
+  def kv_cache_layout(self) -> tuple[int, int, bool]:
+    """(heads, width, separate values) of one token's decoding-cache entry in each layer.
+    Latent attention caches one head [normed latent, rotary key] of kv_lora_rank +
+    qk_rope_head_dim dims that every query head reads absorbed, its first kv_lora_rank dims
+    being the values too (no separate values); else num_kv_heads keys and values of head_dim."""
+    if self.kv_lora_rank:
+      return 1, self.kv_lora_rank + self.qk_rope_head_dim, False
+    return self.num_kv_heads, self.head_dim, True
+
+  @property
   def attention_scale(self) -> float | None:
     """The attention logits' scale when it is not head_dim**-0.5 (Gemma, Granite, latent
     attention under YaRN with mscale_all_dim), else None."""

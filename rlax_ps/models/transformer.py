@@ -72,6 +72,19 @@ class LoRALinear(nnx.Linear):
     return y + lora_delta(x, self.lora_a, self.lora_b, self.lora_scale,
                           self.dtype).astype(y.dtype)
 
+  def weight(self, dtype):
+    """The [in, out] matrix this layer multiplies by: the kernel plus A @ B * alpha / rank."""
+    a, b = (p[...].astype(dtype) for p in (self.lora_a, self.lora_b))
+    return self.kernel[...].astype(dtype) + (a @ b * self.lora_scale).astype(dtype)
+
+
+def dense_weight(layer, dtype):
+  """The [in, out] matrix a projection multiplies by, in `dtype` (its adapter merged, an
+  int8 one's codes times their scales): what a latent cache's absorbed heads need."""
+  if hasattr(layer, "weight"):
+    return layer.weight(dtype)
+  return layer.kernel[...].astype(dtype)
+
 
 def _dense(config: ModelConfig, fan_in: int, fan_out: int, sharding, bias: bool, rngs,
            name: str = ""):
@@ -132,9 +145,11 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(c, c.num_heads * c.head_dim if wide else c.head_dim, rngs=rngs)
       self.k_norm = RMSNorm(c, c.num_kv_heads * c.head_dim if wide else c.head_dim, rngs=rngs)
 
-  def __call__(self, x, cos, sin, attend: Callable):
+  def __call__(self, x, cos, sin, attend: Callable, cached: bool = False):
     """`attend(q, k, v[, sinks=]) -> out` is given by the caller: plain, cached or packed
-    attention; cos/sin None: no rotary embedding (a NoPE layer)."""
+    attention; cos/sin None: no rotary embedding (a NoPE layer). `cached` (attend writes a
+    decoding cache) changes nothing here: the cache holds these keys and values."""
+    del cached
     b, t, _ = x.shape
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     if self.use_qk_norm and self.across_heads:
@@ -165,8 +180,15 @@ class LatentAttention(nnx.Module):
   in rotate-half order), so our RoPE turns its leading qk_rope_head_dim dims; the key is the
   shared rotary key beside the head's decompressed plain key. Values are zero-padded to the
   q/k width and the output sliced back, so that every attention path (XLA, the Pallas
-  kernels, the caches) sees one head_dim for q, k and v and computes the same softmax; the
-  cache holds decompressed per-head keys and values, as transformers' own does."""
+  kernels) sees one head_dim for q, k and v and computes the same softmax.
+
+  Cached (decoding), the heads are absorbed into the latent instead, as DeepSeek's own
+  inference does: the cache holds one kv head per token, [normed latent, rotary key]
+  (ModelConfig.kv_cache_layout), which is the key of every query head and, in its first
+  kv_lora_rank dims, the value; each head's query is [q_nope @ W_uk, rotary part] and its
+  output's latent goes through W_uv. The same softmax (the model's scale), a fraction of
+  the cache. The uncached form stays decompressed: over whole sequences (training's packed
+  rows) it computes less."""
 
   PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
@@ -192,8 +214,9 @@ class LatentAttention(nnx.Module):
     self.o_proj = _dense(c, c.num_heads * c.v_head_dim, c.hidden_size, ("tensor", "fsdp"),
                          False, rngs, "o_proj")
 
-  def __call__(self, x, cos, sin, attend: Callable):
-    """As Attention.__call__ (no sinks)."""
+  def __call__(self, x, cos, sin, attend: Callable, cached: bool = False):
+    """As Attention.__call__ (no sinks); `cached`: attend writes a decoding cache, which
+    takes the absorbed form (class docstring)."""
     b, t, _ = x.shape
     h, d, dv = self.num_heads, self.head_dim, self.v_head_dim
     if self.q_bottleneck:
@@ -203,9 +226,12 @@ class LatentAttention(nnx.Module):
     q = q.reshape(b, t, h, d)
     kv = self.kv_a_proj_with_mqa(x)
     k_rope = kv[..., None, self.rank:]  # [B, T, 1, rope]: one rotary key for every head
-    kv = self.kv_b_proj(self.kv_a_norm(kv[..., :self.rank])).reshape(b, t, h, self.nope + dv)
+    latent = self.kv_a_norm(kv[..., :self.rank])
     if cos is not None:
       q, k_rope = rope.apply_rotary(q, cos, sin), rope.apply_rotary(k_rope, cos, sin)
+    if cached:
+      return self._absorbed(q, latent, k_rope, attend)
+    kv = self.kv_b_proj(latent).reshape(b, t, h, self.nope + dv)
     k = jnp.concatenate([jnp.broadcast_to(k_rope, (b, t, h, d - self.nope)),
                          kv[..., :self.nope]], axis=-1)
     v = kv[..., self.nope:]
@@ -213,6 +239,19 @@ class LatentAttention(nnx.Module):
       v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))
     out = attend(q, k, v)[..., :dv]
     return self.o_proj(out.reshape(b, t, h * dv))
+
+  def _absorbed(self, q, latent, k_rope, attend):
+    """Attention over the latent cache: q [B, T, H, D] (rotary part first), latent
+    [B, T, rank], k_rope [B, T, 1, rope], both rotated -> o_proj's output [B, T, hidden]."""
+    b, t, h, _ = q.shape
+    rope_dims, dtype = q.shape[-1] - self.nope, q.dtype
+    w = dense_weight(self.kv_b_proj, dtype).reshape(self.rank, h, self.nope + self.v_head_dim)
+    q_latent = jnp.einsum("bthn,rhn->bthr", q[..., rope_dims:], w[..., :self.nope])
+    q = jnp.concatenate([q_latent, q[..., :rope_dims]], axis=-1)
+    kv = jnp.concatenate([latent[:, :, None, :], k_rope], axis=-1).astype(dtype)
+    out = attend(q, kv, None)[..., :self.rank]  # values: the latent part of the cached keys
+    out = jnp.einsum("bthr,rhv->bthv", out, w[..., self.nope:])
+    return self.o_proj(out.reshape(b, t, h * self.v_head_dim))
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -608,9 +647,11 @@ class Block(nnx.Module):
       self.attn_out_norm = RMSNorm(config, rngs=rngs)
       self.mlp_out_norm = RMSNorm(config, rngs=rngs)
 
-  def __call__(self, x, cos, sin, attend: Callable, replay=None, mask=None):
-    """(output, RouterStats or None in a dense layer); replay, mask: MoE."""
-    attn = self.attn(self.input_norm(x) if self.pre else x, cos, sin, attend)
+  def __call__(self, x, cos, sin, attend: Callable, replay=None, mask=None,
+               cached: bool = False):
+    """(output, RouterStats or None in a dense layer); replay, mask: MoE; cached: attend
+    writes a decoding cache."""
+    attn = self.attn(self.input_norm(x) if self.pre else x, cos, sin, attend, cached)
     x = x + self._branch(self.attn_out_norm(attn) if self.out_norms else attn)
     y = self.post_attn_norm(x) if self.pre else x
     moe = isinstance(self.mlp, MoE)
@@ -652,7 +693,8 @@ class Transformer(nnx.Module):
 
     `cache` is any object with the KVCache protocol: `write_meta(segment_ids, positions)`,
     `attend(layer, q, k, v, q_segment_ids, q_positions, attention_fn) -> (out, cache)` and
-    `advance(t)`; the workers' shared-prefix cache plugs in the same way.
+    `advance(t)`; the workers' shared-prefix cache plugs in the same way. A latent-attention
+    layer attends with v None, the cache reading its keys as values (`kv_cache_layout`).
     """
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
@@ -716,7 +758,7 @@ class Transformer(nnx.Module):
                                     window=window, sm_scale=sm_scale, softcap=softcap,
                                     sinks=sinks)
           return out
-      x, stats = layer(x, cos, sin, attend, replay, real)
+      x, stats = layer(x, cos, sin, attend, replay, real, cached=cache is not None)
       layer_stats += [] if stats is None else [stats]
     x = self.norm(x)
     cache = None if cache is None else cache.advance(t)

@@ -39,3 +39,16 @@ def test_bfloat16_weights_and_cache_double_the_bandwidth_bound_roofline():
   bf16 = ModelConfig(**{**CONFIG.__dict__, "param_dtype": "bfloat16", "dtype": "bfloat16"})
   f32 = bench.roofline_rate(CONFIG, 8, 16, 4, bandwidth=1e9, flops=1e30)
   assert bench.roofline_rate(bf16, 8, 16, 4, bandwidth=1e9, flops=1e30) == pytest.approx(2 * f32)
+
+
+def test_latent_attention_reads_its_one_latent_head_per_token_and_layer():
+  """DeepSeek's cache: kv_lora_rank + qk_rope_head_dim values a token and layer, read as keys
+  and values (ModelConfig.kv_cache_layout), not a key and a value per head."""
+  mla = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=4, head_dim=24, kv_lora_rank=32,
+                    qk_rope_head_dim=8, v_head_dim=16)
+  batch, prompt, new, bw = 8, 16, 4, 1e9
+  kv = mla.num_layers * (32 + 8) * 4
+  seconds = sum((4 * mla.num_params + batch * (prompt + t) * kv) / bw for t in range(new))
+  got = bench.roofline_rate(mla, batch, prompt, new, bandwidth=bw, flops=1e30)
+  assert got == pytest.approx(batch * new / seconds)

@@ -158,3 +158,30 @@ def test_extend_lowers_for_cuda_through_xla_path():
   exp = export.export(jax.jit(shared_prefix_extend_attention), platforms=["cuda"])(
       *_extend_args(jnp.bfloat16))
   assert "custom_call" not in exp.mlir_module() and "dot_general" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
+@pytest.mark.parametrize("held", ["bf16", "int8"])
+def test_decode_kernels_lower_for_tpu_on_deepseek_v3s_latent_cache(extend, held):
+  """Latent attention's cache (ModelConfig.kv_cache_layout): DeepSeek-V3's 128 query heads
+  read one kv head of 512 + 64 dims, the same cache array as keys and values, with the
+  model's softmax scale (192**-0.5), held bf16 or int8 with scales."""
+  width, heads = 512 + 64, 128
+
+  def cache(*shape):
+    if held == "int8":
+      return QuantizedKV(jax.ShapeDtypeStruct(shape, jnp.int8),
+                         jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
+    return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+  q = jax.ShapeDtypeStruct((B, N) + ((64,) if extend else ()) + (heads, width), jnp.bfloat16)
+  attend = shared_prefix_extend_attention if extend else shared_prefix_decode_attention
+
+  def fn(q, prefix, prefix_lens, suffix, lens):
+    return attend(q, prefix, prefix, prefix_lens, suffix, suffix, lens, block_s=256,
+                  sm_scale=192 ** -0.5)
+
+  exp = export.export(jax.jit(fn), platforms=["tpu"])(
+      q, cache(B, 1024, 1, width), jax.ShapeDtypeStruct((B,), jnp.int32),
+      cache(B, N, 256, 1, width), jax.ShapeDtypeStruct((B, N), jnp.int32))
+  assert _kernel_names(exp) == {"shared_prefix_decode"}

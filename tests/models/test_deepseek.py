@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from hf_fixtures import FIXTURES, fixture_model, forward, reference
+from benchmarks_lib import load_benchmark
+from hf_fixtures import FIXTURES, decode, fixture_model, forward, reference
 from rl_grads import rl_loss_and_grads
-from rlax_ps.models import (ModelConfig, Transformer, assign_params, config_from_hf,
+from rlax_ps.models import (KVCache, ModelConfig, Transformer, assign_params, config_from_hf,
                             config_to_hf, flatten_params, load_hf_checkpoint,
                             save_hf_checkpoint)
 from rlax_ps.models import rope
@@ -23,39 +24,10 @@ from rlax_ps.models.peft import peft_adapter_names
 
 TOLERANCE = 1e-4
 
-# DeepSeek-V3's config.json as the Hub ships it (4.x layout; its fp8 quantization_config left
-# out): 671B parameters without its multi-token-prediction layer.
-DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-    "attention_bias": False, "first_k_dense_replace": 3, "hidden_act": "silu",
-    "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
-    "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
-    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
-    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
-    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                     "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
-    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280}
-# DeepSeek-V2-Lite's: no q bottleneck, softmax routing over all 64 experts; 15.7B.
-DEEPSEEK_V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-    "attention_bias": False, "first_k_dense_replace": 1, "hidden_act": "silu",
-    "hidden_size": 2048, "intermediate_size": 10944, "kv_lora_rank": 512,
-    "max_position_embeddings": 163840, "moe_intermediate_size": 1408, "moe_layer_freq": 1,
-    "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
-    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
-    "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
-                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
-                     "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
-    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy",
-    "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 102400}
+# The Hub's DeepSeek-V3 (671B parameters without its multi-token-prediction layer) and
+# DeepSeek-V2-Lite (no q bottleneck, softmax routing over all 64 experts; 15.7B) config.json.
+_WORKER_CACHE = load_benchmark("worker_cache")
+DEEPSEEK_V3, DEEPSEEK_V2_LITE = _WORKER_CACHE.DEEPSEEK_V3, _WORKER_CACHE.DEEPSEEK_V2_LITE
 # Latent attention without experts, q straight from q_proj, values half the q/k width.
 DENSE_MLA = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=1,
                         num_heads=2, num_kv_heads=2, head_dim=8, kv_lora_rank=4,
@@ -238,11 +210,62 @@ def test_lora_adapts_the_latent_projections_and_merges_on_export(tmp_path):
   tokens, _ = reference("deepseek_v3")
   want = np.asarray(forward(model, tokens))
   assert max_diff(model, "deepseek_v3") > 1e-2
+  np.testing.assert_allclose(cached_logits(model, tokens), want, atol=TOLERANCE)  # absorbed
   save_hf_checkpoint(model, str(tmp_path))
   np.testing.assert_allclose(np.asarray(forward(load_hf_checkpoint(str(tmp_path)), tokens)),
                              want, atol=TOLERANCE)
   with pytest.raises(ValueError, match="model.lora_targets: deepseek_v3 checkpoints"):
     peft_adapter_names(config)
+
+
+def cached_logits(model, tokens, prefill=12):
+  """Logits of tokens [B, T] through the decoding cache: a prefill, then a token at a time."""
+  cache = KVCache.init(model.config, batch=tokens.shape[0], max_len=tokens.shape[1])
+  first, cache = decode(model, tokens[:, :prefill], cache)
+  steps = [np.asarray(first)]
+  for t in range(prefill, tokens.shape[1]):
+    step, cache = decode(model, tokens[:, t:t + 1], cache)
+    steps.append(np.asarray(step))
+  return np.concatenate(steps, axis=1)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_cached_decoding_reads_one_latent_head_and_equals_the_uncached_forward(name):
+  """The decoding cache holds one kv head per token, [normed latent, rotary key], read
+  absorbed by every query head; logits equal the decompressed uncached forward's."""
+  model = fixture_model(name)
+  c, (tokens, _) = model.config, reference(name)
+  cache = KVCache.init(c, batch=2, max_len=tokens.shape[1])
+  assert cache.k[0].shape == (2, tokens.shape[1], 1, c.kv_lora_rank + c.qk_rope_head_dim)
+  assert cache.v == ()  # the values are the latent part of the keys
+  np.testing.assert_allclose(cached_logits(model, tokens), np.asarray(forward(model, tokens)),
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype,heads_before", [("bfloat16", 2 * 128 * 192 * 2),
+                                                   ("int8", 2 * 128 * (192 + 4))])
+def test_the_hub_deepseek_v3_worker_cache_holds_the_latent_per_token(kv_dtype, heads_before):
+  """DeepSeek-V3's worker cache per token and layer: kv_lora_rank + qk_rope_head_dim = 576
+  values (int8: and one scale), 85x less than 128 heads' keys and values of 192."""
+  v3 = config_from_hf(DEEPSEEK_V3)
+  width = 576 * (2 if kv_dtype == "bfloat16" else 1) + (4 if kv_dtype == "int8" else 0)
+  assert _WORKER_CACHE.cache_bytes_per_token_layer(v3, kv_dtype) == width
+  assert _WORKER_CACHE.decompressed_bytes_per_token_layer(v3, kv_dtype) == heads_before
+  assert jax.eval_shape(lambda: KVCache.init(v3, 1, 1)).k[0].shape == (1, 1, 1, 576)
+
+
+def test_an_int8_worker_decodes_latent_attention_from_the_latent_cache():
+  """Int8 weights: the absorbed heads use kv_b_proj's codes times their scales, so cached
+  logits equal the int8 model's own uncached ones."""
+  from inference_workers.weights import HeldPolicy
+  from rlax_ps import sync
+  base = fixture_model("deepseek_v3")
+  params = {k: np.asarray(v) for k, v in flatten_params(base).items()}
+  policy = HeldPolicy(base.config, "int8")
+  policy.apply(sync.encode(None, params, "int8", version=0))
+  tokens, _ = reference("deepseek_v3")
+  np.testing.assert_allclose(cached_logits(policy.model, tokens),
+                             np.asarray(forward(policy.model, tokens)), atol=1e-4)
 
 
 def test_group_limited_routes_are_recorded_and_replayed_exactly():
