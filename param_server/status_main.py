@@ -53,6 +53,7 @@ def format_stats(s: pb.Stats) -> str:
       ("rejected requests", s.errors),
       ("workers alive", f"{s.workers_alive} of {sum(not w.kind for w in s.workers)}"),
       ("uptime", f"{s.uptime_s:,.0f} s"),
+      ("storage id", v.store_id or "-"),  # another one after a restart: a new --storage_dir
   ]
   width = max(len(k) for k, _ in rows)
   lines = [f"{k:<{width}}  {val}" for k, val in rows]

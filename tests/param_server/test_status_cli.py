@@ -2,6 +2,7 @@
 early (`| head -1`) ends it quietly."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -53,7 +54,8 @@ def test_status_shows_sizes_in_a_unit_that_reads():
   """A small model's keyframe is kilobytes, not "0.0 MiB"; a large one's stays in MiB or GiB."""
   text = format_stats(pb.Stats(versions=pb.VersionInfo(
       latest_version=4, keyframe_version=0, fmt="bf16", keyframe_bytes=31_521,
-      delta_chain_bytes=328), bytes_served=3 * 2**30))
+      delta_chain_bytes=328, store_id="5e1f"), bytes_served=3 * 2**30))
   assert "v0, 30.8 KiB" in text
+  assert re.search(r"storage id +5e1f", text)
   assert "delta chain" in text and "328 B; deltas" in text
   assert "3.0 GiB in 0 pulls" in text
