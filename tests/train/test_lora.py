@@ -146,8 +146,9 @@ def lora_run(tmp_path_factory):
   worker = FakeWorker(server.address, samples=4).start()
   config = rl_config("tiny")
   config.rl.steps = 2
-  config.eval.num_examples = 2
+  config.eval.num_examples = 2  # evaluated greedily: pass@k samples with the same model
   config.eval.batch_size = 2
+  config.eval.pass_k = 0
   config.model.lora_rank = 4
   config.model.lora_alpha = 8.0
   config.model.param_dtype = "bfloat16"  # the frozen base, as configs/rl_lora.py

@@ -24,6 +24,8 @@ def _trainer(tmp, address):
        # A bound no group can exceed here: the fake worker submits ahead of the trainer.
        "--config.rl.max_staleness=20",
        "--config.checkpoint.every_steps=2", f"--workdir={tmp / 'rl'}", f"--address={address}",
+       # Nothing here reads the completions log or the export: neither is written.
+       "--config.log.completions_every=0", "--config.export.hf=false",
        f"--token_file={tmp / 'tokens.json'}"],
       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
   proc.log_path = tmp / "trainer.log"
@@ -95,6 +97,8 @@ def test_killed_trainer_trains_every_submitted_group_exactly_once(tmp_path):
   submitted = set(worker.submitted)
   assert stats.rollouts_stale_dropped == 0  # so every submitted group is trained or left
   assert set(trained) | left == submitted and not set(trained) & left
+  # Every group the trainers took is acknowledged: in flight are only those taken just above.
+  assert stats.rollouts_in_flight == len(left)
   with open(tmp_path / "rl" / "versions.jsonl") as f:
     versions = [json.loads(line)["version"] for line in f]
   # v0, steps 1-3, the restart's keyframe v4, steps 3-5 again, the next restart's keyframe,

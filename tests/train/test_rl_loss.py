@@ -407,8 +407,8 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind():
   batch = {key: jnp.asarray(v) for key, v in BATCH.items()}
   # On-policy data: the behaviour log-probs are the policy's own, so one update sees ratio 1
   # everywhere and clips nothing; a clipped token shows that later updates ran.
-  batch["behaviour_logp"] = response_logprobs(state.params, graphdef, batch, "xla").reshape(
-      batch["behaviour_logp"].shape)
+  batch["behaviour_logp"] = jax.jit(lambda p: response_logprobs(p, graphdef, batch, "xla"))(
+      state.params).reshape(batch["behaviour_logp"].shape)  # one compile, not one per op
   step = make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg,
                       updates_per_batch=3)
   three, metrics = step(state, batch, None)
@@ -476,7 +476,8 @@ def test_micro_batched_moe_loss_gradient_and_metrics_are_the_whole_batchs():
   model_cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,
                           num_heads=2, num_kv_heads=1, max_position_embeddings=32,
                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
-  graphdef, state = nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  # Initialised in one program: eagerly, each op of the init is a compile of its own.
+  graphdef, state = nnx.split(nnx.jit(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))())
   params = state.to_pure_dict()
   batch = {k: jnp.asarray(v)
            for k, v in build_batch([GROUPS[0], _routed(GROUPS[1])], ROUTED).items()}
