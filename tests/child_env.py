@@ -1,7 +1,7 @@
 """The environment of a process a test starts (`rlax-ps ...`): the test's own without its 8
 fake CPU devices (a child sees one, or the `devices` it asks for), with XLA:CPU's backend
-optimizations off (compiles are most of a short child's time, and they change no result),
-and without the role tokens (`RLAX_PS_*_TOKEN`) when `tokens` is False."""
+optimizations off as in the tests (compiles are most of a short child's time, and they
+change no result), and without the role tokens (`RLAX_PS_*_TOKEN`) when `tokens` is False."""
 
 import os
 

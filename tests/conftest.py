@@ -1,4 +1,5 @@
-"""Test setup: CPU only, 8 fake devices for sharding tests, a persistent compile cache.
+"""Test setup: CPU only, 8 fake devices for sharding tests, unoptimized XLA:CPU programs, a
+persistent compile cache.
 
 The environment must be set before jax is imported anywhere.
 """
@@ -10,6 +11,10 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   _flags += " --xla_force_host_platform_device_count=8"
+# Tests check results, not speed: XLA:CPU's backend optimizations cost compile time (a
+# quarter of the model tests' time) and change no IEEE result (no fast math on CPU).
+if "xla_backend_optimization_level" not in _flags:
+  _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
