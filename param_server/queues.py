@@ -123,11 +123,21 @@ def _validate_prompt(prompt: pb.Prompt, where: str) -> None:
 MAX_FAILURE_CHARS = 2000  # a worker's reason for not sampling a prompt, kept with it
 
 
-def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: int,
+def check_policy_version(group: pb.RolloutGroup, latest_version: int,
+                         where: str = "group") -> None:
+  """InvalidArgument unless the group's policy version is one the server published."""
+  top = max(latest_version, 0)
+  if not 0 <= group.policy_version <= top:
+    raise errors.InvalidArgument(
+        f"{where}.policy_version", f"expected a published version in [0, {top}], got {group.policy_version}")
+
+
+def validate_group(group: pb.RolloutGroup, *, latest_version: int | None, max_samples: int,
                    where: str = "group", partial: bool = False) -> None:
   """Checks a submitted rollout group's fields (or `partial` rollouts', as a group named
   `where`: their samples' routes come without the prompt's); raises InvalidArgument naming
-  the field."""
+  the field. `latest_version` None: its policy version is checked apart
+  (`check_policy_version`)."""
   if not group.prompt_id:
     raise errors.InvalidArgument(f"{where}.prompt_id", "expected a prompt id, got ''")
   if group.failure and (group.samples or partial):
@@ -141,10 +151,8 @@ def validate_group(group: pb.RolloutGroup, *, latest_version: int, max_samples: 
                                  "failure saying why there is none), got 0")
   if len(group.samples) > max_samples:
     raise errors.InvalidArgument(f"{where}.samples", f"expected at most {max_samples}, got {len(group.samples)}")
-  top = max(latest_version, 0)
-  if not 0 <= group.policy_version <= top:
-    raise errors.InvalidArgument(
-        f"{where}.policy_version", f"expected a published version in [0, {top}], got {group.policy_version}")
+  if latest_version is not None:
+    check_policy_version(group, latest_version, where)
   for i, s in enumerate(group.samples):
     at = f"{where}.samples[{i}]"
     if not math.isfinite(s.reward):
@@ -712,15 +720,14 @@ class PromptRolloutQueues:
   @_durable
   def submit(self, lease_id: str, worker_id: str, group: pb.RolloutGroup) -> pb.SubmitRolloutsReply:
     """Accepts one prompt's rollout group once per lease; an identical retry is acknowledged again.
-    An unknown lease is NOT_FOUND whatever the group (a server that lost it cannot judge it)."""
-    with self._lock:
-      self._lease_of(lease_id, worker_id, allow_closed=True)
-    validate_group(group, latest_version=self._latest_version(),
-                   max_samples=self.limits.max_samples_per_group)
+    A malformed group is INVALID_ARGUMENT; then an unknown lease is NOT_FOUND whatever the
+    group's version (a server that lost the lease never published it)."""
+    validate_group(group, latest_version=None, max_samples=self.limits.max_samples_per_group)
     fingerprint = group_fingerprint(group)
     with self._lock:
       self.expire_due()
       lease = self._lease_of(lease_id, worker_id, allow_closed=True)
+      check_policy_version(group, self._latest_version())
       pid = group.prompt_id
       if pid in lease.answered:
         if lease.fingerprints[pid] != fingerprint:
