@@ -4,6 +4,7 @@ persistent compile cache.
 The environment must be set before jax is imported anywhere.
 """
 
+import gc
 import os
 import tempfile
 
@@ -18,6 +19,7 @@ if "xla_backend_optimization_level" not in _flags:
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Compiles dominate a JAX suite on CPU; keep them between runs, outside the repo.
 jax.config.update(
@@ -45,3 +47,13 @@ _LONGEST_FIRST = [
 def pytest_collection_modifyitems(config, items):
   rank = {m: i for i, m in enumerate(_LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """After each test module, drop JAX's compiled programs: each holds memory maps, and an
+  xdist worker that keeps every module's (27,000 maps for tests/models alone) reaches the
+  kernel's vm.max_map_count (65,530), where XLA:CPU segfaults compiling or (de)serializing."""
+  yield
+  jax.clear_caches()
+  gc.collect()
