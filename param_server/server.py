@@ -107,10 +107,10 @@ def store_id_of(storage_dir: str) -> str:
   try:
     with open(path) as f:
       kept = f.read().strip()
-    if kept:
-      return kept
   except FileNotFoundError:
-    pass
+    kept = ""
+  if kept:
+    return kept
   store = uuid.uuid4().hex
   with open(path + ".tmp", "w") as f:
     f.write(store + "\n")
