@@ -16,7 +16,9 @@ w1/w3/w2 = gate/up/down), our experts one param stacked over them ([E, H, I]). P
 `qkv_proj` and `gate_up_proj` are split into our q/k/v and gate/up kernels by row ranges
 (`Rows`) and fused again on export (GLM-4's gate_up_proj too); gpt-oss interleaves its
 experts' gate and up columns (`Columns`), and its Hub checkpoints store the experts in MXFP4
-(`*_blocks`, `*_scales`), dequantized on load (exported unquantized). GLM-4 turns interleaved pairs
+(`*_blocks`, `*_scales`), dequantized on load (exported unquantized), as are block-scaled
+FP8 weights (`quant_method: fp8`: DeepSeek-V3/R1, Kimi K2, Qwen3-FP8; models/quantized.py).
+GLM-4 turns interleaved pairs
 of each head's rotary dims; its q/k output channels are permuted on load into the
 rotate-half order our RoPE turns (attention scores are unchanged) and back on export (GLM-4.5
 turns rotate-half pairs, as stored). GLM-4.5's router keeps its `e_score_correction_bias`
@@ -51,6 +53,8 @@ from safetensors.numpy import save_file
 
 from rlax_ps.models.config import ModelConfig, dtype_name
 from rlax_ps.models.params import flatten_params
+from rlax_ps.models.quantized import (FP8_TYPES, QUANTIZATION_FIELD, RawTensors, check_fp8,
+                                      dequantize_fp8, dequantize_mxfp4, fp8_block, mxfp4_shape)
 from rlax_ps.models.transformer import Transformer
 from rlax_ps.sharding import fit_spec
 
@@ -77,36 +81,6 @@ class Columns(NamedTuple):
 # MXFP4 (OCP microscaling FP4, as gpt-oss ships its experts): the value of each 4-bit code,
 # two codes per byte (low nibble first), 32 codes per block sharing a power-of-two scale
 # stored as a biased exponent (e8m0, bias 127).
-_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
-
-
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
-  """MXFP4 `blocks` [E, out, G, 16] uint8 and `scales` [E, out, G] uint8 -> weights
-  [E, G * 32, out] (x @ W orientation) in `dtype`, one expert at a time (as transformers'
-  convert_moe_packed_tensors, which the fixtures check)."""
-  shape = _mxfp4_shape((blocks.shape, str(blocks.dtype)), (scales.shape, str(scales.dtype)))
-  e, out, g, _ = blocks.shape
-  result = np.empty(shape, dtype)
-  for i in range(e):
-    codes = np.stack([blocks[i] & 0x0F, blocks[i] >> 4], axis=-1).reshape(out, g, 32)
-    values = np.ldexp(_FP4_VALUES[codes], scales[i].astype(np.int32)[..., None] - 127)
-    result[i] = values.reshape(out, g * 32).T.astype(dtype)
-  return result
-
-
-def _mxfp4_shape(blocks: tuple[Sequence[int], str], scales: tuple[Sequence[int], str]
-                ) -> tuple[int, ...]:
-  """The shape [E, G * 32, out] that MXFP4 `blocks` and `scales` (each as (shape, numpy
-  dtype name)) dequantize to; a ValueError unless they are uint8 [E, out, G, 16] and
-  [E, out, G]. Shapes alone, so that a header can be checked without reading data."""
-  (b, b_dtype), (s, s_dtype) = (tuple(blocks[0]), blocks[1]), (tuple(scales[0]), scales[1])
-  if (b_dtype, s_dtype) != ("uint8", "uint8") or len(b) != 4 or b[:-1] != s or b[-1] != 16:
-    raise ValueError(f"MXFP4: expected uint8 blocks [E, out, G, 16] and scales [E, out, G], "
-                     f"got {b_dtype} {b} and {s_dtype} {s}")
-  return (b[0], b[2] * 32, b[1])
-
-
 # HF class name -> our ModelConfig.architecture, and back.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -402,10 +376,15 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
     raise ValueError(f"{CONFIG_FILE}: qkv_bias: expected true (not supported), got false")
   if arch in ("glm4", "gpt_oss") and d.get("attention_bias") is False:
     raise ValueError(f"{CONFIG_FILE}: attention_bias: expected true (not supported), got false")
-  quant = (d.get("quantization_config") or {}).get("quant_method")
-  if quant not in (None, "mxfp4"):
-    raise ValueError(f"{CONFIG_FILE}: quantization_config.quant_method: expected none or "
-                     f"'mxfp4' (dequantized on load), got {quant!r}")
+  quant = (d.get(QUANTIZATION_FIELD) or {}).get("quant_method")
+  if quant not in (None, "mxfp4", "fp8"):
+    raise ValueError(f"{CONFIG_FILE}: {QUANTIZATION_FIELD}.quant_method: expected none, "
+                     f"'mxfp4' or 'fp8' (dequantized on load), got {quant!r}")
+  if quant == "fp8":
+    try:
+      fp8_block(d[QUANTIZATION_FIELD])
+    except ValueError as e:
+      raise ValueError(f"{CONFIG_FILE}: {e}") from None
   if arch == "gpt_oss":  # GptOssConfig's RoPE where the file states none of it
     d = {**d, "rope_theta": d.get("rope_theta") or _GPT_OSS_ROPE["rope_theta"]}
     if not (d.get("rope_parameters") or d.get("rope_scaling")):
@@ -1045,16 +1024,21 @@ def _open_tensors(view: Mapping[str, tuple[str, str]], wanted: list[str]
 
 def _read_tensors(view: Mapping[str, tuple[str, str]], wanted: list[str]
                   ) -> Iterator[tuple[str, np.ndarray]]:
-  """(name, array) for each wanted tensor, opening each file once."""
+  """(name, array) for each wanted tensor, opening each file once; FP8 ones, which
+  safetensors' numpy reader refuses, as ml_dtypes' FP8 types."""
+  raw = RawTensors()
   for name, f, stored in _open_tensors(view, wanted):
-    yield name, f.get_tensor(stored)
+    if f.get_slice(stored).get_dtype() in FP8_TYPES:
+      yield name, raw.read(view[name][0], stored)
+    else:
+      yield name, f.get_tensor(stored)
 
 
 # safetensors' dtype codes under numpy's names (as the loader reads the tensors).
 _SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16",
                        "I16": "int16", "U32": "uint32", "I32": "int32", "U64": "uint64",
                        "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
-                       "F64": "float64"}
+                       "F64": "float64", **{code: t.name for code, t in FP8_TYPES.items()}}
 
 
 def _header_shapes(view: Mapping[str, tuple[str, str]], wanted: list[str]
@@ -1075,7 +1059,8 @@ def check_hf_checkpoint(path: str) -> ModelConfig:
   tensors, found before loading."""
   config = read_hf_config(path)
   files = _language_model_view(_tensor_files(path))
-  needed, stored, packed = _needed_tensors(path, config, files)
+  needed, stored, quantized = _needed_tensors(path, config, files)
+  block = _fp8_block_of(path)
   for file in sorted({file for file, _ in files.values()}):
     if not os.path.isfile(file):
       raise FileNotFoundError(f"HF checkpoint {path!r}: file {file!r} named by {INDEX_FILE} "
@@ -1084,22 +1069,43 @@ def check_hf_checkpoint(path: str) -> ModelConfig:
   try:
     headers = _header_shapes(files, sorted(stored))
     for name in sorted(want):
-      _check_shape(name, want[name], _shape_as_read(name, headers, packed))
+      _check_shape(name, want[name], _shape_as_read(name, headers, quantized, block))
   except ValueError as e:
     raise ValueError(f"HF checkpoint {path!r}: {e}") from None
   return config
 
 
 def _shape_as_read(name: str, headers: Mapping[str, tuple[tuple[int, ...], str]],
-                   packed: set[str]) -> tuple[int, ...]:
-  """The shape the loader reads tensor `name` as, from `headers`: an MXFP4 pair's once
-  dequantized (a ValueError names a pair that is not MXFP4)."""
-  if name not in packed:
+                   quantized: Mapping[str, str], block: tuple[int, int] | None
+                   ) -> tuple[int, ...]:
+  """The shape the loader reads tensor `name` as, from `headers`: a quantized one's once
+  dequantized (a ValueError names one whose parts do not fit its format, or an FP8 tensor
+  without its scale)."""
+  kind = quantized.get(name)
+  if kind is None:
+    _check_unscaled(name, headers[name][1])
     return headers[name][0]
   try:
-    return _mxfp4_shape(headers[f"{name}_blocks"], headers[f"{name}_scales"])
+    if kind == "mxfp4":
+      return mxfp4_shape(headers[f"{name}_blocks"], headers[f"{name}_scales"])
+    return check_fp8(headers[name], headers[f"{name}_scale_inv"], block)
   except ValueError as e:
     raise ValueError(f"tensor {name!r}: {e}") from None
+
+
+def _check_unscaled(name: str, dtype: str) -> None:
+  """A ValueError for tensor `name` stored in an 8-bit float type without its scale."""
+  if dtype in {t.name for t in FP8_TYPES.values()}:
+    raise ValueError(f"tensor {name!r}: stored as {dtype} without a {name + '_scale_inv'!r} "
+                     f"(and {QUANTIZATION_FIELD}.quant_method 'fp8') to dequantize it by")
+
+
+def _fp8_block_of(path: str) -> tuple[int, int] | None:
+  """The FP8 scale block of the checkpoint at `path` (its config.json's; None if it has
+  none or holds no FP8)."""
+  with open(os.path.join(path, CONFIG_FILE)) as f:
+    quantization = json.load(f).get(QUANTIZATION_FIELD) or {}
+  return fp8_block(quantization) if quantization.get("quant_method") == "fp8" else None
 
 
 def _tensor_shapes(shapes: Mapping[str, tuple[int, ...]], needed: Mapping[str, list]
@@ -1144,23 +1150,37 @@ def _needed_tensors(path: str, config: ModelConfig, files: Mapping[str, tuple[st
       needed.setdefault(hf, []).append((ours, None, transposed))
   for name in extra:
     needed[name] = [(name, None, False)]
-  # MXFP4 (gpt-oss): a tensor stored as its `_blocks` and `_scales`, dequantized as read.
-  packed = {name for name in needed if name not in files
-            and f"{name}_blocks" in files and f"{name}_scales" in files}
-  stored = (set(needed) - packed) | {f"{n}_{kind}" for n in packed for kind in ("blocks", "scales")}
-  missing = [name for name in needed if name not in files and name not in packed]
+  # Quantized tensors, dequantized as read: MXFP4 (gpt-oss) stored as `_blocks` and
+  # `_scales`; FP8 (quant_method fp8) as itself beside its `_scale_inv`.
+  with open(os.path.join(path, CONFIG_FILE)) as f:
+    fp8 = (json.load(f).get(QUANTIZATION_FIELD) or {}).get("quant_method") == "fp8"
+  quantized = {}
+  for name in needed:
+    if name not in files and f"{name}_blocks" in files and f"{name}_scales" in files:
+      quantized[name] = "mxfp4"
+    elif fp8 and name in files and f"{name}_scale_inv" in files:
+      quantized[name] = "fp8"
+  stored = {f"{n}{part}" for n in needed for part in _QUANTIZED_PARTS.get(quantized.get(n), ("",))}
+  missing = [name for name in needed if name not in files and name not in quantized]
   if missing:
     raise ValueError(f"HF checkpoint {path!r}: missing tensor {missing[0]!r} "
                      f"({len(missing)} missing in all)")
   def ignorable(name):
     return (_IGNORABLE.fullmatch(name) or _mtp_layer(name, config)
-            or (config.tie_word_embeddings and name == "lm_head.weight"))
+            or (config.tie_word_embeddings and name == "lm_head.weight")
+            or (fp8 and _ACTIVATION_SCALE.fullmatch(name)))
 
   unexpected = sorted(n for n in set(files) - stored if not ignorable(n))
   if unexpected:
     raise ValueError(f"HF checkpoint {path!r}: unexpected tensor {unexpected[0]!r} "
                      f"({len(unexpected)} unexpected in all) for a {config.architecture} config")
-  return needed, stored, packed
+  return needed, stored, quantized
+
+
+# The tensors each quantized format stores for one weight, by suffix.
+_QUANTIZED_PARTS = {"mxfp4": ("_blocks", "_scales"), "fp8": ("", "_scale_inv")}
+# Static FP8 activation scales: for FP8 matmuls, which we do not run (activations stay bf16).
+_ACTIVATION_SCALE = re.compile(r".+\.(input_scale|activation_scale)")
 
 
 def _mtp_layer(name: str, config: ModelConfig) -> bool:
@@ -1184,12 +1204,13 @@ def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
   under its own name.
   """
   files = _language_model_view(_tensor_files(path))
-  needed, stored, packed = _needed_tensors(path, config, files, extra)
+  needed, stored, quantized = _needed_tensors(path, config, files, extra)
   dtype = NP_DTYPES[config.param_dtype]
   shapes = _param_shapes(config)
   want = _tensor_shapes(shapes, {hf: parts for hf, parts in needed.items() if hf not in extra})
   flat, experts = {}, {}
-  for hf, full in _dequantized(_read_tensors(files, sorted(stored)), packed, dtype):
+  tensors = _read_tensors(files, sorted(stored))
+  for hf, full in _dequantized(tensors, quantized, _fp8_block_of(path), dtype):
     if hf in extra:
       flat[hf] = np.ascontiguousarray(full.astype(dtype, copy=False))
       continue
@@ -1218,24 +1239,31 @@ def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
   return flat
 
 
-def _dequantized(tensors: Iterator[tuple[str, np.ndarray]], packed: set[str], dtype
-                 ) -> Iterator[tuple[str, np.ndarray]]:
-  """`tensors` with each MXFP4 pair (`name_blocks`, `name_scales`, for name in `packed`)
-  replaced by (name, its dequantized weights in `dtype`)."""
+def _dequantized(tensors: Iterator[tuple[str, np.ndarray]], quantized: Mapping[str, str],
+                 block: tuple[int, int] | None, dtype) -> Iterator[tuple[str, np.ndarray]]:
+  """`tensors` with the parts of each quantized tensor (`quantized`: name -> 'mxfp4' or
+  'fp8'; FP8 scales per `block`) replaced by (name, its weights dequantized to `dtype`)."""
+  owner = {f"{base}{part}": (base, part) for base, kind in quantized.items()
+           for part in _QUANTIZED_PARTS[kind]}
   pending: dict[str, dict[str, np.ndarray]] = {}
   for name, array in tensors:
-    base, _, kind = name.rpartition("_")
-    if base not in packed or kind not in ("blocks", "scales"):
+    if name not in owner:
+      _check_unscaled(name, array.dtype.name)
       yield name, array
       continue
+    base, part = owner[name]
     parts = pending.setdefault(base, {})
-    parts[kind] = array
-    if len(parts) == 2:
-      del pending[base]
-      try:
-        yield base, dequantize_mxfp4(parts["blocks"], parts["scales"], dtype)
-      except ValueError as e:
-        raise ValueError(f"tensor {base!r}: {e}") from None
+    parts[part] = array
+    if len(parts) < 2:
+      continue
+    del pending[base]
+    try:
+      if quantized[base] == "mxfp4":
+        yield base, dequantize_mxfp4(parts["_blocks"], parts["_scales"], dtype)
+      else:
+        yield base, dequantize_fp8(parts[""], parts["_scale_inv"], block, dtype)
+    except ValueError as e:
+      raise ValueError(f"tensor {base!r}: {e}") from None
 
 
 def _permute_rotary(flat: dict, config: ModelConfig, *, inverse: bool) -> None:

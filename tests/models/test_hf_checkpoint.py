@@ -9,11 +9,13 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from rlax_ps.models import (ModelConfig, config_from_hf, config_to_hf, flatten_params,
                             load_hf_checkpoint, save_hf_checkpoint)
-from rlax_ps.models.hf import dequantize_mxfp4
+from rlax_ps.models.hf import check_hf_checkpoint, dequantize_mxfp4
+from rlax_ps.models.quantized import FP8_TYPES, RawTensors, dequantize_fp8
 from rlax_ps.sharding import make_mesh
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
@@ -29,11 +31,15 @@ def read_json(path):
 
 
 def hf_tensors(path):
-  """All tensors of a single-file or sharded checkpoint folder."""
+  """All tensors of a single-file or sharded checkpoint folder (FP8 ones as ml_dtypes')."""
   out = {}
   for f in sorted(os.listdir(path)):
     if f.endswith(".safetensors"):
-      out.update(load_file(os.path.join(path, f)))
+      file, raw = os.path.join(path, f), RawTensors()
+      with safe_open(file, framework="numpy") as opened:
+        for k in opened.keys():
+          fp8 = opened.get_slice(k).get_dtype() in FP8_TYPES
+          out[k] = raw.read(file, k) if fp8 else opened.get_tensor(k)
   return out
 
 
@@ -168,9 +174,9 @@ def test_config_fields_read_from_gpt_oss():
   mxfp4 = read_json(os.path.join(fixture("gpt_oss_mxfp4"), "config.json"))
   assert mxfp4["quantization_config"]["quant_method"] == "mxfp4"
   assert config_from_hf(mxfp4) == c
-  with pytest.raises(ValueError, match="quantization_config.quant_method: expected none or "
-                                       "'mxfp4'"):
-    config_from_hf(dict(d, quantization_config={"quant_method": "fp8"}))
+  with pytest.raises(ValueError, match="quantization_config.quant_method: expected none, "
+                                       "'mxfp4' or 'fp8'"):
+    config_from_hf(dict(d, quantization_config={"quant_method": "bitsandbytes"}))
 
 
 # GLM-4.5-Air's config.json (transformers 4.x layout): 106B parameters, 12B active.
@@ -283,6 +289,81 @@ def test_mxfp4_dequantizes_as_microscaled_fp4_and_exports_unquantized(tmp_path):
   os.makedirs(tmp_path / "broken")
   with pytest.raises(ValueError, match="missing tensor 'model.layers.0.mlp.experts.gate_up_proj'"):
     load_hf_checkpoint(copy_with(tmp_path / "broken", "gpt_oss_mxfp4", packed))
+
+
+def test_fp8_dequantizes_block_by_block_as_deepseek_does():
+  # Block (i, j) of the weight times scale[i, j], the last block of a width that does not
+  # divide partial (DeepSeek-V3's 576-row kv_a_proj in 128-row blocks), over leading dims.
+  rng = np.random.default_rng(0)
+  w = rng.uniform(-2, 2, (2, 5, 7)).astype(ml_dtypes.float8_e4m3fn)
+  s = rng.uniform(0.5, 3, (2, 3, 2)).astype(np.float32)
+  expected = np.empty(w.shape, np.float32)
+  for e, r, c in np.ndindex(*w.shape):
+    expected[e, r, c] = float(w[e, r, c]) * float(s[e, r // 2, c // 4])
+  np.testing.assert_array_equal(dequantize_fp8(w, s, (2, 4)), expected)
+  assert dequantize_fp8(w, s, (2, 4), ml_dtypes.bfloat16).dtype == ml_dtypes.bfloat16
+  # E8M0 scales (DeepSeek-V3.1's ue8m0), as float8_e8m0fnu or as exponent bytes: 2^(e - 127).
+  exponents = rng.integers(120, 134, (2, 3, 2)).astype(np.uint8)
+  powers = np.ldexp(np.float32(1), exponents.astype(np.int32) - 127)
+  for scale in (exponents, exponents.view(ml_dtypes.float8_e8m0fnu)):
+    np.testing.assert_array_equal(dequantize_fp8(w, scale, (2, 4)),
+                                  dequantize_fp8(w, powers, (2, 4)))
+  # No blocks (weight_block_size null): one scale for the whole tensor.
+  np.testing.assert_array_equal(dequantize_fp8(w[0], np.float32([0.25]), None),
+                                w[0].astype(np.float32) * 0.25)
+  with pytest.raises(ValueError, match=re.escape(
+      "FP8: expected a float scale of shape (2, 3, 2) for a weight (2, 5, 7) in blocks of "
+      "(2, 4), got float32 (2, 2, 2)")):
+    dequantize_fp8(w, s[:, :2], (2, 4))
+  with pytest.raises(ValueError, match="FP8: expected a float8_e4m3fn or float8_e5m2 weight"):
+    dequantize_fp8(w.astype(np.float32), s, (2, 4))
+
+
+def test_an_fp8_checkpoint_loads_dequantized_and_exports_unquantized(tmp_path):
+  # The Hub's DeepSeek-V3/R1, Kimi K2 and Qwen3-FP8 layout: each projection in float8_e4m3fn
+  # beside its float32 weight_scale_inv (test_hf_parity: its logits equal transformers').
+  packed = hf_tensors(fixture("deepseek_v3_fp8"))
+  key = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # 20 rows: a partial block
+  assert packed[key].dtype == ml_dtypes.float8_e4m3fn and packed[key].shape == (20, 32)
+  model = load_hf_checkpoint(fixture("deepseek_v3_fp8"))
+  save_hf_checkpoint(model, str(tmp_path))
+  saved = hf_tensors(str(tmp_path))
+  for name in (key, "model.layers.1.mlp.experts.3.down_proj.weight"):
+    np.testing.assert_array_equal(
+        saved[name], dequantize_fp8(packed[name], packed[f"{name}_scale_inv"], (8, 8)))
+  assert not any(k.endswith("_scale_inv") for k in saved)
+  np.testing.assert_array_equal(saved["model.layers.1.mlp.gate.weight"],
+                                packed["model.layers.1.mlp.gate.weight"])  # never quantized
+  assert "quantization_config" not in read_json(tmp_path / "config.json")
+
+
+def test_fp8_checkpoints_it_cannot_read_are_named(tmp_path):
+  config = read_json(os.path.join(fixture("deepseek_v3_fp8"), "config.json"))
+  packed = hf_tensors(fixture("deepseek_v3_fp8"))
+  key = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+  cases = [  # (tensors, config, the message from the check and from the loader)
+      ({k: v for k, v in packed.items() if k != f"{key}_scale_inv"}, config,
+       f"tensor {key!r}: stored as float8_e4m3fn without a '{key}_scale_inv'"),
+      ({**packed, f"{key}_scale_inv": packed[f"{key}_scale_inv"][:2]}, config,
+       f"tensor {key!r}: FP8: expected a float scale of shape (3, 4) for a weight (20, 32) "
+       "in blocks of (8, 8), got float32 (2, 4)"),
+      (packed, {**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 8]}},
+       "quantization_config.weight_block_size: expected two positive integers or null, got [0, 8]"),
+      (packed, {**config, "quantization_config": {"quant_method": "fp8", "fmt": "e3m4"}},
+       "quantization_config.fmt: expected 'e4m3' or 'e5m2', got 'e3m4'"),
+  ]
+  for i, (tensors, cfg, message) in enumerate(cases):
+    os.makedirs(tmp_path / str(i))
+    path = copy_with(tmp_path / str(i), "deepseek_v3_fp8", tensors, cfg)
+    with pytest.raises(ValueError, match=re.escape(message)):
+      check_hf_checkpoint(path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+      load_hf_checkpoint(path)
+  # Outside quant_method fp8 the scales are tensors it does not know.
+  os.makedirs(tmp_path / "plain")
+  plain = {k: v for k, v in config.items() if k != "quantization_config"}
+  with pytest.raises(ValueError, match=r"unexpected tensor '.*_scale_inv'"):
+    load_hf_checkpoint(copy_with(tmp_path / "plain", "deepseek_v3_fp8", packed, plain))
 
 
 def test_config_fields_read_from_gemma_and_sliding_windows():

@@ -1,0 +1,147 @@
+"""Quantized Hub weight formats, dequantized as a checkpoint is read.
+
+MXFP4 (gpt-oss's experts: `*_blocks` and `*_scales`) and block-scaled FP8 (`quant_method:
+fp8`: DeepSeek-V3/R1, Kimi K2, Qwen3-*-FP8): an FP8 weight beside its `*_scale_inv`, one
+scale per `weight_block_size` block, or one per tensor. We train in bf16/float32, so both
+are expanded once on load and exported unquantized.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+# safetensors' 8-bit float codes, which its numpy reader cannot return, under ml_dtypes' types.
+FP8_TYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+             "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+             "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu)}
+_FP8_WEIGHTS = {"float8_e4m3fn", "float8_e5m2"}  # numpy names, as headers are reported
+_FP8_SCALES = {"float32", "bfloat16", "float16", "float8_e8m0fnu", "uint8"}
+QUANTIZATION_FIELD = "quantization_config"
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
+  """MXFP4 `blocks` [E, out, G, 16] uint8 and `scales` [E, out, G] uint8 -> weights
+  [E, G * 32, out] (x @ W orientation) in `dtype`, one expert at a time (as transformers'
+  convert_moe_packed_tensors, which the fixtures check)."""
+  shape = mxfp4_shape((blocks.shape, str(blocks.dtype)), (scales.shape, str(scales.dtype)))
+  e, out, g, _ = blocks.shape
+  result = np.empty(shape, dtype)
+  for i in range(e):
+    codes = np.stack([blocks[i] & 0x0F, blocks[i] >> 4], axis=-1).reshape(out, g, 32)
+    values = np.ldexp(_FP4_VALUES[codes], scales[i].astype(np.int32)[..., None] - 127)
+    result[i] = values.reshape(out, g * 32).T.astype(dtype)
+  return result
+
+
+def mxfp4_shape(blocks: tuple[Sequence[int], str], scales: tuple[Sequence[int], str]
+                ) -> tuple[int, ...]:
+  """The shape [E, G * 32, out] that MXFP4 `blocks` and `scales` (each as (shape, numpy
+  dtype name)) dequantize to; a ValueError unless they are uint8 [E, out, G, 16] and
+  [E, out, G]. Shapes alone, so that a header can be checked without reading data."""
+  (b, b_dtype), (s, s_dtype) = (tuple(blocks[0]), blocks[1]), (tuple(scales[0]), scales[1])
+  if (b_dtype, s_dtype) != ("uint8", "uint8") or len(b) != 4 or b[:-1] != s or b[-1] != 16:
+    raise ValueError(f"MXFP4: expected uint8 blocks [E, out, G, 16] and scales [E, out, G], "
+                     f"got {b_dtype} {b} and {s_dtype} {s}")
+  return (b[0], b[2] * 32, b[1])
+
+
+def fp8_block(quantization: Mapping[str, Any]) -> tuple[int, int] | None:
+  """The [rows, cols] block one FP8 scale covers, from an `quant_method: fp8`
+  quantization_config (None: one scale per tensor); a ValueError names a field this
+  loader cannot honour."""
+  where = QUANTIZATION_FIELD
+  fmt = quantization.get("fmt", "e4m3")
+  if fmt not in ("e4m3", "e5m2"):
+    raise ValueError(f"{where}.fmt: expected 'e4m3' or 'e5m2', got {fmt!r}")
+  scheme = quantization.get("activation_scheme", "dynamic")
+  if scheme not in ("dynamic", "static"):  # activations run in bf16/float32 here either way
+    raise ValueError(f"{where}.activation_scheme: expected 'dynamic' or 'static', got {scheme!r}")
+  scale_fmt = quantization.get("scale_fmt") or "float"
+  if scale_fmt not in ("float", "ue8m0"):
+    raise ValueError(f"{where}.scale_fmt: expected 'float' or 'ue8m0', got {scale_fmt!r}")
+  if quantization.get("expert_dtype", "fp8") != "fp8":
+    raise ValueError(f"{where}.expert_dtype: expected 'fp8' (FP4 experts are not supported), "
+                     f"got {quantization['expert_dtype']!r}")
+  block = quantization.get("weight_block_size", (128, 128))
+  if block is None:
+    return None
+  if (not isinstance(block, (list, tuple)) or len(block) != 2
+      or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    raise ValueError(f"{where}.weight_block_size: expected two positive integers or null, "
+                     f"got {block!r}")
+  return int(block[0]), int(block[1])
+
+
+def fp8_scale_shape(weight: Sequence[int], block: tuple[int, int] | None) -> tuple[int, ...]:
+  """The grid of scales an FP8 `weight` shape [..., rows, cols] carries: one per `block`
+  (the last block of a row or column may be partial), or () for one per tensor."""
+  if block is None:
+    return ()
+  *lead, rows, cols = weight
+  return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
+def check_fp8(weight: tuple[Sequence[int], str], scale: tuple[Sequence[int], str],
+              block: tuple[int, int] | None) -> tuple[int, ...]:
+  """The shape an FP8 `weight` and its `scale` (each as (shape, numpy dtype name))
+  dequantize to; a ValueError unless the weight is 8-bit float of two or more dims and the
+  scale a float (or E8M0 exponent) grid of the block's shape. Headers alone suffice."""
+  (w, w_dtype), (s, s_dtype) = (tuple(weight[0]), weight[1]), (tuple(scale[0]), scale[1])
+  if w_dtype not in _FP8_WEIGHTS or len(w) < 2:
+    raise ValueError(f"FP8: expected a float8_e4m3fn or float8_e5m2 weight of 2 or more "
+                     f"dims beside its scale, got {w_dtype} {w}")
+  want = fp8_scale_shape(w, block)
+  if s_dtype not in _FP8_SCALES or (s != want and not (block is None and np.prod(s) == 1)):
+    raise ValueError(f"FP8: expected a float scale of shape {want} for a weight {w} in "
+                     f"blocks of {block or 'one tensor'}, got {s_dtype} {s}")
+  return w
+
+
+def dequantize_fp8(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int] | None,
+                   dtype=np.float32) -> np.ndarray:
+  """An FP8 `weight` [..., rows, cols] times its `scale` (weight_scale_inv: per `block`, the
+  grid's last block partial where a dim does not divide, or one per tensor) in `dtype`:
+  DeepSeek's weight_dequant. E8M0 scales (stored as float8_e8m0fnu or uint8) are 2^(e-127)."""
+  check_fp8((weight.shape, weight.dtype.name), (scale.shape, scale.dtype.name), block)
+  factor = (np.ldexp(np.float32(1), scale.astype(np.int32) - 127) if scale.dtype == np.uint8
+            else scale.astype(np.float32))
+  values = weight.astype(np.float32)
+  if block is None:
+    return (values * factor.reshape(())).astype(dtype, copy=False)
+  rows, cols = weight.shape[-2:]
+  factor = np.repeat(np.repeat(factor, block[0], axis=-2)[..., :rows, :], block[1], axis=-1)
+  values *= factor[..., :cols]
+  return values.astype(dtype, copy=False)
+
+
+class RawTensors:
+  """Tensors of dtypes safetensors' numpy reader refuses (the FP8 codes), read straight from
+  files safe_open has opened (and so validated): the JSON header gives each tensor's dtype,
+  shape and byte range. One header parse per file."""
+
+  def __init__(self):
+    self._headers: dict[str, tuple[int, dict]] = {}
+
+  def _header(self, file: str) -> tuple[int, dict]:
+    if file not in self._headers:
+      with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        self._headers[file] = (8 + size, json.loads(f.read(size)))
+    return self._headers[file]
+
+  def read(self, file: str, stored: str) -> np.ndarray:
+    """Tensor `stored` of safetensors `file`, as its FP8 type."""
+    start, header = self._header(file)
+    entry = header[stored]
+    dtype = FP8_TYPES[entry["dtype"]]
+    begin, end = entry["data_offsets"]  # safe_open, which opened the file first, checked them
+    data = np.fromfile(file, dtype=np.uint8, count=end - begin, offset=start + begin)
+    return data.view(dtype).reshape(entry["shape"])
