@@ -9,8 +9,9 @@ anywhere, for tests), "xla" (two-pass), "xla_dense" (packed dense mask),
 
 Traced with a mesh in context (the train step's), each call runs per device under
 shard_map, rows split over the batch axes (data, fsdp) and heads over tensor as far as
-they divide: XLA cannot split a Pallas kernel itself, and would otherwise gather every
-row and head onto every device and run the whole batch there.
+they divide (a decode cache of one kv head, multi-query or latent, is read whole by every
+device): XLA cannot split a Pallas kernel itself, and would otherwise gather every row
+and head onto every device and run the whole batch there.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ EXTEND_BACKENDS = ("auto", "pallas_tpu", "xla")
 
 
 def _per_device(fn, args, heads: tuple[int, ...], head_dims: tuple[int | None, ...],
-                out_head_dims: tuple[int, ...]):
+                out_head_dims: tuple[int, ...], kv_args: tuple[int, ...] = ()):
   """fn(*args) under shard_map over the mesh in context (none, or all axes of size 1: fn
   as it is). Every arg and output has the rows first; arg i has heads at head_dims[i]
   (None: no heads dim), output j at out_head_dims[j]; `heads`: the head counts that the
-  tensor axis must divide (q's and k/v's)."""
+  tensor axis must divide (q's and k/v's). The args `kv_args` name (inference only: no
+  gradient) may instead have one head, which every device then reads whole while the
+  query heads split (multi-query, and latent attention's one cached head)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1 or jax.sharding.AxisType.Manual in mesh.axis_types:
     return fn(*args)  # no mesh, one device, or per device already (inside a shard_map)
@@ -47,20 +50,22 @@ def _per_device(fn, args, heads: tuple[int, ...], head_dims: tuple[int | None, .
       rows.append(axis)
       size *= shape[axis]
   t = shape.get("tensor", 1)
-  tensor = "tensor" if t > 1 and all(h % t == 0 for h in heads) else None
+  one_kv = bool(kv_args) and heads[1] == 1
+  tensor = "tensor" if t > 1 and all(h % t == 0 for h in heads[:1 if one_kv else 2]) else None
   if not rows and tensor is None:
     return fn(*args)
   row = tuple(rows) or None
 
-  def spec(ndim, head_dim):
+  def spec(ndim, head_dim, split=True):
     entries = [row] + [None] * (ndim - 1)
-    if head_dim is not None:
+    if head_dim is not None and split:
       entries[head_dim] = tensor
     return P(*entries)
 
   # An int8 cache (kv_quant.QuantizedKV): its scales have the heads where its codes do.
-  in_specs = tuple(jax.tree.map(lambda leaf, h=h: spec(leaf.ndim, h), a)
-                   for a, h in zip(args, head_dims))
+  in_specs = tuple(jax.tree.map(lambda leaf, h=h, i=i: spec(
+      leaf.ndim, h, not (one_kv and i in kv_args)), a)
+                   for i, (a, h) in enumerate(zip(args, head_dims)))
   out_shapes = jax.eval_shape(fn, *args)
   out_specs = tuple(spec(o.ndim, h) for o, h in zip(out_shapes, out_head_dims))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -168,7 +173,8 @@ def shared_prefix_decode_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k,
   run = _tpu_or_xla(backend, interpret, pallas, xla, reference=_widened(functools.partial(
       reference.decode_n_copies, sm_scale=sm_scale, window=window, softcap=softcap)))
   return _per_device(run, args, heads=(q.shape[2], prefix_k.shape[2]),
-                     head_dims=(2, 2, 2, None, 3, 3, None), out_head_dims=(2, 2))
+                     head_dims=(2, 2, 2, None, 3, 3, None), out_head_dims=(2, 2),
+                     kv_args=(1, 2, 4, 5))
 
 
 def shared_prefix_extend_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
@@ -193,4 +199,5 @@ def shared_prefix_extend_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k,
                                    window=window, softcap=softcap))
   run = _tpu_or_xla(backend, interpret, pallas, xla)
   return _per_device(run, args, heads=(q.shape[3], prefix_k.shape[2]),
-                     head_dims=(3, 2, 2, None, 3, 3, None), out_head_dims=(3, 3))
+                     head_dims=(3, 2, 2, None, 3, 3, None), out_head_dims=(3, 3),
+                     kv_args=(1, 2, 4, 5))

@@ -119,3 +119,25 @@ def test_the_pallas_decode_kernel_reads_the_latent_cache():
     for a, b in zip(group, want, strict=True):
       assert a.tokens.tolist() == b.tokens.tolist()
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_heads_split_over_tensor_while_every_device_reads_the_latent_cache():
+  """A tensor-parallel worker (data 2 x tensor 2): the one cached latent head stays whole on
+  every device, the absorbed query heads split over tensor; its samples equal one device's."""
+  from flax import nnx
+  from rlax_ps import sharding as shd
+  model = deepseek()
+  mesh = shd.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])
+  graphdef, state = nnx.split(model)
+  on_mesh = nnx.merge(graphdef, jax.device_put(state, shd.named(
+      mesh, shd.param_specs(state, nnx.get_partition_spec(state), mesh))))
+  want = {i: generate(model, [p] * 3, SEEDS[i], PARAMS) for i, p in enumerate(PROMPTS)}
+  batch = ContinuousBatch(on_mesh, 3, 2, PARAMS, rows_per_prompt=2, mesh=mesh)
+  for i, p in enumerate(PROMPTS):
+    batch.add(i, p, SEEDS[i])
+  got = dict(batch.run())
+  assert_latent(batch, model)
+  for i, group in got.items():
+    for a, b in zip(group, want[i], strict=True):
+      assert a.tokens.tolist() == b.tokens.tolist()
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -58,11 +58,14 @@ def test_training_attention_per_device_equals_one_device(backend, kw):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "one_kv_head"])
 @pytest.mark.parametrize("held", [None, "int8"])
 @pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
-def test_decode_attention_per_device_equals_one_device(extend, held):
+def test_decode_attention_per_device_equals_one_device(extend, held, hkv):
+  # One kv head (multi-query; latent attention's cache): every device reads it whole while
+  # the query heads still split over tensor.
   ks = jax.random.split(jax.random.key(7), 5)
-  b, n, h, hkv, d, s, ss, t = 2, 3, 4, 2, 16, 20, 12, 3
+  b, n, h, d, s, ss, t = 2, 3, 4, 16, 20, 12, 3
   q = jax.random.normal(ks[0], (b, n, t, h, d) if extend else (b, n, h, d))
   args = (q, jax.random.normal(ks[1], (b, s, hkv, d)),
           jax.random.normal(ks[2], (b, s, hkv, d)), np.array([20, 5], np.int32),
@@ -78,9 +81,27 @@ def test_decode_attention_per_device_equals_one_device(extend, held):
   mesh = _mesh()
   step = _traced(mesh, attend)
   args = jax.device_put(args, NamedSharding(mesh, P()))  # the cache on the mesh's devices
-  assert "shard_map" in str(jax.make_jaxpr(step)(*args))
+  per_device = _shard_map_inputs(step, args)
+  assert per_device[0][-2] == h // MESH_AXES["tensor"]  # q's heads split
+  assert per_device[1][2] == hkv // MESH_AXES["tensor"] or hkv == 1  # the cache's where they can
   for got, ref in zip(step(*args), want):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+def _shard_map_inputs(fn, args):
+  """The shapes the per-device computation of jitted `fn` takes (its one shard_map's)."""
+  def find(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "shard_map":
+        return [v.aval.shape for v in eqn.params["jaxpr"].invars]
+      for sub in jax.core.jaxprs_in_params(eqn.params):
+        found = find(sub)
+        if found:
+          return found
+    return None
+  found = find(jax.make_jaxpr(fn)(*args).jaxpr)
+  assert found is not None, "no shard_map: not run per device"
+  return found
 
 
 def test_one_device_or_no_mesh_calls_the_kernel_as_it_is():
