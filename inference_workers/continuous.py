@@ -50,11 +50,11 @@ from inference_workers.decoding import (MIN_PROMPT_BUCKET, Rows, Sample, bucket,
                                         empty_routes, knobs, pad_prompts, prefill, record,
                                         replies_in, routes_last, samples_of)
 from inference_workers.sampling import SamplingParams
-from inference_workers.shared_prefix import DecodeFn, SharedPrefixCache
+from inference_workers.shared_prefix import DecodeFn, SharedPrefixCache, cache_heads
 from rlax_ps import sharding as shd
 from inference_workers.worker_config import KV_DTYPES
 from rlax_ps.kernels.dispatch import shared_prefix_decode_attention
-from rlax_ps.kernels.kv_quant import QuantizedKV, kv_write
+from rlax_ps.kernels.kv_quant import QuantizedKV, kv_repeat_heads, kv_write
 
 
 @jax.tree_util.register_dataclass
@@ -82,9 +82,10 @@ class Slots:
 
 
 def _empty_slots(config, s: int, n: int, r: int, prompt_len: int, budget: int, decode_fn,
-                 record_routes: bool, turns: bool, resume: bool, kv_dtype=None) -> Slots:
+                 record_routes: bool, turns: bool, resume: bool, kv_dtype=None,
+                 kv_heads: int | None = None) -> Slots:
   return Slots(cache=SharedPrefixCache.empty(config, s, r, prompt_len, budget, decode_fn,
-                                             kv_dtype),
+                                             kv_dtype, kv_heads),
                rows=Rows.init(jnp.zeros((s * r,), jnp.int32), budget, done=True,
                               outputs=s * n, turns=turns, forcing=resume),
                seeds=jnp.zeros((s, n), jnp.int32), next=jnp.full((s,), n, jnp.int32),
@@ -166,8 +167,8 @@ def _insert(graphdef, state, slots: Slots, slot_ids, tokens, lens, source, seeds
   logits, lens = logits[source], lens[source]
   prompt_routes = None if prompt_routes is None else prompt_routes[source]
 
-  def put(buf, new):
-    return kv_write(buf, (slot_ids, slice(None, p)), new)
+  def put(buf, new):  # each kv head repeated where the cache holds more (cache_heads)
+    return kv_write(buf, (slot_ids, slice(None, p)), kv_repeat_heads(new, buf.shape[-2]))
 
   cache = c.replace(prefix_k=tuple(put(b, k[source]) for b, k in zip(c.prefix_k, filled.k)),
                     prefix_v=tuple(put(b, v[source]) for b, v in zip(c.prefix_v, filled.v)),
@@ -458,7 +459,8 @@ class SlotsDevice:
       if self.slots is None:
         empty = functools.partial(_empty_slots, self.config, self.num_slots, self.n, self.r,
                                   length, self.budget, self.decode_fn, self.record_routes,
-                                  self.turns, self.resume, self.kv_dtype)
+                                  self.turns, self.resume, self.kv_dtype,
+                                  cache_heads(self.config, self.mesh))
         self.slots = empty() if self.mesh is None else jax.jit(
             empty, out_shardings=_slot_shardings(jax.eval_shape(empty), self.mesh))()
       elif length > self.slots.cache.prefix_k[0].shape[1]:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from rlax_ps.kernels.dispatch import (shared_prefix_decode_attention,
                                       shared_prefix_extend_attention)
-from rlax_ps.kernels.kv_quant import kv_write, kv_zeros
+from rlax_ps.kernels.kv_quant import kv_repeat_heads, kv_write, kv_zeros
 from rlax_ps.models.attention import with_sinks
 from rlax_ps.models.kv_cache import check_values
 
@@ -29,6 +29,18 @@ from rlax_ps.models.kv_cache import check_values
 #           softcap)
 #   -> (out [B,N,H,D], lse); the caches come in the dtype they are held in (fp8 too).
 DecodeFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def cache_heads(config, mesh) -> int:
+  """The kv heads a worker's decode cache holds per token: the model's, or, on a tensor axis
+  wider than them that divides the query heads, as many as the axis, each head repeated
+  (as vLLM does): every device then holds only the head its query heads read, where it
+  held them all (replicated, as they did not split) and attended every query head."""
+  heads = config.kv_cache_layout[0]
+  t = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+  if 1 < heads < t and t % heads == 0 and config.num_heads % t == 0:
+    return t
+  return heads
 
 
 @flax.struct.dataclass
@@ -53,14 +65,14 @@ class SharedPrefixCache:
   @classmethod
   def empty(cls, config, b: int, n: int, prefix_len: int, suffix_len: int,
             decode_fn: DecodeFn = shared_prefix_decode_attention,
-            dtype=None) -> "SharedPrefixCache":
+            dtype=None, heads: int | None = None) -> "SharedPrefixCache":
     """B prompt slots of n samples, each holding a one-token prompt and nothing generated;
     k/v held in `dtype` (default: the model's compute dtype; float8_e4m3fn or int8 (codes
     with a scale per token and head, `kv_quant`) halve a bf16 cache, read back in the
-    compute dtype)."""
+    compute dtype), with `heads` kv heads (default the model's; `cache_heads`)."""
     dtype = jnp.dtype(config.dtype if dtype is None else dtype)
-    heads, width, values = config.kv_cache_layout
-    kv = (heads, width)
+    model_heads, width, values = config.kv_cache_layout
+    kv = (heads or model_heads, width)
     layers = range(config.num_layers)
     v_layers = layers if values else ()  # latent attention: the keys are the values
     return cls(prefix_k=tuple(kv_zeros((b, prefix_len) + kv, dtype) for _ in layers),
@@ -94,15 +106,18 @@ class SharedPrefixCache:
                        f"head_dim] (B={b} prompts x N={n} samples), got {q.shape}")
     check_values(v, bool(self.suffix_v))
     hkv, dk = k.shape[2:]
+    heads = self.suffix_k[layer].shape[-2]  # hkv, or each head repeated (cache_heads)
     at = (jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None],
           self.index[:, :, None] + jnp.arange(t))
-    new_k = kv_write(self.suffix_k[layer], at, k.reshape(b, n, t, hkv, dk))
+    new_k = kv_write(self.suffix_k[layer], at,
+                     kv_repeat_heads(k.reshape(b, n, t, hkv, dk), heads))
     # The caches go as they are held (fp8, int8 too): the attention widens them as it reads.
     prefix_k = self.prefix_k[layer]
     if v is None:  # latent attention: one cache read as keys and values
       new_v, prefix_v, suffix_v = new_k, prefix_k, self.suffix_v
     else:
-      new_v = kv_write(self.suffix_v[layer], at, v.reshape(b, n, t, hkv, dk))
+      new_v = kv_write(self.suffix_v[layer], at,
+                       kv_repeat_heads(v.reshape(b, n, t, hkv, dk), heads))
       prefix_v = self.prefix_v[layer]
       suffix_v = self.suffix_v[:layer] + (new_v,) + self.suffix_v[layer + 1:]
     if t == 1:

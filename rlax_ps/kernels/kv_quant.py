@@ -78,6 +78,19 @@ def kv_write(buf, index, new):
   return buf.at[index].set(new.astype(buf.dtype), mode="drop")
 
 
+def kv_repeat_heads(new, heads: int):
+  """New k or v [..., Hkv, D] (or a QuantizedKV) with each head repeated to `heads` in all
+  (a multiple of Hkv): head h of the result is head h // (heads / Hkv), so grouped queries
+  read the same keys. As they are: when they have `heads` already."""
+  repeat = heads // new.shape[-2]
+  if repeat == 1:
+    return new
+  if isinstance(new, QuantizedKV):
+    return QuantizedKV(jnp.repeat(new.values, repeat, axis=-2),
+                       jnp.repeat(new.scales, repeat, axis=-1))
+  return jnp.repeat(new, repeat, axis=-2)
+
+
 def kv_widen(x, dtype):
   """A cache as an array of `dtype` (an int8 one dequantized)."""
   if isinstance(x, QuantizedKV):

@@ -15,6 +15,7 @@ from rlax_ps import sync
 from worker_testlib import CONFIG, SMALL, TOKENIZER, TOKENS, client, enqueue_addition, same_held
 
 FOUR = dict(devices=4, tensor_parallel=2)  # data 2 x tensor 2
+WIDE = dict(devices=4, tensor_parallel=4)  # tensor 4: wider than the model's 2 kv heads
 
 
 def _server(path):
@@ -50,7 +51,7 @@ def test_held_weights_stay_split_over_the_tensor_axis_through_updates(versions, 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_a_worker_on_four_devices_samples_as_a_worker_on_one(versions, tmp_path, fmt):
   made = {}
-  for name, extra in (("one", {}), ("four", FOUR)):
+  for name, extra in (("one", {}), ("four", FOUR), ("wide", WIDE)):
     server = _server(tmp_path / name)
     try:
       with client(server, "trainer") as trainer, client(server, "worker") as wc:
@@ -67,17 +68,23 @@ def test_a_worker_on_four_devices_samples_as_a_worker_on_one(versions, tmp_path,
         if extra:  # the weights it sampled with were split, and it held them exactly
           assert "tensor" in str(_spec(worker.policy, "layers.0.mlp.up_proj.kernel"))
           assert same_held(worker.policy, versions[0], fmt)
+          cache = worker._batch._dev.slots.cache.suffix_k[0]
           if fmt == "int8":
-            cache = worker._batch._dev.slots.cache.suffix_k[0]
             assert cache.values.sharding.spec[3] == cache.scales.sharding.spec[3] == "tensor"
+          # Each device holds one kv head: on tensor 4 the cache repeats each of the 2.
+          heads = cache.shape[3]
+          assert heads == {"four": 2, "wide": 4}[name]
+          values = cache.values if fmt == "int8" else cache
+          assert values.sharding.shard_shape(values.shape)[3] == 1
     finally:
       server.stop(grace=0)
-  assert made["four"].keys() == made["one"].keys() and len(made["one"]) == 4
-  for pid, samples in made["one"].items():
-    for (tokens, logprobs, reward), (tokens4, logprobs4, reward4) in zip(samples,
-                                                                         made["four"][pid]):
-      assert tokens4 == tokens and reward4 == reward
-      np.testing.assert_allclose(logprobs4, logprobs, atol=1e-4)
+  for name in ("four", "wide"):
+    assert made[name].keys() == made["one"].keys() and len(made["one"]) == 4
+    for pid, samples in made["one"].items():
+      for (tokens, logprobs, reward), (tokens4, logprobs4, reward4) in zip(samples,
+                                                                           made[name][pid]):
+        assert tokens4 == tokens and reward4 == reward
+        np.testing.assert_allclose(logprobs4, logprobs, atol=1e-4)
 
 
 def test_device_counts_that_do_not_fit_are_refused_naming_the_field():
