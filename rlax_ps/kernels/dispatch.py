@@ -20,6 +20,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from rlax_ps.kernels import decode_tpu, reference, shared_prompt_gpu, shared_prompt_tpu
@@ -72,6 +73,16 @@ def _per_device(fn, args, heads: tuple[int, ...], head_dims: tuple[int | None, .
                        check_vma=False)(*args)
 
 
+def _kv_repeat(q_heads: int, kv_heads: int) -> int:
+  """How many times to repeat each kv head so that the mesh in context's tensor axis, wider
+  than them, splits them one per device along with the query heads (1: as they are)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or jax.sharding.AxisType.Manual in mesh.axis_types:
+    return 1
+  t = dict(mesh.shape).get("tensor", 1)
+  return t // kv_heads if kv_heads < t and t % kv_heads == 0 and q_heads % t == 0 else 1
+
+
 def _check_backend(backend: str, allowed) -> None:
   if backend not in allowed:
     raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
@@ -119,6 +130,9 @@ def shared_prompt_attention(q, k, v, layout: SharedPromptLayout, *, sm_scale=Non
   per_row = lambda q, k, v, prompt_lens, response_lens: run(  # noqa: E731
       q, k, v, layout=dataclasses.replace(layout, prompt_lens=prompt_lens,
                                           response_lens=response_lens))
+  repeat = _kv_repeat(q.shape[2], k.shape[2])
+  if repeat > 1:  # fewer kv heads than the tensor axis: one per device, its gradient summed
+    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
   return _per_device(per_row, (q, k, v, layout.prompt_lens, layout.response_lens),
                      heads=(q.shape[2], k.shape[2]), head_dims=(2, 2, 2, None, None),
                      out_head_dims=(2, 2))

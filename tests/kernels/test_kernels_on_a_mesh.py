@@ -21,8 +21,9 @@ from rlax_ps.kernels.kv_quant import quantize
 MESH_AXES = {"data": 2, "fsdp": 1, "tensor": 2}
 
 
-def _mesh():
-  return shd.make_mesh(MESH_AXES, jax.devices()[:4])
+def _mesh(tensor=MESH_AXES["tensor"]):
+  axes = {**MESH_AXES, "tensor": tensor}
+  return shd.make_mesh(axes, jax.devices()[:axes["data"] * tensor])
 
 
 def _traced(mesh, fn):
@@ -33,9 +34,13 @@ def _traced(mesh, fn):
   return jax.jit(on_mesh)
 
 
-@pytest.mark.parametrize("backend,kw", [("auto", {}), ("pallas_tpu", dict(interpret=True))],
-                         ids=["auto", "pallas"])
-def test_training_attention_per_device_equals_one_device(backend, kw):
+@pytest.mark.parametrize("backend,kw,tensor", [("auto", {}, 2),
+                                               ("pallas_tpu", dict(interpret=True), 2),
+                                               ("auto", {}, 4)],
+                         ids=["auto", "pallas", "wider_than_kv_heads"])
+def test_training_attention_per_device_equals_one_device(backend, kw, tensor):
+  # On a tensor axis wider than the 2 kv heads, each is repeated to one per device: the
+  # 4 query heads still split, and k's and v's gradients sum over the repeats.
   layout, q, k, v, do = ODD_GQA_PADDED.inputs()
   attend = functools.partial(shared_prompt_attention, layout=layout, backend=backend, **kw)
 
@@ -45,11 +50,14 @@ def test_training_attention_per_device_equals_one_device(backend, kw):
 
   (want, (o1, lse1)), grads1 = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(
       q, k, v)
-  mesh = _mesh()
+  mesh = _mesh(tensor)
   heads = NamedSharding(mesh, P("data", None, "tensor"))
   step = _traced(mesh, jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
-  args = [jax.device_put(a, heads) for a in (q, k, v)]
-  assert "shard_map" in str(jax.make_jaxpr(step)(*args))  # it runs per device
+  args = [jax.device_put(a, heads if a.shape[2] % tensor == 0 else NamedSharding(mesh, P()))
+          for a in (q, k, v)]
+  # It runs per device, on its share of the heads (after the layout's closed-over arrays).
+  q_local, k_local = [s for s in _shard_map_inputs(step, args) if len(s) == 4][:2]
+  assert (q_local[2], k_local[2]) == (q.shape[2] // tensor, max(k.shape[2] // tensor, 1))
   (got, (o, lse)), grads = step(*args)
   np.testing.assert_allclose(np.asarray(o), np.asarray(o1), atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse1))
