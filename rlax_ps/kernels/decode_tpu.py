@@ -6,7 +6,8 @@ prefix block is read from HBM once per step for the whole group; pass 2 runs
 each sample's query against its own suffix cache. The two partials are merged
 by log-sum-exp (reference.merge_lse). Caches stay in the model's
 [.., S, Hkv, D] layout, viewed as lane-dense [S, Hkv*D] tiles; an int8 cache's scales
-[.., S, Hkv] come block by block beside its codes. A sliding window
+[.., S, Hkv] come block by block beside its codes; a cache that is its own values (latent
+attention) is read once for both. A sliding window
 gives each query row a first visible key ([M, 128] int32 tile, lanes equal); the
 blocks below a grid row's least one are neither fetched nor computed. A softcap
 caps each block's scaled logits before the mask.
@@ -35,15 +36,17 @@ _NT = (((1,), (1,)), ((), ()))
 
 
 def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, num_row_blocks,
-                   sm_scale, windowed, bounded, softcap, scaled):
+                   sm_scale, windowed, bounded, softcap, scaled, values_are_keys):
   refs = list(refs)
   hi_ref = refs.pop(0)
   lo_ref = refs.pop(0) if windowed else None
   q_ref = refs.pop(0)
   start_ref = refs.pop(0) if windowed else None
   end_ref = refs.pop(0) if bounded else None
-  k_ref, v_ref = refs.pop(0), refs.pop(0)
-  ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
+  k_ref = refs.pop(0)
+  v_ref = k_ref if values_are_keys else refs.pop(0)
+  ks_ref = refs.pop(0) if scaled else None
+  vs_ref = ks_ref if values_are_keys or not scaled else refs.pop(0)
   o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
   x, r, s_idx = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block = x * num_row_blocks + r
@@ -108,9 +111,11 @@ def _row_tile(rows, m_pad: int, fill: int):
 
 
 def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=False,
-                          starts=None, ends=None, softcap=None, block_m=512):
+                          starts=None, ends=None, softcap=None, block_m=512,
+                          values_are_keys=False):
   """q [X, Hkv, M, D] attends k, v [X, S, Hkv, D] (arrays, or int8 `QuantizedKV`s) up to
-  lens [X] (<= S):
+  lens [X] (<= S); values_are_keys: v is k (latent attention's one cache), each block read
+  from HBM once for both:
   -> (o [X, Hkv, M, D] f32, lse [X, Hkv, M] f32). starts [X, M] (optional): query row m
   sees keys from index starts[x, m] on; ends [X, M] (optional, <= lens): row m sees keys
   below ends[x, m]. Rows go `block_m` at a time; the key blocks a row block's bounds
@@ -160,16 +165,17 @@ def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=Fal
   if bounded:
     in_specs.append(pl.BlockSpec((None, bm, LANES), tile_map))
     operands.append(_row_tile(jnp.minimum(ends, lens[:, None]), m_pad, 0))
-  in_specs += [pl.BlockSpec((None, bs, hkv * d), kv_map),
-               pl.BlockSpec((None, bs, hkv * d), kv_map)]
-  operands += [k2, v2]
+  caches = [k2] if values_are_keys else [k2, v2]
+  in_specs += [pl.BlockSpec((None, bs, hkv * d), kv_map) for _ in caches]
+  operands += caches
   if scaled:  # [X, S, Hkv] float32: each key block's scales beside it
-    in_specs += [pl.BlockSpec((None, bs, hkv), kv_map), pl.BlockSpec((None, bs, hkv), kv_map)]
-    operands += [k_scales, v_scales]
+    scales = [k_scales] if values_are_keys else [k_scales, v_scales]
+    in_specs += [pl.BlockSpec((None, bs, hkv), kv_map) for _ in scales]
+    operands += scales
   kernel = functools.partial(_decode_kernel, num_kv_heads=hkv, head_dim=d, block_s=bs,
                              num_blocks=nb, num_row_blocks=mb, sm_scale=sm_scale,
                              windowed=windowed, bounded=bounded, softcap=softcap,
-                             scaled=scaled)
+                             scaled=scaled, values_are_keys=values_are_keys)
   o, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -193,11 +199,13 @@ def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=Fal
 
 def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
                                     suffix_lens, *, sm_scale=None, block_s=512, interpret=False,
-                                    window: int | None = None, softcap: float | None = None):
+                                    window: int | None = None, softcap: float | None = None,
+                                    values_are_keys: bool = False):
   """q [B, N, H, D]; prefix [B, S, Hkv, D] (+ lens [B]); suffix [B, N, Ss, Hkv, D]
   (+ lens [B, N]) -> (o [B, N, H, D], lse [B, N, H]). With a window, each query row
   masks the keys below its first visible one and the kernel skips blocks below all rows'.
-  A softcap caps the scaled logits of both passes."""
+  A softcap caps the scaled logits of both passes. values_are_keys: the values are the
+  keys (latent attention), read once; prefix_v and suffix_v are not read."""
   check_decode(q, prefix_k, prefix_v, suffix_k, suffix_v)
   window = check_window(window)
   softcap = check_softcap(softcap)
@@ -215,7 +223,7 @@ def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k
   q_pre = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, hkv, n * g, d)
   o1, l1 = decode_partial_pallas(q_pre, prefix_k, prefix_v, prefix_lens, sm_scale=scale,
                                  block_s=block_s, interpret=interpret, starts=pre_start,
-                                 softcap=softcap)
+                                 softcap=softcap, values_are_keys=values_are_keys)
   o1 = jnp.transpose(o1.reshape(b, hkv, n, g, d), (0, 2, 1, 3, 4)).reshape(b, n, h, d)
   l1 = jnp.transpose(l1.reshape(b, hkv, n, g), (0, 2, 1, 3)).reshape(b, n, h)
   # Pass 2: each sample's [Hkv, G, D] query against its own suffix.
@@ -223,18 +231,21 @@ def shared_prefix_decode_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k
   o2, l2 = decode_partial_pallas(
       qg.reshape(b * n, hkv, g, d), suffix_k.reshape((b * n, ss, hkv, d)),
       suffix_v.reshape((b * n, ss, hkv, d)), suffix_lens.reshape(b * n), sm_scale=scale,
-      block_s=block_s, interpret=interpret, starts=suf_start, softcap=softcap)
+      block_s=block_s, interpret=interpret, starts=suf_start, softcap=softcap,
+      values_are_keys=values_are_keys)
   return merge_lse(o1, l1, o2.reshape(b, n, h, d), l2.reshape(b, n, h), out_dtype=q.dtype)
 
 
 def shared_prefix_extend_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v,
                                     index, *, sm_scale=None, block_s=512, block_m=512,
                                     interpret=False, window: int | None = None,
-                                    softcap: float | None = None):
+                                    softcap: float | None = None,
+                                    values_are_keys: bool = False):
   """T tokens of each of N samples at once, as `reference.extend_two_pass`: q [B, N, T, H, D],
   their keys already written at suffix slots [index, index + T) (index [B, N]); query t sees
   the prefix and its suffix below index + t + 1 -> (o [B, N, T, H, D], lse [B, N, T, H]).
-  The prefix is read once for all N*T*G query rows of a KV head."""
+  The prefix is read once for all N*T*G query rows of a KV head; values_are_keys as in
+  the decode step."""
   b, n, t, h, d = q.shape
   check_decode(q[:, :, 0], prefix_k, prefix_v, suffix_k, suffix_v)
   window = check_window(window)
@@ -254,7 +265,8 @@ def shared_prefix_extend_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k
   q_pre = jnp.transpose(qg, (0, 3, 1, 2, 4, 5)).reshape(b, hkv, n * t * g, d)
   o1, l1 = decode_partial_pallas(q_pre, prefix_k, prefix_v, prefix_lens, sm_scale=scale,
                                  block_s=block_s, block_m=block_m, interpret=interpret,
-                                 starts=pre_start, softcap=softcap)
+                                 starts=pre_start, softcap=softcap,
+                                 values_are_keys=values_are_keys)
   o1 = jnp.transpose(o1.reshape(b, hkv, n, t, g, d), (0, 2, 3, 1, 4, 5))
   l1 = jnp.transpose(l1.reshape(b, hkv, n, t, g), (0, 2, 3, 1, 4))
   # Pass 2: each sample's [Hkv, T*G, D] queries against its own suffix, causally.
@@ -264,7 +276,8 @@ def shared_prefix_extend_pallas_tpu(q, prefix_k, prefix_v, prefix_lens, suffix_k
       q_suf, suffix_k.reshape((b * n, ss, hkv, d)), suffix_v.reshape((b * n, ss, hkv, d)),
       jnp.minimum(index + t, ss).reshape(b * n), sm_scale=scale, block_s=block_s,
       block_m=block_m, interpret=interpret, starts=suf_start,
-      ends=jnp.repeat(ends.reshape(b * n, t), g, axis=1), softcap=softcap)
+      ends=jnp.repeat(ends.reshape(b * n, t), g, axis=1), softcap=softcap,
+      values_are_keys=values_are_keys)
   o2 = jnp.transpose(o2.reshape(b, n, hkv, t, g, d), (0, 1, 3, 2, 4, 5))
   l2 = jnp.transpose(l2.reshape(b, n, hkv, t, g), (0, 1, 3, 2, 4))
   o, lse = merge_lse(o1.reshape(b, n, t, h, d), l1.reshape(b, n, t, h),

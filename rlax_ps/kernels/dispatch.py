@@ -83,6 +83,12 @@ def _kv_repeat(q_heads: int, kv_heads: int) -> int:
   return t // kv_heads if kv_heads < t and t % kv_heads == 0 and q_heads % t == 0 else 1
 
 
+def _values_are_keys(prefix_k, prefix_v, suffix_k, suffix_v) -> bool:
+  """Whether the caller passed its key caches as the values too (latent attention's one
+  cache), which the TPU kernel then reads once."""
+  return prefix_v is prefix_k and suffix_v is suffix_k
+
+
 def _check_backend(backend: str, allowed) -> None:
   if backend not in allowed:
     raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
@@ -181,7 +187,9 @@ def shared_prefix_decode_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k,
   args = (q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, suffix_lens)
   pallas = functools.partial(decode_tpu.shared_prefix_decode_pallas_tpu, sm_scale=sm_scale,
                              block_s=block_s, interpret=interpret, window=window,
-                             softcap=softcap)
+                             softcap=softcap,
+                             values_are_keys=_values_are_keys(prefix_k, prefix_v, suffix_k,
+                                                              suffix_v))
   xla = _widened(functools.partial(reference.decode_two_pass, sm_scale=sm_scale,
                                    window=window, softcap=softcap))
   run = _tpu_or_xla(backend, interpret, pallas, xla, reference=_widened(functools.partial(
@@ -208,7 +216,9 @@ def shared_prefix_extend_attention(q, prefix_k, prefix_v, prefix_lens, suffix_k,
   args = (q, prefix_k, prefix_v, prefix_lens, suffix_k, suffix_v, index)
   pallas = functools.partial(decode_tpu.shared_prefix_extend_pallas_tpu, sm_scale=sm_scale,
                              block_s=block_s, block_m=block_m, interpret=interpret,
-                             window=window, softcap=softcap)
+                             window=window, softcap=softcap,
+                             values_are_keys=_values_are_keys(prefix_k, prefix_v, suffix_k,
+                                                              suffix_v))
   xla = _widened(functools.partial(reference.extend_two_pass, sm_scale=sm_scale,
                                    window=window, softcap=softcap))
   run = _tpu_or_xla(backend, interpret, pallas, xla)

@@ -185,3 +185,9 @@ def test_decode_kernels_lower_for_tpu_on_deepseek_v3s_latent_cache(extend, held)
       q, cache(B, 1024, 1, width), jax.ShapeDtypeStruct((B,), jnp.int32),
       cache(B, N, 256, 1, width), jax.ShapeDtypeStruct((B, N), jnp.int32))
   assert _kernel_names(exp) == {"shared_prefix_decode"}
+  # Each pass reads the one cache once, as keys and values: one [S, 576] operand (codes).
+  code = "i8" if held == "int8" else "bf16"
+  calls = [l for l in exp.mlir_module().splitlines() if "tpu_custom_call" in l]
+  assert len(calls) == 2 and all(
+      len(re.findall(rf"tensor<\d+x\d+x{width}x{code}>", l.split(") ->")[0])) == 1
+      for l in calls), calls

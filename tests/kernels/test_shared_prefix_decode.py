@@ -148,3 +148,35 @@ def test_int8_codes_keep_each_token_within_half_a_level_of_its_range():
   buf = kv_write(buf, (jnp.arange(3), 1), x[:, 1])
   np.testing.assert_array_equal(buf.values[:, 1], held.values[:, 1])
   assert buf[1].shape == (5, 2, 16) and buf.nbytes == 3 * 5 * 2 * (16 + 4)
+
+
+def _pallas_operands(fn, *args):
+  """How many arrays each pallas_call of jitted `fn` reads (its operands, scalars included)."""
+  def find(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        yield len(eqn.invars)
+      for sub in jax.core.jaxprs_in_params(eqn.params):
+        yield from find(sub)
+  return list(find(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+@pytest.mark.parametrize("extend,held", [(False, None), (True, "int8")],
+                         ids=["decode", "extend_int8"])
+def test_a_cache_passed_as_keys_and_values_is_read_once(extend, held):
+  """Latent attention's one cache (the keys are the values): the TPU kernel takes it once,
+  each block read from HBM for both, with the outputs of it passed twice as two arrays."""
+  q, pk, _, pl, sk, _, lens = _extend_inputs() if extend else _inputs(jnp.float32)
+  if held:
+    pk, sk = quantize(pk), quantize(sk)
+  attend = functools.partial(
+      shared_prefix_extend_attention if extend else shared_prefix_decode_attention,
+      backend="pallas_tpu", interpret=True, block_s=8)
+  once = jax.jit(lambda q, pk, pl, sk, lens: attend(q, pk, pk, pl, sk, sk, lens))
+  twice = jax.jit(lambda q, pk, pl, sk, lens: attend(
+      q, pk, jax.tree.map(lambda x: x + 0, pk), pl, sk, jax.tree.map(lambda x: x + 0, sk), lens))
+  for got, want in zip(once(q, pk, pl, sk, lens), twice(q, pk, pl, sk, lens)):
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+  per_cache = 2 if held else 1  # codes and scales
+  assert [n + per_cache for n in _pallas_operands(once, q, pk, pl, sk, lens)] == (
+      _pallas_operands(twice, q, pk, pl, sk, lens))
