@@ -212,6 +212,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # each time), to score the run's course with `rlax-ps eval`.
   c.export.every_steps = 0
   c.export.dtype = ""  # "" = the params' dtype; bfloat16 halves float32 exports.
+  # "fp8": each layer's projections in block-scaled FP8 as DeepSeek-V3 ships (vLLM and
+  # SGLang serve it as it is), the rest in export.dtype; "" = none.
+  c.export.quantization = ""
 
   # Held-out evaluation: greedy exact match every every_steps and at the end, and
   # pass@1 / pass@pass_k with the workers' temperature at the end.

@@ -147,6 +147,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.export = ml_collections.ConfigDict()
   c.export.hf = True
   c.export.dtype = ""  # "" = the params' dtype; bfloat16 halves float32 exports.
+  # "fp8": each layer's projections in block-scaled FP8 as DeepSeek-V3 ships (vLLM and
+  # SGLang serve it as it is), the rest in export.dtype; "" = none.
+  c.export.quantization = ""
 
   if arg == "tiny":
     c.model.hidden_size = 32

@@ -54,7 +54,8 @@ from safetensors.numpy import save_file
 from rlax_ps.models.config import ModelConfig, dtype_name
 from rlax_ps.models.params import flatten_params
 from rlax_ps.models.quantized import (FP8_TYPES, QUANTIZATION_FIELD, RawTensors, check_fp8,
-                                      dequantize_fp8, dequantize_mxfp4, fp8_block, mxfp4_shape)
+                                      dequantize_fp8, dequantize_mxfp4, fp8_block, mxfp4_shape,
+                                      quantize_fp8)
 from rlax_ps.models.transformer import Transformer
 from rlax_ps.sharding import fit_spec
 
@@ -1357,11 +1358,15 @@ def place_params(config: ModelConfig, flat: dict[str, np.ndarray],
 
 
 def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = None,
-                       max_shard_bytes: int = 5 * 2**30,
+                       quantization: str = "", max_shard_bytes: int = 5 * 2**30,
                        extra_config: Mapping[str, Any] | None = None) -> None:
   """Write `model` as an HF checkpoint folder (config.json + safetensors) for transformers/vLLM.
 
-  `dtype` converts the weights (default: the model's param dtype). Above `max_shard_bytes`
+  `dtype` converts the weights (default: the model's param dtype). `quantization` "fp8"
+  writes each layer's projections in block-scaled FP8 as DeepSeek-V3 ships (float8_e4m3fn,
+  a weight_scale_inv per 128 x 128 block, `quant_method: fp8`: half a bf16 export, what
+  vLLM and SGLang serve natively), the rest (embeddings, head, norms, routers) in `dtype`.
+  Above `max_shard_bytes`
   the tensors are split over numbered files with a `model.safetensors.index.json`.
   `extra_config` adds config.json fields our config does not hold (e.g. bos/eos token ids).
   Old safetensors files in `path` are removed first so no stale shard can be read back.
@@ -1369,6 +1374,11 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   """
   config: ModelConfig = model.config
   dtype = config.param_dtype if dtype is None else dtype_name(dtype)
+  if quantization not in QUANTIZATIONS:
+    raise ValueError(f"quantization: expected one of {QUANTIZATIONS}, got {quantization!r}")
+  if quantization and config.architecture == "gpt_oss":
+    raise ValueError("quantization: 'fp8' does not write gpt-oss's fused experts; export it "
+                     "unquantized")
   flat = flatten_params(model)
   if config.lora_rank:
     flat, config = merge_adapters(flat, config)
@@ -1403,6 +1413,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
     for columns, array in parts:
       full[..., columns.start::columns.step] = array
     tensors[name] = full
+  quantization_config = _fp8_quantized(tensors) if quantization else None
 
   os.makedirs(path, exist_ok=True)
   for f in os.listdir(path):
@@ -1422,8 +1433,34 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
              "weight_map": dict(sorted(weight_map.items()))}
     _write_json(os.path.join(path, INDEX_FILE), index)
   hf_config = config_to_hf(config.replace(param_dtype=dtype))
+  if quantization_config:
+    hf_config[QUANTIZATION_FIELD] = quantization_config
   hf_config.update(extra_config or {})
   _write_json(os.path.join(path, CONFIG_FILE), hf_config)
+
+
+QUANTIZATIONS = ("", "fp8")
+FP8_EXPORT_BLOCK = (128, 128)
+# A decoder layer's projections (nn.Linear in transformers, FP8Linear under quant_method
+# fp8): attention, MLP, experts (Mixtral's w1/w2/w3); not norms, routers or expert gates.
+_FP8_PROJECTION = re.compile(
+    r"model\.layers\.\d+\..*(_proj|_proj_with_mqa|experts\.\d+\.w[123])\.weight")
+
+
+def _fp8_quantized(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+  """Each projection of `tensors` replaced, in place, by its FP8 codes and weight_scale_inv
+  (FP8_EXPORT_BLOCK blocks); -> the config.json quantization_config that says so, naming
+  the layers' other linear weights (routers, expert gates) as left unquantized."""
+  kept = set()
+  for name in list(tensors):
+    array = tensors[name]
+    if _FP8_PROJECTION.fullmatch(name) and array.ndim == 2:
+      tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8(array, FP8_EXPORT_BLOCK)
+    elif name.startswith("model.layers.") and array.ndim == 2:
+      kept.add(re.sub(r"^model\.layers\.\d+\.", "model.layers.*.", name[:-len(".weight")]))
+  return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+          "weight_block_size": list(FP8_EXPORT_BLOCK),
+          "modules_to_not_convert": ["lm_head", *sorted(kept)]}
 
 
 def merge_adapters(flat: Mapping[str, Any], config: ModelConfig

@@ -105,6 +105,26 @@ def check_fp8(weight: tuple[Sequence[int], str], scale: tuple[Sequence[int], str
   return w
 
 
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+
+
+def quantize_fp8(weight: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+  """A weight [..., rows, cols] -> (float8_e4m3fn codes, float32 weight_scale_inv [...,
+  ceil(rows / b0), ceil(cols / b1)]): per block (the last ones partial) the scale that
+  brings its largest magnitude to 448, as DeepSeek-V3's and transformers' FP8 weights."""
+  w = np.asarray(weight, np.float32)
+  *lead, rows, cols = w.shape
+  grid = fp8_scale_shape(w.shape, block)
+  padded = np.zeros((*lead, grid[-2] * block[0], grid[-1] * block[1]), np.float32)
+  padded[..., :rows, :cols] = w
+  tiles = padded.reshape(*lead, grid[-2], block[0], grid[-1], block[1])
+  amax = np.abs(tiles).max(axis=(-3, -1))
+  scale_inv = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+  full = np.repeat(np.repeat(scale_inv, block[0], axis=-2), block[1], axis=-1)
+  codes = np.clip(w / full[..., :rows, :cols], -FP8_MAX, FP8_MAX)
+  return codes.astype(ml_dtypes.float8_e4m3fn), scale_inv
+
+
 def dequantize_fp8(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int] | None,
                    dtype=np.float32) -> np.ndarray:
   """An FP8 `weight` [..., rows, cols] times its `scale` (weight_scale_inv: per `block`, the

@@ -219,7 +219,7 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
   naming the flag (--workdir, --step, --out, --peft) for input it refuses."""
   import jax
 
-  from rlax_ps.train.run import export_dtype, run_tokenizer, write_hf_export
+  from rlax_ps.train.run import export_options, run_tokenizer, write_hf_export
   workdir = os.path.abspath(workdir)
   with open_reader(workdir) as reader:
     step = chosen_step(reader.all_steps(), step, reader.directory)
@@ -244,7 +244,7 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
       raise ValueError(f"--step: {e}") from None
   try:
     path = write_hf_export(graphdef, jax.device_get(params), tokenizer, out,
-                           dtype=export_dtype(config), peft=peft,
+                           **export_options(config), peft=peft,
                            base_model=str(config.get("init_from_hf", "")), record=record)
   except OSError as e:
     raise ValueError(f"--out: cannot write {out}: {e.strerror or e}") from None

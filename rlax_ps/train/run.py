@@ -22,6 +22,8 @@ from rlax_ps.config_files import make_workdir
 from rlax_ps.folder_lock import FolderLock
 from rlax_ps.models import (flatten_params, longest_sequence, model_config_from,
                             save_hf_checkpoint)
+from rlax_ps.models.config import dtype_name
+from rlax_ps.models.hf import QUANTIZATIONS
 from rlax_ps.models.peft import save_peft_adapter
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import tokenizer_from_config
@@ -168,10 +170,21 @@ def run_tokenizer(config):
                                tool_modules=str(config.get("worker", {}).get("verifiers", "")))
 
 
-def export_dtype(config) -> str | None:
-  """The dtype a run's Hugging Face exports are written in: export.dtype, None for the
-  params' own ("")."""
-  return config.get("export", {}).get("dtype") or None
+def export_options(config) -> dict[str, Any]:
+  """How a run's Hugging Face exports are written (save_hf_checkpoint's dtype and
+  quantization): export.dtype (""/absent: the params' own) and export.quantization (""/absent:
+  none; "fp8": the projections in block-scaled FP8); a ValueError names a field it refuses."""
+  export = config.get("export", {})
+  dtype, quantization = export.get("dtype") or None, export.get("quantization") or ""
+  if dtype is not None:
+    try:
+      dtype = dtype_name(dtype, "export.dtype")
+    except ValueError as e:
+      raise ValueError(f"{e} ('' for the params' own)") from None
+  if quantization not in QUANTIZATIONS:
+    raise ValueError(f"export.quantization: expected one of {QUANTIZATIONS} ('': none), got "
+                     f"{quantization!r}")
+  return {"dtype": dtype, "quantization": quantization}
 
 
 # What `rlax-ps export` writes beside an export: the run and step it holds.
@@ -179,10 +192,11 @@ EXPORT_RECORD = "rlax_ps_export.json"
 
 
 def write_hf_export(graphdef: nnx.GraphDef, params: Any, tokenizer, path: str, *,
-                    dtype: str | None = None, peft: bool = False, base_model: str = "",
-                    record: dict[str, Any] | None = None) -> str:
+                    dtype: str | None = None, quantization: str = "", peft: bool = False,
+                    base_model: str = "", record: dict[str, Any] | None = None) -> str:
   """Write the model (`graphdef` over host `params`) in Hugging Face format to `path`:
-  config.json and safetensors in `dtype` (None: the params'), a LoRA model's adapters merged
+  config.json and safetensors in `dtype` (None: the params'; `quantization` as
+  save_hf_checkpoint's), a LoRA model's adapters merged
   in, the generation config and the tokenizer files (its chat template) as trained; with
   `peft`, the adapters also as a PEFT adapter over `base_model` in `adapter/` where PEFT can
   hold them; `record` as EXPORT_RECORD. An earlier folder at `path` is replaced only once
@@ -192,7 +206,7 @@ def write_hf_export(graphdef: nnx.GraphDef, params: Any, tokenizer, path: str, *
   shutil.rmtree(partial, ignore_errors=True)
   ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
   model = nnx.merge(graphdef, params)
-  save_hf_checkpoint(model, partial, extra_config=ids, dtype=dtype)
+  save_hf_checkpoint(model, partial, extra_config=ids, dtype=dtype, quantization=quantization)
   if peft:
     try:
       save_peft_adapter(flatten_params(model), model.config, os.path.join(partial, "adapter"),
@@ -232,6 +246,7 @@ class TrainerRun:
     trainer's parts (a build that raises, a config refused, frees it again): a second
     trainer on it (a rerun while the first still runs) is refused, naming the first's pid,
     rather than interleaving checkpoints with it."""
+    export_options(self.config)  # a field it refuses ends the run now, not at its export
     self.workdir = make_workdir(workdir)
     if self.leader:
       self._workdir_lock = FolderLock(self.workdir, holder="trainer", flag="--workdir")
@@ -317,7 +332,7 @@ class TrainerRun:
     if not self.leader:
       return path
     return write_hf_export(self.graphdef, params, self.tokenizer, path,
-                           dtype=export_dtype(self.config),
+                           **export_options(self.config),
                            peft=bool(self.model_config.lora_rank), base_model=self.init_from_hf)
 
   def log_eval(self, result: dict[str, float], step: int) -> None:

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 from rlax_ps.models import (ModelConfig, config_from_hf, config_to_hf, flatten_params,
                             load_hf_checkpoint, save_hf_checkpoint)
 from rlax_ps.models.hf import check_hf_checkpoint, dequantize_mxfp4
-from rlax_ps.models.quantized import FP8_TYPES, RawTensors, dequantize_fp8
+from rlax_ps.models.quantized import FP8_TYPES, RawTensors, dequantize_fp8, quantize_fp8
 from rlax_ps.sharding import make_mesh
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
@@ -364,6 +364,50 @@ def test_fp8_checkpoints_it_cannot_read_are_named(tmp_path):
   plain = {k: v for k, v in config.items() if k != "quantization_config"}
   with pytest.raises(ValueError, match=r"unexpected tensor '.*_scale_inv'"):
     load_hf_checkpoint(copy_with(tmp_path / "plain", "deepseek_v3_fp8", packed, plain))
+
+
+def test_fp8_quantization_scales_each_block_to_the_formats_range():
+  rng = np.random.default_rng(1)
+  w = rng.normal(size=(2, 20, 33)).astype(np.float32)
+  w[0, :8, :16] = 0.0  # a block of zeros: scale 1, codes 0
+  codes, scale_inv = quantize_fp8(w, (8, 16))
+  assert codes.dtype == ml_dtypes.float8_e4m3fn and scale_inv.shape == (2, 3, 3)
+  assert scale_inv[0, 0, 0] == 1.0 and not codes[0, :8, :16].astype(np.float32).any()
+  # Each other block's largest magnitude is 448, the format's; the rest round to e4m3 (3
+  # mantissa bits: within 1/16 of the value, and of the smallest normal step near zero).
+  blocks = np.abs(codes.astype(np.float32)).reshape(2, 20, 33)
+  assert blocks[1, 16:, 32:].max() == 448.0 and blocks[0, 8:16, 16:32].max() == 448.0
+  back = dequantize_fp8(codes, scale_inv, (8, 16))
+  full = np.repeat(np.repeat(scale_inv, 8, 1), 16, 2)[:, :20, :33]
+  assert (np.abs(back - w) <= np.abs(w) / 16 + full * 2.0 ** -9 + 1e-7).all()
+
+
+def test_an_fp8_export_is_read_back_as_its_dequantized_weights(tmp_path):
+  # DeepSeek-V3's own layout (what transformers, vLLM and SGLang read: this export of 8
+  # fixture families loads in transformers 5.25 to our logits within 2.4e-6; recheck with
+  # tests/fixtures/make_hf_fixtures.py --check). Routers, norms, embeddings, head unquantized.
+  model = load_hf_checkpoint(fixture("deepseek_v3"))
+  save_hf_checkpoint(model, str(tmp_path), dtype="bfloat16", quantization="fp8")
+  saved, config = hf_tensors(str(tmp_path)), read_json(tmp_path / "config.json")
+  assert config["quantization_config"] == {
+      "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+      "weight_block_size": [128, 128],
+      "modules_to_not_convert": ["lm_head", "model.layers.*.mlp.gate"]}
+  key = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+  assert saved[key].dtype == ml_dtypes.float8_e4m3fn and saved[f"{key}_scale_inv"].shape == (1, 1)
+  for name in ("model.layers.1.mlp.gate.weight", "model.embed_tokens.weight",
+               "model.layers.0.input_layernorm.weight", "lm_head.weight"):
+    assert saved[name].dtype == ml_dtypes.bfloat16 and f"{name}_scale_inv" not in saved
+  quantized = sorted(k[:-len("_scale_inv")] for k in saved if k.endswith("_scale_inv"))
+  assert len(quantized) == 3 * 5 + 3 + 2 * (8 + 1) * 3  # attention, a dense MLP, 2 MoE layers
+  back = flatten_params(load_hf_checkpoint(str(tmp_path)))
+  kernel = np.asarray(flatten_params(model)["layers.0.attn.kv_a_proj_with_mqa.kernel"])
+  np.testing.assert_array_equal(  # (the rotary columns are permuted alike both ways)
+      back["layers.0.attn.kv_a_proj_with_mqa.kernel"].astype(np.float32),
+      dequantize_fp8(*quantize_fp8(kernel.T.astype(ml_dtypes.bfloat16), (128, 128)),
+                     (128, 128)).T)
+  with pytest.raises(ValueError, match=r"quantization: expected one of \('', 'fp8'\), got 'int4'"):
+    save_hf_checkpoint(model, str(tmp_path / "x"), quantization="int4")
 
 
 def test_config_fields_read_from_gemma_and_sliding_windows():

@@ -293,6 +293,25 @@ def test_export_dtype_writes_bfloat16_weights(tmp_path):
   for name, want in params.items():
     assert got[name].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(got[name], want.astype(ml_dtypes.bfloat16), err_msg=name)
+  # export.quantization=fp8: the projections in block-scaled FP8, the rest in export.dtype.
+  tr.config.export.quantization = "fp8"
+  path = tr.export_hf(str(tmp_path / "fp8"))
+  written = json.load(open(os.path.join(path, "config.json")))
+  assert written["quantization_config"]["quant_method"] == "fp8"
+  assert written["torch_dtype"] == "bfloat16"
+  fp8 = load_hf_checkpoint(path)  # dequantized: near the trained weights, not equal
+  q = "layers.0.attn.q_proj.kernel"
+  err = np.abs(np.asarray(flatten_params(fp8)[q]) - params[q])
+  assert 0 < err.max() <= np.abs(params[q]).max() / 16
+
+
+def test_an_export_setting_it_cannot_write_is_refused_before_the_run(tmp_path):
+  for field, value in (("quantization", "int8"), ("dtype", "float16")):
+    config = _config()
+    config.export[field] = value
+    with pytest.raises(ValueError, match=f"export.{field}: expected"):
+      RLTrainer(config, str(tmp_path / field), object())
+    assert not os.path.exists(tmp_path / field)  # refused before the workdir was made
 
 
 def test_prompts_are_paced_by_the_staleness_bound(run):
