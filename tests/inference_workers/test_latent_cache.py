@@ -51,6 +51,14 @@ def assert_latent(batch, model, kv_dtype=None):
     assert c.suffix_k[0].dtype.name == kv_dtype
 
 
+def assert_same_samples(got, want):
+  """Each prompt's samples `got` ({prompt: [Sample]}) are `want`'s: tokens and log-probs."""
+  for i, group in got.items():
+    for a, b in zip(group, want[i], strict=True):
+      assert a.tokens.tolist() == b.tokens.tolist()
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
 def test_refilled_and_resumed_samples_equal_generate_and_the_uncached_forward(name):
   """3 samples on 2 rows a prompt (a row takes the next sample when its own ends), some
@@ -73,10 +81,7 @@ def test_refilled_and_resumed_samples_equal_generate_and_the_uncached_forward(na
               [cut(want[0][m], k if m == j else 0) for m in range(j + 1)] if i == 0 else None)
   got = dict(batch.run())
   assert_latent(batch, model)
-  for i, group in got.items():
-    for a, b in zip(group, want[i], strict=True):
-      assert a.tokens.tolist() == b.tokens.tolist()
-      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  assert_same_samples(got, want)
   assert got[0][j].resumed
   assert forward_gaps(model, got).max() < 1e-5
 
@@ -137,7 +142,4 @@ def test_heads_split_over_tensor_while_every_device_reads_the_latent_cache():
     batch.add(i, p, SEEDS[i])
   got = dict(batch.run())
   assert_latent(batch, model)
-  for i, group in got.items():
-    for a, b in zip(group, want[i], strict=True):
-      assert a.tokens.tolist() == b.tokens.tolist()
-      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  assert_same_samples(got, want)
