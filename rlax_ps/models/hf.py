@@ -53,9 +53,9 @@ from safetensors.numpy import save_file
 
 from rlax_ps.models.config import ModelConfig, dtype_name
 from rlax_ps.models.params import flatten_params
-from rlax_ps.models.quantized import (FP8_TYPES, QUANTIZATION_FIELD, RawTensors, check_fp8,
-                                      dequantize_fp8, dequantize_mxfp4, fp8_block, mxfp4_shape,
-                                      quantize_fp8)
+from rlax_ps.models.quantized import (FP8_TYPES, QUANTIZATION_FIELD, Fp8Layout, RawTensors,
+                                      check_fp8, dequantize_fp8, dequantize_mxfp4, fp8_layout,
+                                      mxfp4_shape, quantize_fp8)
 from rlax_ps.models.transformer import Transformer
 from rlax_ps.sharding import fit_spec
 
@@ -378,14 +378,14 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   if arch in ("glm4", "gpt_oss") and d.get("attention_bias") is False:
     raise ValueError(f"{CONFIG_FILE}: attention_bias: expected true (not supported), got false")
   quant = (d.get(QUANTIZATION_FIELD) or {}).get("quant_method")
-  if quant not in (None, "mxfp4", "fp8"):
+  if quant not in (None, "mxfp4", "fp8", "compressed-tensors"):
     raise ValueError(f"{CONFIG_FILE}: {QUANTIZATION_FIELD}.quant_method: expected none, "
-                     f"'mxfp4' or 'fp8' (dequantized on load), got {quant!r}")
-  if quant == "fp8":
-    try:
-      fp8_block(d[QUANTIZATION_FIELD])
-    except ValueError as e:
-      raise ValueError(f"{CONFIG_FILE}: {e}") from None
+                     f"'mxfp4', 'fp8' or 'compressed-tensors' (dequantized on load), got "
+                     f"{quant!r}")
+  try:
+    fp8_layout(d.get(QUANTIZATION_FIELD) or {})
+  except ValueError as e:
+    raise ValueError(f"{CONFIG_FILE}: {e}") from None
   if arch == "gpt_oss":  # GptOssConfig's RoPE where the file states none of it
     d = {**d, "rope_theta": d.get("rope_theta") or _GPT_OSS_ROPE["rope_theta"]}
     if not (d.get("rope_parameters") or d.get("rope_scaling")):
@@ -1061,7 +1061,7 @@ def check_hf_checkpoint(path: str) -> ModelConfig:
   config = read_hf_config(path)
   files = _language_model_view(_tensor_files(path))
   needed, stored, quantized = _needed_tensors(path, config, files)
-  block = _fp8_block_of(path)
+  layout = _fp8_layout_of(path)
   for file in sorted({file for file, _ in files.values()}):
     if not os.path.isfile(file):
       raise FileNotFoundError(f"HF checkpoint {path!r}: file {file!r} named by {INDEX_FILE} "
@@ -1070,14 +1070,14 @@ def check_hf_checkpoint(path: str) -> ModelConfig:
   try:
     headers = _header_shapes(files, sorted(stored))
     for name in sorted(want):
-      _check_shape(name, want[name], _shape_as_read(name, headers, quantized, block))
+      _check_shape(name, want[name], _shape_as_read(name, headers, quantized, layout))
   except ValueError as e:
     raise ValueError(f"HF checkpoint {path!r}: {e}") from None
   return config
 
 
 def _shape_as_read(name: str, headers: Mapping[str, tuple[tuple[int, ...], str]],
-                   quantized: Mapping[str, str], block: tuple[int, int] | None
+                   quantized: Mapping[str, str], layout: Fp8Layout | None
                    ) -> tuple[int, ...]:
   """The shape the loader reads tensor `name` as, from `headers`: a quantized one's once
   dequantized (a ValueError names one whose parts do not fit its format, or an FP8 tensor
@@ -1089,7 +1089,8 @@ def _shape_as_read(name: str, headers: Mapping[str, tuple[tuple[int, ...], str]]
   try:
     if kind == "mxfp4":
       return mxfp4_shape(headers[f"{name}_blocks"], headers[f"{name}_scales"])
-    return check_fp8(headers[name], headers[f"{name}_scale_inv"], block)
+    weight = headers[name]
+    return check_fp8(weight, headers[name + layout.suffix], layout.block_for(weight[0]))
   except ValueError as e:
     raise ValueError(f"tensor {name!r}: {e}") from None
 
@@ -1097,16 +1098,16 @@ def _shape_as_read(name: str, headers: Mapping[str, tuple[tuple[int, ...], str]]
 def _check_unscaled(name: str, dtype: str) -> None:
   """A ValueError for tensor `name` stored in an 8-bit float type without its scale."""
   if dtype in {t.name for t in FP8_TYPES.values()}:
-    raise ValueError(f"tensor {name!r}: stored as {dtype} without a {name + '_scale_inv'!r} "
-                     f"(and {QUANTIZATION_FIELD}.quant_method 'fp8') to dequantize it by")
+    raise ValueError(f"tensor {name!r}: stored as {dtype} without its scale (a quant_method "
+                     f"'fp8' checkpoint's {name + '_scale_inv'!r}, compressed-tensors' "
+                     f"{name + '_scale'!r}) to dequantize it by")
 
 
-def _fp8_block_of(path: str) -> tuple[int, int] | None:
-  """The FP8 scale block of the checkpoint at `path` (its config.json's; None if it has
-  none or holds no FP8)."""
+def _fp8_layout_of(path: str) -> Fp8Layout | None:
+  """How the FP8 weights of the checkpoint at `path` carry their scales (its config.json's
+  quantization_config; None: it holds no FP8)."""
   with open(os.path.join(path, CONFIG_FILE)) as f:
-    quantization = json.load(f).get(QUANTIZATION_FIELD) or {}
-  return fp8_block(quantization) if quantization.get("quant_method") == "fp8" else None
+    return fp8_layout(json.load(f).get(QUANTIZATION_FIELD) or {})
 
 
 def _tensor_shapes(shapes: Mapping[str, tuple[int, ...]], needed: Mapping[str, list]
@@ -1152,16 +1153,17 @@ def _needed_tensors(path: str, config: ModelConfig, files: Mapping[str, tuple[st
   for name in extra:
     needed[name] = [(name, None, False)]
   # Quantized tensors, dequantized as read: MXFP4 (gpt-oss) stored as `_blocks` and
-  # `_scales`; FP8 (quant_method fp8) as itself beside its `_scale_inv`.
-  with open(os.path.join(path, CONFIG_FILE)) as f:
-    fp8 = (json.load(f).get(QUANTIZATION_FIELD) or {}).get("quant_method") == "fp8"
+  # `_scales`; FP8 as itself beside its scale (`_fp8_layout_of`).
+  layout = _fp8_layout_of(path)
+  fp8 = layout is not None
   quantized = {}
   for name in needed:
     if name not in files and f"{name}_blocks" in files and f"{name}_scales" in files:
       quantized[name] = "mxfp4"
-    elif fp8 and name in files and f"{name}_scale_inv" in files:
+    elif fp8 and name in files and name + layout.suffix in files:
       quantized[name] = "fp8"
-  stored = {f"{n}{part}" for n in needed for part in _QUANTIZED_PARTS.get(quantized.get(n), ("",))}
+  parts = {"mxfp4": ("_blocks", "_scales"), "fp8": ("", layout.suffix if fp8 else "")}
+  stored = {f"{n}{part}" for n in needed for part in parts.get(quantized.get(n), ("",))}
   missing = [name for name in needed if name not in files and name not in quantized]
   if missing:
     raise ValueError(f"HF checkpoint {path!r}: missing tensor {missing[0]!r} "
@@ -1178,8 +1180,6 @@ def _needed_tensors(path: str, config: ModelConfig, files: Mapping[str, tuple[st
   return needed, stored, quantized
 
 
-# The tensors each quantized format stores for one weight, by suffix.
-_QUANTIZED_PARTS = {"mxfp4": ("_blocks", "_scales"), "fp8": ("", "_scale_inv")}
 # Static FP8 activation scales: for FP8 matmuls, which we do not run (activations stay bf16).
 _ACTIVATION_SCALE = re.compile(r".+\.(input_scale|activation_scale)")
 
@@ -1211,7 +1211,7 @@ def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
   want = _tensor_shapes(shapes, {hf: parts for hf, parts in needed.items() if hf not in extra})
   flat, experts = {}, {}
   tensors = _read_tensors(files, sorted(stored))
-  for hf, full in _dequantized(tensors, quantized, _fp8_block_of(path), dtype):
+  for hf, full in _dequantized(tensors, quantized, _fp8_layout_of(path), dtype):
     if hf in extra:
       flat[hf] = np.ascontiguousarray(full.astype(dtype, copy=False))
       continue
@@ -1241,11 +1241,13 @@ def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
 
 
 def _dequantized(tensors: Iterator[tuple[str, np.ndarray]], quantized: Mapping[str, str],
-                 block: tuple[int, int] | None, dtype) -> Iterator[tuple[str, np.ndarray]]:
+                 layout: Fp8Layout | None, dtype) -> Iterator[tuple[str, np.ndarray]]:
   """`tensors` with the parts of each quantized tensor (`quantized`: name -> 'mxfp4' or
-  'fp8'; FP8 scales per `block`) replaced by (name, its weights dequantized to `dtype`)."""
+  'fp8'; FP8 scales as `layout` says) replaced by (name, its weights dequantized to
+  `dtype`)."""
+  parts_of = {"mxfp4": ("_blocks", "_scales"), "fp8": ("", layout.suffix if layout else "")}
   owner = {f"{base}{part}": (base, part) for base, kind in quantized.items()
-           for part in _QUANTIZED_PARTS[kind]}
+           for part in parts_of[kind]}
   pending: dict[str, dict[str, np.ndarray]] = {}
   for name, array in tensors:
     if name not in owner:
@@ -1262,7 +1264,9 @@ def _dequantized(tensors: Iterator[tuple[str, np.ndarray]], quantized: Mapping[s
       if quantized[base] == "mxfp4":
         yield base, dequantize_mxfp4(parts["_blocks"], parts["_scales"], dtype)
       else:
-        yield base, dequantize_fp8(parts[""], parts["_scale_inv"], block, dtype)
+        weight = parts[""]
+        yield base, dequantize_fp8(weight, parts[layout.suffix],
+                                   layout.block_for(weight.shape), dtype)
     except ValueError as e:
       raise ValueError(f"tensor {base!r}: {e}") from None
 

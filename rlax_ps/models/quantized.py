@@ -1,13 +1,15 @@
 """Quantized Hub weight formats, dequantized as a checkpoint is read.
 
-MXFP4 (gpt-oss's experts: `*_blocks` and `*_scales`) and block-scaled FP8 (`quant_method:
-fp8`: DeepSeek-V3/R1, Kimi K2, Qwen3-*-FP8): an FP8 weight beside its `*_scale_inv`, one
-scale per `weight_block_size` block, or one per tensor. We train in bf16/float32, so both
-are expanded once on load and exported unquantized.
+MXFP4 (gpt-oss's experts: `*_blocks` and `*_scales`); FP8 weights beside their scales:
+`quant_method: fp8` (DeepSeek-V3/R1, Kimi K2, Qwen3-*-FP8: `*_scale_inv`, one per
+`weight_block_size` block or per tensor) and compressed-tensors' float-quantized format
+(llm-compressor's FP8 checkpoints, GLM-4.5-FP8: `*_scale`, one per tensor, output channel,
+group or block). We train in bf16/float32, so all are expanded once on load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from typing import Any, Mapping, Sequence
@@ -53,8 +55,76 @@ def mxfp4_shape(blocks: tuple[Sequence[int], str], scales: tuple[Sequence[int], 
   return (b[0], b[2] * 32, b[1])
 
 
-def fp8_block(quantization: Mapping[str, Any]) -> tuple[int, int] | None:
-  """The [rows, cols] block one FP8 scale covers, from an `quant_method: fp8`
+@dataclasses.dataclass(frozen=True)
+class Fp8Layout:
+  """How a checkpoint's FP8 weights carry their scales: the scale tensor's suffix (after
+  the weight's name) and the block one scale covers ((rows, cols); "channel": one per
+  output row; None: one per tensor)."""
+
+  suffix: str
+  block: tuple[int, int] | str | None
+
+  def block_for(self, shape: Sequence[int]) -> tuple[int, int] | None:
+    """The block of a weight of `shape` [..., rows, cols]."""
+    return (1, int(shape[-1])) if self.block == "channel" else self.block
+
+
+def fp8_layout(quantization: Mapping[str, Any]) -> Fp8Layout | None:
+  """The FP8 layout a config.json's quantization_config describes (None: no FP8); a
+  ValueError names a field this loader cannot honour."""
+  method = quantization.get("quant_method")
+  if method == "fp8":
+    return Fp8Layout("_scale_inv", _fp8_block(quantization))
+  if method == "compressed-tensors":
+    return Fp8Layout("_scale", _compressed_block(quantization))
+  return None
+
+
+def _compressed_block(quantization: Mapping[str, Any]) -> tuple[int, int] | str | None:
+  """The scale block of compressed-tensors' float-quantized FP8 weights (every group's
+  weights 8-bit float, symmetric, one strategy); a ValueError names what is not."""
+  where = QUANTIZATION_FIELD
+  fmt = quantization.get("format")
+  if fmt not in ("float-quantized", "naive-quantized"):
+    raise ValueError(f"{where}.format: expected 'float-quantized' (FP8 weights; other "
+                     f"compressed-tensors formats are not supported), got {fmt!r}")
+  groups = quantization.get("config_groups") or {}
+  if not groups:
+    raise ValueError(f"{where}.config_groups: expected a group of FP8 weights, got none")
+  blocks = set()
+  for name, group in sorted(groups.items()):
+    weights = (group or {}).get("weights") or {}
+    field = f"{where}.config_groups.{name}.weights"
+    if (weights.get("type"), weights.get("num_bits")) != ("float", 8):
+      raise ValueError(f"{field}: expected type 'float' of num_bits 8 (FP8), got "
+                       f"{weights.get('type')!r} of {weights.get('num_bits')!r}")
+    if weights.get("symmetric") is False:
+      raise ValueError(f"{field}.symmetric: expected true, got false")
+    strategy = weights.get("strategy")
+    if strategy == "tensor":
+      blocks.add(None)
+    elif strategy == "channel":
+      blocks.add("channel")
+    elif strategy == "group" and isinstance(weights.get("group_size"), int):
+      blocks.add((1, weights["group_size"]))
+    elif strategy == "block" and _positive_pair(weights.get("block_structure")):
+      blocks.add(tuple(weights["block_structure"]))
+    else:
+      raise ValueError(f"{field}.strategy: expected 'tensor', 'channel', 'group' (with a "
+                       f"group_size) or 'block' (with a block_structure), got {strategy!r}")
+  if len(blocks) > 1:
+    raise ValueError(f"{where}.config_groups: expected one weight strategy for all groups, "
+                     f"got {len(blocks)}")
+  return blocks.pop()
+
+
+def _positive_pair(block: Any) -> bool:
+  return (isinstance(block, (list, tuple)) and len(block) == 2
+          and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block))
+
+
+def _fp8_block(quantization: Mapping[str, Any]) -> tuple[int, int] | None:
+  """The [rows, cols] block one FP8 scale covers, from a `quant_method: fp8`
   quantization_config (None: one scale per tensor); a ValueError names a field this
   loader cannot honour."""
   where = QUANTIZATION_FIELD
@@ -73,8 +143,7 @@ def fp8_block(quantization: Mapping[str, Any]) -> tuple[int, int] | None:
   block = quantization.get("weight_block_size", (128, 128))
   if block is None:
     return None
-  if (not isinstance(block, (list, tuple)) or len(block) != 2
-      or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+  if not _positive_pair(block):
     raise ValueError(f"{where}.weight_block_size: expected two positive integers or null, "
                      f"got {block!r}")
   return int(block[0]), int(block[1])

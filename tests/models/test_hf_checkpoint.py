@@ -15,7 +15,8 @@ from safetensors.numpy import save_file
 from rlax_ps.models import (ModelConfig, config_from_hf, config_to_hf, flatten_params,
                             load_hf_checkpoint, save_hf_checkpoint)
 from rlax_ps.models.hf import check_hf_checkpoint, dequantize_mxfp4
-from rlax_ps.models.quantized import FP8_TYPES, RawTensors, dequantize_fp8, quantize_fp8
+from rlax_ps.models.quantized import (FP8_TYPES, Fp8Layout, RawTensors, dequantize_fp8,
+                                      fp8_layout, quantize_fp8)
 from rlax_ps.sharding import make_mesh
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
@@ -343,7 +344,8 @@ def test_fp8_checkpoints_it_cannot_read_are_named(tmp_path):
   key = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
   cases = [  # (tensors, config, the message from the check and from the loader)
       ({k: v for k, v in packed.items() if k != f"{key}_scale_inv"}, config,
-       f"tensor {key!r}: stored as float8_e4m3fn without a '{key}_scale_inv'"),
+       f"tensor {key!r}: stored as float8_e4m3fn without its scale (a quant_method 'fp8' "
+       f"checkpoint's '{key}_scale_inv'"),
       ({**packed, f"{key}_scale_inv": packed[f"{key}_scale_inv"][:2]}, config,
        f"tensor {key!r}: FP8: expected a float scale of shape (3, 4) for a weight (20, 32) "
        "in blocks of (8, 8), got float32 (2, 4)"),
@@ -364,6 +366,44 @@ def test_fp8_checkpoints_it_cannot_read_are_named(tmp_path):
   plain = {k: v for k, v in config.items() if k != "quantization_config"}
   with pytest.raises(ValueError, match=r"unexpected tensor '.*_scale_inv'"):
     load_hf_checkpoint(copy_with(tmp_path / "plain", "deepseek_v3_fp8", packed, plain))
+
+
+def test_compressed_tensors_fp8_layouts_and_what_they_refuse():
+  # llm-compressor's FP8 schemes: a weight_scale per tensor, output channel, input group or
+  # block (test_hf_parity: the per-channel fixture's logits equal transformers').
+  def config(**weights):
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 8, "type": "float", "symmetric": True, **weights}}}}
+
+  for weights, shape, block in (
+      (dict(strategy="tensor"), (20, 32), None),
+      (dict(strategy="channel"), (20, 32), (1, 32)),
+      (dict(strategy="group", group_size=16), (20, 32), (1, 16)),
+      (dict(strategy="block", block_structure=[8, 8]), (20, 32), (8, 8))):
+    layout = fp8_layout(config(**weights))
+    assert (layout.suffix, layout.block_for(shape)) == ("_scale", block)
+  assert fp8_layout({"quant_method": "fp8"}) == Fp8Layout("_scale_inv", (128, 128))
+  assert fp8_layout({"quant_method": "mxfp4"}) is None
+  for bad, message in (
+      ({**config(strategy="channel"), "format": "pack-quantized"},
+       "quantization_config.format: expected 'float-quantized'"),
+      (config(strategy="channel", type="int"),
+       "quantization_config.config_groups.group_0.weights: expected type 'float' of num_bits "
+       "8 (FP8), got 'int' of 8"),
+      (config(strategy="channel", symmetric=False),
+       "quantization_config.config_groups.group_0.weights.symmetric: expected true"),
+      (config(strategy="group"), "quantization_config.config_groups.group_0.weights.strategy"),
+      ({**config(strategy="channel"), "config_groups": {}},
+       "quantization_config.config_groups: expected a group of FP8 weights")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      fp8_layout(bad)
+  d = read_json(os.path.join(fixture("qwen3_fp8_dynamic"), "config.json"))
+  assert config_from_hf(d) == config_from_hf(read_json(os.path.join(fixture("qwen3"),
+                                                                    "config.json")))
+  d["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+  with pytest.raises(ValueError, match=r"config.json: quantization_config.config_groups"):
+    config_from_hf(d)
 
 
 def test_fp8_quantization_scales_each_block_to_the_formats_range():

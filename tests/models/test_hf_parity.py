@@ -35,8 +35,8 @@ def with_config(name, config_file, tmp_path):
                                   "qwen3_yarn", "mistral_window", "gemma3", "gemma3_vision",
                                   "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3",
                                   "qwen2_moe", "phi3", "smollm3", "granite", "glm4",
-                                  "gpt_oss", "gpt_oss_mxfp4", "glm4_moe", "deepseek_v3", "deepseek_v3_fp8",
-                                  "deepseek_v2"])
+                                  "gpt_oss", "gpt_oss_mxfp4", "glm4_moe", "deepseek_v3",
+                                  "deepseek_v3_fp8", "qwen3_fp8_dynamic", "deepseek_v2"])
 def test_logits_match_transformers(name):
   # config.json only: test_hf_checkpoint checks that config_4x.json gives the same config.
   tokens, expected = reference(name)

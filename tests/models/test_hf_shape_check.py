@@ -67,7 +67,8 @@ def test_a_config_of_another_size_names_the_tensor_and_both_shapes(
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_sharded", "phi3", "glm4", "mixtral",
                                   "qwen2_moe", "gpt_oss", "gpt_oss_mxfp4", "gemma3_vision",
-                                  "glm4_moe", "deepseek_v3", "deepseek_v2", "deepseek_v3_fp8"])
+                                  "glm4_moe", "deepseek_v3", "deepseek_v2", "deepseek_v3_fp8",
+                                  "qwen3_fp8_dynamic"])
 def test_good_checkpoints_pass(name):
   # Fused rows (phi3, glm4), per-expert (mixtral, qwen2_moe) and stacked, interleaved
   # (gpt_oss) experts, MXFP4, tied embeddings, an image-text checkpoint's text model and
