@@ -3,7 +3,7 @@
 MXFP4 (gpt-oss's experts: `*_blocks` and `*_scales`); FP8 weights beside their scales:
 `quant_method: fp8` (DeepSeek-V3/R1, Kimi K2, Qwen3-*-FP8: `*_scale_inv`, one per
 `weight_block_size` block or per tensor) and compressed-tensors' float-quantized format
-(llm-compressor's FP8 checkpoints, GLM-4.5-FP8: `*_scale`, one per tensor, output channel,
+(llm-compressor's FP8 checkpoints: `*_scale`, one per tensor, output channel,
 group or block). We train in bf16/float32, so all are expanded once on load.
 """
 
