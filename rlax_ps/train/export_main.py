@@ -31,6 +31,10 @@ _OUT = flags.DEFINE_string("out", "", "Folder to write (default <workdir>/hf-ste
                            "export of the same step there is replaced; any other files refuse it.")
 _PEFT = flags.DEFINE_bool("peft", False, "A LoRA run: also write its adapters as a PEFT adapter "
                           "in <out>/adapter, as the trainer's export does.")
+_QUANTIZATION = flags.DEFINE_string(
+    "quantization", None, "'fp8': the projections in block-scaled FP8 (DeepSeek-V3's layout, "
+    "which vLLM and SGLang serve), the rest in export.dtype; '': none (default: the run's "
+    "export.quantization).")
 flags.mark_flags_as_required(["workdir"])
 
 
@@ -212,14 +216,19 @@ def check_peft(model_config) -> None:
 
 
 def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
-                      peft: bool = False) -> tuple[int, str]:
+                      peft: bool = False, quantization: str | None = None) -> tuple[int, str]:
   """(step, folder) of the Hugging Face export of checkpoint `step` (None: the latest) of the
   run in `workdir` to `out` (default <workdir>/hf-step-N), as the trainer's export writes it
-  (run.write_hf_export) with an EXPORT_RECORD; `peft`: also the PEFT adapter. ValueError
-  naming the flag (--workdir, --step, --out, --peft) for input it refuses."""
+  (run.write_hf_export) with an EXPORT_RECORD; `peft`: also the PEFT adapter;
+  `quantization` (None: the run's export.quantization) as save_hf_checkpoint's. ValueError
+  naming the flag (--workdir, --step, --out, --peft, --quantization) for input it refuses."""
   import jax
 
+  from rlax_ps.models.hf import QUANTIZATIONS
   from rlax_ps.train.run import export_options, run_tokenizer, write_hf_export
+  if quantization is not None and quantization not in QUANTIZATIONS:
+    raise ValueError(f"--quantization: expected one of {QUANTIZATIONS} ('': none), got "
+                     f"{quantization!r}")
   workdir = os.path.abspath(workdir)
   with open_reader(workdir) as reader:
     step = chosen_step(reader.all_steps(), step, reader.directory)
@@ -231,6 +240,9 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
     except ValueError as e:  # a damaged step: which, and what deleting it does
       raise ValueError(f"--step: {e}") from None
     config, model_config = _run_of(saved, workdir, step)
+    options = export_options(config)
+    if quantization is not None:
+      options["quantization"] = quantization
     if peft:
       check_peft(model_config)
     try:
@@ -244,7 +256,7 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
       raise ValueError(f"--step: {e}") from None
   try:
     path = write_hf_export(graphdef, jax.device_get(params), tokenizer, out,
-                           **export_options(config), peft=peft,
+                           **options, peft=peft,
                            base_model=str(config.get("init_from_hf", "")), record=record)
   except OSError as e:
     raise ValueError(f"--out: cannot write {out}: {e.strerror or e}") from None
@@ -259,5 +271,5 @@ def main(argv: list[str]) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX starts: no accelerator is touched
   from rlax_ps.train.run import built_or_exit
   step, path = built_or_exit("rlax-ps export", lambda: export_checkpoint(
-      _WORKDIR.value, _STEP.value, _OUT.value, _PEFT.value))
+      _WORKDIR.value, _STEP.value, _OUT.value, _PEFT.value, _QUANTIZATION.value))
   print(f"Hugging Face export of step {step}: {path}", flush=True)

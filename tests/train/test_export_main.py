@@ -100,6 +100,20 @@ def test_an_earlier_step_holds_its_weights_bit_for_bit_in_the_export_dtype(run, 
                                   value.astype(jax.numpy.bfloat16).view(np.uint16), err_msg=name)
 
 
+def test_any_step_is_exported_in_fp8_on_request(run, tmp_path):
+  step, path = export_checkpoint(run["workdir"], step=2, out=str(tmp_path / "fp8"),
+                                 quantization="fp8")
+  written = json.load(open(os.path.join(path, "config.json")))
+  assert step == 2 and written["quantization_config"]["quant_method"] == "fp8"
+  got = flatten_params(load_hf_checkpoint(path))  # dequantized: near step 2's weights
+  q = "layers.0.attn.q_proj.kernel"
+  err = np.abs(np.asarray(got[q]) - run["params"][2][q])
+  assert 0 < err.max() <= np.abs(run["params"][2][q]).max() / 16
+  with pytest.raises(ValueError, match=r"--quantization: expected one of \('', 'fp8'\)"):
+    export_checkpoint(run["workdir"], out=str(tmp_path / "x"), quantization="int4")
+  assert not os.path.exists(tmp_path / "x")
+
+
 def test_a_run_holding_its_workdir_is_exported_and_trains_on(run):
   # Made while the trainer held the workdir, at step 2: no lock taken, nothing else written.
   assert run["during"] == (2, os.path.join(run["workdir"], "hf-step-2"))
