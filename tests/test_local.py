@@ -425,7 +425,7 @@ def test_the_reward_model_recipe_needs_a_reward_model_named(tmp_path):
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_moe", "qwen3_moe_int8", "olmo3",
                                     "phi3", "granite", "glm4", "gpt_oss", "qwen3_lora",
                                     "qwen3_moe_lora", "qwen3_tools", "qwen3_reward",
-                                    "deepseek_v3", "deepseek_v3_int8"])
+                                    "deepseek_v3", "deepseek_v3_int8", "deepseek_v3_fp8"])
 def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_path):
   """configs/rl_instruct.py:tiny from a tiny Qwen3, Gemma 3 (8-token sliding window), Qwen3-MoE
   (also published as int8, with scales per expert, and routing replay), OLMo 3, Phi-4-mini-like (LongRoPE, which
@@ -434,7 +434,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
   the Qwen3 and Qwen3-MoE ones with configs/rl_lora.py:tiny (adapters, experts' included,
   trained and merged on export), or a DeepSeek-V3 one (latent attention, its workers
   decoding from the latent cache; also as configs/rl_moe.py:tiny: int8 publication, routing
-  replay, experts parallel, an int8 KV cache), or the Qwen3 one with
+  replay, experts parallel, an int8 KV cache; or shipped in FP8, as DeepSeek ships V3, and
+  exported in FP8 again), or the Qwen3 one with
   configs/rl_tools.py:tiny (multi-turn: a user's environment answers each turn, every
   letter token ends one, and the prompts offer a user's tool) or
   configs/rl_reward_model.py:tiny (prompts alone, scored by a reward model with a tokenizer
@@ -488,7 +489,9 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
     with open(os.path.join(REPO, "tests", "fixtures", "hf", "deepseek_v3", "config.json")) as f:
       config = config_from_hf(json.load(f)).replace(vocab_size=tok.vocab_size,
                                                     max_position_embeddings=256)
-  save_hf_checkpoint(Transformer(config, rngs=nnx.Rngs(0)), str(ckpt))
+  fp8 = family == "deepseek_v3_fp8"
+  save_hf_checkpoint(Transformer(config, rngs=nnx.Rngs(0)), str(ckpt),
+                     quantization="fp8" if fp8 else "")
   for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
     shutil.copy(os.path.join(chat, name), ckpt / name)
   rng = np.random.default_rng(0)
@@ -519,6 +522,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
                 *(["--config.worker.routing_replay=True"] if family == "gpt_oss" else []),
                 *(["--config.worker.kv_cache_dtype=int8"] if family == "deepseek_v3_int8"
                   else []),
+                *(["--config.export.quantization=fp8"] if fp8 else []),
                 *([f"--config.tokenizer.stop_tokens={letters}",
                    "--config.worker.verifiers=tests/fixtures/user_verifiers.py",
                    "--config.tokenizer.tools=fixture_add",
@@ -578,8 +582,9 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       "glm4": "Glm4ForCausalLM", "gpt_oss": "GptOssForCausalLM",
       "qwen3_lora": "Qwen3ForCausalLM", "qwen3_moe_lora": "Qwen3MoeForCausalLM",
       "qwen3_tools": "Qwen3ForCausalLM", "qwen3_reward": "Qwen3ForCausalLM",
-      "deepseek_v3": "DeepseekV3ForCausalLM",
+      "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v3_fp8": "DeepseekV3ForCausalLM",
       "deepseek_v3_int8": "DeepseekV3ForCausalLM"}[family]]
+  assert ("quantization_config" in exported) == fp8
   assert exported.get("sliding_window") == (8 if family in ("gemma3", "olmo3", "gpt_oss")
                                             else None)
 
