@@ -99,3 +99,20 @@ def test_device_counts_that_do_not_fit_are_refused_naming_the_field():
   assert worker_mesh(WorkerConfig()) is None  # one device: placed as before
   assert dict(worker_mesh(WorkerConfig(devices=0)).shape) == {"data": 8, "fsdp": 1,
                                                               "tensor": 1}
+
+
+@pytest.mark.parametrize("heads,kv_heads,tensor,held", [
+    (32, 4, 8, 8),  # Qwen3-30B-A3B on 8 chips: each kv head twice, one a chip
+    (28, 4, 8, 4),  # Qwen2.5-7B: 28 query heads do not split in 8, so neither does the cache
+    (64, 8, 8, 8),  # as many kv heads as chips: split as they are
+    (32, 4, 6, 4),  # 6 chips: not a multiple of 4 kv heads
+    (32, 4, 1, 4)])  # no tensor axis
+def test_the_cache_repeats_kv_heads_only_where_that_splits_them_one_a_chip(
+    heads, kv_heads, tensor, held):
+  from inference_workers.shared_prefix import cache_heads
+  from rlax_ps.models import ModelConfig
+  config = ModelConfig(vocab_size=8, hidden_size=heads * 8, intermediate_size=8, num_layers=1,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=8)
+  mesh = jax.sharding.AbstractMesh((1, 1, tensor), ("data", "fsdp", "tensor"))
+  assert cache_heads(config, mesh) == held
+  assert cache_heads(config, None) == kv_heads
