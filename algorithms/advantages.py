@@ -1,5 +1,6 @@
 """Group-relative advantage estimators: GRPO (and Dr. GRPO), GDPO, MC-GRPO, RLOO, OPO, pass@k,
-and verl's REINFORCE++ (with and without its group baseline), whose advantages are per token.
+verl's REINFORCE++ (with and without its group baseline) and GAE over a critic's values,
+whose advantages are per token.
 
 Inputs use the flat layout of `algorithms.groups`: `rewards [B]`, `group_ids [B]`
 (ints in `[0, num_groups)`, `num_groups` static), optional `sample_mask [B]`; the
@@ -210,6 +211,29 @@ def discounted_returns(rewards, token_mask, gamma: float = 1.0):
   compose = lambda later, here: (later[0] * here[0], here[0] * later[1] + here[1])
   _, returns = jax.lax.associative_scan(compose, (a, b), reverse=True, axis=1)
   return returns * mask
+
+
+def gae(rewards, values, token_mask, *, gamma: float = 1.0, lam: float = 1.0):
+  """Generalized advantage estimation (Schulman et al. 2016; verl's
+  compute_gae_advantage_return) -> (advantages, returns) [B, T]: from per-token `rewards`
+  and the critic's `values` of the states before each token, A_t = delta_t + gamma lam
+  A_(t+1), delta_t = r_t + gamma V_(t+1) - V_t, V past the last token 0; returns = A + V.
+  An unmasked token (an environment's reply) carries the next value and advantage through,
+  adding no TD error; the advantages are not whitened here."""
+  mask = jnp.asarray(token_mask, jnp.float32)
+  rewards, values = jnp.asarray(rewards, jnp.float32), jnp.asarray(values, jnp.float32)
+
+  def back(carry, x):
+    next_value, next_adv = carry
+    r, v, m = x
+    adv = r + gamma * next_value - v + gamma * lam * next_adv
+    carry = (jnp.where(m > 0, v, next_value), jnp.where(m > 0, adv, next_adv))
+    return carry, carry[1]
+
+  zeros = jnp.zeros(rewards.shape[:1], jnp.float32)
+  _, adv = jax.lax.scan(back, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
+  adv = adv.T
+  return adv, adv + values
 
 
 @functools.partial(jax.jit, static_argnames=("gamma",))

@@ -71,6 +71,25 @@ def aggregate(per_token, mask, mode: str = "token-mean", norm_const: float | Non
   return jnp.sum(masked) / (per_token.shape[0] * norm)
 
 
+def value_loss(values, old_values, returns, mask, *, clip: float | None = 0.5,
+               agg: str = "token-mean", norm_const: float | None = None):
+  """PPO's critic loss (verl's compute_value_loss): 0.5 * the aggregate over `mask`ed tokens of
+  max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2), V the critic's `values`,
+  V_old the ones the advantages came from, R the `returns` [B, T]; `clip` None: unclipped.
+  -> (loss, metrics: vf_clipfrac, the share of tokens whose clipped error is the larger)."""
+  returns = jax.lax.stop_gradient(returns)
+  old_values = jax.lax.stop_gradient(old_values)
+  err = (values - returns) ** 2
+  if clip is None:
+    clipped_err = err
+  else:
+    clipped_err = (jnp.clip(values, old_values - clip, old_values + clip) - returns) ** 2
+  loss = 0.5 * aggregate(jnp.maximum(err, clipped_err), mask, agg, norm_const)
+  mask = mask.astype(err.dtype)
+  frac = jnp.sum((clipped_err > err) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+  return loss, {"vf_clipfrac": frac}
+
+
 def kl_penalty(logp, ref_logp, estimator: str = "k3"):
   """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
 

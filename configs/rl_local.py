@@ -103,9 +103,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The objective (rlax_ps.train.rl_loss.LossConfig).
   c.loss = ml_collections.ConfigDict()
   # grpo | dr_grpo | rloo | mc_grpo | opo | passk (pass@k training) | reinforce_pp |
-  # reinforce_pp_baseline (verl's REINFORCE++: per-token, whitened over the batch's tokens)
+  # reinforce_pp_baseline (verl's REINFORCE++: per-token, whitened over the batch's tokens) |
+  # gae (PPO with a critic: configs/rl_ppo.py's `critic` block)
   c.loss.advantage = "grpo"
-  c.loss.gamma = 1.0  # reinforce_pp: the returns' discount (verl's algorithm.gamma)
+  c.loss.gamma = 1.0  # reinforce_pp, gae: the returns' discount (verl's algorithm.gamma)
+  c.loss.lam = 1.0  # gae: its lambda (verl's algorithm.lam)
   # grpo, mc_grpo, passk: divide by the std of each group (unset: "group") or of the whole
   # batch's rewards ("batch": TRL's scale_rewards="batch"); dr_grpo, rloo, opo divide by none.
   c.loss.scale_rewards = ml_collections.config_dict.placeholder(str)

@@ -52,7 +52,9 @@ from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, adapt_kl_coef,
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
 from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
-from rlax_ps.train.state import TrainState, hf_params, restore_or_init, restore_state
+from rlax_ps.train.critic import Critic
+from rlax_ps.train.state import (TrainState, abstract_model, hf_params, restore_or_init,
+                                 restore_state)
 from rlax_ps.train.step import apply_gradients, jit_step
 from rlax_ps.train.trainable import trainable_value_and_grad
 
@@ -297,11 +299,21 @@ class RLTrainer(TrainerRun):
     self.new_source = self.check_data_source(  # True: fed from its start (_load_metadata)
         latest, recorded, NEW_SOURCE_FED)
     self.build_optimizer(latest, "rl.steps")
-    held = {}  # a reference mixed with the policy (rl.ref_sync_steps), as checkpointed
-    if latest is not None and latest.get("mixed_reference"):
+    self.critic = None  # loss.advantage="gae": PPO's critic beside the policy
+    if self.loss_cfg.advantage == "gae":
+      self.critic = Critic(self.model_config, config.get("critic") or {}, self.mesh,
+                           total_steps=self.total_steps, loss_cfg=self.loss_cfg,
+                           policy_graphdef=abstract_model(self.model_config)[0],
+                           updates_per_batch=int(rl.get("updates_per_batch", 1)),
+                           micro_batches=self.micro_batches)
+    held = {}  # a reference mixed with the policy (rl.ref_sync_steps), the critic, as saved
+    critic_saved = bool(self.critic and latest is not None and latest.get("critic"))
+    if latest is not None and (latest.get("mixed_reference") or critic_saved):
       self.state, self.shardings, self.graphdef, saved, held = restore_state(
           self.model_config, self.optimizer, self.mesh, self.checkpointer,
-          self.checkpointer.latest_step(), params_like=("ref_params",))
+          self.checkpointer.latest_step(),
+          params_like=("ref_params",) if latest.get("mixed_reference") else (),
+          trees={"critic": self.critic.abstract_tree()} if critic_saved else None)
     else:
       self.state, self.shardings, self.graphdef, saved = restore_or_init(
           self.model_config, self.optimizer, self.mesh, self.checkpointer,
@@ -312,6 +324,12 @@ class RLTrainer(TrainerRun):
       if self.ref_params is None:
         self.ref_params = jax.device_put(hf_params(self.model_config, self.mesh,
                                                    self.init_from_hf), self.shardings.params)
+    if self.critic is not None:
+      if latest is not None and not critic_saved and self.leader:
+        logging.warning("critic: the checkpoint in %s holds none (its run had no "
+                        "loss.advantage='gae'); it starts from the policy's weights",
+                        self.checkpointer.directory)
+      self.critic.start(self.state.params, held.get("critic"), int(config.seed))
     # Once mixed, the reference is no longer the warm start: the checkpoints carry it.
     self.mixed_reference = self.ref_params is not None and bool(self.ref_sync_steps or held)
     self._mix_reference = jax.jit(lambda ref, params: mix_reference(ref, params, ref_alpha),
@@ -433,6 +451,7 @@ class RLTrainer(TrainerRun):
         "warm_start_eval": self.warm_start_eval,
         "run_id": self.run_id,
         "mixed_reference": self.mixed_reference,  # the state holds ref_params
+        "critic": self.critic is not None,  # and the critic's state
         "model_config": self.model_config.to_dict(),
         "config": json.loads(self.config.to_json_best_effort()),
     }
@@ -567,16 +586,21 @@ class RLTrainer(TrainerRun):
     """The step's inputs after the reference, replicated: with loss.adaptive_entropy, the
     coefficient this step's bonus applies (entropy_bonus_coef); with loss.kl_target,
     loss.kl_in_reward's (None where the other is not adaptive); else none."""
-    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-
-    def scalar(value):
-      return jax.make_array_from_callback((), replicated, lambda _: np.float32(value))
-
-    entropy = (scalar(entropy_bonus_coef(self.entropy_coef, self.last_entropy, self.loss_cfg))
+    entropy = (self._scalar(entropy_bonus_coef(self.entropy_coef, self.last_entropy,
+                                               self.loss_cfg))
                if self.loss_cfg.adaptive_entropy else None)
     if self.loss_cfg.kl_target is not None:
-      return entropy, scalar(self.kl_beta)
+      return entropy, self._kl_beta_input()
     return () if entropy is None else (entropy,)
+
+  def _scalar(self, value: float) -> jax.Array:
+    """`value` as a float32 scalar replicated on the mesh (a traced step input)."""
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return jax.make_array_from_callback((), replicated, lambda _: np.float32(value))
+
+  def _kl_beta_input(self) -> jax.Array | None:
+    """loss.kl_target's adaptive KL-in-reward coefficient as a step input; None: fixed."""
+    return None if self.loss_cfg.kl_target is None else self._scalar(self.kl_beta)
 
   def _adapt_entropy(self, entropy: float) -> float:
     """loss.adaptive_entropy's controller after a step that measured `entropy` (the step's
@@ -599,9 +623,12 @@ class RLTrainer(TrainerRun):
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rl-compile")
     for capacity in response_lens(self.shape.response_len, self.response_buckets):
       shape = dataclasses.replace(self.shape, response_len=capacity)
+      host = empty_batch(rows, shape, self.tokenizer.pad_id)
+      if self.critic is not None:  # its values join the batch (float32, as the log-probs)
+        host["values"] = host["behaviour_logp"]
       batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=jax.sharding.NamedSharding(
           self.mesh, shd.batch_spec(self.mesh, v.shape)))
-               for k, v in empty_batch(rows, shape, self.tokenizer.pad_id).items()}
+               for k, v in host.items()}
       self._compiles[(rows, capacity)] = self._compiler.submit(
           lambda batch=batch: self.rl_step.lower(state, batch, ref, *extra).compile())
 
@@ -687,8 +714,15 @@ class RLTrainer(TrainerRun):
         batch, groups = self._next_batch(go)
         if batch is None:  # done, or stopped while waiting
           break
+        placed = shd.shard_batch(self.mesh, batch)
+        if self.critic is not None:  # its values (and returns) before either update
+          values, returns = self.critic.targets(placed, self.ref_params, self._kl_beta_input())
+          placed["values"] = values
+          batch["values"] = shd.to_host(values)  # the completions log's advantages
         self.state, metrics = self._step_for(batch)(
-            self.state, shd.shard_batch(self.mesh, batch), self.ref_params, *self._step_inputs())
+            self.state, placed, self.ref_params, *self._step_inputs())
+        if self.critic is not None:
+          metrics.update(self.critic.update({**placed, "returns": returns}))
         done = self.step
         if self.ref_sync_steps and done % self.ref_sync_steps == 0:  # TRL's sync_ref_model
           self.ref_params = self._mix_reference(self.ref_params, self.state.params)
@@ -969,6 +1003,8 @@ class RLTrainer(TrainerRun):
     tree = self.state.to_tree()
     if self.mixed_reference:
       tree["ref_params"] = self.ref_params
+    if self.critic is not None:
+      tree["critic"] = self.critic.state.to_tree()
     self.checkpointer.save(step, tree, self.metadata())
     if not self.config.checkpoint.async_save:
       self._ack_durable()
@@ -1037,6 +1073,9 @@ class RLTrainer(TrainerRun):
     if "entropy_coef" in metrics:  # loss.adaptive_entropy's, for the next step
       record["entropy_coef"] = metrics["entropy_coef"]
     for k in ("reward_kl", "kl_in_reward"):  # loss.kl_in_reward's KL; loss.kl_target's beta
+      if k in metrics:
+        record[k] = metrics[k]
+    for k in ("vf_loss", "value_explained_var"):  # loss.advantage="gae": the critic's
       if k in metrics:
         record[k] = metrics[k]
     if "router_aux_loss" in metrics:  # a mixture of experts: its load balance (1 = even)

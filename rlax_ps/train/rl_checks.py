@@ -13,6 +13,7 @@ from typing import Any
 
 from algorithms.selection import check_revisit
 from rlax_ps.config_files import check_counts
+from rlax_ps.train.critic import check_critic_config
 from rlax_ps.train.rl_loss import LossConfig, check_micro_batches, ref_sync_settings
 
 # What an RL trainer does with a data source other than its checkpoint's, under
@@ -52,6 +53,8 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                        "'normalize_then_sum'")
     loss = dataclasses.replace(loss, reward_parts=parts)
   check_micro_batches(int(rl.get("micro_batches", 1)), int(rl.groups_per_step), loss)
+  if loss.advantage == "gae":  # its critic's block (absent: the optimizer block's defaults)
+    check_critic_config(config.get("critic") or {}, steps)
   if loss.adaptive_entropy and updates > 1:
     raise ValueError(f"rl.updates_per_batch: expected 1 with loss.adaptive_entropy=True (the "
                      f"coefficient adapts after each update from its entropy, as TRL's; a "

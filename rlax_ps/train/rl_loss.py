@@ -33,9 +33,11 @@ from rlax_ps.models.transformer import load_balancing_loss
 from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "opo", "passk", "reinforce_pp",
-              "reinforce_pp_baseline")
+              "reinforce_pp_baseline", "gae")
 # The advantages given per token ([rows * N, R]), whitened over the whole batch's tokens.
-TOKEN_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline")
+TOKEN_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline", "gae")
+# The advantages whose returns are discounted (loss.gamma).
+DISCOUNTED = ("reinforce_pp", "gae")
 # The advantages divided by a std of the rewards, and the stds they may take: their group's
 # or the whole batch's (dr_grpo is grpo divided by none; rloo and opo have none).
 SCALED_ADVANTAGES = ("grpo", "mc_grpo", "passk")
@@ -64,10 +66,14 @@ class LossConfig:
   # mean baseline) | passk (only each group's best sample learns: pass@k training) |
   # reinforce_pp (verl's reinforce_plus_plus: each token's return, whitened over the batch's
   # tokens) | reinforce_pp_baseline (verl's reinforce_plus_plus_baseline: the score minus
-  # its group's mean, whitened over the batch's tokens). These two are per token.
+  # its group's mean, whitened over the batch's tokens) | gae (PPO's generalized advantage
+  # estimation over a critic's values, the critic trained beside the policy: the `critic`
+  # block; verl's "gae"). These three are per token.
   advantage: str = "grpo"
-  # reinforce_pp: the returns' discount (verl's algorithm.gamma); 1.0 for the others.
+  # reinforce_pp and gae: the returns' discount (verl's algorithm.gamma); 1.0 for the others.
   gamma: float = 1.0
+  # gae: its lambda (verl's algorithm.lam); 1.0 for the others.
+  lam: float = 1.0
   # grpo and mc_grpo: divide by the std of the sample's group ("group") or of the whole
   # batch's rewards ("batch", around each group's baseline: TRL's scale_rewards="batch");
   # None: "group". Unset for dr_grpo and rloo, which divide by no std.
@@ -192,8 +198,12 @@ class LossConfig:
          f"unset with advantage={self.advantage!r}, which divides by no std (grpo and "
          "mc_grpo do)")
     need(_is_number(self.gamma) and 0 < self.gamma <= 1, "gamma", "a discount in (0, 1]")
-    need(self.gamma == 1 or self.advantage == "reinforce_pp", "gamma",
-         f"1.0 with advantage={self.advantage!r} (only reinforce_pp discounts returns)")
+    need(self.gamma == 1 or self.advantage in DISCOUNTED, "gamma",
+         f"1.0 with advantage={self.advantage!r} (only {' and '.join(DISCOUNTED)} discount "
+         "returns)")
+    need(_is_number(self.lam) and 0 <= self.lam <= 1, "lam", "a GAE lambda in [0, 1]")
+    need(self.lam == 1 or self.advantage == "gae", "lam",
+         f"1.0 with advantage={self.advantage!r} (GAE's lambda: advantage='gae')")
     need(_is_number(self.kl_in_reward) and math.isfinite(self.kl_in_reward)
          and self.kl_in_reward >= 0, "kl_in_reward", "a finite coefficient >= 0 (0: off)")
     need(self.kl_target is None or (_is_number(self.kl_target) and math.isfinite(self.kl_target)
@@ -351,6 +361,17 @@ def reward_kl_mean(batch: dict, ref_logp: jax.Array, sample_mask: jax.Array,
   return jnp.sum(per_sample * sample_mask) / jnp.maximum(jnp.sum(sample_mask), 1.0)
 
 
+def sample_scores(batch: dict, cfg: LossConfig) -> jax.Array:
+  """[rows * N] each sample's reward, with DAPO's soft overlong punishment
+  (loss.overlong_buffer)."""
+  rewards = batch["rewards"].reshape(-1)
+  if cfg.overlong_buffer:
+    budget = cfg.budget or batch["response_tokens"].shape[-1]
+    rewards = rewards + shaping.soft_overlong_punishment(
+        batch["response_lens"].reshape(-1), budget, min(cfg.overlong_buffer, budget))
+  return rewards
+
+
 def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
                      ref_logp: jax.Array | None = None, kl_beta: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array]:
@@ -361,11 +382,7 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
   frozen reference's log-probs [rows * N, R], needed by loss.kl_in_reward. `kl_beta`: its
   coefficient as an input (loss.kl_target's, a run state); None: loss.kl_in_reward."""
   n = batch["rewards"].shape[1]
-  rewards = batch["rewards"].reshape(-1)
-  if cfg.overlong_buffer:
-    budget = cfg.budget or batch["response_tokens"].shape[-1]
-    rewards = rewards + shaping.soft_overlong_punishment(
-        batch["response_lens"].reshape(-1), budget, min(cfg.overlong_buffer, budget))
+  rewards = sample_scores(batch, cfg)
   mask = batch["sample_mask"].reshape(-1)
   group_ids = jnp.repeat(batch["row_group"], n)
   scaling = dict(std_scaling=cfg.scale_rewards, eps=cfg.std_eps)
@@ -383,6 +400,9 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
                                           kl, beta)
     adv = adv_lib.reinforce_pp_advantages(token_rewards, tokens, gamma=cfg.gamma)
     return _without_truncated(adv, mask, batch, cfg)
+  if cfg.advantage == "gae":
+    adv, _ = gae_targets(batch, rewards, tokens, kl, beta, cfg)
+    return _without_truncated(adv_lib.masked_whiten(adv, tokens) * tokens, mask, batch, cfg)
   if kl is not None:  # one number per sample: the sum of its token rewards, as verl's
     rewards = rewards - beta * jnp.sum(kl, axis=-1)
   if cfg.advantage == "reinforce_pp_baseline":
@@ -405,6 +425,33 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
     adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
     mask = mask * keep.astype(mask.dtype)
   return _without_truncated(adv, mask, batch, cfg)
+
+
+def gae_targets(batch: dict, rewards: jax.Array, tokens: jax.Array, kl: jax.Array | None,
+                beta, cfg: LossConfig) -> tuple[jax.Array, jax.Array]:
+  """(advantages before whitening, returns) [rows * N, R] of loss.advantage="gae": GAE over
+  the critic's values the batch carries (`values` [rows, N, R]) of the token rewards (each
+  sample's score, `rewards` [rows * N], on its last token, minus `beta` times the KL-in-reward
+  penalty `kl`)."""
+  if "values" not in batch:
+    raise ValueError("loss.advantage: 'gae' needs the critic's values in the batch (the "
+                     "trainer's critic adds them), got none")
+  token_rewards = adv_lib.token_rewards(rewards, batch["response_lens"].reshape(-1), tokens,
+                                        kl, beta)
+  return adv_lib.gae(token_rewards, batch["values"].reshape(tokens.shape), tokens,
+                     gamma=cfg.gamma, lam=cfg.lam)
+
+
+def critic_returns(batch: dict, cfg: LossConfig, ref_logp: jax.Array | None = None,
+                   kl_beta: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(returns [rows * N, R], token mask) the critic regresses on: `gae_targets`' over the
+  batch's rewards as group_advantages takes them (DAPO's overlong punishment, the KL-in-reward
+  penalty by `ref_logp` and `kl_beta`); the mask of the tokens its samples drew."""
+  rewards = sample_scores(batch, cfg)
+  tokens = token_mask(batch, batch["sample_mask"].reshape(-1))
+  kl = reward_kl(batch, ref_logp, tokens, cfg) if cfg.kl_in_reward > 0 else None
+  beta = cfg.kl_in_reward if kl_beta is None else kl_beta
+  return gae_targets(batch, rewards, tokens, kl, beta, cfg)[1], tokens
 
 
 def _without_truncated(adv: jax.Array, mask: jax.Array, batch: dict, cfg: LossConfig

@@ -203,11 +203,13 @@ def model_changes(saved: dict[str, Any] | None, model_config: ModelConfig
 
 
 def restore_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
-                  checkpointer: Checkpointer, step: int, *, params_like: tuple[str, ...] = ()
+                  checkpointer: Checkpointer, step: int, *, params_like: tuple[str, ...] = (),
+                  trees: dict[str, Any] | None = None
                   ) -> tuple[TrainState, TrainState, nnx.GraphDef, dict, dict[str, Any]]:
   """(state, its shardings, graphdef, metadata, {name: tree}) of checkpoint `step`, whose
   model must be `model_config`. `params_like`: the names of more entries its state holds,
-  laid out as the params (the RL trainer's mixed reference)."""
+  laid out as the params (the RL trainer's mixed reference); `trees`: more entries by name,
+  each as its restore target (abstract arrays with their shardings: the RL critic's)."""
   graphdef = abstract_model(model_config)[0]
   saved = checkpointer.metadata(step)
   changed, added = model_changes(saved.get("model_config"), model_config)
@@ -220,8 +222,9 @@ def restore_state(model_config: ModelConfig, optimizer: optax.GradientTransforma
                     "since; they take their defaults, as the older rlax-ps built it: %s",
                     checkpointer.directory, ", ".join(f"{k}={v!r}" for k, v in added.items()))
   target = abstract_state(model_config, optimizer, mesh)
+  trees = trees or {}
   tree, metadata = checkpointer.restore(
-      dict(target.to_tree(), **{name: target.params for name in params_like}), step)
+      dict(target.to_tree(), **{name: target.params for name in params_like}, **trees), step)
   shardings = jax.tree.map(lambda x: x.sharding, target)
-  extras = {name: tree.pop(name) for name in params_like}
+  extras = {name: tree.pop(name) for name in (*params_like, *trees)}
   return TrainState.from_tree(tree), shardings, graphdef, metadata, extras

@@ -1,6 +1,7 @@
 """Helpers for the RL trainer tests: the tiny RL config, an in-process parameter server on
 127.0.0.1, and a fake worker that answers leased prompts with scripted rollout groups."""
 
+import contextlib
 import os
 import threading
 import time
@@ -42,6 +43,38 @@ def start_server(storage_dir):
                         trainer_token=TOKENS["trainer"], worker_token=TOKENS["worker"],
                         viewer_token=TOKENS["viewer"])
   return ParamServer(config).start()
+
+
+@contextlib.contextmanager
+def fake_fleet(tmp, samples=4):
+  """A parameter server in `tmp`/ps with a FakeWorker of `samples` answering it: yields (the
+  trainer's client, the worker), both stopped after."""
+  server = start_server(tmp / "ps")
+  worker = FakeWorker(server.address, samples=samples).start()
+  try:
+    with client(server.address, "trainer") as tc:
+      yield tc, worker
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+
+
+def verl_batch(fixture):
+  """(batch, the reference's log-probs [rows * N, T]) of a verl fixture's batch (its `batch`
+  entry) as the trainer packs it: one row per group, padding samples masked; with the
+  critic's `values` where the fixture has them."""
+  import jax.numpy as jnp
+  g, n, t = fixture["groups"], fixture["n"], len(fixture["policy_tokens"][0])
+  f = lambda k: jnp.asarray(np.asarray(fixture[k], np.float32))  # noqa: E731
+  batch = {"rewards": f("scores").reshape(g, n), "sample_mask": f("sample_mask").reshape(g, n),
+           "row_group": jnp.arange(g, dtype=jnp.int32), "row_ids": jnp.arange(g, dtype=jnp.int32),
+           "response_lens": jnp.asarray(fixture["lens"], jnp.int32).reshape(g, n),
+           "response_tokens": jnp.ones((g, n, t), jnp.int32),
+           "policy_tokens": f("policy_tokens").reshape(g, n, t),
+           "behaviour_logp": f("behaviour_logp").reshape(g, n, t)}
+  if "values" in fixture:
+    batch["values"] = f("values").reshape(g, n, t)
+  return batch, f("ref_logp")
 
 
 def client(address, role):

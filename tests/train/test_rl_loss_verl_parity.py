@@ -17,6 +17,7 @@ import pytest
 
 from algorithms import advantages as adv_lib
 from algorithms import losses
+from rl_testlib import verl_batch
 from rlax_ps.train import rl_loss as rl_loss_lib
 from rlax_ps.train.rl_loss import (LossConfig, group_advantages, logged_advantages,
                                    micro_batched_loss_and_grad, ref_sync_settings, rl_loss,
@@ -33,14 +34,7 @@ T = len(B["policy_tokens"][0])
 
 def _batch():
   """The fixture's batch as the trainer packs it: one row per group, padding samples masked."""
-  f = lambda k: jnp.asarray(np.asarray(B[k], np.float32))
-  batch = {"rewards": f("scores").reshape(G, N), "sample_mask": f("sample_mask").reshape(G, N),
-           "row_group": jnp.arange(G, dtype=jnp.int32), "row_ids": jnp.arange(G, dtype=jnp.int32),
-           "response_lens": jnp.asarray(B["lens"], jnp.int32).reshape(G, N),
-           "response_tokens": jnp.ones((G, N, T), jnp.int32),
-           "policy_tokens": f("policy_tokens").reshape(G, N, T),
-           "behaviour_logp": f("behaviour_logp").reshape(G, N, T)}
-  return batch, f("ref_logp")
+  return verl_batch(B)
 
 
 def _cfg(case, **fields):

@@ -1,0 +1,28 @@
+r"""rlax-ps local --config=configs/rl_ppo.py --workdir=runs/rl_ppo
+
+PPO with a critic, as verl runs it by default (algorithm.adv_estimator=gae): a value model
+(the policy's body and a value head, starting from the warm start's weights with a zero
+head) scores the state before each response token; GAE (gamma, lam) over those values and
+the verifier's score on the last token gives each token its advantage, whitened over the
+step's response tokens, and its return, which the critic regresses on with verl's clipped
+value loss (critic.value_clip) and an optimizer of its own (critic.optimizer: verl's critic
+learns 10x faster than its actor). The critic is checkpointed with the policy; it doubles the
+trainer's weights and optimizer state. Otherwise configs/rl_local.py. `:tiny` is the
+seconds-long smoke variant.
+"""
+
+import ml_collections
+
+from rlax_ps.config_files import sibling
+
+
+def get_config(arg: str | None = None):
+  c = sibling(__file__, "rl_local.py", arg)
+  c.loss.advantage = "gae"
+  c.loss.gamma = 1.0  # verl's algorithm.gamma and lam
+  c.loss.lam = 1.0
+  c.critic = ml_collections.ConfigDict()
+  c.critic.optimizer = ml_collections.ConfigDict(c.optimizer.to_dict())
+  c.critic.optimizer.lr = 10 * c.optimizer.lr
+  c.critic.value_clip = 0.5  # verl's critic.cliprange_value; None: unclipped
+  return c

@@ -1,0 +1,60 @@
+"""PPO's critic: a Transformer body with a linear value head, one value per position.
+
+The body is the policy's architecture without its LM head (tied: no `lm_head` param, and the
+head is never applied) and without LoRA adapters, so it starts from the policy's weights;
+the head starts at zero, so the first values are 0 and the first advantages the returns.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlax_ps.kernels import pack_group, pack_routes
+from rlax_ps.kernels.packing import packed_attention_fn, response_logit_index
+from rlax_ps.models.config import ModelConfig
+from rlax_ps.models.transformer import Transformer
+
+
+def critic_config(config: ModelConfig) -> ModelConfig:
+  """The value model's body config for a policy of `config`: its LM head and adapters off."""
+  return config.replace(tie_word_embeddings=True, lora_rank=0)
+
+
+class ValueModel(nnx.Module):
+  """A Transformer body (critic_config's) and a value head: hidden [.., H] -> float32 values
+  [..] (head . h + bias)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.body = Transformer(config, rngs=rngs)
+    self.value_head = nnx.Param(jnp.zeros((config.hidden_size,), jnp.float32))
+    self.value_bias = nnx.Param(jnp.zeros((), jnp.float32))
+
+  @property
+  def config(self) -> ModelConfig:
+    return self.body.config
+
+  def values(self, hidden: jax.Array) -> jax.Array:
+    return (jnp.einsum("...h,h->...", hidden.astype(jnp.float32), self.value_head[...])
+            + self.value_bias[...])
+
+
+def packed_values(model: ValueModel, batch: dict, *, backend: str = "auto",
+                  remat: bool = False) -> jax.Array:
+  """[rows, N, R] the critic's value of the state before each response token (the position
+  whose logit would predict it), one packed row per group as the policy's log-probs are
+  computed (the prompt runs once); 0 past each response's end. A batch with routes (routing
+  replay) sends each token to the experts the workers' sampler did."""
+  tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
+                              batch["response_tokens"], batch["response_lens"])
+  routes = (pack_routes(batch["prompt_routes"], batch["response_routes"])
+            if "prompt_routes" in batch else None)
+  hidden, *_ = model.body.hidden_states(
+      tokens, positions=layout.positions(), segment_ids=layout.segment_ids(),
+      attention_fn=packed_attention_fn(layout, backend=backend), remat=remat, routes=routes)
+  b, n, r = layout.batch, layout.num_responses, layout.response_capacity
+  idx = response_logit_index(layout).reshape(b, n * r)
+  values = model.values(jnp.take_along_axis(hidden, idx[:, :, None], axis=1)).reshape(b, n, r)
+  valid = jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None]
+  return jnp.where(valid, values, 0.0)

@@ -1,0 +1,213 @@
+"""PPO's critic beside the policy (loss.advantage="gae"): a value model trained on the returns
+of the rollouts the policy trains on, as verl's critic is.
+
+Each step: the critic's values of the batch (before either update) give GAE's advantages,
+which the policy step whitens and trains on, and the returns, which the critic regresses
+on with verl's clipped value loss (`critic.value_clip` around the values the advantages came
+from), `rl.updates_per_batch` times and over `rl.micro_batches` slices of rows as the policy
+does. It starts from the policy's weights (its body; a zero value head) and is checkpointed
+with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from algorithms import losses
+from rlax_ps import optim
+from rlax_ps import sharding as shd
+from rlax_ps.models.config import ModelConfig
+from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
+from rlax_ps.train.rl_loss import LossConfig, critic_returns, response_logprobs, token_mask
+from rlax_ps.train.state import TrainState, state_shardings
+from rlax_ps.train.step import apply_gradients, jit_step
+
+CRITIC_FIELDS = ("optimizer", "value_clip")
+
+
+def check_critic_config(block, total_steps: int) -> dict[str, Any]:
+  """The `critic` block as a dict, checked: its optimizer (the optimizer block's fields) and
+  value_clip (>= 0, or None: unclipped); a ValueError names the field."""
+  d = block.to_dict() if hasattr(block, "to_dict") else dict(block or {})
+  unknown = sorted(set(d) - set(CRITIC_FIELDS))
+  if unknown:
+    raise ValueError(f"critic: unknown fields {unknown}; known: {sorted(CRITIC_FIELDS)}")
+  try:
+    optim.check_optimizer_config(d.get("optimizer") or {}, total_steps)
+  except ValueError as e:
+    raise ValueError(f"critic.{e}") from None
+  clip = d.get("value_clip", 0.5)
+  if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                           or not clip >= 0):
+    raise ValueError(f"critic.value_clip: expected a clip range >= 0 around the old values "
+                     f"(None: unclipped), got {clip!r}")
+  return d
+
+
+def critic_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, total_tokens: jax.Array, *,
+                value_clip: float | None, backend: str = "auto", remat: bool = False
+                ) -> tuple[jax.Array, dict]:
+  """(verl's clipped value loss of these rows as a share of the whole batch's token mean:
+  their token sum over `total_tokens`, metrics). `batch` carries the `values` the advantages
+  came from and the `returns` [rows, N, R]."""
+  model = nnx.merge(graphdef, params)
+  values = packed_values(model, batch, backend=backend, remat=remat)
+  r = values.shape[-1]
+  returns, old = batch["returns"].reshape(-1, r), batch["values"].reshape(-1, r)
+  mask = _tokens(batch)
+  tokens = jnp.maximum(jnp.sum(mask), 1.0)
+  loss, metrics = losses.value_loss(values.reshape(-1, r), old, returns, mask, clip=value_clip)
+  share = tokens / total_tokens
+  return loss * share, {"vf_loss": loss * share, "vf_clipfrac": metrics["vf_clipfrac"] * share}
+
+
+def _tokens(batch: dict) -> jax.Array:
+  """[rows * N, R]: the tokens the rows' real samples drew (an environment's replies out)."""
+  return token_mask(batch, batch["sample_mask"].reshape(-1))
+
+
+def value_stats(batch: dict) -> dict[str, jax.Array]:
+  """The batch's values and returns over its tokens: their means and the share of the
+  returns' variance the values explain (verl's critic/vf_explained_var)."""
+  mask = _tokens(batch)
+  r = mask.shape[-1]
+  values, returns = batch["values"].reshape(-1, r), batch["returns"].reshape(-1, r)
+  n = jnp.maximum(jnp.sum(mask), 1.0)
+  mean = lambda x: jnp.sum(x * mask) / n  # noqa: E731
+  var = lambda x: mean((x - mean(x)) ** 2)  # noqa: E731
+  return {"value_mean": mean(values), "returns_mean": mean(returns),
+          "value_explained_var": 1.0 - var(returns - values) / jnp.maximum(var(returns), 1e-8)}
+
+
+class Critic:
+  """The critic's state on the trainer's mesh and its two jitted calls: `targets` (values and
+  returns of a batch) and `update` (its optimizer steps on them)."""
+
+  def __init__(self, model_config: ModelConfig, block, mesh, *, total_steps: int,
+               loss_cfg: LossConfig, policy_graphdef: nnx.GraphDef, updates_per_batch: int = 1,
+               micro_batches: int = 1):
+    d = check_critic_config(block, total_steps)
+    self.config = critic_config(model_config)
+    self.value_clip = d.get("value_clip", 0.5)
+    self.optimizer = optim.make_optimizer(d.get("optimizer") or {}, total_steps)
+    self.schedule = optim.learning_rate_schedule(d.get("optimizer") or {}, total_steps)
+    self.mesh, self.loss_cfg = mesh, loss_cfg
+    model = nnx.eval_shape(lambda: ValueModel(self.config, rngs=nnx.Rngs(0)))
+    self.graphdef, params = nnx.split(model, nnx.Param)
+    specs = nnx.get_partition_spec(params).to_pure_dict()
+    self._abstract_params = params.to_pure_dict()
+    abstract = jax.eval_shape(lambda p: TrainState(
+        step=jnp.zeros((), jnp.int32), params=p, opt_state=self.optimizer.init(p),
+        rng=jax.random.PRNGKey(0)), self._abstract_params)
+    self.shardings = state_shardings(abstract, specs, mesh)
+    self._abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                  abstract, self.shardings)
+    self.state: TrainState | None = None
+    self._targets = self._make_targets(policy_graphdef)
+    self._update = self._make_update(updates_per_batch, micro_batches)
+
+  def abstract_tree(self) -> dict[str, Any]:
+    """The checkpoint's critic entry as a restore target (shapes, dtypes, shardings)."""
+    return self._abstract.to_tree()
+
+  def start(self, policy_params: Any, restored: dict[str, Any] | None = None,
+            seed: int = 0) -> None:
+    """The critic of a checkpoint (`restored`, its critic entry), else a fresh one: the
+    policy's weights for its body (copied: the policy's step donates its own), a zero head."""
+    if restored is not None:
+      self.state = TrainState.from_tree(restored)
+      return
+
+    def init(policy):
+      params = {**jax.tree.map(jnp.zeros_like, self._abstract_params),
+                "body": jax.tree.map(lambda like, p: p.astype(like.dtype),
+                                     self._abstract_params["body"],
+                                     _like(self._abstract_params["body"], policy))}
+      return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                        opt_state=self.optimizer.init(params),
+                        rng=jax.random.fold_in(jax.random.PRNGKey(seed), 1))
+
+    self.state = jax.jit(init, out_shardings=self.shardings)(policy_params)
+
+  def targets(self, batch: dict, ref_params: Any, kl_beta: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array]:
+    """(values, returns) [rows, N, R] of a batch on the mesh (loss.kl_in_reward: penalized by
+    the frozen reference `ref_params`, at coefficient `kl_beta` when adaptive)."""
+    return self._targets(self.state.params, batch, ref_params, kl_beta)
+
+  def update(self, batch: dict) -> dict[str, jax.Array]:
+    """The critic's optimizer steps on a batch carrying its `values` and `returns`; their
+    metrics (value_* and the vf_* of the loss, critic_grad_norm, critic_lr)."""
+    self.state, metrics = self._update(self.state, batch)
+    return metrics
+
+  def _make_targets(self, policy_graphdef):
+    cfg = self.loss_cfg
+
+    def targets(params, batch, ref_params, kl_beta):
+      model = nnx.merge(self.graphdef, params)
+      values = jax.lax.stop_gradient(packed_values(model, batch, backend=cfg.backend))
+      ref_logp = None
+      if cfg.kl_in_reward > 0:
+        ref_logp = response_logprobs(ref_params, policy_graphdef, batch, cfg.backend,
+                                     logits_chunk=cfg.logits_chunk)
+      returns, _ = critic_returns({**batch, "values": values}, cfg, ref_logp, kl_beta)
+      rows = jax.sharding.NamedSharding(self.mesh, shd.batch_spec(self.mesh, values.shape))
+      return (jax.lax.with_sharding_constraint(values, rows),  # as the batch's rows lie
+              jax.lax.with_sharding_constraint(returns.reshape(values.shape), rows))
+
+    def on_mesh(*args):
+      with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+        return targets(*args)
+
+    return jax.jit(on_mesh)
+
+  def _make_update(self, updates: int, micro: int):
+    cfg, graphdef = self.loss_cfg, self.graphdef
+    grad_fn = jax.value_and_grad(critic_loss, has_aux=True)
+    settings = dict(value_clip=self.value_clip, backend=cfg.backend, remat=cfg.remat)
+
+    def one_update(state: TrainState, batch: dict):
+      total = jnp.maximum(jnp.sum(_tokens(batch)), 1.0)
+      if micro == 1:
+        (_, metrics), grads = grad_fn(state.params, graphdef, batch, total, **settings)
+      else:  # slice m holds rows m, m + M, ...: each slice's share of the token mean
+        slices = jax.tree.map(lambda x: x.reshape(x.shape[0] // micro, micro, *x.shape[1:])
+                              .swapaxes(0, 1), batch)
+
+        def body(acc, mb):
+          (_, m), g = grad_fn(state.params, graphdef, mb, total, **settings)
+          return jax.tree.map(jnp.add, acc, (g, m)), None
+
+        zero = jax.tree.map(jnp.zeros_like, (state.params, {"vf_loss": total,
+                                                            "vf_clipfrac": total}))
+        (grads, metrics), _ = jax.lax.scan(body, zero, slices)
+      state, metrics = apply_gradients(state, grads, metrics, self.optimizer, self.schedule)
+      return state, metrics
+
+    def step(state: TrainState, batch: dict):
+      if updates == 1:
+        state, metrics = one_update(state, batch)
+      else:
+        final, metrics = jax.lax.scan(lambda st, _: one_update(st, batch), state, None,
+                                      length=updates)
+        state = final.replace(step=state.step + 1)  # batches, as the policy's step counts
+        metrics = jax.tree.map(lambda m: m.mean(0), metrics)
+      metrics = {"vf_loss": metrics["vf_loss"], "vf_clipfrac": metrics["vf_clipfrac"],
+                 "critic_grad_norm": metrics["grad_norm"], "critic_lr": metrics["lr"],
+                 **value_stats(batch)}
+      return state, metrics
+
+    return jit_step(step, self.shardings, self.mesh)
+
+
+def _like(like: Any, source: Any) -> Any:
+  """The part of nested dict `source` with the keys of nested dict `like` (the critic body's
+  params out of the policy's, whose LoRA adapters or LM head it has no place for)."""
+  if not isinstance(like, dict):
+    return source
+  return {k: _like(v, source[k]) for k, v in like.items()}

@@ -1,0 +1,184 @@
+"""PPO's critic (loss.advantage="gae"): GAE's advantages and returns and the clipped value loss
+against verl's own code (tests/fixtures/verl/gae.json, made by
+tests/fixtures/make_verl_fixtures.py); the value model on packed rows; its update whole and
+micro-batched; the trainer training it beside the policy, and resuming it."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from algorithms import losses
+from rl_testlib import fake_fleet, rl_config, verl_batch
+from rlax_ps.models import ModelConfig
+from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
+from rlax_ps.train.critic import Critic, check_critic_config
+from rlax_ps.train.rl_loss import LossConfig, critic_returns, group_advantages
+from rlax_ps.sharding import make_mesh
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "verl", "gae.json")
+with open(FIXTURE) as _f:
+  DATA = json.load(_f)
+B = DATA["batch"]
+G, N = B["groups"], B["n"]
+REAL = np.asarray(B["sample_mask"]) > 0  # verl sees the real samples alone
+T = len(B["policy_tokens"][0])
+
+
+def _batch():
+  """The fixture's batch as the trainer packs it, with the critic's values."""
+  return verl_batch(B)
+
+
+def _cfg(case):
+  return LossConfig(advantage="gae", gamma=case["gamma"], lam=case["lam"],
+                    kl_in_reward=case["kl_in_reward"], kl_estimator=case["kl_estimator"])
+
+
+@pytest.mark.parametrize("case", DATA["cases"],
+                         ids=[f"g{c['gamma']}-lam{c['lam']}-beta{c['kl_in_reward']}"
+                              for c in DATA["cases"]])
+def test_gae_advantages_and_returns_equal_verls(case):
+  """Whitened advantages over the batch's drawn tokens (an environment's reply carries the
+  next value through), and the returns the critic regresses on; with the KL-in-reward
+  penalty in the token rewards."""
+  batch, ref = _batch()
+  adv, mask = group_advantages(batch, G, _cfg(case), ref)
+  tokens = np.asarray(batch["policy_tokens"]).reshape(-1, T)[REAL] > 0
+  np.testing.assert_allclose(np.asarray(adv)[REAL][tokens],
+                             np.asarray(case["advantages"], np.float32)[tokens], rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_array_equal(mask, np.asarray(B["sample_mask"]))
+  returns, _ = critic_returns(batch, _cfg(case), ref)
+  np.testing.assert_allclose(np.asarray(returns)[REAL][tokens],
+                             np.asarray(case["returns"], np.float32)[tokens], rtol=1e-5,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("case", DATA["value_loss"], ids=lambda c: f"{c['clip']}-{c['agg']}")
+def test_the_clipped_value_loss_equals_verls(case):
+  real = np.asarray(B["values"], np.float32)[REAL]
+  mask = jnp.asarray(np.asarray(B["policy_tokens"], np.float32)[REAL])
+  loss, metrics = losses.value_loss(jnp.asarray(case["preds"]), jnp.asarray(real),
+                                    jnp.asarray(case["returns"]), mask, clip=case["clip"],
+                                    agg=case["agg"])
+  np.testing.assert_allclose(float(loss), case["vf_loss"], rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["vf_clipfrac"]), case["vf_clipfrac"], rtol=1e-5)
+  assert 0 < case["vf_clipfrac"] < 1  # the clip binds on some tokens, not all
+
+
+def test_gae_needs_the_critics_values_and_its_knobs_are_checked():
+  batch, ref = _batch()
+  del batch["values"]
+  with pytest.raises(ValueError, match="loss.advantage: 'gae' needs the critic's values"):
+    group_advantages(batch, G, LossConfig(advantage="gae"), ref)
+  for fields, message in ((dict(advantage="grpo", lam=0.9), "loss.lam: expected 1.0 with "
+                           "advantage='grpo'"),
+                          (dict(advantage="gae", lam=1.5), "loss.lam: expected a GAE lambda"),
+                          (dict(advantage="gae", policy_loss="gspo"), "loss.policy_loss")):
+    with pytest.raises(ValueError, match=message):
+      LossConfig(**fields)
+  assert LossConfig(advantage="gae", gamma=0.99, lam=0.95).lam == 0.95
+  for block, message in (({"value_clip": -1.0}, "critic.value_clip: expected a clip range"),
+                         ({"optimizer": {"lr": 0.0}}, "critic.optimizer.lr: expected > 0"),
+                         ({"lr": 1e-5}, r"critic: unknown fields \['lr'\]")):
+    with pytest.raises(ValueError, match=message):
+      check_critic_config(block, 10)
+
+
+CONFIG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                     num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+
+
+def _packed_batch(rows=4, n=2, p=5, r=4, seed=0):
+  rng = np.random.default_rng(seed)
+  return {"prompt_tokens": jnp.asarray(rng.integers(1, 32, (rows, p)), jnp.int32),
+          "prompt_lens": jnp.asarray(rng.integers(2, p + 1, rows), jnp.int32),
+          "response_tokens": jnp.asarray(rng.integers(1, 32, (rows, n, r)), jnp.int32),
+          "response_lens": jnp.asarray(rng.integers(1, r + 1, (rows, n)), jnp.int32),
+          "sample_mask": jnp.ones((rows, n), jnp.float32),
+          "rewards": jnp.asarray(rng.choice([0.0, 1.0], (rows, n)), jnp.float32),
+          "row_group": jnp.arange(rows, dtype=jnp.int32),
+          "values": jnp.asarray(rng.normal(0, 0.5, (rows, n, r)), jnp.float32),
+          "returns": jnp.asarray(rng.normal(0.5, 0.5, (rows, n, r)), jnp.float32)}
+
+
+def test_packed_values_are_each_responses_own_forward():
+  """One packed row per group (the prompt once) gives each response token the value of the
+  state before it, as running prompt + that response alone would."""
+  model = ValueModel(critic_config(CONFIG), rngs=nnx.Rngs(0))
+  model.value_head[...] = jax.random.normal(jax.random.key(1), (16,))
+  batch = _packed_batch()
+  values = jax.jit(packed_values)(model, batch)
+  # Each (prompt, response) alone, right-padded to one length (causal: padding after a
+  # position changes nothing before it), in one forward.
+  seqs, spans = np.zeros((8, 9), np.int32), []
+  for row in range(4):
+    p = int(batch["prompt_lens"][row])
+    for i in range(2):
+      k = int(batch["response_lens"][row, i])
+      seqs[len(spans), :p + k] = np.concatenate([batch["prompt_tokens"][row, :p],
+                                                 batch["response_tokens"][row, i, :k]])
+      spans.append((row, i, p, k))
+  alone = jax.jit(lambda m, s: m.values(m.body.hidden_states(s)[0]))(model, seqs)
+  for j, (row, i, p, k) in enumerate(spans):
+    np.testing.assert_allclose(values[row, i, :k], alone[j, p - 1:p + k - 1], atol=1e-5)
+    assert not np.asarray(values[row, i, k:]).any()
+
+
+def test_a_micro_batched_critic_update_equals_the_whole_batchs(tmp_path):
+  """rl.micro_batches slices of rows give the whole batch's loss and gradient (each slice's
+  share of the token mean), so the critic steps alike; it starts from the policy's body
+  with a zero head, and its step moves its values toward the returns."""
+  from rlax_ps.models import Transformer
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  policy = nnx.state(Transformer(CONFIG, rngs=nnx.Rngs(3)), nnx.Param).to_pure_dict()
+  block = {"optimizer": {"lr": 1e-2, "warmup_steps": 0, "min_lr_ratio": 1.0}, "value_clip": 0.2}
+  batch = _packed_batch(seed=1)
+  critics = [Critic(CONFIG, block, mesh, total_steps=4, loss_cfg=LossConfig(advantage="gae"),
+                    policy_graphdef=None, micro_batches=m) for m in (1, 2)]
+  for critic in critics:
+    critic.start(policy)
+  body = critics[0].state.params["body"]
+  np.testing.assert_array_equal(body["embed"]["embedding"], policy["embed"]["embedding"])
+  assert "lm_head" in policy and "lm_head" not in body
+  assert not np.asarray(critics[0].state.params["value_head"]).any()
+  metrics = [critic.update(batch) for critic in critics]
+  for k in ("vf_loss", "vf_clipfrac", "critic_grad_norm"):
+    np.testing.assert_allclose(metrics[0][k], metrics[1][k], rtol=1e-5, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+               critics[0].state.params, critics[1].state.params)
+  # Its values, 0 before the step (a zero head), moved toward the returns.
+  values, _ = critics[0].targets(batch, None)
+  tokens = np.arange(4)[None, None, :] < np.asarray(batch["response_lens"])[..., None]
+  returns = np.asarray(batch["returns"])
+  assert (np.mean((np.asarray(values) - returns)[tokens] ** 2)
+          < np.mean(returns[tokens] ** 2))
+
+
+def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path):
+  """configs/rl_ppo.py's GAE run: each step's line carries the critic's loss, its state is
+  checkpointed, and a restart restores it (not the policy's weights again)."""
+  from rlax_ps.train.rl import RLTrainer
+  config = rl_config("tiny", "configs/rl_ppo.py")
+  config.eval.num_examples = 0  # no held-out evaluation: its decoding is not what is tested
+  config.rl.steps, config.checkpoint.every_steps = 2, 1
+  config.worker.max_new_tokens = 8
+  with fake_fleet(tmp_path) as (tc, _):
+    with RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      tr.train()
+      saved = jax.tree.map(np.asarray, tr.critic.state.params)
+      assert int(tr.critic.state.step) == 2
+    config.rl.steps = 3
+    with RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      assert int(tr.critic.state.step) == 2
+      jax.tree.map(np.testing.assert_array_equal, saved,
+                   jax.tree.map(np.asarray, tr.critic.state.params))
+      assert np.asarray(saved["value_head"]).any()  # trained, not the fresh zero head
+  lines = [json.loads(line) for line in open(tmp_path / "rl" / "steps.jsonl")]
+  assert [r["step"] for r in lines] == [1, 2]
+  assert all(r["vf_loss"] > 0 and "value_explained_var" in r for r in lines)
