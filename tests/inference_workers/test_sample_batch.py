@@ -12,7 +12,7 @@ from inference_workers import continuous
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.sample_batch import SampleBatch
 from rlax_ps.models import Transformer
-from test_continuous_batching import (CONFIG, PARAMS, PROMPTS, STOPS, assert_same,
+from test_continuous_batching import (CONFIG, LONGEST_FIRST, PARAMS, PROMPTS, STOPS, assert_same,
                                       count_decode_steps, lengths, reference, references,
                                       seeds_of)
 
@@ -24,8 +24,8 @@ def model():
 
 def test_every_sample_is_generates_and_groups_come_back_whole(model):
   batch = SampleBatch(model, 3, 4, PARAMS, return_after=1)
-  for i, p in enumerate(PROMPTS):  # five prompts, 15 samples, through 4 rows
-    batch.add(i, p, seeds_of(i, 3))
+  for i in LONGEST_FIRST:  # five prompts, 15 samples, through 4 rows
+    batch.add(i, PROMPTS[i], seeds_of(i, 3))
   assert (batch.waiting, batch.running, batch.free) == (5, 0, 0)
   first = batch.step()
   assert batch.running >= 2  # the 4 rows took samples of the first two prompts
