@@ -9,6 +9,7 @@ The warm start is the unchanged `rlax-ps sft` default (configs/sft_tiny.py), tra
 <workdir>/sft. Then, each from that warm start:
   RL bf16   `rlax-ps local --config=configs/rl_local.py` for --minutes of RL wall time;
   RL int8   configs/rl_int8_tis.py for the same number of steps as the bf16 run;
+  RL PPO    (--ppo) configs/rl_ppo.py, PPO with a critic, for --minutes of RL wall time;
   SFT more  the SFT run continued (its checkpoint, a longer schedule) for --minutes.
 Columns: held-out exact match (greedy; per task and all), pass@1 and pass@8 (T=1),
 optimizer steps and wall time; the last line gives the gains over the warm start.
@@ -100,6 +101,8 @@ def main() -> None:
                       help="skip the int8 run")
   parser.add_argument("--no-sft", dest="sft", action="store_false",
                       help="skip the SFT baseline")
+  parser.add_argument("--ppo", action="store_true",
+                      help="also PPO with a critic (configs/rl_ppo.py) for --minutes")
   args = parser.parse_args()
   seconds = 60.0 * args.minutes
   sft_dir = os.path.join(args.workdir, "sft")
@@ -118,6 +121,10 @@ def main() -> None:
     runs["RL int8 (same steps)"] = run_rl(
         os.path.join(args.workdir, "rl_int8"), "configs/rl_int8_tis.py", warm,
         "--config.rl.max_seconds=0", f"--config.rl.steps={steps}", seed)
+  if args.ppo:
+    runs["RL PPO (critic)"] = run_rl(os.path.join(args.workdir, "rl_ppo"), "configs/rl_ppo.py",
+                                     warm, f"--config.rl.max_seconds={seconds}",
+                                     "--config.rl.steps=1000000", seed)
   if args.sft:
     runs["SFT more"] = run_sft_more(sft_dir, os.path.join(args.workdir, "sft_more"), seconds,
                                     pass_k)
