@@ -107,8 +107,10 @@ class Critic:
     self._abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   abstract, self.shardings)
     self.state: TrainState | None = None
-    self._targets = self._make_targets(policy_graphdef)
-    self._update = self._make_update(updates_per_batch, micro_batches)
+    # jit(fn)(params, batch, ref_params, kl_beta) -> (values, returns); jit(fn)(state, batch)
+    # -> (state, metrics), the state donated: what the trainer compiles ahead per shape.
+    self.targets_fn = self._make_targets(policy_graphdef)
+    self.update_fn = self._make_update(updates_per_batch, micro_batches)
 
   def abstract_tree(self) -> dict[str, Any]:
     """The checkpoint's critic entry as a restore target (shapes, dtypes, shardings)."""
@@ -133,16 +135,18 @@ class Critic:
 
     self.state = jax.jit(init, out_shardings=self.shardings)(policy_params)
 
-  def targets(self, batch: dict, ref_params: Any, kl_beta: jax.Array | None = None
-              ) -> tuple[jax.Array, jax.Array]:
+  def targets(self, batch: dict, ref_params: Any, kl_beta: jax.Array | None = None,
+              fn=None) -> tuple[jax.Array, jax.Array]:
     """(values, returns) [rows, N, R] of a batch on the mesh (loss.kl_in_reward: penalized by
-    the frozen reference `ref_params`, at coefficient `kl_beta` when adaptive)."""
-    return self._targets(self.state.params, batch, ref_params, kl_beta)
+    the frozen reference `ref_params`, at coefficient `kl_beta` when adaptive), by `fn`
+    (targets_fn compiled for this shape; None: targets_fn)."""
+    return (fn or self.targets_fn)(self.state.params, batch, ref_params, kl_beta)
 
-  def update(self, batch: dict) -> dict[str, jax.Array]:
-    """The critic's optimizer steps on a batch carrying its `values` and `returns`; their
-    metrics (value_* and the vf_* of the loss, critic_grad_norm, critic_lr)."""
-    self.state, metrics = self._update(self.state, batch)
+  def update(self, batch: dict, fn=None) -> dict[str, jax.Array]:
+    """The critic's optimizer steps on a batch carrying its `values` and `returns` (by `fn`,
+    as `targets`); their metrics (value_* and the vf_* of the loss, critic_grad_norm,
+    critic_lr)."""
+    self.state, metrics = (fn or self.update_fn)(self.state, batch)
     return metrics
 
   def _make_targets(self, policy_graphdef):

@@ -307,6 +307,10 @@ class RLTrainer(TrainerRun):
                            updates_per_batch=int(rl.get("updates_per_batch", 1)),
                            micro_batches=self.micro_batches)
     held = {}  # a reference mixed with the policy (rl.ref_sync_steps), the critic, as saved
+    if self.critic is None and latest is not None and latest.get("critic"):
+      raise ValueError(f"loss.advantage: the checkpoint in {self.checkpointer.directory} holds "
+                       f"a critic (its run had loss.advantage='gae'), got "
+                       f"{self.loss_cfg.advantage!r}; resume with 'gae', or use another workdir")
     critic_saved = bool(self.critic and latest is not None and latest.get("critic"))
     if latest is not None and (latest.get("mixed_reference") or critic_saved):
       self.state, self.shardings, self.graphdef, saved, held = restore_state(
@@ -341,8 +345,12 @@ class RLTrainer(TrainerRun):
                                 micro_batches=self.micro_batches)
     # The step compiled ahead for each response capacity (_precompile), by batch shape.
     self._compiles: dict[tuple[int, int], concurrent.futures.Future] = {}
+    # The critic's targets_fn and update_fn likewise (loss.advantage="gae").
+    self._critic_compiles: dict[str, dict[tuple[int, int], concurrent.futures.Future]] = {
+        "targets": {}, "update": {}}
     self._compiler = None
     self.precompiled_steps = 0  # steps that ran a step compiled ahead
+    self.precompiled_critic_steps = 0  # and the critic's programs too
     self.source = source
     self.feed = PromptFeed(source, int(config.seed))
     self.revisit = (float(rl.get("revisit_solved", 1.0)), float(rl.get("revisit_failed", 1.0)))
@@ -631,23 +639,60 @@ class RLTrainer(TrainerRun):
                for k, v in host.items()}
       self._compiles[(rows, capacity)] = self._compiler.submit(
           lambda batch=batch: self.rl_step.lower(state, batch, ref, *extra).compile())
+      if self.critic is not None:
+        self._precompile_critic((rows, capacity), batch, ref, abstract)
+
+  def _precompile_critic(self, key: tuple[int, int], batch: dict, ref: Any, abstract) -> None:
+    """Queue the critic's compiles for a batch shape `key` (`batch`: the policy step's
+    abstract batch, its values included) behind the step's."""
+    critic = abstract(self.critic.state)
+    kl_beta = abstract(self._kl_beta_input())
+    sampled = {k: v for k, v in batch.items() if k != "values"}
+    self._critic_compiles["targets"][key] = self._compiler.submit(
+        lambda: self.critic.targets_fn.lower(critic.params, sampled, ref, kl_beta).compile())
+    self._critic_compiles["update"][key] = self._compiler.submit(
+        lambda: self.critic.update_fn.lower(critic, {**batch, "returns": batch["values"]})
+        .compile())
+
+  @staticmethod
+  def _batch_key(batch: dict) -> tuple[int, int]:
+    return len(batch["row_group"]), batch["response_tokens"].shape[-1]
+
+  def _ahead(self, futures: dict, key: tuple[int, int], jitted, what: str,
+             drop_queued: bool = True):
+    """(the program compiled ahead for batch shape `key` in `futures` if that compile is done
+    or under way (waited for), True), else (`jitted`, False): a compile queued behind others
+    is dropped (unless not `drop_queued`: waited for too), one that failed is logged and
+    compiled again by `jitted`."""
+    future = futures.get(key)
+    if future is None or (drop_queued and future.cancel()):
+      futures.pop(key, None)
+      return jitted, False
+    try:
+      return future.result(), True
+    except Exception as e:  # noqa: BLE001: the jitted one compiles it again, or says why
+      logging.warning("rl: the %s compiled ahead for %s failed (%s); compiling it now", what,
+                      key, e)
+      futures.pop(key, None)
+      return jitted, False
 
   def _step_for(self, batch: dict):
     """The step for this batch's shape: compiled ahead if that compile is done or under way
     (waited for), else the jitted step (a compile queued behind others is dropped)."""
-    key = (len(batch["row_group"]), batch["response_tokens"].shape[-1])
-    future = self._compiles.get(key)
-    if future is None or future.cancel():
-      self._compiles.pop(key, None)
-      return self.rl_step
-    try:
-      compiled = future.result()
-    except Exception as e:  # noqa: BLE001: the jitted step compiles it again, or says why
-      logging.warning("rl: the step compiled ahead for %s failed (%s); compiling it now", key, e)
-      self._compiles.pop(key, None)
-      return self.rl_step
-    self.precompiled_steps += 1
-    return compiled
+    step, ahead = self._ahead(self._compiles, self._batch_key(batch), self.rl_step, "step")
+    self.precompiled_steps += ahead
+    return step
+
+  def _critic_for(self, batch: dict):
+    """(targets, update) of the critic for this batch's shape, as _step_for's, but queued
+    ones are waited for (each queues right behind its shape's step compile)."""
+    key = self._batch_key(batch)
+    targets, ahead = self._ahead(self._critic_compiles["targets"], key, self.critic.targets_fn,
+                                 "critic's values", drop_queued=False)
+    update, ahead_too = self._ahead(self._critic_compiles["update"], key,
+                                    self.critic.update_fn, "critic's update", drop_queued=False)
+    self.precompiled_critic_steps += ahead and ahead_too
+    return targets, update
 
   def _next_batch(self, go: bool) -> tuple[dict | None, list[Group] | None]:
     """(host batch, its groups) of the next step, or (None, None) to stop. The leader
@@ -716,13 +761,15 @@ class RLTrainer(TrainerRun):
           break
         placed = shd.shard_batch(self.mesh, batch)
         if self.critic is not None:  # its values (and returns) before either update
-          values, returns = self.critic.targets(placed, self.ref_params, self._kl_beta_input())
+          targets, update = self._critic_for(batch)
+          values, returns = self.critic.targets(placed, self.ref_params, self._kl_beta_input(),
+                                                targets)
           placed["values"] = values
           batch["values"] = shd.to_host(values)  # the completions log's advantages
         self.state, metrics = self._step_for(batch)(
             self.state, placed, self.ref_params, *self._step_inputs())
         if self.critic is not None:
-          metrics.update(self.critic.update({**placed, "returns": returns}))
+          metrics.update(self.critic.update({**placed, "returns": returns}, update))
         done = self.step
         if self.ref_sync_steps and done % self.ref_sync_steps == 0:  # TRL's sync_ref_model
           self.ref_params = self._mix_reference(self.ref_params, self.state.params)

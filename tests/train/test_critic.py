@@ -173,12 +173,17 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path):
       tr.train()
       saved = jax.tree.map(np.asarray, tr.critic.state.params)
       assert int(tr.critic.state.step) == 2
+      # Its programs were compiled ahead for the batch's shape, as the policy's step.
+      assert tr.precompiled_critic_steps == tr.precompiled_steps == 2
     config.rl.steps = 3
     with RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
       assert int(tr.critic.state.step) == 2
       jax.tree.map(np.testing.assert_array_equal, saved,
                    jax.tree.map(np.asarray, tr.critic.state.params))
       assert np.asarray(saved["value_head"]).any()  # trained, not the fresh zero head
+    config.loss.advantage = "grpo"  # its checkpoints hold a critic a GRPO run would drop
+    with pytest.raises(ValueError, match="loss.advantage: the checkpoint in .* holds a critic"):
+      RLTrainer(config, str(tmp_path / "rl"), tc)
   lines = [json.loads(line) for line in open(tmp_path / "rl" / "steps.jsonl")]
   assert [r["step"] for r in lines] == [1, 2]
   assert all(r["vf_loss"] > 0 and "value_explained_var" in r for r in lines)
