@@ -246,7 +246,6 @@ class TrainerRun:
     trainer's parts (a build that raises, a config refused, frees it again): a second
     trainer on it (a rerun while the first still runs) is refused, naming the first's pid,
     rather than interleaving checkpoints with it."""
-    export_options(self.config)  # a field it refuses ends the run now, not at its export
     self.workdir = make_workdir(workdir)
     if self.leader:
       self._workdir_lock = FolderLock(self.workdir, holder="trainer", flag="--workdir")
@@ -286,6 +285,7 @@ class TrainerRun:
   def read_model(self, config) -> None:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
     and tokenizer of `init_from_hf` where it names an HF checkpoint)."""
+    export_options(config)  # a field it refuses ends the run now, not at its export
     self.init_from_hf = config.get("init_from_hf", "")
     if self.init_from_hf:
       check_init_from_hf(self.init_from_hf)

@@ -176,7 +176,7 @@ def test_config_fields_read_from_gpt_oss():
   assert mxfp4["quantization_config"]["quant_method"] == "mxfp4"
   assert config_from_hf(mxfp4) == c
   with pytest.raises(ValueError, match="quantization_config.quant_method: expected none, "
-                                       "'mxfp4' or 'fp8'"):
+                                       "'mxfp4', 'fp8' or 'compressed-tensors'"):
     config_from_hf(dict(d, quantization_config={"quant_method": "bitsandbytes"}))
 
 

@@ -167,7 +167,7 @@ def test_the_config_keeps_todays_objective_unless_the_options_are_set():
     ({"advantage": "reinforce_pp", "policy_loss": "gspo"},
      "loss.policy_loss: expected 'ppo' or 'cispo' with advantage='reinforce_pp'"),
     ({"gamma": 0.9}, r"loss.gamma: expected 1.0 with advantage='grpo' \(only reinforce_pp "
-                     r"discounts returns\), got 0.9"),
+                     r"and gae discount returns\), got 0.9"),
     ({"advantage": "reinforce_pp", "gamma": 0.0}, r"loss.gamma: expected a discount in \(0, 1\]"),
     ({"kl_in_reward": -0.1}, "loss.kl_in_reward: expected a finite coefficient >= 0"),
     ({"kl_in_reward": 0.1, "reward_aggregation": "normalize_then_sum"},
