@@ -170,7 +170,8 @@ def test_a_run_whose_server_is_replaced_by_an_empty_one_trains_to_the_end(tmp_pa
   with client(first.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
     thread = threading.Thread(target=lambda: out.update(summary=tr.train()), daemon=True)
     thread.start()
-    while tr.step < 2 and thread.is_alive():
+    steps = tmp_path / "rl" / "steps.jsonl"  # read here, not tr.state: each step donates it
+    while (not steps.exists() or len(steps.read_text().splitlines()) < 2) and thread.is_alive():
       thread.join(0.1)
     worker.stop()
     first.stop(grace=0)
