@@ -59,6 +59,17 @@ def fake_fleet(tmp, samples=4):
     server.stop(grace=0)
 
 
+def verl_fixture(name):
+  """(data, its batch, groups, samples a group, the real samples' mask [rows * N], tokens a
+  sample) of tests/fixtures/verl/`name` (made by tests/fixtures/make_verl_fixtures.py)."""
+  import json
+  with open(os.path.join(REPO, "tests", "fixtures", "verl", name)) as f:
+    data = json.load(f)
+  batch = data["batch"]
+  return (data, batch, batch["groups"], batch["n"], np.asarray(batch["sample_mask"]) > 0,
+          len(batch["policy_tokens"][0]))
+
+
 def verl_batch(fixture):
   """(batch, the reference's log-probs [rows * N, T]) of a verl fixture's batch (its `batch`
   entry) as the trainer packs it: one row per group, padding samples masked; with the

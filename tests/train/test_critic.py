@@ -4,7 +4,6 @@ tests/fixtures/make_verl_fixtures.py); the value model on packed rows; its updat
 micro-batched; the trainer training it beside the policy, and resuming it."""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -13,20 +12,14 @@ import pytest
 from flax import nnx
 
 from algorithms import losses
-from rl_testlib import fake_fleet, rl_config, verl_batch
+from rl_testlib import fake_fleet, rl_config, verl_batch, verl_fixture
 from rlax_ps.models import ModelConfig
 from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
 from rlax_ps.train.critic import Critic, check_critic_config
 from rlax_ps.train.rl_loss import LossConfig, critic_returns, group_advantages
 from rlax_ps.sharding import make_mesh
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "verl", "gae.json")
-with open(FIXTURE) as _f:
-  DATA = json.load(_f)
-B = DATA["batch"]
-G, N = B["groups"], B["n"]
-REAL = np.asarray(B["sample_mask"]) > 0  # verl sees the real samples alone
-T = len(B["policy_tokens"][0])
+DATA, B, G, N, REAL, T = verl_fixture("gae.json")  # verl sees the real samples alone
 
 
 def _batch():

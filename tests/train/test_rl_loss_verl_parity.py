@@ -6,8 +6,6 @@ the loss they feed, whole and micro-batched. The model forward is replaced by fi
 log-probs, as in test_rl_loss_trl_parity.py."""
 
 import dataclasses
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -17,19 +15,13 @@ import pytest
 
 from algorithms import advantages as adv_lib
 from algorithms import losses
-from rl_testlib import verl_batch
+from rl_testlib import verl_batch, verl_fixture
 from rlax_ps.train import rl_loss as rl_loss_lib
 from rlax_ps.train.rl_loss import (LossConfig, group_advantages, logged_advantages,
                                    micro_batched_loss_and_grad, ref_sync_settings, rl_loss,
                                    token_mask)
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "verl", "reinforce_pp.json")
-with open(FIXTURE) as _f:
-  DATA = json.load(_f)
-B = DATA["batch"]
-G, N = B["groups"], B["n"]
-REAL = np.asarray(B["sample_mask"]) > 0  # verl sees the real samples alone
-T = len(B["policy_tokens"][0])
+DATA, B, G, N, REAL, T = verl_fixture("reinforce_pp.json")  # verl sees the real samples alone
 
 
 def _batch():
