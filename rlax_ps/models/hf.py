@@ -1060,8 +1060,8 @@ def check_hf_checkpoint(path: str) -> ModelConfig:
   tensors, found before loading."""
   config = read_hf_config(path)
   files = _language_model_view(_tensor_files(path))
-  needed, stored, quantized = _needed_tensors(path, config, files)
   layout = _fp8_layout_of(path)
+  needed, stored, quantized = _needed_tensors(path, config, files, layout)
   for file in sorted({file for file, _ in files.values()}):
     if not os.path.isfile(file):
       raise FileNotFoundError(f"HF checkpoint {path!r}: file {file!r} named by {INDEX_FILE} "
@@ -1137,10 +1137,12 @@ def _check_shape(name: str, want: tuple[int, ...], got: Sequence[int]) -> None:
 
 
 def _needed_tensors(path: str, config: ModelConfig, files: Mapping[str, tuple[str, str]],
-                    extra: Sequence[str] = ()) -> tuple[dict[str, list], set[str], set[str]]:
+                    layout: Fp8Layout | None, extra: Sequence[str] = ()
+                    ) -> tuple[dict[str, list], set[str], dict[str, str]]:
   """(HF name -> [(our param, its expert's index in a stacked param, its Rows or Columns of a
-  fused tensor, or None, transposed)], the stored names to read, the MXFP4-packed names) for
-  `config` over the checkpoint's `files`; a ValueError names a missing or unexpected tensor."""
+  fused tensor, or None, transposed)], the stored names to read, the quantized names ->
+  'mxfp4' or 'fp8') for `config` over the checkpoint's `files` (FP8 scales as `layout`,
+  `_fp8_layout_of`); a ValueError names a missing or unexpected tensor."""
   needed: dict[str, list] = {}
   for ours, (hf, transposed) in hf_tensor_names(config).items():
     if isinstance(hf, (Rows, Columns)):
@@ -1153,8 +1155,7 @@ def _needed_tensors(path: str, config: ModelConfig, files: Mapping[str, tuple[st
   for name in extra:
     needed[name] = [(name, None, False)]
   # Quantized tensors, dequantized as read: MXFP4 (gpt-oss) stored as `_blocks` and
-  # `_scales`; FP8 as itself beside its scale (`_fp8_layout_of`).
-  layout = _fp8_layout_of(path)
+  # `_scales`; FP8 as itself beside its scale (`layout`).
   fp8 = layout is not None
   quantized = {}
   for name in needed:
@@ -1205,13 +1206,14 @@ def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
   under its own name.
   """
   files = _language_model_view(_tensor_files(path))
-  needed, stored, quantized = _needed_tensors(path, config, files, extra)
+  layout = _fp8_layout_of(path)
+  needed, stored, quantized = _needed_tensors(path, config, files, layout, extra)
   dtype = NP_DTYPES[config.param_dtype]
   shapes = _param_shapes(config)
   want = _tensor_shapes(shapes, {hf: parts for hf, parts in needed.items() if hf not in extra})
   flat, experts = {}, {}
   tensors = _read_tensors(files, sorted(stored))
-  for hf, full in _dequantized(tensors, quantized, _fp8_layout_of(path), dtype):
+  for hf, full in _dequantized(tensors, quantized, layout, dtype):
     if hf in extra:
       flat[hf] = np.ascontiguousarray(full.astype(dtype, copy=False))
       continue

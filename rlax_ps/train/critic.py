@@ -22,7 +22,7 @@ from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
-from rlax_ps.train.rl_loss import LossConfig, critic_returns, response_logprobs, token_mask
+from rlax_ps.train.rl_loss import LossConfig, gae_targets, response_logprobs, token_mask
 from rlax_ps.train.state import TrainState, state_shardings
 from rlax_ps.train.step import apply_gradients, jit_step
 
@@ -159,7 +159,7 @@ class Critic:
       if cfg.kl_in_reward > 0:
         ref_logp = response_logprobs(ref_params, policy_graphdef, batch, cfg.backend,
                                      logits_chunk=cfg.logits_chunk)
-      returns, _ = critic_returns({**batch, "values": values}, cfg, ref_logp, kl_beta)
+      _, returns, _ = gae_targets({**batch, "values": values}, cfg, ref_logp, kl_beta)
       rows = jax.sharding.NamedSharding(self.mesh, shd.batch_spec(self.mesh, values.shape))
       return (jax.lax.with_sharding_constraint(values, rows),  # as the batch's rows lie
               jax.lax.with_sharding_constraint(returns.reshape(values.shape), rows))

@@ -400,8 +400,8 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
                                           kl, beta)
     adv = adv_lib.reinforce_pp_advantages(token_rewards, tokens, gamma=cfg.gamma)
     return _without_truncated(adv, mask, batch, cfg)
-  if cfg.advantage == "gae":
-    adv, _ = gae_targets(batch, rewards, tokens, kl, beta, cfg)
+  if cfg.advantage == "gae":  # (the KL penalty above checked; gae_targets applies it)
+    adv, _, tokens = gae_targets(batch, cfg, ref_logp, kl_beta)
     return _without_truncated(adv_lib.masked_whiten(adv, tokens) * tokens, mask, batch, cfg)
   if kl is not None:  # one number per sample: the sum of its token rewards, as verl's
     rewards = rewards - beta * jnp.sum(kl, axis=-1)
@@ -427,31 +427,24 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
   return _without_truncated(adv, mask, batch, cfg)
 
 
-def gae_targets(batch: dict, rewards: jax.Array, tokens: jax.Array, kl: jax.Array | None,
-                beta, cfg: LossConfig) -> tuple[jax.Array, jax.Array]:
-  """(advantages before whitening, returns) [rows * N, R] of loss.advantage="gae": GAE over
-  the critic's values the batch carries (`values` [rows, N, R]) of the token rewards (each
-  sample's score, `rewards` [rows * N], on its last token, minus `beta` times the KL-in-reward
-  penalty `kl`)."""
+def gae_targets(batch: dict, cfg: LossConfig, ref_logp: jax.Array | None = None,
+                kl_beta: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(advantages before whitening, returns, token mask) [rows * N, R] of loss.advantage="gae":
+  GAE over the critic's values the batch carries (`values` [rows, N, R]) of the token rewards
+  as the other estimators take them (each sample's score on its last token, DAPO's overlong
+  punishment, minus the KL-in-reward penalty by `ref_logp` at `kl_beta`, None:
+  loss.kl_in_reward); the mask of the tokens its samples drew."""
   if "values" not in batch:
     raise ValueError("loss.advantage: 'gae' needs the critic's values in the batch (the "
                      "trainer's critic adds them), got none")
-  token_rewards = adv_lib.token_rewards(rewards, batch["response_lens"].reshape(-1), tokens,
-                                        kl, beta)
-  return adv_lib.gae(token_rewards, batch["values"].reshape(tokens.shape), tokens,
-                     gamma=cfg.gamma, lam=cfg.lam)
-
-
-def critic_returns(batch: dict, cfg: LossConfig, ref_logp: jax.Array | None = None,
-                   kl_beta: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """(returns [rows * N, R], token mask) the critic regresses on: `gae_targets`' over the
-  batch's rewards as group_advantages takes them (DAPO's overlong punishment, the KL-in-reward
-  penalty by `ref_logp` and `kl_beta`); the mask of the tokens its samples drew."""
-  rewards = sample_scores(batch, cfg)
   tokens = token_mask(batch, batch["sample_mask"].reshape(-1))
   kl = reward_kl(batch, ref_logp, tokens, cfg) if cfg.kl_in_reward > 0 else None
-  beta = cfg.kl_in_reward if kl_beta is None else kl_beta
-  return gae_targets(batch, rewards, tokens, kl, beta, cfg)[1], tokens
+  token_rewards = adv_lib.token_rewards(
+      sample_scores(batch, cfg), batch["response_lens"].reshape(-1), tokens, kl,
+      cfg.kl_in_reward if kl_beta is None else kl_beta)
+  adv, returns = adv_lib.gae(token_rewards, batch["values"].reshape(tokens.shape), tokens,
+                             gamma=cfg.gamma, lam=cfg.lam)
+  return adv, returns, tokens
 
 
 def _without_truncated(adv: jax.Array, mask: jax.Array, batch: dict, cfg: LossConfig

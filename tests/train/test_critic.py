@@ -16,7 +16,7 @@ from rl_testlib import fake_fleet, rl_config, verl_batch, verl_fixture
 from rlax_ps.models import ModelConfig
 from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
 from rlax_ps.train.critic import Critic, check_critic_config
-from rlax_ps.train.rl_loss import LossConfig, critic_returns, group_advantages
+from rlax_ps.train.rl_loss import LossConfig, gae_targets, group_advantages
 from rlax_ps.sharding import make_mesh
 
 DATA, B, G, N, REAL, T = verl_fixture("gae.json")  # verl sees the real samples alone
@@ -46,7 +46,7 @@ def test_gae_advantages_and_returns_equal_verls(case):
                              np.asarray(case["advantages"], np.float32)[tokens], rtol=1e-5,
                              atol=1e-5)
   np.testing.assert_array_equal(mask, np.asarray(B["sample_mask"]))
-  returns, _ = critic_returns(batch, _cfg(case), ref)
+  _, returns, _ = gae_targets(batch, _cfg(case), ref)
   np.testing.assert_allclose(np.asarray(returns)[REAL][tokens],
                              np.asarray(case["returns"], np.float32)[tokens], rtol=1e-5,
                              atol=1e-5)
