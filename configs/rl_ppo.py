@@ -7,8 +7,9 @@ the verifier's score on the last token gives each token its advantage, whitened 
 step's response tokens, and its return, which the critic regresses on with verl's clipped
 value loss (critic.value_clip) and an optimizer of its own (critic.optimizer: verl's critic
 learns 10x faster than its actor). The critic is checkpointed with the policy; it doubles the
-trainer's weights and optimizer state. Otherwise configs/rl_local.py. `:tiny` is the
-seconds-long smoke variant.
+trainer's weights and optimizer state, except in a LoRA run (--config.model.lora_rank=N),
+whose critic trains adapters of its own and its head over the policy's frozen weights.
+Otherwise configs/rl_local.py. `:tiny` is the seconds-long smoke variant.
 """
 
 import ml_collections

@@ -1,8 +1,9 @@
 """PPO's critic: a Transformer body with a linear value head, one value per position.
 
 The body is the policy's architecture without its LM head (tied: no `lm_head` param, and the
-head is never applied) and without LoRA adapters, so it starts from the policy's weights;
-the head starts at zero, so the first values are 0 and the first advantages the returns.
+head is never applied), LoRA adapters included when the policy has them, so it starts from
+the policy's weights; the head starts at zero, so the first values are 0 and the first
+advantages the returns.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from rlax_ps.models.transformer import Transformer
 
 
 def critic_config(config: ModelConfig) -> ModelConfig:
-  """The value model's body config for a policy of `config`: its LM head and adapters off."""
-  return config.replace(tie_word_embeddings=True, lora_rank=0)
+  """The value model's body config for a policy of `config`: its LM head off."""
+  return config.replace(tie_word_embeddings=True)
 
 
 class ValueModel(nnx.Module):

@@ -6,7 +6,9 @@ which the policy step whitens and trains on, and the returns, which the critic r
 on with verl's clipped value loss (`critic.value_clip` around the values the advantages came
 from), `rl.updates_per_batch` times and over `rl.micro_batches` slices of rows as the policy
 does. It starts from the policy's weights (its body; a zero value head) and is checkpointed
-with it.
+with it. A LoRA policy's critic is LoRA too: its own adapters and head over the policy's
+frozen weights, read from the policy at each call rather than copied (a full critic would
+hold a second model and its optimizer moments).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
 from rlax_ps.train.rl_loss import LossConfig, gae_targets, response_logprobs, token_mask
 from rlax_ps.train.state import TrainState, state_shardings
 from rlax_ps.train.step import apply_gradients, jit_step
+from rlax_ps.train.trainable import join, split_as, split_trainable
 
 CRITIC_FIELDS = ("optimizer", "value_clip")
 
@@ -48,13 +51,19 @@ def check_critic_config(block, total_steps: int) -> dict[str, Any]:
   return d
 
 
-def critic_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, total_tokens: jax.Array, *,
-                value_clip: float | None, backend: str = "auto", remat: bool = False
-                ) -> tuple[jax.Array, dict]:
+def value_model(graphdef: nnx.GraphDef, params: dict, base: dict) -> ValueModel:
+  """The critic of trainable `params` over the policy's frozen body weights `base` ({} for a
+  full critic, which holds its whole body)."""
+  return nnx.merge(graphdef, {**params, "body": join(params["body"], base)})
+
+
+def critic_loss(params: Any, base: Any, graphdef: nnx.GraphDef, batch: dict,
+                total_tokens: jax.Array, *, value_clip: float | None, backend: str = "auto",
+                remat: bool = False) -> tuple[jax.Array, dict]:
   """(verl's clipped value loss of these rows as a share of the whole batch's token mean:
   their token sum over `total_tokens`, metrics). `batch` carries the `values` the advantages
-  came from and the `returns` [rows, N, R]."""
-  model = nnx.merge(graphdef, params)
+  came from and the `returns` [rows, N, R]; `base` as value_model's."""
+  model = value_model(graphdef, params, base)
   values = packed_values(model, batch, backend=backend, remat=remat)
   r = values.shape[-1]
   returns, old = batch["returns"].reshape(-1, r), batch["values"].reshape(-1, r)
@@ -85,7 +94,8 @@ def value_stats(batch: dict) -> dict[str, jax.Array]:
 
 class Critic:
   """The critic's state on the trainer's mesh and its two jitted calls: `targets` (values and
-  returns of a batch) and `update` (its optimizer steps on them)."""
+  returns of a batch) and `update` (its optimizer steps on them). Both take the policy's
+  current params: a LoRA critic's frozen body is the policy's."""
 
   def __init__(self, model_config: ModelConfig, block, mesh, *, total_steps: int,
                loss_cfg: LossConfig, policy_graphdef: nnx.GraphDef, updates_per_batch: int = 1,
@@ -98,8 +108,13 @@ class Critic:
     self.mesh, self.loss_cfg = mesh, loss_cfg
     model = nnx.eval_shape(lambda: ValueModel(self.config, rngs=nnx.Rngs(0)))
     self.graphdef, params = nnx.split(model, nnx.Param)
-    specs = nnx.get_partition_spec(params).to_pure_dict()
-    self._abstract_params = params.to_pure_dict()
+    full, full_specs = params.to_pure_dict(), nnx.get_partition_spec(params).to_pure_dict()
+    # Its state: all of it, or (LoRA) its adapters and head; the rest, the policy's.
+    body, self._base_like = split_trainable(full["body"])
+    self._abstract_params = {**full, "body": body}
+    specs = {**full_specs, "body": split_as(full_specs["body"], body)[0]}
+    # "full" or "adapters", as the checkpoint's metadata records it.
+    self.layout = "adapters" if self._base_like else "full"
     abstract = jax.eval_shape(lambda p: TrainState(
         step=jnp.zeros((), jnp.int32), params=p, opt_state=self.optimizer.init(p),
         rng=jax.random.PRNGKey(0)), self._abstract_params)
@@ -107,8 +122,9 @@ class Critic:
     self._abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   abstract, self.shardings)
     self.state: TrainState | None = None
-    # jit(fn)(params, batch, ref_params, kl_beta) -> (values, returns); jit(fn)(state, batch)
-    # -> (state, metrics), the state donated: what the trainer compiles ahead per shape.
+    # jit(fn)(params, base, batch, ref_params, kl_beta) -> (values, returns);
+    # jit(fn)(state, base, batch) -> (state, metrics), the state donated: what the trainer
+    # compiles ahead per shape (`base`: self.base of the policy's params).
     self.targets_fn = self._make_targets(policy_graphdef)
     self.update_fn = self._make_update(updates_per_batch, micro_batches)
 
@@ -116,10 +132,16 @@ class Critic:
     """The checkpoint's critic entry as a restore target (shapes, dtypes, shardings)."""
     return self._abstract.to_tree()
 
+  def base(self, policy_params: Any) -> dict:
+    """The frozen body weights a LoRA critic reads from the policy's `policy_params` (of the
+    policy's current state: its step donates the last); {} for a full critic."""
+    return split_as(policy_params, self._base_like)[0] if self._base_like else {}
+
   def start(self, policy_params: Any, restored: dict[str, Any] | None = None,
             seed: int = 0) -> None:
     """The critic of a checkpoint (`restored`, its critic entry), else a fresh one: the
-    policy's weights for its body (copied: the policy's step donates its own), a zero head."""
+    policy's weights for its body, or a LoRA critic's the policy's adapters (copied: the
+    policy's step donates its own), a zero head."""
     if restored is not None:
       self.state = TrainState.from_tree(restored)
       return
@@ -128,32 +150,33 @@ class Critic:
       params = {**jax.tree.map(jnp.zeros_like, self._abstract_params),
                 "body": jax.tree.map(lambda like, p: p.astype(like.dtype),
                                      self._abstract_params["body"],
-                                     _like(self._abstract_params["body"], policy))}
+                                     split_as(policy, self._abstract_params["body"])[0])}
       return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                         opt_state=self.optimizer.init(params),
                         rng=jax.random.fold_in(jax.random.PRNGKey(seed), 1))
 
     self.state = jax.jit(init, out_shardings=self.shardings)(policy_params)
 
-  def targets(self, batch: dict, ref_params: Any, kl_beta: jax.Array | None = None,
-              fn=None) -> tuple[jax.Array, jax.Array]:
+  def targets(self, batch: dict, policy_params: Any, ref_params: Any,
+              kl_beta: jax.Array | None = None, fn=None) -> tuple[jax.Array, jax.Array]:
     """(values, returns) [rows, N, R] of a batch on the mesh (loss.kl_in_reward: penalized by
     the frozen reference `ref_params`, at coefficient `kl_beta` when adaptive), by `fn`
     (targets_fn compiled for this shape; None: targets_fn)."""
-    return (fn or self.targets_fn)(self.state.params, batch, ref_params, kl_beta)
+    return (fn or self.targets_fn)(self.state.params, self.base(policy_params), batch,
+                                   ref_params, kl_beta)
 
-  def update(self, batch: dict, fn=None) -> dict[str, jax.Array]:
+  def update(self, batch: dict, policy_params: Any, fn=None) -> dict[str, jax.Array]:
     """The critic's optimizer steps on a batch carrying its `values` and `returns` (by `fn`,
     as `targets`); their metrics (value_* and the vf_* of the loss, critic_grad_norm,
     critic_lr)."""
-    self.state, metrics = (fn or self.update_fn)(self.state, batch)
+    self.state, metrics = (fn or self.update_fn)(self.state, self.base(policy_params), batch)
     return metrics
 
   def _make_targets(self, policy_graphdef):
     cfg = self.loss_cfg
 
-    def targets(params, batch, ref_params, kl_beta):
-      model = nnx.merge(self.graphdef, params)
+    def targets(params, base, batch, ref_params, kl_beta):
+      model = value_model(self.graphdef, params, base)
       values = jax.lax.stop_gradient(packed_values(model, batch, backend=cfg.backend))
       ref_logp = None
       if cfg.kl_in_reward > 0:
@@ -175,16 +198,16 @@ class Critic:
     grad_fn = jax.value_and_grad(critic_loss, has_aux=True)
     settings = dict(value_clip=self.value_clip, backend=cfg.backend, remat=cfg.remat)
 
-    def one_update(state: TrainState, batch: dict):
+    def one_update(state: TrainState, base: dict, batch: dict):
       total = jnp.maximum(jnp.sum(_tokens(batch)), 1.0)
       if micro == 1:
-        (_, metrics), grads = grad_fn(state.params, graphdef, batch, total, **settings)
+        (_, metrics), grads = grad_fn(state.params, base, graphdef, batch, total, **settings)
       else:  # slice m holds rows m, m + M, ...: each slice's share of the token mean
         slices = jax.tree.map(lambda x: x.reshape(x.shape[0] // micro, micro, *x.shape[1:])
                               .swapaxes(0, 1), batch)
 
         def body(acc, mb):
-          (_, m), g = grad_fn(state.params, graphdef, mb, total, **settings)
+          (_, m), g = grad_fn(state.params, base, graphdef, mb, total, **settings)
           return jax.tree.map(jnp.add, acc, (g, m)), None
 
         zero = jax.tree.map(jnp.zeros_like, (state.params, {"vf_loss": total,
@@ -193,11 +216,11 @@ class Critic:
       state, metrics = apply_gradients(state, grads, metrics, self.optimizer, self.schedule)
       return state, metrics
 
-    def step(state: TrainState, batch: dict):
+    def step(state: TrainState, base: dict, batch: dict):
       if updates == 1:
-        state, metrics = one_update(state, batch)
+        state, metrics = one_update(state, base, batch)
       else:
-        final, metrics = jax.lax.scan(lambda st, _: one_update(st, batch), state, None,
+        final, metrics = jax.lax.scan(lambda st, _: one_update(st, base, batch), state, None,
                                       length=updates)
         state = final.replace(step=state.step + 1)  # batches, as the policy's step counts
         metrics = jax.tree.map(lambda m: m.mean(0), metrics)
@@ -208,10 +231,3 @@ class Critic:
 
     return jit_step(step, self.shardings, self.mesh)
 
-
-def _like(like: Any, source: Any) -> Any:
-  """The part of nested dict `source` with the keys of nested dict `like` (the critic body's
-  params out of the policy's, whose LoRA adapters or LM head it has no place for)."""
-  if not isinstance(like, dict):
-    return source
-  return {k: _like(v, source[k]) for k, v in like.items()}

@@ -311,7 +311,16 @@ class RLTrainer(TrainerRun):
       raise ValueError(f"loss.advantage: the checkpoint in {self.checkpointer.directory} holds "
                        f"a critic (its run had loss.advantage='gae'), got "
                        f"{self.loss_cfg.advantage!r}; resume with 'gae', or use another workdir")
-    critic_saved = bool(self.critic and latest is not None and latest.get("critic"))
+    # The critic a checkpoint holds: "full", "adapters" (True: "full", as written before LoRA
+    # critics), or none; one of another layout is not restored.
+    saved_critic = (latest or {}).get("critic")
+    saved_critic = "full" if saved_critic is True else saved_critic
+    if self.critic is not None and saved_critic not in (None, self.critic.layout):
+      raise ValueError(f"critic: the checkpoint in {self.checkpointer.directory} holds a "
+                       f"{saved_critic} critic, this run's is {self.critic.layout} (a LoRA "
+                       f"run's critic: adapters of its own over the policy's weights); resume "
+                       f"it with the rlax-ps that wrote it, or use another workdir")
+    critic_saved = self.critic is not None and saved_critic is not None
     if latest is not None and (latest.get("mixed_reference") or critic_saved):
       self.state, self.shardings, self.graphdef, saved, held = restore_state(
           self.model_config, self.optimizer, self.mesh, self.checkpointer,
@@ -459,7 +468,8 @@ class RLTrainer(TrainerRun):
         "warm_start_eval": self.warm_start_eval,
         "run_id": self.run_id,
         "mixed_reference": self.mixed_reference,  # the state holds ref_params
-        "critic": self.critic is not None,  # and the critic's state
+        # and the critic's state: "full" or (a LoRA run's) "adapters"; None: no critic
+        "critic": self.critic.layout if self.critic is not None else None,
         "model_config": self.model_config.to_dict(),
         "config": json.loads(self.config.to_json_best_effort()),
     }
@@ -645,14 +655,15 @@ class RLTrainer(TrainerRun):
   def _precompile_critic(self, key: tuple[int, int], batch: dict, ref: Any, abstract) -> None:
     """Queue the critic's compiles for a batch shape `key` (`batch`: the policy step's
     abstract batch, its values included) behind the step's."""
-    critic = abstract(self.critic.state)
+    critic, base = abstract(self.critic.state), abstract(self.critic.base(self.state.params))
     kl_beta = abstract(self._kl_beta_input())
     sampled = {k: v for k, v in batch.items() if k != "values"}
     self._critic_compiles["targets"][key] = self._compiler.submit(
-        lambda: self.critic.targets_fn.lower(critic.params, sampled, ref, kl_beta).compile())
-    self._critic_compiles["update"][key] = self._compiler.submit(
-        lambda: self.critic.update_fn.lower(critic, {**batch, "returns": batch["values"]})
+        lambda: self.critic.targets_fn.lower(critic.params, base, sampled, ref, kl_beta)
         .compile())
+    self._critic_compiles["update"][key] = self._compiler.submit(
+        lambda: self.critic.update_fn.lower(critic, base,
+                                            {**batch, "returns": batch["values"]}).compile())
 
   @staticmethod
   def _batch_key(batch: dict) -> tuple[int, int]:
@@ -762,14 +773,15 @@ class RLTrainer(TrainerRun):
         placed = shd.shard_batch(self.mesh, batch)
         if self.critic is not None:  # its values (and returns) before either update
           targets, update = self._critic_for(batch)
-          values, returns = self.critic.targets(placed, self.ref_params, self._kl_beta_input(),
-                                                targets)
+          values, returns = self.critic.targets(placed, self.state.params, self.ref_params,
+                                                self._kl_beta_input(), targets)
           placed["values"] = values
           batch["values"] = shd.to_host(values)  # the completions log's advantages
         self.state, metrics = self._step_for(batch)(
             self.state, placed, self.ref_params, *self._step_inputs())
         if self.critic is not None:
-          metrics.update(self.critic.update({**placed, "returns": returns}, update))
+          metrics.update(self.critic.update({**placed, "returns": returns}, self.state.params,
+                                            update))
         done = self.step
         if self.ref_sync_steps and done % self.ref_sync_steps == 0:  # TRL's sync_ref_model
           self.ref_params = self._mix_reference(self.ref_params, self.state.params)

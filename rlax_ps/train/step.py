@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rlax_ps import sharding as shd
 from rlax_ps.train.state import TrainState
-from rlax_ps.train.trainable import join, split_trainable, trainable_value_and_grad
+from rlax_ps.train.trainable import join, split_as, split_trainable, trainable_value_and_grad
 
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 
@@ -109,8 +109,9 @@ def apply_gradients(state: TrainState, grads: Any, metrics: dict,
                     optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule | None = None) -> tuple[TrainState, dict]:
   """One optax update of `state` (step + 1, RNG split); adds grad_norm and lr to metrics.
-  `grads` are those of the trainable params (all of them, or a LoRA run's adapters)."""
-  trainable, frozen = split_trainable(state.params)
+  `grads` are those of the trainable params (all of them, or a LoRA run's adapters): the
+  params they cover are updated, the rest kept."""
+  trainable, frozen = split_as(state.params, grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
   params = join(optax.apply_updates(trainable, updates), frozen)
   rng, _ = jax.random.split(state.rng)

@@ -44,6 +44,22 @@ def split_trainable(params: dict) -> tuple[dict, dict]:
   return split(params)
 
 
+def split_as(params: dict, like: dict) -> tuple[dict, dict]:
+  """(the part of nested dict `params` with the keys of nested dict `like`, the rest): the
+  params a gradient tree covers and those it does not, or one model's part of another's."""
+  taken, rest = {}, {}
+  for k, v in params.items():
+    if k not in like:
+      rest[k] = v
+    elif isinstance(v, dict) and isinstance(like[k], dict):
+      taken[k], r = split_as(v, like[k])
+      if r:
+        rest[k] = r
+    else:
+      taken[k] = v
+  return taken, rest
+
+
 def join(trainable: dict, frozen: dict) -> dict:
   """The nested union of two disjoint param dicts (split_trainable's inverse)."""
   out = dict(frozen)

@@ -3,6 +3,7 @@ against verl's own code (tests/fixtures/verl/gae.json, made by
 tests/fixtures/make_verl_fixtures.py); the value model on packed rows; its update whole and
 micro-batched; the trainer training it beside the policy, and resuming it."""
 
+import glob
 import json
 
 import jax
@@ -17,6 +18,7 @@ from rlax_ps.models import ModelConfig
 from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
 from rlax_ps.train.critic import Critic, check_critic_config
 from rlax_ps.train.rl_loss import LossConfig, gae_targets, group_advantages
+from rlax_ps.train.trainable import split_as, split_trainable
 from rlax_ps.sharding import make_mesh
 
 DATA, B, G, N, REAL, T = verl_fixture("gae.json")  # verl sees the real samples alone
@@ -140,24 +142,67 @@ def test_a_micro_batched_critic_update_equals_the_whole_batchs(tmp_path):
   np.testing.assert_array_equal(body["embed"]["embedding"], policy["embed"]["embedding"])
   assert "lm_head" in policy and "lm_head" not in body
   assert not np.asarray(critics[0].state.params["value_head"]).any()
-  metrics = [critic.update(batch) for critic in critics]
+  metrics = [critic.update(batch, policy) for critic in critics]
   for k in ("vf_loss", "vf_clipfrac", "critic_grad_norm"):
     np.testing.assert_allclose(metrics[0][k], metrics[1][k], rtol=1e-5, err_msg=k)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                critics[0].state.params, critics[1].state.params)
   # Its values, 0 before the step (a zero head), moved toward the returns.
-  values, _ = critics[0].targets(batch, None)
+  values, _ = critics[0].targets(batch, policy, None)
   tokens = np.arange(4)[None, None, :] < np.asarray(batch["response_lens"])[..., None]
   returns = np.asarray(batch["returns"])
   assert (np.mean((np.asarray(values) - returns)[tokens] ** 2)
           < np.mean(returns[tokens] ** 2))
 
 
-def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path):
+def test_a_lora_policys_critic_trains_its_own_adapters_and_head_over_the_policys_weights():
+  """A LoRA policy's critic holds its adapters and value head alone (no copy of the frozen
+  weights, whose values it reads from the policy's params at each call); both train, and
+  the policy's params are left as they were."""
+  from rlax_ps.models import Transformer
+  from rlax_ps.train.critic import value_model
+  config = CONFIG.replace(lora_rank=2, lora_alpha=4.0)
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  policy = nnx.state(Transformer(config, rngs=nnx.Rngs(3)), nnx.Param).to_pure_dict()
+  policy = jax.tree_util.tree_map_with_path(  # trained adapters: B no longer zero
+      lambda path, x: x + 0.1 if "lora_b" in jax.tree_util.keystr(path) else x, policy)
+  kept = jax.tree.map(np.asarray, policy)
+  critic = Critic(config, {"optimizer": {"lr": 1e-2, "warmup_steps": 0}}, mesh, total_steps=4,
+                  loss_cfg=LossConfig(advantage="gae"), policy_graphdef=None)
+  critic.start(policy)
+  assert critic.layout == "adapters"
+  names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+      critic.state.params["body"])}
+  assert names and all("lora_" in n for n in names), names  # no frozen weight copied
+  start = jax.tree.map(np.asarray, critic.state.params)
+  jax.tree.map(np.testing.assert_array_equal, start["body"],  # the policy's adapters
+               split_as(kept, start["body"])[0])
+  batch = _packed_batch(seed=1)
+  critic.update(batch, policy)
+  critic.update(batch, policy)
+  after = critic.state.params
+  assert np.asarray(after["value_head"]).any()  # its head trains
+  moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), after["body"],
+                       start["body"])
+  assert all(jax.tree.leaves(moved)), moved  # and every adapter
+  jax.tree.map(np.testing.assert_array_equal, kept, jax.tree.map(np.asarray, policy))
+  # Its values are its adapters' and head's over the policy's frozen weights.
+  values, _ = critic.targets(batch, policy, None)
+  frozen = {k: v for k, v in split_trainable(policy)[1].items() if k != "lm_head"}
+  model = value_model(critic.graphdef, jax.tree.map(np.asarray, after), frozen)
+  np.testing.assert_allclose(values, jax.jit(packed_values)(model, batch), atol=1e-5)
+  assert np.asarray(values).any()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, lora):
   """configs/rl_ppo.py's GAE run: each step's line carries the critic's loss, its state is
-  checkpointed, and a restart restores it (not the policy's weights again)."""
+  checkpointed, and a restart restores it (not the policy's weights again). A LoRA run's
+  critic is adapters over the policy's weights, read from each step's new policy state."""
   from rlax_ps.train.rl import RLTrainer
   config = rl_config("tiny", "configs/rl_ppo.py")
+  if lora:
+    config.model.lora_rank, config.model.lora_alpha = 4, 8.0
   config.eval.num_examples = 0  # no held-out evaluation: its decoding is not what is tested
   config.rl.steps, config.checkpoint.every_steps = 2, 1
   config.worker.max_new_tokens = 8
@@ -166,6 +211,7 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path):
       tr.train()
       saved = jax.tree.map(np.asarray, tr.critic.state.params)
       assert int(tr.critic.state.step) == 2
+      assert tr.critic.layout == ("adapters" if lora else "full")
       # Its programs were compiled ahead for the batch's shape, as the policy's step.
       assert tr.precompiled_critic_steps == tr.precompiled_steps == 2
     config.rl.steps = 3
@@ -174,6 +220,14 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path):
       jax.tree.map(np.testing.assert_array_equal, saved,
                    jax.tree.map(np.asarray, tr.critic.state.params))
       assert np.asarray(saved["value_head"]).any()  # trained, not the fresh zero head
+    if lora:  # a checkpoint whose critic is laid out otherwise (full, as LoRA runs' were
+      # before): refused, naming both
+      meta = glob.glob(str(tmp_path / "rl" / "**" / "2" / "metadata" / "*"), recursive=True)
+      record = json.load(open(meta[0]))
+      assert record["critic"] == "adapters"
+      json.dump({**record, "critic": True}, open(meta[0], "w"))
+      with pytest.raises(ValueError, match="holds a full critic, this run's is adapters"):
+        RLTrainer(config, str(tmp_path / "rl"), tc)
     config.loss.advantage = "grpo"  # its checkpoints hold a critic a GRPO run would drop
     with pytest.raises(ValueError, match="loss.advantage: the checkpoint in .* holds a critic"):
       RLTrainer(config, str(tmp_path / "rl"), tc)
