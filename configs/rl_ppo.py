@@ -26,4 +26,7 @@ def get_config(arg: str | None = None):
   c.critic.optimizer = ml_collections.ConfigDict(c.optimizer.to_dict())
   c.critic.optimizer.lr = 10 * c.optimizer.lr
   c.critic.value_clip = 0.5  # verl's critic.cliprange_value; None: unclipped
+  # The first steps train the critic alone, the policy waiting for a baseline: verl's
+  # trainer.critic_warmup=N+1 skips as many actor updates.
+  c.critic.warmup_steps = 0
   return c

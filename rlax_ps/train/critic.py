@@ -29,12 +29,13 @@ from rlax_ps.train.state import TrainState, state_shardings
 from rlax_ps.train.step import apply_gradients, jit_step
 from rlax_ps.train.trainable import join, split_as, split_trainable
 
-CRITIC_FIELDS = ("optimizer", "value_clip")
+CRITIC_FIELDS = ("optimizer", "value_clip", "warmup_steps")
 
 
 def check_critic_config(block, total_steps: int) -> dict[str, Any]:
-  """The `critic` block as a dict, checked: its optimizer (the optimizer block's fields) and
-  value_clip (>= 0, or None: unclipped); a ValueError names the field."""
+  """The `critic` block as a dict, checked: its optimizer (the optimizer block's fields),
+  value_clip (>= 0, or None: unclipped) and warmup_steps (the first steps, which train the
+  critic alone: below rl.steps); a ValueError names the field."""
   d = block.to_dict() if hasattr(block, "to_dict") else dict(block or {})
   unknown = sorted(set(d) - set(CRITIC_FIELDS))
   if unknown:
@@ -48,6 +49,11 @@ def check_critic_config(block, total_steps: int) -> dict[str, Any]:
                            or not clip >= 0):
     raise ValueError(f"critic.value_clip: expected a clip range >= 0 around the old values "
                      f"(None: unclipped), got {clip!r}")
+  warmup = d.get("warmup_steps", 0)
+  if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < total_steps:
+    raise ValueError(f"critic.warmup_steps: expected an int from 0 to rl.steps - 1 "
+                     f"({total_steps - 1}): the steps that train the critic alone, got "
+                     f"{warmup!r}")
   return d
 
 
@@ -103,6 +109,7 @@ class Critic:
     d = check_critic_config(block, total_steps)
     self.config = critic_config(model_config)
     self.value_clip = d.get("value_clip", 0.5)
+    self.warmup_steps = d.get("warmup_steps", 0)  # the first steps: the critic's alone
     self.optimizer = optim.make_optimizer(d.get("optimizer") or {}, total_steps)
     self.schedule = optim.learning_rate_schedule(d.get("optimizer") or {}, total_steps)
     self.mesh, self.loss_cfg = mesh, loss_cfg

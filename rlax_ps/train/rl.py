@@ -349,7 +349,7 @@ class RLTrainer(TrainerRun):
                                   out_shardings=self.shardings.params, donate_argnums=0)
     self.rl_step = make_rl_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                 num_groups=self.shape.groups, loss_cfg=self.loss_cfg,
-                                schedule=self.schedule,
+                                schedule=self._policy_schedule(),
                                 updates_per_batch=int(rl.get("updates_per_batch", 1)),
                                 micro_batches=self.micro_batches)
     # The step compiled ahead for each response capacity (_precompile), by batch shape.
@@ -665,6 +665,12 @@ class RLTrainer(TrainerRun):
         lambda: self.critic.update_fn.lower(critic, base,
                                             {**batch, "returns": batch["values"]}).compile())
 
+  def _policy_schedule(self):
+    """The policy's lr by step, as logged: critic.warmup_steps' steps do not update it, and its
+    optimizer counts its own updates."""
+    warmup = self.critic.warmup_steps if self.critic is not None else 0
+    return (lambda step: self.schedule(step - warmup)) if warmup else self.schedule
+
   @staticmethod
   def _batch_key(batch: dict) -> tuple[int, int]:
     return len(batch["row_group"]), batch["response_tokens"].shape[-1]
@@ -777,8 +783,13 @@ class RLTrainer(TrainerRun):
                                                 self._kl_beta_input(), targets)
           placed["values"] = values
           batch["values"] = shd.to_host(values)  # the completions log's advantages
-        self.state, metrics = self._step_for(batch)(
-            self.state, placed, self.ref_params, *self._step_inputs())
+        # critic.warmup_steps: the policy waits while its critic learns (verl's critic_warmup)
+        warming = self.critic is not None and self.step < self.critic.warmup_steps
+        if warming:  # a step all the same: its groups are acked with its checkpoint
+          self.state, metrics = self.state.replace(step=self.state.step + 1), {}
+        else:
+          self.state, metrics = self._step_for(batch)(
+              self.state, placed, self.ref_params, *self._step_inputs())
         if self.critic is not None:
           metrics.update(self.critic.update({**placed, "returns": returns}, self.state.params,
                                             update))
@@ -786,10 +797,10 @@ class RLTrainer(TrainerRun):
         if self.ref_sync_steps and done % self.ref_sync_steps == 0:  # TRL's sync_ref_model
           self.ref_params = self._mix_reference(self.ref_params, self.state.params)
         metrics = {k: float(v) for k, v in shd.to_host(metrics).items()}
-        if self.loss_cfg.adaptive_entropy:  # TRL's logged entropy_coef: after the update
+        if self.loss_cfg.adaptive_entropy and not warming:  # TRL's logged entropy_coef
           metrics["entropy_coef"] = self._adapt_entropy(metrics["entropy"])
-        if self.loss_cfg.kl_target is not None:  # verl's reward_kl_penalty_coeff: the step's
-          metrics["kl_in_reward"] = self.kl_beta
+        if self.loss_cfg.kl_target is not None and not warming:  # verl's adaptive KL:
+          metrics["kl_in_reward"] = self.kl_beta  # the step's beta, then the next one's
           self.kl_beta = adapt_kl_coef(self.kl_beta, metrics["reward_kl"],
                                        int(batch["sample_mask"].sum()), self.loss_cfg)
         every = int(self.config.checkpoint.every_steps)
@@ -802,7 +813,7 @@ class RLTrainer(TrainerRun):
           self.resumed_samples += record["resumed_samples"]
           add_part_totals(self.reward_parts_totals, part_values(groups))
           record.update(self._reward_parts_record(groups))
-        if done % self.publish_every == 0:
+        if done % self.publish_every == 0 and not warming:  # (warming: the weights as were)
           try:
             pub = self._publish(self.version + 1)
             record.update(sync_bytes=pub.bytes, sync_seconds=pub.seconds, version=pub.version)
@@ -1119,8 +1130,9 @@ class RLTrainer(TrainerRun):
         "samples_per_s": samples_per_s,
         "rollout_wait_s": self.rollout_wait_s,  # taking the step's groups (waiting for them)
         # None where the loss clips nothing (m2po masks: train/m2po_masked_frac)
-        "loss": metrics["loss"], "clip_frac": metrics.get("clip_frac"),
-        "iw_mean": metrics["iw_mean"], "entropy": metrics["entropy"], "heldout": None,
+        # None where the policy did not step (critic.warmup_steps)
+        "loss": metrics.get("loss"), "clip_frac": metrics.get("clip_frac"),
+        "iw_mean": metrics.get("iw_mean"), "entropy": metrics.get("entropy"), "heldout": None,
         "trained_token_frac": metrics.get("trained_token_frac"),
         **response_stats(groups, self.shape.response_len, self.tokenizer.stop_ids),
         "response_capacity": int(batch["response_tokens"].shape[-1]),  # what rows packed

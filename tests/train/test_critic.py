@@ -80,7 +80,11 @@ def test_gae_needs_the_critics_values_and_its_knobs_are_checked():
   assert LossConfig(advantage="gae", gamma=0.99, lam=0.95).lam == 0.95
   for block, message in (({"value_clip": -1.0}, "critic.value_clip: expected a clip range"),
                          ({"optimizer": {"lr": 0.0}}, "critic.optimizer.lr: expected > 0"),
-                         ({"lr": 1e-5}, r"critic: unknown fields \['lr'\]")):
+                         ({"lr": 1e-5}, r"critic: unknown fields \['lr'\]"),
+                         ({"warmup_steps": 10}, r"critic.warmup_steps: expected an int from 0 "
+                          r"to rl.steps - 1 \(9\)"),
+                         ({"warmup_steps": -1}, "critic.warmup_steps"),
+                         ({"warmup_steps": 1.5}, "critic.warmup_steps")):
     with pytest.raises(ValueError, match=message):
       check_critic_config(block, 10)
 
@@ -194,13 +198,16 @@ def test_a_lora_policys_critic_trains_its_own_adapters_and_head_over_the_policys
   assert np.asarray(values).any()
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full+warmup", "lora"])
 def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, lora):
   """configs/rl_ppo.py's GAE run: each step's line carries the critic's loss, its state is
   checkpointed, and a restart restores it (not the policy's weights again). A LoRA run's
-  critic is adapters over the policy's weights, read from each step's new policy state."""
+  critic is adapters over the policy's weights, read from each step's new policy state.
+  critic.warmup_steps' first steps train the critic alone, publishing nothing."""
   from rlax_ps.train.rl import RLTrainer
   config = rl_config("tiny", "configs/rl_ppo.py")
+  warmup = 0 if lora else 1
+  config.critic.warmup_steps = warmup
   if lora:
     config.model.lora_rank, config.model.lora_alpha = 4, 8.0
   config.eval.num_examples = 0  # no held-out evaluation: its decoding is not what is tested
@@ -208,12 +215,19 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
   config.worker.max_new_tokens = 8
   with fake_fleet(tmp_path) as (tc, _):
     with RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      scalars, add = {}, tr.writer.add_scalar
+      tr.writer.add_scalar = lambda k, v, step: (scalars.__setitem__((k, step), v),
+                                                 add(k, v, step))[1]
       tr.train()
+      # The policy's logged lr: its optimizer's, which counts the policy's own updates.
+      assert (("train/lr", 1) in scalars) == (not warmup)
+      assert scalars[("train/lr", 2)] == pytest.approx(float(tr.schedule(1 - warmup)))
       saved = jax.tree.map(np.asarray, tr.critic.state.params)
       assert int(tr.critic.state.step) == 2
       assert tr.critic.layout == ("adapters" if lora else "full")
       # Its programs were compiled ahead for the batch's shape, as the policy's step.
-      assert tr.precompiled_critic_steps == tr.precompiled_steps == 2
+      assert tr.precompiled_critic_steps == 2 and tr.precompiled_steps == 2 - warmup
+      assert tr.version == 2 - warmup  # a publication a policy step (and one at the start)
     config.rl.steps = 3
     with RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
       assert int(tr.critic.state.step) == 2
@@ -234,3 +248,5 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
   lines = [json.loads(line) for line in open(tmp_path / "rl" / "steps.jsonl")]
   assert [r["step"] for r in lines] == [1, 2]
   assert all(r["vf_loss"] > 0 and "value_explained_var" in r for r in lines)
+  assert [r["loss"] is None for r in lines] == [True] * warmup + [False] * (2 - warmup)
+  assert ["sync_bytes" in r for r in lines] == [False] * warmup + [True] * (2 - warmup)
