@@ -9,7 +9,9 @@ value loss (critic.value_clip) and an optimizer of its own (critic.optimizer: ve
 learns 10x faster than its actor). The critic is checkpointed with the policy; it doubles the
 trainer's weights and optimizer state, except in a LoRA run (--config.model.lora_rank=N),
 whose critic trains adapters of its own and its head over the policy's frozen weights.
-Otherwise configs/rl_local.py. `:tiny` is the seconds-long smoke variant.
+--config.critic.init_from_hf=RM_PATH starts it from a reward model instead (InstructGPT's
+critic), --config.critic.warmup_steps=N trains it alone first. Otherwise
+configs/rl_local.py. `:tiny` is the seconds-long smoke variant.
 """
 
 import ml_collections
@@ -29,4 +31,8 @@ def get_config(arg: str | None = None):
   # The first steps train the critic alone, the policy waiting for a baseline: verl's
   # trainer.critic_warmup=N+1 skips as many actor updates.
   c.critic.warmup_steps = 0
+  # "": the critic starts from the policy's weights; or an HF folder of its own, of the
+  # policy's tokenizer: a *ForSequenceClassification reward model (its score head the value
+  # head, as InstructGPT's critic) or a causal LM (a zero head). Full-parameter.
+  c.critic.init_from_hf = ""
   return c

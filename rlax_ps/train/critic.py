@@ -13,6 +13,7 @@ hold a second model and its optimizer moments).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -23,19 +24,21 @@ from algorithms import losses
 from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.models.config import ModelConfig
-from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
+from rlax_ps.models.value_model import (ValueModel, critic_config, packed_values,
+                                        source_config, source_params)
 from rlax_ps.train.rl_loss import LossConfig, gae_targets, response_logprobs, token_mask
 from rlax_ps.train.state import TrainState, state_shardings
 from rlax_ps.train.step import apply_gradients, jit_step
 from rlax_ps.train.trainable import join, split_as, split_trainable
 
-CRITIC_FIELDS = ("optimizer", "value_clip", "warmup_steps")
+CRITIC_FIELDS = ("optimizer", "value_clip", "warmup_steps", "init_from_hf")
 
 
 def check_critic_config(block, total_steps: int) -> dict[str, Any]:
   """The `critic` block as a dict, checked: its optimizer (the optimizer block's fields),
-  value_clip (>= 0, or None: unclipped) and warmup_steps (the first steps, which train the
-  critic alone: below rl.steps); a ValueError names the field."""
+  value_clip (>= 0, or None: unclipped), warmup_steps (the first steps, which train the
+  critic alone: below rl.steps) and init_from_hf (a path, or "": the policy's weights); a
+  ValueError names the field."""
   d = block.to_dict() if hasattr(block, "to_dict") else dict(block or {})
   unknown = sorted(set(d) - set(CRITIC_FIELDS))
   if unknown:
@@ -54,7 +57,32 @@ def check_critic_config(block, total_steps: int) -> dict[str, Any]:
     raise ValueError(f"critic.warmup_steps: expected an int from 0 to rl.steps - 1 "
                      f"({total_steps - 1}): the steps that train the critic alone, got "
                      f"{warmup!r}")
+  if not isinstance(d.get("init_from_hf", ""), str):
+    raise ValueError(f"critic.init_from_hf: expected an HF checkpoint folder ('': the "
+                     f"policy's weights), got {d['init_from_hf']!r}")
   return d
+
+
+def check_critic_source(path: str, tokenizer) -> ModelConfig:
+  """The body config of critic.init_from_hf's checkpoint `path`, checked against the
+  policy's `tokenizer`, whose ids it reads: a vocabulary at least as large and, where the
+  folder ships a tokenizer, the same ids for the same text. A ValueError names the field."""
+  from rlax_ps.tokenizers import HFTokenizer
+  try:
+    config = source_config(path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"critic.init_from_hf: {e}") from None
+  if config.vocab_size < tokenizer.vocab_size:
+    raise ValueError(f"critic.init_from_hf: {path!r} has vocab_size {config.vocab_size}, "
+                     f"smaller than the policy tokenizer's {tokenizer.vocab_size}")
+  if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    # Text the policy's tokenizer makes of ids spread over its vocabulary, encoded by both.
+    ids = range(0, tokenizer.vocab_size, max(1, tokenizer.vocab_size // 4096))
+    text = tokenizer.decode(ids, skip_special=True)
+    if HFTokenizer(path).encode(text) != tokenizer.encode(text):
+      raise ValueError(f"critic.init_from_hf: {path!r} ships a tokenizer that encodes text "
+                       f"otherwise than the policy's; the critic reads the policy's ids")
+  return config
 
 
 def value_model(graphdef: nnx.GraphDef, params: dict, base: dict) -> ValueModel:
@@ -65,12 +93,13 @@ def value_model(graphdef: nnx.GraphDef, params: dict, base: dict) -> ValueModel:
 
 def critic_loss(params: Any, base: Any, graphdef: nnx.GraphDef, batch: dict,
                 total_tokens: jax.Array, *, value_clip: float | None, backend: str = "auto",
-                remat: bool = False) -> tuple[jax.Array, dict]:
+                remat: bool = False, replay_routes: bool = True) -> tuple[jax.Array, dict]:
   """(verl's clipped value loss of these rows as a share of the whole batch's token mean:
   their token sum over `total_tokens`, metrics). `batch` carries the `values` the advantages
   came from and the `returns` [rows, N, R]; `base` as value_model's."""
   model = value_model(graphdef, params, base)
-  values = packed_values(model, batch, backend=backend, remat=remat)
+  values = packed_values(model, batch, backend=backend, remat=remat,
+                         replay_routes=replay_routes)
   r = values.shape[-1]
   returns, old = batch["returns"].reshape(-1, r), batch["values"].reshape(-1, r)
   mask = _tokens(batch)
@@ -105,9 +134,14 @@ class Critic:
 
   def __init__(self, model_config: ModelConfig, block, mesh, *, total_steps: int,
                loss_cfg: LossConfig, policy_graphdef: nnx.GraphDef, updates_per_batch: int = 1,
-               micro_batches: int = 1):
+               micro_batches: int = 1, tokenizer=None):
     d = check_critic_config(block, total_steps)
-    self.config = critic_config(model_config)
+    # critic.init_from_hf: a model of its own (checked against the policy's `tokenizer`),
+    # in the policy's dtypes; else the policy's
+    self.init_from_hf = d.get("init_from_hf", "")
+    self.config = (check_critic_source(self.init_from_hf, tokenizer).replace(
+        param_dtype=model_config.param_dtype, dtype=model_config.dtype)
+                   if self.init_from_hf else critic_config(model_config))
     self.value_clip = d.get("value_clip", 0.5)
     self.warmup_steps = d.get("warmup_steps", 0)  # the first steps: the critic's alone
     self.optimizer = optim.make_optimizer(d.get("optimizer") or {}, total_steps)
@@ -152,6 +186,16 @@ class Critic:
     if restored is not None:
       self.state = TrainState.from_tree(restored)
       return
+    if self.init_from_hf:
+      try:
+        params = source_params(self.init_from_hf, self.config, self.mesh)
+      except (OSError, ValueError) as e:
+        raise ValueError(f"critic.init_from_hf: {e}") from None
+      self.state = jax.jit(lambda p: TrainState(
+          step=jnp.zeros((), jnp.int32), params=p, opt_state=self.optimizer.init(p),
+          rng=jax.random.fold_in(jax.random.PRNGKey(seed), 1)),
+                           out_shardings=self.shardings)(params)
+      return
 
     def init(policy):
       params = {**jax.tree.map(jnp.zeros_like, self._abstract_params),
@@ -184,7 +228,8 @@ class Critic:
 
     def targets(params, base, batch, ref_params, kl_beta):
       model = value_model(self.graphdef, params, base)
-      values = jax.lax.stop_gradient(packed_values(model, batch, backend=cfg.backend))
+      values = jax.lax.stop_gradient(packed_values(
+          model, batch, backend=cfg.backend, replay_routes=not self.init_from_hf))
       ref_logp = None
       if cfg.kl_in_reward > 0:
         ref_logp = response_logprobs(ref_params, policy_graphdef, batch, cfg.backend,
@@ -203,7 +248,8 @@ class Critic:
   def _make_update(self, updates: int, micro: int):
     cfg, graphdef = self.loss_cfg, self.graphdef
     grad_fn = jax.value_and_grad(critic_loss, has_aux=True)
-    settings = dict(value_clip=self.value_clip, backend=cfg.backend, remat=cfg.remat)
+    settings = dict(value_clip=self.value_clip, backend=cfg.backend, remat=cfg.remat,
+                    replay_routes=not self.init_from_hf)
 
     def one_update(state: TrainState, base: dict, batch: dict):
       total = jnp.maximum(jnp.sum(_tokens(batch)), 1.0)

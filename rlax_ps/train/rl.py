@@ -305,7 +305,7 @@ class RLTrainer(TrainerRun):
                            total_steps=self.total_steps, loss_cfg=self.loss_cfg,
                            policy_graphdef=abstract_model(self.model_config)[0],
                            updates_per_batch=int(rl.get("updates_per_batch", 1)),
-                           micro_batches=self.micro_batches)
+                           micro_batches=self.micro_batches, tokenizer=self.tokenizer)
     held = {}  # a reference mixed with the policy (rl.ref_sync_steps), the critic, as saved
     if self.critic is None and latest is not None and latest.get("critic"):
       raise ValueError(f"loss.advantage: the checkpoint in {self.checkpointer.directory} holds "

@@ -5,6 +5,8 @@ micro-batched; the trainer training it beside the policy, and resuming it."""
 
 import glob
 import json
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +15,10 @@ import pytest
 from flax import nnx
 
 from algorithms import losses
-from rl_testlib import fake_fleet, rl_config, verl_batch, verl_fixture
+from rl_testlib import REPO, fake_fleet, rl_config, verl_batch, verl_fixture
 from rlax_ps.models import ModelConfig
 from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
-from rlax_ps.train.critic import Critic, check_critic_config
+from rlax_ps.train.critic import Critic, check_critic_config, check_critic_source
 from rlax_ps.train.rl_loss import LossConfig, gae_targets, group_advantages
 from rlax_ps.train.trainable import split_as, split_trainable
 from rlax_ps.sharding import make_mesh
@@ -198,6 +200,78 @@ def test_a_lora_policys_critic_trains_its_own_adapters_and_head_over_the_policys
   assert np.asarray(values).any()
 
 
+HF = os.path.join(REPO, "tests", "fixtures", "hf")
+
+
+def test_a_critic_from_a_reward_model_values_each_state_as_it_scores_it(tmp_path):
+  """critic.init_from_hf naming a reward model: its body and its score head are the
+  critic's, so each state's value is the reward model's score of the sequence up to it."""
+  from rlax_ps.models.reward_model import load_reward_model
+  from rlax_ps.tokenizers import CharTokenizer
+  rm = os.path.join(HF, "qwen3_reward")
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  critic = Critic(CONFIG.replace(vocab_size=99), {"init_from_hf": rm}, mesh, total_steps=4,
+                  loss_cfg=LossConfig(advantage="gae"), policy_graphdef=None,
+                  tokenizer=CharTokenizer())
+  critic.start(policy_params=None)
+  assert critic.layout == "full" and critic.config.hidden_size == 32
+  batch = _packed_batch(seed=2)
+  values, _ = critic.targets(batch, None, None)
+  # Each (prompt, response) alone, right-padded (causal: padding after a position changes
+  # nothing before it), scored by the reward model where its first and last values lie.
+  score = nnx.jit(lambda m, s, last: m(s, last)[:, 0])
+  seqs, first, last, at = np.zeros((8, 9), np.int32), [], [], []
+  for row in range(4):
+    p = int(batch["prompt_lens"][row])
+    for i in range(2):
+      k = int(batch["response_lens"][row, i])
+      seqs[len(at), :p + k] = np.concatenate([batch["prompt_tokens"][row, :p],
+                                              batch["response_tokens"][row, i, :k]])
+      first.append(p - 1)
+      last.append(p + k - 2)
+      at.append((row, i, k))
+  model = load_reward_model(rm, "float32")
+  firsts, lasts = (np.asarray(score(model, seqs, np.asarray(x))) for x in (first, last))
+  for j, (row, i, k) in enumerate(at):
+    np.testing.assert_allclose(np.asarray(values)[row, i, [0, k - 1]], [firsts[j], lasts[j]],
+                               atol=1e-4)
+  # A causal LM's body, without its LM head, and a zero value head.
+  from types import SimpleNamespace
+  from rlax_ps.models import load_hf_checkpoint
+  lm = os.path.join(HF, "qwen3")
+  critic = Critic(CONFIG, {"init_from_hf": lm}, mesh, total_steps=4,
+                  loss_cfg=LossConfig(advantage="gae"), policy_graphdef=None,
+                  tokenizer=SimpleNamespace(vocab_size=64))
+  critic.start(policy_params=None)
+  source = nnx.state(load_hf_checkpoint(lm), nnx.Param).to_pure_dict()
+  assert "lm_head" in source and "lm_head" not in critic.state.params["body"]
+  np.testing.assert_array_equal(critic.state.params["body"]["embed"]["embedding"],
+                                source["embed"]["embedding"])
+  assert not np.asarray(critic.state.params["value_head"]).any()
+
+
+def test_a_critic_source_must_read_the_policys_ids(tmp_path):
+  """A critic.init_from_hf folder whose vocabulary or shipped tokenizer is not the policy's
+  is refused, naming the field; one shipping the policy's tokenizer is taken."""
+  from types import SimpleNamespace
+  from rlax_ps.tokenizers import CharTokenizer
+  rm, tok = tmp_path / "rm", CharTokenizer()
+  shutil.copytree(os.path.join(HF, "qwen3_reward"), rm)
+  with pytest.raises(ValueError, match="critic.init_from_hf: .* has vocab_size 336, smaller "
+                     "than the policy tokenizer's 1000"):
+    check_critic_source(str(rm), SimpleNamespace(vocab_size=1000))
+  shutil.copy(os.path.join(HF, "chat_tokenizer", "tokenizer.json"), rm)
+  with pytest.raises(ValueError, match="critic.init_from_hf: .* ships a tokenizer that "
+                     "encodes text otherwise than the policy's"):
+    check_critic_source(str(rm), tok)
+  tok.save(str(rm))
+  assert check_critic_source(str(rm), tok).hidden_size == 32
+  with pytest.raises(ValueError, match="critic.init_from_hf: no config.json"):
+    check_critic_source(str(tmp_path), tok)
+  with pytest.raises(ValueError, match="critic.init_from_hf: expected an HF checkpoint"):
+    check_critic_config({"init_from_hf": 3}, 10)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full+warmup", "lora"])
 def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, lora):
   """configs/rl_ppo.py's GAE run: each step's line carries the critic's loss, its state is
@@ -242,6 +316,12 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
       json.dump({**record, "critic": True}, open(meta[0], "w"))
       with pytest.raises(ValueError, match="holds a full critic, this run's is adapters"):
         RLTrainer(config, str(tmp_path / "rl"), tc)
+    if not lora:  # critic.init_from_hf: the reward model's head, read in the run's dtypes
+      config.critic.init_from_hf = os.path.join(HF, "qwen3_reward")
+      with RLTrainer(config, str(tmp_path / "from_rm"), tc) as tr:
+        head = np.asarray(tr.critic.state.params["value_head"])
+        assert head.shape == (32,) and head.any()
+      config.critic.init_from_hf = ""
     config.loss.advantage = "grpo"  # its checkpoints hold a critic a GRPO run would drop
     with pytest.raises(ValueError, match="loss.advantage: the checkpoint in .* holds a critic"):
       RLTrainer(config, str(tmp_path / "rl"), tc)
