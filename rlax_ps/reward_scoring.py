@@ -10,7 +10,6 @@ without a tokenizer shares the policy's, and reads the very ids the policy saw.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Sequence
 
 import jax
@@ -21,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from rlax_ps import chat
 from rlax_ps import sharding as shd
 from rlax_ps.models.reward_model import RewardModel, load_reward_model, pooled_index
-from rlax_ps.tokenizers import HFTokenizer
+from rlax_ps.tokenizers import HFTokenizer, tokenizer_file
 
 _MIN_LENGTH = 16  # the shortest padded length: rows are padded to powers of two from here
 
@@ -51,7 +50,7 @@ class RewardScorer:
     self.mesh = mesh
     self.batch_size = batch_size
     self.tokenizer: HFTokenizer | None = None
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    if tokenizer_file(path):
       template = "auto" if _has_template(path) else ""
       self.tokenizer = HFTokenizer(path, chat_template=template)
     elif self.model.config.vocab_size < policy_tokenizer.vocab_size:

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 import numpy as np
 
 from rlax_ps import chat
+from rlax_ps.tiktoken_bpe import TIKTOKEN_FILE, has_tiktoken, tiktoken_tokenizer
 
 # Printable ASCII without the tab/vertical-tab/form-feed/carriage-return controls.
 DEFAULT_ALPHABET = "".join(c for c in string.printable if c not in "\t\x0b\x0c\r")
@@ -158,6 +159,11 @@ class CharTokenizer:
     ships none and embeds more ids than this one has (another tokenizer's model: it would
     sample ids this one cannot decode); FileNotFoundError when it has no config.json."""
     file = os.path.join(checkpoint, "tokenizer.json")
+    if has_tiktoken(checkpoint) and not os.path.isfile(file):
+      raise ValueError(f"tokenizer.kind: 'char' (the built-in character tokenizer) is not "
+                       f"the tokenizer of the checkpoint {checkpoint} (its {TIKTOKEN_FILE}: "
+                       f"a tiktoken BPE); set --config.tokenizer.kind=hf to use the "
+                       f"checkpoint's")
     if not os.path.isfile(file):
       self._check_vocab_size(checkpoint)
       return
@@ -213,7 +219,16 @@ class CharTokenizer:
 # The files of a Hugging Face tokenizer that HFTokenizer.save copies along when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", chat.TEMPLATE_FILE, "chat_template.json", "vocab.json",
-                   "merges.txt", "tokenizer.model")
+                   "merges.txt", "tokenizer.model", TIKTOKEN_FILE)
+
+
+def tokenizer_file(directory: str) -> str | None:
+  """The tokenizer a checkpoint folder ships: its tokenizer.json, else its tiktoken.model
+  (Kimi K2, Moonlight), else None."""
+  for name in ("tokenizer.json", TIKTOKEN_FILE):
+    if os.path.isfile(os.path.join(directory, name)):
+      return os.path.join(directory, name)
+  return None
 
 # Special-token spellings tried, in order, when tokenizer_config.json does not name them.
 _EOS_GUESSES = ("<|end_of_text|>", "<|endoftext|>", "</s>", EOS, "<|im_end|>", "<|eot_id|>")
@@ -249,12 +264,13 @@ class HFTokenizer:
                tools: Sequence[Mapping[str, Any]] | None = None):
     from tokenizers import Tokenizer as _HFTok
 
-    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    if not os.path.exists(file):
-      raise FileNotFoundError(f"HFTokenizer path: expected a tokenizer.json file or a "
-                              f"directory holding one, got {path!r}")
+    file = tokenizer_file(path) if os.path.isdir(path) else path
+    if file is None or not os.path.exists(file):
+      raise FileNotFoundError(f"HFTokenizer path: expected a tokenizer.json (or "
+                              f"{TIKTOKEN_FILE}) file or a directory holding one, got {path!r}")
     self.path = file
-    self._tok = _HFTok.from_file(file)
+    self._tok = (tiktoken_tokenizer(os.path.dirname(file))
+                 if os.path.basename(file) == TIKTOKEN_FILE else _HFTok.from_file(file))
     cfg = {}
     cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
     if os.path.exists(cfg_file):
@@ -424,16 +440,20 @@ class HFTokenizer:
 
   def save(self, directory: str) -> str:
     """Copy this tokenizer's files (tokenizer.json and the files beside it that transformers
-    reads: its config, special tokens, chat templates, vocabularies) to `directory`, and the
+    reads: its config, special tokens, chat templates, vocabularies; a tiktoken.model with
+    its tokenizer class's code, and the tokenizer.json made of it) to `directory`, and the
     chat template it renders with, if set, as chat_template.jinja."""
     import shutil
 
     source = os.path.dirname(self.path)
     os.makedirs(directory, exist_ok=True)
-    for name in TOKENIZER_FILES:
+    code = [n for n in os.listdir(source) if n.startswith("tokenization_") and n.endswith(".py")]
+    for name in (*TOKENIZER_FILES, *code):
       if os.path.isfile(os.path.join(source, name)):
         shutil.copy(os.path.join(source, name), os.path.join(directory, name))
-    if os.path.basename(self.path) != "tokenizer.json":
+    if os.path.basename(self.path) == TIKTOKEN_FILE:
+      self._tok.save(os.path.join(directory, "tokenizer.json"))
+    elif os.path.basename(self.path) != "tokenizer.json":
       shutil.copy(self.path, os.path.join(directory, "tokenizer.json"))
     if self.chat_template is not None:
       with open(os.path.join(directory, chat.TEMPLATE_FILE), "w") as f:

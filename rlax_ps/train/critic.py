@@ -13,7 +13,6 @@ hold a second model and its optimizer moments).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
@@ -67,7 +66,7 @@ def check_critic_source(path: str, tokenizer) -> ModelConfig:
   """The body config of critic.init_from_hf's checkpoint `path`, checked against the
   policy's `tokenizer`, whose ids it reads: a vocabulary at least as large and, where the
   folder ships a tokenizer, the same ids for the same text. A ValueError names the field."""
-  from rlax_ps.tokenizers import HFTokenizer
+  from rlax_ps.tokenizers import HFTokenizer, tokenizer_file
   try:
     config = source_config(path)
   except (OSError, ValueError) as e:
@@ -75,7 +74,7 @@ def check_critic_source(path: str, tokenizer) -> ModelConfig:
   if config.vocab_size < tokenizer.vocab_size:
     raise ValueError(f"critic.init_from_hf: {path!r} has vocab_size {config.vocab_size}, "
                      f"smaller than the policy tokenizer's {tokenizer.vocab_size}")
-  if os.path.isfile(os.path.join(path, "tokenizer.json")):
+  if tokenizer_file(path):
     # Text the policy's tokenizer makes of ids spread over its vocabulary, encoded by both.
     ids = range(0, tokenizer.vocab_size, max(1, tokenizer.vocab_size // 4096))
     text = tokenizer.decode(ids, skip_special=True)

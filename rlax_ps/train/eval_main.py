@@ -50,9 +50,9 @@ def _checkpoints_exist(paths) -> bool:
 def checkpoint_tokenizer(config, path: str):
   """The tokenizer of the checkpoint at `path`: its own tokenizer.json (exports carry
   theirs) unless the config's `tokenizer.path` names one, else the config's tokenizer."""
-  from rlax_ps.tokenizers import tokenizer_from_config
+  from rlax_ps.tokenizers import tokenizer_file, tokenizer_from_config
   block = dict(config.tokenizer.items())
-  if not block.get("path") and os.path.isfile(os.path.join(path, "tokenizer.json")):
+  if not block.get("path") and tokenizer_file(path):
     block.update(kind="hf", path=path)
   return tokenizer_from_config(block, path, str(config.get("worker", {}).get("verifiers", "")))
 
@@ -76,9 +76,9 @@ def _check_vocab(tokenizer, vocab_size: int, path: str) -> None:
   `tokenizer` (ids past its table would be clamped into it, silently), and, where it ships
   no tokenizer.json, the char tokenizer fills that table exactly (else it is another
   tokenizer's model)."""
-  from rlax_ps.tokenizers import CharTokenizer
+  from rlax_ps.tokenizers import CharTokenizer, tokenizer_file
   char = isinstance(tokenizer, CharTokenizer)
-  own = os.path.isfile(os.path.join(path, "tokenizer.json"))
+  own = tokenizer_file(path) is not None
   n, kind = tokenizer.vocab_size, "char" if char else "hf"
   if char and not own and n != vocab_size:
     raise ValueError(f"checkpoint {path}: config.json vocab_size: expected {n} (the char "
