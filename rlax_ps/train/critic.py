@@ -25,7 +25,8 @@ from rlax_ps import sharding as shd
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.models.value_model import (ValueModel, critic_config, packed_values,
                                         source_config, source_params)
-from rlax_ps.train.rl_loss import LossConfig, gae_targets, response_logprobs, token_mask
+from rlax_ps.train.rl_loss import (LossConfig, gae_targets, needs_reference, reference_logprobs,
+                                   token_mask)
 from rlax_ps.train.state import TrainState, state_shardings
 from rlax_ps.train.step import apply_gradients, jit_step
 from rlax_ps.train.trainable import join, split_as, split_trainable
@@ -145,7 +146,7 @@ class Critic:
     self.warmup_steps = d.get("warmup_steps", 0)  # the first steps: the critic's alone
     self.optimizer = optim.make_optimizer(d.get("optimizer") or {}, total_steps)
     self.schedule = optim.learning_rate_schedule(d.get("optimizer") or {}, total_steps)
-    self.mesh, self.loss_cfg = mesh, loss_cfg
+    self.mesh, self.loss_cfg, self.micro = mesh, loss_cfg, micro_batches
     model = nnx.eval_shape(lambda: ValueModel(self.config, rngs=nnx.Rngs(0)))
     self.graphdef, params = nnx.split(model, nnx.Param)
     full, full_specs = params.to_pure_dict(), nnx.get_partition_spec(params).to_pure_dict()
@@ -208,10 +209,13 @@ class Critic:
     self.state = jax.jit(init, out_shardings=self.shardings)(policy_params)
 
   def targets(self, batch: dict, policy_params: Any, ref_params: Any,
-              kl_beta: jax.Array | None = None, fn=None) -> tuple[jax.Array, jax.Array]:
-    """(values, returns) [rows, N, R] of a batch on the mesh (loss.kl_in_reward: penalized by
-    the frozen reference `ref_params`, at coefficient `kl_beta` when adaptive), by `fn`
-    (targets_fn compiled for this shape; None: targets_fn)."""
+              kl_beta: jax.Array | None = None, fn=None
+              ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(values, returns, the frozen reference's log-probs or None) [rows, N, R] of a batch on
+    the mesh: loss.kl_in_reward penalizes the returns by `ref_params`' log-probs, at
+    coefficient `kl_beta` when adaptive; those log-probs, computed wherever the loss needs
+    them, serve the policy's step too. By `fn` (targets_fn compiled for this shape; None:
+    targets_fn)."""
     return (fn or self.targets_fn)(self.state.params, self.base(policy_params), batch,
                                    ref_params, kl_beta)
 
@@ -230,13 +234,13 @@ class Critic:
       values = jax.lax.stop_gradient(packed_values(
           model, batch, backend=cfg.backend, replay_routes=not self.init_from_hf))
       ref_logp = None
-      if cfg.kl_in_reward > 0:
-        ref_logp = response_logprobs(ref_params, policy_graphdef, batch, cfg.backend,
-                                     logits_chunk=cfg.logits_chunk)
+      if needs_reference(cfg):
+        ref_logp = reference_logprobs(ref_params, policy_graphdef, batch, cfg, self.micro)
       _, returns, _ = gae_targets({**batch, "values": values}, cfg, ref_logp, kl_beta)
       rows = jax.sharding.NamedSharding(self.mesh, shd.batch_spec(self.mesh, values.shape))
-      return (jax.lax.with_sharding_constraint(values, rows),  # as the batch's rows lie
-              jax.lax.with_sharding_constraint(returns.reshape(values.shape), rows))
+      return tuple(None if x is None else  # as the batch's rows lie
+                   jax.lax.with_sharding_constraint(x.reshape(values.shape), rows)
+                   for x in (values, returns, ref_logp))
 
     def on_mesh(*args):
       with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):

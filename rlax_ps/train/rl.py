@@ -48,7 +48,7 @@ from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check
                                      prompt_limit)
 from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, adapt_kl_coef, \
   entropy_bonus_coef, logged_advantages, micro_batched_loss_and_grad, needs_reference, \
-  ref_sync_settings, response_logprobs, rl_loss
+  ref_sync_settings, reference_logprobs, response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
 from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
@@ -72,7 +72,9 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
   """jit(step)(state, batch, ref_params[, entropy_coef[, kl_beta]]) -> (new state, metrics),
   the state donated. `entropy_coef`: the entropy bonus's coefficient as a float32 scalar
   input (loss.adaptive_entropy: a new value each step, one compile); None or absent:
-  loss.entropy_coef. `kl_beta`: loss.kl_in_reward's likewise (loss.kl_target).
+  loss.entropy_coef. `kl_beta`: loss.kl_in_reward's likewise (loss.kl_target). The frozen
+  reference's log-probs, where the loss needs them, are computed once a batch, or taken
+  from the batch's `ref_logp` [rows, N, R] (the critic's targets computed them).
 
   `updates_per_batch` > 1 takes that many optimizer updates on the batch (PPO epochs)
   against proximal log-probs computed once; the state's step still counts batches and the
@@ -82,28 +84,35 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
     raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates_per_batch}")
   grad_fn = trainable_value_and_grad(rl_loss)
 
-  def update(state: TrainState, batch: dict, ref_params: Any, proximal, entropy_coef, kl_beta):
+  def update(state: TrainState, batch: dict, ref_logp, proximal, entropy_coef, kl_beta):
     if micro_batches == 1:
-      (_, metrics), grads = grad_fn(state.params, graphdef, batch, ref_params,
+      (_, metrics), grads = grad_fn(state.params, graphdef, batch, None,
                                     num_groups=num_groups, cfg=loss_cfg, proximal=proximal,
-                                    entropy_coef=entropy_coef, kl_beta=kl_beta)
+                                    entropy_coef=entropy_coef, kl_beta=kl_beta,
+                                    ref_logp=ref_logp)
     else:
       (_, metrics), grads = micro_batched_loss_and_grad(
-          state.params, graphdef, batch, ref_params, num_groups=num_groups, cfg=loss_cfg,
+          state.params, graphdef, batch, None, num_groups=num_groups, cfg=loss_cfg,
           micro_batches=micro_batches, proximal=proximal, entropy_coef=entropy_coef,
-          kl_beta=kl_beta)
+          kl_beta=kl_beta, ref_logp=ref_logp)
     return apply_gradients(state, grads, metrics, optimizer, schedule)
 
   def step(state: TrainState, batch: dict, ref_params: Any,
            entropy_coef: jax.Array | None = None,
            kl_beta: jax.Array | None = None) -> tuple[TrainState, dict]:
+    batch = dict(batch)
+    ref_logp = batch.pop("ref_logp", None)
+    if ref_logp is not None:
+      ref_logp = ref_logp.reshape(-1, ref_logp.shape[-1])
+    elif needs_reference(loss_cfg):  # once, whatever the updates
+      ref_logp = reference_logprobs(ref_params, graphdef, batch, loss_cfg, micro_batches)
     if updates_per_batch == 1:
-      return update(state, batch, ref_params, None, entropy_coef, kl_beta)
+      return update(state, batch, ref_logp, None, entropy_coef, kl_beta)
     proximal = jax.lax.stop_gradient(
         response_logprobs(state.params, graphdef, batch, loss_cfg.backend,
                           logits_chunk=loss_cfg.logits_chunk))
     final, metrics = jax.lax.scan(
-        lambda st, _: update(st, batch, ref_params, proximal, entropy_coef, kl_beta), state,
+        lambda st, _: update(st, batch, ref_logp, proximal, entropy_coef, kl_beta), state,
         None, length=updates_per_batch)
     return final.replace(step=state.step + 1), jax.tree.map(lambda m: m.mean(0), metrics)
 
@@ -642,8 +651,10 @@ class RLTrainer(TrainerRun):
     for capacity in response_lens(self.shape.response_len, self.response_buckets):
       shape = dataclasses.replace(self.shape, response_len=capacity)
       host = empty_batch(rows, shape, self.tokenizer.pad_id)
-      if self.critic is not None:  # its values join the batch (float32, as the log-probs)
-        host["values"] = host["behaviour_logp"]
+      if self.critic is not None:  # its values join the batch (float32, as the log-probs),
+        host["values"] = host["behaviour_logp"]  # and the reference's log-probs it computes
+        if needs_reference(self.loss_cfg):
+          host["ref_logp"] = host["behaviour_logp"]
       batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=jax.sharding.NamedSharding(
           self.mesh, shd.batch_spec(self.mesh, v.shape)))
                for k, v in host.items()}
@@ -657,7 +668,7 @@ class RLTrainer(TrainerRun):
     abstract batch, its values included) behind the step's."""
     critic, base = abstract(self.critic.state), abstract(self.critic.base(self.state.params))
     kl_beta = abstract(self._kl_beta_input())
-    sampled = {k: v for k, v in batch.items() if k != "values"}
+    sampled = {k: v for k, v in batch.items() if k not in ("values", "ref_logp")}
     self._critic_compiles["targets"][key] = self._compiler.submit(
         lambda: self.critic.targets_fn.lower(critic.params, base, sampled, ref, kl_beta)
         .compile())
@@ -779,9 +790,11 @@ class RLTrainer(TrainerRun):
         placed = shd.shard_batch(self.mesh, batch)
         if self.critic is not None:  # its values (and returns) before either update
           targets, update = self._critic_for(batch)
-          values, returns = self.critic.targets(placed, self.state.params, self.ref_params,
-                                                self._kl_beta_input(), targets)
+          values, returns, ref_logp = self.critic.targets(
+              placed, self.state.params, self.ref_params, self._kl_beta_input(), targets)
           placed["values"] = values
+          if ref_logp is not None:  # the reference runs once a step, not again in the policy's
+            placed["ref_logp"] = ref_logp
           batch["values"] = shd.to_host(values)  # the completions log's advantages
         # critic.warmup_steps: the policy waits while its critic learns (verl's critic_warmup)
         warming = self.critic is not None and self.step < self.critic.warmup_steps

@@ -547,21 +547,39 @@ def token_mask(batch: dict, sample_mask: jax.Array) -> jax.Array:
   return mask
 
 
+def reference_logprobs(ref_params: Any, graphdef: nnx.GraphDef, batch: dict, cfg: LossConfig,
+                       micro_batches: int = 1) -> jax.Array:
+  """The frozen reference's log-probs [rows * N, R] of a batch's responses (no gradient),
+  `micro_batches` slices of its rows at a time (a slice's activations), in row order."""
+  if micro_batches == 1:
+    return jax.lax.stop_gradient(response_logprobs(ref_params, graphdef, batch, cfg.backend,
+                                                   logits_chunk=cfg.logits_chunk))
+  rows, n = batch["row_group"].shape[0], batch["rewards"].shape[1]
+  slices = jax.tree.map(  # [rows, ...] -> [M, rows / M, ...]: slice m holds rows m, m + M, ...
+      lambda x: jnp.moveaxis(x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]),
+                             1, 0), batch)
+  ref = jax.lax.map(lambda sub: response_logprobs(ref_params, graphdef, sub, cfg.backend,
+                                                  logits_chunk=cfg.logits_chunk), slices)
+  return jax.lax.stop_gradient(jnp.moveaxis(
+      ref.reshape(micro_batches, rows // micro_batches, n, -1), 0, 1).reshape(rows * n, -1))
+
+
 def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *,
             num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None,
             advantages: tuple[jax.Array, jax.Array] | None = None,
-            entropy_coef: jax.Array | None = None,
-            kl_beta: jax.Array | None = None) -> tuple[jax.Array, dict]:
+            entropy_coef: jax.Array | None = None, kl_beta: jax.Array | None = None,
+            ref_logp: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """(scalar loss, metrics) of one packed batch; differentiable in `params`. `proximal`:
   the log-probs [rows * N, R] of the weights the batch's updates started from (several
   updates per batch); None: the current ones (one update per batch). `advantages`: the
   (advantages, sample mask) of these rows when computed over a larger batch.
   `entropy_coef`: the entropy bonus's coefficient as an input (loss.adaptive_entropy's, a
-  run state); None: loss.entropy_coef. `kl_beta`: as `group_advantages`'."""
+  run state); None: loss.entropy_coef. `kl_beta`: as `group_advantages`'. `ref_logp`: as
+  `rl_loss_terms`'."""
   loss, metrics, routing = rl_loss_terms(params, graphdef, batch, ref_params,
                                          num_groups=num_groups, cfg=cfg, proximal=proximal,
                                          advantages=advantages, entropy_coef=entropy_coef,
-                                         kl_beta=kl_beta)
+                                         kl_beta=kl_beta, ref_logp=ref_logp)
   if cfg.router_aux_coef > 0 and routing is not None:  # MoE load balancing, as transformers'
     loss = loss + cfg.router_aux_coef * routing.load_balance
   metrics["loss"] = loss  # the objective optimized, load-balancing term included
@@ -582,8 +600,7 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   log-probs of these rows when computed already; None: computed here if needed. `kl_beta`:
   as `group_advantages`' (with `advantages` given: unused)."""
   if ref_logp is None and needs_reference(cfg):
-    ref_logp = response_logprobs(ref_params, graphdef, batch, cfg.backend,
-                                 logits_chunk=cfg.logits_chunk)
+    ref_logp = reference_logprobs(ref_params, graphdef, batch, cfg)
   if ref_logp is not None:
     ref_logp = jax.lax.stop_gradient(ref_logp)
   adv, sample_mask = (group_advantages(batch, num_groups, cfg, ref_logp, kl_beta)
@@ -783,7 +800,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
                                 ref_params: Any, *, num_groups: int, cfg: LossConfig,
                                 micro_batches: int, proximal: jax.Array | None = None,
                                 entropy_coef: jax.Array | None = None,
-                                kl_beta: jax.Array | None = None
+                                kl_beta: jax.Array | None = None,
+                                ref_logp: jax.Array | None = None
                                 ) -> tuple[tuple[jax.Array, dict], Any]:
   """((loss, metrics), gradient) of the whole batch, accumulated over `micro_batches`
   slices of its rows so that only one slice's activations live at a time. Advantages are
@@ -801,8 +819,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   finds the entropy that the whole batch's top tokens reach (loss.top_entropy_quantile), so
   that every slice trains on the tokens the whole batch would. With loss.kl_in_reward > 0
   the reference's log-probs of every slice come first (the advantages need the whole
-  batch's), and each slice's KL term reuses its own. `entropy_coef`, `kl_beta`: as
-  `rl_loss`'s."""
+  batch's), and each slice's KL term reuses its own. `entropy_coef`, `kl_beta`, `ref_logp`
+  [rows * N, R]: as `rl_loss`'s."""
   rows = batch["row_group"].shape[0]
   check_micro_batches(micro_batches, rows, cfg)
   trainable = split_trainable(params)[0]  # what takes a gradient (a LoRA run: the adapters)
@@ -811,14 +829,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   def split(x):  # [rows, ...] -> [M, rows / M, ...]: slice m holds rows m, m + M, ...
     return jnp.moveaxis(x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]), 1, 0)
 
-  ref_logp = None
-  if cfg.kl_in_reward > 0:  # [M, rows / M * N, R] -> the whole batch's rows, in order
-    ref_logp = jax.lax.stop_gradient(jax.lax.map(
-        lambda sub: response_logprobs(ref_params, graphdef, sub, cfg.backend,
-                                      logits_chunk=cfg.logits_chunk),
-        jax.tree.map(split, batch)))
-    ref_logp = jnp.moveaxis(ref_logp.reshape(micro_batches, rows // micro_batches, n, -1),
-                            0, 1).reshape(rows * n, -1)
+  if ref_logp is None and cfg.kl_in_reward > 0:
+    ref_logp = reference_logprobs(ref_params, graphdef, batch, cfg, micro_batches)
   adv, sample_mask = group_advantages(batch, num_groups, cfg, ref_logp, kl_beta)
   totals = {k: jnp.maximum(v, 1.0)
             for k, v in metric_counts(batch, sample_mask, cfg.agg).items()}

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from algorithms import losses
-from rl_testlib import REPO, fake_fleet, rl_config, verl_batch, verl_fixture
+from rl_testlib import REPO, fake_fleet, rl_config, save_warm_start, verl_batch, verl_fixture
 from rlax_ps.models import ModelConfig
 from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
 from rlax_ps.train.critic import Critic, check_critic_config, check_critic_source
@@ -154,7 +154,7 @@ def test_a_micro_batched_critic_update_equals_the_whole_batchs(tmp_path):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                critics[0].state.params, critics[1].state.params)
   # Its values, 0 before the step (a zero head), moved toward the returns.
-  values, _ = critics[0].targets(batch, policy, None)
+  values, *_ = critics[0].targets(batch, policy, None)
   tokens = np.arange(4)[None, None, :] < np.asarray(batch["response_lens"])[..., None]
   returns = np.asarray(batch["returns"])
   assert (np.mean((np.asarray(values) - returns)[tokens] ** 2)
@@ -193,7 +193,7 @@ def test_a_lora_policys_critic_trains_its_own_adapters_and_head_over_the_policys
   assert all(jax.tree.leaves(moved)), moved  # and every adapter
   jax.tree.map(np.testing.assert_array_equal, kept, jax.tree.map(np.asarray, policy))
   # Its values are its adapters' and head's over the policy's frozen weights.
-  values, _ = critic.targets(batch, policy, None)
+  values, *_ = critic.targets(batch, policy, None)
   frozen = {k: v for k, v in split_trainable(policy)[1].items() if k != "lm_head"}
   model = value_model(critic.graphdef, jax.tree.map(np.asarray, after), frozen)
   np.testing.assert_allclose(values, jax.jit(packed_values)(model, batch), atol=1e-5)
@@ -216,7 +216,7 @@ def test_a_critic_from_a_reward_model_values_each_state_as_it_scores_it(tmp_path
   critic.start(policy_params=None)
   assert critic.layout == "full" and critic.config.hidden_size == 32
   batch = _packed_batch(seed=2)
-  values, _ = critic.targets(batch, None, None)
+  values, *_ = critic.targets(batch, None, None)
   # Each (prompt, response) alone, right-padded (causal: padding after a position changes
   # nothing before it), scored by the reward model where its first and last values lie.
   score = nnx.jit(lambda m, s, last: m(s, last)[:, 0])
@@ -282,8 +282,10 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
   config = rl_config("tiny", "configs/rl_ppo.py")
   warmup = 0 if lora else 1
   config.critic.warmup_steps = warmup
-  if lora:
+  if lora:  # and verl's KL in the reward: the critic's targets run the reference, once
     config.model.lora_rank, config.model.lora_alpha = 4, 8.0
+    save_warm_start(tmp_path / "warm")
+    config.init_from_hf, config.loss.kl_in_reward = str(tmp_path / "warm"), 0.05
   config.eval.num_examples = 0  # no held-out evaluation: its decoding is not what is tested
   config.rl.steps, config.checkpoint.every_steps = 2, 1
   config.worker.max_new_tokens = 8
@@ -328,5 +330,6 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
   lines = [json.loads(line) for line in open(tmp_path / "rl" / "steps.jsonl")]
   assert [r["step"] for r in lines] == [1, 2]
   assert all(r["vf_loss"] > 0 and "value_explained_var" in r for r in lines)
+  assert all(("reward_kl" in r) == lora for r in lines[warmup:])
   assert [r["loss"] is None for r in lines] == [True] * warmup + [False] * (2 - warmup)
   assert ["sync_bytes" in r for r in lines] == [False] * warmup + [True] * (2 - warmup)

@@ -418,6 +418,48 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind():
     make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg, updates_per_batch=0)
 
 
+def test_the_reference_runs_once_a_batch_and_not_where_the_batch_carries_its_log_probs(
+    monkeypatch):
+  """With a KL term and several updates a batch, the frozen reference's forward runs once a
+  step (not once an update); a batch carrying its log-probs (the critic's targets computed
+  them) runs none, and steps alike."""
+  from rlax_ps import optim, sharding
+  from rlax_ps.train import rl, rl_loss as rl_loss_module
+  from rlax_ps.train.state import sharded_init
+
+  runs = []
+  real = rl_loss_module.reference_logprobs
+
+  def counted(*args, **kwargs):
+    out = real(*args, **kwargs)
+    jax.debug.callback(lambda: runs.append(1))  # each time the compiled step runs it
+    return out
+
+  for module in (rl, rl_loss_module):
+    monkeypatch.setattr(module, "reference_logprobs", counted)
+  model_cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
+                          num_heads=2, num_kv_heads=1, max_position_embeddings=32)
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  opt = optim.make_optimizer({"lr": 0.05, "warmup_steps": 0, "min_lr_ratio": 1.0}, 10)
+  cfg = LossConfig(backend="xla", kl_coef=0.1)
+  state, shardings, graphdef = sharded_init(model_cfg, opt, mesh, seed=0)
+  ref, _, _ = sharded_init(model_cfg, opt, mesh, seed=1)
+  batch = {key: jnp.asarray(v) for key, v in BATCH.items()}
+  step = rl.make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg,
+                         updates_per_batch=2)
+  keep = jax.tree.map(jnp.copy, state)
+  _, metrics = step(state, batch, ref.params)
+  jax.effects_barrier()
+  assert len(runs) == 1
+  ref_logp = jax.jit(lambda p: real(p, graphdef, batch, cfg))(ref.params)
+  carried = dict(batch, ref_logp=ref_logp.reshape(batch["behaviour_logp"].shape))
+  _, again = step(keep, carried, None)  # no reference params: it must not run
+  jax.effects_barrier()
+  assert len(runs) == 1  # none more: the batch carried them
+  for k in ("loss", "kl_ref"):
+    np.testing.assert_allclose(again[k], metrics[k], rtol=1e-5, err_msg=k)
+
+
 @pytest.mark.parametrize("micro,overrides", [
     (2, dict()),
     (2, dict(agg="seq-mean-token-mean", correction="tis", kl_coef=0.1, logits_chunk=3,
