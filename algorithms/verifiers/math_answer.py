@@ -1,11 +1,13 @@
-"""Math final-answer verifier: extract the answer, normalise it, compare exactly.
+"""Math final-answer verifier: extract the answer, normalise it, compare it exactly, else
+symbolically.
 
 The answer is the last `\\boxed{...}` (or `\\fbox{...}`) of the completion, else the
 text after the last "answer is" / "answer:" on its line. Normalisation drops `$`,
 spacing commands, `\\left`/`\\right`, `\\text{}` wrappers, degree signs, percent signs and
 a leading "x =", turns `\\frac{a}{b}`/`\\dfrac`/`\\tfrac` into a/b and strips thousands
 separators; then both sides are compared as exact rationals when they parse as numbers
-(so 0.5 == 1/2 == \\frac{1}{2}), else as normalised strings.
+(so 0.5 == 1/2 == \\frac{1}{2}), else as normalised strings and, where those differ,
+symbolically (math-verify: \\sqrt{12} == 2\\sqrt{3}, x^2+1 == 1+x^2, sets, intervals).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from fractions import Fraction
 from typing import Any
 
 from algorithms.verifiers.base import VerifierResult, register_verifier
+from algorithms.verifiers.symbolic import SymbolicEqual
 
 _ANSWER_LINE = re.compile(r"answer\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
 
@@ -108,10 +111,26 @@ def as_number(s: str) -> Fraction | None:
   return value
 
 
+_SHARED: SymbolicEqual | None = None
+
+
+def shared_symbolic() -> SymbolicEqual:
+  """The process's one symbolic checker (one child process, started when first asked)."""
+  global _SHARED
+  if _SHARED is None:
+    _SHARED = SymbolicEqual()
+  return _SHARED
+
+
 @register_verifier("math")
 class MathAnswerVerifier:
-  """1.0 when the completion's final answer equals the reference exactly after
-  normalisation, else 0.0 (also when no answer can be extracted)."""
+  """1.0 when the completion's final answer equals the reference (see the module docstring;
+  `symbolic`: the checker of answers whose normalised strings differ, default the process's
+  shared one), else 0.0 (also when no answer can be extracted, or the symbolic check ran
+  out of time: info["symbolic"] None)."""
+
+  def __init__(self, symbolic: SymbolicEqual | None = None):
+    self.symbolic = symbolic
 
   def __call__(self, completion: str, reference: Any) -> VerifierResult:
     extracted = extract_answer(completion)
@@ -119,7 +138,14 @@ class MathAnswerVerifier:
     if extracted is None:
       return VerifierResult(0.0, False, {"extracted": None, "reference": ref})
     pred = normalize_answer(extracted)
+    info = {"extracted": extracted, "normalized": pred, "reference": ref}
     a, b = as_number(pred), as_number(ref)
-    equal = (a == b) if (a is not None and b is not None) else pred == ref
-    return VerifierResult(1.0 if equal else 0.0, bool(equal),
-                          {"extracted": extracted, "normalized": pred, "reference": ref})
+    if a is not None and b is not None:  # two numbers: decided exactly
+      equal = a == b
+    elif pred == ref:
+      equal = True
+    else:
+      verdict = (self.symbolic or shared_symbolic())(str(reference).strip(), extracted)
+      info["symbolic"] = verdict
+      equal = bool(verdict)
+    return VerifierResult(1.0 if equal else 0.0, bool(equal), info)

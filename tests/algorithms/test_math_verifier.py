@@ -61,3 +61,43 @@ def test_verifier_end_to_end(completion, reference, passed):
 def test_registered_as_math_and_reports_what_it_saw():
   result = make_verifier("math")("\\boxed{\\tfrac{2}{4}}", "1/2")
   assert result.passed and result.info["normalized"] == "2/4" and result.info["reference"] == "1/2"
+
+
+@pytest.mark.parametrize("completion,reference,passed", [
+    ("\\boxed{\\sqrt{3}/2}", "\\frac{\\sqrt{3}}{2}", True),
+    ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}", True),
+    ("\\boxed{1+x^2}", "x^2+1", True),
+    ("\\boxed{\\{2,1\\}}", "\\{1,2\\}", True),
+    ("\\boxed{\\frac{\\pi}{2}}", "\\pi/2", True),
+    ("\\boxed{(2,1)}", "(1,2)", False),  # an ordered pair
+    ("\\boxed{x^2-1}", "x^2+1", False),
+])
+def test_answers_whose_strings_differ_are_compared_symbolically(completion, reference, passed):
+  result = VERIFY(completion, reference)
+  assert result.passed is passed and result.info["symbolic"] is passed
+
+
+def test_numbers_and_equal_strings_never_ask_the_symbolic_checker():
+  from algorithms.verifiers.symbolic import SymbolicEqual
+  checker = SymbolicEqual()
+  verify = MathAnswerVerifier(checker)
+  assert verify("\\boxed{\\frac{1}{2}}", "0.5").passed
+  assert not verify("\\boxed{3}", "4").passed
+  assert verify("\\boxed{\\text{yes}}", "yes").passed
+  assert not checker.running  # no child process was started
+
+
+def test_an_answer_sympy_cannot_finish_is_not_equal_and_never_hangs_the_scorer():
+  """math-verify's own timeout in the child; past the parent's wait the child is killed,
+  the verdict is None (scored 0), and the next question starts a new child."""
+  from algorithms.verifiers.symbolic import SymbolicEqual
+  checker = SymbolicEqual(timeout_s=1)
+  assert checker("5", "10^{10^{10}}") is False
+  impatient = SymbolicEqual(timeout_s=60, wait_s=0.5)
+  result = MathAnswerVerifier(impatient)("\\boxed{10^{10^{10}}}", "5")
+  assert not result.passed and result.info["symbolic"] is None
+  assert not impatient.running
+  impatient.wait_s = 60.0
+  assert impatient("2\\sqrt{3}", "\\sqrt{12}") is True
+  for c in (checker, impatient):
+    c.close()
