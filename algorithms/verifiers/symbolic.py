@@ -9,6 +9,7 @@ its wait (and starts another at the next question): a worker's scoring never han
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import threading
 
@@ -42,24 +43,35 @@ def _serve(conn, timeout_s: int) -> None:
 class SymbolicEqual:
   """`checker(reference, answer)` -> True / False (math-verify's verdict within `timeout_s`
   seconds), or None where the child did not answer within `wait_s` (then killed). Thread
-  safe; the child starts at the first question (its import takes a second or two)."""
+  safe; the child starts at the first question (its import takes a second or two). The last
+  `cache` verdicts are kept: a group's samples often give the same answer."""
 
   def __init__(self, timeout_s: int = 5, wait_s: float | None = None,
-               start_s: float = 120.0):
+               start_s: float = 120.0, cache: int = 4096):
     self.timeout_s = max(1, int(timeout_s))
     self.wait_s = 2.0 * self.timeout_s + 5.0 if wait_s is None else float(wait_s)
     self.start_s = start_s
     self._lock = threading.Lock()
     self._proc = self._conn = None
+    self._verdicts: collections.OrderedDict[tuple[str, str], bool] = collections.OrderedDict()
+    self._cache = cache
 
   def __call__(self, reference: str, answer: str) -> bool | None:
+    key = (reference, answer)
     with self._lock:
+      if key in self._verdicts:
+        self._verdicts.move_to_end(key)
+        return self._verdicts[key]
       if self._proc is None or not self._proc.is_alive():
         self._start()
       try:
-        self._conn.send((reference, answer))
+        self._conn.send(key)
         if self._conn.poll(self.wait_s):
-          return bool(self._conn.recv())
+          verdict = bool(self._conn.recv())
+          self._verdicts[key] = verdict
+          if len(self._verdicts) > self._cache:
+            self._verdicts.popitem(last=False)
+          return verdict
       except (OSError, EOFError):  # the child died: the next question starts another
         pass
       self._stop()

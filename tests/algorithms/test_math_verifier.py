@@ -99,5 +99,7 @@ def test_an_answer_sympy_cannot_finish_is_not_equal_and_never_hangs_the_scorer()
   assert not impatient.running
   impatient.wait_s = 60.0
   assert impatient("2\\sqrt{3}", "\\sqrt{12}") is True
+  impatient.close()  # a verdict given is kept: asked again, no child answers it
+  assert impatient("2\\sqrt{3}", "\\sqrt{12}") is True and not impatient.running
   for c in (checker, impatient):
     c.close()
