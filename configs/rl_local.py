@@ -256,6 +256,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.environment_timeout_s = 300.0  # a call past it is answered with a TimeoutError
   c.worker.max_turns = 4
   c.worker.environment_threads = 8  # Replies in the making at once (1: one at a time).
+  c.worker.scoring_threads = 8  # A group's samples scored at once (1: one at a time).
   # A reward model (an HF *ForSequenceClassification folder) scores each finished sample:
   # alone for task reward_model, added x reward_model_weight to any other task's verifier.
   c.worker.reward_model = ""

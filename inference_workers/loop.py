@@ -33,6 +33,7 @@ such prompt goes round the fleet failing each worker.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -293,6 +294,7 @@ class Worker:
     self._skipped_version = -1  # the newest version seen in another format (not pulled again)
     self._pull_now = threading.Event()
     self._lock = threading.Lock()
+    self._scoring_pool: concurrent.futures.ThreadPoolExecutor | None = None  # when first asked
     self._inflight: dict[str, set[str]] = {}  # lease id -> prompt ids not yet answered
     self._lease_deadline: dict[str, float] = {}
     # Begun samples of running prompts, by lease, for the heartbeat's next renewals to carry,
@@ -1269,13 +1271,13 @@ class Worker:
     rm_only = (prompt.task or self.config.default_task) == REWARD_MODEL_TASK
     weight = 1.0 if rm_only else self.config.reward_model_weight
     with self.stats.time.span("scoring"):
-      scored = [] if rm_only else [self._score(prompt, s) for s in samples]
+      scored = [] if rm_only else self._on_threads(lambda s: self._score(prompt, s), samples)
       parts = {} if rm_only else {"task": np.asarray([r for r, _ in scored], np.float64)}
       rewards = parts.get("task", np.zeros(len(samples)))
       texts = [self.tokenizer.decode(s.tokens) for s in samples] if self.reward_terms else []
       for name, term_weight, verifier in self.reward_terms:
-        parts[name] = np.asarray([self._checked(f"reward term {name!r}", verifier, prompt,
-                                                text).reward for text in texts], np.float64)
+        parts[name] = np.asarray(self._on_threads(lambda text: self._checked(
+            f"reward term {name!r}", verifier, prompt, text).reward, texts), np.float64)
         rewards = rewards + term_weight * parts[name]
       if self.reward_scorer is not None and weight and samples:
         parts["reward_model"] = self._model_scores(prompt, samples, given or {})
@@ -1299,6 +1301,15 @@ class Worker:
                                      head + [int(t) for t in s.tokens]))
     return scorer.scores(sequences)
 
+  def _on_threads(self, fn: Callable, items: list) -> list:
+    """[fn(x) for x in items], worker.scoring_threads of them at once."""
+    if self.config.scoring_threads == 1 or len(items) < 2:
+      return [fn(x) for x in items]
+    if self._scoring_pool is None:
+      self._scoring_pool = concurrent.futures.ThreadPoolExecutor(
+          self.config.scoring_threads, thread_name_prefix="scoring")
+    return list(self._scoring_pool.map(fn, items))
+
   def _score(self, prompt: pb.Prompt, sample: Sample) -> tuple[float, bool]:
     """The task verifier's (reward, passed) of one sample."""
     task = prompt.task or self.config.default_task
@@ -1312,10 +1323,12 @@ class Worker:
     gave NaN / inf (scored 0 by verifiers.Guarded) is counted and logged."""
     result = verifier(text, reference_of(prompt))
     if "error" in result.info:
-      self.stats.score_errors += 1
-      if self.stats.score_errors <= 5 or self.stats.score_errors % 1000 == 0:
+      with self._lock:  # (scoring threads)
+        self.stats.score_errors += 1
+        errors = self.stats.score_errors
+      if errors <= 5 or errors % 1000 == 0:
         logging.warning("worker: %s gave no reward on prompt %s (scored 0; %d so far): %s",
-                        what, prompt.id, self.stats.score_errors, result.info["error"])
+                        what, prompt.id, errors, result.info["error"])
     return result
 
   # ------------------------------------------------------------ heartbeat

@@ -82,6 +82,9 @@ class WorkerConfig:
   environment_threads: int = setting(8, "multi-turn: environment calls run at once (on threads, "
                                      "while decoding goes on); 1 for one that is not "
                                      "thread-safe")
+  scoring_threads: int = setting(8, "a group's samples are scored by its verifier (and reward "
+                                 "terms) this many at once, on threads: a code task's tests "
+                                 "run side by side; 1 for a verifier that is not thread-safe")
   reward_model: str = setting("", "a reward model checkpoint (an HF *ForSequenceClassification "
                               "folder): it scores prompts of task reward_model, and adds "
                               "reward_model_weight x its score to every other task's reward")
@@ -184,6 +187,7 @@ class WorkerConfig:
     need(0 <= self.min_p <= 1, "min_p", "a number in [0, 1] (0: off)")
     need(self.max_turns >= 0, "max_turns", "an int >= 0")
     need(self.environment_threads > 0, "environment_threads", "a positive int")
+    need(self.scoring_threads > 0, "scoring_threads", "a positive int")
     need(self.environment_timeout_s >= 0, "environment_timeout_s", "seconds >= 0 (0: no limit)")
     try:
       environment_names(self.environment)

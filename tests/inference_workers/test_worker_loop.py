@@ -639,6 +639,35 @@ def test_a_verifier_giving_nan_scores_zero_and_the_warning_says_so(caplog):
           "expected a finite number, got nan") in caplog.text
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_groups_samples_are_scored_at_once_on_scoring_threads(threads):
+  """worker.scoring_threads verifier calls run side by side (a code task's tests), each
+  sample keeping its own reward; 1 calls one at a time."""
+  active, peak, lock = [0], [0], threading.Lock()
+  meet = threading.Barrier(2, timeout=30)
+
+  def verifier(completion, reference):
+    with lock:
+      active[0] += 1
+      peak[0] = max(peak[0], active[0])
+    if threads > 1:
+      meet.wait()  # two calls at once, or this one waits
+    with lock:
+      active[0] -= 1
+    return VerifierResult(float(len(completion)), len(completion) > 2)
+
+  worker = Worker(None, CONFIG, TOKENIZER, WorkerConfig(max_new_tokens=8,
+                                                        scoring_threads=threads),
+                  verifier_for=lambda task: Guarded(task, verifier))
+  lengths = (1, 3, 2, 4)
+  samples = [Sample(np.full(k, 20 + k, np.int32), np.zeros(k, np.float32),
+                    np.zeros(k, np.float32), "stop") for k in lengths]
+  rewards, passed, _ = worker._scored(pb.Prompt(id="p", task="mine"), samples)
+  assert rewards == [float(len(TOKENIZER.decode(s.tokens))) for s in samples]
+  assert passed == [len(TOKENIZER.decode(s.tokens)) > 2 for s in samples]
+  assert peak[0] == 1 if threads == 1 else peak[0] >= 2
+
+
 def test_bad_batching_settings_are_named():
   with pytest.raises(ValueError, match=r"WorkerConfig.rows_per_prompt: expected an int in "
                                        r"\[0, samples_per_prompt=4\]"):
@@ -659,6 +688,8 @@ def test_bad_batching_settings_are_named():
     WorkerConfig(sample_rows=8, allocator="vigor")
   with pytest.raises(ValueError, match="WorkerConfig.environment_threads: expected a positive"):
     WorkerConfig(environment_threads=0)
+  with pytest.raises(ValueError, match="WorkerConfig.scoring_threads: expected a positive"):
+    WorkerConfig(scoring_threads=0)
   with pytest.raises(ValueError, match="WorkerConfig.environment_timeout_s: expected seconds >= 0"):
     WorkerConfig(environment_timeout_s=-1.0)
   with pytest.raises(ValueError, match="WorkerConfig.kv_cache_dtype: expected '' .* got 'int4'"):
