@@ -316,6 +316,10 @@ class Worker:
     self._slots = 1  # prompts the batch decodes at once (set when it is made)
     self._pending: collections.deque[tuple[str, pb.Prompt]] = collections.deque()
     self._started: dict[tuple[str, str], tuple[pb.Prompt, int]] = {}
+    # Finished groups being scored and submitted on the submitter's thread while decoding
+    # goes on, by prompt key, in the order they finished (continuous batching).
+    self._scoring: dict[tuple[str, str], concurrent.futures.Future] = {}
+    self._submitter: concurrent.futures.ThreadPoolExecutor | None = None
     self._abandoned: set[str] = set()
     self._newer_waits = False  # a newer version waits for the running prompts to end
     # Multi-turn: the replies each running sample got, by prompt key and sample index.
@@ -516,7 +520,7 @@ class Worker:
         puller.start()
       while True:
         if self._continuous:
-          if not (self._may_lease() or self._pending or self._started):
+          if not (self._may_lease() or self._pending or self._started or self._scoring):
             break
           self._with_backoff(self._cycle)
         else:
@@ -524,6 +528,7 @@ class Worker:
             break
           self._with_backoff(self._one_lease)
     finally:
+      self._drain_scoring()
       if self._batch is not None:
         self._batch.close()
       self._release_all()
@@ -690,7 +695,7 @@ class Worker:
     self._hear(getattr(reply, "latest_version", -1), getattr(reply, "staleness_floor", 0))
     with self._lock:
       self._inflight[lease_id].discard(prompt_id)
-    self.stats.groups_submitted += 1
+      self.stats.groups_submitted += 1
 
   # ------------------------------------------------------------ continuous batching
 
@@ -713,6 +718,7 @@ class Worker:
                                       rows_per_prompt=c.rows_per_prompt, **common)
       self._slots = self._batch.free  # prompts it decodes at once, empty
     batch = self._batch
+    self._harvest()
     self._stop_stale(batch)
     if batch.running and self._salvaging and self._resumable:
       self._salvage(batch)
@@ -730,6 +736,8 @@ class Worker:
       self._pending.extend((lease.lease_id, p) for p in lease.prompts)
     self._start_pending(batch)
     if not (batch.running or batch.waiting):
+      if self._scoring and not self._pending:  # nothing to decode: wait for the oldest
+        self._harvest(block=True)
       return
     t0 = time.monotonic()
     with self.stats.time.span("decoding", 1 - batch.free / self._slots):
@@ -742,6 +750,8 @@ class Worker:
                           / max(sum(t for t, _ in self._chunks), 1e-9))
     for (lease_id, prompt_id), got in finished:
       self._submit_group(lease_id, prompt_id, got)
+    while len(self._scoring) > self._slots:  # a batch's worth at most: scoring keeps up
+      self._harvest(block=True)
     every = self.config.checkpoint_s
     if every and self._resumable and time.monotonic() - self._checkpointed_at >= every:
       self._take_checkpoint(batch)
@@ -769,7 +779,9 @@ class Worker:
       lease_id, prompt = self._pending.popleft()
       tokens, fault = self._checked_tokens(prompt)
       if fault:
-        self._send(lease_id, prompt.id, self._failed(prompt, version, fault))
+        self._abandon(lease_id, self._send(lease_id, prompt.id, self._failed(prompt, version,
+                                                                             fault)))
+        self._settle(lease_id)
         continue
       if (prompt.partial and self._resumable and not self._stale(prompt.partial_version)
           and self._resume(lease_id, prompt, version)):
@@ -894,11 +906,12 @@ class Worker:
     return ids
 
   def _submit_group(self, lease_id: str, prompt_id: str, samples: list[Sample]) -> None:
-    """Score and submit one finished group (an outage is waited out: the group is kept);
-    a group the server refuses as it is releases its prompt, a lease it took back is
-    abandoned."""
-    prompt, version = self._started.pop((lease_id, prompt_id))
-    given = self._given.pop((lease_id, prompt_id), {})
+    """Hand one finished group to the submitter's thread, which scores and submits it while
+    decoding goes on (`_send`); one of an abandoned lease, or under the staleness floor,
+    is settled here."""
+    key = (lease_id, prompt_id)
+    prompt, version = self._started.pop(key)
+    given = self._given.pop(key, {})
     self.stats.samples += len(samples)
     self.stats.tokens += sum(len(s.tokens) for s in samples)
     if lease_id in self._abandoned:
@@ -908,19 +921,67 @@ class Worker:
       self._release_stale(lease_id, [prompt_id])
       self._settle(lease_id)
     else:
-      self._send(lease_id, prompt_id,
-                 self._group(prompt, version, samples, *self._scored(prompt, samples, given)))
+      if self._submitter is None:  # one thread: groups go out in the order they finished
+        self._submitter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="submit")
+      self._scoring[key] = self._submitter.submit(
+          self._score_and_send, lease_id, prompt_id, prompt, (version, self.policy.version),
+          samples, given)
 
-  def _send(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup) -> None:
+  def _score_and_send(self, lease_id: str, prompt_id: str, prompt: pb.Prompt,
+                      versions: tuple[int, int], samples: list[Sample],
+                      given: dict[int, list]) -> ParamServerError | None:
+    """(The submitter's thread.) Score a finished group, then `_send` it. `versions`: the
+    oldest and the newest it was sampled with (the one held when it finished)."""
+    rewards, passed, parts = self._scored(prompt, samples, given)
+    return self._send(lease_id, prompt_id, self._group(prompt, versions[0], samples, rewards,
+                                                       passed, parts, versions[1]))
+
+  def _send(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup
+            ) -> ParamServerError | None:
     """Submit a group of a continuous batch's lease (an outage is waited out: the group is
-    kept), then settle the lease; a lease the server took back is abandoned."""
+    kept); the error of a lease the server took back (None: sent)."""
     try:
       self._with_backoff(lambda: self._submit(lease_id, prompt_id, group))
     except ParamServerError as e:  # the lease expired or was taken back: queued again
-      logging.warning("worker: lease %s abandoned: %s", lease_id, e)
-      self._abandoned.add(lease_id)
-      self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
-    self._settle(lease_id)
+      return e
+    return None
+
+  def _abandon(self, lease_id: str, error: ParamServerError | None) -> None:
+    """A lease the server took back (`error`; None: not): no more calls for it, its waiting
+    prompts dropped (the server serves them again)."""
+    if error is None:
+      return
+    logging.warning("worker: lease %s abandoned: %s", lease_id, error)
+    self._abandoned.add(lease_id)
+    self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
+
+  def _harvest(self, block: bool = False) -> None:
+    """Settle the leases of the groups the submitter is done with, in order (`block`: wait
+    for the oldest); a lease the server took back is abandoned. A verifier's mistake (a
+    result that is not a VerifierResult) is raised here."""
+    while self._scoring:
+      key, future = next(iter(self._scoring.items()))
+      if not (block or future.done()):
+        return
+      with self.stats.time.span("scoring"):  # the decode loop waits for it (`block`)
+        error = future.result()
+      block = False
+      del self._scoring[key]
+      self._abandon(key[0], error)
+      self._settle(key[0])
+
+  def _drain_scoring(self) -> None:
+    """On the way out: the groups being scored are sent (within the grace period when
+    stopping: past it, their leases expire and their prompts are served again)."""
+    if not self._scoring:
+      return
+    wait = self._grace_left() if self.stopping else None
+    concurrent.futures.wait(list(self._scoring.values()), timeout=wait)
+    try:
+      self._harvest()
+    except Exception as e:  # noqa: BLE001 - already on the way out with another error
+      logging.error("worker: scoring a finished group failed: %s", e)
+    self._submitter.shutdown(wait=False, cancel_futures=True)
 
   def _stale(self, version: int) -> bool:
     """Whether a group of `version` is under the trainer's staleness floor (the server drops
@@ -1008,7 +1069,7 @@ class Worker:
   def _settle(self, lease_id: str) -> None:
     """Once no prompt of the lease waits or runs: complete it, releasing what was refused."""
     if any(l == lease_id for l, _ in self._pending) or any(
-        l == lease_id for l, _ in self._started):
+        l == lease_id for l, _ in (*self._started, *self._scoring)):
       return
     with self._lock:
       left = self._inflight.pop(lease_id, set())
@@ -1186,15 +1247,17 @@ class Worker:
 
   def _group(self, prompt: pb.Prompt, version: int, samples: list[Sample],
              rewards: list[float], passed: list[bool] | None = None,
-             parts: list[dict[str, float]] | None = None) -> pb.RolloutGroup:
+             parts: list[dict[str, float]] | None = None,
+             last_version: int | None = None) -> pb.RolloutGroup:
     """One prompt's scored samples as a RolloutGroup of `version` (the oldest sampled with;
-    metadata last_version: the newest); each sample's metadata: `sample_metadata` of its
-    verdict and reward parts."""
+    metadata last_version: the newest, `last_version`, else the one held now); each
+    sample's metadata: `sample_metadata` of its verdict and reward parts."""
     meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
             "min_p": repr(self.params.min_p),
-            "last_version": str(self.policy.version)}
+            "last_version": str(self.policy.version if last_version is None
+                                else last_version)}
     resumed = sum(s.resumed for s in samples)
     if resumed:
       meta["resumed_samples"] = str(resumed)

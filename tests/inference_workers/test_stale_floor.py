@@ -79,7 +79,7 @@ def test_prompts_begun_under_a_risen_floor_go_back_and_start_again_on_the_newest
     worker._cycle()  # they stop and go back; leased again, they start on v1
     assert worker.stats.groups_abandoned_stale == 2 and worker.stats.prompts_released == 2
     assert sorted(v for _, v in worker._started.values()) == [1, 1]
-    while worker._started:
+    while worker._started or worker._scoring:  # the last groups are sent on their thread
       worker._cycle()
     take = trainer.take_rollouts(min_version=1, max_n=4)
   assert sorted(r.prompt.id for r in take.rollouts) == ["p0", "p1"]

@@ -639,6 +639,37 @@ def test_a_verifier_giving_nan_scores_zero_and_the_warning_says_so(caplog):
           "expected a finite number, got nan") in caplog.text
 
 
+def test_decoding_goes_on_while_a_finished_group_is_scored(server, versions):
+  """A finished group is scored and submitted on the submitter's thread: while its verifier
+  is held, the batch decodes the other prompts (their samples count); every group still
+  reaches the server, scored, and the leases complete."""
+  release = threading.Event()
+
+  def verifier(completion, reference):
+    release.wait(60)
+    return VerifierResult(1.0, True)
+
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    ids = enqueue_addition(trainer, 4)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=2, **SMALL),
+                    verifier_for=lambda task: Guarded(task, verifier))
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while worker.stats.samples < 6 and time.monotonic() < deadline:
+      time.sleep(0.02)
+    decoded_while_held = worker.stats.samples
+    release.set()
+    runner.join(60)
+    assert decoded_while_held >= 6 and worker.stats.groups_submitted == 4
+    take = trainer.take_rollouts(min_version=0, max_n=10)
+    assert sorted(r.group.prompt_id for r in take.rollouts) == sorted(ids)
+    assert all(s.reward == 1.0 for r in take.rollouts for s in r.group.samples)
+    st = trainer.stats()
+    assert st.prompts_leased == 0 and st.prompts_queued == 0
+
+
 @pytest.mark.parametrize("threads", [1, 4])
 def test_a_groups_samples_are_scored_at_once_on_scoring_threads(threads):
   """worker.scoring_threads verifier calls run side by side (a code task's tests), each

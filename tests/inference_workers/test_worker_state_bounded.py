@@ -41,7 +41,7 @@ def test_a_lease_the_server_no_longer_holds_is_abandoned_on_settling():
     raise ParamServerError("ReleaseLease", grpc.StatusCode.NOT_FOUND, "lease_id: no lease 'x'")
 
   worker = types.SimpleNamespace(
-      _pending=[], _started={}, _lock=threading.Lock(), _inflight={"x": {"p0"}},
+      _pending=[], _started={}, _scoring={}, _lock=threading.Lock(), _inflight={"x": {"p0"}},
       _lease_deadline={"x": 0.0}, _abandoned=set(), _rpc=rpc, _with_backoff=lambda fn: fn(),
       stats=types.SimpleNamespace(prompts_released=0, time=types.SimpleNamespace(
           span=lambda name: contextlib.nullcontext())))

@@ -72,7 +72,9 @@ def test_a_worker_reports_where_its_time_went(server, versions):
   assert after.prompts_leased == 0
   t = stats.time.snapshot()
   assert t.decoding_s > 0 and 0 < t.slot_s < t.decoding_s  # one slot of two at first
-  assert t.waiting_weights_s > 0 and t.submitting_s > 0 and t.scoring_s > 0
+  # (Scoring and submitting groups runs beside decoding; scoring_s counts the decode loop's
+  # waits for it, when nothing else is left to do.)
+  assert t.waiting_weights_s > 0 and t.submitting_s > 0
   assert sum(getattr(t, a + "_s") for a in ("decoding", "waiting_prompts", "waiting_weights",
                                             "submitting", "scoring")) <= t.total_s
   # Each heartbeat carries the split so far, but the last: the worker is leaving.
