@@ -972,16 +972,19 @@ class Worker:
 
   def _drain_scoring(self) -> None:
     """On the way out: the groups being scored are sent (within the grace period when
-    stopping: past it, their leases expire and their prompts are served again)."""
-    if not self._scoring:
-      return
-    wait = self._grace_left() if self.stopping else None
-    concurrent.futures.wait(list(self._scoring.values()), timeout=wait)
-    try:
-      self._harvest()
-    except Exception as e:  # noqa: BLE001 - already on the way out with another error
-      logging.error("worker: scoring a finished group failed: %s", e)
-    self._submitter.shutdown(wait=False, cancel_futures=True)
+    stopping: past it, their leases expire and their prompts are served again), and the
+    scoring threads end."""
+    if self._scoring:
+      wait = self._grace_left() if self.stopping else None
+      concurrent.futures.wait(list(self._scoring.values()), timeout=wait)
+      try:
+        self._harvest()
+      except Exception as e:  # noqa: BLE001 - already on the way out with another error
+        logging.error("worker: scoring a finished group failed: %s", e)
+    for pool in (self._submitter, self._scoring_pool):
+      if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
+    self._submitter = self._scoring_pool = None
 
   def _stale(self, version: int) -> bool:
     """Whether a group of `version` is under the trainer's staleness floor (the server drops
