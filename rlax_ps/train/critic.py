@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from algorithms import losses
@@ -163,7 +164,7 @@ class Critic:
     self._abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   abstract, self.shardings)
     self.state: TrainState | None = None
-    # jit(fn)(params, base, batch, ref_params, kl_beta) -> (values, returns);
+    # jit(fn)(params, base, batch, ref_params, kl_beta) -> (values, returns, ref_logp);
     # jit(fn)(state, base, batch) -> (state, metrics), the state donated: what the trainer
     # compiles ahead per shape (`base`: self.base of the policy's params).
     self.targets_fn = self._make_targets(policy_graphdef)
@@ -180,9 +181,9 @@ class Critic:
 
   def start(self, policy_params: Any, restored: dict[str, Any] | None = None,
             seed: int = 0) -> None:
-    """The critic of a checkpoint (`restored`, its critic entry), else a fresh one: the
-    policy's weights for its body, or a LoRA critic's the policy's adapters (copied: the
-    policy's step donates its own), a zero head."""
+    """The critic of a checkpoint (`restored`, its critic entry), else a fresh one: that of
+    critic.init_from_hf, or the policy's weights for its body (a LoRA critic's: the policy's
+    adapters) and a zero head, copied (the policy's step donates its own)."""
     if restored is not None:
       self.state = TrainState.from_tree(restored)
       return
@@ -191,22 +192,19 @@ class Critic:
         params = source_params(self.init_from_hf, self.config, self.mesh)
       except (OSError, ValueError) as e:
         raise ValueError(f"critic.init_from_hf: {e}") from None
-      self.state = jax.jit(lambda p: TrainState(
-          step=jnp.zeros((), jnp.int32), params=p, opt_state=self.optimizer.init(p),
-          rng=jax.random.fold_in(jax.random.PRNGKey(seed), 1)),
-                           out_shardings=self.shardings)(params)
-      return
+    else:
+      params = {**{k: np.zeros(x.shape, x.dtype)  # the value head
+                   for k, x in self._abstract_params.items() if k != "body"},
+                "body": split_as(policy_params, self._abstract_params["body"])[0]}
 
-    def init(policy):
-      params = {**jax.tree.map(jnp.zeros_like, self._abstract_params),
-                "body": jax.tree.map(lambda like, p: p.astype(like.dtype),
-                                     self._abstract_params["body"],
-                                     split_as(policy, self._abstract_params["body"])[0])}
+    def fresh(params):
+      params = jax.tree.map(lambda p, like: p.astype(like.dtype), params,
+                            self._abstract_params)
       return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                         opt_state=self.optimizer.init(params),
                         rng=jax.random.fold_in(jax.random.PRNGKey(seed), 1))
 
-    self.state = jax.jit(init, out_shardings=self.shardings)(policy_params)
+    self.state = jax.jit(fresh, out_shardings=self.shardings)(params)
 
   def targets(self, batch: dict, policy_params: Any, ref_params: Any,
               kl_beta: jax.Array | None = None, fn=None

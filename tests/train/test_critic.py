@@ -272,23 +272,30 @@ def test_a_critic_source_must_read_the_policys_ids(tmp_path):
     check_critic_config({"init_from_hf": 3}, 10)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full+warmup", "lora"])
-def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, lora):
-  """configs/rl_ppo.py's GAE run: each step's line carries the critic's loss, its state is
-  checkpointed, and a restart restores it (not the policy's weights again). A LoRA run's
-  critic is adapters over the policy's weights, read from each step's new policy state.
+def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, monkeypatch):
+  """configs/rl_ppo.py's GAE run, LoRA, with verl's KL in the reward: each step's line
+  carries the critic's loss, its state is checkpointed, and a restart restores it (not the
+  policy's weights again). A LoRA run's critic is adapters over the policy's weights, read
+  from each step's new policy state; its targets run the reference, once a step.
   critic.warmup_steps' first steps train the critic alone, publishing nothing."""
+  from rlax_ps.train import critic as critic_module, rl, rl_loss
   from rlax_ps.train.rl import RLTrainer
+  runs, real = [], rl_loss.reference_logprobs
+
+  def counted(*args, **kwargs):  # the reference's forward, counted as it runs
+    jax.debug.callback(lambda: runs.append(1))
+    return real(*args, **kwargs)
+
+  for module in (critic_module, rl, rl_loss):
+    monkeypatch.setattr(module, "reference_logprobs", counted)
   config = rl_config("tiny", "configs/rl_ppo.py")
-  warmup = 0 if lora else 1
-  config.critic.warmup_steps = warmup
-  if lora:  # and verl's KL in the reward: the critic's targets run the reference, once
-    config.model.lora_rank, config.model.lora_alpha = 4, 8.0
-    save_warm_start(tmp_path / "warm")
-    config.init_from_hf, config.loss.kl_in_reward = str(tmp_path / "warm"), 0.05
+  config.critic.warmup_steps = 1
+  config.model.lora_rank, config.model.lora_alpha = 4, 8.0
+  save_warm_start(tmp_path / "warm")
+  config.init_from_hf, config.loss.kl_in_reward = str(tmp_path / "warm"), 0.05
   config.eval.num_examples = 0  # no held-out evaluation: its decoding is not what is tested
   config.rl.steps, config.checkpoint.every_steps = 2, 1
-  config.worker.max_new_tokens = 8
+  config.worker.max_new_tokens, config.export.hf = 8, False
   with fake_fleet(tmp_path) as (tc, _):
     with RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
       scalars, add = {}, tr.writer.add_scalar
@@ -296,40 +303,41 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
                                                  add(k, v, step))[1]
       tr.train()
       # The policy's logged lr: its optimizer's, which counts the policy's own updates.
-      assert (("train/lr", 1) in scalars) == (not warmup)
-      assert scalars[("train/lr", 2)] == pytest.approx(float(tr.schedule(1 - warmup)))
+      assert ("train/lr", 1) not in scalars
+      assert scalars[("train/lr", 2)] == pytest.approx(float(tr.schedule(0)))
       saved = jax.tree.map(np.asarray, tr.critic.state.params)
-      assert int(tr.critic.state.step) == 2
-      assert tr.critic.layout == ("adapters" if lora else "full")
+      assert int(tr.critic.state.step) == 2 and tr.critic.layout == "adapters"
       # Its programs were compiled ahead for the batch's shape, as the policy's step.
-      assert tr.precompiled_critic_steps == 2 and tr.precompiled_steps == 2 - warmup
-      assert tr.version == 2 - warmup  # a publication a policy step (and one at the start)
+      assert tr.precompiled_critic_steps == 2 and tr.precompiled_steps == 1
+      assert tr.version == 1  # a publication a policy step (and one at the start)
+      jax.effects_barrier()  # once a step, in the critic's targets: the policy's takes those
+      assert len(runs) == 2
     config.rl.steps = 3
     with RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
       assert int(tr.critic.state.step) == 2
       jax.tree.map(np.testing.assert_array_equal, saved,
                    jax.tree.map(np.asarray, tr.critic.state.params))
       assert np.asarray(saved["value_head"]).any()  # trained, not the fresh zero head
-    if lora:  # a checkpoint whose critic is laid out otherwise (full, as LoRA runs' were
-      # before): refused, naming both
-      meta = glob.glob(str(tmp_path / "rl" / "**" / "2" / "metadata" / "*"), recursive=True)
-      record = json.load(open(meta[0]))
-      assert record["critic"] == "adapters"
-      json.dump({**record, "critic": True}, open(meta[0], "w"))
-      with pytest.raises(ValueError, match="holds a full critic, this run's is adapters"):
-        RLTrainer(config, str(tmp_path / "rl"), tc)
-    if not lora:  # critic.init_from_hf: the reward model's head, read in the run's dtypes
-      config.critic.init_from_hf = os.path.join(HF, "qwen3_reward")
-      with RLTrainer(config, str(tmp_path / "from_rm"), tc) as tr:
-        head = np.asarray(tr.critic.state.params["value_head"])
-        assert head.shape == (32,) and head.any()
-      config.critic.init_from_hf = ""
+    # A checkpoint whose critic is laid out otherwise (full, as LoRA runs' were before):
+    # refused, naming both.
+    meta = glob.glob(str(tmp_path / "rl" / "**" / "2" / "metadata" / "*"), recursive=True)
+    record = json.load(open(meta[0]))
+    assert record["critic"] == "adapters"
+    json.dump({**record, "critic": True}, open(meta[0], "w"))
+    with pytest.raises(ValueError, match="holds a full critic, this run's is adapters"):
+      RLTrainer(config, str(tmp_path / "rl"), tc)
+    # critic.init_from_hf: the reward model's body and head, a full critic of its own.
+    config.critic.init_from_hf = os.path.join(HF, "qwen3_reward")
+    with RLTrainer(config, str(tmp_path / "from_rm"), tc) as tr:
+      head = np.asarray(tr.critic.state.params["value_head"])
+      assert head.shape == (32,) and head.any() and tr.critic.layout == "full"
+    config.critic.init_from_hf = ""
     config.loss.advantage = "grpo"  # its checkpoints hold a critic a GRPO run would drop
     with pytest.raises(ValueError, match="loss.advantage: the checkpoint in .* holds a critic"):
       RLTrainer(config, str(tmp_path / "rl"), tc)
   lines = [json.loads(line) for line in open(tmp_path / "rl" / "steps.jsonl")]
   assert [r["step"] for r in lines] == [1, 2]
   assert all(r["vf_loss"] > 0 and "value_explained_var" in r for r in lines)
-  assert all(("reward_kl" in r) == lora for r in lines[warmup:])
-  assert [r["loss"] is None for r in lines] == [True] * warmup + [False] * (2 - warmup)
-  assert ["sync_bytes" in r for r in lines] == [False] * warmup + [True] * (2 - warmup)
+  assert [r["loss"] is None for r in lines] == [True, False]  # step 1: the critic's alone
+  assert ["sync_bytes" in r for r in lines] == [False, True]
+  assert "reward_kl" in lines[1]
