@@ -66,16 +66,16 @@ class SymbolicEqual:
         self._start()
       try:
         self._conn.send(key)
-        if self._conn.poll(self.wait_s):
-          verdict = bool(self._conn.recv())
-          self._verdicts[key] = verdict
-          if len(self._verdicts) > self._cache:
-            self._verdicts.popitem(last=False)
-          return verdict
+        verdict = bool(self._conn.recv()) if self._conn.poll(self.wait_s) else None
       except (OSError, EOFError):  # the child died: the next question starts another
-        pass
-      self._stop()
-      return None
+        verdict = None
+      if verdict is None:  # past the wait, or dead: killed
+        self._stop()
+        return None
+      self._verdicts[key] = verdict
+      if len(self._verdicts) > self._cache:
+        self._verdicts.popitem(last=False)
+      return verdict
 
   def _start(self) -> None:
     self._stop()
