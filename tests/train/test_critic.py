@@ -270,6 +270,18 @@ def test_a_critic_source_must_read_the_policys_ids(tmp_path):
     check_critic_source(str(tmp_path), tok)
   with pytest.raises(ValueError, match="critic.init_from_hf: expected an HF checkpoint"):
     check_critic_config({"init_from_hf": 3}, 10)
+  # A reward model of two labels has no one value head.
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(str(rm / "model.safetensors"))
+  save_file({**tensors, "score.weight": np.tile(tensors["score.weight"], (2, 1))},
+            str(rm / "model.safetensors"))
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  critic = Critic(CONFIG.replace(vocab_size=99), {"init_from_hf": str(rm)}, mesh,
+                  total_steps=4, loss_cfg=LossConfig(advantage="gae"), policy_graphdef=None,
+                  tokenizer=tok)
+  with pytest.raises(ValueError, match="critic.init_from_hf: .* a reward model of 2 labels; "
+                     "a critic's value head takes one"):
+    critic.start(policy_params=None)
 
 
 def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, monkeypatch):
