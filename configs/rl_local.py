@@ -104,7 +104,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss = ml_collections.ConfigDict()
   # grpo | dr_grpo | rloo | mc_grpo | opo | passk (pass@k training) | reinforce_pp |
   # reinforce_pp_baseline (verl's REINFORCE++: per-token, whitened over the batch's tokens) |
-  # gae (PPO with a critic: configs/rl_ppo.py's `critic` block)
+  # gae (PPO with a critic: the `critic` block; configs/rl_ppo.py)
   c.loss.advantage = "grpo"
   c.loss.gamma = 1.0  # reinforce_pp, gae: the returns' discount (verl's algorithm.gamma)
   c.loss.lam = 1.0  # gae: its lambda (verl's algorithm.lam)
@@ -178,6 +178,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.warmup_steps = 5
   c.optimizer.min_lr_ratio = 1.0
   c.optimizer.weight_decay = 0.0
+
+  # PPO's critic (loss.advantage="gae"): its own optimizer (the policy's settings as the
+  # recipe wrote them), verl's clipped value loss range (critic.cliprange_value; None:
+  # unclipped), the first steps it trains alone (verl's trainer.critic_warmup=N+1 skips as
+  # many actor updates), and an HF checkpoint it starts from: "" the policy's weights (a
+  # LoRA run's critic: adapters of its own over the policy's frozen weights), or a
+  # *ForSequenceClassification reward model (its score head the value head) or causal LM of
+  # the policy's tokenizer.
+  c.critic = ml_collections.ConfigDict()
+  c.critic.optimizer = ml_collections.ConfigDict(c.optimizer.to_dict())
+  c.critic.value_clip = 0.5
+  c.critic.warmup_steps = 0
+  c.critic.init_from_hf = ""
 
   c.mesh = ml_collections.ConfigDict(c.sft.mesh.to_dict())
 

@@ -7,14 +7,13 @@ the verifier's score on the last token gives each token its advantage, whitened 
 step's response tokens, and its return, which the critic regresses on with verl's clipped
 value loss (critic.value_clip) and an optimizer of its own (critic.optimizer: verl's critic
 learns 10x faster than its actor). The critic is checkpointed with the policy; it doubles the
-trainer's weights and optimizer state, except in a LoRA run (--config.model.lora_rank=N),
-whose critic trains adapters of its own and its head over the policy's frozen weights.
---config.critic.init_from_hf=RM_PATH starts it from a reward model instead (InstructGPT's
-critic), --config.critic.warmup_steps=N trains it alone first. Otherwise
-configs/rl_local.py. `:tiny` is the seconds-long smoke variant.
+trainer's weights and optimizer state, except in a LoRA run (configs/rl_lora.py with
+--config.loss.advantage=gae), whose critic trains adapters of its own and its head over the
+policy's frozen weights. --config.critic.init_from_hf=RM_PATH starts it from a reward model
+instead (InstructGPT's critic), --config.critic.warmup_steps=N trains it alone first (the
+`critic` block: configs/rl_local.py). Otherwise configs/rl_local.py. `:tiny` is the
+seconds-long smoke variant.
 """
-
-import ml_collections
 
 from rlax_ps.config_files import sibling
 
@@ -24,15 +23,5 @@ def get_config(arg: str | None = None):
   c.loss.advantage = "gae"
   c.loss.gamma = 1.0  # verl's algorithm.gamma and lam
   c.loss.lam = 1.0
-  c.critic = ml_collections.ConfigDict()
-  c.critic.optimizer = ml_collections.ConfigDict(c.optimizer.to_dict())
   c.critic.optimizer.lr = 10 * c.optimizer.lr
-  c.critic.value_clip = 0.5  # verl's critic.cliprange_value; None: unclipped
-  # The first steps train the critic alone, the policy waiting for a baseline: verl's
-  # trainer.critic_warmup=N+1 skips as many actor updates.
-  c.critic.warmup_steps = 0
-  # "": the critic starts from the policy's weights; or an HF folder of its own, of the
-  # policy's tokenizer: a *ForSequenceClassification reward model (its score head the value
-  # head, as InstructGPT's critic) or a causal LM (a zero head). Full-parameter.
-  c.critic.init_from_hf = ""
   return c
