@@ -670,6 +670,35 @@ def test_decoding_goes_on_while_a_finished_group_is_scored(server, versions):
     assert st.prompts_leased == 0 and st.prompts_queued == 0
 
 
+def test_a_stop_sends_the_group_being_scored_within_the_grace_period(server, versions):
+  """A stop while a finished group is being scored: the group is still sent (scored), the
+  other prompt goes back or is sent too, and no lease is left open."""
+  entered, release = threading.Event(), threading.Event()
+
+  def verifier(completion, reference):
+    entered.set()
+    release.wait(30)
+    return VerifierResult(1.0, True)
+
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **SMALL),
+                    verifier_for=lambda task: Guarded(task, verifier))
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    assert entered.wait(60)
+    worker.request_stop(grace_s=30.0)
+    time.sleep(0.2)
+    release.set()
+    runner.join(60)
+    assert not runner.is_alive()
+    rollouts = trainer.take_rollouts(min_version=0, max_n=10).rollouts
+    st = trainer.stats()
+  assert rollouts and all(s.reward == 1.0 for r in rollouts for s in r.group.samples)
+  assert st.prompts_leased == 0 and len(rollouts) + st.prompts_queued == 2
+
+
 @pytest.mark.parametrize("threads", [1, 4])
 def test_a_groups_samples_are_scored_at_once_on_scoring_threads(threads):
   """worker.scoring_threads verifier calls run side by side (a code task's tests), each
