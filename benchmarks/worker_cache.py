@@ -82,7 +82,7 @@ FEW_KV_HEADS = {
 
 def cache_bytes_per_token_layer(config, kv_dtype: str, heads: int | None = None) -> int:
   """Bytes a worker's cache takes per generated token and layer (one sample's suffix slot,
-  keys and values, int8's scales included, `heads` kv heads: default the model's), from the
+  keys and values, int8's and fp8's scales included, `heads` kv heads: default the model's), from the
   shapes the cache is made with."""
   shapes = jax.eval_shape(lambda: SharedPrefixCache.empty(config, 1, 1, 1, 1,
                                                           dtype=kv_dtype, heads=heads))
@@ -95,7 +95,7 @@ def decompressed_bytes_per_token_layer(config, kv_dtype: str) -> int:
   """The same for per-head keys and values of the q/k width (num_heads of each), as held
   before the latent cache."""
   values = 2 * config.num_heads * config.head_dim
-  scales = 2 * config.num_heads * 4 if kv_dtype == "int8" else 0
+  scales = 2 * config.num_heads * 4 if kv_dtype in ("int8", "float8_e4m3fn") else 0
   return values * jnp.dtype(kv_dtype).itemsize + scales
 
 

@@ -591,7 +591,7 @@ class ContinuousBatch:
   `mesh` (the model's weights on it): the slots split over its data axis and the caches'
   heads over tensor; every step is traced with it in context, so attention runs per device.
   `kv_dtype` (one of KV_DTYPES; None: the model's compute dtype): what the caches hold k/v
-  in; float8_e4m3fn, or int8 with a scale per token and head, fits twice the rows of a bf16
+  in; float8_e4m3fn or int8, with a scale per token and head, fits twice the rows of a bf16
   cache in the same memory, and on TPU the decode kernel reads it at that width (widening
   a block at a time in VMEM; XLA elsewhere widens each layer's cache first).
   """

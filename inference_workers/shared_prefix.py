@@ -46,7 +46,7 @@ def cache_heads(config, mesh) -> int:
 @flax.struct.dataclass
 class SharedPrefixCache:
   """Prefix k/v per layer [B, Sp, Hkv, D] shared by N samples; suffix k/v [B, N, Ss, Hkv, D]
-  (arrays, or `kv_quant.QuantizedKV`s for an int8 cache), shaped by the config's
+  (arrays, or `kv_quant.QuantizedKV`s for an int8 or fp8 cache), shaped by the config's
   `kv_cache_layout` (latent attention: no values, prefix_v and suffix_v are ()).
 
   Prefix slots [0, prefix_lens[b]) hold prompt b; suffix slots [0, index[b, j]) hold the

@@ -11,8 +11,8 @@ from algorithms.environments import environment_names
 from rlax_ps.dataclass_flags import setting
 
 
-# What a decode cache may hold keys and values in: float8 halves a bf16 cache with no scales
-# (values read back in the compute dtype), as vLLM's fp8 cache does by default.
+# What a decode cache may hold keys and values in: float8 and int8 halve a bf16 cache, with a
+# scale per token and head (kv_quant; values read back in the compute dtype).
 KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
 # The reward parts besides worker.reward_terms, by their names in a sample's metadata
 # ("reward/<name>"): the prompt task's verifier and the reward model.
@@ -45,9 +45,9 @@ class WorkerConfig:
   kv_cache_dtype: str = setting("", "dtype of the decode cache's keys and values: '' = the "
                                 "model's compute dtype; float8_e4m3fn or int8 halve a bf16 "
                                 "cache (twice the rows in the same memory, half the bytes a "
-                                "TPU decode step reads); int8 keeps a scale per token and "
-                                "head (closer to the policy), fp8 none, as vLLM's; the "
-                                "behaviour log-probs are the ones sampled with")
+                                "TPU decode step reads), each with a scale per token and "
+                                "head (no key overflows fp8's 448); the behaviour log-probs "
+                                "are the ones sampled with")
   decode_chunk_steps: int = setting(32, "most decode steps between two looks at new weights, "
                                     "leases and stop requests")
   in_flight_updates: bool = setting(False, "apply new weights between decode chunks at once, "

@@ -67,7 +67,7 @@ def _decode_kernel(*refs, num_kv_heads, head_dim, block_s, num_blocks, num_row_b
     for h in range(num_kv_heads):
       q = q_ref[h]  # [M, D]
       # A cache held narrower than the queries (fp8, int8) widens here, a block at a time:
-      # HBM is read at the cache's width. int8 codes take their token's scale ([bs, 1]).
+      # HBM is read at the cache's width. The codes take their token's scale ([bs, 1]).
       k = k_ref[:, h * head_dim:(h + 1) * head_dim]  # [bs, D]
       v = v_ref[:, h * head_dim:(h + 1) * head_dim]
       if scaled:

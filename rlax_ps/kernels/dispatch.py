@@ -63,7 +63,7 @@ def _per_device(fn, args, heads: tuple[int, ...], head_dims: tuple[int | None, .
       entries[head_dim] = tensor
     return P(*entries)
 
-  # An int8 cache (kv_quant.QuantizedKV): its scales have the heads where its codes do.
+  # An int8 or fp8 cache (kv_quant.QuantizedKV): its scales have the heads where its codes do.
   in_specs = tuple(jax.tree.map(lambda leaf, h=h, i=i: spec(
       leaf.ndim, h, not (one_kv and i in kv_args)), a)
                    for i, (a, h) in enumerate(zip(args, head_dims)))

@@ -1,13 +1,14 @@
-"""KV caches held as int8 codes with a scale per token and KV head (a worker's
-`kv_cache_dtype=int8`): half a bf16 cache, closer to it than fp8 without scales.
+"""KV caches held as int8 or fp8 (e4m3) codes with a scale per token and KV head (a
+worker's `kv_cache_dtype=int8` / `float8_e4m3fn`): half a bf16 cache.
 
-`QuantizedKV(values int8 [..., S, Hkv, D], scales float32 [..., S, Hkv])` stands where a
-cache array does; these helpers take either: `kv_zeros` makes one, `kv_write` stores new
-k/v (quantized on the way in), `kv_widen` reads it back in a compute dtype, indexing
-(`x[i]`) selects in both parts. A token's keys of one head round to the nearest of 255
-levels of their largest magnitude (symmetric), so the error per element is at most half a
-level of that token's own range. The decode kernels take it as held and widen a block at a
-time (`decode_tpu`); XLA widens first.
+`QuantizedKV(values [..., S, Hkv, D], scales float32 [..., S, Hkv])` stands where a cache
+array does; these helpers take either: `kv_zeros` makes one, `kv_write` stores new k/v
+(quantized on the way in), `kv_widen` reads it back in a compute dtype, indexing (`x[i]`)
+selects in both parts. A token's keys of one head are scaled so that their largest
+magnitude is the codes' (int8: 127, rounded to the nearest level, an error of at most half
+a level of that token's own range; e4m3: 448, 3 mantissa bits), so no key overflows the
+codes however large (an e4m3 cast alone turns keys past 448 into NaN). The decode kernels
+take it as held and widen a block at a time (`decode_tpu`); XLA widens first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-LEVELS = 127
+LEVELS = 127  # int8 codes' largest magnitude
+FP8_MAX = 448.0  # float8_e4m3fn's
+SCALED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # the dtypes held with scales
 
 
 @jax.tree_util.register_dataclass
@@ -51,19 +54,25 @@ class QuantizedKV:
     return QuantizedKV(self.values.reshape(shape), self.scales.reshape(shape[:-1]))
 
 
-def quantize(x) -> QuantizedKV:
-  """k or v [..., Hkv, D] -> int8 codes and a scale per [..., Hkv] (its largest |x| / 127)."""
+def quantize(x, dtype=jnp.int8) -> QuantizedKV:
+  """k or v [..., Hkv, D] -> codes of `dtype` (int8 or float8_e4m3fn) and a scale per
+  [..., Hkv] (its largest |x| over the codes' largest)."""
   x = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=-1)
-  scales = jnp.where(amax > 0, amax / LEVELS, 1.0)
-  values = jnp.clip(jnp.round(x / scales[..., None]), -LEVELS, LEVELS).astype(jnp.int8)
+  if jnp.dtype(dtype) == jnp.int8:
+    scales = jnp.where(amax > 0, amax / LEVELS, 1.0)
+    values = jnp.clip(jnp.round(x / scales[..., None]), -LEVELS, LEVELS).astype(jnp.int8)
+  else:
+    scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    values = jnp.clip(x / scales[..., None], -FP8_MAX, FP8_MAX).astype(dtype)
   return QuantizedKV(values, scales)
 
 
 def kv_zeros(shape: tuple[int, ...], dtype) -> jax.Array | QuantizedKV:
-  """An empty cache [..., S, Hkv, D] held in `dtype` (int8: a QuantizedKV)."""
-  if jnp.dtype(dtype) == jnp.int8:
-    return QuantizedKV(jnp.zeros(shape, jnp.int8), jnp.ones(shape[:-1], jnp.float32))
+  """An empty cache [..., S, Hkv, D] held in `dtype` (int8, float8_e4m3fn: a
+  QuantizedKV)."""
+  if jnp.dtype(dtype) in SCALED:
+    return QuantizedKV(jnp.zeros(shape, dtype), jnp.ones(shape[:-1], jnp.float32))
   return jnp.zeros(shape, dtype)
 
 
@@ -72,7 +81,7 @@ def kv_write(buf, index, new):
   range: dropped), in the dtype buf holds."""
   if isinstance(buf, QuantizedKV):
     if not isinstance(new, QuantizedKV):
-      new = quantize(new)
+      new = quantize(new, buf.values.dtype)
     return QuantizedKV(buf.values.at[index].set(new.values, mode="drop"),
                        buf.scales.at[index].set(new.scales, mode="drop"))
   return buf.at[index].set(new.astype(buf.dtype), mode="drop")
@@ -92,7 +101,7 @@ def kv_repeat_heads(new, heads: int):
 
 
 def kv_widen(x, dtype):
-  """A cache as an array of `dtype` (an int8 one dequantized)."""
+  """A cache as an array of `dtype` (a QuantizedKV dequantized)."""
   if isinstance(x, QuantizedKV):
     return (x.values.astype(jnp.float32) * x.scales[..., None]).astype(dtype)
   return x.astype(dtype)

@@ -79,7 +79,7 @@ def test_refilled_slots_give_every_prompt_its_own_samples(model):
 def test_a_narrow_cache_holds_a_byte_a_value_and_its_log_probs_stay_the_policys(
     model, held, bound):
   """kv_dtype=float8_e4m3fn or int8: the cache's k/v take 1 byte each (the model's
-  float32: 4; int8 also a float32 scale per token and head); the samples drawn through it
+  float32: 4) and a float32 scale per token and head; the samples drawn through it
   carry log-probs within its precision of the policy's own (teacher-forced, full
   precision), which the trainer's corrections rely on."""
   narrow = ContinuousBatch(model, 2, 2, PARAMS, kv_dtype=held)
@@ -89,9 +89,9 @@ def test_a_narrow_cache_holds_a_byte_a_value_and_its_log_probs_stay_the_policys(
   c = narrow._dev.slots.cache
   kv = c.prefix_k + c.prefix_v + c.suffix_k + c.suffix_v
   assert {x.dtype.name for x in kv} == {held}
-  scales = sum(x.scales.size for x in kv) if held == "int8" else 0
+  scales = sum(x.scales.size for x in kv)
   assert sum(x.nbytes for x in kv) == sum(np.prod(x.shape) for x in kv) + 4 * scales
-  assert scales == sum(np.prod(x.shape[:-1]) for x in kv) or held != "int8"
+  assert scales == sum(np.prod(x.shape[:-1]) for x in kv)
   seqs = [(PROMPTS[i], s) for i, group in done.items() for s in group]
   width = max(len(p) + len(s.tokens) for p, s in seqs)
   tokens = np.zeros((len(seqs), width), np.int32)  # right-padded: causal, so it is unseen

@@ -91,14 +91,16 @@ def test_decode_kernel_lowers_for_tpu_reading_fp8_caches():
                        l) for l in calls), calls
 
 
+@pytest.mark.parametrize("codes,mlir", [(jnp.int8, "i8"), (jnp.float8_e4m3fn, "f8E4M3FN")],
+                         ids=["int8", "fp8"])
 @pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
-def test_decode_kernels_lower_for_tpu_reading_int8_caches_with_scales(extend):
-  """worker.kv_cache_dtype=int8: the kernels take the int8 codes and their float32 scales
-  per token and head as held, block by block (no widened copy in HBM)."""
+def test_decode_kernels_lower_for_tpu_reading_narrow_caches_with_scales(extend, codes, mlir):
+  """worker.kv_cache_dtype=int8 or float8_e4m3fn: the kernels take the codes and their
+  float32 scales per token and head as held, block by block (no widened copy in HBM)."""
   q, *rest = (_extend_args if extend else _decode_args)(jnp.bfloat16)
 
   def held(a):
-    return QuantizedKV(jax.ShapeDtypeStruct(a.shape, jnp.int8),
+    return QuantizedKV(jax.ShapeDtypeStruct(a.shape, codes),
                        jax.ShapeDtypeStruct(a.shape[:-1], jnp.float32))
 
   args = [q] + [held(a) if i in (0, 1, 3, 4) else a for i, a in enumerate(rest)]
@@ -107,7 +109,7 @@ def test_decode_kernels_lower_for_tpu_reading_int8_caches_with_scales(extend):
   assert _kernel_names(exp) == {"shared_prefix_decode"}
   calls = [l for l in exp.mlir_module().splitlines() if "tpu_custom_call" in l]
   assert len(calls) == 2
-  assert all(re.search(r"(, tensor<[0-9x]+xi8>){2}(, tensor<[0-9x]+xf32>){2}\)", l)
+  assert all(re.search(rf"(, tensor<[0-9x]+x{mlir}>){{2}}(, tensor<[0-9x]+xf32>){{2}}\)", l)
              for l in calls), calls
 
 

@@ -180,3 +180,19 @@ def test_a_cache_passed_as_keys_and_values_is_read_once(extend, held):
   per_cache = 2 if held else 1  # codes and scales
   assert [n + per_cache for n in _pallas_operands(once, q, pk, pl, sk, lens)] == (
       _pallas_operands(twice, q, pk, pl, sk, lens))
+
+
+@pytest.mark.parametrize("held,step", [("float8_e4m3fn", 2.0 ** -4), ("int8", 1 / 127)])
+def test_a_narrow_cache_scales_each_tokens_keys_so_that_none_overflows(held, step):
+  """An int8 or fp8 cache scales each token's keys of a head to the codes' range: keys of
+  1e4 and 1e-3 come back within the codes' precision of their own magnitude, where a bare
+  e4m3 cast turns every key past 448 into NaN."""
+  rng = np.random.default_rng(0)
+  magnitude = np.array([1e4, 1.0, 1e-3, 0.0], np.float32)[:, None, None]  # per token
+  new = (rng.normal(size=(4, 2, 8)) * magnitude).astype(np.float32)
+  got = np.asarray(kv_widen(kv_write(kv_zeros((4, 2, 8), held), slice(None), new),
+                            jnp.float32))
+  amax = np.abs(new).max(axis=-1, keepdims=True)
+  assert np.all(np.abs(got - new) <= step * amax + 1e-30)
+  assert np.isnan(np.asarray(jnp.asarray(new[0]).astype(jnp.float8_e4m3fn),
+                             np.float32)).any()
