@@ -108,6 +108,26 @@ def _packed_batch(rows=4, n=2, p=5, r=4, seed=0):
           "returns": jnp.asarray(rng.normal(0.5, 0.5, (rows, n, r)), jnp.float32)}
 
 
+def _one_device():
+  return make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+
+
+def _each_alone(batch, width=9):
+  """Each (prompt, response) of a _packed_batch alone, right-padded to `width` (causal:
+  padding after a position changes nothing before it): tokens [rows * N, width] and each
+  one's (row, sample, prompt length, response length)."""
+  rows, n = batch["response_lens"].shape
+  seqs, spans = np.zeros((rows * n, width), np.int32), []
+  for row in range(rows):
+    p = int(batch["prompt_lens"][row])
+    for i in range(n):
+      k = int(batch["response_lens"][row, i])
+      seqs[len(spans), :p + k] = np.concatenate([batch["prompt_tokens"][row, :p],
+                                                 batch["response_tokens"][row, i, :k]])
+      spans.append((row, i, p, k))
+  return seqs, spans
+
+
 def test_packed_values_are_each_responses_own_forward():
   """One packed row per group (the prompt once) gives each response token the value of the
   state before it, as running prompt + that response alone would."""
@@ -115,16 +135,7 @@ def test_packed_values_are_each_responses_own_forward():
   model.value_head[...] = jax.random.normal(jax.random.key(1), (16,))
   batch = _packed_batch()
   values = jax.jit(packed_values)(model, batch)
-  # Each (prompt, response) alone, right-padded to one length (causal: padding after a
-  # position changes nothing before it), in one forward.
-  seqs, spans = np.zeros((8, 9), np.int32), []
-  for row in range(4):
-    p = int(batch["prompt_lens"][row])
-    for i in range(2):
-      k = int(batch["response_lens"][row, i])
-      seqs[len(spans), :p + k] = np.concatenate([batch["prompt_tokens"][row, :p],
-                                                 batch["response_tokens"][row, i, :k]])
-      spans.append((row, i, p, k))
+  seqs, spans = _each_alone(batch)  # in one forward
   alone = jax.jit(lambda m, s: m.values(m.body.hidden_states(s)[0]))(model, seqs)
   for j, (row, i, p, k) in enumerate(spans):
     np.testing.assert_allclose(values[row, i, :k], alone[j, p - 1:p + k - 1], atol=1e-5)
@@ -136,7 +147,7 @@ def test_a_micro_batched_critic_update_equals_the_whole_batchs(tmp_path):
   share of the token mean), so the critic steps alike; it starts from the policy's body
   with a zero head, and its step moves its values toward the returns."""
   from rlax_ps.models import Transformer
-  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  mesh = _one_device()
   policy = nnx.state(Transformer(CONFIG, rngs=nnx.Rngs(3)), nnx.Param).to_pure_dict()
   block = {"optimizer": {"lr": 1e-2, "warmup_steps": 0, "min_lr_ratio": 1.0}, "value_clip": 0.2}
   batch = _packed_batch(seed=1)
@@ -168,7 +179,7 @@ def test_a_lora_policys_critic_trains_its_own_adapters_and_head_over_the_policys
   from rlax_ps.models import Transformer
   from rlax_ps.train.critic import value_model
   config = CONFIG.replace(lora_rank=2, lora_alpha=4.0)
-  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  mesh = _one_device()
   policy = nnx.state(Transformer(config, rngs=nnx.Rngs(3)), nnx.Param).to_pure_dict()
   policy = jax.tree_util.tree_map_with_path(  # trained adapters: B no longer zero
       lambda path, x: x + 0.1 if "lora_b" in jax.tree_util.keystr(path) else x, policy)
@@ -209,7 +220,7 @@ def test_a_critic_from_a_reward_model_values_each_state_as_it_scores_it(tmp_path
   from rlax_ps.models.reward_model import load_reward_model
   from rlax_ps.tokenizers import CharTokenizer
   rm = os.path.join(HF, "qwen3_reward")
-  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  mesh = _one_device()
   critic = Critic(CONFIG.replace(vocab_size=99), {"init_from_hf": rm}, mesh, total_steps=4,
                   loss_cfg=LossConfig(advantage="gae"), policy_graphdef=None,
                   tokenizer=CharTokenizer())
@@ -217,19 +228,12 @@ def test_a_critic_from_a_reward_model_values_each_state_as_it_scores_it(tmp_path
   assert critic.layout == "full" and critic.config.hidden_size == 32
   batch = _packed_batch(seed=2)
   values, *_ = critic.targets(batch, None, None)
-  # Each (prompt, response) alone, right-padded (causal: padding after a position changes
-  # nothing before it), scored by the reward model where its first and last values lie.
+  # Each (prompt, response) alone, scored by the reward model where its first and last
+  # values lie.
   score = nnx.jit(lambda m, s, last: m(s, last)[:, 0])
-  seqs, first, last, at = np.zeros((8, 9), np.int32), [], [], []
-  for row in range(4):
-    p = int(batch["prompt_lens"][row])
-    for i in range(2):
-      k = int(batch["response_lens"][row, i])
-      seqs[len(at), :p + k] = np.concatenate([batch["prompt_tokens"][row, :p],
-                                              batch["response_tokens"][row, i, :k]])
-      first.append(p - 1)
-      last.append(p + k - 2)
-      at.append((row, i, k))
+  seqs, spans = _each_alone(batch)
+  first, last = [p - 1 for _, _, p, _ in spans], [p + k - 2 for _, _, p, k in spans]
+  at = [(row, i, k) for row, i, _, k in spans]
   model = load_reward_model(rm, "float32")
   firsts, lasts = (np.asarray(score(model, seqs, np.asarray(x))) for x in (first, last))
   for j, (row, i, k) in enumerate(at):
@@ -275,7 +279,7 @@ def test_a_critic_source_must_read_the_policys_ids(tmp_path):
   tensors = load_file(str(rm / "model.safetensors"))
   save_file({**tensors, "score.weight": np.tile(tensors["score.weight"], (2, 1))},
             str(rm / "model.safetensors"))
-  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  mesh = _one_device()
   critic = Critic(CONFIG.replace(vocab_size=99), {"init_from_hf": str(rm)}, mesh,
                   total_steps=4, loss_cfg=LossConfig(advantage="gae"), policy_graphdef=None,
                   tokenizer=tok)
