@@ -437,8 +437,12 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
     (2, dict()),
     (2, dict(agg="seq-mean-token-mean", correction="tis", kl_coef=0.1, logits_chunk=3,
              kl_estimator="low_var_kl", kl_bias_correction=True)),
-    (4, dict(agg="seq-mean-token-sum-norm", correction="decoupled")),
-    (2, dict(policy_loss="gspo", agg="seq-mean-token-sum", advantage="rloo")),
+    # ~6 s each: the slices' own counts are what the variants above check; these add
+    # a 4-way split, decoupled PPO, GSPO's sequence ratios and RLOO.
+    pytest.param(4, dict(agg="seq-mean-token-sum-norm", correction="decoupled"),
+                 marks=pytest.mark.slow),
+    pytest.param(2, dict(policy_loss="gspo", agg="seq-mean-token-sum", advantage="rloo"),
+                 marks=pytest.mark.slow),
     # Per-token advantages whitened over the whole batch, of rewards with the KL penalty:
     # the reference's log-probs of every slice, back in the batch's row order.
     (2, dict(advantage="reinforce_pp", gamma=0.9, kl_in_reward=0.1, kl_estimator="k1")),
@@ -588,9 +592,12 @@ def test_response_capacities_halve_the_budget_in_multiples_of_8():
     fit_response_len(GROUPS, big, 0)
 
 
+# dr_grpo and overlong hold the budget-relative terms (and the plain path beneath them); the
+# plain GRPO and M2PO cases (~5 s each) run with the slow suite.
 @pytest.mark.parametrize("overrides", [
-    dict(), dict(advantage="dr_grpo", agg="seq-mean-token-sum-norm"),
-    dict(overlong_buffer=30), dict(correction="m2po")],
+    pytest.param(dict(), marks=pytest.mark.slow),
+    dict(advantage="dr_grpo", agg="seq-mean-token-sum-norm"),
+    dict(overlong_buffer=30), pytest.param(dict(correction="m2po"), marks=pytest.mark.slow)],
     ids=["grpo", "dr_grpo", "overlong", "m2po"])
 def test_a_batch_packed_to_its_bucket_trains_as_at_the_full_budget(overrides):
   """rl.response_buckets: the groups packed to 8 response positions give the loss and
