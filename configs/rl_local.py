@@ -185,7 +185,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # many actor updates), and an HF checkpoint it starts from: "" the policy's weights (a
   # LoRA run's critic: adapters of its own over the policy's frozen weights), or a
   # *ForSequenceClassification reward model (its score head the value head) or causal LM of
-  # the policy's tokenizer.
+  # the policy's tokenizer (a LoRA run's critic: adapters over its frozen weights).
   c.critic = ml_collections.ConfigDict()
   c.critic.optimizer = ml_collections.ConfigDict(c.optimizer.to_dict())
   c.critic.value_clip = 0.5

@@ -10,7 +10,8 @@ learns 10x faster than its actor). The critic is checkpointed with the policy; i
 trainer's weights and optimizer state, except in a LoRA run (configs/rl_lora.py with
 --config.loss.advantage=gae), whose critic trains adapters of its own and its head over the
 policy's frozen weights. --config.critic.init_from_hf=RM_PATH starts it from a reward model
-instead (InstructGPT's critic), --config.critic.warmup_steps=N trains it alone first (the
+instead (InstructGPT's critic; in a LoRA run, adapters over the reward model's frozen
+weights), --config.critic.warmup_steps=N trains it alone first (the
 `critic` block: configs/rl_local.py). Otherwise configs/rl_local.py. `:tiny` is the
 seconds-long smoke variant.
 """

@@ -8,7 +8,8 @@ from), `rl.updates_per_batch` times and over `rl.micro_batches` slices of rows a
 does. It starts from the policy's weights (its body; a zero value head) and is checkpointed
 with it. A LoRA policy's critic is LoRA too: its own adapters and head over the policy's
 frozen weights, read from the policy at each call rather than copied (a full critic would
-hold a second model and its optimizer moments).
+hold a second model and its optimizer moments), or over critic.init_from_hf's weights, held
+frozen beside it and read from the folder again on a restart (never checkpointed).
 """
 
 from __future__ import annotations
@@ -28,11 +29,17 @@ from rlax_ps.models.value_model import (ValueModel, critic_config, packed_values
                                         source_config, source_params)
 from rlax_ps.train.rl_loss import (LossConfig, gae_targets, needs_reference, reference_logprobs,
                                    token_mask)
-from rlax_ps.train.state import TrainState, state_shardings
+from rlax_ps.train.state import TrainState, fresh_adapters, state_shardings
 from rlax_ps.train.step import apply_gradients, jit_step
 from rlax_ps.train.trainable import join, split_as, split_trainable
 
 CRITIC_FIELDS = ("optimizer", "value_clip", "warmup_steps", "init_from_hf")
+# What the critic's state holds, as the checkpoint's metadata records it: a model of its own,
+# or (a LoRA run's) adapters and head over the policy's frozen weights or over those of
+# critic.init_from_hf.
+LAYOUTS = ("full", "adapters", "adapters over init_from_hf")
+# The policy's LoRA settings, which its critic takes (its adapters over its own base too).
+_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dtype", "lora_targets")
 
 
 def check_critic_config(block, total_steps: int) -> dict[str, Any]:
@@ -87,8 +94,8 @@ def check_critic_source(path: str, tokenizer) -> ModelConfig:
 
 
 def value_model(graphdef: nnx.GraphDef, params: dict, base: dict) -> ValueModel:
-  """The critic of trainable `params` over the policy's frozen body weights `base` ({} for a
-  full critic, which holds its whole body)."""
+  """The critic of trainable `params` over frozen body weights `base` (the policy's, or
+  critic.init_from_hf's; {} for a full critic, which holds its whole body)."""
   return nnx.merge(graphdef, {**params, "body": join(params["body"], base)})
 
 
@@ -131,17 +138,19 @@ def value_stats(batch: dict) -> dict[str, jax.Array]:
 class Critic:
   """The critic's state on the trainer's mesh and its two jitted calls: `targets` (values and
   returns of a batch) and `update` (its optimizer steps on them). Both take the policy's
-  current params: a LoRA critic's frozen body is the policy's."""
+  current params: a LoRA critic's frozen body is the policy's, unless it has its own
+  (critic.init_from_hf)."""
 
   def __init__(self, model_config: ModelConfig, block, mesh, *, total_steps: int,
                loss_cfg: LossConfig, policy_graphdef: nnx.GraphDef, updates_per_batch: int = 1,
                micro_batches: int = 1, tokenizer=None):
     d = check_critic_config(block, total_steps)
     # critic.init_from_hf: a model of its own (checked against the policy's `tokenizer`),
-    # in the policy's dtypes; else the policy's
+    # in the policy's dtypes and with its LoRA settings; else the policy's
     self.init_from_hf = d.get("init_from_hf", "")
     self.config = (check_critic_source(self.init_from_hf, tokenizer).replace(
-        param_dtype=model_config.param_dtype, dtype=model_config.dtype)
+        param_dtype=model_config.param_dtype, dtype=model_config.dtype,
+        **{f: getattr(model_config, f) for f in _LORA_FIELDS})
                    if self.init_from_hf else critic_config(model_config))
     self.value_clip = d.get("value_clip", 0.5)
     self.warmup_steps = d.get("warmup_steps", 0)  # the first steps: the critic's alone
@@ -151,12 +160,13 @@ class Critic:
     model = nnx.eval_shape(lambda: ValueModel(self.config, rngs=nnx.Rngs(0)))
     self.graphdef, params = nnx.split(model, nnx.Param)
     full, full_specs = params.to_pure_dict(), nnx.get_partition_spec(params).to_pure_dict()
-    # Its state: all of it, or (LoRA) its adapters and head; the rest, the policy's.
+    # Its state: all of it, or (LoRA) its adapters and head; the rest, the policy's or
+    # (critic.init_from_hf) its own frozen weights, set by `start`.
     body, self._base_like = split_trainable(full["body"])
     self._abstract_params = {**full, "body": body}
+    self._frozen: dict | None = None
     specs = {**full_specs, "body": split_as(full_specs["body"], body)[0]}
-    # "full" or "adapters", as the checkpoint's metadata records it.
-    self.layout = "adapters" if self._base_like else "full"
+    self.layout = LAYOUTS[0 if not self._base_like else 2 if self.init_from_hf else 1]
     abstract = jax.eval_shape(lambda p: TrainState(
         step=jnp.zeros((), jnp.int32), params=p, opt_state=self.optimizer.init(p),
         rng=jax.random.PRNGKey(0)), self._abstract_params)
@@ -175,24 +185,33 @@ class Critic:
     return self._abstract.to_tree()
 
   def base(self, policy_params: Any) -> dict:
-    """The frozen body weights a LoRA critic reads from the policy's `policy_params` (of the
-    policy's current state: its step donates the last); {} for a full critic."""
+    """The frozen body weights of a LoRA critic: its own (critic.init_from_hf's) or those it
+    reads from the policy's `policy_params` (of the policy's current state: its step donates
+    the last); {} for a full critic."""
+    if self._frozen is not None:
+      return self._frozen
     return split_as(policy_params, self._base_like)[0] if self._base_like else {}
 
   def start(self, policy_params: Any, restored: dict[str, Any] | None = None,
             seed: int = 0) -> None:
     """The critic of a checkpoint (`restored`, its critic entry), else a fresh one: that of
-    critic.init_from_hf, or the policy's weights for its body (a LoRA critic's: the policy's
-    adapters) and a zero head, copied (the policy's step donates its own)."""
-    if restored is not None:
-      self.state = TrainState.from_tree(restored)
-      return
-    if self.init_from_hf:
+    critic.init_from_hf (a LoRA critic: fresh adapters over its weights), or the policy's
+    weights for its body (a LoRA critic's: the policy's adapters) and a zero head, copied
+    (the policy's step donates its own)."""
+    params = None
+    if self.init_from_hf and (restored is None or self.layout == LAYOUTS[2]):
       try:
         params = source_params(self.init_from_hf, self.config, self.mesh)
       except (OSError, ValueError) as e:
         raise ValueError(f"critic.init_from_hf: {e}") from None
-    else:
+      if self.layout == LAYOUTS[2]:  # the weights stay frozen beside the adapters' state
+        self._frozen = params["body"]
+        if restored is None:
+          params = {**params, "body": fresh_adapters(self.config, self.mesh, seed)}
+    if restored is not None:
+      self.state = TrainState.from_tree(restored)
+      return
+    if params is None:
       params = {**{k: np.zeros(x.shape, x.dtype)  # the value head
                    for k, x in self._abstract_params.items() if k != "body"},
                 "body": split_as(policy_params, self._abstract_params["body"])[0]}

@@ -320,15 +320,16 @@ class RLTrainer(TrainerRun):
       raise ValueError(f"loss.advantage: the checkpoint in {self.checkpointer.directory} holds "
                        f"a critic (its run had loss.advantage='gae'), got "
                        f"{self.loss_cfg.advantage!r}; resume with 'gae', or use another workdir")
-    # The critic a checkpoint holds: "full", "adapters" (True: "full", as written before LoRA
-    # critics), or none; one of another layout is not restored.
+    # The critic a checkpoint holds: one of critic.LAYOUTS (True: "full", as written before
+    # LoRA critics), or none; one of another layout is not restored.
     saved_critic = (latest or {}).get("critic")
     saved_critic = "full" if saved_critic is True else saved_critic
     if self.critic is not None and saved_critic not in (None, self.critic.layout):
       raise ValueError(f"critic: the checkpoint in {self.checkpointer.directory} holds a "
-                       f"{saved_critic} critic, this run's is {self.critic.layout} (a LoRA "
-                       f"run's critic: adapters of its own over the policy's weights); resume "
-                       f"it with the rlax-ps that wrote it, or use another workdir")
+                       f"critic of layout {saved_critic!r}, this run's is "
+                       f"{self.critic.layout!r} (a LoRA run's critic: adapters of its own over "
+                       f"the policy's weights, or over critic.init_from_hf's); resume it with "
+                       f"the settings and the rlax-ps that wrote it, or use another workdir")
     critic_saved = self.critic is not None and saved_critic is not None
     if latest is not None and (latest.get("mixed_reference") or critic_saved):
       self.state, self.shardings, self.graphdef, saved, held = restore_state(
@@ -477,7 +478,7 @@ class RLTrainer(TrainerRun):
         "warm_start_eval": self.warm_start_eval,
         "run_id": self.run_id,
         "mixed_reference": self.mixed_reference,  # the state holds ref_params
-        # and the critic's state: "full" or (a LoRA run's) "adapters"; None: no critic
+        # and the critic's state: one of critic.LAYOUTS; None: no critic
         "critic": self.critic.layout if self.critic is not None else None,
         "model_config": self.model_config.to_dict(),
         "config": json.loads(self.config.to_json_best_effort()),

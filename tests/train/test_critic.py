@@ -239,6 +239,32 @@ def test_a_critic_from_a_reward_model_values_each_state_as_it_scores_it(tmp_path
   for j, (row, i, k) in enumerate(at):
     np.testing.assert_allclose(np.asarray(values)[row, i, [0, k - 1]], [firsts[j], lasts[j]],
                                atol=1e-4)
+  # A LoRA policy's: fresh adapters (B = 0: the same values) and the score head over the
+  # reward model's weights, held frozen beside its state; its update moves those two alone,
+  # and a restart reads the weights from the folder again.
+  lora = CONFIG.replace(vocab_size=99, lora_rank=2, lora_alpha=4.0)
+  make = lambda: Critic(lora, {"init_from_hf": rm, "optimizer": {"lr": 1e-2}}, mesh,  # noqa
+                        total_steps=4, loss_cfg=LossConfig(advantage="gae"),
+                        policy_graphdef=None, tokenizer=CharTokenizer())
+  critic = make()
+  critic.start(policy_params=None)
+  assert critic.layout == "adapters over init_from_hf"
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+      critic.state.params["body"])]
+  assert names and all("lora_" in n for n in names), names  # no weight of the model's
+  np.testing.assert_allclose(critic.targets(batch, None, None)[0], values, atol=1e-5)
+  frozen = nnx.state(model.body, nnx.Param).to_pure_dict()
+  start = jax.tree.map(np.asarray, critic.state.params)
+  critic.update({**batch, "values": values}, None)
+  moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), critic.state.params,
+                       start)
+  assert all(jax.tree.leaves(moved["body"])) and moved["value_head"], moved
+  jax.tree.map(np.testing.assert_array_equal, critic.base(None), frozen)
+  trained = critic.targets(batch, None, None)[0]
+  assert not np.allclose(trained, values, atol=1e-4)
+  again = make()
+  again.start(policy_params=None, restored=critic.state.to_tree())
+  np.testing.assert_allclose(again.targets(batch, None, None)[0], trained, atol=1e-6)
   # A causal LM's body, without its LM head, and a zero value head.
   from types import SimpleNamespace
   from rlax_ps.models import load_hf_checkpoint
@@ -340,13 +366,15 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
     record = json.load(open(meta[0]))
     assert record["critic"] == "adapters"
     json.dump({**record, "critic": True}, open(meta[0], "w"))
-    with pytest.raises(ValueError, match="holds a full critic, this run's is adapters"):
+    with pytest.raises(ValueError, match="holds a critic of layout 'full', this run's is "
+                       "'adapters'"):
       RLTrainer(config, str(tmp_path / "rl"), tc)
-    # critic.init_from_hf: the reward model's body and head, a full critic of its own.
+    # critic.init_from_hf: the reward model's head, adapters over its body.
     config.critic.init_from_hf = os.path.join(HF, "qwen3_reward")
     with RLTrainer(config, str(tmp_path / "from_rm"), tc) as tr:
       head = np.asarray(tr.critic.state.params["value_head"])
-      assert head.shape == (32,) and head.any() and tr.critic.layout == "full"
+      assert head.shape == (32,) and head.any()
+      assert tr.critic.layout == "adapters over init_from_hf"
     config.critic.init_from_hf = ""
     config.loss.advantage = "grpo"  # its checkpoints hold a critic a GRPO run would drop
     with pytest.raises(ValueError, match="loss.advantage: the checkpoint in .* holds a critic"):
