@@ -66,9 +66,19 @@ def test_training_attention_per_device_equals_one_device(backend, kw, tensor):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "one_kv_head"])
-@pytest.mark.parametrize("held", [None, "int8"])
-@pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
+def _decode_cases():
+  """(extend, held, kv heads): one kv head with an int8 cache joins two paths each case
+  tests apart (~3 s each), so it runs with the slow suite."""
+  for extend in (False, True):
+    for held in (None, "int8"):
+      for hkv in (2, 1):
+        yield pytest.param(extend, held, hkv,
+                           id=f"{'extend' if extend else 'decode'}-{held}-"
+                              f"{'gqa' if hkv == 2 else 'one_kv_head'}",
+                           marks=[pytest.mark.slow] if held and hkv == 1 else [])
+
+
+@pytest.mark.parametrize("extend,held,hkv", _decode_cases())
 def test_decode_attention_per_device_equals_one_device(extend, held, hkv):
   # One kv head (multi-query; latent attention's cache): every device reads it whole while
   # the query heads still split over tensor.
