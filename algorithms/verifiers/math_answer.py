@@ -115,7 +115,7 @@ _SHARED: SymbolicEqual | None = None
 
 
 def shared_symbolic() -> SymbolicEqual:
-  """The process's one symbolic checker (one child process, started when first asked)."""
+  """The process's one symbolic checker (its children started as first asked)."""
   global _SHARED
   if _SHARED is None:
     _SHARED = SymbolicEqual()

@@ -1,5 +1,8 @@
 """Math answer verifier: extraction, normalisation, exact comparison."""
 
+import concurrent.futures
+import os
+
 import pytest
 
 from algorithms.verifiers import MathAnswerVerifier, make_verifier
@@ -103,3 +106,32 @@ def test_an_answer_sympy_cannot_finish_is_not_equal_and_never_hangs_the_scorer()
   assert impatient("2\\sqrt{3}", "\\sqrt{12}") is True and not impatient.running
   for c in (checker, impatient):
     c.close()
+
+
+def _meet(folder: str, name: str, patience_s: int) -> bool:
+  """A check for the children (a spawned child imports it from here): the question leaves
+  its name in `folder` and waits up to `patience_s` for another's; True when two met."""
+  import time
+  open(os.path.join(folder, name), "w").close()
+  deadline = time.monotonic() + patience_s
+  while time.monotonic() < deadline:
+    if len(os.listdir(folder)) >= 2:
+      return True
+    time.sleep(0.01)
+  return False
+
+
+@pytest.mark.parametrize("children,verdicts", [(2, [True, True]), (1, [False, True])])
+def test_the_children_answer_side_by_side(tmp_path, children, verdicts):
+  """Two scoring threads' questions, each answered only once the other is being answered:
+  two children answer both; one child answers them in turn (the first gives up waiting)."""
+  from algorithms.verifiers.symbolic import SymbolicEqual
+  checker = SymbolicEqual(timeout_s=30 if children == 2 else 1, wait_s=120,
+                          children=children, check=_meet)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    got = list(pool.map(lambda name: checker(str(tmp_path), name), ["a", "b"]))
+  assert sorted(got) == verdicts
+  checker.close()
+  assert not checker.running
+  with pytest.raises(ValueError, match="children: expected >= 1"):
+    SymbolicEqual(children=0)
