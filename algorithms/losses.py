@@ -1,5 +1,5 @@
 """Policy losses on token-level log-probs: PPO-clip (DAPO clip-higher, dual clip), GSPO,
-KL penalty to a reference policy, the loss aggregation modes, and the high-entropy token
+CISPO, KL-Cov, KL penalty to a reference policy, the loss aggregation modes, and the high-entropy token
 selection ("Beyond the 80/20 rule").
 
 Shapes: `logp`, `old_logp`, `ref_logp`, `mask` are `[B, T]` (B sequences of T
@@ -277,5 +277,49 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 3e-4,
       "clip_frac_high": _frac((adv[:, 0] > 0) & (ratio[:, 0] > 1.0 + clip_high), seq_mask),
       "clip_frac": _frac(clipped[:, 0] > unclipped[:, 0], seq_mask),
   }
+  return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
+                 kl_coef, kl_estimator, kl_bias_correction, metrics)
+
+
+def covariance_stats(logp, advantages, mask, ratio: float):
+  """KL-Cov's selection over the real tokens (`mask`) of a batch: (mean advantage, mean
+  log-prob, the covariance term the top `ratio` of them reach: the k-th largest of
+  (A - mean A) (log pi - mean log pi), k = max(1, int(tokens * ratio)), verl's count).
+  Constants: no gradient flows through the selection."""
+  logp = jax.lax.stop_gradient(jnp.asarray(logp, jnp.float32))
+  adv = jax.lax.stop_gradient(_broadcast_advantages(advantages, logp.shape)
+                              .astype(jnp.float32))
+  mask = jnp.asarray(mask, jnp.float32)
+  adv_mean, logp_mean = _masked_mean(adv, mask), _masked_mean(logp, mask)
+  cov = jnp.where(mask > 0, (adv - adv_mean) * (logp - logp_mean), -jnp.inf).reshape(-1)
+  k = jnp.maximum(1, jnp.floor(jnp.sum(mask) * ratio).astype(jnp.int32))
+  return adv_mean, logp_mean, jnp.take(-jnp.sort(-cov), k - 1)
+
+
+def kl_cov_loss(logp, old_logp, advantages, mask, *, kl_cov_ratio: float = 2e-4,
+                kl_cov_coef: float = 1.0, cov_stats=None, agg: str = "token-mean",
+                norm_const: float | None = None, token_weights=None, ref_logp=None,
+                kl_coef: float = 0.0, kl_estimator: str = "k3",
+                kl_bias_correction: bool = False):
+  """KL-Cov ("The Entropy Mechanism of RL for Reasoning LMs", verl's policy_loss kl_cov):
+  the unclipped surrogate -A r, r = pi/pi_old, and on the top `kl_cov_ratio` of tokens by
+  the covariance of their log-prob and advantage (those whose updates drive entropy down)
+  plus kl_cov_coef * |log pi - log pi_old|, which holds them near the old policy. No ratio
+  is clipped. `cov_stats`: covariance_stats of a larger batch these rows are a slice of
+  (None: of these rows); tokens tied at the k-th covariance all join. Metrics:
+  kl_cov_frac (tokens held), clip_frac (0: nothing clipped), approx_kl, ratio_mean/max/min,
+  pg_loss, kl_ref."""
+  if not 0 < kl_cov_ratio <= 1:
+    raise ValueError(f"kl_cov_ratio: expected a share of the tokens in (0, 1], got "
+                     f"{kl_cov_ratio!r}")
+  logp, old_logp, adv, mask, weights = _prepare(logp, old_logp, advantages, mask,
+                                                token_weights)
+  adv_mean, logp_mean, threshold = (covariance_stats(logp, advantages, mask, kl_cov_ratio)
+                                    if cov_stats is None else cov_stats)
+  cov = (adv - adv_mean) * (jax.lax.stop_gradient(logp) - logp_mean)
+  held = (cov >= threshold) & (mask > 0)
+  ratio = jnp.exp(logp - old_logp)
+  pg = -adv * ratio + jnp.where(held, kl_cov_coef * jnp.abs(logp - old_logp), 0.0)
+  metrics = {"kl_cov_frac": _frac(held, mask), "clip_frac": jnp.zeros((), logp.dtype)}
   return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
                  kl_coef, kl_estimator, kl_bias_correction, metrics)

@@ -42,14 +42,15 @@ DISCOUNTED = ("reinforce_pp", "gae")
 # or the whole batch's (dr_grpo is grpo divided by none; rloo and opo have none).
 SCALED_ADVANTAGES = ("grpo", "mc_grpo", "passk")
 SCALE_REWARDS = ("group", "batch")
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov")
 # Each policy loss's clip bounds and aggregation as published, for the fields left unset:
 # PPO with DAPO's clip-higher; GSPO's bounds of a length-normalised sequence ratio, averaged
 # per sequence (token-mean would weigh a sequence by its length); CISPO with no floor on the
 # weight (MiniMax-M1).
 POLICY_DEFAULTS = {"ppo": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),
                    "gspo": dict(clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
-                   "cispo": dict(clip_low=1.0, clip_high=0.28, agg="token-mean")}
+                   "cispo": dict(clip_low=1.0, clip_high=0.28, agg="token-mean"),
+                   "kl_cov": dict(agg="token-mean")}  # it clips no ratio
 CORRECTIONS = ("none", "tis", "mis", "decoupled", "m2po")
 REWARD_AGGREGATIONS = ("sum", "normalize_then_sum")
 
@@ -90,6 +91,7 @@ class LossConfig:
   reward_parts: tuple[tuple[str, float], ...] = ()
   # ppo (clip, clip-higher when clip_high > clip_low) | gspo | cispo (every token's
   # log-prob weighted by its ratio clipped to [1 - clip_low, 1 + clip_high], held constant)
+  # | kl_cov (KL-Cov: unclipped, its most covarying tokens held by a KL term; below)
   policy_loss: str = "ppo"
   # none | tis (truncated IS) | mis (masked IS) | decoupled (decoupled PPO) | m2po (M2PO:
   # unclipped ratio, tokens of largest (log pi_prox/pi_behav)^2 masked)
@@ -103,6 +105,11 @@ class LossConfig:
   # ppo: > 1 bounds a negative-advantage token's loss at -dual_clip * A however large its
   # ratio (dual-clip PPO: verl's clip_ratio_c, TRL's delta); None: off.
   dual_clip: float | None = None
+  # kl_cov: the share of the batch's tokens, those whose log-prob and advantage covary most,
+  # held near the old policy by kl_cov_coef * |log pi - log pi_old| (verl's kl_cov_ratio and
+  # ppo_kl_coef); the share is of the whole batch however rl.micro_batches slices it.
+  kl_cov_ratio: float = 2e-4
+  kl_cov_coef: float = 1.0
   tis_cap: float = 2.0  # TIS: weights min(pi_prox / pi_behav, cap)
   # TIS and MIS: the ratio of each token, of the whole sequence (the product: TRL's
   # sequence_truncate / sequence_mask) or its geometric mean (corrections.LEVELS)
@@ -238,6 +245,14 @@ class LossConfig:
     for field, value in POLICY_DEFAULTS[self.policy_loss].items():
       if getattr(self, field) is None:
         object.__setattr__(self, field, value)
+    if self.policy_loss == "kl_cov":
+      need(self.clip_low is None and self.clip_high is None, "clip_low",
+           "unset with policy_loss='kl_cov' (KL-Cov clips no ratio: its kl_cov_ratio of "
+           "tokens are held by a KL term instead)")
+    need(_is_number(self.kl_cov_ratio) and 0 < self.kl_cov_ratio <= 1, "kl_cov_ratio",
+         "a share of the tokens in (0, 1]")
+    need(_is_number(self.kl_cov_coef) and math.isfinite(self.kl_cov_coef)
+         and self.kl_cov_coef >= 0, "kl_cov_coef", "a finite coefficient >= 0")
     need(not (self.advantage in TOKEN_ADVANTAGES and self.policy_loss == "gspo"), "policy_loss",
          f"'ppo' or 'cispo' with advantage={self.advantage!r} (GSPO's sequence ratio takes "
          "one advantage per sample)")
@@ -275,8 +290,9 @@ class LossConfig:
     need(all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0
              for i in self.stop_ids), "stop_ids", "token ids >= 0")
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
-    need(self.clip_low >= 0, "clip_low", "a clip bound >= 0")
-    need(self.clip_high >= 0, "clip_high", "a clip bound >= 0")
+    if self.policy_loss != "kl_cov":  # (which clips nothing: unset, checked above)
+      need(self.clip_low >= 0, "clip_low", "a clip bound >= 0")
+      need(self.clip_high >= 0, "clip_high", "a clip bound >= 0")
     need(self.agg in losses.AGGREGATIONS, "agg", f"one of {losses.AGGREGATIONS}")
     need(self.tis_cap > 0, "tis_cap", "> 0")
     need(self.is_level in corrections.LEVELS, "is_level", f"one of {corrections.LEVELS}")
@@ -592,13 +608,15 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                   entropy_threshold: jax.Array | None = None,
                   entropy_coef: jax.Array | None = None,
                   ref_logp: jax.Array | None = None,
-                  kl_beta: jax.Array | None = None) -> tuple[jax.Array, dict, Any]:
+                  kl_beta: jax.Array | None = None,
+                  cov_stats: tuple | None = None) -> tuple[jax.Array, dict, Any]:
   """`rl_loss` before its load-balancing term: (the policy loss, the metrics, the model's
   `Routing` record or None for a dense model). `entropy_threshold`: the entropy the top
   tokens reach (loss.top_entropy_quantile) over a larger batch these rows are a slice of;
   None: over these rows. `entropy_coef`: as `rl_loss`'s. `ref_logp`: the reference's
   log-probs of these rows when computed already; None: computed here if needed. `kl_beta`:
-  as `group_advantages`' (with `advantages` given: unused)."""
+  as `group_advantages`' (with `advantages` given: unused). `cov_stats`: KL-Cov's selection
+  (losses.covariance_stats) over a larger batch; None: over these rows."""
   if ref_logp is None and needs_reference(cfg):
     ref_logp = reference_logprobs(ref_params, graphdef, batch, cfg)
   if ref_logp is not None:
@@ -617,11 +635,15 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   norm = cfg.budget or None  # seq-mean-token-sum-norm: the budget, not the packed length
   common = dict(agg=cfg.agg, norm_const=norm,
                 ref_logp=ref_logp if cfg.kl_coef > 0 else None, kl_coef=cfg.kl_coef,
-                kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.kl_bias_correction,
-                clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+                kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.kl_bias_correction)
+  if cfg.policy_loss != "kl_cov":
+    common.update(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
   policy_loss = {"ppo": functools.partial(losses.ppo_clip_loss, dual_clip=cfg.dual_clip),
                  "gspo": losses.gspo_loss,
-                 "cispo": losses.cispo_loss}[cfg.policy_loss]
+                 "cispo": losses.cispo_loss,
+                 "kl_cov": functools.partial(losses.kl_cov_loss, kl_cov_ratio=cfg.kl_cov_ratio,
+                                             kl_cov_coef=cfg.kl_cov_coef,
+                                             cov_stats=cov_stats)}[cfg.policy_loss]
   trained = mask  # the tokens that get policy loss
   if cfg.top_entropy_quantile < 1:  # the others weigh 0 and still count in its mean
     if entropy_threshold is None:
@@ -767,26 +789,35 @@ def ref_sync_settings(rl, cfg: LossConfig, lora_rank: int = 0) -> tuple[int, flo
 
 
 def whole_batch_stats(params: Any, graphdef: nnx.GraphDef, slices: dict, keep: jax.Array,
-                      cfg: LossConfig) -> dict:
+                      adv: jax.Array, cfg: LossConfig) -> dict:
   """What each slice's loss needs of the whole batch before any slice's backward pass, by a
   forward pass of every slice (`slices`: a batch's rows as [slices, rows / slices, ...];
-  `keep`: their sample masks [slices, rows / slices * N]), as constants. With
-  loss.router_aux_coef > 0 and a mixture of experts, "routed": the routed token counts
-  [k, E] and token count (`Routing`), the load-balancing loss's token shares; with
-  loss.top_entropy_quantile < 1, "entropy_threshold": the entropy the batch's top tokens
-  reach. Only what is asked for is live (routes alone: the layers up to the last router)."""
+  `keep`: their sample masks [slices, rows / slices * N]; `adv`: their advantages [slices,
+  rows / slices * N(, R)]), as constants. With loss.router_aux_coef > 0 and a mixture of
+  experts, "routed": the routed token counts [k, E] and token count (`Routing`), the
+  load-balancing loss's token shares; with loss.top_entropy_quantile < 1,
+  "entropy_threshold": the entropy the batch's top tokens reach; with
+  loss.policy_loss="kl_cov", "cov_stats": its selection of the batch's tokens
+  (losses.covariance_stats). Only what is asked for is live (routes alone: the layers up to
+  the last router)."""
   def one(args):
-    sub, k = args
-    stats = response_logprobs(params, graphdef, sub, cfg.backend, with_stats=True,
-                              logits_chunk=cfg.logits_chunk)[1]
+    sub, k, a = args
+    logp, stats = response_logprobs(params, graphdef, sub, cfg.backend, with_stats=True,
+                                    logits_chunk=cfg.logits_chunk)
     out = {}
     if cfg.router_aux_coef > 0 and "routing" in stats:
       out["routed"] = (stats["routing"].counts, stats["routing"].tokens)
     if cfg.top_entropy_quantile < 1:
       out["entropy"] = (stats["entropy"], token_mask(sub, k))
+    if cfg.policy_loss == "kl_cov":
+      per_token = a if a.ndim == 2 else jnp.broadcast_to(a[:, None], logp.shape)
+      out["cov"] = (logp, per_token, token_mask(sub, k))
     return out
 
-  out = jax.lax.stop_gradient(jax.lax.map(one, (slices, keep)))
+  out = jax.lax.stop_gradient(jax.lax.map(one, (slices, keep, adv)))
+  if "cov" in out:
+    logp, a, mask = (x.reshape(-1, x.shape[-1]) for x in out.pop("cov"))
+    out["cov_stats"] = losses.covariance_stats(logp, a, mask, cfg.kl_cov_ratio)
   if "routed" in out:
     out["routed"] = jax.tree.map(lambda x: jnp.sum(x, axis=0), out["routed"])
   if "entropy" in out:
@@ -816,8 +847,9 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   loss.router_aux_coef > 0 a forward pass of every slice first counts f
   (`whole_batch_stats`), so that each slice adds E * sum_e f_e * (its part of P_e) to the
   objective: these add up to the whole batch's term, value and gradient. The same pass
-  finds the entropy that the whole batch's top tokens reach (loss.top_entropy_quantile), so
-  that every slice trains on the tokens the whole batch would. With loss.kl_in_reward > 0
+  finds the entropy that the whole batch's top tokens reach (loss.top_entropy_quantile) and
+  KL-Cov's most covarying tokens, so that every slice trains on the tokens the whole batch
+  would. With loss.kl_in_reward > 0
   the reference's log-probs of every slice come first (the advantages need the whole
   batch's), and each slice's KL term reuses its own. `entropy_coef`, `kl_beta`, `ref_logp`
   [rows * N, R]: as `rl_loss`'s."""
@@ -846,9 +878,10 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
 
   slices = jax.tree.map(split, per_row)
   stats = {}
-  if cfg.router_aux_coef > 0 or cfg.top_entropy_quantile < 1:
+  if cfg.router_aux_coef > 0 or cfg.top_entropy_quantile < 1 or cfg.policy_loss == "kl_cov":
     stats = whole_batch_stats(params, graphdef, rows_of(slices),
-                              slices["keep"].reshape(micro_batches, -1), cfg)
+                              slices["keep"].reshape(micro_batches, -1),
+                              slices["adv"].reshape(micro_batches, -1, *adv.shape[1:]), cfg)
   whole = stats.get("routed")
 
   def one(mb):
@@ -865,7 +898,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
                                              num_groups=num_groups, cfg=cfg, proximal=prox,
                                              advantages=(slice_adv, keep),
                                              entropy_threshold=stats.get("entropy_threshold"),
-                                             entropy_coef=entropy_coef, ref_logp=ref)
+                                             entropy_coef=entropy_coef, ref_logp=ref,
+                                             cov_stats=stats.get("cov_stats"))
       loss, parts = loss * shares["agg"], None
       if routing is not None:  # the load-balancing loss: from the slices' summed parts
         del metrics["router_aux_loss"]

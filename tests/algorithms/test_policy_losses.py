@@ -238,3 +238,45 @@ def test_m2po_gradient_matches_finite_differences():
     def fn(lp):
       return m2po_loss(lp, old, behaviour, _ADV, _MASK, threshold=0.01)[0]
     _fd_check(fn, logp)
+
+
+def _verl_kl_cov(old, logp, adv, mask, ratio, coef):
+  """verl's compute_policy_loss_kl_cov (token-mean), transcribed to NumPy: the top
+  max(1, int(n * ratio)) valid tokens by (A - mean A)(log pi - mean log pi) take
+  coef * |log-ratio| on the unclipped -A r."""
+  log_ratio = logp - old
+  pg = -adv * np.exp(log_ratio)
+  valid = np.flatnonzero(mask.reshape(-1) > 0)
+  a, lp = adv.reshape(-1)[valid], logp.reshape(-1)[valid]
+  cov = (a - a.mean()) * (lp - lp.mean())
+  top = valid[np.argsort(-cov, kind="stable")[:max(1, int(len(cov) * ratio))]]
+  pg = pg.reshape(-1)
+  pg[top] += coef * np.abs(log_ratio.reshape(-1)[top])
+  pg = pg.reshape(mask.shape)
+  return (pg * mask).sum() / mask.sum(), len(top)
+
+
+@pytest.mark.parametrize("ratio,coef", [(2e-4, 1.0), (0.25, 0.5)])
+def test_kl_cov_holds_the_most_covarying_tokens_as_verl_does(ratio, coef):
+  from algorithms.losses import kl_cov_loss
+  rng = np.random.default_rng(3)
+  old = rng.normal(-2.0, 0.5, (4, 6)).astype(np.float32)
+  logp = (old + rng.normal(0, 0.2, (4, 6))).astype(np.float32)
+  adv = np.repeat(rng.normal(0, 1, (4, 1)), 6, axis=1).astype(np.float32)
+  mask = (np.arange(6)[None, :] < np.array([[6], [4], [5], [2]])).astype(np.float32)
+  want, held = _verl_kl_cov(old, logp, adv, mask, ratio, coef)
+  loss, metrics = kl_cov_loss(jnp.asarray(logp), old, adv[:, 0], mask, kl_cov_ratio=ratio,
+                              kl_cov_coef=coef)
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  assert float(metrics["kl_cov_frac"]) == pytest.approx(held / mask.sum())
+  assert held == (1 if ratio < 0.01 else 4)
+  # The held tokens' gradient carries the KL term's sign(log-ratio) * coef; no ratio clips.
+  grad = jax.grad(lambda lp: kl_cov_loss(lp, old, adv[:, 0], mask, kl_cov_ratio=ratio,
+                                         kl_cov_coef=coef)[0])(jnp.asarray(logp))
+  plain = -adv * np.exp(logp - old) * mask / mask.sum()
+  extra = (np.asarray(grad) - plain) * mask.sum() / coef
+  moved = np.abs(extra) > 1e-4
+  assert moved.sum() == held
+  np.testing.assert_allclose(extra[moved], np.sign(logp - old)[moved], rtol=1e-4)
+  with pytest.raises(ValueError, match="kl_cov_ratio: expected a share"):
+    kl_cov_loss(jnp.asarray(logp), old, adv[:, 0], mask, kl_cov_ratio=0.0)

@@ -250,13 +250,17 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
     ("clip_high", -1.0, "loss.clip_high: expected a clip bound >= 0"),
     ("clip_low", -0.1, "loss.clip_low: expected a clip bound >= 0"),
     ("kl_estimator", "mse", "loss.kl_estimator: expected one of .*'low_var_kl', 'abs'"),
-    ("kl_bias_correction", True, "loss.kl_bias_correction: expected False with kl_coef=0")])
+    ("kl_bias_correction", True, "loss.kl_bias_correction: expected False with kl_coef=0"),
+    ("kl_cov_ratio", 0.0, "loss.kl_cov_ratio: expected a share of the tokens in \\(0, 1\\]"),
+    ("kl_cov_coef", -1.0, "loss.kl_cov_coef: expected a finite coefficient >= 0")])
 def test_bad_loss_settings_name_the_field(field, value, message):
   with pytest.raises(ValueError, match=message):
     LossConfig(**{field: value})
   with pytest.raises(ValueError, match="loss.correction: expected 'none', 'tis' or 'mis' with "
                                        "policy_loss='cispo'"):
     LossConfig(policy_loss="cispo", correction="decoupled")
+  with pytest.raises(ValueError, match="loss.clip_low: expected unset with policy_loss='kl_cov'"):
+    LossConfig(policy_loss="kl_cov", clip_high=0.28)
 
 
 def test_each_policy_loss_takes_its_own_clip_and_aggregation_unless_set():
@@ -446,12 +450,14 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
     # Per-token advantages whitened over the whole batch, of rewards with the KL penalty:
     # the reference's log-probs of every slice, back in the batch's row order.
     (2, dict(advantage="reinforce_pp", gamma=0.9, kl_in_reward=0.1, kl_estimator="k1")),
+    # KL-Cov's tokens are the whole batch's most covarying: each slice holds its own of them.
+    (2, dict(policy_loss="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=5.0)),
     # ~8 s each: the losses' own tests cover them whole; micro-batching them adds no new path.
     pytest.param(2, dict(policy_loss="cispo", correction="tis"), marks=pytest.mark.slow),
     pytest.param(2, dict(policy_loss="gspo", agg="token-mean", correction="mis", mis_low=0.9),
                  marks=pytest.mark.slow),
 ], ids=["token-mean", "seq-mean-tis-kl-chunked", "sum-norm-decoupled-4", "gspo-rloo",
-        "reinforce-pp-kl-in-reward", "cispo-tis", "gspo-token-mean-mis"])
+        "reinforce-pp-kl-in-reward", "kl-cov", "cispo-tis", "gspo-token-mean-mis"])
 def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, overrides):
   """Rows 1 and 2 hold one group: with 2 micro-batches (rows 0, 2 and rows 1, 3) it is split,
   so its advantages must come from the whole batch. The slices hold unequal numbers of
