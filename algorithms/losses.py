@@ -1,5 +1,5 @@
 """Policy losses on token-level log-probs: PPO-clip (DAPO clip-higher, dual clip), GSPO,
-CISPO, KL-Cov, KL penalty to a reference policy, the loss aggregation modes, and the high-entropy token
+CISPO, GMPO, KL-Cov, KL penalty to a reference policy, the loss aggregation modes, and the high-entropy token
 selection ("Beyond the 80/20 rule").
 
 Shapes: `logp`, `old_logp`, `ref_logp`, `mask` are `[B, T]` (B sequences of T
@@ -277,6 +277,40 @@ def gspo_loss(logp, old_logp, advantages, mask, *, clip_low: float = 3e-4,
       "clip_frac_high": _frac((adv[:, 0] > 0) & (ratio[:, 0] > 1.0 + clip_high), seq_mask),
       "clip_frac": _frac(clipped[:, 0] > unclipped[:, 0], seq_mask),
   }
+  return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
+                 kl_coef, kl_estimator, kl_bias_correction, metrics)
+
+
+def geo_mean_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.4,
+                  clip_high: float = 0.4, agg: str = "seq-mean-token-mean",
+                  norm_const: float | None = None, token_weights=None, ref_logp=None,
+                  kl_coef: float = 0.0, kl_estimator: str = "k3",
+                  kl_bias_correction: bool = False):
+  """GMPO (Geometric-Mean Policy Optimization; verl's policy_loss geo_mean): one ratio per
+  sequence, the geometric mean of its tokens' ratios, each token's log-ratio clipped to
+  [-clip_low, clip_high] on the side its advantage's sign makes pessimistic (PPO's min,
+  token by token, in log space): s_i = exp(mean_t sgn(A) min(sgn(A) d_t, sgn(A) clip(d_t))),
+  d_t = log pi - log pi_old, loss -A_i s_i, A_i the sequence's token-mean advantage. Less
+  sensitive than GRPO's arithmetic mean to one token's outlying ratio. Metrics: clip_frac
+  (tokens clipped), clip_frac_high (of those, A > 0), clip_frac_low (A < 0), approx_kl,
+  ratio_mean/max/min (the sequence ratios, per token), pg_loss, kl_ref."""
+  if not (clip_low >= 0 and clip_high >= 0):
+    raise ValueError(f"clip_low/clip_high: expected >= 0, got {clip_low}/{clip_high}")
+  logp, old_logp, adv, mask, weights = _prepare(logp, old_logp, advantages, mask,
+                                                token_weights)
+  adv = jnp.broadcast_to(adv, logp.shape)
+  tokens = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
+  log_ratio = logp - old_logp
+  bounded = jnp.clip(log_ratio, -clip_low, clip_high)
+  sign = jnp.sign(adv)
+  pessimistic = sign * jnp.minimum(sign * log_ratio, sign * bounded)
+  seq_ratio = jnp.exp(jnp.sum(pessimistic * mask, axis=-1, keepdims=True) / tokens)
+  seq_adv = jnp.sum(adv * mask, axis=-1, keepdims=True) / tokens
+  ratio = jnp.broadcast_to(seq_ratio, logp.shape)
+  pg = jnp.broadcast_to(-seq_adv * seq_ratio, logp.shape)
+  clipped = jax.lax.stop_gradient(log_ratio != bounded)
+  metrics = {"clip_frac": _frac(clipped, mask), "clip_frac_high": _frac(clipped & (adv > 0), mask),
+             "clip_frac_low": _frac(clipped & (adv < 0), mask)}
   return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
                  kl_coef, kl_estimator, kl_bias_correction, metrics)
 

@@ -115,7 +115,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # sum: the workers' weighted sum of the reward parts | normalize_then_sum (GDPO, TRL's
   # multi_objective_aggregation): each of worker.reward_terms' parts normalised apart.
   c.loss.reward_aggregation = "sum"
-  # ppo | gspo | cispo (REINFORCE weighted by the clipped ratio) | kl_cov (unclipped, the
+  # ppo | gspo | cispo (REINFORCE weighted by the clipped ratio) | geo_mean (GMPO: each
+  # sequence's geometric-mean ratio, its tokens clipped in log space) | kl_cov (unclipped, the
   # kl_cov_ratio of tokens whose log-prob and advantage covary most held near the old policy
   # by kl_cov_coef * |log-ratio|: KL-Cov, against entropy collapse)
   c.loss.policy_loss = "ppo"
@@ -123,7 +124,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.kl_cov_coef = 1.0
   c.loss.correction = "none"  # none | tis | mis | decoupled | m2po
   # The policy loss's clip bounds and aggregation; unset: its own (ppo: 0.2 and 0.28, DAPO's
-  # clip-higher, token-mean; gspo: 3e-4, 4e-4, seq-mean-token-mean; cispo: 1.0, 0.28).
+  # clip-higher, token-mean; gspo: 3e-4, 4e-4, seq-mean-token-mean; cispo: 1.0, 0.28;
+  # geo_mean: 0.4, 0.4 of the log-ratio, seq-mean-token-mean; kl_cov: none, token-mean).
   c.loss.clip_low = ml_collections.config_dict.placeholder(float)
   c.loss.clip_high = ml_collections.config_dict.placeholder(float)
   c.loss.agg = ml_collections.config_dict.placeholder(str)

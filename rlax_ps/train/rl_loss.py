@@ -42,7 +42,7 @@ DISCOUNTED = ("reinforce_pp", "gae")
 # or the whole batch's (dr_grpo is grpo divided by none; rloo and opo have none).
 SCALED_ADVANTAGES = ("grpo", "mc_grpo", "passk")
 SCALE_REWARDS = ("group", "batch")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "geo_mean", "kl_cov")
 # Each policy loss's clip bounds and aggregation as published, for the fields left unset:
 # PPO with DAPO's clip-higher; GSPO's bounds of a length-normalised sequence ratio, averaged
 # per sequence (token-mean would weigh a sequence by its length); CISPO with no floor on the
@@ -50,6 +50,8 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo", "kl_cov")
 POLICY_DEFAULTS = {"ppo": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),
                    "gspo": dict(clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
                    "cispo": dict(clip_low=1.0, clip_high=0.28, agg="token-mean"),
+                   # GMPO: its log-ratio bounds (e^-0.4, e^0.4), one term per sequence
+                   "geo_mean": dict(clip_low=0.4, clip_high=0.4, agg="seq-mean-token-mean"),
                    "kl_cov": dict(agg="token-mean")}  # it clips no ratio
 CORRECTIONS = ("none", "tis", "mis", "decoupled", "m2po")
 REWARD_AGGREGATIONS = ("sum", "normalize_then_sum")
@@ -91,7 +93,9 @@ class LossConfig:
   reward_parts: tuple[tuple[str, float], ...] = ()
   # ppo (clip, clip-higher when clip_high > clip_low) | gspo | cispo (every token's
   # log-prob weighted by its ratio clipped to [1 - clip_low, 1 + clip_high], held constant)
-  # | kl_cov (KL-Cov: unclipped, its most covarying tokens held by a KL term; below)
+  # | geo_mean (GMPO: the geometric mean of each sequence's token ratios, each clipped in log
+  # space to [-clip_low, clip_high]) | kl_cov (KL-Cov: unclipped, its most covarying tokens
+  # held by a KL term; below)
   policy_loss: str = "ppo"
   # none | tis (truncated IS) | mis (masked IS) | decoupled (decoupled PPO) | m2po (M2PO:
   # unclipped ratio, tokens of largest (log pi_prox/pi_behav)^2 masked)
@@ -253,9 +257,9 @@ class LossConfig:
          "a share of the tokens in (0, 1]")
     need(_is_number(self.kl_cov_coef) and math.isfinite(self.kl_cov_coef)
          and self.kl_cov_coef >= 0, "kl_cov_coef", "a finite coefficient >= 0")
-    need(not (self.advantage in TOKEN_ADVANTAGES and self.policy_loss == "gspo"), "policy_loss",
-         f"'ppo' or 'cispo' with advantage={self.advantage!r} (GSPO's sequence ratio takes "
-         "one advantage per sample)")
+    need(not (self.advantage in TOKEN_ADVANTAGES and self.policy_loss in ("gspo", "geo_mean")),
+         "policy_loss", f"'ppo', 'cispo' or 'kl_cov' with advantage={self.advantage!r} (GSPO's "
+         "and GMPO's sequence ratios take one advantage per sample)")
     need(not (self.policy_loss != "ppo" and self.correction in ("decoupled", "m2po")),
          "correction", f"'none', 'tis' or 'mis' with policy_loss={self.policy_loss!r} "
          "(decoupled PPO and M2PO are losses of their own)")
@@ -641,6 +645,7 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   policy_loss = {"ppo": functools.partial(losses.ppo_clip_loss, dual_clip=cfg.dual_clip),
                  "gspo": losses.gspo_loss,
                  "cispo": losses.cispo_loss,
+                 "geo_mean": losses.geo_mean_loss,
                  "kl_cov": functools.partial(losses.kl_cov_loss, kl_cov_ratio=cfg.kl_cov_ratio,
                                              kl_cov_coef=cfg.kl_cov_coef,
                                              cov_stats=cov_stats)}[cfg.policy_loss]

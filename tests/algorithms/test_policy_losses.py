@@ -280,3 +280,45 @@ def test_kl_cov_holds_the_most_covarying_tokens_as_verl_does(ratio, coef):
   np.testing.assert_allclose(extra[moved], np.sign(logp - old)[moved], rtol=1e-4)
   with pytest.raises(ValueError, match="kl_cov_ratio: expected a share"):
     kl_cov_loss(jnp.asarray(logp), old, adv[:, 0], mask, kl_cov_ratio=0.0)
+
+
+def _verl_geo_mean(old, logp, adv, mask, low, high):
+  """verl's compute_policy_loss_geo_mean transcribed to NumPy (no IS weights): each row's
+  geometric-mean ratio of its sign-pessimistically clipped token log-ratios, times minus
+  its token-mean advantage, averaged over the rows; and its clip fractions."""
+  d = logp - old
+  sgn = np.sign(adv)
+  bounded = np.clip(d, -low, high)
+  pess = sgn * np.minimum(sgn * d, sgn * bounded)
+  n = mask.sum(-1)
+  ratio = np.exp((pess * mask).sum(-1) / (n + 1e-8))
+  loss = np.mean(-(adv * mask).sum(-1) / (n + 1e-8) * ratio)
+  clipped = d != bounded
+  frac = lambda c: (c * mask).sum() / mask.sum()  # noqa: E731
+  return loss, frac(clipped & (adv > 0)), frac(clipped & (adv < 0))
+
+
+def test_gmpo_clips_each_tokens_log_ratio_and_takes_the_geometric_mean_as_verl_does():
+  from algorithms.losses import geo_mean_loss
+  rng = np.random.default_rng(5)
+  old = rng.normal(-2.0, 0.5, (4, 6)).astype(np.float32)
+  logp = (old + rng.normal(0, 0.5, (4, 6))).astype(np.float32)  # some past +-0.4
+  adv = np.repeat(np.array([[1.5], [-0.7], [0.3], [-1.2]], np.float32), 6, axis=1)
+  mask = (np.arange(6)[None, :] < np.array([[6], [4], [5], [2]])).astype(np.float32)
+  want, high, low = _verl_geo_mean(old, logp, adv, mask, 0.4, 0.4)
+  assert high > 0 and low > 0  # both sides clip somewhere
+  loss, metrics = geo_mean_loss(jnp.asarray(logp), old, adv[:, 0], mask)
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  np.testing.assert_allclose([metrics["clip_frac_high"], metrics["clip_frac_low"]],
+                             [high, low], rtol=1e-6)
+  # A token clipped on the optimistic side carries no gradient; the others the sequence's
+  # -A_i s_i / n_i over the 4 sequences' mean.
+  f = lambda lp: geo_mean_loss(lp, old, adv[:, 0], mask)[0]  # noqa: E731
+  grad = np.asarray(jax.grad(f)(jnp.asarray(logp, jnp.float32)))
+  d, sgn, n = logp - old, np.sign(adv), mask.sum(-1, keepdims=True)
+  live = (sgn * d <= sgn * np.clip(d, -0.4, 0.4)) & (mask > 0)
+  assert live.sum() < mask.sum() and np.all(grad[~live] == 0)
+  pess = np.where(live, d, np.clip(d, -0.4, 0.4))
+  s_i = np.exp((pess * mask).sum(-1, keepdims=True) / n)
+  np.testing.assert_allclose(grad[live], np.broadcast_to(-adv * s_i / n / 4, d.shape)[live],
+                             rtol=1e-5)

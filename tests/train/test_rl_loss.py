@@ -277,6 +277,12 @@ def test_each_policy_loss_takes_its_own_clip_and_aggregation_unless_set():
   config.loss.policy_loss, config.loss.clip_high = "cispo", 0.5
   cispo = LossConfig.from_config(config.loss)
   assert (cispo.clip_low, cispo.clip_high, cispo.agg) == (1.0, 0.5, "token-mean")
+  config.loss.policy_loss, config.loss.clip_high = "geo_mean", None
+  gmpo = LossConfig.from_config(config.loss)
+  assert (gmpo.clip_low, gmpo.clip_high, gmpo.agg) == (0.4, 0.4, "seq-mean-token-mean")
+  config.loss.policy_loss = "kl_cov"
+  kl_cov = LossConfig.from_config(config.loss)
+  assert (kl_cov.clip_low, kl_cov.clip_high, kl_cov.agg) == (None, None, "token-mean")
 
 
 def test_bad_groups_are_refused_naming_the_rollout_and_field():
@@ -456,8 +462,10 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
     pytest.param(2, dict(policy_loss="cispo", correction="tis"), marks=pytest.mark.slow),
     pytest.param(2, dict(policy_loss="gspo", agg="token-mean", correction="mis", mis_low=0.9),
                  marks=pytest.mark.slow),
+    pytest.param(2, dict(policy_loss="geo_mean", correction="tis"), marks=pytest.mark.slow),
 ], ids=["token-mean", "seq-mean-tis-kl-chunked", "sum-norm-decoupled-4", "gspo-rloo",
-        "reinforce-pp-kl-in-reward", "kl-cov", "cispo-tis", "gspo-token-mean-mis"])
+        "reinforce-pp-kl-in-reward", "kl-cov", "cispo-tis", "gspo-token-mean-mis",
+        "gmpo-tis"])
 def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, overrides):
   """Rows 1 and 2 hold one group: with 2 micro-batches (rows 0, 2 and rows 1, 3) it is split,
   so its advantages must come from the whole batch. The slices hold unequal numbers of

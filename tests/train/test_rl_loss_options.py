@@ -165,7 +165,7 @@ def test_the_config_keeps_todays_objective_unless_the_options_are_set():
     ({"advantage": "reinforce_pp_baseline", "off_policy_mask": 0.2},
      "loss.off_policy_mask: expected None or 0 with advantage='reinforce_pp_baseline'"),
     ({"advantage": "reinforce_pp", "policy_loss": "gspo"},
-     "loss.policy_loss: expected 'ppo' or 'cispo' with advantage='reinforce_pp'"),
+     "loss.policy_loss: expected 'ppo', 'cispo' or 'kl_cov' with advantage='reinforce_pp'"),
     ({"gamma": 0.9}, r"loss.gamma: expected 1.0 with advantage='grpo' \(only reinforce_pp "
                      r"and gae discount returns\), got 0.9"),
     ({"advantage": "reinforce_pp", "gamma": 0.0}, r"loss.gamma: expected a discount in \(0, 1\]"),
