@@ -1,5 +1,5 @@
 """Policy losses on token-level log-probs: PPO-clip (DAPO clip-higher, dual clip), GSPO,
-CISPO, GMPO, KL-Cov, KL penalty to a reference policy, the loss aggregation modes, and the high-entropy token
+CISPO, GMPO, Clip-Cov and KL-Cov, KL penalty to a reference policy, the loss aggregation modes, and the high-entropy token
 selection ("Beyond the 80/20 rule").
 
 Shapes: `logp`, `old_logp`, `ref_logp`, `mask` are `[B, T]` (B sequences of T
@@ -311,6 +311,47 @@ def geo_mean_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.4,
   clipped = jax.lax.stop_gradient(log_ratio != bounded)
   metrics = {"clip_frac": _frac(clipped, mask), "clip_frac_high": _frac(clipped & (adv > 0), mask),
              "clip_frac_low": _frac(clipped & (adv < 0), mask)}
+  return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
+                 kl_coef, kl_estimator, kl_bias_correction, metrics)
+
+
+def clip_cov_loss(logp, old_logp, advantages, mask, *, noise, clip_low: float = 0.2,
+                  clip_high: float = 0.2, clip_cov_ratio: float = 2e-4,
+                  clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
+                  agg: str = "token-mean", norm_const: float | None = None,
+                  token_weights=None, ref_logp=None, kl_coef: float = 0.0,
+                  kl_estimator: str = "k3", kl_bias_correction: bool = False):
+  """Clip-Cov ("The Entropy Mechanism of RL for Reasoning LMs", verl's policy_loss clip_cov):
+  PPO-clip, and of the tokens PPO's clip leaves whose covariance term
+  (A - mean A)(log pi - mean log pi) lies in (clip_cov_lb, clip_cov_ub), at most
+  max(1, int(tokens * clip_cov_ratio)) taken at random (those with the smallest `noise`
+  [B, T], uniform draws) lose their gradient: their loss is dropped. Metrics: clip_cov_frac
+  (tokens dropped), and PPO's clip_frac(_low/_high), approx_kl, ratio_mean/max/min,
+  pg_loss, kl_ref."""
+  if not (clip_low >= 0 and clip_high >= 0):
+    raise ValueError(f"clip_low/clip_high: expected >= 0, got {clip_low}/{clip_high}")
+  if not 0 < clip_cov_ratio <= 1:
+    raise ValueError(f"clip_cov_ratio: expected a share of the tokens in (0, 1], got "
+                     f"{clip_cov_ratio!r}")
+  logp, old_logp, adv, mask, weights = _prepare(logp, old_logp, advantages, mask,
+                                                token_weights)
+  _check_tokens("noise", noise, logp.shape)
+  ratio = jnp.exp(logp - old_logp)
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  adv_mean, logp_mean, _ = covariance_stats(logp, advantages, mask, clip_cov_ratio)
+  cov = (adv - adv_mean) * (jax.lax.stop_gradient(logp) - logp_mean)
+  candidate = (mask > 0) & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+  k = jnp.maximum(1, jnp.floor(jnp.sum(mask) * clip_cov_ratio).astype(jnp.int32))
+  draws = jnp.where(candidate, jnp.asarray(noise, jnp.float32), jnp.inf).reshape(-1)
+  dropped = candidate & (noise <= jnp.take(jnp.sort(draws), k - 1))
+  pg = jnp.where(dropped, 0.0, jnp.maximum(unclipped, clipped))
+  metrics = {
+      "clip_cov_frac": _frac(dropped, mask),
+      "clip_frac_low": _frac((adv < 0) & (ratio < 1.0 - clip_low), mask),
+      "clip_frac_high": _frac((adv > 0) & (ratio > 1.0 + clip_high), mask),
+      "clip_frac": _frac(clipped > unclipped, mask),
+  }
   return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
                  kl_coef, kl_estimator, kl_bias_correction, metrics)
 

@@ -118,14 +118,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # ppo | gspo | cispo (REINFORCE weighted by the clipped ratio) | geo_mean (GMPO: each
   # sequence's geometric-mean ratio, its tokens clipped in log space) | kl_cov (unclipped, the
   # kl_cov_ratio of tokens whose log-prob and advantage covary most held near the old policy
-  # by kl_cov_coef * |log-ratio|: KL-Cov, against entropy collapse)
+  # by kl_cov_coef * |log-ratio|) | clip_cov (PPO-clip; at most clip_cov_ratio of the tokens,
+  # drawn from those whose covariance lies in (clip_cov_lb, clip_cov_ub), lose their
+  # gradient; rl.micro_batches 1): KL-Cov and Clip-Cov work against entropy collapse.
   c.loss.policy_loss = "ppo"
   c.loss.kl_cov_ratio = 2e-4
   c.loss.kl_cov_coef = 1.0
+  c.loss.clip_cov_ratio = 2e-4
+  c.loss.clip_cov_lb = 1.0
+  c.loss.clip_cov_ub = 5.0
   c.loss.correction = "none"  # none | tis | mis | decoupled | m2po
   # The policy loss's clip bounds and aggregation; unset: its own (ppo: 0.2 and 0.28, DAPO's
   # clip-higher, token-mean; gspo: 3e-4, 4e-4, seq-mean-token-mean; cispo: 1.0, 0.28;
-  # geo_mean: 0.4, 0.4 of the log-ratio, seq-mean-token-mean; kl_cov: none, token-mean).
+  # geo_mean: 0.4, 0.4 of the log-ratio, seq-mean-token-mean; clip_cov: PPO's; kl_cov:
+  # none, token-mean).
   c.loss.clip_low = ml_collections.config_dict.placeholder(float)
   c.loss.clip_high = ml_collections.config_dict.placeholder(float)
   c.loss.agg = ml_collections.config_dict.placeholder(str)

@@ -86,10 +86,15 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
 
   def update(state: TrainState, batch: dict, ref_logp, proximal, entropy_coef, kl_beta):
     if micro_batches == 1:
+      noise = None  # Clip-Cov's draws, new each update (its state's key is)
+      if loss_cfg.policy_loss == "clip_cov":
+        r = batch["response_tokens"]
+        noise = jax.random.uniform(jax.random.fold_in(state.rng, 1),
+                                   (r.shape[0] * r.shape[1], r.shape[2]))
       (_, metrics), grads = grad_fn(state.params, graphdef, batch, None,
                                     num_groups=num_groups, cfg=loss_cfg, proximal=proximal,
                                     entropy_coef=entropy_coef, kl_beta=kl_beta,
-                                    ref_logp=ref_logp)
+                                    ref_logp=ref_logp, noise=noise)
     else:
       (_, metrics), grads = micro_batched_loss_and_grad(
           state.params, graphdef, batch, None, num_groups=num_groups, cfg=loss_cfg,

@@ -42,7 +42,7 @@ DISCOUNTED = ("reinforce_pp", "gae")
 # or the whole batch's (dr_grpo is grpo divided by none; rloo and opo have none).
 SCALED_ADVANTAGES = ("grpo", "mc_grpo", "passk")
 SCALE_REWARDS = ("group", "batch")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "geo_mean", "kl_cov")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "geo_mean", "clip_cov", "kl_cov")
 # Each policy loss's clip bounds and aggregation as published, for the fields left unset:
 # PPO with DAPO's clip-higher; GSPO's bounds of a length-normalised sequence ratio, averaged
 # per sequence (token-mean would weigh a sequence by its length); CISPO with no floor on the
@@ -52,6 +52,7 @@ POLICY_DEFAULTS = {"ppo": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),
                    "cispo": dict(clip_low=1.0, clip_high=0.28, agg="token-mean"),
                    # GMPO: its log-ratio bounds (e^-0.4, e^0.4), one term per sequence
                    "geo_mean": dict(clip_low=0.4, clip_high=0.4, agg="seq-mean-token-mean"),
+                   "clip_cov": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),  # PPO's
                    "kl_cov": dict(agg="token-mean")}  # it clips no ratio
 CORRECTIONS = ("none", "tis", "mis", "decoupled", "m2po")
 REWARD_AGGREGATIONS = ("sum", "normalize_then_sum")
@@ -94,8 +95,9 @@ class LossConfig:
   # ppo (clip, clip-higher when clip_high > clip_low) | gspo | cispo (every token's
   # log-prob weighted by its ratio clipped to [1 - clip_low, 1 + clip_high], held constant)
   # | geo_mean (GMPO: the geometric mean of each sequence's token ratios, each clipped in log
-  # space to [-clip_low, clip_high]) | kl_cov (KL-Cov: unclipped, its most covarying tokens
-  # held by a KL term; below)
+  # space to [-clip_low, clip_high]) | clip_cov (Clip-Cov: PPO-clip, a random few of the
+  # tokens of high covariance left without gradient; below) | kl_cov (KL-Cov: unclipped,
+  # its most covarying tokens held by a KL term; below)
   policy_loss: str = "ppo"
   # none | tis (truncated IS) | mis (masked IS) | decoupled (decoupled PPO) | m2po (M2PO:
   # unclipped ratio, tokens of largest (log pi_prox/pi_behav)^2 masked)
@@ -114,6 +116,12 @@ class LossConfig:
   # ppo_kl_coef); the share is of the whole batch however rl.micro_batches slices it.
   kl_cov_ratio: float = 2e-4
   kl_cov_coef: float = 1.0
+  # clip_cov: at most this share of the batch's tokens, drawn at random (new draws each
+  # update) from those PPO's clip leaves whose covariance term lies in (clip_cov_lb,
+  # clip_cov_ub), lose their gradient (verl's clip_cov_ratio, clip_cov_lb, clip_cov_ub).
+  clip_cov_ratio: float = 2e-4
+  clip_cov_lb: float = 1.0
+  clip_cov_ub: float = 5.0
   tis_cap: float = 2.0  # TIS: weights min(pi_prox / pi_behav, cap)
   # TIS and MIS: the ratio of each token, of the whole sequence (the product: TRL's
   # sequence_truncate / sequence_mask) or its geometric mean (corrections.LEVELS)
@@ -257,6 +265,11 @@ class LossConfig:
          "a share of the tokens in (0, 1]")
     need(_is_number(self.kl_cov_coef) and math.isfinite(self.kl_cov_coef)
          and self.kl_cov_coef >= 0, "kl_cov_coef", "a finite coefficient >= 0")
+    need(_is_number(self.clip_cov_ratio) and 0 < self.clip_cov_ratio <= 1, "clip_cov_ratio",
+         "a share of the tokens in (0, 1]")
+    need(_is_number(self.clip_cov_lb) and _is_number(self.clip_cov_ub)
+         and self.clip_cov_lb < self.clip_cov_ub, "clip_cov_ub",
+         f"a bound above clip_cov_lb={self.clip_cov_lb}")
     need(not (self.advantage in TOKEN_ADVANTAGES and self.policy_loss in ("gspo", "geo_mean")),
          "policy_loss", f"'ppo', 'cispo' or 'kl_cov' with advantage={self.advantage!r} (GSPO's "
          "and GMPO's sequence ratios take one advantage per sample)")
@@ -588,18 +601,19 @@ def rl_loss(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: Any, *
             num_groups: int, cfg: LossConfig, proximal: jax.Array | None = None,
             advantages: tuple[jax.Array, jax.Array] | None = None,
             entropy_coef: jax.Array | None = None, kl_beta: jax.Array | None = None,
-            ref_logp: jax.Array | None = None) -> tuple[jax.Array, dict]:
+            ref_logp: jax.Array | None = None, noise: jax.Array | None = None
+            ) -> tuple[jax.Array, dict]:
   """(scalar loss, metrics) of one packed batch; differentiable in `params`. `proximal`:
   the log-probs [rows * N, R] of the weights the batch's updates started from (several
   updates per batch); None: the current ones (one update per batch). `advantages`: the
   (advantages, sample mask) of these rows when computed over a larger batch.
   `entropy_coef`: the entropy bonus's coefficient as an input (loss.adaptive_entropy's, a
-  run state); None: loss.entropy_coef. `kl_beta`: as `group_advantages`'. `ref_logp`: as
-  `rl_loss_terms`'."""
+  run state); None: loss.entropy_coef. `kl_beta`: as `group_advantages`'. `ref_logp`,
+  `noise`: as `rl_loss_terms`'."""
   loss, metrics, routing = rl_loss_terms(params, graphdef, batch, ref_params,
                                          num_groups=num_groups, cfg=cfg, proximal=proximal,
                                          advantages=advantages, entropy_coef=entropy_coef,
-                                         kl_beta=kl_beta, ref_logp=ref_logp)
+                                         kl_beta=kl_beta, ref_logp=ref_logp, noise=noise)
   if cfg.router_aux_coef > 0 and routing is not None:  # MoE load balancing, as transformers'
     loss = loss + cfg.router_aux_coef * routing.load_balance
   metrics["loss"] = loss  # the objective optimized, load-balancing term included
@@ -613,14 +627,19 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                   entropy_coef: jax.Array | None = None,
                   ref_logp: jax.Array | None = None,
                   kl_beta: jax.Array | None = None,
-                  cov_stats: tuple | None = None) -> tuple[jax.Array, dict, Any]:
+                  cov_stats: tuple | None = None,
+                  noise: jax.Array | None = None) -> tuple[jax.Array, dict, Any]:
   """`rl_loss` before its load-balancing term: (the policy loss, the metrics, the model's
   `Routing` record or None for a dense model). `entropy_threshold`: the entropy the top
   tokens reach (loss.top_entropy_quantile) over a larger batch these rows are a slice of;
   None: over these rows. `entropy_coef`: as `rl_loss`'s. `ref_logp`: the reference's
   log-probs of these rows when computed already; None: computed here if needed. `kl_beta`:
   as `group_advantages`' (with `advantages` given: unused). `cov_stats`: KL-Cov's selection
-  (losses.covariance_stats) over a larger batch; None: over these rows."""
+  (losses.covariance_stats) over a larger batch; None: over these rows. `noise`: Clip-Cov's
+  uniform draws [rows * N, R] (loss.policy_loss="clip_cov")."""
+  if cfg.policy_loss == "clip_cov" and noise is None:
+    raise ValueError("loss.policy_loss: 'clip_cov' draws the tokens it drops: give the loss "
+                     "its uniform draws (noise), as make_rl_step does")
   if ref_logp is None and needs_reference(cfg):
     ref_logp = reference_logprobs(ref_params, graphdef, batch, cfg)
   if ref_logp is not None:
@@ -646,6 +665,9 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                  "gspo": losses.gspo_loss,
                  "cispo": losses.cispo_loss,
                  "geo_mean": losses.geo_mean_loss,
+                 "clip_cov": functools.partial(
+                     losses.clip_cov_loss, noise=noise, clip_cov_ratio=cfg.clip_cov_ratio,
+                     clip_cov_lb=cfg.clip_cov_lb, clip_cov_ub=cfg.clip_cov_ub),
                  "kl_cov": functools.partial(losses.kl_cov_loss, kl_cov_ratio=cfg.kl_cov_ratio,
                                              kl_cov_coef=cfg.kl_cov_coef,
                                              cov_stats=cov_stats)}[cfg.policy_loss]
@@ -770,6 +792,9 @@ def check_micro_batches(micro_batches: int, rows: int, cfg: LossConfig) -> None:
   if cfg.correction == "m2po" and micro_batches > 1:
     raise ValueError("rl.micro_batches: expected 1 with loss.correction='m2po' (its token "
                      "mask is a statistic of the whole batch)")
+  if cfg.policy_loss == "clip_cov" and micro_batches > 1:
+    raise ValueError("rl.micro_batches: expected 1 with loss.policy_loss='clip_cov' (the "
+                     "tokens it drops are drawn from the whole batch's)")
 
 
 def ref_sync_settings(rl, cfg: LossConfig, lora_rank: int = 0) -> tuple[int, float]:

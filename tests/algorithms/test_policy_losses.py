@@ -322,3 +322,46 @@ def test_gmpo_clips_each_tokens_log_ratio_and_takes_the_geometric_mean_as_verl_d
   s_i = np.exp((pess * mask).sum(-1, keepdims=True) / n)
   np.testing.assert_allclose(grad[live], np.broadcast_to(-adv * s_i / n / 4, d.shape)[live],
                              rtol=1e-5)
+
+
+def _verl_clip_cov(old, logp, adv, mask, noise, low, high, ratio, lb, ub):
+  """verl's compute_policy_loss_clip_cov (token-mean) transcribed to NumPy, its random pick
+  (torch.randperm over the candidates) made by the smallest `noise`."""
+  r = np.exp(logp - old)
+  pg1, pg2 = -adv * r, -adv * np.clip(r, 1 - low, 1 + high)
+  clip_by_origin = (pg2 > pg1) & (mask > 0)
+  valid = mask > 0
+  cov = (adv - adv[valid].mean()) * (logp - logp[valid].mean())
+  cov[~valid | clip_by_origin] = -np.inf
+  clip_num = max(int(ratio * mask.sum()), 1)
+  idx = np.argwhere((cov < ub) & (cov > lb) & valid)
+  idx = idx[np.argsort(noise[idx[:, 0], idx[:, 1]], kind="stable")[:clip_num]]
+  corr = np.ones_like(adv)
+  corr[idx[:, 0], idx[:, 1]] = 0
+  pg = np.maximum(pg1, pg2) * corr
+  return (pg * mask).sum() / mask.sum(), len(idx)
+
+
+@pytest.mark.parametrize("ratio,lb,ub", [(0.2, -1e9, 1e9), (0.05, 0.02, 1e9), (1.0, 0.02, 0.3)])
+def test_clip_cov_drops_a_random_few_of_the_covarying_tokens_as_verl_does(ratio, lb, ub):
+  from algorithms.losses import clip_cov_loss
+  rng = np.random.default_rng(7)
+  old = rng.normal(-2.0, 0.5, (4, 6)).astype(np.float32)
+  logp = (old + rng.normal(0, 0.3, (4, 6))).astype(np.float32)
+  adv = np.repeat(rng.normal(0, 1, (4, 1)), 6, axis=1).astype(np.float32)
+  mask = (np.arange(6)[None, :] < np.array([[6], [4], [5], [2]])).astype(np.float32)
+  noise = rng.uniform(size=(4, 6)).astype(np.float32)
+  want, dropped = _verl_clip_cov(old, logp, adv, mask, noise, 0.2, 0.2, ratio, lb, ub)
+  assert dropped > 0
+  f = lambda lp: clip_cov_loss(lp, old, adv[:, 0], mask, noise=noise, clip_low=0.2,  # noqa
+                               clip_high=0.2, clip_cov_ratio=ratio, clip_cov_lb=lb,
+                               clip_cov_ub=ub)
+  loss, metrics = f(jnp.asarray(logp))
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  assert float(metrics["clip_cov_frac"]) == pytest.approx(dropped / mask.sum())
+  # The dropped tokens take no gradient; every other live token its PPO term's.
+  grad = np.asarray(jax.grad(lambda lp: f(lp)[0])(jnp.asarray(logp)))
+  ppo = np.asarray(jax.grad(lambda lp: ppo_clip_loss(lp, old, adv[:, 0], mask, clip_low=0.2,
+                                                     clip_high=0.2)[0])(jnp.asarray(logp)))
+  differ = ~np.isclose(grad, ppo, atol=1e-7)
+  assert differ.sum() == dropped and np.all(grad[differ] == 0)

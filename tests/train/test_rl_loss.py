@@ -252,7 +252,9 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
     ("kl_estimator", "mse", "loss.kl_estimator: expected one of .*'low_var_kl', 'abs'"),
     ("kl_bias_correction", True, "loss.kl_bias_correction: expected False with kl_coef=0"),
     ("kl_cov_ratio", 0.0, "loss.kl_cov_ratio: expected a share of the tokens in \\(0, 1\\]"),
-    ("kl_cov_coef", -1.0, "loss.kl_cov_coef: expected a finite coefficient >= 0")])
+    ("kl_cov_coef", -1.0, "loss.kl_cov_coef: expected a finite coefficient >= 0"),
+    ("clip_cov_ratio", 2.0, "loss.clip_cov_ratio: expected a share of the tokens"),
+    ("clip_cov_ub", 0.5, "loss.clip_cov_ub: expected a bound above clip_cov_lb=1.0")])
 def test_bad_loss_settings_name_the_field(field, value, message):
   with pytest.raises(ValueError, match=message):
     LossConfig(**{field: value})
@@ -261,6 +263,10 @@ def test_bad_loss_settings_name_the_field(field, value, message):
     LossConfig(policy_loss="cispo", correction="decoupled")
   with pytest.raises(ValueError, match="loss.clip_low: expected unset with policy_loss='kl_cov'"):
     LossConfig(policy_loss="kl_cov", clip_high=0.28)
+  from rlax_ps.train.rl_loss import check_micro_batches
+  with pytest.raises(ValueError, match="rl.micro_batches: expected 1 with "
+                                       "loss.policy_loss='clip_cov'"):
+    check_micro_batches(2, 4, LossConfig(policy_loss="clip_cov"))
 
 
 def test_each_policy_loss_takes_its_own_clip_and_aggregation_unless_set():
@@ -441,10 +447,20 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
   with pytest.raises(ValueError, match="rl.updates_per_batch"):
     rl.make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg,
                     updates_per_batch=0)
+  # Clip-Cov: the step draws the tokens it drops from its state's key (here, any token PPO's
+  # clip leaves: up to half of them); the loss refuses to run without draws.
+  cfg = LossConfig(backend="xla", policy_loss="clip_cov", clip_cov_ratio=0.5,
+                   clip_cov_lb=-1e9, clip_cov_ub=1e9)
+  step = rl.make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg)
+  _, metrics = step(three, batch, ref.params)
+  assert 0.0 < float(metrics["clip_cov_frac"]) <= 0.5
+  with pytest.raises(ValueError, match="loss.policy_loss: 'clip_cov' draws the tokens"):
+    rl_loss(state.params, graphdef, batch, None, num_groups=2, cfg=cfg)
 
 
 @pytest.mark.parametrize("micro,overrides", [
-    (2, dict()),
+    # plain PPO, token-mean: the PPO-TIS and KL-Cov (token-mean) cases below hold its paths
+    pytest.param(2, dict(), marks=pytest.mark.slow),
     (2, dict(agg="seq-mean-token-mean", correction="tis", kl_coef=0.1, logits_chunk=3,
              kl_estimator="low_var_kl", kl_bias_correction=True)),
     # ~6 s each: the slices' own counts are what the variants above check; these add
