@@ -339,12 +339,11 @@ def clip_cov_loss(logp, old_logp, advantages, mask, *, noise, clip_low: float = 
   ratio = jnp.exp(logp - old_logp)
   unclipped = -adv * ratio
   clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-  adv_mean, logp_mean, _ = covariance_stats(logp, advantages, mask, clip_cov_ratio)
-  cov = (adv - adv_mean) * (jax.lax.stop_gradient(logp) - logp_mean)
+  held_logp = jax.lax.stop_gradient(logp)
+  cov = (adv - _masked_mean(adv, mask)) * (held_logp - _masked_mean(held_logp, mask))
   candidate = (mask > 0) & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
-  k = jnp.maximum(1, jnp.floor(jnp.sum(mask) * clip_cov_ratio).astype(jnp.int32))
-  draws = jnp.where(candidate, jnp.asarray(noise, jnp.float32), jnp.inf).reshape(-1)
-  dropped = candidate & (noise <= jnp.take(jnp.sort(draws), k - 1))
+  draws = jnp.where(candidate, jnp.asarray(noise, jnp.float32), jnp.inf)
+  dropped = candidate & (noise <= _kth_smallest(draws, _share(mask, clip_cov_ratio)))
   pg = jnp.where(dropped, 0.0, jnp.maximum(unclipped, clipped))
   metrics = {
       "clip_cov_frac": _frac(dropped, mask),
@@ -366,9 +365,18 @@ def covariance_stats(logp, advantages, mask, ratio: float):
                               .astype(jnp.float32))
   mask = jnp.asarray(mask, jnp.float32)
   adv_mean, logp_mean = _masked_mean(adv, mask), _masked_mean(logp, mask)
-  cov = jnp.where(mask > 0, (adv - adv_mean) * (logp - logp_mean), -jnp.inf).reshape(-1)
-  k = jnp.maximum(1, jnp.floor(jnp.sum(mask) * ratio).astype(jnp.int32))
-  return adv_mean, logp_mean, jnp.take(-jnp.sort(-cov), k - 1)
+  cov = jnp.where(mask > 0, (adv - adv_mean) * (logp - logp_mean), -jnp.inf)
+  return adv_mean, logp_mean, -_kth_smallest(-cov, _share(mask, ratio))
+
+
+def _share(mask, ratio: float) -> jax.Array:
+  """max(1, int(tokens * ratio)): how many of the real tokens a share names (verl's count)."""
+  return jnp.maximum(1, jnp.floor(jnp.sum(mask) * ratio).astype(jnp.int32))
+
+
+def _kth_smallest(values, k) -> jax.Array:
+  """The k-th smallest (1-based, traced k) of all `values`."""
+  return jnp.take(jnp.sort(values.reshape(-1)), k - 1)
 
 
 def kl_cov_loss(logp, old_logp, advantages, mask, *, kl_cov_ratio: float = 2e-4,
