@@ -317,7 +317,7 @@ def geo_mean_loss(logp, old_logp, advantages, mask, *, clip_low: float = 0.4,
 
 def clip_cov_loss(logp, old_logp, advantages, mask, *, noise, clip_low: float = 0.2,
                   clip_high: float = 0.2, clip_cov_ratio: float = 2e-4,
-                  clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
+                  clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, cov_stats=None,
                   agg: str = "token-mean", norm_const: float | None = None,
                   token_weights=None, ref_logp=None, kl_coef: float = 0.0,
                   kl_estimator: str = "k3", kl_bias_correction: bool = False):
@@ -325,25 +325,26 @@ def clip_cov_loss(logp, old_logp, advantages, mask, *, noise, clip_low: float = 
   PPO-clip, and of the tokens PPO's clip leaves whose covariance term
   (A - mean A)(log pi - mean log pi) lies in (clip_cov_lb, clip_cov_ub), at most
   max(1, int(tokens * clip_cov_ratio)) taken at random (those with the smallest `noise`
-  [B, T], uniform draws) lose their gradient: their loss is dropped. Metrics: clip_cov_frac
-  (tokens dropped), and PPO's clip_frac(_low/_high), approx_kl, ratio_mean/max/min,
-  pg_loss, kl_ref."""
+  [B, T], uniform draws) lose their gradient: their loss is dropped. `cov_stats`:
+  clip_cov_stats of a larger batch these rows are a slice of (None: of these rows).
+  Metrics: clip_cov_frac (tokens dropped), and PPO's clip_frac(_low/_high), approx_kl,
+  ratio_mean/max/min, pg_loss, kl_ref."""
   if not (clip_low >= 0 and clip_high >= 0):
     raise ValueError(f"clip_low/clip_high: expected >= 0, got {clip_low}/{clip_high}")
   if not 0 < clip_cov_ratio <= 1:
     raise ValueError(f"clip_cov_ratio: expected a share of the tokens in (0, 1], got "
                      f"{clip_cov_ratio!r}")
+  _check_tokens("noise", noise, jnp.shape(logp))
+  bounds = dict(clip_low=clip_low, clip_high=clip_high, clip_cov_lb=clip_cov_lb,
+                clip_cov_ub=clip_cov_ub)
+  if cov_stats is None:
+    cov_stats = clip_cov_stats(logp, old_logp, advantages, mask, noise,
+                               clip_cov_ratio=clip_cov_ratio, **bounds)
   logp, old_logp, adv, mask, weights = _prepare(logp, old_logp, advantages, mask,
                                                 token_weights)
-  _check_tokens("noise", noise, logp.shape)
-  ratio = jnp.exp(logp - old_logp)
-  unclipped = -adv * ratio
-  clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-  held_logp = jax.lax.stop_gradient(logp)
-  cov = (adv - _masked_mean(adv, mask)) * (held_logp - _masked_mean(held_logp, mask))
-  candidate = (mask > 0) & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
-  draws = jnp.where(candidate, jnp.asarray(noise, jnp.float32), jnp.inf)
-  dropped = candidate & (noise <= _kth_smallest(draws, _share(mask, clip_cov_ratio)))
+  ratio, unclipped, clipped, candidate = _clip_cov_candidates(logp, old_logp, adv, mask,
+                                                              cov_stats[:2], **bounds)
+  dropped = candidate & (noise <= cov_stats[2])
   pg = jnp.where(dropped, 0.0, jnp.maximum(unclipped, clipped))
   metrics = {
       "clip_cov_frac": _frac(dropped, mask),
@@ -353,6 +354,38 @@ def clip_cov_loss(logp, old_logp, advantages, mask, *, noise, clip_low: float = 
   }
   return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
                  kl_coef, kl_estimator, kl_bias_correction, metrics)
+
+
+def clip_cov_stats(logp, old_logp, advantages, mask, noise, *, clip_low: float = 0.2,
+                   clip_high: float = 0.2, clip_cov_ratio: float = 2e-4,
+                   clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0):
+  """Clip-Cov's selection over the real tokens (`mask`) of a batch: (mean advantage, mean
+  log-prob, the largest draw that drops a token: the k-th smallest `noise` of the tokens
+  that may drop, k = max(1, int(tokens * clip_cov_ratio)), verl's count; inf when fewer
+  may). Constants: no gradient flows through the selection."""
+  logp = jax.lax.stop_gradient(jnp.asarray(logp, jnp.float32))
+  adv = jax.lax.stop_gradient(_broadcast_advantages(advantages, logp.shape)
+                              .astype(jnp.float32))
+  mask = jnp.asarray(mask, jnp.float32)
+  means = (_masked_mean(adv, mask), _masked_mean(logp, mask))
+  candidate = _clip_cov_candidates(logp, jnp.asarray(old_logp, jnp.float32), adv, mask, means,
+                                   clip_low=clip_low, clip_high=clip_high,
+                                   clip_cov_lb=clip_cov_lb, clip_cov_ub=clip_cov_ub)[3]
+  draws = jnp.where(candidate, jnp.asarray(noise, jnp.float32), jnp.inf)
+  return (*means, _kth_smallest(draws, _share(mask, clip_cov_ratio)))
+
+
+def _clip_cov_candidates(logp, old_logp, adv, mask, means, *, clip_low, clip_high,
+                         clip_cov_lb, clip_cov_ub):
+  """(ratio, unclipped and clipped PPO terms, the tokens Clip-Cov may drop: real, left by
+  PPO's clip, covariance term against `means` (mean A, mean log pi) in (lb, ub))."""
+  ratio = jnp.exp(logp - old_logp)
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+  cov = (adv - means[0]) * (jax.lax.stop_gradient(logp) - means[1])
+  candidate = ((mask > 0) & ~(clipped > unclipped) & (cov > clip_cov_lb)
+               & (cov < clip_cov_ub))
+  return ratio, unclipped, clipped, candidate
 
 
 def covariance_stats(logp, advantages, mask, ratio: float):

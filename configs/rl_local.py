@@ -120,7 +120,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # kl_cov_ratio of tokens whose log-prob and advantage covary most held near the old policy
   # by kl_cov_coef * |log-ratio|) | clip_cov (PPO-clip; at most clip_cov_ratio of the tokens,
   # drawn from those whose covariance lies in (clip_cov_lb, clip_cov_ub), lose their
-  # gradient; rl.micro_batches 1): KL-Cov and Clip-Cov work against entropy collapse.
+  # gradient): KL-Cov and Clip-Cov work against entropy collapse.
   c.loss.policy_loss = "ppo"
   c.loss.kl_cov_ratio = 2e-4
   c.loss.kl_cov_coef = 1.0

@@ -85,12 +85,12 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
   grad_fn = trainable_value_and_grad(rl_loss)
 
   def update(state: TrainState, batch: dict, ref_logp, proximal, entropy_coef, kl_beta):
+    noise = None  # Clip-Cov's draws, new each update (its state's key is)
+    if loss_cfg.policy_loss == "clip_cov":
+      r = batch["response_tokens"]
+      noise = jax.random.uniform(jax.random.fold_in(state.rng, 1),
+                                 (r.shape[0] * r.shape[1], r.shape[2]))
     if micro_batches == 1:
-      noise = None  # Clip-Cov's draws, new each update (its state's key is)
-      if loss_cfg.policy_loss == "clip_cov":
-        r = batch["response_tokens"]
-        noise = jax.random.uniform(jax.random.fold_in(state.rng, 1),
-                                   (r.shape[0] * r.shape[1], r.shape[2]))
       (_, metrics), grads = grad_fn(state.params, graphdef, batch, None,
                                     num_groups=num_groups, cfg=loss_cfg, proximal=proximal,
                                     entropy_coef=entropy_coef, kl_beta=kl_beta,
@@ -99,7 +99,7 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
       (_, metrics), grads = micro_batched_loss_and_grad(
           state.params, graphdef, batch, None, num_groups=num_groups, cfg=loss_cfg,
           micro_batches=micro_batches, proximal=proximal, entropy_coef=entropy_coef,
-          kl_beta=kl_beta, ref_logp=ref_logp)
+          kl_beta=kl_beta, ref_logp=ref_logp, noise=noise)
     return apply_gradients(state, grads, metrics, optimizer, schedule)
 
   def step(state: TrainState, batch: dict, ref_params: Any,

@@ -118,7 +118,8 @@ class LossConfig:
   kl_cov_coef: float = 1.0
   # clip_cov: at most this share of the batch's tokens, drawn at random (new draws each
   # update) from those PPO's clip leaves whose covariance term lies in (clip_cov_lb,
-  # clip_cov_ub), lose their gradient (verl's clip_cov_ratio, clip_cov_lb, clip_cov_ub).
+  # clip_cov_ub), lose their gradient (verl's clip_cov_ratio, clip_cov_lb, clip_cov_ub); the
+  # draw is over the whole batch however rl.micro_batches slices it.
   clip_cov_ratio: float = 2e-4
   clip_cov_lb: float = 1.0
   clip_cov_ub: float = 5.0
@@ -634,9 +635,10 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   tokens reach (loss.top_entropy_quantile) over a larger batch these rows are a slice of;
   None: over these rows. `entropy_coef`: as `rl_loss`'s. `ref_logp`: the reference's
   log-probs of these rows when computed already; None: computed here if needed. `kl_beta`:
-  as `group_advantages`' (with `advantages` given: unused). `cov_stats`: KL-Cov's selection
-  (losses.covariance_stats) over a larger batch; None: over these rows. `noise`: Clip-Cov's
-  uniform draws [rows * N, R] (loss.policy_loss="clip_cov")."""
+  as `group_advantages`' (with `advantages` given: unused). `cov_stats`: KL-Cov's or
+  Clip-Cov's selection (losses.covariance_stats, losses.clip_cov_stats) over a larger batch;
+  None: over these rows. `noise`: Clip-Cov's uniform draws [rows * N, R]
+  (loss.policy_loss="clip_cov")."""
   if cfg.policy_loss == "clip_cov" and noise is None:
     raise ValueError("loss.policy_loss: 'clip_cov' draws the tokens it drops: give the loss "
                      "its uniform draws (noise), as make_rl_step does")
@@ -666,8 +668,8 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                  "cispo": losses.cispo_loss,
                  "geo_mean": losses.geo_mean_loss,
                  "clip_cov": functools.partial(
-                     losses.clip_cov_loss, noise=noise, clip_cov_ratio=cfg.clip_cov_ratio,
-                     clip_cov_lb=cfg.clip_cov_lb, clip_cov_ub=cfg.clip_cov_ub),
+                     losses.clip_cov_loss, noise=noise, cov_stats=cov_stats,
+                     **clip_cov_settings(cfg)),
                  "kl_cov": functools.partial(losses.kl_cov_loss, kl_cov_ratio=cfg.kl_cov_ratio,
                                              kl_cov_coef=cfg.kl_cov_coef,
                                              cov_stats=cov_stats)}[cfg.policy_loss]
@@ -792,9 +794,6 @@ def check_micro_batches(micro_batches: int, rows: int, cfg: LossConfig) -> None:
   if cfg.correction == "m2po" and micro_batches > 1:
     raise ValueError("rl.micro_batches: expected 1 with loss.correction='m2po' (its token "
                      "mask is a statistic of the whole batch)")
-  if cfg.policy_loss == "clip_cov" and micro_batches > 1:
-    raise ValueError("rl.micro_batches: expected 1 with loss.policy_loss='clip_cov' (the "
-                     "tokens it drops are drawn from the whole batch's)")
 
 
 def ref_sync_settings(rl, cfg: LossConfig, lora_rank: int = 0) -> tuple[int, float]:
@@ -818,8 +817,16 @@ def ref_sync_settings(rl, cfg: LossConfig, lora_rank: int = 0) -> tuple[int, flo
   return int(steps), float(alpha)
 
 
+def clip_cov_settings(cfg: LossConfig) -> dict:
+  """losses.clip_cov_loss's and clip_cov_stats' keyword settings from the loss config."""
+  return dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+              clip_cov_ratio=cfg.clip_cov_ratio, clip_cov_lb=cfg.clip_cov_lb,
+              clip_cov_ub=cfg.clip_cov_ub)
+
+
 def whole_batch_stats(params: Any, graphdef: nnx.GraphDef, slices: dict, keep: jax.Array,
-                      adv: jax.Array, cfg: LossConfig) -> dict:
+                      adv: jax.Array, cfg: LossConfig, proximal: jax.Array | None = None,
+                      noise: jax.Array | None = None) -> dict:
   """What each slice's loss needs of the whole batch before any slice's backward pass, by a
   forward pass of every slice (`slices`: a batch's rows as [slices, rows / slices, ...];
   `keep`: their sample masks [slices, rows / slices * N]; `adv`: their advantages [slices,
@@ -827,11 +834,13 @@ def whole_batch_stats(params: Any, graphdef: nnx.GraphDef, slices: dict, keep: j
   experts, "routed": the routed token counts [k, E] and token count (`Routing`), the
   load-balancing loss's token shares; with loss.top_entropy_quantile < 1,
   "entropy_threshold": the entropy the batch's top tokens reach; with
-  loss.policy_loss="kl_cov", "cov_stats": its selection of the batch's tokens
-  (losses.covariance_stats). Only what is asked for is live (routes alone: the layers up to
-  the last router)."""
+  loss.policy_loss="kl_cov" or "clip_cov", "cov_stats": its selection of the batch's tokens
+  (losses.covariance_stats, losses.clip_cov_stats; Clip-Cov's from its draws `noise` and,
+  with a correction, the `proximal` log-probs, the slices' own where None). Both
+  [slices, rows / slices * N, R]. Only what is asked for is live (routes alone: the layers
+  up to the last router)."""
   def one(args):
-    sub, k, a = args
+    sub, k, a, prox, draws = args
     logp, stats = response_logprobs(params, graphdef, sub, cfg.backend, with_stats=True,
                                     logits_chunk=cfg.logits_chunk)
     out = {}
@@ -839,15 +848,22 @@ def whole_batch_stats(params: Any, graphdef: nnx.GraphDef, slices: dict, keep: j
       out["routed"] = (stats["routing"].counts, stats["routing"].tokens)
     if cfg.top_entropy_quantile < 1:
       out["entropy"] = (stats["entropy"], token_mask(sub, k))
-    if cfg.policy_loss == "kl_cov":
+    if cfg.policy_loss in ("kl_cov", "clip_cov"):
       per_token = a if a.ndim == 2 else jnp.broadcast_to(a[:, None], logp.shape)
       out["cov"] = (logp, per_token, token_mask(sub, k))
+    if cfg.policy_loss == "clip_cov":  # the old log-probs the loss takes its ratio against
+      old = (sub["behaviour_logp"].reshape(logp.shape) if cfg.correction == "none"
+             else logp if prox is None else prox)
+      out["cov"] += (old, draws)
     return out
 
-  out = jax.lax.stop_gradient(jax.lax.map(one, (slices, keep, adv)))
+  out = jax.lax.stop_gradient(jax.lax.map(one, (slices, keep, adv, proximal, noise)))
   if "cov" in out:
-    logp, a, mask = (x.reshape(-1, x.shape[-1]) for x in out.pop("cov"))
-    out["cov_stats"] = losses.covariance_stats(logp, a, mask, cfg.kl_cov_ratio)
+    logp, a, mask, *clip_cov = (x.reshape(-1, x.shape[-1]) for x in out.pop("cov"))
+    out["cov_stats"] = (losses.covariance_stats(logp, a, mask, cfg.kl_cov_ratio)
+                        if cfg.policy_loss == "kl_cov" else
+                        losses.clip_cov_stats(logp, clip_cov[0], a, mask, clip_cov[1],
+                                              **clip_cov_settings(cfg)))
   if "routed" in out:
     out["routed"] = jax.tree.map(lambda x: jnp.sum(x, axis=0), out["routed"])
   if "entropy" in out:
@@ -862,7 +878,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
                                 micro_batches: int, proximal: jax.Array | None = None,
                                 entropy_coef: jax.Array | None = None,
                                 kl_beta: jax.Array | None = None,
-                                ref_logp: jax.Array | None = None
+                                ref_logp: jax.Array | None = None,
+                                noise: jax.Array | None = None
                                 ) -> tuple[tuple[jax.Array, dict], Any]:
   """((loss, metrics), gradient) of the whole batch, accumulated over `micro_batches`
   slices of its rows so that only one slice's activations live at a time. Advantages are
@@ -877,12 +894,12 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
   loss.router_aux_coef > 0 a forward pass of every slice first counts f
   (`whole_batch_stats`), so that each slice adds E * sum_e f_e * (its part of P_e) to the
   objective: these add up to the whole batch's term, value and gradient. The same pass
-  finds the entropy that the whole batch's top tokens reach (loss.top_entropy_quantile) and
-  KL-Cov's most covarying tokens, so that every slice trains on the tokens the whole batch
-  would. With loss.kl_in_reward > 0
+  finds the entropy that the whole batch's top tokens reach (loss.top_entropy_quantile),
+  KL-Cov's most covarying tokens and the tokens Clip-Cov drops, so that every slice trains
+  on the tokens the whole batch would. With loss.kl_in_reward > 0
   the reference's log-probs of every slice come first (the advantages need the whole
   batch's), and each slice's KL term reuses its own. `entropy_coef`, `kl_beta`, `ref_logp`
-  [rows * N, R]: as `rl_loss`'s."""
+  [rows * N, R], `noise` [rows * N, R]: as `rl_loss`'s."""
   rows = batch["row_group"].shape[0]
   check_micro_batches(micro_batches, rows, cfg)
   trainable = split_trainable(params)[0]  # what takes a gradient (a LoRA run: the adapters)
@@ -902,25 +919,32 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
     per_row["proximal"] = proximal.reshape(rows, n, -1)
   if ref_logp is not None:
     per_row["ref_logp"] = ref_logp.reshape(rows, n, -1)
+  if noise is not None:
+    per_row["noise"] = noise.reshape(rows, n, -1)
+  own = ("adv", "keep", "proximal", "ref_logp", "noise")
 
   def rows_of(mb):  # a slice's batch rows
-    return {k: v for k, v in mb.items() if k not in ("adv", "keep", "proximal", "ref_logp")}
+    return {k: v for k, v in mb.items() if k not in own}
+
+  def flat(x):  # [..., rows / M, N, R] -> [..., rows / M * N, R]
+    return None if x is None else x.reshape(*x.shape[:-3], -1, x.shape[-1])
 
   slices = jax.tree.map(split, per_row)
   stats = {}
-  if cfg.router_aux_coef > 0 or cfg.top_entropy_quantile < 1 or cfg.policy_loss == "kl_cov":
+  if (cfg.router_aux_coef > 0 or cfg.top_entropy_quantile < 1
+      or cfg.policy_loss in ("kl_cov", "clip_cov")):
     stats = whole_batch_stats(params, graphdef, rows_of(slices),
                               slices["keep"].reshape(micro_batches, -1),
-                              slices["adv"].reshape(micro_batches, -1, *adv.shape[1:]), cfg)
+                              slices["adv"].reshape(micro_batches, -1, *adv.shape[1:]), cfg,
+                              proximal=flat(slices.get("proximal")),
+                              noise=flat(slices.get("noise")))
   whole = stats.get("routed")
 
   def one(mb):
     sub = rows_of(mb)
     keep = mb["keep"].reshape(-1)
     shares = {k: v / totals[k] for k, v in metric_counts(sub, keep, cfg.agg).items()}
-    flat = lambda x: x.reshape(-1, x.shape[-1])  # [rows / M, N, R] -> [rows / M * N, R]
-    prox = flat(mb["proximal"]) if "proximal" in mb else None
-    ref = flat(mb["ref_logp"]) if "ref_logp" in mb else None
+    prox, ref = flat(mb.get("proximal")), flat(mb.get("ref_logp"))
     slice_adv = mb["adv"].reshape(keep.shape[0], *adv.shape[1:])
 
     def weighted(p):
@@ -929,7 +953,8 @@ def micro_batched_loss_and_grad(params: Any, graphdef: nnx.GraphDef, batch: dict
                                              advantages=(slice_adv, keep),
                                              entropy_threshold=stats.get("entropy_threshold"),
                                              entropy_coef=entropy_coef, ref_logp=ref,
-                                             cov_stats=stats.get("cov_stats"))
+                                             cov_stats=stats.get("cov_stats"),
+                                             noise=flat(mb.get("noise")))
       loss, parts = loss * shares["agg"], None
       if routing is not None:  # the load-balancing loss: from the slices' summed parts
         del metrics["router_aux_loss"]

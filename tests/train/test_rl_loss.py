@@ -263,10 +263,6 @@ def test_bad_loss_settings_name_the_field(field, value, message):
     LossConfig(policy_loss="cispo", correction="decoupled")
   with pytest.raises(ValueError, match="loss.clip_low: expected unset with policy_loss='kl_cov'"):
     LossConfig(policy_loss="kl_cov", clip_high=0.28)
-  from rlax_ps.train.rl_loss import check_micro_batches
-  with pytest.raises(ValueError, match="rl.micro_batches: expected 1 with "
-                                       "loss.policy_loss='clip_cov'"):
-    check_micro_batches(2, 4, LossConfig(policy_loss="clip_cov"))
 
 
 def test_each_policy_loss_takes_its_own_clip_and_aggregation_unless_set():
@@ -474,13 +470,18 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
     (2, dict(advantage="reinforce_pp", gamma=0.9, kl_in_reward=0.1, kl_estimator="k1")),
     # KL-Cov's tokens are the whole batch's most covarying: each slice holds its own of them.
     (2, dict(policy_loss="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=5.0)),
+    # Clip-Cov's dropped tokens are drawn from the whole batch's, by covariance terms against
+    # its means: a slice drops those the whole batch's draw names (against the proximal
+    # log-probs, TIS; here some 5 of the 17 tokens).
+    (2, dict(policy_loss="clip_cov", correction="tis", clip_cov_ratio=0.3,
+             clip_cov_lb=0.0, clip_cov_ub=1e9)),
     # ~8 s each: the losses' own tests cover them whole; micro-batching them adds no new path.
     pytest.param(2, dict(policy_loss="cispo", correction="tis"), marks=pytest.mark.slow),
     pytest.param(2, dict(policy_loss="gspo", agg="token-mean", correction="mis", mis_low=0.9),
                  marks=pytest.mark.slow),
     pytest.param(2, dict(policy_loss="geo_mean", correction="tis"), marks=pytest.mark.slow),
 ], ids=["token-mean", "seq-mean-tis-kl-chunked", "sum-norm-decoupled-4", "gspo-rloo",
-        "reinforce-pp-kl-in-reward", "kl-cov", "cispo-tis", "gspo-token-mean-mis",
+        "reinforce-pp-kl-in-reward", "kl-cov", "clip-cov-tis", "cispo-tis", "gspo-token-mean-mis",
         "gmpo-tis"])
 def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, overrides):
   """Rows 1 and 2 hold one group: with 2 micro-batches (rows 0, 2 and rows 1, 3) it is split,
@@ -494,13 +495,17 @@ def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, ov
   ref = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(1)
   proximal = jnp.asarray(rng.uniform(-4, -2, (16, 5)), jnp.float32)
+  noise = jnp.asarray(rng.uniform(size=(16, 5)), jnp.float32)  # Clip-Cov's draws
   whole = jax.jit(jax.value_and_grad(lambda p: rl_loss(p, graphdef, batch, ref, num_groups=2,
-                                                       cfg=cfg, proximal=proximal),
+                                                       cfg=cfg, proximal=proximal,
+                                                       noise=noise),
                                      has_aux=True))
   (loss, metrics), grads = whole(params)
   (m_loss, m_metrics), m_grads = jax.jit(lambda p: micro_batched_loss_and_grad(
       p, graphdef, batch, ref, num_groups=2, cfg=cfg, micro_batches=micro,
-      proximal=proximal))(params)
+      proximal=proximal, noise=noise))(params)
+  if cfg.policy_loss == "clip_cov":  # some dropped, fewer than every candidate
+    assert 0.0 < float(metrics["clip_cov_frac"]) <= 0.3
   _assert_whole_batchs(m_loss, m_metrics, m_grads, loss, metrics, grads)
 
 
