@@ -1371,7 +1371,9 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   `dtype` converts the weights (default: the model's param dtype). `quantization` "fp8"
   writes each layer's projections in block-scaled FP8 as DeepSeek-V3 ships (float8_e4m3fn,
   a weight_scale_inv per 128 x 128 block, `quant_method: fp8`: half a bf16 export, what
-  vLLM and SGLang serve natively), the rest (embeddings, head, norms, routers) in `dtype`.
+  vLLM and SGLang serve natively), the rest (embeddings, head, norms, routers) in `dtype`;
+  "fp8_ue8m0" likewise with each scale a power of two, `scale_fmt: ue8m0`, as DeepSeek-V3.1
+  ships (what DeepGEMM's Blackwell kernels take without requantizing).
   Above `max_shard_bytes`
   the tensors are split over numbered files with a `model.safetensors.index.json`.
   `extra_config` adds config.json fields our config does not hold (e.g. bos/eos token ids).
@@ -1383,8 +1385,8 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   if quantization not in QUANTIZATIONS:
     raise ValueError(f"quantization: expected one of {QUANTIZATIONS}, got {quantization!r}")
   if quantization and config.architecture == "gpt_oss":
-    raise ValueError("quantization: 'fp8' does not write gpt-oss's fused experts; export it "
-                     "unquantized")
+    raise ValueError(f"quantization: {quantization!r} does not write gpt-oss's fused experts; "
+                     "export it unquantized")
   flat = flatten_params(model)
   if config.lora_rank:
     flat, config = merge_adapters(flat, config)
@@ -1419,7 +1421,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
     for columns, array in parts:
       full[..., columns.start::columns.step] = array
     tensors[name] = full
-  quantization_config = _fp8_quantized(tensors) if quantization else None
+  quantization_config = _fp8_quantized(tensors, quantization) if quantization else None
 
   os.makedirs(path, exist_ok=True)
   for f in os.listdir(path):
@@ -1445,7 +1447,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   _write_json(os.path.join(path, CONFIG_FILE), hf_config)
 
 
-QUANTIZATIONS = ("", "fp8")
+QUANTIZATIONS = ("", "fp8", "fp8_ue8m0")
 FP8_EXPORT_BLOCK = (128, 128)
 # A decoder layer's projections (nn.Linear in transformers, FP8Linear under quant_method
 # fp8): attention, MLP, experts (Mixtral's w1/w2/w3); not norms, routers or expert gates.
@@ -1453,20 +1455,26 @@ _FP8_PROJECTION = re.compile(
     r"model\.layers\.\d+\..*(_proj|_proj_with_mqa|experts\.\d+\.w[123])\.weight")
 
 
-def _fp8_quantized(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+def _fp8_quantized(tensors: dict[str, np.ndarray], quantization: str) -> dict[str, Any]:
   """Each projection of `tensors` replaced, in place, by its FP8 codes and weight_scale_inv
-  (FP8_EXPORT_BLOCK blocks); -> the config.json quantization_config that says so, naming
-  the layers' other linear weights (routers, expert gates) as left unquantized."""
+  (FP8_EXPORT_BLOCK blocks; "fp8_ue8m0": scales that are powers of two); -> the config.json
+  quantization_config that says so, naming the layers' other linear weights (routers,
+  expert gates) as left unquantized."""
+  scale_fmt = "ue8m0" if quantization == "fp8_ue8m0" else "float"
   kept = set()
   for name in list(tensors):
     array = tensors[name]
     if _FP8_PROJECTION.fullmatch(name) and array.ndim == 2:
-      tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8(array, FP8_EXPORT_BLOCK)
+      tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8(array, FP8_EXPORT_BLOCK,
+                                                                 scale_fmt)
     elif name.startswith("model.layers.") and array.ndim == 2:
       kept.add(re.sub(r"^model\.layers\.\d+\.", "model.layers.*.", name[:-len(".weight")]))
-  return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-          "weight_block_size": list(FP8_EXPORT_BLOCK),
-          "modules_to_not_convert": ["lm_head", *sorted(kept)]}
+  config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(FP8_EXPORT_BLOCK),
+            "modules_to_not_convert": ["lm_head", *sorted(kept)]}
+  if scale_fmt == "ue8m0":
+    config["scale_fmt"] = scale_fmt
+  return config
 
 
 def merge_adapters(flat: Mapping[str, Any], config: ModelConfig

@@ -177,10 +177,15 @@ def check_fp8(weight: tuple[Sequence[int], str], scale: tuple[Sequence[int], str
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
-def quantize_fp8(weight: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8(weight: np.ndarray, block: tuple[int, int], scale_fmt: str = "float"
+                 ) -> tuple[np.ndarray, np.ndarray]:
   """A weight [..., rows, cols] -> (float8_e4m3fn codes, float32 weight_scale_inv [...,
   ceil(rows / b0), ceil(cols / b1)]): per block (the last ones partial) the scale that
-  brings its largest magnitude to 448, as DeepSeek-V3's and transformers' FP8 weights."""
+  brings its largest magnitude to 448, as DeepSeek-V3's and transformers' FP8 weights;
+  `scale_fmt` "ue8m0": that scale rounded up to a power of two (DeepSeek-V3.1's, which
+  DeepGEMM's UE8M0 kernels take as they are), the largest code then within (224, 448]."""
+  if scale_fmt not in ("float", "ue8m0"):
+    raise ValueError(f"scale_fmt: expected 'float' or 'ue8m0', got {scale_fmt!r}")
   w = np.asarray(weight, np.float32)
   *lead, rows, cols = w.shape
   grid = fp8_scale_shape(w.shape, block)
@@ -189,6 +194,9 @@ def quantize_fp8(weight: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray
   tiles = padded.reshape(*lead, grid[-2], block[0], grid[-1], block[1])
   amax = np.abs(tiles).max(axis=(-3, -1))
   scale_inv = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+  if scale_fmt == "ue8m0":  # frexp: m in [0.5, 1); 2^e is exact unless amax / 448 is
+    mantissa, exponent = np.frexp(scale_inv)
+    scale_inv = np.ldexp(np.float32(1), exponent - (mantissa == 0.5)).astype(np.float32)
   full = np.repeat(np.repeat(scale_inv, block[0], axis=-2), block[1], axis=-1)
   codes = np.clip(w / full[..., :rows, :cols], -FP8_MAX, FP8_MAX)
   return codes.astype(ml_dtypes.float8_e4m3fn), scale_inv

@@ -33,7 +33,8 @@ _PEFT = flags.DEFINE_bool("peft", False, "A LoRA run: also write its adapters as
                           "in <out>/adapter, as the trainer's export does.")
 _QUANTIZATION = flags.DEFINE_string(
     "quantization", None, "'fp8': the projections in block-scaled FP8 (DeepSeek-V3's layout, "
-    "which vLLM and SGLang serve), the rest in export.dtype; '': none (default: the run's "
+    "which vLLM and SGLang serve), the rest in export.dtype; 'fp8_ue8m0': so with scales "
+    "that are powers of two (DeepSeek-V3.1's); '': none (default: the run's "
     "export.quantization).")
 flags.mark_flags_as_required(["workdir"])
 

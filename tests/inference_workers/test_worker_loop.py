@@ -272,6 +272,45 @@ def test_vigor_allocation_spends_the_whole_budget(server, versions):
                for g in groups for s in g.samples)
 
 
+def test_a_vigor_round_scores_a_finished_prompts_samples_while_the_others_decode(
+    server, versions, monkeypatch):
+  # The round's first finished group is scored on the submitter's thread while the batch
+  # still decodes the others: the next decode step waits (at most 10 s, a guard against a
+  # hang) for its scoring to begin, which scoring after the round never does.
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 4)
+    config = WorkerConfig(max_leases=1, **dict(SMALL, allocator="vigor", samples_per_prompt=4,
+                                               prompts_per_lease=4, prompts_per_call=4,
+                                               max_new_tokens=24, decode_chunk_steps=1))
+    worker = Worker(wc, CONFIG, ManyStops(), config)
+    step, score = ContinuousBatch.step, Worker._score
+    began, ended_early, waited, threads = threading.Event(), [], [], set()
+
+    def watched_step(batch):  # the step after a group ended: the batch decodes the others
+      if ended_early and not waited:
+        waited.append(began.wait(timeout=10))
+      ended = step(batch)
+      if ended and (batch.waiting or batch.running):
+        ended_early.append(ended)
+      return ended
+
+    def watched_score(self, prompt, sample):
+      threads.add(threading.current_thread().name)
+      began.set()
+      return score(self, prompt, sample)
+
+    monkeypatch.setattr(ContinuousBatch, "step", watched_step)
+    monkeypatch.setattr(Worker, "_score", watched_score)
+    stats = worker.run()
+    groups = [r.group for r in trainer.take_rollouts(0, 10).rollouts]
+  assert waited == [True]  # a group ended before the round's last one, and was scored then
+  assert threads and all(t.startswith(("submit", "scoring")) for t in threads)
+  assert stats.groups_submitted == len(groups) == 4
+  assert sum(len(g.samples) for g in groups) == 16
+  assert all(s.metadata["passed"] == str(int(s.reward == 1.0)) for g in groups for s in g.samples)
+
+
 @pytest.mark.parametrize("cut", ["between rounds", "mid-round"])
 def test_a_stopping_vigor_worker_sends_the_groups_its_rounds_made(server, versions,
                                                                  monkeypatch, cut):

@@ -420,6 +420,21 @@ def test_fp8_quantization_scales_each_block_to_the_formats_range():
   back = dequantize_fp8(codes, scale_inv, (8, 16))
   full = np.repeat(np.repeat(scale_inv, 8, 1), 16, 2)[:, :20, :33]
   assert (np.abs(back - w) <= np.abs(w) / 16 + full * 2.0 ** -9 + 1e-7).all()
+  # UE8M0 (DeepSeek-V3.1's): each scale the power of two at or above the float one, so each
+  # block's largest code lies in (224, 448]; the zero block keeps scale 1.
+  w[1, 8, 0] = 448.0  # a block whose scale is 2^0 exactly
+  float_codes, float_scale = quantize_fp8(w, (8, 16))
+  codes, scale_inv = quantize_fp8(w, (8, 16), "ue8m0")
+  assert np.array_equal(scale_inv, 2.0 ** np.round(np.log2(scale_inv)))
+  assert ((scale_inv >= float_scale) & (scale_inv < 2 * float_scale)).all()
+  assert scale_inv[0, 0, 0] == 1.0 and scale_inv[1, 1, 0] == 1.0
+  peaks = np.abs(codes.astype(np.float32)).reshape(2, 20, 33)
+  assert peaks[1, 8:16, :16].max() == 448.0 and 224.0 < peaks[1, 16:, 32:].max() <= 448.0
+  back = dequantize_fp8(codes, scale_inv, (8, 16))
+  full = np.repeat(np.repeat(scale_inv, 8, 1), 16, 2)[:, :20, :33]
+  assert (np.abs(back - w) <= np.abs(w) / 16 + full * 2.0 ** -9 + 1e-7).all()
+  with pytest.raises(ValueError, match="scale_fmt: expected 'float' or 'ue8m0', got 'e5m2'"):
+    quantize_fp8(w, (8, 16), "e5m2")
 
 
 def test_an_fp8_export_is_read_back_as_its_dequantized_weights(tmp_path):
@@ -446,7 +461,22 @@ def test_an_fp8_export_is_read_back_as_its_dequantized_weights(tmp_path):
       back["layers.0.attn.kv_a_proj_with_mqa.kernel"].astype(np.float32),
       dequantize_fp8(*quantize_fp8(kernel.T.astype(ml_dtypes.bfloat16), (128, 128)),
                      (128, 128)).T)
-  with pytest.raises(ValueError, match=r"quantization: expected one of \('', 'fp8'\), got 'int4'"):
+  # With power-of-two scales (DeepSeek-V3.1's ue8m0): the same tensors, the scale format said.
+  save_hf_checkpoint(model, str(tmp_path / "ue8m0"), dtype="bfloat16", quantization="fp8_ue8m0")
+  ue8m0 = hf_tensors(str(tmp_path / "ue8m0"))
+  assert read_json(tmp_path / "ue8m0" / "config.json")["quantization_config"] == {
+      **config["quantization_config"], "scale_fmt": "ue8m0"}
+  assert set(ue8m0) == set(saved)
+  for name in quantized:
+    scale = ue8m0[f"{name}_scale_inv"]
+    assert scale.dtype == np.float32 and np.array_equal(scale, 2.0 ** np.round(np.log2(scale)))
+  np.testing.assert_array_equal(
+      flatten_params(load_hf_checkpoint(str(tmp_path / "ue8m0")))[
+          "layers.0.attn.kv_a_proj_with_mqa.kernel"].astype(np.float32),
+      dequantize_fp8(*quantize_fp8(kernel.T.astype(ml_dtypes.bfloat16), (128, 128), "ue8m0"),
+                     (128, 128)).T)
+  with pytest.raises(ValueError, match=r"quantization: expected one of \('', 'fp8', "
+                                       r"'fp8_ue8m0'\), got 'int4'"):
     save_hf_checkpoint(model, str(tmp_path / "x"), quantization="int4")
 
 
