@@ -4,12 +4,15 @@ scoring in line with decoding, one sample at a time; same prompts, seeds and mod
 
     python benchmarks/worker_scoring.py                    # 20 ms of tests a sample
     python benchmarks/worker_scoring.py --verify_ms=200 --prompts=32
+    python benchmarks/worker_scoring.py --allocator=vigor  # VIGOR's rounds
 
 A random-weight model (the char tokenizer's vocabulary) samples --samples answers to each of
 --prompts prompts, --slots prompts at a time, through a parameter server on loopback; the
 verifier sleeps --verify_ms a sample (a subprocess running tests waits so). Rows: wall
 seconds from the first lease to the last group sent, and sampled tokens a second
-(compiles excluded: a warm-up run first); the ratio is against the in-line row.
+(compiles excluded: a warm-up run first); the ratio is against the in-line row. With
+--allocator=vigor the prompts are sampled in rounds: each prompt's samples of a round
+scored as they finish, beside the round's decoding, against after the round.
 """
 
 from __future__ import annotations
@@ -62,8 +65,12 @@ def _run(args, config, weights, tokenizer, beside: bool, threads: int) -> tuple[
             samples_per_prompt=args.samples, prompts_per_call=args.slots,
             prompts_per_lease=args.slots, max_new_tokens=args.max_new_tokens,
             max_leases=-(-args.prompts // args.slots), scoring_threads=threads,
-            lease_wait_s=0.2, seed=0), verifier_for=lambda task: Guarded(task, verifier))
-        if not beside:  # the decode loop waits for each group's scoring and sending
+            lease_wait_s=0.2, seed=0, allocator=args.allocator),
+                        verifier_for=lambda task: Guarded(task, verifier))
+        if not beside and args.allocator != "fixed":  # a round's prompts scored after it
+          draw = worker._draw
+          worker._draw = lambda *a: draw(*a[:5])
+        elif not beside:  # the decode loop waits for each group's scoring and sending
           hand_off = worker._submit_group
 
           def in_line(*a):
@@ -86,6 +93,7 @@ def main():
   ap.add_argument("--verify_ms", type=float, default=20.0)
   ap.add_argument("--hidden", type=int, default=128)
   ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--allocator", default="fixed", choices=("fixed", "vigor"))
   args = ap.parse_args()
   tokenizer = CharTokenizer()
   config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=args.hidden,
@@ -97,9 +105,12 @@ def main():
   rows = [("in line, one sample at a time (before)", False, 1),
           ("in line, samples side by side", False, 8),
           ("beside decoding, samples side by side", True, 8)]
+  if args.allocator == "vigor":
+    rows = [("after each round, side by side (before)", False, 8),
+            ("as each prompt's finish, beside the round", True, 8)]
   _run(args, config, weights, tokenizer, True, 8)  # compiles
   print(f"{args.prompts} prompts x {args.samples} samples, {args.slots} at a time, "
-        f"{args.verify_ms:g} ms of tests a sample")
+        f"{args.verify_ms:g} ms of tests a sample, allocator {args.allocator}")
   print(f"{'scoring':42s} {'seconds':>8s} {'tokens/s':>9s} {'speed-up':>9s}")
   base = None
   for name, beside, threads in rows:

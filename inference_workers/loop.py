@@ -320,6 +320,9 @@ class Worker:
     # goes on, by prompt key, in the order they finished (continuous batching).
     self._scoring: dict[tuple[str, str], concurrent.futures.Future] = {}
     self._submitter: concurrent.futures.ThreadPoolExecutor | None = None
+    # Adaptive allocators' rounds: a thread per prompt of a round, scoring each prompt's
+    # samples (on the scoring threads) as it finishes, while the round decodes on.
+    self._round_pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._abandoned: set[str] = set()
     self._newer_waits = False  # a newer version waits for the running prompts to end
     # Multi-turn: the replies each running sample got, by prompt key and sample index.
@@ -981,10 +984,10 @@ class Worker:
         self._harvest()
       except Exception as e:  # noqa: BLE001 - already on the way out with another error
         logging.error("worker: scoring a finished group failed: %s", e)
-    for pool in (self._submitter, self._scoring_pool):
+    for pool in (self._submitter, self._scoring_pool, self._round_pool):
       if pool is not None:
         pool.shutdown(wait=False, cancel_futures=True)
-    self._submitter = self._scoring_pool = None
+    self._submitter = self._scoring_pool = self._round_pool = None
 
   def _stale(self, version: int) -> bool:
     """Whether a group of `version` is under the trainer's staleness floor (the server drops
@@ -1194,9 +1197,10 @@ class Worker:
   def _rollout_groups(self, prompts: list[pb.Prompt], tokens: list[list[int]], version: int
                       ) -> list[pb.RolloutGroup | None]:
     """Allocate samples over the prompts (their token ids `tokens`; rounds for adaptive
-    allocators), score, package. Stopping with only salvage_s of grace left, the rounds end
-    where they are: a prompt with two samples or more (finished ones) gets its group, the
-    others None (released)."""
+    allocators), score, package. A prompt's samples of a round are scored as soon as they
+    finish, beside the round's other prompts' decoding and scoring. Stopping with
+    only salvage_s of grace left, the rounds end where they are: a prompt with two samples
+    or more (finished ones) gets its group, the others None (released)."""
     state = self.allocator.start(len(prompts), self.config.samples_per_prompt * len(prompts))
     samples: list[list[Sample]] = [[] for _ in prompts]
     rewards: list[list[float]] = [[] for _ in prompts]
@@ -1205,12 +1209,24 @@ class Worker:
     round_ = 0
     while not state.done and not self._salvaging and not self._stale(version):
       counts = [int(c) for c in self.allocator.requests(state)]
+      early = {}  # prompt index -> (its samples, their scores' future)
+
+      def score_early(i, got, replies):
+        if self._round_pool is None:
+          self._round_pool = concurrent.futures.ThreadPoolExecutor(
+              self.config.prompts_per_call, thread_name_prefix="round-scoring")
+        early[i] = (got, self._round_pool.submit(self._scored, prompts[i], got, replies))
+
       t0 = time.monotonic()
-      drawn, given = self._draw(prompts, tokens, counts, version, round_)
+      drawn, given = self._draw(prompts, tokens, counts, version, round_, score_early)
       elapsed = time.monotonic() - t0
       new_rewards = []
       for i, (prompt, got) in enumerate(zip(prompts, drawn)):
-        scores, passes, got_parts = self._scored(prompt, got, given[i])
+        if i in early and early[i][0] is got:
+          with self.stats.time.span("scoring"):
+            scores, passes, got_parts = early[i][1].result()
+        else:  # cut short (a stop, the floor): what it kept
+          scores, passes, got_parts = self._scored(prompt, got, given[i])
         samples[i].extend(got)
         rewards[i].extend(scores)
         passed[i] = None if passes is None else passed[i] + passes
@@ -1276,11 +1292,13 @@ class Worker:
       group.prompt_routes.CopyFrom(make_routes(samples[0].prompt_routes))
     return group
 
-  def _draw(self, prompts, tokens, counts, version, round_
+  def _draw(self, prompts, tokens, counts, version, round_,
+            finished: Callable[[int, list[Sample], dict[int, list]], None] | None = None
             ) -> tuple[list[list[Sample]], list[dict[int, list]]]:
     """counts[i] samples of prompt i, and the replies each multi-turn sample got (by prompt
     and sample index): the round's prompts in one continuous batch, each prompt's samples
-    on one prefill, their turns answered by their tasks' environments. Stopping with only
+    on one prefill, their turns answered by their tasks' environments; `finished(i,
+    samples, replies)` is told of each prompt's as they finish. Stopping with only
     salvage_s of grace left: the samples finished so far."""
     out: list[list[Sample]] = [[] for _ in prompts]
     given: list[dict[int, list]] = [{} for _ in prompts]
@@ -1296,6 +1314,7 @@ class Worker:
                             chunk_steps=self.config.decode_chunk_steps,  # stops heard soon
                             kv_dtype=self.config.kv_cache_dtype or None, mirror=self.mirror)
     keys = {i: ("round", prompts[i].id) for i in live}
+    index = {key: i for i, key in keys.items()}
     try:
       for i, key in keys.items():
         self._started[key] = (prompts[i], version)
@@ -1312,12 +1331,18 @@ class Worker:
           done.update((keys[i], []) for i in live if keys[i] not in done)
           break
         with self.stats.time.span("decoding", 1 - batch.free / self.config.prompts_per_call):
-          done.update(batch.step())
+          ended = batch.step()
+        done.update(ended)
+        for key, got in ended if finished else ():
+          i = index[key]
+          given[i] = self._given.pop(key, {})
+          finished(i, got, given[i])
     finally:
       batch.release()
       for i, key in keys.items():
         self._started.pop(key, None)
-        given[i] = self._given.pop(key, {})
+        if key in self._given:  # a finished prompt's were handed over already
+          given[i] = self._given.pop(key)
     for i, key in keys.items():  # replies follow their samples' new indices
       if key in kept:
         given[i] = {new: given[i][j] for new, j in enumerate(kept[key]) if j in given[i]}

@@ -177,7 +177,7 @@ def test_vigor_rounds_end_when_the_floor_passes_their_version(server, versions):
     draw, rounds = worker._draw, []
 
     def draw_then_floor(*args):
-      rounds.append(args[-1])
+      rounds.append(args[4])  # (prompts, tokens, counts, version, round_, finished)
       out = draw(*args)
       publish(trainer, versions, 1)
       trainer.take_rollouts(min_version=1, max_n=4)

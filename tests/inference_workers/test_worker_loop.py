@@ -274,7 +274,7 @@ def test_vigor_allocation_spends_the_whole_budget(server, versions):
 
 def test_a_vigor_round_scores_a_finished_prompts_samples_while_the_others_decode(
     server, versions, monkeypatch):
-  # The round's first finished group is scored on the submitter's thread while the batch
+  # The round's first finished group is scored on a thread of its own while the batch
   # still decodes the others: the next decode step waits (at most 10 s, a guard against a
   # hang) for its scoring to begin, which scoring after the round never does.
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
@@ -305,7 +305,7 @@ def test_a_vigor_round_scores_a_finished_prompts_samples_while_the_others_decode
     stats = worker.run()
     groups = [r.group for r in trainer.take_rollouts(0, 10).rollouts]
   assert waited == [True]  # a group ended before the round's last one, and was scored then
-  assert threads and all(t.startswith(("submit", "scoring")) for t in threads)
+  assert threads and all(t.startswith(("round-scoring", "scoring")) for t in threads)
   assert stats.groups_submitted == len(groups) == 4
   assert sum(len(g.samples) for g in groups) == 16
   assert all(s.metadata["passed"] == str(int(s.reward == 1.0)) for g in groups for s in g.samples)
