@@ -4,12 +4,14 @@ publications at the same step count.
 
     python benchmarks/rl_learning.py                       # 10 min each, seed 0
     python benchmarks/rl_learning.py --minutes 2 --no-int8 # a quick look
+    python benchmarks/rl_learning.py --minutes 5 --no-int8 --no-sft --losses=kl_cov,clip_cov
 
 The warm start is the unchanged `rlax-ps sft` default (configs/sft_tiny.py), trained once in
 <workdir>/sft. Then, each from that warm start:
   RL bf16   `rlax-ps local --config=configs/rl_local.py` for --minutes of RL wall time;
   RL int8   configs/rl_int8_tis.py for the same number of steps as the bf16 run;
   RL PPO    (--ppo) configs/rl_ppo.py, PPO with a critic, for --minutes of RL wall time;
+  RL <loss> (--losses) the bf16 recipe with that loss.policy_loss, for --minutes each;
   SFT more  the SFT run continued (its checkpoint, a longer schedule) for --minutes.
 Columns: held-out exact match (greedy; per task and all), pass@1 and pass@8 (T=1),
 optimizer steps and wall time; the last line gives the gains over the warm start.
@@ -103,6 +105,8 @@ def main() -> None:
                       help="skip the SFT baseline")
   parser.add_argument("--ppo", action="store_true",
                       help="also PPO with a critic (configs/rl_ppo.py) for --minutes")
+  parser.add_argument("--losses", default="", help="comma-separated loss.policy_loss values "
+                      "(e.g. kl_cov,clip_cov): the bf16 recipe with each, for --minutes")
   args = parser.parse_args()
   seconds = 60.0 * args.minutes
   sft_dir = os.path.join(args.workdir, "sft")
@@ -125,6 +129,11 @@ def main() -> None:
     runs["RL PPO (critic)"] = run_rl(os.path.join(args.workdir, "rl_ppo"), "configs/rl_ppo.py",
                                      warm, f"--config.rl.max_seconds={seconds}",
                                      "--config.rl.steps=1000000", seed)
+  for loss in filter(None, args.losses.split(",")):
+    runs[f"RL {loss}"] = run_rl(os.path.join(args.workdir, f"rl_{loss}"), "configs/rl_local.py",
+                                warm, f"--config.rl.max_seconds={seconds}",
+                                "--config.rl.steps=1000000", f"--config.loss.policy_loss={loss}",
+                                seed)
   if args.sft:
     runs["SFT more"] = run_sft_more(sft_dir, os.path.join(args.workdir, "sft_more"), seconds,
                                     pass_k)
