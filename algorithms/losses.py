@@ -11,6 +11,8 @@ from `algorithms.corrections`; treated as constants). Every loss returns
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -386,6 +388,34 @@ def _clip_cov_candidates(logp, old_logp, adv, mask, means, *, clip_low, clip_hig
   candidate = ((mask > 0) & ~(clipped > unclipped) & (cov > clip_cov_lb)
                & (cov < clip_cov_ub))
   return ratio, unclipped, clipped, candidate
+
+
+def sapo_loss(logp, old_logp, advantages, mask, *, tau_pos: float = 1.0,
+              tau_neg: float = 1.05, agg: str = "seq-mean-token-mean",
+              norm_const: float | None = None, token_weights=None, ref_logp=None,
+              kl_coef: float = 0.0, kl_estimator: str = "k3",
+              kl_bias_correction: bool = False):
+  """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347; verl's policy_loss sapo): a
+  soft trust region in place of PPO's clip. Each token's term is -f(r) * A with the gate
+  f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau = tau_pos where A > 0 else tau_neg: at r = 1 its
+  gradient is the policy gradient's, and it fades smoothly as r leaves 1, faster for the
+  larger tau (negative advantages, which destabilize more, by default). The log-ratio is
+  clamped to [-20, 20] as verl's. Metrics: clip_frac (0: nothing clipped), approx_kl,
+  ratio_mean/max/min, pg_loss, kl_ref."""
+  if not (_is_positive(tau_pos) and _is_positive(tau_neg)):
+    raise ValueError(f"tau_pos/tau_neg: expected temperatures > 0, got {tau_pos}/{tau_neg}")
+  logp, old_logp, adv, mask, weights = _prepare(logp, old_logp, advantages, mask,
+                                                token_weights)
+  ratio = jnp.exp(jnp.clip(logp - old_logp, -20.0, 20.0))
+  tau = jnp.where(adv > 0, tau_pos, tau_neg).astype(logp.dtype)
+  pg = -jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
+  metrics = {"clip_frac": jnp.zeros((), logp.dtype)}
+  return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
+                 kl_coef, kl_estimator, kl_bias_correction, metrics)
+
+
+def _is_positive(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def covariance_stats(logp, advantages, mask, ratio: float):

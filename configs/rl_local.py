@@ -120,18 +120,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # kl_cov_ratio of tokens whose log-prob and advantage covary most held near the old policy
   # by kl_cov_coef * |log-ratio|) | clip_cov (PPO-clip; at most clip_cov_ratio of the tokens,
   # drawn from those whose covariance lies in (clip_cov_lb, clip_cov_ub), lose their
-  # gradient): KL-Cov and Clip-Cov work against entropy collapse.
+  # gradient): KL-Cov and Clip-Cov work against entropy collapse | sapo (SAPO: no clip; each
+  # token's step gated by sigmoid(tau (r - 1)) * 4 / tau, tau sapo_tau_pos where A > 0 else
+  # sapo_tau_neg).
   c.loss.policy_loss = "ppo"
   c.loss.kl_cov_ratio = 2e-4
   c.loss.kl_cov_coef = 1.0
   c.loss.clip_cov_ratio = 2e-4
   c.loss.clip_cov_lb = 1.0
   c.loss.clip_cov_ub = 5.0
+  c.loss.sapo_tau_pos = 1.0
+  c.loss.sapo_tau_neg = 1.05
   c.loss.correction = "none"  # none | tis | mis | decoupled | m2po
   # The policy loss's clip bounds and aggregation; unset: its own (ppo: 0.2 and 0.28, DAPO's
   # clip-higher, token-mean; gspo: 3e-4, 4e-4, seq-mean-token-mean; cispo: 1.0, 0.28;
   # geo_mean: 0.4, 0.4 of the log-ratio, seq-mean-token-mean; clip_cov: PPO's; kl_cov:
-  # none, token-mean).
+  # none, token-mean; sapo: none, seq-mean-token-mean).
   c.loss.clip_low = ml_collections.config_dict.placeholder(float)
   c.loss.clip_high = ml_collections.config_dict.placeholder(float)
   c.loss.agg = ml_collections.config_dict.placeholder(str)

@@ -42,7 +42,9 @@ DISCOUNTED = ("reinforce_pp", "gae")
 # or the whole batch's (dr_grpo is grpo divided by none; rloo and opo have none).
 SCALED_ADVANTAGES = ("grpo", "mc_grpo", "passk")
 SCALE_REWARDS = ("group", "batch")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "geo_mean", "clip_cov", "kl_cov")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "geo_mean", "clip_cov", "kl_cov", "sapo")
+# The policy losses that clip no ratio (loss.clip_low and clip_high stay unset).
+UNCLIPPED = ("kl_cov", "sapo")
 # Each policy loss's clip bounds and aggregation as published, for the fields left unset:
 # PPO with DAPO's clip-higher; GSPO's bounds of a length-normalised sequence ratio, averaged
 # per sequence (token-mean would weigh a sequence by its length); CISPO with no floor on the
@@ -53,7 +55,8 @@ POLICY_DEFAULTS = {"ppo": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),
                    # GMPO: its log-ratio bounds (e^-0.4, e^0.4), one term per sequence
                    "geo_mean": dict(clip_low=0.4, clip_high=0.4, agg="seq-mean-token-mean"),
                    "clip_cov": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),  # PPO's
-                   "kl_cov": dict(agg="token-mean")}  # it clips no ratio
+                   "kl_cov": dict(agg="token-mean"),  # it clips no ratio
+                   "sapo": dict(agg="seq-mean-token-mean")}  # its soft gate clips none
 CORRECTIONS = ("none", "tis", "mis", "decoupled", "m2po")
 REWARD_AGGREGATIONS = ("sum", "normalize_then_sum")
 
@@ -97,7 +100,8 @@ class LossConfig:
   # | geo_mean (GMPO: the geometric mean of each sequence's token ratios, each clipped in log
   # space to [-clip_low, clip_high]) | clip_cov (Clip-Cov: PPO-clip, a random few of the
   # tokens of high covariance left without gradient; below) | kl_cov (KL-Cov: unclipped,
-  # its most covarying tokens held by a KL term; below)
+  # its most covarying tokens held by a KL term; below) | sapo (SAPO: a soft gate of the
+  # ratio in place of the clip; below)
   policy_loss: str = "ppo"
   # none | tis (truncated IS) | mis (masked IS) | decoupled (decoupled PPO) | m2po (M2PO:
   # unclipped ratio, tokens of largest (log pi_prox/pi_behav)^2 masked)
@@ -123,6 +127,10 @@ class LossConfig:
   clip_cov_ratio: float = 2e-4
   clip_cov_lb: float = 1.0
   clip_cov_ub: float = 5.0
+  # sapo: each token's term is -sigmoid(tau (r - 1)) * 4 / tau * A, tau = sapo_tau_pos where
+  # A > 0 else sapo_tau_neg (verl's tau_pos, tau_neg): the larger, the sooner it fades.
+  sapo_tau_pos: float = 1.0
+  sapo_tau_neg: float = 1.05
   tis_cap: float = 2.0  # TIS: weights min(pi_prox / pi_behav, cap)
   # TIS and MIS: the ratio of each token, of the whole sequence (the product: TRL's
   # sequence_truncate / sequence_mask) or its geometric mean (corrections.LEVELS)
@@ -258,10 +266,15 @@ class LossConfig:
     for field, value in POLICY_DEFAULTS[self.policy_loss].items():
       if getattr(self, field) is None:
         object.__setattr__(self, field, value)
-    if self.policy_loss == "kl_cov":
+    if self.policy_loss in UNCLIPPED:
       need(self.clip_low is None and self.clip_high is None, "clip_low",
-           "unset with policy_loss='kl_cov' (KL-Cov clips no ratio: its kl_cov_ratio of "
-           "tokens are held by a KL term instead)")
+           f"unset with policy_loss={self.policy_loss!r} (it clips no ratio: "
+           + {"kl_cov": "its kl_cov_ratio of tokens are held by a KL term instead)",
+              "sapo": "a soft gate bounds each token's step instead)"}[self.policy_loss])
+    for field in ("sapo_tau_pos", "sapo_tau_neg"):
+      value = getattr(self, field)
+      need(_is_number(value) and math.isfinite(value) and value > 0, field,
+           "a finite temperature > 0")
     need(_is_number(self.kl_cov_ratio) and 0 < self.kl_cov_ratio <= 1, "kl_cov_ratio",
          "a share of the tokens in (0, 1]")
     need(_is_number(self.kl_cov_coef) and math.isfinite(self.kl_cov_coef)
@@ -308,7 +321,7 @@ class LossConfig:
     need(all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0
              for i in self.stop_ids), "stop_ids", "token ids >= 0")
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
-    if self.policy_loss != "kl_cov":  # (which clips nothing: unset, checked above)
+    if self.policy_loss not in UNCLIPPED:  # (which clip nothing: unset, checked above)
       need(self.clip_low >= 0, "clip_low", "a clip bound >= 0")
       need(self.clip_high >= 0, "clip_high", "a clip bound >= 0")
     need(self.agg in losses.AGGREGATIONS, "agg", f"one of {losses.AGGREGATIONS}")
@@ -661,7 +674,7 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   common = dict(agg=cfg.agg, norm_const=norm,
                 ref_logp=ref_logp if cfg.kl_coef > 0 else None, kl_coef=cfg.kl_coef,
                 kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.kl_bias_correction)
-  if cfg.policy_loss != "kl_cov":
+  if cfg.policy_loss not in UNCLIPPED:
     common.update(clip_low=cfg.clip_low, clip_high=cfg.clip_high)
   policy_loss = {"ppo": functools.partial(losses.ppo_clip_loss, dual_clip=cfg.dual_clip),
                  "gspo": losses.gspo_loss,
@@ -672,7 +685,9 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                      **clip_cov_settings(cfg)),
                  "kl_cov": functools.partial(losses.kl_cov_loss, kl_cov_ratio=cfg.kl_cov_ratio,
                                              kl_cov_coef=cfg.kl_cov_coef,
-                                             cov_stats=cov_stats)}[cfg.policy_loss]
+                                             cov_stats=cov_stats),
+                 "sapo": functools.partial(losses.sapo_loss, tau_pos=cfg.sapo_tau_pos,
+                                           tau_neg=cfg.sapo_tau_neg)}[cfg.policy_loss]
   trained = mask  # the tokens that get policy loss
   if cfg.top_entropy_quantile < 1:  # the others weigh 0 and still count in its mean
     if entropy_threshold is None:

@@ -365,3 +365,45 @@ def test_clip_cov_drops_a_random_few_of_the_covarying_tokens_as_verl_does(ratio,
                                                      clip_high=0.2)[0])(jnp.asarray(logp)))
   differ = ~np.isclose(grad, ppo, atol=1e-7)
   assert differ.sum() == dropped and np.all(grad[differ] == 0)
+
+
+def _verl_sapo(old, logp, adv, mask, tau_pos, tau_neg):
+  """verl's compute_policy_loss_sapo (seq-mean-token-mean, no IS weights) in NumPy."""
+  ratio = np.exp(np.clip(logp - old, -20.0, 20.0))
+  tau = np.where(adv > 0, tau_pos, tau_neg)
+  pg = -(1 / (1 + np.exp(-tau * (ratio - 1.0)))) * (4.0 / tau) * adv
+  n = mask.sum(-1)
+  rows = (pg * mask).sum(-1) / (n + 1e-8)
+  return rows[n > 0].sum() / (n > 0).sum()
+
+
+@pytest.mark.parametrize("tau_pos,tau_neg", [(1.0, 1.05), (2.0, 8.0)])
+def test_sapo_gates_each_tokens_step_softly_as_verl_does(tau_pos, tau_neg):
+  from algorithms.losses import sapo_loss
+  rng = np.random.default_rng(7)
+  old = rng.normal(-2.0, 0.5, (4, 6)).astype(np.float32)
+  logp = (old + rng.normal(0, 0.6, (4, 6))).astype(np.float32)
+  adv = np.repeat(np.array([[1.5], [-0.7], [0.3], [-1.2]], np.float32), 6, axis=1)
+  mask = (np.arange(6)[None, :] < np.array([[6], [4], [5], [0]])).astype(np.float32)
+  kwargs = dict(tau_pos=tau_pos, tau_neg=tau_neg)
+  loss, metrics = sapo_loss(jnp.asarray(logp), old, adv[:, 0], mask, **kwargs)
+  np.testing.assert_allclose(loss, _verl_sapo(old, logp, adv, mask, tau_pos, tau_neg),
+                             rtol=1e-5)
+  assert float(metrics["clip_frac"]) == 0.0
+  # d/dlogp of -sigmoid(tau (r - 1)) 4 / tau A = -4 s (1 - s) r A, over each row's tokens and
+  # the 3 rows with tokens: every token keeps a gradient (nothing is clipped), one that
+  # fades as r leaves 1, the faster the larger tau.
+  grad = np.asarray(jax.grad(lambda lp: sapo_loss(lp, old, adv[:, 0], mask, **kwargs)[0])(
+      jnp.asarray(logp)))
+  r, tau = np.exp(logp - old), np.where(adv > 0, tau_pos, tau_neg)
+  s = 1 / (1 + np.exp(-tau * (r - 1)))
+  n = np.maximum(mask.sum(-1, keepdims=True), 1)
+  want = -4 * s * (1 - s) * r * adv * mask / n / 3
+  np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-7)
+  assert np.all(grad[mask > 0] != 0)
+  # At r = 1 the gate's gradient is the policy gradient's, whatever tau.
+  at_one = jax.grad(lambda lp: sapo_loss(lp, old, adv[:, 0], mask, **kwargs)[0])(
+      jnp.asarray(old))
+  np.testing.assert_allclose(at_one, -adv * mask / n / 3, rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="tau_pos/tau_neg: expected temperatures > 0"):
+    sapo_loss(jnp.asarray(logp), old, adv[:, 0], mask, tau_pos=0.0)

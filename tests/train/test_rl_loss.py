@@ -254,7 +254,8 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
     ("kl_cov_ratio", 0.0, "loss.kl_cov_ratio: expected a share of the tokens in \\(0, 1\\]"),
     ("kl_cov_coef", -1.0, "loss.kl_cov_coef: expected a finite coefficient >= 0"),
     ("clip_cov_ratio", 2.0, "loss.clip_cov_ratio: expected a share of the tokens"),
-    ("clip_cov_ub", 0.5, "loss.clip_cov_ub: expected a bound above clip_cov_lb=1.0")])
+    ("clip_cov_ub", 0.5, "loss.clip_cov_ub: expected a bound above clip_cov_lb=1.0"),
+    ("sapo_tau_neg", 0.0, "loss.sapo_tau_neg: expected a finite temperature > 0")])
 def test_bad_loss_settings_name_the_field(field, value, message):
   with pytest.raises(ValueError, match=message):
     LossConfig(**{field: value})
@@ -263,6 +264,9 @@ def test_bad_loss_settings_name_the_field(field, value, message):
     LossConfig(policy_loss="cispo", correction="decoupled")
   with pytest.raises(ValueError, match="loss.clip_low: expected unset with policy_loss='kl_cov'"):
     LossConfig(policy_loss="kl_cov", clip_high=0.28)
+  with pytest.raises(ValueError, match="loss.clip_low: expected unset with policy_loss='sapo' "
+                                       r"\(it clips no ratio: a soft gate"):
+    LossConfig(policy_loss="sapo", clip_low=0.2)
 
 
 def test_each_policy_loss_takes_its_own_clip_and_aggregation_unless_set():
@@ -285,6 +289,10 @@ def test_each_policy_loss_takes_its_own_clip_and_aggregation_unless_set():
   config.loss.policy_loss = "kl_cov"
   kl_cov = LossConfig.from_config(config.loss)
   assert (kl_cov.clip_low, kl_cov.clip_high, kl_cov.agg) == (None, None, "token-mean")
+  config.loss.policy_loss = "sapo"
+  sapo = LossConfig.from_config(config.loss)
+  assert (sapo.clip_low, sapo.clip_high, sapo.agg, sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (
+      None, None, "seq-mean-token-mean", 1.0, 1.05)
 
 
 def test_bad_groups_are_refused_naming_the_rollout_and_field():
