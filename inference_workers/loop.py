@@ -1396,9 +1396,10 @@ class Worker:
     """[fn(x) for x in items], worker.scoring_threads of them at once."""
     if self.config.scoring_threads == 1 or len(items) < 2:
       return [fn(x) for x in items]
-    if self._scoring_pool is None:
-      self._scoring_pool = concurrent.futures.ThreadPoolExecutor(
-          self.config.scoring_threads, thread_name_prefix="scoring")
+    with self._lock:  # a round's prompts are scored from threads of their own: one pool
+      if self._scoring_pool is None:
+        self._scoring_pool = concurrent.futures.ThreadPoolExecutor(
+            self.config.scoring_threads, thread_name_prefix="scoring")
     return list(self._scoring_pool.map(fn, items))
 
   def _score(self, prompt: pb.Prompt, sample: Sample) -> tuple[float, bool]:

@@ -1,6 +1,7 @@
 """The worker loop against a real parameter server on 127.0.0.1: leases, versions, resyncs,
 and preemption (SIGTERM releases within the grace period; SIGKILL leases expire)."""
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -309,6 +310,36 @@ def test_a_vigor_round_scores_a_finished_prompts_samples_while_the_others_decode
   assert stats.groups_submitted == len(groups) == 4
   assert sum(len(g.samples) for g in groups) == 16
   assert all(s.metadata["passed"] == str(int(s.reward == 1.0)) for g in groups for s in g.samples)
+
+
+def test_prompts_scored_side_by_side_share_one_scoring_pool(server, monkeypatch):
+  # A round's prompts call the scoring threads from threads of their own: two first calls
+  # at once make one pool, not one each (the other never shut down).
+  made, ready = [], threading.Barrier(2)
+
+  class Counted(concurrent.futures.ThreadPoolExecutor):
+    def __init__(self, *args, thread_name_prefix="", **kwargs):
+      if thread_name_prefix == "scoring":
+        time.sleep(0.2)  # widens the window in which a second caller would make its own
+        made.append(thread_name_prefix)
+      super().__init__(*args, thread_name_prefix=thread_name_prefix, **kwargs)
+
+  monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", Counted)
+  with client(server, "worker") as wc:
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    out = []
+
+    def call(x):
+      ready.wait(timeout=10)
+      out.append(worker._on_threads(lambda v: v * 2, [x, x + 1]))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in (0, 10)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(timeout=30)
+    worker._scoring_pool.shutdown()
+  assert sorted(out) == [[0, 2], [20, 22]] and made == ["scoring"]
 
 
 @pytest.mark.parametrize("cut", ["between rounds", "mid-round"])
