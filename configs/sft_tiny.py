@@ -149,7 +149,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.export.dtype = ""  # "" = the params' dtype; bfloat16 halves float32 exports.
   # "fp8": each layer's projections in block-scaled FP8 as DeepSeek-V3 ships (vLLM and
   # SGLang serve it as it is), the rest in export.dtype; "fp8_ue8m0": so with power-of-two
-  # scales as DeepSeek-V3.1 ships; "" = none.
+  # scales as DeepSeek-V3.1 ships; "mxfp4": gpt-oss's experts in MXFP4 as it ships; "" = none.
   c.export.quantization = ""
 
   if arg == "tiny":

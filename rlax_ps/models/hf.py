@@ -55,7 +55,7 @@ from rlax_ps.models.config import ModelConfig, dtype_name
 from rlax_ps.models.params import flatten_params
 from rlax_ps.models.quantized import (FP8_TYPES, QUANTIZATION_FIELD, Fp8Layout, RawTensors,
                                       check_fp8, dequantize_fp8, dequantize_mxfp4, fp8_layout,
-                                      mxfp4_shape, quantize_fp8)
+                                      mxfp4_shape, quantize_fp8, quantize_mxfp4)
 from rlax_ps.models.transformer import Transformer
 from rlax_ps.sharding import fit_spec
 
@@ -1373,7 +1373,8 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   a weight_scale_inv per 128 x 128 block, `quant_method: fp8`: half a bf16 export, what
   vLLM and SGLang serve natively), the rest (embeddings, head, norms, routers) in `dtype`;
   "fp8_ue8m0" likewise with each scale a power of two, `scale_fmt: ue8m0`, as DeepSeek-V3.1
-  ships (what DeepGEMM's Blackwell kernels take without requantizing).
+  ships (what DeepGEMM's Blackwell kernels take without requantizing). "mxfp4" (gpt-oss
+  alone) writes its experts in MXFP4 as gpt-oss ships, a quarter of bf16.
   Above `max_shard_bytes`
   the tensors are split over numbered files with a `model.safetensors.index.json`.
   `extra_config` adds config.json fields our config does not hold (e.g. bos/eos token ids).
@@ -1382,11 +1383,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   """
   config: ModelConfig = model.config
   dtype = config.param_dtype if dtype is None else dtype_name(dtype)
-  if quantization not in QUANTIZATIONS:
-    raise ValueError(f"quantization: expected one of {QUANTIZATIONS}, got {quantization!r}")
-  if quantization and config.architecture == "gpt_oss":
-    raise ValueError(f"quantization: {quantization!r} does not write gpt-oss's fused experts; "
-                     "export it unquantized")
+  check_quantization(quantization, config.architecture)
   flat = flatten_params(model)
   if config.lora_rank:
     flat, config = merge_adapters(flat, config)
@@ -1421,7 +1418,8 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
     for columns, array in parts:
       full[..., columns.start::columns.step] = array
     tensors[name] = full
-  quantization_config = _fp8_quantized(tensors, quantization) if quantization else None
+  quantization_config = (_mxfp4_quantized(tensors) if quantization == "mxfp4" else
+                         _fp8_quantized(tensors, quantization) if quantization else None)
 
   os.makedirs(path, exist_ok=True)
   for f in os.listdir(path):
@@ -1447,7 +1445,20 @@ def save_hf_checkpoint(model: Transformer, path: str, *, dtype: str | None = Non
   _write_json(os.path.join(path, CONFIG_FILE), hf_config)
 
 
-QUANTIZATIONS = ("", "fp8", "fp8_ue8m0")
+QUANTIZATIONS = ("", "fp8", "fp8_ue8m0", "mxfp4")
+
+
+def check_quantization(quantization: str, architecture: str) -> None:
+  """ValueError naming `quantization` unless save_hf_checkpoint writes a model of
+  `architecture` so: FP8 the projections of any but gpt-oss, MXFP4 gpt-oss's experts."""
+  if quantization not in QUANTIZATIONS:
+    raise ValueError(f"quantization: expected one of {QUANTIZATIONS}, got {quantization!r}")
+  if quantization.startswith("fp8") and architecture == "gpt_oss":
+    raise ValueError(f"quantization: {quantization!r} does not write gpt-oss's fused experts; "
+                     "export it as 'mxfp4' (as gpt-oss ships) or unquantized")
+  if quantization == "mxfp4" and architecture != "gpt_oss":
+    raise ValueError(f"quantization: 'mxfp4' writes gpt-oss's experts (as gpt-oss ships); "
+                     f"this model is {architecture!r}: 'fp8', 'fp8_ue8m0' or ''")
 FP8_EXPORT_BLOCK = (128, 128)
 # A decoder layer's projections (nn.Linear in transformers, FP8Linear under quant_method
 # fp8): attention, MLP, experts (Mixtral's w1/w2/w3); not norms, routers or expert gates.
@@ -1475,6 +1486,21 @@ def _fp8_quantized(tensors: dict[str, np.ndarray], quantization: str) -> dict[st
   if scale_fmt == "ue8m0":
     config["scale_fmt"] = scale_fmt
   return config
+
+
+# gpt-oss's stacked experts, [E, in, out]: what its MXFP4 checkpoints hold packed.
+_MXFP4_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def _mxfp4_quantized(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+  """gpt-oss's experts in `tensors` replaced, in place, by their MXFP4 `_blocks` and
+  `_scales` (quantize_mxfp4); -> the quantization_config gpt-oss ships, naming what stays
+  unquantized (attention, routers, embeddings, head)."""
+  for name in [n for n in tensors if _MXFP4_EXPERTS.fullmatch(n)]:
+    tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize_mxfp4(tensors.pop(name))
+  return {"quant_method": "mxfp4",
+          "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                     "model.embed_tokens", "lm_head"]}
 
 
 def merge_adapters(flat: Mapping[str, Any], config: ModelConfig

@@ -43,6 +43,35 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -
   return result
 
 
+def quantize_mxfp4(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Weights [E, in, out] (x @ W orientation) -> MXFP4 (`blocks` [E, out, in / 32, 16] uint8,
+  `scales` [E, out, in / 32] uint8), dequantize_mxfp4's inverse up to rounding: each block
+  of 32 inputs shares the power of two 2^(scale - 127) that brings its largest magnitude to
+  at most 6 (E2M1's largest), and each value takes the nearest E2M1 code (ties to the even
+  one), so that no value is clipped. One expert at a time."""
+  w = np.asarray(weights)
+  if w.ndim != 3 or w.shape[1] % 32:
+    raise ValueError(f"MXFP4: expected weights [E, in, out] with in a multiple of 32, got "
+                     f"{w.shape}")
+  e, n, out = w.shape
+  blocks = np.empty((e, out, n // 32, 16), np.uint8)
+  scales = np.empty((e, out, n // 32), np.uint8)
+  magnitudes = _FP4_VALUES[:8]
+  midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
+  for i in range(e):
+    x = w[i].astype(np.float32).T.reshape(out, n // 32, 32)
+    amax = np.abs(x).max(axis=-1)
+    mantissa, exponent = np.frexp(np.where(amax > 0, amax / 6.0, 1.0))  # 2^exponent >= it
+    exponent = np.clip(exponent - (mantissa == 0.5), -127, 127)
+    a = np.abs(x) / np.ldexp(np.float32(1), exponent)[..., None]
+    low, high = (np.searchsorted(midpoints, a, side=side) for side in ("left", "right"))
+    code = np.where((low != high) & (low % 2 == 1), high, low)  # a tie: the even code
+    code = code.astype(np.uint8) | (np.signbit(x).astype(np.uint8) << 3)
+    blocks[i] = code[..., 0::2] | (code[..., 1::2] << 4)
+    scales[i] = (exponent + 127).astype(np.uint8)
+  return blocks, scales
+
+
 def mxfp4_shape(blocks: tuple[Sequence[int], str], scales: tuple[Sequence[int], str]
                 ) -> tuple[int, ...]:
   """The shape [E, G * 32, out] that MXFP4 `blocks` and `scales` (each as (shape, numpy

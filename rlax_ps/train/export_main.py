@@ -34,8 +34,8 @@ _PEFT = flags.DEFINE_bool("peft", False, "A LoRA run: also write its adapters as
 _QUANTIZATION = flags.DEFINE_string(
     "quantization", None, "'fp8': the projections in block-scaled FP8 (DeepSeek-V3's layout, "
     "which vLLM and SGLang serve), the rest in export.dtype; 'fp8_ue8m0': so with scales "
-    "that are powers of two (DeepSeek-V3.1's); '': none (default: the run's "
-    "export.quantization).")
+    "that are powers of two (DeepSeek-V3.1's); 'mxfp4': gpt-oss's experts in MXFP4, as "
+    "gpt-oss ships; '': none (default: the run's export.quantization).")
 flags.mark_flags_as_required(["workdir"])
 
 

@@ -23,7 +23,7 @@ from rlax_ps.folder_lock import FolderLock
 from rlax_ps.models import (flatten_params, longest_sequence, model_config_from,
                             save_hf_checkpoint)
 from rlax_ps.models.config import dtype_name
-from rlax_ps.models.hf import QUANTIZATIONS
+from rlax_ps.models.hf import QUANTIZATIONS, check_quantization
 from rlax_ps.models.peft import save_peft_adapter
 from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import tokenizer_from_config
@@ -173,7 +173,7 @@ def run_tokenizer(config):
 def export_options(config) -> dict[str, Any]:
   """How a run's Hugging Face exports are written (save_hf_checkpoint's dtype and
   quantization): export.dtype (""/absent: the params' own) and export.quantization (""/absent:
-  none; "fp8": the projections in block-scaled FP8); a ValueError names a field it refuses."""
+  none; hf.QUANTIZATIONS); a ValueError names a field it refuses."""
   export = config.get("export", {})
   dtype, quantization = export.get("dtype") or None, export.get("quantization") or ""
   if dtype is not None:
@@ -293,6 +293,11 @@ class TrainerRun:
     self.tasks, self.weights = tasks_from(config.tasks)
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
                                           self.init_from_hf, longest_sequence(config))
+    try:  # one the model cannot be written in, likewise
+      check_quantization(export_options(config)["quantization"],
+                         self.model_config.architecture)
+    except ValueError as e:
+      raise ValueError(f"export.{e}") from None
 
   @property
   def leader(self) -> bool:

@@ -285,6 +285,26 @@ def test_mxfp4_dequantizes_as_microscaled_fp4_and_exports_unquantized(tmp_path):
       saved[key], dequantize_mxfp4(packed[f"{key}_blocks"], packed[f"{key}_scales"]))
   assert not any(k.endswith(("_blocks", "_scales")) for k in saved)
   assert "quantization_config" not in read_json(tmp_path / "config.json")
+  # Exported as MXFP4 (as gpt-oss ships): the Hub's own layout, names and config, the
+  # experts read back as what was packed (these values are MXFP4's already) and the rest
+  # as they were.
+  save_hf_checkpoint(model, str(tmp_path / "mxfp4"), quantization="mxfp4")
+  again = hf_tensors(str(tmp_path / "mxfp4"))
+  assert read_json(tmp_path / "mxfp4" / "config.json")["quantization_config"] == read_json(
+      os.path.join(fixture("gpt_oss_mxfp4"), "config.json"))["quantization_config"]
+  assert {k: (v.shape, v.dtype) for k, v in again.items()} == {
+      k: (v.shape, v.dtype) for k, v in packed.items()}
+  for k in packed:
+    if k.endswith(("_blocks", "_scales")):
+      base = k.rsplit("_", 1)[0]
+      np.testing.assert_array_equal(
+          dequantize_mxfp4(again[f"{base}_blocks"], again[f"{base}_scales"]),
+          dequantize_mxfp4(packed[f"{base}_blocks"], packed[f"{base}_scales"]), err_msg=k)
+  for name, value in flatten_params(load_hf_checkpoint(str(tmp_path / "mxfp4"))).items():
+    np.testing.assert_array_equal(value, flatten_params(model)[name], err_msg=name)
+  with pytest.raises(ValueError, match="quantization: 'fp8' does not write gpt-oss's fused "
+                                       "experts; export it as 'mxfp4'"):
+    save_hf_checkpoint(model, str(tmp_path / "x"), quantization="fp8")
   # A pair missing its scales is named.
   del packed["model.layers.0.mlp.experts.gate_up_proj_scales"]
   os.makedirs(tmp_path / "broken")
@@ -406,6 +426,38 @@ def test_compressed_tensors_fp8_layouts_and_what_they_refuse():
     config_from_hf(d)
 
 
+def test_mxfp4_quantization_rounds_each_value_to_its_blocks_nearest_code():
+  from rlax_ps.models.quantized import dequantize_mxfp4, quantize_mxfp4
+  rng = np.random.default_rng(3)
+  w = rng.normal(0, 0.02, (2, 64, 5)).astype(np.float32)
+  w[0, :32, 0] = 0.0  # a block of zeros
+  w[1, 32:, 4] = 0.0
+  # Scale 1 (6 the largest); ties go to the even code: 5 -> 4, -2.5 -> -2, 0.25 -> 0, and
+  # up: 3.5 -> 4, -0.75 -> -1.
+  w[1, 32:38, 4] = [6.0, 5.0, -2.5, 0.25, 3.5, -0.75]
+  blocks, scales = quantize_mxfp4(w)
+  assert blocks.shape == (2, 5, 2, 16) and scales.shape == (2, 5, 2) and blocks.dtype == np.uint8
+  back = dequantize_mxfp4(blocks, scales)
+  np.testing.assert_array_equal(back[1, 32:38, 4], [6.0, 4.0, -2.0, 0.0, 4.0, -1.0])
+  assert not back[0, :32, 0].any()
+  # No value clipped: each block's scale 2^k brings its largest magnitude to (3, 6], and each
+  # value is off by at most half E2M1's gap where it lies (0.5 below 2, 1 to 4, 2 to 6).
+  step = np.ldexp(1.0, scales.astype(np.int32) - 127)  # [E, out, G]
+  full = np.repeat(step.transpose(0, 2, 1), 32, axis=1)  # [E, in, out]
+  peak = np.abs(w).reshape(2, 2, 32, 5).max(axis=2).transpose(0, 2, 1) / step
+  assert np.all((peak[peak > 0] > 3) & (peak[peak > 0] <= 6))
+  a = np.abs(w) / full
+  gap = np.where(a < 2, 0.5, np.where(a < 4, 1.0, 2.0))
+  assert np.all(np.abs(back - w) <= gap / 2 * full + 1e-12)
+  # Values MXFP4 holds come back exactly.
+  codes = rng.integers(0, 256, (2, 5, 2, 16), dtype=np.uint8)
+  exact = dequantize_mxfp4(codes, rng.integers(118, 136, (2, 5, 2), dtype=np.uint8))
+  np.testing.assert_array_equal(dequantize_mxfp4(*quantize_mxfp4(exact)), exact)
+  with pytest.raises(ValueError, match=r"MXFP4: expected weights \[E, in, out\] with in a "
+                                       r"multiple of 32, got \(2, 40, 5\)"):
+    quantize_mxfp4(np.zeros((2, 40, 5), np.float32))
+
+
 def test_fp8_quantization_scales_each_block_to_the_formats_range():
   rng = np.random.default_rng(1)
   w = rng.normal(size=(2, 20, 33)).astype(np.float32)
@@ -475,8 +527,10 @@ def test_an_fp8_export_is_read_back_as_its_dequantized_weights(tmp_path):
           "layers.0.attn.kv_a_proj_with_mqa.kernel"].astype(np.float32),
       dequantize_fp8(*quantize_fp8(kernel.T.astype(ml_dtypes.bfloat16), (128, 128), "ue8m0"),
                      (128, 128)).T)
+  with pytest.raises(ValueError, match="quantization: 'mxfp4' writes gpt-oss's experts"):
+    save_hf_checkpoint(model, str(tmp_path / "x"), quantization="mxfp4")
   with pytest.raises(ValueError, match=r"quantization: expected one of \('', 'fp8', "
-                                       r"'fp8_ue8m0'\), got 'int4'"):
+                                       r"'fp8_ue8m0', 'mxfp4'\), got 'int4'"):
     save_hf_checkpoint(model, str(tmp_path / "x"), quantization="int4")
 
 

@@ -110,7 +110,7 @@ def test_any_step_is_exported_in_fp8_on_request(run, tmp_path):
   err = np.abs(np.asarray(got[q]) - run["params"][2][q])
   assert 0 < err.max() <= np.abs(run["params"][2][q]).max() / 16
   with pytest.raises(ValueError, match=r"--quantization: expected one of \('', 'fp8', "
-                                       r"'fp8_ue8m0'\)"):
+                                       r"'fp8_ue8m0', 'mxfp4'\)"):
     export_checkpoint(run["workdir"], out=str(tmp_path / "x"), quantization="int4")
   assert not os.path.exists(tmp_path / "x")
 

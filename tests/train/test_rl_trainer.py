@@ -306,10 +306,12 @@ def test_export_dtype_writes_bfloat16_weights(tmp_path):
 
 
 def test_an_export_setting_it_cannot_write_is_refused_before_the_run(tmp_path):
-  for field, value in (("quantization", "int8"), ("dtype", "float16")):
+  for field, value, message in (
+      ("quantization", "int8", "expected one of"), ("dtype", "float16", "expected"),
+      ("quantization", "mxfp4", "'mxfp4' writes gpt-oss's experts .* this model is 'llama'")):
     config = _config()
     config.export[field] = value
-    with pytest.raises(ValueError, match=f"export.{field}: expected"):
+    with pytest.raises(ValueError, match=f"export.{field}: {message}"):
       RLTrainer(config, str(tmp_path / field), object())
 
 
