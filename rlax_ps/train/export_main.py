@@ -225,7 +225,7 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
   naming the flag (--workdir, --step, --out, --peft, --quantization) for input it refuses."""
   import jax
 
-  from rlax_ps.models.hf import QUANTIZATIONS
+  from rlax_ps.models.hf import QUANTIZATIONS, check_quantization
   from rlax_ps.train.run import export_options, run_tokenizer, write_hf_export
   if quantization is not None and quantization not in QUANTIZATIONS:
     raise ValueError(f"--quantization: expected one of {QUANTIZATIONS} ('': none), got "
@@ -244,6 +244,10 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
     options = export_options(config)
     if quantization is not None:
       options["quantization"] = quantization
+      try:
+        check_quantization(quantization, model_config.architecture)
+      except ValueError as e:
+        raise ValueError(f"--{e}") from None
     if peft:
       check_peft(model_config)
     try:

@@ -112,6 +112,8 @@ def test_any_step_is_exported_in_fp8_on_request(run, tmp_path):
   with pytest.raises(ValueError, match=r"--quantization: expected one of \('', 'fp8', "
                                        r"'fp8_ue8m0', 'mxfp4'\)"):
     export_checkpoint(run["workdir"], out=str(tmp_path / "x"), quantization="int4")
+  with pytest.raises(ValueError, match="--quantization: 'mxfp4' writes gpt-oss's experts"):
+    export_checkpoint(run["workdir"], out=str(tmp_path / "x"), quantization="mxfp4")
   assert not os.path.exists(tmp_path / "x")
 
 
