@@ -24,6 +24,25 @@ def test_generated_code_is_current(tmp_path):
         f"{name} is stale: run `make protos`")
 
 
+def test_the_declared_versions_are_the_generated_codes():
+  """The test extra pins the generator that wrote the committed code (its version is written
+  in it: a newer one's output differs), and the dependencies floor grpcio and protobuf where
+  that code's import-time checks do (an older grpcio raises RuntimeError on import)."""
+  import re
+  import tomllib
+  with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)["project"]
+  protos = os.path.join(REPO, "param_server", "protos")
+  with open(os.path.join(protos, "param_server_pb2_grpc.py")) as f:
+    grpc_version = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", f.read())[1]
+  with open(os.path.join(protos, "param_server_pb2.py")) as f:
+    gencode = re.search(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", f.read())
+  major, minor, patch = gencode.groups()
+  assert f"grpcio-tools=={grpc_version}" in project["optional-dependencies"]["test"]
+  assert f"grpcio>={grpc_version}" in project["dependencies"]
+  assert f"protobuf>={major}.{minor}.{patch},<{int(major) + 1}" in project["dependencies"]
+
+
 def test_servicer_implements_every_rpc_of_the_proto():
   """The generated base class answers UNIMPLEMENTED (NotImplementedError); ours overrides all."""
   from param_server.protos import param_server_pb2 as pb
