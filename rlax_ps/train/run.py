@@ -285,7 +285,7 @@ class TrainerRun:
   def read_model(self, config) -> None:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
     and tokenizer of `init_from_hf` where it names an HF checkpoint)."""
-    export_options(config)  # a field it refuses ends the run now, not at its export
+    quantization = export_options(config)["quantization"]  # a refused field ends the run now
     self.init_from_hf = config.get("init_from_hf", "")
     if self.init_from_hf:
       check_init_from_hf(self.init_from_hf)
@@ -294,8 +294,7 @@ class TrainerRun:
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
                                           self.init_from_hf, longest_sequence(config))
     try:  # one the model cannot be written in, likewise
-      check_quantization(export_options(config)["quantization"],
-                         self.model_config.architecture)
+      check_quantization(quantization, self.model_config.architecture)
     except ValueError as e:
       raise ValueError(f"export.{e}") from None
 
