@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators: GRPO (and Dr. GRPO), GDPO, MC-GRPO, RLOO, OPO, pass@k,
+"""Group-relative advantage estimators: GRPO (and Dr. GRPO), GDPO, GPG, MC-GRPO, RLOO, OPO, pass@k,
 verl's REINFORCE++ (with and without its group baseline) and GAE over a critic's values,
 whose advantages are per token.
 
@@ -82,6 +82,25 @@ def gdpo_advantages(parts, weights, group_ids, num_groups: int, sample_mask=None
                                                unbiased=unbiased), in_axes=1, out_axes=1)
   total = jnp.sum(each(jnp.where(have > 0, parts, 0.0), have) * weights, axis=1)
   return grpo_advantages(total, jnp.zeros_like(group_ids), 1, mask, eps=eps, unbiased=unbiased)
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "std_scaling", "unbiased"))
+def gpg_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
+                   std_scaling: str = "none", eps: float = 1e-6, unbiased: bool = True):
+  """GPG (Group Policy Gradient, arXiv 2504.02546): alpha (r - group mean) / F_norm, F_norm
+  1 (std_scaling "none", the paper's choice) or a std as GRPO's. alpha = B / (B - M): of
+  the batch's B samples, M are in groups whose rewards are all equal (or of one sample),
+  which learn nothing, so the others are scaled up to the gradient the whole batch would
+  give (the paper's correction; verl's gpg takes B over the samples of non-zero reward
+  instead). A batch of none but such groups gets 0."""
+  _check_scaling(std_scaling)
+  rewards, group_ids, mask = check_group_inputs(rewards, group_ids, num_groups, sample_mask)
+  _, _, std = group_mean_std(rewards, group_ids, num_groups, mask, unbiased)
+  b = jnp.sum(mask)
+  valid = jnp.sum(mask * (std[group_ids] > 0))
+  alpha = jnp.where(valid > 0, b / jnp.maximum(valid, 1.0), 0.0)
+  return alpha * grpo_advantages(rewards, group_ids, num_groups, mask, std_scaling=std_scaling,
+                                 eps=eps, unbiased=unbiased)
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups",))

@@ -1,6 +1,7 @@
 """Policy losses on token-level log-probs: PPO-clip (DAPO clip-higher, dual clip), GSPO,
-CISPO, GMPO, Clip-Cov and KL-Cov, KL penalty to a reference policy, the loss aggregation modes, and the high-entropy token
-selection ("Beyond the 80/20 rule").
+CISPO, GMPO, Clip-Cov and KL-Cov, SAPO, the plain policy gradient (GPG), KL penalty to a
+reference policy, the loss aggregation modes, and the high-entropy token selection
+("Beyond the 80/20 rule").
 
 Shapes: `logp`, `old_logp`, `ref_logp`, `mask` are `[B, T]` (B sequences of T
 response tokens, `mask` 1 on real tokens); `advantages` is `[B]` (one per sequence)
@@ -412,6 +413,21 @@ def sapo_loss(logp, old_logp, advantages, mask, *, tau_pos: float = 1.0,
   metrics = {"clip_frac": jnp.zeros((), logp.dtype)}
   return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
                  kl_coef, kl_estimator, kl_bias_correction, metrics)
+
+
+def pg_loss(logp, old_logp, advantages, mask, *, agg: str = "token-mean",
+            norm_const: float | None = None, token_weights=None, ref_logp=None,
+            kl_coef: float = 0.0, kl_estimator: str = "k3", kl_bias_correction: bool = False):
+  """The plain policy gradient: each token's term is -A * log pi, no ratio and no clip (GPG,
+  arXiv 2504.02546; verl's policy_loss gpg). old_logp enters the metrics alone (and the KL
+  term's bias correction). Metrics: clip_frac (0: nothing clipped), approx_kl,
+  ratio_mean/max/min, pg_loss, kl_ref."""
+  logp, old_logp, adv, mask, weights = _prepare(logp, old_logp, advantages, mask,
+                                                token_weights)
+  ratio = jnp.exp(logp - old_logp)
+  metrics = {"clip_frac": jnp.zeros((), logp.dtype)}
+  return _finish(-adv * logp * weights, logp, old_logp, ratio, mask, agg, norm_const,
+                 ref_logp, kl_coef, kl_estimator, kl_bias_correction, metrics)
 
 
 def _is_positive(x) -> bool:

@@ -102,14 +102,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # The objective (rlax_ps.train.rl_loss.LossConfig).
   c.loss = ml_collections.ConfigDict()
-  # grpo | dr_grpo | rloo | mc_grpo | opo | passk (pass@k training) | reinforce_pp |
-  # reinforce_pp_baseline (verl's REINFORCE++: per-token, whitened over the batch's tokens) |
-  # gae (PPO with a critic: the `critic` block; configs/rl_ppo.py)
+  # grpo | dr_grpo | rloo | mc_grpo | opo | passk (pass@k training) | gpg (GPG: r - group
+  # mean, scaled by B / (B - M) for the M samples of all-equal groups; with policy_loss pg) |
+  # reinforce_pp | reinforce_pp_baseline (verl's REINFORCE++: per-token, whitened over the
+  # batch's tokens) | gae (PPO with a critic: the `critic` block; configs/rl_ppo.py)
   c.loss.advantage = "grpo"
   c.loss.gamma = 1.0  # reinforce_pp, gae: the returns' discount (verl's algorithm.gamma)
   c.loss.lam = 1.0  # gae: its lambda (verl's algorithm.lam)
   # grpo, mc_grpo, passk: divide by the std of each group (unset: "group") or of the whole
-  # batch's rewards ("batch": TRL's scale_rewards="batch"); dr_grpo, rloo, opo divide by none.
+  # batch's rewards ("batch": TRL's scale_rewards="batch"); dr_grpo, rloo, opo divide by none;
+  # gpg by none unless set.
   c.loss.scale_rewards = ml_collections.config_dict.placeholder(str)
   c.loss.std_eps = 1e-6  # grpo, mc_grpo: added to that std (verl's; TRL's is 1e-4).
   # sum: the workers' weighted sum of the reward parts | normalize_then_sum (GDPO, TRL's
@@ -122,7 +124,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # drawn from those whose covariance lies in (clip_cov_lb, clip_cov_ub), lose their
   # gradient): KL-Cov and Clip-Cov work against entropy collapse | sapo (SAPO: no clip; each
   # token's step gated by sigmoid(tau (r - 1)) * 4 / tau, tau sapo_tau_pos where A > 0 else
-  # sapo_tau_neg).
+  # sapo_tau_neg) | pg (the plain policy gradient -A log pi: GPG's loss).
   c.loss.policy_loss = "ppo"
   c.loss.kl_cov_ratio = 2e-4
   c.loss.kl_cov_coef = 1.0
@@ -135,7 +137,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The policy loss's clip bounds and aggregation; unset: its own (ppo: 0.2 and 0.28, DAPO's
   # clip-higher, token-mean; gspo: 3e-4, 4e-4, seq-mean-token-mean; cispo: 1.0, 0.28;
   # geo_mean: 0.4, 0.4 of the log-ratio, seq-mean-token-mean; clip_cov: PPO's; kl_cov:
-  # none, token-mean; sapo: none, seq-mean-token-mean).
+  # none, token-mean; sapo: none, seq-mean-token-mean; pg: none, token-mean).
   c.loss.clip_low = ml_collections.config_dict.placeholder(float)
   c.loss.clip_high = ml_collections.config_dict.placeholder(float)
   c.loss.agg = ml_collections.config_dict.placeholder(str)
@@ -287,7 +289,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.worker.environment_timeout_s = 300.0  # a call past it is answered with a TimeoutError
   c.worker.max_turns = 4
   c.worker.environment_threads = 8  # Replies in the making at once (1: one at a time).
-  c.worker.scoring_threads = 8  # A group's samples scored at once (1: one at a time).
+  c.worker.scoring_threads = 8  # Samples scored at once, of any groups (1: one at a time).
   # A reward model (an HF *ForSequenceClassification folder) scores each finished sample:
   # alone for task reward_model, added x reward_model_weight to any other task's verifier.
   c.worker.reward_model = ""

@@ -32,19 +32,20 @@ from rlax_ps.kernels import pack_group, pack_routes, packed_response_logprobs
 from rlax_ps.models.transformer import load_balancing_loss
 from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "opo", "passk", "reinforce_pp",
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "opo", "passk", "gpg", "reinforce_pp",
               "reinforce_pp_baseline", "gae")
 # The advantages given per token ([rows * N, R]), whitened over the whole batch's tokens.
 TOKEN_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline", "gae")
 # The advantages whose returns are discounted (loss.gamma).
 DISCOUNTED = ("reinforce_pp", "gae")
 # The advantages divided by a std of the rewards, and the stds they may take: their group's
-# or the whole batch's (dr_grpo is grpo divided by none; rloo and opo have none).
+# or the whole batch's (dr_grpo is grpo divided by none; rloo and opo have none; gpg takes
+# one when set, else none, as its paper).
 SCALED_ADVANTAGES = ("grpo", "mc_grpo", "passk")
 SCALE_REWARDS = ("group", "batch")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "geo_mean", "clip_cov", "kl_cov", "sapo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "geo_mean", "clip_cov", "kl_cov", "sapo", "pg")
 # The policy losses that clip no ratio (loss.clip_low and clip_high stay unset).
-UNCLIPPED = ("kl_cov", "sapo")
+UNCLIPPED = ("kl_cov", "sapo", "pg")
 # Each policy loss's clip bounds and aggregation as published, for the fields left unset:
 # PPO with DAPO's clip-higher; GSPO's bounds of a length-normalised sequence ratio, averaged
 # per sequence (token-mean would weigh a sequence by its length); CISPO with no floor on the
@@ -56,7 +57,8 @@ POLICY_DEFAULTS = {"ppo": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),
                    "geo_mean": dict(clip_low=0.4, clip_high=0.4, agg="seq-mean-token-mean"),
                    "clip_cov": dict(clip_low=0.2, clip_high=0.28, agg="token-mean"),  # PPO's
                    "kl_cov": dict(agg="token-mean"),  # it clips no ratio
-                   "sapo": dict(agg="seq-mean-token-mean")}  # its soft gate clips none
+                   "sapo": dict(agg="seq-mean-token-mean"),  # its soft gate clips none
+                   "pg": dict(agg="token-mean")}  # verl's gpg
 CORRECTIONS = ("none", "tis", "mis", "decoupled", "m2po")
 REWARD_AGGREGATIONS = ("sum", "normalize_then_sum")
 
@@ -73,7 +75,10 @@ class LossConfig:
   # mean baseline) | passk (only each group's best sample learns: pass@k training) |
   # reinforce_pp (verl's reinforce_plus_plus: each token's return, whitened over the batch's
   # tokens) | reinforce_pp_baseline (verl's reinforce_plus_plus_baseline: the score minus
-  # its group's mean, whitened over the batch's tokens) | gae (PPO's generalized advantage
+  # its group's mean, whitened over the batch's tokens) | gpg (GPG: r - group mean, the
+  # batch scaled by B / (B - M), M its samples in groups of all-equal rewards, so those
+  # groups do not shrink the gradient; divided by a std only with scale_rewards set; pair
+  # it with policy_loss="pg", as GPG does) | gae (PPO's generalized advantage
   # estimation over a critic's values, the critic trained beside the policy: the `critic`
   # block; verl's "gae"). These three are per token.
   advantage: str = "grpo"
@@ -83,7 +88,8 @@ class LossConfig:
   lam: float = 1.0
   # grpo and mc_grpo: divide by the std of the sample's group ("group") or of the whole
   # batch's rewards ("batch", around each group's baseline: TRL's scale_rewards="batch");
-  # None: "group". Unset for dr_grpo and rloo, which divide by no std.
+  # None: "group". Unset for dr_grpo and rloo, which divide by no std; gpg: None divides by
+  # none (GPG's F_norm = 1), "group" or "batch" as grpo's.
   scale_rewards: str | None = None
   std_eps: float = 1e-6  # grpo, mc_grpo: (r - baseline) / (std + std_eps); TRL's is 1e-4
   # sum: the advantages of each sample's reward, the workers' weighted sum of its parts |
@@ -101,7 +107,8 @@ class LossConfig:
   # space to [-clip_low, clip_high]) | clip_cov (Clip-Cov: PPO-clip, a random few of the
   # tokens of high covariance left without gradient; below) | kl_cov (KL-Cov: unclipped,
   # its most covarying tokens held by a KL term; below) | sapo (SAPO: a soft gate of the
-  # ratio in place of the clip; below)
+  # ratio in place of the clip; below) | pg (the plain policy gradient -A log pi, no ratio
+  # and no clip: GPG's loss, verl's gpg)
   policy_loss: str = "ppo"
   # none | tis (truncated IS) | mis (masked IS) | decoupled (decoupled PPO) | m2po (M2PO:
   # unclipped ratio, tokens of largest (log pi_prox/pi_behav)^2 masked)
@@ -222,9 +229,10 @@ class LossConfig:
     need(self.advantage not in TOKEN_ADVANTAGES or self.scale_rewards is None,
          "scale_rewards", f"unset with advantage={self.advantage!r}, which whitens over the "
          "batch's tokens itself")
-    need(self.advantage in SCALED_ADVANTAGES or self.scale_rewards is None, "scale_rewards",
+    need(self.advantage in SCALED_ADVANTAGES or self.scale_rewards is None
+         or (self.advantage == "gpg" and self.scale_rewards in SCALE_REWARDS), "scale_rewards",
          f"unset with advantage={self.advantage!r}, which divides by no std (grpo and "
-         "mc_grpo do)")
+         f"mc_grpo do; gpg takes one of {SCALE_REWARDS})")
     need(_is_number(self.gamma) and 0 < self.gamma <= 1, "gamma", "a discount in (0, 1]")
     need(self.gamma == 1 or self.advantage in DISCOUNTED, "gamma",
          f"1.0 with advantage={self.advantage!r} (only {' and '.join(DISCOUNTED)} discount "
@@ -270,7 +278,8 @@ class LossConfig:
       need(self.clip_low is None and self.clip_high is None, "clip_low",
            f"unset with policy_loss={self.policy_loss!r} (it clips no ratio: "
            + {"kl_cov": "its kl_cov_ratio of tokens are held by a KL term instead)",
-              "sapo": "a soft gate bounds each token's step instead)"}[self.policy_loss])
+              "sapo": "a soft gate bounds each token's step instead)",
+              "pg": "the plain policy gradient takes no ratio)"}[self.policy_loss])
     for field in ("sapo_tau_pos", "sapo_tau_neg"):
       value = getattr(self, field)
       need(_is_number(value) and math.isfinite(value) and value > 0, field,
@@ -468,6 +477,9 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
                                  num_groups, mask)
   elif cfg.advantage == "passk":
     adv = adv_lib.passk_advantages(rewards, group_ids, num_groups, mask, **scaling)
+  elif cfg.advantage == "gpg":
+    adv = adv_lib.gpg_advantages(rewards, group_ids, num_groups, mask, eps=cfg.std_eps,
+                                 std_scaling=cfg.scale_rewards or "none")
   else:
     adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
     mask = mask * keep.astype(mask.dtype)
@@ -687,7 +699,8 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                                              kl_cov_coef=cfg.kl_cov_coef,
                                              cov_stats=cov_stats),
                  "sapo": functools.partial(losses.sapo_loss, tau_pos=cfg.sapo_tau_pos,
-                                           tau_neg=cfg.sapo_tau_neg)}[cfg.policy_loss]
+                                           tau_neg=cfg.sapo_tau_neg),
+                 "pg": losses.pg_loss}[cfg.policy_loss]
   trained = mask  # the tokens that get policy loss
   if cfg.top_entropy_quantile < 1:  # the others weigh 0 and still count in its mean
     if entropy_threshold is None:

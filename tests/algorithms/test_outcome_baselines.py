@@ -1,12 +1,13 @@
-"""OPO's length-weighted baseline and pass@k's best-of-group advantage against verl's
-per-group loops (ported to numpy here), hand values, padding and bad input."""
+"""OPO's length-weighted baseline, pass@k's best-of-group advantage and GPG's batch-scaled
+one against verl's per-group loops or the paper (ported to numpy here), hand values,
+padding and bad input."""
 
 import math
 
 import numpy as np
 import pytest
 
-from algorithms.advantages import opo_advantages, passk_advantages
+from algorithms.advantages import gpg_advantages, opo_advantages, passk_advantages
 
 
 def _verl_opo(rewards, lengths, ids):
@@ -77,9 +78,32 @@ def test_random_unequal_padded_groups_match_verls_loops(norm):
   assert not opo[n:].any() and not passk[n:].any()
 
 
+def test_gpg_scales_the_batch_by_its_share_of_groups_that_learn():
+  # 3 groups, 8 samples: group 1's rewards are all equal and group 2 has one sample, so
+  # M = 3 + 1 of B = 8 learn nothing; the others' r - mean is scaled by 8 / 4 = 2.
+  rewards = np.array([1, 0, 0, 1, 0.5, 0.5, 0.5, 7], np.float32)
+  ids = np.array([0, 0, 0, 0, 1, 1, 1, 2], np.int32)
+  got = np.asarray(gpg_advantages(rewards, ids, 3))
+  np.testing.assert_allclose(got, [1, -1, -1, 1, 0, 0, 0, 0], atol=1e-6)
+  # F_norm = the group's std (GPG with std): GRPO's advantage times the same alpha.
+  std = np.std([1, 0, 0, 1], ddof=1)
+  got = np.asarray(gpg_advantages(rewards, ids, 3, std_scaling="group", eps=0.0))
+  np.testing.assert_allclose(got, np.array([1, -1, -1, 1, 0, 0, 0, 0]) / std, rtol=1e-5)
+  # Every group learning: alpha 1, Dr. GRPO's advantage; padding counts in neither B nor M.
+  mask = np.array([1, 1, 1, 1, 1, 1, 0, 0], np.float32)
+  rewards = np.array([1, 0, 0, 1, 0, 3, 9, 9], np.float32)
+  got = np.asarray(gpg_advantages(rewards, np.array([0, 0, 0, 0, 1, 1, 1, 1]), 2, mask))
+  np.testing.assert_allclose(got, [0.5, -0.5, -0.5, 0.5, -1.5, 1.5, 0, 0], atol=1e-6)
+  # No group learning: all 0, never NaN.
+  got = np.asarray(gpg_advantages(np.ones(4, np.float32), np.array([0, 0, 1, 1]), 2))
+  assert np.all(got == 0)
+
+
 def test_bad_input_names_the_argument():
   with pytest.raises(ValueError, match="lengths: expected shape \\(3,\\)"):
     opo_advantages(np.ones(3), np.ones(2), np.zeros(3, np.int32), 1)
   with pytest.raises(ValueError, match="std_scaling: expected one of"):
     passk_advantages(np.ones(3), np.zeros(3, np.int32), 1, std_scaling="max")
+  with pytest.raises(ValueError, match="std_scaling: expected one of"):
+    gpg_advantages(np.ones(3), np.zeros(3, np.int32), 1, std_scaling="max")
   assert math.isfinite(float(passk_advantages(np.ones(2), np.zeros(2, np.int32), 1)[0]))

@@ -407,3 +407,25 @@ def test_sapo_gates_each_tokens_step_softly_as_verl_does(tau_pos, tau_neg):
   np.testing.assert_allclose(at_one, -adv * mask / n / 3, rtol=1e-5, atol=1e-7)
   with pytest.raises(ValueError, match="tau_pos/tau_neg: expected temperatures > 0"):
     sapo_loss(jnp.asarray(logp), old, adv[:, 0], mask, tau_pos=0.0)
+
+
+def test_the_plain_policy_gradient_weighs_each_log_prob_by_its_advantage_as_verl_gpg():
+  from algorithms.losses import pg_loss
+  rng = np.random.default_rng(3)
+  old = rng.normal(-2.0, 0.5, (3, 5)).astype(np.float32)
+  logp = (old + rng.normal(0, 0.8, (3, 5))).astype(np.float32)  # far off-policy: no clip
+  adv = np.array([1.5, -0.7, 0.0], np.float32)
+  mask = (np.arange(5)[None, :] < np.array([[5], [3], [2]])).astype(np.float32)
+  weights = rng.uniform(0.5, 2.0, (3, 5)).astype(np.float32)
+  loss, metrics = pg_loss(jnp.asarray(logp), old, adv, mask, token_weights=weights)
+  # verl's compute_policy_loss_gpg: token-mean of -log pi * A (its IS weights multiplying).
+  want = np.sum(-logp * adv[:, None] * weights * mask) / mask.sum()
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  assert float(metrics["clip_frac"]) == 0.0
+  grad = np.asarray(jax.grad(lambda lp: pg_loss(lp, old, adv, mask, token_weights=weights)[0])(
+      jnp.asarray(logp)))
+  np.testing.assert_allclose(grad, -adv[:, None] * weights * mask / mask.sum(), rtol=1e-5)
+  # The ratio enters nothing but its metrics: the old log-probs leave loss and gradient be.
+  other = pg_loss(jnp.asarray(logp), old - 1.0, adv, mask, token_weights=weights)
+  np.testing.assert_allclose(other[0], loss, rtol=1e-6)
+  assert float(other[1]["ratio_mean"]) > float(metrics["ratio_mean"])

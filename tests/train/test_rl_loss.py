@@ -74,6 +74,9 @@ def test_dr_grpo_and_rloo_use_their_own_baselines():
   batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
   dr = np.asarray(group_advantages(batch, 2, LossConfig(advantage="dr_grpo"))[0]).reshape(4, 4)
   np.testing.assert_allclose(dr[1], [0.4, 0.4, -0.6, -0.6], rtol=1e-6)
+  # GPG: both groups' rewards vary, so nothing is scaled: Dr. GRPO's advantages.
+  gpg = np.asarray(group_advantages(batch, 2, LossConfig(advantage="gpg"))[0]).reshape(4, 4)
+  np.testing.assert_allclose(gpg, dr, rtol=1e-6, atol=1e-7)
   rloo = np.asarray(group_advantages(batch, 2, LossConfig(advantage="rloo"))[0]).reshape(4, 4)
   np.testing.assert_allclose(rloo[0, :3], [1.0, -0.5, -0.5], rtol=1e-6)  # r - mean(others)
   # OPO: each group's length-weighted mean reward as baseline, from the samples' own lengths.
@@ -196,6 +199,22 @@ def test_packed_loss_and_gradient_equal_the_objective_on_separate_sequences(corr
     assert any(len(r) > 5 - overlong for g in GROUPS for r in g.responses)
 
 
+def test_gpg_trains_each_token_on_its_batch_scaled_advantage():
+  # Group 0's rewards all equal: 3 of the batch's 8 samples learn nothing, so group 1's
+  # r - mean is scaled by 8 / 5; the loss is the token mean of -A log pi (no ratio).
+  groups = [dataclasses.replace(GROUPS[0], rewards=np.ones(3, np.float32)), GROUPS[1]]
+  batch = {k: jnp.asarray(v) for k, v in build_batch(groups, SHAPE).items()}
+  graphdef, params = _model()
+  cfg = LossConfig(advantage="gpg", policy_loss="pg", backend="xla")
+  loss, metrics = jax.jit(functools.partial(rl_loss, graphdef=graphdef, batch=batch,
+                                            ref_params=None, num_groups=2, cfg=cfg))(params)
+  advs = [0.0] * 3 + list((np.asarray(REWARDS[1]) - 0.6) * 8 / 5)
+  logps = _separate_logprobs(graphdef, params)
+  want = sum(-a * float(jnp.sum(lp)) for a, lp in zip(advs, logps)) / sum(map(len, logps))
+  np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-6)
+  assert float(metrics["clip_frac"]) == 0.0
+
+
 def test_an_environments_tokens_are_context_not_trained_on():
   # Multi-turn: the second and third tokens of every longer response are an environment's
   # reply. The loss and its gradient are the objective over the policy's tokens alone (the
@@ -267,6 +286,12 @@ def test_bad_loss_settings_name_the_field(field, value, message):
   with pytest.raises(ValueError, match="loss.clip_low: expected unset with policy_loss='sapo' "
                                        r"\(it clips no ratio: a soft gate"):
     LossConfig(policy_loss="sapo", clip_low=0.2)
+  with pytest.raises(ValueError, match="loss.clip_low: expected unset with policy_loss='pg' "
+                                       r"\(it clips no ratio: the plain policy gradient"):
+    LossConfig(policy_loss="pg", clip_high=0.28)
+  with pytest.raises(ValueError, match="loss.scale_rewards: expected unset with "
+                                       "advantage='gpg'.*gpg takes one of"):
+    LossConfig(advantage="gpg", scale_rewards="max")
 
 
 def test_each_policy_loss_takes_its_own_clip_and_aggregation_unless_set():
@@ -293,6 +318,10 @@ def test_each_policy_loss_takes_its_own_clip_and_aggregation_unless_set():
   sapo = LossConfig.from_config(config.loss)
   assert (sapo.clip_low, sapo.clip_high, sapo.agg, sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (
       None, None, "seq-mean-token-mean", 1.0, 1.05)
+  gpg = LossConfig.from_config(config_files.load(os.path.join(repo, "configs", "rl_gpg.py"))
+                               .loss)
+  assert (gpg.advantage, gpg.policy_loss, gpg.clip_low, gpg.clip_high, gpg.agg,
+          gpg.scale_rewards) == ("gpg", "pg", None, None, "token-mean", None)
 
 
 def test_bad_groups_are_refused_naming_the_rollout_and_field():
