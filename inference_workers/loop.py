@@ -316,8 +316,9 @@ class Worker:
     self._slots = 1  # prompts the batch decodes at once (set when it is made)
     self._pending: collections.deque[tuple[str, pb.Prompt]] = collections.deque()
     self._started: dict[tuple[str, str], tuple[pb.Prompt, int]] = {}
-    # Finished groups being scored and submitted on the submitter's thread while decoding
-    # goes on, by prompt key, in the order they finished (continuous batching).
+    # Finished groups being scored and submitted on the submitter's threads while decoding
+    # goes on, by prompt key, in the order they finished (continuous batching): several at
+    # once, so a group held by one slow test does not hold the next groups' scoring.
     self._scoring: dict[tuple[str, str], concurrent.futures.Future] = {}
     self._submitter: concurrent.futures.ThreadPoolExecutor | None = None
     # Adaptive allocators' rounds: a thread per prompt of a round, scoring each prompt's
@@ -575,7 +576,8 @@ class Worker:
           logging.warning("worker: stopping with the server unreachable; not done: %s (a "
                           "lease left open is served again when it expires)", e)
           return None
-        self.stats.reconnects += 1
+        with self._lock:
+          self.stats.reconnects += 1
         wait = next(delays)
         logging.warning("worker: server unreachable (%s); retrying until it answers or the worker "
                         "stops (no deadline), next in %.1fs", e.code.name, wait)
@@ -909,9 +911,10 @@ class Worker:
     return ids
 
   def _submit_group(self, lease_id: str, prompt_id: str, samples: list[Sample]) -> None:
-    """Hand one finished group to the submitter's thread, which scores and submits it while
+    """Hand one finished group to the submitter's threads, which score and submit it while
     decoding goes on (`_send`); one of an abandoned lease, or under the staleness floor,
-    is settled here."""
+    is settled here. As many groups as worker.scoring_threads are scored at once, their
+    samples sharing the scoring threads (1: one sample at a time, on one thread)."""
     key = (lease_id, prompt_id)
     prompt, version = self._started.pop(key)
     given = self._given.pop(key, {})
@@ -924,8 +927,9 @@ class Worker:
       self._release_stale(lease_id, [prompt_id])
       self._settle(lease_id)
     else:
-      if self._submitter is None:  # one thread: groups go out in the order they finished
-        self._submitter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="submit")
+      if self._submitter is None:
+        self._submitter = concurrent.futures.ThreadPoolExecutor(
+            self.config.scoring_threads, thread_name_prefix="submit")
       self._scoring[key] = self._submitter.submit(
           self._score_and_send, lease_id, prompt_id, prompt, (version, self.policy.version),
           samples, given)
@@ -933,7 +937,7 @@ class Worker:
   def _score_and_send(self, lease_id: str, prompt_id: str, prompt: pb.Prompt,
                       versions: tuple[int, int], samples: list[Sample],
                       given: dict[int, list]) -> ParamServerError | None:
-    """(The submitter's thread.) Score a finished group, then `_send` it. `versions`: the
+    """(A submitter's thread.) Score a finished group, then `_send` it. `versions`: the
     oldest and the newest it was sampled with (the one held when it finished)."""
     rewards, passed, parts = self._scored(prompt, samples, given)
     return self._send(lease_id, prompt_id, self._group(prompt, versions[0], samples, rewards,

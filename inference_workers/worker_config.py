@@ -82,9 +82,10 @@ class WorkerConfig:
   environment_threads: int = setting(8, "multi-turn: environment calls run at once (on threads, "
                                      "while decoding goes on); 1 for one that is not "
                                      "thread-safe")
-  scoring_threads: int = setting(8, "a group's samples are scored by its verifier (and reward "
-                                 "terms) this many at once, on threads: a code task's tests "
-                                 "run side by side; 1 for a verifier that is not thread-safe")
+  scoring_threads: int = setting(8, "finished samples are scored by their verifier (and "
+                                 "reward terms) this many at once, on threads, of one group "
+                                 "or several: a code task's tests run side by side; 1 for a "
+                                 "verifier that is not thread-safe")
   reward_model: str = setting("", "a reward model checkpoint (an HF *ForSequenceClassification "
                               "folder): it scores prompts of task reward_model, and adds "
                               "reward_model_weight x its score to every other task's reward")

@@ -740,6 +740,41 @@ def test_decoding_goes_on_while_a_finished_group_is_scored(server, versions):
     assert st.prompts_leased == 0 and st.prompts_queued == 0
 
 
+def test_a_group_held_by_one_slow_test_does_not_hold_the_next_groups(server, versions):
+  """Finished groups are scored side by side on the submitter's threads: while the first
+  verifier call (a straggling test) is held, the groups that finish after its group are
+  scored and submitted; then every group reaches the server, scored."""
+  release, calls, lock = threading.Event(), [0], threading.Lock()
+
+  def verifier(completion, reference):
+    with lock:
+      calls[0] += 1
+      first = calls[0] == 1
+    if first:
+      release.wait(60)
+    return VerifierResult(1.0, True)
+
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    ids = enqueue_addition(trainer, 4)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=2, scoring_threads=2,
+                                                        **SMALL),
+                    verifier_for=lambda task: Guarded(task, verifier))
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while worker.stats.groups_submitted < 1 and time.monotonic() < deadline:
+      time.sleep(0.02)
+    submitted_while_held = worker.stats.groups_submitted
+    release.set()
+    runner.join(60)
+    assert submitted_while_held >= 1 and worker.stats.groups_submitted == 4
+    take = trainer.take_rollouts(min_version=0, max_n=10)
+    assert sorted(r.group.prompt_id for r in take.rollouts) == sorted(ids)
+    assert all(s.reward == 1.0 for r in take.rollouts for s in r.group.samples)
+    assert trainer.stats().prompts_leased == 0
+
+
 def test_a_stop_sends_the_group_being_scored_within_the_grace_period(server, versions):
   """A stop while a finished group is being scored: the group is still sent (scored), the
   other prompt goes back or is sent too, and no lease is left open."""
