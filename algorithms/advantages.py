@@ -1,6 +1,6 @@
-"""Group-relative advantage estimators: GRPO (and Dr. GRPO), GDPO, GPG, MC-GRPO, RLOO, OPO, pass@k,
-verl's REINFORCE++ (with and without its group baseline) and GAE over a critic's values,
-whose advantages are per token.
+"""Group-relative advantage estimators: GRPO (and Dr. GRPO), GDPO, GPG, MC-GRPO, RLOO, OPO,
+pass@k, verl's REINFORCE++ (with and without its group baseline), GAE over a critic's
+values and on-policy distillation's reverse KL to a teacher, whose advantages are per token.
 
 Inputs use the flat layout of `algorithms.groups`: `rewards [B]`, `group_ids [B]`
 (ints in `[0, num_groups)`, `num_groups` static), optional `sample_mask [B]`; the
@@ -196,6 +196,19 @@ def passk_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
   if std_scaling == "batch":
     return _scale(gap, _batch_std(rewards, mask, unbiased), eps)
   return gap
+
+
+def distillation_advantages(student_logp, teacher_logp, token_mask):
+  """On-policy distillation (as Thinking Machines' and Qwen3's): each sampled token's
+  advantage is minus its reverse KL to the teacher, log pi_teacher - log pi_student, on the
+  tokens of `token_mask` [B, T] (0 elsewhere); no discount, no whitening. The student's
+  log-probs are those it sampled with, so the signal costs the teacher's forward alone."""
+  student_logp, teacher_logp = jnp.asarray(student_logp), jnp.asarray(teacher_logp)
+  if student_logp.ndim != 2 or teacher_logp.shape != student_logp.shape:
+    raise ValueError(f"teacher_logp: expected the student's shape {student_logp.shape} "
+                     f"([B, T]), got {teacher_logp.shape}")
+  token_mask = jnp.asarray(token_mask, jnp.float32)
+  return jnp.where(token_mask > 0, teacher_logp - student_logp, 0.0) * token_mask
 
 
 def masked_whiten(values, mask):

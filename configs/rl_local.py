@@ -105,7 +105,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # grpo | dr_grpo | rloo | mc_grpo | opo | passk (pass@k training) | gpg (GPG: r - group
   # mean, scaled by B / (B - M) for the M samples of all-equal groups; with policy_loss pg) |
   # reinforce_pp | reinforce_pp_baseline (verl's REINFORCE++: per-token, whitened over the
-  # batch's tokens) | gae (PPO with a critic: the `critic` block; configs/rl_ppo.py)
+  # batch's tokens) | gae (PPO with a critic: the `critic` block; configs/rl_ppo.py) | opd
+  # (on-policy distillation: each sampled token's log pi_teacher - log pi_sampled, the
+  # `teacher` block's model; configs/rl_distill.py)
   c.loss.advantage = "grpo"
   c.loss.gamma = 1.0  # reinforce_pp, gae: the returns' discount (verl's algorithm.gamma)
   c.loss.lam = 1.0  # gae: its lambda (verl's algorithm.lam)
@@ -210,6 +212,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.critic.value_clip = 0.5
   c.critic.warmup_steps = 0
   c.critic.init_from_hf = ""
+
+  # On-policy distillation's teacher (loss.advantage="opd"; configs/rl_distill.py): an HF
+  # checkpoint folder of the policy's tokenizer, on the trainer's mesh, that scores every
+  # sampled token once a step.
+  c.teacher = ml_collections.ConfigDict()
+  c.teacher.path = ""
 
   c.mesh = ml_collections.ConfigDict(c.sft.mesh.to_dict())
 

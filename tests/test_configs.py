@@ -31,7 +31,14 @@ def test_recipe_loads_and_is_consistent(path):
   assert doc.splitlines()[0].startswith(f"rlax-ps local --config={name} ")
   for variant in (None, "tiny"):
     c = load(path, variant)
-    check_rl_config(c)
+    if "--config.teacher.path=" in doc:  # the command names the required teacher
+      with pytest.raises(ValueError, match="teacher.path: expected an HF checkpoint folder "
+                                           "with loss.advantage='opd'"):
+        check_rl_config(c)
+      c.teacher.path = "TEACHER_PATH"
+      check_rl_config(c, files=False)
+    else:
+      check_rl_config(c)
     worker = c.worker.to_dict()
     assert set(WorkerConfig.__dataclass_fields__) - set(worker) == {"name", "seed"}
     if "--config.worker.reward_model=" in doc:  # the command names the required checkpoint

@@ -88,7 +88,7 @@ def _holds_the_trainers_weights(workdir, workers=2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["rl_vigor", "rl_sync", "rl_decoupled", "rl_dapo",
-                                    "rl_int8_tis"])
+                                    "rl_int8_tis", "rl_gpg"])
 def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
   """Every recipe the README lists runs as `rlax-ps local` does it: versions advance, the
   groups are trained on once, the workers end on the trainer's weights, and the recipe's

@@ -56,6 +56,7 @@ from rlax_ps.train.critic import Critic
 from rlax_ps.train.state import (TrainState, abstract_model, hf_params, restore_or_init,
                                  restore_state)
 from rlax_ps.train.step import apply_gradients, jit_step
+from rlax_ps.train.teacher import Teacher
 from rlax_ps.train.trainable import trainable_value_and_grad
 
 
@@ -303,6 +304,12 @@ class RLTrainer(TrainerRun):
     self.ref_sync_steps, ref_alpha = ref_sync_settings(rl, self.loss_cfg,
                                                        self.model_config.lora_rank)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
+    self.teacher = None  # loss.advantage="opd": the model each sampled token is scored by
+    if self.loss_cfg.advantage == "opd":
+      self.teacher = Teacher(str(config.teacher.path), self.mesh,
+                             vocab_size=self.tokenizer.vocab_size,
+                             dtype=self.model_config.dtype, backend=self.loss_cfg.backend,
+                             logits_chunk=self.loss_cfg.logits_chunk)
     self.warn_unsplit_rows(self.shape.groups, self.micro_batches,  # a packed row per group
                            f"rl.groups_per_step={self.shape.groups}, "
                            f"rl.micro_batches={self.micro_batches}")
@@ -657,6 +664,8 @@ class RLTrainer(TrainerRun):
     for capacity in response_lens(self.shape.response_len, self.response_buckets):
       shape = dataclasses.replace(self.shape, response_len=capacity)
       host = empty_batch(rows, shape, self.tokenizer.pad_id)
+      if self.teacher is not None:  # its log-probs join the batch (float32, as the student's)
+        host["teacher_logp"] = host["behaviour_logp"]
       if self.critic is not None:  # its values join the batch (float32, as the log-probs),
         host["values"] = host["behaviour_logp"]  # and the reference's log-probs it computes
         if needs_reference(self.loss_cfg):
@@ -794,6 +803,9 @@ class RLTrainer(TrainerRun):
         if batch is None:  # done, or stopped while waiting
           break
         placed = shd.shard_batch(self.mesh, batch)
+        if self.teacher is not None:  # once a step, whatever the updates
+          placed["teacher_logp"] = self.teacher.logprobs(placed)
+          batch["teacher_logp"] = shd.to_host(placed["teacher_logp"])  # the completions log's
         if self.critic is not None:  # its values (and returns) before either update
           targets, update = self._critic_for(batch)
           values, returns, ref_logp = self.critic.targets(
@@ -1162,7 +1174,8 @@ class RLTrainer(TrainerRun):
       record.update(passed_over=self.retired, uniform_records=len(self.streaks))
     if "entropy_coef" in metrics:  # loss.adaptive_entropy's, for the next step
       record["entropy_coef"] = metrics["entropy_coef"]
-    for k in ("reward_kl", "kl_in_reward"):  # loss.kl_in_reward's KL; loss.kl_target's beta
+    # loss.kl_in_reward's KL; loss.kl_target's beta; loss.advantage="opd"'s reverse KL left
+    for k in ("reward_kl", "kl_in_reward", "teacher_kl"):
       if k in metrics:
         record[k] = metrics[k]
     for k in ("vf_loss", "value_explained_var"):  # loss.advantage="gae": the critic's

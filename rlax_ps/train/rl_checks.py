@@ -60,8 +60,13 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                      f"coefficient adapts after each update from its entropy, as TRL's; a "
                      f"batch's updates run as one step), got {updates}")
   ref_sync_settings(rl, loss, int(config.model.get("lora_rank", 0)))
+  teacher = str((config.get("teacher") or {}).get("path", ""))
+  if (loss.advantage == "opd") != bool(teacher):
+    raise ValueError(f"teacher.path: expected an HF checkpoint folder with loss.advantage="
+                     f"'opd' and none without, got {teacher!r} with loss.advantage="
+                     f"{loss.advantage!r}")
   samples, allocator = int(worker.samples_per_prompt), str(worker.get("allocator", "fixed"))
-  if allocator == "fixed" and samples < 2:
+  if allocator == "fixed" and samples < 2 and loss.advantage != "opd":
     raise ValueError(f"worker.samples_per_prompt: loss.advantage={loss.advantage!r} weighs "
                      f"each sample against the others of its group; expected >= 2, got "
                      f"{samples} (every advantage would be 0)")
@@ -124,9 +129,15 @@ def _check_files(config) -> None:
   if config.get("init_from_hf", "") or str(block.get("kind", "char")) == "char":
     tokenizer = tokenizer_from_config(block, config.get("init_from_hf", ""),
                                       tool_modules=str(worker.get("verifiers", "")))
+  from rlax_ps.train.run import check_init_from_hf
   if config.get("init_from_hf", ""):
-    from rlax_ps.train.run import check_init_from_hf
     check_init_from_hf(str(config.init_from_hf))
+  teacher = str((config.get("teacher") or {}).get("path", ""))
+  if teacher:
+    try:
+      check_init_from_hf(teacher)
+    except ValueError as e:
+      raise ValueError(f"teacher.path: {str(e).removeprefix('init_from_hf: ')}") from None
   for field in ("jsonl", "heldout_jsonl"):
     path = config.data.get(field, "")
     if path:

@@ -33,9 +33,10 @@ from rlax_ps.models.transformer import load_balancing_loss
 from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "opo", "passk", "gpg", "reinforce_pp",
-              "reinforce_pp_baseline", "gae")
-# The advantages given per token ([rows * N, R]), whitened over the whole batch's tokens.
-TOKEN_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline", "gae")
+              "reinforce_pp_baseline", "gae", "opd")
+# The advantages given per token ([rows * N, R]): whitened over the whole batch's tokens, or
+# (opd) each token's own.
+TOKEN_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline", "gae", "opd")
 # The advantages whose returns are discounted (loss.gamma).
 DISCOUNTED = ("reinforce_pp", "gae")
 # The advantages divided by a std of the rewards, and the stds they may take: their group's
@@ -80,7 +81,9 @@ class LossConfig:
   # groups do not shrink the gradient; divided by a std only with scale_rewards set; pair
   # it with policy_loss="pg", as GPG does) | gae (PPO's generalized advantage
   # estimation over a critic's values, the critic trained beside the policy: the `critic`
-  # block; verl's "gae"). These three are per token.
+  # block; verl's "gae") | opd (on-policy distillation: each sampled token's advantage is
+  # log pi_teacher - log pi_sampled, minus its reverse KL to the `teacher` block's model;
+  # rewards do not enter). These four are per token.
   advantage: str = "grpo"
   # reinforce_pp and gae: the returns' discount (verl's algorithm.gamma); 1.0 for the others.
   gamma: float = 1.0
@@ -249,6 +252,9 @@ class LossConfig:
          "None with kl_in_reward=0 (it adapts the KL-in-reward coefficient, which starts there)")
     need(isinstance(self.kl_horizon, numbers.Integral) and not isinstance(self.kl_horizon, bool)
          and self.kl_horizon > 0, "kl_horizon", "a whole number of samples > 0")
+    need(not (self.kl_in_reward > 0 and self.advantage == "opd"), "kl_in_reward",
+         "0 with advantage='opd' (its advantages take no reward: the teacher's log-probs "
+         "are the signal)")
     need(not (self.kl_in_reward > 0 and self.reward_aggregation != "sum"), "kl_in_reward",
          f"0 with reward_aggregation={self.reward_aggregation!r} (the KL penalty is no "
          "reward part of its own)")
@@ -456,6 +462,10 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
                                           kl, beta)
     adv = adv_lib.reinforce_pp_advantages(token_rewards, tokens, gamma=cfg.gamma)
     return _without_truncated(adv, mask, batch, cfg)
+  if cfg.advantage == "opd":
+    return _without_truncated(adv_lib.distillation_advantages(
+        batch["behaviour_logp"].reshape(tokens.shape), teacher_logprobs(batch), tokens),
+        mask, batch, cfg)
   if cfg.advantage == "gae":  # (the KL penalty above checked; gae_targets applies it)
     adv, _, tokens = gae_targets(batch, cfg, ref_logp, kl_beta)
     return _without_truncated(adv_lib.masked_whiten(adv, tokens) * tokens, mask, batch, cfg)
@@ -484,6 +494,16 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
     adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
     mask = mask * keep.astype(mask.dtype)
   return _without_truncated(adv, mask, batch, cfg)
+
+
+def teacher_logprobs(batch: dict) -> jax.Array:
+  """[rows * N, R] the teacher's log-probs of the batch's sampled tokens, which the trainer
+  adds to the batch (`teacher_logp`, [rows, N, R]) for loss.advantage="opd"."""
+  if "teacher_logp" not in batch:
+    raise ValueError("loss.advantage: 'opd' needs the teacher's log-probs of the sampled "
+                     "tokens (the batch's teacher_logp: set teacher.path)")
+  t = batch["teacher_logp"]
+  return t.reshape(-1, t.shape[-1])
 
 
 def gae_targets(batch: dict, cfg: LossConfig, ref_logp: jax.Array | None = None,
@@ -766,6 +786,8 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   )
   if cfg.kl_in_reward > 0 and advantages is None:  # a slice's: the whole batch's is taken
     metrics["reward_kl"] = reward_kl_mean(batch, ref_logp, sample_mask, cfg)
+  if cfg.advantage == "opd":  # log pi_sampled - log pi_teacher: the reverse KL distilled away
+    metrics["teacher_kl"] = jnp.sum((behaviour - teacher_logprobs(batch)) * mask) / n_tok
   return loss, metrics, routing
 
 

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from algorithms.advantages import gpg_advantages, opo_advantages, passk_advantages
+from algorithms.advantages import (distillation_advantages, gpg_advantages, opo_advantages,
+                                   passk_advantages)
 
 
 def _verl_opo(rewards, lengths, ids):
@@ -97,6 +98,16 @@ def test_gpg_scales_the_batch_by_its_share_of_groups_that_learn():
   # No group learning: all 0, never NaN.
   got = np.asarray(gpg_advantages(np.ones(4, np.float32), np.array([0, 0, 1, 1]), 2))
   assert np.all(got == 0)
+
+
+def test_distillation_gives_each_token_minus_its_reverse_kl_to_the_teacher():
+  student = np.array([[-1.0, -2.0, -0.5], [-3.0, -1.0, -1.0]], np.float32)
+  teacher = np.array([[-1.5, -1.0, -0.5], [-2.0, -9.0, -1.0]], np.float32)
+  mask = np.array([[1, 1, 1], [1, 0, 0]], np.float32)
+  got = np.asarray(distillation_advantages(student, teacher, mask))
+  np.testing.assert_allclose(got, [[-0.5, 1.0, 0.0], [1.0, 0.0, 0.0]])
+  with pytest.raises(ValueError, match="teacher_logp: expected the student's shape"):
+    distillation_advantages(student, teacher[:, :2], mask)
 
 
 def test_bad_input_names_the_argument():

@@ -215,6 +215,60 @@ def test_gpg_trains_each_token_on_its_batch_scaled_advantage():
   assert float(metrics["clip_frac"]) == 0.0
 
 
+# Where each sample of GROUPS sits in BATCH: (row, slot).
+SLOTS = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3), (2, 0)]
+
+
+def test_opd_trains_each_token_on_the_teachers_log_prob_less_the_sampled_one():
+  # loss.advantage="opd": each token's advantage is log pi_teacher - log pi_behaviour (no
+  # baseline, no whitening), under the default PPO-clip (0.2 / 0.28), token mean.
+  teacher = np.random.default_rng(5).uniform(-4.0, -1.0, BATCH["behaviour_logp"].shape)
+  batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
+  batch["teacher_logp"] = jnp.asarray(teacher, jnp.float32)
+  graphdef, params = _model()
+  cfg = LossConfig(advantage="opd", backend="xla")
+  adv, _ = group_advantages(batch, 2, cfg)
+  adv = np.asarray(adv).reshape(4, 4, -1)
+  logps = _separate_logprobs(graphdef, params)
+  behav = [b for g in GROUPS for b in g.behaviour_logp]
+  total, kl, count = 0.0, 0.0, 0
+  for (row, slot), lp, b in zip(SLOTS, logps, behav):
+    a = teacher[row, slot, :len(b)] - b
+    np.testing.assert_allclose(adv[row, slot, :len(b)], a, rtol=1e-6)
+    assert not adv[row, slot, len(b):].any()
+    ratio = np.exp(np.asarray(lp) - b)
+    total += np.sum(np.maximum(-a * ratio, -a * np.clip(ratio, 0.8, 1.28)))
+    kl, count = kl + np.sum(b - teacher[row, slot, :len(b)]), count + len(b)
+  assert not adv[3].any() and not adv[0, 3].any()  # padding samples
+  loss, metrics = jax.jit(functools.partial(rl_loss, graphdef=graphdef, batch=batch,
+                                            ref_params=None, num_groups=2, cfg=cfg))(params)
+  np.testing.assert_allclose(loss, total / count, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(metrics["teacher_kl"], kl / count, rtol=1e-5)
+  del batch["teacher_logp"]
+  with pytest.raises(ValueError, match="loss.advantage: 'opd' needs the teacher's log-probs"):
+    group_advantages(batch, 2, cfg)
+  with pytest.raises(ValueError, match="loss.kl_in_reward: expected 0 with advantage='opd'"):
+    LossConfig(advantage="opd", kl_in_reward=0.1)
+
+
+def test_the_teacher_scores_each_sampled_token_as_its_model_does(tmp_path):
+  from rl_testlib import save_warm_start
+  from rlax_ps import sharding as shd
+  from rlax_ps.train.teacher import Teacher
+  model = save_warm_start(tmp_path, seed=5)  # another model than the policy: 32 wide
+  mesh = shd.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
+  teacher = Teacher(str(tmp_path), mesh, vocab_size=V, dtype="float32", backend="xla")
+  got = np.asarray(teacher.logprobs({k: jnp.asarray(v) for k, v in BATCH.items()}))
+  graphdef, params = nnx.split(model)
+  for (row, slot), want in zip(SLOTS, _separate_logprobs(graphdef, params)):
+    np.testing.assert_allclose(got[row, slot, :len(want)], want, rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match=r"teacher.path: .* scores \d+ token ids, the policy's "
+                                       "tokenizer gives 100000"):
+    Teacher(str(tmp_path), mesh, vocab_size=100000)
+  with pytest.raises(ValueError, match="teacher.path: HF checkpoint"):
+    Teacher(str(tmp_path / "missing"), mesh, vocab_size=V)
+
+
 def test_an_environments_tokens_are_context_not_trained_on():
   # Multi-turn: the second and third tokens of every longer response are an environment's
   # reply. The loss and its gradient are the objective over the policy's tokens alone (the

@@ -15,7 +15,7 @@ import pytest
 
 from param_server.client import (ParamServerClient, ParamServerError, RetryPolicy, RolloutGroup,
                                   make_sample)
-from rl_testlib import TOKENS, FakeWorker, client, rl_config, start_server
+from rl_testlib import TOKENS, FakeWorker, client, rl_config, save_warm_start, start_server
 from rlax_ps import sync
 from rlax_ps.sync.bits import BF16
 from rlax_ps.models import load_hf_checkpoint
@@ -490,6 +490,40 @@ def test_dynamic_sampling_leaves_out_uniform_groups_and_fills_at_the_cap(tmp_pat
     assert (s["filtered"], s["filled"]) == (2 * i, i)
   assert (summary["filtered"], summary["filled"]) == (6, 3)
   assert stats.rollouts_in_flight == 0  # those left out were acknowledged with their step
+
+
+def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
+  """loss.advantage="opd": each step the teacher (another tiny model) scores the sampled
+  tokens; the reverse KL the step logs is the fake worker's -1.5 a token less the teacher's
+  log-probs, near uniform over the tokenizer's ids."""
+  with pytest.raises(ValueError, match="teacher.path: expected an HF checkpoint folder with "
+                                       "loss.advantage='opd' and none without"):
+    bad = _config()
+    bad.loss.advantage = "opd"
+    RLTrainer(bad, str(tmp_path / "bad"), object())
+  save_warm_start(tmp_path / "teacher", seed=5)
+  config = _config(steps=2)
+  config.eval.num_examples = 0
+  config.loss.advantage, config.teacher.path = "opd", str(tmp_path / "teacher")
+  logged = []
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4).start()
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"),
+                                                            tc) as tr:
+      log_step = tr._log_step
+      tr._log_step = lambda record, metrics: (logged.append(dict(metrics)),
+                                              log_step(record, metrics))
+      summary = tr.train()
+      vocab = tr.tokenizer.vocab_size
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+  assert summary["step"] == 2 and len(logged) == 2
+  for m in logged:
+    assert abs(m["teacher_kl"] - (np.log(vocab) - 1.5)) < 0.5, m["teacher_kl"]
+  steps = _lines(tmp_path / "rl" / "steps.jsonl")  # and each step's line shows it
+  assert [s["teacher_kl"] for s in steps] == pytest.approx([m["teacher_kl"] for m in logged])
 
 
 def test_dynamic_sampling_is_refused_with_vigor_naming_the_field(tmp_path):
