@@ -5,6 +5,8 @@ publications at the same step count.
     python benchmarks/rl_learning.py                       # 10 min each, seed 0
     python benchmarks/rl_learning.py --minutes 2 --no-int8 # a quick look
     python benchmarks/rl_learning.py --minutes 5 --no-int8 --no-sft --losses=kl_cov,clip_cov
+    python benchmarks/rl_learning.py --minutes 5 --no-int8 --no-sft --recipes=rl_gpg
+    python benchmarks/rl_learning.py --minutes 5 --no-int8 --distill  # SFT more as teacher
 
 The warm start is the unchanged `rlax-ps sft` default (configs/sft_tiny.py), trained once in
 <workdir>/sft. Then, each from that warm start:
@@ -12,7 +14,9 @@ The warm start is the unchanged `rlax-ps sft` default (configs/sft_tiny.py), tra
   RL int8   configs/rl_int8_tis.py for the same number of steps as the bf16 run;
   RL PPO    (--ppo) configs/rl_ppo.py, PPO with a critic, for --minutes of RL wall time;
   RL <loss> (--losses) the bf16 recipe with that loss.policy_loss, for --minutes each;
-  SFT more  the SFT run continued (its checkpoint, a longer schedule) for --minutes.
+  RL <recipe> (--recipes) configs/<recipe>.py, for --minutes each;
+  SFT more  the SFT run continued (its checkpoint, a longer schedule) for --minutes;
+  OPD       (--distill) configs/rl_distill.py for --minutes, the SFT-more model the teacher.
 Columns: held-out exact match (greedy; per task and all), pass@1 and pass@8 (T=1),
 optimizer steps and wall time; the last line gives the gains over the warm start.
 Everything runs on this machine's CPUs (2 cores: about 3 x --minutes plus the warm start).
@@ -68,6 +72,7 @@ def run_sft_more(sft_dir: str, workdir: str, seconds: float, pass_k: int) -> dic
                                     temperature=1.0,
                                     seed=int(config.eval.seed),
                                     batch_size=int(config.eval.batch_size))
+    trainer.export_hf()  # <workdir>/hf: the teacher of --distill
     return {"step": trainer.step - start_step, "seconds": time.time() - t0,
             "heldout_exact_match": result, "heldout_pass": passes}
 
@@ -107,6 +112,11 @@ def main() -> None:
                       help="also PPO with a critic (configs/rl_ppo.py) for --minutes")
   parser.add_argument("--losses", default="", help="comma-separated loss.policy_loss values "
                       "(e.g. kl_cov,clip_cov): the bf16 recipe with each, for --minutes")
+  parser.add_argument("--recipes", default="", help="comma-separated recipes of configs/ "
+                      "(e.g. rl_gpg,rl_dapo): each for --minutes")
+  parser.add_argument("--distill", action="store_true",
+                      help="also on-policy distillation (configs/rl_distill.py) for --minutes, "
+                      "the SFT-more run's model its teacher (implies the SFT baseline)")
   args = parser.parse_args()
   seconds = 60.0 * args.minutes
   sft_dir = os.path.join(args.workdir, "sft")
@@ -134,9 +144,18 @@ def main() -> None:
                                 warm, f"--config.rl.max_seconds={seconds}",
                                 "--config.rl.steps=1000000", f"--config.loss.policy_loss={loss}",
                                 seed)
-  if args.sft:
+  for recipe in filter(None, args.recipes.split(",")):
+    runs[f"RL {recipe}"] = run_rl(os.path.join(args.workdir, recipe), f"configs/{recipe}.py",
+                                  warm, f"--config.rl.max_seconds={seconds}",
+                                  "--config.rl.steps=1000000", seed)
+  if args.sft or args.distill:
     runs["SFT more"] = run_sft_more(sft_dir, os.path.join(args.workdir, "sft_more"), seconds,
                                     pass_k)
+  if args.distill:
+    runs["OPD (SFT more teaches)"] = run_rl(
+        os.path.join(args.workdir, "rl_distill"), "configs/rl_distill.py", warm,
+        f"--config.rl.max_seconds={seconds}", "--config.rl.steps=1000000", seed,
+        f"--config.teacher.path={os.path.join(args.workdir, 'sft_more', 'hf')}")
   print()
   print(f"held-out accuracy after {args.minutes:g} min (2 CPU cores share the server, the "
         f"trainer and the workers); seed {args.seed}")
