@@ -1,12 +1,16 @@
 r"""rlax-ps local --config=configs/rl_distill.py --workdir=runs/rl_distill --config.teacher.path=TEACHER_HF_DIR
 
-On-policy distillation (as Thinking Machines' and Qwen3's): the workers sample from the
-student as in RL; the trainer's teacher, an HF checkpoint of the same tokenizer, scores
-every sampled token, and each token's advantage is log pi_teacher - log pi_sampled (minus
-the reverse KL to the teacher), trained with the bf16 recipe's PPO-clip. The rewards are
-logged, not trained on; train/teacher_kl is the reverse KL left. One sample a prompt
-suffices (no group baseline). Otherwise configs/rl_local.py. `:tiny` is the seconds-long
-smoke variant.
+On-policy distillation: the workers sample from the student as in RL; the trainer's
+teacher, an HF checkpoint of the same tokenizer, scores them once a step. Each sampled
+token's advantage is log pi_teacher - log pi_sampled (minus its reverse KL to the teacher,
+as Thinking Machines' and Qwen3's), trained with the bf16 recipe's PPO-clip, and at every
+sampled position the forward KL from the teacher's 8 most likely tokens to the student's
+joins the loss (GKD on the student's own samples: it names the token the teacher would
+have written, where the sampled one only says whether that one pleased it). Distillation
+is supervised learning: the warm start's final learning rate. The rewards are logged, not
+trained on; train/teacher_kl and train/distill_kl show what is left to learn. One sample a
+prompt suffices (no group baseline). Otherwise configs/rl_local.py. `:tiny` is the
+seconds-long smoke variant.
 """
 
 from rlax_ps.config_files import sibling
@@ -15,4 +19,6 @@ from rlax_ps.config_files import sibling
 def get_config(arg: str | None = None):
   c = sibling(__file__, "rl_local.py", arg)
   c.loss.advantage = "opd"
+  c.loss.distill_topk = 8
+  c.optimizer.lr = 3e-4  # where configs/sft_tiny.py decays to (3e-3 x 0.1)
   return c

@@ -170,6 +170,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.loss.entropy_coef_min = 0.0  # The adaptive coefficient's bounds.
   c.loss.entropy_coef_max = 1.0
   c.loss.kl_coef = 0.0  # > 0: KL to the warm start (frozen unless rl.ref_sync_steps).
+  # > 0: plus distill_coef x the forward KL from the `teacher` block's model's k most likely
+  # next tokens (renormalised) to the policy's, at every sampled position (GKD on the
+  # policy's own samples; configs/rl_distill.py).
+  c.loss.distill_topk = 0
+  c.loss.distill_coef = 1.0
   # > 0: each token's reward minus this times its KL to the warm start (verl's
   # use_kl_in_reward with a fixed kl_ctrl.kl_coef), the score on the last token.
   c.loss.kl_in_reward = 0.0

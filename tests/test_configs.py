@@ -33,7 +33,7 @@ def test_recipe_loads_and_is_consistent(path):
     c = load(path, variant)
     if "--config.teacher.path=" in doc:  # the command names the required teacher
       with pytest.raises(ValueError, match="teacher.path: expected an HF checkpoint folder "
-                                           "with loss.advantage='opd'"):
+                                           "with loss.advantage='opd' or loss.distill_topk"):
         check_rl_config(c)
       c.teacher.path = "TEACHER_PATH"
       check_rl_config(c, files=False)

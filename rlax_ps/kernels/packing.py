@@ -64,9 +64,11 @@ def response_logit_index(layout: SharedPromptLayout) -> jax.Array:
 
 
 def response_logprobs(logits, response_tokens, layout: SharedPromptLayout, *,
-                      with_entropy: bool = False):
+                      with_entropy: bool = False, targets=None):
   """logits [B, L, V] of the packed row -> log p(response token) [B, N, R], 0 at padding;
-  `with_entropy`: also the entropy of each response position's next-token distribution."""
+  `with_entropy`: also the entropy of each response position's next-token distribution;
+  `targets` [B, N, R, k]: also the log-probs of those ids at each response position (a
+  teacher's top k), after the entropy."""
   b, n, r = layout.batch, layout.num_responses, layout.response_capacity
   if logits.shape[:2] != (b, layout.total_len):
     raise ValueError(
@@ -78,56 +80,70 @@ def response_logprobs(logits, response_tokens, layout: SharedPromptLayout, *,
   out = jnp.take_along_axis(logp, tok, axis=-1).reshape(b, n, r)
   valid = jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None]
   out = jnp.where(valid, out, 0.0)
-  if not with_entropy:
-    return out
-  entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1).reshape(b, n, r)
-  return out, jnp.where(valid, entropy, 0.0)
+  extra = []
+  if with_entropy:
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1).reshape(b, n, r)
+    extra.append(jnp.where(valid, entropy, 0.0))
+  if targets is not None:
+    ids = jnp.asarray(targets, jnp.int32).reshape(b, n * r, -1)
+    at = jnp.take_along_axis(logp, ids, axis=-1).reshape(b, n, r, -1)
+    extra.append(jnp.where(valid[..., None], at, 0.0))
+  return (out, *extra) if extra else out
 
 
 def chunked_response_logprobs(model, hidden, response_tokens, layout: SharedPromptLayout, *,
-                              chunk: int, with_entropy: bool = False):
+                              chunk: int, with_entropy: bool = False, targets=None):
   """response_logprobs from the packed row's final hidden states [B, L, H], projecting
   `chunk` response positions to the vocabulary at a time and recomputing each chunk in the
   backward pass: at most [B, chunk, V] logits live at once instead of [B, L, V] (a long
-  response under a 150k vocabulary otherwise takes gigabytes per row)."""
+  response under a 150k vocabulary otherwise takes gigabytes per row). `targets` as
+  response_logprobs'."""
   b, n, r = layout.batch, layout.num_responses, layout.response_capacity
   idx = response_logit_index(layout).reshape(b, n * r)
   h = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)  # [B, N*R, H]
-  tok = jnp.asarray(response_tokens, jnp.int32).reshape(b, n * r)
+  tok = jnp.asarray(response_tokens, jnp.int32).reshape(b, n * r, 1)
+  if targets is not None:  # the targets' ids after the sampled one's
+    tok = jnp.concatenate([tok, jnp.asarray(targets, jnp.int32).reshape(b, n * r, -1)], -1)
+  k = tok.shape[-1]
   chunks = -(-(n * r) // chunk)
   pad = chunks * chunk - n * r
   h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, chunks, chunk, -1).swapaxes(0, 1)
-  tok = jnp.pad(tok, ((0, 0), (0, pad))).reshape(b, chunks, chunk).swapaxes(0, 1)
+  tok = jnp.pad(tok, ((0, 0), (0, pad), (0, 0))).reshape(b, chunks, chunk, k).swapaxes(0, 1)
 
   @jax.checkpoint
   def one(args):
     h_c, tok_c = args
     logp = jax.nn.log_softmax(model.logits_from_hidden(h_c).astype(jnp.float32), axis=-1)
-    out = jnp.take_along_axis(logp, tok_c[..., None], axis=-1)[..., 0]
+    out = jnp.take_along_axis(logp, tok_c, axis=-1)
     return out, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
   out, entropy = jax.lax.map(one, (h, tok))
   valid = jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None]
 
-  def unchunk(x):
-    return jnp.where(valid, x.swapaxes(0, 1).reshape(b, chunks * chunk)[:, :n * r]
-                     .reshape(b, n, r), 0.0)
+  def unchunk(x):  # [chunks, B, chunk, ...] -> [B, N, R, ...]
+    x = x.swapaxes(0, 1).reshape(b, chunks * chunk, *x.shape[3:])[:, :n * r]
+    x = x.reshape(b, n, r, *x.shape[2:])
+    return jnp.where(valid.reshape(*valid.shape, *(1,) * (x.ndim - 3)), x, 0.0)
 
-  return (unchunk(out), unchunk(entropy)) if with_entropy else unchunk(out)
+  extra = [unchunk(entropy)] if with_entropy else []
+  if targets is not None:
+    extra.append(unchunk(out[..., 1:]))
+  return (unchunk(out[..., 0]), *extra) if extra else unchunk(out[..., 0])
 
 
 def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromptLayout, *,
                              backend: str = "auto", block_sizes: BlockSizes | None = None,
                              interpret: bool = False, with_entropy: bool = False,
                              logits_chunk: int = 0, remat: bool = False, routes=None,
-                             record_routes: bool = False):
+                             record_routes: bool = False, targets=None):
   """Runs the model once on the packed group and returns [B, N, R] response log-probs
   (and, `with_entropy`, the policy's entropy at each response position). `logits_chunk` > 0
   projects that many response positions to the vocabulary at a time
   (chunked_response_logprobs); 0 projects the whole row. `remat` recomputes each layer in
   the backward pass; `routes` [M, B, L, k] replays experts and `record_routes` appends the
   `Routing` (the routers' own picks, the load-balancing loss) to the outputs
-  (Transformer.hidden_states)."""
+  (Transformer.hidden_states). `targets` [B, N, R, k]: also the log-probs of those ids at
+  each response position, after the entropy (response_logprobs)."""
   attention_fn = packed_attention_fn(layout, backend=backend, block_sizes=block_sizes,
                                      interpret=interpret)
   hidden, _, *routing = model.hidden_states(
@@ -135,13 +151,46 @@ def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromp
       attention_fn=attention_fn, remat=remat, routes=routes, record_routes=record_routes)
   if logits_chunk > 0:
     out = chunked_response_logprobs(model, hidden, response_tokens, layout,
-                                    chunk=logits_chunk, with_entropy=with_entropy)
+                                    chunk=logits_chunk, with_entropy=with_entropy,
+                                    targets=targets)
   else:
     out = response_logprobs(model.logits_from_hidden(hidden), response_tokens, layout,
-                            with_entropy=with_entropy)
+                            with_entropy=with_entropy, targets=targets)
   if not record_routes:
     return out
-  return (*out, routing[0]) if with_entropy else (out, routing[0])
+  return (*out, routing[0]) if isinstance(out, tuple) else (out, routing[0])
+
+
+def packed_response_topk(model, tokens, layout: SharedPromptLayout, k: int, *,
+                         backend: str = "auto", logits_chunk: int = 0):
+  """The model's k most likely next tokens at each response position of the packed rows:
+  (ids [B, N, R, k] int32, their log-probs [B, N, R, k]), 0 at padding; `logits_chunk` > 0
+  projects that many positions to the vocabulary at a time (a distillation teacher's
+  forward under a large vocabulary)."""
+  attention_fn = packed_attention_fn(layout, backend=backend)
+  hidden = model.hidden_states(tokens, positions=layout.positions(),
+                               segment_ids=layout.segment_ids(), attention_fn=attention_fn)[0]
+  b, n, r = layout.batch, layout.num_responses, layout.response_capacity
+  idx = response_logit_index(layout).reshape(b, n * r)
+  h = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)  # [B, N*R, H]
+  chunk = logits_chunk if 0 < logits_chunk < n * r else n * r
+  chunks = -(-(n * r) // chunk)
+  h = jnp.pad(h, ((0, 0), (0, chunks * chunk - n * r), (0, 0)))
+  h = h.reshape(b, chunks, chunk, -1).swapaxes(0, 1)
+
+  def one(h_c):
+    logp = jax.nn.log_softmax(model.logits_from_hidden(h_c).astype(jnp.float32), axis=-1)
+    top, ids = jax.lax.top_k(logp, k)
+    return ids.astype(jnp.int32), top
+
+  ids, top = jax.lax.map(one, h)
+  valid = (jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None])[..., None]
+
+  def unchunk(x):
+    x = x.swapaxes(0, 1).reshape(b, chunks * chunk, k)[:, :n * r].reshape(b, n, r, k)
+    return jnp.where(valid, x, 0)
+
+  return unchunk(ids), unchunk(top)
 
 
 def pack_routes(prompt_routes, response_routes):

@@ -305,11 +305,13 @@ class RLTrainer(TrainerRun):
                                                        self.model_config.lora_rank)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
     self.teacher = None  # loss.advantage="opd": the model each sampled token is scored by
-    if self.loss_cfg.advantage == "opd":
+    if self.loss_cfg.advantage == "opd" or self.loss_cfg.distill_topk:
       self.teacher = Teacher(str(config.teacher.path), self.mesh,
                              vocab_size=self.tokenizer.vocab_size,
                              dtype=self.model_config.dtype, backend=self.loss_cfg.backend,
-                             logits_chunk=self.loss_cfg.logits_chunk)
+                             logits_chunk=self.loss_cfg.logits_chunk,
+                             sampled=self.loss_cfg.advantage == "opd",
+                             topk=self.loss_cfg.distill_topk)
     self.warn_unsplit_rows(self.shape.groups, self.micro_batches,  # a packed row per group
                            f"rl.groups_per_step={self.shape.groups}, "
                            f"rl.micro_batches={self.micro_batches}")
@@ -664,8 +666,8 @@ class RLTrainer(TrainerRun):
     for capacity in response_lens(self.shape.response_len, self.response_buckets):
       shape = dataclasses.replace(self.shape, response_len=capacity)
       host = empty_batch(rows, shape, self.tokenizer.pad_id)
-      if self.teacher is not None:  # its log-probs join the batch (float32, as the student's)
-        host["teacher_logp"] = host["behaviour_logp"]
+      if self.teacher is not None:  # its scores join the batch
+        host.update(jax.eval_shape(self.teacher.scores, host))
       if self.critic is not None:  # its values join the batch (float32, as the log-probs),
         host["values"] = host["behaviour_logp"]  # and the reference's log-probs it computes
         if needs_reference(self.loss_cfg):
@@ -804,8 +806,9 @@ class RLTrainer(TrainerRun):
           break
         placed = shd.shard_batch(self.mesh, batch)
         if self.teacher is not None:  # once a step, whatever the updates
-          placed["teacher_logp"] = self.teacher.logprobs(placed)
-          batch["teacher_logp"] = shd.to_host(placed["teacher_logp"])  # the completions log's
+          scores = self.teacher.scores(placed)
+          placed.update(scores)
+          batch.update(shd.to_host(scores))  # the completions log's advantages
         if self.critic is not None:  # its values (and returns) before either update
           targets, update = self._critic_for(batch)
           values, returns, ref_logp = self.critic.targets(

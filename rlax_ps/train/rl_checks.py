@@ -61,10 +61,11 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                      f"batch's updates run as one step), got {updates}")
   ref_sync_settings(rl, loss, int(config.model.get("lora_rank", 0)))
   teacher = str((config.get("teacher") or {}).get("path", ""))
-  if (loss.advantage == "opd") != bool(teacher):
+  if (loss.advantage == "opd" or loss.distill_topk > 0) != bool(teacher):
     raise ValueError(f"teacher.path: expected an HF checkpoint folder with loss.advantage="
-                     f"'opd' and none without, got {teacher!r} with loss.advantage="
-                     f"{loss.advantage!r}")
+                     f"'opd' or loss.distill_topk > 0 and none without, got {teacher!r} with "
+                     f"loss.advantage={loss.advantage!r}, loss.distill_topk="
+                     f"{loss.distill_topk}")
   samples, allocator = int(worker.samples_per_prompt), str(worker.get("allocator", "fixed"))
   if allocator == "fixed" and samples < 2 and loss.advantage != "opd":
     raise ValueError(f"worker.samples_per_prompt: loss.advantage={loss.advantage!r} weighs "

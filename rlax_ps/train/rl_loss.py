@@ -182,6 +182,13 @@ class LossConfig:
   entropy_coef_min: float = 0.0
   entropy_coef_max: float = 1.0
   kl_coef: float = 0.0  # > 0: KL(pi || frozen reference) term
+  # > 0: distil the `teacher` block's model's k most likely next tokens at each sampled
+  # position: plus distill_coef times the forward KL, aggregated as the policy loss, from the
+  # teacher's distribution over those k ids (renormalised) to the policy's (GKD on the
+  # policy's own samples: every position names what the teacher would say, not only
+  # whether the sampled token pleased it). 0: off.
+  distill_topk: int = 0
+  distill_coef: float = 1.0
   # > 0: each response token's reward loses this times its KL(pi_behav || frozen reference)
   # by kl_estimator (pi_behav: the workers' sampling log-probs), the score on its last
   # token: verl's algorithm.use_kl_in_reward with a fixed kl_ctrl.kl_coef. The advantages of
@@ -344,6 +351,11 @@ class LossConfig:
     need(self.is_level in corrections.LEVELS, "is_level", f"one of {corrections.LEVELS}")
     need(self.behaviour_cap > 0, "behaviour_cap", "> 0")
     need(self.kl_coef >= 0, "kl_coef", ">= 0")
+    need(isinstance(self.distill_topk, numbers.Integral) and not isinstance(
+        self.distill_topk, bool) and self.distill_topk >= 0, "distill_topk",
+         "a whole number of the teacher's tokens >= 0 (0: off)")
+    need(_is_number(self.distill_coef) and math.isfinite(self.distill_coef)
+         and self.distill_coef >= 0, "distill_coef", "a finite coefficient >= 0")
     need(self.router_aux_coef >= 0, "router_aux_coef", ">= 0")
     need(self.logits_chunk >= 0, "logits_chunk", ">= 0 positions (0 = whole rows)")
     need(self.budget >= 0, "budget", ">= 0 tokens")
@@ -506,6 +518,16 @@ def teacher_logprobs(batch: dict) -> jax.Array:
   return t.reshape(-1, t.shape[-1])
 
 
+def teacher_topk(batch: dict) -> tuple[jax.Array, jax.Array]:
+  """(ids [rows, N, R, k], log-probs [rows, N, R, k]): the teacher's k most likely next
+  tokens at each response position, which the trainer adds to the batch
+  (`teacher_topk_ids`, `teacher_topk_logp`) for loss.distill_topk > 0."""
+  if "teacher_topk_ids" not in batch:
+    raise ValueError("loss.distill_topk: needs the teacher's top tokens at each response "
+                     "position (the batch's teacher_topk_ids: set teacher.path)")
+  return batch["teacher_topk_ids"], batch["teacher_topk_logp"]
+
+
 def gae_targets(batch: dict, cfg: LossConfig, ref_logp: jax.Array | None = None,
                 kl_beta: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(advantages before whitening, returns, token mask) [rows * N, R] of loss.advantage="gae":
@@ -588,13 +610,14 @@ def router_agreement(picked: jax.Array, replayed: jax.Array) -> jax.Array:
 
 def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend: str = "auto",
                       *, with_stats: bool = False, logits_chunk: int = 0,
-                      remat: bool = False):
+                      remat: bool = False, targets: jax.Array | None = None):
   """log p(response token) [rows * N, R] under `params`, one packed row per group. A batch
   with routes (routing replay: `prompt_routes`, `response_routes`) sends each token to the
   experts the workers' sampler did. `with_stats`: also a dict of the policy's `entropy` at
   each of those positions and, for a mixture of experts, the `routing` (the model's
   `Routing` record: the load-balancing loss's parts over the packed rows' tokens) and,
-  replaying, the `router_agreement`."""
+  replaying, the `router_agreement`; with `targets` [rows, N, R, k] (with_stats), the
+  `target_logp` [rows * N, R, k] of those ids at each response position."""
   tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
                               batch["response_tokens"], batch["response_lens"])
   routes = (pack_routes(batch["prompt_routes"], batch["response_routes"])
@@ -603,12 +626,16 @@ def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend:
   out = packed_response_logprobs(model, tokens, batch["response_tokens"], layout,
                                  backend=backend, with_entropy=with_stats,
                                  logits_chunk=logits_chunk, remat=remat, routes=routes,
-                                 record_routes=with_stats and bool(model.config.moe_layers))
+                                 record_routes=with_stats and bool(model.config.moe_layers),
+                                 targets=targets if with_stats else None)
   rows = lambda x: x.reshape(-1, x.shape[-1])
   if not with_stats:
     return rows(out)
   logp, entropy, *routing = out
   stats = {"entropy": rows(entropy)}
+  if targets is not None:
+    target_logp, *routing = routing
+    stats["target_logp"] = target_logp.reshape(-1, *target_logp.shape[2:])
   if routing:
     stats["routing"] = routing[0]
   if routes is not None:
@@ -695,8 +722,10 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                       if advantages is None else advantages)
   mask = token_mask(batch, sample_mask)
   logp, stats = response_logprobs(params, graphdef, batch, cfg.backend, with_stats=True,
-                                  logits_chunk=cfg.logits_chunk, remat=cfg.remat)
+                                  logits_chunk=cfg.logits_chunk, remat=cfg.remat,
+                                  targets=teacher_topk(batch)[0] if cfg.distill_topk else None)
   entropy = stats.pop("entropy")
+  student_topk = stats.pop("target_logp", None)
   routing = stats.pop("routing", None)
   if routing is not None:
     stats["router_aux_loss"] = routing.load_balance
@@ -763,6 +792,12 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
                                                    behaviour_cap=cfg.behaviour_cap,
                                                    dual_clip=cfg.dual_clip,
                                                    token_weights=selected(None), **common)
+  if cfg.distill_topk:  # forward KL from the teacher's top k (renormalised) to the policy
+    teacher = jax.nn.log_softmax(teacher_topk(batch)[1].reshape(student_topk.shape), axis=-1)
+    distill = jnp.sum(jnp.exp(teacher) * (teacher - student_topk), axis=-1)
+    distill_loss = losses.aggregate(distill, mask, cfg.agg, norm)
+    loss = loss + cfg.distill_coef * distill_loss
+    metrics["distill_kl"] = distill_loss
   if entropy_coef is not None or cfg.entropy_coef > 0:  # with its gradient: verl's entropy_coeff
     coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
     loss = loss - coef * losses.aggregate(entropy, mask, cfg.agg, norm)
@@ -823,7 +858,7 @@ def metric_kind(name: str, cfg: LossConfig) -> str:
     return name[-3:]
   if name == "response_tokens":
     return "sum"
-  if name in ("loss", "pg_loss", "kl_ref"):
+  if name in ("loss", "pg_loss", "kl_ref", "distill_kl"):
     return "agg"
   if name == "advantage_abs_mean":
     return "samples"

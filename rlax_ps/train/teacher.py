@@ -1,5 +1,6 @@
-"""On-policy distillation's teacher (loss.advantage="opd"): a frozen Hugging Face checkpoint
-on the trainer's mesh that scores every token the workers sampled, once a step."""
+"""On-policy distillation's teacher (loss.advantage="opd", loss.distill_topk): a frozen
+Hugging Face checkpoint on the trainer's mesh that scores every token the workers sampled,
+and names its own top tokens at each sampled position, once a step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from rlax_ps import sharding as shd
+from rlax_ps.kernels import pack_group, packed_response_topk
 from rlax_ps.models.hf import load_hf_checkpoint
 from rlax_ps.train.rl_loss import response_logprobs
 
@@ -19,10 +21,12 @@ class Teacher:
   """The teacher's params and its jitted log-probs of a batch's responses."""
 
   def __init__(self, path: str, mesh, *, vocab_size: int, dtype: str = "bfloat16",
-               backend: str = "auto", logits_chunk: int = 0):
+               backend: str = "auto", logits_chunk: int = 0, sampled: bool = True,
+               topk: int = 0):
     """`vocab_size`: the ids the policy's tokenizer gives, each of which the teacher must
     score (the two share a tokenizer: distillation compares their log-probs token by
-    token)."""
+    token). `sampled`: `scores` gives the log-prob of each sampled token (opd's
+    advantages); `topk` > 0: the teacher's k most likely tokens at each position too."""
     try:
       model = load_hf_checkpoint(path, dtype, mesh=mesh)
     except (OSError, ValueError) as e:
@@ -35,16 +39,32 @@ class Teacher:
     graphdef, params, _ = nnx.split(model, nnx.Param, ...)
     self.params = params.to_pure_dict()
 
-    def logprobs(params, batch):
-      batch = {k: v for k, v in batch.items() if k not in _ROUTES}
-      logp = response_logprobs(params, graphdef, batch, backend, logits_chunk=logits_chunk)
-      logp = jax.lax.stop_gradient(logp).reshape(batch["response_tokens"].shape)
-      # laid out as the step's other batch inputs (its programs compiled ahead expect it)
+    def place(x):  # laid out as the step's other batch inputs (its compiled programs expect it)
       return jax.lax.with_sharding_constraint(
-          logp, NamedSharding(mesh, shd.batch_spec(mesh, logp.shape)))
+          jax.lax.stop_gradient(x), NamedSharding(mesh, shd.batch_spec(mesh, x.shape)))
 
-    self._logprobs = jax.jit(logprobs)
+    def scores(params, batch):
+      batch = {k: v for k, v in batch.items() if k not in _ROUTES}
+      out = {}
+      if sampled:
+        logp = response_logprobs(params, graphdef, batch, backend, logits_chunk=logits_chunk)
+        out["teacher_logp"] = place(logp.reshape(batch["response_tokens"].shape))
+      if topk:
+        tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
+                                    batch["response_tokens"], batch["response_lens"])
+        ids, logp = packed_response_topk(nnx.merge(graphdef, params), tokens, layout, topk,
+                                         backend=backend, logits_chunk=logits_chunk)
+        out["teacher_topk_ids"], out["teacher_topk_logp"] = place(ids), place(logp)
+      return out
+
+    self._scores = jax.jit(scores)
+
+  def scores(self, batch: dict) -> dict[str, jax.Array]:
+    """The batch's teacher inputs: `teacher_logp` [rows, N, R] the teacher's log-prob of each
+    response token (`sampled`); `teacher_topk_ids`, `teacher_topk_logp` [rows, N, R, k] its
+    k most likely tokens at each response position and their log-probs (`topk`)."""
+    return self._scores(self.params, batch)
 
   def logprobs(self, batch: dict) -> jax.Array:
     """[rows, N, R] the teacher's log-prob of each response token of `batch`."""
-    return self._logprobs(self.params, batch)
+    return self.scores(batch)["teacher_logp"]

@@ -192,6 +192,37 @@ def test_chunked_logits_and_remat_give_the_same_logprobs_entropy_and_gradients(g
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("chunk", [0, 4], ids=["whole", "chunked"])
+def test_a_teachers_top_tokens_and_the_policys_log_probs_of_them_are_each_positions(group,
+                                                                                    chunk):
+  """packed_response_topk: the k most likely next tokens at each response position and
+  their log-probs, as the separate rows' distributions give them; `targets`: the packed
+  path's log-probs of given ids there, after the entropy (whole rows or chunked)."""
+  from rlax_ps.kernels.packing import packed_response_topk
+  graphdef, state, prompts, responses = group
+  toks, seg, idx = _separate_rows(prompts, responses)
+  logits = nnx.merge(graphdef, state)(jnp.asarray(toks), segment_ids=jnp.asarray(seg))
+  logp = np.asarray(jax.nn.log_softmax(
+      jnp.take_along_axis(logits, jnp.asarray(idx)[..., None], 1), -1)).reshape(B, N, R, V)
+  valid = np.arange(R)[None, None] < RESPONSE_LENS[:, :, None]
+  tokens, lay = pack_group(prompts, PROMPT_LENS, responses, RESPONSE_LENS)
+  ids, top = packed_response_topk(nnx.merge(graphdef, state), tokens, lay, 3, backend="xla",
+                                  logits_chunk=chunk)
+  ids, top = np.asarray(ids), np.asarray(top)
+  np.testing.assert_array_equal(ids[valid], np.argsort(-logp, -1, kind="stable")[..., :3][valid])
+  np.testing.assert_allclose(top[valid], np.sort(logp, -1)[..., ::-1][..., :3][valid],
+                             atol=2e-5)
+  assert not ids[~valid].any() and not top[~valid].any()
+  targets = np.random.default_rng(3).integers(0, V, (B, N, R, 2))
+  got_logp, _, at = _packed_logprobs(graphdef, state, prompts, responses, backend="xla",
+                                     with_entropy=True, targets=targets, logits_chunk=chunk)
+  np.testing.assert_allclose(np.asarray(at)[valid],
+                             np.take_along_axis(logp, targets, -1)[valid], atol=2e-5)
+  np.testing.assert_allclose(got_logp, _separate_logprobs(graphdef, state, prompts, responses),
+                             atol=2e-5)
+  assert not np.asarray(at)[~valid].any()
+
+
 def test_remat_wraps_each_layer_and_the_chunks_in_a_checkpoint(group):
   graphdef, state, prompts, responses = group
 

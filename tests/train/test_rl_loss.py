@@ -251,6 +251,39 @@ def test_opd_trains_each_token_on_the_teachers_log_prob_less_the_sampled_one():
     LossConfig(advantage="opd", kl_in_reward=0.1)
 
 
+def test_the_distillation_term_is_the_forward_kl_from_the_teachers_top_tokens():
+  # loss.distill_topk=2: at every sampled position, the teacher's 2 ids, their log-probs
+  # renormalised to q; the term is sum_k q_k (log q_k - log pi(id_k)), token mean, times
+  # distill_coef, added to the policy loss.
+  rng = np.random.default_rng(6)
+  shape = BATCH["behaviour_logp"].shape
+  ids = rng.integers(0, V, (*shape, 2)).astype(np.int32)
+  top = rng.uniform(-3.0, -0.1, (*shape, 2)).astype(np.float32)
+  batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
+  batch.update(teacher_topk_ids=jnp.asarray(ids), teacher_topk_logp=jnp.asarray(top))
+  graphdef, params = _model()
+  tokens, segments, spans = ROWS
+  logits = nnx.merge(graphdef, params)(jnp.asarray(tokens), segment_ids=jnp.asarray(segments))
+  logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+  total, count = 0.0, 0
+  for i, ((row, slot), (p, r)) in enumerate(zip(SLOTS, spans)):
+    q = np.exp(top[row, slot, :r]) / np.exp(top[row, slot, :r]).sum(-1, keepdims=True)
+    student = np.take_along_axis(logp[i, p - 1:p + r - 1], ids[row, slot, :r], -1)
+    total, count = total + np.sum(q * (np.log(q) - student)), count + r
+  def loss_of(cfg):
+    return jax.jit(functools.partial(rl_loss, graphdef=graphdef, batch=batch, ref_params=None,
+                                     num_groups=2, cfg=cfg))(params)
+  plain, _ = loss_of(LossConfig(backend="xla"))
+  with_term, metrics = loss_of(LossConfig(backend="xla", distill_topk=2, distill_coef=0.5))
+  np.testing.assert_allclose(metrics["distill_kl"], total / count, rtol=1e-4)
+  np.testing.assert_allclose(with_term - plain, 0.5 * total / count, rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="loss.distill_topk: expected a whole number"):
+    LossConfig(distill_topk=-1)
+  del batch["teacher_topk_ids"]
+  with pytest.raises(ValueError, match="loss.distill_topk: needs the teacher's top tokens"):
+    loss_of(LossConfig(backend="xla", distill_topk=2))
+
+
 def test_the_teacher_scores_each_sampled_token_as_its_model_does(tmp_path):
   from rl_testlib import save_warm_start
   from rlax_ps import sharding as shd
@@ -262,6 +295,11 @@ def test_the_teacher_scores_each_sampled_token_as_its_model_does(tmp_path):
   graphdef, params = nnx.split(model)
   for (row, slot), want in zip(SLOTS, _separate_logprobs(graphdef, params)):
     np.testing.assert_allclose(got[row, slot, :len(want)], want, rtol=1e-4, atol=1e-5)
+  both = Teacher(str(tmp_path), mesh, vocab_size=V, dtype="float32", backend="xla", topk=3)
+  scores = both.scores({k: jnp.asarray(v) for k, v in BATCH.items()})
+  np.testing.assert_allclose(scores["teacher_logp"], got, atol=1e-6)
+  assert scores["teacher_topk_ids"].shape == (*got.shape, 3)
+  assert np.all(np.asarray(scores["teacher_topk_logp"])[..., 0] >= got - 1e-5)  # the best
   with pytest.raises(ValueError, match=r"teacher.path: .* scores \d+ token ids, the policy's "
                                        "tokenizer gives 100000"):
     Teacher(str(tmp_path), mesh, vocab_size=100000)

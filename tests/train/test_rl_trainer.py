@@ -497,7 +497,8 @@ def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
   tokens; the reverse KL the step logs is the fake worker's -1.5 a token less the teacher's
   log-probs, near uniform over the tokenizer's ids."""
   with pytest.raises(ValueError, match="teacher.path: expected an HF checkpoint folder with "
-                                       "loss.advantage='opd' and none without"):
+                                       "loss.advantage='opd' or loss.distill_topk > 0 and "
+                                       "none without"):
     bad = _config()
     bad.loss.advantage = "opd"
     RLTrainer(bad, str(tmp_path / "bad"), object())
@@ -505,6 +506,7 @@ def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
   config = _config(steps=2)
   config.eval.num_examples = 0
   config.loss.advantage, config.teacher.path = "opd", str(tmp_path / "teacher")
+  config.loss.distill_topk = 2  # and its top tokens at each sampled position
   logged = []
   server = start_server(tmp_path / "ps")
   worker = FakeWorker(server.address, samples=4).start()
@@ -522,6 +524,7 @@ def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
   assert summary["step"] == 2 and len(logged) == 2
   for m in logged:
     assert abs(m["teacher_kl"] - (np.log(vocab) - 1.5)) < 0.5, m["teacher_kl"]
+    assert m["distill_kl"] > 0
   steps = _lines(tmp_path / "rl" / "steps.jsonl")  # and each step's line shows it
   assert [s["teacher_kl"] for s in steps] == pytest.approx([m["teacher_kl"] for m in logged])
 
