@@ -719,25 +719,34 @@ def test_decoding_goes_on_while_a_finished_group_is_scored(server, versions):
     release.wait(60)
     return VerifierResult(1.0, True)
 
+  reached, worker, take, st = _run_while_held(
+      server, versions, verifier, release, WorkerConfig(max_leases=2, **SMALL),
+      lambda w: w.stats.samples >= 6)
+  assert reached and worker.stats.groups_submitted == 4
+  assert all(s.reward == 1.0 for r in take.rollouts for s in r.group.samples)
+  assert st.prompts_leased == 0 and st.prompts_queued == 0
+
+
+def _run_while_held(server, versions, verifier, release, config, until):
+  """A worker on 4 addition prompts whose `verifier` waits for `release`: (whether `until`
+  (worker) held before the release, waited for up to 60 s; the worker, run to its end; the
+  server's rollouts, every prompt's checked there once; its stats)."""
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     ids = enqueue_addition(trainer, 4)
-    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=2, **SMALL),
+    worker = Worker(wc, CONFIG, TOKENIZER, config,
                     verifier_for=lambda task: Guarded(task, verifier))
     runner = threading.Thread(target=worker.run)
     runner.start()
     deadline = time.monotonic() + 60
-    while worker.stats.samples < 6 and time.monotonic() < deadline:
+    while not until(worker) and time.monotonic() < deadline:
       time.sleep(0.02)
-    decoded_while_held = worker.stats.samples
+    reached = until(worker)
     release.set()
     runner.join(60)
-    assert decoded_while_held >= 6 and worker.stats.groups_submitted == 4
     take = trainer.take_rollouts(min_version=0, max_n=10)
     assert sorted(r.group.prompt_id for r in take.rollouts) == sorted(ids)
-    assert all(s.reward == 1.0 for r in take.rollouts for s in r.group.samples)
-    st = trainer.stats()
-    assert st.prompts_leased == 0 and st.prompts_queued == 0
+    return reached, worker, take, trainer.stats()
 
 
 def test_a_group_held_by_one_slow_test_does_not_hold_the_next_groups(server, versions):
@@ -754,25 +763,13 @@ def test_a_group_held_by_one_slow_test_does_not_hold_the_next_groups(server, ver
       release.wait(60)
     return VerifierResult(1.0, True)
 
-  with client(server, "trainer") as trainer, client(server, "worker") as wc:
-    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
-    ids = enqueue_addition(trainer, 4)
-    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=2, scoring_threads=2,
-                                                        **SMALL),
-                    verifier_for=lambda task: Guarded(task, verifier))
-    runner = threading.Thread(target=worker.run)
-    runner.start()
-    deadline = time.monotonic() + 60
-    while worker.stats.groups_submitted < 1 and time.monotonic() < deadline:
-      time.sleep(0.02)
-    submitted_while_held = worker.stats.groups_submitted
-    release.set()
-    runner.join(60)
-    assert submitted_while_held >= 1 and worker.stats.groups_submitted == 4
-    take = trainer.take_rollouts(min_version=0, max_n=10)
-    assert sorted(r.group.prompt_id for r in take.rollouts) == sorted(ids)
-    assert all(s.reward == 1.0 for r in take.rollouts for s in r.group.samples)
-    assert trainer.stats().prompts_leased == 0
+  reached, worker, take, st = _run_while_held(
+      server, versions, verifier, release,
+      WorkerConfig(max_leases=2, scoring_threads=2, **SMALL),
+      lambda w: w.stats.groups_submitted >= 1)
+  assert reached and worker.stats.groups_submitted == 4
+  assert all(s.reward == 1.0 for r in take.rollouts for s in r.group.samples)
+  assert st.prompts_leased == 0
 
 
 def test_a_stop_sends_the_group_being_scored_within_the_grace_period(server, versions):
