@@ -161,36 +161,40 @@ def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromp
   return (*out, routing[0]) if isinstance(out, tuple) else (out, routing[0])
 
 
-def packed_response_topk(model, tokens, layout: SharedPromptLayout, k: int, *,
-                         backend: str = "auto", logits_chunk: int = 0):
-  """The model's k most likely next tokens at each response position of the packed rows:
-  (ids [B, N, R, k] int32, their log-probs [B, N, R, k]), 0 at padding; `logits_chunk` > 0
-  projects that many positions to the vocabulary at a time (a distillation teacher's
-  forward under a large vocabulary)."""
+def packed_response_topk(model, tokens, response_tokens, layout: SharedPromptLayout, k: int,
+                         *, backend: str = "auto", logits_chunk: int = 0):
+  """In one forward pass of the packed rows: the response tokens' log-probs [B, N, R] and
+  the model's k most likely next tokens at each response position (ids [B, N, R, k] int32,
+  their log-probs [B, N, R, k]), 0 at padding; `logits_chunk` > 0 projects that many
+  positions to the vocabulary at a time (a distillation teacher's forward under a large
+  vocabulary)."""
   attention_fn = packed_attention_fn(layout, backend=backend)
   hidden = model.hidden_states(tokens, positions=layout.positions(),
                                segment_ids=layout.segment_ids(), attention_fn=attention_fn)[0]
   b, n, r = layout.batch, layout.num_responses, layout.response_capacity
   idx = response_logit_index(layout).reshape(b, n * r)
   h = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)  # [B, N*R, H]
+  tok = jnp.asarray(response_tokens, jnp.int32).reshape(b, n * r)
   chunk = logits_chunk if 0 < logits_chunk < n * r else n * r
   chunks = -(-(n * r) // chunk)
   h = jnp.pad(h, ((0, 0), (0, chunks * chunk - n * r), (0, 0)))
   h = h.reshape(b, chunks, chunk, -1).swapaxes(0, 1)
+  tok = jnp.pad(tok, ((0, 0), (0, chunks * chunk - n * r))).reshape(b, chunks, chunk)
 
-  def one(h_c):
+  def one(args):
+    h_c, tok_c = args
     logp = jax.nn.log_softmax(model.logits_from_hidden(h_c).astype(jnp.float32), axis=-1)
     top, ids = jax.lax.top_k(logp, k)
-    return ids.astype(jnp.int32), top
+    return jnp.take_along_axis(logp, tok_c[..., None], -1), ids.astype(jnp.int32), top
 
-  ids, top = jax.lax.map(one, h)
+  out, ids, top = jax.lax.map(one, (h, tok.swapaxes(0, 1)))
   valid = (jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None])[..., None]
 
   def unchunk(x):
-    x = x.swapaxes(0, 1).reshape(b, chunks * chunk, k)[:, :n * r].reshape(b, n, r, k)
+    x = x.swapaxes(0, 1).reshape(b, chunks * chunk, -1)[:, :n * r].reshape(b, n, r, -1)
     return jnp.where(valid, x, 0)
 
-  return unchunk(ids), unchunk(top)
+  return unchunk(out)[..., 0], unchunk(ids), unchunk(top)
 
 
 def pack_routes(prompt_routes, response_routes):

@@ -304,7 +304,7 @@ class RLTrainer(TrainerRun):
     self.ref_sync_steps, ref_alpha = ref_sync_settings(rl, self.loss_cfg,
                                                        self.model_config.lora_rank)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
-    self.teacher = None  # loss.advantage="opd": the model each sampled token is scored by
+    self.teacher = None  # distillation's (loss.advantage="opd", loss.distill_topk)
     if self.loss_cfg.advantage == "opd" or self.loss_cfg.distill_topk:
       self.teacher = Teacher(str(config.teacher.path), self.mesh,
                              vocab_size=self.tokenizer.vocab_size,

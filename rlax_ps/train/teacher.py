@@ -18,7 +18,7 @@ _ROUTES = ("prompt_routes", "response_routes")
 
 
 class Teacher:
-  """The teacher's params and its jitted log-probs of a batch's responses."""
+  """The teacher's params and its jitted scores of a batch's responses."""
 
   def __init__(self, path: str, mesh, *, vocab_size: int, dtype: str = "bfloat16",
                backend: str = "auto", logits_chunk: int = 0, sampled: bool = True,
@@ -43,18 +43,20 @@ class Teacher:
       return jax.lax.with_sharding_constraint(
           jax.lax.stop_gradient(x), NamedSharding(mesh, shd.batch_spec(mesh, x.shape)))
 
-    def scores(params, batch):
+    def scores(params, batch):  # one forward pass of the teacher either way
       batch = {k: v for k, v in batch.items() if k not in _ROUTES}
       out = {}
-      if sampled:
-        logp = response_logprobs(params, graphdef, batch, backend, logits_chunk=logits_chunk)
-        out["teacher_logp"] = place(logp.reshape(batch["response_tokens"].shape))
       if topk:
         tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
                                     batch["response_tokens"], batch["response_lens"])
-        ids, logp = packed_response_topk(nnx.merge(graphdef, params), tokens, layout, topk,
-                                         backend=backend, logits_chunk=logits_chunk)
-        out["teacher_topk_ids"], out["teacher_topk_logp"] = place(ids), place(logp)
+        logp, ids, top = packed_response_topk(
+            nnx.merge(graphdef, params), tokens, batch["response_tokens"], layout, topk,
+            backend=backend, logits_chunk=logits_chunk)
+        out["teacher_topk_ids"], out["teacher_topk_logp"] = place(ids), place(top)
+      else:
+        logp = response_logprobs(params, graphdef, batch, backend, logits_chunk=logits_chunk)
+      if sampled:
+        out["teacher_logp"] = place(logp.reshape(batch["response_tokens"].shape))
       return out
 
     self._scores = jax.jit(scores)
@@ -64,7 +66,3 @@ class Teacher:
     response token (`sampled`); `teacher_topk_ids`, `teacher_topk_logp` [rows, N, R, k] its
     k most likely tokens at each response position and their log-probs (`topk`)."""
     return self._scores(self.params, batch)
-
-  def logprobs(self, batch: dict) -> jax.Array:
-    """[rows, N, R] the teacher's log-prob of each response token of `batch`."""
-    return self.scores(batch)["teacher_logp"]

@@ -195,8 +195,9 @@ def test_chunked_logits_and_remat_give_the_same_logprobs_entropy_and_gradients(g
 @pytest.mark.parametrize("chunk", [0, 4], ids=["whole", "chunked"])
 def test_a_teachers_top_tokens_and_the_policys_log_probs_of_them_are_each_positions(group,
                                                                                     chunk):
-  """packed_response_topk: the k most likely next tokens at each response position and
-  their log-probs, as the separate rows' distributions give them; `targets`: the packed
+  """packed_response_topk: the response tokens' log-probs and the k most likely next tokens
+  at each response position with theirs, as the separate rows' distributions give them
+  (one forward pass); `targets`: the packed
   path's log-probs of given ids there, after the entropy (whole rows or chunked)."""
   from rlax_ps.kernels.packing import packed_response_topk
   graphdef, state, prompts, responses = group
@@ -206,9 +207,11 @@ def test_a_teachers_top_tokens_and_the_policys_log_probs_of_them_are_each_positi
       jnp.take_along_axis(logits, jnp.asarray(idx)[..., None], 1), -1)).reshape(B, N, R, V)
   valid = np.arange(R)[None, None] < RESPONSE_LENS[:, :, None]
   tokens, lay = pack_group(prompts, PROMPT_LENS, responses, RESPONSE_LENS)
-  ids, top = packed_response_topk(nnx.merge(graphdef, state), tokens, lay, 3, backend="xla",
-                                  logits_chunk=chunk)
+  sampled, ids, top = packed_response_topk(nnx.merge(graphdef, state), tokens, responses, lay,
+                                           3, backend="xla", logits_chunk=chunk)
   ids, top = np.asarray(ids), np.asarray(top)
+  np.testing.assert_allclose(sampled, _separate_logprobs(graphdef, state, prompts, responses),
+                             atol=2e-5)
   np.testing.assert_array_equal(ids[valid], np.argsort(-logp, -1, kind="stable")[..., :3][valid])
   np.testing.assert_allclose(top[valid], np.sort(logp, -1)[..., ::-1][..., :3][valid],
                              atol=2e-5)

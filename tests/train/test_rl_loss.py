@@ -291,7 +291,7 @@ def test_the_teacher_scores_each_sampled_token_as_its_model_does(tmp_path):
   model = save_warm_start(tmp_path, seed=5)  # another model than the policy: 32 wide
   mesh = shd.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
   teacher = Teacher(str(tmp_path), mesh, vocab_size=V, dtype="float32", backend="xla")
-  got = np.asarray(teacher.logprobs({k: jnp.asarray(v) for k, v in BATCH.items()}))
+  got = np.asarray(teacher.scores({k: jnp.asarray(v) for k, v in BATCH.items()})["teacher_logp"])
   graphdef, params = nnx.split(model)
   for (row, slot), want in zip(SLOTS, _separate_logprobs(graphdef, params)):
     np.testing.assert_allclose(got[row, slot, :len(want)], want, rtol=1e-4, atol=1e-5)
