@@ -609,9 +609,11 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
     pytest.param(2, dict(policy_loss="gspo", agg="token-mean", correction="mis", mis_low=0.9),
                  marks=pytest.mark.slow),
     pytest.param(2, dict(policy_loss="geo_mean", correction="tis"), marks=pytest.mark.slow),
+    # Distillation: the teacher's per-token advantages and its top tokens' term, by slice.
+    (2, dict(advantage="opd", distill_topk=2, agg="seq-mean-token-mean")),
 ], ids=["token-mean", "seq-mean-tis-kl-chunked", "sum-norm-decoupled-4", "gspo-rloo",
         "reinforce-pp-kl-in-reward", "kl-cov", "clip-cov-tis", "cispo-tis", "gspo-token-mean-mis",
-        "gmpo-tis"])
+        "gmpo-tis", "opd-topk"])
 def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, overrides):
   """Rows 1 and 2 hold one group: with 2 micro-batches (rows 0, 2 and rows 1, 3) it is split,
   so its advantages must come from the whole batch. The slices hold unequal numbers of
@@ -623,6 +625,12 @@ def test_micro_batches_give_the_whole_batchs_loss_gradient_and_metrics(micro, ov
   batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
   ref = jax.tree.map(lambda x: x * 1.01, params)
   rng = np.random.default_rng(1)
+  if cfg.distill_topk:  # a teacher's scores of the batch
+    shape = BATCH["behaviour_logp"].shape
+    batch.update(teacher_logp=jnp.asarray(rng.uniform(-4, -1, shape), jnp.float32),
+                 teacher_topk_ids=jnp.asarray(rng.integers(0, V, (*shape, 2)), jnp.int32),
+                 teacher_topk_logp=jnp.asarray(rng.uniform(-3, -0.1, (*shape, 2)),
+                                               jnp.float32))
   proximal = jnp.asarray(rng.uniform(-4, -2, (16, 5)), jnp.float32)
   noise = jnp.asarray(rng.uniform(size=(16, 5)), jnp.float32)  # Clip-Cov's draws
   whole = jax.jit(jax.value_and_grad(lambda p: rl_loss(p, graphdef, batch, ref, num_groups=2,
