@@ -91,6 +91,28 @@ def response_logprobs(logits, response_tokens, layout: SharedPromptLayout, *,
   return (out, *extra) if extra else out
 
 
+def _map_response_chunks(fn, hidden, ids, layout: SharedPromptLayout, chunk: int):
+  """fn(h [B, chunk, H], ids [B, chunk, k]) -> arrays [B, chunk, ...], over the packed
+  rows' response positions `chunk` at a time (hidden [B, L, H], ids [B, N, R, k] given per
+  position); each output as [B, N, R, ...], 0 at padding."""
+  b, n, r = layout.batch, layout.num_responses, layout.response_capacity
+  idx = response_logit_index(layout).reshape(b, n * r)
+  h = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)  # [B, N*R, H]
+  ids = jnp.asarray(ids, jnp.int32).reshape(b, n * r, -1)
+  chunks = -(-(n * r) // chunk)
+  pad = chunks * chunk - n * r
+  h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, chunks, chunk, -1).swapaxes(0, 1)
+  ids = jnp.pad(ids, ((0, 0), (0, pad), (0, 0))).reshape(b, chunks, chunk, -1).swapaxes(0, 1)
+  valid = jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None]
+
+  def unchunk(x):  # [chunks, B, chunk, ...] -> [B, N, R, ...]
+    x = x.swapaxes(0, 1).reshape(b, chunks * chunk, *x.shape[3:])[:, :n * r]
+    x = x.reshape(b, n, r, *x.shape[2:])
+    return jnp.where(valid.reshape(*valid.shape, *(1,) * (x.ndim - 3)), x, 0)
+
+  return tuple(unchunk(x) for x in jax.lax.map(lambda a: fn(*a), (h, ids)))
+
+
 def chunked_response_logprobs(model, hidden, response_tokens, layout: SharedPromptLayout, *,
                               chunk: int, with_entropy: bool = False, targets=None):
   """response_logprobs from the packed row's final hidden states [B, L, H], projecting
@@ -98,37 +120,21 @@ def chunked_response_logprobs(model, hidden, response_tokens, layout: SharedProm
   backward pass: at most [B, chunk, V] logits live at once instead of [B, L, V] (a long
   response under a 150k vocabulary otherwise takes gigabytes per row). `targets` as
   response_logprobs'."""
-  b, n, r = layout.batch, layout.num_responses, layout.response_capacity
-  idx = response_logit_index(layout).reshape(b, n * r)
-  h = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)  # [B, N*R, H]
-  tok = jnp.asarray(response_tokens, jnp.int32).reshape(b, n * r, 1)
+  ids = jnp.asarray(response_tokens, jnp.int32)[..., None]
   if targets is not None:  # the targets' ids after the sampled one's
-    tok = jnp.concatenate([tok, jnp.asarray(targets, jnp.int32).reshape(b, n * r, -1)], -1)
-  k = tok.shape[-1]
-  chunks = -(-(n * r) // chunk)
-  pad = chunks * chunk - n * r
-  h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, chunks, chunk, -1).swapaxes(0, 1)
-  tok = jnp.pad(tok, ((0, 0), (0, pad), (0, 0))).reshape(b, chunks, chunk, k).swapaxes(0, 1)
+    ids = jnp.concatenate([ids, jnp.asarray(targets, jnp.int32)], -1)
 
   @jax.checkpoint
-  def one(args):
-    h_c, tok_c = args
+  def one(h_c, ids_c):
     logp = jax.nn.log_softmax(model.logits_from_hidden(h_c).astype(jnp.float32), axis=-1)
-    out = jnp.take_along_axis(logp, tok_c, axis=-1)
-    return out, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return (jnp.take_along_axis(logp, ids_c, axis=-1),
+            -jnp.sum(jnp.exp(logp) * logp, axis=-1))
 
-  out, entropy = jax.lax.map(one, (h, tok))
-  valid = jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None]
-
-  def unchunk(x):  # [chunks, B, chunk, ...] -> [B, N, R, ...]
-    x = x.swapaxes(0, 1).reshape(b, chunks * chunk, *x.shape[3:])[:, :n * r]
-    x = x.reshape(b, n, r, *x.shape[2:])
-    return jnp.where(valid.reshape(*valid.shape, *(1,) * (x.ndim - 3)), x, 0.0)
-
-  extra = [unchunk(entropy)] if with_entropy else []
+  out, entropy = _map_response_chunks(one, hidden, ids, layout, chunk)
+  extra = [entropy] if with_entropy else []
   if targets is not None:
-    extra.append(unchunk(out[..., 1:]))
-  return (unchunk(out[..., 0]), *extra) if extra else unchunk(out[..., 0])
+    extra.append(out[..., 1:])
+  return (out[..., 0], *extra) if extra else out[..., 0]
 
 
 def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromptLayout, *,
@@ -171,30 +177,15 @@ def packed_response_topk(model, tokens, response_tokens, layout: SharedPromptLay
   attention_fn = packed_attention_fn(layout, backend=backend)
   hidden = model.hidden_states(tokens, positions=layout.positions(),
                                segment_ids=layout.segment_ids(), attention_fn=attention_fn)[0]
-  b, n, r = layout.batch, layout.num_responses, layout.response_capacity
-  idx = response_logit_index(layout).reshape(b, n * r)
-  h = jnp.take_along_axis(hidden, idx[:, :, None], axis=1)  # [B, N*R, H]
-  tok = jnp.asarray(response_tokens, jnp.int32).reshape(b, n * r)
-  chunk = logits_chunk if 0 < logits_chunk < n * r else n * r
-  chunks = -(-(n * r) // chunk)
-  h = jnp.pad(h, ((0, 0), (0, chunks * chunk - n * r), (0, 0)))
-  h = h.reshape(b, chunks, chunk, -1).swapaxes(0, 1)
-  tok = jnp.pad(tok, ((0, 0), (0, chunks * chunk - n * r))).reshape(b, chunks, chunk)
+  positions = layout.num_responses * layout.response_capacity
 
-  def one(args):
-    h_c, tok_c = args
+  def one(h_c, tok_c):
     logp = jax.nn.log_softmax(model.logits_from_hidden(h_c).astype(jnp.float32), axis=-1)
     top, ids = jax.lax.top_k(logp, k)
-    return jnp.take_along_axis(logp, tok_c[..., None], -1), ids.astype(jnp.int32), top
+    return jnp.take_along_axis(logp, tok_c, -1)[..., 0], ids.astype(jnp.int32), top
 
-  out, ids, top = jax.lax.map(one, (h, tok.swapaxes(0, 1)))
-  valid = (jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None])[..., None]
-
-  def unchunk(x):
-    x = x.swapaxes(0, 1).reshape(b, chunks * chunk, -1)[:, :n * r].reshape(b, n, r, -1)
-    return jnp.where(valid, x, 0)
-
-  return unchunk(out)[..., 0], unchunk(ids), unchunk(top)
+  return _map_response_chunks(one, hidden, jnp.asarray(response_tokens)[..., None], layout,
+                              logits_chunk if 0 < logits_chunk < positions else positions)
 
 
 def pack_routes(prompt_routes, response_routes):
