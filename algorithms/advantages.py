@@ -198,6 +198,18 @@ def passk_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
   return gap
 
 
+def remax_advantages(rewards, baselines, sample_mask=None):
+  """ReMax (Li et al., 2023; verl's remax): each sample's reward minus its prompt's greedy
+  sample's reward, no std. rewards, baselines, sample_mask: [B] (0 on padding)."""
+  rewards, baselines = jnp.asarray(rewards, jnp.float32), jnp.asarray(baselines, jnp.float32)
+  if rewards.ndim != 1 or baselines.shape != rewards.shape:
+    raise ValueError(f"baselines: expected the rewards' shape {rewards.shape} ([B]), got "
+                     f"{baselines.shape}")
+  mask = (jnp.ones_like(rewards) if sample_mask is None
+          else jnp.asarray(sample_mask, jnp.float32))
+  return (rewards - baselines) * mask
+
+
 def distillation_advantages(student_logp, teacher_logp, token_mask):
   """On-policy distillation (as Thinking Machines' and Qwen3's): each sampled token's
   advantage is minus its reverse KL to the teacher, log pi_teacher - log pi_student, on the

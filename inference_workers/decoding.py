@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inference_workers.sampling import SamplingParams, choose_tokens, step_keys
+from inference_workers.sampling import GREEDY_SEED, SamplingParams, choose_tokens, step_keys
 from rlax_ps.models.kv_cache import KVCache
 
 FINISH_REASONS = ("length", "stop")  # index = code used on device
@@ -111,9 +111,10 @@ def check_request(model_config, prompts, seeds, rows, params: SamplingParams):
   if longest + params.max_new_tokens > model_config.max_position_embeddings:
     raise ValueError(f"prompt length {longest} + max_new_tokens {params.max_new_tokens} exceeds "
                      f"max_position_embeddings={model_config.max_position_embeddings}")
-  bad = [s for s in seeds.tolist() if not 0 <= s < 2 ** 31]
+  bad = [s for s in seeds.tolist() if not (0 <= s < 2 ** 31 or s == GREEDY_SEED)]
   if bad:
-    raise ValueError(f"seeds: expected ints in [0, 2**31), got {bad[0]!r}")
+    raise ValueError(f"seeds: expected ints in [0, 2**31) (or GREEDY_SEED={GREEDY_SEED}: a "
+                     f"greedy sample), got {bad[0]!r}")
 
 
 def knobs(params: SamplingParams):
@@ -215,7 +216,7 @@ def record(rows: Rows, step, logits, knobs_, mode) -> Rows:
   max_new, temperature, top_p, min_p, stops = knobs_
   step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), rows.done.shape)
   token, slogp, logp = choose_tokens(logits, step_keys(rows.seeds, step), mode, temperature,
-                                     top_p, min_p)
+                                     top_p, min_p, greedy_rows=rows.seeds == GREEDY_SEED)
   live = ~rows.done
   multi = {}
   force = jnp.zeros_like(live)

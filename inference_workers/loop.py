@@ -57,6 +57,7 @@ from inference_workers.continuous import ContinuousBatch, SlotsDevice
 from inference_workers.decoding import Sample, bucket, check_request, pad_prompts, replies_in
 from inference_workers.hard_exit import exit_now
 from inference_workers.sample_batch import SampleBatch
+from inference_workers.sampling import GREEDY_SEED
 from inference_workers.weights import HeldPolicy, ResyncNeeded
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
@@ -715,10 +716,10 @@ class Worker:
                     resume=self._resumable, mesh=self.mesh, kv_dtype=c.kv_cache_dtype or None,
                     mirror=self.mirror)
       if c.sample_rows:
-        self._batch = SampleBatch(self.policy.model, c.samples_per_prompt, c.sample_rows,
+        self._batch = SampleBatch(self.policy.model, c.draws, c.sample_rows,
                                   self.params, **common)
       else:
-        self._batch = ContinuousBatch(self.policy.model, c.samples_per_prompt,
+        self._batch = ContinuousBatch(self.policy.model, c.draws,
                                       c.prompts_per_call, self.params,
                                       rows_per_prompt=c.rows_per_prompt, **common)
       self._slots = self._batch.free  # prompts it decodes at once, empty
@@ -779,7 +780,6 @@ class Worker:
       return
     self._newer_waits = False
     version = self.policy.version
-    n = self.config.samples_per_prompt
     while self._pending and batch.free:
       lease_id, prompt = self._pending.popleft()
       tokens, fault = self._checked_tokens(prompt)
@@ -792,7 +792,7 @@ class Worker:
           and self._resume(lease_id, prompt, version)):
         continue
       self._started[(lease_id, prompt.id)] = (prompt, version)
-      batch.add((lease_id, prompt.id), tokens, self._seeds(prompt.id, version, 0, n))
+      batch.add((lease_id, prompt.id), tokens, self._prompt_seeds(prompt.id, version))
 
   def _newer_published(self) -> bool:
     """Whether the server holds a version newer than the one held."""
@@ -822,7 +822,7 @@ class Worker:
     """Queue a prompt whose samples a worker that stopped began (partial rollouts), to be
     drawn on with their seeds; False (it starts afresh) when they do not fit this worker.
     A multi-turn sample that had ended a turn gets its reply first (asked for now)."""
-    n, key = self.config.samples_per_prompt, (lease_id, prompt.id)
+    n, key = self.config.draws, (lease_id, prompt.id)
     # The group's version is the oldest its samples were drawn with.
     self._started[key] = (prompt, min(version, prompt.partial_version))
     try:
@@ -830,7 +830,7 @@ class Worker:
       begun = [self._begun_sample(key, j, p, environment)
                for j, p in enumerate(prompt.partial[:n])]
       self._batch.add(key, self._prompt_tokens(prompt),
-                      self._seeds(prompt.id, prompt.partial_version, 0, n), begun)
+                      self._prompt_seeds(prompt.id, prompt.partial_version), begun)
     except (ValueError, TypeError) as e:  # e.g. another model's ids: not ours to go on
       logging.warning("worker: the begun samples of prompt %s are drawn afresh: %s", prompt.id, e)
       self._given.pop(key, None)
@@ -940,8 +940,13 @@ class Worker:
     """(A submitter's thread.) Score a finished group, then `_send` it. `versions`: the
     oldest and the newest it was sampled with (the one held when it finished)."""
     rewards, passed, parts = self._scored(prompt, samples, given)
+    baseline = None
+    if self.config.greedy_baseline:  # the last sample is the greedy one: its reward alone
+      baseline, n = rewards[-1], self.config.samples_per_prompt
+      samples, rewards = samples[:n], rewards[:n]
+      passed, parts = (None if x is None else x[:n] for x in (passed, parts))
     return self._send(lease_id, prompt_id, self._group(prompt, versions[0], samples, rewards,
-                                                       passed, parts, versions[1]))
+                                                       passed, parts, versions[1], baseline))
 
   def _send(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup
             ) -> ParamServerError | None:
@@ -1194,6 +1199,12 @@ class Worker:
       return list(prompt.token_ids)
     return self.tokenizer.encode_prompt(prompt.text)
 
+  def _prompt_seeds(self, prompt_id: str, version: int) -> list[int]:
+    """A continuous batch's prompt's seeds: samples_per_prompt of them, then GREEDY_SEED
+    with worker.greedy_baseline (its last sample is the greedy one)."""
+    seeds = self._seeds(prompt_id, version, 0, self.config.samples_per_prompt)
+    return seeds + [GREEDY_SEED] * int(self.config.greedy_baseline)
+
   def _seeds(self, prompt_id: str, version: int, round_: int, n: int) -> list[int]:
     base = zlib.crc32(f"{self.config.seed}:{prompt_id}:{version}:{round_}".encode())
     return [(base + 7919 * j) % (2 ** 31) for j in range(n)]
@@ -1260,7 +1271,7 @@ class Worker:
       return f"continuous batching of samples on {c.sample_rows} rows"
     if self._continuous:
       return (f"continuous batching of {c.prompts_per_call} prompts x "
-              f"{c.rows_per_prompt or c.samples_per_prompt} rows")
+              f"{c.rows_per_prompt or c.draws} rows")
     return f"{c.allocator} rounds of {c.prompts_per_call} prompts"
 
   @property
@@ -1271,10 +1282,12 @@ class Worker:
   def _group(self, prompt: pb.Prompt, version: int, samples: list[Sample],
              rewards: list[float], passed: list[bool] | None = None,
              parts: list[dict[str, float]] | None = None,
-             last_version: int | None = None) -> pb.RolloutGroup:
+             last_version: int | None = None,
+             baseline: float | None = None) -> pb.RolloutGroup:
     """One prompt's scored samples as a RolloutGroup of `version` (the oldest sampled with;
     metadata last_version: the newest, `last_version`, else the one held now); each
-    sample's metadata: `sample_metadata` of its verdict and reward parts."""
+    sample's metadata: `sample_metadata` of its verdict and reward parts; `baseline`: the
+    greedy sample's reward (worker.greedy_baseline)."""
     meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
@@ -1294,6 +1307,8 @@ class Worker:
                                         parts or [None] * len(samples))])
     if self.config.routing_replay and samples:  # the samples share the prompt's routes
       group.prompt_routes.CopyFrom(make_routes(samples[0].prompt_routes))
+    if baseline is not None:
+      group.baseline_reward = baseline
     return group
 
   def _draw(self, prompts, tokens, counts, version, round_,

@@ -19,6 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# A sample's seed that asks for its greedy decode instead (any settings): the reward of one
+# greedy sample per prompt is ReMax's baseline (worker.greedy_baseline).
+GREEDY_SEED = -1
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How tokens are drawn.
@@ -131,8 +136,9 @@ def truncated_logprobs(logits: jax.Array, mode: DecodeMode, temperature, top_p, 
 
 
 def choose_tokens(logits: jax.Array, keys: jax.Array, mode: DecodeMode, temperature, top_p,
-                  min_p=0.0):
-  """Draw one token per row from float32 logits [B, V] with per-row keys [B].
+                  min_p=0.0, greedy_rows: jax.Array | None = None):
+  """Draw one token per row from float32 logits [B, V] with per-row keys [B]; the rows
+  `greedy_rows` [B] bool marks take their argmax instead.
 
   Returns (tokens [B] int32, sampling log-probs [B], model log-probs [B]):
   the sampling log-prob is log q(token) under the distribution actually sampled from
@@ -140,8 +146,9 @@ def choose_tokens(logits: jax.Array, keys: jax.Array, mode: DecodeMode, temperat
   log-prob is log_softmax(logits) at temperature 1, the policy's own log-prob.
   """
   model_logp = jax.nn.log_softmax(logits, axis=-1)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if mode.greedy:
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = greedy
     sampling_logp = jnp.zeros(tokens.shape, jnp.float32)
   else:
     logp, ids = truncated_logprobs(logits, mode, temperature, top_p, min_p)
@@ -149,6 +156,9 @@ def choose_tokens(logits: jax.Array, keys: jax.Array, mode: DecodeMode, temperat
     sampling_logp = jnp.take_along_axis(logp, choice[:, None], axis=-1)[:, 0]
     tokens = choice if ids is None else jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
     tokens = tokens.astype(jnp.int32)
+    if greedy_rows is not None:
+      tokens = jnp.where(greedy_rows, greedy, tokens)
+      sampling_logp = jnp.where(greedy_rows, 0.0, sampling_logp)
   chosen = jnp.take_along_axis(model_logp, tokens[:, None], axis=-1)[:, 0]
   return tokens, sampling_logp, chosen
 

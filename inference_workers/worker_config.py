@@ -53,6 +53,10 @@ class WorkerConfig:
   in_flight_updates: bool = setting(False, "apply new weights between decode chunks at once, "
                                     "not when the prompts started on the held version end")
   samples_per_prompt: int = setting(8, "N for the fixed allocator; VIGOR's per-prompt mean budget")
+  greedy_baseline: bool = setting(False, "also decode one greedy sample of each prompt, "
+                                  "scored as the others but sent beside them, not among "
+                                  "them: its reward is the group's baseline "
+                                  "(ReMax, loss.advantage='remax')")
   allocator: str = setting("fixed", "rollout allocation: fixed (GRPO) or vigor")
   allocator_args: str = setting("", "vigor: its settings as a JSON object, e.g. '{\"m0\": 4, "
                                 "\"rounds\": 3, \"alpha\": 0.5, \"gamma\": 2}' (unset: "
@@ -196,6 +200,8 @@ class WorkerConfig:
       raise ValueError(f"WorkerConfig.{str(e).removeprefix('worker.')}") from None
     need(0 <= self.rows_per_prompt <= self.samples_per_prompt, "rows_per_prompt",
          f"an int in [0, samples_per_prompt={self.samples_per_prompt}]")
+    need(not self.greedy_baseline or self.allocator == "fixed", "greedy_baseline",
+         f"False with allocator={self.allocator!r} (its rounds draw unequal groups)")
     need(self.sample_rows >= 0, "sample_rows", "an int >= 0 (0: prompts_per_call slots)")
     need(not self.sample_rows or self.allocator == "fixed", "sample_rows",
          f"0 with allocator={self.allocator!r} (its rounds decode prompts_per_call prompts)")
@@ -204,6 +210,12 @@ class WorkerConfig:
     need(self.checkpoint_s >= 0, "checkpoint_s", "a number of seconds >= 0")
     for f in ("lease_deadline_s", "grace_s", "backoff_initial_s", "backoff_max_s"):
       need(getattr(self, f) > 0, f, "a positive number of seconds")
+
+  @property
+  def draws(self) -> int:
+    """Samples decoded per prompt (fixed allocator): samples_per_prompt, plus the greedy one
+    with greedy_baseline."""
+    return self.samples_per_prompt + int(self.greedy_baseline)
 
   def sampling(self, stop_tokens: Sequence[int]):
     """The SamplingParams these settings describe."""

@@ -153,6 +153,9 @@ def validate_group(group: pb.RolloutGroup, *, latest_version: int | None, max_sa
     raise errors.InvalidArgument(f"{where}.samples", f"expected at most {max_samples}, got {len(group.samples)}")
   if latest_version is not None:
     check_policy_version(group, latest_version, where)
+  if group.HasField("baseline_reward") and not math.isfinite(group.baseline_reward):
+    raise errors.InvalidArgument(f"{where}.baseline_reward",
+                                 f"expected a finite number, got {group.baseline_reward}")
   for i, s in enumerate(group.samples):
     at = f"{where}.samples[{i}]"
     if not math.isfinite(s.reward):

@@ -88,7 +88,7 @@ def _holds_the_trainers_weights(workdir, workers=2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["rl_vigor", "rl_sync", "rl_decoupled", "rl_dapo",
-                                    "rl_int8_tis", "rl_gpg"])
+                                    "rl_int8_tis", "rl_gpg", "rl_remax"])
 def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
   """Every recipe the README lists runs as `rlax-ps local` does it: versions advance, the
   groups are trained on once, the workers end on the trainer's weights, and the recipe's
@@ -106,9 +106,12 @@ def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
     assert all(s["staleness_mean"] == 0.0 for s in steps)
   if recipe == "rl_int8_tis":
     assert summary["sync"]["format"] == "int8"
-  # VIGOR samples in rounds (unequal groups); the others batch continuously.
+  if recipe == "rl_remax":  # each group's baseline, its greedy sample's reward, was used
+    assert all("baseline_reward_mean" in s for s in steps)
+  # VIGOR samples in rounds (unequal groups); the others batch continuously (ReMax: 4
+  # samples and the greedy one).
   batching = ("vigor rounds of 2 prompts" if recipe == "rl_vigor" else
-              "continuous batching of 2 prompts x 4 rows")
+              f"continuous batching of 2 prompts x {5 if recipe == 'rl_remax' else 4} rows")
   assert f"worker: decoding on the default device; {batching}" in worker_log, worker_log[-2000:]
 
 

@@ -253,7 +253,7 @@ class Sample(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., finish_reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., routes: _Optional[_Union[Routes, _Mapping]] = ..., observed: _Optional[bytes] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
-    __slots__ = ("prompt_id", "samples", "policy_version", "metadata", "prompt_routes", "failure")
+    __slots__ = ("prompt_id", "samples", "policy_version", "metadata", "prompt_routes", "failure", "baseline_reward")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -267,13 +267,15 @@ class RolloutGroup(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ROUTES_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_REWARD_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     policy_version: int
     metadata: _containers.ScalarMap[str, str]
     prompt_routes: Routes
     failure: str
-    def __init__(self, prompt_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_routes: _Optional[_Union[Routes, _Mapping]] = ..., failure: _Optional[str] = ...) -> None: ...
+    baseline_reward: float
+    def __init__(self, prompt_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_routes: _Optional[_Union[Routes, _Mapping]] = ..., failure: _Optional[str] = ..., baseline_reward: _Optional[float] = ...) -> None: ...
 
 class SubmitRolloutsRequest(_message.Message):
     __slots__ = ("lease_id", "worker_id", "group")

@@ -144,7 +144,9 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                resumed=_count(taken.group.metadata.get("resumed_samples", "")),
                passed=_verdicts(samples),
                reward_parts={k: tuple(v) for k, v in parts.items()} or None,
-               reward_parts_bad=tuple(bad))
+               reward_parts_bad=tuple(bad),
+               baseline_reward=(float(taken.group.baseline_reward)
+                                if taken.group.HasField("baseline_reward") else None))
 
 
 def _verdicts(samples) -> tuple[bool, ...] | None:
@@ -292,6 +294,7 @@ class RLTrainer(TrainerRun):
                             prompt_len=int(rl.max_prompt_tokens),
                             response_len=int(config.worker.max_new_tokens),
                             reward_parts=tuple(n for n, _ in self.loss_cfg.reward_parts),
+                            baselines=self.loss_cfg.advantage == "remax",
                             **routing_shape(self.model_config, config.worker))
     # A step's rows are packed to the smallest of these many capacities (the budget, half
     # of it, ...) that holds its longest response.
@@ -1171,6 +1174,8 @@ class RLTrainer(TrainerRun):
         **response_stats(groups, self.shape.response_len, self.tokenizer.stop_ids),
         "response_capacity": int(batch["response_tokens"].shape[-1]),  # what rows packed
     }
+    if self.shape.baselines:  # ReMax: the greedy samples' mean reward, beside reward_mean
+      record["baseline_reward_mean"] = float(np.mean([g.baseline_reward for g in groups]))
     if self.dynamic:  # totals so far
       record.update(filtered=self.filtered, filled=self.filled)
     if self.selective:  # totals so far: records passed over, records on a streak now
@@ -1205,8 +1210,8 @@ class RLTrainer(TrainerRun):
     w.add_scalar("rollouts/staleness_max", record["staleness_max"], step)
     w.add_scalar("rollouts/resumed_samples", record["resumed_samples"], step)
     for k in ("response_len_mean", "response_len_max", "response_capacity", "truncated_frac",
-              "env_replies_mean", "env_token_frac"):
-      if k in record:  # (the env_ ones: multi-turn groups only)
+              "env_replies_mean", "env_token_frac", "baseline_reward_mean"):
+      if k in record:  # (env_: multi-turn groups only; baseline_: ReMax)
         w.add_scalar(f"rollouts/{k}", record[k], step)
     if "routed_frac" in record:
       w.add_scalar("rollouts/routed_frac", record["routed_frac"], step)

@@ -66,8 +66,14 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                      f"'opd' or loss.distill_topk > 0 and none without, got {teacher!r} with "
                      f"loss.advantage={loss.advantage!r}, loss.distill_topk="
                      f"{loss.distill_topk}")
+  greedy = bool(worker.get("greedy_baseline", False))
+  if (loss.advantage == "remax") != greedy:
+    raise ValueError(f"worker.greedy_baseline: expected True with loss.advantage='remax' (its "
+                     f"baseline is each prompt's greedy sample's reward) and False without "
+                     f"(the greedy samples would go unused), got {greedy} with "
+                     f"loss.advantage={loss.advantage!r}")
   samples, allocator = int(worker.samples_per_prompt), str(worker.get("allocator", "fixed"))
-  if allocator == "fixed" and samples < 2 and loss.advantage != "opd":
+  if allocator == "fixed" and samples < 2 and loss.advantage not in ("opd", "remax"):
     raise ValueError(f"worker.samples_per_prompt: loss.advantage={loss.advantage!r} weighs "
                      f"each sample against the others of its group; expected >= 2, got "
                      f"{samples} (every advantage would be 0)")

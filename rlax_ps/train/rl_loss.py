@@ -32,8 +32,8 @@ from rlax_ps.kernels import pack_group, pack_routes, packed_response_logprobs
 from rlax_ps.models.transformer import load_balancing_loss
 from rlax_ps.train.trainable import split_trainable, trainable_value_and_grad
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "opo", "passk", "gpg", "reinforce_pp",
-              "reinforce_pp_baseline", "gae", "opd")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "mc_grpo", "opo", "passk", "gpg", "remax",
+              "reinforce_pp", "reinforce_pp_baseline", "gae", "opd")
 # The advantages given per token ([rows * N, R]): whitened over the whole batch's tokens, or
 # (opd) each token's own.
 TOKEN_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline", "gae", "opd")
@@ -79,7 +79,9 @@ class LossConfig:
   # its group's mean, whitened over the batch's tokens) | gpg (GPG: r - group mean, the
   # batch scaled by B / (B - M), M its samples in groups of all-equal rewards, so those
   # groups do not shrink the gradient; divided by a std only with scale_rewards set; pair
-  # it with policy_loss="pg", as GPG does) | gae (PPO's generalized advantage
+  # it with policy_loss="pg", as GPG does) | remax (ReMax: r minus the reward of the
+  # prompt's greedy sample, which workers with worker.greedy_baseline decode beside the
+  # others and send as the group's baseline; no std) | gae (PPO's generalized advantage
   # estimation over a critic's values, the critic trained beside the policy: the `critic`
   # block; verl's "gae") | opd (on-policy distillation: each sampled token's advantage is
   # log pi_teacher - log pi_sampled, minus its reverse KL to the `teacher` block's model;
@@ -502,6 +504,11 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
   elif cfg.advantage == "gpg":
     adv = adv_lib.gpg_advantages(rewards, group_ids, num_groups, mask, eps=cfg.std_eps,
                                  std_scaling=cfg.scale_rewards or "none")
+  elif cfg.advantage == "remax":
+    if "baselines" not in batch:
+      raise ValueError("loss.advantage: 'remax' needs each group's greedy sample's reward "
+                       "(the batch's baselines: workers with worker.greedy_baseline=True)")
+    adv = adv_lib.remax_advantages(rewards, batch["baselines"].reshape(-1), mask)
   else:
     adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
     mask = mask * keep.astype(mask.dtype)

@@ -34,6 +34,9 @@ class BatchShape:
   # The reward parts the batch carries by name, reward_parts [rows, N, K] (loss.
   # reward_aggregation="normalize_then_sum"); (): none.
   reward_parts: tuple[str, ...] = ()
+  # ReMax (loss.advantage="remax"): each group brings its greedy sample's reward, baselines
+  # [rows, N] (the group's on each of its samples).
+  baselines: bool = False
 
   def __post_init__(self):
     if (not isinstance(self.reward_parts, tuple) or len(set(self.reward_parts))
@@ -41,7 +44,7 @@ class BatchShape:
       raise ValueError(f"BatchShape.reward_parts: expected a tuple of distinct names, got "
                        f"{self.reward_parts!r}")
     for f in dataclasses.fields(self):
-      if f.name == "reward_parts":
+      if f.name in ("reward_parts", "baselines"):
         continue
       v, least = getattr(self, f.name), 0 if f.name in _ROUTING else 1
       if not isinstance(v, int) or v < least:
@@ -85,6 +88,9 @@ class Group:
   # entries skipped as malformed, as key=value.
   reward_parts: dict[str, tuple[float, ...]] | None = None
   reward_parts_bad: tuple[str, ...] = ()
+  # The reward of the prompt's greedy sample, not among `responses` (worker.greedy_baseline,
+  # ReMax's baseline); None when the worker sent none.
+  baseline_reward: float | None = None
 
 
 def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None,
@@ -121,6 +127,11 @@ def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None,
                          f"token), got {len(seen)}")
   if not np.all(np.isfinite(group.rewards)):
     raise ValueError(f"{where}: rewards: expected finite values, got {group.rewards}")
+  if shape.baselines and (group.baseline_reward is None
+                          or not math.isfinite(group.baseline_reward)):
+    raise ValueError(f"{where}: baseline_reward: expected a finite number (loss.advantage="
+                     f"'remax' takes each group's greedy sample's reward as its baseline: "
+                     f"workers with worker.greedy_baseline=True), got {group.baseline_reward}")
   if vocab_size is not None:
     for field, ids in [("prompt", group.prompt_tokens),
                        *((f"samples[{i}]", t) for i, t in enumerate(group.responses))]:
@@ -242,6 +253,8 @@ def empty_batch(rows: int, shape: BatchShape, pad_id: int = 0) -> dict[str, np.n
              "response_routes": np.full((rows, n, r, m, k), -1, ROUTE_DTYPE)}
   if shape.reward_parts:
     extra["reward_parts"] = np.full((rows, n, len(shape.reward_parts)), np.nan, np.float32)
+  if shape.baselines:
+    extra["baselines"] = np.zeros((rows, n), np.float32)
   return {
       **extra,
       "prompt_tokens": np.full((rows, p), pad_id, np.int32),
@@ -265,7 +278,8 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
   environment's tokens: context, not trained on), rewards [rows, N],
   sample_mask [rows, N] (1 on real samples), row_group [rows] (the group's index); routing
   replay: prompt_routes [rows, P, M, k], response_routes [rows, N, R, M, k] (-1: none);
-  shape.reward_parts: reward_parts [rows, N, K], the samples' raw parts (NaN: none).
+  shape.reward_parts: reward_parts [rows, N, K], the samples' raw parts (NaN: none);
+  shape.baselines: baselines [rows, N], each sample's group's baseline_reward.
   """
   if not 1 <= len(groups) <= shape.groups:
     raise ValueError(f"groups: expected 1 to {shape.groups} (rl.groups_per_step), got "
@@ -290,6 +304,8 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
         if g.observed is not None and g.observed[i] is not None:
           out["policy_tokens"][row, slot, :k] = ~np.asarray(g.observed[i], bool)
         out["rewards"][row, slot] = g.rewards[i]
+        if shape.baselines:
+          out["baselines"][row, slot] = g.baseline_reward
         for j, name in enumerate(shape.reward_parts):
           if name in (g.reward_parts or {}):
             out["reward_parts"][row, slot, j] = g.reward_parts[name][i]

@@ -8,7 +8,7 @@ from flax import nnx
 
 from inference_workers import sampler
 from inference_workers.sampler import generate, generate_shared
-from inference_workers.sampling import SamplingParams
+from inference_workers.sampling import GREEDY_SEED, SamplingParams
 from rlax_ps.kernels.reference import decode_two_pass
 from rlax_ps.models import ModelConfig, Transformer
 
@@ -54,6 +54,19 @@ def test_greedy_equals_full_recompute_argmax(model):
     assert sample.tokens.tolist() == seq[len(prompt):]
     assert sample.finish_reason == "length"
     np.testing.assert_array_equal(sample.sampling_logprobs, 0.0)
+
+
+def test_a_row_seeded_greedy_decodes_greedily_beside_sampled_rows(model, sampled):
+  """GREEDY_SEED (ReMax's baseline sample) makes its row greedy; the other rows draw as
+  they would without it."""
+  out = generate(model, PROMPTS, [11, GREEDY_SEED], SamplingParams(max_new_tokens=NEW))
+  greedy = generate(model, PROMPTS, [0, 0], SamplingParams(greedy=True, max_new_tokens=NEW))
+  assert out[0].tokens.tolist() == sampled[0].tokens.tolist()
+  assert out[1].tokens.tolist() == greedy[1].tokens.tolist() != sampled[1].tokens.tolist()
+  np.testing.assert_array_equal(out[1].sampling_logprobs, 0.0)
+  np.testing.assert_allclose(out[1].logprobs, greedy[1].logprobs, rtol=1e-6)
+  with pytest.raises(ValueError, match="seeds: expected ints"):
+    generate(model, PROMPTS, [11, -2], SamplingParams(max_new_tokens=NEW))
 
 
 def test_logprobs_equal_log_softmax_at_chosen_tokens(model, sampled):

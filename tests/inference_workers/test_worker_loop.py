@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import zlib
 
 import grpc
 import jax.numpy as jnp
@@ -21,6 +22,8 @@ from algorithms.verifiers.base import Guarded, VerifierResult
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.decoding import Sample
 from inference_workers.loop import Worker
+from inference_workers.sampler import generate
+from inference_workers.sampling import SamplingParams
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import ParamServerClient, ParamServerError, RetryPolicy, sample_logprobs
 from param_server.protos import param_server_pb2 as pb
@@ -57,6 +60,43 @@ def test_worker_completes_leases_and_submits_scored_groups(server, versions):
         assert np.all(sample_logprobs(s) <= 0)
     st = trainer.stats()
     assert st.prompts_leased == 0 and st.prompts_queued == 0
+
+
+@pytest.mark.parametrize("sample_rows", [0, 4], ids=["slots", "sample_rows"])
+def test_a_greedy_baseline_is_sent_beside_the_samples_as_the_greedy_decodes_reward(
+    server, versions, sample_rows):
+  """worker.greedy_baseline (ReMax): each group holds samples_per_prompt samples and the
+  reward of the prompt's greedy decode, scored by the same verifier."""
+  texts = {}
+
+  def verifier(text, reference):  # a reward that names the text
+    texts.setdefault(zlib.crc32(text.encode()) % (1 << 20), text)
+    return VerifierResult(float(zlib.crc32(text.encode()) % (1 << 20)), False)
+
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    config = WorkerConfig(max_leases=1, greedy_baseline=True, sample_rows=sample_rows,
+                          temperature=1.5, **SMALL)
+    worker = Worker(wc, CONFIG, TOKENIZER, config, verifier_for=lambda t: Guarded(t, verifier))
+    assert worker.run().groups_submitted == 2
+    taken = trainer.take_rollouts(0, 10).rollouts
+  params = SamplingParams(greedy=True, max_new_tokens=SMALL["max_new_tokens"],
+                          stop_tokens=TOKENIZER.stop_ids)
+  for r in taken:
+    assert len(r.group.samples) == SMALL["samples_per_prompt"]
+    assert r.group.HasField("baseline_reward")
+    greedy = generate(worker.policy.model, [TOKENIZER.encode_prompt(r.prompt.text)], [0],
+                      params)[0]
+    assert texts[int(r.group.baseline_reward)] == TOKENIZER.decode(greedy.tokens)
+    # The trainer's Group carries it; a group without one is refused where it is needed.
+    group = group_of(r, TOKENIZER)
+    assert group.baseline_reward == r.group.baseline_reward and len(group.responses) == 3
+  plain = pb.TakenRollout(rollout_id=7, prompt=taken[0].prompt, group=taken[0].group)
+  plain.group.ClearField("baseline_reward")
+  shape = BatchShape(groups=1, samples=3, prompt_len=32, response_len=6, baselines=True)
+  with pytest.raises(ValueError, match="rollout 7: baseline_reward: .*worker.greedy_baseline"):
+    check_group(group_of(plain, TOKENIZER), shape)
 
 
 def test_a_worker_with_an_fp8_cache_decodes_through_it(server, versions):
@@ -848,6 +888,9 @@ def test_bad_batching_settings_are_named():
   with pytest.raises(ValueError, match="WorkerConfig.sample_rows: expected 0 with "
                                        "allocator='vigor'"):
     WorkerConfig(sample_rows=8, allocator="vigor")
+  with pytest.raises(ValueError, match="WorkerConfig.greedy_baseline: expected False with "
+                                       "allocator='vigor'"):
+    WorkerConfig(greedy_baseline=True, allocator="vigor")
   with pytest.raises(ValueError, match="WorkerConfig.environment_threads: expected a positive"):
     WorkerConfig(environment_threads=0)
   with pytest.raises(ValueError, match="WorkerConfig.scoring_threads: expected a positive"):

@@ -151,6 +151,7 @@ def test_foreign_and_unknown_leases_are_rejected(queues):
     (lambda g: g.ClearField("samples"), "group.samples"),
     (lambda g: setattr(g, "policy_version", 99), "group.policy_version"),
     (lambda g: setattr(g.samples[0], "reward", float("nan")), "reward"),
+    (lambda g: setattr(g, "baseline_reward", float("inf")), "group.baseline_reward"),
     (lambda g: g.samples[0].logprobs.append(-1.0), "logprobs"),
     (lambda g: setattr(g, "prompt_id", ""), "group.prompt_id"),
     (lambda g: setattr(g.samples[0], "observed", b"\x01"),

@@ -43,6 +43,10 @@ def _set(config, **fields):
      "loss.scale_rewards: expected unset with advantage='opo'"),
     ({"rl__revisit_solved": 0.5}, "rl.revisit_solved, rl.revisit_failed: expected data.jsonl"),
     ({"worker__default_task": "no_such_task"}, "worker.default_task: 'no_such_task' is neither"),
+    ({"loss__advantage": "remax"}, "worker.greedy_baseline: expected True with "
+                                   "loss.advantage='remax'"),
+    ({"worker__greedy_baseline": True}, "worker.greedy_baseline: .* got True with "
+                                        "loss.advantage='grpo'"),
 ])
 def test_each_wrong_field_is_refused_naming_it(fields, message):
   config = _set(rl_config(), **fields)
@@ -55,6 +59,9 @@ def test_vigor_groups_need_no_fixed_size_and_the_recipes_pass():
   assert check_rl_config(vigor).advantage == "grpo"
   loss = check_rl_config(rl_config())
   assert loss.budget == rl_config().worker.max_new_tokens
+  # ReMax's baseline is the greedy sample: one drawn sample a prompt is enough.
+  remax = _set(rl_config(path="configs/rl_remax.py"), worker__samples_per_prompt=1)
+  assert check_rl_config(remax).advantage == "remax"
 
 
 def test_prompt_files_are_read_only_when_asked(tmp_path):

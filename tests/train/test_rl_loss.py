@@ -94,6 +94,27 @@ def test_dr_grpo_and_rloo_use_their_own_baselines():
   np.testing.assert_allclose(passk, want, rtol=1e-5)
 
 
+def test_remax_takes_each_samples_reward_less_its_groups_greedy_reward():
+  groups = [dataclasses.replace(g, baseline_reward=b) for g, b in zip(GROUPS, (0.5, 1.0))]
+  batch = build_batch(groups, dataclasses.replace(SHAPE, baselines=True))
+  np.testing.assert_array_equal(batch["baselines"] * batch["sample_mask"],
+                                [[0.5, 0.5, 0.5, 0], [1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  adv, mask = group_advantages(batch, 2, LossConfig(advantage="remax"))
+  # Group 0 (rewards 1, 0, 0) against 0.5; group 1 (1, 1, 0, 0, 1) against 1; no std.
+  np.testing.assert_allclose(np.asarray(adv).reshape(4, 4),
+                             [[0.5, -0.5, -0.5, 0], [0, 0, -1, -1], [0, 0, 0, 0], [0] * 4])
+  np.testing.assert_array_equal(np.asarray(mask).reshape(4, 4), BATCH["sample_mask"])
+  del batch["baselines"]
+  with pytest.raises(ValueError, match="'remax' needs each group's greedy sample's reward"):
+    group_advantages(batch, 2, LossConfig(advantage="remax"))
+  with pytest.raises(ValueError, match="rollout 10: baseline_reward: expected a finite number"):
+    build_batch(GROUPS, dataclasses.replace(SHAPE, baselines=True))
+  with pytest.raises(ValueError, match="loss.scale_rewards: expected unset with "
+                                       "advantage='remax'"):
+    LossConfig(advantage="remax", scale_rewards="group")
+
+
 def _model():
   cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
                     num_heads=2, num_kv_heads=1, max_position_embeddings=32)
