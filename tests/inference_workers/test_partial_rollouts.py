@@ -2,13 +2,16 @@
 the samples it began, and the next worker finishes them as if never interrupted (single
 turn, routing replay, multi-turn), against real parameter servers on 127.0.0.1."""
 
+import dataclasses
 import json
 import time
+import zlib
 
 import numpy as np
 import pytest
 from flax import nnx
 
+from algorithms.verifiers.base import Guarded, VerifierResult
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.loop import Worker
 from inference_workers.sampler import generate
@@ -59,6 +62,39 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
   assert sorted(groups) == ["p0", "p1"] and second.stats.groups_submitted == 2
   assert_finished_as_begun(second, groups, begun, altered=("p0", 0))
   assert all(group_of(t, TOKENIZER).resumed == 3 for t in taken)  # what the trainer counts
+
+
+def test_a_greedy_baseline_sample_begun_by_a_stopped_worker_is_finished_greedily(
+    server, versions, monkeypatch):
+  """worker.greedy_baseline (ReMax): the greedy sample goes back begun with the others and
+  the next worker draws it on greedily; the group's baseline is its finished answer's
+  reward, its samples those of an uninterrupted run."""
+  config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4, greedy_baseline=True)
+  scored = {}
+
+  def verifier(text, reference):  # a reward that names the text
+    scored[float(zlib.crc32(text.encode()) % (1 << 20))] = text
+    return VerifierResult(float(zlib.crc32(text.encode()) % (1 << 20)), False)
+
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    first = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
+    run_until_stopped(first, monkeypatch)
+    assert first.stats.groups_submitted == 0 and first.stats.samples_salvaged == 8
+    second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config),
+                    verifier_for=lambda task: Guarded(task, verifier))
+    second.run()
+    groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
+  examples = get_task("addition", max_digits=2).examples("train", 0, 2)
+  greedy = dataclasses.replace(second.params, greedy=True)
+  for pid, group in groups.items():
+    head = TOKENIZER.encode_prompt(examples[int(pid[1:])].prompt)
+    want = generate(second.policy.model, [head] * 3, second._seeds(pid, 0, 0, 3), second.params)
+    assert [list(s.token_ids) for s in group.samples] == [w.tokens.tolist() for w in want]
+    assert group.metadata["resumed_samples"] == "3"
+    answer = generate(second.policy.model, [head], [0], greedy)[0]
+    assert scored[group.baseline_reward] == TOKENIZER.decode(answer.tokens)
 
 
 def assert_finished_as_begun(worker, groups, begun, altered=None):
