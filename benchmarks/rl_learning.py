@@ -5,7 +5,7 @@ publications at the same step count.
     python benchmarks/rl_learning.py                       # 10 min each, seed 0
     python benchmarks/rl_learning.py --minutes 2 --no-int8 # a quick look
     python benchmarks/rl_learning.py --minutes 5 --no-int8 --no-sft --losses=kl_cov,clip_cov
-    python benchmarks/rl_learning.py --minutes 5 --no-int8 --no-sft --recipes=rl_gpg
+    python benchmarks/rl_learning.py --minutes 5 --no-int8 --no-sft --recipes=rl_gpg,rl_remax
     python benchmarks/rl_learning.py --minutes 5 --no-int8 --distill  # SFT more as teacher
 
 The warm start is the unchanged `rlax-ps sft` default (configs/sft_tiny.py), trained once in
