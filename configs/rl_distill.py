@@ -11,6 +11,11 @@ is supervised learning: the warm start's final learning rate. The rewards are lo
 trained on; train/teacher_kl and train/distill_kl show what is left to learn. One sample a
 prompt suffices (no group baseline). Otherwise configs/rl_local.py. `:tiny` is the
 seconds-long smoke variant.
+
+The teacher on the workers instead (each scores its own finished groups on its devices,
+beside decoding, and sends the scores with them; the trainer loads no teacher):
+--config.worker.teacher=TEACHER_HF_DIR --config.worker.teacher_topk=8 in place of
+--config.teacher.path.
 """
 
 from rlax_ps.config_files import sibling

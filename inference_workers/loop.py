@@ -69,6 +69,7 @@ from rlax_ps import sharding as shd
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.reward_scoring import RewardScorer, prompt_messages
 from rlax_ps.sync import Update
+from rlax_ps.teacher import Teacher
 
 _RATE_CHUNKS = 64  # decode chunks the reported tokens/s is averaged over
 _HEARTBEAT_JOIN_S = 5.0  # how long run() waits for the heartbeat thread on the way out
@@ -112,7 +113,17 @@ def follow_leader(model_config: ModelConfig, tokenizer: Any, config: WorkerConfi
       "policy": lambda: multihost.PolicyCalls(policy),
       "slots": lambda **settings: SlotsDevice(policy.model, mesh=mesh, **settings),
       "reward": lambda: RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,
-                                     config.reward_model_batch, mesh=mesh)})
+                                     config.reward_model_batch, mesh=mesh),
+      "teacher": lambda: make_teacher(config, tokenizer, mesh)})
+
+
+def make_teacher(config: WorkerConfig, tokenizer: Any, mesh) -> Teacher | None:
+  """worker.teacher's model on the worker's devices (None without one)."""
+  if not config.teacher:
+    return None
+  return Teacher(config.teacher, mesh, vocab_size=tokenizer.vocab_size,
+                 dtype=config.teacher_dtype, topk=config.teacher_topk, field="worker.teacher",
+                 logits_chunk=config.teacher_logits_chunk)
 
 
 def make_allocator(config: WorkerConfig):
@@ -274,6 +285,9 @@ class Worker:
                           if config.reward_model else None)
     if self.reward_scorer is not None and mirror is not None:
       self.reward_scorer = mirror.mirrored("reward", self.reward_scorer, {}, ("scores",))
+    self.teacher = make_teacher(config, tokenizer, self.mesh)  # on-policy distillation's
+    if self.teacher is not None and mirror is not None:
+      self.teacher = mirror.mirrored("teacher", self.teacher, {}, ("score_group",))
     self.params = config.sampling(tokenizer.stop_ids)
     self.stats = WorkerStats()
     self._stop = threading.Event()
@@ -1287,7 +1301,8 @@ class Worker:
     """One prompt's scored samples as a RolloutGroup of `version` (the oldest sampled with;
     metadata last_version: the newest, `last_version`, else the one held now); each
     sample's metadata: `sample_metadata` of its verdict and reward parts; `baseline`: the
-    greedy sample's reward (worker.greedy_baseline)."""
+    greedy sample's reward (worker.greedy_baseline). With worker.teacher, each sample
+    carries the teacher's scores of its tokens (on-policy distillation)."""
     meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
@@ -1297,14 +1312,21 @@ class Worker:
     resumed = sum(s.resumed for s in samples)
     if resumed:
       meta["resumed_samples"] = str(resumed)
+    teacher = None
+    if self.teacher is not None and samples:  # one packed row: slots for 2^j samples
+      with self.stats.time.span("scoring"):
+        teacher = self.teacher.score_group(self._prompt_tokens(prompt),
+                                           [s.tokens for s in samples], bucket(len(samples)),
+                                           self.config.max_new_tokens)
     group = pb.RolloutGroup(
         prompt_id=prompt.id, policy_version=version, metadata=meta,
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),
                              logprobs=s.sampling_logprobs, finish_reason=s.finish_reason,
                              routes=s.routes, observed=s.observed,
-                             metadata=sample_metadata(p, pp))
-                 for s, r, p, pp in zip(samples, rewards, passed or [None] * len(samples),
-                                        parts or [None] * len(samples))])
+                             metadata=sample_metadata(p, pp), teacher=t)
+                 for s, r, p, pp, t in zip(samples, rewards, passed or [None] * len(samples),
+                                           parts or [None] * len(samples),
+                                           teacher or [None] * len(samples))])
     if self.config.routing_replay and samples:  # the samples share the prompt's routes
       group.prompt_routes.CopyFrom(make_routes(samples[0].prompt_routes))
     if baseline is not None:

@@ -102,6 +102,17 @@ class WorkerConfig:
                               "(think_format, math, task:addition, one worker.verifiers "
                               "registers); each sample's raw parts go to the trainer's log")
   reward_model_dtype: str = setting("bfloat16", "the reward model's params and activations")
+  teacher: str = setting("", "on-policy distillation with the teacher on the workers: an HF "
+                         "checkpoint of the policy's tokenizer that scores each finished "
+                         "group's tokens on this worker's devices, sent with the group "
+                         "(loss.advantage='opd', loss.distill_topk; instead of teacher.path "
+                         "on the trainer)")
+  teacher_topk: int = setting(0, "with teacher: also its this many most likely tokens at each "
+                              "sampled position (loss.distill_topk)")
+  teacher_dtype: str = setting("bfloat16", "the teacher's params and activations")
+  teacher_logits_chunk: int = setting(1024, "with teacher: response positions projected to "
+                                      "its vocabulary at a time (0: a group's all at once, "
+                                      "samples x max_new_tokens x vocab floats)")
   reward_model_batch: int = setting(16, "sequences the reward model scores per call")
   grace_s: float = setting(25.0, "after SIGTERM: time to submit or release everything in flight")
   salvage_s: float = setting(5.0, "after SIGTERM, with this much grace left, samples still "
@@ -183,6 +194,11 @@ class WorkerConfig:
     need(self.reward_model_batch > 0, "reward_model_batch", "a positive int")
     need(self.reward_model_dtype in ("float32", "bfloat16"), "reward_model_dtype",
          "'float32' or 'bfloat16'")
+    need(self.teacher_dtype in ("float32", "bfloat16"), "teacher_dtype",
+         "'float32' or 'bfloat16'")
+    need(self.teacher_topk >= 0 and (self.teacher or not self.teacher_topk), "teacher_topk",
+         "0 without a teacher, else an int >= 0")
+    need(self.teacher_logits_chunk >= 0, "teacher_logits_chunk", "an int >= 0 (0: no chunks)")
     need(self.reward_model or self.default_task != "reward_model", "reward_model",
          "a reward model checkpoint when default_task='reward_model'")
     need(self.reward_model or not self.reward_model_weight, "reward_model",

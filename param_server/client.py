@@ -190,9 +190,11 @@ def make_sample(token_ids: Sequence[int], reward: float, *, text: str = "",
                 logprobs: Sequence[float] | np.ndarray | None = None, finish_reason: str = "",
                 metadata: dict[str, str] | None = None,
                 routes: np.ndarray | None = None,
-                observed: np.ndarray | None = None) -> pb.Sample:
+                observed: np.ndarray | None = None,
+                teacher: tuple | None = None) -> pb.Sample:
   """A sample; logprobs travel packed as little-endian float32, routes as `make_routes`,
-  `observed` (multi-turn: True on the environment's tokens) as a byte per token."""
+  `observed` (multi-turn: True on the environment's tokens) as a byte per token, the
+  `teacher`'s scores as `sample_teacher` reads them."""
   s = pb.Sample(token_ids=list(map(int, token_ids)), reward=float(reward), text=text,
                 finish_reason=finish_reason, metadata=metadata or {})
   if logprobs is not None:
@@ -201,6 +203,12 @@ def make_sample(token_ids: Sequence[int], reward: float, *, text: str = "",
     s.observed = np.asarray(observed, bool).astype(np.uint8).tobytes()
   if routes is not None:
     s.routes.CopyFrom(make_routes(routes))
+  if teacher is not None:  # (log-probs [t], top ids [t, k] or None, top log-probs or None)
+    logp, ids, top = teacher
+    s.teacher_logprobs_f32 = np.asarray(logp, "<f4").tobytes()
+    if ids is not None:
+      s.teacher_topk_ids = np.asarray(ids, "<i4").tobytes()
+      s.teacher_topk_logprobs_f32 = np.asarray(top, "<f4").tobytes()
   return s
 
 
@@ -227,6 +235,20 @@ def sample_observed(sample: pb.Sample) -> np.ndarray | None:
   if not sample.observed:
     return None
   return np.frombuffer(sample.observed, dtype=np.uint8).astype(bool)
+
+
+def sample_teacher(sample: pb.Sample) -> tuple[np.ndarray | None, np.ndarray | None,
+                                                 np.ndarray | None]:
+  """A sample's teacher scores (worker.teacher): its tokens' log-probs [t] float32, and the
+  top ids [t, k] int32 and log-probs [t, k] float32; None for what it has none of."""
+  t = len(sample.token_ids)
+  logp = (np.frombuffer(sample.teacher_logprobs_f32, "<f4").astype(np.float32)
+          if sample.teacher_logprobs_f32 else None)
+  if not sample.teacher_topk_ids or not t:
+    return logp, None, None
+  ids = np.frombuffer(sample.teacher_topk_ids, "<i4").astype(np.int32).reshape(t, -1)
+  top = np.frombuffer(sample.teacher_topk_logprobs_f32, "<f4").astype(np.float32)
+  return logp, ids, top.reshape(t, -1)
 
 
 def sample_logprobs(sample: pb.Sample) -> np.ndarray:

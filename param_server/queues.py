@@ -181,7 +181,29 @@ def validate_group(group: pb.RolloutGroup, *, latest_version: int | None, max_sa
       raise errors.InvalidArgument(
           f"{at}.observed", f"expected one byte 0 or 1 per token ({len(s.token_ids)}), got "
           f"{len(s.observed)} bytes{other}")
+    _validate_teacher(s, at)
   _validate_routes(group, where, partial)
+
+
+def _validate_teacher(s: pb.Sample, at: str) -> None:
+  """A sample's teacher scores (worker.teacher): one float32 log-prob per token, and top-k
+  ids and log-probs of k per token, all finite, ids >= 0; or none."""
+  n = len(s.token_ids)
+  if s.teacher_logprobs_f32:
+    lp = np.frombuffer(s.teacher_logprobs_f32, "<f4") if len(s.teacher_logprobs_f32) == 4 * n \
+        else None
+    if lp is None or not np.all(np.isfinite(lp)):
+      raise errors.InvalidArgument(f"{at}.teacher_logprobs_f32", f"expected {n} finite float32 "
+                                   f"(one per token), got {len(s.teacher_logprobs_f32)} bytes")
+  ids, top = s.teacher_topk_ids, s.teacher_topk_logprobs_f32
+  if ids or top:
+    if not n or len(ids) != len(top) or len(ids) % (4 * n):
+      raise errors.InvalidArgument(f"{at}.teacher_topk_ids", f"expected k int32 ids and k "
+                                   f"float32 log-probs per token ({n}), got {len(ids)} and "
+                                   f"{len(top)} bytes")
+    if (np.frombuffer(ids, "<i4") < 0).any() or not np.isfinite(np.frombuffer(top, "<f4")).all():
+      raise errors.InvalidArgument(f"{at}.teacher_topk_ids", "expected ids >= 0 and finite "
+                                   "log-probs")
 
 
 def _routes_tokens(routes: pb.Routes, where: str) -> int:

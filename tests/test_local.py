@@ -115,6 +115,29 @@ def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
   assert f"worker: decoding on the default device; {batching}" in worker_log, worker_log[-2000:]
 
 
+@pytest.mark.slow
+def test_distillation_with_the_teacher_on_the_workers_runs_the_whole_loop(tmp_path):
+  """configs/rl_distill.py with worker.teacher: each worker loads the teacher and sends its
+  scores with every group; the trainer loads none, rejects no group, and logs the reverse
+  KL left."""
+  from flax import nnx
+
+  from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
+  from rlax_ps.tokenizers import CharTokenizer
+  teacher = Transformer(ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=32,
+                                    intermediate_size=64, num_layers=1, num_heads=4,
+                                    num_kv_heads=2, max_position_embeddings=64),
+                        rngs=nnx.Rngs(5))
+  save_hf_checkpoint(teacher, str(tmp_path / "teacher"))
+  proc = _local(tmp_path / "run", f"--config.worker.teacher={tmp_path / 'teacher'}",
+                "--config.worker.teacher_topk=8", config="configs/rl_distill.py:tiny")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  summary = json.load(open(tmp_path / "run" / "summary.json"))
+  steps = _lines(tmp_path / "run" / "steps.jsonl")
+  assert summary["step"] == len(steps) == 4 and summary["rejected"] == 0
+  assert all(s["teacher_kl"] > 0 for s in steps)
+
+
 def test_tokens_stay_in_an_owner_only_file(run):
   workdir, _ = run
   token_file = workdir / "ps" / "tokens.json"

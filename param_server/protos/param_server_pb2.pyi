@@ -224,7 +224,7 @@ class Routes(_message.Message):
     def __init__(self, ids: _Optional[bytes] = ..., layers: _Optional[int] = ..., top_k: _Optional[int] = ..., id_bytes: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("token_ids", "text", "reward", "logprobs", "logprobs_f32", "finish_reason", "metadata", "routes", "observed")
+    __slots__ = ("token_ids", "text", "reward", "logprobs", "logprobs_f32", "finish_reason", "metadata", "routes", "observed", "teacher_logprobs_f32", "teacher_topk_ids", "teacher_topk_logprobs_f32")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,9 @@ class Sample(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_LOGPROBS_F32_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOPK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOPK_LOGPROBS_F32_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     reward: float
@@ -250,7 +253,10 @@ class Sample(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     routes: Routes
     observed: bytes
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., finish_reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., routes: _Optional[_Union[Routes, _Mapping]] = ..., observed: _Optional[bytes] = ...) -> None: ...
+    teacher_logprobs_f32: bytes
+    teacher_topk_ids: bytes
+    teacher_topk_logprobs_f32: bytes
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Iterable[float]] = ..., logprobs_f32: _Optional[bytes] = ..., finish_reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., routes: _Optional[_Union[Routes, _Mapping]] = ..., observed: _Optional[bytes] = ..., teacher_logprobs_f32: _Optional[bytes] = ..., teacher_topk_ids: _Optional[bytes] = ..., teacher_topk_logprobs_f32: _Optional[bytes] = ...) -> None: ...
 
 class RolloutGroup(_message.Message):
     __slots__ = ("prompt_id", "samples", "policy_version", "metadata", "prompt_routes", "failure", "baseline_reward")

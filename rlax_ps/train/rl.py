@@ -37,7 +37,7 @@ from absl import logging
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from algorithms.selection import fed, next_streak
 from param_server.client import (ParamServerError, Prompt, RetryPolicy, routes_of,
-                                 sample_logprobs, sample_observed)
+                                 sample_logprobs, sample_observed, sample_teacher)
 from rlax_ps import sharding as shd
 from rlax_ps.config_files import save_run_config
 from rlax_ps.tokenizers import Tokenizer
@@ -56,7 +56,7 @@ from rlax_ps.train.critic import Critic
 from rlax_ps.train.state import (TrainState, abstract_model, hf_params, restore_or_init,
                                  restore_state)
 from rlax_ps.train.step import apply_gradients, jit_step
-from rlax_ps.train.teacher import Teacher
+from rlax_ps.teacher import Teacher
 from rlax_ps.train.trainable import trainable_value_and_grad
 
 
@@ -146,7 +146,17 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                reward_parts={k: tuple(v) for k, v in parts.items()} or None,
                reward_parts_bad=tuple(bad),
                baseline_reward=(float(taken.group.baseline_reward)
-                                if taken.group.HasField("baseline_reward") else None))
+                                if taken.group.HasField("baseline_reward") else None),
+               teacher=(tuple(sample_teacher(s) for s in samples)
+                        if any(s.teacher_logprobs_f32 for s in samples) else None))
+
+
+def teacher_shape(loss_cfg, worker) -> dict:
+  """BatchShape's teacher fields: what the workers' teacher (worker.teacher) sends that the
+  loss takes; none with the teacher on the trainer (teacher.path) or no teacher."""
+  if not str(worker.get("teacher", "")):
+    return {}
+  return dict(teacher_logp=loss_cfg.advantage == "opd", teacher_topk=loss_cfg.distill_topk)
 
 
 def _verdicts(samples) -> tuple[bool, ...] | None:
@@ -295,6 +305,7 @@ class RLTrainer(TrainerRun):
                             response_len=int(config.worker.max_new_tokens),
                             reward_parts=tuple(n for n, _ in self.loss_cfg.reward_parts),
                             baselines=self.loss_cfg.advantage == "remax",
+                            **teacher_shape(self.loss_cfg, config.worker),
                             **routing_shape(self.model_config, config.worker))
     # A step's rows are packed to the smallest of these many capacities (the budget, half
     # of it, ...) that holds its longest response.
@@ -308,7 +319,7 @@ class RLTrainer(TrainerRun):
                                                        self.model_config.lora_rank)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
     self.teacher = None  # distillation's (loss.advantage="opd", loss.distill_topk)
-    if self.loss_cfg.advantage == "opd" or self.loss_cfg.distill_topk:
+    if str((config.get("teacher") or {}).get("path", "")):  # else on the workers, or none
       self.teacher = Teacher(str(config.teacher.path), self.mesh,
                              vocab_size=self.tokenizer.vocab_size,
                              dtype=self.model_config.dtype, backend=self.loss_cfg.backend,

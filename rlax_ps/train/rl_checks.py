@@ -61,9 +61,22 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                      f"batch's updates run as one step), got {updates}")
   ref_sync_settings(rl, loss, int(config.model.get("lora_rank", 0)))
   teacher = str((config.get("teacher") or {}).get("path", ""))
-  if (loss.advantage == "opd" or loss.distill_topk > 0) != bool(teacher):
+  distilling = loss.advantage == "opd" or loss.distill_topk > 0
+  on_workers = str(worker.get("teacher", ""))
+  if on_workers:  # the teacher scores each group on the workers instead
+    if teacher or not distilling:
+      raise ValueError(f"worker.teacher: expected '' with teacher.path set (the teacher sits on "
+                       f"the trainer or on the workers) or without loss.advantage='opd' or "
+                       f"loss.distill_topk > 0, got {on_workers!r} with teacher.path="
+                       f"{teacher!r}, loss.advantage={loss.advantage!r}")
+    if int(worker.get("teacher_topk", 0)) != loss.distill_topk:
+      raise ValueError(f"worker.teacher_topk: expected loss.distill_topk="
+                       f"{loss.distill_topk} (the top tokens the loss takes), got "
+                       f"{worker.get('teacher_topk', 0)}")
+  elif distilling != bool(teacher):
     raise ValueError(f"teacher.path: expected an HF checkpoint folder with loss.advantage="
-                     f"'opd' or loss.distill_topk > 0 and none without, got {teacher!r} with "
+                     f"'opd' or loss.distill_topk > 0 (or worker.teacher: the teacher on the "
+                     f"workers) and none without, got {teacher!r} with "
                      f"loss.advantage={loss.advantage!r}, loss.distill_topk="
                      f"{loss.distill_topk}")
   greedy = bool(worker.get("greedy_baseline", False))

@@ -37,6 +37,12 @@ class BatchShape:
   # ReMax (loss.advantage="remax"): each group brings its greedy sample's reward, baselines
   # [rows, N] (the group's on each of its samples).
   baselines: bool = False
+  # Distillation with the teacher on the workers (worker.teacher): each sample brings the
+  # teacher's log-probs of its tokens, teacher_logp [rows, N, R] (loss.advantage="opd"),
+  # and its `teacher_topk` most likely tokens at each position, teacher_topk_ids and
+  # teacher_topk_logp [rows, N, R, k] (loss.distill_topk); 0 at padding.
+  teacher_logp: bool = False
+  teacher_topk: int = 0
 
   def __post_init__(self):
     if (not isinstance(self.reward_parts, tuple) or len(set(self.reward_parts))
@@ -44,9 +50,9 @@ class BatchShape:
       raise ValueError(f"BatchShape.reward_parts: expected a tuple of distinct names, got "
                        f"{self.reward_parts!r}")
     for f in dataclasses.fields(self):
-      if f.name in ("reward_parts", "baselines"):
+      if f.name in ("reward_parts", "baselines", "teacher_logp"):
         continue
-      v, least = getattr(self, f.name), 0 if f.name in _ROUTING else 1
+      v, least = getattr(self, f.name), 0 if f.name in _ROUTING + ("teacher_topk",) else 1
       if not isinstance(v, int) or v < least:
         raise ValueError(f"BatchShape.{f.name}: expected an int >= {least}, got {v!r}")
     if self.moe_layers and not 0 < self.top_k <= self.num_experts:
@@ -91,6 +97,9 @@ class Group:
   # The reward of the prompt's greedy sample, not among `responses` (worker.greedy_baseline,
   # ReMax's baseline); None when the worker sent none.
   baseline_reward: float | None = None
+  # Per sample, the teacher's scores the worker sent (worker.teacher): its log-probs [t], top
+  # ids [t, k] and their log-probs [t, k] (None: not sent); None when no sample has any.
+  teacher: tuple[tuple[np.ndarray | None, ...], ...] | None = None
 
 
 def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None,
@@ -139,10 +148,28 @@ def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None,
         raise ValueError(f"{where}: {field}.token_ids: expected ids below the model's vocab_size "
                          f"{vocab_size}, got {int(np.max(ids))} (a worker with another "
                          f"tokenizer or model?)")
+  if shape.teacher_logp or shape.teacher_topk:
+    _check_teacher(group, shape, where)
   if shape.routed and (group.prompt_routes is not None or group.response_routes is not None):
     _check_routes(group, shape, where)  # (a trainer that replays none leaves routes unread)
   if shape.reward_parts:
     _check_reward_parts(group, shape, where, dict(reward_weights))
+
+
+def _check_teacher(group: Group, shape: BatchShape, where: str) -> None:
+  """Each sample brings the teacher's scores the batch takes, one per token (top k: k)."""
+  scores = group.teacher or (None,) * len(group.responses)
+  for i, (toks, teacher) in enumerate(zip(group.responses, scores)):
+    logp, ids, _ = teacher or (None, None, None)
+    if shape.teacher_logp and (logp is None or len(logp) != len(toks)):
+      raise ValueError(f"{where}: samples[{i}].teacher_logprobs_f32: expected one teacher "
+                       f"log-prob per token ({len(toks)}: workers with worker.teacher), got "
+                       f"{None if logp is None else len(logp)}")
+    k = shape.teacher_topk
+    if k and len(toks) and (ids is None or ids.shape != (len(toks), k)):
+      raise ValueError(f"{where}: samples[{i}].teacher_topk_ids: expected the teacher's top "
+                       f"{k} (loss.distill_topk; worker.teacher_topk) at each of {len(toks)} "
+                       f"tokens, got shape {None if ids is None else ids.shape}")
 
 
 def _check_reward_parts(group: Group, shape: BatchShape, where: str,
@@ -255,6 +282,11 @@ def empty_batch(rows: int, shape: BatchShape, pad_id: int = 0) -> dict[str, np.n
     extra["reward_parts"] = np.full((rows, n, len(shape.reward_parts)), np.nan, np.float32)
   if shape.baselines:
     extra["baselines"] = np.zeros((rows, n), np.float32)
+  if shape.teacher_logp:
+    extra["teacher_logp"] = np.zeros((rows, n, r), np.float32)
+  if shape.teacher_topk:
+    extra["teacher_topk_ids"] = np.zeros((rows, n, r, shape.teacher_topk), np.int32)
+    extra["teacher_topk_logp"] = np.zeros((rows, n, r, shape.teacher_topk), np.float32)
   return {
       **extra,
       "prompt_tokens": np.full((rows, p), pad_id, np.int32),
@@ -279,7 +311,8 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
   sample_mask [rows, N] (1 on real samples), row_group [rows] (the group's index); routing
   replay: prompt_routes [rows, P, M, k], response_routes [rows, N, R, M, k] (-1: none);
   shape.reward_parts: reward_parts [rows, N, K], the samples' raw parts (NaN: none);
-  shape.baselines: baselines [rows, N], each sample's group's baseline_reward.
+  shape.baselines: baselines [rows, N], each sample's group's baseline_reward;
+  shape.teacher_logp / teacher_topk: the workers' teacher scores (BatchShape).
   """
   if not 1 <= len(groups) <= shape.groups:
     raise ValueError(f"groups: expected 1 to {shape.groups} (rl.groups_per_step), got "
@@ -306,6 +339,13 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
         out["rewards"][row, slot] = g.rewards[i]
         if shape.baselines:
           out["baselines"][row, slot] = g.baseline_reward
+        if shape.teacher_logp or shape.teacher_topk:
+          logp, ids, top = g.teacher[i]
+          if shape.teacher_logp:
+            out["teacher_logp"][row, slot, :k] = logp
+          if shape.teacher_topk and k:
+            out["teacher_topk_ids"][row, slot, :k] = ids
+            out["teacher_topk_logp"][row, slot, :k] = top
         for j, name in enumerate(shape.reward_parts):
           if name in (g.reward_parts or {}):
             out["reward_parts"][row, slot, j] = g.reward_parts[name][i]

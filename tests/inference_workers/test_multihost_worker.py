@@ -142,24 +142,33 @@ def test_a_followers_weights_follow_the_leaders_keyframe_and_delta():
                                       sync.held_state(v1, "bf16").items()})
 
 
-def test_a_worker_leading_followers_scores_with_a_reward_model_on_every_host(monkeypatch):
-  """Worker(mirror=...) makes its held weights and its reward model on the followers too
-  (follow_leader), and each score is computed on every host from the same sequences."""
+def test_a_worker_leading_followers_scores_with_a_reward_model_on_every_host(monkeypatch,
+                                                                             tmp_path):
+  """Worker(mirror=...) makes its held weights, its reward model and its distillation
+  teacher on the followers too (follow_leader), and each score is computed on every host
+  from the same sequences."""
   from inference_workers.loop import Worker, follow_leader
   from inference_workers.worker_config import WorkerConfig
   from param_server.protos import param_server_pb2 as pb
+  from rlax_ps.models import save_hf_checkpoint
   from rlax_ps.reward_scoring import RewardScorer
+  from rlax_ps.teacher import Teacher
   from tests.models.hf_fixtures import FIXTURES
-  scored = []
-  plain = RewardScorer.scores
+  scored, taught = [], []
+  plain, teach = RewardScorer.scores, Teacher.score_group
   monkeypatch.setattr(RewardScorer, "scores", lambda self, rows: (
       scored.append((id(self), [list(r) for r in rows])), plain(self, rows))[1])
+  monkeypatch.setattr(Teacher, "score_group", lambda self, prompt, responses, *args: (
+      taught.append((id(self), list(prompt), [list(r) for r in responses])),
+      teach(self, prompt, responses, *args))[1])
   tokenizer = CharTokenizer()
   model_config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
                              intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
                              max_position_embeddings=64)
+  save_hf_checkpoint(Transformer(model_config, rngs=nnx.Rngs(3)), str(tmp_path / "teacher"))
   config = WorkerConfig(reward_model=os.path.join(FIXTURES, "qwen3_reward"),
-                        reward_model_dtype="float32", max_new_tokens=8)
+                        reward_model_dtype="float32", max_new_tokens=8,
+                        teacher=str(tmp_path / "teacher"), teacher_dtype="float32")
   channel = Loopback()
   follower = threading.Thread(target=follow_leader, daemon=True,
                               args=(model_config, tokenizer, config, channel))
@@ -168,8 +177,9 @@ def test_a_worker_leading_followers_scores_with_a_reward_model_on_every_host(mon
   head = tokenizer.encode_prompt("5+7=")
   samples = [Sample(np.asarray(tokenizer.encode(t), np.int32), np.zeros(len(t), np.float32),
                     np.zeros(len(t), np.float32), "stop") for t in ("7", "12")]
-  rewards, _, _ = worker._scored(pb.Prompt(id="a", text="5+7=", token_ids=head,
-                                           task="reward_model"), samples)
+  prompt = pb.Prompt(id="a", text="5+7=", token_ids=head, task="reward_model")
+  rewards, _, _ = worker._scored(prompt, samples)
+  group = worker._group(prompt, 0, samples, rewards)
   worker.mirror.stop()
   follower.join(60)
   assert not follower.is_alive()
@@ -178,6 +188,11 @@ def test_a_worker_leading_followers_scores_with_a_reward_model_on_every_host(mon
   assert len(scored) == 2 and [i == mine for i, _ in scored].count(True) == 1
   assert scored[0][1] == scored[1][1] == [head + list(s.tokens) for s in samples]
   assert len(rewards) == 2
+  # Both teachers scored the same group; its samples carry the scores.
+  assert len(taught) == 2 and taught[0][1:] == taught[1][1:] == (
+      head, [list(s.tokens) for s in samples])
+  assert id(worker.teacher._obj) in {i for i, *_ in taught}
+  assert [len(s.teacher_logprobs_f32) for s in group.samples] == [4, 8]
 
 
 def _start(address, token_file, devices, *extra):

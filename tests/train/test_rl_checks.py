@@ -47,6 +47,12 @@ def _set(config, **fields):
                                    "loss.advantage='remax'"),
     ({"worker__greedy_baseline": True}, "worker.greedy_baseline: .* got True with "
                                         "loss.advantage='grpo'"),
+    ({"worker__teacher": "T"}, "worker.teacher: expected '' with teacher.path set .* or "
+                               "without loss.advantage='opd'"),
+    ({"worker__teacher": "T", "teacher__path": "T", "loss__advantage": "opd"},
+     "worker.teacher: expected '' with teacher.path set"),
+    ({"worker__teacher": "T", "loss__advantage": "opd", "worker__teacher_topk": 4},
+     "worker.teacher_topk: expected loss.distill_topk=0"),
 ])
 def test_each_wrong_field_is_refused_naming_it(fields, message):
   config = _set(rl_config(), **fields)

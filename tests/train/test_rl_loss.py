@@ -308,7 +308,7 @@ def test_the_distillation_term_is_the_forward_kl_from_the_teachers_top_tokens():
 def test_the_teacher_scores_each_sampled_token_as_its_model_does(tmp_path):
   from rl_testlib import save_warm_start
   from rlax_ps import sharding as shd
-  from rlax_ps.train.teacher import Teacher
+  from rlax_ps.teacher import Teacher
   model = save_warm_start(tmp_path, seed=5)  # another model than the policy: 32 wide
   mesh = shd.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
   teacher = Teacher(str(tmp_path), mesh, vocab_size=V, dtype="float32", backend="xla")

@@ -497,7 +497,8 @@ def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
   tokens; the reverse KL the step logs is the fake worker's -1.5 a token less the teacher's
   log-probs, near uniform over the tokenizer's ids."""
   with pytest.raises(ValueError, match="teacher.path: expected an HF checkpoint folder with "
-                                       "loss.advantage='opd' or loss.distill_topk > 0 and "
+                                       "loss.advantage='opd' or loss.distill_topk > 0 "
+                                       r"\(or worker.teacher: the teacher on the workers\) and "
                                        "none without"):
     bad = _config()
     bad.loss.advantage = "opd"
@@ -527,6 +528,13 @@ def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
     assert m["distill_kl"] > 0
   steps = _lines(tmp_path / "rl" / "steps.jsonl")  # and each step's line shows it
   assert [s["teacher_kl"] for s in steps] == pytest.approx([m["teacher_kl"] for m in logged])
+  # With the teacher on the workers (worker.teacher) the trainer loads none: each group
+  # brings the teacher's scores the loss takes (tests/inference_workers/test_worker_teacher).
+  config.worker.teacher, config.worker.teacher_topk = config.teacher.path, 2
+  config.teacher.path = ""
+  with RLTrainer(config, str(tmp_path / "rl_workers"), object()) as tr:
+    assert tr.teacher is None
+    assert (tr.shape.teacher_logp, tr.shape.teacher_topk) == (True, 2)
 
 
 def test_dynamic_sampling_is_refused_with_vigor_naming_the_field(tmp_path):

@@ -1,0 +1,102 @@
+"""On-policy distillation's teacher (loss.advantage="opd", loss.distill_topk): a frozen
+Hugging Face checkpoint that scores every token the workers sampled and names its own top
+tokens at each sampled position. It sits on the trainer's mesh (teacher.path: a step's
+batch, once a step) or on each worker's devices (worker.teacher: each group as it
+finishes, so the teacher's forward runs on the fleet beside decoding)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from rlax_ps import sharding as shd
+from rlax_ps.kernels import pack_group, packed_response_logprobs, packed_response_topk
+from rlax_ps.models.hf import load_hf_checkpoint
+
+# The batch's keys of the student's own expert routes: the teacher routes its own tokens.
+_ROUTES = ("prompt_routes", "response_routes")
+_MIN_PROMPT = 16  # a group's prompt is padded to powers of two from here: few programs
+
+
+class Teacher:
+  """The teacher's params and its jitted scores of a batch's responses."""
+
+  def __init__(self, path: str, mesh, *, vocab_size: int, dtype: str = "bfloat16",
+               backend: str = "auto", logits_chunk: int = 0, sampled: bool = True,
+               topk: int = 0, field: str = "teacher.path"):
+    """`vocab_size`: the ids the policy's tokenizer gives, each of which the teacher must
+    score (the two share a tokenizer: distillation compares their log-probs token by
+    token). `sampled`: `scores` gives the log-prob of each sampled token (opd's
+    advantages); `topk` > 0: the teacher's k most likely tokens at each position too.
+    `mesh` None: one device; `field`: the setting errors name."""
+    try:
+      model = load_hf_checkpoint(path, dtype, mesh=mesh)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"{field}: HF checkpoint {path!r}: {e}") from None
+    if model.config.vocab_size < vocab_size:
+      raise ValueError(f"{field}: {path!r} scores {model.config.vocab_size} token ids, "
+                       f"the policy's tokenizer gives {vocab_size}: expected a teacher of the "
+                       f"same tokenizer")
+    self.config, self.topk = model.config, topk
+    graphdef, params, _ = nnx.split(model, nnx.Param, ...)
+    self.params = params.to_pure_dict()
+
+    def place(x):  # laid out as the step's other batch inputs (its compiled programs expect it)
+      x = jax.lax.stop_gradient(x)
+      if mesh is None:
+        return x
+      return jax.lax.with_sharding_constraint(
+          x, NamedSharding(mesh, shd.batch_spec(mesh, x.shape)))
+
+    def scores(params, batch):  # one forward pass of the teacher either way
+      batch = {k: v for k, v in batch.items() if k not in _ROUTES}
+      tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
+                                  batch["response_tokens"], batch["response_lens"])
+      model = nnx.merge(graphdef, params)
+      out = {}
+      if topk:
+        logp, ids, top = packed_response_topk(model, tokens, batch["response_tokens"], layout,
+                                              topk, backend=backend, logits_chunk=logits_chunk)
+        out["teacher_topk_ids"], out["teacher_topk_logp"] = place(ids), place(top)
+      else:
+        logp = packed_response_logprobs(model, tokens, batch["response_tokens"], layout,
+                                        backend=backend, logits_chunk=logits_chunk)
+      if sampled:
+        out["teacher_logp"] = place(logp.reshape(batch["response_tokens"].shape))
+      return out
+
+    self._scores = jax.jit(scores)
+
+  def scores(self, batch: dict) -> dict[str, jax.Array]:
+    """The batch's teacher inputs: `teacher_logp` [rows, N, R] the teacher's log-prob of each
+    response token (`sampled`); `teacher_topk_ids`, `teacher_topk_logp` [rows, N, R, k] its
+    k most likely tokens at each response position and their log-probs (`topk`)."""
+    return self._scores(self.params, batch)
+
+  def score_group(self, prompt: Sequence[int], responses: Sequence[Sequence[int]],
+                  samples: int, budget: int) -> list[tuple[np.ndarray, ...]]:
+    """(A worker's.) One prompt's responses scored as one packed row of `samples` response
+    slots of `budget` tokens (the prompt padded to a power of two): per response, its
+    tokens' log-probs [t], and the top ids [t, k] int32 and log-probs [t, k] (`topk`; else
+    None, None): the `teacher` of param_server.client.make_sample."""
+    if not 1 <= len(responses) <= samples or any(len(r) > budget for r in responses):
+      raise ValueError(f"responses: expected 1 to {samples} of at most {budget} tokens, got "
+                       f"{[len(r) for r in responses]}")
+    p = max(_MIN_PROMPT, 1 << (len(prompt) - 1).bit_length())
+    batch = {"prompt_tokens": np.zeros((1, p), np.int32),
+             "prompt_lens": np.asarray([len(prompt)], np.int32),
+             "response_tokens": np.zeros((1, samples, budget), np.int32),
+             "response_lens": np.zeros((1, samples), np.int32)}
+    batch["prompt_tokens"][0, :len(prompt)] = prompt
+    for j, r in enumerate(responses):
+      batch["response_tokens"][0, j, :len(r)] = r
+      batch["response_lens"][0, j] = len(r)
+    out = jax.device_get(self.scores({k: jnp.asarray(v) for k, v in batch.items()}))
+    keys = ("teacher_logp", "teacher_topk_ids", "teacher_topk_logp")
+    return [tuple(None if k not in out else np.asarray(out[k][0, j, :len(r)]) for k in keys)
+            for j, r in enumerate(responses)]
