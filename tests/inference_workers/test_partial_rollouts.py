@@ -5,13 +5,12 @@ turn, routing replay, multi-turn), against real parameter servers on 127.0.0.1."
 import dataclasses
 import json
 import time
-import zlib
 
 import numpy as np
 import pytest
 from flax import nnx
 
-from algorithms.verifiers.base import Guarded, VerifierResult
+from algorithms.verifiers.base import Guarded
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.loop import Worker
 from inference_workers.sampler import generate
@@ -25,8 +24,8 @@ from rlax_ps.models import Transformer, flatten_params
 from rlax_ps.tasks import get_task
 from rlax_ps.train.rl import group_of, routing_shape
 from rlax_ps.train.rollouts import BatchShape, check_group
-from worker_testlib import (CONFIG, SMALL, TOKENIZER, TOKENS, ManyStops, client,
-                            enqueue_addition, run_until_stopped)
+from worker_testlib import (CONFIG, SMALL, TOKENIZER, TOKENS, ManyStops, TextCodes, client,
+                            enqueue_addition, run_until_stopped, stopped_first_worker)
 
 
 @pytest.mark.parametrize("sample_rows", [0, 6], ids=["slots", "sample_rows"])
@@ -37,10 +36,8 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
   those of an uninterrupted run. Likewise with rows shared by the samples (6: all begin)."""
   config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4, sample_rows=sample_rows)
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
-    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
-    enqueue_addition(trainer, 2)
-    first = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
-    run_until_stopped(first, monkeypatch)
+    first = stopped_first_worker(Worker(wc, CONFIG, TOKENIZER, WorkerConfig(
+        max_leases=1, **config)), trainer, versions[0], monkeypatch)
     assert first.stats.groups_submitted == 0 and first.stats.prompts_released == 2
     assert first.stats.samples_salvaged == 6  # 2 prompts x 3 samples, each begun
     with client(server, "worker") as wc2:
@@ -70,20 +67,13 @@ def test_a_greedy_baseline_sample_begun_by_a_stopped_worker_is_finished_greedily
   the next worker draws it on greedily; the group's baseline is its finished answer's
   reward, its samples those of an uninterrupted run."""
   config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4, greedy_baseline=True)
-  scored = {}
-
-  def verifier(text, reference):  # a reward that names the text
-    scored[float(zlib.crc32(text.encode()) % (1 << 20))] = text
-    return VerifierResult(float(zlib.crc32(text.encode()) % (1 << 20)), False)
-
+  codes = TextCodes()
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
-    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
-    enqueue_addition(trainer, 2)
-    first = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
-    run_until_stopped(first, monkeypatch)
+    first = stopped_first_worker(Worker(wc, CONFIG, TOKENIZER, WorkerConfig(
+        max_leases=1, **config)), trainer, versions[0], monkeypatch)
     assert first.stats.groups_submitted == 0 and first.stats.samples_salvaged == 8
     second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config),
-                    verifier_for=lambda task: Guarded(task, verifier))
+                    verifier_for=lambda task: Guarded(task, codes))
     second.run()
     groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
   examples = get_task("addition", max_digits=2).examples("train", 0, 2)
@@ -94,7 +84,7 @@ def test_a_greedy_baseline_sample_begun_by_a_stopped_worker_is_finished_greedily
     assert [list(s.token_ids) for s in group.samples] == [w.tokens.tolist() for w in want]
     assert group.metadata["resumed_samples"] == "3"
     answer = generate(second.policy.model, [head], [0], greedy)[0]
-    assert scored[group.baseline_reward] == TOKENIZER.decode(answer.tokens)
+    assert codes.texts[group.baseline_reward] == TOKENIZER.decode(answer.tokens)
 
 
 def assert_finished_as_begun(worker, groups, begun, altered=None):
@@ -270,10 +260,8 @@ def test_begun_samples_travel_with_their_experts_under_routing_replay(server, mo
                         decode_chunk_steps=4, **{k: v for k, v in SMALL.items()
                                                  if k != "max_new_tokens"})
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
-    trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
-    enqueue_addition(trainer, 2)
-    first = Worker(wc, moe, TOKENIZER, config)
-    run_until_stopped(first, monkeypatch)
+    first = stopped_first_worker(Worker(wc, moe, TOKENIZER, config), trainer, params,
+                                 monkeypatch)
     assert first.stats.samples_salvaged > 0 and first.stats.groups_submitted < 2
     second = Worker(wc, moe, TOKENIZER, config)
     second.run()

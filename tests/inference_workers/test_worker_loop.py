@@ -9,7 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-import zlib
 
 import grpc
 import jax.numpy as jnp
@@ -33,8 +32,8 @@ from rlax_ps.models import Transformer, flatten_params
 from rlax_ps.tasks import get_task
 from rlax_ps.train.rl import group_of, routing_shape
 from rlax_ps.train.rollouts import BatchShape, check_group
-from worker_testlib import (CONFIG, MODEL, REPO, SMALL, TOKENIZER, TOKENS, ManyStops, client,
-                            enqueue_addition, same_held)
+from worker_testlib import (CONFIG, MODEL, REPO, SMALL, TOKENIZER, TOKENS, ManyStops, TextCodes,
+                            client, enqueue_addition, same_held)
 
 
 def test_worker_completes_leases_and_submits_scored_groups(server, versions):
@@ -67,18 +66,13 @@ def test_a_greedy_baseline_is_sent_beside_the_samples_as_the_greedy_decodes_rewa
     server, versions, sample_rows):
   """worker.greedy_baseline (ReMax): each group holds samples_per_prompt samples and the
   reward of the prompt's greedy decode, scored by the same verifier."""
-  texts = {}
-
-  def verifier(text, reference):  # a reward that names the text
-    texts.setdefault(zlib.crc32(text.encode()) % (1 << 20), text)
-    return VerifierResult(float(zlib.crc32(text.encode()) % (1 << 20)), False)
-
+  codes = TextCodes()
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
     config = WorkerConfig(max_leases=1, greedy_baseline=True, sample_rows=sample_rows,
                           temperature=1.5, **SMALL)
-    worker = Worker(wc, CONFIG, TOKENIZER, config, verifier_for=lambda t: Guarded(t, verifier))
+    worker = Worker(wc, CONFIG, TOKENIZER, config, verifier_for=lambda t: Guarded(t, codes))
     assert worker.run().groups_submitted == 2
     taken = trainer.take_rollouts(0, 10).rollouts
   params = SamplingParams(greedy=True, max_new_tokens=SMALL["max_new_tokens"],
@@ -88,7 +82,7 @@ def test_a_greedy_baseline_is_sent_beside_the_samples_as_the_greedy_decodes_rewa
     assert r.group.HasField("baseline_reward")
     greedy = generate(worker.policy.model, [TOKENIZER.encode_prompt(r.prompt.text)], [0],
                       params)[0]
-    assert texts[int(r.group.baseline_reward)] == TOKENIZER.decode(greedy.tokens)
+    assert codes.texts[r.group.baseline_reward] == TOKENIZER.decode(greedy.tokens)
     # The trainer's Group carries it; a group without one is refused where it is needed.
     group = group_of(r, TOKENIZER)
     assert group.baseline_reward == r.group.baseline_reward and len(group.responses) == 3

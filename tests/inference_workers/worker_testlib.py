@@ -2,10 +2,12 @@
 clients of a test server, addition prompts, and a worker stopped mid-generation."""
 
 import os
+import zlib
 
 import numpy as np
 from flax import nnx
 
+from algorithms.verifiers.base import VerifierResult
 from inference_workers.continuous import ContinuousBatch
 from param_server.client import ParamServerClient, RetryPolicy
 from param_server.protos import param_server_pb2 as pb
@@ -58,6 +60,28 @@ def run_until_stopped(worker, monkeypatch, chunks=1):
   with monkeypatch.context() as m:
     m.setattr(ContinuousBatch, "step", stopping_step)
     return worker.run()
+
+
+def stopped_first_worker(worker, trainer, params, monkeypatch):
+  """`worker` run on 2 addition prompts (`params` published as version 0) and stopped after
+  its first decode chunk: it hands their begun samples back (`run_until_stopped`)."""
+  trainer.publish(sync.encode(None, params, "bf16", version=0).to_bytes())
+  enqueue_addition(trainer, 2)
+  run_until_stopped(worker, monkeypatch)
+  return worker
+
+
+class TextCodes:
+  """A verifier whose reward names the text it scored (a checksum of it); `texts` maps each
+  reward given back to its text."""
+
+  def __init__(self):
+    self.texts = {}
+
+  def __call__(self, text, reference):
+    code = float(zlib.crc32(text.encode()) % (1 << 20))
+    self.texts[code] = text
+    return VerifierResult(code, False)
 
 
 class ManyStops(CharTokenizer):
