@@ -12,7 +12,7 @@ from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral",
                  "gemma2", "gemma3", "olmo2", "olmo3", "phi3", "smollm3", "granite", "glm4",
-                 "gpt_oss", "glm4_moe", "deepseek_v3", "deepseek_v2")
+                 "gpt_oss", "glm4_moe", "deepseek_v3", "deepseek_v2", "olmoe")
 DTYPES = ("float32", "bfloat16")
 # The projections LoRA can adapt (attention, latent attention's and MLP, the shared expert's
 # included; "experts": every routed expert's gate, up and down, each with adapters of its own).

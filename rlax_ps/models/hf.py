@@ -92,7 +92,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3",
                  "GraniteForCausalLM": "granite", "Glm4ForCausalLM": "glm4",
                  "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe",
-                 "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
+                 "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2",
+                 "OlmoeForCausalLM": "olmoe"}
 _HF_CLASS = {ours: hf for hf, ours in ARCHITECTURES.items()}
 # Image-text checkpoints whose language model we train (exported as the text-only class).
 _TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -118,7 +119,7 @@ _OLMO_FAMILY = {"qk_norm": True, "qk_norm_across_heads": True, "post_norms": Tru
 _OLMO_THETA = 500000.0  # transformers' Olmo3Config.default_theta
 # transformers' rms_norm_eps where a config.json leaves it out (else 1e-6).
 _DEFAULT_RMS_EPS = {"olmo2": 1e-5, "olmo3": 1e-5, "phi3": 1e-5, "glm4": 1.5625e-7,
-                    "gpt_oss": 1e-5, "mixtral": 1e-5, "glm4_moe": 1e-5}
+                    "gpt_oss": 1e-5, "mixtral": 1e-5, "glm4_moe": 1e-5, "olmoe": 1e-5}
 # Other fields whose transformers default, where a config.json leaves them out, is not ours
 # (RoPE base 10000, untied head).
 _CLASS_DEFAULTS = {"mixtral": {"rope_theta": 1e6},
@@ -129,7 +130,7 @@ _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768, "qw
                           "gemma2": 8192, "gemma3": 131072, "olmo2": 2048, "olmo3": 2048,
                           "phi3": 4096, "smollm3": 32768, "granite": 2048, "glm4": 131072,
                           "gpt_oss": 131072, "glm4_moe": 131072, "deepseek_v3": 4096,
-                          "deepseek_v2": 2048}
+                          "deepseek_v2": 2048, "olmoe": 4096}
 # What each family fixes in the block (ModelConfig fields), beyond its config.json numbers.
 _FAMILY = {
     "llama": {}, "mistral": {}, "mixtral": {}, "qwen2": {"qkv_bias": True},
@@ -141,6 +142,8 @@ _FAMILY = {
     "gpt_oss": {"qkv_bias": True, "attention_out_bias": True, "attention_sinks": True},
     "glm4_moe": {},  # its q/k/v biases and q/k norms come from config.json (_GLM4_MOE_FLAGS)
     "deepseek_v3": {}, "deepseek_v2": {},
+    # OLMoE: OLMo 2's q/k norms over all heads, but pre-norm blocks.
+    "olmoe": {"qk_norm": True, "qk_norm_across_heads": True},
 }
 # GLM-4.5's config.json flags of ModelConfig fields that _FAMILY fixes for the others.
 _GLM4_MOE_FLAGS = {"qkv_bias": "attention_bias", "qk_norm": "use_qk_norm"}
@@ -164,7 +167,7 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n
 # Mixtral's expert tensors (the Hub layout) under our expert params' names.
 _MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _MOE_ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v3",
-              "deepseek_v2")
+              "deepseek_v2", "olmoe")
 # The families with multi-head latent attention (ModelConfig.kv_lora_rank > 0).
 _MLA_ARCHS = ("deepseek_v3", "deepseek_v2")
 # transformers' Glm4MoeConfig where a config.json leaves a routing field out.
@@ -368,6 +371,7 @@ def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
            "qwen3": ("attention_bias",), "qwen3_moe": ("attention_bias",),
            "gemma2": ("attention_bias",), "gemma3": ("attention_bias",),
            "olmo2": ("attention_bias",), "olmo3": ("attention_bias",),
+           "olmoe": ("attention_bias", "clip_qkv"),
            "deepseek_v3": ("attention_bias",),
            "deepseek_v2": ("attention_bias", "mlp_bias")}.get(arch, ())
   for flag in flags:
@@ -441,6 +445,12 @@ def _moe_from_hf(d: Mapping[str, Any], arch: str) -> dict[str, Any]:
     return _glm4_moe_from_hf(d)
   if arch in _MLA_ARCHS:
     return _deepseek_moe_from_hf(d, arch)
+  if arch == "olmoe":  # OlmoeConfig: 64 experts, top 8, as wide as intermediate_size
+    experts = d.get("num_experts", d.get("num_local_experts", 64))
+    return dict(num_experts=int(experts),
+                num_experts_per_tok=int(_get(d, "num_experts_per_tok", 8)),
+                moe_intermediate_size=int(_get(d, "intermediate_size")),
+                norm_topk_prob=bool(_get(d, "norm_topk_prob", False)))
   if arch == "mixtral":
     return dict(num_experts=int(_get(d, "num_local_experts")),
                 num_experts_per_tok=int(_get(d, "num_experts_per_tok")),
@@ -578,7 +588,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   if c.nope_layers and arch != "smollm3":
     raise ValueError(f"ModelConfig.nope_layers: {hf_class} turns every layer by RoPE, got "
                      f"{list(c.nope_layers)}")
-  if c.sliding_window is not None and arch in ("llama", "olmo2"):
+  if c.sliding_window is not None and arch in ("llama", "olmo2", "olmoe"):
     raise ValueError(f"ModelConfig.sliding_window: {hf_class} has no sliding window, got "
                      f"{c.sliding_window}")
   if (arch in ("mistral", "mixtral", "qwen3_moe", "phi3") and c.layer_types
@@ -606,7 +616,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     raise ValueError(f"ModelConfig.{'moe_bias' if c.moe_bias else 'swiglu_limit'}: "
                      f"{hf_class} has no expert biases or clamped SwiGLU, got "
                      f"{c.moe_bias if c.moe_bias else c.swiglu_limit!r}")
-  if arch in ("mixtral", "gpt_oss"):
+  if arch in ("mixtral", "gpt_oss", "olmoe"):
     _check_sparse_everywhere(c, hf_class)
   scaling = dict(c.rope_scaling) if c.rope_scaling else None
   rope = {"rope_type": "default", **(scaling or {}), "rope_theta": c.rope_theta}
@@ -654,6 +664,9 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
       d.update(original_max_position_embeddings=scaling["original_max_position_embeddings"])
   elif arch in ("olmo2", "olmo3"):
     d.update(attention_bias=False)
+  elif arch == "olmoe":
+    d.update(attention_bias=False, clip_qkv=None, num_experts=c.num_experts,
+             num_experts_per_tok=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob)
   elif arch == "mixtral":
     d.update(sliding_window=c.sliding_window, num_local_experts=c.num_experts,
              num_experts_per_tok=c.num_experts_per_tok, router_jitter_noise=0.0)
@@ -759,13 +772,15 @@ def _deepseek_to_hf(c: ModelConfig) -> dict[str, Any]:
 
 
 def _check_sparse_everywhere(c: ModelConfig, hf_class: str) -> None:
-  """Refuses, by field, a config Mixtral or gpt-oss cannot hold: experts on every layer, as
-  wide as intermediate_size, their top-k weights renormalised (gpt-oss: with biases and the
-  clamped SwiGLU)."""
+  """Refuses, by field, a config Mixtral, gpt-oss or OLMoE cannot hold: experts on every
+  layer, as wide as intermediate_size, their top-k weights renormalised (OLMoE: either way;
+  gpt-oss: with biases and the clamped SwiGLU)."""
   if not c.num_experts:
     raise ValueError(f"ModelConfig.num_experts: {hf_class} needs experts, got 0")
   needs = {"decoder_sparse_step": 1, "mlp_only_layers": (), "norm_topk_prob": True,
            "moe_intermediate_size": c.intermediate_size}
+  if c.architecture == "olmoe":
+    del needs["norm_topk_prob"]
   if c.architecture == "gpt_oss":
     needs["moe_bias"] = True
     if c.swiglu_limit is None:

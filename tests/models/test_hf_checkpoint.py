@@ -763,6 +763,7 @@ def test_unknown_architecture_is_named():
     ("attention_bias", True, "olmo2"), ("hidden_act", "gelu", "olmo3"),
     ("qkv_bias", False, "qwen2_moe"), ("attention_bias", False, "glm4"),
     ("attention_bias", False, "gpt_oss"), ("quantization_config", {"quant_method": "awq"}, "llama"),
+    ("clip_qkv", 8.0, "olmoe"), ("attention_bias", True, "olmoe"),
 ])
 def test_unsupported_config_field_is_named(field, value, arch):
   d = read_json(os.path.join(fixture(arch), "config.json"))
@@ -995,7 +996,7 @@ def test_dtypes_are_taken_as_names_numpy_dtypes_or_jax_types(dtype, name, tmp_pa
                                   "mistral_window", "gemma3", "gemma2", "qwen3_moe",
                                   "mixtral", "olmo2", "olmo3", "qwen2_moe", "phi3", "smollm3",
                                   "granite", "glm4", "gpt_oss", "glm4_moe", "deepseek_v3",
-                                  "deepseek_v2"])
+                                  "deepseek_v2", "olmoe"])
 def test_save_writes_back_the_same_tensors(name, tmp_path):
   save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]

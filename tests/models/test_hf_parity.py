@@ -36,7 +36,8 @@ def with_config(name, config_file, tmp_path):
                                   "gemma2", "qwen3_moe", "mixtral", "olmo2", "olmo3",
                                   "qwen2_moe", "phi3", "smollm3", "granite", "glm4",
                                   "gpt_oss", "gpt_oss_mxfp4", "glm4_moe", "deepseek_v3",
-                                  "deepseek_v3_fp8", "qwen3_fp8_dynamic", "deepseek_v2"])
+                                  "deepseek_v3_fp8", "qwen3_fp8_dynamic", "deepseek_v2",
+                                  "olmoe"])
 def test_logits_match_transformers(name):
   # config.json only: test_hf_checkpoint checks that config_4x.json gives the same config.
   tokens, expected = reference(name)
@@ -141,7 +142,7 @@ def test_the_smollm3_fixture_exercises_its_layers_without_rope():
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3_moe",
                                   "mixtral", "olmo2", "olmo3", "qwen2_moe", "smollm3",
                                   "granite", "glm4", "gpt_oss", "glm4_moe", "deepseek_v3",
-                                  "deepseek_v2"])
+                                  "deepseek_v2", "olmoe"])
 def test_packed_sequences_match_transformers(name):
   # Causal logits of a prefix equal the full row's first logits, so a row packing the first
   # 12 tokens of sequence 0 with the first 8 of sequence 1 must reproduce both references.
@@ -173,7 +174,7 @@ def test_cached_decoding_matches_transformers(name):
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
                                   "qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe",
                                   "phi3", "smollm3", "granite", "glm4", "gpt_oss",
-                                  "glm4_moe", "deepseek_v3", "deepseek_v2"])
+                                  "glm4_moe", "deepseek_v3", "deepseek_v2", "olmoe"])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""
