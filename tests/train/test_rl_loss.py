@@ -137,6 +137,7 @@ def _separate_rows():
 ROWS = _separate_rows()
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program, not each op compiled eagerly
 def _separate_logprobs(graphdef, params):
   """Per-sample response log-probs from the plain model on the separate rows."""
   tokens, segments, spans = ROWS
@@ -365,9 +366,8 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
   grads = jax.jit(jax.grad(
       lambda p: rl_loss(p, graphdef, batch, None, num_groups=2, cfg=cfg)[0]))(params)
   stepped = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
-  separate = jax.jit(_separate_logprobs, static_argnums=0)
-  before = separate(graphdef, params)
-  after = separate(graphdef, stepped)
+  before = _separate_logprobs(graphdef, params)
+  after = _separate_logprobs(graphdef, stepped)
   rewards = [r for rs in REWARDS for r in rs]
   change = [float(jnp.sum(a - b)) for a, b in zip(after, before)]
   assert np.mean([c for c, r in zip(change, rewards) if r == 1]) > 0
