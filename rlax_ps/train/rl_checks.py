@@ -91,6 +91,10 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                      f"each sample against the others of its group; expected >= 2, got "
                      f"{samples} (every advantage would be 0)")
   if rl.get("dynamic_sampling", False):
+    if loss.advantage == "remax":
+      raise ValueError("rl.dynamic_sampling: expected False with loss.advantage='remax': a "
+                       "group of equal rewards learns there (against its greedy answer's "
+                       "reward), and DAPO's filter would leave it out")
     if allocator != "fixed":
       raise ValueError(f"rl.dynamic_sampling: needs worker.allocator='fixed' (VIGOR already "
                        f"spends samples where rewards vary), got {allocator!r}")

@@ -47,6 +47,8 @@ def _set(config, **fields):
                                    "loss.advantage='remax'"),
     ({"worker__greedy_baseline": True}, "worker.greedy_baseline: .* got True with "
                                         "loss.advantage='grpo'"),
+    ({"loss__advantage": "remax", "worker__greedy_baseline": True, "rl__dynamic_sampling": True},
+     "rl.dynamic_sampling: expected False with loss.advantage='remax'"),
     ({"worker__teacher": "T"}, "worker.teacher: expected '' with teacher.path set .* or "
                                "without loss.advantage='opd'"),
     ({"worker__teacher": "T", "teacher__path": "T", "loss__advantage": "opd"},
