@@ -272,6 +272,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.batch_size = 200
   c.eval.seed = 1234  # The same held-out examples as the warm start's evaluation.
   c.eval.pass_k = 8
+  # True: the workers decode the held-out prompts (one greedy answer each, scored by their
+  # verifiers) between training prompts, and the trainer logs each round when it is whole,
+  # at the step that fed it; False: the trainer decodes them itself, pausing training.
+  c.eval.on_workers = False
 
   # Inference workers (inference_workers.worker_config.WorkerConfig fields).
   c.worker = ml_collections.ConfigDict()

@@ -161,6 +161,11 @@ def sample_metadata(passed: bool | None, parts: dict[str, float] | None
   return meta or None
 
 
+def _evaluated(prompt: pb.Prompt) -> bool:
+  """Whether the trainer sent `prompt` for a held-out answer (eval.on_workers), not to train."""
+  return "eval" in prompt.metadata
+
+
 def reference_of(prompt: pb.Prompt) -> str:
   """The reference answer a prompt carries: its `extra` bytes, else metadata["answer"]."""
   if prompt.extra:
@@ -806,7 +811,7 @@ class Worker:
           and self._resume(lease_id, prompt, version)):
         continue
       self._started[(lease_id, prompt.id)] = (prompt, version)
-      batch.add((lease_id, prompt.id), tokens, self._prompt_seeds(prompt.id, version))
+      batch.add((lease_id, prompt.id), tokens, self._prompt_seeds(prompt, version))
 
   def _newer_published(self) -> bool:
     """Whether the server holds a version newer than the one held."""
@@ -844,7 +849,7 @@ class Worker:
       begun = [self._begun_sample(key, j, p, environment)
                for j, p in enumerate(prompt.partial[:n])]
       self._batch.add(key, self._prompt_tokens(prompt),
-                      self._prompt_seeds(prompt.id, prompt.partial_version), begun)
+                      self._prompt_seeds(prompt, prompt.partial_version), begun)
     except (ValueError, TypeError) as e:  # e.g. another model's ids: not ours to go on
       logging.warning("worker: the begun samples of prompt %s are drawn afresh: %s", prompt.id, e)
       self._given.pop(key, None)
@@ -955,7 +960,7 @@ class Worker:
     oldest and the newest it was sampled with (the one held when it finished)."""
     rewards, passed, parts = self._scored(prompt, samples, given)
     baseline = None
-    if self.config.greedy_baseline:  # the last sample is the greedy one: its reward alone
+    if self.config.greedy_baseline and not _evaluated(prompt):  # the last sample is greedy
       baseline, n = rewards[-1], self.config.samples_per_prompt
       samples, rewards = samples[:n], rewards[:n]
       passed, parts = (None if x is None else x[:n] for x in (passed, parts))
@@ -1213,10 +1218,13 @@ class Worker:
       return list(prompt.token_ids)
     return self.tokenizer.encode_prompt(prompt.text)
 
-  def _prompt_seeds(self, prompt_id: str, version: int) -> list[int]:
+  def _prompt_seeds(self, prompt: pb.Prompt, version: int) -> list[int]:
     """A continuous batch's prompt's seeds: samples_per_prompt of them, then GREEDY_SEED
-    with worker.greedy_baseline (its last sample is the greedy one)."""
-    seeds = self._seeds(prompt_id, version, 0, self.config.samples_per_prompt)
+    with worker.greedy_baseline (its last sample is the greedy one); a held-out prompt the
+    trainer asks the fleet to evaluate (metadata "eval"): one greedy answer."""
+    if _evaluated(prompt):
+      return [GREEDY_SEED]
+    seeds = self._seeds(prompt.id, version, 0, self.config.samples_per_prompt)
     return seeds + [GREEDY_SEED] * int(self.config.greedy_baseline)
 
   def _seeds(self, prompt_id: str, version: int, round_: int, n: int) -> list[int]:
@@ -1313,7 +1321,7 @@ class Worker:
     if resumed:
       meta["resumed_samples"] = str(resumed)
     teacher = None
-    if self.teacher is not None and samples:  # one packed row: slots for 2^j samples
+    if self.teacher is not None and samples and not _evaluated(prompt):  # one packed row
       with self.stats.time.span("scoring"):
         teacher = self.teacher.score_group(self._prompt_tokens(prompt),
                                            [s.tokens for s in samples], bucket(len(samples)),

@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from typing import Any, Sequence
 
 import grpc
@@ -422,6 +423,12 @@ class RLTrainer(TrainerRun):
     self.pending: list[PendingTake] = []  # takes trained on, not yet in a durable checkpoint
     self.saved_version = -1
     self.warm_start_eval: dict[str, float] | None = None
+    # eval.on_workers: the held-out rounds the workers are decoding, by the step that fed
+    # them (each: its prompts not back yet, and the scores back by set name), and the rounds
+    # done since the last step's record, as (step, result).
+    self.fleet_eval = bool(config.eval.get("on_workers", False))
+    self._eval_rounds: dict[int, dict[str, Any]] = {}
+    self._evals_done: list[tuple[int, dict[str, float]]] = []
     self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
     # Prompts fed and not yet back as groups: id -> (feed index, record), fed again to a
     # server that lost them; and the id of the server's storage folder (VersionInfo.store_id).
@@ -869,8 +876,14 @@ class RLTrainer(TrainerRun):
             if not self._stopping(e, f"the publication of step {done}"):
               raise
         if eval_every and done % eval_every == 0 and done < self.total_steps:
-          self.log_eval(self.evaluate(), done)
-          record["heldout"] = self.last_eval
+          if self.fleet_eval:  # the workers decode it between training prompts
+            self._feed_eval(done)
+          else:
+            self.log_eval(self.evaluate(), done)
+            record["heldout"] = self.last_eval
+        if self._evals_done:  # eval.on_workers: the newest round the workers finished
+          record["heldout_step"], record["heldout"] = self._evals_done[-1]
+          self._evals_done.clear()
         if self.leader:
           self._log_step(record, metrics)
           self._log_completions(done, groups, batch)
@@ -940,6 +953,53 @@ class RLTrainer(TrainerRun):
     return Prompt(id=self._prompt_id(index), text=text, task=rec["task"], token_ids=ids,
                   extra=rec["answer"].encode("utf-8"),
                   metadata={**raw, "record": str(rec["record"])})
+
+  def _feed_eval(self, step: int) -> None:
+    """eval.on_workers: queue the held-out prompts for the workers, each for one greedy
+    answer (metadata eval: the step, eval_set: the set it scores)."""
+    prompts, left = [], set()
+    round_id = uuid.uuid4().hex[:8]  # a step fed again after a restart: other prompt ids
+    for name, examples in self.heldout.examples.items():
+      for i, ex in enumerate(examples):
+        ids = self.tokenizer.encode_prompt(ex.prompt)
+        prompts.append(Prompt(id=f"{self.run_id}-eval{step}-{round_id}-{name}-{i}",
+                              text=self.tokenizer.render_prompt(ex.prompt),
+                              task=ex.task or name, token_ids=ids,
+                              extra=str(ex.answer).encode("utf-8"),
+                              metadata={"eval": str(step), "eval_set": name}))
+        left.add(prompts[-1].id)
+    self._eval_rounds[step] = {"left": left, "scores": collections.defaultdict(list),
+                               "versions": []}
+    self.client.enqueue_prompts(prompts)
+
+  def _eval_group(self, taken) -> None:
+    """One held-out prompt's answer (eval.on_workers): its verifier's verdict (a reward
+    model's task: its score; a prompt no worker could sample: 0); a finished round is
+    logged as the trainer's own evaluation is, at the step that fed it."""
+    step = int(taken.prompt.metadata["eval"])
+    round_ = self._eval_rounds.get(step)
+    if round_ is None or taken.prompt.id not in round_["left"]:  # fed before a restart
+      return
+    round_["left"].discard(taken.prompt.id)
+    samples = taken.group.samples
+    score = 0.0
+    if samples:
+      verdict = samples[0].metadata.get("passed")
+      score = float(verdict == "1") if verdict is not None else float(samples[0].reward)
+      round_["versions"].append(int(taken.group.policy_version))
+    round_["scores"][taken.prompt.metadata["eval_set"]].append(score)
+    if round_["left"]:
+      return
+    del self._eval_rounds[step]
+    scores = round_["scores"]
+    result = {name: float(np.mean(v)) for name, v in scores.items()}
+    result["all"] = float(np.mean([x for v in scores.values() for x in v]))
+    self.last_eval = result
+    if self.leader:
+      self.log_eval(result, step)
+      if round_["versions"]:
+        self.writer.add_scalar("eval/policy_version_min", min(round_["versions"]), step)
+    self._evals_done.append((step, result))
 
   def _take_groups(self) -> list[Group] | None:
     """groups_per_step valid groups at or above the staleness floor; None when stopped.
@@ -1018,6 +1078,9 @@ class RLTrainer(TrainerRun):
     (`skip_ids`, or still in an earlier take `taken_before` not yet acknowledged)."""
     valid = []
     for taken in taken_rollouts:
+      if "eval" in taken.prompt.metadata:  # eval.on_workers: scored, not trained on
+        self._eval_group(taken)
+        continue
       self.consumed += 1
       self.outstanding.pop(taken.prompt.id, None)
       if taken.group.policy_version >= self.version and self._restart_floor is not None:

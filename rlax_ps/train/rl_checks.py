@@ -86,6 +86,9 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                      f"(the greedy samples would go unused), got {greedy} with "
                      f"loss.advantage={loss.advantage!r}")
   samples, allocator = int(worker.samples_per_prompt), str(worker.get("allocator", "fixed"))
+  if config.eval.get("on_workers", False) and allocator != "fixed":
+    raise ValueError(f"eval.on_workers: needs worker.allocator='fixed' (VIGOR's rounds give "
+                     f"every prompt its share of samples), got {allocator!r}")
   if allocator == "fixed" and samples < 2 and loss.advantage not in ("opd", "remax"):
     raise ValueError(f"worker.samples_per_prompt: loss.advantage={loss.advantage!r} weighs "
                      f"each sample against the others of its group; expected >= 2, got "

@@ -65,18 +65,26 @@ def test_worker_completes_leases_and_submits_scored_groups(server, versions):
 def test_a_greedy_baseline_is_sent_beside_the_samples_as_the_greedy_decodes_reward(
     server, versions, sample_rows):
   """worker.greedy_baseline (ReMax): each group holds samples_per_prompt samples and the
-  reward of the prompt's greedy decode, scored by the same verifier."""
+  reward of the prompt's greedy decode, scored by the same verifier. A held-out prompt the
+  trainer sends for evaluation (metadata eval) gets that greedy answer alone."""
   codes = TextCodes()
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
-    config = WorkerConfig(max_leases=1, greedy_baseline=True, sample_rows=sample_rows,
+    trainer.enqueue_prompts([pb.Prompt(id="e0", text="12+34=", task="addition", extra=b"46",
+                                       metadata={"eval": "1", "eval_set": "addition"})])
+    config = WorkerConfig(max_leases=2, greedy_baseline=True, sample_rows=sample_rows,
                           temperature=1.5, **SMALL)
     worker = Worker(wc, CONFIG, TOKENIZER, config, verifier_for=lambda t: Guarded(t, codes))
-    assert worker.run().groups_submitted == 2
+    assert worker.run().groups_submitted == 3
     taken = trainer.take_rollouts(0, 10).rollouts
   params = SamplingParams(greedy=True, max_new_tokens=SMALL["max_new_tokens"],
                           stop_tokens=TOKENIZER.stop_ids)
+  answer, = [r.group for r in taken if r.prompt.id == "e0"]
+  greedy = generate(worker.policy.model, [TOKENIZER.encode_prompt("12+34=")], [0], params)[0]
+  assert [list(s.token_ids) for s in answer.samples] == [greedy.tokens.tolist()]
+  assert not answer.HasField("baseline_reward")
+  taken = [r for r in taken if r.prompt.id != "e0"]
   for r in taken:
     assert len(r.group.samples) == SMALL["samples_per_prompt"]
     assert r.group.HasField("baseline_reward")

@@ -99,7 +99,8 @@ class FakeWorker:
   `stop()`. `submitted` holds the accepted rollout ids. With `uniform_every` = u > 0, every
   u-th group (the 1st, the (u+1)-th, ...) has all rewards 0; `uniform` holds their ids.
   Group i says that i % 3 of its samples were resumed from a stopped worker's
-  (`resumed_samples`)."""
+  (`resumed_samples`). A held-out prompt the trainer sends (eval.on_workers) gets one answer,
+  passed where its index in its set is even; `evaluated` holds those rollout ids."""
 
   def __init__(self, address, *, samples=4, limit=None, vocab=60, max_len=6, seed=0,
                uniform_every=0):
@@ -108,6 +109,7 @@ class FakeWorker:
     self.uniform_every, self.uniform = uniform_every, set()
     self.rng = np.random.default_rng(seed)
     self.submitted: list[int] = []
+    self.evaluated: list[int] = []
     self.errors: list[BaseException] = []  # what ended the thread early, if anything
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True)
@@ -149,6 +151,14 @@ class FakeWorker:
       lease = self.client.lease(1, 60.0, wait_s=0.2)
       version = self.client.latest_version()  # what it samples with: read after the wait
       for p in lease.prompts:
+        if "eval" in p.metadata:
+          passed = int(p.id.rsplit("-", 1)[1]) % 2 == 0
+          answer = make_sample([5, 6], float(passed), logprobs=[-1.0, -1.0],
+                               metadata={"passed": str(int(passed))})
+          reply = self.client.submit_rollouts(lease.lease_id, RolloutGroup(
+              prompt_id=p.id, samples=[answer], policy_version=version))
+          self.evaluated.append(int(reply.rollout_id))
+          continue
         uniform = bool(self.uniform_every) and len(self.submitted) % self.uniform_every == 0
         reply = self.client.submit_rollouts(lease.lease_id, self.group(p.id, version, uniform))
         self.submitted.append(int(reply.rollout_id))

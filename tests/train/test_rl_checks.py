@@ -49,6 +49,8 @@ def _set(config, **fields):
                                         "loss.advantage='grpo'"),
     ({"loss__advantage": "remax", "worker__greedy_baseline": True, "rl__dynamic_sampling": True},
      "rl.dynamic_sampling: expected False with loss.advantage='remax'"),
+    ({"eval__on_workers": True, "worker__allocator": "vigor"},
+     "eval.on_workers: needs worker.allocator='fixed'"),
     ({"worker__teacher": "T"}, "worker.teacher: expected '' with teacher.path set .* or "
                                "without loss.advantage='opd'"),
     ({"worker__teacher": "T", "teacher__path": "T", "loss__advantage": "opd"},

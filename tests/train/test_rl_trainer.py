@@ -71,6 +71,7 @@ def run(tmp_path_factory):
   config.worker.max_new_tokens = 16  # the fake responses (at most 6) pack to 8 (response_buckets)
   config.export.every_steps = 2
   config.worker.top_p = 0.95  # what pass@k samples with (the fake worker ignores it)
+  config.eval.on_workers, config.eval.every_steps = True, 1  # the fake worker answers
   _adaptive_entropy(config)
   exported_at = {}
   logged = []  # each step's metrics
@@ -313,6 +314,19 @@ def test_an_export_setting_it_cannot_write_is_refused_before_the_run(tmp_path):
     config.export[field] = value
     with pytest.raises(ValueError, match=f"export.{field}: {message}"):
       RLTrainer(config, str(tmp_path / field), object())
+
+
+def test_held_out_rounds_on_the_workers_are_logged_whole_and_never_trained(run):
+  """eval.on_workers: each round of held-out prompts goes to the workers, one answer each;
+  a round whole is logged at the step that fed it, scored by the answers' verdicts (the
+  fake worker passes the even half of each set), and no answer is trained on."""
+  steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
+  rounds = [(s["heldout_step"], s["heldout"]) for s in steps if "heldout_step" in s]
+  assert rounds and all(fed < s for (fed, _), s in zip(rounds, [
+      s["step"] for s in steps if "heldout_step" in s]))
+  assert all(result == {"addition": 0.5, "reversal": 0.5, "all": 0.5} for _, result in rounds)
+  trained = {i for s in steps for i in s["rollout_ids"]}
+  assert run["worker"].evaluated and not trained & set(run["worker"].evaluated)
 
 
 def test_prompts_are_paced_by_the_staleness_bound(run):
