@@ -877,7 +877,8 @@ class RLTrainer(TrainerRun):
               raise
         if eval_every and done % eval_every == 0 and done < self.total_steps:
           if self.fleet_eval:  # the workers decode it between training prompts
-            self._feed_eval(done)
+            if self.leader:  # (which alone talks to the server and takes the answers)
+              self._feed_eval(done)
           else:
             self.log_eval(self.evaluate(), done)
             record["heldout"] = self.last_eval
