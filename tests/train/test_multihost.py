@@ -109,6 +109,9 @@ def test_two_process_rl_trainer_trains_publishes_and_checkpoints_as_one(tmp_path
     procs = _launch(tmp_path, "train", "configs/rl_local.py:tiny", f"--config.rl.steps={STEPS}",
                     "--config.rl.max_staleness=20", "--config.eval.num_examples=4",
                     "--config.eval.batch_size=4", f"--address={server.address}",
+                    # held-out rounds fed to the workers by the leader alone (its followers
+                    # hold no server connection)
+                    "--config.eval.on_workers=True", "--config.eval.every_steps=1",
                     f"--token_file={tmp_path / 'tokens.json'}")
     logs = _wait(procs, tmp_path, "train", worker)
   finally:
