@@ -189,12 +189,10 @@ def _validate_teacher(s: pb.Sample, at: str) -> None:
   """A sample's teacher scores (worker.teacher): one float32 log-prob per token, and top-k
   ids and log-probs of k per token, all finite, ids >= 0; or none."""
   n = len(s.token_ids)
-  if s.teacher_logprobs_f32:
-    lp = np.frombuffer(s.teacher_logprobs_f32, "<f4") if len(s.teacher_logprobs_f32) == 4 * n \
-        else None
-    if lp is None or not np.all(np.isfinite(lp)):
-      raise errors.InvalidArgument(f"{at}.teacher_logprobs_f32", f"expected {n} finite float32 "
-                                   f"(one per token), got {len(s.teacher_logprobs_f32)} bytes")
+  lp = s.teacher_logprobs_f32
+  if lp and (len(lp) != 4 * n or not np.isfinite(np.frombuffer(lp, "<f4")).all()):
+    raise errors.InvalidArgument(f"{at}.teacher_logprobs_f32", f"expected {n} finite float32 "
+                                 f"(one per token), got {len(lp)} bytes")
   ids, top = s.teacher_topk_ids, s.teacher_topk_logprobs_f32
   if ids or top:
     if not n or len(ids) != len(top) or len(ids) % (4 * n):
