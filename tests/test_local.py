@@ -119,7 +119,8 @@ def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
 def test_distillation_with_the_teacher_on_the_workers_runs_the_whole_loop(tmp_path):
   """configs/rl_distill.py with worker.teacher: each worker loads the teacher and sends its
   scores with every group; the trainer loads none, rejects no group, and logs the reverse
-  KL left."""
+  KL left: small between two near-uniform tiny models (a sampled estimate, of either sign),
+  where teacher scores missing (0) would leave the samples' own log-probs, about -4."""
   from flax import nnx
 
   from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
@@ -135,7 +136,7 @@ def test_distillation_with_the_teacher_on_the_workers_runs_the_whole_loop(tmp_pa
   summary = json.load(open(tmp_path / "run" / "summary.json"))
   steps = _lines(tmp_path / "run" / "steps.jsonl")
   assert summary["step"] == len(steps) == 4 and summary["rejected"] == 0
-  assert all(s["teacher_kl"] > 0 for s in steps)
+  assert all(abs(s["teacher_kl"]) < 1.0 for s in steps), [s["teacher_kl"] for s in steps]
 
 
 def test_tokens_stay_in_an_owner_only_file(run):
