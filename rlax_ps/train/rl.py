@@ -947,13 +947,19 @@ class RLTrainer(TrainerRun):
     if len(ids) > self.shape.prompt_len:  # its group would be rejected once sampled
       raise ValueError(f"rl.max_prompt_tokens: {self.shape.prompt_len} is too small for "
                        f"prompt {rec['prompt']!r} of {len(ids)} tokens; raise it")
-    text = self.tokenizer.render_prompt(rec["prompt"])
+    return self._rendered(self._prompt_id(index), rec["prompt"], rec["task"], rec["answer"],
+                          ids, {"record": str(rec["record"])})
+
+  def _rendered(self, prompt_id: str, prompt: Any, task: str, answer: Any, ids: list[int],
+                metadata: dict[str, str]) -> Prompt:
+    """A Prompt for the workers: `prompt` rendered, its token ids, the answer the verifiers
+    check, and `metadata`."""
+    text = self.tokenizer.render_prompt(prompt)
     # The raw prompt where the text is a rendering of it: a reward model with a chat
     # template of its own renders the conversation again (rlax_ps.reward_scoring).
-    raw = {} if text == rec["prompt"] else {"prompt": json.dumps(rec["prompt"])}
-    return Prompt(id=self._prompt_id(index), text=text, task=rec["task"], token_ids=ids,
-                  extra=rec["answer"].encode("utf-8"),
-                  metadata={**raw, "record": str(rec["record"])})
+    raw = {} if text == prompt else {"prompt": json.dumps(prompt)}
+    return Prompt(id=prompt_id, text=text, task=task, token_ids=ids,
+                  extra=str(answer).encode("utf-8"), metadata={**raw, **metadata})
 
   def _feed_eval(self, step: int) -> None:
     """eval.on_workers: queue the held-out prompts for the workers, each for one greedy
@@ -962,12 +968,10 @@ class RLTrainer(TrainerRun):
     round_id = uuid.uuid4().hex[:8]  # a step fed again after a restart: other prompt ids
     for name, examples in self.heldout.examples.items():
       for i, ex in enumerate(examples):
-        ids = self.tokenizer.encode_prompt(ex.prompt)
-        prompts.append(Prompt(id=f"{self.run_id}-eval{step}-{round_id}-{name}-{i}",
-                              text=self.tokenizer.render_prompt(ex.prompt),
-                              task=ex.task or name, token_ids=ids,
-                              extra=str(ex.answer).encode("utf-8"),
-                              metadata={"eval": str(step), "eval_set": name}))
+        prompts.append(self._rendered(f"{self.run_id}-eval{step}-{round_id}-{name}-{i}",
+                                      ex.prompt, ex.task or name, ex.answer,
+                                      self.tokenizer.encode_prompt(ex.prompt),
+                                      {"eval": str(step), "eval_set": name}))
         left.add(prompts[-1].id)
     self._eval_rounds[step] = {"left": left, "scores": collections.defaultdict(list),
                                "versions": []}
