@@ -424,8 +424,9 @@ class RLTrainer(TrainerRun):
     self.saved_version = -1
     self.warm_start_eval: dict[str, float] | None = None
     # eval.on_workers: the held-out rounds the workers are decoding, by the step that fed
-    # them (each: its prompts not back yet, and the scores back by set name), and the rounds
-    # done since the last step's record, as (step, result).
+    # them (each: its prompts not back yet, as id -> (set name, index), the scores back by
+    # set name, and the versions that answered; kept in the checkpoint), and the rounds done
+    # since the last step's record, as (step, result).
     self.fleet_eval = bool(config.eval.get("on_workers", False))
     self._eval_rounds: dict[int, dict[str, Any]] = {}
     self._evals_done: list[tuple[int, dict[str, float]]] = []
@@ -508,6 +509,7 @@ class RLTrainer(TrainerRun):
         "pending_takes": [dataclasses.asdict(t) for t in self.pending],
         "server_store": self.store_id,
         "outstanding": sorted(self.outstanding.values()),
+        "eval_rounds": self._saved_eval_rounds(),
         "counts": self.counts(),
         "reward_parts_totals": self.reward_parts_totals,
         "warm_start_eval": self.warm_start_eval,
@@ -543,6 +545,8 @@ class RLTrainer(TrainerRun):
       self.outstanding = {self._prompt_id(i): (int(i), int(r))
                           for i, r in saved.get("outstanding", [])}
     self.warm_start_eval = saved.get("warm_start_eval")
+    if self.leader:  # (which alone feeds rounds and takes their answers)
+      self._load_eval_rounds(saved.get("eval_rounds", []))
     self.restore_counts(saved.get("counts", {}))
     self.reward_parts_totals = {name: [float(total), int(n)] for name, (total, n)
                                 in saved.get("reward_parts_totals", {}).items()}
@@ -607,7 +611,7 @@ class RLTrainer(TrainerRun):
     one the run met before (its storage folder lost or replaced), or it is `behind` the
     run. If so: its takes cannot be acknowledged (the steps that used them are trained on;
     the checkpoint holds them or they are lost with the server's copies), the prompts fed
-    and not trained on are fed again, and the latest version is sent again as a keyframe
+    and not trained on (and the held-out prompts of rounds not whole) are fed again, and the latest version is sent again as a keyframe
     where the server lacks it."""
     known = self.store_id
     self.store_id = store_id or known  # "": a server from before storage ids
@@ -624,6 +628,8 @@ class RLTrainer(TrainerRun):
     for i in range(0, len(fed), ENQUEUE_BATCH):
       self.client.enqueue_prompts([self._prompt(index, {**self.source[record], "record": record})
                                    for index, record in fed[i:i + ENQUEUE_BATCH]])
+    for step, round_ in sorted(self._eval_rounds.items()):  # eval.on_workers' rounds too
+      self._enqueue_eval(step, round_["left"])
     if self.publisher.version is not None and self.client.latest_version() < self.version:
       self.publisher.resend_keyframe()
     return True
@@ -964,18 +970,50 @@ class RLTrainer(TrainerRun):
   def _feed_eval(self, step: int) -> None:
     """eval.on_workers: queue the held-out prompts for the workers, each for one greedy
     answer (metadata eval: the step, eval_set: the set it scores)."""
-    prompts, left = [], set()
+    left = {}  # prompt id -> (set name, index in the set)
     round_id = uuid.uuid4().hex[:8]  # a step fed again after a restart: other prompt ids
     for name, examples in self.heldout.examples.items():
-      for i, ex in enumerate(examples):
-        prompts.append(self._rendered(f"{self.run_id}-eval{step}-{round_id}-{name}-{i}",
-                                      ex.prompt, ex.task or name, ex.answer,
-                                      self.tokenizer.encode_prompt(ex.prompt),
-                                      {"eval": str(step), "eval_set": name}))
-        left.add(prompts[-1].id)
+      for i in range(len(examples)):
+        left[f"{self.run_id}-eval{step}-{round_id}-{name}-{i}"] = (name, i)
     self._eval_rounds[step] = {"left": left, "scores": collections.defaultdict(list),
                                "versions": []}
-    self.client.enqueue_prompts(prompts)
+    self._enqueue_eval(step, left)
+
+  def _enqueue_eval(self, step: int, prompts: dict[str, tuple[str, int]]) -> None:
+    """Queue the held-out prompts of the round fed at `step`: {prompt id: (set, index)}."""
+    rendered = []
+    for prompt_id, (name, i) in prompts.items():
+      ex = self.heldout.examples[name][i]
+      rendered.append(self._rendered(prompt_id, ex.prompt, ex.task or name, ex.answer,
+                                     self.tokenizer.encode_prompt(ex.prompt),
+                                     {"eval": str(step), "eval_set": name}))
+    for i in range(0, len(rendered), ENQUEUE_BATCH):
+      self.client.enqueue_prompts(rendered[i:i + ENQUEUE_BATCH])
+
+  def _saved_eval_rounds(self) -> list[dict[str, Any]]:
+    """The rounds not yet whole, as the checkpoint keeps them: a restart goes on scoring
+    them (the answers taken after the checkpoint come again), and feeds their prompts again
+    to a server that lost them."""
+    return [{"step": step, "left": sorted([k, *v] for k, v in r["left"].items()),
+             "scores": dict(r["scores"]), "versions": list(r["versions"])}
+            for step, r in sorted(self._eval_rounds.items())]
+
+  def _load_eval_rounds(self, saved: list[dict[str, Any]]) -> None:
+    """The checkpoint's rounds not yet whole (_saved_eval_rounds); a round whose prompts
+    this run's held-out sets no longer hold is dropped, with a warning."""
+    sizes = {name: len(v) for name, v in self.heldout.examples.items()}
+    for r in saved:
+      left = {k: (str(name), int(i)) for k, name, i in r["left"]}
+      if not self.fleet_eval or any(i >= sizes.get(name, 0) for name, i in left.values()):
+        logging.warning("eval.on_workers: the held-out round fed at step %d is not logged: "
+                        "this run has %s", int(r["step"]),
+                        "eval.on_workers off" if not self.fleet_eval else
+                        f"other held-out sets ({sizes})")
+        continue
+      self._eval_rounds[int(r["step"])] = {
+          "left": left, "versions": [int(v) for v in r["versions"]],
+          "scores": collections.defaultdict(
+              list, {name: [float(x) for x in v] for name, v in r["scores"].items()})}
 
   def _eval_group(self, taken) -> None:
     """One held-out prompt's answer (eval.on_workers): its verifier's verdict (a reward
@@ -983,9 +1021,9 @@ class RLTrainer(TrainerRun):
     logged as the trainer's own evaluation is, at the step that fed it."""
     step = int(taken.prompt.metadata["eval"])
     round_ = self._eval_rounds.get(step)
-    if round_ is None or taken.prompt.id not in round_["left"]:  # fed before a restart
-      return
-    round_["left"].discard(taken.prompt.id)
+    if round_ is None or taken.prompt.id not in round_["left"]:  # scored, or fed after the
+      return  # checkpoint a restart resumed from (the restart fed the step's round again)
+    del round_["left"][taken.prompt.id]
     samples = taken.group.samples
     score = 0.0
     if samples:

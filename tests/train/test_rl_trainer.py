@@ -329,6 +329,68 @@ def test_held_out_rounds_on_the_workers_are_logged_whole_and_never_trained(run):
   assert run["worker"].evaluated and not trained & set(run["worker"].evaluated)
 
 
+def _answer_held_out(server, n, passed):
+  """A worker's answers to `n` held-out prompts leased from `server`, each passed where
+  `passed(prompt id)`: returns the ids leased."""
+  with client(server.address, "worker") as wc:
+    wc.register("w")
+    lease = wc.lease(n, 60.0, wait_s=2.0)
+    version = wc.latest_version()
+    for p in lease.prompts:
+      ok = passed(p.id)
+      wc.submit_rollouts(lease.lease_id, RolloutGroup(prompt_id=p.id, policy_version=version,
+                                                      samples=[make_sample(
+          [5, 6], float(ok), logprobs=[-1.0, -1.0], metadata={"passed": str(int(ok))})]))
+    return [p.id for p in lease.prompts]
+
+
+def _score_taken(tr, tc):
+  """The trainer takes what is submitted (nothing to train on here) and scores it."""
+  tr._valid_groups(tc.take_rollouts(0, 64, wait_s=2.0).rollouts)
+
+
+def test_a_held_out_round_not_whole_at_a_checkpoint_is_finished_after_a_restart(tmp_path,
+                                                                                 caplog):
+  """eval.on_workers: a round's scores so far and its prompts not yet answered are in the
+  checkpoint. A trainer restarted against a server that lost its queues feeds those prompts
+  again (the same ids, nothing else), scores their answers and logs the round whole with
+  the scores from before the restart."""
+  config = _config()
+  config.eval.on_workers = True
+  workdir = str(tmp_path / "rl")
+  first = start_server(tmp_path / "ps1")
+  try:
+    with client(first.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
+      tr.start()
+      tr._feed_eval(3)
+      fed = set(tr._eval_rounds[3]["left"])
+      early = _answer_held_out(first, 2, lambda _: True)  # the first set's two: passed
+      _score_taken(tr, tc)
+      assert len(fed) == 4 and tr._eval_rounds[3]["left"].keys() == fed - set(early)
+      assert not tr._evals_done  # half a round: not logged
+      tr.save()
+      tr.checkpointer.wait()
+  finally:
+    first.stop(grace=0)
+  second = start_server(tmp_path / "ps2")  # another storage folder: nothing fed is there
+  try:
+    with client(second.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
+      assert tr.restored and tr._eval_rounds[3]["left"].keys() == fed - set(early)
+      tr.start()
+      assert tr.servers_lost == 1
+      late = _answer_held_out(second, 8, lambda i: i.endswith("-0"))
+      assert sorted(late) == sorted(fed - set(early))
+      _score_taken(tr, tc)
+      assert tr._evals_done == [(3, {"addition": 1.0, "reversal": 0.5, "all": 0.75})]
+      assert not tr._eval_rounds
+      # A checkpoint's round asking for a held-out example this run does not have.
+      tr._load_eval_rounds([{"step": 5, "left": [["x", "addition", 2]], "scores": {},
+                             "versions": []}])
+      assert not tr._eval_rounds and "round fed at step 5 is not logged" in caplog.text
+  finally:
+    second.stop(grace=0)
+
+
 def test_prompts_are_paced_by_the_staleness_bound(run):
   config = run["config"]
   bound = config.rl.groups_per_step * max(config.rl.max_staleness, 1)
