@@ -1,5 +1,5 @@
-"""Test setup: CPU only, 8 fake devices for sharding tests, unoptimized XLA:CPU programs, a
-persistent compile cache.
+"""Test setup: CPU only, 8 fake devices for sharding tests, XLA:CPU programs compiled for
+compile time (unoptimized, elemental emitters), a persistent compile cache.
 
 The environment must be set before jax is imported anywhere.
 """
@@ -16,6 +16,10 @@ if "xla_force_host_platform_device_count" not in _flags:
 # quarter of the model tests' time) and change no IEEE result (no fast math on CPU).
 if "xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0"
+# XLA:CPU's MLIR fusion emitters compile a tiny model's programs about 2.5x slower than the
+# elemental emitters they replace (backend compile of the loss tests' grad programs).
+if "xla_cpu_use_fusion_emitters" not in _flags:
+  _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
@@ -29,21 +33,21 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # Prompt-length checks kept for the session alone (children inherit it): a test sees its own.
 os.environ.setdefault("RLAX_PS_PROMPT_CHECKS", tempfile.mkdtemp(prefix="rlax_ps_prompt_checks_"))
 
-# The longest modules first (about 20-100 s each on 2 cores; the rest follow in collection
+# The longest modules first (about 13-85 s each on 2 cores; the rest follow in collection
 # order). xdist hands out whole modules in this order (`make test` passes
 # --no-loadscope-reorder, whose default orders them by test count): a long one handed out
 # last would leave the other process idle at the end.
 _LONGEST_FIRST = [
-    "tests/test_local.py", "tests/train/test_rl_loss.py", "tests/models/test_hf_parity.py",
-    "tests/inference_workers/test_continuous_batching.py", "tests/train/test_rl_trainer.py",
-    "tests/inference_workers/test_worker_loop.py", "tests/inference_workers/test_multi_turn.py",
-    "tests/kernels/test_packed_model_logprobs.py", "tests/train/test_critic.py",
-    "tests/train/test_lora.py", "tests/kernels/test_kernels_on_a_mesh.py",
-    "tests/kernels/test_shared_prompt_window.py", "tests/models/test_routing_replay.py",
-    "tests/train/test_multihost.py", "tests/models/test_moe.py",
-    "tests/train/test_expert_parallel.py", "tests/kernels/test_shared_prefix_decode.py",
-    "tests/models/test_deepseek.py", "tests/train/test_sharding_equivalence.py",
-    "tests/param_server/test_weight_store.py", "tests/train/test_rl_chat.py",
+    "tests/test_local.py", "tests/train/test_rl_loss.py", "tests/train/test_rl_trainer.py",
+    "tests/models/test_hf_parity.py", "tests/inference_workers/test_worker_loop.py",
+    "tests/inference_workers/test_continuous_batching.py", "tests/train/test_critic.py",
+    "tests/train/test_multihost.py", "tests/kernels/test_packed_model_logprobs.py",
+    "tests/inference_workers/test_multi_turn.py", "tests/train/test_lora.py",
+    "tests/models/test_routing_replay.py", "tests/kernels/test_kernels_on_a_mesh.py",
+    "tests/train/test_rl_exactly_once.py", "tests/models/test_moe.py",
+    "tests/models/test_deepseek.py", "tests/train/test_expert_parallel.py",
+    "tests/kernels/test_shared_prompt_window.py", "tests/tpu_scripts/test_tpu_launch_scripts.py",
+    "tests/test_cli.py", "tests/models/test_gemma.py",
 ]
 
 
