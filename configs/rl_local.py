@@ -276,6 +276,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # verifiers) between training prompts, and the trainer logs each round when it is whole,
   # at the step that fed it; False: the trainer decodes them itself, pausing training.
   c.eval.on_workers = False
+  # With on_workers: each round also samples this many answers of each held-out prompt, as
+  # the workers sample (at most worker.samples_per_prompt), and logs pass@1 and pass@k of
+  # them; 0: greedy answers alone.
+  c.eval.rounds_pass_k = 0
 
   # Inference workers (inference_workers.worker_config.WorkerConfig fields).
   c.worker = ml_collections.ConfigDict()

@@ -166,6 +166,20 @@ def _evaluated(prompt: pb.Prompt) -> bool:
   return "eval" in prompt.metadata
 
 
+def _eval_samples(prompt: pb.Prompt, draws: int) -> tuple[int, str]:
+  """A held-out prompt's sampled answers (metadata eval_samples, for pass@k; 0: one greedy
+  answer), and why this worker cannot give them ("" when it can: 1 to `draws`)."""
+  value = prompt.metadata.get("eval_samples", "0")
+  try:
+    k = int(value)
+  except ValueError:
+    k = -1
+  if 0 <= k <= draws:
+    return k, ""
+  return 0, (f"its metadata eval_samples: expected 0 to {draws} (the samples a prompt decodes "
+             f"here), got {value!r}")
+
+
 def reference_of(prompt: pb.Prompt) -> str:
   """The reference answer a prompt carries: its `extra` bytes, else metadata["answer"]."""
   if prompt.extra:
@@ -1078,8 +1092,14 @@ class Worker:
 
   def _checked_tokens(self, prompt: pb.Prompt) -> tuple[list[int], str]:
     """The prompt's token ids, and why this worker cannot sample it ("" when it can): its
-    text does not encode, its ids lie outside the model's vocabulary, or it leaves no room
-    for max_new_tokens."""
+    text does not encode, its ids lie outside the model's vocabulary, it leaves no room
+    for max_new_tokens, or it is a held-out prompt this worker cannot answer as asked."""
+    if _evaluated(prompt) and not self._continuous:
+      return [], (f"it is a held-out prompt (eval.on_workers), answered by workers of the "
+                  f"fixed allocator only; this one's is {self.config.allocator!r}")
+    _, fault = _eval_samples(prompt, self.config.draws)
+    if fault:
+      return [], fault
     try:
       tokens = self._prompt_tokens(prompt)
     except (ValueError, KeyError, UnicodeError) as e:
@@ -1221,9 +1241,11 @@ class Worker:
   def _prompt_seeds(self, prompt: pb.Prompt, version: int) -> list[int]:
     """A continuous batch's prompt's seeds: samples_per_prompt of them, then GREEDY_SEED
     with worker.greedy_baseline (its last sample is the greedy one); a held-out prompt the
-    trainer asks the fleet to evaluate (metadata "eval"): one greedy answer."""
+    trainer asks the fleet to evaluate (metadata "eval"): one greedy answer, or its
+    eval_samples sampled ones (pass@k)."""
     if _evaluated(prompt):
-      return [GREEDY_SEED]
+      k, _ = _eval_samples(prompt, self.config.draws)
+      return self._seeds(prompt.id, version, 0, k) if k else [GREEDY_SEED]
     seeds = self._seeds(prompt.id, version, 0, self.config.samples_per_prompt)
     return seeds + [GREEDY_SEED] * int(self.config.greedy_baseline)
 

@@ -424,12 +424,13 @@ class RLTrainer(TrainerRun):
     self.saved_version = -1
     self.warm_start_eval: dict[str, float] | None = None
     # eval.on_workers: the held-out rounds the workers are decoding, by the step that fed
-    # them (each: its prompts not back yet, as id -> (set name, index), the scores back by
-    # set name, and the versions that answered; kept in the checkpoint), and the rounds done
-    # since the last step's record, as (step, result).
+    # them (each: its prompts not back yet, as id -> (set name, index, sampled answers), the
+    # greedy scores back by set name, each sampled prompt's (mean, best, k), and the versions
+    # that answered; kept in the checkpoint), and the rounds done
+    # since the last step's record, as (step, result, pass@1 and pass@k or None).
     self.fleet_eval = bool(config.eval.get("on_workers", False))
     self._eval_rounds: dict[int, dict[str, Any]] = {}
-    self._evals_done: list[tuple[int, dict[str, float]]] = []
+    self._evals_done: list[tuple[int, dict[str, float], dict[str, float] | None]] = []
     self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
     # Prompts fed and not yet back as groups: id -> (feed index, record), fed again to a
     # server that lost them; and the id of the server's storage folder (VersionInfo.store_id).
@@ -889,7 +890,9 @@ class RLTrainer(TrainerRun):
             self.log_eval(self.evaluate(), done)
             record["heldout"] = self.last_eval
         if self._evals_done:  # eval.on_workers: the newest round the workers finished
-          record["heldout_step"], record["heldout"] = self._evals_done[-1]
+          record["heldout_step"], record["heldout"], passes = self._evals_done[-1]
+          if passes:
+            record["heldout_pass"] = passes
           self._evals_done.clear()
         if self.leader:
           self._log_step(record, metrics)
@@ -969,24 +972,31 @@ class RLTrainer(TrainerRun):
 
   def _feed_eval(self, step: int) -> None:
     """eval.on_workers: queue the held-out prompts for the workers, each for one greedy
-    answer (metadata eval: the step, eval_set: the set it scores)."""
-    left = {}  # prompt id -> (set name, index in the set)
+    answer, and again for eval.rounds_pass_k sampled ones (metadata eval: the step,
+    eval_set: the set it scores, eval_samples: that k)."""
+    k = int(self.config.eval.get("rounds_pass_k", 0))
+    left = {}  # prompt id -> (set name, index in the set, sampled answers: 0 for greedy)
     round_id = uuid.uuid4().hex[:8]  # a step fed again after a restart: other prompt ids
     for name, examples in self.heldout.examples.items():
       for i in range(len(examples)):
-        left[f"{self.run_id}-eval{step}-{round_id}-{name}-{i}"] = (name, i)
+        left[f"{self.run_id}-eval{step}-{round_id}-{name}-{i}"] = (name, i, 0)
+        if k:
+          left[f"{self.run_id}-eval{step}-{round_id}-{name}-pass-{i}"] = (name, i, k)
     self._eval_rounds[step] = {"left": left, "scores": collections.defaultdict(list),
-                               "versions": []}
+                               "passes": [], "versions": []}
     self._enqueue_eval(step, left)
 
-  def _enqueue_eval(self, step: int, prompts: dict[str, tuple[str, int]]) -> None:
-    """Queue the held-out prompts of the round fed at `step`: {prompt id: (set, index)}."""
+  def _enqueue_eval(self, step: int, prompts: dict[str, tuple[str, int, int]]) -> None:
+    """Queue the held-out prompts of the round fed at `step`: {prompt id: (set, index,
+    sampled answers)}."""
     rendered = []
-    for prompt_id, (name, i) in prompts.items():
+    for prompt_id, (name, i, k) in prompts.items():
       ex = self.heldout.examples[name][i]
+      meta = {"eval": str(step), "eval_set": name}
+      if k:
+        meta["eval_samples"] = str(k)
       rendered.append(self._rendered(prompt_id, ex.prompt, ex.task or name, ex.answer,
-                                     self.tokenizer.encode_prompt(ex.prompt),
-                                     {"eval": str(step), "eval_set": name}))
+                                     self.tokenizer.encode_prompt(ex.prompt), meta))
     for i in range(0, len(rendered), ENQUEUE_BATCH):
       self.client.enqueue_prompts(rendered[i:i + ENQUEUE_BATCH])
 
@@ -995,7 +1005,8 @@ class RLTrainer(TrainerRun):
     them (the answers taken after the checkpoint come again), and feeds their prompts again
     to a server that lost them."""
     return [{"step": step, "left": sorted([k, *v] for k, v in r["left"].items()),
-             "scores": dict(r["scores"]), "versions": list(r["versions"])}
+             "scores": dict(r["scores"]), "passes": list(r["passes"]),
+             "versions": list(r["versions"])}
             for step, r in sorted(self._eval_rounds.items())]
 
   def _load_eval_rounds(self, saved: list[dict[str, Any]]) -> None:
@@ -1003,8 +1014,8 @@ class RLTrainer(TrainerRun):
     this run's held-out sets no longer hold is dropped, with a warning."""
     sizes = {name: len(v) for name, v in self.heldout.examples.items()}
     for r in saved:
-      left = {k: (str(name), int(i)) for k, name, i in r["left"]}
-      if not self.fleet_eval or any(i >= sizes.get(name, 0) for name, i in left.values()):
+      left = {key: (str(name), int(i), int(k)) for key, name, i, k in r["left"]}
+      if not self.fleet_eval or any(i >= sizes.get(name, 0) for name, i, _ in left.values()):
         logging.warning("eval.on_workers: the held-out round fed at step %d is not logged: "
                         "this run has %s", int(r["step"]),
                         "eval.on_workers off" if not self.fleet_eval else
@@ -1012,37 +1023,51 @@ class RLTrainer(TrainerRun):
         continue
       self._eval_rounds[int(r["step"])] = {
           "left": left, "versions": [int(v) for v in r["versions"]],
+          "passes": [(float(m), float(x), int(k)) for m, x, k in r["passes"]],
           "scores": collections.defaultdict(
               list, {name: [float(x) for x in v] for name, v in r["scores"].items()})}
 
+  @staticmethod
+  def _answer_score(sample) -> float:
+    """A held-out answer's score: its verifier's verdict (a reward model's task: its score)."""
+    verdict = sample.metadata.get("passed")
+    return float(verdict == "1") if verdict is not None else float(sample.reward)
+
   def _eval_group(self, taken) -> None:
-    """One held-out prompt's answer (eval.on_workers): its verifier's verdict (a reward
-    model's task: its score; a prompt no worker could sample: 0); a finished round is
-    logged as the trainer's own evaluation is, at the step that fed it."""
+    """One held-out prompt's answers (eval.on_workers): the greedy one's score, or the
+    sampled ones' mean and best (pass@1, pass@k); a prompt no worker could sample scores 0.
+    A finished round is logged as the trainer's own evaluation is, at the step that fed it."""
     step = int(taken.prompt.metadata["eval"])
     round_ = self._eval_rounds.get(step)
     if round_ is None or taken.prompt.id not in round_["left"]:  # scored, or fed after the
       return  # checkpoint a restart resumed from (the restart fed the step's round again)
-    del round_["left"][taken.prompt.id]
-    samples = taken.group.samples
-    score = 0.0
-    if samples:
-      verdict = samples[0].metadata.get("passed")
-      score = float(verdict == "1") if verdict is not None else float(samples[0].reward)
+    _, _, k = round_["left"].pop(taken.prompt.id)
+    scores = [self._answer_score(s) for s in taken.group.samples] or [0.0]
+    if taken.group.samples:
       round_["versions"].append(int(taken.group.policy_version))
-    round_["scores"][taken.prompt.metadata["eval_set"]].append(score)
+    if k:
+      scores += [0.0] * (k - len(scores))  # (a worker sends k; fewer: the rest failed)
+      round_["passes"].append((float(np.mean(scores)), max(scores), k))
+    else:
+      round_["scores"][taken.prompt.metadata["eval_set"]].append(scores[0])
     if round_["left"]:
       return
     del self._eval_rounds[step]
     scores = round_["scores"]
     result = {name: float(np.mean(v)) for name, v in scores.items()}
     result["all"] = float(np.mean([x for v in scores.values() for x in v]))
+    passes = None
+    if round_["passes"]:
+      means, best, ks = zip(*round_["passes"])
+      passes = {"pass@1": float(np.mean(means)), f"pass@{max(ks)}": float(np.mean(best))}
     self.last_eval = result
     if self.leader:
       self.log_eval(result, step)
+      for name, v in (passes or {}).items():
+        self.writer.add_scalar(f"eval/{name}", v, step)
       if round_["versions"]:
         self.writer.add_scalar("eval/policy_version_min", min(round_["versions"]), step)
-    self._evals_done.append((step, result))
+    self._evals_done.append((step, result, passes))
 
   def _take_groups(self) -> list[Group] | None:
     """groups_per_step valid groups at or above the staleness floor; None when stopped.

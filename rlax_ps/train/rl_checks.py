@@ -89,6 +89,13 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   if config.eval.get("on_workers", False) and allocator != "fixed":
     raise ValueError(f"eval.on_workers: needs worker.allocator='fixed' (VIGOR's rounds give "
                      f"every prompt its share of samples), got {allocator!r}")
+  pass_k = config.eval.get("rounds_pass_k", 0)
+  if pass_k and not config.eval.get("on_workers", False):
+    raise ValueError(f"eval.rounds_pass_k: expected 0 without eval.on_workers (the workers "
+                     f"sample the rounds' answers), got {pass_k!r}")
+  if not (isinstance(pass_k, int) and 0 <= pass_k <= samples):
+    raise ValueError(f"eval.rounds_pass_k: expected an int from 0 to worker.samples_per_prompt="
+                     f"{samples} (the samples a worker decodes of a prompt), got {pass_k!r}")
   if allocator == "fixed" and samples < 2 and loss.advantage not in ("opd", "remax"):
     raise ValueError(f"worker.samples_per_prompt: loss.advantage={loss.advantage!r} weighs "
                      f"each sample against the others of its group; expected >= 2, got "

@@ -66,25 +66,41 @@ def test_a_greedy_baseline_is_sent_beside_the_samples_as_the_greedy_decodes_rewa
     server, versions, sample_rows):
   """worker.greedy_baseline (ReMax): each group holds samples_per_prompt samples and the
   reward of the prompt's greedy decode, scored by the same verifier. A held-out prompt the
-  trainer sends for evaluation (metadata eval) gets that greedy answer alone."""
+  trainer sends for evaluation (metadata eval) gets that greedy answer alone, or its
+  eval_samples sampled answers (pass@k); more than a prompt decodes here is refused naming
+  the field."""
   codes = TextCodes()
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
-    trainer.enqueue_prompts([pb.Prompt(id="e0", text="12+34=", task="addition", extra=b"46",
-                                       metadata={"eval": "1", "eval_set": "addition"})])
-    config = WorkerConfig(max_leases=2, greedy_baseline=True, sample_rows=sample_rows,
+    held_out = {"eval": "1", "eval_set": "addition"}
+    trainer.enqueue_prompts([
+        pb.Prompt(id="e0", text="12+34=", task="addition", extra=b"46", metadata=held_out),
+        pb.Prompt(id="e1", text="12+34=", task="addition", extra=b"46",
+                  metadata={**held_out, "eval_samples": "3"}),
+        pb.Prompt(id="e2", text="12+34=", task="addition", extra=b"46",
+                  metadata={**held_out, "eval_samples": "5"})])
+    config = WorkerConfig(max_leases=3, greedy_baseline=True, sample_rows=sample_rows,
                           temperature=1.5, **SMALL)
     worker = Worker(wc, CONFIG, TOKENIZER, config, verifier_for=lambda t: Guarded(t, codes))
-    assert worker.run().groups_submitted == 3
+    worker.run()
     taken = trainer.take_rollouts(0, 10).rollouts
+  assert len(taken) == 5
   params = SamplingParams(greedy=True, max_new_tokens=SMALL["max_new_tokens"],
                           stop_tokens=TOKENIZER.stop_ids)
-  answer, = [r.group for r in taken if r.prompt.id == "e0"]
+  answers = {r.prompt.id: r.group for r in taken if r.prompt.id.startswith("e")}
   greedy = generate(worker.policy.model, [TOKENIZER.encode_prompt("12+34=")], [0], params)[0]
-  assert [list(s.token_ids) for s in answer.samples] == [greedy.tokens.tolist()]
-  assert not answer.HasField("baseline_reward")
-  taken = [r for r in taken if r.prompt.id != "e0"]
+  assert [list(s.token_ids) for s in answers["e0"].samples] == [greedy.tokens.tolist()]
+  # Drawn as a training prompt's samples are (its seeds), each scored by the verifier.
+  sampled = generate(worker.policy.model, [TOKENIZER.encode_prompt("12+34=")] * 3,
+                     worker._seeds("e1", 0, 0, 3), worker.params)
+  assert [list(s.token_ids) for s in answers["e1"].samples] == [s.tokens.tolist()
+                                                               for s in sampled]
+  assert [codes.texts[s.reward] for s in answers["e1"].samples] == [
+      TOKENIZER.decode(s.tokens) for s in sampled]
+  assert not any(answers[i].HasField("baseline_reward") for i in ("e0", "e1"))
+  assert not answers["e2"].samples and "eval_samples: expected 0 to 4" in answers["e2"].failure
+  taken = [r for r in taken if not r.prompt.id.startswith("e")]
   for r in taken:
     assert len(r.group.samples) == SMALL["samples_per_prompt"]
     assert r.group.HasField("baseline_reward")
@@ -99,6 +115,21 @@ def test_a_greedy_baseline_is_sent_beside_the_samples_as_the_greedy_decodes_rewa
   shape = BatchShape(groups=1, samples=3, prompt_len=32, response_len=6, baselines=True)
   with pytest.raises(ValueError, match="rollout 7: baseline_reward: .*worker.greedy_baseline"):
     check_group(group_of(plain, TOKENIZER), shape)
+
+
+def test_a_vigor_worker_refuses_a_held_out_prompt_naming_why(server, versions):
+  """Held-out prompts (eval.on_workers) want one greedy answer or k sampled ones; VIGOR's
+  rounds would give them shares of samples: the trainer is told, no sample is decoded."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    trainer.enqueue_prompts([pb.Prompt(id="e0", text="12+34=", task="addition", extra=b"46",
+                                       metadata={"eval": "1", "eval_set": "addition"})])
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1,
+                                                        **dict(SMALL, allocator="vigor")))
+    worker.run()
+    answer, = trainer.take_rollouts(0, 10).rollouts
+  assert not answer.group.samples and "fixed allocator only" in answer.group.failure
+  assert worker.stats.tokens == 0
 
 
 def test_a_worker_with_an_fp8_cache_decodes_through_it(server, versions):

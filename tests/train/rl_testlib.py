@@ -100,7 +100,8 @@ class FakeWorker:
   u-th group (the 1st, the (u+1)-th, ...) has all rewards 0; `uniform` holds their ids.
   Group i says that i % 3 of its samples were resumed from a stopped worker's
   (`resumed_samples`). A held-out prompt the trainer sends (eval.on_workers) gets one answer,
-  passed where its index in its set is even; `evaluated` holds those rollout ids."""
+  or eval_samples of them, the first passed where its index in its set is even; `evaluated`
+  holds those rollout ids."""
 
   def __init__(self, address, *, samples=4, limit=None, vocab=60, max_len=6, seed=0,
                uniform_every=0):
@@ -152,11 +153,12 @@ class FakeWorker:
       version = self.client.latest_version()  # what it samples with: read after the wait
       for p in lease.prompts:
         if "eval" in p.metadata:
-          passed = int(p.id.rsplit("-", 1)[1]) % 2 == 0
-          answer = make_sample([5, 6], float(passed), logprobs=[-1.0, -1.0],
-                               metadata={"passed": str(int(passed))})
+          even = int(p.id.rsplit("-", 1)[1]) % 2 == 0
+          answers = [make_sample([5, 6], float(even and j == 0), logprobs=[-1.0, -1.0],
+                                 metadata={"passed": str(int(even and j == 0))})
+                     for j in range(int(p.metadata.get("eval_samples", 1)))]
           reply = self.client.submit_rollouts(lease.lease_id, RolloutGroup(
-              prompt_id=p.id, samples=[answer], policy_version=version))
+              prompt_id=p.id, samples=answers, policy_version=version))
           self.evaluated.append(int(reply.rollout_id))
           continue
         uniform = bool(self.uniform_every) and len(self.submitted) % self.uniform_every == 0

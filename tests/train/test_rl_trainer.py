@@ -72,6 +72,7 @@ def run(tmp_path_factory):
   config.export.every_steps = 2
   config.worker.top_p = 0.95  # what pass@k samples with (the fake worker ignores it)
   config.eval.on_workers, config.eval.every_steps = True, 1  # the fake worker answers
+  config.eval.rounds_pass_k = 2
   _adaptive_entropy(config)
   exported_at = {}
   logged = []  # each step's metrics
@@ -317,30 +318,34 @@ def test_an_export_setting_it_cannot_write_is_refused_before_the_run(tmp_path):
 
 
 def test_held_out_rounds_on_the_workers_are_logged_whole_and_never_trained(run):
-  """eval.on_workers: each round of held-out prompts goes to the workers, one answer each;
-  a round whole is logged at the step that fed it, scored by the answers' verdicts (the
-  fake worker passes the even half of each set), and no answer is trained on."""
+  """eval.on_workers: each round of held-out prompts goes to the workers, for one greedy
+  answer each and again for 2 sampled ones (eval.rounds_pass_k); a round whole is logged at
+  the step that fed it, scored by the answers' verdicts (the fake worker passes the even
+  half of each set, greedy, and the first of their 2 samples), and no answer is trained on."""
   steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
   rounds = [(s["heldout_step"], s["heldout"]) for s in steps if "heldout_step" in s]
   assert rounds and all(fed < s for (fed, _), s in zip(rounds, [
       s["step"] for s in steps if "heldout_step" in s]))
   assert all(result == {"addition": 0.5, "reversal": 0.5, "all": 0.5} for _, result in rounds)
+  assert all(s["heldout_pass"] == {"pass@1": 0.25, "pass@2": 0.5}
+             for s in steps if "heldout_step" in s)
   trained = {i for s in steps for i in s["rollout_ids"]}
   assert run["worker"].evaluated and not trained & set(run["worker"].evaluated)
 
 
 def _answer_held_out(server, n, passed):
-  """A worker's answers to `n` held-out prompts leased from `server`, each passed where
-  `passed(prompt id)`: returns the ids leased."""
+  """A worker's answers to `n` held-out prompts leased from `server` (eval_samples of them
+  where asked, else one), answer j passed where `passed(prompt id, j)`: returns the ids."""
   with client(server.address, "worker") as wc:
     wc.register("w")
     lease = wc.lease(n, 60.0, wait_s=2.0)
     version = wc.latest_version()
     for p in lease.prompts:
-      ok = passed(p.id)
+      ok = [passed(p.id, j) for j in range(int(p.metadata.get("eval_samples", 1)))]
       wc.submit_rollouts(lease.lease_id, RolloutGroup(prompt_id=p.id, policy_version=version,
                                                       samples=[make_sample(
-          [5, 6], float(ok), logprobs=[-1.0, -1.0], metadata={"passed": str(int(ok))})]))
+          [5, 6], float(x), logprobs=[-1.0, -1.0], metadata={"passed": str(int(x))})
+          for x in ok]))
     return [p.id for p in lease.prompts]
 
 
@@ -354,9 +359,10 @@ def test_a_held_out_round_not_whole_at_a_checkpoint_is_finished_after_a_restart(
   """eval.on_workers: a round's scores so far and its prompts not yet answered are in the
   checkpoint. A trainer restarted against a server that lost its queues feeds those prompts
   again (the same ids, nothing else), scores their answers and logs the round whole with
-  the scores from before the restart."""
+  the scores from before the restart: greedy exact match, and pass@1 and pass@2 of the
+  prompts sampled twice (eval.rounds_pass_k)."""
   config = _config()
-  config.eval.on_workers = True
+  config.eval.on_workers, config.eval.rounds_pass_k = True, 2
   workdir = str(tmp_path / "rl")
   first = start_server(tmp_path / "ps1")
   try:
@@ -364,9 +370,9 @@ def test_a_held_out_round_not_whole_at_a_checkpoint_is_finished_after_a_restart(
       tr.start()
       tr._feed_eval(3)
       fed = set(tr._eval_rounds[3]["left"])
-      early = _answer_held_out(first, 2, lambda _: True)  # the first set's two: passed
+      early = _answer_held_out(first, 4, lambda i, j: True)  # the first set's, all passed
       _score_taken(tr, tc)
-      assert len(fed) == 4 and tr._eval_rounds[3]["left"].keys() == fed - set(early)
+      assert len(fed) == 8 and tr._eval_rounds[3]["left"].keys() == fed - set(early)
       assert not tr._evals_done  # half a round: not logged
       tr.save()
       tr.checkpointer.wait()
@@ -378,14 +384,16 @@ def test_a_held_out_round_not_whole_at_a_checkpoint_is_finished_after_a_restart(
       assert tr.restored and tr._eval_rounds[3]["left"].keys() == fed - set(early)
       tr.start()
       assert tr.servers_lost == 1
-      late = _answer_held_out(second, 8, lambda i: i.endswith("-0"))
+      # The second set's: the first example's greedy and first sampled answers pass.
+      late = _answer_held_out(second, 16, lambda i, j: i.endswith("-0") and j == 0)
       assert sorted(late) == sorted(fed - set(early))
       _score_taken(tr, tc)
-      assert tr._evals_done == [(3, {"addition": 1.0, "reversal": 0.5, "all": 0.75})]
+      assert tr._evals_done == [(3, {"addition": 1.0, "reversal": 0.5, "all": 0.75},
+                                 {"pass@1": (1 + 1 + 0.5 + 0) / 4, "pass@2": 0.75})]
       assert not tr._eval_rounds
       # A checkpoint's round asking for a held-out example this run does not have.
-      tr._load_eval_rounds([{"step": 5, "left": [["x", "addition", 2]], "scores": {},
-                             "versions": []}])
+      tr._load_eval_rounds([{"step": 5, "left": [["x", "addition", 2, 0]], "scores": {},
+                             "passes": [], "versions": []}])
       assert not tr._eval_rounds and "round fed at step 5 is not logged" in caplog.text
   finally:
     second.stop(grace=0)
