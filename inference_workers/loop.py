@@ -69,7 +69,8 @@ from rlax_ps import sharding as shd
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.reward_scoring import RewardScorer, prompt_messages
 from rlax_ps.sync import Update
-from rlax_ps.teacher import Teacher
+from rlax_ps.teacher import Teacher, score_retokenized
+from rlax_ps.tokenizers import HFTokenizer
 
 _RATE_CHUNKS = 64  # decode chunks the reported tokens/s is averaged over
 _HEARTBEAT_JOIN_S = 5.0  # how long run() waits for the heartbeat thread on the way out
@@ -121,9 +122,23 @@ def make_teacher(config: WorkerConfig, tokenizer: Any, mesh) -> Teacher | None:
   """worker.teacher's model on the worker's devices (None without one)."""
   if not config.teacher:
     return None
+  if config.teacher_tokenizer:  # the teacher scores ids of its own tokenizer
+    tokenizer = teacher_tokenizer(config, tokenizer)
   return Teacher(config.teacher, mesh, vocab_size=tokenizer.vocab_size,
                  dtype=config.teacher_dtype, topk=config.teacher_topk, field="worker.teacher",
                  logits_chunk=config.teacher_logits_chunk)
+
+
+def teacher_tokenizer(config: WorkerConfig, tokenizer: Any) -> HFTokenizer | None:
+  """worker.teacher_tokenizer's tokenizer (None: the teacher shares the policy's), with its
+  own chat template where the policy's prompts are rendered through one."""
+  if not config.teacher_tokenizer:
+    return None
+  chat = "auto" if getattr(tokenizer, "chat_template", None) else ""
+  try:
+    return HFTokenizer(config.teacher_tokenizer, chat_template=chat)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"worker.teacher_tokenizer: {config.teacher_tokenizer!r}: {e}") from None
 
 
 def make_allocator(config: WorkerConfig):
@@ -164,6 +179,12 @@ def sample_metadata(passed: bool | None, parts: dict[str, float] | None
 def _evaluated(prompt: pb.Prompt) -> bool:
   """Whether the trainer sent `prompt` for a held-out answer (eval.on_workers), not to train."""
   return "eval" in prompt.metadata
+
+
+def raw_prompt(prompt: pb.Prompt) -> str | list[dict[str, Any]]:
+  """The prompt as the trainer had it before rendering it (metadata "prompt": a
+  conversation its chat template rendered), else its text."""
+  return json.loads(prompt.metadata["prompt"]) if "prompt" in prompt.metadata else prompt.text
 
 
 def _eval_samples(prompt: pb.Prompt, draws: int) -> tuple[int, str]:
@@ -305,6 +326,7 @@ class Worker:
     if self.reward_scorer is not None and mirror is not None:
       self.reward_scorer = mirror.mirrored("reward", self.reward_scorer, {}, ("scores",))
     self.teacher = make_teacher(config, tokenizer, self.mesh)  # on-policy distillation's
+    self.teacher_tokenizer = teacher_tokenizer(config, tokenizer)  # None: the policy's
     if self.teacher is not None and mirror is not None:
       self.teacher = mirror.mirrored("teacher", self.teacher, {}, ("score_group",))
     self.params = config.sampling(tokenizer.stop_ids)
@@ -1345,9 +1367,15 @@ class Worker:
     teacher = None
     if self.teacher is not None and samples and not _evaluated(prompt):  # one packed row
       with self.stats.time.span("scoring"):
-        teacher = self.teacher.score_group(self._prompt_tokens(prompt),
-                                           [s.tokens for s in samples], bucket(len(samples)),
-                                           self.config.max_new_tokens)
+        if self.teacher_tokenizer is None:
+          teacher = self.teacher.score_group(self._prompt_tokens(prompt),
+                                             [s.tokens for s in samples], bucket(len(samples)),
+                                             self.config.max_new_tokens)
+        else:  # its log-probs of the same texts, shared out over the policy's tokens
+          teacher = [(logp, None, None) for logp in score_retokenized(
+              self.teacher, self.tokenizer, self.teacher_tokenizer, raw_prompt(prompt),
+              [s.tokens for s in samples], [s.sampling_logprobs for s in samples],
+              [s.finish_reason == "stop" for s in samples], bucket(len(samples)))]
     group = pb.RolloutGroup(
         prompt_id=prompt.id, policy_version=version, metadata=meta,
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),

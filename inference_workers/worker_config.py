@@ -107,6 +107,11 @@ class WorkerConfig:
                          "group's tokens on this worker's devices, sent with the group "
                          "(loss.advantage='opd', loss.distill_topk; instead of teacher.path "
                          "on the trainer)")
+  teacher_tokenizer: str = setting("", "with teacher: the path of its own tokenizer (its "
+                                   "checkpoint folder) where it is not the policy's: each "
+                                   "response's text is tokenized for it and its log-probs "
+                                   "shared out over the policy's tokens of the same text; "
+                                   "'': the policy's")
   teacher_topk: int = setting(0, "with teacher: also its this many most likely tokens at each "
                               "sampled position (loss.distill_topk)")
   teacher_dtype: str = setting("bfloat16", "the teacher's params and activations")
@@ -198,6 +203,10 @@ class WorkerConfig:
          "'float32' or 'bfloat16'")
     need(self.teacher_topk >= 0 and (self.teacher or not self.teacher_topk), "teacher_topk",
          "0 without a teacher, else an int >= 0")
+    need(self.teacher or not self.teacher_tokenizer, "teacher_tokenizer",
+         "'' without a teacher")
+    need(not (self.teacher_tokenizer and self.teacher_topk), "teacher_topk",
+         "0 with teacher_tokenizer (the teacher's top tokens are ids of its own vocabulary)")
     need(self.teacher_logits_chunk >= 0, "teacher_logits_chunk", "an int >= 0 (0: no chunks)")
     need(self.reward_model or self.default_task != "reward_model", "reward_model",
          "a reward model checkpoint when default_task='reward_model'")

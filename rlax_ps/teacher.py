@@ -11,6 +11,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -100,3 +101,39 @@ class Teacher:
     keys = ("teacher_logp", "teacher_topk_ids", "teacher_topk_logp")
     return [tuple(None if k not in out else np.asarray(out[k][0, j, :len(r)]) for k in keys)
             for j, r in enumerate(responses)]
+
+
+def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer, prompt,
+                      responses: Sequence[Sequence[int]], weights: Sequence[np.ndarray],
+                      stopped: Sequence[bool], samples: int) -> list[np.ndarray]:
+  """(A worker's, worker.teacher_tokenizer.) A teacher of another tokenizer's log-probs of
+  each policy token of `responses`: each response's text, tokenized for the teacher after
+  `prompt` (the raw prompt: its own chat template renders a conversation), is scored by
+  `teacher` (score_group: one packed row of `samples` slots); each smallest span of text
+  both tokenize alike gets the teacher's log-prob of its tokens, shared out over the policy's
+  tokens of the span in proportion to their `weights` (sampling log-probs), so a response's
+  sum is the teacher's log-prob of its text. A response that ended on a stop token
+  (`stopped`) gets for it the teacher's log-prob of its own eos there."""
+  from rlax_ps.token_alignment import aligned_chunks, decoded_pieces, spread_over_chunks
+  pieces, texts = [], []
+  for r, stop in zip(responses, stopped):
+    body = list(r[:len(r) - 1] if stop else r)
+    pieces.append(decoded_pieces(policy_tokenizer, body))
+    ids = teacher_tokenizer.encode("".join(pieces[-1]))
+    texts.append(ids + [teacher_tokenizer.eos_id] * int(stop))
+  budget = max(_MIN_PROMPT, 1 << (max(map(len, texts)) - 1).bit_length())
+  scored = teacher.score_group(teacher_tokenizer.encode_prompt(prompt), texts, samples, budget)
+  out = []
+  for r, stop, own, ids, (logp, _, _), w in zip(responses, stopped, pieces, texts, scored,
+                                                weights):
+    n = len(ids) - int(stop)
+    read = decoded_pieces(teacher_tokenizer, ids[:n])
+    if "".join(read) != "".join(own):  # aligned_chunks makes the response one span
+      logging.log_every_n_seconds(
+          logging.WARNING, "worker.teacher_tokenizer: the teacher's tokenizer does not give "
+          "back a response's text (%r reads as %r): the teacher scores what it read, shared "
+          "out over the whole response", 60, "".join(own)[:80], "".join(read)[:80])
+    mine, theirs, count = aligned_chunks(own, read)
+    spread = spread_over_chunks(logp[:n], theirs, mine, np.asarray(w)[:len(own)], count)
+    out.append(np.concatenate([spread, logp[n:]]).astype(np.float32))
+  return out

@@ -4,6 +4,7 @@ ends holding exactly the trainer's published weights, rollouts are trained on; a
 child stops the run with a non-zero exit that names it."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -116,27 +117,37 @@ def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
 
 
 @pytest.mark.slow
-def test_distillation_with_the_teacher_on_the_workers_runs_the_whole_loop(tmp_path):
+@pytest.mark.parametrize("tokenizer", ["same", "other"])
+def test_distillation_with_the_teacher_on_the_workers_runs_the_whole_loop(tmp_path, tokenizer):
   """configs/rl_distill.py with worker.teacher: each worker loads the teacher and sends its
   scores with every group; the trainer loads none, rejects no group, and logs the reverse
-  KL left: small between two near-uniform tiny models (a sampled estimate, of either sign),
-  where teacher scores missing (0) would leave the samples' own log-probs, about -4."""
+  KL left. Between two near-uniform tiny models it is about log(teacher's vocabulary /
+  student's): 0 for a teacher of the student's tokenizer, log(257 / 99) for one of a
+  byte-level BPE's (each character one byte, one token: teacher_tokenizer, no top tokens);
+  teacher scores missing (0) would leave the samples' own log-probs, about -4.6."""
   from flax import nnx
 
   from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
   from rlax_ps.tokenizers import CharTokenizer
-  teacher = Transformer(ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=32,
-                                    intermediate_size=64, num_layers=1, num_heads=4,
-                                    num_kv_heads=2, max_position_embeddings=64),
-                        rngs=nnx.Rngs(5))
+  from tokenizer_testlib import save_byte_level_tokenizer
+  flags, vocab = ["--config.worker.teacher_topk=8"], CharTokenizer().vocab_size
+  if tokenizer == "other":
+    vocab = save_byte_level_tokenizer(tmp_path / "teacher").vocab_size
+    flags = [f"--config.worker.teacher_tokenizer={tmp_path / 'teacher'}",
+             "--config.loss.distill_topk=0"]
+  teacher = Transformer(ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                    num_layers=1, num_heads=4, num_kv_heads=2,
+                                    max_position_embeddings=64), rngs=nnx.Rngs(5))
   save_hf_checkpoint(teacher, str(tmp_path / "teacher"))
-  proc = _local(tmp_path / "run", f"--config.worker.teacher={tmp_path / 'teacher'}",
-                "--config.worker.teacher_topk=8", config="configs/rl_distill.py:tiny")
+  proc = _local(tmp_path / "run", f"--config.worker.teacher={tmp_path / 'teacher'}", *flags,
+                config="configs/rl_distill.py:tiny")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(tmp_path / "run" / "summary.json"))
   steps = _lines(tmp_path / "run" / "steps.jsonl")
   assert summary["step"] == len(steps) == 4 and summary["rejected"] == 0
-  assert all(abs(s["teacher_kl"]) < 1.0 for s in steps), [s["teacher_kl"] for s in steps]
+  expected = math.log(vocab / CharTokenizer().vocab_size)
+  assert all(abs(s["teacher_kl"] - expected) < 0.6 for s in steps), (
+      expected, [s["teacher_kl"] for s in steps])
 
 
 def test_tokens_stay_in_an_owner_only_file(run):

@@ -69,6 +69,10 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                        f"the trainer or on the workers) or without loss.advantage='opd' or "
                        f"loss.distill_topk > 0, got {on_workers!r} with teacher.path="
                        f"{teacher!r}, loss.advantage={loss.advantage!r}")
+    if worker.get("teacher_tokenizer", "") and loss.distill_topk:
+      raise ValueError(f"loss.distill_topk: expected 0 with worker.teacher_tokenizer (the "
+                       f"teacher's top tokens are ids of its own vocabulary), got "
+                       f"{loss.distill_topk}")
     if int(worker.get("teacher_topk", 0)) != loss.distill_topk:
       raise ValueError(f"worker.teacher_topk: expected loss.distill_topk="
                        f"{loss.distill_topk} (the top tokens the loss takes), got "

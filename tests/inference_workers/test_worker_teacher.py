@@ -1,17 +1,27 @@
 """On-policy distillation with the teacher on the workers (worker.teacher): each finished
 group's samples carry the teacher's scores of their tokens (projected to its vocabulary a
 few positions at a time), which the trainer packs into the very batch inputs its own
-teacher (teacher.path, all positions at once) computes."""
+teacher (teacher.path, all positions at once) computes. A teacher of another tokenizer
+(worker.teacher_tokenizer) scores the responses' text, shared out over the policy's tokens."""
 
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
+from param_server.client import sample_logprobs
 from rlax_ps import sync
 from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
-from rlax_ps.teacher import Teacher
+from rlax_ps.teacher import Teacher, score_retokenized
+from rlax_ps.token_alignment import aligned_chunks, decoded_pieces
+from rlax_ps.tokenizers import HFTokenizer
 from rlax_ps.train.rl import group_of
 from rlax_ps.train.rollouts import BatchShape, build_batch, check_group
 from worker_testlib import MODEL, SMALL, TOKENIZER, CONFIG, client, enqueue_addition
@@ -53,3 +63,94 @@ def test_the_workers_teacher_scores_equal_the_trainers_teacher_on_the_batch(
     WorkerConfig(teacher_topk=2)
   with pytest.raises(ValueError, match="worker.teacher: HF checkpoint"):
     Worker(wc, CONFIG, TOKENIZER, WorkerConfig(teacher=str(tmp_path / "none"), **SMALL))
+
+
+BPE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf", "tokenizer")
+
+
+def _bpe_teacher(folder):
+  """A tiny random teacher of the small BPE fixture's tokenizer (68 ids, not the policy's
+  character ids), saved with it: (the model, its tokenizer)."""
+  tok = HFTokenizer(BPE, bos_token="<eos>")
+  model = Transformer(ModelConfig(vocab_size=tok.vocab_size, **dict(MODEL, num_layers=1)),
+                      rngs=nnx.Rngs(5))
+  save_hf_checkpoint(model, str(folder))
+  shutil.copy(os.path.join(BPE, "tokenizer.json"), folder)
+  with open(folder / "tokenizer_config.json", "w") as f:
+    json.dump({"bos_token": "<eos>", "eos_token": "<eos>"}, f)
+  return model, HFTokenizer(str(folder))
+
+
+def test_a_teacher_of_another_tokenizer_scores_each_responses_text(tmp_path, caplog):
+  """Each span both tokenize alike ("hello" | " world": 5 and 6 characters, one BPE token
+  each) gets the teacher's log-prob of its tokens after the prompt, its own tokenization of
+  it, shared out over the policy's tokens in proportion to their sampling log-probs; the
+  policy's stop token gets the teacher's eos there. Against the teacher's plain forward. A
+  text the teacher's tokenizer does not give back (it drops "+") is one span, with a
+  warning."""
+  model, tok = _bpe_teacher(tmp_path / "teacher")
+  teacher = Teacher(str(tmp_path / "teacher"), None, vocab_size=tok.vocab_size,
+                    dtype="float32")
+  texts, stopped = ["hello world", "the cat gives", "12+34"], [True, False, False]
+  responses = [TOKENIZER.encode(t) + [TOKENIZER.eos_id] * s for t, s in zip(texts, stopped)]
+  rng = np.random.default_rng(0)
+  weights = [-rng.random(len(r)) for r in responses]
+  out = score_retokenized(teacher, TOKENIZER, tok, "the world is", responses, weights,
+                          stopped, 4)
+  prompt = tok.encode_prompt("the world is")
+  assert "does not give back a response's text ('12+34' reads as '1234')" in caplog.text
+  for text, stop, got, w in zip(texts, stopped, out, weights):
+    if text == "12+34":  # the teacher's log-prob of "1234", over the five tokens
+      logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt + [30, 31]])), axis=-1))[0]
+      want = logp[len(prompt) - 1, 30] + logp[len(prompt), 31]
+      np.testing.assert_allclose(got.sum(), want, rtol=1e-5)
+      np.testing.assert_allclose(got / got.sum(), w / w.sum(), rtol=1e-5)
+      continue
+    ids = tok.encode(text) + [tok.eos_id] * stop
+    logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt + ids])), axis=-1))[0]
+    want = logp[np.arange(len(prompt) - 1, len(prompt) - 1 + len(ids)), ids]
+    mine, theirs, count = aligned_chunks(list(text), decoded_pieces(tok, ids[:len(ids) - stop]))
+    assert got.shape == (len(text) + stop,) and count >= 2
+    np.testing.assert_allclose(np.bincount(mine, got[:len(text)], minlength=count),
+                               np.bincount(theirs, want[:len(ids) - stop], minlength=count),
+                               rtol=1e-5)
+    np.testing.assert_allclose(got[:len(text)] / np.bincount(mine, got[:len(text)])[mine],
+                               w[:len(text)] / np.bincount(mine, w[:len(text)])[mine],
+                               rtol=1e-5)
+    if stop:
+      np.testing.assert_allclose(got[-1], want[-1], rtol=1e-5)
+
+
+def test_a_worker_sends_the_scores_of_a_teacher_of_another_tokenizer(server, versions,
+                                                                     tmp_path):
+  _, tok = _bpe_teacher(tmp_path / "teacher")
+  config = WorkerConfig(max_leases=1, teacher=str(tmp_path / "teacher"),
+                        teacher_tokenizer=str(tmp_path / "teacher"), teacher_dtype="float32",
+                        **SMALL)
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    assert Worker(wc, CONFIG, TOKENIZER, config).run().groups_submitted == 2
+    taken = trainer.take_rollouts(0, 10).rollouts
+    with pytest.raises(ValueError, match="worker.teacher_tokenizer: .*none"):
+      Worker(wc, CONFIG, TOKENIZER, WorkerConfig(teacher=str(tmp_path / "teacher"),
+                                                 teacher_tokenizer=str(tmp_path / "none"),
+                                                 **SMALL))
+  teacher = Teacher(str(tmp_path / "teacher"), None, vocab_size=tok.vocab_size,
+                    dtype="float32")
+  for r in taken:
+    samples = r.group.samples
+    want = score_retokenized(teacher, TOKENIZER, tok, r.prompt.text,
+                             [list(s.token_ids) for s in samples],
+                             [sample_logprobs(s) for s in samples],
+                             [s.finish_reason == "stop" for s in samples], 4)
+    for s, w in zip(samples, want):
+      got = np.frombuffer(s.teacher_logprobs_f32, np.float32)
+      assert len(got) == len(s.token_ids) and np.all(got <= 0)
+      np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+  for fields, message in (({"teacher_tokenizer": "T"}, "teacher_tokenizer: expected '' "
+                                                       "without a teacher"),
+                          ({"teacher": "T", "teacher_tokenizer": "T", "teacher_topk": 2},
+                           "teacher_topk: expected 0 with teacher_tokenizer")):
+    with pytest.raises(ValueError, match=message):
+      WorkerConfig(**fields)

@@ -60,6 +60,9 @@ def _set(config, **fields):
      "worker.teacher: expected '' with teacher.path set"),
     ({"worker__teacher": "T", "loss__advantage": "opd", "worker__teacher_topk": 4},
      "worker.teacher_topk: expected loss.distill_topk=0"),
+    ({"worker__teacher": "T", "loss__advantage": "opd", "worker__teacher_tokenizer": "U",
+      "loss__distill_topk": 4, "worker__teacher_topk": 4},
+     "loss.distill_topk: expected 0 with worker.teacher_tokenizer"),
 ])
 def test_each_wrong_field_is_refused_naming_it(fields, message):
   config = _set(rl_config(), **fields)

@@ -1,0 +1,24 @@
+"""A byte-level BPE tokenizer made in a test: another tokenizer than the char one, which
+gives back any text it is given."""
+
+
+def save_byte_level_tokenizer(folder):
+  """A byte-level BPE of single bytes and no merges (257 ids: <eos>, then the 256 bytes)
+  saved in `folder` as tokenizer.json and tokenizer_config.json: a character of two bytes
+  is two tokens, neither of which decodes alone. Returns it as an HFTokenizer."""
+  import json
+  import os
+
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+  from rlax_ps.tokenizers import HFTokenizer
+  vocab = {c: i + 1 for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+  tok = Tokenizer(models.BPE({"<eos>": 0, **vocab}, []))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens(["<eos>"])
+  os.makedirs(folder, exist_ok=True)
+  tok.save(os.path.join(folder, "tokenizer.json"))
+  with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+    json.dump({"eos_token": "<eos>"}, f)
+  return HFTokenizer(str(folder))
