@@ -21,16 +21,18 @@ def decoded_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
   (`aligned_chunks` checks it)."""
   ids = [int(i) for i in ids]
   pieces = []
-  start = given = 0  # decode(ids[start:given]) is the text given out since `start`
+  start = given = 0
+  before = ""  # decode(ids[start:given]): the text given out since `start`
   for k in range(len(ids)):
-    before = tokenizer.decode(ids[start:given])
     after = tokenizer.decode(ids[start:k + 1])
     if after.endswith("\ufffd") and k + 1 < len(ids):  # inside a character: wait for it
       pieces.append("")
       continue
     pieces.append(after[len(before):] if after.startswith(before) else after)
-    given = k + 1
-    start = max(start, given - _CONTEXT)
+    given, before = k + 1, after
+    if given - start > 2 * _CONTEXT:  # decode from a few tokens back, not from the start
+      start = given - _CONTEXT
+      before = tokenizer.decode(ids[start:given])
   return pieces
 
 
