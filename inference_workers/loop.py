@@ -122,11 +122,11 @@ def make_teacher(config: WorkerConfig, tokenizer: Any, mesh) -> Teacher | None:
   """worker.teacher's model on the worker's devices (None without one)."""
   if not config.teacher:
     return None
-  if config.teacher_tokenizer:  # the teacher scores ids of its own tokenizer
-    tokenizer = teacher_tokenizer(config, tokenizer)
-  return Teacher(config.teacher, mesh, vocab_size=tokenizer.vocab_size,
+  own = teacher_tokenizer(config, tokenizer)  # None: the teacher scores the policy's ids
+  return Teacher(config.teacher, mesh, vocab_size=(own or tokenizer).vocab_size,
                  dtype=config.teacher_dtype, topk=config.teacher_topk, field="worker.teacher",
-                 logits_chunk=config.teacher_logits_chunk)
+                 logits_chunk=config.teacher_logits_chunk,
+                 tokenizer=tokenizer if own is None else None)
 
 
 def teacher_tokenizer(config: WorkerConfig, tokenizer: Any) -> HFTokenizer | None:

@@ -29,12 +29,20 @@ class Teacher:
 
   def __init__(self, path: str, mesh, *, vocab_size: int, dtype: str = "bfloat16",
                backend: str = "auto", logits_chunk: int = 0, sampled: bool = True,
-               topk: int = 0, field: str = "teacher.path"):
+               topk: int = 0, field: str = "teacher.path", tokenizer=None):
     """`vocab_size`: the ids the policy's tokenizer gives, each of which the teacher must
     score (the two share a tokenizer: distillation compares their log-probs token by
-    token). `sampled`: `scores` gives the log-prob of each sampled token (opd's
-    advantages); `topk` > 0: the teacher's k most likely tokens at each position too.
-    `mesh` None: one device; `field`: the setting errors name."""
+    token); `tokenizer`: the policy's, checked against the one the teacher's folder ships
+    (None: the teacher scores ids of its own tokenizer). `sampled`: `scores` gives the
+    log-prob of each sampled token (opd's advantages); `topk` > 0: the teacher's k most
+    likely tokens at each position too. `mesh` None: one device; `field`: the setting
+    errors name."""
+    from rlax_ps.tokenizers import other_ids
+    mismatch = "" if tokenizer is None else other_ids(tokenizer, path)
+    if mismatch:
+      raise ValueError(f"{field}: {path!r}: {mismatch}; expected a teacher of the policy's "
+                       f"tokenizer (a teacher of another scores on the workers, with "
+                       f"worker.teacher_tokenizer)")
     try:
       model = load_hf_checkpoint(path, dtype, mesh=mesh)
     except (OSError, ValueError) as e:

@@ -230,6 +230,26 @@ def tokenizer_file(directory: str) -> str | None:
       return os.path.join(directory, name)
   return None
 
+def other_ids(tokenizer: CharTokenizer | HFTokenizer, checkpoint: str) -> str:
+  """Why the tokenizer a checkpoint folder ships gives other ids than `tokenizer` ("" when
+  it gives the same, or ships none): a model of that folder scores ids of its own."""
+  file = tokenizer_file(checkpoint)
+  if file is None:
+    return ""
+  from tokenizers import Tokenizer as _HFTok
+  try:
+    theirs = (tiktoken_tokenizer(checkpoint) if os.path.basename(file) == TIKTOKEN_FILE
+              else _HFTok.from_file(file)).get_vocab(with_added_tokens=True)
+  except Exception as e:  # (the tokenizers package raises plain Exceptions)
+    return f"its tokenizer ({file}) cannot be read: {e}"
+  mine = (tokenizer.vocab if isinstance(tokenizer, CharTokenizer)
+          else tokenizer._tok.get_vocab(with_added_tokens=True))
+  if theirs == mine:
+    return ""
+  return (f"its tokenizer ({file}, {len(theirs)} tokens) gives other ids than the policy's "
+          f"({len(mine)} tokens)")
+
+
 # Special-token spellings tried, in order, when tokenizer_config.json does not name them.
 _EOS_GUESSES = ("<|end_of_text|>", "<|endoftext|>", "</s>", EOS, "<|im_end|>", "<|eot_id|>")
 _PAD_GUESSES = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>", "<|endoftext|>", "<unk>")

@@ -326,7 +326,7 @@ class RLTrainer(TrainerRun):
                              dtype=self.model_config.dtype, backend=self.loss_cfg.backend,
                              logits_chunk=self.loss_cfg.logits_chunk,
                              sampled=self.loss_cfg.advantage == "opd",
-                             topk=self.loss_cfg.distill_topk)
+                             topk=self.loss_cfg.distill_topk, tokenizer=self.tokenizer)
     self.warn_unsplit_rows(self.shape.groups, self.micro_batches,  # a packed row per group
                            f"rl.groups_per_step={self.shape.groups}, "
                            f"rl.micro_batches={self.micro_batches}")

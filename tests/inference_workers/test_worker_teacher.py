@@ -132,6 +132,9 @@ def test_a_worker_sends_the_scores_of_a_teacher_of_another_tokenizer(server, ver
     enqueue_addition(trainer, 2)
     assert Worker(wc, CONFIG, TOKENIZER, config).run().groups_submitted == 2
     taken = trainer.take_rollouts(0, 10).rollouts
+    with pytest.raises(ValueError, match=r"worker.teacher: .* gives other ids than the "
+                                         r"policy's .*worker.teacher_tokenizer"):
+      Worker(wc, CONFIG, TOKENIZER, WorkerConfig(teacher=str(tmp_path / "teacher"), **SMALL))
     with pytest.raises(ValueError, match="worker.teacher_tokenizer: .*none"):
       Worker(wc, CONFIG, TOKENIZER, WorkerConfig(teacher=str(tmp_path / "teacher"),
                                                  teacher_tokenizer=str(tmp_path / "none"),

@@ -6,6 +6,7 @@ republishes a keyframe of the next version."""
 import collections
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -15,7 +16,8 @@ import pytest
 
 from param_server.client import (ParamServerClient, ParamServerError, RetryPolicy, RolloutGroup,
                                   make_sample)
-from rl_testlib import TOKENS, FakeWorker, client, rl_config, save_warm_start, start_server
+from rl_testlib import (REPO, TOKENS, FakeWorker, client, rl_config, save_warm_start,
+                        start_server)
 from rlax_ps import sync
 from rlax_ps.sync.bits import BF16
 from rlax_ps.models import load_hf_checkpoint
@@ -619,6 +621,15 @@ def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
   with RLTrainer(config, str(tmp_path / "rl_workers"), object()) as tr:
     assert tr.teacher is None
     assert (tr.shape.teacher_logp, tr.shape.teacher_topk) == (True, 2)
+  # A teacher whose folder ships another tokenizer would score other ids: refused.
+  shutil.copytree(tmp_path / "teacher", tmp_path / "other")
+  shutil.copy(os.path.join(REPO, "tests", "fixtures", "hf", "tokenizer", "tokenizer.json"),
+              tmp_path / "other")
+  config.teacher.path, config.worker.teacher, config.worker.teacher_topk = (
+      str(tmp_path / "other"), "", 0)
+  with pytest.raises(ValueError, match=r"teacher.path: .* gives other ids than the policy's "
+                                       r"\(99 tokens\); .*worker.teacher_tokenizer"):
+    RLTrainer(config, str(tmp_path / "rl_other"), object())
 
 
 def test_dynamic_sampling_is_refused_with_vigor_naming_the_field(tmp_path):
