@@ -274,7 +274,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.pass_k = 8
   # True: the workers decode the held-out prompts (one greedy answer each, scored by their
   # verifiers) between training prompts, and the trainer logs each round when it is whole,
-  # at the step that fed it; False: the trainer decodes them itself, pausing training.
+  # at the step that fed it; the warm start's and the final evaluation (pass@pass_k too, at
+  # most worker.samples_per_prompt) are theirs as well, waited for up to rl.take_timeout_s;
+  # False: the trainer decodes them itself, pausing training.
   c.eval.on_workers = False
   # With on_workers: each round also samples this many answers of each held-out prompt, as
   # the workers sample (at most worker.samples_per_prompt), and logs pass@1 and pass@k of

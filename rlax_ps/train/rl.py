@@ -423,13 +423,16 @@ class RLTrainer(TrainerRun):
     self.pending: list[PendingTake] = []  # takes trained on, not yet in a durable checkpoint
     self.saved_version = -1
     self.warm_start_eval: dict[str, float] | None = None
-    # eval.on_workers: the held-out rounds the workers are decoding, by the step that fed
-    # them (each: its prompts not back yet, as id -> (set name, index, sampled answers), the
+    # eval.on_workers: the held-out rounds the workers are decoding (each: the step that fed
+    # it, its prompts not back yet, as id -> (set name, index, sampled answers), the
     # greedy scores back by set name, each sampled prompt's (mean, best, k), and the versions
     # that answered; kept in the checkpoint), and the rounds done
     # since the last step's record, as (step, result, pass@1 and pass@k or None).
     self.fleet_eval = bool(config.eval.get("on_workers", False))
-    self._eval_rounds: dict[int, dict[str, Any]] = {}
+    self._published_step = -1  # the step whose weights were published last
+    self.left_unacked = 0  # groups of takes with training groups the workers' evaluations
+    # took (not trained), left unacknowledged
+    self._eval_rounds: dict[str, dict[str, Any]] = {}  # by metadata "eval": str(step)
     self._evals_done: list[tuple[int, dict[str, float], dict[str, float] | None]] = []
     self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
     # Prompts fed and not yet back as groups: id -> (feed index, record), fed again to a
@@ -629,8 +632,8 @@ class RLTrainer(TrainerRun):
     for i in range(0, len(fed), ENQUEUE_BATCH):
       self.client.enqueue_prompts([self._prompt(index, {**self.source[record], "record": record})
                                    for index, record in fed[i:i + ENQUEUE_BATCH]])
-    for step, round_ in sorted(self._eval_rounds.items()):  # eval.on_workers' rounds too
-      self._enqueue_eval(step, round_["left"])
+    for key, round_ in sorted(self._eval_rounds.items()):  # eval.on_workers' rounds too
+      self._enqueue_eval(key, round_["left"])
     if self.publisher.version is not None and self.client.latest_version() < self.version:
       self.publisher.resend_keyframe()
     return True
@@ -820,8 +823,12 @@ class RLTrainer(TrainerRun):
     self.start()
     self._precompile()
     if self.warm_start_eval is None and self.heldout.size:
-      self.warm_start_eval = self.evaluate()
-      self.log_eval(self.warm_start_eval, self.step)
+      if not self.fleet_eval:
+        self.warm_start_eval = self.evaluate()
+      elif self.leader and self.step == 0:  # the workers answer it, holding the version
+        self.warm_start_eval, _ = self._fleet_evaluation("warm_start", 0)  # just published
+      if self.warm_start_eval is not None:
+        self.log_eval(self.warm_start_eval, self.step)
     start_step = self.step
     rate = StepRate()  # from here: the warm start's evaluation is not sampling time
     steps_log = open(os.path.join(self.workdir, "steps.jsonl"), "a") if self.leader else None
@@ -972,27 +979,32 @@ class RLTrainer(TrainerRun):
 
   def _feed_eval(self, step: int) -> None:
     """eval.on_workers: queue the held-out prompts for the workers, each for one greedy
-    answer, and again for eval.rounds_pass_k sampled ones (metadata eval: the step,
-    eval_set: the set it scores, eval_samples: that k)."""
-    k = int(self.config.eval.get("rounds_pass_k", 0))
+    answer, and again for eval.rounds_pass_k sampled ones; logged when whole (_eval_group)
+    at `step`."""
+    self._feed_round(str(step), step, int(self.config.eval.get("rounds_pass_k", 0)))
+
+  def _feed_round(self, key: str, step: int, k: int, waited: bool = False) -> None:
+    """Queue a round of the held-out prompts (metadata eval: `key`, eval_set: the set it
+    scores, eval_samples: `k` on each prompt's second copy, for pass@k); `waited`: one
+    that _fleet_evaluation waits for, neither logged nor checkpointed when whole."""
     left = {}  # prompt id -> (set name, index in the set, sampled answers: 0 for greedy)
     round_id = uuid.uuid4().hex[:8]  # a step fed again after a restart: other prompt ids
     for name, examples in self.heldout.examples.items():
       for i in range(len(examples)):
-        left[f"{self.run_id}-eval{step}-{round_id}-{name}-{i}"] = (name, i, 0)
+        left[f"{self.run_id}-eval{key}-{round_id}-{name}-{i}"] = (name, i, 0)
         if k:
-          left[f"{self.run_id}-eval{step}-{round_id}-{name}-pass-{i}"] = (name, i, k)
-    self._eval_rounds[step] = {"left": left, "scores": collections.defaultdict(list),
-                               "passes": [], "versions": []}
-    self._enqueue_eval(step, left)
+          left[f"{self.run_id}-eval{key}-{round_id}-{name}-pass-{i}"] = (name, i, k)
+    self._eval_rounds[key] = {"step": step, "left": left, "waited": waited, "passes": [],
+                              "scores": collections.defaultdict(list), "versions": []}
+    self._enqueue_eval(key, left)
 
-  def _enqueue_eval(self, step: int, prompts: dict[str, tuple[str, int, int]]) -> None:
-    """Queue the held-out prompts of the round fed at `step`: {prompt id: (set, index,
-    sampled answers)}."""
+  def _enqueue_eval(self, key: str, prompts: dict[str, tuple[str, int, int]]) -> None:
+    """Queue the held-out prompts of round `key`: {prompt id: (set, index, sampled
+    answers)}."""
     rendered = []
     for prompt_id, (name, i, k) in prompts.items():
       ex = self.heldout.examples[name][i]
-      meta = {"eval": str(step), "eval_set": name}
+      meta = {"eval": key, "eval_set": name}
       if k:
         meta["eval_samples"] = str(k)
       rendered.append(self._rendered(prompt_id, ex.prompt, ex.task or name, ex.answer,
@@ -1000,14 +1012,49 @@ class RLTrainer(TrainerRun):
     for i in range(0, len(rendered), ENQUEUE_BATCH):
       self.client.enqueue_prompts(rendered[i:i + ENQUEUE_BATCH])
 
+  def _fleet_evaluation(self, key: str, k: int) -> tuple[dict | None, dict | None]:
+    """eval.on_workers' evaluation of the latest version (the warm start's, the final
+    weights'): a round of the held-out prompts (one greedy answer each, and k sampled ones
+    for pass@k) answered by workers holding it, waited for up to rl.take_timeout_s. Returns
+    (exact match, pass@1 and pass@k or None), or (None, None) with a warning when it is not
+    whole by then. Training groups taken meanwhile are not acknowledged (left_unacked): the
+    server serves them again, to the next start's first take at once."""
+    self._feed_round(key, self.step, k, waited=True)
+    round_ = self._eval_rounds[key]
+    wait = float(self.config.rl.take_timeout_s)
+    deadline = time.monotonic() + wait
+    while "done" not in round_ and time.monotonic() < deadline and not self._stop.is_set():
+      try:
+        take = self.client.take_rollouts(self.version, ENQUEUE_BATCH, wait_s=1.0,
+                                          ack_deadline_s=float(self.config.rl.ack_deadline_s))
+      except ParamServerError as e:
+        if self._stopping(e, f"the {key} evaluation"):
+          break
+        raise
+      rest = [r for r in take.rollouts if "eval" not in r.prompt.metadata]
+      for taken in take.rollouts:
+        if "eval" in taken.prompt.metadata:
+          self._eval_group(taken)
+      if take.take_id and not rest:  # held-out answers alone: scored, done with
+        self.client.ack(take.take_id)
+      elif rest:  # served again, the held-out answers with them: at once to the next
+        self.left_unacked += len(take.rollouts)  # start's first take
+    del self._eval_rounds[key]
+    if "done" not in round_:
+      logging.warning("eval.on_workers: the %s evaluation of v%d is not whole after %gs (%d of "
+                      "its prompts unanswered): no result", key, self.version, wait,
+                      len(round_["left"]))
+      return None, None
+    return round_["done"]
+
   def _saved_eval_rounds(self) -> list[dict[str, Any]]:
     """The rounds not yet whole, as the checkpoint keeps them: a restart goes on scoring
     them (the answers taken after the checkpoint come again), and feeds their prompts again
     to a server that lost them."""
-    return [{"step": step, "left": sorted([k, *v] for k, v in r["left"].items()),
+    return [{"step": r["step"], "left": sorted([k, *v] for k, v in r["left"].items()),
              "scores": dict(r["scores"]), "passes": list(r["passes"]),
              "versions": list(r["versions"])}
-            for step, r in sorted(self._eval_rounds.items())]
+            for _, r in sorted(self._eval_rounds.items()) if not r["waited"]]
 
   def _load_eval_rounds(self, saved: list[dict[str, Any]]) -> None:
     """The checkpoint's rounds not yet whole (_saved_eval_rounds); a round whose prompts
@@ -1021,8 +1068,9 @@ class RLTrainer(TrainerRun):
                         "eval.on_workers off" if not self.fleet_eval else
                         f"other held-out sets ({sizes})")
         continue
-      self._eval_rounds[int(r["step"])] = {
-          "left": left, "versions": [int(v) for v in r["versions"]],
+      self._eval_rounds[str(r["step"])] = {
+          "step": int(r["step"]), "left": left, "waited": False,
+          "versions": [int(v) for v in r["versions"]],
           "passes": [(float(m), float(x), int(k)) for m, x, k in r["passes"]],
           "scores": collections.defaultdict(
               list, {name: [float(x) for x in v] for name, v in r["scores"].items()})}
@@ -1036,9 +1084,9 @@ class RLTrainer(TrainerRun):
   def _eval_group(self, taken) -> None:
     """One held-out prompt's answers (eval.on_workers): the greedy one's score, or the
     sampled ones' mean and best (pass@1, pass@k); a prompt no worker could sample scores 0.
-    A finished round is logged as the trainer's own evaluation is, at the step that fed it."""
-    step = int(taken.prompt.metadata["eval"])
-    round_ = self._eval_rounds.get(step)
+    A finished round is logged as the trainer's own evaluation is, at the step that fed it
+    (a waited one: its result is kept for _fleet_evaluation)."""
+    round_ = self._eval_rounds.get(taken.prompt.metadata["eval"])
     if round_ is None or taken.prompt.id not in round_["left"]:  # scored, or fed after the
       return  # checkpoint a restart resumed from (the restart fed the step's round again)
     _, _, k = round_["left"].pop(taken.prompt.id)
@@ -1052,7 +1100,6 @@ class RLTrainer(TrainerRun):
       round_["scores"][taken.prompt.metadata["eval_set"]].append(scores[0])
     if round_["left"]:
       return
-    del self._eval_rounds[step]
     scores = round_["scores"]
     result = {name: float(np.mean(v)) for name, v in scores.items()}
     result["all"] = float(np.mean([x for v in scores.values() for x in v]))
@@ -1060,6 +1107,11 @@ class RLTrainer(TrainerRun):
     if round_["passes"]:
       means, best, ks = zip(*round_["passes"])
       passes = {"pass@1": float(np.mean(means)), f"pass@{max(ks)}": float(np.mean(best))}
+    if round_["waited"]:
+      round_["done"] = (result, passes)
+      return
+    del self._eval_rounds[taken.prompt.metadata["eval"]]
+    step = round_["step"]
     self.last_eval = result
     if self.leader:
       self.log_eval(result, step)
@@ -1230,6 +1282,7 @@ class RLTrainer(TrainerRun):
   def _publish(self, version: int, *, keyframe: bool = False):
     """Publish the current params as `version`; one line of versions.jsonl per version."""
     pub = self.publisher.publish(self.state.params, version, keyframe=keyframe)
+    self._published_step = self.step
     if not self.leader:  # the leader's go to versions.jsonl alone, not to a list per step
       self.sync_log.append((pub.version, pub.bytes, pub.seconds, pub.keyframe))
       return pub
@@ -1388,8 +1441,8 @@ class RLTrainer(TrainerRun):
                           [row for r in records for row in completion_rows(r)], step)
 
   def finish(self, seconds: float, start_step: int) -> dict[str, Any]:
-    """Final evaluation (exact match, pass@1 and pass@k), the Hugging Face export and
-    summary.json."""
+    """Final evaluation (exact match, pass@1 and pass@k; the workers' with eval.on_workers),
+    the Hugging Face export and summary.json."""
     summary: dict[str, Any] = {"step": self.step, "version": self.version, "seconds": seconds,
                                "steps_this_run": self.step - start_step,
                                "rollout_groups_trained": self.trained_rollouts,
@@ -1399,10 +1452,19 @@ class RLTrainer(TrainerRun):
                                                     / max(seconds, 1e-9),
                                "warm_start": self.warm_start_eval}
     if self.heldout.size:
-      summary["heldout_exact_match"] = self.evaluate()
-      self.log_eval(self.last_eval, self.step)
-      passes = heldout_lib.pass_at_k(self.graphdef, self.state.params, self.tokenizer,
-                                     self.heldout, self.config)
+      exact = passes = None
+      if self.fleet_eval and not self._stop.is_set():  # the workers answer it, holding the
+        if self._published_step != self.step:  # final weights
+          self._publish(self.version + 1)
+        if self.leader:
+          exact, passes = self._fleet_evaluation("final", int(self.config.eval.pass_k))
+      elif not self.fleet_eval:
+        exact = self.evaluate()
+        passes = heldout_lib.pass_at_k(self.graphdef, self.state.params, self.tokenizer,
+                                       self.heldout, self.config)
+      if exact is not None:
+        summary["heldout_exact_match"] = self.last_eval = exact
+        self.log_eval(exact, self.step)
       if passes:
         summary["heldout_pass"] = passes
         summary["pass_sampling"] = dict(self.heldout.sampling)  # the workers' settings
@@ -1426,6 +1488,8 @@ class RLTrainer(TrainerRun):
     }
     summary["export"] = self.export_hf() if self.config.export.hf else None
     summary["dropped_stale"], summary["rejected"] = self.dropped_stale, self.rejected
+    if self.left_unacked:  # taken by the final evaluation on the workers, left for a rerun
+      summary["groups_left_unacked"] = self.left_unacked
     if self.servers_lost:
       summary["servers_lost"] = self.servers_lost
     if self.dynamic:

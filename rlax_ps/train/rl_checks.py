@@ -93,6 +93,10 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   if config.eval.get("on_workers", False) and allocator != "fixed":
     raise ValueError(f"eval.on_workers: needs worker.allocator='fixed' (VIGOR's rounds give "
                      f"every prompt its share of samples), got {allocator!r}")
+  if config.eval.get("on_workers", False) and int(config.eval.get("pass_k", 0)) > samples:
+    raise ValueError(f"eval.pass_k: expected at most worker.samples_per_prompt={samples} with "
+                     f"eval.on_workers (the workers sample the final pass@k), got "
+                     f"{config.eval.pass_k}")
   pass_k = config.eval.get("rounds_pass_k", 0)
   if pass_k and not config.eval.get("on_workers", False):
     raise ValueError(f"eval.rounds_pass_k: expected 0 without eval.on_workers (the workers "

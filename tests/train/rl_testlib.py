@@ -95,8 +95,8 @@ def client(address, role):
 
 class FakeWorker:
   """Leases prompts and submits groups of `samples` random responses (reward 1 on even
-  samples, behaviour log-probs -1.5) with the latest version, until `limit` groups or
-  `stop()`. `submitted` holds the accepted rollout ids. With `uniform_every` = u > 0, every
+  samples, behaviour log-probs -1.5) with the latest version, until `limit` groups (then
+  held-out prompts alone) or `stop()`. `submitted` holds the accepted rollout ids. With `uniform_every` = u > 0, every
   u-th group (the 1st, the (u+1)-th, ...) has all rewards 0; `uniform` holds their ids.
   Group i says that i % 3 of its samples were resumed from a stopped worker's
   (`resumed_samples`). A held-out prompt the trainer sends (eval.on_workers) gets one answer,
@@ -143,15 +143,20 @@ class FakeWorker:
 
   def _loop(self):
     while not self._stop.is_set():
-      if self.limit is not None and len(self.submitted) >= self.limit:
-        time.sleep(0.05)
-        continue
       if self.client.latest_version() < 0:
         time.sleep(0.05)
         continue
-      lease = self.client.lease(1, 60.0, wait_s=0.2)
+      done = self.limit is not None and len(self.submitted) >= self.limit
+      # (past its limit: held-out prompts alone, found among what is queued)
+      lease = self.client.lease(256 if done else 1, 60.0, wait_s=0.2)
       version = self.client.latest_version()  # what it samples with: read after the wait
+      rest = [p.id for p in lease.prompts if done and "eval" not in p.metadata]
+      if rest:
+        self.client.release(lease.lease_id, rest)
+        time.sleep(0.05)
       for p in lease.prompts:
+        if p.id in rest:
+          continue
         if "eval" in p.metadata:
           even = int(p.id.rsplit("-", 1)[1]) % 2 == 0
           answers = [make_sample([5, 6], float(even and j == 0), logprobs=[-1.0, -1.0],

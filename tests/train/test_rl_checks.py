@@ -52,6 +52,8 @@ def _set(config, **fields):
     ({"eval__on_workers": True, "worker__allocator": "vigor"},
      "eval.on_workers: needs worker.allocator='fixed'"),
     ({"eval__rounds_pass_k": 4}, "eval.rounds_pass_k: expected 0 without eval.on_workers"),
+    ({"eval__on_workers": True, "eval__pass_k": 5},
+     "eval.pass_k: expected at most worker.samples_per_prompt=4 with eval.on_workers"),
     ({"eval__on_workers": True, "eval__rounds_pass_k": 9},
      r"eval.rounds_pass_k: expected an int from 0 to worker.samples_per_prompt=4 .* got 9"),
     ({"worker__teacher": "T"}, "worker.teacher: expected '' with teacher.path set .* or "
