@@ -150,6 +150,25 @@ def test_distillation_with_the_teacher_on_the_workers_runs_the_whole_loop(tmp_pa
       expected, [s["teacher_kl"] for s in steps])
 
 
+@pytest.mark.slow
+def test_the_workers_answer_every_evaluation_of_the_loop(tmp_path):
+  """eval.on_workers with rounds' pass@k: the real workers answer the warm start's held-out
+  prompts (v0), every round, and the final evaluation (the final version), pass@k included;
+  the trainer decodes none of them."""
+  proc = _local(tmp_path, "--config.eval.on_workers=True", "--config.eval.every_steps=2",
+                "--config.eval.rounds_pass_k=2", "--config.rl.steps=8")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  summary = json.load(open(tmp_path / "summary.json"))
+  keys = {"addition", "reversal", "all"}
+  assert set(summary["warm_start"]) == set(summary["heldout_exact_match"]) == keys
+  assert set(summary["heldout_pass"]) == {"pass@1", "pass@2"}
+  rounds = [s for s in _lines(tmp_path / "steps.jsonl") if "heldout_step" in s]
+  assert rounds and all(set(s["heldout"]) == keys and set(s["heldout_pass"]) == {"pass@1",
+                                                                                 "pass@2"}
+                        for s in rounds)
+  assert "evaluation of v" not in (tmp_path / "logs" / "trainer.log").read_text()  # in time
+
+
 def test_tokens_stay_in_an_owner_only_file(run):
   workdir, _ = run
   token_file = workdir / "ps" / "tokens.json"
