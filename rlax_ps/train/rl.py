@@ -615,8 +615,8 @@ class RLTrainer(TrainerRun):
     one the run met before (its storage folder lost or replaced), or it is `behind` the
     run. If so: its takes cannot be acknowledged (the steps that used them are trained on;
     the checkpoint holds them or they are lost with the server's copies), the prompts fed
-    and not trained on (and the held-out prompts of rounds not whole) are fed again, and the latest version is sent again as a keyframe
-    where the server lacks it."""
+    and not trained on (and the held-out prompts of rounds not whole) are fed again, and
+    the latest version is sent again as a keyframe where the server lacks it."""
     known = self.store_id
     self.store_id = store_id or known  # "": a server from before storage ids
     if not (behind or (known and store_id and store_id != known)):
@@ -1453,12 +1453,13 @@ class RLTrainer(TrainerRun):
                                "warm_start": self.warm_start_eval}
     if self.heldout.size:
       exact = passes = None
-      if self.fleet_eval and not self._stop.is_set():  # the workers answer it, holding the
-        if self._published_step != self.step:  # final weights
+      if self.fleet_eval:  # the workers answer it, holding the final weights (published by
+        # every process of a multi-host trainer alike: the leader's word)
+        if self._shared(not self._stop.is_set() and self._published_step != self.step):
           self._publish(self.version + 1)
-        if self.leader:
+        if self.leader and not self._stop.is_set():
           exact, passes = self._fleet_evaluation("final", int(self.config.eval.pass_k))
-      elif not self.fleet_eval:
+      else:
         exact = self.evaluate()
         passes = heldout_lib.pass_at_k(self.graphdef, self.state.params, self.tokenizer,
                                        self.heldout, self.config)

@@ -16,8 +16,8 @@ import pytest
 
 from param_server.client import (ParamServerClient, ParamServerError, RetryPolicy, RolloutGroup,
                                   make_sample)
-from rl_testlib import (REPO, TOKENS, FakeWorker, client, rl_config, save_warm_start,
-                        start_server)
+from rl_testlib import (REPO, TOKENS, FakeWorker, client, fake_fleet, rl_config,
+                        save_warm_start, start_server)
 from rlax_ps import sync
 from rlax_ps.sync.bits import BF16
 from rlax_ps.models import load_hf_checkpoint
@@ -402,6 +402,21 @@ def test_a_held_out_round_not_whole_at_a_checkpoint_is_finished_after_a_restart(
       assert not tr._eval_rounds and "round fed at step 5 is not logged" in caplog.text
   finally:
     second.stop(grace=0)
+
+
+def test_the_workers_evaluate_the_final_weights_published_for_them(tmp_path):
+  """eval.on_workers with rl.publish_every=3 and 2 steps: no step published, so the final
+  weights are published before the workers' final evaluation, which takes answers of that
+  version alone."""
+  config = _config(steps=2, publish_every=3, max_staleness=4)
+  config.eval.on_workers = True
+  with fake_fleet(tmp_path) as (tc, _):
+    with RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      summary = tr.train()
+  versions = _lines(tmp_path / "rl" / "versions.jsonl")
+  assert [(v["version"], v["step"]) for v in versions] == [(0, 0), (1, 2)]
+  assert summary["warm_start"] == summary["heldout_exact_match"] == {
+      "addition": 0.5, "reversal": 0.5, "all": 0.5}
 
 
 def test_prompts_are_paced_by_the_staleness_bound(run):
