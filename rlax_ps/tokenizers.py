@@ -230,6 +230,7 @@ def tokenizer_file(directory: str) -> str | None:
       return os.path.join(directory, name)
   return None
 
+
 def other_ids(tokenizer: CharTokenizer | HFTokenizer, checkpoint: str) -> str:
   """Why the tokenizer a checkpoint folder ships gives other ids than `tokenizer` ("" when
   it gives the same, or ships none): a model of that folder scores ids of its own."""

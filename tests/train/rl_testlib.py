@@ -96,8 +96,9 @@ def client(address, role):
 class FakeWorker:
   """Leases prompts and submits groups of `samples` random responses (reward 1 on even
   samples, behaviour log-probs -1.5) with the latest version, until `limit` groups (then
-  held-out prompts alone) or `stop()`. `submitted` holds the accepted rollout ids. With `uniform_every` = u > 0, every
-  u-th group (the 1st, the (u+1)-th, ...) has all rewards 0; `uniform` holds their ids.
+  held-out prompts alone) or `stop()`. `submitted` holds the accepted rollout ids. With
+  `uniform_every` = u > 0, every u-th group (the 1st, the (u+1)-th, ...) has all rewards 0;
+  `uniform` holds their ids.
   Group i says that i % 3 of its samples were resumed from a stopped worker's
   (`resumed_samples`). A held-out prompt the trainer sends (eval.on_workers) gets one answer,
   or eval_samples of them, the first passed where its index in its set is even; `evaluated`
