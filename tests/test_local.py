@@ -77,8 +77,11 @@ def test_every_worker_holds_the_trainers_weights_of_its_version(run):
 
 def _holds_the_trainers_weights(workdir, workers=2):
   digests = {v["version"]: v["digest"] for v in _lines(workdir / "versions.jsonl")}
-  # The tiny configs' length penalty moves the weights: the workers' match is not trivial.
-  assert len(set(digests.values())) > 1, digests
+  # The tiny configs' length penalty moves the weights, so the workers' match is not
+  # trivial, unless every sample of the run hit the token budget (equal rewards: no step
+  # moves them; about 1 run in 150, seen in the VIGOR recipe's).
+  moved = any(s["loss"] != 0.0 for s in _lines(workdir / "steps.jsonl"))
+  assert len(set(digests.values())) > 1 or not moved, digests
   for i in range(workers):
     log = (workdir / "logs" / f"worker-{i}.log").read_text()
     held = re.findall(r"holds v(\d+) digest ([0-9a-f]{16})", log)
