@@ -6,6 +6,8 @@ The environment must be set before jax is imported anywhere.
 
 import gc
 import os
+import subprocess
+import sys
 import tempfile
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -16,10 +18,21 @@ if "xla_force_host_platform_device_count" not in _flags:
 # quarter of the model tests' time) and change no IEEE result (no fast math on CPU).
 if "xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0"
+
+
+def _xla_takes(flag: str) -> bool:
+  """Whether this jaxlib's XLA knows `flag`: it aborts a process on an unknown one (asked
+  once, in a child; xdist's processes and the tests' children inherit the answer)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flag}
+  return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                        capture_output=True).returncode == 0
+
+
 # XLA:CPU's MLIR fusion emitters compile a tiny model's programs about 2.5x slower than the
 # elemental emitters they replace (backend compile of the loss tests' grad programs).
-if "xla_cpu_use_fusion_emitters" not in _flags:
-  _flags += " --xla_cpu_use_fusion_emitters=false"
+_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+if "xla_cpu_use_fusion_emitters" not in _flags and _xla_takes(_EMITTERS):
+  _flags += " " + _EMITTERS
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
