@@ -115,14 +115,16 @@ def follow_leader(model_config: ModelConfig, tokenizer: Any, config: WorkerConfi
       "slots": lambda **settings: SlotsDevice(policy.model, mesh=mesh, **settings),
       "reward": lambda: RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,
                                      config.reward_model_batch, mesh=mesh),
-      "teacher": lambda: make_teacher(config, tokenizer, mesh)})
+      "teacher": lambda: make_teacher(config, tokenizer, mesh,
+                                      teacher_tokenizer(config, tokenizer))})
 
 
-def make_teacher(config: WorkerConfig, tokenizer: Any, mesh) -> Teacher | None:
-  """worker.teacher's model on the worker's devices (None without one)."""
+def make_teacher(config: WorkerConfig, tokenizer: Any, mesh,
+                 own: HFTokenizer | None) -> Teacher | None:
+  """worker.teacher's model on the worker's devices (None without one); `own`: its own
+  tokenizer (teacher_tokenizer; None: the teacher scores the policy's ids)."""
   if not config.teacher:
     return None
-  own = teacher_tokenizer(config, tokenizer)  # None: the teacher scores the policy's ids
   return Teacher(config.teacher, mesh, vocab_size=(own or tokenizer).vocab_size,
                  dtype=config.teacher_dtype, topk=config.teacher_topk, field="worker.teacher",
                  logits_chunk=config.teacher_logits_chunk,
@@ -325,8 +327,9 @@ class Worker:
                           if config.reward_model else None)
     if self.reward_scorer is not None and mirror is not None:
       self.reward_scorer = mirror.mirrored("reward", self.reward_scorer, {}, ("scores",))
-    self.teacher = make_teacher(config, tokenizer, self.mesh)  # on-policy distillation's
     self.teacher_tokenizer = teacher_tokenizer(config, tokenizer)  # None: the policy's
+    self.teacher = make_teacher(config, tokenizer, self.mesh,  # on-policy distillation's
+                                self.teacher_tokenizer)
     if self.teacher is not None and mirror is not None:
       self.teacher = mirror.mirrored("teacher", self.teacher, {}, ("score_group",))
     self.params = config.sampling(tokenizer.stop_ids)
