@@ -430,8 +430,8 @@ class RLTrainer(TrainerRun):
     # since the last step's record, as (step, result, pass@1 and pass@k or None).
     self.fleet_eval = bool(config.eval.get("on_workers", False))
     self._published_step = -1  # the step whose weights were published last
-    self.left_unacked = 0  # groups of takes with training groups the workers' evaluations
-    # took (not trained), left unacknowledged
+    self.left_unacked = 0  # groups the workers' evaluations took and left unacknowledged
+    # (training groups, other rounds' answers)
     self._eval_rounds: dict[str, dict[str, Any]] = {}  # by metadata "eval": str(step)
     self._evals_done: list[tuple[int, dict[str, float], dict[str, float] | None]] = []
     self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
@@ -1017,8 +1017,9 @@ class RLTrainer(TrainerRun):
     weights'): a round of the held-out prompts (one greedy answer each, and k sampled ones
     for pass@k) answered by workers holding it, waited for up to rl.take_timeout_s. Returns
     (exact match, pass@1 and pass@k or None), or (None, None) with a warning when it is not
-    whole by then. Training groups taken meanwhile are not acknowledged (left_unacked): the
-    server serves them again, to the next start's first take at once."""
+    whole by then. Training groups and answers of periodic rounds taken meanwhile are not
+    acknowledged (left_unacked): the server serves them again, to the next start's first
+    take at once; a periodic round they make whole is logged all the same."""
     self._feed_round(key, self.step, k, waited=True)
     round_ = self._eval_rounds[key]
     wait = float(self.config.rl.take_timeout_s)
@@ -1031,14 +1032,14 @@ class RLTrainer(TrainerRun):
         if self._stopping(e, f"the {key} evaluation"):
           break
         raise
-      rest = [r for r in take.rollouts if "eval" not in r.prompt.metadata]
       for taken in take.rollouts:
         if "eval" in taken.prompt.metadata:
           self._eval_group(taken)
-      if take.take_id and not rest:  # held-out answers alone: scored, done with
-        self.client.ack(take.take_id)
-      elif rest:  # served again, the held-out answers with them: at once to the next
-        self.left_unacked += len(take.rollouts)  # start's first take
+      if take.take_id and all(r.prompt.metadata.get("eval") == key for r in take.rollouts):
+        self.client.ack(take.take_id)  # this round's answers alone: scored, done with
+      elif take.rollouts:  # served again, at once, to the next start's first take: training
+        # groups, and answers of rounds the last checkpoint holds unfinished (it scores them)
+        self.left_unacked += len(take.rollouts)
     del self._eval_rounds[key]
     if "done" not in round_:
       logging.warning("eval.on_workers: the %s evaluation of v%d is not whole after %gs (%d of "

@@ -122,8 +122,10 @@ class FakeWorker:
     return self
 
   def stop(self):
+    """Stops it (started or not, again or not)."""
     self._stop.set()
-    self._thread.join(30)
+    if self._thread.ident is not None:
+      self._thread.join(30)
     self.client.close()
 
   def group(self, prompt_id, version, uniform=False):

@@ -404,6 +404,39 @@ def test_a_held_out_round_not_whole_at_a_checkpoint_is_finished_after_a_restart(
     second.stop(grace=0)
 
 
+def test_a_round_the_final_evaluation_makes_whole_is_scored_again_by_a_rerun(tmp_path):
+  """eval.on_workers: a periodic round's answers taken by the final evaluation are scored
+  (the round logged whole) and left unacknowledged, so a rerun from the checkpoint (which
+  holds the round unfinished) is served them again and finishes it."""
+  config = _config()
+  config.eval.on_workers, config.export.hf = True, False
+  workdir = str(tmp_path / "rl")
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4)
+  whole = (3, {"addition": 1.0, "reversal": 0.0, "all": 0.5}, None)
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
+      tr.start()
+      tr._feed_eval(3)
+      tr.save()
+      tr.checkpointer.wait()
+      assert len(_answer_held_out(server, 16, lambda i, j: "-addition-" in i)) == 4
+      worker.start()  # it answers the final evaluation's prompts
+      summary = tr.finish(1.0, 0)
+      assert tr._evals_done == [whole]
+    assert summary["heldout_exact_match"] == {"addition": 0.5, "reversal": 0.5, "all": 0.5}
+    assert summary["groups_left_unacked"] >= 4  # (and final answers taken with them)
+    worker.stop()
+    with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
+      assert len(tr._eval_rounds["3"]["left"]) == 4
+      tr.start()
+      tr._valid_groups(tc.take_rollouts(0, 64, wait_s=2.0, requeue_unacked=True).rollouts)
+      assert tr._evals_done == [whole] and not tr._eval_rounds
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+
+
 def test_the_workers_evaluate_the_final_weights_published_for_them(tmp_path):
   """eval.on_workers with rl.publish_every=3 and 2 steps: no step published, so the final
   weights are published before the workers' final evaluation, which takes answers of that
