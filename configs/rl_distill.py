@@ -15,10 +15,10 @@ seconds-long smoke variant.
 The teacher on the workers instead (each scores its own finished groups on its devices,
 beside decoding, and sends the scores with them; the trainer loads no teacher):
 --config.worker.teacher=TEACHER_HF_DIR --config.worker.teacher_topk=8 in place of
---config.teacher.path. A teacher of another tokenizer scores on the workers alone, the text
-of each response, without top tokens (its vocabulary is not the student's):
---config.worker.teacher=TEACHER_HF_DIR --config.worker.teacher_tokenizer=TEACHER_HF_DIR
---config.loss.distill_topk=0.
+--config.teacher.path. A teacher of another tokenizer scores the text of each response,
+without top tokens (its vocabulary is not the student's): add
+--config.teacher.tokenizer=TEACHER_HF_DIR --config.loss.distill_topk=0 (on the workers:
+--config.worker.teacher_tokenizer=TEACHER_HF_DIR; a multi-host trainer needs them there).
 """
 
 from rlax_ps.config_files import sibling

@@ -223,6 +223,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # sampled token once a step.
   c.teacher = ml_collections.ConfigDict()
   c.teacher.path = ""
+  # A teacher of another tokenizer: the folder of its tokenizer.json (usually teacher.path).
+  # It scores the text of each response after the prompt (its own chat template renders a
+  # conversation); each span both tokenize alike gets its log-prob, shared out over the
+  # policy's tokens. loss.distill_topk must be 0 (its top tokens are of its vocabulary).
+  c.teacher.tokenizer = ""
 
   c.mesh = ml_collections.ConfigDict(c.sft.mesh.to_dict())
 

@@ -65,11 +65,12 @@ from param_server.client import (Lease, ParamServerClient, ParamServerError, Ret
                                   sample_observed)
 from param_server.protos import WORKER_ACTIVITIES
 from param_server.protos import param_server_pb2 as pb
+from rlax_ps import chat
 from rlax_ps import sharding as shd
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.reward_scoring import RewardScorer, prompt_messages
 from rlax_ps.sync import Update
-from rlax_ps.teacher import Teacher, score_retokenized
+from rlax_ps.teacher import Teacher, own_tokenizer, score_retokenized
 from rlax_ps.tokenizers import HFTokenizer
 
 _RATE_CHUNKS = 64  # decode chunks the reported tokens/s is averaged over
@@ -136,11 +137,7 @@ def teacher_tokenizer(config: WorkerConfig, tokenizer: Any) -> HFTokenizer | Non
   own chat template where the policy's prompts are rendered through one."""
   if not config.teacher_tokenizer:
     return None
-  chat = "auto" if getattr(tokenizer, "chat_template", None) else ""
-  try:
-    return HFTokenizer(config.teacher_tokenizer, chat_template=chat)
-  except (OSError, ValueError) as e:
-    raise ValueError(f"worker.teacher_tokenizer: {config.teacher_tokenizer!r}: {e}") from None
+  return own_tokenizer(config.teacher_tokenizer, tokenizer, "worker.teacher_tokenizer")
 
 
 def make_allocator(config: WorkerConfig):
@@ -181,12 +178,6 @@ def sample_metadata(passed: bool | None, parts: dict[str, float] | None
 def _evaluated(prompt: pb.Prompt) -> bool:
   """Whether the trainer sent `prompt` for a held-out answer (eval.on_workers), not to train."""
   return "eval" in prompt.metadata
-
-
-def raw_prompt(prompt: pb.Prompt) -> str | list[dict[str, Any]]:
-  """The prompt as the trainer had it before rendering it (metadata "prompt": a
-  conversation its chat template rendered), else its text."""
-  return json.loads(prompt.metadata["prompt"]) if "prompt" in prompt.metadata else prompt.text
 
 
 def _eval_samples(prompt: pb.Prompt, draws: int) -> tuple[int, str]:
@@ -1376,9 +1367,10 @@ class Worker:
                                              self.config.max_new_tokens)
         else:  # its log-probs of the same texts, shared out over the policy's tokens
           teacher = [(logp, None, None) for logp in score_retokenized(
-              self.teacher, self.tokenizer, self.teacher_tokenizer, raw_prompt(prompt),
-              [s.tokens for s in samples], [s.sampling_logprobs for s in samples],
-              [s.finish_reason == "stop" for s in samples], bucket(len(samples)))]
+              self.teacher, self.tokenizer, self.teacher_tokenizer,
+              [chat.raw_prompt(prompt.text, prompt.metadata)], [[s.tokens for s in samples]],
+              [[s.sampling_logprobs for s in samples]],
+              [[s.finish_reason == "stop" for s in samples]], bucket(len(samples)))[0]]
     group = pb.RolloutGroup(
         prompt_id=prompt.id, policy_version=version, metadata=meta,
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),

@@ -15,6 +15,13 @@ from typing import Any, Mapping, Sequence
 TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.43 writes the template here
 
 
+def raw_prompt(text: str | list, metadata: Mapping[str, str]) -> str | list[dict[str, Any]]:
+  """The prompt as the trainer had it before rendering it: metadata "prompt" (JSON: a
+  conversation its chat template rendered, or a text) where it rendered it, else `text`. A
+  reward model or teacher of another tokenizer renders the conversation with its own."""
+  return json.loads(metadata["prompt"]) if "prompt" in metadata else text
+
+
 def check_messages(messages: Any, field: str = "prompt") -> list[dict[str, str]]:
   """`messages` as a list of {"role", "content"} string dicts; ValueError naming `field`."""
   if not isinstance(messages, (list, tuple)) or not messages:

@@ -9,7 +9,6 @@ without a tokenizer shares the policy's, and reads the very ids the policy saw.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 import jax
@@ -34,7 +33,7 @@ def prompt_messages(prompt_text: str | list, metadata: dict[str, str]) -> list[d
   """The prompt as chat messages: the trainer's raw prompt (metadata "prompt": JSON text
   or messages) where it rendered it, else its text as one user message (a list of
   messages: those)."""
-  raw = json.loads(metadata["prompt"]) if "prompt" in metadata else prompt_text
+  raw = chat.raw_prompt(prompt_text, metadata)
   return [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
 
 

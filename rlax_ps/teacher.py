@@ -2,11 +2,13 @@
 Hugging Face checkpoint that scores every token the workers sampled and names its own top
 tokens at each sampled position. It sits on the trainer's mesh (teacher.path: a step's
 batch, once a step) or on each worker's devices (worker.teacher: each group as it
-finishes, so the teacher's forward runs on the fleet beside decoding)."""
+finishes, so the teacher's forward runs on the fleet beside decoding). A teacher of another
+tokenizer (teacher.tokenizer, worker.teacher_tokenizer) scores the text of each response
+(score_retokenized)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +42,9 @@ class Teacher:
     from rlax_ps.tokenizers import other_ids
     mismatch = "" if tokenizer is None else other_ids(tokenizer, path)
     if mismatch:
+      own = "worker.teacher_tokenizer" if field.startswith("worker.") else "teacher.tokenizer"
       raise ValueError(f"{field}: {path!r}: {mismatch}; expected a teacher of the policy's "
-                       f"tokenizer (a teacher of another scores on the workers, with "
-                       f"worker.teacher_tokenizer)")
+                       f"tokenizer, or {own} set to score the text of each response")
     try:
       model = load_hf_checkpoint(path, dtype, mesh=mesh)
     except (OSError, ValueError) as e:
@@ -93,55 +95,82 @@ class Teacher:
     slots of `budget` tokens (the prompt padded to a power of two): per response, its
     tokens' log-probs [t], and the top ids [t, k] int32 and log-probs [t, k] (`topk`; else
     None, None): the `teacher` of param_server.client.make_sample."""
-    if not 1 <= len(responses) <= samples or any(len(r) > budget for r in responses):
-      raise ValueError(f"responses: expected 1 to {samples} of at most {budget} tokens, got "
-                       f"{[len(r) for r in responses]}")
-    p = max(_MIN_PROMPT, 1 << (len(prompt) - 1).bit_length())
-    batch = {"prompt_tokens": np.zeros((1, p), np.int32),
-             "prompt_lens": np.asarray([len(prompt)], np.int32),
-             "response_tokens": np.zeros((1, samples, budget), np.int32),
-             "response_lens": np.zeros((1, samples), np.int32)}
-    batch["prompt_tokens"][0, :len(prompt)] = prompt
-    for j, r in enumerate(responses):
-      batch["response_tokens"][0, j, :len(r)] = r
-      batch["response_lens"][0, j] = len(r)
+    return self.score_groups([prompt], [responses], samples, budget)[0]
+
+  def score_groups(self, prompts: Sequence[Sequence[int]],
+                   responses: Sequence[Sequence[Sequence[int]]], samples: int,
+                   budget: int) -> list[list[tuple[np.ndarray, ...]]]:
+    """score_group of each prompt and its responses, in one forward pass: a packed row a
+    prompt (the prompts padded to a power of two)."""
+    for rs in responses:
+      if not 1 <= len(rs) <= samples or any(len(r) > budget for r in rs):
+        raise ValueError(f"responses: expected 1 to {samples} of at most {budget} tokens, "
+                         f"got {[len(r) for r in rs]}")
+    rows = len(prompts)
+    p = max(_MIN_PROMPT, 1 << (max(map(len, prompts)) - 1).bit_length())
+    batch = {"prompt_tokens": np.zeros((rows, p), np.int32),
+             "prompt_lens": np.asarray([len(x) for x in prompts], np.int32),
+             "response_tokens": np.zeros((rows, samples, budget), np.int32),
+             "response_lens": np.zeros((rows, samples), np.int32)}
+    for i, (prompt, rs) in enumerate(zip(prompts, responses)):
+      batch["prompt_tokens"][i, :len(prompt)] = prompt
+      for j, r in enumerate(rs):
+        batch["response_tokens"][i, j, :len(r)] = r
+        batch["response_lens"][i, j] = len(r)
     out = jax.device_get(self.scores({k: jnp.asarray(v) for k, v in batch.items()}))
     keys = ("teacher_logp", "teacher_topk_ids", "teacher_topk_logp")
-    return [tuple(None if k not in out else np.asarray(out[k][0, j, :len(r)]) for k in keys)
-            for j, r in enumerate(responses)]
+    return [[tuple(None if k not in out else np.asarray(out[k][i, j, :len(r)]) for k in keys)
+             for j, r in enumerate(rs)] for i, rs in enumerate(responses)]
 
 
-def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer, prompt,
-                      responses: Sequence[Sequence[int]], weights: Sequence[np.ndarray],
-                      stopped: Sequence[bool], samples: int) -> list[np.ndarray]:
-  """(A worker's, worker.teacher_tokenizer.) A teacher of another tokenizer's log-probs of
-  each policy token of `responses`: each response's text, tokenized for the teacher after
-  `prompt` (the raw prompt: its own chat template renders a conversation), is scored by
-  `teacher` (score_group: one packed row of `samples` slots); each smallest span of text
-  both tokenize alike gets the teacher's log-prob of its tokens, shared out over the policy's
-  tokens of the span in proportion to their `weights` (sampling log-probs), so a response's
-  sum is the teacher's log-prob of its text. A response that ended on a stop token
-  (`stopped`) gets for it the teacher's log-prob of its own eos there."""
+def own_tokenizer(path: str, policy_tokenizer: Any, field: str):
+  """A teacher's own tokenizer (its folder's tokenizer.json, `field` naming the setting), with
+  its chat template where the policy's prompts are rendered through one."""
+  from rlax_ps.tokenizers import HFTokenizer
+  chat = "auto" if getattr(policy_tokenizer, "chat_template", None) else ""
+  try:
+    return HFTokenizer(path, chat_template=chat)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{field}: {path!r}: {e}") from None
+
+
+def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer, prompts: Sequence[Any],
+                      responses: Sequence[Sequence[Sequence[int]]],
+                      weights: Sequence[Sequence[np.ndarray]],
+                      stopped: Sequence[Sequence[bool]], samples: int) -> list[list[np.ndarray]]:
+  """A teacher of another tokenizer's log-probs of each policy token of each group's
+  `responses` (teacher.tokenizer, worker.teacher_tokenizer): each response's text,
+  tokenized for the teacher after its group's prompt (of `prompts`: raw, its own chat
+  template renders a conversation), is scored by `teacher` (score_groups: a packed row of
+  `samples` slots a group); each smallest span of text both tokenize alike gets the
+  teacher's log-prob of its tokens, shared out over the policy's tokens of the span in
+  proportion to their `weights` (sampling log-probs), so a response's sum is the teacher's
+  log-prob of its text. A response that ended on a stop token (`stopped`) gets for it the
+  teacher's log-prob of its own eos there."""
   from rlax_ps.token_alignment import aligned_chunks, decoded_pieces, spread_over_chunks
   pieces, texts = [], []
-  for r, stop in zip(responses, stopped):
-    body = list(r[:len(r) - 1] if stop else r)
-    pieces.append(decoded_pieces(policy_tokenizer, body))
-    ids = teacher_tokenizer.encode("".join(pieces[-1]))
-    texts.append(ids + [teacher_tokenizer.eos_id] * int(stop))
-  budget = max(_MIN_PROMPT, 1 << (max(map(len, texts)) - 1).bit_length())
-  scored = teacher.score_group(teacher_tokenizer.encode_prompt(prompt), texts, samples, budget)
+  for rs, stops in zip(responses, stopped):
+    pieces.append([]), texts.append([])
+    for r, stop in zip(rs, stops):
+      body = list(r[:len(r) - 1] if stop else r)
+      pieces[-1].append(decoded_pieces(policy_tokenizer, body))
+      ids = teacher_tokenizer.encode("".join(pieces[-1][-1]))
+      texts[-1].append(ids + [teacher_tokenizer.eos_id] * int(stop))
+  budget = max(_MIN_PROMPT, 1 << (max(len(t) for ts in texts for t in ts) - 1).bit_length())
+  scored = teacher.score_groups([teacher_tokenizer.encode_prompt(p) for p in prompts], texts,
+                                samples, budget)
   out = []
-  for r, stop, own, ids, (logp, _, _), w in zip(responses, stopped, pieces, texts, scored,
-                                                weights):
-    n = len(ids) - int(stop)
-    read = decoded_pieces(teacher_tokenizer, ids[:n])
-    if "".join(read) != "".join(own):  # aligned_chunks makes the response one span
-      logging.log_every_n_seconds(
-          logging.WARNING, "worker.teacher_tokenizer: the teacher's tokenizer does not give "
-          "back a response's text (%r reads as %r): the teacher scores what it read, shared "
-          "out over the whole response", 60, "".join(own)[:80], "".join(read)[:80])
-    mine, theirs, count = aligned_chunks(own, read)
-    spread = spread_over_chunks(logp[:n], theirs, mine, np.asarray(w)[:len(own)], count)
-    out.append(np.concatenate([spread, logp[n:]]).astype(np.float32))
+  for group in zip(stopped, pieces, texts, scored, weights):
+    out.append([])
+    for stop, own, ids, (logp, _, _), w in zip(*group):
+      n = len(ids) - int(stop)
+      read = decoded_pieces(teacher_tokenizer, ids[:n])
+      if "".join(read) != "".join(own):  # aligned_chunks makes the response one span
+        logging.log_every_n_seconds(
+            logging.WARNING, "teacher: its tokenizer does not give back a response's text "
+            "(%r reads as %r): the teacher scores what it read, shared out over the whole "
+            "response", 60, "".join(own)[:80], "".join(read)[:80])
+      mine, theirs, count = aligned_chunks(own, read)
+      spread = spread_over_chunks(logp[:n], theirs, mine, np.asarray(w)[:len(own)], count)
+      out[-1].append(np.concatenate([spread, logp[n:]]).astype(np.float32))
   return out

@@ -120,30 +120,36 @@ def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tokenizer", ["same", "other"])
-def test_distillation_with_the_teacher_on_the_workers_runs_the_whole_loop(tmp_path, tokenizer):
+@pytest.mark.parametrize("where, tokenizer", [("workers", "same"), ("workers", "other"),
+                                              ("trainer", "other")])
+def test_distillation_of_a_teacher_of_either_tokenizer_runs_the_whole_loop(tmp_path, where,
+                                                                           tokenizer):
   """configs/rl_distill.py with worker.teacher: each worker loads the teacher and sends its
-  scores with every group; the trainer loads none, rejects no group, and logs the reverse
-  KL left. Between two near-uniform tiny models it is about log(teacher's vocabulary /
-  student's): 0 for a teacher of the student's tokenizer, log(257 / 99) for one of a
-  byte-level BPE's (each character one byte, one token: teacher_tokenizer, no top tokens);
-  teacher scores missing (0) would leave the samples' own log-probs, about -4.6."""
+  scores with every group, the trainer loads none; or teacher.path: the trainer's. No group
+  is rejected, and the reverse KL left is logged. Between two near-uniform tiny models it
+  is about log(teacher's vocabulary / student's): 0 for a teacher of the student's
+  tokenizer, log(257 / 99) for one of a byte-level BPE's (each character one byte, one
+  token: worker.teacher_tokenizer or teacher.tokenizer, no top tokens); teacher scores
+  missing (0) would leave the samples' own log-probs, about -4.6."""
   from flax import nnx
 
   from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
   from rlax_ps.tokenizers import CharTokenizer
   from tokenizer_testlib import save_byte_level_tokenizer
-  flags, vocab = ["--config.worker.teacher_topk=8"], CharTokenizer().vocab_size
+  folder = tmp_path / "teacher"
+  field = {"workers": "worker.teacher", "trainer": "teacher.path"}[where]
+  flags, vocab = [f"--config.{field}={folder}"], CharTokenizer().vocab_size
+  if where == "workers":
+    flags.append("--config.worker.teacher_topk=8")
   if tokenizer == "other":
-    vocab = save_byte_level_tokenizer(tmp_path / "teacher").vocab_size
-    flags = [f"--config.worker.teacher_tokenizer={tmp_path / 'teacher'}",
-             "--config.loss.distill_topk=0"]
+    vocab = save_byte_level_tokenizer(folder).vocab_size
+    own = {"workers": "worker.teacher_tokenizer", "trainer": "teacher.tokenizer"}[where]
+    flags = flags[:1] + [f"--config.{own}={folder}", "--config.loss.distill_topk=0"]
   teacher = Transformer(ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                                     num_layers=1, num_heads=4, num_kv_heads=2,
                                     max_position_embeddings=64), rngs=nnx.Rngs(5))
-  save_hf_checkpoint(teacher, str(tmp_path / "teacher"))
-  proc = _local(tmp_path / "run", f"--config.worker.teacher={tmp_path / 'teacher'}", *flags,
-                config="configs/rl_distill.py:tiny")
+  save_hf_checkpoint(teacher, str(folder))
+  proc = _local(tmp_path / "run", *flags, config="configs/rl_distill.py:tiny")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(tmp_path / "run" / "summary.json"))
   steps = _lines(tmp_path / "run" / "steps.jsonl")

@@ -39,6 +39,7 @@ from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from algorithms.selection import fed, next_streak
 from param_server.client import (ParamServerError, Prompt, RetryPolicy, routes_of,
                                  sample_logprobs, sample_observed, sample_teacher)
+from rlax_ps import chat
 from rlax_ps import sharding as shd
 from rlax_ps.config_files import save_run_config
 from rlax_ps.tokenizers import Tokenizer
@@ -57,7 +58,7 @@ from rlax_ps.train.critic import Critic
 from rlax_ps.train.state import (TrainState, abstract_model, hf_params, restore_or_init,
                                  restore_state)
 from rlax_ps.train.step import apply_gradients, jit_step
-from rlax_ps.teacher import Teacher
+from rlax_ps.teacher import Teacher, own_tokenizer, score_retokenized
 from rlax_ps.train.trainable import trainable_value_and_grad
 
 
@@ -149,13 +150,18 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                baseline_reward=(float(taken.group.baseline_reward)
                                 if taken.group.HasField("baseline_reward") else None),
                teacher=(tuple(sample_teacher(s) for s in samples)
-                        if any(s.teacher_logprobs_f32 for s in samples) else None))
+                        if any(s.teacher_logprobs_f32 for s in samples) else None),
+               prompt=chat.raw_prompt(prompt.text, prompt.metadata))
 
 
-def teacher_shape(loss_cfg, worker) -> dict:
-  """BatchShape's teacher fields: what the workers' teacher (worker.teacher) sends that the
-  loss takes; none with the teacher on the trainer (teacher.path) or no teacher."""
-  if not str(worker.get("teacher", "")):
+def teacher_shape(loss_cfg, config) -> dict:
+  """BatchShape's teacher fields: the teacher's scores the loss takes in the host batch:
+  those the workers' teacher (worker.teacher) sends, or a trainer's teacher of another
+  tokenizer's (teacher.tokenizer: scored on the host, the text of each response); none
+  where the trainer's teacher scores the batch on its devices, or without a teacher."""
+  if str((config.get("teacher") or {}).get("tokenizer", "")):
+    return dict(teacher_logp=True)
+  if not str(config.worker.get("teacher", "")):
     return {}
   return dict(teacher_logp=loss_cfg.advantage == "opd", teacher_topk=loss_cfg.distill_topk)
 
@@ -306,7 +312,7 @@ class RLTrainer(TrainerRun):
                             response_len=int(config.worker.max_new_tokens),
                             reward_parts=tuple(n for n, _ in self.loss_cfg.reward_parts),
                             baselines=self.loss_cfg.advantage == "remax",
-                            **teacher_shape(self.loss_cfg, config.worker),
+                            **teacher_shape(self.loss_cfg, config),
                             **routing_shape(self.model_config, config.worker))
     # A step's rows are packed to the smallest of these many capacities (the budget, half
     # of it, ...) that holds its longest response.
@@ -320,13 +326,26 @@ class RLTrainer(TrainerRun):
                                                        self.model_config.lora_rank)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
     self.teacher = None  # distillation's (loss.advantage="opd", loss.distill_topk)
+    self.teacher_tokenizer = None  # teacher.tokenizer's: None, the policy's ids
     if str((config.get("teacher") or {}).get("path", "")):  # else on the workers, or none
+      own = str(config.teacher.get("tokenizer", ""))
+      if own:
+        if jax.process_count() > 1:  # the leader alone holds the groups' texts
+          raise ValueError(f"teacher.tokenizer: a trainer of {jax.process_count()} processes "
+                           f"cannot score responses as text; expected '' (a teacher of the "
+                           f"policy's tokenizer), or the teacher on the workers "
+                           f"(worker.teacher, worker.teacher_tokenizer)")
+        self.teacher_tokenizer = own_tokenizer(own, self.tokenizer, "teacher.tokenizer")
       self.teacher = Teacher(str(config.teacher.path), self.mesh,
-                             vocab_size=self.tokenizer.vocab_size,
+                             vocab_size=(self.teacher_tokenizer or self.tokenizer).vocab_size,
                              dtype=self.model_config.dtype, backend=self.loss_cfg.backend,
                              logits_chunk=self.loss_cfg.logits_chunk,
                              sampled=self.loss_cfg.advantage == "opd",
-                             topk=self.loss_cfg.distill_topk, tokenizer=self.tokenizer)
+                             topk=self.loss_cfg.distill_topk,
+                             tokenizer=None if own else self.tokenizer)
+    # What a taken group brings: not the scores a teacher of another tokenizer adds here.
+    self.taken_shape = (self.shape if self.teacher_tokenizer is None
+                        else dataclasses.replace(self.shape, teacher_logp=False))
     self.warn_unsplit_rows(self.shape.groups, self.micro_batches,  # a packed row per group
                            f"rl.groups_per_step={self.shape.groups}, "
                            f"rl.micro_batches={self.micro_batches}")
@@ -697,8 +716,8 @@ class RLTrainer(TrainerRun):
     for capacity in response_lens(self.shape.response_len, self.response_buckets):
       shape = dataclasses.replace(self.shape, response_len=capacity)
       host = empty_batch(rows, shape, self.tokenizer.pad_id)
-      if self.teacher is not None:  # its scores join the batch
-        host.update(jax.eval_shape(self.teacher.scores, host))
+      if self.teacher is not None and self.teacher_tokenizer is None:  # its scores join
+        host.update(jax.eval_shape(self.teacher.scores, host))  # the batch
       if self.critic is not None:  # its values join the batch (float32, as the log-probs),
         host["values"] = host["behaviour_logp"]  # and the reference's log-probs it computes
         if needs_reference(self.loss_cfg):
@@ -782,6 +801,8 @@ class RLTrainer(TrainerRun):
       self.rollout_wait_s = time.monotonic() - t0
       self.rollout_wait_total_s += self.rollout_wait_s
       if groups is not None:
+        if self.teacher_tokenizer is not None:  # the teacher's scores of the responses' text
+          groups = self._retokenized_scores(groups)
         batch = build_batch(groups, fit_response_len(groups, self.shape,
                                                      self.response_buckets),
                             self.tokenizer.pad_id)
@@ -840,7 +861,7 @@ class RLTrainer(TrainerRun):
         if batch is None:  # done, or stopped while waiting
           break
         placed = shd.shard_batch(self.mesh, batch)
-        if self.teacher is not None:  # once a step, whatever the updates
+        if self.teacher is not None and self.teacher_tokenizer is None:  # once a step
           scores = self.teacher.scores(placed)
           placed.update(scores)
           batch.update(shd.to_host(scores))  # the completions log's advantages
@@ -1122,6 +1143,20 @@ class RLTrainer(TrainerRun):
         self.writer.add_scalar("eval/policy_version_min", min(round_["versions"]), step)
     self._evals_done.append((step, result, passes))
 
+  def _retokenized_scores(self, groups: list[Group]) -> list[Group]:
+    """`groups` with the teacher's log-probs of each response token (teacher.tokenizer: its
+    log-probs of the responses' text, shared out over the policy's tokens), scored in one
+    forward pass of a packed row a group."""
+    stop_ids = set(self.loss_cfg.stop_ids)
+    most = max(self.shape.samples, *(len(g.responses) for g in groups))
+    scores = score_retokenized(
+        self.teacher, self.tokenizer, self.teacher_tokenizer, [g.prompt for g in groups],
+        [g.responses for g in groups], [g.behaviour_logp for g in groups],
+        [[len(r) > 0 and int(r[-1]) in stop_ids for r in g.responses] for g in groups],
+        1 << (most - 1).bit_length())
+    return [dataclasses.replace(g, teacher=tuple((logp, None, None) for logp in s))
+            for g, s in zip(groups, scores)]
+
   def _take_groups(self) -> list[Group] | None:
     """groups_per_step valid groups at or above the staleness floor; None when stopped.
     With rl.dynamic_sampling, groups whose rewards are all equal are left out and more are
@@ -1229,7 +1264,8 @@ class RLTrainer(TrainerRun):
           self.streaks.pop(record, None)
       group = group_of(taken, self.tokenizer)
       try:
-        check_group(group, self.shape, self.model_config.vocab_size, self.loss_cfg.reward_parts)
+        check_group(group, self.taken_shape, self.model_config.vocab_size,
+                    self.loss_cfg.reward_parts)
         if self.dynamic and len(group.rewards) != self.shape.samples:
           raise ValueError(f"rollout {group.rollout_id}: {len(group.rewards)} samples; "
                            f"rl.dynamic_sampling needs worker.samples_per_prompt="

@@ -63,6 +63,12 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   teacher = str((config.get("teacher") or {}).get("path", ""))
   distilling = loss.advantage == "opd" or loss.distill_topk > 0
   on_workers = str(worker.get("teacher", ""))
+  own = str((config.get("teacher") or {}).get("tokenizer", ""))
+  if own and (not teacher or loss.distill_topk):
+    raise ValueError(f"teacher.tokenizer: expected '' without teacher.path or with "
+                     f"loss.distill_topk > 0 (the teacher's top tokens are ids of its own "
+                     f"vocabulary), got {own!r} with teacher.path={teacher!r}, "
+                     f"loss.distill_topk={loss.distill_topk}")
   if on_workers:  # the teacher scores each group on the workers instead
     if teacher or not distilling:
       raise ValueError(f"worker.teacher: expected '' with teacher.path set (the teacher sits on "
@@ -163,7 +169,7 @@ def _check_files(config) -> None:
   from algorithms.environments import environment_names, environments_from
   from algorithms.verifiers import (REWARD_MODEL_TASK, known_tasks, verifier_for_task,
                                     verifiers_by_task)
-  from rlax_ps.tokenizers import tokenizer_from_config
+  from rlax_ps.tokenizers import tokenizer_file, tokenizer_from_config
   from rlax_ps.train.prompts import iter_config_records
   worker = config.worker
   verifiers_by_task(str(worker.default_task), str(worker.get("verifiers", "")))
@@ -180,6 +186,10 @@ def _check_files(config) -> None:
       check_init_from_hf(teacher)
     except ValueError as e:
       raise ValueError(f"teacher.path: {str(e).removeprefix('init_from_hf: ')}") from None
+  own = str((config.get("teacher") or {}).get("tokenizer", ""))
+  if own and not tokenizer_file(own):
+    raise ValueError(f"teacher.tokenizer: expected a folder with the teacher's tokenizer.json "
+                     f"(or tiktoken.model), got {own!r}")
   for field in ("jsonl", "heldout_jsonl"):
     path = config.data.get(field, "")
     if path:

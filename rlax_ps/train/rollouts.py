@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -100,6 +100,9 @@ class Group:
   # Per sample, the teacher's scores the worker sent (worker.teacher): its log-probs [t], top
   # ids [t, k] and their log-probs [t, k] (None: not sent); None when no sample has any.
   teacher: tuple[tuple[np.ndarray | None, ...], ...] | None = None
+  # The prompt as the trainer fed it, before its chat template rendered it (chat.raw_prompt):
+  # what a teacher of another tokenizer reads (teacher.tokenizer).
+  prompt: Any = None
 
 
 def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None,

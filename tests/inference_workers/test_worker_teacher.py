@@ -95,8 +95,8 @@ def test_a_teacher_of_another_tokenizer_scores_each_responses_text(tmp_path, cap
   responses = [TOKENIZER.encode(t) + [TOKENIZER.eos_id] * s for t, s in zip(texts, stopped)]
   rng = np.random.default_rng(0)
   weights = [-rng.random(len(r)) for r in responses]
-  out = score_retokenized(teacher, TOKENIZER, tok, "the world is", responses, weights,
-                          stopped, 4)
+  out, = score_retokenized(teacher, TOKENIZER, tok, ["the world is"], [responses], [weights],
+                           [stopped], 4)
   prompt = tok.encode_prompt("the world is")
   assert "does not give back a response's text ('12+34' reads as '1234')" in caplog.text
   for text, stop, got, w in zip(texts, stopped, out, weights):
@@ -133,7 +133,7 @@ def test_a_worker_sends_the_scores_of_a_teacher_of_another_tokenizer(server, ver
     assert Worker(wc, CONFIG, TOKENIZER, config).run().groups_submitted == 2
     taken = trainer.take_rollouts(0, 10).rollouts
     with pytest.raises(ValueError, match=r"worker.teacher: .* gives other ids than the "
-                                         r"policy's .*worker.teacher_tokenizer"):
+                                         r"policy's .*or worker.teacher_tokenizer set"):
       Worker(wc, CONFIG, TOKENIZER, WorkerConfig(teacher=str(tmp_path / "teacher"), **SMALL))
     with pytest.raises(ValueError, match="worker.teacher_tokenizer: .*none"):
       Worker(wc, CONFIG, TOKENIZER, WorkerConfig(teacher=str(tmp_path / "teacher"),
@@ -143,10 +143,10 @@ def test_a_worker_sends_the_scores_of_a_teacher_of_another_tokenizer(server, ver
                     dtype="float32")
   for r in taken:
     samples = r.group.samples
-    want = score_retokenized(teacher, TOKENIZER, tok, r.prompt.text,
-                             [list(s.token_ids) for s in samples],
-                             [sample_logprobs(s) for s in samples],
-                             [s.finish_reason == "stop" for s in samples], 4)
+    want, = score_retokenized(teacher, TOKENIZER, tok, [r.prompt.text],
+                              [[list(s.token_ids) for s in samples]],
+                              [[sample_logprobs(s) for s in samples]],
+                              [[s.finish_reason == "stop" for s in samples]], 4)
     for s, w in zip(samples, want):
       got = np.frombuffer(s.teacher_logprobs_f32, np.float32)
       assert len(got) == len(s.token_ids) and np.all(got <= 0)

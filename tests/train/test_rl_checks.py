@@ -65,6 +65,10 @@ def _set(config, **fields):
     ({"worker__teacher": "T", "loss__advantage": "opd", "worker__teacher_tokenizer": "U",
       "loss__distill_topk": 4, "worker__teacher_topk": 4},
      "loss.distill_topk: expected 0 with worker.teacher_tokenizer"),
+    ({"teacher__tokenizer": "U"}, "teacher.tokenizer: expected '' without teacher.path"),
+    ({"teacher__tokenizer": "U", "teacher__path": "T", "loss__advantage": "opd",
+      "loss__distill_topk": 4}, "teacher.tokenizer: expected '' .* or with loss.distill_topk "
+                                "> 0 .* got 'U' with teacher.path='T', loss.distill_topk=4"),
 ])
 def test_each_wrong_field_is_refused_naming_it(fields, message):
   config = _set(rl_config(), **fields)
@@ -164,6 +168,17 @@ def test_a_starting_checkpoint_missing_a_tensor_is_named_before_anything_starts(
   check_rl_config(config)
   shutil.copy(os.path.join(FIXTURES, "qwen2", "model.safetensors"), path)  # other tensors
   with pytest.raises(ValueError, match=f"init_from_hf: HF checkpoint '{path}': missing tensor"):
+    check_rl_config(config)
+
+
+def test_a_teachers_tokenizer_folder_without_a_tokenizer_is_named_before_anything_starts(
+    tmp_path):
+  config = _set(rl_config(), teacher__path=os.path.join(FIXTURES, "llama"),
+                teacher__tokenizer=os.path.join(FIXTURES, "tokenizer"), loss__advantage="opd")
+  check_rl_config(config)
+  config.teacher.tokenizer = str(tmp_path)
+  with pytest.raises(ValueError, match="teacher.tokenizer: expected a folder with the "
+                                       "teacher's tokenizer.json"):
     check_rl_config(config)
 
 

@@ -10,7 +10,9 @@ import shutil
 import signal
 import threading
 import time
+from unittest import mock
 
+import jax
 import numpy as np
 import pytest
 
@@ -24,6 +26,7 @@ from rlax_ps.models import load_hf_checkpoint
 from rlax_ps.models.params import flatten_params
 from rlax_ps.tokenizers import make_tokenizer
 from rlax_ps.train.publisher import flat_params
+from rlax_ps.teacher import Teacher, score_retokenized
 from rlax_ps.train.rl import RLTrainer, server_retry
 
 
@@ -682,8 +685,78 @@ def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
   config.teacher.path, config.worker.teacher, config.worker.teacher_topk = (
       str(tmp_path / "other"), "", 0)
   with pytest.raises(ValueError, match=r"teacher.path: .* gives other ids than the policy's "
-                                       r"\(99 tokens\); .*worker.teacher_tokenizer"):
+                                       r"\(99 tokens\); .*or teacher.tokenizer set"):
     RLTrainer(config, str(tmp_path / "rl_other"), object())
+
+
+def test_a_teacher_of_another_tokenizer_on_the_trainer_scores_each_responses_text(tmp_path):
+  """teacher.tokenizer: the trainer's teacher of a byte-level tokenizer scores the text of
+  the step's responses (one forward pass for its groups), as score_retokenized does group by
+  group, and the loss takes it: the reverse KL logged is the fake worker's -1.5 a token less
+  a near-uniform model's log-prob of a byte, about log(257) - 1.5 (its scores missing: -1.5).
+  Refused: top tokens with it, and a folder without a tokenizer."""
+  from tokenizer_testlib import save_byte_level_tokenizer
+  from flax import nnx
+
+  from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
+  own = save_byte_level_tokenizer(tmp_path / "teacher")
+  save_hf_checkpoint(Transformer(ModelConfig(vocab_size=own.vocab_size, hidden_size=32,
+                                             intermediate_size=64, num_layers=1, num_heads=4,
+                                             num_kv_heads=2, max_position_embeddings=64),
+                                 rngs=nnx.Rngs(5)), str(tmp_path / "teacher"))
+  config = _config(steps=2)
+  config.eval.num_examples = 0
+  config.loss.advantage = "opd"
+  config.teacher.path = config.teacher.tokenizer = str(tmp_path / "teacher")
+  logged, scored = [], []
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4).start()
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"),
+                                                            tc) as tr:
+      log_step, retokenized = tr._log_step, tr._retokenized_scores
+      tr._log_step = lambda record, metrics: (logged.append(dict(metrics)),
+                                              log_step(record, metrics))
+      tr._retokenized_scores = lambda groups: scored.append(retokenized(groups)) or scored[-1]
+      step_for = tr._step_for
+
+      def spied(batch):  # the step's teacher_logp, as placed on the devices
+        step = step_for(batch)
+        return lambda state, placed, *rest: (
+            taken.append(np.asarray(jax.device_get(placed["teacher_logp"]))),
+            step(state, placed, *rest))[1]
+      taken = []
+      tr._step_for = spied
+      tr.train()
+      policy = tr.tokenizer
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+  assert len(logged) == len(scored) == 2
+  for m in logged:
+    assert abs(m["teacher_kl"] - (np.log(own.vocab_size) - 1.5)) < 0.5, m["teacher_kl"]
+  alone = Teacher(str(tmp_path / "teacher"), None, vocab_size=own.vocab_size,
+                  dtype=tr.model_config.dtype)
+  for groups, placed in zip(scored, taken):
+    for row, g in enumerate(groups):
+      want, = score_retokenized(alone, policy, own, [g.prompt], [g.responses],
+                                [g.behaviour_logp], [[False] * len(g.responses)], 4)
+      for slot, ((got, _, _), w, r) in enumerate(zip(g.teacher, want, g.responses)):
+        assert len(got) == len(r)
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(placed[row, slot, :len(r)], got)
+  config.loss.distill_topk = 2
+  with pytest.raises(ValueError, match=r"teacher.tokenizer: expected '' without teacher.path "
+                                       r"or with loss.distill_topk > 0"):
+    RLTrainer(config, str(tmp_path / "topk"), object())
+  config.loss.distill_topk, config.teacher.tokenizer = 0, str(tmp_path / "none")
+  with pytest.raises(ValueError, match=r"teacher.tokenizer: .*none"):
+    RLTrainer(config, str(tmp_path / "none"), object())
+  config.teacher.tokenizer = str(tmp_path / "teacher")  # the leader alone has the texts
+  with mock.patch.object(jax, "process_count", return_value=2), pytest.raises(
+      ValueError, match=r"teacher.tokenizer: a trainer of 2 processes cannot score responses "
+                        r"as text; .*worker.teacher_tokenizer"):
+    RLTrainer(config, str(tmp_path / "hosts"), object())
 
 
 def test_dynamic_sampling_is_refused_with_vigor_naming_the_field(tmp_path):
