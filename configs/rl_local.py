@@ -52,6 +52,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # worker.verifiers can add from your own files.
   c.data = ml_collections.ConfigDict()
   c.data.jsonl = ""
+  # Several files mixed: one weight a file, comma-joined ("3,1": three prompts of the first
+  # for one of the second), each file shuffled and repeated on its own; "" = their records
+  # as one set (each file's share is its size).
+  c.data.weights = ""
   # Held-out records in the same form, evaluated instead of the tasks' held-out split (all
   # of them, each scored by its task's verifier, decoding up to worker.max_new_tokens).
   c.data.heldout_jsonl = ""

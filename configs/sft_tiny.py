@@ -85,6 +85,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (prompts as text or chat messages) instead of the tasks; the keys read other columns.
   # The loss is on the answer and eos.
   c.data.jsonl = ""
+  # Several files (comma-joined) mixed: one weight a file ("3,1"); "" = their records as one
+  # set.
+  c.data.weights = ""
   # Held-out records in the same form, scored by their task's verifier (else math) instead
   # of the tasks' held-out split.
   c.data.heldout_jsonl = ""

@@ -98,20 +98,32 @@ def step_seed(seed: int, step: int, chunk: int = 0) -> int:
   return zlib.crc32(f"{seed}/{step}/{chunk}".encode()) & 0x7FFFFFFF
 
 
-def sampled_records(records: Sequence[Example], seed: int, n: int) -> list[Example]:
-  """`n` of `records` drawn uniformly (with replacement), deterministic in `seed`."""
-  idx = np.random.default_rng(seed & 0xFFFFFFFF).integers(0, len(records), n)
+def sampled_records(records: Sequence[Example], seed: int, n: int,
+                    parts: Sequence[tuple[int, int, float]] = ()) -> list[Example]:
+  """`n` of `records` drawn uniformly (with replacement), deterministic in `seed`; with
+  `parts` (prompts.file_parts: each file's records and weight), each from a file drawn in
+  proportion to the weights, then uniformly within it."""
+  rng = np.random.default_rng(seed & 0xFFFFFFFF)
+  if not parts:
+    idx = rng.integers(0, len(records), n)
+  else:
+    starts, ends, weights = (np.asarray(x) for x in zip(*parts))
+    file = rng.choice(len(parts), n, p=weights / weights.sum())
+    idx = starts[file] + (rng.random(n) * (ends - starts)[file]).astype(np.int64)
   return [records[i] for i in idx]
 
 
 class SFTBatches:
   """The training batches of one run: `batch(step)` is the same array every time it is asked.
-  Examples come from `records` when given (e.g. data.jsonl's), else from the weighted tasks."""
+  Examples come from `records` when given (e.g. data.jsonl's, its files mixed as `parts`
+  weighs them), else from the weighted tasks."""
 
   def __init__(self, tasks: Sequence[Task], weights: Sequence[float], tokenizer: Tokenizer,
                *, batch_size: int, seq_len: int, seed: int, packing: bool = True,
-               records: Sequence[Example] | None = None):
+               records: Sequence[Example] | None = None,
+               parts: Sequence[tuple[int, int, float]] = ()):
     self.records = None if records is None else list(records)
+    self.parts = list(parts)  # data.weights' mix of the records' files (file_parts)
     self.tasks, self.weights, self.tokenizer = list(tasks), list(weights), tokenizer
     self.batch_size, self.seq_len, self.seed, self.packing = batch_size, seq_len, seed, packing
     if self.records is not None:
@@ -148,7 +160,7 @@ class SFTBatches:
 
   def _draw(self, seed: int, n: int) -> list[Example]:
     if self.records is not None:
-      return sampled_records(self.records, seed, n)
+      return sampled_records(self.records, seed, n, self.parts)
     return mixed_examples(self.tasks, self.weights, "train", seed, n)
 
   def batch(self, step: int) -> dict[str, np.ndarray]:

@@ -1,7 +1,8 @@
-"""The RL prompt stream: a grain pipeline over the built-in tasks or a JSONL or Parquet file
+"""The RL prompt stream: a grain pipeline over the built-in tasks or JSONL or Parquet files
 of `{"prompt", "answer"[, "task"]}` records (a prompt is text or a list of chat messages),
-shuffled by seed, whose iterator state goes in
-the trainer's checkpoint so a restarted trainer feeds on from where its checkpoint was.
+shuffled by seed (several files mixed in the proportions data.weights gives), whose
+iterator state goes in the trainer's checkpoint so a restarted trainer feeds on from where
+its checkpoint was.
 """
 
 from __future__ import annotations
@@ -200,8 +201,7 @@ def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
   `check(record)`: a further check of each record, whose ValueError is raised naming the
   record's file and line. Records are read as they are iterated, none held."""
   count = 0
-  files = [p.strip() for p in path.split(",") if p.strip()]
-  for where, rec in (r for one in files for r in _raw_records(one, field)):
+  for where, rec in (r for one in data_files(path) for r in _raw_records(one, field)):
     if not isinstance(rec, dict):
       raise ValueError(f"{where}: expected an object, got {type(rec).__name__}")
     prompt = _lookup(rec, prompt_key)
@@ -242,6 +242,50 @@ def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
     yield record
   if not count:
     raise ValueError(f"{field}: {path}: no prompt records")
+
+
+def data_files(path: str) -> list[str]:
+  """The files (paths or URLs) of a data.jsonl setting: several are joined by commas."""
+  return [p.strip() for p in path.split(",") if p.strip()]
+
+
+def file_weights(data) -> tuple[float, ...]:
+  """data.weights: one weight >= 0 a file of data.jsonl (comma-joined numbers, or a list),
+  with a positive sum: the share of prompts drawn from each file; () when unset (the files'
+  records as one set). ValueError naming the field otherwise."""
+  spec = data.get("weights", "") or ""
+  if not isinstance(spec, str):
+    spec = ",".join(str(w) for w in spec)
+  if not spec.strip():
+    return ()
+  files = data_files(str(data.get("jsonl", "")))
+  try:
+    weights = tuple(float(w) for w in spec.split(","))
+  except ValueError:
+    weights = ()
+  if (len(weights) != len(files) or not all(0 <= w < float("inf") for w in weights)
+      or not sum(weights) > 0):
+    raise ValueError(f"data.weights: expected one weight >= 0 for each of the {len(files)} "
+                     f"file(s) of data.jsonl {files}, with a positive sum, got {spec!r}")
+  return weights
+
+
+def file_parts(sizes: Sequence[int], weights: Sequence[float]) -> list[tuple[int, int, float]]:
+  """(first record, end, weight) of each file whose records, `sizes` of them, are held one
+  file after another."""
+  ends = np.cumsum(sizes, dtype=np.int64)
+  return [(int(end - n), int(end), float(w)) for n, end, w in zip(sizes, ends, weights)]
+
+
+def per_file(path: str, read: Callable[[str], Iterable[Any]], sizes: list[int]) -> Iterator[Any]:
+  """The records `read(file)` gives of each file of `path`, in order; `sizes` gets each
+  file's count as its last record is read."""
+  for one in data_files(path):
+    n = 0
+    for record in read(one):
+      n += 1
+      yield record
+    sizes.append(n)
 
 
 def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None = None,
@@ -325,10 +369,18 @@ class PromptRecords(Sequence):
     return (self[i] for i in range(len(self)))
 
 
-def prompt_dataset(source: Sequence[dict[str, str]], seed: int) -> grain.IterDataset:
+def prompt_dataset(source: Sequence[dict[str, str]], seed: int,
+                   parts: Sequence[tuple[int, int, float]] = ()) -> grain.IterDataset:
   """The shuffled, endlessly repeated stream of `source` (each epoch in a new order), each
-  record with its index in `source` under "record"."""
-  ds = grain.MapDataset.range(len(source)).shuffle(seed=int(seed) & 0x7FFFFFFF).repeat(None)
+  record with its index in `source` under "record". `parts` (file_parts): each file's
+  records shuffled and repeated on their own, mixed in proportion to their weights."""
+  if not parts:
+    ds = grain.MapDataset.range(len(source)).shuffle(seed=int(seed) & 0x7FFFFFFF).repeat(None)
+  else:
+    mixed = [(grain.MapDataset.range(a, b).shuffle(
+                  seed=zlib.crc32(f"{seed}/{k}".encode()) & 0x7FFFFFFF).repeat(None), w)
+             for k, (a, b, w) in enumerate(parts) if w > 0]
+    ds = grain.MapDataset.mix([d for d, _ in mixed], [w for _, w in mixed])
   return ds.map(lambda i: {**source[i], "record": int(i)}).to_iter_dataset()
 
 
@@ -336,9 +388,10 @@ class PromptFeed:
   """A position in a prompt stream: `take(n)` yields (index, record); `state()` is what a
   checkpoint keeps, `restore(state)` goes back to it."""
 
-  def __init__(self, source: Sequence[dict[str, str]], seed: int):
+  def __init__(self, source: Sequence[dict[str, str]], seed: int,
+               parts: Sequence[tuple[int, int, float]] = ()):
     self.size = len(source)
-    self._dataset = prompt_dataset(source, seed)
+    self._dataset = prompt_dataset(source, seed, parts)
     self._it = iter(self._dataset)
     self.position = 0
 

@@ -44,7 +44,8 @@ from rlax_ps import sharding as shd
 from rlax_ps.config_files import save_run_config
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
-from rlax_ps.train.prompts import PromptFeed, PromptRecords, TaskPrompts, iter_config_records
+from rlax_ps.train.prompts import (PromptFeed, PromptRecords, TaskPrompts, file_parts,
+                                   file_weights, iter_config_records, per_file)
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check_rl_config,
                                      prompt_limit)
@@ -350,7 +351,7 @@ class RLTrainer(TrainerRun):
                            f"rl.groups_per_step={self.shape.groups}, "
                            f"rl.micro_batches={self.micro_batches}")
     # Its records checked before any checkpoint is opened.
-    source, recorded = self._prompt_source()
+    source, recorded, parts = self._prompt_source()
     self.checkpointer = open_checkpointer(config, self.workdir)
     latest = self.checkpointer.latest_metadata()
     self.new_source = self.check_data_source(  # True: fed from its start (_load_metadata)
@@ -419,7 +420,7 @@ class RLTrainer(TrainerRun):
     self.precompiled_steps = 0  # steps that ran a step compiled ahead
     self.precompiled_critic_steps = 0  # and the critic's programs too
     self.source = source
-    self.feed = PromptFeed(source, int(config.seed))
+    self.feed = PromptFeed(source, int(config.seed), parts)
     self.revisit = (float(rl.get("revisit_solved", 1.0)), float(rl.get("revisit_failed", 1.0)))
     self.selective = self.revisit != (1.0, 1.0)
     self.publisher = Publisher(self.client, str(config.publish.format),
@@ -490,23 +491,27 @@ class RLTrainer(TrainerRun):
 
   # -- configuration and state ------------------------------------------------------------
 
-  def _prompt_source(self) -> tuple[Sequence[dict[str, str]], dict[str, Any]]:
+  def _prompt_source(self) -> tuple[Sequence[dict[str, str]], dict[str, Any],
+                                    list[tuple[int, int, float]]]:
     """(data.jsonl's records, held compactly, else the built-in tasks' stream; the source as
-    checkpoints record it, data_source). Each record is checked to fit rl.max_prompt_tokens
+    checkpoints record it, data_source; each file's records and weight, file_parts, where
+    data.weights mixes the files). Each record is checked to fit rl.max_prompt_tokens
     now rather than when its group is rejected after sampling, unless a check of the same
     records (their digest) with this tokenizer passed before (`rlax-ps local`'s)."""
     path = self.config.data.get("jsonl", "")
     if not path:
       return (TaskPrompts(self.tasks, self.weights, int(self.config.seed)),
-              data_source(self.config, None))
-    records = PromptRecords(iter_config_records(self.config, "data.jsonl", path))
+              data_source(self.config, None), [])
+    weights, sizes = file_weights(self.config.data), []
+    records = PromptRecords(per_file(
+        path, lambda one: iter_config_records(self.config, "data.jsonl", one), sizes))
     recorded = data_source(self.config, ((r["prompt"], r["answer"], r["task"]) for r in records))
     # The first prompt too long is named by its file and line, as `rlax-ps local` names it;
     # with the model's positions as the bound where they allow less than rl.max_prompt_tokens.
     limit, bound = prompt_limit(self.config, self.model_config.max_position_embeddings)
     check_prompt_lengths(self.config, "data.jsonl", path, recorded["digest"], self.tokenizer,
                          limit, bound)
-    return records, recorded
+    return records, recorded, file_parts(sizes, weights) if weights else []
 
   @property
   def step(self) -> int:

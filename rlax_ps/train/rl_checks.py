@@ -133,6 +133,8 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                      "is not fed again)")
   revisit = (check_revisit("rl.revisit_solved", rl.get("revisit_solved", 1.0)),
              check_revisit("rl.revisit_failed", rl.get("revisit_failed", 1.0)))
+  from rlax_ps.train.prompts import file_weights  # (grain: on use)
+  file_weights(config.data)  # data.weights: one a file of data.jsonl
   if revisit != (1.0, 1.0) and not config.data.get("jsonl", ""):
     raise ValueError("rl.revisit_solved, rl.revisit_failed: expected data.jsonl (the "
                      "built-in tasks' stream never repeats a prompt), got none")

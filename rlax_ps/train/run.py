@@ -29,6 +29,7 @@ from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import tokenizer_from_config
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.events import Events, NoEvents, open_wandb
+from rlax_ps.train.prompts import file_weights
 
 
 def built_or_exit(prog: str, build: Callable[[], Any]) -> Any:
@@ -94,8 +95,9 @@ def data_source(config, records: Iterable[tuple[Any, Any, str]] | None) -> dict[
                        if float(block.get("weight", 1.0)) > 0}
     return source
   count, digest = _records_digest(records)
+  weights = file_weights(config.data)
   return {**source, "jsonl": str(config.data.get("jsonl", "")), "records": count,
-          "digest": digest}
+          "digest": digest, **({"weights": list(weights)} if weights else {})}
 
 
 def _records_digest(records: Iterable[tuple[Any, Any, str]]) -> tuple[int, str]:
@@ -129,6 +131,9 @@ def data_source_changes(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
               for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
   elif (was.get("records"), was.get("digest")) != (now.get("records"), now.get("digest")):
     out.append(f"data.jsonl: {_described(was)} in the checkpoint, {_described(now)} now")
+  if was.get("weights") != now.get("weights"):
+    out.append(f"data.weights: {was.get('weights') or 'none'} in the checkpoint, "
+               f"{now.get('weights') or 'none'} now")
   return out
 
 

@@ -27,7 +27,7 @@ from rlax_ps.config_files import check_counts, save_run_config
 from rlax_ps.tasks import Example
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.heldout import heldout_from_config
-from rlax_ps.train.prompts import read_prompts
+from rlax_ps.train.prompts import file_parts, file_weights, iter_prompts, per_file
 from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
 from rlax_ps.train.state import TrainState, mesh_layout, restore_or_init
 from rlax_ps.train.step import make_train_step
@@ -62,10 +62,10 @@ class SFTTrainer(TrainerRun):
     check_counts(config, ("checkpoint.every_steps", "train.eval_every"))
     # The data is checked before the checkpointer starts, so a bad file or seq_len is the
     # one line the command ends with.
-    records = self._records()
+    records, parts = self._records()
     self.data = SFTBatches(self.tasks, self.weights, self.tokenizer, batch_size=batch_size,
                            seq_len=seq_len, seed=int(config.seed),
-                           packing=bool(config.data.packing), records=records)
+                           packing=bool(config.data.packing), records=records, parts=parts)
     self.checkpointer = open_checkpointer(config, self.workdir)
     saved = self.checkpointer.latest_metadata()
     read = None if records is None else ((e.prompt, e.answer, e.task) for e in records)
@@ -81,20 +81,23 @@ class SFTTrainer(TrainerRun):
 
   # -- state ------------------------------------------------------------------------------
 
-  def _records(self) -> list[Example] | None:
-    """data.jsonl's records as examples (prompt, answer), or None to train on the tasks."""
+  def _records(self) -> tuple[list[Example] | None, list[tuple[int, int, float]]]:
+    """(data.jsonl's records as examples (prompt, answer), or None to train on the tasks;
+    each file's records and weight, file_parts, where data.weights mixes the files)."""
     data = self.config.data
     path = data.get("jsonl", "")
     if not path:
-      return None
+      return None, []
     if not data.get("answer_key", "answer"):
       raise ValueError("data.answer_key: supervised data needs answers; expected the key "
                        "that holds them, got ''")
-    records = read_prompts(path, field="data.jsonl",
-                           prompt_key=str(data.get("prompt_key", "prompt")),
-                           answer_key=str(data.get("answer_key", "answer")),
-                           task_key=str(data.get("task_key", "task")), demonstrations=True)
-    return [Example(r["prompt"], r["answer"], r["task"]) for r in records]
+    weights, sizes = file_weights(data), []
+    records = per_file(path, lambda one: iter_prompts(
+        one, field="data.jsonl", prompt_key=str(data.get("prompt_key", "prompt")),
+        answer_key=str(data.get("answer_key", "answer")),
+        task_key=str(data.get("task_key", "task")), demonstrations=True), sizes)
+    examples = [Example(r["prompt"], r["answer"], r["task"]) for r in records]
+    return examples, file_parts(sizes, weights) if weights else []
 
   def _init_or_restore(self) -> tuple[TrainState, TrainState, nnx.GraphDef]:
     return restore_or_init(self.model_config, self.optimizer, self.mesh, self.checkpointer,

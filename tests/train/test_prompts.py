@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rlax_ps.train.prompts import PromptFeed, read_prompts
+from rlax_ps.train.prompts import PromptFeed, file_parts, file_weights, read_prompts
 
 RECORDS = [{"prompt": "1+2=", "answer": "3", "task": "addition"},
            {"prompt": "say \u2028 this", "answer": "ok"},  # a JSON line with U+2028 inside
@@ -111,6 +111,44 @@ def test_a_restored_feed_goes_on_with_the_same_records():
   assert again.take(10) == rest
   with pytest.raises(ValueError, match="checkpoint data state: expected"):
     again.restore({"position": 1})
+
+
+def test_weighted_files_are_mixed_in_their_proportions_each_shuffled_on_its_own():
+  """data.weights "3,1" over a file of 3 records and one of 7: three prompts of the first for
+  one of the second, each file's records all fed once before any again; a restored feed goes
+  on with the same records."""
+  source = [{"prompt": str(i), "answer": str(i), "task": "t"} for i in range(10)]
+  parts = file_parts([3, 7], file_weights({"jsonl": "a.jsonl,b.jsonl", "weights": "3,1"}))
+  assert parts == [(0, 3, 3.0), (3, 10, 1.0)]
+  feed = PromptFeed(source, seed=3, parts=parts)
+  taken = [rec["record"] for _, rec in feed.take(400)]
+  first = [r for r in taken if r < 3]
+  assert len(first) == 300
+  assert all(sorted(first[k:k + 3]) == [0, 1, 2] for k in range(0, 300, 3))
+  second = [r for r in taken if r >= 3]
+  assert all(sorted(second[k:k + 7]) == list(range(3, 10)) for k in range(0, 98, 7))
+  assert first[:3] != first[3:6] or first[3:6] != first[6:9]  # shuffled anew each epoch
+  state = feed.state()
+  rest = feed.take(20)
+  again = PromptFeed(source, seed=3, parts=parts)
+  again.restore(state)
+  assert again.take(20) == rest
+  # A weight of 0: the file is never fed.
+  zero = PromptFeed(source, seed=3, parts=file_parts([3, 7], (0.0, 1.0)))
+  assert {rec["record"] for _, rec in zero.take(50)} == set(range(3, 10))
+
+
+@pytest.mark.parametrize("weights, message", [
+    ("3", r"data.weights: expected one weight >= 0 for each of the 2 file\(s\) of data.jsonl "
+          r"\['a.jsonl', 'b.jsonl'\], with a positive sum, got '3'"),
+    ("x,1", "got 'x,1'"), ("-1,2", "got '-1,2'"), ("0,0", "got '0,0'"), ("inf,1", "got 'inf,1'"),
+])
+def test_data_weights_that_do_not_weigh_each_file_are_refused_naming_the_field(weights,
+                                                                              message):
+  assert file_weights({"jsonl": "a.jsonl, b.jsonl", "weights": ""}) == ()
+  assert file_weights({"jsonl": "a.jsonl, b.jsonl", "weights": (3, 1)}) == (3.0, 1.0)
+  with pytest.raises(ValueError, match=message):
+    file_weights({"jsonl": "a.jsonl, b.jsonl", "weights": weights})
 
 
 def test_an_empty_answer_key_reads_prompts_alone_held_out_only_for_the_reward_model(

@@ -110,6 +110,33 @@ def _rl_config(**data):
   return config
 
 
+def test_weighted_files_feed_rl_and_sft_in_proportion_and_other_weights_are_another_source(
+    tmp_path):
+  """data.weights mixes data.jsonl's files, in the RL trainer's prompt feed (3 of the first
+  file's for 1 of the second's) and in the SFT trainer's draws (a weight of 0: none of that
+  file); the checkpoint records them, and a rerun with other weights is refused naming
+  data.weights (its data position is a position in another mix)."""
+  files = f"{_write(tmp_path / 'a.jsonl', 0)},{_write(tmp_path / 'b.jsonl', 100, n=4)}"
+  workdir = str(tmp_path / "rl")
+  with RLTrainer(_rl_config(jsonl=files, weights="3,1"), workdir, object()) as tr:
+    taken = [rec for _, rec in tr.feed.take(200)]
+    assert sum(rec["record"] < 6 for rec in taken) == 150
+    assert {rec["prompt"] for rec in taken if rec["record"] >= 6} == {
+        f"{i}+1=" for i in range(100, 104)}
+    tr.save()
+    assert tr.metadata()["data_source"]["weights"] == [3.0, 1.0]
+  with pytest.raises(ValueError, match=r"\(data.weights: \[3.0, 1.0\] in the checkpoint, "
+                                       r"\[1.0, 1.0\] now\)"):
+    RLTrainer(_rl_config(jsonl=files, weights="1,1"), workdir, object())
+  with pytest.raises(ValueError, match=r"data.weights: expected one weight >= 0 for each of "
+                                       r"the 2 file"):
+    RLTrainer(_rl_config(jsonl=files, weights="1"), str(tmp_path / "one"), object())
+  with SFTTrainer(_sft_config(jsonl=files, weights="0,1"), str(tmp_path / "sft")) as trainer:
+    drawn = trainer.data._draw(0, 100)
+    assert {e.prompt for e in drawn} == {f"{i}+1=" for i in range(100, 104)}
+    assert trainer.metadata()["data_source"]["weights"] == [0.0, 1.0]
+
+
 def test_rl_resumed_on_other_data_is_refused_or_fed_from_its_start(tmp_path):
   """Same path, other contents: refused before any step. With data.allow_new_source the new
   records are fed from the first, numbered on from the checkpoint's position (prompt ids stay

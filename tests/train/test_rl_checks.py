@@ -66,6 +66,8 @@ def _set(config, **fields):
       "loss__distill_topk": 4, "worker__teacher_topk": 4},
      "loss.distill_topk: expected 0 with worker.teacher_tokenizer"),
     ({"teacher__tokenizer": "U"}, "teacher.tokenizer: expected '' without teacher.path"),
+    ({"data__jsonl": "a.jsonl,b.jsonl", "data__weights": "1"},
+     r"data.weights: expected one weight >= 0 for each of the 2 file\(s\)"),
     ({"teacher__tokenizer": "U", "teacher__path": "T", "loss__advantage": "opd",
       "loss__distill_topk": 4}, "teacher.tokenizer: expected '' .* or with loss.distill_topk "
                                 "> 0 .* got 'U' with teacher.path='T', loss.distill_topk=4"),

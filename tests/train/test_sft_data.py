@@ -7,7 +7,7 @@ import pytest
 
 from rlax_ps.tasks import Example, get_task
 from rlax_ps.tokenizers import CharTokenizer
-from rlax_ps.train.data import SFTBatches, encode_example, pack_rows
+from rlax_ps.train.data import SFTBatches, encode_example, pack_rows, sampled_records
 
 TOK = CharTokenizer()
 
@@ -91,6 +91,17 @@ def test_records_are_the_only_examples_and_each_step_draws_the_same_batch():
   pieces = [p for p in answers.split("<eos>") if p]
   assert pieces and set(pieces) <= {"2", "zyx", "15"}
   assert len(set(pieces)) > 1  # drawn across the records, not one repeated
+
+
+def test_weighted_files_are_drawn_in_proportion_each_record_of_a_file_alike():
+  """data.weights "3,1" over files of 6 and 4 records: 3 of 4 draws from the first (though
+  it holds 60% of the records), each of a file's records about as often as the others."""
+  records = [Example(f"{i}+1=", str(i + 1)) for i in range(10)]
+  drawn = sampled_records(records, 7, 8000, [(0, 6, 3.0), (6, 10, 1.0)])
+  counts = np.bincount([int(e.prompt.split("+")[0]) for e in drawn], minlength=10)
+  assert abs(counts[:6].sum() / 8000 - 0.75) < 0.02
+  np.testing.assert_allclose(counts[:6] / counts[:6].sum(), 1 / 6, atol=0.02)
+  np.testing.assert_allclose(counts[6:] / counts[6:].sum(), 1 / 4, atol=0.03)
 
 
 def test_a_record_longer_than_seq_len_is_refused_naming_the_field():
