@@ -322,7 +322,8 @@ class Worker:
     self.teacher = make_teacher(config, tokenizer, self.mesh,  # on-policy distillation's
                                 self.teacher_tokenizer)
     if self.teacher is not None and mirror is not None:
-      self.teacher = mirror.mirrored("teacher", self.teacher, {}, ("score_group",))
+      self.teacher = mirror.mirrored("teacher", self.teacher, {},
+                                     ("score_group", "score_groups"))
     self.params = config.sampling(tokenizer.stop_ids)
     self.stats = WorkerStats()
     self._stop = threading.Event()
@@ -1106,10 +1107,16 @@ class Worker:
     with self._lock:
       self._inflight.get(lease_id, set()).difference_update(ids)
 
+  def _teacher_prompt(self, prompt: pb.Prompt) -> list[int]:
+    """The prompt in the teacher's tokens (worker.teacher_tokenizer), rendered by its own
+    chat template where the trainer sent a conversation."""
+    return self.teacher_tokenizer.encode_prompt(chat.raw_prompt(prompt.text, prompt.metadata))
+
   def _checked_tokens(self, prompt: pb.Prompt) -> tuple[list[int], str]:
     """The prompt's token ids, and why this worker cannot sample it ("" when it can): its
     text does not encode, its ids lie outside the model's vocabulary, it leaves no room
-    for max_new_tokens, or it is a held-out prompt this worker cannot answer as asked."""
+    for max_new_tokens, it is a held-out prompt this worker cannot answer as asked, or a
+    teacher of another tokenizer cannot read it (its chat template refuses it)."""
     if _evaluated(prompt) and not self._continuous:
       return [], (f"it is a held-out prompt (eval.on_workers), answered by workers of the "
                   f"fixed allocator only; this one's is {self.config.allocator!r}")
@@ -1120,6 +1127,11 @@ class Worker:
       tokens = self._prompt_tokens(prompt)
     except (ValueError, KeyError, UnicodeError) as e:
       return [], f"its text does not encode: {e}"
+    if self.teacher_tokenizer is not None and not _evaluated(prompt):
+      try:  # the teacher reads it too, in its own tokens
+        self._teacher_prompt(prompt)
+      except (ValueError, KeyError, UnicodeError) as e:
+        return tokens, f"worker.teacher_tokenizer: the teacher cannot read it: {e}"
     config = self.policy.model.config
     try:
       pad_prompts([tokens], 1, max(len(tokens), 1), config.vocab_size)
@@ -1368,9 +1380,10 @@ class Worker:
         else:  # its log-probs of the same texts, shared out over the policy's tokens
           teacher = [(logp, None, None) for logp in score_retokenized(
               self.teacher, self.tokenizer, self.teacher_tokenizer,
-              [chat.raw_prompt(prompt.text, prompt.metadata)], [[s.tokens for s in samples]],
+              [self._teacher_prompt(prompt)], [[s.tokens for s in samples]],
               [[s.sampling_logprobs for s in samples]],
-              [[s.finish_reason == "stop" for s in samples]], bucket(len(samples)))[0]]
+              [[s.finish_reason == "stop" for s in samples]], bucket(len(samples)),
+              [[s.observed for s in samples]])[0]]
     group = pb.RolloutGroup(
         prompt_id=prompt.id, policy_version=version, metadata=meta,
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),

@@ -10,6 +10,7 @@ Restoring takes an abstract target whose shardings may be those of another mesh.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from typing import Any
@@ -48,11 +49,14 @@ class Checkpointer:
                                           item_names=(STATE, METADATA))
 
   def save(self, step: int, state: Any, metadata: dict[str, Any]) -> bool:
-    """Start saving `state` and `metadata` as `step` (returns at once when async)."""
+    """Start saving `state` and `metadata` as `step` (returns at once when async). The
+    metadata is written as it is now: an async save writes its JSON later, from a thread,
+    and the caller goes on changing what the dict holds."""
+    snapshot = json.loads(json.dumps(metadata))
     return self._manager.save(
         int(step), args=ocp.args.Composite(**{
             STATE: ocp.args.StandardSave(state),
-            METADATA: ocp.args.JsonSave(metadata)}), force=True)
+            METADATA: ocp.args.JsonSave(snapshot)}), force=True)
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or None when there is none."""

@@ -134,35 +134,44 @@ def own_tokenizer(path: str, policy_tokenizer: Any, field: str):
     raise ValueError(f"{field}: {path!r}: {e}") from None
 
 
-def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer, prompts: Sequence[Any],
+def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer,
+                      prompts: Sequence[Sequence[int]],
                       responses: Sequence[Sequence[Sequence[int]]],
                       weights: Sequence[Sequence[np.ndarray]],
-                      stopped: Sequence[Sequence[bool]], samples: int) -> list[list[np.ndarray]]:
+                      stopped: Sequence[Sequence[bool]], samples: int,
+                      observed: Sequence[Sequence[np.ndarray | None] | None] | None = None
+                      ) -> list[list[np.ndarray]]:
   """A teacher of another tokenizer's log-probs of each policy token of each group's
   `responses` (teacher.tokenizer, worker.teacher_tokenizer): each response's text,
-  tokenized for the teacher after its group's prompt (of `prompts`: raw, its own chat
-  template renders a conversation), is scored by `teacher` (score_groups: a packed row of
+  tokenized for the teacher after its group's prompt (`prompts`: in the teacher's ids, its
+  own chat template's rendering), is scored by `teacher` (score_groups: a packed row of
   `samples` slots a group); each smallest span of text both tokenize alike gets the
   teacher's log-prob of its tokens, shared out over the policy's tokens of the span in
   proportion to their `weights` (sampling log-probs), so a response's sum is the teacher's
   log-prob of its text. A response that ended on a stop token (`stopped`) gets for it the
-  teacher's log-prob of its own eos there."""
+  teacher's log-prob of its own eos there. A multi-turn response's runs of tokens the policy
+  drew and of an environment's replies (`observed`: True on the latter) are tokenized for
+  the teacher run by run, so no span holds both: the replies' log-probs stay on the
+  replies' tokens, which the loss leaves out."""
   from rlax_ps.token_alignment import aligned_chunks, decoded_pieces, spread_over_chunks
+  observed = observed or [None] * len(responses)
   pieces, texts = [], []
-  for rs, stops in zip(responses, stopped):
+  for rs, stops, obs in zip(responses, stopped, observed):
     pieces.append([]), texts.append([])
-    for r, stop in zip(rs, stops):
+    for r, stop, o in zip(rs, stops, obs or [None] * len(rs)):
       body = list(r[:len(r) - 1] if stop else r)
       pieces[-1].append(decoded_pieces(policy_tokenizer, body))
-      ids = teacher_tokenizer.encode("".join(pieces[-1][-1]))
+      runs = _runs(None if o is None else np.asarray(o, bool)[:len(body)], len(body))
+      ids = [t for a, b in runs
+             for t in teacher_tokenizer.encode("".join(pieces[-1][-1][a:b]))]
       texts[-1].append(ids + [teacher_tokenizer.eos_id] * int(stop))
   budget = max(_MIN_PROMPT, 1 << (max(len(t) for ts in texts for t in ts) - 1).bit_length())
-  scored = teacher.score_groups([teacher_tokenizer.encode_prompt(p) for p in prompts], texts,
-                                samples, budget)
+  scored = teacher.score_groups(prompts, texts, samples, budget)
   out = []
-  for group in zip(stopped, pieces, texts, scored, weights):
+  for group in zip(stopped, pieces, texts, scored, weights, observed):
     out.append([])
-    for stop, own, ids, (logp, _, _), w in zip(*group):
+    obs = group[-1] or [None] * len(group[0])
+    for stop, own, ids, (logp, _, _), w, o in zip(*group[:-1], obs):
       n = len(ids) - int(stop)
       read = decoded_pieces(teacher_tokenizer, ids[:n])
       if "".join(read) != "".join(own):  # aligned_chunks makes the response one span
@@ -171,6 +180,18 @@ def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer, prompts: Seq
             "(%r reads as %r): the teacher scores what it read, shared out over the whole "
             "response", 60, "".join(own)[:80], "".join(read)[:80])
       mine, theirs, count = aligned_chunks(own, read)
-      spread = spread_over_chunks(logp[:n], theirs, mine, np.asarray(w)[:len(own)], count)
+      w = np.asarray(w, np.float64)[:len(own)]
+      if o is not None:  # a reply's tokens: no share of a span of the policy's
+        w = np.where(np.asarray(o, bool)[:len(own)], 0.0, w)
+      spread = spread_over_chunks(logp[:n], theirs, mine, w, count)
       out[-1].append(np.concatenate([spread, logp[n:]]).astype(np.float32))
   return out
+
+
+def _runs(observed: np.ndarray | None, n: int) -> list[tuple[int, int]]:
+  """(start, end) of each run of `n` tokens alike in `observed` (None: one run)."""
+  if observed is None or not n:
+    return [(0, n)]
+  cuts = np.flatnonzero(np.diff(observed.astype(np.int8))) + 1
+  bounds = [0, *cuts.tolist(), n]
+  return list(zip(bounds[:-1], bounds[1:]))

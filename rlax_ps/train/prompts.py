@@ -189,8 +189,8 @@ def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
                  field: str = "data.jsonl", *, prompt_key: str = "prompt",
                  answer_key: str = "answer", task_key: str = "task",
                  demonstrations: bool = False,
-                 check: Callable[[dict[str, Any]], None] | None = None
-                 ) -> Iterator[dict[str, Any]]:
+                 check: Callable[[dict[str, Any]], None] | None = None,
+                 sizes: list[int] | None = None) -> Iterator[dict[str, Any]]:
   """The `{"prompt", "answer", "task"}` records of JSONL or Parquet prompt files (`path`: one
   path or URL, or several joined by commas, read in order), read at the given
   (dotted) keys; a record without a task takes `default_task`. A bad record raises
@@ -199,9 +199,10 @@ def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
   data): an answer may also be a multi-turn demonstration (`conversation_answer`). An
   empty `answer_key` reads prompts alone (answer ""): for a reward model to score.
   `check(record)`: a further check of each record, whose ValueError is raised naming the
-  record's file and line. Records are read as they are iterated, none held."""
+  record's file and line. `sizes` gets each file's count of records as its last is read.
+  Records are read as they are iterated, none held."""
   count = 0
-  for where, rec in (r for one in data_files(path) for r in _raw_records(one, field)):
+  for where, rec in _each_file(path, field, sizes):
     if not isinstance(rec, dict):
       raise ValueError(f"{where}: expected an object, got {type(rec).__name__}")
     prompt = _lookup(rec, prompt_key)
@@ -270,22 +271,27 @@ def file_weights(data) -> tuple[float, ...]:
   return weights
 
 
-def file_parts(sizes: Sequence[int], weights: Sequence[float]) -> list[tuple[int, int, float]]:
+def file_parts(sizes: Sequence[int], weights: Sequence[float],
+               files: Sequence[str] = ()) -> list[tuple[int, int, float]]:
   """(first record, end, weight) of each file whose records, `sizes` of them, are held one
-  file after another."""
+  file after another (`files`: their names, for the error of a weighed file without any)."""
+  empty = [f for f, n, w in zip(files or [""] * len(sizes), sizes, weights) if not n and w]
+  if empty:
+    raise ValueError(f"data.weights: {empty[0]} has no prompt records to draw; expected a "
+                     f"weight of 0 for it")
   ends = np.cumsum(sizes, dtype=np.int64)
   return [(int(end - n), int(end), float(w)) for n, end, w in zip(sizes, ends, weights)]
 
 
-def per_file(path: str, read: Callable[[str], Iterable[Any]], sizes: list[int]) -> Iterator[Any]:
-  """The records `read(file)` gives of each file of `path`, in order; `sizes` gets each
-  file's count as its last record is read."""
+def _each_file(path: str, field: str, sizes: list[int] | None) -> Iterator[tuple[str, Any]]:
+  """(where, record) of each file of `path` in order (_raw_records); `sizes` (if given) gets
+  each file's count as its last record is read."""
   for one in data_files(path):
     n = 0
-    for record in read(one):
-      n += 1
-      yield record
-    sizes.append(n)
+    for n, item in enumerate(_raw_records(one, field), 1):
+      yield item
+    if sizes is not None:
+      sizes.append(n)
 
 
 def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None = None,
@@ -295,8 +301,8 @@ def read_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
 
 
 def iter_config_records(config, field: str, path: str,
-                        check: Callable[[dict[str, Any]], None] | None = None
-                        ) -> Iterator[dict[str, Any]]:
+                        check: Callable[[dict[str, Any]], None] | None = None,
+                        sizes: list[int] | None = None) -> Iterator[dict[str, Any]]:
   """The records of a prompt file the config names, read at its data.*_key keys, each task
   (else worker.default_task, or math in a config without workers) checked against the
   built-in tasks and the verifiers that worker.verifiers registers (imported here), and
@@ -310,7 +316,8 @@ def iter_config_records(config, field: str, path: str,
                              known=known_tasks(), field=field,
                              prompt_key=str(data.get("prompt_key", "prompt")),
                              answer_key=str(data.get("answer_key", "answer")),
-                             task_key=str(data.get("task_key", "task")), check=check):
+                             task_key=str(data.get("task_key", "task")), check=check,
+                             sizes=sizes):
     tasks.add(record["task"])
     yield record
   if "worker" in config and not worker.get("reward_model", "") and REWARD_MODEL_TASK in tasks:

@@ -44,8 +44,8 @@ from rlax_ps import sharding as shd
 from rlax_ps.config_files import save_run_config
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
-from rlax_ps.train.prompts import (PromptFeed, PromptRecords, TaskPrompts, file_parts,
-                                   file_weights, iter_config_records, per_file)
+from rlax_ps.train.prompts import (PromptFeed, PromptRecords, TaskPrompts, data_files,
+                                   file_parts, file_weights, iter_config_records)
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check_rl_config,
                                      prompt_limit)
@@ -151,8 +151,7 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                baseline_reward=(float(taken.group.baseline_reward)
                                 if taken.group.HasField("baseline_reward") else None),
                teacher=(tuple(sample_teacher(s) for s in samples)
-                        if any(s.teacher_logprobs_f32 for s in samples) else None),
-               prompt=chat.raw_prompt(prompt.text, prompt.metadata))
+                        if any(s.teacher_logprobs_f32 for s in samples) else None))
 
 
 def teacher_shape(loss_cfg, config) -> dict:
@@ -450,6 +449,7 @@ class RLTrainer(TrainerRun):
     # since the last step's record, as (step, result, pass@1 and pass@k or None).
     self.fleet_eval = bool(config.eval.get("on_workers", False))
     self._published_step = -1  # the step whose weights were published last
+    self._round_due = False  # eval.on_workers: a round waits for the next publication
     self.left_unacked = 0  # groups the workers' evaluations took and left unacknowledged
     # (training groups, other rounds' answers)
     self._eval_rounds: dict[str, dict[str, Any]] = {}  # by metadata "eval": str(step)
@@ -503,15 +503,14 @@ class RLTrainer(TrainerRun):
       return (TaskPrompts(self.tasks, self.weights, int(self.config.seed)),
               data_source(self.config, None), [])
     weights, sizes = file_weights(self.config.data), []
-    records = PromptRecords(per_file(
-        path, lambda one: iter_config_records(self.config, "data.jsonl", one), sizes))
+    records = PromptRecords(iter_config_records(self.config, "data.jsonl", path, sizes=sizes))
     recorded = data_source(self.config, ((r["prompt"], r["answer"], r["task"]) for r in records))
     # The first prompt too long is named by its file and line, as `rlax-ps local` names it;
     # with the model's positions as the bound where they allow less than rl.max_prompt_tokens.
     limit, bound = prompt_limit(self.config, self.model_config.max_position_embeddings)
     check_prompt_lengths(self.config, "data.jsonl", path, recorded["digest"], self.tokenizer,
                          limit, bound)
-    return records, recorded, file_parts(sizes, weights) if weights else []
+    return records, recorded, file_parts(sizes, weights, data_files(path)) if weights else []
 
   @property
   def step(self) -> int:
@@ -915,13 +914,18 @@ class RLTrainer(TrainerRun):
           except ParamServerError as e:  # the next start publishes a keyframe of this step
             if not self._stopping(e, f"the publication of step {done}"):
               raise
-        if eval_every and done % eval_every == 0 and done < self.total_steps:
-          if self.fleet_eval:  # the workers decode it between training prompts
-            if self.leader:  # (which alone talks to the server and takes the answers)
-              self._feed_eval(done)
-          else:
-            self.log_eval(self.evaluate(), done)
-            record["heldout"] = self.last_eval
+        due = eval_every and done % eval_every == 0 and done < self.total_steps
+        if due and not self.fleet_eval:
+          self.log_eval(self.evaluate(), done)
+          record["heldout"] = self.last_eval
+        # eval.on_workers: the workers decode a round between training prompts, once the
+        # weights it evaluates are published (rl.publish_every > 1: at the next publication)
+        self._round_due = bool(self.fleet_eval and self.heldout.size
+                               and (self._round_due or due))
+        if self._round_due and self._published_step == done and done < self.total_steps:
+          self._round_due = False
+          if self.leader:  # (which alone talks to the server and takes the answers)
+            self._feed_eval(done)
         if self._evals_done:  # eval.on_workers: the newest round the workers finished
           record["heldout_step"], record["heldout"], passes = self._evals_done[-1]
           if passes:
@@ -1020,9 +1024,14 @@ class RLTrainer(TrainerRun):
         left[f"{self.run_id}-eval{key}-{round_id}-{name}-{i}"] = (name, i, 0)
         if k:
           left[f"{self.run_id}-eval{key}-{round_id}-{name}-pass-{i}"] = (name, i, k)
+    try:
+      self._enqueue_eval(key, left)
+    except ParamServerError as e:  # a stop meanwhile: no round (answers to what was queued
+      if self._stopping(e, f"the held-out round of {key}"):  # are passed over)
+        return
+      raise
     self._eval_rounds[key] = {"step": step, "left": left, "waited": waited, "passes": [],
                               "scores": collections.defaultdict(list), "versions": []}
-    self._enqueue_eval(key, left)
 
   def _enqueue_eval(self, key: str, prompts: dict[str, tuple[str, int, int]]) -> None:
     """Queue the held-out prompts of round `key`: {prompt id: (set, index, sampled
@@ -1047,26 +1056,32 @@ class RLTrainer(TrainerRun):
     acknowledged (left_unacked): the server serves them again, to the next start's first
     take at once; a periodic round they make whole is logged all the same."""
     self._feed_round(key, self.step, k, waited=True)
-    round_ = self._eval_rounds[key]
+    round_ = self._eval_rounds.get(key, {})  # (none: stopped while it was queued)
     wait = float(self.config.rl.take_timeout_s)
     deadline = time.monotonic() + wait
-    while "done" not in round_ and time.monotonic() < deadline and not self._stop.is_set():
+    requeue = self._requeue_next  # a restart's first take: what the last run left comes back
+    while (round_ and "done" not in round_ and time.monotonic() < deadline
+           and not self._stop.is_set()):
       try:
         take = self.client.take_rollouts(self.version, ENQUEUE_BATCH, wait_s=1.0,
-                                          ack_deadline_s=float(self.config.rl.ack_deadline_s))
+                                          ack_deadline_s=float(self.config.rl.ack_deadline_s),
+                                          requeue_unacked=requeue)
       except ParamServerError as e:
         if self._stopping(e, f"the {key} evaluation"):
           break
         raise
+      requeue = False  # (the training loop's first take still requeues what this one left)
       for taken in take.rollouts:
         if "eval" in taken.prompt.metadata:
           self._eval_group(taken)
       if take.take_id and all(r.prompt.metadata.get("eval") == key for r in take.rollouts):
         self.client.ack(take.take_id)  # this round's answers alone: scored, done with
-      elif take.rollouts:  # served again, at once, to the next start's first take: training
-        # groups, and answers of rounds the last checkpoint holds unfinished (it scores them)
-        self.left_unacked += len(take.rollouts)
-    del self._eval_rounds[key]
+      elif take.rollouts and key == "final":  # served again, at once, to the next start's
+        # first take: training groups, and answers of rounds the last checkpoint holds
+        self.left_unacked += len(take.rollouts)  # unfinished (it scores them)
+    self._eval_rounds.pop(key, None)
+    if not round_:
+      return None, None
     if "done" not in round_:
       logging.warning("eval.on_workers: the %s evaluation of v%d is not whole after %gs (%d of "
                       "its prompts unanswered): no result", key, self.version, wait,
@@ -1148,6 +1163,17 @@ class RLTrainer(TrainerRun):
         self.writer.add_scalar("eval/policy_version_min", min(round_["versions"]), step)
     self._evals_done.append((step, result, passes))
 
+  def _teacher_prompt(self, prompt) -> np.ndarray:
+    """A taken group's prompt in the tokens of teacher.tokenizer, rendered by its own chat
+    template where this trainer rendered a conversation; ValueError naming the rollout's
+    prompt where the teacher cannot read it (its template refuses the conversation)."""
+    try:
+      ids = self.teacher_tokenizer.encode_prompt(chat.raw_prompt(prompt.text, prompt.metadata))
+    except (ValueError, KeyError, UnicodeError) as e:
+      raise ValueError(f"prompt {prompt.id}: teacher.tokenizer: the teacher cannot read it: "
+                       f"{e}") from None
+    return np.asarray(ids, np.int32)
+
   def _retokenized_scores(self, groups: list[Group]) -> list[Group]:
     """`groups` with the teacher's log-probs of each response token (teacher.tokenizer: its
     log-probs of the responses' text, shared out over the policy's tokens), scored in one
@@ -1155,10 +1181,11 @@ class RLTrainer(TrainerRun):
     stop_ids = set(self.loss_cfg.stop_ids)
     most = max(self.shape.samples, *(len(g.responses) for g in groups))
     scores = score_retokenized(
-        self.teacher, self.tokenizer, self.teacher_tokenizer, [g.prompt for g in groups],
-        [g.responses for g in groups], [g.behaviour_logp for g in groups],
+        self.teacher, self.tokenizer, self.teacher_tokenizer,
+        [g.teacher_prompt for g in groups], [g.responses for g in groups],
+        [g.behaviour_logp for g in groups],
         [[len(r) > 0 and int(r[-1]) in stop_ids for r in g.responses] for g in groups],
-        1 << (most - 1).bit_length())
+        1 << (most - 1).bit_length(), [g.observed for g in groups])
     return [dataclasses.replace(g, teacher=tuple((logp, None, None) for logp in s))
             for g, s in zip(groups, scores)]
 
@@ -1271,6 +1298,8 @@ class RLTrainer(TrainerRun):
       try:
         check_group(group, self.taken_shape, self.model_config.vocab_size,
                     self.loss_cfg.reward_parts)
+        if self.teacher_tokenizer is not None:  # the teacher reads it in its own tokens
+          group = dataclasses.replace(group, teacher_prompt=self._teacher_prompt(taken.prompt))
         if self.dynamic and len(group.rewards) != self.shape.samples:
           raise ValueError(f"rollout {group.rollout_id}: {len(group.rewards)} samples; "
                            f"rl.dynamic_sampling needs worker.samples_per_prompt="

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -100,9 +100,9 @@ class Group:
   # Per sample, the teacher's scores the worker sent (worker.teacher): its log-probs [t], top
   # ids [t, k] and their log-probs [t, k] (None: not sent); None when no sample has any.
   teacher: tuple[tuple[np.ndarray | None, ...], ...] | None = None
-  # The prompt as the trainer fed it, before its chat template rendered it (chat.raw_prompt):
-  # what a teacher of another tokenizer reads (teacher.tokenizer).
-  prompt: Any = None
+  # The prompt in the tokens of a teacher of another tokenizer (teacher.tokenizer), rendered
+  # by its own chat template; None without one.
+  teacher_prompt: np.ndarray | None = None
 
 
 def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None,

@@ -27,7 +27,7 @@ from rlax_ps.config_files import check_counts, save_run_config
 from rlax_ps.tasks import Example
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.heldout import heldout_from_config
-from rlax_ps.train.prompts import file_parts, file_weights, iter_prompts, per_file
+from rlax_ps.train.prompts import data_files, file_parts, file_weights, iter_prompts
 from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
 from rlax_ps.train.state import TrainState, mesh_layout, restore_or_init
 from rlax_ps.train.step import make_train_step
@@ -92,12 +92,13 @@ class SFTTrainer(TrainerRun):
       raise ValueError("data.answer_key: supervised data needs answers; expected the key "
                        "that holds them, got ''")
     weights, sizes = file_weights(data), []
-    records = per_file(path, lambda one: iter_prompts(
-        one, field="data.jsonl", prompt_key=str(data.get("prompt_key", "prompt")),
-        answer_key=str(data.get("answer_key", "answer")),
-        task_key=str(data.get("task_key", "task")), demonstrations=True), sizes)
+    records = iter_prompts(path, field="data.jsonl",
+                           prompt_key=str(data.get("prompt_key", "prompt")),
+                           answer_key=str(data.get("answer_key", "answer")),
+                           task_key=str(data.get("task_key", "task")), demonstrations=True,
+                           sizes=sizes)
     examples = [Example(r["prompt"], r["answer"], r["task"]) for r in records]
-    return examples, file_parts(sizes, weights) if weights else []
+    return examples, file_parts(sizes, weights, data_files(path)) if weights else []
 
   def _init_or_restore(self) -> tuple[TrainState, TrainState, nnx.GraphDef]:
     return restore_or_init(self.model_config, self.optimizer, self.mesh, self.checkpointer,

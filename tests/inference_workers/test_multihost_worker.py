@@ -195,6 +195,50 @@ def test_a_worker_leading_followers_scores_with_a_reward_model_on_every_host(mon
   assert [len(s.teacher_logprobs_f32) for s in group.samples] == [4, 8]
 
 
+def test_a_teacher_of_another_tokenizer_scores_on_every_host(monkeypatch, tmp_path):
+  """worker.teacher_tokenizer on a worker leading followers: the teacher's forward over the
+  responses' text in its own tokens (score_groups) runs on every host alike, as a mesh
+  spanning the hosts needs, and the samples carry its scores."""
+  from inference_workers.loop import Worker, follow_leader
+  from inference_workers.worker_config import WorkerConfig
+  from param_server.protos import param_server_pb2 as pb
+  from rlax_ps.models import save_hf_checkpoint
+  from rlax_ps.teacher import Teacher
+  from tokenizer_testlib import save_byte_level_tokenizer
+  taught, teach = [], Teacher.score_groups
+  monkeypatch.setattr(Teacher, "score_groups", lambda self, prompts, responses, *args: (
+      taught.append((id(self), [list(p) for p in prompts],
+                     [[list(r) for r in rs] for rs in responses])),
+      teach(self, prompts, responses, *args))[1])
+  own = save_byte_level_tokenizer(tmp_path / "teacher")
+  tokenizer = CharTokenizer()
+  model_config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
+                             intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                             max_position_embeddings=64)
+  save_hf_checkpoint(Transformer(model_config.replace(vocab_size=own.vocab_size),
+                                 rngs=nnx.Rngs(3)), str(tmp_path / "teacher"))
+  config = WorkerConfig(max_new_tokens=8, teacher=str(tmp_path / "teacher"),
+                        teacher_tokenizer=str(tmp_path / "teacher"), teacher_dtype="float32")
+  channel = Loopback()
+  follower = threading.Thread(target=follow_leader, daemon=True,
+                              args=(model_config, tokenizer, config, channel))
+  follower.start()
+  worker = Worker(None, model_config, tokenizer, config, mirror=multihost.Mirror(channel))
+  samples = [Sample(np.asarray(tokenizer.encode(t), np.int32), np.zeros(len(t), np.float32),
+                    np.full(len(t), -1.0, np.float32), "length") for t in ("7", "12")]
+  prompt = pb.Prompt(id="a", text="5+7=", token_ids=tokenizer.encode_prompt("5+7="),
+                     task="addition")
+  rewards, _, _ = worker._scored(prompt, samples)
+  group = worker._group(prompt, 0, samples, rewards)
+  worker.mirror.stop()
+  follower.join(60)
+  assert not follower.is_alive()
+  assert len(taught) == 2 and taught[0][1:] == taught[1][1:] == (
+      [own.encode_prompt("5+7=")], [[own.encode("7"), own.encode("12")]])
+  assert id(worker.teacher._obj) in {i for i, *_ in taught}
+  assert [len(s.teacher_logprobs_f32) for s in group.samples] == [4, 8]
+
+
 def _start(address, token_file, devices, *extra):
   return subprocess.Popen(
       [sys.executable, "-m", "rlax_ps", "worker", f"--config={CONFIG}", f"--address={address}",

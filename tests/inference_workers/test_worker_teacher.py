@@ -17,6 +17,7 @@ from flax import nnx
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import sample_logprobs
+from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
 from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
 from rlax_ps.teacher import Teacher, score_retokenized
@@ -95,9 +96,9 @@ def test_a_teacher_of_another_tokenizer_scores_each_responses_text(tmp_path, cap
   responses = [TOKENIZER.encode(t) + [TOKENIZER.eos_id] * s for t, s in zip(texts, stopped)]
   rng = np.random.default_rng(0)
   weights = [-rng.random(len(r)) for r in responses]
-  out, = score_retokenized(teacher, TOKENIZER, tok, ["the world is"], [responses], [weights],
-                           [stopped], 4)
   prompt = tok.encode_prompt("the world is")
+  out, = score_retokenized(teacher, TOKENIZER, tok, [prompt], [responses], [weights],
+                           [stopped], 4)
   assert "does not give back a response's text ('12+34' reads as '1234')" in caplog.text
   for text, stop, got, w in zip(texts, stopped, out, weights):
     if text == "12+34":  # the teacher's log-prob of "1234", over the five tokens
@@ -121,6 +122,33 @@ def test_a_teacher_of_another_tokenizer_scores_each_responses_text(tmp_path, cap
       np.testing.assert_allclose(got[-1], want[-1], rtol=1e-5)
 
 
+def test_an_environments_reply_is_tokenized_for_the_teacher_apart_from_the_policys_turns(
+    tmp_path):
+  """A multi-turn response "hel" | "lo" (an environment's reply) | " world": the teacher's
+  tokenizer would make "hello" one token across the reply's edge; each run is tokenized on
+  its own instead, so the policy's tokens of a turn get the teacher's log-probs of its own
+  tokens of that turn, and the reply's tokens those of the reply."""
+  model, tok = _bpe_teacher(tmp_path / "teacher")
+  assert len(tok.encode("hello")) == 1  # the merge the runs keep apart
+  teacher = Teacher(str(tmp_path / "teacher"), None, vocab_size=tok.vocab_size,
+                    dtype="float32")
+  runs = ["hel", "lo", " world"]
+  response = TOKENIZER.encode("".join(runs))
+  observed = np.repeat([False, True, False], [len(r) for r in runs])
+  weights = np.where(observed, 0.0, -np.random.default_rng(1).random(len(response)))
+  prompt = tok.encode_prompt("the world is")
+  (got,), = score_retokenized(teacher, TOKENIZER, tok, [prompt], [[response]], [[weights]],
+                              [[False]], 4, [[observed]])
+  ids = [tok.encode(r) for r in runs]
+  flat = [t for x in ids for t in x]
+  logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt + flat])), axis=-1))[0]
+  want = logp[np.arange(len(prompt) - 1, len(prompt) - 1 + len(flat)), flat]
+  chars, tokens = np.cumsum([0] + [len(r) for r in runs]), np.cumsum([0] + list(map(len, ids)))
+  for k in range(3):
+    np.testing.assert_allclose(got[chars[k]:chars[k + 1]].sum(),
+                               want[tokens[k]:tokens[k + 1]].sum(), rtol=1e-5)
+
+
 def test_a_worker_sends_the_scores_of_a_teacher_of_another_tokenizer(server, versions,
                                                                      tmp_path):
   _, tok = _bpe_teacher(tmp_path / "teacher")
@@ -135,6 +163,13 @@ def test_a_worker_sends_the_scores_of_a_teacher_of_another_tokenizer(server, ver
     with pytest.raises(ValueError, match=r"worker.teacher: .* gives other ids than the "
                                          r"policy's .*or worker.teacher_tokenizer set"):
       Worker(wc, CONFIG, TOKENIZER, WorkerConfig(teacher=str(tmp_path / "teacher"), **SMALL))
+    # A prompt the teacher cannot read (a conversation; it has no chat template) is one the
+    # worker cannot sample: the trainer is told why, and the worker goes on.
+    chat = pb.Prompt(id="c", text="hi", token_ids=TOKENIZER.encode_prompt("hi"),
+                     metadata={"prompt": json.dumps([{"role": "user", "content": "hi"}])})
+    _, fault = Worker(wc, CONFIG, TOKENIZER, config)._checked_tokens(chat)
+    assert fault.startswith("worker.teacher_tokenizer: the teacher cannot read it: prompt: a "
+                            "list of messages needs")
     with pytest.raises(ValueError, match="worker.teacher_tokenizer: .*none"):
       Worker(wc, CONFIG, TOKENIZER, WorkerConfig(teacher=str(tmp_path / "teacher"),
                                                  teacher_tokenizer=str(tmp_path / "none"),
@@ -143,7 +178,7 @@ def test_a_worker_sends_the_scores_of_a_teacher_of_another_tokenizer(server, ver
                     dtype="float32")
   for r in taken:
     samples = r.group.samples
-    want, = score_retokenized(teacher, TOKENIZER, tok, [r.prompt.text],
+    want, = score_retokenized(teacher, TOKENIZER, tok, [tok.encode_prompt(r.prompt.text)],
                               [[list(s.token_ids) for s in samples]],
                               [[sample_logprobs(s) for s in samples]],
                               [[s.finish_reason == "stop" for s in samples]], 4)

@@ -145,6 +145,17 @@ def test_keeps_only_the_last_n(tmp_path):
   np.testing.assert_array_equal(np.asarray(restored["w"]), tree["w"] + 4)
 
 
+def test_an_async_save_writes_the_metadata_as_it_was_when_saved(tmp_path):
+  """The caller goes on changing what its metadata holds (a held-out round's scores) while
+  an async save writes it from a thread: the checkpoint has the values of the save."""
+  scores = {"addition": [1.0]}
+  with Checkpointer(str(tmp_path), async_save=True) as ck:
+    ck.save(1, {"w": np.zeros(4, np.float32)}, {"scores": scores})
+    scores["addition"].extend([0.0] * 3)
+    ck.wait()
+    assert ck.metadata(1) == {"scores": {"addition": [1.0]}}
+
+
 def test_close_awaits_the_cleanup_of_unfinished_saves_before_an_exit(tmp_path):
   """Unfinished saves' tmp folders, which orbax removes in a thread as a Checkpointer opens, are
   gone once close() returns, and a process that exits at once prints no error about it."""

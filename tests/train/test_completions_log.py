@@ -42,6 +42,8 @@ def _trainer(workdir, every, groups):
       _told_routes=False, tokenizer=TOK, model_config=types.SimpleNamespace(
           vocab_size=TOK.vocab_size),
       shape=BatchShape(groups=len(REWARDS), samples=4, prompt_len=8, response_len=8),
+      taken_shape=BatchShape(groups=len(REWARDS), samples=4, prompt_len=8, response_len=8),
+      teacher_tokenizer=None,
       loss_cfg=LossConfig(budget=8), completions_every=every, completions_groups=groups,
       _taken={}, workdir=str(workdir), writer=Writer())
 

@@ -138,6 +138,19 @@ def test_weighted_files_are_mixed_in_their_proportions_each_shuffled_on_its_own(
   assert {rec["record"] for _, rec in zero.take(50)} == set(range(3, 10))
 
 
+def test_an_empty_file_among_several_is_read_as_none_and_drawn_from_only_without_weight(
+    tmp_path):
+  first = _write(tmp_path, [json.dumps(r) for r in RECORDS[:2]], "a.jsonl")
+  empty = _write(tmp_path, [""], "empty.jsonl")
+  sizes = []
+  got = read_prompts(f"{empty},{first}", default_task="math", sizes=sizes)
+  assert len(got) == 2 and sizes == [0, 2]
+  assert file_parts(sizes, (0.0, 1.0), [str(empty), str(first)]) == [(0, 0, 0.0), (0, 2, 1.0)]
+  with pytest.raises(ValueError, match=f"data.weights: {empty} has no prompt records to draw; "
+                                       f"expected a weight of 0 for it"):
+    file_parts(sizes, (1.0, 1.0), [str(empty), str(first)])
+
+
 @pytest.mark.parametrize("weights, message", [
     ("3", r"data.weights: expected one weight >= 0 for each of the 2 file\(s\) of data.jsonl "
           r"\['a.jsonl', 'b.jsonl'\], with a positive sum, got '3'"),

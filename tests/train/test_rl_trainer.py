@@ -18,6 +18,7 @@ import pytest
 
 from param_server.client import (ParamServerClient, ParamServerError, RetryPolicy, RolloutGroup,
                                   make_sample)
+from param_server.protos import param_server_pb2 as pb
 from rl_testlib import (REPO, TOKENS, FakeWorker, client, fake_fleet, rl_config,
                         save_warm_start, start_server)
 from rlax_ps import sync
@@ -410,7 +411,10 @@ def test_a_held_out_round_not_whole_at_a_checkpoint_is_finished_after_a_restart(
 def test_a_round_the_final_evaluation_makes_whole_is_scored_again_by_a_rerun(tmp_path):
   """eval.on_workers: a periodic round's answers taken by the final evaluation are scored
   (the round logged whole) and left unacknowledged, so a rerun from the checkpoint (which
-  holds the round unfinished) is served them again and finishes it."""
+  holds the round unfinished) is served them again, by its own final evaluation's first
+  take (a run killed in its final evaluation is rerun straight into it), and finishes it:
+  they are of the version before the restart's keyframe, so their prompts are asked again
+  (the fake worker's verdicts), as the final evaluation's own stale answers are."""
   config = _config()
   config.eval.on_workers, config.export.hf = True, False
   workdir = str(tmp_path / "rl")
@@ -429,14 +433,50 @@ def test_a_round_the_final_evaluation_makes_whole_is_scored_again_by_a_rerun(tmp
       assert tr._evals_done == [whole]
     assert summary["heldout_exact_match"] == {"addition": 0.5, "reversal": 0.5, "all": 0.5}
     assert summary["groups_left_unacked"] >= 4  # (and final answers taken with them)
-    worker.stop()
     with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
       assert len(tr._eval_rounds["3"]["left"]) == 4
       tr.start()
-      tr._valid_groups(tc.take_rollouts(0, 64, wait_s=2.0, requeue_unacked=True).rollouts)
-      assert tr._evals_done == [whole] and not tr._eval_rounds
+      tr._fleet_evaluation("final", 0)
+      assert tr._evals_done == [(3, {"addition": 0.5, "reversal": 0.5, "all": 0.5}, None)]
+      assert not tr._eval_rounds
   finally:
     worker.stop()
+    server.stop(grace=0)
+
+
+def test_rounds_wait_for_a_publication_and_none_go_out_without_held_out_examples(tmp_path):
+  """eval.on_workers with eval.every_steps=1 and rl.publish_every=2: a round evaluates
+  weights the workers can hold, so steps 1 and 3 feed none (step 2 feeds one; step 4's is
+  the final evaluation); without held-out examples no round is fed at all (one would never
+  be whole, and stay in every checkpoint)."""
+  for examples, want in ((2, [2]), (0, [])):
+    config = _config(steps=4, publish_every=2, max_staleness=2)
+    config.eval.on_workers, config.eval.every_steps = True, 1
+    config.eval.num_examples = examples
+    fed = []
+    with fake_fleet(tmp_path / str(examples)) as (tc, _):
+      with RLTrainer(config, str(tmp_path / str(examples) / "rl"), tc) as tr:
+        feed = tr._feed_eval
+        tr._feed_eval = lambda step: (fed.append(step), feed(step))
+        tr.train()
+    assert fed == want
+
+
+def test_a_stop_while_a_round_is_queued_drops_the_round(tmp_path, caplog):
+  """A stop (SIGTERM, the server gone too) that ends the calls queueing a held-out round
+  leaves no round (none the workers could finish) and no error: the step is checkpointed."""
+  config = _config()
+  config.eval.on_workers = True
+  server = start_server(tmp_path / "ps")
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"),
+                                                            tc) as tr:
+      tr.start()
+      server.stop(grace=0)
+      tr.request_stop(signal.SIGTERM)
+      tr._feed_eval(3)
+      assert not tr._eval_rounds and "held-out round of 3 left to the next start" in caplog.text
+  finally:
     server.stop(grace=0)
 
 
@@ -735,11 +775,22 @@ def test_a_teacher_of_another_tokenizer_on_the_trainer_scores_each_responses_tex
   assert len(logged) == len(scored) == 2
   for m in logged:
     assert abs(m["teacher_kl"] - (np.log(own.vocab_size) - 1.5)) < 0.5, m["teacher_kl"]
+  # A group whose prompt the teacher cannot read (a conversation; it has no chat template)
+  # is rejected as it is taken, naming it, not when its step is built.
+  chat = pb.TakenRollout(rollout_id=99, prompt=pb.Prompt(
+      id="p-chat", text="hi", task="addition", token_ids=policy.encode_prompt("hi"),
+      metadata={"prompt": json.dumps([{"role": "user", "content": "hi"}])}),
+      group=pb.RolloutGroup(prompt_id="p-chat", policy_version=0, samples=[
+          make_sample([5, 6], float(j % 2), logprobs=[-1.0, -1.0]) for j in range(4)]))
+  rejected = tr.rejected
+  assert tr._valid_groups([chat]) == [] and tr.rejected == rejected + 1
+  assert tr.last_rejection.startswith("prompt p-chat: teacher.tokenizer: the teacher cannot "
+                                      "read it: prompt: a list of messages needs")
   alone = Teacher(str(tmp_path / "teacher"), None, vocab_size=own.vocab_size,
                   dtype=tr.model_config.dtype)
   for groups, placed in zip(scored, taken):
     for row, g in enumerate(groups):
-      want, = score_retokenized(alone, policy, own, [g.prompt], [g.responses],
+      want, = score_retokenized(alone, policy, own, [g.teacher_prompt], [g.responses],
                                 [g.behaviour_logp], [[False] * len(g.responses)], 4)
       for slot, ((got, _, _), w, r) in enumerate(zip(g.teacher, want, g.responses)):
         assert len(got) == len(r)
