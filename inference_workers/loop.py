@@ -59,7 +59,7 @@ from inference_workers.hard_exit import exit_now
 from inference_workers.sample_batch import SampleBatch
 from inference_workers.sampling import GREEDY_SEED
 from inference_workers.weights import HeldPolicy, ResyncNeeded
-from inference_workers.worker_config import WorkerConfig
+from inference_workers.worker_config import WATCHDOG_LEAD_S, WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
                                   make_routes, make_sample, routes_of, sample_logprobs,
                                   sample_observed)
@@ -75,7 +75,6 @@ from rlax_ps.tokenizers import HFTokenizer
 
 _RATE_CHUNKS = 64  # decode chunks the reported tokens/s is averaged over
 _HEARTBEAT_JOIN_S = 5.0  # how long run() waits for the heartbeat thread on the way out
-_WATCHDOG_LEAD_S = 1.0  # stopping: the watchdog releases what is open this long before the end
 _EXIT_SLACK_S = 1.0  # past the grace period, how long the watchdog lets its releases go on
 _RENEW_BYTES = 3 << 20  # begun samples per renewal call: under gRPC's default 4 MiB limit
 # Failures that mean "the server is not there right now": back off and try again.
@@ -402,7 +401,7 @@ class Worker:
     """If the worker is still at work near the end of the grace period, release what is open
     and leave: by the end of the grace period plus _EXIT_SLACK_S, whatever the server does
     (a call begun before the stop keeps its full timeout; this does not wait for it)."""
-    if self._done.wait(max(0.0, grace - _WATCHDOG_LEAD_S)):
+    if self._done.wait(max(0.0, grace - WATCHDOG_LEAD_S)):
       return
     released = []
     releaser = threading.Thread(target=lambda: released.append(self._release_all()),
@@ -989,7 +988,12 @@ class Worker:
                       given: dict[int, list]) -> ParamServerError | None:
     """(A submitter's thread.) Score a finished group, then `_send` it. `versions`: the
     oldest and the newest it was sampled with (the one held when it finished)."""
-    rewards, passed, parts = self._scored(prompt, samples, given)
+    try:
+      rewards, passed, parts = self._scored(prompt, samples, given)
+    except ValueError as e:  # e.g. a reward model's chat template refusing the conversation:
+      # the trainer is told why, and this worker goes on (as would the next one it went to)
+      return self._send(lease_id, prompt_id, self._failed(
+          prompt, versions[0], f"its samples could not be scored: {e}"))
     baseline = None
     if self.config.greedy_baseline and not _evaluated(prompt):  # the last sample is greedy
       baseline, n = rewards[-1], self.config.samples_per_prompt
@@ -1114,15 +1118,25 @@ class Worker:
 
   def _checked_tokens(self, prompt: pb.Prompt) -> tuple[list[int], str]:
     """The prompt's token ids, and why this worker cannot sample it ("" when it can): its
-    text does not encode, its ids lie outside the model's vocabulary, it leaves no room
-    for max_new_tokens, it is a held-out prompt this worker cannot answer as asked, or a
-    teacher of another tokenizer cannot read it (its chat template refuses it)."""
+    task has no verifier or reward model here, its text does not encode, its ids lie
+    outside the model's vocabulary, it leaves no room for max_new_tokens, it is a held-out
+    prompt this worker cannot answer as asked, or a teacher of another tokenizer cannot
+    read it (its chat template refuses it)."""
     if _evaluated(prompt) and not self._continuous:
       return [], (f"it is a held-out prompt (eval.on_workers), answered by workers of the "
                   f"fixed allocator only; this one's is {self.config.allocator!r}")
     _, fault = _eval_samples(prompt, self.config.draws)
     if fault:
       return [], fault
+    if (prompt.task or self.config.default_task) == REWARD_MODEL_TASK:
+      if self.reward_scorer is None:
+        return [], (f"task {REWARD_MODEL_TASK!r} is scored by a reward model, and this "
+                    f"worker has none (worker.reward_model)")
+    else:
+      try:  # a task this worker's verifiers do not know (worker.verifiers)
+        self.verifier_for(prompt.task)
+      except ValueError as e:
+        return [], str(e)
     try:
       tokens = self._prompt_tokens(prompt)
     except (ValueError, KeyError, UnicodeError) as e:

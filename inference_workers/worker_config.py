@@ -17,6 +17,8 @@ KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
 # The reward parts besides worker.reward_terms, by their names in a sample's metadata
 # ("reward/<name>"): the prompt task's verifier and the reward model.
 RESERVED_PARTS = ("task", "reward_model")
+# Stopping: the worker's watchdog releases what is open this long before the grace period ends.
+WATCHDOG_LEAD_S = 1.0
 
 
 @dataclasses.dataclass
@@ -230,8 +232,10 @@ class WorkerConfig:
     need(self.sample_rows >= 0, "sample_rows", "an int >= 0 (0: prompts_per_call slots)")
     need(not self.sample_rows or self.allocator == "fixed", "sample_rows",
          f"0 with allocator={self.allocator!r} (its rounds decode prompts_per_call prompts)")
-    need(0 <= self.salvage_s < self.grace_s, "salvage_s",
-         f"a number of seconds in [0, grace_s={self.grace_s})")
+    need(self.salvage_s == 0 or 2 * WATCHDOG_LEAD_S <= self.salvage_s < self.grace_s,
+         "salvage_s", f"0 (off) or a number of seconds in [{2 * WATCHDOG_LEAD_S:g}, "
+         f"grace_s={self.grace_s}) (the watchdog releases every open prompt, without its "
+         f"samples, {WATCHDOG_LEAD_S:g}s before the end)")
     need(self.checkpoint_s >= 0, "checkpoint_s", "a number of seconds >= 0")
     for f in ("lease_deadline_s", "grace_s", "backoff_initial_s", "backoff_max_s"):
       need(getattr(self, f) > 0, f, "a positive number of seconds")

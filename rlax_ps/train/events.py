@@ -6,6 +6,8 @@ run (its id is the trainer's), so one run's curves stay one run however often it
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from typing import Any, Sequence
 
@@ -62,6 +64,32 @@ class NoEvents:
     """Nothing is buffered."""
 
   close = flush
+
+
+def open_jsonl(path: str):
+  """`path` opened to append JSON lines (steps.jsonl, versions.jsonl); a last line a kill
+  tore (the file not ending in a newline) is ended first, so the next line stays whole."""
+  torn = False
+  with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+    if f.seek(0, os.SEEK_END):
+      f.seek(-1, os.SEEK_END)
+      torn = f.read(1) != b"\n"
+  f = open(path, "a")
+  if torn:
+    f.write("\n")
+  return f
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+  """The records of a JSON-lines log, a line a kill tore left out ([] without the file)."""
+  records = []
+  with contextlib.suppress(FileNotFoundError), open(path) as f:
+    for line in f:
+      with contextlib.suppress(ValueError):
+        record = json.loads(line)
+        if isinstance(record, dict):
+          records.append(record)
+  return records
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -54,6 +53,7 @@ from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, adapt_kl_coef,
   ref_sync_settings, reference_logprobs, response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
+from rlax_ps.train.events import open_jsonl, read_jsonl
 from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
 from rlax_ps.train.critic import Critic
 from rlax_ps.train.state import (TrainState, abstract_model, hf_params, restore_or_init,
@@ -477,6 +477,7 @@ class RLTrainer(TrainerRun):
     if saved is not None:
       self._load_metadata(saved)
     self._restart_floor: int | None = None
+    self._restart_version = 0  # the version a restart published its restored weights as
     self._requeue_next = True  # the first take returns any unacknowledged take
     self._told_routes = False  # warned once of a group whose routes the run does not expect
     self._stop = threading.Event()
@@ -610,6 +611,7 @@ class RLTrainer(TrainerRun):
     version = self._shared(self._server_start() if self.leader else 0)
     if self.restored:
       self._restart_floor = max(0, self.saved_version - self.max_staleness)
+      self._restart_version = version  # the keyframe of the restored weights
     self._publish(version, keyframe=True)
 
   def _server_start(self) -> int:
@@ -663,13 +665,14 @@ class RLTrainer(TrainerRun):
 
   def _published_before(self) -> int:
     """The highest version in this run's versions.jsonl (-1: none)."""
-    top = -1
-    with contextlib.suppress(FileNotFoundError), open(
-        os.path.join(self.workdir, "versions.jsonl")) as f:
-      for line in f:
-        with contextlib.suppress(ValueError, KeyError, TypeError):  # a line a kill tore
-          top = max(top, int(json.loads(line)["version"]))
-    return top
+    return max((int(r["version"]) for r in self._versions_log()), default=-1)
+
+  def _versions_log(self) -> list[dict[str, Any]]:
+    """versions.jsonl's publications, of every run in this workdir (a line a kill tore, or
+    a record without the fields, left out)."""
+    keys = ("version", "bytes", "seconds", "keyframe")
+    return [r for r in read_jsonl(os.path.join(self.workdir, "versions.jsonl"))
+            if all(k in r for k in keys)]
 
   def _shared(self, value: int) -> int:
     """The leader's `value`, on every process of a multi-host slice."""
@@ -856,7 +859,7 @@ class RLTrainer(TrainerRun):
         self.log_eval(self.warm_start_eval, self.step)
     start_step = self.step
     rate = StepRate()  # from here: the warm start's evaluation is not sampling time
-    steps_log = open(os.path.join(self.workdir, "steps.jsonl"), "a") if self.leader else None
+    steps_log = open_jsonl(os.path.join(self.workdir, "steps.jsonl")) if self.leader else None
     try:
       while True:
         go = (self.step < self.total_steps and not self._stop.is_set()
@@ -1269,11 +1272,12 @@ class RLTrainer(TrainerRun):
       if "eval" in taken.prompt.metadata:  # eval.on_workers: scored, not trained on
         self._eval_group(taken)
         continue
-      self.consumed += 1
       self.outstanding.pop(taken.prompt.id, None)
-      if taken.group.policy_version >= self.version and self._restart_floor is not None:
-        self._restart_floor = None  # fresh rollouts arrive: the lost steps' came first
-      if taken.rollout_id in self.skip_ids:  # (its record's streak is in the checkpoint)
+      if (self._restart_floor is not None
+          and taken.group.policy_version >= self._restart_version):
+        self._restart_floor = None  # the restored weights' rollouts: the lost steps' came first
+      # One that came back was counted (consumed, its record's streak) when first taken
+      if taken.rollout_id in self.skip_ids:  # (and is in the checkpoint)
         self.skip_ids.discard(taken.rollout_id)
         self.came_back += 1
         continue
@@ -1283,6 +1287,7 @@ class RLTrainer(TrainerRun):
             logging.WARNING, "rl: rollout %d came back before the checkpoint of its first "
             "take (rl.ack_deadline_s passed); skipped, trained on once", 10, taken.rollout_id)
         continue
+      self.consumed += 1
       if taken.group.failure:  # a prompt no worker could sample: answered, not trained on
         self._reject(f"prompt {taken.group.prompt_id} could not be sampled by worker "
                      f"{taken.group.metadata.get('worker', '?')!r}: {taken.group.failure}")
@@ -1357,7 +1362,7 @@ class RLTrainer(TrainerRun):
     if not self.leader:  # the leader's go to versions.jsonl alone, not to a list per step
       self.sync_log.append((pub.version, pub.bytes, pub.seconds, pub.keyframe))
       return pub
-    with open(os.path.join(self.workdir, "versions.jsonl"), "a") as f:
+    with open_jsonl(os.path.join(self.workdir, "versions.jsonl")) as f:
       f.write(json.dumps({"version": pub.version, "step": self.step, "keyframe": pub.keyframe,
                           "bytes": pub.bytes, "seconds": pub.seconds,
                           "digest": f"{pub.digest:016x}"}) + "\n")
@@ -1378,6 +1383,10 @@ class RLTrainer(TrainerRun):
       tree["ref_params"] = self.ref_params
     if self.critic is not None:
       tree["critic"] = self.critic.state.to_tree()
+    # An async save before it is durable first (orbax's save waits for it anyway): its takes
+    # are acked now, not left unacked for as long as each save is still running at the next.
+    self.checkpointer.wait()
+    self._ack_durable()
     self.checkpointer.save(step, tree, self.metadata())
     if not self.config.checkpoint.async_save:
       self._ack_durable()
@@ -1543,11 +1552,9 @@ class RLTrainer(TrainerRun):
         for name, v in passes.items():
           self.writer.add_scalar(f"eval/{name}", v, self.step)
     log = self.sync_log
-    path = os.path.join(self.workdir, "versions.jsonl")
-    if self.leader and os.path.exists(path):  # every run's publications, not this run's alone
-      with open(path) as f:
-        log = [(r["version"], r["bytes"], r["seconds"], r["keyframe"])
-               for r in (json.loads(line) for line in f if line.strip())]
+    if self.leader and os.path.exists(os.path.join(self.workdir, "versions.jsonl")):
+      log = [(r["version"], r["bytes"], r["seconds"], r["keyframe"])  # every run's
+             for r in self._versions_log()]
     deltas = [(b, s) for _, b, s, key in log if not key]
     keys = [(b, s) for _, b, s, key in log if key]
     summary["sync"] = {

@@ -299,10 +299,14 @@ def test_begun_samples_that_do_not_fit_are_drawn_afresh(server, versions, caplog
   assert "the begun samples of prompt p0 are drawn afresh: begun[0].tokens" in caplog.text
 
 
-def test_salvage_must_leave_part_of_the_grace_period():
-  with pytest.raises(ValueError, match=r"WorkerConfig.salvage_s: expected a number of seconds "
-                                       r"in \[0, grace_s=25.0\), got 25.0"):
-    WorkerConfig(salvage_s=25.0)
+def test_salvage_must_leave_part_of_the_grace_period_and_begin_before_the_watchdog():
+  """The watchdog releases every open prompt, without its samples, 1 s before the grace
+  period ends: a salvage due after that (salvage_s 0.5) would never hand samples back."""
+  for salvage in (25.0, 0.5):
+    with pytest.raises(ValueError, match=r"WorkerConfig.salvage_s: expected 0 \(off\) or a "
+                       r"number of seconds in \[2, grace_s=25.0\) .* got " + str(salvage)):
+      WorkerConfig(salvage_s=salvage)
+  assert WorkerConfig(salvage_s=0).salvage_s == 0 and WorkerConfig(salvage_s=2).salvage_s == 2
 
 
 @pytest.mark.slow  # three workers, two servers; test_multi_turn covers the batch

@@ -12,7 +12,7 @@ import pytest
 
 from inference_workers import loop
 from inference_workers.loop import Worker
-from inference_workers.worker_config import WorkerConfig
+from inference_workers.worker_config import WATCHDOG_LEAD_S, WorkerConfig
 from param_server.client import ParamServerError
 from param_server.protos import param_server_pb2 as pb
 from param_server.server import ParamServer, ParamServerServicer, ServerConfig
@@ -103,10 +103,10 @@ def test_the_watchdogs_release_at_a_stopped_server_ends_with_the_grace_period(cl
   fake = SlowServerClient(clock, delay_s=float("inf"))
   worker = stopping_worker(fake)
   end = clock() + 25.0
-  clock.advance(25.0 - loop._WATCHDOG_LEAD_S)
+  clock.advance(25.0 - WATCHDOG_LEAD_S)
   assert worker._release_all() == 0
   assert [(c.method, c.args[0], c.timeout_s) for c in fake.calls] == [
-      ("release", "lease0", loop._WATCHDOG_LEAD_S)]
+      ("release", "lease0", WATCHDOG_LEAD_S)]
   assert clock() == end
   assert not any(worker._inflight.values())  # left to the leases' expiry
 
@@ -169,7 +169,7 @@ def test_a_group_submitted_while_stopping_gets_the_grace_left(clock):
 
 def test_the_watchdog_leaves_by_the_grace_end_while_a_release_never_returns(monkeypatch):
   """A server that answers nothing, not even past its deadline: the watchdog's release is
-  given at most the last _WATCHDOG_LEAD_S and the worker exits without waiting for it."""
+  given at most the last WATCHDOG_LEAD_S and the worker exits without waiting for it."""
   exits, exited, unblock = [], threading.Event(), threading.Event()
   calls = []
 
@@ -187,7 +187,7 @@ def test_the_watchdog_leaves_by_the_grace_end_while_a_release_never_returns(monk
 
   monkeypatch.setattr(loop, "exit_now", fake_exit)
   worker = Worker(HangingClient(), CONFIG, TOKENIZER,
-                  WorkerConfig(**dict(SMALL, grace_s=1.5, salvage_s=0.5)))
+                  WorkerConfig(**dict(SMALL, grace_s=1.5, salvage_s=0)))
   worker._inflight = {"lease0": {"p0", "p1"}}
   try:
     worker.request_stop()
@@ -196,7 +196,7 @@ def test_the_watchdog_leaves_by_the_grace_end_while_a_release_never_returns(monk
     unblock.set()
     worker._done.set()
   assert exits == [(0, False)]  # it left while the release was still hanging
-  assert len(calls) == 1 and 0 < calls[0] <= loop._WATCHDOG_LEAD_S
+  assert len(calls) == 1 and 0 < calls[0] <= WATCHDOG_LEAD_S
 
 
 @pytest.fixture
@@ -229,7 +229,7 @@ def test_a_real_client_s_release_arrives_with_the_grace_left_as_its_deadline(
   with client(server, "worker") as wc:
     wc.register("w")
     worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, grace_s=2.0,
-                                                               salvage_s=1.0)))
+                                                               salvage_s=0)))
     worker._inflight = {"lease0": {"p0", "p1", "p2"}}
     worker.request_stop()
     assert worker._release_all() == 0  # DEADLINE_EXCEEDED; no one-by-one retry

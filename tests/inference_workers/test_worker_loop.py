@@ -509,10 +509,12 @@ def test_a_prompt_the_worker_cannot_sample_is_answered_with_why_and_the_others_g
     enqueue_addition(trainer, 1)
     trainer.enqueue_prompts([pb.Prompt(id="long", text="1+" * 30, task="addition"),
                              pb.Prompt(id="ids", token_ids=[3, CONFIG.vocab_size + 5],
-                                       task="addition")])
-    config = WorkerConfig(max_leases=1, **dict(SMALL, prompts_per_lease=3, allocator=allocator))
+                                       task="addition"),
+                             pb.Prompt(id="task", text="1+1=", task="no_such_task"),
+                             pb.Prompt(id="rm", text="1+1=", task="reward_model")])
+    config = WorkerConfig(max_leases=1, **dict(SMALL, prompts_per_lease=5, allocator=allocator))
     stats = Worker(wc, CONFIG, TOKENIZER, config).run()
-    assert (stats.prompts_failed, stats.groups_submitted) == (2, 3)
+    assert (stats.prompts_failed, stats.groups_submitted) == (4, 5)
     groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
     assert groups["p0"].samples and not groups["p0"].failure
     assert not groups["long"].samples and not groups["ids"].samples
@@ -520,8 +522,37 @@ def test_a_prompt_the_worker_cannot_sample_is_answered_with_why_and_the_others_g
     assert groups["long"].failure == (f"prompt length {long} + max_new_tokens 6 exceeds "
                                       f"max_position_embeddings={CONFIG.max_position_embeddings}")
     assert groups["ids"].failure.startswith(f"token ids must lie in [0, {CONFIG.vocab_size})")
+    # A task this worker's verifiers do not know, and one only a reward model scores.
+    assert groups["task"].failure.startswith("task: 'no_such_task' is neither a built-in task "
+                                             "nor a registered verifier")
+    assert groups["rm"].failure == ("task 'reward_model' is scored by a reward model, and this "
+                                    "worker has none (worker.reward_model)")
     st = trainer.stats()
     assert (st.prompts_queued, st.prompts_leased) == (0, 0)
+
+
+def test_a_group_its_scoring_refuses_is_answered_with_why_and_the_worker_goes_on(
+    server, versions, monkeypatch):
+  """A ValueError while scoring finished samples (a reward model's chat template refusing
+  the conversation) fails that group, with the reason, on the submitter's thread: the
+  worker does not end (nor would the next one the prompt went to)."""
+  scored = Worker._scored
+
+  def refuse_p0(self, prompt, samples, given=None):
+    if prompt.id == "p0":
+      raise ValueError("tokenizer.chat_template: rendering failed")
+    return scored(self, prompt, samples, given)
+
+  monkeypatch.setattr(Worker, "_scored", refuse_p0)
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    stats = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **SMALL)).run()
+    assert (stats.prompts_failed, stats.groups_submitted) == (1, 2)
+    groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
+  assert groups["p0"].failure == ("its samples could not be scored: tokenizer.chat_template: "
+                                  "rendering failed") and not groups["p0"].samples
+  assert groups["p1"].samples and not groups["p1"].failure
 
 
 def test_a_budget_the_model_cannot_hold_is_refused_at_the_start_naming_the_field():

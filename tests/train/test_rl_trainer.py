@@ -28,6 +28,7 @@ from rlax_ps.models.params import flatten_params
 from rlax_ps.tokenizers import make_tokenizer
 from rlax_ps.train.publisher import flat_params
 from rlax_ps.teacher import Teacher, score_retokenized
+from rlax_ps.train.events import open_jsonl, read_jsonl
 from rlax_ps.train.rl import RLTrainer, server_retry
 
 
@@ -261,6 +262,7 @@ def test_with_async_saves_a_take_is_acked_only_once_a_durable_checkpoint_holds_i
   config = _config(steps=6)
   config.checkpoint.async_save, config.checkpoint.every_steps = True, 1
   acks = []  # (take's step, saving at the time, latest durable step)
+  trained = []  # (take's step, the trainer's step when it was acked)
   try:
     with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"),
                                                            tc) as tr:
@@ -269,6 +271,7 @@ def test_with_async_saves_a_take_is_acked_only_once_a_durable_checkpoint_holds_i
       def checked_ack(take_id):
         step = next(t.step for t in tr.pending if t.take_id == take_id)
         acks.append((step, tr.checkpointer.saving(), tr.checkpointer.latest_step()))
+        trained.append((step, tr.step))
         return ack(take_id)
 
       tc.ack = checked_ack
@@ -280,6 +283,55 @@ def test_with_async_saves_a_take_is_acked_only_once_a_durable_checkpoint_holds_i
     server.stop(grace=0)
   assert {step for step, _, _ in acks} == {1, 2, 3, 4, 5, 6}  # several takes a step
   assert all(not saving and step <= durable for step, saving, durable in acks)
+  # Each save waits for the one before and acks its takes: not all at the end of the run
+  # (a save always still running at the next step's take left every take unacked).
+  assert all(at <= step + 1 for step, at in trained), trained
+
+
+def test_a_line_a_kill_tore_at_the_end_of_a_log_is_ended_and_passed_over(tmp_path):
+  """versions.jsonl torn by a kill mid-line: the next publication's line is whole on a line
+  of its own, and the summary's and restart's readers pass the torn one over (it ended a
+  whole run's finish in an error)."""
+  path = tmp_path / "rl" / "versions.jsonl"
+  with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+    path.write_text('{"version": 0, "step": 0, "keyframe": true, "bytes": 10, "seconds": 0.5}'
+                    '\n{"version": 1, "st')
+    with open_jsonl(str(path)) as f:
+      f.write(json.dumps({"version": 2, "step": 1, "keyframe": False, "bytes": 3,
+                          "seconds": 0.1}) + "\n")
+    assert path.read_text().endswith('{"version": 1, "st\n{"version": 2, "step": 1, '
+                                     '"keyframe": false, "bytes": 3, "seconds": 0.1}\n')
+    assert [r["version"] for r in tr._versions_log()] == [0, 2]
+    assert tr._published_before() == 2
+  with open_jsonl(str(path)) as f:  # a whole last line: nothing added
+    pass
+  assert len(read_jsonl(str(path))) == 2 and path.read_text().count("\n") == 3
+
+
+def _taken_group(rollout_id, version, prompt_id="p-1"):
+  return pb.TakenRollout(rollout_id=rollout_id, prompt=pb.Prompt(
+      id=prompt_id, text="1+1=", task="addition", token_ids=[1, 20, 15, 20, 33]),
+      group=pb.RolloutGroup(prompt_id=prompt_id, policy_version=version, samples=[
+          make_sample([5, 6], float(j % 2), logprobs=[-1.0, -1.0]) for j in range(4)]))
+
+
+def test_a_group_that_comes_back_counts_once_and_the_restart_floor_ends_with_the_restart(
+    tmp_path):
+  """A group the checkpoint trained on that comes back (skip_ids), or one whose take expired
+  before its checkpoint (taken before), was counted when first taken: the prompts taken
+  (which pace the feed) do not count it again. A restart's staleness floor (the lost steps'
+  groups may be older than max_staleness allows) ends with the first group of the restored
+  weights' version, though the trainer has published newer ones since."""
+  with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+    tr.skip_ids = {7}
+    assert tr._valid_groups([_taken_group(7, 0), _taken_group(8, 0)], taken_before={8}) == []
+    assert tr.consumed == 0 and tr.came_back == 2
+    assert len(tr._valid_groups([_taken_group(9, 0)])) == 1 and tr.consumed == 1
+    tr._restart_floor, tr._restart_version, tr.publisher.version = 2, 5, 7
+    tr._valid_groups([_taken_group(10, 4)])
+    assert tr._restart_floor == 2 and tr._min_version() == 2
+    tr._valid_groups([_taken_group(11, 5)])
+    assert tr._restart_floor is None and tr._min_version() == 7 - tr.max_staleness
 
 
 @pytest.mark.parametrize("micro,correction", [(3, "none"), (2, "m2po")])
