@@ -330,6 +330,7 @@ class PromptRolloutQueues:
     self._lock = threading.RLock()
     self._local = threading.local()
     self._cond = threading.Condition(self._lock)
+    self._compact_after = 0  # a failed compaction: records since the rewrite before a retry
     self.prompts: dict[str, pb.Prompt] = {}  # queued or leased
     self.queue: collections.OrderedDict[str, None] = collections.OrderedDict()
     self.leases: dict[str, LeaseState] = {}  # open ones
@@ -365,9 +366,18 @@ class PromptRolloutQueues:
       self._wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
       raise
     wal = self._wal
-    if (wal.records_since_rewrite >= self.limits.wal_compact_records
-        or wal.bytes >= max(self.limits.wal_compact_bytes, 4 * wal.base_bytes)):
-      wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
+    if ((wal.records_since_rewrite >= self.limits.wal_compact_records
+         or wal.bytes >= max(self.limits.wal_compact_bytes, 4 * wal.base_bytes))
+        and wal.records_since_rewrite >= self._compact_after):
+      try:
+        wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
+        self._compact_after = 0
+      except Exception:  # noqa: BLE001 - compaction only saves space: the change is logged
+        # and applied, and its caller must hear so (a retry would lease or take again)
+        logging.exception("queues: compacting the write-ahead log failed; it grows on, and "
+                          "compaction is tried again after %d more records",
+                          self.limits.wal_compact_records)
+        self._compact_after = wal.records_since_rewrite + self.limits.wal_compact_records
     self._cond.notify_all()
 
   def _apply(self, record: pb.WalRecord, joined: dict | None = None) -> None:
@@ -716,6 +726,9 @@ class PromptRolloutQueues:
           raise errors.FailedPrecondition(
               f"prompt_ids[{i}]", f"prompt {pid!r} already has an accepted rollout group")
       todo = [p for p in dict.fromkeys(wanted) if p not in lease.released]
+      # A retried release (its reply lost) is answered as the first was: partial rollouts of
+      # prompts it released already were taken then.
+      partial = [part for part in partial if part.prompt_id not in lease.released]
       for k, part in enumerate(partial):
         if part.prompt_id not in todo:
           raise errors.InvalidArgument(f"partial[{k}].prompt_id", f"prompt {part.prompt_id!r} is "

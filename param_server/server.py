@@ -336,11 +336,10 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     """(the updates that bring `have` to the latest, what releases them, the version they
     reach): stored blobs, pinned until `release` runs."""
     plan = self.weights.plan(have)
-    released = threading.Event()
+    once = threading.Lock()  # gRPC's cancel callback and the stream's end may race to it
 
     def release():
-      if not released.is_set():
-        released.set()
+      if once.acquire(blocking=False):  # (never released: the first call alone unpins)
         self.weights.release(plan)
 
     return [self._stored(b) for b in plan], release, plan[-1].version if plan else self.weights.latest

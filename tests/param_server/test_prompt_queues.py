@@ -386,6 +386,44 @@ def test_renewals_carrying_begun_samples_keep_the_log_within_a_few_times_the_sta
   q.close()
 
 
+def test_a_retried_release_with_partial_rollouts_is_answered_as_the_first(queues):
+  """A worker's stop releases with its partial rollouts; the reply is lost and the client
+  retries: the retry is harmless (0 released), not refused for partial rollouts of prompts
+  it released already."""
+  queues.enqueue(prompts("a", "b"))
+  lease = queues.lease("w1", 2, 10.0)
+  begun = [pb.PartialRollouts(prompt_id="a", samples=[pb.Sample(token_ids=[4],
+                                                                logprobs=[-0.5])])]
+  assert queues.release(lease.lease_id, "w1", [], begun) == 2
+  assert queues.release(lease.lease_id, "w1", [], begun) == 0
+  assert list(queues.lease("w2", 2, 10.0).prompts[0].partial) == list(begun[0].samples)
+
+
+def test_a_failed_compaction_leaves_the_change_done_and_said_done(tmp_path, clock,
+                                                                  monkeypatch):
+  """Compacting the log (a snapshot written over it) fails, a full disk: the change whose
+  record was logged and applied returns as done (a retry would lease or take again), later
+  changes do not try again at once, and a restart replays the log that grew on."""
+  q = make_queues(tmp_path, clock, wal_compact_records=3)
+  tries = []
+
+  def full_disk(record):
+    tries.append(record)
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(q._wal, "rewrite", full_disk)
+  q.enqueue(prompts("a"))
+  q.enqueue(prompts("b"))
+  lease = q.lease("w1", 2, 10.0)  # the third record: compaction fails here
+  assert [p.id for p in lease.prompts] == ["a", "b"] and len(tries) == 1
+  q.enqueue(prompts("c"))
+  assert len(tries) == 1  # not again at the next record
+  q.close()
+  q = make_queues(tmp_path, clock)
+  assert q.depths()["prompts_queued"] == 1 and q.depths()["prompts_leased"] == 2
+  q.close()
+
+
 def test_a_prompt_released_with_partial_rollouts_carries_them_across_a_restart(
     tmp_path, clock):
   q = make_queues(tmp_path, clock)

@@ -40,6 +40,22 @@ def test_a_torn_tail_is_discarded_and_appends_continue(tmp_path):
   assert [r.ack.take_id for r in records][-1] == "take-3" and torn == 0
 
 
+def test_a_record_of_any_size_is_recovered_whole(tmp_path, monkeypatch):
+  """A compaction's snapshot may be larger than any bound on a record (it held more than
+  1 GiB of queued groups, the bound there was): read back whole, not cut off as torn with
+  all that follows. (A bound of 100 bytes stands for one here.)"""
+  import param_server.wal as wal_module
+  monkeypatch.setattr(wal_module, "MAX_RECORD_BYTES", 100, raising=False)
+  path = str(tmp_path / "a.wal")
+  wal = WriteAheadLog(path)
+  wal.append(pb.WalRecord(snapshot=pb.WalSnapshot(next_rollout_id=7, queued=[
+      pb.Prompt(id=str(i), text="x" * 100) for i in range(30)])))
+  wal.append(record(1))
+  wal.close()
+  records = WriteAheadLog(path).recovered
+  assert len(records) == 2 and len(records[0].snapshot.queued) == 30
+
+
 def test_a_corrupt_record_ends_recovery_there(tmp_path):
   path = str(tmp_path / "a.wal")
   write(path, 3)
