@@ -553,9 +553,12 @@ class _Waiting:
     out: list[Sample | None] = [None] * len(samples)
     flags: list[bool] = [True] * len(samples)
     for pos, (j, got, before) in enumerate(zip(self.order, samples, self.begun)):
-      k = min(len(before.tokens), len(got.tokens))  # fewer: stopped again while feeding
+      k = min(len(before.tokens), len(got.tokens))
       if pos < self.complete:  # the prompt's routes are this run's (one prefill)
         out[j] = dataclasses.replace(before, prompt_routes=got.prompt_routes)
+      elif len(got.tokens) < len(before.tokens):  # stopped again while its begun tokens
+        # were fed (or before it had a row): those stand, to be continued by the next worker
+        out[j] = dataclasses.replace(before, prompt_routes=got.prompt_routes, resumed=True)
       elif len(before.tokens):
         seen = {}
         if before.observed is not None and got.observed is not None:

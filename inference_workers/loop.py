@@ -76,7 +76,7 @@ from rlax_ps.tokenizers import HFTokenizer
 _RATE_CHUNKS = 64  # decode chunks the reported tokens/s is averaged over
 _HEARTBEAT_JOIN_S = 5.0  # how long run() waits for the heartbeat thread on the way out
 _EXIT_SLACK_S = 1.0  # past the grace period, how long the watchdog lets its releases go on
-_RENEW_BYTES = 3 << 20  # begun samples per renewal call: under gRPC's default 4 MiB limit
+_PARTIAL_BYTES = 3 << 20  # begun samples per call (renewal, salvage): under gRPC's 4 MiB
 # Failures that mean "the server is not there right now": back off and try again.
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -137,6 +137,19 @@ def teacher_tokenizer(config: WorkerConfig, tokenizer: Any) -> HFTokenizer | Non
   if not config.teacher_tokenizer:
     return None
   return own_tokenizer(config.teacher_tokenizer, tokenizer, "worker.teacher_tokenizer")
+
+
+def _in_calls(partial: list[pb.PartialRollouts]) -> list[list[pb.PartialRollouts]]:
+  """`partial` split over calls of at most about _PARTIAL_BYTES each (one a call past it)."""
+  calls, size = [], 0
+  for part in partial:
+    n = part.ByteSize()
+    if not calls or (calls[-1] and size + n > _PARTIAL_BYTES):
+      calls.append([])
+      size = 0
+    calls[-1].append(part)
+    size += n
+  return calls
 
 
 def make_allocator(config: WorkerConfig):
@@ -1240,17 +1253,19 @@ class Worker:
     self._pending.extendleft((key[0], prompt) for key, (prompt, _) in self._started.items())
     self._started.clear()
     for lease_id, partial in parts.items():
-      ids = [p.prompt_id for p in partial]
-      try:
-        self.stats.prompts_released += self._rpc("release", lease_id, ids, partial=partial)
-        self.stats.samples_salvaged += sum(
-            bool(s.token_ids) or k > 0 for p in partial
-            for s, k in zip(p.samples, list(p.kept) or [0] * len(p.samples)))
-      except ParamServerError as e:  # e.g. refused: _settle releases them as the server holds them
-        logging.warning("worker: partial rollouts of lease %s not handed back: %s", lease_id, e)
-      else:
-        with self._lock:
-          self._inflight.get(lease_id, set()).difference_update(ids)
+      for chunk in _in_calls(partial):  # (one message of a lease's all could be refused)
+        ids = [p.prompt_id for p in chunk]
+        try:
+          self.stats.prompts_released += self._rpc("release", lease_id, ids, partial=chunk)
+          self.stats.samples_salvaged += sum(
+              bool(s.token_ids) or k > 0 for p in chunk
+              for s, k in zip(p.samples, list(p.kept) or [0] * len(p.samples)))
+        except ParamServerError as e:  # e.g. refused: _settle releases them as held there
+          logging.warning("worker: partial rollouts of lease %s not handed back: %s",
+                          lease_id, e)
+        else:
+          with self._lock:
+            self._inflight.get(lease_id, set()).difference_update(ids)
       self._settle(lease_id)
     self._release_pending()
     logging.info("worker: handed back %d running prompts with %d begun samples",
@@ -1619,15 +1634,7 @@ class Worker:
     """One lease renewal, its begun samples split over calls that stay under gRPC's
     default 4 MiB message limit; samples the server refuses are dropped (the next
     checkpoint sends them whole), the lease renewed."""
-    calls, size = [[]], 0
-    for part in partial:
-      n = part.ByteSize()
-      if calls[-1] and size + n > _RENEW_BYTES:
-        calls.append([])
-        size = 0
-      calls[-1].append(part)
-      size += n
-    for chunk in calls:
+    for chunk in _in_calls(partial) or [[]]:
       try:
         reply = self._rpc("renew", lease_id, self.config.lease_deadline_s, partial=chunk)
         self._hear(getattr(reply, "latest_version", -1), getattr(reply, "staleness_floor", 0))

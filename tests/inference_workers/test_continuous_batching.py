@@ -380,3 +380,28 @@ def test_feeding_rows_several_tokens_at_once_lowers_for_tpu_and_cuda(platform):
       graphdef, state, batch._dev.slots, np.array([0, 1], np.int32), np.ones((2, 16), np.int32),
       np.array([16, 3], np.int32), record_routes=False)
   assert exported.platforms == (platform,)
+
+
+def test_a_resumed_sample_stopped_again_before_its_begun_tokens_were_fed_keeps_them():
+  """A prompt resumed with begun samples, checkpointed or stopped again while the device was
+  still feeding a sample's begun tokens (or before it had a row: no output yet): that sample
+  is handed on with all its begun tokens, not the few fed so far (the server replaces what
+  it held with what it is sent, and the begun tokens would be drawn afresh); one past them
+  is this run's continuation, the begun tokens' log-probs kept."""
+  def sample(tokens, logprob):
+    n = len(tokens)
+    return continuous.Sample(np.asarray(tokens, np.int32), np.full(n, logprob, np.float32),
+                             np.full(n, logprob, np.float32), "length")
+
+  begun = [sample([5, 6, 7, 8], -1.0), sample([9, 10], -2.0)]
+  waiting = continuous._Waiting("p", np.asarray([1, 2], np.int32), np.zeros(2, np.uint32), 2,
+                                begun=begun, order=np.asarray([0, 1]), complete=0)
+  got = [sample([5, 6], -0.5), sample([9, 10, 11], -0.25)]
+  (first, second), flags = waiting.restore(got, [False, False])
+  assert first.tokens.tolist() == [5, 6, 7, 8] and first.resumed
+  np.testing.assert_array_equal(first.logprobs, begun[0].logprobs)
+  assert second.tokens.tolist() == [9, 10, 11] and second.resumed
+  np.testing.assert_array_equal(second.logprobs, [-2.0, -2.0, -0.25])
+  assert flags == [False, False]
+  (none_yet, _), _ = waiting.restore([sample([], 0.0), got[1]], [False, False])
+  assert none_yet.tokens.tolist() == [5, 6, 7, 8]

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from algorithms.verifiers.base import Guarded
+from inference_workers import loop
 from inference_workers.continuous import ContinuousBatch
 from inference_workers.loop import Worker
 from inference_workers.sampler import generate
@@ -59,6 +60,28 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
   assert sorted(groups) == ["p0", "p1"] and second.stats.groups_submitted == 2
   assert_finished_as_begun(second, groups, begun, altered=("p0", 0))
   assert all(group_of(t, TOKENIZER).resumed == 3 for t in taken)  # what the trainer counts
+
+
+def test_a_salvage_hands_a_leases_partial_rollouts_back_in_calls_of_bounded_size(
+    server, versions, monkeypatch):
+  """The begun samples of a lease's running prompts go back in calls of at most about
+  _PARTIAL_BYTES (here: one prompt's a call), as renewals send them: one message of them
+  all could pass the server's size limit, be refused, and lose the lease's decoding."""
+  monkeypatch.setattr(loop, "_PARTIAL_BYTES", 1)
+  calls = []
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    release = wc.release
+    wc.release = lambda lease, ids=(), **kw: (
+        calls.append((list(ids), len(kw.get("partial", ())))), release(lease, ids, **kw))[1]
+    first = stopped_first_worker(Worker(wc, CONFIG, TOKENIZER, WorkerConfig(
+        max_leases=1, **dict(SMALL, max_new_tokens=24, decode_chunk_steps=4))), trainer,
+        versions[0], monkeypatch)
+    assert sorted(calls) == [(["p0"], 1), (["p1"], 1)]
+    assert (first.stats.prompts_released, first.stats.samples_salvaged) == (2, 6)
+    with client(server, "worker") as wc2:
+      wc2.register("peek")
+      lease = wc2.lease(2, deadline_s=30)
+      assert all(len(p.partial) == 3 for p in lease.prompts)
 
 
 def test_a_greedy_baseline_sample_begun_by_a_stopped_worker_is_finished_greedily(
