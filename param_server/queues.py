@@ -78,7 +78,9 @@ class RolloutEntry:
 
 
 def _durable(method):
-  """Runs a public method, then waits (outside the lock) until what it logged is on disk."""
+  """Runs a public method, then waits (outside the lock) until what it logged is on disk; one
+  that logged nothing (a duplicate submission, a repeated ack) answers from state another
+  call's records made, so it waits until all logged so far is on disk."""
   @functools.wraps(method)
   def wrapper(self, *args, **kwargs):
     depth = getattr(self._local, "depth", 0)
@@ -90,7 +92,7 @@ def _durable(method):
     finally:
       self._local.depth = depth
       if depth == 0:  # the outermost call syncs, after its lock is released
-        self._wal.sync(self._local.position)
+        self._wal.sync(self._local.position or self._wal.written)
   return wrapper
 
 

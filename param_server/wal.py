@@ -115,6 +115,12 @@ class WriteAheadLog:
       self.records_since_rewrite += 1
       return self._written
 
+  @property
+  def written(self) -> int:
+    """The position after the last record appended (what `sync` of it makes durable)."""
+    with self._lock:
+      return self._written
+
   def sync(self, position: int) -> None:
     """Blocks until everything up to `position` (from `append`) is on disk."""
     if not self.fsync or self._synced >= position:

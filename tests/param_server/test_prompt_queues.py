@@ -386,6 +386,23 @@ def test_renewals_carrying_begun_samples_keep_the_log_within_a_few_times_the_sta
   q.close()
 
 
+def test_a_call_that_logs_nothing_answers_only_once_all_logged_before_it_is_on_disk(
+    queues, monkeypatch):
+  """A retried submission (the first still in its fsync when the client gave up) is
+  answered as a duplicate from state the first's record made: it waits for that record to
+  be on disk too, or a power loss could take back what it acknowledged."""
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 10.0)
+  synced = []
+  sync = queues._wal.sync
+  monkeypatch.setattr(queues._wal, "sync", lambda position: (synced.append(position),
+                                                            sync(position))[1])
+  queues.submit(lease.lease_id, "w1", group("a"))
+  assert queues.submit(lease.lease_id, "w1", group("a")).duplicate
+  assert queues.enqueue(prompts("a")).duplicates == 1  # (logs nothing either)
+  assert len(synced) == 3 and synced[1] >= synced[0] > 0 and synced[2] >= synced[0]
+
+
 def test_a_retried_release_with_partial_rollouts_is_answered_as_the_first(queues):
   """A worker's stop releases with its partial rollouts; the reply is lost and the client
   retries: the retry is harmless (0 released), not refused for partial rollouts of prompts
