@@ -478,6 +478,7 @@ class RLTrainer(TrainerRun):
       self._load_metadata(saved)
     self._restart_floor: int | None = None
     self._restart_version = 0  # the version a restart published its restored weights as
+    self._journal: dict[str, Any] | None = None  # a take round's changes (_take_bookkeeping)
     self._requeue_next = True  # the first take returns any unacknowledged take
     self._told_routes = False  # warned once of a group whose routes the run does not expect
     self._stop = threading.Event()
@@ -665,7 +666,8 @@ class RLTrainer(TrainerRun):
 
   def _published_before(self) -> int:
     """The highest version in this run's versions.jsonl (-1: none)."""
-    return max((int(r["version"]) for r in self._versions_log()), default=-1)
+    return max((int(r["version"]) for r in read_jsonl(os.path.join(
+        self.workdir, "versions.jsonl")) if isinstance(r.get("version"), int)), default=-1)
 
   def _versions_log(self) -> list[dict[str, Any]]:
     """versions.jsonl's publications, of every run in this workdir (a line a kill tore, or
@@ -1196,6 +1198,42 @@ class RLTrainer(TrainerRun):
     """groups_per_step valid groups at or above the staleness floor; None when stopped.
     With rl.dynamic_sampling, groups whose rewards are all equal are left out and more are
     taken, up to the cap, where the step is filled with the first ones left out."""
+    before = self._take_bookkeeping()
+    try:
+      groups = self._take_round()
+      if groups is None:  # stopped: the round's groups come again to the next start's first
+        self._undo_take_bookkeeping(before)  # take (their takes unacked), counted then
+      return groups
+    finally:
+      self._journal = None
+
+  _COUNTS = ("consumed", "rejected", "last_rejection", "filtered", "filled", "came_back",
+             "dropped_stale")
+
+  def _take_bookkeeping(self) -> tuple[dict[str, Any], int]:
+    """The counts that taking groups changes before they train, as they are before a take
+    round; the other changes (records' streaks, prompts no longer outstanding, groups no
+    longer to skip) are noted in the round's journal as they are made."""
+    self._journal = {"streaks": {}, "outstanding": {}, "skips": set()}
+    return {k: getattr(self, k) for k in self._COUNTS}, self.servers_lost
+
+  def _undo_take_bookkeeping(self, before: tuple[dict[str, Any], int]) -> None:
+    """Back to `before` (_take_bookkeeping) and the journal's first values: the checkpoint a
+    stop writes must not count the groups its restart takes again."""
+    counts, lost = before
+    for k, v in counts.items():
+      setattr(self, k, v)
+    for record, streak in self._journal["streaks"].items():
+      if streak is None:
+        self.streaks.pop(record, None)
+      else:
+        self.streaks[record] = streak
+    if self.servers_lost == lost:  # (a server lost meanwhile was fed anew: other ids)
+      self.outstanding.update(self._journal["outstanding"])
+      self.skip_ids |= self._journal["skips"]
+
+  def _take_round(self) -> list[Group] | None:
+    """_take_groups' groups (None when stopped), the bookkeeping done as they are taken."""
     rl = self.config.rl
     groups: list[Group] = []
     uniform: list[Group] = []  # left out by dynamic sampling
@@ -1272,13 +1310,17 @@ class RLTrainer(TrainerRun):
       if "eval" in taken.prompt.metadata:  # eval.on_workers: scored, not trained on
         self._eval_group(taken)
         continue
-      self.outstanding.pop(taken.prompt.id, None)
+      fed = self.outstanding.pop(taken.prompt.id, None)
+      if fed is not None and self._journal is not None:
+        self._journal["outstanding"].setdefault(taken.prompt.id, fed)
       if (self._restart_floor is not None
           and taken.group.policy_version >= self._restart_version):
         self._restart_floor = None  # the restored weights' rollouts: the lost steps' came first
       # One that came back was counted (consumed, its record's streak) when first taken
       if taken.rollout_id in self.skip_ids:  # (and is in the checkpoint)
         self.skip_ids.discard(taken.rollout_id)
+        if self._journal is not None:
+          self._journal["skips"].add(taken.rollout_id)
         self.came_back += 1
         continue
       if taken.rollout_id in taken_before:
@@ -1294,6 +1336,8 @@ class RLTrainer(TrainerRun):
         continue
       if self.selective and "record" in taken.prompt.metadata:
         record = int(taken.prompt.metadata["record"])
+        if self._journal is not None:  # (a take round cut short puts it back)
+          self._journal["streaks"].setdefault(record, self.streaks.get(record))
         streak = next_streak(self.streaks.get(record, 0), [s.reward for s in taken.group.samples])
         if streak:
           self.streaks[record] = streak

@@ -334,6 +334,27 @@ def test_a_group_that_comes_back_counts_once_and_the_restart_floor_ends_with_the
     assert tr._restart_floor is None and tr._min_version() == 7 - tr.max_staleness
 
 
+def test_a_take_round_cut_short_puts_back_what_its_groups_changed(tmp_path):
+  """A stop mid-round: the records' streaks, the prompts outstanding, the groups to skip and
+  the counts are as they were before the round (its groups come again after the restart)."""
+  with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+    tr.selective, tr.streaks = True, {1: 2}
+    tr.outstanding = {"p-1": (0, 1), "p-5": (1, 5)}
+    tr.skip_ids = {7}
+    before = tr._take_bookkeeping()
+    taken = [_taken_group(7, 0, "p-1"), _taken_group(8, 0, "p-1"), _taken_group(9, 0, "p-5")]
+    for t, record in zip(taken, ("1", "1", "5")):
+      t.prompt.metadata["record"] = record
+      for s in t.group.samples:
+        s.reward = 1.0  # solved: the streaks move
+    assert len(tr._valid_groups(taken)) == 2
+    assert (tr.streaks, tr.outstanding, tr.skip_ids, tr.consumed) != ({1: 2}, {
+        "p-1": (0, 1), "p-5": (1, 5)}, {7}, 0)
+    tr._undo_take_bookkeeping(before)
+    assert tr.streaks == {1: 2} and tr.skip_ids == {7} and tr.consumed == 0
+    assert tr.outstanding == {"p-1": (0, 1), "p-5": (1, 5)} and tr.came_back == 0
+
+
 @pytest.mark.parametrize("micro,correction", [(3, "none"), (2, "m2po")])
 def test_micro_batches_that_cannot_be_exact_are_refused_naming_the_field(tmp_path, micro,
                                                                         correction):
@@ -679,10 +700,13 @@ def test_a_stop_mid_batch_leaves_the_partial_take_to_be_trained_after_restart(tm
       threading.Thread(target=stop_once_half_taken, daemon=True).start()
       tr.train()
       assert tr.step == 1
+      # Step 2's groups taken before the stop are not counted in the checkpoint: its restart
+      # takes them again (they pace the feed; counted twice, the feed ran ahead).
+      assert tr.consumed == 4 and tr.checkpointer.metadata(1)["consumed"] == 4
     worker.limit = 12
     with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
       summary = tr.train()
-      assert tr.step == 3
+      assert tr.step == 3 and tr.consumed == 12
       # The summary's sync figures cover both runs' publications, not the restart's alone.
       published = _lines(tmp_path / "rl" / "versions.jsonl")
       assert summary["sync"]["versions"] == len(published) > len(tr.sync_log)
