@@ -142,12 +142,27 @@ def test_a_followers_weights_follow_the_leaders_keyframe_and_delta():
                                       sync.held_state(v1, "bf16").items()})
 
 
+def _tiny(vocab_size):
+  return ModelConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_layers=1,
+                     num_heads=4, num_kv_heads=2, max_position_embeddings=64)
+
+
+def _leading_a_follower(model_config, tokenizer, config):
+  """(a Worker leading one follower, the follower's thread): follow_leader over a loopback
+  channel, in this process."""
+  from inference_workers.loop import Worker, follow_leader
+  channel = Loopback()
+  follower = threading.Thread(target=follow_leader, daemon=True,
+                              args=(model_config, tokenizer, config, channel))
+  follower.start()
+  return Worker(None, model_config, tokenizer, config, mirror=multihost.Mirror(channel)), follower
+
+
 def test_a_worker_leading_followers_scores_with_a_reward_model_on_every_host(monkeypatch,
                                                                              tmp_path):
   """Worker(mirror=...) makes its held weights, its reward model and its distillation
   teacher on the followers too (follow_leader), and each score is computed on every host
   from the same sequences."""
-  from inference_workers.loop import Worker, follow_leader
   from inference_workers.worker_config import WorkerConfig
   from param_server.protos import param_server_pb2 as pb
   from rlax_ps.models import save_hf_checkpoint
@@ -162,18 +177,12 @@ def test_a_worker_leading_followers_scores_with_a_reward_model_on_every_host(mon
       taught.append((id(self), list(prompt), [list(r) for r in responses])),
       teach(self, prompt, responses, *args))[1])
   tokenizer = CharTokenizer()
-  model_config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
-                             intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
-                             max_position_embeddings=64)
+  model_config = _tiny(tokenizer.vocab_size)
   save_hf_checkpoint(Transformer(model_config, rngs=nnx.Rngs(3)), str(tmp_path / "teacher"))
   config = WorkerConfig(reward_model=os.path.join(FIXTURES, "qwen3_reward"),
                         reward_model_dtype="float32", max_new_tokens=8,
                         teacher=str(tmp_path / "teacher"), teacher_dtype="float32")
-  channel = Loopback()
-  follower = threading.Thread(target=follow_leader, daemon=True,
-                              args=(model_config, tokenizer, config, channel))
-  follower.start()
-  worker = Worker(None, model_config, tokenizer, config, mirror=multihost.Mirror(channel))
+  worker, follower = _leading_a_follower(model_config, tokenizer, config)
   head = tokenizer.encode_prompt("5+7=")
   samples = [Sample(np.asarray(tokenizer.encode(t), np.int32), np.zeros(len(t), np.float32),
                     np.zeros(len(t), np.float32), "stop") for t in ("7", "12")]
@@ -199,7 +208,6 @@ def test_a_teacher_of_another_tokenizer_scores_on_every_host(monkeypatch, tmp_pa
   """worker.teacher_tokenizer on a worker leading followers: the teacher's forward over the
   responses' text in its own tokens (score_groups) runs on every host alike, as a mesh
   spanning the hosts needs, and the samples carry its scores."""
-  from inference_workers.loop import Worker, follow_leader
   from inference_workers.worker_config import WorkerConfig
   from param_server.protos import param_server_pb2 as pb
   from rlax_ps.models import save_hf_checkpoint
@@ -212,18 +220,12 @@ def test_a_teacher_of_another_tokenizer_scores_on_every_host(monkeypatch, tmp_pa
       teach(self, prompts, responses, *args))[1])
   own = save_byte_level_tokenizer(tmp_path / "teacher")
   tokenizer = CharTokenizer()
-  model_config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
-                             intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
-                             max_position_embeddings=64)
-  save_hf_checkpoint(Transformer(model_config.replace(vocab_size=own.vocab_size),
-                                 rngs=nnx.Rngs(3)), str(tmp_path / "teacher"))
+  model_config = _tiny(tokenizer.vocab_size)
+  save_hf_checkpoint(Transformer(_tiny(own.vocab_size), rngs=nnx.Rngs(3)),
+                     str(tmp_path / "teacher"))
   config = WorkerConfig(max_new_tokens=8, teacher=str(tmp_path / "teacher"),
                         teacher_tokenizer=str(tmp_path / "teacher"), teacher_dtype="float32")
-  channel = Loopback()
-  follower = threading.Thread(target=follow_leader, daemon=True,
-                              args=(model_config, tokenizer, config, channel))
-  follower.start()
-  worker = Worker(None, model_config, tokenizer, config, mirror=multihost.Mirror(channel))
+  worker, follower = _leading_a_follower(model_config, tokenizer, config)
   samples = [Sample(np.asarray(tokenizer.encode(t), np.int32), np.zeros(len(t), np.float32),
                     np.full(len(t), -1.0, np.float32), "length") for t in ("7", "12")]
   prompt = pb.Prompt(id="a", text="5+7=", token_ids=tokenizer.encode_prompt("5+7="),
