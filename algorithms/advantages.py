@@ -235,12 +235,15 @@ def masked_whiten(values, mask):
   return (values - mean) * jax.lax.rsqrt(var + 1e-8)
 
 
-def token_rewards(scores, lengths, token_mask, kl=None, kl_coef: float = 0.0):
-  """[B, T] per-token rewards as verl builds them: each sample's score on its last token
-  (`lengths - 1`; none without tokens), minus `kl_coef` times each `token_mask`ed token's
-  `kl [B, T]` (verl's algorithm.use_kl_in_reward)."""
+def token_rewards(scores, token_mask, kl=None, kl_coef: float = 0.0):
+  """[B, T] per-token rewards as verl builds them: each sample's score on its last
+  `token_mask`ed token (none without one; a multi-turn sample the budget ended within an
+  environment's reply: its policy's last token, where verl's would lose it), minus
+  `kl_coef` times each `token_mask`ed token's `kl [B, T]` (verl's use_kl_in_reward)."""
   token_mask = jnp.asarray(token_mask, jnp.float32)
-  last = jax.nn.one_hot(jnp.asarray(lengths) - 1, token_mask.shape[-1], dtype=jnp.float32)
+  steps = jnp.arange(token_mask.shape[-1])
+  last_index = jnp.max(jnp.where(token_mask > 0, steps, -1), axis=-1)  # -1: no one-hot
+  last = jax.nn.one_hot(last_index, token_mask.shape[-1], dtype=jnp.float32)
   rewards = jnp.asarray(scores, jnp.float32)[:, None] * last
   return rewards if kl is None else rewards - kl_coef * kl * token_mask
 

@@ -472,8 +472,7 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
     kl = reward_kl(batch, ref_logp, tokens, cfg)
   beta = cfg.kl_in_reward if kl_beta is None else kl_beta
   if cfg.advantage == "reinforce_pp":
-    token_rewards = adv_lib.token_rewards(rewards, batch["response_lens"].reshape(-1), tokens,
-                                          kl, beta)
+    token_rewards = adv_lib.token_rewards(rewards, tokens, kl, beta)
     adv = adv_lib.reinforce_pp_advantages(token_rewards, tokens, gamma=cfg.gamma)
     return _without_truncated(adv, mask, batch, cfg)
   if cfg.advantage == "opd":
@@ -497,8 +496,9 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
   elif cfg.advantage == "rloo":
     adv = adv_lib.rloo_advantages(rewards, group_ids, num_groups, mask)
   elif cfg.advantage == "opo":
-    adv = adv_lib.opo_advantages(rewards, batch["response_lens"].reshape(-1), group_ids,
-                                 num_groups, mask)
+    trained = jnp.sum(token_mask(batch, mask), axis=-1)  # the tokens whose gradients sum:
+    adv = adv_lib.opo_advantages(rewards, trained, group_ids,  # an environment's replies
+                                 num_groups, mask)  # have none
   elif cfg.advantage == "passk":
     adv = adv_lib.passk_advantages(rewards, group_ids, num_groups, mask, **scaling)
   elif cfg.advantage == "gpg":
@@ -548,8 +548,7 @@ def gae_targets(batch: dict, cfg: LossConfig, ref_logp: jax.Array | None = None,
   tokens = token_mask(batch, batch["sample_mask"].reshape(-1))
   kl = reward_kl(batch, ref_logp, tokens, cfg) if cfg.kl_in_reward > 0 else None
   token_rewards = adv_lib.token_rewards(
-      sample_scores(batch, cfg), batch["response_lens"].reshape(-1), tokens, kl,
-      cfg.kl_in_reward if kl_beta is None else kl_beta)
+      sample_scores(batch, cfg), tokens, kl, cfg.kl_in_reward if kl_beta is None else kl_beta)
   adv, returns = adv_lib.gae(token_rewards, batch["values"].reshape(tokens.shape), tokens,
                              gamma=cfg.gamma, lam=cfg.lam)
   return adv, returns, tokens
@@ -808,6 +807,12 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   if entropy_coef is not None or cfg.entropy_coef > 0:  # with its gradient: verl's entropy_coeff
     coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
     loss = loss - coef * losses.aggregate(entropy, mask, cfg.agg, norm)
+  if cfg.agg == "seq-mean-token-sum-norm":  # Dr. GRPO's "B" is the samples (TRL's batch),
+    # not the packed slots: empty ones (unequal groups, rows past the groups) would scale
+    # the loss, and its parts, by how the batch was packed
+    slots = mask.shape[0] / real_samples(batch)
+    loss = loss * slots
+    metrics.update({k: v * slots for k, v in metrics.items() if metric_kind(k, cfg) == "agg"})
   # pi_prox / pi_behav per token: how far the workers' policy is from the trainer's.
   n_tok = jnp.maximum(jnp.sum(mask), 1.0)
   iw = jnp.exp(jnp.where(mask > 0, proximal - behaviour, 0.0))
@@ -840,6 +845,12 @@ def _sample_abs_advantages(adv: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.sum(jnp.abs(adv) * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
 
 
+def real_samples(batch: dict) -> jax.Array:
+  """The batch's samples (sample_mask; truncated ones too, as TRL's batch holds them), at
+  least 1: what Dr. GRPO's constant normaliser counts."""
+  return jnp.maximum(jnp.sum(batch["sample_mask"].astype(jnp.float32)), 1.0)
+
+
 def metric_counts(batch: dict, sample_mask: jax.Array, agg: str) -> dict[str, jax.Array]:
   """What the metrics of `rl_loss` on these rows are means over (`metric_kind`): "agg"
   what the aggregation divides by, "tokens" real tokens, "sequences" samples with tokens,
@@ -848,8 +859,8 @@ def metric_counts(batch: dict, sample_mask: jax.Array, agg: str) -> dict[str, ja
   sequences = jnp.sum((jnp.sum(mask, axis=-1) > 0).astype(jnp.float32))
   counts = {"tokens": jnp.sum(mask), "sequences": sequences,
             "samples": jnp.sum(sample_mask.astype(jnp.float32))}
-  counts["agg"] = {"token-mean": counts["tokens"], "seq-mean-token-sum-norm":
-                   jnp.asarray(mask.shape[0], jnp.float32)}.get(agg, sequences)
+  counts["agg"] = {"token-mean": counts["tokens"],
+                   "seq-mean-token-sum-norm": real_samples(batch)}.get(agg, sequences)
   if "prompt_routes" in batch:
     routes = pack_routes(batch["prompt_routes"], batch["response_routes"])
     counts["routes"] = jnp.sum((routes >= 0).astype(jnp.float32))

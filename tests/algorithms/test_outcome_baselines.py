@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from algorithms.advantages import (distillation_advantages, gpg_advantages, opo_advantages,
-                                   passk_advantages)
+from algorithms.advantages import (discounted_returns, distillation_advantages, gae,
+                                   gpg_advantages, opo_advantages, passk_advantages,
+                                   token_rewards)
 
 
 def _verl_opo(rewards, lengths, ids):
@@ -118,3 +119,16 @@ def test_bad_input_names_the_argument():
   with pytest.raises(ValueError, match="std_scaling: expected one of"):
     gpg_advantages(np.ones(3), np.zeros(3, np.int32), 1, std_scaling="max")
   assert math.isfinite(float(passk_advantages(np.ones(2), np.zeros(2, np.int32), 1)[0]))
+
+
+def test_a_samples_score_lands_on_its_last_policy_token_where_a_reply_ends_it():
+  """A multi-turn sample the budget ended within an environment's reply (its last two
+  tokens observed): its score is the reward of its policy's last token, so REINFORCE++'s
+  returns and GAE's advantages carry it (on the reply's token, masked, it was lost)."""
+  mask = np.asarray([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]], np.float32)
+  rewards = np.asarray(token_rewards(np.asarray([-1.0, 2.0, 5.0]), mask))
+  np.testing.assert_array_equal(rewards, [[0, 0, 0, -1, 0, 0], [0, 0, 2, 0, 0, 0], [0] * 6])
+  returns = np.asarray(discounted_returns(rewards, mask, gamma=1.0))
+  np.testing.assert_array_equal(returns[0], [-1, -1, -1, -1, 0, 0])
+  adv, _ = gae(rewards, np.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
+  np.testing.assert_array_equal(np.asarray(adv)[0, :4], [-1, -1, -1, -1])

@@ -15,8 +15,8 @@ from flax import nnx
 from algorithms import corrections
 from rlax_ps.models import ModelConfig, Transformer
 from rlax_ps.train.rl_loss import LossConfig, group_advantages, rl_loss
-from rlax_ps.train.rollouts import (BatchShape, Group, build_batch, check_group, fit_response_len,
-                                   response_lens, response_stats)
+from rlax_ps.train.rollouts import (BatchShape, Group, build_batch, check_group, empty_batch,
+                                   fit_response_len, response_lens, response_stats)
 
 V = 40
 SHAPE = BatchShape(groups=2, samples=4, prompt_len=6, response_len=5)
@@ -86,6 +86,12 @@ def test_dr_grpo_and_rloo_use_their_own_baselines():
     lens = np.asarray([len(r) for r in g.responses], np.float64)
     want = g.rewards - np.sum(lens * g.rewards) / np.sum(lens)
     np.testing.assert_allclose([opo[i, j] for i, j in at], want, rtol=1e-5, atol=1e-6)
+  # ... of the tokens trained: an environment's reply (policy_tokens 0) weighs nothing.
+  replied = dict(batch, policy_tokens=batch["policy_tokens"].at[0, 0, :1].set(0.0))
+  opo = np.asarray(group_advantages(replied, 2, LossConfig(advantage="opo"))[0]).reshape(4, 4)
+  lens = np.asarray([len(r) for r in GROUPS[0].responses], np.float64) - [1, 0, 0]
+  want = GROUPS[0].rewards - np.sum(lens * GROUPS[0].rewards) / np.sum(lens)
+  np.testing.assert_allclose(opo[0, :3], want, rtol=1e-5, atol=1e-6)
   # pass@k: group 0's single best sample (1 over 0) alone, over the group's std; group 1's
   # best reward is tied three ways: nothing to learn.
   passk = np.asarray(group_advantages(batch, 2, LossConfig(advantage="passk"))[0]).reshape(4, 4)
@@ -883,3 +889,24 @@ def test_rewards_the_workers_weigh_otherwise_than_the_trainer_are_refused():
                                reward_parts={"reward_model": (0.5, -1.0, 2.0)})
   check_group(judged, dataclasses.replace(SHAPE, reward_parts=("task", "reward_model")),
               reward_weights=(("task", 1.0), ("reward_model", 0.25)))
+
+
+def test_dr_grpos_normaliser_counts_the_samples_not_the_packed_slots():
+  """seq-mean-token-sum-norm (Dr. GRPO): the token sum over the samples x the budget, as
+  TRL's batch x max_completion_length; rows of no sample (a step of fewer groups packed
+  to its rows, slots unequal groups leave empty) change neither loss nor gradient."""
+  graphdef, params = _model()
+  cfg = LossConfig(advantage="dr_grpo", agg="seq-mean-token-sum-norm", budget=5)
+  padded = {k: np.concatenate([v, empty_batch(2, SHAPE)[k]]) for k, v in BATCH.items()}
+  results = []
+  for batch in (BATCH, padded):
+    fn = jax.value_and_grad(functools.partial(
+        rl_loss, graphdef=graphdef, batch={k: jnp.asarray(v) for k, v in batch.items()},
+        ref_params=None, num_groups=2, cfg=cfg), has_aux=True)
+    (loss, _), grads = jax.jit(fn)(params)
+    results.append((loss, grads))
+  (loss, grads), (loss_padded, grads_padded) = results
+  assert float(loss) != 0.0
+  np.testing.assert_allclose(loss_padded, loss, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads_padded), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)

@@ -54,8 +54,7 @@ def test_token_rewards_with_the_kl_penalty_equal_verls(case):
   kl = losses.kl_penalty(batch["behaviour_logp"].reshape(-1, T), ref,
                          case["kl_estimator"]) * tokens
   np.testing.assert_allclose(kl, _full(case["kl"]), rtol=1e-6, atol=1e-6)
-  rewards = adv_lib.token_rewards(batch["rewards"].reshape(-1),
-                                  batch["response_lens"].reshape(-1), tokens, kl,
+  rewards = adv_lib.token_rewards(batch["rewards"].reshape(-1), tokens, kl,
                                   case["kl_in_reward"])
   np.testing.assert_allclose(rewards[REAL], case["token_rewards"], rtol=1e-6, atol=1e-6)
 
