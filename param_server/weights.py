@@ -387,11 +387,14 @@ class WeightStore:
     try:
       target = blobs[-1]
       info = payloads.read_stored_info(self._reader(target), target.nbytes)
+      model = info.model  # the publisher's model fields: on its keyframes alone
+      if model is None:
+        model = payloads.read_stored_info(self._reader(blobs[0]), blobs[0].nbytes).model
       # The keyframe read a tensor at a time: one model in memory.
       weights = payloads.materialize(self._reader(blobs[0]), blobs[0].nbytes,
                                      (self.read_all(b) for b in blobs[1:]))
       parts = payloads.keyframe_parts(weights, target.fmt, target.version,
-                                      fingerprints=info.fingerprinted, model=info.model)
+                                      fingerprints=info.fingerprinted, model=model)
       total, sha = sum(memoryview(p).nbytes for p in parts), hashlib.sha256()
       blob = Blob(target.version, None, target.fmt, total, "", self.keyframe.tensors)
       self._write_parts(self._path(blob), parts, total, hasher=sha)  # views of the weights

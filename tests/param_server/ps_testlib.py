@@ -53,14 +53,15 @@ def publish_chain(trainer_client, n_versions, fmt="bf16", density=0.05, fingerpr
                   model=None):
   """Publishes a keyframe (v0) and n_versions-1 deltas; returns the float weights of each
   version. `fingerprints`, `model`: encode's arguments (True: seal device fingerprints; the
-  publishing model's config fields)."""
+  publishing model's config fields, on the keyframe alone, as the trainer's publisher
+  sends them)."""
   versions = [tiny_weights()]
   trainer_client.publish(sync.encode(None, versions[0], fmt, version=0,
                                      fingerprints=fingerprints, model=model).to_bytes())
   for v in range(1, n_versions):
     versions.append(perturbed(versions[-1], density, seed=v))
     trainer_client.publish(sync.encode(versions[-2], versions[-1], fmt, version=v,
-                                       fingerprints=fingerprints, model=model).to_bytes())
+                                       fingerprints=fingerprints).to_bytes())
   return versions
 
 

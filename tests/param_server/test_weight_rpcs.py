@@ -134,7 +134,7 @@ def test_compaction_builds_a_keyframe_and_keeps_history(start_server):
 def test_compaction_keeps_the_seals_and_model_fields_of_the_chain(start_server, tmp_path):
   """A compacted keyframe keeps what the updates it replaces carried: the fingerprint seal
   (workers on accelerators check on device) and the publishing model's config fields
-  (workers refuse another model's weights)."""
+  (workers refuse another model's weights), which the chain's keyframe alone carries."""
   server = start_server(delta_history=2)
   model = {"rope_theta": 10000.0, "num_heads": 2}
   with client_for(server, "trainer") as trainer, client_for(server, "worker") as worker:
