@@ -25,6 +25,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -39,6 +40,8 @@ LISTENING = re.compile(r"parameter server listening on (\S+)")
 METRICS = re.compile(r"metrics on (http://\S+)")
 TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1  # prctl(2)
+# A stopped worker's time past its worker.grace_s before it is killed (its exit, after the release).
+_EXIT_SLACK_S = 5.0
 
 
 class ChildFailed(RuntimeError):
@@ -102,7 +105,7 @@ class LocalRun:
   def __init__(self, workdir: str, config_file: str, overrides: Sequence[str], *,
                workers: int, worker_platform: str = "cpu", trainer_chips: int = 0,
                chips_per_worker: int = 0, metrics_port: int = -1, python: str = sys.executable,
-               dev: str = "/dev"):
+               dev: str = "/dev", worker_grace_s: float = 25.0):
     if workers < 1:
       raise ValueError(f"local.workers: expected >= 1, got {workers}")
     if not -1 <= metrics_port <= 65535:
@@ -124,6 +127,7 @@ class LocalRun:
       self.trainer_env, *self.worker_envs = chips.split_envs(trainer_chips, chips_per_worker,
                                                              workers, dev)
     self.workdir = make_workdir(workdir)
+    self.worker_grace_s = worker_grace_s  # worker.grace_s: what a stopped worker may take
     self.config_file, self.overrides = config_file, list(overrides)
     self.num_workers, self.python = workers, python
     self.logs = os.path.join(self.workdir, "logs")
@@ -218,20 +222,31 @@ class LocalRun:
 
   def stop(self, grace_s: float = 30.0) -> None:
     """SIGTERM the workers and trainer (they release leases and checkpoint), then the server;
-    SIGKILL whatever outlives `grace_s`."""
-    order = [c for c in self.children if c.name != "server"] + [
-        c for c in self.children if c.name == "server"]
-    for group in (order[:-1], order[-1:]):
-      for child in group:
-        if child.process.poll() is None:
-          child.process.send_signal(signal.SIGTERM)
-      deadline = time.monotonic() + grace_s
-      for child in group:
-        try:
-          child.process.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-          child.process.kill()
-          child.process.wait()
+    SIGKILL whatever outlives `grace_s` (a worker: its own worker.grace_s and a little more).
+    A second Ctrl-C or signal meanwhile is ignored: cut short, the stop would leave the
+    children to stop all at once, the server first, and a hung one running."""
+    main = threading.current_thread() is threading.main_thread()
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in signals} if main else {}
+    try:
+      order = [c for c in self.children if c.name != "server"] + [
+          c for c in self.children if c.name == "server"]
+      for group in (order[:-1], order[-1:]):
+        for child in group:
+          if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        for child in group:
+          grace = (max(grace_s, self.worker_grace_s + _EXIT_SLACK_S)
+                   if child.name.startswith("worker") else grace_s)
+          try:
+            child.process.wait(max(0.1, start + grace - time.monotonic()))
+          except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+    finally:
+      for s, handler in before.items():
+        signal.signal(s, handler)
 
 
 class StepReader:
@@ -341,6 +356,19 @@ def finished_summary(workdir: str, steps: int) -> dict[str, Any] | None:
   return summary
 
 
+def check_warm_start(config, workdir: str) -> str:
+  """The warm start's folder (<workdir>/sft); ValueError naming --workdir when the one there
+  was begun with another `sft` block (so is the RL run after it)."""
+  sft_dir = os.path.join(os.path.abspath(workdir), "sft")
+  config.sft.export.hf = True  # RL starts from the export
+  changes = run_config_changes(sft_dir, config.sft)
+  if changes:
+    raise ValueError(f"--workdir: the warm start in {sft_dir} was begun with another `sft` "
+                     f"config ({'; '.join(changes[:4])}{'; ...' if len(changes) > 4 else ''}); "
+                     f"use another --workdir, or delete {sft_dir} to train it anew")
+  return sft_dir
+
+
 def warm_start(config, workdir: str, progress: bool = True) -> str:
   """The HF checkpoint RL starts from: config.init_from_hf, else the export of the `sft`
   block trained in <workdir>/sft (reused when a finished one is there, resumed when begun;
@@ -348,14 +376,8 @@ def warm_start(config, workdir: str, progress: bool = True) -> str:
   with another `sft` block."""
   if config.init_from_hf:
     return config.init_from_hf
-  sft_dir = os.path.join(os.path.abspath(workdir), "sft")
+  sft_dir = check_warm_start(config, workdir)
   hf = os.path.join(sft_dir, "hf")
-  config.sft.export.hf = True  # RL starts from the export
-  changes = run_config_changes(sft_dir, config.sft)
-  if changes:
-    raise ValueError(f"--workdir: the warm start in {sft_dir} was begun with another `sft` "
-                     f"config ({'; '.join(changes[:4])}{'; ...' if len(changes) > 4 else ''}); "
-                     f"use another --workdir, or delete {sft_dir} to train it anew")
   if os.path.exists(os.path.join(sft_dir, "summary.json")) and os.path.exists(
       os.path.join(hf, "config.json")):
     print(f"warm start: reusing {hf}", flush=True)
@@ -370,7 +392,7 @@ def warm_start(config, workdir: str, progress: bool = True) -> str:
     if child.is_alive():
       child.terminate()
       child.join()
-  if child.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+  if child.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP):
     raise ChildFailed(f"sft (the warm start) was stopped by "
                       f"{signal.Signals(child.exitcode - 128).name}; the step it reached is "
                       f"checkpointed in {sft_dir}: a rerun resumes it", child.exitcode)

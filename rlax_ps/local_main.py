@@ -90,11 +90,22 @@ def main(argv: list[str]) -> None:
                          worker_platform=str(config.local.get("worker_platform", "cpu")),
                          trainer_chips=int(config.local.get("trainer_chips", 0)),
                          chips_per_worker=int(config.local.get("chips_per_worker", 0)),
-                         metrics_port=int(config.local.get("metrics_port", -1)))
+                         metrics_port=int(config.local.get("metrics_port", -1)),
+                         worker_grace_s=float(config.worker.get("grace_s", 25.0)))
   except ValueError as e:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
     sys.exit(2)
   run.hold_workdir()  # held until this process exits
+  if not config.init_from_hf:
+    try:  # a warm start of another `sft` block there: the run after it is another's too
+      local.check_warm_start(config, workdir)
+    except ValueError as e:
+      print(f"rlax-ps local: bad flags: {e}", file=sys.stderr, flush=True)
+      sys.exit(2)
+  done = local.finished_summary(workdir, int(config.rl.steps))
+  if done is not None:  # nothing to train: not even the warm start (its folder may be gone)
+    _show_finished(workdir, done, int(config.rl.steps))
+    return
   enable_compile_cache()
   try:
     init_from_hf = os.path.abspath(local.warm_start(config, workdir, _PROGRESS.value))
@@ -110,10 +121,6 @@ def main(argv: list[str]) -> None:
   except KeyboardInterrupt:
     print("rlax-ps local: interrupted during the warm start", file=sys.stderr, flush=True)
     sys.exit(130)
-  done = local.finished_summary(workdir, int(config.rl.steps))
-  if done is not None:
-    _show_finished(workdir, done, int(config.rl.steps))
-    return
   steps = local.StepReader(os.path.join(workdir, "steps.jsonl"))
   code, message = 0, ""
   try:

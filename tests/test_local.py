@@ -297,13 +297,20 @@ def _log_sizes(logs):
 
 def test_a_rerun_of_a_finished_run_says_so_and_starts_nothing(run):
   """The same command again on a finished workdir: no server, trainer or worker is started
-  to evaluate and export the same weights as a new version; it says the run is done, how to
-  go on, and shows the run's summary."""
+  to evaluate and export the same weights as a new version, nor the warm start (its folder
+  deleted here to save disk: it was trained again, to no end); it says the run is done, how
+  to go on, and shows the run's summary."""
   workdir, _ = run
   logs = workdir / "logs"
   before = _log_sizes(logs)
   summary = (workdir / "summary.json").read_text()
-  proc = _local(workdir, timeout=120)
+  os.rename(workdir / "sft", workdir / "sft-aside")
+  try:
+    proc = _local(workdir, timeout=120)
+    assert not (workdir / "sft").exists() and "supervised training" not in proc.stdout
+  finally:
+    shutil.rmtree(workdir / "sft", ignore_errors=True)
+    os.rename(workdir / "sft-aside", workdir / "sft")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert (f"rlax-ps local: {workdir} has trained 4 steps (rl.steps=4): nothing to train; "
           f"raise --config.rl.steps to train on") in proc.stdout
@@ -677,3 +684,39 @@ def test_a_failing_childs_message_shows_this_runs_log_lines_not_an_earlier_runs(
   message = trainer.failed_message()
   assert message.startswith("trainer exited with status 3") and "this run: boom" in message
   assert "earlier run" not in message
+
+
+_SLOW_TO_STOP = ("import signal, sys, time\n"
+                 "signal.signal(signal.SIGTERM, lambda *a: (time.sleep({s}), sys.exit(0)))\n"
+                 "print('ready', flush=True)\n"
+                 "time.sleep(120)\n")
+
+
+def _child(name, seconds, tmp_path):
+  """A child that takes `seconds` to exit after its SIGTERM (as a worker releasing its leases
+  or a trainer checkpointing does), started and ready."""
+  process = subprocess.Popen([sys.executable, "-c", _SLOW_TO_STOP.format(s=seconds)],
+                             stdout=subprocess.PIPE, text=True)
+  assert process.stdout.readline().strip() == "ready"
+  return local.Child(name, process, str(tmp_path / f"{name}.log"))
+
+
+def test_a_stop_gives_workers_their_grace_and_a_second_signal_does_not_cut_it_short(tmp_path):
+  """Stopping the run: a worker gets its worker.grace_s (here 3 s, past the stop's 1 s) to
+  hand back what it holds before it is killed, the server is stopped last, and a Ctrl-C
+  meanwhile is ignored (it cut the stop short, leaving the children to die all at once)."""
+  import threading
+  run = local.LocalRun(str(tmp_path / "run"), "configs/rl_local.py:tiny", [], workers=1,
+                       worker_grace_s=3.0)
+  run.children = [_child("server", 0, tmp_path), _child("trainer", 0.2, tmp_path),
+                  _child("worker-0", 2.0, tmp_path)]
+  threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+  before = signal.getsignal(signal.SIGINT)
+  run.stop(grace_s=1.0)
+  assert [c.process.returncode for c in run.children] == [0, 0, 0]  # none killed
+  assert signal.getsignal(signal.SIGINT) is before
+  stuck = local.LocalRun(str(tmp_path / "stuck"), "configs/rl_local.py:tiny", [], workers=1,
+                         worker_grace_s=0.5)
+  stuck.children = [_child("worker-0", 30, tmp_path)]
+  stuck.stop(grace_s=0.5)  # past its grace and the slack: killed
+  assert stuck.children[0].process.returncode == -signal.SIGKILL

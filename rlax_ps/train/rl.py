@@ -54,7 +54,7 @@ from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, adapt_kl_coef,
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
 from rlax_ps.train.events import open_jsonl, read_jsonl
-from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
+from rlax_ps.train.run import STOP_SIGNALS, TrainerRun, data_source, open_checkpointer
 from rlax_ps.train.critic import Critic
 from rlax_ps.train.state import (TrainState, abstract_model, hf_params, restore_or_init,
                                  restore_state)
@@ -1566,7 +1566,10 @@ class RLTrainer(TrainerRun):
 
   def finish(self, seconds: float, start_step: int) -> dict[str, Any]:
     """Final evaluation (exact match, pass@1 and pass@k; the workers' with eval.on_workers),
-    the Hugging Face export and summary.json."""
+    the Hugging Face export and summary.json. A run stopped (SIGTERM, Ctrl-C) before
+    rl.steps writes the summary alone: it is checkpointed, a rerun goes on, and a
+    preempted machine's grace (or `rlax-ps local`'s) is no time for an evaluation."""
+    stopped = bool(self._shared(self._stop.is_set())) and self.step < self.total_steps
     summary: dict[str, Any] = {"step": self.step, "version": self.version, "seconds": seconds,
                                "steps_this_run": self.step - start_step,
                                "rollout_groups_trained": self.trained_rollouts,
@@ -1575,7 +1578,9 @@ class RLTrainer(TrainerRun):
                                "rollout_wait_frac": self.rollout_wait_total_s
                                                     / max(seconds, 1e-9),
                                "warm_start": self.warm_start_eval}
-    if self.heldout.size:
+    if stopped:  # as the SFT trainer's: the signal (True: a stop without one)
+      summary["stopped"] = self.stop_signal or True
+    if self.heldout.size and not stopped:
       exact = passes = None
       if self.fleet_eval:  # the workers answer it, holding the final weights (published by
         # every process of a multi-host trainer alike: the leader's word)
@@ -1609,7 +1614,7 @@ class RLTrainer(TrainerRun):
         "delta_seconds_median": float(np.median([s for _, s in deltas])) if deltas else 0.0,
         "keyframe_bytes": keys[-1][0] if keys else 0,
     }
-    summary["export"] = self.export_hf() if self.config.export.hf else None
+    summary["export"] = self.export_hf() if self.config.export.hf and not stopped else None
     summary["dropped_stale"], summary["rejected"] = self.dropped_stale, self.rejected
     if self.left_unacked:  # taken by the final evaluation on the workers, left for a rerun
       summary["groups_left_unacked"] = self.left_unacked
@@ -1675,8 +1680,8 @@ def server_retry(config) -> RetryPolicy:
 
 
 def stop_on_signals(trainer: RLTrainer) -> None:
-  """SIGTERM / SIGINT: finish the step, checkpoint and return, noting the signal (with steps
-  left, `rlax-ps train` then exits with 128 + it)."""
-  for sig in (signal.SIGTERM, signal.SIGINT):
+  """SIGTERM / SIGINT / SIGHUP: finish the step, checkpoint and return, noting the signal
+  (with steps left, `rlax-ps train` then exits with 128 + it)."""
+  for sig in STOP_SIGNALS:
     signal.signal(sig, lambda signum, _: trainer.request_stop(signum))
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 from typing import Any, Callable, Iterable
 
@@ -30,6 +31,11 @@ from rlax_ps.tokenizers import tokenizer_from_config
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.events import Events, NoEvents, open_wandb
 from rlax_ps.train.prompts import file_weights
+
+
+# What stops a trainer cleanly (the step finished, checkpointed): a preemption's SIGTERM,
+# Ctrl-C, and the SIGHUP of a closed terminal.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def built_or_exit(prog: str, build: Callable[[], Any]) -> Any:

@@ -28,7 +28,7 @@ from rlax_ps.tasks import Example
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.heldout import heldout_from_config
 from rlax_ps.train.prompts import data_files, file_parts, file_weights, iter_prompts
-from rlax_ps.train.run import TrainerRun, data_source, open_checkpointer
+from rlax_ps.train.run import STOP_SIGNALS, TrainerRun, data_source, open_checkpointer
 from rlax_ps.train.state import TrainState, mesh_layout, restore_or_init
 from rlax_ps.train.step import make_train_step
 
@@ -190,12 +190,13 @@ def format_accuracy(result: dict[str, float], n_per_task: int) -> str:
 
 @contextlib.contextmanager
 def _stop_on_signals(trainer: SFTTrainer, enabled: bool):
-  """SIGTERM / SIGINT: finish the step, checkpoint and return (the handlers restored after)."""
+  """SIGTERM / SIGINT / SIGHUP: finish the step, checkpoint and return (the handlers restored
+  after)."""
   if not enabled:
     yield
     return
   old = {sig: signal.signal(sig, lambda signum, _: trainer.request_stop(signum))
-         for sig in (signal.SIGTERM, signal.SIGINT)}
+         for sig in STOP_SIGNALS}
   try:
     yield
   finally:

@@ -698,8 +698,11 @@ def test_a_stop_mid_batch_leaves_the_partial_take_to_be_trained_after_restart(tm
         tr.request_stop()
 
       threading.Thread(target=stop_once_half_taken, daemon=True).start()
-      tr.train()
+      stopped = tr.train()
       assert tr.step == 1
+      # Stopped before rl.steps: checkpointed, no final evaluation or export (a rerun goes on).
+      assert stopped["stopped"] is True and stopped["export"] is None
+      assert not os.path.exists(os.path.join(workdir, "hf"))
       # Step 2's groups taken before the stop are not counted in the checkpoint: its restart
       # takes them again (they pace the feed; counted twice, the feed ran ahead).
       assert tr.consumed == 4 and tr.checkpointer.metadata(1)["consumed"] == 4
@@ -707,6 +710,7 @@ def test_a_stop_mid_batch_leaves_the_partial_take_to_be_trained_after_restart(tm
     with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
       summary = tr.train()
       assert tr.step == 3 and tr.consumed == 12
+      assert "stopped" not in summary and summary["export"] == os.path.join(workdir, "hf")
       # The summary's sync figures cover both runs' publications, not the restart's alone.
       published = _lines(tmp_path / "rl" / "versions.jsonl")
       assert summary["sync"]["versions"] == len(published) > len(tr.sync_log)

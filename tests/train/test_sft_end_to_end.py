@@ -102,23 +102,26 @@ def test_training_learns_what_an_untrained_model_cannot(tmp_path):
   assert untrained <= 0.05 and trained >= 0.5, (untrained, trained)
 
 
-def test_sigterm_checkpoints_the_step_reached_and_stops(tmp_path):
-  """A SIGTERM (a preempted VM) finishes the step and checkpoints it: the run loses nothing
-  and a rerun resumes there (before, the default handler ended it with no checkpoint)."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP],
+                         ids=lambda s: signal.Signals(s).name)
+def test_sigterm_checkpoints_the_step_reached_and_stops(tmp_path, signum):
+  """A SIGTERM (a preempted VM), or a SIGHUP (its terminal closed: `rlax-ps local`'s warm
+  start runs in the terminal's process group), finishes the step and checkpoints it: the run
+  loses nothing and a rerun resumes there (the default handler ended it with none)."""
   config = _tiny_config()
   config.train.steps = 100000
   config.checkpoint.every_steps = 0
   config.export.hf = False
-  before = signal.getsignal(signal.SIGTERM)  # (another test of this process may have set one)
-  timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+  before = signal.getsignal(signum)  # (another test of this process may have set one)
+  timer = threading.Timer(1.0, os.kill, (os.getpid(), signum))
   timer.start()
   try:
     summary = train_and_evaluate(config, str(tmp_path), progress=False, stop_on_signals=True)
   finally:
     timer.cancel()
-  assert summary["stopped"] == signal.SIGTERM
+  assert summary["stopped"] == signum
   assert summary["step"] < config.train.steps
-  assert signal.getsignal(signal.SIGTERM) is before  # restored
+  assert signal.getsignal(signum) is before  # restored
   with SFTTrainer(config, str(tmp_path), devices=jax.devices()[:1]) as resumed:
     assert resumed.step == summary["step"]
     assert resumed.checkpointer.all_steps() == [summary["step"]]
