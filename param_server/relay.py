@@ -264,6 +264,11 @@ class WeightRelay:
     # Set while the server holds less than the relay (restarted on an empty store: a new
     # run): the relay serves nothing it holds, and says so.
     self.diverged = ""
+    # The storage id of the server whose versions the relay holds (a file of its storage
+    # folder): a server of another one is another run, whatever its version numbers.
+    self._store_file = os.path.join(config.storage_dir, "upstream_store")
+    self.upstream_store = _read_text(self._store_file)
+    self.store_changed = ""  # why: the relay serves nothing it holds again
     self.metrics_port: int | None = None  # the bound port, once serving metrics
     self._metrics = None
     self.fetches = 0  # updates pulled from the server
@@ -321,6 +326,7 @@ class WeightRelay:
         self._fetch()
         for info in self.upstream.watch(after_version=self.weights.latest,
                                         timeout_s=self.config.poll_s):
+          self._note_store(info)  # (a watch the client carried over to a restarted server)
           self._announce(info.latest_version)
           self._fetch()
           if self._stopping.is_set():
@@ -335,7 +341,7 @@ class WeightRelay:
   def _ask_upstream(self, retry: RetryPolicy | None = None) -> int:
     """The server's latest version; notes whether the server can be followed."""
     try:
-      latest = self.upstream.latest_version(retry)
+      info = self.upstream.version_info(retry)
     except ParamServerError as e:
       # Refused: nothing it holds can be trusted to be current. Unreachable: what it holds
       # is served on through the server's blip; holding nothing, it sends callers there.
@@ -343,7 +349,23 @@ class WeightRelay:
         self.upstream_problem = str(e)
       raise
     self.upstream_problem = ""
-    return latest
+    self._note_store(info)
+    return info.latest_version
+
+  def _note_store(self, info: pb.VersionInfo) -> None:
+    """The server's storage id (info.store_id): kept the first time; another one after is
+    another run, whatever its version numbers say (store_changed, for good)."""
+    if not info.store_id or self.store_changed:
+      return
+    if not self.upstream_store:  # the first server it follows
+      _write_text(self._store_file, info.store_id)
+      self.upstream_store = info.store_id
+    elif info.store_id != self.upstream_store:
+      logging.error("relay: the server's storage is %s, not the %s of the versions this relay "
+                    "holds: another run", info.store_id, self.upstream_store)
+      self.store_changed = (f"the server {self.upstream.address} keeps another run's versions "
+                            f"(storage {info.store_id}, not {self.upstream_store}) than this "
+                            f"relay holds: restart the relay with an empty storage_dir")
 
   def upstream_down(self) -> str:
     """What a caller of what the relay serves is told while the server cannot be followed
@@ -368,7 +390,9 @@ class WeightRelay:
   def _announce(self, latest: int, asked: bool = False) -> None:
     held = self.weights.latest
     with self._changed:
-      if asked and latest < held:
+      if self.store_changed:  # for good: no version number makes the other run's follow on
+        self.diverged = self.store_changed
+      elif asked and latest < held:
         if not self.diverged:
           logging.error("relay: the server holds v%d, older than the v%d this relay holds: "
                         "it restarted on an empty store (a new run)", latest, held)
@@ -385,7 +409,8 @@ class WeightRelay:
     """Bring the store up to the server's latest, one update at a time, each streamed from
     the server into a publication of the store (verified as the server verifies it); an
     update begun by a broken stream is resumed where it broke."""
-    while self.weights.latest < self.server_latest and not self._stopping.is_set():
+    while (self.weights.latest < self.server_latest and not self.diverged
+           and not self._stopping.is_set()):
       have, arriving = self.weights.latest, self._arriving
       resume = None
       if arriving is not None and arriving.received:
@@ -560,3 +585,20 @@ class WeightRelay:
 
   def __exit__(self, *exc) -> None:
     self.stop()
+
+
+def _read_text(path: str) -> str:
+  """A small file's text ("" without the file)."""
+  try:
+    with open(path) as f:
+      return f.read().strip()
+  except FileNotFoundError:
+    return ""
+
+
+def _write_text(path: str, text: str) -> None:
+  """`text` as the file's whole content, replaced at once (a temp file renamed over it)."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)

@@ -337,12 +337,37 @@ def test_a_relay_refuses_to_serve_a_run_older_than_what_it_holds(start_server, s
   second = start_server(storage_dir=tmp_path / "run2", port=port)
   with client_for(second, "trainer") as trainer:
     publish_chain(trainer, 1)
-  _until(lambda: "holds v0," in relay.diverged)  # (v-1 first, should it poll before v0)
+  _until(lambda: "another run's versions" in relay.diverged)  # (its storage: another id)
   with client_for(relay, "worker") as w:
     with pytest.raises(ParamServerError) as refused:
       w.pull()
   assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
-  assert "holds v0, older than the v1" in refused.value.details
+  assert "empty storage_dir" in refused.value.details
+
+
+def test_a_relay_takes_nothing_of_another_runs_versions_past_what_it_holds(
+    start_server, start_relay, tmp_path):
+  """A new run on the server's address, already past the relay's v1 when the relay asks:
+  its v2 is a delta on the new run's v1, not the old one's. The relay knows the server's
+  storage is another (the one it followed is kept in its folder) and serves nothing, naming
+  the fix, rather than joining the new run's deltas to the old run's chain."""
+  first = start_server(storage_dir=tmp_path / "run1")
+  with client_for(first, "trainer") as trainer:
+    publish_chain(trainer, 2)
+  relay = start_relay(first, poll_s=0.2)
+  _until(lambda: relay.weights.latest == 1)
+  port = first.port
+  first.stop(grace=0)
+  second = start_server(storage_dir=tmp_path / "run2", port=port)
+  with client_for(second, "trainer") as trainer:
+    publish_chain(trainer, 4, density=0.5)
+  _until(lambda: "another run's versions" in relay.diverged)
+  time.sleep(0.5)  # (polls past the new run's v3)
+  assert relay.weights.latest == 1 and "another run's versions" in relay.diverged
+  with client_for(relay, "worker") as w:
+    with pytest.raises(ParamServerError) as refused:
+      w.pull()
+  assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
   assert "empty storage_dir" in refused.value.details
 
 
@@ -452,13 +477,13 @@ def test_pulls_that_find_nothing_newer_ask_the_server_once_between_them(server, 
   publish_chain(trainer, 1)
   relay = start_relay(server)
   _until(lambda: relay.weights.latest == 0)
-  ask = relay.upstream.latest_version
+  ask = relay.upstream.version_info
 
   def slowly(retry=None):
     time.sleep(0.5)
     return ask(retry)
 
-  relay.upstream.latest_version = slowly
+  relay.upstream.version_info = slowly
   answers = []
 
   def pull():
