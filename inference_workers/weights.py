@@ -192,9 +192,9 @@ class HeldPolicy:
     if update.header.tensors is None:  # a delta names its tensors by the held layout
       update.bind(self._layout)
     # A keyframe replaces everything, a delta patches what is held; an older version's
-    # leftovers would be caught by the seal check below.
-    if not update.is_keyframe:
-      self.version = None
+    # leftovers would be caught by the seal check below. Either, failing half-way (the
+    # device out of memory), leaves a mix of versions: none is held until it is whole.
+    self.version = None
     held, changed = self.held_state(), None
     try:
       changed = self._patcher.apply(held, update)

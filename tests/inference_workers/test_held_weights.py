@@ -110,6 +110,22 @@ def test_checksum_mismatch_demands_a_resync_and_a_keyframe_recovers(versions):
   assert all(same_bits(policy.held_state()[k], want[k]) for k in want)
 
 
+def test_a_keyframe_that_fails_half_way_leaves_no_version_held(versions, monkeypatch):
+  """A keyframe whose patching fails after some tensors (the device out of memory: new and
+  old buffers held at once) leaves old and new tensors: no version is held, so the next
+  update is a resync, not a delta on a mix labelled the old version."""
+  policy = HeldPolicy(UNTIED, "bf16")
+  policy.apply(sync.encode(None, versions[0], "bf16", version=0))
+
+  def out_of_memory(self, held, update):
+    raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+  monkeypatch.setattr(patch.Patcher, "apply", out_of_memory)
+  with pytest.raises(RuntimeError, match="out of memory"):
+    policy.apply(sync.encode(None, versions[1], "bf16", version=1))
+  assert policy.version is None
+
+
 def test_delta_on_the_wrong_base_demands_a_resync(versions):
   policy = HeldPolicy(UNTIED, "bf16")
   with pytest.raises(ResyncNeeded, match="held version is None"):
