@@ -94,8 +94,6 @@ def block_stop_signals() -> None:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise SystemExit(f"rlax-ps worker: unexpected arguments {argv[1:]}; flags are --name=value")
   block_stop_signals()  # before JAX or gRPC start any thread
   cfg = _CONFIG.value
   try:  # what the config names is made before JAX and the model load

@@ -27,8 +27,6 @@ for _field in dataclasses.fields(RelayConfig):  # listed by `rlax-ps relay --hel
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise ValueError(f"unexpected arguments {argv[1:]}")
   try:
     config = resolve(RelayConfig, None, "relay settings")
     check_tls_files(config.tls_cert, config.tls_key)

@@ -53,8 +53,6 @@ def bound_malloc_arenas() -> None:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise ValueError(f"unexpected arguments {argv[1:]}")
   bound_malloc_arenas()
   try:
     config = config_from_flags()

@@ -77,8 +77,6 @@ def format_stats(s: pb.Stats) -> str:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise ValueError(f"unexpected arguments {argv[1:]}")
   with connect_flags.connect("viewer", retry=RetryPolicy(deadline_s=_TIMEOUT.value),
                              timeout_s=_TIMEOUT.value) as client:
     try:

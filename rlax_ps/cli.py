@@ -81,13 +81,15 @@ def _user_error_types() -> tuple[type, ...]:
 
 
 def reporting_errors(main_fn, prog: str):
-  """`main_fn`, with a usage error (a bad setting) in one line as a bad flag is (exit 2),
-  user errors in one line (exit 1) and a closed stdout (`| head`) ending the command
-  quietly, as SIGPIPE would (exit 141)."""
+  """`main_fn`, with a usage error (a bad setting, an argument that is no flag) in one line
+  as a bad flag is (exit 2), user errors in one line (exit 1) and a closed stdout (`| head`)
+  ending the command quietly, as SIGPIPE would (exit 141)."""
   from absl import app
 
   def run(argv):
     try:
+      if len(argv) > 1:  # every subcommand takes flags alone
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; flags are --name=value")
       return main_fn(argv)
     except app.UsageError as e:
       print(f"{prog}: {e}", file=sys.stderr)

@@ -51,8 +51,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise SystemExit(f"rlax-ps local: unexpected arguments {argv[1:]}; flags are --name=value")
   for stop in STOP_SIGNALS:
     signal.signal(stop, _raise_terminated)
   if not flags.FLAGS["verbosity"].present:

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -73,6 +75,18 @@ def test_missing_workdir_is_reported():
 def test_unknown_plain_flag_is_reported():
   r = _run("sft", "--config=configs/sft_tiny.py:tiny", "--workdir=/tmp/x", "--stpes=3")
   assert r.returncode == 2 and "stpes" in r.stderr
+
+
+@pytest.mark.parametrize("subcommand, flag", [
+    ("serve", "--storage_dir={tmp}"), ("status", "--help=false"),
+    ("sft", "--config=configs/sft_tiny.py:tiny --workdir={tmp}")])
+def test_an_argument_that_is_no_flag_is_named_in_one_line(subcommand, flag, tmp_path):
+  """Every subcommand takes flags alone: `rlax-ps serve foo` is a usage error (exit 2, one
+  line), not a traceback (serve, relay and status raised ValueError)."""
+  r = _run(subcommand, "foo", *flag.format(tmp=tmp_path).split())
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert f"rlax-ps {subcommand}: unexpected arguments ['foo']; flags are --name=value" in r.stderr
+  assert "Traceback" not in r.stderr
 
 
 def test_subcommand_help_shows_its_usage_and_flags():

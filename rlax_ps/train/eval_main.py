@@ -176,8 +176,6 @@ def _checked(config, paths: list[str]):
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise SystemExit(f"rlax-ps eval: unexpected arguments {argv[1:]}; flags are --name=value")
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
   config, paths = _CONFIG.value, list(dict.fromkeys(_paths(_CHECKPOINTS.value)))

@@ -269,8 +269,6 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise SystemExit(f"rlax-ps export: unexpected arguments {argv[1:]}; flags are --name=value")
   if not flags.FLAGS["verbosity"].present:  # orbax warns that it opens the checkpoints read only
     logging.set_verbosity(logging.ERROR)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX starts: no accelerator is touched

@@ -41,8 +41,6 @@ connect_flags.require_address()
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise SystemExit(f"rlax-ps train: unexpected arguments {argv[1:]}; flags are --name=value")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO.
     logging.set_verbosity(logging.WARNING)
   leader = distributed.initialize()  # before any JAX backend starts

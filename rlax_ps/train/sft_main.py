@@ -29,8 +29,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise SystemExit(f"rlax-ps sft: unexpected arguments {argv[1:]}; flags are --name=value")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save step at INFO.
     logging.set_verbosity(logging.WARNING)
   distributed.initialize()  # before any JAX backend starts
