@@ -553,7 +553,7 @@ class _Waiting:
     out: list[Sample | None] = [None] * len(samples)
     flags: list[bool] = [True] * len(samples)
     for pos, (j, got, before) in enumerate(zip(self.order, samples, self.begun)):
-      k = min(len(before.tokens), len(got.tokens))
+      k = len(before.tokens)
       if pos < self.complete:  # the prompt's routes are this run's (one prefill)
         out[j] = dataclasses.replace(before, prompt_routes=got.prompt_routes)
       elif len(got.tokens) < len(before.tokens):  # stopped again while its begun tokens

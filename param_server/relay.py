@@ -357,7 +357,8 @@ class WeightRelay:
     another run, whatever its version numbers say (store_changed, for good)."""
     if not info.store_id or self.store_changed:
       return
-    if not self.upstream_store:  # the first server it follows
+    if not self.upstream_store or (info.store_id != self.upstream_store
+                                   and self.weights.latest < 0):  # holding none of another's
       _write_text(self._store_file, info.store_id)
       self.upstream_store = info.store_id
     elif info.store_id != self.upstream_store:

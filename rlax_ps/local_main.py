@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
     sys.exit(2)
   from inference_workers.worker_config import WorkerConfig  # no JAX: checked before any start
   try:
-    WorkerConfig(**config.worker.to_dict())
+    worker_grace_s = WorkerConfig(**config.worker.to_dict()).grace_s
   except (TypeError, ValueError) as e:
     print(f"rlax-ps local: bad flags: --config.worker: {e}", file=sys.stderr)
     sys.exit(2)
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
                          trainer_chips=int(config.local.get("trainer_chips", 0)),
                          chips_per_worker=int(config.local.get("chips_per_worker", 0)),
                          metrics_port=int(config.local.get("metrics_port", -1)),
-                         worker_grace_s=float(config.worker.get("grace_s", 25.0)))
+                         worker_grace_s=worker_grace_s)
   except ValueError as e:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
     sys.exit(2)

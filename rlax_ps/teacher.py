@@ -155,35 +155,39 @@ def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer,
   replies' tokens, which the loss leaves out."""
   from rlax_ps.token_alignment import aligned_chunks, decoded_pieces, spread_over_chunks
   observed = observed or [None] * len(responses)
-  pieces, texts = [], []
+  pieces, texts, spans = [], [], []  # spans: per response, each run's policy and teacher ends
   for rs, stops, obs in zip(responses, stopped, observed):
-    pieces.append([]), texts.append([])
+    pieces.append([]), texts.append([]), spans.append([])
     for r, stop, o in zip(rs, stops, obs or [None] * len(rs)):
       body = list(r[:len(r) - 1] if stop else r)
       pieces[-1].append(decoded_pieces(policy_tokenizer, body))
-      runs = _runs(None if o is None else np.asarray(o, bool)[:len(body)], len(body))
-      ids = [t for a, b in runs
-             for t in teacher_tokenizer.encode("".join(pieces[-1][-1][a:b]))]
+      ids, ends = [], []
+      for a, b in _runs(None if o is None else np.asarray(o, bool)[:len(body)], len(body)):
+        ids += teacher_tokenizer.encode("".join(pieces[-1][-1][a:b]))
+        ends.append((b, len(ids)))
       texts[-1].append(ids + [teacher_tokenizer.eos_id] * int(stop))
+      spans[-1].append(ends)
   budget = max(_MIN_PROMPT, 1 << (max(len(t) for ts in texts for t in ts) - 1).bit_length())
   scored = teacher.score_groups(prompts, texts, samples, budget)
   out = []
-  for group in zip(stopped, pieces, texts, scored, weights, observed):
+  for group in zip(stopped, pieces, texts, scored, weights, spans):
     out.append([])
-    obs = group[-1] or [None] * len(group[0])
-    for stop, own, ids, (logp, _, _), w, o in zip(*group[:-1], obs):
+    for stop, own, ids, (logp, _, _), w, ends in zip(*group):
       n = len(ids) - int(stop)
-      read = decoded_pieces(teacher_tokenizer, ids[:n])
-      if "".join(read) != "".join(own):  # aligned_chunks makes the response one span
-        logging.log_every_n_seconds(
-            logging.WARNING, "teacher: its tokenizer does not give back a response's text "
-            "(%r reads as %r): the teacher scores what it read, shared out over the whole "
-            "response", 60, "".join(own)[:80], "".join(read)[:80])
-      mine, theirs, count = aligned_chunks(own, read)
-      w = np.asarray(w, np.float64)[:len(own)]
-      if o is not None:  # a reply's tokens: no share of a span of the policy's
-        w = np.where(np.asarray(o, bool)[:len(own)], 0.0, w)
-      spread = spread_over_chunks(logp[:n], theirs, mine, w, count)
+      mine, theirs, count = [], [], 0
+      start = begin = 0  # each run aligned alone: no span holds a turn's and a reply's text
+      for end, stop_at in ends:
+        read = decoded_pieces(teacher_tokenizer, ids[begin:stop_at])
+        if "".join(read) != "".join(own[start:end]):  # aligned_chunks: the run is one span
+          logging.log_every_n_seconds(
+              logging.WARNING, "teacher: its tokenizer does not give back a response's text "
+              "(%r reads as %r): the teacher scores what it read, shared out over the "
+              "run's tokens", 60, "".join(own[start:end])[:80], "".join(read)[:80])
+        a, b, k = aligned_chunks(own[start:end], read)
+        mine.append(a + count), theirs.append(b + count)
+        count, start, begin = count + k, end, stop_at
+      spread = spread_over_chunks(logp[:n], np.concatenate(theirs), np.concatenate(mine),
+                                  np.asarray(w, np.float64)[:len(own)], count)
       out[-1].append(np.concatenate([spread, logp[n:]]).astype(np.float32))
   return out
 

@@ -1207,8 +1207,8 @@ class RLTrainer(TrainerRun):
     finally:
       self._journal = None
 
-  _COUNTS = ("consumed", "rejected", "last_rejection", "filtered", "filled", "came_back",
-             "dropped_stale")
+  _COUNTS = ("consumed", "rejected", "last_rejection", "filtered", "filled", "came_back")
+  # (not dropped_stale: the server drops stale groups for good)
 
   def _take_bookkeeping(self) -> tuple[dict[str, Any], int]:
     """The counts that taking groups changes before they train, as they are before a take
@@ -1221,6 +1221,8 @@ class RLTrainer(TrainerRun):
     """Back to `before` (_take_bookkeeping) and the journal's first values: the checkpoint a
     stop writes must not count the groups its restart takes again."""
     counts, lost = before
+    if self.servers_lost != lost:  # a server lost meanwhile: its groups never come again
+      return
     for k, v in counts.items():
       setattr(self, k, v)
     for record, streak in self._journal["streaks"].items():
@@ -1228,9 +1230,8 @@ class RLTrainer(TrainerRun):
         self.streaks.pop(record, None)
       else:
         self.streaks[record] = streak
-    if self.servers_lost == lost:  # (a server lost meanwhile was fed anew: other ids)
-      self.outstanding.update(self._journal["outstanding"])
-      self.skip_ids |= self._journal["skips"]
+    self.outstanding.update(self._journal["outstanding"])
+    self.skip_ids |= self._journal["skips"]
 
   def _take_round(self) -> list[Group] | None:
     """_take_groups' groups (None when stopped), the bookkeeping done as they are taken."""

@@ -86,12 +86,13 @@ class SFTTrainer(TrainerRun):
     each file's records and weight, file_parts, where data.weights mixes the files)."""
     data = self.config.data
     path = data.get("jsonl", "")
+    weights = file_weights(data)  # (refused without data.jsonl's files to weigh)
     if not path:
       return None, []
     if not data.get("answer_key", "answer"):
       raise ValueError("data.answer_key: supervised data needs answers; expected the key "
                        "that holds them, got ''")
-    weights, sizes = file_weights(data), []
+    sizes = []
     records = iter_prompts(path, field="data.jsonl",
                            prompt_key=str(data.get("prompt_key", "prompt")),
                            answer_key=str(data.get("answer_key", "answer")),

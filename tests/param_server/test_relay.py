@@ -371,6 +371,22 @@ def test_a_relay_takes_nothing_of_another_runs_versions_past_what_it_holds(
   assert "empty storage_dir" in refused.value.details
 
 
+def test_a_relay_holding_nothing_follows_a_server_restarted_on_new_storage(
+    start_server, start_relay, tmp_path):
+  """Before any version arrives there is no run to mix: a server restarted on another
+  storage folder (its id another) is followed, not refused for good."""
+  first = start_server(storage_dir=tmp_path / "run1")
+  relay = start_relay(first, poll_s=0.2)
+  _until(lambda: relay.upstream_store)
+  port = first.port
+  first.stop(grace=0)
+  second = start_server(storage_dir=tmp_path / "run2", port=port)
+  with client_for(second, "trainer") as trainer:
+    publish_chain(trainer, 2)
+  _until(lambda: relay.weights.latest == 1)
+  assert not relay.diverged and relay.upstream_store == second.servicer.store_id
+
+
 def test_a_worker_given_the_relay_then_the_server_goes_on_when_the_relay_dies(
     server, trainer, start_relay):
   """--address=ipv4:RELAY,SERVER: the client takes the relay while it answers and the
