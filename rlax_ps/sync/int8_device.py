@@ -156,12 +156,18 @@ def fetch_held(held: dict) -> dict[str, np.ndarray]:
   CodecError of int8.quantize_params for a tensor whose weights were not all finite."""
   out = jax.device_get(held)
   out = {name: np.asarray(a) for name, a in out.items()}
-  for name, a in out.items():
-    sname = name + SCALE_SUFFIX
-    if a.dtype == INT8 and sname in out and out[sname].dtype == BF16:
-      if np.isnan(out[sname]).any():
-        raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
+  check_finite(out)
   return out
+
+
+def check_finite(held: dict) -> None:
+  """Raises the CodecError of int8.quantize_params for the first tensor of a host copy of a
+  `quantize_params_jax` state whose weights were not all finite (its scales are NaN)."""
+  for name, a in held.items():
+    sname = name + SCALE_SUFFIX
+    if a.dtype == INT8 and sname in held and held[sname].dtype == BF16:
+      if np.isnan(held[sname]).any():
+        raise CodecError(f"tensor {name!r}: int8 quantization needs finite weights")
 
 
 _quantize_params_jit = jax.jit(quantize_params_jax)

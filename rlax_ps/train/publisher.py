@@ -101,6 +101,8 @@ class Publisher:
       base, checksums = self._host, self._checksums
     size, digest = 0, 0
     if sends:
+      if self.fmt == "int8":  # (non-finite weights quantize to NaN scales on device)
+        int8_device.check_finite(host)
       update = sync.encode(base, host, self.fmt, version=version, fingerprints=prints,
                            base_checksums=checksums,
                            model=self.model_fields if keyframe else None)

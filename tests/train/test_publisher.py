@@ -99,3 +99,18 @@ def test_a_server_that_lost_its_weights_gets_the_version_as_a_keyframe(tmp_path)
       c.close()
     for s in servers:
       s.stop(grace=0)
+
+
+@pytest.mark.parametrize("keyframe", [True, False])
+def test_non_finite_weights_are_not_published_in_int8(keyframe):
+  """Non-finite weights quantize to NaN scales on device: the publisher refuses them, naming
+  the tensor, and sends nothing (the workers would sample from NaN weights)."""
+  client = _Client()
+  pub = publisher_lib.Publisher(client, "int8", keyframe_every=50)
+  pub.publish(_params(0), 0)
+  bad = _params(1)
+  bad["layers"]["0"]["kernel"] = bad["layers"]["0"]["kernel"].at[3, 5].set(jnp.inf)
+  with pytest.raises(sync.CodecError, match="'layers.0.kernel'.*finite"):
+    pub.publish(bad, 1, keyframe=keyframe)
+  assert len(client.sent) == 1 and pub.version == 0
+  assert not pub.publish(_params(1), 1).keyframe  # the good next version is still a delta
