@@ -23,6 +23,9 @@ DEFAULTS = {
     "weight_decay": 0.1,  # Decoupled; applied to matrices only (not norms, biases).
     "clip_norm": 1.0,  # Global-norm clip before Adam; 0 disables.
     "grad_accum_steps": 1,  # Micro-batches per update (the batch is split into this many).
+  # An update whose gradients are not all finite is skipped (params and moments kept); this
+  # many in a row stop the run with an error, at its last checkpoint.
+  "max_nonfinite_steps": 5,
 }
 
 
@@ -48,6 +51,7 @@ def check_optimizer_config(cfg, total_steps: int) -> None:
   need(_get(cfg, "weight_decay") >= 0, "weight_decay", ">= 0")
   need(_get(cfg, "clip_norm") >= 0, "clip_norm", ">= 0 (0 disables clipping)")
   need(int(_get(cfg, "grad_accum_steps")) >= 1, "grad_accum_steps", ">= 1")
+  need(int(_get(cfg, "max_nonfinite_steps")) >= 1, "max_nonfinite_steps", ">= 1")
   if total_steps < 1:
     raise ValueError(f"train.steps: expected >= 1, got {total_steps}")
 
@@ -137,7 +141,9 @@ def decay_mask(params):
 
 
 def make_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
-  """AdamW(schedule) after optional global-norm clipping, as the config says."""
+  """AdamW(schedule) after optional global-norm clipping, as the config says, skipping any
+  update whose gradients are not all finite (optax.apply_if_finite, which never gives up:
+  `check_finite_updates` stops the run instead, before a NaN reaches the weights)."""
   check_optimizer_config(cfg, total_steps)
   parts = []
   if _get(cfg, "clip_norm") > 0:
@@ -146,7 +152,34 @@ def make_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
       learning_rate=learning_rate_schedule(cfg, total_steps), b1=float(_get(cfg, "b1")),
       b2=float(_get(cfg, "b2")), eps=float(_get(cfg, "eps")),
       weight_decay=float(_get(cfg, "weight_decay")), mask=decay_mask))
-  return optax.chain(*parts)
+  return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=_NEVER)
+
+
+_NEVER = 2**31 - 1  # apply_if_finite's count saturates below it: it never applies a NaN
+
+
+def skip_counts(opt_state) -> dict[str, jax.Array]:
+  """The step's metrics of make_optimizer's skipping: updates skipped in a row (0 after a
+  finite one) and in the whole run."""
+  if not isinstance(opt_state, optax.ApplyIfFiniteState):
+    return {}
+  return {"nonfinite_streak": opt_state.notfinite_count,
+          "skipped_updates": opt_state.total_notfinite}
+
+
+def check_finite_updates(metrics: Mapping[str, float], cfg, step: int, prefix: str = ""
+                         ) -> None:
+  """Raises a FloatingPointError once `metrics` (skip_counts' fetched, under `prefix`) show
+  optimizer.max_nonfinite_steps updates in a row skipped for non-finite gradients: the run
+  makes no progress, and stopping before its next checkpoint keeps the last good one."""
+  streak = int(metrics.get(prefix + "nonfinite_streak", 0))
+  limit = int(_get(cfg, "max_nonfinite_steps"))
+  if streak >= limit:
+    raise FloatingPointError(
+        f"optimizer: the {prefix.rstrip('_') or 'model'}'s gradients were not finite in the last {streak} "
+        f"updates (step {step}); each was skipped, and the run stops at its last checkpoint "
+        f"(optimizer.max_nonfinite_steps={limit}): lower optimizer.lr, or look for the "
+        f"batches that overflow")
 
 
 def grad_accum_steps(cfg) -> int:

@@ -154,7 +154,8 @@ class Critic:
                    if self.init_from_hf else critic_config(model_config))
     self.value_clip = d.get("value_clip", 0.5)
     self.warmup_steps = d.get("warmup_steps", 0)  # the first steps: the critic's alone
-    self.optimizer = optim.make_optimizer(d.get("optimizer") or {}, total_steps)
+    self.optimizer_config = d.get("optimizer") or {}
+    self.optimizer = optim.make_optimizer(self.optimizer_config, total_steps)
     self.schedule = optim.learning_rate_schedule(d.get("optimizer") or {}, total_steps)
     self.mesh, self.loss_cfg, self.micro = mesh, loss_cfg, micro_batches
     model = nnx.eval_shape(lambda: ValueModel(self.config, rngs=nnx.Rngs(0)))
@@ -299,6 +300,7 @@ class Critic:
         metrics = jax.tree.map(lambda m: m.mean(0), metrics)
       metrics = {"vf_loss": metrics["vf_loss"], "vf_clipfrac": metrics["vf_clipfrac"],
                  "critic_grad_norm": metrics["grad_norm"], "critic_lr": metrics["lr"],
+                 **{"critic_" + k: v for k, v in optim.skip_counts(state.opt_state).items()},
                  **value_stats(batch)}
       return state, metrics
 

@@ -38,7 +38,7 @@ from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from algorithms.selection import fed, next_streak
 from param_server.client import (ParamServerError, Prompt, RetryPolicy, routes_of,
                                  sample_logprobs, sample_observed, sample_teacher)
-from rlax_ps import chat
+from rlax_ps import chat, optim
 from rlax_ps import sharding as shd
 from rlax_ps.config_files import save_run_config
 from rlax_ps.tokenizers import Tokenizer
@@ -123,7 +123,9 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
     final, metrics = jax.lax.scan(
         lambda st, _: update(st, batch, ref_logp, proximal, entropy_coef, kl_beta), state,
         None, length=updates_per_batch)
-    return final.replace(step=state.step + 1), jax.tree.map(lambda m: m.mean(0), metrics)
+    metrics = jax.tree.map(lambda m: m.mean(0), metrics)
+    metrics.update(optim.skip_counts(final.opt_state))  # the last update's, not a mean
+    return final.replace(step=state.step + 1), metrics
 
   return jit_step(step, state_shardings, mesh)
 
@@ -896,6 +898,7 @@ class RLTrainer(TrainerRun):
         if self.ref_sync_steps and done % self.ref_sync_steps == 0:  # TRL's sync_ref_model
           self.ref_params = self._mix_reference(self.ref_params, self.state.params)
         metrics = {k: float(v) for k, v in shd.to_host(metrics).items()}
+        self._check_finite(metrics, done)
         if self.loss_cfg.adaptive_entropy and not warming:  # TRL's logged entropy_coef
           metrics["entropy_coef"] = self._adapt_entropy(metrics["entropy"])
         if self.loss_cfg.kl_target is not None and not warming:  # verl's adaptive KL:
@@ -955,6 +958,18 @@ class RLTrainer(TrainerRun):
     self.checkpointer.wait()
     self._ack_durable()
     return self.finish(time.time() - t0, start_step)
+
+  def _check_finite(self, metrics: dict, step: int) -> None:
+    """Warns of a step whose update (policy's or critic's) was skipped for non-finite
+    gradients, and stops the run (before its checkpoint) after too many in a row."""
+    for prefix, cfg in (("", self.config.optimizer),) + (
+        (("critic_", self.critic.optimizer_config),) if self.critic is not None else ()):
+      if metrics.get(prefix + "nonfinite_streak", 0) and self.leader:
+        logging.warning("step %d: the %supdate was skipped: its gradients are not finite "
+                        "(grad norm %s, %d in a row)", step, prefix.replace("_", " "),
+                        metrics.get(prefix + "grad_norm"),
+                        int(metrics[prefix + "nonfinite_streak"]))
+      optim.check_finite_updates(metrics, cfg, step, prefix)
 
   def _min_version(self) -> int:
     floor = self.version - self.max_staleness

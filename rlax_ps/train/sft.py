@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from rlax_ps import optim
@@ -155,6 +156,7 @@ class SFTTrainer(TrainerRun):
     eval_every = int(self.config.train.eval_every)
     start = self.step
     last: dict[str, float] = {}
+    skipped = 0  # updates skipped for non-finite gradients, as last logged
     bar = tqdm(total=until, initial=start, desc="sft", unit="step",
                disable=not (progress and self.leader), dynamic_ncols=True)
     t0 = time.time()
@@ -167,6 +169,11 @@ class SFTTrainer(TrainerRun):
       if done % log_every == 0 or done == until:  # Fetching metrics waits for the step.
         last = {k: float(v) for k, v in shd.to_host(metrics).items()}
         last["answer_tokens"] = last.pop("tokens")
+        if last.get("skipped_updates", 0) > skipped and self.leader:
+          logging.warning("step %d: %d update(s) skipped since step %d: their gradients were "
+                          "not finite", done, last["skipped_updates"] - skipped, done - log_every)
+        skipped = last.get("skipped_updates", 0)
+        optim.check_finite_updates(last, self.config.optimizer, done)
         for k, v in last.items():
           self.writer.add_scalar(f"train/{k}", v, done)
         elapsed = time.time() - t0

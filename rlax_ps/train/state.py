@@ -182,6 +182,38 @@ def restore_or_init(model_config: ModelConfig, optimizer: optax.GradientTransfor
   return state, shardings, graphdef, metadata
 
 
+def _is_skipping(x) -> bool:
+  return isinstance(x, optax.ApplyIfFiniteState)
+
+
+def _unwrapped(tree: Any) -> Any:
+  """`tree` (a restore target) with each optax.apply_if_finite state replaced by the state
+  it wraps: the layout of a checkpoint written before the optimizer was wrapped."""
+  return jax.tree.map(lambda x: x.inner_state if _is_skipping(x) else x, tree,
+                      is_leaf=_is_skipping)
+
+
+def _rewrapped(target: Any, restored: Any) -> Any:
+  """The state restored as `_unwrapped(target)` says, wrapped again as `target`, the skip
+  counts zero (placed as the target's)."""
+  def zeros(like):
+    return jax.make_array_from_callback(
+        like.shape, like.sharding, lambda idx: jnp.zeros(like.shape, like.dtype)[idx])
+
+  def wrap(t, r):
+    if isinstance(t, dict):
+      return {k: wrap(t[k], r[k]) for k in t}
+    if _is_skipping(t):
+      return optax.ApplyIfFiniteState(
+          notfinite_count=zeros(t.notfinite_count),
+          last_finite=jax.make_array_from_callback(
+              (), t.last_finite.sharding, lambda idx: jnp.ones((), jnp.bool_)),
+          total_notfinite=zeros(t.total_notfinite), inner_state=r)
+    return r
+
+  return wrap(target, restored)
+
+
 def model_changes(saved: dict[str, Any] | None, model_config: ModelConfig
                   ) -> tuple[list[str], dict[str, Any]]:
   """(a line per model field the checkpoint's config `saved` sets otherwise than
@@ -223,8 +255,20 @@ def restore_state(model_config: ModelConfig, optimizer: optax.GradientTransforma
                     checkpointer.directory, ", ".join(f"{k}={v!r}" for k, v in added.items()))
   target = abstract_state(model_config, optimizer, mesh)
   trees = trees or {}
-  tree, metadata = checkpointer.restore(
-      dict(target.to_tree(), **{name: target.params for name in params_like}, **trees), step)
+  full = dict(target.to_tree(), **{name: target.params for name in params_like}, **trees)
+  try:
+    tree, metadata = checkpointer.restore(full, step)
+  except ValueError as e:  # written before optim.make_optimizer skipped non-finite updates?
+    if "laid out otherwise" not in str(e) or _unwrapped(full) == full:
+      raise
+    try:
+      tree, metadata = checkpointer.restore(_unwrapped(full), step)
+    except ValueError:
+      raise e from None
+    tree = _rewrapped(full, tree)
+    logging.warning("optimizer: the checkpoint in %s predates the skipping of updates whose "
+                    "gradients are not finite; its optimizer state resumes, their counts "
+                    "start at 0", checkpointer.directory)
   shardings = jax.tree.map(lambda x: x.sharding, target)
   extras = {name: tree.pop(name) for name in (*params_like, *trees)}
   return TrainState.from_tree(tree), shardings, graphdef, metadata, extras

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from rlax_ps import sharding as shd
+from rlax_ps import optim, sharding as shd
 from rlax_ps.train.state import TrainState
 from rlax_ps.train.trainable import join, split_as, split_trainable, trainable_value_and_grad
 
@@ -108,14 +108,16 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 def apply_gradients(state: TrainState, grads: Any, metrics: dict,
                     optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule | None = None) -> tuple[TrainState, dict]:
-  """One optax update of `state` (step + 1, RNG split); adds grad_norm and lr to metrics.
-  `grads` are those of the trainable params (all of them, or a LoRA run's adapters): the
-  params they cover are updated, the rest kept."""
+  """One optax update of `state` (step + 1, RNG split); adds grad_norm, lr and the
+  optimizer's skip counts (optim.skip_counts) to metrics. `grads` are those of the trainable
+  params (all of them, or a LoRA run's adapters): the params they cover are updated, the
+  rest kept."""
   trainable, frozen = split_as(state.params, grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
   params = join(optax.apply_updates(trainable, updates), frozen)
   rng, _ = jax.random.split(state.rng)
   metrics["grad_norm"] = optax.global_norm(grads)
+  metrics.update(optim.skip_counts(opt_state))
   if schedule is not None:
     metrics["lr"] = schedule(state.step)
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng), metrics

@@ -46,13 +46,21 @@ def _old_workdir(tmp_path, **model_config):
 
 def test_an_older_checkpoint_resumes_its_step_and_optimizer_with_new_fields_defaulted(
     tmp_path, caplog):
+  config = _config()
+  config.train.steps = 3
   with caplog.at_level("WARNING"):
-    with SFTTrainer(_config(), _old_workdir(tmp_path)) as trainer:
+    with SFTTrainer(config, _old_workdir(tmp_path)) as trainer:
       assert trainer.step == 2
-      leaves = jax.tree.leaves(jax.device_get(trainer.state.opt_state))
+      opt_state = jax.device_get(trainer.state.opt_state)
+      leaves = jax.tree.leaves(opt_state.inner_state)
       assert [int(x) for x in leaves if np.issubdtype(x.dtype, np.integer)] == [2, 2]  # counts
       assert all(np.any(x != 0) for x in leaves if x.ndim)  # Adam's moments, not a fresh init
+      # written before non-finite updates were skipped: their counts start at 0
+      assert (int(opt_state.notfinite_count), int(opt_state.total_notfinite)) == (0, 0)
+      trainer.train(progress=False)  # and the wrapped state trains on
+      assert trainer.step == 3
   assert "predates fields added to the model config since" in caplog.text
+  assert "predates the skipping of updates" in caplog.text
   assert "router_scoring='softmax'" in caplog.text
 
 

@@ -53,6 +53,37 @@ def test_bad_optimizer_fields_are_named():
     optim.make_optimizer({"grad_accum_steps": 0}, total_steps=5)
   with pytest.raises(ValueError, match="train.steps"):
     optim.make_optimizer({}, total_steps=0)
+  with pytest.raises(ValueError, match="optimizer.max_nonfinite_steps: expected >= 1, got 0"):
+    optim.make_optimizer({"max_nonfinite_steps": 0}, total_steps=5)
+
+
+def test_an_update_with_non_finite_gradients_is_skipped_and_counted():
+  """NaN or inf gradients move neither the params nor Adam's moments and count in a row;
+  the next finite update applies and ends the streak (the total stays)."""
+  tx = optim.make_optimizer({"lr": 0.1, "warmup_steps": 0}, total_steps=5)
+  params = {"w": jnp.ones((2, 3))}
+  state = tx.init(params)
+  for n, bad in enumerate([np.nan, np.inf], 1):
+    updates, state = tx.update({"w": jnp.ones((2, 3)).at[0, 1].set(bad)}, state, params)
+    assert not np.any(np.asarray(updates["w"]))
+    counts = {k: int(v) for k, v in optim.skip_counts(state).items()}
+    assert counts == {"nonfinite_streak": n, "skipped_updates": n}
+    assert not np.any(np.asarray(optax.tree_utils.tree_get(state, "mu")["w"]))
+  updates, state = tx.update({"w": jnp.ones((2, 3))}, state, params)
+  assert np.all(np.asarray(updates["w"]) < 0)
+  assert {k: int(v) for k, v in optim.skip_counts(state).items()} == {
+      "nonfinite_streak": 0, "skipped_updates": 2}
+
+
+def test_too_many_skipped_updates_in_a_row_stop_the_run_naming_the_field():
+  cfg = {"max_nonfinite_steps": 3}
+  optim.check_finite_updates({"nonfinite_streak": 2.0}, cfg, step=7)  # not yet
+  optim.check_finite_updates({}, cfg, step=7)  # a step without the counts (critic warming)
+  with pytest.raises(FloatingPointError, match=r"model's gradients .* last 3 updates \(step 8\)"
+                     r".*max_nonfinite_steps=3"):
+    optim.check_finite_updates({"nonfinite_streak": 3.0}, cfg, step=8)
+  with pytest.raises(FloatingPointError, match="the critic's gradients"):
+    optim.check_finite_updates({"critic_nonfinite_streak": 3.0}, cfg, 8, prefix="critic_")
 
 
 def _toy_loss_sum(params, graphdef, batch):

@@ -1166,3 +1166,35 @@ def test_groups_the_devices_cannot_split_are_named_before_any_step(tmp_path, cap
   assert ("rl.groups_per_step=4, rl.micro_batches=1: 4 rows a micro-batch are not a multiple "
           "of mesh data*fsdp = 8" in caplog.text)
   assert "a multiple of 8 uses every device" in caplog.text
+
+
+def test_updates_with_non_finite_gradients_are_skipped_and_too_many_stop_the_run(tmp_path,
+                                                                                 caplog):
+  """From step 2 on every batch's behaviour log-probs are NaN: each update is skipped (the
+  weights keep step 1's: nothing NaN reaches a checkpoint or a publication), and the second
+  in a row (optimizer.max_nonfinite_steps) stops the run before its checkpoint."""
+  config = _config(steps=6)
+  config.optimizer.max_nonfinite_steps = 2
+  config.checkpoint.every_steps, config.checkpoint.async_save = 1, False
+  kept = {}  # the weights after step 1
+  with fake_fleet(tmp_path) as (tc, _), RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+    step_for = tr._step_for
+
+    def poisoned(batch):
+      fn = step_for(batch)
+      if tr.step < 1:
+        return fn
+      kept.update(kept or {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()})
+      return lambda state, placed, *rest: fn(
+          state, {**placed, "behaviour_logp": placed["behaviour_logp"] * np.nan}, *rest)
+
+    tr._step_for = poisoned
+    with caplog.at_level("WARNING"), pytest.raises(
+        FloatingPointError, match=r"last 2 updates \(step 3\).*max_nonfinite_steps=2"):
+      tr.train()
+    params = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
+    assert tr.checkpointer.latest_step() == 2  # (step 2's update skipped, its state saved)
+  assert kept and kept.keys() == params.keys()
+  for name, value in kept.items():  # step 1's weights, kept since
+    np.testing.assert_array_equal(value, params[name], name)
+  assert "step 2: the update was skipped: its gradients are not finite" in caplog.text

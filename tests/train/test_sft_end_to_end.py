@@ -10,6 +10,7 @@ import signal
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -125,3 +126,41 @@ def test_sigterm_checkpoints_the_step_reached_and_stops(tmp_path, signum):
   with SFTTrainer(config, str(tmp_path), devices=jax.devices()[:1]) as resumed:
     assert resumed.step == summary["step"]
     assert resumed.checkpointer.all_steps() == [summary["step"]]
+
+
+def test_updates_with_non_finite_gradients_are_skipped_and_too_many_stop_the_run(tmp_path,
+                                                                                 caplog):
+  """Steps whose loss (so gradients) are NaN from step 3 on: skipped, said at the next
+  logged step, and optimizer.max_nonfinite_steps in a row stop the run there, before its
+  checkpoint, with step 2's weights; the counts are read only where metrics are logged."""
+  from rlax_ps.train.publisher import flat_params
+  from rlax_ps.train.step import make_train_step, sft_loss_sum
+
+  config = _tiny_config()
+  config.train.steps, config.train.log_every, config.train.eval_every = 12, 2, 0
+  config.checkpoint.every_steps, config.checkpoint.async_save = 2, False
+  config.optimizer.max_nonfinite_steps = 4
+  config.export.hf = False
+
+  def nan_after_two(params, graphdef, batch):
+    loss, metrics = sft_loss_sum(params, graphdef, batch)
+    return loss * jnp.where(batch["step"] >= 2, jnp.nan, 1.0), metrics
+
+  with SFTTrainer(config, str(tmp_path), devices=jax.devices()[:1]) as trainer:
+    step = make_train_step(trainer.graphdef, trainer.optimizer, trainer.shardings,
+                           trainer.mesh, loss_sum_fn=nan_after_two, schedule=trainer.schedule)
+    calls = []
+
+    def counted(state, batch):
+      calls.append(flat_params(jax.device_get(state.params)))
+      return step(state, dict(batch, step=jnp.asarray(len(calls) - 1)))
+
+    trainer.train_step = counted
+    with caplog.at_level("WARNING"), pytest.raises(
+        FloatingPointError, match=r"last 4 updates \(step 6\).*max_nonfinite_steps=4"):
+      trainer.train(progress=False)
+    assert trainer.checkpointer.all_steps() == [2, 4]  # none after the 4th NaN in a row
+    after = flat_params(jax.device_get(trainer.state.params))
+  for name, value in calls[2].items():  # step 2's weights, kept by every skipped update
+    np.testing.assert_array_equal(value, after[name], name)
+  assert "step 4: 2 update(s) skipped since step 2" in caplog.text

@@ -48,7 +48,7 @@ def test_starts_from_the_checkpoint_weights_and_tokenizer(pretrained, tmp_path):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
                                     err_msg=jax.tree_util.keystr(p))
     # Optimizer state created on the mesh, laid out like the params, starting from zero.
-    mu = trainer.state.opt_state[1][0].mu
+    mu = trainer.state.opt_state.inner_state[1][0].mu
     assert jax.tree.map(lambda x: x.sharding, trainer.state) == trainer.shardings
     assert all(not np.any(np.asarray(m)) for m in jax.tree.leaves(mu))
     assert jax.tree.structure(mu) == jax.tree.structure(params)

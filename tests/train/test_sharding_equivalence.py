@@ -91,7 +91,7 @@ def test_sharded_init_matches_single_device_and_splits_params(optimizer, referen
   gate = state.params["layers"][0]["mlp"]["gate_proj"]["kernel"]
   assert gate.sharding.spec == P("fsdp", "tensor")
   assert gate.addressable_shards[0].data.shape == (16, 32)  # [32, 64] split 2 x 2.
-  mu = state.opt_state[1][0].mu["layers"][0]["mlp"]["gate_proj"]["kernel"]
+  mu = state.opt_state.inner_state[1][0].mu["layers"][0]["mlp"]["gate_proj"]["kernel"]
   assert mu.sharding.spec == P("fsdp", "tensor")  # Adam moments follow their params.
   embed = state.params["embed"]["embedding"]  # [99, 32]: 99 is not divisible by tensor=2.
   assert embed.sharding.spec == P(None, "fsdp")
