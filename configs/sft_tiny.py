@@ -109,6 +109,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.eps = 1e-8
   c.optimizer.weight_decay = 0.01  # On matrices only.
   c.optimizer.clip_norm = 1.0  # Global-norm clip; 0 disables.
+  c.optimizer.max_nonfinite_steps = 5  # Updates skipped for NaN/inf gradients in a row: stop.
   c.optimizer.grad_accum_steps = 1  # Micro-batches per update; divides data.batch_size.
 
   # Device mesh: sizes of (data, fsdp, tensor); one may be -1 = all remaining devices.

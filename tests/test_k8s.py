@@ -280,6 +280,8 @@ def test_server_and_trainer_state_is_on_persistent_volumes(overlay):
     (workdir,) = [m["name"] for m in train["volumeMounts"]
                   if (flag(train["args"], "workdir") + "/").startswith(m["mountPath"] + "/")]
     assert "ReadWriteMany" in claims[pvc[workdir]]["spec"]["accessModes"]
+    # of a class that can be (GKE's default, persistent disks, cannot: it stays Pending)
+    assert claims[pvc[workdir]]["spec"]["storageClassName"] == "standard-rwx"
   start = flag(train["args"], "config.init_from_hf")
   if not from_your_checkpoint(overlay):
     # The trainer starts from the warm start's Hugging Face export, on the same volume.

@@ -7,9 +7,42 @@
 # temporary directory, removed on exit, Ctrl-C or kill.
 set -euo pipefail
 
+# bash_at_least MAJOR MINOR [HAVE_MAJOR HAVE_MINOR]: whether this bash (or the one given) is
+# that recent. The scripts use [[ -v ]] (4.2) and associative arrays (4.0); macOS's
+# /bin/bash is 3.2.
+bash_at_least() {
+  local major="${3:-${BASH_VERSINFO[0]}}" minor="${4:-${BASH_VERSINFO[1]}}"
+  (( major > $1 || (major == $1 && minor >= $2) ))
+}
+bash_at_least 4 2 || {
+  echo "tpu_scripts need bash >= 4.2, this is $BASH_VERSION (macOS: brew install bash, then" \
+    "run them with that bash)" >&2
+  exit 2; }
+
 : "${TPU_PROJECT:?set TPU_PROJECT to your gcloud project id}"
 : "${TPU_ZONE:?set TPU_ZONE, e.g. us-central2-b}"
-TPU_RUNTIME="${TPU_RUNTIME:-tpu-ubuntu2204-base}"
+
+# tpu_runtime ACCELERATOR_TYPE: the TPU VM image to create it with: TPU_RUNTIME if set, else
+# its generation's (v5e, v5p and v6e have their own; v4 and older the Ubuntu base).
+tpu_runtime() {
+  if [[ -n "${TPU_RUNTIME:-}" ]]; then
+    printf '%s' "$TPU_RUNTIME"
+    return
+  fi
+  case "$1" in
+    v5litepod-*|v5e-*) printf 'v2-alpha-tpuv5-lite' ;;
+    v5p-*) printf 'v2-alpha-tpuv5' ;;
+    v6e-*) printf 'v2-alpha-tpuv6e' ;;
+    *) printf 'tpu-ubuntu2204-base' ;;
+  esac
+}
+
+# single_host ACCELERATOR_TYPE: whether a slice of that type is one host. Every
+# generation's single-host types end in a number <= 8 (v4-8, v5litepod-4, v6e-8); the
+# others (v4-16, v5litepod-16, ...) span several, and JAX must run on each of them.
+single_host() {
+  [[ "$1" =~ -[1-8]$ ]]
+}
 RLAX_PS_REF="${RLAX_PS_REF:-HEAD}"          # git ref of this checkout to ship to the VMs
 RLAX_PS_DIR="${RLAX_PS_DIR:-rlax-ps}"       # where it lands in the VM user's home
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

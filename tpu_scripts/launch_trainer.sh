@@ -6,12 +6,14 @@
 # in TRAIN_ARGS). The trainer reads its token from the server's owner-only tokens.json,
 # waiting for the server to write it, so no secret is on a command line.
 #
-#   TPU_PROJECT=my-proj TPU_ZONE=us-central2-b tpu_scripts/launch_trainer.sh rlax-trainer v5litepod-8
+#   TPU_PROJECT=my-proj TPU_ZONE=us-west4-a tpu_scripts/launch_trainer.sh rlax-trainer v5litepod-8
 #
 # Then start workers with tpu_scripts/launch_workers.sh (SERVER_ADDRESS = host 0's internal
 # IP and SERVER_PORT, WORKER_TOKEN = the "worker" entry of ~/rlax-ps-server/tokens.json).
 # Env: TRAIN_CONFIG (default configs/rl_local.py), TRAIN_ARGS (more `rlax-ps train` flags,
-# e.g. --config.init_from_hf=... for the warm start), TRAIN_HOSTS (0 or all), TRAIN_CMD
+# e.g. --config.init_from_hf=... for the warm start; rl.max_seconds is 0 unless it says so:
+# a restart would begin the limit anew), TRAIN_HOSTS (0 or all; all on a multi-host
+# slice), TPU_RUNTIME (default: the accelerator generation's image), TRAIN_CMD
 # (replaces the trainer command),
 # SERVE_ARGS (extra `rlax-ps serve` flags), SERVER_PORT (default 50051), DRY_RUN=1 to print
 # the gcloud commands only. TRAIN_ARGS, TRAIN_CMD and SERVE_ARGS are shell words, read once
@@ -26,6 +28,11 @@ port="${SERVER_PORT:-50051}"
 [[ "$port" =~ ^[0-9]+$ ]] || { echo "SERVER_PORT: expected a port number, got '$port'" >&2; exit 2; }
 hosts="${TRAIN_HOSTS:-0}"
 [[ "$hosts" == "0" || "$hosts" == "all" ]] || { echo "TRAIN_HOSTS: expected 0 or all, got '$hosts'" >&2; exit 2; }
+if [[ "$hosts" == "0" ]] && ! single_host "$accelerator"; then
+  echo "$accelerator spans several hosts and JAX must run on each: set TRAIN_HOSTS=all" \
+    "(with --config.checkpoint.directory=gs://... in TRAIN_ARGS)" >&2
+  exit 2
+fi
 tokens="\$HOME/rlax-ps-server/tokens.json"
 multi=""
 if [[ "$hosts" == "all" ]]; then
@@ -36,9 +43,9 @@ if [[ "$hosts" == "all" ]]; then
     exit 2
   fi
 fi
-train_cmd="${TRAIN_CMD:-.venv/bin/rlax-ps train --config=${TRAIN_CONFIG:-configs/rl_local.py} --workdir=runs/rl --address=127.0.0.1:$port --token_file=$tokens $multi ${TRAIN_ARGS:-}}"
+train_cmd="${TRAIN_CMD:-.venv/bin/rlax-ps train --config=${TRAIN_CONFIG:-configs/rl_local.py} --workdir=runs/rl --address=127.0.0.1:$port --token_file=$tokens $multi --config.rl.max_seconds=0 ${TRAIN_ARGS:-}}"
 
-gtpu create "$name" --accelerator-type="$accelerator" --version="$TPU_RUNTIME"
+gtpu create "$name" --accelerator-type="$accelerator" --version="$(tpu_runtime "$accelerator")"
 ship_repo "$name"
 # Both run under the watchdog: a crash restarts them (the server from its storage, the
 # trainer from its checkpoint); a clean end, a stop or a preemption notice does not.

@@ -9,12 +9,12 @@
 # Rerunning it is safe. With KEEP_INTERVAL_S=N it makes a pass every N seconds until
 # stopped, so the fleet refills as spot capacity returns.
 #
-#   TPU_PROJECT=my-proj TPU_ZONE=us-central2-b SERVER_ADDRESS=10.0.0.2:50051 \
+#   TPU_PROJECT=my-proj TPU_ZONE=us-west4-a SERVER_ADDRESS=10.0.0.2:50051 \
 #   WORKER_TOKEN=... tpu_scripts/launch_workers.sh rlax-worker 8 v5litepod-4
 #
 # Env: WORKER_ARGS (more `rlax-ps worker` flags, at least --config=configs/...; shell words,
 # read once by the VM's shell: quote a value with spaces as on a command line),
-# KEEP_INTERVAL_S, DRY_RUN=1 (print the gcloud commands, run none: the listing then answers
+# KEEP_INTERVAL_S, TPU_RUNTIME (default: the accelerator generation's image), DRY_RUN=1 (print the gcloud commands, run none: the listing then answers
 # nothing, so every VM is created; TPU_STATES="NAME STATE" lines stands in for it).
 # The worker token reaches each VM as an owner-only file (common.sh), not on any argv.
 # shellcheck source=tpu_scripts/common.sh
@@ -26,11 +26,10 @@ accelerator="${3:?usage: launch_workers.sh PREFIX COUNT ACCELERATOR_TYPE}"
 : "${SERVER_ADDRESS:?set SERVER_ADDRESS to the parameter server host:port}"
 : "${WORKER_TOKEN:?set WORKER_TOKEN to the worker token of the server}"
 [[ "$count" =~ ^[1-9][0-9]*$ ]] || { echo "COUNT: expected a positive integer, got '$count'" >&2; exit 2; }
-# Every generation's single-host types end in a number <= 8 (v4-8, v5litepod-4). A
-# multi-host slice (v4-16, v5litepod-16, ...) runs one worker over all its hosts: one
-# jax.distributed job whose host 0 talks to the server.
+# A multi-host slice runs one worker over all its hosts: one jax.distributed job whose
+# host 0 talks to the server.
 multi=""
-[[ "$accelerator" =~ -[1-8]$ ]] || multi=" --coordinator_address=auto"
+single_host "$accelerator" || multi=" --coordinator_address=auto"
 interval="${KEEP_INTERVAL_S:-}"
 [[ -z "$interval" || "$interval" =~ ^[1-9][0-9]*$ ]] || {
   echo "KEEP_INTERVAL_S: expected a positive number of seconds, got '$interval'" >&2; exit 2; }
@@ -40,7 +39,7 @@ interval="${KEEP_INTERVAL_S:-}"
 # set up is deleted, so the next pass creates it again rather than keeping an idle VM.
 start_worker() {
   local name="$1"
-  gtpu create "$name" --accelerator-type="$accelerator" --version="$TPU_RUNTIME" --spot || return 1
+  gtpu create "$name" --accelerator-type="$accelerator" --version="$(tpu_runtime "$accelerator")" --spot || return 1
   if ! { ship_repo "$name" &&
          gtpu scp "$WORKER_TOKEN_FILE" "$name:$REMOTE_TOKEN_FILE" --worker=all &&
          gtpu ssh "$name" --worker=all --command="chmod 600 $REMOTE_TOKEN_FILE && cd $(q "$RLAX_PS_DIR") && nohup .venv/bin/python -m inference_workers.preemption_watchdog --restart -- .venv/bin/rlax-ps worker --address=$(q "$SERVER_ADDRESS") --token_file=\$HOME/$REMOTE_TOKEN_FILE$multi ${WORKER_ARGS:-} > worker.log 2>&1 &"; }; then

@@ -272,6 +272,50 @@ def test_a_multi_host_slice_runs_one_worker_over_all_its_hosts():
     assert ("--coordinator_address=auto" in start) == multi, (accelerator, start)
 
 
+@pytest.mark.parametrize("accelerator,runtime", [
+    ("v4-8", "tpu-ubuntu2204-base"), ("v5litepod-8", "v2-alpha-tpuv5-lite"),
+    ("v5p-8", "v2-alpha-tpuv5"), ("v6e-8", "v2-alpha-tpuv6e")])
+def test_each_generation_gets_its_runtime_unless_one_is_given(accelerator, runtime):
+  """v5e, v5p and v6e VMs need their own images (the v4 one fails at create)."""
+  worker_env = dict(ENV, SERVER_ADDRESS="h:1", WORKER_TOKEN="t", TPU_STATES="")
+  for script, args, env in (("launch_trainer.sh", ("t", accelerator), ENV),
+                            ("launch_workers.sh", ("w", "1", accelerator), worker_env)):
+    for given, want in ((None, runtime), ("my-image", "my-image")):
+      out = run(script, *args, env=dict(env, **({"TPU_RUNTIME": given} if given else {})))
+      assert out.returncode == 0, out.stderr
+      create = next(l for l in gcloud_lines(out) if "create" in l)
+      assert f"--version={want}" in create, (script, create)
+
+
+def test_a_trainer_on_a_multi_host_slice_must_run_on_every_host():
+  """JAX on host 0 alone of a multi-host slice waits for the others for ever."""
+  out = run("launch_trainer.sh", "t", "v5litepod-16")
+  assert out.returncode == 2 and "TRAIN_HOSTS=all" in out.stderr
+  assert "gcloud" not in out.stdout
+
+
+def test_the_default_trainer_has_no_time_limit_unless_asked():
+  """rl_local's 10-minute limit would end a TPU run (and start again at each restart)."""
+  def train_cmd(**env):
+    out = run("launch_trainer.sh", "t", "v4-8", env=dict(ENV, **env))
+    assert out.returncode == 0, out.stderr
+    train = next(l for l in gcloud_lines(out) if any("rlax-ps train " in a for a in l))
+    return next(a for a in train if a.startswith("--command="))
+
+  assert "--config.rl.max_seconds=0" in train_cmd()
+  asked = train_cmd(TRAIN_ARGS="--config.rl.max_seconds=3600")
+  assert asked.index("--config.rl.max_seconds=0") < asked.index("max_seconds=3600")  # wins
+
+
+def test_an_old_bash_is_refused_in_one_line():
+  """macOS's bash 3.2 has neither [[ -v ]] nor associative arrays."""
+  common = SCRIPTS / "common.sh"
+  for have, ok in (("3 2", False), ("4 1", False), ("4 2", True), ("5 0", True)):
+    out = subprocess.run(["bash", "-c", f'source "{common}"; bash_at_least 4 2 {have}'],
+                         env=ENV, capture_output=True, text=True, timeout=60)
+    assert (out.returncode == 0) == ok, (have, out.stderr)
+
+
 def test_teardown_deletes_only_matching_names():
   out = run("teardown.sh", "w", env=dict(ENV, TPU_NAMES="w-0 w-1 trainer-a"))
   assert out.returncode == 0, out.stderr
@@ -506,7 +550,7 @@ def test_user_arguments_reach_the_remote_process_exactly(tmp_path, script, args,
   if verb == "train":
     assert argv[1:-len(QUOTED_ARGS)] == [
         "--config=configs/rl_local.py", "--workdir=runs/rl", f"--address={address}",
-        f"--token_file={home}/rlax-ps-server/tokens.json"]
+        f"--token_file={home}/rlax-ps-server/tokens.json", "--config.rl.max_seconds=0"]
   elif verb != "serve":
     assert f"--address={address}" in argv
     assert f"--token_file={home}/rlax-ps-worker-token.json" in argv
