@@ -230,8 +230,12 @@ def write_hf_export(graphdef: nnx.GraphDef, params: Any, tokenizer, path: str, *
   if record is not None:
     with open(os.path.join(partial, EXPORT_RECORD), "w") as f:
       json.dump(record, f, indent=1)
-  shutil.rmtree(path, ignore_errors=True)
+  old = path.rstrip("/") + ".old"  # the export it replaces, moved aside, not deleted first:
+  shutil.rmtree(old, ignore_errors=True)  # a kill then leaves a whole one
+  if os.path.exists(path):
+    os.rename(path, old)
   os.rename(partial, path)
+  shutil.rmtree(old, ignore_errors=True)
   return path
 
 

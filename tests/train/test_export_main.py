@@ -265,3 +265,38 @@ def test_a_lora_run_exports_merged_and_with_peft_its_adapter_as_the_trainer(tmp_
   trainers = _files(lora["exports"][4])
   assert {k: v for k, v in _files(merged).items() if k != EXPORT_RECORD} == {
       k: v for k, v in trainers.items() if not k.startswith("adapter")}
+
+
+def test_an_export_replacing_another_moves_it_aside_before_deleting_it(tmp_path, monkeypatch):
+  """A kill while the replaced export is deleted (seconds for a large model) leaves the new
+  export whole at its path: the old one is renamed aside first (it was deleted in place,
+  the new one still under .partial)."""
+  from flax import nnx
+
+  from rlax_ps.models import Transformer
+  from rlax_ps.tokenizers import CharTokenizer
+  from rlax_ps.train import run as run_lib
+  tok = CharTokenizer()
+  config = ModelConfig(vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32,
+                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+  graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
+  path = str(tmp_path / "hf")
+  run_lib.write_hf_export(graphdef, params, tok, path)
+  params2 = jax.tree.map(lambda x: x + 1, params)
+  real = shutil.rmtree
+
+  def killed_deleting(p, *args, **kwargs):  # the kill comes while an export is deleted
+    if os.path.exists(os.path.join(p, "config.json")):
+      raise KeyboardInterrupt
+    return real(p, *args, **kwargs)
+
+  monkeypatch.setattr(run_lib.shutil, "rmtree", killed_deleting)
+  with pytest.raises(KeyboardInterrupt):
+    run_lib.write_hf_export(graphdef, params2, tok, path)
+  loaded = flatten_params(nnx.state(load_hf_checkpoint(path), nnx.Param))
+  want = flatten_params(params2)
+  for name, value in want.items():  # the new export, whole
+    np.testing.assert_array_equal(np.asarray(loaded[name]), np.asarray(value), name)
+  monkeypatch.setattr(run_lib.shutil, "rmtree", real)
+  run_lib.write_hf_export(graphdef, params, tok, path)  # the next one tidies what was left
+  assert sorted(os.listdir(tmp_path)) == ["hf"]
