@@ -139,11 +139,18 @@ class SFTTrainer(TrainerRun):
     self._stop.set()
 
   def _stopping(self) -> bool:
-    """Whether any process was asked to stop: on a multi-host slice all stop at one step."""
+    """Whether any process was asked to stop: on a multi-host slice all stop at one step,
+    and each then holds the stop and its signal (saves, evaluates and exits alike: a save
+    or an evaluation that some processes skip waits for them for ever)."""
     stop = self._stop.is_set()
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
-      stop = bool(np.max(multihost_utils.process_allgather(np.int32(stop))))
+      asked = np.max(multihost_utils.process_allgather(
+          np.asarray([stop, self.stop_signal or 0], np.int32)), axis=0)
+      stop = bool(asked[0])
+      if stop:
+        self._stop.set()
+        self.stop_signal = int(asked[1]) or None
     return stop
 
   def train(self, until: int | None = None, *, progress: bool = True) -> dict[str, float]:
@@ -185,7 +192,8 @@ class SFTTrainer(TrainerRun):
       if eval_every and done % eval_every == 0 and done < until:
         self.log_eval(self.evaluate(), done)
     bar.close()
-    if self.step == self.total_steps or self._stop.is_set():
+    stopped = self._stopping()  # (agreed: one process's signal may come after the last check)
+    if self.step == self.total_steps or stopped:
       self.save()
     return last
 

@@ -164,3 +164,22 @@ def test_updates_with_non_finite_gradients_are_skipped_and_too_many_stop_the_run
   for name, value in calls[2].items():  # step 2's weights, kept by every skipped update
     np.testing.assert_array_equal(value, after[name], name)
   assert "step 4: 2 update(s) skipped since step 2" in caplog.text
+
+
+def test_a_stop_one_process_of_a_slice_was_asked_for_is_every_processs(tmp_path, monkeypatch):
+  """On a multi-host slice the stop check is agreed, and so is what follows it: every
+  process then holds the stop and its signal (saves and reports alike; a process without
+  them evaluated and exported while the others saved, collectives that never meet)."""
+  from jax.experimental import multihost_utils
+
+  config = _tiny_config()
+  config.export.hf = False
+  with SFTTrainer(config, str(tmp_path), devices=jax.devices()[:1]) as trainer:
+    other = np.asarray([0, 0], np.int32)  # what the other process says: [stop, its signal]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: np.stack([np.asarray(x), other]))
+    assert not trainer._stopping() and trainer.stop_signal is None
+    other[:] = [1, int(signal.SIGTERM)]
+    assert trainer._stopping()
+    assert trainer._stop.is_set() and trainer.stop_signal == signal.SIGTERM
