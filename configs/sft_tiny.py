@@ -129,6 +129,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.num_examples = 200  # Per task.
   c.eval.batch_size = 200  # Prompts decoded together.
   c.eval.seed = 1234  # Which held-out examples (fixed across runs for comparability).
+  # data.heldout_jsonl's decoding budget; 0 = each set's longest answer and eos (set it for
+  # answers a model reasons its way to: a short reference then leaves it no room).
+  c.eval.max_new_tokens = 0
 
   # Orbax checkpoints; a rerun resumes from the latest.
   c.checkpoint = ml_collections.ConfigDict()

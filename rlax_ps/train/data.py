@@ -153,7 +153,11 @@ class SFTBatches:
                        f"{len(tasks)} tasks and {len(weights)} weights")
     if any(w < 0 for w in weights) or sum(weights) <= 0:
       raise ValueError(f"task weights: expected >= 0 with a positive sum, got {list(weights)}")
-    longest = max(t.max_prompt_chars + t.max_answer_chars for t in tasks) + 1
+    # A character is at most one token of the built-in tasks' text; what the tokenizer adds
+    # around an example (a chat template's turns, eos) is measured on an empty one.
+    longest = max(t.max_prompt_chars + t.max_answer_chars
+                  + len(encode_example(self.tokenizer, Example("", "", t.name))[0])
+                  for t in tasks) - 1
     if longest > seq_len:
       raise ValueError(f"data.seq_len: expected >= {longest} so the longest example of "
                        f"{[t.name for t in tasks]} fits, got {seq_len}")

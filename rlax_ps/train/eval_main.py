@@ -167,6 +167,9 @@ def _checked(config, paths: list[str]):
     first = heldout_for(config, tokenizers[paths[0]])
   except (ValueError, FileNotFoundError) as e:
     raise app.UsageError(f"--config: held-out set: {e}") from None
+  if not first.size:
+    raise app.UsageError("--config: held-out set: no examples to evaluate (eval.num_examples "
+                         "is 0, or data.heldout_jsonl has no records)")
   try:
     for p in paths:
       check_prompts(first, tokenizers[p], p)

@@ -7,6 +7,8 @@ import dataclasses
 import re
 from typing import Any, Sequence
 
+from absl import logging
+
 from algorithms.environments import environments_from
 from algorithms.verifiers import REWARD_MODEL_TASK, load_verifiers
 from rlax_ps.tasks import Example, Task
@@ -37,12 +39,22 @@ def heldout_from_config(config, tasks: Sequence[Task], tokenizer: Tokenizer | No
                         ) -> Heldout:
   """data.heldout_jsonl's records (all of them, each scored by its task's verifier, or those
   of task reward_model by worker.reward_model, loaded here beside the policy `tokenizer`;
-  decoding up to worker.max_new_tokens, or without a worker block past the longest answer)
-  if the config names one, else eval.num_examples held-out examples of each task (eval.seed)."""
+  decoding up to eval.max_new_tokens or worker.max_new_tokens, or past the longest answer)
+  if the config names one, else eval.num_examples held-out examples of each task (eval.seed).
+  ValueError for eval.pass_k at a greedy worker.temperature, before anything is scored."""
   worker = config.get("worker", {})
   decoding = dict(_turns(worker), sampling=worker_sampling(worker))
-  path = config.get("data", {}).get("heldout_jsonl", "")
+  pass_k = int(config.eval.get("pass_k", 0))
+  if pass_k and decoding["sampling"]["temperature"] <= 0:
+    raise ValueError(f"eval.pass_k: {pass_k} samples a prompt at worker.temperature, which is "
+                     f"0 (greedy: every sample alike); set eval.pass_k=0 or a temperature > 0")
+  data = config.get("data", {})
+  path = data.get("heldout_jsonl", "")
   if not path:
+    if data.get("jsonl", "") and int(config.eval.num_examples):
+      logging.warning("data.heldout_jsonl is not set: the held-out evaluation scores the "
+                      "built-in tasks (tasks.*), not data.jsonl's; set data.heldout_jsonl to "
+                      "records of your own, or eval.num_examples=0 to evaluate nothing")
     return Heldout(list(tasks), {t.name: t.examples("heldout", int(config.eval.seed),
                                                     int(config.eval.num_examples))
                                  for t in tasks}, None, **decoding)
@@ -50,7 +62,9 @@ def heldout_from_config(config, tasks: Sequence[Task], tokenizer: Tokenizer | No
   names = sorted({r["task"] for r in records})
   examples = {n: [Example(r["prompt"], r["answer"], n) for r in records if r["task"] == n]
               for n in names}
-  budget = worker.get("max_new_tokens")
+  # eval.max_new_tokens, else the workers' budget, else (neither: an SFT config) each set's
+  # longest answer and eos: a reference answer may be far shorter than a reasoned one
+  budget = int(config.eval.get("max_new_tokens", 0)) or worker.get("max_new_tokens")
   scored = [evaluate_lib.VerifierTask(n) if n != REWARD_MODEL_TASK
             else evaluate_lib.RewardModelTask(_reward_scorer(worker, tokenizer), tokenizer)
             for n in names]

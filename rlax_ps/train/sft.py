@@ -189,7 +189,7 @@ class SFTTrainer(TrainerRun):
       bar.update(1)
       if ckpt_every and done % ckpt_every == 0 and done < until:
         self.save()
-      if eval_every and done % eval_every == 0 and done < until:
+      if eval_every and done % eval_every == 0 and done < until and self.heldout.size:
         self.log_eval(self.evaluate(), done)
     bar.close()
     stopped = self._stopping()  # (agreed: one process's signal may come after the last check)
@@ -246,15 +246,18 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True,
             flush=True)
       return {"step": trainer.step, "train": last, "stopped": trainer.stop_signal,
               "seconds": time.time() - t0}
-    result = trainer.evaluate()
-    trainer.log_eval(result, trainer.step)
+    result = None  # eval.num_examples=0: nothing held out, nothing evaluated
+    if trainer.heldout.size:
+      result = trainer.evaluate()
+      trainer.log_eval(result, trainer.step)
     export = trainer.export_hf() if config.export.hf else None
     trainer.checkpointer.wait()
     summary = {"step": trainer.step, "train": last, "heldout_exact_match": result,
                "export": export, "seconds": time.time() - t0}
     if not trainer.leader:
       return summary
-    print(format_accuracy(result, int(config.eval.num_examples)), flush=True)
+    print(format_accuracy(result, int(config.eval.num_examples)) if result else
+          "held-out: no examples, not evaluated", flush=True)
     if export:
       print(f"Hugging Face export: {export}", flush=True)
     print(f"done in {summary['seconds']:.0f}s; workdir {trainer.workdir}", flush=True)

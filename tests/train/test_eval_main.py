@@ -100,6 +100,15 @@ def test_a_bad_held_out_file_is_named_before_any_checkpoint_loads(tmp_path):
   assert "got 'nope'" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_nothing_held_out_is_refused_before_any_checkpoint_loads(tmp_path):
+  """eval.num_examples=0 crashed in the first checkpoint's evaluation (max of nothing)."""
+  result = run_eval("--config.eval.num_examples=0", f"--checkpoints={llama_copy(tmp_path)}",
+                    "--config.tokenizer.alphabet=" + "".join(chr(33 + i) for i in range(93)))
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert "--config: held-out set: no examples to evaluate" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
 def test_a_prompt_a_later_checkpoints_tokenizer_cannot_encode_is_named_first(tmp_path):
   (tmp_path / "heldout.jsonl").write_text('{"prompt": "1+1=\\u00e9", "answer": "2", '
                                           '"task": "math"}\n')

@@ -298,3 +298,32 @@ def test_held_out_pass_at_k_samples_with_the_workers_settings(model, monkeypatch
   config.worker.top_p = 1.5
   with pytest.raises(ValueError, match=r"^worker\.top_p: expected a number in \(0, 1\]"):
     heldout_lib.heldout_from_config(config, [get_task("addition")])
+
+
+def test_held_out_settings_that_cannot_work_are_refused_or_said(tmp_path, caplog):
+  """pass@k at a greedy temperature is refused naming both fields (it crashed after the
+  first checkpoint's greedy evaluation); data.jsonl without data.heldout_jsonl says the
+  built-in tasks are what is scored; eval.max_new_tokens is a held-out file's budget (a
+  short reference answer left a reasoned one no room), before the workers'."""
+  import ml_collections
+
+  from rlax_ps.train import heldout as heldout_lib
+  config = ml_collections.ConfigDict({
+      "worker": {"temperature": 0.0},
+      "eval": {"batch_size": 4, "seed": 0, "num_examples": 2, "pass_k": 4}})
+  with pytest.raises(ValueError, match=r"^eval\.pass_k: 4 samples .*worker\.temperature"):
+    heldout_lib.heldout_from_config(config, [get_task("addition")])
+  config.eval.pass_k = 0
+  path = tmp_path / "heldout.jsonl"
+  path.write_text('{"prompt": "1+1=", "answer": "2", "task": "addition"}\n')
+  config.data = ml_collections.ConfigDict({"jsonl": str(path), "heldout_jsonl": ""})
+  with caplog.at_level("WARNING"):
+    heldout_lib.heldout_from_config(config, [get_task("addition")])
+  assert "data.heldout_jsonl is not set: the held-out evaluation scores the built-in" in (
+      caplog.text)
+  config.data.heldout_jsonl = str(path)
+  assert heldout_lib.heldout_from_config(config, []).max_new_tokens is None  # the answer's
+  config.worker.max_new_tokens = 64
+  assert heldout_lib.heldout_from_config(config, []).max_new_tokens == 64
+  config.eval.max_new_tokens = 200
+  assert heldout_lib.heldout_from_config(config, []).max_new_tokens == 200

@@ -82,6 +82,24 @@ def test_seq_len_too_short_for_the_tasks_is_named():
     SFTBatches([get_task("reversal", max_len=20)], [1.0], TOK, batch_size=2, seq_len=16, seed=0)
 
 
+def test_seq_len_counts_what_a_chat_template_adds_around_each_example():
+  """The template's turns count against seq_len up front: a seq_len that fits the text
+  alone was accepted, then the first batch drawing a long example failed mid-run."""
+  import os
+  from rlax_ps.tokenizers import HFTokenizer
+  chat = HFTokenizer(os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf",
+                                  "chat_tokenizer"), chat_template="auto")
+  task = get_task("reversal", max_len=20)
+  extra = len(encode_example(chat, Example("", "", task.name))[0])
+  assert extra > 2  # the template's turns, beyond eos
+  need = task.max_prompt_chars + task.max_answer_chars + extra - 1
+  with pytest.raises(ValueError, match=f"data.seq_len: expected >= {need} "):
+    SFTBatches([task], [1.0], chat, batch_size=2, seq_len=need - 1, seed=0)
+  data = SFTBatches([task], [1.0], chat, batch_size=2, seq_len=need, seed=0)
+  for step in range(20):  # every example drawn fits
+    data.batch(step)
+
+
 def test_records_are_the_only_examples_and_each_step_draws_the_same_batch():
   records = [Example("1+1=", "2"), Example("rev xyz=", "zyx"), Example("7+8=", "15")]
   data = SFTBatches([], [], TOK, batch_size=4, seq_len=24, seed=3, records=records)

@@ -183,3 +183,17 @@ def test_a_stop_one_process_of_a_slice_was_asked_for_is_every_processs(tmp_path,
     other[:] = [1, int(signal.SIGTERM)]
     assert trainer._stopping()
     assert trainer._stop.is_set() and trainer.stop_signal == signal.SIGTERM
+
+
+def test_nothing_held_out_trains_exports_and_reports_without_evaluating(tmp_path, capsys):
+  """eval.num_examples=0: no evaluation, at eval_every or at the end (the end's crashed on
+  max() of nothing, after the save: no export and no summary, on every rerun)."""
+  config = _tiny_config()
+  config.train.steps, config.train.eval_every = 2, 1
+  config.eval.num_examples = 0
+  summary = train_and_evaluate(config, str(tmp_path), progress=False)
+  assert summary["heldout_exact_match"] is None and summary["step"] == 2
+  assert os.path.isfile(os.path.join(summary["export"], "config.json"))
+  assert "held-out: no examples, not evaluated" in capsys.readouterr().out
+  with open(tmp_path / "summary.json") as f:
+    assert json.load(f)["heldout_exact_match"] is None
