@@ -15,7 +15,6 @@ import datetime
 import hashlib
 import json
 import os
-import re
 import string
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
@@ -318,7 +317,7 @@ class HFTokenizer:
       raise ValueError("tokenizer.tools: tools are offered through a chat template; set "
                        "tokenizer.chat_template")
     self.tools = list(tools) if tools else None
-    self._reply_frames: dict[tuple[int, int], list[str]] = {}  # (closing, count) -> frame
+    self._reply_roles: dict[int, str] = {}  # replies in a row -> the role they render as
     # The special tokens a template sees by name: those the arguments or tokenizer_config.json
     # name, as transformers passes them (a guessed one renders as nothing there).
     self._special = {f"{kind}_token": name for kind, name in named.items() if name is not None}
@@ -413,48 +412,52 @@ class HFTokenizer:
   def encode_reply(self, text: str | Sequence[str], after: int) -> list[int]:
     """The ids that follow a turn the policy ended with token `after`: the environment's
     reply `text` as the next message (a list: as that many messages), each a "tool"
-    message (a "user" one where the template knows no tool role), and the assistant's turn
-    opened again, as the chat template renders that conversation; without a template, the
-    text's ids (a list joined by newlines)."""
+    message (a "user" one where the template renders no tool role), and the assistant's
+    turn opened again, as the chat template renders that conversation (its own filters on
+    the content, `trim` or `tojson`, applied); without a template, the text's ids (a list
+    joined by newlines).
+
+    Only what follows the turn is taken: a template may render earlier turns differently
+    once more follow (Qwen3 drops an empty thinking block), but the policy has already seen
+    them as they were sampled; the turn's closing token (`after`) is left out where the
+    template opens the rest with it."""
     texts = [text] if isinstance(text, str) else list(text)
     if self.chat_template is None:
       return self.encode("\n".join(texts))
-    key = (after, len(texts))
-    if key not in self._reply_frames:
-      self._reply_frames[key] = self._reply_frame(after, len(texts))
-    frame = self._reply_frames[key]
-    return self.encode("".join(piece + t for piece, t in zip(frame, texts)) + frame[-1])
-
-  def _reply_frame(self, after: int, count: int) -> list[str]:
-    """The text around `count` replies in the rendered conversation, from the end of the
-    assistant's turn on, the turn's closing token (`after`) left out where it opens it.
-    Only what follows the turn is taken: a template may render earlier turns differently
-    once more follow (Qwen3 drops an empty thinking block), but the policy has already
-    seen them as they were sampled."""
-    content = "\ue000"  # private-use characters no template writes
-    replies = [chr(0xE100 + i) for i in range(count)]
-    turn = [{"role": "user", "content": "\ue002"}, {"role": "assistant", "content": content}]
-    kw = dict(special_tokens=self._special, tools=self.tools, **self.chat_kwargs)
-    errors = []
-    for role in ("tool", "user"):
-      try:
-        full = chat.render(self.chat_template,
-                           turn + [{"role": role, "content": r} for r in replies], **kw)
-        break
-      except ValueError as e:
-        errors.append(str(e))
-    else:
-      raise ValueError(f"tokenizer.chat_template: cannot render an environment's reply as a "
-                       f"tool or user message: {errors[-1]}")
-    framed = full.partition(content)[2]
-    if not framed or any(framed.count(r) != 1 for r in replies) or any(
-        framed.index(a) > framed.index(b) for a, b in zip(replies, replies[1:])):
-      raise ValueError("tokenizer.chat_template: expected the assistant's turn and then each "
-                       "reply, once and in order, in the rendered conversation")
+    role = self._reply_roles.get(len(texts)) or self._reply_role(len(texts))
+    self._reply_roles[len(texts)] = role
+    framed = self._render_after_turn([{"role": role, "content": t} for t in texts])
     closing = self.decode([after], skip_special=False)
     if closing and framed.startswith(closing):
       framed = framed[len(closing):]
-    return re.split("|".join(replies), framed)
+    return self.encode(framed)
+
+  _TURN = "\ue000"  # the assistant turn's stand-in: a private-use character no template writes
+
+  def _render_after_turn(self, messages: list[dict[str, str]]) -> str:
+    """What the template renders after an assistant turn when `messages` follow it."""
+    turn = [{"role": "user", "content": "\ue002"}, {"role": "assistant", "content": self._TURN}]
+    return chat.render(self.chat_template, turn + messages, special_tokens=self._special,
+                       tools=self.tools, **self.chat_kwargs).partition(self._TURN)[2]
+
+  def _reply_role(self, count: int) -> str:
+    """"tool", or "user" where the template refuses a tool message or renders it without its
+    content (Phi-3's drops any role it does not know): the role `count` replies take."""
+    replies = [chr(0xE100 + i) for i in range(count)]
+    errors = []
+    for role in ("tool", "user"):
+      try:
+        framed = self._render_after_turn([{"role": role, "content": r} for r in replies])
+      except ValueError as e:
+        errors.append(str(e))
+        continue
+      if framed and all(framed.count(r) == 1 for r in replies) and all(
+          framed.index(a) < framed.index(b) for a, b in zip(replies, replies[1:])):
+        return role
+      errors.append("expected the assistant's turn and then each reply, once and in order, "
+                    "in the rendered conversation")
+    raise ValueError(f"tokenizer.chat_template: cannot render an environment's reply as a "
+                     f"tool or user message: {errors[-1]}")
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

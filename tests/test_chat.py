@@ -212,9 +212,37 @@ def test_a_reply_without_a_template_is_its_text_and_a_template_that_drops_a_turn
               "{% endfor %}")
   tok = HFTokenizer(CHAT, chat_template="auto")
   tok.chat_template = rewrites
-  with pytest.raises(ValueError, match="tokenizer.chat_template: expected the assistant's turn "
-                                       "and then each reply"):
+  with pytest.raises(ValueError, match="tokenizer.chat_template: cannot render an environment's "
+                                       "reply .*expected the assistant's turn and then each "
+                                       "reply"):
     tok.encode_reply("46", 2)
+
+
+PHI3_LIKE = ("{% for m in messages %}{% if m.role == 'user' %}<|user|>\n{{ m.content }}<|end|>\n"
+             "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content }}<|end|>\n{% endif %}"
+             "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+LLAMA31_TOOL = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'tool' %}"
+                "{{ m.content | tojson }}{% else %}{{ m.content | trim }}{% endif %}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template, role", [(PHI3_LIKE, "user"), (LLAMA31_TOOL, "tool")],
+                         ids=["drops_unknown_roles", "filters_content"])
+def test_a_reply_is_rendered_with_the_templates_own_roles_and_filters(tmp_path, template, role):
+  """A template that silently drops a tool message (Phi-3's) gets the reply as a user one;
+  one that filters a message's content (Llama 3's trim, 3.1's tojson on tool output) renders
+  the reply's text through its filters, as apply_chat_template does: the reply's text was
+  pasted into a frame rendered once, unfiltered."""
+  path = tmp_path / "t.jinja"
+  path.write_text(template)
+  tok = HFTokenizer(CHAT, chat_template=str(path))
+  for reply in ("  46\n", '{"x": 1}\nok'):
+    full = tok.render_prompt([{"role": "user", "content": "q"},
+                              {"role": "assistant", "content": "ZZ"},
+                              {"role": role, "content": reply}])
+    after_turn = full.partition("ZZ")[2]
+    assert tok.decode(tok.encode_reply(reply, tok.pad_id), skip_special=False) == after_turn
+    assert (f"<|{role}|>" if role == "user" else f"<|im_start|>{role}") in after_turn
 
 
 def test_a_reply_follows_the_turn_as_sampled_where_the_template_rewrites_earlier_turns(tmp_path):
