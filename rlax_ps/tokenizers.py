@@ -507,6 +507,10 @@ def _generation_eos_ids(directory: str) -> list[int]:
   return ids
 
 
+# What every render is given: chat_kwargs may not set them.
+_RENDER_ARGS = ("messages", "tools", "documents", "add_generation_prompt")
+
+
 def make_tokenizer(kind: str, path: str = "", alphabet: str = "", *, chat_template: str = "",
                    chat_kwargs: str | Mapping[str, Any] = "", stop_tokens: str = "",
                    tools: str = "", tool_modules: str = "") -> CharTokenizer | HFTokenizer:
@@ -532,6 +536,11 @@ def make_tokenizer(kind: str, path: str = "", alphabet: str = "", *, chat_templa
                          f"{chat_kwargs!r} ({e})") from None
     if not isinstance(chat_kwargs, Mapping):
       raise ValueError(f"tokenizer.chat_kwargs: expected a JSON object, got {chat_kwargs!r}")
+    reserved = sorted(k for k in chat_kwargs if k in _RENDER_ARGS or k.endswith("_token"))
+    if reserved:  # (render's own arguments: a TypeError, or prompts without the turn opened)
+      raise ValueError(f"tokenizer.chat_kwargs: {reserved} are set by rlax-ps itself (the "
+                       f"messages, tokenizer.tools, the turn it opens, the special tokens); "
+                       f"expected the template's own variables, e.g. enable_thinking")
     stops = [t.strip() for t in stop_tokens.split(",") if t.strip()]
     schemas = None
     if tools:

@@ -218,6 +218,15 @@ def test_a_reply_without_a_template_is_its_text_and_a_template_that_drops_a_turn
     tok.encode_reply("46", 2)
 
 
+@pytest.mark.parametrize("key", ["tools", "add_generation_prompt", "messages", "bos_token"])
+def test_chat_kwargs_that_rlax_ps_sets_itself_are_refused_naming_the_field(key):
+  """tools made every prompt's render a TypeError; add_generation_prompt=false rendered
+  prompts without the assistant's turn opened."""
+  with pytest.raises(ValueError, match=rf"tokenizer.chat_kwargs: \['{key}'\] are set by "):
+    make_tokenizer("hf", CHAT, chat_template="auto", chat_kwargs=json.dumps({key: False}))
+  make_tokenizer("hf", CHAT, chat_template="auto", chat_kwargs='{"enable_thinking": false}')
+
+
 PHI3_LIKE = ("{% for m in messages %}{% if m.role == 'user' %}<|user|>\n{{ m.content }}<|end|>\n"
              "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content }}<|end|>\n{% endif %}"
              "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

@@ -211,10 +211,18 @@ def _rope_from_hf(d: Mapping[str, Any], arch: str
   """(rope_theta, rope_scaling, partial_rotary_factor) from 5.x `rope_parameters` or 4.x
   `rope_theta`/`rope_scaling`. Phi-3 reads its legacy "su" and "yarn" types as LongRoPE (as
   transformers does) and keeps original_max_position_embeddings at the top level."""
-  rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-  if "full_attention" in rope and isinstance(rope["full_attention"], dict):
-    rope = rope["full_attention"]  # 5.x nests per layer type in some configs.
-  rope = dict(rope)
+  params, scaling = d.get("rope_parameters"), d.get("rope_scaling")
+  if isinstance(params, Mapping) and isinstance(params.get("full_attention"), Mapping):
+    params = params["full_attention"]  # 5.x nests per layer type in some configs.
+  if isinstance(scaling, Mapping):  # (4.x's "type" is 5.x's "rope_type")
+    scaling = {"rope_type" if k == "type" else k: v for k, v in scaling.items()}
+  if params and scaling and not (isinstance(params, Mapping) and isinstance(scaling, Mapping)
+                                 and {**params, **scaling} == dict(params)):
+    # (the scaling within the parameters, as transformers writes both: one and the same)
+    raise ValueError(f"{CONFIG_FILE}: rope_parameters and rope_scaling: expected one of them, "
+                     f"or the same scaling, got {params!r} and {scaling!r}; transformers "
+                     f"reads rope_scaling, so delete the one you did not mean")
+  rope = dict(params or scaling or {})
   theta = float(rope.pop("rope_theta", d.get("rope_theta") or 10000.0))
   rope_type = rope.pop("rope_type", rope.pop("type", "default"))
   partial = (rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor")
@@ -639,9 +647,10 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
       "rope_parameters": rope,
       "dtype": c.param_dtype,
       "torch_dtype": c.param_dtype,
-      # Some classes' defaults (Phi3Config's 32000, SmolLM3Config's 128004) must lie inside
-      # the vocabulary; the ids a checkpoint really uses come as extra_config.
-      "pad_token_id": None,
+      # Some classes' defaults (Phi3Config's pad 32000, SmolLM3Config's 128004, OLMo's eos
+      # 50279) lie outside a small vocabulary; the ids a checkpoint really uses come as
+      # extra_config (a trainer's export: its tokenizer's).
+      "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
   }
   types = ["sliding_attention" if c.sliding_layer(i) else "full_attention"
            for i in range(c.num_layers)]

@@ -1009,6 +1009,34 @@ def test_save_writes_back_the_same_tensors(name, tmp_path):
       read_json(os.path.join(fixture(name), "config.json")))
 
 
+def test_a_save_without_token_ids_writes_none_not_the_classes_defaults(tmp_path):
+  """Phi3Config's and Olmo3Config's default eos ids (32000, 50279) lie outside a small
+  vocabulary: transformers' generate then never stops. A trainer's export passes its
+  tokenizer's ids."""
+  for name in ("phi3", "olmo3"):  # (a field config.json leaves out takes the class default)
+    save_hf_checkpoint(load_hf_checkpoint(fixture(name)), str(tmp_path / name))
+    written = read_json(tmp_path / name / "config.json")
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+      assert field in written and written[field] is None, (name, field)
+  save_hf_checkpoint(load_hf_checkpoint(fixture("phi3")), str(tmp_path / "ids"),
+                     extra_config={"bos_token_id": 1, "eos_token_id": 2})
+  assert (read_json(tmp_path / "ids" / "config.json")["eos_token_id"],
+          read_json(tmp_path / "ids" / "config.json")["bos_token_id"]) == (2, 1)
+
+
+def test_rope_parameters_and_a_rope_scaling_that_disagree_are_refused_naming_both():
+  """transformers applies rope_scaling over rope_parameters: a YaRN scaling added beside
+  plain parameters (Qwen's long-context recipe) was read as plain RoPE here."""
+  d = read_json(os.path.join(fixture("qwen3"), "config.json"))
+  assert d["rope_parameters"]["rope_type"] == "default"
+  yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+  with pytest.raises(ValueError, match="rope_parameters and rope_scaling: expected one"):
+    config_from_hf(dict(d, rope_scaling=yarn))
+  both = dict(d, rope_parameters={**d["rope_parameters"], **yarn},  # the same: one scaling
+              rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+  assert config_from_hf(both).rope_scaling["rope_type"] == "yarn"
+
+
 def test_bfloat16_save_load_round_trip_is_exact(tmp_path):
   model = load_hf_checkpoint(fixture("llama"), dtype="bfloat16")
   save_hf_checkpoint(model, str(tmp_path))
