@@ -128,7 +128,8 @@ def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=Fal
     k, v, k_scales, v_scales = k.values, v.values, k.scales, v.scales
   bs = min(block_s, s)
   nb = pl.cdiv(s, bs)  # no copy of the cache: a partial last block is masked in the kernel
-  bm = m if m <= block_m else block_m - block_m % 8  # a multiple of 8 sublanes, or all rows
+  # a multiple of 8 sublanes (at least 8), or all rows
+  bm = m if m <= block_m else max(8, block_m - block_m % 8)
   mb = pl.cdiv(m, bm)
   m_pad = mb * bm
   k2 = k.reshape(x, s, hkv * d)

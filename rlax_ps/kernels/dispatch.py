@@ -110,8 +110,14 @@ def shared_prompt_attention(q, k, v, layout: SharedPromptLayout, *, sm_scale=Non
   pallas = functools.partial(shared_prompt_tpu.shared_prompt_attention_pallas_tpu,
                              layout=layout, sm_scale=sm_scale, block_sizes=block_sizes,
                              interpret=interpret, window=window, softcap=softcap)
+  # auto traces every platform's branch: sizes the GPU kernel cannot take (it tiles by
+  # powers of two; TPU's are multiples of 128) give it its own, not an error on every platform
+  gpu_blocks = block_sizes
+  if backend == "auto" and block_sizes is not None and any(
+      b & (b - 1) for b in (block_sizes.block_q, block_sizes.block_kv)):
+    gpu_blocks = None
   triton = functools.partial(shared_prompt_gpu.shared_prompt_attention_pallas_gpu,
-                             layout=layout, sm_scale=sm_scale, block_sizes=block_sizes,
+                             layout=layout, sm_scale=sm_scale, block_sizes=gpu_blocks,
                              interpret=interpret, window=window, softcap=softcap)
   xla = functools.partial(reference.two_pass_attention, layout=layout, sm_scale=sm_scale,
                           window=window, softcap=softcap)

@@ -88,16 +88,18 @@ def _extend_inputs(t=6):
   return qs, pk, pv, pl, sk, sv, index
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (4, 30.0)])
-def test_extend_pallas_matches_the_xla_path(window, softcap):
+@pytest.mark.parametrize("window,softcap,block_m", [(None, None, 8), (4, 30.0, 8),
+                                                    (None, None, 4)])
+def test_extend_pallas_matches_the_xla_path(window, softcap, block_m):
   """The Pallas extend kernel equals the XLA path with its query rows blocked 8 at a time:
   the prefix pass's N*T*G = 36 rows in 5 blocks, each sample's T*G = 12 in 2 (the last
-  padded), every block skipping the key blocks past its rows' last suffix keys."""
+  padded), every block skipping the key blocks past its rows' last suffix keys. A block_m
+  below 8 sublanes blocks by 8 (it divided by zero)."""
   args = _extend_inputs()
   want = jax.jit(functools.partial(shared_prefix_extend_attention, backend="xla",
                                    window=window, softcap=softcap))(*args)
   got = jax.jit(functools.partial(shared_prefix_extend_attention, backend="pallas_tpu",
-                                  interpret=True, block_s=8, block_m=8, window=window,
+                                  interpret=True, block_s=8, block_m=block_m, window=window,
                                   softcap=softcap))(*args)
   np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
