@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Mapping
 
 import jax
@@ -21,16 +22,31 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from rlax_ps.models.config import ModelConfig, dtype_name
-from rlax_ps.models.hf import NP_DTYPES, hf_tensor_names
+from rlax_ps.models.hf import _TEXT_MODEL_OF, NP_DTYPES, hf_tensor_names
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # PeftModel wraps the causal LM
 
 
-def peft_adapter_names(config: ModelConfig) -> dict[str, str]:
-  """Our adapter param (".lora_a"/".lora_b") -> its PEFT tensor name; ValueError naming
-  model.lora_targets when an adapter has no PEFT module (experts, fused projections)."""
+def _language_model_root(base_model: str) -> str:
+  """Where the adapted layers sit in transformers' module tree of the base checkpoint:
+  "model." for a causal LM, "model.language_model." for an image-text one we train the
+  language model of (Gemma 3 4B and up: Gemma3ForConditionalGeneration), read from its
+  config.json where `base_model` is a folder (else a causal LM)."""
+  path = os.path.join(base_model, "config.json") if base_model else ""
+  if path and os.path.isfile(path):
+    with open(path) as f:
+      archs = json.load(f).get("architectures") or []
+    if any(a in _TEXT_MODEL_OF for a in archs):
+      return "model.language_model."
+  return "model."
+
+
+def peft_adapter_names(config: ModelConfig, root: str = "model.") -> dict[str, str]:
+  """Our adapter param (".lora_a"/".lora_b") -> its PEFT tensor name, the layers under
+  `root` (_language_model_root); ValueError naming model.lora_targets when an adapter has
+  no PEFT module (experts, fused projections)."""
   if not config.lora_rank:
     raise ValueError("model.lora_rank: expected > 0 (a model with adapters), got 0")
   if "experts" in config.lora_targets and config.moe_layers:
@@ -44,8 +60,9 @@ def peft_adapter_names(config: ModelConfig) -> dict[str, str]:
     proj = ours.rsplit(".", 2)[-2] if ours.endswith(".kernel") else ""
     if proj not in config.lora_targets or "experts" in ours:
       continue
-    assert isinstance(hf, str) and transposed and hf.endswith(".weight"), (ours, hf)
-    stem = _PREFIX + hf[:-len("weight")]
+    assert isinstance(hf, str) and transposed and hf.endswith(".weight") and hf.startswith(
+        "model."), (ours, hf)
+    stem = _PREFIX + root + hf[len("model."):-len("weight")]
     names[ours[:-len("kernel")] + "lora_a"] = stem + "lora_A.weight"
     names[ours[:-len("kernel")] + "lora_b"] = stem + "lora_B.weight"
   return names
@@ -56,7 +73,8 @@ def save_peft_adapter(flat: Mapping[str, Any], config: ModelConfig, path: str, *
   """Write the adapters of `flat` (our flat params, adapters included) as a PEFT adapter
   folder at `path`; `base_model` names the checkpoint it goes over; `dtype` converts the
   weights (default: the adapters' own)."""
-  names = peft_adapter_names(config)
+  root = _language_model_root(base_model)
+  names = peft_adapter_names(config, root)
   tensors = {}
   for ours, peft in names.items():
     array = np.asarray(jax.device_get(flat[ours]))
@@ -64,11 +82,15 @@ def save_peft_adapter(flat: Mapping[str, Any], config: ModelConfig, path: str, *
       array = array.astype(NP_DTYPES[dtype_name(dtype)])
     tensors[peft] = np.ascontiguousarray(array.T)
   modules = sorted({t for t in config.lora_targets if t != "experts"})
+  # An image-text base has projections of those names in its vision tower too: a pattern
+  # (PEFT full-matches it against module names) keeps the adapters on the language model.
+  targets = modules if root == "model." else (
+      re.escape(root) + r"layers\.\d+\..*\.(" + "|".join(modules) + ")")
   os.makedirs(path, exist_ok=True)
   save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
   adapter_config = {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.lora_rank,
-      "lora_alpha": config.lora_alpha, "target_modules": modules, "lora_dropout": 0.0,
+      "lora_alpha": config.lora_alpha, "target_modules": targets, "lora_dropout": 0.0,
       "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
       "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True}
   with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:

@@ -74,3 +74,28 @@ def test_adapters_peft_cannot_hold_are_refused_naming_why(config, field, tmp_pat
   with pytest.raises(ValueError, match=f"model.lora_\\w+: .*{field}|{field}"):
     save_peft_adapter(flat, config, str(tmp_path))
   assert not os.listdir(tmp_path)
+
+
+def test_an_adapter_over_an_image_text_base_targets_its_language_model(tmp_path):
+  """Over Gemma3ForConditionalGeneration (we train its language model) transformers' module
+  tree has the layers under model.language_model., and the vision tower has q_proj, k_proj,
+  ... too: the keys name the language model's, the targets a pattern that leaves the
+  vision tower out (its keys were a causal LM's: PEFT loaded none, and adapted both)."""
+  import re
+
+  base = os.path.join(FIXTURES, "gemma3_vision")
+  config = read_hf_config(base).replace(lora_rank=2, lora_alpha=4.0, lora_targets=DENSE)
+  flat = flatten_params(Transformer(config, rngs=nnx.Rngs(0)))
+  save_peft_adapter(flat, config, str(tmp_path), base_model=base)
+  keys = sorted(load_file(os.path.join(tmp_path, ADAPTER_WEIGHTS)))
+  assert len(keys) == 2 * len(DENSE) * config.num_layers
+  prefix = "base_model.model.model.language_model.layers."
+  assert all(k.startswith(prefix) for k in keys), keys[:2]
+  with open(tmp_path / ADAPTER_CONFIG) as f:
+    pattern = json.load(f)["target_modules"]
+  # module names of transformers 5.25's Gemma3ForConditionalGeneration of this fixture
+  assert re.fullmatch(pattern, "model.language_model.layers.1.self_attn.q_proj")
+  assert re.fullmatch(pattern, "model.language_model.layers.0.mlp.down_proj")
+  assert not re.fullmatch(pattern, "model.vision_tower.encoder.layers.0.self_attn.q_proj")
+  for k in keys:  # every tensor's module is one the pattern adapts
+    assert re.fullmatch(pattern, k[len("base_model.model."):].rsplit(".lora_", 1)[0]), k
