@@ -126,6 +126,10 @@ class Take:
   store_id: str = ""  # the server's storage id (pb.VersionInfo.store_id)
 
 
+class _OtherUpdate(Exception):
+  """A resumed pull's server sends another update than the one the bytes held began."""
+
+
 @dataclasses.dataclass
 class PullProgress:
   """What a pull has received so far; pass it back to `pull` to resume after a failure."""
@@ -171,6 +175,9 @@ class PullProgress:
     elif chunk.offset != self.partial_filled:
       raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
                              f"chunk at offset {chunk.offset}, expected {self.partial_filled}")
+    elif chunk.update_bytes != len(self.partial):  # resumed into another update of that
+      self.partial, self.partial_filled = None, 0  # version (a new run's, a server's loss):
+      raise _OtherUpdate()  # begun again without resuming
     end = chunk.offset + len(chunk.data)
     if end > len(self.partial):
       raise ParamServerError("Pull", grpc.StatusCode.DATA_LOSS,
@@ -597,6 +604,8 @@ class ParamServerClient:
         if progress.done:
           break
         error = "the stream ended before the last update was complete"
+      except _OtherUpdate:
+        continue  # (progress dropped the bytes it held: the next attempt asks from 0)
       except grpc.RpcError as e:
         if e.code() not in RETRYABLE:
           raise self.error("Pull", e.code(), e.details() or "") from None
@@ -607,9 +616,20 @@ class ParamServerClient:
     return progress.updates
 
   def pull_updates(self, have_version: int | None = None, **kwargs) -> list:
-    """Like `pull`, decoded to `rlax_ps.sync.Update`s."""
+    """Like `pull`, decoded to `rlax_ps.sync.Update`s. Blobs that do not decode (a resumed
+    pull joined to another update of the same version and size: a server that lost its
+    storage, a new run) are pulled once more from their first byte."""
     from rlax_ps import sync  # numpy-only codec; imported on use
-    return [sync.Update.from_bytes(bytes(b)) for b in self.pull(have_version, **kwargs)]
+    blobs = self.pull(have_version, **kwargs)
+    try:
+      return [sync.Update.from_bytes(bytes(b)) for b in blobs]
+    except sync.CodecError as e:
+      if kwargs:  # the caller's own progress: theirs to handle
+        raise
+      logging.warning("pull: an update from version %s does not decode (%s); pulling it "
+                      "again from its first byte", have_version, e)
+      return [sync.Update.from_bytes(bytes(b))
+              for b in self._pull(PullProgress(have_version=have_version), None)]
 
   def watch(self, after_version: int = -1, timeout_s: float | None = None) -> Iterator[pb.VersionInfo]:
     """Yields the version info each time a version above `after_version` is published.

@@ -239,3 +239,30 @@ def test_a_storage_folder_keeps_its_id_and_another_folder_has_another(tmp_path):
       ids.append(info.store_id)
   assert ids[0] == ids[1] != ids[2]
   assert (tmp_path / "a" / "STORE").read_text().strip() == ids[0]
+
+
+@pytest.mark.parametrize("held", ["shorter", "same_size"])
+def test_a_pull_resumed_into_another_update_of_its_version_begins_it_again(
+    server, trainer, worker, held):
+  """A pull holding the start of another v0 keyframe (a new run's, a lost server's): the
+  server resumes by version and base alone. An update of another size is begun again
+  from byte 0 (a longer one ran past the bytes held: DATA_LOSS); one of the same size joined to the held bytes does not decode, and is
+  pulled again whole (it ended the worker with a CodecError)."""
+  weights = _big_keyframe()
+  blob = sync.encode(None, weights, version=0).to_bytes()
+  trainer.publish(blob)
+  half = len(blob) // 2
+  if held == "shorter":
+    start = bytearray(len(blob) - 64)
+    start[:half] = blob[:half]
+  else:  # the same size, another header (so another crc32 of it)
+    start = bytearray(blob)
+    start[20] ^= 0xFF
+  progress = PullProgress(have_version=None, partial=start, partial_filled=half,
+                          partial_version=0, partial_base=-1)
+  worker._unfinished = (None, progress)  # what a pull that broke there leaves
+  updates = worker.pull_updates(None)
+  assert len(updates) == 1 and updates[0].version == 0
+  got = sync.apply(None, updates[0])
+  np.testing.assert_array_equal(got["w"].view(np.uint16),
+                                sync.held_state(weights, "bf16")["w"].view(np.uint16))
