@@ -247,6 +247,7 @@ class _Worker:
   last_seen: float = dataclasses.field(default_factory=time.monotonic)
   kind: str = ""  # "relay": a weight relay (HeartbeatRequest.kind)
   time: pb.WorkerTime | None = None  # where its time went, as its last heartbeat said
+  heard: bool = True  # False: known only as the holder of leases recovered from the log
 
 
 class ParamServerServicer(pb_grpc.ParamServerServicer):
@@ -257,7 +258,11 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self.weights = weights
     self.queues = queues
     self._rejections = _Rejections()
-    self._workers: dict[str, _Worker] = {}
+    # The holders of leases recovered from the log, as if heard from now: one that never
+    # comes back falls silent, and its leases expire then, not at their deadlines.
+    self._workers: dict[str, _Worker] = {
+        wid: _Worker(wid, wid, {}, heard=False)
+        for wid in (queues.leases_by_worker() if queues is not None else ())}
     self._lock = threading.Lock()
     self.bytes_served = 0
     self.pulls_served = 0
@@ -508,7 +513,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       worker.version = request.version
       worker.tokens_per_s = request.tokens_per_s
       worker.last_seen = time.monotonic()
-      worker.kind = request.kind
+      worker.kind, worker.heard = request.kind, True
       if request.HasField("time"):
         worker.time = request.time
     return self._heartbeat_reply()
@@ -523,7 +528,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     with self._lock:
       worker = self._workers.get(worker_id)
       if worker is not None:
-        worker.last_seen = time.monotonic()
+        worker.last_seen, worker.heard = time.monotonic(), True
 
   def silent_workers(self) -> list[str]:
     """Workers heard from once but silent for `silent_worker_heartbeats` periods."""
@@ -548,7 +553,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       workers = [pb.WorkerStats(worker_id=w.worker_id, name=w.name, version=w.version,
                                 tokens_per_s=w.tokens_per_s, seconds_since_heartbeat=now - w.last_seen,
                                 leases=leases.get(w.worker_id, 0), kind=w.kind, time=w.time)
-                 for w in self._workers.values()]
+                 for w in self._workers.values() if w.heard]
       served, pulls, streams = self.bytes_served, self.pulls_served, self.streams_open
     return pb.Stats(versions=self._version_info(), **self.queues.depths(),
                     bytes_served=served, pulls_served=pulls, streams_open=streams,

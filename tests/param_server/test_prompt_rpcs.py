@@ -159,6 +159,36 @@ def test_a_silent_workers_leases_expire_long_before_their_deadlines(start_server
     ServerConfig(silent_worker_heartbeats=1)
 
 
+def test_leases_recovered_after_a_restart_expire_once_their_worker_stays_silent(start_server):
+  """A restarted server has heard from no worker: the holder of a lease recovered from the
+  log that never comes back falls silent like any other, and the lease expires then, not
+  at its deadline (600 s here); one that comes back and beats keeps its own."""
+  fast = dict(heartbeat_interval_s=0.1, silent_worker_heartbeats=3, reap_interval_s=0.05)
+  first = start_server(**fast)
+  with client_for(first, "trainer") as trainer, client_for(first, "worker") as dead, \
+       client_for(first, "worker") as alive:
+    trainer.enqueue_prompts(prompts(4))
+    dead.register("dies")
+    alive.register("lives")
+    dead.lease(2, deadline_s=600)
+    kept = alive.lease(2, deadline_s=600)
+    alive_id = alive.worker_id
+  first.stop(grace=0)
+  again = start_server(**fast)
+  with client_for(again, "trainer") as trainer, client_for(again, "worker") as alive:
+    alive.worker_id = alive_id  # (the client a worker keeps across the restart)
+    assert trainer.stats().leases_active == 2
+    assert not trainer.stats().workers  # none heard from yet: none listed
+    end = time.monotonic() + 20
+    while trainer.stats().leases_expired == 0 and time.monotonic() < end:
+      alive.heartbeat(version=-1, tokens_per_s=0.0)
+      time.sleep(0.05)
+    stats = trainer.stats()
+    assert stats.leases_expired == 1 and stats.prompts_queued == 2 and stats.leases_active == 1
+    assert [w.worker_id for w in stats.workers] == [alive_id]
+    alive.renew(kept, 600)  # still its own
+
+
 def test_lease_long_poll_wakes_when_prompts_arrive(trainer, worker):
   timer = threading.Timer(0.2, lambda: trainer.enqueue_prompts(prompts(1)))
   timer.start()
