@@ -585,7 +585,11 @@ def grpc_server(handlers: dict[str, grpc.RpcMethodHandler], interceptor, *, thre
   server = grpc.server(
       futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
       interceptors=[interceptor],
-      options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+      # A reply may carry a request's worth twice: a take's group (submitted in a request of
+      # up to `limit`) with its prompt (enqueued in another), a lease's prompt with the
+      # partial samples a renewal carried; always at least one, or every take would fail.
+      options=[("grpc.max_receive_message_length", limit),
+               ("grpc.max_send_message_length", 2 * limit + MESSAGE_OVERHEAD),
                ("grpc.so_reuseport", 0), *server_options(dead_after_s)])
   server.add_registered_method_handlers(SERVICE_NAME, handlers)
   health_servicer = health.HealthServicer()

@@ -349,6 +349,23 @@ def test_groups_larger_than_grpcs_default_pass_when_the_server_takes_them(start_
     assert len(trainer.take_rollouts(max_n=1).rollouts[0].group.samples[0].text) == 17 << 20
 
 
+def test_a_group_near_the_limit_with_a_long_prompt_is_taken(trainer, worker):
+  """Each within the request limit, a group and its prompt together exceed it: the take
+  reply (one group at least) still goes out (it failed every take: the group came back at
+  its ack deadline and failed again, for ever)."""
+  limit = worker.max_request_bytes
+  long_prompt = pb.Prompt(id="long", text="p" * (limit // 2))
+  trainer.enqueue_prompts([long_prompt])
+  lease = worker.lease(1, deadline_s=30)
+  big = group_for(lease.prompts[0])
+  big.samples[0].text = "x" * (limit - (200 << 10))
+  worker.submit_rollouts(lease.lease_id, big)
+  (taken,) = trainer.take_rollouts(max_n=1).rollouts
+  assert taken.group.ByteSize() + taken.prompt.ByteSize() > limit
+  assert len(taken.group.samples[0].text) == limit - (200 << 10)
+  assert taken.prompt.text == long_prompt.text
+
+
 def test_a_foreign_lease_is_rejected(trainer, worker):
   trainer.enqueue_prompts(prompts(1))
   lease = worker.lease(1, deadline_s=30)
