@@ -45,6 +45,10 @@ def register_verifier(name: str):
   reloaded module: same module and qualified name) replaces it."""
 
   def wrap(factory):
+    from rlax_ps.tasks import TASKS
+    if name in TASKS or name == REWARD_MODEL_TASK:  # (prompts of that task never reach it)
+      raise ValueError(f"verifier name: {name!r} is a built-in task's, whose own checker "
+                       f"scores its prompts; register yours under another name")
     old = VERIFIERS.get(name)
     if old is not None and old is not factory and _origin(old) != _origin(factory):
       raise ValueError(f"verifier name: {name!r} is already registered to {old!r}")

@@ -4,9 +4,10 @@ symbolically.
 The answer is the last `\\boxed{...}` (or `\\fbox{...}`) of the completion, else the
 text after the last "answer is" / "answer:" on its line. Normalisation drops `$`,
 spacing commands, `\\left`/`\\right`, `\\text{}` wrappers, degree signs, percent signs and
-a leading "x =", turns `\\frac{a}{b}`/`\\dfrac`/`\\tfrac` into a/b and strips thousands
-separators; then both sides are compared as exact rationals when they parse as numbers
-(so 0.5 == 1/2 == \\frac{1}{2}), else as normalised strings and, where those differ,
+a leading "x =", turns `\\frac{a}{b}`/`\\dfrac`/`\\tfrac` into a/b (a mixed number
+2\\frac{1}{2} into 5/2) and strips thousands separators (not a list's ", "); then both
+sides are compared as exact rationals when they parse as numbers (so 0.5 == 1/2 ==
+\\frac{1}{2}), else as normalised strings and, where those differ,
 symbolically (math-verify: \\sqrt{12} == 2\\sqrt{3}, x^2+1 == 1+x^2, sets, intervals).
 """
 
@@ -19,7 +20,8 @@ from typing import Any
 from algorithms.verifiers.base import VerifierResult, register_verifier
 from algorithms.verifiers.symbolic import SymbolicEqual
 
-_ANSWER_LINE = re.compile(r"answer\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
+# (the greedy .* takes a line's last "answer is", not the first with the rest of the line)
+_ANSWER_LINE = re.compile(r".*answer\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
 
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
@@ -44,9 +46,9 @@ def extract_answer(completion: str) -> str | None:
       if got is not None:
         return got[0].strip()
   for line in reversed(completion.strip().splitlines()):
-    matches = list(_ANSWER_LINE.finditer(line))
-    if matches:
-      return matches[-1].group(1).strip()
+    match = _ANSWER_LINE.match(line)
+    if match:
+      return match.group(1).strip()
   return None
 
 
@@ -71,6 +73,12 @@ def _replace_frac(s: str) -> str:
       else:
         return s
     num, den = parts
+    # a mixed number, 2\frac{1}{2}: a whole number alone before it (not an exponent's 2)
+    whole = re.search(r"(?:^|(?<=[(\[{=+,:;]))(-?)(\d+)$", s[:pos])
+    if whole and re.fullmatch(r"\d+", num) and re.fullmatch(r"[1-9]\d*", den):
+      value = int(whole.group(2)) * int(den) + int(num)
+      s = s[:whole.start()] + f"{whole.group(1)}{value}/{den}" + s[rest:]
+      continue
     num = num if re.fullmatch(r"-?[\w.]+", num) else f"({num})"
     den = den if re.fullmatch(r"[\w.]+", den) else f"({den})"
     s = s[:pos] + f"{num}/{den}" + s[rest:]
@@ -85,10 +93,11 @@ def normalize_answer(answer: str) -> str:
   for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "\\displaystyle"):
     s = s.replace(token, "")
   s = re.sub(r"\^\{?\\circ\}?", "", s).replace("\\%", "").replace("%", "")
+  listed = re.search(r",\s", s)  # "1, 100": two numbers, not one thousand one hundred
   s = re.sub(r"\s+", "", s).replace("{,}", ",")
   s = s.rstrip(".")
   s = re.sub(r"^[a-zA-Z]=", "", s)
-  if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+  if not listed and re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
     s = s.replace(",", "")
   s = _replace_frac(s)
   return s

@@ -21,6 +21,9 @@ def test_extracts_final_answer_is_line_when_no_box():
   assert extract_answer(text) == "4."
   assert extract_answer("Answer: -7") == "-7"
   assert extract_answer("no final answer here") is None
+  # a line's last "answer is", not its first with the rest of the line
+  assert extract_answer("Answer: after checking, the answer is 12") == "12"
+  assert extract_answer("The answer is not 5. The answer is 7.") == "7."
 
 
 @pytest.mark.parametrize("raw,expected", [
@@ -34,6 +37,11 @@ def test_extracts_final_answer_is_line_when_no_box():
     ("\\left( 1, 2 \\right)", "(1,2)"),
     ("\\text{ yes }", "yes"),
     ("\\frac{\\frac{1}{2}}{3}", "(1/2)/3"),
+    ("2\\frac{1}{2}", "5/2"),  # a mixed number (it read 21/2)
+    ("-1\\frac{1}{3}", "-4/3"),
+    ("12\\frac34", "51/4"),
+    ("(2\\frac12,3)", "(5/2,3)"),
+    ("1, 100", "1,100"),  # a list of two, not one thousand one hundred
 ])
 def test_normalization(raw, expected):
   assert normalize_answer(raw) == expected
@@ -54,6 +62,12 @@ def test_numbers_compare_exactly_as_rationals():
     ("\\boxed{x^2+1}", "x^2 + 1", True),
     ("\\boxed{\\sqrt{2}}", "\\sqrt{3}", False),
     ("I think it is 5", "5", False),  # no extractable final answer
+    ("\\boxed{2\\frac{1}{2}}", "\\frac{5}{2}", True),  # mixed numbers
+    ("\\boxed{12\\frac{3}{4}}", "12.75", True),
+    ("\\boxed{-1\\frac{1}{3}}", "-\\frac{4}{3}", True),
+    ("\\boxed{11/3}", "1\\frac{1}{3}", False),
+    ("\\boxed{1100}", "1, 100", False),  # a list is no thousands separator
+    ("Answer: after checking, the answer is 12", "12", True),
 ])
 def test_verifier_end_to_end(completion, reference, passed):
   result = VERIFY(completion, reference)

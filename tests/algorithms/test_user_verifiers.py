@@ -100,3 +100,13 @@ def test_a_verifier_that_cannot_be_made_is_refused_naming_the_field(tmp_path):
       verifier_for_task("plain_fn", "worker.default_task")
   finally:
     VERIFIERS.pop("plain_fn", None)
+
+
+@pytest.mark.parametrize("name", ["addition", "reward_model"])
+def test_a_verifier_named_like_a_built_in_task_is_refused(name):
+  """Prompts of a built-in task are scored by its own checker: a verifier registered under
+  its name was never asked, silently."""
+  from algorithms.verifiers import register_verifier
+  with pytest.raises(ValueError, match=f"verifier name: '{name}' is a built-in task's"):
+    register_verifier(name)(lambda: lambda c, r: VerifierResult(1.0, True))
+  assert name not in VERIFIERS
