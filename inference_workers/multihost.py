@@ -24,6 +24,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from rlax_ps.sharding import broadcast_int
+
 PIECE_BYTES = 64 << 20
 STOP_KEY = "rlax_ps/worker/stop"  # set by a follower stopped by a signal: the leader stops all
 _MIN_PIECE = 256  # pieces are padded to powers of two from here: few programs compile
@@ -52,7 +54,7 @@ class Channel:
 
   def _cross(self, data: bytes) -> bytes:
     """The leader's `data` on every process: its length, then its pieces."""
-    n = int(_broadcast(np.asarray(len(data), np.int64)))
+    n = broadcast_int(len(data) if self.leader else 0)  # (an int64: 2 GiB and more)
     got = bytearray() if not self.leader else None
     for start in range(0, n, PIECE_BYTES):
       size = min(PIECE_BYTES, n - start)

@@ -167,3 +167,13 @@ def to_host(tree: Any, keep: bool = True) -> Any:
 
   out = jax.tree.map(one, tree)
   return out if keep else None
+
+
+def broadcast_int(value: int) -> int:
+  """Process 0's `value` (any int64) on every process of a multi-host job (a collective):
+  as its 8 bytes, since JAX without x64 holds an int64 as int32 (a 3 GB keyframe's length
+  crossed as -1.3 GB, and the followers got none of it)."""
+  from jax.experimental import multihost_utils
+  raw = np.frombuffer(np.asarray(value, np.int64).tobytes(), np.uint8)
+  got = np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8)
+  return int(np.frombuffer(got.tobytes(), np.int64)[0])

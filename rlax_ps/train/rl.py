@@ -682,8 +682,7 @@ class RLTrainer(TrainerRun):
     """The leader's `value`, on every process of a multi-host slice."""
     if jax.process_count() == 1:
       return int(value)
-    from jax.experimental import multihost_utils
-    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
+    return shd.broadcast_int(value)
 
   def _step_inputs(self) -> tuple[jax.Array | None, ...]:
     """The step's inputs after the reference, replicated: with loss.adaptive_entropy, the

@@ -62,3 +62,29 @@ def test_auto_off_a_multi_host_environment_is_named_in_one_line(tmp_path):
   assert r.returncode == 2, r.stderr[-2000:]
   assert "rlax-ps sft: --coordinator_address=auto: found no multi-host" in r.stderr
   assert "Traceback" not in r.stderr
+
+
+BROADCAST = """
+import sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from rlax_ps.sharding import broadcast_int
+for value in (3_000_000_000, -(1 << 40) - 7, 5):
+  print("got", broadcast_int(value if jax.process_index() == 0 else 0), flush=True)
+"""
+
+
+def test_an_int64_crosses_from_process_0_whole(tmp_path):
+  """JAX without x64 holds an int64 as int32: a keyframe of 3 GB crossed to a multi-host
+  worker's followers as a length of -1.3 GB, and they got none of it."""
+  from ports import free_port
+  coordinator = f"127.0.0.1:{free_port()}"
+  procs = [subprocess.Popen([sys.executable, "-c", BROADCAST, coordinator, str(i)], cwd=REPO,
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for i in range(2)]
+  outs = [p.communicate(timeout=120) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-2000:]
+    got = [line.split()[1] for line in out.splitlines() if line.startswith("got ")]
+    assert got == ["3000000000", str(-(1 << 40) - 7), "5"], out
