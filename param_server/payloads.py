@@ -28,6 +28,8 @@ class PayloadInfo:
   fingerprinted: bool = False  # seals its results' device fingerprints
   # The publishing model's config fields (ModelConfig.forward_fields), where it gave them.
   model: dict | None = None
+  results: int = 0  # its results' seal digest: what the next delta's base seal must be
+  bases: int | None = None  # a delta's base seal digest: the version it was made from
 
   @property
   def is_keyframe(self) -> bool:
@@ -62,7 +64,9 @@ def _info(header) -> PayloadInfo:
       tensors=None if header.tensors is None else {
           name: (tuple(int(d) for d in meta.shape), str(np.dtype(meta.dtype)))
           for name, meta in header.tensors.items()},
-      fingerprinted=header.fingerprints is not None, model=header.model)
+      fingerprinted=header.fingerprints is not None, model=header.model,
+      results=int(header.results.digest),
+      bases=None if header.bases is None else int(header.bases.digest))
 
 
 def verify(blob, *, decode_keyframe: bool, layout: dict | None = None,

@@ -167,6 +167,7 @@ class WeightStore:
     self.compactions = 0
     self._cache: collections.OrderedDict[tuple[str, int], np.ndarray] = collections.OrderedDict()
     self._cache_used = 0
+    self._results: dict[str, int] = {}  # blob name -> its results' seal digest (read once)
     self._recover()
 
   # ------------------------------------------------------------ disk layout
@@ -253,6 +254,10 @@ class WeightStore:
     if not info.is_keyframe and info.base_version != self.latest:
       raise errors.FailedPrecondition(
           "base_version", f"expected the latest version v{self.latest}, got v{info.base_version}")
+    if not info.is_keyframe and info.bases is not None and info.bases != self._results_at_latest():
+      raise errors.FailedPrecondition(  # (made from other weights of that version number:
+          "base_version", f"v{info.version} is a delta from weights other than the stored "
+          f"v{self.latest} (its base seal differs); send it as a keyframe")  # a stale trainer)
     fmt, tensors = self.keyframe.fmt, self.keyframe.tensors
     if info.fmt != fmt:
       raise errors.FailedPrecondition("fmt", f"expected the model's format {fmt!r}, got {info.fmt!r}")
@@ -311,6 +316,7 @@ class WeightStore:
         os.replace(tmp, self._path(blob))
         _fsync_dir(self.blob_dir)
         _write_json_atomic(self._marker(blob), dataclasses.asdict(blob))
+        self._results[blob.name] = info.results
         self._install(blob)
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
@@ -343,6 +349,13 @@ class WeightStore:
           at, pending, held = at + held, [], 0
     if at != total:
       raise ValueError(f"parts hold {at} bytes, expected {total}")
+
+  def _results_at_latest(self) -> int:
+    """The seal digest of the latest version's results (its blob's header, read once)."""
+    blob = self._blobs_at(self.latest)[0]
+    if blob.name not in self._results:
+      self._results[blob.name] = payloads.read_stored_info(self._reader(blob), blob.nbytes).results
+    return self._results[blob.name]
 
   def _blobs_at(self, version: int) -> list[Blob]:
     """The stored blobs ending at `version` (its delta, and a keyframe compacted there)."""

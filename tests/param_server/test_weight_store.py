@@ -69,6 +69,28 @@ def test_no_publication_file_is_left_after_a_store_a_duplicate_or_a_refusal(tmp_
   assert store.latest == 0
 
 
+def test_a_delta_made_from_other_weights_of_the_latest_version_is_refused(tmp_path):
+  """A delta's base version is the latest, but its base seal is another state's (a stale
+  second trainer): refused as lacking its base (the publisher then sends a keyframe), even
+  after a restart, instead of stored to fail every worker and compaction until the next
+  keyframe."""
+  rng = np.random.default_rng(0)
+  w0, other = ({"w": rng.standard_normal(1000).astype(np.float32)} for _ in range(2))
+  w1 = {"w": w0["w"] * 1.01}
+  held = lambda w: sync.held_state(w, "bf16")  # noqa: E731
+  store = WeightStore(str(tmp_path), chunk_bytes=CHUNK)
+  _publish(store, sync.encode(None, held(w0), "bf16", version=0).to_bytes())
+  stale = sync.encode(held(other), held(w1), "bf16", version=1).to_bytes()
+  for attempt in ("live", "restarted"):
+    with pytest.raises(errors.FailedPrecondition, match=r"^base_version: v1 is a delta from "
+                                                        r"weights other than the stored v0"):
+      _publish(store, stale)
+    assert store.latest == 0, attempt
+    store = WeightStore(str(tmp_path), chunk_bytes=CHUNK)  # its seal read from disk
+  _publish(store, sync.encode(held(w0), held(w1), "bf16", version=1).to_bytes())
+  assert store.latest == 1
+
+
 def _compaction_peak(root: str) -> tuple[float, int]:
   """(MiB the peak RSS grew by while a publication triggered compaction, keyframe bytes):
   a 64 MiB bf16 keyframe, then deltas changing 12% of the elements until their chain
