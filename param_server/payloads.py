@@ -13,6 +13,8 @@ from typing import Callable
 import numpy as np
 
 from rlax_ps import sync
+from rlax_ps.sync.fingerprints import fingerprint
+from rlax_ps.sync.integrity import check_seal
 
 CodecError = sync.CodecError
 
@@ -74,20 +76,29 @@ def verify(blob, *, decode_keyframe: bool, layout: dict | None = None,
   """Raises CodecError unless the blob (any buffer) is intact.
 
   A keyframe with `decode_keyframe` is checked in place, one tensor at a time, against its
-  result seal (its sections are the raw tensors, so this covers their digests too) and
-  costs one tensor of memory; `done(start, stop)` is told each section's byte range once
+  result, section and fingerprint seals (what workers check of it) and costs one tensor of
+  memory; `done(start, stop)` is told each section's byte range once
   it is read. Anything else goes through `Update.from_bytes`, which copies the blob
   (deltas are small) and checks its section seal; `layout` names a delta's tensors in
   errors, as read_info takes it."""
   header = sync.read_header(blob)
   if decode_keyframe and header.is_keyframe:
     update = sync.Update(blob, header)
-    checksums = {}
+    checksums, prints = {}, {}
     for name, meta in header.tensors.items():
-      checksums[name] = sync.checksum(update.changes(name).array)
+      array = update.changes(name).array
+      checksums[name] = sync.checksum(array)
+      if header.fingerprints is not None:
+        prints[name] = fingerprint(array)
       if done is not None and meta.nbytes:
         done(meta.offset, meta.offset + meta.nbytes)
     update.verify_all(checksums)
+    # and what every worker checks of it: its section seal (a keyframe's sections are its
+    # raw tensors: their digests are the checksums), its device fingerprints where sealed
+    check_seal(header.sections, [checksums[n] for n, m in header.tensors.items() if m.nbytes],
+               [n for n, m in header.tensors.items() if m.nbytes], "section corrupted")
+    if prints:
+      update.check_fingerprints(prints)
   else:
     sync.Update.from_bytes(blob, None if header.is_keyframe else layout)
 

@@ -27,7 +27,7 @@ def to_bf16(name: str, x) -> np.ndarray:
     return c_contiguous(a)
   if not is_float_dtype(a.dtype):
     raise CodecError(f"tensor {name!r}: dtype expected a floating type, got {a.dtype}")
-  return np.ascontiguousarray(a.astype(BF16))
+  return a.astype(BF16, order="C")  # (ascontiguousarray made a scalar 1-d)
 
 
 def bit_view(a: np.ndarray) -> np.ndarray:

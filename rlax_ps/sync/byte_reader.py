@@ -52,12 +52,12 @@ class ByteReader:
     n = shift = 0
     while True:
       b = self.u8()
+      if shift == 63 and b > 1:  # (a 10th byte holds the 64th bit alone)
+        raise CodecError(f"{self.what}: varint longer than 64 bits at offset {self.pos}")
       n |= (b & 0x7F) << shift
       if not b & 0x80:
         return n
       shift += 7
-      if shift > 63:
-        raise CodecError(f"{self.what}: varint longer than 64 bits at offset {self.pos}")
 
   def done(self) -> None:
     if self.pos != self.end:

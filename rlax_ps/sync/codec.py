@@ -108,6 +108,8 @@ def _message(base, target, fmt, version, base_version, base_checksums, fingerpri
       raise ValueError("base_checksums given for a keyframe (base is None)")
   elif base_version is None:
     base_version = version - 1
+  if version >= 1 << 63:
+    raise ValueError(f"version: expected below 2**63 (an int64 in every RPC), got {version}")
   if version < 0 or (base_version is not None and not 0 <= base_version < version):
     raise ValueError(f"versions must satisfy 0 <= base_version < version, got "
                      f"base_version={base_version}, version={version}")

@@ -106,6 +106,9 @@ def quantize_tensor(name: str, x, out: tuple | None = None) -> tuple[np.ndarray,
   if out is None:
     out = np.empty(a.shape, INT8), np.empty(scale_shape(name, a.shape), BF16)
   codes, scales = out
+  if not a.size:  # nothing to quantize (reshape(-1, 0) cannot say how many rows)
+    scales[...] = 0
+    return codes, scales
   if kind == "experts":  # each expert's [in, out] matrix on its own
     for e in range(a.shape[0]):
       _quantize_matrix(name, a[e].reshape(-1, a.shape[-1]), False,

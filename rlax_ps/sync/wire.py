@@ -279,11 +279,17 @@ def read_header(b, layout=None, *, nbytes: int | None = None) -> UpdateHeader:
   body_start = _PREFIX.size + hlen
   if zlib.crc32(buf[_PREFIX.size:body_start]) != crc:
     raise CodecError("update header: corrupted (crc32 mismatch)")
-  try:
+  try:  # (decompress ignores max_output_size where the frame states its size: bounded here)
+    declared = zstandard.get_frame_parameters(
+        buf[_PREFIX.size:body_start], format=zstandard.FORMAT_ZSTD1_MAGICLESS).content_size
+    if declared > MAX_HEADER and declared != zstandard.CONTENTSIZE_UNKNOWN:
+      raise CodecError(f"update header: {declared} bytes decompressed, at most {MAX_HEADER}")
     fields = _ZSTD.decompressor().decompress(buf[_PREFIX.size:body_start],
                                              max_output_size=MAX_HEADER)
   except zstandard.ZstdError as e:
     raise CodecError(f"update header: corrupted ({e})") from None
+  if len(fields) > MAX_HEADER:
+    raise CodecError(f"update header: {len(fields)} bytes decompressed, at most {MAX_HEADER}")
   r = ByteReader(fields, "update header")
   fmt_code, flags = r.u8(), r.u8()
   if fmt_code >= len(FORMATS):
@@ -292,6 +298,8 @@ def read_header(b, layout=None, *, nbytes: int | None = None) -> UpdateHeader:
     raise CodecError(f"update header: unknown flags {flags:#04x}")
   keyframe = bool(flags & KEYFRAME)
   version = r.varint()
+  if version >= 1 << 63:  # (versions travel as int64 in every RPC)
+    raise CodecError(f"update header: version {version} is past int64")
   base_version = digest = None
   if not keyframe:
     base_version, digest = r.varint(), r.u64()
@@ -350,7 +358,10 @@ def _read_layout(r: ByteReader, count: int) -> tuple:
     dtype_code, ndim = r.u8(), r.u8()
     if dtype_code >= len(DTYPES) or ndim > MAX_NDIM:
       raise CodecError(f"tensor {name!r}: unknown dtype code {dtype_code} or ndim {ndim}")
-    layout.append((name, tuple(r.varint() for _ in range(ndim)), DTYPES[dtype_code]))
+    shape = tuple(r.varint() for _ in range(ndim))
+    if any(d > MAX_ELEMENTS for d in shape):  # (a 0 elsewhere hides it from the product)
+      raise CodecError(f"tensor {name!r}: shape {shape} has a dimension over {MAX_ELEMENTS}")
+    layout.append((name, shape, DTYPES[dtype_code]))
   return tuple(layout)
 
 

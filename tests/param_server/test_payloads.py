@@ -83,3 +83,76 @@ def test_keyframe_parts_are_the_keyframe_and_views_of_the_weights():
   parts = payloads.keyframe_parts(held, "bf16", 1)
   assert b"".join(parts) == sync.encode(None, held, "bf16", version=1).to_bytes()
   assert any(np.shares_memory(np.frombuffer(p, np.uint8), held["a.kernel"]) for p in parts[1:])
+
+
+def _with_header(blob: bytes, edit) -> bytes:
+  """`blob` with its header's fields edited by edit(bytearray) -> bytes-like, compressed
+  again, its prefix's length and crc32 made to fit (a well-formed but lying publication)."""
+  import zlib
+
+  from rlax_ps.sync import wire
+  hlen = wire._PREFIX.unpack(blob[:wire._PREFIX.size])[2]
+  start = wire._PREFIX.size
+  fields = bytearray(wire._ZSTD.decompressor().decompress(blob[start:start + hlen]))
+  head = wire._ZSTD.compressor().compress(bytes(edit(fields)))
+  prefix = wire._PREFIX.pack(wire.MAGIC, wire.WIRE_VERSION, len(head), zlib.crc32(head))
+  return prefix + head + blob[start + hlen:]
+
+
+@pytest.mark.parametrize("printed", [False, True])
+def test_a_keyframe_whose_section_or_fingerprint_seal_lies_is_refused(printed):
+  """The server's keyframe check covers what every worker checks of it: the section seal
+  (from_bytes) and, where sealed, the device fingerprints; a keyframe stored with either
+  wrong could be applied by no worker, ever."""
+  from rlax_ps.sync import wire
+  held = sync.held_state({"a.kernel": np.ones((8, 4), np.float32),
+                          "b.kernel": np.full((4, 4), 2, np.float32)}, "bf16")
+  update = sync.encode(None, held, "bf16", version=0, fingerprints=True)
+  blob = update.to_bytes()
+  payloads.verify(blob, decode_keyframe=True)  # as sent: good
+  header = sync.read_header(blob)
+  seal = header.fingerprints if printed else header.sections
+  tail = len(wire._seal_bytes(header.fingerprints))  # the last seal (no model given)
+  at = -tail if printed else -tail - len(wire._seal_bytes(header.sections))
+
+  def lie(fields):
+    fields[at] ^= 1  # the seal's digest's low byte
+    return fields
+
+  bad = _with_header(blob, lie)
+  assert sync.read_header(bad).fingerprints is not None
+  got = (sync.read_header(bad).fingerprints if printed else sync.read_header(bad).sections)
+  assert got.digest != seal.digest
+  with pytest.raises(sync.CodecError, match="fingerprint mismatch" if printed else
+                     "section corrupted"):
+    payloads.verify(bad, decode_keyframe=True)
+
+
+def test_a_header_that_decompresses_past_its_limit_or_past_int64_is_refused():
+  """A header stating a huge size was decompressed whole (zstd ignores the output limit
+  where the frame states its size); a version past int64 was stored and then broke every
+  version RPC for good; a dimension past the limit beside a 0 passed the element count."""
+  from rlax_ps.sync import wire
+  blob = sync.encode(None, sync.held_state({"a": np.ones((0, 4), np.float32)}, "bf16"),
+                     "bf16", version=0).to_bytes()
+  huge = _with_header(blob, lambda f: bytes(f) + bytes(wire.MAX_HEADER))
+  with pytest.raises(sync.CodecError, match="decompressed, at most"):
+    sync.read_header(huge)
+  past = _with_header(blob, lambda f: f[:2] + bytes([0x80] * 9 + [0x01]) + f[3:])  # v 2**63
+  with pytest.raises(sync.CodecError, match="past int64"):
+    sync.read_header(past)
+
+  def wide(fields):  # the dims (0, 4) written (0, 2**62)
+    at = bytes(fields).index(b"a") + 3
+    assert fields[at - 1:at + 2] == b"\x02\x00\x04"
+    return fields[:at + 1] + bytes([0x80] * 8 + [0x40]) + fields[at + 2:]
+
+  with pytest.raises(sync.CodecError, match="has a dimension over"):
+    sync.read_header(_with_header(blob, wide))
+  with pytest.raises(ValueError, match="version: expected below 2"):
+    sync.encode(None, {"a": np.ones(4, np.float32)}, version=1 << 63)
+  from rlax_ps.sync.byte_reader import ByteReader
+  eleven = ByteReader(bytes([0xFF] * 9 + [0x02]), "v")  # the 65th bit
+  with pytest.raises(sync.CodecError, match="varint longer than 64 bits"):
+    eleven.varint()
+  assert ByteReader(bytes([0xFF] * 9 + [0x01]), "v").varint() == (1 << 64) - 1

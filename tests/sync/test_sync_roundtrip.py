@@ -157,3 +157,19 @@ def test_int8_deltas_track_the_quantized_target_from_float_or_held_bases():
 def test_package_imports_without_jax():
   code = "import sys, rlax_ps.sync; assert 'jax' not in sys.modules, 'jax imported'"
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_scalars_and_empty_tensors_keep_their_shapes(fmt):
+  """A float32 scalar was published as shape (1,) (a worker of the model refused the
+  keyframe; a delta onto a bf16 scalar failed); int8 crashed on a kernel with no columns."""
+  params = {"t.scale": np.float32(1.5), "w.kernel": np.ones((4, 0), np.float32),
+            "v.kernel": np.ones((3, 2), np.float32)}
+  held = sync.held_state(params, fmt)
+  assert held["t.scale"].shape == () and held["w.kernel"].shape == (4, 0)
+  got = sync.apply(None, sync.Update.from_bytes(sync.encode(None, held, fmt,
+                                                            version=0).to_bytes()))
+  assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in held.items()}
+  again = sync.encode(held, sync.held_state(dict(params, **{"t.scale": np.float32(2)}), fmt),
+                      fmt, version=1)
+  assert sync.apply(got, sync.Update.from_bytes(again.to_bytes()))["t.scale"].shape == ()
