@@ -622,13 +622,13 @@ class ParamServerClient:
     from rlax_ps import sync  # numpy-only codec; imported on use
     blobs = self.pull(have_version, **kwargs)
     try:
-      return [sync.Update.from_bytes(bytes(b)) for b in blobs]
+      return [sync.Update.from_bytes(b) for b in blobs]  # (each blob kept, not copied)
     except sync.CodecError as e:
       if kwargs:  # the caller's own progress: theirs to handle
         raise
       logging.warning("pull: an update from version %s does not decode (%s); pulling it "
                       "again from its first byte", have_version, e)
-      return [sync.Update.from_bytes(bytes(b))
+      return [sync.Update.from_bytes(b)
               for b in self._pull(PullProgress(have_version=have_version), None)]
 
   def watch(self, after_version: int = -1, timeout_s: float | None = None) -> Iterator[pb.VersionInfo]:

@@ -461,8 +461,9 @@ class Update:
   @classmethod
   def from_bytes(cls, b, layout=None) -> "Update":
     """Parses a message and checks its sections against the section seal (CodecError);
-    `layout` as read_header takes it."""
-    data = bytes(b)
+    `layout` as read_header takes it. bytes and a bytearray (a pull's) are kept, not
+    copied: a keyframe pulled is held once, not twice; other buffers are copied."""
+    data = b if isinstance(b, (bytes, bytearray)) else bytes(b)
     header = read_header(data, layout)
     names = (list(header.tensors) if header.tensors is not None
              else [f"#{i}" for i in range(len(header.spans))])
@@ -501,7 +502,9 @@ class Update:
   def raw(self, name: str) -> np.ndarray:
     """A raw tensor's new array: a read-only view of the message's bytes."""
     meta = self.meta(name)
-    return np.frombuffer(self._section(meta.offset, meta.nbytes), meta.dtype).reshape(meta.shape)
+    view = np.frombuffer(self._section(meta.offset, meta.nbytes), meta.dtype)
+    view.flags.writeable = False  # (also over a kept bytearray, which others may read)
+    return view.reshape(meta.shape)
 
   def changes(self, name: str, base_array=None) -> TensorChanges:
     """Decoded changes of one tensor; with `base_array`, also the new values."""

@@ -173,3 +173,16 @@ def test_scalars_and_empty_tensors_keep_their_shapes(fmt):
   again = sync.encode(held, sync.held_state(dict(params, **{"t.scale": np.float32(2)}), fmt),
                       fmt, version=1)
   assert sync.apply(got, sync.Update.from_bytes(again.to_bytes()))["t.scale"].shape == ()
+
+
+def test_a_pulled_bytearray_is_kept_not_copied_and_its_tensors_stay_read_only():
+  """A keyframe pulled (a bytearray) was copied to bytes while the pull still held it:
+  twice the model in host memory for a moment."""
+  held = sync.held_state({"w": np.ones((8, 4), np.float32)}, "bf16")
+  pulled = bytearray(sync.encode(None, held, "bf16", version=0).to_bytes())
+  update = sync.Update.from_bytes(pulled)
+  assert update.to_view() is pulled
+  raw = update.raw("w")
+  assert not raw.flags.writeable and np.shares_memory(raw, np.frombuffer(pulled, np.uint8))
+  np.testing.assert_array_equal(sync.apply(None, update)["w"].view(np.uint16),
+                                held["w"].view(np.uint16))
