@@ -97,12 +97,23 @@ def free_ports(n: int) -> list[int]:
 
 
 def split_envs(trainer_chips: int, chips_per_worker: int, workers: int,
-               dev: str = "/dev") -> list[dict[str, str]]:
+               dev: str = "/dev", env=os.environ) -> list[dict[str, str]]:
   """The environment of the trainer, then of each worker, that gives each its own chips of
-  this host (ValueError naming the fields where they do not fit)."""
+  this host (ValueError naming the fields where they do not fit). GPUs this process was
+  given (CUDA_VISIBLE_DEVICES, set by a scheduler or a user sharing the host) are the ones
+  split; TPU chips it was given alone (TPU_VISIBLE_CHIPS) are refused."""
   host = detect_host(dev)
+  given = env.get("CUDA_VISIBLE_DEVICES") if host.kind == "gpu" else None
+  gpus = None if given is None else [g.strip() for g in given.split(",") if g.strip()]
+  if gpus is not None:
+    host = Host("gpu", len(gpus))
+  if host.kind == "tpu" and env.get("TPU_VISIBLE_CHIPS"):
+    raise ValueError(f"{FIELDS}: {trainer_chips} and {chips_per_worker} split this host's TPU "
+                     f"chips, but this process was given chips {env['TPU_VISIBLE_CHIPS']} "
+                     f"alone (TPU_VISIBLE_CHIPS); unset it, or set both to 0")
   check_split(host, trainer_chips, chips_per_worker, workers)
   ranges = chip_ranges([trainer_chips] + [chips_per_worker] * workers)
   if host.kind == "gpu":
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(map(str, r))} for r in ranges]
+    names = gpus or [str(i) for i in range(host.chips)]
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(names[i] for i in r)} for r in ranges]
   return [tpu_env(r, host.chips, port) for r, port in zip(ranges, free_ports(len(ranges)))]

@@ -131,7 +131,10 @@ def initialize(prog: str = "rlax-ps") -> bool:
         raise app.UsageError(
             f"--coordinator_address={COORDINATOR.value}: process 0 cannot listen on port "
             f"{port} (another program holds it); pick a free port, the same on every host")
+      # Every setting given: no cluster detection, which under SLURM or Open MPI would
+      # also pin this process to one GPU (JAX_LOCAL_DEVICE_IDS still chooses, if set).
       join_within(lambda: jax.distributed.initialize(
           COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value,
+          cluster_detection_method="deactivate",
           initialization_timeout=timeout + _JAX_JOIN_SLACK_S), timeout, message)
   return jax.process_index() == 0

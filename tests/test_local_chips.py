@@ -42,7 +42,7 @@ def test_the_host_kind_and_chip_count_come_from_the_device_files(tmp_path):
 
 
 def test_a_v5e_8_gives_the_trainer_4_chips_and_two_workers_2_each(tmp_path):
-  envs = chips.split_envs(4, 2, 2, v5e_8(tmp_path))
+  envs = chips.split_envs(4, 2, 2, v5e_8(tmp_path), env={})
   assert len(set(ports(envs))) == 3  # a port of its own each
   assert envs == [tpu_env("0,1,2,3", ports(envs)[0]), tpu_env("4,5", ports(envs)[1]),
                   tpu_env("6,7", ports(envs)[2])]
@@ -50,7 +50,7 @@ def test_a_v5e_8_gives_the_trainer_4_chips_and_two_workers_2_each(tmp_path):
 
 
 def test_a_v4_8_gives_the_trainer_2_chips_and_two_workers_1_each(tmp_path):
-  envs = chips.split_envs(2, 1, 2, v4_8(tmp_path))
+  envs = chips.split_envs(2, 1, 2, v4_8(tmp_path), env={})
   assert envs == [tpu_env("0,1", ports(envs)[0]), tpu_env("2", ports(envs)[1]),
                   tpu_env("3", ports(envs)[2])]
   assert len(set(ports(envs))) == 3
@@ -63,9 +63,23 @@ def test_a_process_with_all_the_hosts_chips_keeps_libtpus_defaults():
 
 def test_a_gpu_host_gets_cuda_visible_devices_of_any_count(tmp_path):
   dev = fake_dev(tmp_path, *(f"nvidia{i}" for i in range(8)))
-  assert chips.split_envs(3, 2, 2, dev) == [
+  assert chips.split_envs(3, 2, 2, dev, env={}) == [
       {"CUDA_VISIBLE_DEVICES": "0,1,2"}, {"CUDA_VISIBLE_DEVICES": "3,4"},
       {"CUDA_VISIBLE_DEVICES": "5,6"}]
+
+
+def test_the_gpus_this_process_was_given_are_the_ones_split(tmp_path):
+  """On a shared host (CUDA_VISIBLE_DEVICES=4,5,6,7, or a scheduler's list) the split was
+  of GPUs 0.. (other users'), checked against all 8."""
+  dev = fake_dev(tmp_path, *(f"nvidia{i}" for i in range(8)))
+  given = {"CUDA_VISIBLE_DEVICES": "4,5,6,GPU-7a"}
+  assert chips.split_envs(2, 1, 2, dev, env=given) == [
+      {"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6"},
+      {"CUDA_VISIBLE_DEVICES": "GPU-7a"}]
+  with pytest.raises(ValueError, match="= 5 chips, more than this host's 4 GPU chips"):
+    chips.split_envs(3, 1, 2, dev, env=given)
+  with pytest.raises(ValueError, match=r"given chips 0,1 alone \(TPU_VISIBLE_CHIPS\)"):
+    chips.split_envs(2, 1, 2, v5e_8(tmp_path / "t"), env={"TPU_VISIBLE_CHIPS": "0,1"})
 
 
 @pytest.mark.parametrize("host, split, message", [
@@ -80,5 +94,5 @@ def test_a_gpu_host_gets_cuda_visible_devices_of_any_count(tmp_path):
 def test_a_split_that_does_not_fit_the_host_is_refused_naming_the_fields(host, split, message,
                                                                          tmp_path):
   with pytest.raises(ValueError, match="local.trainer_chips, local.chips_per_worker: ") as e:
-    chips.split_envs(*split, host(tmp_path))
+    chips.split_envs(*split, host(tmp_path), env={})
   assert message in str(e.value)

@@ -48,6 +48,19 @@ def test_flags_it_cannot_join_with_are_named(parsed_flags, given, named):
   assert not jax.distributed.is_initialized()
 
 
+def test_a_given_coordinator_detects_no_cluster(parsed_flags, monkeypatch):
+  """HOST:PORT with the process count and id: no cluster detection, which under SLURM (or
+  Open MPI) would give each process its local rank's GPU alone (2 GPUs of 16 trained)."""
+  from ports import free_port
+  asked = {}
+  monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: asked.update(k))
+  monkeypatch.setenv("SLURM_JOB_ID", "7")  # (a job this would have been detected in)
+  with flagsaver.flagsaver(coordinator_address=f"127.0.0.1:{free_port()}", num_processes=2,
+                           process_id=0):
+    distributed.initialize()
+  assert asked["cluster_detection_method"] == "deactivate"
+
+
 def test_one_process_needs_no_coordinator(parsed_flags):
   with flagsaver.flagsaver(num_processes=1, process_id=0):
     assert distributed.initialize()
