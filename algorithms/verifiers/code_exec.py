@@ -48,90 +48,93 @@ from algorithms.verifiers.base import VerifierResult, register_verifier
 # cannot garble a report).
 _HARNESS = r"""
 import json, os, resource, sys
-nonce, report_fd, mem, cpu, fsize, uid, gid, nproc = sys.stdin.readline().split()
-for limit, value in ((resource.RLIMIT_AS, int(mem)), (resource.RLIMIT_CPU, int(cpu)),
-                     (resource.RLIMIT_FSIZE, int(fsize)), (resource.RLIMIT_CORE, 0)):
-  resource.setrlimit(limit, (value, value))
-sys.stdin.close()
-sys.stdin = open(os.devnull)
-with open("job.json") as f:
-  job = json.load(f)
-os.remove("job.json")
-native = job.pop("native")  # ctypes allowed: the OS bounds the child
-scratch = os.path.realpath(os.getcwd())
-if int(uid) >= 0:  # root: run as the sandbox user, with a process limit it cannot lift
-  resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
-  os.setgroups([])
-  os.setgid(int(gid))
-  os.setuid(int(uid))
-out = os.fdopen(int(report_fd), "w")
-import _posixsubprocess  # subprocess's fork+exec, which raises no audit event of its own
-def _refused(*args):
-  raise PermissionError("sandbox: _posixsubprocess.fork_exec is not allowed")
-_posixsubprocess.fork_exec = _refused
-BLOCKED = frozenset({
-    "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
-    "socket.sendto", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn",
-    "os.spawn", "os.fork", "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym",
-    "sys.addaudithook", "os.kill", "os.killpg", "gc.get_objects", "gc.get_referrers",
-    "gc.get_referents"})
-CTYPES = frozenset({"ctypes.dlopen", "ctypes.dlsym"})
-CTYPES_HINT = (" (numpy and sympy import ctypes) unless the code runs as the sandbox user in "
-               "namespaces: run the worker as root, with a run_as user that can run this "
-               "Python; see algorithms/verifiers/code_exec.py")
-if native:
-  BLOCKED -= CTYPES
-# event -> positions of its path arguments (and of their dir_fd) that must lie in scratch
-CHANGES = {"os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),),
-           "os.rename": ((0, 2), (1, 3)), "os.link": ((0, 2), (1, 3)),
-           "os.symlink": ((1, 2),), "os.chmod": ((0, 2),), "os.chown": ((0, 3),),
-           "os.utime": ((0, 3),), "os.truncate": ((0, None),), "os.setxattr": ((0, None),),
-           "os.removexattr": ((0, None),), "os.chflags": ((0, None),)}
-def inside(path, dir_fd=None):
-  if isinstance(path, int):
-    return False
-  path = os.fsdecode(path)
-  if dir_fd is not None and dir_fd >= 0 and not os.path.isabs(path):
-    path = os.path.join(os.readlink("/proc/self/fd/%d" % dir_fd), path)
-  path = os.path.realpath(path)
-  return path == scratch or path.startswith(scratch + os.sep)
-def hook(event, args):
-  if event in BLOCKED or (event == "import" and args[0] == "_posixsubprocess"):
-    raise PermissionError("sandbox: " + event + (" " + args[0] if event == "import" else "")
-                          + " is not allowed" + (CTYPES_HINT if event in CTYPES else ""))
-  if event in CHANGES and not (event == "os.truncate" and isinstance(args[0], int)):
-    for at, fd_at in CHANGES[event]:  # (a file opened for writing is in scratch)
-      if not inside(args[at], None if fd_at is None else args[fd_at]):
-        raise PermissionError("sandbox: " + event + " outside the scratch directory: " +
-                              str(args[at]))
-  if event == "open" and args[0] is not None and not isinstance(args[0], int):
-    mode, flags = args[1], args[2]
-    writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-        isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-    path = os.path.realpath(os.fsdecode(args[0]))
-    if (writing or os.path.isdir(path)) and not inside(path):  # a directory: a dir_fd
-      raise PermissionError("sandbox: " + ("writing" if writing else "opening a directory")
-                            + " outside the scratch directory: " + path)
-sys.addaudithook(hook)
-def report(step, ok, error=""):
-  out.write(nonce + json.dumps({"step": step, "ok": ok, "error": error[:500]}) + "\n")
-  out.flush()
-ns = {"__name__": "__main__", "__builtins__": __builtins__}
-def run(step, source):
-  try:
-    exec(compile(source, step, "exec"), ns)
-    report(step, True)
-    return True
-  except BaseException as e:
-    report(step, False, type(e).__name__ + ": " + str(e))
-    return False
-tests = job.pop("tests")
-if run("program", job.pop("program")):
-  for i, test in enumerate(tests):
-    run("test_%d" % i, test)
-else:
-  ns.clear()
+def _main():  # the harness's state in its scope: not in __main__ for the program
+  _exec, _compile, _dumps = exec, compile, json.dumps  # as they are before the program
+  nonce, report_fd, mem, cpu, fsize, uid, gid, nproc = sys.stdin.readline().split()
+  for limit, value in ((resource.RLIMIT_AS, int(mem)), (resource.RLIMIT_CPU, int(cpu)),
+                       (resource.RLIMIT_FSIZE, int(fsize)), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(limit, (value, value))
+  sys.stdin.close()
+  sys.stdin = open(os.devnull)
+  with open("job.json") as f:
+    job = json.load(f)
+  os.remove("job.json")
+  native = job.pop("native")  # ctypes allowed: the OS bounds the child
+  scratch = os.path.realpath(os.getcwd())
+  if int(uid) >= 0:  # root: run as the sandbox user, with a process limit it cannot lift
+    resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
+    os.setgroups([])
+    os.setgid(int(gid))
+    os.setuid(int(uid))
+  out = os.fdopen(int(report_fd), "w")
+  import _posixsubprocess  # subprocess's fork+exec, which raises no audit event of its own
+  def _refused(*args):
+    raise PermissionError("sandbox: _posixsubprocess.fork_exec is not allowed")
+  _posixsubprocess.fork_exec = _refused
+  BLOCKED = frozenset({
+      "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
+      "socket.sendto", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn",
+      "os.spawn", "os.fork", "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym",
+      "sys.addaudithook", "os.kill", "os.killpg", "gc.get_objects", "gc.get_referrers",
+      "gc.get_referents"})
+  CTYPES = frozenset({"ctypes.dlopen", "ctypes.dlsym"})
+  CTYPES_HINT = (" (numpy and sympy import ctypes) unless the code runs as the sandbox user in "
+                 "namespaces: run the worker as root, with a run_as user that can run this "
+                 "Python; see algorithms/verifiers/code_exec.py")
+  if native:
+    BLOCKED -= CTYPES
+  # event -> positions of its path arguments (and of their dir_fd) that must lie in scratch
+  CHANGES = {"os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),),
+             "os.rename": ((0, 2), (1, 3)), "os.link": ((0, 2), (1, 3)),
+             "os.symlink": ((1, 2),), "os.chmod": ((0, 2),), "os.chown": ((0, 3),),
+             "os.utime": ((0, 3),), "os.truncate": ((0, None),), "os.setxattr": ((0, None),),
+             "os.removexattr": ((0, None),), "os.chflags": ((0, None),)}
+  def inside(path, dir_fd=None):
+    if isinstance(path, int):
+      return False
+    path = os.fsdecode(path)
+    if dir_fd is not None and dir_fd >= 0 and not os.path.isabs(path):
+      path = os.path.join(os.readlink("/proc/self/fd/%d" % dir_fd), path)
+    path = os.path.realpath(path)
+    return path == scratch or path.startswith(scratch + os.sep)
+  def hook(event, args):
+    if event in BLOCKED or (event == "import" and args[0] == "_posixsubprocess"):
+      raise PermissionError("sandbox: " + event + (" " + args[0] if event == "import" else "")
+                            + " is not allowed" + (CTYPES_HINT if event in CTYPES else ""))
+    if event in CHANGES and not (event == "os.truncate" and isinstance(args[0], int)):
+      for at, fd_at in CHANGES[event]:  # (a file opened for writing is in scratch)
+        if not inside(args[at], None if fd_at is None else args[fd_at]):
+          raise PermissionError("sandbox: " + event + " outside the scratch directory: " +
+                                str(args[at]))
+    if event == "open" and args[0] is not None and not isinstance(args[0], int):
+      mode, flags = args[1], args[2]
+      writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+          isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+      path = os.path.realpath(os.fsdecode(args[0]))
+      if (writing or os.path.isdir(path)) and not inside(path):  # a directory: a dir_fd
+        raise PermissionError("sandbox: " + ("writing" if writing else "opening a directory")
+                              + " outside the scratch directory: " + path)
+  sys.addaudithook(hook)
+  def report(step, ok, error=""):
+    out.write(nonce + _dumps({"step": step, "ok": ok, "error": error[:500]}) + "\n")
+    out.flush()
+  ns = {"__name__": "__main__", "__builtins__": __builtins__}
+  def run(step, source):
+    try:
+      _exec(_compile(source, step, "exec"), ns)
+      report(step, True)
+      return True
+    except BaseException as e:
+      report(step, False, type(e).__name__ + ": " + str(e))
+      return False
+  tests = job.pop("tests")
+  if run("program", job.pop("program")):
+    for i, test in enumerate(tests):
+      run("test_%d" % i, test)
+  else:
+    ns.clear()
 
+_main()
 """
 # The sandbox user's process (and thread) limit, counted over all its processes.
 _SANDBOX_PROCESSES = 64
@@ -226,6 +229,9 @@ class CodeExecutionVerifier:
       cmd = [self.python, "-I", "-B", "-c", _HARNESS]
       if self.unshare:
         cmd = [shutil.which("unshare"), *self.unshare, "--"] + cmd
+      if shutil.which("timeout"):  # the deadline also when this process dies mid-call (a
+        cmd = [shutil.which("timeout"), "-s", "KILL",  # worker's hard exit): its own clock
+               str(int(self.timeout_s) + 2)] + cmd
       uid, gid = self.user or (-1, -1)
       if self.user:  # the sandbox user writes in scratch and may pass through root
         os.chown(scratch, uid, gid)
@@ -270,8 +276,9 @@ class CodeExecutionVerifier:
 
 
 def _read_reports(path: str, nonce: str) -> dict:
-  """Steps reported by the harness (lines carrying the nonce); the first report of a step
-  counts, so a program cannot overwrite a failure by printing."""
+  """Steps reported by the harness (lines carrying the nonce), in the order it runs them
+  (program, test_0, test_1, ...): a report out of that order is passed over, and the
+  first of each step counts, so a program cannot overwrite a failure by printing."""
   steps: dict = {}
   with open(path, "rb") as f:
     for raw in f:
@@ -282,5 +289,7 @@ def _read_reports(path: str, nonce: str) -> dict:
         rec = json.loads(line[len(nonce):])
       except json.JSONDecodeError:
         continue
-      steps.setdefault(rec.get("step"), rec)
+      if isinstance(rec, dict) and rec.get("step") == (
+          f"test_{len(steps) - 1}" if steps else "program"):
+        steps[rec["step"]] = rec
   return steps

@@ -33,6 +33,56 @@ def test_program_output_does_not_garble_the_reports(verify):
   assert result.info["n_passed"] == 2 and result.info["stdout"].startswith("x")
 
 
+def test_a_program_cannot_report_its_tests_passed_through_the_harness(verify):
+  """The harness's report function, nonce and exec lived in __main__, which a program can
+  import: three lines gave a wrong add every test passed. Now they are the harness's own,
+  and exec patched in builtins does not reach the tests."""
+  wrong = "def add(a, b):\n  return 0\n"
+  forge = ("import __main__\nfor i in range(3):\n  __main__.report('test_%d' % i, True)\n")
+  patch = ("import builtins\nbuiltins.exec = lambda *a, **k: None\n"
+           "builtins.compile = lambda *a, **k: None\n")
+  tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(5, 1) == 6"]
+  for attack in (forge, patch):
+    result = verify(wrong + attack, tests)
+    assert result.info["n_passed"] == 0 and not result.passed, (attack, result.info)
+
+
+def test_the_sandbox_dies_at_its_timeout_also_when_its_caller_died_first(tmp_path):
+  """A worker's hard exit mid-call left the sandboxed program (a sleep) running for ever:
+  the deadline was only the caller's wait."""
+  import signal
+  import subprocess
+  import time
+  caller = subprocess.Popen(
+      [sys.executable, "-c", "from algorithms.verifiers import CodeExecutionVerifier\n"
+       "CodeExecutionVerifier(timeout_s=2.0, memory_mb=256)('import time\\n"
+       "time.sleep(600)\\n', ['assert True'])"],
+      cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+      env=dict(os.environ, TMPDIR=str(tmp_path)))
+
+  def sandboxed():  # processes whose cwd is a scratch folder of this test's
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+      try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+      except OSError:
+        continue
+      if cwd.startswith(str(tmp_path)) and int(pid) != caller.pid:
+        found.append(int(pid))
+    return found
+
+  end = time.monotonic() + 30
+  while not sandboxed() and time.monotonic() < end:
+    time.sleep(0.1)
+  assert sandboxed(), "the sandbox never started"
+  caller.send_signal(signal.SIGKILL)
+  caller.wait()
+  end = time.monotonic() + 15
+  while sandboxed() and time.monotonic() < end:
+    time.sleep(0.2)
+  assert not sandboxed()
+
+
 def test_syntax_error_fails_every_test(verify):
   result = verify("def add(a, b) return a + b", TESTS)
   assert result.reward == 0.0 and not result.passed
@@ -136,10 +186,14 @@ def test_as_root_the_child_runs_as_nobody_so_code_past_the_hook_cannot_reach_the
   secret.write_text("s3cret")
   secret.chmod(0o600)
   verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=python)
-  # the audit hook is a tripwire: code can switch it off through a frame
+  # the audit hook is a tripwire: code can switch it off through frames and closures
   unhook = ("try:\n  1 / 0\nexcept ZeroDivisionError as e:\n"
-            "  g = e.__traceback__.tb_frame.f_back.f_globals\n"
-            "g['BLOCKED'] = frozenset(); g['CHANGES'] = {}; g['inside'] = lambda *a: True\n"
+            "  main = e.__traceback__.tb_frame.f_back.f_back\n"
+            "for c in main.f_locals['hook'].__closure__:\n"
+            "  v = c.cell_contents\n"
+            "  if isinstance(v, frozenset): c.cell_contents = frozenset()\n"
+            "  elif isinstance(v, dict): c.cell_contents = {}\n"
+            "  elif getattr(v, '__name__', '') == 'inside': c.cell_contents = lambda *a: True\n"
             "import os\n")
   for program in [f"open({str(secret)!r}).read()", f"open({str(secret)!r}, 'w')",
                   f"os.kill({os.getpid()}, 0)"]:  # not seen (PID namespace) or not allowed
