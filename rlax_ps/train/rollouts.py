@@ -342,11 +342,11 @@ def build_batch(groups: Sequence[Group], shape: BatchShape, pad_id: int = 0
         out["rewards"][row, slot] = g.rewards[i]
         if shape.baselines:
           out["baselines"][row, slot] = g.baseline_reward
-        if shape.teacher_logp or shape.teacher_topk:
-          logp, ids, top = g.teacher[i]
+        if (shape.teacher_logp or shape.teacher_topk) and k:  # (a sample of no tokens
+          logp, ids, top = g.teacher[i]  # may come without the teacher's scores: none due)
           if shape.teacher_logp:
             out["teacher_logp"][row, slot, :k] = logp
-          if shape.teacher_topk and k:
+          if shape.teacher_topk:
             out["teacher_topk_ids"][row, slot, :k] = ids
             out["teacher_topk_logp"][row, slot, :k] = top
         for j, name in enumerate(shape.reward_parts):

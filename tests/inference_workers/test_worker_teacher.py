@@ -195,3 +195,17 @@ def test_a_worker_sends_the_scores_of_a_teacher_of_another_tokenizer(server, ver
                            "teacher_topk: expected 0 with teacher_tokenizer")):
     with pytest.raises(ValueError, match=message):
       WorkerConfig(**fields)
+
+
+def test_samples_of_no_tokens_need_no_teacher_scores():
+  """check_group lets a sample of no tokens through without the teacher's top k (there is
+  nothing to score); the batch built from it crashed on the missing scores."""
+  from rlax_ps.train.rollouts import Group
+  empty = tuple(np.zeros(0, np.int32) for _ in range(2))
+  group = Group(rollout_id=1, prompt_tokens=np.arange(3, dtype=np.int32), responses=empty,
+                behaviour_logp=tuple(np.zeros(0, np.float32) for _ in range(2)),
+                rewards=np.zeros(2, np.float32), policy_version=0)
+  shape = BatchShape(groups=1, samples=2, prompt_len=4, response_len=4, teacher_topk=2)
+  check_group(group, shape)
+  batch = build_batch([group], shape)
+  assert not batch["teacher_topk_ids"].any() and not batch["response_lens"].any()
