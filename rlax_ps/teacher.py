@@ -99,13 +99,24 @@ class Teacher:
 
   def score_groups(self, prompts: Sequence[Sequence[int]],
                    responses: Sequence[Sequence[Sequence[int]]], samples: int,
-                   budget: int) -> list[list[tuple[np.ndarray, ...]]]:
-    """score_group of each prompt and its responses, in one forward pass: a packed row a
-    prompt (the prompts padded to a power of two)."""
+                   budget: int, rows: int | None = None) -> list[list[tuple[np.ndarray, ...]]]:
+    """score_group of each prompt and its responses: a packed row a prompt (the prompts
+    padded to a power of two), in forward passes of at most `rows` rows (None: one pass;
+    the last padded with empty rows, so every pass is one program)."""
     for rs in responses:
       if not 1 <= len(rs) <= samples or any(len(r) > budget for r in rs):
         raise ValueError(f"responses: expected 1 to {samples} of at most {budget} tokens, "
                          f"got {[len(r) for r in rs]}")
+    if rows is not None and rows < len(prompts):
+      p = max(_MIN_PROMPT, 1 << (max(map(len, prompts)) - 1).bit_length())
+      out = []
+      for at in range(0, len(prompts), rows):
+        part = list(prompts[at:at + rows]), list(responses[at:at + rows])
+        filled = len(part[0])
+        part[0].extend([[0] * p] * (rows - filled))  # (the prompts' padded length kept)
+        part[1].extend([[[]]] * (rows - filled))
+        out += self.score_groups(*part, samples, budget)[:filled]
+      return out
     rows = len(prompts)
     p = max(_MIN_PROMPT, 1 << (max(map(len, prompts)) - 1).bit_length())
     batch = {"prompt_tokens": np.zeros((rows, p), np.int32),
@@ -139,8 +150,8 @@ def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer,
                       responses: Sequence[Sequence[Sequence[int]]],
                       weights: Sequence[Sequence[np.ndarray]],
                       stopped: Sequence[Sequence[bool]], samples: int,
-                      observed: Sequence[Sequence[np.ndarray | None] | None] | None = None
-                      ) -> list[list[np.ndarray]]:
+                      observed: Sequence[Sequence[np.ndarray | None] | None] | None = None,
+                      rows: int | None = None) -> list[list[np.ndarray]]:
   """A teacher of another tokenizer's log-probs of each policy token of each group's
   `responses` (teacher.tokenizer, worker.teacher_tokenizer): each response's text,
   tokenized for the teacher after its group's prompt (`prompts`: in the teacher's ids, its
@@ -152,7 +163,7 @@ def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer,
   teacher's log-prob of its own eos there. A multi-turn response's runs of tokens the policy
   drew and of an environment's replies (`observed`: True on the latter) are tokenized for
   the teacher run by run, so no span holds both: the replies' log-probs stay on the
-  replies' tokens, which the loss leaves out."""
+  replies' tokens, which the loss leaves out. `rows`: score_groups' rows a forward pass."""
   from rlax_ps.token_alignment import aligned_chunks, decoded_pieces, spread_over_chunks
   observed = observed or [None] * len(responses)
   pieces, texts, spans = [], [], []  # spans: per response, each run's policy and teacher ends
@@ -168,7 +179,7 @@ def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer,
       texts[-1].append(ids + [teacher_tokenizer.eos_id] * int(stop))
       spans[-1].append(ends)
   budget = max(_MIN_PROMPT, 1 << (max(len(t) for ts in texts for t in ts) - 1).bit_length())
-  scored = teacher.score_groups(prompts, texts, samples, budget)
+  scored = teacher.score_groups(prompts, texts, samples, budget, rows)
   out = []
   for group in zip(stopped, pieces, texts, scored, weights, spans):
     out.append([])

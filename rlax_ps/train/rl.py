@@ -1195,8 +1195,8 @@ class RLTrainer(TrainerRun):
 
   def _retokenized_scores(self, groups: list[Group]) -> list[Group]:
     """`groups` with the teacher's log-probs of each response token (teacher.tokenizer: its
-    log-probs of the responses' text, shared out over the policy's tokens), scored in one
-    forward pass of a packed row a group."""
+    log-probs of the responses' text, shared out over the policy's tokens), scored a packed
+    row a group, in rl.micro_batches forward passes (as the policy's, for its memory)."""
     stop_ids = set(self.loss_cfg.stop_ids)
     most = max(self.shape.samples, *(len(g.responses) for g in groups))
     scores = score_retokenized(
@@ -1204,7 +1204,8 @@ class RLTrainer(TrainerRun):
         [g.teacher_prompt for g in groups], [g.responses for g in groups],
         [g.behaviour_logp for g in groups],
         [[len(r) > 0 and int(r[-1]) in stop_ids for r in g.responses] for g in groups],
-        1 << (most - 1).bit_length(), [g.observed for g in groups])
+        1 << (most - 1).bit_length(), [g.observed for g in groups],
+        rows=-(-len(groups) // self.micro_batches) if self.micro_batches > 1 else None)
     return [dataclasses.replace(g, teacher=tuple((logp, None, None) for logp in s))
             for g, s in zip(groups, scores)]
 

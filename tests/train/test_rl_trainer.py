@@ -819,10 +819,10 @@ def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
 
 def test_a_teacher_of_another_tokenizer_on_the_trainer_scores_each_responses_text(tmp_path):
   """teacher.tokenizer: the trainer's teacher of a byte-level tokenizer scores the text of
-  the step's responses (one forward pass for its groups), as score_retokenized does group by
-  group, and the loss takes it: the reverse KL logged is the fake worker's -1.5 a token less
-  a near-uniform model's log-prob of a byte, about log(257) - 1.5 (its scores missing: -1.5).
-  Refused: top tokens with it, and a folder without a tokenizer."""
+  the step's responses (a forward pass per micro-batch of its groups), as score_retokenized
+  does group by group, and the loss takes it: the reverse KL logged is the fake worker's
+  -1.5 a token less a near-uniform model's log-prob of a byte, about log(257) - 1.5 (its
+  scores missing: -1.5). Refused: top tokens with it, and a folder without a tokenizer."""
   from tokenizer_testlib import save_byte_level_tokenizer
   from flax import nnx
 
@@ -836,7 +836,8 @@ def test_a_teacher_of_another_tokenizer_on_the_trainer_scores_each_responses_tex
   config.eval.num_examples = 0
   config.loss.advantage = "opd"
   config.teacher.path = config.teacher.tokenizer = str(tmp_path / "teacher")
-  logged, scored = [], []
+  config.rl.micro_batches = 2  # the teacher's pass too: 2 groups of the step's 4 at a time
+  logged, scored, passes = [], [], []
   server = start_server(tmp_path / "ps")
   worker = FakeWorker(server.address, samples=4).start()
   try:
@@ -846,6 +847,9 @@ def test_a_teacher_of_another_tokenizer_on_the_trainer_scores_each_responses_tex
       tr._log_step = lambda record, metrics: (logged.append(dict(metrics)),
                                               log_step(record, metrics))
       tr._retokenized_scores = lambda groups: scored.append(retokenized(groups)) or scored[-1]
+      score_groups = tr.teacher.score_groups
+      tr.teacher.score_groups = lambda prompts, *a, **k: (
+          passes.append(len(prompts)), score_groups(prompts, *a, **k))[1]
       step_for = tr._step_for
 
       def spied(batch):  # the step's teacher_logp, as placed on the devices
@@ -861,6 +865,7 @@ def test_a_teacher_of_another_tokenizer_on_the_trainer_scores_each_responses_tex
     worker.stop()
     server.stop(grace=0)
   assert len(logged) == len(scored) == 2
+  assert passes == [4, 2, 2] * 2, passes  # each step's 4 groups, in 2 passes of 2 rows
   for m in logged:
     assert abs(m["teacher_kl"] - (np.log(own.vocab_size) - 1.5)) < 0.5, m["teacher_kl"]
   # A group whose prompt the teacher cannot read (a conversation; it has no chat template)
