@@ -39,9 +39,9 @@ def split_of(task_name: str, prompt: str, heldout_fraction: float) -> str:
 def extract_answer(completion: str) -> str:
   """The answer a completion gives: the text after the prompt's delimiter (when the
   completion repeats the prompt), up to the first eos or newline, without outer spaces."""
-  if ANSWER_DELIMITER in completion:
+  completion = completion.split(EOS_TEXT, 1)[0].split("\n", 1)[0]  # (first: a later
+  if ANSWER_DELIMITER in completion:  # line's "=" is no echo of the prompt)
     completion = completion.split(ANSWER_DELIMITER, 1)[1]
-  completion = completion.split(EOS_TEXT, 1)[0].split("\n", 1)[0]
   return completion.strip()
 
 
@@ -61,7 +61,9 @@ class Task(abc.ABC):
     """One random problem from either split."""
 
   def examples(self, split: str, seed: int, n: int) -> list[Example]:
-    """`n` problems of `split`, the same list for the same (split, seed, n)."""
+    """`n` problems of `split`, the same list for the same (split, seed, n); held out, `n`
+    distinct ones (a short problem drawn again and again weighed as many: '9+4=' was 7% of
+    addition's 200)."""
     if split not in SPLITS:
       raise ValueError(f"{self.name}.examples split: expected one of {SPLITS}, got {split!r}")
     if n < 0:
@@ -69,16 +71,21 @@ class Task(abc.ABC):
     rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, zlib.crc32(self.name.encode()),
                                  SPLITS.index(split)])
     out: list[Example] = []
+    seen: set[str] = set()
+    distinct = split == "heldout"
     tries = 0
     limit = 1000 * (n + 10)
     while len(out) < n:
       ex = self.sample(rng)
-      if split_of(self.name, ex.prompt, self.heldout_fraction) == split:
+      if split_of(self.name, ex.prompt, self.heldout_fraction) == split and not (
+          distinct and ex.prompt in seen):
         out.append(ex)
+        seen.add(ex.prompt)
       tries += 1
       if tries > limit:
-        raise RuntimeError(f"{self.name}: found only {len(out)} of {n} {split} examples in "
-                           f"{tries} draws; the problem space is too small for this split")
+        raise RuntimeError(f"{self.name}: found only {len(out)} of {n} {'distinct ' * distinct}"
+                           f"{split} examples in {tries} draws; the problem space is too "
+                           f"small for this split (eval.num_examples asks {n})")
     return out
 
   def reward(self, target: Example | str, completion: str) -> float:

@@ -24,10 +24,10 @@ class Reversal(Task):
     if not isinstance(max_len, int) or max_len < min_len:
       raise ValueError(f"reversal.max_len: expected an int >= min_len={min_len}, got "
                        f"{max_len!r}")
-    bad = sorted(set(alphabet) & set(ANSWER_DELIMITER + "\n"))
-    if not alphabet or bad:
+    bad = sorted(c for c in set(alphabet) if c == ANSWER_DELIMITER or c.isspace())
+    if not alphabet or bad:  # (spaces: a checker strips an answer's outer ones)
       raise ValueError(f"reversal.alphabet: expected non-empty characters without "
-                       f"{ANSWER_DELIMITER!r} or newline, got {alphabet!r}")
+                       f"{ANSWER_DELIMITER!r} or whitespace, got {alphabet!r}")
     self.min_len, self.max_len, self.alphabet = min_len, max_len, alphabet
 
   def sample(self, rng: np.random.Generator) -> Example:

@@ -48,6 +48,9 @@ def test_reward_is_exact_match():
   assert task.reward(ex, "4") == 0.0
   assert task.reward(ex, "") == 0.0
   assert task.reward(ex, "x=42=42") == 0.0  # Only the text after the first "=" counts.
+  # The first line is the answer: a later line's "=" is no echo of the prompt.
+  assert task.reward(ex, "42\n2+2=4") == 1.0
+  assert task.reward(ex, "4\n1+41=42") == 0.0
 
 
 def test_extract_answer_takes_text_between_delimiter_and_eos():
@@ -60,6 +63,8 @@ def test_bad_task_arguments_name_the_field():
     Addition(min_digits=3, max_digits=2)
   with pytest.raises(ValueError, match="reversal.alphabet"):
     Reversal(alphabet="ab=")
+  with pytest.raises(ValueError, match="reversal.alphabet: .*whitespace"):
+    Reversal(alphabet="ab ")  # an answer's outer spaces would never match
   with pytest.raises(ValueError, match="heldout_fraction"):
     Addition(heldout_fraction=1.5)
   with pytest.raises(ValueError, match="unknown arguments \\['digits'\\]"):
@@ -68,6 +73,17 @@ def test_bad_task_arguments_name_the_field():
     get_task("multiply")
   with pytest.raises(ValueError, match="split"):
     Addition().examples("test", 0, 3)
+
+
+@pytest.mark.parametrize("name", ["addition", "reversal"])
+def test_held_out_problems_are_distinct(name):
+  """Drawn with replacement, short problems came again and again ('9+4=' 14 times in
+  addition's 200): each weighed as many in the held-out rates."""
+  task = get_task(name)
+  heldout = task.examples("heldout", 1234, 200)
+  assert len({e.prompt for e in heldout}) == 200
+  train = task.examples("train", 0, 2000)  # (the training stream may repeat: a distribution)
+  assert len({e.prompt for e in train}) < 2000
 
 
 def test_tiny_problem_space_reports_instead_of_looping():

@@ -82,7 +82,8 @@ def test_rerun_resumes_at_the_final_step(run, capsys):
 
 def test_training_learns_what_an_untrained_model_cannot(tmp_path):
   """The tiny model on short reversals: 300 steps cut the training loss at least 4x and
-  take held-out exact match from the untrained model's (none) to at least 50%."""
+  take held-out exact match (64 distinct problems) from the untrained model's (none) to at
+  least 40%."""
   config = _tiny_config()
   config.tasks.addition.weight = 0.0
   config.tasks.reversal.max_len = 4
@@ -100,7 +101,7 @@ def test_training_learns_what_an_untrained_model_cannot(tmp_path):
     last = trainer.train(progress=False)["loss"]
     trained = trainer.evaluate()["all"]
   assert last < first / 4, (first, last)
-  assert untrained <= 0.05 and trained >= 0.5, (untrained, trained)
+  assert untrained <= 0.05 and trained >= 0.4, (untrained, trained)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP],
