@@ -376,9 +376,10 @@ class PromptRolloutQueues:
         self._compact_after = 0
       except Exception:  # noqa: BLE001 - compaction only saves space: the change is logged
         # and applied, and its caller must hear so (a retry would lease or take again)
-        logging.exception("queues: compacting the write-ahead log failed; it grows on, and "
-                          "compaction is tried again after %d more records",
-                          self.limits.wal_compact_records)
+        logging.exception("queues: compacting the write-ahead log failed; %s",
+                          "the log takes no more changes until a restart" if wal.broken else
+                          f"it grows on, and compaction is tried again after "
+                          f"{self.limits.wal_compact_records} more records")
         self._compact_after = wal.records_since_rewrite + self.limits.wal_compact_records
     self._cond.notify_all()
 

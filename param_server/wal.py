@@ -47,6 +47,8 @@ def read_records(path: str) -> tuple[list[pb.WalRecord], int, int]:
     start, end = pos + _HEADER.size, pos + _HEADER.size + length
     if end > len(data):  # torn: a crash mid-append (a torn length field reads as past the
       break  # end too; a compaction snapshot may be larger than any bound set here)
+    if not length:  # zeros (a tail whose size reached the disk before its data): no record
+      break  # has no bytes, yet crc32 of none is 0
     payload = data[start:end]
     if zlib.crc32(payload) != crc:
       break
@@ -54,6 +56,8 @@ def read_records(path: str) -> tuple[list[pb.WalRecord], int, int]:
     try:
       record.ParseFromString(payload)
     except Exception:  # A crc collision on garbage: treat as torn.
+      break
+    if record.WhichOneof("op") is None:  # likewise: no change a server wrote
       break
     records.append(record)
     pos = end
@@ -85,7 +89,8 @@ class WriteAheadLog:
     self.records_since_rewrite = len(records)
     self._written = 0  # logical positions: never reset, also across rewrites
     self._synced = 0
-    self._broken = ""  # why a torn record is still at the tail (appends are refused)
+    self._broken = ""  # why the log takes no more records (a torn one it could not cut
+    # off, a failed fsync, a rewrite half done): until a restart recovers it
 
   def append(self, record: pb.WalRecord) -> int:
     """Write one record; OSError (e.g. a full disk) leaves the log as it was, ending at its
@@ -94,8 +99,8 @@ class WriteAheadLog:
     blob = encode_record(record)
     with self._lock:
       if self._broken:
-        raise OSError(errno.EIO, f"write-ahead log {self.path}: a failed record could not be "
-                      f"cut off ({self._broken}); restart the server to recover the log")
+        raise OSError(errno.EIO, f"write-ahead log {self.path}: {self._broken}; restart the "
+                      f"server to recover the log")
       written = 0
       try:
         while written < len(blob):  # a write to a nearly full disk may take part of it
@@ -108,12 +113,17 @@ class WriteAheadLog:
           try:
             os.ftruncate(self._file.fileno(), self.bytes)
           except OSError as e:
-            self._broken = str(e)
+            self._broken = f"a failed record could not be cut off ({e})"
         raise
       self.bytes += len(blob)
       self._written += len(blob)
       self.records_since_rewrite += 1
       return self._written
+
+  @property
+  def broken(self) -> bool:
+    """Whether the log refuses records until a restart."""
+    return bool(self._broken)
 
   @property
   def written(self) -> int:
@@ -122,15 +132,25 @@ class WriteAheadLog:
       return self._written
 
   def sync(self, position: int) -> None:
-    """Blocks until everything up to `position` (from `append`) is on disk."""
+    """Blocks until everything up to `position` (from `append`) is on disk. A failed fsync
+    breaks the log for good: the kernel reports it once and may have dropped the pages, so
+    a later fsync's success would acknowledge records that never reached the disk."""
     if not self.fsync or self._synced >= position:
       return
     with self._sync_lock:
       if self._synced >= position:
         return
       with self._lock:
+        if self._broken:
+          raise OSError(errno.EIO, f"write-ahead log {self.path}: {self._broken}; restart "
+                        f"the server to recover the log")
         target, fd = self._written, self._file.fileno()
-      os.fsync(fd)
+      try:
+        os.fsync(fd)
+      except OSError as e:
+        with self._lock:
+          self._broken = f"an fsync failed ({e})"
+        raise
       self._synced = max(self._synced, target)
 
   def rewrite(self, snapshot: pb.WalRecord) -> None:
@@ -143,11 +163,26 @@ class WriteAheadLog:
         f.flush()
         os.fsync(f.fileno())
       os.replace(tmp, self.path)
-      _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
-      self._file.close()
-      self._file = open(self.path, "ab", buffering=0)
+      # From here the log is the new file: appends must go to it, never to the old one,
+      # which is gone from the folder (what was written there would be lost on restart).
+      old = self._file
+      try:
+        self._file = open(self.path, "ab", buffering=0)
+      except OSError as e:
+        self._broken = f"the log was rewritten but could not be opened again ({e})"
+        raise
+      finally:
+        try:
+          old.close()
+        except OSError:
+          pass
       self.bytes = self.base_bytes = len(blob)
       self.records_since_rewrite = 1
+      try:
+        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+      except OSError as e:  # the rename may not last a crash: nothing more is acknowledged
+        self._broken = f"the rewritten log's folder could not be synced ({e})"
+        raise
       self._synced = self._written
 
   def close(self) -> None:

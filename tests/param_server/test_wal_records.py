@@ -116,3 +116,60 @@ def test_a_full_disk_fails_the_append_and_leaves_no_torn_record(tmp_path):
   wal.close()
   records, _, torn = read_records(path)
   assert [r.ack.take_id for r in records] == ["take-0", "take-2", "take-3"] and torn == 0
+
+
+def test_a_zero_filled_tail_is_torn_not_records(tmp_path):
+  """A tail whose size reached the disk before its data reads as zeros: crc32 of no bytes
+  is 0, so each 8 zero bytes passed as an empty record, and the server's replay stopped at
+  'unknown op None' on every start."""
+  path = str(tmp_path / "a.wal")
+  write(path, 2)
+  with open(path, "ab") as f:
+    f.write(bytes(4096))
+  wal = WriteAheadLog(path)
+  assert [r.ack.take_id for r in wal.recovered] == ["take-0", "take-1"]
+  wal.close()
+  assert read_records(path)[2] == 0  # cut off
+
+
+def test_a_rewrite_failing_after_its_rename_loses_nothing_acknowledged(tmp_path, monkeypatch):
+  """The folder's fsync fails once the snapshot replaced the log: appends went on into the
+  old file, gone from the folder, acknowledged and lost on restart. Now the log refuses
+  them until a restart, which recovers every record it acknowledged."""
+  from param_server import wal as wal_lib
+  path = str(tmp_path / "a.wal")
+  wal = WriteAheadLog(path)
+  wal.sync(wal.append(record(0)))
+
+  def eio(_):
+    raise OSError(errno.EIO, "I/O error")
+
+  monkeypatch.setattr(wal_lib, "_fsync_dir", eio)
+  with pytest.raises(OSError):
+    wal.rewrite(pb.WalRecord(snapshot=pb.WalSnapshot()))
+  monkeypatch.undo()
+  with pytest.raises(OSError, match="restart the server"):
+    wal.sync(wal.append(record(1)))
+  wal.close()
+  assert [r.WhichOneof("op") for r in WriteAheadLog(path).recovered] == ["snapshot"]
+
+
+def test_a_failed_fsync_is_never_followed_by_an_acknowledgement(tmp_path, monkeypatch):
+  """Linux reports an fsync error once and may drop the pages: a retried fsync's success
+  acknowledged a record that never reached the disk."""
+  path = str(tmp_path / "a.wal")
+  wal = WriteAheadLog(path)
+  at = wal.append(record(0))
+  real = os.fsync
+
+  def once(fd):
+    monkeypatch.setattr(os, "fsync", real)
+    raise OSError(errno.EIO, "I/O error")
+
+  monkeypatch.setattr(os, "fsync", once)
+  with pytest.raises(OSError, match="I/O error"):
+    wal.sync(at)
+  with pytest.raises(OSError, match="an fsync failed"):
+    wal.sync(at)  # (fsync would succeed now)
+  with pytest.raises(OSError, match="an fsync failed"):
+    wal.append(record(1))
