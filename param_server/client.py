@@ -298,6 +298,9 @@ class ParamServerClient:
     self.max_request_bytes = 0  # 0: not told
     self._options = [("grpc.max_receive_message_length", -1),
                      ("grpc.max_send_message_length", -1), *client_options(dead_after_s)]
+    if tls_server_name and root_certificates is None:
+      raise ValueError(f"tls_server_name: {tls_server_name!r} without root_certificates: "
+                       f"TLS is on only with them (the token would go in clear)")
     if root_certificates is not None:
       if tls_server_name:
         self._options.append(("grpc.ssl_target_name_override", tls_server_name))

@@ -123,6 +123,9 @@ def connect(role: str, token_wait_s: float = 0.0, **client_kwargs):
   blocks its stop signals before any gRPC thread starts."""
   from param_server.client import ParamServerClient
   check_address(ADDRESS.value or DEFAULT_ADDRESS)
+  if TLS_NAME.value and not TLS_CA.value:  # (it was ignored: plaintext, the token in clear)
+    raise app.UsageError(f"--tls_server_name={TLS_NAME.value}: expected with --tls_ca (the "
+                         f"server's certificate or its CA), which turns TLS on; got none")
   root = read_tls_ca(TLS_CA.value) if TLS_CA.value else None
   return ParamServerClient(ADDRESS.value or DEFAULT_ADDRESS,
                            token=token_for(role, TOKEN.value, TOKEN_FILE.value, token_wait_s),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import signal
-import threading
+import time
 
 STOP_LIMIT_S = 30.0  # from the stop signal to the process's exit, whatever its threads do
 
@@ -13,11 +13,11 @@ def wait_for_stop(limit_s: float = STOP_LIMIT_S) -> None:
   """Return on the first SIGINT or SIGTERM (Ctrl-C, a pod's or VM's stop). From then on the
   process exits within `limit_s`: past it, every thread's stack goes to stderr and it exits 1
   (a thread stuck in a call must not keep a stopped server's port and storage lock)."""
-  done = threading.Event()
-  for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda *_: done.set())
+  asked: list[int] = []  # no lock in the handler: it runs on this thread, maybe while the
+  for sig in (signal.SIGINT, signal.SIGTERM):  # wait below holds one (Event.set deadlocked)
+    signal.signal(sig, lambda signum, _: asked.append(signum))
   # Waking every second: a signal the kernel gave another thread (gRPC's) runs its Python
   # handler only once the main thread runs again; a wait with no end would never see it.
-  while not done.is_set():
-    done.wait(1.0)
+  while not asked:
+    time.sleep(1.0)
   faulthandler.dump_traceback_later(limit_s, exit=True)

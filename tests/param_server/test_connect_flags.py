@@ -56,3 +56,24 @@ def test_token_file_errors_name_the_flag_and_path(tmp_path, monkeypatch):
   with pytest.raises(connect_flags.TokenFileError,
                      match=f"--token_file {garbled}: not valid JSON"):
     connect_flags.token_for("worker", None, str(garbled))
+
+
+def test_a_server_name_without_a_certificate_is_refused_not_sent_in_clear():
+  """--tls_server_name alone was ignored: a plaintext channel, the bearer token in clear."""
+  from absl import app, flags
+  from absl.testing import flagsaver
+
+  from param_server.client import ParamServerClient
+  with pytest.raises(ValueError, match="tls_server_name: 'ps.example.com' without "
+                                       "root_certificates"):
+    ParamServerClient("127.0.0.1:1", token="t", tls_server_name="ps.example.com")
+  parsed = flags.FLAGS.is_parsed()
+  flags.FLAGS.mark_as_parsed()
+  try:
+    with flagsaver.flagsaver(tls_server_name="ps.example.com", tls_ca=None, token="t"), \
+         pytest.raises(app.UsageError, match="--tls_server_name=ps.example.com: expected "
+                                             "with --tls_ca"):
+      connect_flags.connect("worker")
+  finally:
+    if not parsed:
+      flags.FLAGS.unparse_flags()

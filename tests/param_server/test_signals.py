@@ -40,3 +40,31 @@ def test_a_stuck_thread_cannot_hold_the_exit_past_the_limit():
   assert done.returncode == 1 and done.stdout == "stopping\n"
   assert done.stderr.startswith("Timeout (0:00:01)!")  # then every thread's stack
   assert "in busy" in done.stderr and "in _shutdown" in done.stderr
+
+
+_DURING_WAIT = textwrap.dedent("""
+    import os, signal, threading, time
+    class Signalled(threading.Event):  # the signal lands while the wait holds its lock
+      def wait(self, timeout=None):
+        with self._cond:
+          os.kill(os.getpid(), signal.SIGTERM)
+          time.sleep(0.05)  # the handler runs here, on this thread
+        return self.is_set()
+    threading.Event = Signalled
+    real_sleep = time.sleep
+    def sleep(s):  # likewise for a wait that sleeps
+      os.kill(os.getpid(), signal.SIGTERM)
+      real_sleep(min(s, 0.05))
+    time.sleep = sleep
+    from param_server.signals import wait_for_stop
+    wait_for_stop(limit_s=30.0)
+    print("stopping", flush=True)
+""")
+
+
+def test_a_signal_that_lands_while_the_wait_holds_a_lock_still_stops_it():
+  """The handler set an Event, taking the lock the main thread's wait held while the
+  handler ran on it: a stop signal at that moment hung the server until SIGKILL."""
+  done = subprocess.run([sys.executable, "-c", _DURING_WAIT], cwd=REPO, capture_output=True,
+                        text=True, timeout=20)
+  assert done.returncode == 0 and done.stdout == "stopping\n", done.stderr
