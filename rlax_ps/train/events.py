@@ -14,24 +14,41 @@ from typing import Any, Sequence
 import numpy as np
 
 
+STEP = "trainer/step"  # W&B's x axis: the trainer's step, logged as a value
+
+
 class Events:
-  """TensorBoard events in `directory`, mirrored to `wandb_run` (None: TensorBoard alone)."""
+  """TensorBoard events in `directory`, mirrored to `wandb_run` (None: TensorBoard alone).
+  W&B plots every value against STEP, logged with it, not as its own step: W&B drops a
+  value logged at a step below its last one (a held-out round finished steps after the
+  step it evaluated, the steps a restart does again)."""
 
   def __init__(self, directory: str, wandb_run: Any = None):
     from tensorboardX import SummaryWriter
     self.tb = SummaryWriter(directory, flush_secs=10)
     self.wandb_run = wandb_run
+    self._row_step: int | None = None  # the step of the W&B row being filled
+    if wandb_run is not None:
+      wandb_run.define_metric(STEP)
+      wandb_run.define_metric("*", step_metric=STEP)
+
+  def _wandb_log(self, values: dict[str, Any], step: int) -> None:
+    """`values` into the W&B row of `step` (a row is written once another step comes)."""
+    if self._row_step is not None and self._row_step != int(step):
+      self.wandb_run.log({}, commit=True)
+    self.wandb_run.log({**values, STEP: int(step)}, commit=False)
+    self._row_step = int(step)
 
   def add_scalar(self, tag: str, value: float, step: int) -> None:
     self.tb.add_scalar(tag, value, step)
     if self.wandb_run is not None:
-      self.wandb_run.log({tag: float(value)}, step=int(step))
+      self._wandb_log({tag: float(value)}, step)
 
   def add_histogram(self, tag: str, values, step: int) -> None:
     self.tb.add_histogram(tag, values, step)
     if self.wandb_run is not None:
       import wandb
-      self.wandb_run.log({tag: wandb.Histogram(np.asarray(values))}, step=int(step))
+      self._wandb_log({tag: wandb.Histogram(np.asarray(values))}, step)
 
   def add_table(self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                 step: int) -> None:
@@ -39,13 +56,17 @@ class Events:
     self.tb.add_text(tag, markdown_table(columns, rows), step)
     if self.wandb_run is not None:
       import wandb
-      self.wandb_run.log({tag: wandb.Table(columns=list(columns), data=[list(r) for r in rows])},
-                         step=int(step))
+      self._wandb_log({tag: wandb.Table(columns=list(columns),
+                                        data=[list(r) for r in rows])}, step)
 
   def flush(self) -> None:
     self.tb.flush()
+    if self.wandb_run is not None and self._row_step is not None:
+      self.wandb_run.log({}, commit=True)
+      self._row_step = None
 
   def close(self) -> None:
+    self.flush()
     self.tb.close()
     if self.wandb_run is not None:
       self.wandb_run.finish()

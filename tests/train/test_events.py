@@ -76,12 +76,16 @@ def test_scalars_and_histograms_reach_tensorboard_and_the_wandb_run(tmp_path):
   events.add_scalar("train/loss", 2.0, 1)
   events.add_histogram("rollouts/staleness", [0, 1, 1], 1)
   events.add_scalar("rollouts/reward_mean", 0.5, 2)
+  events.add_scalar("eval/exact_match/all", 0.75, 1)  # a round that evaluated step 1
   events.close()
   assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
   (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*-rl-1234"))
   rows = _history(run_dir)
-  assert [(r["_step"], r.get("rollouts/reward_mean"), r.get("train/loss")) for r in rows] == [
-      ("1", "0.25", "2"), ("2", "0.5", None)]
+  # Each row holds the trainer's step as the x value, a late one too (W&B dropped a value
+  # logged at a step below its last).
+  assert [(r["trainer/step"], r.get("rollouts/reward_mean"), r.get("train/loss"),
+           r.get("eval/exact_match/all")) for r in rows] == [
+      ("1", "0.25", "2", None), ("2", "0.5", None, None), ("1", None, None, "0.75")]
   assert rows[0]["rollouts/staleness/_type"] == '"histogram"'
   (meta,) = [r.run for r in _finished(run_dir) if r.WhichOneof("record_type") == "run"]
   assert (meta.run_id, meta.project) == ("rl-1234", "p")
@@ -161,7 +165,7 @@ def test_a_table_reaches_tensorboards_text_tab_and_the_wandb_run(tmp_path):
       "| 1+1= | 3 | 0 |")]  # a completion's pipe and line break stay in its cell
   (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*-rl-5678"))
   (row,) = _history(run_dir)
-  assert row["_step"] == "4" and row["rollouts/completions/_type"] == '"table-file"'
+  assert row["trainer/step"] == "4" and row["rollouts/completions/_type"] == '"table-file"'
   with open(os.path.join(run_dir, "files", json.loads(row["rollouts/completions/path"]))) as f:
     assert json.load(f) == {"columns": ["prompt", "completion", "reward"],
                             "data": [["1+1=", "2 | x\ny", 1.0], ["1+1=", "3", 0.0]]}
