@@ -101,6 +101,23 @@ def open_jsonl(path: str):
   return f
 
 
+def open_steps_jsonl(path: str, after_step: int):
+  """open_jsonl of a trainer's per-step log, resuming after `after_step` (its checkpoint's):
+  the lines of steps past it, which a kill undid and the run does again, are dropped first
+  (atomically), so each step has one line, the one its checkpointed state went on from."""
+  records = read_jsonl(path)
+  if any(int(r.get("step", 0)) > after_step for r in records):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      for r in records:
+        if int(r.get("step", 0)) <= after_step:
+          f.write(json.dumps(r) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  return open_jsonl(path)
+
+
 def read_jsonl(path: str) -> list[dict[str, Any]]:
   """The records of a JSON-lines log, a line a kill tore left out ([] without the file)."""
   records = []

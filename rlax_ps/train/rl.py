@@ -53,7 +53,7 @@ from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, adapt_kl_coef,
   ref_sync_settings, reference_logprobs, response_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
-from rlax_ps.train.events import open_jsonl, read_jsonl
+from rlax_ps.train.events import open_jsonl, open_steps_jsonl, read_jsonl
 from rlax_ps.train.run import STOP_SIGNALS, TrainerRun, data_source, open_checkpointer
 from rlax_ps.train.critic import Critic
 from rlax_ps.train.state import (TrainState, abstract_model, hf_params, restore_or_init,
@@ -862,7 +862,8 @@ class RLTrainer(TrainerRun):
         self.log_eval(self.warm_start_eval, self.step)
     start_step = self.step
     rate = StepRate()  # from here: the warm start's evaluation is not sampling time
-    steps_log = open_jsonl(os.path.join(self.workdir, "steps.jsonl")) if self.leader else None
+    steps_log = (open_steps_jsonl(os.path.join(self.workdir, "steps.jsonl"), self.step)
+                 if self.leader else None)
     try:
       while True:
         go = (self.step < self.total_steps and not self._stop.is_set()

@@ -170,3 +170,18 @@ def test_a_table_reaches_tensorboards_text_tab_and_the_wandb_run(tmp_path):
     assert json.load(f) == {"columns": ["prompt", "completion", "reward"],
                             "data": [["1+1=", "2 | x\ny", 1.0], ["1+1=", "3", 0.0]]}
   NoEvents().add_table("rollouts/completions", ("a",), [[1]], 4)  # not process 0: nothing
+
+
+def test_a_resumed_runs_step_log_drops_the_lines_of_steps_it_does_again(tmp_path):
+  """A kill -9 after step 5's line and before its checkpoint (at 3): the rerun does steps 4
+  and 5 again, so their first lines go (each step then has one line), torn line and all."""
+  from rlax_ps.train.events import open_steps_jsonl, read_jsonl
+  path = str(tmp_path / "steps.jsonl")
+  with open(path, "w") as f:
+    f.write("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"st')
+  with open_steps_jsonl(path, 3) as f:
+    f.write(json.dumps({"step": 4, "x": 40}) + "\n")
+  assert [(r["step"], r["x"]) for r in read_jsonl(path)] == [(1, 1), (2, 2), (3, 3), (4, 40)]
+  with open_steps_jsonl(path, 4) as f:  # nothing past the checkpoint: kept as it is
+    pass
+  assert len(read_jsonl(path)) == 4 and not os.path.exists(path + ".tmp")

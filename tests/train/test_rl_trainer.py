@@ -600,6 +600,8 @@ def test_summary_reports_warm_start_and_final_evaluation(run):
 def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
   config = _config(steps=5)
   _adaptive_entropy(config)
+  with open(run["tmp"] / "rl" / "steps.jsonl", "a") as f:  # a step 5 a kill -9 undid
+    f.write(json.dumps({"step": 5, "version": 99, "rollout_ids": [-1]}) + "\n")
   worker = FakeWorker(run["server"].address, samples=4, seed=1).start()  # no reward parts
   try:
     with client(run["server"].address, "trainer") as tc, \
@@ -608,7 +610,7 @@ def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
       # The reward parts' run totals, as the first run left them (16 groups of 4 samples).
       assert tr.reward_parts_malformed == 16
       assert tr.reward_parts_totals == {"task": [32.0, 64], "think_format": [16.0, 64]}
-      before = _lines(run["tmp"] / "rl" / "steps.jsonl")[-1]
+      before = _lines(run["tmp"] / "rl" / "steps.jsonl")[-2]  # step 4's
       assert (tr.entropy_coef, tr.last_entropy) == (before["entropy_coef"], before["entropy"])
       summary = tr.train()
   finally:
@@ -617,6 +619,7 @@ def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
   assert [v["version"] for v in versions] == [0, 1, 2, 3, 4, 5, 6]
   assert versions[5]["keyframe"] and versions[5]["step"] == 4
   steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
+  assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]  # the undone step's line dropped
   assert steps[-1]["step"] == 5 and steps[-1]["version"] == 6
   assert steps[-1]["entropy_coef"] == pytest.approx(0.035)  # on from the restored 0.03
   # Counted since the run began: 16 before the restart, and one for each group left queued
