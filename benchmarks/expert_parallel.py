@@ -1,6 +1,7 @@
-"""Expert parallelism: the bytes one device sends and receives in collectives for one MoE
-layer's forward and backward, experts split along their matrices over fsdp (each layer
-gathers every expert's weights) against whole experts per device (`model.expert_parallel`:
+"""Expert parallelism: the result bytes of the collectives one device takes part in for
+one MoE layer's forward and backward (what each op leaves on the device: not its ring
+traffic), experts split along their matrices over fsdp (the sorted rows replicated, their
+partial products all-reduced) against whole experts per device (`model.expert_parallel`:
 the group's tokens gathered, the outputs reduce-scattered back), in one run.
 
     .venv/bin/python benchmarks/expert_parallel.py                 # Qwen3-30B-A3B's layer

@@ -35,7 +35,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from rlax_ps.config_files import load  # noqa: E402
+from rlax_ps.config_files import load, run_config_changes  # noqa: E402
 
 
 def run_rl(workdir: str, recipe: str, warm: str, *extra: str) -> dict:
@@ -58,11 +58,11 @@ def run_sft_more(sft_dir: str, workdir: str, seconds: float, pass_k: int) -> dic
     shutil.rmtree(workdir)
   shutil.copytree(sft_dir, workdir)
   config = load(os.path.join(REPO, "configs", "sft_tiny.py"))
-  start_step = int(config.train.steps)
-  config.train.steps = start_step + 100_000
+  config.train.steps = int(config.train.steps) + 100_000
   config.checkpoint.every_steps = 0
   t0 = time.time()
   with SFTTrainer(config, workdir) as trainer:
+    start_step = trainer.step  # the warm start's, as restored
     trainer.config.train.log_every = 1_000_000
     while time.time() - t0 < seconds:
       trainer.train(until=trainer.step + 50, progress=False)
@@ -121,6 +121,11 @@ def main() -> None:
   seconds = 60.0 * args.minutes
   sft_dir = os.path.join(args.workdir, "sft")
   warm = os.path.join(sft_dir, "hf")
+  changes = run_config_changes(sft_dir, load(os.path.join(REPO, "configs", "sft_tiny.py")))
+  if changes:  # a warm start of another config (an older run's): trained anew
+    print(f"warm start in {sft_dir} was trained with another config ({'; '.join(changes[:3])}"
+          f"): training it anew", flush=True)
+    shutil.rmtree(sft_dir)
   if not os.path.exists(os.path.join(sft_dir, "summary.json")):
     subprocess.run([sys.executable, "-m", "rlax_ps", "sft", "--config=configs/sft_tiny.py",
                     f"--workdir={sft_dir}", "--progress=false"], check=True, cwd=REPO)

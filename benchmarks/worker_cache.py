@@ -92,9 +92,9 @@ def cache_bytes_per_token_layer(config, kv_dtype: str, heads: int | None = None)
 
 
 def decompressed_bytes_per_token_layer(config, kv_dtype: str) -> int:
-  """The same for per-head keys and values of the q/k width (num_heads of each), as held
-  before the latent cache."""
-  values = 2 * config.num_heads * config.head_dim
+  """The same for per-head keys (the q/k width) and values (v_head_dim wide), num_heads of
+  each: a decompressed cache as an engine that does not pad the values holds it."""
+  values = config.num_heads * (config.head_dim + (config.v_head_dim or config.head_dim))
   scales = 2 * config.num_heads * 4 if kv_dtype in ("int8", "float8_e4m3fn") else 0
   return values * jnp.dtype(kv_dtype).itemsize + scales
 
