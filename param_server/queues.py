@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import itertools
 import math
 import threading
 import time
@@ -621,7 +622,10 @@ class PromptRolloutQueues:
       raise errors.InvalidArgument("wait_s", f"expected in [0, {self.limits.max_wait_s}], got {wait_s}")
 
   @_durable
-  def lease(self, worker_id: str, n: int, deadline_s: float, wait_s: float = 0.0) -> pb.Lease:
+  def lease(self, worker_id: str, n: int, deadline_s: float, wait_s: float = 0.0,
+            max_bytes: int = 8 << 20) -> pb.Lease:
+    """Up to `n` queued prompts (about `max_bytes` of them with the partial samples they
+    carry; one at least) leased to `worker_id` until `deadline_s` from now."""
     if not worker_id:
       raise errors.InvalidArgument("worker_id", "expected a worker id, got ''")
     check_id_length("worker_id", worker_id)
@@ -634,7 +638,12 @@ class PromptRolloutQueues:
       self._wait(lambda: bool(self.queue), wait_s)
       if not self.queue:
         return pb.Lease(worker_id=worker_id)
-      ids = list(self.queue)[:n]
+      ids, size = [], 0
+      for pid in itertools.islice(self.queue, n):  # (a reply past the server's send limit
+        size += self.prompts[pid].ByteSize()  # failed, its prompts leased to no one, again
+        if ids and size > max_bytes:  # at each deadline: partial samples grow unbounded)
+          break
+        ids.append(pid)
       lease_id = uuid.uuid4().hex
       deadline = self._clock() + deadline_s
       self._commit(pb.WalRecord(lease=pb.WalLease(

@@ -425,7 +425,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     _finite("deadline_s", request.deadline_s)
     _finite("wait_s", request.wait_s)
     self._touch(request.worker_id)
-    lease = self.queues.lease(request.worker_id, request.n, request.deadline_s, request.wait_s)
+    lease = self.queues.lease(request.worker_id, request.n, request.deadline_s, request.wait_s,
+                              max_bytes=self.config.max_message_bytes // 2)
     self._touch(request.worker_id)  # a lease made after a long poll is not a silent worker's
     lease.latest_version = self._latest()
     lease.staleness_floor = self.queues.staleness_floor

@@ -416,6 +416,20 @@ def test_a_retried_release_with_partial_rollouts_is_answered_as_the_first(queues
   assert list(queues.lease("w2", 2, 10.0).prompts[0].partial) == list(begun[0].samples)
 
 
+def test_a_lease_reply_holds_about_max_bytes_of_prompts_and_one_at_least(tmp_path, clock):
+  """Prompts carrying large partial samples: a lease of all of them made a reply past the
+  server's send limit, which failed, its prompts leased to no worker until the deadline,
+  and again at every later lease."""
+  q = make_queues(tmp_path, clock)
+  big = [pb.Prompt(id=f"b{i}", text="x" * 5000, token_ids=[1], task="t") for i in range(3)]
+  q.enqueue(big)
+  first = q.lease("w1", 3, 10.0, max_bytes=8000)
+  assert [p.id for p in first.prompts] == ["b0"]
+  assert [p.id for p in q.lease("w1", 3, 10.0, max_bytes=100).prompts] == ["b1"]  # one at least
+  assert [p.id for p in q.lease("w1", 3, 10.0).prompts] == ["b2"]
+  q.close()
+
+
 def test_a_failed_compaction_leaves_the_change_done_and_said_done(tmp_path, clock,
                                                                   monkeypatch):
   """Compacting the log (a snapshot written over it) fails, a full disk: the change whose
