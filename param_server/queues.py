@@ -857,7 +857,9 @@ class PromptRolloutQueues:
     with self._lock:
       if take_id in self.acked_takes:
         return self.acked_takes[take_id]
-      self.expire_due()
+      # A take still held is acked, its deadline past or not: the reaper had not requeued
+      # it, and its groups were trained on (expiring it first made the ack NotFound, and
+      # its groups came back to be dropped as stale, their prompts sampled again).
       if take_id not in self.takes:
         raise errors.NotFound("take_id", f"no unacknowledged take {take_id!r} (unknown, or its ack deadline "
                               "passed and its rollouts were queued again)")

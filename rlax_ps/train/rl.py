@@ -50,7 +50,7 @@ from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check
                                      prompt_limit)
 from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, adapt_kl_coef, \
   entropy_bonus_coef, logged_advantages, micro_batched_loss_and_grad, needs_reference, \
-  ref_sync_settings, reference_logprobs, response_logprobs, rl_loss
+  ref_sync_settings, reference_logprobs, rl_loss
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
 from rlax_ps.train.events import open_jsonl, open_steps_jsonl, read_jsonl
@@ -117,9 +117,10 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
       ref_logp = reference_logprobs(ref_params, graphdef, batch, loss_cfg, micro_batches)
     if updates_per_batch == 1:
       return update(state, batch, ref_logp, None, entropy_coef, kl_beta)
+    # (a pass of rl.micro_batches slices, as the reference's: the whole batch's logits at
+    # once ran out of the memory the micro-batches were set to keep)
     proximal = jax.lax.stop_gradient(
-        response_logprobs(state.params, graphdef, batch, loss_cfg.backend,
-                          logits_chunk=loss_cfg.logits_chunk))
+        reference_logprobs(state.params, graphdef, batch, loss_cfg, micro_batches))
     final, metrics = jax.lax.scan(
         lambda st, _: update(st, batch, ref_logp, proximal, entropy_coef, kl_beta), state,
         None, length=updates_per_batch)
@@ -283,7 +284,7 @@ class StepRate:
 # malformed reward part values skipped, and servers met that had lost what they held.
 COUNTS = ("dropped_stale", "rejected", "filtered", "filled", "came_back",
           "reward_parts_malformed", "servers_lost")
-ENQUEUE_BATCH = 1024  # prompts per call when a server that lost them is fed them again
+ENQUEUE_BATCH = 1024  # prompts per enqueue call
 
 
 class RLTrainer(TrainerRun):
@@ -538,6 +539,9 @@ class RLTrainer(TrainerRun):
         "resumed_samples": self.resumed_samples,
         "version": self.version,
         "pending_takes": [dataclasses.asdict(t) for t in self.pending],
+        # groups trained on whose take the server requeued (its ack came too late): a rerun
+        # from this checkpoint skips them too when they come back
+        "skip_ids": sorted(self.skip_ids),
         "server_store": self.store_id,
         "outstanding": sorted(self.outstanding.values()),
         "eval_rounds": self._saved_eval_rounds(),
@@ -560,6 +564,9 @@ class RLTrainer(TrainerRun):
     return saved
 
   def _load_metadata(self, saved: dict[str, Any]) -> None:
+    # A run resumed elsewhere (another machine, a moved workdir) keeps its id: first, as
+    # the ids of its outstanding prompts below are made of it.
+    self.run_id = self.publisher.run = str(saved.get("run_id", self.run_id))
     if self.new_source:  # data.allow_new_source: its first record, numbered on (ids unique)
       self.feed.number_from(int(saved["data"]["position"]))
     else:
@@ -593,8 +600,7 @@ class RLTrainer(TrainerRun):
                       "coefficient (written without loss.adaptive_entropy, or by an older "
                       "rlax-ps); it starts at loss.entropy_coef=%g", int(saved["step"]),
                       self.loss_cfg.entropy_coef)
-    # A run resumed elsewhere (another machine, a moved workdir) keeps its id.
-    self.run_id = self.publisher.run = str(saved.get("run_id", self.run_id))
+    self.skip_ids = {int(i) for i in saved.get("skip_ids", [])}
 
   def counts(self) -> dict[str, int]:
     """The run's totals the summary reports beside rollout_groups_trained: kept in the
@@ -1002,7 +1008,8 @@ class RLTrainer(TrainerRun):
                           "its records again")
       prompts.append(self._prompt(index, rec))
       self.outstanding[prompts[-1].id] = (index, int(rec["record"]))
-    self.client.enqueue_prompts(prompts)
+    for i in range(0, len(prompts), ENQUEUE_BATCH):  # (a server takes at most 10,000 a call)
+      self.client.enqueue_prompts(prompts[i:i + ENQUEUE_BATCH])
 
   def _prompt_id(self, index: int) -> str:
     return f"{self.run_id}-{index}"

@@ -416,6 +416,21 @@ def test_a_retried_release_with_partial_rollouts_is_answered_as_the_first(queues
   assert list(queues.lease("w2", 2, 10.0).prompts[0].partial) == list(begun[0].samples)
 
 
+def test_an_ack_past_its_deadline_before_the_reaper_ran_still_acks(tmp_path, clock):
+  """The take was still held (no reaper tick since its deadline): the ack expired it first
+  and answered NotFound, and its trained groups came back to the queue."""
+  q = make_queues(tmp_path, clock)
+  q.enqueue(prompts("a"))
+  lease = q.lease("w1", 1, 60.0)
+  q.submit(lease.lease_id, "w1", group("a"))
+  take = q.take(0, 1, 0.0, 10.0)
+  clock.t += 11.0
+  assert q.ack(take.take_id) == 1
+  q.expire_due()
+  assert q.depths()["rollouts_ready"] == 0 and q.depths()["takes_requeued"] == 0
+  q.close()
+
+
 def test_a_lease_reply_holds_about_max_bytes_of_prompts_and_one_at_least(tmp_path, clock):
   """Prompts carrying large partial samples: a lease of all of them made a reply past the
   server's send limit, which failed, its prompts leased to no worker until the deadline,

@@ -1206,3 +1206,33 @@ def test_updates_with_non_finite_gradients_are_skipped_and_too_many_stop_the_run
   for name, value in kept.items():  # step 1's weights, kept since
     np.testing.assert_array_equal(value, params[name], name)
   assert "step 2: the update was skipped: its gradients are not finite" in caplog.text
+
+
+def test_a_checkpoint_keeps_the_skipped_groups_and_the_run_id_of_its_prompts(tmp_path,
+                                                                             monkeypatch):
+  """The groups of a take whose ack came too late (the server requeued them; they were
+  trained on) were skipped only by the process that saw it: a rerun from its checkpoint
+  trained them again. A run resumed in a moved workdir keyed its outstanding prompts by
+  the new folder's id, so none ever matched the prompts the server held. Prompts go to the
+  server in calls of ENQUEUE_BATCH (one call of everything was refused past 10,000)."""
+  from rlax_ps.train import rl as rl_lib
+  with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+    tr.skip_ids = {3, 9}
+    saved = json.loads(json.dumps(tr.metadata()))
+    saved["run_id"], saved["outstanding"] = "moved-run", [[7, 2]]
+    tr.skip_ids = set()
+    tr._load_metadata(saved)
+    assert tr.skip_ids == {3, 9}
+    assert tr.outstanding == {"moved-run-7": (7, 2)} and tr.publisher.run == "moved-run"
+
+    class Recording:
+      calls = []
+
+      def enqueue_prompts(self, prompts):
+        self.calls.append(len(prompts))
+
+    monkeypatch.setattr(rl_lib, "ENQUEUE_BATCH", 3)
+    tr.client, tr.consumed = Recording(), tr.feed.position - tr.retired
+    want = 8 + tr.shape.groups * tr.max_staleness + 1  # (one more: a last short call)
+    tr._feed_prompts(want=want - tr.shape.groups * tr.max_staleness)
+    assert Recording.calls == [3] * (want // 3) + [want % 3], Recording.calls
