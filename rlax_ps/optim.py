@@ -140,16 +140,23 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg, total_steps: int, updates_per_step: int = 1
+                   ) -> optax.GradientTransformation:
   """AdamW(schedule) after optional global-norm clipping, as the config says, skipping any
   update whose gradients are not all finite (optax.apply_if_finite, which never gives up:
-  `check_finite_updates` stops the run instead, before a NaN reaches the weights)."""
+  `check_finite_updates` stops the run instead, before a NaN reaches the weights).
+  `updates_per_step` (rl.updates_per_batch): optimizer updates a step takes, which share
+  the step's learning rate (the schedule counts steps, as its fields do: it ran that many
+  times too fast)."""
   check_optimizer_config(cfg, total_steps)
+  schedule = learning_rate_schedule(cfg, total_steps)
+  if updates_per_step > 1:
+    schedule = lambda count, per=updates_per_step, of_step=schedule: of_step(count // per)  # noqa: E731
   parts = []
   if _get(cfg, "clip_norm") > 0:
     parts.append(optax.clip_by_global_norm(float(_get(cfg, "clip_norm"))))
   parts.append(optax.adamw(
-      learning_rate=learning_rate_schedule(cfg, total_steps), b1=float(_get(cfg, "b1")),
+      learning_rate=schedule, b1=float(_get(cfg, "b1")),
       b2=float(_get(cfg, "b2")), eps=float(_get(cfg, "eps")),
       weight_decay=float(_get(cfg, "weight_decay")), mask=decay_mask))
   return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=_NEVER)

@@ -155,7 +155,7 @@ class Critic:
     self.value_clip = d.get("value_clip", 0.5)
     self.warmup_steps = d.get("warmup_steps", 0)  # the first steps: the critic's alone
     self.optimizer_config = d.get("optimizer") or {}
-    self.optimizer = optim.make_optimizer(self.optimizer_config, total_steps)
+    self.optimizer = optim.make_optimizer(self.optimizer_config, total_steps, updates_per_batch)
     self.schedule = optim.learning_rate_schedule(d.get("optimizer") or {}, total_steps)
     self.mesh, self.loss_cfg, self.micro = mesh, loss_cfg, micro_batches
     model = nnx.eval_shape(lambda: ValueModel(self.config, rngs=nnx.Rngs(0)))
@@ -296,8 +296,9 @@ class Critic:
       else:
         final, metrics = jax.lax.scan(lambda st, _: one_update(st, base, batch), state, None,
                                       length=updates)
-        state = final.replace(step=state.step + 1)  # batches, as the policy's step counts
         metrics = jax.tree.map(lambda m: m.mean(0), metrics)
+        metrics["lr"] = self.schedule(state.step)  # the step's, which its updates share
+        state = final.replace(step=state.step + 1)  # batches, as the policy's step counts
       metrics = {"vf_loss": metrics["vf_loss"], "vf_clipfrac": metrics["vf_clipfrac"],
                  "critic_grad_norm": metrics["grad_norm"], "critic_lr": metrics["lr"],
                  **{"critic_" + k: v for k, v in optim.skip_counts(state.opt_state).items()},

@@ -126,6 +126,8 @@ def make_rl_step(graphdef, optimizer, state_shardings: TrainState, mesh, *, num_
         None, length=updates_per_batch)
     metrics = jax.tree.map(lambda m: m.mean(0), metrics)
     metrics.update(optim.skip_counts(final.opt_state))  # the last update's, not a mean
+    if schedule is not None:  # the step's: its updates share it (not the mean of the steps
+      metrics["lr"] = schedule(state.step)  # the scan counted through)
     return final.replace(step=state.step + 1), metrics
 
   return jit_step(step, state_shardings, mesh)
@@ -358,7 +360,7 @@ class RLTrainer(TrainerRun):
     latest = self.checkpointer.latest_metadata()
     self.new_source = self.check_data_source(  # True: fed from its start (_load_metadata)
         latest, recorded, NEW_SOURCE_FED)
-    self.build_optimizer(latest, "rl.steps")
+    self.build_optimizer(latest, "rl.steps", int(rl.get("updates_per_batch", 1)))
     self.critic = None  # loss.advantage="gae": PPO's critic beside the policy
     if self.loss_cfg.advantage == "gae":
       self.critic = Critic(self.model_config, config.get("critic") or {}, self.mesh,

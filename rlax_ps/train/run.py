@@ -286,14 +286,15 @@ class TrainerRun:
       logging.warning("%s", line)
     return line is not None
 
-  def build_optimizer(self, saved: dict[str, Any] | None, steps_field: str) -> None:
+  def build_optimizer(self, saved: dict[str, Any] | None, steps_field: str,
+                      updates_per_step: int = 1) -> None:
     """The optimizer and its lr schedule over total_steps (`steps_field`); resuming from the
     checkpoint of metadata `saved`, its schedule goes on as optim.resumed_optimizer_config
     says, and a log line says what changes."""
     cfg, line = resumed_optimizer(self.config.optimizer, self.total_steps, saved, steps_field)
     if line and self.leader:
       logging.warning("%s", line)
-    self.optimizer = optim.make_optimizer(cfg, self.total_steps)
+    self.optimizer = optim.make_optimizer(cfg, self.total_steps, updates_per_step)
     self.schedule = optim.learning_rate_schedule(cfg, self.total_steps)
     self.schedule_settings = optim.schedule_settings(cfg, self.total_steps)  # checkpointed
 

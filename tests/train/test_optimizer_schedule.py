@@ -113,3 +113,17 @@ def test_micro_batches_interleave_rows():
   np.testing.assert_array_equal(np.asarray(micro), [[0, 2, 4, 6], [1, 3, 5, 7]])
   with pytest.raises(ValueError, match="grad_accum_steps=3"):
     split_micro_batches({"x": x}, 3)
+
+
+def test_the_updates_of_one_step_share_its_learning_rate():
+  """rl.updates_per_batch=3: the schedule counts steps, as warmup_steps and decay_steps do;
+  counting updates it warmed up and decayed three times too fast."""
+  cfg = {"lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.0, "clip_norm": 0.0,
+         "weight_decay": 0.0, "b1": 0.0, "b2": 0.0, "eps": 1e-12}
+  per_step = optim.learning_rate_schedule(cfg, 10)
+  tx = optim.make_optimizer(cfg, 10, updates_per_step=3)
+  params = {"w": jnp.zeros(())}
+  state = tx.init(params)
+  for count in range(9):  # sign-like Adam (b1=b2=0): each update moves by the lr applied
+    updates, state = tx.update({"w": jnp.ones(())}, state, params)
+    assert float(-updates["w"]) == pytest.approx(float(per_step(count // 3)), rel=1e-5), count

@@ -562,7 +562,9 @@ def test_bias_corrected_kl_is_each_tokens_kl_times_its_ratio_to_the_behaviour_po
 
 def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypatch):
   """Three PPO updates on a batch count one step, and later ones clip; with a KL term the
-  frozen reference's forward runs once for the batch, not once an update."""
+  frozen reference's forward runs once for the batch, not once an update (and the proximal
+  log-probs' once, the same sliced pass over the policy); the lr logged is the step's,
+  which its three updates share."""
   from rlax_ps import optim, sharding
   from rlax_ps.train import rl, rl_loss as rl_loss_module
   from rlax_ps.train.rl_loss import response_logprobs
@@ -580,7 +582,9 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
   model_cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
                           num_heads=2, num_kv_heads=1, max_position_embeddings=32)
   mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  opt = optim.make_optimizer({"lr": 0.05, "warmup_steps": 0, "min_lr_ratio": 1.0}, 10)
+  opt_cfg = {"lr": 0.05, "warmup_steps": 0, "min_lr_ratio": 0.1}  # (lr decays each step)
+  opt = optim.make_optimizer(opt_cfg, 10, updates_per_step=3)
+  schedule = optim.learning_rate_schedule(opt_cfg, 10)
   cfg = LossConfig(backend="xla", kl_coef=0.01)
   state, shardings, graphdef = sharded_init(model_cfg, opt, mesh, seed=0)
   ref, _, _ = sharded_init(model_cfg, opt, mesh, seed=1)
@@ -590,12 +594,13 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
   batch["behaviour_logp"] = jax.jit(lambda p: response_logprobs(p, graphdef, batch, "xla"))(
       state.params).reshape(batch["behaviour_logp"].shape)  # one compile, not one per op
   step = rl.make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg,
-                         updates_per_batch=3)
+                         updates_per_batch=3, schedule=schedule)
   three, metrics = step(state, batch, ref.params)
   jax.effects_barrier()
   assert int(three.step) == 1  # the state counts batches
   assert float(metrics["clip_frac"]) > 0.0  # later updates move past the clip and are bounded
-  assert len(runs) == 1 and float(metrics["kl_ref"]) > 0
+  assert len(runs) == 2 and float(metrics["kl_ref"]) > 0  # the reference's, the proximal's
+  assert float(metrics["lr"]) == pytest.approx(float(schedule(0)))  # step 0's, not a mean
   with pytest.raises(ValueError, match="rl.updates_per_batch"):
     rl.make_rl_step(graphdef, opt, shardings, mesh, num_groups=2, loss_cfg=cfg,
                     updates_per_batch=0)
