@@ -16,8 +16,8 @@ def wait_for_stop(limit_s: float = STOP_LIMIT_S) -> None:
   asked: list[int] = []  # no lock in the handler: it runs on this thread, maybe while the
   for sig in (signal.SIGINT, signal.SIGTERM):  # wait below holds one (Event.set deadlocked)
     signal.signal(sig, lambda signum, _: asked.append(signum))
-  # Waking every second: a signal the kernel gave another thread (gRPC's) runs its Python
-  # handler only once the main thread runs again; a wait with no end would never see it.
+  # Waking often: a signal the kernel gave another thread (gRPC's) runs its Python handler
+  # only once the main thread runs again, and a sleep goes on after a handler (PEP 475).
   while not asked:
-    time.sleep(1.0)
+    time.sleep(0.1)
   faulthandler.dump_traceback_later(limit_s, exit=True)

@@ -245,7 +245,8 @@ def test_a_stopped_or_killed_run_leaves_no_child_running(signum, run, tmp_path):
     assert proc.returncode == 128 + signum and "terminated; children stopped" in err
 
   def children():  # server, trainer, workers: their command lines name the workdir
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True,  # (untruncated)
+                        text=True).stdout
     return [line for line in ps.splitlines() if str(tmp_path) in line]
 
   deadline = time.monotonic() + 120
