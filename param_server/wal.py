@@ -9,6 +9,7 @@ one snapshot record atomically (temp file, fsync, rename, fsync of the folder).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import struct
@@ -172,10 +173,8 @@ class WriteAheadLog:
         self._broken = f"the log was rewritten but could not be opened again ({e})"
         raise
       finally:
-        try:
+        with contextlib.suppress(OSError):  # (its writes are all in the snapshot)
           old.close()
-        except OSError:
-          pass
       self.bytes = self.base_bytes = len(blob)
       self.records_since_rewrite = 1
       try:

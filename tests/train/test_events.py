@@ -182,6 +182,5 @@ def test_a_resumed_runs_step_log_drops_the_lines_of_steps_it_does_again(tmp_path
   with open_steps_jsonl(path, 3) as f:
     f.write(json.dumps({"step": 4, "x": 40}) + "\n")
   assert [(r["step"], r["x"]) for r in read_jsonl(path)] == [(1, 1), (2, 2), (3, 3), (4, 40)]
-  with open_steps_jsonl(path, 4) as f:  # nothing past the checkpoint: kept as it is
-    pass
+  open_steps_jsonl(path, 4).close()  # nothing past the checkpoint: kept as it is
   assert len(read_jsonl(path)) == 4 and not os.path.exists(path + ".tmp")
