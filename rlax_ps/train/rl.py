@@ -664,15 +664,22 @@ class RLTrainer(TrainerRun):
     self.pending = []
     self.skip_ids.clear()  # ids of the lost server's rollouts
     self.servers_lost += 1
-    fed = sorted(self.outstanding.values())
-    for i in range(0, len(fed), ENQUEUE_BATCH):
-      self.client.enqueue_prompts([self._prompt(index, {**self.source[record], "record": record})
-                                   for index, record in fed[i:i + ENQUEUE_BATCH]])
+    if self._journal is not None:  # a take round's groups so far: the lost server's
+      self._journal["refeed"].update(self._journal["outstanding"])
+      self._journal["skips"].clear()
+    self._feed_again(self.outstanding.values())
     for key, round_ in sorted(self._eval_rounds.items()):  # eval.on_workers' rounds too
       self._enqueue_eval(key, round_["left"])
     if self.publisher.version is not None and self.client.latest_version() < self.version:
       self.publisher.resend_keyframe()
     return True
+
+  def _feed_again(self, fed) -> None:
+    """Enqueue again the prompts at (feed index, record) pairs `fed`, with their ids."""
+    fed = sorted(fed)
+    for i in range(0, len(fed), ENQUEUE_BATCH):
+      self.client.enqueue_prompts([self._prompt(index, {**self.source[record], "record": record})
+                                   for index, record in fed[i:i + ENQUEUE_BATCH]])
 
   def _published_before(self) -> int:
     """The highest version in this run's versions.jsonl (-1: none)."""
@@ -1235,19 +1242,17 @@ class RLTrainer(TrainerRun):
   _COUNTS = ("consumed", "rejected", "last_rejection", "filtered", "filled", "came_back")
   # (not dropped_stale: the server drops stale groups for good)
 
-  def _take_bookkeeping(self) -> tuple[dict[str, Any], int]:
+  def _take_bookkeeping(self) -> dict[str, Any]:
     """The counts that taking groups changes before they train, as they are before a take
     round; the other changes (records' streaks, prompts no longer outstanding, groups no
     longer to skip) are noted in the round's journal as they are made."""
-    self._journal = {"streaks": {}, "outstanding": {}, "skips": set()}
-    return {k: getattr(self, k) for k in self._COUNTS}, self.servers_lost
+    self._journal = {"streaks": {}, "outstanding": {}, "skips": set(), "refeed": {}}
+    return {k: getattr(self, k) for k in self._COUNTS}
 
-  def _undo_take_bookkeeping(self, before: tuple[dict[str, Any], int]) -> None:
-    """Back to `before` (_take_bookkeeping) and the journal's first values: the checkpoint a
-    stop writes must not count the groups its restart takes again."""
-    counts, lost = before
-    if self.servers_lost != lost:  # a server lost meanwhile: its groups never come again
-      return
+  def _undo_take_bookkeeping(self, counts: dict[str, Any]) -> None:
+    """Back to `counts` (_take_bookkeeping) and the journal's first values: the checkpoint a
+    stop writes must not count the groups its restart takes again. The prompts of groups
+    taken from a server lost since are fed to the one now (it never held them)."""
     for k, v in counts.items():
       setattr(self, k, v)
     for record, streak in self._journal["streaks"].items():
@@ -1257,6 +1262,12 @@ class RLTrainer(TrainerRun):
         self.streaks[record] = streak
     self.outstanding.update(self._journal["outstanding"])
     self.skip_ids |= self._journal["skips"]
+    try:  # one try: a stop gives up retrying
+      self._feed_again(self._journal["refeed"].values())
+    except ParamServerError as e:
+      logging.error("rl: stopping; %d prompts of groups the lost server held could not be "
+                    "fed again (%s): the restart does not train on them",
+                    len(self._journal["refeed"]), e)
 
   def _take_round(self) -> list[Group] | None:
     """_take_groups' groups (None when stopped), the bookkeeping done as they are taken."""

@@ -189,3 +189,42 @@ def test_a_run_whose_server_is_replaced_by_an_empty_one_trains_to_the_end(tmp_pa
   finally:
     second.stop(grace=0)
   assert os.path.exists(tmp_path / "ps2" / "STORE")
+
+
+def test_a_stop_in_the_take_round_that_met_a_lost_server_undoes_the_round(trainer):
+  """The round took a group from the server, the server was lost (fed the prompts
+  outstanding then), a group came from the new one, then a stop: the counts and the prompts
+  outstanding are as before the round (new ones aside), and the first group's prompt (which the new server
+  never held) is fed to it, so that the restart trains on every prompt once."""
+  tr, server = trainer
+  _fresh(tr, server)
+  assert tr.shape.groups >= 2
+  counts, outstanding = tr.counts(), dict(tr.outstanding)
+  tr.publisher = types.SimpleNamespace(
+      version=3, resend_keyframe=lambda: setattr(server, "latest", 3))
+  take, calls = server.take_rollouts, []
+
+  def take_then_lose_then_stop(min_version, max_n, **kwargs):
+    calls.append(server.store)
+    if len(calls) == 3 + (tr.shape.groups > 2):  # a group of each server's taken: stop
+      tr._stop.set()
+      raise ParamServerError("TakeRollouts", grpc.StatusCode.UNAVAILABLE, "gone")
+    answer = take(min_version, max_n, **kwargs)
+    if len(calls) == 1:
+      first.append(answer.rollouts[0].prompt.id)
+      server.lose()
+    return answer
+
+  first = []
+  server.take_rollouts = take_then_lose_then_stop
+  try:
+    assert tr._take_groups() is None
+  finally:
+    del server.take_rollouts
+    tr._stop.clear()
+  assert calls[:2] == ["store-a", "store-b"] and tr.servers_lost == 1
+  # (more prompts were fed in the round: outstanding too)
+  assert tr.counts() == {**counts, "servers_lost": 1}
+  assert tr.outstanding.items() >= outstanding.items() and first[0] in outstanding
+  fed = [p.id for p in server.fed]  # the new server holds every prompt outstanding, once
+  assert first[0] in fed and len(fed) == len(set(fed)) and set(fed) == set(tr.outstanding)
