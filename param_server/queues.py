@@ -493,7 +493,7 @@ class PromptRolloutQueues:
         samples_resumed=self.counters["samples_resumed"],
         tokens_resumed=self.counters["tokens_resumed"],
         takes_requeued=self.counters["takes_requeued"],
-        acked_takes=list(self.acked_takes))
+        acked_takes=list(self.acked_takes), acked_take_groups=list(self.acked_takes.values()))
     for lease in list(self.closed_leases.values()) + list(self.leases.values()):
       snap.leases.append(pb.WalLeaseState(
           lease_id=lease.lease_id, worker_id=lease.worker_id, prompt_ids=lease.prompt_ids,
@@ -530,7 +530,9 @@ class PromptRolloutQueues:
       for rid in t.rollout_ids:
         self.in_flight[rid] = self.ready.pop(rid)
       self.takes[t.take_id] = (list(t.rollout_ids), t.deadline_unix_s)
-    self.acked_takes = collections.OrderedDict((t, 0) for t in snap.acked_takes)
+    counts = list(snap.acked_take_groups)  # (none in a snapshot of an older server: 0)
+    counts += [0] * (len(snap.acked_takes) - len(counts))
+    self.acked_takes = collections.OrderedDict(zip(snap.acked_takes, counts))
     self.next_rollout_id = snap.next_rollout_id
     self.counters = collections.Counter(
         rollouts_accepted=snap.rollouts_accepted, rollouts_duplicate=snap.rollouts_duplicate,

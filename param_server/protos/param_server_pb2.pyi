@@ -649,12 +649,13 @@ class WalRollout(_message.Message):
     def __init__(self, rollout_id: _Optional[int] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., group: _Optional[_Union[RolloutGroup, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WalSnapshot(_message.Message):
-    __slots__ = ("queued", "leases", "rollouts", "takes", "acked_takes", "next_rollout_id", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "prompts_resumed", "samples_resumed", "tokens_resumed", "takes_requeued")
+    __slots__ = ("queued", "leases", "rollouts", "takes", "acked_takes", "acked_take_groups", "next_rollout_id", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "prompts_resumed", "samples_resumed", "tokens_resumed", "takes_requeued")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     TAKES_FIELD_NUMBER: _ClassVar[int]
     ACKED_TAKES_FIELD_NUMBER: _ClassVar[int]
+    ACKED_TAKE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     NEXT_ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
@@ -669,6 +670,7 @@ class WalSnapshot(_message.Message):
     rollouts: _containers.RepeatedCompositeFieldContainer[WalRollout]
     takes: _containers.RepeatedCompositeFieldContainer[WalTake]
     acked_takes: _containers.RepeatedScalarFieldContainer[str]
+    acked_take_groups: _containers.RepeatedScalarFieldContainer[int]
     next_rollout_id: int
     rollouts_accepted: int
     rollouts_duplicate: int
@@ -678,4 +680,4 @@ class WalSnapshot(_message.Message):
     samples_resumed: int
     tokens_resumed: int
     takes_requeued: int
-    def __init__(self, queued: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[WalLeaseState, _Mapping]]] = ..., rollouts: _Optional[_Iterable[_Union[WalRollout, _Mapping]]] = ..., takes: _Optional[_Iterable[_Union[WalTake, _Mapping]]] = ..., acked_takes: _Optional[_Iterable[str]] = ..., next_rollout_id: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., takes_requeued: _Optional[int] = ...) -> None: ...
+    def __init__(self, queued: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[WalLeaseState, _Mapping]]] = ..., rollouts: _Optional[_Iterable[_Union[WalRollout, _Mapping]]] = ..., takes: _Optional[_Iterable[_Union[WalTake, _Mapping]]] = ..., acked_takes: _Optional[_Iterable[str]] = ..., acked_take_groups: _Optional[_Iterable[int]] = ..., next_rollout_id: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., takes_requeued: _Optional[int] = ...) -> None: ...

@@ -348,7 +348,11 @@ def test_snapshot_rewrite_keeps_the_state_and_shrinks_the_log(tmp_path, clock):
   with pytest.raises(errors.FailedPrecondition, match="expired"):
     again.renew(expired_lease.lease_id, "w2", 5.0)
   assert len(again._wal.recovered) == 0 and again._wal.records_since_rewrite < 4 + 2
+  again._wal.rewrite(pb.WalRecord(snapshot=again._snapshot()))  # the ack in a snapshot
   again.close()
+  third = make_queues(tmp_path, clock)
+  assert third.ack(take.take_id) == 1  # a retried ack's answer: the groups it acknowledged
+  third.close()
 
 
 def test_renewals_carrying_begun_samples_keep_the_log_within_a_few_times_the_state(
