@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -245,6 +246,7 @@ def pull_rows(rows: list) -> None:
     for p in (server, raw):
       p.kill()
       p.wait()
+    shutil.rmtree(storage, ignore_errors=True)  # the server's copy of the keyframe
 
 
 # ---------------------------------------------------------------- load test
@@ -360,6 +362,7 @@ def load_rows(rows: list) -> None:
   finally:
     server.kill()
     server.wait()
+    shutil.rmtree(storage, ignore_errors=True)
   lat = result["latencies"]
   rows.append((f"load: {_WORKERS.value} workers, {_SECONDS.value:.0f} s", f"{len(result['acked'])} groups acked",
                f"{len(result['errors'])} errors", f"lost {result['lost']}, duplicated {result['duplicated']}",
