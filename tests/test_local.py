@@ -92,7 +92,7 @@ def _holds_the_trainers_weights(workdir, workers=2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["rl_vigor", "rl_sync", "rl_decoupled", "rl_dapo",
-                                    "rl_int8_tis", "rl_gpg", "rl_remax"])
+                                    "rl_int8_tis", "rl_gpg", "rl_remax", "rl_reinforce_pp"])
 def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
   """Every recipe the README lists runs as `rlax-ps local` does it: versions advance, the
   groups are trained on once, the workers end on the trainer's weights, and the recipe's
@@ -112,6 +112,8 @@ def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
     assert summary["sync"]["format"] == "int8"
   if recipe == "rl_remax":  # each group's baseline, its greedy sample's reward, was used
     assert all("baseline_reward_mean" in s for s in steps)
+  if recipe == "rl_reinforce_pp":  # the KL to the warm start is in each token's reward
+    assert all(math.isfinite(s["reward_kl"]) for s in steps)
   # VIGOR samples in rounds (unequal groups); the others batch continuously (ReMax: 4
   # samples and the greedy one).
   batching = ("vigor rounds of 2 prompts" if recipe == "rl_vigor" else
