@@ -1322,6 +1322,7 @@ class Worker:
     rewards: list[list[float]] = [[] for _ in prompts]
     passed: list[list[bool] | None] = [[] for _ in prompts]
     parts: list[list[dict[str, float]] | None] = [[] for _ in prompts]
+    failed: dict[int, str] = {}  # prompt index -> why its samples could not be scored
     round_ = 0
     while not state.done and not self._salvaging and not self._stale(version):
       counts = [int(c) for c in self.allocator.requests(state)]
@@ -1338,11 +1339,16 @@ class Worker:
       elapsed = time.monotonic() - t0
       new_rewards = []
       for i, (prompt, got) in enumerate(zip(prompts, drawn)):
-        if i in early and early[i][0] is got:
-          with self.stats.time.span("scoring"):
-            scores, passes, got_parts = early[i][1].result()
-        else:  # cut short (a stop, the floor): what it kept
-          scores, passes, got_parts = self._scored(prompt, got, given[i])
+        try:
+          if i in early and early[i][0] is got:
+            with self.stats.time.span("scoring"):
+              scores, passes, got_parts = early[i][1].result()
+          else:  # cut short (a stop, the floor): what it kept
+            scores, passes, got_parts = self._scored(prompt, got, given[i])
+        except ValueError as e:  # e.g. a reward model's chat template refusing it: the
+          failed.setdefault(i, str(e))  # trainer is told why, the worker goes on
+          new_rewards.append(np.zeros(len(got), np.float32))
+          continue
         samples[i].extend(got)
         rewards[i].extend(scores)
         passed[i] = None if passes is None else passed[i] + passes
@@ -1361,8 +1367,11 @@ class Worker:
     if not state.done:
       logging.info("worker: stopping: %d of %d prompts keep the samples of %d rounds",
                    sum(len(got) >= 2 for got in samples), len(prompts), round_)
-    return [self._group(p, version, got, rs, ps, pp) if state.done or len(got) >= 2 else None
-            for p, got, rs, ps, pp in zip(prompts, samples, rewards, passed, parts)]
+    return [self._failed(p, version, f"its samples could not be scored: {failed[i]}")
+            if i in failed else
+            self._group(p, version, got, rs, ps, pp) if state.done or len(got) >= 2 else None
+            for i, (p, got, rs, ps, pp) in enumerate(zip(prompts, samples, rewards, passed,
+                                                          parts))]
 
   @property
   def batching(self) -> str:

@@ -531,11 +531,12 @@ def test_a_prompt_the_worker_cannot_sample_is_answered_with_why_and_the_others_g
     assert (st.prompts_queued, st.prompts_leased) == (0, 0)
 
 
+@pytest.mark.parametrize("allocator", ["fixed", "vigor"])
 def test_a_group_its_scoring_refuses_is_answered_with_why_and_the_worker_goes_on(
-    server, versions, monkeypatch):
+    server, versions, monkeypatch, allocator):
   """A ValueError while scoring finished samples (a reward model's chat template refusing
-  the conversation) fails that group, with the reason, on the submitter's thread: the
-  worker does not end (nor would the next one the prompt went to)."""
+  the conversation) fails that group, with the reason, on the submitter's thread or in a
+  round (VIGOR): the worker does not end (nor would the next one the prompt went to)."""
   scored = Worker._scored
 
   def refuse_p0(self, prompt, samples, given=None):
@@ -547,7 +548,8 @@ def test_a_group_its_scoring_refuses_is_answered_with_why_and_the_worker_goes_on
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
-    stats = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **SMALL)).run()
+    stats = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **dict(
+        SMALL, allocator=allocator))).run()
     assert (stats.prompts_failed, stats.groups_submitted) == (1, 2)
     groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
   assert groups["p0"].failure == ("its samples could not be scored: tokenizer.chat_template: "
