@@ -160,7 +160,7 @@ def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer,
   teacher's log-prob of its tokens, shared out over the policy's tokens of the span in
   proportion to their `weights` (sampling log-probs), so a response's sum is the teacher's
   log-prob of its text. A response that ended on a stop token (`stopped`) gets for it the
-  teacher's log-prob of its own eos there. A multi-turn response's runs of tokens the policy
+  teacher's log-prob of the token that ends its turn there (turn_end_id). A multi-turn response's runs of tokens the policy
   drew and of an environment's replies (`observed`: True on the latter) are tokenized for
   the teacher run by run, so no span holds both: the replies' log-probs stay on the
   replies' tokens, which the loss leaves out. `rows`: score_groups' rows a forward pass."""
@@ -176,7 +176,7 @@ def score_retokenized(teacher, policy_tokenizer, teacher_tokenizer,
       for a, b in _runs(None if o is None else np.asarray(o, bool)[:len(body)], len(body)):
         ids += teacher_tokenizer.encode("".join(pieces[-1][-1][a:b]))
         ends.append((b, len(ids)))
-      texts[-1].append(ids + [teacher_tokenizer.eos_id] * int(stop))
+      texts[-1].append(ids + [teacher_tokenizer.turn_end_id] * int(stop))
       spans[-1].append(ends)
   budget = max(_MIN_PROMPT, 1 << (max(len(t) for ts in texts for t in ts) - 1).bit_length())
   scored = teacher.score_groups(prompts, texts, samples, budget, rows)

@@ -4,7 +4,7 @@ Hugging Face `tokenizer.json` files through the `tokenizers` package.
 Both give `encode(text) -> list[int]`, `encode_prompt(prompt) -> list[int]` (a prompt as
 the model sees it: [bos] text, or a conversation through the chat template),
 `encode_reply(text, after)` (an environment's reply to a turn, as the next message),
-`decode(ids) -> str`, `bos_id`, `eos_id`, `stop_ids`, `pad_id`, `vocab_size` and
+`decode(ids) -> str`, `bos_id`, `eos_id`, `stop_ids`, `turn_end_id`, `pad_id`, `vocab_size` and
 `save(directory)` (Hugging Face files beside an exported model), so the trainer, the
 sampler and the verifiers never care which one they hold.
 """
@@ -12,6 +12,7 @@ sampler and the verifiers never care which one they hold.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -46,6 +47,9 @@ class Tokenizer(Protocol):
 
   @property
   def stop_ids(self) -> tuple[int, ...]: ...
+
+  @property
+  def turn_end_id(self) -> int: ...  # the stop token that ends an assistant's turn
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
 
@@ -96,6 +100,10 @@ class CharTokenizer:
   @property
   def stop_ids(self) -> tuple[int, ...]:
     return (self.eos_id,)
+
+  @property
+  def turn_end_id(self) -> int:
+    return self.eos_id
 
   def render_prompt(self, prompt: str | list[dict[str, str]]) -> str:
     """The text itself; a conversation needs a chat template, which this tokenizer has not."""
@@ -357,6 +365,19 @@ class HFTokenizer:
   @property
   def stop_ids(self) -> tuple[int, ...]:
     return self._stops
+
+  @functools.cached_property
+  def turn_end_id(self) -> int:
+    """The stop token that ends an assistant's turn: the first the chat template renders
+    after the turn's text where that is a stop id (Gemma's <end_of_turn>, Llama 3's
+    <|eot_id|>, whose eos_token may be another), else eos_id."""
+    if self.chat_template is None:
+      return self.eos_id
+    try:
+      after = self.encode(self._render_after_turn([]))
+    except ValueError:  # a template refusing the probe conversation
+      return self.eos_id
+    return after[0] if after and after[0] in self._stops else self.eos_id
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     ids = self._tok.encode(text, add_special_tokens=False).ids

@@ -132,3 +132,21 @@ def test_prompt_ids_are_transformers_whatever_the_bos_settings(case, tmp_path):
   assert HFTokenizer(str(tmp_path)).encode_prompt(DEFAULTS["text"]) == case["encode"]
   templated = HFTokenizer(str(tmp_path), chat_template=os.path.join(chat, "llama3.jinja"))
   assert templated.encode_prompt(DEFAULTS["messages"]) == case["chat"]
+
+
+@pytest.mark.parametrize("template, eos, stop, want", [
+    ("auto", None, None, "<|im_end|>"),  # ChatML: its eos_token closes the turn
+    ("gemma3.jinja", "<|endoftext|>", "<end_of_turn>", "<end_of_turn>"),
+    ("llama3.jinja", "<|endoftext|>", "<|eot_id|>", "<|eot_id|>"),
+    ("llama3.jinja", "<|endoftext|>", None, "<|endoftext|>"),  # <|eot_id|> stops nothing
+    ("", "<|endoftext|>", "<|eot_id|>", "<|endoftext|>")])  # no template: eos
+def test_the_token_that_ends_an_assistants_turn_is_its_templates_stop_token(template, eos,
+                                                                           stop, want):
+  """What a chat teacher scores at a response's stop: Gemma's turn ends with <end_of_turn>,
+  Llama 3's with <|eot_id|>, though their eos_token may be another."""
+  chat = os.path.join(FIXTURES, "hf", "chat_tokenizer")
+  tok = HFTokenizer(chat, eos_token=eos, stop_tokens=[stop] if stop else (),
+                    chat_template=template if template in ("auto", "") else
+                    os.path.join(chat, template))
+  assert tok.decode([tok.turn_end_id], skip_special=False) == want
+  assert CharTokenizer().turn_end_id == CharTokenizer().eos_id
