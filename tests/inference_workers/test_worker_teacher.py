@@ -209,3 +209,26 @@ def test_samples_of_no_tokens_need_no_teacher_scores():
   check_group(group, shape)
   batch = build_batch([group], shape)
   assert not batch["teacher_topk_ids"].any() and not batch["response_lens"].any()
+
+
+def test_a_stopped_response_is_scored_at_the_token_that_ends_the_teachers_turn():
+  """A Gemma-style teacher (eos_token <|endoftext|>, turns closed by <end_of_turn>): the
+  policy's stop token is scored as the teacher's <end_of_turn> after the text."""
+  chat = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf",
+                      "chat_tokenizer")
+  tok = HFTokenizer(chat, eos_token="<|endoftext|>", stop_tokens=["<end_of_turn>"],
+                    chat_template=os.path.join(chat, "gemma3.jinja"))
+
+  class Scored:
+    def score_groups(self, prompts, texts, samples, budget, rows=None):
+      self.texts = texts
+      return [[(np.full(len(t), -1.0, np.float32), None, None) for t in ts] for ts in texts]
+
+  teacher = Scored()
+  response = TOKENIZER.encode("hello") + [TOKENIZER.eos_id]
+  out, = score_retokenized(teacher, TOKENIZER, tok, [tok.encode_prompt("hi")], [[response]],
+                           [[-np.ones(len(response))]], [[True]], 1)
+  sent, = teacher.texts[0]
+  assert tok.decode([sent[-1]], skip_special=False) == "<end_of_turn>" != tok.decode(
+      [tok.eos_id], skip_special=False)
+  assert tok.decode(sent[:-1]) == "hello" and len(out[0]) == len(response)
