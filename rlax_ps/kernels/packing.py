@@ -64,18 +64,19 @@ def response_logit_index(layout: SharedPromptLayout) -> jax.Array:
 
 
 def response_logprobs(logits, response_tokens, layout: SharedPromptLayout, *,
-                      with_entropy: bool = False, targets=None):
+                      with_entropy: bool = False, targets=None, temperature: float = 1.0):
   """logits [B, L, V] of the packed row -> log p(response token) [B, N, R], 0 at padding;
   `with_entropy`: also the entropy of each response position's next-token distribution;
   `targets` [B, N, R, k]: also the log-probs of those ids at each response position (a
-  teacher's top k), after the entropy."""
+  teacher's top k), after the entropy. `temperature`: of the distribution softmax(logits /
+  temperature), the one a sampler at that temperature draws from."""
   b, n, r = layout.batch, layout.num_responses, layout.response_capacity
   if logits.shape[:2] != (b, layout.total_len):
     raise ValueError(
         f"logits must be [B={b}, L={layout.total_len}, V], got shape {logits.shape}")
   idx = response_logit_index(layout).reshape(b, n * r)
   rows = jnp.take_along_axis(logits, idx[:, :, None], axis=1).astype(jnp.float32)
-  logp = jax.nn.log_softmax(rows, axis=-1)
+  logp = jax.nn.log_softmax(_tempered(rows, temperature), axis=-1)
   tok = jnp.asarray(response_tokens, jnp.int32).reshape(b, n * r, 1)
   out = jnp.take_along_axis(logp, tok, axis=-1).reshape(b, n, r)
   valid = jnp.arange(r)[None, None, :] < layout.response_lens[:, :, None]
@@ -89,6 +90,13 @@ def response_logprobs(logits, response_tokens, layout: SharedPromptLayout, *,
     at = jnp.take_along_axis(logp, ids, axis=-1).reshape(b, n, r, -1)
     extra.append(jnp.where(valid[..., None], at, 0.0))
   return (out, *extra) if extra else out
+
+
+def _tempered(logits, temperature: float):
+  """`logits` of the distribution at `temperature` (a Python float > 0; 1: themselves)."""
+  if not temperature > 0:
+    raise ValueError(f"temperature: expected > 0, got {temperature}")
+  return logits if temperature == 1.0 else logits / jnp.float32(temperature)
 
 
 def _map_response_chunks(fn, hidden, ids, layout: SharedPromptLayout, chunk: int):
@@ -114,19 +122,21 @@ def _map_response_chunks(fn, hidden, ids, layout: SharedPromptLayout, chunk: int
 
 
 def chunked_response_logprobs(model, hidden, response_tokens, layout: SharedPromptLayout, *,
-                              chunk: int, with_entropy: bool = False, targets=None):
+                              chunk: int, with_entropy: bool = False, targets=None,
+                              temperature: float = 1.0):
   """response_logprobs from the packed row's final hidden states [B, L, H], projecting
   `chunk` response positions to the vocabulary at a time and recomputing each chunk in the
   backward pass: at most [B, chunk, V] logits live at once instead of [B, L, V] (a long
   response under a 150k vocabulary otherwise takes gigabytes per row). `targets` as
-  response_logprobs'."""
+  response_logprobs', and `temperature`."""
   ids = jnp.asarray(response_tokens, jnp.int32)[..., None]
   if targets is not None:  # the targets' ids after the sampled one's
     ids = jnp.concatenate([ids, jnp.asarray(targets, jnp.int32)], -1)
 
   @jax.checkpoint
   def one(h_c, ids_c):
-    logp = jax.nn.log_softmax(model.logits_from_hidden(h_c).astype(jnp.float32), axis=-1)
+    logits = _tempered(model.logits_from_hidden(h_c).astype(jnp.float32), temperature)
+    logp = jax.nn.log_softmax(logits, axis=-1)
     return (jnp.take_along_axis(logp, ids_c, axis=-1),
             -jnp.sum(jnp.exp(logp) * logp, axis=-1))
 
@@ -141,7 +151,8 @@ def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromp
                              backend: str = "auto", block_sizes: BlockSizes | None = None,
                              interpret: bool = False, with_entropy: bool = False,
                              logits_chunk: int = 0, remat: bool = False, routes=None,
-                             record_routes: bool = False, targets=None):
+                             record_routes: bool = False, targets=None,
+                             temperature: float = 1.0):
   """Runs the model once on the packed group and returns [B, N, R] response log-probs
   (and, `with_entropy`, the policy's entropy at each response position). `logits_chunk` > 0
   projects that many response positions to the vocabulary at a time
@@ -149,7 +160,8 @@ def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromp
   the backward pass; `routes` [M, B, L, k] replays experts and `record_routes` appends the
   `Routing` (the routers' own picks, the load-balancing loss) to the outputs
   (Transformer.hidden_states). `targets` [B, N, R, k]: also the log-probs of those ids at
-  each response position, after the entropy (response_logprobs)."""
+  each response position, after the entropy (response_logprobs); `temperature`: of
+  softmax(logits / temperature), the workers' sampling distribution."""
   attention_fn = packed_attention_fn(layout, backend=backend, block_sizes=block_sizes,
                                      interpret=interpret)
   hidden, _, *routing = model.hidden_states(
@@ -158,10 +170,11 @@ def packed_response_logprobs(model, tokens, response_tokens, layout: SharedPromp
   if logits_chunk > 0:
     out = chunked_response_logprobs(model, hidden, response_tokens, layout,
                                     chunk=logits_chunk, with_entropy=with_entropy,
-                                    targets=targets)
+                                    targets=targets, temperature=temperature)
   else:
     out = response_logprobs(model.logits_from_hidden(hidden), response_tokens, layout,
-                            with_entropy=with_entropy, targets=targets)
+                            with_entropy=with_entropy, targets=targets,
+                            temperature=temperature)
   if not record_routes:
     return out
   return (*out, routing[0]) if isinstance(out, tuple) else (out, routing[0])

@@ -38,13 +38,20 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
     raise ValueError(f"rl.max_seconds: expected seconds >= 0 (0: no limit), got {seconds!r}")
   check_counts(config, ("checkpoint.every_steps", "eval.every_steps", "export.every_steps"))
+  temperature = worker.get("temperature", 1.0)
+  if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+      0 < temperature < float("inf")):
+    raise ValueError(f"worker.temperature: expected > 0 for RL (a group's samples must differ; "
+                     f"the trainer scores the distribution they are drawn from), got "
+                     f"{temperature!r}")
   updates = int(rl.get("updates_per_batch", 1))
   if updates < 1:
     raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates}")
   if int(rl.get("response_buckets", 1)) < 1:
     raise ValueError(f"rl.response_buckets: expected >= 1, got {rl.response_buckets}")
   loss = dataclasses.replace(LossConfig.from_config(config.loss),
-                             budget=int(worker.max_new_tokens))
+                             budget=int(worker.max_new_tokens),
+                             temperature=float(worker.temperature))
   if loss.reward_aggregation == "normalize_then_sum":
     parts = reward_part_weights(worker)
     if not parts:

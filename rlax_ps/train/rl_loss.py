@@ -224,6 +224,10 @@ class LossConfig:
   # The tokenizer's stop ids (the trainer sets them): a response of `budget` tokens that ends
   # on one stopped rather than being cut (mask_truncated). (): none is known.
   stop_ids: tuple[int, ...] = ()
+  # The workers' sampling temperature (worker.temperature; the trainer sets it): the policy's,
+  # the proximal and the reference log-probs are of softmax(logits / temperature), the
+  # distribution the behaviour log-probs are of, as verl and TRL score them.
+  temperature: float = 1.0
 
   def __post_init__(self):
     def need(cond, field, expected):
@@ -299,6 +303,8 @@ class LossConfig:
       value = getattr(self, field)
       need(_is_number(value) and math.isfinite(value) and value > 0, field,
            "a finite temperature > 0")
+    need(_is_number(self.temperature) and math.isfinite(self.temperature)
+         and self.temperature > 0, "temperature", "the workers' sampling temperature > 0")
     need(_is_number(self.kl_cov_ratio) and 0 < self.kl_cov_ratio <= 1, "kl_cov_ratio",
          "a share of the tokens in (0, 1]")
     need(_is_number(self.kl_cov_coef) and math.isfinite(self.kl_cov_coef)
@@ -616,14 +622,16 @@ def router_agreement(picked: jax.Array, replayed: jax.Array) -> jax.Array:
 
 def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend: str = "auto",
                       *, with_stats: bool = False, logits_chunk: int = 0,
-                      remat: bool = False, targets: jax.Array | None = None):
+                      remat: bool = False, targets: jax.Array | None = None,
+                      temperature: float = 1.0):
   """log p(response token) [rows * N, R] under `params`, one packed row per group. A batch
   with routes (routing replay: `prompt_routes`, `response_routes`) sends each token to the
   experts the workers' sampler did. `with_stats`: also a dict of the policy's `entropy` at
   each of those positions and, for a mixture of experts, the `routing` (the model's
   `Routing` record: the load-balancing loss's parts over the packed rows' tokens) and,
   replaying, the `router_agreement`; with `targets` [rows, N, R, k] (with_stats), the
-  `target_logp` [rows * N, R, k] of those ids at each response position."""
+  `target_logp` [rows * N, R, k] of those ids at each response position. `temperature`:
+  of softmax(logits / temperature) (LossConfig.temperature)."""
   tokens, layout = pack_group(batch["prompt_tokens"], batch["prompt_lens"],
                               batch["response_tokens"], batch["response_lens"])
   routes = (pack_routes(batch["prompt_routes"], batch["response_routes"])
@@ -633,7 +641,8 @@ def response_logprobs(params: Any, graphdef: nnx.GraphDef, batch: dict, backend:
                                  backend=backend, with_entropy=with_stats,
                                  logits_chunk=logits_chunk, remat=remat, routes=routes,
                                  record_routes=with_stats and bool(model.config.moe_layers),
-                                 targets=targets if with_stats else None)
+                                 targets=targets if with_stats else None,
+                                 temperature=temperature)
   rows = lambda x: x.reshape(-1, x.shape[-1])
   if not with_stats:
     return rows(out)
@@ -665,13 +674,15 @@ def reference_logprobs(ref_params: Any, graphdef: nnx.GraphDef, batch: dict, cfg
   `micro_batches` slices of its rows at a time (a slice's activations), in row order."""
   if micro_batches == 1:
     return jax.lax.stop_gradient(response_logprobs(ref_params, graphdef, batch, cfg.backend,
-                                                   logits_chunk=cfg.logits_chunk))
+                                                   logits_chunk=cfg.logits_chunk,
+                                                   temperature=cfg.temperature))
   rows, n = batch["row_group"].shape[0], batch["rewards"].shape[1]
   slices = jax.tree.map(  # [rows, ...] -> [M, rows / M, ...]: slice m holds rows m, m + M, ...
       lambda x: jnp.moveaxis(x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]),
                              1, 0), batch)
   ref = jax.lax.map(lambda sub: response_logprobs(ref_params, graphdef, sub, cfg.backend,
-                                                  logits_chunk=cfg.logits_chunk), slices)
+                                                  logits_chunk=cfg.logits_chunk,
+                                                  temperature=cfg.temperature), slices)
   return jax.lax.stop_gradient(jnp.moveaxis(
       ref.reshape(micro_batches, rows // micro_batches, n, -1), 0, 1).reshape(rows * n, -1))
 
@@ -729,7 +740,8 @@ def rl_loss_terms(params: Any, graphdef: nnx.GraphDef, batch: dict, ref_params: 
   mask = token_mask(batch, sample_mask)
   logp, stats = response_logprobs(params, graphdef, batch, cfg.backend, with_stats=True,
                                   logits_chunk=cfg.logits_chunk, remat=cfg.remat,
-                                  targets=teacher_topk(batch)[0] if cfg.distill_topk else None)
+                                  targets=teacher_topk(batch)[0] if cfg.distill_topk else None,
+                                  temperature=cfg.temperature)
   entropy = stats.pop("entropy")
   student_topk = stats.pop("target_logp", None)
   routing = stats.pop("routing", None)
@@ -945,7 +957,8 @@ def whole_batch_stats(params: Any, graphdef: nnx.GraphDef, slices: dict, keep: j
   def one(args):
     sub, k, a, prox, draws = args
     logp, stats = response_logprobs(params, graphdef, sub, cfg.backend, with_stats=True,
-                                    logits_chunk=cfg.logits_chunk)
+                                    logits_chunk=cfg.logits_chunk,
+                                    temperature=cfg.temperature)
     out = {}
     if cfg.router_aux_coef > 0 and "routing" in stats:
       out["routed"] = (stats["routing"].counts, stats["routing"].tokens)

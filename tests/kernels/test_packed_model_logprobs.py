@@ -169,6 +169,23 @@ def test_packed_entropy_equals_the_entropy_of_each_separate_next_token_distribut
   assert np.all(np.asarray(entropy)[~valid] == 0) and np.all(want[valid] > 0.1)
 
 
+@pytest.mark.parametrize("chunk", [0, 4], ids=["whole", "chunked"])
+def test_log_probs_at_a_temperature_are_of_the_logits_over_it(group, chunk):
+  """What a worker sampling at temperature 0.7 draws from: softmax(logits / 0.7)."""
+  graphdef, state, prompts, responses = group
+  toks, seg, idx = _separate_rows(prompts, responses)
+  logits = nnx.merge(graphdef, state)(jnp.asarray(toks), segment_ids=jnp.asarray(seg))
+  logp = jax.nn.log_softmax(jnp.take_along_axis(logits, jnp.asarray(idx)[..., None], 1) / 0.7)
+  want = jnp.take_along_axis(logp, jnp.asarray(responses).reshape(B * N, R, 1), -1)
+  valid = np.arange(R)[None, None] < RESPONSE_LENS[:, :, None]
+  want = np.where(valid, np.asarray(want).reshape(B, N, R), 0.0)
+  got = _packed_logprobs(graphdef, state, prompts, responses, backend="xla", temperature=0.7,
+                         logits_chunk=chunk)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+  plain = _packed_logprobs(graphdef, state, prompts, responses, backend="xla")
+  assert np.abs(np.asarray(plain) - want)[valid].max() > 1e-2
+
+
 @pytest.mark.parametrize("kw", [dict(logits_chunk=4), dict(logits_chunk=7),
                                 dict(logits_chunk=64), dict(remat=True),
                                 dict(remat=True, logits_chunk=4)],

@@ -71,6 +71,7 @@ def _set(config, **fields):
     ({"teacher__tokenizer": "U", "teacher__path": "T", "loss__advantage": "opd",
       "loss__distill_topk": 4}, "teacher.tokenizer: expected '' .* or with loss.distill_topk "
                                 "> 0 .* got 'U' with teacher.path='T', loss.distill_topk=4"),
+    ({"worker__temperature": 0.0}, r"worker.temperature: expected > 0 for RL .* got 0.0"),
 ])
 def test_each_wrong_field_is_refused_naming_it(fields, message):
   config = _set(rl_config(), **fields)
@@ -82,7 +83,9 @@ def test_vigor_groups_need_no_fixed_size_and_the_recipes_pass():
   vigor = _set(rl_config(path="configs/rl_vigor.py"), worker__samples_per_prompt=1)
   assert check_rl_config(vigor).advantage == "grpo"
   loss = check_rl_config(rl_config())
-  assert loss.budget == rl_config().worker.max_new_tokens
+  assert loss.budget == rl_config().worker.max_new_tokens and loss.temperature == 1.0
+  # The trainer scores the distribution the workers sample from.
+  assert check_rl_config(_set(rl_config(), worker__temperature=0.7)).temperature == 0.7
   # ReMax's baseline is the greedy sample: one drawn sample a prompt is enough.
   remax = _set(rl_config(path="configs/rl_remax.py"), worker__samples_per_prompt=1)
   assert check_rl_config(remax).advantage == "remax"
