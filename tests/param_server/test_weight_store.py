@@ -69,6 +69,26 @@ def test_no_publication_file_is_left_after_a_store_a_duplicate_or_a_refusal(tmp_
   assert store.latest == 0
 
 
+def test_a_retried_publication_that_lands_while_the_first_verifies_is_a_duplicate(
+    tmp_path, monkeypatch):
+  """The client retries a publication whose first attempt is still being verified (its
+  reply lost); the retry is stored first: the first attempt answers duplicate, not a
+  version below the latest (the trainer stopped on it, its version published)."""
+  from param_server import payloads
+  store = WeightStore(str(tmp_path), chunk_bytes=CHUNK)
+  blob, verify, retried = _keyframe(2), payloads.verify, []
+
+  def verify_then_retry(*args, **kwargs):
+    verify(*args, **kwargs)
+    if not retried:
+      retried.append(None)
+      retried[0] = _publish(store, blob)  # the retry, whole, meanwhile
+  monkeypatch.setattr(payloads, "verify", verify_then_retry)
+  first, duplicate = _publish(store, blob)
+  assert retried[0][1] is False and duplicate and first == retried[0][0]
+  assert store.latest == 0 and os.listdir(store.tmp_dir) == []
+
+
 def test_a_delta_made_from_other_weights_of_the_latest_version_is_refused(tmp_path):
   """A delta's base version is the latest, but its base seal is another state's (a stale
   second trainer): refused as lacking its base (the publisher then sends a keyframe), even
