@@ -193,22 +193,12 @@ class _RelayServicer(ParamServerServicer):
     self._rejections.abort(context, "Publish", errors.FailedPrecondition(
         "Publish", "this is a weight relay: publish to the parameter server it follows"))
 
-  def _refuse_if_diverged(self, context, method: str) -> None:
-    if self._relay.diverged:
-      self._rejections.abort(context, method,
-                             errors.FailedPrecondition("relay", self._relay.diverged))
-
   def GetLatest(self, request, context):
     """The server's latest (asked now: a relay behind this one asks when its pullers hold
     all it knows), once it begins to arrive here."""
-    self._refuse_if_diverged(context, "GetLatest")
     self._relay.refresh()
     self._relay.wait_current(context, cut_through=True)
     return super().GetLatest(request, context)
-
-  def Pull(self, request, context):
-    self._refuse_if_diverged(context, "Pull")
-    yield from super().Pull(request, context)
 
   def _pull_plan(self, have, context):
     """What is stored, then the update arriving (when it brings the server's latest). A
@@ -322,7 +312,7 @@ class WeightRelay:
     asking again every poll_s; on a failure, log it and start again."""
     while not self._stopping.is_set():
       try:
-        self._announce(self._ask_upstream(), asked=True)
+        self._ask_and_announce()
         self._fetch()
         for info in self.upstream.watch(after_version=self.weights.latest,
                                         timeout_s=self.config.poll_s):
@@ -337,6 +327,13 @@ class WeightRelay:
           return
         logging.warning("relay: following %s failed (%s); retrying", self.upstream.address, e)
       self._stopping.wait(1.0)
+
+  def _ask_and_announce(self, retry: RetryPolicy | None = None) -> None:
+    """Ask the server's latest version and announce it. What the relay held before asking
+    is what the answer must not be below: a version fetched while the answer came back
+    is not a server gone back (a new run)."""
+    held = self.weights.latest
+    self._announce(self._ask_upstream(retry), asked=True, held=held)
 
   def _ask_upstream(self, retry: RetryPolicy | None = None) -> int:
     """The server's latest version; notes whether the server can be followed."""
@@ -370,8 +367,9 @@ class WeightRelay:
 
   def upstream_down(self) -> str:
     """What a caller of what the relay serves is told while the server cannot be followed
-    ("" while it can)."""
-    problem = self.upstream_problem
+    (refused, unreachable holding nothing, or another run's: `diverged`; "" while it can):
+    UNAVAILABLE, so that a worker given the server too goes there."""
+    problem = self.upstream_problem or self.diverged
     if not problem:
       return ""
     return f"{RELAY_DOWN} it cannot follow its server {self.upstream.address}: {problem}"
@@ -388,8 +386,10 @@ class WeightRelay:
           return
         logging.warning("relay: reporting to %s failed (%s)", self.upstream.address, e)
 
-  def _announce(self, latest: int, asked: bool = False) -> None:
-    held = self.weights.latest
+  def _announce(self, latest: int, asked: bool = False, held: int | None = None) -> None:
+    """The server's `latest` (`asked`: its answer to the relay's question, below the version
+    `held` then (default: now) only when it went back)."""
+    held = self.weights.latest if held is None else held
     with self._changed:
       if self.store_changed:  # for good: no version number makes the other run's follow on
         self.diverged = self.store_changed
@@ -499,7 +499,7 @@ class WeightRelay:
       if self._refreshed_at >= called:
         return
       try:
-        self._announce(self._ask_upstream(ONE_ATTEMPT), asked=True)
+        self._ask_and_announce(ONE_ATTEMPT)
         self.refreshes += 1
       except ParamServerError as e:
         logging.warning("relay: asking %s its version failed (%s)", self.upstream.address, e)
@@ -536,7 +536,7 @@ class WeightRelay:
       raise UpstreamRefused(f"--address {self.upstream.address} is this relay's own --host/"
                             f"--port; give the parameter server's address")
     try:  # what the server holds now: pulls wait for it rather than find the relay empty
-      self._announce(self._ask_upstream(), asked=True)
+      self._ask_and_announce()
     except ParamServerError as e:
       # Refused, or not a parameter server at all (an HTTP port, TLS on one side only).
       if e.code in REFUSED or e.code == grpc.StatusCode.FAILED_PRECONDITION:

@@ -15,7 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
-from param_server.client import ParamServerClient, ParamServerError, RetryPolicy, make_sample
+from param_server.client import (RELAY_DOWN, ParamServerClient, ParamServerError, RetryPolicy,
+                                  make_sample)
 from param_server.protos import param_server_pb2 as pb
 from param_server import relay as relay_module
 from param_server.relay import RelayConfig, WeightRelay
@@ -344,11 +345,39 @@ def test_a_relay_serves_and_takes_nothing_of_another_runs_versions(start_server,
   _until(lambda: "another run's versions" in relay.diverged)
   time.sleep(0.5)  # (polls past the new run's newest)
   assert relay.weights.latest == 1 and "another run's versions" in relay.diverged
-  with client_for(relay, "worker") as w:
+  # UNAVAILABLE (RELAY_DOWN): a worker given the server too goes there.
+  with client_for(relay, "worker", retry=RetryPolicy(deadline_s=0.0)) as w:
     with pytest.raises(ParamServerError) as refused:
       w.pull()
-  assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
-  assert "empty storage_dir" in refused.value.details
+  assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+  assert refused.value.details.startswith(RELAY_DOWN) and "empty storage_dir" in (
+      refused.value.details)
+  both = f"ipv4:127.0.0.1:{relay.port},127.0.0.1:{port}"
+  with client_for(both, "worker") as w:
+    assert w.pull_updates()[-1].version == versions - 1  # the new run's, from the server
+
+
+def test_a_version_fetched_while_the_servers_answer_came_back_is_no_new_run(
+    server, trainer, start_relay):
+  """The server answers v1, then publishes v2, which the relay fetches before it reads the
+  answer: v1 is below what it holds then, not below what it held when it asked, so the
+  relay serves on (it refused every pull, and its workers stopped)."""
+  versions = publish_chain(trainer, 2)
+  relay = start_relay(server, poll_s=0.2)
+  _until(lambda: relay.weights.latest == 1)
+  ask = relay._ask_upstream
+
+  def ask_while_a_version_lands(retry=None):
+    latest = ask(retry)
+    trainer.publish(sync.encode(versions[1], perturbed(versions[1], 0.05, seed=9), "bf16",
+                                version=2, base_version=1).to_bytes())
+    _until(lambda: relay.weights.latest == 2)
+    return latest
+
+  relay._ask_upstream = ask_while_a_version_lands
+  relay._refreshed_at = 0.0
+  relay.refresh()
+  assert relay.refreshes and not relay.diverged and not relay.upstream_down()
 
 
 def test_a_relay_holding_nothing_follows_a_server_restarted_on_new_storage(
