@@ -200,6 +200,19 @@ class _RelayServicer(ParamServerServicer):
     self._relay.wait_current(context, cut_through=True)
     return super().GetLatest(request, context)
 
+  def _stored_plan(self, have, context):
+    """The stored updates for `have`; a relay still fetching what the server holds answers
+    what it cannot serve yet (nothing held, or `have` past it: pulled from the server) as
+    UNAVAILABLE (RELAY_DOWN), which workers retry or take to the server, not as the
+    server's verdicts NOT_FOUND or FAILED_PRECONDITION."""
+    try:
+      return super()._pull_plan(have, context)
+    except (errors.NotFound, errors.FailedPrecondition) as e:
+      if self.weights.latest >= self._relay.server_latest:
+        raise
+      raise errors.Unavailable("Pull", f"{RELAY_DOWN} it holds v{self.weights.latest} "
+                               f"and is fetching v{self._relay.server_latest} ({e})") from None
+
   def _pull_plan(self, have, context):
     """What is stored, then the update arriving (when it brings the server's latest). A
     puller holding all this relay knows of may have heard of a newer version from the
@@ -208,13 +221,13 @@ class _RelayServicer(ParamServerServicer):
       self._relay.refresh()
     arriving = self._relay.wait_current(context, cut_through=True)
     if arriving is None or self.weights.latest >= arriving.version:
-      return super()._pull_plan(have, context)
+      return self._stored_plan(have, context)
     if have is not None and have >= arriving.version:
       return [], _nothing_to_release, arriving.version
     if arriving.base_version < 0:  # a keyframe: all a puller needs
       plan, release = [], _nothing_to_release
     else:  # a delta on what is stored: the stored updates up to its base first
-      plan, release, latest = super()._pull_plan(have, context)
+      plan, release, latest = self._stored_plan(have, context)
       if latest >= arriving.version:  # stored meanwhile
         return plan, release, latest
     with self._lock:
@@ -509,7 +522,10 @@ class WeightRelay:
     """Wait (up to max_wait_s, while the caller is there) until the store holds the newest
     version the server announced, or (`cut_through`) until that version begins to arrive:
     then return it."""
-    end = time.monotonic() + self.config.max_wait_s
+    remaining = context.time_remaining()  # (an answer after the caller's deadline is lost)
+    wait_s = self.config.max_wait_s if remaining is None else min(
+        self.config.max_wait_s, max(0.0, remaining - 1.0))
+    end = time.monotonic() + wait_s
     with self._changed:
       while (self.weights.latest < self.server_latest and not self._stopping.is_set()
              and context.is_active()):
@@ -519,7 +535,7 @@ class WeightRelay:
         left = end - time.monotonic()
         if left <= 0:
           logging.warning("relay: serving v%d; v%d not fetched within %gs", self.weights.latest,
-                          self.server_latest, self.config.max_wait_s)
+                          self.server_latest, wait_s)
           return None
         self._changed.wait(min(left, 0.5))
     return None

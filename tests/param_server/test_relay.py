@@ -357,6 +357,40 @@ def test_a_relay_serves_and_takes_nothing_of_another_runs_versions(start_server,
     assert w.pull_updates()[-1].version == versions - 1  # the new run's, from the server
 
 
+@pytest.mark.parametrize("have", [None, 1])
+def test_a_relay_still_fetching_answers_what_it_cannot_serve_yet_as_unavailable(
+    server, trainer, start_relay, monkeypatch, have):
+  """A relay behind its server (here it never fetches) past max_wait_s: a puller holding
+  nothing, or a version the relay lacks (pulled from the server meanwhile), is told
+  UNAVAILABLE (RELAY_DOWN: retried, or taken to the server), not the server's verdicts
+  NOT_FOUND (nothing published) or FAILED_PRECONDITION (a version from the future), which
+  end a worker."""
+  publish_chain(trainer, 2)
+  monkeypatch.setattr(WeightRelay, "_fetch", lambda self: None)
+  relay = start_relay(server, max_wait_s=0.2, poll_s=0.2)
+  assert relay.server_latest == 1 and relay.weights.latest == -1
+  with client_for(relay, "worker", retry=RetryPolicy(deadline_s=0.0)) as w:
+    with pytest.raises(ParamServerError) as refused:
+      w.pull(have)
+  assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+  assert RELAY_DOWN in refused.value.details and "is fetching v1" in refused.value.details
+  both = f"ipv4:127.0.0.1:{relay.port},127.0.0.1:{server.port}"
+  with client_for(both, "worker") as w:
+    assert [u.version for u in w.pull_updates(have)] == ([] if have == 1 else [0, 1])
+
+
+def test_a_relay_answers_within_the_callers_deadline_while_it_fetches(
+    server, trainer, start_relay, monkeypatch):
+  """GetLatest waits for the version being fetched up to max_wait_s (60 here), or until
+  just before the caller's deadline (3 s): then it answers what the relay serves."""
+  publish_chain(trainer, 2)
+  monkeypatch.setattr(WeightRelay, "_fetch", lambda self: None)
+  relay = start_relay(server, max_wait_s=60.0, poll_s=0.2)
+  with ParamServerClient(relay.address, token=TOKENS["worker"], timeout_s=3.0,
+                         retry=RetryPolicy(deadline_s=0.0)) as w:
+    assert w.latest_version() == -1  # (past its deadline: DEADLINE_EXCEEDED)
+
+
 def test_a_version_fetched_while_the_servers_answer_came_back_is_no_new_run(
     server, trainer, start_relay):
   """The server answers v1, then publishes v2, which the relay fetches before it reads the
