@@ -185,8 +185,11 @@ class _RelayServicer(ParamServerServicer):
     return self._relay.announced()
 
   def _version_info(self) -> pb.VersionInfo:
+    """The server's version info as this relay serves it: with the server's storage id (a
+    relay following this one, then the server, sees one run; "" until known)."""
     info = super()._version_info()
     info.latest_version = max(info.latest_version, self._relay.announced())
+    info.store_id = self._relay.upstream_store
     return info
 
   def Publish(self, request_iterator, context):
@@ -236,11 +239,12 @@ class _RelayServicer(ParamServerServicer):
     return plan + [source], release, arriving.version
 
 
-def _passing(method: str, channel: grpc.Channel, timeout_s: float, upstream_address: str):
-  """A handler that sends a call's bytes to the server and its answer (or status) back."""
-  call = channel.unary_unary(f"/{SERVICE_NAME}/{method}")
-
+def _passing(method: str, upstream: ParamServerClient, timeout_s: float, upstream_address: str):
+  """A handler that sends a call's bytes to the server and its answer (or status) back, on
+  the upstream client's route of the moment (a relay following a region's relay, then the
+  server while that one is down)."""
   def forward(request: bytes, context):
+    call = upstream.channel.unary_unary(f"/{SERVICE_NAME}/{method}")
     metadata = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
     remaining = context.time_remaining()
     try:
@@ -301,7 +305,7 @@ class WeightRelay:
                   if name in SERVED_HERE + ("Publish",)}
       for m in pb.DESCRIPTOR.services_by_name["ParamServer"].methods:
         if m.name not in handlers:
-          handlers[m.name] = _passing(m.name, upstream.channel, upstream.timeout_s + 120.0,
+          handlers[m.name] = _passing(m.name, upstream, upstream.timeout_s + 120.0,
                                       upstream.address)
       self._server, self._health, self.port = grpc_server(
           handlers, auth.TokenAuthInterceptor({"worker": token}, methods=SERVED_HERE,

@@ -446,6 +446,26 @@ def test_a_worker_given_the_relay_then_the_server_goes_on_when_the_relay_dies(
     assert w.heartbeat(version=1).latest_version == 1
 
 
+def test_a_zone_relay_whose_region_relay_dies_passes_calls_to_the_server(
+    server, trainer, start_relay, tmp_path):
+  """Relays in tiers: the zone's follows ipv4:REGION,SERVER. Once the region's relay dies
+  the zone's fetches from the server, and the calls it passes through (leases) go there
+  too, not to the dead relay for good."""
+  publish_chain(trainer, 1)
+  region = start_relay(server, storage_dir=str(tmp_path / "region"), poll_s=0.2)
+  zone = start_relay(f"ipv4:127.0.0.1:{region.port},127.0.0.1:{server.port}",
+                     storage_dir=str(tmp_path / "zone"), poll_s=0.2)
+  _until(lambda: zone.weights.latest == 0)
+  region.stop(grace=0)
+  trainer.publish(sync.encode(tiny_weights(), perturbed(tiny_weights(), 0.05, seed=3), "bf16",
+                              version=1, base_version=0).to_bytes())
+  _until(lambda: zone.weights.latest == 1)  # its follower went to the server
+  trainer.enqueue_prompts([pb.Prompt(id="p0", text="1+1=", token_ids=[1, 2])])
+  with client_for(zone, "worker", retry=RetryPolicy(deadline_s=0.0)) as w:
+    w.register("behind-zone")
+    assert [p.id for p in w.lease(1, deadline_s=30.0, wait_s=1.0).prompts] == ["p0"]
+
+
 def test_a_worker_that_left_its_relay_goes_back_to_it_once_it_serves_again(
     server, trainer, start_relay):
   """A relay restarted (its VM preempted and replaced) gets its workers back: a client that
