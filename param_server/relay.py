@@ -570,16 +570,20 @@ class WeightRelay:
         ) from None
       logging.warning("relay: %s not reachable yet (%s); following it once it is; until then "
                       "workers are told to go to the server", self.upstream.address, e)
+    if self.config.metrics_port >= 0:  # first: a port taken leaves nothing half started
+      from param_server.metrics import RelayCollector, serve_metrics
+      try:
+        self._metrics = serve_metrics(RelayCollector(self), self.config.host,
+                                      self.config.metrics_port)
+      except BaseException:
+        self.stop(grace=0)
+        raise
+      self.metrics_port = self._metrics.server_port
     self._server.start()
     self._follower.start()
     self._reporter.start()
     for name in ("", SERVICE_NAME):
       self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    if self.config.metrics_port >= 0:
-      from param_server.metrics import RelayCollector, serve_metrics
-      self._metrics = serve_metrics(RelayCollector(self), self.config.host,
-                                    self.config.metrics_port)
-      self.metrics_port = self._metrics.server_port
     logging.info("relay on %s for %s, storage %s, holds v%d", self.address,
                  self.upstream.address, self.config.storage_dir, self.weights.latest)
     return self

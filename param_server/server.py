@@ -673,15 +673,22 @@ class ParamServer:
         logging.exception("reaper: expiring leases failed")
 
   def start(self) -> "ParamServer":
+    """Serve; CannotListen (nothing left running, the storage folder free) when the metrics
+    port cannot be bound."""
+    if self.config.metrics_port >= 0:  # first: a port taken leaves nothing half started
+      from param_server.metrics import StatsCollector, serve_metrics
+      try:
+        self._metrics = serve_metrics(
+            StatsCollector(lambda: self.servicer.GetStats(None, None)), self.config.host,
+            self.config.metrics_port)
+      except BaseException:
+        self.stop(grace=0)
+        raise
+      self.metrics_port = self._metrics.server_port
     self._server.start()
     self._reaper.start()
     for name in ("", SERVICE_NAME):
       self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    if self.config.metrics_port >= 0:
-      from param_server.metrics import StatsCollector, serve_metrics
-      self._metrics = serve_metrics(StatsCollector(lambda: self.servicer.GetStats(None, None)),
-                                    self.config.host, self.config.metrics_port)
-      self.metrics_port = self._metrics.server_port
     logging.info("parameter server on %s (%s), storage %s, latest v%d", self.address,
                  "TLS" if self.config.tls_cert else "plaintext", self.config.storage_dir, self.weights.latest)
     return self

@@ -68,3 +68,20 @@ def test_a_relays_heartbeat_is_labelled_apart_from_the_workers():
             if family.name == "rlax_ps_worker_tokens_per_second" for s in family.samples}
   assert speeds == {(("kind", "worker"), ("name", "gpu-7"), ("worker_id", "w1")): 100.0,
                     (("kind", "relay"), ("name", "r"), ("worker_id", "relay@zone-a:50052")): 0.0}
+
+
+def test_a_metrics_port_taken_leaves_nothing_started(tmp_path):
+  """CannotListen, and neither the gRPC port nor the storage folder is held after it: a
+  server started again on that folder (another metrics port) serves."""
+  import socket
+
+  from param_server.server import CannotListen, ParamServer
+  from ps_testlib import small_config
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    config = small_config(storage_dir=tmp_path / "ps", metrics_port=taken.getsockname()[1])
+    with pytest.raises(CannotListen, match="--metrics_port"):
+      ParamServer(config).start()
+  with ParamServer(small_config(storage_dir=tmp_path / "ps", metrics_port=0)) as server:
+    assert scrape(server.metrics_port)

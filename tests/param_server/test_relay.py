@@ -686,3 +686,15 @@ def test_a_relay_that_cannot_follow_its_server_sends_workers_to_the_server(
       assert w.heartbeat(version=0).latest_version == 0
   finally:
     relay.stop(grace=0)
+
+
+def test_a_relay_whose_metrics_port_is_taken_leaves_nothing_started(server, start_relay):
+  import socket
+
+  from param_server.server import CannotListen
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    with pytest.raises(CannotListen, match="--metrics_port"):
+      start_relay(server, metrics_port=taken.getsockname()[1])
+  assert start_relay(server, metrics_port=0).metrics_port  # the storage folder is free
