@@ -748,17 +748,23 @@ class Worker:
         self._rpc("complete", lease.lease_id)
 
   def _submit(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup) -> None:
-    """Submit one group and mark its prompt answered. A group refused as it is (too large,
-    malformed) is counted and logged, and its prompt goes back with the lease's unanswered
-    ones; any other failure is raised."""
+    """Submit one group and mark its prompt answered. A group refused as it is (too large
+    for the server or a relay on the way, malformed) is counted and logged, and the prompt
+    answered with why (the trainer is told; sampled again, it would be refused at every
+    worker); any other failure is raised."""
     try:
       with self.stats.time.span("submitting"):
         reply = self._rpc("submit_rollouts", lease_id, group)
     except ParamServerError as e:
-      if e.code != grpc.StatusCode.INVALID_ARGUMENT:
+      too_large = (e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                   and "larger than max" in e.details)  # gRPC's own limit, anywhere on the way
+      if e.code != grpc.StatusCode.INVALID_ARGUMENT and not too_large:
         raise
       self.stats.groups_refused += 1
       logging.error("worker: the group of prompt %s was refused: %s", prompt_id, e)
+      if not group.failure:  # (a refused answer of why: the prompt goes back to the queue)
+        self._submit(lease_id, prompt_id, self._failed(
+            pb.Prompt(id=prompt_id), group.policy_version, f"its group was refused: {e}"))
       return
     self._hear(getattr(reply, "latest_version", -1), getattr(reply, "staleness_floor", 0))
     with self._lock:

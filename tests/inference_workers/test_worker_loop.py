@@ -477,14 +477,22 @@ def test_routing_replay_sends_each_tokens_experts_that_the_trainer_accepts(serve
     Worker(wc, CONFIG, TOKENIZER, config)
 
 
-def test_a_group_the_server_refuses_releases_its_prompt_and_the_others_go_on(server, versions):
+@pytest.mark.parametrize("refusal", ["client", "grpc"])
+def test_a_group_the_server_refuses_is_answered_with_why_and_the_others_go_on(
+    server, versions, refusal):
+  """Too large for the server (the client's check), or for a relay on the way (gRPC's own
+  RESOURCE_EXHAUSTED, which was retried for ever): the prompt is answered with why, not
+  sent round the fleet to be refused at every worker."""
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
     enqueue_addition(trainer, 2)
     submit = wc.submit_rollouts
 
     def refuse_the_first(lease_id, group):  # a group the server would refuse, as it would
-      if group.prompt_id == "p0":
+      if group.prompt_id == "p0" and not group.failure:
+        if refusal == "grpc":
+          raise ParamServerError("SubmitRollouts", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 "Received message larger than max (5000000 vs. 4194304)")
         wc.max_request_bytes = 10
       try:
         return submit(lease_id, group)
@@ -493,10 +501,12 @@ def test_a_group_the_server_refuses_releases_its_prompt_and_the_others_go_on(ser
 
     wc.submit_rollouts = refuse_the_first
     stats = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **SMALL)).run()
-    assert (stats.groups_refused, stats.groups_submitted) == (1, 1)
-    assert [r.group.prompt_id for r in trainer.take_rollouts(0, 10).rollouts] == ["p1"]
+    assert (stats.groups_refused, stats.prompts_failed, stats.groups_submitted) == (1, 1, 2)
+    groups = {r.group.prompt_id: r.group for r in trainer.take_rollouts(0, 10).rollouts}
+    assert groups["p0"].failure.startswith("its group was refused: SubmitRollouts: ")
+    assert not groups["p0"].samples and groups["p1"].samples
     st = trainer.stats()
-    assert (st.prompts_queued, st.prompts_leased) == (1, 0)  # p0 is back in the queue
+    assert (st.prompts_queued, st.prompts_leased) == (0, 0)
 
 
 @pytest.mark.parametrize("allocator", ["fixed", "vigor"])
