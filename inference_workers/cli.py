@@ -97,6 +97,8 @@ def main(argv) -> None:
   block_stop_signals()  # before JAX or gRPC start any thread
   cfg = _CONFIG.value
   try:  # what the config names is made before JAX and the model load
+    if "model" not in cfg:
+      raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
     config = worker_config_from(cfg.get("worker"))
     from algorithms.environments import environments_from
     from algorithms.verifiers import verifiers_by_task
@@ -117,12 +119,13 @@ def main(argv) -> None:
   from rlax_ps.tokenizers import tokenizer_from_config
 
   init_from_hf = cfg.get("init_from_hf", "")
-  tokenizer = tokenizer_from_config(cfg.get("tokenizer"), init_from_hf,
-                                    str(cfg.get("worker", {}).get("verifiers", "")))
-  if "model" not in cfg:
-    raise ValueError("--config: expected a `model` section (ModelConfig fields), found none")
-  model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf,
-                                   longest_sequence(cfg))
+  try:  # a tokenizer or checkpoint that is not there, a model field out of range: one line
+    tokenizer = tokenizer_from_config(cfg.get("tokenizer"), init_from_hf,
+                                      str(cfg.get("worker", {}).get("verifiers", "")))
+    model_config = model_config_from(cfg.model, tokenizer.vocab_size, init_from_hf,
+                                     longest_sequence(cfg))
+  except (OSError, ValueError) as e:
+    raise app.UsageError(str(e)) from None
   from inference_workers.weights import WeightsDoNotFit
   from param_server.client import ParamServerError
   if jax.process_count() > 1:  # every host must hold the same model and decode alike

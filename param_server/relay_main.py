@@ -41,6 +41,10 @@ def main(argv) -> None:
   except UpstreamRefused as e:
     print(f"rlax-ps relay: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
+  except OSError as e:  # a read-only, full or misnamed folder
+    print(f"rlax-ps relay: --storage_dir {config.storage_dir}: cannot use it: {e}",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
   print(f"weight relay listening on {relay.address}, following {relay.upstream.address}",
         flush=True)
   if relay.metrics_port is not None:

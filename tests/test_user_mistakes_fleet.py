@@ -106,6 +106,26 @@ def test_serve_on_a_storage_dir_it_cannot_use_says_so_in_one_line(tmp_path):
   assert f"--storage_dir {not_a_folder}: cannot serve from it" in done.stderr
 
 
+def test_relay_on_a_storage_dir_it_cannot_use_says_so_in_one_line(tmp_path, server):
+  not_a_folder = tmp_path / "file"
+  not_a_folder.write_text("")
+  done = _rlax_ps("relay", f"--address={server.address}", f"--token={TOKENS['worker']}",
+                  f"--storage_dir={not_a_folder / 'relay'}", "--port=0")
+  assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+  assert f"--storage_dir {not_a_folder / 'relay'}: cannot use it" in done.stderr
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.tokenizer.kind=bogus", "tokenizer.kind: expected 'char' or 'hf'"),
+    ("--config.init_from_hf=/nonexistent", "no config.json in HF checkpoint folder"),
+    ("--config.model.num_layers=0", "ModelConfig.num_layers")])
+def test_a_worker_config_naming_no_usable_model_is_one_line(flag, message):
+  done = _rlax_ps("worker", "--config=configs/rl_local.py:tiny", "--address=127.0.0.1:1",
+                  "--token=w", flag)
+  assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+  assert message in done.stderr
+
+
 def test_status_with_a_timeout_that_is_not_positive_names_the_flag():
   done = _rlax_ps("status", "--address=127.0.0.1:1", "--timeout_s=-1")
   assert done.returncode == 2, done.stderr[-2000:]
