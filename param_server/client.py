@@ -95,11 +95,16 @@ class RetryPolicy:
   deadline_s: float = 60.0
 
   def delays(self) -> Iterator[float]:
+    """The waits between attempts, until deadline_s from now (the call: its first attempt's
+    time counts too)."""
     end = time.monotonic() + self.deadline_s
-    cap = self.initial_s
-    while time.monotonic() < end:
-      yield min(random.uniform(0, cap), max(0.0, end - time.monotonic()))
-      cap = min(self.max_s, cap * self.multiplier)
+
+    def waits():
+      cap = self.initial_s
+      while time.monotonic() < end:
+        yield min(random.uniform(0, cap), max(0.0, end - time.monotonic()))
+        cap = min(self.max_s, cap * self.multiplier)
+    return waits()
 
 
 @dataclasses.dataclass

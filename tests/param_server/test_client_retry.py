@@ -57,3 +57,16 @@ def test_a_call_that_ran_past_its_deadline_is_tried_again(server):
       assert c.stats().versions.latest_version == -1
   finally:
     link.close()
+
+
+def test_the_retry_deadline_counts_from_the_call_not_its_first_failure(monkeypatch):
+  """A first attempt that took longer than deadline_s leaves no retry (the deadline ran
+  from when the waits were asked for, before the attempt)."""
+  clock = [100.0]
+  monkeypatch.setattr("param_server.client.time.monotonic", lambda: clock[0])
+  waits = RetryPolicy(deadline_s=0.5).delays()
+  clock[0] += 1.0  # the first attempt
+  assert next(waits, None) is None
+  waits = RetryPolicy(deadline_s=2.0).delays()
+  clock[0] += 1.0
+  assert 0 <= next(waits) <= 1.0
