@@ -280,13 +280,15 @@ class Critic:
         slices = jax.tree.map(lambda x: x.reshape(x.shape[0] // micro, micro, *x.shape[1:])
                               .swapaxes(0, 1), batch)
 
-        def body(acc, mb):
+        def body(acc, mb):  # gradients summed in float32, as the policy's (bf16 params)
           (_, m), g = grad_fn(state.params, base, graphdef, mb, total, **settings)
+          g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
           return jax.tree.map(jnp.add, acc, (g, m)), None
 
-        zero = jax.tree.map(jnp.zeros_like, (state.params, {"vf_loss": total,
-                                                            "vf_clipfrac": total}))
+        zero = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                            (state.params, {"vf_loss": total, "vf_clipfrac": total}))
         (grads, metrics), _ = jax.lax.scan(body, zero, slices)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
       state, metrics = apply_gradients(state, grads, metrics, self.optimizer, self.schedule)
       return state, metrics
 
