@@ -128,7 +128,7 @@ def make_teacher(config: WorkerConfig, tokenizer: Any, mesh,
   return Teacher(config.teacher, mesh, vocab_size=(own or tokenizer).vocab_size,
                  dtype=config.teacher_dtype, topk=config.teacher_topk, field="worker.teacher",
                  logits_chunk=config.teacher_logits_chunk,
-                 tokenizer=tokenizer if own is None else None)
+                 tokenizer=own or tokenizer, retokenized=own is not None)
 
 
 def teacher_tokenizer(config: WorkerConfig, tokenizer: Any) -> HFTokenizer | None:

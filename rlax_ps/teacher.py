@@ -31,18 +31,22 @@ class Teacher:
 
   def __init__(self, path: str, mesh, *, vocab_size: int, dtype: str = "bfloat16",
                backend: str = "auto", logits_chunk: int = 0, sampled: bool = True,
-               topk: int = 0, field: str = "teacher.path", tokenizer=None):
-    """`vocab_size`: the ids the policy's tokenizer gives, each of which the teacher must
-    score (the two share a tokenizer: distillation compares their log-probs token by
-    token); `tokenizer`: the policy's, checked against the one the teacher's folder ships
-    (None: the teacher scores ids of its own tokenizer). `sampled`: `scores` gives the
-    log-prob of each sampled token (opd's advantages); `topk` > 0: the teacher's k most
-    likely tokens at each position too. `mesh` None: one device; `field`: the setting
-    errors name."""
+               topk: int = 0, field: str = "teacher.path", tokenizer=None,
+               retokenized: bool = False):
+    """`vocab_size`: the ids `tokenizer` gives, each of which the teacher must score and
+    the only ones its top k may name; `tokenizer`: the policy's (distillation compares
+    their log-probs token by token) or, `retokenized`, the teacher's own (it scores the
+    text of each response), checked against the one the teacher's folder ships (None: not
+    checked). `sampled`: `scores` gives the log-prob of each sampled token (opd's
+    advantages); `topk` > 0: the teacher's k most likely tokens at each position too.
+    `mesh` None: one device; `field`: the setting errors name."""
     from rlax_ps.tokenizers import other_ids
+    own = "worker.teacher_tokenizer" if field.startswith("worker.") else "teacher.tokenizer"
     mismatch = "" if tokenizer is None else other_ids(tokenizer, path)
+    if mismatch and retokenized:
+      raise ValueError(f"{own}: {getattr(tokenizer, 'path', '?')!r} is not the tokenizer of "
+                       f"the teacher {path!r} ({field}): {mismatch}")
     if mismatch:
-      own = "worker.teacher_tokenizer" if field.startswith("worker.") else "teacher.tokenizer"
       raise ValueError(f"{field}: {path!r}: {mismatch}; expected a teacher of the policy's "
                        f"tokenizer, or {own} set to score the text of each response")
     try:
@@ -51,8 +55,8 @@ class Teacher:
       raise ValueError(f"{field}: HF checkpoint {path!r}: {e}") from None
     if model.config.vocab_size < vocab_size:
       raise ValueError(f"{field}: {path!r} scores {model.config.vocab_size} token ids, "
-                       f"the policy's tokenizer gives {vocab_size}: expected a teacher of the "
-                       f"same tokenizer")
+                       f"{'its own' if retokenized else 'the policy'}'s tokenizer gives "
+                       f"{vocab_size}: expected a teacher of that tokenizer")
     self.config, self.topk = model.config, topk
     graphdef, params, _ = nnx.split(model, nnx.Param, ...)
     self.params = params.to_pure_dict()
@@ -72,7 +76,8 @@ class Teacher:
       out = {}
       if topk:
         logp, ids, top = packed_response_topk(model, tokens, batch["response_tokens"], layout,
-                                              topk, backend=backend, logits_chunk=logits_chunk)
+                                              topk, backend=backend, logits_chunk=logits_chunk,
+                                              vocab_size=vocab_size)
         out["teacher_topk_ids"], out["teacher_topk_logp"] = place(ids), place(top)
       else:
         logp = packed_response_logprobs(model, tokens, batch["response_tokens"], layout,
@@ -136,11 +141,14 @@ class Teacher:
 
 def own_tokenizer(path: str, policy_tokenizer: Any, field: str):
   """A teacher's own tokenizer (its folder's tokenizer.json, `field` naming the setting), with
-  its chat template where the policy's prompts are rendered through one."""
+  its chat template where the policy's prompts are rendered through one (and the policy's
+  tokenizer.chat_kwargs and tokenizer.tools)."""
   from rlax_ps.tokenizers import HFTokenizer
   chat = "auto" if getattr(policy_tokenizer, "chat_template", None) else ""
-  try:
-    return HFTokenizer(path, chat_template=chat)
+  try:  # the policy's template arguments and tools: the teacher sees the prompt it saw
+    return HFTokenizer(path, chat_template=chat,
+                       chat_kwargs=getattr(policy_tokenizer, "chat_kwargs", None) if chat else None,
+                       tools=getattr(policy_tokenizer, "tools", None) if chat else None)
   except (OSError, ValueError) as e:
     raise ValueError(f"{field}: {path!r}: {e}") from None
 

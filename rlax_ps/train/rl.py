@@ -347,7 +347,8 @@ class RLTrainer(TrainerRun):
                              logits_chunk=self.loss_cfg.logits_chunk,
                              sampled=self.loss_cfg.advantage == "opd",
                              topk=self.loss_cfg.distill_topk,
-                             tokenizer=None if own else self.tokenizer)
+                             tokenizer=self.teacher_tokenizer or self.tokenizer,
+                             retokenized=bool(own))
     # What a taken group brings: not the scores a teacher of another tokenizer adds here.
     self.taken_shape = (self.shape if self.teacher_tokenizer is None
                         else dataclasses.replace(self.shape, teacher_logp=False))

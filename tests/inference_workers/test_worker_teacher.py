@@ -232,3 +232,45 @@ def test_a_stopped_response_is_scored_at_the_token_that_ends_the_teachers_turn()
   assert tok.decode([sent[-1]], skip_special=False) == "<end_of_turn>" != tok.decode(
       [tok.eos_id], skip_special=False)
   assert tok.decode(sent[:-1]) == "hello" and len(out[0]) == len(response)
+
+
+def test_a_teachers_top_tokens_are_ids_the_tokenizer_gives(tmp_path):
+  """A teacher whose head has padded rows past the tokenizer's ids (here scored highest):
+  its top k names none of them (a student's head may not have them: it read NaN)."""
+  vocab = TOKENIZER.vocab_size
+  teacher = Transformer(ModelConfig(vocab_size=vocab + 8, **dict(MODEL, num_layers=1)),
+                        rngs=nnx.Rngs(7))
+  head = teacher.lm_head.kernel if teacher.lm_head is not None else None
+  if head is not None:
+    head[...] = head[...].at[:, vocab:].set(5.0)
+  else:
+    teacher.embed.embedding[...] = teacher.embed.embedding[...].at[vocab:].set(5.0)
+  save_hf_checkpoint(teacher, str(tmp_path / "teacher"))
+  shape = BatchShape(groups=1, samples=2, prompt_len=4, response_len=4, teacher_topk=4)
+  t = Teacher(str(tmp_path / "teacher"), None, vocab_size=vocab, dtype="float32", topk=4)
+  batch = {"prompt_tokens": np.full((1, 4), 5, np.int32), "prompt_lens": np.array([4]),
+           "response_tokens": np.full((1, 2, 4), 6, np.int32),
+           "response_lens": np.array([[4, 3]])}
+  ids = np.asarray(t.scores(batch)["teacher_topk_ids"])
+  assert ids.shape == (1, 2, 4, 4) and ids.max() < vocab
+
+
+def test_a_teachers_own_tokenizer_must_be_its_checkpoints_and_keeps_the_policys_template_args(
+    tmp_path):
+  """teacher.tokenizer naming another tokenizer than the teacher's folder ships is refused
+  naming it (a Qwen teacher would score Llama ids); the teacher's tokenizer renders prompts
+  with the policy's chat_kwargs and tools."""
+  from rlax_ps.teacher import own_tokenizer
+  _, _ = _bpe_teacher(tmp_path / "teacher")
+  chat = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf",
+                      "chat_tokenizer")
+  with pytest.raises(ValueError, match=r"^teacher\.tokenizer: .*chat_tokenizer.* is not the "
+                                       r"tokenizer of the teacher"):
+    Teacher(str(tmp_path / "teacher"), None, vocab_size=68, dtype="float32",
+            tokenizer=HFTokenizer(chat), retokenized=True)
+  tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+  policy = HFTokenizer(chat, chat_template="auto", chat_kwargs={"enable_thinking": False},
+                       tools=tools)
+  own = own_tokenizer(chat, policy, "teacher.tokenizer")
+  assert own.chat_kwargs == {"enable_thinking": False} and own.tools == tools
+  assert own.render_prompt("hi") == policy.render_prompt("hi")
