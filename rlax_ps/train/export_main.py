@@ -154,8 +154,16 @@ def chosen_step(steps: list[int], step: int | None, directory: str) -> int:
 
 def check_out(out: str, record: dict[str, Any]) -> None:
   """ValueError naming --out unless `out` is absent, an empty folder, or an earlier export of
-  the same step of the same run (its EXPORT_RECORD is `record`): nothing else is written over."""
+  the same step of the same run (its EXPORT_RECORD is `record`), and the folders an export
+  writes beside it (.partial, .old) are absent, empty or this command's: nothing else is
+  written over."""
   from rlax_ps.train.run import EXPORT_RECORD
+  for aside in (out.rstrip("/") + ".partial", out.rstrip("/") + ".old"):
+    if os.path.lexists(aside) and (not os.path.isdir(aside) or (
+        os.listdir(aside) and not os.path.exists(os.path.join(aside, EXPORT_RECORD)))):
+      raise ValueError(f"--out: {aside} holds no export of `rlax-ps export`, and an export "
+                       f"to {out} writes {out}.partial and moves an earlier one to {out}.old "
+                       f"(both deleted after); move it, or name another folder")
   if not os.path.lexists(out):
     return
   if not os.path.isdir(out):

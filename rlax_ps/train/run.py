@@ -215,6 +215,10 @@ def write_hf_export(graphdef: nnx.GraphDef, params: Any, tokenizer, path: str, *
   tok = tokenizer
   partial = path.rstrip("/") + ".partial"
   shutil.rmtree(partial, ignore_errors=True)
+  if record is not None:  # first: a folder of that name holding it is this export's own
+    os.makedirs(partial)
+    with open(os.path.join(partial, EXPORT_RECORD), "w") as f:
+      json.dump(record, f, indent=1)
   ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
   model = nnx.merge(graphdef, params)
   save_hf_checkpoint(model, partial, extra_config=ids, dtype=dtype, quantization=quantization)
@@ -227,9 +231,6 @@ def write_hf_export(graphdef: nnx.GraphDef, params: Any, tokenizer, path: str, *
   with open(os.path.join(partial, "generation_config.json"), "w") as f:
     json.dump({**ids, "eos_token_id": list(tok.stop_ids)}, f, indent=2)  # stop as trained
   tok.save(partial)  # with the chat template the policy was trained with, if any
-  if record is not None:
-    with open(os.path.join(partial, EXPORT_RECORD), "w") as f:
-      json.dump(record, f, indent=1)
   old = path.rstrip("/") + ".old"  # the export it replaces, moved aside, not deleted first:
   shutil.rmtree(old, ignore_errors=True)  # a kill then leaves a whole one
   if os.path.exists(path):

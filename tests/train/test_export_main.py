@@ -174,6 +174,24 @@ def test_an_out_folder_holding_other_files_is_refused_and_kept(run, tmp_path):
   assert export_checkpoint(run["workdir"], step=2) == (2, earlier)
 
 
+@pytest.mark.parametrize("suffix", [".old", ".partial"])
+def test_a_folder_beside_out_that_an_export_would_delete_is_refused_and_kept(run, tmp_path,
+                                                                            suffix):
+  """An export writes <out>.partial and moves an earlier export to <out>.old, deleting both
+  after: a folder of that name holding other files is refused, not deleted; a partial
+  export a kill left is this command's (its record is written first) and is replaced."""
+  beside = tmp_path / f"model{suffix}"
+  beside.mkdir()
+  (beside / "keep").write_text("mine")
+  with pytest.raises(ValueError, match=rf"^--out: .*model\{suffix} holds no export of "):
+    export_checkpoint(run["workdir"], step=2, out=str(tmp_path / "model"))
+  assert os.listdir(beside) == ["keep"]
+  (beside / "keep").unlink()
+  (beside / "rlax_ps_export.json").write_text("{}")  # an export's, as a kill left it
+  assert export_checkpoint(run["workdir"], step=2, out=str(tmp_path / "model"))[0] == 2
+  assert not beside.exists() and (tmp_path / "model" / "rlax_ps_export.json").exists()
+
+
 def test_peft_on_a_run_without_adapters_names_the_flag(run, tmp_path):
   with pytest.raises(ValueError, match=r"^--peft: the run's model has no adapters PEFT can "
                                        r"hold \(model.lora_rank: expected > 0"):
