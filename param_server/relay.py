@@ -37,6 +37,7 @@ from param_server.protos import param_server_pb2 as pb
 from param_server.server import (MESSAGE_OVERHEAD, SERVICE_NAME, ParamServerServicer, PullSource,
                                  ServerConfig, grpc_server, method_handlers)
 from param_server.weights import PublishWriter, WeightLimits, WeightStore
+from rlax_ps.config_files import user_path
 from rlax_ps.dataclass_flags import setting
 from rlax_ps.folder_lock import FolderLock
 
@@ -103,6 +104,7 @@ class RelayConfig:
                               "and served; 0 picks a free port, -1 = off")
 
   def __post_init__(self):
+    self.storage_dir = user_path(self.storage_dir, "RelayConfig.storage_dir")
     for name in ("chunk_bytes", "max_message_bytes", "threads"):
       if getattr(self, name) <= 0:
         raise ValueError(f"RelayConfig.{name}: expected a positive int, got {getattr(self, name)}")

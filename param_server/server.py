@@ -32,6 +32,7 @@ from param_server.protos import param_server_pb2_grpc as pb_grpc
 from param_server.queues import PromptRolloutQueues, QueueLimits, check_id_length
 from param_server.wal import WriteAheadLog
 from param_server.weights import WeightLimits, WeightStore
+from rlax_ps.config_files import user_path
 from rlax_ps.dataclass_flags import setting
 from rlax_ps.folder_lock import FolderLock
 
@@ -81,6 +82,7 @@ class ServerConfig:
                               "metrics; 0 picks a free port, -1 = off")
 
   def __post_init__(self):
+    self.storage_dir = user_path(self.storage_dir, "ServerConfig.storage_dir")
     if not (self.silent_worker_heartbeats == 0 or self.silent_worker_heartbeats >= 2):
       raise ValueError(f"ServerConfig.silent_worker_heartbeats: expected 0 (off) or >= 2, got "
                        f"{self.silent_worker_heartbeats}")

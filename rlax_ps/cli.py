@@ -130,6 +130,10 @@ def parse_flags(argv: list[str]) -> list[str]:
   except OSError as e:  # an override of a config file that did not load
     given = [a for a in argv[1:] if a.startswith("--config=")]
     message = f"{given[-1] if given else '--config'}: {_load_failure(e)}"
+  except SyntaxError as e:  # a config file (or one it loads) that is not Python
+    given = [a for a in argv[1:] if a.startswith("--config=")]
+    message = (f"{given[-1] if given else '--config'}: {e.filename}, line {e.lineno}: "
+               f"{e.msg}")
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     lines = _innermost_message(e).replace("\\n", "\n").split("\n")
     field = lines[0].strip("'\"")

@@ -36,10 +36,20 @@ def with_defaults(block, cls, skip=()):
   return block
 
 
+def user_path(path, flag: str) -> str:
+  """`path` as its user means it: `~` expanded (a shell leaves `--flag=~/x` as it is), made
+  absolute; ValueError naming `flag` where it is empty (an unset $VARIABLE: not the current
+  folder)."""
+  path = os.fspath(path)
+  if not path.strip():
+    raise ValueError(f"{flag}: expected a path, got {path!r}")
+  return os.path.abspath(os.path.expanduser(path))
+
+
 def make_workdir(path: str, flag: str = "--workdir") -> str:
-  """The absolute path of the run folder `path`, made if absent; ValueError naming `flag`
-  where it cannot be (a file of that name, a file above it, no permission)."""
-  path = os.path.abspath(path)
+  """The absolute path of the run folder `path` (user_path), made if absent; ValueError
+  naming `flag` where it cannot be (a file of that name, a file above it, no permission)."""
+  path = user_path(path, flag)
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
@@ -64,9 +74,14 @@ def check_counts(config, fields) -> None:
 
 
 def save_run_config(config, workdir: str) -> None:
-  """Write `config` to <workdir>/run_config.json (what a later run compares with)."""
-  with open(os.path.join(workdir, RUN_CONFIG), "w") as f:
+  """Write `config` to <workdir>/run_config.json (what a later run compares with), whole or
+  not at all (a kill mid-write left a file every later start failed to read)."""
+  path = os.path.join(workdir, RUN_CONFIG)
+  with open(path + ".tmp", "w") as f:
     json.dump(_plain(config), f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(path + ".tmp", path)
 
 
 def run_config_changes(workdir: str, config) -> list[str]:
@@ -75,8 +90,12 @@ def run_config_changes(workdir: str, config) -> list[str]:
   path = os.path.join(workdir, RUN_CONFIG)
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    saved = json.load(f)
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"--workdir: cannot read {path} ({e}); delete it, and the run writes it "
+                     f"again") from None
   now, out = _plain(config), []
 
   def walk(a, b, prefix):

@@ -59,6 +59,7 @@ def main(argv: list[str]) -> None:
 
   from rlax_ps import local
   from rlax_ps.compile_cache import enable_compile_cache
+  from rlax_ps.config_files import user_path
 
   config = _CONFIG.value
   if not config.get("init_from_hf") and config.get("sft") is None:
@@ -77,7 +78,11 @@ def main(argv: list[str]) -> None:
   except (OSError, TypeError, ValueError) as e:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
     sys.exit(2)
-  workdir = os.path.abspath(_WORKDIR.value)
+  try:
+    workdir = user_path(_WORKDIR.value, "--workdir")
+  except ValueError as e:
+    print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
+    sys.exit(2)
   _check_resume(config, workdir)
   overrides = local.override_flags(config_flags.get_override_values(flags.FLAGS["config"]))
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])

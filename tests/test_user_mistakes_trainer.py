@@ -41,6 +41,13 @@ def test_a_config_file_that_does_not_load_is_one_line_naming_the_flag():
          "variant 'tiyn'" in variant.stderr
 
 
+def test_a_config_file_that_is_not_python_is_one_line_naming_its_line(tmp_path):
+  (tmp_path / "syn.py").write_text("def get_config(:\n  pass\n")
+  done = _cli("sft", f"--config={tmp_path / 'syn.py'}", "--workdir=/nonexistent/x")
+  assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+  assert f"--config={tmp_path / 'syn.py'}: " in done.stderr and "line 1: " in done.stderr
+
+
 def test_a_prompt_file_that_is_a_folder_empty_or_bad_json_is_named(tmp_path):
   with pytest.raises(ValueError, match="data.jsonl: cannot read .*: Is a directory"):
     read_prompts(str(tmp_path))
@@ -61,6 +68,32 @@ def test_a_workdir_that_is_a_file_names_the_flag(tmp_path):
     TrainerRun().open_workdir(str(file), lambda: None)
   with pytest.raises(ValueError, match="--workdir: cannot use .*run/sub as a folder"):
     local.LocalRun(str(file / "sub"), "cfg.py", [], workers=1)
+
+
+def test_a_workdir_of_tilde_is_the_home_folder_and_an_empty_one_is_refused(tmp_path,
+                                                                         monkeypatch):
+  """A shell leaves `--workdir=~/run` as it is: it is the home folder's run, not a folder
+  named ~ in the current one; --workdir= (an unset $VARIABLE) is refused, not the current
+  folder."""
+  from rlax_ps.config_files import make_workdir
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.chdir(tmp_path)
+  assert make_workdir("~/run") == str(tmp_path / "home" / "run")
+  assert (tmp_path / "home" / "run").is_dir() and not (tmp_path / "~").exists()
+  with pytest.raises(ValueError, match=r"^--workdir: expected a path, got ''"):
+    make_workdir("")
+  from param_server.server import ServerConfig
+  assert ServerConfig(storage_dir="~/ps").storage_dir == str(tmp_path / "home" / "ps")
+  done = _cli("local", "--config=configs/rl_local.py:tiny", "--workdir=")
+  assert done.returncode == 2 and "--workdir: expected a path, got ''" in done.stderr, (
+      done.stderr[-2000:])
+
+
+def test_eval_output_that_cannot_be_written_is_refused_before_evaluating(tmp_path):
+  done = _cli("eval", "--config=configs/rl_local.py:tiny", f"--checkpoints={LLAMA}",
+              f"--output={tmp_path / 'missing' / 'r.json'}")
+  assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+  assert "--output: cannot write" in done.stderr and "exact match" not in done.stdout
 
 
 def test_a_second_local_run_on_a_workdir_is_refused_before_it_starts(tmp_path):

@@ -178,15 +178,34 @@ def _checked(config, paths: list[str]):
   return tokenizers, first
 
 
+def output_path(value: str) -> str:
+  """--output as a path to write (user_path), its folder there and writable: checked before
+  anything is evaluated; "" when not given."""
+  from rlax_ps.config_files import user_path
+  if not value:
+    return ""
+  path = user_path(value, "--output")
+  folder = os.path.dirname(path)
+  if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+    raise ValueError(f"--output: cannot write {path} (expected a file in a folder that exists "
+                     f"and is writable)")
+  return path
+
+
 def main(argv: list[str]) -> None:
   from rlax_ps.compile_cache import enable_compile_cache
   enable_compile_cache()
   config, paths = _CONFIG.value, list(dict.fromkeys(_paths(_CHECKPOINTS.value)))
+  try:
+    output = output_path(_OUTPUT.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   tokenizers, first = _checked(config, paths)
   results = {p: evaluate_checkpoint(config, p, tokenizers[p], first if p == paths[0] else None)
              for p in paths}
   print(table(results), flush=True)
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, "w") as f:
+  if output:  # whole or not at all
+    with open(output + ".tmp", "w") as f:
       json.dump(results, f, indent=1)
-    print(f"results: {_OUTPUT.value}", flush=True)
+    os.replace(output + ".tmp", output)
+    print(f"results: {output}", flush=True)

@@ -23,6 +23,8 @@ from typing import Any
 
 from absl import flags, logging
 
+from rlax_ps.config_files import user_path
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "A trainer's run folder: the --workdir of "
                                "`rlax-ps train`, `rlax-ps sft` or `rlax-ps local`.")
 _STEP = flags.DEFINE_integer("step", None, "The checkpoint step to export (default: the "
@@ -238,10 +240,10 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
   if quantization is not None and quantization not in QUANTIZATIONS:
     raise ValueError(f"--quantization: expected one of {QUANTIZATIONS} ('': none), got "
                      f"{quantization!r}")
-  workdir = os.path.abspath(workdir)
+  workdir = user_path(workdir, "--workdir")
   with open_reader(workdir) as reader:
     step = chosen_step(reader.all_steps(), step, reader.directory)
-    out = os.path.abspath(out or os.path.join(workdir, f"hf-step-{step}"))
+    out = user_path(out or os.path.join(workdir, f"hf-step-{step}"), "--out")
     record = {"checkpoints": reader.directory, "step": step}
     check_out(out, record)
     try:

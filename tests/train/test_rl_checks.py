@@ -216,3 +216,11 @@ def test_a_saved_run_config_names_each_changed_field(tmp_path):
   changes = run_config_changes(str(tmp_path), config)
   assert len(changes) == 2 and changes[0].startswith("model.num_layers: ")
   assert changes[1].endswith("-> 7") and changes[1].startswith("train.steps: ")
+  # One a kill cut short (written whole now, or not at all) is named with what to do.
+  (tmp_path / "run_config.json").write_text('{"check')
+  with pytest.raises(ValueError, match=r"^--workdir: cannot read .*run_config.json .*; delete "
+                                       r"it"):
+    run_config_changes(str(tmp_path), config)
+  save_run_config(config, str(tmp_path))
+  assert run_config_changes(str(tmp_path), config) == []
+  assert sorted(os.listdir(tmp_path)) == ["run_config.json"]
