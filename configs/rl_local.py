@@ -353,6 +353,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The parameter server's Prometheus metrics (`rlax-ps serve --metrics_port`, no token) on
   # http://127.0.0.1:PORT/metrics; 0 = any free port (the URL is printed); -1 = off.
   c.local.metrics_port = -1
+  # More `rlax-ps serve` flags for the run's server, space-separated (e.g.
+  # "--max_message_bytes=268435456" for long responses with routing replay).
+  c.local.serve_flags = ""
 
   if arg == "tiny":
     c.rl.steps = 4

@@ -15,8 +15,9 @@ Mixtral, gpt-oss): configs/rl_instruct.py with what MoE RL needs on top.
 - Expert parallelism (model.expert_parallel): each chip of the fsdp axis holds whole
   experts and the tokens routed to them travel, instead of every layer gathering all the
   experts' weights (fsdp must divide the expert count; the trainer's first line says).
-A long response's routes take layers x top_k bytes per token: raise `rlax-ps serve
---max_message_bytes` for thinking-length responses. `:tiny` is the smoke variant (tests).
+A long response's routes take layers x top_k bytes per token: raise the server's message
+limit for thinking-length responses (--config.local.serve_flags=--max_message_bytes=N, or
+`rlax-ps serve --max_message_bytes=N` on separate machines). `:tiny` is the smoke variant.
 """
 
 from rlax_ps.config_files import sibling

@@ -104,13 +104,20 @@ class LocalRun:
 
   def __init__(self, workdir: str, config_file: str, overrides: Sequence[str], *,
                workers: int, worker_platform: str = "cpu", trainer_chips: int = 0,
-               chips_per_worker: int = 0, metrics_port: int = -1, python: str = sys.executable,
-               dev: str = "/dev", worker_grace_s: float = 25.0):
+               chips_per_worker: int = 0, metrics_port: int = -1, serve_flags: str = "",
+               python: str = sys.executable, dev: str = "/dev", worker_grace_s: float = 25.0):
     if workers < 1:
       raise ValueError(f"local.workers: expected >= 1, got {workers}")
     if not -1 <= metrics_port <= 65535:
       raise ValueError(f"local.metrics_port: expected -1 (off) or a port 0-65535 (0: any "
                        f"free one), got {metrics_port}")
+    self.serve_flags = str(serve_flags).split()
+    reserved = [f for f in self.serve_flags if not f.startswith("--") or f.split("=")[0] in (
+        "--storage_dir", "--port", "--host", "--metrics_port", "--token_file")]
+    if reserved:
+      raise ValueError(f"local.serve_flags: expected more `rlax-ps serve` flags (--name=value), "
+                       f"not {reserved[0]!r} (the run sets its storage, address and tokens; "
+                       f"metrics: local.metrics_port)")
     if (trainer_chips > 0) != (chips_per_worker > 0) or min(trainer_chips, chips_per_worker) < 0:
       raise ValueError(f"{chips.FIELDS}: expected both > 0 (a split of this host's GPUs or "
                        f"TPU chips) or both 0, got {trainer_chips} and {chips_per_worker}")
@@ -162,12 +169,12 @@ class LocalRun:
     return child
 
   def server_args(self) -> list[str]:
-    """The `rlax-ps serve` command line of the run's server: loopback, a free port, and
-    Prometheus metrics on `local.metrics_port` when it is not -1."""
+    """The `rlax-ps serve` command line of the run's server: loopback, a free port,
+    Prometheus metrics on `local.metrics_port` when it is not -1, and local.serve_flags."""
     args = ["serve", f"--storage_dir={self.ps_dir}", "--port=0", "--host=127.0.0.1"]
     if self.metrics_port >= 0:
       args.append(f"--metrics_port={self.metrics_port}")
-    return args
+    return args + self.serve_flags
 
   def start_server(self, timeout_s: float = 60.0) -> str:
     """Start the parameter server on a free loopback port; returns its address (and sets

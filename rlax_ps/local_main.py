@@ -94,6 +94,7 @@ def main(argv: list[str]) -> None:
                          trainer_chips=int(config.local.get("trainer_chips", 0)),
                          chips_per_worker=int(config.local.get("chips_per_worker", 0)),
                          metrics_port=int(config.local.get("metrics_port", -1)),
+                         serve_flags=str(config.local.get("serve_flags", "")),
                          worker_grace_s=worker_grace_s)
   except ValueError as e:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)

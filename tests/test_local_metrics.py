@@ -60,6 +60,19 @@ def test_metrics_are_off_by_default_and_a_bad_port_names_the_key(tmp_path, fresh
     local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=1, metrics_port=70000)
 
 
+def test_serve_flags_reach_the_runs_server_and_its_own_are_refused(tmp_path):
+  """local.serve_flags: more `rlax-ps serve` flags (a larger message limit for routing
+  replay's long responses); those the run sets itself are refused naming the field."""
+  config = config_files.load(os.path.join(REPO, "configs/rl_local.py"), "tiny")
+  assert config.local.serve_flags == ""
+  run = local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=1,
+                       serve_flags="--max_message_bytes=268435456  --threads=8")
+  assert run.server_args()[-2:] == ["--max_message_bytes=268435456", "--threads=8"]
+  for flags in ("--port=9", "--storage_dir=/x", "max_message_bytes=1"):
+    with pytest.raises(ValueError, match=r"^local\.serve_flags: expected more"):
+      local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=1, serve_flags=flags)
+
+
 @pytest.mark.slow
 def test_the_real_servers_metrics_answer_at_the_printed_url(tmp_path, fresh_tokens):
   run = local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=1, metrics_port=0,
