@@ -733,8 +733,8 @@ class Worker:
           continue  # released on the way out
         if group is None or self._stale(version):  # None: stopped under the floor (which may
           stale.append(prompt.id)  # have fallen since); a submission's reply may raise it
-        else:
-          self._submit(lease.lease_id, prompt.id, group)
+        else:  # an outage is waited out: the group is kept, as the continuous path keeps it
+          self._with_backoff(lambda: self._submit(lease.lease_id, prompt.id, group))
       if stale:
         self._count_stale(len(stale), version)
         with self.stats.time.span("submitting"):

@@ -614,6 +614,28 @@ def test_unreachable_server_is_retried_with_backoff(versions, caplog):
   assert "retrying until it answers or the worker stops (no deadline)" in caplog.text
 
 
+@pytest.mark.parametrize("allocator", ["fixed", "vigor"])
+def test_a_finished_group_waits_out_an_outage_and_is_sent(server, versions, allocator):
+  """The server away when a group is sent (two refused tries): the group is kept and sent
+  once it answers, not dropped with its prompts released (VIGOR's rounds dropped them)."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 2)
+    submit, refused = wc.submit_rollouts, []
+
+    def away_twice(*args, **kwargs):
+      if len(refused) < 2:
+        refused.append(1)
+        raise ParamServerError("SubmitRollouts", grpc.StatusCode.UNAVAILABLE, "connection refused")
+      return submit(*args, **kwargs)
+
+    wc.submit_rollouts = away_twice
+    config = WorkerConfig(max_leases=1, **dict(SMALL, allocator=allocator))
+    stats = Worker(wc, CONFIG, TOKENIZER, config).run()
+    assert (stats.groups_submitted, stats.prompts_released, stats.reconnects) == (2, 0, 2)
+    assert len(trainer.take_rollouts(0, 10).rollouts) == 2
+
+
 def test_a_group_a_stop_leaves_unsent_with_the_server_away_is_logged(server, versions, caplog):
   # SIGTERM while the server is down: the finished group cannot go; the worker must say
   # what it leaves undone, not exit as if all were handed over.
