@@ -986,6 +986,8 @@ class Worker:
     key = (lease_id, prompt_id)
     prompt, version = self._started.pop(key)
     given = self._given.pop(key, {})
+    with self._lock:  # the server's count of its begun tokens: done with
+      self._held.pop(key, None)
     self.stats.samples += len(samples)
     self.stats.tokens += sum(len(s.tokens) for s in samples)
     if lease_id in self._abandoned:

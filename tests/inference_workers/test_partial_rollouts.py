@@ -60,6 +60,7 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
   assert sorted(groups) == ["p0", "p1"] and second.stats.groups_submitted == 2
   assert_finished_as_begun(second, groups, begun, altered=("p0", 0))
   assert all(group_of(t, TOKENIZER).resumed == 3 for t in taken)  # what the trainer counts
+  assert not second._held  # the begun tokens the server held, forgotten with their groups
 
 
 def test_a_salvage_hands_a_leases_partial_rollouts_back_in_calls_of_bounded_size(
