@@ -20,8 +20,9 @@ sample j of that prompt (its tokens so far, and which of them earlier replies wr
 thread pool, and decoding goes on for the other rows meanwhile (a paused row's cache
 stands still). Once the reply is in, the row takes its tokens in place of drawing, all in
 one step (`_feed_rows`: they join its cache like its own; a reply the budget cuts short is
-fed one token per decode step instead), and draws again after them; None (or `max_turns`
-replies given) finishes the sample.
+fed one token per decode step instead), and draws again after them; None or no tokens (or
+`max_turns` replies given) finishes the sample (a resumed sample counts its replies by the
+tokens they wrote).
 
 Resuming (`resume`): a prompt may come with samples another run began (partial rollouts):
 a finished one is returned as it is; the others take their begun tokens first (with their
@@ -968,14 +969,16 @@ class ContinuousBatch:
       if reply is None:
         continue
       reply = np.asarray(reply, np.int64).reshape(-1)
-      if reply.size and (reply.min() < 0 or reply.max() >= vocab):
+      if not reply.size:  # as None: a reply of no tokens is no turn a resume could count
+        continue
+      if reply.min() < 0 or reply.max() >= vocab:
         raise ValueError(f"respond: reply token ids must lie in [0, {vocab}), got "
                          f"[{reply.min()}, {reply.max()}]")
       reply = reply[:width]  # the budget ends the sample within the reply anyway
       self._replies[out] = self._replies.get(out, 0) + 1
       go_on[i], counts[i] = True, reply.size
       replies[i, width - reply.size:] = reply
-      if reply.size and length + reply.size < self.params.max_new_tokens:
+      if length + reply.size < self.params.max_new_tokens:
         feeds[row] = reply
     self._dev.answer(ids, replies, counts, go_on)
     self._feed(feeds)

@@ -111,6 +111,24 @@ def test_a_reply_the_budget_cannot_hold_ends_the_sample_by_length(model):
       assert len(s.tokens) == 8 and s.finish_reason == "length" and s.observed[-1]
 
 
+def test_a_reply_of_no_tokens_ends_the_sample_as_none_does(model):
+  """An empty reply is no turn (a resumed sample could not count it, and would get one
+  more): the sample ends at that stop, as with None, and respond is asked once."""
+  params = SamplingParams(max_new_tokens=20, stop_tokens=STOPS)
+  ends = {}
+  for answer in (None, []):
+    asked = []
+    batch = ContinuousBatch(model, 3, 2, params, respond=lambda k, j, t, o: (
+        asked.append((k, j)), answer)[1], max_turns=4)
+    for i, p in enumerate(PROMPTS):
+      batch.add(i, p, [11 * i + j for j in range(3)])
+    done = dict(batch.run())
+    assert len(asked) == len(set(asked))
+    ends[repr(answer)] = {k: [s.tokens.tolist() for s in g] for k, g in done.items()}
+  assert ends["None"] == ends["[]"]
+  assert any(t[-1] in STOPS and len(t) < 20 for g in ends["[]"].values() for t in g)
+
+
 def test_bad_respond_settings_and_replies_are_named(model):
   with pytest.raises(TypeError, match="respond: expected a callable or None, got int"):
     ContinuousBatch(model, 1, 1, respond=3)
