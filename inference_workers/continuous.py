@@ -690,7 +690,13 @@ class ContinuousBatch:
     self.queue([self.entry(key, prompt, seeds, begun)])
 
   def queue(self, entries: Sequence[_Waiting]) -> None:
-    """Queue entries that `entry` made."""
+    """Queue entries that `entry` made; ValueError naming a key queued or running already
+    (run()'s groups, drop() and partial() go by key)."""
+    keys = {w.key for w in self._waiting} | {w.key for w in self._held.values()}
+    for w in entries:
+      if w.key in keys:
+        raise ValueError(f"key: {w.key!r} is queued or running already")
+      keys.add(w.key)
     self._waiting.extend(entries)
 
   def entry(self, key: Hashable, prompt: Sequence[int], seeds: Sequence[int],

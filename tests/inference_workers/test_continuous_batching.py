@@ -315,6 +315,10 @@ def test_bad_input_is_named(model):
   with pytest.raises(ValueError, match="max_position_embeddings"):
     batch.add(0, [1] * CONFIG.max_position_embeddings, [1, 2])
   assert batch.waiting == 0
+  batch.add(0, PROMPTS[0], [1, 2])  # a key twice: run()'s groups, drop() go by key
+  with pytest.raises(ValueError, match="key: 0 is queued or running already"):
+    batch.add(0, PROMPTS[1], [1, 2])
+  assert batch.waiting == 1
 
 
 def test_the_benchmark_counts_the_decode_steps_of_each_schedule():
