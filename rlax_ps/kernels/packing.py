@@ -187,19 +187,19 @@ def packed_response_topk(model, tokens, response_tokens, layout: SharedPromptLay
   the model's k most likely next tokens at each response position (ids [B, N, R, k] int32,
   their log-probs [B, N, R, k]), 0 at padding; `logits_chunk` > 0 projects that many
   positions to the vocabulary at a time (a distillation teacher's forward under a large
-  vocabulary). `vocab_size`: the ids a tokenizer gives; the model's padded rows past it
-  are left out (a student's head may not have them)."""
+  vocabulary). `vocab_size`: the ids a tokenizer gives; the top k names none of the
+  model's padded rows past it (a student's head may not have them)."""
   attention_fn = packed_attention_fn(layout, backend=backend)
   hidden = model.hidden_states(tokens, positions=layout.positions(),
                                segment_ids=layout.segment_ids(), attention_fn=attention_fn)[0]
   positions = layout.num_responses * layout.response_capacity
 
   def one(h_c, tok_c):
-    logits = model.logits_from_hidden(h_c).astype(jnp.float32)
-    if vocab_size is not None and vocab_size < logits.shape[-1]:
-      logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    top, ids = jax.lax.top_k(logp, k)
+    logp = jax.nn.log_softmax(model.logits_from_hidden(h_c).astype(jnp.float32), axis=-1)
+    named = logp  # the ids the top k may name (the log-probs themselves stay the model's)
+    if vocab_size is not None and vocab_size < logp.shape[-1]:
+      named = jnp.where(jnp.arange(logp.shape[-1]) < vocab_size, logp, -jnp.inf)
+    top, ids = jax.lax.top_k(named, k)
     return jnp.take_along_axis(logp, tok_c, -1)[..., 0], ids.astype(jnp.int32), top
 
   return _map_response_chunks(one, hidden, jnp.asarray(response_tokens)[..., None], layout,

@@ -233,6 +233,22 @@ class LossConfig:
     def need(cond, field, expected):
       if not cond:
         raise ValueError(f"loss.{field}: expected {expected}, got {getattr(self, field)!r}")
+
+    def number(field, above=None, at_least=None):  # a finite number past a bound
+      v = getattr(self, field)
+      return (_is_number(v) and math.isfinite(v) and (above is None or v > above)
+              and (at_least is None or v >= at_least))
+
+    def whole(field):  # a whole number >= 0
+      v = getattr(self, field)
+      return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}
+
+    def unused(fields, used, why):  # settings the objective would not read: refused unless
+      for field in fields:  # at their defaults (set by mistake, they would do nothing)
+        need(used or getattr(self, field) == defaults[field], field,
+             f"its default {defaults[field]!r} {why}")
     need(self.advantage in ADVANTAGES, "advantage", f"one of {ADVANTAGES}")
     need(self.policy_loss in POLICY_LOSSES, "policy_loss", f"one of {POLICY_LOSSES}")
     need(self.correction in CORRECTIONS, "correction", f"one of {CORRECTIONS}")
@@ -329,7 +345,7 @@ class LossConfig:
       need(self.policy_loss == "ppo" and self.correction != "m2po", "dual_clip",
            f"None with policy_loss={self.policy_loss!r}, correction={self.correction!r} "
            "(it bounds PPO's clipped loss)")
-    need(self.overlong_buffer >= 0, "overlong_buffer", ">= 0 tokens")
+    need(whole("overlong_buffer"), "overlong_buffer", "a whole number of tokens >= 0")
     need(isinstance(self.mask_truncated, bool), "mask_truncated", "True or False")
     need(_is_number(self.top_entropy_quantile) and 0 < self.top_entropy_quantile <= 1,
          "top_entropy_quantile", "a share in (0, 1] (1.0: every token)")
@@ -352,26 +368,43 @@ class LossConfig:
              for i in self.stop_ids), "stop_ids", "token ids >= 0")
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
     if self.policy_loss not in UNCLIPPED:  # (which clip nothing: unset, checked above)
-      need(self.clip_low >= 0, "clip_low", "a clip bound >= 0")
-      need(self.clip_high >= 0, "clip_high", "a clip bound >= 0")
+      need(number("clip_low", at_least=0), "clip_low", "a finite clip bound >= 0")
+      need(number("clip_high", at_least=0), "clip_high", "a finite clip bound >= 0")
     need(self.agg in losses.AGGREGATIONS, "agg", f"one of {losses.AGGREGATIONS}")
-    need(self.tis_cap > 0, "tis_cap", "> 0")
+    need(number("tis_cap", above=0), "tis_cap", "a finite cap > 0")
     need(self.is_level in corrections.LEVELS, "is_level", f"one of {corrections.LEVELS}")
-    need(self.behaviour_cap > 0, "behaviour_cap", "> 0")
-    need(self.kl_coef >= 0, "kl_coef", ">= 0")
+    need(number("behaviour_cap", above=0), "behaviour_cap", "a finite cap > 0")
+    need(number("kl_coef", at_least=0), "kl_coef", "a finite coefficient >= 0")
     need(isinstance(self.distill_topk, numbers.Integral) and not isinstance(
         self.distill_topk, bool) and self.distill_topk >= 0, "distill_topk",
          "a whole number of the teacher's tokens >= 0 (0: off)")
     need(_is_number(self.distill_coef) and math.isfinite(self.distill_coef)
          and self.distill_coef >= 0, "distill_coef", "a finite coefficient >= 0")
-    need(self.router_aux_coef >= 0, "router_aux_coef", ">= 0")
-    need(self.logits_chunk >= 0, "logits_chunk", ">= 0 positions (0 = whole rows)")
-    need(self.budget >= 0, "budget", ">= 0 tokens")
+    need(number("router_aux_coef", at_least=0), "router_aux_coef",
+         "a finite coefficient >= 0")
+    need(whole("logits_chunk"), "logits_chunk", "a whole number of positions >= 0 (0 = whole "
+         "rows)")
+    need(whole("budget"), "budget", "a whole number of tokens >= 0")
     need(self.kl_estimator in losses.KL_ESTIMATORS, "kl_estimator",
          f"one of {losses.KL_ESTIMATORS}")
     need(isinstance(self.kl_bias_correction, bool), "kl_bias_correction", "True or False")
     need(not (self.kl_bias_correction and self.kl_coef <= 0), "kl_bias_correction",
          "False with kl_coef=0 (it corrects the KL term, which kl_coef > 0 turns on)")
+    for fields, reads in ((("is_level",), ("tis", "mis")), (("tis_cap",), ("tis",)),
+                          (("mis_low", "mis_high"), ("mis",)), (("m2po_threshold",), ("m2po",)),
+                          (("behaviour_cap",), ("decoupled",))):
+      unused(fields, self.correction in reads, f"with correction={self.correction!r} (read "
+             f"with {' or '.join(map(repr, reads))})")
+    unused(("kl_estimator",), self.kl_coef > 0 or self.kl_in_reward > 0,
+           "with kl_coef=0 and kl_in_reward=0 (no KL is estimated)")
+    unused(("kl_horizon",), self.kl_target is not None, "without kl_target")
+    unused(("distill_coef",), self.distill_topk > 0, "with distill_topk=0")
+    unused(("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max"),
+           self.adaptive_entropy, "without adaptive_entropy")
+    for loss_name, fields in (("kl_cov", ("kl_cov_ratio", "kl_cov_coef")),
+                              ("clip_cov", ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
+                              ("sapo", ("sapo_tau_pos", "sapo_tau_neg"))):
+      unused(fields, self.policy_loss == loss_name, f"with policy_loss={self.policy_loss!r}")
 
   @classmethod
   def from_config(cls, block) -> "LossConfig":

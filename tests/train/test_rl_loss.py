@@ -385,8 +385,20 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
     ("agg", "sum", "loss.agg"), ("kl_coef", -1.0, "loss.kl_coef"),
     ("mis_low", 3.0, "loss.mis_low: expected 0 <= mis_low < mis_high=2.0"),
     ("overlong_buffer", -1, "loss.overlong_buffer"),
-    ("clip_high", -1.0, "loss.clip_high: expected a clip bound >= 0"),
-    ("clip_low", -0.1, "loss.clip_low: expected a clip bound >= 0"),
+    ("clip_high", -1.0, "loss.clip_high: expected a finite clip bound >= 0"),
+    ("clip_low", -0.1, "loss.clip_low: expected a finite clip bound >= 0"),
+    ("clip_low", "0.2", "loss.clip_low: expected a finite clip bound >= 0, got '0.2'"),
+    ("kl_coef", float("inf"), "loss.kl_coef: expected a finite coefficient >= 0, got inf"),
+    ("overlong_buffer", 2.5, "loss.overlong_buffer: expected a whole number of tokens"),
+    # Settings the objective would not read, set by mistake: they would do nothing.
+    ("is_level", "sequence", "loss.is_level: expected its default 'token' with "
+                             "correction='none' \\(read with 'tis' or 'mis'\\)"),
+    ("kl_estimator", "k1", "loss.kl_estimator: expected its default 'k3' with kl_coef=0 and "
+                           "kl_in_reward=0"),
+    ("kl_horizon", 5, "loss.kl_horizon: expected its default 10000 without kl_target"),
+    ("distill_coef", 2.0, "loss.distill_coef: expected its default 1.0 with distill_topk=0"),
+    ("sapo_tau_pos", 2.0, "loss.sapo_tau_pos: expected its default 1.0 with "
+                          "policy_loss='ppo'"),
     ("kl_estimator", "mse", "loss.kl_estimator: expected one of .*'low_var_kl', 'abs'"),
     ("kl_bias_correction", True, "loss.kl_bias_correction: expected False with kl_coef=0"),
     ("kl_cov_ratio", 0.0, "loss.kl_cov_ratio: expected a share of the tokens in \\(0, 1\\]"),
