@@ -281,6 +281,7 @@ class WeightRelay:
     self.metrics_port: int | None = None  # the bound port, once serving metrics
     self._metrics = None
     self.fetches = 0  # updates pulled from the server
+    self._from_keyframe = False  # the next fetch pulls a keyframe (an update was refused)
     self.bytes_fetched = 0
     self.bytes_resumed = 0  # bytes of broken streams from the server not sent again
     self.pulls_cut_through = 0  # pulls served (in part) from an update still arriving
@@ -435,7 +436,8 @@ class WeightRelay:
       resume = None
       if arriving is not None and arriving.received:
         resume = (arriving.version, arriving.base_version, arriving.received)
-      call = self.upstream.stream_pull(None if have < 0 else have, resume=resume)
+      start = None if have < 0 or self._from_keyframe else have
+      call = self.upstream.stream_pull(start, resume=resume)
       try:
         for chunk in call:
           if resume is not None:
@@ -482,7 +484,12 @@ class WeightRelay:
       blob, _ = self.weights.commit(arriving.writer)
     except Exception as e:
       self._drop_arriving(f"v{arriving.version} failed the relay's checks: {e}")
+      if isinstance(e, errors.RequestError) and not self._from_keyframe:  # e.g. a delta
+        self._from_keyframe = True  # on other weights of its base: the next fetch starts
+        logging.warning("relay: v%d refused (%s); fetching the server's latest from a "  # anew
+                        "keyframe", arriving.version, e)
       raise
+    self._from_keyframe = self._from_keyframe and not blob.is_keyframe
     self.fetches += 1
     self.bytes_fetched += blob.nbytes
     logging.info("relay: holds v%d (%s, %d bytes)", blob.version,

@@ -20,6 +20,7 @@ from param_server.client import (RELAY_DOWN, ParamServerClient, ParamServerError
 from param_server.protos import param_server_pb2 as pb
 from param_server import relay as relay_module
 from param_server.relay import RelayConfig, WeightRelay
+from param_server.weights import WeightStore
 from child_env import child_env
 from ps_testlib import (CHUNK, REPO, TOKENS, apply_blobs, client_for, perturbed, publish_chain,
                        tiny_weights)
@@ -686,6 +687,35 @@ def test_a_relay_that_cannot_follow_its_server_sends_workers_to_the_server(
       assert w.heartbeat(version=0).latest_version == 0
   finally:
     relay.stop(grace=0)
+
+
+def test_a_relay_that_refused_an_update_fetches_anew_from_a_keyframe(server, trainer,
+                                                                     start_relay):
+  """An update the relay's store refuses (a delta on other weights of its base: a server
+  restored from a backup) is not fetched again the same way for ever: the next fetch pulls
+  the server's latest from its keyframe."""
+  from param_server import errors
+  publish_chain(trainer, 3)
+  store_commit, refused, starts = WeightStore.commit, [], []
+
+  def refuse_the_first_delta(store, writer):
+    if store is not server.weights and not refused and store.latest == 0:
+      refused.append(1)
+      raise errors.FailedPrecondition("base_version", "sealed other weights")
+    return store_commit(store, writer)
+
+  stream_pull = ParamServerClient.stream_pull
+
+  def noted(client, have, **kwargs):
+    starts.append(have)
+    return stream_pull(client, have, **kwargs)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(WeightStore, "commit", refuse_the_first_delta)
+    mp.setattr(ParamServerClient, "stream_pull", noted)
+    relay = start_relay(server, poll_s=0.2)
+    _until(lambda: relay.weights.latest == 2)
+  assert refused and starts[-1] is None and 0 not in starts[starts.index(None, 1):]
 
 
 def test_a_relay_whose_metrics_port_is_taken_leaves_nothing_started(server, start_relay):
