@@ -1477,6 +1477,9 @@ class RLTrainer(TrainerRun):
     """Acknowledge the takes that a durable checkpoint has trained on (the leader's)."""
     if not self.leader or not self.pending or self.checkpointer.saving():
       return
+    # At once when nothing is in flight, and raises where the last async save failed: orbax
+    # lists a step from save() on, so latest_step alone would name one never written.
+    self.checkpointer.wait()
     durable = self.checkpointer.latest_step()
     if durable is None:
       return

@@ -10,6 +10,7 @@ import shutil
 import signal
 import threading
 import time
+import types
 from unittest import mock
 
 import jax
@@ -29,7 +30,7 @@ from rlax_ps.tokenizers import make_tokenizer
 from rlax_ps.train.publisher import flat_params
 from rlax_ps.teacher import Teacher, score_retokenized
 from rlax_ps.train.events import open_jsonl, read_jsonl
-from rlax_ps.train.rl import RLTrainer, server_retry
+from rlax_ps.train.rl import PendingTake, RLTrainer, server_retry
 
 
 def _config(**rl):
@@ -354,6 +355,34 @@ def test_a_take_round_cut_short_puts_back_what_its_groups_changed(tmp_path):
     assert tr.streaks == {1: 2} and tr.skip_ids == {7} and tr.consumed == 0
     assert tr.outstanding == {"p-1": (0, 1), "p-5": (1, 5)} and tr.came_back == 0
     assert tr.dropped_stale == 3
+
+
+def test_takes_are_not_acked_on_a_checkpoint_whose_async_write_failed(tmp_path):
+  """orbax lists a step from save() on; its background write failing shows at the next
+  wait. The takes it would hold are not acknowledged (lost for good: the restart resumes
+  from the step before), and the failure stops the run."""
+  acked = []
+
+  class Failed:
+    def saving(self):
+      return False
+
+    def latest_step(self):
+      return 5  # listed, never written
+
+    def wait(self):
+      raise OSError(28, "No space left on device")
+
+  with RLTrainer(_config(), str(tmp_path / "rl"), types.SimpleNamespace(
+      ack=acked.append)) as tr:
+    checkpointer, tr.checkpointer = tr.checkpointer, Failed()
+    tr.pending = [PendingTake("t1", [1, 2], 5)]
+    try:
+      with pytest.raises(OSError, match="No space left"):
+        tr._ack_durable()
+    finally:
+      tr.checkpointer = checkpointer
+  assert acked == [] and [t.take_id for t in tr.pending] == ["t1"]
 
 
 @pytest.mark.parametrize("micro,correction", [(3, "none"), (2, "m2po")])
