@@ -19,6 +19,8 @@ import jax
 import orbax.checkpoint as ocp
 
 STATE, METADATA = "state", "metadata"
+# tensorstore's words for array data cut short or unreadable (a step half written to disk).
+_UNREADABLE = ("OUT_OF_RANGE", "DATA_LOSS", "Error reading", "Error opening")
 
 
 class Checkpointer:
@@ -83,6 +85,8 @@ class Checkpointer:
     except (KeyError, FileNotFoundError) as e:  # an item or a file of it missing
       raise self._damaged(int(step), e) from e
     except ValueError as e:
+      if any(m in str(e) for m in _UNREADABLE):  # tensorstore: data cut short or unreadable
+        raise self._damaged(int(step), e) from e
       if not any(m in str(e) for m in ("tree structures do not match", "Structure mismatch")):
         raise
       raise ValueError(
@@ -130,9 +134,11 @@ class Checkpointer:
     """The error for a step folder that cannot be read (emptied, truncated, half deleted):
     which folder, and what deleting it resumes from."""
     older = [s for s in self.all_steps() if s < step]
-    then = f"resume from step {older[-1]}" if older else "start anew"
+    then = (f"resume from step {older[-1]} (an RL run's groups acknowledged for the steps "
+            f"after it are not trained again)" if older else "start anew")
+    said = str(error).split(" [tensorstore_spec")[0]  # (tensorstore appends its whole spec)
     return ValueError(f"checkpoint: step {step} in {self.directory} is incomplete or damaged "
-                      f"({type(error).__name__}: {error}); delete "
+                      f"({type(error).__name__}: {said}); delete "
                       f"{os.path.join(self.directory, str(step))} to {then}")
 
   def saving(self) -> bool:

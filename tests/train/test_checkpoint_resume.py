@@ -217,7 +217,8 @@ def _two_steps(directory):
       ck.save(step, {"w": np.full(4, step, np.float32)}, {"step": step})
 
 
-@pytest.mark.parametrize("damage", ["emptied", "state_deleted", "metadata_deleted"])
+@pytest.mark.parametrize("damage", ["emptied", "state_deleted", "metadata_deleted",
+                                    "data_cut"])
 def test_damaged_latest_step_names_the_folder_and_what_deleting_it_resumes(tmp_path, damage):
   """A latest step folder that cannot be read (emptied, an item gone) is named, with the step
   that deleting it resumes from, instead of orbax's KeyError about items."""
@@ -230,6 +231,12 @@ def test_damaged_latest_step_names_the_folder_and_what_deleting_it_resumes(tmp_p
       shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
   elif damage == "state_deleted":
     shutil.rmtree(os.path.join(folder, "state"))
+  elif damage == "data_cut":  # a step renamed into place before its data reached the disk
+    for root, _, files in os.walk(os.path.join(folder, "state")):
+      for name in files:
+        if os.path.basename(root) == "d":
+          with open(os.path.join(root, name), "r+b") as f:
+            f.truncate(10)
   else:
     os.remove(os.path.join(folder, "metadata", "metadata"))
   want = f"step 2 in {directory} is incomplete or damaged .*delete {folder} to resume from step 1"
