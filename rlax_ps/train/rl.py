@@ -645,6 +645,11 @@ class RLTrainer(TrainerRun):
         # Requeued meanwhile (its ack deadline passed): skip its groups when they come back.
         self.skip_ids.update(take.rollout_ids)
     self.pending = []
+    # The prompts fed and not trained on, again: a stop may have cut their enqueue short (the
+    # server skips the ids it holds, queued, leased or answered).
+    self._feed_again(self.outstanding.values())
+    for key, round_ in sorted(self._eval_rounds.items()):
+      self._enqueue_eval(key, round_["left"])
     return max(info.latest_version, self.saved_version) + 1
 
   def _server_lost(self, store_id: str, behind: bool = False) -> bool:
