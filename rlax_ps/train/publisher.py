@@ -92,6 +92,9 @@ class Publisher:
     new_device = self._held(params)
     keyframe = (keyframe or self._device is None or version != self.version + 1
                 or self._since_keyframe + 1 >= self.keyframe_every)
+    # The schedule every process of a multi-host slice keeps alike (their device paths must
+    # match): a keyframe the sender alone falls back to does not reset it.
+    scheduled = keyframe
     sends = self.client is not None  # None: a follower process of a multi-host trainer
     if keyframe:
       host = to_host(new_device, keep=sends)
@@ -117,17 +120,17 @@ class Publisher:
       self._host, self._checksums = host, update.checksums
       size, digest = len(wire), sync.state_digest(update.checksums)
     self._device, self.version = new_device, version
-    self._since_keyframe = 0 if keyframe else self._since_keyframe + 1
+    self._since_keyframe = 0 if scheduled else self._since_keyframe + 1
     return Publication(version, keyframe, size, time.perf_counter() - t0, digest)
 
   def resend_keyframe(self) -> Publication:
     """The last published version again, as a keyframe encoded from the host copy (no device
-    work, so one process of a multi-host slice may do it): for a server that lost it."""
+    work, so one process of a multi-host slice may do it, leaving the keyframe schedule as
+    the others keep it): for a server that lost it."""
     if self.client is None or self._host is None:
       raise ValueError("resend_keyframe: expected a publisher that sent a version before")
     t0 = time.perf_counter()
     update, wire = self._send_keyframe(self._host, self.version)
-    self._since_keyframe = 0
     return Publication(self.version, True, len(wire), time.perf_counter() - t0,
                        sync.state_digest(update.checksums))
 

@@ -59,6 +59,39 @@ def test_a_follower_makes_the_senders_gathers_and_keeps_nothing(fmt, monkeypatch
     np.testing.assert_array_equal(held[name].view(np.uint8), want[name].view(np.uint8), name)
 
 
+def test_a_senders_fallback_keyframe_leaves_the_schedule_the_followers_keep():
+  """The server lacks a delta's base (it lost its weights): the sender alone sends a
+  keyframe, and resends one; the processes of a multi-host slice must still pick the same
+  device path for every later version, so neither resets the schedule they share."""
+  from param_server.client import ParamServerError
+  import grpc
+
+  class LostBaseOnce(_Client):
+    def publish(self, wire, run=""):
+      if len(self.sent) == 2 and not getattr(self, "refused", False):
+        self.refused = True
+        raise ParamServerError("Publish", grpc.StatusCode.FAILED_PRECONDITION,
+                               "base_version: the server holds no v1")
+      super().publish(wire, run)
+
+  client = LostBaseOnce()
+  sender = publisher_lib.Publisher(client, "bf16", keyframe_every=4)
+  follower = publisher_lib.Publisher(None, "bf16", keyframe_every=4)
+  for version in range(9):
+    sent = sender.publish(_params(version), version)
+    got = follower.publish(_params(version), version)
+    if version == 5:
+      sender.resend_keyframe()
+    assert got.keyframe == (version in (0, 4, 8)), version  # the schedule, alike
+    assert sender._since_keyframe == follower._since_keyframe, version
+    assert sent.keyframe == (version in (0, 2, 4, 8)), version  # v2: the fallback
+  held = None
+  for wire in client.sent:
+    held = sync.apply(held if sync.Update.from_bytes(wire).base_version is not None else None,
+                      sync.Update.from_bytes(wire))
+  assert sync.state_digest({k: sync.checksum(v) for k, v in held.items()}) == sent.digest
+
+
 def _held_from(server):
   """The held state a worker pulls from `server`, and its latest version."""
   from rl_testlib import client
