@@ -5,7 +5,8 @@ and values_of), so a delta's wrapping offsets are one native integer scatter-add
 donated buffer on every backend, with no bitcast around it (which XLA:CPU turns into two
 full passes over the tensor). The tensors of an update go in one jitted call per group of
 about Patcher.GROUP_BYTES of weights: an update costs a few dispatches, not three per
-tensor.
+tensor. A tensor replaced whole (a keyframe's, a raw delta's) frees its old buffer as it
+is placed: no second copy of the model exists on device.
 """
 
 import functools
@@ -100,8 +101,11 @@ class Patcher:
       if sparse:
         self._call(held, group, {ch.name: ch for ch in sparse})
       for ch in changes:
-        if ch.kind == "replace":
-          held[ch.name] = _placed(bit_view(ch.array).reshape(ch.shape), held[ch.name])
+        if ch.kind == "replace":  # the old buffer goes at once, as a donated one does: a
+          old = held[ch.name]  # keyframe never holds two copies of the model on device
+          held[ch.name] = _placed(bit_view(ch.array).reshape(ch.shape), old)
+          if isinstance(old, jax.Array) and not old.is_deleted():
+            old.delete()
         if ch.kind != "unchanged":
           changed.append(ch.name)
     return changed

@@ -56,9 +56,17 @@ def test_patching_matches_the_host_apply_for_every_kind(fmt):
   assert sorted(changed) == sorted(n for n, k in kinds.items() if k != "unchanged")
   for name in update.tensors:
     assert _same(on_device[name], want[name]), name
-  for name in changed:
-    assert before[name].is_deleted() or kinds[name] == "replace", name  # patched in place
+  for name in changed:  # patched in place, or replaced with the old buffer freed
+    assert before[name].is_deleted(), name
   update.verify_all({n: sync.checksum(np.asarray(v)) for n, v in on_device.items()})
+  # A keyframe replaces every tensor; each old buffer is freed as its new one is placed
+  # (no second copy of the model on device).
+  keyframe = sync.encode(None, sync.held_state(base, fmt), fmt, version=2)
+  before = dict(on_device)
+  patch.Patcher().apply(on_device, keyframe)
+  assert all(before[name].is_deleted() for name in before)
+  for name, value in sync.held_state(base, fmt).items():
+    assert _same(on_device[name], value), name
 
 
 def test_bits_and_values_are_bitcasts_that_keep_every_pattern():
