@@ -258,10 +258,14 @@ def _copied(name: str, base, old, new, prints: bool, check: bool):
 
 
 def _host_tensor(name: str, base, fetched, n: int | None, want: int | None) -> np.ndarray:
-  """One tensor of _fetch_state: fetched whole (n None), or `base` copied and its n changed
-  elements set; checked against the device fingerprint `want` unless None."""
+  """One tensor of _fetch_state: fetched whole (n None), `base` itself where nothing changed
+  (n 0: a LoRA run's frozen base is not copied nor hashed every publication; host copies are
+  never written), or `base` copied and its n changed elements set, checked against the
+  device fingerprint `want` unless None."""
   if n is None:
     return np.asarray(fetched)
+  if n == 0:
+    return np.asarray(base)
   result = np.array(np.asarray(base), order="C")
   idx, values = fetched
   bit_view(result)[idx[:n]] = values[:n]

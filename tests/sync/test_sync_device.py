@@ -47,6 +47,8 @@ def test_host_state_fetches_changes_and_encodes_the_same_update(fmt, fetch_path)
     assert host_new[name].dtype == want.dtype and np.array_equal(
         host_new[name].view(np.uint8), want.view(np.uint8)), name
     assert np.array_equal(host_old[name].view(np.uint8), frozen[name].view(np.uint8)), name
+  if fetch_path == "device":  # an unchanged tensor (a LoRA run's frozen base): not copied
+    assert host_new["same.kernel"] is host_old["same.kernel"]
   keyframe = sync.encode(None, host_old, fmt, version=0)
   update = sync.encode(host_old, host_new, fmt, version=1, base_checksums=keyframe.checksums)
   assert update.to_bytes() == sync.encode(frozen, {k: np.asarray(v) for k, v in new.items()},
