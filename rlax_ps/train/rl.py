@@ -885,6 +885,10 @@ class RLTrainer(TrainerRun):
     rate = StepRate()  # from here: the warm start's evaluation is not sampling time
     steps_log = (open_steps_jsonl(os.path.join(self.workdir, "steps.jsonl"), self.step)
                  if self.leader else None)
+    # Likewise the completions of steps a kill undid: their groups are logged again.
+    self._completions_log = (open_steps_jsonl(os.path.join(self.workdir, "completions.jsonl"),
+                                              self.step)
+                             if self.leader and self.completions_every else None)
     try:
       while True:
         go = (self.step < self.total_steps and not self._stop.is_set()
@@ -971,8 +975,10 @@ class RLTrainer(TrainerRun):
         if export_every and done % export_every == 0 and done < self.total_steps:
           self.export_hf(os.path.join(self.workdir, "exports", f"step_{done:06d}"))
     finally:
-      if steps_log is not None:
-        steps_log.close()
+      for log in (steps_log, self._completions_log):
+        if log is not None:
+          log.close()
+      self._completions_log = None
       if self._compiler is not None:  # compiles not begun are dropped
         self._compiler.shutdown(wait=False, cancel_futures=True)
     self.save()
@@ -1605,8 +1611,8 @@ class RLTrainer(TrainerRun):
       advantages = trained[rows][batch["sample_mask"][rows] > 0]  # in sample order
       records.append(completion_record(step, group, taken[group.rollout_id], advantages,
                                        self.tokenizer))
-    with open(os.path.join(self.workdir, "completions.jsonl"), "a") as f:
-      f.writelines(json.dumps(r) + "\n" for r in records)
+    self._completions_log.writelines(json.dumps(r) + "\n" for r in records)
+    self._completions_log.flush()
     self.writer.add_table("rollouts/completions", COMPLETION_COLUMNS,
                           [row for r in records for row in completion_rows(r)], step)
 

@@ -14,6 +14,7 @@ from param_server.client import make_sample
 from param_server.protos import param_server_pb2 as pb
 from rl_testlib import FakeWorker, client, rl_config, start_server
 from rlax_ps.tokenizers import CharTokenizer
+from rlax_ps.train.events import open_steps_jsonl
 from rlax_ps.train.rl import COMPLETION_COLUMNS, RLTrainer
 from rlax_ps.train.rl_checks import check_rl_config
 from rlax_ps.train.rl_loss import LossConfig
@@ -45,7 +46,9 @@ def _trainer(workdir, every, groups):
       taken_shape=BatchShape(groups=len(REWARDS), samples=4, prompt_len=8, response_len=8),
       teacher_tokenizer=None,
       loss_cfg=LossConfig(budget=8), completions_every=every, completions_groups=groups,
-      _taken={}, workdir=str(workdir), writer=Writer())
+      _taken={}, workdir=str(workdir), writer=Writer(),
+      _completions_log=open_steps_jsonl(os.path.join(workdir, "completions.jsonl"), 0)
+      if every else None)
 
 
 def _taken(step, g):
@@ -153,6 +156,8 @@ def test_a_trainer_logs_what_its_workers_submitted(tmp_path):
   config.rl.steps, config.eval.num_examples, config.eval.batch_size = 2, 2, 2
   config.export.hf = False
   config.log.update(completions_every=2, completions_groups=3)
+  os.makedirs(tmp_path / "rl")  # a line of a step a kill undid (past the checkpoint's, 0)
+  (tmp_path / "rl" / "completions.jsonl").write_text('{"step": 2, "prompt_id": "undone"}\n{"st')
   try:
     with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"),
                                                             tc) as tr:
