@@ -73,15 +73,19 @@ def check_counts(config, fields) -> None:
       raise ValueError(f"{name}: expected a whole number >= 0 (0: off), got {value!r}")
 
 
-def save_run_config(config, workdir: str) -> None:
-  """Write `config` to <workdir>/run_config.json (what a later run compares with), whole or
-  not at all (a kill mid-write left a file every later start failed to read)."""
-  path = os.path.join(workdir, RUN_CONFIG)
+def write_json(path: str, value) -> None:
+  """`value` as JSON at `path`, whole or not at all (a kill mid-write leaves the old file)."""
   with open(path + ".tmp", "w") as f:
-    json.dump(_plain(config), f, indent=1)
+    json.dump(value, f, indent=1)
     f.flush()
     os.fsync(f.fileno())
   os.replace(path + ".tmp", path)
+
+
+def save_run_config(config, workdir: str) -> None:
+  """Write `config` to <workdir>/run_config.json (what a later run compares with), whole or
+  not at all (a kill mid-write left a file every later start failed to read)."""
+  write_json(os.path.join(workdir, RUN_CONFIG), _plain(config))
 
 
 def run_config_changes(workdir: str, config) -> list[str]:

@@ -40,7 +40,7 @@ from param_server.client import (ParamServerError, Prompt, RetryPolicy, routes_o
                                  sample_logprobs, sample_observed, sample_teacher)
 from rlax_ps import chat, optim
 from rlax_ps import sharding as shd
-from rlax_ps.config_files import save_run_config
+from rlax_ps.config_files import save_run_config, write_json
 from rlax_ps.tokenizers import Tokenizer
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import (PromptFeed, PromptRecords, TaskPrompts, data_files,
@@ -1678,8 +1678,7 @@ class RLTrainer(TrainerRun):
       summary["reward_parts"] = part_means(self.reward_parts_totals)
     summary["reward_parts_malformed"] = self.reward_parts_malformed
     if self.leader:
-      with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+      write_json(os.path.join(self.workdir, "summary.json"), summary)
     self.writer.flush()
     return summary
 

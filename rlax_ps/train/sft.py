@@ -24,7 +24,7 @@ from flax import nnx
 
 from rlax_ps import optim
 from rlax_ps import sharding as shd
-from rlax_ps.config_files import check_counts, save_run_config
+from rlax_ps.config_files import check_counts, save_run_config, write_json
 from rlax_ps.tasks import Example
 from rlax_ps.train.data import SFTBatches
 from rlax_ps.train.heldout import heldout_from_config
@@ -261,6 +261,5 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True,
     if export:
       print(f"Hugging Face export: {export}", flush=True)
     print(f"done in {summary['seconds']:.0f}s; workdir {trainer.workdir}", flush=True)
-    with open(os.path.join(trainer.workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=1)
+    write_json(os.path.join(trainer.workdir, "summary.json"), summary)
   return summary

@@ -206,6 +206,23 @@ def test_an_hf_tokenizer_saves_its_files_and_its_chat_template(tmp_path):
       "{{ messages[0]['content'] }}!")
 
 
+def test_json_written_whole_or_not_at_all(tmp_path, monkeypatch):
+  """summary.json, run_config.json: a write cut short (a kill, a full disk) leaves the file
+  as it was, not half of the new one."""
+  from rlax_ps import config_files
+  path = str(tmp_path / "summary.json")
+  config_files.write_json(path, {"step": 1})
+
+  def full_disk(fd):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(config_files.os, "fsync", full_disk)
+  with pytest.raises(OSError):
+    config_files.write_json(path, {"step": 2, "more": "x" * 100_000})
+  with open(path) as f:
+    assert json.load(f) == {"step": 1}
+
+
 def test_a_saved_run_config_names_each_changed_field(tmp_path):
   config = rl_config().sft
   assert run_config_changes(str(tmp_path), config) == []  # none saved
