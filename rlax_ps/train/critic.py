@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from algorithms import losses
@@ -143,7 +144,11 @@ class Critic:
 
   def __init__(self, model_config: ModelConfig, block, mesh, *, total_steps: int,
                loss_cfg: LossConfig, policy_graphdef: nnx.GraphDef, updates_per_batch: int = 1,
-               micro_batches: int = 1, tokenizer=None):
+               micro_batches: int = 1, tokenizer=None,
+               saved_schedule: dict | None = None, step: int = 0):
+    """`saved_schedule`, `step`: the critic's lr schedule in the checkpoint resumed and its
+    step (optim.resumed_optimizer_config: a changed rl.steps keeps its decay horizon, as the
+    policy's does)."""
     d = check_critic_config(block, total_steps)
     # critic.init_from_hf: a model of its own (checked against the policy's `tokenizer`),
     # in the policy's dtypes and with its LoRA settings; else the policy's
@@ -154,9 +159,13 @@ class Critic:
                    if self.init_from_hf else critic_config(model_config))
     self.value_clip = d.get("value_clip", 0.5)
     self.warmup_steps = d.get("warmup_steps", 0)  # the first steps: the critic's alone
-    self.optimizer_config = d.get("optimizer") or {}
+    self.optimizer_config, line = optim.resumed_optimizer_config(
+        d.get("optimizer") or {}, total_steps, saved_schedule, step, "rl.steps")
+    if line:
+      logging.warning("critic: %s", line)
     self.optimizer = optim.make_optimizer(self.optimizer_config, total_steps, updates_per_batch)
-    self.schedule = optim.learning_rate_schedule(d.get("optimizer") or {}, total_steps)
+    self.schedule = optim.learning_rate_schedule(self.optimizer_config, total_steps)
+    self.schedule_settings = optim.schedule_settings(self.optimizer_config, total_steps)
     self.mesh, self.loss_cfg, self.micro = mesh, loss_cfg, micro_batches
     model = nnx.eval_shape(lambda: ValueModel(self.config, rngs=nnx.Rngs(0)))
     self.graphdef, params = nnx.split(model, nnx.Param)

@@ -252,6 +252,20 @@ def routing_shape(model_config, worker) -> dict[str, int]:
               num_experts=model_config.num_experts)
 
 
+def critic_schedule(metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+  """The critic's lr schedule a checkpoint records; for one that records none (written by an
+  older rlax-ps), the one its saved config implies; None without a checkpoint or a critic."""
+  if not metadata or not metadata.get("critic"):
+    return None
+  if metadata.get("critic_schedule"):
+    return dict(metadata["critic_schedule"])
+  config = metadata.get("config") or {}
+  steps = (config.get("rl") or {}).get("steps")
+  if not isinstance(steps, int):
+    return None
+  return optim.schedule_settings((config.get("critic") or {}).get("optimizer") or {}, steps)
+
+
 @dataclasses.dataclass
 class PendingTake:
   """A take of rollout groups, acknowledged once a durable checkpoint holds `step`."""
@@ -368,7 +382,9 @@ class RLTrainer(TrainerRun):
                            total_steps=self.total_steps, loss_cfg=self.loss_cfg,
                            policy_graphdef=abstract_model(self.model_config)[0],
                            updates_per_batch=int(rl.get("updates_per_batch", 1)),
-                           micro_batches=self.micro_batches, tokenizer=self.tokenizer)
+                           micro_batches=self.micro_batches, tokenizer=self.tokenizer,
+                           saved_schedule=critic_schedule(latest),
+                           step=int((latest or {}).get("step", 0)))
     held = {}  # a reference mixed with the policy (rl.ref_sync_steps), the critic, as saved
     if self.critic is None and latest is not None and latest.get("critic"):
       raise ValueError(f"loss.advantage: the checkpoint in {self.checkpointer.directory} holds "
@@ -555,6 +571,7 @@ class RLTrainer(TrainerRun):
         "mixed_reference": self.mixed_reference,  # the state holds ref_params
         # and the critic's state: one of critic.LAYOUTS; None: no critic
         "critic": self.critic.layout if self.critic is not None else None,
+        "critic_schedule": self.critic.schedule_settings if self.critic is not None else None,
         "model_config": self.model_config.to_dict(),
         "config": json.loads(self.config.to_json_best_effort()),
     }

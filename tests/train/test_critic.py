@@ -337,6 +337,7 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
   config.init_from_hf, config.loss.kl_in_reward = str(tmp_path / "warm"), 0.05
   config.eval.num_examples = 0  # no held-out evaluation: its decoding is not what is tested
   config.rl.steps, config.checkpoint.every_steps = 2, 1
+  config.critic.optimizer.min_lr_ratio = 0.1  # a decaying schedule: its horizon resumes
   config.worker.max_new_tokens, config.export.hf = 8, False
   with fake_fleet(tmp_path) as (tc, _):
     with RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
@@ -354,9 +355,12 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
       assert tr.version == 1  # a publication a policy step (and one at the start)
       jax.effects_barrier()  # once a step, in the critic's targets: the policy's takes those
       assert len(runs) == 2
+      first = dict(tr.critic.schedule_settings)
     config.rl.steps = 3
     with RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
       assert int(tr.critic.state.step) == 2
+      # rl.steps raised: the critic's lr goes on down its curve, as the policy's does
+      assert tr.critic.schedule_settings == first and first["decay_steps"] == 2
       jax.tree.map(np.testing.assert_array_equal, saved,
                    jax.tree.map(np.asarray, tr.critic.state.params))
       assert np.asarray(saved["value_head"]).any()  # trained, not the fresh zero head
