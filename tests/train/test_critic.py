@@ -31,9 +31,10 @@ def _batch():
   return verl_batch(B)
 
 
-def _cfg(case):
+def _cfg(case):  # (the fixture's estimator, where a KL is estimated: else refused unused)
+  kl = {"kl_estimator": case["kl_estimator"]} if case["kl_in_reward"] else {}
   return LossConfig(advantage="gae", gamma=case["gamma"], lam=case["lam"],
-                    kl_in_reward=case["kl_in_reward"], kl_estimator=case["kl_estimator"])
+                    kl_in_reward=case["kl_in_reward"], **kl)
 
 
 @pytest.mark.parametrize("case", DATA["cases"],
