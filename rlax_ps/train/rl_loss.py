@@ -395,8 +395,6 @@ class LossConfig:
                           (("behaviour_cap",), ("decoupled",))):
       unused(fields, self.correction in reads, f"with correction={self.correction!r} (read "
              f"with {' or '.join(map(repr, reads))})")
-    unused(("kl_estimator",), self.kl_coef > 0 or self.kl_in_reward > 0,
-           "with kl_coef=0 and kl_in_reward=0 (no KL is estimated)")
     unused(("kl_horizon",), self.kl_target is not None, "without kl_target")
     unused(("distill_coef",), self.distill_topk > 0, "with distill_topk=0")
     unused(("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max"),

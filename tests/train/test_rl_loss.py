@@ -393,8 +393,6 @@ def test_a_gradient_step_raises_the_log_probs_of_rewarded_samples():
     # Settings the objective would not read, set by mistake: they would do nothing.
     ("is_level", "sequence", "loss.is_level: expected its default 'token' with "
                              "correction='none' \\(read with 'tis' or 'mis'\\)"),
-    ("kl_estimator", "k1", "loss.kl_estimator: expected its default 'k3' with kl_coef=0 and "
-                           "kl_in_reward=0"),
     ("kl_horizon", 5, "loss.kl_horizon: expected its default 10000 without kl_target"),
     ("distill_coef", 2.0, "loss.distill_coef: expected its default 1.0 with distill_topk=0"),
     ("sapo_tau_pos", 2.0, "loss.sapo_tau_pos: expected its default 1.0 with "

@@ -29,9 +29,10 @@ def _batch():
   return verl_batch(B)
 
 
-def _cfg(case, **fields):
+def _cfg(case, **fields):  # (the fixture's estimator where a KL is estimated: else unused)
+  kl = {"kl_estimator": case["kl_estimator"]} if case["kl_in_reward"] else {}
   return LossConfig(advantage=case["advantage"], kl_in_reward=case["kl_in_reward"],
-                    kl_estimator=case["kl_estimator"], gamma=case["gamma"], **fields)
+                    gamma=case["gamma"], **kl, **fields)
 
 
 def _full(verl_rows):
