@@ -124,6 +124,8 @@ def _parquet_rows(path: str, field: str) -> Iterator[dict[str, Any]]:
         yield from batch.to_pylist()
   except FileNotFoundError:
     raise ValueError(f"{field}: no file {path}") from None
+  except OSError as e:  # a folder (a Spark or datasets one: name its files), no permission
+    raise ValueError(f"{field}: cannot read {path}: {e}") from None
   except pa.ArrowException as e:
     raise ValueError(f"{field}: {path} is not a readable Parquet file: {e}") from None
 

@@ -82,6 +82,9 @@ def test_verl_style_parquet_rows_are_read_at_dotted_keys(tmp_path):
   (tmp_path / "bad.parquet").write_bytes(b"not parquet")
   with pytest.raises(ValueError, match="data.jsonl: .*bad.parquet is not a readable Parquet"):
     read_prompts(str(tmp_path / "bad.parquet"))
+  (tmp_path / "spark.parquet").mkdir()  # a folder of part files (Spark, datasets)
+  with pytest.raises(ValueError, match="data.jsonl: cannot read .*spark.parquet: "):
+    read_prompts(str(tmp_path / "spark.parquet"))
 
 
 def test_several_files_joined_by_commas_are_read_in_order(tmp_path):
