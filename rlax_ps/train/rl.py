@@ -1197,6 +1197,11 @@ class RLTrainer(TrainerRun):
     if round_ is None or taken.prompt.id not in round_["left"]:  # scored, or fed after the
       return  # checkpoint a restart resumed from (the restart fed the step's round again)
     _, _, k = round_["left"].pop(taken.prompt.id)
+    if taken.group.failure:  # said here, not in a worker's log alone: it lowers the score
+      logging.log_every_n_seconds(
+          logging.WARNING, "rl: held-out prompt %s could not be sampled by worker %r (%s); "
+          "it scores 0", 30, taken.group.prompt_id, taken.group.metadata.get("worker", "?"),
+          taken.group.failure)
     scores = [self._answer_score(s) for s in taken.group.samples] or [0.0]
     if taken.group.samples:
       round_["versions"].append(int(taken.group.policy_version))

@@ -461,6 +461,24 @@ def _answer_held_out(server, n, passed):
     return [p.id for p in lease.prompts]
 
 
+def test_a_held_out_prompt_no_worker_could_sample_scores_0_and_is_said(tmp_path, caplog):
+  """eval.on_workers: a held-out prompt a worker refuses (too long for the model) scores 0,
+  and the trainer's log says why (the worker's alone did)."""
+  with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+    tr._eval_rounds = {"3": {"step": 3, "left": {"x": ("addition", 0, 0)}, "waited": True,
+                             "passes": [], "scores": collections.defaultdict(list),
+                             "versions": []}}
+    taken = pb.TakenRollout(
+        prompt=pb.Prompt(id="x", metadata={"eval": "3", "eval_set": "addition"}),
+        group=RolloutGroup(prompt_id="x", failure="prompt length 99 + max_new_tokens 6 "
+                           "exceeds max_position_embeddings=64", metadata={"worker": "w1"}))
+    with caplog.at_level("WARNING"):
+      tr._eval_group(taken)
+    assert tr._eval_rounds["3"]["done"][0] == {"addition": 0.0, "all": 0.0}
+  assert "held-out prompt x could not be sampled by worker 'w1' (prompt length 99" in (
+      caplog.text)
+
+
 def _score_taken(tr, tc):
   """The trainer takes what is submitted (nothing to train on here) and scores it."""
   tr._valid_groups(tc.take_rollouts(0, 64, wait_s=2.0).rollouts)
