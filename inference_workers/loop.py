@@ -69,7 +69,7 @@ from rlax_ps import chat
 from rlax_ps import sharding as shd
 from rlax_ps.models.config import ModelConfig
 from rlax_ps.reward_scoring import RewardScorer, prompt_messages
-from rlax_ps.sync import Update
+from rlax_ps.sync import CodecError, Update
 from rlax_ps.teacher import Teacher, own_tokenizer, score_retokenized
 from rlax_ps.tokenizers import HFTokenizer
 
@@ -116,7 +116,8 @@ def follow_leader(model_config: ModelConfig, tokenizer: Any, config: WorkerConfi
       "reward": lambda: RewardScorer(config.reward_model, tokenizer, config.reward_model_dtype,
                                      config.reward_model_batch, mesh=mesh),
       "teacher": lambda: make_teacher(config, tokenizer, mesh,
-                                      teacher_tokenizer(config, tokenizer))})
+                                      teacher_tokenizer(config, tokenizer))},
+      alike=(ValueError, ResyncNeeded, CodecError))
 
 
 def make_teacher(config: WorkerConfig, tokenizer: Any, mesh,

@@ -224,11 +224,14 @@ class MirroredPolicy:
     return self._mirror.call(self._key, "digest", (), {}, self._policy.digest)
 
 
-def follow(channel: Channel, makers: dict[str, Callable[..., Any]]) -> int:
+def follow(channel: Channel, makers: dict[str, Callable[..., Any]],
+           alike: tuple[type[BaseException], ...] = (ValueError,)) -> int:
   """A follower's loop: make, call and forget what the leader says, until it says stop;
-  returns the exit status the leader ends with. A call that raises here raised on the
-  leader too (same inputs, same state): the leader decides what follows, so it is logged and
-  the loop goes on."""
+  returns the exit status the leader ends with. A call that raises one of `alike` (errors of
+  the inputs, which every host meets: a refused update, a resync) raised on the leader too:
+  the leader decides what follows, so it is logged and the loop goes on. Any other (this
+  host's device or memory failing) is raised: the process leaves, and the leader's next
+  call across the hosts fails, rather than the hosts going on in different states."""
   objects: dict[int, Any] = {}
   while True:
     message = channel.receive()
@@ -244,7 +247,7 @@ def follow(channel: Channel, makers: dict[str, Callable[..., Any]]) -> int:
       _, key, method, args, kwargs = message
       try:
         getattr(objects[key], method)(*args, **kwargs)
-      except Exception as e:  # noqa: BLE001: the leader raised the same and handles it
+      except alike as e:  # the leader raised the same and handles it
         logging.info("worker follower: %s.%s raised %s: %s (as on the leader)",
                      type(objects[key]).__name__, method, type(e).__name__, e)
     else:

@@ -79,6 +79,28 @@ def _follower(makers):
   return multihost.Mirror(channel), thread, called
 
 
+def test_a_follower_goes_on_after_an_error_of_the_inputs_and_leaves_on_its_own_failure():
+  """A refused update raises on every host alike: the follower logs it and follows on. A
+  failure of this host alone (its device, its memory) ends the follower, so that the
+  leader's next call across the hosts fails, not a slice in two states."""
+  class Device:
+    def apply(self, kind):
+      if kind == "refused":
+        raise ValueError("update: refused on every host")
+      raise RuntimeError("RESOURCE_EXHAUSTED: this host's device is out of memory")
+
+  channel = Loopback()
+  for message in (("make", 1, "device", {}), ("call", 1, "apply", ("refused",), {}),
+                  ("stop", 3)):
+    channel.send(message)
+  assert multihost.follow(channel, {"device": Device}) == 3
+  for message in (("make", 1, "device", {}), ("call", 1, "apply", ("oom",), {}),
+                  ("stop", 0)):
+    channel.send(message)
+  with pytest.raises(RuntimeError, match="out of memory"):
+    multihost.follow(channel, {"device": Device})
+
+
 def _reply(key, j, tokens, observed):
   turn = int(np.sum(np.asarray(tokens) == 50))
   return None if turn >= 2 else [50, 40 + turn, 51]
