@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 GCE_PREEMPTED_URL = "http://metadata.google.internal/computeMetadata/v1/instance/preempted"
@@ -28,15 +29,21 @@ GCE_PREEMPTED_URL = "http://metadata.google.internal/computeMetadata/v1/instance
 log = logging.getLogger("rlax_ps.preemption")
 
 
-def poll_preempted(url: str, timeout_s: float) -> bool | None:
-  """One long-poll of the metadata endpoint: True/False, or None when it cannot be reached."""
-  query = "?wait_for_change=true&timeout_sec=%d" % max(1, int(timeout_s))
+def poll_preempted(url: str, timeout_s: float,
+                   etag: str | None = None) -> tuple[bool | None, str | None]:
+  """(True/False, the value's ETag) of the metadata endpoint, or (None, None) when it cannot
+  be reached. Without `etag` it answers at once; with the ETag of the value last read it
+  long-polls until the value differs from that one (a notice given between two polls is
+  answered at once, not missed until the next change or timeout)."""
+  query = ("" if etag is None else "?wait_for_change=true&timeout_sec=%d&last_etag=%s"
+           % (max(1, int(timeout_s)), urllib.parse.quote(etag)))
   request = urllib.request.Request(url + query, headers={"Metadata-Flavor": "Google"})
   try:
     with urllib.request.urlopen(request, timeout=timeout_s + 5) as response:
-      return response.read().decode().strip().upper() == "TRUE"
+      return (response.read().decode().strip().upper() == "TRUE",
+              response.headers.get("ETag"))
   except (urllib.error.URLError, OSError, TimeoutError):
-    return None
+    return None, None
 
 
 class PreemptionWatchdog:
@@ -62,8 +69,9 @@ class PreemptionWatchdog:
     self._child: subprocess.Popen | None = None
 
   def _watch(self, child: subprocess.Popen) -> None:
+    etag = None  # none: read the value at once (after a start, or the server unreachable)
     while child.poll() is None and not self.preempted.is_set():
-      state = poll_preempted(self.url, self.poll_timeout_s)
+      state, etag = poll_preempted(self.url, self.poll_timeout_s, etag)
       if state:
         log.warning("preemption notice from %s: sending SIGTERM to pid %d", self.url,
                     child.pid)

@@ -5,6 +5,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 
 import pytest
 
@@ -12,24 +13,34 @@ from inference_workers.preemption_watchdog import PreemptionWatchdog, poll_preem
 
 
 class FakeMetadata:
-  """A local stand-in for GCE's `instance/preempted` endpoint."""
+  """A local stand-in for GCE's `instance/preempted` endpoint: a plain GET answers at once
+  with the value and its ETag; wait_for_change=true waits while the value's ETag is the
+  request's last_etag (without one: until the value changes; here a short timeout)."""
 
   def __init__(self):
     self.preempted = False
-    self.requests = 0
+    self.requests, self.queries = 0, []
     outer = self
 
     class Handler(http.server.BaseHTTPRequestHandler):
       def do_GET(self):
         outer.requests += 1
+        query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
+        outer.queries.append(query)
         if self.headers.get("Metadata-Flavor") != "Google":
           self.send_response(403)
           self.end_headers()
           return
-        if not outer.preempted:
-          time.sleep(0.05)  # a short long-poll
+        if "wait_for_change" in query:
+          seen = query.get("last_etag", [None])[0]
+          start = outer.etag()
+          for _ in range(20):  # a short long-poll (timeout_sec, shortened)
+            if outer.etag() != (seen or start):
+              break
+            time.sleep(0.05)
         body = b"TRUE" if outer.preempted else b"FALSE"
         self.send_response(200)
+        self.send_header("ETag", outer.etag())
         self.end_headers()
         self.wfile.write(body)
 
@@ -39,6 +50,9 @@ class FakeMetadata:
     self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     self.url = f"http://127.0.0.1:{self.server.server_address[1]}/preempted"
     threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+  def etag(self) -> str:
+    return "e-true" if self.preempted else "e-false"
 
   def close(self):
     self.server.shutdown()
@@ -91,6 +105,8 @@ def test_notice_sends_sigterm_and_child_exits_cleanly(metadata, tmp_path):
   assert result.get("rc") == 0
   assert marker.read_text() == "released"
   assert watchdog.preempted.is_set()
+  # Read at once first, then long-polls from the value last read.
+  assert metadata.queries[0] == {} and all(q["last_etag"] for q in metadata.queries[1:])
 
 
 def test_child_ignoring_sigterm_is_killed_after_grace(metadata, tmp_path):
@@ -109,13 +125,17 @@ def test_poll_reports_unreachable_as_none():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  assert poll_preempted(f"http://127.0.0.1:{port}/preempted", timeout_s=1) is None
+  assert poll_preempted(f"http://127.0.0.1:{port}/preempted", timeout_s=1) == (None, None)
 
 
-def test_poll_reads_state(metadata):
-  assert poll_preempted(metadata.url, timeout_s=1) is False
-  metadata.preempted = True
-  assert poll_preempted(metadata.url, timeout_s=1) is True
+def test_poll_reads_state_at_once_then_waits_for_a_change_from_what_it_read(metadata):
+  """A notice given between two polls is answered by the next at once: it waits for a value
+  other than the one last read (its ETag), not for a change after it asks."""
+  assert poll_preempted(metadata.url, timeout_s=1) == (False, "e-false")
+  assert metadata.queries[-1] == {}  # read at once
+  metadata.preempted = True  # between two polls
+  assert poll_preempted(metadata.url, timeout_s=1, etag="e-false") == (True, "e-true")
+  assert metadata.queries[-1]["last_etag"] == ["e-false"]
 
 
 def test_empty_command_is_rejected_by_name():
