@@ -98,25 +98,25 @@ def step_seed(seed: int, step: int, chunk: int = 0) -> int:
   return zlib.crc32(f"{seed}/{step}/{chunk}".encode()) & 0x7FFFFFFF
 
 
-def sampled_records(records: Sequence[Example], seed: int, n: int,
-                    parts: Sequence[tuple[int, int, float]] = ()) -> list[Example]:
-  """`n` of `records` drawn uniformly (with replacement), deterministic in `seed`; with
-  `parts` (prompts.file_parts: each file's records and weight), each from a file drawn in
-  proportion to the weights, then uniformly within it."""
-  rng = np.random.default_rng(seed & 0xFFFFFFFF)
-  if not parts:
-    idx = rng.integers(0, len(records), n)
-  else:
-    starts, ends, weights = (np.asarray(x) for x in zip(*parts))
-    file = rng.choice(len(parts), n, p=weights / weights.sum())
-    idx = starts[file] + (rng.random(n) * (ends - starts)[file]).astype(np.int64)
-  return [records[i] for i in idx]
+class _Indices:
+  """A sequence of `n` empty records: prompt_dataset's stream of record indices alone."""
+
+  def __init__(self, n: int):
+    self.n = n
+
+  def __len__(self) -> int:
+    return self.n
+
+  def __getitem__(self, i: int) -> dict:
+    return {}
 
 
 class SFTBatches:
-  """The training batches of one run: `batch(step)` is the same array every time it is asked.
-  Examples come from `records` when given (e.g. data.jsonl's, its files mixed as `parts`
-  weighs them), else from the weighted tasks."""
+  """The training batches of one run. From the weighted tasks, `batch(step)` is a function of
+  the step. From `records` (data.jsonl's, its files mixed as `parts` weighs them), batches
+  go through the records epoch by epoch, each epoch in a new order (the RL feed's stream,
+  prompts.PromptFeed), every record once an epoch; `state()` is the position a checkpoint
+  keeps and `restore(state)` goes back to, so a resumed run goes on where it was."""
 
   def __init__(self, tasks: Sequence[Task], weights: Sequence[float], tokenizer: Tokenizer,
                *, batch_size: int, seq_len: int, seed: int, packing: bool = True,
@@ -124,6 +124,10 @@ class SFTBatches:
                parts: Sequence[tuple[int, int, float]] = ()):
     self.records = None if records is None else list(records)
     self.parts = list(parts)  # data.weights' mix of the records' files (file_parts)
+    self.feed, self._carry = None, []  # (records) the stream, and what the last batch left
+    if self.records:
+      from rlax_ps.train.prompts import PromptFeed  # grain: on use
+      self.feed = PromptFeed(_Indices(len(self.records)), seed, self.parts)
     self.tasks, self.weights, self.tokenizer = list(tasks), list(weights), tokenizer
     self.batch_size, self.seq_len, self.seed, self.packing = batch_size, seq_len, seed, packing
     if self.records is not None:
@@ -163,11 +167,24 @@ class SFTBatches:
                        f"{[t.name for t in tasks]} fits, got {seq_len}")
 
   def _draw(self, seed: int, n: int) -> list[Example]:
-    if self.records is not None:
-      return sampled_records(self.records, seed, n, self.parts)
+    if self.records is not None:  # (the chunk size's probe): the first n records
+      return self.records[:n]
     return mixed_examples(self.tasks, self.weights, "train", seed, n)
 
+  def state(self) -> dict:
+    """The records' stream position (a checkpoint's; {} from the tasks)."""
+    return {} if self.feed is None else {**self.feed.state(), "carry": list(self._carry)}
+
+  def restore(self, state: dict) -> None:
+    """Back to a position state() gave (records only)."""
+    if self.feed is not None:
+      self.feed.restore(state)
+      self._carry = [int(i) for i in state.get("carry", [])]
+
   def batch(self, step: int) -> dict[str, np.ndarray]:
+    """The next batch of the records' stream, or the tasks' batch of `step`."""
+    if self.feed is not None:
+      return self._records_batch()
     encoded: list = []
     chunk = 0
     while True:
@@ -178,3 +195,16 @@ class SFTBatches:
       if used < len(encoded):  # Every row is full.
         return batch
       chunk += 1
+
+  def _records_batch(self) -> dict[str, np.ndarray]:
+    """Records from the stream, those the last batch left first, until every row is full;
+    the ones left over wait for the next batch (none is skipped)."""
+    taken = list(self._carry)
+    while True:
+      taken += [int(r["record"]) for _, r in self.feed.take(self._chunk)]
+      encoded = [encode_example(self.tokenizer, self.records[i]) for i in taken]
+      batch, used = pack_rows(encoded, self.batch_size, self.seq_len, self.tokenizer.pad_id,
+                              self.packing)
+      if used < len(encoded):  # every row is full
+        self._carry = taken[used:]
+        return batch

@@ -74,6 +74,13 @@ class SFTTrainer(TrainerRun):
                            "the steps left draw their batches from this data")
     self.build_optimizer(saved, "train.steps")
     self.state, self.shardings, self.graphdef = self._init_or_restore()
+    stream = ((saved or {}).get("data") or {}).get("stream")
+    if stream:  # data.jsonl's records: where the stream was
+      self.data.restore(stream)
+    elif records is not None and saved is not None and self.leader:
+      logging.warning("sft: the checkpoint at step %d holds no position in data.jsonl's "
+                      "records (written by an older rlax-ps): they are gone through from a "
+                      "new epoch's start", int(saved["step"]))
     self.train_step = make_train_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                       num_micro=num_micro, schedule=self.schedule)
     self.heldout = heldout_from_config(config, self.tasks, self.tokenizer)
@@ -115,7 +122,8 @@ class SFTTrainer(TrainerRun):
     step = self.step
     return {
         "step": step,
-        "data": {"seed": int(self.config.seed), "position": step},
+        "data": {"seed": int(self.config.seed), "position": step,
+                 "stream": self.data.state()},
         "data_source": self.data_source,
         "schedule": self.schedule_settings,
         "model_config": self.model_config.to_dict(),

@@ -97,6 +97,30 @@ def test_killed_run_resumes_from_last_complete_checkpoint(tmp_path):
                                     np.asarray(reference.state.rng))
 
 
+def test_a_run_on_records_resumes_at_its_place_in_them(tmp_path):
+  """data.jsonl's records: the checkpoint keeps the stream's position (and the records the
+  last batch left over), so a resumed run's next batch is the one the first would have
+  drawn, and no record is skipped or seen twice in the epoch."""
+  import json
+  path = tmp_path / "d.jsonl"
+  path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                          for i in range(20)))
+  config = _config()
+  config.data.jsonl = str(path)
+  workdir = str(tmp_path / "sft")
+  with SFTTrainer(config, workdir) as first:
+    first.train(until=3, progress=False)
+    first.save()
+    first.checkpointer.wait()
+    assert first.checkpointer.latest_step() == 3
+    state = first.data.state()
+    following = first.data.batch(3)["tokens"]
+  assert state["position"] > 0
+  with SFTTrainer(config, workdir) as again:
+    assert again.step == 3 and again.data.state() == state
+    np.testing.assert_array_equal(again.data.batch(3)["tokens"], following)
+
+
 MODEL = ModelConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_layers=1,
                     num_heads=4, num_kv_heads=2, head_dim=8)
 OPT = {"lr": 1e-2, "warmup_steps": 0, "eps": 1e-4, "clip_norm": 0.5, "weight_decay": 0.1}

@@ -135,7 +135,7 @@ def test_weighted_files_feed_rl_and_sft_in_proportion_and_other_weights_are_anot
                                        r"the 0 file\(s\)"):
     SFTTrainer(_sft_config(weights="1"), str(tmp_path / "tasks"))  # (none to weigh: tasks)
   with SFTTrainer(_sft_config(jsonl=files, weights="0,1"), str(tmp_path / "sft")) as trainer:
-    drawn = trainer.data._draw(0, 100)
+    drawn = [trainer.data.records[r["record"]] for _, r in trainer.data.feed.take(100)]
     assert {e.prompt for e in drawn} == {f"{i}+1=" for i in range(100, 104)}
     assert trainer.metadata()["data_source"]["weights"] == [0.0, 1.0]
 

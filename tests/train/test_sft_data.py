@@ -7,7 +7,7 @@ import pytest
 
 from rlax_ps.tasks import Example, get_task
 from rlax_ps.tokenizers import CharTokenizer
-from rlax_ps.train.data import SFTBatches, encode_example, pack_rows, sampled_records
+from rlax_ps.train.data import SFTBatches, encode_example, pack_rows
 
 TOK = CharTokenizer()
 
@@ -100,26 +100,42 @@ def test_seq_len_counts_what_a_chat_template_adds_around_each_example():
     data.batch(step)
 
 
-def test_records_are_the_only_examples_and_each_step_draws_the_same_batch():
-  records = [Example("1+1=", "2"), Example("rev xyz=", "zyx"), Example("7+8=", "15")]
+def _answers(batch):
+  """The answers a packed batch trains on, in order."""
+  text = TOK.decode(batch["targets"][batch["loss_mask"] > 0], skip_special=False)
+  return [p for p in text.split("<eos>") if p]
+
+
+def test_records_are_gone_through_once_an_epoch_and_a_restored_position_goes_on():
+  """Every record once an epoch, each epoch in another order (drawn with replacement, a
+  third of them were never seen in an epoch's worth of steps); the records a batch leaves
+  over come first in the next; state() and restore() go on where the stream was."""
+  records = [Example(f"{i}+1=", str(i + 1)) for i in range(30)]
   data = SFTBatches([], [], TOK, batch_size=4, seq_len=24, seed=3, records=records)
-  batch = data.batch(5)
-  np.testing.assert_array_equal(batch["tokens"], data.batch(5)["tokens"])
-  answers = TOK.decode(batch["targets"][batch["loss_mask"] > 0], skip_special=False)
-  pieces = [p for p in answers.split("<eos>") if p]
-  assert pieces and set(pieces) <= {"2", "zyx", "15"}
-  assert len(set(pieces)) > 1  # drawn across the records, not one repeated
+  seen = []
+  while len(seen) < 90:
+    seen += _answers(data.batch(0))
+  for epoch in range(3):
+    assert sorted(seen[30 * epoch:30 * epoch + 30], key=int) == [str(i + 1) for i in range(30)]
+  assert seen[:30] != seen[30:60]  # a new order
+  state = data.state()
+  after = SFTBatches([], [], TOK, batch_size=4, seq_len=24, seed=3, records=records)
+  after.restore(state)
+  np.testing.assert_array_equal(after.batch(0)["tokens"], data.batch(0)["tokens"])
 
 
 def test_weighted_files_are_drawn_in_proportion_each_record_of_a_file_alike():
-  """data.weights "3,1" over files of 6 and 4 records: 3 of 4 draws from the first (though
-  it holds 60% of the records), each of a file's records about as often as the others."""
+  """data.weights "3,1" over files of 6 and 4 records: 3 of 4 examples from the first
+  (though it holds 60% of the records), each of a file's records as often as the others."""
   records = [Example(f"{i}+1=", str(i + 1)) for i in range(10)]
-  drawn = sampled_records(records, 7, 8000, [(0, 6, 3.0), (6, 10, 1.0)])
-  counts = np.bincount([int(e.prompt.split("+")[0]) for e in drawn], minlength=10)
-  assert abs(counts[:6].sum() / 8000 - 0.75) < 0.02
-  np.testing.assert_allclose(counts[:6] / counts[:6].sum(), 1 / 6, atol=0.02)
-  np.testing.assert_allclose(counts[6:] / counts[6:].sum(), 1 / 4, atol=0.03)
+  data = SFTBatches([], [], TOK, batch_size=4, seq_len=24, seed=7, records=records,
+                    parts=[(0, 6, 3.0), (6, 10, 1.0)])
+  drawn = []
+  while len(drawn) < 2400:
+    drawn += [int(a) - 1 for a in _answers(data.batch(0))]
+  counts = np.bincount(drawn[:2400], minlength=10)
+  assert abs(counts[:6].sum() / 2400 - 0.75) < 0.03
+  assert counts[:6].max() - counts[:6].min() <= 2 and counts[6:].max() - counts[6:].min() <= 2
 
 
 def test_a_record_longer_than_seq_len_is_refused_naming_the_field():
