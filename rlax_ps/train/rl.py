@@ -47,7 +47,7 @@ from rlax_ps.train.prompts import (PromptFeed, PromptRecords, TaskPrompts, data_
                                    file_parts, file_weights, iter_config_records)
 from rlax_ps.train.publisher import Publisher
 from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check_rl_config,
-                                     prompt_limit)
+                                     check_task_prompts, prompt_limit)
 from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, adapt_kl_coef, \
   entropy_bonus_coef, logged_advantages, micro_batched_loss_and_grad, needs_reference, \
   ref_sync_settings, reference_logprobs, rl_loss
@@ -524,6 +524,8 @@ class RLTrainer(TrainerRun):
     records (their digest) with this tokenizer passed before (`rlax-ps local`'s)."""
     path = self.config.data.get("jsonl", "")
     if not path:
+      check_task_prompts(self.tasks, self.weights, self.tokenizer,
+                         *prompt_limit(self.config, self.model_config.max_position_embeddings))
       return (TaskPrompts(self.tasks, self.weights, int(self.config.seed)),
               data_source(self.config, None), [])
     weights, sizes = file_weights(self.config.data), []

@@ -250,6 +250,20 @@ def check_prompt(tokenizer, limit: int | None, record: dict,
 PROMPT_CHECKS_DIR = os.path.join("~", ".cache", "rlax_ps", "prompt_checks")
 
 
+def check_task_prompts(tasks, weights, tokenizer, limit: int, bound: str) -> None:
+  """ValueError naming `bound` where the longest prompt a built-in task of weight > 0 can
+  give (a character is at most one token of their text, beside what the tokenizer adds
+  around a prompt) may exceed `limit` tokens: found now, not at the first long prompt drawn
+  after the server, the workers and the compiles have started."""
+  around = len(tokenizer.encode_prompt(""))
+  for task, weight in zip(tasks, weights):
+    longest = task.max_prompt_chars + around
+    if weight > 0 and longest > limit:
+      raise ValueError(f"{bound}: {limit} tokens may not hold the prompts of task "
+                       f"{task.name!r} (up to {longest}); allow longer prompts, or set the "
+                       f"task's tasks.{task.name}.* for shorter ones")
+
+
 def check_prompt_lengths(config, field: str, path: str, digest: str, tokenizer,
                          limit: int | None, bound: str = "rl.max_prompt_tokens") -> None:
   """check_prompt of each record of the prompt file `path` (the config's `field`), the

@@ -479,6 +479,16 @@ def test_a_held_out_prompt_no_worker_could_sample_scores_0_and_is_said(tmp_path,
       caplog.text)
 
 
+def test_built_in_task_prompts_too_long_for_the_bound_are_refused_at_the_start(tmp_path):
+  """Reversal's prompts reach 12 tokens here (11 characters and bos): a bound of 10 is
+  refused naming it before anything starts, not at the first long prompt drawn."""
+  config = _config()
+  config.rl.max_prompt_tokens = 10
+  with pytest.raises(ValueError, match=r"^rl\.max_prompt_tokens: 10 tokens may not hold the "
+                                       r"prompts of task 'reversal' \(up to 12\)"):
+    RLTrainer(config, str(tmp_path / "rl"), object())
+
+
 def _score_taken(tr, tc):
   """The trainer takes what is submitted (nothing to train on here) and scores it."""
   tr._valid_groups(tc.take_rollouts(0, 64, wait_s=2.0).rollouts)
