@@ -113,12 +113,12 @@ def test_prompts_longer_than_the_packed_capacity_are_refused_before_sampling(tmp
   with pytest.raises(ValueError, match="worker.max_new_tokens: 8 leaves no room for a prompt"):
     prompt_limit(config, 8)
   config.model.max_position_embeddings = 128
-  # The built-in tasks' prompts, rendered as conversations, outgrow 16 tokens: the first
-  # feed says so instead of every group being rejected after sampling.
+  # The built-in tasks' prompts, rendered as conversations, outgrow 16 tokens: the trainer's
+  # start says so, not the first feed (after the server, workers and compiles started).
   config.data.jsonl, config.rl.max_prompt_tokens = "", 16
-  with RLTrainer(config, str(tmp_path / "b"), object()) as tr:
-    with pytest.raises(ValueError, match="rl.max_prompt_tokens: 16 is too small for prompt"):
-      tr._feed_prompts()
+  with pytest.raises(ValueError, match=r"rl.max_prompt_tokens: 16 tokens may not hold the "
+                                       r"prompts of task 'addition' \(up to \d+\)"):
+    RLTrainer(config, str(tmp_path / "b"), object())
 
 
 def test_a_verl_parquet_file_feeds_the_trainer_through_the_chat_template(tmp_path):
