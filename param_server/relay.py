@@ -253,7 +253,7 @@ def _passing(method: str, upstream: ParamServerClient, timeout_s: float, upstrea
       return call(request, metadata=metadata,
                   timeout=timeout_s if remaining is None else min(remaining, timeout_s))
     except grpc.RpcError as e:
-      details = e.details() or ""
+      details = e.details() or f"{method} via the relay to {upstream_address}: {e.code().name}"
       if e.code() == grpc.StatusCode.UNAVAILABLE:  # the caller may go to the server itself
         details = f"{RELAY_DOWN} {method} to {upstream_address}: {details}"
       context.abort(e.code(), details)

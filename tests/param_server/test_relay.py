@@ -728,3 +728,36 @@ def test_a_relay_whose_metrics_port_is_taken_leaves_nothing_started(server, star
     with pytest.raises(CannotListen, match="--metrics_port"):
       start_relay(server, metrics_port=taken.getsockname()[1])
   assert start_relay(server, metrics_port=0).metrics_port  # the storage folder is free
+
+
+def test_a_status_without_a_message_passed_through_says_what_failed():
+  """An upstream status with no details (a proxy's, gRPC's own) reaches the worker naming
+  the call and the server, not as an empty message."""
+  class Refused(grpc.RpcError):
+    def code(self):
+      return grpc.StatusCode.PERMISSION_DENIED
+
+    def details(self):
+      return None
+
+  def call(*args, **kwargs):
+    raise Refused()
+
+  upstream = type("Upstream", (), {"channel": type("Channel", (), {
+      "unary_unary": lambda self, name: call})()})()
+  handler = relay_module._passing("LeasePrompts", upstream, 30.0, "server:1")
+  aborted = []
+
+  class Context:
+    def invocation_metadata(self):
+      return []
+
+    def time_remaining(self):
+      return None
+
+    def abort(self, code, details):
+      aborted.append((code, details))
+
+  handler.unary_unary(b"", Context())
+  assert aborted == [(grpc.StatusCode.PERMISSION_DENIED,
+                      "LeasePrompts via the relay to server:1: PERMISSION_DENIED")]
