@@ -246,7 +246,6 @@ def test_a_teachers_top_tokens_are_ids_the_tokenizer_gives(tmp_path):
   else:
     teacher.embed.embedding[...] = teacher.embed.embedding[...].at[vocab:].set(5.0)
   save_hf_checkpoint(teacher, str(tmp_path / "teacher"))
-  shape = BatchShape(groups=1, samples=2, prompt_len=4, response_len=4, teacher_topk=4)
   t = Teacher(str(tmp_path / "teacher"), None, vocab_size=vocab, dtype="float32", topk=4)
   batch = {"prompt_tokens": np.full((1, 4), 5, np.int32), "prompt_lens": np.array([4]),
            "response_tokens": np.full((1, 2, 4), 6, np.int32),
