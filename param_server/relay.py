@@ -484,9 +484,10 @@ class WeightRelay:
       blob, _ = self.weights.commit(arriving.writer)
     except Exception as e:
       self._drop_arriving(f"v{arriving.version} failed the relay's checks: {e}")
-      if isinstance(e, errors.RequestError) and not self._from_keyframe:  # e.g. a delta
-        self._from_keyframe = True  # on other weights of its base: the next fetch starts
-        logging.warning("relay: v%d refused (%s); fetching the server's latest from a "  # anew
+      if isinstance(e, errors.RequestError) and not self._from_keyframe:
+        # e.g. a delta on other weights of its base: the next fetch starts from a keyframe
+        self._from_keyframe = True
+        logging.warning("relay: v%d refused (%s); fetching the server's latest from a "
                         "keyframe", arriving.version, e)
       raise
     self._from_keyframe = self._from_keyframe and not blob.is_keyframe

@@ -54,9 +54,10 @@ class Teacher:
     except (OSError, ValueError) as e:
       raise ValueError(f"{field}: HF checkpoint {path!r}: {e}") from None
     if model.config.vocab_size < vocab_size:
+      whose = "its own" if retokenized else "the policy's"
       raise ValueError(f"{field}: {path!r} scores {model.config.vocab_size} token ids, "
-                       f"{'its own' if retokenized else 'the policy'}'s tokenizer gives "
-                       f"{vocab_size}: expected a teacher of that tokenizer")
+                       f"{whose} tokenizer gives {vocab_size}: expected a teacher of that "
+                       f"tokenizer")
     self.config, self.topk = model.config, topk
     graphdef, params, _ = nnx.split(model, nnx.Param, ...)
     self.params = params.to_pure_dict()

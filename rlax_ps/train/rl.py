@@ -501,6 +501,7 @@ class RLTrainer(TrainerRun):
     self._restart_floor: int | None = None
     self._restart_version = 0  # the version a restart published its restored weights as
     self._journal: dict[str, Any] | None = None  # a take round's changes (_take_bookkeeping)
+    self._completions_log = None  # completions.jsonl while train() runs (log.completions_every)
     self._requeue_next = True  # the first take returns any unacknowledged take
     self._told_routes = False  # warned once of a group whose routes the run does not expect
     self._stop = threading.Event()
@@ -664,11 +665,7 @@ class RLTrainer(TrainerRun):
         # Requeued meanwhile (its ack deadline passed): skip its groups when they come back.
         self.skip_ids.update(take.rollout_ids)
     self.pending = []
-    # The prompts fed and not trained on, again: a stop may have cut their enqueue short (the
-    # server skips the ids it holds, queued, leased or answered).
-    self._feed_again(self.outstanding.values())
-    for key, round_ in sorted(self._eval_rounds.items()):
-      self._enqueue_eval(key, round_["left"])
+    self._feed_outstanding()  # a stop may have cut their enqueue short
     return max(info.latest_version, self.saved_version) + 1
 
   def _server_lost(self, store_id: str, behind: bool = False) -> bool:
@@ -692,12 +689,17 @@ class RLTrainer(TrainerRun):
     if self._journal is not None:  # a take round's groups so far: the lost server's
       self._journal["refeed"].update(self._journal["outstanding"])
       self._journal["skips"].clear()
-    self._feed_again(self.outstanding.values())
-    for key, round_ in sorted(self._eval_rounds.items()):  # eval.on_workers' rounds too
-      self._enqueue_eval(key, round_["left"])
+    self._feed_outstanding()
     if self.publisher.version is not None and self.client.latest_version() < self.version:
       self.publisher.resend_keyframe()
     return True
+
+  def _feed_outstanding(self) -> None:
+    """The prompts fed and not trained on, and the held-out rounds' (eval.on_workers) not
+    answered, enqueued again: the server skips the ids it holds (queued, leased, answered)."""
+    self._feed_again(self.outstanding.values())
+    for key, round_ in sorted(self._eval_rounds.items()):
+      self._enqueue_eval(key, round_["left"])
 
   def _feed_again(self, fed) -> None:
     """Enqueue again the prompts at (feed index, record) pairs `fed`, with their ids."""
