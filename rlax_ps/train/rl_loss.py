@@ -604,8 +604,8 @@ def logged_advantages(batch: dict, num_groups: int, cfg: LossConfig
   """(advantages [rows * N], sample mask) the completions log shows, one per sample: those of
   `group_advantages`, a per-token one as its mean over the sample's tokens, loss.kl_in_reward's
   penalty left out (the log runs no reference)."""
-  adv, mask = group_advantages(batch, num_groups,
-                               dataclasses.replace(cfg, kl_in_reward=0.0, kl_target=None))
+  adv, mask = group_advantages(batch, num_groups, dataclasses.replace(
+      cfg, kl_in_reward=0.0, kl_target=None, kl_horizon=LossConfig.kl_horizon))
   if adv.ndim == 2:
     tokens = token_mask(batch, mask)
     adv = jnp.sum(adv * tokens, axis=-1) / jnp.maximum(jnp.sum(tokens, axis=-1), 1.0)

@@ -138,7 +138,8 @@ def test_rl_loss_trains_on_verls_advantages_whole_and_micro_batched(fixture_logp
 def test_logged_advantages_are_one_per_sample_without_the_kl_penalty():
   """The completions log shows a per-token advantage as its mean over the sample's tokens."""
   batch, _ = _batch()
-  cfg = LossConfig(advantage="reinforce_pp_baseline", kl_in_reward=0.1, kl_target=0.05)
+  cfg = LossConfig(advantage="reinforce_pp_baseline", kl_in_reward=0.1, kl_target=0.05,
+                   kl_horizon=16)  # (the adaptive controller's own settings: left out too)
   adv, mask = logged_advantages(batch, G, cfg)
   tokens, _ = group_advantages(batch, G, LossConfig(advantage="reinforce_pp_baseline"))
   m = token_mask(batch, mask)
