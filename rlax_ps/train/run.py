@@ -213,7 +213,9 @@ def write_hf_export(graphdef: nnx.GraphDef, params: Any, tokenizer, path: str, *
   hold them; `record` as EXPORT_RECORD. An earlier folder at `path` is replaced only once
   the new one is complete."""
   tok = tokenizer
-  partial = path.rstrip("/") + ".partial"
+  partial, old = path.rstrip("/") + ".partial", path.rstrip("/") + ".old"
+  if not os.path.lexists(path) and os.path.isdir(old):  # a kill between the renames below
+    os.rename(old, path)  # left the export before this one aside: it is the one held
   shutil.rmtree(partial, ignore_errors=True)
   if record is not None:  # first: a folder of that name holding it is this export's own
     os.makedirs(partial)
@@ -231,8 +233,8 @@ def write_hf_export(graphdef: nnx.GraphDef, params: Any, tokenizer, path: str, *
   with open(os.path.join(partial, "generation_config.json"), "w") as f:
     json.dump({**ids, "eos_token_id": list(tok.stop_ids)}, f, indent=2)  # stop as trained
   tok.save(partial)  # with the chat template the policy was trained with, if any
-  old = path.rstrip("/") + ".old"  # the export it replaces, moved aside, not deleted first:
-  shutil.rmtree(old, ignore_errors=True)  # a kill then leaves a whole one
+  # The export it replaces, moved aside, not deleted first: a kill then leaves a whole one.
+  shutil.rmtree(old, ignore_errors=True)
   if os.path.exists(path):
     os.rename(path, old)
   os.rename(partial, path)

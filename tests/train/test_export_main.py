@@ -174,6 +174,27 @@ def test_an_out_folder_holding_other_files_is_refused_and_kept(run, tmp_path):
   assert export_checkpoint(run["workdir"], step=2) == (2, earlier)
 
 
+def test_an_export_a_kill_left_aside_is_put_back_before_the_next_is_written(run, tmp_path,
+                                                                           monkeypatch):
+  """A kill between an export's two renames leaves the one before at <out>.old and nothing
+  at <out>: the next export puts it back first, so a failure of that one (here its
+  weights cannot be written) still leaves a whole export at <out>."""
+  from rlax_ps.train import run as run_lib
+  out = str(tmp_path / "model")
+  assert export_checkpoint(run["workdir"], step=2, out=out)[0] == 2
+  os.rename(out, out + ".old")  # as a kill between the renames leaves it
+
+  def disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(run_lib, "save_hf_checkpoint", disk_full)
+  with pytest.raises((OSError, ValueError), match="No space left"):
+    export_checkpoint(run["workdir"], step=2, out=out)
+  with open(os.path.join(out, EXPORT_RECORD)) as f:
+    assert json.load(f)["step"] == 2
+  assert not os.path.exists(out + ".old")
+
+
 @pytest.mark.parametrize("suffix", [".old", ".partial"])
 def test_a_folder_beside_out_that_an_export_would_delete_is_refused_and_kept(run, tmp_path,
                                                                             suffix):
