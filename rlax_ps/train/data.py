@@ -200,9 +200,11 @@ class SFTBatches:
     """Records from the stream, those the last batch left first, until every row is full;
     the ones left over wait for the next batch (none is skipped)."""
     taken = list(self._carry)
+    encoded = [encode_example(self.tokenizer, self.records[i]) for i in taken]
     while True:
-      taken += [int(r["record"]) for _, r in self.feed.take(self._chunk)]
-      encoded = [encode_example(self.tokenizer, self.records[i]) for i in taken]
+      more = [int(r["record"]) for _, r in self.feed.take(self._chunk)]
+      taken += more
+      encoded += [encode_example(self.tokenizer, self.records[i]) for i in more]
       batch, used = pack_rows(encoded, self.batch_size, self.seq_len, self.tokenizer.pad_id,
                               self.packing)
       if used < len(encoded):  # every row is full

@@ -16,7 +16,6 @@ set and each tokenizer's encoding of its prompts are checked before any checkpoi
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Any
@@ -204,8 +203,7 @@ def main(argv: list[str]) -> None:
   results = {p: evaluate_checkpoint(config, p, tokenizers[p], first if p == paths[0] else None)
              for p in paths}
   print(table(results), flush=True)
-  if output:  # whole or not at all
-    with open(output + ".tmp", "w") as f:
-      json.dump(results, f, indent=1)
-    os.replace(output + ".tmp", output)
+  if output:
+    from rlax_ps.config_files import write_json
+    write_json(output, results)  # whole or not at all
     print(f"results: {output}", flush=True)
