@@ -201,7 +201,8 @@ def main(argv) -> None:
   print(f"worker: exiting: {stats.leases} leases, {stats.groups_submitted} groups submitted, "
         f"{stats.prompts_released} prompts released ({stats.samples_salvaged} begun samples "
         f"handed back; {stats.groups_abandoned_stale} begun under the trainer's staleness "
-        f"floor), {stats.prompts_failed} prompts it could not sample, "
+        f"floor), {stats.groups_dropped_lost} dropped as their leases expired, "
+        f"{stats.prompts_failed} prompts it could not sample, "
         f"{stats.score_errors} samples scored 0 "
         f"by a verifier that raised; holds {held}", flush=True)
   leave(0)  # leases released, output flushed: skip a finalization that can abort

@@ -293,6 +293,7 @@ class WorkerStats:
   # Prompts begun on a version under the trainer's staleness floor (the server would drop
   # their groups): stopped, or not sent once finished, and released to be sampled anew.
   groups_abandoned_stale: int = 0
+  groups_dropped_lost: int = 0  # running prompts of leases a renewal found gone
   versions_applied: list = dataclasses.field(default_factory=list)
   time: TimeSplit = dataclasses.field(default_factory=TimeSplit)  # reported by the heartbeat
 
@@ -389,6 +390,9 @@ class Worker:
     # samples (on the scoring threads) as it finishes, while the round decodes on.
     self._round_pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._abandoned: set[str] = set()
+    # Leases a renewal found gone (expired, or the server's run restarted): their running
+    # prompts are served to another worker, so the decode loop drops them (`_drop_lost`).
+    self._lost: set[str] = set()
     self._newer_waits = False  # a newer version waits for the running prompts to end
     # Multi-turn: the replies each running sample got, by prompt key and sample index.
     self._given: dict[tuple[str, str], dict[int, list]] = collections.defaultdict(dict)
@@ -795,6 +799,7 @@ class Worker:
     batch = self._batch
     self._harvest()
     self._stop_stale(batch)
+    self._drop_lost(batch)
     if batch.running and self._salvaging and self._resumable:
       self._salvage(batch)
       return
@@ -1104,6 +1109,33 @@ class Worker:
                                         if p.prompt_id not in ids]
     for lease_id, ids in by_lease.items():
       self._release_stale(lease_id, ids)
+      self._settle(lease_id)
+
+  def _drop_lost(self, batch: ContinuousBatch | SampleBatch) -> None:
+    """Take out of the batch the prompts of leases a renewal found gone: the server serves
+    them again already, so decoding on would only make a group it refuses."""
+    with self._lock:
+      lost, self._lost = self._lost, set()
+    if not lost:
+      return
+    keys = [key for key in self._started if key[0] in lost]
+    if keys:
+      batch.drop(keys)
+    for key in keys:
+      del self._started[key]
+      self._given.pop(key, None)
+    with self._lock:
+      for key in keys:
+        self._held.pop(key, None)
+      for lease_id in lost:
+        self._checkpoint.pop(lease_id, None)
+    self.stats.groups_dropped_lost += len(keys)
+    for lease_id in lost:
+      logging.warning("worker: lease %s is gone from the server; %d of its running prompts "
+                      "dropped (served again elsewhere)",
+                      lease_id, sum(key[0] == lease_id for key in keys))
+      self._abandoned.add(lease_id)
+      self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
       self._settle(lease_id)
 
   def _count_stale(self, n: int, version: int) -> None:
@@ -1643,6 +1675,9 @@ class Worker:
         self._renew(lease_id, checkpoint.get(lease_id, []))
       except ParamServerError as e:  # e.g. answered meanwhile: the lease is closed
         logging.warning("worker: renewal of lease %s failed: %s", lease_id, e)
+        if e.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+          with self._lock:  # expired, or another run's server: the decode loop drops it
+            self._lost.add(lease_id)
         continue
       with self._lock:  # a lease settled during the call stays forgotten
         if lease_id in self._lease_deadline:

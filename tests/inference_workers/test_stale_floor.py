@@ -1,7 +1,8 @@
 """A worker stops the prompts it began on a version under the trainer's staleness floor (as
 lease, renewal, submission and heartbeat replies name it): they leave the batch, their
 slots free, and go back to the server without their samples, to be sampled anew on the
-newest version; a group that finishes under the floor is released, not sent."""
+newest version; a group that finishes under the floor is released, not sent. The prompts of
+a lease a renewal finds gone leave the batch alike."""
 
 import numpy as np
 import pytest
@@ -211,3 +212,25 @@ def test_prompts_stopped_under_a_floor_that_fell_since_still_go_back(server, ver
     worker._serve(lease)
   assert worker.stats.groups_submitted == 0 and worker.stats.prompts_released == 2
   assert not worker._inflight[lease.lease_id]
+
+
+def test_the_prompts_of_a_lease_a_renewal_finds_expired_leave_the_batch(server, versions):
+  """The heartbeat's renewal finds the lease expired (the worker stalled past its
+  deadline): its prompts are served again elsewhere, so the next cycle drops them from the
+  batch instead of decoding groups the server refuses, and leases them anew."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    worker = _two_prompts_begun_on_v0(trainer, wc, versions)
+    (lease_id, _), _ = worker._started
+    clock = server.queues._clock
+    server.queues._clock = lambda: clock() + 3600  # past the lease's deadline
+    worker._lease_deadline[lease_id] = 0.0  # due a renewal
+    worker._renew_leases()
+    assert worker._lost == {lease_id}
+    worker._cycle()
+    assert worker.stats.groups_dropped_lost == 2 and lease_id not in worker._inflight
+    assert worker._started and all(key[0] != lease_id for key in worker._started)
+    while worker._started or worker._scoring:
+      worker._cycle()
+    take = trainer.take_rollouts(min_version=0, max_n=4)
+  assert sorted(r.prompt.id for r in take.rollouts) == ["p0", "p1"]
+  assert worker.stats.groups_submitted == 2
