@@ -210,7 +210,7 @@ class CharTokenizer:
     from tokenizers import processors
 
     tok = _HFTok(models.WordLevel(self.vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # "." skips \n
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(self.specials))
     tok.post_processor = processors.TemplateProcessing(

@@ -43,7 +43,7 @@ def test_saved_char_tokenizer_loads_as_hf_tokenizer_with_same_ids(tmp_path):
   char = CharTokenizer()
   char.save(str(tmp_path))
   hf = HFTokenizer(str(tmp_path))
-  text = "rev hello world=dlrow olleh 9+9=18"
+  text = "rev hello world=dlrow olleh 9+9=18\n\nand\n a blank line"  # "\n\n": one piece
   assert hf.encode(text, add_bos=True, add_eos=True) == char.encode(text, add_bos=True,
                                                                        add_eos=True)
   assert (hf.bos_id, hf.eos_id, hf.pad_id) == (char.bos_id, char.eos_id, char.pad_id)
