@@ -32,7 +32,8 @@ TLS_NAME = flags.DEFINE_string("tls_server_name", None, "name to expect in the s
 
 
 class TokenFileError(ValueError):
-  """--token_file could not give this client's token; the message names the flag and path."""
+  """--token, its environment variable or --token_file could not give this client's token; the
+  message names the flag (and path)."""
 
 
 def require_address() -> None:
@@ -62,9 +63,9 @@ def token_for(role: str, token: str | None = None, token_file: str | None = None
   server started beside this process writes it), saying so at once. TokenFileError (a
   ValueError) names the flag and path when the file is missing, not JSON or lacks the role."""
   if token:
-    return token
+    return _checked_token(token, "--token")
   if os.environ.get(auth.env_var(role)):
-    return os.environ[auth.env_var(role)]
+    return _checked_token(os.environ[auth.env_var(role)], f"${auth.env_var(role)}")
   if not token_file:
     return ""
   if wait_s > 0 and not (os.path.exists(token_file) and os.path.getsize(token_file) > 0):
@@ -82,26 +83,58 @@ def token_for(role: str, token: str | None = None, token_file: str | None = None
   except FileNotFoundError:
     raise TokenFileError(f"--token_file {token_file}: no such file (`rlax-ps serve "
                          f"--storage_dir=DIR` writes DIR/{auth.TOKEN_FILE})") from None
-  except json.JSONDecodeError as e:
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise TokenFileError(f"--token_file {token_file}: not valid JSON ({e})") from None
   except OSError as e:
     raise TokenFileError(f"--token_file {token_file}: {e.strerror or e}") from None
   if not isinstance(tokens, dict) or not tokens.get(role):
     raise TokenFileError(f"--token_file {token_file}: expected a JSON object with a {role!r} "
                          f"token, found keys {sorted(tokens) if isinstance(tokens, dict) else []}")
-  return tokens[role]
+  return _checked_token(tokens[role], f"--token_file {token_file}: {role!r}")
+
+
+# gRPC target schemes: the address is theirs to read (ipv4:A:PORT,B:PORT, dns:///host:port).
+_TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
+
+
+def _checked_token(token, where: str) -> str:
+  """The token, stripped of the newline `echo` or a secret file leaves (gRPC refuses it as
+  "Invalid metadata", naming no token); TokenFileError naming `where` for a non-string or
+  one with other characters a header cannot carry."""
+  if not isinstance(token, str):
+    raise TokenFileError(f"{where}: expected a string token, got {type(token).__name__}")
+  token = token.strip()
+  if not token or not all(" " <= c <= "~" for c in token):
+    raise TokenFileError(f"{where}: expected a token of printable ASCII characters (as "
+                         f"`rlax-ps serve` writes them), got {len(token)} characters with others")
+  return token
 
 
 def check_address(address: str) -> None:
-  """app.UsageError naming --address when it lacks a port (gRPC would quietly try 443) or is
-  a URL (gRPC takes host:port, or a target such as ipv4:A:PORT,B:PORT or dns:///host:port)."""
+  """app.UsageError naming --address unless it is host:port with a port in 1..65535 (gRPC
+  would quietly try 443 without one, wrap 99999 to another port, retry 'abc' for the
+  whole timeout), [v6]:port for IPv6, or a gRPC target (ipv4:A:PORT,B:PORT, dns:///h:p)."""
   scheme = address.partition("://")[0]
   if scheme in ("http", "https", "grpc", "grpcs"):
     raise app.UsageError(f"--address={address}: expected host:port, not a URL (drop "
                          f"'{scheme}://'; TLS is --tls_ca)")
-  if ":" not in address:
+  if address.startswith(_TARGET_SCHEMES):
+    return
+  if address.startswith("["):
+    host, _, port = address[1:].partition("]")
+    port = port[1:] if port.startswith(":") else None
+  else:
+    host, colon, port = address.rpartition(":")
+    if ":" in host:
+      raise app.UsageError(f"--address={address}: expected host:port; an IPv6 host goes in "
+                           f"brackets, e.g. [{address}]:50051 or [::1]:50051")
+    port = port if colon else None
+  if not port:
     raise app.UsageError(f"--address={address}: expected host:port, got no port (the "
-                         f"server's --port, e.g. {address}:50051)")
+                         f"server's --port, e.g. {host or address}:50051)")
+  if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535) or not host:
+    raise app.UsageError(f"--address={address}: expected host:port with a host and a port "
+                         f"in 1..65535 (the server's --port), got {host!r} and {port!r}")
 
 
 def read_tls_ca(path: str) -> bytes:

@@ -7,6 +7,7 @@ import http.server
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -56,8 +57,16 @@ def test_an_address_without_a_port_or_written_as_a_url_names_the_flag():
     connect_flags.check_address("localhost")
   with pytest.raises(app.UsageError, match="not a URL \\(drop 'http://'"):
     connect_flags.check_address("http://10.0.0.2:50051")
-  for fine in ("10.0.0.2:50051", "ipv4:10.0.0.3:50052,10.0.0.2:50051", "dns:///ps:50051"):
+  for fine in ("10.0.0.2:50051", "ipv4:10.0.0.3:50052,10.0.0.2:50051", "dns:///ps:50051",
+               "[::1]:50051", "ps.internal:1", "unix:/tmp/ps.sock"):
     connect_flags.check_address(fine)
+  # gRPC dialled 99999 as 34463, tried 443 for '::1' and 'localhost:', and retried 'abc' for
+  # the whole timeout.
+  for bad, said in (("localhost:99999", "port in 1..65535"), ("localhost:abc", "1..65535"),
+                    ("localhost:", "got no port"), (":50051", "with a host"),
+                    ("::1", "in brackets"), ("[::1]", "got no port")):
+    with pytest.raises(app.UsageError, match=f"--address={re.escape(bad)}: .*{said}"):
+      connect_flags.check_address(bad)
 
 
 def test_a_tls_ca_that_is_missing_or_holds_no_certificate_names_the_flag(tmp_path):

@@ -56,6 +56,24 @@ def test_token_file_errors_name_the_flag_and_path(tmp_path, monkeypatch):
   with pytest.raises(connect_flags.TokenFileError,
                      match=f"--token_file {garbled}: not valid JSON"):
     connect_flags.token_for("worker", None, str(garbled))
+  garbled.write_bytes(b"\xff\xfe{")  # not UTF-8: a traceback, not one line
+  with pytest.raises(connect_flags.TokenFileError,
+                     match=f"--token_file {garbled}: not valid JSON"):
+    connect_flags.token_for("worker", None, str(garbled))
+  garbled.write_text('{"worker": 5}')
+  with pytest.raises(connect_flags.TokenFileError, match="'worker': expected a string token"):
+    connect_flags.token_for("worker", None, str(garbled))
+
+
+def test_a_token_with_a_trailing_newline_is_stripped_and_one_with_control_chars_named(
+    monkeypatch):
+  """gRPC refused `echo`'s newline as "Invalid metadata", naming no token."""
+  monkeypatch.setenv("RLAX_PS_WORKER_TOKEN", "w-secret\n")
+  assert connect_flags.token_for("worker", None, "") == "w-secret"
+  assert connect_flags.token_for("worker", " t\n", "") == "t"
+  with pytest.raises(connect_flags.TokenFileError, match="--token: expected a token of "
+                                                         "printable ASCII"):
+    connect_flags.token_for("worker", "a\x00b", "")
 
 
 def test_a_server_name_without_a_certificate_is_refused_not_sent_in_clear():
