@@ -297,13 +297,24 @@ class HFTokenizer:
       raise FileNotFoundError(f"HFTokenizer path: expected a tokenizer.json (or "
                               f"{TIKTOKEN_FILE}) file or a directory holding one, got {path!r}")
     self.path = file
-    self._tok = (tiktoken_tokenizer(os.path.dirname(file))
-                 if os.path.basename(file) == TIKTOKEN_FILE else _HFTok.from_file(file))
+    if os.path.basename(file) == TIKTOKEN_FILE:
+      self._tok = tiktoken_tokenizer(os.path.dirname(file))
+    else:
+      try:
+        self._tok = _HFTok.from_file(file)
+      except Exception as e:  # (the tokenizers package raises plain Exceptions)
+        raise ValueError(f"{file}: not a tokenizer the tokenizers package can read: {e}"
+                         ) from None
     cfg = {}
     cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
     if os.path.exists(cfg_file):
-      with open(cfg_file) as f:
-        cfg = json.load(f)
+      try:
+        with open(cfg_file) as f:
+          cfg = json.load(f)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+      if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
     named = {kind: given or _token_text(cfg.get(f"{kind}_token")) for kind, given in
              (("bos", bos_token), ("eos", eos_token), ("pad", pad_token))}
     bos = named["bos"]

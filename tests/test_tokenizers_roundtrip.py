@@ -150,3 +150,17 @@ def test_the_token_that_ends_an_assistants_turn_is_its_templates_stop_token(temp
                     os.path.join(chat, template))
   assert tok.decode([tok.turn_end_id], skip_special=False) == want
   assert CharTokenizer().turn_end_id == CharTokenizer().eos_id
+
+
+def test_a_damaged_tokenizer_file_or_config_is_a_value_error_naming_the_file(tmp_path):
+  """The tokenizers package raises a plain Exception: `rlax-ps eval` printed a traceback."""
+  CharTokenizer("abc").save(str(tmp_path))
+  config = tmp_path / "tokenizer_config.json"
+  config.write_text("{")
+  with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):
+    HFTokenizer(str(tmp_path))
+  config.unlink()
+  file = tmp_path / "tokenizer.json"
+  file.write_text(file.read_text()[:40])
+  with pytest.raises(ValueError, match="tokenizer.json: not a tokenizer the tokenizers"):
+    HFTokenizer(str(tmp_path))
