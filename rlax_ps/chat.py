@@ -34,37 +34,67 @@ def check_messages(messages: Any, field: str = "prompt") -> list[dict[str, str]]
   return [dict(m) for m in messages]
 
 
-def read_template(spec: str, tokenizer_dir: str) -> str:
-  """The template `spec` names: "auto" takes the tokenizer's (`chat_template.jinja`, else
-  tokenizer_config.json's `chat_template`, its "default" one when it holds several, else an
-  image-text model's chat_template.json); any other value is a .jinja file's path.
-  ValueError naming tokenizer.chat_template if none."""
-  if spec != "auto":
-    if not os.path.isfile(spec):
-      raise ValueError(f"tokenizer.chat_template: expected 'auto', '' or a template file, "
-                       f"got {spec!r} (no such file)")
-    with open(spec) as f:
-      return f.read()
+ADDITIONAL_DIR = "additional_chat_templates"  # transformers' named templates, one .jinja each
+
+
+def named_templates(tokenizer_dir: str) -> dict[str, str]:
+  """The tokenizer's chat templates by name, as transformers reads them: "default" from
+  chat_template.jinja or tokenizer_config.json's chat_template (a list of {"name",
+  "template"} holds several, e.g. "tool_use"), more from additional_chat_templates/, and an
+  image-text model's chat_template.json as the default where there is none else."""
+  found: dict[str, str] = {}
   file = os.path.join(tokenizer_dir, TEMPLATE_FILE)
   if os.path.isfile(file):
     with open(file) as f:
-      return f.read()
+      found["default"] = f.read()
   config_file = os.path.join(tokenizer_dir, "tokenizer_config.json")
   template = None
   if os.path.isfile(config_file):
     with open(config_file) as f:
       template = json.load(f).get("chat_template")
-  if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use"...}]
-    template = {t.get("name"): t.get("template") for t in template}.get("default")
+  if isinstance(template, str):
+    found.setdefault("default", template)
+  elif isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": ...}]
+    for t in template:
+      if isinstance(t, Mapping) and isinstance(t.get("template"), str):
+        found.setdefault(str(t.get("name")), t["template"])
+  extra = os.path.join(tokenizer_dir, ADDITIONAL_DIR)
+  for name in sorted(os.listdir(extra)) if os.path.isdir(extra) else ():
+    if name.endswith(".jinja"):
+      with open(os.path.join(extra, name)) as f:
+        found.setdefault(name[:-len(".jinja")], f.read())
   processor_file = os.path.join(tokenizer_dir, "chat_template.json")
-  if not template and os.path.isfile(processor_file):  # e.g. Gemma 3 4B and up
+  if "default" not in found and os.path.isfile(processor_file):  # e.g. Gemma 3 4B and up
     with open(processor_file) as f:
       template = json.load(f).get("chat_template")
-  if not isinstance(template, str) or not template:
+    if isinstance(template, str):
+      found["default"] = template
+  return {name: t for name, t in found.items() if t}
+
+
+def read_template(spec: str, tokenizer_dir: str, tools: bool = False) -> str:
+  """The template `spec` names: "auto" takes the tokenizer's (named_templates): its
+  "tool_use" one when `tools` are offered and it has one, else its "default", as
+  transformers' apply_chat_template picks; a name of one of them takes that one; any other
+  value is a .jinja file's path. ValueError naming tokenizer.chat_template if none."""
+  templates = named_templates(tokenizer_dir) if spec == "auto" or not os.path.isfile(spec) else {}
+  if spec != "auto":
+    if spec in templates and not os.path.isfile(spec):
+      return templates[spec]
+    if not os.path.isfile(spec):
+      raise ValueError(f"tokenizer.chat_template: expected 'auto', '', a template file or one "
+                       f"of the tokenizer's templates {sorted(templates)}, got {spec!r} (no "
+                       f"such file)")
+    with open(spec) as f:
+      return f.read()
+  if tools and "tool_use" in templates:
+    return templates["tool_use"]
+  if "default" not in templates:
     raise ValueError(f"tokenizer.chat_template: 'auto' found no chat template in "
                      f"{tokenizer_dir} ({TEMPLATE_FILE}, tokenizer_config.json's "
-                     f"chat_template or chat_template.json); name a .jinja file or set ''")
-  return template
+                     f"chat_template, {ADDITIONAL_DIR}/ or chat_template.json); name a .jinja "
+                     f"file or set ''")
+  return templates["default"]
 
 
 @functools.lru_cache(maxsize=16)

@@ -330,7 +330,8 @@ class HFTokenizer:
       raise ValueError(f"tokenizer.stop_tokens: {unknown[0]!r} is not in the vocabulary of "
                        f"{self.path}")
     self._stops = tuple(dict.fromkeys([self._eos, *_generation_eos_ids(directory), *extra]))
-    self.chat_template = chat.read_template(chat_template, directory) if chat_template else None
+    self.chat_template = (chat.read_template(chat_template, directory, tools=bool(tools))
+                          if chat_template else None)
     self.chat_kwargs = dict(chat_kwargs or {})
     if tools and self.chat_template is None:
       raise ValueError("tokenizer.tools: tools are offered through a chat template; set "
@@ -338,8 +339,13 @@ class HFTokenizer:
     self.tools = list(tools) if tools else None
     self._reply_roles: dict[int, str] = {}  # replies in a row -> the role they render as
     # The special tokens a template sees by name: those the arguments or tokenizer_config.json
-    # name, as transformers passes them (a guessed one renders as nothing there).
-    self._special = {f"{kind}_token": name for kind, name in named.items() if name is not None}
+    # name (unk, sep, cls, mask too), as transformers passes them (a guessed one renders as
+    # nothing there).
+    self._special = {key: text for key, text in ((k, _token_text(v)) for k, v in cfg.items()
+                                                 if k.endswith("_token"))
+                     if isinstance(text, str)}
+    self._special.update({f"{kind}_token": name for kind, name in named.items()
+                          if name is not None})
 
   def _resolve(self, kind, name, guesses, required=True):
     if name is not None:
@@ -511,6 +517,9 @@ class HFTokenizer:
       self._tok.save(os.path.join(directory, "tokenizer.json"))
     elif os.path.basename(self.path) != "tokenizer.json":
       shutil.copy(self.path, os.path.join(directory, "tokenizer.json"))
+    extra = os.path.join(source, chat.ADDITIONAL_DIR)
+    if os.path.isdir(extra):
+      shutil.copytree(extra, os.path.join(directory, chat.ADDITIONAL_DIR), dirs_exist_ok=True)
     if self.chat_template is not None:
       with open(os.path.join(directory, chat.TEMPLATE_FILE), "w") as f:
         f.write(self.chat_template)

@@ -84,6 +84,37 @@ def test_the_template_is_read_from_chat_template_jinja_first_then_the_configs(tm
   assert HFTokenizer(str(tmp_path), chat_template="auto").render_prompt("hi") == "(hi)"
 
 
+def test_offered_tools_take_the_tokenizers_tool_use_template_as_transformers_picks_it(tmp_path):
+  """transformers' apply_chat_template takes a tokenizer's "tool_use" template when tools are
+  given (Hermes-2-Pro, Command-R); "default" alone dropped the tools silently."""
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    (tmp_path / name).write_text(open(os.path.join(CHAT, name)).read())
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  config["chat_template"] = [
+      {"name": "default", "template": "<{{ messages[0]['content'] }}>"},
+      {"name": "tool_use", "template": "{{ tools | tojson }}<{{ messages[0]['content'] }}>"}]
+  config["sep_token"] = "<|im_end|>"  # every *_token the config names is a variable
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  tools = [{"type": "function", "function": {"name": "add"}}]
+  assert HFTokenizer(str(tmp_path), chat_template="auto").render_prompt("hi") == "<hi>"
+  offered = HFTokenizer(str(tmp_path), chat_template="auto", tools=tools)
+  assert offered.render_prompt("hi") == json.dumps(tools) + "<hi>"
+  # Named templates kept in additional_chat_templates/ (transformers >= 4.54), by name too.
+  del config["chat_template"]
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  (tmp_path / chat.TEMPLATE_FILE).write_text("[{{ messages[0]['content'] }}]{{ sep_token }}")
+  (tmp_path / chat.ADDITIONAL_DIR).mkdir()
+  (tmp_path / chat.ADDITIONAL_DIR / "tool_use.jinja").write_text("T{{ tools | length }}")
+  assert HFTokenizer(str(tmp_path), chat_template="auto").render_prompt("hi") == (
+      "[hi]<|im_end|>")
+  assert HFTokenizer(str(tmp_path), chat_template="auto", tools=tools).render_prompt("hi") == "T1"
+  assert HFTokenizer(str(tmp_path), chat_template="tool_use", tools=tools).render_prompt(
+      "hi") == "T1"
+  saved = tmp_path / "saved"
+  HFTokenizer(str(tmp_path), chat_template="auto").save(str(saved))
+  assert (saved / chat.ADDITIONAL_DIR / "tool_use.jinja").read_text() == "T{{ tools | length }}"
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda: HFTokenizer(os.path.join(FIXTURES, "tokenizer"), bos_token="<eos>",
                          chat_template="auto"),
