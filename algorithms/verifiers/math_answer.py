@@ -1,14 +1,17 @@
 """Math final-answer verifier: extract the answer, normalise it, compare it exactly, else
 symbolically.
 
-The answer is the last `\\boxed{...}` (or `\\fbox{...}`) of the completion, else the
-text after the last "answer is" / "answer:" on its line. Normalisation drops `$`,
-spacing commands, `\\left`/`\\right`, `\\text{}` wrappers, degree signs, percent signs and
-a leading "x =", turns `\\frac{a}{b}`/`\\dfrac`/`\\tfrac` into a/b (a mixed number
-2\\frac{1}{2} into 5/2) and strips thousands separators (not a list's ", "); then both
-sides are compared as exact rationals when they parse as numbers (so 0.5 == 1/2 ==
-\\frac{1}{2}), else as normalised strings and, where those differ,
-symbolically (math-verify: \\sqrt{12} == 2\\sqrt{3}, x^2+1 == 1+x^2, sets, intervals).
+The answer is the last `\\boxed{...}` or `\\fbox{...}` of the completion (`\\boxed 5`: the
+text up to the next `$` or line end), else the text after the last "answer is" /
+"answer:" on its line. Normalisation drops `$`, spacing commands, `\\left`/`\\right`,
+`\\text{}` wrappers, degree signs (`^\\circ`, `\\degree`, `°`) and percent signs, turns
+`\\frac{a}{b}`/`\\dfrac`/`\\tfrac` into a/b (a mixed number 2\\frac{1}{2} into 5/2) and
+strips thousands separators (not a list's ", "). A leading "x =" is dropped where the other
+side has no "=", and from both where both name the same variable (x=2 is not y=2). Then
+both sides are compared as exact rationals when they parse as numbers (so 0.5 == 1/2 ==
+\\frac{1}{2}), else as normalised strings and, where those differ, symbolically
+(math-verify: \\sqrt{12} == 2\\sqrt{3}, x^2+1 == 1+x^2, sets, intervals). An empty answer
+matches nothing; an empty reference is a ValueError.
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ from algorithms.verifiers.symbolic import SymbolicEqual
 
 # (the greedy .* takes a line's last "answer is", not the first with the rest of the line)
 _ANSWER_LINE = re.compile(r".*answer\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
+_VARIABLE = re.compile(r"([a-zA-Z])=(.*)")  # a normalised "x=..."
+_SIGNED = r"[+-]?(?:\d+(?:\.\d+)?|\.\d+)"
+_UNSIGNED = r"\d+(?:\.\d+)?"
+# a number, or a/b of them, each alone or in its own pair of brackets ("-(3)" too)
+_NUMBER = re.compile(rf"(?:({_SIGNED})|(-?)\(({_SIGNED})\))"
+                     rf"(?:/(?:({_UNSIGNED})|\(({_UNSIGNED})\)))?")
 
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
@@ -39,12 +49,17 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
 
 def extract_answer(completion: str) -> str | None:
   """The final answer of a completion, or None when it gives none."""
-  for command in ("\\boxed", "\\fbox"):
-    pos = completion.rfind(command + "{")
-    if pos >= 0:
-      got = _braced(completion, pos + len(command))
+  boxes = list(_BOX.finditer(completion))
+  if boxes:  # the last box decides; one never closed (a cut-off completion) gives none
+    rest = completion[boxes[-1].end():]
+    if rest.lstrip().startswith("{"):
+      got = _braced(rest, rest.index("{"))
       if got is not None:
         return got[0].strip()
+    else:  # `\boxed 5` (as verl reads it): up to the next `$` or the line's end
+      bare = re.match(r"[ \t]+([^$\n]*)", rest)
+      if bare and bare.group(1).strip():
+        return bare.group(1).strip()
   for line in reversed(completion.strip().splitlines()):
     match = _ANSWER_LINE.match(line)
     if match:
@@ -92,32 +107,46 @@ def normalize_answer(answer: str) -> str:
   s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
   for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "\\displaystyle"):
     s = s.replace(token, "")
-  s = re.sub(r"\^\{?\\circ\}?", "", s).replace("\\%", "").replace("%", "")
+  s = re.sub(r"\^\{?\\circ\}?|\\degree(?![a-zA-Z])|°", "", s).replace("\\%", "").replace("%", "")
   listed = re.search(r",\s", s)  # "1, 100": two numbers, not one thousand one hundred
   s = re.sub(r"\s+", "", s).replace("{,}", ",")
   s = s.rstrip(".")
-  s = re.sub(r"^[a-zA-Z]=", "", s)
+  prefix = s[:2] if _VARIABLE.fullmatch(s) else ""  # "x=" kept (see unassigned)
+  s = s[len(prefix):]
   if not listed and re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
     s = s.replace(",", "")
   s = _replace_frac(s)
-  return s
+  return prefix + s
+
+
+def unassigned(pred: str, ref: str) -> tuple[str, str]:
+  """Two normalised answers less a leading "x=": from one side where the other has no "=",
+  from both where both name the same variable (different ones are kept: x=2 is not y=2)."""
+  p, r = _VARIABLE.fullmatch(pred), _VARIABLE.fullmatch(ref)
+  if p and r:
+    return (p.group(2), r.group(2)) if p.group(1) == r.group(1) else (pred, ref)
+  if p and "=" not in ref:
+    return p.group(2), ref
+  if r and "=" not in pred:
+    return pred, r.group(2)
+  return pred, ref
 
 
 def as_number(s: str) -> Fraction | None:
-  """An exact rational for integers, decimals and a/b of them (with signs), else None."""
-  m = re.fullmatch(r"\(?([+-]?\d+(?:\.\d+)?|[+-]?\.\d+)\)?(?:/\(?(\d+(?:\.\d+)?)\)?)?", s)
+  """An exact rational for integers, decimals and a/b of them (with signs, in brackets that
+  pair up), else None (also for one of more digits than Python reads: compared as text)."""
+  m = _NUMBER.fullmatch(s)
+  if m is None and s.startswith("(") and s.endswith(")"):  # (3/4)
+    m = _NUMBER.fullmatch(s[1:-1])
   if m is None:
-    m2 = re.fullmatch(r"-\((\d+(?:\.\d+)?)\)/\(?(\d+(?:\.\d+)?)\)?", s)
-    if m2 is None:
-      return None
-    return -Fraction(m2.group(1)) / Fraction(m2.group(2))
-  value = Fraction(m.group(1))
-  if m.group(2) is not None:
-    den = Fraction(m.group(2))
-    if den == 0:
-      return None
-    value /= den
-  return value
+    return None
+  num, neg, bracketed, den, bracketed_den = m.groups()
+  try:  # (a ValueError past sys.get_int_max_str_digits())
+    value = Fraction(num) if num is not None else Fraction(bracketed) * (-1 if neg else 1)
+    den = Fraction(den if den is not None else bracketed_den or 1)
+  except ValueError:
+    return None
+  return None if den == 0 else value / den
 
 
 _SHARED: SymbolicEqual | None = None
@@ -142,16 +171,21 @@ class MathAnswerVerifier:
     self.symbolic = symbolic
 
   def __call__(self, completion: str, reference: Any) -> VerifierResult:
-    extracted = extract_answer(completion)
     ref = normalize_answer(str(reference))
+    if not ref:  # every empty answer would match it
+      raise ValueError(f"reference: expected an answer, got {reference!r} (empty once normalised)")
+    extracted = extract_answer(completion)
     if extracted is None:
       return VerifierResult(0.0, False, {"extracted": None, "reference": ref})
     pred = normalize_answer(extracted)
     info = {"extracted": extracted, "normalized": pred, "reference": ref}
-    a, b = as_number(pred), as_number(ref)
-    if a is not None and b is not None:  # two numbers: decided exactly
+    p, r = unassigned(pred, ref)
+    a, b = as_number(p), as_number(r)
+    if not p or not r:  # \boxed{}, "x=": no answer
+      equal = False
+    elif a is not None and b is not None:  # two numbers: decided exactly
       equal = a == b
-    elif pred == ref:
+    elif p == r:
       equal = True
     else:
       verdict = (self.symbolic or shared_symbolic())(str(reference).strip(), extracted)

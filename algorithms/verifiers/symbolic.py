@@ -4,8 +4,9 @@ x^2+1 = 1+x^2, {1,2} = {2,1}, intervals, equations), in a child process.
 sympy can take minutes, or all memory, on an answer such as 10^{10^{10}}; math-verify's own
 timeout is SIGALRM, which works only in a main thread. So a child process runs it in its main
 thread under that timeout, and the parent, whatever thread asks, kills a child that overruns
-its wait (and starts another at the next question): a worker's scoring never hangs. Several
-children answer a worker's scoring threads side by side.
+its wait (and starts another at the next question): a worker's scoring never hangs, and a
+question that ran out of time is not asked again. Several children answer a worker's scoring
+threads side by side.
 """
 
 from __future__ import annotations
@@ -69,18 +70,22 @@ class _Child:
     self.name = name
     self.proc = self.conn = None
 
-  def ask(self, owner: "SymbolicEqual", key: tuple[str, str]) -> bool | None:
+  def ask(self, owner: "SymbolicEqual", key: tuple[str, str]) -> tuple[bool | None, bool]:
+    """The verdict (None: no answer, the child killed) and whether the child ran past its
+    wait (that question would again; one that died or was closed says nothing of it)."""
     if not self.running:
       self.start(owner)
     conn = self.conn  # None once closed
+    timed_out = False
     try:
       conn.send(key)
-      verdict = bool(conn.recv()) if conn.poll(owner.wait_s) else None
+      timed_out = not conn.poll(owner.wait_s)
+      verdict = None if timed_out else bool(conn.recv())
     except (OSError, EOFError, AttributeError):  # died or closed: the next starts another
       verdict = None
     if verdict is None:  # past the wait, or dead: killed
       self.stop()
-    return verdict
+    return verdict, timed_out
 
   def start(self, owner: "SymbolicEqual") -> None:
     self.stop()
@@ -90,7 +95,18 @@ class _Child:
                             daemon=True, name=self.name)
     self.proc.start()
     child.close()
-    if not self.conn.poll(owner.start_s) or self.conn.recv() != _READY:
+    try:
+      ready = self.conn.recv() if self.conn.poll(owner.start_s) else None
+    except (EOFError, OSError):  # it exited before `ready`
+      self.proc.join(5)
+      code = self.proc.exitcode
+      self.stop()
+      raise RuntimeError(
+          f"math-verify: its process exited as it started (exit code {code}; its error is on "
+          f"stderr). Likely: a script that scores math answers without `if __name__ == "
+          f"'__main__':` around its code ('spawn' runs the script again in the child), "
+          f"math_verify not installed, or a `check` the child cannot import") from None
+    if ready != _READY:
       self.stop()
       raise RuntimeError(f"math-verify: its process did not start in {owner.start_s:.0f} s")
 
@@ -112,7 +128,8 @@ class SymbolicEqual:
   seconds), or None where its child did not answer within `wait_s` (then killed). Thread
   safe: `children` processes (default_children()) answer side by side, each started at the
   first question it takes (the import takes a second or two); a question waits for a free
-  one. The last `cache` verdicts are kept: a group's samples often give the same answer.
+  one. The last `cache` verdicts are kept, a time-out's None too (each costs `wait_s`): a
+  group's samples often give the same answer.
   `check`: what the children run (a module-level function, as math_verify_equal)."""
 
   def __init__(self, timeout_s: int = 5, wait_s: float | None = None,
@@ -130,7 +147,8 @@ class SymbolicEqual:
     for child in self._children:
       self._idle.put(child)
     self._lock = threading.Lock()  # the verdicts
-    self._verdicts: collections.OrderedDict[tuple[str, str], bool] = collections.OrderedDict()
+    self._verdicts: collections.OrderedDict[tuple[str, str], bool | None] = (
+        collections.OrderedDict())
     self._cache = cache
 
   def __call__(self, reference: str, answer: str) -> bool | None:
@@ -141,10 +159,10 @@ class SymbolicEqual:
         return self._verdicts[key]
     child = self._idle.get()
     try:
-      verdict = child.ask(self, key)
+      verdict, timed_out = child.ask(self, key)
     finally:
       self._idle.put(child)
-    if verdict is not None:
+    if verdict is not None or timed_out:
       with self._lock:
         self._verdicts[key] = verdict
         if len(self._verdicts) > self._cache:

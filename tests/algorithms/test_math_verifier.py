@@ -2,10 +2,14 @@
 
 import concurrent.futures
 import os
+import sys
+import time
+import types
+from fractions import Fraction
 
 import pytest
 
-from algorithms.verifiers import MathAnswerVerifier, make_verifier
+from algorithms.verifiers import MathAnswerVerifier, make_verifier, verifier_for_task
 from algorithms.verifiers.math_answer import as_number, extract_answer, normalize_answer
 
 VERIFY = MathAnswerVerifier()
@@ -26,13 +30,29 @@ def test_extracts_final_answer_is_line_when_no_box():
   assert extract_answer("The answer is not 5. The answer is 7.") == "7."
 
 
+@pytest.mark.parametrize("text,expected", [
+    ("so \\boxed 5", "5"),  # no braces, as verl reads it
+    ("$\\boxed 12$.", "12"),
+    ("\\boxed {7}", "7"),
+    ("\\fbox{1}, then \\boxed{2}", "2"),
+    ("\\boxed{1}, then \\fbox{2}", "2"),  # the last of either
+    ("in \\boxed\nAnswer: 4", "4"),  # a bare mention is no box
+    ("\\boxed{3\nAnswer: 4", "4"),  # a box never closed
+])
+def test_extracts_the_last_box_of_either_kind_with_or_without_braces(text, expected):
+  assert extract_answer(text) == expected
+
+
 @pytest.mark.parametrize("raw,expected", [
     ("\\dfrac{1}{2}", "1/2"),
     ("\\frac12", "1/2"),
     ("-\\frac{3}{4}", "-3/4"),
     ("$ 1,234 $", "1234"),
-    ("x = 5", "5"),
+    ("x = 5", "x=5"),  # the variable is dropped when compared (unassigned)
+    ("x = 1,234", "x=1234"),
     ("90^\\circ", "90"),
+    ("90°", "90"),
+    ("90\\degree", "90"),
     ("50\\%", "50"),
     ("\\left( 1, 2 \\right)", "(1,2)"),
     ("\\text{ yes }", "yes"),
@@ -53,6 +73,21 @@ def test_numbers_compare_exactly_as_rationals():
   assert as_number("1/0") is None and as_number("\\sqrt{2}") is None
 
 
+def test_numbers_in_brackets_read_only_when_the_brackets_pair_up():
+  for text in ("(3", "3)", "(3)/(4", "(3)/4)", "-(3/4"):
+    assert as_number(text) is None, text
+  assert not VERIFY("\\boxed{(3}", "3").passed
+  assert as_number("(3)") == as_number("((3))") == 3
+  assert as_number("(3)/(4)") == as_number("(3/4)") == -as_number("-(3)/4") == Fraction(3, 4)
+
+
+def test_numbers_longer_than_python_reads_compare_as_text():
+  big = "1" * 5000  # past sys.get_int_max_str_digits()
+  assert as_number(big) is None and as_number(f"{big}/2") is None and as_number(f"0.{big}") is None
+  result = VERIFY(f"\\boxed{{{big}}}", big)
+  assert result.passed and "symbolic" not in result.info
+
+
 @pytest.mark.parametrize("completion,reference,passed", [
     ("so \\boxed{\\frac{1}{2}}", "0.5", True),
     ("The answer is $1{,}000$.", "1000", True),  # LaTeX thousands separator
@@ -68,11 +103,37 @@ def test_numbers_compare_exactly_as_rationals():
     ("\\boxed{11/3}", "1\\frac{1}{3}", False),
     ("\\boxed{1100}", "1, 100", False),  # a list is no thousands separator
     ("Answer: after checking, the answer is 12", "12", True),
+    ("\\boxed{90°}", "90", True),
+    ("\\boxed{45\\degree}", "45^\\circ", True),
+    ("\\boxed 5", "5", True),
 ])
 def test_verifier_end_to_end(completion, reference, passed):
   result = VERIFY(completion, reference)
   assert result.passed is passed
   assert result.reward == (1.0 if passed else 0.0)
+
+
+@pytest.mark.parametrize("completion,reference,passed", [
+    ("\\boxed{x=2}", "y=2", False),
+    ("\\boxed{y=2}", "x=2", False),
+    ("\\boxed{x = 2}", "2", True),
+    ("\\boxed{2}", "x=2", True),
+    ("\\boxed{x=\\frac{1}{2}}", "x = 0.5", True),
+    ("\\boxed{x=1,000}", "1000", True),
+])
+def test_a_leading_variable_is_dropped_only_against_no_equation_or_the_same_variable(
+    completion, reference, passed):
+  assert VERIFY(completion, reference).passed is passed
+
+
+def test_an_empty_reference_is_an_error_and_an_empty_answer_matches_nothing():
+  for reference in ("", " $ $ ", "\\text{}"):
+    with pytest.raises(ValueError, match="reference: expected an answer"):
+      VERIFY("\\boxed{}", reference)
+  error = verifier_for_task("math")("\\boxed{}", "")  # a worker scores it 0, with the error
+  assert not error.passed and error.info["error"].startswith("ValueError: reference")
+  result = VERIFY("\\boxed{}", "x=")
+  assert not result.passed and "symbolic" not in result.info
 
 
 def test_registered_as_math_and_reports_what_it_saw():
@@ -120,6 +181,40 @@ def test_an_answer_sympy_cannot_finish_is_not_equal_and_never_hangs_the_scorer()
   assert impatient("2\\sqrt{3}", "\\sqrt{12}") is True and not impatient.running
   for c in (checker, impatient):
     c.close()
+
+
+def _stall(reference: str, answer: str, timeout_s: int) -> bool:
+  """A check for the children that never answers in time (as sympy on a huge answer)."""
+  time.sleep(60)
+  return True
+
+
+def test_a_question_that_ran_out_of_time_is_not_asked_again():
+  from algorithms.verifiers.symbolic import SymbolicEqual
+  checker = SymbolicEqual(wait_s=0.5, children=1, check=_stall)
+  assert checker("5", "(10^{10^{10}})!") is None and not checker.running
+  start = time.monotonic()
+  assert checker("5", "(10^{10^{10}})!") is None  # kept: no child started, no wait
+  assert time.monotonic() - start < 0.4 and not checker.running
+  checker.close()
+
+
+def test_a_child_that_dies_as_it_starts_is_a_runtime_error_that_says_why(monkeypatch):
+  """Its check cannot be imported in the child (as a script without a __main__ guard
+  cannot start one): a RuntimeError naming the likely causes, not an EOFError."""
+  from algorithms.verifiers.symbolic import SymbolicEqual
+  module = types.ModuleType("_only_in_the_parent")
+
+  def check(reference: str, answer: str, timeout_s: int) -> bool:
+    return True
+
+  check.__module__, check.__qualname__ = module.__name__, "check"
+  module.check = check
+  monkeypatch.setitem(sys.modules, module.__name__, module)
+  checker = SymbolicEqual(children=1, check=check)
+  with pytest.raises(RuntimeError, match="exited as it started.*__main__"):
+    checker("1", "2")
+  assert not checker.running
 
 
 def _meet(folder: str, name: str, patience_s: int) -> bool:
