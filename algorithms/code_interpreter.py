@@ -35,7 +35,7 @@ class PythonInterpreter:
   `run_as`: the sandbox user when the worker is root (CodeExecutionVerifier)."""
 
   def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512,
-               max_output_chars: int = 1024, run_as: str | int | None = "nobody"):
+               max_output_chars: int = 1024, run_as: str | int | None = ""):
     if max_output_chars < 16:
       raise ValueError(f"max_output_chars: expected >= 16, got {max_output_chars!r}")
     self.sandbox = CodeExecutionVerifier(timeout_s=timeout_s, memory_mb=memory_mb,
@@ -48,18 +48,20 @@ class PythonInterpreter:
     if not blocks:
       return None
     before = "".join(_CELL.format(b) for b in _earlier_blocks(messages[:-1]))
-    result = self.sandbox(_QUIET + before + _LOUD, ["\n".join(blocks)])
-    info = result.info
-    text = info["stdout"]
+    info = self.sandbox.run(_QUIET + before + _LOUD, ["\n".join(blocks)]).info
+    text, end = info["stdout"], ""
     if info["timed_out"]:
-      text += f"{_TIMED_OUT} {self.sandbox.timeout_s:g} s"
+      end = f"{_TIMED_OUT} {self.sandbox.timeout_s:g} s"
     elif info["errors"] == ["not run"]:  # the interpreter died: os._exit, a signal, a limit
-      text += f"{_EXITED} with status {info['returncode']}"
+      end = f"{_EXITED} with status {info['returncode']}"
     elif info["errors"]:
       text += info["errors"][-1]
-    if len(text) > self.max_output_chars:
-      text = text[:self.max_output_chars - 4] + " ..."
-    return f"<output>\n{text.rstrip()}\n</output>"
+    # The output is cut, not an ending that says the code timed out or ended the interpreter
+    # (_earlier_blocks reads it: cut, every later turn would run that code again).
+    room = max(self.max_output_chars - len(end), 4)
+    if len(text) > room:
+      text = text[:room - 4] + " ..."
+    return f"<output>\n{(text + end).rstrip()}\n</output>"
 
 
 def _earlier_blocks(messages: list[dict[str, str]]) -> list[str]:

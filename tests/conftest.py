@@ -46,6 +46,14 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # Prompt-length checks kept for the session alone (children inherit it): a test sees its own.
 os.environ.setdefault("RLAX_PS_PROMPT_CHECKS", tempfile.mkdtemp(prefix="rlax_ps_prompt_checks_"))
 
+# Model-written code (the `code` task, the python environment) runs as `nobody` under a root
+# worker, which refuses to start where nobody cannot run its Python (a venv under /root, as
+# on the CI machines): there the tests run it as root, as a worker would be told to.
+if os.geteuid() == 0 and "RLAX_PS_SANDBOX_USER" not in os.environ:
+  from algorithms.verifiers.code_exec import _can_run_as, _user_ids  # noqa: E402
+  if not _can_run_as(sys.executable, *_user_ids("nobody")):
+    os.environ["RLAX_PS_SANDBOX_USER"] = "root"
+
 # The longest modules first (about 13-85 s each on 2 cores; the rest follow in collection
 # order). xdist hands out whole modules in this order (`make test` passes
 # --no-loadscope-reorder, whose default orders them by test count): a long one handed out

@@ -5,7 +5,8 @@ What bounds the child: a wall-clock timeout (its process group is killed); addre
 cwd/HOME/TMPDIR; an isolated interpreter (-I -B) with an empty environment. Where
 `unshare` works (root, or user namespaces), new network, PID and mount namespaces: no
 network, no other process to see or signal, and whatever it forks dies with it. Where the
-worker runs as root, the child drops to `run_as` (nobody) with a process limit, so it
+worker runs as root, the child drops to `run_as` (nobody, or $RLAX_PS_SANDBOX_USER) with a
+process limit, so it
 cannot signal the worker, read its files or environment (`/proc`), or write outside
 the scratch directory and world-writable places.
 An audit hook also refuses sockets, subprocesses, exec, fork, signals, and writes,
@@ -18,16 +19,17 @@ read what the worker's user can read and, without namespaces, signal its process
 its scratch writes are limited per file, not in total. Run workers as root in a
 container, or use an OS sandbox (gVisor, a VM) for code you must not trust.
 
-The reference is a sequence of test snippets (Python source, usually `assert` lines)
-run one by one after the candidate, in its namespace. reward = fraction of tests
-passed; passed = all of them passed.
+The program is the completion's last fenced code block (```python, ```py or a bare
+```), else the whole completion. The reference is a sequence of test snippets (Python
+source, usually `assert` lines), or a dict with "tests", or either as JSON text (data
+files hold answers as strings: '["assert f(1) == 2"]'); they run one by one after the
+program, in its namespace. reward = fraction of tests passed; passed = all of them passed.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import pwd
 import secrets
@@ -67,10 +69,16 @@ def _main():  # the harness's state in its scope: not in __main__ for the progra
     os.setgid(int(gid))
     os.setuid(int(uid))
   out = os.fdopen(int(report_fd), "w")
-  import _posixsubprocess  # subprocess's fork+exec, which raises no audit event of its own
-  def _refused(*args):
-    raise PermissionError("sandbox: _posixsubprocess.fork_exec is not allowed")
-  _posixsubprocess.fork_exec = _refused
+  import _posixsubprocess, posix
+  def refuse(module, name):
+    def refused(*args, **kwargs):
+      raise PermissionError("sandbox: " + module.__name__ + "." + name + " is not allowed")
+    setattr(module, name, refused)
+  # calls that raise no audit event of their own: subprocess's fork+exec, device and fifo nodes
+  refuse(_posixsubprocess, "fork_exec")
+  for module in (os, posix):
+    refuse(module, "mknod")
+    refuse(module, "mkfifo")
   BLOCKED = frozenset({
       "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
       "socket.sendto", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn",
@@ -89,6 +97,7 @@ def _main():  # the harness's state in its scope: not in __main__ for the progra
              "os.symlink": ((1, 2),), "os.chmod": ((0, 2),), "os.chown": ((0, 3),),
              "os.utime": ((0, 3),), "os.truncate": ((0, None),), "os.setxattr": ((0, None),),
              "os.removexattr": ((0, None),), "os.chflags": ((0, None),)}
+  WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
   def inside(path, dir_fd=None):
     if isinstance(path, int):
       return False
@@ -109,7 +118,7 @@ def _main():  # the harness's state in its scope: not in __main__ for the progra
     if event == "open" and args[0] is not None and not isinstance(args[0], int):
       mode, flags = args[1], args[2]
       writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-          isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+          isinstance(flags, int) and flags & WRITE_FLAGS)  # O_TRUNC empties even read-only
       path = os.path.realpath(os.fsdecode(args[0]))
       if (writing or os.path.isdir(path)) and not inside(path):  # a directory: a dir_fd
         raise PermissionError("sandbox: " + ("writing" if writing else "opening a directory")
@@ -182,20 +191,85 @@ def _can_run_as(python: str, uid: int, gid: int) -> bool:
                    env={"PATH": "/usr/bin:/bin"})
     return True
   except (OSError, subprocess.SubprocessError):
-    logging.getLogger(__name__).warning(
-        "code sandbox: user %d cannot run %s or read its modules, so sandboxed code runs "
-        "as root (give that user read access to the Python installation)", uid, python)
     return False
+
+
+SANDBOX_USER_ENV = "RLAX_PS_SANDBOX_USER"  # run_as where none is given ("root": as root)
+
+
+def _sandbox_user(run_as: str | int | None, python: str) -> tuple[int, int] | None:
+  """(uid, gid) the child runs as: run_as's where the worker is root ("" takes
+  $RLAX_PS_SANDBOX_USER, else nobody), else None (the worker's own user; root's too). Fails
+  closed: a root worker whose run_as cannot run `python` raises ValueError rather than run
+  model-written code as root."""
+  if run_as == "":
+    run_as = os.environ.get(SANDBOX_USER_ENV) or "nobody"
+  ids = None if run_as is None else _user_ids(run_as)
+  if ids is None or ids[0] == 0 or os.geteuid() != 0:
+    return None
+  if not _can_run_as(python, *ids):
+    real = os.path.realpath(python)
+    where = python if real == python else f"{python} ({real})"
+    raise ValueError(
+        f"run_as: user {run_as!r} cannot read the Python at {where} or its modules, so the "
+        f"sandboxed code would run as root; give that user read access to that Python (or "
+        f"pass python= one it can run), or run the code as root knowingly: run_as=None, or "
+        f"{SANDBOX_USER_ENV}=root in the worker's environment")
+  return ids
+
+
+def _tests_of(reference: Any) -> list[str]:
+  """The test snippets a reference holds (module docstring); a string is parsed as JSON,
+  since data files and the worker carry answers as strings."""
+  tests = reference
+  if isinstance(tests, str):
+    try:
+      tests = json.loads(tests)
+    except json.JSONDecodeError:
+      tests = None
+  tests = tests.get("tests") if isinstance(tests, dict) else tests
+  if isinstance(tests, str) or not isinstance(tests, Sequence) or not all(
+      isinstance(t, str) for t in tests):
+    got = repr(reference[:100]) if isinstance(reference, str) else type(reference).__name__
+    raise ValueError(f"reference: expected a sequence of test source strings, a dict with "
+                     f"'tests', or either as JSON text (such as '[\"assert f(1) == 2\"]' or "
+                     f"'{{\"tests\": [...]}}'), got {got}")
+  return list(tests)
+
+
+_PYTHON_FENCES = ("", "py", "python", "python3")
+
+
+def program_of(completion: str) -> tuple[str, str]:
+  """(program, where it came from): the completion's last fenced Python block (```python,
+  ```py or bare ```; one left open at the end runs to the end), else the whole completion."""
+  blocks, block, language = [], None, ""
+  for line in completion.split("\n"):
+    if not line.strip().startswith("```"):
+      if block is not None:
+        block.append(line)
+    elif block is None:
+      block, language = [], line.strip()[3:].strip().lower()
+    else:  # the block's closing fence
+      if language in _PYTHON_FENCES:
+        blocks.append(block)
+      block = None
+  if block is not None and language in _PYTHON_FENCES:  # the reply stopped inside it
+    blocks.append(block)
+  if not blocks:
+    return completion, "completion"
+  return "\n".join(blocks[-1]) + "\n", "last code block"
 
 
 @register_verifier("code")
 class CodeExecutionVerifier:
   """Scores a Python program by the fraction of test snippets that pass (module docstring).
-  `run_as`: the user the child runs as when the worker is root (None: root itself)."""
+  `run_as`: the user the child runs as when the worker is root ("": $RLAX_PS_SANDBOX_USER,
+  else nobody; None or "root": root itself)."""
 
   def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, output_mb: int = 8,
                use_network_namespace: bool = True, python: str | None = None,
-               run_as: str | int | None = "nobody"):
+               run_as: str | int | None = ""):
     if not timeout_s > 0:
       raise ValueError(f"timeout_s: expected > 0, got {timeout_s!r}")
     if not memory_mb >= 64:
@@ -207,26 +281,29 @@ class CodeExecutionVerifier:
     self.unshare = namespace_flags() if use_network_namespace else ()
     self.netns = bool(self.unshare)
     self.python = python or sys.executable
-    ids = None if run_as is None else _user_ids(run_as)
-    self.user = ids if ids and os.geteuid() == 0 and _can_run_as(self.python, *ids) else None
+    self.user = _sandbox_user(run_as, self.python)
     # ctypes (numpy, sympy) where the OS bounds the child: its own user, namespaces
     self.native = bool(self.user) and self.unshare == _NAMESPACES
 
   def __call__(self, completion: str, reference: Any) -> VerifierResult:
-    tests = reference.get("tests") if isinstance(reference, dict) else reference
-    if isinstance(tests, str) or not isinstance(tests, Sequence) or not all(
-        isinstance(t, str) for t in tests):
-      raise ValueError(f"reference: expected a sequence of test source strings (or a dict "
-                       f"with 'tests'), got {type(reference).__name__}")
+    """Runs the completion's program (program_of) against the reference's tests."""
+    program, source = program_of(completion)
+    result = self.run(program, _tests_of(reference))
+    result.info["program_from"] = source
+    return result
+
+  def run(self, program: str, tests: Sequence[str]) -> VerifierResult:
+    """Runs `program` as it is, then each test snippet, in the sandbox."""
     with tempfile.TemporaryDirectory(prefix="rlax_ps_code_") as root:
       scratch = os.path.join(root, "scratch")
       os.mkdir(scratch)
       with open(os.path.join(scratch, "job.json"), "w") as f:
-        json.dump({"program": completion, "tests": list(tests), "native": self.native}, f)
+        json.dump({"program": program, "tests": list(tests), "native": self.native}, f)
       nonce = secrets.token_hex(16)
       out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
       report_path = os.path.join(root, "reports")
-      cmd = [self.python, "-I", "-B", "-c", _HARNESS]
+      # -u: what the program printed before a timeout's kill or an os._exit is kept
+      cmd = [self.python, "-I", "-B", "-u", "-c", _HARNESS]
       if self.unshare:
         cmd = [shutil.which("unshare"), *self.unshare, "--"] + cmd
       if shutil.which("timeout"):  # the deadline also when this process dies mid-call (a

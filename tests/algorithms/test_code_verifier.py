@@ -1,7 +1,12 @@
 """Code-execution verifier: scoring, and the sandbox's time, memory, network and
-filesystem limits."""
+filesystem limits. Most tests pass run_as=None (the worker's own user): what they test is
+the audit hook and the limits, which a root worker whose Python the sandbox user cannot
+run would otherwise refuse to start (test_a_root_worker_refuses_...)."""
 
+import json
 import os
+import re
+import stat
 import sys
 
 import pytest
@@ -15,7 +20,7 @@ TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) ==
 
 @pytest.fixture(scope="module")
 def verify():
-  return CodeExecutionVerifier(timeout_s=10.0, memory_mb=256)
+  return CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, run_as=None)
 
 
 def test_fraction_of_tests_passed(verify):
@@ -55,7 +60,7 @@ def test_the_sandbox_dies_at_its_timeout_also_when_its_caller_died_first(tmp_pat
   import time
   caller = subprocess.Popen(
       [sys.executable, "-c", "from algorithms.verifiers import CodeExecutionVerifier\n"
-       "CodeExecutionVerifier(timeout_s=2.0, memory_mb=256)('import time\\n"
+       "CodeExecutionVerifier(timeout_s=2.0, memory_mb=256, run_as=None)('import time\\n"
        f"time.sleep(600)\\n', {TESTS[:1]!r})"],  # (its tests never run: it sleeps)
       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
       env=dict(os.environ, TMPDIR=str(tmp_path)))
@@ -90,12 +95,13 @@ def test_syntax_error_fails_every_test(verify):
 
 
 def test_infinite_loop_is_killed_at_the_timeout():
-  result = CodeExecutionVerifier(timeout_s=2.0, memory_mb=256)("while True:\n  pass\n", TESTS)
+  result = CodeExecutionVerifier(timeout_s=2.0, memory_mb=256, run_as=None)(
+      "while True:\n  pass\n", TESTS)
   assert result.info["timed_out"] and not result.passed and result.reward == 0.0
 
 
 def test_infinite_loop_in_a_test_keeps_earlier_results():
-  result = CodeExecutionVerifier(timeout_s=2.0, memory_mb=256)(
+  result = CodeExecutionVerifier(timeout_s=2.0, memory_mb=256, run_as=None)(
       PROGRAM, [TESTS[0], "while True:\n  pass"])
   assert result.info["timed_out"] and result.info["n_passed"] == 1
   assert result.reward == pytest.approx(0.5) and not result.passed
@@ -118,7 +124,8 @@ def test_socket_attempt_fails(verify):
 
 
 def test_socket_attempt_fails_without_a_network_namespace_too():
-  verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, use_network_namespace=False)
+  verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, use_network_namespace=False,
+                                 run_as=None)
   result = verify("import urllib.request\nurllib.request.urlopen('http://1.1.1.1')\n",
                   ["assert True"])
   assert not result.info["network_namespace"] and not result.passed
@@ -136,9 +143,14 @@ def test_subprocess_and_writes_outside_scratch_are_refused(verify):
 
 
 def test_registered_as_code_and_rejects_bad_reference():
-  verify = make_verifier("code", timeout_s=5.0)
-  with pytest.raises(ValueError, match="reference: expected a sequence of test source strings"):
-    verify(PROGRAM, "assert add(1, 2) == 3")
+  verify = make_verifier("code", timeout_s=5.0, run_as=None)
+  for bad, got in [("assert add(1, 2) == 3", "'assert add(1, 2) == 3'"),  # not JSON
+                   ('"assert add(1, 2) == 3"', "'\"assert add(1, 2) == 3\"'"),  # a JSON string
+                   ('{"tests": [1]}', "'{\"tests\": [1]}'"), ([1], "list")]:
+    with pytest.raises(ValueError, match="reference: expected a sequence of test source "
+                                         "strings, a dict with 'tests', or either as JSON text "
+                                         r"\(such as .*\), got " + re.escape(got)):
+      verify(PROGRAM, bad)
   with pytest.raises(ValueError, match="timeout_s: expected > 0"):
     CodeExecutionVerifier(timeout_s=0)
 
@@ -185,7 +197,7 @@ def test_as_root_the_child_runs_as_nobody_so_code_past_the_hook_cannot_reach_the
   secret = tmp_path / "token"
   secret.write_text("s3cret")
   secret.chmod(0o600)
-  verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=python)
+  verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=python, run_as="nobody")
   # the audit hook is a tripwire: code can switch it off through frames and closures
   unhook = ("try:\n  1 / 0\nexcept ZeroDivisionError as e:\n"
             "  main = e.__traceback__.tb_frame.f_back.f_back\n"
@@ -215,21 +227,101 @@ CTYPES_PROGRAM = "import ctypes\nassert ctypes.CDLL(None).getpid() > 0\n"
 
 def test_as_nobody_in_namespaces_ctypes_loads_so_numpy_and_sympy_can():
   python = _python_others_can_run()
-  verify = python and CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=python)
+  verify = python and CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=python,
+                                            run_as="nobody")
   if not verify or verify.unshare != _NAMESPACES:
     pytest.skip("needs root, a Python that user nobody can run, and namespaces")
   result = verify(CTYPES_PROGRAM, [])
   assert result.passed and result.info["uid"] == 65534, result.info
 
 
-@pytest.mark.parametrize("settings", [{"run_as": None}, {"use_network_namespace": False}])
+@pytest.mark.parametrize("settings", [{"run_as": None},
+                                      {"run_as": "nobody", "use_network_namespace": False}])
 def test_ctypes_is_refused_where_the_os_does_not_bound_the_code_saying_how(settings):
   """Not as the sandbox user, or not in namespaces: a native call would pass the audit hook
   by, so ctypes (numpy's and sympy's import) stays refused, naming what allows it."""
-  python = _python_others_can_run() or sys.executable
+  python = _python_others_can_run()
+  if python is None:  # the sandbox user cannot run a Python here: the worker's own user
+    python, settings = sys.executable, {"run_as": None, **settings}
   result = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=python, **settings)(
       CTYPES_PROGRAM, [])
   assert not result.passed
   assert result.info["errors"][0].startswith(
       "PermissionError: sandbox: ctypes.dlopen is not allowed (numpy and sympy import ctypes) "
       "unless the code runs as the sandbox user in namespaces: run the worker as root"), result.info
+
+
+def test_a_json_text_reference_is_read_as_the_worker_passes_it(verify):
+  """Data files and the worker (reference_of) carry the answer as a string: the code task
+  scored 0 on every sample, its reference refused as not a sequence."""
+  assert verify(PROGRAM, json.dumps(TESTS)).reward == pytest.approx(2 / 3)
+  assert verify(PROGRAM, json.dumps({"tests": TESTS[:2]})).passed
+
+
+def test_the_last_fenced_code_block_runs_else_the_whole_completion(verify):
+  """A completion with prose around its code ran whole, a SyntaxError on every sample."""
+  prose = ("Here is a first try:\n```python\ndef add(a, b):\n  return 0\n```\n"
+           "A note:\n```text\nnot code\n```\nAnd the fix:\n```py\n" + PROGRAM + "```\nDone.")
+  result = verify(prose, TESTS[:2])
+  assert result.passed and result.info["program_from"] == "last code block", result.info
+  bare = verify("Code:\n```\n" + PROGRAM + "```\n", TESTS[:2])
+  assert bare.passed and bare.info["program_from"] == "last code block", bare.info
+  raw = verify(PROGRAM, TESTS[:2])
+  assert raw.passed and raw.info["program_from"] == "completion", raw.info
+
+
+def test_truncating_and_making_nodes_outside_scratch_are_refused(verify, tmp_path):
+  """os.open with O_RDONLY | O_TRUNC emptied a file outside scratch (not counted as a
+  write), and os.mknod / os.mkfifo raise no audit event at all."""
+  kept = tmp_path / "kept.txt"
+  kept.write_text("mine")
+  node = f"0o600 | {stat.S_IFIFO}"
+  attempts = [
+      ("writing outside the scratch directory",
+       f"import os\nos.open({str(kept)!r}, os.O_RDONLY | os.O_TRUNC)\n"),
+      ("writing outside the scratch directory",
+       f"import os\nos.open({str(kept)!r}, os.O_RDONLY | os.O_APPEND)\n"),
+      ("os.mkfifo is not allowed", f"import os\nos.mkfifo({str(tmp_path / 'f1')!r})\n"),
+      ("os.mknod is not allowed", f"import os\nos.mknod({str(tmp_path / 'f2')!r}, {node})\n"),
+      ("posix.mkfifo is not allowed",
+       f"import posix\nposix.mkfifo({str(tmp_path / 'f3')!r})\n"),
+      ("posix.mknod is not allowed",
+       f"import posix\nposix.mknod({str(tmp_path / 'f4')!r}, {node})\n"),
+  ]
+  for refusal, program in attempts:
+    result = verify(program, [])
+    assert not result.passed and refusal in result.info["errors"][0], (refusal, result.info)
+  assert kept.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["kept.txt"]
+
+
+def test_a_root_worker_refuses_a_run_as_user_that_cannot_run_its_python(tmp_path, monkeypatch):
+  """It logged a warning and ran model-written code as root."""
+  if os.geteuid() != 0:
+    pytest.skip("needs root: only a root worker switches to run_as")
+  hidden = tmp_path / "private"  # a Python behind a folder only root may enter
+  hidden.mkdir(mode=0o700)
+  python = hidden / "python3"
+  python.symlink_to(sys.executable)
+  said = (f"run_as: user 'nobody' cannot read the Python at {python} .*give that user read "
+          "access.*or run the code as root knowingly: run_as=None, or RLAX_PS_SANDBOX_USER=root")
+  with pytest.raises(ValueError, match=said):
+    CodeExecutionVerifier(python=str(python), run_as="nobody")
+  with monkeypatch.context() as m:  # the default: $RLAX_PS_SANDBOX_USER, else nobody
+    m.delenv("RLAX_PS_SANDBOX_USER", raising=False)
+    with pytest.raises(ValueError, match=said):
+      CodeExecutionVerifier(python=str(python))
+    m.setenv("RLAX_PS_SANDBOX_USER", "root")
+    assert CodeExecutionVerifier(python=str(python)).user is None
+  knowingly = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=str(python),
+                                    run_as=None)
+  result = knowingly(PROGRAM, TESTS[:2])
+  assert result.passed and result.info["uid"] == 0, result.info
+
+
+@pytest.mark.parametrize("end", ["import os\nos._exit(3)\n", "while True:\n  pass\n"])
+def test_what_a_program_printed_before_it_died_is_kept(end):
+  """stdout, a file, was block-buffered: what was printed before a timeout's kill or an
+  os._exit was lost (-I ignores PYTHONUNBUFFERED)."""
+  verify = CodeExecutionVerifier(timeout_s=1.0, memory_mb=256, run_as=None)
+  result = verify("print('got this far')\n" + end, [])
+  assert result.info["stdout"] == "got this far\n" and not result.passed, result.info

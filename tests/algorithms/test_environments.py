@@ -93,6 +93,16 @@ def test_the_python_interpreter_runs_all_the_turns_blocks_and_skips_turns_that_h
   assert env(later, None) == "<output>\n42\n</output>"  # as a notebook goes on
 
 
+def test_a_long_output_before_a_hang_is_cut_not_the_ending_that_says_it_hung():
+  """Cut off, the ending let the hung block run again before every later turn."""
+  env = make_environment("python", timeout_s=1.0, max_output_chars=64)
+  hung = "```python\nprint('y' * 1000, flush=True)\nwhile True: pass\n```"
+  reply = env(said(hung), None)
+  assert reply.endswith("y ...TimeoutError: the code ran past 1 s\n</output>")
+  assert env(said(hung, "```python\nprint(2)\n```", replies=[reply]), None) == (
+      "<output>\n2\n</output>")
+
+
 @pytest.fixture
 def tools():
   from typing import Literal
