@@ -53,21 +53,30 @@ SINGLE_HOST_WORKERS = {"gke-tpu+multihost-workers": "overlays/gke-tpu",
                        "gke-tpu+weight-relay+multihost-workers": "gke-tpu+weight-relay"}
 
 
-@functools.cache
-def overlay_dir(name: str) -> pathlib.Path:
-  if name not in COMPOSED:
-    return K8S / name
-  root = pathlib.Path(tempfile.mkdtemp(prefix="rlax-ps-k8s-"))
-  resource, *components = (os.path.relpath(K8S / p, root) for p in COMPOSED[name])
+def write_overlay(root: pathlib.Path, k8s: pathlib.Path, parts: tuple[str, ...]) -> pathlib.Path:
+  """A user's overlay in `root`: the resource and components `parts` of the tree `k8s`."""
+  root.mkdir(parents=True, exist_ok=True)
+  resource, *components = (os.path.relpath(k8s / p, root) for p in parts)
   (root / "kustomization.yaml").write_text(
       f"resources: [{resource}]\ncomponents: [{', '.join(components)}]\n")
   return root
 
 
 @functools.cache
+def overlay_dir(name: str) -> pathlib.Path:
+  if name not in COMPOSED:
+    return K8S / name
+  return write_overlay(pathlib.Path(tempfile.mkdtemp(prefix="rlax-ps-k8s-")), K8S, COMPOSED[name])
+
+
+def kustomize(root: pathlib.Path) -> subprocess.CompletedProcess:
+  return subprocess.run([KUBECTL, "kustomize", str(root)], capture_output=True, text=True,
+                        timeout=60)
+
+
+@functools.cache
 def render(overlay: str) -> tuple[dict, ...]:
-  out = subprocess.run([KUBECTL, "kustomize", str(overlay_dir(overlay))], capture_output=True,
-                       text=True, timeout=60)
+  out = kustomize(overlay_dir(overlay))
   assert out.returncode == 0, out.stderr
   return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
 
@@ -307,6 +316,86 @@ def test_workers_finish_within_the_pods_termination_grace(overlay):
   (c,) = pod_spec(worker)["containers"]
   grace = pod_spec(worker)["terminationGracePeriodSeconds"]
   assert float(flag(c["args"], "grace_s")) + 3 <= grace
+
+
+@pytest.mark.parametrize("overlay", RENDERED)
+def test_the_server_may_load_its_storage_for_30_minutes_before_its_liveness_probe(overlay):
+  """The server's port opens once its write-ahead log is replayed and its weights read; the
+  liveness probe alone would restart a slow restore again and again."""
+  (serve,) = pod_spec(workloads(overlay)["rlax-ps-server"])["containers"]
+  startup = serve["startupProbe"]
+  assert startup["grpc"] == serve["livenessProbe"]["grpc"]
+  assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60
+
+
+@pytest.mark.parametrize("overlay", RENDERED)
+def test_workers_decode_on_every_tpu_chip_of_their_pod(overlay):
+  worker = workloads(overlay)["rlax-ps-worker"]
+  (c,) = pod_spec(worker)["containers"]
+  requested = int(c["resources"].get("limits", {}).get("google.com/tpu", 0))
+  if "gke-tpu" in overlay:
+    assert requested > 0
+  if requested:  # WorkerConfig.devices: 0 is all the local chips
+    assert int(flag(c["args"], "devices")) in (0, requested), c["args"]
+
+
+def set_image(root: pathlib.Path, name: str, image: str) -> None:
+  """What `kustomize edit set image NAME=IMAGE` does to ROOT/kustomization.yaml: NAME's entry
+  under `images` (a new one if none) gets IMAGE's name and tag."""
+  path = root / "kustomization.yaml"
+  kustomization = yaml.safe_load(path.read_text())
+  entries = kustomization.setdefault("images", [])
+  entry = next((e for e in entries if e["name"] == name), None)
+  if entry is None:
+    entry = {"name": name}
+    entries.append(entry)
+  entry["newName"], entry["newTag"] = image.rsplit(":", 1)
+  path.write_text(yaml.safe_dump(kustomization, sort_keys=False))
+
+
+def readme_image_step() -> tuple[str, str]:
+  """The README's step that names your image, done in the kustomization you then apply:
+  `cd k8s/...`, `kustomize edit set image NAME=IMAGE:TAG`, `kubectl apply -k .` -> (NAME,
+  IMAGE)."""
+  readme = (ROOT / "README.md").read_text()
+  step = re.search(r"^cd k8s/\S+.*\nkustomize edit set image ([\w-]+)=(\S+):\w+\b.*\n"
+                   r"kubectl apply -k \.\s", readme, re.M)
+  assert step, "README.md: no `cd k8s/...`, `kustomize edit set image`, `kubectl apply -k .`"
+  return step.group(1), step.group(2)
+
+
+@pytest.mark.parametrize("overlay", RENDERED)
+def test_your_image_named_as_the_readme_says_runs_in_every_container(overlay, tmp_path):
+  """The README's step in a copy of k8s/, in the kustomization applied (ours, or a user's
+  overlay over ours): every container runs your image, the TPU build wherever an overlay
+  puts TPUs."""
+  name, image = readme_image_step()
+  image = image.replace("REGISTRY", "us-docker.pkg.dev/project/repo")
+  k8s = shutil.copytree(K8S, tmp_path / "k8s")
+  applied = (write_overlay(tmp_path / "yours", k8s, COMPOSED[overlay]) if overlay in COMPOSED
+             else k8s / overlay)
+  tag = "tpu" if "gke-tpu" in overlay else "cpu"
+  set_image(applied, name, f"{image}:{tag}")
+  out = kustomize(applied)
+  assert out.returncode == 0, out.stderr
+  docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+  images = {c["image"] for d in docs if d["kind"] in {"StatefulSet", "Job", "JobSet", "Deployment"}
+            for c in containers(d)}
+  assert images == {f"{image}:{tag}"}
+
+
+@pytest.mark.parametrize("named_in, applied", [("base", "overlays/gke-tpu"),
+                                               ("base", "overlays/gke-tpu-multihost"),
+                                               ("overlays/gke-tpu", "overlays/gke-tpu-multihost")])
+def test_an_image_named_in_what_an_overlay_builds_on_stops_its_build(named_in, applied, tmp_path):
+  """An overlay's `images` matches the name rlax-ps only: an image renamed in base would run
+  its CPU build on the TPUs (a renamed gke-tpu image, a bare one in the multi-host trainer)."""
+  k8s = shutil.copytree(K8S, tmp_path / "k8s")
+  tag = "tpu" if "gke-tpu" in named_in else "cpu"
+  set_image(k8s / named_in, "rlax-ps", f"us-docker.pkg.dev/project/repo/rlax-ps:{tag}")
+  out = kustomize(k8s / applied)
+  assert out.returncode != 0, out.stdout
+  assert "/image" in out.stderr, out.stderr
 
 
 def test_the_gke_tpu_overlay_puts_the_trainer_on_a_slice_and_workers_on_spot_tpus():
