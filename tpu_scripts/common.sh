@@ -90,6 +90,14 @@ q() {
   fi
 }
 
+# detached CMD LOG: the VM's shell words that start CMD (shell words) under nohup in the
+# background, output to LOG, input from /dev/null. The job holds none of the ssh session's
+# streams, so the remote shell and `gcloud ... ssh --command` (no tty) return at once; in
+# `cd D && nohup CMD > LOG &` the backgrounded list keeps ssh's stdout open while CMD runs.
+detached() {
+  printf '{ nohup %s > %s 2>&1 < /dev/null & }' "$1" "$2"
+}
+
 # The worker token goes to the VMs as a file, never on a command line (not even gcloud's):
 # WORKER_TOKEN_FILE, {"worker": $WORKER_TOKEN} in $SCRATCH (owner-only; printf is a shell
 # builtin), is copied to REMOTE_TOKEN_FILE in the VM user's home, kept owner-only there

@@ -34,5 +34,6 @@ ship_repo "$name" vm
 gvm scp "$WORKER_TOKEN_FILE" "$name:$REMOTE_TOKEN_FILE"
 # Under the watchdog: a crash restarts it, keeping what it fetched (its storage_dir).
 supervise=".venv/bin/python -m inference_workers.preemption_watchdog --restart --"
-gvm ssh "$name" --command="chmod 600 $REMOTE_TOKEN_FILE && cd $(q "$RLAX_PS_DIR") && nohup $supervise .venv/bin/rlax-ps relay --address=$(q "$SERVER_ADDRESS") --host=0.0.0.0 --port=$port --storage_dir=\$HOME/rlax-ps-relay --token_file=\$HOME/$REMOTE_TOKEN_FILE ${RELAY_ARGS:-} > relay.log 2>&1 &"
+relay_cmd="$supervise .venv/bin/rlax-ps relay --address=$(q "$SERVER_ADDRESS") --host=0.0.0.0 --port=$port --storage_dir=\$HOME/rlax-ps-relay --token_file=\$HOME/$REMOTE_TOKEN_FILE ${RELAY_ARGS:-}"
+gvm ssh "$name" --command="chmod 600 $REMOTE_TOKEN_FILE && cd $(q "$RLAX_PS_DIR") && $(detached "$relay_cmd" relay.log)"
 echo "relay $name started on port $port, following $SERVER_ADDRESS; workers: SERVER_ADDRESS=ipv4:<$name's internal IP>:$port,$SERVER_ADDRESS"

@@ -45,13 +45,24 @@ if [[ "$hosts" == "all" ]]; then
 fi
 train_cmd="${TRAIN_CMD:-.venv/bin/rlax-ps train --config=${TRAIN_CONFIG:-configs/rl_local.py} --workdir=runs/rl --address=127.0.0.1:$port --token_file=$tokens $multi --config.rl.max_seconds=0 ${TRAIN_ARGS:-}}"
 
+# left_running STEP: after the VM is made, a failed STEP leaves it running (on demand, so
+# billed): say so, and how to delete it.
+left_running() {
+  echo "$1 failed: TPU VM $name is still running; delete it with" \
+    "gcloud compute tpus tpu-vm delete $name --project=$TPU_PROJECT --zone=$TPU_ZONE" >&2
+  exit 1
+}
+
 gtpu create "$name" --accelerator-type="$accelerator" --version="$(tpu_runtime "$accelerator")"
-ship_repo "$name"
+ship_repo "$name" || left_running "setting it up (tpu_scripts/setup_vm.sh)"
 # Both run under the watchdog: a crash restarts them (the server from its storage, the
 # trainer from its checkpoint); a clean end, a stop or a preemption notice does not.
 supervise=".venv/bin/python -m inference_workers.preemption_watchdog --restart --"
 # The trainer command is one word to the VM's shell (quoted with q), which bash -c then reads.
 dir="$(q "$RLAX_PS_DIR")"
-gtpu ssh "$name" --worker=0 --command="cd $dir && nohup $supervise .venv/bin/rlax-ps serve --port=$port --host=0.0.0.0 --storage_dir=\$HOME/rlax-ps-server ${SERVE_ARGS:-} > serve.log 2>&1 &"
-gtpu ssh "$name" --worker="$hosts" --command="cd $dir && nohup $supervise bash -c $(q "$train_cmd") > train.log 2>&1 &"
+serve_cmd="$supervise .venv/bin/rlax-ps serve --port=$port --host=0.0.0.0 --storage_dir=\$HOME/rlax-ps-server ${SERVE_ARGS:-}"
+gtpu ssh "$name" --worker=0 --command="cd $dir && $(detached "$serve_cmd" serve.log)" ||
+  left_running "starting the server"
+gtpu ssh "$name" --worker="$hosts" --command="cd $dir && $(detached "$supervise bash -c $(q "$train_cmd")" train.log)" ||
+  left_running "starting the trainer"
 echo "trainer $name started; server on host 0 port $port (tokens in ~/rlax-ps-server on host 0)"

@@ -12,6 +12,8 @@
 #   TPU_PROJECT=my-proj TPU_ZONE=us-west4-a SERVER_ADDRESS=10.0.0.2:50051 \
 #   WORKER_TOKEN=... tpu_scripts/launch_workers.sh rlax-worker 8 v5litepod-4
 #
+# Each worker decodes on every chip of its hosts (--devices=0: this flag wins over a config
+# file's worker.devices; a --devices in WORKER_ARGS wins over it).
 # Env: WORKER_ARGS (more `rlax-ps worker` flags, at least --config=configs/...; shell words,
 # read once by the VM's shell: quote a value with spaces as on a command line),
 # KEEP_INTERVAL_S, TPU_RUNTIME (default: the accelerator generation's image), DRY_RUN=1 (print the gcloud commands, run none: the listing then answers
@@ -30,6 +32,10 @@ accelerator="${3:?usage: launch_workers.sh PREFIX COUNT ACCELERATOR_TYPE}"
 # host 0 talks to the server.
 multi=""
 single_host "$accelerator" || multi=" --coordinator_address=auto"
+# WORKER_ARGS come after --devices=0 (every chip of each host): a --devices there wins.
+worker_cmd=".venv/bin/python -m inference_workers.preemption_watchdog --restart --"
+worker_cmd+=" .venv/bin/rlax-ps worker --address=$(q "$SERVER_ADDRESS")"
+worker_cmd+=" --token_file=\$HOME/$REMOTE_TOKEN_FILE --devices=0$multi ${WORKER_ARGS:-}"
 interval="${KEEP_INTERVAL_S:-}"
 [[ -z "$interval" || "$interval" =~ ^[1-9][0-9]*$ ]] || {
   echo "KEEP_INTERVAL_S: expected a positive number of seconds, got '$interval'" >&2; exit 2; }
@@ -42,7 +48,7 @@ start_worker() {
   gtpu create "$name" --accelerator-type="$accelerator" --version="$(tpu_runtime "$accelerator")" --spot || return 1
   if ! { ship_repo "$name" &&
          gtpu scp "$WORKER_TOKEN_FILE" "$name:$REMOTE_TOKEN_FILE" --worker=all &&
-         gtpu ssh "$name" --worker=all --command="chmod 600 $REMOTE_TOKEN_FILE && cd $(q "$RLAX_PS_DIR") && nohup .venv/bin/python -m inference_workers.preemption_watchdog --restart -- .venv/bin/rlax-ps worker --address=$(q "$SERVER_ADDRESS") --token_file=\$HOME/$REMOTE_TOKEN_FILE$multi ${WORKER_ARGS:-} > worker.log 2>&1 &"; }; then
+         gtpu ssh "$name" --worker=all --command="chmod 600 $REMOTE_TOKEN_FILE && cd $(q "$RLAX_PS_DIR") && $(detached "$worker_cmd" worker.log)"; }; then
     gtpu delete "$name" --quiet --async
     return 1
   fi

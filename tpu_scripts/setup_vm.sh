@@ -7,8 +7,16 @@
 set -euo pipefail
 
 extras="${1:-}"
+# A new VM's unattended-upgrades holds dpkg's lock for minutes: apt-get waits for it
+# (DPkg::Lock::Timeout). `update` fails at once on the package lists' lock (apt-daily's
+# update) instead of waiting, so it is tried again, for as long.
 apt_install() {
-  sudo apt-get -qq update && sudo DEBIAN_FRONTEND=noninteractive apt-get -qq install -y "$@"
+  local apt=(sudo DEBIAN_FRONTEND=noninteractive apt-get -qq -o DPkg::Lock::Timeout=600) tries=60
+  until "${apt[@]}" update; do
+    (( --tries > 0 )) || return 1
+    sleep 10
+  done
+  "${apt[@]}" install -y "$@"
 }
 
 py=python3

@@ -189,18 +189,22 @@ FAKE_SETUP_TOOLS = {
                'printf \'#!/usr/bin/env bash\\necho "pip $*" >> "$LOG"\\n\' > .venv/bin/pip\n'
                'chmod +x .venv/bin/pip',
     "sudo": 'exec env "$@"',  # as sudo: VAR=value settings first
+    # `update` fails (the lists' lock is held) while $UPDATE_FAILS, a count in a file, is > 0.
     "apt-get": 'echo "apt-get $*" >> "$LOG"\n'
+               'if [[ "$*" == *" update" && -n "${UPDATE_FAILS:-}" ]]; then\n'
+               '  n=$(<"$UPDATE_FAILS"); echo $((n - 1)) > "$UPDATE_FAILS"; ((n <= 0)) || exit 100\n'
+               'fi\n'
                '[[ "$*" == *"install -y python3.11 "* ]] && cp "$BIN/python3" "$BIN/python3.11"\n'
                'exit 0',
+    "sleep": 'echo "sleep $*" >> "$LOG"',
 }
+APT = "apt-get -qq -o DPkg::Lock::Timeout=600"
 
 
-@pytest.mark.parametrize("new_python3", [False, True])
-def test_setup_vm_makes_a_python_3_11_venv_where_the_image_has_an_older_one(tmp_path,
-                                                                           new_python3):
-  """Ubuntu 22.04 (the TPU runtimes) has Python 3.10: python3.11 comes from apt first."""
+def setup_vm(tmp_path, **env):
+  """Run setup_vm.sh with FAKE_SETUP_TOOLS alone on PATH; its result and the tools' calls."""
   bin_dir = tmp_path / "bin"
-  bin_dir.mkdir()
+  bin_dir.mkdir(parents=True)
   for name, body in FAKE_SETUP_TOOLS.items():
     (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body + "\n")
     (bin_dir / name).chmod(0o755)
@@ -208,19 +212,40 @@ def test_setup_vm_makes_a_python_3_11_venv_where_the_image_has_an_older_one(tmp_
     (bin_dir / tool).symlink_to(shutil.which(tool))
   log = tmp_path / "log"
   log.write_text("")
-  env = dict(PATH=str(bin_dir), LOG=str(log), BIN=str(bin_dir),
-             **({"NEW_PYTHON3": "1"} if new_python3 else {}))
   out = subprocess.run(["bash", str(SCRIPTS / "setup_vm.sh"), "tpu,parquet"], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=60)
+                       env=dict(PATH=str(bin_dir), LOG=str(log), BIN=str(bin_dir), **env),
+                       capture_output=True, text=True, timeout=60)
+  return out, log.read_text().splitlines()
+
+
+@pytest.mark.parametrize("new_python3", [False, True])
+def test_setup_vm_makes_a_python_3_11_venv_where_the_image_has_an_older_one(tmp_path,
+                                                                           new_python3):
+  """Ubuntu 22.04 (the TPU runtimes) has Python 3.10: python3.11 comes from apt first."""
+  out, calls = setup_vm(tmp_path, **({"NEW_PYTHON3": "1"} if new_python3 else {}))
   assert out.returncode == 0, out.stderr
-  calls = log.read_text().splitlines()
   if new_python3:
     assert calls == ["python3 -m venv .venv", "pip install -q -e .[tpu,parquet]"]
   else:
-    assert calls[0] == "apt-get -qq update"
-    assert calls[1] == "apt-get -qq install -y python3.11 python3.11-venv"
+    assert calls[0] == f"{APT} update"
+    assert calls[1] == f"{APT} install -y python3.11 python3.11-venv"
     assert calls[2:] == ["python3 -m venv .venv", "pip install -q -e .[tpu,parquet]"]
-    assert (bin_dir / "python3.11").exists()  # what made the venv
+    assert (tmp_path / "bin" / "python3.11").exists()  # what made the venv
+
+
+def test_setup_vm_waits_for_the_apt_locks_of_a_new_vm(tmp_path):
+  """A new VM's unattended-upgrades holds dpkg's lock (apt-get waits for it: the option)
+  and apt-daily the lists' (`update` fails at once: it is tried again)."""
+  fails = tmp_path / "update_fails"
+  fails.write_text("2")
+  out, calls = setup_vm(tmp_path / "freed", UPDATE_FAILS=str(fails))
+  assert out.returncode == 0, out.stderr
+  assert calls[:6] == [f"{APT} update", "sleep 10", f"{APT} update", "sleep 10",
+                       f"{APT} update", f"{APT} install -y python3.11 python3.11-venv"]
+  fails.write_text("1000")  # held for good: it gives up
+  out, calls = setup_vm(tmp_path / "held", UPDATE_FAILS=str(fails))
+  assert out.returncode != 0 and "install" not in " ".join(calls)
+  assert calls.count(f"{APT} update") == 60
 
 
 def test_workers_are_spot_vms_under_the_watchdog_and_token_stays_off_argv():
@@ -554,3 +579,86 @@ def test_user_arguments_reach_the_remote_process_exactly(tmp_path, script, args,
   elif verb != "serve":
     assert f"--address={address}" in argv
     assert f"--token_file={home}/rlax-ps-worker-token.json" in argv
+
+
+def sleeping_vm(tmp_path):
+  """A fake VM home whose `rlax-ps` (under the fake watchdog) records its pid in $PIDS and
+  runs for 30 s, as a server, trainer, worker or relay does for much longer."""
+  home = tmp_path / "home"
+  tools = dict(FAKE_VM_TOOLS, **{".venv/bin/rlax-ps": 'echo $$ >> "$PIDS"; exec sleep 30'})
+  for path, body in tools.items():
+    (home / "rlax ps" / path).parent.mkdir(parents=True, exist_ok=True)
+    (home / "rlax ps" / path).write_text("#!/usr/bin/env bash\n" + body + "\n")
+    (home / "rlax ps" / path).chmod(0o755)
+  (home / "rlax-ps-worker-token.json").write_text("{}")
+  return home
+
+
+@pytest.mark.parametrize("script,args,verbs", [
+    ("launch_trainer.sh", ("t", "v4-8"), ["serve", "train"]),
+    ("launch_workers.sh", ("w", "1", "v5litepod-4"), ["worker"]),
+    ("launch_relay.sh", ("r",), ["relay"]),
+])
+def test_each_start_command_returns_while_what_it_started_runs(tmp_path, script, args, verbs):
+  """`gcloud ... ssh --command` (ssh -T: no tty) returns when the remote shell's stdout and
+  stderr close. A start command must leave neither to what it starts, or the script waits
+  on the server until it ends and never starts the trainer (nor the next worker VM)."""
+  env = dict(ENV, SERVER_ADDRESS="10.1.2.3:50051", WORKER_TOKEN="t", TPU_STATES="",
+             RLAX_PS_DIR="rlax ps")
+  out = run(script, *args, env=env)
+  assert out.returncode == 0, out.stderr
+  commands = [a[len("--command="):] for l in gcloud_lines(out) for a in l
+              if a.startswith("--command=") and "preemption_watchdog" in a]
+  assert [next(v for v in verbs if f"rlax-ps {v} " in c) for c in commands] == verbs
+  home = sleeping_vm(tmp_path)
+  pids = tmp_path / "pids"
+  for i, command in enumerate(commands):
+    # As sshd runs it: `bash -c COMMAND`, its stdout and stderr pipes to the ssh client.
+    shell = subprocess.Popen(["bash", "-c", command], cwd=home, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True,
+                             env=dict(os.environ, HOME=str(home), PIDS=str(pids)))
+    try:
+      try:
+        shell.communicate(timeout=5)  # until both pipes close
+      except subprocess.TimeoutExpired:
+        pytest.fail(f"the ssh session stays open while it runs: {command}")
+      assert shell.returncode == 0
+      deadline = time.monotonic() + 10
+      while len(pids.read_text().split() if pids.exists() else []) <= i:
+        assert time.monotonic() < deadline, f"nothing started: {command}"
+        time.sleep(0.05)
+    finally:  # what it started is in its process group
+      try:
+        os.killpg(shell.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+      shell.wait()
+
+
+def test_a_trainer_vm_that_cannot_be_set_up_is_named_with_how_to_delete_it(tmp_path):
+  """An on-demand VM left running costs money: the failure says which and how to delete it."""
+  env, log = fake_gcloud(tmp_path, "")
+  out = run("launch_trainer.sh", "trainer-a", "v4-8", env=dict(env, FAIL=r"setup_vm\.sh"))
+  assert out.returncode == 1
+  assert "TPU VM trainer-a is still running" in out.stderr
+  assert ("gcloud compute tpus tpu-vm delete trainer-a --project=proj-x --zone=zone-y"
+          in out.stderr)
+  assert not any("rlax-ps serve" in c for c in log.read_text().splitlines())
+  started = run("launch_trainer.sh", "trainer-b", "v4-8", env=env)
+  assert started.returncode == 0 and "still running" not in started.stderr, started.stderr
+
+
+def test_workers_decode_on_every_chip_of_their_hosts(tmp_path):
+  """WorkerConfig.devices is 1 by default: a v5litepod-4 worker would leave 3 chips idle.
+  The scripts' --devices=0 (all) comes before WORKER_ARGS, so a --devices there wins."""
+  env = dict(ENV, SERVER_ADDRESS="10.1.2.3:50051", WORKER_TOKEN="t", TPU_STATES="",
+             RLAX_PS_DIR="rlax ps")
+  for accelerator in ("v5litepod-4", "v5litepod-16"):
+    out = run("launch_workers.sh", "w", "1", accelerator, env=env)
+    assert out.returncode == 0, out.stderr
+    argv, _ = remote_argv(tmp_path, out, "worker")
+    assert "--devices=0" in argv, (accelerator, argv)
+  out = run("launch_workers.sh", "w", "1", "v5litepod-4",
+            env=dict(env, WORKER_ARGS="--config=configs/rl_local.py --devices=2"))
+  argv, _ = remote_argv(tmp_path, out, "worker")
+  assert argv.index("--devices=0") < argv.index("--devices=2")  # absl: the last one wins
