@@ -118,7 +118,7 @@ def _whole_turn_calls(turn: str) -> list[dict]:
   with a "name" and "arguments" or "parameters"); [] for any other turn."""
   try:
     value = json.loads(turn.strip())
-  except json.JSONDecodeError:
+  except (ValueError, RecursionError):  # (not JSON, an int past the digit limit, too deep)
     return []
   calls = value if isinstance(value, list) else [value]
   if calls and all(isinstance(c, dict) and isinstance(c.get("name"), str)
@@ -148,7 +148,7 @@ class ToolCalls:
     if isinstance(call, str):
       try:
         call = json.loads(call)
-      except json.JSONDecodeError as e:
+      except (ValueError, RecursionError) as e:  # (an int past the digit limit, too deep)
         return f"error: the tool call is not JSON ({e})"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
       return 'error: expected {"name": ..., "arguments": {...}}'
@@ -159,7 +159,7 @@ class ToolCalls:
     if isinstance(args, str):  # some templates write the arguments as a JSON string
       try:
         args = json.loads(args)
-      except json.JSONDecodeError as e:
+      except (ValueError, RecursionError) as e:
         return f"error: the arguments are not JSON ({e})"
     if not isinstance(args, dict):
       return "error: expected the arguments as an object"

@@ -177,6 +177,15 @@ def test_tool_calls_are_answered_one_message_each_and_a_wrong_call_learns_its_er
   assert replies[1].startswith("error: the tool call is not JSON")
   assert replies[2].startswith("error: no tool 'nope' (tools: ") and "shout" in replies[2]
   assert replies[3] == "error: expected the arguments as an object"
+  # JSON that Python cannot read (an int past its digit limit, nesting past its recursion
+  # limit) is one call's error: it raised, and the turn's other calls' replies were lost.
+  unreadable = ['<tool_call>{"name": "shout", "arguments": {"text": "ok"}}</tool_call>',
+                '<tool_call>{"name": "shout", "arguments": {"n": ' + "9" * 5000 + '}}</tool_call>',
+                '<tool_call>' + "[" * 100000 + '</tool_call>']
+  replies = env(said("".join(unreadable)), None)
+  assert replies[0] == "OK" and all(r.startswith("error: the tool call is not JSON")
+                                    for r in replies[1:])
+  assert env(said("[" * 100000), None) is None  # a whole turn that is no call: no reply
 
 
 def test_a_tool_that_hangs_exits_or_returns_too_much_gets_an_error_or_a_cut_reply(tools):
