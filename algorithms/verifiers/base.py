@@ -158,9 +158,13 @@ def known_tasks() -> list[str]:
 _LOADED: dict[str, list[str]] = {}  # imported file or module -> the names it registered
 
 
-def _registered() -> set[str]:
-  return (set(VERIFIERS) | {f"environment:{e}" for e in ENVIRONMENTS}
-          | {f"tool:{t}" for t in TOOLS})
+def _registered(module: str | None = None) -> set[str]:
+  """The names registered (by definitions of `module` only, when given)."""
+  def of(registry):
+    return {name for name, f in registry.items()
+            if module is None or getattr(f, "__module__", None) == module}
+  return (of(VERIFIERS) | {f"environment:{e}" for e in of(ENVIRONMENTS)}
+          | {f"tool:{t}" for t in of(TOOLS)})
 
 
 def load_verifiers(spec: str, field: str = "verifiers") -> list[str]:
@@ -184,10 +188,11 @@ def load_verifiers(spec: str, field: str = "verifiers") -> list[str]:
           sys.modules[name] = module
           module_spec.loader.exec_module(module)
         else:
-          importlib.import_module(key)
+          module = importlib.import_module(key)
       except Exception as e:
         raise ValueError(f"{field}: could not import {entry!r}: {type(e).__name__}: {e}") from e
-      added = sorted(_registered() - before)
+      # A module imported before (by a config file, a notebook) registered its names then.
+      added = sorted(_registered() - before) or sorted(_registered(module.__name__))
       if not added:
         raise ValueError(f"{field}: {entry!r} registered no verifier, environment or tool; "
                          f"decorate a class or factory in it with @register_verifier('name') "

@@ -34,6 +34,20 @@ def test_a_module_by_name_is_imported(tmp_path, monkeypatch):
   VERIFIERS.pop("module_len")
 
 
+def test_a_module_imported_before_gives_the_names_it_registered(tmp_path, monkeypatch):
+  """A config file or notebook imported it first: it "registered no verifier"."""
+  import importlib
+  (tmp_path / "my_early_rewards.py").write_text(
+      "from algorithms.verifiers import VerifierResult, register_verifier\n"
+      "register_verifier('early_len')(lambda: lambda c, r: VerifierResult(len(c), True))\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  importlib.import_module("my_early_rewards")
+  try:
+    assert load_verifiers("my_early_rewards") == ["early_len"]
+  finally:
+    VERIFIERS.pop("early_len")
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "could not import .*FileNotFoundError: no file"),
     ("raise RuntimeError('boom')", "could not import .*RuntimeError: boom"),
