@@ -38,8 +38,9 @@ def split_of(task_name: str, prompt: str, heldout_fraction: float) -> str:
 
 def extract_answer(completion: str) -> str:
   """The answer a completion gives: the text after the prompt's delimiter (when the
-  completion repeats the prompt), up to the first eos or newline, without outer spaces."""
-  completion = completion.split(EOS_TEXT, 1)[0].split("\n", 1)[0]  # (first: a later
+  completion repeats the prompt), up to the first eos or the newline after it (an instruct
+  model may start with one), without outer spaces."""
+  completion = completion.split(EOS_TEXT, 1)[0].lstrip().split("\n", 1)[0]  # (first: a later
   if ANSWER_DELIMITER in completion:  # line's "=" is no echo of the prompt)
     completion = completion.split(ANSWER_DELIMITER, 1)[1]
   return completion.strip()

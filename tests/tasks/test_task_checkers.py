@@ -56,6 +56,7 @@ def test_reward_is_exact_match():
 def test_extract_answer_takes_text_between_delimiter_and_eos():
   assert extract_answer("rev abc=cba<eos>zz") == "cba"
   assert extract_answer("cba") == "cba"
+  assert extract_answer("\n\n 168\nmore") == "168"  # an instruct model's leading newline
 
 
 def test_bad_task_arguments_name_the_field():
