@@ -40,7 +40,9 @@ def heldout_from_config(config, tasks: Sequence[Task], tokenizer: Tokenizer | No
   """data.heldout_jsonl's records (all of them, each scored by its task's verifier, or those
   of task reward_model by worker.reward_model, loaded here beside the policy `tokenizer`;
   decoding up to eval.max_new_tokens or worker.max_new_tokens, or past the longest answer)
-  if the config names one, else eval.num_examples held-out examples of each task (eval.seed).
+  if the config names one, else eval.num_examples held-out examples of each task (eval.seed;
+  up to eval.max_new_tokens, else worker.max_new_tokens under a chat template, else past
+  the longest answer).
   ValueError for eval.pass_k at a greedy worker.temperature, before anything is scored."""
   worker = config.get("worker", {})
   decoding = dict(_turns(worker), sampling=worker_sampling(worker))
@@ -55,9 +57,13 @@ def heldout_from_config(config, tasks: Sequence[Task], tokenizer: Tokenizer | No
       logging.warning("data.heldout_jsonl is not set: the held-out evaluation scores the "
                       "built-in tasks (tasks.*), not data.jsonl's; set data.heldout_jsonl to "
                       "records of your own, or eval.num_examples=0 to evaluate nothing")
+    # eval.max_new_tokens, else the workers' where a chat template frames the answer (an
+    # instruct model says more than it), else each task's longest answer and eos
+    budget = int(config.eval.get("max_new_tokens", 0)) or (
+        config.get("tokenizer", {}).get("chat_template") and worker.get("max_new_tokens"))
     return Heldout(list(tasks), {t.name: t.examples("heldout", int(config.eval.seed),
                                                     int(config.eval.num_examples))
-                                 for t in tasks}, None, **decoding)
+                                 for t in tasks}, int(budget) if budget else None, **decoding)
   records = config_records(config, "data.heldout_jsonl", path)
   names = sorted({r["task"] for r in records})
   examples = {n: [Example(r["prompt"], r["answer"], n) for r in records if r["task"] == n]

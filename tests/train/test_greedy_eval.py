@@ -300,6 +300,23 @@ def test_held_out_pass_at_k_samples_with_the_workers_settings(model, monkeypatch
     heldout_lib.heldout_from_config(config, [get_task("addition")])
 
 
+def test_the_built_in_tasks_held_out_budget_is_eval_max_new_tokens_or_a_chat_models_worker():
+  """Past each task's longest answer alone, an instruct model's reply was cut after a few
+  tokens; eval.max_new_tokens was not read for the built-in tasks."""
+  import ml_collections
+
+  from rlax_ps.train import heldout as heldout_lib
+  config = ml_collections.ConfigDict({
+      "worker": {"max_new_tokens": 64}, "tokenizer": {"chat_template": ""},
+      "eval": {"batch_size": 4, "seed": 0, "num_examples": 2, "max_new_tokens": 0}})
+  tasks = [get_task("addition")]
+  assert heldout_lib.heldout_from_config(config, tasks).max_new_tokens is None  # the answers'
+  config.tokenizer.chat_template = "auto"
+  assert heldout_lib.heldout_from_config(config, tasks).max_new_tokens == 64
+  config.eval.max_new_tokens = 12
+  assert heldout_lib.heldout_from_config(config, tasks).max_new_tokens == 12
+
+
 def test_held_out_settings_that_cannot_work_are_refused_or_said(tmp_path, caplog):
   """pass@k at a greedy temperature is refused naming both fields (it crashed after the
   first checkpoint's greedy evaluation); data.jsonl without data.heldout_jsonl says the
