@@ -63,6 +63,12 @@ def main(argv: list[str]) -> None:
     if trainer.restored:
       print(f"resuming from checkpoint step {trainer.step} in {trainer.checkpointer.directory}",
             flush=True)
+    elif not trainer.init_from_hf and leader:  # (RL of an untrained policy learns nothing)
+      print("rl: warning: the policy starts from random weights: no --config.init_from_hf and "
+            "no checkpoint in the workdir" + (
+                "; this recipe's warm start (its sft block) is run by `rlax-ps local`: give "
+                "`rlax-ps train` its export, --config.init_from_hf=WORKDIR/sft/hf"
+                if config.get("sft") is not None else ""), file=sys.stderr, flush=True)
     print(f"rl: model {trainer.model_config.num_params:,} params; "
           f"{mesh_layout(trainer.model_config, trainer.mesh)}; {trainer.total_steps} steps "
           f"of {trainer.shape.groups} groups x {trainer.shape.samples} samples; "

@@ -75,6 +75,10 @@ def test_killed_trainer_trains_every_submitted_group_exactly_once(tmp_path):
     log = (tmp_path / "trainer.log").read_text()
     assert second.returncode == 128 + signal.SIGTERM, log[-3000:]
     assert "rl: stopped by SIGTERM at step 5 of 6" in log
+    # The first start said it had no warm start to start from; the restarts resumed.
+    assert log.count("rl: warning: the policy starts from random weights: no "
+                     "--config.init_from_hf and no checkpoint in the workdir; this recipe's "
+                     "warm start (its sft block) is run by `rlax-ps local`") == 1
     worker.limit = 6 * GROUPS
     third = _trainer(tmp_path, server.address)
     _wait(lambda: third.poll() is not None, third, worker, 240, "the last step")
