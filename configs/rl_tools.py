@@ -26,7 +26,7 @@ prompt through the chat template) --config.worker.environment=tool_calls.
 Your own environment: `@register_environment("name")` on a class or factory in a file
 (algorithms.environments), then --config.worker.verifiers=my_env.py
 --config.worker.environment=name. Mixed data, each task its own (or none, single-turn):
---config.worker.environment='math=python,arith=calculator'.
+--config.worker.environment='math=python,addition=calculator' (tasks of the records).
 `:tiny` is the seconds-long smoke variant (the tests').
 """
 
