@@ -12,7 +12,7 @@ LOCK_FILE = "LOCK"
 
 
 class FolderInUse(RuntimeError):
-  """Another live process holds the folder."""
+  """Another live process holds the folder (or its filesystem cannot lock it: said so)."""
 
 
 class FolderLock:
@@ -24,11 +24,16 @@ class FolderLock:
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
       pid = os.read(fd, 64).decode(errors="replace").strip() or "?"
       os.close(fd)
       raise FolderInUse(f"{flag} {folder}: in use by another {holder} (pid {pid}, "
                         f"{self.path}); stop it, or give this one another folder") from None
+    except OSError as e:  # ENOLCK, EOPNOTSUPP: no holder to name or stop
+      os.close(fd)
+      raise FolderInUse(f"{flag} {folder}: cannot lock {self.path} ({e.strerror or e}): its "
+                        f"filesystem does not support locks (NFS without lockd, some FUSE "
+                        f"mounts); give the {holder} a folder on one that does") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     self._fd: int | None = fd

@@ -179,3 +179,20 @@ def test_eval_of_a_checkpoint_whose_tensors_do_not_fit_names_the_flag(misshapen)
   with pytest.raises(app.UsageError, match=f"--checkpoints: checkpoint {misshapen}: tensor "
                                            ".*expected shape"):
     evaluate_checkpoint(_config("rl_local.py"), misshapen, tokenizer=object())
+
+
+def test_a_folder_whose_filesystem_cannot_lock_is_named_so_not_blamed_on_a_holder(
+    tmp_path, monkeypatch):
+  """flock's ENOLCK (NFS without lockd) read as "in use by another trainer (pid ...)"."""
+  import errno
+  import fcntl
+
+  from rlax_ps.folder_lock import FolderLock
+
+  def no_locks(fd, op):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+  monkeypatch.setattr(fcntl, "flock", no_locks)
+  with pytest.raises(FolderInUse, match=r"--workdir .*: cannot lock .*LOCK \(No locks "
+                                        r"available\): its filesystem does not support locks"):
+    FolderLock(str(tmp_path), holder="trainer", flag="--workdir")
