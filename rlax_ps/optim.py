@@ -20,7 +20,7 @@ DEFAULTS = {
     "b1": 0.9,
     "b2": 0.95,
     "eps": 1e-8,
-    "weight_decay": 0.1,  # Decoupled; applied to matrices only (not norms, biases).
+    "weight_decay": 0.1,  # Decoupled; applied to matrices only (embeddings too; not norms, biases).
     "clip_norm": 1.0,  # Global-norm clip before Adam; 0 disables.
     "grad_accum_steps": 1,  # Micro-batches per update (the batch is split into this many).
   # An update whose gradients are not all finite is skipped (params and moments kept); this
@@ -66,8 +66,9 @@ def learning_rate_schedule(cfg, total_steps: int) -> optax.Schedule:
   base = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=decay,
       end_value=lr * float(_get(cfg, "min_lr_ratio")))
-  # Update k (counting from 0) uses base(k + 1): the first update already moves the weights.
-  return lambda count: base(count + 1)
+  # Update k (counting from 0) uses base(k + 1) after a warmup (the first update already
+  # moves the weights), base(k) without one (the first update at the peak).
+  return (lambda count: base(count + 1)) if warmup else base
 
 
 def schedule_settings(cfg, total_steps: int) -> dict[str, Any]:
@@ -136,8 +137,12 @@ def resumed_optimizer_config(cfg, total_steps: int, saved: Mapping[str, Any] | N
 
 
 def decay_mask(params):
-  """Weight decay on matrices only: norms and biases (ndim < 2) are left alone."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """Weight decay on matrices only: norms and biases are left alone, an MoE's stacked
+  expert biases (2-D, one row an expert: gpt-oss's gate_bias) too."""
+  def decayed(path, p):
+    name = str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1]))) if path else ""
+    return p.ndim >= 2 and not name.endswith(("bias", "scale"))
+  return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 def make_optimizer(cfg, total_steps: int, updates_per_step: int = 1

@@ -44,6 +44,20 @@ def test_weight_decay_skips_vectors():
   updates, _ = tx.update(zero, tx.init(params), params)
   assert np.all(np.asarray(updates["kernel"]) < 0)  # Decayed towards 0.
   assert np.all(np.asarray(updates["scale"]) == 0)  # Left alone.
+  # An MoE's expert biases are 2-D (an expert a row): left alone too (gpt-oss's were decayed).
+  experts = {"experts": {"gate_bias": jnp.ones((4, 3)), "gate_proj": jnp.ones((4, 2, 3))}}
+  zero = jax.tree.map(jnp.zeros_like, experts)
+  updates, _ = tx.update(zero, tx.init(experts), experts)
+  assert np.all(np.asarray(updates["experts"]["gate_bias"]) == 0)
+  assert np.all(np.asarray(updates["experts"]["gate_proj"]) < 0)
+
+
+def test_without_warmup_the_first_update_is_at_the_peak_learning_rate():
+  schedule = optim.learning_rate_schedule({"lr": 1.0, "warmup_steps": 0}, total_steps=10)
+  assert float(schedule(0)) == pytest.approx(1.0)  # it was the cosine's second value
+  assert float(schedule(9)) < float(schedule(1)) < 1.0
+  warm = optim.learning_rate_schedule({"lr": 1.0, "warmup_steps": 4}, total_steps=10)
+  assert float(warm(0)) == pytest.approx(0.25) and float(warm(3)) == pytest.approx(1.0)
 
 
 def test_bad_optimizer_fields_are_named():
