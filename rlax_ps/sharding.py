@@ -83,6 +83,36 @@ def param_specs(abstract_params: Any, spec_tree: Any, mesh: Mesh) -> Any:
                       is_leaf=_is_spec)
 
 
+def _shards(spec: P, mesh: Mesh) -> int:
+  """How many pieces `spec` cuts an array into on `mesh`."""
+  axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def replication_note(abstract_params: Any, spec_tree: Any, mesh: Mesh) -> str | None:
+  """What fit_spec's dropped axes cost (a mesh axis that does not divide a dimension leaves
+  it whole on each device): a line naming the params and the bytes a device then holds,
+  or None when that is within 10% of what the specs ask."""
+  want = got = 0.0
+  lost = []
+  leaves = jax.tree_util.tree_flatten_with_path(spec_tree, is_leaf=_is_spec)[0]
+  for (path, spec), x in zip(leaves, jax.tree.leaves(abstract_params)):
+    nbytes = math.prod(x.shape) * np.dtype(x.dtype).itemsize
+    asked, fitted = _shards(spec, mesh), _shards(fit_spec(spec, x.shape, mesh), mesh)
+    want, got = want + nbytes / asked, got + nbytes / fitted
+    if fitted < asked:
+      lost.append((nbytes / fitted - nbytes / asked, "/".join(_path_key(path)), x.shape))
+  if got <= 1.1 * want:
+    return None
+  lost.sort(reverse=True)
+  named = ", ".join(f"{name} {tuple(shape)}" for _, name, shape in lost[:3])
+  return (f"mesh {dict(mesh.shape)}: {len(lost)} params cannot be split as their specs ask "
+          f"(a mesh axis does not divide a dimension; e.g. {named}), so each device holds "
+          f"{got / 2**20:,.1f} MiB of params, not {want / 2**20:,.1f} MiB, and their "
+          f"optimizer moments alike; choose mesh axis sizes that divide the model's "
+          f"dimensions (powers of two usually do)")
+
+
 def _path_key(path) -> tuple:
   return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 

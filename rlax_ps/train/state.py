@@ -87,10 +87,17 @@ def make_init_fn(config: ModelConfig, optimizer: optax.GradientTransformation
   return init
 
 
+_SAID: set[str] = set()
+
+
 def state_shardings(abstract_state: TrainState, param_spec_tree: Any, mesh: Mesh) -> TrainState:
   """NamedShardings for every leaf: params per their (fitted) NNX specs, optimizer moments
   like their params, step/RNG/counters replicated."""
   pspecs = shd.param_specs(abstract_state.params, param_spec_tree, mesh)
+  note = shd.replication_note(abstract_state.params, param_spec_tree, mesh)
+  if note is not None and note not in _SAID and jax.process_index() == 0:
+    _SAID.add(note)  # (said once: the state's shardings are asked for more than once)
+    logging.warning("%s", note)
   specs = TrainState(
       step=P(), params=pspecs,
       opt_state=shd.follow_param_specs(abstract_state.opt_state, abstract_state.params, pspecs),

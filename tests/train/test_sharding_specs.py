@@ -41,6 +41,20 @@ def test_fit_spec_drops_axes_that_do_not_divide():
   assert shd.fit_spec(P(None), (3,), mesh) == P()
 
 
+def test_params_a_mesh_cannot_split_are_named_with_the_bytes_a_device_then_holds():
+  """fit_spec's dropped axes left whole weights (and their Adam moments) on every device,
+  silently: a user saw only the memory run out."""
+  abstract = {"q_proj": jax.ShapeDtypeStruct((96, 96), np.float32),
+              "norm": jax.ShapeDtypeStruct((96,), np.float32)}
+  specs = {"q_proj": P("fsdp", "tensor"), "norm": P()}
+  six = shd.make_mesh({"fsdp": 4, "tensor": 2})  # 96 splits 4 ways and 2 ways: as asked
+  assert shd.replication_note(abstract, specs, six) is None
+  odd = {"q_proj": jax.ShapeDtypeStruct((2050, 1024), np.float32), "norm": abstract["norm"]}
+  note = shd.replication_note(odd, specs, shd.make_mesh({"fsdp": 8}))  # 2050 % 8 != 0
+  assert note is not None and "1 params cannot be split as their specs ask" in note
+  assert "q_proj (2050, 1024)" in note and "holds 8.0 MiB of params, not 1.0 MiB" in note
+
+
 def test_batch_spec_splits_rows_over_data_and_fsdp():
   mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   batch = shd.shard_batch(mesh, {"tokens": np.arange(8 * 3).reshape(8, 3)})
