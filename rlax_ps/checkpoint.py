@@ -61,7 +61,8 @@ class Checkpointer:
             METADATA: ocp.args.JsonSave(snapshot)}), force=True)
 
   def latest_step(self) -> int | None:
-    """The newest complete checkpoint's step, or None when there is none."""
+    """The newest checkpoint's step, or None when there is none: an async save under way
+    counts from save() on (wait() first for the newest complete one)."""
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
