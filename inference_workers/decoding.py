@@ -30,9 +30,10 @@ class Sample:
   tokens: generated ids, the stop token included when there was one.
   logprobs: log_softmax of the model's logits (temperature 1) at each token: the policy's
     log-prob, what importance ratios against the trainer's policy need.
-  sampling_logprobs: log-prob of each token under the distribution it was drawn from
-    (temperature, min-p, top-k, top-p applied and renormalised; 0 when greedy): the behaviour
-    log-prob.
+  sampling_logprobs: log-prob of each token under the tempered policy it was drawn by,
+    softmax(logits / temperature), before min-p, top-k and top-p narrow the draw (0 when
+    greedy): the behaviour log-prob, of the distribution the trainer's ratios are of
+    (sampling.choose_tokens).
   finish_reason: "stop" (emitted a stop token) or "length" (reached max_new_tokens).
   prompt_routes, routes (`record_routes`, mixture of experts): the experts each MoE layer's
     router picked, [prompt tokens, M, k] for the prompt and [len(tokens) - 1, M, k] for the

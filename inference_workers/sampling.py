@@ -140,10 +140,14 @@ def choose_tokens(logits: jax.Array, keys: jax.Array, mode: DecodeMode, temperat
   """Draw one token per row from float32 logits [B, V] with per-row keys [B]; the rows
   `greedy_rows` [B] bool marks take their argmax instead.
 
-  Returns (tokens [B] int32, sampling log-probs [B], model log-probs [B]):
-  the sampling log-prob is log q(token) under the distribution actually sampled from
-  (temperature, then min-p, top-k, top-p, renormalised; 0 for greedy, a point mass); the model
-  log-prob is log_softmax(logits) at temperature 1, the policy's own log-prob.
+  Returns (tokens [B] int32, behaviour log-probs [B], model log-probs [B]): the token is
+  drawn from the tempered policy softmax(logits / temperature) narrowed by min-p, top-k and
+  top-p (truncated_logprobs); its behaviour log-prob is under the tempered policy itself,
+  before that narrowing (0 for greedy, a point mass): the distribution the trainer's
+  importance ratios are of, so an on-policy ratio is 1 (of the narrowed one, every ratio
+  was its kept mass < 1, and PPO's clip dropped the negative advantages' gradients); the
+  narrowing's bias is not corrected, as in TRL. The model log-prob is log_softmax(logits)
+  at temperature 1.
   """
   model_logp = jax.nn.log_softmax(logits, axis=-1)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -153,9 +157,11 @@ def choose_tokens(logits: jax.Array, keys: jax.Array, mode: DecodeMode, temperat
   else:
     logp, ids = truncated_logprobs(logits, mode, temperature, top_p, min_p)
     choice = jax.vmap(jax.random.categorical)(keys, logp)
-    sampling_logp = jnp.take_along_axis(logp, choice[:, None], axis=-1)[:, 0]
     tokens = choice if ids is None else jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
     tokens = tokens.astype(jnp.int32)
+    narrowed = mode.top_k or mode.nucleus or mode.min_p_on
+    tempered = jax.nn.log_softmax(logits / temperature, axis=-1) if narrowed else logp
+    sampling_logp = jnp.take_along_axis(tempered, tokens[:, None], axis=-1)[:, 0]
     if greedy_rows is not None:
       tokens = jnp.where(greedy_rows, greedy, tokens)
       sampling_logp = jnp.where(greedy_rows, 0.0, sampling_logp)

@@ -226,7 +226,8 @@ class LossConfig:
   stop_ids: tuple[int, ...] = ()
   # The workers' sampling temperature (worker.temperature; the trainer sets it): the policy's,
   # the proximal and the reference log-probs are of softmax(logits / temperature), the
-  # distribution the behaviour log-probs are of, as verl and TRL score them.
+  # distribution the behaviour log-probs are of (before top-k/top-p/min-p narrow the draw:
+  # sampling.choose_tokens), as verl and TRL score them.
   temperature: float = 1.0
 
   def __post_init__(self):

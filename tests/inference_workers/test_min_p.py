@@ -78,7 +78,7 @@ def test_min_p_comes_before_top_p_as_in_vllm_v1():
   assert _kept(logp[0], ids[0]) == {0: 0.0}
 
 
-def test_sampled_tokens_are_kept_and_carry_their_renormalised_log_prob():
+def test_sampled_tokens_are_kept_and_carry_the_tempered_policys_log_prob():
   temperature, top_k, top_p, min_p = 1.5, 0, 0.95, 0.1
   params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
   rows = np.repeat(LOGITS, 64, axis=0)  # 64 draws of each row
@@ -91,14 +91,16 @@ def test_sampled_tokens_are_kept_and_carry_their_renormalised_log_prob():
                                     np.asarray(logp), np.asarray(model_logp)):
     want = reference(row, temperature, top_k, top_p, min_p)
     assert int(token) in want
-    np.testing.assert_allclose(q, want[int(token)], atol=1e-5)
+    # the behaviour log-prob: the tempered policy's, what the trainer's ratios are of
+    np.testing.assert_allclose(q, jax.nn.log_softmax(row / temperature)[token], atol=1e-5)
+    assert q < want[int(token)] - 1e-3  # not the narrowed set's (on-policy ratios < 1)
     np.testing.assert_allclose(p, full[token], atol=1e-6)  # the policy's, untruncated
   assert len(set(np.asarray(tokens).tolist())) > len(LOGITS)  # sampled, not argmax
 
 
 def test_the_decode_loop_samples_with_min_p():
   """Through `generate`: every token in the min-p set of the model's logits at its step, its
-  behaviour log-prob that of the renormalised set."""
+  behaviour log-prob that of the tempered policy (the trainer's ratios' distribution)."""
   model = Transformer(CONFIG, rngs=nnx.Rngs(0))
   prompt = TOKENIZER.encode_prompt("12+34=")
   params = SamplingParams(temperature=0.1, min_p=0.3, max_new_tokens=4)
@@ -109,7 +111,7 @@ def test_the_decode_loop_samples_with_min_p():
     for row, token, q in zip(steps, sample.tokens, sample.sampling_logprobs):
       want = reference(row, 0.1, 0, 1.0, 0.3)
       assert int(token) in want and len(want) < CONFIG.vocab_size
-      np.testing.assert_allclose(q, want[int(token)], atol=1e-4)
+      np.testing.assert_allclose(q, jax.nn.log_softmax(row / 0.1)[token], atol=1e-4)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (7, 0.6)])

@@ -85,16 +85,16 @@ def test_sampling_logprobs_follow_the_temperature(model):
   np.testing.assert_allclose(out.sampling_logprobs, want, atol=1e-4)
 
 
-def test_top_k_restricts_support_and_renormalises(model):
+def test_top_k_restricts_support_and_the_behaviour_logprob_is_the_tempered_policys(model):
+  """The behaviour log-prob is of softmax(logits / T), what the trainer's ratios are of: of
+  the renormalised top k, every on-policy ratio was the kept mass < 1."""
   params = SamplingParams(temperature=2.0, top_k=3, max_new_tokens=NEW)
   out = generate(model, PROMPTS, [7, 8], params)
   for prompt, sample in zip(PROMPTS, out):
     logits = full_logits(model, prompt, sample.tokens) / 2.0
     top3 = np.argsort(-logits, axis=-1)[:, :3]
     assert all(t in row for t, row in zip(sample.tokens, top3))
-    kept = np.take_along_axis(logits, top3, axis=-1)
-    want = (np.take_along_axis(logits, sample.tokens[:, None], axis=-1)[:, 0]
-            - jax.nn.logsumexp(kept, axis=-1))
+    want = jax.nn.log_softmax(logits, axis=-1)[np.arange(NEW), sample.tokens]
     np.testing.assert_allclose(sample.sampling_logprobs, want, atol=1e-4)
 
 
