@@ -248,13 +248,16 @@ def _max_positions(d: Mapping[str, Any], arch: str) -> int:
 
 
 def _original_context(d: Mapping[str, Any], rope: Mapping[str, Any], arch: str) -> int:
-  """The pre-extension context of Llama-3, YaRN and LongRoPE scaling, as transformers'
-  standardize_rope_params sets it: Phi-3's top-level field (4096 when left out) over any in
-  the rope dict, as Phi3Config holds one; for the others the rope dict's, else
-  max_position_embeddings (a top-level field is not read)."""
+  """The pre-extension context of Llama-3, YaRN and LongRoPE scaling, as transformers 5's
+  standardize_rope_params sets it: a top-level field over the rope dict's (Phi-3's 4096 when
+  left out, as Phi3Config holds one), else max_position_embeddings; Gemma 3's and OLMo 3's
+  per-layer-type rope dicts read only their own."""
   if arch == "phi3":
     return int(_get(d, "original_max_position_embeddings", _PHI3_ORIGINAL_CONTEXT))
-  return int(_get(rope, "original_max_position_embeddings", _max_positions(d, arch)))
+  own = int(_get(rope, "original_max_position_embeddings", _max_positions(d, arch)))
+  if arch in ("gemma3", "olmo3"):
+    return own
+  return int(_get(d, "original_max_position_embeddings", own))
 
 
 def _local_rope_theta(d: Mapping[str, Any], arch: str) -> float:
@@ -349,13 +352,23 @@ def _nope_layers(d: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
   return tuple(i for i, rotary in enumerate(flags) if not rotary)
 
 
+def language_model_config(d: Mapping[str, Any], hf_class: str) -> dict[str, Any]:
+  """An image-text config.json `d` as its language model's, of the text-only class
+  `hf_class`: its text_config, with the top-level quantization_config (the whole
+  checkpoint's) so that its quant_method is checked too."""
+  text = {**(d.get("text_config") or {}), "architectures": [hf_class]}
+  if text.get(QUANTIZATION_FIELD) is None and d.get(QUANTIZATION_FIELD) is not None:
+    text[QUANTIZATION_FIELD] = d[QUANTIZATION_FIELD]
+  return text
+
+
 def config_from_hf(d: Mapping[str, Any]) -> ModelConfig:
   """A ModelConfig from a parsed HF config.json (either transformers 4.x or 5.x layout)."""
   archs = d.get("architectures") or []
   text_models = [_TEXT_MODEL_OF[a] for a in archs if a in _TEXT_MODEL_OF]
   if text_models:  # an image-text model: its language model is what we load
-    d = {**(d.get("text_config") or {}), "architectures": text_models}
-    archs = text_models
+    d = language_model_config(d, text_models[0])
+    archs = text_models[:1]
   known = [a for a in archs if a in ARCHITECTURES]
   if not known:
     got = archs if archs else d.get("model_type")
@@ -709,12 +722,12 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     d.update(partial_rotary_factor=c.partial_rotary_factor)
   if arch in ("qwen3", "qwen3_moe") or gemma:
     d.update(attention_bias=False)
-  if gemma:
+  if gemma:  # an unbounded window: transformers refuses a null beside sliding layer_types
     scalar = c.query_pre_attn_scalar
     d.pop("hidden_act")
     d.update(hidden_activation="gelu_pytorch_tanh",
              query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-             sliding_window=c.sliding_window, layer_types=types,
+             sliding_window=c.sliding_window or c.max_position_embeddings, layer_types=types,
              final_logit_softcapping=c.final_logit_softcapping,
              attn_logit_softcapping=c.attn_logit_softcapping,
              use_bidirectional_attention=False)
@@ -906,13 +919,26 @@ def _gpt_oss_moe_names(ours: str, moe: str) -> dict[str, tuple[Any, bool]]:
           f"{ours}.mlp.experts.down_bias": (f"{experts}.down_proj_bias", False)}
 
 
+def read_json(file: str) -> dict[str, Any]:
+  """The JSON object in `file` (a config.json, an index); one that is not is a ValueError
+  naming the file, where json's own error names none."""
+  with open(file, encoding="utf-8") as f:
+    try:
+      d = json.load(f)
+    except ValueError as e:  # (JSONDecodeError, UnicodeDecodeError)
+      raise ValueError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(d, dict):
+    raise ValueError(f"{file}: expected a JSON object at the top level, got "
+                     f"{type(d).__name__}")
+  return d
+
+
 def read_hf_config(path: str) -> ModelConfig:
   """ModelConfig of the HF checkpoint folder at `path`."""
   file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(file):
     raise FileNotFoundError(f"no {CONFIG_FILE} in HF checkpoint folder {path!r}")
-  with open(file) as f:
-    return config_from_hf(json.load(f))
+  return config_from_hf(read_json(file))
 
 
 def model_config_from(cfg, vocab_size: int, init_from_hf: str = "",
@@ -989,8 +1015,7 @@ def _tensor_files(path: str) -> dict[str, str]:
   if not os.path.isfile(index):
     raise FileNotFoundError(f"HF checkpoint folder {path!r} has neither {SINGLE_FILE} "
                             f"nor {INDEX_FILE}{_torch_weights_hint(path)}")
-  with open(index) as f:
-    weight_map = json.load(f).get("weight_map")
+  weight_map = read_json(index).get("weight_map")
   if not isinstance(weight_map, dict):
     raise ValueError(f"{index}: weight_map: expected a dict of tensor -> file, got {weight_map!r}")
   return {name: os.path.join(path, file) for name, file in weight_map.items()}
@@ -1010,11 +1035,13 @@ def _torch_weights_hint(path: str) -> str:
           "safe_serialization=True)")
 
 
-def _language_model_view(files: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+def _language_model_view(files: Mapping[str, str], keep: Sequence[str] = ()
+                         ) -> dict[str, tuple[str, str]]:
   """{causal-LM tensor name: (file, stored name)}. An image-text checkpoint (Gemma 3 4B and
   up) stores its language model under `language_model.model.` (or `model.language_model.`);
-  only those tensors are seen, under the text-only model's names, and the vision tower's
-  are left out. Any other checkpoint maps to itself."""
+  only those tensors are seen, under the text-only model's names, and the `keep` ones (a
+  classifier's `score.weight`) under their own; the vision tower's are left out. Any other
+  checkpoint maps to itself."""
   for prefix in ("language_model.model.", "model.language_model."):
     if any(name.startswith(prefix) for name in files):
       view = {"model." + name[len(prefix):]: (file, name)
@@ -1022,6 +1049,7 @@ def _language_model_view(files: Mapping[str, str]) -> dict[str, tuple[str, str]]
       for head in ("language_model.lm_head.weight", "lm_head.weight"):
         if head in files:
           view["lm_head.weight"] = (files[head], head)
+      view.update({name: (files[name], name) for name in keep if name in files})
       return view
   return {name: (file, name) for name, file in files.items()}
 
@@ -1130,8 +1158,7 @@ def _check_unscaled(name: str, dtype: str) -> None:
 def _fp8_layout_of(path: str) -> Fp8Layout | None:
   """How the FP8 weights of the checkpoint at `path` carry their scales (its config.json's
   quantization_config; None: it holds no FP8)."""
-  with open(os.path.join(path, CONFIG_FILE)) as f:
-    return fp8_layout(json.load(f).get(QUANTIZATION_FIELD) or {})
+  return fp8_layout(read_json(os.path.join(path, CONFIG_FILE)).get(QUANTIZATION_FIELD) or {})
 
 
 def _tensor_shapes(shapes: Mapping[str, tuple[int, ...]], needed: Mapping[str, list]
@@ -1229,7 +1256,7 @@ def load_hf_params(path: str, config: ModelConfig, extra: Sequence[str] = ()
   (a reward model's `score.weight`): each must be there too, and comes back as stored,
   under its own name.
   """
-  files = _language_model_view(_tensor_files(path))
+  files = _language_model_view(_tensor_files(path), keep=extra)
   layout = _fp8_layout_of(path)
   needed, stored, quantized = _needed_tensors(path, config, files, layout, extra)
   dtype = NP_DTYPES[config.param_dtype]
@@ -1320,8 +1347,7 @@ def _rope_interleaved(path: str, config: ModelConfig) -> bool:
   as its config.json's rope_interleave says (transformers' default: true)."""
   if config.architecture != "deepseek_v3":
     return True
-  with open(os.path.join(path, CONFIG_FILE)) as f:
-    return bool(json.load(f).get("rope_interleave", True))
+  return bool(read_json(os.path.join(path, CONFIG_FILE)).get("rope_interleave", True))
 
 
 def _permute_latent_rotary(flat: dict, config: ModelConfig, *, interleaved: bool,

@@ -1,10 +1,10 @@
 """Reward models: a Hugging Face `*ForSequenceClassification` checkpoint (a causal LM's body,
-any family of `hf.ARCHITECTURES`, with a linear `score` head and no LM head), read into our
-Transformer, and its score of each sequence at the token transformers pools."""
+any family of `hf.ARCHITECTURES`, with a linear `score` head and no LM head; Gemma 3's
+image-text classifier: its language model's), read into our Transformer, and its score of
+each sequence at the token transformers pools."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -13,8 +13,8 @@ import numpy as np
 from flax import nnx
 
 from rlax_ps.models.config import ModelConfig, dtype_name
-from rlax_ps.models.hf import (ARCHITECTURES, CONFIG_FILE, config_from_hf, load_hf_params,
-                               place_params)
+from rlax_ps.models.hf import (ARCHITECTURES, CONFIG_FILE, config_from_hf, language_model_config,
+                               load_hf_params, place_params, read_json)
 from rlax_ps.models.transformer import Transformer
 
 SCORE_TENSOR = "score.weight"  # [num_labels, hidden], as transformers stores the head
@@ -52,15 +52,25 @@ def pooled_index(ids, pad_id: int | None) -> int:
   return int(real[-1]) if real.size else 0
 
 
+def _text_config(d: dict) -> dict:
+  """The language model's part of a sequence-classification config.json: an image-text
+  classifier's (Gemma3ForSequenceClassification) text_config, which transformers' own
+  get_text_config() reads; any other's is the whole."""
+  return d["text_config"] if isinstance(d.get("text_config"), dict) else d
+
+
 def reward_config(d: dict) -> ModelConfig:
   """The body's ModelConfig of a parsed sequence-classification config.json: the causal
-  family's, untied (a reward model has no LM head to tie)."""
+  family's (an image-text classifier's: its language model's), untied (a reward model has
+  no LM head to tie)."""
   archs = d.get("architectures") or []
   causal = [a[:-len(_SUFFIX)] + "ForCausalLM" for a in archs if a.endswith(_SUFFIX)]
   if not causal or causal[0] not in ARCHITECTURES:
     known = sorted(a.replace("ForCausalLM", _SUFFIX) for a in ARCHITECTURES)
     raise ValueError(f"{CONFIG_FILE}: architectures: expected a reward model, one of "
                      f"{known}, got {archs!r}")
+  if _text_config(d) is not d:
+    d = language_model_config(d, causal[0])
   return config_from_hf({**d, "architectures": causal[:1], "tie_word_embeddings": True})
 
 
@@ -71,8 +81,7 @@ def load_reward_model(path: str, dtype: str = "bfloat16", *, compute_dtype: str 
   file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(file):
     raise FileNotFoundError(f"no {CONFIG_FILE} in reward model folder {path!r}")
-  with open(file) as f:
-    d = json.load(f)
+  d = read_json(file)
   dtype = dtype_name(dtype)
   compute = dtype if compute_dtype is None else dtype_name(compute_dtype, "compute_dtype")
   config = reward_config(d).replace(param_dtype=dtype, dtype=compute)
@@ -81,7 +90,7 @@ def load_reward_model(path: str, dtype: str = "bfloat16", *, compute_dtype: str 
   if score.ndim != 2 or score.shape[1] != config.hidden_size:
     raise ValueError(f"tensor {SCORE_TENSOR!r}: expected shape [num_labels, "
                      f"{config.hidden_size}], got {score.shape}")
-  pad = d.get("pad_token_id")
+  pad = _text_config(d).get("pad_token_id")
   pad = pad[0] if isinstance(pad, list) else pad
   head = (jnp.asarray(score.T) if mesh is None else  # small: whole on every device
           jax.device_put(score.T, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))

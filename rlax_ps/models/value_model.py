@@ -10,7 +10,6 @@ critic), or a causal LM with a zero head.
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -20,7 +19,7 @@ from flax import nnx
 from rlax_ps.kernels import pack_group, pack_routes
 from rlax_ps.kernels.packing import packed_attention_fn, response_logit_index
 from rlax_ps.models.config import ModelConfig
-from rlax_ps.models.hf import CONFIG_FILE, config_from_hf, load_hf_checkpoint
+from rlax_ps.models.hf import CONFIG_FILE, config_from_hf, load_hf_checkpoint, read_json
 from rlax_ps.models.reward_model import load_reward_model, reward_config
 from rlax_ps.models.transformer import Transformer
 
@@ -58,8 +57,7 @@ def source_config(path: str) -> ModelConfig:
   file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(file):
     raise FileNotFoundError(f"no {CONFIG_FILE} in HF checkpoint folder {path!r}")
-  with open(file) as f:
-    d = json.load(f)
+  d = read_json(file)
   config = reward_config(d) if _is_reward_model(d) else config_from_hf(d)
   return config.replace(tie_word_embeddings=True)
 
@@ -69,9 +67,7 @@ def source_params(path: str, config: ModelConfig, mesh: jax.sharding.Mesh | None
   """A ValueModel's params (a pure dict) from the HF checkpoint folder `path` of body config
   `config` (source_config's, in the run's dtypes): a reward model's body and its one-label
   score head as the value head; a causal LM's body (its LM head dropped) and a zero head."""
-  with open(os.path.join(path, CONFIG_FILE)) as f:
-    reward = _is_reward_model(json.load(f))
-  if reward:
+  if _is_reward_model(read_json(os.path.join(path, CONFIG_FILE))):
     model = load_reward_model(path, config.param_dtype, compute_dtype=config.dtype, mesh=mesh)
     score = model.score[...]
     if score.shape[1] != 1:

@@ -116,6 +116,16 @@ def test_an_image_text_checkpoint_loads_its_language_model(prefix, tmp_path):
   assert np.abs(np.asarray(forward(model, ref["tokens"])) - ref["logits"]).max() < 1e-4
 
 
+def test_an_image_text_checkpoints_quantization_is_checked():
+  """transformers writes an image-text model's quantization_config at the top level, beside
+  its text_config; reading the text_config alone skipped the quant_method check."""
+  with open(os.path.join(VISION, "config.json")) as f:
+    d = json.load(f)
+  d["quantization_config"] = {"quant_method": "bitsandbytes"}
+  with pytest.raises(ValueError, match="quant_method: expected none.*got 'bitsandbytes'"):
+    config_from_hf(d)
+
+
 def test_a_worker_holding_the_published_keyframe_computes_the_trainers_logits(model):
   params = {k: np.asarray(v) for k, v in flatten_params(model).items()}
   assert {"layers.0.attn_out_norm.scale", "layers.2.mlp_out_norm.scale"} <= set(params)

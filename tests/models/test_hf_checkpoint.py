@@ -17,7 +17,9 @@ from rlax_ps.models import (ModelConfig, config_from_hf, config_to_hf, flatten_p
 from rlax_ps.models.hf import check_hf_checkpoint, dequantize_mxfp4
 from rlax_ps.models.quantized import (FP8_TYPES, Fp8Layout, RawTensors, dequantize_fp8,
                                       fp8_layout, quantize_fp8)
+from rlax_ps.models.rope import inverse_frequencies
 from rlax_ps.sharding import make_mesh
+from tests.models.hf_fixtures import forward
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
 
@@ -916,6 +918,26 @@ def test_folder_without_weights_or_config_is_an_error(tmp_path):
     load_hf_checkpoint(str(tmp_path))
 
 
+@pytest.mark.parametrize("text,why", [
+    ("{bad", "not valid JSON \\(Expecting"),
+    ("[1, 2]", "expected a JSON object at the top level, got list")])
+def test_a_config_that_is_not_a_json_object_is_named(text, why, tmp_path):
+  """json's own error (a bare JSONDecodeError) names no file."""
+  shutil.copy(os.path.join(fixture("llama"), "model.safetensors"), tmp_path)
+  (tmp_path / "config.json").write_text(text)
+  for read in (load_hf_checkpoint, check_hf_checkpoint):
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "config.json")) + ": " + why):
+      read(str(tmp_path))
+
+
+def test_an_index_that_is_not_valid_json_is_named(tmp_path):
+  shutil.copytree(fixture("qwen2_sharded"), tmp_path / "ckpt")
+  index = tmp_path / "ckpt" / "model.safetensors.index.json"
+  index.write_text(index.read_text()[:-10])
+  with pytest.raises(ValueError, match=re.escape(str(index)) + ": not valid JSON"):
+    load_hf_checkpoint(str(tmp_path / "ckpt"))
+
+
 def test_index_naming_a_missing_shard_is_an_error(tmp_path):
   shutil.copytree(fixture("qwen2_sharded"), tmp_path / "ckpt")
   os.remove(tmp_path / "ckpt" / "model-00002-of-00003.safetensors")
@@ -1024,6 +1046,25 @@ def test_a_save_without_token_ids_writes_none_not_the_classes_defaults(tmp_path)
           read_json(tmp_path / "ids" / "config.json")["bos_token_id"]) == (2, 1)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_gemma_export_without_a_window_writes_one_transformers_reads(name, tmp_path):
+  """A window no sequence outgrows is read as none; written back as null beside sliding
+  layer_types, transformers refused it (Gemma2Config: ValueError, Gemma 3: TypeError)."""
+  d = read_json(os.path.join(fixture(name), "config.json"))
+  d["sliding_window"] = 2 * d["max_position_embeddings"]
+  os.mkdir(tmp_path / "in")
+  model = load_hf_checkpoint(copy_with(tmp_path / "in", name, config=d))
+  assert model.config.sliding_window is None
+  save_hf_checkpoint(model, str(tmp_path / "out"))
+  window = read_json(tmp_path / "out" / "config.json")["sliding_window"]
+  assert isinstance(window, int) and window >= 1
+  again = load_hf_checkpoint(str(tmp_path / "out"))
+  assert again.config == model.config
+  tokens = np.arange(12)[None] % model.config.vocab_size
+  np.testing.assert_array_equal(np.asarray(forward(again, tokens)),
+                                np.asarray(forward(model, tokens)))
+
+
 def test_rope_parameters_and_a_rope_scaling_that_disagree_are_refused_naming_both():
   """transformers applies rope_scaling over rope_parameters: a YaRN scaling added beside
   plain parameters (Qwen's long-context recipe) was read as plain RoPE here."""
@@ -1035,6 +1076,30 @@ def test_rope_parameters_and_a_rope_scaling_that_disagree_are_refused_naming_bot
   both = dict(d, rope_parameters={**d["rope_parameters"], **yarn},  # the same: one scaling
               rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
   assert config_from_hf(both).rope_scaling["rope_type"] == "yarn"
+
+
+@pytest.mark.parametrize("name,file", [("llama", "config.json"), ("llama", "config_4x.json"),
+                                       ("qwen3_yarn", "config.json"),
+                                       ("qwen3_yarn", "config_4x.json")])
+def test_a_top_level_original_context_overrides_the_rope_dicts(name, file):
+  """transformers 5 sets a Llama-3 or YaRN rope dict's original_max_position_embeddings from a
+  top-level field of that name when it builds the model (not in AutoConfig's dict)."""
+  d = read_json(os.path.join(fixture(name), file))
+  key = "rope_parameters" if "rope_parameters" in d else "rope_scaling"
+  other = 4 * d[key]["original_max_position_embeddings"]
+  top = config_from_hf(dict(d, original_max_position_embeddings=other))
+  inside = config_from_hf(dict(d, **{key: {**d[key], "original_max_position_embeddings": other}}))
+  assert top == inside and top.rope_scaling["original_max_position_embeddings"] == other
+  assert not np.array_equal(inverse_frequencies(top), inverse_frequencies(config_from_hf(d)))
+
+
+def test_a_top_level_original_context_is_not_read_by_per_layer_type_rope():
+  """Gemma 3's and OLMo 3's rope_parameters hold a dict per layer type, and transformers 5
+  keeps each dict's own original_max_position_embeddings there."""
+  d = read_json(os.path.join(fixture("olmo3"), "config.json"))
+  assert d["rope_parameters"]["full_attention"]["rope_type"] == "yarn"
+  plain = config_from_hf(d)
+  assert config_from_hf(dict(d, original_max_position_embeddings=3)) == plain
 
 
 def test_bfloat16_save_load_round_trip_is_exact(tmp_path):
