@@ -159,6 +159,22 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                         if any(s.teacher_logprobs_f32 for s in samples) else None))
 
 
+def check_temperature(group, temperature: float) -> None:
+  """ValueError for a group a worker sampled at another temperature than the trainer's
+  worker.temperature (a worker started with its own --temperature): its behaviour log-probs
+  are of another distribution than the ratios' (the metadata's; a group without is let be)."""
+  said = group.metadata.get("temperature")
+  try:
+    theirs = float(said) if said is not None else temperature
+  except ValueError:
+    theirs = math.nan
+  if not math.isclose(theirs, temperature, rel_tol=1e-6):
+    raise ValueError(f"prompt {group.prompt_id}: sampled at temperature {said} by worker "
+                     f"{group.metadata.get('worker', '?')!r}, the trainer's log-probs are of "
+                     f"worker.temperature={temperature:g}; start the workers with the "
+                     f"trainer's config (or the same --temperature)")
+
+
 def teacher_shape(loss_cfg, config) -> dict:
   """BatchShape's teacher fields: the teacher's scores the loss takes in the host batch:
   those the workers' teacher (worker.teacher) sends, or a trainer's teacher of another
@@ -1424,6 +1440,7 @@ class RLTrainer(TrainerRun):
                     self.loss_cfg.reward_parts)
         if self.teacher_tokenizer is not None:  # the teacher reads it in its own tokens
           group = dataclasses.replace(group, teacher_prompt=self._teacher_prompt(taken.prompt))
+        check_temperature(taken.group, self.loss_cfg.temperature)
         if self.dynamic and len(group.rewards) != self.shape.samples:
           raise ValueError(f"rollout {group.rollout_id}: {len(group.rewards)} samples; "
                            f"rl.dynamic_sampling needs worker.samples_per_prompt="

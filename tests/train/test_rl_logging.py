@@ -149,3 +149,17 @@ def test_reward_parts_are_the_means_over_the_steps_samples_and_junk_is_skipped(c
   json.dumps({**record, **parts})  # a steps.jsonl line
   trainer.reward_parts_malformed = 0
   assert RLTrainer._reward_parts_record(trainer, [_group(3, 1, [1.0])]) == {}  # none carry parts
+
+
+def test_a_group_sampled_at_another_temperature_is_refused_naming_the_worker():
+  """A worker started with its own --temperature: its behaviour log-probs are of another
+  distribution than the trainer's ratios' (read from the group's metadata; none: let be)."""
+  from param_server.protos import param_server_pb2 as pb
+  from rlax_ps.train.rl import check_temperature
+  group = pb.RolloutGroup(prompt_id="p1", metadata={"temperature": "1.0", "worker": "w0"})
+  check_temperature(group, 1.0)
+  check_temperature(pb.RolloutGroup(prompt_id="p2"), 0.7)
+  group.metadata["temperature"] = "0.7"
+  with pytest.raises(ValueError, match="prompt p1: sampled at temperature 0.7 by worker 'w0', "
+                                       "the trainer's log-probs are of worker.temperature=1"):
+    check_temperature(group, 1.0)
