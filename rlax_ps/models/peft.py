@@ -22,7 +22,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from rlax_ps.models.config import ModelConfig, dtype_name
-from rlax_ps.models.hf import _TEXT_MODEL_OF, NP_DTYPES, hf_tensor_names
+from rlax_ps.models.hf import _TEXT_MODEL_OF, NP_DTYPES, hf_tensor_names, read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -36,8 +36,7 @@ def _language_model_root(base_model: str) -> str:
   config.json where `base_model` is a folder (else a causal LM)."""
   path = os.path.join(base_model, "config.json") if base_model else ""
   if path and os.path.isfile(path):
-    with open(path) as f:
-      archs = json.load(f).get("architectures") or []
+    archs = read_json(path).get("architectures") or []
     if any(a in _TEXT_MODEL_OF for a in archs):
       return "model.language_model."
   return "model."

@@ -99,3 +99,10 @@ def test_an_adapter_over_an_image_text_base_targets_its_language_model(tmp_path)
   assert not re.fullmatch(pattern, "model.vision_tower.encoder.layers.0.self_attn.q_proj")
   for k in keys:  # every tensor's module is one the pattern adapts
     assert re.fullmatch(pattern, k[len("base_model.model."):].rsplit(".lora_", 1)[0]), k
+
+
+def test_a_base_model_config_that_is_not_json_is_named(tmp_path):
+  from rlax_ps.models.peft import _language_model_root
+  (tmp_path / "config.json").write_text("{bad")
+  with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
+    _language_model_root(str(tmp_path))
