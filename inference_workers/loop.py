@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import sys
 import threading
 import time
 import zlib
@@ -397,6 +398,7 @@ class Worker:
     # Multi-turn: the replies each running sample got, by prompt key and sample index.
     self._given: dict[tuple[str, str], dict[int, list]] = collections.defaultdict(dict)
     self._chunks: collections.deque[tuple[float, int]] = collections.deque(maxlen=_RATE_CHUNKS)
+    self._stepping_since: float | None = None  # when the decode chunk under way began
 
   # ------------------------------------------------------------ stopping
 
@@ -821,7 +823,7 @@ class Worker:
       return
     t0 = time.monotonic()
     with self.stats.time.span("decoding", 1 - batch.free / self._slots):
-      finished = batch.step()
+      finished = self._step(batch)
     # A group's tokens count when it finishes but were made over many chunks: the rate is
     # taken over the last _RATE_CHUNKS chunks.
     self._chunks.append((time.monotonic() - t0,
@@ -835,6 +837,29 @@ class Worker:
     every = self.config.checkpoint_s
     if every and self._resumable and time.monotonic() - self._checkpointed_at >= every:
       self._take_checkpoint(batch)
+
+  def _step(self, batch: ContinuousBatch | SampleBatch) -> list:
+    """One decode chunk, timed for the heartbeat's stall check (`_check_stall`)."""
+    self._stepping_since = time.monotonic()
+    try:
+      return batch.step()
+    finally:
+      self._stepping_since = None
+
+  def _check_stall(self) -> None:
+    """A decode chunk running past worker.stall_s (a hung device: no call returns from it)
+    would hold its leases for ever, renewed by this heartbeat: release every open prompt to
+    the other workers and exit 1, for the supervisor to start a fresh worker."""
+    since, limit = self._stepping_since, self.config.stall_s
+    if not limit or since is None or time.monotonic() - since <= limit:
+      return
+    logging.error("worker: one decode chunk has run %.0fs, past worker.stall_s=%g (a hung "
+                  "device?); releasing the open prompts and exiting", time.monotonic() - since,
+                  limit)
+    released = self._release_all()
+    print(f"worker: stalled: a decode chunk ran past worker.stall_s={limit:g}s; {released} "
+          f"prompts released to the other workers; exiting 1", file=sys.stderr, flush=True)
+    exit_now(1)
 
   def _start_pending(self, batch: ContinuousBatch) -> None:
     """Put waiting prompts in free slots, on the newest version. Without in-flight updates
@@ -1517,7 +1542,7 @@ class Worker:
           done.update((keys[i], []) for i in live if keys[i] not in done)
           break
         with self.stats.time.span("decoding", 1 - batch.free / self.config.prompts_per_call):
-          ended = batch.step()
+          ended = self._step(batch)
         done.update(ended)
         for key, got in ended if finished else ():
           i = index[key]
@@ -1626,7 +1651,9 @@ class Worker:
 
   def _beat(self) -> None:
     """One heartbeat: report, hear the latest version and the staleness floor (a worker
-    decoding one long group makes no other call for a while), renew the leases due."""
+    decoding one long group makes no other call for a while), renew the leases due (unless
+    decoding stalled: _check_stall)."""
+    self._check_stall()
     try:
       reply = self._rpc("heartbeat", -1 if self.policy.version is None else self.policy.version,
                         self._tokens_per_s, time=self.stats.time.snapshot())

@@ -122,6 +122,10 @@ class WorkerConfig:
                                       "samples x max_new_tokens x vocab floats)")
   reward_model_batch: int = setting(16, "sequences the reward model scores per call")
   grace_s: float = setting(25.0, "after SIGTERM: time to submit or release everything in flight")
+  stall_s: float = setting(1800.0, "a decode chunk running longer than this (a hung device; "
+                           "the first one's compile included) releases the worker's prompts "
+                           "to the others and exits 1, for its supervisor to restart it; "
+                           "0: never")
   salvage_s: float = setting(5.0, "after SIGTERM, with this much grace left, samples still "
                              "decoding go back with their prompts (partial rollouts) and the "
                              "next worker continues them; 0: they start over")
@@ -237,6 +241,7 @@ class WorkerConfig:
          f"grace_s={self.grace_s}) (the watchdog releases every open prompt, without its "
          f"samples, {WATCHDOG_LEAD_S:g}s before the end)")
     need(self.checkpoint_s >= 0, "checkpoint_s", "a number of seconds >= 0")
+    need(self.stall_s >= 0, "stall_s", "a number of seconds >= 0 (0: never)")
     for f in ("lease_deadline_s", "grace_s", "backoff_initial_s", "backoff_max_s"):
       need(getattr(self, f) > 0, f, "a positive number of seconds")
 

@@ -2,7 +2,8 @@
 lease, renewal, submission and heartbeat replies name it): they leave the batch, their
 slots free, and go back to the server without their samples, to be sampled anew on the
 newest version; a group that finishes under the floor is released, not sent. The prompts of
-a lease a renewal finds gone leave the batch alike."""
+a lease a renewal finds gone leave the batch alike, and a worker whose decoding stalls
+hands all its prompts back and exits."""
 
 import numpy as np
 import pytest
@@ -55,12 +56,13 @@ def test_a_dropped_prompt_frees_its_slot_and_the_next_draws_as_if_alone(
   assert [s.tokens.tolist() for s in got["new"]] == [s.tokens.tolist() for s in want]
 
 
-def _two_prompts_begun_on_v0(trainer, wc, versions):
+def _two_prompts_begun_on_v0(trainer, wc, versions, **settings):
   """A worker that leased two prompts and began them on v0, one decode step in."""
   publish(trainer, versions, 0)
   enqueue_addition(trainer, 2)
   wc.register("floor")
-  worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, decode_chunk_steps=1)))
+  worker = Worker(wc, CONFIG, TOKENIZER,
+                  WorkerConfig(**dict(SMALL, decode_chunk_steps=1, **settings)))
   worker.sync_weights()
   worker._cycle()
   return worker
@@ -234,3 +236,31 @@ def test_the_prompts_of_a_lease_a_renewal_finds_expired_leave_the_batch(server, 
     take = trainer.take_rollouts(min_version=0, max_n=4)
   assert sorted(r.prompt.id for r in take.rollouts) == ["p0", "p1"]
   assert worker.stats.groups_submitted == 2
+
+
+def test_a_decode_chunk_that_stalls_hands_every_prompt_back_and_exits(server, versions,
+                                                                      monkeypatch):
+  """A hung device never returns from its chunk, and the heartbeat renewed its leases for
+  ever (with max_staleness 0 the trainer waited for good): past worker.stall_s the heartbeat
+  releases the prompts and the worker exits 1, for its supervisor to start a fresh one."""
+  import time
+
+  from inference_workers import loop
+
+  class Exited(Exception):
+    pass
+
+  def exit_now(code):
+    raise Exited(code)
+
+  monkeypatch.setattr(loop, "exit_now", exit_now)
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    worker = _two_prompts_begun_on_v0(trainer, wc, versions, stall_s=30.0)
+    worker._stepping_since = time.monotonic() - 10  # a chunk 10 s in: not yet stalled
+    worker._beat()
+    assert worker.stats.prompts_released == 0
+    worker._stepping_since = time.monotonic() - 31
+    with pytest.raises(Exited, match="1"):
+      worker._beat()
+    assert worker.stats.prompts_released == 2
+    assert sorted(p.id for p in wc.lease(2, deadline_s=30).prompts) == ["p0", "p1"]

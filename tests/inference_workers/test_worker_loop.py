@@ -979,6 +979,9 @@ def test_bad_batching_settings_are_named():
   with pytest.raises(ValueError, match="WorkerConfig.checkpoint_s: expected a number of "
                                        "seconds >= 0, got -1"):
     WorkerConfig(checkpoint_s=-1)
+  with pytest.raises(ValueError, match="WorkerConfig.stall_s: expected a number of seconds "
+                                       ">= 0 \\(0: never\\), got -5"):
+    WorkerConfig(stall_s=-5)
   with pytest.raises(ValueError, match="WorkerConfig.max_turns: expected an int >= 0"):
     WorkerConfig(max_turns=-1)
   with pytest.raises(ValueError, match="WorkerConfig.sample_rows: expected an int >= 0"):
