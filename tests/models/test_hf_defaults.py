@@ -57,11 +57,8 @@ def test_config_reads_as_transformers_resolves_it(name):
   rope = resolved["rope"]
   if rope["rope_type"] in ("llama3", "yarn", "longrope"):
     assert config.rope_scaling["rope_type"] == rope["rope_type"]
-    # The fixture holds AutoConfig's rope dict; each rope init standardizes it again once the
-    # model is built, and a top-level original_max_position_embeddings then wins.
-    top = case["edits"].get("original_max_position_embeddings", DEFAULTS["drop"])
-    original = rope["original_max_position_embeddings"] if top == DEFAULTS["drop"] else top
-    assert config.rope_scaling["original_max_position_embeddings"] == original
+    assert (config.rope_scaling["original_max_position_embeddings"]
+            == rope["original_max_position_embeddings"])
     if rope.get("factor") is not None:
       assert config.rope_scaling["factor"] == rope["factor"]
   types = resolved["layer_types"]
