@@ -289,6 +289,7 @@ class PendingTake:
   take_id: str
   rollout_ids: list[int]
   step: int
+  prompt_ids: list[str] = dataclasses.field(default_factory=list)  # the groups' (same order)
 
 
 class StepRate:
@@ -493,6 +494,9 @@ class RLTrainer(TrainerRun):
     self._eval_rounds: dict[str, dict[str, Any]] = {}  # by metadata "eval": str(step)
     self._evals_done: list[tuple[int, dict[str, float], dict[str, float] | None]] = []
     self.skip_ids: set[int] = set()  # groups a restored checkpoint trained on, requeued
+    # Their prompts, where known: a requeued group the server then drops as stale has its
+    # prompt sampled again, as a new rollout id, to skip alike (it was trained on).
+    self.skip_prompts: dict[str, int] = {}
     # Prompts fed and not yet back as groups: id -> (feed index, record), fed again to a
     # server that lost them; and the id of the server's storage folder (VersionInfo.store_id).
     self.outstanding: dict[str, tuple[int, int]] = {}
@@ -580,6 +584,7 @@ class RLTrainer(TrainerRun):
         # groups trained on whose take the server requeued (its ack came too late): a rerun
         # from this checkpoint skips them too when they come back
         "skip_ids": sorted(self.skip_ids),
+        "skip_prompts": sorted(self.skip_prompts.items()),
         "server_store": self.store_id,
         "outstanding": sorted(self.outstanding.values()),
         "eval_rounds": self._saved_eval_rounds(),
@@ -640,6 +645,7 @@ class RLTrainer(TrainerRun):
                       "rlax-ps); it starts at loss.entropy_coef=%g", int(saved["step"]),
                       self.loss_cfg.entropy_coef)
     self.skip_ids = {int(i) for i in saved.get("skip_ids", [])}
+    self.skip_prompts = {str(p): int(i) for p, i in saved.get("skip_prompts", [])}
 
   def counts(self) -> dict[str, int]:
     """The run's totals the summary reports beside rollout_groups_trained: kept in the
@@ -679,10 +685,16 @@ class RLTrainer(TrainerRun):
         if e.code != grpc.StatusCode.NOT_FOUND:
           raise
         # Requeued meanwhile (its ack deadline passed): skip its groups when they come back.
-        self.skip_ids.update(take.rollout_ids)
+        self._skip(take)
     self.pending = []
     self._feed_outstanding()  # a stop may have cut their enqueue short
     return max(info.latest_version, self.saved_version) + 1
+
+  def _skip(self, take: PendingTake) -> None:
+    """An expired take's groups, trained on: skipped when they come back, or when their
+    prompts come sampled again (the server dropped the requeued groups as stale)."""
+    self.skip_ids.update(take.rollout_ids)
+    self.skip_prompts.update(zip(take.prompt_ids, take.rollout_ids))
 
   def _server_lost(self, store_id: str, behind: bool = False) -> bool:
     """Whether the server lost what this run fed it: its storage id `store_id` is not the
@@ -701,10 +713,12 @@ class RLTrainer(TrainerRun):
                     known or "?", len(self.outstanding), self.version)
     self.pending = []
     self.skip_ids.clear()  # ids of the lost server's rollouts
+    self.skip_prompts.clear()
     self.servers_lost += 1
     if self._journal is not None:  # a take round's groups so far: the lost server's
       self._journal["refeed"].update(self._journal["outstanding"])
       self._journal["skips"].clear()
+      self._journal["skip_prompts"].clear()
     self._feed_outstanding()
     if self.publisher.version is not None and self.client.latest_version() < self.version:
       self.publisher.resend_keyframe()
@@ -1293,14 +1307,16 @@ class RLTrainer(TrainerRun):
     finally:
       self._journal = None
 
-  _COUNTS = ("consumed", "rejected", "last_rejection", "filtered", "filled", "came_back")
+  _COUNTS = ("consumed", "rejected", "last_rejection", "filtered", "filled", "came_back",
+             "reward_parts_malformed")
   # (not dropped_stale: the server drops stale groups for good)
 
   def _take_bookkeeping(self) -> dict[str, Any]:
     """The counts that taking groups changes before they train, as they are before a take
     round; the other changes (records' streaks, prompts no longer outstanding, groups no
     longer to skip) are noted in the round's journal as they are made."""
-    self._journal = {"streaks": {}, "outstanding": {}, "skips": set(), "refeed": {}}
+    self._journal = {"streaks": {}, "outstanding": {}, "skips": set(), "skip_prompts": {},
+                     "refeed": {}}
     return {k: getattr(self, k) for k in self._COUNTS}
 
   def _undo_take_bookkeeping(self, counts: dict[str, Any]) -> None:
@@ -1316,6 +1332,7 @@ class RLTrainer(TrainerRun):
         self.streaks[record] = streak
     self.outstanding.update(self._journal["outstanding"])
     self.skip_ids |= self._journal["skips"]
+    self.skip_prompts.update(self._journal["skip_prompts"])
     try:  # one try: a stop gives up retrying
       self._feed_again(self._journal["refeed"].values())
     except ParamServerError as e:
@@ -1363,7 +1380,7 @@ class RLTrainer(TrainerRun):
         taken_before = {i for t in self.pending for i in t.rollout_ids}
         self.pending.append(PendingTake(take.take_id,
                                         [int(r.rollout_id) for r in take.rollouts],
-                                        self.step + 1))
+                                        self.step + 1, [r.prompt.id for r in take.rollouts]))
         valid = self._valid_groups(take.rollouts, taken_before)
       if self.rejected - rejected < len(take.rollouts):  # a group came that was not refused
         waited_since = time.monotonic()
@@ -1407,11 +1424,18 @@ class RLTrainer(TrainerRun):
       if (self._restart_floor is not None
           and taken.group.policy_version >= self._restart_version):
         self._restart_floor = None  # the restored weights' rollouts: the lost steps' came first
-      # One that came back was counted (consumed, its record's streak) when first taken
-      if taken.rollout_id in self.skip_ids:  # (and is in the checkpoint)
-        self.skip_ids.discard(taken.rollout_id)
+      # One that came back was counted (consumed, its record's streak) when first taken; so
+      # was a prompt sampled again after the server dropped its requeued group as stale
+      skipped = (taken.rollout_id if taken.rollout_id in self.skip_ids
+                 else self.skip_prompts.get(taken.prompt.id))
+      if skipped is not None and skipped in self.skip_ids:  # (and is in the checkpoint)
+        self.skip_ids.discard(skipped)
+        if taken.prompt.id in self.skip_prompts:
+          fed = self.skip_prompts.pop(taken.prompt.id)
+          if self._journal is not None:
+            self._journal["skip_prompts"][taken.prompt.id] = fed
         if self._journal is not None:
-          self._journal["skips"].add(taken.rollout_id)
+          self._journal["skips"].add(skipped)
         self.came_back += 1
         continue
       if taken.rollout_id in taken_before:
@@ -1559,7 +1583,7 @@ class RLTrainer(TrainerRun):
                         "%d groups are skipped when they come back (rl.ack_deadline_s %gs is "
                         "shorter than checkpoint.every_steps steps take)", take.take_id,
                         take.step, len(take.rollout_ids), float(self.config.rl.ack_deadline_s))
-        self.skip_ids.update(take.rollout_ids)
+        self._skip(take)
     self.pending = keep
 
   # -- logs, evaluation, summary ----------------------------------------------------------

@@ -334,6 +334,36 @@ def test_a_group_that_comes_back_counts_once_and_the_restart_floor_ends_with_the
     assert tr._restart_floor is None and tr._min_version() == 7 - tr.max_staleness
 
 
+def test_an_expired_takes_prompt_sampled_again_after_a_stale_drop_is_skipped(tmp_path):
+  """The server requeues an expired take's groups and drops them as stale at the next take,
+  feeding their prompts again: the trainer skipped the old rollout ids, which never came,
+  and trained the prompts a second time under new ones."""
+  import grpc
+  with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+    tr.store_id = "s1"
+    tr.client = types.SimpleNamespace(
+        ack=mock.Mock(side_effect=ParamServerError("AckRollouts", grpc.StatusCode.NOT_FOUND,
+                                                   "no take t1")),
+        version_info=lambda: types.SimpleNamespace(store_id="s1"))
+    tr.pending = [PendingTake("t1", [7, 8], 1, ["p-1", "p-2"])]
+    with mock.patch.object(tr.checkpointer, "latest_step", return_value=3):
+      tr._ack_durable()  # expired: both groups trained on, to skip
+    assert tr.pending == [] and tr.skip_ids == {7, 8}
+    assert tr.skip_prompts == {"p-1": 7, "p-2": 8}
+    tr.outstanding = {}
+    before = tr._take_bookkeeping()
+    # p-1 sampled anew (rollout 12), rollout 8 back as it was, p-3 new
+    got = tr._valid_groups([_taken_group(12, 2, "p-1"), _taken_group(8, 0, "p-2"),
+                            _taken_group(13, 2, "p-3")])
+    assert [g.rollout_id for g in got] == [13] and tr.came_back == 2 and tr.consumed == 1
+    assert tr.skip_ids == set() and tr.skip_prompts == {}
+    assert tr.metadata()["skip_prompts"] == []
+    tr._undo_take_bookkeeping(before)  # a stop mid-round: both to skip again
+    assert tr.skip_ids == {7, 8} and tr.skip_prompts == {"p-1": 7, "p-2": 8}
+    assert tr.metadata()["skip_prompts"] == [("p-1", 7), ("p-2", 8)]
+    tr._journal = None
+
+
 def test_a_take_round_cut_short_puts_back_what_its_groups_changed(tmp_path):
   """A stop mid-round: the records' streaks, the prompts outstanding, the groups to skip and
   the counts are as they were before the round (its groups come again after the restart)."""
@@ -351,7 +381,9 @@ def test_a_take_round_cut_short_puts_back_what_its_groups_changed(tmp_path):
     assert (tr.streaks, tr.outstanding, tr.skip_ids, tr.consumed) != ({1: 2}, {
         "p-1": (0, 1), "p-5": (1, 5)}, {7}, 0)
     tr.dropped_stale = 3  # the server drops those for good: they stay counted
+    tr.reward_parts_malformed = 2  # (counted again when the groups come again)
     tr._undo_take_bookkeeping(before)
+    assert tr.reward_parts_malformed == 0
     assert tr.streaks == {1: 2} and tr.skip_ids == {7} and tr.consumed == 0
     assert tr.outstanding == {"p-1": (0, 1), "p-5": (1, 5)} and tr.came_back == 0
     assert tr.dropped_stale == 3
