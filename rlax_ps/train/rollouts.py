@@ -160,11 +160,12 @@ def check_group(group: Group, shape: BatchShape, vocab_size: int | None = None,
 
 
 def _check_teacher(group: Group, shape: BatchShape, where: str) -> None:
-  """Each sample brings the teacher's scores the batch takes, one per token (top k: k)."""
+  """Each sample brings the teacher's scores the batch takes, one per token (top k: k); a
+  sample of no tokens may come without (none due)."""
   scores = group.teacher or (None,) * len(group.responses)
   for i, (toks, teacher) in enumerate(zip(group.responses, scores)):
     logp, ids, _ = teacher or (None, None, None)
-    if shape.teacher_logp and (logp is None or len(logp) != len(toks)):
+    if shape.teacher_logp and len(toks) and (logp is None or len(logp) != len(toks)):
       raise ValueError(f"{where}: samples[{i}].teacher_logprobs_f32: expected one teacher "
                        f"log-prob per token ({len(toks)}: workers with worker.teacher), got "
                        f"{None if logp is None else len(logp)}")

@@ -482,6 +482,23 @@ def test_bad_groups_are_refused_naming_the_rollout_and_field():
                       g.rewards, 0), SHAPE, vocab_size=V)
 
 
+def test_a_sample_of_no_tokens_needs_no_teacher_scores():
+  """One empty sample without the teacher's log-probs rejected its whole group, though
+  build_batch needs none for it."""
+  g = GROUPS[0]
+  shape = dataclasses.replace(SHAPE, teacher_logp=True)
+  responses = (np.zeros(0, np.int32),) + g.responses[1:]
+  logps = (np.zeros(0, np.float32),) + g.behaviour_logp[1:]
+  teacher = ((None, None, None),) + tuple((np.zeros(len(r), np.float32), None, None)
+                                          for r in g.responses[1:])
+  check_group(dataclasses.replace(g, responses=responses, behaviour_logp=logps,
+                                  teacher=teacher), shape, vocab_size=V)
+  with pytest.raises(ValueError, match=r"samples\[1\].teacher_logprobs_f32"):
+    check_group(dataclasses.replace(g, responses=responses, behaviour_logp=logps,
+                                    teacher=teacher[:1] + ((None, None, None),) + teacher[2:]),
+                shape, vocab_size=V)
+
+
 ROUTED = dataclasses.replace(SHAPE, moe_layers=2, top_k=2, num_experts=4)
 
 
