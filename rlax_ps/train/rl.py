@@ -464,6 +464,9 @@ class RLTrainer(TrainerRun):
     self.publisher = Publisher(self.client, str(config.publish.format),
                                int(config.publish.keyframe_every), model=self.model_config)
     self.run_id = hashlib.blake2b(self.workdir.encode(), digest_size=4).hexdigest()
+    # How many times data.allow_new_source replaced the source: part of the prompt ids past
+    # the first, so a new source's never meet those the old one fed after the checkpoint.
+    self.source_tag = 0
     self.publisher.run = self.run_id
     if self.leader:  # where `rlax-ps export --workdir` finds the checkpoints (gs:// too)
       save_run_config(config, self.workdir)
@@ -592,6 +595,7 @@ class RLTrainer(TrainerRun):
         "reward_parts_totals": self.reward_parts_totals,
         "warm_start_eval": self.warm_start_eval,
         "run_id": self.run_id,
+        "source_tag": self.source_tag,
         "mixed_reference": self.mixed_reference,  # the state holds ref_params
         # and the critic's state: one of critic.LAYOUTS; None: no critic
         "critic": self.critic.layout if self.critic is not None else None,
@@ -611,8 +615,10 @@ class RLTrainer(TrainerRun):
     # A run resumed elsewhere (another machine, a moved workdir) keeps its id: first, as
     # the ids of its outstanding prompts below are made of it.
     self.run_id = self.publisher.run = str(saved.get("run_id", self.run_id))
-    if self.new_source:  # data.allow_new_source: its first record, numbered on (ids unique)
-      self.feed.number_from(int(saved["data"]["position"]))
+    self.source_tag = int(saved.get("source_tag", 0))
+    if self.new_source:  # data.allow_new_source: its first record, numbered on, and ids of
+      self.feed.number_from(int(saved["data"]["position"]))  # their own (a killed run fed
+      self.source_tag += 1  # the old source's past the checkpoint's position)
     else:
       self.feed.restore(saved["data"])
       self.streaks = {int(r): int(z) for r, z in saved.get("streaks", [])}
@@ -1084,7 +1090,11 @@ class RLTrainer(TrainerRun):
       self.client.enqueue_prompts(prompts[i:i + ENQUEUE_BATCH])
 
   def _prompt_id(self, index: int) -> str:
-    return f"{self.run_id}-{index}"
+    return f"{self._id_prefix}-{index}"
+
+  @property
+  def _id_prefix(self) -> str:
+    return self.run_id if not self.source_tag else f"{self.run_id}-s{self.source_tag}"
 
   def _prompt(self, index: int, rec: dict[str, Any]) -> Prompt:
     """The prompt fed at feed position `index`: record `rec` rendered and tokenized."""
@@ -1449,7 +1459,8 @@ class RLTrainer(TrainerRun):
         self._reject(f"prompt {taken.group.prompt_id} could not be sampled by worker "
                      f"{taken.group.metadata.get('worker', '?')!r}: {taken.group.failure}")
         continue
-      if self.selective and "record" in taken.prompt.metadata:
+      if (self.selective and "record" in taken.prompt.metadata  # (an old source's: not ours)
+          and taken.prompt.id.rpartition("-")[0] == self._id_prefix):
         record = int(taken.prompt.metadata["record"])
         if self._journal is not None:  # (a take round cut short puts it back)
           self._journal["streaks"].setdefault(record, self.streaks.get(record))

@@ -159,6 +159,10 @@ def test_rl_resumed_on_other_data_is_refused_or_fed_from_its_start(tmp_path):
     assert tr.feed.position == 3 and tr.streaks == {} and tr.consumed == 3
     (index, rec), = tr.feed.take(1)
     assert index == 3 and rec["prompt"].startswith("10")
+    # Ids of its own: a killed run had fed the old source's 3, 4, ... past the checkpoint,
+    # which the server still holds (a new prompt of the same id was dropped as a duplicate).
+    assert tr._prompt_id(3) == f"{tr.run_id}-s1-3" != f"{tr.run_id}-3"
+    assert tr.metadata()["source_tag"] == 1
   legacy = {k: v for k, v in saved.items() if k not in ("data_source", "schedule")}
   with RLTrainer(config, str(tmp_path / "old"), object()) as tr:
     assert not tr.check_data_source(legacy, tr.data_source, "")
