@@ -36,29 +36,50 @@ def encode_record(record: pb.WalRecord) -> bytes:
   return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
+class DamagedLog(RuntimeError):
+  """A record in the middle of the log is damaged: not a torn tail a crash leaves."""
+
+
+def _record_at(data: bytes, pos: int) -> tuple[pb.WalRecord | None, int]:
+  """(the whole record at `pos`, or None: torn, zeros or damaged; where it ends)."""
+  length, crc = _HEADER.unpack_from(data, pos)
+  start, end = pos + _HEADER.size, pos + _HEADER.size + length
+  if end > len(data):  # torn: a crash mid-append (a torn length field reads as past the
+    return None, end  # end too; a compaction snapshot may be larger than any bound set here)
+  if not length:  # zeros (a tail whose size reached the disk before its data): no record
+    return None, end  # has no bytes, yet crc32 of none is 0
+  payload = data[start:end]
+  if zlib.crc32(payload) != crc:
+    return None, end
+  record = pb.WalRecord()
+  try:
+    record.ParseFromString(payload)
+  except Exception:  # A crc collision on garbage: treat as torn.
+    return None, end
+  if record.WhichOneof("op") is None:  # likewise: no change a server wrote
+    return None, end
+  return record, end
+
+
 def read_records(path: str) -> tuple[list[pb.WalRecord], int, int]:
-  """Returns (records, bytes of the valid prefix, bytes discarded after it)."""
+  """Returns (records, bytes of the valid prefix, bytes discarded after it). DamagedLog
+  when a whole record follows the first bad one: a torn append is the last record, so this
+  is damage (a flipped bit) that truncating there would lose acknowledged changes to."""
   if not os.path.exists(path):
     return [], 0, 0
   with open(path, "rb") as f:
     data = f.read()
   records, pos = [], 0
   while pos + _HEADER.size <= len(data):
-    length, crc = _HEADER.unpack_from(data, pos)
-    start, end = pos + _HEADER.size, pos + _HEADER.size + length
-    if end > len(data):  # torn: a crash mid-append (a torn length field reads as past the
-      break  # end too; a compaction snapshot may be larger than any bound set here)
-    if not length:  # zeros (a tail whose size reached the disk before its data): no record
-      break  # has no bytes, yet crc32 of none is 0
-    payload = data[start:end]
-    if zlib.crc32(payload) != crc:
-      break
-    record = pb.WalRecord()
-    try:
-      record.ParseFromString(payload)
-    except Exception:  # A crc collision on garbage: treat as torn.
-      break
-    if record.WhichOneof("op") is None:  # likewise: no change a server wrote
+    record, end = _record_at(data, pos)
+    if record is None:
+      if _HEADER.size < end and end + _HEADER.size <= len(data) and _record_at(data, end)[0]:
+        raise DamagedLog(
+            f"write-ahead log {path}: record {len(records) + 1} (bytes {pos}-{end}) is "
+            f"damaged and whole records follow it, so it is no torn tail; starting would "
+            f"drop acknowledged changes. Restore the storage folder from a copy, or keep "
+            f"only the {len(records)} records before it, knowing that what follows is lost: "
+            f"truncate -s {pos} {path}")
       break
     records.append(record)
     pos = end

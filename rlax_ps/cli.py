@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
 USER_ERRORS = (("param_server.client", "ParamServerError"),
                ("param_server.connect_flags", "TokenFileError"),
                ("rlax_ps.folder_lock", "FolderInUse"),
-               ("param_server.server", "CannotListen"))
+               ("param_server.server", "CannotListen"),
+               ("param_server.wal", "DamagedLog"))
 
 
 def _user_error_types() -> tuple[type, ...]:

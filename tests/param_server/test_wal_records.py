@@ -7,7 +7,7 @@ import os
 import pytest
 
 from param_server.protos import param_server_pb2 as pb
-from param_server.wal import WriteAheadLog, encode_record, read_records
+from param_server.wal import DamagedLog, WriteAheadLog, encode_record, read_records
 
 
 def record(i):
@@ -67,6 +67,23 @@ def test_a_corrupt_record_ends_recovery_there(tmp_path):
     f.write(bytes([byte[0] ^ 0xFF]))
   assert len(WriteAheadLog(path).recovered) == 2
 
+
+def test_a_damaged_record_with_whole_records_after_it_is_refused_not_truncated(tmp_path):
+  """A flipped bit in record 2 of 10 read as a torn tail: the log was cut there, its 8
+  acknowledged changes after it lost without a word."""
+  path = str(tmp_path / "a.wal")
+  write(path, 10)
+  size = os.path.getsize(path)
+  second = len(encode_record(record(0))) + 10  # a payload byte of record 2
+  with open(path, "r+b") as f:
+    f.seek(second)
+    byte = f.read(1)
+    f.seek(second)
+    f.write(bytes([byte[0] ^ 0xFF]))
+  with pytest.raises(DamagedLog, match=r"a.wal: record 2 \(bytes \d+-\d+\) is damaged and "
+                                       r"whole records follow it.*truncate -s \d+ "):
+    WriteAheadLog(path)
+  assert os.path.getsize(path) == size  # nothing cut
 
 def test_rewrite_replaces_the_log_with_one_record(tmp_path):
   path = str(tmp_path / "a.wal")
