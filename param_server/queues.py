@@ -269,6 +269,9 @@ def joined_partial(held: Sequence[pb.Sample], part: pb.PartialRollouts,
 def _joined(held: pb.Sample, k: int, new: pb.Sample, where: str) -> pb.Sample:
   """The first k tokens of `held` (with their log-probs, observed flags and routes), then
   `new`'s; the rest of `new` as it is."""
+  if len(new.logprobs_f32) % 4:  # (checked whole after the join: frombuffer raises first)
+    raise errors.InvalidArgument(f"{where}.logprobs_f32", f"expected 4 bytes a log-prob, got "
+                                 f"{len(new.logprobs_f32)} bytes")
   out = pb.Sample(text=new.text, reward=new.reward, finish_reason=new.finish_reason,
                   metadata=new.metadata)
   out.token_ids.extend(held.token_ids[:k])

@@ -629,6 +629,20 @@ def test_incremental_checkpoints_join_to_the_whole_samples_across_a_restart(tmp_
   q.close()
 
 
+def test_an_increment_of_log_prob_bytes_not_whole_floats_is_named(queues):
+  """np.frombuffer raised first: the worker got UNKNOWN and a traceback, not the field."""
+  from param_server import errors
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 10.0)
+  queues.renew(lease.lease_id, "w1", 10.0, [pb.PartialRollouts(prompt_id="a", samples=[
+      pb.Sample(token_ids=[4, 5], logprobs=[-1.0, -2.0])])])
+  with pytest.raises(errors.InvalidArgument,
+                     match=r"partial\[0\].samples\[0\].logprobs_f32: expected 4 bytes a "
+                           r"log-prob, got 3 bytes"):
+    queues.renew(lease.lease_id, "w1", 10.0, [pb.PartialRollouts(prompt_id="a", kept=[2], samples=[
+        pb.Sample(token_ids=[3], logprobs_f32=b"\0\0\0")])])
+
+
 def test_incremental_checkpoints_grow_the_log_by_what_is_new(tmp_path, clock):
   """40 checkpoints of a sample growing 25 tokens each: whole, the log holds every prefix
   (quadratic in the length); as increments, each token once."""
