@@ -186,8 +186,20 @@ class _Rejections:
 
   def abort(self, context, method: str, err: errors.RequestError):
     self.bump()
-    logging.warning("%s rejected (%s): %s", method, err.code.name, err)
-    context.abort(err.code, str(err))
+    said = _cut(str(err))
+    logging.warning("%s rejected (%s): %s", method, err.code.name, said)
+    context.abort(err.code, said)
+
+
+_MAX_DETAILS = 2000  # characters: a status message echoing a 20 kB id exceeded gRPC's
+# metadata limit, and the client got RESOURCE_EXHAUSTED "Stream removed" instead
+
+
+def _cut(message: str) -> str:
+  """A status message short enough for gRPC's metadata, its start (the field) kept."""
+  if len(message) <= _MAX_DETAILS:
+    return message
+  return f"{message[:_MAX_DETAILS - 40]}... ({len(message):,} characters in all)"
 
 
 def storage_failed(storage_dir: str, e: OSError) -> errors.Unavailable:

@@ -314,6 +314,9 @@ ROWS = [
         Code.NOT_FOUND, "take_id"),
     Row("ack no take", "AckRollouts", "trainer", const(pb.AckRolloutsRequest()),
         Code.INVALID_ARGUMENT, "take_id"),
+    # Its message echoed the 20 kB id past gRPC's metadata limit: RESOURCE_EXHAUSTED instead.
+    Row("ack a take of a huge id", "AckRollouts", "trainer",
+        const(pb.AckRolloutsRequest(take_id="x" * 20000)), Code.NOT_FOUND, "take_id"),
     # Workers.
     Row("register without name", "RegisterWorker", "worker", const(pb.RegisterWorkerRequest()),
         Code.INVALID_ARGUMENT, "name"),
