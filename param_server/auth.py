@@ -88,7 +88,7 @@ def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str
   tokens = {r: given.get(r) or os.environ.get(env_var(r)) or "" for r in ROLES}
   missing = [r for r in ROLES if not tokens[r]]
   if not missing:
-    return tokens
+    return _distinct(tokens)
   path = os.path.join(storage_dir, TOKEN_FILE)
   saved = read_saved_tokens(path)
   for r in missing:
@@ -104,6 +104,19 @@ def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
   logging.info("auth: tokens for %s are in %s (owner-only)", ", ".join(missing), path)
+  return _distinct(tokens)
+
+
+def _distinct(tokens: dict[str, str]) -> dict[str, str]:
+  """`tokens`, or TokenStoreError naming the roles given one token: a call with it would get one
+  role's rights alone (the trainer's calls refused as a worker's)."""
+  seen: dict[str, str] = {}
+  for role, token in tokens.items():
+    if token in seen:
+      raise TokenStoreError(f"--{seen[token]}_token, --{role}_token: the {seen[token]} and {role} "
+                       f"tokens are the same (flags, ${env_var(seen[token])} / "
+                       f"${env_var(role)}, or {TOKEN_FILE}); give each role its own")
+    seen[token] = role
   return tokens
 
 

@@ -94,6 +94,17 @@ def test_a_corrupt_saved_tokens_file_names_the_file_and_is_kept(tmp_path):
     assert path.read_text() == content
 
 
+def test_one_token_for_two_roles_is_refused_naming_them(tmp_path, monkeypatch):
+  """The last role matching won: the trainer, given the worker's token too, was refused
+  every trainer call as a worker."""
+  for role in ("trainer", "worker", "viewer"):
+    monkeypatch.delenv(f"RLAX_PS_{role.upper()}_TOKEN", raising=False)
+  with pytest.raises(auth.TokenStoreError, match=r"--trainer_token, --worker_token: the "
+                                                 r"trainer and worker tokens are the same"):
+    auth.load_tokens(str(tmp_path), {"trainer": "same", "worker": "same", "viewer": "v"})
+  assert auth.load_tokens(str(tmp_path), {"trainer": "t", "worker": "w", "viewer": "v"})
+
+
 def test_a_token_file_readable_by_other_users_is_warned_about(tmp_path, monkeypatch):
   monkeypatch.delenv("RLAX_PS_WORKER_TOKEN", raising=False)
   said = []
