@@ -257,22 +257,50 @@ class LocalRun:
 
 
 class StepReader:
-  """Follows the trainer's steps.jsonl: new records since the last call."""
+  """Follows the trainer's steps.jsonl: the records this run's trainer wrote since the last
+  call. A resumed trainer rewrites the file without the steps a kill undid: it is then read
+  again from its start, the earlier runs' records passed over by their time (reading on from
+  the old size met the middle of a line, and the supervisor ended with a traceback)."""
 
   def __init__(self, path: str):
-    self.path, self.offset = path, 0
+    self.path, self.offset, self.inode = path, 0, None
+    self.since = time.time()
+    self.last_step = 0  # the step the file ended at (a resumed run's bar starts there)
     if os.path.exists(path):
-      self.offset = os.path.getsize(path)  # a resumed run: only this run's steps
+      st = os.stat(path)
+      self.offset, self.inode = st.st_size, st.st_ino
+      with open(path, "rb") as f:
+        lines = f.read().splitlines()
+      for line in reversed(lines):
+        record = _record(line)
+        if record is not None:
+          self.last_step = int(record.get("step", 0))
+          break
 
   def read(self) -> list[dict[str, Any]]:
-    if not os.path.exists(self.path):
+    try:
+      st = os.stat(self.path)
+    except FileNotFoundError:
       return []
-    with open(self.path) as f:
+    if st.st_ino != self.inode or st.st_size < self.offset:  # rewritten
+      self.offset, self.inode = 0, st.st_ino
+    with open(self.path, "rb") as f:
       f.seek(self.offset)
-      text = f.read()
-    end = text.rfind("\n") + 1
-    self.offset += len(text[:end].encode())
-    return [json.loads(line) for line in text[:end].splitlines() if line.strip()]
+      data = f.read()
+    end = data.rfind(b"\n") + 1
+    self.offset += end
+    records = (_record(line) for line in data[:end].splitlines())
+    return [r for r in records if r is not None and r.get("time", self.since) >= self.since]
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+  """A steps.jsonl line's record; None for one that is not (a progress line never ends
+  the run)."""
+  try:
+    record = json.loads(line)
+  except ValueError:
+    return None
+  return record if isinstance(record, dict) else None
 
 
 def heldout_cell(x: float | None, scores: dict[str, Any], digits: int = 1) -> str:

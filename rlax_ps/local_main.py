@@ -134,8 +134,8 @@ def main(argv: list[str]) -> None:
       print(f"parameter server metrics (Prometheus, no token) on {run.metrics_url}", flush=True)
     trainer = run.start_trainer(init_from_hf)
     run.start_workers(init_from_hf)
-    bar = tqdm(total=int(config.rl.steps), desc="rl", unit="step", disable=not _PROGRESS.value,
-               dynamic_ncols=True)
+    bar = tqdm(total=int(config.rl.steps), initial=steps.last_step, desc="rl", unit="step",
+               disable=not _PROGRESS.value, dynamic_ncols=True)  # (a resumed run's rate: its own)
     progress = local.Progress()
     while not run.check(trainer):
       for record in steps.read():

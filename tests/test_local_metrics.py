@@ -84,3 +84,26 @@ def test_the_real_servers_metrics_answer_at_the_printed_url(tmp_path, fresh_toke
   finally:
     run.stop(grace_s=10)
   assert "rlax_ps_prompts_queued" in text and "rlax_ps_takes_requeued_total" in text
+
+
+def test_the_step_reader_follows_a_resumed_trainer_that_rewrote_its_steps(tmp_path):
+  """A resumed trainer rewrites steps.jsonl without the steps a kill undid: the reader went
+  on from the old size, read the middle of a line and ended the supervisor with a
+  traceback. It reads the file again and keeps this run's records alone."""
+  import json
+  import time
+
+  from rlax_ps.train.events import open_steps_jsonl
+  path = tmp_path / "steps.jsonl"
+  path.write_text("".join(json.dumps({"step": i, "time": time.time() - 100}) + "\n"
+                          for i in range(1, 7)))
+  reader = local.StepReader(str(path))
+  assert reader.last_step == 6 and reader.read() == []
+  with open_steps_jsonl(str(path), 4) as f:  # resumed at the checkpoint of step 4
+    for i in (5, 6, 7):
+      f.write(json.dumps({"step": i, "time": time.time()}) + "\n")
+      f.flush()
+      assert [r["step"] for r in reader.read()] == [i]
+  with open(path, "a") as f:
+    f.write("{torn\n")  # a line that is no record does not end the run
+  assert reader.read() == []
