@@ -23,9 +23,11 @@ class Events:
   value logged at a step below its last one (a held-out round finished steps after the
   step it evaluated, the steps a restart does again)."""
 
-  def __init__(self, directory: str, wandb_run: Any = None):
+  def __init__(self, directory: str, wandb_run: Any = None, purge_step: int | None = None):
+    """`purge_step`: a resumed run's first step; TensorBoard drops the earlier files' points
+    from it on (the steps a kill undid, logged again: two points a step)."""
     from tensorboardX import SummaryWriter
-    self.tb = SummaryWriter(directory, flush_secs=10)
+    self.tb = SummaryWriter(directory, flush_secs=10, purge_step=purge_step)
     self.wandb_run = wandb_run
     self._row_step: int | None = None  # the step of the W&B row being filled
     if wandb_run is not None:

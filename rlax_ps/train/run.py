@@ -337,7 +337,9 @@ class TrainerRun:
       run = open_wandb(self.config.get("wandb"), run_id=f"{kind}-{key}",
                        name=f"{os.path.basename(self.workdir)}-{kind}",
                        directory=self.workdir, config=config)
-      self._writer = Events(os.path.join(self.workdir, "tb"), run)
+      resumed = int(getattr(self, "step", 0) or 0)  # (0: no state yet, or a fresh run)
+      self._writer = Events(os.path.join(self.workdir, "tb"), run,
+                            purge_step=resumed + 1 if resumed else None)
     return self._writer
 
   def evaluate(self) -> dict[str, float]:

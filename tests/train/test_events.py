@@ -184,3 +184,34 @@ def test_a_resumed_runs_step_log_drops_the_lines_of_steps_it_does_again(tmp_path
   assert [(r["step"], r["x"]) for r in read_jsonl(path)] == [(1, 1), (2, 2), (3, 3), (4, 40)]
   open_steps_jsonl(path, 4).close()  # nothing past the checkpoint: kept as it is
   assert len(read_jsonl(path)) == 4 and not os.path.exists(path + ".tmp")
+
+
+def _tb_events(directory):
+  """The Event protos of every TensorBoard file in `directory` (TFRecord framing: length,
+  its crc, data, its crc), in file order."""
+  from tensorboardX.proto import event_pb2
+  for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    pos = 0
+    while pos + 12 <= len(data):
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      event = event_pb2.Event()
+      event.ParseFromString(data[pos + 12:pos + 12 + length])
+      yield event
+      pos += 12 + length + 4
+
+
+def test_a_resumed_run_purges_tensorboards_points_of_the_steps_it_does_again(tmp_path):
+  """The steps a kill undid were logged again beside the first run's points (two a step);
+  the resumed writer starts with a START session at its first step, from which TensorBoard
+  drops the earlier files' points."""
+  class Resumed(FakeTrainer):
+    step = 4
+
+  trainer = Resumed(tmp_path / "work", "")
+  trainer.writer.add_scalar("rollouts/reward_mean", 0.5, 5)
+  trainer.close()
+  starts = [e for e in _tb_events(str(tmp_path / "work" / "tb"))
+            if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+  assert [e.step for e in starts] == [5]
