@@ -53,10 +53,16 @@ class ChildFailed(RuntimeError):
     self.code = code
 
 
-def override_flags(overrides: dict[str, Any]) -> list[str]:
-  """ml_collections override values -> the `--config.a.b=value` flags that set them."""
+def override_flags(overrides: dict[str, Any], config: Any) -> list[str]:
+  """The `--config.a.b=value` flags that give a child the supervisor's `config`: each path
+  ml_collections says was overridden, at its final value there (the values given, one a
+  path in first-given order, ended otherwise where two paths are one block: rl_local's
+  model and sft.model; a warm start of one size, a trainer of another)."""
   out = []
-  for path, value in overrides.items():
+  for path in overrides:
+    value = config
+    for part in path.split("."):
+      value = value[part]
     text = value if isinstance(value, str) else repr(value)
     out.append(f"--config.{path}={text}")
   return out

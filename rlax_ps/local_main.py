@@ -84,7 +84,8 @@ def main(argv: list[str]) -> None:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
     sys.exit(2)
   _check_resume(config, workdir)
-  overrides = local.override_flags(config_flags.get_override_values(flags.FLAGS["config"]))
+  overrides = local.override_flags(config_flags.get_override_values(flags.FLAGS["config"]),
+                                   config)
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   path, _, variant = config_file.partition(":")
   config_file = os.path.abspath(path) + (f":{variant}" if variant else "")

@@ -107,3 +107,21 @@ def test_the_step_reader_follows_a_resumed_trainer_that_rewrote_its_steps(tmp_pa
   with open(path, "a") as f:
     f.write("{torn\n")  # a line that is no record does not end the run
   assert reader.read() == []
+
+
+def test_a_childs_config_flags_give_it_the_supervisors_config_where_two_paths_are_one_block():
+  """rl_local's model and sft.model are one block: `--config.model.num_layers=4
+  --config.sft.model.num_layers=3 --config.model.num_layers=5` gave the supervisor (and its
+  warm start) 5 layers and the trainer and workers, handed the values given in first-given
+  order, 3."""
+  import ml_collections
+  config = ml_collections.ConfigDict({"model": {"num_layers": 2, "name": "m"}, "sft": {}})
+  config.sft.model = config.model
+  config.model.num_layers = 4
+  config.sft.model.num_layers = 3
+  config.model.num_layers = 5
+  given = {"model.num_layers": 5, "sft.model.num_layers": 3, "model.name": "x y"}
+  config.model.name = "x y"
+  flags = local.override_flags(given, config)
+  assert flags == ["--config.model.num_layers=5", "--config.sft.model.num_layers=5",
+                   "--config.model.name=x y"]
