@@ -101,8 +101,10 @@ class Child:
   start: int = 0  # where this run's part of the log begins
 
   def failed_message(self) -> str:
-    return (f"{self.name} exited with status {self.process.returncode}; last lines of "
-            f"{self.log}:\n{tail(self.log, start=self.start)}")
+    code = self.process.returncode
+    how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+           else f"exited with status {code}")  # (Popen's -N: the signal N)
+    return f"{self.name} {how}; last lines of {self.log}:\n{tail(self.log, start=self.start)}"
 
 
 class LocalRun:

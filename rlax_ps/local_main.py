@@ -146,7 +146,7 @@ def main(argv: list[str]) -> None:
       time.sleep(0.5)
     bar.close()
   except local.ChildFailed as e:
-    code, message = 1, f"rlax-ps local: {e}"
+    code, message = e.code, f"rlax-ps local: {e}"
   except KeyboardInterrupt:
     code, message = 130, "rlax-ps local: interrupted; children stopped"
   except Terminated as e:

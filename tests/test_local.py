@@ -687,6 +687,10 @@ def test_a_failing_childs_message_shows_this_runs_log_lines_not_an_earlier_runs(
   message = trainer.failed_message()
   assert message.startswith("trainer exited with status 3") and "this run: boom" in message
   assert "earlier run" not in message
+  fake.write_text('#!/bin/sh\nkill -9 $$\n')  # killed by a signal: named, not "status -9"
+  trainer = run.start_trainer("hf")
+  trainer.process.wait(30)
+  assert trainer.failed_message().startswith("trainer was killed by SIGKILL; last lines")
 
 
 _SLOW_TO_STOP = ("import signal, sys, time\n"
