@@ -356,6 +356,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # More `rlax-ps serve` flags for the run's server, space-separated (e.g.
   # "--max_message_bytes=268435456" for long responses with routing replay).
   c.local.serve_flags = ""
+  # On Ctrl-C or a child's failure: how long the trainer may take to finish its step and
+  # write its checkpoint before it is killed (the steps since the last one are then redone).
+  c.local.trainer_grace_s = 120.0
 
   if arg == "tiny":
     c.rl.steps = 4

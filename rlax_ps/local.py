@@ -113,9 +113,13 @@ class LocalRun:
   def __init__(self, workdir: str, config_file: str, overrides: Sequence[str], *,
                workers: int, worker_platform: str = "cpu", trainer_chips: int = 0,
                chips_per_worker: int = 0, metrics_port: int = -1, serve_flags: str = "",
-               python: str = sys.executable, dev: str = "/dev", worker_grace_s: float = 25.0):
+               python: str = sys.executable, dev: str = "/dev", worker_grace_s: float = 25.0,
+               trainer_grace_s: float = 120.0):
     if workers < 1:
       raise ValueError(f"local.workers: expected >= 1, got {workers}")
+    if not trainer_grace_s > 0:
+      raise ValueError(f"local.trainer_grace_s: expected a number of seconds > 0, got "
+                       f"{trainer_grace_s}")
     if not -1 <= metrics_port <= 65535:
       raise ValueError(f"local.metrics_port: expected -1 (off) or a port 0-65535 (0: any "
                        f"free one), got {metrics_port}")
@@ -143,6 +147,7 @@ class LocalRun:
                                                              workers, dev)
     self.workdir = make_workdir(workdir)
     self.worker_grace_s = worker_grace_s  # worker.grace_s: what a stopped worker may take
+    self.trainer_grace_s = trainer_grace_s  # local.trainer_grace_s: its step and checkpoint
     self.config_file, self.overrides = config_file, list(overrides)
     self.num_workers, self.python = workers, python
     self.logs = os.path.join(self.workdir, "logs")
@@ -237,7 +242,8 @@ class LocalRun:
 
   def stop(self, grace_s: float = 30.0) -> None:
     """SIGTERM the workers and trainer (they release leases and checkpoint), then the server;
-    SIGKILL whatever outlives `grace_s` (a worker: its own worker.grace_s and a little more).
+    SIGKILL whatever outlives `grace_s` (a worker: its own worker.grace_s and a little more;
+    the trainer: local.trainer_grace_s, its step and checkpoint).
     A second Ctrl-C or signal meanwhile is ignored: cut short, the stop would leave the
     children to stop all at once, the server first, and a hung one running."""
     main = threading.current_thread() is threading.main_thread()
@@ -253,7 +259,8 @@ class LocalRun:
         start = time.monotonic()
         for child in group:
           grace = (max(grace_s, self.worker_grace_s + _EXIT_SLACK_S)
-                   if child.name.startswith("worker") else grace_s)
+                   if child.name.startswith("worker") else
+                   max(grace_s, self.trainer_grace_s) if child.name == "trainer" else grace_s)
           try:
             child.process.wait(max(0.1, start + grace - time.monotonic()))
           except subprocess.TimeoutExpired:

@@ -96,7 +96,8 @@ def main(argv: list[str]) -> None:
                          chips_per_worker=int(config.local.get("chips_per_worker", 0)),
                          metrics_port=int(config.local.get("metrics_port", -1)),
                          serve_flags=str(config.local.get("serve_flags", "")),
-                         worker_grace_s=worker_grace_s)
+                         worker_grace_s=worker_grace_s,
+                         trainer_grace_s=float(config.local.get("trainer_grace_s", 120.0)))
   except ValueError as e:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
     sys.exit(2)

@@ -714,8 +714,10 @@ def test_a_stop_gives_workers_their_grace_and_a_second_signal_does_not_cut_it_sh
   meanwhile is ignored (it cut the stop short, leaving the children to die all at once)."""
   import threading
   run = local.LocalRun(str(tmp_path / "run"), "configs/rl_local.py:tiny", [], workers=1,
-                       worker_grace_s=3.0)
-  run.children = [_child("server", 0, tmp_path), _child("trainer", 0.2, tmp_path),
+                       worker_grace_s=3.0, trainer_grace_s=3.0)
+  # The trainer too gets its local.trainer_grace_s for its step and checkpoint (it had 30 s
+  # whatever its model's checkpoint took; here 2 s past the stop's 1 s)
+  run.children = [_child("server", 0, tmp_path), _child("trainer", 2.0, tmp_path),
                   _child("worker-0", 2.0, tmp_path)]
   threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
   before = signal.getsignal(signal.SIGINT)
@@ -727,3 +729,6 @@ def test_a_stop_gives_workers_their_grace_and_a_second_signal_does_not_cut_it_sh
   stuck.children = [_child("worker-0", 30, tmp_path)]
   stuck.stop(grace_s=0.5)  # past its grace and the slack: killed
   assert stuck.children[0].process.returncode == -signal.SIGKILL
+  with pytest.raises(ValueError, match="local.trainer_grace_s: expected a number of seconds"):
+    local.LocalRun(str(tmp_path / "bad"), "configs/rl_local.py:tiny", [], workers=1,
+                   trainer_grace_s=0)
