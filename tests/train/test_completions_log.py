@@ -38,7 +38,8 @@ class Writer:
 def _trainer(workdir, every, groups):
   """The parts of an RLTrainer that take groups and log their completions."""
   return types.SimpleNamespace(
-      consumed=0, version=3, _restart_floor=None, skip_ids=set(), selective=False, dynamic=None,
+      consumed=0, version=3, _restart_floor=None, skip_ids=set(), skip_prompts={},
+      selective=False, dynamic=None,
       outstanding={},
       _told_routes=False, tokenizer=TOK, model_config=types.SimpleNamespace(
           vocab_size=TOK.vocab_size),
