@@ -1118,20 +1118,11 @@ class Worker:
     stale = [key for key, (_, version) in self._started.items() if self._stale(version)]
     if not stale:
       return
-    batch.drop(stale)
     self._count_stale(len(stale), min(self._started[key][1] for key in stale))
+    self._take_out(batch, stale)
     by_lease: dict[str, list[str]] = collections.defaultdict(list)
-    for key in stale:
-      del self._started[key]
-      self._given.pop(key, None)
-      by_lease[key[0]].append(key[1])
-    with self._lock:  # nor are their samples so far sent with a renewal
-      for key in stale:
-        self._held.pop(key, None)
-      for lease_id, ids in by_lease.items():
-        if lease_id in self._checkpoint:
-          self._checkpoint[lease_id] = [p for p in self._checkpoint[lease_id]
-                                        if p.prompt_id not in ids]
+    for lease_id, prompt_id in stale:
+      by_lease[lease_id].append(prompt_id)
     for lease_id, ids in by_lease.items():
       self._release_stale(lease_id, ids)
       self._settle(lease_id)
@@ -1144,14 +1135,8 @@ class Worker:
     if not lost:
       return
     keys = [key for key in self._started if key[0] in lost]
-    if keys:
-      batch.drop(keys)
-    for key in keys:
-      del self._started[key]
-      self._given.pop(key, None)
+    self._take_out(batch, keys)
     with self._lock:
-      for key in keys:
-        self._held.pop(key, None)
       for lease_id in lost:
         self._checkpoint.pop(lease_id, None)
     self.stats.groups_dropped_lost += len(keys)
@@ -1162,6 +1147,22 @@ class Worker:
       self._abandoned.add(lease_id)
       self._pending = collections.deque(x for x in self._pending if x[0] != lease_id)
       self._settle(lease_id)
+
+  def _take_out(self, batch: ContinuousBatch | SampleBatch, keys: list[tuple[str, str]]
+                ) -> None:
+    """Drop the running prompts `keys` from the batch and all the worker keeps of them: their
+    replies so far, and their samples a renewal would carry."""
+    if keys:
+      batch.drop(keys)
+    for key in keys:
+      del self._started[key]
+      self._given.pop(key, None)
+    with self._lock:
+      for key in keys:
+        self._held.pop(key, None)
+        parts = self._checkpoint.get(key[0])
+        if parts is not None:
+          self._checkpoint[key[0]] = [p for p in parts if p.prompt_id != key[1]]
 
   def _count_stale(self, n: int, version: int) -> None:
     """Count (and say) `n` prompts begun on `version` (the oldest), under the floor."""
