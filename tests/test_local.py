@@ -213,7 +213,8 @@ def test_eval_scores_the_warm_start_and_the_trained_policy_as_the_run_did(run, t
 
 
 @pytest.mark.parametrize("signum", [
-    signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow), signal.SIGKILL],
+    signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow),
+    pytest.param(signal.SIGKILL, marks=pytest.mark.slow)],  # (~17-25 s a case)
     ids=lambda s: signal.Signals(s).name)
 def test_a_stopped_or_killed_run_leaves_no_child_running(signum, run, tmp_path):
   """A SIGTERM or SIGHUP reaches `rlax-ps local` alone (its children run in sessions of

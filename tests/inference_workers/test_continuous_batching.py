@@ -185,6 +185,7 @@ def test_the_model_is_split_again_only_when_its_weights_change(model, monkeypatc
   assert len(calls) == 2
 
 
+@pytest.mark.slow  # ~6 s; test_partial_rollouts holds begun samples in the default suite
 def test_begun_samples_are_written_and_drawn_on_as_if_never_interrupted(model):
   """Partial rollouts: a begun sample's tokens are fed first, with the log-probs it was
   drawn with, then it draws on with its own seed (step t: fold_in(seed, t)), so it equals
@@ -258,6 +259,7 @@ def test_a_prompt_may_ask_for_fewer_samples_than_n(model, rows_per_prompt):
     batch.add(9, PROMPTS[0], seeds_of(0, 5))
 
 
+@pytest.mark.slow  # ~5 s
 def test_routes_are_recorded_across_refills():
   moe = Transformer(MOE, rngs=nnx.Rngs(0))
   batch = ContinuousBatch(moe, 2, 1, PARAMS, rows_per_prompt=1, record_routes=True)
@@ -273,6 +275,7 @@ def test_routes_are_recorded_across_refills():
       assert a.prompt_routes.shape == (len(PROMPTS[key]), 2, 2)
 
 
+@pytest.mark.slow  # ~6 s
 def test_resumed_samples_carry_the_routes_of_an_uninterrupted_run():
   """Routing replay: a begun sample's fed tokens are routed as drawn ones were; a finished
   one keeps the routes it came with, beside this run's prompt routes."""

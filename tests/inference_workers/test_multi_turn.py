@@ -186,6 +186,7 @@ def test_a_slow_reply_does_not_hold_the_other_rows(model):
   assert waited["slow"][0].observed.any()
 
 
+@pytest.mark.slow  # ~6 s
 def test_routing_replay_records_the_experts_of_the_replies_tokens_too():
   # Replies run through the decode step like the policy's tokens, so the trainer routes
   # every fed-back token (replies included) as the sampler did.
@@ -208,6 +209,7 @@ def test_routing_replay_records_the_experts_of_the_replies_tokens_too():
   assert replied > 0
 
 
+@pytest.mark.slow  # ~9 s
 def test_a_resumed_conversation_goes_on_as_if_never_interrupted(model):
   """Partial rollouts of multi-turn samples: begun turns and replies are fed with their
   flags, the replies they had count toward max_turns, and each later turn and reply is the
@@ -280,7 +282,8 @@ def test_a_reply_is_fed_in_one_step_not_one_decode_step_a_token(model, monkeypat
   assert steps[0] == steps[1] - len(reply)
 
 
-@pytest.mark.parametrize("variant", ["window-softcap", "sinks"])
+@pytest.mark.parametrize("variant", [  # sinks (~8 s) with the slow suite
+    "window-softcap", pytest.param("sinks", marks=pytest.mark.slow)])
 def test_a_reply_fed_at_once_attends_as_a_prompt_would(variant):
   """The several-token step keeps the attention variants: after a reply, greedy decoding
   goes on exactly as decoding the transcript as a prompt (a 5-token window that the reply

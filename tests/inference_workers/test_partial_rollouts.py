@@ -29,7 +29,8 @@ from worker_testlib import (CONFIG, SMALL, TOKENIZER, TOKENS, ManyStops, TextCod
                             enqueue_addition, run_until_stopped, stopped_first_worker)
 
 
-@pytest.mark.parametrize("sample_rows", [0, 6], ids=["slots", "sample_rows"])
+@pytest.mark.parametrize("sample_rows", [0, pytest.param(6, marks=pytest.mark.slow)],
+                         ids=["slots", "sample_rows"])  # (~4 s a case)
 def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
     server, versions, monkeypatch, sample_rows):
   """SIGTERM's grace runs low mid-generation: the running prompts go back with their begun

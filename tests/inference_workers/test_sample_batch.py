@@ -76,6 +76,7 @@ def test_bad_settings_are_refused_naming_them(model):
   assert batch.waiting == 0  # nothing of a refused prompt is queued
 
 
+@pytest.mark.slow  # ~6 s; test_continuous_batching's long-group case stays in the default suite
 def test_a_long_answer_holds_no_other_row_back(model, monkeypatch):
   """Two rows, prompt a's samples long and short, b's two short: a slot per prompt keeps
   both rows on a until its long answer ends; shared rows finish b beside it."""

@@ -79,6 +79,7 @@ def test_a_token_file_without_the_workers_role_is_refused_naming_it(tls_server, 
   assert f"--token_file {tokens}: expected a JSON object with a 'worker' token" in done.stderr
 
 
+@pytest.mark.slow  # ~13 s; the refused-role case below stays in the default suite
 def test_a_wrong_token_or_a_missing_token_file_is_one_line_not_a_traceback(tls_server, tmp_path):
   server, cert = tls_server
   tokens = tmp_path / "tokens.json"

@@ -48,8 +48,9 @@ def test_held_weights_stay_split_over_the_tensor_axis_through_updates(versions, 
       d.id for d in jax.local_devices()[:4]}
 
 
-# int8 (~10 s): its weights' split is the test above's, its sampling test_held_weights'.
-@pytest.mark.parametrize("fmt", ["bf16", pytest.param("int8", marks=pytest.mark.slow)])
+# ~11 s a case; test_kernels_on_a_mesh holds decoding per device in the default suite
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_a_worker_on_four_devices_samples_as_a_worker_on_one(versions, tmp_path, fmt):
   made = {}
   for name, extra in (("one", {}), ("four", FOUR), ("wide", WIDE)):

@@ -61,7 +61,8 @@ def test_worker_completes_leases_and_submits_scored_groups(server, versions):
     assert st.prompts_leased == 0 and st.prompts_queued == 0
 
 
-@pytest.mark.parametrize("sample_rows", [0, 4], ids=["slots", "sample_rows"])
+@pytest.mark.parametrize("sample_rows", [0, pytest.param(4, marks=pytest.mark.slow)],
+                         ids=["slots", "sample_rows"])  # (~3 s a case)
 def test_a_greedy_baseline_is_sent_beside_the_samples_as_the_greedy_decodes_reward(
     server, versions, sample_rows):
   """worker.greedy_baseline (ReMax): each group holds samples_per_prompt samples and the
@@ -711,6 +712,7 @@ def test_sigterm_releases_leases_within_the_grace_period(server, versions, tmp_p
     assert st.prompts_queued + st.rollouts_accepted == 32
 
 
+@pytest.mark.slow  # ~11 s; lease expiry is the server tests' in the default suite
 def test_sigkill_leaves_leases_that_expire_and_are_served_again(server, versions, tmp_path):
   """kill -9 mid-generation: the lease expires and its prompts are served again, the one
   decoding with the samples its last renewal carried (worker.checkpoint_s)."""
@@ -742,7 +744,8 @@ def test_sigkill_leaves_leases_that_expire_and_are_served_again(server, versions
     assert seen <= back | answered  # (answered between the look and the kill: rare)
 
 
-@pytest.mark.parametrize("allocator", ["fixed", pytest.param("vigor", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~9 s a case; test_multi_turn holds environments in the default suite
+@pytest.mark.parametrize("allocator", ["fixed", "vigor"])
 def test_an_environment_answers_turns_and_its_replies_reach_the_trainer_marked(
     server, versions, allocator):
   """worker.environment by task: the addition prompts' turns are answered, and their

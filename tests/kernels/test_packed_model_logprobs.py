@@ -126,8 +126,10 @@ def test_packed_logprobs_of_a_model_with_attention_sinks_equal_separate_sequence
   test_packed_logprobs_equal_separate_sequences(sink_group, kw)
 
 
+# Sinks through XLA (~7 s) with the slow suite: the Pallas case holds the sinks' gradient.
 @pytest.mark.parametrize("which,backend", [("full", "xla"), ("windowed", "xla"),
-                                           ("sinks", "xla"), ("sinks", "pallas_tpu")])
+                                           pytest.param("sinks", "xla", marks=pytest.mark.slow),
+                                           ("sinks", "pallas_tpu")])
 def test_packed_param_gradients_equal_separate_sequences(group, windowed_group, sink_group,
                                                          which, backend):
   graphdef, state, prompts, responses = {"full": group, "windowed": windowed_group,
@@ -186,8 +188,10 @@ def test_log_probs_at_a_temperature_are_of_the_logits_over_it(group, chunk):
   assert np.abs(np.asarray(plain) - want)[valid].max() > 1e-2
 
 
+# A chunk past the row and remat alone (~3 s each) with the slow suite: remat-chunk holds both.
 @pytest.mark.parametrize("kw", [dict(logits_chunk=4), dict(logits_chunk=7),
-                                dict(logits_chunk=64), dict(remat=True),
+                                pytest.param(dict(logits_chunk=64), marks=pytest.mark.slow),
+                                pytest.param(dict(remat=True), marks=pytest.mark.slow),
                                 dict(remat=True, logits_chunk=4)],
                          ids=["chunk-divides", "chunk-does-not", "chunk-exceeds", "remat",
                               "remat-chunk"])

@@ -155,9 +155,12 @@ def test_packed_sequences_match_transformers(name):
   assert np.abs(logits[12:] - expected[1, :8]).max() < TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma3", "gemma2", "qwen3_moe",
-                                  "mixtral", "olmo3", "smollm3", "granite", "gpt_oss",
-                                  "deepseek_v3"])
+# Dense, windowed, softcapped, sinks, MoE and latent attention here; the rest (~1-2 s each)
+# with the slow suite.
+@pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma2", "qwen3_moe", "gpt_oss",
+                                  "deepseek_v3"] + [
+    pytest.param(name, marks=pytest.mark.slow)
+    for name in ("gemma3", "mixtral", "olmo3", "smollm3", "granite")])
 def test_cached_decoding_matches_transformers(name):
   # A 14-token prefill then one token at a time: the windowed fixtures decode past the window.
   tokens, expected = reference(name)
@@ -171,10 +174,13 @@ def test_cached_decoding_matches_transformers(name):
   assert np.abs(np.concatenate(steps, axis=1) - expected).max() < TOLERANCE
 
 
+# Every family's logits and cached decoding are matched above; the sampling loop on top of
+# them runs here for one of each attention kind, the rest (~1-3 s each) with the slow suite.
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral_window", "gemma3", "gemma2",
-                                  "qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe",
-                                  "phi3", "smollm3", "granite", "glm4", "gpt_oss",
-                                  "glm4_moe", "deepseek_v3", "deepseek_v2", "olmoe"])
+                                  "gpt_oss"] + [
+    pytest.param(name, marks=pytest.mark.slow)
+    for name in ("qwen3_moe", "mixtral", "olmo2", "olmo3", "qwen2_moe", "phi3", "smollm3",
+                 "granite", "glm4", "glm4_moe", "deepseek_v3", "deepseek_v2", "olmoe")])
 def test_greedy_generate_equals_transformers_greedy_generate(name):
   """greedy.npz: transformers' generate(do_sample=False) on left-padded prompts with an
   explicit attention mask (tests/fixtures/make_hf_fixtures.py)."""
@@ -215,6 +221,7 @@ def test_the_load_balancing_loss_equals_transformers_aux_loss(name):
   assert abs(unmasked - got) > 1e-4  # the padding's routes are left out
 
 
+@pytest.mark.slow  # ~5 s
 def test_gpt_oss_shared_prefill_decoding_equals_transformers_greedy_generate():
   # The samples read one prefix cache and merge two partials by log-sum-exp; the sinks
   # rescale the merged softmax, past the 6-token window.

@@ -161,7 +161,10 @@ def test_shared_prefill_samples_as_one_prefill_per_sample(model):
       np.testing.assert_allclose(sample.logprobs, single[b * 2 + j].logprobs, atol=1e-4)
 
 
-@pytest.mark.parametrize("config", [CONFIG, SHARED, GPT_OSS, GLM, DEEPSEEK],
+# The shared expert and GLM's grouped routing (~2 s each) with the slow suite: their int8
+# weights are the routed case's.
+@pytest.mark.parametrize("config", [CONFIG, pytest.param(SHARED, marks=pytest.mark.slow), GPT_OSS,
+                                    pytest.param(GLM, marks=pytest.mark.slow), DEEPSEEK],
                          ids=["routed", "shared-expert", "gpt-oss", "glm4-moe", "deepseek"])
 def test_an_int8_worker_computes_the_dequantized_models_logits_by_either_dispatch(config):
   model = Transformer(config, rngs=nnx.Rngs(0))

@@ -133,6 +133,7 @@ def test_routes_of_the_wrong_shape_or_for_a_dense_model_are_refused(model):
     generate(dense, [[1, 2]], [0], SamplingParams(max_new_tokens=2), record_routes=True)
 
 
+@pytest.mark.slow  # ~7 s
 def test_the_sampler_records_the_experts_a_full_forward_picks(model, samples):
   for prompt, group in zip(PROMPTS, samples):
     for s in group:
@@ -212,6 +213,7 @@ def test_the_benchmarks_mismatch_statistics_on_a_hand_case():
   assert got["max |dlogp|"] == pytest.approx(np.log(2.5))
 
 
+@pytest.mark.slow  # ~10 s
 def test_the_load_balancing_term_joins_the_loss_with_its_coefficient(model, samples):
   from rlax_ps.train.rl_loss import LossConfig, rl_loss
   graphdef, state = nnx.split(model)

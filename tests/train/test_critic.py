@@ -173,6 +173,7 @@ def test_a_micro_batched_critic_update_equals_the_whole_batchs(tmp_path):
           < np.mean(returns[tokens] ** 2))
 
 
+@pytest.mark.slow  # ~8 s
 def test_a_lora_policys_critic_trains_its_own_adapters_and_head_over_the_policys_weights():
   """A LoRA policy's critic holds its adapters and value head alone (no copy of the frozen
   weights, whose values it reads from the policy's params at each call); both train, and
@@ -215,6 +216,7 @@ def test_a_lora_policys_critic_trains_its_own_adapters_and_head_over_the_policys
 HF = os.path.join(REPO, "tests", "fixtures", "hf")
 
 
+@pytest.mark.slow  # ~25 s
 def test_a_critic_from_a_reward_model_values_each_state_as_it_scores_it(tmp_path):
   """critic.init_from_hf naming a reward model: its body and its score head are the
   critic's, so each state's value is the reward model's score of the sequence up to it."""
@@ -315,6 +317,7 @@ def test_a_critic_source_must_read_the_policys_ids(tmp_path):
     critic.start(policy_params=None)
 
 
+@pytest.mark.slow  # ~25 s; the critic's update is checked by the micro-batch test above
 def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, monkeypatch):
   """configs/rl_ppo.py's GAE run, LoRA, with verl's KL in the reward: each step's line
   carries the critic's loss, its state is checkpointed, and a restart restores it (not the

@@ -8,6 +8,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from rlax_ps.train.sft import SFTTrainer
 
@@ -35,6 +36,7 @@ def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
+@pytest.mark.slow  # ~9 s; test_checkpoint_resume restores onto another mesh in the default suite
 def test_a_run_saved_on_8_devices_resumes_on_4_with_another_mesh(tmp_path):
   with SFTTrainer(_config(1, 8, 1), str(tmp_path / "unbroken")) as unbroken:
     reference = _losses(unbroken, 3)

@@ -168,6 +168,7 @@ def lora_run(tmp_path_factory):
   server.stop(grace=0)
 
 
+@pytest.mark.slow  # ~13 s; the supervised LoRA step test holds the same in the default suite
 def test_a_lora_run_trains_the_adapters_and_leaves_the_base_alone(lora_run):
   before, after = lora_run["before"], lora_run["after"]
   adapters = [k for k in before if ".lora_" in k]
@@ -217,7 +218,7 @@ def test_a_lora_runs_export_holds_the_merged_model(lora_run):
   assert len(adapter) == len([k for k in after if ".lora_" in k])
 
 
-@pytest.mark.parametrize("num_micro", [1, 2])
+@pytest.mark.parametrize("num_micro", [1, pytest.param(2, marks=pytest.mark.slow)])  # (~5 s)
 def test_a_supervised_lora_step_moves_the_adapters_alone(num_micro):
   from rlax_ps import optim
   from rlax_ps.train.state import sharded_init
@@ -243,6 +244,7 @@ def test_a_supervised_lora_step_moves_the_adapters_alone(num_micro):
   assert losses[-1] < losses[0]  # the adapters learn the batch
 
 
+@pytest.mark.slow  # ~5 s
 def test_expert_adapters_equal_merged_experts_by_either_dispatch_and_in_int8_workers():
   from rlax_ps.models.hf import merge_adapters
   moe = LORA.replace(architecture="qwen3_moe", qkv_bias=False, qk_norm=True, num_experts=4,

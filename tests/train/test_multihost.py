@@ -100,6 +100,9 @@ def _digest_of_checkpoint(directory, step=STEPS):
   return sync.state_digest(sync.encode(None, held, "bf16", version=0).checksums)
 
 
+# ~45 s; two jax.distributed processes stay in the default suite in test_distributed_flags and
+# test_multihost_worker
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_process_rl_trainer_trains_publishes_and_checkpoints_as_one(tmp_path):
   (tmp_path / "tokens.json").write_text(json.dumps(TOKENS))

@@ -183,6 +183,7 @@ def test_supervised_data_refuses_an_empty_answer_key(tmp_path):
     SFTTrainer(config, str(tmp_path / "sft"))
 
 
+@pytest.mark.slow  # ~17 s
 def test_sft_trains_on_a_prompt_files_conversations_through_the_template(tmp_path):
   """rlax-ps sft on data.jsonl: the batches hold the rendered conversations followed by the
   answer and the end-of-turn eos, the loss falls, and data.heldout_jsonl is what is scored."""

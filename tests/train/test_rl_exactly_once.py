@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from child_env import child_env
 from rl_testlib import REPO, TOKENS, FakeWorker, client, start_server
 
@@ -50,6 +52,8 @@ def _wait(cond, proc, worker, timeout, what):
     time.sleep(0.1)
 
 
+# ~30 s; test_rl_trainer's stop and restart tests hold exactly-once in the default suite
+@pytest.mark.slow
 def test_killed_trainer_trains_every_submitted_group_exactly_once(tmp_path):
   (tmp_path / "tokens.json").write_text(json.dumps(TOKENS))
   server = start_server(tmp_path / "ps")

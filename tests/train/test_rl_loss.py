@@ -716,6 +716,7 @@ def _assert_whole_batchs(m_loss, m_metrics, m_grads, loss, metrics, grads):
     np.testing.assert_allclose(m_metrics[k], metrics[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow  # ~20 s; the dense micro-batch cases stay in the default suite
 def test_micro_batched_moe_loss_gradient_and_metrics_are_the_whole_batchs():
   """Routing replay on group 1 alone: the slices (rows 0, 2 and rows 1, 3) replay unequal
   numbers of expert slots, so the routers' agreement is a mean over those, not tokens. The
@@ -747,8 +748,10 @@ def test_micro_batched_moe_loss_gradient_and_metrics_are_the_whole_batchs():
                              rtol=1e-5)
 
 
-# 2: PPO epochs against proximal log-probs (~20 s; the several-updates test covers them).
-@pytest.mark.parametrize("updates", [1, pytest.param(2, marks=pytest.mark.slow)])
+# ~8 s and ~20 s: the sharded step is test_sharding_equivalence's, micro-batches the cases
+# above, PPO epochs the several-updates test's.
+@pytest.mark.slow
+@pytest.mark.parametrize("updates", [1, 2])
 def test_a_micro_batched_step_on_8_devices_equals_the_whole_batch_step_on_one(updates):
   from rlax_ps import optim, sharding
   from rlax_ps.train.rl import make_rl_step
@@ -823,12 +826,13 @@ def test_response_capacities_halve_the_budget_in_multiples_of_8():
     fit_response_len(GROUPS, big, 0)
 
 
-# dr_grpo and overlong hold the budget-relative terms (and the plain path beneath them); the
-# plain GRPO and M2PO cases (~5 s each) run with the slow suite.
+# dr_grpo holds the budget-relative terms (and the plain path beneath them); the plain GRPO,
+# overlong and M2PO cases (~5 s each) run with the slow suite.
 @pytest.mark.parametrize("overrides", [
     pytest.param(dict(), marks=pytest.mark.slow),
     dict(advantage="dr_grpo", agg="seq-mean-token-sum-norm"),
-    dict(overlong_buffer=30), pytest.param(dict(correction="m2po"), marks=pytest.mark.slow)],
+    pytest.param(dict(overlong_buffer=30), marks=pytest.mark.slow),
+    pytest.param(dict(correction="m2po"), marks=pytest.mark.slow)],
     ids=["grpo", "dr_grpo", "overlong", "m2po"])
 def test_a_batch_packed_to_its_bucket_trains_as_at_the_full_budget(overrides):
   """rl.response_buckets: the groups packed to 8 response positions give the loss and

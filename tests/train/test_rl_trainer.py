@@ -732,8 +732,9 @@ def test_mismatched_worker_format_is_refused_naming_the_field(run, tmp_path):
       RLTrainer(config, str(tmp_path / "x"), tc)
 
 
-@pytest.mark.parametrize("experts", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["dense", "experts"])
+# ~14 s a case: the int8 codec is test_sync_int8's, an int8 worker's logits test_moe's.
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
 def test_int8_recipe_publishes_the_quantized_trainer_weights(tmp_path, experts):
   config = rl_config("tiny", "configs/rl_int8_tis.py")
   config.rl.steps = 2
@@ -848,6 +849,7 @@ def test_dynamic_sampling_leaves_out_uniform_groups_and_fills_at_the_cap(tmp_pat
   assert stats.rollouts_in_flight == 0  # those left out were acknowledged with their step
 
 
+@pytest.mark.slow  # ~8 s; test_rl_loss holds the distillation loss in the default suite
 def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
   """loss.advantage="opd": each step the teacher (another tiny model) scores the sampled
   tokens; the reverse KL the step logs is the fake worker's -1.5 a token less the teacher's
@@ -902,6 +904,7 @@ def test_on_policy_distillation_trains_on_the_teachers_log_probs(tmp_path):
     RLTrainer(config, str(tmp_path / "rl_other"), object())
 
 
+@pytest.mark.slow  # ~10 s; test_worker_teacher's cross-tokenizer case stays in the default suite
 def test_a_teacher_of_another_tokenizer_on_the_trainer_scores_each_responses_text(tmp_path):
   """teacher.tokenizer: the trainer's teacher of a byte-level tokenizer scores the text of
   the step's responses (a forward pass per micro-batch of its groups), as score_retokenized

@@ -124,6 +124,8 @@ def test_records_are_gone_through_once_an_epoch_and_a_restored_position_goes_on(
   np.testing.assert_array_equal(after.batch(0)["tokens"], data.batch(0)["tokens"])
 
 
+# ~13 s; test_prompts and test_resume_changes mix weighted files in the default suite
+@pytest.mark.slow
 def test_weighted_files_are_drawn_in_proportion_each_record_of_a_file_alike():
   """data.weights "3,1" over files of 6 and 4 records: 3 of 4 examples from the first
   (though it holds 60% of the records), each of a file's records as often as the others."""
