@@ -293,6 +293,11 @@ class ModelConfig:
       need(all(0 <= i < self.num_layers for i in layers), f,
            f"layer indices in [0, {self.num_layers})", getattr(self, f))
       object.__setattr__(self, f, layers)
+    # Targets naming none of this model's projections built no adapter: the run trained every
+    # weight, as if LoRA were off.
+    need(not self.lora_rank or set(self.lora_targets) & self.lora_projections(), "lora_targets",
+         f"some of this model's projections {sorted(self.lora_projections())}",
+         self.lora_targets)
     if self.sliding_window is not None:
       need(isinstance(self.sliding_window, int) and self.sliding_window > 0, "sliding_window",
            "a positive int or None", self.sliding_window)
@@ -402,6 +407,21 @@ class ModelConfig:
     """Whether layer `layer` routes tokens to experts (else it has the dense MLP)."""
     return (self.num_experts > 0 and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0)
+
+  def lora_projections(self) -> frozenset[str]:
+    """The LORA_TARGETS this model has: its attention's projections, the dense MLP's where a
+    layer or a shared expert has one, "experts" where layers route to experts."""
+    if self.kv_lora_rank:
+      names = {"o_proj", "kv_a_proj_with_mqa", "kv_b_proj"} | (
+          {"q_a_proj", "q_b_proj"} if self.q_lora_rank else {"q_proj"})
+    else:
+      names = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    if self.shared_expert_intermediate_size or not all(
+        self.moe_layer(i) for i in range(self.num_layers)):
+      names |= {"gate_proj", "up_proj", "down_proj"}
+    if self.moe_layers:
+      names.add("experts")
+    return frozenset(names)
 
   @property
   def moe_layers(self) -> tuple[int, ...]:

@@ -71,6 +71,22 @@ def test_an_adapter_starts_as_a_no_op_and_adds_its_low_rank_product():
     BASE.replace(lora_rank=4, lora_targets=("lm_head",))
 
 
+def test_targets_naming_none_of_the_models_projections_are_refused():
+  """LoRA on "experts" of a dense model, or on the dense MLP of one whose every layer routes
+  to experts, built no adapter: every weight trained, as without LoRA."""
+  moe = BASE.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+  for config, targets in ((BASE, ("experts",)), (moe, ("gate_proj", "up_proj", "down_proj"))):
+    with pytest.raises(ValueError, match=r"ModelConfig.lora_targets: expected some of this "
+                                         rf"model's projections .*got \('{targets[0]}'"):
+      config.replace(lora_rank=4, lora_targets=targets)
+  model = Transformer(moe.replace(lora_rank=4, lora_targets=("experts",)), rngs=nnx.Rngs(0))
+  trainable, frozen = split_trainable(nnx.state(model, nnx.Param).to_pure_dict())
+  assert frozen and all(".lora_" in k for k in flat_params(trainable))
+  # A layer of its own dense MLP (mlp_only_layers) or a shared expert gives the MLP targets.
+  moe.replace(lora_rank=4, lora_targets=("gate_proj",), mlp_only_layers=(0,))
+  moe.replace(lora_rank=4, lora_targets=("gate_proj",), shared_expert_intermediate_size=8)
+
+
 def test_only_the_adapters_take_a_gradient():
   model, _ = _adapted()
   params = nnx.state(model, nnx.Param).to_pure_dict()
