@@ -1387,7 +1387,7 @@ class RLTrainer(TrainerRun):
       self.dropped_stale += take.dropped_stale
       valid, rejected = [], self.rejected
       if take.rollouts:  # acknowledged with this step, the rejected groups too
-        taken_before = {i for t in self.pending for i in t.rollout_ids}
+        taken_before = self._pending_prompts()
         self.pending.append(PendingTake(take.take_id,
                                         [int(r.rollout_id) for r in take.rollouts],
                                         self.step + 1, [r.prompt.id for r in take.rollouts]))
@@ -1411,6 +1411,10 @@ class RLTrainer(TrainerRun):
           self.filtered += 1
     return groups
 
+  def _pending_prompts(self) -> dict[str, int]:
+    """prompt id -> rollout id of each group in a take not yet acknowledged."""
+    return {p: i for t in self.pending for p, i in zip(t.prompt_ids, t.rollout_ids)}
+
   def _no_groups_message(self) -> str:
     """Why rl.take_timeout_s ran out: no group came, or none that could be trained on."""
     waited = f"rl.take_timeout_s: no usable rollout group for {self.config.rl.take_timeout_s}s"
@@ -1419,10 +1423,14 @@ class RLTrainer(TrainerRun):
     return (f"{waited}; {self.rejected} groups rejected, the last: {self.last_rejection} (do "
             f"the workers run this trainer's config?)")
 
-  def _valid_groups(self, taken_rollouts, taken_before: set[int] = frozenset()) -> list[Group]:
+  def _valid_groups(self, taken_rollouts, taken_before: dict[str, int] | None = None
+                    ) -> list[Group]:
     """The groups of a take that can enter a batch; the others are counted and logged.
     Skipped: groups trained on already, whose take expired before a checkpoint held it
-    (`skip_ids`, or still in an earlier take `taken_before` not yet acknowledged)."""
+    (`skip_ids`, or a prompt still in an earlier take not yet acknowledged, `taken_before`:
+    prompt id -> rollout id, come back as it was or sampled again under a new rollout id
+    after the server dropped the requeued group as stale)."""
+    taken_before = taken_before or {}
     valid = []
     for taken in taken_rollouts:
       if "eval" in taken.prompt.metadata:  # eval.on_workers: scored, not trained on
@@ -1448,11 +1456,12 @@ class RLTrainer(TrainerRun):
           self._journal["skips"].add(skipped)
         self.came_back += 1
         continue
-      if taken.rollout_id in taken_before:
+      if taken.prompt.id in taken_before:
         self.came_back += 1
         logging.log_every_n_seconds(
-            logging.WARNING, "rl: rollout %d came back before the checkpoint of its first "
-            "take (rl.ack_deadline_s passed); skipped, trained on once", 10, taken.rollout_id)
+            logging.WARNING, "rl: prompt %s came back (rollout %d) before the checkpoint of "
+            "its first take (rollout %d; rl.ack_deadline_s passed); skipped, trained on once",
+            10, taken.prompt.id, taken.rollout_id, taken_before[taken.prompt.id])
         continue
       self.consumed += 1
       if taken.group.failure:  # a prompt no worker could sample: answered, not trained on

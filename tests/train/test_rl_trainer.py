@@ -324,7 +324,8 @@ def test_a_group_that_comes_back_counts_once_and_the_restart_floor_ends_with_the
   weights' version, though the trainer has published newer ones since."""
   with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
     tr.skip_ids = {7}
-    assert tr._valid_groups([_taken_group(7, 0), _taken_group(8, 0)], taken_before={8}) == []
+    assert tr._valid_groups([_taken_group(7, 0), _taken_group(8, 0, "p-2")],
+                            taken_before={"p-2": 8}) == []
     assert tr.consumed == 0 and tr.came_back == 2
     assert len(tr._valid_groups([_taken_group(9, 0)])) == 1 and tr.consumed == 1
     tr._restart_floor, tr._restart_version, tr.publisher.version = 2, 5, 7
@@ -362,6 +363,18 @@ def test_an_expired_takes_prompt_sampled_again_after_a_stale_drop_is_skipped(tmp
     assert tr.skip_ids == {7, 8} and tr.skip_prompts == {"p-1": 7, "p-2": 8}
     assert tr.metadata()["skip_prompts"] == [("p-1", 7), ("p-2", 8)]
     tr._journal = None
+
+
+def test_a_prompt_of_a_take_not_yet_acknowledged_sampled_again_is_skipped(tmp_path):
+  """The server requeued an expiring take's group and dropped it as stale at a later take,
+  feeding its prompt again, while the trainer still held the take for its checkpoint: the
+  prompt's new group (another rollout id) was trained a second time."""
+  with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+    tr.outstanding = {}
+    tr.pending = [PendingTake("t1", [7, 8], 1, ["p-1", "p-2"])]
+    got = tr._valid_groups([_taken_group(12, 2, "p-1"), _taken_group(13, 2, "p-3")],
+                           tr._pending_prompts())
+    assert [g.rollout_id for g in got] == [13] and tr.came_back == 1 and tr.consumed == 1
 
 
 def test_a_take_round_cut_short_puts_back_what_its_groups_changed(tmp_path):
