@@ -46,8 +46,8 @@ from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.prompts import (PromptFeed, PromptRecords, TaskPrompts, data_files,
                                    file_parts, file_weights, iter_config_records)
 from rlax_ps.train.publisher import Publisher
-from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check_rl_config,
-                                     check_task_prompts, prompt_limit)
+from rlax_ps.train.rl_checks import (NEW_SOURCE_FED, check_prompt_lengths, check_resumed_updates,
+                                     check_rl_config, check_task_prompts, prompt_limit)
 from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, adapt_kl_coef, \
   entropy_bonus_coef, logged_advantages, micro_batched_loss_and_grad, needs_reference, \
   ref_sync_settings, reference_logprobs, rl_loss
@@ -392,6 +392,7 @@ class RLTrainer(TrainerRun):
     latest = self.checkpointer.latest_metadata()
     self.new_source = self.check_data_source(  # True: fed from its start (_load_metadata)
         latest, recorded, NEW_SOURCE_FED)
+    check_resumed_updates(latest, int(rl.get("updates_per_batch", 1)))
     self.build_optimizer(latest, "rl.steps", int(rl.get("updates_per_batch", 1)))
     self.critic = None  # loss.advantage="gae": PPO's critic beside the policy
     if self.loss_cfg.advantage == "gae":
@@ -1377,6 +1378,11 @@ class RLTrainer(TrainerRun):
       except ParamServerError as e:
         if self._stopping(e, "the step's take"):
           return None
+        if (e.code == grpc.StatusCode.INVALID_ARGUMENT
+            and e.details.startswith("ack_deadline_s")):
+          raise ValueError(f"rl.ack_deadline_s: {rl.ack_deadline_s} is past what the server at "
+                           f"{self.client.address} allows ({e.details}); lower it or start "
+                           f"the server with a larger --max_lease_deadline_s") from None
         # e.g. min_version above anything a server that lost its weights holds: feed it
         if (e.code == grpc.StatusCode.FAILED_PRECONDITION
             and self._server_lost(self.client.version_info().store_id)):

@@ -37,6 +37,11 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   seconds = rl.get("max_seconds", 0.0)
   if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
     raise ValueError(f"rl.max_seconds: expected seconds >= 0 (0: no limit), got {seconds!r}")
+  deadline = rl.get("ack_deadline_s", 1800.0)
+  if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not (
+      0 < deadline < float("inf")):
+    raise ValueError(f"rl.ack_deadline_s: expected seconds > 0 (at most the server's "
+                     f"max_lease_deadline_s, 3600 by default), got {deadline!r}")
   check_counts(config, ("checkpoint.every_steps", "eval.every_steps", "export.every_steps"))
   temperature = worker.get("temperature", 1.0)
   if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
@@ -384,3 +389,16 @@ def latest_metadata(directory: str) -> dict[str, Any] | None:
   except (OSError, ValueError):
     return None
   return saved if isinstance(saved, dict) else None
+
+
+def check_resumed_updates(saved: dict[str, Any] | None, updates: int) -> None:
+  """ValueError naming rl.updates_per_batch when it differs from the checkpoint's (metadata
+  `saved`): the optimizer counts updates, and its lr schedule reads steps as the count over
+  the updates a step takes, so another number moves the lr to another step's."""
+  rl = ((saved or {}).get("config") or {}).get("rl") or {}
+  was = int(rl.get("updates_per_batch", 1))
+  if saved and was != updates:
+    raise ValueError(
+        f"rl.updates_per_batch: {was} in the checkpoint at step {saved.get('step')}, "
+        f"{updates} now: the optimizer's update count would put the learning rate at step "
+        f"{int(saved.get('step') or 0) * was // updates}'s; resume with {was}")

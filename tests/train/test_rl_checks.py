@@ -10,7 +10,7 @@ import pytest
 from rl_testlib import REPO, rl_config
 from rlax_ps.config_files import run_config_changes, save_run_config
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer, tokenizer_from_config
-from rlax_ps.train.rl_checks import check_rl_config
+from rlax_ps.train.rl_checks import check_resumed_updates, check_rl_config
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "hf")
 
@@ -32,6 +32,8 @@ def _set(config, **fields):
     ({"loss__clip": 0.3}, r"loss: unknown fields \['clip'\]"),
     ({"rl__max_staleness": -1}, "rl: expected steps >= 1, max_staleness >= 0"),
     ({"rl__updates_per_batch": 0}, "rl.updates_per_batch: expected >= 1"),
+    ({"rl__ack_deadline_s": 0}, "rl.ack_deadline_s: expected seconds > 0"),
+    ({"rl__ack_deadline_s": float("inf")}, "rl.ack_deadline_s: expected seconds > 0"),
     ({"rl__micro_batches": 3}, "rl.micro_batches: expected a divisor"),
     ({"rl__dynamic_sampling": True, "worker__allocator": "vigor"},
      "rl.dynamic_sampling: needs worker.allocator='fixed'"),
@@ -241,3 +243,16 @@ def test_a_saved_run_config_names_each_changed_field(tmp_path):
   save_run_config(config, str(tmp_path))
   assert run_config_changes(str(tmp_path), config) == []
   assert sorted(os.listdir(tmp_path)) == ["run_config.json"]
+
+
+def test_another_number_of_updates_per_batch_is_refused_on_resume():
+  """The optimizer counts updates and its lr schedule reads steps as count // updates per
+  batch: 4 in the checkpoint at step 100 and 1 now put the lr at step 400's."""
+  saved = {"step": 100, "config": {"rl": {"updates_per_batch": 4}}}
+  with pytest.raises(ValueError, match=r"rl.updates_per_batch: 4 in the checkpoint at step "
+                                       r"100, 1 now: .* at step 400's; resume with 4"):
+    check_resumed_updates(saved, 1)
+  check_resumed_updates(saved, 4)
+  check_resumed_updates(None, 2)  # a fresh run
+  with pytest.raises(ValueError, match="rl.updates_per_batch: 1 in the checkpoint"):
+    check_resumed_updates({"step": 3, "config": {"rl": {}}}, 2)  # (1 when not recorded)

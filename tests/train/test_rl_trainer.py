@@ -377,6 +377,22 @@ def test_a_prompt_of_a_take_not_yet_acknowledged_sampled_again_is_skipped(tmp_pa
     assert [g.rollout_id for g in got] == [13] and tr.came_back == 1 and tr.consumed == 1
 
 
+def test_an_ack_deadline_past_the_servers_limit_is_named_as_the_config_field(tmp_path):
+  """The server caps ack deadlines (--max_lease_deadline_s): a longer rl.ack_deadline_s was a
+  traceback of the server's ack_deadline_s at the first take, naming no field of the run."""
+  import grpc
+  with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+    tr.config.rl.ack_deadline_s = 5000.0
+    tr.client = types.SimpleNamespace(
+        address="127.0.0.1:1", enqueue_prompts=lambda prompts: None,
+        take_rollouts=mock.Mock(side_effect=ParamServerError(
+            "TakeRollouts", grpc.StatusCode.INVALID_ARGUMENT,
+            "ack_deadline_s: expected in (0, 3600.0], got 5000.0")))
+    with pytest.raises(ValueError, match=r"rl.ack_deadline_s: 5000.0 is past what the server "
+                                         r"at 127.0.0.1:1 allows .*--max_lease_deadline_s"):
+      tr._take_round()
+
+
 def test_a_take_round_cut_short_puts_back_what_its_groups_changed(tmp_path):
   """A stop mid-round: the records' streaks, the prompts outstanding, the groups to skip and
   the counts are as they were before the round (its groups come again after the restart)."""
