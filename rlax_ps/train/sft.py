@@ -70,14 +70,15 @@ class SFTTrainer(TrainerRun):
     self.checkpointer = open_checkpointer(config, self.workdir)
     saved = self.checkpointer.latest_metadata()
     read = None if records is None else ((e.prompt, e.answer, e.task) for e in records)
-    self.check_data_source(saved, data_source(config, read),
-                           "the steps left draw their batches from this data")
+    new_source = self.check_data_source(
+        saved, data_source(config, read),
+        "the steps left draw their batches from this data, from its first record")
     self.build_optimizer(saved, "train.steps")
     self.state, self.shardings, self.graphdef = self._init_or_restore()
     stream = ((saved or {}).get("data") or {}).get("stream")
-    if stream:  # data.jsonl's records: where the stream was
-      self.data.restore(stream)
-    elif records is not None and saved is not None and self.leader:
+    if stream and not new_source:  # data.jsonl's records: where the stream was (in others:
+      self.data.restore(stream)      # a new source is read from its start)
+    elif records is not None and saved is not None and not new_source and self.leader:
       logging.warning("sft: the checkpoint at step %d holds no position in data.jsonl's "
                       "records (written by an older rlax-ps): they are gone through from a "
                       "new epoch's start", int(saved["step"]))

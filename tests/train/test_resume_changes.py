@@ -102,6 +102,19 @@ def test_sft_resumed_on_other_data_is_refused_and_a_longer_run_keeps_its_decay(t
     SFTTrainer(_sft_config(jsonl=jsonl), workdir)
   with SFTTrainer(_sft_config(jsonl=jsonl, allow_new_source=True), workdir) as trainer:
     assert trainer.metadata()["data_source"]["records"] == 6
+  # From a file's records to another's: the old stream's record indices (up to 40) were
+  # restored onto the new file of 3 (an IndexError), or drew unrelated records mid-epoch.
+  big = str(tmp_path / "records")
+  with SFTTrainer(_sft_config(jsonl=_write(tmp_path / "big.jsonl", 0, n=40)), big) as trainer:
+    trainer.train(progress=False)
+  small = _write(tmp_path / "small.jsonl", 500, n=3)
+  config = _sft_config(jsonl=small, allow_new_source=True)
+  config.train.steps = 6
+  with SFTTrainer(config, big) as trainer:
+    fresh = _sft_config(jsonl=small)
+    assert trainer.data.state() == SFTTrainer(fresh, str(tmp_path / "fresh")).data.state()
+    trainer.train(progress=False)
+    assert trainer.step == 6
 
 
 def _rl_config(**data):
