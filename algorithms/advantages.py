@@ -29,11 +29,9 @@ def _check_scaling(std_scaling: str):
 
 
 def _batch_std(rewards, mask, unbiased: bool):
-  n = jnp.sum(mask)
-  mean = jnp.sum(rewards * mask) / jnp.maximum(n, 1.0)
-  sq = jnp.sum(((rewards - mean) * mask) ** 2)
-  var = sq / jnp.maximum(n - 1.0 if unbiased else n, 1.0)
-  return jnp.where(n > 1, jnp.sqrt(var), 0.0)
+  """The std of all the batch's masked rewards, as one group's (exactly 0 if all equal)."""
+  one_group = jnp.zeros(rewards.shape, jnp.int32)
+  return group_mean_std(rewards, one_group, 1, mask, unbiased)[2][0]
 
 
 def _scale(centred, scale, eps):
@@ -167,9 +165,11 @@ def opo_advantages(rewards, lengths, group_ids, num_groups: int, sample_mask=Non
     raise ValueError(f"lengths: expected shape {rewards.shape} like rewards, got "
                      f"{lengths.shape}")
   count, mean, _ = group_mean_std(rewards, group_ids, num_groups, mask)
+  # the weighted mean as the mean plus a weighted mean of deviations: exact for equal rewards
+  centred = (rewards - mean[group_ids]) * mask
   weight = segment_sum(lengths * mask, group_ids, num_groups)
-  weighted = segment_sum(lengths * rewards * mask, group_ids, num_groups)
-  baseline = jnp.where(weight > 0, weighted / jnp.where(weight > 0, weight, 1.0), mean)
+  shift = segment_sum(lengths * centred, group_ids, num_groups)
+  baseline = mean + jnp.where(weight > 0, shift / jnp.where(weight > 0, weight, 1.0), 0.0)
   return jnp.where(count[group_ids] > 1, rewards - baseline[group_ids], 0.0) * mask
 
 
@@ -226,10 +226,14 @@ def distillation_advantages(student_logp, teacher_logp, token_mask):
 def masked_whiten(values, mask):
   """verl's masked_whiten: (values - mean) / sqrt(var + 1e-8) over the entries `mask` holds,
   the mean and variance dividing by their count + 1e-8 and the variance unbiased (n / (n - 1);
-  a single entry: none)."""
+  a single entry: none). Entries all equal whiten to exactly 0 (verl's: to their mean's
+  rounding residual times 1e4)."""
   mask = jnp.asarray(mask, values.dtype)
   n = jnp.sum(mask)
   mean = jnp.sum(values * mask) / (n + 1e-8)
+  held = mask > 0  # all equal: that value exactly, so they whiten to 0, not to a residual
+  lo, hi = jnp.min(jnp.where(held, values, jnp.inf)), jnp.max(jnp.where(held, values, -jnp.inf))
+  mean = jnp.where(lo == hi, lo, mean)
   var = jnp.sum((values - mean) ** 2 * mask) / (n + 1e-8)
   var = var * jnp.where(n > 1, n / jnp.maximum(n - 1.0, 1.0), 1.0)
   return (values - mean) * jax.lax.rsqrt(var + 1e-8)

@@ -48,10 +48,16 @@ def group_mean_std(rewards, group_ids, num_groups: int, mask, unbiased: bool = T
   """(count [G], mean [G], std [G]) of the masked rewards of each group.
 
   Empty groups have mean 0; a group of one sample has std 0 (the unbiased estimate is
-  undefined there, and 0 makes its advantage 0 below rather than NaN).
+  undefined there, and 0 makes its advantage 0 below rather than NaN). A group whose
+  rewards are all equal gets that value as its exact mean, so r - mean and std are exactly
+  0 there: sum / n rounds, and its residual over a std of the same size is of order 1.
   """
   count = segment_sum(mask, group_ids, num_groups)
   mean = segment_sum(rewards * mask, group_ids, num_groups) / jnp.maximum(count, 1.0)
+  held = mask > 0
+  lo = jax.ops.segment_min(jnp.where(held, rewards, jnp.inf), group_ids, num_groups)
+  hi = jax.ops.segment_max(jnp.where(held, rewards, -jnp.inf), group_ids, num_groups)
+  mean = jnp.where(lo == hi, lo, mean)
   centred = (rewards - mean[group_ids]) * mask
   denom = count - 1.0 if unbiased else count
   var = segment_sum(centred * centred, group_ids, num_groups) / jnp.maximum(denom, 1.0)

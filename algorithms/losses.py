@@ -93,6 +93,12 @@ def value_loss(values, old_values, returns, mask, *, clip: float | None = 0.5,
   return loss, {"vf_clipfrac": frac}
 
 
+def _abs_flat_at_zero(x):
+  """|x| with gradient 0 at 0 (torch's), not jnp.abs's 1: a KL term that is 0 (log pi equal to
+  log pi_old, as on a batch's one update) must not push the tokens it holds."""
+  return x * jax.lax.stop_gradient(jnp.sign(x))
+
+
 def kl_penalty(logp, ref_logp, estimator: str = "k3"):
   """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
 
@@ -111,7 +117,7 @@ def kl_penalty(logp, ref_logp, estimator: str = "k3"):
   if estimator == "k2":
     return 0.5 * log_r * log_r
   if estimator == "abs":
-    return jnp.abs(log_r)
+    return _abs_flat_at_zero(log_r)
   if estimator == "low_var_kl":
     log_r = jnp.clip(log_r, -20.0, 20.0)
     return jnp.clip(jnp.expm1(log_r) - log_r, -10.0, 10.0)
@@ -481,7 +487,7 @@ def kl_cov_loss(logp, old_logp, advantages, mask, *, kl_cov_ratio: float = 2e-4,
   cov = (adv - adv_mean) * (jax.lax.stop_gradient(logp) - logp_mean)
   held = (cov >= threshold) & (mask > 0)
   ratio = jnp.exp(logp - old_logp)
-  pg = -adv * ratio + jnp.where(held, kl_cov_coef * jnp.abs(logp - old_logp), 0.0)
+  pg = -adv * ratio + jnp.where(held, kl_cov_coef * _abs_flat_at_zero(logp - old_logp), 0.0)
   metrics = {"kl_cov_frac": _frac(held, mask), "clip_frac": jnp.zeros((), logp.dtype)}
   return _finish(pg * weights, logp, old_logp, ratio, mask, agg, norm_const, ref_logp,
                  kl_coef, kl_estimator, kl_bias_correction, metrics)

@@ -6,7 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from algorithms.advantages import grpo_advantages, mc_grpo_advantages, rloo_advantages
+from algorithms.advantages import (gdpo_advantages, gpg_advantages, grpo_advantages,
+                                   masked_whiten, mc_grpo_advantages, opo_advantages,
+                                   passk_advantages, reinforce_pp_baseline_advantages,
+                                   rloo_advantages)
 
 # Two groups of unequal size: group 0 = [1, 0, 1], group 1 = [0, 2].
 REWARDS = np.array([1.0, 0.0, 1.0, 0.0, 2.0], np.float32)
@@ -154,3 +157,30 @@ def test_random_unequal_groups_match_a_per_group_numpy_loop():
       np.testing.assert_allclose(np.asarray(mc)[sl], r - np.median(r), atol=1e-6)
       assert int(np.sum(~np.asarray(keep)[sl])) == n % 2
     np.testing.assert_array_equal(grpo[~mask], 0.0)
+
+
+# Equal rewards whose float32 group mean (sum / n) is not exact: each leaves a residual.
+UNIFORM_CASES = [(1.1, 16), (0.9, 8), (1.95, 16), (5.7, 3), (123.4, 8)]
+
+
+@pytest.mark.parametrize("value,size", UNIFORM_CASES)
+def test_groups_of_equal_rewards_get_exactly_zero_advantage(value, size):
+  # two groups of equal rewards (value, 3 value + 0.1): every estimator that promises 0 for
+  # them gives exactly 0, not the mean's rounding residual over a std of its own size
+  rewards = np.repeat(np.array([value, 3 * value + 0.1], np.float32), size)
+  ids = np.repeat(np.arange(2, dtype=np.int32), size)
+  got = {f"grpo {s}": grpo_advantages(rewards, ids, 2, std_scaling=s)
+         for s in ("group", "batch", "none")}
+  got.update({f"gpg {s}": gpg_advantages(rewards, ids, 2, std_scaling=s)
+              for s in ("group", "none")})
+  got["rloo"] = rloo_advantages(rewards, ids, 2)
+  got["mc_grpo"] = mc_grpo_advantages(rewards, ids, 2)[0]
+  got["opo"] = opo_advantages(rewards, np.arange(2 * size) + 1.0, ids, 2)
+  got["passk"] = passk_advantages(rewards, ids, 2)
+  parts = np.stack([rewards, 2 * rewards + 0.3], axis=1)
+  got["gdpo"] = gdpo_advantages(parts, np.array([1.0, 0.5], np.float32), ids, 2)
+  tokens = np.ones((2 * size, 3), np.float32)
+  got["reinforce++ baseline"] = reinforce_pp_baseline_advantages(rewards, ids, 2, tokens)
+  got["whiten"] = masked_whiten(jnp.full((size, 3), value, jnp.float32), tokens[:size])
+  for name, adv in got.items():
+    assert np.all(np.asarray(adv) == 0.0), f"{name}: {np.asarray(adv).reshape(-1)[:3]}"

@@ -429,3 +429,24 @@ def test_the_plain_policy_gradient_weighs_each_log_prob_by_its_advantage_as_verl
   other = pg_loss(jnp.asarray(logp), old - 1.0, adv, mask, token_weights=weights)
   np.testing.assert_allclose(other[0], loss, rtol=1e-6)
   assert float(other[1]["ratio_mean"]) > float(metrics["ratio_mean"])
+
+
+def test_a_zero_abs_kl_term_gives_no_gradient():
+  # jnp.abs has gradient 1 at 0: KL-Cov's |log pi - log pi_old| on one update per batch
+  # (old = log pi) pushed every held token; torch's, and ours, give 0 there
+  from algorithms.losses import kl_cov_loss, pg_loss
+  rng = np.random.default_rng(5)
+  logp = jnp.asarray(rng.normal(-2.0, 0.5, (4, 6)).astype(np.float32))
+  adv = rng.normal(0, 1, (4,)).astype(np.float32)
+  mask = (np.arange(6)[None, :] < np.array([[6], [4], [5], [2]])).astype(np.float32)
+  kl_cov = lambda lp: kl_cov_loss(lp, jax.lax.stop_gradient(lp), adv, mask,  # noqa: E731
+                                  kl_cov_ratio=0.25, kl_cov_coef=1.0)
+  assert float(kl_cov(logp)[1]["kl_cov_frac"]) > 0
+  grad = jax.grad(lambda lp: kl_cov(lp)[0])(logp)
+  plain = jax.grad(lambda lp: pg_loss(lp, lp, adv, mask)[0])(logp)
+  np.testing.assert_allclose(grad, plain, rtol=1e-6)
+  # the abs estimator: no gradient where log pi equals the reference, sign(log r) elsewhere
+  ref = logp.at[0].add(0.5)
+  grad = np.asarray(jax.grad(lambda lp: jnp.sum(kl_penalty(lp, ref, "abs")))(logp))
+  np.testing.assert_array_equal(grad[1:], 0.0)
+  np.testing.assert_array_equal(grad[0], -1.0)
