@@ -9,7 +9,9 @@ on restart an array without a marker (a half-written version) is deleted and
 never served. When the deltas after the keyframe outweigh it, a background
 compaction materialises the latest weights (checking every checksum) and
 stores them as a new keyframe; `delta_history` older deltas stay for workers
-that lag.
+that lag. A publisher's scheduled keyframe comes after the delta of its version
+and is stored beside it (as a compacted one is), so a worker one version behind
+still pulls the delta.
 """
 
 from __future__ import annotations
@@ -248,7 +250,12 @@ class WeightStore:
       if info.version < 0:
         raise errors.InvalidArgument("version", f"expected >= 0, got {info.version}")
       return
-    if info.version <= self.latest:
+    if info.is_keyframe and info.version == self.latest and self.keyframe.version < self.latest:
+      if info.results != self._results_at_latest():
+        raise errors.FailedPrecondition(  # (a keyframe of that version goes beside its delta)
+            "version", f"v{info.version} is a keyframe of weights other than the stored "
+            f"v{self.latest} (its result seal differs)")
+    elif info.version <= self.latest:
       raise errors.FailedPrecondition(
           "version", f"expected a version above the latest v{self.latest}, got v{info.version}")
     if not info.is_keyframe and info.base_version != self.latest:
@@ -296,9 +303,9 @@ class WeightStore:
     except payloads.CodecError as e:
       raise errors.InvalidArgument("data", f"not a valid update: {e}") from None
     with self._lock:
-      for same in self._blobs_at(self.latest):
-        if info.version == self.latest and same.sha256 == sha:
-          return same, True
+      same = self._stored_already(info, sha)
+      if same is not None:
+        return same, True
       self._validate(info)
     try:
       payloads.verify(data, decode_keyframe=self.limits.verify_keyframes,
@@ -312,9 +319,9 @@ class WeightStore:
     try:
       self._write_array(tmp, data)
       with self._lock:
-        for same in self._blobs_at(self.latest):  # a retry of this publication installed it
-          if info.version == self.latest and same.sha256 == sha:  # while this one verified
-            return same, True
+        same = self._stored_already(info, sha)  # stored while this one verified
+        if same is not None:
+          return same, True
         self._validate(info)  # again: another publisher may have won the race meanwhile
         os.replace(tmp, self._path(blob))
         _fsync_dir(self.blob_dir)
@@ -353,9 +360,24 @@ class WeightStore:
     if at != total:
       raise ValueError(f"parts hold {at} bytes, expected {total}")
 
+  def _stored_already(self, info: payloads.PayloadInfo, sha: str) -> Blob | None:
+    """The stored blob that makes a publication (`info`, its bytes' `sha`) redundant: itself
+    (a retry), or for a keyframe of the latest version, a keyframe of the same weights there
+    (compacted from the deltas meanwhile)."""
+    if info.version != self.latest:
+      return None
+    for same in self._blobs_at(self.latest):
+      if same.sha256 == sha or (same.is_keyframe and info.is_keyframe
+                                and self._results_of(same) == info.results):
+        return same
+    return None
+
   def _results_at_latest(self) -> int:
-    """The seal digest of the latest version's results (its blob's header, read once)."""
-    blob = self._blobs_at(self.latest)[0]
+    """The seal digest of the latest version's results (its blobs there share it)."""
+    return self._results_of(self._blobs_at(self.latest)[0])
+
+  def _results_of(self, blob: Blob) -> int:
+    """The seal digest of a stored blob's results (its header, read once)."""
     if blob.name not in self._results:
       self._results[blob.name] = payloads.read_stored_info(self._reader(blob), blob.nbytes).results
     return self._results[blob.name]
@@ -400,6 +422,8 @@ class WeightStore:
       self._compact(blobs)
 
   def _compact(self, blobs: list[Blob]) -> None:
+    # Written aside, then renamed: the trainer may publish a keyframe of this version meanwhile.
+    tmp = os.path.join(self.tmp_dir, uuid.uuid4().hex + ".zarr")
     try:
       target = blobs[-1]
       info = payloads.read_stored_info(self._reader(target), target.nbytes)
@@ -412,14 +436,14 @@ class WeightStore:
       parts = payloads.keyframe_parts(weights, target.fmt, target.version,
                                       fingerprints=info.fingerprinted, model=model)
       total, sha = sum(memoryview(p).nbytes for p in parts), hashlib.sha256()
-      blob = Blob(target.version, None, target.fmt, total, "", self.keyframe.tensors)
-      self._write_parts(self._path(blob), parts, total, hasher=sha)  # views of the weights
+      self._write_parts(tmp, parts, total, hasher=sha)  # views of the weights
       del parts, weights
-      blob = dataclasses.replace(blob, sha256=sha.hexdigest())
+      blob = Blob(target.version, None, target.fmt, total, sha.hexdigest(), self.keyframe.tensors)
       with self._lock:
-        if self.keyframe.version >= blob.version:  # the trainer published a newer keyframe meanwhile
-          shutil.rmtree(self._path(blob), ignore_errors=True)
+        if self.keyframe.version >= blob.version:  # the trainer published a keyframe meanwhile
           return
+        os.replace(tmp, self._path(blob))
+        _fsync_dir(self.blob_dir)
         _write_json_atomic(self._marker(blob), dataclasses.asdict(blob))
         self._install(blob)
         self.compactions += 1
@@ -427,6 +451,7 @@ class WeightStore:
     except Exception:  # A bad chain must not take the server down; it keeps serving deltas.
       logging.exception("weights: compaction to v%d failed", blobs[-1].version)
     finally:
+      shutil.rmtree(tmp, ignore_errors=True)  # (gone once stored)
       with self._lock:
         for b in blobs:
           self._unpin(b)

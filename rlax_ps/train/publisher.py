@@ -1,9 +1,10 @@
 """Publishing the trainer's weights as versions: the held state (bf16 rounding or int8
 quantization) is made on device, only the elements that changed since the last publication
 are fetched (`rlax_ps.sync.device.publish_state`), and the host encodes a delta against the
-last published version, or a keyframe every `keyframe_every` versions. A delta the server
-cannot apply (it lost the base: a new storage folder) goes again as a keyframe, encoded from
-the host copy.
+last published version. Every `keyframe_every` versions a keyframe of the version, encoded
+from the host copy, follows its delta: it bounds the chain a new worker applies, while a
+worker one version behind still pulls the delta. A delta the server cannot apply (it lost
+the base: a new storage folder) goes again as a keyframe.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def held_state_fn(fmt: str) -> Callable[[Any], dict[str, jax.Array]]:
 class Publication:
   version: int
   keyframe: bool
-  bytes: int  # the encoded update's size
+  bytes: int  # the encoded updates' size (a scheduled keyframe's and its delta's)
   seconds: float  # device diff + fetch + encode + send
   digest: int  # sync.state_digest of the published held state
 
@@ -84,17 +85,17 @@ class Publisher:
     self.run = ""  # the publishing run's id, sent with each publication (the server checks it)
 
   def publish(self, params: Any, version: int, *, keyframe: bool = False) -> Publication:
-    """Encode and send `params` as `version`: a delta from the last publication unless this
-    is the first, `keyframe` is asked, or keyframe_every deltas have been sent since one."""
+    """Encode and send `params` as `version`: a keyframe alone if this is the first, one is
+    asked (a restart's) or a version was skipped; else a delta from the last publication,
+    followed by a keyframe of `version` once keyframe_every versions passed since one."""
     if self.version is not None and version <= self.version:
       raise ValueError(f"version: expected > the last published {self.version}, got {version}")
     t0 = time.perf_counter()
     new_device = self._held(params)
-    keyframe = (keyframe or self._device is None or version != self.version + 1
-                or self._since_keyframe + 1 >= self.keyframe_every)
+    keyframe = keyframe or self._device is None or version != self.version + 1
     # The schedule every process of a multi-host slice keeps alike (their device paths must
     # match): a keyframe the sender alone falls back to does not reset it.
-    scheduled = keyframe
+    scheduled = keyframe or self._since_keyframe + 1 >= self.keyframe_every
     sends = self.client is not None  # None: a follower process of a multi-host trainer
     if keyframe:
       host = to_host(new_device, keep=sends)
@@ -115,13 +116,20 @@ class Publisher:
       except ParamServerError as e:
         if keyframe or not lacks_base(e):
           raise
+        logging.warning("publish: sending v%d as a keyframe: the server lacks its base (it "
+                        "lost its weights)", version)
         update, wire = self._send_keyframe(host, version)
         keyframe = True
       self._host, self._checksums = host, update.checksums
       size, digest = len(wire), sync.state_digest(update.checksums)
+      del update, wire
     self._device, self.version = new_device, version
     self._since_keyframe = 0 if scheduled else self._since_keyframe + 1
-    return Publication(version, keyframe, size, time.perf_counter() - t0, digest)
+    if sends and scheduled and not keyframe:
+      # The version's keyframe, stored beside its delta: a new worker pulls it, one a
+      # version behind still the delta.
+      size += len(self._send_keyframe(host, version, prints)[1])
+    return Publication(version, scheduled or keyframe, size, time.perf_counter() - t0, digest)
 
   def resend_keyframe(self) -> Publication:
     """The last published version again, as a keyframe encoded from the host copy (no device
@@ -130,14 +138,17 @@ class Publisher:
     if self.client is None or self._host is None:
       raise ValueError("resend_keyframe: expected a publisher that sent a version before")
     t0 = time.perf_counter()
+    logging.warning("publish: sending v%d as a keyframe: the server lacks its base (it lost "
+                    "its weights)", self.version)
     update, wire = self._send_keyframe(self._host, self.version)
     return Publication(self.version, True, len(wire), time.perf_counter() - t0,
                        sync.state_digest(update.checksums))
 
-  def _send_keyframe(self, host: dict, version: int) -> tuple[sync.Update, bytes]:
-    logging.warning("publish: sending v%d as a keyframe: the server lacks its base (it lost "
-                    "its weights)", version)
-    update = sync.encode(None, host, self.fmt, version=version, fingerprints=True,
+  def _send_keyframe(self, host: dict, version: int, fingerprints: dict | bool = True
+                     ) -> tuple[sync.Update, bytes]:
+    """Sends the host copy `host` as a keyframe of `version` (`fingerprints`: its device
+    fingerprints, or True to compute them on the host)."""
+    update = sync.encode(None, host, self.fmt, version=version, fingerprints=fingerprints,
                          model=self.model_fields)
     wire = update.to_bytes()
     self.client.publish(wire, run=self.run)

@@ -111,6 +111,54 @@ def test_a_delta_made_from_other_weights_of_the_latest_version_is_refused(tmp_pa
   assert store.latest == 1
 
 
+def test_a_keyframe_of_the_latest_version_is_stored_beside_its_delta(tmp_path):
+  """A publisher's scheduled keyframe follows its version's delta: both are kept (across a
+  restart), a worker one version behind is planned the delta and one holding nothing the
+  keyframe. A keyframe of other weights at that version is refused; one of the same weights
+  where compaction made one already, or a retry, is a duplicate."""
+  rng = np.random.default_rng(0)
+  w = [{"w": rng.standard_normal(1 << 16).astype(np.float32)}]
+  w.append({"w": np.where(rng.random(1 << 16) < 0.01, w[0]["w"] * 1.1, w[0]["w"])})
+  held = [sync.held_state(x, "bf16") for x in w]
+  store = WeightStore(str(tmp_path), limits=WeightLimits(compact_in_background=False),
+                      chunk_bytes=CHUNK)
+  _publish(store, sync.encode(None, held[0], "bf16", version=0).to_bytes())
+  delta = sync.encode(held[0], held[1], "bf16", version=1).to_bytes()
+  keyframe = sync.encode(None, held[1], "bf16", version=1, fingerprints=True).to_bytes()
+  _publish(store, delta)
+  with pytest.raises(errors.FailedPrecondition, match=r"^version: v1 is a keyframe of weights "
+                                                      r"other than the stored v1"):
+    _publish(store, sync.encode(None, held[0], "bf16", version=1).to_bytes())
+  assert not _publish(store, keyframe)[1]
+  for attempt in ("live", "restarted"):
+    assert (store.latest, store.keyframe.version) == (1, 1), attempt
+    assert _publish(store, delta)[1] and _publish(store, keyframe)[1], attempt
+    plan = store.plan(0)
+    assert [(b.version, b.base_version) for b in plan] == [(1, 0)], attempt
+    assert plan[0].nbytes * 20 < store.keyframe.nbytes
+    store.release(plan)
+    plan = store.plan(None)
+    assert [(b.version, b.is_keyframe) for b in plan] == [(1, True)], attempt
+    assert store.read_all(plan[0]).tobytes() == keyframe
+    store.release(plan)
+    store = WeightStore(str(tmp_path), limits=WeightLimits(compact_in_background=False),
+                        chunk_bytes=CHUNK)
+  # Compaction made the keyframe of v2 first (its chain outweighed v0's keyframe): the
+  # publisher's of the same weights (other bytes) is a duplicate.
+  other = WeightStore(str(tmp_path / "other"), limits=WeightLimits(compact_in_background=False),
+                      chunk_bytes=CHUNK)
+  moved = [held[0]] + [sync.held_state({"w": rng.standard_normal(1 << 16).astype(np.float32)},
+                                       "bf16") for _ in range(2)]
+  _publish(other, sync.encode(None, moved[0], "bf16", version=0).to_bytes())
+  for v in (1, 2):
+    _publish(other, sync.encode(moved[v - 1], moved[v], "bf16", version=v).to_bytes())
+  assert (other.keyframe.version, other.compactions) == (2, 1)
+  stored, duplicate = _publish(other, sync.encode(None, moved[2], "bf16", version=2,
+                                                  fingerprints=True).to_bytes())
+  assert duplicate and stored is other.keyframe
+  assert os.listdir(other.tmp_dir) == []
+
+
 def _compaction_peak(root: str) -> tuple[float, int]:
   """(MiB the peak RSS grew by while a publication triggered compaction, keyframe bytes):
   a 64 MiB bf16 keyframe, then deltas changing 12% of the elements until their chain
