@@ -19,10 +19,12 @@ from rlax_ps.tokenizers import Tokenizer
 
 
 def encode_example(tokenizer: Tokenizer, example: Example) -> tuple[list[int], list[float]]:
-  """(ids, loss weights) for the prompt's ids, answer, eos; weight 1 on answer and eos ids.
-  A multi-turn answer (a list of messages) is laid out as a rollout is sampled: each
-  assistant turn and eos (weight 1), each run of replies as `encode_reply` renders it after
-  that eos (weight 0: context, as in RL)."""
+  """(ids, loss weights) for the prompt's ids, answer and the token that ends an assistant's
+  turn (turn_end_id: the chat template's, e.g. Gemma's <end_of_turn>, else eos); weight 1 on
+  both. A multi-turn answer (a list of messages) is laid out as a rollout is sampled: each
+  assistant turn and its end (weight 1), each run of replies as `encode_reply` renders it
+  after that end (weight 0: context, as in RL)."""
+  end = tokenizer.turn_end_id
   ids = tokenizer.encode_prompt(example.prompt)
   weights = [0.0] * len(ids)
   turns = [example.answer] if isinstance(example.answer, str) else example.answer
@@ -32,9 +34,9 @@ def encode_example(tokenizer: Tokenizer, example: Example) -> tuple[list[int], l
       replies.append(m["content"])
       continue
     if replies:
-      fed = tokenizer.encode_reply(replies, tokenizer.eos_id)
+      fed = tokenizer.encode_reply(replies, end)
       ids, weights, replies = ids + fed, weights + [0.0] * len(fed), []
-    said = tokenizer.encode(m if isinstance(m, str) else m["content"], add_eos=True)
+    said = tokenizer.encode(m if isinstance(m, str) else m["content"]) + [end]
     ids, weights = ids + said, weights + [1.0] * len(said)
   return ids, weights
 

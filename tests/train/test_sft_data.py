@@ -140,6 +140,29 @@ def test_weighted_files_are_drawn_in_proportion_each_record_of_a_file_alike():
   assert counts[:6].max() - counts[:6].min() <= 2 and counts[6:].max() - counts[6:].min() <= 2
 
 
+def test_an_answer_ends_with_the_token_that_ends_the_templates_turn():
+  """Gemma's template ends an assistant's turn with <end_of_turn>, its eos_token being
+  another: SFT taught answer<eos> (and rendered replies after that eos), not the format the
+  exported model's template and the RL workers' turns have."""
+  import os
+  from rlax_ps.tokenizers import HFTokenizer
+  chat = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf",
+                      "chat_tokenizer")
+  tok = HFTokenizer(chat, eos_token="<|endoftext|>", stop_tokens=["<end_of_turn>"],
+                    chat_template=os.path.join(chat, "gemma3.jinja"))
+  end = tok.encode("<end_of_turn>")
+  assert len(end) == 1 and end[0] != tok.eos_id
+  ids, weights = encode_example(tok, Example("2+2=", "4"))
+  prompt = tok.encode_prompt("2+2=")
+  assert ids == prompt + tok.encode("4") + end and weights[-2:] == [1.0, 1.0]
+  answer = [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "4"},
+            {"role": "assistant", "content": "4"}]
+  ids, _ = encode_example(tok, Example("2+2=", answer))
+  assert ids == (prompt + tok.encode("call") + end + tok.encode_reply(["4"], end[0])
+                 + tok.encode("4") + end)
+  assert tok.eos_id not in ids[len(prompt):]
+
+
 def test_a_record_longer_than_seq_len_is_refused_naming_the_field():
   records = [Example("1+1=", "2"), Example("rev " + "a" * 30 + "=", "a" * 30)]
   with pytest.raises(ValueError, match=r"data.seq_len: 24 is too small for 1 of 2 records "
