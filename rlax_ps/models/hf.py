@@ -1555,8 +1555,9 @@ def _mxfp4_quantized(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
 
 def merge_adapters(flat: Mapping[str, Any], config: ModelConfig
                    ) -> tuple[dict[str, np.ndarray], ModelConfig]:
-  """(flat params with each LoRA adapter folded into its kernel, computed in float32 and
-  stored in the kernel's dtype; the config without LoRA)."""
+  """(flat params with each LoRA adapter folded into its kernel, in float32: a bf16 base
+  rounded the small update away before a float32 export could hold it; the config without
+  LoRA)."""
   scale = config.lora_alpha / config.lora_rank
   out = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()
          if ".lora_" not in k}
@@ -1569,7 +1570,7 @@ def merge_adapters(flat: Mapping[str, Any], config: ModelConfig
     target = match[1] + ("kernel" if match.lastindex == 1 else f"{match[2]}_proj")
     a, b = (np.asarray(jax.device_get(flat[stem + p]), np.float32) for p in "ab")
     kernel = out[target]
-    out[target] = (kernel.astype(np.float32) + (a @ b) * scale).astype(kernel.dtype)
+    out[target] = kernel.astype(np.float32) + (a @ b) * scale
   return out, config.replace(lora_rank=0)
 
 

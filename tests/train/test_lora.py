@@ -122,6 +122,25 @@ def test_exports_merge_the_adapters_into_the_kernels(tmp_path):
                              np.asarray(forward(model, TOKENS)), atol=1e-5)
 
 
+def test_a_float32_export_of_a_bf16_base_holds_the_whole_update(tmp_path):
+  """The merge was stored in the base kernel's bf16 before the export's cast: most of a small
+  update rounded away even in a float32 export."""
+  model = Transformer(LORA.replace(param_dtype="bfloat16"), rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  flat = flatten_params(model)
+  assign_params(model, {k: np.asarray(v) + (rng.normal(0, 1e-3, v.shape).astype(np.float32)
+                                            if k.endswith("lora_b") else 0)
+                        for k, v in flat.items()})
+  flat = {k: np.asarray(v, np.float32) for k, v in flatten_params(model).items()}
+  save_hf_checkpoint(model, str(tmp_path), dtype="float32")
+  got = load_file(os.path.join(tmp_path, "model.safetensors"))[
+      "model.layers.0.self_attn.q_proj.weight"]
+  stem = "layers.0.attn.q_proj."
+  want = flat[stem + "kernel"] + flat[stem + "lora_a"] @ flat[stem + "lora_b"] * (
+      LORA.lora_alpha / LORA.lora_rank)
+  np.testing.assert_allclose(got.T, want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_a_worker_computes_the_adapted_model(fmt):
   model, params = _adapted()
