@@ -5,10 +5,11 @@ conversation since the prompt and the prompt's reference:
 `environment(messages, reference) -> reply`, where `messages` alternate
 {"role": "assistant", "content": the policy's turn} and {"role": "tool", "content": an
 earlier reply}, the turn just ended last. A reply is a string (a tool's output, a judge's
-feedback) or a list of them (one tool message each, e.g. one per call the turn made): the
-worker renders it as the next message(s) and the policy goes on. None ends the sample,
-which the task's verifier then scores as a whole. The replies' tokens are context for the
-policy, not its actions: they carry no log-prob and no loss.
+feedback) or a list (or tuple) of them (one tool message each, e.g. one per call the turn
+made): the worker renders it as the next message(s) and the policy goes on. None, or an
+empty list, ends the sample, which the task's verifier then scores as a whole. The
+replies' tokens are context for the policy, not its actions: they carry no log-prob and
+no loss.
 
 Built in: "calculator" (`<calc>expression</calc>` -> `<result>value</result>`), "python"
 (a sandboxed code interpreter, `algorithms.code_interpreter`) and "tool_calls" (your Python
@@ -96,8 +97,9 @@ class GuardedEnvironment:
   """An environment whose exceptions become its reply ("error: ..."), so that a turn it
   cannot parse neither stops the worker nor loses the prompt; so does running past
   `timeout_s` (None: no limit; the call is left on its thread), so that one that hangs
-  does not hold its sample's row for good. A reply that is not a string, a list of strings
-  or None is a TypeError naming the environment (that mistake is in every call)."""
+  does not hold its sample's row for good. A reply of no strings ([]) is None (the sample
+  ends) and a tuple a list; any other type is a TypeError naming the environment, counted in
+  `errors` (the worker ends that sample)."""
 
   def __init__(self, name: str, environment: Environment, timeout_s: float | None = None):
     if timeout_s is not None and not timeout_s > 0:
@@ -113,11 +115,16 @@ class GuardedEnvironment:
     except Exception as e:  # noqa: BLE001 - the environment is the user's code
       self.errors += 1
       return f"error: {type(e).__name__}: {e}"
-    if reply is not None and not isinstance(reply, str) and not (
-        isinstance(reply, list) and reply and all(isinstance(r, str) for r in reply)):
-      raise TypeError(f"environment {self.name!r}: expected a str reply, a non-empty list of "
-                      f"them or None, got {type(reply).__name__}")
-    return reply
+    if reply is None or isinstance(reply, str):
+      return reply
+    if isinstance(reply, (list, tuple)) and all(isinstance(r, str) for r in reply):
+      return list(reply) or None
+    self.errors += 1
+    got = type(reply).__name__
+    if isinstance(reply, (list, tuple)):
+      got += " holding " + next(type(r).__name__ for r in reply if not isinstance(r, str))
+    raise TypeError(f"environment {self.name!r}: expected a str reply, a list of them or None, "
+                    f"got {got}")
 
 
 def environment_from(name: str, args: str | dict = "", timeout_s: float | None = None

@@ -989,18 +989,22 @@ class Worker:
       return None
     given = self._given[key].setdefault(j, [])
     turns = [self.tokenizer.decode(t) for t in policy_turns(tokens, observed)]
-    errors = environment.errors
-    reply = environment(conversation(turns, given), reference_of(prompt))
-    if environment.errors > errors and (errors < 5 or errors % 1000 == 0):
-      logging.warning("worker: environment %r raised on prompt %s (%d so far); its error is "
-                      "the reply: %s", environment.name, prompt.id, errors + 1, reply)
-    if reply is None:
-      return None
+    messages, errors = conversation(turns, given), environment.errors
     try:
+      reply = environment(messages, reference_of(prompt))
+      if environment.errors > errors and (errors < 5 or errors % 1000 == 0):
+        logging.warning("worker: environment %r raised on prompt %s (%d so far); its error "
+                        "is the reply: %s", environment.name, prompt.id, errors + 1, reply)
+      if reply is None:
+        return None
       ids = self.tokenizer.encode_reply(reply, int(tokens[-1]))
-    except ValueError as e:  # e.g. a character the tokenizer lacks: the sample ends here
-      logging.warning("worker: environment %r's reply on prompt %s cannot be tokenized (the "
-                      "sample ends): %s", environment.name, prompt.id, e)
+    # A reply of a wrong type (an error the environment counts, logged as its raising is),
+    # or one the tokenizer cannot encode (e.g. a character it lacks): this sample ends here.
+    except (TypeError, ValueError) as e:
+      if environment.errors == errors or errors < 5 or errors % 1000 == 0:
+        logging.warning("worker: environment %r's reply on prompt %s cannot be fed (the "
+                        "sample ends; environment errors so far: %d): %s", environment.name,
+                        prompt.id, environment.errors, e)
       return None
     if not ids:  # nothing to feed (an empty reply without a template): the sample ends
       return None

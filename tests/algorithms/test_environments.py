@@ -250,10 +250,21 @@ def test_the_guard_turns_an_exception_into_a_reply_and_refuses_a_wrong_type():
   guarded = GuardedEnvironment("broken", broken)
   assert guarded(said("a"), "b") == "error: KeyError: 'x'" and guarded.errors == 1
   assert GuardedEnvironment("two", lambda m, r: ["x", "y"])(said("a"), "b") == ["x", "y"]
-  for bad, name in ((3, "int"), ([], "list"), (["x", 1], "list")):
-    with pytest.raises(TypeError, match=f"environment 'bad': expected a str reply, a non-empty "
-                                        f"list of them or None, got {name}"):
-      GuardedEnvironment("bad", lambda m, r, bad=bad: bad)(said("a"), "b")
+  wrong = ((3, "int"), (["x", 1], "list holding int"), (("x", None), "tuple holding NoneType"))
+  for bad, name in wrong:
+    guarded = GuardedEnvironment("bad", lambda m, r, bad=bad: bad)
+    with pytest.raises(TypeError, match=f"environment 'bad': expected a str reply, a list of "
+                                        f"them or None, got {name}$"):
+      guarded(said("a"), "b")
+    assert guarded.errors == 1  # the worker ends that sample, and goes on
+
+
+def test_the_guard_reads_no_replies_as_none_and_a_tuple_as_a_list():
+  # `[run(c) for c in calls]` on a turn that made no call is []: the sample ends, as with None.
+  for empty in ([], ()):
+    guarded = GuardedEnvironment("calls", lambda m, r, empty=empty: empty)
+    assert guarded(said("a"), "b") is None and guarded.errors == 0
+  assert GuardedEnvironment("calls", lambda m, r: ("x", "y"))(said("a"), "b") == ["x", "y"]
 
 
 def test_the_guard_answers_a_hung_or_exiting_environment_with_an_error_reply():

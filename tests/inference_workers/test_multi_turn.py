@@ -1,6 +1,8 @@
 """Multi-turn sampling in the continuous batch: a sample that ends a turn gets the host's reply
-written into its row, which then draws on as if the conversation had been its prompt."""
+written into its row, which then draws on as if the conversation had been its prompt; the
+worker's environment replies of each kind (none, a tuple, a wrong type) in it."""
 
+import string
 import threading
 
 import numpy as np
@@ -353,3 +355,70 @@ def test_turns_and_resumed_samples_on_a_mesh_equal_one_devices(model):
       assert a.tokens.tolist() == b.tokens.tolist()
       assert a.observed.tolist() == b.observed.tolist()
       np.testing.assert_allclose(a.sampling_logprobs, b.sampling_logprobs, atol=1e-5)
+
+
+def worker_turns(model, answers, max_turns=2):
+  """The worker's replies in the decode loop on prompts "bad" and "good", its environment
+  answering each prompt's turns with answers[prompt id]: ({prompt id: samples}, the
+  environment)."""
+  from algorithms.environments import GuardedEnvironment
+  from inference_workers.loop import Worker
+  from inference_workers.worker_config import WorkerConfig
+  from param_server.protos import param_server_pb2 as pb
+  from worker_testlib import ManyStops
+
+  # CONFIG's 61 ids; digits end turns, so that a random model's samples end them often
+  tokenizer = ManyStops(string.digits + string.ascii_letters[:47] + "\n")
+  environment = GuardedEnvironment("mine", lambda messages, reference: answers[reference])
+  worker = Worker(None, CONFIG, tokenizer,
+                  WorkerConfig(samples_per_prompt=3, max_new_tokens=20, max_turns=max_turns),
+                  environments={"*": environment})
+  batch = ContinuousBatch(model, 3, 2, worker.params, respond=worker._respond,
+                          max_turns=max_turns)
+  for i, pid in enumerate(answers):
+    prompt = pb.Prompt(id=pid, text="hello", extra=pid.encode())
+    worker._started[("L", pid)] = (prompt, 0)
+    batch.add(("L", pid), tokenizer.encode_prompt(prompt.text), [11 * i + j for j in range(3)])
+  done = {key[1]: group for key, group in batch.run()}
+  batch.close()
+  return done, environment
+
+
+def tokens_of(done):
+  return {pid: [s.tokens.tolist() for s in group] for pid, group in done.items()}
+
+
+def test_an_environment_reply_of_no_strings_ends_the_sample_as_none_does(model):
+  """`[run(c) for c in calls]` on a turn without a call is []: the sample ends there, as
+  with None, and the worker goes on."""
+  ends = {}
+  for answer in (None, []):
+    done, environment = worker_turns(model, {"bad": answer, "good": "ok"})
+    assert environment.errors == 0
+    ends[repr(answer)] = tokens_of(done)
+  assert ends["None"] == ends["[]"]
+  assert any(len(t) < 20 for t in ends["[]"]["bad"])  # it ended turns: asked, then stopped
+
+
+def test_an_environment_reply_as_a_tuple_is_fed_as_a_list(model):
+  by_tuple, _ = worker_turns(model, {"bad": ("ok", "no"), "good": "ok"})
+  by_list, _ = worker_turns(model, {"bad": ["ok", "no"], "good": "ok"})
+  assert tokens_of(by_tuple) == tokens_of(by_list)
+  assert any(s.observed.any() for s in by_tuple["bad"])
+
+
+def test_an_environment_reply_of_a_wrong_type_ends_its_sample_and_the_rest_go_on(model,
+                                                                                caplog):
+  """A reply of no type the contract allows is an error the environment counts, logged
+  naming it: that sample ends at its turn; the decode loop does not raise, and the other
+  prompt's samples get their replies."""
+  with caplog.at_level("WARNING"):
+    done, environment = worker_turns(model, {"bad": 7, "good": "ok"})
+  ended = [s for s in done["bad"] if len(s.tokens) < 20]
+  assert ended and not any(s.observed.any() for s in done["bad"])
+  assert all(s.finish_reason == "stop" for s in ended)
+  assert any(s.observed.any() for s in done["good"])
+  assert environment.errors == len(ended)
+  assert ("environment 'mine''s reply on prompt bad cannot be fed (the sample ends; "
+          "environment errors so far: 1): environment 'mine': expected a str reply, a list "
+          "of them or None, got int") in caplog.text
