@@ -1041,7 +1041,7 @@ class RLTrainer(TrainerRun):
         self._compiler.shutdown(wait=False, cancel_futures=True)
     self.save()
     self.checkpointer.wait()
-    self._ack_durable()
+    self._ack_or_defer()
     return self.finish(time.time() - t0, start_step)
 
   def _check_finite(self, metrics: dict, step: int) -> None:
@@ -1572,10 +1572,20 @@ class RLTrainer(TrainerRun):
     # An async save before it is durable first (orbax's save waits for it anyway): its takes
     # are acked now, not left unacked for as long as each save is still running at the next.
     self.checkpointer.wait()
-    self._ack_durable()
+    self._ack_or_defer()
     self.checkpointer.save(step, tree, self.metadata())
     if not self.config.checkpoint.async_save:
+      self._ack_or_defer()
+
+  def _ack_or_defer(self) -> None:
+    """_ack_durable, where a server that cannot be reached leaves the takes to the next
+    checkpoint or start (they are in the checkpoint's metadata): a checkpoint waiting on it
+    was lost with the run, and the steps since the last one with it."""
+    try:
       self._ack_durable()
+    except ParamServerError as e:
+      logging.warning("rl: %d takes trained on are left unacknowledged for the next "
+                      "checkpoint or start: %s", len(self.pending), e)
 
   def _ack_durable(self) -> None:
     """Acknowledge the takes that a durable checkpoint has trained on (the leader's)."""

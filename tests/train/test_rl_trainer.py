@@ -393,6 +393,24 @@ def test_an_ack_deadline_past_the_servers_limit_is_named_as_the_config_field(tmp
       tr._take_round()
 
 
+def test_a_checkpoint_is_written_when_the_server_cannot_take_its_acknowledgements(tmp_path):
+  """A checkpoint first acknowledges the takes the last one trained on: a server out of reach
+  raised there, and the checkpoint (every step since the last) was lost with the run."""
+  import grpc
+  with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+    tr.client = types.SimpleNamespace(address="127.0.0.1:1", ack=mock.Mock(
+        side_effect=ParamServerError("AckRollouts", grpc.StatusCode.UNAVAILABLE, "refused")))
+    tr.state = tr.state.replace(step=tr.state.step + 1)
+    tr.pending = [PendingTake("t1", [7, 8], 1, ["p-1", "p-2"])]
+    tr.save()
+    tr.state = tr.state.replace(step=tr.state.step + 1)
+    tr.save()
+    tr.checkpointer.wait()
+    assert tr.checkpointer.latest_step() == 2 and tr.client.ack.called
+    assert [t.take_id for t in tr.pending] == ["t1"]  # acknowledged at the next start
+    assert [t["take_id"] for t in tr.checkpointer.latest_metadata()["pending_takes"]] == ["t1"]
+
+
 def test_a_take_round_cut_short_puts_back_what_its_groups_changed(tmp_path):
   """A stop mid-round: the records' streaks, the prompts outstanding, the groups to skip and
   the counts are as they were before the round (its groups come again after the restart)."""
