@@ -950,12 +950,14 @@ class Worker:
     if environment is None and observed is not None and observed.any():
       raise ValueError(f"partial sample {j}: holds an environment's replies; this worker "
                        f"has no worker.environment for its task")
-    if environment is None or p.finish_reason or not len(tokens):
+    if environment is None or not len(tokens):
       return sample
     replies = json.loads(p.metadata.get("replies", "[]"))
     if not isinstance(replies, list):
       raise TypeError(f"partial sample {j}: metadata replies: expected a JSON list")
-    self._given[key][j] = replies
+    self._given[key][j] = replies  # a finished sample's too: scoring and checkpoints read them
+    if p.finish_reason:
+      return sample
     turn_ended = int(tokens[-1]) in self.params.stop_tokens and (
         observed is None or not observed[-1])
     if not turn_ended:

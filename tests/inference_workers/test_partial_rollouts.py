@@ -415,3 +415,22 @@ def test_a_reply_not_fed_whole_is_left_out_of_a_partial_rollout():
   # The server holds more than the partial rollout now has (a reply cut short since).
   new, kept = Worker._begun(sample, False, ["r1", "r2", "r3"], held=7)
   assert kept == 6 and not new.token_ids and len(routes_of(new.routes)) == 0
+
+
+def test_a_finished_multi_turn_sample_keeps_its_replies_when_resumed():
+  """A begun sample that had finished after a reply goes on finished, its replies with it:
+  scoring reads them, and the next checkpoint sends them back (not "[]" over the server's)."""
+  from algorithms.environments import GuardedEnvironment
+  from param_server.client import make_sample, sample_observed
+  worker = Worker(None, CONFIG, TOKENIZER, WorkerConfig(max_new_tokens=8))
+  tokens = TOKENIZER.encode("abRcd") + [TOKENIZER.eos_id]  # "ab", a reply "R", then "cd"
+  begun = make_sample(tokens, 0.0, logprobs=np.zeros(6), finish_reason="stop",
+                      observed=np.array([0, 0, 1, 0, 0, 0], bool),
+                      metadata={"replies": json.dumps(["R"])})
+  key = ("lease", "p0")
+  sample = worker._begun_sample(key, 0, begun, GuardedEnvironment("mine", lambda m, r: "X"))
+  assert sample.tokens.tolist() == tokens and sample.finish_reason == "stop"
+  assert worker._given[key] == {0: ["R"]}
+  again, _ = Worker._begun(sample, True, worker._given[key][0])
+  assert json.loads(again.metadata["replies"]) == ["R"]
+  assert sample_observed(again).tolist() == sample_observed(begun).tolist()

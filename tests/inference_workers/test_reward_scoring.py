@@ -159,3 +159,24 @@ def test_reward_model_settings_are_checked():
     WorkerConfig(reward_model_weight=0.5)
   with pytest.raises(ValueError, match="reward_model_dtype"):
     WorkerConfig(reward_model="x", reward_model_dtype="int8")
+
+
+def test_a_resumed_finished_multi_turn_sample_is_read_as_its_conversation(rm_with_tokenizer,
+                                                                            monkeypatch):
+  """A sample a stopped worker had finished after a reply is scored, once resumed, as the
+  conversation it was (its group was sent as a failure: it had no replies to read)."""
+  from param_server.client import make_sample
+  worker = _worker(rm_with_tokenizer, default_task="reward_model", environment="calculator")
+  seen = []
+  monkeypatch.setattr(worker.reward_scorer, "scores",
+                      lambda seqs: seen.extend(seqs) or np.zeros(len(seqs)))
+  prompt = pb.Prompt(id="c", text="hello world", token_ids=[1, 2])
+  begun = make_sample(POLICY.encode("abRcd"), 0.0, logprobs=np.zeros(5), finish_reason="stop",
+                      observed=np.array([0, 0, 1, 0, 0], bool),
+                      metadata={"replies": json.dumps(["R"])})
+  key = ("lease", "c")
+  sample = worker._begun_sample(key, 0, begun, worker._environment(prompt))
+  worker._scored(prompt, [sample], worker._given.pop(key, {}))  # as _submit_group takes them
+  rm_tok = HFTokenizer(rm_with_tokenizer, chat_template="auto")
+  assert seen == [rm_tok.encode_conversation(
+      [{"role": "user", "content": "hello world"}] + conversation(["ab", "cd"], ["R"]))]
