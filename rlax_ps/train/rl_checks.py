@@ -67,6 +67,10 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   check_micro_batches(int(rl.get("micro_batches", 1)), int(rl.groups_per_step), loss)
   if loss.advantage == "gae":  # its critic's block (absent: the optimizer block's defaults)
     check_critic_config(config.get("critic") or {}, steps)
+  if loss.policy_loss == "pg" and updates > 1:
+    raise ValueError(f"rl.updates_per_batch: expected 1 with loss.policy_loss='pg' (the plain "
+                     f"policy gradient takes no ratio: each later update repeated the first's "
+                     f"on-policy step on rollouts the first made off-policy), got {updates}")
   if loss.adaptive_entropy and updates > 1:
     raise ValueError(f"rl.updates_per_batch: expected 1 with loss.adaptive_entropy=True (the "
                      f"coefficient adapts after each update from its entropy, as TRL's; a "

@@ -32,6 +32,8 @@ def _set(config, **fields):
     ({"loss__clip": 0.3}, r"loss: unknown fields \['clip'\]"),
     ({"rl__max_staleness": -1}, "rl: expected steps >= 1, max_staleness >= 0"),
     ({"rl__updates_per_batch": 0}, "rl.updates_per_batch: expected >= 1"),
+    ({"rl__updates_per_batch": 2, "loss__policy_loss": "pg", "loss__advantage": "gpg"},
+     "rl.updates_per_batch: expected 1 with loss.policy_loss='pg'"),
     ({"rl__ack_deadline_s": 0}, "rl.ack_deadline_s: expected seconds > 0"),
     ({"rl__ack_deadline_s": float("inf")}, "rl.ack_deadline_s: expected seconds > 0"),
     ({"rl__micro_batches": 3}, "rl.micro_batches: expected a divisor"),
