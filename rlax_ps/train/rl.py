@@ -390,6 +390,7 @@ class RLTrainer(TrainerRun):
     source, recorded, parts = self._prompt_source()
     self.checkpointer = open_checkpointer(config, self.workdir)
     latest = self.checkpointer.latest_metadata()
+    self.note_resumed_init(latest)
     self.new_source = self.check_data_source(  # True: fed from its start (_load_metadata)
         latest, recorded, NEW_SOURCE_FED)
     check_resumed_updates(latest, int(rl.get("updates_per_batch", 1)))

@@ -301,6 +301,19 @@ class TrainerRun:
     self.schedule = optim.learning_rate_schedule(cfg, self.total_steps)
     self.schedule_settings = optim.schedule_settings(cfg, self.total_steps)  # checkpointed
 
+  def note_resumed_init(self, saved: dict[str, Any] | None) -> None:
+    """Log when init_from_hf names another checkpoint than the one the run it resumes
+    (metadata `saved`) started from: the weights resumed are the checkpoint's, but the
+    tokenizer, a KL reference and a PEFT export's base are read from the new one."""
+    recorded = (saved or {}).get("config") or {}
+    was = recorded.get("init_from_hf", "")
+    if recorded and was != self.init_from_hf and self.leader:
+      logging.warning(
+          "init_from_hf: %r in the checkpoint (step %s), %r now: the run resumes the "
+          "checkpoint's weights; its tokenizer, KL reference (if any) and PEFT base are read "
+          "from %r. Use another --workdir to start from it", was, saved.get("step", "?"),
+          self.init_from_hf, self.init_from_hf or "the config")
+
   def read_model(self, config) -> None:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
     and tokenizer of `init_from_hf` where it names an HF checkpoint)."""

@@ -69,6 +69,7 @@ class SFTTrainer(TrainerRun):
                            packing=bool(config.data.packing), records=records, parts=parts)
     self.checkpointer = open_checkpointer(config, self.workdir)
     saved = self.checkpointer.latest_metadata()
+    self.note_resumed_init(saved)
     read = None if records is None else ((e.prompt, e.answer, e.task) for e in records)
     new_source = self.check_data_source(
         saved, data_source(config, read),

@@ -411,6 +411,18 @@ def test_a_checkpoint_is_written_when_the_server_cannot_take_its_acknowledgement
     assert [t["take_id"] for t in tr.checkpointer.latest_metadata()["pending_takes"]] == ["t1"]
 
 
+def test_a_resumed_run_is_checked_for_another_init_from_hf(tmp_path):
+  """The RL trainer says what the SFT trainer says (test_sft_hf_init) when init_from_hf names
+  another checkpoint than the one its checkpoint's run started from."""
+  with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+    tr.save()
+    tr.checkpointer.wait()
+  with mock.patch.object(RLTrainer, "note_resumed_init") as note:
+    with RLTrainer(_config(), str(tmp_path / "rl"), object()):
+      pass
+  assert note.call_args.args[0]["step"] == 0 and "config" in note.call_args.args[0]
+
+
 def test_a_take_round_cut_short_puts_back_what_its_groups_changed(tmp_path):
   """A stop mid-round: the records' streaks, the prompts outstanding, the groups to skip and
   the counts are as they were before the round (its groups come again after the restart)."""

@@ -69,3 +69,26 @@ def test_vocab_smaller_than_the_tokenizer_is_an_error(pretrained, tmp_path):
   config.init_from_hf = str(bare)
   with pytest.raises(ValueError, match="init_from_hf: the model's vocab_size 104"):
     SFTTrainer(config, str(tmp_path / "b"), devices=jax.devices()[:1])
+
+
+def test_a_resume_from_another_checkpoint_says_what_comes_from_which(pretrained, tmp_path,
+                                                                     caplog):
+  """init_from_hf changed between runs of one workdir: the weights resumed are the
+  checkpoint's, the tokenizer (and a KL reference, a PEFT base) the new folder's, silently."""
+  path, _ = pretrained
+  other = str(tmp_path / "other")
+  shutil.copytree(path, other)
+  config = _tiny_config()
+  config.init_from_hf, config.tokenizer.kind = path, "hf"
+  config.train.steps, config.checkpoint.every_steps = 1, 0
+  config.export.hf = False
+  with SFTTrainer(config, str(tmp_path / "run"), devices=jax.devices()[:1]) as trainer:
+    trainer.train(progress=False)
+  for init, warned in ((path, False), (other, True)):
+    config.init_from_hf = init
+    caplog.clear()
+    with SFTTrainer(config, str(tmp_path / "run"), devices=jax.devices()[:1]) as trainer:
+      assert trainer.step == 1
+    said = [r.getMessage() for r in caplog.records if "init_from_hf:" in r.getMessage()]
+    assert bool(said) == warned, said
+  assert f"{path!r} in the checkpoint (step 1), {other!r} now: the run resumes" in said[0]
