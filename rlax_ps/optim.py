@@ -29,7 +29,8 @@ DEFAULTS = {
 }
 
 
-def _get(cfg: Mapping[str, Any] | Any, key: str):
+def setting(cfg: Mapping[str, Any] | Any, key: str):
+  """Optimizer setting `key` of a config block or dict, its default where unset."""
   if isinstance(cfg, Mapping):
     return cfg.get(key, DEFAULTS[key])
   return getattr(cfg, key, DEFAULTS[key])
@@ -39,19 +40,19 @@ def check_optimizer_config(cfg, total_steps: int) -> None:
   """Raise a ValueError naming the first field that is out of range."""
   def need(cond, field, expected):
     if not cond:
-      raise ValueError(f"optimizer.{field}: expected {expected}, got {_get(cfg, field)!r}")
+      raise ValueError(f"optimizer.{field}: expected {expected}, got {setting(cfg, field)!r}")
 
-  need(_get(cfg, "lr") > 0, "lr", "> 0")
-  need(int(_get(cfg, "warmup_steps")) >= 0, "warmup_steps", ">= 0")
-  need(int(_get(cfg, "decay_steps")) >= 0, "decay_steps", ">= 0 (0 = the run's length)")
-  need(0 <= _get(cfg, "min_lr_ratio") <= 1, "min_lr_ratio", "in [0, 1]")
-  need(0 <= _get(cfg, "b1") < 1, "b1", "in [0, 1)")
-  need(0 <= _get(cfg, "b2") < 1, "b2", "in [0, 1)")
-  need(_get(cfg, "eps") > 0, "eps", "> 0")
-  need(_get(cfg, "weight_decay") >= 0, "weight_decay", ">= 0")
-  need(_get(cfg, "clip_norm") >= 0, "clip_norm", ">= 0 (0 disables clipping)")
-  need(int(_get(cfg, "grad_accum_steps")) >= 1, "grad_accum_steps", ">= 1")
-  need(int(_get(cfg, "max_nonfinite_steps")) >= 1, "max_nonfinite_steps", ">= 1")
+  need(setting(cfg, "lr") > 0, "lr", "> 0")
+  need(int(setting(cfg, "warmup_steps")) >= 0, "warmup_steps", ">= 0")
+  need(int(setting(cfg, "decay_steps")) >= 0, "decay_steps", ">= 0 (0 = the run's length)")
+  need(0 <= setting(cfg, "min_lr_ratio") <= 1, "min_lr_ratio", "in [0, 1]")
+  need(0 <= setting(cfg, "b1") < 1, "b1", "in [0, 1)")
+  need(0 <= setting(cfg, "b2") < 1, "b2", "in [0, 1)")
+  need(setting(cfg, "eps") > 0, "eps", "> 0")
+  need(setting(cfg, "weight_decay") >= 0, "weight_decay", ">= 0")
+  need(setting(cfg, "clip_norm") >= 0, "clip_norm", ">= 0 (0 disables clipping)")
+  need(int(setting(cfg, "grad_accum_steps")) >= 1, "grad_accum_steps", ">= 1")
+  need(int(setting(cfg, "max_nonfinite_steps")) >= 1, "max_nonfinite_steps", ">= 1")
   if total_steps < 1:
     raise ValueError(f"train.steps: expected >= 1, got {total_steps}")
 
@@ -59,13 +60,13 @@ def check_optimizer_config(cfg, total_steps: int) -> None:
 def learning_rate_schedule(cfg, total_steps: int) -> optax.Schedule:
   """Linear warmup to lr over warmup_steps, then cosine down to lr * min_lr_ratio at
   decay_steps."""
-  lr = float(_get(cfg, "lr"))
-  warmup = int(_get(cfg, "warmup_steps"))
-  decay = int(_get(cfg, "decay_steps")) or total_steps
+  lr = float(setting(cfg, "lr"))
+  warmup = int(setting(cfg, "warmup_steps"))
+  decay = int(setting(cfg, "decay_steps")) or total_steps
   decay = max(decay, warmup + 1)
   base = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=decay,
-      end_value=lr * float(_get(cfg, "min_lr_ratio")))
+      end_value=lr * float(setting(cfg, "min_lr_ratio")))
   # Update k (counting from 0) uses base(k + 1) after a warmup (the first update already
   # moves the weights), base(k) without one (the first update at the peak).
   return (lambda count: base(count + 1)) if warmup else base
@@ -74,9 +75,9 @@ def learning_rate_schedule(cfg, total_steps: int) -> optax.Schedule:
 def schedule_settings(cfg, total_steps: int) -> dict[str, Any]:
   """The schedule as numbers, decay_steps resolved: what a checkpoint records so that a
   resumed run can tell whether, and how, its learning rate changes."""
-  return {"lr": float(_get(cfg, "lr")), "warmup_steps": int(_get(cfg, "warmup_steps")),
-          "decay_steps": int(_get(cfg, "decay_steps")) or int(total_steps),
-          "min_lr_ratio": float(_get(cfg, "min_lr_ratio"))}
+  return {"lr": float(setting(cfg, "lr")), "warmup_steps": int(setting(cfg, "warmup_steps")),
+          "decay_steps": int(setting(cfg, "decay_steps")) or int(total_steps),
+          "min_lr_ratio": float(setting(cfg, "min_lr_ratio"))}
 
 
 def saved_schedule(metadata: Mapping[str, Any] | None, steps_field: str
@@ -110,8 +111,8 @@ def resumed_optimizer_config(cfg, total_steps: int, saved: Mapping[str, Any] | N
   plain = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
   if saved is None:
     return plain, None
-  decaying = float(_get(plain, "min_lr_ratio")) < 1.0
-  pinned = (decaying and not int(_get(plain, "decay_steps"))
+  decaying = float(setting(plain, "min_lr_ratio")) < 1.0
+  pinned = (decaying and not int(setting(plain, "decay_steps"))
             and int(saved["decay_steps"]) != int(total_steps))
   if pinned:
     plain["decay_steps"] = int(saved["decay_steps"])
@@ -158,12 +159,12 @@ def make_optimizer(cfg, total_steps: int, updates_per_step: int = 1
   if updates_per_step > 1:
     schedule = lambda count, per=updates_per_step, of_step=schedule: of_step(count // per)  # noqa: E731
   parts = []
-  if _get(cfg, "clip_norm") > 0:
-    parts.append(optax.clip_by_global_norm(float(_get(cfg, "clip_norm"))))
+  if setting(cfg, "clip_norm") > 0:
+    parts.append(optax.clip_by_global_norm(float(setting(cfg, "clip_norm"))))
   parts.append(optax.adamw(
-      learning_rate=schedule, b1=float(_get(cfg, "b1")),
-      b2=float(_get(cfg, "b2")), eps=float(_get(cfg, "eps")),
-      weight_decay=float(_get(cfg, "weight_decay")), mask=decay_mask))
+      learning_rate=schedule, b1=float(setting(cfg, "b1")),
+      b2=float(setting(cfg, "b2")), eps=float(setting(cfg, "eps")),
+      weight_decay=float(setting(cfg, "weight_decay")), mask=decay_mask))
   return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=_NEVER)
 
 
@@ -185,7 +186,7 @@ def check_finite_updates(metrics: Mapping[str, float], cfg, step: int, prefix: s
   optimizer.max_nonfinite_steps updates in a row skipped for non-finite gradients: the run
   makes no progress, and stopping before its next checkpoint keeps the last good one."""
   streak = int(metrics.get(prefix + "nonfinite_streak", 0))
-  limit = int(_get(cfg, "max_nonfinite_steps"))
+  limit = int(setting(cfg, "max_nonfinite_steps"))
   if streak >= limit:
     raise FloatingPointError(
         f"optimizer: the {prefix.rstrip('_') or 'model'}'s gradients were not finite in the last {streak} "
@@ -195,4 +196,4 @@ def check_finite_updates(metrics: Mapping[str, float], cfg, step: int, prefix: s
 
 
 def grad_accum_steps(cfg) -> int:
-  return int(_get(cfg, "grad_accum_steps"))
+  return int(setting(cfg, "grad_accum_steps"))

@@ -10,7 +10,7 @@ import pytest
 from rlax_ps import optim
 from rlax_ps.config_files import load
 from rlax_ps.train.rl import RLTrainer
-from rlax_ps.train.run import data_source_changes
+from rlax_ps.train.run import data_source_changes, resumed_optimizer
 from rlax_ps.train.sft import SFTTrainer
 
 from rl_testlib import rl_config
@@ -75,6 +75,20 @@ def test_data_source_changes_name_contents_not_paths():
   assert data_source_changes(tasks, now) == [
       "seed: 0 in the checkpoint, 1 now", "tasks.addition.weight: 1.0 in the checkpoint, 2.0 now",
       "tasks.reversal.weight: 1.0 in the checkpoint, 0.0 now"]
+
+
+def test_clipping_turned_on_or_off_on_resume_is_refused_naming_clip_norm():
+  """It adds or removes a part of the optimizer state: the restore failed deep in orbax with
+  'a changed optimizer?' and no field named."""
+  saved = {"step": 3, "config": {"optimizer": {"clip_norm": 1.0}}}
+  with pytest.raises(ValueError, match=r"optimizer.clip_norm: 1.0 in the checkpoint at step 3, "
+                                       r"0.0 now: clipping turned off .* clip_norm > 0"):
+    resumed_optimizer(dict(DECAYING, clip_norm=0.0), 10, saved, "rl.steps")
+  resumed_optimizer(dict(DECAYING, clip_norm=0.5), 10, saved, "rl.steps")  # still clipped
+  with pytest.raises(ValueError, match=r"clip_norm: 1.0 in the checkpoint .* turned off"):
+    resumed_optimizer(dict(DECAYING, clip_norm=0.0), 10, {"step": 3, "config": {
+        "optimizer": {}}}, "rl.steps")  # (unset: the default, 1.0)
+  resumed_optimizer(dict(DECAYING, clip_norm=0.0), 10, {"step": 3}, "rl.steps")  # no record
 
 
 def _sft_config(**data):
