@@ -503,8 +503,30 @@ class Worker:
   def sync_weights(self) -> bool:
     """Bring the held policy to the latest published version; True when it changed."""
     before = self.policy.version
-    self._apply_or_resync(self.client.pull_updates(self.policy.version))
+    self._apply_or_resync(self._pull_from(before))
     return self.policy.version != before
+
+  def _pull_from(self, held: int | None) -> list[Update]:
+    """The updates that bring `held` to the latest; from a keyframe instead (what is held
+    dropped, said in one line) when the server holds less than `held`: a new run, or a
+    server restarted on an empty store, which refuses a pull from a version it never had."""
+    if held is None:
+      return self.client.pull_updates(None)
+    try:
+      return self.client.pull_updates(held)
+    except ParamServerError as e:
+      if (e.code != grpc.StatusCode.FAILED_PRECONDITION
+          or not e.details.startswith("have_version")):
+        raise
+      why = f"the server refused a pull from it ({e.details})"
+    self._drop_held(held, why)
+    return self.client.pull_updates(None)
+
+  def _drop_held(self, held: int, why: str) -> None:
+    """Say (one line) that the held version `held` is given up for a keyframe, and why."""
+    logging.warning("worker: dropping the v%d it holds: %s; pulling the latest keyframe",
+                    held, why)
+    self.stats.resyncs += 1
 
   def prefetch(self, latest: int) -> None:
     """Pull (network + decode) the updates past the held version, to apply between batches."""
@@ -517,7 +539,7 @@ class Worker:
         return
       self._prefetching = held
     try:
-      updates = self.client.pull_updates(held)
+      updates = self._pull_from(held)
       with self._lock:
         self._prefetched = (held, updates)
     finally:
@@ -660,8 +682,13 @@ class Worker:
   def _catch_up(self) -> None:
     """Hold the newest published version (prefetched, else pulled now)."""
     with self.stats.time.span("waiting_weights"):
-      latest = self._rpc("latest_version")
-      if latest >= 0 and latest not in (self.policy.version, self._skipped_version):
+      latest, held = self._rpc("latest_version"), self.policy.version
+      if held is not None and 0 <= latest < held:  # (a pull from `held` would be refused)
+        self._drop_held(held, f"the server's latest is v{latest}, older (a new run, or a "
+                        f"server restarted on an empty store)")
+        self._apply_or_resync(self.client.pull_updates(None))
+        return
+      if latest >= 0 and latest not in (held, self._skipped_version):
         self._await_prefetch()
         self.apply_prefetched()
         if latest != self.policy.version:
