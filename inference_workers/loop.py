@@ -508,8 +508,10 @@ class Worker:
 
   def _pull_from(self, held: int | None) -> list[Update]:
     """The updates that bring `held` to the latest; from a keyframe instead (what is held
-    dropped, said in one line) when the server holds less than `held`: a new run, or a
-    server restarted on an empty store, which refuses a pull from a version it never had."""
+    dropped, said in one line) when the server holds less than `held` (a new run, or a
+    server restarted on an empty store: it refuses a pull from a version it never had) or
+    the updates from `held` do not decode (a stored blob failing its seal: every pull from
+    `held` would fail alike)."""
     if held is None:
       return self.client.pull_updates(None)
     try:
@@ -519,6 +521,8 @@ class Worker:
           or not e.details.startswith("have_version")):
         raise
       why = f"the server refused a pull from it ({e.details})"
+    except CodecError as e:
+      why = f"the updates from it to the latest do not decode ({e})"
     self._drop_held(held, why)
     return self.client.pull_updates(None)
 

@@ -56,3 +56,34 @@ def test_a_pull_the_server_refuses_for_a_version_it_never_had_falls_back_to_a_ke
     assert worker.policy.version == 0 and same_held(worker.policy, versions[0])
     assert "dropping the v3 it holds: the server refused a pull from it (have_version" in (
         caplog.text)
+
+
+def test_updates_that_do_not_decode_are_replaced_by_a_keyframe(server, versions, caplog):
+  """A stored delta failing its section seal (the client pulled it twice): the worker takes
+  the latest keyframe, on a version check and on a prefetch alike, instead of exiting."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    checking, prefetching = (Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+                             for _ in range(2))
+    checking.sync_weights()
+    prefetching.sync_weights()
+    trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+    pulls, pull = [], wc.pull_updates
+
+    def corrupt_deltas(have=None, **kwargs):
+      pulls.append(have)
+      if have is not None:
+        raise sync.CodecError("update v1: section 'tensors': its seal does not match")
+      return pull(have, **kwargs)
+
+    wc.pull_updates = corrupt_deltas
+    with caplog.at_level(logging.WARNING):
+      checking._catch_up()
+      prefetching.prefetch(1)
+      assert prefetching.apply_prefetched()
+    assert pulls == [0, None, 0, None]
+    for worker in (checking, prefetching):
+      assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
+      assert worker.stats.resyncs == 1
+    said = [r.getMessage() for r in caplog.records if "dropping the v0" in r.getMessage()]
+    assert len(said) == 2 and all("section 'tensors'" in line for line in said)
