@@ -528,6 +528,7 @@ class RLTrainer(TrainerRun):
     self._journal: dict[str, Any] | None = None  # a take round's changes (_take_bookkeeping)
     self._completions_log = None  # completions.jsonl while train() runs (log.completions_every)
     self._requeue_next = True  # the first take returns any unacknowledged take
+    self.ended_by: Exception | None = None  # what ended the run before its last step
     self._told_routes = False  # warned once of a group whose routes the run does not expect
     self._stop = threading.Event()
     self.stop_signal: int | None = None  # the signal that asked for the stop, if any
@@ -1043,6 +1044,8 @@ class RLTrainer(TrainerRun):
     self.save()
     self.checkpointer.wait()
     self._ack_or_defer()
+    if self._shared(self.ended_by is not None):  # (the other processes of a slice too)
+      raise self.ended_by or RuntimeError("rl: the run ended on process 0: see its log")
     return self.finish(time.time() - t0, start_step)
 
   def _check_finite(self, metrics: dict, step: int) -> None:
@@ -1312,7 +1315,10 @@ class RLTrainer(TrainerRun):
     taken, up to the cap, where the step is filled with the first ones left out."""
     before = self._take_bookkeeping()
     try:
-      groups = self._take_round()
+      try:
+        groups = self._take_round()
+      except TimeoutError as e:  # rl.take_timeout_s: the run ends as a stop does, its
+        self.ended_by, groups = e, None  # checkpoint first (the steps since the last kept)
       if groups is None:  # stopped: the round's groups come again to the next start's first
         self._undo_take_bookkeeping(before)  # take (their takes unacked), counted then
       return groups

@@ -1208,8 +1208,30 @@ def test_groups_it_cannot_train_on_end_the_run_at_take_timeout_naming_why(tmp_pa
           r"rl.take_timeout_s: no usable rollout group for 3.0s; \d+ groups rejected, the "
           r"last: .*" + why + r".* \(do the workers run this")):
         tr.train()
-      assert tr.step == 0 and tr.rejected >= 1
-      assert tr.consumed == tr.rejected  # answered: the prompts are not fed twice
+      # The run ends as a stop does: its checkpoint first, the round's groups (answered, not
+      # counted) to be taken again by the next start
+      assert tr.step == 0 and tr.checkpointer.latest_step() == 0
+      assert tr.consumed == tr.rejected == 0 and tr.pending
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+
+
+def test_a_fleet_gone_past_take_timeout_ends_the_run_with_its_steps_checkpointed(tmp_path):
+  """Every worker gone (a preempted fleet) for rl.take_timeout_s: the TimeoutError ended the
+  run before its checkpoint, losing every step since the last one."""
+  config = _config(steps=6)
+  config.eval.num_examples = 0
+  config.rl.max_staleness = 20  # the fake worker submits ahead: nothing is stale here
+  config.rl.take_timeout_s = 2.0
+  config.checkpoint.every_steps = 100
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4, limit=8).start()  # two steps' groups
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      with pytest.raises(TimeoutError, match="rl.take_timeout_s: no usable rollout group"):
+        tr.train()
+      assert tr.step == 2 and tr.checkpointer.latest_step() == 2
   finally:
     worker.stop()
     server.stop(grace=0)
