@@ -543,6 +543,9 @@ class Worker:
         return
       self._prefetching = held
     try:
+      info = self.client.version_info()
+      if not self._in_own_format(info.latest_version, info.fmt):
+        return
       updates = self._pull_from(held)
       with self._lock:
         self._prefetched = (held, updates)
@@ -587,15 +590,23 @@ class Worker:
     own (the trainer's publish.format was changed on a resumed run: its first keyframe
     brings one), pulling that version no more."""
     other = next((u.fmt for u in updates if u.fmt != self.policy.fmt), None)
-    if other is None:
-      return False
-    if updates[-1].version != self._skipped_version:
-      self._skipped_version = updates[-1].version
+    return other is not None and not self._in_own_format(updates[-1].version, other)
+
+  def _in_own_format(self, version: int, fmt: str) -> bool:
+    """Whether `version`, published in `fmt` ("": not told, e.g. by a relay still empty),
+    is worth a pull: not when `fmt` is not worker.weights_format, said in one line (once
+    per version). Asked before pulling, so that no version of another format is fetched."""
+    if not fmt or fmt == self.policy.fmt:
+      return True
+    if version != self._skipped_version:
+      self._skipped_version = version
+      held = self.policy.version
       logging.warning("worker: v%d is published in %s, not this worker's %s (worker."
                       "weights_format, which must equal the trainer's publish.format); "
-                      "waiting for a version in %s", updates[-1].version, other,
-                      self.policy.fmt, self.policy.fmt)
-    return True
+                      "not pulled: %s, waiting for a version in %s", version, fmt,
+                      self.policy.fmt, "holding nothing" if held is None else
+                      f"keeping v{held}", self.policy.fmt)
+    return False
 
   def _apply_all(self, updates: list[Update]) -> None:
     for update in updates:
@@ -686,17 +697,21 @@ class Worker:
   def _catch_up(self) -> None:
     """Hold the newest published version (prefetched, else pulled now)."""
     with self.stats.time.span("waiting_weights"):
-      latest, held = self._rpc("latest_version"), self.policy.version
-      if held is not None and 0 <= latest < held:  # (a pull from `held` would be refused)
+      info = self._rpc("version_info")
+      latest, held = info.latest_version, self.policy.version
+      if latest < 0 or latest in (held, self._skipped_version):
+        return
+      if not self._in_own_format(latest, info.fmt):
+        return
+      if held is not None and latest < held:  # (a pull from `held` would be refused)
         self._drop_held(held, f"the server's latest is v{latest}, older (a new run, or a "
                         f"server restarted on an empty store)")
         self._apply_or_resync(self.client.pull_updates(None))
         return
-      if latest >= 0 and latest not in (held, self._skipped_version):
-        self._await_prefetch()
-        self.apply_prefetched()
-        if latest != self.policy.version:
-          self.sync_weights()
+      self._await_prefetch()
+      self.apply_prefetched()
+      if latest != self.policy.version:
+        self.sync_weights()
 
   def _await_first_version(self) -> None:
     """Nothing published yet: wait a while for a first version."""

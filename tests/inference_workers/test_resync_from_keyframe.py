@@ -4,10 +4,9 @@ empty store, while the worker stayed up)."""
 
 import logging
 
-import pytest
-
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
+from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
 from worker_testlib import CONFIG, SMALL, TOKENIZER, client, enqueue_addition, published, same_held
 
@@ -49,7 +48,8 @@ def test_a_pull_the_server_refuses_for_a_version_it_never_had_falls_back_to_a_ke
       pulls.append(have)
       return pull(have, **kwargs)
 
-    wc.pull_updates, wc.latest_version = counted, lambda *a, **k: 5
+    wc.pull_updates = counted
+    wc.version_info = lambda *a, **k: pb.VersionInfo(latest_version=5, fmt="bf16")
     with caplog.at_level(logging.WARNING):
       worker._catch_up()
     assert pulls == [3, None]

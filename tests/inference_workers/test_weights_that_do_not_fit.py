@@ -89,13 +89,14 @@ class ReformattedClient(PublishingClient):
 
 def test_a_worker_waits_out_versions_of_another_format_and_takes_the_next_in_its_own():
   # A resumed run whose publish.format changed: the server's newest version is still the
-  # last run's bf16 one when an int8 worker starts. It is not applied, nor pulled again,
-  # and the worker does not crash; the trainer's int8 keyframe is taken when it comes.
+  # last run's bf16 one when an int8 worker starts. It is not pulled (the server names its
+  # format first) and the worker does not crash; the trainer's int8 keyframe is taken when
+  # it comes.
   fake = ReformattedClient(published(CONFIG, "bf16", version=3, fields=False)[0])
   worker = Worker(fake, CONFIG, TOKENIZER, WorkerConfig(**SMALL, weights_format="int8"))
   worker._catch_up()
   worker._catch_up()
-  assert worker.policy.version is None and fake.pulls == [None]
+  assert worker.policy.version is None and fake.pulls == []
   fake.publish(published(CONFIG, "int8", version=4, fields=False)[0])
   worker._catch_up()
-  assert worker.policy.version == 4 and fake.pulls == [None, None]
+  assert worker.policy.version == 4 and fake.pulls == [None]

@@ -107,6 +107,9 @@ class PublishingClient:
   def latest_version(self):
     return 0
 
+  def version_info(self):
+    return pb.VersionInfo(latest_version=self.latest_version(), fmt=self.keyframe.fmt)
+
   def pull_updates(self, have_version=None):
     self.pulls.append(have_version)
     return [sync.Update.from_bytes(self.keyframe.to_bytes())]
