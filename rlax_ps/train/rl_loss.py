@@ -307,9 +307,6 @@ class LossConfig:
                                           and self.off_policy_mask >= 0),
          "off_policy_mask", "a finite threshold > 0 on the mean log(pi_behav / pi) (None or "
          "0: off)")
-    need(self.correction != "m2po" or (self.clip_low is None and self.clip_high is None),
-         "clip_low", "unset with correction='m2po' (M2PO clips no ratio: tokens past "
-         "m2po_threshold are masked instead)")
     for field, value in POLICY_DEFAULTS[self.policy_loss].items():
       if getattr(self, field) is None:
         object.__setattr__(self, field, value)

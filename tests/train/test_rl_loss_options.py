@@ -148,8 +148,6 @@ def test_the_config_keeps_todays_objective_unless_the_options_are_set():
      "loss.dual_clip: expected None with policy_loss='gspo'"),
     ({"correction": "m2po", "dual_clip": 3.0},
      "loss.dual_clip: expected None with policy_loss='ppo', correction='m2po'"),
-    ({"correction": "m2po", "clip_high": 0.3},
-     "loss.clip_low: expected unset with correction='m2po' \\(M2PO clips no ratio"),
     ({"off_policy_mask": -0.1}, r"loss.off_policy_mask: expected a finite threshold > 0 .*"
                                 r"got -0.1"),
     ({"off_policy_mask": float("inf")}, "loss.off_policy_mask: expected a finite threshold"),
