@@ -192,7 +192,11 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
           or said[i][-1] not in tokenizer.stop_ids):
         continue
       turns[i].append(tokenizer.decode(new))
-      reply = environment(conversation(turns[i], replies[i]), references[i])
+      try:
+        reply = environment(conversation(turns[i], replies[i]), references[i])
+      except TypeError as e:  # a reply of no usable type: its sample ends, as in the workers
+        logging.log_every_n_seconds(logging.WARNING, "evaluate: %s; the completion ends", 30, e)
+        continue
       if reply is None:
         continue
       fed = tokenizer.encode_reply(reply, said[i][-1])

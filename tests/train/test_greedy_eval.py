@@ -148,6 +148,15 @@ def test_a_multi_turn_completion_feeds_the_environments_replies_back_as_context(
   assert seen_messages[0] == [{"role": "assistant", "content": "<calc>2*3"}]
   assert seen_messages[1] == [{"role": "assistant", "content": "7"}]
   assert len(seen_messages) == 2  # the second turn of row 0 ended by the budget
+  # A guarded environment's reply of no usable type ends that completion, as in the
+  # workers (it raised out of the trainer's evaluation).
+  from algorithms.environments import GuardedEnvironment
+  seen.clear()
+  odd = GuardedEnvironment("odd", lambda messages, reference: 6)
+  texts = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=16,
+                               batch_size=3, prompt_len=16, environment=odd,
+                               references=["6", "7", "8"], max_turns=2)
+  assert texts == ["<calc>2*3", "7", "0123456789abcdef"] and odd.errors == 2
   # Without an environment the same rows are single-turn completions.
   seen.clear()
   plain = evaluate.completions(graphdef, params, TOK, PROMPTS[:3], max_new_tokens=16,
