@@ -204,6 +204,19 @@ def _check_files(config) -> None:
       check_init_from_hf(teacher)
     except ValueError as e:
       raise ValueError(f"teacher.path: {str(e).removeprefix('init_from_hf: ')}") from None
+  on_workers = str(worker.get("teacher", ""))
+  if on_workers:
+    try:
+      check_init_from_hf(on_workers)
+    except ValueError as e:
+      raise ValueError(f"worker.teacher: {str(e).removeprefix('init_from_hf: ')}") from None
+  reward_model = str(worker.get("reward_model", ""))
+  if reward_model:
+    _check_reward_model(reward_model)
+  from inference_workers.worker_config import WorkerConfig
+  for name, _ in WorkerConfig(reward_terms=str(worker.get("reward_terms", ""))
+                              ).reward_term_weights():  # (worker.verifiers imported above)
+    verifier_for_task(name.removeprefix("task:"), "worker.reward_terms")
   own = str((config.get("teacher") or {}).get("tokenizer", ""))
   if own and not tokenizer_file(own):
     raise ValueError(f"teacher.tokenizer: expected a folder with the teacher's tokenizer.json "
@@ -227,6 +240,20 @@ def _check_files(config) -> None:
                      f"registers more), got {unknown} in {spec!r}; their prompts would be "
                      f"single-turn")
   environments_from(spec, worker.get("environment_args", ""))
+
+
+def _check_reward_model(path: str) -> None:
+  """worker.reward_model's config.json names a sequence classifier the workers can load (its
+  weights are read by the workers alone)."""
+  from rlax_ps.models.hf import CONFIG_FILE, read_json
+  from rlax_ps.models.reward_model import reward_config
+  file = os.path.join(path, CONFIG_FILE)
+  if not os.path.isfile(file):
+    raise ValueError(f"worker.reward_model: no {CONFIG_FILE} in reward model folder {path!r}")
+  try:
+    reward_config(read_json(file))
+  except (OSError, ValueError) as e:
+    raise ValueError(f"worker.reward_model: {path}: {e}") from None
 
 
 def _tasks_and_digest(config, records) -> tuple[set[str], str]:

@@ -125,6 +125,21 @@ def test_the_environment_is_made_before_the_start(fields, message):
   check_rl_config(_set(rl_config(), worker__environment="addition=calculator,*=python"))
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"worker__reward_model": "/nope"},
+     "worker.reward_model: no config.json in reward model folder '/nope'"),
+    ({"worker__teacher": "/nope", "loss__advantage": "opd"}, "worker.teacher: .*/nope"),
+    ({"worker__reward_terms": "nope:0.5"}, "worker.reward_terms: .*'nope'"),
+])
+def test_the_workers_models_and_reward_terms_are_checked_before_the_start(fields, message):
+  """They failed in each worker, after the warm start, the server and the trainer had run
+  (the reward model's as a traceback)."""
+  with pytest.raises(ValueError, match=message):
+    check_rl_config(_set(rl_config(), **fields))
+  check_rl_config(_set(rl_config(), worker__reward_model=os.path.join(FIXTURES, "qwen3_reward"),
+                       worker__reward_terms="addition:0.5"))
+
+
 @pytest.mark.parametrize("line, message", [
     ({"prompt": "h\u00e9llo=", "answer": "1"}, r"data.jsonl .*train.jsonl:3: CharTokenizer"
                                                 r".encode: character '\u00e9'"),
