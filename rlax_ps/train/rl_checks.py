@@ -13,6 +13,7 @@ from typing import Any
 
 from algorithms.selection import check_revisit
 from rlax_ps.config_files import check_counts
+from rlax_ps.sync.wire import FORMATS
 from rlax_ps.train.critic import check_critic_config
 from rlax_ps.train.rl_loss import LossConfig, check_micro_batches, ref_sync_settings
 
@@ -141,9 +142,13 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
     factor = float(rl.get("dynamic_sampling_max_factor", 3.0))
     if not factor >= 1.0:
       raise ValueError(f"rl.dynamic_sampling_max_factor: expected >= 1, got {factor}")
+  if str(config.publish.format) not in FORMATS:
+    raise ValueError(f"publish.format: expected one of {FORMATS} (worker.weights_format the "
+                     f"same), got {config.publish.format!r}")
   if str(worker.weights_format) != str(config.publish.format):
     raise ValueError(f"worker.weights_format: expected publish.format="
-                     f"{config.publish.format!r}, got {worker.weights_format!r}")
+                     f"{config.publish.format!r} (the format the workers pull), got "
+                     f"{worker.weights_format!r}")
   if "retire_solved" in rl:
     raise ValueError("rl.retire_solved: replaced by rl.revisit_solved (0.0: a solved record "
                      "is not fed again)")

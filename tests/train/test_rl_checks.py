@@ -42,6 +42,7 @@ def _set(config, **fields):
     ({"rl__dynamic_sampling": True, "rl__dynamic_sampling_max_factor": 0.5},
      "rl.dynamic_sampling_max_factor: expected >= 1"),
     ({"publish__format": "int8"}, "worker.weights_format: expected publish.format='int8'"),
+    ({"publish__format": "x"}, r"publish.format: expected one of \('bf16', 'int8'\)"),
     ({"rl__ref_sync_steps": 4}, "rl.ref_sync_steps: expected 0 with loss.kl_coef=0.0"),
     ({"loss__advantage": "opo", "loss__scale_rewards": "group"},
      "loss.scale_rewards: expected unset with advantage='opo'"),
