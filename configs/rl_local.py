@@ -12,6 +12,11 @@ The other recipes change a few fields of this one:
   configs/rl_sync.py        fully synchronous (max_staleness 0)
   configs/rl_decoupled.py   decoupled PPO with the workers' behaviour log-probs
   configs/rl_dapo.py        DAPO dynamic sampling (groups with all-equal rewards left out)
+  configs/rl_ppo.py         PPO with a critic (GAE), as verl runs it by default
+  configs/rl_reinforce_pp.py  REINFORCE++ with baseline, the KL in the reward
+  configs/rl_remax.py       ReMax: the greedy answer's reward as the baseline
+  configs/rl_gpg.py         GPG: the plain policy gradient, no ratio
+  configs/rl_distill.py     on-policy distillation from a teacher checkpoint
   configs/rl_instruct.py    your instruct checkpoint on your math data, via its chat template
   configs/rl_tools.py       the same, multi-turn: a calculator tool answers each turn
   configs/rl_lora.py        the same, LoRA: adapters trained and synced alone
@@ -20,7 +25,7 @@ The other recipes change a few fields of this one:
 
 Variants:
   configs/rl_local.py        the `make run` default (2 CPU cores, about 10 minutes of RL).
-  configs/rl_local.py:tiny   seconds: a smoke test of the whole loop (used by the tests).
+  configs/rl_local.py:tiny   about a minute: a smoke test of the whole loop (used by the tests).
 
 Override any field, e.g. --config.rl.steps=50 --config.local.workers=1.
 """

@@ -18,7 +18,7 @@ STOP_WITH_PARENT = "RLAX_PS_STOP_WITH_PARENT"
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "local": ("rlax_ps.local_main", "the whole RL loop on this machine: server, trainer, workers"),
     "train": ("rlax_ps.train.rl_main", "the RL trainer against a parameter server"),
-    "sft": ("rlax_ps.train.sft_main", "supervised warm start on a built-in task"),
+    "sft": ("rlax_ps.train.sft_main", "supervised warm start on the built-in tasks or your records"),
     "eval": ("rlax_ps.train.eval_main", "held-out accuracy of Hugging Face checkpoints, side by side"),
     "export": ("rlax_ps.train.export_main", "any checkpoint of a run as a Hugging Face checkpoint"),
     "serve": ("param_server.serve_main", "run the parameter server (gRPC)"),
