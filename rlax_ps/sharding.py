@@ -161,6 +161,19 @@ def unsplit_rows(mesh: Mesh, rows: int) -> str | None:
           f"are split {used} way(s) and each share is computed {split // used} times over")
 
 
+def unsplit_heads(mesh: Mesh, q_heads: int, kv_heads: int) -> str | None:
+  """Why attention would not split over the mesh's tensor axis, or None: the kernels split
+  the query heads, and kv heads as many or repeated up to it (kernels.dispatch); otherwise
+  every tensor device computes every head."""
+  t = mesh.shape.get("tensor", 1)
+  if t == 1 or (q_heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)):
+    return None
+  return (f"mesh tensor={t} does not split the attention's {q_heads} query and {kv_heads} kv "
+          f"heads, so each of the {t} tensor devices computes all of them; a tensor axis "
+          f"that divides the query heads, and divides or is divided by the kv heads, splits "
+          f"them")
+
+
 def shard_batch(mesh: Mesh, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
   """Place a global host batch on the mesh, rows split over (data, fsdp).
 

@@ -270,6 +270,13 @@ class TrainerRun:
       logging.warning("%s: %s; a multiple of %d uses every device", fields, unsplit,
                       self.mesh.shape["data"] * self.mesh.shape["fsdp"] * micro)
 
+  def warn_unsplit_heads(self) -> None:
+    """Warn before step 1 when the mesh's tensor axis cannot split the model's attention."""
+    c = self.model_config
+    unsplit = shd.unsplit_heads(self.mesh, c.num_heads, c.num_kv_heads)
+    if unsplit and self.leader:
+      logging.warning("%s", unsplit)
+
   def open_workdir(self, workdir: str, build: Callable[[], None]) -> None:
     """Create the workdir and hold it (process 0) while the trainer lives, then `build()` the
     trainer's parts (a build that raises, a config refused, frees it again): a second

@@ -92,3 +92,13 @@ def test_a_resume_from_another_checkpoint_says_what_comes_from_which(pretrained,
     said = [r.getMessage() for r in caplog.records if "init_from_hf:" in r.getMessage()]
     assert bool(said) == warned, said
   assert f"{path!r} in the checkpoint (step 1), {other!r} now: the run resumes" in said[0]
+
+
+def test_a_tensor_axis_that_cannot_split_the_heads_is_said_at_start(tmp_path, caplog):
+  """The tiny model's 4 query heads on tensor=8: every device would compute every head."""
+  config = _tiny_config()
+  config.mesh.data, config.mesh.tensor = 1, 8
+  with SFTTrainer(config, str(tmp_path)):
+    pass
+  assert any("mesh tensor=8 does not split the attention's 4 query and 2 kv heads" in
+             r.getMessage() for r in caplog.records)

@@ -80,3 +80,16 @@ def test_rows_that_the_batch_axes_do_not_divide_are_named():
   assert shd.unsplit_rows(mesh, 12) == ("12 rows a micro-batch are not a multiple of mesh "
                                         "data*fsdp = 8, so they are split 2 way(s) and each "
                                         "share is computed 4 times over")
+
+
+def test_heads_that_the_tensor_axis_does_not_split_are_named():
+  """Qwen2.5-7B's 28 query heads on tensor=8: the kernels ran every head on every device."""
+  mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tensor": 8})
+  assert shd.unsplit_heads(mesh, 32, 8) is None and shd.unsplit_heads(mesh, 32, 4) is None
+  assert shd.unsplit_heads(mesh, 32, 16) is None
+  assert shd.unsplit_heads(mesh, 28, 4) == (
+      "mesh tensor=8 does not split the attention's 28 query and 4 kv heads, so each of the 8 "
+      "tensor devices computes all of them; a tensor axis that divides the query heads, and "
+      "divides or is divided by the kv heads, splits them")
+  assert shd.unsplit_heads(mesh, 24, 3) is not None  # 8 neither divides nor is divided by 3
+  assert shd.unsplit_heads(shd.make_mesh({"data": 8, "fsdp": 1, "tensor": 1}), 28, 4) is None
