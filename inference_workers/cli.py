@@ -21,6 +21,7 @@ import dataclasses
 import signal
 import sys
 import threading
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -168,6 +169,12 @@ def main(argv) -> None:
     let_go(code)
     exit_now(code)
 
+  def crashed() -> None:
+    """The worker failed (its leases released): the traceback, then exit 1 at once, since an
+    environment call left hung on its thread would hold the interpreter's exit for ever."""
+    traceback.print_exc()
+    leave(1)
+
   try:
     with connect_flags.connect("worker") as client:
       try:
@@ -192,9 +199,13 @@ def main(argv) -> None:
     leave(1)  # leases released: skip a finalization that can abort
   except jax.errors.JaxRuntimeError as e:
     if mirror is None:
-      raise
+      crashed()
     print(lost_host_message(e, 0) + "; open leases released", file=sys.stderr, flush=True)
     exit_now(1)  # no stop message nor jax.distributed.shutdown: both wait for the lost host
+  except app.UsageError:
+    raise
+  except Exception:  # noqa: BLE001 - a crash, said with its traceback
+    crashed()
   logging.info("worker: done: %s", stats)
   held = ("nothing" if worker.policy.version is None else
           f"v{worker.policy.version} digest {worker.policy.digest():016x}")

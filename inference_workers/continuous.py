@@ -823,17 +823,17 @@ class ContinuousBatch:
     self._replies.clear()
     self._dev.clear()
 
-  def close(self) -> None:
-    """Stop the reply threads (replies still in the making are awaited); a later reply
-    starts them again."""
+  def close(self, wait: bool = True) -> None:
+    """Stop the reply threads: calls not begun are dropped, those under way awaited unless
+    not `wait` (a crashed worker leaves a hung one on its thread rather than wait for it)."""
     if self._pool is not None:
-      self._pool.shutdown(wait=True)
+      self._pool.shutdown(wait=wait, cancel_futures=True)
       self._pool = None
 
-  def release(self) -> None:
-    """Done with the batch: its reply threads stop and its device state goes (on every
-    process of a multi-host worker)."""
-    self.close()
+  def release(self, wait: bool = True) -> None:
+    """Done with the batch: its reply threads stop (`close`) and its device state goes (on
+    every process of a multi-host worker)."""
+    self.close(wait)
     self.clear()
     if self._mirror is not None:
       self._dev.forget()

@@ -624,6 +624,7 @@ class Worker:
     self._beat_now.set()  # the first heartbeat goes out as soon as the worker registers
     heartbeat = threading.Thread(target=self._heartbeat_loop, name="worker-heartbeat", daemon=True)
     puller = threading.Thread(target=self._prefetch_loop, name="worker-prefetch", daemon=True)
+    crashed = False
     try:
       self._with_backoff(lambda: self.client.register(self.config.name))
       if not self.stopping:  # registered (a stop during the retries leaves no worker id)
@@ -638,11 +639,21 @@ class Worker:
           if not self._may_lease():
             break
           self._with_backoff(self._one_lease)
+    except BaseException:
+      crashed = True
+      raise
     finally:
+      if crashed:  # the heartbeat renews no lease from now on
+        self._done.set()
       self._drain_scoring()
-      if self._batch is not None:
-        self._batch.close()
+      # The open prompts go back before the batch's environment calls are waited for (one
+      # may never return: worker.environment_timeout_s 0); after a crash, not waited for.
       self._release_all()
+      if self._batch is not None:
+        if crashed:  # calls not begun are dropped at once; one under way is not waited for
+          threading.Thread(target=self._batch.close, name="worker-close", daemon=True).start()
+        else:
+          self._batch.close()
       self._done.set()
       self._beat_now.set()
       self._pull_now.set()
@@ -1579,6 +1590,7 @@ class Worker:
                             kv_dtype=self.config.kv_cache_dtype or None, mirror=self.mirror)
     keys = {i: ("round", prompts[i].id) for i in live}
     index = {key: i for i, key in keys.items()}
+    ended_well = False
     try:
       for i, key in keys.items():
         self._started[key] = (prompts[i], version)
@@ -1601,8 +1613,9 @@ class Worker:
           i = index[key]
           given[i] = self._given.pop(key, {})
           finished(i, got, given[i])
-    finally:
-      batch.release()
+      ended_well = True
+    finally:  # after a crash, an environment call under way (it may hang) is not waited for
+      batch.release(wait=ended_well)
       for i, key in keys.items():
         self._started.pop(key, None)
         if key in self._given:  # a finished prompt's were handed over already
