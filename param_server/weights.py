@@ -227,6 +227,7 @@ class WeightStore:
       return
     for key in [k for k in self._cache if k[0] == blob.name]:
       self._cache_used -= self._cache.pop(key).nbytes
+    self._results.pop(blob.name, None)  # (one entry a version: a long run's grew for good)
     if os.path.exists(self._marker(blob)):
       os.remove(self._marker(blob))
     shutil.rmtree(self._path(blob), ignore_errors=True)

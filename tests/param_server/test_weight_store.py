@@ -159,6 +159,22 @@ def test_a_keyframe_of_the_latest_version_is_stored_beside_its_delta(tmp_path):
   assert os.listdir(other.tmp_dir) == []
 
 
+def test_a_long_run_keeps_no_record_of_deleted_versions(tmp_path):
+  """Each publication's seal digest was kept for good (a slow leak over a long run)."""
+  rng = np.random.default_rng(0)
+  store = WeightStore(str(tmp_path), limits=WeightLimits(compact_in_background=False,
+                                                         delta_history=1), chunk_bytes=CHUNK)
+  held = [sync.held_state({"w": rng.standard_normal(1 << 12).astype(np.float32)}, "bf16")]
+  _publish(store, sync.encode(None, held[0], "bf16", version=0).to_bytes())
+  for v in range(1, 30):
+    held.append(sync.held_state({"w": rng.standard_normal(1 << 12).astype(np.float32)},
+                                "bf16"))
+    _publish(store, sync.encode(held[v - 1], held[v], "bf16", version=v).to_bytes())
+  assert store.compactions > 5
+  stored = {b.name for b in [store.keyframe, *store.deltas.values()]}
+  assert set(store._results) <= stored and len(store._results) <= 4
+
+
 def _compaction_peak(root: str) -> tuple[float, int]:
   """(MiB the peak RSS grew by while a publication triggered compaction, keyframe bytes):
   a 64 MiB bf16 keyframe, then deltas changing 12% of the elements until their chain
