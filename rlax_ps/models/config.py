@@ -499,11 +499,20 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    """The config of dict `d` (a checkpoint's saved one). One saved with LoRA targets naming
+    none of its model's projections (before those were refused) built no adapter and
+    trained every weight: it is read as that plain model, which its checkpoint holds."""
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:
       raise ValueError(f"ModelConfig: unknown fields {unknown}; known: {sorted(known)}")
-    return cls(**d)
+    try:
+      return cls(**d)
+    except ValueError as e:
+      if not (d.get("lora_rank") and "ModelConfig.lora_targets: expected some of this "
+              "model's projections" in str(e)):
+        raise
+      return cls(**{**d, "lora_rank": 0})
 
   @property
   def num_params(self) -> int:

@@ -82,6 +82,10 @@ def test_targets_naming_none_of_the_models_projections_are_refused():
   model = Transformer(moe.replace(lora_rank=4, lora_targets=("experts",)), rngs=nnx.Rngs(0))
   trainable, frozen = split_trainable(nnx.state(model, nnx.Param).to_pure_dict())
   assert frozen and all(".lora_" in k for k in flat_params(trainable))
+  # A checkpoint saved with such targets (before they were refused) trained every weight:
+  # read back as that plain model, so that it still resumes or exports.
+  saved = dict(BASE.to_dict(), lora_rank=4, lora_targets=["experts"])
+  assert ModelConfig.from_dict(saved).lora_rank == 0
   # A layer of its own dense MLP (mlp_only_layers) or a shared expert gives the MLP targets.
   moe.replace(lora_rank=4, lora_targets=("gate_proj",), mlp_only_layers=(0,))
   moe.replace(lora_rank=4, lora_targets=("gate_proj",), shared_expert_intermediate_size=8)
