@@ -54,10 +54,11 @@ def held_state_fn(fmt: str) -> Callable[[Any], dict[str, jax.Array]]:
 @dataclasses.dataclass(frozen=True)
 class Publication:
   version: int
-  keyframe: bool
-  bytes: int  # the encoded updates' size (a scheduled keyframe's and its delta's)
-  seconds: float  # device diff + fetch + encode + send
+  keyframe: bool  # sent as a keyframe alone (the first, a restart's, one asked for)
+  bytes: int  # the encoded update's size (the delta's, or that keyframe's)
+  seconds: float  # device diff + fetch + encode + send (a keyframe beside it included)
   digest: int  # sync.state_digest of the published held state
+  keyframe_bytes: int = 0  # a scheduled keyframe's, sent beside the delta (else 0)
 
 
 class Publisher:
@@ -92,7 +93,8 @@ class Publisher:
       raise ValueError(f"version: expected > the last published {self.version}, got {version}")
     t0 = time.perf_counter()
     new_device = self._held(params)
-    keyframe = keyframe or self._device is None or version != self.version + 1
+    keyframe = (keyframe or self._device is None or version != self.version + 1
+                or self.keyframe_every == 1)  # (each version a keyframe: no delta beside)
     # The schedule every process of a multi-host slice keeps alike (their device paths must
     # match): a keyframe the sender alone falls back to does not reset it.
     scheduled = keyframe or self._since_keyframe + 1 >= self.keyframe_every
@@ -125,11 +127,12 @@ class Publisher:
       del update, wire
     self._device, self.version = new_device, version
     self._since_keyframe = 0 if scheduled else self._since_keyframe + 1
+    beside = 0
     if sends and scheduled and not keyframe:
       # The version's keyframe, stored beside its delta: a new worker pulls it, one a
       # version behind still the delta.
-      size += len(self._send_keyframe(host, version, prints)[1])
-    return Publication(version, scheduled or keyframe, size, time.perf_counter() - t0, digest)
+      beside = len(self._send_keyframe(host, version, prints)[1])
+    return Publication(version, keyframe, size, time.perf_counter() - t0, digest, beside)
 
   def resend_keyframe(self) -> Publication:
     """The last published version again, as a keyframe encoded from the host copy (no device

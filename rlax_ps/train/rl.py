@@ -320,6 +320,22 @@ COUNTS = ("dropped_stale", "rejected", "filtered", "filled", "came_back",
 ENQUEUE_BATCH = 1024  # prompts per enqueue call
 
 
+def sync_summary(fmt: str, log: Sequence[tuple[int, int, float, bool, int]]) -> dict[str, Any]:
+  """The summary's sync figures of the publications `log` (version, bytes, seconds, sent as
+  a keyframe alone, the bytes of a keyframe sent beside its delta): a scheduled version
+  counts as a delta, its keyframe as the last keyframe."""
+  deltas = [(b, s) for _, b, s, key, _ in log if not key]
+  keys = [b if key else beside for _, b, _, key, beside in log if key or beside]
+  return {
+      "format": fmt, "versions": len(log),
+      "delta_bytes_mean": float(np.mean([b for b, _ in deltas])) if deltas else 0.0,
+      "delta_seconds_mean": float(np.mean([s for _, s in deltas])) if deltas else 0.0,
+      # The first delta's seconds hold the diff's compile: the median is a delta's cost.
+      "delta_seconds_median": float(np.median([s for _, s in deltas])) if deltas else 0.0,
+      "keyframe_bytes": keys[-1] if keys else 0,
+  }
+
+
 class RLTrainer(TrainerRun):
   """Owns one RL run: mesh, state, jitted step, prompt feed, publisher, checkpoints, logs.
   `client` is the server's client on the leader (process 0) and None on the other
@@ -535,7 +551,7 @@ class RLTrainer(TrainerRun):
     self.stop_signal: int | None = None  # the signal that asked for the stop, if any
     # (version, bytes, s, keyframe) of a follower's publications; the leader's are in
     # versions.jsonl.
-    self.sync_log: list[tuple[int, int, float, bool]] = []
+    self.sync_log: list[tuple[int, int, float, bool, int]] = []
     log = config.get("log") or {}  # the completions log (check_rl_config checked it)
     self.completions_every = int(log.get("completions_every", 0))
     self.completions_groups = int(log.get("completions_groups", 0))
@@ -1554,13 +1570,16 @@ class RLTrainer(TrainerRun):
     pub = self.publisher.publish(self.state.params, version, keyframe=keyframe)
     self._published_step = self.step
     if not self.leader:  # the leader's go to versions.jsonl alone, not to a list per step
-      self.sync_log.append((pub.version, pub.bytes, pub.seconds, pub.keyframe))
+      self.sync_log.append((pub.version, pub.bytes, pub.seconds, pub.keyframe,
+                            pub.keyframe_bytes))
       return pub
     with open_jsonl(os.path.join(self.workdir, "versions.jsonl")) as f:
       f.write(json.dumps({"version": pub.version, "step": self.step, "keyframe": pub.keyframe,
                           "bytes": pub.bytes, "seconds": pub.seconds,
-                          "digest": f"{pub.digest:016x}"}) + "\n")
-    self.writer.add_scalar("sync/bytes", pub.bytes, self.step)
+                          "digest": f"{pub.digest:016x}",
+                          **({"keyframe_bytes": pub.keyframe_bytes} if pub.keyframe_bytes
+                             else {})}) + "\n")
+    self.writer.add_scalar("sync/bytes", pub.bytes + pub.keyframe_bytes, self.step)
     self.writer.add_scalar("sync/seconds", pub.seconds, self.step)
     self.writer.add_scalar("sync/version", pub.version, self.step)
     return pub
@@ -1765,18 +1784,9 @@ class RLTrainer(TrainerRun):
           self.writer.add_scalar(f"eval/{name}", v, self.step)
     log = self.sync_log
     if self.leader and os.path.exists(os.path.join(self.workdir, "versions.jsonl")):
-      log = [(r["version"], r["bytes"], r["seconds"], r["keyframe"])  # every run's
-             for r in self._versions_log()]
-    deltas = [(b, s) for _, b, s, key in log if not key]
-    keys = [(b, s) for _, b, s, key in log if key]
-    summary["sync"] = {
-        "format": self.publisher.fmt, "versions": len(log),
-        "delta_bytes_mean": float(np.mean([b for b, _ in deltas])) if deltas else 0.0,
-        "delta_seconds_mean": float(np.mean([s for _, s in deltas])) if deltas else 0.0,
-        # The first delta's seconds hold the diff's compile: the median is a delta's cost.
-        "delta_seconds_median": float(np.median([s for _, s in deltas])) if deltas else 0.0,
-        "keyframe_bytes": keys[-1][0] if keys else 0,
-    }
+      log = [(r["version"], r["bytes"], r["seconds"], r["keyframe"],  # every run's
+              r.get("keyframe_bytes", 0)) for r in self._versions_log()]
+    summary["sync"] = sync_summary(self.publisher.fmt, log)
     summary["export"] = self.export_hf() if self.config.export.hf and not stopped else None
     summary["dropped_stale"], summary["rejected"] = self.dropped_stale, self.rejected
     if self.left_unacked:  # taken by the final evaluation on the workers, left for a rerun

@@ -51,8 +51,8 @@ def test_a_worker_one_version_behind_a_scheduled_keyframe_pulls_the_delta(tmp_pa
       for version in range(K):
         assert pub.publish(_params(version), version).keyframe == (version == 0)
         held, _ = _pull(wc, None if held is None else version - 1, held)
-      sent = pub.publish(_params(K), K)
-      assert sent.keyframe
+      sent = pub.publish(_params(K), K)  # a delta, and the keyframe beside it
+      assert not sent.keyframe and sent.keyframe_bytes > 20 * sent.bytes
       behind, updates = _pull(wc, K - 1, held)
       assert [(u.version, u.base_version) for u in updates] == [(K, K - 1)]
       fresh, fresh_updates = _pull(wc, None, None)
@@ -67,6 +67,21 @@ def test_a_worker_one_version_behind_a_scheduled_keyframe_pulls_the_delta(tmp_pa
       _assert_equal(later, _want(K + 1, fmt))
   finally:
     server.stop(grace=0)
+
+
+def test_each_version_a_keyframe_sends_no_delta_beside_it(tmp_path):
+  """keyframe_every=1: every version's keyframe alone (it sent a delta and a keyframe)."""
+  sent = []
+
+  class Client:
+    def publish(self, wire, run=""):
+      sent.append(sync.Update.from_bytes(wire))
+
+  pub = publisher_lib.Publisher(Client(), "bf16", keyframe_every=1)
+  pubs = [pub.publish(_params(v), v) for v in range(3)]
+  assert [p.keyframe for p in pubs] == [True] * 3
+  assert [(u.version, u.is_keyframe) for u in sent] == [(0, True), (1, True), (2, True)]
+  assert all(p.keyframe_bytes == 0 for p in pubs)
 
 
 def test_a_restart_keyframe_goes_alone(tmp_path):
