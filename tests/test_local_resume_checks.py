@@ -69,6 +69,18 @@ def test_the_config_it_was_trained_with_resumes_without_a_line(tmp_path):
   assert resume_lines(config, str(tmp_path)) == []
 
 
+def test_another_number_of_updates_per_batch_is_refused_before_anything_starts(tmp_path):
+  """The trainer refused it only after the server, its model load and the workers started."""
+  config = _config()
+  metadata = {"step": 4, "data_source": data_source(config, None),
+              "config": {"rl": {"updates_per_batch": 2}}}
+  with Checkpointer(os.path.join(tmp_path, "checkpoints"), async_save=False) as checkpointer:
+    checkpointer.save(4, {"x": np.zeros(2, np.float32)}, metadata)
+  with pytest.raises(ValueError, match="rl.updates_per_batch: 2 in the checkpoint at step 4, "
+                                       "1 now"):
+    resume_lines(config, str(tmp_path))
+
+
 def test_another_seed_is_refused_in_the_trainers_words(tmp_path):
   saved = _checkpoint(tmp_path, _config())
   config = _config()

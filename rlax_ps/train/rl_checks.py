@@ -382,9 +382,9 @@ def prompt_limit(config, max_positions: int) -> tuple[int, str]:
 
 def resume_lines(config, workdir: str) -> list[str]:
   """What an RL trainer on `config` says before step 1 when it resumes the latest checkpoint
-  of `workdir`: ValueError where it refuses this config's data source, else the lines it
-  logs (data.allow_new_source taking other data, the lr schedule kept or changed); [] when
-  there is none to resume. Reads that checkpoint's metadata alone, writing nothing."""
+  of `workdir`: ValueError where it refuses this config's data source or its updates per
+  batch, else the lines it logs (data.allow_new_source taking other data, the lr schedule
+  kept or changed); [] when there is none to resume. Reads that checkpoint's metadata alone, writing nothing."""
   from rlax_ps.train.prompts import iter_config_records
   from rlax_ps.train.run import (checkpoint_directory, data_source, resumed_optimizer,
                                  resumed_source_line)
@@ -395,6 +395,7 @@ def resume_lines(config, workdir: str) -> list[str]:
   saved = latest_metadata(directory)
   if saved is None:
     return []
+  check_resumed_updates(saved, int(config.rl.get("updates_per_batch", 1)))
   records, path = None, config.data.get("jsonl", "")
   if path and saved.get("data_source"):
     records = ((r["prompt"], r["answer"], r["task"])  # digested as read, none held
