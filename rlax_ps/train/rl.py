@@ -36,7 +36,7 @@ from absl import logging
 
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from algorithms.selection import fed, next_streak
-from param_server.client import (ParamServerError, Prompt, RetryPolicy, routes_of,
+from param_server.client import (RETRYABLE, ParamServerError, Prompt, RetryPolicy, routes_of,
                                  sample_logprobs, sample_observed, sample_teacher)
 from rlax_ps import chat, optim
 from rlax_ps import sharding as shd
@@ -1060,7 +1060,9 @@ class RLTrainer(TrainerRun):
         self._compiler.shutdown(wait=False, cancel_futures=True)
     self.save()
     self.checkpointer.wait()
-    self._ack_or_defer()
+    refused = self._ack_or_defer()
+    if refused is not None:
+      raise refused
     if self._shared(self.ended_by is not None):  # (the other processes of a slice too)
       raise self.ended_by or RuntimeError("rl: the run ended on process 0: see its log")
     return self.finish(time.time() - t0, start_step)
@@ -1599,20 +1601,26 @@ class RLTrainer(TrainerRun):
     # An async save before it is durable first (orbax's save waits for it anyway): its takes
     # are acked now, not left unacked for as long as each save is still running at the next.
     self.checkpointer.wait()
-    self._ack_or_defer()
+    refused = self._ack_or_defer()
     self.checkpointer.save(step, tree, self.metadata())
     if not self.config.checkpoint.async_save:
-      self._ack_or_defer()
+      refused = refused or self._ack_or_defer()
+    if refused is not None:
+      raise refused
 
-  def _ack_or_defer(self) -> None:
-    """_ack_durable, where a server that cannot be reached leaves the takes to the next
-    checkpoint or start (they are in the checkpoint's metadata): a checkpoint waiting on it
-    was lost with the run, and the steps since the last one with it."""
+  def _ack_or_defer(self) -> ParamServerError | None:
+    """_ack_durable, where a server error leaves the takes to the next checkpoint or start
+    (they are in the checkpoint's metadata): a checkpoint waiting on it was lost with the
+    run, and the steps since the last one with it. Returns the error unless it is one a
+    server out of reach gives (RETRYABLE, past the client's retries): a refusal (a token, a
+    take of another run) is raised once the checkpoint is written."""
     try:
       self._ack_durable()
     except ParamServerError as e:
       logging.warning("rl: %d takes trained on are left unacknowledged for the next "
                       "checkpoint or start: %s", len(self.pending), e)
+      return None if e.code in RETRYABLE else e
+    return None
 
   def _ack_durable(self) -> None:
     """Acknowledge the takes that a durable checkpoint has trained on (the leader's)."""

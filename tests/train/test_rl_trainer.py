@@ -409,6 +409,14 @@ def test_a_checkpoint_is_written_when_the_server_cannot_take_its_acknowledgement
     assert tr.checkpointer.latest_step() == 2 and tr.client.ack.called
     assert [t.take_id for t in tr.pending] == ["t1"]  # acknowledged at the next start
     assert [t["take_id"] for t in tr.checkpointer.latest_metadata()["pending_takes"]] == ["t1"]
+    # A refusal (not a server out of reach) ends the run, once the checkpoint is written.
+    tr.client.ack.side_effect = ParamServerError("AckRollouts",
+                                                 grpc.StatusCode.PERMISSION_DENIED, "token")
+    tr.state = tr.state.replace(step=tr.state.step + 1)
+    with pytest.raises(ParamServerError, match="PERMISSION_DENIED"):
+      tr.save()
+    tr.checkpointer.wait()
+    assert tr.checkpointer.latest_step() == 3
 
 
 def test_a_resumed_run_is_checked_for_another_init_from_hf(tmp_path):
