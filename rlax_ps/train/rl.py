@@ -54,7 +54,8 @@ from rlax_ps.train.rl_loss import LossConfig, adapt_entropy_coef, adapt_kl_coef,
 from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, empty_batch, \
   fit_response_len, response_lens, response_stats
 from rlax_ps.train.events import open_jsonl, open_steps_jsonl, read_jsonl
-from rlax_ps.train.run import STOP_SIGNALS, TrainerRun, data_source, open_checkpointer
+from rlax_ps.train.run import (STOP_SIGNALS, TrainerRun, check_resumed_clipping, data_source,
+                               open_checkpointer)
 from rlax_ps.train.critic import Critic
 from rlax_ps.train.state import (TrainState, abstract_model, hf_params, restore_or_init,
                                  restore_state)
@@ -437,6 +438,10 @@ class RLTrainer(TrainerRun):
                        f"the policy's weights, or over critic.init_from_hf's); resume it with "
                        f"the settings and the rlax-ps that wrote it, or use another workdir")
     critic_saved = self.critic is not None and saved_critic is not None
+    if critic_saved and latest.get("config"):  # (its optimizer block: absent, the defaults)
+      was = (latest["config"].get("critic") or {}).get("optimizer") or {}
+      check_resumed_clipping(was, (config.get("critic") or {}).get("optimizer") or {},
+                             latest, "critic.optimizer")
     if latest is not None and (latest.get("mixed_reference") or critic_saved):
       self.state, self.shardings, self.graphdef, saved, held = restore_state(
           self.model_config, self.optimizer, self.mesh, self.checkpointer,

@@ -165,21 +165,28 @@ def resumed_source_line(saved: dict[str, Any] | None, source: dict[str, Any], di
                    f"data.allow_new_source=True ({switch})")
 
 
+def check_resumed_clipping(recorded, cfg, saved: dict[str, Any] | None, block: str) -> None:
+  """ValueError naming `block`.clip_norm when clipping is turned on or off against the
+  optimizer block `recorded` in the checkpoint of metadata `saved` (None: none recorded)."""
+  if recorded is None:
+    return
+  was, now = float(optim.setting(recorded, "clip_norm")), float(optim.setting(cfg, "clip_norm"))
+  if (was > 0) != (now > 0):
+    raise ValueError(f"{block}.clip_norm: {was} in the checkpoint at step "
+                     f"{saved.get('step', '?')}, {now} now: clipping turned "
+                     f"{'on' if now > 0 else 'off'} changes the optimizer state the checkpoint "
+                     f"holds; resume with clip_norm {'> 0' if was > 0 else '= 0'}, or use "
+                     f"another --workdir")
+
+
 def resumed_optimizer(cfg, total_steps: int, saved: dict[str, Any] | None,
                       steps_field: str) -> tuple[dict[str, Any], str | None]:
   """(optimizer config, line or None) of a run of `total_steps` (`steps_field`) resuming the
   checkpoint of metadata `saved` (None: a fresh run): optim.resumed_optimizer_config. Turning
   clipping on or off is refused naming optimizer.clip_norm: it adds or removes a part of the
   optimizer's state, which the checkpoint's cannot be restored into."""
-  recorded = ((saved or {}).get("config") or {}).get("optimizer")
-  was = None if recorded is None else float(optim.setting(recorded, "clip_norm"))
-  now = float(optim.setting(cfg, "clip_norm"))
-  if was is not None and (was > 0) != (now > 0):
-    raise ValueError(f"optimizer.clip_norm: {was} in the checkpoint at step "
-                     f"{saved.get('step', '?')}, {now} now: clipping turned "
-                     f"{'on' if now > 0 else 'off'} changes the optimizer state the checkpoint "
-                     f"holds; resume with clip_norm {'> 0' if was > 0 else '= 0'}, or use "
-                     f"another --workdir")
+  check_resumed_clipping(((saved or {}).get("config") or {}).get("optimizer"), cfg, saved,
+                         "optimizer")
   return optim.resumed_optimizer_config(cfg, total_steps,
                                         optim.saved_schedule(saved, steps_field),
                                         int((saved or {}).get("step", 0)), steps_field)

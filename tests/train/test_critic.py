@@ -393,3 +393,18 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
   assert [r["loss"] is None for r in lines] == [True, False]  # step 1: the critic's alone
   assert ["sync_bytes" in r for r in lines] == [False, True]
   assert "reward_kl" in lines[1]
+
+
+def test_the_critics_clipping_turned_on_or_off_on_resume_is_refused_naming_it(tmp_path):
+  """The critic's optimizer gains or loses a part as the policy's does: its restore failed
+  deep in orbax, naming no field."""
+  from rlax_ps.train.rl import RLTrainer
+  config = rl_config("tiny", "configs/rl_ppo.py")
+  config.eval.num_examples = 0
+  with RLTrainer(config, str(tmp_path / "rl"), object()) as tr:
+    tr.save()
+    tr.checkpointer.wait()
+  config.critic.optimizer.clip_norm = 0.0
+  with pytest.raises(ValueError, match=r"critic.optimizer.clip_norm: 1.0 in the checkpoint at "
+                                       r"step 0, 0.0 now: clipping turned off"):
+    RLTrainer(config, str(tmp_path / "rl"), object())
