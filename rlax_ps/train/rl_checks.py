@@ -55,6 +55,13 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
     raise ValueError(f"rl.updates_per_batch: expected >= 1, got {updates}")
   if int(rl.get("response_buckets", 1)) < 1:
     raise ValueError(f"rl.response_buckets: expected >= 1, got {rl.response_buckets}")
+  # M2PO's unread clip bounds, in the block as given (LossConfig fills in PPO's).
+  if str(config.loss.get("correction", "none")) == "m2po":
+    for field in ("clip_low", "clip_high"):
+      if config.loss.get(field) is not None:
+        raise ValueError(f"loss.{field}: expected unset with loss.correction='m2po' (M2PO "
+                         f"clips no ratio: tokens past m2po_threshold are masked instead), "
+                         f"got {config.loss.get(field)!r}")
   loss = dataclasses.replace(LossConfig.from_config(config.loss),
                              budget=int(worker.max_new_tokens),
                              temperature=float(worker.temperature))

@@ -43,6 +43,8 @@ def _set(config, **fields):
      "rl.dynamic_sampling_max_factor: expected >= 1"),
     ({"publish__format": "int8"}, "worker.weights_format: expected publish.format='int8'"),
     ({"publish__format": "x"}, r"publish.format: expected one of \('bf16', 'int8'\)"),
+    ({"loss__correction": "m2po", "loss__clip_high": 0.3},
+     r"loss.clip_high: expected unset with loss.correction='m2po' \(M2PO clips no ratio"),
     ({"rl__ref_sync_steps": 4}, "rl.ref_sync_steps: expected 0 with loss.kl_coef=0.0"),
     ({"loss__advantage": "opo", "loss__scale_rewards": "group"},
      "loss.scale_rewards: expected unset with advantage='opo'"),
