@@ -210,18 +210,13 @@ def _check_files(config) -> None:
   from rlax_ps.train.run import check_init_from_hf
   if config.get("init_from_hf", ""):
     check_init_from_hf(str(config.init_from_hf))
-  teacher = str((config.get("teacher") or {}).get("path", ""))
-  if teacher:
-    try:
-      check_init_from_hf(teacher)
-    except ValueError as e:
-      raise ValueError(f"teacher.path: {str(e).removeprefix('init_from_hf: ')}") from None
-  on_workers = str(worker.get("teacher", ""))
-  if on_workers:
-    try:
-      check_init_from_hf(on_workers)
-    except ValueError as e:
-      raise ValueError(f"worker.teacher: {str(e).removeprefix('init_from_hf: ')}") from None
+  for field, teacher in (("teacher.path", (config.get("teacher") or {}).get("path", "")),
+                         ("worker.teacher", worker.get("teacher", ""))):
+    if str(teacher):
+      try:
+        check_init_from_hf(str(teacher))
+      except ValueError as e:
+        raise ValueError(f"{field}: {str(e).removeprefix('init_from_hf: ')}") from None
   reward_model = str(worker.get("reward_model", ""))
   if reward_model:
     _check_reward_model(reward_model)
