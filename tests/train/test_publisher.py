@@ -49,7 +49,9 @@ def test_a_follower_makes_the_senders_gathers_and_keeps_nothing(fmt, monkeypatch
     sender_calls, calls[:] = list(calls), []
     got = follower.publish(_params(version), version)
     assert calls == sender_calls, version
-    assert got.keyframe == sent.keyframe == (version in (0, 3))
+    # v3: scheduled, a delta and the keyframe the sender alone sends beside it
+    assert got.keyframe == sent.keyframe == (version == 0)
+    assert (sent.keyframe_bytes > 0, got.keyframe_bytes) == (version == 3, 0)
     assert (got.version, got.bytes, got.digest) == (version, 0, 0)
     assert follower._host is None
     held = sync.apply(held, sync.Update.from_bytes(client.sent[-1]))
@@ -82,9 +84,10 @@ def test_a_senders_fallback_keyframe_leaves_the_schedule_the_followers_keep():
     got = follower.publish(_params(version), version)
     if version == 5:
       sender.resend_keyframe()
-    assert got.keyframe == (version in (0, 4, 8)), version  # the schedule, alike
-    assert sender._since_keyframe == follower._since_keyframe, version
-    assert sent.keyframe == (version in (0, 2, 4, 8)), version  # v2: the fallback
+    assert got.keyframe == (version == 0), version
+    assert sender._since_keyframe == follower._since_keyframe, version  # the schedule, alike
+    assert sent.keyframe == (version in (0, 2)), version  # v2: the fallback
+    assert (sent.keyframe_bytes > 0) == (version in (4, 8)), version  # beside the delta
   held = None
   for wire in client.sent:
     held = sync.apply(held if sync.Update.from_bytes(wire).base_version is not None else None,
