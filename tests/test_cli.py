@@ -48,6 +48,7 @@ def test_bad_config_value_type_is_reported():
   assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # ~6 s
 def test_a_setting_the_sft_trainer_refuses_is_one_line_not_a_traceback(tmp_path):
   # Found as the trainer is built (from the config's values, not its keys), before step 1.
   r = _run("sft", "--config=configs/sft_tiny.py:tiny", "--config.data.batch_size=0",

@@ -400,6 +400,7 @@ def test_an_environment_reply_of_no_strings_ends_the_sample_as_none_does(model):
   assert any(len(t) < 20 for t in ends["[]"]["bad"])  # it ended turns: asked, then stopped
 
 
+@pytest.mark.slow  # ~5 s; test_environments holds the tuple in the default suite
 def test_an_environment_reply_as_a_tuple_is_fed_as_a_list(model):
   by_tuple, _ = worker_turns(model, {"bad": ("ok", "no"), "good": "ok"})
   by_list, _ = worker_turns(model, {"bad": ["ok", "no"], "good": "ok"})

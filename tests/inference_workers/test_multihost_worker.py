@@ -106,6 +106,8 @@ def _reply(key, j, tokens, observed):
   return None if turn >= 2 else [50, 40 + turn, 51]
 
 
+# ~10 s; test_distributed_flags runs two jax.distributed processes in the default suite
+@pytest.mark.slow
 def test_a_followers_decode_state_ends_as_the_leaders_whatever_the_calls():
   model = Transformer(TINY, rngs=nnx.Rngs(0))
   twin = Transformer(TINY, rngs=nnx.Rngs(0))

@@ -86,6 +86,7 @@ def test_a_salvage_hands_a_leases_partial_rollouts_back_in_calls_of_bounded_size
       assert all(len(p.partial) == 3 for p in lease.prompts)
 
 
+@pytest.mark.slow  # ~5 s
 def test_a_greedy_baseline_sample_begun_by_a_stopped_worker_is_finished_greedily(
     server, versions, monkeypatch):
   """worker.greedy_baseline (ReMax): the greedy sample goes back begun with the others and

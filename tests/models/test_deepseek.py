@@ -181,6 +181,7 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path):
   assert len(model.layers) == 3 and max_diff(model, "deepseek_v3") < TOLERANCE
 
 
+@pytest.mark.slow  # ~4 s
 def test_the_packed_rl_loss_trains_latent_attention_and_leaves_the_bias():
   model = fixture_model("deepseek_v3")
   loss, grad = rl_loss_and_grads(model, response_len=5, vocab_hi=70)
@@ -254,6 +255,7 @@ def test_the_hub_deepseek_v3_worker_cache_holds_the_latent_per_token(kv_dtype, h
   assert jax.eval_shape(lambda: KVCache.init(v3, 1, 1)).k[0].shape == (1, 1, 1, 576)
 
 
+@pytest.mark.slow  # ~5 s
 def test_an_int8_worker_decodes_latent_attention_from_the_latent_cache():
   """Int8 weights: the absorbed heads use kv_b_proj's codes times their scales, so cached
   logits equal the int8 model's own uncached ones."""

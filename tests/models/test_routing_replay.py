@@ -181,6 +181,7 @@ def trainer_logprobs(model):
   return lambda batch: jax.device_get(fn(state, batch))
 
 
+@pytest.mark.slow  # ~6 s
 def test_replayed_the_trainers_log_probs_are_the_samplers(samples, trainer_logprobs):
   batch = _batch(samples, "recorded")
   assert batch["prompt_routes"].dtype == jnp.int16

@@ -116,6 +116,7 @@ def test_a_restored_feed_goes_on_with_the_same_records():
     again.restore({"position": 1})
 
 
+@pytest.mark.slow  # ~5 s; test_resume_changes mixes weighted files in the default suite
 def test_weighted_files_are_mixed_in_their_proportions_each_shuffled_on_its_own():
   """data.weights "3,1" over a file of 3 records and one of 7: three prompts of the first for
   one of the second, each file's records all fed once before any again; a restored feed goes

@@ -199,6 +199,8 @@ def test_every_taken_group_is_acknowledged_after_the_final_checkpoint(run):
   assert {t["step"] for t in meta["pending_takes"]} <= {3, 4}
 
 
+# ~6 s; test_local checks each worker's weights against the trainer's in the default suite
+@pytest.mark.slow
 def test_published_versions_decode_to_the_trainers_weights(run):
   versions = _lines(run["tmp"] / "rl" / "versions.jsonl")
   assert [v["version"] for v in versions] == [0, 1, 2, 3, 4]

@@ -34,6 +34,7 @@ def run(tmp_path_factory):
   return workdir, summary
 
 
+@pytest.mark.slow  # ~4 s
 def test_reports_heldout_exact_match_per_task(run):
   _, summary = run
   acc = summary["heldout_exact_match"]
