@@ -13,7 +13,7 @@ def child_env(*, devices: int = 0, tokens: bool = True) -> dict[str, str]:
   flags = ["--xla_backend_optimization_level=0"]
   # The test process's own XLA:CPU settings that this jaxlib takes (conftest asked it)
   flags += [f for f in os.environ.get("XLA_FLAGS", "").split()
-            if f.startswith(("--xla_cpu_use_fusion_emitters", "--xla_cpu_multi_thread_eigen"))]
+            if f.startswith("--xla_cpu_use_fusion_emitters")]
   if devices:
     flags.append(f"--xla_force_host_platform_device_count={devices}")
   env["XLA_FLAGS"] = " ".join(flags)

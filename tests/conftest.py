@@ -33,12 +33,6 @@ def _xla_takes(flag: str) -> bool:
 _EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 if "xla_cpu_use_fusion_emitters" not in _flags and _xla_takes(_EMITTERS):
   _flags += " " + _EMITTERS
-# Each process runs an op on one thread: the suite runs a process a core (and servers, workers
-# and trainers as children beside them), where Eigen's threads only contend (about 10% of a
-# run of the model and kernel tests).
-_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
-if "xla_cpu_multi_thread_eigen" not in _flags and _xla_takes(_ONE_THREAD):
-  _flags += " " + _ONE_THREAD
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
