@@ -428,8 +428,8 @@ def test_a_resumed_run_is_checked_for_another_init_from_hf(tmp_path):
     tr.save()
     tr.checkpointer.wait()
   with mock.patch.object(RLTrainer, "note_resumed_init") as note:
-    with RLTrainer(_config(), str(tmp_path / "rl"), object()):
-      pass
+    with RLTrainer(_config(), str(tmp_path / "rl"), object()) as tr:
+      assert tr.checkpointer.latest_step() == 0  # (it resumed that checkpoint)
   assert note.call_args.args[0]["step"] == 0 and "config" in note.call_args.args[0]
 
 
