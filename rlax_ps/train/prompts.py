@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import array
 import json
+import math
 import operator
+import os
+import reprlib
 import zlib
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -175,6 +178,18 @@ def conversation_answer(messages: Any, field: str) -> list[dict[str, str]]:
   return messages
 
 
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring = _QUOTE.maxother = 80
+_QUOTE.maxlist = _QUOTE.maxtuple = _QUOTE.maxdict = 4
+_QUOTE.maxlevel = 2
+
+
+def quoted(value: Any) -> str:
+  """`value` as an error message shows it: its repr, cut short (a bad field may hold a whole
+  document: the message stays a line)."""
+  return _QUOTE.repr(value)
+
+
 def _check_encodable(value: Any, where: str, key: str) -> None:
   """ValueError naming the record and key when a string in `value` is not valid Unicode (a
   lone surrogate such as JSON's "\\ud83d" of a cut emoji): it could not be sent or tokenized."""
@@ -210,17 +225,20 @@ def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
     prompt = _lookup(rec, prompt_key)
     if isinstance(prompt, (list, tuple)):
       prompt = check_messages(prompt, f"{where}: field {prompt_key!r}")
-    elif not isinstance(prompt, str) or not prompt:
+    elif not isinstance(prompt, str) or not prompt.strip():
       raise ValueError(f"{where}: field {prompt_key!r}: expected a non-empty string or a list "
-                       f"of {{'role', 'content'}} messages, got {prompt!r}")
+                       f"of {{'role', 'content'}} messages, got {quoted(prompt)}")
     task = _lookup(rec, task_key)
     task = default_task if task is None else task
     if not isinstance(task, str):
-      raise ValueError(f"{where}: field {task_key!r}: expected a string, got {task!r}")
+      raise ValueError(f"{where}: field {task_key!r}: expected a string, got {quoted(task)}")
     answer = _lookup(rec, answer_key) if answer_key else ""
     if answer is None and task == REWARD_MODEL_TASK:  # a reward model needs no answer
       answer = ""
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+      if not math.isfinite(answer):  # JSON's NaN / 1e400: "nan" / "inf" matches no answer
+        raise ValueError(f"{where}: field {answer_key!r}: expected a string or a finite "
+                         f"number, got {answer!r}")
       answer = str(answer)
     if isinstance(answer, (list, tuple)) and demonstrations:
       answer = conversation_answer(answer, f"{where}: field {answer_key!r}")
@@ -228,7 +246,7 @@ def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
       also = (" (a list of messages is a multi-turn demonstration, for supervised data)"
               if isinstance(answer, (list, tuple)) else "")
       raise ValueError(f"{where}: field {answer_key!r}: expected a string, got "
-                       f"{answer!r}{also}")
+                       f"{quoted(answer)}{also}")
     if known is not None and task not in known:
       raise ValueError(f"{field} {where}: field {task_key!r}: expected a built-in task or a "
                        f"registered verifier ({', '.join(known)}; worker.verifiers "
@@ -248,8 +266,10 @@ def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
 
 
 def data_files(path: str) -> list[str]:
-  """The files (paths or URLs) of a data.jsonl setting: several are joined by commas."""
-  return [p.strip() for p in path.split(",") if p.strip()]
+  """The files (paths or URLs) of a data.jsonl setting: several are joined by commas; a
+  local path's ~ is the home folder (the shell leaves `--config.data.jsonl=~/x` as it is)."""
+  return [p if "://" in p else os.path.expanduser(p)
+          for p in (p.strip() for p in path.split(",")) if p]
 
 
 def file_weights(data) -> tuple[float, ...]:
@@ -378,13 +398,29 @@ class PromptRecords(Sequence):
     return (self[i] for i in range(len(self)))
 
 
+# How an unweighted stream's order follows from the seed. 1: the seed itself, as grain's
+# shuffle seed; grain orders epoch e by that seed + e, so seed s + 1's epochs were seed s's
+# from its second on. 2: a hash of the seed. A checkpoint's feed state names its order.
+ORDER = 2
+
+
+def shuffle_seed(seed: int, order: int = ORDER) -> int:
+  """grain's shuffle seed of an unweighted stream for `seed` (ORDER)."""
+  if order == 1:
+    return int(seed) & 0x7FFFFFFF
+  return zlib.crc32(f"{int(seed)}/order".encode()) & 0x7FFFFFFF
+
+
 def prompt_dataset(source: Sequence[dict[str, str]], seed: int,
-                   parts: Sequence[tuple[int, int, float]] = ()) -> grain.IterDataset:
+                   parts: Sequence[tuple[int, int, float]] = (),
+                   order: int = ORDER) -> grain.IterDataset:
   """The shuffled, endlessly repeated stream of `source` (each epoch in a new order), each
   record with its index in `source` under "record". `parts` (file_parts): each file's
-  records shuffled and repeated on their own, mixed in proportion to their weights."""
+  records shuffled and repeated on their own, mixed in proportion to their weights.
+  `order`: ORDER, or an older one that a checkpoint's feed state names."""
   if not parts:
-    ds = grain.MapDataset.range(len(source)).shuffle(seed=int(seed) & 0x7FFFFFFF).repeat(None)
+    ds = grain.MapDataset.range(len(source)).shuffle(
+        seed=shuffle_seed(seed, order)).repeat(None)
   else:
     mixed = [(grain.MapDataset.range(a, b).shuffle(
                   seed=zlib.crc32(f"{seed}/{k}".encode()) & 0x7FFFFFFF).repeat(None), w)
@@ -400,6 +436,8 @@ class PromptFeed:
   def __init__(self, source: Sequence[dict[str, str]], seed: int,
                parts: Sequence[tuple[int, int, float]] = ()):
     self.size = len(source)
+    self._source, self._seed, self._parts = source, seed, parts
+    self._order = ORDER  # (a weighted stream's seeds are hashed in every order)
     self._dataset = prompt_dataset(source, seed, parts)
     self._it = iter(self._dataset)
     self.position = 0
@@ -410,7 +448,7 @@ class PromptFeed:
     return out
 
   def state(self) -> dict[str, Any]:
-    return {"position": self.position, "iterator": self._it.get_state()}
+    return {"position": self.position, "iterator": self._it.get_state(), "order": self._order}
 
   def number_from(self, position: int) -> None:
     """Feed this source from its start, numbering its records from `position` on: a source
@@ -418,7 +456,16 @@ class PromptFeed:
     self.position = int(position)
 
   def restore(self, state: dict[str, Any]) -> None:
+    """Back to a checkpoint's place: in the order it was read in (one saved before the
+    order was recorded read an unweighted stream in order 1)."""
     try:
+      order = int(state.get("order", 1))
+      if not self._parts and order != self._order:
+        if order not in (1, ORDER):
+          raise ValueError(f"order {order}: expected 1 or {ORDER}")
+        self._order = order
+        self._dataset = prompt_dataset(self._source, self._seed, self._parts, order)
+        self._it = iter(self._dataset)
       self._it.set_state(state["iterator"])
       self.position = int(state["position"])
     except (KeyError, TypeError, ValueError) as e:
