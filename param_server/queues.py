@@ -48,6 +48,9 @@ class QueueLimits:
   # replace the last ones, so the log grows faster than the state it holds).
   wal_compact_records: int = 20_000
   wal_compact_bytes: int = 64 << 20
+  # A prompt with the begun samples it holds, at most: one lease reply must carry it
+  # (increments joined past it would leave the prompt leased to no one at every deadline).
+  max_prompt_bytes: int = 16 << 20
 
 
 @dataclasses.dataclass
@@ -654,7 +657,16 @@ class PromptRolloutQueues:
       self._commit(pb.WalRecord(lease=pb.WalLease(
           lease_id=lease_id, worker_id=worker_id, prompt_ids=ids, deadline_unix_s=deadline)))
       return pb.Lease(lease_id=lease_id, worker_id=worker_id, deadline_unix_s=deadline,
-                      prompts=[self.prompts[p] for p in ids])
+                      prompts=[self._leasable(self.prompts[p]) for p in ids])
+
+  def _leasable(self, prompt: pb.Prompt) -> pb.Prompt:
+    """The prompt as a lease hands it out: without its begun samples where they are past
+    max_prompt_bytes (a log of an older server: the reply could not be sent), begun anew."""
+    if prompt.partial and prompt.ByteSize() > self.limits.max_prompt_bytes:
+      logging.warning("param server: prompt %r holds %d bytes of begun samples, more than a "
+                      "lease carries: leased without them", prompt.id, prompt.ByteSize())
+      return _without_partial(prompt)
+    return prompt
 
   def _lease_of(self, lease_id: str, worker_id: str, *, allow_closed: bool = False) -> LeaseState:
     if not lease_id:
@@ -713,8 +725,16 @@ class PromptRolloutQueues:
     for k, part in enumerate(partial):
       if part.kept and kept(part):
         where = f"partial[{k}]"
-        whole = joined_partial(self.prompts[part.prompt_id].partial, part, where)
+        prompt = self.prompts[part.prompt_id]
+        whole = joined_partial(prompt.partial, part, where)
         self._check_begun(whole, where)
+        size = _without_partial(prompt).ByteSize() + sum(
+            s.ByteSize() + 8 for s in whole.samples)  # (+ each sample's tag and length)
+        if size > self.limits.max_prompt_bytes:
+          raise errors.ResourceExhausted(
+              where, f"prompt {part.prompt_id!r} would hold {size} bytes with these samples "
+              f"joined, more than the {self.limits.max_prompt_bytes} a lease can carry; "
+              f"send them whole, or keep them")
         joined[part.prompt_id] = whole
     return joined
 

@@ -659,7 +659,7 @@ class ParamServer:
     self.queues = PromptRolloutQueues(
         self.wal, latest_version=lambda: self.weights.latest, limits=QueueLimits(
             max_lease_prompts=config.max_lease_prompts, max_lease_deadline_s=config.max_lease_deadline_s,
-            max_wait_s=config.max_wait_s))
+            max_wait_s=config.max_wait_s, max_prompt_bytes=config.max_message_bytes))
     self.servicer = ParamServerServicer(config, self.weights, self.queues)
     limit = message_limit(config)
     self._server, self._health, self.port = grpc_server(

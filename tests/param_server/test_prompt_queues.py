@@ -725,3 +725,41 @@ def test_bad_incremental_checkpoints_are_refused_naming_the_field(queues, clock,
   clock.t += 6.0  # refused: nothing extended, the samples held are the last accepted
   assert queues.expire_due() == 1
   assert list(queues.lease("w2", 1, 5.0).prompts[0].partial) == list(held.samples)
+
+
+def test_increments_past_what_a_lease_carries_are_refused_and_the_prompt_stays_leasable(
+    tmp_path, clock):
+  """Each renewal under the request limit, the joined samples past what one lease reply
+  carries: the prompt could never be handed out again (every lease reply failed, the prompt
+  leased to no one at each deadline). The increment is refused, naming it, and the lease
+  kept; a prompt an older server let grow so is leased without its begun samples."""
+  q = make_queues(tmp_path, clock, max_prompt_bytes=1500)
+  q.enqueue(prompts("a", "b"))
+  lease = q.lease("w1", 2, 10.0)
+
+  def piece(first, kept=()):
+    return pb.PartialRollouts(prompt_id="a", policy_version=3, kept=list(kept), samples=[
+        make_sample(list(range(first, first + 100)), 0.0, logprobs=[-0.5] * 100)])
+
+  q.renew(lease.lease_id, "w1", 10.0, [piece(0)])
+  q.renew(lease.lease_id, "w1", 10.0, [piece(100, kept=[100])])
+  with pytest.raises(errors.ResourceExhausted,
+                     match=r"partial\[0\]: prompt 'a' would hold \d+ bytes with these samples "
+                           r"joined, more than the 1500 a lease can carry"):
+    q.renew(lease.lease_id, "w1", 10.0, [piece(200, kept=[200])])
+  with pytest.raises(errors.ResourceExhausted, match=r"partial\[0\]: prompt 'a'"):
+    q.release(lease.lease_id, "w1", ["a"], [piece(200, kept=[200])])
+  q.renew(lease.lease_id, "w1", 10.0)  # the lease is kept, with what the prompt held
+  assert len(q.prompts["a"].partial[0].token_ids) == 200
+  clock.t += 11.0
+  q.expire_due()
+  a, b = q.lease("w2", 2, 10.0).prompts
+  assert len(a.partial[0].token_ids) == 200 and 1000 < a.ByteSize() <= 1500
+  q.close()
+  grown = make_queues(tmp_path, clock, max_prompt_bytes=1000)  # a lower limit on restart
+  clock.t += 11.0
+  grown.expire_due()
+  a, b = grown.lease("w3", 2, 10.0).prompts
+  assert a.id == "a" and not a.partial and a.token_ids == [1, 2, 3]
+  assert len(grown.prompts["a"].partial[0].token_ids) == 200  # (held, as the log says)
+  grown.close()

@@ -126,6 +126,27 @@ def test_a_renewal_naming_more_tokens_than_the_server_holds_gets_a_status(traine
   assert list(again.token_ids) == [7, 8, 9]
 
 
+def test_increments_a_lease_reply_could_not_carry_get_a_status_and_the_prompt_goes_on(
+    trainer, worker):
+  """Each renewal under the 1 MiB message limit, the samples joined past it: refused with
+  RESOURCE_EXHAUSTED (the next lease of the prompt failed to send, at every deadline)."""
+  publish_chain(trainer, 1)
+  trainer.enqueue_prompts(prompts(1))
+  lease = worker.lease(1, deadline_s=30)
+  n = 100_000  # ~0.7 MB a renewal
+  piece = lambda first: make_sample(list(range(first, first + n)), 0.0,  # noqa: E731
+                                    logprobs=np.full(n, -0.5))
+  worker.renew(lease, 30, partial=[pb.PartialRollouts(prompt_id="p0", samples=[piece(0)])])
+  code, details = code_of(lambda: worker.renew(lease, 30, partial=[pb.PartialRollouts(
+      prompt_id="p0", samples=[piece(n)], kept=[n])]))
+  assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+  assert re.match(r"partial\[0\]: prompt 'p0' would hold \d+ bytes .* more than the 1048576 "
+                  r"a lease can carry", details), details
+  assert worker.release(lease) == 1
+  (again,) = worker.lease(1, deadline_s=30).prompts[0].partial
+  assert list(again.token_ids) == list(range(n))
+
+
 def test_a_silent_workers_leases_expire_long_before_their_deadlines(start_server):
   """A worker killed without notice falls silent: after silent_worker_heartbeats periods its
   leases expire, their prompts queued again with the samples its renewal carried, while a
