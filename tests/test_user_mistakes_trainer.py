@@ -142,6 +142,38 @@ def test_sft_refuses_bad_data_and_counts_before_its_checkpointer_starts(tmp_path
   config.train.eval_every = -1
   with pytest.raises(ValueError, match="train.eval_every: expected a whole number >= 0"):
     SFTTrainer(config, str(tmp_path / "w"))
+  # A record the tokenizer cannot encode, or too long for data.seq_len: named by its file
+  # and line (the line after a blank one, in the second file), not "record 4" or no place.
+  (tmp_path / "a.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n\n'
+                                    '{"prompt": "2+2=", "answer": "4"}\n')
+  for line, message in [('{"prompt": "3+3=", "answer": "6 \u2713"}',
+                         "character '\u2713' at position 2 of '6 \u2713' is not in the "
+                         "alphabet"),
+                        ('{"prompt": "%s=", "answer": "1"}' % ("1" * 300),
+                         "data.seq_len: 64 is too small for this record's 303 next-token "
+                         "pairs; raise it")]:
+    (tmp_path / "b.jsonl").write_text('{"prompt": "1+2=", "answer": "3"}\n' + line + "\n")
+    config = _config("sft_tiny.py")
+    config.data.jsonl = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"
+    config.data.seq_len = 64
+    with pytest.raises(ValueError) as e:
+      SFTTrainer(config, str(tmp_path / "w"))
+    assert str(e.value).startswith(f"data.jsonl {tmp_path / 'b.jsonl'}:2: "), str(e.value)
+    assert message in str(e.value), str(e.value)
+
+
+def test_sft_says_when_its_held_out_records_are_trained_on(tmp_path, caplog):
+  from rlax_ps.train.sft import SFTTrainer
+  (tmp_path / "a.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n'
+                                    '{"prompt": "2+2=", "answer": "4"}\n')
+  (tmp_path / "h.jsonl").write_text('{"prompt": "2+2=", "answer": "4", "task": "addition"}\n'
+                                    '{"prompt": "3+3=", "answer": "6", "task": "addition"}\n')
+  config = _config("sft_tiny.py")
+  config.data.jsonl, config.data.heldout_jsonl = str(tmp_path / "a.jsonl"), str(tmp_path / "h.jsonl")
+  with caplog.at_level("WARNING"), SFTTrainer(config, str(tmp_path / "w")) as trainer:
+    assert trainer.heldout.size == 2
+  assert ("data.heldout_jsonl: 1 of its 2 prompts are also in data.jsonl (e.g. '2+2='): their "
+          "held-out score is a training score") in caplog.text
 
 
 def test_an_init_from_hf_folder_without_a_checkpoint_names_the_field(tmp_path):

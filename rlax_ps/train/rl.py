@@ -495,6 +495,7 @@ class RLTrainer(TrainerRun):
     if self.leader:  # where `rlax-ps export --workdir` finds the checkpoints (gs:// too)
       save_run_config(config, self.workdir)
     self.heldout = heldout_lib.heldout_from_config(config, self.tasks, self.tokenizer)
+    self.warn_heldout_overlap(r["prompt"] for r in source)
     # What the checkpoint carries besides the state.
     self.consumed = 0  # groups taken in all (trained, skipped or rejected)
     # Records' streaks of groups with all-equal rewards (algorithms.selection), and the

@@ -9,7 +9,9 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
+
+from absl import logging
 
 from algorithms.selection import check_revisit
 from rlax_ps.config_files import check_counts
@@ -200,7 +202,7 @@ def _check_files(config) -> None:
   from algorithms.verifiers import (REWARD_MODEL_TASK, known_tasks, verifier_for_task,
                                     verifiers_by_task)
   from rlax_ps.tokenizers import tokenizer_file, tokenizer_from_config
-  from rlax_ps.train.prompts import iter_config_records
+  from rlax_ps.train.prompts import heldout_overlap, iter_config_records
   worker = config.worker
   verifiers_by_task(str(worker.default_task), str(worker.get("verifiers", "")))
   tokenizer, block = None, config.get("tokenizer") or {}
@@ -228,10 +230,15 @@ def _check_files(config) -> None:
   if own and not tokenizer_file(own):
     raise ValueError(f"teacher.tokenizer: expected a folder with the teacher's tokenizer.json "
                      f"(or tiktoken.model), got {own!r}")
+  heldout = config.data.get("heldout_jsonl", "")
+  held = [r["prompt"] for r in iter_config_records(config, "data.heldout_jsonl", heldout)
+          ] if heldout and config.data.get("jsonl", "") else []
   for field in ("jsonl", "heldout_jsonl"):
     path = config.data.get(field, "")
     if path:
       records = iter_config_records(config, f"data.{field}", path)
+      if held and field == "jsonl":
+        records, seen = _prompts_seen(records, held)
       if tokenizer is None:
         tasks = {r["task"] for r in records}
       else:
@@ -240,6 +247,10 @@ def _check_files(config) -> None:
         check_prompt_lengths(config, f"data.{field}", path, digest, tokenizer, limit)
       for task in sorted(tasks - {REWARD_MODEL_TASK, str(worker.default_task)}):
         verifier_for_task(task, f"data.{field} task")
+      if held and field == "jsonl":
+        line = heldout_overlap(held, seen)
+        if line:
+          logging.warning("%s", line)
   spec = str(worker.get("environment", ""))
   unknown = sorted(set(environment_names(spec)) - {"*"} - set(known_tasks()))
   if unknown:
@@ -261,6 +272,20 @@ def _check_reward_model(path: str) -> None:
     reward_config(read_json(file))
   except (OSError, ValueError) as e:
     raise ValueError(f"worker.reward_model: {path}: {e}") from None
+
+
+def _prompts_seen(records, held: list) -> tuple[Iterator[dict], list]:
+  """(the records, passed through; the list their prompts among `held` are put in as they go
+  by: a large file's are not kept)."""
+  keys, seen = {json.dumps(p, sort_keys=True) for p in held}, []
+
+  def each():
+    for record in records:
+      if json.dumps(record["prompt"], sort_keys=True) in keys:
+        seen.append(record["prompt"])
+      yield record
+
+  return each(), seen
 
 
 def _tasks_and_digest(config, records) -> tuple[set[str], str]:

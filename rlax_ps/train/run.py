@@ -30,7 +30,7 @@ from rlax_ps.tasks import Task, get_task
 from rlax_ps.tokenizers import tokenizer_from_config
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.events import Events, NoEvents, open_wandb
-from rlax_ps.train.prompts import file_weights
+from rlax_ps.train.prompts import file_weights, heldout_overlap
 
 
 # What stops a trainer cleanly (the step finished, checkpointed): a preemption's SIGTERM,
@@ -276,6 +276,16 @@ class TrainerRun:
     if unsplit:
       logging.warning("%s: %s; a multiple of %d uses every device", fields, unsplit,
                       self.mesh.shape["data"] * self.mesh.shape["fsdp"] * micro)
+
+  def warn_heldout_overlap(self, prompts: Iterable[Any]) -> None:
+    """Warn when data.heldout_jsonl's prompts (self.heldout) are among data.jsonl's
+    `prompts`: the held-out score the run reports would be a training score."""
+    data = self.config.data
+    if self.leader and data.get("heldout_jsonl", "") and data.get("jsonl", ""):
+      line = heldout_overlap((e.prompt for examples in self.heldout.examples.values()
+                              for e in examples), prompts)
+      if line:
+        logging.warning("%s", line)
 
   def warn_unsplit_heads(self) -> None:
     """Warn before step 1 when the mesh's tensor axis cannot split the model's attention."""

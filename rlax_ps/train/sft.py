@@ -26,7 +26,7 @@ from rlax_ps import optim
 from rlax_ps import sharding as shd
 from rlax_ps.config_files import check_counts, save_run_config, write_json
 from rlax_ps.tasks import Example
-from rlax_ps.train.data import SFTBatches
+from rlax_ps.train.data import SFTBatches, encode_example
 from rlax_ps.train.heldout import heldout_from_config
 from rlax_ps.train.prompts import data_files, file_parts, file_weights, iter_prompts
 from rlax_ps.train.run import STOP_SIGNALS, TrainerRun, data_source, open_checkpointer
@@ -87,6 +87,7 @@ class SFTTrainer(TrainerRun):
     self.train_step = make_train_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
                                       num_micro=num_micro, schedule=self.schedule)
     self.heldout = heldout_from_config(config, self.tasks, self.tokenizer)
+    self.warn_heldout_overlap(e.prompt for e in records or ())
     self._stop = threading.Event()
     self.stop_signal: int | None = None  # the signal that asked for the stop, if any
 
@@ -103,12 +104,20 @@ class SFTTrainer(TrainerRun):
     if not data.get("answer_key", "answer"):
       raise ValueError("data.answer_key: supervised data needs answers; expected the key "
                        "that holds them, got ''")
-    sizes = []
+    sizes, seq_len = [], int(data.seq_len)
+
+    def fits(record):  # a record the tokenizer cannot encode or seq_len cannot hold: named
+      n = len(encode_example(self.tokenizer, Example(record["prompt"], record["answer"],
+                                                     record["task"]))[0]) - 1
+      if n > seq_len:
+        raise ValueError(f"data.seq_len: {seq_len} is too small for this record's {n} "
+                         f"next-token pairs; raise it or shorten the record")
+
     records = iter_prompts(path, field="data.jsonl",
                            prompt_key=str(data.get("prompt_key", "prompt")),
                            answer_key=str(data.get("answer_key", "answer")),
                            task_key=str(data.get("task_key", "task")), demonstrations=True,
-                           sizes=sizes)
+                           check=fits, sizes=sizes)
     examples = [Example(r["prompt"], r["answer"], r["task"]) for r in records]
     return examples, file_parts(sizes, weights, data_files(path)) if weights else []
 
