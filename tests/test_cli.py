@@ -78,9 +78,11 @@ def test_unknown_plain_flag_is_reported():
   assert r.returncode == 2 and "stpes" in r.stderr
 
 
+# serve slow (~5 s, suite time): the check is cli.reporting_errors', which every subcommand
+# shares; status and sft hold it in the default suite.
 @pytest.mark.parametrize("subcommand, flag", [
-    ("serve", "--storage_dir={tmp}"), ("status", "--help=false"),
-    ("sft", "--config=configs/sft_tiny.py:tiny --workdir={tmp}")])
+    pytest.param("serve", "--storage_dir={tmp}", marks=pytest.mark.slow),
+    ("status", "--help=false"), ("sft", "--config=configs/sft_tiny.py:tiny --workdir={tmp}")])
 def test_an_argument_that_is_no_flag_is_named_in_one_line(subcommand, flag, tmp_path):
   """Every subcommand takes flags alone: `rlax-ps serve foo` is a usage error (exit 2, one
   line), not a traceback (serve, relay and status raised ValueError)."""

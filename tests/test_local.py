@@ -459,6 +459,7 @@ def test_own_prompts_rewards_and_heldout_records_run_through_the_loop(run, tmp_p
   _holds_the_trainers_weights(tmp_path)
 
 
+@pytest.mark.slow  # ~4 s; test_local_metrics' LocalRun refusals, the wrong-rl-field test below
 def test_a_half_given_chip_split_is_refused_before_the_warm_start(tmp_path):
   proc = _local(tmp_path, "--config.local.trainer_chips=2", timeout=60)
   assert proc.returncode == 2
@@ -466,9 +467,11 @@ def test_a_half_given_chip_split_is_refused_before_the_warm_start(tmp_path):
   assert not os.path.exists(tmp_path / "sft")
 
 
+# default_task slow (suite time): the first case holds the refusal before the warm start.
 @pytest.mark.parametrize("flag, message", [
     ("--config.worker.samples_per_prompt=1", "worker.samples_per_prompt: loss.advantage='grpo'"),
-    ("--config.worker.default_task=no_such_task", "worker.default_task: 'no_such_task'"),
+    pytest.param("--config.worker.default_task=no_such_task",
+                 "worker.default_task: 'no_such_task'", marks=pytest.mark.slow),
 ])
 def test_a_wrong_rl_field_is_refused_before_the_warm_start(flag, message, tmp_path):
   proc = _local(tmp_path, flag, timeout=60)

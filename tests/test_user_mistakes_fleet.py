@@ -135,10 +135,13 @@ def test_relay_on_a_storage_dir_it_cannot_use_says_so_in_one_line(tmp_path, serv
   assert f"--storage_dir {not_a_folder / 'relay'}: cannot use it" in done.stderr
 
 
+# The last two are slow (~3 s each, suite time): the first holds the worker's one-line refusal.
 @pytest.mark.parametrize("flag, message", [
     ("--config.tokenizer.kind=bogus", "tokenizer.kind: expected 'char' or 'hf'"),
-    ("--config.init_from_hf=/nonexistent", "no config.json in HF checkpoint folder"),
-    ("--config.model.num_layers=0", "ModelConfig.num_layers")])
+    pytest.param("--config.init_from_hf=/nonexistent", "no config.json in HF checkpoint folder",
+                 marks=pytest.mark.slow),
+    pytest.param("--config.model.num_layers=0", "ModelConfig.num_layers",
+                 marks=pytest.mark.slow)])
 def test_a_worker_config_naming_no_usable_model_is_one_line(flag, message):
   done = _rlax_ps("worker", "--config=configs/rl_local.py:tiny", "--address=127.0.0.1:1",
                   "--token=w", flag)

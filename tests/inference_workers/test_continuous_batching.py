@@ -242,7 +242,8 @@ def test_begun_tokens_are_prefilled_not_fed_a_decode_step_each(model, monkeypatc
   assert resumed == fresh - 6
 
 
-@pytest.mark.parametrize("rows_per_prompt", [0, 2])
+# 2 slow (suite time): [0] holds unequal groups, and test_refilled_slots... rows_per_prompt=2.
+@pytest.mark.parametrize("rows_per_prompt", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_prompt_may_ask_for_fewer_samples_than_n(model, rows_per_prompt):
   """Unequal groups (VIGOR's rounds) in one batch: each prompt gets the samples its seeds
   ask for, each equal to generate's."""

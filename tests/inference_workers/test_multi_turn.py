@@ -388,6 +388,7 @@ def tokens_of(done):
   return {pid: [s.tokens.tolist() for s in group] for pid, group in done.items()}
 
 
+@pytest.mark.slow  # ~4 s; test_environments' guard reads [] as None, and the tests above
 def test_an_environment_reply_of_no_strings_ends_the_sample_as_none_does(model):
   """`[run(c) for c in calls]` on a turn without a call is []: the sample ends there, as
   with None, and the worker goes on."""

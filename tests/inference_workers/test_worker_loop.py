@@ -510,7 +510,7 @@ def test_a_group_the_server_refuses_is_answered_with_why_and_the_others_go_on(
     assert (st.prompts_queued, st.prompts_leased) == (0, 0)
 
 
-@pytest.mark.parametrize("allocator", ["fixed", "vigor"])
+@pytest.mark.parametrize("allocator", ["fixed", pytest.param("vigor", marks=pytest.mark.slow)])
 def test_a_prompt_the_worker_cannot_sample_is_answered_with_why_and_the_others_go_on(
     server, versions, allocator):
   """Too long for the model with max_new_tokens, or ids outside its vocabulary: each is
@@ -687,6 +687,7 @@ def wait_for(cond, timeout, what, log=None):
                        + (f"; the worker's log ends:\n{log.read_text()[-3000:]}" if log else ""))
 
 
+@pytest.mark.slow  # ~8 s; test_stopping_within_grace holds the release, test_local a SIGTERM
 def test_sigterm_releases_leases_within_the_grace_period(server, versions, tmp_path):
   with client(server, "trainer") as trainer:
     trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())

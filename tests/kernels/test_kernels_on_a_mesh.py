@@ -34,7 +34,9 @@ def _traced(mesh, fn):
   return jax.jit(on_mesh)
 
 
-@pytest.mark.parametrize("backend,kw,tensor", [("auto", {}, 2),
+# "auto" is slow (suite time): wider_than_kv_heads runs the same backend on a wider mesh.
+@pytest.mark.parametrize("backend,kw,tensor", [pytest.param("auto", {}, 2,
+                                                            marks=pytest.mark.slow),
                                                ("pallas_tpu", dict(interpret=True), 2),
                                                ("auto", {}, 4)],
                          ids=["auto", "pallas", "wider_than_kv_heads"])
@@ -68,14 +70,16 @@ def test_training_attention_per_device_equals_one_device(backend, kw, tensor):
 
 def _decode_cases():
   """(extend, held, kv heads): one kv head with an int8 cache joins two paths each case
-  tests apart (~3 s each), so it runs with the slow suite."""
+  tests apart (~3 s each), so it runs with the slow suite; so does decode with an int8 cache
+  (extend-int8-gqa splits the int8 codes and scales, decode-None-gqa the decode kernel)."""
   for extend in (False, True):
     for held in (None, "int8"):
       for hkv in (2, 1):
         yield pytest.param(extend, held, hkv,
                            id=f"{'extend' if extend else 'decode'}-{held}-"
                               f"{'gqa' if hkv == 2 else 'one_kv_head'}",
-                           marks=[pytest.mark.slow] if held and hkv == 1 else [])
+                           marks=[pytest.mark.slow] if held and (hkv == 1 or not extend)
+                           else [])
 
 
 @pytest.mark.parametrize("extend,held,hkv", _decode_cases())

@@ -111,23 +111,30 @@ def test_packed_logprobs_equal_separate_sequences(group, kw):
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
+# Pallas slow (suite time): test_packed_logprobs_equal_separate_sequences[pallas] holds the
+# packed kernel path, tests/kernels/test_shared_prompt_window.py its window.
 @pytest.mark.parametrize("kw", [dict(backend="xla"),
-                                dict(backend="pallas_tpu", interpret=True,
-                                     block_sizes=BlockSizes(8, 8))], ids=["xla", "pallas"])
+                                pytest.param(dict(backend="pallas_tpu", interpret=True,
+                                                  block_sizes=BlockSizes(8, 8)),
+                                             marks=pytest.mark.slow)], ids=["xla", "pallas"])
 def test_packed_logprobs_of_a_sliding_window_model_equal_separate_sequences(windowed_group, kw):
   test_packed_logprobs_equal_separate_sequences(windowed_group, kw)
 
 
+# Pallas slow (suite time): the sinks-pallas_tpu gradient case below runs its forward pass.
 @pytest.mark.parametrize("kw", [dict(backend="xla"),
-                                dict(backend="pallas_tpu", interpret=True,
-                                     block_sizes=BlockSizes(8, 8))], ids=["xla", "pallas"])
+                                pytest.param(dict(backend="pallas_tpu", interpret=True,
+                                                  block_sizes=BlockSizes(8, 8)),
+                                             marks=pytest.mark.slow)], ids=["xla", "pallas"])
 def test_packed_logprobs_of_a_model_with_attention_sinks_equal_separate_sequences(sink_group,
                                                                                    kw):
   test_packed_logprobs_equal_separate_sequences(sink_group, kw)
 
 
 # Sinks through XLA (~7 s) with the slow suite: the Pallas case holds the sinks' gradient.
-@pytest.mark.parametrize("which,backend", [("full", "xla"), ("windowed", "xla"),
+# Windowed (~4 s) too: full-xla holds the packed gradient, the windowed logprobs test the window.
+@pytest.mark.parametrize("which,backend", [("full", "xla"),
+                                           pytest.param("windowed", "xla", marks=pytest.mark.slow),
                                            pytest.param("sinks", "xla", marks=pytest.mark.slow),
                                            ("sinks", "pallas_tpu")])
 def test_packed_param_gradients_equal_separate_sequences(group, windowed_group, sink_group,

@@ -110,8 +110,12 @@ PALLAS_WINDOWS = [("pallas_tpu", ODD_GQA_PADDED, 4), ("pallas_tpu", ODD_GQA_PADD
                   ("pallas_gpu", SMALL_GQA_PADDED, 4), ("pallas_gpu", LONG, 10)]
 
 
-@pytest.mark.parametrize("backend,case,window", PALLAS_WINDOWS,
-                         ids=[f"{b}-{c.name}-w{w}" for b, c, w in PALLAS_WINDOWS])
+# pallas_gpu on small_gqa_padded slow (~3 s, suite time): test_shared_prompt_softcap's
+# [small_gqa_padded-c5.0-w4-s0.5-pallas_gpu] runs that kernel and case under the same window.
+@pytest.mark.parametrize("backend,case,window", [
+    pytest.param(b, c, w, id=f"{b}-{c.name}-w{w}",
+                 marks=[pytest.mark.slow] if c is SMALL_GQA_PADDED else [])
+    for b, c, w in PALLAS_WINDOWS])
 def test_pallas_kernels_match_n_copies_under_window(backend, case, window):
   lay, q, k, v, do = case.inputs()
   want = windowed_reference(case, window)
@@ -243,7 +247,8 @@ def _poison_skipped_blocks(window):
   return q, nan(pk, pre_dead), nan(pv, pre_dead), plens, nan(sk, suf_dead), nan(sv, suf_dead), slens
 
 
-@pytest.mark.parametrize("window", [4, 10])  # 4 also poisons a suffix block
+# 10 slow (suite time): 4 poisons prefix blocks as 10 does, and also a suffix block.
+@pytest.mark.parametrize("window", [4, pytest.param(10, marks=pytest.mark.slow)])
 def test_decode_pallas_matches_n_copies_and_skips_blocks_below_the_window(window):
   fn = jax.jit(functools.partial(shared_prefix_decode_attention, window=window,
                                  backend="pallas_tpu", block_s=DECODE_BLOCK, interpret=True))

@@ -153,6 +153,10 @@ def test_shared_prefill_samples_past_the_window_as_one_prefill_per_sample(name):
       np.testing.assert_allclose(sample.logprobs, one.logprobs, atol=1e-4)
 
 
+# gemma2 slow (suite time): gemma3 has the same sandwich norms, and the gemma2 model runs in
+# the other tests of this module.
+@pytest.mark.parametrize("model", ["gemma3", pytest.param("gemma2", marks=pytest.mark.slow)],
+                         indirect=True)
 def test_the_packed_rl_loss_trains_the_sandwich_norms(model):
   _, grad = rl_loss_and_grads(model, response_len=9, vocab_hi=80)
   for layer in grad["layers"].values():

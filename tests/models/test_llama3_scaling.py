@@ -42,6 +42,7 @@ def test_the_config_hashes_and_round_trips_through_json(model):
     config.rope_scaling["factor"] = 2.0
 
 
+@pytest.mark.slow  # ~3 s; test_hf_parity's llama greedy/cached decoding holds it by default
 def test_generate_and_generate_shared_sample_the_llama3_model(model):
   params = SamplingParams(temperature=0.0, max_new_tokens=4)
   prompts = [[1, 5, 9], [2, 7]]
@@ -52,6 +53,7 @@ def test_generate_and_generate_shared_sample_the_llama3_model(model):
       np.testing.assert_array_equal(sample.tokens, one.tokens)
 
 
+@pytest.mark.slow  # ~3 s; the SFT step test below trains the llama3 model by default
 def test_the_rl_loss_trains_the_llama3_model(model):
   loss, grads = rl_loss_and_grads(model, response_len=3, vocab_hi=50)
   assert np.isfinite(float(loss))

@@ -135,6 +135,7 @@ def test_the_packed_rl_loss_trains_the_router_and_the_experts(model):
   assert "gate_proj" in grad["layers"][1]["mlp"]  # the dense layer
 
 
+@pytest.mark.slow  # ~3 s; the int8 worker test below holds an MoE keyframe by default
 def test_a_worker_holding_the_bf16_keyframe_computes_the_trainers_logits(model):
   params = {k: np.asarray(v) for k, v in flatten_params(model).items()}
   policy = HeldPolicy(CONFIG, "bf16")
@@ -162,7 +163,7 @@ def test_shared_prefill_samples_as_one_prefill_per_sample(model):
 
 
 # The shared expert and GLM's grouped routing (~2 s each) with the slow suite: their int8
-# weights are the routed case's.
+# weights are the routed case's (gpt-oss's stacked expert biases and sinks stay bf16).
 @pytest.mark.parametrize("config", [CONFIG, pytest.param(SHARED, marks=pytest.mark.slow), GPT_OSS,
                                     pytest.param(GLM, marks=pytest.mark.slow), DEEPSEEK],
                          ids=["routed", "shared-expert", "gpt-oss", "glm4-moe", "deepseek"])

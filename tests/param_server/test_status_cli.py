@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from child_env import child_env
 from param_server.protos import param_server_pb2 as pb
 from param_server.status_main import format_stats
@@ -26,6 +28,7 @@ def test_status_into_a_closed_pipe_exits_quietly(server):
   assert "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
 
 
+@pytest.mark.slow  # ~4 s; test_connect_flags and test_worker_cli_tls's refused-role case
 def test_status_token_file_problems_are_one_line_naming_the_file(server, tmp_path):
   for name, text, said in [("missing.json", None, "no such file"),
                            ("garbled.json", "{viewer: x", "not valid JSON")]:

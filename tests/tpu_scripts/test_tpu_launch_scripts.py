@@ -412,6 +412,7 @@ def test_a_vm_that_cannot_be_set_up_is_deleted_and_the_others_still_start(tmp_pa
   assert started == ["w-0", "w-2"]  # w-1's failure stopped neither the others nor the pass
 
 
+@pytest.mark.slow  # ~4 s; the workers' pass and kill-during-the-interval tests by default
 def test_with_an_interval_the_fleet_is_refilled_after_a_preemption(tmp_path):
   env, log = fake_gcloud(tmp_path, "")
   proc = subprocess.Popen(["bash", str(SCRIPTS / "launch_workers.sh"), "w", "2", "v4-8"],

@@ -90,6 +90,7 @@ def run_eval(*args):
                         capture_output=True, text=True, timeout=120, env=child_env())
 
 
+@pytest.mark.slow  # ~4 s; test_prompts' bad-task case and the nothing-held-out test below
 def test_a_bad_held_out_file_is_named_before_any_checkpoint_loads(tmp_path):
   (tmp_path / "heldout.jsonl").write_text('{"prompt": "1+1=", "answer": "2", "task": "nope"}\n')
   result = run_eval(f"--config.data.heldout_jsonl={tmp_path / 'heldout.jsonl'}",

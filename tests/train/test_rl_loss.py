@@ -645,8 +645,10 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
 @pytest.mark.parametrize("micro,overrides", [
     # plain PPO, token-mean: the PPO-TIS and KL-Cov (token-mean) cases below hold its paths
     pytest.param(2, dict(), marks=pytest.mark.slow),
-    (2, dict(agg="seq-mean-token-mean", correction="tis", kl_coef=0.1, logits_chunk=3,
-             kl_estimator="low_var_kl", kl_bias_correction=True)),
+    # TIS and the per-slice count weighting: clip-cov-tis and kl-cov below hold its paths
+    pytest.param(2, dict(agg="seq-mean-token-mean", correction="tis", kl_coef=0.1,
+                         logits_chunk=3, kl_estimator="low_var_kl", kl_bias_correction=True),
+                 marks=pytest.mark.slow),
     # ~6 s each: the slices' own counts are what the variants above check; these add
     # a 4-way split, decoupled PPO, GSPO's sequence ratios and RLOO.
     pytest.param(4, dict(agg="seq-mean-token-sum-norm", correction="decoupled"),
@@ -655,7 +657,9 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
                  marks=pytest.mark.slow),
     # Per-token advantages whitened over the whole batch, of rewards with the KL penalty:
     # the reference's log-probs of every slice, back in the batch's row order.
-    (2, dict(advantage="reinforce_pp", gamma=0.9, kl_in_reward=0.1, kl_estimator="k1")),
+    # (slow: test_rl_loss_verl_parity covers the advantages; kl-cov the micro-batch split)
+    pytest.param(2, dict(advantage="reinforce_pp", gamma=0.9, kl_in_reward=0.1,
+                         kl_estimator="k1"), marks=pytest.mark.slow),
     # KL-Cov's tokens are the whole batch's most covarying: each slice holds its own of them.
     (2, dict(policy_loss="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=5.0)),
     # Clip-Cov's dropped tokens are drawn from the whole batch's, by covariance terms against
@@ -669,7 +673,9 @@ def test_several_updates_per_batch_count_one_step_and_let_the_clip_bind(monkeypa
                  marks=pytest.mark.slow),
     pytest.param(2, dict(policy_loss="geo_mean", correction="tis"), marks=pytest.mark.slow),
     # Distillation: the teacher's per-token advantages and its top tokens' term, by slice.
-    (2, dict(advantage="opd", distill_topk=2, agg="seq-mean-token-mean")),
+    # (slow: test_rl_trainer's distillation tests cover it; kl-cov the micro-batch split)
+    pytest.param(2, dict(advantage="opd", distill_topk=2, agg="seq-mean-token-mean"),
+                 marks=pytest.mark.slow),
 ], ids=["token-mean", "seq-mean-tis-kl-chunked", "sum-norm-decoupled-4", "gspo-rloo",
         "reinforce-pp-kl-in-reward", "kl-cov", "clip-cov-tis", "cispo-tis", "gspo-token-mean-mis",
         "gmpo-tis", "opd-topk"])

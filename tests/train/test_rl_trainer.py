@@ -1067,10 +1067,11 @@ def test_dynamic_sampling_is_refused_with_vigor_naming_the_field(tmp_path):
     RLTrainer(config, str(tmp_path / "rl"), object())
 
 
-def test_jsonl_prompts_and_heldout_records_are_scored_by_a_users_verifiers(tmp_path):
+def test_jsonl_prompts_and_heldout_records_are_scored_by_a_users_verifiers(tmp_path, caplog):
   """data.jsonl / data.heldout_jsonl with tasks that worker.verifiers registers: evaluation
   scores each held-out task with its verifier; a task nothing knows is refused, naming the
-  field, the file and the line."""
+  field, the file and the line. Held-out prompts also trained on are said (by the trainer
+  and by the checks `rlax-ps local` runs first)."""
   def write(name, records):
     path = tmp_path / name
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -1084,9 +1085,22 @@ def test_jsonl_prompts_and_heldout_records_are_scored_by_a_users_verifiers(tmp_p
   config.data.heldout_jsonl = write("heldout.jsonl", [
       *({"prompt": f"{i}+{i}=", "answer": str(2 * i), "task": "fixture_any"} for i in range(3)),
       *({"prompt": f"{i}+0=", "answer": "987654321", "task": "addition"} for i in range(2))])
-  with RLTrainer(config, str(tmp_path / "rl"), object()) as tr:
+  with caplog.at_level("WARNING"), RLTrainer(config, str(tmp_path / "rl"), object()) as tr:
     assert [r["task"] for _, r in tr.feed.take(2)] == ["fixture_contains"] * 2
     assert tr.evaluate() == {"addition": 0.0, "fixture_any": 1.0, "all": 0.6}
+  assert "are also in data.jsonl" not in caplog.text
+  config.data.jsonl = write("overlap.jsonl", [{"prompt": "1+2=", "answer": "3"},
+                                              {"prompt": "2+2=", "answer": "4"},
+                                              {"prompt": "1+0=", "answer": "1"}])
+  overlap = ("data.heldout_jsonl: 2 of its 4 prompts are also in data.jsonl (e.g. '1+0='): "
+             "their held-out score is a training score")
+  with caplog.at_level("WARNING"), RLTrainer(config, str(tmp_path / "rl3"), object()):
+    assert overlap in caplog.text
+  caplog.clear()
+  from rlax_ps.train.rl_checks import check_rl_config
+  with caplog.at_level("WARNING"):
+    check_rl_config(config)
+  assert overlap in caplog.text
   config.data.jsonl = write("bad.jsonl", [{"prompt": "a", "answer": "b"},
                                           {"prompt": "c", "answer": "d", "task": "nope"}])
   with pytest.raises(ValueError, match="data.jsonl .*bad.jsonl:2: field 'task': expected a "
@@ -1199,7 +1213,9 @@ class _CannotSample(FakeWorker):
 
 @pytest.mark.parametrize("worker_kind, why", [
     (_Overlong, r"more than worker.max_new_tokens=\d+"),
-    (_CannotSample, r"prompt \S+ could not be sampled by worker 'w7': prompt length 70 "),
+    pytest.param(_CannotSample,
+                 r"prompt \S+ could not be sampled by worker 'w7': prompt length 70 ",
+                 marks=pytest.mark.slow),
 ])
 def test_groups_it_cannot_train_on_end_the_run_at_take_timeout_naming_why(tmp_path, worker_kind,
                                                                           why):

@@ -105,7 +105,9 @@ def test_training_learns_what_an_untrained_model_cannot(tmp_path):
   assert untrained <= 0.05 and trained >= 0.4, (untrained, trained)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP],
+# SIGHUP slow (suite time): the same handler (run.STOP_SIGNALS) as SIGTERM's case.
+@pytest.mark.parametrize("signum", [signal.SIGTERM,
+                                    pytest.param(signal.SIGHUP, marks=pytest.mark.slow)],
                          ids=lambda s: signal.Signals(s).name)
 def test_sigterm_checkpoints_the_step_reached_and_stops(tmp_path, signum):
   """A SIGTERM (a preempted VM), or a SIGHUP (its terminal closed: `rlax-ps local`'s warm
