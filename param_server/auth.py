@@ -19,6 +19,8 @@ import ssl
 import grpc
 from absl import logging
 
+from param_server.durable import write_durably
+
 ROLES = ("trainer", "worker", "viewer")
 SERVICE = "/rlax_ps.v1.ParamServer/"
 TOKEN_FILE = "tokens.json"
@@ -95,14 +97,7 @@ def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str
     tokens[r] = saved.get(r) or secrets.token_urlsafe(32)
   if any(saved.get(r) != tokens[r] for r in missing):
     saved.update({r: tokens[r] for r in missing})
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-      json.dump(saved, f)
-      f.flush()
-      os.fsync(f.fileno())
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    write_durably(path, json.dumps(saved), mode=0o600)
   logging.info("auth: tokens for %s are in %s (owner-only)", ", ".join(missing), path)
   return _distinct(tokens)
 

@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2
 
 from param_server import auth, errors
 from param_server.client import RELAY_DOWN, ParamServerClient, ParamServerError, RetryPolicy
+from param_server.durable import write_durably
 from param_server.protos import param_server_pb2 as pb
 from param_server.server import (MESSAGE_OVERHEAD, SERVICE_NAME, ParamServerServicer, PullSource,
                                  ServerConfig, grpc_server, method_handlers)
@@ -376,7 +377,7 @@ class WeightRelay:
       return
     if not self.upstream_store or (info.store_id != self.upstream_store
                                    and self.weights.latest < 0):  # holding none of another's
-      _write_text(self._store_file, info.store_id)
+      write_durably(self._store_file, info.store_id)
       self.upstream_store = info.store_id
     elif info.store_id != self.upstream_store:
       logging.error("relay: the server's storage is %s, not the %s of the versions this relay "
@@ -629,11 +630,3 @@ def _read_text(path: str) -> str:
       return f.read().strip()
   except FileNotFoundError:
     return ""
-
-
-def _write_text(path: str, text: str) -> None:
-  """`text` as the file's whole content, replaced at once (a temp file renamed over it)."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from param_server import auth, errors, pull_wire
+from param_server.durable import write_durably
 from param_server.keepalive import DEAD_AFTER_S, server_options
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
@@ -114,11 +115,7 @@ def store_id_of(storage_dir: str) -> str:
   if kept:
     return kept
   store = uuid.uuid4().hex
-  with open(path + ".tmp", "w") as f:
-    f.write(store + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(path + ".tmp", path)
+  write_durably(path, store + "\n")
   return store
 
 
@@ -341,10 +338,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
 
   def _keep_run(self, run: str) -> None:
     """Record the run whose versions the server holds, in <storage_dir>/RUN."""
-    path = os.path.join(self.config.storage_dir, RUN_FILE)
-    with open(path + ".tmp", "w") as f:
-      f.write(run + "\n")
-    os.replace(path + ".tmp", path)
+    write_durably(os.path.join(self.config.storage_dir, RUN_FILE), run + "\n")
     self.run = run
 
   @_unary

@@ -18,17 +18,12 @@ import zlib
 
 from absl import logging
 
+from param_server.durable import fsync_dir
 from param_server.protos import param_server_pb2 as pb
 
 _HEADER = struct.Struct("<II")
 
 
-def _fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 def encode_record(record: pb.WalRecord) -> bytes:
@@ -199,7 +194,7 @@ class WriteAheadLog:
       self.bytes = self.base_bytes = len(blob)
       self.records_since_rewrite = 1
       try:
-        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
       except OSError as e:  # the rename may not last a crash: nothing more is acknowledged
         self._broken = f"the rewritten log's folder could not be synced ({e})"
         raise

@@ -33,7 +33,7 @@ import tensorstore as ts
 from absl import logging
 
 from param_server import errors, payloads
-from param_server.wal import _fsync_dir
+from param_server.durable import fsync_dir, write_durably
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,16 +78,6 @@ def _array_spec(path: str, nbytes: int | None = None, chunk: int | None = None) 
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, min(chunk, nbytes))]}},
         "codecs": [{"name": "bytes"}]}
   return spec
-
-
-def _write_json_atomic(path: str, obj) -> None:
-  tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-  _fsync_dir(os.path.dirname(path))
 
 
 class PublishWriter:
@@ -325,8 +315,8 @@ class WeightStore:
           return same, True
         self._validate(info)  # again: another publisher may have won the race meanwhile
         os.replace(tmp, self._path(blob))
-        _fsync_dir(self.blob_dir)
-        _write_json_atomic(self._marker(blob), dataclasses.asdict(blob))
+        fsync_dir(self.blob_dir)
+        write_durably(self._marker(blob), json.dumps(dataclasses.asdict(blob)))
         self._results[blob.name] = info.results
         self._install(blob)
     finally:
@@ -444,8 +434,8 @@ class WeightStore:
         if self.keyframe.version >= blob.version:  # the trainer published a keyframe meanwhile
           return
         os.replace(tmp, self._path(blob))
-        _fsync_dir(self.blob_dir)
-        _write_json_atomic(self._marker(blob), dataclasses.asdict(blob))
+        fsync_dir(self.blob_dir)
+        write_durably(self._marker(blob), json.dumps(dataclasses.asdict(blob)))
         self._install(blob)
         self.compactions += 1
       logging.info("weights: compacted %d updates into keyframe v%d", len(blobs), blob.version)

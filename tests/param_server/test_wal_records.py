@@ -161,7 +161,7 @@ def test_a_rewrite_failing_after_its_rename_loses_nothing_acknowledged(tmp_path,
   def eio(_):
     raise OSError(errno.EIO, "I/O error")
 
-  monkeypatch.setattr(wal_lib, "_fsync_dir", eio)
+  monkeypatch.setattr(wal_lib, "fsync_dir", eio)
   with pytest.raises(OSError):
     wal.rewrite(pb.WalRecord(snapshot=pb.WalSnapshot()))
   monkeypatch.undo()
