@@ -67,14 +67,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # Errors a user mends (a token, a token file, a server that refused a call, a storage folder
-# or workdir another process holds, a port taken): one line on
-# stderr and exit status 1, not a traceback. Checked by name, so `rlax-ps --help` need not
-# import gRPC: an error of a module never imported cannot have been raised.
+# or workdir another process holds, a port taken, a fleet that sent nothing to train on):
+# one line on stderr and exit status 1, not a traceback. Checked by name, so `rlax-ps --help`
+# need not import gRPC: an error of a module never imported cannot have been raised.
 USER_ERRORS = (("param_server.client", "ParamServerError"),
                ("param_server.connect_flags", "TokenFileError"),
                ("rlax_ps.folder_lock", "FolderInUse"),
                ("param_server.server", "CannotListen"),
-               ("param_server.wal", "DamagedLog"))
+               ("param_server.wal", "DamagedLog"),
+               ("rlax_ps.train.rl", "TakeTimeout"))
 
 
 def _user_error_types() -> tuple[type, ...]:

@@ -173,3 +173,22 @@ def test_a_taken_port_is_named_in_one_line(tmp_path):
   assert "Traceback" not in r.stderr
   assert r.stderr.strip().splitlines()[-1].startswith(
       f"rlax-ps serve: --host 127.0.0.1 --port {port}: cannot listen there"), r.stderr
+
+
+def test_a_run_its_fleet_left_without_groups_ends_in_one_line(capsys):
+  """rl.take_timeout_s ran out (a preempted fleet, or workers of another config): the trainer
+  checkpointed, and the command ends with why in one line and status 1, not a traceback."""
+  from rlax_ps import cli
+  from rlax_ps.train.rl import TakeTimeout
+
+  def main(argv):
+    raise TakeTimeout("rl.take_timeout_s: no usable rollout group for 3.0s; are workers "
+                      "running against 127.0.0.1:1?")
+
+  with pytest.raises(SystemExit) as e:
+    cli.reporting_errors(main, "rlax-ps train")(["rlax-ps train"])
+  assert e.value.code == 1
+  assert capsys.readouterr().err == ("rlax-ps train: rl.take_timeout_s: no usable rollout group "
+                                     "for 3.0s; are workers running against 127.0.0.1:1?\n")
+  with pytest.raises(TimeoutError):  # another timeout is no user error: its traceback stays
+    cli.reporting_errors(lambda argv: (_ for _ in ()).throw(TimeoutError("x")), "p")(["p"])

@@ -337,6 +337,11 @@ def sync_summary(fmt: str, log: Sequence[tuple[int, int, float, bool, int]]) -> 
   }
 
 
+class TakeTimeout(TimeoutError):
+  """rl.take_timeout_s ran out with no group to train on (no fleet, or one that runs another
+  config): the run ends, checkpointed, with this one line."""
+
+
 class RLTrainer(TrainerRun):
   """Owns one RL run: mesh, state, jitted step, prompt feed, publisher, checkpoints, logs.
   `client` is the server's client on the leader (process 0) and None on the other
@@ -1433,7 +1438,7 @@ class RLTrainer(TrainerRun):
       if self.rejected - rejected < len(take.rollouts):  # a group came that was not refused
         waited_since = time.monotonic()
       elif time.monotonic() - waited_since > float(rl.take_timeout_s):
-        raise TimeoutError(self._no_groups_message())
+        raise TakeTimeout(self._no_groups_message())
       if not take.rollouts:
         continue
       if sampling is None:
@@ -1569,7 +1574,10 @@ class RLTrainer(TrainerRun):
 
   def _reject(self, why: str) -> None:
     """Count and log (at most every 10 s) a group that cannot enter a batch."""
-    logging.log_every_n_seconds(logging.WARNING, "rl: rollout group rejected: %s", 10, why)
+    logging.log_every_n_seconds(
+        logging.WARNING, "rl: rollout group rejected: %s (%d so far; do the workers run this "
+        "trainer's config? rl.take_timeout_s ends the run when none can be trained on)", 10,
+        why, self.rejected + 1)
     self.rejected += 1
     self.last_rejection = why
 

@@ -45,6 +45,11 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
       0 < deadline < float("inf")):
     raise ValueError(f"rl.ack_deadline_s: expected seconds > 0 (at most the server's "
                      f"max_lease_deadline_s, 3600 by default), got {deadline!r}")
+  patience = rl.get("take_timeout_s", 600.0)
+  if isinstance(patience, bool) or not isinstance(patience, (int, float)) or not (
+      0 < patience < float("inf")):
+    raise ValueError(f"rl.take_timeout_s: expected seconds > 0 (how long the trainer waits for "
+                     f"a group it can train on before it ends the run), got {patience!r}")
   check_counts(config, ("checkpoint.every_steps", "eval.every_steps", "export.every_steps"))
   temperature = worker.get("temperature", 1.0)
   if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (

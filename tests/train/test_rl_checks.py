@@ -36,6 +36,8 @@ def _set(config, **fields):
      "rl.updates_per_batch: expected 1 with loss.policy_loss='pg'"),
     ({"rl__ack_deadline_s": 0}, "rl.ack_deadline_s: expected seconds > 0"),
     ({"rl__ack_deadline_s": float("inf")}, "rl.ack_deadline_s: expected seconds > 0"),
+    ({"rl__take_timeout_s": 0}, "rl.take_timeout_s: expected seconds > 0"),
+    ({"rl__take_timeout_s": -1.0}, "rl.take_timeout_s: expected seconds > 0"),
     ({"rl__micro_batches": 3}, "rl.micro_batches: expected a divisor"),
     ({"rl__dynamic_sampling": True, "worker__allocator": "vigor"},
      "rl.dynamic_sampling: needs worker.allocator='fixed'"),

@@ -30,7 +30,7 @@ from rlax_ps.tokenizers import make_tokenizer
 from rlax_ps.train.publisher import flat_params
 from rlax_ps.teacher import Teacher, score_retokenized
 from rlax_ps.train.events import open_jsonl, read_jsonl
-from rlax_ps.train.rl import PendingTake, RLTrainer, server_retry
+from rlax_ps.train.rl import PendingTake, RLTrainer, TakeTimeout, server_retry
 
 
 def _config(**rl):
@@ -1230,7 +1230,7 @@ def test_groups_it_cannot_train_on_end_the_run_at_take_timeout_naming_why(tmp_pa
                        max_len=int(config.worker.max_new_tokens) + 1).start()
   try:
     with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
-      with pytest.raises(TimeoutError, match=(
+      with pytest.raises(TakeTimeout, match=(
           r"rl.take_timeout_s: no usable rollout group for 3.0s; \d+ groups rejected, the "
           r"last: .*" + why + r".* \(do the workers run this")):
         tr.train()
@@ -1255,7 +1255,7 @@ def test_a_fleet_gone_past_take_timeout_ends_the_run_with_its_steps_checkpointed
   worker = FakeWorker(server.address, samples=4, limit=8).start()  # two steps' groups
   try:
     with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
-      with pytest.raises(TimeoutError, match="rl.take_timeout_s: no usable rollout group"):
+      with pytest.raises(TakeTimeout, match="rl.take_timeout_s: no usable rollout group"):
         tr.train()
       assert tr.step == 2 and tr.checkpointer.latest_step() == 2
   finally:
