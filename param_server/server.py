@@ -93,6 +93,23 @@ class ServerConfig:
     if not -1 <= self.metrics_port <= 65535:
       raise ValueError(f"ServerConfig.metrics_port: expected -1 (off) or a port 0-65535, got "
                        f"{self.metrics_port}")
+    for name in ("chunk_bytes", "max_chunk_bytes", "max_publish_bytes", "threads",
+                 "max_lease_prompts"):  # (0 threads raised deep in grpc; a 0 chunk hung)
+      if not getattr(self, name) >= 1:
+        raise ValueError(f"ServerConfig.{name}: expected a positive int, got "
+                         f"{getattr(self, name)}")
+    if not self.max_message_bytes >= 64 << 10:  # a lease or a stats reply must fit
+      raise ValueError(f"ServerConfig.max_message_bytes: expected at least {64 << 10}, got "
+                       f"{self.max_message_bytes}")
+    for name in ("delta_history", "cache_bytes"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"ServerConfig.{name}: expected >= 0, got {getattr(self, name)}")
+    for name in ("heartbeat_interval_s", "reap_interval_s", "max_lease_deadline_s"):
+      if not 0 < getattr(self, name) < math.inf:  # (a 0 s reaper spun a core)
+        raise ValueError(f"ServerConfig.{name}: expected seconds > 0, got "
+                         f"{getattr(self, name)}")
+    if not 0 <= self.max_wait_s < math.inf:
+      raise ValueError(f"ServerConfig.max_wait_s: expected seconds >= 0, got {self.max_wait_s}")
     if not (math.isfinite(self.dead_after_s) and self.dead_after_s >= 1):
       raise ValueError(f"ServerConfig.dead_after_s: expected a number of seconds >= 1, got "
                        f"{self.dead_after_s}")

@@ -85,6 +85,25 @@ def test_a_port_out_of_range_is_refused_not_taken_modulo_65536(tmp_path):
     RelayConfig(storage_dir=str(tmp_path), port=-5)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("threads", 0, "expected a positive int, got 0"),  # a traceback from grpc's pool
+    ("chunk_bytes", 0, "expected a positive int, got 0"),  # the first Publish never returned
+    ("max_chunk_bytes", 0, "expected a positive int"),  # every publish refused
+    ("max_lease_prompts", 0, "expected a positive int"),
+    ("max_message_bytes", 100, "expected at least 65536, got 100"),
+    ("delta_history", -1, "expected >= 0, got -1"),
+    ("cache_bytes", -1, "expected >= 0"),
+    ("reap_interval_s", 0.0, "expected seconds > 0, got 0.0"),  # an idle server spun a core
+    ("heartbeat_interval_s", 0.0, "expected seconds > 0"),
+    ("max_lease_deadline_s", 0.0, "expected seconds > 0"),
+    ("max_wait_s", -1.0, "expected seconds >= 0, got -1.0"),
+])
+def test_server_settings_it_cannot_run_with_are_refused_naming_them(tmp_path, field, value,
+                                                                   message):
+  with pytest.raises(ValueError, match=f"^ServerConfig.{field}: {message}"):
+    ServerConfig(storage_dir=str(tmp_path), **{field: value})
+
+
 def test_a_corrupt_saved_tokens_file_names_the_file_and_is_kept(tmp_path):
   path = tmp_path / "tokens.json"
   for content in ("{trainer", '["a"]'):
