@@ -25,6 +25,7 @@ import urllib.parse
 import urllib.request
 
 GCE_PREEMPTED_URL = "http://metadata.google.internal/computeMetadata/v1/instance/preempted"
+USAGE_ERROR = 2  # every rlax-ps command's exit status for flags or settings it refuses
 
 log = logging.getLogger("rlax_ps.preemption")
 
@@ -124,6 +125,10 @@ class PreemptionWatchdog:
       threading.Thread(target=self._watch, args=(child,), daemon=True).start()
       code = child.wait()
       if code == 0 or not self.restart or self.stopping.is_set():
+        return code
+      if code == USAGE_ERROR:  # a bad flag or setting: every restart would repeat it
+        log.error("pid %d exited with status %d (bad flags or settings: see its last lines); "
+                  "not starting it again", child.pid, code)
         return code
       if time.monotonic() - started >= self.max_backoff_s:
         delay = self.backoff_s  # it ran a while: a new failure, not a crash loop

@@ -244,6 +244,8 @@ class WorkerConfig:
     need(self.stall_s >= 0, "stall_s", "a number of seconds >= 0 (0: never)")
     for f in ("lease_deadline_s", "grace_s", "backoff_initial_s", "backoff_max_s"):
       need(getattr(self, f) > 0, f, "a positive number of seconds")
+    need(self.lease_wait_s >= 0, "lease_wait_s", "a number of seconds >= 0")
+    need(self.max_leases >= 0, "max_leases", "an int >= 0 (0: run until stopped)")
 
   @property
   def draws(self) -> int:

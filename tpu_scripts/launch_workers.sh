@@ -14,8 +14,10 @@
 #
 # Each worker decodes on every chip of its hosts (--devices=0: this flag wins over a config
 # file's worker.devices; a --devices in WORKER_ARGS wins over it).
-# Env: WORKER_ARGS (more `rlax-ps worker` flags, at least --config=configs/...; shell words,
-# read once by the VM's shell: quote a value with spaces as on a command line),
+# Env: WORKER_CONFIG (default configs/rl_local.py: the trainer's TRAIN_CONFIG default; give
+# workers the recipe the trainer runs), WORKER_ARGS (more `rlax-ps worker` flags, a --config
+# there wins; shell words, read once by the VM's shell: quote a value with spaces as on a
+# command line),
 # KEEP_INTERVAL_S, TPU_RUNTIME (default: the accelerator generation's image), DRY_RUN=1 (print the gcloud commands, run none: the listing then answers
 # nothing, so every VM is created; TPU_STATES="NAME STATE" lines stands in for it).
 # The worker token reaches each VM as an owner-only file (common.sh), not on any argv.
@@ -32,10 +34,11 @@ accelerator="${3:?usage: launch_workers.sh PREFIX COUNT ACCELERATOR_TYPE}"
 # host 0 talks to the server.
 multi=""
 single_host "$accelerator" || multi=" --coordinator_address=auto"
-# WORKER_ARGS come after --devices=0 (every chip of each host): a --devices there wins.
+# WORKER_ARGS come after --devices=0 (every chip of each host) and --config: theirs win.
 worker_cmd=".venv/bin/python -m inference_workers.preemption_watchdog --restart --"
 worker_cmd+=" .venv/bin/rlax-ps worker --address=$(q "$SERVER_ADDRESS")"
-worker_cmd+=" --token_file=\$HOME/$REMOTE_TOKEN_FILE --devices=0$multi ${WORKER_ARGS:-}"
+worker_cmd+=" --token_file=\$HOME/$REMOTE_TOKEN_FILE --devices=0$multi"
+worker_cmd+=" --config=$(q "${WORKER_CONFIG:-configs/rl_local.py}") ${WORKER_ARGS:-}"
 interval="${KEEP_INTERVAL_S:-}"
 [[ -z "$interval" || "$interval" =~ ^[1-9][0-9]*$ ]] || {
   echo "KEEP_INTERVAL_S: expected a positive number of seconds, got '$interval'" >&2; exit 2; }

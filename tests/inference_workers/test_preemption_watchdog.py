@@ -224,3 +224,12 @@ def test_a_preempted_child_is_not_restarted(metadata, tmp_path):
   metadata.preempted = True
   thread.join(20)
   assert result["rc"] == 7 and watchdog.starts == 1 and watchdog.preempted.is_set()
+
+
+def test_a_child_refusing_its_flags_is_not_restarted(tmp_path):
+  """Exit status 2 (a bad flag or setting: a typo in a launch script's TRAIN_ARGS) was
+  restarted for ever, every VM in a loop of usage errors."""
+  watchdog = PreemptionWatchdog([sys.executable, "-c", "import sys; sys.exit(2)"],
+                                url="http://127.0.0.1:9/none", unreachable_backoff_s=0.05,
+                                backoff_s=0.05, restart=True)
+  assert watchdog.run() == 2 and watchdog.starts == 1

@@ -988,6 +988,14 @@ def test_bad_batching_settings_are_named():
     WorkerConfig(stall_s=-5)
   with pytest.raises(ValueError, match="WorkerConfig.max_turns: expected an int >= 0"):
     WorkerConfig(max_turns=-1)
+  # -1 leases: the worker loaded its model and exited at once, having done nothing; a
+  # negative wait: refused by the server at the first lease, naming its own field
+  with pytest.raises(ValueError, match=r"WorkerConfig.max_leases: expected an int >= 0 "
+                                       r"\(0: run until stopped\), got -1"):
+    WorkerConfig(max_leases=-1)
+  with pytest.raises(ValueError, match="WorkerConfig.lease_wait_s: expected a number of "
+                                       "seconds >= 0, got -1"):
+    WorkerConfig(lease_wait_s=-1)
   with pytest.raises(ValueError, match="WorkerConfig.sample_rows: expected an int >= 0"):
     WorkerConfig(sample_rows=-1)
   with pytest.raises(ValueError, match="WorkerConfig.sample_rows: expected 0 with "

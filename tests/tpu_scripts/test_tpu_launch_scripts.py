@@ -580,6 +580,9 @@ def test_user_arguments_reach_the_remote_process_exactly(tmp_path, script, args,
   elif verb != "serve":
     assert f"--address={address}" in argv
     assert f"--token_file={home}/rlax-ps-worker-token.json" in argv
+  if verb == "worker":  # the trainer's recipe unless WORKER_ARGS names one (no --config at
+    # all: every spot VM restarted a usage error, the script saying the fleet was kept)
+    assert "--config=configs/rl_local.py" in argv[1:-len(QUOTED_ARGS)]
 
 
 def sleeping_vm(tmp_path):
