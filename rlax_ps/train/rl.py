@@ -377,6 +377,8 @@ class RLTrainer(TrainerRun):
     self.response_buckets = int(rl.get("response_buckets", 1))
     self.micro_batches = int(rl.get("micro_batches", 1))
     self.dynamic = _dynamic_sampler(config, self.shape.samples)
+    # The fixed allocator's groups hold worker.samples_per_prompt samples (VIGOR's vary)
+    self.fixed_groups = str(config.worker.get("allocator", "fixed")) == "fixed"
     if needs_reference(self.loss_cfg) and not self.init_from_hf:
       field = "loss.kl_coef" if self.loss_cfg.kl_coef > 0 else "loss.kl_in_reward"
       raise ValueError(f"{field}: a KL term needs a reference policy; set init_from_hf")
@@ -1528,6 +1530,11 @@ class RLTrainer(TrainerRun):
         if self.teacher_tokenizer is not None:  # the teacher reads it in its own tokens
           group = dataclasses.replace(group, teacher_prompt=self._teacher_prompt(taken.prompt))
         check_temperature(taken.group, self.loss_cfg.temperature)
+        if self.fixed_groups and len(group.rewards) > self.shape.samples:  # (memory planned
+          # for this many: a batch of larger groups trained silently, twice the rows)
+          raise ValueError(f"rollout {group.rollout_id}: {len(group.rewards)} samples, more "
+                           f"than this trainer's worker.samples_per_prompt="
+                           f"{self.shape.samples}")
         if self.dynamic and len(group.rewards) != self.shape.samples:
           raise ValueError(f"rollout {group.rollout_id}: {len(group.rewards)} samples; "
                            f"rl.dynamic_sampling needs worker.samples_per_prompt="

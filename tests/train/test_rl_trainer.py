@@ -1211,8 +1211,17 @@ class _CannotSample(FakeWorker):
                                 "max_position_embeddings=64")
 
 
+class _TooMany(FakeWorker):
+  """A worker started with twice the trainer's worker.samples_per_prompt."""
+
+  def group(self, prompt_id, version, uniform=False):
+    self.samples, self.max_len = 8, 2  # (responses within the budget)
+    return super().group(prompt_id, version, uniform)
+
+
 @pytest.mark.parametrize("worker_kind, why", [
     (_Overlong, r"more than worker.max_new_tokens=\d+"),
+    (_TooMany, r"8 samples, more than this trainer's worker.samples_per_prompt=4"),
     pytest.param(_CannotSample,
                  r"prompt \S+ could not be sampled by worker 'w7': prompt length 70 ",
                  marks=pytest.mark.slow),
