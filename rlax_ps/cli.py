@@ -84,8 +84,8 @@ def _user_error_types() -> tuple[type, ...]:
 
 def reporting_errors(main_fn, prog: str):
   """`main_fn`, with a usage error (a bad setting, an argument that is no flag) in one line
-  as a bad flag is (exit 2), user errors in one line (exit 1) and a closed stdout (`| head`)
-  ending the command quietly, as SIGPIPE would (exit 141)."""
+  as a bad flag is (exit 2), user errors in one line (exit 1), Ctrl-C in one line (exit 130)
+  and a closed stdout (`| head`) ending the command quietly, as SIGPIPE would (exit 141)."""
   from absl import app
 
   def run(argv):
@@ -97,6 +97,9 @@ def reporting_errors(main_fn, prog: str):
       print(f"{prog}: {e}", file=sys.stderr)
       print(f"`{prog} --help` lists the flags.", file=sys.stderr, flush=True)
       sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before the command's own handlers (a token file
+      print(f"{prog}: interrupted", file=sys.stderr, flush=True)  # waited for): no traceback
+      sys.exit(130)
     except BrokenPipeError:
       devnull = os.open(os.devnull, os.O_WRONLY)  # nothing left to flush at exit
       os.dup2(devnull, sys.stdout.fileno())

@@ -192,3 +192,12 @@ def test_a_run_its_fleet_left_without_groups_ends_in_one_line(capsys):
                                      "for 3.0s; are workers running against 127.0.0.1:1?\n")
   with pytest.raises(TimeoutError):  # another timeout is no user error: its traceback stays
     cli.reporting_errors(lambda argv: (_ for _ in ()).throw(TimeoutError("x")), "p")(["p"])
+
+
+def test_ctrl_c_before_a_commands_own_handlers_ends_it_in_one_line(capsys):
+  """Ctrl-C while `rlax-ps train` waited for its --token_file printed a traceback."""
+  from rlax_ps import cli
+  with pytest.raises(SystemExit) as e:
+    cli.reporting_errors(lambda argv: (_ for _ in ()).throw(KeyboardInterrupt()),
+                         "rlax-ps train")(["rlax-ps train"])
+  assert e.value.code == 130 and capsys.readouterr().err == "rlax-ps train: interrupted\n"
