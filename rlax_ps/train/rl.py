@@ -746,10 +746,12 @@ class RLTrainer(TrainerRun):
     self.store_id = store_id or known  # "": a server from before storage ids
     if not (behind or (known and store_id and store_id != known)):
       return False
+    keyframe = ("the next version" if self.publisher.version is None  # (at start: not
+                else f"v{self.version}")                           # published yet)
     logging.warning("rl: the parameter server at %s (storage %s; this run fed %s) lost its "
                     "weights and queues (a new --storage_dir?); feeding it %d prompts again "
-                    "and sending v%d as a keyframe", self.client.address, store_id or "?",
-                    known or "?", len(self.outstanding), self.version)
+                    "and sending %s as a keyframe", self.client.address, store_id or "?",
+                    known or "?", len(self.outstanding), keyframe)
     self.pending = []
     self.skip_ids.clear()  # ids of the lost server's rollouts
     self.skip_prompts.clear()

@@ -111,7 +111,7 @@ def test_a_server_that_lost_its_queues_is_fed_again_and_gets_the_weights(trainer
 
 @pytest.mark.parametrize("store", ["store-b", ""])
 def test_a_restart_on_a_server_that_lost_its_queues_feeds_it_again_and_acks_nothing(
-    trainer, store):
+    trainer, store, caplog):
   """Known by another storage id, or (a server without ids) by a latest version below the
   checkpoint's. The restored weights go above any version the run published (workers may
   hold the lost server's newest)."""
@@ -123,8 +123,11 @@ def test_a_restart_on_a_server_that_lost_its_queues_feeds_it_again_and_acks_noth
   server.store = store
   with open(os.path.join(tr.workdir, "versions.jsonl"), "w") as f:
     f.write('{"version": 11}\n{"version": 12}\n{"vers')  # the last line torn by a kill
+  tr.publisher = types.SimpleNamespace(version=None)  # a restart: nothing published yet
   try:
-    assert tr._server_start() == 13
+    with caplog.at_level("WARNING"):
+      assert tr._server_start() == 13
+    assert "sending the next version as a keyframe" in caplog.text  # (it said v-1)
   finally:
     os.remove(os.path.join(tr.workdir, "versions.jsonl"))
   assert server.acked == [] and tr.pending == []
