@@ -39,7 +39,7 @@ def _trainer(workdir, every, groups):
   """The parts of an RLTrainer that take groups and log their completions."""
   return types.SimpleNamespace(
       consumed=0, version=3, _restart_floor=None, skip_ids=set(), skip_prompts={},
-      selective=False, dynamic=None,
+      selective=False, dynamic=None, fixed_groups=False,  # (VIGOR: groups of 4 to 6)
       outstanding={},
       _told_routes=False, tokenizer=TOK, model_config=types.SimpleNamespace(
           vocab_size=TOK.vocab_size),
