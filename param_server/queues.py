@@ -728,8 +728,10 @@ class PromptRolloutQueues:
         prompt = self.prompts[part.prompt_id]
         whole = joined_partial(prompt.partial, part, where)
         self._check_begun(whole, where)
-        size = _without_partial(prompt).ByteSize() + sum(
-            s.ByteSize() + 8 for s in whole.samples)  # (+ each sample's tag and length)
+        # The prompt as it would be held, sized without copying its samples under the lock
+        # (+ 8: each sample's tag and length)
+        size = prompt.ByteSize() - sum(s.ByteSize() for s in prompt.partial) + sum(
+            s.ByteSize() + 8 for s in whole.samples)
         if size > self.limits.max_prompt_bytes:
           raise errors.ResourceExhausted(
               where, f"prompt {part.prompt_id!r} would hold {size} bytes with these samples "
