@@ -265,12 +265,16 @@ def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
     raise ValueError(f"{field}: {path}: no prompt records")
 
 
+def prompt_key(prompt: Any) -> str:
+  """A prompt (text, or a list of messages) as a string to compare prompts by."""
+  return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
 def heldout_overlap(heldout_prompts: Iterable[Any], prompts: Iterable[Any]) -> str | None:
   """The warning for data.heldout_jsonl prompts that data.jsonl trains on too (their score
   is a training score; overfitting a small set on purpose is one reason), or None."""
-  key = lambda p: p if isinstance(p, str) else json.dumps(p, sort_keys=True)  # noqa: E731
-  held = {key(p) for p in heldout_prompts}
-  both = {k for k in map(key, prompts) if k in held}
+  held = {prompt_key(p) for p in heldout_prompts}
+  both = {k for k in map(prompt_key, prompts) if k in held}
   if not both:
     return None
   return (f"data.heldout_jsonl: {len(both)} of its {len(held)} prompts are also in data.jsonl "

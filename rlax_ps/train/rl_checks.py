@@ -282,11 +282,12 @@ def _check_reward_model(path: str) -> None:
 def _prompts_seen(records, held: list) -> tuple[Iterator[dict], list]:
   """(the records, passed through; the list their prompts among `held` are put in as they go
   by: a large file's are not kept)."""
-  keys, seen = {json.dumps(p, sort_keys=True) for p in held}, []
+  from rlax_ps.train.prompts import prompt_key
+  keys, seen = {prompt_key(p) for p in held}, []
 
   def each():
     for record in records:
-      if json.dumps(record["prompt"], sort_keys=True) in keys:
+      if prompt_key(record["prompt"]) in keys:
         seen.append(record["prompt"])
       yield record
 
