@@ -19,7 +19,7 @@ import math
 import threading
 import time
 import uuid
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 from absl import logging
@@ -48,6 +48,11 @@ class QueueLimits:
   # replace the last ones, so the log grows faster than the state it holds).
   wal_compact_records: int = 20_000
   wal_compact_bytes: int = 64 << 20
+  # The snapshot is taken under the lock (references: the state is copied on write) and
+  # written beside the calls, in records of about this many bytes (one protobuf message
+  # holds < 2 GiB). False: written in the call that made it due (tests).
+  wal_snapshot_record_bytes: int = 64 << 20
+  compact_in_background: bool = True
   # A prompt with the begun samples it holds, at most: one lease reply must carry it
   # (increments joined past it would leave the prompt leased to no one at every deadline).
   max_prompt_bytes: int = 16 << 20
@@ -71,6 +76,18 @@ class LeaseState:
   @property
   def closed(self) -> bool:
     return self.expired or not self.open_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class _Captured:
+  """The queues' state at one point of the log (`_capture`), for a snapshot of it."""
+  queued: list[pb.Prompt]
+  leases: list[tuple["LeaseState", list[pb.Prompt]]]  # with the open prompts' records
+  rollouts: list["RolloutEntry"]
+  takes: list[tuple[str, list[int], float]]
+  acked_takes: dict[str, int]
+  next_rollout_id: int
+  counters: collections.Counter
 
 
 @dataclasses.dataclass
@@ -340,6 +357,7 @@ class PromptRolloutQueues:
     self._local = threading.local()
     self._cond = threading.Condition(self._lock)
     self._compact_after = 0  # a failed compaction: records since the rewrite before a retry
+    self._compaction: threading.Thread | None = None  # the one under way
     self.prompts: dict[str, pb.Prompt] = {}  # queued or leased
     self.queue: collections.OrderedDict[str, None] = collections.OrderedDict()
     self.leases: dict[str, LeaseState] = {}  # open ones
@@ -372,23 +390,45 @@ class PromptRolloutQueues:
       # server holds now, so that it still starts after this, and the caller gets the error.
       logging.exception("queues: a %s record failed to apply; the log is rewritten as the "
                         "state held now", record.WhichOneof("op"))
-      self._wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
+      self._wal.rewrite(self._snapshot())
       raise
     wal = self._wal
     if ((wal.records_since_rewrite >= self.limits.wal_compact_records
          or wal.bytes >= max(self.limits.wal_compact_bytes, 4 * wal.base_bytes))
-        and wal.records_since_rewrite >= self._compact_after):
-      try:
-        wal.rewrite(pb.WalRecord(snapshot=self._snapshot()))
-        self._compact_after = 0
-      except Exception:  # noqa: BLE001 - compaction only saves space: the change is logged
-        # and applied, and its caller must hear so (a retry would lease or take again)
-        logging.exception("queues: compacting the write-ahead log failed; %s",
-                          "the log takes no more changes until a restart" if wal.broken else
-                          f"it grows on, and compaction is tried again after "
-                          f"{self.limits.wal_compact_records} more records")
-        self._compact_after = wal.records_since_rewrite + self.limits.wal_compact_records
+        and wal.records_since_rewrite >= self._compact_after and self._compaction is None):
+      self._compaction = threading.Thread(
+          target=self._compact, args=(self._capture(), wal.mark()), name="wal-compaction",
+          daemon=True)
+      if self.limits.compact_in_background:
+        self._compaction.start()
+      else:
+        self._compaction.run()
     self._cond.notify_all()
+
+  def _compact(self, state: "_Captured", since) -> None:
+    """Rewrites the log as `state`, the state at `since`, and what was logged after it."""
+    wal = self._wal
+    try:
+      wal.rewrite(self._snapshot(state), since=since)
+      failed = False
+    except Exception:  # noqa: BLE001 - compaction only saves space: the changes are logged
+      # and applied, and their callers heard so (a retry would lease or take again)
+      logging.exception("queues: compacting the write-ahead log failed; %s",
+                        "the log takes no more changes until a restart" if wal.broken else
+                        f"it grows on, and compaction is tried again after "
+                        f"{self.limits.wal_compact_records} more records")
+      failed = True
+    with self._lock:
+      self._compact_after = (wal.records_since_rewrite + self.limits.wal_compact_records
+                             if failed else 0)
+      self._compaction = None
+
+  def wait_compacted(self) -> None:
+    """Returns once no compaction is under way."""
+    with self._lock:
+      compaction = self._compaction
+    if compaction is not None and compaction.is_alive():
+      compaction.join()
 
   def _apply(self, record: pb.WalRecord, joined: dict | None = None) -> None:
     op = record.WhichOneof("op")
@@ -487,37 +527,69 @@ class PromptRolloutQueues:
       while len(self.closed_leases) > self.limits.closed_lease_history:
         self.closed_leases.popitem(last=False)
 
-  def _snapshot(self) -> pb.WalSnapshot:
-    snap = pb.WalSnapshot(
+  def _capture(self) -> "_Captured":
+    """The state now, for `_snapshot`; called with the lock held. Cheap: prompts and groups
+    are replaced, never changed in place, so it keeps references to them; leases change in
+    place and are copied."""
+    return _Captured(
         queued=[self.prompts[p] for p in self.queue],
-        next_rollout_id=self.next_rollout_id,
-        rollouts_accepted=self.counters["rollouts_accepted"],
-        rollouts_duplicate=self.counters["rollouts_duplicate"],
-        rollouts_stale_dropped=self.counters["rollouts_stale_dropped"],
-        leases_expired=self.counters["leases_expired"],
-        prompts_resumed=self.counters["prompts_resumed"],
-        samples_resumed=self.counters["samples_resumed"],
-        tokens_resumed=self.counters["tokens_resumed"],
-        takes_requeued=self.counters["takes_requeued"],
-        acked_takes=list(self.acked_takes), acked_take_groups=list(self.acked_takes.values()))
-    for lease in list(self.closed_leases.values()) + list(self.leases.values()):
-      snap.leases.append(pb.WalLeaseState(
+        leases=[(dataclasses.replace(lease, prompt_ids=list(lease.prompt_ids),
+                                     answered=dict(lease.answered),
+                                     fingerprints=dict(lease.fingerprints),
+                                     released=set(lease.released)),
+                 [self.prompts[p] for p in lease.open_ids] if not lease.closed else [])
+                for lease in list(self.closed_leases.values()) + list(self.leases.values())],
+        rollouts=sorted(list(self.ready.values()) + list(self.in_flight.values()),
+                        key=lambda e: e.rollout_id),
+        takes=[(take_id, list(ids), deadline) for take_id, (ids, deadline) in self.takes.items()],
+        acked_takes=dict(self.acked_takes), next_rollout_id=self.next_rollout_id,
+        counters=collections.Counter(self.counters))
+
+  def _snapshot(self, state: "_Captured | None" = None) -> Iterator[pb.WalRecord]:
+    """The snapshot records of `state` (default: the state now, under the lock), about
+    limits.wal_snapshot_record_bytes each: the first with the counters, then continuations;
+    the takes come last, after the rollouts they move."""
+    if state is None:
+      with self._lock:
+        state = self._capture()
+    c = state.counters
+    snap = pb.WalSnapshot(
+        next_rollout_id=state.next_rollout_id,
+        rollouts_accepted=c["rollouts_accepted"], rollouts_duplicate=c["rollouts_duplicate"],
+        rollouts_stale_dropped=c["rollouts_stale_dropped"], leases_expired=c["leases_expired"],
+        prompts_resumed=c["prompts_resumed"], samples_resumed=c["samples_resumed"],
+        tokens_resumed=c["tokens_resumed"], takes_requeued=c["takes_requeued"],
+        acked_takes=list(state.acked_takes), acked_take_groups=list(state.acked_takes.values()))
+    size = snap.ByteSize()
+
+    def add(field: str, item) -> Iterator[pb.WalRecord]:
+      nonlocal snap, size
+      n = item.ByteSize() + 8  # (its tag and length)
+      if size and size + n > self.limits.wal_snapshot_record_bytes:
+        yield pb.WalRecord(snapshot=snap)
+        snap, size = pb.WalSnapshot(continues=True), 0
+      getattr(snap, field).append(item)
+      size += n
+
+    for p in state.queued:
+      yield from add("queued", p)
+    for lease, open_prompts in state.leases:
+      yield from add("leases", pb.WalLeaseState(
           lease_id=lease.lease_id, worker_id=lease.worker_id, prompt_ids=lease.prompt_ids,
-          deadline_unix_s=lease.deadline, answered=lease.answered, fingerprints=lease.fingerprints,
-          released=sorted(lease.released), expired=lease.expired,
-          open_prompts=[self.prompts[p] for p in lease.open_ids] if not lease.closed else []))
-    for entry in sorted(list(self.ready.values()) + list(self.in_flight.values()),
-                        key=lambda e: e.rollout_id):
-      snap.rollouts.append(pb.WalRollout(rollout_id=entry.rollout_id, prompt=entry.prompt,
-                                         group=entry.group, worker_id=entry.worker_id))
-    for take_id, (ids, deadline) in self.takes.items():
-      snap.takes.append(pb.WalTake(take_id=take_id, rollout_ids=ids, deadline_unix_s=deadline))
-    return snap
+          deadline_unix_s=lease.deadline, answered=lease.answered,
+          fingerprints=lease.fingerprints, released=sorted(lease.released),
+          expired=lease.expired, open_prompts=open_prompts))
+    for entry in state.rollouts:
+      yield from add("rollouts", pb.WalRollout(rollout_id=entry.rollout_id, prompt=entry.prompt,
+                                               group=entry.group, worker_id=entry.worker_id))
+    for take_id, ids, deadline in state.takes:
+      yield from add("takes", pb.WalTake(take_id=take_id, rollout_ids=ids,
+                                         deadline_unix_s=deadline))
+    yield pb.WalRecord(snapshot=snap)
 
   def _load_snapshot(self, snap: pb.WalSnapshot) -> None:
-    self.prompts, self.queue = {}, collections.OrderedDict()
-    self.leases, self.closed_leases = {}, collections.OrderedDict()
-    self.ready, self.in_flight, self.takes = collections.OrderedDict(), {}, {}
+    if not snap.continues:
+      self._load_snapshot_start(snap)
     for p in snap.queued:
       self.prompts[p.id] = p
       self.queue[p.id] = None
@@ -536,6 +608,12 @@ class PromptRolloutQueues:
       for rid in t.rollout_ids:
         self.in_flight[rid] = self.ready.pop(rid)
       self.takes[t.take_id] = (list(t.rollout_ids), t.deadline_unix_s)
+
+  def _load_snapshot_start(self, snap: pb.WalSnapshot) -> None:
+    """The state a snapshot's first record replaces: emptied, with the record's counters."""
+    self.prompts, self.queue = {}, collections.OrderedDict()
+    self.leases, self.closed_leases = {}, collections.OrderedDict()
+    self.ready, self.in_flight, self.takes = collections.OrderedDict(), {}, {}
     counts = list(snap.acked_take_groups)  # (none in a snapshot of an older server: 0)
     counts += [0] * (len(snap.acked_takes) - len(counts))
     self.acked_takes = collections.OrderedDict(zip(snap.acked_takes, counts))
@@ -918,5 +996,6 @@ class PromptRolloutQueues:
           takes_requeued=self.counters["takes_requeued"])
 
   def close(self) -> None:
+    self.wait_compacted()
     with self._lock:
       self._wal.close()

@@ -4,17 +4,23 @@ Each record on disk is `[u32 length][u32 crc32][payload]` (little-endian) and is
 fsync'd before the caller acknowledges it. Recovery reads records up to the
 first torn or corrupt one and truncates the file there (a crash mid-append
 leaves at most one partial record at the tail). `rewrite` replaces the log with
-one snapshot record atomically (temp file, fsync, rename, fsync of the folder).
+snapshot records atomically (temp file, fsync, rename, fsync of the folder); the snapshot
+may be written while appends go on, which it then carries over (`mark`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import glob
 import os
+import shutil
 import struct
+import tempfile
 import threading
 import zlib
+from collections.abc import Iterable
 
 from absl import logging
 
@@ -29,6 +35,15 @@ _HEADER = struct.Struct("<II")
 def encode_record(record: pb.WalRecord) -> bytes:
   payload = record.SerializeToString(deterministic=True)
   return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+  """A point in the log (`WriteAheadLog.mark`): a snapshot of the state held there replaces
+  what precedes it, and the records appended after it are carried over."""
+  generation: int  # rewrites before it: a rewrite since makes the mark void
+  offset: int  # the file's size there
+  records: int  # records_since_rewrite there
 
 
 class DamagedLog(RuntimeError):
@@ -100,7 +115,11 @@ class WriteAheadLog:
         f.truncate(valid)
         os.fsync(f.fileno())
     self.recovered = records
+    for left in glob.glob(glob.escape(path) + ".tmp*"):  # a rewrite a crash cut short
+      with contextlib.suppress(OSError):
+        os.remove(left)
     self._file = open(path, "ab", buffering=0)
+    self._generation = 0  # rewrites since opened
     self.bytes = valid
     self.base_bytes = valid  # the log's size when opened or last rewritten
     self.records_since_rewrite = len(records)
@@ -170,16 +189,52 @@ class WriteAheadLog:
         raise
       self._synced = max(self._synced, target)
 
-  def rewrite(self, snapshot: pb.WalRecord) -> None:
-    """Atomically replaces the whole log with a single (snapshot) record."""
-    blob = encode_record(snapshot)
-    tmp = self.path + ".tmp"
-    with self._sync_lock, self._lock:
-      with open(tmp, "wb") as f:
-        f.write(blob)
+  def mark(self) -> Mark:
+    """Where the log ends now: taken with the state it holds, for `rewrite(..., since=)`."""
+    with self._lock:
+      return Mark(self._generation, self.bytes, self.records_since_rewrite)
+
+  def rewrite(self, records: Iterable[pb.WalRecord], since: Mark | None = None) -> bool:
+    """Atomically replaces the log with `records` (a snapshot of the state at `since`, by
+    default now) and the records appended after `since`. The snapshot is written and synced
+    without holding the log, so appends go on meanwhile; only the carried-over tail, the
+    rename and the folder's sync hold them. False, nothing changed, when another rewrite
+    came after `since`. An error writing the snapshot leaves the log as it was."""
+    since = since or self.mark()
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(self.path) + ".tmp",
+                               dir=os.path.dirname(os.path.abspath(self.path)))
+    try:
+      count = 0
+      with os.fdopen(fd, "wb") as f:
+        for record in records:  # one at a time: a large snapshot is never held twice
+          f.write(encode_record(record))
+          count += 1
         f.flush()
         os.fsync(f.fileno())
-      os.replace(tmp, self.path)
+        snapshot_bytes = f.tell()
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
+      raise
+    with self._sync_lock, self._lock:
+      try:
+        if self._broken:
+          raise OSError(errno.EIO, f"write-ahead log {self.path}: {self._broken}")
+        if self._generation != since.generation:
+          os.remove(tmp)
+          return False
+        with open(tmp, "ab") as f, open(self.path, "rb") as old:
+          old.seek(since.offset)  # what was appended while the snapshot was written
+          shutil.copyfileobj(old, f)
+          f.flush()
+          os.fsync(f.fileno())
+          size = f.tell()
+        os.replace(tmp, self.path)
+      except BaseException:
+        with contextlib.suppress(OSError):
+          os.remove(tmp)
+        raise
+      self._generation += 1
       # From here the log is the new file: appends must go to it, never to the old one,
       # which is gone from the folder (what was written there would be lost on restart).
       old = self._file
@@ -189,16 +244,17 @@ class WriteAheadLog:
         self._broken = f"the log was rewritten but could not be opened again ({e})"
         raise
       finally:
-        with contextlib.suppress(OSError):  # (its writes are all in the snapshot)
+        with contextlib.suppress(OSError):  # (its writes are all in the new file)
           old.close()
-      self.bytes = self.base_bytes = len(blob)
-      self.records_since_rewrite = 1
+      self.records_since_rewrite = count + self.records_since_rewrite - since.records
+      self.bytes, self.base_bytes = size, snapshot_bytes
       try:
         fsync_dir(os.path.dirname(os.path.abspath(self.path)))
       except OSError as e:  # the rename may not last a crash: nothing more is acknowledged
         self._broken = f"the rewritten log's folder could not be synced ({e})"
         raise
       self._synced = self._written
+    return True
 
   def close(self) -> None:
     with self._sync_lock, self._lock:

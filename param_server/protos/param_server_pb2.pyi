@@ -649,7 +649,8 @@ class WalRollout(_message.Message):
     def __init__(self, rollout_id: _Optional[int] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., group: _Optional[_Union[RolloutGroup, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WalSnapshot(_message.Message):
-    __slots__ = ("queued", "leases", "rollouts", "takes", "acked_takes", "acked_take_groups", "next_rollout_id", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "prompts_resumed", "samples_resumed", "tokens_resumed", "takes_requeued")
+    __slots__ = ("continues", "queued", "leases", "rollouts", "takes", "acked_takes", "acked_take_groups", "next_rollout_id", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "prompts_resumed", "samples_resumed", "tokens_resumed", "takes_requeued")
+    CONTINUES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
@@ -665,6 +666,7 @@ class WalSnapshot(_message.Message):
     SAMPLES_RESUMED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_RESUMED_FIELD_NUMBER: _ClassVar[int]
     TAKES_REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    continues: bool
     queued: _containers.RepeatedCompositeFieldContainer[Prompt]
     leases: _containers.RepeatedCompositeFieldContainer[WalLeaseState]
     rollouts: _containers.RepeatedCompositeFieldContainer[WalRollout]
@@ -680,4 +682,4 @@ class WalSnapshot(_message.Message):
     samples_resumed: int
     tokens_resumed: int
     takes_requeued: int
-    def __init__(self, queued: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[WalLeaseState, _Mapping]]] = ..., rollouts: _Optional[_Iterable[_Union[WalRollout, _Mapping]]] = ..., takes: _Optional[_Iterable[_Union[WalTake, _Mapping]]] = ..., acked_takes: _Optional[_Iterable[str]] = ..., acked_take_groups: _Optional[_Iterable[int]] = ..., next_rollout_id: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., takes_requeued: _Optional[int] = ...) -> None: ...
+    def __init__(self, continues: _Optional[bool] = ..., queued: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[WalLeaseState, _Mapping]]] = ..., rollouts: _Optional[_Iterable[_Union[WalRollout, _Mapping]]] = ..., takes: _Optional[_Iterable[_Union[WalTake, _Mapping]]] = ..., acked_takes: _Optional[_Iterable[str]] = ..., acked_take_groups: _Optional[_Iterable[int]] = ..., next_rollout_id: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., takes_requeued: _Optional[int] = ...) -> None: ...

@@ -105,8 +105,8 @@ def submit(env, g, lease_id=None, worker_id=None):
 def state(env):
   """(the queues' whole state as a snapshot, the latest version, rejections counted)."""
   queues = env.server.queues
-  with queues._lock:
-    snap = queues._snapshot()
+  (record,) = queues._snapshot()
+  snap = record.snapshot
   snap.rollouts_duplicate = 0  # a retry's acknowledgement is counted, never logged
   stats = env.stub.GetStats(pb.GetStatsRequest(), metadata=metadata("viewer"))
   return snap.SerializeToString(deterministic=True), stats.versions.latest_version, stats.errors

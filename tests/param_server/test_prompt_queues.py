@@ -11,7 +11,7 @@ from param_server import queues as queues_lib
 from param_server.client import make_routes, make_sample, routes_of, sample_logprobs, sample_observed
 from param_server.protos import param_server_pb2 as pb
 from param_server.queues import PromptRolloutQueues, QueueLimits
-from param_server.wal import WriteAheadLog
+from param_server.wal import WriteAheadLog, read_records
 
 
 class Clock:
@@ -245,7 +245,7 @@ def test_requeued_takes_are_counted_and_the_count_survives_a_restart(tmp_path, c
   q.close()
   q = make_queues(tmp_path, clock)  # the write-ahead log replayed
   assert q.depths()["takes_requeued"] == 2
-  q._wal.rewrite(pb.WalRecord(snapshot=q._snapshot()))
+  q._wal.rewrite(q._snapshot())
   q.close()
   q = make_queues(tmp_path, clock)  # the snapshot loaded
   assert q.depths()["takes_requeued"] == 2
@@ -348,11 +348,60 @@ def test_snapshot_rewrite_keeps_the_state_and_shrinks_the_log(tmp_path, clock):
   with pytest.raises(errors.FailedPrecondition, match="expired"):
     again.renew(expired_lease.lease_id, "w2", 5.0)
   assert len(again._wal.recovered) == 0 and again._wal.records_since_rewrite < 4 + 2
-  again._wal.rewrite(pb.WalRecord(snapshot=again._snapshot()))  # the ack in a snapshot
+  again._wal.rewrite(again._snapshot())  # the ack in a snapshot
   again.close()
   third = make_queues(tmp_path, clock)
   assert third.ack(take.take_id) == 1  # a retried ack's answer: the groups it acknowledged
   third.close()
+
+
+def test_the_log_is_compacted_beside_the_calls_and_keeps_what_they_logged_meanwhile(
+    tmp_path, clock, monkeypatch):
+  """The snapshot is written outside the lock (seconds for a large backlog of groups, every
+  call stalled): calls go on meanwhile, and their records follow it in the new log."""
+  import threading
+  q = make_queues(tmp_path, clock, wal_compact_records=3)
+  go_on, writing = threading.Event(), threading.Event()
+  snapshot = q._snapshot
+
+  def slow_snapshot(state=None):
+    writing.set()
+    assert go_on.wait(30.0)
+    yield from snapshot(state)
+
+  monkeypatch.setattr(q, "_snapshot", slow_snapshot)
+  q.enqueue(prompts("a", "b"))
+  q.enqueue(prompts("c"))
+  lease = q.lease("w1", 2, 10.0)  # the third record: the compaction starts
+  assert writing.wait(10.0)
+  q.submit(lease.lease_id, "w1", group("a"))  # answered while the snapshot is written
+  q.enqueue(prompts("d"))
+  assert q._compaction is not None and q._wal.records_since_rewrite == 5
+  go_on.set()
+  q.wait_compacted()
+  records, _, _ = read_records(os.path.join(tmp_path, "q.wal"))
+  assert [r.WhichOneof("op") for r in records] == ["snapshot", "submit", "enqueue"]
+  before = _state(q)
+  q.close()
+  again = make_queues(tmp_path, clock)
+  assert _state(again) == before and list(again.queue) == ["c", "d"] and list(again.ready)
+  again.close()
+
+
+def test_a_snapshot_past_one_records_size_is_split_and_replays_whole(tmp_path, clock):
+  """One protobuf message holds < 2 GiB: a larger backlog's snapshot is several records."""
+  q = make_queues(tmp_path, clock, wal_snapshot_record_bytes=200)
+  take, _ = _busy_history(q, clock)
+  before = _state(q)
+  q._wal.rewrite(q._snapshot())
+  q.close()
+  records, _, _ = read_records(os.path.join(tmp_path, "q.wal"))
+  assert len(records) > 3 and all(r.WhichOneof("op") == "snapshot" for r in records)
+  assert [r.snapshot.continues for r in records] == [False] + [True] * (len(records) - 1)
+  again = make_queues(tmp_path, clock)
+  assert _state(again) == before
+  assert again.ack(take.take_id) == 1
+  again.close()
 
 
 def test_renewals_carrying_begun_samples_keep_the_log_within_a_few_times_the_state(
@@ -381,7 +430,7 @@ def test_renewals_carrying_begun_samples_keep_the_log_within_a_few_times_the_sta
   q.expire_due()
   (a,) = q.lease("w2", 1, 10.0).prompts
   assert list(a.partial[0].token_ids) == list(range(200))  # the last checkpoint
-  q._wal.rewrite(pb.WalRecord(snapshot=q._snapshot()))
+  q._wal.rewrite(q._snapshot())
   q.close()
   q = make_queues(tmp_path / "compacted", clock)  # the counts come back with the snapshot
   counts = q.depths()
@@ -454,11 +503,11 @@ def test_a_failed_compaction_leaves_the_change_done_and_said_done(tmp_path, cloc
   """Compacting the log (a snapshot written over it) fails, a full disk: the change whose
   record was logged and applied returns as done (a retry would lease or take again), later
   changes do not try again at once, and a restart replays the log that grew on."""
-  q = make_queues(tmp_path, clock, wal_compact_records=3)
+  q = make_queues(tmp_path, clock, wal_compact_records=3, compact_in_background=False)
   tries = []
 
-  def full_disk(record):
-    tries.append(record)
+  def full_disk(records, since=None):
+    tries.append(list(records))
     raise OSError(28, "No space left on device")
 
   monkeypatch.setattr(q._wal, "rewrite", full_disk)

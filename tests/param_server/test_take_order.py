@@ -65,7 +65,7 @@ def test_a_replayed_log_and_a_snapshot_hold_what_the_version_ordered_takes_left(
   q.close()
   q = make_queues(tmp_path)
   assert (list(q.ready), sorted(q.in_flight), sorted(q.takes.items())) == state
-  q._wal.rewrite(pb.WalRecord(snapshot=q._snapshot()))
+  q._wal.rewrite(q._snapshot())
   q.close()
   q = make_queues(tmp_path)
   assert (list(q.ready), sorted(q.in_flight), sorted(q.takes.items())) == state

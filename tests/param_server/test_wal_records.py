@@ -90,11 +90,75 @@ def test_rewrite_replaces_the_log_with_one_record(tmp_path):
   wal = WriteAheadLog(path)
   for i in range(10):
     wal.append(record(i))
-  wal.rewrite(pb.WalRecord(snapshot=pb.WalSnapshot(next_rollout_id=42)))
+  wal.rewrite([pb.WalRecord(snapshot=pb.WalSnapshot(next_rollout_id=42))])
   wal.append(record(10))
   wal.close()
   records, _, _ = read_records(path)
   assert records[0].snapshot.next_rollout_id == 42 and len(records) == 2
+
+
+def _ops(path):
+  """The log's records: "snapshot", or the take id of an ack (`record(i)`: "take-i")."""
+  return [r.ack.take_id if r.WhichOneof("op") == "ack" else r.WhichOneof("op")
+          for r in read_records(path)[0]]
+
+
+def test_a_rewrite_since_a_mark_carries_over_what_was_appended_after_it(tmp_path):
+  """A snapshot of the state at a mark, written while the log went on: the records appended
+  since follow it in the new log, and the log takes appends after."""
+  path = str(tmp_path / "a.wal")
+  wal = WriteAheadLog(path)
+  for i in range(5):
+    wal.append(record(i))
+  at = wal.mark()
+  for i in range(5, 8):
+    wal.sync(wal.append(record(i)))
+  snapshot = pb.WalRecord(snapshot=pb.WalSnapshot(next_rollout_id=42))
+  assert wal.rewrite([snapshot, snapshot], since=at)
+  assert wal.records_since_rewrite == 5 and wal.bytes == os.path.getsize(path)
+  wal.sync(wal.append(record(8)))
+  wal.close()
+  assert _ops(path) == ["snapshot", "snapshot", "take-5", "take-6", "take-7", "take-8"]
+  assert os.listdir(tmp_path) == ["a.wal"]
+
+
+def test_a_rewrite_since_a_mark_another_rewrite_passed_changes_nothing(tmp_path):
+  path = str(tmp_path / "a.wal")
+  wal = WriteAheadLog(path)
+  wal.append(record(0))
+  at = wal.mark()
+  assert wal.rewrite([pb.WalRecord(snapshot=pb.WalSnapshot(next_rollout_id=1))])
+  wal.append(record(1))
+  assert not wal.rewrite([pb.WalRecord(snapshot=pb.WalSnapshot(next_rollout_id=2))], since=at)
+  wal.close()
+  records = read_records(path)[0]
+  assert records[0].snapshot.next_rollout_id == 1 and _ops(path) == ["snapshot", "take-1"]
+  assert os.listdir(tmp_path) == ["a.wal"]
+
+
+def test_a_snapshot_that_cannot_be_written_leaves_the_log_as_it_was(tmp_path, monkeypatch):
+  path = str(tmp_path / "a.wal")
+  wal = WriteAheadLog(path)
+  wal.sync(wal.append(record(0)))
+
+  def full_disk():
+    yield pb.WalRecord(snapshot=pb.WalSnapshot())
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  with pytest.raises(OSError, match="No space"):
+    wal.rewrite(full_disk())
+  wal.sync(wal.append(record(1)))
+  wal.close()
+  assert _ops(path) == ["take-0", "take-1"] and os.listdir(tmp_path) == ["a.wal"]
+
+
+def test_a_snapshot_a_crash_left_half_written_is_cleared_at_the_next_start(tmp_path):
+  path = str(tmp_path / "a.wal")
+  WriteAheadLog(path).close()
+  with open(path + ".tmpx1y2", "wb") as f:
+    f.write(b"half a snapshot")
+  WriteAheadLog(path).close()
+  assert os.listdir(tmp_path) == ["a.wal"]
 
 
 class _FillingDisk:
@@ -163,7 +227,7 @@ def test_a_rewrite_failing_after_its_rename_loses_nothing_acknowledged(tmp_path,
 
   monkeypatch.setattr(wal_lib, "fsync_dir", eio)
   with pytest.raises(OSError):
-    wal.rewrite(pb.WalRecord(snapshot=pb.WalSnapshot()))
+    wal.rewrite([pb.WalRecord(snapshot=pb.WalSnapshot())])
   monkeypatch.undo()
   with pytest.raises(OSError, match="restart the server"):
     wal.sync(wal.append(record(1)))
