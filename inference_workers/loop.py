@@ -1532,7 +1532,8 @@ class Worker:
     meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
-            "min_p": repr(self.params.min_p),
+            "min_p": repr(self.params.min_p), "max_new_tokens": str(self.params.max_new_tokens),
+            "samples_per_prompt": str(self.config.samples_per_prompt),
             "last_version": str(self.policy.version if last_version is None
                                 else last_version)}
     resumed = sum(s.resumed for s in samples)

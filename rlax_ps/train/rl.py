@@ -160,20 +160,38 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                         if any(s.teacher_logprobs_f32 for s in samples) else None))
 
 
-def check_temperature(group, temperature: float) -> None:
-  """ValueError for a group a worker sampled at another temperature than the trainer's
-  worker.temperature (a worker started with its own --temperature): its behaviour log-probs
-  are of another distribution than the ratios' (the metadata's; a group without is let be)."""
-  said = group.metadata.get("temperature")
-  try:
-    theirs = float(said) if said is not None else temperature
-  except ValueError:
-    theirs = math.nan
-  if not math.isclose(theirs, temperature, rel_tol=1e-6):
-    raise ValueError(f"prompt {group.prompt_id}: sampled at temperature {said} by worker "
-                     f"{group.metadata.get('worker', '?')!r}, the trainer's log-probs are of "
-                     f"worker.temperature={temperature:g}; start the workers with the "
-                     f"trainer's config (or the same --temperature)")
+# What a worker samples with, as it says in each group's metadata (a group without a field,
+# from an older worker, is let be). Temperature changes the behaviour log-probs the ratios
+# divide by; the others what is sampled: top-k/top-p/min-p the distribution, max_new_tokens
+# where samples are cut (the overlong penalty and truncation masks judge by the trainer's),
+# samples_per_prompt the groups' size (GRPO's advantage of a 1-sample group is 0).
+SAMPLING_METADATA = ("temperature", "top_k", "top_p", "min_p", "max_new_tokens",
+                     "samples_per_prompt")
+
+
+def trainer_sampling(worker) -> dict[str, float]:
+  """SAMPLING_METADATA as this trainer's `worker` block sets them, for `check_sampling`."""
+  return {**heldout_lib.worker_sampling(worker), "max_new_tokens": int(worker.max_new_tokens),
+          "samples_per_prompt": int(worker.samples_per_prompt)}
+
+
+def check_sampling(group, settings: dict[str, float]) -> None:
+  """ValueError for a group a worker sampled with other settings than the trainer's worker
+  block (`trainer_sampling`): a worker started with its own --temperature, --top_p,
+  --max_new_tokens... is named with the field."""
+  for name, ours in settings.items():
+    said = group.metadata.get(name)
+    if said is None:
+      continue
+    try:
+      theirs = float(said)
+    except ValueError:
+      theirs = math.nan
+    if not math.isclose(theirs, ours, rel_tol=1e-6):
+      raise ValueError(f"prompt {group.prompt_id}: sampled with {name}={said} by worker "
+                       f"{group.metadata.get('worker', '?')!r}, this trainer's "
+                       f"worker.{name}={ours:g}; start the workers with the trainer's config "
+                       f"(or the same --{name})")
 
 
 def teacher_shape(loss_cfg, config) -> dict:
@@ -379,6 +397,7 @@ class RLTrainer(TrainerRun):
     self.dynamic = _dynamic_sampler(config, self.shape.samples)
     # The fixed allocator's groups hold worker.samples_per_prompt samples (VIGOR's vary)
     self.fixed_groups = str(config.worker.get("allocator", "fixed")) == "fixed"
+    self.sampling = trainer_sampling(config.worker)
     if needs_reference(self.loss_cfg) and not self.init_from_hf:
       field = "loss.kl_coef" if self.loss_cfg.kl_coef > 0 else "loss.kl_in_reward"
       raise ValueError(f"{field}: a KL term needs a reference policy; set init_from_hf")
@@ -1531,7 +1550,7 @@ class RLTrainer(TrainerRun):
                     self.loss_cfg.reward_parts)
         if self.teacher_tokenizer is not None:  # the teacher reads it in its own tokens
           group = dataclasses.replace(group, teacher_prompt=self._teacher_prompt(taken.prompt))
-        check_temperature(taken.group, self.loss_cfg.temperature)
+        check_sampling(taken.group, self.sampling)
         if self.fixed_groups and len(group.rewards) > self.shape.samples:  # (memory planned
           # for this many: a batch of larger groups trained silently, twice the rows)
           raise ValueError(f"rollout {group.rollout_id}: {len(group.rewards)} samples, more "

@@ -151,15 +151,28 @@ def test_reward_parts_are_the_means_over_the_steps_samples_and_junk_is_skipped(c
   assert RLTrainer._reward_parts_record(trainer, [_group(3, 1, [1.0])]) == {}  # none carry parts
 
 
-def test_a_group_sampled_at_another_temperature_is_refused_naming_the_worker():
-  """A worker started with its own --temperature: its behaviour log-probs are of another
-  distribution than the trainer's ratios' (read from the group's metadata; none: let be)."""
+@pytest.mark.parametrize("field,theirs,ours", [
+    ("temperature", "0.7", 1.0), ("top_p", "0.9", 1.0), ("top_k", "20", 0),
+    ("min_p", "0.1", 0.0), ("max_new_tokens", "10", 20), ("samples_per_prompt", "1", 4)])
+def test_a_group_sampled_with_other_settings_is_refused_naming_the_worker_and_field(
+    field, theirs, ours):
+  """A worker started with its own --temperature (behaviour log-probs of another
+  distribution than the ratios'), --max_new_tokens (samples cut where the overlong penalty
+  and truncation masks, judging by the trainer's, see none), --samples_per_prompt...: named
+  from the group's metadata (none: an older worker's group, let be)."""
+  from ml_collections import config_dict
   from param_server.protos import param_server_pb2 as pb
-  from rlax_ps.train.rl import check_temperature
-  group = pb.RolloutGroup(prompt_id="p1", metadata={"temperature": "1.0", "worker": "w0"})
-  check_temperature(group, 1.0)
-  check_temperature(pb.RolloutGroup(prompt_id="p2"), 0.7)
-  group.metadata["temperature"] = "0.7"
-  with pytest.raises(ValueError, match="prompt p1: sampled at temperature 0.7 by worker 'w0', "
-                                       "the trainer's log-probs are of worker.temperature=1"):
-    check_temperature(group, 1.0)
+  from rlax_ps.train.rl import check_sampling, trainer_sampling
+  settings = trainer_sampling(config_dict.ConfigDict(
+      {"temperature": 1.0, "max_new_tokens": 20, "samples_per_prompt": 4}))
+  assert settings[field] == ours
+  same = {k: repr(v) if isinstance(v, float) else str(v) for k, v in settings.items()}
+  group = pb.RolloutGroup(prompt_id="p1", metadata={**same, "worker": "w0"})
+  check_sampling(group, settings)
+  check_sampling(pb.RolloutGroup(prompt_id="p2"), settings)
+  group.metadata[field] = theirs
+  with pytest.raises(ValueError, match=rf"^prompt p1: sampled with {field}={theirs} by worker "
+                                       rf"'w0', this trainer's worker.{field}={ours:g}; start "
+                                       rf"the workers with the trainer's config \(or the same "
+                                       rf"--{field}\)"):
+    check_sampling(group, settings)
