@@ -231,6 +231,12 @@ class WorkerConfig:
       raise ValueError(f"WorkerConfig.{str(e).removeprefix('worker.')}") from None
     need(0 <= self.rows_per_prompt <= self.samples_per_prompt, "rows_per_prompt",
          f"an int in [0, samples_per_prompt={self.samples_per_prompt}]")
+    # VIGOR's rounds decode whole calls, between which weights change: neither applies.
+    need(not self.rows_per_prompt or self.allocator == "fixed", "rows_per_prompt",
+         f"0 with allocator={self.allocator!r} (its rounds decode every sample of a call)")
+    need(not self.in_flight_updates or self.allocator == "fixed", "in_flight_updates",
+         f"False with allocator={self.allocator!r} (its rounds take new weights between "
+         f"calls only)")
     need(not self.greedy_baseline or self.allocator == "fixed", "greedy_baseline",
          f"False with allocator={self.allocator!r} (its rounds draw unequal groups)")
     need(self.sample_rows >= 0, "sample_rows", "an int >= 0 (0: prompts_per_call slots)")

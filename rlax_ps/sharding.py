@@ -19,8 +19,9 @@ MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # The batch dimension is split over both.
 
 
-def mesh_shape(axes: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
-  """Sizes of (data, fsdp, tensor) from config; one axis may be -1 (= what remains)."""
+def check_mesh_axes(axes: Mapping[str, int]) -> list[int]:
+  """Sizes of (data, fsdp, tensor) as the `mesh` block gives them (-1 kept), checked
+  without knowing the devices: ValueError naming the field."""
   unknown = sorted(set(axes) - set(MESH_AXES))
   if unknown:
     raise ValueError(f"mesh: unknown axes {unknown}; expected some of {MESH_AXES}")
@@ -30,6 +31,12 @@ def mesh_shape(axes: Mapping[str, int], num_devices: int) -> tuple[int, int, int
       raise ValueError(f"mesh.{name}: expected a positive int or -1, got {s}")
   if sizes.count(-1) > 1:
     raise ValueError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+  return sizes
+
+
+def mesh_shape(axes: Mapping[str, int], num_devices: int) -> tuple[int, int, int]:
+  """Sizes of (data, fsdp, tensor) from config; one axis may be -1 (= what remains)."""
+  sizes = check_mesh_axes(axes)
   if -1 in sizes:
     known = math.prod(s for s in sizes if s != -1)
     if num_devices % known:

@@ -14,7 +14,9 @@ from typing import Any, Iterator
 from absl import logging
 
 from algorithms.selection import check_revisit
+from rlax_ps import optim
 from rlax_ps.config_files import check_counts
+from rlax_ps.sharding import check_mesh_axes
 from rlax_ps.sync.wire import FORMATS
 from rlax_ps.train.critic import check_critic_config
 from rlax_ps.train.rl_loss import LossConfig, check_micro_batches, ref_sync_settings
@@ -51,6 +53,7 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
     raise ValueError(f"rl.take_timeout_s: expected seconds > 0 (how long the trainer waits for "
                      f"a group it can train on before it ends the run), got {patience!r}")
   check_counts(config, ("checkpoint.every_steps", "eval.every_steps", "export.every_steps"))
+  check_run_blocks(config, steps)
   temperature = worker.get("temperature", 1.0)
   if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
       0 < temperature < float("inf")):
@@ -184,6 +187,30 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   if files:
     _check_files(config)
   return loss
+
+
+def check_run_blocks(config, steps: int) -> None:
+  """The blocks the trainer reads only once started (optimizer, checkpoint, eval, mesh),
+  checked before anything starts: ValueError naming the field."""
+  for block in ("optimizer", "critic.optimizer"):
+    opt = config.get("optimizer") if block == "optimizer" else (
+        (config.get("critic") or {}).get("optimizer"))
+    if opt is None:
+      continue
+    if block == "optimizer":  # (the critic's block names itself: check_critic_config)
+      optim.check_optimizer_config(opt, steps)
+    if int(optim.setting(opt, "grad_accum_steps")) != 1:
+      raise ValueError(f"{block}.grad_accum_steps: expected 1 in RL, got "
+                       f"{optim.setting(opt, 'grad_accum_steps')!r}; rl.micro_batches splits "
+                       f"an RL step's batch")
+  keep = (config.get("checkpoint") or {}).get("max_to_keep", 1)
+  if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+    raise ValueError(f"checkpoint.max_to_keep: expected >= 1, got {keep!r}")
+  size = (config.get("eval") or {}).get("batch_size", 1)
+  if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    raise ValueError(f"eval.batch_size: expected >= 1, got {size!r}")
+  if config.get("mesh") is not None:
+    check_mesh_axes(dict(config.mesh))
 
 
 def reward_part_weights(worker) -> tuple[tuple[str, float], ...]:

@@ -1004,6 +1004,12 @@ def test_bad_batching_settings_are_named():
   with pytest.raises(ValueError, match="WorkerConfig.greedy_baseline: expected False with "
                                        "allocator='vigor'"):
     WorkerConfig(greedy_baseline=True, allocator="vigor")
+  with pytest.raises(ValueError, match="WorkerConfig.rows_per_prompt: expected 0 with "
+                                       "allocator='vigor'"):
+    WorkerConfig(rows_per_prompt=2, allocator="vigor")
+  with pytest.raises(ValueError, match="WorkerConfig.in_flight_updates: expected False with "
+                                       "allocator='vigor'"):
+    WorkerConfig(in_flight_updates=True, allocator="vigor")
   with pytest.raises(ValueError, match="WorkerConfig.environment_threads: expected a positive"):
     WorkerConfig(environment_threads=0)
   with pytest.raises(ValueError, match="WorkerConfig.scoring_threads: expected a positive"):

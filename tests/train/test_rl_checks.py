@@ -81,10 +81,24 @@ def _set(config, **fields):
       "loss__distill_topk": 4}, "teacher.tokenizer: expected '' .* or with loss.distill_topk "
                                 "> 0 .* got 'U' with teacher.path='T', loss.distill_topk=4"),
     ({"worker__temperature": 0.0}, r"worker.temperature: expected > 0 for RL .* got 0.0"),
+    # The blocks the trainer reads once started: refused before the warm start and children.
+    ({"optimizer__lr": -1.0}, r"optimizer.lr: expected > 0, got -1.0"),
+    ({"optimizer__b2": 1.5}, r"optimizer.b2: expected in \[0, 1\), got 1.5"),
+    ({"optimizer__grad_accum_steps": 3}, r"optimizer.grad_accum_steps: expected 1 in RL, got "
+                                         r"3; rl.micro_batches splits"),
+    ({"checkpoint__max_to_keep": 0}, r"checkpoint.max_to_keep: expected >= 1, got 0"),
+    ({"eval__batch_size": 0}, r"eval.batch_size: expected >= 1, got 0"),
+    ({"mesh__fsdp": 0}, r"mesh.fsdp: expected a positive int or -1, got 0"),
 ])
 def test_each_wrong_field_is_refused_naming_it(fields, message):
   config = _set(rl_config(), **fields)
   with pytest.raises(ValueError, match=message):
+    check_rl_config(config)
+
+
+def test_the_critics_grad_accum_steps_is_refused_naming_its_block():
+  config = _set(rl_config(path="configs/rl_ppo.py"), critic__optimizer__grad_accum_steps=2)
+  with pytest.raises(ValueError, match=r"^critic.optimizer.grad_accum_steps: expected 1 in RL"):
     check_rl_config(config)
 
 
