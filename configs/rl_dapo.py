@@ -18,5 +18,6 @@ def get_config(arg: str | None = None):
   c = sibling(__file__, "rl_local.py", arg)
   c.rl.dynamic_sampling = True
   c.rl.dynamic_sampling_max_factor = 3.0
-  c.loss.overlong_buffer = max(1, c.worker.max_new_tokens // 5)
+  # A reference: the last 20% of whatever worker.max_new_tokens an override sets.
+  c.loss.overlong_buffer = (c.worker.get_ref("max_new_tokens") + 4) // 5
   return c

@@ -67,7 +67,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.warmup_steps = 10
   c.optimizer.weight_decay = 0.01
   c.critic.optimizer = ml_collections.ConfigDict(c.optimizer.to_dict())  # loss.advantage=gae:
-  c.critic.optimizer.lr = 10 * c.optimizer.lr  # verl's critic 1e-5 beside its actor's 1e-6
+  c.critic.optimizer.lr = c.optimizer.get_ref("lr") * 10  # verl's critic 1e-5 beside its actor's 1e-6
   c.checkpoint.every_steps = 20
   c.checkpoint.async_save = True  # steps go on while a save is written; acks wait for it
   c.eval.every_steps = 50

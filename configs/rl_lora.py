@@ -29,7 +29,7 @@ def get_config(arg: str | None = None):
   c.model.lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,experts"
   c.optimizer.lr = 1e-5
   c.optimizer.weight_decay = 0.0
-  c.critic.optimizer.lr = 10 * c.optimizer.lr  # loss.advantage=gae: the critic's adapters
+  c.critic.optimizer.lr = c.optimizer.get_ref("lr") * 10  # loss.advantage=gae: the critic's adapters
   c.model.param_dtype = "bfloat16"  # the frozen base; the adapters train in float32
   c.model.lora_dtype = "float32"
   if arg == "tiny":

@@ -24,5 +24,5 @@ def get_config(arg: str | None = None):
   c.loss.advantage = "gae"
   c.loss.gamma = 1.0  # verl's algorithm.gamma and lam
   c.loss.lam = 1.0
-  c.critic.optimizer.lr = 10 * c.optimizer.lr
+  c.critic.optimizer.lr = c.optimizer.get_ref("lr") * 10  # (follows an optimizer.lr override)
   return c

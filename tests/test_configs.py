@@ -56,3 +56,26 @@ def test_recipe_loads_and_is_consistent(path):
 def test_unknown_variant_is_refused_naming_it():
   with pytest.raises(ValueError, match="unknown variant 'huge'"):
     load(os.path.join(REPO, "configs", "rl_local.py"), "huge")
+
+
+@pytest.mark.parametrize("recipe, override, derived, want", [
+    ("rl_dapo.py", "worker.max_new_tokens=200", "loss.overlong_buffer", 40),
+    ("rl_ppo.py", "optimizer.lr=1e-6", "critic.optimizer.lr", 1e-5),
+    ("rl_instruct.py", "optimizer.lr=2e-6", "critic.optimizer.lr", 2e-5),
+    ("rl_lora.py", "optimizer.lr=1e-4", "critic.optimizer.lr", 1e-3),
+])
+def test_a_field_a_recipe_derives_follows_the_override_of_its_source(
+    recipe, override, derived, want):
+  """--config.* overrides apply after get_config(): a field it computed from another (DAPO's
+  buffer, 20% of the budget; the critic's 10x lr) stayed at the recipe's numbers."""
+  from absl import flags
+  from ml_collections import config_flags
+  argv = ["rlax-ps", f"--config={os.path.join(REPO, 'configs', recipe)}", f"--config.{override}"]
+  values = flags.FlagValues()
+  config = config_flags.DEFINE_config_file("config", None, "", flag_values=values,
+                                           lock_config=True, sys_argv=argv)
+  values(argv)
+  node = config.value
+  for part in derived.split("."):
+    node = node[part]
+  assert node == pytest.approx(want)
