@@ -286,6 +286,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.batch_size = 200
   c.eval.seed = 1234  # The same held-out examples as the warm start's evaluation.
   c.eval.pass_k = 8
+  # The trainer's held-out decoding budget; 0 = worker.max_new_tokens for data.heldout_jsonl
+  # or a chat template, else each task's longest answer and eos. (Evaluated on the workers,
+  # the budget is theirs.)
+  c.eval.max_new_tokens = 0
   # True: the workers decode the held-out prompts (one greedy answer each, scored by their
   # verifiers) between training prompts, and the trainer logs each round when it is whole,
   # at the step that fed it; the warm start's and the final evaluation (pass@pass_k too, at

@@ -79,3 +79,12 @@ def test_a_field_a_recipe_derives_follows_the_override_of_its_source(
   for part in derived.split("."):
     node = node[part]
   assert node == pytest.approx(want)
+
+
+def test_the_rl_recipes_take_an_eval_budget_override():
+  """heldout.py reads eval.max_new_tokens: a locked recipe without the field refused it."""
+  for path in RECIPES:
+    config = load(path)
+    assert config.eval.max_new_tokens == 0, path
+    config.lock()
+    config.eval.max_new_tokens = 512
