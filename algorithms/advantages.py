@@ -255,7 +255,8 @@ def token_rewards(scores, token_mask, kl=None, kl_coef: float = 0.0):
 def discounted_returns(rewards, token_mask, gamma: float = 1.0):
   """[B, T] G_t = r_t + gamma G_(t+1) on the `token_mask`ed tokens, 0 elsewhere; an unmasked
   token (an environment's reply) passes the return through undiscounted and adds no reward,
-  as verl's REINFORCE++ does."""
+  so the policy's tokens before a tool reply share the final reward (verl's REINFORCE++
+  resets the return to 0 there instead: those tokens got none of it)."""
   mask = jnp.asarray(token_mask, jnp.float32)
   a = jnp.where(mask > 0, gamma, 1.0)  # G_t = a_t G_(t+1) + b_t, composed from the end
   b = jnp.asarray(rewards, jnp.float32) * mask
