@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 from absl import logging
 
-from param_server import pull_wire
+from param_server import errors, pull_wire
 from param_server.keepalive import DEAD_AFTER_S, client_options
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
@@ -43,6 +43,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # by, the server it follows: a client given `ipv4:RELAY,SERVER` then talks to the server.
 RELAY_DOWN = "weight relay cannot serve:"
 RELAY_AGAIN_S = 60.0  # a client that left its relay tries it again after this long
+PULL_TURN_S = 1.0  # a pull told the server's pull slots are all taken asks again after ~this
 RETRY_LOG_S = 30.0  # a call that keeps failing is logged at once, then at most this often
 # A connection mistake `explained` names (an HTTP port, TLS on one side only, a certificate
 # for another host), failing this many attempts in a row before any call was answered, is
@@ -615,6 +616,10 @@ class ParamServerClient:
       except _OtherUpdate:
         continue  # (progress dropped the bytes it held: the next attempt asks from 0)
       except grpc.RpcError as e:
+        if (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and (e.details() or "").startswith(errors.PULLS_BUSY)):
+          self._wait_for_a_pull_slot(e.details())
+          continue
         if e.code() not in RETRYABLE:
           raise self.error("Pull", e.code(), e.details() or "") from None
         error = e.details() or ""
@@ -622,6 +627,18 @@ class ParamServerClient:
         delays = self.retry.delays()
       self._wait_to_retry("Pull", grpc.StatusCode.UNAVAILABLE, error, delays, route)
     return progress.updates
+
+  def _wait_for_a_pull_slot(self, details: str) -> None:
+    """The server (or relay) serves its most pulls at once: wait PULL_TURN_S (jittered) and
+    ask again on the same route, for as long as it says so (it is up: no retry deadline);
+    logged at once, then at most every RETRY_LOG_S."""
+    now = time.monotonic()
+    if now - self._retry_logged_at >= RETRY_LOG_S:
+      self._retry_logged_at = now
+      logging.warning("param server %s: %s; waiting for a turn to pull", self.address, details)
+    if self.interrupt.wait(PULL_TURN_S * random.uniform(0.5, 1.5)):
+      raise ParamServerError("Pull", grpc.StatusCode.UNAVAILABLE,
+                             f"stop requested while waiting for a turn to pull: {details}")
 
   def pull_updates(self, have_version: int | None = None, **kwargs) -> list:
     """Like `pull`, decoded to `rlax_ps.sync.Update`s. Blobs that do not decode (a resumed

@@ -36,6 +36,18 @@ class ResourceExhausted(RequestError):
   code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+# How a server (or relay) serving its most pulls at once begins its answer to one more: the
+# client waits and asks again, on the same route (the server is up: no retry deadline runs).
+PULLS_BUSY = "pulls: busy:"
+
+
+class PullsBusy(ResourceExhausted):
+  """Every pull slot is taken (ServerConfig.max_pulls): come back shortly."""
+
+  def __init__(self, message: str):
+    super().__init__("pulls", f"busy: {message}")
+
+
 
 class Unavailable(RequestError):
   """Not served now, worth retrying (a relay's link to the server stalled)."""

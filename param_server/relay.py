@@ -303,7 +303,8 @@ class WeightRelay:
       self.weights = WeightStore(config.storage_dir, chunk_bytes=config.chunk_bytes, limits=WeightLimits(
           max_chunk_bytes=64 << 20, delta_history=config.delta_history, cache_bytes=config.cache_bytes))
       served = ServerConfig(storage_dir=config.storage_dir, chunk_bytes=config.chunk_bytes,
-                            max_message_bytes=config.max_message_bytes)
+                            max_message_bytes=config.max_message_bytes,
+                            threads=config.threads)  # (half of them serve pulls at once)
       self.servicer = _RelayServicer(served, self.weights, self)
       handlers = {name: h for name, h in method_handlers(self.servicer).items()
                   if name in SERVED_HERE + ("Publish",)}

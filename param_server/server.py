@@ -68,6 +68,10 @@ class ServerConfig:
       "long before the leases' deadlines; 0 = only at the deadlines")
   reap_interval_s: float = setting(0.25, "how often expired leases and unacked takes are returned")
   threads: int = setting(128, "handler threads (each long poll or Watch stream holds one)")
+  max_pulls: int = setting(0, "pulls served at once (each holds a handler thread for its whole "
+                           "transfer: minutes on a slow link); 0 = half of threads. One more "
+                           "is told to come back (its client waits for a turn), so leases, "
+                           "submissions and heartbeats always find a thread")
   dead_after_s: float = setting(DEAD_AFTER_S, "a client whose connection answers no ping for "
                                 "this long is dropped (a vanished worker's streams end)")
   wal_fsync: bool = setting(True, "fsync the write-ahead log before acknowledging a change")
@@ -98,6 +102,10 @@ class ServerConfig:
       if not getattr(self, name) >= 1:
         raise ValueError(f"ServerConfig.{name}: expected a positive int, got "
                          f"{getattr(self, name)}")
+    if not (self.max_pulls == 0 or 1 <= self.max_pulls < self.threads):
+      raise ValueError(f"ServerConfig.max_pulls: expected 0 (half of threads) or from 1 to "
+                       f"threads - 1 = {self.threads - 1} (a thread left for the other "
+                       f"calls), got {self.max_pulls}")
     if not self.max_message_bytes >= 64 << 10:  # a lease or a stats reply must fit
       raise ValueError(f"ServerConfig.max_message_bytes: expected at least {64 << 10}, got "
                        f"{self.max_message_bytes}")
@@ -294,6 +302,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self._lock = threading.Lock()
     self.bytes_served = 0
     self.pulls_served = 0
+    self.max_pulls = config.max_pulls or max(1, config.threads // 2)
+    self._pull_slots = threading.BoundedSemaphore(self.max_pulls)
     self.streams_open = 0  # Pull and Watch streams being served
     self._run_lock = threading.Lock()
     self.run = _read_run(config.storage_dir)  # the run whose versions are held ("": none said)
@@ -393,6 +403,14 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       raise errors.InvalidArgument("have_version", f"expected >= -1 or absent, got {have}")
     if request.resume_offset < 0:
       raise errors.InvalidArgument("resume_offset", f"expected >= 0, got {request.resume_offset}")
+    if not self._pull_slots.acquire(blocking=False):
+      raise errors.PullsBusy(f"{self.max_pulls} pulls under way (max_pulls); come back shortly")
+    try:
+      yield from self._serve_pull(have, request, context)
+    finally:
+      self._pull_slots.release()
+
+  def _serve_pull(self, have: int | None, request, context):
     plan, release, latest = self._pull_plan(None if have == -1 else have, context)
     context.add_callback(release)
     try:

@@ -1,0 +1,71 @@
+"""Pulls served at once are bounded (ServerConfig.max_pulls): each holds a handler thread for
+its whole transfer, and pulls crawling over slow links took every thread, so no lease,
+submission or heartbeat of the fleet was answered. One pull more waits for a turn."""
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from param_server.client import RetryPolicy
+from param_server.protos import param_server_pb2 as pb
+from param_server.protos import param_server_pb2_grpc as pb_grpc
+from param_server.server import ServerConfig
+from ps_testlib import TOKENS, client_for
+from rlax_ps import sync
+
+WEIGHTS = {"w": np.random.default_rng(0).normal(size=(2048, 2048)).astype(np.float32)}
+
+
+def _held_pull(server):
+  """A raw Pull that read its first chunk and reads no more (a slow link): its stream, and
+  the handler thread serving it, stay busy. (channel, call), or the error of the first read."""
+  channel = grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+  call = pb_grpc.ParamServerStub(channel).Pull(
+      pb.PullRequest(), metadata=(("authorization", f"Bearer {TOKENS['worker']}"),))
+  try:
+    next(call)
+  except grpc.RpcError as e:
+    channel.close()
+    return e
+  return channel, call
+
+
+def test_slow_pulls_leave_threads_for_the_other_calls_and_one_more_waits_its_turn(
+    start_server):
+  server = start_server(threads=4)  # max_pulls: half of them
+  blob = sync.encode(None, WEIGHTS, "bf16", version=0).to_bytes()
+  with client_for(server, "trainer") as trainer:
+    trainer.publish(blob)
+  held = [_held_pull(server) for _ in range(4)]
+  refused = [h for h in held if isinstance(h, grpc.RpcError)]
+  assert len(refused) == 2 and all(
+      e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and
+      e.details().startswith("pulls: busy: 2 pulls under way (max_pulls)") for e in refused)
+  streams = [h for h in held if not isinstance(h, grpc.RpcError)]
+  with client_for(server, "viewer") as viewer:
+    viewer.timeout_s = 5.0
+    assert viewer.stats().versions.latest_version == 0  # a thread was left for it
+  pulled = []
+  with client_for(server, "worker", retry=RetryPolicy(deadline_s=0.0)) as worker:
+    puller = threading.Thread(target=lambda: pulled.append(worker.pull_updates()))
+    puller.start()
+    puller.join(timeout=2.5)
+    assert puller.is_alive() and not pulled  # waiting for a turn (its retries: none)
+    channel, call = streams.pop()
+    call.cancel()
+    channel.close()
+    puller.join(timeout=60.0)
+  (update,) = pulled[0]
+  want = sync.apply(None, sync.Update.from_bytes(blob))["w"]
+  assert np.array_equal(sync.apply(None, update)["w"], want)
+  for channel, call in streams:
+    call.cancel()
+    channel.close()
+
+
+def test_max_pulls_must_leave_a_thread_for_the_other_calls(tmp_path):
+  with pytest.raises(ValueError, match=r"ServerConfig.max_pulls: expected 0 \(half of threads\) "
+                                       r"or from 1 to threads - 1 = 7"):
+    ServerConfig(storage_dir=str(tmp_path), threads=8, max_pulls=8)
