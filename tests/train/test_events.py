@@ -18,6 +18,30 @@ wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402 - after the skip
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_wandb_service_left():
+  """wandb's service process (wandb-core) lives as long as the process that started it:
+  ended with this module, not left in the xdist worker for the rest of the suite."""
+  yield
+  wandb.teardown()
+  assert not [c for c in _children() if "wandb" in c], _children()
+
+
+def _children():
+  """The command lines of this process's children (Linux)."""
+  out = []
+  for pid in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        ppid = int(f.read().rpartition(")")[2].split()[1])
+      if ppid == os.getpid():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+          out.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
+    except (OSError, ValueError, IndexError):
+      continue
+  return out
+
+
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
   monkeypatch.setenv("WANDB_MODE", "offline")
