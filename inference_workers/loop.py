@@ -308,6 +308,7 @@ class Worker:
                environments: dict | None = None, mirror: multihost.Mirror | None = None):
     self.client = client
     self.tokenizer = tokenizer
+    self._tokenizer_identity = tokenizer.identity  # (named in each group: checked by the trainer)
     self.config = config
     if config.routing_replay and not model_config.moe_layers:
       raise ValueError("WorkerConfig.routing_replay: expected False for a model without "
@@ -1534,6 +1535,7 @@ class Worker:
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
             "min_p": repr(self.params.min_p), "max_new_tokens": str(self.params.max_new_tokens),
             "samples_per_prompt": str(self.config.samples_per_prompt),
+            "tokenizer": self._tokenizer_identity,
             "last_version": str(self.policy.version if last_version is None
                                 else last_version)}
     resumed = sum(s.resumed for s in samples)

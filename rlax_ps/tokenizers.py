@@ -63,6 +63,9 @@ class Tokenizer(Protocol):
 
   def save(self, directory: str) -> str: ...
 
+  @property
+  def identity(self) -> str: ...  # what maps text to ids and back, as a digest
+
 
 class CharTokenizer:
   """One id per character: ids 0, 1, 2 are <pad>, <bos>, <eos>; then the alphabet in order."""
@@ -135,11 +138,17 @@ class CharTokenizer:
     return ([self.bos_id] if add_bos else []) + ids.tolist() + ([self.eos_id] if add_eos else [])
 
   @property
+  def identity(self) -> str:
+    """A digest of what maps text to ids and back (the alphabet), the same on every machine:
+    a worker whose differs from the trainer's samples in another vocabulary."""
+    return "char:" + hashlib.blake2b(self.alphabet.encode("utf-8", "surrogatepass"),
+                                     digest_size=16).hexdigest()
+
+  @property
   def fingerprint(self) -> str:
     """A digest of what encode_prompt depends on (the alphabet): a cached check of prompt
     lengths (rl_checks.check_prompt_lengths) holds for this tokenizer alone."""
-    return "char:" + hashlib.blake2b(self.alphabet.encode("utf-8", "surrogatepass"),
-                                     digest_size=16).hexdigest()
+    return self.identity
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
     out = []
@@ -402,19 +411,26 @@ class HFTokenizer:
     return bos + ids + ([self.eos_id] if add_eos else [])
 
   @property
-  def fingerprint(self) -> str:
-    """A digest of what encode_prompt depends on (tokenizer.json, the `tokenizers` version,
-    the chat template with its variables, tools and special tokens, and the date where the
-    template reads the clock): a cached check of prompt lengths holds for this one alone."""
-    import tokenizers
+  def identity(self) -> str:
+    """A digest of what maps text to ids and back (tokenizer.json, the chat template with its
+    variables and tools, the special tokens), the same on every machine: a worker whose
+    differs from the trainer's samples in another vocabulary."""
     with open(self.path, "rb") as f:
       digest = hashlib.blake2b(f.read(), digest_size=16)
+    digest.update(json.dumps([self.chat_template, self.chat_kwargs, self.tools, self._special],
+                             sort_keys=True, default=repr).encode())
+    return "hf:" + digest.hexdigest()
+
+  @property
+  def fingerprint(self) -> str:
+    """A digest of what encode_prompt depends on: the identity, the `tokenizers` version and
+    the date where the template reads the clock: a cached check of prompt lengths holds for
+    this one alone."""
+    import tokenizers
     today = (datetime.date.today().isoformat()
              if self.chat_template and "strftime_now" in self.chat_template else "")
-    digest.update(json.dumps([tokenizers.__version__, self.chat_template, self.chat_kwargs,
-                              self.tools, self._special, today], sort_keys=True,
-                             default=repr).encode())
-    return "hf:" + digest.hexdigest()
+    return "hf:" + hashlib.blake2b(json.dumps([self.identity, tokenizers.__version__, today])
+                                   .encode(), digest_size=16).hexdigest()
 
   def render_prompt(self, prompt: str | list[dict[str, str]]) -> str:
     """The prompt text the model sees: with a chat template, a text prompt is one user

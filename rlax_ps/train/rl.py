@@ -194,6 +194,18 @@ def check_sampling(group, settings: dict[str, float]) -> None:
                        f"(or the same --{name})")
 
 
+def check_tokenizer(group, identity: str) -> None:
+  """ValueError for a group a worker sampled with another tokenizer than the trainer's (its
+  `identity` in the group's metadata; none, an older worker's, is let be): its ids are of
+  another vocabulary, its rewards scored on another decoding."""
+  said = group.metadata.get("tokenizer")
+  if said is not None and said != identity:
+    raise ValueError(f"prompt {group.prompt_id}: sampled by worker "
+                     f"{group.metadata.get('worker', '?')!r} with another tokenizer ({said}) "
+                     f"than this trainer's ({identity}); start the workers with the trainer's "
+                     f"config and init_from_hf")
+
+
 def teacher_shape(loss_cfg, config) -> dict:
   """BatchShape's teacher fields: the teacher's scores the loss takes in the host batch:
   those the workers' teacher (worker.teacher) sends, or a trainer's teacher of another
@@ -398,6 +410,7 @@ class RLTrainer(TrainerRun):
     # The fixed allocator's groups hold worker.samples_per_prompt samples (VIGOR's vary)
     self.fixed_groups = str(config.worker.get("allocator", "fixed")) == "fixed"
     self.sampling = trainer_sampling(config.worker)
+    self.tokenizer_identity = self.tokenizer.identity
     if needs_reference(self.loss_cfg) and not self.init_from_hf:
       field = "loss.kl_coef" if self.loss_cfg.kl_coef > 0 else "loss.kl_in_reward"
       raise ValueError(f"{field}: a KL term needs a reference policy; set init_from_hf")
@@ -1551,6 +1564,7 @@ class RLTrainer(TrainerRun):
         if self.teacher_tokenizer is not None:  # the teacher reads it in its own tokens
           group = dataclasses.replace(group, teacher_prompt=self._teacher_prompt(taken.prompt))
         check_sampling(taken.group, self.sampling)
+        check_tokenizer(taken.group, self.tokenizer_identity)
         if self.fixed_groups and len(group.rewards) > self.shape.samples:  # (memory planned
           # for this many: a batch of larger groups trained silently, twice the rows)
           raise ValueError(f"rollout {group.rollout_id}: {len(group.rewards)} samples, more "

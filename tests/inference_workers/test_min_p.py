@@ -145,3 +145,15 @@ def test_the_worker_samples_with_its_min_p_and_records_it_in_the_group():
   sample = Sample(ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.float32), "stop")
   group = worker._group(pb.Prompt(id="p1", text="5+7=", task="addition"), 0, [sample], [1.0])
   assert group.metadata["min_p"] == "0.25"
+
+
+def test_each_group_names_the_settings_and_the_tokenizer_it_was_sampled_with():
+  """What the trainer compares with its own (rl.check_sampling, rl.check_tokenizer)."""
+  worker = Worker(None, CONFIG, TOKENIZER, WorkerConfig(max_new_tokens=8, samples_per_prompt=3,
+                                                        temperature=0.7, top_k=5, top_p=0.9))
+  group = worker._group(pb.Prompt(id="p1", text="5+7=", task="addition"), 0, [], [])
+  assert {k: group.metadata[k] for k in ("temperature", "top_k", "top_p", "min_p",
+                                         "max_new_tokens", "samples_per_prompt", "tokenizer")
+          } == {"temperature": "0.7", "top_k": "5", "top_p": "0.9", "min_p": "0.0",
+                "max_new_tokens": "8", "samples_per_prompt": "3",
+                "tokenizer": TOKENIZER.identity}

@@ -45,7 +45,7 @@ def _trainer(workdir, every, groups):
           vocab_size=TOK.vocab_size),
       shape=BatchShape(groups=len(REWARDS), samples=4, prompt_len=8, response_len=8),
       taken_shape=BatchShape(groups=len(REWARDS), samples=4, prompt_len=8, response_len=8),
-      teacher_tokenizer=None,
+      teacher_tokenizer=None, sampling={}, tokenizer_identity=TOK.identity,
       loss_cfg=LossConfig(budget=8), completions_every=every, completions_groups=groups,
       _taken={}, workdir=str(workdir), writer=Writer(),
       _completions_log=open_steps_jsonl(os.path.join(workdir, "completions.jsonl"), 0)

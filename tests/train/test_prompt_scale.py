@@ -121,6 +121,21 @@ def test_a_tokenizers_fingerprint_tells_what_its_prompts_encode_to():
   assert CharTokenizer().fingerprint != CharTokenizer(alphabet="ab").fingerprint
 
 
+def test_a_tokenizers_identity_holds_across_machines_and_tells_tokenizers_apart(monkeypatch):
+  """The identity a worker names in its groups (the trainer refuses another's): the same
+  under another `tokenizers` version, where a prompt-length check's fingerprint is not."""
+  import tokenizers
+  fixtures = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf")
+  chat = HFTokenizer(os.path.join(fixtures, "chat_tokenizer"))
+  identity, fingerprint = chat.identity, chat.fingerprint
+  monkeypatch.setattr(tokenizers, "__version__", "0.0.1")
+  assert chat.identity == identity and chat.fingerprint != fingerprint
+  templated = HFTokenizer(os.path.join(fixtures, "chat_tokenizer"), chat_template="auto")
+  other = HFTokenizer(os.path.join(fixtures, "tokenizer"))
+  assert len({identity, templated.identity, other.identity}) == 3
+  assert CharTokenizer().identity != CharTokenizer(alphabet="ab").identity
+
+
 def _per_character(tokenizer, text, add_bos=False, add_eos=False):
   """The char tokenizer's encoding, one character at a time."""
   ids = [tokenizer.bos_id] if add_bos else []

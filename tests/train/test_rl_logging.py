@@ -176,3 +176,21 @@ def test_a_group_sampled_with_other_settings_is_refused_naming_the_worker_and_fi
                                        rf"the workers with the trainer's config \(or the same "
                                        rf"--{field}\)"):
     check_sampling(group, settings)
+
+
+def test_a_group_sampled_with_another_tokenizer_is_refused_naming_the_worker():
+  """A worker started with another tokenizer (another init_from_hf or tokenizer block)
+  encodes prompts and decodes answers in another vocabulary: refused, from the identity
+  its groups name (none: an older worker's group, let be)."""
+  from param_server.protos import param_server_pb2 as pb
+  from rlax_ps.tokenizers import CharTokenizer
+  from rlax_ps.train.rl import check_tokenizer
+  ours, theirs = CharTokenizer().identity, CharTokenizer(alphabet="0123456789+=").identity
+  group = pb.RolloutGroup(prompt_id="p1", metadata={"tokenizer": ours, "worker": "w0"})
+  check_tokenizer(group, ours)
+  check_tokenizer(pb.RolloutGroup(prompt_id="p2"), ours)
+  with pytest.raises(ValueError, match=rf"^prompt p1: sampled by worker 'w0' with another "
+                                       rf"tokenizer \({ours}\) than this trainer's "
+                                       rf"\({theirs}\); start the workers with the "
+                                       rf"trainer's config and init_from_hf"):
+    check_tokenizer(group, theirs)
