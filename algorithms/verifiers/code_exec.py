@@ -4,7 +4,11 @@ What bounds the child: a wall-clock timeout (its process group is killed); addre
 (RLIMIT_AS), CPU, per-file size and core limits; a fresh scratch directory as
 cwd/HOME/TMPDIR; an isolated interpreter (-I -B) with an empty environment. Where
 `unshare` works (root, or user namespaces), new network, PID and mount namespaces: no
-network, no other process to see or signal, and whatever it forks dies with it. Where the
+network, no other process to see or signal, and whatever it forks dies with it; a worker
+that is not root makes them in a user namespace of its own (`unshare -r`). Where no
+namespace can be made, the verifier refuses to start (the code would run with the worker's
+own user and network: its token, its server) unless $RLAX_PS_NO_SANDBOX=1 accepts that
+knowingly; what such a child forks is killed with its process group when it ends. Where the
 worker runs as root, the child drops to `run_as` (nobody, or $RLAX_PS_SANDBOX_USER) with a
 process limit, so it
 cannot signal the worker, read its files or environment (`/proc`), or write outside
@@ -28,6 +32,7 @@ program, in its namespace. reward = fraction of tests passed; passed = all of th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -152,12 +157,17 @@ _SANDBOX_PROCESSES = 64
 _NAMESPACES = ("-n", "-p", "-f", "--mount-proc", "--kill-child")
 
 
+NO_SANDBOX_ENV = "RLAX_PS_NO_SANDBOX"  # "1": run code where no namespace can be made
+
+
 @functools.lru_cache(maxsize=1)
 def namespace_flags() -> tuple[str, ...]:
-  """The `unshare` flags that work here (root or user namespaces): new network, PID and
-  mount namespaces, else a network namespace alone, else none; probed once."""
+  """The `unshare` flags that work here: new network, PID and mount namespaces, else a
+  network namespace alone, else none; a worker that is not root makes them in a user
+  namespace of its own (-r: root there, its own user outside). Probed once."""
   exe = shutil.which("unshare")
-  for flags in (_NAMESPACES, ("-n",)) if exe else ():
+  user = () if os.geteuid() == 0 else ("-r",)
+  for flags in (user + _NAMESPACES, user + ("-n",)) if exe else ():
     try:
       if subprocess.run([exe, *flags, "true"], capture_output=True, timeout=10).returncode == 0:
         return flags
@@ -282,6 +292,15 @@ class CodeExecutionVerifier:
     self.netns = bool(self.unshare)
     self.python = python or sys.executable
     self.user = _sandbox_user(run_as, self.python)
+    if (use_network_namespace and not self.unshare and not self.user
+        and os.environ.get(NO_SANDBOX_ENV) != "1"):
+      raise ValueError(
+          f"code execution: no namespace can be made here (`unshare -r -n` failed: user "
+          f"namespaces are off, or a container's seccomp profile refuses them), so "
+          f"model-written code would run with this worker's own user and network: it could "
+          f"read its token and call its server. Run the worker as root (the code then runs "
+          f"as nobody), allow user namespaces, or accept it knowingly: {NO_SANDBOX_ENV}=1 "
+          f"in the worker's environment")
     # ctypes (numpy, sympy) where the OS bounds the child: its own user, namespaces
     self.native = bool(self.user) and self.unshare == _NAMESPACES
 
@@ -316,8 +335,8 @@ class CodeExecutionVerifier:
       env = {"HOME": scratch, "TMPDIR": scratch, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
              "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
       timed_out = False
-      with open(out_path, "wb") as out, open(err_path, "wb") as err, open(
-          report_path, "wb") as reports:
+      with _private(out_path) as out, _private(err_path) as err, _private(
+          report_path) as reports:  # (owner-only: other samples' code cannot read them)
         proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=scratch, env=env,
             start_new_session=True, pass_fds=(reports.fileno(),))
@@ -334,11 +353,19 @@ class CodeExecutionVerifier:
           timed_out = True
           os.killpg(proc.pid, signal.SIGKILL)
           proc.wait()
+        finally:  # what it forked and left running (a PID namespace kills it by itself)
+          with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
       steps = _read_reports(report_path, nonce)
       with open(err_path, "rb") as f:
         stderr_tail = f.read()[-2000:].decode("utf-8", "replace")
       with open(out_path, "rb") as f:
         stdout_head = f.read(2000).decode("utf-8", "replace")
+    if not steps and not timed_out and proc.returncode in (126, 127):
+      # The harness never ran (a Python or unshare that cannot start): no score of the
+      # program, an error the worker counts (rewards of 0 would train on it silently).
+      raise RuntimeError(f"code execution: the sandbox could not start (exit "
+                         f"{proc.returncode}): {stderr_tail.strip()[-500:]}")
     program_ok = steps.get("program", {}).get("ok", False)
     results = [steps.get(f"test_{i}", {"ok": False, "error": "not run"}) for i in range(len(tests))]
     n_passed = sum(bool(r["ok"]) for r in results) if program_ok else 0
@@ -350,6 +377,11 @@ class CodeExecutionVerifier:
             "stdout": stdout_head, "stderr": stderr_tail, "network_namespace": self.netns,
             "uid": uid if self.user else os.geteuid()}
     return VerifierResult(reward=fraction, passed=passed, info=info)
+
+
+def _private(path: str):
+  """A new file at `path` for writing, readable by its owner alone."""
+  return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
 
 
 def _read_reports(path: str, nonce: str) -> dict:

@@ -8,6 +8,7 @@ import os
 import re
 import stat
 import sys
+import time
 
 import pytest
 
@@ -325,3 +326,84 @@ def test_what_a_program_printed_before_it_died_is_kept(end):
   verify = CodeExecutionVerifier(timeout_s=1.0, memory_mb=256, run_as=None)
   result = verify("print('got this far')\n" + end, [])
   assert result.info["stdout"] == "got this far\n" and not result.passed, result.info
+
+
+@pytest.fixture
+def not_root(monkeypatch):
+  """This process seen as a worker that is not root (the namespace probe made afresh)."""
+  from algorithms.verifiers import code_exec
+  monkeypatch.setattr(os, "geteuid", lambda: 1000)
+  code_exec.namespace_flags.cache_clear()
+  yield code_exec
+  monkeypatch.undo()
+  code_exec.namespace_flags.cache_clear()
+
+
+def test_a_worker_that_is_not_root_runs_code_in_namespaces_of_its_own(not_root):
+  """Its code ran with the worker's own network and processes (no namespace: `unshare -n`
+  needs root): now in a user namespace of its own, where it can make them."""
+  flags = not_root.namespace_flags()
+  if not flags:
+    pytest.skip("no user namespaces on this machine")
+  assert flags == ("-r", *_NAMESPACES)
+  verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256)
+  worker = os.getpid()
+  result = verify("import os\n", [f"assert not os.path.exists('/proc/{worker}')",
+                                  "assert os.getpid() < 10"])
+  assert result.passed and result.info["network_namespace"], result.info
+
+
+def test_where_no_namespace_can_be_made_the_code_verifier_refuses_to_start(
+    not_root, monkeypatch):
+  """Fails closed: model code with the worker's own user and network could read its token
+  and call its server. Accepted knowingly with RLAX_PS_NO_SANDBOX=1."""
+  monkeypatch.setattr(not_root, "namespace_flags", lambda: ())
+  with pytest.raises(ValueError, match=r"code execution: no namespace can be made here .* "
+                                       r"RLAX_PS_NO_SANDBOX=1 in the worker's environment"):
+    CodeExecutionVerifier()
+  from algorithms.code_interpreter import PythonInterpreter
+  with pytest.raises(ValueError, match="no namespace can be made"):
+    PythonInterpreter()
+  monkeypatch.setenv("RLAX_PS_NO_SANDBOX", "1")
+  assert not CodeExecutionVerifier().netns
+
+
+def test_what_the_code_leaves_running_is_killed_when_it_ends(tmp_path):
+  """Without a PID namespace (whose end kills all in it), a process the program started
+  and left behind lived on after its score, on the worker's machine."""
+  pid_file = tmp_path / "left.pid"
+  python = tmp_path / "python"
+  python.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pid_file}\nexec {sys.executable} \"$@\"\n")
+  python.chmod(0o755)
+  verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, use_network_namespace=False,
+                                 run_as=None, python=str(python))
+  assert verify(PROGRAM, TESTS[:1]).passed
+  left = int(pid_file.read_text())
+  deadline = time.monotonic() + 10.0  # (a SIGKILL is delivered at once, taken a bit later)
+  while _state(left) not in ("Z", "X") and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert _state(left) in ("Z", "X"), _state(left)  # a zombie of a killed shell, or gone
+
+
+def _state(pid: int) -> str:
+  """A process's state letter (/proc), "X" once it is gone."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rpartition(")")[2].split()[0]
+  except FileNotFoundError:
+    return "X"
+
+
+def test_a_sandbox_that_cannot_start_is_an_error_not_a_score_of_0(tmp_path):
+  verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, run_as=None,
+                                 python=str(tmp_path / "no_python"))
+  with pytest.raises(RuntimeError, match=r"code execution: the sandbox could not start "
+                                         r"\(exit 127\)"):
+    verify(PROGRAM, TESTS)
+
+
+def test_the_runs_outputs_are_readable_by_the_worker_alone(tmp_path):
+  from algorithms.verifiers.code_exec import _private
+  with _private(str(tmp_path / "out")) as f:
+    f.write(b"x")
+  assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o600
