@@ -5,7 +5,8 @@ DAPO: the default's clip-higher and token-mean loss, plus
   wrong) carry no advantage, so the trainer leaves them out and takes more until a step
   holds groups_per_step groups whose rewards vary, taking at most 3 times that many (then
   it fills the step with the first ones left out and logs a warning); left out groups are
-  acknowledged with the step, so none comes back;
+  acknowledged with the step, so none comes back; the logged reward_mean and pass_at_n
+  are over every group taken (reward_mean_trained: the trained ones);
 - soft overlong punishment: a response in the last 20% of worker.max_new_tokens loses up
   to 1 reward, linearly, and a truncated one loses 1.
 Otherwise configs/rl_local.py. `:tiny` is the seconds-long smoke variant.

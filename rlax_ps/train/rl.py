@@ -410,6 +410,7 @@ class RLTrainer(TrainerRun):
     # The fixed allocator's groups hold worker.samples_per_prompt samples (VIGOR's vary)
     self.fixed_groups = str(config.worker.get("allocator", "fixed")) == "fixed"
     self.sampling = trainer_sampling(config.worker)
+    self.left_out: list[Group] = []  # the last step's groups dynamic sampling left out
     self.tokenizer_identity = self.tokenizer.identity
     if needs_reference(self.loss_cfg) and not self.init_from_hf:
       field = "loss.kl_coef" if self.loss_cfg.kl_coef > 0 else "loss.kl_in_reward"
@@ -1442,6 +1443,7 @@ class RLTrainer(TrainerRun):
           logging.warning("rl: %s; step %d is filled with %d of them", e, self.step + 1, want)
           self.filled += want
           self.filtered -= want
+          self.left_out = uniform[want:]
           return groups + uniform[:want]
       try:
         self._feed_prompts(want)  # before each take: groups left out need prompts in their place
@@ -1488,6 +1490,7 @@ class RLTrainer(TrainerRun):
         else:
           uniform.append(group)
           self.filtered += 1
+    self.left_out = uniform
     return groups
 
   def _pending_prompts(self) -> dict[str, int]:
@@ -1721,11 +1724,14 @@ class RLTrainer(TrainerRun):
     versions behind the weights the step trained (one per group, as rollout_ids)."""
     mask = batch["sample_mask"] > 0
     staleness = [self.version - g.policy_version for g in groups]
+    # What the policy scored: every group the step took, those dynamic sampling left out
+    # too (the trained ones alone all vary: their pass@n is 1, their mean near 0.5)
+    taken = groups + self.left_out
     record = {
         "step": step, "version": self.version, "time": time.time(),
         "rollout_ids": [g.rollout_id for g in groups],
-        "reward_mean": float(batch["rewards"][mask].mean()),
-        "pass_at_n": pass_at_n(groups),
+        "reward_mean": float(np.mean([r for g in taken for r in g.rewards])),
+        "pass_at_n": pass_at_n(taken),
         "resumed_samples": sum(g.resumed for g in groups),
         "staleness": staleness, "staleness_mean": float(np.mean(staleness)),
         "staleness_max": int(max(staleness)),
@@ -1741,8 +1747,9 @@ class RLTrainer(TrainerRun):
     }
     if self.shape.baselines:  # ReMax: the greedy samples' mean reward, beside reward_mean
       record["baseline_reward_mean"] = float(np.mean([g.baseline_reward for g in groups]))
-    if self.dynamic:  # totals so far
-      record.update(filtered=self.filtered, filled=self.filled)
+    if self.dynamic:  # totals so far; the trained groups' mean reward
+      record.update(filtered=self.filtered, filled=self.filled,
+                    reward_mean_trained=float(batch["rewards"][mask].mean()))
     if self.selective:  # totals so far: records passed over, records on a streak now
       record.update(passed_over=self.retired, uniform_records=len(self.streaks))
     if "entropy_coef" in metrics:  # loss.adaptive_entropy's, for the next step
@@ -1765,6 +1772,8 @@ class RLTrainer(TrainerRun):
   def _log_step(self, record: dict, metrics: dict) -> None:
     w, step = self.writer, record["step"]
     w.add_scalar("rollouts/reward_mean", record["reward_mean"], step)
+    if "reward_mean_trained" in record:  # (dynamic sampling)
+      w.add_scalar("rollouts/reward_mean_trained", record["reward_mean_trained"], step)
     for name, mean in record.get("reward_parts", {}).items():
       w.add_scalar(f"rollouts/reward/{name}", mean, step)
     if record["pass_at_n"] is not None:

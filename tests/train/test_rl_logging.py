@@ -38,7 +38,7 @@ def _trainer(version):
   return types.SimpleNamespace(
       version=version, shape=BatchShape(groups=2, samples=2, prompt_len=4, response_len=8),
       tokenizer=types.SimpleNamespace(stop_ids=(0,)), dynamic=None, selective=False,
-      rollout_wait_s=0.0,
+      rollout_wait_s=0.0, left_out=[],
       writer=Writer(), client=types.SimpleNamespace(stats=lambda: stats))
 
 

@@ -914,6 +914,9 @@ def test_dynamic_sampling_leaves_out_uniform_groups_and_fills_at_the_cap(tmp_pat
     assert len(ids) == 4 and sum(x in worker.uniform for x in ids) == 1, s
     assert ids[-1] in worker.uniform and min(ids) == ids[-1]  # the first left out
     assert (s["filtered"], s["filled"]) == (2 * i, i)
+    # The policy's reward is over all 6 groups taken (3 of [1, 0, 1, 0], 3 of zeros), not
+    # over the 4 trained, which dynamic sampling chose for varying
+    assert (s["reward_mean"], s["reward_mean_trained"]) == (0.25, 0.375), s
   assert (summary["filtered"], summary["filled"]) == (6, 3)
   assert stats.rollouts_in_flight == 0  # those left out were acknowledged with their step
 
