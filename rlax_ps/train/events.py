@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -34,6 +35,13 @@ class Events:
       wandb_run.define_metric(STEP)
       wandb_run.define_metric("*", step_metric=STEP)
 
+  @staticmethod
+  def _tag(tag: str) -> str:
+    """`tag` as TensorBoard keeps it, for both sinks alike: tensorboardX turns characters
+    other than letters, digits, _ - / . into _ ("eval/pass@8" read "eval/pass_8" there
+    and "eval/pass@8" in W&B); @ reads "_at_"."""
+    return re.sub(r"[^-/\w.]", "_", tag.replace("@", "_at_"))
+
   def _wandb_log(self, values: dict[str, Any], step: int) -> None:
     """`values` into the W&B row of `step` (a row is written once another step comes)."""
     if self._row_step is not None and self._row_step != int(step):
@@ -42,11 +50,13 @@ class Events:
     self._row_step = int(step)
 
   def add_scalar(self, tag: str, value: float, step: int) -> None:
+    tag = self._tag(tag)
     self.tb.add_scalar(tag, value, step)
     if self.wandb_run is not None:
       self._wandb_log({tag: float(value)}, step)
 
   def add_histogram(self, tag: str, values, step: int) -> None:
+    tag = self._tag(tag)
     self.tb.add_histogram(tag, values, step)
     if self.wandb_run is not None:
       import wandb
@@ -55,6 +65,7 @@ class Events:
   def add_table(self, tag: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
                 step: int) -> None:
     """A table: TensorBoard's text tab shows it as markdown, W&B as a wandb.Table."""
+    tag = self._tag(tag)
     self.tb.add_text(tag, markdown_table(columns, rows), step)
     if self.wandb_run is not None:
       import wandb

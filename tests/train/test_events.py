@@ -101,6 +101,7 @@ def test_scalars_and_histograms_reach_tensorboard_and_the_wandb_run(tmp_path):
   events.add_histogram("rollouts/staleness", [0, 1, 1], 1)
   events.add_scalar("rollouts/reward_mean", 0.5, 2)
   events.add_scalar("eval/exact_match/all", 0.75, 1)  # a round that evaluated step 1
+  events.add_scalar("eval/pass@8", 0.5, 3)  # (tensorboardX read it "eval/pass_8")
   events.close()
   assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
   (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*-rl-1234"))
@@ -109,7 +110,11 @@ def test_scalars_and_histograms_reach_tensorboard_and_the_wandb_run(tmp_path):
   # logged at a step below its last).
   assert [(r["trainer/step"], r.get("rollouts/reward_mean"), r.get("train/loss"),
            r.get("eval/exact_match/all")) for r in rows] == [
-      ("1", "0.25", "2", None), ("2", "0.5", None, None), ("1", None, None, "0.75")]
+      ("1", "0.25", "2", None), ("2", "0.5", None, None), ("1", None, None, "0.75"),
+      ("3", None, None, None)]
+  assert rows[-1]["eval/pass_at_8"] == "0.5"  # the tag TensorBoard shows, in W&B too
+  assert "eval/pass_at_8" in {v.tag for e in _tb_events(str(tmp_path / "tb"))
+                              for v in e.summary.value}
   assert rows[0]["rollouts/staleness/_type"] == '"histogram"'
   (meta,) = [r.run for r in _finished(run_dir) if r.WhichOneof("record_type") == "run"]
   assert (meta.run_id, meta.project) == ("rl-1234", "p")
