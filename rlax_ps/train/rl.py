@@ -738,7 +738,8 @@ class RLTrainer(TrainerRun):
     if self.restored:
       self._restart_floor = max(0, self.saved_version - self.max_staleness)
       self._restart_version = version  # the keyframe of the restored weights
-    self._publish(version, keyframe=True)
+    # (a restart's in versions.jsonl alone: the restored step's sync point is the first run's)
+    self._publish(version, keyframe=True, tensorboard=not self.restored)
 
   def _server_start(self) -> int:
     """The leader's side of start(): acknowledgements (or, on a server that lost what it
@@ -1626,8 +1627,9 @@ class RLTrainer(TrainerRun):
     self.rejected += 1
     self.last_rejection = why
 
-  def _publish(self, version: int, *, keyframe: bool = False):
-    """Publish the current params as `version`; one line of versions.jsonl per version."""
+  def _publish(self, version: int, *, keyframe: bool = False, tensorboard: bool = True):
+    """Publish the current params as `version`; one line of versions.jsonl per version, and
+    its sync/ points at this step (`tensorboard`)."""
     pub = self.publisher.publish(self.state.params, version, keyframe=keyframe)
     self._published_step = self.step
     if not self.leader:  # the leader's go to versions.jsonl alone, not to a list per step
@@ -1640,9 +1642,10 @@ class RLTrainer(TrainerRun):
                           "digest": f"{pub.digest:016x}",
                           **({"keyframe_bytes": pub.keyframe_bytes} if pub.keyframe_bytes
                              else {})}) + "\n")
-    self.writer.add_scalar("sync/bytes", pub.bytes + pub.keyframe_bytes, self.step)
-    self.writer.add_scalar("sync/seconds", pub.seconds, self.step)
-    self.writer.add_scalar("sync/version", pub.version, self.step)
+    if tensorboard:
+      self.writer.add_scalar("sync/bytes", pub.bytes + pub.keyframe_bytes, self.step)
+      self.writer.add_scalar("sync/seconds", pub.seconds, self.step)
+      self.writer.add_scalar("sync/version", pub.version, self.step)
     return pub
 
   # -- checkpoints and acknowledgements ---------------------------------------------------

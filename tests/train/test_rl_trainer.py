@@ -21,7 +21,7 @@ from param_server.client import (ParamServerClient, ParamServerError, RetryPolic
                                   make_sample)
 from param_server.protos import param_server_pb2 as pb
 from rl_testlib import (REPO, TOKENS, FakeWorker, client, fake_fleet, rl_config,
-                        save_warm_start, start_server)
+                        save_warm_start, start_server, tb_scalars)
 from rlax_ps import sync
 from rlax_ps.sync.bits import BF16
 from rlax_ps.models import load_hf_checkpoint
@@ -769,6 +769,10 @@ def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
   versions = _lines(run["tmp"] / "rl" / "versions.jsonl")
   assert [v["version"] for v in versions] == [0, 1, 2, 3, 4, 5, 6]
   assert versions[5]["keyframe"] and versions[5]["step"] == 4
+  # TensorBoard: one sync point a step; the restart's keyframe, at the restored step 4,
+  # would have stood beside the first run's there (a full model's bytes at a delta's step)
+  synced = [step for step, _ in tb_scalars(str(run["tmp"] / "rl" / "tb"), "sync/version")]
+  assert synced == [0, 1, 2, 3, 4, 5], synced
   steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
   assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]  # the undone step's line dropped
   assert steps[-1]["step"] == 5 and steps[-1]["version"] == 6
