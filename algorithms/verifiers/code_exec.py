@@ -205,6 +205,9 @@ def _can_run_as(python: str, uid: int, gid: int) -> bool:
 
 
 SANDBOX_USER_ENV = "RLAX_PS_SANDBOX_USER"  # run_as where none is given ("root": as root)
+# The Python the code runs with where none is given (default: the worker's): one the sandbox
+# user can run, where it cannot read the worker's (a virtualenv under /root).
+SANDBOX_PYTHON_ENV = "RLAX_PS_SANDBOX_PYTHON"
 
 
 def _sandbox_user(run_as: str | int | None, python: str) -> tuple[int, int] | None:
@@ -222,8 +225,9 @@ def _sandbox_user(run_as: str | int | None, python: str) -> tuple[int, int] | No
     where = python if real == python else f"{python} ({real})"
     raise ValueError(
         f"run_as: user {run_as!r} cannot read the Python at {where} or its modules, so the "
-        f"sandboxed code would run as root; give that user read access to that Python (or "
-        f"pass python= one it can run), or run the code as root knowingly: run_as=None, or "
+        f"sandboxed code would run as root; give that user read access to that Python, or "
+        f"name one it can run ({SANDBOX_PYTHON_ENV}=/usr/bin/python3 in the worker's "
+        f"environment, or python=), or run the code as root knowingly: run_as=None, or "
         f"{SANDBOX_USER_ENV}=root in the worker's environment")
   return ids
 
@@ -290,7 +294,7 @@ class CodeExecutionVerifier:
     self.output_bytes = int(output_mb) << 20
     self.unshare = namespace_flags() if use_network_namespace else ()
     self.netns = bool(self.unshare)
-    self.python = python or sys.executable
+    self.python = python or os.environ.get(SANDBOX_PYTHON_ENV) or sys.executable
     self.user = _sandbox_user(run_as, self.python)
     if (use_network_namespace and not self.unshare and not self.user
         and os.environ.get(NO_SANDBOX_ENV) != "1"):

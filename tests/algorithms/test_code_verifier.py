@@ -319,6 +319,20 @@ def test_a_root_worker_refuses_a_run_as_user_that_cannot_run_its_python(tmp_path
   assert result.passed and result.info["uid"] == 0, result.info
 
 
+def test_a_root_worker_runs_code_as_nobody_with_the_python_named_for_the_sandbox(monkeypatch):
+  """A worker's Python that nobody cannot read (a virtualenv under /root) left it two
+  choices: refuse, or run the code as root. RLAX_PS_SANDBOX_PYTHON names another."""
+  system = "/usr/bin/python3"
+  if os.geteuid() != 0 or not _can_run_as(system, 65534, 65534):
+    pytest.skip("needs root and a system Python that nobody can run")
+  monkeypatch.setenv("RLAX_PS_SANDBOX_PYTHON", system)
+  monkeypatch.delenv("RLAX_PS_SANDBOX_USER", raising=False)
+  verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256)
+  assert verify.python == system
+  result = verify(PROGRAM, TESTS[:2])
+  assert result.passed and result.info["uid"] == 65534, result.info
+
+
 @pytest.mark.parametrize("end", ["import os\nos._exit(3)\n", "while True:\n  pass\n"])
 def test_what_a_program_printed_before_it_died_is_kept(end):
   """stdout, a file, was block-buffered: what was printed before a timeout's kill or an
