@@ -36,6 +36,7 @@ from absl import logging
 
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from algorithms.selection import fed, next_streak
+from algorithms.shaping import soft_overlong_punishment
 from param_server.client import (RETRYABLE, ParamServerError, Prompt, RetryPolicy, routes_of,
                                  sample_logprobs, sample_observed, sample_teacher)
 from rlax_ps import chat, optim
@@ -1750,6 +1751,10 @@ class RLTrainer(TrainerRun):
     }
     if self.shape.baselines:  # ReMax: the greedy samples' mean reward, beside reward_mean
       record["baseline_reward_mean"] = float(np.mean([g.baseline_reward for g in groups]))
+    if self.loss_cfg.overlong_buffer:  # what the advantages add to reward_mean's rewards
+      budget = self.loss_cfg.budget or int(batch["response_tokens"].shape[-1])
+      record["overlong_penalty_mean"] = float(np.mean(soft_overlong_punishment(
+          batch["response_lens"][mask], budget, min(self.loss_cfg.overlong_buffer, budget))))
     if self.dynamic:  # totals so far; the trained groups' mean reward
       record.update(filtered=self.filtered, filled=self.filled,
                     reward_mean_trained=float(batch["rewards"][mask].mean()))
@@ -1775,6 +1780,8 @@ class RLTrainer(TrainerRun):
   def _log_step(self, record: dict, metrics: dict) -> None:
     w, step = self.writer, record["step"]
     w.add_scalar("rollouts/reward_mean", record["reward_mean"], step)
+    if "overlong_penalty_mean" in record:  # (loss.overlong_buffer)
+      w.add_scalar("rollouts/overlong_penalty_mean", record["overlong_penalty_mean"], step)
     if "reward_mean_trained" in record:  # (dynamic sampling)
       w.add_scalar("rollouts/reward_mean_trained", record["reward_mean_trained"], step)
     for name, mean in record.get("reward_parts", {}).items():

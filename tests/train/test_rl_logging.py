@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rlax_ps.train.rl import RLTrainer, StepRate, group_of, pass_at_n
+from rlax_ps.train.rl_loss import LossConfig
 from rlax_ps.train.rollouts import BatchShape, Group
 
 
@@ -38,7 +39,7 @@ def _trainer(version):
   return types.SimpleNamespace(
       version=version, shape=BatchShape(groups=2, samples=2, prompt_len=4, response_len=8),
       tokenizer=types.SimpleNamespace(stop_ids=(0,)), dynamic=None, selective=False,
-      rollout_wait_s=0.0, left_out=[],
+      rollout_wait_s=0.0, left_out=[], loss_cfg=LossConfig(),
       writer=Writer(), client=types.SimpleNamespace(stats=lambda: stats))
 
 
@@ -194,3 +195,19 @@ def test_a_group_sampled_with_another_tokenizer_is_refused_naming_the_worker():
                                        rf"\({theirs}\); start the workers with the "
                                        rf"trainer's config and init_from_hf"):
     check_tokenizer(group, theirs)
+
+
+def test_the_overlong_penalty_the_advantages_add_is_logged_beside_the_raw_reward():
+  """reward_mean is the verifiers' reward; DAPO's soft overlong punishment
+  (loss.overlong_buffer) is added inside the loss: logged beside it, over real samples."""
+  trainer = _trainer(version=1)
+  trainer.loss_cfg = LossConfig(budget=8, overlong_buffer=4)
+  batch = {**_batch([[1, 0], [0, 9]], [[1, 1], [1, 0]]),
+           "response_lens": np.asarray([[4, 6], [8, 8]], np.int32)}
+  record = RLTrainer._step_record(trainer, 1, [_group(1, 1, [1.0, 0.0]), _group(2, 1, [0.0])],
+                                  batch, METRICS, 0.0)
+  # lengths 4, 6, 8 of a budget of 8, the last 4 tokens a ramp to -1: 0, -0.5, -1
+  assert record["overlong_penalty_mean"] == pytest.approx(-0.5)
+  assert record["reward_mean"] == pytest.approx(1 / 3)
+  RLTrainer._log_step(trainer, record, METRICS)
+  assert trainer.writer.scalars["rollouts/overlong_penalty_mean"] == (pytest.approx(-0.5), 1)
