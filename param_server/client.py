@@ -690,10 +690,21 @@ class ParamServerClient:
 
   def lease(self, n: int, deadline_s: float, *, wait_s: float = 0.0, worker_id: str | None = None) -> Lease:
     """Leases up to `n` prompts until `deadline_s` from now; an empty lease when none came within `wait_s`."""
+    start = time.monotonic()
     reply = self._call("LeasePrompts", pb.LeasePromptsRequest(
         worker_id=self._require_worker(worker_id), n=n, deadline_s=deadline_s, wait_s=wait_s),
         timeout_s=self.timeout_s + wait_s)
+    if not reply.prompts:
+      self._wait_out(start, wait_s)
     return Lease.from_proto(reply)
+
+  def _wait_out(self, start: float, wait_s: float) -> None:
+    """After an empty long poll answered before its `wait_s` (a server whose long-poll slots
+    were all taken answers at once): the rest of the wait here, so an idle caller asking
+    again at once does not spin (a stop request ends it)."""
+    left = start + wait_s - time.monotonic()
+    if left > 0:
+      self.interrupt.wait(left)
 
   def renew(self, lease: Lease | str, deadline_s: float, *, worker_id: str | None = None,
             partial: Sequence[pb.PartialRollouts] = ()) -> Lease:
@@ -743,10 +754,13 @@ class ParamServerClient:
     """Rollout groups made at `min_version` or later (older ones are dropped and their prompts re-queued).
 
     `requeue_unacked`: first return every unacknowledged take to the queue (a restarted trainer)."""
+    start = time.monotonic()
     reply = self._call("TakeRollouts", pb.TakeRolloutsRequest(
         min_version=min_version, max_groups=max_n, wait_s=wait_s, ack_deadline_s=ack_deadline_s,
         requeue_unacked=requeue_unacked),
         timeout_s=self.timeout_s + wait_s)
+    if not reply.rollouts and not reply.dropped_stale:
+      self._wait_out(start, wait_s)
     return Take(reply.take_id, list(reply.rollouts), reply.dropped_stale, reply.store_id)
 
   def ack(self, take: Take | str) -> int:

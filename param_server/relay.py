@@ -242,11 +242,31 @@ class _RelayServicer(ParamServerServicer):
     return plan + [source], release, arriving.version
 
 
-def _passing(method: str, upstream: ParamServerClient, timeout_s: float, upstream_address: str):
+# The long polls a relay passes on: each holds one of its threads while the server waits.
+_LONG_POLLS = {"LeasePrompts": pb.LeasePromptsRequest, "TakeRollouts": pb.TakeRolloutsRequest}
+
+
+def _passing(method: str, upstream: ParamServerClient, timeout_s: float, upstream_address: str,
+             wait_slot=None):
   """A handler that sends a call's bytes to the server and its answer (or status) back, on
   the upstream client's route of the moment (a relay following a region's relay, then the
-  server while that one is down)."""
+  server while that one is down). A long poll past the relay's slots for them (`wait_slot`,
+  as the server's) is passed on with wait_s 0: its client waits out the rest."""
   def forward(request: bytes, context):
+    kind = _LONG_POLLS.get(method) if wait_slot is not None else None
+    if kind is None:
+      return _forward(request, context)
+    try:
+      parsed = kind.FromString(request)
+    except Exception:  # noqa: BLE001 - passed on as it is: the server names what is wrong
+      return _forward(request, context)
+    with wait_slot(parsed.wait_s) as allowed:
+      if allowed < parsed.wait_s:
+        parsed.wait_s = allowed
+        request = parsed.SerializeToString()
+      return _forward(request, context)
+
+  def _forward(request: bytes, context):
     call = upstream.channel.unary_unary(f"/{SERVICE_NAME}/{method}")
     metadata = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
     remaining = context.time_remaining()
@@ -311,7 +331,7 @@ class WeightRelay:
       for m in pb.DESCRIPTOR.services_by_name["ParamServer"].methods:
         if m.name not in handlers:
           handlers[m.name] = _passing(m.name, upstream, upstream.timeout_s + 120.0,
-                                      upstream.address)
+                                      upstream.address, self.servicer._wait_slot)
       self._server, self._health, self.port = grpc_server(
           handlers, auth.TokenAuthInterceptor({"worker": token}, methods=SERVED_HERE,
                                               on_denied=self.servicer._rejections.bump,

@@ -9,6 +9,7 @@ status naming the field, and changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -304,6 +305,11 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self.pulls_served = 0
     self.max_pulls = config.max_pulls or max(1, config.threads // 2)
     self._pull_slots = threading.BoundedSemaphore(self.max_pulls)
+    # Long polls (a lease or take waiting for work) waiting at once: each holds a thread; an
+    # idle fleet's would hold them all. Past this many, one answers at once (nothing new) and
+    # its client waits out the rest of its wait_s itself.
+    self.max_waits = max(1, config.threads // 4)
+    self._wait_slots = threading.BoundedSemaphore(self.max_waits)
     self.streams_open = 0  # Pull and Watch streams being served
     self._run_lock = threading.Lock()
     self.run = _read_run(config.storage_dir)  # the run whose versions are held ("": none said)
@@ -396,6 +402,17 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     return PullSource(blob.version, -1 if blob.base_version is None else blob.base_version,
                       blob.nbytes, read)
 
+  @contextlib.contextmanager
+  def _wait_slot(self, wait_s: float):
+    """`wait_s` while a long-poll slot is held; 0 (answered at once) when all are taken."""
+    if wait_s <= 0 or not self._wait_slots.acquire(blocking=False):
+      yield 0.0
+      return
+    try:
+      yield wait_s
+    finally:
+      self._wait_slots.release()
+
   @_streaming
   def Pull(self, request, context):
     have = request.have_version if request.HasField("have_version") else None
@@ -468,8 +485,9 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     _finite("deadline_s", request.deadline_s)
     _finite("wait_s", request.wait_s)
     self._touch(request.worker_id)
-    lease = self.queues.lease(request.worker_id, request.n, request.deadline_s, request.wait_s,
-                              max_bytes=self.config.max_message_bytes // 2)
+    with self._wait_slot(request.wait_s) as wait_s:
+      lease = self.queues.lease(request.worker_id, request.n, request.deadline_s, wait_s,
+                                max_bytes=self.config.max_message_bytes // 2)
     self._touch(request.worker_id)  # a lease made after a long poll is not a silent worker's
     lease.latest_version = self._latest()
     lease.staleness_floor = self.queues.staleness_floor
@@ -511,9 +529,11 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def TakeRollouts(self, request, context):
     _finite("wait_s", request.wait_s)
     _finite("ack_deadline_s", request.ack_deadline_s)
-    reply = self.queues.take(request.min_version, request.max_groups, request.wait_s,
-                             request.ack_deadline_s, max_bytes=self.config.max_message_bytes // 2,
-                             requeue_unacked=request.requeue_unacked)
+    with self._wait_slot(request.wait_s) as wait_s:
+      reply = self.queues.take(request.min_version, request.max_groups, wait_s,
+                               request.ack_deadline_s,
+                               max_bytes=self.config.max_message_bytes // 2,
+                               requeue_unacked=request.requeue_unacked)
     reply.store_id = self.store_id
     return reply
 

@@ -3,6 +3,7 @@ its whole transfer, and pulls crawling over slow links took every thread, so no 
 submission or heartbeat of the fleet was answered. One pull more waits for a turn."""
 
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -69,3 +70,30 @@ def test_max_pulls_must_leave_a_thread_for_the_other_calls(tmp_path):
   with pytest.raises(ValueError, match=r"ServerConfig.max_pulls: expected 0 \(half of threads\) "
                                        r"or from 1 to threads - 1 = 7"):
     ServerConfig(storage_dir=str(tmp_path), threads=8, max_pulls=8)
+
+
+def test_an_idle_fleets_long_polls_leave_threads_for_the_other_calls(start_server):
+  """Workers asking for prompts on an empty queue each held a thread for their whole wait:
+  an idle fleet as large as the thread pool left none for a submission, a heartbeat or the
+  trainer's take. Past threads // 4 waiting, a lease is answered at once, and its client
+  waits out the rest itself (no spinning)."""
+  server = start_server(threads=4)  # one long poll at a time
+  done = []
+
+  def idle_worker(i):
+    with client_for(server, "worker") as worker:
+      worker.register(f"idle-{i}")
+      t0 = time.monotonic()
+      lease = worker.lease(1, 30.0, wait_s=3.0)
+      done.append((lease.prompts, time.monotonic() - t0))
+
+  threads = [threading.Thread(target=idle_worker, args=(i,)) for i in range(4)]
+  for t in threads:
+    t.start()
+  time.sleep(1.0)  # all four waiting
+  with client_for(server, "viewer", retry=RetryPolicy(deadline_s=0.0)) as viewer:
+    viewer.timeout_s = 1.0
+    assert viewer.stats().prompts_queued == 0  # a thread was left for it
+  for t in threads:
+    t.join(timeout=30.0)
+  assert len(done) == 4 and all(not prompts and waited >= 2.9 for prompts, waited in done)

@@ -761,3 +761,32 @@ def test_a_status_without_a_message_passed_through_says_what_failed():
   handler.unary_unary(b"", Context())
   assert aborted == [(grpc.StatusCode.PERMISSION_DENIED,
                       "LeasePrompts via the relay to server:1: PERMISSION_DENIED")]
+
+
+def test_long_polls_passed_through_a_relay_leave_it_threads_for_its_pulls(
+    server, trainer, start_relay):
+  """A relay passes its workers' leases to the server, a thread held for each one's wait:
+  an idle group of workers held them all, and no pull or version query of theirs was
+  answered. Past threads // 4 waiting, a lease goes on with no wait, its client waiting out
+  the rest itself."""
+  publish_chain(trainer, 1)
+  relay = start_relay(server, threads=4)
+  _until(lambda: relay.weights.latest == 0)
+  done = []
+
+  def idle_worker(i):
+    with client_for(relay, "worker") as worker:
+      worker.register(f"idle-{i}")
+      t0 = time.monotonic()
+      done.append((worker.lease(1, 30.0, wait_s=3.0).prompts, time.monotonic() - t0))
+
+  threads = [threading.Thread(target=idle_worker, args=(i,)) for i in range(4)]
+  for t in threads:
+    t.start()
+  time.sleep(1.0)
+  with client_for(relay, "worker", retry=RetryPolicy(deadline_s=0.0)) as asker:
+    asker.timeout_s = 1.0
+    assert asker.latest_version() == 0  # served by the relay: a thread was left for it
+  for t in threads:
+    t.join(timeout=30.0)
+  assert len(done) == 4 and all(not prompts and waited >= 2.9 for prompts, waited in done)
