@@ -88,23 +88,26 @@ def verl_batch(fixture):
   return batch, f("ref_logp")
 
 
-def tb_scalars(directory, tag):
-  """(step, value) of every point of `tag` in the TensorBoard files of `directory`, in file
-  order (TFRecord framing: length, its crc, the Event, its crc)."""
+def tb_events(directory):
+  """The Event protos of every TensorBoard file in `directory` (TFRecord framing: length,
+  its crc, data, its crc), in file order."""
   import glob
   import struct
   from tensorboardX.proto import event_pb2
-  points = []
   for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
     with open(path, "rb") as f:
       data = f.read()
     pos = 0
     while pos + 12 <= len(data):
       (length,) = struct.unpack("<Q", data[pos:pos + 8])
-      event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
-      points += [(event.step, v.simple_value) for v in event.summary.value if v.tag == tag]
+      yield event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
       pos += 16 + length
-  return points
+
+
+def tb_scalars(directory, tag):
+  """(step, value) of every point of `tag` in the TensorBoard files of `directory`."""
+  return [(e.step, v.simple_value) for e in tb_events(directory) for v in e.summary.value
+          if v.tag == tag]
 
 
 def client(address, role):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from rl_testlib import tb_events
 from rlax_ps.train.events import Events, NoEvents, open_wandb
 from rlax_ps.train.run import TrainerRun
 
@@ -113,7 +114,7 @@ def test_scalars_and_histograms_reach_tensorboard_and_the_wandb_run(tmp_path):
       ("1", "0.25", "2", None), ("2", "0.5", None, None), ("1", None, None, "0.75"),
       ("3", None, None, None)]
   assert rows[-1]["eval/pass_at_8"] == "0.5"  # the tag TensorBoard shows, in W&B too
-  assert "eval/pass_at_8" in {v.tag for e in _tb_events(str(tmp_path / "tb"))
+  assert "eval/pass_at_8" in {v.tag for e in tb_events(str(tmp_path / "tb"))
                               for v in e.summary.value}
   assert rows[0]["rollouts/staleness/_type"] == '"histogram"'
   (meta,) = [r.run for r in _finished(run_dir) if r.WhichOneof("record_type") == "run"]
@@ -165,20 +166,9 @@ def test_wandb_that_cannot_start_is_refused_naming_the_field(tmp_path, monkeypat
 
 
 def _tensorboard_texts(directory):
-  """(tag, step, text) of the text summaries in a TensorBoard event file (TFRecords: length,
-  its crc, the Event, its crc)."""
-  from tensorboardX.proto import event_pb2
-  (path,) = glob.glob(os.path.join(directory, "events.out.tfevents.*"))
-  with open(path, "rb") as f:
-    data = f.read()
-  pos, texts = 0, []
-  while pos < len(data):
-    (length,) = struct.unpack("<Q", data[pos:pos + 8])
-    event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
-    pos += 16 + length
-    texts += [(v.tag, event.step, v.tensor.string_val[0].decode()) for v in event.summary.value
-              if v.metadata.plugin_data.plugin_name == "text"]
-  return texts
+  """(tag, step, text) of the text summaries in the TensorBoard files of `directory`."""
+  return [(v.tag, e.step, v.tensor.string_val[0].decode()) for e in tb_events(directory)
+          for v in e.summary.value if v.metadata.plugin_data.plugin_name == "text"]
 
 
 def test_a_table_reaches_tensorboards_text_tab_and_the_wandb_run(tmp_path):
@@ -215,22 +205,6 @@ def test_a_resumed_runs_step_log_drops_the_lines_of_steps_it_does_again(tmp_path
   assert len(read_jsonl(path)) == 4 and not os.path.exists(path + ".tmp")
 
 
-def _tb_events(directory):
-  """The Event protos of every TensorBoard file in `directory` (TFRecord framing: length,
-  its crc, data, its crc), in file order."""
-  from tensorboardX.proto import event_pb2
-  for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
-    with open(path, "rb") as f:
-      data = f.read()
-    pos = 0
-    while pos + 12 <= len(data):
-      (length,) = struct.unpack("<Q", data[pos:pos + 8])
-      event = event_pb2.Event()
-      event.ParseFromString(data[pos + 12:pos + 12 + length])
-      yield event
-      pos += 12 + length + 4
-
-
 def test_a_resumed_run_purges_tensorboards_points_of_the_steps_it_does_again(tmp_path):
   """The steps a kill undid were logged again beside the first run's points (two a step);
   the resumed writer starts with a START session at its first step, from which TensorBoard
@@ -241,6 +215,6 @@ def test_a_resumed_run_purges_tensorboards_points_of_the_steps_it_does_again(tmp
   trainer = Resumed(tmp_path / "work", "")
   trainer.writer.add_scalar("rollouts/reward_mean", 0.5, 5)
   trainer.close()
-  starts = [e for e in _tb_events(str(tmp_path / "work" / "tb"))
+  starts = [e for e in tb_events(str(tmp_path / "work" / "tb"))
             if e.HasField("session_log") and e.session_log.status == e.session_log.START]
   assert [e.step for e in starts] == [5]
