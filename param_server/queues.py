@@ -528,17 +528,18 @@ class PromptRolloutQueues:
         self.closed_leases.popitem(last=False)
 
   def _capture(self) -> "_Captured":
-    """The state now, for `_snapshot`; called with the lock held. Cheap: prompts and groups
-    are replaced, never changed in place, so it keeps references to them; leases change in
-    place and are copied."""
+    """The state now, for `_snapshot`; called with the lock held. Cheap: prompts, groups and
+    closed leases are replaced, never changed in place, so it keeps references to them; open
+    leases change in place and are copied."""
     return _Captured(
         queued=[self.prompts[p] for p in self.queue],
-        leases=[(dataclasses.replace(lease, prompt_ids=list(lease.prompt_ids),
-                                     answered=dict(lease.answered),
-                                     fingerprints=dict(lease.fingerprints),
-                                     released=set(lease.released)),
-                 [self.prompts[p] for p in lease.open_ids] if not lease.closed else [])
-                for lease in list(self.closed_leases.values()) + list(self.leases.values())],
+        leases=[(lease, []) for lease in self.closed_leases.values()] + [
+            (dataclasses.replace(lease, prompt_ids=list(lease.prompt_ids),
+                                 answered=dict(lease.answered),
+                                 fingerprints=dict(lease.fingerprints),
+                                 released=set(lease.released)),
+             [self.prompts[p] for p in lease.open_ids] if not lease.closed else [])
+            for lease in self.leases.values()],
         rollouts=sorted(list(self.ready.values()) + list(self.in_flight.values()),
                         key=lambda e: e.rollout_id),
         takes=[(take_id, list(ids), deadline) for take_id, (ids, deadline) in self.takes.items()],
