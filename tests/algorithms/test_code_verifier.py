@@ -372,6 +372,7 @@ def test_where_no_namespace_can_be_made_the_code_verifier_refuses_to_start(
   """Fails closed: model code with the worker's own user and network could read its token
   and call its server. Accepted knowingly with RLAX_PS_NO_SANDBOX=1."""
   monkeypatch.setattr(not_root, "namespace_flags", lambda: ())
+  monkeypatch.delenv("RLAX_PS_NO_SANDBOX", raising=False)  # (a test machine's, conftest)
   with pytest.raises(ValueError, match=r"code execution: no namespace can be made here .* "
                                        r"RLAX_PS_NO_SANDBOX=1 in the worker's environment"):
     CodeExecutionVerifier()
