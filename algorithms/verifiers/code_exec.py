@@ -28,6 +28,16 @@ The program is the completion's last fenced code block (```python, ```py or a ba
 source, usually `assert` lines), or a dict with "tests", or either as JSON text (data
 files hold answers as strings: '["assert f(1) == 2"]'); they run one by one after the
 program, in its namespace. reward = fraction of tests passed; passed = all of them passed.
+
+Tests score plain values, so that a policy cannot learn to pass them with an object whose
+__eq__ is always true: builtins are restored after the program, and each test's comparisons
+and truth tests are rewritten (before the program runs) to check their operands. A value
+whose comparison methods the program wrote (its own class, a builtin's subclass, or a file
+it wrote and imported) meets a plain value by identity (== False, != True); ordering and
+membership between them raise TypeError, and so does truth-testing it. Two such values
+compare as they define (a class task's `V(1) == V(1)`); library types (Counter, Fraction,
+namedtuple, numpy) are plain. Arithmetic is not checked: an object whose `-` returns 0.0
+passes `abs(f(x) - 2.0) < 1e-6`.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from algorithms.verifiers.base import VerifierResult, register_verifier
 # line per step to the report fd (apart from stdout, so whatever the program prints
 # cannot garble a report).
 _HARNESS = r"""
-import json, os, resource, sys
+import ast, builtins, json, operator, os, resource, sys
 def _main():  # the harness's state in its scope: not in __main__ for the program
   _exec, _compile, _dumps = exec, compile, json.dumps  # as they are before the program
   nonce, report_fd, mem, cpu, fsize, uid, gid, nproc = sys.stdin.readline().split()
@@ -129,22 +139,130 @@ def _main():  # the harness's state in its scope: not in __main__ for the progra
         raise PermissionError("sandbox: " + ("writing" if writing else "opening a directory")
                               + " outside the scratch directory: " + path)
   sys.addaudithook(hook)
+  # Tests score plain values. A value whose comparisons the program wrote (a class with an
+  # __eq__, a subclass of int whose __eq__ is True) could pass every test: where one meets a
+  # plain value in a test's comparison it is compared by identity, ordering and membership
+  # are refused, and a test may not truth-test it. Builtins are as before the program ran.
+  _builtins, _type, _id, _isinstance, _any = dict(vars(builtins)), type, id, isinstance, any
+  _TypeError, _realpath, _isfile, _getattr = TypeError, os.path.realpath, os.path.isfile, getattr
+  COMPARE, TRUTH, HEAPTYPE, IMMUTABLETYPE = "__rlax_ps_compare__", "__rlax_ps_truth__", 512, 256
+  SCORED = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__",
+            "__contains__", "__iter__")
+  ITEMS = ((dict, dict.items), (list, list.__iter__), (tuple, tuple.__iter__),
+           (set, set.__iter__), (frozenset, frozenset.__iter__))
+  def written_here(function):  # code the program or a test compiled, or imported from scratch
+    path = _getattr(_getattr(function, "__code__", None), "co_filename", "")
+    return not _isfile(path) or (_realpath(path) + os.sep).startswith(scratch + os.sep)
+  def own_type(t):  # whether t's scored methods are the builtins' or a library's
+    for name in SCORED:
+      for c in t.__mro__:
+        if name in vars(c):
+          method = vars(c)[name]
+          if c.__flags__ & HEAPTYPE and not c.__flags__ & IMMUTABLETYPE and method is not None and (
+              not _isinstance(method, FUNCTION) or written_here(method)):
+            return False  # (a builtin's slot moved, such as __eq__ = int.__ne__, counts too)
+          break
+    return True
+  FUNCTION = _type(own_type)
+  def plain(value):
+    seen, todo = set(), [value]
+    while todo:
+      v = todo.pop()
+      if _type(v).__flags__ & HEAPTYPE and not own_type(_type(v)):
+        return False
+      for kind, items in ITEMS:  # elements through the builtin's own iteration
+        if _isinstance(v, kind) and _id(v) not in seen:
+          seen.add(_id(v))
+          todo.extend(items(v))
+          break
+    return True
+  OPS = {"Eq": operator.eq, "NotEq": operator.ne, "Lt": operator.lt, "LtE": operator.le,
+         "Gt": operator.gt, "GtE": operator.ge, "Is": operator.is_, "IsNot": operator.is_not,
+         "In": lambda a, b: a in b, "NotIn": lambda a, b: a not in b}
+  IDENTITY = ("Is", "IsNot")
+  _parse = ast.parse
+  class Scored(ast.NodeTransformer):  # a test's comparisons and truth tests through those below
+    def call(self, name, *args):
+      return ast.copy_location(ast.Call(ast.Name(name, ast.Load()), list(args), []), args[0])
+    def truth(self, node):
+      return self.call(TRUTH, node)
+    def visit_Compare(self, node):
+      self.generic_visit(node)
+      no_args = ast.arguments(posonlyargs=[], args=[], vararg=None, kwonlyargs=[],
+                              kw_defaults=[], kwarg=None, defaults=[])
+      ops = ast.Tuple([ast.Constant(type(op).__name__) for op in node.ops], ast.Load())
+      rights = ast.Tuple([ast.Lambda(no_args, c) for c in node.comparators], ast.Load())
+      return self.call(COMPARE, node.left, ops, rights)
+    def visit_Assert(self, node):
+      self.generic_visit(node)
+      node.test = self.truth(node.test)
+      return node
+    visit_If = visit_While = visit_IfExp = visit_Assert
+    def visit_UnaryOp(self, node):
+      self.generic_visit(node)
+      if isinstance(node.op, ast.Not):
+        node.operand = self.truth(node.operand)
+      return node
+    def visit_BoolOp(self, node):
+      self.generic_visit(node)
+      node.values[:-1] = [self.truth(v) for v in node.values[:-1]]
+      return node
+    def visit_comprehension(self, node):
+      self.generic_visit(node)
+      node.ifs = [self.truth(c) for c in node.ifs]
+      return node
+  def refused(what, value):
+    return _TypeError("sandbox: " + what + " a value of type " + _type(value).__qualname__ +
+                      ", defined by the program: tests score plain values")
+  def compare(left, ops, rights):
+    for i, (op, right) in enumerate(zip(ops, rights)):
+      right = right()
+      if op in IDENTITY or plain(left) == plain(right):
+        ok = OPS[op](left, right)
+      elif op in ("Eq", "NotEq"):
+        ok = (left is right) == (op == "Eq")
+      elif op in ("In", "NotIn") and plain(right):
+        found = _any(left is x for x in right)
+        ok = found == (op == "In")
+      else:
+        raise refused("comparing (" + op + ") a plain value and", left if plain(right) else right)
+      if not ok and i < len(ops) - 1:  # (a chain stops at a false link, as Python's)
+        return ok
+      left = right
+    return ok
+  def truth(value):
+    if not plain(value):
+      raise refused("truth-testing", value)
+    return value
   def report(step, ok, error=""):
     out.write(nonce + _dumps({"step": step, "ok": ok, "error": error[:500]}) + "\n")
     out.flush()
-  ns = {"__name__": "__main__", "__builtins__": __builtins__}
-  def run(step, source):
+  ns = {"__name__": "__main__", "__builtins__": builtins}
+  def run(step, code):
     try:
-      _exec(_compile(source, step, "exec"), ns)
+      _exec(_compile(code, step, "exec") if _isinstance(code, str) else code, ns)
       report(step, True)
       return True
     except BaseException as e:
       report(step, False, type(e).__name__ + ": " + str(e))
       return False
-  tests = job.pop("tests")
+  tests = []  # rewritten (Scored) before the program runs, so it cannot change how
+  for i, test in enumerate(job.pop("tests")):
+    try:
+      tree = ast.fix_missing_locations(Scored().visit(_parse(test, "test_%d" % i)))
+      tests.append(_compile(tree, "test_%d" % i, "exec"))
+    except SyntaxError as e:
+      tests.append(e)
   if run("program", job.pop("program")):
+    for k in [k for k in vars(builtins) if k not in _builtins]:  # what the program changed
+      delattr(builtins, k)
+    vars(builtins).update(_builtins)
     for i, test in enumerate(tests):
-      run("test_%d" % i, test)
+      ns.update({"__builtins__": builtins, COMPARE: compare, TRUTH: truth})
+      if _isinstance(test, SyntaxError):
+        report("test_%d" % i, False, "SyntaxError: " + str(test))
+      else:
+        run("test_%d" % i, test)
   else:
     ns.clear()
 

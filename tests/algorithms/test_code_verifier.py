@@ -53,6 +53,69 @@ def test_a_program_cannot_report_its_tests_passed_through_the_harness(verify):
     assert result.info["n_passed"] == 0 and not result.passed, (attack, result.info)
 
 
+ALWAYS_EQUAL = "class A:\n  def __eq__(self, other):\n    return True\n  __hash__ = object.__hash__\n"
+REWARD_HACKS = {  # a wrong `add` that each of these passed every test with, as a policy learns to
+    "an object equal to anything": ALWAYS_EQUAL + "def add(a, b):\n  return A()\n",
+    "an int whose == is always true": ("class I(int):\n  def __eq__(self, other):\n    return True\n"
+                                       "  __hash__ = int.__hash__\ndef add(a, b):\n  return I(0)\n"),
+    "a builtin's != moved to ==": "class I(int):\n  __eq__ = int.__ne__\ndef add(a, b):\n  return I(0)\n",
+    "one inside a list": ALWAYS_EQUAL + "def add(a, b):\n  return [A()][0:1][0]\n",
+    "one imported from a file it wrote": (
+        "open('m.py', 'w').write(" + repr(ALWAYS_EQUAL) + ")\nimport sys\nsys.path.insert(0, '.')\n"
+        "import m\ndef add(a, b):\n  return m.A()\n"),
+    "a false __bool__": "class B:\n  def __bool__(self):\n    return False\ndef add(a, b):\n  return B()\n",
+    "builtins patched": "import builtins\nbuiltins.abs = lambda x: 0\ndef add(a, b):\n  return 0.5\n",
+}
+
+
+@pytest.mark.parametrize("hack", sorted(REWARD_HACKS))
+def test_a_program_cannot_pass_the_tests_with_values_whose_comparisons_it_wrote(verify, hack):
+  """An object whose __eq__ is always true passed `assert add(1, 2) == 3`: tests ran in the
+  program's namespace with its types' own comparisons. Now a value whose comparisons the
+  program wrote meets a plain value by identity, and may not be truth-tested."""
+  tests = ["assert add(1, 2) == 3", "assert [add(2, 2)] == [4]", "assert add(5, 1) in (6, 7)",
+           "assert not add(0, 0) != 0 and add(1, 1) != 5",
+           "assert not add(2, 3) - 5 or abs(add(2, 3) - 5.0) < 1e-9", "assert not add(0, 0)"]
+  assert verify(PROGRAM, tests).passed
+  result = verify(REWARD_HACKS[hack], tests)
+  assert result.info["n_passed"] == 0, (hack, result.info)
+  assert not result.passed
+
+
+def test_right_answers_of_library_types_and_program_classes_still_pass(verify):
+  """What the rule must not fail: Counter against a dict, a namedtuple against a tuple,
+  Fraction against a float, chained and short-circuit comparisons, and a program's class
+  compared with its own instances or through plain values it returns."""
+  program = (
+      "from collections import Counter, defaultdict, namedtuple\nfrom fractions import Fraction\n"
+      "P = namedtuple('P', 'x y')\ndef count(s):\n  return Counter(s)\ndef point():\n  return P(1, 2)\n"
+      "def half():\n  return Fraction(1, 2)\ndef double(x):\n  return 2.0 * x\n"
+      "class V:\n  def __init__(self, x):\n    self.x = x\n"
+      "  def __eq__(self, other):\n    return isinstance(other, V) and other.x == self.x\n"
+      "class Stack:\n  def __init__(self):\n    self.items = []\n"
+      "  def push(self, x):\n    self.items.append(x)\n  def pop(self):\n    return self.items.pop()\n")
+  tests = ["assert count('aab') == {'a': 2, 'b': 1}", "assert point() == (1, 2) and point().x == 1",
+           "assert half() == 0.5 and half() < 1", "assert 1 < double(1) < 3 and not 1 > 2 > 0",
+           "assert V(1) == V(1) and [V(1), V(2)] != [V(1), V(3)]",
+           "s = Stack()\ns.push(4)\nassert s.pop() == 4",
+           "assert [x for x in range(5) if double(x) > 3] == [2, 3, 4]",
+           "assert all(double(i) == 2 * i for i in range(4)) and double(1) is not None",
+           "assert (1 if double(1) == 2 else 0) == 1", "assert 2 in [double(1)]",
+           "d = defaultdict(int)\nd['a'] += 1\nassert d == {'a': 1}"]
+  result = verify(program, tests)
+  assert result.passed, result.info["errors"]
+  result = verify(program, ["assert double(1) == 3", "assert 3 < double(1) < 5"])
+  assert result.info["n_passed"] == 0
+
+
+def test_a_program_class_met_by_ordering_or_truth_is_named_in_the_error(verify):
+  result = verify(ALWAYS_EQUAL + "def add(a, b):\n  return A()\n",
+                  ["assert add(1, 2) < 4", "assert add(1, 2)"])
+  assert result.info["n_passed"] == 0
+  assert [e for e in result.info["errors"] if "type A, defined by the program" in e
+          ] == result.info["errors"], result.info["errors"]
+
+
 def test_the_sandbox_dies_at_its_timeout_also_when_its_caller_died_first(tmp_path):
   """A worker's hard exit mid-call left the sandboxed program (a sleep) running for ever:
   the deadline was only the caller's wait."""
