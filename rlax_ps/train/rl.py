@@ -57,7 +57,7 @@ from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, 
 from rlax_ps.train.events import open_jsonl, open_steps_jsonl, read_jsonl
 from rlax_ps.train.run import (STOP_SIGNALS, TrainerRun, check_resumed_clipping, data_source,
                                open_checkpointer)
-from rlax_ps.train.critic import Critic
+from rlax_ps.train.critic import LAYOUTS, Critic
 from rlax_ps.train.state import (TrainState, abstract_model, hf_params, restore_or_init,
                                  restore_state)
 from rlax_ps.train.step import apply_gradients, jit_step
@@ -483,6 +483,13 @@ class RLTrainer(TrainerRun):
       was = (latest["config"].get("critic") or {}).get("optimizer") or {}
       check_resumed_clipping(was, (config.get("critic") or {}).get("optimizer") or {},
                              latest, "critic.optimizer")
+      was = (latest["config"].get("critic") or {}).get("init_from_hf", "")
+      if self.critic.layout == LAYOUTS[2] and was != self.critic.init_from_hf and self.leader:
+        logging.warning(
+            "critic.init_from_hf: %r in the checkpoint (step %s), %r now: the critic's "
+            "adapters and value head resume over the weights of %r, which they were not "
+            "trained over. Use another --workdir to start a critic from it", was,
+            latest.get("step", "?"), self.critic.init_from_hf, self.critic.init_from_hf)
     if latest is not None and (latest.get("mixed_reference") or critic_saved):
       self.state, self.shardings, self.graphdef, saved, held = restore_state(
           self.model_config, self.optimizer, self.mesh, self.checkpointer,
@@ -506,7 +513,8 @@ class RLTrainer(TrainerRun):
                         self.checkpointer.directory)
       self.critic.start(self.state.params, held.get("critic"), int(config.seed))
     # Once mixed, the reference is no longer the warm start: the checkpoints carry it.
-    self.mixed_reference = self.ref_params is not None and bool(self.ref_sync_steps or held)
+    self.mixed_reference = self.ref_params is not None and bool(
+        self.ref_sync_steps or "ref_params" in held)  # (held: the critic too)
     self._mix_reference = jax.jit(lambda ref, params: mix_reference(ref, params, ref_alpha),
                                   out_shardings=self.shardings.params, donate_argnums=0)
     self.rl_step = make_rl_step(self.graphdef, self.optimizer, self.shardings, self.mesh,
@@ -658,6 +666,7 @@ class RLTrainer(TrainerRun):
         "server_store": self.store_id,
         "outstanding": sorted(self.outstanding.values()),
         "eval_rounds": self._saved_eval_rounds(),
+        "eval_round_due": self._round_due,  # (fed at the next publication)
         "counts": self.counts(),
         "reward_parts_totals": self.reward_parts_totals,
         "warm_start_eval": self.warm_start_eval,
@@ -702,6 +711,7 @@ class RLTrainer(TrainerRun):
     self.warm_start_eval = saved.get("warm_start_eval")
     if self.leader:  # (which alone feeds rounds and takes their answers)
       self._load_eval_rounds(saved.get("eval_rounds", []))
+    self._round_due = bool(self.fleet_eval and saved.get("eval_round_due", False))
     self.restore_counts(saved.get("counts", {}))
     self.reward_parts_totals = {name: [float(total), int(n)] for name, (total, n)
                                 in saved.get("reward_parts_totals", {}).items()}
@@ -995,19 +1005,25 @@ class RLTrainer(TrainerRun):
     logging.warning("rl: stopping; %s left to the next start: %s", what, error)
     return True
 
+  def _evaluate_warm_start(self) -> None:
+    """The held-out figure of the weights RL starts from, once, before the first step; a
+    run resumed past it has none to give (a later step's is no warm start's)."""
+    if self.warm_start_eval is not None or not self.heldout.size or self.step != 0:
+      return
+    if not self.fleet_eval:
+      self.warm_start_eval = self.evaluate()
+    elif self.leader:  # the workers answer it, holding the version
+      self.warm_start_eval, _ = self._fleet_evaluation("warm_start", 0)  # just published
+    if self.warm_start_eval is not None:
+      self.log_eval(self.warm_start_eval, self.step)
+
   def train(self, *, max_seconds: float = 0.0) -> dict[str, Any]:
     """Run RL steps up to rl.steps (or `max_seconds` of wall time; 0 = no limit), then
     checkpoint, evaluate and write summary.json. Returns the summary."""
     t0 = time.time()
     self.start()
     self._precompile()
-    if self.warm_start_eval is None and self.heldout.size:
-      if not self.fleet_eval:
-        self.warm_start_eval = self.evaluate()
-      elif self.leader and self.step == 0:  # the workers answer it, holding the version
-        self.warm_start_eval, _ = self._fleet_evaluation("warm_start", 0)  # just published
-      if self.warm_start_eval is not None:
-        self.log_eval(self.warm_start_eval, self.step)
+    self._evaluate_warm_start()
     start_step = self.step
     rate = StepRate()  # from here: the warm start's evaluation is not sampling time
     steps_log = (open_steps_jsonl(os.path.join(self.workdir, "steps.jsonl"), self.step)

@@ -5,7 +5,9 @@ micro-batched; the trainer training it beside the policy, and resuming it."""
 
 import glob
 import json
+import logging
 import os
+import re
 import shutil
 
 import jax
@@ -318,7 +320,8 @@ def test_a_critic_source_must_read_the_policys_ids(tmp_path):
 
 
 @pytest.mark.slow  # ~25 s; the critic's update is checked by the micro-batch test above
-def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, monkeypatch):
+def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, monkeypatch,
+                                                                      caplog):
   """configs/rl_ppo.py's GAE run, LoRA, with verl's KL in the reward: each step's line
   carries the critic's loss, its state is checkpointed, and a restart restores it (not the
   policy's weights again). A LoRA run's critic is adapters over the policy's weights, read
@@ -383,6 +386,16 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
       head = np.asarray(tr.critic.state.params["value_head"])
       assert head.shape == (32,) and head.any()
       assert tr.critic.layout == "adapters over init_from_hf"
+      tr.save()
+      tr.checkpointer.wait()
+    # Resumed over another critic.init_from_hf (a copy: its path alone differs): the adapters
+    # resume over weights they were not trained over, which is said.
+    other = shutil.copytree(config.critic.init_from_hf, tmp_path / "other_rm")
+    config.critic.init_from_hf = str(other)
+    with caplog.at_level(logging.WARNING), RLTrainer(config, str(tmp_path / "from_rm"), tc):
+      assert re.search(r"critic.init_from_hf: '.*qwen3_reward' in the checkpoint \(step 0\), "
+                       r"'.*other_rm' now: the critic's adapters and value head resume over",
+                       caplog.text)
     config.critic.init_from_hf = ""
     config.loss.advantage = "grpo"  # its checkpoints hold a critic a GRPO run would drop
     with pytest.raises(ValueError, match="loss.advantage: the checkpoint in .* holds a critic"):
@@ -393,6 +406,44 @@ def test_the_trainer_trains_a_critic_beside_the_policy_and_resumes_it(tmp_path, 
   assert [r["loss"] is None for r in lines] == [True, False]  # step 1: the critic's alone
   assert ["sync_bytes" in r for r in lines] == [False, True]
   assert "reward_kl" in lines[1]
+
+
+def test_a_resumed_critic_run_keeps_its_reference_warm_start_and_due_round(tmp_path):
+  """Restarts of a GAE run with a KL reference: the restored critic counted as a mixed
+  reference, so each later checkpoint carried the reference and later restarts read it from
+  there, not from init_from_hf. A run resumed past step 0 with no warm-start figure took a
+  later step's held-out figure for it; and eval.on_workers' round due at the next
+  publication was not saved, so a restart before it dropped the round."""
+  from rlax_ps.train.rl import RLTrainer
+  from rlax_ps.train.state import hf_params
+  config = rl_config("tiny", "configs/rl_ppo.py")
+  config.eval.num_examples = 0  # (the first run: no held-out set)
+  config.loss.kl_coef = 0.1
+  for name, seed in (("a", 3), ("b", 4)):
+    save_warm_start(tmp_path / name, seed=seed)
+  config.init_from_hf = str(tmp_path / "a")
+  with RLTrainer(config, str(tmp_path / "rl"), object()) as tr:
+    assert tr.ref_params is not None and not tr.mixed_reference
+    tr.state = tr.state.replace(step=tr.state.step + 1)
+    tr.save()
+    tr.checkpointer.wait()
+  config.eval.num_examples = 4
+  with RLTrainer(config, str(tmp_path / "rl"), object()) as tr:
+    assert not tr.mixed_reference and not tr.metadata()["mixed_reference"]
+    assert tr.heldout.size and tr.step == 1
+    tr.evaluate = lambda: pytest.fail("a step-1 figure evaluated as the warm start's")
+    tr._evaluate_warm_start()
+    assert tr.warm_start_eval is None
+    tr._round_due = True  # (as a round due at step 2 under rl.publish_every=2 leaves it)
+    tr.state = tr.state.replace(step=tr.state.step + 1)
+    tr.save()
+    tr.checkpointer.wait()
+  config.init_from_hf, config.eval.on_workers = str(tmp_path / "b"), True
+  with RLTrainer(config, str(tmp_path / "rl"), object()) as tr:
+    assert tr._round_due
+    leaf = lambda tree: np.asarray(jax.tree.leaves(tree)[0])
+    np.testing.assert_array_equal(
+        leaf(tr.ref_params), leaf(hf_params(tr.model_config, tr.mesh, str(tmp_path / "b"))))
 
 
 def test_the_critics_clipping_turned_on_or_off_on_resume_is_refused_naming_it(tmp_path):
