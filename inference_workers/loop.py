@@ -359,6 +359,10 @@ class Worker:
     # named it (0: none): prompts begun on an older version are stopped (`_stop_stale`).
     self._floor = 0
     self._skipped_version = -1  # the newest version seen in another format (not pulled again)
+    # The storage id of the server whose version is held (pb.VersionInfo.store_id): another
+    # is a server restarted on an empty store, or another run's, whose version numbers may
+    # equal the held one's with other weights.
+    self._held_store = ""
     self._pull_now = threading.Event()
     self._lock = threading.Lock()
     self._scoring_pool: concurrent.futures.ThreadPoolExecutor | None = None  # when first asked
@@ -417,6 +421,16 @@ class Worker:
       self._interrupt.set()
     logging.info("worker: stop requested; releasing in-flight prompts within %.1fs", grace)
     threading.Thread(target=self._watchdog, args=(grace,), daemon=True).start()
+
+  def _give_up(self) -> None:
+    """After a crash: calls retried while the server is unreachable end, and those left to
+    make on the way out (sends, releases) are bounded by the grace period, as on a stop; so
+    the error reaches the caller (and the supervisor that restarts the worker) now, not when
+    the server is back. No watchdog: the error is the exit."""
+    self._grace_end = min(self._grace_end, time.monotonic() + self.config.grace_s)
+    self._stop.set()
+    if self._interrupt is not None:
+      self._interrupt.set()
 
   def _watchdog(self, grace: float) -> None:
     """If the worker is still at work near the end of the grace period, release what is open
@@ -545,8 +559,8 @@ class Worker:
       self._prefetching = held
     try:
       info = self.client.version_info()
-      if not self._in_own_format(info.latest_version, info.fmt):
-        return
+      if self._another_store(info) or not self._in_own_format(info.latest_version, info.fmt):
+        return  # (another store's: _catch_up pulls its keyframe)
       updates = self._pull_from(held)
       with self._lock:
         self._prefetched = (held, updates)
@@ -642,6 +656,7 @@ class Worker:
           self._with_backoff(self._one_lease)
     except BaseException:
       crashed = True
+      self._give_up()
       raise
     finally:
       if crashed:  # the heartbeat renews no lease from now on
@@ -711,6 +726,15 @@ class Worker:
     with self.stats.time.span("waiting_weights"):
       info = self._rpc("version_info")
       latest, held = info.latest_version, self.policy.version
+      if held is not None and self._another_store(info):
+        self._drop_held(held, f"the server's storage is another (id {info.store_id}, not "
+                        f"{self._held_store}): a server restarted on an empty store, or "
+                        f"another run's; its v{latest} need not be these weights")
+        self.policy.version = held = None  # (nothing published there yet: none to sample)
+        self._skipped_version = -1
+        with self._lock:
+          self._prefetched = None
+      self._held_store = info.store_id or self._held_store
       if latest < 0 or latest in (held, self._skipped_version):
         return
       if not self._in_own_format(latest, info.fmt):
@@ -952,9 +976,19 @@ class Worker:
       batch.add((lease_id, prompt.id), tokens, self._prompt_seeds(prompt, version))
 
   def _newer_published(self) -> bool:
-    """Whether the server holds a version newer than the one held."""
+    """Whether the server holds a version to take in place of the one held: another than
+    it, in this worker's format (one in another is not pulled: waiting for it would stop
+    every refill), or any, on another storage."""
     with self.stats.time.span("waiting_weights"):
-      return self._rpc("latest_version") != self.policy.version
+      info = self._rpc("version_info")
+    latest = info.latest_version
+    return self._another_store(info) or (
+        latest >= 0 and latest not in (self.policy.version, self._skipped_version)
+        and self._in_own_format(latest, info.fmt))
+
+  def _another_store(self, info: pb.VersionInfo) -> bool:
+    """Whether `info` comes from another storage than the held version's."""
+    return bool(self._held_store and info.store_id and info.store_id != self._held_store)
 
   @staticmethod
   def _begun(s: Sample, done: bool, replies: list, held: int = 0) -> tuple[pb.Sample, int]:

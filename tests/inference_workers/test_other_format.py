@@ -6,8 +6,9 @@ import logging
 
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
+from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
-from worker_testlib import CONFIG, SMALL, TOKENIZER, client, published
+from worker_testlib import CONFIG, SMALL, TOKENIZER, PublishingClient, client, published
 
 
 def counting_pulls(wc):
@@ -52,3 +53,34 @@ def test_a_worker_holding_its_own_format_prefetches_no_version_of_the_other(serv
       worker.prefetch(v)
       worker._catch_up()
     assert pulls == [] and worker.policy.version == 0
+
+
+def test_a_version_of_the_other_format_does_not_stop_the_refills():
+  """Without in-flight updates, a newer version waits for the running prompts, and new ones
+  with it. One in another format is never pulled, yet it counted as one that waits: while
+  any prompt ran, no free slot was filled, cycle after cycle."""
+  keyframe, _ = published(CONFIG, version=0)
+
+  class Client(PublishingClient):  # the trainer's latest, v1, in int8
+    def latest_version(self):
+      return 1
+
+    def version_info(self):
+      return pb.VersionInfo(latest_version=1, fmt="int8")
+
+  class Batch:  # one prompt running, three slots free
+    running, waiting, free, added = 1, 0, 3, []
+
+    def add(self, key, tokens, seeds, begun=None):
+      self.added.append(key)
+
+  worker = Worker(Client(keyframe), CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+  worker.policy.apply(keyframe)
+  worker._catch_up()
+  assert (worker.policy.version, worker._skipped_version) == (0, 1)
+  worker._started[("l0", "running")] = (pb.Prompt(id="running"), 0)
+  worker._pending.extend(("l1", pb.Prompt(id=f"q{i}", text="1+2=", task="addition"))
+                         for i in range(3))
+  batch = Batch()
+  worker._start_pending(batch)
+  assert batch.added == [("l1", "q0"), ("l1", "q1"), ("l1", "q2")] and not worker._pending

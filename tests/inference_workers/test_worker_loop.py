@@ -2,6 +2,7 @@
 and preemption (SIGTERM releases within the grace period; SIGKILL leases expire)."""
 
 import concurrent.futures
+import logging
 import os
 import signal
 import subprocess
@@ -602,6 +603,89 @@ def test_checksum_mismatch_triggers_a_keyframe_resync(server, versions):
     worker.sync_weights()
     assert worker.stats.resyncs == 1
     assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
+
+
+def test_a_server_restarted_on_another_store_at_the_held_version_number_is_resynced(
+    tmp_path, versions, caplog):
+  """The server restarted on an empty store and the new run published its own v0: the
+  worker held the old v0 and, the numbers equal, sampled the new run's prompts with the old
+  run's weights. The storage id (VersionInfo.store_id) tells them apart."""
+  from param_server.server import ParamServer, ServerConfig
+
+  def start(name, port=0):
+    return ParamServer(ServerConfig(
+        storage_dir=str(tmp_path / name), port=port, reap_interval_s=0.05,
+        compact_in_background=False, threads=16, wal_fsync=False,
+        trainer_token=TOKENS["trainer"], worker_token=TOKENS["worker"],
+        viewer_token=TOKENS["viewer"])).start()
+
+  first = start("a")
+  wc = client(first, "worker")
+  try:
+    with client(first, "trainer") as trainer:
+      trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **SMALL))
+    worker._catch_up()
+    assert worker.policy.version == 0 and same_held(worker.policy, versions[0])
+  finally:
+    first.stop(grace=0)
+  second = start("b", first.port)
+  try:
+    with client(second, "trainer") as trainer:
+      trainer.publish(sync.encode(None, versions[1], "bf16", version=0).to_bytes())
+      enqueue_addition(trainer, 2)
+      with caplog.at_level(logging.WARNING):
+        stats = worker.run()
+      assert "dropping the v0 it holds: the server's storage is another" in caplog.text
+      assert same_held(worker.policy, versions[1]) and stats.groups_submitted == 2
+  finally:
+    wc.close()
+    second.stop(grace=0)
+
+
+def test_a_worker_that_crashes_with_the_server_away_raises_at_once(versions, monkeypatch):
+  """Its decode loop raised while a finished group waited out an outage: run() waited for
+  that send's retries, which have no deadline, so the error (and the supervisor's restart)
+  came only once the server was back; meanwhile the worker sat idle, retrying."""
+  import itertools
+
+  from param_server.client import Lease
+  from worker_testlib import PublishingClient, published
+
+  ids = itertools.count()
+
+  class Away(PublishingClient):  # leases a prompt at a time; sends and renewals never land
+    timeout_s, worker_id = 10.0, "w1"
+
+    def lease(self, n, deadline_s, wait_s=0.0):
+      return Lease(f"l{next(ids)}", "w1", [pb.Prompt(
+          id=f"p{next(ids)}", text="1+2=", task="addition", extra=b"3")], 0.0, 0, 0)
+
+    def submit_rollouts(self, lease_id, group):
+      raise ParamServerError("SubmitRollouts", grpc.StatusCode.UNAVAILABLE, "server away")
+
+    def renew(self, *args, **kwargs):
+      raise ParamServerError("RenewLease", grpc.StatusCode.UNAVAILABLE, "server away")
+
+    def release(self, lease_id, ids=(), **kwargs):
+      return len(ids)
+
+  steps, step = [], ContinuousBatch.step
+
+  def failing_second(batch):  # the first chunk ends a group; the second fails
+    steps.append(1)
+    if len(steps) == 2:
+      raise RuntimeError("decode chunk failed")
+    return step(batch)
+
+  monkeypatch.setattr(ContinuousBatch, "step", failing_second)
+  worker = Worker(Away(published(CONFIG, version=0)[0]), CONFIG, TOKENIZER,
+                  WorkerConfig(**{**SMALL, "prompts_per_call": 4, "prompts_per_lease": 1},
+                               backoff_max_s=0.2))
+  raised = concurrent.futures.ThreadPoolExecutor(1).submit(worker.run)
+  with pytest.raises(RuntimeError, match="decode chunk failed"):
+    raised.result(timeout=120)  # (before: for ever, retrying the send)
+  assert len(steps) == 2
 
 
 def test_unreachable_server_is_retried_with_backoff(versions, caplog):
