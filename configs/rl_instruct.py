@@ -30,6 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = sibling(__file__, "rl_local.py", arg)
   # No warm start: `rlax-ps local` and `rlax-ps train` require init_from_hf.
   del c.sft
+  c.tasks = ml_collections.ConfigDict()  # no built-in task: data.jsonl is required
   c.tokenizer = ml_collections.ConfigDict(dict(
       kind="hf", path="", alphabet="",  # path "": the checkpoint's tokenizer.json
       chat_template="auto", chat_kwargs='{"enable_thinking": false}', stop_tokens="",

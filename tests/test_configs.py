@@ -31,7 +31,13 @@ def test_recipe_loads_and_is_consistent(path):
   assert doc.splitlines()[0].startswith(f"rlax-ps local --config={name} ")
   for variant in (None, "tiny"):
     c = load(path, variant)
-    if "--config.teacher.path=" in doc:  # the command names the required teacher
+    if not c.tasks:  # a recipe for your own data: its command names the file
+      assert "--config.data.jsonl=" in doc
+      with pytest.raises(ValueError, match="data.jsonl: expected a JSONL file"):
+        check_rl_config(c, files=False)
+      c.data.jsonl = "TRAIN_JSONL"
+      check_rl_config(c, files=False)
+    elif "--config.teacher.path=" in doc:  # the command names the required teacher
       with pytest.raises(ValueError, match="teacher.path: expected an HF checkpoint folder "
                                            "with loss.advantage='opd' or loss.distill_topk"):
         check_rl_config(c)

@@ -93,7 +93,8 @@ def heldout_for(config, tokenizer):
   it): its records and verifiers are checked as it is made."""
   from rlax_ps.train import heldout as heldout_lib
   from rlax_ps.train.run import tasks_from
-  return heldout_lib.heldout_from_config(config, tasks_from(config.tasks)[0], tokenizer)
+  tasks = tasks_from(config.tasks, config.data.get("heldout_jsonl", ""), "data.heldout_jsonl")
+  return heldout_lib.heldout_from_config(config, tasks[0], tokenizer)
 
 
 def check_prompts(heldout, tokenizer, path: str) -> None:

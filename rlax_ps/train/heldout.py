@@ -53,7 +53,11 @@ def heldout_from_config(config, tasks: Sequence[Task], tokenizer: Tokenizer | No
   data = config.get("data", {})
   path = data.get("heldout_jsonl", "")
   if not path:
-    if data.get("jsonl", "") and int(config.eval.num_examples):
+    if not tasks and int(config.eval.num_examples):
+      logging.warning("data.heldout_jsonl is not set and the config names no built-in task: "
+                      "nothing is evaluated held out; set data.heldout_jsonl to records of "
+                      "your own")
+    elif data.get("jsonl", "") and int(config.eval.num_examples):
       logging.warning("data.heldout_jsonl is not set: the held-out evaluation scores the "
                       "built-in tasks (tasks.*), not data.jsonl's; set data.heldout_jsonl to "
                       "records of your own, or eval.num_examples=0 to evaluate nothing")

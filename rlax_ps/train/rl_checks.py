@@ -184,6 +184,9 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
   if log.get("completions_every", 0) and not log.get("completions_groups", 0):
     raise ValueError(f"log.completions_groups: expected >= 1 while log.completions_every="
                      f"{log['completions_every']} logs completions (0 turns the log off), got 0")
+  if "tasks" in config:  # (a recipe for your own data names none: data.jsonl it needs)
+    from rlax_ps.train.run import tasks_from
+    tasks_from(config.tasks, config.get("data", {}).get("jsonl", ""))
   if files:
     _check_files(config)
   return loss

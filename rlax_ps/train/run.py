@@ -60,8 +60,11 @@ def check_init_from_hf(path: str) -> None:
     raise ValueError(f"init_from_hf: {e}") from None
 
 
-def tasks_from(cfg) -> tuple[list[Task], list[float]]:
-  """The tasks with weight > 0 from the `tasks` config block, and their weights."""
+def tasks_from(cfg, data: str = "", field: str = "data.jsonl"
+               ) -> tuple[list[Task], list[float]]:
+  """The tasks with weight > 0 from the `tasks` config block, and their weights; none only
+  where the records of `data` (the setting `field`) are the prompts instead: ValueError
+  naming `field` where neither is given (a recipe for your own data names no task)."""
   plain = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
   tasks, weights = [], []
   for name, block in sorted(plain.items()):
@@ -72,8 +75,10 @@ def tasks_from(cfg) -> tuple[list[Task], list[float]]:
     if weight > 0:
       tasks.append(get_task(name, **block))
       weights.append(weight)
-  if not tasks:
-    raise ValueError(f"tasks: expected at least one task with weight > 0, got {plain}")
+  if not tasks and not data:
+    raise ValueError(f"{field}: expected a JSONL file of {{\"prompt\", \"answer\"}} records, "
+                     f"as the config names no built-in task (tasks: {plain}, none with "
+                     f"weight > 0), got ''")
   return tasks, weights
 
 
@@ -357,7 +362,7 @@ class TrainerRun:
     if self.init_from_hf:
       check_init_from_hf(self.init_from_hf)
     self.tokenizer = run_tokenizer(config)
-    self.tasks, self.weights = tasks_from(config.tasks)
+    self.tasks, self.weights = tasks_from(config.tasks, (config.get("data") or {}).get("jsonl", ""))
     self.model_config = model_config_from(config.model, self.tokenizer.vocab_size,
                                           self.init_from_hf, longest_sequence(config))
     try:  # one the model cannot be written in, likewise

@@ -292,3 +292,19 @@ def test_another_number_of_updates_per_batch_is_refused_on_resume():
   check_resumed_updates(None, 2)  # a fresh run
   with pytest.raises(ValueError, match="rl.updates_per_batch: 1 in the checkpoint"):
     check_resumed_updates({"step": 3, "config": {"rl": {}}}, 2)  # (1 when not recorded)
+
+
+def test_a_recipe_for_your_own_data_is_refused_without_it_naming_data_jsonl():
+  """configs/rl_instruct.py (and the recipes made from it) took the built-in addition and
+  reversal tasks when data.jsonl was left out: an instruct model trained on toy sums, said
+  nowhere. It names no task now, so data.jsonl is asked for before anything starts."""
+  for recipe in ("rl_instruct.py", "rl_lora.py", "rl_tools.py"):
+    config = rl_config("tiny", f"configs/{recipe}")
+    assert not config.data.jsonl
+    with pytest.raises(ValueError, match=r'data.jsonl: expected a JSONL file of \{"prompt", '
+                                         r'"answer"\} records, as the config names no '
+                                         r"built-in task"):
+      check_rl_config(config, files=False)
+    config.data.jsonl = "train.jsonl"
+    check_rl_config(config, files=False)  # (the file itself is read with files=True)
+  check_rl_config(rl_config("tiny"), files=False)  # rl_local: the built-in tasks
