@@ -19,8 +19,10 @@ reward hacks, not a boundary: code in the same interpreter can get around it (fr
 symlink races) and tamper with the harness. It refuses ctypes (which numpy and sympy
 import) too, since a native call passes it by, unless the child runs as `run_as` in the
 namespaces: then the OS is the boundary. So without root (no `run_as`) the child can
-read what the worker's user can read and, without namespaces, signal its processes; and
-its scratch writes are limited per file, not in total. Run workers as root in a
+read what the worker's user can read and, without namespaces, signal its processes.
+In a mount namespace the scratch directory, /tmp, /var/tmp and /dev/shm are tmpfs of
+scratch_mb each: what the code writes is bounded in total and gone with it, and it sees no
+other sample's files there nor the worker's; without one, writes are bounded file by file. Run workers as root in a
 container, or use an OS sandbox (gVisor, a VM) for code you must not trust.
 
 The program is the completion's last fenced code block (```python, ```py or a bare
@@ -67,7 +69,7 @@ _HARNESS = r"""
 import ast, builtins, json, operator, os, resource, sys
 def _main():  # the harness's state in its scope: not in __main__ for the program
   _exec, _compile, _dumps = exec, compile, json.dumps  # as they are before the program
-  nonce, report_fd, mem, cpu, fsize, uid, gid, nproc = sys.stdin.readline().split()
+  nonce, report_fd, mem, cpu, fsize, uid, gid, nproc, tmp = sys.stdin.readline().split()
   for limit, value in ((resource.RLIMIT_AS, int(mem)), (resource.RLIMIT_CPU, int(cpu)),
                        (resource.RLIMIT_FSIZE, int(fsize)), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(limit, (value, value))
@@ -78,6 +80,23 @@ def _main():  # the harness's state in its scope: not in __main__ for the progra
   os.remove("job.json")
   native = job.pop("native")  # ctypes allowed: the OS bounds the child
   scratch = os.path.realpath(os.getcwd())
+  if int(tmp):  # in a mount namespace of its own: what it writes is bounded and goes with it
+    import ctypes
+    mount = ctypes.CDLL(None, use_errno=True).mount
+    for where in ("/tmp", "/var/tmp", "/dev/shm", scratch):
+      if where == scratch:
+        os.makedirs(scratch, exist_ok=True)  # (hidden by a tmpfs above it: made anew there)
+      elif not os.path.isdir(where):
+        continue
+      options = ("size=%s,mode=%s" % (tmp, "700" if where == scratch else "1777")).encode()
+      if mount(b"tmpfs", where.encode(), b"tmpfs", 2 | 4, options):  # MS_NOSUID | MS_NODEV
+        sys.stderr.write("sandbox: cannot mount a tmpfs on %s: %s\n"
+                         % (where, os.strerror(ctypes.get_errno())))
+        os._exit(126)
+    del mount
+    os.chdir(scratch)
+    if int(uid) >= 0:
+      os.chown(scratch, int(uid), int(gid))
   if int(uid) >= 0:  # root: run as the sandbox user, with a process limit it cannot lift
     resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))
     os.setgroups([])
@@ -400,6 +419,7 @@ class CodeExecutionVerifier:
   else nobody; None or "root": root itself)."""
 
   def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, output_mb: int = 8,
+               scratch_mb: int = 64,
                use_network_namespace: bool = True, python: str | None = None,
                run_as: str | int | None = ""):
     if not timeout_s > 0:
@@ -410,6 +430,8 @@ class CodeExecutionVerifier:
     self.timeout_s = float(timeout_s)
     self.memory_bytes = int(memory_mb) << 20
     self.output_bytes = int(output_mb) << 20
+    if not scratch_mb >= 1:
+      raise ValueError(f"scratch_mb: expected >= 1, got {scratch_mb!r}")
     self.unshare = namespace_flags() if use_network_namespace else ()
     self.netns = bool(self.unshare)
     self.python = python or os.environ.get(SANDBOX_PYTHON_ENV) or sys.executable
@@ -425,6 +447,9 @@ class CodeExecutionVerifier:
           f"in the worker's environment")
     # ctypes (numpy, sympy) where the OS bounds the child: its own user, namespaces
     self.native = bool(self.user) and self.unshare == _NAMESPACES
+    # In a mount namespace: scratch, /tmp, /var/tmp and /dev/shm are tmpfs of this size
+    # each, gone with it (0: none; the files it writes are bounded one by one alone)
+    self.scratch_bytes = (int(scratch_mb) << 20) if "--mount-proc" in self.unshare else 0
 
   def __call__(self, completion: str, reference: Any) -> VerifierResult:
     """Runs the completion's program (program_of) against the reference's tests."""
@@ -465,7 +490,7 @@ class CodeExecutionVerifier:
         try:
           proc.stdin.write(f"{nonce} {reports.fileno()} {self.memory_bytes} "
                            f"{int(self.timeout_s) + 1} {self.output_bytes} {uid} {gid} "
-                           f"{_SANDBOX_PROCESSES}\n".encode())
+                           f"{_SANDBOX_PROCESSES} {self.scratch_bytes}\n".encode())
           proc.stdin.close()
         except BrokenPipeError:
           pass  # the child died before reading its settings; its exit status says why

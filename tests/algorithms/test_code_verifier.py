@@ -5,15 +5,18 @@ run would otherwise refuse to start (test_a_root_worker_refuses_...)."""
 
 import json
 import os
+import pathlib
 import re
+import shutil
 import stat
 import sys
+import tempfile
 import time
 
 import pytest
 
 from algorithms.verifiers import CodeExecutionVerifier, make_verifier
-from algorithms.verifiers.code_exec import _NAMESPACES, _can_run_as
+from algorithms.verifiers.code_exec import _NAMESPACES, _can_run_as, namespace_flags
 
 PROGRAM = "def add(a, b):\n  return a + b\n"
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 5"]
@@ -219,7 +222,17 @@ def test_registered_as_code_and_rejects_bad_reference():
     CodeExecutionVerifier(timeout_s=0)
 
 
-def test_signals_spawning_and_changes_outside_scratch_are_refused(verify, tmp_path):
+@pytest.fixture
+def outside():
+  """A folder the sandboxed code sees: not under /tmp, /var/tmp or /dev/shm, which it sees
+  as empty folders of its own (where a mount namespace is made); removed after."""
+  folder = tempfile.mkdtemp(prefix=".rlax_ps_test_", dir=os.path.expanduser("~"))
+  yield pathlib.Path(folder)
+  shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_signals_spawning_and_changes_outside_scratch_are_refused(verify, outside):
+  tmp_path = outside
   kept = tmp_path / "kept.txt"
   kept.write_text("mine")
   attempts = {
@@ -254,11 +267,11 @@ def _python_others_can_run():
 
 
 def test_as_root_the_child_runs_as_nobody_so_code_past_the_hook_cannot_reach_the_worker(
-    tmp_path):
+    outside):
   python = _python_others_can_run()
   if python is None:
     pytest.skip("needs root and a Python that user nobody can run")
-  secret = tmp_path / "token"
+  secret = outside / "token"
   secret.write_text("s3cret")
   secret.chmod(0o600)
   verify = CodeExecutionVerifier(timeout_s=10.0, memory_mb=256, python=python, run_as="nobody")
@@ -278,6 +291,36 @@ def test_as_root_the_child_runs_as_nobody_so_code_past_the_hook_cannot_reach_the
     assert result.info["errors"][0].startswith(("PermissionError: [Errno 13]",
                                                 "ProcessLookupError: [Errno 3]")), result.info
   assert secret.read_text() == "s3cret"
+
+
+def test_what_the_code_writes_is_bounded_in_total_and_gone_with_it(tmp_path):
+  """Only each file was bounded (output_mb): many files filled the worker's disk; and
+  /tmp, /var/tmp and /dev/shm were the host's, where code past the audit hook (native,
+  as nobody) left files for good and saw other samples' and the worker's. In the mount
+  namespace they and the scratch folder are tmpfs of scratch_mb each, gone with the run."""
+  if "--mount-proc" not in namespace_flags():
+    pytest.skip("needs a mount namespace")
+  verify = CodeExecutionVerifier(timeout_s=20.0, memory_mb=256, output_mb=8, scratch_mb=8,
+                                 run_as=None)
+  fill = "for i in range(4):\n  open('f%d' % i, 'wb').write(b'x' * (3 << 20))\n"
+  result = verify(fill, [])
+  assert not result.passed and "No space left on device" in result.info["errors"][0]
+  (tmp_path / "host.txt").write_text("the worker's")
+  look = (f"import os\nassert not os.path.exists({str(tmp_path / 'host.txt')!r})\n"
+          "for where in ('/var/tmp', '/dev/shm'):\n  assert os.listdir(where) == [], where\n"
+          "assert os.listdir('/tmp') == [os.getcwd().split('/')[2]]\n")
+  assert verify(look, []).passed
+  python = _python_others_can_run()
+  if python is None:
+    return
+  native = CodeExecutionVerifier(timeout_s=20.0, memory_mb=256, python=python, run_as="nobody")
+  leak = f"/tmp/rlax_ps_leak_{os.getpid()}"
+  result = native("import ctypes, os\nlibc = ctypes.CDLL(None)\n"
+                  f"fd = libc.open({leak.encode()!r}, 0o101, 0o644)\n"
+                  "assert fd >= 0 and libc.write(fd, b'left', 4) == 4\n"
+                  f"assert os.path.exists({leak!r})\n", [])
+  assert result.passed, result.info
+  assert not os.path.exists(leak)
 
 
 def test_an_unknown_run_as_user_is_refused_naming_the_field():
