@@ -141,6 +141,8 @@ def changed_elements(old: jax.Array, new: jax.Array) -> tuple[np.ndarray, np.nda
   cap = _fetch_cap(n, size, new.dtype)
   if cap is None:
     return None
+  if n == 0:  # (nothing to gather: an empty tensor has no element to pad the fetch with)
+    return np.zeros(0, np.int32), np.zeros(0, bit_view(np.zeros(0, new.dtype)).dtype)
   idx, values = to_host(_changed(old, new, cap))
   return idx[:n], values[:n]
 
@@ -161,9 +163,11 @@ def host_state(host_old: dict, old: dict, new: dict, *, check: bool = True
   copy of the state `old` still on device: only changed elements are fetched, and each
   tensor is one host copy plus a scatter. `host_old` is not modified.
 
-  With `check`, each result is compared with a fingerprint computed on device (one more
-  pass on each side), so that a `host_old` that is not the host copy of `old` raises
-  CodecError naming the tensor instead of publishing a state the devices do not hold."""
+  With `check`, each changed tensor's result is compared with a fingerprint computed on
+  device (one more pass on each side), so that a `host_old` that is not the host copy of
+  `old` raises CodecError naming the tensor instead of publishing a state the devices do
+  not hold; an unchanged one is `host_old`'s own, not hashed (a frozen base would cost a
+  pass every version), except on the host-memory path, which compares every tensor."""
   return _fetch_state(host_old, old, new, prints=False, check=check)[0]
 
 
@@ -218,6 +222,8 @@ def _fetch_state(host_old: dict | None, old: dict, new: dict, *, prints: bool, c
     cap = _fetch_cap(n, sizes[name], new[name].dtype)
     if cap is None:
       batch[name] = (new[name], None, None)  # whole: already on device, no extra memory
+    elif n == 0:  # unchanged (a LoRA run's frozen base; an empty tensor): nothing fetched
+      batch[name] = (None, 0, None)
     else:  # a check's fingerprint comes with the changes unless the first trip had it
       batch[name] = (_changed(*flat[name], cap), n,
                      None if prints or not check else fingerprint(new[name]))
@@ -227,8 +233,7 @@ def _fetch_state(host_old: dict | None, old: dict, new: dict, *, prints: bool, c
       if host:
         tasks = []
         for k, (_, n, _) in batch.items():
-          want = (printed[k] if prints else _joined(got[k][1])) if (
-              check and n is not None) else None
+          want = (printed[k] if prints else _joined(got[k][1])) if (check and n) else None
           tasks.append((sizes[k], functools.partial(_host_tensor, k, host_old[k], got[k][0],
                                                     n, want)))
         out.update(zip(batch, parallel.run(tasks, parallel.resolve(None))))
