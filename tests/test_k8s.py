@@ -364,6 +364,14 @@ def readme_image_step() -> tuple[str, str]:
   return step.group(1), step.group(2)
 
 
+def test_the_readmes_image_step_says_which_kustomize_edits():
+  """`kubectl kustomize` has no `edit`: the step names the standalone binary, or the edit by
+  hand."""
+  readme = (ROOT / "README.md").read_text()
+  step = next(l for l in readme.splitlines() if l.startswith("kustomize edit set image "))
+  assert "standalone kustomize" in step and "images:" in step, step
+
+
 @pytest.mark.parametrize("overlay", RENDERED)
 def test_your_image_named_as_the_readme_says_runs_in_every_container(overlay, tmp_path):
   """The README's step in a copy of k8s/, in the kustomization applied (ours, or a user's
@@ -396,6 +404,28 @@ def test_an_image_named_in_what_an_overlay_builds_on_stops_its_build(named_in, a
   out = kustomize(k8s / applied)
   assert out.returncode != 0, out.stdout
   assert "/image" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("overlay", RENDERED)
+def test_every_container_runs_the_servers_image(overlay):
+  """Also the relay's (components/weight-relay copies the server's): a bare `rlax-ps` there is
+  an image nobody pushed."""
+  found = workloads(overlay)
+  (server,) = containers(found["rlax-ps-server"])
+  assert {c["image"] for d in found.values() for c in containers(d)} == {server["image"]}
+
+
+@pytest.mark.parametrize("named_in", ["base", "overlays/gke-tpu"])
+def test_the_relay_runs_the_image_named_in_what_your_overlay_builds_on(named_in, tmp_path):
+  """An image named in our kustomization (as its header says), a component added in yours:
+  the relay it adds runs that image too."""
+  k8s = shutil.copytree(K8S, tmp_path / "k8s")
+  image = f"us-docker.pkg.dev/project/repo/rlax-ps:{'tpu' if 'tpu' in named_in else 'cpu'}"
+  set_image(k8s / named_in, "rlax-ps", image)
+  out = kustomize(write_overlay(tmp_path / "yours", k8s, (named_in, "components/weight-relay")))
+  assert out.returncode == 0, out.stderr
+  deployments = by_kind([d for d in yaml.safe_load_all(out.stdout) if d], "Deployment")
+  assert [c["image"] for c in containers(deployments["rlax-ps-relay"])] == [image]
 
 
 def test_the_gke_tpu_overlay_puts_the_trainer_on_a_slice_and_workers_on_spot_tpus():

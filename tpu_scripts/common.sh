@@ -113,6 +113,33 @@ write_worker_token_file() {
   (umask 077 && printf '{"worker": "%s"}\n' "${token//\"/\\\"}" > "$WORKER_TOKEN_FILE")
 }
 
+# MODEL_URI: a model folder (HF checkpoint) in storage gcloud reads, e.g. gs://bucket/my-model,
+# copied to REMOTE_MODEL_DIR on each host of a TPU VM: --config.init_from_hf reads a local
+# folder only. REMOTE_MODEL_DIR is as the VM's shell expands it.
+MODEL_URI="${MODEL_URI:-}"
+REMOTE_MODEL_DIR="\$HOME/model"
+# check_model_settings VAR ARGS: refuse (exit 2) a MODEL_URI that is no storage URL, or a
+# --config.init_from_hf=URL in ARGS (the flags in the variable VAR) instead of MODEL_URI.
+check_model_settings() {
+  [[ -z "$MODEL_URI" || "$MODEL_URI" =~ ^[a-z][a-z0-9]*://[^/]+ ]] || {
+    echo "MODEL_URI: expected a gcloud storage URL such as gs://bucket/my-model, got" \
+      "'$MODEL_URI'" >&2
+    exit 2; }
+  [[ ! "$2" =~ --config\.init_from_hf=[\'\"]?[a-z][a-z0-9]*:// ]] || {
+    echo "$1: --config.init_from_hf reads a folder on the VM, not a storage URL: set" \
+      "MODEL_URI=gs://... instead (copied to $REMOTE_MODEL_DIR)" >&2
+    exit 2; }
+}
+# copy_model NAME: MODEL_URI's files to REMOTE_MODEL_DIR on every host of TPU VM NAME (the
+# VM's service account must be able to read them); nothing without MODEL_URI.
+copy_model() {
+  local files
+  [[ -n "$MODEL_URI" ]] || return 0
+  files="$(q "${MODEL_URI%/}/*")"  # the folder's files and subfolders, into the one made
+  gtpu ssh "$1" --worker=all \
+    --command="mkdir -p $REMOTE_MODEL_DIR && gcloud storage cp -r $files $REMOTE_MODEL_DIR"
+}
+
 # ship_repo NAME [vm]: copy this checkout (as `git archive`, so no venvs or runs) to every
 # host of TPU VM NAME and install it with the TPU extra (setup_vm.sh: Python 3.11+ in
 # .venv); with `vm`, to Compute Engine VM NAME, without it. Its status is that of the first

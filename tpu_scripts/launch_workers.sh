@@ -14,10 +14,14 @@
 #
 # Each worker decodes on every chip of its hosts (--devices=0: this flag wins over a config
 # file's worker.devices; a --devices in WORKER_ARGS wins over it).
+# Workers need the trainer's model settings: the same MODEL_URI (copied to ~/model on each VM,
+# also those a later pass recreates, and given as --config.init_from_hf=$HOME/model), or the
+# same --config.init_from_hf in WORKER_ARGS. rl_local's workers need none: the weights come
+# from the parameter server, the model's shape from the recipe's model block.
 # Env: WORKER_CONFIG (default configs/rl_local.py: the trainer's TRAIN_CONFIG default; give
 # workers the recipe the trainer runs), WORKER_ARGS (more `rlax-ps worker` flags, a --config
 # there wins; shell words, read once by the VM's shell: quote a value with spaces as on a
-# command line),
+# command line), MODEL_URI,
 # KEEP_INTERVAL_S, TPU_RUNTIME (default: the accelerator generation's image), DRY_RUN=1 (print the gcloud commands, run none: the listing then answers
 # nothing, so every VM is created; TPU_STATES="NAME STATE" lines stands in for it).
 # The worker token reaches each VM as an owner-only file (common.sh), not on any argv.
@@ -38,7 +42,10 @@ single_host "$accelerator" || multi=" --coordinator_address=auto"
 worker_cmd=".venv/bin/python -m inference_workers.preemption_watchdog --restart --"
 worker_cmd+=" .venv/bin/rlax-ps worker --address=$(q "$SERVER_ADDRESS")"
 worker_cmd+=" --token_file=\$HOME/$REMOTE_TOKEN_FILE --devices=0$multi"
-worker_cmd+=" --config=$(q "${WORKER_CONFIG:-configs/rl_local.py}") ${WORKER_ARGS:-}"
+worker_cmd+=" --config=$(q "${WORKER_CONFIG:-configs/rl_local.py}")"
+check_model_settings WORKER_ARGS "${WORKER_ARGS:-}"
+[[ -z "$MODEL_URI" ]] || worker_cmd+=" --config.init_from_hf=$REMOTE_MODEL_DIR"
+worker_cmd+=" ${WORKER_ARGS:-}"
 interval="${KEEP_INTERVAL_S:-}"
 [[ -z "$interval" || "$interval" =~ ^[1-9][0-9]*$ ]] || {
   echo "KEEP_INTERVAL_S: expected a positive number of seconds, got '$interval'" >&2; exit 2; }
@@ -49,7 +56,7 @@ interval="${KEEP_INTERVAL_S:-}"
 start_worker() {
   local name="$1"
   gtpu create "$name" --accelerator-type="$accelerator" --version="$(tpu_runtime "$accelerator")" --spot || return 1
-  if ! { ship_repo "$name" &&
+  if ! { ship_repo "$name" && copy_model "$name" &&
          gtpu scp "$WORKER_TOKEN_FILE" "$name:$REMOTE_TOKEN_FILE" --worker=all &&
          gtpu ssh "$name" --worker=all --command="chmod 600 $REMOTE_TOKEN_FILE && cd $(q "$RLAX_PS_DIR") && $(detached "$worker_cmd" worker.log)"; }; then
     gtpu delete "$name" --quiet --async
@@ -83,7 +90,8 @@ keep_once() {
         gtpu delete "$name" --quiet || { failed=1; continue; } ;;
       *) continue ;;
     esac
-    start_worker "$name" || { echo "$name: could not be started; the next pass retries" >&2; failed=1; }
+    start_worker "$name" || {
+      echo "$name: could not be started${interval:+; the next pass retries}" >&2; failed=1; }
   done
   return "$failed"
 }
@@ -91,7 +99,7 @@ keep_once() {
 write_worker_token_file
 if [[ -z "$interval" ]]; then
   keep_once
-  echo "$count spot workers kept under prefix $prefix"
+  echo "$count spot workers up under prefix $prefix (one pass: KEEP_INTERVAL_S keeps them up)"
 else
   while true; do
     keep_once || true

@@ -66,8 +66,9 @@ def main(argv: list[str]) -> None:
     elif not trainer.init_from_hf and leader:  # (RL of an untrained policy learns nothing)
       print("rl: warning: the policy starts from random weights: no --config.init_from_hf and "
             "no checkpoint in the workdir" + (
-                "; this recipe's warm start (its sft block) is run by `rlax-ps local`: give "
-                "`rlax-ps train` its export, --config.init_from_hf=WORKDIR/sft/hf"
+                "; this recipe's warm start (its sft block) is run by `rlax-ps local`, or by "
+                "`rlax-ps sft` with this --config and --workdir=W: give `rlax-ps train` its "
+                "export, --config.init_from_hf=W/hf"
                 if config.get("sft") is not None else ""), file=sys.stderr, flush=True)
     print(f"rl: model {trainer.model_config.num_params:,} params; "
           f"{mesh_layout(trainer.model_config, trainer.mesh)}; {trainer.total_steps} steps "

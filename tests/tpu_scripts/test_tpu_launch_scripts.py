@@ -76,7 +76,8 @@ def test_trainer_starts_the_server_and_the_rl_trainer_on_host_0():
 
 def test_a_multi_host_trainer_runs_on_every_host_with_shared_checkpoints():
   ckpt = "--config.checkpoint.directory=gs://bucket/run/checkpoints"
-  out = run("launch_trainer.sh", "t", "v4-32", env=dict(ENV, TRAIN_HOSTS="all", TRAIN_ARGS=ckpt))
+  out = run("launch_trainer.sh", "t", "v4-32", env=dict(ENV, TRAIN_HOSTS="all", TRAIN_ARGS=ckpt,
+                                                         MODEL_URI="gs://bucket/model"))
   assert out.returncode == 0, out.stderr
   train = [l for l in gcloud_lines(out) if any("rlax-ps train " in a for a in l)]
   assert len(train) == 1 and "--worker=all" in train[0]
@@ -127,7 +128,7 @@ def test_every_command_passes_the_real_gcloud_parser(tmp_path):
   """gcloud parses before it needs an account: exit 2 is a usage error, exit 1 with no
   account means the command line was accepted."""
   env = dict(ENV, SERVER_ADDRESS="10.1.2.3:50051", WORKER_TOKEN="t", TPU_NAMES="w-0",
-             TPU_STATES="w-0 PREEMPTED", RELAY_NAMES="w-relay")
+             TPU_STATES="w-0 PREEMPTED", RELAY_NAMES="w-relay", MODEL_URI="gs://b/model")
   listed = {k: v for k, v in env.items() if k not in ("TPU_NAMES", "TPU_STATES", "RELAY_NAMES")}
   outs = [run("launch_trainer.sh", "trainer-a", "v4-8", env=env),
           run("launch_workers.sh", "w", "2", "v5litepod-4", env=env),
@@ -325,7 +326,8 @@ def test_the_default_trainer_has_no_time_limit_unless_asked():
     out = run("launch_trainer.sh", "t", "v4-8", env=dict(ENV, **env))
     assert out.returncode == 0, out.stderr
     train = next(l for l in gcloud_lines(out) if any("rlax-ps train " in a for a in l))
-    return next(a for a in train if a.startswith("--command="))
+    command = next(a for a in train if a.startswith("--command="))
+    return command[command.index("rlax-ps train "):]  # after the warm start's
 
   assert "--config.rl.max_seconds=0" in train_cmd()
   asked = train_cmd(TRAIN_ARGS="--config.rl.max_seconds=3600")
@@ -576,7 +578,8 @@ def test_user_arguments_reach_the_remote_process_exactly(tmp_path, script, args,
   if verb == "train":
     assert argv[1:-len(QUOTED_ARGS)] == [
         "--config=configs/rl_local.py", "--workdir=runs/rl", f"--address={address}",
-        f"--token_file={home}/rlax-ps-server/tokens.json", "--config.rl.max_seconds=0"]
+        f"--token_file={home}/rlax-ps-server/tokens.json", "--config.rl.max_seconds=0",
+        "--config.init_from_hf=runs/rl/sft/hf"]
   elif verb != "serve":
     assert f"--address={address}" in argv
     assert f"--token_file={home}/rlax-ps-worker-token.json" in argv
@@ -666,3 +669,162 @@ def test_workers_decode_on_every_chip_of_their_hosts(tmp_path):
             env=dict(env, WORKER_ARGS="--config=configs/rl_local.py --devices=2"))
   argv, _ = remote_argv(tmp_path, out, "worker")
   assert argv.index("--devices=0") < argv.index("--devices=2")  # absl: the last one wins
+
+
+# The VM side with each call recorded: `rlax-ps` (under the fake watchdog) and `gcloud` append
+# their argv, NUL-separated words and a newline, to $CALLS; `rlax-ps $FAIL_VERB` exits 1.
+RECORDING_VM_TOOLS = dict(FAKE_VM_TOOLS, **{
+    ".venv/bin/rlax-ps": 'printf "%s\\0" rlax-ps "$@" >> "$CALLS"; echo >> "$CALLS"\n'
+                         '[[ "$1" != "${FAIL_VERB:-}" ]]'})
+FAKE_VM_GCLOUD = 'printf "%s\\0" gcloud "$@" >> "$CALLS"; echo >> "$CALLS"'
+
+
+def remote_calls(tmp_path, command, **env):
+  """Run COMMAND as the VM's shell would, in a fresh fake home (the checkout at RLAX_PS_DIR
+  "rlax ps", the worker token file, gcloud on PATH), waiting for what it starts; the calls,
+  each a list of words, and the home."""
+  home = tmp_path / f"home{len(list(tmp_path.glob('home*')))}"
+  for path, body in {**RECORDING_VM_TOOLS, "bin/gcloud": FAKE_VM_GCLOUD}.items():
+    tool = home / ("rlax ps" if path.startswith(".venv") else "") / path
+    tool.parent.mkdir(parents=True, exist_ok=True)
+    tool.write_text("#!/usr/bin/env bash\n" + body + "\n")
+    tool.chmod(0o755)
+  (home / "rlax-ps-worker-token.json").write_text("{}")
+  calls = home / "calls"
+  done = subprocess.run(["bash", "-c", command + "\nwait"], cwd=home, capture_output=True,
+                        text=True, timeout=60,
+                        env=dict(os.environ, HOME=str(home), CALLS=str(calls),
+                                 PATH=f"{home / 'bin'}:{os.environ['PATH']}", **env))
+  assert done.returncode == 0, done.stderr
+  lines = calls.read_text().splitlines() if calls.exists() else []
+  return [line.split("\0")[:-1] for line in lines], home
+
+
+def command_of(line):
+  return next(a[len("--command="):] for a in line if a.startswith("--command="))
+
+
+def start_command(out, verb):
+  return next(command_of(l) for l in gcloud_lines(out)
+              if any(f"rlax-ps {verb} " in a for a in l))
+
+
+def test_the_default_trainer_runs_the_recipes_warm_start_first_and_starts_from_its_export(
+    tmp_path):
+  """Without a model (MODEL_URI, --config.init_from_hf) RL would train random weights: the
+  recipe's warm start runs first, then the trainer from its export; a warm start that
+  fails starts no trainer. Each runs under a watchdog of its own (a stop reaches it)."""
+  env = dict(ENV, RLAX_PS_DIR="rlax ps", TRAIN_ARGS="--config.sft.train.steps=10")
+  out = run("launch_trainer.sh", "t", "v4-8", env=env)
+  assert out.returncode == 0, out.stderr
+  command = start_command(out, "train")
+  calls, _ = remote_calls(tmp_path, command)
+  assert [c[:2] for c in calls] == [["rlax-ps", "sft"], ["rlax-ps", "train"]]
+  sft, train = calls
+  assert sft[2:] == ["--config=configs/rl_local.py", "--workdir=runs/rl/sft",
+                     "--progress=false", "--config.sft.train.steps=10"]
+  assert train[-2:] == ["--config.init_from_hf=runs/rl/sft/hf", "--config.sft.train.steps=10"]
+  assert command.count("preemption_watchdog --restart -- .venv/bin/rlax-ps ") == 2
+  calls, _ = remote_calls(tmp_path, command, FAIL_VERB="sft")
+  assert [c[1] for c in calls] == ["sft"]
+  for given in (dict(TRAIN_ARGS="--config.init_from_hf=/data/model"),
+                dict(TRAIN_CMD=".venv/bin/rlax-ps train --config=configs/rl_local.py")):
+    out = run("launch_trainer.sh", "t", "v4-8", env=dict(ENV, **given))
+    assert out.returncode == 0 and "rlax-ps sft" not in out.stdout, (given, out.stderr)
+
+
+def test_a_model_uri_is_copied_to_every_host_and_the_trainer_starts_from_it(tmp_path):
+  env = dict(ENV, RLAX_PS_DIR="rlax ps", MODEL_URI="gs://bucket/runs/my-model/")
+  out = run("launch_trainer.sh", "t", "v4-8", env=env)
+  assert out.returncode == 0, out.stderr
+  lines = gcloud_lines(out)
+  setup, copy, serve = (next(i for i, l in enumerate(lines) if any(s in a for a in l))
+                        for s in ("setup_vm.sh", "gcloud storage cp", "rlax-ps serve "))
+  assert setup < copy < serve and "--worker=all" in lines[copy]
+  calls, home = remote_calls(tmp_path, command_of(lines[copy]))
+  assert calls == [["gcloud", "storage", "cp", "-r", "gs://bucket/runs/my-model/*",
+                    f"{home}/model"]]  # its files, into the folder made for them
+  assert (home / "model").is_dir()
+  calls, home = remote_calls(tmp_path, start_command(out, "train"))
+  assert [c[1] for c in calls] == ["train"]  # no warm start
+  assert f"--config.init_from_hf={home}/model" in calls[0]
+  fake_env, log = fake_gcloud(tmp_path, "")
+  failed = run("launch_trainer.sh", "t", "v4-8", env=dict(fake_env, MODEL_URI="gs://b/m",
+                                                           FAIL="storage cp"))
+  assert failed.returncode == 1 and "copying MODEL_URI" in failed.stderr
+  assert "TPU VM t is still running" in failed.stderr
+  assert not any("rlax-ps serve" in c for c in log.read_text().splitlines())
+
+
+def test_a_multi_host_trainer_needs_a_model_every_host_has():
+  """The warm start's export would be on one host: refused, naming the two ways."""
+  ckpt = "--config.checkpoint.directory=gs://bucket/run/checkpoints"
+  env = dict(ENV, TRAIN_HOSTS="all", TRAIN_ARGS=ckpt)
+  out = run("launch_trainer.sh", "t", "v4-32", env=env)
+  assert out.returncode == 2 and "gcloud" not in out.stdout
+  assert "MODEL_URI" in out.stderr and "--config.init_from_hf" in out.stderr
+  given = run("launch_trainer.sh", "t", "v4-32",
+              env=dict(env, TRAIN_ARGS=f"{ckpt} --config.init_from_hf=/mnt/model"))
+  assert given.returncode == 0 and "rlax-ps sft" not in given.stdout, given.stderr
+
+
+@pytest.mark.parametrize("script,args,var", [("launch_trainer.sh", ("t", "v4-8"), "TRAIN_ARGS"),
+                                             ("launch_workers.sh", ("w", "1", "v4-8"),
+                                              "WORKER_ARGS")])
+def test_a_storage_url_where_a_vm_folder_belongs_is_refused(script, args, var):
+  env = dict(ENV, SERVER_ADDRESS="h:1", WORKER_TOKEN="t", TPU_STATES="")
+  for bad, message in (({var: "--config.init_from_hf=gs://b/m"}, f"{var}: --config.init_from_hf "
+                        "reads a folder on the VM, not a storage URL: set MODEL_URI"),
+                       ({"MODEL_URI": "/data/model"}, "MODEL_URI: expected a gcloud storage URL")):
+    out = run(script, *args, env=dict(env, **bad))
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert "gcloud" not in out.stdout
+
+
+def test_workers_get_the_model_uri_on_every_vm_a_pass_starts(tmp_path):
+  """Copied after the checkout is set up, before the worker starts, on the VMs created and
+  on those recreated after a preemption; --config.init_from_hf in WORKER_ARGS still wins."""
+  env = dict(ENV, SERVER_ADDRESS="h:1", WORKER_TOKEN="t", TPU_STATES="w-0 PREEMPTED\nw-1 READY",
+             RLAX_PS_DIR="rlax ps", MODEL_URI="gs://bucket/model",
+             WORKER_ARGS="--config.init_from_hf=/override")
+  out = run("launch_workers.sh", "w", "3", "v5litepod-4", env=env)
+  assert out.returncode == 0, out.stderr
+  lines = gcloud_lines(out)
+  steps = [(l[5], step) for l in lines for step in ("setup_vm.sh", "storage cp", "rlax-ps worker")
+           if l[4] == "ssh" and step in command_of(l)]
+  assert steps == [(vm, step) for vm in ("w-0", "w-2")
+                   for step in ("setup_vm.sh", "storage cp", "rlax-ps worker")]
+  assert all("--worker=all" in l for l in lines if any("storage cp" in a for a in l))
+  calls, home = remote_calls(tmp_path, start_command(out, "worker"))
+  (worker,) = calls
+  assert worker.index(f"--config.init_from_hf={home}/model") < worker.index(
+      "--config.init_from_hf=/override")
+  fake_env, log = fake_gcloud(tmp_path, "")
+  failed = run("launch_workers.sh", "w", "2", "v4-8",
+               env=dict(fake_env, MODEL_URI="gs://b/m", FAIL=r"ssh w-0 .*storage cp"))
+  assert failed.returncode == 1
+  calls = log.read_text().splitlines()
+  assert any(c.startswith("compute tpus tpu-vm delete w-0 --quiet --async") for c in calls)
+  assert [c.split()[4] for c in calls if "rlax-ps worker" in c] == ["w-1"]
+  bare = run("launch_workers.sh", "w", "1", "v4-8", env=dict(env, MODEL_URI="", WORKER_ARGS=""))
+  assert "storage cp" not in bare.stdout and "init_from_hf" not in bare.stdout
+
+
+@pytest.mark.parametrize("interval", ["", "3600"])
+def test_a_vm_not_started_is_said_to_be_retried_only_where_a_next_pass_comes(tmp_path,
+                                                                             interval):
+  env, _ = fake_gcloud(tmp_path, "")
+  (tmp_path / "bin" / "sleep").write_text('#!/usr/bin/env bash\nkill -TERM "$PPID"\n')
+  (tmp_path / "bin" / "sleep").chmod(0o755)  # the interval's wait: the script stopped there
+  out = run("launch_workers.sh", "w", "1", "v4-8",
+            env=dict(env, FAIL="create w-0", KEEP_INTERVAL_S=interval))
+  assert out.returncode == (143 if interval else 1), out.stderr
+  assert "w-0: could not be started" in out.stderr
+  assert ("the next pass retries" in out.stderr) == bool(interval), out.stderr
+
+
+def test_the_readme_says_what_keeps_workers_up_and_where_the_model_comes_from():
+  readme = (SCRIPTS.parent / "README.md").read_text()
+  tpu = readme.split("## TPU VMs")[1].split("\n## ")[0]
+  assert "kept up with `KEEP_INTERVAL_S=N`" in tpu
+  assert "MODEL_URI" in tpu and "warm start" in tpu
