@@ -88,6 +88,8 @@ def decode_pull_chunk(raw: bytes) -> PullChunkView:
       pos += n
     elif wire_type in (1, 5):
       pos += 8 if wire_type == 1 else 4
+      if pos > end:
+        raise ValueError("PullChunk: truncated fixed-size field")
     else:
       raise ValueError(f"PullChunk: unsupported wire type {wire_type}")
   return chunk

@@ -33,3 +33,10 @@ def test_decoding_rejects_truncation():
   raw = pb.PullChunk(data=b"payload", version=3).SerializeToString()
   with pytest.raises(ValueError, match="truncated"):
     decode_pull_chunk(raw[:-2])
+  for wire_type, size in ((1, 8), (5, 4)):  # a field unknown to it, cut short: as protobuf
+    cut = raw + bytes([(15 << 3) | wire_type]) + bytes(size - 2)
+    with pytest.raises(Exception):
+      pb.PullChunk.FromString(cut)
+    with pytest.raises(ValueError, match="PullChunk: truncated fixed-size field"):
+      decode_pull_chunk(cut)
+    assert decode_pull_chunk(cut + b"\0\0").version == 3  # whole: passed over
