@@ -278,12 +278,45 @@ def _token_text(value) -> str | None:
   return value
 
 
+# tokenizer_config.json classes that transformers 5 builds anew from tokenizer.json's
+# vocabulary and merges, with a SentencePiece-like pipeline of its own in place of the
+# file's (Llama 1 and 2, Mistral v0.x, Yi, TinyLlama: transformers 4 read the file's),
+# unless the file is byte-level (a Llama-3 one so labelled: read as it is).
+_METASPACE_CLASSES = frozenset({"LlamaTokenizer", "LlamaTokenizerFast"})
+
+
+def _byte_level(file: str) -> bool:
+  """Whether tokenizer.json `file` names a ByteLevel part anywhere, as transformers asks."""
+  with open(file, encoding="utf-8") as f:
+    return '"ByteLevel"' in f.read()
+
+
+def _as_transformers_rebuilds(tok, cfg: Mapping[str, Any]) -> None:
+  """Give `tok` (a tokenizers.Tokenizer of a BPE model) the pre-tokenizer and decoder that
+  transformers 5's LlamaTokenizer gives it: no normalizer, a "▁" before the first word
+  only (before each, with tokenizer_config's legacy: true; none without add_prefix_space)
+  and spaces as "▁"; post-processor and added tokens as the file has them."""
+  from tokenizers import decoders, pre_tokenizers
+  if type(tok.model).__name__ != "BPE":
+    return
+  prefix = cfg.get("add_prefix_space")
+  prefix = True if prefix is None else bool(prefix)
+  scheme = ("always" if cfg.get("legacy", False) else "first") if prefix else "never"
+  tok.normalizer = None
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme,
+                                               split=False)
+  tok.decoder = decoders.Sequence(
+      [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+      + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+
+
 class HFTokenizer:
   """A Hugging Face `tokenizer.json` (via the `tokenizers` package) with bos/eos/pad ids.
 
   Special tokens come from the arguments, else the sibling `tokenizer_config.json`, else
   (eos and pad) common spellings; pad falls back to eos, as for Llama checkpoints that have
-  no pad token. A text prompt is encoded as transformers' (5.x) AutoTokenizer encodes it:
+  no pad token. A text prompt is encoded as transformers' (5.x) AutoTokenizer encodes it
+  (a LlamaTokenizer's pipeline as it rebuilds it, _as_transformers_rebuilds):
   with the special tokens of tokenizer.json's post-processor (a Llama-3 or Gemma bos,
   or none, whatever tokenizer_config.json's add_bos_token says, which transformers 5 ignores
   beside a tokenizer.json). bos_id is the named bos, else the one the post-processor puts
@@ -324,6 +357,8 @@ class HFTokenizer:
         raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
       if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
+    if cfg.get("tokenizer_class") in _METASPACE_CLASSES and not _byte_level(file):
+      _as_transformers_rebuilds(self._tok, cfg)
     named = {kind: given or _token_text(cfg.get(f"{kind}_token")) for kind, given in
              (("bos", bos_token), ("eos", eos_token), ("pad", pad_token))}
     bos = named["bos"]

@@ -164,3 +164,25 @@ def test_a_damaged_tokenizer_file_or_config_is_a_value_error_naming_the_file(tmp
   file.write_text(file.read_text()[:40])
   with pytest.raises(ValueError, match="tokenizer.json: not a tokenizer the tokenizers"):
     HFTokenizer(str(tmp_path))
+
+
+with open(os.path.join(FIXTURES, "hf", "sentencepiece_tokenizer", "expected.json")) as f:
+  SENTENCEPIECE = json.load(f)
+
+
+@pytest.mark.parametrize("name", sorted(SENTENCEPIECE["configs"]))
+def test_a_llama_tokenizer_encodes_as_transformers_5_rebuilds_it(name, tmp_path):
+  """A LlamaTokenizerFast tokenizer.json of SentencePiece's kind (Llama 2, Mistral v0.x):
+  transformers 5 replaces its pipeline with its own (no normalizer; a "\u2581" before the
+  first word alone unless legacy), so prompts read with the file's own pipeline came out
+  otherwise than a server on transformers 5 reads them (an extra "\u2581" before a leading
+  space, and after each special token of a chat)."""
+  case = SENTENCEPIECE["configs"][name]
+  shutil.copy(os.path.join(FIXTURES, "hf", "sentencepiece_tokenizer", "tokenizer.json"),
+              tmp_path / "tokenizer.json")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(case["tokenizer_config"]))
+  tok = HFTokenizer(str(tmp_path))
+  assert [tok.encode_prompt(t) for t in SENTENCEPIECE["texts"]] == case["encode"]
+  assert [tok.decode(ids) for ids in case["encode"]] == case["decode"]
+  chat = HFTokenizer(str(tmp_path), chat_template="auto")
+  assert chat.encode_prompt(SENTENCEPIECE["messages"]) == case["chat"]
