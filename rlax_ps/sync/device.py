@@ -25,6 +25,26 @@ from rlax_ps.sync.wire import check_names
 BITS_OF = {jnp.dtype(k): jnp.dtype(v) for k, v in UINT_OF.items()}  # held -> bit dtype
 VALUE_OF = {v: k for k, v in BITS_OF.items()}  # bit -> held dtype
 MIN_PAD = 1024
+# Tensors of LARGE or more elements (DeepSeek-V3's stacked experts: 3.8e9) are compared,
+# fetched and patched by [row, column], rows along their first axis: a flat index would pass
+# int32. Each row must hold fewer than 2**31 elements.
+LARGE = 2**31
+
+
+def is_large(shape) -> bool:
+  """Whether a tensor of `shape` is handled by rows (LARGE)."""
+  return int(np.prod(shape)) >= LARGE
+
+
+def row_size(name: str, shape) -> int:
+  """The elements in a row of large tensor `name` (its first axis by the rest); ValueError
+  naming it where a row would pass int32 too."""
+  cols = int(np.prod(shape[1:]))
+  if len(shape) < 2 or cols >= 2**31 or shape[0] >= 2**31:
+    raise ValueError(f"tensor {name!r}: {int(np.prod(shape))} elements are handled by rows "
+                     f"of its first axis, which must hold fewer than 2**31 each; got shape "
+                     f"{list(shape)}")
+  return cols
 
 
 def bits_of(x):
@@ -46,11 +66,42 @@ def _count(old, new):
   return jnp.sum(bits_of(old) != bits_of(new), dtype=jnp.int32)
 
 
+@jax.jit
+def _count_rows(old, new):
+  a, b = (bits_of(x).reshape(x.shape[0], -1) for x in (old, new))
+  return jnp.sum(a != b, axis=1, dtype=jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _changed(old, new, cap):
   a, b = bits_of(old).reshape(-1), bits_of(new).reshape(-1)
   idx = jnp.nonzero(a != b, size=cap, fill_value=a.size)[0].astype(jnp.int32)
   return idx, b.at[idx].get(mode="fill", fill_value=0)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _changed_rows(old, new, cap):
+  a, b = (bits_of(x).reshape(x.shape[0], -1) for x in (old, new))
+  rows, cols = jnp.nonzero(a != b, size=cap, fill_value=0)
+  return rows.astype(jnp.int32), cols.astype(jnp.int32), b[rows, cols]
+
+
+def _counting(old, new):
+  """The changed elements of a pair on device: a count, or a large pair's count a row."""
+  return _count_rows(old, new) if is_large(new.shape) else _count(old, new)
+
+
+def _changes(old, new, cap):
+  """The first `cap` changes of a pair on device (_changed, or _changed_rows if large)."""
+  return _changed_rows(old, new, cap) if is_large(new.shape) else _changed(old, new, cap)
+
+
+def _flat_changes(fetched, shape) -> tuple[np.ndarray, np.ndarray]:
+  """(flat int64 indices, bit values) of fetched _changes (a large tensor's by rows)."""
+  if len(fetched) == 2:
+    return fetched
+  rows, cols, values = fetched
+  return np.asarray(rows, np.int64) * int(np.prod(shape[1:])) + cols, values
 
 
 def _flat_index(shape) -> jax.Array:
@@ -116,17 +167,17 @@ def _pair_size(old, new) -> int:
                      f"{new.dtype}{list(new.shape)}")
   if jnp.dtype(new.dtype) not in BITS_OF:
     raise ValueError(f"expected a held dtype ({sorted(map(str, BITS_OF))}), got {new.dtype}")
-  size = int(np.prod(new.shape))
-  if size >= 2**31:
-    raise ValueError(f"tensors of 2**31 or more elements are not supported, got {size}")
-  return size
+  if is_large(new.shape):
+    row_size("new", new.shape)
+  return int(np.prod(new.shape))
 
 
 def _fetch_cap(n: int, size: int, dtype) -> int | None:
   """The padded count of n changes to fetch from a tensor of `size` elements, or None when
   fetching it whole is smaller (changes take more than a third of its bytes)."""
   itemsize = jnp.dtype(dtype).itemsize
-  if n * (4 + itemsize) * 3 > size * itemsize:
+  index = 8 if size >= LARGE else 4  # (a row and a column)
+  if n * (index + itemsize) * 3 > size * itemsize:
     return None
   return max(MIN_PAD, 1 << max(0, n - 1).bit_length())
 
@@ -137,13 +188,13 @@ def changed_elements(old: jax.Array, new: jax.Array) -> tuple[np.ndarray, np.nda
   fetching `new` whole is smaller (more than a third of its bytes)."""
   size = _pair_size(old, new)
   old, new = _replicated_if_explicit(old), _replicated_if_explicit(new)
-  n = int(_count(old, new))
+  n = int(np.sum(to_host(_counting(old, new)), dtype=np.int64))
   cap = _fetch_cap(n, size, new.dtype)
   if cap is None:
     return None
   if n == 0:  # (nothing to gather: an empty tensor has no element to pad the fetch with)
     return np.zeros(0, np.int32), np.zeros(0, bit_view(np.zeros(0, new.dtype)).dtype)
-  idx, values = to_host(_changed(old, new, cap))
+  idx, values = _flat_changes(to_host(_changes(old, new, cap)), new.shape)
   return idx[:n], values[:n]
 
 
@@ -213,19 +264,19 @@ def _fetch_state(host_old: dict | None, old: dict, new: dict, *, prints: bool, c
   flat = {name: (_replicated_if_explicit(old[name]), _replicated_if_explicit(new[name]))
           for name in rest}
   counts, marks = to_host((
-      {name: _count(*pair) for name, pair in flat.items()},
+      {name: _counting(*pair) for name, pair in flat.items()},
       {name: fingerprint(new[name]) for name in rest} if prints else {}))
   printed.update({name: _joined(v) for name, v in marks.items()})
   batch, held = {}, 0
   for i, name in enumerate(rest):
-    n = int(counts[name])
+    n = int(np.sum(counts[name], dtype=np.int64))
     cap = _fetch_cap(n, sizes[name], new[name].dtype)
     if cap is None:
       batch[name] = (new[name], None, None)  # whole: already on device, no extra memory
     elif n == 0:  # unchanged (a LoRA run's frozen base; an empty tensor): nothing fetched
       batch[name] = (None, 0, None)
     else:  # a check's fingerprint comes with the changes unless the first trip had it
-      batch[name] = (_changed(*flat[name], cap), n,
+      batch[name] = (_changes(*flat[name], cap), n,
                      None if prints or not check else fingerprint(new[name]))
       held += cap * (4 + jnp.dtype(new[name].dtype).itemsize)
     if held >= FETCH_BYTES or i == len(rest) - 1:
@@ -272,7 +323,7 @@ def _host_tensor(name: str, base, fetched, n: int | None, want: int | None) -> n
   if n == 0:
     return np.asarray(base)
   result = np.array(np.asarray(base), order="C")
-  idx, values = fetched
+  idx, values = _flat_changes(fetched, result.shape)
   bit_view(result)[idx[:n]] = values[:n]
   if want is not None and fingerprints.fingerprint(result) != want:
     raise CodecError(f"tensor {name!r}: host_old is not the host copy of old (the host "

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_ps.sync import parallel
+from rlax_ps.sync import device, parallel
 from rlax_ps.sync.bits import bit_view
 from rlax_ps.sync.device import BITS_OF, MIN_PAD
 from rlax_ps.sync.errors import CodecError
@@ -42,6 +42,15 @@ def _scatter(bufs, indices, offsets, caps, shardings=None):
       flat = jax.lax.with_sharding_constraint(flat, shardings[i])
     out.append(flat)
   return tuple(out)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_rows(buf, rows, cols, offsets):
+  """A large tensor's buffer (device.LARGE) plus `offsets` at [rows, cols] of its first axis
+  by the rest; rows past its first axis are dropped (padding)."""
+  grid = buf.reshape(buf.shape[0], -1)
+  grid = grid.at[rows, cols].add(offsets, mode="drop", out_sharding=jax.typeof(grid).sharding)
+  return grid.reshape(buf.shape)
 
 
 class Patcher:
@@ -85,9 +94,11 @@ class Patcher:
       if tuple(buf.shape) != tuple(meta.shape) or jnp.dtype(buf.dtype) != want:
         raise CodecError(f"tensor {name!r}: expected {want}{list(meta.shape)} (the bits of "
                          f"{meta.dtype}), got {buf.dtype}{list(buf.shape)}")
-      if meta.size >= 2**31:
-        raise CodecError(f"tensor {name!r}: tensors of 2**31 or more elements are not "
-                         f"supported, got {meta.size}")
+      if device.is_large(meta.shape):
+        try:
+          device.row_size(name, meta.shape)
+        except ValueError as e:
+          raise CodecError(str(e)) from None
     changed = []
     for group in self._groups(names, update):  # a group decodes while the last one scatters
       changes = parallel.run([(update.meta(name).size, functools.partial(update.changes, name))
@@ -132,6 +143,12 @@ class Patcher:
   def _call(self, held: dict, group: list[str], sparse: dict[str, TensorChanges]) -> None:
     """One jitted scatter of `sparse`'s changes into `group`'s `held` buffers (the others
     get padding only), their results put in `held`."""
+    for name in [n for n in group if device.is_large(held[n].shape)]:  # by rows, alone
+      group = [n for n in group if n != name]
+      if name in sparse:
+        held[name] = self._by_rows(held[name], name, sparse[name])
+    if not group:
+      return
     caps = tuple(self._caps.setdefault(name, MIN_PAD) for name in group)
     members = {}  # bit dtype -> [(name, cap)]
     for name, cap in zip(group, caps):
@@ -157,6 +174,17 @@ class Patcher:
     spread = auto and any(len(sh.device_set) > 1 for sh in shardings)  # Explicit: kept
     new = _scatter(bufs, indices, offsets, caps, shardings if spread else None)
     held.update(zip(group, new))
+
+
+  def _by_rows(self, buf, name: str, ch: TensorChanges):
+    """A large tensor's changes scattered by [row, column] (padded to its capacity)."""
+    cap, cols = self._caps.setdefault(name, MIN_PAD), int(np.prod(buf.shape[1:]))
+    n = ch.indices.size
+    rows = np.full(cap, buf.shape[0], np.int32)  # out of bounds: dropped
+    cols_at, offsets = np.zeros(cap, np.int32), np.zeros(cap, buf.dtype)
+    rows[:n], cols_at[:n] = np.divmod(np.asarray(ch.indices, np.int64), cols)
+    offsets[:n] = ch.offsets
+    return _scatter_rows(buf, jnp.asarray(rows), jnp.asarray(cols_at), jnp.asarray(offsets))
 
 
 def _placed(bits: np.ndarray, like) -> jax.Array:

@@ -29,11 +29,16 @@ def _states(fmt):
   return held(old), held(new)
 
 
-@pytest.fixture(params=["device", "host memory"])
+@pytest.fixture(params=["device", "host memory", "device by rows"])
 def fetch_path(request, monkeypatch):
   """host_state's two paths on CPU arrays: diffed on the devices (as on an accelerator), or
-  copied from host memory (the CPU backend's default)."""
+  copied from host memory (the CPU backend's default); "by rows": with the two largest
+  tensors past device.LARGE (as DeepSeek-V3's 3.8e9-element experts are past 2**31), so
+  compared and fetched by [row, column]."""
   monkeypatch.setattr(device, "HOST_MEMORY_DIRECT", request.param == "host memory")
+  if request.param == "device by rows":
+    monkeypatch.setattr(device, "LARGE", 1024)
+    return "device"
   return request.param
 
 
@@ -54,6 +59,14 @@ def test_host_state_fetches_changes_and_encodes_the_same_update(fmt, fetch_path)
   update = sync.encode(host_old, host_new, fmt, version=1, base_checksums=keyframe.checksums)
   assert update.to_bytes() == sync.encode(frozen, {k: np.asarray(v) for k, v in new.items()},
                                           fmt, version=1).to_bytes()
+
+
+def test_a_large_tensor_whose_rows_pass_int32_is_refused_naming_it(monkeypatch):
+  monkeypatch.setattr(device, "LARGE", 64)
+  flat = jnp.zeros(128, jnp.bfloat16)  # one row of 128 >= LARGE: by rows, none fits
+  with pytest.raises(ValueError, match=r"tensor 'new': 128 elements are handled by rows"):
+    device.changed_elements(flat, flat)
+  assert device.row_size("w", (4, 32)) == 32
 
 
 def test_changed_elements_fetches_only_the_changes_or_nothing_when_dense():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlax_ps import sync
-from rlax_ps.sync import patch, wire
+from rlax_ps.sync import device, patch, wire
 from rlax_ps.sync.bits import UINT_OF
 from rlax_ps.sync.device import bits_of, values_of
 
@@ -34,8 +34,14 @@ def _base(rng, fmt):
   return base
 
 
+@pytest.mark.parametrize("by_rows", [False, True], ids=["flat", "by rows"])
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_patching_matches_the_host_apply_for_every_kind(fmt):
+def test_patching_matches_the_host_apply_for_every_kind(fmt, by_rows, monkeypatch):
+  """by rows: the two largest tensors past device.LARGE, as DeepSeek-V3's experts (3.8e9
+  elements) are past 2**31, which a flat int32 index cannot reach: patched by [row, column]
+  (they were refused, keyframes too)."""
+  if by_rows:
+    monkeypatch.setattr(device, "LARGE", 512)
   rng = np.random.default_rng(0)
   base = _base(rng, fmt)
   target = dict(base)
