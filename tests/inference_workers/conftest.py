@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from param_server.server import ParamServer, ServerConfig
 from rlax_ps.models import Transformer, flatten_params
-from worker_testlib import CONFIG, TOKENS
+from worker_testlib import CONFIG, start_server
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +19,6 @@ def versions():
 
 @pytest.fixture
 def server(tmp_path):
-  config = ServerConfig(storage_dir=str(tmp_path / "ps"), port=0, reap_interval_s=0.05,
-                        compact_in_background=False, threads=32, wal_fsync=False,
-                        trainer_token=TOKENS["trainer"], worker_token=TOKENS["worker"],
-                        viewer_token=TOKENS["viewer"])
-  s = ParamServer(config).start()
+  s = start_server(tmp_path / "ps")
   yield s
   s.stop(grace=0)

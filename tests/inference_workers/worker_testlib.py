@@ -26,6 +26,17 @@ SMALL = dict(prompts_per_lease=2, prompts_per_call=2, samples_per_prompt=3, max_
              lease_wait_s=0.2, lease_deadline_s=60.0, backoff_initial_s=0.05)
 
 
+def start_server(storage_dir, port=0, **settings):
+  """A parameter server on 127.0.0.1 (`port`, 0: a free one) storing in `storage_dir`, with
+  the tests' TOKENS and ServerConfig `settings`; the caller stops it."""
+  from param_server.server import ParamServer, ServerConfig
+  return ParamServer(ServerConfig(**{
+      **dict(storage_dir=str(storage_dir), port=port, reap_interval_s=0.05,
+             compact_in_background=False, threads=32, wal_fsync=False,
+             trainer_token=TOKENS["trainer"], worker_token=TOKENS["worker"],
+             viewer_token=TOKENS["viewer"]), **settings})).start()
+
+
 def client(server, role):
   return ParamServerClient(server.address, token=TOKENS[role], role=role, timeout_s=10.0,
                            retry=RetryPolicy(deadline_s=5.0))

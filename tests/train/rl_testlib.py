@@ -37,8 +37,8 @@ def save_warm_start(folder, seed=3):
   return model
 
 
-def start_server(storage_dir):
-  config = ServerConfig(storage_dir=str(storage_dir), port=0, reap_interval_s=0.05,
+def start_server(storage_dir, port=0):
+  config = ServerConfig(storage_dir=str(storage_dir), port=port, reap_interval_s=0.05,
                         compact_in_background=False, threads=32, wal_fsync=False,
                         trainer_token=TOKENS["trainer"], worker_token=TOKENS["worker"],
                         viewer_token=TOKENS["viewer"])

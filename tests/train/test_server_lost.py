@@ -14,7 +14,7 @@ import grpc
 
 from param_server.client import ParamServerError, Take, make_sample
 from param_server.protos import param_server_pb2 as pb
-from rl_testlib import TOKENS, FakeWorker, client, rl_config
+from rl_testlib import FakeWorker, client, rl_config, start_server
 from rlax_ps.train.rl import PendingTake, RLTrainer
 
 
@@ -161,15 +161,10 @@ def test_a_run_whose_server_is_replaced_by_an_empty_one_trains_to_the_end(tmp_pa
   """The server is stopped after step 2 and an empty one (another storage folder) starts on
   its address: the run trains every step, on groups of the new server once it is fed, and
   the new server holds the trainer's last version."""
-  from param_server.server import ParamServer, ServerConfig
   port = _port()
 
   def start(folder):
-    return ParamServer(ServerConfig(
-        storage_dir=str(tmp_path / folder), port=port, reap_interval_s=0.05,
-        compact_in_background=False, threads=32, wal_fsync=False,
-        trainer_token=TOKENS["trainer"], worker_token=TOKENS["worker"],
-        viewer_token=TOKENS["viewer"])).start()
+    return start_server(tmp_path / folder, port)
 
   first = start("ps1")
   worker = FakeWorker(first.address, samples=4).start()
