@@ -709,6 +709,7 @@ def reference_logprobs(ref_params: Any, graphdef: nnx.GraphDef, batch: dict, cfg
                                                    logits_chunk=cfg.logits_chunk,
                                                    temperature=cfg.temperature))
   rows, n = batch["row_group"].shape[0], batch["rewards"].shape[1]
+  check_micro_batches(micro_batches, rows, cfg)  # (before a KL or PPO step's loss checks it)
   slices = jax.tree.map(  # [rows, ...] -> [M, rows / M, ...]: slice m holds rows m, m + M, ...
       lambda x: jnp.moveaxis(x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]),
                              1, 0), batch)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from algorithms import corrections
 from rlax_ps.models import ModelConfig, Transformer
-from rlax_ps.train.rl_loss import LossConfig, group_advantages, rl_loss
+from rlax_ps.train.rl_loss import LossConfig, group_advantages, reference_logprobs, rl_loss
 from rlax_ps.train.rollouts import (BatchShape, Group, build_batch, check_group, empty_batch,
                                    fit_response_len, response_lens, response_stats)
 
@@ -797,6 +797,11 @@ def test_micro_batches_are_refused_where_they_cannot_be_exact():
   with pytest.raises(ValueError, match="rl.micro_batches: expected 1 with loss.correction='m2po'"):
     micro_batched_loss_and_grad(params, graphdef, batch, None, num_groups=2,
                                 cfg=LossConfig(backend="xla", correction="m2po"), micro_batches=2)
+  # A KL reference's (or PPO epochs' proximal) log-probs are sliced first: the same error,
+  # not a reshape's TypeError.
+  with pytest.raises(ValueError, match="rl.micro_batches: expected a divisor of the batch's 4 "
+                                       "rows .*got 3"):
+    reference_logprobs(params, graphdef, batch, LossConfig(backend="xla"), micro_batches=3)
 
 
 def test_response_stats_count_lengths_and_truncation_at_the_budget():
