@@ -126,6 +126,13 @@ def decode_partial_pallas(q, k, v, lens, *, sm_scale, block_s=512, interpret=Fal
   scaled = isinstance(k, QuantizedKV)
   if scaled:
     k, v, k_scales, v_scales = k.values, v.values, k.scales, v.scales
+  if s < 8:  # a sublane tile of keys at least (Mosaic refuses a bf16 block of one key); the
+    def tile(a):  # lengths mask the padding
+      return jnp.pad(a, ((0, 0), (0, 8 - s)) + ((0, 0),) * (a.ndim - 2))
+    k, v = tile(k), (tile(k) if values_are_keys else tile(v))
+    if scaled:
+      k_scales, v_scales = tile(k_scales), tile(v_scales)
+    s = 8
   bs = min(block_s, s)
   nb = pl.cdiv(s, bs)  # no copy of the cache: a partial last block is masked in the kernel
   # a multiple of 8 sublanes (at least 8), or all rows
