@@ -727,13 +727,18 @@ class Worker:
       info = self._rpc("version_info")
       latest, held = info.latest_version, self.policy.version
       if held is not None and self._another_store(info):
+        if latest < 0:  # nothing published there yet: its first version replaces these
+          return
         self._drop_held(held, f"the server's storage is another (id {info.store_id}, not "
                         f"{self._held_store}): a server restarted on an empty store, or "
                         f"another run's; its v{latest} need not be these weights")
-        self.policy.version = held = None  # (nothing published there yet: none to sample)
         self._skipped_version = -1
         with self._lock:
           self._prefetched = None
+        if self._in_own_format(latest, info.fmt):  # (else kept, and asked again)
+          self._apply_or_resync(self.client.pull_updates(None))  # a keyframe, in place
+          self._held_store = info.store_id
+        return
       self._held_store = info.store_id or self._held_store
       if latest < 0 or latest in (held, self._skipped_version):
         return
@@ -982,9 +987,9 @@ class Worker:
     with self.stats.time.span("waiting_weights"):
       info = self._rpc("version_info")
     latest = info.latest_version
-    return self._another_store(info) or (
-        latest >= 0 and latest not in (self.policy.version, self._skipped_version)
-        and self._in_own_format(latest, info.fmt))
+    return latest >= 0 and (self._another_store(info) or (
+        latest not in (self.policy.version, self._skipped_version)
+        and self._in_own_format(latest, info.fmt)))
 
   def _another_store(self, info: pb.VersionInfo) -> bool:
     """Whether `info` comes from another storage than the held version's."""
