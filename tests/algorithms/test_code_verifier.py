@@ -310,6 +310,10 @@ def test_what_the_code_writes_is_bounded_in_total_and_gone_with_it(tmp_path):
           "for where in ('/var/tmp', '/dev/shm'):\n  assert os.listdir(where) == [], where\n"
           "assert os.listdir('/tmp') == [os.getcwd().split('/')[2]]\n")
   assert verify(look, []).passed
+  # The mounts' ctypes is not left imported: the program's own import still meets the hook.
+  result = verify("import ctypes\n", [])
+  assert not result.passed and result.info["errors"][0].startswith(
+      "PermissionError: sandbox: ctypes.dlopen"), result.info
   python = _python_others_can_run()
   if python is None:
     return
