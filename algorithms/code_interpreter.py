@@ -25,6 +25,9 @@ _BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
 _QUIET = "import io as _io, sys as _sys\n_sys.stdout = _io.StringIO()\n"
 _CELL = "try:\n  exec({!r}, globals())\nexcept BaseException:\n  pass\n"
 _LOUD = "_sys.stdout = _sys.__stdout__\n"
+# The latest turn's blocks, part of the program (not a verifier test, whose comparisons are
+# rewritten to score plain values): compiled on their own, so an error's line is theirs.
+_LATEST = "exec(compile({!r}, 'cell', 'exec'), globals())\n"
 _TIMED_OUT = "TimeoutError: the code ran past"
 _EXITED = "SystemExit: the interpreter ended"
 
@@ -48,7 +51,8 @@ class PythonInterpreter:
     if not blocks:
       return None
     before = "".join(_CELL.format(b) for b in _earlier_blocks(messages[:-1]))
-    info = self.sandbox.run(_QUIET + before + _LOUD, ["\n".join(blocks)]).info
+    latest = _LATEST.format("\n".join(blocks))
+    info = self.sandbox.run(_QUIET + before + _LOUD + latest, []).info
     text, end = info["stdout"], ""
     if info["timed_out"]:
       end = f"{_TIMED_OUT} {self.sandbox.timeout_s:g} s"

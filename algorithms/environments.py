@@ -270,7 +270,9 @@ def evaluate_arithmetic(expression: str) -> int | float:
 
 
 def _format(number: int | float) -> str:
-  if isinstance(number, float) and math.isfinite(number) and number == int(number):
+  """A whole float as an int where every digit is exact (below 2**53), else as Python
+  shows it: 6.02e+23, not its binary value's 24 digits."""
+  if isinstance(number, float) and abs(number) < 2**53 and number == int(number):
     return str(int(number))
   return repr(number)
 

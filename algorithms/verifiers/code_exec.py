@@ -521,7 +521,9 @@ class CodeExecutionVerifier:
     n_passed = sum(bool(r["ok"]) for r in results) if program_ok else 0
     fraction = n_passed / len(tests) if tests else float(program_ok and not timed_out)
     passed = program_ok and n_passed == len(tests) and not timed_out
-    errors = [steps.get("program", {}).get("error", "")] + [r.get("error", "") for r in results]
+    # (a program that reported no end died: os._exit, a signal, a limit)
+    errors = [steps.get("program", {"error": "not run"}).get("error", "")] + [
+        r.get("error", "") for r in results]
     info = {"n_tests": len(tests), "n_passed": n_passed, "timed_out": timed_out,
             "returncode": proc.returncode, "errors": [e for e in errors if e],
             "stdout": stdout_head, "stderr": stderr_tail, "network_namespace": self.netns,

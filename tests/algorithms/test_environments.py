@@ -36,6 +36,16 @@ def test_the_calculator_answers_each_call_of_the_latest_turn_and_ends_a_turn_wit
   assert calc(said("<calc>6/3</calc>"), "") == "<result>2</result>"
 
 
+@pytest.mark.parametrize("expression,shown", [
+    ("6.02e23", "6.02e+23"), ("2.5 * 10.0 ** 30", "2.5e+30"), ("1e300", "1e+300"),
+    ("-6.02e23", "-6.02e+23"), ("2.0 ** 52", str(2**52)), ("3.0 * 2", "6"), ("7 / 2", "3.5"),
+])
+def test_the_calculator_shows_a_large_whole_float_as_python_does_not_its_binary_digits(
+    expression, shown):
+  assert make_environment("calculator")(said(f"<calc>{expression}</calc>"), "") == (
+      f"<result>{shown}</result>")
+
+
 @pytest.mark.parametrize("expression, message", [
     ("__import__('os').system('true')", "unsupported syntax Call"),
     ("x + 1", "unsupported syntax Name"),
@@ -91,6 +101,22 @@ def test_the_python_interpreter_runs_all_the_turns_blocks_and_skips_turns_that_h
                "```python\nimport os\nos._exit(3)\n```", "```python\nprint(x + 41)\n```",
                replies=["<output>\n\n</output>", hung, died])
   assert env(later, None) == "<output>\n42\n</output>"  # as a notebook goes on
+
+
+def test_the_python_interpreter_runs_the_latest_turn_as_program_code_not_as_a_scored_test():
+  """Run as a verifier's test, its comparisons and truth tests went through the scoring rule:
+  a loop over dataclasses raised TypeError, and an error's line was not the block's."""
+  env = make_environment("python", timeout_s=5.0)
+  items = ("```python\nfrom dataclasses import dataclass\n@dataclass\nclass Item:\n  w: int\n"
+           "stack = [Item(1), Item(2)]\ntotal = 0\nwhile stack:\n  total += stack.pop().w\n"
+           "print('total', total, Item(3) == Item(3))\n```")
+  assert env(said(items), None) == "<output>\ntotal 3 True\n</output>"
+  box = "```python\nclass Box:\n  def __len__(self):\n    return 1\nb = Box()\n```"
+  later = said(box, "```python\nif b and b in [b]:\n  print('has', len(b))\n```",
+               replies=["<output>\n\n</output>"])
+  assert env(later, None) == "<output>\nhas 1\n</output>"
+  broken = env(said("```python\nx = 1\ny = (\n```"), None)
+  assert broken.startswith("<output>\nSyntaxError: ") and "(cell, line 2)" in broken, broken
 
 
 def test_a_long_output_before_a_hang_is_cut_not_the_ending_that_says_it_hung():
