@@ -199,6 +199,15 @@ def environment_for(environments: dict[str, GuardedEnvironment], task: str
   return environments.get(task, environments.get("*"))
 
 
+def turn_text(tokenizer, ids: Sequence[int]) -> str:
+  """One policy turn (its ids, the stop token that closed it last) as environments read it:
+  special tokens kept, as a chat template writes them into the assistant's content (some
+  checkpoints' `<tool_call>` markers are special tokens), the closing one decoded as usual."""
+  ids = [int(i) for i in ids]
+  return (tokenizer.decode(ids[:-1], skip_special=False)
+          + tokenizer.decode(ids[-1:]) if ids else "")
+
+
 def conversation(turns: Sequence[str], replies: Sequence[Reply]) -> list[dict[str, str]]:
   """The messages an environment sees: the policy's turns (assistant messages), each but
   the last followed by the reply it got (one tool message per string)."""

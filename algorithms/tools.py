@@ -4,9 +4,9 @@
 its JSON schema, in the OpenAI form chat templates take as `tools`; `tokenizer.tools` names
 the ones every prompt offers. The "tool_calls" environment answers a turn's calls, written
 as Hermes / Qwen templates ask, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-or as a turn that is itself the call, a JSON object or list of them (Llama 3.1+ and
-Mistral, whose markers `<|python_tag|>` and `[TOOL_CALLS]` are special tokens, not text;
-"parameters" is taken for "arguments"): one tool message per call with the function's
+or as a turn that is itself the call, a JSON object or list of them, after Llama 3.1+'s
+`<|python_tag|>` or Mistral's `[TOOL_CALLS]` where the turn has one ("parameters" is taken
+for "arguments"): one tool message per call with the function's
 result (JSON unless a string) cut to `max_output_chars`, or the error a wrong call raised
 (or that it ran past `timeout_s`), so the policy can learn from it. A turn without a call
 ends the sample. Tools run in the worker's process, unsandboxed: a tool that runs past
@@ -29,6 +29,7 @@ TOOLS: dict[str, Callable[..., Any]] = {}
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
                dict: "object"}
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_CALL_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")  # special tokens, kept in turn_text
 
 
 def _json_type(annotation, where: str) -> dict:
@@ -116,8 +117,11 @@ def tool_schemas(names: str | Sequence[str], field: str = "tokenizer.tools") -> 
 def _whole_turn_calls(turn: str) -> list[dict]:
   """The calls of a turn that is nothing but a JSON call object or a list of them (each
   with a "name" and "arguments" or "parameters"); [] for any other turn."""
+  turn = turn.strip()
+  for marker in _CALL_MARKERS:
+    turn = turn.removeprefix(marker).lstrip()
   try:
-    value = json.loads(turn.strip())
+    value = json.loads(turn)
   except (ValueError, RecursionError):  # (not JSON, an int past the digit limit, too deep)
     return []
   calls = value if isinstance(value, list) else [value]

@@ -50,7 +50,8 @@ import numpy as np
 from absl import logging
 
 from algorithms.allocation import FixedAllocator
-from algorithms.environments import conversation, environment_for, environments_from
+from algorithms.environments import (conversation, environment_for, environments_from,
+                                    turn_text)
 from algorithms.verifiers import (REWARD_MODEL_TASK, Verifier, VerifierResult, load_verifiers,
                                   verifier_for_task, verifiers_by_task)
 from inference_workers import multihost
@@ -1087,7 +1088,7 @@ class Worker:
     if environment is None:  # a single-turn task: the sample ends at its stop token
       return None
     given = self._given[key].setdefault(j, [])
-    turns = [self.tokenizer.decode(t) for t in policy_turns(tokens, observed)]
+    turns = [turn_text(self.tokenizer, t) for t in policy_turns(tokens, observed)]
     messages, errors = conversation(turns, given), environment.errors
     try:
       reply = environment(messages, reference_of(prompt))

@@ -1,5 +1,5 @@
-"""A byte-level BPE tokenizer made in a test: another tokenizer than the char one, which
-gives back any text it is given."""
+"""Tokenizers made in a test: a byte-level BPE (another tokenizer than the char one, which
+gives back any text it is given), and the chat fixture's with special tool-call markers."""
 
 
 def save_byte_level_tokenizer(folder):
@@ -21,4 +21,22 @@ def save_byte_level_tokenizer(folder):
   tok.save(os.path.join(folder, "tokenizer.json"))
   with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
     json.dump({"eos_token": "<eos>"}, f)
+  return HFTokenizer(str(folder))
+
+
+def special_marker_tokenizer(folder):
+  """The chat fixture's tokenizer with `<tool_call>`, `</tool_call>` and `<|python_tag|>` as
+  special tokens, as some Hermes and every Llama 3.1 checkpoint has them."""
+  import os
+  import shutil
+
+  import tokenizers
+
+  from rlax_ps.tokenizers import HFTokenizer
+  chat = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "chat_tokenizer")
+  tok = tokenizers.Tokenizer.from_file(os.path.join(chat, "tokenizer.json"))
+  tok.add_special_tokens(["<tool_call>", "</tool_call>", "<|python_tag|>"])
+  tok.save(os.path.join(folder, "tokenizer.json"))
+  for name in ("tokenizer_config.json", "generation_config.json"):
+    shutil.copy(os.path.join(chat, name), folder)
   return HFTokenizer(str(folder))

@@ -168,7 +168,7 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
   answered by environment(the conversation so far, references[i]) up to `max_turns` times;
   the reply joins it (`encode_reply`) and decoding goes on from the whole of it, within
   `max_new_tokens` in all."""
-  from algorithms.environments import conversation
+  from algorithms.environments import conversation, turn_text
   key = jax.random.PRNGKey(seed)
   mode = sampling_mode(temperature, top_k, top_p, min_p)
   ids = [tokenizer.encode_prompt(p) for p in prompts]
@@ -191,7 +191,7 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
       if (environment is None or turn == max_turns or len(said[i]) >= max_new_tokens
           or said[i][-1] not in tokenizer.stop_ids):
         continue
-      turns[i].append(tokenizer.decode(new))
+      turns[i].append(turn_text(tokenizer, new))
       try:
         reply = environment(conversation(turns[i], replies[i]), references[i])
       except TypeError as e:  # a reply of no usable type: its sample ends, as in the workers

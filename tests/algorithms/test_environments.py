@@ -6,9 +6,11 @@ import threading
 import pytest
 
 from algorithms.environments import (ENVIRONMENTS, GuardedEnvironment, conversation,
-                                     environments_from, evaluate_arithmetic, make_environment)
+                                     environments_from, evaluate_arithmetic, make_environment,
+                                     turn_text)
 from algorithms.tools import TOOLS, function_schema, register_tool, tool_schemas
 from algorithms.verifiers import load_verifiers
+from tokenizer_testlib import special_marker_tokenizer
 
 
 def said(*turns, replies=None):
@@ -350,12 +352,28 @@ def test_environments_by_task_each_answer_their_tasks_and_the_rest_are_single_tu
       environments_from(spec, args)
 
 
+def test_a_turn_keeps_its_special_tool_call_markers_and_drops_its_stop_token(tools, tmp_path):
+  """Decoded with special tokens skipped, a call between special `<tool_call>` markers after
+  any text went unanswered."""
+  tokenizer = special_marker_tokenizer(tmp_path)
+  hermes = 'I will shout.\n<tool_call>\n{"name": "shout", "arguments": {"text": "a"}}\n</tool_call>'
+  ids = tokenizer.encode(hermes) + [tokenizer.turn_end_id]
+  assert "<tool_call>" not in tokenizer.decode(ids)  # (special: skipped by default)
+  assert turn_text(tokenizer, ids) == hermes
+  env = make_environment("tool_calls")
+  assert env(conversation([turn_text(tokenizer, ids)], []), None) == ["A"]
+  llama = '<|python_tag|>{"name": "shout", "parameters": {"text": "b"}}'
+  ids = tokenizer.encode(llama) + [tokenizer.turn_end_id]
+  assert env(conversation([turn_text(tokenizer, ids)], []), None) == ["B"]
+  assert turn_text(tokenizer, []) == ""
+
+
 def test_a_turn_that_is_itself_the_call_is_answered_as_llama_and_mistral_write_them(tools):
   env = make_environment("tool_calls")
-  llama = '{"name": "shout", "parameters": {"text": "hi"}}'  # <|python_tag|> is not text
-  assert env(said(llama), None) == ["HI"]
+  llama = '{"name": "shout", "parameters": {"text": "hi"}}'
+  assert env(said(llama), None) == env(said("<|python_tag|>" + llama), None) == ["HI"]
   mistral = ('[{"name": "shout", "arguments": {"text": "a"}}, '
              '{"name": "shout", "arguments": {"text": "b"}}]')
-  assert env(said(mistral), None) == ["A", "B"]
+  assert env(said(mistral), None) == env(said("[TOOL_CALLS] " + mistral), None) == ["A", "B"]
   for plain in ('{"answer": 4}', "[1, 2]", "The answer is 4.", '{"name": "shout"}'):
     assert env(said(plain), None) is None  # JSON that is not a call ends the sample

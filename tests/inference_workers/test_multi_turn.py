@@ -424,3 +424,31 @@ def test_an_environment_reply_of_a_wrong_type_ends_its_sample_and_the_rest_go_on
   assert ("environment 'mine''s reply on prompt bad cannot be fed (the sample ends; "
           "environment errors so far: 1): environment 'mine': expected a str reply, a list "
           "of them or None, got int") in caplog.text
+
+
+def test_the_worker_answers_a_call_between_special_token_markers(tmp_path):
+  """The worker read a turn with special tokens skipped: where `<tool_call>` is a special
+  token (some Hermes checkpoints), a call after any text went unanswered."""
+  from algorithms.environments import GuardedEnvironment
+  from algorithms.tools import TOOLS, ToolCalls, register_tool
+  from inference_workers.loop import Worker
+  from inference_workers.worker_config import WorkerConfig
+  from param_server.protos import param_server_pb2 as pb
+  from tokenizer_testlib import special_marker_tokenizer
+
+  @register_tool
+  def twice(n: int) -> int:
+    """Double a number."""
+    return 2 * n
+
+  try:
+    tokenizer = special_marker_tokenizer(tmp_path)
+    worker = Worker(None, CONFIG, tokenizer, WorkerConfig(max_turns=2),
+                    environments={"*": GuardedEnvironment("tool_calls", ToolCalls())})
+    worker._started[("L", "p")] = (pb.Prompt(id="p", text="hi"), 0)
+    turn = 'Let me ask.\n<tool_call>\n{"name": "twice", "arguments": {"n": 21}}\n</tool_call>'
+    tokens = np.asarray(tokenizer.encode(turn) + [tokenizer.turn_end_id], np.int32)
+    ids = worker._respond(("L", "p"), 0, tokens, np.zeros(len(tokens), bool))
+    assert ids is not None and "42" in tokenizer.decode(ids)
+  finally:
+    TOOLS.pop("twice")
