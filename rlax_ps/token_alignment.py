@@ -23,6 +23,8 @@ def decoded_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
   pieces = []
   start = given = 0
   before = ""  # decode(ids[start:given]): the text given out since `start`
+  whole = [0]  # where a character ends: a window starts there, not inside one (whose bytes
+  # a byte-fallback decoder would read as a run of U+FFFD)
   for k in range(len(ids)):
     after = tokenizer.decode(ids[start:k + 1])
     if after.endswith("\ufffd") and k + 1 < len(ids):  # inside a character: wait for it
@@ -30,9 +32,12 @@ def decoded_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
       continue
     pieces.append(after[len(before):] if after.startswith(before) else after)
     given, before = k + 1, after
+    whole.append(given)
     if given - start > 2 * _CONTEXT:  # decode from a few tokens back, not from the start
-      start = given - _CONTEXT
-      before = tokenizer.decode(ids[start:given])
+      back = next(i for i in reversed(whole) if i <= given - _CONTEXT)
+      if back > start:
+        start, whole = back, [i for i in whole if i >= back]
+        before = tokenizer.decode(ids[start:given])
   return pieces
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from rlax_ps.token_alignment import aligned_chunks, decoded_pieces, spread_over_chunks
 from rlax_ps.tokenizers import CharTokenizer, HFTokenizer
-from tokenizer_testlib import save_byte_level_tokenizer
+from tokenizer_testlib import save_byte_fallback_tokenizer, save_byte_level_tokenizer
 
 BPE = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "tokenizer")
 
@@ -25,6 +25,19 @@ def test_each_token_adds_its_text_and_a_split_character_comes_whole_with_its_las
   byte = save_byte_level_tokenizer(tmp_path)
   ids = byte.encode("né à")
   assert len(ids) == 6 and decoded_pieces(byte, ids) == ["n", "", "é", " ", "", "à"]
+
+
+@pytest.mark.parametrize("text", ["the fox 日本語テキスト", "x" * 30 + " 😀😀 中文字符\nok"])
+def test_a_byte_fallback_tokenizers_pieces_join_to_its_text_past_the_first_tokens(
+    tmp_path, text):
+  """Decoding from a few tokens back started inside a character: a byte-fallback decoder
+  read its bytes as U+FFFD, and every later piece was that (the teacher scored it)."""
+  tokenizer = save_byte_fallback_tokenizer(tmp_path)
+  ids = tokenizer.encode(text)
+  assert len(ids) > 16 and tokenizer.decode(ids) == text  # (bytes, 3 or 4 a character)
+  pieces = decoded_pieces(tokenizer, ids)
+  assert "".join(pieces) == text and len(pieces) == len(ids)
+  assert not any("\ufffd" in p for p in pieces)
 
 
 def test_chunks_end_where_both_tokenizations_have_a_token_end():

@@ -40,3 +40,32 @@ def special_marker_tokenizer(folder):
   for name in ("tokenizer_config.json", "generation_config.json"):
     shutil.copy(os.path.join(chat, name), folder)
   return HFTokenizer(str(folder))
+
+
+def save_byte_fallback_tokenizer(folder):
+  """A SentencePiece-style BPE with byte fallback (Llama 2's and Mistral's decoder: a
+  character it has no piece for is its UTF-8 bytes, <0xE6> ...) trained on a few English
+  words, saved in `folder`. Returns it as an HFTokenizer."""
+  import json
+  import os
+
+  from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+  from rlax_ps.tokenizers import HFTokenizer
+  tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+  tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                         normalizers.Replace(" ", "▁")])
+  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4,
+                          trainers.BpeTrainer(vocab_size=80, show_progress=False,
+                                              special_tokens=["<unk>", "<s>", "</s>"]))
+  saved = json.loads(tok.to_str())
+  vocab = saved["model"]["vocab"]
+  for i in range(256):  # the byte pieces, in the model's vocabulary as SentencePiece's are
+    vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+  os.makedirs(folder, exist_ok=True)
+  Tokenizer.from_str(json.dumps(saved)).save(os.path.join(folder, "tokenizer.json"))
+  with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, f)
+  return HFTokenizer(str(folder))
