@@ -155,14 +155,27 @@ def _decode_batches(graphdef, params, tokenizer: Tokenizer, rows: Sequence[Seque
   return out
 
 
-def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], *,
-                max_new_tokens: int, batch_size: int, prompt_len: int,
-                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                min_p: float = 0.0, seed: int = 0, environment=None,
-                references: Sequence[Any] = (), max_turns: int = 0) -> list[str]:
-  """Completion text of each prompt (up to eos), `batch_size` prompts per call: greedy, or
-  sampled at `temperature` > 0 with the workers' top_k, top_p and min_p (SamplingParams;
-  batch i drawn with key fold_in(key(seed), i)).
+def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str],
+                **kwargs) -> list[str]:
+  """Completion text of each prompt (up to eos, which is left out): completion_ids'."""
+  return [completion_text(tokenizer, t)
+          for t in completion_ids(graphdef, params, tokenizer, prompts, **kwargs)]
+
+
+def completion_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+  """A completion's text: its ids decoded, the stop token that ended it left out."""
+  return tokenizer.decode(ids[:-1] if len(ids) and ids[-1] in tokenizer.stop_ids else ids)
+
+
+def completion_ids(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], *,
+                   max_new_tokens: int, batch_size: int, prompt_len: int,
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0, seed: int = 0, environment=None,
+                   references: Sequence[Any] = (), max_turns: int = 0) -> list[list[int]]:
+  """Completion ids of each prompt (up to and with the stop token that ended it, as a worker
+  submits them), `batch_size` prompts per call: greedy, or sampled at `temperature` > 0
+  with the workers' top_k, top_p and min_p (SamplingParams; batch i drawn with key
+  fold_in(key(seed), i)).
 
   Multi-turn (`environment`, as the workers run it): each turn a completion ends is
   answered by environment(the conversation so far, references[i]) up to `max_turns` times;
@@ -207,7 +220,7 @@ def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str], 
     live = [i for i in going if len(said[i]) < max_new_tokens]
     if not live:
       break
-  return [tokenizer.decode(t[:-1] if t and t[-1] in tokenizer.stop_ids else t) for t in said]
+  return said
 
 
 class VerifierTask:
@@ -233,29 +246,34 @@ class VerifierTask:
 class RewardModelTask:
   """Held-out prompts of task reward_model: a completion's reward is the reward model's score
   of the conversation, the prompt's messages then the completion as the assistant's turn
-  (read as `scorer.encode` does; where it shares the policy's ids, the completion's text is
-  encoded again). Scored in batches (`rewards`); a score, not pass/fail."""
+  (read as `scorer.encode` does; where it shares the policy's ids, the prompt's ids and the
+  completion's, its stop token too, as the workers score it). Scored in batches (`rewards`);
+  a score, not pass/fail."""
 
   name = REWARD_MODEL_TASK
 
   def __init__(self, scorer, tokenizer: Tokenizer):
     self.scorer, self.tokenizer = scorer, tokenizer
 
-  def rewards(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
+  def rewards(self, examples: Sequence[Example], completions: Sequence[Sequence[int]]
+              ) -> list[float]:
     tok, sequences = self.tokenizer, []
-    for e, text in zip(examples, completions):
+    for e, ids in zip(examples, completions):
+      text = completion_text(tok, ids)
       sequences.append(self.scorer.encode(
           prompt_messages(e.prompt, {}) + [{"role": "assistant", "content": text}],
-          tok.render_prompt(e.prompt), text, tok.encode_prompt(e.prompt) + tok.encode(text)))
+          tok.render_prompt(e.prompt), text, tok.encode_prompt(e.prompt) + list(ids)))
     return [float(r) for r in self.scorer.scores(sequences)]
 
 
-def rewards_of(task, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
-  """Each completion's reward: in one batch where the task scores batches (a reward model),
-  else one by one."""
+def rewards_of(task, tokenizer: Tokenizer, examples: Sequence[Example],
+               completions: Sequence[Sequence[int]]) -> list[float]:
+  """Each completion's reward (completions as ids, completion_ids'): in one batch where the
+  task scores batches (a reward model), else one by one, of its text."""
   if hasattr(task, "rewards"):
     return task.rewards(examples, completions)
-  return [float(task.reward(e, c)) for e, c in zip(examples, completions)]
+  return [float(task.reward(e, completion_text(tokenizer, c)))
+          for e, c in zip(examples, completions)]
 
 
 def _budgets(tokenizer: Tokenizer, examples: dict[str, list[Example]],
@@ -291,26 +309,26 @@ def pass_at_k(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
   if not flat:
     return {"pass@1": 0.0, f"pass@{k}": 0.0}
   prompt_len, max_new = _budgets(tokenizer, examples, max_new_tokens)
-  texts: list[str] = [""] * (len(flat) * k)
+  said: list[list[int]] = [[] for _ in range(len(flat) * k)]
   calls: dict[int, tuple[Any, list[int]]] = {}  # environment (by id) -> its example indices
   for i, (task, _) in enumerate(flat):
     env = environment_for(environments or {}, task.name)
     calls.setdefault(id(env), (env, []))[1].append(i)
   for g, (env, rows) in enumerate(calls.values()):
-    got = completions(graphdef, params, tokenizer,
-                      [flat[i][1].prompt for i in rows for _ in range(k)],
-                      max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
-                      temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                      seed=seed + g, environment=env,
-                      references=[flat[i][1].answer for i in rows for _ in range(k)],
-                      max_turns=max_turns)
+    got = completion_ids(graphdef, params, tokenizer,
+                         [flat[i][1].prompt for i in rows for _ in range(k)],
+                         max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
+                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                         seed=seed + g, environment=env,
+                         references=[flat[i][1].answer for i in rows for _ in range(k)],
+                         max_turns=max_turns)
     for n, i in enumerate(rows):
-      texts[i * k:(i + 1) * k] = got[n * k:(n + 1) * k]
+      said[i * k:(i + 1) * k] = got[n * k:(n + 1) * k]
   rewards = np.zeros((len(flat), k))
   for task in tasks:
     rows = [i for i, (t, _) in enumerate(flat) if t is task]
-    got = rewards_of(task, [flat[i][1] for i in rows for _ in range(k)],
-                     [texts[i * k + j] for i in rows for j in range(k)])
+    got = rewards_of(task, tokenizer, [flat[i][1] for i in rows for _ in range(k)],
+                     [said[i * k + j] for i in rows for j in range(k)])
     rewards[rows] = np.asarray(got, np.float64).reshape(len(rows), k)
   return {"pass@1": float(rewards.mean()), f"pass@{k}": float(rewards.max(axis=1).mean())}
 
@@ -328,12 +346,11 @@ def exact_match(graphdef, params, tokenizer: Tokenizer, tasks: Sequence[Task],
     exs = examples.get(task.name, [])
     if not exs:
       continue
-    texts = completions(graphdef, params, tokenizer, [e.prompt for e in exs],
-                        max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
-                        environment=environment_for(environments or {}, task.name),
-                        references=[e.answer for e in exs],
-                        max_turns=max_turns)
-    rewards = rewards_of(task, exs, texts)
+    said = completion_ids(graphdef, params, tokenizer, [e.prompt for e in exs],
+                          max_new_tokens=max_new, batch_size=batch_size, prompt_len=prompt_len,
+                          environment=environment_for(environments or {}, task.name),
+                          references=[e.answer for e in exs], max_turns=max_turns)
+    rewards = rewards_of(task, tokenizer, exs, said)
     result[task.name] = float(np.mean(rewards))
     hits += sum(rewards)
     total += len(exs)

@@ -15,6 +15,11 @@ from rlax_ps.tokenizers import CharTokenizer
 from rlax_ps.train import evaluate
 
 TOK = CharTokenizer()
+
+
+def as_ids(fake):
+  """A stand-in for evaluate.completion_ids from one that answers each prompt with text."""
+  return lambda g, p, tok, prompts, **kw: [tok.encode(t) for t in fake(g, p, tok, prompts, **kw)]
 CONFIG = ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
 PROMPTS = ["1+2=", "rev abcdef=", "77+8=", "rev q="]
@@ -82,8 +87,8 @@ def test_exact_match_scores_with_the_task_checker(model, monkeypatch):
   task = get_task("addition")
   examples = {"addition": [Example("1+2=", "3"), Example("2+2=", "4"), Example("5+5=", "10")]}
   answers = {"1+2=": "3", "2+2=": "5", "5+5=": "10"}  # Two right, one wrong.
-  monkeypatch.setattr(evaluate, "completions",
-                      lambda g, p, tok, prompts, **kw: [answers[q] for q in prompts])
+  monkeypatch.setattr(evaluate, "completion_ids",
+                      as_ids(lambda g, p, tok, prompts, **kw: [answers[q] for q in prompts]))
   result = evaluate.exact_match(graphdef, params, TOK, [task], examples, batch_size=4)
   assert result == {"addition": pytest.approx(2 / 3), "all": pytest.approx(2 / 3)}
 
@@ -171,7 +176,7 @@ class Graded:
   def __init__(self):
     self.calls = []
 
-  def rewards(self, examples, completions):
+  def rewards(self, examples, completions):  # (completions as ids: one per character)
     self.calls.append(len(completions))
     return [float(len(c)) for c in completions]
 
@@ -182,8 +187,8 @@ def test_pass_at_k_takes_each_prompts_best_reward(model, monkeypatch):
   graphdef, params = model
   texts = iter(["3", "x", "3", "4", "x", "x",  # addition: "1+2=" hit twice; "2+2=" missed
                 "", "ab", "a", "abc", "", "abcde"])  # graded: lengths 0 2 1 | 3 0 5
-  monkeypatch.setattr(evaluate, "completions",
-                      lambda g, p, tok, prompts, **kw: [next(texts) for _ in prompts])
+  monkeypatch.setattr(evaluate, "completion_ids",
+                      as_ids(lambda g, p, tok, prompts, **kw: [next(texts) for _ in prompts]))
   graded = Graded()
   examples = {"addition": [Example("1+2=", "3"), Example("2+2=", "5")],
               "graded": [Example("p", "", "graded"), Example("q", "", "graded")]}
@@ -232,8 +237,9 @@ def test_a_reward_model_scores_held_out_answers_as_transformers_does(model, rewa
     heldout_lib.heldout_from_config(config, [])  # no tokenizer: nothing to load it beside
   heldout = heldout_lib.heldout_from_config(config, [], TOK)
   assert [t.name for t in heldout.tasks] == ["reward_model"] and heldout.max_new_tokens == 4
-  monkeypatch.setattr(evaluate, "completions",
-                      lambda g, p, tok, prompts, **kw: [assistant["content"] for _ in prompts])
+  monkeypatch.setattr(evaluate, "completion_ids",
+                      as_ids(lambda g, p, tok, prompts, **kw: [assistant["content"]
+                                                               for _ in prompts]))
   got = heldout_lib.exact_match(graphdef=model[0], params=model[1], tokenizer=TOK,
                                 heldout=heldout, config=config)
   want = float(ref["conversation_score"][0])
@@ -251,7 +257,7 @@ def test_held_out_tasks_decode_with_their_own_environment(model, monkeypatch):
     calls.append((sorted(set(prompts)), environment, seed))
     return ["0"] * len(prompts)
 
-  monkeypatch.setattr(evaluate, "completions", fake)
+  monkeypatch.setattr(evaluate, "completion_ids", as_ids(fake))
   calc = object()
   envs = {"addition": calc, "*": None}
   add, rev = get_task("addition"), get_task("reversal")
@@ -301,7 +307,7 @@ def test_held_out_pass_at_k_samples_with_the_workers_settings(model, monkeypatch
     seen.append({name: kw[name] for name in want})
     return ["0"] * len(prompts)
 
-  monkeypatch.setattr(evaluate, "completions", fake)
+  monkeypatch.setattr(evaluate, "completion_ids", as_ids(fake))
   heldout_lib.pass_at_k(model[0], model[1], TOK, heldout, config)
   assert seen == [pytest.approx(want)]
   config.worker.top_p = 1.5
@@ -353,3 +359,35 @@ def test_held_out_settings_that_cannot_work_are_refused_or_said(tmp_path, caplog
   assert heldout_lib.heldout_from_config(config, []).max_new_tokens == 64
   config.eval.max_new_tokens = 200
   assert heldout_lib.heldout_from_config(config, []).max_new_tokens == 200
+
+
+def test_a_reward_model_on_the_policys_ids_scores_a_held_out_answer_as_the_workers_do(
+    tmp_path):
+  """A reward model without a tokenizer reads the policy's ids: held out, the answer's text
+  was encoded again without its stop token, so it pooled at another token than the workers'
+  score (training rewards, eval.on_workers) of the very same answer."""
+  import os
+  import shutil
+
+  from inference_workers.decoding import Sample
+  from inference_workers.loop import Worker
+  from inference_workers.worker_config import WorkerConfig
+  from param_server.protos import param_server_pb2 as pb
+  from rlax_ps.reward_scoring import RewardScorer
+  from rlax_ps.tokenizers import HFTokenizer
+  from tests.models.hf_fixtures import FIXTURES
+  shutil.copytree(os.path.join(FIXTURES, "qwen3_reward"), tmp_path / "rm")  # pad: id 0
+  policy = HFTokenizer(os.path.join(FIXTURES, "chat_tokenizer"))
+  scorer = RewardScorer(str(tmp_path / "rm"), policy, "float32")
+  prompt = "What is 2+2?"
+  ids = policy.encode("The answer is 4.") + [policy.turn_end_id]  # a stop token: not a pad
+  held_out, = evaluate.RewardModelTask(scorer, policy).rewards(
+      [Example(prompt, "", "reward_model")], [ids])
+  worker = Worker(None, scorer.model.config, policy, WorkerConfig())
+  worker.reward_scorer = scorer
+  sample = Sample(tokens=np.asarray(ids, np.int32), logprobs=np.zeros(len(ids), np.float32),
+                  sampling_logprobs=np.zeros(len(ids), np.float32), finish_reason="stop")
+  scored, = worker._model_scores(pb.Prompt(id="p", text=prompt), [sample], {})
+  without_stop, = scorer.scores([policy.encode_prompt(prompt) + ids[:-1]])
+  assert held_out == pytest.approx(float(scored), abs=1e-6)
+  assert abs(float(without_stop) - held_out) > 1e-3  # (the stop token is what it pools at)
