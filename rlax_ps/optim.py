@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import optax
 
 # Defaults for every optimizer field; a config may set any subset.
@@ -165,7 +166,22 @@ def make_optimizer(cfg, total_steps: int, updates_per_step: int = 1
       learning_rate=schedule, b1=float(setting(cfg, "b1")),
       b2=float(setting(cfg, "b2")), eps=float(setting(cfg, "eps")),
       weight_decay=float(setting(cfg, "weight_decay")), mask=decay_mask))
-  return optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=_NEVER)
+  return _in_float32(optax.apply_if_finite(optax.chain(*parts), max_consecutive_errors=_NEVER))
+
+
+def _in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`inner` on float32 gradients, params and state, whatever the params' dtype: Adam's
+  moments of bfloat16 params in bfloat16 would not decay (0.999 * nu rounds back to nu), and
+  their gradients (float32 once averaged) would not match them. optax.apply_updates rounds
+  each update into its param's dtype."""
+  def up(tree):
+    return jax.tree.map(lambda x: x.astype(jnp.float32)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+  def update(grads, state, params=None):
+    return inner.update(up(grads), state, None if params is None else up(params))
+
+  return optax.GradientTransformation(lambda params: inner.init(up(params)), update)
 
 
 _NEVER = 2**31 - 1  # apply_if_finite's count saturates below it: it never applies a NaN

@@ -89,6 +89,27 @@ def test_an_update_with_non_finite_gradients_is_skipped_and_counted():
       "nonfinite_streak": 0, "skipped_updates": 2}
 
 
+def test_bfloat16_params_train_with_float32_moments_that_decay():
+  """bfloat16 params (model.param_dtype): an averaged float32 gradient made Adam's moments
+  float32 in one branch of the finite-update check and bfloat16 in the other (the jitted
+  step failed); in bfloat16, nu * 0.999 rounds back to nu."""
+  tx = optim.make_optimizer({"lr": 0.1, "warmup_steps": 0, "b2": 0.999}, total_steps=5)
+  params = {"w": jnp.ones((2, 3), jnp.bfloat16)}
+  state = tx.init(params)
+  assert optax.tree_utils.tree_get(state, "nu")["w"].dtype == jnp.float32
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params, state = step(params, state, {"w": jnp.full((2, 3), 2.0, jnp.float32)})
+  assert params["w"].dtype == jnp.bfloat16 and float(params["w"][0, 0]) < 1.0
+  nu = float(optax.tree_utils.tree_get(state, "nu")["w"][0, 0])
+  params, state = step(params, state, {"w": jnp.zeros((2, 3), jnp.bfloat16)})
+  assert float(optax.tree_utils.tree_get(state, "nu")["w"][0, 0]) == pytest.approx(nu * 0.999)
+
+
 def test_too_many_skipped_updates_in_a_row_stop_the_run_naming_the_field():
   cfg = {"max_nonfinite_steps": 3}
   optim.check_finite_updates({"nonfinite_streak": 2.0}, cfg, step=7)  # not yet
