@@ -13,7 +13,9 @@ Workers hold the base (bf16, or int8 with --config.publish.format=int8
 --config.worker.weights_format=int8) plus the adapters; the Hugging Face export in
 <workdir>/hf has them merged into the kernels, and <workdir>/hf/adapter holds them alone as a
 PEFT adapter (for PEFT or vLLM's LoRA serving over the base checkpoint; the dense projections'
-adapters only, so not for a mixture of experts whose experts are adapted). LoRA learns at a higher rate than full
+adapters only, so not for a mixture of experts whose experts are adapted, nor one whose
+gate/up/down_proj PEFT reads as its fused experts': Qwen3-MoE, GLM-4.5, OLMoE; there, attention
+targets alone). LoRA learns at a higher rate than full
 training (1e-5 here, 1e-6 in rl_instruct). Set model.lora_rank, model.lora_alpha and
 model.lora_targets (a comma-separated subset of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,
 down_proj,experts) to change them. `:tiny` is the seconds-long smoke variant (used by the tests).

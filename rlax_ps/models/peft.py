@@ -27,6 +27,11 @@ from rlax_ps.models.hf import _TEXT_MODEL_OF, NP_DTYPES, hf_tensor_names, read_j
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # PeftModel wraps the causal LM
+# Model types whose experts transformers 5 fuses and whose gate/up/down_proj targets PEFT
+# (0.19 and up) reads as the fused experts' parameters: a dense MLP's or shared expert's
+# adapters of those names would not load (transformers' _MODEL_TO_CONVERSION_PATTERN).
+_PEFT_FUSED_MLP_NAMES = ("qwen3_moe", "glm4_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def _language_model_root(base_model: str) -> str:
@@ -64,6 +69,12 @@ def peft_adapter_names(config: ModelConfig, root: str = "model.") -> dict[str, s
     stem = _PREFIX + root + hf[len("model."):-len("weight")]
     names[ours[:-len("kernel")] + "lora_a"] = stem + "lora_A.weight"
     names[ours[:-len("kernel")] + "lora_b"] = stem + "lora_B.weight"
+  mlp = sorted({m for m in _MLP for n in names if f".{m}." in n})
+  if mlp and config.moe_layers and config.architecture in _PEFT_FUSED_MLP_NAMES:
+    raise ValueError(f"model.lora_targets: PEFT reads {mlp} of a {config.architecture} model "
+                     f"as its fused experts', so the dense MLP's and shared expert's adapters "
+                     f"would not load; leave them out for a PEFT adapter, or use the merged "
+                     f"export")
   return names
 
 
@@ -80,7 +91,9 @@ def save_peft_adapter(flat: Mapping[str, Any], config: ModelConfig, path: str, *
     if dtype is not None:
       array = array.astype(NP_DTYPES[dtype_name(dtype)])
     tensors[peft] = np.ascontiguousarray(array.T)
-  modules = sorted({t for t in config.lora_targets if t != "experts"})
+  # (the projections adapted: a target of no layer's here, such as an all-MoE model's
+  # gate_proj, is not named, which PEFT would read as a module to add adapters to)
+  modules = sorted({t for t in config.lora_targets for n in names if f".{t}." in n})
   # An image-text base has projections of those names in its vision tower too: a pattern
   # (PEFT full-matches it against module names) keeps the adapters on the language model.
   targets = modules if root == "model." else (

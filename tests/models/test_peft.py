@@ -76,6 +76,42 @@ def test_adapters_peft_cannot_hold_are_refused_naming_why(config, field, tmp_pat
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["glm4_moe", "qwen3_moe"])
+def test_an_moe_models_dense_mlp_adapters_which_peft_reads_as_its_experts_are_refused(
+    name, tmp_path):
+  """PEFT reads gate/up/down_proj targets of these transformers-5 MoE types as the fused
+  experts' parameters: a dense layer's (GLM-4.5's first, Qwen3-MoE's mlp_only_layers) or
+  shared expert's adapters of those names loaded nowhere and the logits were wrong."""
+  base = read_hf_config(os.path.join(FIXTURES, name)).replace(lora_rank=2, lora_alpha=4.0)
+  config = base.replace(lora_targets=DENSE)
+  flat = flatten_params(Transformer(config, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"^model.lora_targets: PEFT reads \['down_proj', "
+                                       r"'gate_proj', 'up_proj'\] of a " + name):
+    save_peft_adapter(flat, config, str(tmp_path / "mlp"))
+  assert not os.path.exists(tmp_path / "mlp")
+  attention = base.replace(lora_targets=DENSE[:4])
+  save_peft_adapter(flatten_params(Transformer(attention, rngs=nnx.Rngs(0))), attention,
+                    str(tmp_path / "attention"))
+  with open(tmp_path / "attention" / ADAPTER_CONFIG) as f:
+    assert json.load(f)["target_modules"] == sorted(DENSE[:4])
+
+
+def test_target_modules_name_only_the_projections_adapted(tmp_path):
+  """An all-MoE model's gate/up/down_proj targets adapt no layer (the experts' are left
+  out): named, PEFT would read them as modules to add adapters to."""
+  config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_layers=1,
+                       num_heads=2, num_kv_heads=1, architecture="qwen2_moe", num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=8, lora_rank=2,
+                       lora_targets=("q_proj", "gate_proj"))
+  save_peft_adapter(flatten_params(Transformer(config, rngs=nnx.Rngs(0))), config,
+                    str(tmp_path))
+  with open(tmp_path / ADAPTER_CONFIG) as f:
+    assert json.load(f)["target_modules"] == ["q_proj"]
+  assert sorted(load_file(os.path.join(tmp_path, ADAPTER_WEIGHTS))) == [
+      "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+      "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+
+
 def test_an_adapter_over_an_image_text_base_targets_its_language_model(tmp_path):
   """Over Gemma3ForConditionalGeneration (we train its language model) transformers' module
   tree has the layers under model.language_model., and the vision tower has q_proj, k_proj,
