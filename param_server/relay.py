@@ -291,8 +291,8 @@ class WeightRelay:
     self.config = config
     self.upstream = upstream
     self.server_latest = -1  # the newest version the server announced
-    # Set while the server holds less than the relay (restarted on an empty store: a new
-    # run): the relay serves nothing it holds, and says so.
+    # Set for good once the server holds less than the relay, or its keyframe cannot follow
+    # what the relay holds (another history): the relay serves nothing it holds, and says so.
     self.diverged = ""
     # The storage id of the server whose versions the relay holds (a file of its storage
     # folder): a server of another one is another run, whatever its version numbers.
@@ -435,15 +435,14 @@ class WeightRelay:
     with self._changed:
       if self.store_changed:  # for good: no version number makes the other run's follow on
         self.diverged = self.store_changed
-      elif asked and latest < held:
-        if not self.diverged:
-          logging.error("relay: the server holds v%d, older than the v%d this relay holds: "
-                        "it restarted on an empty store (a new run)", latest, held)
+      elif asked and latest < held and not self.diverged:
+        # For good, as another storage is: a server gone back (an empty store, a restored
+        # backup) publishes another history, whose version numbers pass this relay's later.
+        logging.error("relay: the server holds v%d, older than the v%d this relay holds: "
+                      "another history (an empty or restored store)", latest, held)
         self.diverged = (f"the server {self.upstream.address} holds v{latest}, older than the "
-                         f"v{held} this relay holds (a new run?): restart the relay with an "
-                         f"empty storage_dir")
-      elif asked:
-        self.diverged = ""
+                         f"v{held} this relay holds (a new run, or a store restored from a "
+                         f"backup): restart the relay with an empty storage_dir")
       if not self.diverged:
         self.server_latest = latest if asked else max(self.server_latest, latest)
       self._changed.notify_all()
@@ -511,6 +510,16 @@ class WeightRelay:
         self._from_keyframe = True
         logging.warning("relay: v%d refused (%s); fetching the server's latest from a "
                         "keyframe", arriving.version, e)
+      elif (isinstance(e, errors.RequestError) and arriving.base_version < 0
+            and arriving.version <= self.weights.latest):  # the server's keyframe: behind
+        logging.error("relay: the server's v%d refused too (%s): another history than the "
+                      "v%d this relay holds", arriving.version, e, self.weights.latest)
+        with self._changed:
+          self.diverged = (f"the server {self.upstream.address}'s v{arriving.version} cannot "
+                           f"follow the v{self.weights.latest} this relay holds (another "
+                           f"history: a store restored from a backup?): restart the relay "
+                           f"with an empty storage_dir")
+          self._changed.notify_all()
       raise
     self._from_keyframe = self._from_keyframe and not blob.is_keyframe
     self.fetches += 1

@@ -718,6 +718,73 @@ def test_a_relay_that_refused_an_update_fetches_anew_from_a_keyframe(server, tra
   assert refused and starts[-1] is None and 0 not in starts[starts.index(None, 1):]
 
 
+def publish_after(trainer, weights, version, seeds, scale):
+  """Deltas after `weights` (version `version`), one a seed: versions version+1, ..."""
+  for seed in seeds:
+    weights, old = perturbed(weights, scale, seed=seed), weights
+    version += 1
+    trainer.publish(sync.encode(old, weights, "bf16", version=version,
+                                base_version=version - 1).to_bytes())
+
+
+def test_a_refused_update_whose_keyframe_is_behind_what_the_relay_holds_sends_workers_to_the_server(
+    server, trainer, start_relay):
+  """Refused v3 while holding v2 (the server's keyframe v0): fetching anew from that keyframe
+  was refused too, every second, while the relay answered pulls as if current: workers
+  stayed on v2. It stops following and sends them to the server."""
+  from param_server import errors
+  publish_chain(trainer, 4)
+  store_commit, refused = WeightStore.commit, []
+
+  def refuse_v3_once(store, writer):
+    if store is not server.weights and not refused and store.latest == 2:
+      refused.append(1)
+      raise errors.FailedPrecondition("base_version", "sealed other weights")
+    return store_commit(store, writer)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(WeightStore, "commit", refuse_v3_once)
+    relay = start_relay(server, poll_s=0.2, max_wait_s=2.0)
+    _until(lambda: relay.diverged)
+  assert refused and relay.weights.latest == 2 and "cannot follow the v2" in relay.diverged
+  assert RELAY_DOWN in relay.upstream_down()
+  with client_for(f"ipv4:127.0.0.1:{relay.port},127.0.0.1:{server.port}", "worker",
+                  retry=RetryPolicy(deadline_s=5.0)) as w:
+    assert [u.version for u in w.pull_updates(2)] == [3]
+
+
+def test_a_server_restored_from_a_backup_stays_refused_once_its_new_history_passes_the_relay(
+    start_server, start_relay, tmp_path):
+  """Same storage id, back at v1: refused while behind the relay's v3, then served again as
+  the new history's v4 arrived, from the old history's chain (a worker got the old v3)."""
+  import shutil
+  storage = tmp_path / "ps"
+  server = start_server(storage_dir=storage)
+  with client_for(server, "trainer") as trainer:
+    versions = publish_chain(trainer, 2)
+  port = server.port
+  server.stop(grace=0)
+  shutil.copytree(storage, tmp_path / "backup")  # at v1
+  server = start_server(storage_dir=storage, port=port)
+  with client_for(server, "trainer") as trainer:
+    publish_after(trainer, versions[1], 1, [2, 3], scale=0.05)  # the old history
+  relay = start_relay(server, poll_s=0.2)
+  _until(lambda: relay.weights.latest == 3)
+  server.stop(grace=0)
+  shutil.rmtree(storage)
+  shutil.copytree(tmp_path / "backup", storage)
+  server = start_server(storage_dir=storage, port=port)
+  _until(lambda: relay.diverged)
+  with client_for(server, "trainer") as trainer:
+    publish_after(trainer, versions[1], 1, [12, 13, 14], scale=0.3)  # a new one, to v4
+  time.sleep(1.0)  # (polls past the new history's v4)
+  assert relay.weights.latest == 3 and "older than the v3" in relay.diverged
+  with client_for(relay, "worker", retry=RetryPolicy(deadline_s=0.0)) as w:
+    with pytest.raises(ParamServerError) as down:
+      w.pull()
+  assert down.value.code == grpc.StatusCode.UNAVAILABLE and RELAY_DOWN in down.value.details
+
+
 def test_a_relay_whose_metrics_port_is_taken_leaves_nothing_started(server, start_relay):
   import socket
 
