@@ -3,25 +3,32 @@ matmul FLOP/s, measured in the same run, and the tokens/s they allow a greedy de
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rlax_ps.models import ModelConfig
 
 
 def machine_limits(reps: int, best_time, dtype: str = "float32") -> tuple[float, float]:
-  """(bytes/s a copy moves on the default device (read + written), `dtype` matmul FLOP/s),
-  best of `reps` by `best_time(fn, reps) -> (seconds, result)`. An accelerator gets sizes
-  that fill it (2 GiB copied, 8192^3 matmul); the CPU 256 MiB and 1024^3."""
+  """(memory bytes/s of the default device, `dtype` matmul FLOP/s), best of `reps` by
+  `best_time(fn, reps) -> (seconds, result)`. The bandwidth is the fastest of a jitted copy
+  (bytes read + written), a jitted sum (read) and, on the CPU, numpy's copy: XLA:CPU's copy
+  runs well below what the memory does (a decode, which reads its weights, went past it). An
+  accelerator gets sizes that fill it (2 GiB, 8192^3 matmul); the CPU 256 MiB and 1024^3."""
   accelerator = jax.default_backend() != "cpu"
   src = jnp.ones((2 << 30 if accelerator else 256 << 20) // 4, jnp.float32)
-  copy = jax.jit(jnp.copy)
-  copy(src).block_until_ready()
-  t_copy, _ = best_time(lambda: copy(src), reps)
+  rates = []
+  for fn, moved in ((jax.jit(jnp.copy), 2), (jax.jit(jnp.sum), 1)):
+    fn(src).block_until_ready()
+    rates.append(moved * src.nbytes / best_time(lambda f=fn: f(src), reps)[0])
+  if not accelerator:
+    host, out = np.asarray(src), np.empty(src.shape, np.float32)
+    rates.append(2 * host.nbytes / best_time(lambda: np.copyto(out, host), reps)[0])
   n = 8192 if accelerator else 1024
   a = jnp.ones((n, n), dtype)
   mm = jax.jit(lambda x, y: x @ y)
   mm(a, a).block_until_ready()
   t_mm, _ = best_time(lambda: mm(a, a), reps)
-  return 2 * src.nbytes / t_copy, 2 * n**3 / t_mm
+  return max(rates), 2 * n**3 / t_mm
 
 
 def roofline_rate(config: ModelConfig, batch: int, prompt_len: int, new: int,

@@ -235,7 +235,7 @@ def main(argv):
   model = Transformer(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   bandwidth, flops = machine_limits(reps, best_time, _DTYPE.value)
-  print(f"machine: copy {bandwidth / 1e9:.1f} GB/s (read + written), {_DTYPE.value} matmul "
+  print(f"machine: memory {bandwidth / 1e9:.1f} GB/s (the fastest copy or read), {_DTYPE.value} matmul "
         f"{flops / 1e9:.1f} GFLOP/s", flush=True)
   rows = []
 

@@ -52,3 +52,18 @@ def test_latent_attention_reads_its_one_latent_head_per_token_and_layer():
   seconds = sum((4 * mla.num_params + batch * (prompt + t) * kv) / bw for t in range(new))
   got = bench.roofline_rate(mla, batch, prompt, new, bandwidth=bw, flops=1e30)
   assert got == pytest.approx(batch * new / seconds)
+
+
+def test_the_bandwidth_is_the_fastest_of_a_copy_a_read_and_numpys_copy():
+  """XLA:CPU's copy alone ran ~5x below the memory: decode (which reads its weights) went
+  past the 'roofline'. Each measurement's seconds are given here: the fastest rate counts,
+  bytes read + written for a copy, read for the sum."""
+  seconds = iter([1.0, 0.25, 2.0, 0.5])  # jitted copy, jitted sum, numpy copy, matmul
+
+  def best_time(fn, reps):
+    return next(seconds), None
+
+  bandwidth, flops = bench.machine_limits(1, best_time)
+  nbytes = 256 << 20
+  assert bandwidth == pytest.approx(max(2 * nbytes / 1.0, nbytes / 0.25, 2 * nbytes / 2.0))
+  assert flops == pytest.approx(2 * 1024**3 / 0.5)
