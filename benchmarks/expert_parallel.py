@@ -40,16 +40,24 @@ QWEN3_30B = ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6
                         architecture="qwen3_moe", qk_norm=True, num_experts=128,
                         num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                         param_dtype="float32", dtype="bfloat16")
-_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-gather|reduce-scatter|all-reduce|"
-                         r"all-to-all|collective-permute)(?:-start)?\(")
+# A collective's result: one shape, or a tuple of them (XLA merges all-reduces into one).
+_COLLECTIVE = re.compile(r"= (\([^()]*\)|\w+\[[\d,]*\]\S*) (all-gather|reduce-scatter|"
+                         r"all-reduce|all-to-all|collective-permute)(?:-start)?\((.*)$", re.M)
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+# Groups of one device each (listed, or as an iota [groups,1]): the op moves nothing.
+_ALONE = re.compile(r"replica_groups=(\{\{\d+\}(,\{\d+\})*\}|\[\d+,1\]<=)")
 _BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
 def collective_bytes(hlo: str) -> int:
-  """Bytes of every collective's per-device result in a compiled (partitioned) program."""
+  """Bytes of every collective's per-device result (each shape of a tuple) in a compiled
+  (partitioned) program, but those of groups of one device."""
   total = 0
-  for dtype, dims, _ in _COLLECTIVE.findall(hlo):
-    total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+  for result, _, rest in _COLLECTIVE.findall(hlo):
+    if _ALONE.search(rest):
+      continue
+    for dtype, dims in _SHAPE.findall(result):
+      total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
   return total
 
 

@@ -177,6 +177,14 @@ def test_the_benchmark_counts_fewer_collective_bytes_with_whole_experts():
   assert bench.collective_bytes(
       "%a = bf16[8,4]{1,0} all-gather(%x)\n%b = f32[2]{0} reduce-scatter(%y)\n"
       "%c = f32[3,3]{1,0} add(%a, %b)") == 8 * 4 * 2 + 2 * 4
+  # A tuple of merged all-reduces counts each shape; groups of one device move nothing.
+  assert bench.collective_bytes(
+      "%d = (f32[16,8]{1,0}, bf16[4]{0}) all-reduce(%p, %q), channel_id=1, "
+      "replica_groups={{0,1,2,3}}, to_apply=%sum\n"
+      "%e = f32[64]{0} all-reduce(%r), replica_groups={{0},{1},{2},{3}}, to_apply=%sum\n"
+      "%f = f32[64]{0} all-reduce(%r), replica_groups=[4,1]<=[4], to_apply=%sum\n"
+      "%g = f32[8]{0} all-reduce(%r), replica_groups=[1,4]<=[4], to_apply=%sum") == (
+          16 * 8 * 4 + 4 * 2 + 8 * 4)
   mesh = _mesh((1, 4, 1))
   small = MOE.replace(num_experts=8, num_experts_per_tok=4, hidden_size=64)
   split = bench.collective_bytes(bench.layer_program(small, mesh, 64))
