@@ -3,9 +3,11 @@ symbolically.
 
 The answer is the last `\\boxed{...}` or `\\fbox{...}` of the completion (`\\boxed 5`: the
 text up to the next `$` or line end), else the text after the last "answer is" /
-"answer:" on its line. Normalisation drops `$`, spacing commands, `\\left`/`\\right`,
-`\\text{}` wrappers, degree signs (`^\\circ`, `\\degree`, `°`) and percent signs, turns
-`\\frac{a}{b}`/`\\dfrac`/`\\tfrac` into a/b (a mixed number 2\\frac{1}{2} into 5/2) and
+"answer:" on its line (markdown emphasis around either dropped). Normalisation drops `$`
+and `\\$`, spacing commands, `\\left`/`\\right`, `\\text{}` wrappers, degree signs (`^\\circ`,
+`\\degree`, `°`) and percent signs, reads a unicode minus as "-", turns
+`\\frac{a}{b}`/`\\dfrac`/`\\tfrac` into a/b (each part in brackets unless a number, the whole
+where a neighbour would join it: (1/2)x, x^(2/3); a mixed number 2\\frac{1}{2} into 5/2) and
 strips thousands separators (not a list's ", "). A leading "x =" is dropped where the other
 side has no "=", and from both where both name the same variable (x=2 is not y=2). Then
 both sides are compared as exact rationals when they parse as numbers (so 0.5 == 1/2 ==
@@ -24,7 +26,9 @@ from algorithms.verifiers.base import VerifierResult, register_verifier
 from algorithms.verifiers.symbolic import SymbolicEqual
 
 # (the greedy .* takes a line's last "answer is", not the first with the rest of the line)
-_ANSWER_LINE = re.compile(r".*answer\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
+_ANSWER_LINE = re.compile(r".*answer[*_\s]*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
+# markdown emphasis around an answer line's answer: **42**, `42`, **42**.
+_EMPHASIS = re.compile(r"^[*_`]+|[*_`]+(?=\.?$)")
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
 _VARIABLE = re.compile(r"([a-zA-Z])=(.*)")  # a normalised "x=..."
 _SIGNED = r"[+-]?(?:\d+(?:\.\d+)?|\.\d+)"
@@ -62,8 +66,8 @@ def extract_answer(completion: str) -> str | None:
         return bare.group(1).strip()
   for line in reversed(completion.strip().splitlines()):
     match = _ANSWER_LINE.match(line)
-    if match:
-      return match.group(1).strip()
+    if match and _EMPHASIS.sub("", match.group(1).strip()):
+      return _EMPHASIS.sub("", match.group(1).strip()).strip()
   return None
 
 
@@ -94,18 +98,24 @@ def _replace_frac(s: str) -> str:
       value = int(whole.group(2)) * int(den) + int(num)
       s = s[:whole.start()] + f"{whole.group(1)}{value}/{den}" + s[rest:]
       continue
-    num = num if re.fullmatch(r"-?[\w.]+", num) else f"({num})"
-    den = den if re.fullmatch(r"[\w.]+", den) else f"({den})"
-    s = s[:pos] + f"{num}/{den}" + s[rest:]
+    # Each part bracketed unless a number, the whole where a neighbour would join it:
+    # \frac{1}{2x} is not \frac{1}{2}x, nor x^\frac{2}{3} x^2/3 (they read alike as a/b).
+    num = num if re.fullmatch(rf"-?{_UNSIGNED}", num) else f"({num})"
+    den = den if re.fullmatch(_UNSIGNED, den) else f"({den})"
+    value = f"{num}/{den}"
+    if re.search(r"[\w^/)]$", s[:pos]) or re.match(r"[\w(^]", s[rest:]):
+      value = f"({value})"
+    s = s[:pos] + value + s[rest:]
 
 
 def normalize_answer(answer: str) -> str:
   """A canonical string for an answer (see the module docstring)."""
-  s = answer.strip()
+  s = answer.strip().replace("\u2212", "-")  # (a unicode minus)
   s = re.sub(r"\\text\{([^{}]*)\}|\\mathrm\{([^{}]*)\}",
              lambda m: m.group(1) if m.group(1) is not None else m.group(2), s)
   s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-  for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "\\displaystyle"):
+  for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\$", "$",
+                "\\displaystyle"):
     s = s.replace(token, "")
   s = re.sub(r"\^\{?\\circ\}?|\\degree(?![a-zA-Z])|°", "", s).replace("\\%", "").replace("%", "")
   listed = re.search(r",\s", s)  # "1, 100": two numbers, not one thousand one hundred
@@ -149,6 +159,12 @@ def as_number(s: str) -> Fraction | None:
   return None if den == 0 else value / den
 
 
+def _as_written(answer: str) -> str:
+  """An answer for the symbolic checker: a sentence's closing period and a unicode minus
+  (which it cannot parse) dropped, what it was written as otherwise."""
+  return answer.strip().rstrip(".,;").strip().replace("\u2212", "-")
+
+
 _SHARED: SymbolicEqual | None = None
 
 
@@ -188,7 +204,8 @@ class MathAnswerVerifier:
     elif p == r:
       equal = True
     else:
-      verdict = (self.symbolic or shared_symbolic())(str(reference).strip(), extracted)
+      verdict = (self.symbolic or shared_symbolic())(_as_written(str(reference)),
+                                                      _as_written(extracted))
       info["symbolic"] = verdict
       equal = bool(verdict)
     return VerifierResult(1.0 if equal else 0.0, bool(equal), info)

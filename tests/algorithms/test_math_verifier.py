@@ -155,6 +155,33 @@ def test_answers_whose_strings_differ_are_compared_symbolically(completion, refe
   assert result.passed is passed and result.info["symbolic"] is passed
 
 
+@pytest.mark.parametrize("completion,reference", [
+    ("\\boxed{\\frac{1}{2}x}", "\\frac{1}{2x}"), ("\\boxed{\\frac{3}{4}a}", "\\frac{3}{4a}"),
+    ("\\boxed{\\frac{1}{2}3}", "\\frac{1}{23}"), ("\\boxed{\\frac{1}{2}/3}", "1/\\frac{2}{3}"),
+    ("\\boxed{x^2/3}", "x^\\frac{2}{3}"), ("\\boxed{x^\\frac23}", "x^2/3"),
+    ("\\boxed{e^x/2}", "e^\\frac{x}{2}"), ("\\boxed{\\frac{3}{2}^2}", "3/2^2"),
+])
+def test_a_fraction_and_its_neighbours_do_not_read_as_another_fraction(completion, reference):
+  """\\frac{a}{b} became a/b bare: \\frac{1}{2}x and \\frac{1}{2x} were one string (1/2x),
+  x^\\frac{2}{3} was x^2/3, and the wrong answer passed without a symbolic check."""
+  result = VERIFY(completion, reference)
+  assert not result.passed and result.info["normalized"] != result.info["reference"], result.info
+
+
+@pytest.mark.parametrize("completion,reference", [
+    ("So the answer is \\sqrt{12}.", "2\\sqrt{3}"), ("So the answer is 1+x^2.", "x^2+1"),
+    ("So the answer is \\pi/2.", "\\frac{\\pi}{2}"), ("So the answer is \\$18.", "18"),
+    ("So the answer is \u22125.", "-5"), ("**Answer: 42**", "42"), ("The answer is **42**.", "42"),
+    ("**Final Answer**: 42", "42"), ("Final answer: **42**", "42"), ("The answer is `42`", "42"),
+])
+def test_an_answer_line_closed_by_a_period_in_markdown_or_with_a_unicode_minus_is_read(
+    completion, reference):
+  """The symbolic checker got the sentence's period (and failed to parse), `\\$18` read as
+  `\\18`, a unicode minus stayed one, and emphasis hid the answer line."""
+  result = VERIFY(completion, reference)
+  assert result.passed, result.info
+
+
 def test_numbers_and_equal_strings_never_ask_the_symbolic_checker():
   from algorithms.verifiers.symbolic import SymbolicEqual
   checker = SymbolicEqual()
