@@ -87,8 +87,10 @@ class SharedPromptLayout:
     return lens[:, self.region_ids()]
 
   def valid(self) -> jax.Array:
-    """[B, L] bool: position holds a real token."""
-    return jnp.asarray(self.local_index())[None, :] < self.region_lens()
+    """[B, L] bool: position holds a real token (none in a row of no responses: a batch's
+    padding row, whose one-token prompt is no token of the batch's)."""
+    used = (jnp.sum(self.response_lens, axis=1) > 0)[:, None]
+    return (jnp.asarray(self.local_index())[None, :] < self.region_lens()) & used
 
   def positions(self) -> jax.Array:
     """[B, L] int32 RoPE positions: prompt 0..P-1, every response restarts at P."""

@@ -957,3 +957,23 @@ def test_dr_grpos_normaliser_counts_the_samples_not_the_packed_slots():
   np.testing.assert_allclose(loss_padded, loss, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grads_padded), jax.tree.leaves(grads)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_a_batchs_padding_rows_add_no_token_to_the_routers_load_balancing():
+  """A padding row's one-token prompt (the pad id) counted as a real token: the
+  load-balancing loss and its token count changed with rl.groups_per_step's padding."""
+  from rlax_ps.train.rl_loss import response_logprobs
+  model_cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,
+                          num_heads=2, num_kv_heads=1, max_position_embeddings=32,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+  graphdef, state = nnx.split(nnx.jit(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))())
+  routing = jax.jit(lambda s, b: response_logprobs(s, graphdef, b, "xla",
+                                                   with_stats=True)[1]["routing"])
+  got = []
+  for groups in (1, 4):  # the one group alone, then with three padding rows
+    shape = dataclasses.replace(SHAPE, groups=groups)
+    batch = {k: jnp.asarray(v) for k, v in build_batch([GROUPS[0]], shape).items()}
+    got.append(routing(state, batch))
+  real = int(len(GROUPS[0].prompt_tokens) + sum(len(r) for r in GROUPS[0].responses))
+  assert float(got[0].tokens) == float(got[1].tokens) == 2 * real  # (2 MoE layers)
+  np.testing.assert_allclose(got[1].load_balance, got[0].load_balance, rtol=1e-6)
