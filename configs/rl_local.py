@@ -215,8 +215,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.weight_decay = 0.0
 
   # PPO's critic (loss.advantage="gae"): its own optimizer (the policy's settings as the
-  # recipe wrote them), verl's clipped value loss range (critic.cliprange_value; None:
-  # unclipped), the first steps it trains alone (verl's trainer.critic_warmup=N+1 skips as
+  # recipe wrote them), verl's clipped value loss range (critic.cliprange_value; None, or
+  # inf from a flag: unclipped), the first steps it trains alone (verl's trainer.critic_warmup=N+1 skips as
   # many actor updates), and an HF checkpoint it starts from: "" the policy's weights (a
   # LoRA run's critic: adapters of its own over the policy's frozen weights), or a
   # *ForSequenceClassification reward model (its score head the value head) or causal LM of

@@ -45,7 +45,7 @@ _LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dtype", "lora_targets")
 
 def check_critic_config(block, total_steps: int) -> dict[str, Any]:
   """The `critic` block as a dict, checked: its optimizer (the optimizer block's fields),
-  value_clip (>= 0, or None: unclipped), warmup_steps (the first steps, which train the
+  value_clip (>= 0, or None: unclipped, as inf, which a flag can give, is read), warmup_steps (the first steps, which train the
   critic alone: below rl.steps) and init_from_hf (a path, or "": the policy's weights); a
   ValueError names the field."""
   d = block.to_dict() if hasattr(block, "to_dict") else dict(block or {})
@@ -60,7 +60,9 @@ def check_critic_config(block, total_steps: int) -> dict[str, Any]:
   if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
                            or not clip >= 0):
     raise ValueError(f"critic.value_clip: expected a clip range >= 0 around the old values "
-                     f"(None: unclipped), got {clip!r}")
+                     f"(None or inf: unclipped), got {clip!r}")
+  if clip == float("inf"):  # (--config.critic.value_clip=inf: a flag cannot give None)
+    d["value_clip"] = None
   warmup = d.get("warmup_steps", 0)
   if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < total_steps:
     raise ValueError(f"critic.warmup_steps: expected an int from 0 to rl.steps - 1 "

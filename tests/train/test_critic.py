@@ -92,6 +92,11 @@ def test_gae_needs_the_critics_values_and_its_knobs_are_checked():
                          ({"warmup_steps": 1.5}, "critic.warmup_steps")):
     with pytest.raises(ValueError, match=message):
       check_critic_config(block, 10)
+  # A flag cannot give None (ml_collections reads a float field's "None" as an error): inf
+  # is unclipped too.
+  assert check_critic_config({"value_clip": float("inf")}, 10)["value_clip"] is None
+  assert check_critic_config({"value_clip": None}, 10)["value_clip"] is None
+  assert check_critic_config({"value_clip": 0.2}, 10)["value_clip"] == 0.2
 
 
 CONFIG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
