@@ -89,6 +89,9 @@ def main():
   ap.add_argument("--rows_per_prompt", type=int, default=2)
   add_flags(ap, max_new_tokens=256)
   args = ap.parse_args()
+  if args.rows < args.samples:
+    ap.error(f"--rows: expected at least --samples ({args.samples}): a static call holds "
+             f"whole groups, got {args.rows}")
   n, r = args.samples, args.rows_per_prompt
   model, prompts, params = model_prompts_params(args)
   seeds = [[i * n + j for j in range(n)] for i in range(args.prompts)]

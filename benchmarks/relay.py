@@ -35,7 +35,8 @@ from rlax_ps import sync  # noqa: E402
 
 _SIZE_MB = flags.DEFINE_integer("size_mb", 128, "keyframe size in MiB (bf16 weights)")
 _WORKERS = flags.DEFINE_integer("workers", 8, "pulling workers")
-_RELAYS = flags.DEFINE_integer("relays", 2, "relays the workers are spread over")
+_RELAYS = flags.DEFINE_integer("relays", 2, "relays the workers are spread over",
+                               lower_bound=1)
 _LINK = flags.DEFINE_float("link_mb_s", 100.0, "bandwidth of the link to the server, MB/s "
                            "(shared by every connection crossing it); 0: loopback only")
 

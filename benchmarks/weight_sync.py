@@ -33,7 +33,8 @@ from absl import app, flags
 from rlax_ps import sync
 from rlax_ps.sync.bits import BF16, bit_view
 
-_ELEMENTS = flags.DEFINE_integer("elements", 100_000_000, "bf16 elements of the synthetic model")
+_ELEMENTS = flags.DEFINE_integer("elements", 100_000_000, "bf16 elements of the synthetic model "
+                                 "(rows of 4096)", lower_bound=4096)
 _DENSITIES = flags.DEFINE_list("densities", ["0.001", "0.01", "0.03", "0.1"],
                                "fractions of bf16 elements changed by the synthetic step")
 _REAL_LR = flags.DEFINE_list("real_lr", ["1e-6", "1e-5"], "learning rates of the real rows")
@@ -44,6 +45,8 @@ _SIZES = {"tiny": {}, "38m": dict(hidden_size=768, intermediate_size=2048, num_l
 _REPS = flags.DEFINE_integer("reps", 5, "timed rounds (best kept); small models run more")
 _SEED = flags.DEFINE_integer("seed", 0, "synthetic data seed")
 _COLS = 4096
+flags.register_validator("real_sizes", lambda sizes: set(sizes) <= set(_SIZES),
+                         f"--real_sizes: expected some of {sorted(_SIZES)}")
 
 
 def best_times(runs, reps, before):
@@ -198,8 +201,6 @@ def main(argv):
     rows.append(measure(f"synthetic {d:g}", "int8", base_int8, target, reps, full, evict))
     del target
   for size in _REAL_SIZES.value:
-    if size not in _SIZES:
-      raise app.UsageError(f"--real_sizes: expected some of {sorted(_SIZES)}, got {size!r}")
     for lr in map(float, _REAL_LR.value):
       before, after = real_update(lr, size)
       rb, ri = sync.held_state(before, "bf16"), sync.held_state(before, "int8")
