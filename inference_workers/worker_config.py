@@ -193,7 +193,13 @@ class WorkerConfig:
     need(self.allocator in ("fixed", "vigor"), "allocator", "'fixed' or 'vigor'")
     need(not self.allocator_args or self.allocator == "vigor", "allocator_args",
          "'' with allocator='fixed' (its N is samples_per_prompt)")
-    self.allocator_settings()  # checked now, named, rather than when the first lease comes
+    settings = self.allocator_settings()  # checked now, named, not when the first lease comes
+    if self.allocator == "vigor":
+      from algorithms.allocation import VigorAllocator
+      m0 = VigorAllocator(**settings).m0
+      need(self.samples_per_prompt >= m0, "samples_per_prompt",
+           f">= allocator_args' m0={m0} (VIGOR's budget is samples_per_prompt a prompt, its "
+           f"first round m0 each)")
     self.reward_term_weights()
     for f in ("prompts_per_lease", "prompts_per_call", "samples_per_prompt", "max_new_tokens",
               "decode_chunk_steps"):

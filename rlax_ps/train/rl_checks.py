@@ -171,6 +171,10 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
                      "is not fed again)")
   revisit = (check_revisit("rl.revisit_solved", rl.get("revisit_solved", 1.0)),
              check_revisit("rl.revisit_failed", rl.get("revisit_failed", 1.0)))
+  if revisit != (1.0, 1.0) and loss.advantage == "remax":
+    raise ValueError("rl.revisit_solved, rl.revisit_failed: expected 1.0 with loss.advantage="
+                     "'remax': a group of equal rewards learns there (against its greedy "
+                     "answer's reward), and revisiting sets it aside as learning nothing")
   from rlax_ps.train.prompts import file_weights  # (grain: on use)
   file_weights(config.data)  # data.weights: one a file of data.jsonl
   if revisit != (1.0, 1.0) and not config.data.get("jsonl", ""):

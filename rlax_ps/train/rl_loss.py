@@ -347,6 +347,13 @@ class LossConfig:
            f"None with policy_loss={self.policy_loss!r}, correction={self.correction!r} "
            "(it bounds PPO's clipped loss)")
     need(whole("overlong_buffer"), "overlong_buffer", "a whole number of tokens >= 0")
+    need(not (self.overlong_buffer and self.advantage == "remax"), "overlong_buffer",
+         "0 with advantage='remax' (the greedy baseline's length does not reach the trainer: "
+         "its samples would be punished for length and their baseline not)")
+    need(not (self.kl_in_reward and self.advantage == "remax"
+              and self.policy_loss in ("gspo", "geo_mean")), "policy_loss",
+         f"'ppo', 'cispo' or 'kl_cov' with advantage='remax' and kl_in_reward (a token's "
+         f"advantage is its return less the baseline), got {self.policy_loss!r}")
     need(isinstance(self.mask_truncated, bool), "mask_truncated", "True or False")
     need(_is_number(self.top_entropy_quantile) and 0 < self.top_entropy_quantile <= 1,
          "top_entropy_quantile", "a share in (0, 1] (1.0: every token)")
@@ -520,6 +527,10 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
   if cfg.advantage == "gae":  # (the KL penalty above checked; gae_targets applies it)
     adv, _, tokens = gae_targets(batch, cfg, ref_logp, kl_beta)
     return _without_truncated(adv_lib.masked_whiten(adv, tokens) * tokens, mask, batch, cfg)
+  if cfg.advantage == "remax" and kl is not None:  # verl's: each token's return less the
+    adv = adv_lib.discounted_returns(adv_lib.token_rewards(rewards, tokens, kl, beta), tokens)
+    return _without_truncated((adv - _remax_baselines(batch)[:, None]) * tokens, mask, batch,
+                              cfg)  # baseline (the KL makes the returns differ by token)
   if kl is not None:  # one number per sample: the sum of its token rewards, as verl's
     rewards = rewards - beta * jnp.sum(kl, axis=-1)
   if cfg.advantage == "reinforce_pp_baseline":
@@ -543,14 +554,19 @@ def group_advantages(batch: dict, num_groups: int, cfg: LossConfig,
     adv = adv_lib.gpg_advantages(rewards, group_ids, num_groups, mask, eps=cfg.std_eps,
                                  std_scaling=cfg.scale_rewards or "none")
   elif cfg.advantage == "remax":
-    if "baselines" not in batch:
-      raise ValueError("loss.advantage: 'remax' needs each group's greedy sample's reward "
-                       "(the batch's baselines: workers with worker.greedy_baseline=True)")
-    adv = adv_lib.remax_advantages(rewards, batch["baselines"].reshape(-1), mask)
+    adv = adv_lib.remax_advantages(rewards, _remax_baselines(batch), mask)
   else:
     adv, keep = adv_lib.mc_grpo_advantages(rewards, group_ids, num_groups, mask, **scaling)
     mask = mask * keep.astype(mask.dtype)
   return _without_truncated(adv, mask, batch, cfg)
+
+
+def _remax_baselines(batch: dict) -> jax.Array:
+  """[rows * N] each sample's group's greedy sample's reward (ReMax's baseline)."""
+  if "baselines" not in batch:
+    raise ValueError("loss.advantage: 'remax' needs each group's greedy sample's reward "
+                     "(the batch's baselines: workers with worker.greedy_baseline=True)")
+  return batch["baselines"].reshape(-1)
 
 
 def teacher_logprobs(batch: dict) -> jax.Array:

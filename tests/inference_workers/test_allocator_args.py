@@ -26,3 +26,14 @@ def test_bad_allocator_args_are_refused_naming_the_field(allocator, args, messag
   with pytest.raises(ValueError, match="WorkerConfig.allocator_args") as e:
     WorkerConfig(allocator=allocator, allocator_args=args)
   assert message in str(e.value)
+
+
+@pytest.mark.parametrize("samples, args", [(1, ""), (2, '{"m0": 4}')])
+def test_vigor_with_fewer_samples_a_prompt_than_its_first_round_is_refused_at_the_start(
+    samples, args):
+  """It passed every check, then each worker's first lease raised a budget error naming
+  neither field."""
+  with pytest.raises(ValueError, match=r"WorkerConfig.samples_per_prompt: expected >= "
+                                       r"allocator_args' m0="):
+    WorkerConfig(allocator="vigor", samples_per_prompt=samples, allocator_args=args)
+  WorkerConfig(allocator="vigor", samples_per_prompt=4, allocator_args=args)

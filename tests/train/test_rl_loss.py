@@ -119,6 +119,36 @@ def test_remax_takes_each_samples_reward_less_its_groups_greedy_reward():
   with pytest.raises(ValueError, match="loss.scale_rewards: expected unset with "
                                        "advantage='remax'"):
     LossConfig(advantage="remax", scale_rewards="group")
+  # The greedy baseline's length never reaches the trainer: DAPO's length punishment would
+  # fall on the samples alone (one equal to the greedy answer got -1, not verl's 0).
+  with pytest.raises(ValueError, match="loss.overlong_buffer: expected 0 with "
+                                       "advantage='remax'"):
+    LossConfig(advantage="remax", overlong_buffer=4)
+  with pytest.raises(ValueError, match="loss.policy_loss: expected 'ppo', 'cispo' or 'kl_cov' "
+                                       "with advantage='remax' and kl_in_reward"):
+    LossConfig(advantage="remax", kl_in_reward=0.1, policy_loss="gspo")
+
+
+def test_remax_with_a_kl_in_the_reward_gives_each_token_its_return_less_the_baseline():
+  """verl's compute_remax_outcome_advantage: token t's advantage is the sum of the token
+  rewards from t on (the score on the last token, -beta * KL on each) less the baseline;
+  every token had the score less the whole KL and the baseline."""
+  beta, r = 0.5, 4
+  behaviour = np.array([[[-1.0] * 4, [-1.0, -1.0, 0.0, 0.0]]], np.float32)
+  batch = {"rewards": np.array([[1.0, 0.0]], np.float32),
+           "baselines": np.full((1, 2), 0.5, np.float32),
+           "sample_mask": np.ones((1, 2), np.float32), "row_group": np.zeros((1,), np.int32),
+           "response_lens": np.array([[4, 2]], np.int32),
+           "response_tokens": np.ones((1, 2, r), np.int32),
+           "prompt_tokens": np.ones((1, 3), np.int32), "prompt_lens": np.full((1,), 3, np.int32),
+           "behaviour_logp": behaviour, "policy_tokens": np.ones((1, 2, r), np.float32)}
+  cfg = LossConfig(advantage="remax", kl_in_reward=beta, kl_estimator="k1", budget=r)
+  adv, _ = group_advantages({k: jnp.asarray(v) for k, v in batch.items()}, 1, cfg,
+                            ref_logp=jnp.full((2, r), -2.0))  # a KL of 1 on each token
+  # Sample 0: score 1 at token 3, -0.5 on each of 4 tokens; sample 1: 2 tokens, score 0.
+  np.testing.assert_allclose(np.asarray(adv), [[1 - 2.0 - 0.5, 1 - 1.5 - 0.5, 1 - 1.0 - 0.5,
+                                                1 - 0.5 - 0.5],
+                                               [-1.0 - 0.5, -0.5 - 0.5, 0, 0]], atol=1e-6)
 
 
 def _model():
