@@ -22,7 +22,8 @@ Llama 3.1+ and Mistral JSON calls):
 `@register_tool` on typed, documented functions in my_tools.py (run in the worker, cut at
 --config.worker.environment_args='{"timeout_s": 30}'), then
 --config.worker.verifiers=my_tools.py --config.tokenizer.tools=name,... (offered in every
-prompt through the chat template) --config.worker.environment=tool_calls.
+prompt through the chat template: one that reads `tools`, as Qwen's and Llama 3.1's do;
+Gemma's does not, and is refused) --config.worker.environment=tool_calls.
 Your own environment: `@register_environment("name")` on a class or factory in a file
 (algorithms.environments), then --config.worker.verifiers=my_env.py
 --config.worker.environment=name. Mixed data, each task its own (or none, single-turn):

@@ -390,6 +390,21 @@ class HFTokenizer:
                      if isinstance(text, str)}
     self._special.update({f"{kind}_token": name for kind, name in named.items()
                           if name is not None})
+    if self.tools:  # a template that never reads `tools` (Gemma's, a plain ChatML one)
+      def probe(tools):
+        return chat.render(self.chat_template, [{"role": "user", "content": "1+1"}],
+                           special_tokens=self._special, tools=tools, **self.chat_kwargs)
+      offered = probe(self.tools)
+      try:
+        plain = probe(None)
+      except Exception:  # noqa: BLE001 - one that fails without tools reads them
+        plain = None
+      if offered == plain:
+        raise ValueError(f"tokenizer.tools: the chat template renders no tools (it does not "
+                         f"read `tools`), so {[t['function']['name'] for t in self.tools]} "
+                         f"would be offered in no prompt; name a template that does "
+                         f"(tokenizer.chat_template=FILE.jinja) or describe the tools in the "
+                         f"prompts")
 
   def _resolve(self, kind, name, guesses, required=True):
     if name is not None:

@@ -115,6 +115,15 @@ def test_offered_tools_take_the_tokenizers_tool_use_template_as_transformers_pic
   assert (saved / chat.ADDITIONAL_DIR / "tool_use.jinja").read_text() == "T{{ tools | length }}"
 
 
+def test_tools_a_template_never_renders_are_refused_naming_the_field():
+  """A template that does not read `tools` (Gemma's, a plain ChatML one) offered them in no
+  prompt, and the run went on without a word."""
+  tools = [{"type": "function", "function": {"name": "add"}}]
+  with pytest.raises(ValueError, match=r"^tokenizer.tools: the chat template renders no "
+                                       r"tools .* \['add'\] would be offered in no prompt"):
+    HFTokenizer(CHAT, chat_template="auto", tools=tools)
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda: HFTokenizer(os.path.join(FIXTURES, "tokenizer"), bos_token="<eos>",
                          chat_template="auto"),

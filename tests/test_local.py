@@ -600,6 +600,10 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
     for name in ("tokenizer.json", "tokenizer_config.json"):
       shutil.copy(os.path.join(chat, name), rm / name)
   letters = ",".join(chr(c) for c in range(ord("a"), ord("z") + 1))
+  template = tmp_path / "tools.jinja"  # the ChatML one, naming the tools in a system turn
+  template.write_text("{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for tool in "
+                      "tools %}{{- ' ' + tool.function.name }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+                      "{%- endif %}" + HFTokenizer(chat, chat_template="auto").chat_template)
   proc = _local(workdir, f"--config.init_from_hf={ckpt}", f"--config.data.jsonl={train}",
                 *([f"--config.worker.reward_model={rm}",
                    "--config.worker.reward_model_dtype=float32",
@@ -612,6 +616,7 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
                 *([f"--config.tokenizer.stop_tokens={letters}",
                    "--config.worker.verifiers=tests/fixtures/user_verifiers.py",
                    "--config.tokenizer.tools=fixture_add",
+                   f"--config.tokenizer.chat_template={template}",
                    "--config.worker.environment=fixture_reply"] if tools else []),
                 config="configs/rl_lora.py:tiny" if family.endswith("lora")
                 else "configs/rl_moe.py:tiny" if int8 else "configs/rl_tools.py:tiny" if tools
@@ -643,6 +648,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
       assert "decoding on 2 devices (data 2 x tensor 1)" in log.read_text()
   if tools:  # samples ended turns, got replies (at most 2 each) and trained around them
     assert all(0 < s["env_replies_mean"] <= 2 and 0 < s["env_token_frac"] < 1 for s in steps)
+    logged = _lines(workdir / "completions.jsonl")  # the prompts offered the tool
+    assert logged and all("Tools: fixture_add" in c["prompt"] for c in logged), logged[:1]
   else:
     assert "env_replies_mean" not in steps[0]
   # Every worker ends holding the trainer's published weights (int8 codes and scales too).
@@ -654,8 +661,8 @@ def test_the_instruct_recipe_trains_a_checkpoint_on_chat_prompts(family, tmp_pat
     assert digests[int(version)] == digest
   assert not os.path.exists(workdir / "sft")
   export = workdir / "hf"
-  assert (export / "chat_template.jinja").read_text() == HFTokenizer(
-      chat, chat_template="auto").chat_template
+  assert (export / "chat_template.jinja").read_text() == (
+      template.read_text() if tools else HFTokenizer(chat, chat_template="auto").chat_template)
   stops = list(tok.stop_ids) + ([tok._tok.token_to_id(c) for c in letters.split(",")]
                                 if tools else [])
   assert json.load(open(export / "generation_config.json"))["eos_token_id"] == stops

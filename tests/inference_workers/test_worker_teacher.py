@@ -268,8 +268,13 @@ def test_a_teachers_own_tokenizer_must_be_its_checkpoints_and_keeps_the_policys_
     Teacher(str(tmp_path / "teacher"), None, vocab_size=68, dtype="float32",
             tokenizer=HFTokenizer(chat), retokenized=True)
   tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
-  policy = HFTokenizer(chat, chat_template="auto", chat_kwargs={"enable_thinking": False},
-                       tools=tools)
-  own = own_tokenizer(chat, policy, "teacher.tokenizer")
+  offering = tmp_path / "chat"  # the chat tokenizer with a template that names the tools
+  shutil.copytree(chat, offering)
+  config = json.loads((offering / "tokenizer_config.json").read_text())
+  config["chat_template"] = "{{ tools | tojson }}" + config["chat_template"]
+  (offering / "tokenizer_config.json").write_text(json.dumps(config))
+  policy = HFTokenizer(str(offering), chat_template="auto",
+                       chat_kwargs={"enable_thinking": False}, tools=tools)
+  own = own_tokenizer(str(offering), policy, "teacher.tokenizer")
   assert own.chat_kwargs == {"enable_thinking": False} and own.tools == tools
   assert own.render_prompt("hi") == policy.render_prompt("hi")
