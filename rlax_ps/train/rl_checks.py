@@ -244,13 +244,22 @@ def _check_files(config) -> None:
   from rlax_ps.train.prompts import heldout_overlap, iter_config_records
   worker = config.worker
   verifiers_by_task(str(worker.default_task), str(worker.get("verifiers", "")))
-  tokenizer, block = None, config.get("tokenizer") or {}
-  if config.get("init_from_hf", "") or str(block.get("kind", "char")) == "char":
-    tokenizer = tokenizer_from_config(block, config.get("init_from_hf", ""),
-                                      tool_modules=str(worker.get("verifiers", "")))
   from rlax_ps.train.run import check_init_from_hf
-  if config.get("init_from_hf", ""):
-    check_init_from_hf(str(config.init_from_hf))
+  tokenizer, block = None, config.get("tokenizer") or {}
+  start = str(config.get("init_from_hf", ""))
+  model = check_init_from_hf(start) if start else None  # first: a mistyped folder is named
+  if start or str(block.get("kind", "char")) == "char":
+    try:
+      tokenizer = tokenizer_from_config(block, start,
+                                        tool_modules=str(worker.get("verifiers", "")))
+    except (ValueError, FileNotFoundError) as e:
+      if not start or str(block.get("kind", "char")) == "char" or block.get("path", ""):
+        raise
+      raise ValueError(f"tokenizer.path: unset, so the tokenizer of init_from_hf's folder, "
+                       f"which has none: {e}") from None
+  if model is not None and tokenizer.vocab_size > model.vocab_size:  # (its ids clamped)
+    raise ValueError(f"init_from_hf: {start}: config.json vocab_size: expected at least "
+                     f"{tokenizer.vocab_size} (the tokenizer's ids), got {model.vocab_size}")
   for field, teacher in (("teacher.path", (config.get("teacher") or {}).get("path", "")),
                          ("worker.teacher", worker.get("teacher", ""))):
     if str(teacher):
@@ -282,8 +291,10 @@ def _check_files(config) -> None:
         tasks = {r["task"] for r in records}
       else:
         tasks, digest = _tasks_and_digest(config, records)
-        limit = int(config.rl.max_prompt_tokens) if field == "jsonl" else None
-        check_prompt_lengths(config, f"data.{field}", path, digest, tokenizer, limit)
+        limit, bound = (None, "") if field != "jsonl" else (
+            prompt_limit(config, model.max_position_embeddings) if model is not None
+            else (int(config.rl.max_prompt_tokens), "rl.max_prompt_tokens"))
+        check_prompt_lengths(config, f"data.{field}", path, digest, tokenizer, limit, bound)
       for task in sorted(tasks - {REWARD_MODEL_TASK, str(worker.default_task)}):
         verifier_for_task(task, f"data.{field} task")
       if held and field == "jsonl":

@@ -49,13 +49,13 @@ def built_or_exit(prog: str, build: Callable[[], Any]) -> Any:
     sys.exit(2)
 
 
-def check_init_from_hf(path: str) -> None:
-  """init_from_hf's config and tensor names (from the safetensors' headers: no weights read)
-  are what a trainer or worker loads: a missing folder, file or foreign tensor is named now,
-  with the field."""
+def check_init_from_hf(path: str):
+  """The ModelConfig of init_from_hf, once its config and tensor names (from the
+  safetensors' headers: no weights read) are what a trainer or worker loads: a missing
+  folder, file or foreign tensor is named now, with the field."""
   from rlax_ps.models.hf import check_hf_checkpoint
   try:
-    check_hf_checkpoint(path)
+    return check_hf_checkpoint(path)
   except (OSError, ValueError) as e:
     raise ValueError(f"init_from_hf: {e}") from None
 

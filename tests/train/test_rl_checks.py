@@ -201,7 +201,11 @@ def test_the_char_tokenizer_is_refused_for_a_checkpoint_with_its_own(tmp_path):
   assert tokenizer_from_config(block, str(tmp_path)).vocab == CharTokenizer().vocab
   with pytest.raises(ValueError, match="tokenizer.kind: 'char'"):  # another alphabet
     tokenizer_from_config({"kind": "char", "alphabet": "0123456789"}, str(tmp_path))
-  config = _set(rl_config(), init_from_hf=os.path.join(FIXTURES, "tokenizer"))
+  import shutil
+  ckpt = tmp_path / "ckpt"  # a checkpoint shipping a BPE tokenizer
+  shutil.copytree(os.path.join(FIXTURES, "qwen3"), ckpt)
+  shutil.copy(os.path.join(FIXTURES, "tokenizer", "tokenizer.json"), ckpt)
+  config = _set(rl_config(), init_from_hf=str(ckpt))
   with pytest.raises(ValueError, match="tokenizer.kind: 'char'"):
     check_rl_config(config)
 
@@ -312,3 +316,43 @@ def test_a_recipe_for_your_own_data_is_refused_without_it_naming_data_jsonl():
     config.data.jsonl = "train.jsonl"
     check_rl_config(config, files=False)  # (the file itself is read with files=True)
   check_rl_config(rl_config("tiny"), files=False)  # rl_local: the built-in tasks
+
+
+def test_a_checkpoints_mistakes_are_named_before_anything_starts(tmp_path):
+  """rlax-ps local found a mistyped init_from_hf as a tokenizer without a file ('HFTokenizer
+  path'), and a model embedding fewer ids than its tokenizer, or a prompt past its
+  positions, only once the server, trainer and workers had started (a child's crash)."""
+  import shutil
+
+  from flax import nnx
+
+  from rlax_ps.models import ModelConfig, Transformer, save_hf_checkpoint
+  chat = os.path.join(REPO, "tests", "fixtures", "hf", "chat_tokenizer")
+  tok = HFTokenizer(chat)
+
+  def model(folder, vocab, positions=256, tokenizer=True):
+    config = ModelConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=1,
+                         num_heads=2, num_kv_heads=1, max_position_embeddings=positions)
+    save_hf_checkpoint(Transformer(config, rngs=nnx.Rngs(0)), str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer else ():
+      shutil.copy(os.path.join(chat, name), folder / name)
+    return str(folder)
+
+  data = tmp_path / "data.jsonl"
+  data.write_text(json.dumps({"prompt": "1+1 " * 40, "answer": "2"}) + "\n")
+  config = rl_config(path="configs/rl_instruct.py")
+  config.data.jsonl, config.rl.max_prompt_tokens = str(data), 200
+  for start, message in (
+      (str(tmp_path / "mistyped"), r"^init_from_hf: no config.json in HF checkpoint folder"),
+      (model(tmp_path / "bare", tok.vocab_size, tokenizer=False),
+       r"^tokenizer.path: unset, so the tokenizer of init_from_hf's folder, which has none"),
+      (model(tmp_path / "small", 80), r"^init_from_hf: .*small: config.json vocab_size: "
+                                      r"expected at least 336 \(the tokenizer's ids\), got 80"),
+      (model(tmp_path / "short", tok.vocab_size, positions=64),
+       r"data.jsonl .*:1: the model's max_position_embeddings=64 - worker.max_new_tokens=\d+: "
+       r"\d+ is too small for this prompt of \d+ tokens")):
+    config.init_from_hf = start
+    with pytest.raises(ValueError, match=message):
+      check_rl_config(config)
+  config.init_from_hf = model(tmp_path / "fine", tok.vocab_size)
+  check_rl_config(config)
