@@ -57,7 +57,8 @@ class Tokenizer(Protocol):
 
   def encode_prompt(self, prompt: str | list[dict[str, str]]) -> list[int]: ...
 
-  def encode_reply(self, text: str | Sequence[str], after: int) -> list[int]: ...
+  def encode_reply(self, text: str | Sequence[str | Mapping[str, str]], after: int
+                   ) -> list[int]: ...
 
   def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str: ...
 
@@ -120,11 +121,13 @@ class CharTokenizer:
     """[bos] + the prompt's ids."""
     return self.encode(self.render_prompt(prompt), add_bos=True)
 
-  def encode_reply(self, text: str | Sequence[str], after: int) -> list[int]:
+  def encode_reply(self, text: str | Sequence[str | Mapping[str, str]], after: int
+                   ) -> list[int]:
     """An environment's reply after a turn the policy ended: the text's ids (no template;
-    several replies joined by newlines)."""
+    several replies, or messages' contents, joined by newlines)."""
     del after
-    return self.encode(text if isinstance(text, str) else "\n".join(text))
+    return self.encode(text if isinstance(text, str) else "\n".join(
+        m["content"] if isinstance(m, Mapping) else m for m in text))
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     """The characters' ids, looked up all at once by code point (one per character of the
@@ -513,24 +516,31 @@ class HFTokenizer:
                        tools=self.tools, **self.chat_kwargs)
     return self.encode(text)
 
-  def encode_reply(self, text: str | Sequence[str], after: int) -> list[int]:
+  def encode_reply(self, text: str | Sequence[str | Mapping[str, str]], after: int
+                   ) -> list[int]:
     """The ids that follow a turn the policy ended with token `after`: the environment's
     reply `text` as the next message (a list: as that many messages), each a "tool"
-    message (a "user" one where the template renders no tool role), and the assistant's
-    turn opened again, as the chat template renders that conversation (its own filters on
-    the content, `trim` or `tojson`, applied); without a template, the text's ids (a list
-    joined by newlines).
+    message (a "user" one where the template renders no tool role; a message given as a
+    {"role", "content"} dict keeps its role, a demonstration's user turn), and the
+    assistant's turn opened again, as the chat template renders that conversation (its own
+    filters on the content, `trim` or `tojson`, applied); without a template, the text's
+    ids (a list joined by newlines). No replies (an empty list): the framing between two
+    assistant turns.
 
     Only what follows the turn is taken: a template may render earlier turns differently
     once more follow (Qwen3 drops an empty thinking block), but the policy has already seen
     them as they were sampled; the turn's closing token (`after`) is left out where the
     template opens the rest with it."""
-    texts = [text] if isinstance(text, str) else list(text)
+    items = [text] if isinstance(text, str) else list(text)
+    texts = [m["content"] if isinstance(m, Mapping) else m for m in items]
     if self.chat_template is None:
       return self.encode("\n".join(texts))
-    role = self._reply_roles.get(len(texts)) or self._reply_role(len(texts))
-    self._reply_roles[len(texts)] = role
-    framed = self._render_after_turn([{"role": role, "content": t} for t in texts])
+    tools = sum(not isinstance(m, Mapping) or m["role"] == "tool" for m in items)
+    role = self._reply_roles.get(tools) or self._reply_role(tools)
+    self._reply_roles[tools] = role
+    framed = self._render_after_turn([
+        {"role": m["role"] if isinstance(m, Mapping) and m["role"] != "tool" else role,
+         "content": t} for m, t in zip(items, texts)])
     closing = self.decode([after], skip_special=False)
     if closing and framed.startswith(closing):
       framed = framed[len(closing):]

@@ -22,18 +22,19 @@ def encode_example(tokenizer: Tokenizer, example: Example) -> tuple[list[int], l
   """(ids, loss weights) for the prompt's ids, answer and the token that ends an assistant's
   turn (turn_end_id: the chat template's, e.g. Gemma's <end_of_turn>, else eos); weight 1 on
   both. A multi-turn answer (a list of messages) is laid out as a rollout is sampled: each
-  assistant turn and its end (weight 1), each run of replies as `encode_reply` renders it
-  after that end (weight 0: context, as in RL)."""
+  assistant turn and its end (weight 1), each run of replies (tool or user messages, in
+  their roles) as `encode_reply` renders it after that end, the framing alone between two
+  assistant turns (weight 0: context, as in RL)."""
   end = tokenizer.turn_end_id
   ids = tokenizer.encode_prompt(example.prompt)
   weights = [0.0] * len(ids)
   turns = [example.answer] if isinstance(example.answer, str) else example.answer
-  replies: list[str] = []
-  for m in turns:
+  replies: list[dict] = []  # each keeps its role: a user's turn is not a tool's reply
+  for i, m in enumerate(turns):
     if isinstance(m, dict) and m["role"] != "assistant":
-      replies.append(m["content"])
+      replies.append(m)
       continue
-    if replies:
+    if i:  # the replies since the last turn, or (none) two assistant turns' framing
       fed = tokenizer.encode_reply(replies, end)
       ids, weights, replies = ids + fed, weights + [0.0] * len(fed), []
     said = tokenizer.encode(m if isinstance(m, str) else m["content"]) + [end]

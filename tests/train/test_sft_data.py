@@ -191,6 +191,30 @@ def test_a_multi_turn_demonstration_is_laid_out_as_a_rollout_with_loss_on_the_po
         1.0] * len(last)
 
 
+def test_a_demonstrations_user_turns_and_back_to_back_turns_render_as_the_template_does():
+  """A user's turn between assistant turns was rendered as a tool message (every template
+  that has a tool role), and two assistant turns in a row had no framing between them (the
+  model trained to go on past its end of turn). Each now reads as the chat template renders
+  the whole conversation, under both fixture templates."""
+  import os
+  from rlax_ps import chat as chat_lib
+  from rlax_ps.tokenizers import HFTokenizer
+  chat = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf",
+                      "chat_tokenizer")
+  answer = [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": "Italy?"},
+            {"role": "assistant", "content": "Rome."},
+            {"role": "assistant", "content": "Anything else?"}]
+  for template, stop in (("auto", []), (os.path.join(chat, "llama3.jinja"), ["<|eot_id|>"])):
+    tok = HFTokenizer(chat, chat_template=template, stop_tokens=stop)
+    ids, weights = encode_example(tok, Example("Capital of France?", answer))
+    whole = chat_lib.render(tok.chat_template,
+                            [{"role": "user", "content": "Capital of France?"}, *answer],
+                            special_tokens=tok._special, add_generation_prompt=False)
+    assert whole.startswith(tok.decode(ids, skip_special=False)), (template, whole)
+    trained = tok.decode([i for i, w in zip(ids, weights) if w], skip_special=False)
+    assert "Italy?" not in trained and "Rome." in trained and "Anything else?" in trained
+
+
 def test_demonstrations_are_supervised_data_only_and_their_roles_are_checked(tmp_path):
   from rlax_ps.train.prompts import read_prompts
   good = [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "r"},
