@@ -12,8 +12,10 @@ strips thousands separators (not a list's ", "). A leading "x =" is dropped wher
 side has no "=", and from both where both name the same variable (x=2 is not y=2). Then
 both sides are compared as exact rationals when they parse as numbers (so 0.5 == 1/2 ==
 \\frac{1}{2}), else as normalised strings and, where those differ, symbolically
-(math-verify: \\sqrt{12} == 2\\sqrt{3}, x^2+1 == 1+x^2, sets, intervals). An empty answer
-matches nothing; an empty reference is a ValueError.
+(math-verify: \\sqrt{12} == 2\\sqrt{3}, x^2+1 == 1+x^2, sets, intervals). A completion with
+neither a box nor an answer line passes only where it is the answer alone, one line equal to
+the reference as a number or normalised string (no symbolic check): "6", not "I think 6".
+An empty answer matches nothing; an empty reference is a ValueError.
 """
 
 from __future__ import annotations
@@ -191,8 +193,13 @@ class MathAnswerVerifier:
     if not ref:  # every empty answer would match it
       raise ValueError(f"reference: expected an answer, got {reference!r} (empty once normalised)")
     extracted = extract_answer(completion)
-    if extracted is None:
-      return VerifierResult(0.0, False, {"extracted": None, "reference": ref})
+    if extracted is None:  # a completion that is the answer alone (an SFT model's "6")
+      bare = normalize_answer(completion) if "\n" not in completion.strip() else ""
+      p, r = unassigned(bare, ref)
+      a, b = as_number(p), as_number(r)
+      equal = bool(p) and (a == b if a is not None and b is not None else p == r)
+      return VerifierResult(float(equal), equal, {"extracted": None, "bare": bare,
+                                                  "reference": ref})
     pred = normalize_answer(extracted)
     info = {"extracted": extracted, "normalized": pred, "reference": ref}
     p, r = unassigned(pred, ref)

@@ -218,10 +218,11 @@ class SFTTrainer(TrainerRun):
     return last
 
 
-def format_accuracy(result: dict[str, float], n_per_task: int) -> str:
-  parts = [f"{k} {100 * v:.1f}%" for k, v in result.items() if k != "all"]
-  return (f"held-out exact match: {', '.join(parts)}; all {100 * result['all']:.1f}% "
-          f"({n_per_task} per task)")
+def format_accuracy(result: dict[str, float], counts: dict[str, int]) -> str:
+  """The held-out line: each task's rate of its `counts` examples, and all of them's."""
+  parts = [f"{k} {100 * v:.1f}% of {counts.get(k, 0)}" for k, v in result.items() if k != "all"]
+  return (f"held-out exact match: {', '.join(parts)}; all {100 * result['all']:.1f}% of "
+          f"{sum(counts.values())}")
 
 
 @contextlib.contextmanager
@@ -276,7 +277,8 @@ def train_and_evaluate(config, workdir: str, *, progress: bool = True,
                "export": export, "seconds": time.time() - t0}
     if not trainer.leader:
       return summary
-    print(format_accuracy(result, int(config.eval.num_examples)) if result else
+    print(format_accuracy(result, {k: len(v) for k, v in trainer.heldout.examples.items()})
+          if result else
           "held-out: no examples, not evaluated", flush=True)
     if export:
       print(f"Hugging Face export: {export}", flush=True)

@@ -182,6 +182,19 @@ def test_an_answer_line_closed_by_a_period_in_markdown_or_with_a_unicode_minus_i
   assert result.passed, result.info
 
 
+@pytest.mark.parametrize("completion,reference,passed", [
+    ("6", "6", True), ("6.", "6", True), (" 0.5 ", "1/2", True), ("x = 3", "3", True),
+    ("\\frac{1}{2}", "0.5", True), ("7", "6", False), ("I think it is 5", "5", False),
+    ("5\n6", "5", False), ("", "6", False), ("\\sqrt{12}", "2\\sqrt{3}", False),
+])
+def test_a_completion_that_is_the_answer_alone_is_scored_without_a_symbolic_check(
+    completion, reference, passed):
+  """A model trained on plain answers (SFT held out: records with no task) writes "6": no
+  box, no answer line, so every such answer scored 0, a perfect model's too."""
+  result = VERIFY(completion, reference)
+  assert result.passed is passed and "symbolic" not in result.info
+
+
 def test_numbers_and_equal_strings_never_ask_the_symbolic_checker():
   from algorithms.verifiers.symbolic import SymbolicEqual
   checker = SymbolicEqual()

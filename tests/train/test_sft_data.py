@@ -229,3 +229,12 @@ def test_demonstrations_are_supervised_data_only_and_their_roles_are_checked(tmp
   with pytest.raises(ValueError, match=r"d.jsonl:1: field 'answer': expected assistant turns, "
                                        r"the first and the last, .* got roles \['tool'\]"):
     read_prompts(str(path), "addition", demonstrations=True)
+
+
+def test_the_held_out_line_counts_the_examples_each_task_scored():
+  """It said eval.num_examples ("8 per task") where data.heldout_jsonl's records were scored,
+  however many."""
+  from rlax_ps.train.sft import format_accuracy
+  assert format_accuracy({"math": 0.75, "addition": 0.5, "all": 0.6}, {"math": 12, "addition": 8}
+                         ) == ("held-out exact match: math 75.0% of 12, addition 50.0% of 8; "
+                               "all 60.0% of 20")
