@@ -59,11 +59,14 @@ def quantize(x, dtype=jnp.int8) -> QuantizedKV:
   [..., Hkv] (its largest |x| over the codes' largest)."""
   x = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=-1)
+  # (at least the smallest normal float32: a head of values below ~1e-36 had a scale flushed
+  # to 0, which made its fp8 codes NaN and its int8 ones 0)
+  tiny = jnp.finfo(jnp.float32).tiny
   if jnp.dtype(dtype) == jnp.int8:
-    scales = jnp.where(amax > 0, amax / LEVELS, 1.0)
+    scales = jnp.where(amax > 0, jnp.maximum(amax / LEVELS, tiny), 1.0)
     values = jnp.clip(jnp.round(x / scales[..., None]), -LEVELS, LEVELS).astype(jnp.int8)
   else:
-    scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    scales = jnp.where(amax > 0, jnp.maximum(amax / FP8_MAX, tiny), 1.0)
     values = jnp.clip(x / scales[..., None], -FP8_MAX, FP8_MAX).astype(dtype)
   return QuantizedKV(values, scales)
 

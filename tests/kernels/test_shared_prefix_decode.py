@@ -152,6 +152,16 @@ def test_int8_codes_keep_each_token_within_half_a_level_of_its_range():
   assert buf[1].shape == (5, 2, 16) and buf.nbytes == 3 * 5 * 2 * (16 + 4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_a_head_of_tiny_values_widens_to_finite_values_near_them(dtype):
+  """Values below ~1e-36 (normal float32) had their scale flushed to 0: fp8 codes of x / 0
+  were NaN, int8 ones widened to 0."""
+  x = jnp.array([[[0.0, 1e-36, -1e-36, 3e-37]]], jnp.float32)
+  widened = np.asarray(kv_widen(quantize(x, dtype), jnp.float32))
+  assert np.isfinite(widened).all()
+  np.testing.assert_allclose(widened, np.asarray(x), rtol=0.1, atol=1e-38)
+
+
 def _pallas_operands(fn, *args):
   """How many arrays each pallas_call of jitted `fn` reads (its operands, scalars included)."""
   def find(jaxpr):
