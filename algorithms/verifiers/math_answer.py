@@ -68,8 +68,8 @@ def extract_answer(completion: str) -> str | None:
         return bare.group(1).strip()
   for line in reversed(completion.strip().splitlines()):
     match = _ANSWER_LINE.match(line)
-    if match and _EMPHASIS.sub("", match.group(1).strip()):
-      return _EMPHASIS.sub("", match.group(1).strip()).strip()
+    if match and (answer := _EMPHASIS.sub("", match.group(1).strip()).strip()):
+      return answer
   return None
 
 
@@ -193,14 +193,10 @@ class MathAnswerVerifier:
     if not ref:  # every empty answer would match it
       raise ValueError(f"reference: expected an answer, got {reference!r} (empty once normalised)")
     extracted = extract_answer(completion)
-    if extracted is None:  # a completion that is the answer alone (an SFT model's "6")
-      bare = normalize_answer(completion) if "\n" not in completion.strip() else ""
-      p, r = unassigned(bare, ref)
-      a, b = as_number(p), as_number(r)
-      equal = bool(p) and (a == b if a is not None and b is not None else p == r)
-      return VerifierResult(float(equal), equal, {"extracted": None, "bare": bare,
-                                                  "reference": ref})
-    pred = normalize_answer(extracted)
+    alone = extracted is None  # the completion may be the answer alone (an SFT model's "6")
+    if alone and "\n" in completion.strip():
+      return VerifierResult(0.0, False, {"extracted": None, "reference": ref})
+    pred = normalize_answer(completion if alone else extracted)
     info = {"extracted": extracted, "normalized": pred, "reference": ref}
     p, r = unassigned(pred, ref)
     a, b = as_number(p), as_number(r)
@@ -210,6 +206,8 @@ class MathAnswerVerifier:
       equal = a == b
     elif p == r:
       equal = True
+    elif alone:  # no answer it marked: equal as written or not at all
+      equal = False
     else:
       verdict = (self.symbolic or shared_symbolic())(_as_written(str(reference)),
                                                       _as_written(extracted))
