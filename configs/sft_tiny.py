@@ -88,8 +88,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Several files (comma-joined) mixed: one weight a file ("3,1"); "" = their records as one
   # set.
   c.data.weights = ""
-  # Held-out records in the same form, scored by their task's verifier (else math) instead
-  # of the tasks' held-out split.
+  # Held-out records, each answer one reference string (no demonstration), scored by their
+  # task's verifier (else math) instead of the tasks' held-out split.
   c.data.heldout_jsonl = ""
   c.data.prompt_key = "prompt"
   c.data.answer_key = "answer"

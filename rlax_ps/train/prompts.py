@@ -150,10 +150,29 @@ def _raw_records(path: str, field: str) -> Iterator[tuple[str, Any]]:
     if not line.strip():
       continue
     try:
-      rec = json.loads(line.rstrip("\r\n"))  # an error's column is then the line's own
+      # an error's column is then the line's own; a float keeps its text (_Number)
+      rec = json.loads(line.rstrip("\r\n"), parse_float=_Number)
     except json.JSONDecodeError as e:
       raise ValueError(f"{path}:{n}: not JSON: {e}") from None
     yield f"{path}:{n}", rec
+
+
+class _Number(float):
+  """A JSON float that keeps its text as written: an answer 0.00001 or 2.50 is sent and
+  trained as that, not as Python's repr (1e-05, 2.5)."""
+
+  def __new__(cls, text: str):
+    number = super().__new__(cls, text)
+    number.text = text
+    return number
+
+
+def _number_text(x: int | float) -> str:
+  """A number answer as text: a JSON float as written, another (Parquet's) without an
+  exponent (1e-05 -> 0.00001, 1e16 -> 10000000000000000, 1000.0 -> 1000)."""
+  if isinstance(x, _Number):
+    return x.text
+  return np.format_float_positional(x, trim="-") if isinstance(x, float) else str(x)
 
 
 def _lookup(rec: dict, key: str) -> Any:
@@ -238,13 +257,14 @@ def iter_prompts(path: str, default_task: str = "", known: Sequence[str] | None 
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
       if not math.isfinite(answer):  # JSON's NaN / 1e400: "nan" / "inf" matches no answer
         raise ValueError(f"{where}: field {answer_key!r}: expected a string or a finite "
-                         f"number, got {answer!r}")
-      answer = str(answer)
+                         f"number, got {float(answer)!r}")
+      answer = _number_text(answer)
     if isinstance(answer, (list, tuple)) and demonstrations:
       answer = conversation_answer(answer, f"{where}: field {answer_key!r}")
     elif not isinstance(answer, str):
-      also = (" (a list of messages is a multi-turn demonstration, for supervised data)"
-              if isinstance(answer, (list, tuple)) else "")
+      also = (" (a list of messages is a multi-turn demonstration: the data.jsonl of "
+              "`rlax-ps sft` takes those; a held-out or RL record's answer is the one "
+              "reference its verifier checks)" if isinstance(answer, (list, tuple)) else "")
       raise ValueError(f"{where}: field {answer_key!r}: expected a string, got "
                        f"{quoted(answer)}{also}")
     if known is not None and task not in known:

@@ -270,3 +270,34 @@ def test_a_lone_surrogate_is_refused_naming_its_line_and_field(tmp_path, record,
   path = _write(tmp_path, [json.dumps(RECORDS[0]), json.dumps(record)])
   with pytest.raises(ValueError, match=f"data.jsonl:2: field '{key}': not valid Unicode"):
     read_prompts(str(path), default_task="math")
+
+
+def test_a_number_answer_is_the_text_it_was_written_as(tmp_path):
+  """json's float repr sent 0.00001 as '1e-05' (which the math verifier does not take for
+  0.00001) and trained 2.50 as '2.5'; a Parquet float is written without an exponent."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  from algorithms.verifiers.math_answer import MathAnswerVerifier
+  lines = ['{"prompt": "a", "answer": 0.00001}', '{"prompt": "b", "answer": 2.50}',
+           '{"prompt": "c", "answer": 1e3}', '{"prompt": "d", "answer": 12}']
+  got = [r["answer"] for r in read_prompts(str(_write(tmp_path, lines)))]
+  assert got == ["0.00001", "2.50", "1e3", "12"]
+  assert MathAnswerVerifier()(r"\boxed{0.00001}", got[0]).passed
+  pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": x}
+                                       for x in (1e-05, 1e16, 1000.0, 2.5)]),
+                 tmp_path / "f.parquet")
+  assert [r["answer"] for r in read_prompts(str(tmp_path / "f.parquet"))] == [
+      "0.00001", "10000000000000000", "1000", "2.5"]
+
+
+def test_a_demonstration_where_one_reference_is_read_says_where_demonstrations_go(tmp_path):
+  from ml_collections import ConfigDict
+  from rlax_ps.train.prompts import config_records
+  path = _write(tmp_path, [json.dumps({"prompt": "p", "answer": [
+      {"role": "assistant", "content": "a"}]})], "heldout.jsonl")
+  config = ConfigDict({"data": {"prompt_key": "prompt", "answer_key": "answer",
+                                "task_key": "task"}, "worker": {"default_task": "math"}})
+  with pytest.raises(ValueError, match=r"heldout.jsonl:1: field 'answer': .* the data.jsonl of "
+                                       r"`rlax-ps sft` takes those; a held-out or RL record's "
+                                       r"answer is the one reference its verifier checks"):
+    config_records(config, "data.heldout_jsonl", str(path))
