@@ -337,7 +337,7 @@ class Progress:
 
   def postfix(self, record: dict[str, Any]) -> dict[str, str]:
     """The line's fields after `record`, the newest step."""
-    self.synced += record.get("sync_bytes", 0)
+    self.synced += record.get("sync_bytes", 0) + record.get("sync_keyframe_bytes", 0)
     if record.get("heldout"):
       self.heldout = record["heldout"]
     acc = self.heldout
@@ -346,6 +346,16 @@ class Progress:
             "len": f"{record.get('response_len_mean', 0):.0f}tok",
             "samples/s": f"{record['samples_per_s']:.1f}",
             "stale": f"{record['staleness_mean']:.1f}v", "synced": human_bytes(self.synced)}
+
+
+def advance(bar, step: int) -> None:
+  """Move the live bar (tqdm) to `step`. A resumed trainer's first step at or below the bar
+  (the killed run had logged steps past its checkpoint) starts the bar over from there, its
+  rate its own (it went backwards, at a negative rate and time left)."""
+  if step <= bar.n:
+    bar.initial = step - 1
+    bar.start_t = bar.last_print_t = time.time()  # (tqdm's reset() would draw 0 steps first)
+  bar.n = step
 
 
 def sampling_label(sampling: dict[str, float]) -> str:

@@ -141,7 +141,7 @@ def main(argv: list[str]) -> None:
     progress = local.Progress()
     while not run.check(trainer):
       for record in steps.read():
-        bar.n = record["step"]
+        local.advance(bar, record["step"])
         bar.set_postfix(progress.postfix(record), refresh=False)
         bar.refresh()
       time.sleep(0.5)

@@ -415,6 +415,21 @@ def test_the_progress_line_keeps_the_last_accuracy_and_shows_bytes_in_a_fitting_
   assert line["acc"] == "25%" and line["synced"] == "30.8 KiB"
   line = progress.postfix(_record(3, sync_bytes=2 << 20))  # a step without an evaluation
   assert line["acc"] == "25%" and line["synced"] == "2.0 MiB"
+  # a scheduled keyframe, sent beside its delta, is published too
+  line = progress.postfix(_record(4, sync_bytes=0, sync_keyframe_bytes=(2 << 20) - 31_582))
+  assert line["synced"] == "4.0 MiB"
+
+
+def test_the_live_bar_starts_over_where_a_resumed_trainer_goes_on():
+  """The killed run logged steps 9-11 past its checkpoint (step 8): the resumed trainer's
+  step 9 took the bar backwards, at a negative rate and time left."""
+  from tqdm import tqdm
+  bar = tqdm(total=40, initial=11, disable=True)
+  bar.n = 11
+  local.advance(bar, 9)
+  assert bar.n == 9 and bar.initial == 8
+  local.advance(bar, 10)
+  assert bar.n == 10 and bar.initial == 8  # the rate counts this run's 2 steps
 
 
 def test_the_summary_table_shows_a_deltas_median_seconds_rejected_groups_and_rl_time():
@@ -443,7 +458,8 @@ def test_own_prompts_rewards_and_heldout_records_run_through_the_loop(run, tmp_p
   heldout.write_text("".join(json.dumps({"prompt": f"{i}+2=", "answer": str(i + 2),
                                          "task": "fixture_any"}) + "\n" for i in range(4)))
   proc = _local(tmp_path, f"--config.data.jsonl={train}", f"--config.data.heldout_jsonl={heldout}",
-                "--config.worker.verifiers=tests/fixtures/user_verifiers.py")
+                "--config.worker.verifiers=tests/fixtures/user_verifiers.py",
+                "--config.publish.keyframe_every=2")
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   summary = json.load(open(tmp_path / "summary.json"))
   assert summary["heldout_exact_match"] == {"fixture_any": 1.0, "all": 1.0}
@@ -454,9 +470,15 @@ def test_own_prompts_rewards_and_heldout_records_run_through_the_loop(run, tmp_p
     assert 0 <= round(n) <= 16 and abs(n - round(n)) < 1e-6, s["reward_mean"]
   # Rewards that differ within a group move the weights: the workers end on the trainer's
   # weights of their version through deltas that changed them, not the first keyframe's.
-  digests = [v["digest"] for v in _lines(tmp_path / "versions.jsonl")]
+  versions = _lines(tmp_path / "versions.jsonl")
+  digests = [v["digest"] for v in versions]
   assert digests[-1] != digests[0], [s["reward_mean"] for s in steps]
   _holds_the_trainers_weights(tmp_path)
+  # The steps' bytes (the live line's) are what was published after the first keyframe,
+  # scheduled keyframes (publish.keyframe_every) too.
+  assert any(v.get("keyframe_bytes") for v in versions)
+  assert (sum(s["sync_bytes"] + s["sync_keyframe_bytes"] for s in steps)
+          == sum(v["bytes"] + v.get("keyframe_bytes", 0) for v in versions[1:]))
 
 
 @pytest.mark.slow  # ~4 s; test_local_metrics' LocalRun refusals, the wrong-rl-field test below

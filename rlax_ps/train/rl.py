@@ -228,6 +228,16 @@ def _verdicts(samples) -> tuple[bool, ...] | None:
   return tuple(m == "1" for m in marks)
 
 
+def versions_behind(sampled: int, trained: int, saved: int, restarted: int) -> int:
+  """How many versions the weights that sampled a group (`sampled`) are from those a step
+  trains (`trained`). A restart republished its checkpoint's weights (version `saved`) as
+  version `restarted`: a group of the run before counts its way to `saved`, back from the
+  lost steps' versions too, then on from `restarted`."""
+  if sampled >= restarted:
+    return trained - sampled
+  return abs(saved - sampled) + trained - restarted
+
+
 def pass_at_n(groups: list[Group]) -> float | None:
   """The share of groups with a sample its verifier passed, over the groups that carry
   verdicts; None when none does (a reward model's scores only)."""
@@ -1086,7 +1096,8 @@ class RLTrainer(TrainerRun):
         if done % self.publish_every == 0 and not warming:  # (warming: the weights as were)
           try:
             pub = self._publish(self.version + 1)
-            record.update(sync_bytes=pub.bytes, sync_seconds=pub.seconds, version=pub.version)
+            record.update(sync_bytes=pub.bytes, sync_keyframe_bytes=pub.keyframe_bytes,
+                          sync_seconds=pub.seconds, version=pub.version)
           except ParamServerError as e:  # the next start publishes a keyframe of this step
             if not self._stopping(e, f"the publication of step {done}"):
               raise
@@ -1741,9 +1752,11 @@ class RLTrainer(TrainerRun):
   def _step_record(self, step: int, groups: list[Group], batch: dict, metrics: dict,
                    samples_per_s: float) -> dict[str, Any]:
     """The step's line of steps.jsonl; taken before the step's publication, so staleness is
-    versions behind the weights the step trained (one per group, as rollout_ids)."""
+    versions behind the weights the step trained (one per group, as rollout_ids;
+    versions_behind)."""
     mask = batch["sample_mask"] > 0
-    staleness = [self.version - g.policy_version for g in groups]
+    staleness = [versions_behind(g.policy_version, self.version, self.saved_version,
+                                 self._restart_version) for g in groups]
     # What the policy scored: every group the step took, those dynamic sampling left out
     # too (the trained ones alone all vary: their pass@n is 1, their mean near 0.5)
     taken = groups + self.left_out

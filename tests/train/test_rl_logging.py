@@ -37,7 +37,7 @@ def _group(rollout_id, version, rewards, passed=None):
 def _trainer(version):
   stats = types.SimpleNamespace(workers_alive=2)
   return types.SimpleNamespace(
-      version=version, shape=BatchShape(groups=2, samples=2, prompt_len=4, response_len=8),
+      version=version, saved_version=-1, _restart_version=0, shape=BatchShape(groups=2, samples=2, prompt_len=4, response_len=8),
       tokenizer=types.SimpleNamespace(stop_ids=(0,)), dynamic=None, selective=False,
       rollout_wait_s=0.0, left_out=[], loss_cfg=LossConfig(),
       writer=Writer(), client=types.SimpleNamespace(stats=lambda: stats))
@@ -66,6 +66,20 @@ def test_staleness_is_versions_behind_the_trained_weights_in_the_log_and_tensorb
   assert trainer.writer.scalars["rollouts/staleness_max"] == (2, 6)
   assert trainer.writer.scalars["rollouts/samples_per_second"] == (3.0, 6)
   json.dumps(record)  # a steps.jsonl line
+
+
+def test_staleness_across_a_restart_counts_from_the_restored_weights_not_version_numbers():
+  """A restart republishes its checkpoint's weights (v8) as v12; one publication on (v13), a
+  group sampled by v8 is 1 version behind (not 5), one of v7 2, one of a lost step's v10 (a
+  branch the restart left) 3, and one of the restart's own v12 counts as before."""
+  trainer = _trainer(version=13)
+  trainer.saved_version, trainer._restart_version = 8, 12
+  groups = [_group(1, 8, [1.0, 0.0]), _group(2, 7, [0.0, 0.0]), _group(3, 10, [1.0, 1.0]),
+            _group(4, 12, [0.0, 1.0])]
+  record = RLTrainer._step_record(trainer, 10, groups, _batch([[1, 0], [0, 0]], [[1, 1], [1, 1]]),
+                                  METRICS, 3.0)
+  assert record["staleness"] == [1, 2, 3, 1]
+  assert record["staleness_max"] == 3
 
 
 def test_reward_mean_and_pass_at_n_count_real_samples_only():
