@@ -236,7 +236,8 @@ def reward_part_weights(worker) -> tuple[tuple[str, float], ...]:
 def _check_files(config) -> None:
   """The verifiers, environments, prompt files and tokenizer the config names load and hold
   what the trainer and workers expect of them: each task of the records gets its verifier
-  made now (a worker makes it at the first prompt of that task)."""
+  made now (a worker makes it at the first prompt of that task); the prompts, the built-in
+  tasks' too, fit the prompt limit."""
   from algorithms.environments import environment_names, environments_from
   from algorithms.verifiers import (REWARD_MODEL_TASK, known_tasks, verifier_for_task,
                                     verifiers_by_task)
@@ -278,6 +279,11 @@ def _check_files(config) -> None:
   if own and not tokenizer_file(own):
     raise ValueError(f"teacher.tokenizer: expected a folder with the teacher's tokenizer.json "
                      f"(or tiktoken.model), got {own!r}")
+  limit, bound = (prompt_limit(config, model.max_position_embeddings) if model is not None
+                  else (int(config.rl.max_prompt_tokens), "rl.max_prompt_tokens"))
+  if tokenizer is not None and not config.data.get("jsonl", "") and "tasks" in config:
+    from rlax_ps.train.run import tasks_from  # the built-in tasks' prompts, as the trainer's
+    check_task_prompts(*tasks_from(config.tasks), tokenizer, limit, bound)
   heldout = config.data.get("heldout_jsonl", "")
   held = [r["prompt"] for r in iter_config_records(config, "data.heldout_jsonl", heldout)
           ] if heldout and config.data.get("jsonl", "") else []
@@ -291,10 +297,8 @@ def _check_files(config) -> None:
         tasks = {r["task"] for r in records}
       else:
         tasks, digest = _tasks_and_digest(config, records)
-        limit, bound = (None, "") if field != "jsonl" else (
-            prompt_limit(config, model.max_position_embeddings) if model is not None
-            else (int(config.rl.max_prompt_tokens), "rl.max_prompt_tokens"))
-        check_prompt_lengths(config, f"data.{field}", path, digest, tokenizer, limit, bound)
+        check_prompt_lengths(config, f"data.{field}", path, digest, tokenizer,
+                             *((limit, bound) if field == "jsonl" else (None, "")))
       for task in sorted(tasks - {REWARD_MODEL_TASK, str(worker.default_task)}):
         verifier_for_task(task, f"data.{field} task")
       if held and field == "jsonl":

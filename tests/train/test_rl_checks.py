@@ -163,6 +163,15 @@ def test_the_workers_models_and_reward_terms_are_checked_before_the_start(fields
                        worker__reward_terms="addition:0.5"))
 
 
+def test_the_built_in_tasks_prompts_are_checked_against_the_prompt_limit_before_the_start():
+  """It was the trainer's check alone: `rlax-ps local` had started the server and workers
+  when the trainer refused rl.max_prompt_tokens."""
+  with pytest.raises(ValueError, match=r"^rl.max_prompt_tokens: 10 tokens may not hold the "
+                                       r"prompts of task 'reversal' \(up to 12\)"):
+    check_rl_config(_set(rl_config(), rl__max_prompt_tokens=10))
+  check_rl_config(_set(rl_config(), rl__max_prompt_tokens=10, tasks__reversal__weight=0.0))
+
+
 @pytest.mark.parametrize("line, message", [
     ({"prompt": "h\u00e9llo=", "answer": "1"}, r"data.jsonl .*train.jsonl:3: CharTokenizer"
                                                 r".encode: character '\u00e9'"),
