@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from param_server import auth
 from rlax_ps import chips
@@ -402,16 +402,18 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 
 def finished_summary(workdir: str, steps: int) -> dict[str, Any] | None:
-  """The summary.json of a run in `workdir` that trained all `steps` (rl.steps) already, or
-  None: a rerun of a finished run has nothing to train and says so rather than starting
-  the server, trainer and workers to evaluate and export the same weights again."""
+  """The summary.json of a run in `workdir` that trained all `steps` (rl.steps) already and
+  was not stopped in its final evaluation, or None: a rerun of a finished run has nothing to
+  train and says so rather than starting the server, trainer and workers to evaluate and
+  export the same weights again."""
   path = os.path.join(workdir, "summary.json")
   try:
     with open(path) as f:
       summary = json.load(f)
   except (OSError, ValueError):
     return None
-  if not isinstance(summary, dict) or int(summary.get("step", -1)) < steps:
+  if (not isinstance(summary, dict) or int(summary.get("step", -1)) < steps
+      or summary.get("stopped")):
     return None
   return summary
 
@@ -429,11 +431,12 @@ def check_warm_start(config, workdir: str) -> str:
   return sft_dir
 
 
-def warm_start(config, workdir: str, progress: bool = True) -> str:
+def warm_start(config, workdir: str, progress: bool = True,
+               check_stop: Callable[[], None] | None = None) -> str:
   """The HF checkpoint RL starts from: config.init_from_hf, else the export of the `sft`
   block trained in <workdir>/sft (reused when a finished one is there, resumed when begun;
-  `progress`: its progress bar). ValueError naming --workdir when the one there was begun
-  with another `sft` block."""
+  `progress`: its progress bar; `check_stop`: polled while it trains, its exception stops
+  it). ValueError naming --workdir when the one there was begun with another `sft` block."""
   if config.init_from_hf:
     return config.init_from_hf
   sft_dir = check_warm_start(config, workdir)
@@ -447,7 +450,10 @@ def warm_start(config, workdir: str, progress: bool = True) -> str:
       target=_sft, args=(config.sft, sft_dir, os.getpid(), progress), name="sft")
   child.start()
   try:
-    child.join()
+    while child.is_alive():
+      child.join(0.5)
+      if check_stop is not None:
+        check_stop()
   finally:  # stopped meanwhile (Ctrl-C, SIGTERM): the warm start stops too
     if child.is_alive():
       child.terminate()

@@ -40,11 +40,28 @@ class Terminated(Exception):
     self.code = 128 + signum
 
 
+# The stop signal taken: its Terminated may have been swallowed, raised inside a gc callback
+# (JAX registers one; Python prints "Exception ignored" and goes on), so it is polled too.
+_RECEIVED: list[int] = []
+
+
 def _raise_terminated(signum, frame) -> None:
   del frame
-  for stop in STOP_SIGNALS:  # one is enough: the stop must not be cut short
-    signal.signal(stop, signal.SIG_IGN)
+  _ignore_stop_signals()  # one is enough: the stop must not be cut short
+  _RECEIVED.append(signum)
   raise Terminated(signum)
+
+
+def _ignore_stop_signals() -> None:
+  for stop in STOP_SIGNALS:
+    signal.signal(stop, signal.SIG_IGN)
+
+
+def check_stop() -> None:
+  """Terminated if a stop signal came whose own raise was swallowed: polled between the
+  phases and while children run."""
+  if _RECEIVED:
+    raise Terminated(_RECEIVED[0])
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -53,6 +70,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 def main(argv: list[str]) -> None:
   for stop in STOP_SIGNALS:
     signal.signal(stop, _raise_terminated)
+  try:
+    _run(argv)
+  except Terminated as e:  # during the checks, before anything started
+    print("rlax-ps local: terminated before the run started", file=sys.stderr, flush=True)
+    sys.exit(e.code)
+
+
+def _run(argv: list[str]) -> None:
+  del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   from tqdm import tqdm
@@ -84,6 +110,7 @@ def main(argv: list[str]) -> None:
     print(f"rlax-ps local: bad flags: {e}", file=sys.stderr)
     sys.exit(2)
   _check_resume(config, workdir)
+  check_stop()
   overrides = local.override_flags(config_flags.get_override_values(flags.FLAGS["config"]),
                                    config)
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
@@ -114,7 +141,9 @@ def main(argv: list[str]) -> None:
     return
   enable_compile_cache()
   try:
-    init_from_hf = os.path.abspath(local.warm_start(config, workdir, _PROGRESS.value))
+    init_from_hf = os.path.abspath(local.warm_start(config, workdir, _PROGRESS.value,
+                                                    check_stop=check_stop))
+    check_stop()
   except local.ChildFailed as e:  # 130 / 143 when Ctrl-C or SIGTERM stopped it
     print(f"rlax-ps local: {e}", file=sys.stderr, flush=True)
     sys.exit(e.code)
@@ -140,6 +169,7 @@ def main(argv: list[str]) -> None:
                disable=not _PROGRESS.value, dynamic_ncols=True)  # (a resumed run's rate: its own)
     progress = local.Progress()
     while not run.check(trainer):
+      check_stop()
       for record in steps.read():
         local.advance(bar, record["step"])
         bar.set_postfix(progress.postfix(record), refresh=False)
@@ -153,6 +183,7 @@ def main(argv: list[str]) -> None:
   except Terminated as e:
     code, message = e.code, "rlax-ps local: terminated; children stopped"
   finally:
+    _ignore_stop_signals()  # (a stop after Ctrl-C or a child's failure: not cut short)
     run.stop()
   if code:
     print(message, file=sys.stderr, flush=True)

@@ -212,6 +212,64 @@ def test_eval_scores_the_warm_start_and_the_trained_policy_as_the_run_did(run, t
   assert bad.returncode == 2 and "--checkpoints" in bad.stderr and "nowhere" in bad.stderr
 
 
+STOP_DURING_CHECKS = """
+import os, signal, sys, time
+from absl import app
+from rlax_ps import local_main
+from rlax_ps.train import rl_checks
+
+def check(config, **kw):
+  try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+  except local_main.Terminated:
+    if sys.argv.pop() == "swallowed":  # as Python does with a gc callback's exception
+      return
+    raise
+
+rl_checks.check_rl_config = check
+app.run(local_main.main)
+"""
+
+
+@pytest.mark.parametrize("how", ["raised", "swallowed"])
+def test_a_stop_during_the_checks_exits_as_a_stop_though_its_exception_was_swallowed(
+    how, tmp_path):
+  """A SIGTERM in the first seconds escaped as a traceback (exit 1), or, its exception
+  raised inside JAX's gc callback and swallowed there, was lost with every later one
+  ignored: the run went on to its end."""
+  proc = subprocess.run([sys.executable, "-c", STOP_DURING_CHECKS, "--config=configs/rl_local.py:tiny",
+                         f"--workdir={tmp_path}", "--progress=false", how],
+                        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+  assert "rlax-ps local: terminated before the run started" in proc.stderr
+  assert "Traceback" not in proc.stderr and not os.listdir(tmp_path)
+
+
+def test_a_stop_polled_during_the_warm_start_stops_it(tmp_path):
+  """The warm start's wait polls for a stop whose exception was swallowed: it went on to
+  train the whole warm start first."""
+  import multiprocessing
+
+  from rlax_ps import config_files
+
+  class Stop(Exception):
+    pass
+
+  polls = []
+
+  def check_stop():
+    polls.append(time.monotonic())
+    if len(polls) == 2:
+      raise Stop()
+
+  config = config_files.load(os.path.join(REPO, "configs", "rl_local.py"), "tiny")
+  with pytest.raises(Stop):
+    local.warm_start(config, str(tmp_path), progress=False, check_stop=check_stop)
+  assert not multiprocessing.active_children()  # the sft child, stopped
+  assert not (tmp_path / "sft" / "summary.json").exists()
+
+
 @pytest.mark.parametrize("signum", [
     signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow),
     pytest.param(signal.SIGKILL, marks=pytest.mark.slow)],  # (~17-25 s a case)
