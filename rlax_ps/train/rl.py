@@ -1293,9 +1293,13 @@ class RLTrainer(TrainerRun):
     if not round_:
       return None, None
     if "done" not in round_:
-      logging.warning("eval.on_workers: the %s evaluation of v%d is not whole after %gs (%d of "
-                      "its prompts unanswered): no result", key, self.version, wait,
-                      len(round_["left"]))
+      if self._stop.is_set():
+        logging.warning("eval.on_workers: the %s evaluation of v%d was stopped with %d of its "
+                        "prompts unanswered: no result", key, self.version, len(round_["left"]))
+      else:
+        logging.warning("eval.on_workers: the %s evaluation of v%d is not whole after %gs (%d "
+                        "of its prompts unanswered): no result", key, self.version, wait,
+                        len(round_["left"]))
       return None, None
     return round_["done"]
 
@@ -1861,8 +1865,9 @@ class RLTrainer(TrainerRun):
   def finish(self, seconds: float, start_step: int) -> dict[str, Any]:
     """Final evaluation (exact match, pass@1 and pass@k; the workers' with eval.on_workers),
     the Hugging Face export and summary.json. A run stopped (SIGTERM, Ctrl-C) before
-    rl.steps writes the summary alone: it is checkpointed, a rerun goes on, and a
-    preempted machine's grace (or `rlax-ps local`'s) is no time for an evaluation."""
+    rl.steps, or during the workers' final evaluation, writes the summary alone (`stopped`):
+    it is checkpointed, a rerun goes on, and a preempted machine's grace (or `rlax-ps
+    local`'s) is no time for an evaluation."""
     stopped = bool(self._shared(self._stop.is_set())) and self.step < self.total_steps
     summary: dict[str, Any] = {"step": self.step, "version": self.version, "seconds": seconds,
                                "steps_this_run": self.step - start_step,
@@ -1872,8 +1877,6 @@ class RLTrainer(TrainerRun):
                                "rollout_wait_frac": self.rollout_wait_total_s
                                                     / max(seconds, 1e-9),
                                "warm_start": self.warm_start_eval}
-    if stopped:  # as the SFT trainer's: the signal (True: a stop without one)
-      summary["stopped"] = self.stop_signal or True
     if self.heldout.size and not stopped:
       exact = passes = None
       if self.fleet_eval:  # the workers answer it, holding the final weights (published by
@@ -1882,6 +1885,8 @@ class RLTrainer(TrainerRun):
           self._publish(self.version + 1)
         if self.leader and not self._stop.is_set():
           exact, passes = self._fleet_evaluation("final", int(self.config.eval.pass_k))
+        # A stop cut it short: the run is stopped at its last step, a rerun evaluates it
+        stopped = bool(self._shared(self._stop.is_set() and exact is None))
       else:
         exact = self.evaluate()
         passes = heldout_lib.pass_at_k(self.graphdef, self.state.params, self.tokenizer,
@@ -1894,6 +1899,8 @@ class RLTrainer(TrainerRun):
         summary["pass_sampling"] = dict(self.heldout.sampling)  # the workers' settings
         for name, v in passes.items():
           self.writer.add_scalar(f"eval/{name}", v, self.step)
+    if stopped:  # as the SFT trainer's: the signal (True: a stop without one)
+      summary["stopped"] = self.stop_signal or True
     log = self.sync_log
     if self.leader and os.path.exists(os.path.join(self.workdir, "versions.jsonl")):
       log = [(r["version"], r["bytes"], r["seconds"], r["keyframe"],  # every run's

@@ -76,10 +76,11 @@ def main(argv: list[str]) -> None:
           + (f"server {client.address}" if leader else
              f"process {jax.process_index()} of {jax.process_count()}"), flush=True)
     summary = trainer.train(max_seconds=float(config.rl.max_seconds))
-  if trainer.stop_signal and summary["step"] < trainer.total_steps:
-    print(f"rl: stopped by {signal.Signals(trainer.stop_signal).name} at step "
-          f"{summary['step']} of {trainer.total_steps}, checkpointed; rerun to resume",
-          flush=True)
+  if trainer.stop_signal and summary.get("stopped"):
+    where = (f"at step {summary['step']} of {trainer.total_steps}"
+             if summary["step"] < trainer.total_steps else "during the final evaluation")
+    print(f"rl: stopped by {signal.Signals(trainer.stop_signal).name} {where}, checkpointed; "
+          f"rerun to resume", flush=True)
     sys.exit(128 + trainer.stop_signal)
   if leader:
     print("rl: done: " + json.dumps(summary), flush=True)

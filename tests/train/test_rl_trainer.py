@@ -676,6 +676,31 @@ def test_a_round_the_final_evaluation_makes_whole_is_scored_again_by_a_rerun(tmp
     server.stop(grace=0)
 
 
+def test_a_stop_during_the_workers_final_evaluation_leaves_the_run_to_a_rerun(tmp_path, caplog):
+  """eval.on_workers: a SIGTERM while the workers answered the final evaluation wrote a
+  finished summary without held-out figures (and exported): `rlax-ps local` then said
+  "nothing to train" and the evaluation after RL was never made."""
+  import threading
+
+  from rlax_ps import local
+  config = _config()
+  config.eval.on_workers = True
+  workdir = str(tmp_path / "rl")
+  server = start_server(tmp_path / "ps")
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, workdir, tc) as tr:
+      tr.start()
+      tr.total_steps = tr.step  # trained; no worker answers its final evaluation
+      threading.Timer(1.0, tr.request_stop, (signal.SIGTERM,)).start()
+      summary = tr.finish(1.0, 0)
+  finally:
+    server.stop(grace=0)
+  assert summary["stopped"] == signal.SIGTERM and summary["export"] is None
+  assert "heldout_exact_match" not in summary
+  assert "the final evaluation of v0 was stopped with 8 of its prompts" in caplog.text
+  assert local.finished_summary(workdir, tr.total_steps) is None  # a rerun evaluates
+
+
 def test_rounds_wait_for_a_publication_and_none_go_out_without_held_out_examples(tmp_path):
   """eval.on_workers with eval.every_steps=1 and rl.publish_every=2: a round evaluates
   weights the workers can hold, so steps 1 and 3 feed none (step 2 feeds one; step 4's is
