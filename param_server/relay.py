@@ -87,7 +87,9 @@ class RelayConfig:
   storage_dir: str = setting("runs/relay", "folder for the relayed weights")
   host: str = setting("127.0.0.1", "interface to listen on (0.0.0.0 for all)")
   port: int = setting(0, "port to listen on; 0 picks a free one")
-  chunk_bytes: int = setting(4 << 20, "bytes per Pull chunk and per stored array chunk")
+  chunk_bytes: int = setting(4 << 20, "bytes per stored array chunk (read and cached whole)")
+  pull_message_bytes: int = setting(
+      256 << 10, "bytes per Pull message: a pull cut off resumes after the last whole one")
   max_message_bytes: int = setting(16 << 20, "gRPC message size limit (passed-through calls)")
   cache_bytes: int = setting(32 << 20, "recently read chunks kept in memory, shared by pulls")
   delta_history: int = setting(4, "deltas kept before the newest keyframe, for workers that lag")
@@ -106,7 +108,7 @@ class RelayConfig:
 
   def __post_init__(self):
     self.storage_dir = user_path(self.storage_dir, "RelayConfig.storage_dir")
-    for name in ("chunk_bytes", "max_message_bytes", "threads"):
+    for name in ("chunk_bytes", "pull_message_bytes", "max_message_bytes", "threads"):
       if getattr(self, name) <= 0:
         raise ValueError(f"RelayConfig.{name}: expected a positive int, got {getattr(self, name)}")
     if not self.max_wait_s >= 0:
@@ -323,6 +325,7 @@ class WeightRelay:
       self.weights = WeightStore(config.storage_dir, chunk_bytes=config.chunk_bytes, limits=WeightLimits(
           max_chunk_bytes=64 << 20, delta_history=config.delta_history, cache_bytes=config.cache_bytes))
       served = ServerConfig(storage_dir=config.storage_dir, chunk_bytes=config.chunk_bytes,
+                            pull_message_bytes=config.pull_message_bytes,
                             max_message_bytes=config.max_message_bytes,
                             threads=config.threads)  # (half of them serve pulls at once)
       self.servicer = _RelayServicer(served, self.weights, self)

@@ -54,7 +54,10 @@ class ServerConfig:
   storage_dir: str = setting("runs/param_server", "folder for weights, the write-ahead log and tokens")
   host: str = setting("127.0.0.1", "interface to listen on (0.0.0.0 for all)")
   port: int = setting(0, "port to listen on; 0 picks a free one")
-  chunk_bytes: int = setting(4 << 20, "bytes per Pull chunk and per stored array chunk")
+  chunk_bytes: int = setting(4 << 20, "bytes per stored array chunk (read and cached whole)")
+  pull_message_bytes: int = setting(
+      256 << 10, "bytes per Pull message: a pull cut off resumes after the last whole one, so "
+      "a link that drops every few MiB still carries a keyframe")
   max_chunk_bytes: int = setting(4 << 20, "largest Publish chunk accepted")
   max_message_bytes: int = setting(16 << 20, "gRPC message size limit for all other messages")
   max_publish_bytes: int = setting(64 << 30, "largest publication (one Update) accepted")
@@ -98,8 +101,8 @@ class ServerConfig:
     if not -1 <= self.metrics_port <= 65535:
       raise ValueError(f"ServerConfig.metrics_port: expected -1 (off) or a port 0-65535, got "
                        f"{self.metrics_port}")
-    for name in ("chunk_bytes", "max_chunk_bytes", "max_publish_bytes", "threads",
-                 "max_lease_prompts"):  # (0 threads raised deep in grpc; a 0 chunk hung)
+    for name in ("chunk_bytes", "pull_message_bytes", "max_chunk_bytes", "max_publish_bytes",
+                 "threads", "max_lease_prompts"):  # (0 threads raised deep in grpc; a 0 chunk hung)
       if not getattr(self, name) >= 1:
         raise ValueError(f"ServerConfig.{name}: expected a positive int, got "
                          f"{getattr(self, name)}")
@@ -442,20 +445,26 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
           and request.resume_base_version == first.base_version
           and request.resume_offset < first.nbytes):
         start = request.resume_offset
-      step = self.config.chunk_bytes
+      # Whole stored chunks are read (a cache shares them between pulls), each sent in
+      # messages of pull_message_bytes: a client keeps what came in whole messages.
+      step, message = self.config.chunk_bytes, self.config.pull_message_bytes
       for index, update in enumerate(plan):
         offset = start if index == 0 else 0
         while offset < update.nbytes:
-          if not context.is_active() or self.stopping.is_set():
-            return
-          end = min(offset + step, update.nbytes)
-          data = update.read(offset, end)
-          yield pull_wire.encode_pull_chunk(data, update_index=index, update_count=len(plan),
-                                            version=update.version, base_version=update.base_version,
-                                            update_bytes=update.nbytes, offset=offset)
-          with self._lock:
-            self.bytes_served += end - offset
-          offset = end
+          base = offset - offset % step
+          end = min(base + step, update.nbytes)
+          data = memoryview(update.read(base, end)).cast("B")
+          while offset < end:
+            if not context.is_active() or self.stopping.is_set():
+              return
+            cut = min(offset + message, end)
+            yield pull_wire.encode_pull_chunk(data[offset - base:cut - base], update_index=index,
+                                              update_count=len(plan), version=update.version,
+                                              base_version=update.base_version,
+                                              update_bytes=update.nbytes, offset=offset)
+            with self._lock:
+              self.bytes_served += cut - offset
+            offset = cut
     finally:
       release()
 

@@ -88,6 +88,7 @@ def test_a_port_out_of_range_is_refused_not_taken_modulo_65536(tmp_path):
 @pytest.mark.parametrize("field, value, message", [
     ("threads", 0, "expected a positive int, got 0"),  # a traceback from grpc's pool
     ("chunk_bytes", 0, "expected a positive int, got 0"),  # the first Publish never returned
+    ("pull_message_bytes", 0, "expected a positive int, got 0"),
     ("max_chunk_bytes", 0, "expected a positive int"),  # every publish refused
     ("max_lease_prompts", 0, "expected a positive int"),
     ("max_message_bytes", 100, "expected at least 65536, got 100"),

@@ -522,6 +522,8 @@ def test_relay_settings_are_checked_naming_the_field():
     RelayConfig(max_wait_s=-1.0)
   with pytest.raises(ValueError, match="RelayConfig.chunk_bytes"):
     RelayConfig(chunk_bytes=0)
+  with pytest.raises(ValueError, match="RelayConfig.pull_message_bytes"):
+    RelayConfig(pull_message_bytes=0)
   with pytest.raises(ValueError, match="RelayConfig.metrics_port"):
     RelayConfig(metrics_port=70000)
   with pytest.raises(ValueError, match="RelayConfig.poll_s"):

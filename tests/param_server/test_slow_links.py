@@ -14,13 +14,16 @@ from param_server.client import ParamServerError, Prompt, PullProgress, RetryPol
 from ps_testlib import client_for
 from rlax_ps import sync
 
-PULL_CHUNK = 64 << 10  # the server's Pull chunk: a link's cut loses at most one
+PULL_CHUNK = 64 << 10  # the server's Pull message: a link's cut loses at most one
 
 
 @pytest.fixture
 def keyframe(start_server):
-  """(server, the bytes of a 1 MB keyframe it holds as v0)."""
-  server = start_server(chunk_bytes=PULL_CHUNK, max_chunk_bytes=PULL_CHUNK)
+  """(server, the bytes of a 1 MB keyframe it holds as v0), stored in one 4 MiB chunk (the
+  default), sent in messages of PULL_CHUNK: a whole chunk a message never came through links
+  that drop more often, and each pull began again."""
+  server = start_server(chunk_bytes=4 << 20, pull_message_bytes=PULL_CHUNK,
+                        max_chunk_bytes=PULL_CHUNK)
   weights = {"w": np.random.default_rng(0).normal(size=(512, 1024)).astype(np.float32)}
   blob = sync.encode(None, weights, "bf16", version=0).to_bytes()
   with client_for(server, "trainer", chunk_bytes=PULL_CHUNK) as trainer:
