@@ -76,6 +76,7 @@ from rlax_ps.teacher import Teacher, own_tokenizer, score_retokenized
 from rlax_ps.tokenizers import HFTokenizer
 
 _RATE_CHUNKS = 64  # decode chunks the reported tokens/s is averaged over
+VERSIONS_KEPT = 64  # WorkerStats.versions_applied: the last ones
 _HEARTBEAT_JOIN_S = 5.0  # how long run() waits for the heartbeat thread on the way out
 _EXIT_SLACK_S = 1.0  # past the grace period, how long the watchdog lets its releases go on
 _PARTIAL_BYTES = 3 << 20  # begun samples per call (renewal, salvage): under gRPC's 4 MiB
@@ -296,6 +297,9 @@ class WorkerStats:
   # their groups): stopped, or not sent once finished, and released to be sampled anew.
   groups_abandoned_stale: int = 0
   groups_dropped_lost: int = 0  # running prompts of leases a renewal found gone
+  updates_applied: int = 0
+  # The last VERSIONS_KEPT versions applied, in order (all of them were a list as long as
+  # the run, logged whole at the worker's exit).
   versions_applied: list = dataclasses.field(default_factory=list)
   time: TimeSplit = dataclasses.field(default_factory=TimeSplit)  # reported by the heartbeat
 
@@ -627,7 +631,9 @@ class Worker:
   def _apply_all(self, updates: list[Update]) -> None:
     for update in updates:
       self.policy.apply(update)
+      self.stats.updates_applied += 1
       self.stats.versions_applied.append(update.version)
+      del self.stats.versions_applied[:-VERSIONS_KEPT]
     if updates:
       self._beat_now.set()  # status and metrics show the version held within moments
 
