@@ -254,7 +254,7 @@ def test_a_stop_polled_during_the_warm_start_stops_it(tmp_path):
   from rlax_ps import config_files
 
   class Stop(Exception):
-    pass
+    """The stop check_stop raises (local_main's Terminated in a run)."""
 
   polls = []
 
