@@ -541,13 +541,14 @@ class ParamServerClient:
         chunks(), metadata=self._metadata, timeout=timeout))
 
   def stream_pull(self, have_version: int | None = None,
-                  resume: tuple[int, int, int] | None = None):
+                  resume: tuple[int, int, int] | None = None, relay_id: str = ""):
     """The raw Pull stream from `have_version` (None: nothing held): the chunks
     (`pull_wire.PullChunkView`, data not copied) as they arrive, no retries; `cancel()`
     it to stop early. `resume` = (version, base_version, bytes held) of a first update
     already begun: the server starts there if that is still its first update. A relay
-    streams them to disk."""
+    streams them to disk, naming itself (`relay_id`: a relay's pull slot, not a worker's)."""
     request = PullProgress(have_version=have_version).request()
+    request.relay_id = relay_id
     if resume is not None:
       request.resume_version, request.resume_base_version, request.resume_offset = resume
     return self._now().pull(request, metadata=self._metadata)

@@ -30,6 +30,7 @@ COUNTERS = {
                       "past their ack deadline), their groups delivered again",
     "bytes_served": "weight bytes sent to pulls",
     "pulls_served": "pulls served",
+    "pulls_busy": "pulls refused while every pull slot was taken (max_pulls): flow control",
     "errors": "requests rejected (bad input or auth)",
 }
 GAUGES = {

@@ -46,6 +46,7 @@ from rlax_ps.folder_lock import FolderLock
 # server, which checks it. A publication is refused: it belongs to the server.
 SERVED_HERE = ("GetLatest", "Pull", "Watch")
 REPORT_S = 5.0  # how often the relay tells the server the version it holds
+GET_LATEST_WAIT_S = 2.0  # a version query waits this long for the server's newest to arrive
 ONE_ATTEMPT = RetryPolicy(deadline_s=0.0)  # asking the server while a caller waits
 # What a caller whose token the relay does not know is told (a trainer sent to a relay).
 RELAY_TOKEN_HINT = ("; this is a weight relay: it serves workers and takes the server's worker "
@@ -203,9 +204,11 @@ class _RelayServicer(ParamServerServicer):
 
   def GetLatest(self, request, context):
     """The server's latest (asked now: a relay behind this one asks when its pullers hold
-    all it knows), once it begins to arrive here."""
+    all it knows), once it begins to arrive here; after GET_LATEST_WAIT_S, what is held: a
+    relay that cannot fetch yet (the server's pull slots full) must not hold every worker's
+    version check, and the thread it took, for the caller's whole deadline."""
     self._relay.refresh()
-    self._relay.wait_current(context, cut_through=True)
+    self._relay.wait_current(context, cut_through=True, wait_s=GET_LATEST_WAIT_S)
     return super().GetLatest(request, context)
 
   def _stored_plan(self, have, context):
@@ -461,7 +464,7 @@ class WeightRelay:
       if arriving is not None and arriving.received:
         resume = (arriving.version, arriving.base_version, arriving.received)
       start = None if have < 0 or self._from_keyframe else have
-      call = self.upstream.stream_pull(start, resume=resume)
+      call = self.upstream.stream_pull(start, resume=resume, relay_id=self.relay_id)
       try:
         for chunk in call:
           if resume is not None:
@@ -566,13 +569,15 @@ class WeightRelay:
         logging.warning("relay: asking %s its version failed (%s)", self.upstream.address, e)
       self._refreshed_at = time.monotonic()
 
-  def wait_current(self, context, cut_through: bool = False) -> _Arriving | None:
-    """Wait (up to max_wait_s, while the caller is there) until the store holds the newest
-    version the server announced, or (`cut_through`) until that version begins to arrive:
-    then return it."""
+  def wait_current(self, context, cut_through: bool = False,
+                   wait_s: float | None = None) -> _Arriving | None:
+    """Wait (up to `wait_s`, default max_wait_s, while the caller is there) until the store
+    holds the newest version the server announced, or (`cut_through`) until that version
+    begins to arrive: then return it."""
+    full = wait_s is None  # (a short wait's end is no news worth a warning)
+    limit = self.config.max_wait_s if full else min(wait_s, self.config.max_wait_s)
     remaining = context.time_remaining()  # (an answer after the caller's deadline is lost)
-    wait_s = self.config.max_wait_s if remaining is None else min(
-        self.config.max_wait_s, max(0.0, remaining - 1.0))
+    wait_s = limit if remaining is None else min(limit, max(0.0, remaining - 1.0))
     end = time.monotonic() + wait_s
     with self._changed:
       while (self.weights.latest < self.server_latest and not self._stopping.is_set()
@@ -582,8 +587,9 @@ class WeightRelay:
           return arriving
         left = end - time.monotonic()
         if left <= 0:
-          logging.warning("relay: serving v%d; v%d not fetched within %gs", self.weights.latest,
-                          self.server_latest, wait_s)
+          if full:
+            logging.warning("relay: serving v%d; v%d not fetched within %gs",
+                            self.weights.latest, self.server_latest, wait_s)
           return None
         self._changed.wait(min(left, 0.5))
     return None

@@ -41,6 +41,8 @@ from rlax_ps.folder_lock import FolderLock
 SERVICE_NAME = "rlax_ps.v1.ParamServer"
 # Room for the fields around a chunk's bytes in one message.
 MESSAGE_OVERHEAD = 64 << 10
+RELAY_PULLS = 8  # weight relays' fetches served at once, besides the workers' max_pulls
+TAKE_WAITS = 2  # trainer takes waiting at once (one trainer; a restarted one's old call)
 
 
 def message_limit(config: "ServerConfig") -> int:
@@ -200,10 +202,13 @@ def _well_formed(request, field: str = "request"):
 
 
 class _Rejections:
-  """Turns RequestErrors into logged gRPC statuses; counts them for stats."""
+  """Turns RequestErrors into logged gRPC statuses; counts them for stats. A pull refused
+  while every pull slot is taken is flow control, not a rejection: counted apart (`busy`)
+  and logged at most every 30 s (a fleet fetching a keyframe is refused hundreds of times)."""
 
   def __init__(self):
     self.count = 0
+    self.busy = 0
     self._lock = threading.Lock()
 
   def bump(self) -> None:
@@ -211,9 +216,15 @@ class _Rejections:
       self.count += 1
 
   def abort(self, context, method: str, err: errors.RequestError):
-    self.bump()
     said = _cut(str(err))
-    logging.warning("%s rejected (%s): %s", method, err.code.name, said)
+    if isinstance(err, errors.PullsBusy):
+      with self._lock:
+        self.busy += 1
+      logging.log_every_n_seconds(logging.INFO, "%s: %s (%d refused so far)", 30, method,
+                                  said, self.busy)
+    else:
+      self.bump()
+      logging.warning("%s rejected (%s): %s", method, err.code.name, said)
     context.abort(err.code, said)
 
 
@@ -308,11 +319,17 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self.pulls_served = 0
     self.max_pulls = config.max_pulls or max(1, config.threads // 2)
     self._pull_slots = threading.BoundedSemaphore(self.max_pulls)
+    # A relay's fetch (PullRequest.relay_id) serves its whole fleet: it does not queue for a
+    # worker's slot behind pulls crawling over slow links.
+    self._relay_pull_slots = threading.BoundedSemaphore(RELAY_PULLS)
     # Long polls (a lease or take waiting for work) waiting at once: each holds a thread; an
     # idle fleet's would hold them all. Past this many, one answers at once (nothing new) and
     # its client waits out the rest of its wait_s itself.
     self.max_waits = max(1, config.threads // 4)
     self._wait_slots = threading.BoundedSemaphore(self.max_waits)
+    # The trainer's take waits apart: an idle fleet's leases holding every wait slot
+    # answered each take at once, and its group reached the trainer a wait_s late.
+    self._take_slots = threading.BoundedSemaphore(TAKE_WAITS)
     self.streams_open = 0  # Pull and Watch streams being served
     self._run_lock = threading.Lock()
     self.run = _read_run(config.storage_dir)  # the run whose versions are held ("": none said)
@@ -406,15 +423,17 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
                       blob.nbytes, read)
 
   @contextlib.contextmanager
-  def _wait_slot(self, wait_s: float):
-    """`wait_s` while a long-poll slot is held; 0 (answered at once) when all are taken."""
-    if wait_s <= 0 or not self._wait_slots.acquire(blocking=False):
+  def _wait_slot(self, wait_s: float, slots: threading.BoundedSemaphore | None = None):
+    """`wait_s` while a long-poll slot (of `slots`, default the workers') is held; 0
+    (answered at once) when all are taken."""
+    slots = self._wait_slots if slots is None else slots
+    if wait_s <= 0 or not slots.acquire(blocking=False):
       yield 0.0
       return
     try:
       yield wait_s
     finally:
-      self._wait_slots.release()
+      slots.release()
 
   @_streaming
   def Pull(self, request, context):
@@ -423,12 +442,14 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       raise errors.InvalidArgument("have_version", f"expected >= -1 or absent, got {have}")
     if request.resume_offset < 0:
       raise errors.InvalidArgument("resume_offset", f"expected >= 0, got {request.resume_offset}")
-    if not self._pull_slots.acquire(blocking=False):
-      raise errors.PullsBusy(f"{self.max_pulls} pulls under way (max_pulls); come back shortly")
+    slots = self._relay_pull_slots if request.relay_id else self._pull_slots
+    if not slots.acquire(blocking=False):
+      raise errors.PullsBusy(f"{RELAY_PULLS} relays' pulls under way" if request.relay_id else
+                             f"{self.max_pulls} pulls under way (max_pulls); come back shortly")
     try:
       yield from self._serve_pull(have, request, context)
     finally:
-      self._pull_slots.release()
+      slots.release()
 
   def _serve_pull(self, have: int | None, request, context):
     plan, release, latest = self._pull_plan(None if have == -1 else have, context)
@@ -538,7 +559,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def TakeRollouts(self, request, context):
     _finite("wait_s", request.wait_s)
     _finite("ack_deadline_s", request.ack_deadline_s)
-    with self._wait_slot(request.wait_s) as wait_s:
+    with self._wait_slot(request.wait_s, self._take_slots) as wait_s:
       reply = self.queues.take(request.min_version, request.max_groups, wait_s,
                                request.ack_deadline_s,
                                max_bytes=self.config.max_message_bytes // 2,
@@ -632,7 +653,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
                     bytes_served=served, pulls_served=pulls, streams_open=streams,
                     workers_alive=sum(w.seconds_since_heartbeat <= alive_after and not w.kind
                                       for w in workers),
-                    workers=workers, uptime_s=now - self.started, errors=self._rejections.count)
+                    workers=workers, uptime_s=now - self.started, errors=self._rejections.count,
+                    pulls_busy=self._rejections.busy)
 
 
 def method_handlers(servicer: ParamServerServicer) -> dict[str, grpc.RpcMethodHandler]:

@@ -48,7 +48,8 @@ def format_stats(s: pb.Stats) -> str:
                          "ack deadline)"),
       ("rollouts accepted", f"{s.rollouts_accepted} (+{s.rollouts_duplicate} duplicate submissions acked)"),
       ("stale rollouts dropped", s.rollouts_stale_dropped),
-      ("bytes served", f"{human_bytes(s.bytes_served)} in {s.pulls_served} pulls"),
+      ("bytes served", f"{human_bytes(s.bytes_served)} in {s.pulls_served} pulls "
+                       f"({s.pulls_busy} asked to come back: every pull slot busy)"),
       ("streams open", f"{s.streams_open} (pulls and watches now)"),
       ("rejected requests", s.errors),
       ("workers alive", f"{s.workers_alive} of {sum(not w.kind for w in s.workers)}"),

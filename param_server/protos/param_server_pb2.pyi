@@ -49,16 +49,18 @@ class VersionInfo(_message.Message):
     def __init__(self, latest_version: _Optional[int] = ..., keyframe_version: _Optional[int] = ..., oldest_delta_base: _Optional[int] = ..., fmt: _Optional[str] = ..., keyframe_bytes: _Optional[int] = ..., delta_chain_bytes: _Optional[int] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("have_version", "resume_version", "resume_base_version", "resume_offset")
+    __slots__ = ("have_version", "resume_version", "resume_base_version", "resume_offset", "relay_id")
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESUME_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESUME_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ID_FIELD_NUMBER: _ClassVar[int]
     have_version: int
     resume_version: int
     resume_base_version: int
     resume_offset: int
-    def __init__(self, have_version: _Optional[int] = ..., resume_version: _Optional[int] = ..., resume_base_version: _Optional[int] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+    relay_id: str
+    def __init__(self, have_version: _Optional[int] = ..., resume_version: _Optional[int] = ..., resume_base_version: _Optional[int] = ..., resume_offset: _Optional[int] = ..., relay_id: _Optional[str] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("update_index", "update_count", "version", "base_version", "update_bytes", "offset", "data")
@@ -449,7 +451,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., seconds_since_heartbeat: _Optional[float] = ..., leases: _Optional[int] = ..., kind: _Optional[str] = ..., time: _Optional[_Union[WorkerTime, _Mapping]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("versions", "prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "bytes_served", "pulls_served", "workers_alive", "workers", "uptime_s", "errors", "prompts_resumed", "samples_resumed", "tokens_resumed", "streams_open", "takes_requeued")
+    __slots__ = ("versions", "prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "bytes_served", "pulls_served", "workers_alive", "workers", "uptime_s", "errors", "prompts_resumed", "samples_resumed", "tokens_resumed", "streams_open", "takes_requeued", "pulls_busy")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_LEASED_FIELD_NUMBER: _ClassVar[int]
@@ -471,6 +473,7 @@ class Stats(_message.Message):
     TOKENS_RESUMED_FIELD_NUMBER: _ClassVar[int]
     STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
     TAKES_REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_BUSY_FIELD_NUMBER: _ClassVar[int]
     versions: VersionInfo
     prompts_queued: int
     prompts_leased: int
@@ -492,7 +495,8 @@ class Stats(_message.Message):
     tokens_resumed: int
     streams_open: int
     takes_requeued: int
-    def __init__(self, versions: _Optional[_Union[VersionInfo, _Mapping]] = ..., prompts_queued: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., leases_active: _Optional[int] = ..., rollouts_ready: _Optional[int] = ..., rollouts_in_flight: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_served: _Optional[int] = ..., pulls_served: _Optional[int] = ..., workers_alive: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., errors: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., streams_open: _Optional[int] = ..., takes_requeued: _Optional[int] = ...) -> None: ...
+    pulls_busy: int
+    def __init__(self, versions: _Optional[_Union[VersionInfo, _Mapping]] = ..., prompts_queued: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., leases_active: _Optional[int] = ..., rollouts_ready: _Optional[int] = ..., rollouts_in_flight: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_served: _Optional[int] = ..., pulls_served: _Optional[int] = ..., workers_alive: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., errors: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., streams_open: _Optional[int] = ..., takes_requeued: _Optional[int] = ..., pulls_busy: _Optional[int] = ...) -> None: ...
 
 class WalRecord(_message.Message):
     __slots__ = ("snapshot", "enqueue", "lease", "renew", "returned", "submit", "take", "ack", "requeue_take", "drop_stale")

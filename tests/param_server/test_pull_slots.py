@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from param_server.client import RetryPolicy
+from param_server.client import RetryPolicy, make_sample
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
 from param_server.server import ServerConfig
@@ -19,12 +19,13 @@ from rlax_ps import sync
 WEIGHTS = {"w": np.random.default_rng(0).normal(size=(2048, 2048)).astype(np.float32)}
 
 
-def _held_pull(server):
+def _held_pull(server, relay_id=""):
   """A raw Pull that read its first chunk and reads no more (a slow link): its stream, and
   the handler thread serving it, stay busy. (channel, call), or the error of the first read."""
   channel = grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
   call = pb_grpc.ParamServerStub(channel).Pull(
-      pb.PullRequest(), metadata=(("authorization", f"Bearer {TOKENS['worker']}"),))
+      pb.PullRequest(relay_id=relay_id),
+      metadata=(("authorization", f"Bearer {TOKENS['worker']}"),))
   try:
     next(call)
   except grpc.RpcError as e:
@@ -47,7 +48,10 @@ def test_slow_pulls_leave_threads_for_the_other_calls_and_one_more_waits_its_tur
   streams = [h for h in held if not isinstance(h, grpc.RpcError)]
   with client_for(server, "viewer") as viewer:
     viewer.timeout_s = 5.0
-    assert viewer.stats().versions.latest_version == 0  # a thread was left for it
+    stats = viewer.stats()  # a thread was left for it
+    assert stats.versions.latest_version == 0
+    # Flow control, not bad input: counted apart from the rejected requests.
+    assert (stats.pulls_busy, stats.errors) == (2, 0)
   pulled = []
   with client_for(server, "worker", retry=RetryPolicy(deadline_s=0.0)) as worker:
     puller = threading.Thread(target=lambda: pulled.append(worker.pull_updates()))
@@ -97,3 +101,46 @@ def test_an_idle_fleets_long_polls_leave_threads_for_the_other_calls(start_serve
   for t in threads:
     t.join(timeout=30.0)
   assert len(done) == 4 and all(not prompts and waited >= 2.9 for prompts, waited in done)
+
+
+def test_a_relays_fetch_is_served_while_the_workers_pulls_fill_their_slots(start_server):
+  """A relay's fetch serves its whole fleet: with every worker pull slot held by slow links it
+  was refused, and every worker behind the relay waited; it has slots of its own."""
+  server = start_server(threads=8)  # max_pulls 4
+  blob = sync.encode(None, WEIGHTS, "bf16", version=0).to_bytes()
+  with client_for(server, "trainer") as trainer:
+    trainer.publish(blob)
+  streams = [_held_pull(server) for _ in range(4)]
+  assert not any(isinstance(h, grpc.RpcError) for h in streams)
+  refused = _held_pull(server)
+  assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+  with client_for(server, "worker") as relay:
+    chunks = list(relay.stream_pull(None, relay_id="relay@zone-b"))
+  assert sum(len(c.data) for c in chunks) == len(blob)
+  for channel, call in streams:
+    call.cancel()
+    channel.close()
+
+
+def test_the_trainers_take_waits_for_a_group_while_an_idle_fleet_holds_the_wait_slots(
+    start_server):
+  """Workers waiting for prompts held every long-poll slot (threads // 4): the trainer's take
+  was answered empty at once, and a group submitted a moment later reached it a whole wait_s
+  late, take after take. The take waits apart."""
+  server = start_server(threads=4)  # one worker long poll at a time
+  with client_for(server, "trainer") as trainer, client_for(server, "worker") as worker, \
+      client_for(server, "worker") as idle:
+    worker.register("w")
+    idle.register("idle")
+    trainer.enqueue_prompts([pb.Prompt(id="p0", text="2+2", metadata={"answer": "4"})])
+    lease = worker.lease(1, 30.0)
+    assert len(lease.prompts) == 1
+    waiting = threading.Thread(target=idle.lease, args=(1, 30.0), kwargs={"wait_s": 6.0})
+    waiting.start()  # the queue is empty: it holds the one wait slot
+    time.sleep(0.5)
+    sample = make_sample([7, 8], 1.0, text="4", finish_reason="stop")
+    threading.Timer(1.0, worker.submit_rollouts, (lease.lease_id, pb.RolloutGroup(
+        prompt_id="p0", samples=[sample, sample], policy_version=0))).start()
+    take = trainer.take_rollouts(max_n=4, wait_s=4.0)
+    assert [r.prompt.id for r in take.rollouts] == ["p0"]  # woken by the group, not empty
+    waiting.join(timeout=30.0)

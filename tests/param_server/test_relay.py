@@ -119,9 +119,9 @@ class _Upstream:
     self.last_bytes = 0
     relay.upstream.stream_pull = self
 
-  def __call__(self, have=None, resume=None):
+  def __call__(self, have=None, resume=None, relay_id=""):
     self.calls.append((have, resume))
-    call = self.stream_pull(have, resume=resume)
+    call = self.stream_pull(have, resume=resume, relay_id=relay_id)
     broken = self.break_after is not None and len(self.calls) == 1
 
     class Stream:
@@ -390,6 +390,24 @@ def test_a_relay_answers_within_the_callers_deadline_while_it_fetches(
   with ParamServerClient(relay.address, token=TOKENS["worker"], timeout_s=3.0,
                          retry=RetryPolicy(deadline_s=0.0)) as w:
     assert w.latest_version() == -1  # (past its deadline: DEADLINE_EXCEEDED)
+
+
+def test_a_relay_that_cannot_fetch_yet_answers_version_checks_with_what_it_holds(
+    server, trainer, start_relay, monkeypatch):
+  """A relay whose fetch cannot start (the server's pull slots full) held each worker's
+  version check for the caller's whole deadline (29 of 30 s: the workers idle, the relay's
+  threads taken): it answers what it holds after GET_LATEST_WAIT_S."""
+  publish_chain(trainer, 1)
+  relay = start_relay(server, max_wait_s=60.0, poll_s=0.2)
+  _until(lambda: relay.weights.latest == 0)
+  monkeypatch.setattr(WeightRelay, "_fetch", lambda self: None)
+  trainer.publish(sync.encode(None, tiny_weights(seed=3), "bf16", version=1).to_bytes())
+  _until(lambda: relay.server_latest == 1)
+  with ParamServerClient(relay.address, token=TOKENS["worker"], timeout_s=30.0,
+                         retry=RetryPolicy(deadline_s=0.0)) as w:
+    asked = time.monotonic()
+    assert w.latest_version() == 0
+    assert time.monotonic() - asked < relay_module.GET_LATEST_WAIT_S + 5.0  # not 29 s
 
 
 def test_a_version_fetched_while_the_servers_answer_came_back_is_no_new_run(
