@@ -23,6 +23,18 @@ STATE, METADATA = "state", "metadata"
 _UNREADABLE = ("OUT_OF_RANGE", "DATA_LOSS", "Error reading", "Error opening")
 
 
+def _unreadable(error: BaseException) -> BaseException | None:
+  """The error in `error`'s chain that says a step's files are missing or cut short, or None:
+  orbax wraps tensorstore's ValueError in a bare Exception when it reads into shardings."""
+  seen = 0
+  while error is not None and seen < 16:
+    if isinstance(error, (KeyError, FileNotFoundError)) or any(
+        m in str(error) for m in _UNREADABLE):
+      return error
+    error, seen = error.__cause__ or error.__context__, seen + 1
+  return None
+
+
 def _skip_raw_byte_metrics() -> None:
   """orbax (0.12) asks tensorstore for its bytes written before and after each array save,
   to log a throughput; tensorstore (0.1.86) never frees what
@@ -85,6 +97,11 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
+  def reload(self) -> None:
+    """List the steps on disk anew: a running trainer saves new ones and deletes old ones
+    (max_to_keep) under a reader."""
+    self._manager.reload()
+
   def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
     """(state, metadata) of `step` (default: the latest), laid out as `target` says.
 
@@ -112,6 +129,8 @@ class Checkpointer:
           f"this config's (a changed optimizer?): {str(e).split('If this mismatch')[0].strip()}"
           f"; resume with the settings it was written with, or use another workdir") from e
     except Exception as e:  # e.g. truncated array data: where, and what deleting it does
+      if (cut := _unreadable(e)) is not None:
+        raise self._damaged(int(step), cut) from e
       e.add_note(self._damaged(int(step), e).args[0].replace("is incomplete or damaged",
                                                               "could not be read"))
       raise
@@ -126,9 +145,11 @@ class Checkpointer:
         partial_restore=True)
     try:
       restored = self._manager.restore(int(step), args=ocp.args.Composite(**{STATE: args}))
-    except (KeyError, OSError, ValueError) as e:  # files missing or cut: named in a line
-      e.args = ((str(e).strip().splitlines() or [""])[0],)
-      raise self._damaged(int(step), e) from e
+    except Exception as e:  # files missing or cut: named in a line
+      cut = e if isinstance(e, (KeyError, OSError, ValueError)) else _unreadable(e)
+      if cut is None:
+        raise
+      raise self._damaged(int(step), cut) from e
     return restored[STATE]["params"]
 
   def metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -154,7 +175,9 @@ class Checkpointer:
     older = [s for s in self.all_steps() if s < step]
     then = (f"resume from step {older[-1]} (an RL run's groups acknowledged for the steps "
             f"after it are not trained again)" if older else "start anew")
-    said = str(error).split(" [tensorstore_spec")[0]  # (tensorstore appends its whole spec)
+    # (the first line; tensorstore appends its whole spec, orbax "See full TensorStore details")
+    said = (str(error).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+    said = said.split("See full TensorStore details")[0].rstrip(" .;:")
     return ValueError(f"checkpoint: step {step} in {self.directory} is incomplete or damaged "
                       f"({type(error).__name__}: {said}); delete "
                       f"{os.path.join(self.directory, str(step))} to {then}")

@@ -235,40 +235,35 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
   naming the flag (--workdir, --step, --out, --peft, --quantization) for input it refuses."""
   import jax
 
-  from rlax_ps.models.hf import QUANTIZATIONS, check_quantization
-  from rlax_ps.train.run import export_options, run_tokenizer, write_hf_export
+  from rlax_ps.models.hf import QUANTIZATIONS
+  from rlax_ps.train.run import write_hf_export
   if quantization is not None and quantization not in QUANTIZATIONS:
     raise ValueError(f"--quantization: expected one of {QUANTIZATIONS} ('': none), got "
                      f"{quantization!r}")
   workdir = user_path(workdir, "--workdir")
+  given, out_given = step, out
   with open_reader(workdir) as reader:
-    step = chosen_step(reader.all_steps(), step, reader.directory)
-    out = user_path(out or os.path.join(workdir, f"hf-step-{step}"), "--out")
-    record = {"checkpoints": reader.directory, "step": step}
-    check_out(out, record)
-    try:
-      saved = reader.metadata(step)
-    except ValueError as e:  # a damaged step: which, and what deleting it does
-      raise ValueError(f"--step: {e}") from None
-    config, model_config = _run_of(saved, workdir, step)
-    options = export_options(config)
-    if quantization is not None:
-      options["quantization"] = quantization
+    for _ in range(_RETRIES):  # a running trainer deletes old steps as it saves new ones
+      step = chosen_step(reader.all_steps(), given, reader.directory)
+      out = user_path(out_given or os.path.join(workdir, f"hf-step-{step}"), "--out")
+      record = {"checkpoints": reader.directory, "step": step}
+      check_out(out, record)
       try:
-        check_quantization(quantization, model_config.architecture)
-      except ValueError as e:
-        raise ValueError(f"--{e}") from None
-    if peft:
-      check_peft(model_config)
-    try:
-      tokenizer = run_tokenizer(config)
-    except (OSError, ValueError) as e:
-      raise ValueError(f"--workdir: the run's tokenizer (its config's `tokenizer` block): "
-                       f"{e}") from None
-    try:
-      graphdef, params = checkpoint_params(reader, step, model_config, jax.local_devices()[0])
-    except ValueError as e:
-      raise ValueError(f"--step: {e}") from None
+        (config, model_config, options, tokenizer, graphdef, params) = _read_step(
+            reader, workdir, step, peft, quantization)
+        break
+      except _Unread as e:
+        reader.reload()
+        if step in reader.all_steps():  # a damaged step: which, and what deleting it does
+          raise ValueError(f"--step: {e}") from None
+        if given is not None:
+          raise ValueError(f"--step: step {step} was deleted while it was read: the run's "
+                           f"trainer keeps its newest checkpoint.max_to_keep steps; saved "
+                           f"now: {', '.join(map(str, reader.all_steps()))}") from None
+    else:
+      raise ValueError(f"--workdir: the latest step of {reader.directory} was deleted while it "
+                       f"was read {_RETRIES} times over (checkpoint.max_to_keep=1 and a step "
+                       f"saved faster than it is read?); pass --step, or export after the run")
   try:
     path = write_hf_export(graphdef, jax.device_get(params), tokenizer, out,
                            **options, peft=peft,
@@ -276,6 +271,47 @@ def export_checkpoint(workdir: str, step: int | None = None, out: str = "",
   except OSError as e:
     raise ValueError(f"--out: cannot write {out}: {e.strerror or e}") from None
   return step, path
+
+
+_RETRIES = 5  # latest steps read while a running trainer deleted them
+
+
+class _Unread(Exception):
+  """A step's files could not be read: damaged, or deleted meanwhile (the caller tells which)."""
+
+
+def _read_step(reader, workdir: str, step: int, peft: bool, quantization: str | None):
+  """(config, model config, export options, tokenizer, graphdef, params) of checkpoint
+  `step`; ValueError naming the flag for what it refuses, _Unread where the step cannot be
+  read."""
+  import jax
+
+  from rlax_ps.models.hf import check_quantization
+  from rlax_ps.train.run import export_options, run_tokenizer
+  try:
+    saved = reader.metadata(step)
+  except ValueError as e:
+    raise _Unread(str(e)) from None
+  config, model_config = _run_of(saved, workdir, step)
+  options = export_options(config)
+  if quantization is not None:
+    options["quantization"] = quantization
+    try:
+      check_quantization(quantization, model_config.architecture)
+    except ValueError as e:
+      raise ValueError(f"--{e}") from None
+  if peft:
+    check_peft(model_config)
+  try:
+    tokenizer = run_tokenizer(config)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"--workdir: the run's tokenizer (its config's `tokenizer` block): "
+                     f"{e}") from None
+  try:
+    graphdef, params = checkpoint_params(reader, step, model_config, jax.local_devices()[0])
+  except ValueError as e:
+    raise _Unread(str(e)) from None
+  return config, model_config, options, tokenizer, graphdef, params
 
 
 def main(argv: list[str]) -> None:

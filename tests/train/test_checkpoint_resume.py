@@ -275,6 +275,33 @@ def test_damaged_latest_step_names_the_folder_and_what_deleting_it_resumes(tmp_p
   np.testing.assert_array_equal(np.asarray(tree["w"]), np.full(4, 1, np.float32))
 
 
+def test_a_step_cut_short_read_into_shardings_is_named_in_a_line(tmp_path):
+  """Read into shardings (every trainer, `rlax-ps export`), a data file cut in the middle came
+  out of orbax as a bare Exception: hundreds of traceback lines, no word of what to delete."""
+  directory = str(tmp_path)
+  w = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
+  with Checkpointer(directory, async_save=False) as ck:
+    for step in (1, 2):
+      ck.save(step, {"params": {"w": w * step}}, {"step": step})
+  for root, _, files in os.walk(os.path.join(directory, "2", "state")):
+    for name in files:
+      path = os.path.join(root, name)
+      if os.path.basename(root) == "d" and os.path.getsize(path) > 1000:
+        os.truncate(path, os.path.getsize(path) // 2)
+  sharded = jax.ShapeDtypeStruct((128, 128), np.float32,
+                                 sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  want = (f"step 2 in {directory} is incomplete or damaged \\(ValueError: OUT_OF_RANGE.*\\); "
+          f"delete {os.path.join(directory, '2')} to resume from step 1")
+  with Checkpointer(directory) as ck:
+    with pytest.raises(ValueError, match=want) as e:
+      ck.restore({"params": {"w": sharded}})
+    assert "\n" not in str(e.value) and "TensorStore details" not in str(e.value)
+  with Checkpointer(directory, read_only=True) as reader:  # `rlax-ps export`'s
+    with pytest.raises(ValueError, match=want):
+      reader.restore_params({"w": sharded}, 2)
+    np.testing.assert_array_equal(np.asarray(reader.restore_params({"w": sharded}, 1)["w"]), w)
+
+
 def test_state_of_another_layout_is_named_as_such(tmp_path):
   """A restore target laid out otherwise (a changed optimizer) is named as that, without
   orbax's advice to pass partial_restore, an argument no user of the trainers has."""

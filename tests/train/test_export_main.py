@@ -152,6 +152,31 @@ def test_a_run_trained_on_a_2x2_mesh_is_read_on_one_device(run):
     np.testing.assert_array_equal(value, run["params"][4][name], err_msg=name)
 
 
+@pytest.mark.parametrize("given", [None, 4])
+def test_a_step_the_running_trainer_deletes_while_it_is_read(run, tmp_path, monkeypatch, given):
+  """A running trainer deletes its old steps (checkpoint.max_to_keep) as it saves: the latest
+  step read meanwhile was named damaged ("delete it to start anew"). The export takes the
+  new latest; a step given by --step is named as deleted by the trainer."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(run["workdir"], workdir)
+  read = export_main.checkpoint_params
+
+  def deleted_while_read(reader, step, *args):
+    if step == 4:  # (the trainer's retention, as if it had saved a step 6 and kept one)
+      shutil.rmtree(os.path.join(workdir, "checkpoints", "4"))
+    return read(reader, step, *args)
+
+  monkeypatch.setattr(export_main, "checkpoint_params", deleted_while_read)
+  if given is None:
+    assert export_checkpoint(workdir, out=str(tmp_path / "x"))[0] == 2
+    _same_as_the_trainers(str(tmp_path / "x"), run["exports"][2], 2,
+                          os.path.join(workdir, "checkpoints"))
+  else:
+    with pytest.raises(ValueError, match=r"^--step: step 4 was deleted while it was read: the "
+                                         r"run's trainer keeps .*; saved now: 2$"):
+      export_checkpoint(workdir, step=given, out=str(tmp_path / "x"))
+
+
 def test_a_step_not_saved_is_named_with_the_saved_ones(run, tmp_path):
   with pytest.raises(ValueError, match=r"^--step: 3 is not saved in .*checkpoints; saved steps: "
                                        r"2, 4$"):
