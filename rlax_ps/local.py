@@ -33,7 +33,7 @@ from param_server import auth
 from rlax_ps import chips
 from rlax_ps.cli import STOP_WITH_PARENT
 from rlax_ps.config_files import make_workdir, run_config_changes
-from rlax_ps.folder_lock import FolderLock
+from rlax_ps.folder_lock import FolderInUse, FolderLock
 from rlax_ps.sizes import human_bytes
 
 LISTENING = re.compile(r"parameter server listening on (\S+)")
@@ -163,8 +163,14 @@ class LocalRun:
   def hold_workdir(self) -> None:
     """Lock the run's logs folder while this supervisor lives (`workdir_lock`): a second
     `rlax-ps local` on the workdir is refused (FolderInUse, naming the first's pid) before
-    its warm start and server, rather than failing in them."""
+    its warm start and server, rather than failing in them; so is a workdir a trainer
+    (`rlax-ps train`) holds, its lock tried and let go (this run's trainer takes it)."""
     self.workdir_lock = FolderLock(self.logs, holder="`rlax-ps local`", flag="--workdir")
+    try:
+      FolderLock(self.workdir, holder="trainer", flag="--workdir").release()
+    except FolderInUse:
+      self.workdir_lock.release()
+      raise
 
   def _spawn(self, name: str, args: list[str], env: dict | None = None) -> Child:
     log = os.path.join(self.logs, f"{name}.log")

@@ -12,7 +12,7 @@ import pytest
 from absl import app
 
 from rlax_ps import config_files, local
-from rlax_ps.folder_lock import FolderInUse
+from rlax_ps.folder_lock import FolderInUse, FolderLock
 from rlax_ps.train.prompts import read_prompts
 from rlax_ps.train.rl_checks import check_rl_config
 from rlax_ps.train.run import TrainerRun
@@ -105,6 +105,25 @@ def test_a_second_local_run_on_a_workdir_is_refused_before_it_starts(tmp_path):
       local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=1).hold_workdir()
   finally:
     first.workdir_lock.release()
+
+
+def test_a_local_run_on_a_workdir_a_trainer_holds_is_refused_before_it_starts(tmp_path):
+  """`rlax-ps train` holds <workdir>/LOCK, `rlax-ps local` <workdir>/logs/LOCK: a local run
+  on a running trainer's workdir trained a warm start and started a server and workers in
+  it before its trainer was refused."""
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  trainer = FolderLock(str(workdir), holder="trainer", flag="--workdir")
+  try:
+    run = local.LocalRun(str(workdir), "cfg.py", [], workers=1)
+    with pytest.raises(FolderInUse, match=r"--workdir .*w: in use by another trainer \(pid %d"
+                                          % os.getpid()):
+      run.hold_workdir()
+  finally:
+    trainer.release()
+  run.hold_workdir()  # the trainer gone: taken, and its own trainer's lock left free
+  FolderLock(str(workdir), holder="trainer", flag="--workdir").release()
+  run.workdir_lock.release()
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -218,8 +237,6 @@ def test_a_folder_whose_filesystem_cannot_lock_is_named_so_not_blamed_on_a_holde
   """flock's ENOLCK (NFS without lockd) read as "in use by another trainer (pid ...)"."""
   import errno
   import fcntl
-
-  from rlax_ps.folder_lock import FolderLock
 
   def no_locks(fd, op):
     raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
