@@ -156,6 +156,12 @@ def _run(argv: list[str]) -> None:
   except KeyboardInterrupt:
     print("rlax-ps local: interrupted during the warm start", file=sys.stderr, flush=True)
     sys.exit(130)
+  from rlax_ps.train.rl_checks import check_resumed_model
+  try:  # (a warm start trained anew on another model block: the trainer would refuse it)
+    check_resumed_model(config, workdir, init_from_hf)
+  except (OSError, ValueError) as e:
+    print(f"rlax-ps local: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   steps = local.StepReader(os.path.join(workdir, "steps.jsonl"))
   code, message = 0, ""
   try:

@@ -567,8 +567,31 @@ def test_a_warm_start_begun_with_another_model_is_not_reused(run):
   proc = _local(workdir, "--config.model.num_layers=3", timeout=60)
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "was begun with another `sft` config (model.num_layers: 1 -> 3)" in proc.stderr
+  # Deleting the warm start alone left the RL checkpoint and versions of the old model.
+  assert (f"delete {workdir / 'sft'}, {workdir / 'checkpoints'} and {workdir / 'ps'} to train "
+          f"it and the RL run after it anew") in proc.stderr
   assert "warm start: reusing" not in proc.stdout
   assert _log_sizes(logs) == before  # none ran
+
+
+def test_a_checkpoint_of_another_model_than_the_warm_starts_is_refused_before_the_server(
+    run, tmp_path):
+  """The RL checkpoint of another model than the warm start's export (one trained anew on
+  another model block) was first refused by a worker, on the trainer's first weights."""
+  workdir, _ = run
+  shutil.copytree(workdir / "sft", tmp_path / "sft")
+  shutil.copytree(workdir / "checkpoints", tmp_path / "checkpoints")
+  hf_config = tmp_path / "sft" / "hf" / "config.json"
+  fields = json.loads(hf_config.read_text())
+  layers = fields["num_hidden_layers"]
+  hf_config.write_text(json.dumps({**fields, "num_hidden_layers": layers + 1}))
+  proc = _local(tmp_path, "--config.rl.steps=1000", timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert (f"rlax-ps local: model: the checkpoint in {tmp_path / 'checkpoints'} was written for "
+          f"another model (model.num_layers: {layers} in the checkpoint, {layers + 1} now)"
+          ) in proc.stderr
+  assert "parameter server on" not in proc.stdout
+  assert not (tmp_path / "logs" / "server.log").exists()  # no child started
 
 
 def test_the_instruct_recipe_needs_a_checkpoint_named(tmp_path):

@@ -81,6 +81,43 @@ def test_another_number_of_updates_per_batch_is_refused_before_anything_starts(t
     resume_lines(config, str(tmp_path))
 
 
+def test_another_publication_format_is_refused_before_anything_starts(tmp_path):
+  """The server holds the run's versions in its format and refuses another's keyframe: the
+  trainer failed at its first publication, after the warm start, server and workers."""
+  config = _config()
+  metadata = {"step": 4, "data_source": data_source(config, None),
+              "config": {"publish": {"format": "bf16"}}}
+  with Checkpointer(os.path.join(tmp_path, "checkpoints"), async_save=False) as checkpointer:
+    checkpointer.save(4, {"x": np.zeros(2, np.float32)}, metadata)
+  assert resume_lines(config, str(tmp_path)) == []
+  config.publish.format = "int8"
+  with pytest.raises(ValueError, match=r"^publish.format: 'int8' now, 'bf16' in the run's "
+                                       r"checkpoint in .*; resume with publish.format='bf16'"):
+    resume_lines(config, str(tmp_path))
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_the_trainers_words(tmp_path):
+  """A warm start trained anew on another model block (its old one deleted): the worker was
+  the first to fail, on the trainer's first weights ("give the worker the trainer's config",
+  which it had)."""
+  from rlax_ps.models import longest_sequence, model_config_from
+  from rlax_ps.train.rl_checks import check_resumed_model
+  from rlax_ps.train.run import run_tokenizer
+  config = _config()
+  model = model_config_from(config.model, run_tokenizer(config).vocab_size, "",
+                            longest_sequence(config))
+  with Checkpointer(os.path.join(tmp_path, "checkpoints"), async_save=False) as checkpointer:
+    checkpointer.save(4, {"x": np.zeros(2, np.float32)}, {"step": 4,
+                                                          "model_config": model.to_dict()})
+  check_resumed_model(config, str(tmp_path), "")
+  config.model.num_layers = model.num_layers + 1
+  with pytest.raises(ValueError, match=(
+      f"^model: the checkpoint in {tmp_path / 'checkpoints'} was written for another model "
+      f"\\(model.num_layers: {model.num_layers} in the checkpoint, {model.num_layers + 1} now\\); "
+      f"resume with its model, or use another workdir$")):
+    check_resumed_model(config, str(tmp_path), "")
+
+
 def test_another_seed_is_refused_in_the_trainers_words(tmp_path):
   saved = _checkpoint(tmp_path, _config())
   config = _config()

@@ -478,6 +478,11 @@ def resume_lines(config, workdir: str) -> list[str]:
   if saved is None:
     return []
   check_resumed_updates(saved, int(config.rl.get("updates_per_batch", 1)))
+  was = ((saved.get("config") or {}).get("publish") or {}).get("format")
+  if was and was != config.publish.format:  # (its server's stored weights are of that format)
+    raise ValueError(f"publish.format: {config.publish.format!r} now, {was!r} in the run's "
+                     f"checkpoint in {directory} and the versions its parameter server holds; "
+                     f"resume with publish.format={was!r}, or use another workdir")
   records, path = None, config.data.get("jsonl", "")
   if path and saved.get("data_source"):
     records = ((r["prompt"], r["answer"], r["task"])  # digested as read, none held
@@ -487,6 +492,29 @@ def resume_lines(config, workdir: str) -> list[str]:
                                NEW_SOURCE_FED),
            resumed_optimizer(config.optimizer, int(config.rl.steps), saved, "rl.steps")[1]]
   return [line for line in lines if line]
+
+
+def check_resumed_model(config, workdir: str, init_from_hf: str) -> None:
+  """ValueError, in the trainer's words, where the latest checkpoint of `workdir` was written
+  for another model than the trainer would build from `config` and `init_from_hf` (a warm
+  start trained anew on another model block): said before the server and workers start, not
+  by a worker refusing the first weights it is sent."""
+  from rlax_ps.models import longest_sequence, model_config_from
+  from rlax_ps.train.run import checkpoint_directory, run_tokenizer
+  from rlax_ps.train.state import model_changes
+  directory = checkpoint_directory(config, workdir)
+  if "://" in directory:  # a bucket: the trainer checks it
+    return
+  directory = os.path.abspath(directory)
+  saved = latest_metadata(directory)
+  if not saved or not saved.get("model_config"):
+    return
+  model_config = model_config_from(config.model, run_tokenizer(config).vocab_size, init_from_hf,
+                                   longest_sequence(config))
+  changed, _ = model_changes(saved["model_config"], model_config)
+  if changed:
+    raise ValueError(f"model: the checkpoint in {directory} was written for another model "
+                     f"({'; '.join(changed)}); resume with its model, or use another workdir")
 
 
 def latest_metadata(directory: str) -> dict[str, Any] | None:
