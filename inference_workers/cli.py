@@ -26,7 +26,7 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from inference_workers.hard_exit import exit_now
+from rlax_ps.hard_exit import exit_now
 from inference_workers.worker_config import WorkerConfig
 from param_server import connect_flags
 from rlax_ps import distributed

@@ -57,7 +57,7 @@ from algorithms.verifiers import (REWARD_MODEL_TASK, Verifier, VerifierResult, l
 from inference_workers import multihost
 from inference_workers.continuous import ContinuousBatch, SlotsDevice
 from inference_workers.decoding import Sample, bucket, check_request, pad_prompts, replies_in
-from inference_workers.hard_exit import exit_now
+from rlax_ps.hard_exit import exit_now
 from inference_workers.sample_batch import SampleBatch
 from inference_workers.sampling import GREEDY_SEED
 from inference_workers.weights import HeldPolicy, ResyncNeeded

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
 
 # Set by `rlax-ps local` in its children's environment: the supervisor's pid.
 STOP_WITH_PARENT = "RLAX_PS_STOP_WITH_PARENT"
@@ -106,10 +107,22 @@ def reporting_errors(main_fn, prog: str):
       sys.exit(141)
     except Exception as e:  # noqa: BLE001: re-raised unless a user error
       if not isinstance(e, _user_error_types()):
-        raise
-      print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        if not _multihost():
+          raise
+        traceback.print_exc()
+      else:
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
+      if _multihost():  # jax.distributed.shutdown would wait 5 minutes for the peers, which
+        from rlax_ps.hard_exit import exit_now  # wait for this process in a collective
+        exit_now(1)
       sys.exit(1)
   return run
+
+
+def _multihost() -> bool:
+  """Whether this process joined a multi-host job (never imports JAX)."""
+  distributed = sys.modules.get("rlax_ps.distributed")
+  return distributed is not None and distributed.joined_others()
 
 
 def _innermost_message(e: BaseException) -> str:

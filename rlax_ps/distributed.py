@@ -99,6 +99,15 @@ def not_joined_message(prog: str, coordinator: str, num_processes: int | None,
           f"--process_id, 0 to {num_processes - 1} (a host not started, or two given one id)")
 
 
+_joined = False  # this process joined a job of several (initialize)
+
+
+def joined_others() -> bool:
+  """Whether this process is one of a multi-host job's: one that fails must leave at once
+  (rlax_ps.hard_exit), its peers then leaving their collectives too."""
+  return _joined
+
+
 def initialize(prog: str = "rlax-ps") -> bool:
   """Join the job the flags name, before any JAX backend starts; True on process 0 (the
   one that talks to servers and writes logs and exports), and when there is one process.
@@ -137,4 +146,6 @@ def initialize(prog: str = "rlax-ps") -> bool:
           COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value,
           cluster_detection_method="deactivate",
           initialization_timeout=timeout + _JAX_JOIN_SLACK_S), timeout, message)
+    global _joined
+    _joined = jax.process_count() > 1
   return jax.process_index() == 0

@@ -219,6 +219,18 @@ def to_host(tree: Any, keep: bool = True) -> Any:
   return out if keep else None
 
 
+def agreed_stop(stop: bool, signum: int | None) -> tuple[bool, int | None]:
+  """(whether any process of a multi-host job was asked to stop, a signal one was stopped
+  by) on every process (a collective): all stop at one step, saving, evaluating and exiting
+  alike (a save or evaluation some processes skip waits for them for ever)."""
+  if jax.process_count() == 1:
+    return stop, signum
+  from jax.experimental import multihost_utils
+  asked = np.max(multihost_utils.process_allgather(
+      np.asarray([stop, signum or 0], np.int32)), axis=0)
+  return bool(asked[0]), int(asked[1]) or None
+
+
 def broadcast_int(value: int) -> int:
   """Process 0's `value` (any int64) on every process of a multi-host job (a collective):
   as its 8 bytes, since JAX without x64 holds an int64 as int32 (a 3 GB keyframe's length

@@ -614,9 +614,6 @@ class RLTrainer(TrainerRun):
     self._told_routes = False  # warned once of a group whose routes the run does not expect
     self._stop = threading.Event()
     self.stop_signal: int | None = None  # the signal that asked for the stop, if any
-    # (version, bytes, s, keyframe) of a follower's publications; the leader's are in
-    # versions.jsonl.
-    self.sync_log: list[tuple[int, int, float, bool, int]] = []
     log = config.get("log") or {}  # the completions log (check_rl_config checked it)
     self.completions_every = int(log.get("completions_every", 0))
     self.completions_groups = int(log.get("completions_groups", 0))
@@ -1006,6 +1003,16 @@ class RLTrainer(TrainerRun):
     if self.client is not None:
       self.client.interrupt.set()
 
+  def _stop_agreed(self) -> bool:
+    """Whether any process was asked to stop (a collective): on a multi-host slice a
+    follower's SIGTERM was ignored (the leader alone decided), and a preempted follower
+    trained on until it was killed. Each process then holds the stop and its signal."""
+    stop, signum = shd.agreed_stop(self._stop.is_set(), self.stop_signal)
+    if stop:
+      self._stop.set()
+      self.stop_signal = signum
+    return stop
+
   def _stopping(self, error: ParamServerError, what: str) -> bool:
     """True (and logged) when `error` ended a server call because a stop was requested: the
     checkpoint then keeps what the call would have done (its takes are acked at the next
@@ -1044,7 +1051,7 @@ class RLTrainer(TrainerRun):
                              if self.leader and self.completions_every else None)
     try:
       while True:
-        go = (self.step < self.total_steps and not self._stop.is_set()
+        go = (self.step < self.total_steps and not self._stop_agreed()
               and not (max_seconds and time.time() - t0 >= max_seconds))
         batch, groups = self._next_batch(go)
         if batch is None:  # done, or stopped while waiting
@@ -1664,9 +1671,7 @@ class RLTrainer(TrainerRun):
     its sync/ points at this step (`tensorboard`)."""
     pub = self.publisher.publish(self.state.params, version, keyframe=keyframe)
     self._published_step = self.step
-    if not self.leader:  # the leader's go to versions.jsonl alone, not to a list per step
-      self.sync_log.append((pub.version, pub.bytes, pub.seconds, pub.keyframe,
-                            pub.keyframe_bytes))
+    if not self.leader:  # the leader's go to versions.jsonl; a follower keeps none
       return pub
     with open_jsonl(os.path.join(self.workdir, "versions.jsonl")) as f:
       f.write(json.dumps({"version": pub.version, "step": self.step, "keyframe": pub.keyframe,
@@ -1868,7 +1873,7 @@ class RLTrainer(TrainerRun):
     rl.steps, or during the workers' final evaluation, writes the summary alone (`stopped`):
     it is checkpointed, a rerun goes on, and a preempted machine's grace (or `rlax-ps
     local`'s) is no time for an evaluation."""
-    stopped = bool(self._shared(self._stop.is_set())) and self.step < self.total_steps
+    stopped = self._stop_agreed() and self.step < self.total_steps
     summary: dict[str, Any] = {"step": self.step, "version": self.version, "seconds": seconds,
                                "steps_this_run": self.step - start_step,
                                "rollout_groups_trained": self.trained_rollouts,
@@ -1886,7 +1891,7 @@ class RLTrainer(TrainerRun):
         if self.leader and not self._stop.is_set():
           exact, passes = self._fleet_evaluation("final", int(self.config.eval.pass_k))
         # A stop cut it short: the run is stopped at its last step, a rerun evaluates it
-        stopped = bool(self._shared(self._stop.is_set() and exact is None))
+        stopped = bool(self._shared(self._stop_agreed() and exact is None))
       else:
         exact = self.evaluate()
         passes = heldout_lib.pass_at_k(self.graphdef, self.state.params, self.tokenizer,
@@ -1901,7 +1906,7 @@ class RLTrainer(TrainerRun):
           self.writer.add_scalar(f"eval/{name}", v, self.step)
     if stopped:  # as the SFT trainer's: the signal (True: a stop without one)
       summary["stopped"] = self.stop_signal or True
-    log = self.sync_log
+    log = []  # (a follower's summary, written nowhere, has no sync figures)
     if self.leader and os.path.exists(os.path.join(self.workdir, "versions.jsonl")):
       log = [(r["version"], r["bytes"], r["seconds"], r["keyframe"],  # every run's
               r.get("keyframe_bytes", 0)) for r in self._versions_log()]

@@ -18,7 +18,6 @@ import time
 from typing import Any, Sequence
 
 import jax
-import numpy as np
 from absl import logging
 from flax import nnx
 
@@ -162,15 +161,10 @@ class SFTTrainer(TrainerRun):
     """Whether any process was asked to stop: on a multi-host slice all stop at one step,
     and each then holds the stop and its signal (saves, evaluates and exits alike: a save
     or an evaluation that some processes skip waits for them for ever)."""
-    stop = self._stop.is_set()
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      asked = np.max(multihost_utils.process_allgather(
-          np.asarray([stop, self.stop_signal or 0], np.int32)), axis=0)
-      stop = bool(asked[0])
-      if stop:
-        self._stop.set()
-        self.stop_signal = int(asked[1]) or None
+    stop, signum = shd.agreed_stop(self._stop.is_set(), self.stop_signal)
+    if stop:
+      self._stop.set()
+      self.stop_signal = signum
     return stop
 
   def train(self, until: int | None = None, *, progress: bool = True) -> dict[str, float]:

@@ -905,7 +905,8 @@ def test_a_stop_mid_batch_leaves_the_partial_take_to_be_trained_after_restart(tm
       assert "stopped" not in summary and summary["export"] == os.path.join(workdir, "hf")
       # The summary's sync figures cover both runs' publications, not the restart's alone.
       published = _lines(tmp_path / "rl" / "versions.jsonl")
-      assert summary["sync"]["versions"] == len(published) > len(tr.sync_log)
+      assert summary["sync"]["versions"] == len(published)
+      assert published[0]["version"] == 0 and len(published) > tr.version - tr._restart_version
   finally:
     worker.stop()
     server.stop(grace=0)

@@ -3,6 +3,8 @@
 import json
 import types
 
+import pytest
+
 from rlax_ps.train.events import NoEvents
 from rlax_ps.train.publisher import Publication
 from rlax_ps.train.rl import RLTrainer, sync_summary
@@ -14,15 +16,22 @@ class _Publisher:
     return Publication(version, keyframe, bytes=100, seconds=0.01, digest=version)
 
 
-def test_the_leader_keeps_its_publications_in_versions_jsonl_not_in_memory(tmp_path):
+@pytest.mark.parametrize("leader", [True, False])
+def test_publications_go_to_versions_jsonl_not_to_memory(tmp_path, leader):
+  """The leader's publications go to versions.jsonl; a follower of a multi-host slice kept
+  them in a list that grew by one a version for the whole run."""
   trainer = types.SimpleNamespace(publisher=_Publisher(), state=types.SimpleNamespace(params={}),
-                                  leader=True, workdir=str(tmp_path), step=0, sync_log=[],
+                                  leader=leader, workdir=str(tmp_path), step=0,
                                   writer=NoEvents())
   for version in range(200):
     RLTrainer._publish(trainer, version, keyframe=version == 0)
-  assert trainer.sync_log == []
-  with open(tmp_path / "versions.jsonl") as f:
-    assert [json.loads(line)["version"] for line in f] == list(range(200))
+  assert set(vars(trainer)) == {"publisher", "state", "leader", "workdir", "step", "writer",
+                                "_published_step"}  # nothing kept per version
+  if leader:
+    with open(tmp_path / "versions.jsonl") as f:
+      assert [json.loads(line)["version"] for line in f] == list(range(200))
+  else:
+    assert not (tmp_path / "versions.jsonl").exists()
 
 
 def test_a_scheduled_keyframe_counts_its_delta_as_a_delta_and_itself_as_the_keyframe():

@@ -6,6 +6,8 @@ inside C++ while the interpreter shuts down is stopped with pthread_exit, and a 
 `catch (...)` on its stack turns that into "FATAL: exception not rethrown" and SIGABRT
 (CPython bpo-42969). By the time a worker exits, its leases are released, its stream is
 cancelled and nothing is buffered but stdio and logs, so nothing is lost by skipping it.
+A process of a multi-host job that failed leaves so too: jax.distributed.shutdown at exit
+waits (5 minutes) for the other processes, which wait for this one in a collective.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import textwrap
 SCRIPT = textwrap.dedent("""
     import atexit, sys
     from absl import logging
-    from inference_workers.hard_exit import exit_now
+    from rlax_ps.hard_exit import exit_now
     logging.use_absl_handler()
     atexit.register(lambda: print("finalized", flush=True))
     logging.warning("a log line")
