@@ -85,16 +85,46 @@ def read_saved_tokens(path: str) -> dict[str, str]:
   return saved
 
 
+def normal_token(token) -> str:
+  """`token` stripped of the whitespace a secret file or `echo` leaves (a newline), as
+  clients and server both take it; ValueError unless it is then a non-empty string of
+  printable ASCII, all a gRPC header carries."""
+  if not isinstance(token, str):
+    raise ValueError(f"expected a string token, got {type(token).__name__}")
+  token = token.strip()
+  if not token or not all(" " <= c <= "~" for c in token):
+    raise ValueError(f"expected a token of printable ASCII characters (as `rlax-ps serve` "
+                     f"writes them), got {len(token)} characters with others")
+  return token
+
+
+def _normal(token, where: str) -> str:
+  try:
+    return normal_token(token)
+  except ValueError as e:
+    raise TokenStoreError(f"{where}: {e}") from None
+
+
 def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str]:
-  """Role -> token: from `given` (flags), else the environment, else the token file (made if needed)."""
-  tokens = {r: given.get(r) or os.environ.get(env_var(r)) or "" for r in ROLES}
+  """Role -> token: from `given` (flags), else the environment, else the token file (made if
+  needed); each as clients take it (normal_token: a secret file's newline made a server that
+  refused every client)."""
+  tokens = {}
+  for r in ROLES:
+    if given.get(r):
+      tokens[r] = _normal(given[r], f"--{r}_token")
+    elif os.environ.get(env_var(r)):
+      tokens[r] = _normal(os.environ[env_var(r)], f"${env_var(r)}")
+    else:
+      tokens[r] = ""
   missing = [r for r in ROLES if not tokens[r]]
   if not missing:
     return _distinct(tokens)
   path = os.path.join(storage_dir, TOKEN_FILE)
   saved = read_saved_tokens(path)
   for r in missing:
-    tokens[r] = saved.get(r) or secrets.token_urlsafe(32)
+    tokens[r] = (_normal(saved[r], f"{path}: {r!r}") if saved.get(r)
+                 else secrets.token_urlsafe(32))
   if any(saved.get(r) != tokens[r] for r in missing):
     saved.update({r: tokens[r] for r in missing})
     write_durably(path, json.dumps(saved), mode=0o600)

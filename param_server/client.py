@@ -397,6 +397,9 @@ class ParamServerClient:
     if self._tls and "hostname verification" in said:
       return (f"the server's certificate is not for the host in {self.address}; pass "
               f"--tls_server_name=NAME, a name the certificate holds")
+    if self._tls and "certificate_verify_failed" in said:
+      return (f"the certificate of the server at {self.address} is not signed by --tls_ca; "
+              f"give the CA that signed its --tls_cert (or that certificate itself)")
     return ""
 
   def _now(self) -> _Route:

@@ -43,6 +43,9 @@ SERVICE_NAME = "rlax_ps.v1.ParamServer"
 MESSAGE_OVERHEAD = 64 << 10
 RELAY_PULLS = 8  # weight relays' fetches served at once, besides the workers' max_pulls
 TAKE_WAITS = 2  # trainer takes waiting at once (one trainer; a restarted one's old call)
+MAX_WORKERS = 65536  # workers and relays known at once (each registration or new id one)
+MAX_LISTED_WORKERS = 4096  # listed in GetStats, the most recently heard first
+MAX_WORKER_METADATA = 16 << 10  # bytes of a registration's metadata (keys and values)
 
 
 def message_limit(config: "ServerConfig") -> int:
@@ -330,6 +333,10 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     # The trainer's take waits apart: an idle fleet's leases holding every wait slot
     # answered each take at once, and its group reached the trainer a wait_s late.
     self._take_slots = threading.BoundedSemaphore(TAKE_WAITS)
+    # Watch streams each hold a thread for as long as their client keeps them (relays
+    # follow the server so): unbounded, any token could take every thread.
+    self.max_watches = max(1, config.threads // 8)
+    self._watch_slots = threading.BoundedSemaphore(self.max_watches)
     self.streams_open = 0  # Pull and Watch streams being served
     self._run_lock = threading.Lock()
     self.run = _read_run(config.storage_dir)  # the run whose versions are held ("": none said)
@@ -493,16 +500,22 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def Watch(self, request, context):
     if request.after_version < -1:
       raise errors.InvalidArgument("after_version", f"expected >= -1, got {request.after_version}")
-    last = request.after_version
-    changed = self._version_changed
-    while context.is_active() and not self.stopping.is_set():
-      with changed:
-        if self._latest() <= last:
-          changed.wait(timeout=0.5)
-        latest = self._latest()
-      if latest > last:
-        last = latest
-        yield self._version_info()
+    if not self._watch_slots.acquire(blocking=False):
+      raise errors.ResourceExhausted("watches", f"busy: {self.max_watches} Watch streams open "
+                                     f"(threads // 8); come back shortly")
+    try:
+      last = request.after_version
+      changed = self._version_changed
+      while context.is_active() and not self.stopping.is_set():
+        with changed:
+          if self._latest() <= last:
+            changed.wait(timeout=0.5)
+          latest = self._latest()
+        if latest > last:
+          last = latest
+          yield self._version_info()
+    finally:
+      self._watch_slots.release()
 
   # ------------------------------------------------------------ prompts
 
@@ -577,8 +590,14 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def RegisterWorker(self, request, context):
     if not request.name or len(request.name) > 128:
       raise errors.InvalidArgument("name", f"expected 1 to 128 characters, got {len(request.name)}")
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in request.metadata.items())
+    if size > MAX_WORKER_METADATA:
+      raise errors.InvalidArgument("metadata", f"expected at most {MAX_WORKER_METADATA} bytes of "
+                                   f"keys and values, got {size}")
     worker_id = f"{request.name}-{uuid.uuid4().hex[:8]}"
     with self._lock:
+      self._forget_silent_workers()
+      self._room_for_a_worker()
       self._workers[worker_id] = _Worker(worker_id, request.name, dict(request.metadata))
     logging.info("worker %s registered", worker_id)
     return pb.RegisterWorkerReply(worker_id=worker_id,
@@ -603,7 +622,11 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
         self._workers.pop(request.worker_id, None)
         return self._heartbeat_reply()
       # Upsert: workers registered before a server restart keep their id (a relay's is its own).
-      worker = self._workers.setdefault(request.worker_id, _Worker(request.worker_id, request.worker_id, {}))
+      worker = self._workers.get(request.worker_id)
+      if worker is None:
+        self._room_for_a_worker()
+        worker = self._workers[request.worker_id] = _Worker(request.worker_id,
+                                                            request.worker_id, {})
       worker.version = request.version
       worker.tokens_per_s = request.tokens_per_s
       worker.last_seen = time.monotonic()
@@ -632,6 +655,14 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     with self._lock:
       return [w.worker_id for w in self._workers.values() if w.last_seen < cutoff]
 
+  def _room_for_a_worker(self) -> None:
+    """ResourceExhausted when MAX_WORKERS are known (under the lock): ids without end (a
+    client registering in a loop) grew the server's memory and its stats past a message."""
+    if len(self._workers) >= MAX_WORKERS:
+      raise errors.ResourceExhausted("worker_id", f"{MAX_WORKERS} workers and relays known (those "
+                                     f"silent for 30 heartbeat intervals are forgotten); a "
+                                     f"worker registers once and keeps its id")
+
   def _forget_silent_workers(self) -> None:
     """Drops workers silent for 30 heartbeat intervals (preempted ones never say goodbye)."""
     cutoff = time.monotonic() - 30 * self.config.heartbeat_interval_s
@@ -644,15 +675,19 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     leases = self.queues.leases_by_worker()
     alive_after = 3 * self.config.heartbeat_interval_s
     with self._lock:
+      heard = sorted((w for w in self._workers.values() if w.heard),
+                     key=lambda w: w.last_seen, reverse=True)
+      alive = sum(now - w.last_seen <= alive_after and not w.kind for w in heard)
+      known = sum(not w.kind for w in heard)
       workers = [pb.WorkerStats(worker_id=w.worker_id, name=w.name, version=w.version,
                                 tokens_per_s=w.tokens_per_s, seconds_since_heartbeat=now - w.last_seen,
                                 leases=leases.get(w.worker_id, 0), kind=w.kind, time=w.time)
-                 for w in self._workers.values() if w.heard]
+                 for w in heard[:MAX_LISTED_WORKERS]]
       served, pulls, streams = self.bytes_served, self.pulls_served, self.streams_open
     return pb.Stats(versions=self._version_info(), **self.queues.depths(),
                     bytes_served=served, pulls_served=pulls, streams_open=streams,
-                    workers_alive=sum(w.seconds_since_heartbeat <= alive_after and not w.kind
-                                      for w in workers),
+                    workers_alive=alive, workers_known=known,
+                    workers_unlisted=len(heard) - len(workers),
                     workers=workers, uptime_s=now - self.started, errors=self._rejections.count,
                     pulls_busy=self._rejections.busy)
 

@@ -52,7 +52,9 @@ def format_stats(s: pb.Stats) -> str:
                        f"({s.pulls_busy} asked to come back: every pull slot busy)"),
       ("streams open", f"{s.streams_open} (pulls and watches now)"),
       ("rejected requests", s.errors),
-      ("workers alive", f"{s.workers_alive} of {sum(not w.kind for w in s.workers)}"),
+      ("workers alive", f"{s.workers_alive} of {s.workers_known}"
+                        + (f" ({s.workers_unlisted} not listed below: the most recently heard "
+                           f"are)" if s.workers_unlisted else "")),
       ("uptime", f"{s.uptime_s:,.0f} s"),
       ("storage id", v.store_id or "-"),  # another one after a restart: a new --storage_dir
   ]

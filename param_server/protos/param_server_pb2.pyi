@@ -451,7 +451,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., seconds_since_heartbeat: _Optional[float] = ..., leases: _Optional[int] = ..., kind: _Optional[str] = ..., time: _Optional[_Union[WorkerTime, _Mapping]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("versions", "prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "bytes_served", "pulls_served", "workers_alive", "workers", "uptime_s", "errors", "prompts_resumed", "samples_resumed", "tokens_resumed", "streams_open", "takes_requeued", "pulls_busy")
+    __slots__ = ("versions", "prompts_queued", "prompts_leased", "leases_active", "rollouts_ready", "rollouts_in_flight", "rollouts_accepted", "rollouts_duplicate", "rollouts_stale_dropped", "leases_expired", "bytes_served", "pulls_served", "workers_alive", "workers", "uptime_s", "errors", "prompts_resumed", "samples_resumed", "tokens_resumed", "streams_open", "takes_requeued", "pulls_busy", "workers_unlisted", "workers_known")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_QUEUED_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_LEASED_FIELD_NUMBER: _ClassVar[int]
@@ -474,6 +474,8 @@ class Stats(_message.Message):
     STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
     TAKES_REQUEUED_FIELD_NUMBER: _ClassVar[int]
     PULLS_BUSY_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_UNLISTED_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_KNOWN_FIELD_NUMBER: _ClassVar[int]
     versions: VersionInfo
     prompts_queued: int
     prompts_leased: int
@@ -496,7 +498,9 @@ class Stats(_message.Message):
     streams_open: int
     takes_requeued: int
     pulls_busy: int
-    def __init__(self, versions: _Optional[_Union[VersionInfo, _Mapping]] = ..., prompts_queued: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., leases_active: _Optional[int] = ..., rollouts_ready: _Optional[int] = ..., rollouts_in_flight: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_served: _Optional[int] = ..., pulls_served: _Optional[int] = ..., workers_alive: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., errors: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., streams_open: _Optional[int] = ..., takes_requeued: _Optional[int] = ..., pulls_busy: _Optional[int] = ...) -> None: ...
+    workers_unlisted: int
+    workers_known: int
+    def __init__(self, versions: _Optional[_Union[VersionInfo, _Mapping]] = ..., prompts_queued: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., leases_active: _Optional[int] = ..., rollouts_ready: _Optional[int] = ..., rollouts_in_flight: _Optional[int] = ..., rollouts_accepted: _Optional[int] = ..., rollouts_duplicate: _Optional[int] = ..., rollouts_stale_dropped: _Optional[int] = ..., leases_expired: _Optional[int] = ..., bytes_served: _Optional[int] = ..., pulls_served: _Optional[int] = ..., workers_alive: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., errors: _Optional[int] = ..., prompts_resumed: _Optional[int] = ..., samples_resumed: _Optional[int] = ..., tokens_resumed: _Optional[int] = ..., streams_open: _Optional[int] = ..., takes_requeued: _Optional[int] = ..., pulls_busy: _Optional[int] = ..., workers_unlisted: _Optional[int] = ..., workers_known: _Optional[int] = ...) -> None: ...
 
 class WalRecord(_message.Message):
     __slots__ = ("snapshot", "enqueue", "lease", "renew", "returned", "submit", "take", "ack", "requeue_take", "drop_stale")

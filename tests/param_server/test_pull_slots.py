@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from param_server.client import RetryPolicy, make_sample
+from param_server.client import ParamServerError, RetryPolicy, make_sample
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
 from param_server.server import ServerConfig
@@ -144,3 +144,52 @@ def test_the_trainers_take_waits_for_a_group_while_an_idle_fleet_holds_the_wait_
     take = trainer.take_rollouts(max_n=4, wait_s=4.0)
     assert [r.prompt.id for r in take.rollouts] == ["p0"]  # woken by the group, not empty
     waiting.join(timeout=30.0)
+
+
+def test_watch_streams_past_their_slots_are_told_to_come_back_leaving_threads(start_server):
+  """Each Watch stream holds a thread while its client keeps it: unbounded, any token (a
+  viewer's) opening as many as the server has threads stalled every worker and the trainer."""
+  server = start_server(threads=16)  # two Watch streams at once
+  channels, streams = [], []
+  for _ in range(3):
+    channel = grpc.insecure_channel(server.address,
+                                    options=[("grpc.use_local_subchannel_pool", 1)])
+    call = pb_grpc.ParamServerStub(channel).Watch(
+        pb.WatchRequest(after_version=-1),
+        metadata=(("authorization", f"Bearer {TOKENS['viewer']}"),))
+    channels.append(channel)
+    streams.append(call)
+  time.sleep(1.0)
+  refused = []
+  for call in streams:
+    if call.done():
+      with pytest.raises(grpc.RpcError) as e:
+        next(call)
+      refused.append(e.value)
+  assert len(refused) == 1 and refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+  assert refused[0].details().startswith("watches: busy: 2 Watch streams open")
+  for call in streams:
+    call.cancel()
+  for channel in channels:
+    channel.close()
+
+
+def test_the_worker_registry_and_its_listing_are_bounded(start_server, monkeypatch):
+  """Registrations of any size and ids without end grew the server's memory, and GetStats
+  outgrew a message: `rlax-ps status` failed for every role."""
+  from param_server import server as server_module
+  monkeypatch.setattr(server_module, "MAX_WORKERS", 6)
+  monkeypatch.setattr(server_module, "MAX_LISTED_WORKERS", 3)
+  server = start_server()
+  with client_for(server, "worker") as worker, client_for(server, "viewer") as viewer:
+    with pytest.raises(ParamServerError, match=r"metadata: expected at most 16384 bytes"):
+      worker.register("big", metadata={"k": "x" * 20000})
+    for i in range(6):
+      worker.heartbeat(version=-1, worker_id=f"w{i}")
+    with pytest.raises(ParamServerError, match=r"worker_id: 6 workers and relays known") as e:
+      worker.heartbeat(version=-1, worker_id="w6")
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    worker.heartbeat(version=-1, worker_id="w5")  # a known one goes on
+    stats = viewer.stats()
+  assert [w.worker_id for w in stats.workers] == ["w5", "w4", "w3"]  # the latest heard
+  assert (stats.workers_unlisted, stats.workers_known, stats.workers_alive) == (3, 6, 6)

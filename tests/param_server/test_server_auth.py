@@ -135,3 +135,43 @@ def test_a_plaintext_client_of_a_tls_server_is_told_to_pass_tls_ca(tmp_path, sta
   with client_for(server, "viewer", retry=NO_RETRY) as plain:
     with pytest.raises(ParamServerError, match="is the server at .* using TLS\\? pass --tls_ca"):
       plain.latest_version()
+
+
+def test_a_client_given_another_ca_is_told_so_not_retried(tmp_path, start_server):
+  """A --tls_ca that did not sign the server's certificate read as an outage: retried to the
+  deadline, and a relay given it started and followed nothing."""
+  key, cert = _self_signed(tmp_path)
+  server = start_server(tls_cert=str(cert), tls_key=str(key))
+  (tmp_path / "other").mkdir()
+  _, other = _self_signed(tmp_path / "other")
+  with client_for(server, "viewer", root_certificates=other.read_bytes(),
+                  tls_server_name="localhost", retry=RetryPolicy(deadline_s=30.0)) as c:
+    with pytest.raises(ParamServerError, match="is not signed by --tls_ca") as e:
+      c.latest_version()
+  assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize("where", ["flag", "environment", "file"])
+def test_a_token_with_a_secret_files_newline_is_taken_as_clients_take_it(tmp_path, monkeypatch,
+                                                                        where):
+  """`openssl rand -hex 32 > f` leaves a newline: the server took the token with it, the
+  clients without it (a header cannot carry it), and every call was refused."""
+  given = {"worker_token": ""}
+  if where == "flag":
+    given["worker_token"] = "worker-secret\n"
+  elif where == "environment":
+    monkeypatch.setenv("RLAX_PS_WORKER_TOKEN", "worker-secret\n")
+  else:
+    (tmp_path / "ps").mkdir()
+    (tmp_path / "ps" / "tokens.json").write_text(json.dumps({"worker": "worker-secret\n"}))
+  server = ParamServer(small_config(tmp_path / "ps", **given)).start()
+  try:
+    with ParamServerClient(server.address, token="worker-secret", retry=NO_RETRY) as c:
+      assert c.latest_version() == -1
+  finally:
+    server.stop(grace=0)
+  monkeypatch.setenv("RLAX_PS_WORKER_TOKEN", "worker\tsecret")
+  from param_server.auth import TokenStoreError
+  with pytest.raises(TokenStoreError, match=r"^\$RLAX_PS_WORKER_TOKEN: expected a token of "
+                                            r"printable ASCII"):
+    ParamServer(small_config(tmp_path / "ps2", worker_token=""))
