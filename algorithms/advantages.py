@@ -82,6 +82,9 @@ def gdpo_advantages(parts, weights, group_ids, num_groups: int, sample_mask=None
   return grpo_advantages(total, jnp.zeros_like(group_ids), 1, mask, eps=eps, unbiased=unbiased)
 
 
+GPG_MAX_ALPHA = 20.0  # GPG's correction B / (B - M) at most (the authors' GPGTrainer)
+
+
 @functools.partial(jax.jit, static_argnames=("num_groups", "std_scaling", "unbiased"))
 def gpg_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
                    std_scaling: str = "none", eps: float = 1e-6, unbiased: bool = True):
@@ -90,13 +93,15 @@ def gpg_advantages(rewards, group_ids, num_groups: int, sample_mask=None, *,
   the batch's B samples, M are in groups whose rewards are all equal (or of one sample),
   which learn nothing, so the others are scaled up to the gradient the whole batch would
   give (the paper's correction; verl's gpg takes B over the samples of non-zero reward
-  instead). A batch of none but such groups gets 0."""
+  instead), at most GPG_MAX_ALPHA (the authors' trainer: 1 / max(1 - M/B, 0.05); a batch of
+  one learning group in 64 took 64x the step, with no ratio or clip to bound it). A batch of
+  none but such groups gets 0."""
   _check_scaling(std_scaling)
   rewards, group_ids, mask = check_group_inputs(rewards, group_ids, num_groups, sample_mask)
   _, _, std = group_mean_std(rewards, group_ids, num_groups, mask, unbiased)
   b = jnp.sum(mask)
   valid = jnp.sum(mask * (std[group_ids] > 0))
-  alpha = jnp.where(valid > 0, b / jnp.maximum(valid, 1.0), 0.0)
+  alpha = jnp.where(valid > 0, b / jnp.maximum(valid, b / GPG_MAX_ALPHA), 0.0)
   return alpha * grpo_advantages(rewards, group_ids, num_groups, mask, std_scaling=std_scaling,
                                  eps=eps, unbiased=unbiased)
 
@@ -255,8 +260,8 @@ def token_rewards(scores, token_mask, kl=None, kl_coef: float = 0.0):
 def discounted_returns(rewards, token_mask, gamma: float = 1.0):
   """[B, T] G_t = r_t + gamma G_(t+1) on the `token_mask`ed tokens, 0 elsewhere; an unmasked
   token (an environment's reply) passes the return through undiscounted and adds no reward,
-  so the policy's tokens before a tool reply share the final reward (verl's REINFORCE++
-  resets the return to 0 there instead: those tokens got none of it)."""
+  so the policy's tokens before a tool reply share the final reward, as verl's
+  REINFORCE++ does."""
   mask = jnp.asarray(token_mask, jnp.float32)
   a = jnp.where(mask > 0, gamma, 1.0)  # G_t = a_t G_(t+1) + b_t, composed from the end
   b = jnp.asarray(rewards, jnp.float32) * mask

@@ -5,7 +5,7 @@ algorithm.adv_estimator=gpg and policy_loss.loss_mode=gpg: the plain policy grad
 -A log pi (no ratio, no clip, no KL), each sample's advantage its reward minus its group's
 mean, undivided, the batch's advantages scaled by B / (B - M) where M of its B samples are in
 groups of all-equal rewards (the paper's correction: such groups learn nothing and would
-shrink the step). --config.loss.scale_rewards=group divides by each group's std as GRPO.
+shrink the step), at most 20x as in the authors' trainer. --config.loss.scale_rewards=group divides by each group's std as GRPO.
 Otherwise configs/rl_local.py. `:tiny` is the seconds-long smoke variant.
 """
 

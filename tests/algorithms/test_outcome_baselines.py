@@ -99,6 +99,13 @@ def test_gpg_scales_the_batch_by_its_share_of_groups_that_learn():
   # No group learning: all 0, never NaN.
   got = np.asarray(gpg_advantages(np.ones(4, np.float32), np.array([0, 0, 1, 1]), 2))
   assert np.all(got == 0)
+  # One group in 64 learning: alpha is capped at 20, as the GPG authors' trainer caps it (64
+  # would scale a plain policy gradient, no ratio or clip bounding it, 64 times).
+  rewards = np.zeros(64 * 2, np.float32)
+  rewards[0] = 1.0
+  got = np.asarray(gpg_advantages(rewards, np.repeat(np.arange(64), 2), 64))
+  np.testing.assert_allclose(got[:2], [20 * 0.5, -20 * 0.5], rtol=1e-6)
+  assert np.all(got[2:] == 0)
 
 
 def test_distillation_gives_each_token_minus_its_reverse_kl_to_the_teacher():
