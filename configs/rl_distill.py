@@ -8,7 +8,9 @@ sampled position the forward KL from the teacher's 8 most likely tokens to the s
 joins the loss (GKD on the student's own samples: it names the token the teacher would
 have written, where the sampled one only says whether that one pleased it). Distillation
 is supervised learning: the warm start's final learning rate. The rewards are logged, not
-trained on; train/teacher_kl and train/distill_kl show what is left to learn. One sample a
+trained on; train/teacher_kl (0 once the student samples as the teacher would) shows what
+is left to learn; train/distill_kl renormalises the teacher's top 8 alone, so it bottoms
+out at minus the log of the student's mass on those 8 tokens, not at 0. One sample a
 prompt suffices (no group baseline). Otherwise configs/rl_local.py. `:tiny` is the
 seconds-long smoke variant.
 
