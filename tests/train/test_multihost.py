@@ -4,6 +4,7 @@ across both (fsdp 4), checkpoints in one shared directory. Process 0 alone talks
 server and writes logs and exports; each run must end cleanly on both processes with
 what it published or exported equal to what it checkpointed."""
 
+import contextlib
 import json
 import re
 import signal
@@ -190,15 +191,30 @@ def test_a_restarted_two_process_trainer_resumes_from_its_shared_checkpoint(tmp_
   assert versions[-1]["digest"] == f"{_digest_of_checkpoint(str(tmp_path / 'shared'), 5):016x}"
 
 
-def _until_step(workdir, step, procs, timeout=300):
-  """Wait until the leader logged `step` in steps.jsonl (both processes still running)."""
-  end = time.monotonic() + timeout
-  while True:
-    path = workdir / "steps.jsonl"
-    if path.exists() and any(r["step"] >= step for r in _lines(path)):
-      return
-    assert all(p.poll() is None for p in procs) and time.monotonic() < end
-    time.sleep(0.2)
+@contextlib.contextmanager
+def _training_slice(tmp_path, *args):
+  """A server, a FakeWorker and a 2-process trainer of 1000 steps, yielded (procs, server,
+  worker) once step 2 is logged; all of them stopped after."""
+  (tmp_path / "tokens.json").write_text(json.dumps(TOKENS))
+  server = start_server(tmp_path / "ps")
+  worker = FakeWorker(server.address, samples=4).start()
+  procs = []
+  try:
+    procs = _launch(tmp_path, "train", "configs/rl_local.py:tiny", "--config.rl.steps=1000",
+                    "--config.rl.max_staleness=20", "--config.eval.num_examples=0", *args,
+                    f"--address={server.address}", f"--token_file={tmp_path / 'tokens.json'}")
+    end = time.monotonic() + 300
+    steps = tmp_path / "train" / "steps.jsonl"
+    while not (steps.exists() and any(r["step"] >= 2 for r in _lines(steps))):
+      assert all(p.poll() is None for p in procs) and time.monotonic() < end
+      time.sleep(0.2)
+    yield procs, server, worker
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    worker.stop()
+    server.stop(grace=0)
 
 
 @pytest.mark.slow  # ~40 s
@@ -207,24 +223,9 @@ def test_a_sigterm_to_a_follower_alone_stops_every_process_at_one_step(tmp_path)
   """A preempted follower host gets the SIGTERM alone: it was ignored (the leader decided),
   the slice trained on until the follower was killed, and the steps since the last
   checkpoint were lost. Every process now checkpoints the same step and exits 143."""
-  (tmp_path / "tokens.json").write_text(json.dumps(TOKENS))
-  server = start_server(tmp_path / "ps")
-  worker = FakeWorker(server.address, samples=4).start()
-  try:
-    procs = _launch(tmp_path, "train", "configs/rl_local.py:tiny", "--config.rl.steps=1000",
-                    "--config.rl.max_staleness=20", "--config.eval.num_examples=0",
-                    f"--address={server.address}", f"--token_file={tmp_path / 'tokens.json'}")
-    try:
-      _until_step(tmp_path / "train", 2, procs)
-      procs[1].send_signal(signal.SIGTERM)
-      codes = [p.wait(120) for p in procs]
-    finally:
-      for p in procs:
-        if p.poll() is None:
-          p.kill()
-  finally:
-    worker.stop()
-    server.stop(grace=0)
+  with _training_slice(tmp_path) as (procs, _, _):
+    procs[1].send_signal(signal.SIGTERM)
+    codes = [p.wait(120) for p in procs]
   logs = [(tmp_path / f"train{i}.log").read_text() for i in range(2)]
   assert codes == [143, 143], logs[0][-2000:] + logs[1][-2000:]
   step = int(re.search(r"rl: stopped by SIGTERM at step (\d+) of 1000", logs[0]).group(1))
@@ -241,28 +242,12 @@ def test_a_leader_that_fails_ends_the_slice_at_once(tmp_path):
   but jax.distributed.shutdown at exit then waited 5 minutes for the follower, itself
   waiting for the leader's next batch: both aborted after 331 s. Now they end within
   seconds of the leader's line."""
-  (tmp_path / "tokens.json").write_text(json.dumps(TOKENS))
-  server = start_server(tmp_path / "ps")
-  worker = FakeWorker(server.address, samples=4).start()
-  try:
-    procs = _launch(tmp_path, "train", "configs/rl_local.py:tiny", "--config.rl.steps=1000",
-                    "--config.rl.max_staleness=20", "--config.eval.num_examples=0",
-                    "--config.rl.take_timeout_s=5", f"--address={server.address}",
-                    f"--token_file={tmp_path / 'tokens.json'}")
-    try:
-      _until_step(tmp_path / "train", 2, procs)
-      worker.stop()
-      server.stop(grace=0)
-      stopped = time.monotonic()
-      codes = [p.wait(240) for p in procs]
-      took = time.monotonic() - stopped
-    finally:
-      for p in procs:
-        if p.poll() is None:
-          p.kill()
-  finally:
+  with _training_slice(tmp_path, "--config.rl.take_timeout_s=5") as (procs, server, worker):
     worker.stop()
     server.stop(grace=0)
+    stopped = time.monotonic()
+    codes = [p.wait(240) for p in procs]
+    took = time.monotonic() - stopped
   log = (tmp_path / "train0.log").read_text()
   assert codes[0] == 1 and "rlax-ps train: " in log, log[-3000:]
   assert codes[1] != 0
