@@ -41,11 +41,19 @@ class ResourceExhausted(RequestError):
 PULLS_BUSY = "pulls: busy:"
 
 
-class PullsBusy(ResourceExhausted):
-  """Every pull slot is taken (ServerConfig.max_pulls): come back shortly."""
+class Busy(ResourceExhausted):
+  """Every slot of a kind of stream is taken: flow control, not bad input (counted and
+  logged apart from rejections); come back shortly."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(field, f"busy: {message}")
+
+
+class PullsBusy(Busy):
+  """Every pull slot is taken (ServerConfig.max_pulls)."""
 
   def __init__(self, message: str):
-    super().__init__("pulls", f"busy: {message}")
+    super().__init__("pulls", message)
 
 
 

@@ -173,6 +173,20 @@ class _Arriving:
     return PullSource(self.version, self.base_version, self.nbytes, read)
 
 
+def _busy(error: Exception) -> str:
+  """"watches" or "pulls" where `error` is the server's busy answer (errors.Busy) to a Watch
+  or a Pull, else ""."""
+  if isinstance(error, ParamServerError):
+    code, details = error.code, error.details
+  elif isinstance(error, grpc.RpcError):
+    code, details = error.code(), error.details() or ""
+  else:
+    return ""
+  if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+    return ""
+  return next((kind for kind in ("watches", "pulls") if details.startswith(f"{kind}: busy:")), "")
+
+
 def _nothing_to_release() -> None:
   """What a plan of nothing stored releases: nothing (it pinned no blob)."""
 
@@ -373,6 +387,13 @@ class WeightRelay:
       except Exception as e:  # noqa: BLE001: the relay outlives a server restart
         if self._stopping.is_set():
           return
+        busy = _busy(e)
+        if busy:  # flow control: the server's Watch or pull slots all taken; no failure
+          logging.log_every_n_seconds(logging.INFO, "relay: %s busy at %s (%s); asking again",
+                                      60, busy, self.upstream.address, e)
+          # Without a Watch stream, the server's version is asked every poll_s.
+          self._stopping.wait(self.config.poll_s if busy == "watches" else 1.0)
+          continue
         logging.warning("relay: following %s failed (%s); retrying", self.upstream.address, e)
       self._stopping.wait(1.0)
 

@@ -41,7 +41,8 @@ from rlax_ps.folder_lock import FolderLock
 SERVICE_NAME = "rlax_ps.v1.ParamServer"
 # Room for the fields around a chunk's bytes in one message.
 MESSAGE_OVERHEAD = 64 << 10
-RELAY_PULLS = 8  # weight relays' fetches served at once, besides the workers' max_pulls
+RELAY_PULLS = 8  # weight relays' fetches served at once besides the workers' max_pulls (more
+# take those)
 TAKE_WAITS = 2  # trainer takes waiting at once (one trainer; a restarted one's old call)
 MAX_WORKERS = 65536  # workers and relays known at once (each registration or new id one)
 MAX_LISTED_WORKERS = 4096  # listed in GetStats, the most recently heard first
@@ -205,9 +206,10 @@ def _well_formed(request, field: str = "request"):
 
 
 class _Rejections:
-  """Turns RequestErrors into logged gRPC statuses; counts them for stats. A pull refused
-  while every pull slot is taken is flow control, not a rejection: counted apart (`busy`)
-  and logged at most every 30 s (a fleet fetching a keyframe is refused hundreds of times)."""
+  """Turns RequestErrors into logged gRPC statuses; counts them for stats. A stream refused
+  while every slot of its kind is taken (errors.Busy) is flow control, not a rejection:
+  logged at most every 30 s (a fleet fetching a keyframe is refused hundreds of times), and
+  pulls so refused counted apart (`busy`)."""
 
   def __init__(self):
     self.count = 0
@@ -220,11 +222,11 @@ class _Rejections:
 
   def abort(self, context, method: str, err: errors.RequestError):
     said = _cut(str(err))
-    if isinstance(err, errors.PullsBusy):
-      with self._lock:
-        self.busy += 1
-      logging.log_every_n_seconds(logging.INFO, "%s: %s (%d refused so far)", 30, method,
-                                  said, self.busy)
+    if isinstance(err, errors.Busy):
+      if isinstance(err, errors.PullsBusy):
+        with self._lock:
+          self.busy += 1
+      logging.log_every_n_seconds(logging.INFO, "%s: %s (come back shortly)", 30, method, said)
     else:
       self.bump()
       logging.warning("%s rejected (%s): %s", method, err.code.name, said)
@@ -449,10 +451,13 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       raise errors.InvalidArgument("have_version", f"expected >= -1 or absent, got {have}")
     if request.resume_offset < 0:
       raise errors.InvalidArgument("resume_offset", f"expected >= 0, got {request.resume_offset}")
-    slots = self._relay_pull_slots if request.relay_id else self._pull_slots
-    if not slots.acquire(blocking=False):
-      raise errors.PullsBusy(f"{RELAY_PULLS} relays' pulls under way" if request.relay_id else
-                             f"{self.max_pulls} pulls under way (max_pulls); come back shortly")
+    # A relay's fetch takes a relay slot, else a worker's like any pull.
+    if request.relay_id and self._relay_pull_slots.acquire(blocking=False):
+      slots = self._relay_pull_slots
+    elif self._pull_slots.acquire(blocking=False):
+      slots = self._pull_slots
+    else:
+      raise errors.PullsBusy(f"{self.max_pulls} pulls under way (max_pulls); come back shortly")
     try:
       yield from self._serve_pull(have, request, context)
     finally:
@@ -501,8 +506,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     if request.after_version < -1:
       raise errors.InvalidArgument("after_version", f"expected >= -1, got {request.after_version}")
     if not self._watch_slots.acquire(blocking=False):
-      raise errors.ResourceExhausted("watches", f"busy: {self.max_watches} Watch streams open "
-                                     f"(threads // 8); come back shortly")
+      raise errors.Busy("watches", f"{self.max_watches} Watch streams open (threads // 8); "
+                        f"come back shortly")
     try:
       last = request.after_version
       changed = self._version_changed

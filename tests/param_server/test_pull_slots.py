@@ -193,3 +193,18 @@ def test_the_worker_registry_and_its_listing_are_bounded(start_server, monkeypat
     stats = viewer.stats()
   assert [w.worker_id for w in stats.workers] == ["w5", "w4", "w3"]  # the latest heard
   assert (stats.workers_unlisted, stats.workers_known, stats.workers_alive) == (3, 6, 6)
+
+
+def test_relays_past_their_own_slots_take_the_workers(start_server):
+  """Relays' slots are besides the workers', not a ceiling: a 9th relay fetching with 32
+  worker slots free was told to come back."""
+  from param_server.server import RELAY_PULLS
+  server = start_server(threads=64)  # max_pulls 32
+  blob = sync.encode(None, WEIGHTS, "bf16", version=0).to_bytes()
+  with client_for(server, "trainer") as trainer:
+    trainer.publish(blob)
+  held = [_held_pull(server, relay_id=f"relay-{i}") for i in range(RELAY_PULLS + 2)]
+  assert not any(isinstance(h, grpc.RpcError) for h in held)
+  for channel, call in held:
+    call.cancel()
+    channel.close()

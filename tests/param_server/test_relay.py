@@ -410,6 +410,23 @@ def test_a_relay_that_cannot_fetch_yet_answers_version_checks_with_what_it_holds
     assert time.monotonic() - asked < relay_module.GET_LATEST_WAIT_S + 5.0  # not 29 s
 
 
+def test_relays_past_the_servers_watch_slots_follow_it_by_asking_without_errors(
+    start_server, start_relay, tmp_path):
+  """A relay refused a Watch stream (threads // 8 taken) warned and was counted a rejected
+  request every second, for good: it now asks the server's version every poll_s, quietly."""
+  server = start_server(threads=8)  # one Watch stream at once
+  with client_for(server, "trainer") as trainer:
+    versions = publish_chain(trainer, 1)
+    relays = [start_relay(server, storage_dir=str(tmp_path / f"relay{i}"), poll_s=0.5)
+              for i in range(2)]
+    _until(lambda: all(r.weights.latest == 0 for r in relays))
+    trainer.publish(sync.encode(versions[0], perturbed(versions[0], 0.05, seed=1), "bf16",
+                                version=1).to_bytes())
+    _until(lambda: all(r.weights.latest == 1 for r in relays))
+  assert server.servicer.max_watches == 1
+  assert server.servicer._rejections.count == 0  # refusals of flow control, not of input
+
+
 def test_a_version_fetched_while_the_servers_answer_came_back_is_no_new_run(
     server, trainer, start_relay):
   """The server answers v1, then publishes v2, which the relay fetches before it reads the
