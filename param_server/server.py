@@ -41,8 +41,7 @@ from rlax_ps.folder_lock import FolderLock
 SERVICE_NAME = "rlax_ps.v1.ParamServer"
 # Room for the fields around a chunk's bytes in one message.
 MESSAGE_OVERHEAD = 64 << 10
-RELAY_PULLS = 8  # weight relays' fetches served at once besides the workers' max_pulls (more
-# take those)
+RELAY_PULLS = 8  # relays' fetches on slots of their own, past max_pulls; more take workers
 TAKE_WAITS = 2  # trainer takes waiting at once (one trainer; a restarted one's old call)
 MAX_WORKERS = 65536  # workers and relays known at once (each registration or new id one)
 MAX_LISTED_WORKERS = 4096  # listed in GetStats, the most recently heard first
@@ -226,7 +225,7 @@ class _Rejections:
       if isinstance(err, errors.PullsBusy):
         with self._lock:
           self.busy += 1
-      logging.log_every_n_seconds(logging.INFO, "%s: %s (come back shortly)", 30, method, said)
+      logging.log_every_n_seconds(logging.INFO, "%s: %s", 30, method, said)
     else:
       self.bump()
       logging.warning("%s rejected (%s): %s", method, err.code.name, said)

@@ -431,12 +431,9 @@ def check_warm_start(config, workdir: str) -> str:
   config.sft.export.hf = True  # RL starts from the export
   changes = run_config_changes(sft_dir, config.sft)
   if changes:
-    from rlax_ps.train.rl_checks import latest_metadata
-    from rlax_ps.train.run import checkpoint_directory
-    rl_dir = checkpoint_directory(config, workdir)
-    rl_dir = rl_dir if "://" in rl_dir else os.path.abspath(rl_dir)
-    then = (f"delete {sft_dir} to train it anew" if "://" in rl_dir or
-            latest_metadata(rl_dir) is None else
+    from rlax_ps.train.rl_checks import resumed_metadata
+    rl_dir, saved = resumed_metadata(config, workdir)
+    then = (f"delete {sft_dir} to train it anew" if saved is None else
             f"delete {sft_dir}, {rl_dir} and {os.path.join(os.path.abspath(workdir), 'ps')} "
             f"to train it and the RL run after it anew")
     raise ValueError(f"--workdir: the warm start in {sft_dir} was begun with another `sft` "

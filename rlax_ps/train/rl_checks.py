@@ -468,13 +468,8 @@ def resume_lines(config, workdir: str) -> list[str]:
   batch, else the lines it logs (data.allow_new_source taking other data, the lr schedule
   kept or changed); [] when there is none to resume. Reads that checkpoint's metadata alone, writing nothing."""
   from rlax_ps.train.prompts import iter_config_records
-  from rlax_ps.train.run import (checkpoint_directory, data_source, resumed_optimizer,
-                                 resumed_source_line)
-  directory = checkpoint_directory(config, workdir)
-  if "://" in directory:  # a bucket: the trainer checks it
-    return []
-  directory = os.path.abspath(directory)  # as the trainer's Checkpointer names it
-  saved = latest_metadata(directory)
+  from rlax_ps.train.run import data_source, resumed_optimizer, resumed_source_line
+  directory, saved = resumed_metadata(config, workdir)
   if saved is None:
     return []
   check_resumed_updates(saved, int(config.rl.get("updates_per_batch", 1)))
@@ -500,21 +495,26 @@ def check_resumed_model(config, workdir: str, init_from_hf: str) -> None:
   start trained anew on another model block): said before the server and workers start, not
   by a worker refusing the first weights it is sent."""
   from rlax_ps.models import longest_sequence, model_config_from
-  from rlax_ps.train.run import checkpoint_directory, run_tokenizer
-  from rlax_ps.train.state import model_changes
-  directory = checkpoint_directory(config, workdir)
-  if "://" in directory:  # a bucket: the trainer checks it
-    return
-  directory = os.path.abspath(directory)
-  saved = latest_metadata(directory)
+  from rlax_ps.train.run import run_tokenizer
+  from rlax_ps.train.state import check_same_model
+  directory, saved = resumed_metadata(config, workdir)
   if not saved or not saved.get("model_config"):
     return
   model_config = model_config_from(config.model, run_tokenizer(config).vocab_size, init_from_hf,
                                    longest_sequence(config))
-  changed, _ = model_changes(saved["model_config"], model_config)
-  if changed:
-    raise ValueError(f"model: the checkpoint in {directory} was written for another model "
-                     f"({'; '.join(changed)}); resume with its model, or use another workdir")
+  check_same_model(saved["model_config"], model_config, directory)
+
+
+def resumed_metadata(config, workdir: str) -> tuple[str, dict[str, Any] | None]:
+  """(the RL checkpoint directory of `config` in `workdir`, as the trainer's Checkpointer
+  names it; the metadata of its newest complete checkpoint, or None: none, or a bucket's,
+  which the trainer checks itself)."""
+  from rlax_ps.train.run import checkpoint_directory
+  directory = checkpoint_directory(config, workdir)
+  if "://" in directory:
+    return directory, None
+  directory = os.path.abspath(directory)
+  return directory, latest_metadata(directory)
 
 
 def latest_metadata(directory: str) -> dict[str, Any] | None:

@@ -241,6 +241,18 @@ def model_changes(saved: dict[str, Any] | None, model_config: ModelConfig
           if old[k] != new[k] and k in used], added
 
 
+def check_same_model(saved: dict[str, Any] | None, model_config: ModelConfig,
+                     directory: str) -> dict[str, Any]:
+  """The fields model_changes() says an older checkpoint lacks ({field: default}); ValueError
+  naming each changed field where the checkpoint in `directory` (its model config `saved`)
+  was written for another model."""
+  changed, added = model_changes(saved, model_config)
+  if changed:
+    raise ValueError(f"model: the checkpoint in {directory} was written for another model "
+                     f"({'; '.join(changed)}); resume with its model, or use another workdir")
+  return added
+
+
 def restore_state(model_config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh,
                   checkpointer: Checkpointer, step: int, *, params_like: tuple[str, ...] = (),
                   trees: dict[str, Any] | None = None
@@ -251,11 +263,7 @@ def restore_state(model_config: ModelConfig, optimizer: optax.GradientTransforma
   each as its restore target (abstract arrays with their shardings: the RL critic's)."""
   graphdef = abstract_model(model_config)[0]
   saved = checkpointer.metadata(step)
-  changed, added = model_changes(saved.get("model_config"), model_config)
-  if changed:
-    raise ValueError(f"model: the checkpoint in {checkpointer.directory} was written for "
-                     f"another model ({'; '.join(changed)}); resume with its model, or use "
-                     f"another workdir")
+  added = check_same_model(saved.get("model_config"), model_config, checkpointer.directory)
   if added:
     logging.warning("model: the checkpoint in %s predates fields added to the model config "
                     "since; they take their defaults, as the older rlax-ps built it: %s",
