@@ -117,20 +117,17 @@ class Checkpointer:
     try:
       restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
           STATE: ocp.args.StandardRestore(abstract), METADATA: ocp.args.JsonRestore()}))
-    except (KeyError, FileNotFoundError) as e:  # an item or a file of it missing
-      raise self._damaged(int(step), e) from e
-    except ValueError as e:
-      if any(m in str(e) for m in _UNREADABLE):  # tensorstore: data cut short or unreadable
-        raise self._damaged(int(step), e) from e
-      if not any(m in str(e) for m in ("tree structures do not match", "Structure mismatch")):
-        raise
-      raise ValueError(
-          f"checkpoint: step {step} in {self.directory} holds a state laid out otherwise than "
-          f"this config's (a changed optimizer?): {str(e).split('If this mismatch')[0].strip()}"
-          f"; resume with the settings it was written with, or use another workdir") from e
-    except Exception as e:  # e.g. truncated array data: where, and what deleting it does
-      if (cut := _unreadable(e)) is not None:
+    except Exception as e:
+      if (cut := _unreadable(e)) is not None:  # an item or a file missing, data cut short
         raise self._damaged(int(step), cut) from e
+      if isinstance(e, ValueError):
+        if not any(m in str(e) for m in ("tree structures do not match", "Structure mismatch")):
+          raise
+        raise ValueError(
+            f"checkpoint: step {step} in {self.directory} holds a state laid out otherwise "
+            f"than this config's (a changed optimizer?): "
+            f"{str(e).split('If this mismatch')[0].strip()}; resume with the settings it was "
+            f"written with, or use another workdir") from e
       e.add_note(self._damaged(int(step), e).args[0].replace("is incomplete or damaged",
                                                               "could not be read"))
       raise
