@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> None:
   sys.modules["__main__"].__doc__ = module.__doc__
   for flag in flags.FLAGS.get_key_flags_for_module(module.__name__):
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-  app.run(reporting_errors(module.main, f"{prog} {name}"), argv=[f"{prog} {name}"] + argv[2:],
+  from rlax_ps.config_files import with_shipped_recipes
+  app.run(reporting_errors(module.main, f"{prog} {name}"),
+          argv=[f"{prog} {name}"] + with_shipped_recipes(argv[2:], f"{prog} {name}"),
           flags_parser=parse_flags)
 
 

@@ -7,8 +7,14 @@ import dataclasses
 import importlib.util
 import json
 import os
+import sys
 
 RUN_CONFIG = "run_config.json"  # the config a run in a workdir was started with
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+# Where the recipes are: inside an installed wheel (pyproject's package-dir), else beside the
+# package in a checkout.
+RECIPE_FOLDERS = (os.path.join(_PACKAGE, "configs"),
+                  os.path.join(os.path.dirname(_PACKAGE), "configs"))
 
 
 def load(path: str, arg: str | None = None):
@@ -25,6 +31,41 @@ def load(path: str, arg: str | None = None):
 def sibling(file: str, name: str, arg: str | None = None):
   """`get_config(arg)` of the config file `name` in the folder of `file`."""
   return load(os.path.join(os.path.dirname(os.path.abspath(file)), name), arg)
+
+
+def shipped_recipe(value: str) -> str | None:
+  """The recipe rlax-ps ships for a --config `value` (PATH or PATH:ARG) whose PATH is not a
+  file here but names one, as `configs/rl_local.py` or `rl_local.py`; None otherwise."""
+  path, sep, arg = value.partition(":")  # as ml_collections splits it
+  if not path or os.path.exists(path):
+    return None
+  folder, name = os.path.split(os.path.normpath(path))
+  if folder not in ("", "configs") or not name.endswith(".py"):
+    return None
+  for recipes in RECIPE_FOLDERS:
+    if os.path.isfile(os.path.join(recipes, name)):
+      return os.path.join(recipes, name) + sep + arg
+  return None
+
+
+def with_shipped_recipes(argv: list[str], prog: str) -> list[str]:
+  """`argv` with a --config that names a recipe not in this folder pointed at the one rlax-ps
+  ships (said on stderr): an installed rlax-ps runs `--config=configs/rl_local.py` anywhere."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    for flag in ("--config", "-config"):
+      if arg == flag and i + 1 < len(out):
+        index, value, prefix = i + 1, out[i + 1], ""
+      elif arg.startswith(flag + "="):
+        index, value, prefix = i, arg[len(flag) + 1:], flag + "="
+      else:
+        continue
+      shipped = shipped_recipe(value)
+      if shipped:
+        print(f"{prog}: --config={value}: not a file in {os.getcwd()}; using the recipe "
+              f"rlax-ps ships, {shipped}", file=sys.stderr)
+        out[index] = prefix + shipped
+  return out
 
 
 def with_defaults(block, cls, skip=()):

@@ -645,7 +645,8 @@ def test_the_manifests_commands_run_the_loop_as_local_processes(overlay, tmp_pat
 
 def test_the_image_build_context_alone_builds_a_complete_wheel(tmp_path):
   """What k8s/Dockerfile copies is enough to build rlax-ps: the wheel built from only those
-  paths holds every package, the proto and the generated gRPC code."""
+  paths holds every module of the packages (pyproject lists them), the proto, the generated
+  gRPC code and the recipes (as rlax_ps/configs, where an installed rlax-ps finds them)."""
   import zipfile
   dockerfile = (K8S / "Dockerfile").read_text()
   context = tmp_path / "context"
@@ -665,6 +666,9 @@ def test_the_image_build_context_alone_builds_a_complete_wheel(tmp_path):
   (wheel,) = (tmp_path / "dist").glob("rlax_ps-*.whl")
   names = set(zipfile.ZipFile(wheel).namelist())
   for package in ("rlax_ps", "param_server", "inference_workers", "algorithms"):
-    assert f"{package}/__init__.py" in names
+    modules = {str(path.relative_to(ROOT)) for path in (ROOT / package).rglob("*.py")}
+    assert modules <= names, sorted(modules - names)
+  recipes = {f"rlax_ps/configs/{path.name}" for path in (ROOT / "configs").glob("*.py")}
+  assert len(recipes) > 10 and recipes <= names, sorted(recipes - names)
   assert {"param_server/protos/param_server.proto", "param_server/protos/param_server_pb2.py",
           "rlax_ps/cli.py"} <= names
