@@ -734,7 +734,15 @@ class Worker:
       info = self._rpc("version_info")
       latest, held = info.latest_version, self.policy.version
       if held is not None and self._another_store(info):
-        if latest < 0:  # nothing published there yet: its first version replaces these
+        if latest < 0:  # nothing there yet: sampled, these weights' groups would be refused
+          logging.warning("worker: dropping the v%d it holds: the server's storage is another "
+                          "(id %s, not %s) and holds no version yet; waiting for its first",
+                          held, info.store_id, self._held_store)
+          self.stats.resyncs += 1
+          self.policy.version = None
+          self._skipped_version = -1
+          with self._lock:
+            self._prefetched = None
           return
         self._drop_held(held, f"the server's storage is another (id {info.store_id}, not "
                         f"{self._held_store}): a server restarted on an empty store, or "
@@ -821,6 +829,11 @@ class Worker:
       # out a publication: groups of the older version could be too stale to train on.
       self._catch_up()
       version = self.policy.version
+      if version is None:  # the server's storage is another, with nothing published yet
+        with self.stats.time.span("submitting"):
+          self.stats.prompts_released += self._rpc("release", lease.lease_id,
+                                                   [p.id for p in prompts[start:]])
+        return
       checked = [(p, *self._checked_tokens(p)) for p in chunk]
       for prompt, _, fault in checked:
         if fault:
@@ -857,6 +870,15 @@ class Worker:
       with self.stats.time.span("submitting"):
         reply = self._rpc("submit_rollouts", lease_id, group)
     except ParamServerError as e:
+      if (e.code == grpc.StatusCode.INVALID_ARGUMENT
+          and e.details.startswith("group.policy_version")):
+        # A version the server does not hold (restarted on another storage while this group
+        # was sampled): the group is dropped and its prompt released when its lease settles.
+        logging.warning("worker: the group of prompt %s was sampled by v%d, which the server "
+                        "does not hold (%s); the prompt is released, to be sampled again",
+                        prompt_id, group.policy_version, e.details)
+        self.stats.groups_refused += 1
+        return
       too_large = (e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
                    and "larger than max" in e.details)  # gRPC's own limit, anywhere on the way
       if e.code != grpc.StatusCode.INVALID_ARGUMENT and not too_large:
@@ -973,6 +995,8 @@ class Worker:
       return
     self._newer_waits = False
     version = self.policy.version
+    if version is None:  # the server's storage is another, with nothing published yet
+      return
     while self._pending and batch.free:
       lease_id, prompt = self._pending.popleft()
       tokens, fault = self._checked_tokens(prompt)
@@ -990,13 +1014,13 @@ class Worker:
   def _newer_published(self) -> bool:
     """Whether the server holds a version to take in place of the one held: another than
     it, in this worker's format (one in another is not pulled: waiting for it would stop
-    every refill), or any, on another storage."""
+    every refill), or is on another storage (whose versions, or none yet, replace it)."""
     with self.stats.time.span("waiting_weights"):
       info = self._rpc("version_info")
     latest = info.latest_version
-    return latest >= 0 and (self._another_store(info) or (
-        latest not in (self.policy.version, self._skipped_version)
-        and self._in_own_format(latest, info.fmt)))
+    return self._another_store(info) or (
+        latest >= 0 and latest not in (self.policy.version, self._skipped_version)
+        and self._in_own_format(latest, info.fmt))
 
   def _another_store(self, info: pb.VersionInfo) -> bool:
     """Whether `info` comes from another storage than the held version's."""
@@ -1142,7 +1166,8 @@ class Worker:
         self._submitter = concurrent.futures.ThreadPoolExecutor(
             self.config.scoring_threads, thread_name_prefix="submit")
       self._scoring[key] = self._submitter.submit(
-          self._score_and_send, lease_id, prompt_id, prompt, (version, self.policy.version),
+          self._score_and_send, lease_id, prompt_id, prompt,
+          (version, version if self.policy.version is None else self.policy.version),
           samples, given)
 
   def _score_and_send(self, lease_id: str, prompt_id: str, prompt: pb.Prompt,

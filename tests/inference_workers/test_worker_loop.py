@@ -628,20 +628,46 @@ def test_a_server_restarted_on_another_store_at_the_held_version_number_is_resyn
     first.stop(grace=0)
   second = start_server(tmp_path / "b", first.port)
   try:
-    # Nothing published there yet: what is held stays held (prompts under way carry its
-    # version; it went None once and they crashed the worker), until the first version.
-    worker._catch_up()
-    assert worker.policy.version == 0 and same_held(worker.policy, versions[0])
     with client(second, "trainer") as trainer:
-      trainer.publish(sync.encode(None, versions[1], "bf16", version=0).to_bytes())
+      # A restarted trainer feeds its prompts again before it publishes: nothing is sampled
+      # by the old run's weights (their groups were refused, each prompt answered "cannot be
+      # sampled"), the worker waits for the new storage's first version, as at its start.
       enqueue_addition(trainer, 2)
       with caplog.at_level(logging.WARNING):
-        stats = worker.run()
-      assert "dropping the v0 it holds: the server's storage is another" in caplog.text
+        ran = concurrent.futures.ThreadPoolExecutor(1).submit(worker.run)
+        time.sleep(1.5)
+        stats = trainer.stats()
+        assert worker.policy.version is None and (stats.rollouts_ready, stats.errors) == (0, 0)
+        trainer.publish(sync.encode(None, versions[1], "bf16", version=0).to_bytes())
+        stats = ran.result(timeout=120)
+      assert "the server's storage is another (id" in caplog.text
       assert same_held(worker.policy, versions[1]) and stats.groups_submitted == 2
+      assert (stats.groups_refused, stats.prompts_failed) == (0, 0)
+      groups = trainer.take_rollouts(0, 10).rollouts
+      assert len(groups) == 2 and all(r.group.samples and not r.group.failure for r in groups)
   finally:
     wc.close()
     second.stop(grace=0)
+
+
+def test_a_group_of_a_version_the_server_does_not_hold_releases_its_prompt(server, versions):
+  """Sampled while the server was replaced by one on another storage: the group is dropped
+  and its prompt sampled again, not answered "cannot be sampled" (which the server refused
+  as well, the version being none of its)."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 1)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    wc.register("w")
+    lease = worker._lease(0.0)
+    (prompt,) = lease.prompts
+    group = pb.RolloutGroup(prompt_id=prompt.id, policy_version=7,
+                            samples=[pb.Sample(token_ids=[3], reward=1.0)])
+    worker._submit(lease.lease_id, prompt.id, group)
+    worker._settle(lease.lease_id)
+    assert (worker.stats.groups_refused, worker.stats.prompts_failed) == (1, 0)
+    assert not trainer.take_rollouts(0, 10).rollouts  # no failure answer reached the trainer
+    assert [p.id for p in wc.lease(1, deadline_s=30.0).prompts] == [prompt.id]
 
 
 def test_a_worker_that_crashes_with_the_server_away_raises_at_once(versions, monkeypatch):
