@@ -812,9 +812,10 @@ class RLTrainer(TrainerRun):
       self._journal["refeed"].update(self._journal["outstanding"])
       self._journal["skips"].clear()
       self._journal["skip_prompts"].clear()
-    self._feed_outstanding()
+    # The weights first: a worker leasing the prompts before would hold the lost server's.
     if self.publisher.version is not None and self.client.latest_version() < self.version:
       self.publisher.resend_keyframe()
+    self._feed_outstanding()
     return True
 
   def _feed_outstanding(self) -> None:

@@ -87,16 +87,18 @@ def test_a_server_that_lost_its_queues_is_fed_again_and_gets_the_weights(trainer
   assert len(waiting) == per_step * tr.max_staleness and set(tr.outstanding) == set(waiting)
   resent = []
   tr.publisher = types.SimpleNamespace(
-      version=3, resend_keyframe=lambda: (resent.append(3), setattr(server, "latest", 3)))
+      version=3, resend_keyframe=lambda: (resent.append(len(server.fed)),
+                                          setattr(server, "latest", 3)))
   server.lose()  # the trainer's first take asks it for v2 or newer: refused
   step2 = tr._take_groups()
   # The new server was fed the prompts the lost one held (beside new ones) and answered the
-  # next step from its own queue; the latest version went to it as a keyframe.
+  # next step from its own queue; the latest version went to it as a keyframe, first.
   fed = [p.id for p in server.fed]
   assert set(waiting) <= set(fed)
   assert [g.rollout_id for g in step2] == list(range(1, per_step + 1)) == list(range(
       1, server.taken + 1))
-  assert resent == [3] and tr.servers_lost == 1 and tr.store_id == "store-b"
+  # Before any prompt: a worker leasing one first would sample it with the old weights.
+  assert resent == [0] and tr.servers_lost == 1 and tr.store_id == "store-b"
   # The lost server's takes are not acknowledged (or kept): only the new one's are pending.
   assert all(t.take_id.startswith("store-b") for t in tr.pending)
   # What a checkpoint keeps of it, and gives back.
