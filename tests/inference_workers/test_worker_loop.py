@@ -1151,3 +1151,21 @@ def test_an_environment_that_raises_is_logged_and_its_error_is_the_reply(caplog)
     ENVIRONMENTS.pop("test_raises")
   assert TOKENIZER.decode(ids) == "error: RuntimeError: no network"
   assert "environment 'test_raises' raised on prompt p0 (1 so far)" in caplog.text
+
+
+def test_the_behaviour_logprobs_sent_are_those_of_the_tempered_draw(server, versions):
+  """worker.temperature != 1: each token's log-prob sent is under the distribution it was
+  drawn from (what the trainer's ratios divide by), not the untempered one."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    enqueue_addition(trainer, 1)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, temperature=1.5, **SMALL))
+    worker.run()
+    (taken,) = trainer.take_rollouts(0, 10).rollouts
+  n = len(taken.group.samples)
+  drawn = generate(worker.policy.model, [TOKENIZER.encode_prompt(taken.prompt.text)] * n,
+                   worker._seeds(taken.prompt.id, 0, 0, n), worker.params)
+  assert [list(s.token_ids) for s in taken.group.samples] == [d.tokens.tolist() for d in drawn]
+  for sent, d in zip(taken.group.samples, drawn):
+    assert not np.allclose(d.sampling_logprobs, d.logprobs, atol=1e-3)  # T=1.5: they differ
+    np.testing.assert_allclose(sample_logprobs(sent), d.sampling_logprobs, atol=1e-5)

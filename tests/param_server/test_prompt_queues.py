@@ -76,6 +76,27 @@ def test_expired_lease_returns_prompts_to_front_of_queue(queues, clock):
     queues.submit(lease.lease_id, "w1", group("a"))
 
 
+@pytest.mark.parametrize("expire", ["deadline", "silent worker"])
+def test_an_expired_lease_returns_only_its_unanswered_prompts(tmp_path, clock, expire):
+  """A worker answered one prompt of its lease and died: the lease's expiry (at its deadline,
+  or its worker heard from no more) queues the other alone, and so does the log replayed."""
+  queues = make_queues(tmp_path, clock)
+  queues.enqueue(prompts("a", "b"))
+  lease = queues.lease("w1", 2, 5.0)
+  queues.submit(lease.lease_id, "w1", group("a"))
+  if expire == "deadline":
+    clock.t += 6.0
+    assert queues.expire_due() == 1
+  else:
+    assert queues.expire_leases_of(["w1"]) == {lease.lease_id: 1}
+  assert queues.depths()["prompts_queued"] == 1
+  queues.close()
+  queues = make_queues(tmp_path, clock)  # a restart: the same, from the log
+  assert queues.depths()["prompts_queued"] == 1
+  assert [p.id for p in queues.lease("w2", 2, 5.0).prompts] == ["b"]
+  queues.close()
+
+
 def test_renew_extends_the_deadline(queues, clock):
   queues.enqueue(prompts("a"))
   lease = queues.lease("w1", 1, 5.0)

@@ -578,13 +578,16 @@ def test_bad_routes_are_refused_naming_the_rollout_and_field():
       build_batch([bad], ROUTED)
 
 
-def test_kl_term_is_zero_against_itself_and_positive_against_another_policy():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kl_term_is_zero_against_itself_and_positive_against_another_policy(temperature):
+  # loss.temperature (the workers'): the reference is scored at it as the policy is, so a
+  # policy equal to its reference pays no KL at any sampling temperature.
   graphdef, params = _model()
   batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
-  cfg = LossConfig(backend="xla", kl_coef=0.5)
+  cfg = LossConfig(backend="xla", kl_coef=0.5, temperature=temperature)
   loss_fn = jax.jit(lambda p, ref, c: rl_loss(p, graphdef, batch, ref, num_groups=2, cfg=c),
                     static_argnums=2)
-  plain, _ = loss_fn(params, None, LossConfig(backend="xla"))
+  plain, _ = loss_fn(params, None, LossConfig(backend="xla", temperature=temperature))
   same, m_same = loss_fn(params, params, cfg)
   assert float(m_same["kl_ref"]) == pytest.approx(0.0, abs=1e-6)
   np.testing.assert_allclose(same, plain, rtol=1e-6)
@@ -1007,3 +1010,16 @@ def test_a_batchs_padding_rows_add_no_token_to_the_routers_load_balancing():
   real = int(len(GROUPS[0].prompt_tokens) + sum(len(r) for r in GROUPS[0].responses))
   assert float(got[0].tokens) == float(got[1].tokens) == 2 * real  # (2 MoE layers)
   np.testing.assert_allclose(got[1].load_balance, got[0].load_balance, rtol=1e-6)
+
+
+def test_the_entropy_bonus_is_subtracted_from_the_loss():
+  """loss.entropy_coef: loss = policy loss - coef * entropy (verl's entropy_coeff), so that
+  its gradient raises the entropy."""
+  graphdef, params = _model()
+  batch = {k: jnp.asarray(v) for k, v in BATCH.items()}
+  loss = lambda cfg: jax.jit(lambda p: rl_loss(p, graphdef, batch, None, num_groups=2,
+                                               cfg=cfg))(params)
+  plain, metrics = loss(LossConfig(backend="xla"))
+  bonus, _ = loss(LossConfig(backend="xla", entropy_coef=0.1))
+  assert float(metrics["entropy"]) > 0.1
+  np.testing.assert_allclose(bonus, plain - 0.1 * metrics["entropy"], rtol=1e-5, atol=1e-6)
