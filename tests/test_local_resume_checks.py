@@ -96,6 +96,18 @@ def test_another_publication_format_is_refused_before_anything_starts(tmp_path):
     resume_lines(config, str(tmp_path))
 
 
+def test_a_checkpoint_a_newer_release_wrote_is_refused_before_anything_starts(tmp_path,
+                                                                              monkeypatch):
+  from rlax_ps import checkpoint
+  config = _config()
+  monkeypatch.setattr(checkpoint, "FORMAT", checkpoint.FORMAT + 1)
+  _checkpoint(tmp_path, config)
+  monkeypatch.undo()
+  with pytest.raises(ValueError, match=r"the checkpoint in .*checkpoints was written by a "
+                                       r"newer rlax-ps .*resume with that release"):
+    resume_lines(config, str(tmp_path))
+
+
 def test_a_checkpoint_of_another_model_is_refused_in_the_trainers_words(tmp_path):
   """A warm start trained anew on another model block (its old one deleted): the worker was
   the first to fail, on the trainer's first weights ("give the worker the trainer's config",

@@ -522,8 +522,8 @@ def latest_metadata(directory: str) -> dict[str, Any] | None:
   (rlax_ps.checkpoint's layout: <step>/metadata/metadata; a step still being written has
   another name), read without orbax: no arrays, no JAX backend, nothing cleaned up under a
   trainer that may be saving there. None when there is none or it is unreadable (the
-  trainer names a damaged one)."""
-  from rlax_ps.checkpoint import METADATA
+  trainer names a damaged one); ValueError where a newer rlax-ps wrote it (check_format)."""
+  from rlax_ps.checkpoint import FORMAT_KEY, METADATA, check_format
   try:
     steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
   except OSError:  # none yet
@@ -535,7 +535,11 @@ def latest_metadata(directory: str) -> dict[str, Any] | None:
       saved = json.load(f)
   except (OSError, ValueError):
     return None
-  return saved if isinstance(saved, dict) else None
+  if not isinstance(saved, dict):
+    return None
+  check_format(saved, directory)
+  saved.pop(FORMAT_KEY, None)  # as the Checkpointer reads it
+  return saved
 
 
 def check_resumed_updates(saved: dict[str, Any] | None, updates: int) -> None:

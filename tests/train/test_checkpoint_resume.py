@@ -169,6 +169,29 @@ def test_keeps_only_the_last_n(tmp_path):
   np.testing.assert_array_equal(np.asarray(restored["w"]), tree["w"] + 4)
 
 
+def test_a_step_a_newer_release_wrote_is_refused_in_a_line_and_left_as_it_is(tmp_path,
+                                                                             monkeypatch):
+  """A rollback to an older rlax-ps over a newer one's workdir: that release's fields would
+  fail to load, or load wrong (a data order it does not know), so the format stamp says so."""
+  from rlax_ps import checkpoint
+  with Checkpointer(str(tmp_path), async_save=False) as ck:
+    ck.save(1, {"w": np.zeros(4, np.float32)}, {"step": 1})
+    assert ck.metadata(1) == {"step": 1}  # the stamp is the checkpoint's, not the caller's
+  monkeypatch.setattr(checkpoint, "FORMAT", checkpoint.FORMAT + 1)  # the newer release
+  with Checkpointer(str(tmp_path), async_save=False) as ck:
+    ck.save(2, {"w": np.ones(4, np.float32)}, {"step": 2})
+  monkeypatch.undo()
+  files = sorted(str(p) for p in tmp_path.rglob("*"))
+  with Checkpointer(str(tmp_path)) as ck:
+    newer = rf"step 2 in {tmp_path} was written by a newer rlax-ps \(checkpoint format "
+    with pytest.raises(ValueError, match=newer):
+      ck.restore({"w": jax.ShapeDtypeStruct((4,), np.float32)})
+    with pytest.raises(ValueError, match=newer):
+      ck.metadata(2)
+    restored, meta = ck.restore({"w": jax.ShapeDtypeStruct((4,), np.float32)}, step=1)
+  assert meta == {"step": 1} and sorted(str(p) for p in tmp_path.rglob("*")) == files
+
+
 def test_an_async_save_writes_the_metadata_as_it_was_when_saved(tmp_path):
   """The caller goes on changing what its metadata holds (a held-out round's scores) while
   an async save writes it from a thread: the checkpoint has the values of the save."""
