@@ -14,7 +14,7 @@ Mixtral, gpt-oss): configs/rl_instruct.py with what MoE RL needs on top.
   not collapse the routing onto a few experts.
 - Expert parallelism (model.expert_parallel): each chip of the fsdp axis holds whole
   experts and the tokens routed to them travel, instead of every layer gathering all the
-  experts' weights (fsdp must divide the expert count; the trainer's first line says).
+  experts' weights (mesh.fsdp must divide the expert count: the trainer refuses another).
 A long response's routes take layers x top_k bytes per token: raise the server's message
 limit for thinking-length responses (--config.local.serve_flags=--max_message_bytes=N, or
 `rlax-ps serve --max_message_bytes=N` on separate machines). `:tiny` is the smoke variant.

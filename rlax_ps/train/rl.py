@@ -429,7 +429,7 @@ class RLTrainer(TrainerRun):
     self.ref_sync_steps, ref_alpha = ref_sync_settings(rl, self.loss_cfg,
                                                        self.model_config.lora_rank)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
-    self.warn_unsplit_heads()
+    self.check_mesh()
     self.teacher = None  # distillation's (loss.advantage="opd", loss.distill_topk)
     self.teacher_tokenizer = None  # teacher.tokenizer's: None, the policy's ids
     if str((config.get("teacher") or {}).get("path", "")):  # else on the workers, or none

@@ -31,6 +31,7 @@ from rlax_ps.tokenizers import tokenizer_from_config
 from rlax_ps.train import heldout as heldout_lib
 from rlax_ps.train.events import Events, NoEvents, open_wandb
 from rlax_ps.train.prompts import file_weights, heldout_overlap
+from rlax_ps.train.state import check_expert_parallel
 
 
 # What stops a trainer cleanly (the step finished, checkpointed): a preemption's SIGTERM,
@@ -292,9 +293,11 @@ class TrainerRun:
       if line:
         logging.warning("%s", line)
 
-  def warn_unsplit_heads(self) -> None:
-    """Warn before step 1 when the mesh's tensor axis cannot split the model's attention."""
+  def check_mesh(self) -> None:
+    """Before step 1: warn when the mesh's tensor axis cannot split the model's attention;
+    refuse expert parallelism whose fsdp axis does not divide the experts."""
     c = self.model_config
+    check_expert_parallel(c, self.mesh)
     unsplit = shd.unsplit_heads(self.mesh, c.num_heads, c.num_kv_heads)
     if unsplit and self.leader:
       logging.warning("%s", unsplit)

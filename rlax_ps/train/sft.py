@@ -45,7 +45,7 @@ class SFTTrainer(TrainerRun):
     self.read_model(config)
     self.total_steps = int(config.train.steps)
     self.mesh = shd.make_mesh(config.mesh.to_dict(), devices)
-    self.warn_unsplit_heads()
+    self.check_mesh()
     num_micro = optim.grad_accum_steps(config.optimizer)
     batch_size, seq_len = int(config.data.batch_size), int(config.data.seq_len)
     if batch_size < 1 or seq_len < 2:

@@ -56,10 +56,21 @@ def mesh_layout(config: ModelConfig, mesh: Mesh) -> str:
   per = experts_per_device(config.expert_parallel, config.num_experts, mesh)
   if per:
     return f"{line}; expert parallel: {per} whole experts a device, tokens sent to them"
-  if config.expert_parallel:
-    return (f"{line}; expert_parallel not applied (fsdp={mesh.shape['fsdp']} does not split "
-            f"{config.num_experts} experts): experts split along their matrices")
+  if config.expert_parallel:  # (check_expert_parallel: fsdp is 1)
+    return f"{line}; expert parallel idle (fsdp=1): every expert on each device"
   return line
+
+
+def check_expert_parallel(config: ModelConfig, mesh: Mesh) -> None:
+  """ValueError naming model.expert_parallel where the mesh's fsdp axis (> 1) does not
+  divide the experts: expert parallelism takes the experts' matrices off fsdp for whole
+  experts a device, so no split at all would be left and each device would hold them all."""
+  fsdp = dict(mesh.shape).get("fsdp", 1)
+  if config.expert_parallel and config.num_experts and fsdp > 1 and config.num_experts % fsdp:
+    raise ValueError(f"model.expert_parallel: mesh.fsdp={fsdp} does not divide the model's "
+                     f"{config.num_experts} experts, so each device would hold every expert "
+                     f"whole; expected an fsdp size that divides {config.num_experts}, or "
+                     f"model.expert_parallel=False (experts split along their matrices)")
 
 
 def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, Any, Any]:

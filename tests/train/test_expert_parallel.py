@@ -23,7 +23,8 @@ from rlax_ps.tasks import get_task
 from rlax_ps.tokenizers import CharTokenizer
 from rlax_ps.train import evaluate
 from rlax_ps.train.data import SFTBatches
-from rlax_ps.train.state import sharded_init
+from rlax_ps.train.run import TrainerRun
+from rlax_ps.train.state import mesh_layout, sharded_init
 from rlax_ps.train.step import make_train_step
 
 TOKENIZER = CharTokenizer()
@@ -170,6 +171,25 @@ def test_expert_parallel_needs_experts_and_is_kept_over_a_checkpoint():
   assert got.expert_parallel and got.num_experts > 0
   block.expert_parallel = False
   assert not model_config_from(block, 80, os.path.join(FIXTURES, "qwen3_moe")).expert_parallel
+
+
+def test_an_fsdp_axis_that_does_not_divide_the_experts_is_refused_before_step_one():
+  """Expert parallelism takes the experts' matrices off fsdp for whole experts a device: on
+  fsdp=8 and 60 experts (Qwen1.5-MoE) each device held all of them whole (7x the params of
+  plain fsdp), while the trainer's line said they were split along their matrices."""
+  import types
+  config = MOE.replace(expert_parallel=True)  # 4 experts
+  trainer = lambda axes, c=config: types.SimpleNamespace(model_config=c, mesh=_mesh(axes),
+                                                          leader=True)
+  TrainerRun.check_mesh(trainer((1, 4, 2)))  # 1 whole expert a device
+  TrainerRun.check_mesh(trainer((1, 8, 1), MOE))  # plain fsdp: along their matrices
+  with pytest.raises(ValueError, match=r"^model.expert_parallel: mesh.fsdp=8 does not divide "
+                                       r"the model's 4 experts"):
+    TrainerRun.check_mesh(trainer((1, 8, 1)))
+  TrainerRun.check_mesh(trainer((8, 1, 1)))  # one fsdp device: nothing to split
+  assert mesh_layout(config, _mesh((8, 1, 1))).endswith("expert parallel idle (fsdp=1): "
+                                                        "every expert on each device")
+  assert "2 whole experts a device" in mesh_layout(config, _mesh((1, 2, 4)))
 
 
 def test_the_benchmark_counts_fewer_collective_bytes_with_whole_experts():

@@ -98,7 +98,7 @@ def test_a_resume_from_another_checkpoint_says_what_comes_from_which(pretrained,
 def test_a_tensor_axis_that_cannot_split_the_heads_is_said_at_start(monkeypatch):
   """The tiny model's 4 query heads on tensor=8: every device would compute every head."""
   said = []
-  monkeypatch.setattr(SFTTrainer, "warn_unsplit_heads", lambda self: said.append(self.mesh))
+  monkeypatch.setattr(SFTTrainer, "check_mesh", lambda self: said.append(self.mesh))
   monkeypatch.setattr(SFTTrainer, "_records", lambda self: (_ for _ in ()).throw(KeyError()))
   config = _tiny_config()
   config.mesh.data, config.mesh.tensor = 1, 8
