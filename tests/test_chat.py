@@ -312,3 +312,14 @@ def test_a_reply_follows_the_turn_as_sampled_where_the_template_rewrites_earlier
                             {"role": "tool", "content": "46"}])
   assert "<think>" not in full  # the earlier turn lost its block ...
   assert tok.decode(reply, skip_special=False) == full.split("A<|im_end|>", 1)[1]  # ... not us
+
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MESSAGES = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]
+
+
+def test_add_generation_prompt_false_opens_no_assistant_turn():
+  whole = chat.render(TEMPLATE, MESSAGES, add_generation_prompt=False)
+  assert whole == "<|im_start|>user\n1+1<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n"
+  assert chat.render(TEMPLATE, MESSAGES[:1]).endswith("<|im_start|>assistant\n")

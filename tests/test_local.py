@@ -846,3 +846,32 @@ def test_a_stop_gives_workers_their_grace_and_a_second_signal_does_not_cut_it_sh
   with pytest.raises(ValueError, match="local.trainer_grace_s: expected a number of seconds"):
     local.LocalRun(str(tmp_path / "bad"), "configs/rl_local.py:tiny", [], workers=1,
                    trainer_grace_s=0)
+
+
+def _exited_child(name, code, tmp_path):
+  proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({code})"])
+  proc.wait()
+  log = tmp_path / f"{name}.log"
+  log.write_text(f"{name} said goodbye\n")
+  return local.Child(name, proc, str(log))
+
+
+def test_a_worker_that_exits_cleanly_mid_run_is_a_failure_naming_it(tmp_path):
+  trainer = local.Child("trainer", subprocess.Popen([sys.executable, "-c",
+                                                     "import time; time.sleep(30)"]),
+                        str(tmp_path / "trainer.log"))
+  try:
+    run = object.__new__(local.LocalRun)
+    run.children = [trainer, _exited_child("worker-0", 0, tmp_path)]
+    with pytest.raises(local.ChildFailed, match=r"^worker-0 exited with status 0"):
+      run.check(trainer)
+  finally:
+    trainer.process.kill()
+    trainer.process.wait()
+
+
+def test_the_trainers_clean_exit_ends_the_run(tmp_path):
+  trainer = _exited_child("trainer", 0, tmp_path)
+  run = object.__new__(local.LocalRun)
+  run.children = [trainer]
+  assert run.check(trainer) is True

@@ -17,6 +17,7 @@ import pytest
 
 from algorithms.verifiers import CodeExecutionVerifier, make_verifier
 from algorithms.verifiers.code_exec import _NAMESPACES, _can_run_as, namespace_flags
+from algorithms.verifiers import CodeExecutionVerifier
 
 PROGRAM = "def add(a, b):\n  return a + b\n"
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 5"]
@@ -532,3 +533,14 @@ def test_the_runs_outputs_are_readable_by_the_worker_alone(tmp_path):
   with _private(str(tmp_path / "out")) as f:
     f.write(b"x")
   assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o600
+
+
+def test_all_tests_passing_then_hanging_is_not_a_pass():
+  program = ("import threading, time\n"
+             "def add(a, b):\n  return a + b\n"
+             "threading.Thread(target=time.sleep, args=(600,)).start()\n")  # never joins
+  result = CodeExecutionVerifier(timeout_s=2.0, memory_mb=256, run_as=None)(
+      program, ["assert add(1, 2) == 3"])
+  assert result.info["timed_out"], result.info
+  assert result.info["n_passed"] == 1
+  assert not result.passed

@@ -11,6 +11,7 @@ import pytest
 
 from algorithms.verifiers import MathAnswerVerifier, make_verifier, verifier_for_task
 from algorithms.verifiers.math_answer import as_number, extract_answer, normalize_answer
+from algorithms.verifiers.math_answer import MathAnswerVerifier, extract_answer
 
 VERIFY = MathAnswerVerifier()
 
@@ -284,3 +285,10 @@ def test_the_children_answer_side_by_side(tmp_path, children, verdicts):
   assert not checker.running
   with pytest.raises(ValueError, match="children: expected >= 1"):
     SymbolicEqual(children=0)
+
+
+def test_a_completion_that_revises_its_answer_is_scored_on_its_last_answer_line():
+  text = "The answer is 5.\nWait, that is wrong: 3 + 4 = 7.\nSo the answer is 7."
+  assert extract_answer(text) == "7."
+  assert MathAnswerVerifier()(text, "7").reward == 1.0
+  assert MathAnswerVerifier()(text, "5").reward == 0.0

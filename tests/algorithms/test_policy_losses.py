@@ -9,6 +9,7 @@ import pytest
 
 from algorithms.corrections import decoupled_ppo_loss, m2po_loss
 from algorithms.losses import aggregate, cispo_loss, gspo_loss, kl_penalty, ppo_clip_loss
+from algorithms.losses import ppo_clip_loss
 
 
 def test_aggregation_modes():
@@ -450,3 +451,12 @@ def test_a_zero_abs_kl_term_gives_no_gradient():
   grad = np.asarray(jax.grad(lambda lp: jnp.sum(kl_penalty(lp, ref, "abs")))(logp))
   np.testing.assert_array_equal(grad[1:], 0.0)
   np.testing.assert_array_equal(grad[0], -1.0)
+
+
+def test_ratio_stats_ignore_padding_tokens():
+  ratios = jnp.array([[1.1, 0.9, 5.0, 0.01]])  # the last two are padding
+  mask = jnp.array([[1.0, 1.0, 0.0, 0.0]])
+  _, m = ppo_clip_loss(jnp.log(ratios), jnp.zeros((1, 4)), jnp.ones((1, 4)), mask)
+  assert float(m["ratio_max"]) == pytest.approx(1.1, rel=1e-5)
+  assert float(m["ratio_min"]) == pytest.approx(0.9, rel=1e-5)
+  assert float(m["ratio_mean"]) == pytest.approx(1.0, rel=1e-5)

@@ -6,6 +6,7 @@ import pytest
 
 from algorithms.allocation import (DynamicSampler, DynamicSamplingExhausted, FixedAllocator,
                                    VigorAllocator)
+from algorithms.allocation import VigorAllocator
 
 
 def _run(allocator, state, reward_fn):
@@ -189,3 +190,33 @@ def test_dynamic_sampling_state_counts_and_validates():
     sampler.observe(state, [np.ones(2)] * 3)
   short = sampler.observe(state, [np.array([1.0, 0.0])])  # a draw that came back short
   assert short.drawn == 4 and short.kept == [0, 3] and sampler.requests(short) == 1
+
+
+def test_vigor_keeps_the_ceiling_of_alpha_times_the_active_prompts():
+  alloc = VigorAllocator(m0=2, rounds=2, alpha=0.5, gamma=2.0)
+  # k_1 = ceil(0.5 * 3) = 2 prompts x 4 samples after 3 x 2
+  assert alloc.default_budget(3) == 3 * 2 + 2 * 4
+  state = alloc.start(3)
+  state = alloc.observe(state, [np.array([0.0, 4.0]), np.array([0.0, 2.0]), np.array([0.0, 0.0])])
+  np.testing.assert_array_equal(alloc.requests(state), [4, 4, 0])
+
+
+def test_a_prompt_dropped_earlier_stays_dropped_when_its_variance_ties_the_boundary():
+  alloc = VigorAllocator(m0=2, rounds=3, alpha=0.5, gamma=2.0)
+  state = alloc.start(4)
+  state = alloc.observe(state, [np.array([0.0, 4.0]), np.array([0.0, 4.0]),
+                                np.array([0.0, 2.0]), np.array([0.0, 0.0])])  # var 8, 8, 2, 0
+  np.testing.assert_array_equal(alloc.requests(state), [4, 4, 0, 0])
+  state = alloc.observe(state, [np.array([3.0, 1.0, 2.0, 2.0]), np.array([2.0] * 4),
+                                np.zeros(0), np.zeros(0)])  # p0 var now 2.0 == dropped p2's
+  assert not state.active[2]
+  np.testing.assert_array_equal(alloc.requests(state), [8, 0, 0, 0])
+
+
+def test_an_odd_leftover_sample_goes_to_the_higher_variance_prompt():
+  alloc = VigorAllocator(m0=2, rounds=2, alpha=0.5, gamma=2.0)
+  state = alloc.start(4, budget=13)
+  state = alloc.observe(state, [np.array([0.0, 2.0]), np.array([0.0, 4.0]),
+                                np.array([0.0, 0.0]), np.array([0.0, 0.0])])  # var 2, 8, 0, 0
+  # 5 left for 2 prompts with 2 samples each: 2.5 each, the odd one to the higher variance
+  np.testing.assert_array_equal(alloc.requests(state), [2, 3, 0, 0])

@@ -11,6 +11,7 @@ from inference_workers.sampler import generate, generate_shared
 from inference_workers.sampling import GREEDY_SEED, SamplingParams
 from rlax_ps.kernels.reference import decode_two_pass
 from rlax_ps.models import ModelConfig, Transformer
+from inference_workers.sampling import SamplingParams, choose_tokens, step_keys
 
 CONFIG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                      num_heads=4, num_kv_heads=2, qkv_bias=True, architecture="qwen2")
@@ -226,3 +227,14 @@ def test_shared_prefix_takes_a_numpy_n(model):
   out = generate_shared(model, PROMPTS[:1], np.int64(2), np.array([[0, 1]]), params)
   base = generate(model, PROMPTS[:1], [0], params)[0]
   assert [s.tokens.tolist() for s in out[0]] == [base.tokens.tolist()] * 2
+
+
+def test_one_row_draws_afresh_at_each_step():
+  """Uniform logits over 50 tokens: 32 steps of one seed give many different tokens (one
+  key reused at every step would draw the same token every time)."""
+  mode = SamplingParams().mode
+  logits = jnp.zeros((1, 50), jnp.float32)
+  seeds = jnp.asarray([7], jnp.int32)
+  drawn = [int(choose_tokens(logits, step_keys(seeds, t), mode, 1.0, 1.0)[0][0])
+           for t in range(32)]
+  assert len(set(drawn)) > 10

@@ -217,3 +217,19 @@ def test_compacting_a_chain_holds_little_more_than_one_model(tmp_path):
 
 if __name__ == "__main__":
   print(*_compaction_peak(sys.argv[1]))
+
+
+def test_oldest_delta_base_is_the_oldest_version_a_delta_chain_starts_from(tmp_path):
+  rng = np.random.default_rng(0)
+  w = [rng.standard_normal(1 << 16).astype(np.float32)]
+  for _ in range(2):  # 1% of the weights move: small deltas, no compaction
+    w.append(np.where(rng.random(1 << 16) < 0.01, w[-1] * 1.1, w[-1]))
+  held = [sync.held_state({"w": x}, "bf16") for x in w]
+  store = WeightStore(str(tmp_path), limits=WeightLimits(compact_in_background=False),
+                      chunk_bytes=CHUNK)
+  _publish(store, sync.encode(None, held[0], "bf16", version=0).to_bytes())
+  for v in (1, 2):
+    _publish(store, sync.encode(held[v - 1], held[v], "bf16", version=v).to_bytes())
+  info = store.info()
+  assert (info["latest_version"], info["keyframe_version"]) == (2, 0)
+  assert info["oldest_delta_base"] == 0  # a worker holding v0 (or v1) pulls deltas

@@ -180,3 +180,9 @@ def test_the_device_fingerprint_lowers_for_tpu_and_gpu(dtype):
       jax.ShapeDtypeStruct((1024, 768), dtype))
   assert exported.platforms == ("tpu", "cuda")
   assert [str(a.dtype) for a in exported.out_avals] == ["uint32"]
+
+
+def test_state_digest_is_of_the_names_in_order_whatever_the_dict_order():
+  a = {"embed.embedding": 11, "layers.0.mlp.kernel": 22, "norm.scale": 33}
+  b = dict(reversed(list(a.items())))
+  assert sync.state_digest(a) == sync.state_digest(b)

@@ -5,6 +5,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -13,6 +14,8 @@ from rlax_ps.models import ModelConfig, Transformer
 from rlax_ps.tasks import Example, get_task
 from rlax_ps.tokenizers import CharTokenizer
 from rlax_ps.train import evaluate
+from rlax_ps.train import heldout as heldout_lib
+from rlax_ps.tasks.base import split_of
 
 TOK = CharTokenizer()
 
@@ -391,3 +394,27 @@ def test_a_reward_model_on_the_policys_ids_scores_a_held_out_answer_as_the_worke
   without_stop, = scorer.scores([policy.encode_prompt(prompt) + ids[:-1]])
   assert held_out == pytest.approx(float(scored), abs=1e-6)
   assert abs(float(without_stop) - held_out) > 1e-3  # (the stop token is what it pools at)
+
+
+def test_all_weighs_every_example_alike_across_tasks_of_different_sizes(monkeypatch):
+  graphdef, state = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(3)), nnx.Param)
+  examples = {"addition": [Example("1+2=", "3"), Example("2+2=", "4"), Example("5+5=", "10")],
+              "reversal": [Example("rev ab=", "ba", "reversal")]}
+  answers = {"1+2=": "3", "2+2=": "5", "5+5=": "10", "rev ab=": "ba"}  # 3 of 4 right
+  monkeypatch.setattr(evaluate, "completion_ids", lambda g, p, tok, prompts, **kw:
+                      [tok.encode(answers[q]) for q in prompts])
+  result = evaluate.exact_match(graphdef, state.to_pure_dict(), TOK,
+                                [get_task("addition"), get_task("reversal")], examples,
+                                batch_size=4)
+  assert result == {"addition": pytest.approx(2 / 3), "reversal": pytest.approx(1.0),
+                    "all": pytest.approx(3 / 4)}
+
+
+def test_held_out_examples_of_built_in_tasks_are_of_the_held_out_split():
+  config = ml_collections.ConfigDict({"eval": {"batch_size": 4, "seed": 0, "num_examples": 16}})
+  tasks = [get_task("addition"), get_task("reversal")]
+  heldout = heldout_lib.heldout_from_config(config, tasks)
+  for task in tasks:
+    exs = heldout.examples[task.name]
+    assert len(exs) == 16
+    assert all(split_of(task.name, e.prompt, task.heldout_fraction) == "heldout" for e in exs)

@@ -10,6 +10,9 @@ import pytest
 
 from rlax_ps.train import prompts
 from rlax_ps.train.prompts import PromptFeed, file_parts, file_weights, read_prompts
+import collections
+from rlax_ps.tasks import get_task
+from rlax_ps.train.prompts import TaskPrompts
 
 RECORDS = [{"prompt": "1+2=", "answer": "3", "task": "addition"},
            {"prompt": "say \u2028 this", "answer": "ok"},  # a JSON line with U+2028 inside
@@ -301,3 +304,10 @@ def test_a_demonstration_where_one_reference_is_read_says_where_demonstrations_g
                                        r"`rlax-ps sft` takes those; a held-out or RL record's "
                                        r"answer is the one reference its verifier checks"):
     config_records(config, "data.heldout_jsonl", str(path))
+
+
+def test_the_built_in_stream_mixes_tasks_in_proportion_to_their_weights():
+  tasks = [get_task("addition"), get_task("reversal")]
+  stream = TaskPrompts(tasks, [1.0, 3.0], seed=0)
+  counts = collections.Counter(stream[i]["task"] for i in range(400))
+  assert 60 <= counts["addition"] <= 140 and 260 <= counts["reversal"] <= 340, counts
