@@ -812,7 +812,6 @@ class RLTrainer(TrainerRun):
       self._journal["refeed"].update(self._journal["outstanding"])
       self._journal["skips"].clear()
       self._journal["skip_prompts"].clear()
-    # The weights first: a worker leasing the prompts before would hold the lost server's.
     if self.publisher.version is not None and self.client.latest_version() < self.version:
       self.publisher.resend_keyframe()
     self._feed_outstanding()
@@ -1179,6 +1178,9 @@ class RLTrainer(TrainerRun):
     missing = target - (self.feed.position - self.retired - self.consumed)
     if missing <= 0:
       return
+    # A server that lost its weights and queues gets the weights before any prompt: a worker
+    # leasing one first would sample it with the lost server's (_server_lost).
+    self._server_lost(self.client.version_info().store_id)
     prompts = []
     passed = 0  # records passed over in this call: at most an epoch's worth
     while len(prompts) < missing:

@@ -13,6 +13,7 @@ import pytest
 
 from inference_workers.loop import Worker
 from inference_workers.worker_config import WorkerConfig
+from param_server.protos import param_server_pb2 as pb
 from rl_testlib import REPO, client, rl_config, start_server
 from rlax_ps.tokenizers import HFTokenizer, tokenizer_from_config
 from rlax_ps.train.rl import RLTrainer
@@ -163,6 +164,9 @@ def test_prompt_only_records_go_out_with_the_raw_prompt_a_reward_model_renders(t
   class Queue:
     def enqueue_prompts(self, prompts):
       sent.extend(prompts)
+
+    def version_info(self):
+      return pb.VersionInfo()
 
   with RLTrainer(config, str(tmp_path / "b"), Queue()) as tr:
     tr._feed_prompts()

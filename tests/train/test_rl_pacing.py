@@ -19,6 +19,9 @@ class OneGroupPerTake:
   def enqueue_prompts(self, prompts):
     self.fed.extend(prompts)
 
+  def version_info(self):
+    return pb.VersionInfo()
+
   def take_rollouts(self, min_version, max_n, **kwargs):
     self.outstanding.append(len(self.fed) - self.taken)
     assert len(self.outstanding) <= 20, "the step took too many groups"

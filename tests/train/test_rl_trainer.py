@@ -387,7 +387,7 @@ def test_an_ack_deadline_past_the_servers_limit_is_named_as_the_config_field(tmp
     tr.config.rl.ack_deadline_s = 5000.0
     tr.client = types.SimpleNamespace(
         address="127.0.0.1:1", enqueue_prompts=lambda prompts: None,
-        take_rollouts=mock.Mock(side_effect=ParamServerError(
+        version_info=lambda: pb.VersionInfo(), take_rollouts=mock.Mock(side_effect=ParamServerError(
             "TakeRollouts", grpc.StatusCode.INVALID_ARGUMENT,
             "ack_deadline_s: expected in (0, 3600.0], got 5000.0")))
     with pytest.raises(ValueError, match=r"rl.ack_deadline_s: 5000.0 is past what the server "
@@ -1159,6 +1159,9 @@ def test_records_whose_groups_stay_uniform_are_fed_less_and_the_checkpoint_keeps
     def enqueue_prompts(self, prompts):
       sent.extend(prompts)
 
+    def version_info(self):
+      return pb.VersionInfo()
+
   def taken(prompt, rewards):
     return pb.TakenRollout(rollout_id=len(sent), prompt=prompt, group=pb.RolloutGroup(
         prompt_id=prompt.id, samples=[pb.Sample(token_ids=[1], reward=r) for r in rewards]))
@@ -1464,6 +1467,9 @@ def test_a_checkpoint_keeps_the_skipped_groups_and_the_run_id_of_its_prompts(tmp
 
       def enqueue_prompts(self, prompts):
         self.calls.append(len(prompts))
+
+      def version_info(self):
+        return pb.VersionInfo()
 
     monkeypatch.setattr(rl_lib, "ENQUEUE_BATCH", 3)
     tr.client, tr.consumed = Recording(), tr.feed.position - tr.retired
