@@ -26,7 +26,8 @@ def error_code(call):
 
 
 def test_missing_or_unknown_token_is_unauthenticated(server):
-  for token in (None, "wrong-token"):
+  # A prefix of a role's token is no token (compared whole, in constant time).
+  for token in (None, "wrong-token", TOKENS["trainer"][:-1], TOKENS["trainer"][:1]):
     with ParamServerClient(server.address, token=token, retry=NO_RETRY) as c:
       assert error_code(c.stats) == grpc.StatusCode.UNAUTHENTICATED
 
@@ -35,6 +36,9 @@ def test_missing_or_unknown_token_is_unauthenticated(server):
     ("worker", lambda c: c.publish(b"x")),
     ("worker", lambda c: c.take_rollouts()),
     ("worker", lambda c: c.enqueue_prompts([])),
+    ("worker", lambda c: c.ack("t")),
+    ("viewer", lambda c: c.take_rollouts()),  # a dashboard's token takes no trainer's groups
+    ("viewer", lambda c: c.ack("t")),
     ("viewer", lambda c: c.lease(1, 1.0, worker_id="w")),
     ("viewer", lambda c: c.pull(None)),
     ("trainer", lambda c: c.submit_rollouts("l", None, worker_id="w")),

@@ -20,7 +20,7 @@ from algorithms import losses
 from rl_testlib import REPO, fake_fleet, rl_config, save_warm_start, verl_batch, verl_fixture
 from rlax_ps.models import ModelConfig
 from rlax_ps.models.value_model import ValueModel, critic_config, packed_values
-from rlax_ps.train.critic import Critic, check_critic_config, check_critic_source
+from rlax_ps.train.critic import Critic, check_critic_config, check_critic_source, value_stats
 from rlax_ps.train.rl_loss import LossConfig, gae_targets, group_advantages
 from rlax_ps.train.trainable import split_as, split_trainable
 from rlax_ps.sharding import make_mesh
@@ -464,3 +464,14 @@ def test_the_critics_clipping_turned_on_or_off_on_resume_is_refused_naming_it(tm
   with pytest.raises(ValueError, match=r"critic.optimizer.clip_norm: 1.0 in the checkpoint at "
                                        r"step 0, 0.0 now: clipping turned off"):
     RLTrainer(config, str(tmp_path / "rl"), object())
+
+
+def test_value_explained_var_is_one_less_the_residuals_share_of_the_returns_variance():
+  returns = np.array([[1.0, 2.0, 3.0, 4.0]], np.float32)
+  values = np.array([[1.5, 1.5, 3.5, 3.5]], np.float32)
+  batch = {"response_tokens": jnp.zeros((1, 1, 4), jnp.int32), "response_lens": jnp.array([[4]]),
+           "sample_mask": jnp.ones((1, 1)), "values": jnp.asarray(values)[None],
+           "returns": jnp.asarray(returns)[None]}
+  stats = value_stats(batch)
+  np.testing.assert_allclose(float(stats["value_explained_var"]), 1 - 0.25 / 1.25, rtol=1e-5)
+  np.testing.assert_allclose(float(stats["value_mean"]), values.mean(), rtol=1e-6)

@@ -9,6 +9,7 @@ import pytest
 
 from rl_testlib import client, start_server
 from rlax_ps import sync
+from rlax_ps.models.config import ModelConfig
 from rlax_ps.train import publisher as publisher_lib
 
 K = 4  # keyframe_every
@@ -98,3 +99,24 @@ def test_a_restart_keyframe_goes_alone(tmp_path):
   pub.publish(_params(1), 1)
   assert pub.publish(_params(2), 2, keyframe=True).keyframe
   assert [(u.version, u.is_keyframe) for u in sent] == [(0, True), (1, False), (2, True)]
+
+
+def test_every_keyframe_carries_the_models_fields():
+  """The first keyframe and each scheduled one name the model (its forward fields), so that a
+  worker of another model refuses the weights instead of sampling with them."""
+  model = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_layers=1,
+                      num_heads=2, num_kv_heads=1)
+
+  class Sent:
+    updates = []
+
+    def publish(self, wire, run=""):
+      self.updates.append(sync.Update.from_bytes(bytes(wire)))
+
+  publisher = publisher_lib.Publisher(Sent(), "bf16", keyframe_every=2, model=model)
+  for version in (1, 2, 3):
+    publisher.publish(_params(version), version)
+  keyframes = [u for u in Sent.updates if u.is_keyframe]
+  assert len(keyframes) >= 2 and len(Sent.updates) > len(keyframes)
+  for update in keyframes:
+    assert update.model is not None and dict(update.model) == dict(model.forward_fields())

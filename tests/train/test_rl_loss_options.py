@@ -201,3 +201,13 @@ def test_normalize_then_sum_weighs_the_parts_as_the_workers_do():
       ("task", 1.0), ("think_format", 0.5), ("math", 1.0), ("reward_model", 0.25))
   config.loss.reward_aggregation = "sum"
   assert check_rl_config(config, files=False).reward_parts == ()
+
+
+def test_overlong_punishment_ramps_to_the_sampling_budget_not_the_padded_width():
+  # worker.max_new_tokens=4 (loss.budget), the batch padded to 8 tokens, a buffer of 2: the
+  # punishment starts past 2 tokens and is whole at the budget, where the workers cut.
+  cfg = LossConfig(overlong_buffer=2, budget=4)
+  batch = {"rewards": jnp.zeros((1, 3)), "response_tokens": jnp.zeros((1, 3, 8), jnp.int32),
+           "response_lens": jnp.array([[2, 3, 4]])}
+  np.testing.assert_allclose(np.asarray(rl_loss_lib.sample_scores(batch, cfg)),
+                             [0.0, -0.5, -1.0], atol=1e-6)
