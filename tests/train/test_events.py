@@ -12,7 +12,7 @@ import time
 import pytest
 
 from rl_testlib import tb_events
-from rlax_ps.train.events import Events, NoEvents, open_wandb
+from rlax_ps.train.events import Events, NoEvents, open_jsonl, open_wandb
 from rlax_ps.train.run import TrainerRun
 
 wandb = pytest.importorskip("wandb")
@@ -218,3 +218,16 @@ def test_a_resumed_run_purges_tensorboards_points_of_the_steps_it_does_again(tmp
   starts = [e for e in tb_events(str(tmp_path / "work" / "tb"))
             if e.HasField("session_log") and e.session_log.status == e.session_log.START]
   assert [e.step for e in starts] == [5]
+
+
+def test_a_line_appended_after_a_torn_one_starts_a_line_of_its_own(tmp_path):
+  """A kill tore the last line (no newline): the next record is not glued to it."""
+  path = tmp_path / "steps.jsonl"
+  path.write_text('{"step": 1}\n{"step": 2, "rew')
+  with open_jsonl(str(path)) as f:
+    f.write(json.dumps({"step": 2}) + "\n")
+  lines = path.read_text().splitlines()
+  assert lines[:2] == ['{"step": 1}', '{"step": 2, "rew'] and json.loads(lines[2]) == {"step": 2}
+  with open_jsonl(str(path)) as f:  # a whole last line: nothing added before the next
+    f.write(json.dumps({"step": 3}) + "\n")
+  assert len(path.read_text().splitlines()) == 4
