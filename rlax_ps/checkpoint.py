@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 STATE, METADATA = "state", "metadata"
 # Stamped in every step's metadata. Raise it when a release writes what an older one would
 # misread (a new field its readers must know): the older release then refuses the step in a
-# line (check_format), where it would fail on the field or resume wrongly.
+# line (readable_metadata), where it would fail on the field or resume wrongly.
 FORMAT, FORMAT_KEY = 1, "checkpoint_format"
 # tensorstore's words for array data cut short or unreadable (a step half written to disk).
 _UNREADABLE = ("OUT_OF_RANGE", "DATA_LOSS", "Error reading", "Error opening")
@@ -39,15 +39,19 @@ def _unreadable(error: BaseException) -> BaseException | None:
   return None
 
 
-def check_format(metadata: dict[str, Any], directory: str, step: int | None = None) -> None:
-  """ValueError where the checkpoint's `metadata` says a newer rlax-ps wrote it, in a format
-  this one does not read (a rollback to an older release over a newer one's workdir)."""
-  written = metadata.get(FORMAT_KEY, 0)
+def readable_metadata(metadata: dict[str, Any], directory: str,
+                      step: int | None = None) -> dict[str, Any]:
+  """A checkpoint's `metadata` as its readers take it (without the format stamp); ValueError
+  where a newer rlax-ps wrote it, in a format this one does not read (a rollback to an older
+  release over a newer one's workdir)."""
+  saved = dict(metadata)
+  written = saved.pop(FORMAT_KEY, 0)
   if isinstance(written, int) and written > FORMAT:
     at = f"step {step} in {directory}" if step is not None else f"the checkpoint in {directory}"
     raise ValueError(f"checkpoint: {at} was written by a newer rlax-ps (checkpoint format "
                      f"{written}; this one reads up to {FORMAT}): resume with that release, or "
                      f"use another workdir (the checkpoint is left as it is)")
+  return saved
 
 
 def _skip_raw_byte_metrics() -> None:
@@ -130,10 +134,10 @@ class Checkpointer:
     abstract = jax.tree.map(
         lambda x: x if isinstance(x, jax.ShapeDtypeStruct)
         else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
-    self.metadata(step)  # a newer release's format refused before any array is read
+    saved = self.metadata(step)  # a newer release's format refused before any array is read
     try:
       restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
-          STATE: ocp.args.StandardRestore(abstract), METADATA: ocp.args.JsonRestore()}))
+          STATE: ocp.args.StandardRestore(abstract)}))
     except Exception as e:
       if (cut := _unreadable(e)) is not None:  # an item or a file missing, data cut short
         raise self._damaged(int(step), cut) from e
@@ -148,8 +152,6 @@ class Checkpointer:
       e.add_note(self._damaged(int(step), e).args[0].replace("is incomplete or damaged",
                                                               "could not be read"))
       raise
-    saved = dict(restored[METADATA])
-    saved.pop(FORMAT_KEY, None)
     return restored[STATE], saved
 
   def restore_params(self, target: Any, step: int) -> Any:
@@ -178,10 +180,7 @@ class Checkpointer:
           METADATA: ocp.args.JsonRestore()}))
     except (KeyError, OSError, ValueError) as e:
       raise self._damaged(int(step), e) from e
-    saved = dict(restored[METADATA])
-    check_format(saved, self.directory, step)
-    saved.pop(FORMAT_KEY, None)  # the checkpoint's, not the caller's
-    return saved
+    return readable_metadata(restored[METADATA], self.directory, step)
 
   def latest_metadata(self) -> dict[str, Any] | None:
     """The JSON blob of the newest complete checkpoint, or None when there is none."""

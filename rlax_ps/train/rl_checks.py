@@ -522,8 +522,9 @@ def latest_metadata(directory: str) -> dict[str, Any] | None:
   (rlax_ps.checkpoint's layout: <step>/metadata/metadata; a step still being written has
   another name), read without orbax: no arrays, no JAX backend, nothing cleaned up under a
   trainer that may be saving there. None when there is none or it is unreadable (the
-  trainer names a damaged one); ValueError where a newer rlax-ps wrote it (check_format)."""
-  from rlax_ps.checkpoint import FORMAT_KEY, METADATA, check_format
+  trainer names a damaged one); ValueError where a newer rlax-ps wrote it
+  (readable_metadata)."""
+  from rlax_ps.checkpoint import METADATA, readable_metadata
   try:
     steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
   except OSError:  # none yet
@@ -537,9 +538,7 @@ def latest_metadata(directory: str) -> dict[str, Any] | None:
     return None
   if not isinstance(saved, dict):
     return None
-  check_format(saved, directory)
-  saved.pop(FORMAT_KEY, None)  # as the Checkpointer reads it
-  return saved
+  return readable_metadata(saved, directory)  # as the Checkpointer reads it
 
 
 def check_resumed_updates(saved: dict[str, Any] | None, updates: int) -> None:
