@@ -223,9 +223,6 @@ def test_a_reward_model_scores_held_out_answers_as_transformers_does(model, rewa
   import json
   import os
 
-  import ml_collections
-
-  from rlax_ps.train import heldout as heldout_lib
   ref = np.load(os.path.join(reward_model, "reference.npz"))
   (user, assistant) = json.loads(str(ref["conversation"]))
   path = tmp_path / "heldout.jsonl"
@@ -293,10 +290,7 @@ def test_sampled_completions_truncate_as_the_workers_settings_say(model, truncat
 def test_held_out_pass_at_k_samples_with_the_workers_settings(model, monkeypatch):
   """worker.temperature, top_k, top_p and min_p, WorkerConfig's defaults for those the
   config leaves out, reach pass@k's sampling; a value a worker refuses is named."""
-  import ml_collections
-
   from inference_workers.worker_config import WorkerConfig
-  from rlax_ps.train import heldout as heldout_lib
   config = ml_collections.ConfigDict({
       "worker": {"temperature": 0.7, "top_p": 0.9},
       "eval": {"batch_size": 4, "seed": 0, "num_examples": 2, "pass_k": 2}})
@@ -321,9 +315,6 @@ def test_held_out_pass_at_k_samples_with_the_workers_settings(model, monkeypatch
 def test_the_built_in_tasks_held_out_budget_is_eval_max_new_tokens_or_a_chat_models_worker():
   """Past each task's longest answer alone, an instruct model's reply was cut after a few
   tokens; eval.max_new_tokens was not read for the built-in tasks."""
-  import ml_collections
-
-  from rlax_ps.train import heldout as heldout_lib
   config = ml_collections.ConfigDict({
       "worker": {"max_new_tokens": 64}, "tokenizer": {"chat_template": ""},
       "eval": {"batch_size": 4, "seed": 0, "num_examples": 2, "max_new_tokens": 0}})
@@ -340,9 +331,6 @@ def test_held_out_settings_that_cannot_work_are_refused_or_said(tmp_path, caplog
   first checkpoint's greedy evaluation); data.jsonl without data.heldout_jsonl says the
   built-in tasks are what is scored; eval.max_new_tokens is a held-out file's budget (a
   short reference answer left a reasoned one no room), before the workers'."""
-  import ml_collections
-
-  from rlax_ps.train import heldout as heldout_lib
   config = ml_collections.ConfigDict({
       "worker": {"temperature": 0.0},
       "eval": {"batch_size": 4, "seed": 0, "num_examples": 2, "pass_k": 4}})
