@@ -20,7 +20,8 @@ PREFIX = "rlax_ps_"
 # Stats fields that only grow (counters) and those that go up and down (gauges).
 COUNTERS = {
     "rollouts_accepted": "rollout groups accepted",
-    "rollouts_duplicate": "duplicate submissions of accepted groups (acknowledged, not kept)",
+    "rollouts_duplicate": "duplicate submissions of accepted groups (acknowledged, not kept), since "
+                          "this server started",
     "rollouts_stale_dropped": "groups dropped as older than the trainer's staleness floor",
     "leases_expired": "leases that expired, their prompts returned to the queue",
     "prompts_resumed": "prompts leased again with samples a stopped or killed worker began",

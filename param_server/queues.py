@@ -556,7 +556,7 @@ class PromptRolloutQueues:
     c = state.counters
     snap = pb.WalSnapshot(
         next_rollout_id=state.next_rollout_id,
-        rollouts_accepted=c["rollouts_accepted"], rollouts_duplicate=c["rollouts_duplicate"],
+        rollouts_accepted=c["rollouts_accepted"],  # (rollouts_duplicate: this process's)
         rollouts_stale_dropped=c["rollouts_stale_dropped"], leases_expired=c["leases_expired"],
         prompts_resumed=c["prompts_resumed"], samples_resumed=c["samples_resumed"],
         tokens_resumed=c["tokens_resumed"], takes_requeued=c["takes_requeued"],
@@ -620,7 +620,7 @@ class PromptRolloutQueues:
     self.acked_takes = collections.OrderedDict(zip(snap.acked_takes, counts))
     self.next_rollout_id = snap.next_rollout_id
     self.counters = collections.Counter(
-        rollouts_accepted=snap.rollouts_accepted, rollouts_duplicate=snap.rollouts_duplicate,
+        rollouts_accepted=snap.rollouts_accepted, rollouts_duplicate=0,
         rollouts_stale_dropped=snap.rollouts_stale_dropped, leases_expired=snap.leases_expired,
         prompts_resumed=snap.prompts_resumed, samples_resumed=snap.samples_resumed,
         tokens_resumed=snap.tokens_resumed, takes_requeued=snap.takes_requeued)
@@ -888,7 +888,7 @@ class PromptRolloutQueues:
           raise errors.FailedPrecondition(
               "group", f"prompt {pid!r} of lease {lease_id!r} was already answered by a different group "
               f"(rollout {lease.answered[pid]})")
-        self.counters["rollouts_duplicate"] += 1
+        self.counters["rollouts_duplicate"] += 1  # logged nowhere: counted since this start
         return pb.SubmitRolloutsReply(rollout_id=lease.answered[pid], duplicate=True, lease_closed=lease.closed)
       if lease.expired:
         raise errors.FailedPrecondition("lease_id", f"lease {lease_id!r} expired; its prompts went back to the queue")

@@ -107,7 +107,6 @@ def state(env):
   queues = env.server.queues
   (record,) = queues._snapshot()
   snap = record.snapshot
-  snap.rollouts_duplicate = 0  # a retry's acknowledgement is counted, never logged
   stats = env.stub.GetStats(pb.GetStatsRequest(), metadata=metadata("viewer"))
   return snap.SerializeToString(deterministic=True), stats.versions.latest_version, stats.errors
 

@@ -250,6 +250,28 @@ def test_unacked_take_is_redelivered_after_its_deadline(queues, clock):
     queues.ack(take.take_id)
 
 
+def test_duplicate_submissions_are_counted_since_this_start_whatever_a_snapshot_held(
+    tmp_path, clock):
+  """A retried submission is answered from state and logged nowhere: its count is this
+  process's, as bytes served are; a snapshot taken between must not bring back part of it."""
+  q = make_queues(tmp_path, clock)
+  q.enqueue(prompts("a"))
+  lease = q.lease("w1", 1, 10.0)
+  for _ in range(3):
+    q.submit(lease.lease_id, "w1", group("a"))
+    if not q.counters["rollouts_duplicate"]:
+      q._wal.rewrite(q._snapshot())  # (after the first submission, before any retry)
+  assert q.counters["rollouts_duplicate"] == 2
+  q._wal.rewrite(q._snapshot())
+  q.submit(lease.lease_id, "w1", group("a"))
+  q.close()
+  q = make_queues(tmp_path, clock)
+  assert q.counters["rollouts_duplicate"] == 0 and q.counters["rollouts_accepted"] == 1
+  assert q.submit(lease.lease_id, "w1", group("a")).duplicate
+  assert q.counters["rollouts_duplicate"] == 1
+  q.close()
+
+
 def test_requeued_takes_are_counted_and_the_count_survives_a_restart(tmp_path, clock):
   """One take past its ack deadline, one given back by a restarted trainer: two requeued,
   counted again from the log and kept by a snapshot."""
