@@ -35,7 +35,7 @@ from param_server import auth, errors
 from param_server.client import RELAY_DOWN, ParamServerClient, ParamServerError, RetryPolicy
 from param_server.durable import write_durably
 from param_server.protos import param_server_pb2 as pb
-from param_server.server import (MESSAGE_OVERHEAD, SERVICE_NAME, ParamServerServicer, PullSource,
+from param_server.server import (MESSAGE_OVERHEAD, MIN_THREADS, SERVICE_NAME, ParamServerServicer, PullSource,
                                  ServerConfig, grpc_server, method_handlers)
 from param_server.weights import PublishWriter, WeightLimits, WeightStore
 from rlax_ps.config_files import user_path
@@ -94,7 +94,8 @@ class RelayConfig:
   max_message_bytes: int = setting(16 << 20, "gRPC message size limit (passed-through calls)")
   cache_bytes: int = setting(32 << 20, "recently read chunks kept in memory, shared by pulls")
   delta_history: int = setting(4, "deltas kept before the newest keyframe, for workers that lag")
-  threads: int = setting(128, "handler threads (each long poll or stream holds one)")
+  threads: int = setting(128, "handler threads (each long poll or stream holds one); at "
+                         "least 4, max(2, threads // 16) of them kept for short calls")
   max_wait_s: float = setting(60.0, "how long a pull waits for a version the relay is fetching "
                               "to begin, or for its next bytes")
   poll_s: float = setting(30.0, "how often the relay asks the server's version besides watching "
@@ -112,6 +113,10 @@ class RelayConfig:
     for name in ("chunk_bytes", "pull_message_bytes", "max_message_bytes", "threads"):
       if getattr(self, name) <= 0:
         raise ValueError(f"RelayConfig.{name}: expected a positive int, got {getattr(self, name)}")
+    if self.threads < MIN_THREADS:
+      raise ValueError(f"RelayConfig.threads: expected at least {MIN_THREADS} (pulls, long "
+                       f"polls and Watch streams each hold one; short calls need their own), "
+                       f"got {self.threads}")
     if not self.max_wait_s >= 0:
       raise ValueError(f"RelayConfig.max_wait_s: expected >= 0, got {self.max_wait_s}")
     if not self.poll_s > 0:

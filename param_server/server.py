@@ -43,6 +43,7 @@ SERVICE_NAME = "rlax_ps.v1.ParamServer"
 MESSAGE_OVERHEAD = 64 << 10
 RELAY_PULLS = 8  # relays' fetches on slots of their own, past max_pulls; more take workers
 TAKE_WAITS = 2  # trainer takes waiting at once (one trainer; a restarted one's old call)
+MIN_THREADS = 4  # handler threads: two held by long calls at most, two left for short ones
 MAX_WORKERS = 65536  # workers and relays known at once (each registration or new id one)
 MAX_LISTED_WORKERS = 4096  # listed in GetStats, the most recently heard first
 MAX_WORKER_METADATA = 16 << 10  # bytes of a registration's metadata (keys and values)
@@ -76,7 +77,8 @@ class ServerConfig:
       "at once: their prompts go back to the queue with the samples its renewals carried, "
       "long before the leases' deadlines; 0 = only at the deadlines")
   reap_interval_s: float = setting(0.25, "how often expired leases and unacked takes are returned")
-  threads: int = setting(128, "handler threads (each long poll or Watch stream holds one)")
+  threads: int = setting(128, "handler threads (each long poll or Watch stream holds one); at "
+                         "least 4, max(2, threads // 16) of them kept for short calls")
   max_pulls: int = setting(0, "pulls served at once (each holds a handler thread for its whole "
                            "transfer: minutes on a slow link); 0 = half of threads. One more "
                            "is told to come back (its client waits for a turn), so leases, "
@@ -111,6 +113,10 @@ class ServerConfig:
       if not getattr(self, name) >= 1:
         raise ValueError(f"ServerConfig.{name}: expected a positive int, got "
                          f"{getattr(self, name)}")
+    if self.threads < MIN_THREADS:  # one Watch held the only thread: every call waited on it
+      raise ValueError(f"ServerConfig.threads: expected at least {MIN_THREADS} (pulls, long "
+                       f"polls and Watch streams each hold one; short calls need their own), "
+                       f"got {self.threads}")
     if not (self.max_pulls == 0 or 1 <= self.max_pulls < self.threads):
       raise ValueError(f"ServerConfig.max_pulls: expected 0 (half of threads) or from 1 to "
                        f"threads - 1 = {self.threads - 1} (a thread left for the other "
@@ -338,6 +344,11 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     # follow the server so): unbounded, any token could take every thread.
     self.max_watches = max(1, config.threads // 8)
     self._watch_slots = threading.BoundedSemaphore(self.max_watches)
+    # Every call above holds its thread for long: together they may hold all threads but
+    # `reserved_threads`, which heartbeats, submissions and renewals always find (the slots of
+    # each kind add up to more than `threads` below about 120 of them).
+    self.reserved_threads = max(2, config.threads // 16)
+    self._held_slots = threading.BoundedSemaphore(config.threads - self.reserved_threads)
     self.streams_open = 0  # Pull and Watch streams being served
     self._run_lock = threading.Lock()
     self.run = _read_run(config.storage_dir)  # the run whose versions are held ("": none said)
@@ -435,13 +446,26 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     """`wait_s` while a long-poll slot (of `slots`, default the workers') is held; 0
     (answered at once) when all are taken."""
     slots = self._wait_slots if slots is None else slots
-    if wait_s <= 0 or not slots.acquire(blocking=False):
+    if wait_s <= 0 or not self._hold(slots):
       yield 0.0
       return
     try:
       yield wait_s
     finally:
-      slots.release()
+      self._let_go(slots)
+
+  def _hold(self, slots: threading.BoundedSemaphore) -> bool:
+    """One of `slots` and one of the threads long calls may hold together, or neither."""
+    if not slots.acquire(blocking=False):
+      return False
+    if self._held_slots.acquire(blocking=False):
+      return True
+    slots.release()
+    return False
+
+  def _let_go(self, slots: threading.BoundedSemaphore) -> None:
+    self._held_slots.release()
+    slots.release()
 
   @_streaming
   def Pull(self, request, context):
@@ -451,16 +475,17 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     if request.resume_offset < 0:
       raise errors.InvalidArgument("resume_offset", f"expected >= 0, got {request.resume_offset}")
     # A relay's fetch takes a relay slot, else a worker's like any pull.
-    if request.relay_id and self._relay_pull_slots.acquire(blocking=False):
+    if request.relay_id and self._hold(self._relay_pull_slots):
       slots = self._relay_pull_slots
-    elif self._pull_slots.acquire(blocking=False):
+    elif self._hold(self._pull_slots):
       slots = self._pull_slots
     else:
-      raise errors.PullsBusy(f"{self.max_pulls} pulls under way (max_pulls); come back shortly")
+      raise errors.PullsBusy(f"{self.max_pulls} pulls under way (max_pulls), or every thread "
+                             f"long calls may hold; come back shortly")
     try:
       yield from self._serve_pull(have, request, context)
     finally:
-      slots.release()
+      self._let_go(slots)
 
   def _serve_pull(self, have: int | None, request, context):
     plan, release, latest = self._pull_plan(None if have == -1 else have, context)
@@ -504,9 +529,9 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def Watch(self, request, context):
     if request.after_version < -1:
       raise errors.InvalidArgument("after_version", f"expected >= -1, got {request.after_version}")
-    if not self._watch_slots.acquire(blocking=False):
-      raise errors.Busy("watches", f"{self.max_watches} Watch streams open (threads // 8); "
-                        f"come back shortly")
+    if not self._hold(self._watch_slots):
+      raise errors.Busy("watches", f"{self.max_watches} Watch streams open (threads // 8), "
+                        f"or every thread long calls may hold; come back shortly")
     try:
       last = request.after_version
       changed = self._version_changed
@@ -519,7 +544,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
           last = latest
           yield self._version_info()
     finally:
-      self._watch_slots.release()
+      self._let_go(self._watch_slots)
 
   # ------------------------------------------------------------ prompts
 

@@ -208,3 +208,44 @@ def test_relays_past_their_own_slots_take_the_workers(start_server):
   for channel, call in held:
     call.cancel()
     channel.close()
+
+
+def test_long_calls_of_every_kind_together_leave_threads_for_the_short_ones(start_server):
+  """Each kind's slots (pulls, relay fetches, long polls, Watch streams) are bounded apart,
+  and below about 120 threads they add up to more than the pool: a Watch, a lease's long poll
+  and two relay fetches held all 4 threads, and no heartbeat or submission was answered."""
+  server = start_server(threads=4)
+  assert server.servicer.reserved_threads == 2
+  with client_for(server, "trainer") as trainer:
+    trainer.publish(sync.encode(None, WEIGHTS, "bf16", version=0).to_bytes())
+  channel = grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+  watch = pb_grpc.ParamServerStub(channel).Watch(
+      pb.WatchRequest(after_version=0), metadata=(("authorization", f"Bearer {TOKENS['viewer']}"),))
+  polled = []
+
+  def idle_worker():
+    with client_for(server, "worker") as worker:
+      worker.register("idle")
+      polled.append(worker.lease(1, 30.0, wait_s=4.0))
+
+  poll = threading.Thread(target=idle_worker)
+  poll.start()
+  time.sleep(1.0)  # the Watch and the long poll hold two threads
+  fetches = [_held_pull(server, relay_id=f"relay-{i}") for i in range(2)]
+  assert all(isinstance(f, grpc.RpcError) and f.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+             for f in fetches)
+  with client_for(server, "viewer", retry=RetryPolicy(deadline_s=0.0)) as viewer:
+    viewer.timeout_s = 1.0
+    assert viewer.stats().versions.latest_version == 0  # answered while the long calls wait
+  poll.join(timeout=30.0)
+  assert polled and not polled[0].prompts
+  watch.cancel()
+  channel.close()
+  with pytest.raises(ValueError, match=r"ServerConfig.threads: expected at least 4"):
+    ServerConfig(storage_dir=str(server.config.storage_dir), threads=3)
+
+
+def test_a_relay_needs_threads_for_its_long_calls_and_the_short_ones(tmp_path):
+  from param_server.relay import RelayConfig
+  with pytest.raises(ValueError, match=r"RelayConfig.threads: expected at least 4"):
+    RelayConfig(storage_dir=str(tmp_path), threads=2)
