@@ -8,14 +8,14 @@ the worker's reward model instead.
 """
 
 from algorithms.verifiers.base import (REWARD_MODEL_TASK, VERIFIERS, Verifier, VerifierResult, known_tasks,
-                                       load_verifiers, make_verifier, register_verifier,
-                                       verifier_for_task, verifiers_by_task)
+                                       load_verifiers, make_verifier, reference_check,
+                                       register_verifier, verifier_for_task, verifiers_by_task)
 from algorithms.verifiers.code_exec import CodeExecutionVerifier
 from algorithms.verifiers.format_reward import ThinkFormatVerifier, think_format_reward
 from algorithms.verifiers.math_answer import MathAnswerVerifier
 from algorithms.verifiers.tasks import TaskVerifier, task_verifier
 
 __all__ = ["REWARD_MODEL_TASK", "VERIFIERS", "Verifier", "VerifierResult", "known_tasks", "load_verifiers",
-           "make_verifier", "register_verifier", "verifier_for_task", "verifiers_by_task",
+           "make_verifier", "reference_check", "register_verifier", "verifier_for_task", "verifiers_by_task",
            "CodeExecutionVerifier", "MathAnswerVerifier", "TaskVerifier", "ThinkFormatVerifier",
            "task_verifier", "think_format_reward"]

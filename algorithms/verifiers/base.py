@@ -40,9 +40,11 @@ REWARD_MODEL_TASK = "reward_model"
 
 
 def register_verifier(name: str):
-  """Class or factory decorator: `make_verifier(name, **kwargs)` will call it. A name taken
-  by another definition is a ValueError; the same definition run again (a notebook cell, a
-  reloaded module: same module and qualified name) replaces it."""
+  """Class or factory decorator: `make_verifier(name, **kwargs)` will call it; a static
+  `check_reference(reference)` on it is run on every record's answer before training
+  (reference_check). A name taken by another definition is a ValueError; the same
+  definition run again (a notebook cell, a reloaded module: same module and qualified
+  name) replaces it."""
 
   def wrap(factory):
     from rlax_ps.tasks import TASKS
@@ -146,6 +148,13 @@ class Guarded:
       return VerifierResult(0.0, False, {**result.info, "task": self.task, "error": (
           f"reward: expected a finite number, got {reward}")})
     return VerifierResult(reward, bool(result.passed), result.info)
+
+
+def reference_check(task: str) -> Callable[[Any], Any] | None:
+  """The `check_reference(reference)` of the verifier registered as `task`, if it has one:
+  a static method that raises ValueError for a reference it could never score against, so
+  that a data file in another format is refused before training, not scored 0 throughout."""
+  return getattr(VERIFIERS.get(task), "check_reference", None)
 
 
 def known_tasks() -> list[str]:

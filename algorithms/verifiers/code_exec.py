@@ -421,6 +421,8 @@ class CodeExecutionVerifier:
   `run_as`: the user the child runs as when the worker is root ("": $RLAX_PS_SANDBOX_USER,
   else nobody; None or "root": root itself)."""
 
+  check_reference = staticmethod(_tests_of)  # (data files checked before training)
+
   def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512, output_mb: int = 8,
                scratch_mb: int = 64,
                use_network_namespace: bool = True, python: str | None = None,

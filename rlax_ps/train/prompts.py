@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import grain
 import numpy as np
 
-from algorithms.verifiers import REWARD_MODEL_TASK, known_tasks, load_verifiers
+from algorithms.verifiers import REWARD_MODEL_TASK, known_tasks, load_verifiers, reference_check
 from rlax_ps.chat import check_messages
 from rlax_ps.tasks import Task
 
@@ -363,18 +363,31 @@ def iter_config_records(config, field: str, path: str,
                         sizes: list[int] | None = None) -> Iterator[dict[str, Any]]:
   """The records of a prompt file the config names, read at its data.*_key keys, each task
   (else worker.default_task, or math in a config without workers) checked against the
-  built-in tasks and the verifiers that worker.verifiers registers (imported here), and
-  each record by `check` (iter_prompts); the checks of the whole file's tasks follow its
+  built-in tasks and the verifiers that worker.verifiers registers (imported here), each
+  answer by its verifier's check_reference, and each record by `check` (iter_prompts); the checks of the whole file's tasks follow its
   last record. One at a time: a check of a large file holds none of them."""
   worker = config.get("worker", {})
   data = config.get("data", {})
   load_verifiers(str(worker.get("verifiers", "")), "worker.verifiers")
+  answer_key = str(data.get("answer_key", "answer"))
+
+  def checked(record: dict[str, Any]) -> None:
+    check_reference = reference_check(record["task"]) if answer_key else None
+    if check_reference is not None:  # (its verifier would score every sample 0)
+      try:
+        check_reference(record["answer"])
+      except ValueError as e:
+        raise ValueError(f"field {answer_key!r}: not a reference the {record['task']!r} "
+                         f"verifier can score against: {e}") from None
+    if check is not None:
+      check(record)
+
   tasks = set()
   for record in iter_prompts(path, default_task=str(worker.get("default_task", "math")),
                              known=known_tasks(), field=field,
                              prompt_key=str(data.get("prompt_key", "prompt")),
-                             answer_key=str(data.get("answer_key", "answer")),
-                             task_key=str(data.get("task_key", "task")), check=check,
+                             answer_key=answer_key,
+                             task_key=str(data.get("task_key", "task")), check=checked,
                              sizes=sizes):
     tasks.add(record["task"])
     yield record

@@ -251,6 +251,43 @@ def test_an_empty_answer_key_reads_prompts_alone_held_out_only_for_the_reward_mo
       {"prompt": "hi", "answer": "", "task": "reward_model"}]
 
 
+def test_an_answer_its_verifier_cannot_score_against_is_refused_before_training(tmp_path):
+  """A code record's answer in another format (APPS' {"inputs", "outputs"}) passed the data
+  check and its verifier raised on every sample: all scored 0, nothing learned, while the
+  run looked well. A verifier's check_reference refuses it first, naming line and field;
+  one of a user's verifiers is run too."""
+  import ml_collections
+
+  from algorithms.verifiers import VERIFIERS, register_verifier
+  from rlax_ps.train.prompts import config_records
+  config = ml_collections.ConfigDict({"data": {"answer_key": "solution"},
+                                      "worker": {"default_task": "code"}})
+  good = '{"prompt": "write f", "solution": "[\\"assert f(1) == 2\\"]"}'
+  path = _write(tmp_path, [good, '{"prompt": "write g", "solution": "{\\"inputs\\": [1]}"}'])
+  with pytest.raises(ValueError, match=r"data.jsonl .*data.jsonl:2: field 'solution': not a "
+                                       r"reference the 'code' verifier can score against: "
+                                       r"reference: expected a sequence of test source strings"):
+    config_records(config, "data.jsonl", str(path))
+  assert len(config_records(config, "data.jsonl", str(_write(tmp_path, [good] * 2)))) == 2
+
+  @register_verifier("_digits_only")
+  class DigitsOnly:
+    @staticmethod
+    def check_reference(reference):
+      if not reference.isdigit():
+        raise ValueError(f"expected digits, got {reference!r}")
+
+  try:
+    config.worker.default_task = "_digits_only"
+    path = _write(tmp_path, ['{"prompt": "a", "solution": "12"}',
+                             '{"prompt": "b", "solution": "1a"}'])
+    with pytest.raises(ValueError, match=r"data.jsonl:2: field 'solution': .*'_digits_only' "
+                                         r"verifier .*expected digits, got '1a'"):
+      config_records(config, "data.jsonl", str(path))
+  finally:
+    del VERIFIERS["_digits_only"]
+
+
 def test_bytes_not_utf8_are_refused_naming_the_line_and_a_utf8_bom_is_read(tmp_path):
   """A file saved by an editor that writes a byte-order mark reads; one with bytes that are
   not UTF-8 is refused naming its line, not with a bare UnicodeDecodeError."""
