@@ -122,6 +122,9 @@ def group_fingerprint(group: pb.RolloutGroup) -> bytes:
 
 
 MAX_ID_CHARS = 512  # a prompt's or a worker's id, kept in the write-ahead log
+# A log-probability is <= 0; past this a worker's are wrong (they would skew the importance
+# ratios of loss.correction), not rounded.
+LOGPROB_SLACK = 1e-3
 
 
 def check_id_length(field: str, value: str) -> None:
@@ -195,6 +198,11 @@ def validate_group(group: pb.RolloutGroup, *, latest_version: int | None, max_sa
       j = int(bad[0])
       raise errors.InvalidArgument(f"{at}.logprobs[{j}]", f"expected a finite number, got "
                                    f"{logprobs[j]} ({bad.size} of {logprobs.size} are not)")
+    above = np.flatnonzero(logprobs > LOGPROB_SLACK)
+    if above.size:
+      j = int(above[0])
+      raise errors.InvalidArgument(f"{at}.logprobs[{j}]", f"expected a log-probability (<= 0), "
+                                   f"got {logprobs[j]} ({above.size} of {logprobs.size} are above)")
     negative = np.flatnonzero(np.asarray(s.token_ids, np.int64) < 0)
     if negative.size:
       j = int(negative[0])
@@ -213,18 +221,23 @@ def _validate_teacher(s: pb.Sample, at: str) -> None:
   ids and log-probs of k per token, all finite, ids >= 0; or none."""
   n = len(s.token_ids)
   lp = s.teacher_logprobs_f32
-  if lp and (len(lp) != 4 * n or not np.isfinite(np.frombuffer(lp, "<f4")).all()):
+  if lp and (len(lp) != 4 * n or not _log_probabilities(np.frombuffer(lp, "<f4"))):
     raise errors.InvalidArgument(f"{at}.teacher_logprobs_f32", f"expected {n} finite float32 "
-                                 f"(one per token), got {len(lp)} bytes")
+                                 f"log-probabilities <= 0 (one per token), got {len(lp)} bytes")
   ids, top = s.teacher_topk_ids, s.teacher_topk_logprobs_f32
   if ids or top:
     if not n or len(ids) != len(top) or len(ids) % (4 * n):
       raise errors.InvalidArgument(f"{at}.teacher_topk_ids", f"expected k int32 ids and k "
                                    f"float32 log-probs per token ({n}), got {len(ids)} and "
                                    f"{len(top)} bytes")
-    if (np.frombuffer(ids, "<i4") < 0).any() or not np.isfinite(np.frombuffer(top, "<f4")).all():
+    if (np.frombuffer(ids, "<i4") < 0).any() or not _log_probabilities(np.frombuffer(top, "<f4")):
       raise errors.InvalidArgument(f"{at}.teacher_topk_ids", "expected ids >= 0 and finite "
-                                   "log-probs")
+                                   "log-probs <= 0")
+
+
+def _log_probabilities(values: np.ndarray) -> bool:
+  """Whether every value is a finite log-probability (<= 0, give or take LOGPROB_SLACK)."""
+  return bool(np.isfinite(values).all() and (values <= LOGPROB_SLACK).all())
 
 
 def _routes_tokens(routes: pb.Routes, where: str) -> int:

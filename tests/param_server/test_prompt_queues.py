@@ -178,6 +178,14 @@ def test_foreign_and_unknown_leases_are_rejected(queues):
     (lambda g: setattr(g.samples[0], "teacher_topk_ids", b"\0" * 8),
      r"group.samples\[0\].teacher_topk_ids: expected k int32 ids and k float32 log-probs"),
     (lambda g: g.samples[0].logprobs.append(-1.0), "logprobs"),
+    (lambda g: g.samples[0].logprobs.__setitem__(1, 0.5),
+     r"group.samples\[0\].logprobs\[1\]: expected a log-probability \(<= 0\), got 0.5"),
+    (lambda g: setattr(g.samples[0], "teacher_logprobs_f32", np.array([-1, 2], "<f4").tobytes()),
+     r"teacher_logprobs_f32: expected 2 finite float32 log-probabilities <= 0"),
+    (lambda g: (setattr(g.samples[0], "teacher_topk_ids", np.array([1, 2], "<i4").tobytes()),
+                setattr(g.samples[0], "teacher_topk_logprobs_f32",
+                        np.array([-1, 3], "<f4").tobytes())),
+     r"teacher_topk_ids: expected ids >= 0 and finite log-probs <= 0"),
     (lambda g: setattr(g, "prompt_id", ""), "group.prompt_id"),
     (lambda g: setattr(g.samples[0], "observed", b"\x01"),
      r"group.samples\[0\].observed: expected one byte 0 or 1 per token \(2\), got 1 bytes"),
@@ -193,6 +201,15 @@ def test_bad_groups_are_rejected_naming_the_field(queues, mutate, field):
     queues.submit(lease.lease_id, "w1", g)
   assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
   assert queues.depths()["rollouts_ready"] == 0 and queues.depths()["prompts_leased"] == 1
+
+
+def test_log_probs_rounded_just_above_0_are_accepted(queues):
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 10.0)
+  g = group("a")
+  g.samples[0].logprobs[0] = 1e-5  # float rounding of a log-prob of 0 (a certain token)
+  assert queues.submit(lease.lease_id, "w1", g).rollout_id >= 0
+  assert queues.depths()["rollouts_ready"] == 1
 
 
 @pytest.mark.parametrize("call, field", [
