@@ -127,10 +127,13 @@ MAX_ID_CHARS = 512  # a prompt's or a worker's id, kept in the write-ahead log
 LOGPROB_SLACK = 1e-3
 
 
-def check_id_length(field: str, value: str) -> None:
-  """InvalidArgument naming `field` when an id is longer than MAX_ID_CHARS."""
+def check_id(field: str, value: str) -> None:
+  """InvalidArgument naming `field` when an id is longer than MAX_ID_CHARS or holds a
+  control character (a newline split `rlax-ps status`'s table; errors echoed a NUL)."""
   if len(value) > MAX_ID_CHARS:
     raise errors.InvalidArgument(field, f"expected at most {MAX_ID_CHARS} characters, got {len(value)}")
+  if not value.isprintable():
+    raise errors.InvalidArgument(field, f"expected printable characters, got {value!r}")
 
 
 def _validate_prompt(prompt: pb.Prompt, where: str) -> None:
@@ -139,7 +142,7 @@ def _validate_prompt(prompt: pb.Prompt, where: str) -> None:
   for i, t in enumerate(prompt.token_ids):
     if t < 0:
       raise errors.InvalidArgument(f"{where}.token_ids[{i}]", f"expected >= 0, got {t}")
-  check_id_length(f"{where}.id", prompt.id)
+  check_id(f"{where}.id", prompt.id)
   if prompt.partial or prompt.partial_version:
     raise errors.InvalidArgument(f"{where}.partial", "expected none: begun samples are set by the "
                                  "server (a released prompt's), got "
@@ -728,7 +731,7 @@ class PromptRolloutQueues:
     carry; one at least) leased to `worker_id` until `deadline_s` from now."""
     if not worker_id:
       raise errors.InvalidArgument("worker_id", "expected a worker id, got ''")
-    check_id_length("worker_id", worker_id)
+    check_id("worker_id", worker_id)
     if not 1 <= n <= self.limits.max_lease_prompts:
       raise errors.InvalidArgument("n", f"expected in [1, {self.limits.max_lease_prompts}], got {n}")
     self._check_deadline(deadline_s)

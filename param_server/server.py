@@ -31,7 +31,7 @@ from param_server.durable import write_durably
 from param_server.keepalive import DEAD_AFTER_S, server_options
 from param_server.protos import param_server_pb2 as pb
 from param_server.protos import param_server_pb2_grpc as pb_grpc
-from param_server.queues import PromptRolloutQueues, QueueLimits, check_id_length
+from param_server.queues import PromptRolloutQueues, QueueLimits, check_id
 from param_server.wal import WriteAheadLog
 from param_server.weights import WeightLimits, WeightStore
 from rlax_ps.config_files import user_path
@@ -619,6 +619,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def RegisterWorker(self, request, context):
     if not request.name or len(request.name) > 128:
       raise errors.InvalidArgument("name", f"expected 1 to 128 characters, got {len(request.name)}")
+    if not request.name.isprintable():  # (it begins the worker's id)
+      raise errors.InvalidArgument("name", f"expected printable characters, got {request.name!r}")
     size = sum(len(k.encode()) + len(v.encode()) for k, v in request.metadata.items())
     if size > MAX_WORKER_METADATA:
       raise errors.InvalidArgument("metadata", f"expected at most {MAX_WORKER_METADATA} bytes of "
@@ -637,7 +639,7 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
   def Heartbeat(self, request, context):
     if not request.worker_id:
       raise errors.InvalidArgument("worker_id", "expected a worker id, got ''")
-    check_id_length("worker_id", request.worker_id)
+    check_id("worker_id", request.worker_id)
     if request.version < -1:
       raise errors.InvalidArgument("version", f"expected >= -1, got {request.version}")
     _finite("tokens_per_s", request.tokens_per_s)

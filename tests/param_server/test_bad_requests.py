@@ -202,6 +202,8 @@ ROWS = [
         pb.Prompt(id="n", text="a"), pb.Prompt(id="n", text="b")])), Code.INVALID_ARGUMENT, "prompts[1].id"),
     Row("neither text nor tokens", "EnqueuePrompts", "trainer", const(pb.EnqueuePromptsRequest(
         prompts=[pb.Prompt(id="e")])), Code.INVALID_ARGUMENT, "prompts[0]"),
+    Row("an id holding a newline", "EnqueuePrompts", "trainer", const(pb.EnqueuePromptsRequest(
+        prompts=[pb.Prompt(id="a\nb\x00", text="a")])), Code.INVALID_ARGUMENT, "prompts[0].id"),
     Row("negative token id", "EnqueuePrompts", "trainer", const(pb.EnqueuePromptsRequest(
         prompts=[pb.Prompt(token_ids=[3, -1])])), Code.INVALID_ARGUMENT, "prompts[0].token_ids[1]"),
     Row("begun samples from a client", "EnqueuePrompts", "trainer", const(pb.EnqueuePromptsRequest(
@@ -221,6 +223,8 @@ ROWS = [
     Row("lease without worker id", "LeasePrompts", "worker", lease_req(worker_id=""),
         Code.INVALID_ARGUMENT, "worker_id"),
     Row("lease for a 1e5-character worker id", "LeasePrompts", "worker", lease_req(worker_id="w" * 100_000),
+        Code.INVALID_ARGUMENT, "worker_id"),
+    Row("lease for a worker id holding a NUL", "LeasePrompts", "worker", lease_req(worker_id="w\x00"),
         Code.INVALID_ARGUMENT, "worker_id"),
     Row("renew unknown lease", "RenewLease", "worker", renew_req(lease_id="nope"),
         Code.NOT_FOUND, "lease_id"),
@@ -319,6 +323,8 @@ ROWS = [
     # Workers.
     Row("register without name", "RegisterWorker", "worker", const(pb.RegisterWorkerRequest()),
         Code.INVALID_ARGUMENT, "name"),
+    Row("register a name of two lines", "RegisterWorker", "worker",
+        const(pb.RegisterWorkerRequest(name="w\nx")), Code.INVALID_ARGUMENT, "name"),
     Row("register a long name", "RegisterWorker", "worker", const(pb.RegisterWorkerRequest(name="n" * 129)),
         Code.INVALID_ARGUMENT, "name"),
     Row("heartbeat without id", "Heartbeat", "worker", const(pb.HeartbeatRequest()),
