@@ -475,8 +475,9 @@ class WeightRelay:
         self.diverged = (f"the server {self.upstream.address} holds v{latest}, older than the "
                          f"v{held} this relay holds (a new run, or a store restored from a "
                          f"backup): restart the relay with an empty storage_dir")
-      if not self.diverged:
-        self.server_latest = latest if asked else max(self.server_latest, latest)
+      if not self.diverged:  # (an answer asked before a version Watch announced since can
+        # come after it; a server gone back below that is met by the fetch: nothing newer)
+        self.server_latest = max(self.server_latest, latest)
       self._changed.notify_all()
 
   def _fetch(self) -> None:

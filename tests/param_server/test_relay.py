@@ -790,6 +790,33 @@ def test_a_refused_update_whose_keyframe_is_behind_what_the_relay_holds_sends_wo
     assert [u.version for u in w.pull_updates(2)] == [3]
 
 
+def test_an_answer_asked_before_a_version_watch_announced_does_not_lower_the_servers_latest(
+    server, trainer, start_relay):
+  """The server answers v1; v2 is published and announced by Watch before the answer is
+  read: the late answer set the server's latest back to v1, and until the next version (or
+  poll_s) the relay neither fetched v2 nor passed it on as it arrived."""
+  versions = publish_chain(trainer, 2)
+  relay = start_relay(server, poll_s=30.0)
+  _until(lambda: relay.weights.latest == 1)
+  ask, announced = relay._ask_upstream, []
+
+  def ask_while_watch_announces(retry=None):
+    latest = ask(retry)
+    fetch, relay._fetch = relay._fetch, lambda: announced.append(relay.server_latest)
+    try:  # (held back: v2 announced, not yet fetched when the answer lands)
+      trainer.publish(sync.encode(versions[1], perturbed(versions[1], 0.05, seed=9), "bf16",
+                                  version=2, base_version=1).to_bytes())
+      _until(lambda: announced)
+    finally:
+      relay._fetch = fetch
+    return latest
+
+  relay._ask_upstream = ask_while_watch_announces
+  relay._refreshed_at = 0.0
+  relay.refresh()
+  assert announced == [2] and relay.server_latest == 2 and not relay.diverged
+
+
 def test_a_server_restored_from_a_backup_stays_refused_once_its_new_history_passes_the_relay(
     start_server, start_relay, tmp_path):
   """Same storage id, back at v1: refused while behind the relay's v3, then served again as
