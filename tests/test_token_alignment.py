@@ -25,6 +25,8 @@ def test_each_token_adds_its_text_and_a_split_character_comes_whole_with_its_las
   byte = save_byte_level_tokenizer(tmp_path)
   ids = byte.encode("né à")
   assert len(ids) == 6 and decoded_pieces(byte, ids) == ["n", "", "é", " ", "", "à"]
+  cut = byte.encode("né")[:-1]  # max tokens reached inside a character: its piece is kept
+  assert "".join(decoded_pieces(byte, cut)) == byte.decode(cut) and byte.decode(cut) != "n"
 
 
 @pytest.mark.parametrize("text", ["the fox 日本語テキスト", "x" * 30 + " 😀😀 中文字符\nok"])

@@ -37,6 +37,8 @@ def test_feeding_draws_depend_on_seed_and_position_only_and_match_the_probabilit
 
 def test_revisit_settings_are_checked_naming_the_field():
   assert check_revisit("rl.revisit_failed", 0.5) == 0.5
+  assert check_revisit("rl.revisit_solved", 0) == 0.0  # retired: never fed again
+  assert check_revisit("rl.revisit_solved", 1) == 1.0
   for bad in (-0.1, 1.01, float("nan")):
     with pytest.raises(ValueError, match="rl.revisit_failed: expected a probability in"):
       check_revisit("rl.revisit_failed", bad)

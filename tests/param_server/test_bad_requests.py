@@ -336,6 +336,10 @@ ROWS = [
         Code.INVALID_ARGUMENT, "tokens_per_s"),
     Row("heartbeat version -2", "Heartbeat", "worker", const(pb.HeartbeatRequest(worker_id="w", version=-2)),
         Code.INVALID_ARGUMENT, "version"),
+    Row("heartbeat NaN seconds decoding", "Heartbeat", "worker", const(pb.HeartbeatRequest(
+        worker_id="w", time=pb.WorkerTime(decoding_s=NAN))), Code.INVALID_ARGUMENT, "time.decoding_s"),
+    Row("register with 17 kB of metadata keys", "RegisterWorker", "worker", const(pb.RegisterWorkerRequest(
+        name="w", metadata={"k" * (17 << 10): ""})), Code.INVALID_ARGUMENT, "metadata"),
     Row("heartbeat of an unknown kind", "Heartbeat", "worker", const(pb.HeartbeatRequest(worker_id="w", kind="x")),
         Code.INVALID_ARGUMENT, "kind"),
     # Weights.

@@ -195,3 +195,13 @@ def test_a_kl_coefficient_given_as_input_is_the_configured_one_and_reward_kl_is_
       kl_beta=jnp.float32(0.3))
   np.testing.assert_allclose([m_value, m_metrics["reward_kl"]], [want, kl], rtol=1e-5)
   assert abs(float(want)) > 1e-3  # the losses compared are not ~0
+  # loss.advantage="gae" (the critic's targets) takes the adaptive coefficient alike.
+  gae = dataclasses.replace(adaptive, advantage="gae")
+  valued = {**batch, "values": jnp.asarray(np.random.default_rng(6).normal(
+      size=batch["behaviour_logp"].shape), jnp.float32)}
+  got_gae = rl_loss_lib.gae_targets(valued, gae, ref, kl_beta=jnp.float32(0.3))
+  want_gae = rl_loss_lib.gae_targets(valued, dataclasses.replace(gae, kl_in_reward=0.3,
+                                                                 kl_target=None), ref)
+  for got_part, want_part in zip(got_gae, want_gae):
+    np.testing.assert_allclose(got_part, want_part, rtol=1e-6)
+  assert not np.allclose(rl_loss_lib.gae_targets(valued, gae, ref)[0], want_gae[0])
