@@ -282,6 +282,54 @@ def test_a_moved_run_is_exported_from_where_it_lies_now(run, tmp_path):
   _same_as_the_trainers(path, run["exports"][4], 4, os.path.join(new, "checkpoints"))
 
 
+def test_a_moved_local_runs_paths_resolve_to_their_own_places_longest_tail_first(tmp_path):
+  """A moved (not copied) `rlax-ps local` workdir holds sft/hf (the warm start) and hf (the RL
+  run's own export): the warm start recorded as <old>/sft/hf is <new>/sft/hf, the longest
+  tail first (the shortest named the trained policy as a --peft adapter's base), and the
+  chat template that lay in the run folder is found there too."""
+  import ml_collections
+  new = tmp_path / "renamed"
+  for folder in ("sft/hf", "hf", "templates"):
+    (new / folder).mkdir(parents=True)
+  (new / "templates" / "chat.jinja").write_text("{{ messages }}")
+  old = "/gone/old_run"
+  assert export_main.moved_path("init_from_hf", f"{old}/sft/hf", str(new)) == str(new / "sft/hf")
+  config = ml_collections.ConfigDict({"init_from_hf": f"{old}/sft/hf", "tokenizer": {
+      "path": "", "chat_template": f"{old}/templates/chat.jinja"}})
+  moved = export_main.moved_config(config, str(new))
+  assert moved.tokenizer.chat_template == str(new / "templates" / "chat.jinja")
+  assert moved.init_from_hf == str(new / "sft/hf")
+
+
+def test_an_out_folder_holding_another_runs_export_of_the_same_step_is_refused(tmp_path):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / EXPORT_RECORD).write_text(json.dumps({"checkpoints": "/runs/other/checkpoints",
+                                               "step": 3}))
+  (out / "model.safetensors").write_text("the other run's weights")
+  with pytest.raises(ValueError, match=r"^--out: .*out holds the export of step 3 of "):
+    export_main.check_out(str(out), {"checkpoints": "/runs/this/checkpoints", "step": 3})
+  export_main.check_out(str(out), {"checkpoints": "/runs/other/checkpoints", "step": 3})
+  assert (out / "model.safetensors").read_text() == "the other run's weights"
+
+
+def test_quantization_given_as_empty_exports_unquantized_a_run_that_asked_for_fp8(
+    run, tmp_path, monkeypatch):
+  from rlax_ps.train import run as run_lib
+  options = run_lib.export_options
+  monkeypatch.setattr(run_lib, "export_options",
+                      lambda config: {**options(config), "quantization": "fp8"})
+  _, path = export_checkpoint(run["workdir"], step=2, out=str(tmp_path / "fp8"))
+  assert "quantization_config" in json.load(open(os.path.join(path, "config.json")))
+  _, path = export_checkpoint(run["workdir"], step=2, out=str(tmp_path / "plain"),
+                              quantization="")
+  assert "quantization_config" not in json.load(open(os.path.join(path, "config.json")))
+  got = flatten_params(load_hf_checkpoint(path))
+  q = "layers.0.attn.q_proj.kernel"  # step 2's weights in export.dtype (bf16)
+  np.testing.assert_array_equal(np.asarray(got[q], np.float32),
+                                run["params"][2][q].astype(jax.numpy.bfloat16).astype(np.float32))
+
+
 def test_a_recorded_path_outside_the_run_is_used_and_named_when_gone(run, tmp_path):
   outside = str(tmp_path / "outside")
   os.makedirs(outside)
