@@ -61,6 +61,18 @@ def test_our_adapter_folder_is_the_committed_one_and_peft_computes_our_model(tmp
   assert np.abs(ref["logits"] - base_logits).max() > 0.1  # the adapter matters
 
 
+def test_an_adapter_is_written_in_the_export_dtype(tmp_path):
+  """export.dtype converts the adapter as it does the merged export (bf16: half the bytes)."""
+  import ml_dtypes
+  config, flat = _adapted_qwen3()
+  save_peft_adapter(flat, config, str(tmp_path), dtype="bfloat16")
+  written = load_file(os.path.join(tmp_path, ADAPTER_WEIGHTS))
+  name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+  assert {a.dtype for a in written.values()} == {np.dtype(ml_dtypes.bfloat16)}
+  np.testing.assert_array_equal(
+      written[name], flat["layers.0.attn.q_proj.lora_a"].T.astype(ml_dtypes.bfloat16))
+
+
 @pytest.mark.parametrize("config,field", [
     (ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=2,
                  num_kv_heads=1, architecture="qwen3_moe", qk_norm=True, num_experts=4,
