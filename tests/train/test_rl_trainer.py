@@ -67,6 +67,15 @@ def _adaptive_entropy(config):
   config.loss.entropy_coef, config.loss.entropy_target = 0.01, 100.0
 
 
+def _kl_control(config, warm):
+  """verl's adaptive KL in the rewards from 0.01, and TRL's reference sync at step 3 (the
+  reference: the warm start `warm`)."""
+  config.loss.kl_in_reward, config.loss.kl_estimator = 0.01, "k1"
+  config.loss.kl_target, config.loss.kl_horizon = 1e-6, 16
+  config.rl.ref_sync_steps, config.rl.ref_mixup_alpha = 3, 0.5
+  config.init_from_hf = warm
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("rl")
@@ -82,8 +91,11 @@ def run(tmp_path_factory):
   config.eval.on_workers, config.eval.every_steps = True, 1  # the fake worker answers
   config.eval.rounds_pass_k = 2
   _adaptive_entropy(config)
+  save_warm_start(str(tmp / "warm"))
+  _kl_control(config, str(tmp / "warm"))
   exported_at = {}
   logged = []  # each step's metrics
+  mixes = []  # (step, reference before, policy, reference after) of each reference sync
 
   def keep_params(path=None):  # the weights each export was asked to write
     exported_at[os.path.basename(path or "hf")] = {
@@ -95,7 +107,18 @@ def run(tmp_path_factory):
     log_step = tr._log_step
     tr._log_step = lambda record, metrics: (logged.append(dict(metrics)),
                                             log_step(record, metrics))
+    mix = tr._mix_reference
+
+    def recorded_mix(ref, params):
+      before = flat_params(jax.device_get(tr.ref_params))  # (donated to the mix)
+      after = mix(ref, params)
+      mixes.append((tr.step, before, flat_params(jax.device_get(tr.state.params)),
+                    flat_params(jax.device_get(after))))
+      return after
+
+    tr._mix_reference = recorded_mix
     summary = tr.train()
+    kl_beta = tr.kl_beta
     params = {k: np.asarray(v) for k, v in flat_params(tr.state.params).items()}
     enqueued = tr.feed.position
     compiled = {k: f.done() for k, f in tr._compiles.items()}
@@ -105,10 +128,14 @@ def run(tmp_path_factory):
     stats = vc.stats()
   with client(server.address, "worker") as wc:
     updates = [sync.Update.from_bytes(bytes(b)) for b in wc.pull(None)]
+  with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp / "rl"), tc) as again:
+    restarted = dict(step=again.step, kl_beta=again.kl_beta,
+                     kl_beta_input=float(again._kl_beta_input()),
+                     ref_params=flat_params(jax.device_get(again.ref_params)))
   yield dict(tmp=tmp, summary=summary, params=params, stats=stats, updates=updates,
              worker=worker, enqueued=enqueued, server=server, config=config,
              exported_at=exported_at, compiled=compiled, precompiled_steps=precompiled_steps,
-             logged=logged)
+             logged=logged, mixes=mixes, kl_beta=kl_beta, restarted=restarted)
   server.stop(grace=0)
 
 
@@ -155,6 +182,37 @@ def test_the_adaptive_entropy_coefficient_is_each_steps_input_and_logged(run):
     saved = ckpt.metadata()
   assert saved["entropy_control"] == {"entropy_coef": coefs[-1],
                                       "last_entropy": steps[-1]["entropy"]}
+
+
+def test_the_adaptive_kl_coefficient_moves_each_step_and_a_restart_goes_on_from_it(run):
+  """loss.kl_target: step k applies the coefficient step k - 1 left (from kl_in_reward),
+  moved by its reward_kl over its 16 samples; the checkpoint carries it, and a restarted
+  trainer's step input is it, not loss.kl_in_reward."""
+  from rlax_ps.train.rl_loss import LossConfig, adapt_kl_coef
+  cfg = LossConfig(kl_in_reward=0.01, kl_estimator="k1", kl_target=1e-6, kl_horizon=16)
+  steps = _lines(run["tmp"] / "rl" / "steps.jsonl")
+  want = [0.01]
+  for record in steps:
+    want.append(adapt_kl_coef(want[-1], record["reward_kl"], 16, cfg))
+  assert [s["kl_in_reward"] for s in steps] == pytest.approx(want[:-1], rel=1e-9)
+  assert run["kl_beta"] == pytest.approx(want[-1], rel=1e-9) and abs(want[-1] - 0.01) > 1e-3
+  restarted = run["restarted"]
+  assert restarted["step"] == 4 and restarted["kl_beta"] == run["kl_beta"]
+  assert restarted["kl_beta_input"] == pytest.approx(run["kl_beta"], rel=1e-6)
+
+
+def test_the_reference_is_mixed_with_the_policy_every_ref_sync_steps_and_checkpointed(run):
+  """rl.ref_sync_steps=3: after step 3 (not 1, not 4) the reference becomes 0.5 * policy +
+  0.5 * reference (TRL's sync_ref_model); a restart takes the mixed one from the checkpoint,
+  not the warm start."""
+  ((step, before, policy, after),) = run["mixes"]
+  assert step == 3
+  for name in policy:
+    np.testing.assert_allclose(after[name], 0.5 * policy[name] + 0.5 * before[name],
+                               rtol=1e-6, atol=1e-7, err_msg=name)
+  assert any(not np.array_equal(after[k], before[k]) for k in after)
+  for name, value in run["restarted"]["ref_params"].items():
+    np.testing.assert_array_equal(value, after[name], err_msg=name)
 
 
 def test_each_steps_reward_parts_are_the_means_over_its_samples(run):
@@ -776,6 +834,7 @@ def test_summary_reports_warm_start_and_final_evaluation(run):
 def test_a_restart_resumes_and_republishes_a_keyframe_of_the_next_version(run):
   config = _config(steps=5)
   _adaptive_entropy(config)
+  _kl_control(config, str(run["tmp"] / "warm"))
   with open(run["tmp"] / "rl" / "steps.jsonl", "a") as f:  # a step 5 a kill -9 undid
     f.write(json.dumps({"step": 5, "version": 99, "rollout_ids": [-1]}) + "\n")
   worker = FakeWorker(run["server"].address, samples=4, seed=1).start()  # no reward parts
