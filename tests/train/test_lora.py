@@ -283,9 +283,9 @@ def test_a_supervised_lora_step_moves_the_adapters_alone(num_micro):
   assert losses[-1] < losses[0]  # the adapters learn the batch
 
 
-@pytest.mark.slow  # ~5 s
-def test_expert_adapters_equal_merged_experts_by_either_dispatch_and_in_int8_workers():
-  from rlax_ps.models.hf import merge_adapters
+def _moe_with_adapters():
+  """(config, model, flat params) of a tiny Qwen3-MoE with adapters on its experts, their B
+  drawn away from 0 (so that they matter)."""
   moe = LORA.replace(architecture="qwen3_moe", qkv_bias=False, qk_norm=True, num_experts=4,
                      num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True)
   model = Transformer(moe, rngs=nnx.Rngs(0))
@@ -293,16 +293,33 @@ def test_expert_adapters_equal_merged_experts_by_either_dispatch_and_in_int8_wor
   params = {k: np.asarray(v) + (rng.normal(0, 0.3, v.shape).astype(np.float32)
                                 if "lora_" in k and k.endswith("_b") else 0)
             for k, v in flatten_params(model).items()}
-  assert params["layers.0.mlp.experts.lora_down_a"].shape == (4, 8, 4)
-  assert moe.num_params == sum(int(np.prod(v.shape)) for v in params.values())
   assign_params(model, params)
+  return moe, model, params
+
+
+def _merged(params, moe):
+  from rlax_ps.models.hf import merge_adapters
   merged_params, merged_config = merge_adapters(params, moe)
   merged = Transformer(merged_config, rngs=nnx.Rngs(0))
   assign_params(merged, merged_params)
+  return merged, merged_params
+
+
+def test_expert_adapters_merge_into_the_experts():
+  moe, model, params = _moe_with_adapters()
+  assert params["layers.0.mlp.experts.lora_down_a"].shape == (4, 8, 4)
+  assert moe.num_params == sum(int(np.prod(v.shape)) for v in params.values())
+  merged, merged_params = _merged(params, moe)
   np.testing.assert_allclose(np.asarray(forward(model, TOKENS)),
                              np.asarray(forward(merged, TOKENS)), atol=1e-5)
   assert np.abs(merged_params["layers.1.mlp.experts.up_proj"]
                 - params["layers.1.mlp.experts.up_proj"]).max() > 1e-3  # adapters merged
+
+
+@pytest.mark.slow  # ~5 s
+def test_expert_adapters_equal_merged_experts_by_the_grouped_dispatch_and_in_int8_workers():
+  moe, model, params = _moe_with_adapters()
+  merged, _ = _merged(params, moe)
   # The grouped (TPU/GPU) dispatch adds each row's own expert's adapter.
   flat = jax.random.normal(jax.random.key(1), (10, 16))
   weights, chosen, *_ = merged.layers[0].mlp.route(flat)
