@@ -118,17 +118,28 @@ def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str
     else:
       tokens[r] = ""
   missing = [r for r in ROLES if not tokens[r]]
-  if not missing:
-    return _distinct(tokens)
   path = os.path.join(storage_dir, TOKEN_FILE)
-  saved = read_saved_tokens(path)
+  try:
+    saved = read_saved_tokens(path)
+  except TokenStoreError:
+    if missing:
+      raise
+    saved = {}  # (every token given: the file is not read)
+  # A role's entry other than the token given by flag or environment: a client reading it
+  # (--token_file) would be refused; it goes, so that the client says there is none.
+  stale = [r for r in ROLES if r not in missing and saved.get(r) not in (None, tokens[r])]
   for r in missing:
     tokens[r] = (_normal(saved[r], f"{path}: {r!r}") if saved.get(r)
                  else secrets.token_urlsafe(32))
-  if any(saved.get(r) != tokens[r] for r in missing):
+  if stale or any(saved.get(r) != tokens[r] for r in missing):
+    saved = {r: t for r, t in saved.items() if r not in stale}
     saved.update({r: tokens[r] for r in missing})
     write_durably(path, json.dumps(saved), mode=0o600)
-  logging.info("auth: tokens for %s are in %s (owner-only)", ", ".join(missing), path)
+  if stale:
+    logging.warning("auth: %s's entries in %s removed: the server takes those tokens from "
+                    "flags or the environment, and a client must too", ", ".join(stale), path)
+  if missing:
+    logging.info("auth: tokens for %s are in %s (owner-only)", ", ".join(missing), path)
   return _distinct(tokens)
 
 

@@ -89,7 +89,10 @@ def token_for(role: str, token: str | None = None, token_file: str | None = None
     raise TokenFileError(f"--token_file {token_file}: {e.strerror or e}") from None
   if not isinstance(tokens, dict) or not tokens.get(role):
     raise TokenFileError(f"--token_file {token_file}: expected a JSON object with a {role!r} "
-                         f"token, found keys {sorted(tokens) if isinstance(tokens, dict) else []}")
+                         f"token, found keys {sorted(tokens) if isinstance(tokens, dict) else []} "
+                         f"(a server given its {role} token by --{role}_token or "
+                         f"${auth.env_var(role)} keeps none there: pass that token with --token "
+                         f"or ${auth.env_var(role)})")
   return _checked_token(tokens[role], f"--token_file {token_file}: {role!r}")
 
 

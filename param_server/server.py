@@ -88,9 +88,15 @@ class ServerConfig:
   wal_fsync: bool = setting(True, "fsync the write-ahead log before acknowledging a change")
   tls_cert: str = setting("", "PEM server certificate; with tls_key, serve TLS")
   tls_key: str = setting("", "PEM server private key")
-  trainer_token: str = setting("", "trainer bearer token; else $RLAX_PS_TRAINER_TOKEN, else generated")
-  worker_token: str = setting("", "worker bearer token; else $RLAX_PS_WORKER_TOKEN, else generated")
-  viewer_token: str = setting("", "viewer bearer token; else $RLAX_PS_VIEWER_TOKEN, else generated")
+  trainer_token: str = setting("", "trainer bearer token; else $RLAX_PS_TRAINER_TOKEN, else the "
+                               "one in <storage_dir>/tokens.json, else generated there (a given one "
+                               "is not kept there)")
+  worker_token: str = setting("", "worker bearer token; else $RLAX_PS_WORKER_TOKEN, else the "
+                              "one in <storage_dir>/tokens.json, else generated there (a given one "
+                              "is not kept there)")
+  viewer_token: str = setting("", "viewer bearer token; else $RLAX_PS_VIEWER_TOKEN, else the "
+                              "one in <storage_dir>/tokens.json, else generated there (a given one "
+                              "is not kept there)")
   max_lease_prompts: int = setting(1024, "most prompts in one lease")
   max_lease_deadline_s: float = setting(3600.0, "longest lease or ack deadline")
   max_wait_s: float = setting(60.0, "longest long-poll wait for LeasePrompts and TakeRollouts")

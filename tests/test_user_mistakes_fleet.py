@@ -114,6 +114,28 @@ def test_a_corrupt_saved_tokens_file_names_the_file_and_is_kept(tmp_path):
     assert path.read_text() == content
 
 
+def test_a_token_given_to_a_restarted_server_replaces_its_stale_entry_in_the_file(
+    tmp_path, monkeypatch):
+  """The file kept the first start's trainer token after a restart given --trainer_token: a
+  trainer reading --token_file was refused (UNAUTHENTICATED) with no word of why."""
+  from param_server.connect_flags import TokenFileError, token_for
+  for role in ("trainer", "worker", "viewer"):
+    monkeypatch.delenv(f"RLAX_PS_{role.upper()}_TOKEN", raising=False)
+  first = auth.load_tokens(str(tmp_path), {})
+  path = str(tmp_path / auth.TOKEN_FILE)
+  again = auth.load_tokens(str(tmp_path), {"trainer": first["trainer"]})  # the same: kept
+  assert again == first and token_for("trainer", token_file=path) == first["trainer"]
+  given = auth.load_tokens(str(tmp_path), {"trainer": "another-trainer-token"})
+  assert given == {**first, "trainer": "another-trainer-token"}
+  assert json.load(open(path)) == {"worker": first["worker"], "viewer": first["viewer"]}
+  with pytest.raises(TokenFileError, match=r"expected a JSON object with a 'trainer' token, "
+                                           r"found keys \['viewer', 'worker'\] \(a server given "
+                                           r"its trainer token by --trainer_token or "
+                                           r"\$RLAX_PS_TRAINER_TOKEN keeps none there"):
+    token_for("trainer", token_file=path)
+  assert token_for("worker", token_file=path) == first["worker"]
+
+
 def test_one_token_for_two_roles_is_refused_naming_them(tmp_path, monkeypatch):
   """The last role matching won: the trainer, given the worker's token too, was refused
   every trainer call as a worker."""
