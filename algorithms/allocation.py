@@ -275,11 +275,12 @@ class DynamicSampler:
   rewards are all equal (zero advantage), and keep drawing until `target_groups`
   informative groups are kept. `max_groups` caps the groups drawn (budget
   max_groups * group_size samples); reaching it short of the target raises
-  `DynamicSamplingExhausted`.
+  `DynamicSamplingExhausted`, whose message says to raise `cap_setting`.
   """
 
   group_size: int = 8
   max_groups_factor: float = 3.0  # default cap: this many times target_groups
+  cap_setting: str = "max_groups"  # the setting a user raises for a higher cap
 
   def __post_init__(self):
     if not isinstance(self.group_size, int) or self.group_size < 2:
@@ -309,8 +310,8 @@ class DynamicSampler:
       raise DynamicSamplingExhausted(
           f"dynamic sampling: {len(state.kept)} of target_groups={state.target_groups} "
           f"informative groups after drawing max_groups={state.max_groups} groups of "
-          f"{state.group_size}; the others had all-equal rewards. Raise max_groups, or the "
-          f"prompts are all too easy or too hard for the policy.")
+          f"{state.group_size}; the others had all-equal rewards. Raise {self.cap_setting}, or "
+          f"the prompts are all too easy or too hard for the policy.")
     return min(state.target_groups - len(state.kept), left)
 
   def observe(self, state: DynamicSamplingState,

@@ -1968,7 +1968,8 @@ def _dynamic_sampler(config, samples: int) -> DynamicSampler | None:
   if not config.rl.get("dynamic_sampling", False):
     return None
   return DynamicSampler(group_size=samples,
-                        max_groups_factor=float(config.rl.get("dynamic_sampling_max_factor", 3.0)))
+                        max_groups_factor=float(config.rl.get("dynamic_sampling_max_factor", 3.0)),
+                        cap_setting="rl.dynamic_sampling_max_factor")
 
 
 def server_retry(config) -> RetryPolicy:

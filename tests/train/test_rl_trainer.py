@@ -976,10 +976,11 @@ def test_a_stop_mid_batch_leaves_the_partial_take_to_be_trained_after_restart(tm
   assert sorted(trained) == sorted(worker.submitted) and len(set(trained)) == 12
 
 
-def test_dynamic_sampling_leaves_out_uniform_groups_and_fills_at_the_cap(tmp_path):
+def test_dynamic_sampling_leaves_out_uniform_groups_and_fills_at_the_cap(tmp_path, caplog):
   """rl.dynamic_sampling: groups whose rewards are all equal are not trained on while ones
-  that vary can fill the step; at the cap the step is filled with the first ones left out;
-  every taken group is acknowledged."""
+  that vary can fill the step; at the cap the step is filled with the first ones left out,
+  and the warning names the setting that raises the cap; every taken group is
+  acknowledged."""
   config = _config(steps=3, dynamic_sampling=True, dynamic_sampling_max_factor=1.5)
   config.eval.num_examples = 0
   config.rl.max_staleness = 20  # nothing dropped as stale: takes alternate as submitted
@@ -1008,6 +1009,8 @@ def test_dynamic_sampling_leaves_out_uniform_groups_and_fills_at_the_cap(tmp_pat
     assert (s["reward_mean"], s["reward_mean_trained"]) == (0.25, 0.375), s
   assert (summary["filtered"], summary["filled"]) == (6, 3)
   assert stats.rollouts_in_flight == 0  # those left out were acknowledged with their step
+  capped = [r.getMessage() for r in caplog.records if "informative groups" in r.getMessage()]
+  assert len(capped) == 3 and all("Raise rl.dynamic_sampling_max_factor," in m for m in capped)
 
 
 @pytest.mark.slow  # ~8 s; test_rl_loss holds the distillation loss in the default suite
