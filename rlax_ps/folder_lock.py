@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import weakref
 
 LOCK_FILE = "LOCK"
 
@@ -17,7 +18,8 @@ class FolderInUse(RuntimeError):
 
 class FolderLock:
   """The lock on a folder, taken at construction by a `holder` (what the message calls it)
-  given the folder by `flag`; `release()` lets it go."""
+  given the folder by `flag`; `release()` lets it go, as does collecting the lock (a
+  notebook's trainer dropped unclosed must not hold its folder for the kernel's life)."""
 
   def __init__(self, folder: str, *, holder: str, flag: str):
     self.path = os.path.join(folder, LOCK_FILE)
@@ -27,6 +29,10 @@ class FolderLock:
     except BlockingIOError:
       pid = os.read(fd, 64).decode(errors="replace").strip() or "?"
       os.close(fd)
+      if pid == str(os.getpid()):  # a notebook cell's, interrupted or re-run
+        raise FolderInUse(f"{flag} {folder}: held by a {holder} in this process that was not "
+                          f"closed (an interrupted cell's?): call its close(), or open it "
+                          f"with `with`; or give this one another folder") from None
       raise FolderInUse(f"{flag} {folder}: in use by another {holder} (pid {pid}, "
                         f"{self.path}); stop it, or give this one another folder") from None
     except OSError as e:  # ENOLCK, EOPNOTSUPP: no holder to name or stop
@@ -36,9 +42,7 @@ class FolderLock:
                         f"mounts); give the {holder} a folder on one that does") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
-    self._fd: int | None = fd
+    self._close = weakref.finalize(self, os.close, fd)  # closing the descriptor drops the lock
 
   def release(self) -> None:
-    if self._fd is not None:
-      os.close(self._fd)  # closing the descriptor drops the lock
-      self._fd = None
+    self._close()  # (once: later calls do nothing)

@@ -276,7 +276,8 @@ def test_a_tls_client_of_a_plaintext_server_is_told_to_drop_tls_ca(server):
 def test_two_relays_on_one_storage_dir_are_refused(tmp_path, server):
   first = _relay(tmp_path, server.address)
   try:
-    with pytest.raises(FolderInUse, match="--storage_dir .*relay: in use by another weight"):
+    with pytest.raises(FolderInUse, match="--storage_dir .*relay: held by a weight relay in "
+                                          "this process"):
       _relay(tmp_path, server.address)
   finally:
     first.stop(grace=0)

@@ -100,8 +100,8 @@ def test_a_second_local_run_on_a_workdir_is_refused_before_it_starts(tmp_path):
   first = local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=1)
   first.hold_workdir()
   try:
-    with pytest.raises(FolderInUse, match=r"--workdir .*w/logs: in use by another "
-                                          r"`rlax-ps local` \(pid %d" % os.getpid()):
+    with pytest.raises(FolderInUse, match=r"--workdir .*w/logs: held by a `rlax-ps local` in "
+                                          r"this process that was not closed"):
       local.LocalRun(str(tmp_path / "w"), "cfg.py", [], workers=1).hold_workdir()
   finally:
     first.workdir_lock.release()
@@ -116,14 +116,41 @@ def test_a_local_run_on_a_workdir_a_trainer_holds_is_refused_before_it_starts(tm
   trainer = FolderLock(str(workdir), holder="trainer", flag="--workdir")
   try:
     run = local.LocalRun(str(workdir), "cfg.py", [], workers=1)
-    with pytest.raises(FolderInUse, match=r"--workdir .*w: in use by another trainer \(pid %d"
-                                          % os.getpid()):
+    with pytest.raises(FolderInUse, match=r"--workdir .*w: held by a trainer in this process"):
       run.hold_workdir()
   finally:
     trainer.release()
   run.hold_workdir()  # the trainer gone: taken, and its own trainer's lock left free
   FolderLock(str(workdir), holder="trainer", flag="--workdir").release()
   run.workdir_lock.release()
+
+
+def test_a_folder_is_named_in_use_by_another_process_or_freed_with_its_dropped_holder(
+    tmp_path):
+  """A notebook's trainer dropped unclosed (an interrupted cell) held its workdir for the
+  kernel's life, refused as "in use by another trainer" whose pid was the kernel's own."""
+  import gc
+  import subprocess
+  import sys
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time; from rlax_ps.folder_lock import FolderLock; "
+       f"lock = FolderLock({str(tmp_path)!r}, holder='trainer', flag='--workdir'); "
+       "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(FolderInUse, match=r"--workdir .*: in use by another trainer \(pid "
+                                          r"%d, .*LOCK\); stop it" % holder.pid):
+      FolderLock(str(tmp_path), holder="trainer", flag="--workdir")
+  finally:
+    holder.kill()
+    holder.wait()
+  dropped = FolderLock(str(tmp_path), holder="trainer", flag="--workdir")
+  with pytest.raises(FolderInUse, match=r"held by a trainer in this process that was not "
+                                        r"closed \(an interrupted cell's\?\): call its close"):
+    FolderLock(str(tmp_path), holder="trainer", flag="--workdir")
+  del dropped
+  gc.collect()
+  FolderLock(str(tmp_path), holder="trainer", flag="--workdir").release()
 
 
 @pytest.mark.parametrize("field, value, message", [

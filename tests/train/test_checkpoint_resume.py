@@ -251,8 +251,8 @@ def test_a_second_trainer_on_a_workdir_in_use_is_refused_naming_the_first(tmp_pa
     with pytest.raises(ValueError, match=message):
       SFTTrainer(bad, workdir)
   with SFTTrainer(_config(), workdir):
-    with pytest.raises(FolderInUse, match=f"--workdir {workdir}: in use by another trainer "
-                       f"\\(pid {os.getpid()}, "):
+    with pytest.raises(FolderInUse, match=f"--workdir {workdir}: held by a trainer in this "
+                       f"process that was not closed"):
       SFTTrainer(_config(), workdir)
   with SFTTrainer(_config(), workdir) as again:
     assert again.workdir == workdir
