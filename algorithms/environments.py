@@ -28,6 +28,8 @@ import re
 import threading
 from typing import Any, Callable, Protocol, Sequence, Union
 
+from algorithms.registry import check_register
+
 
 Reply = Union[str, list[str], None]
 
@@ -43,13 +45,11 @@ _BUILT_IN_MODULES = {"python": "algorithms.code_interpreter", "tool_calls": "alg
 
 def register_environment(name: str):
   """Class or factory decorator: `make_environment(name, **kwargs)` will call it. A name
-  taken by another definition is a ValueError; the same definition run again replaces it."""
+  taken by another module's definition is a ValueError; the same definition run again, or a
+  notebook's new one, replaces it (check_register)."""
 
   def wrap(factory):
-    old = ENVIRONMENTS.get(name)
-    if old is not None and old is not factory and (
-        (old.__module__, old.__qualname__) != (factory.__module__, factory.__qualname__)):
-      raise ValueError(f"environment name: {name!r} is already registered to {old!r}")
+    check_register("environment", name, ENVIRONMENTS.get(name), factory)
     ENVIRONMENTS[name] = factory
     return factory
 

@@ -24,6 +24,7 @@ import typing
 from typing import Any, Callable, Sequence
 
 from algorithms.environments import register_environment, run_within
+from algorithms.registry import check_register
 
 TOOLS: dict[str, Callable[..., Any]] = {}
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
@@ -94,9 +95,7 @@ def function_schema(fn: Callable[..., Any]) -> dict:
 
 def register_tool(fn: Callable[..., Any]) -> Callable[..., Any]:
   """Decorator: the function becomes a tool named as it is (its schema checked now)."""
-  old = TOOLS.get(fn.__name__)
-  if old is not None and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
-    raise ValueError(f"tool name: {fn.__name__!r} is already registered to {old!r}")
+  check_register("tool", fn.__name__, TOOLS.get(fn.__name__), fn)
   function_schema(fn)  # a function the model cannot be told about is refused here
   TOOLS[fn.__name__] = fn
   return fn

@@ -16,6 +16,7 @@ import sys
 from typing import Any, Callable, Protocol
 
 from algorithms.environments import ENVIRONMENTS
+from algorithms.registry import check_register
 from algorithms.tools import TOOLS
 
 
@@ -42,26 +43,19 @@ REWARD_MODEL_TASK = "reward_model"
 def register_verifier(name: str):
   """Class or factory decorator: `make_verifier(name, **kwargs)` will call it; a static
   `check_reference(reference)` on it is run on every record's answer before training
-  (reference_check). A name taken by another definition is a ValueError; the same
-  definition run again (a notebook cell, a reloaded module: same module and qualified
-  name) replaces it."""
+  (reference_check). A name taken by another module's definition is a ValueError; the same
+  definition run again, or a notebook's new one, replaces it (check_register)."""
 
   def wrap(factory):
     from rlax_ps.tasks import TASKS
     if name in TASKS or name == REWARD_MODEL_TASK:  # (prompts of that task never reach it)
       raise ValueError(f"verifier name: {name!r} is a built-in task's, whose own checker "
                        f"scores its prompts; register yours under another name")
-    old = VERIFIERS.get(name)
-    if old is not None and old is not factory and _origin(old) != _origin(factory):
-      raise ValueError(f"verifier name: {name!r} is already registered to {old!r}")
+    check_register("verifier", name, VERIFIERS.get(name), factory)
     VERIFIERS[name] = factory
     return factory
 
   return wrap
-
-
-def _origin(factory) -> tuple[str | None, str | None]:
-  return getattr(factory, "__module__", None), getattr(factory, "__qualname__", None)
 
 
 def make_verifier(name: str, **kwargs: Any) -> Verifier:

@@ -60,5 +60,24 @@ class RerunCell:
     exec(cell.replace("SCORE", str(score)), {"__name__": "__main__", "VerifierResult": VerifierResult,
                                             "register_verifier": register_verifier})
     assert make_verifier("rerun_cell")("x", "y").reward == score
+  # Renamed, or made a factory, in the cell: still the notebook's own, so it replaces it.
+  renamed = cell.replace("class RerunCell", "class RerunCellV2").replace("SCORE", "0.5")
+  exec(renamed, {"__name__": "__main__", "VerifierResult": VerifierResult,
+                 "register_verifier": register_verifier})
+  assert make_verifier("rerun_cell")("x", "y").reward == 0.5
   with pytest.raises(ValueError, match="'rerun_cell' is already registered"):
-    register_verifier("rerun_cell")(lambda: None)  # another definition under the name
+    register_verifier("rerun_cell")(lambda: None)  # another module's definition
+
+
+def test_a_notebooks_environment_edited_and_run_again_replaces_it_and_another_modules_clashes():
+  from algorithms.environments import ENVIRONMENTS, register_environment
+  cell = "@register_environment('_cell_env')\nclass NAME:\n  pass\n"
+  try:
+    for name in ("A", "B"):  # renamed in the cell, run again
+      exec(cell.replace("NAME", name), {"__name__": "__main__",
+                                        "register_environment": register_environment})
+    assert ENVIRONMENTS["_cell_env"].__qualname__ == "B"
+    with pytest.raises(ValueError, match="environment name: '_cell_env' is already registered"):
+      register_environment("_cell_env")(type("C", (), {}))
+  finally:
+    ENVIRONMENTS.pop("_cell_env", None)
