@@ -233,3 +233,42 @@ def test_a_child_refusing_its_flags_is_not_restarted(tmp_path):
                                 url="http://127.0.0.1:9/none", unreachable_backoff_s=0.05,
                                 backoff_s=0.05, restart=True)
   assert watchdog.run() == 2 and watchdog.starts == 1
+
+
+def _waits(watchdog, monkeypatch):
+  """The restart delays `watchdog` waits, each returned at once (no stop)."""
+  waited = []
+  monkeypatch.setattr(watchdog.stopping, "wait", lambda s: waited.append(s) or False)
+  return waited
+
+
+def test_restart_delays_double_up_to_their_cap_and_start_over_after_a_long_run(
+    tmp_path, monkeypatch):
+  """A crash loop waits 1, 2, 4, 4 s (not 8, 16, ...: a spot VM idle for hours); a child
+  that ran a while before failing is a new failure, waited for from the start."""
+  watchdog = _flaky(tmp_path, fails=4, sleep_s=0, restart=True)
+  watchdog.backoff_s, watchdog.max_backoff_s = 1.0, 4.0
+  waited = _waits(watchdog, monkeypatch)
+  assert watchdog.run() == 0 and watchdog.starts == 5 and waited == [1.0, 2.0, 4.0, 4.0]
+  runs = tmp_path / "runs"  # each run fails after 0.5 s, past the 0.4 s cap; the third passes
+  runs.mkdir()
+  long_runs = PreemptionWatchdog(
+      [sys.executable, "-c", "import os, sys, time; time.sleep(0.5); "
+       f"n = len(os.listdir({str(runs)!r})); open(os.path.join({str(runs)!r}, "
+       "str(n)), 'w').close(); sys.exit(3 if n < 2 else 0)"],
+      url="http://127.0.0.1:9/none", unreachable_backoff_s=0.05, backoff_s=0.1,
+      max_backoff_s=0.4, restart=True)
+  waited = _waits(long_runs, monkeypatch)
+  assert long_runs.run() == 0 and waited == [0.1, 0.1]
+
+
+def test_a_stop_that_comes_before_the_child_starts_stops_it(tmp_path):
+  watchdog = _flaky(tmp_path, fails=0, sleep_s=60, restart=True)
+  watchdog.stopping.set()  # a SIGTERM while the watchdog was starting the child
+  thread, result = _start(watchdog)
+  thread.join(20)
+  try:
+    assert not thread.is_alive() and watchdog.starts == 1 and result["rc"] != 0
+  finally:
+    if watchdog._child is not None and watchdog._child.poll() is None:
+      watchdog._child.kill()

@@ -300,3 +300,23 @@ def test_a_delta_binds_to_the_layout_it_was_made_for_only(pair):
     parsed.bind(other)  # bound already: checked all the same
   got = sync.apply(base, parsed)
   assert all(np.array_equal(bit_view(got[k]), bit_view(target[k])) for k in target)
+
+
+def test_a_sparse_section_naming_an_index_past_its_tensor_or_no_change_is_refused():
+  """The sparse writer does not check bounds (numba): an index == size would write past the
+  array, so the section's decode must refuse it, as it must no changes and a gap stream one
+  byte past the section."""
+  from rlax_ps.sync import sparse
+  from rlax_ps.sync.entropy import encode as entropy_encode
+  from rlax_ps.sync.errors import CodecError
+  from rlax_ps.sync.wire import varint
+  u16 = np.dtype(np.uint16)
+  idx, off = sparse.decode(sparse.encode(np.array([1, 7]), np.array([3, 5], u16)), 8, u16, "t")
+  assert idx.tolist() == [1, 7] and off.tolist() == [3, 5]  # the last element: in bounds
+  with pytest.raises(CodecError, match="t gaps: .*exceeds its limit 7"):
+    sparse.decode(sparse.encode(np.array([1, 8]), np.array([3, 5], u16)), 8, u16, "t")
+  with pytest.raises(CodecError, match="t: 0 changes in a tensor of 8 elements"):
+    sparse.decode(varint(0) + varint(0), 8, u16, "t")
+  gaps = entropy_encode(np.array([1], np.uint64))
+  with pytest.raises(CodecError, match="t: truncated: the gap stream runs past the section"):
+    sparse.decode(varint(1) + varint(len(gaps) + 1) + gaps, 8, u16, "t")
