@@ -161,6 +161,18 @@ def test_begun_samples_under_the_floor_are_drawn_afresh_on_the_held_version(serv
   assert batch.added == [(("L", "p0"), None)] and worker._started[("L", "p0")][1] == 1
 
 
+def test_a_lower_floor_a_restarted_trainer_names_is_taken_as_named(server, versions):
+  """Kept at its highest, the floor of a trainer that restarted lower made the worker drop
+  every group the trainer now takes as stale (and re-lease them for ever)."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    publish(trainer, versions, 0)
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    worker._hear(1, 2)
+    assert worker._floor == 2 and worker._stale(1)
+    worker._hear(1, 0)  # the restarted trainer's take
+    assert worker._floor == 0 and not worker._stale(1)
+
+
 def test_a_reply_asked_for_a_stopped_prompt_is_none(server):
   with client(server, "worker") as wc:
     worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))

@@ -220,6 +220,7 @@ def test_data_weights_that_do_not_weigh_each_file_are_refused_naming_the_field(w
                                                                               message):
   assert file_weights({"jsonl": "a.jsonl, b.jsonl", "weights": ""}) == ()
   assert file_weights({"jsonl": "a.jsonl, b.jsonl", "weights": (3, 1)}) == (3.0, 1.0)
+  assert file_weights({"jsonl": "a.jsonl, b.jsonl", "weights": "0,1"}) == (0.0, 1.0)
   with pytest.raises(ValueError, match=message):
     file_weights({"jsonl": "a.jsonl, b.jsonl", "weights": weights})
 

@@ -95,6 +95,28 @@ def test_a_senders_fallback_keyframe_leaves_the_schedule_the_followers_keep():
   assert sync.state_digest({k: sync.checksum(v) for k, v in held.items()}) == sent.digest
 
 
+def test_a_delta_refused_for_another_reason_is_raised_not_sent_as_a_keyframe():
+  """Only a server that lacks the delta's base gets the version as a keyframe: another
+  failure (the server away, a wrong token) is the caller's to retry, with no keyframe sent
+  and no false "lost its weights" said."""
+  from param_server.client import ParamServerError
+  import grpc
+
+  class Away(_Client):  # for the one call after the first
+    def publish(self, wire, run=""):
+      if self.sent and not getattr(self, "refused", False):
+        self.refused = True
+        raise ParamServerError("Publish", grpc.StatusCode.UNAVAILABLE, "connection refused")
+      super().publish(wire, run)
+
+  client = Away()
+  sender = publisher_lib.Publisher(client, "bf16", keyframe_every=4)
+  sender.publish(_params(0), 0)
+  with pytest.raises(ParamServerError, match="UNAVAILABLE"):
+    sender.publish(_params(1), 1)
+  assert len(client.sent) == 1
+
+
 def _held_from(server):
   """The held state a worker pulls from `server`, and its latest version."""
   from rl_testlib import client
