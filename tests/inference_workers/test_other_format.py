@@ -55,6 +55,14 @@ def test_a_worker_holding_its_own_format_prefetches_no_version_of_the_other(serv
     assert pulls == [] and worker.policy.version == 0
 
 
+def test_a_version_whose_format_is_not_told_is_pulled(server):
+  """A relay still empty tells no format (""): its versions are pulled, not skipped."""
+  with client(server, "worker") as wc:
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL, weights_format="int8"))
+    assert worker._in_own_format(3, "") and worker._in_own_format(3, "int8")
+    assert not worker._in_own_format(3, "bf16")
+
+
 def test_a_version_of_the_other_format_does_not_stop_the_refills():
   """Without in-flight updates, a newer version waits for the running prompts, and new ones
   with it. One in another format is never pulled, yet it counted as one that waits: while

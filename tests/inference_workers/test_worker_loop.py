@@ -263,6 +263,22 @@ def test_prefetched_update_waits_for_the_batch_boundary(server, versions):
     assert worker.policy.version == 1 and same_held(worker.policy, versions[1])
 
 
+def test_updates_prefetched_from_a_version_no_longer_held_are_not_applied(server, versions):
+  """Prefetched from v0 while the worker went on to v1 (a pull of its own): applied, they
+  met a base they were not made for and cost a keyframe resync."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    trainer.publish(sync.encode(None, versions[0], "bf16", version=0).to_bytes())
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    worker.sync_weights()
+    trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+    worker.prefetch(1)
+    prefetched = worker._prefetched
+    assert prefetched[0] == 0 and worker.apply_prefetched() and worker.policy.version == 1
+    worker._prefetched = prefetched  # as if it came after the worker moved on
+    assert not worker.apply_prefetched() and worker._prefetched is None
+    assert worker.policy.version == 1 and worker.stats.resyncs == 0
+
+
 def test_an_idle_worker_takes_the_version_it_prefetched(server, versions):
   # With no prompts to sample (the run ended, or the trainer restarts), a worker must not
   # stay on the version its last prompts used: it holds the one its heartbeat heard of.
