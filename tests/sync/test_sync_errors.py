@@ -89,6 +89,8 @@ def test_wrong_base_version_shape_dtype_and_names_are_rejected(pair):
   base, _, update = pair
   with pytest.raises(sync.CodecError, match="wrong base version: update applies to 4, base is 3"):
     sync.apply(base, update, base_version=3)
+  with pytest.raises(sync.CodecError, match="wrong base version: update applies to 4, base is 5"):
+    sync.apply(base, update, base_version=5)  # newer is no better
   raises_naming("norm.scale", lambda: sync.apply(dict(base, **{"norm.scale": np.ones(31, BF16)}),
                                                  update), "[32]")
   raises_naming("norm.scale", lambda: sync.apply(

@@ -95,6 +95,15 @@ def test_a_senders_fallback_keyframe_leaves_the_schedule_the_followers_keep():
   assert sync.state_digest({k: sync.checksum(v) for k, v in held.items()}) == sent.digest
 
 
+def test_a_version_not_past_the_last_published_is_refused():
+  sender = publisher_lib.Publisher(_Client(), "bf16", keyframe_every=4)
+  sender.publish(_params(0), 3)
+  for again in (3, 2):
+    with pytest.raises(ValueError, match=f"version: expected > the last published 3, got "
+                                         f"{again}"):
+      sender.publish(_params(1), again)
+
+
 def test_a_delta_refused_for_another_reason_is_raised_not_sent_as_a_keyframe():
   """Only a server that lacks the delta's base gets the version as a keyframe: another
   failure (the server away, a wrong token) is the caller's to retry, with no keyframe sent
