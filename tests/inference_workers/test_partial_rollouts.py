@@ -113,6 +113,25 @@ def test_a_greedy_baseline_sample_begun_by_a_stopped_worker_is_finished_greedily
     assert codes.texts[group.baseline_reward] == TOKENIZER.decode(answer.tokens)
 
 
+def test_a_group_resumed_on_a_newer_version_is_tagged_with_the_older_it_began_on(
+    server, versions, monkeypatch):
+  """Samples begun on v0 and finished on v1: the group's version is v0 (the oldest its
+  tokens were drawn with, which the trainer's staleness bound and corrections read), its
+  metadata's last_version v1. Tagged v1, an old group passed the bound."""
+  config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4)
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    stopped_first_worker(Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config)),
+                         trainer, versions[0], monkeypatch)
+    trainer.publish(sync.encode(versions[0], versions[1], "bf16", version=1).to_bytes())
+    second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
+    second.run()
+    groups = [r.group for r in trainer.take_rollouts(0, 10).rollouts]
+  assert second.stats.versions_applied[-1] == 1 and len(groups) == 2
+  for group in groups:
+    assert group.metadata["resumed_samples"] == "3" and group.policy_version == 0
+    assert group.metadata["last_version"] == "1"
+
+
 def assert_finished_as_begun(worker, groups, begun, altered=None):
   """Each group resumed whole from its begun samples (their tokens and log-probs as first
   drawn) and drawn on as an uninterrupted worker would; the `altered` sample (prompt id,
