@@ -207,6 +207,30 @@ def test_vigor_rounds_end_when_the_floor_passes_their_version(server, versions):
   assert worker.stats.prompts_released == 2 and not worker._inflight[lease.lease_id]
 
 
+def test_a_groups_siblings_are_released_once_its_submission_reply_raises_the_floor(
+    server, versions):
+  """Without continuous batching (VIGOR's rounds): the first group's submission reply names
+  a floor above the chunk's version; its sibling, as stale, goes back, not to the server
+  (which would drop it at the trainer's next take)."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    publish(trainer, versions, 0)
+    enqueue_addition(trainer, 2)
+    wc.register("raised")
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, allocator="vigor")))
+    worker.sync_weights()
+    submit = worker._submit
+
+    def submit_then_floor(*args):
+      submit(*args)
+      worker._floor = 1  # what the reply said: the trainer took at min_version 1
+
+    worker._submit = submit_then_floor
+    lease = worker._lease(0.0)
+    worker._serve(lease)
+  assert worker.stats.groups_submitted == 1 and worker.stats.groups_abandoned_stale == 1
+  assert worker.stats.prompts_released == 1 and not worker._inflight[lease.lease_id]
+
+
 def test_prompts_stopped_under_a_floor_that_fell_since_still_go_back(server, versions):
   """A restarted trainer's lower floor, heard between a chunk's stop and its submission:
   the stopped prompts are released all the same, not left open in a renewed lease."""
