@@ -98,7 +98,6 @@ def test_a_long_answer_holds_no_other_row_back(model, monkeypatch):
   assert fast == PARAMS.max_new_tokens - 1 and slow > fast
 
 
-@pytest.mark.slow  # ~5 s
 def test_partial_rollouts_and_resumed_samples_keep_their_group(model):
   lens = lengths(model, PROMPTS[0], list(range(64)))
   seeds = [s for s in range(64) if lens[s] >= 8][:3]
