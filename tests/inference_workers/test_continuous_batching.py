@@ -413,3 +413,6 @@ def test_a_resumed_sample_stopped_again_before_its_begun_tokens_were_fed_keeps_t
   assert flags == [False, False]
   (none_yet, _), _ = waiting.restore([sample([], 0.0), got[1]], [False, False])
   assert none_yet.tokens.tolist() == [5, 6, 7, 8]
+  # One begun token short of fed (3 of 4): still the begun sample, tokens and log-probs alike.
+  (short, _), _ = waiting.restore([sample([5, 6, 7], -0.5), got[1]], [False, False])
+  assert short.tokens.tolist() == [5, 6, 7, 8] and len(short.logprobs) == 4
