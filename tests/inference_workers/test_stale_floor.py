@@ -180,15 +180,21 @@ def test_a_reply_asked_for_a_stopped_prompt_is_none(server):
     assert not worker._given
 
 
+def _vigor_worker(trainer, wc, versions, name):
+  """A worker of VIGOR's rounds (no continuous batching), holding v0, 2 prompts queued."""
+  publish(trainer, versions, 0)
+  enqueue_addition(trainer, 2)
+  wc.register(name)
+  worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, allocator="vigor")))
+  worker.sync_weights()
+  return worker
+
+
 def test_vigor_rounds_end_when_the_floor_passes_their_version(server, versions):
   """Without continuous batching (VIGOR's rounds), a chunk whose version falls under the
   floor draws no more rounds and its prompts go back."""
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
-    publish(trainer, versions, 0)
-    enqueue_addition(trainer, 2)
-    wc.register("vigor")
-    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, allocator="vigor")))
-    worker.sync_weights()
+    worker = _vigor_worker(trainer, wc, versions, "vigor")
     draw, rounds = worker._draw, []
 
     def draw_then_floor(*args):
@@ -213,11 +219,7 @@ def test_a_groups_siblings_are_released_once_its_submission_reply_raises_the_flo
   a floor above the chunk's version; its sibling, as stale, goes back, not to the server
   (which would drop it at the trainer's next take)."""
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
-    publish(trainer, versions, 0)
-    enqueue_addition(trainer, 2)
-    wc.register("raised")
-    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, allocator="vigor")))
-    worker.sync_weights()
+    worker = _vigor_worker(trainer, wc, versions, "raised")
     submit = worker._submit
 
     def submit_then_floor(*args):
@@ -235,11 +237,7 @@ def test_prompts_stopped_under_a_floor_that_fell_since_still_go_back(server, ver
   """A restarted trainer's lower floor, heard between a chunk's stop and its submission:
   the stopped prompts are released all the same, not left open in a renewed lease."""
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
-    publish(trainer, versions, 0)
-    enqueue_addition(trainer, 2)
-    wc.register("fell")
-    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**dict(SMALL, allocator="vigor")))
-    worker.sync_weights()
+    worker = _vigor_worker(trainer, wc, versions, "fell")
 
     def stopped_then_fell(prompts, tokens, version):
       worker._floor = 0
