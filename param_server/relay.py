@@ -95,7 +95,7 @@ class RelayConfig:
   cache_bytes: int = setting(32 << 20, "recently read chunks kept in memory, shared by pulls")
   delta_history: int = setting(4, "deltas kept before the newest keyframe, for workers that lag")
   threads: int = setting(128, "handler threads (each long poll or stream holds one); at "
-                         "least 4, max(2, threads // 16) of them kept for short calls")
+                         "least 6, shared out as the server's (thread_budget)")
   max_wait_s: float = setting(60.0, "how long a pull waits for a version the relay is fetching "
                               "to begin, or for its next bytes")
   poll_s: float = setting(30.0, "how often the relay asks the server's version besides watching "
@@ -115,8 +115,8 @@ class RelayConfig:
         raise ValueError(f"RelayConfig.{name}: expected a positive int, got {getattr(self, name)}")
     if self.threads < MIN_THREADS:
       raise ValueError(f"RelayConfig.threads: expected at least {MIN_THREADS} (pulls, long "
-                       f"polls and Watch streams each hold one; short calls need their own), "
-                       f"got {self.threads}")
+                       f"polls, takes and Watch streams each hold one; short calls need their "
+                       f"own), got {self.threads}")
     if not self.max_wait_s >= 0:
       raise ValueError(f"RelayConfig.max_wait_s: expected >= 0, got {self.max_wait_s}")
     if not self.poll_s > 0:

@@ -41,9 +41,19 @@ from rlax_ps.folder_lock import FolderLock
 SERVICE_NAME = "rlax_ps.v1.ParamServer"
 # Room for the fields around a chunk's bytes in one message.
 MESSAGE_OVERHEAD = 64 << 10
-RELAY_PULLS = 8  # relays' fetches on slots of their own, past max_pulls; more take workers
+RELAY_PULLS = 8  # relays' fetches on slots of their own (at most; relay_pulls), past max_pulls
 TAKE_WAITS = 2  # trainer takes waiting at once (one trainer; a restarted one's old call)
-MIN_THREADS = 4  # handler threads: two held by long calls at most, two left for short ones
+MIN_THREADS = 6  # handler threads: 2 for short calls, 2 takes, a relay's fetch, a worker's
+
+
+def thread_budget(threads: int) -> dict[str, int]:
+  """How `threads` handler threads are shared out: `reserved` ones that no long call holds
+  (heartbeats, submissions, renewals always find one), the trainer's takes, relays' fetches,
+  and the rest, `workers`, that the workers' pulls, long polls and Watch streams may hold
+  together (each kind's own slots add up to more than that)."""
+  reserved, relay = max(2, threads // 16), max(1, min(RELAY_PULLS, threads // 16))
+  return {"reserved": reserved, "takes": TAKE_WAITS, "relay_pulls": relay,
+          "workers": threads - reserved - TAKE_WAITS - relay}
 MAX_WORKERS = 65536  # workers and relays known at once (each registration or new id one)
 MAX_LISTED_WORKERS = 4096  # listed in GetStats, the most recently heard first
 MAX_WORKER_METADATA = 16 << 10  # bytes of a registration's metadata (keys and values)
@@ -78,7 +88,7 @@ class ServerConfig:
       "long before the leases' deadlines; 0 = only at the deadlines")
   reap_interval_s: float = setting(0.25, "how often expired leases and unacked takes are returned")
   threads: int = setting(128, "handler threads (each long poll or Watch stream holds one); at "
-                         "least 4, max(2, threads // 16) of them kept for short calls")
+                         "least 6, shared out by thread_budget")
   max_pulls: int = setting(0, "pulls served at once (each holds a handler thread for its whole "
                            "transfer: minutes on a slow link); 0 = half of threads. One more "
                            "is told to come back (its client waits for a turn), so leases, "
@@ -121,8 +131,8 @@ class ServerConfig:
                          f"{getattr(self, name)}")
     if self.threads < MIN_THREADS:  # one Watch held the only thread: every call waited on it
       raise ValueError(f"ServerConfig.threads: expected at least {MIN_THREADS} (pulls, long "
-                       f"polls and Watch streams each hold one; short calls need their own), "
-                       f"got {self.threads}")
+                       f"polls, takes and Watch streams each hold one; short calls need their "
+                       f"own), got {self.threads}")
     if not (self.max_pulls == 0 or 1 <= self.max_pulls < self.threads):
       raise ValueError(f"ServerConfig.max_pulls: expected 0 (half of threads) or from 1 to "
                        f"threads - 1 = {self.threads - 1} (a thread left for the other "
@@ -337,7 +347,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     self._pull_slots = threading.BoundedSemaphore(self.max_pulls)
     # A relay's fetch (PullRequest.relay_id) serves its whole fleet: it does not queue for a
     # worker's slot behind pulls crawling over slow links.
-    self._relay_pull_slots = threading.BoundedSemaphore(RELAY_PULLS)
+    budget = thread_budget(config.threads)
+    self._relay_pull_slots = threading.BoundedSemaphore(budget["relay_pulls"])
     # Long polls (a lease or take waiting for work) waiting at once: each holds a thread; an
     # idle fleet's would hold them all. Past this many, one answers at once (nothing new) and
     # its client waits out the rest of its wait_s itself.
@@ -350,11 +361,11 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     # follow the server so): unbounded, any token could take every thread.
     self.max_watches = max(1, config.threads // 8)
     self._watch_slots = threading.BoundedSemaphore(self.max_watches)
-    # Every call above holds its thread for long: together they may hold all threads but
-    # `reserved_threads`, which heartbeats, submissions and renewals always find (the slots of
-    # each kind add up to more than `threads` below about 120 of them).
-    self.reserved_threads = max(2, config.threads // 16)
-    self._held_slots = threading.BoundedSemaphore(config.threads - self.reserved_threads)
+    # The workers' long calls above (pulls, long polls, Watch streams) hold together at most
+    # the threads the takes, relays' fetches and short calls leave (thread_budget): each
+    # kind's own slots add up to more than `threads` below about 120 of them.
+    self.reserved_threads = budget["reserved"]
+    self._held_slots = threading.BoundedSemaphore(budget["workers"])
     self.streams_open = 0  # Pull and Watch streams being served
     self._run_lock = threading.Lock()
     self.run = _read_run(config.storage_dir)  # the run whose versions are held ("": none said)
@@ -461,17 +472,23 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
       self._let_go(slots)
 
   def _hold(self, slots: threading.BoundedSemaphore) -> bool:
-    """One of `slots` and one of the threads long calls may hold together, or neither."""
+    """One of `slots` (and, for a worker's kind of call, one of the threads those may hold
+    together), or none."""
     if not slots.acquire(blocking=False):
       return False
-    if self._held_slots.acquire(blocking=False):
+    if self._apart(slots) or self._held_slots.acquire(blocking=False):
       return True
     slots.release()
     return False
 
   def _let_go(self, slots: threading.BoundedSemaphore) -> None:
-    self._held_slots.release()
+    if not self._apart(slots):
+      self._held_slots.release()
     slots.release()
+
+  def _apart(self, slots: threading.BoundedSemaphore) -> bool:
+    """The trainer's takes and relays' fetches: threads of their own, not the workers'."""
+    return slots is self._take_slots or slots is self._relay_pull_slots
 
   @_streaming
   def Pull(self, request, context):

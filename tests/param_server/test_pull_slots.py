@@ -36,7 +36,7 @@ def _held_pull(server, relay_id=""):
 
 def test_slow_pulls_leave_threads_for_the_other_calls_and_one_more_waits_its_turn(
     start_server):
-  server = start_server(threads=4)  # max_pulls: half of them
+  server = start_server(threads=8, max_pulls=2)
   blob = sync.encode(None, WEIGHTS, "bf16", version=0).to_bytes()
   with client_for(server, "trainer") as trainer:
     trainer.publish(blob)
@@ -81,7 +81,7 @@ def test_an_idle_fleets_long_polls_leave_threads_for_the_other_calls(start_serve
   an idle fleet as large as the thread pool left none for a submission, a heartbeat or the
   trainer's take. Past threads // 4 waiting, a lease is answered at once, and its client
   waits out the rest itself (no spinning)."""
-  server = start_server(threads=4)  # one long poll at a time
+  server = start_server(threads=8)  # two long polls at a time
   done = []
 
   def idle_worker(i):
@@ -106,7 +106,7 @@ def test_an_idle_fleets_long_polls_leave_threads_for_the_other_calls(start_serve
 def test_a_relays_fetch_is_served_while_the_workers_pulls_fill_their_slots(start_server):
   """A relay's fetch serves its whole fleet: with every worker pull slot held by slow links it
   was refused, and every worker behind the relay waited; it has slots of its own."""
-  server = start_server(threads=8)  # max_pulls 4
+  server = start_server(threads=16, max_pulls=4)
   blob = sync.encode(None, WEIGHTS, "bf16", version=0).to_bytes()
   with client_for(server, "trainer") as trainer:
     trainer.publish(blob)
@@ -127,7 +127,7 @@ def test_the_trainers_take_waits_for_a_group_while_an_idle_fleet_holds_the_wait_
   """Workers waiting for prompts held every long-poll slot (threads // 4): the trainer's take
   was answered empty at once, and a group submitted a moment later reached it a whole wait_s
   late, take after take. The take waits apart."""
-  server = start_server(threads=4)  # one worker long poll at a time
+  server = start_server(threads=8)  # two worker long polls at a time
   with client_for(server, "trainer") as trainer, client_for(server, "worker") as worker, \
       client_for(server, "worker") as idle:
     worker.register("w")
@@ -135,15 +135,18 @@ def test_the_trainers_take_waits_for_a_group_while_an_idle_fleet_holds_the_wait_
     trainer.enqueue_prompts([pb.Prompt(id="p0", text="2+2", metadata={"answer": "4"})])
     lease = worker.lease(1, 30.0)
     assert len(lease.prompts) == 1
-    waiting = threading.Thread(target=idle.lease, args=(1, 30.0), kwargs={"wait_s": 6.0})
-    waiting.start()  # the queue is empty: it holds the one wait slot
+    waiting = [threading.Thread(target=idle.lease, args=(1, 30.0), kwargs={"wait_s": 6.0})
+               for _ in range(2)]
+    for thread in waiting:
+      thread.start()  # the queue is empty: they hold both wait slots
     time.sleep(0.5)
     sample = make_sample([7, 8], 1.0, text="4", finish_reason="stop")
     threading.Timer(1.0, worker.submit_rollouts, (lease.lease_id, pb.RolloutGroup(
         prompt_id="p0", samples=[sample, sample], policy_version=0))).start()
     take = trainer.take_rollouts(max_n=4, wait_s=4.0)
     assert [r.prompt.id for r in take.rollouts] == ["p0"]  # woken by the group, not empty
-    waiting.join(timeout=30.0)
+    for thread in waiting:
+      thread.join(timeout=30.0)
 
 
 def test_watch_streams_past_their_slots_are_told_to_come_back_leaving_threads(start_server):
@@ -210,42 +213,63 @@ def test_relays_past_their_own_slots_take_the_workers(start_server):
     channel.close()
 
 
-def test_long_calls_of_every_kind_together_leave_threads_for_the_short_ones(start_server):
-  """Each kind's slots (pulls, relay fetches, long polls, Watch streams) are bounded apart,
-  and below about 120 threads they add up to more than the pool: a Watch, a lease's long poll
-  and two relay fetches held all 4 threads, and no heartbeat or submission was answered."""
-  server = start_server(threads=4)
-  assert server.servicer.reserved_threads == 2
+def test_workers_long_calls_together_leave_threads_for_takes_relays_and_short_calls(
+    start_server):
+  """Each kind of a worker's long call (pulls, long polls, Watch streams) is bounded apart,
+  and below about 120 threads those bounds add up to more than the pool: a Watch, long polls
+  and pulls held every thread, and no heartbeat was answered. Together they hold at most
+  what the trainer's takes, relays' fetches and short calls leave (thread_budget)."""
+  server = start_server(threads=8)
+  from param_server.server import thread_budget
+  assert thread_budget(8) == {"reserved": 2, "takes": 2, "relay_pulls": 1, "workers": 3}
   with client_for(server, "trainer") as trainer:
     trainer.publish(sync.encode(None, WEIGHTS, "bf16", version=0).to_bytes())
+    trainer.enqueue_prompts([pb.Prompt(id="p0", text="2+2", metadata={"answer": "4"})])
+  worker = client_for(server, "worker")
+  worker.register("w")
+  lease = worker.lease(1, 30.0)
   channel = grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
   watch = pb_grpc.ParamServerStub(channel).Watch(
       pb.WatchRequest(after_version=0), metadata=(("authorization", f"Bearer {TOKENS['viewer']}"),))
   polled = []
 
-  def idle_worker():
-    with client_for(server, "worker") as worker:
-      worker.register("idle")
-      polled.append(worker.lease(1, 30.0, wait_s=4.0))
+  def idle_worker(i):
+    with client_for(server, "worker") as idle:
+      idle.register(f"idle-{i}")
+      polled.append(idle.lease(1, 30.0, wait_s=5.0))
 
-  poll = threading.Thread(target=idle_worker)
-  poll.start()
-  time.sleep(1.0)  # the Watch and the long poll hold two threads
-  fetches = [_held_pull(server, relay_id=f"relay-{i}") for i in range(2)]
-  assert all(isinstance(f, grpc.RpcError) and f.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-             for f in fetches)
+  polls = [threading.Thread(target=idle_worker, args=(i,)) for i in range(2)]
+  for poll in polls:
+    poll.start()
+  time.sleep(1.0)  # the Watch and both long polls hold the workers' 3 threads
+  refused = _held_pull(server)  # (max_pulls, 4, not reached)
+  assert isinstance(refused, grpc.RpcError) and refused.details().startswith(
+      "pulls: busy: 4 pulls under way (max_pulls), or every thread long calls may hold")
+  fetch = _held_pull(server, relay_id="relay-a")  # a relay's fetch: a thread of its own
+  assert not isinstance(fetch, grpc.RpcError)
   with client_for(server, "viewer", retry=RetryPolicy(deadline_s=0.0)) as viewer:
     viewer.timeout_s = 1.0
     assert viewer.stats().versions.latest_version == 0  # answered while the long calls wait
-  poll.join(timeout=30.0)
-  assert polled and not polled[0].prompts
+  # The trainer's take waits, and a group submitted meanwhile wakes it (not a wait_s late).
+  sample = make_sample([7, 8], 1.0, text="4", finish_reason="stop")
+  threading.Timer(1.0, worker.submit_rollouts, (lease.lease_id, pb.RolloutGroup(
+      prompt_id="p0", samples=[sample, sample], policy_version=0))).start()
+  with client_for(server, "trainer") as trainer:
+    take = trainer.take_rollouts(max_n=4, wait_s=4.0)
+  assert [r.prompt.id for r in take.rollouts] == ["p0"]
+  for poll in polls:
+    poll.join(timeout=30.0)
+  assert len(polled) == 2 and not any(p.prompts for p in polled)
+  fetch[1].cancel()
+  fetch[0].close()
   watch.cancel()
   channel.close()
-  with pytest.raises(ValueError, match=r"ServerConfig.threads: expected at least 4"):
-    ServerConfig(storage_dir=str(server.config.storage_dir), threads=3)
+  worker.close()
+  with pytest.raises(ValueError, match=r"ServerConfig.threads: expected at least 6"):
+    ServerConfig(storage_dir=str(server.config.storage_dir), threads=5)
 
 
 def test_a_relay_needs_threads_for_its_long_calls_and_the_short_ones(tmp_path):
   from param_server.relay import RelayConfig
-  with pytest.raises(ValueError, match=r"RelayConfig.threads: expected at least 4"):
-    RelayConfig(storage_dir=str(tmp_path), threads=2)
+  with pytest.raises(ValueError, match=r"RelayConfig.threads: expected at least 6"):
+    RelayConfig(storage_dir=str(tmp_path), threads=5)

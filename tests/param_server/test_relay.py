@@ -901,7 +901,7 @@ def test_long_polls_passed_through_a_relay_leave_it_threads_for_its_pulls(
   answered. Past threads // 4 waiting, a lease goes on with no wait, its client waiting out
   the rest itself."""
   publish_chain(trainer, 1)
-  relay = start_relay(server, threads=4)
+  relay = start_relay(server, threads=8)
   _until(lambda: relay.weights.latest == 0)
   done = []
 
