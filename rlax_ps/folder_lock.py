@@ -10,6 +10,7 @@ import os
 import weakref
 
 LOCK_FILE = "LOCK"
+_HELD: set[str] = set()  # the lock files this process holds (a pid is no proof: containers)
 
 
 class FolderInUse(RuntimeError):
@@ -29,7 +30,7 @@ class FolderLock:
     except BlockingIOError:
       pid = os.read(fd, 64).decode(errors="replace").strip() or "?"
       os.close(fd)
-      if pid == str(os.getpid()):  # a notebook cell's, interrupted or re-run
+      if os.path.realpath(self.path) in _HELD:  # a notebook cell's, interrupted or re-run
         raise FolderInUse(f"{flag} {folder}: held by a {holder} in this process that was not "
                           f"closed (an interrupted cell's?): call its close(), or open it "
                           f"with `with`; or give this one another folder") from None
@@ -42,7 +43,14 @@ class FolderLock:
                         f"mounts); give the {holder} a folder on one that does") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
-    self._close = weakref.finalize(self, os.close, fd)  # closing the descriptor drops the lock
+    held = os.path.realpath(self.path)
+    _HELD.add(held)
+    self._close = weakref.finalize(self, _let_go, fd, held)
 
   def release(self) -> None:
     self._close()  # (once: later calls do nothing)
+
+
+def _let_go(fd: int, held: str) -> None:
+  _HELD.discard(held)
+  os.close(fd)  # closing the descriptor drops the lock
