@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -145,10 +146,15 @@ class Guarded:
 
 
 def reference_check(task: str) -> Callable[[Any], Any] | None:
-  """The `check_reference(reference)` of the verifier registered as `task`, if it has one:
-  a static method that raises ValueError for a reference it could never score against, so
-  that a data file in another format is refused before training, not scored 0 throughout."""
-  return getattr(VERIFIERS.get(task), "check_reference", None)
+  """The `check_reference(reference)` of the verifier registered as `task`, if it has one as
+  a static or class method (one of an instance is the verifier's own business): it raises
+  ValueError for a reference it could never score against, so that a data file in another
+  format is refused before training, not scored 0 throughout."""
+  factory = VERIFIERS.get(task)
+  if not isinstance(inspect.getattr_static(factory, "check_reference", None),
+                    (staticmethod, classmethod)):
+    return None
+  return factory.check_reference
 
 
 def known_tasks() -> list[str]:

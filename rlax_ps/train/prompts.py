@@ -376,9 +376,10 @@ def iter_config_records(config, field: str, path: str,
     if check_reference is not None:  # (its verifier would score every sample 0)
       try:
         check_reference(record["answer"])
-      except ValueError as e:
+      except Exception as e:  # noqa: BLE001 - the check may be the user's code
+        said = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         raise ValueError(f"field {answer_key!r}: not a reference the {record['task']!r} "
-                         f"verifier can score against: {e}") from None
+                         f"verifier can score against: {said}") from None
     if check is not None:
       check(record)
 

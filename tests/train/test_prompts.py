@@ -278,7 +278,25 @@ def test_an_answer_its_verifier_cannot_score_against_is_refused_before_training(
       if not reference.isdigit():
         raise ValueError(f"expected digits, got {reference!r}")
 
+  @register_verifier("_own_check")
+  class OwnCheck:  # a method of its instances: not the data check, whatever it does
+    def check_reference(self, reference):
+      raise AssertionError("not called")
+
+  @register_verifier("_broken_check")
+  class BrokenCheck:
+    @staticmethod
+    def check_reference(reference):
+      return reference["tests"]  # a TypeError on a string
+
   try:
+    config.worker.default_task = "_own_check"
+    assert len(config_records(config, "data.jsonl", str(_write(tmp_path, [good] * 2)))) == 2
+    config.worker.default_task = "_broken_check"
+    with pytest.raises(ValueError, match=r"data.jsonl:1: field 'solution': not a reference the "
+                                         r"'_broken_check' verifier can score against: "
+                                         r"TypeError: string indices"):
+      config_records(config, "data.jsonl", str(_write(tmp_path, [good])))
     config.worker.default_task = "_digits_only"
     path = _write(tmp_path, ['{"prompt": "a", "solution": "12"}',
                              '{"prompt": "b", "solution": "1a"}'])
@@ -286,7 +304,8 @@ def test_an_answer_its_verifier_cannot_score_against_is_refused_before_training(
                                          r"verifier .*expected digits, got '1a'"):
       config_records(config, "data.jsonl", str(path))
   finally:
-    del VERIFIERS["_digits_only"]
+    for name in ("_digits_only", "_own_check", "_broken_check"):
+      del VERIFIERS[name]
 
 
 def test_bytes_not_utf8_are_refused_naming_the_line_and_a_utf8_bom_is_read(tmp_path):
