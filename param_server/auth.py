@@ -121,10 +121,10 @@ def load_tokens(storage_dir: str, given: dict[str, str | None]) -> dict[str, str
   path = os.path.join(storage_dir, TOKEN_FILE)
   try:
     saved = read_saved_tokens(path)
-  except TokenStoreError:
+  except (TokenStoreError, OSError):
     if missing:
       raise
-    saved = {}  # (every token given: the file is not read)
+    saved = {}  # (every token given: a file it cannot read is left as it is)
   # A role's entry other than the token given by flag or environment: a client reading it
   # (--token_file) would be refused; it goes, so that the client says there is none.
   stale = [r for r in ROLES if r not in missing and saved.get(r) not in (None, tokens[r])]

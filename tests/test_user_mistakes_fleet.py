@@ -136,6 +136,12 @@ def test_a_token_given_to_a_restarted_server_replaces_its_stale_entry_in_the_fil
   assert token_for("worker", token_file=path) == first["worker"]
 
 
+def test_a_server_given_every_token_starts_beside_a_token_file_it_cannot_read(tmp_path):
+  (tmp_path / auth.TOKEN_FILE).mkdir()  # (unreadable as a file, whoever runs the test)
+  given = {"trainer": "t", "worker": "w", "viewer": "v"}
+  assert auth.load_tokens(str(tmp_path), given) == given
+
+
 def test_one_token_for_two_roles_is_refused_naming_them(tmp_path, monkeypatch):
   """The last role matching won: the trainer, given the worker's token too, was refused
   every trainer call as a worker."""
