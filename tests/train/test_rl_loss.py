@@ -493,10 +493,17 @@ def test_bad_groups_are_refused_naming_the_rollout_and_field():
                      (g.behaviour_logp[0][:-1],) + g.behaviour_logp[1:], g.rewards, 0)
   with pytest.raises(ValueError, match=r"rollout 2: samples\[0\].logprobs"):
     build_batch([short_logp], SHAPE)
-  long_resp = Group(3, g.prompt_tokens, (np.ones(9, np.int32),) + g.responses[1:],
-                    (np.zeros(9, np.float32),) + g.behaviour_logp[1:], g.rewards, 0)
-  with pytest.raises(ValueError, match="worker.max_new_tokens=5"):
-    build_batch([long_resp], SHAPE)
+  for over in (6, 9):  # one token past the budget, and more
+    long_resp = Group(3, g.prompt_tokens, (np.ones(over, np.int32),) + g.responses[1:],
+                      (np.zeros(over, np.float32),) + g.behaviour_logp[1:], g.rewards, 0)
+    with pytest.raises(ValueError, match=f"samples\\[0\\] has {over} tokens, more than "
+                                         f"worker.max_new_tokens=5"):
+      build_batch([long_resp], SHAPE)
+  nan_logp = Group(5, g.prompt_tokens, g.responses,
+                   (np.full(len(g.responses[0]), np.nan, np.float32),) + g.behaviour_logp[1:],
+                   g.rewards, 0)
+  with pytest.raises(ValueError, match=r"rollout 5: samples\[0\].logprobs: expected finite"):
+    build_batch([nan_logp], SHAPE)
   with pytest.raises(ValueError, match="rl.groups_per_step"):
     build_batch(GROUPS * 2, SHAPE)
   # Ids past the model's vocabulary (a worker with another tokenizer) would be clamped by
@@ -860,11 +867,24 @@ def test_response_stats_count_an_environments_replies_and_tokens():
   assert stats["env_replies_mean"] == 1.0 and stats["env_token_frac"] == 0.3
 
 
+def test_groups_that_fill_a_step_exactly_pack_into_its_rows_not_twice_as_many():
+  from rlax_ps.train.rollouts import rows_needed
+  g = GROUPS[1]  # 5 samples: 4 (SHAPE.samples) of them a row
+  whole = Group(20, g.prompt_tokens, g.responses[:4], g.behaviour_logp[:4], g.rewards[:4], 0)
+  full = [whole, dataclasses.replace(whole, rollout_id=21)]  # SHAPE.groups rows, exactly
+  assert rows_needed(full, SHAPE) == SHAPE.groups == len(build_batch(full, SHAPE)["row_group"])
+  assert rows_needed(GROUPS, SHAPE) == 2 * SHAPE.groups  # 1 + 2 rows: rounded up to 4
+
+
 def test_response_capacities_halve_the_budget_in_multiples_of_8():
   assert response_lens(1024, 4) == [128, 256, 512, 1024]
   assert response_lens(20, 4) == [8, 16, 20] and response_lens(1024, 1) == [1024]
   big = dataclasses.replace(SHAPE, response_len=32)
   assert fit_response_len(GROUPS, big, 4).response_len == 8  # the longest response holds 5
+  g = GROUPS[0]  # one exactly as long as a capacity packs to it, not the next
+  exact = Group(9, g.prompt_tokens, (np.ones(8, np.int32),) + g.responses[1:],
+                (np.zeros(8, np.float32),) + g.behaviour_logp[1:], g.rewards, 0)
+  assert fit_response_len([exact], big, 4).response_len == 8
   assert fit_response_len(GROUPS, big, 1).response_len == 32
   with pytest.raises(ValueError, match="rl.response_buckets: expected >= 1"):
     fit_response_len(GROUPS, big, 0)
