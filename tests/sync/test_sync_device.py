@@ -69,6 +69,12 @@ def test_a_large_tensor_whose_rows_pass_int32_is_refused_naming_it(monkeypatch):
   assert device.row_size("w", (4, 32)) == 32
 
 
+def test_a_tensor_of_2_to_the_31_elements_is_handled_by_rows():
+  """Its flat indices pass int32 (the padding index 2**31 would wrap into the tensor)."""
+  assert device.is_large((2**31,)) and device.is_large((128, 4096, 4096))
+  assert not device.is_large((2**31 - 1,))
+
+
 def test_changed_elements_fetches_only_the_changes_or_nothing_when_dense():
   old, new = _states("bf16")
   idx, values = device.changed_elements(old["sparse.kernel"], new["sparse.kernel"])

@@ -139,8 +139,9 @@ def test_a_restored_feed_goes_on_with_the_same_records():
   again = PromptFeed(source, seed=3)
   again.restore(state)
   assert again.take(10) == rest
-  with pytest.raises(ValueError, match="checkpoint data state: expected"):
-    again.restore({"position": 1})
+  for partial in ({"position": 1}, {"iterator": state["iterator"]}):  # (ids would repeat)
+    with pytest.raises(ValueError, match="checkpoint data state: expected"):
+      again.restore(partial)
 
 
 def test_each_seed_orders_every_epoch_its_own_way_and_an_older_checkpoint_keeps_its_order():
