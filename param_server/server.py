@@ -44,6 +44,9 @@ MESSAGE_OVERHEAD = 64 << 10
 RELAY_PULLS = 8  # relays' fetches on slots of their own (at most; relay_pulls), past max_pulls
 TAKE_WAITS = 2  # trainer takes waiting at once (one trainer; a restarted one's old call)
 MIN_THREADS = 6  # handler threads: 2 for short calls, 2 takes, a relay's fetch, a worker's
+MAX_WORKERS = 65536  # workers and relays known at once (each registration or new id one)
+MAX_LISTED_WORKERS = 4096  # listed in GetStats, the most recently heard first
+MAX_WORKER_METADATA = 16 << 10  # bytes of a registration's metadata (keys and values)
 
 
 def thread_budget(threads: int) -> dict[str, int]:
@@ -54,9 +57,6 @@ def thread_budget(threads: int) -> dict[str, int]:
   reserved, relay = max(2, threads // 16), max(1, min(RELAY_PULLS, threads // 16))
   return {"reserved": reserved, "takes": TAKE_WAITS, "relay_pulls": relay,
           "workers": threads - reserved - TAKE_WAITS - relay}
-MAX_WORKERS = 65536  # workers and relays known at once (each registration or new id one)
-MAX_LISTED_WORKERS = 4096  # listed in GetStats, the most recently heard first
-MAX_WORKER_METADATA = 16 << 10  # bytes of a registration's metadata (keys and values)
 
 
 def message_limit(config: "ServerConfig") -> int:
