@@ -87,8 +87,11 @@ class ServerConfig:
       "at once: their prompts go back to the queue with the samples its renewals carried, "
       "long before the leases' deadlines; 0 = only at the deadlines")
   reap_interval_s: float = setting(0.25, "how often expired leases and unacked takes are returned")
-  threads: int = setting(128, "handler threads (each long poll or Watch stream holds one); at "
-                         "least 6, shared out by thread_budget")
+  threads: int = setting(128, "handler threads, at least 6: pulls take at most max_pulls, "
+                         "long polls for prompts a quarter, Watch streams an eighth, and all "
+                         "three together leave the trainer's takes 2, relays' fetches "
+                         "threads/16 (1 to 8) and heartbeats and submissions threads/16 "
+                         "(at least 2)")
   max_pulls: int = setting(0, "pulls served at once (each holds a handler thread for its whole "
                            "transfer: minutes on a slow link); 0 = half of threads. One more "
                            "is told to come back (its client waits for a turn), so leases, "

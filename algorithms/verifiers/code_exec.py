@@ -9,8 +9,9 @@ that is not root makes them in a user namespace of its own (`unshare -r`). Where
 namespace can be made, the verifier refuses to start (the code would run with the worker's
 own user and network: its token, its server) unless $RLAX_PS_NO_SANDBOX=1 accepts that
 knowingly; what such a child forks is killed with its process group when it ends. Where the
-worker runs as root, the child drops to `run_as` (nobody, or $RLAX_PS_SANDBOX_USER) with a
-process limit, so it
+worker runs as root, the child drops to `run_as` (nobody, or $RLAX_PS_SANDBOX_USER; it must
+be able to run the worker's Python, else $RLAX_PS_SANDBOX_PYTHON names one) with a process
+limit, so it
 cannot signal the worker, read its files or environment (`/proc`), or write outside
 the scratch directory and world-writable places.
 An audit hook also refuses sockets, subprocesses, exec, fork, signals, and writes,
