@@ -48,7 +48,7 @@ def test_registry_errors_name_the_field():
     register_verifier("math")(lambda: None)
 
 
-def test_running_a_verifier_definition_again_replaces_it_as_a_notebook_cell_would():
+def test_running_a_verifier_definition_again_replaces_it_as_a_notebook_cell_would(caplog):
   cell = '''
 @register_verifier("rerun_cell")
 class RerunCell:
@@ -60,11 +60,15 @@ class RerunCell:
     exec(cell.replace("SCORE", str(score)), {"__name__": "__main__", "VerifierResult": VerifierResult,
                                             "register_verifier": register_verifier})
     assert make_verifier("rerun_cell")("x", "y").reward == score
-  # Renamed, or made a factory, in the cell: still the notebook's own, so it replaces it.
+  assert "replaces" not in caplog.text  # the same definition run again: nothing to say
+  # Renamed, or made a factory, in the cell: still the notebook's own, so it replaces it,
+  # saying so (two cells may have taken one name).
   renamed = cell.replace("class RerunCell", "class RerunCellV2").replace("SCORE", "0.5")
-  exec(renamed, {"__name__": "__main__", "VerifierResult": VerifierResult,
-                 "register_verifier": register_verifier})
+  with caplog.at_level("WARNING"):
+    exec(renamed, {"__name__": "__main__", "VerifierResult": VerifierResult,
+                   "register_verifier": register_verifier})
   assert make_verifier("rerun_cell")("x", "y").reward == 0.5
+  assert "verifier name 'rerun_cell': RerunCellV2 replaces RerunCell" in caplog.text
   with pytest.raises(ValueError, match="'rerun_cell' is already registered"):
     register_verifier("rerun_cell")(lambda: None)  # another module's definition
 
