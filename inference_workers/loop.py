@@ -65,7 +65,7 @@ from inference_workers.worker_config import WATCHDOG_LEAD_S, WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
                                   make_routes, make_sample, routes_of, sample_logprobs,
                                   sample_observed)
-from param_server.protos import WORKER_ACTIVITIES
+from param_server.protos import SCORE_ERROR, WORKER_ACTIVITIES
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps import chat
 from rlax_ps import sharding as shd
@@ -182,11 +182,14 @@ def reward_term_verifiers(config: WorkerConfig) -> list[tuple[str, float, Verifi
           for name, weight in terms]
 
 
-def sample_metadata(passed: bool | None, parts: dict[str, float] | None
-                    ) -> dict[str, str] | None:
+def sample_metadata(passed: bool | None, parts: dict[str, float] | None,
+                    erred: bool = False) -> dict[str, str] | None:
   """A sample's metadata: "passed" ("1" or "0"), its verifier's verdict, where one scored
-  it; "reward/<name>" (repr of a float), each raw reward part, where the worker logs them."""
+  it; "reward/<name>" (repr of a float), each raw reward part, where the worker logs them;
+  "score_error": "1" where a verifier raised on it (scored 0: the trainer counts them)."""
   meta = {} if passed is None else {"passed": str(int(passed))}
+  if erred:
+    meta[SCORE_ERROR] = "1"
   meta.update((f"reward/{name}", repr(float(v))) for name, v in (parts or {}).items())
   return meta or None
 
@@ -1176,7 +1179,7 @@ class Worker:
     """(A submitter's thread.) Score a finished group, then `_send` it. `versions`: the
     oldest and the newest it was sampled with (the one held when it finished)."""
     try:
-      rewards, passed, parts = self._scored(prompt, samples, given)
+      rewards, passed, parts, erred = self._scored(prompt, samples, given)
     except ValueError as e:  # e.g. a reward model's chat template refusing the conversation:
       # the trainer is told why, and this worker goes on (as would the next one it went to)
       return self._send(lease_id, prompt_id, self._failed(
@@ -1184,10 +1187,11 @@ class Worker:
     baseline = None
     if self.config.greedy_baseline and not _evaluated(prompt):  # the last sample is greedy
       baseline, n = rewards[-1], self.config.samples_per_prompt
-      samples, rewards = samples[:n], rewards[:n]
+      samples, rewards, erred = samples[:n], rewards[:n], erred[:n]
       passed, parts = (None if x is None else x[:n] for x in (passed, parts))
     return self._send(lease_id, prompt_id, self._group(prompt, versions[0], samples, rewards,
-                                                       passed, parts, versions[1], baseline))
+                                                       passed, parts, versions[1], baseline,
+                                                       erred))
 
   def _send(self, lease_id: str, prompt_id: str, group: pb.RolloutGroup
             ) -> ParamServerError | None:
@@ -1524,6 +1528,7 @@ class Worker:
     rewards: list[list[float]] = [[] for _ in prompts]
     passed: list[list[bool] | None] = [[] for _ in prompts]
     parts: list[list[dict[str, float]] | None] = [[] for _ in prompts]
+    erred: list[list[bool]] = [[] for _ in prompts]
     failed: dict[int, str] = {}  # prompt index -> why its samples could not be scored
     round_ = 0
     while not state.done and not self._salvaging and not self._stale(version):
@@ -1544,9 +1549,9 @@ class Worker:
         try:
           if i in early and early[i][0] is got:
             with self.stats.time.span("scoring"):
-              scores, passes, got_parts = early[i][1].result()
+              scores, passes, got_parts, got_erred = early[i][1].result()
           else:  # cut short (a stop, the floor): what it kept
-            scores, passes, got_parts = self._scored(prompt, got, given[i])
+            scores, passes, got_parts, got_erred = self._scored(prompt, got, given[i])
         except ValueError as e:  # e.g. a reward model's chat template refusing it: the
           failed.setdefault(i, str(e))  # trainer is told why, the worker goes on
           new_rewards.append(np.zeros(len(got), np.float32))
@@ -1555,6 +1560,7 @@ class Worker:
         rewards[i].extend(scores)
         passed[i] = None if passes is None else passed[i] + passes
         parts[i] = None if got_parts is None else parts[i] + got_parts
+        erred[i].extend(got_erred)
         new_rewards.append(np.asarray(scores, np.float32))
       n_tokens = sum(len(s.tokens) for got in drawn for s in got)
       self.stats.samples += sum(map(len, drawn))
@@ -1571,9 +1577,10 @@ class Worker:
                    sum(len(got) >= 2 for got in samples), len(prompts), round_)
     return [self._failed(p, version, f"its samples could not be scored: {failed[i]}")
             if i in failed else
-            self._group(p, version, got, rs, ps, pp) if state.done or len(got) >= 2 else None
-            for i, (p, got, rs, ps, pp) in enumerate(zip(prompts, samples, rewards, passed,
-                                                          parts))]
+            self._group(p, version, got, rs, ps, pp, erred=es)
+            if state.done or len(got) >= 2 else None
+            for i, (p, got, rs, ps, pp, es) in enumerate(zip(prompts, samples, rewards, passed,
+                                                              parts, erred))]
 
   @property
   def batching(self) -> str:
@@ -1595,12 +1602,14 @@ class Worker:
              rewards: list[float], passed: list[bool] | None = None,
              parts: list[dict[str, float]] | None = None,
              last_version: int | None = None,
-             baseline: float | None = None) -> pb.RolloutGroup:
+             baseline: float | None = None,
+             erred: list[bool] | None = None) -> pb.RolloutGroup:
     """One prompt's scored samples as a RolloutGroup of `version` (the oldest sampled with;
     metadata last_version: the newest, `last_version`, else the one held now); each
     sample's metadata: `sample_metadata` of its verdict and reward parts; `baseline`: the
-    greedy sample's reward (worker.greedy_baseline). With worker.teacher, each sample
-    carries the teacher's scores of its tokens (on-policy distillation)."""
+    greedy sample's reward (worker.greedy_baseline); `erred`: whether a verifier raised on
+    each sample (scored 0). With worker.teacher, each sample carries the teacher's scores of
+    its tokens (on-policy distillation)."""
     meta = {"worker": self.config.name, "weights_format": self.config.weights_format,
             "logprobs": "sampling", "temperature": repr(self.params.temperature),
             "top_k": str(self.params.top_k), "top_p": repr(self.params.top_p),
@@ -1631,10 +1640,12 @@ class Worker:
         samples=[make_sample(s.tokens, r, text=self.tokenizer.decode(s.tokens),
                              logprobs=s.sampling_logprobs, finish_reason=s.finish_reason,
                              routes=s.routes, observed=s.observed,
-                             metadata=sample_metadata(p, pp), teacher=t)
-                 for s, r, p, pp, t in zip(samples, rewards, passed or [None] * len(samples),
-                                           parts or [None] * len(samples),
-                                           teacher or [None] * len(samples))])
+                             metadata=sample_metadata(p, pp, e), teacher=t)
+                 for s, r, p, pp, t, e in zip(samples, rewards,
+                                              passed or [None] * len(samples),
+                                              parts or [None] * len(samples),
+                                              teacher or [None] * len(samples),
+                                              erred or [False] * len(samples))])
     if self.config.routing_replay and samples:  # the samples share the prompt's routes
       group.prompt_routes.CopyFrom(make_routes(samples[0].prompt_routes))
     if baseline is not None:
@@ -1703,30 +1714,36 @@ class Worker:
 
   def _scored(self, prompt: pb.Prompt, samples: list[Sample],
               given: dict[int, list] | None = None
-              ) -> tuple[list[float], list[bool] | None, list[dict[str, float]] | None]:
+              ) -> tuple[list[float], list[bool] | None, list[dict[str, float]] | None,
+                         list[bool]]:
     """The samples' rewards: the reward model's scores for task reward_model, else the
     task verifier's plus reward_model_weight x the reward model's; plus each reward term's
     weight x its reward. Then the verifier's verdicts (None for task reward_model: a score
     has none; terms never change them), and each sample's raw parts by name ("task", each
     term's, "reward_model" where it scored) when reward_terms or a reward model is set,
-    else None. `given`: each multi-turn sample's replies, by index."""
+    else None; and whether a verifier (task's or term's) raised on each sample, scoring it 0.
+    `given`: each multi-turn sample's replies, by index."""
     rm_only = (prompt.task or self.config.default_task) == REWARD_MODEL_TASK
     weight = 1.0 if rm_only else self.config.reward_model_weight
     with self.stats.time.span("scoring"):
       scored = [] if rm_only else self._on_threads(lambda s: self._score(prompt, s), samples)
-      parts = {} if rm_only else {"task": np.asarray([r for r, _ in scored], np.float64)}
+      parts = {} if rm_only else {"task": np.asarray([r for r, _, _ in scored], np.float64)}
+      erred = [e for _, _, e in scored] or [False] * len(samples)
       rewards = parts.get("task", np.zeros(len(samples)))
       texts = [self.tokenizer.decode(s.tokens) for s in samples] if self.reward_terms else []
       for name, term_weight, verifier in self.reward_terms:
-        parts[name] = np.asarray(self._on_threads(lambda text: self._checked(
-            f"reward term {name!r}", verifier, prompt, text).reward, texts), np.float64)
+        results = self._on_threads(lambda text: self._checked(
+            f"reward term {name!r}", verifier, prompt, text), texts)
+        parts[name] = np.asarray([r.reward for r in results], np.float64)
+        erred = [e or "error" in r.info for e, r in zip(erred, results)]
         rewards = rewards + term_weight * parts[name]
       if self.reward_scorer is not None and weight and samples:
         parts["reward_model"] = self._model_scores(prompt, samples, given or {})
         rewards = rewards + weight * parts["reward_model"]
     by_sample = ([{name: float(v[j]) for name, v in parts.items()} for j in range(len(samples))]
                  if self.reward_terms or self.reward_scorer is not None else None)
-    return [float(r) for r in rewards], None if rm_only else [p for _, p in scored], by_sample
+    return ([float(r) for r in rewards], None if rm_only else [p for _, p, _ in scored],
+            by_sample, erred)
 
   def _model_scores(self, prompt: pb.Prompt, samples: list[Sample],
                     given: dict[int, list]) -> np.ndarray:
@@ -1753,12 +1770,12 @@ class Worker:
             self.config.scoring_threads, thread_name_prefix="scoring")
     return list(self._scoring_pool.map(fn, items))
 
-  def _score(self, prompt: pb.Prompt, sample: Sample) -> tuple[float, bool]:
-    """The task verifier's (reward, passed) of one sample."""
+  def _score(self, prompt: pb.Prompt, sample: Sample) -> tuple[float, bool, bool]:
+    """The task verifier's (reward, passed) of one sample, and whether it raised."""
     task = prompt.task or self.config.default_task
     result = self._checked(f"verifier of task {task!r}", self.verifier_for(prompt.task),
                            prompt, self.tokenizer.decode(sample.tokens))
-    return float(result.reward), bool(result.passed)
+    return float(result.reward), bool(result.passed), "error" in result.info
 
   def _checked(self, what: str, verifier: Verifier, prompt: pb.Prompt, text: str
                ) -> VerifierResult:

@@ -399,6 +399,8 @@ def summary_table(summary: dict[str, Any]) -> str:
       ("stale groups dropped", "", str(summary.get("dropped_stale", 0))),
       ("groups rejected (trainer log: why)", "", str(summary.get("rejected", 0))),
       ("samples resumed after a worker stopped", "", str(summary.get("samples_resumed", 0))),
+      ("samples a verifier raised on (worker logs: why)", "",
+       str(summary.get("samples_score_errors", 0))),
   ]
   if "filtered" in summary:
     rows.append(("all-equal-reward groups left out / filled", "",

@@ -441,6 +441,8 @@ def test_the_summary_table_shows_groups_left_out_and_a_reward_models_scores():
   assert re.search(r"all-equal-reward groups left out / filled\s+6 / 3$", table, re.M)
   assert re.search(r"^  all\s+50\.0%\s+75\.0%$", table, re.M)
   assert re.search(r"^samples resumed after a worker stopped\s+0$", table, re.M)
+  table = local.summary_table({**summary, "samples_score_errors": 7})
+  assert re.search(r"^samples a verifier raised on \(worker logs: why\)\s+7$", table, re.M)
   # No held-out set: no held-out header without rows.
   bare = local.summary_table({**summary, "warm_start": None, "heldout_exact_match": None})
   assert "held-out" not in bare and bare.startswith("steps / versions")

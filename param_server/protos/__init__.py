@@ -12,3 +12,7 @@ the repo root (`make protos`):
 # What a worker's decode loop spends time on: pb.WorkerTime's fields NAME_s besides total_s
 # and slot_s (the worker's heartbeats, `rlax-ps status`, the metrics' activity label).
 WORKER_ACTIVITIES = ("decoding", "waiting_prompts", "waiting_weights", "submitting", "scoring")
+
+# A sample's metadata key, "1" where a verifier (its task's or a reward term's) raised on it
+# and scored it 0: the trainer counts them so a broken verifier shows past the worker's log.
+SCORE_ERROR = "score_error"

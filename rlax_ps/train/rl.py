@@ -37,6 +37,7 @@ from absl import logging
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from algorithms.selection import fed, next_streak
 from algorithms.shaping import soft_overlong_punishment
+from param_server.protos import SCORE_ERROR
 from param_server.client import (RETRYABLE, ParamServerError, Prompt, RetryPolicy, routes_of,
                                  sample_logprobs, sample_observed, sample_teacher)
 from rlax_ps import chat, optim
@@ -152,6 +153,7 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                response_routes=tuple(routes_of(s.routes) for s in samples) if routed else None,
                observed=observed if any(o is not None for o in observed) else None,
                resumed=_count(taken.group.metadata.get("resumed_samples", "")),
+               score_errors=sum(s.metadata.get(SCORE_ERROR) == "1" for s in samples),
                passed=_verdicts(samples),
                reward_parts={k: tuple(v) for k, v in parts.items()} or None,
                reward_parts_bad=tuple(bad),
@@ -563,6 +565,8 @@ class RLTrainer(TrainerRun):
     self.retired = 0
     self.trained_rollouts = 0
     self.resumed_samples = 0  # trained samples that a stopped worker began
+    self.score_errors = 0  # samples scored 0 because a worker's verifier raised on them
+    self._all_erred_steps = 0  # this run's steps whose every sample was one (warned of)
     # Seconds the last step, and this run's steps, waited for rollout groups.
     self.rollout_wait_s = self.rollout_wait_total_s = 0.0
     self.pending: list[PendingTake] = []  # takes trained on, not yet in a durable checkpoint
@@ -664,6 +668,7 @@ class RLTrainer(TrainerRun):
         "retired": self.retired,
         "trained_rollouts": self.trained_rollouts,
         "resumed_samples": self.resumed_samples,
+        "score_errors": self.score_errors,
         "version": self.version,
         "pending_takes": [dataclasses.asdict(t) for t in self.pending],
         # groups trained on whose take the server requeued (its ack came too late): a rerun
@@ -709,6 +714,7 @@ class RLTrainer(TrainerRun):
     self.retired = int(saved.get("retired", 0))
     self.trained_rollouts = int(saved.get("trained_rollouts", 0))
     self.resumed_samples = int(saved.get("resumed_samples", 0))
+    self.score_errors = int(saved.get("score_errors", 0))
     self.saved_version = int(saved["version"])
     self.pending = [PendingTake(**t) for t in saved.get("pending_takes", [])]
     self.store_id = str(saved.get("server_store", ""))
@@ -1098,6 +1104,8 @@ class RLTrainer(TrainerRun):
           record = self._step_record(done, groups, batch, metrics,
                                      rate.add(int(batch["sample_mask"].sum())))
           self.resumed_samples += record["resumed_samples"]
+          self._count_score_errors(done, record["score_errors"],
+                                   sum(len(g.rewards) for g in groups + self.left_out))
           add_part_totals(self.reward_parts_totals, part_values(groups))
           record.update(self._reward_parts_record(groups))
         if done % self.publish_every == 0 and not warming:  # (warming: the weights as were)
@@ -1648,6 +1656,21 @@ class RLTrainer(TrainerRun):
                       group.rollout_id, ", ".join(group.reward_parts_bad))
     self.reward_parts_malformed += len(group.reward_parts_bad)
 
+  def _count_score_errors(self, step: int, errors: int, samples: int) -> None:
+    """Counts the samples a worker's verifier raised on (scored 0), warning at the first and
+    at steps whose every sample was one: a broken verifier, not a hard task."""
+    if errors and not self.score_errors:
+      logging.warning("rl: step %d: %d of %d samples scored 0 because a worker's verifier "
+                      "raised on them: the workers' logs say why (summary.json's "
+                      "samples_score_errors counts them)", step, errors, samples)
+    elif errors and errors == samples:
+      self._all_erred_steps += 1
+      if self._all_erred_steps <= 3 or self._all_erred_steps % 100 == 0:
+        logging.warning("rl: step %d: every sample scored 0 because a worker's verifier "
+                        "raised on it (%d steps so far): the workers' logs say why",
+                        step, self._all_erred_steps)
+    self.score_errors += errors
+
   def _reward_parts_record(self, groups: list[Group]) -> dict[str, Any]:
     """steps.jsonl's reward_parts: each part's mean over the step's samples that carry it
     (absent when none does); reward_parts_malformed: the values skipped since the run
@@ -1778,6 +1801,7 @@ class RLTrainer(TrainerRun):
         "reward_mean": float(np.mean([r for g in taken for r in g.rewards])),
         "pass_at_n": pass_at_n(taken),
         "resumed_samples": sum(g.resumed for g in groups),
+        "score_errors": sum(g.score_errors for g in taken),  # (left out ones too: all 0)
         "staleness": staleness, "staleness_mean": float(np.mean(staleness)),
         "staleness_max": int(max(staleness)),
         "samples_per_s": samples_per_s,
@@ -1834,6 +1858,7 @@ class RLTrainer(TrainerRun):
     w.add_scalar("rollouts/staleness_mean", record["staleness_mean"], step)
     w.add_scalar("rollouts/staleness_max", record["staleness_max"], step)
     w.add_scalar("rollouts/resumed_samples", record["resumed_samples"], step)
+    w.add_scalar("rollouts/score_errors", record["score_errors"], step)
     for k in ("response_len_mean", "response_len_max", "response_capacity", "truncated_frac",
               "env_replies_mean", "env_token_frac", "baseline_reward_mean"):
       if k in record:  # (env_: multi-turn groups only; baseline_: ReMax)
@@ -1881,6 +1906,7 @@ class RLTrainer(TrainerRun):
                                "steps_this_run": self.step - start_step,
                                "rollout_groups_trained": self.trained_rollouts,
                                "samples_resumed": self.resumed_samples,
+                               "samples_score_errors": self.score_errors,
                                # the share of this run's time spent taking groups
                                "rollout_wait_frac": self.rollout_wait_total_s
                                                     / max(seconds, 1e-9),

@@ -86,6 +86,8 @@ class Group:
   observed: tuple[np.ndarray | None, ...] | None = None
   # Samples a stopped or killed worker began and another finished (partial rollouts).
   resumed: int = 0
+  # Samples scored 0 because a worker's verifier raised on them (its log says why).
+  score_errors: int = 0
   # Each sample's verifier verdict (reward alone cannot tell it once a reward model's score
   # is added); None when the worker sent none (task reward_model: a score).
   passed: tuple[bool, ...] | None = None

@@ -211,7 +211,7 @@ def test_a_worker_leading_followers_scores_with_a_reward_model_on_every_host(mon
   samples = [Sample(np.asarray(tokenizer.encode(t), np.int32), np.zeros(len(t), np.float32),
                     np.zeros(len(t), np.float32), "stop") for t in ("7", "12")]
   prompt = pb.Prompt(id="a", text="5+7=", token_ids=head, task="reward_model")
-  rewards, _, _ = worker._scored(prompt, samples)
+  rewards, _, _, _ = worker._scored(prompt, samples)
   group = worker._group(prompt, 0, samples, rewards)
   worker.mirror.stop()
   follower.join(60)
@@ -254,7 +254,7 @@ def test_a_teacher_of_another_tokenizer_scores_on_every_host(monkeypatch, tmp_pa
                     np.full(len(t), -1.0, np.float32), "length") for t in ("7", "12")]
   prompt = pb.Prompt(id="a", text="5+7=", token_ids=tokenizer.encode_prompt("5+7="),
                      task="addition")
-  rewards, _, _ = worker._scored(prompt, samples)
+  rewards, _, _, _ = worker._scored(prompt, samples)
   group = worker._group(prompt, 0, samples, rewards)
   worker.mirror.stop()
   follower.join(60)

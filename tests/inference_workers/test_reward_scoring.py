@@ -120,12 +120,12 @@ def test_rewards_are_the_models_scores_or_a_verifiers_plus_a_weighted_score(monk
   head = POLICY.encode_prompt("5+7=")
   want = scorer.scores([head + list(s.tokens) for s in samples])
   judged = pb.Prompt(id="a", text="5+7=", token_ids=head, task="reward_model")
-  rewards, passed, parts = worker._scored(judged, samples)
+  rewards, passed, parts, _ = worker._scored(judged, samples)
   np.testing.assert_allclose(rewards, want, rtol=1e-6)
   assert passed is None  # a score is no verdict
   np.testing.assert_allclose([p["reward_model"] for p in parts], want, rtol=1e-6)
   verified = pb.Prompt(id="b", text="5+7=", token_ids=head, task="addition", extra=b"12")
-  rewards, passed, parts = worker._scored(verified, samples)
+  rewards, passed, parts, _ = worker._scored(verified, samples)
   np.testing.assert_allclose(rewards, [0.5 * want[0], 1.0 + 0.5 * want[1]], rtol=1e-6)
   assert passed == [False, True]  # the verifier's, whatever the reward model adds
   assert [p["task"] for p in parts] == [0.0, 1.0]  # the parts are unweighted

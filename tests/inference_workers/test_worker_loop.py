@@ -972,7 +972,7 @@ def test_a_verifier_giving_nan_scores_zero_and_the_warning_says_so(caplog):
   sample = Sample(np.array([5, 6], np.int32), np.zeros(2, np.float32), np.zeros(2, np.float32),
                   "stop")
   with caplog.at_level("WARNING"):
-    assert worker._score(pb.Prompt(id="p7", task="mine"), sample) == (0.0, False)
+    assert worker._score(pb.Prompt(id="p7", task="mine"), sample) == (0.0, False, True)
   assert worker.stats.score_errors == 1
   assert ("verifier of task 'mine' gave no reward on prompt p7 (scored 0; 1 so far): reward: "
           "expected a finite number, got nan") in caplog.text
@@ -1093,7 +1093,7 @@ def test_a_groups_samples_are_scored_at_once_on_scoring_threads(threads):
   lengths = (1, 3, 2, 4)
   samples = [Sample(np.full(k, 20 + k, np.int32), np.zeros(k, np.float32),
                     np.zeros(k, np.float32), "stop") for k in lengths]
-  rewards, passed, _ = worker._scored(pb.Prompt(id="p", task="mine"), samples)
+  rewards, passed, _, _ = worker._scored(pb.Prompt(id="p", task="mine"), samples)
   assert rewards == [float(len(TOKENIZER.decode(s.tokens))) for s in samples]
   assert passed == [len(TOKENIZER.decode(s.tokens)) > 2 for s in samples]
   assert peak[0] == 1 if threads == 1 else peak[0] >= 2

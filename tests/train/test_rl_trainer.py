@@ -19,6 +19,7 @@ import pytest
 
 from param_server.client import (ParamServerClient, ParamServerError, RetryPolicy, RolloutGroup,
                                   make_sample)
+from param_server.protos import SCORE_ERROR
 from param_server.protos import param_server_pb2 as pb
 from rl_testlib import (REPO, TOKENS, FakeWorker, client, fake_fleet, rl_config,
                         save_warm_start, start_server, tb_scalars)
@@ -50,12 +51,15 @@ def _lines(path):
 def _with_reward_parts(group_of_worker):
   """The fake worker's groups with reward parts, as worker.reward_terms sends them: each
   sample's reward as its task part, and a think_format part of 1 on its first sample; its
-  last sample has a malformed one."""
+  last sample has a malformed one. A group with no resumed samples says a verifier raised on
+  its second sample (scored 0)."""
   def group(*args, **kwargs):
     g = group_of_worker(*args, **kwargs)
     for j, s in enumerate(g.samples):
       s.metadata.update({"reward/task": repr(s.reward), "reward/think_format": str(int(j == 0))})
     g.samples[-1].metadata["reward/length"] = "nan"
+    if g.metadata["resumed_samples"] == "0":
+      g.samples[1].metadata[SCORE_ERROR] = "1"
     return g
   return group
 
@@ -151,6 +155,10 @@ def test_each_step_trains_on_whole_distinct_groups(run):
   assert [s["resumed_samples"] for s in steps] == [
       sum(resumed[i] for i in s["rollout_ids"]) for s in steps]
   assert run["summary"]["samples_resumed"] == sum(resumed[i] for i in ids) > 0
+  # Samples a worker's verifier raised on (one in each group with none resumed).
+  assert [s["score_errors"] for s in steps] == [
+      sum(resumed[i] == 0 for i in s["rollout_ids"]) for s in steps]
+  assert run["summary"]["samples_score_errors"] == sum(resumed[i] == 0 for i in ids) > 0
   # The fake worker rewards half of each group: the batch's mean reward is 0.5.
   assert all(s["reward_mean"] == pytest.approx(0.5) for s in steps)
   # Its responses hold 1 to 6 tokens, under the 16-token budget: none is truncated, and the
@@ -243,6 +251,32 @@ def test_a_groups_resumed_samples_are_read_from_its_metadata_and_junk_counts_non
   assert group_of(taken({"resumed_samples": "3"}), tok).resumed == 3
   assert [group_of(taken(m), tok).resumed for m in ({}, {"resumed_samples": "x"},
                                                      {"resumed_samples": "-1"})] == [0, 0, 0]
+  erred = taken({})
+  erred.group.samples.extend([erred.group.samples[0]] * 2)
+  erred.group.samples[0].metadata[SCORE_ERROR] = "1"
+  erred.group.samples[2].metadata[SCORE_ERROR] = "0"
+  assert group_of(erred, tok).score_errors == 1
+  assert group_of(taken({}), tok).score_errors == 0
+
+
+def test_samples_a_verifier_raised_on_are_warned_of_first_and_when_a_step_is_all_of_them(
+    caplog):
+  """The first such sample, and steps whose every sample is one (a broken verifier, not a
+  hard task: 3 such steps, then every 100th), are warned of; all are counted."""
+  trainer = types.SimpleNamespace(score_errors=0, _all_erred_steps=0)
+  with caplog.at_level("WARNING"):
+    RLTrainer._count_score_errors(trainer, 1, 0, 16)
+    assert not caplog.records and trainer.score_errors == 0
+    RLTrainer._count_score_errors(trainer, 2, 3, 16)
+    assert "step 2: 3 of 16 samples scored 0 because a worker's verifier raised" in caplog.text
+    RLTrainer._count_score_errors(trainer, 3, 5, 16)  # some, not all: counted alone
+    assert len(caplog.records) == 1 and trainer.score_errors == 8
+    for step in range(4, 105):
+      RLTrainer._count_score_errors(trainer, step, 16, 16)
+  assert [r.getMessage().split(":")[1] for r in caplog.records[1:]] == [
+      " step 4", " step 5", " step 6", " step 103"]
+  assert "(100 steps so far)" in caplog.records[-1].getMessage()
+  assert trainer.score_errors == 8 + 101 * 16
 
 
 def test_every_taken_group_is_acknowledged_after_the_final_checkpoint(run):
