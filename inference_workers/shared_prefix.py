@@ -32,10 +32,11 @@ DecodeFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def cache_heads(config, mesh) -> int:
-  """The kv heads a worker's decode cache holds per token: the model's, or, on a tensor axis
-  wider than them that divides the query heads, as many as the axis, each head repeated
-  (as vLLM does): every device then holds only the head its query heads read, where it
-  held them all (replicated, as they did not split) and attended every query head."""
+  """The kv heads a worker's decode cache holds per token: the model's, or, for two or more
+  on a tensor axis wider than them that divides the query heads, as many as the axis, each
+  head repeated (as vLLM does): every device then holds only the head its query heads read,
+  where it held them all (replicated, as they did not split) and attended every query
+  head. A single kv head stays replicated: each device holds just it either way."""
   heads = config.kv_cache_layout[0]
   t = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
   if 1 < heads < t and t % heads == 0 and config.num_heads % t == 0:

@@ -90,6 +90,21 @@ def test_changed_elements_fetches_only_the_changes_or_nothing_when_dense():
     device.changed_elements(old["sparse.kernel"], new["dense.kernel"])
 
 
+def test_changes_past_a_third_of_a_tensors_bytes_are_fetched_as_the_whole_tensor():
+  """bf16: a change fetches a 4-byte index and 2 bytes where the whole costs 2 bytes an
+  element; past a third of those (910 of 8192 elements) it is fetched whole, as the fetch's
+  padding to a power of two could double the bytes (and the device buffer) again."""
+  zeros = np.zeros((128, 64), BF16)  # _states' sparse.kernel: its programs again
+  old = jnp.asarray(zeros)
+  for n, fetched in ((910, True), (911, False), (2000, False)):
+    new = zeros.copy()
+    new.reshape(-1)[:n] = 1
+    got = device.changed_elements(old, jnp.asarray(new))
+    assert (got is not None) == fetched, n
+    if fetched:
+      assert np.array_equal(got[0], np.arange(n))
+
+
 def test_host_state_rejects_a_host_copy_that_is_not_the_old_state(fetch_path):
   old, new = _states("bf16")
   stale = {k: np.asarray(v).copy() for k, v in old.items()}

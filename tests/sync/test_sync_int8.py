@@ -121,6 +121,22 @@ def test_non_finite_weights_and_name_collisions_are_named():
                      "m.experts.up.scale": np.ones(4, BF16)})
 
 
+def test_scales_of_the_right_rank_but_another_size_are_refused_naming_them():
+  """Each of a channel's codes needs its scale: scales of the codes' rank but too few (one
+  would broadcast over every channel) are refused by check_held and encode, not dequantized
+  or published."""
+  codes = np.ones((2, 3), np.int8)  # "w.kernel": channels last, 3 scales
+  for scales in (np.ones(2, BF16), np.ones(1, BF16)):
+    held = {"w.kernel": codes, "w.kernel.scale": scales}
+    with pytest.raises(sync.CodecError, match=r"'w.kernel.scale': shape expected \(3,\)"):
+      int8.check_held(held)
+    with pytest.raises(sync.CodecError, match=r"'w.kernel.scale': shape expected \(3,\)"):
+      sync.encode(None, held, "int8", version=0)
+  with pytest.raises(sync.CodecError, match=r"'m.experts.up.scale': shape expected \(2, 4\)"):
+    int8.check_held({"m.experts.up": np.ones((2, 3, 4), np.int8),
+                     "m.experts.up.scale": np.ones((2, 3), BF16)})
+
+
 def test_quantizer_matches_float64_division_with_ties_to_even():
   rng = np.random.default_rng(7)
   w = (rng.standard_normal((64, 48)) * 0.02).astype(np.float32)

@@ -121,6 +121,21 @@ def test_an_encoded_update_knows_its_checksums_and_a_parsed_one_does_not():
     update.verify_all(dict(update.checksums, a=1))
 
 
+def test_views_that_are_not_c_contiguous_hash_and_encode_as_their_c_order_copies():
+  """A transposed or strided view (an [out, in] checkpoint read as numpy .T) hashes as its
+  C-order bytes, so it encodes, applies and verifies as its copy does (not a ValueError)."""
+  rng = np.random.default_rng(5)
+  base = {"t.kernel": random_bits(rng, (48, 40)).T, "s.kernel": random_bits(rng, (30, 64))[:, ::2]}
+  codes = random_bits(rng, (12, 10), np.int8)[::2].T  # (int8: no dtype change to hide it)
+  for name, view in {**base, "codes": codes}.items():
+    assert not view.flags.c_contiguous, name
+    assert sync.checksum(view) == sync.checksum(np.ascontiguousarray(view)), name
+  target = {k: changed(rng, np.ascontiguousarray(v), 0.05).T.copy().T for k, v in base.items()}
+  update = roundtrip(base, target)
+  update.verify_all(target)
+  assert update.checksums == {k: sync.checksum(np.ascontiguousarray(v)) for k, v in target.items()}
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_threads_and_dict_order_give_the_same_bytes(fmt):
   rng = np.random.default_rng(3)
