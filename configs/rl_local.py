@@ -40,7 +40,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg not in (None, "", "tiny"):
     raise ValueError(f"configs/rl_local.py: unknown variant {arg!r}; expected '' or 'tiny'")
   c = ml_collections.ConfigDict()
-  c.seed = 0  # Seeds the prompt stream and a fresh init.
+  c.seed = 0  # Seeds the prompt stream, each prompt's samples (on any worker), a fresh init.
   # The policy to start from: an HF checkpoint folder. "" = `rlax-ps local` runs the `sft`
   # block in <workdir>/sft (reused once finished) and starts from its export.
   c.init_from_hf = ""

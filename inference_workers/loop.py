@@ -65,7 +65,7 @@ from inference_workers.worker_config import WATCHDOG_LEAD_S, WorkerConfig
 from param_server.client import (Lease, ParamServerClient, ParamServerError, RetryPolicy,
                                   make_routes, make_sample, routes_of, sample_logprobs,
                                   sample_observed)
-from param_server.protos import SCORE_ERROR, WORKER_ACTIVITIES
+from param_server.protos import PROMPT_SEED, SCORE_ERROR, WORKER_ACTIVITIES
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps import chat
 from rlax_ps import sharding as shd
@@ -1508,12 +1508,15 @@ class Worker:
     eval_samples sampled ones (pass@k)."""
     if _evaluated(prompt):
       k, _ = _eval_samples(prompt, self.config.draws)
-      return self._seeds(prompt.id, version, 0, k) if k else [GREEDY_SEED]
-    seeds = self._seeds(prompt.id, version, 0, self.config.samples_per_prompt)
+      return self._seeds(prompt, version, 0, k) if k else [GREEDY_SEED]
+    seeds = self._seeds(prompt, version, 0, self.config.samples_per_prompt)
     return seeds + [GREEDY_SEED] * int(self.config.greedy_baseline)
 
-  def _seeds(self, prompt_id: str, version: int, round_: int, n: int) -> list[int]:
-    base = zlib.crc32(f"{self.config.seed}:{prompt_id}:{version}:{round_}".encode())
+  def _seeds(self, prompt: pb.Prompt, version: int, round_: int, n: int) -> list[int]:
+    """n samples' seeds for `prompt` at `version`, allocation round `round_`: of the seed
+    its trainer gave it (metadata PROMPT_SEED), else of this worker's seed and its id."""
+    key = prompt.metadata.get(PROMPT_SEED) or f"{self.config.seed}:{prompt.id}"
+    base = zlib.crc32(f"{key}:{version}:{round_}".encode())
     return [(base + 7919 * j) % (2 ** 31) for j in range(n)]
 
   def _rollout_groups(self, prompts: list[pb.Prompt], tokens: list[list[int]], version: int
@@ -1679,7 +1682,7 @@ class Worker:
     try:
       for i, key in keys.items():
         self._started[key] = (prompts[i], version)
-        batch.add(key, tokens[i], self._seeds(prompts[i].id, version, round_, counts[i]))
+        batch.add(key, tokens[i], self._seeds(prompts[i], version, round_, counts[i]))
       done, kept = {}, {}  # kept: a cut round's finished samples, by their index in it
       while batch.waiting or batch.running:
         if self._stale(version):  # under the staleness floor: nothing of it is sent

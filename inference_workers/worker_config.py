@@ -136,7 +136,9 @@ class WorkerConfig:
   backoff_initial_s: float = setting(0.5, "first wait after the server could not be reached")
   backoff_max_s: float = setting(30.0, "longest wait between reconnection attempts")
   max_leases: int = setting(0, "exit after this many non-empty leases (0 = run until stopped)")
-  seed: int = setting(0, "mixed into every sample's seed")
+  seed: int = setting(0, "mixed into the seeds of a prompt's samples where its trainer gave "
+                      "it none (an RL trainer gives each prompt one: any worker samples it "
+                      "alike)")
   routing_replay: bool = setting(False, "mixture of experts: send each token's experts with the "
                                  "rollouts, for the trainer to route by (routing replay)")
 

@@ -16,3 +16,9 @@ WORKER_ACTIVITIES = ("decoding", "waiting_prompts", "waiting_weights", "submitti
 # A sample's metadata key, "1" where a verifier (its task's or a reward term's) raised on it
 # and scored it 0: the trainer counts them so a broken verifier shows past the worker's log.
 SCORE_ERROR = "score_error"
+
+# A prompt's metadata key: the sampling seed the trainer gave it (from its own seed and the
+# prompt's place in its feed). A worker's samples of that prompt draw their seeds from it
+# (else from the worker's seed and the prompt id), so any worker samples it alike: in
+# another workdir, after a stop hands it to another worker, with several workers.
+PROMPT_SEED = "seed"

@@ -35,9 +35,10 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
                     segment_ids: jax.Array, positions: jax.Array, *, max_new_tokens: int,
                     stop_ids: jax.Array, pad_id: int, mode: DecodeMode = UNTRUNCATED,
                     temperature=1.0, top_p=1.0, min_p=0.0, key=None) -> jax.Array:
-  """[B, max_new_tokens] continuations of left-padded prompts: greedy, or with a `key`
-  sampled as the workers sample (`mode`'s truncations at `temperature`, `top_p`, `min_p`:
-  inference_workers.sampling); after a row's first stop id (kept) the row is `pad_id`."""
+  """[B, max_new_tokens] continuations of left-padded prompts: greedy, or with `key` (a key
+  a row, [B, 2]) sampled as the workers sample (`mode`'s truncations at `temperature`,
+  `top_p`, `min_p`: inference_workers.sampling), each row of its own key alone; after a
+  row's first stop id (kept) the row is `pad_id`."""
   model = nnx.merge(graphdef, params)
   b, p = tokens.shape
 
@@ -46,7 +47,8 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array,
       return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     t = jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
     logp, ids = truncated_logprobs(logits.astype(jnp.float32), mode, t, top_p, min_p)
-    pick = jax.random.categorical(jax.random.fold_in(key, step), logp, axis=-1)
+    pick = jax.vmap(lambda k, lp: jax.random.categorical(jax.random.fold_in(k, step), lp))(
+        key, logp)
     if ids is not None:
       pick = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
     return pick.astype(jnp.int32)
@@ -75,7 +77,7 @@ def jitted_generate(graphdef: nnx.GraphDef, max_new_tokens: int,
   """jit(greedy_generate) for one model and budget:
   f(params, tokens, segment_ids, positions, stop_ids, pad_id) -> [B, max_new_tokens], or
   sampled with a `mode` (its truncations compiled in),
-  f(..., pad_id, temperature, top_p, min_p, key). `mesh`: the params' (traced in its
+  f(..., pad_id, temperature, top_p, min_p, keys [B, 2]). `mesh`: the params' (traced in its
   context, as the train step is: expert parallelism runs there too)."""
   def generate(params, tokens, segment_ids, positions, stop_ids, pad_id, temperature=1.0,
                top_p=1.0, min_p=0.0, key=None):
@@ -127,11 +129,11 @@ def left_pad_ids(rows: Sequence[Sequence[int]], length: int, pad_id: int,
 
 def _decode_batches(graphdef, params, tokenizer: Tokenizer, rows: Sequence[Sequence[int]], *,
                     max_new_tokens: int, batch_size: int, prompt_len: int,
-                    mode: DecodeMode | None, draw: tuple[float, float, float], key
-                    ) -> list[list[int]]:
+                    mode: DecodeMode | None, draw: tuple[float, float, float], key,
+                    row_ids: Sequence[int]) -> list[list[int]]:
   """Each id row's continuation up to and including its first stop id (or the budget),
   `batch_size` rows per call: greedy, or with a `mode` sampled at `draw` (temperature, top_p,
-  min_p), batch i with fold_in(key, i)."""
+  min_p), row j with fold_in(key, row_ids[j]): the same whatever the batch size."""
   mesh = getattr(getattr(jax.tree.leaves(params)[0], "sharding", None), "mesh", None)
   gen = jitted_generate(graphdef, max_new_tokens, mode,
                         mesh if isinstance(mesh, jax.sharding.Mesh) else None)
@@ -144,7 +146,9 @@ def _decode_batches(graphdef, params, tokenizer: Tokenizer, rows: Sequence[Seque
     chunk += [chunk[-1]] * (batch_size - n)  # Keep one shape: one compile.
     arrays = left_pad_ids(chunk, prompt_len, tokenizer.pad_id)
     if mode is not None:
-      extra = (*map(np.float32, draw), jax.random.fold_in(key, start // batch_size))
+      which = list(row_ids[start:start + n])
+      which += [which[-1]] * (batch_size - n)
+      extra = (*map(np.float32, draw), _row_keys(key, np.asarray(which, np.uint32)))
     ids = np.asarray(to_host(gen(params, arrays["tokens"], arrays["segment_ids"],
                                         arrays["positions"], stops, tokenizer.pad_id,
                                         *extra)))
@@ -153,6 +157,11 @@ def _decode_batches(graphdef, params, tokenizer: Tokenizer, rows: Sequence[Seque
       ends = [i for i, t in enumerate(row) if t in tokenizer.stop_ids]
       out.append(row[:ends[0] + 1] if ends else row)
   return out
+
+
+@jax.jit
+def _row_keys(key, row_ids):
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(row_ids)
 
 
 def completions(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str],
@@ -174,8 +183,8 @@ def completion_ids(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str
                    references: Sequence[Any] = (), max_turns: int = 0) -> list[list[int]]:
   """Completion ids of each prompt (up to and with the stop token that ended it, as a worker
   submits them), `batch_size` prompts per call: greedy, or sampled at `temperature` > 0
-  with the workers' top_k, top_p and min_p (SamplingParams; batch i drawn with key
-  fold_in(key(seed), i)).
+  with the workers' top_k, top_p and min_p (SamplingParams; prompt i drawn with key
+  fold_in(key(seed), i): the same samples whatever `batch_size`).
 
   Multi-turn (`environment`, as the workers run it): each turn a completion ends is
   answered by environment(the conversation so far, references[i]) up to `max_turns` times;
@@ -196,7 +205,7 @@ def completion_ids(graphdef, params, tokenizer: Tokenizer, prompts: Sequence[str
     got = _decode_batches(graphdef, params, tokenizer, rows, max_new_tokens=max_new_tokens,
                           batch_size=batch_size, prompt_len=length, mode=mode,
                           draw=(temperature, top_p, min_p),
-                          key=jax.random.fold_in(key, turn) if turn else key)
+                          key=jax.random.fold_in(key, turn) if turn else key, row_ids=live)
     going = []
     for i, new in zip(live, got):
       new = new[:max_new_tokens - len(said[i])]

@@ -37,7 +37,7 @@ from absl import logging
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from algorithms.selection import fed, next_streak
 from algorithms.shaping import soft_overlong_punishment
-from param_server.protos import SCORE_ERROR
+from param_server.protos import PROMPT_SEED, SCORE_ERROR
 from param_server.client import (RETRYABLE, ParamServerError, Prompt, RetryPolicy, routes_of,
                                  sample_logprobs, sample_observed, sample_teacher)
 from rlax_ps import chat, optim
@@ -154,6 +154,7 @@ def group_of(taken, tokenizer: Tokenizer) -> Group:
                observed=observed if any(o is not None for o in observed) else None,
                resumed=_count(taken.group.metadata.get("resumed_samples", "")),
                score_errors=sum(s.metadata.get(SCORE_ERROR) == "1" for s in samples),
+               prompt_id=prompt.id,
                passed=_verdicts(samples),
                reward_parts={k: tuple(v) for k, v in parts.items()} or None,
                reward_parts_bad=tuple(bad),
@@ -981,7 +982,8 @@ class RLTrainer(TrainerRun):
       groups = self._take_groups()
       self.rollout_wait_s = time.monotonic() - t0
       self.rollout_wait_total_s += self.rollout_wait_s
-      if groups is not None:
+      if groups is not None:  # in the prompts' order, not their arrival's (scoring threads,
+        groups = sorted(groups, key=lambda g: g.prompt_id)  # workers): sums repeat exactly
         if self.teacher_tokenizer is not None:  # the teacher's scores of the responses' text
           groups = self._retokenized_scores(groups)
         batch = build_batch(groups, fit_response_len(groups, self.shape,
@@ -1216,13 +1218,16 @@ class RLTrainer(TrainerRun):
     return self.run_id if not self.source_tag else f"{self.run_id}-s{self.source_tag}"
 
   def _prompt(self, index: int, rec: dict[str, Any]) -> Prompt:
-    """The prompt fed at feed position `index`: record `rec` rendered and tokenized."""
+    """The prompt fed at feed position `index`: record `rec` rendered and tokenized, with
+    its sampling seed, of the run's seed and that position (the workdir, the worker that
+    leases it and a restart change none of its samples)."""
     ids = self.tokenizer.encode_prompt(rec["prompt"])
     if len(ids) > self.shape.prompt_len:  # its group would be rejected once sampled
       raise ValueError(f"rl.max_prompt_tokens: {self.shape.prompt_len} is too small for "
                        f"prompt {rec['prompt']!r} of {len(ids)} tokens; raise it")
     return self._rendered(self._prompt_id(index), rec["prompt"], rec["task"], rec["answer"],
-                          ids, {"record": str(rec["record"])})
+                          ids, {"record": str(rec["record"]), PROMPT_SEED:
+                                f"{int(self.config.seed)}-s{self.source_tag}-{index}"})
 
   def _rendered(self, prompt_id: str, prompt: Any, task: str, answer: Any, ids: list[int],
                 metadata: dict[str, str]) -> Prompt:
@@ -1267,7 +1272,8 @@ class RLTrainer(TrainerRun):
     rendered = []
     for prompt_id, (name, i, k) in prompts.items():
       ex = self.heldout.examples[name][i]
-      meta = {"eval": key, "eval_set": name}
+      meta = {"eval": key, "eval_set": name,  # its samples' seeds: of the round, not its ids
+              PROMPT_SEED: f"{int(self.config.seed)}-eval{key}-{name}-{i}-{k}"}
       if k:
         meta["eval_samples"] = str(k)
       rendered.append(self._rendered(prompt_id, ex.prompt, ex.task or name, ex.answer,

@@ -88,6 +88,8 @@ class Group:
   resumed: int = 0
   # Samples scored 0 because a worker's verifier raised on them (its log says why).
   score_errors: int = 0
+  # The prompt's id: a step's groups are trained in its order, not the order they came in.
+  prompt_id: str = ""
   # Each sample's verifier verdict (reward alone cannot tell it once a reward model's score
   # is added); None when the worker sent none (task reward_model: a score).
   passed: tuple[bool, ...] | None = None

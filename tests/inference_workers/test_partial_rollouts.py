@@ -25,8 +25,11 @@ from rlax_ps.models import Transformer, flatten_params
 from rlax_ps.tasks import get_task
 from rlax_ps.train.rl import group_of, routing_shape
 from rlax_ps.train.rollouts import BatchShape, check_group
-from worker_testlib import (CONFIG, SMALL, TOKENIZER, TOKENS, ManyStops, TextCodes, client,
-                            enqueue_addition, run_until_stopped, stopped_first_worker)
+from worker_testlib import (CONFIG, SMALL, TOKENIZER, TOKENS, ManyStops, TextCodes,
+                            addition_prompts, client, enqueue_addition, run_until_stopped,
+                            stopped_first_worker)
+
+PROMPTS = {p.id: p for p in addition_prompts(2)}  # what stopped_first_worker enqueues
 
 
 @pytest.mark.parametrize("sample_rows", [0, pytest.param(6, marks=pytest.mark.slow)],
@@ -34,8 +37,9 @@ from worker_testlib import (CONFIG, SMALL, TOKENIZER, TOKENS, ManyStops, TextCod
 def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
     server, versions, monkeypatch, sample_rows):
   """SIGTERM's grace runs low mid-generation: the running prompts go back with their begun
-  samples, and the next worker draws them on with the same seeds: the samples are exactly
-  those of an uninterrupted run. Likewise with rows shared by the samples (6: all begin)."""
+  samples, and the next worker (of another --seed, as `rlax-ps local` starts them) draws them
+  on with the same seeds, their prompts': the samples are exactly those of an uninterrupted
+  run. Likewise with rows shared by the samples (6: all begin)."""
   config = dict(SMALL, max_new_tokens=24, decode_chunk_steps=4, sample_rows=sample_rows)
   with client(server, "trainer") as trainer, client(server, "worker") as wc:
     first = stopped_first_worker(Worker(wc, CONFIG, TOKENIZER, WorkerConfig(
@@ -53,7 +57,7 @@ def test_a_stopped_worker_hands_back_begun_samples_that_the_next_one_finishes(
       altered.token_ids[-1] = (altered.token_ids[-1] + 1) % TOKENIZER.vocab_size
       wc2.release(lease, partial=[pb.PartialRollouts(prompt_id=pid, samples=ps)
                                   for pid, ps in begun.items()])
-    second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, **config))
+    second = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(max_leases=1, seed=1, **config))
     second.run()
     taken = trainer.take_rollouts(0, 10).rollouts
     groups = {r.group.prompt_id: r.group for r in taken}
@@ -106,7 +110,8 @@ def test_a_greedy_baseline_sample_begun_by_a_stopped_worker_is_finished_greedily
   greedy = dataclasses.replace(second.params, greedy=True)
   for pid, group in groups.items():
     head = TOKENIZER.encode_prompt(examples[int(pid[1:])].prompt)
-    want = generate(second.policy.model, [head] * 3, second._seeds(pid, 0, 0, 3), second.params)
+    want = generate(second.policy.model, [head] * 3, second._seeds(PROMPTS[pid], 0, 0, 3),
+                    second.params)
     assert [list(s.token_ids) for s in group.samples] == [w.tokens.tolist() for w in want]
     assert group.metadata["resumed_samples"] == "3"
     answer = generate(second.policy.model, [head], [0], greedy)[0]
@@ -140,7 +145,7 @@ def assert_finished_as_begun(worker, groups, begun, altered=None):
   for pid, group in groups.items():
     assert group.metadata["resumed_samples"] == "3" and group.policy_version == 0
     head = TOKENIZER.encode_prompt(examples[int(pid[1:])].prompt)
-    want = generate(worker.policy.model, [head] * 3, worker._seeds(pid, 0, 0, 3),
+    want = generate(worker.policy.model, [head] * 3, worker._seeds(PROMPTS[pid], 0, 0, 3),
                     worker.params)  # what an uninterrupted worker draws
     for j, (s, w, before) in enumerate(zip(group.samples, want, begun[pid])):
       k = len(before.token_ids)
@@ -319,7 +324,7 @@ def test_begun_samples_travel_with_their_experts_under_routing_replay(server, mo
     check_group(group_of(t, TOKENIZER), shape)  # every token's experts, in range and distinct
     pid = t.group.prompt_id
     head = TOKENIZER.encode_prompt(examples[int(pid[1:])].prompt)
-    want = generate(second.policy.model, [head] * 3, second._seeds(pid, 0, 0, 3),
+    want = generate(second.policy.model, [head] * 3, second._seeds(PROMPTS[pid], 0, 0, 3),
                     second.params, record_routes=True)
     for s, w in zip(t.group.samples, want):
       assert list(s.token_ids) == w.tokens.tolist()

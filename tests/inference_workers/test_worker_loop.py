@@ -26,6 +26,7 @@ from inference_workers.sampler import generate
 from inference_workers.sampling import SamplingParams
 from inference_workers.worker_config import WorkerConfig
 from param_server.client import ParamServerClient, ParamServerError, RetryPolicy, sample_logprobs
+from param_server.protos import PROMPT_SEED
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
 from rlax_ps.sync import device
@@ -95,7 +96,7 @@ def test_a_greedy_baseline_is_sent_beside_the_samples_as_the_greedy_decodes_rewa
   assert [list(s.token_ids) for s in answers["e0"].samples] == [greedy.tokens.tolist()]
   # Drawn as a training prompt's samples are (its seeds), each scored by the verifier.
   sampled = generate(worker.policy.model, [TOKENIZER.encode_prompt("12+34=")] * 3,
-                     worker._seeds("e1", 0, 0, 3), worker.params)
+                     worker._seeds(pb.Prompt(id="e1"), 0, 0, 3), worker.params)
   assert [list(s.token_ids) for s in answers["e1"].samples] == [s.tokens.tolist()
                                                                for s in sampled]
   assert [codes.texts[s.reward] for s in answers["e1"].samples] == [
@@ -963,6 +964,23 @@ def test_a_reward_model_scores_the_prompts_of_task_reward_model(server, versions
     assert len(set(want.tolist())) > 1  # the samples differ and so do their scores
 
 
+def test_a_prompts_sampling_seed_is_its_trainers_whatever_the_workers_seed():
+  """A prompt that carries its trainer's seed draws the same seeds on every worker (another
+  --seed, another workdir's prompt id); one without draws of the worker's seed and its id.
+  Versions and allocation rounds draw afresh."""
+  zero, one = (Worker(None, CONFIG, TOKENIZER, WorkerConfig(max_new_tokens=8, seed=s))
+               for s in (0, 1))
+  seeded = pb.Prompt(id="runA-3", metadata={PROMPT_SEED: "0-s0-3"})
+  moved = pb.Prompt(id="runB-3", metadata={PROMPT_SEED: "0-s0-3"})
+  assert zero._seeds(seeded, 2, 0, 4) == one._seeds(seeded, 2, 0, 4) == one._seeds(moved, 2, 0, 4)
+  assert len(set(zero._seeds(seeded, 2, 0, 4))) == 4
+  assert zero._seeds(seeded, 3, 0, 4) != zero._seeds(seeded, 2, 0, 4)
+  assert zero._seeds(seeded, 2, 1, 4) != zero._seeds(seeded, 2, 0, 4)
+  bare = pb.Prompt(id="runA-3")
+  assert zero._seeds(bare, 2, 0, 4) != one._seeds(bare, 2, 0, 4)
+  assert zero._seeds(bare, 2, 0, 4) != zero._seeds(pb.Prompt(id="runB-3"), 2, 0, 4)
+
+
 def test_a_verifier_giving_nan_scores_zero_and_the_warning_says_so(caplog):
   def nan(completion, reference):
     return VerifierResult(float("nan"), True)
@@ -1180,7 +1198,7 @@ def test_the_behaviour_logprobs_sent_are_those_of_the_tempered_draw(server, vers
     (taken,) = trainer.take_rollouts(0, 10).rollouts
   n = len(taken.group.samples)
   drawn = generate(worker.policy.model, [TOKENIZER.encode_prompt(taken.prompt.text)] * n,
-                   worker._seeds(taken.prompt.id, 0, 0, n), worker.params)
+                   worker._seeds(taken.prompt, 0, 0, n), worker.params)
   assert [list(s.token_ids) for s in taken.group.samples] == [d.tokens.tolist() for d in drawn]
   for sent, d in zip(taken.group.samples, drawn):
     assert not np.allclose(d.sampling_logprobs, d.logprobs, atol=1e-3)  # T=1.5: they differ

@@ -10,6 +10,7 @@ from flax import nnx
 from algorithms.verifiers.base import VerifierResult
 from inference_workers.continuous import ContinuousBatch
 from param_server.client import ParamServerClient, RetryPolicy
+from param_server.protos import PROMPT_SEED
 from param_server.protos import param_server_pb2 as pb
 from rlax_ps import sync
 from rlax_ps.models import ModelConfig, Transformer, flatten_params
@@ -42,10 +43,16 @@ def client(server, role):
                            retry=RetryPolicy(deadline_s=5.0))
 
 
-def enqueue_addition(trainer, n, seed=0):
+def addition_prompts(n, seed=0):
+  """n addition prompts p0, p1, ..., each with its sampling seed, as an RL trainer feeds."""
   examples = get_task("addition", max_digits=2).examples("train", seed, n)
-  prompts = [pb.Prompt(id=f"p{i}", text=e.prompt, task="addition", extra=e.answer.encode())
-             for i, e in enumerate(examples)]
+  return [pb.Prompt(id=f"p{i}", text=e.prompt, task="addition", extra=e.answer.encode(),
+                    metadata={PROMPT_SEED: f"{seed}-{i}"})
+          for i, e in enumerate(examples)]
+
+
+def enqueue_addition(trainer, n, seed=0):
+  prompts = addition_prompts(n, seed)
   trainer.enqueue_prompts(prompts)
   return [p.id for p in prompts]
 

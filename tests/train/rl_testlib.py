@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from param_server.client import ParamServerClient, RetryPolicy, RolloutGroup, make_sample
+from param_server.client import ParamServerClient, Prompt, RetryPolicy, RolloutGroup, make_sample
 from param_server.server import ParamServer, ServerConfig
 from rlax_ps import config_files
 
@@ -118,7 +118,8 @@ def client(address, role):
 class FakeWorker:
   """Leases prompts and submits groups of `samples` random responses (reward 1 on even
   samples, behaviour log-probs -1.5) with the latest version, until `limit` groups (then
-  held-out prompts alone) or `stop()`. `submitted` holds the accepted rollout ids. With
+  held-out prompts alone) or `stop()`. `submitted` holds the accepted rollout ids,
+  `prompts` each one's prompt (held-out ones' too). With
   `uniform_every` = u > 0, every u-th group (the 1st, the (u+1)-th, ...) has all rewards 0;
   `uniform` holds their ids.
   Group i says that i % 3 of its samples were resumed from a stopped worker's
@@ -133,6 +134,7 @@ class FakeWorker:
     self.uniform_every, self.uniform = uniform_every, set()
     self.rng = np.random.default_rng(seed)
     self.submitted: list[int] = []
+    self.prompts: dict[int, Prompt] = {}
     self.evaluated: list[int] = []
     self.errors: list[BaseException] = []  # what ended the thread early, if anything
     self._stop = threading.Event()
@@ -190,9 +192,11 @@ class FakeWorker:
           reply = self.client.submit_rollouts(lease.lease_id, RolloutGroup(
               prompt_id=p.id, samples=answers, policy_version=version))
           self.evaluated.append(int(reply.rollout_id))
+          self.prompts[int(reply.rollout_id)] = p
           continue
         uniform = bool(self.uniform_every) and len(self.submitted) % self.uniform_every == 0
         reply = self.client.submit_rollouts(lease.lease_id, self.group(p.id, version, uniform))
         self.submitted.append(int(reply.rollout_id))
+        self.prompts[int(reply.rollout_id)] = p
         if uniform:
           self.uniform.add(int(reply.rollout_id))

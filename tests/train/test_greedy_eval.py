@@ -287,6 +287,19 @@ def test_sampled_completions_truncate_as_the_workers_settings_say(model, truncat
   assert decode(temperature=5.0, **truncation) == greedy
 
 
+def test_sampled_completions_are_the_same_whatever_the_batch_size(model):
+  """Each prompt draws with a key of its own (of the seed and its index): eval.batch_size,
+  which a user lowers for memory, changes no sample and so no pass@k; copies of a prompt
+  (pass@k's k) draw apart."""
+  graphdef, params = model
+  decode = functools.partial(evaluate.completions, graphdef, params, TOK, PROMPTS * 2,
+                             max_new_tokens=NEW, prompt_len=16, seed=3, temperature=5.0)
+  whole = decode(batch_size=4)
+  assert decode(batch_size=3) == whole  # (a padded last batch)
+  n = len(PROMPTS)
+  assert whole[:n] != whole[n:]
+
+
 def test_held_out_pass_at_k_samples_with_the_workers_settings(model, monkeypatch):
   """worker.temperature, top_k, top_p and min_p, WorkerConfig's defaults for those the
   config leaves out, reach pass@k's sampling; a value a worker refuses is named."""

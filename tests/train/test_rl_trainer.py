@@ -19,7 +19,7 @@ import pytest
 
 from param_server.client import (ParamServerClient, ParamServerError, RetryPolicy, RolloutGroup,
                                   make_sample)
-from param_server.protos import SCORE_ERROR
+from param_server.protos import PROMPT_SEED, SCORE_ERROR
 from param_server.protos import param_server_pb2 as pb
 from rl_testlib import (REPO, TOKENS, FakeWorker, client, fake_fleet, rl_config,
                         save_warm_start, start_server, tb_scalars)
@@ -159,6 +159,19 @@ def test_each_step_trains_on_whole_distinct_groups(run):
   assert [s["score_errors"] for s in steps] == [
       sum(resumed[i] == 0 for i in s["rollout_ids"]) for s in steps]
   assert run["summary"]["samples_score_errors"] == sum(resumed[i] == 0 for i in ids) > 0
+  # A step trains its groups in their prompts' order, whatever order they came in; each
+  # prompt carries its sampling seed, of the run's seed and its feed position (any worker,
+  # in any workdir, samples it alike), and a held-out one its round's.
+  prompts = run["worker"].prompts
+  assert all([prompts[r].id for r in s["rollout_ids"]] == sorted(prompts[r].id for r in
+                                                                 s["rollout_ids"]) for s in steps)
+  seed = run["config"].seed
+  assert {prompts[r].metadata[PROMPT_SEED] for r in ids} == {
+      f"{seed}-s0-{prompts[r].id.rsplit('-', 1)[1]}" for r in ids}
+  held = [prompts[r] for r in run["worker"].evaluated]
+  assert {p.metadata[PROMPT_SEED] for p in held} == {
+      f"{seed}-eval{p.metadata['eval']}-{p.metadata['eval_set']}-{p.id.rsplit('-', 1)[1]}-"
+      f"{p.metadata.get('eval_samples', 0)}" for p in held}
   # The fake worker rewards half of each group: the batch's mean reward is 0.5.
   assert all(s["reward_mean"] == pytest.approx(0.5) for s in steps)
   # Its responses hold 1 to 6 tokens, under the 16-token budget: none is truncated, and the
@@ -1036,7 +1049,8 @@ def test_dynamic_sampling_leaves_out_uniform_groups_and_fills_at_the_cap(tmp_pat
   for i, s in enumerate(steps, 1):
     ids = s["rollout_ids"]
     assert len(ids) == 4 and sum(x in worker.uniform for x in ids) == 1, s
-    assert ids[-1] in worker.uniform and min(ids) == ids[-1]  # the first left out
+    (fill,) = [x for x in ids if x in worker.uniform]
+    assert fill == min(ids)  # the first left out (taken first)
     assert (s["filtered"], s["filled"]) == (2 * i, i)
     # The policy's reward is over all 6 groups taken (3 of [1, 0, 1, 0], 3 of zeros), not
     # over the 4 trained, which dynamic sampling chose for varying
