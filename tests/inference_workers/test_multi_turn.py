@@ -72,34 +72,40 @@ def test_a_greedy_conversation_equals_decoding_the_whole_transcript_as_a_prompt(
 
 
 def test_sampled_turns_on_fewer_rows_than_samples_reply_finish_and_stop_at_max_turns(model):
+  """Also fed a token a decode step (feed_tokens=1): the same samples, the reply's stop id
+  (5) ending no turn, its tokens at sampling log-prob 0."""
   params = SamplingParams(max_new_tokens=20, stop_tokens=STOPS)
-  replies_seen = {}
+  runs = []
+  for feed_tokens in (256, 1):
+    replies_seen = {}
 
-  def respond(key, j, tokens, observed):
-    replies_seen[(key, j)] = replies_seen.get((key, j), 0) + 1
-    return [50, 51]  # always go on: max_turns ends it
+    def respond(key, j, tokens, observed):
+      replies_seen[(key, j)] = replies_seen.get((key, j), 0) + 1
+      return [50, 5]  # always go on: max_turns ends it
 
-  batch = ContinuousBatch(model, 3, 2, params, rows_per_prompt=2, respond=respond,
-                          max_turns=1)
-  for i, p in enumerate(PROMPTS):
-    batch.add(i, p, [11 * i + j for j in range(3)])
-  done = dict(batch.run())
-  assert sorted(done) == [0, 1, 2]
-  assert set(replies_seen.values()) == {1}  # one reply each: then a stop finishes the sample
-  for group in done.values():
-    assert len(group) == 3
-    for s in group:
-      k = int(np.sum(s.observed))
-      assert k in (0, 2) and s.tokens.shape == s.observed.shape == s.logprobs.shape
-      if k:
-        at = int(np.argmax(s.observed))
-        assert s.tokens[at:at + 2].tolist() == [50, 51] and s.tokens[at - 1] in STOPS
-        assert np.all(s.sampling_logprobs[at:at + 2] == 0)
-      ends_on_stop = s.tokens[-1] in STOPS and not s.observed[-1]
-      assert s.finish_reason == ("stop" if ends_on_stop else "length")
-      assert ends_on_stop or len(s.tokens) == 20
-  # The samples that got a reply are the ones that ended a turn within the budget.
-  assert sum(int(np.sum(s.observed) > 0) for g in done.values() for s in g) == len(replies_seen)
+    batch = ContinuousBatch(model, 3, 2, params, rows_per_prompt=2, respond=respond,
+                            max_turns=1, feed_tokens=feed_tokens)
+    for i, p in enumerate(PROMPTS):
+      batch.add(i, p, [11 * i + j for j in range(3)])
+    done = dict(batch.run())
+    assert sorted(done) == [0, 1, 2]
+    assert set(replies_seen.values()) == {1}  # one reply each: then a stop finishes it
+    for group in done.values():
+      assert len(group) == 3
+      for s in group:
+        k = int(np.sum(s.observed))
+        assert k in (0, 2) and s.tokens.shape == s.observed.shape == s.logprobs.shape
+        if k:
+          at = int(np.argmax(s.observed))
+          assert s.tokens[at:at + 2].tolist() == [50, 5] and s.tokens[at - 1] in STOPS
+          assert np.all(s.sampling_logprobs[at:at + 2] == 0)
+        ends_on_stop = s.tokens[-1] in STOPS and not s.observed[-1]
+        assert s.finish_reason == ("stop" if ends_on_stop else "length")
+        assert ends_on_stop or len(s.tokens) == 20
+    # The samples that got a reply are the ones that ended a turn within the budget.
+    assert sum(int(np.sum(s.observed) > 0) for g in done.values() for s in g) == len(replies_seen)
+    runs.append([(s.tokens.tolist(), s.observed.tolist()) for i in range(3) for s in done[i]])
+  assert runs[0] == runs[1]
 
 
 def test_a_reply_the_budget_cannot_hold_ends_the_sample_by_length(model):
@@ -111,6 +117,16 @@ def test_a_reply_the_budget_cannot_hold_ends_the_sample_by_length(model):
     assert len(s.tokens) <= 8
     if s.observed.any():
       assert len(s.tokens) == 8 and s.finish_reason == "length" and s.observed[-1]
+  # A reply that exactly fills the budget is fed a token a step too: it ends the sample at
+  # max_new_tokens, by length.
+  batch = ContinuousBatch(model, 1, 1, params, respond=lambda k, j, t, o: (
+      None if o.any() else [50] * (8 - len(t))))
+  for i, p in enumerate(PROMPTS):
+    batch.add(i, p, [1])
+  ended = [s for _, [s] in batch.run() if s.observed.any()]
+  assert ended
+  for s in ended:
+    assert len(s.tokens) == 8 and s.finish_reason == "length" and s.observed[-1]
 
 
 def test_a_reply_of_no_tokens_ends_the_sample_as_none_does(model):
@@ -255,10 +271,11 @@ def test_a_resumed_conversation_goes_on_as_if_never_interrupted(model):
 
 def test_a_reply_is_fed_in_one_step_not_one_decode_step_a_token(model, monkeypatch):
   """A 6-token reply joins the row in one step: the conversation takes 6 fewer decode steps
-  than feeding it a token a step (feed_tokens=1), with the same tokens."""
+  than feeding it a token a step (feed_tokens=1), with the same tokens; a stop id (3) in
+  the reply ends no turn either way."""
   from inference_workers import continuous
   params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_tokens=STOPS)
-  reply = [50, 51, 52, 53, 54, 55]
+  reply = [50, 51, 3, 53, 54, 55]
   steps = []
   chunk = continuous._chunk
 

@@ -92,3 +92,34 @@ def test_a_version_of_the_other_format_does_not_stop_the_refills():
   batch = Batch()
   worker._start_pending(batch)
   assert batch.added == [("l1", "q0"), ("l1", "q1"), ("l1", "q2")] and not worker._pending
+
+
+def test_a_version_skipped_on_a_replaced_store_is_forgotten_with_it():
+  """v1 of store A is in another format (skipped); the server restarts on an empty store B,
+  whose v0 the worker pulls. A's skipped v1 says nothing of B's versions: the prompts the
+  worker begins on v0 are stale once B's trainer names floor v1."""
+  keyframe, _ = published(CONFIG, version=0)
+
+  class Client(PublishingClient):
+    store, latest, fmt = "A", 0, keyframe.fmt
+
+    def latest_version(self):
+      return self.latest
+
+    def version_info(self):
+      return pb.VersionInfo(latest_version=self.latest, fmt=self.fmt, store_id=self.store)
+
+  wc = Client(keyframe)
+  worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+  worker.policy.apply(keyframe)
+  worker._catch_up()  # v0 of store A, held
+  wc.latest, wc.fmt = 1, "int8"
+  worker._catch_up()
+  assert (worker.policy.version, worker._skipped_version, wc.pulls) == (0, 1, [])
+  wc.store, wc.latest, wc.fmt = "B", 0, keyframe.fmt  # restarted on an empty store
+  worker._catch_up()  # B's keyframe, pulled
+  assert (worker.policy.version, worker._held_store, wc.pulls) == (0, "B", [None])
+  worker.prefetch(0)  # told of the version it holds: nothing to pull
+  assert wc.pulls == [None]
+  worker._floor = 1  # as B's trainer's first take at min_version 1 names it
+  assert worker._stale(0)

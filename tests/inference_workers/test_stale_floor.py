@@ -213,6 +213,26 @@ def test_vigor_rounds_end_when_the_floor_passes_their_version(server, versions):
   assert worker.stats.prompts_released == 2 and not worker._inflight[lease.lease_id]
 
 
+def test_a_vigor_round_whose_version_falls_under_the_floor_as_it_starts_decodes_nothing(
+    server, versions):
+  """The floor passes the round's version as its prompts go in (VIGOR's rounds): the round
+  ends before its first decode chunk, and its prompts go back."""
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    worker = _vigor_worker(trainer, wc, versions, "floor-in-round")
+    seeds, step, steps = worker._seeds, worker._step, []
+
+    def seeds_then_floor(*args):
+      worker._floor = 1  # as a reply naming the trainer's take at min_version 1 would
+      return seeds(*args)
+
+    worker._seeds = seeds_then_floor
+    worker._step = lambda batch: steps.append(1) or step(batch)
+    lease = worker._lease(0.0)
+    worker._serve(lease)
+  assert not steps and worker.stats.samples == 0
+  assert worker.stats.groups_submitted == 0 and worker.stats.prompts_released == 2
+
+
 def test_a_groups_siblings_are_released_once_its_submission_reply_raises_the_floor(
     server, versions):
   """Without continuous batching (VIGOR's rounds): the first group's submission reply names
@@ -262,14 +282,36 @@ def test_the_prompts_of_a_lease_a_renewal_finds_expired_leave_the_batch(server, 
     worker._lease_deadline[lease_id] = 0.0  # due a renewal
     worker._renew_leases()
     assert worker._lost == {lease_id}
+    rpc, calls = worker._rpc, []
+    worker._rpc = lambda method, *a, **k: calls.append((method, *a[:1])) or rpc(method, *a, **k)
     worker._cycle()
     assert worker.stats.groups_dropped_lost == 2 and lease_id not in worker._inflight
+    # The lost lease is abandoned: nothing more is said of it to the server.
+    assert not [c for c in calls if c[0] in ("release", "complete") and c[1:] == (lease_id,)]
     assert worker._started and all(key[0] != lease_id for key in worker._started)
     while worker._started or worker._scoring:
       worker._cycle()
     take = trainer.take_rollouts(min_version=0, max_n=4)
   assert sorted(r.prompt.id for r in take.rollouts) == ["p0", "p1"]
   assert worker.stats.groups_submitted == 2
+
+
+def test_a_lease_is_renewed_once_under_half_its_deadline_is_left(server):
+  """The heartbeat (every quarter deadline at most) renews a lease with under half of its
+  deadline left, so a renewal due lands with a quarter to spare; not one with more left."""
+  import time
+  with client(server, "trainer") as trainer, client(server, "worker") as wc:
+    enqueue_addition(trainer, 1)
+    wc.register("renewals")
+    worker = Worker(wc, CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+    lease = worker._lease(0.0)
+    rpc, calls = worker._rpc, []
+    worker._rpc = lambda method, *a, **k: calls.append(method) or rpc(method, *a, **k)
+    length = worker.config.lease_deadline_s
+    for left, want in ((0.6, []), (0.4, ["renew"])):
+      worker._lease_deadline[lease.lease_id] = time.monotonic() + left * length
+      worker._renew_leases()
+      assert calls == want
 
 
 def test_a_decode_chunk_that_stalls_hands_every_prompt_back_and_exits(server, versions,
