@@ -1513,10 +1513,13 @@ class Worker:
     return seeds + [GREEDY_SEED] * int(self.config.greedy_baseline)
 
   def _seeds(self, prompt: pb.Prompt, version: int, round_: int, n: int) -> list[int]:
-    """n samples' seeds for `prompt` at `version`, allocation round `round_`: of the seed
-    its trainer gave it (metadata PROMPT_SEED), else of this worker's seed and its id."""
-    key = prompt.metadata.get(PROMPT_SEED) or f"{self.config.seed}:{prompt.id}"
-    base = zlib.crc32(f"{key}:{version}:{round_}".encode())
+    """n samples' seeds for `prompt`, allocation round `round_`: of the seed its trainer
+    gave it (metadata PROMPT_SEED) alone, not `version` (a restart republishes its
+    checkpoint's weights as the next version: they draw what an uninterrupted run drew);
+    else of this worker's seed, the prompt's id and `version`."""
+    given = prompt.metadata.get(PROMPT_SEED)
+    key = given if given else f"{self.config.seed}:{prompt.id}:{version}"
+    base = zlib.crc32(f"{key}:{round_}".encode())
     return [(base + 7919 * j) % (2 ** 31) for j in range(n)]
 
   def _rollout_groups(self, prompts: list[pb.Prompt], tokens: list[list[int]], version: int

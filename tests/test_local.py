@@ -121,15 +121,18 @@ def test_each_rl_recipe_runs_the_whole_loop(recipe, tmp_path):
   assert f"worker: decoding on the default device; {batching}" in worker_log, worker_log[-2000:]
 
 
-@pytest.mark.slow  # ~50 s
-def test_a_synchronous_run_with_one_worker_repeats_exactly_in_another_workdir(tmp_path):
-  """configs/rl_sync.py (max_staleness 0) with one worker, run twice in two workdirs: the
-  same warm start, prompts, samples (their seeds the trainer's, not the workdir's) and step
+@pytest.mark.slow  # ~75 s
+def test_a_synchronous_run_with_one_worker_repeats_exactly_elsewhere_and_resumed(tmp_path):
+  """configs/rl_sync.py (max_staleness 0) with one worker, run in two workdirs, the second
+  stopped at step 2 and rerun to step 4: the same warm start, prompts, samples (their seeds
+  the trainer's, of neither the workdir nor the version a restart republishes as) and step
   sums (groups in their prompts' order), so the same losses and the same trained weights."""
   runs = [tmp_path / "a", tmp_path / "elsewhere" / "b"]
-  for workdir in runs:
-    proc = _local(workdir, "--config.local.workers=1", config="configs/rl_sync.py:tiny")
+  for workdir, steps in ((runs[0], 4), (runs[1], 2), (runs[1], 4)):
+    proc = _local(workdir, "--config.local.workers=1", f"--config.rl.steps={steps}",
+                  config="configs/rl_sync.py:tiny")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert json.load(open(runs[1] / "summary.json"))["version"] == 5  # (v3: step 2's again)
   keys = ("reward_mean", "loss", "clip_frac", "response_len_mean")
   steps = [[{k: s[k] for k in keys} for s in _lines(w / "steps.jsonl")]
            for w in runs]

@@ -966,18 +966,20 @@ def test_a_reward_model_scores_the_prompts_of_task_reward_model(server, versions
 
 def test_a_prompts_sampling_seed_is_its_trainers_whatever_the_workers_seed():
   """A prompt that carries its trainer's seed draws the same seeds on every worker (another
-  --seed, another workdir's prompt id); one without draws of the worker's seed and its id.
-  Versions and allocation rounds draw afresh."""
+  --seed, another workdir's prompt id) and at every version (a restart republishes its
+  checkpoint as the next); one without draws of the worker's seed, its id and the version.
+  Allocation rounds draw afresh."""
   zero, one = (Worker(None, CONFIG, TOKENIZER, WorkerConfig(max_new_tokens=8, seed=s))
                for s in (0, 1))
   seeded = pb.Prompt(id="runA-3", metadata={PROMPT_SEED: "0-s0-3"})
   moved = pb.Prompt(id="runB-3", metadata={PROMPT_SEED: "0-s0-3"})
   assert zero._seeds(seeded, 2, 0, 4) == one._seeds(seeded, 2, 0, 4) == one._seeds(moved, 2, 0, 4)
   assert len(set(zero._seeds(seeded, 2, 0, 4))) == 4
-  assert zero._seeds(seeded, 3, 0, 4) != zero._seeds(seeded, 2, 0, 4)
+  assert zero._seeds(seeded, 3, 0, 4) == zero._seeds(seeded, 2, 0, 4)
   assert zero._seeds(seeded, 2, 1, 4) != zero._seeds(seeded, 2, 0, 4)
   bare = pb.Prompt(id="runA-3")
   assert zero._seeds(bare, 2, 0, 4) != one._seeds(bare, 2, 0, 4)
+  assert zero._seeds(bare, 3, 0, 4) != zero._seeds(bare, 2, 0, 4)
   assert zero._seeds(bare, 2, 0, 4) != zero._seeds(pb.Prompt(id="runB-3"), 2, 0, 4)
 
 
@@ -1203,3 +1205,32 @@ def test_the_behaviour_logprobs_sent_are_those_of_the_tempered_draw(server, vers
   for sent, d in zip(taken.group.samples, drawn):
     assert not np.allclose(d.sampling_logprobs, d.logprobs, atol=1e-3)  # T=1.5: they differ
     np.testing.assert_allclose(sample_logprobs(sent), d.sampling_logprobs, atol=1e-5)
+
+
+def test_a_full_batch_leases_no_prompts_to_hold_idle():
+  """No slot free and none waiting: the cycle leases nothing (prompts it could not start
+  would wait in the worker, their leases renewed, while another worker could sample them);
+  a slot freed, it leases."""
+  from param_server.client import Lease
+  from worker_testlib import PublishingClient
+  leases = []
+
+  class Client(PublishingClient):
+    def lease(self, n, deadline_s, wait_s=0.0):
+      leases.append(n)
+      return Lease("l0", "w1", [], 0.0, 0, 0)
+
+  class Batch:  # one prompt decoding, in every slot there is
+    running, waiting, free = 1, 0, 0
+
+    def step(self):
+      return []
+
+  worker = Worker(Client(None), CONFIG, TOKENIZER, WorkerConfig(**SMALL))
+  worker.policy.version = 0  # as if v0 were held (the batch decodes nothing)
+  worker._batch, worker._slots = Batch(), 1
+  worker._cycle()
+  assert leases == []
+  worker._batch.free = 1
+  worker._cycle()
+  assert leases == [SMALL["prompts_per_lease"]]
