@@ -272,6 +272,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # > 0: also export every this many steps to <workdir>/exports/step_NNNNNN (the full model
   # each time), to score the run's course with `rlax-ps eval`.
   c.export.every_steps = 0
+  c.export.max_to_keep = 0  # > 0: the newest this many of them kept, older ones deleted.
   c.export.dtype = ""  # "" = the params' dtype; bfloat16 halves float32 exports.
   # "fp8": each layer's projections in block-scaled FP8 as DeepSeek-V3 ships (vLLM and
   # SGLang serve it as it is), the rest in export.dtype; "fp8_ue8m0": so with power-of-two

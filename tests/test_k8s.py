@@ -1,6 +1,7 @@
 """The Kubernetes manifests in k8s/, rendered by the real `kubectl kustomize`, checked against
 the Kubernetes API schemas, and their commands parsed by the real `rlax-ps` flags."""
 
+import atexit
 import functools
 import json
 import math
@@ -66,7 +67,9 @@ def write_overlay(root: pathlib.Path, k8s: pathlib.Path, parts: tuple[str, ...])
 def overlay_dir(name: str) -> pathlib.Path:
   if name not in COMPOSED:
     return K8S / name
-  return write_overlay(pathlib.Path(tempfile.mkdtemp(prefix="rlax-ps-k8s-")), K8S, COMPOSED[name])
+  root = tempfile.mkdtemp(prefix="rlax-ps-k8s-")
+  atexit.register(shutil.rmtree, root, True)  # (cached for the session: gone at its end)
+  return write_overlay(pathlib.Path(root), K8S, COMPOSED[name])
 
 
 def kustomize(root: pathlib.Path) -> subprocess.CompletedProcess:

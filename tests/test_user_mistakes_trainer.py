@@ -167,7 +167,7 @@ def test_rl_settings_that_would_train_nothing_are_refused(field, value, message)
 
 
 @pytest.mark.parametrize("path", ["checkpoint.every_steps", "eval.every_steps",
-                                  "export.every_steps"])
+                                  "export.every_steps", "export.max_to_keep"])
 def test_a_negative_every_steps_is_refused_not_run_every_step(path):
   config = _config("rl_local.py")
   block, key = path.split(".")

@@ -57,7 +57,7 @@ from rlax_ps.train.rollouts import BatchShape, Group, build_batch, check_group, 
   fit_response_len, response_lens, response_stats
 from rlax_ps.train.events import open_jsonl, open_steps_jsonl, read_jsonl
 from rlax_ps.train.run import (STOP_SIGNALS, TrainerRun, check_resumed_clipping, data_source,
-                               open_checkpointer)
+                               open_checkpointer, prune_exports)
 from rlax_ps.train.critic import LAYOUTS, Critic
 from rlax_ps.train.state import (TrainState, abstract_model, hf_params, restore_or_init,
                                  restore_state)
@@ -1145,6 +1145,9 @@ class RLTrainer(TrainerRun):
         export_every = int(self.config.export.get("every_steps", 0))
         if export_every and done % export_every == 0 and done < self.total_steps:
           self.export_hf(os.path.join(self.workdir, "exports", f"step_{done:06d}"))
+          if self.leader:
+            prune_exports(os.path.join(self.workdir, "exports"),
+                          int(self.config.export.get("max_to_keep", 0)))
     finally:
       for log in (steps_log, self._completions_log):
         if log is not None:

@@ -52,7 +52,8 @@ def check_rl_config(config, *, files: bool = True) -> LossConfig:
       0 < patience < float("inf")):
     raise ValueError(f"rl.take_timeout_s: expected seconds > 0 (how long the trainer waits for "
                      f"a group it can train on before it ends the run), got {patience!r}")
-  check_counts(config, ("checkpoint.every_steps", "eval.every_steps", "export.every_steps"))
+  check_counts(config, ("checkpoint.every_steps", "eval.every_steps", "export.every_steps",
+                        "export.max_to_keep"))
   check_run_blocks(config, steps)
   temperature = worker.get("temperature", 1.0)
   if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -264,6 +265,20 @@ def write_hf_export(graphdef: nnx.GraphDef, params: Any, tokenizer, path: str, *
   os.rename(partial, path)
   shutil.rmtree(old, ignore_errors=True)
   return path
+
+
+def prune_exports(folder: str, keep: int) -> list[str]:
+  """Deletes the oldest of the periodic exports in `folder` (`step_NNNNNN`, export.every_steps)
+  past the newest `keep` (0: keeps them all); what else the folder holds is left. Returns the
+  deleted paths."""
+  if keep <= 0 or not os.path.isdir(folder):
+    return []
+  steps = sorted((n for n in os.listdir(folder) if re.fullmatch(r"step_\d{6,}", n)),
+                 key=lambda n: int(n[5:]))
+  gone = [os.path.join(folder, n) for n in steps[:-keep]]
+  for path in gone:
+    shutil.rmtree(path)
+  return gone
 
 
 class TrainerRun:

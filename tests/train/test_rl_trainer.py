@@ -90,7 +90,9 @@ def run(tmp_path_factory):
   config = _config(steps=4, micro_batches=2)  # exact (test_rl_loss); here: wired through
   config.loss.logits_chunk = 4
   config.worker.max_new_tokens = 16  # the fake responses (at most 6) pack to 8 (response_buckets)
-  config.export.every_steps = 2
+  config.export.every_steps, config.export.max_to_keep = 2, 1
+  for name in ("step_000000", "mine"):  # an older run's periodic export, and a user's folder
+    os.makedirs(tmp / "rl" / "exports" / name)
   config.worker.top_p = 0.95  # what pass@k samples with (the fake worker ignores it)
   config.eval.on_workers, config.eval.every_steps = True, 1  # the fake worker answers
   config.eval.rounds_pass_k = 2
@@ -352,9 +354,23 @@ def test_rlax_ps_export_of_the_run_writes_what_the_trainer_exported(run, tmp_pat
     assert (trainer / name).read_bytes() == open(os.path.join(out, name), "rb").read(), name
 
 
+def test_periodic_exports_past_max_to_keep_go_oldest_first_by_step_not_by_name(tmp_path):
+  from rlax_ps.train.run import prune_exports
+  names = ["step_000009", "step_000010", "step_1000000", "step_000100", "notes", "step_x"]
+  for name in names:
+    os.makedirs(tmp_path / name)
+  assert prune_exports(str(tmp_path), 0) == [] and sorted(os.listdir(tmp_path)) == sorted(names)
+  gone = prune_exports(str(tmp_path), 2)
+  assert gone == [str(tmp_path / "step_000009"), str(tmp_path / "step_000010")]
+  assert sorted(os.listdir(tmp_path)) == ["notes", "step_000100", "step_1000000", "step_x"]
+  assert prune_exports(str(tmp_path / "none"), 1) == []
+
+
 def test_export_every_steps_writes_the_weights_of_that_step(run):
   exports = run["tmp"] / "rl" / "exports"
-  assert sorted(os.listdir(exports)) == ["step_000002"]  # step 4 is the final export, in hf/
+  # Step 4 is the final export, in hf/; export.max_to_keep=1 deleted the older one, not the
+  # folder that is no export.
+  assert sorted(os.listdir(exports)) == ["mine", "step_000002"]
   assert sorted(run["exported_at"]) == ["hf", "step_000002"]
   model = load_hf_checkpoint(str(exports / "step_000002"))
   got = {k: np.asarray(v) for k, v in flatten_params(model).items()}
