@@ -41,7 +41,12 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-  argv = list(sys.argv if argv is None else argv)
+  """`rlax-ps SUBCOMMAND --flags`, from sys.argv or `argv` (["rlax-ps", "local", ...]: a
+  notebook's call in its own process; `local` leaves that process's JAX on the CPU, as its
+  supervisor's is: `!rlax-ps local` where the kernel uses the accelerator itself)."""
+  if argv is not None:  # ml_collections reads `--config.a.b=` overrides from sys.argv
+    sys.argv = list(argv)
+  argv = list(sys.argv)
   prog = "rlax-ps"
   parent = os.environ.pop(STOP_WITH_PARENT, "")
   if parent:  # a child of `rlax-ps local`: it stops when its supervisor dies
@@ -58,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(2)
   module = importlib.import_module(SUBCOMMANDS[name][0])
   from absl import app, flags  # imported late: keeps `rlax-ps --help` instant.
+  _unparse(flags.FLAGS)
   # `rlax-ps <name> --help` shows the subcommand's docstring and its key flags: its own and
   # those it adopts (where to connect, the token, TLS, a config dataclass's settings).
   sys.modules["__main__"].__doc__ = module.__doc__
@@ -67,6 +73,18 @@ def main(argv: list[str] | None = None) -> None:
   app.run(reporting_errors(module.main, f"{prog} {name}"),
           argv=[f"{prog} {name}"] + with_shipped_recipes(argv[2:], f"{prog} {name}"),
           flags_parser=parse_flags)
+
+
+def _unparse(flag_values) -> None:
+  """A process's second command (a notebook's cell run again) starts from the defaults: the
+  last one's values and its `--config.a.b=` override flags (ml_collections defines one per
+  override as it parses, and would refuse it defined twice) go."""
+  if not flag_values.is_parsed():
+    return
+  for name in [n for n in flag_values
+               if type(flag_values[n]).__name__ == "_ConfigFieldFlag"]:
+    delattr(flag_values, name)
+  flag_values.unparse_flags()
 
 
 # Errors a user mends (a token, a token file, a server that refused a call, a storage folder

@@ -68,13 +68,16 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def main(argv: list[str]) -> None:
-  for stop in STOP_SIGNALS:
-    signal.signal(stop, _raise_terminated)
+  _RECEIVED.clear()  # (a notebook's second run in one process: the first's stop is done)
+  before = {stop: signal.signal(stop, _raise_terminated) for stop in STOP_SIGNALS}
   try:
     _run(argv)
   except Terminated as e:  # during the checks, before anything started
     print("rlax-ps local: terminated before the run started", file=sys.stderr, flush=True)
     sys.exit(e.code)
+  finally:  # the caller's handlers back (a notebook's kernel goes on)
+    for stop, handler in before.items():
+      signal.signal(stop, handler)
 
 
 def _run(argv: list[str]) -> None:

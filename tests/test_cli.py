@@ -15,6 +15,36 @@ def _run(*args):
                         text=True, timeout=120)
 
 
+IN_ONE_PROCESS = """
+import signal, sys
+from rlax_ps.cli import main
+mine = lambda signum, frame: None
+signal.signal(signal.SIGTERM, mine)
+for args in sys.argv[1:]:
+  try:
+    main(["rlax-ps", *args.split()])
+  except SystemExit as e:
+    print("exit", e.code, signal.getsignal(signal.SIGTERM) is mine, flush=True)
+"""
+
+
+def test_a_notebook_runs_commands_one_after_another_in_its_own_process(tmp_path):
+  """rlax_ps.cli.main(argv) called from a kernel: `--config.a.b=` overrides are read from
+  `argv` (not the kernel's sys.argv), each call starts from the defaults (the last one's
+  overrides and flags gone), and `rlax-ps local` gives the kernel its SIGTERM handler back."""
+  local = f"local --config=configs/rl_local.py:tiny --workdir={tmp_path / 'w'}"
+  r = subprocess.run([sys.executable, "-c", IN_ONE_PROCESS, f"{local} --config.rl.steps=-3",
+                      f"{local} --config.rl.steps=-5 --config.rl.max_staleness=-1 "
+                      f"--progress=false", f"{local} --config.rl.max_staleness=-2"],
+                     cwd=REPO, capture_output=True, text=True, timeout=120)
+  said = [line for line in r.stderr.splitlines() if line.startswith("rlax-ps local: ")]
+  assert [line for line in r.stdout.splitlines() if line.startswith("exit")] == [
+      "exit 2 True"] * 3, r.stdout + r.stderr[-3000:]
+  assert said == [  # (steps, max_staleness, publish_every): the last call's steps back to 4
+      "rlax-ps local: bad flags: rl: expected steps >= 1, max_staleness >= 0, publish_every "
+      f">= 1, got {got}" for got in ("-3, 1, 1", "-5, -1, 1", "4, -2, 1")], r.stderr[-3000:]
+
+
 def test_unknown_subcommand_is_named_with_the_choices():
   r = _run("trian")
   assert r.returncode == 2
