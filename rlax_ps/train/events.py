@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -117,14 +117,14 @@ def open_jsonl(path: str):
 def open_steps_jsonl(path: str, after_step: int):
   """open_jsonl of a trainer's per-step log, resuming after `after_step` (its checkpoint's):
   the lines of steps past it, which a kill undid and the run does again, are dropped first
-  (atomically), so each step has one line, the one its checkpointed state went on from."""
-  records = read_jsonl(path)
-  if any(int(r.get("step", 0)) > after_step for r in records):
+  (atomically), so each step has one line, the one its checkpointed state went on from. The
+  file is read a line at a time (a long run's is hundreds of MB); kept lines stay as written."""
+  if any(int(r.get("step", 0)) > after_step for _, r in _records(path)):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-      for r in records:
+      for line, r in _records(path):
         if int(r.get("step", 0)) <= after_step:
-          f.write(json.dumps(r) + "\n")
+          f.write(line if line.endswith("\n") else line + "\n")
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -133,14 +133,17 @@ def open_steps_jsonl(path: str, after_step: int):
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
   """The records of a JSON-lines log, a line a kill tore left out ([] without the file)."""
-  records = []
+  return [r for _, r in _records(path)]
+
+
+def _records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+  """(line, record) of each line of a JSON-lines log holding a JSON object, a line at a time."""
   with contextlib.suppress(FileNotFoundError), open(path) as f:
     for line in f:
       with contextlib.suppress(ValueError):
         record = json.loads(line)
         if isinstance(record, dict):
-          records.append(record)
-  return records
+          yield line, record
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -193,14 +193,19 @@ def test_a_table_reaches_tensorboards_text_tab_and_the_wandb_run(tmp_path):
 
 def test_a_resumed_runs_step_log_drops_the_lines_of_steps_it_does_again(tmp_path):
   """A kill -9 after step 5's line and before its checkpoint (at 3): the rerun does steps 4
-  and 5 again, so their first lines go (each step then has one line), torn line and all."""
+  and 5 again, so their first lines go (each step then has one line), torn line and all; the
+  lines kept are as written."""
   from rlax_ps.train.events import open_steps_jsonl, read_jsonl
   path = str(tmp_path / "steps.jsonl")
+  kept = [json.dumps({"step": s, "x": s}, indent=None, separators=(",", ":")) + "\n"
+          for s in range(1, 4)]
   with open(path, "w") as f:
-    f.write("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 6)) + '{"st')
+    f.write("".join(kept) + json.dumps({"step": 4}) + "\n[]\n" + json.dumps({"step": 5})
+            + "\n" + '{"st')
   with open_steps_jsonl(path, 3) as f:
     f.write(json.dumps({"step": 4, "x": 40}) + "\n")
   assert [(r["step"], r["x"]) for r in read_jsonl(path)] == [(1, 1), (2, 2), (3, 3), (4, 40)]
+  assert open(path).read().startswith("".join(kept))
   open_steps_jsonl(path, 4).close()  # nothing past the checkpoint: kept as it is
   assert len(read_jsonl(path)) == 4 and not os.path.exists(path + ".tmp")
 
