@@ -206,8 +206,9 @@ def check_tokenizer(group, identity: str) -> None:
   if said is not None and said != identity:
     raise ValueError(f"prompt {group.prompt_id}: sampled by worker "
                      f"{group.metadata.get('worker', '?')!r} with another tokenizer ({said}) "
-                     f"than this trainer's ({identity}); start the workers with the trainer's "
-                     f"config and init_from_hf")
+                     f"than this trainer's ({identity}: its vocabulary, chat template and "
+                     f"chat_kwargs); start the workers with the trainer's config, its "
+                     f"--config.tokenizer.* overrides and init_from_hf")
 
 
 def teacher_shape(loss_cfg, config) -> dict:
@@ -383,7 +384,15 @@ def sync_summary(fmt: str, log: Sequence[tuple[int, int, float, bool, int]]) -> 
 
 class TakeTimeout(TimeoutError):
   """rl.take_timeout_s ran out with no group to train on (no fleet, or one that runs another
-  config): the run ends, checkpointed, with this one line."""
+  config), or the fleet's groups were rejected REFUSED_IN_A_ROW times in a row: the run ends,
+  checkpointed, with this one line."""
+
+
+# Groups sampled for this start that the trainer rejects one after another (no trainable one
+# between) before it stops, at least: a fleet run with other settings (a verifier, tokenizer
+# or budget of its own) answers every prompt in a blink, and the trainer fed it more at once,
+# rejecting hundreds a second for rl.take_timeout_s and leaving them all to the next start.
+REFUSED_IN_A_ROW = 64
 
 
 class RLTrainer(TrainerRun):
@@ -612,6 +621,7 @@ class RLTrainer(TrainerRun):
       self._load_metadata(saved)
     self._restart_floor: int | None = None
     self._restart_version = 0  # the version a restart published its restored weights as
+    self._refused_in_a_row = 0  # groups of this start rejected since the last trainable one
     self._journal: dict[str, Any] | None = None  # a take round's changes (_take_bookkeeping)
     self._completions_log = None  # completions.jsonl while train() runs (log.completions_every)
     self._requeue_next = True  # the first take returns any unacknowledged take
@@ -1537,6 +1547,8 @@ class RLTrainer(TrainerRun):
         waited_since = time.monotonic()
       elif time.monotonic() - waited_since > float(rl.take_timeout_s):
         raise TakeTimeout(self._no_groups_message())
+      if self._refused_in_a_row >= max(REFUSED_IN_A_ROW, 4 * self.shape.groups):
+        raise TakeTimeout(self._refused_message())
       if not take.rollouts:
         continue
       if sampling is None:
@@ -1556,6 +1568,12 @@ class RLTrainer(TrainerRun):
   def _pending_prompts(self) -> dict[str, int]:
     """prompt id -> rollout id of each group in a take not yet acknowledged."""
     return {p: i for t in self.pending for p, i in zip(t.prompt_ids, t.rollout_ids)}
+
+  def _refused_message(self) -> str:
+    return (f"rl: the fleet's last {self._refused_in_a_row} groups were all rejected, the "
+            f"last: {self.last_rejection}; the workers cannot serve this run's prompts: start "
+            f"them with this trainer's --config and its --config.* overrides (worker.*, "
+            f"tokenizer.*, init_from_hf; a worker.verifiers file on their machines too)")
 
   def _no_groups_message(self) -> str:
     """Why rl.take_timeout_s ran out: no group came, or none that could be trained on."""
@@ -1607,7 +1625,7 @@ class RLTrainer(TrainerRun):
         continue
       self.consumed += 1
       if taken.group.failure:  # a prompt no worker could sample: answered, not trained on
-        self._reject(f"prompt {taken.group.prompt_id} could not be sampled by worker "
+        self._reject(taken, f"prompt {taken.group.prompt_id} could not be sampled by worker "
                      f"{taken.group.metadata.get('worker', '?')!r}: {taken.group.failure}")
         continue
       if (self.selective and "record" in taken.prompt.metadata  # (an old source's: not ours)
@@ -1638,7 +1656,7 @@ class RLTrainer(TrainerRun):
                            f"rl.dynamic_sampling needs worker.samples_per_prompt="
                            f"{self.shape.samples}")
       except ValueError as e:
-        self._reject(str(e))
+        self._reject(taken, str(e))
         continue
       if (group.prompt_routes is None) == self.shape.routed and not self._told_routes:
         self._told_routes = True  # a worker started with another worker.routing_replay
@@ -1653,6 +1671,7 @@ class RLTrainer(TrainerRun):
         self._taken[group.rollout_id] = taken
       if group.reward_parts_bad:
         self._count_malformed(group)
+      self._refused_in_a_row = 0
       valid.append(group)
     return valid
 
@@ -1692,12 +1711,17 @@ class RLTrainer(TrainerRun):
       record["reward_parts_malformed"] = self.reward_parts_malformed
     return record
 
-  def _reject(self, why: str) -> None:
-    """Count and log (at most every 10 s) a group that cannot enter a batch."""
+  def _reject(self, taken, why: str) -> None:
+    """Count and log (at most every 10 s) a group that cannot enter a batch; one sampled for
+    this start (not one an earlier start left unacknowledged) counts towards
+    REFUSED_IN_A_ROW."""
+    if taken.group.policy_version >= self._restart_version:
+      self._refused_in_a_row += 1
     logging.log_every_n_seconds(
         logging.WARNING, "rl: rollout group rejected: %s (%d so far; do the workers run this "
-        "trainer's config? rl.take_timeout_s ends the run when none can be trained on)", 10,
-        why, self.rejected + 1)
+        "trainer's config? %d in a row, or rl.take_timeout_s without a group to train on, end "
+        "the run)", 10,
+        why, self.rejected + 1, max(REFUSED_IN_A_ROW, 4 * self.shape.groups))
     self.rejected += 1
     self.last_rejection = why
 

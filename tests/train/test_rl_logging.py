@@ -206,8 +206,10 @@ def test_a_group_sampled_with_another_tokenizer_is_refused_naming_the_worker():
   check_tokenizer(pb.RolloutGroup(prompt_id="p2"), ours)
   with pytest.raises(ValueError, match=rf"^prompt p1: sampled by worker 'w0' with another "
                                        rf"tokenizer \({ours}\) than this trainer's "
-                                       rf"\({theirs}\); start the workers with the "
-                                       rf"trainer's config and init_from_hf"):
+                                       rf"\({theirs}: its vocabulary, chat template and "
+                                       rf"chat_kwargs\); start the workers with the "
+                                       rf"trainer's config, its --config.tokenizer.\* "
+                                       rf"overrides and init_from_hf"):
     check_tokenizer(group, theirs)
 
 

@@ -31,6 +31,7 @@ from rlax_ps.tokenizers import make_tokenizer
 from rlax_ps.train.publisher import flat_params
 from rlax_ps.teacher import Teacher, score_retokenized
 from rlax_ps.train.events import open_jsonl, read_jsonl
+from rlax_ps.train import rl as rl_module
 from rlax_ps.train.rl import PendingTake, RLTrainer, TakeTimeout, server_retry
 
 
@@ -1388,27 +1389,58 @@ class _TooMany(FakeWorker):
                  r"prompt \S+ could not be sampled by worker 'w7': prompt length 70 ",
                  marks=pytest.mark.slow),
 ])
-def test_groups_it_cannot_train_on_end_the_run_at_take_timeout_naming_why(tmp_path, worker_kind,
-                                                                          why):
+def test_groups_it_cannot_train_on_end_the_run_at_once_naming_why(tmp_path, worker_kind, why):
   """Rejected groups (and prompts a worker could not sample) do not count as arrivals: with
-  only those coming, rl.take_timeout_s ends the run with the reason, instead of a trainer
-  that waits forever at step 0."""
+  only those coming, the run ends after REFUSED_IN_A_ROW of them with the reason, instead of
+  a trainer that waits forever at step 0, or fed the fleet hundreds of prompts a second for
+  rl.take_timeout_s. Restarted with a fleet that runs its settings, it trains: the groups
+  the first start left (rejected again) do not end it."""
   config = _config(steps=2)
   config.eval.num_examples = 0
-  config.rl.take_timeout_s = 3.0
+  config.rl.take_timeout_s = 600.0  # (never reached here)
   server = start_server(tmp_path / "ps")
   worker = worker_kind(server.address, samples=4,
                        max_len=int(config.worker.max_new_tokens) + 1).start()
   try:
     with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
       with pytest.raises(TakeTimeout, match=(
-          r"rl.take_timeout_s: no usable rollout group for 3.0s; \d+ groups rejected, the "
-          r"last: .*" + why + r".* \(do the workers run this")):
+          r"rl: the fleet's last (6[4-9]|7\d) groups were all rejected, the last: .*" + why +
+          r".*; the workers cannot serve this run's prompts: start them with this trainer's "
+          r"--config and its --config.\* overrides")):
         tr.train()
       # The run ends as a stop does: its checkpoint first, the round's groups (answered, not
       # counted) to be taken again by the next start
       assert tr.step == 0 and tr.checkpointer.latest_step() == 0
-      assert tr.consumed == tr.rejected == 0 and tr.pending
+      assert tr.consumed == tr.rejected == 0
+      left = sum(len(t.rollout_ids) for t in tr.pending)
+      assert 64 <= left < 64 + 2 * 4  # (the fleet was fed the step's prompts and no more)
+    if worker_kind is not _Overlong:
+      return
+    worker.stop()
+    worker = FakeWorker(server.address, samples=4).start()
+    with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      tr.train()
+      assert tr.step == 2 and tr.rejected >= 64
+  finally:
+    worker.stop()
+    server.stop(grace=0)
+
+
+def test_rejected_groups_coming_slower_than_refused_in_a_row_end_the_run_at_take_timeout(
+    tmp_path, monkeypatch):
+  monkeypatch.setattr(rl_module, "REFUSED_IN_A_ROW", 10 ** 6)
+  config = _config(steps=2)
+  config.eval.num_examples = 0
+  config.rl.take_timeout_s = 2.0
+  server = start_server(tmp_path / "ps")
+  worker = _Overlong(server.address, samples=4,
+                     max_len=int(config.worker.max_new_tokens) + 1).start()
+  try:
+    with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
+      with pytest.raises(TakeTimeout, match=(
+          r"rl.take_timeout_s: no usable rollout group for 2.0s; \d+ groups rejected, the "
+          r"last: .*more than worker.max_new_tokens=\d+.* \(do the workers run this")):
+        tr.train()
   finally:
     worker.stop()
     server.stop(grace=0)
