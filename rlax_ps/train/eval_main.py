@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 from typing import Any
 
 from absl import app, flags
@@ -48,12 +49,23 @@ def _checkpoints_exist(paths) -> bool:
 
 def checkpoint_tokenizer(config, path: str):
   """The tokenizer of the checkpoint at `path`: its own tokenizer.json (exports carry
-  theirs) unless the config's `tokenizer.path` names one, else the config's tokenizer."""
+  theirs) unless the config's `tokenizer.path` names one, else the config's tokenizer. One
+  that renders prompts raw, of a checkpoint shipping a chat template, is said on stderr (an
+  instruct model trained on rendered prompts scores otherwise on raw ones)."""
+  from rlax_ps import chat
   from rlax_ps.tokenizers import tokenizer_file, tokenizer_from_config
   block = dict(config.tokenizer.items())
   if not block.get("path") and tokenizer_file(path):
     block.update(kind="hf", path=path)
-  return tokenizer_from_config(block, path, str(config.get("worker", {}).get("verifiers", "")))
+  tokenizer = tokenizer_from_config(block, path,
+                                    str(config.get("worker", {}).get("verifiers", "")))
+  if getattr(tokenizer, "chat_template", 0) is None and chat.named_templates(
+      os.path.dirname(tokenizer.path)):
+    print(f"rlax-ps eval: {path} ships a chat template, but its prompts are scored raw "
+          f"(tokenizer.chat_template=''); a model trained on prompts its template rendered "
+          f"(configs/rl_instruct.py, --config.tokenizer.chat_template=auto) wants that "
+          f"setting here too", file=sys.stderr, flush=True)
+  return tokenizer
 
 
 def check_checkpoint(config, path: str):

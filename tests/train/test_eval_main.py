@@ -63,6 +63,22 @@ def test_a_checkpoint_without_a_tokenizer_is_not_read_with_a_char_tokenizer_of_o
   assert isinstance(eval_main.check_checkpoint(config, path), CharTokenizer)
 
 
+def test_a_checkpoint_shipping_a_chat_template_scored_on_raw_prompts_is_said(tmp_path, capsys):
+  """An instruct export scored with a config that renders prompts raw (rl_local.py's, where
+  the run trained with tokenizer.chat_template=auto) scores what it was not trained on:
+  said on stderr; with the template, nothing is said."""
+  path = llama_copy(tmp_path, "chat_tokenizer")
+  config = tiny_config()
+  assert eval_main.checkpoint_tokenizer(config, path).chat_template is None
+  assert f"rlax-ps eval: {path} ships a chat template, but its prompts are scored raw" in (
+      capsys.readouterr().err)
+  config.tokenizer.chat_template = "auto"
+  assert eval_main.checkpoint_tokenizer(config, path).chat_template
+  assert capsys.readouterr().err == ""
+  eval_main.checkpoint_tokenizer(tiny_config(), llama_copy(tmp_path / "b"))  # char: no template
+  assert capsys.readouterr().err == ""
+
+
 def test_a_checkpoint_with_its_own_smaller_tokenizer_is_read_with_it(tmp_path):
   path = llama_copy(tmp_path)
   CharTokenizer("0123456789+ ").save(path)
