@@ -75,7 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.batch_size = 64
   c.eval.pass_k = 4
   c.local.workers = 1
-  c.export.dtype = "bfloat16"  # as the checkpoint came, for vLLM / transformers
+  c.export.dtype = "bfloat16"  # as instruct checkpoints ship, for vLLM / transformers
 
   if arg == "tiny":
     c.rl.steps = 2

@@ -379,7 +379,7 @@ def summary_table(summary: dict[str, Any]) -> str:
   scores = {**before, **after}
   title = "held-out score" if "reward_model" in scores else "held-out exact match"
   # Without a held-out set (a reward model's recipe may have none), no header without rows.
-  rows = [(title, "warm start", "after RL")] if scores or summary.get("heldout_pass") else []
+  rows = [(title, "before RL", "after RL")] if scores or summary.get("heldout_pass") else []
   for name in sorted(scores, key=lambda n: (n == "all", n)):
     rows.append((f"  {name}", heldout_cell(before.get(name), scores),
                  heldout_cell(after.get(name), scores)))

@@ -161,10 +161,12 @@ def _run(argv: list[str]) -> None:
     sys.exit(130)
   from rlax_ps.train.rl_checks import check_resumed_model
   try:  # (a warm start trained anew on another model block: the trainer would refuse it)
-    check_resumed_model(config, workdir, init_from_hf)
+    line = check_resumed_model(config, workdir, init_from_hf)
   except (OSError, ValueError) as e:
     print(f"rlax-ps local: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
+  if line:  # another init_from_hf than the run's: its trainer's log alone said so
+    print(f"rlax-ps local: {line}", file=sys.stderr, flush=True)
   steps = local.StepReader(os.path.join(workdir, "steps.jsonl"))
   code, message = 0, ""
   try:

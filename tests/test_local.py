@@ -129,9 +129,16 @@ def test_a_synchronous_run_with_one_worker_repeats_exactly_elsewhere_and_resumed
   sums (groups in their prompts' order), so the same losses and the same trained weights."""
   runs = [tmp_path / "a", tmp_path / "elsewhere" / "b"]
   for workdir, steps in ((runs[0], 4), (runs[1], 2), (runs[1], 4)):
-    proc = _local(workdir, "--config.local.workers=1", f"--config.rl.steps={steps}",
+    # The rerun names a's warm start (the same weights: one seed) as init_from_hf: it goes on
+    # from its checkpoint all the same, and says so on the console, not only in its log.
+    init = ([f"--config.init_from_hf={runs[0] / 'sft' / 'hf'}"]
+            if workdir == runs[1] and steps == 4 else [])
+    proc = _local(workdir, "--config.local.workers=1", f"--config.rl.steps={steps}", *init,
                   config="configs/rl_sync.py:tiny")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert (f"rlax-ps local: init_from_hf: {str(runs[1] / 'sft' / 'hf')!r} in the checkpoint "
+          f"(step 2), {str(runs[0] / 'sft' / 'hf')!r} now: the run resumes the checkpoint's "
+          f"weights") in proc.stderr, proc.stderr[-3000:]
   assert json.load(open(runs[1] / "summary.json"))["version"] == 5  # (v3: step 2's again)
   keys = ("reward_mean", "loss", "clip_frac", "response_len_mean")
   steps = [[{k: s[k] for k in keys} for s in _lines(w / "steps.jsonl")]
@@ -473,7 +480,7 @@ def test_the_summary_table_shows_groups_left_out_and_a_reward_models_scores():
                                "heldout_pass": {"pass@1": 0.125, "pass@4": 0.75},
                                "pass_sampling": {"temperature": 1.0, "top_k": 0,
                                                  "top_p": 0.95, "min_p": 0.0}})
-  assert re.search(r"^held-out score\s+warm start\s+after RL$", table, re.M)
+  assert re.search(r"^held-out score\s+before RL\s+after RL$", table, re.M)
   assert re.search(r"^  reward_model\s+-0\.500\s+0\.250$", table, re.M)
   assert re.search(r"^  pass@4 \(T=1\.0, top_p=0\.95\)\s+0\.750$", table, re.M)
   from rlax_ps.train.eval_main import table as eval_table  # `rlax-ps eval`'s, alike

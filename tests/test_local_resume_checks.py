@@ -119,9 +119,17 @@ def test_a_checkpoint_of_another_model_is_refused_in_the_trainers_words(tmp_path
   model = model_config_from(config.model, run_tokenizer(config).vocab_size, "",
                             longest_sequence(config))
   with Checkpointer(os.path.join(tmp_path, "checkpoints"), async_save=False) as checkpointer:
-    checkpointer.save(4, {"x": np.zeros(2, np.float32)}, {"step": 4,
-                                                          "model_config": model.to_dict()})
-  check_resumed_model(config, str(tmp_path), "")
+    checkpointer.save(4, {"x": np.zeros(2, np.float32)}, {
+        "step": 4, "model_config": model.to_dict(), "config": {"init_from_hf": ""}})
+  assert check_resumed_model(config, str(tmp_path), "") == ""
+  # Another init_from_hf (of the same model): resumed all the same, said in the trainer's
+  # words, which `rlax-ps local` prints (test_local: a synchronous run ... resumed).
+  from rlax_ps.train.run import resumed_init_line
+  saved = {"step": 4, "config": {"init_from_hf": ""}}
+  assert resumed_init_line(saved, "") == "" and resumed_init_line({"step": 4}, "/x") == ""
+  assert resumed_init_line(saved, "/moved/hf").startswith(
+      "init_from_hf: '' in the checkpoint (step 4), '/moved/hf' now: the run resumes the "
+      "checkpoint's weights")
   config.model.num_layers = model.num_layers + 1
   with pytest.raises(ValueError, match=(
       f"^model: the checkpoint in {tmp_path / 'checkpoints'} was written for another model "

@@ -490,20 +490,23 @@ def resume_lines(config, workdir: str) -> list[str]:
   return [line for line in lines if line]
 
 
-def check_resumed_model(config, workdir: str, init_from_hf: str) -> None:
+def check_resumed_model(config, workdir: str, init_from_hf: str) -> str:
   """ValueError, in the trainer's words, where the latest checkpoint of `workdir` was written
   for another model than the trainer would build from `config` and `init_from_hf` (a warm
   start trained anew on another model block): said before the server and workers start, not
-  by a worker refusing the first weights it is sent."""
+  by a worker refusing the first weights it is sent. Else the trainer's resumed_init_line
+  (another init_from_hf than the run's, of the same shape), or ""."""
   from rlax_ps.models import longest_sequence, model_config_from
-  from rlax_ps.train.run import run_tokenizer
+  from rlax_ps.train.run import resumed_init_line, run_tokenizer
   from rlax_ps.train.state import check_same_model
   directory, saved = resumed_metadata(config, workdir)
-  if not saved or not saved.get("model_config"):
-    return
-  model_config = model_config_from(config.model, run_tokenizer(config).vocab_size, init_from_hf,
-                                   longest_sequence(config))
-  check_same_model(saved["model_config"], model_config, directory)
+  if not saved:
+    return ""
+  if saved.get("model_config"):
+    model_config = model_config_from(config.model, run_tokenizer(config).vocab_size,
+                                     init_from_hf, longest_sequence(config))
+    check_same_model(saved["model_config"], model_config, directory)
+  return resumed_init_line(saved, init_from_hf)
 
 
 def resumed_metadata(config, workdir: str) -> tuple[str, dict[str, Any] | None]:

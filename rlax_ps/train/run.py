@@ -267,6 +267,21 @@ def write_hf_export(graphdef: nnx.GraphDef, params: Any, tokenizer, path: str, *
   return path
 
 
+def resumed_init_line(saved: dict[str, Any] | None, init_from_hf: str) -> str:
+  """A line when `init_from_hf` names another checkpoint than the one the run it resumes
+  (metadata `saved`) started from (a moved run's path, or another model: the run goes on as
+  it was all the same): the weights resumed are the checkpoint's, but the tokenizer, a KL
+  reference and a PEFT export's base are read from the new one; else ""."""
+  recorded = (saved or {}).get("config") or {}
+  was = recorded.get("init_from_hf", "")
+  if not recorded or was == init_from_hf:
+    return ""
+  return (f"init_from_hf: {was!r} in the checkpoint (step {saved.get('step', '?')}), "
+          f"{init_from_hf!r} now: the run resumes the checkpoint's weights; its tokenizer, KL "
+          f"reference (if any) and PEFT base are read from {init_from_hf or 'the config'!r}. "
+          f"Use another --workdir to start from it")
+
+
 def prune_exports(folder: str, keep: int) -> list[str]:
   """Deletes the oldest of the periodic exports in `folder` (`step_NNNNNN`, export.every_steps)
   past the newest `keep` (0: keeps them all); what else the folder holds is left. Returns the
@@ -360,17 +375,10 @@ class TrainerRun:
     self.schedule_settings = optim.schedule_settings(cfg, self.total_steps)  # checkpointed
 
   def note_resumed_init(self, saved: dict[str, Any] | None) -> None:
-    """Log when init_from_hf names another checkpoint than the one the run it resumes
-    (metadata `saved`) started from: the weights resumed are the checkpoint's, but the
-    tokenizer, a KL reference and a PEFT export's base are read from the new one."""
-    recorded = (saved or {}).get("config") or {}
-    was = recorded.get("init_from_hf", "")
-    if recorded and was != self.init_from_hf and self.leader:
-      logging.warning(
-          "init_from_hf: %r in the checkpoint (step %s), %r now: the run resumes the "
-          "checkpoint's weights; its tokenizer, KL reference (if any) and PEFT base are read "
-          "from %r. Use another --workdir to start from it", was, saved.get("step", "?"),
-          self.init_from_hf, self.init_from_hf or "the config")
+    """Log resumed_init_line's line, if any."""
+    line = resumed_init_line(saved, self.init_from_hf)
+    if line and self.leader:
+      logging.warning("%s", line)
 
   def read_model(self, config) -> None:
     """init_from_hf, tokenizer, tasks and model config from the config's blocks (the model
