@@ -384,15 +384,18 @@ def sync_summary(fmt: str, log: Sequence[tuple[int, int, float, bool, int]]) -> 
 
 class TakeTimeout(TimeoutError):
   """rl.take_timeout_s ran out with no group to train on (no fleet, or one that runs another
-  config), or the fleet's groups were rejected REFUSED_IN_A_ROW times in a row: the run ends,
+  config), or the fleet's groups were all rejected for REFUSED_WAIT_S: the run ends,
   checkpointed, with this one line."""
 
 
-# Groups sampled for this start that the trainer rejects one after another (no trainable one
-# between) before it stops, at least: a fleet run with other settings (a verifier, tokenizer
-# or budget of its own) answers every prompt in a blink, and the trainer fed it more at once,
-# rejecting hundreds a second for rl.take_timeout_s and leaving them all to the next start.
+# A fleet run with other settings than the trainer's (a verifier, tokenizer or budget of its
+# own) answers every prompt in a blink, the trainer feeding it more at once: it rejected
+# hundreds a second for rl.take_timeout_s (up to half an hour), leaving them all to the next
+# start. It stops once the groups of this start were rejected REFUSED_IN_A_ROW times in a row
+# (at least; 4 steps' worth) with no trainable group for REFUSED_WAIT_S (at most
+# rl.take_timeout_s): one worker of another config among good ones, slower, stops nothing.
 REFUSED_IN_A_ROW = 64
+REFUSED_WAIT_S = 120.0
 
 
 class RLTrainer(TrainerRun):
@@ -1547,7 +1550,8 @@ class RLTrainer(TrainerRun):
         waited_since = time.monotonic()
       elif time.monotonic() - waited_since > float(rl.take_timeout_s):
         raise TakeTimeout(self._no_groups_message())
-      if self._refused_in_a_row >= max(REFUSED_IN_A_ROW, 4 * self.shape.groups):
+      if (self._refused_in_a_row >= max(REFUSED_IN_A_ROW, 4 * self.shape.groups)
+          and time.monotonic() - waited_since > min(REFUSED_WAIT_S, float(rl.take_timeout_s))):
         raise TakeTimeout(self._refused_message())
       if not take.rollouts:
         continue
@@ -1570,8 +1574,9 @@ class RLTrainer(TrainerRun):
     return {p: i for t in self.pending for p, i in zip(t.prompt_ids, t.rollout_ids)}
 
   def _refused_message(self) -> str:
-    return (f"rl: the fleet's last {self._refused_in_a_row} groups were all rejected, the "
-            f"last: {self.last_rejection}; the workers cannot serve this run's prompts: start "
+    return (f"rl: the fleet's last {self._refused_in_a_row} groups were all rejected (none to "
+            f"train on for {min(REFUSED_WAIT_S, float(self.config.rl.take_timeout_s)):g}s), "
+            f"the last: {self.last_rejection}; the workers cannot serve this run's prompts: start "
             f"them with this trainer's --config and its --config.* overrides (worker.*, "
             f"tokenizer.*, init_from_hf; a worker.verifiers file on their machines too)")
 
@@ -1687,12 +1692,13 @@ class RLTrainer(TrainerRun):
   def _count_score_errors(self, step: int, errors: int, samples: int) -> None:
     """Counts the samples a worker's verifier raised on (scored 0), warning at the first and
     at steps whose every sample was one: a broken verifier, not a hard task."""
+    every = bool(errors) and errors == samples
+    self._all_erred_steps += every
     if errors and not self.score_errors:
       logging.warning("rl: step %d: %d of %d samples scored 0 because a worker's verifier "
                       "raised on them: the workers' logs say why (summary.json's "
                       "samples_score_errors counts them)", step, errors, samples)
-    elif errors and errors == samples:
-      self._all_erred_steps += 1
+    elif every:
       if self._all_erred_steps <= 3 or self._all_erred_steps % 100 == 0:
         logging.warning("rl: step %d: every sample scored 0 because a worker's verifier "
                         "raised on it (%d steps so far): the workers' logs say why",
@@ -1719,9 +1725,10 @@ class RLTrainer(TrainerRun):
       self._refused_in_a_row += 1
     logging.log_every_n_seconds(
         logging.WARNING, "rl: rollout group rejected: %s (%d so far; do the workers run this "
-        "trainer's config? %d in a row, or rl.take_timeout_s without a group to train on, end "
-        "the run)", 10,
-        why, self.rejected + 1, max(REFUSED_IN_A_ROW, 4 * self.shape.groups))
+        "trainer's config? the run ends when none can be trained on for rl.take_timeout_s, or "
+        "%d in a row for %gs)", 10,
+        why, self.rejected + 1, max(REFUSED_IN_A_ROW, 4 * self.shape.groups),
+        min(REFUSED_WAIT_S, float(self.config.rl.take_timeout_s)))
     self.rejected += 1
     self.last_rejection = why
 
