@@ -40,13 +40,25 @@ def usage() -> str:
   return "\n".join(lines)
 
 
+_RAN: list[str] = []  # the subcommand this process runs (its module's flags defined once)
+
+
 def main(argv: list[str] | None = None) -> None:
   """`rlax-ps SUBCOMMAND --flags`, from sys.argv or `argv` (["rlax-ps", "local", ...]: a
-  notebook's call in its own process; `local` leaves that process's JAX on the CPU, as its
-  supervisor's is: `!rlax-ps local` where the kernel uses the accelerator itself)."""
-  if argv is not None:  # ml_collections reads `--config.a.b=` overrides from sys.argv
-    sys.argv = list(argv)
-  argv = list(sys.argv)
+  notebook's call in its own process, again and again, of one subcommand: each defines its
+  own --config; `local` leaves that process's JAX on the CPU, as its supervisor's is:
+  `!rlax-ps local` where the kernel uses the accelerator itself)."""
+  if argv is None:
+    return _main(list(sys.argv))
+  kept = sys.argv
+  sys.argv = list(argv)  # ml_collections reads `--config.a.b=` overrides from sys.argv
+  try:
+    return _main(list(argv))
+  finally:
+    sys.argv = kept
+
+
+def _main(argv: list[str]) -> None:
   prog = "rlax-ps"
   parent = os.environ.pop(STOP_WITH_PARENT, "")
   if parent:  # a child of `rlax-ps local`: it stops when its supervisor dies
@@ -61,6 +73,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{', '.join(sorted(SUBCOMMANDS))}\n", file=sys.stderr)
     print(usage(), file=sys.stderr)
     sys.exit(2)
+  if _RAN and _RAN[0] != name:
+    print(f"{prog} {name}: this process ran `{prog} {_RAN[0]}`; it runs one subcommand (each "
+          f"defines its own --config): in a notebook, `!{prog} {name} ...`", file=sys.stderr)
+    sys.exit(2)
+  _RAN[:] = [name]
   module = importlib.import_module(SUBCOMMANDS[name][0])
   from absl import app, flags  # imported late: keeps `rlax-ps --help` instant.
   _unparse(flags.FLAGS)

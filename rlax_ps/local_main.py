@@ -77,7 +77,8 @@ def main(argv: list[str]) -> None:
     sys.exit(e.code)
   finally:  # the caller's handlers back (a notebook's kernel goes on)
     for stop, handler in before.items():
-      signal.signal(stop, handler)
+      if handler is not None:  # (None: one set from C, which Python cannot set again)
+        signal.signal(stop, handler)
 
 
 def _run(argv: list[str]) -> None:

@@ -20,26 +20,32 @@ import signal, sys
 from rlax_ps.cli import main
 mine = lambda signum, frame: None
 signal.signal(signal.SIGTERM, mine)
-for args in sys.argv[1:]:
+kernel = list(sys.argv)
+for args in kernel[1:]:
   try:
     main(["rlax-ps", *args.split()])
   except SystemExit as e:
-    print("exit", e.code, signal.getsignal(signal.SIGTERM) is mine, flush=True)
+    print("exit", e.code, signal.getsignal(signal.SIGTERM) is mine, sys.argv == kernel,
+          flush=True)
 """
 
 
 def test_a_notebook_runs_commands_one_after_another_in_its_own_process(tmp_path):
   """rlax_ps.cli.main(argv) called from a kernel: `--config.a.b=` overrides are read from
   `argv` (not the kernel's sys.argv), each call starts from the defaults (the last one's
-  overrides and flags gone), and `rlax-ps local` gives the kernel its SIGTERM handler back."""
+  overrides and flags gone), and `rlax-ps local` gives the kernel its SIGTERM handler back,
+  and main its sys.argv; another subcommand is refused, naming the one that ran."""
   local = f"local --config=configs/rl_local.py:tiny --workdir={tmp_path / 'w'}"
   r = subprocess.run([sys.executable, "-c", IN_ONE_PROCESS, f"{local} --config.rl.steps=-3",
                       f"{local} --config.rl.steps=-5 --config.rl.max_staleness=-1 "
-                      f"--progress=false", f"{local} --config.rl.max_staleness=-2"],
+                      f"--progress=false", f"{local} --config.rl.max_staleness=-2",
+                      "eval --config=configs/rl_local.py:tiny --checkpoints=x"],
                      cwd=REPO, capture_output=True, text=True, timeout=120)
   said = [line for line in r.stderr.splitlines() if line.startswith("rlax-ps local: ")]
   assert [line for line in r.stdout.splitlines() if line.startswith("exit")] == [
-      "exit 2 True"] * 3, r.stdout + r.stderr[-3000:]
+      "exit 2 True True"] * 4, r.stdout + r.stderr[-3000:]
+  assert ("rlax-ps eval: this process ran `rlax-ps local`; it runs one subcommand (each "
+          "defines its own --config): in a notebook, `!rlax-ps eval ...`") in r.stderr
   assert said == [  # (steps, max_staleness, publish_every): the last call's steps back to 4
       "rlax-ps local: bad flags: rl: expected steps >= 1, max_staleness >= 0, publish_every "
       f">= 1, got {got}" for got in ("-3, 1, 1", "-5, -1, 1", "4, -2, 1")], r.stderr[-3000:]
