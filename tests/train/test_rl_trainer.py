@@ -1382,6 +1382,18 @@ class _TooMany(FakeWorker):
     return super().group(prompt_id, version, uniform)
 
 
+def _rejected_fleet(tmp_path, worker_kind, take_timeout_s):
+  """A 2-step config (no held-out set), a server, and a started `worker_kind` worker (its
+  responses one token past the budget, where it samples any)."""
+  config = _config(steps=2)
+  config.eval.num_examples = 0
+  config.rl.take_timeout_s = take_timeout_s
+  server = start_server(tmp_path / "ps")
+  worker = worker_kind(server.address, samples=4,
+                       max_len=int(config.worker.max_new_tokens) + 1).start()
+  return config, server, worker
+
+
 @pytest.mark.parametrize("worker_kind, why", [
     (_Overlong, r"more than worker.max_new_tokens=\d+"),
     (_TooMany, r"8 samples, more than this trainer's worker.samples_per_prompt=4"),
@@ -1397,12 +1409,7 @@ def test_groups_it_cannot_train_on_end_the_run_soon_naming_why(tmp_path, worker_
   hundreds of prompts a second for rl.take_timeout_s. Restarted with a fleet that runs its
   settings, it trains: the groups the first start left (rejected again) do not end it."""
   monkeypatch.setattr(rl_module, "REFUSED_WAIT_S", 1.0)
-  config = _config(steps=2)
-  config.eval.num_examples = 0
-  config.rl.take_timeout_s = 600.0  # (never reached here)
-  server = start_server(tmp_path / "ps")
-  worker = worker_kind(server.address, samples=4,
-                       max_len=int(config.worker.max_new_tokens) + 1).start()
+  config, server, worker = _rejected_fleet(tmp_path, worker_kind, take_timeout_s=600.0)
   try:
     with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
       with pytest.raises(TakeTimeout, match=(
@@ -1468,12 +1475,7 @@ def test_a_worker_of_other_settings_beside_a_good_slower_one_stops_nothing(tmp_p
 def test_rejected_groups_coming_slower_than_refused_in_a_row_end_the_run_at_take_timeout(
     tmp_path, monkeypatch):
   monkeypatch.setattr(rl_module, "REFUSED_IN_A_ROW", 10 ** 6)
-  config = _config(steps=2)
-  config.eval.num_examples = 0
-  config.rl.take_timeout_s = 2.0
-  server = start_server(tmp_path / "ps")
-  worker = _Overlong(server.address, samples=4,
-                     max_len=int(config.worker.max_new_tokens) + 1).start()
+  config, server, worker = _rejected_fleet(tmp_path, _Overlong, take_timeout_s=2.0)
   try:
     with client(server.address, "trainer") as tc, RLTrainer(config, str(tmp_path / "rl"), tc) as tr:
       with pytest.raises(TakeTimeout, match=(
