@@ -9,6 +9,7 @@ import pytest
 
 from algorithms.corrections import decoupled_ppo_loss, m2po_loss
 from algorithms.losses import aggregate, cispo_loss, gspo_loss, kl_penalty, ppo_clip_loss
+from algorithms.losses import entropy_threshold, high_entropy_tokens
 from algorithms.losses import ppo_clip_loss
 
 
@@ -32,9 +33,21 @@ def test_aggregation_ignores_empty_sequences_and_rejects_unknown_mode():
   # only sequence 0 has tokens: its token mean 2
   assert float(aggregate(per_token, mask, "seq-mean-token-mean")) == pytest.approx(2.0)
   assert float(aggregate(per_token, jnp.zeros((2, 2)), "token-mean")) == 0.0
+  # Dr. GRPO's constant normaliser (TRL's dr_grpo): every row, empty (padding) ones too
+  assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm", 4.0)) == 4.0 / (2 * 4.0)
   with pytest.raises(ValueError, match="aggregation mode: expected one of"):
     aggregate(per_token, mask, "sum")
 
+
+def test_high_entropy_tokens_keep_those_at_the_threshold_so_quantile_1_keeps_every_token():
+  """TRL's top_entropy_quantile: tokens whose entropy reaches (>=) the quantile; 1.0 trains
+  every real token, 0.5 of [1, 2, 3] the two reaching the median."""
+  entropy = jnp.array([[1.0, 2.0, 3.0, 9.0]])
+  mask = jnp.array([[1.0, 1.0, 1.0, 0.0]])
+  every = high_entropy_tokens(entropy, mask, entropy_threshold(entropy, mask, 1.0))
+  assert np.asarray(every).tolist() == [[1.0, 1.0, 1.0, 0.0]]
+  half = high_entropy_tokens(entropy, mask, entropy_threshold(entropy, mask, 0.5))
+  assert np.asarray(half).tolist() == [[0.0, 1.0, 1.0, 0.0]]
 
 def test_ppo_clip_higher_hand_example():
   # ratios 1.5, 0.5, 1.1, 0.7 with advantages +1, -1, +1, +1; clip [1 - 0.2, 1 + 0.28]

@@ -152,6 +152,19 @@ def test_the_closed_lease_history_keeps_the_newest_and_survives_a_restart(tmp_pa
   q.close()
 
 
+def test_the_acked_take_history_keeps_the_newest_as_many_as_set(tmp_path, clock):
+  q = make_queues(tmp_path, clock, acked_take_history=2)
+  q.enqueue(prompts("a", "b", "c"))
+  lease = q.lease("w1", 3, 10.0)
+  takes = []
+  for pid in "abc":
+    q.submit(lease.lease_id, "w1", group(pid))
+    takes.append(q.take(0, 1, 0.0, 30.0).take_id)
+    q.ack(takes[-1])
+  assert list(q.acked_takes) == takes[1:]
+  assert q.ack(takes[1]) == 1  # a retry, acknowledged
+  q.close()
+
 def test_foreign_and_unknown_leases_are_rejected(queues):
   queues.enqueue(prompts("a"))
   lease = queues.lease("w1", 1, 10.0)
@@ -242,6 +255,25 @@ def test_release_returns_unanswered_prompts_and_is_idempotent(queues):
   assert [p.id for p in queues.lease("w2", 5, 10.0).prompts] == ["b"]
 
 
+def test_a_group_for_a_prompt_its_lease_released_is_refused_and_the_prompt_stays_queued(queues):
+  """Accepted, the released prompt was answered while queued: the next lease of it failed (or
+  a second worker answered it too)."""
+  queues.enqueue(prompts("a", "b"))
+  lease = queues.lease("w1", 2, 10.0)
+  assert queues.release(lease.lease_id, "w1", ["a"]) == 1
+  with pytest.raises(errors.FailedPrecondition, match="released"):
+    queues.submit(lease.lease_id, "w1", group("a"))
+  assert [p.id for p in queues.lease("w2", 5, 10.0).prompts] == ["a"]
+
+def test_a_release_of_an_expired_lease_returns_nothing_and_fails_nothing(queues, clock):
+  """Its prompts went back at the deadline: a worker releasing them as it stops hears 0
+  (it was a log record failing to apply, an internal error, and the log rewritten)."""
+  queues.enqueue(prompts("a"))
+  lease = queues.lease("w1", 1, 5.0)
+  clock.t += 6.0
+  assert queues.release(lease.lease_id, "w1", []) == 0
+  assert [p.id for p in queues.lease("w2", 5, 10.0).prompts] == ["a"]
+
 def test_take_then_ack_removes_rollouts(queues):
   queues.enqueue(prompts("a", "b"))
   lease = queues.lease("w1", 2, 10.0)
@@ -321,6 +353,20 @@ def test_stale_rollouts_are_dropped_and_their_prompts_requeued(queues):
   assert [r.prompt.id for r in take.rollouts] == ["b"] and take.dropped_stale == 1
   assert [p.id for p in queues.lease("w2", 5, 10.0).prompts] == ["a"]
 
+
+def test_stale_prompts_go_back_in_submission_order_after_a_take_was_requeued(queues, clock):
+  """A requeued take's groups rejoin the ready ones in rollout order: dropped as stale, the
+  prompts return to the queue in the order they were answered, as from a restarted server
+  (whose snapshot lists rollouts by id), not with the requeued ones last."""
+  queues.enqueue(prompts("a", "b"))
+  lease = queues.lease("w1", 2, 10.0)
+  queues.submit(lease.lease_id, "w1", group("a", version=1))
+  queues.submit(lease.lease_id, "w1", group("b", version=1))
+  assert [r.prompt.id for r in queues.take(0, 1, 0.0, 5.0).rollouts] == ["a"]
+  clock.t += 6.0
+  assert queues.expire_due() == 1  # "a"'s take requeued
+  assert queues.take(3, 10, 0.0, 5.0).dropped_stale == 2
+  assert [p.id for p in queues.lease("w2", 5, 10.0).prompts] == ["a", "b"]
 
 def test_a_prompt_enqueued_again_while_its_group_waits_is_never_in_two_places(tmp_path, clock):
   """Were the second enqueue queued, the stale drop would put "a" in the queue while a lease

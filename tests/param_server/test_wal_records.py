@@ -68,6 +68,30 @@ def test_a_corrupt_record_ends_recovery_there(tmp_path):
   assert len(WriteAheadLog(path).recovered) == 2
 
 
+def test_a_flipped_bit_that_still_parses_is_caught_by_the_checksum(tmp_path):
+  """take-2 read as take-3: a record that parses whole but is not what was written (the
+  test above flips a byte to invalid UTF-8, which parsing refuses with no checksum)."""
+  path = str(tmp_path / "a.wal")
+  write(path, 3)
+  size = os.path.getsize(path)
+  with open(path, "r+b") as f:
+    f.seek(size - 1)
+    byte = f.read(1)
+    f.seek(size - 1)
+    f.write(bytes([byte[0] ^ 0x01]))
+  assert [r.ack.take_id for r in WriteAheadLog(path).recovered] == ["take-0", "take-1"]
+
+
+def test_closing_the_log_syncs_what_was_appended(tmp_path, monkeypatch):
+  path = str(tmp_path / "a.wal")
+  wal = WriteAheadLog(path)
+  wal.append(record(0))  # not synced by a caller yet
+  synced = []
+  real = os.fsync
+  monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+  wal.close()
+  assert synced
+
 def test_a_damaged_record_with_whole_records_after_it_is_refused_not_truncated(tmp_path):
   """A flipped bit in record 2 of 10 read as a torn tail: the log was cut there, its 8
   acknowledged changes after it lost without a word."""

@@ -578,6 +578,18 @@ def test_a_take_round_cut_short_puts_back_what_its_groups_changed(tmp_path):
     assert tr.streaks == {1: 2} and tr.skip_ids == {7} and tr.consumed == 0
     assert tr.outstanding == {"p-1": (0, 1), "p-5": (1, 5)} and tr.came_back == 0
     assert tr.dropped_stale == 3
+    # This run's prompts (their records' streaks move): a streak the round began, of a record
+    # that had none, goes too (kept, the restart's take of the group counted it twice).
+    before = tr._take_bookkeeping()
+    taken = [_taken_group(10, 0, tr._prompt_id(0)), _taken_group(11, 0, tr._prompt_id(1))]
+    for t, record in zip(taken, ("1", "5")):
+      t.prompt.metadata["record"] = record
+      for s in t.group.samples:
+        s.reward = 1.0
+    tr._valid_groups(taken)
+    assert tr.streaks == {1: 3, 5: 1}
+    tr._undo_take_bookkeeping(before)
+    assert tr.streaks == {1: 2}
 
 
 def test_takes_are_not_acked_on_a_checkpoint_whose_async_write_failed(tmp_path):

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import types
+from unittest import mock
 
 import pytest
 
@@ -89,8 +90,10 @@ def test_a_server_that_lost_its_queues_is_fed_again_and_gets_the_weights(trainer
   tr.publisher = types.SimpleNamespace(
       version=3, resend_keyframe=lambda: (resent.append(len(server.fed)),
                                           setattr(server, "latest", 3)))
+  tr.skip_ids, tr.skip_prompts = {1}, {"p-x": 1}  # the lost server's rollout ids
   server.lose()  # the trainer's first take asks it for v2 or newer: refused
   step2 = tr._take_groups()
+  assert tr.skip_ids == set() and tr.skip_prompts == {}  # (the new one numbers from 1)
   # The new server was fed the prompts the lost one held (beside new ones) and answered the
   # next step from its own queue; the latest version went to it as a keyframe, first.
   fed = [p.id for p in server.fed]
@@ -234,3 +237,59 @@ def test_a_stop_in_the_take_round_that_met_a_lost_server_undoes_the_round(traine
   assert tr.outstanding.items() >= outstanding.items() and first[0] in outstanding
   fed = [p.id for p in server.fed]  # the new server holds every prompt outstanding, once
   assert first[0] in fed and len(fed) == len(set(fed)) and set(fed) == set(tr.outstanding)
+
+
+def test_a_prompt_of_a_take_not_yet_acknowledged_that_comes_again_is_not_trained_twice(trainer):
+  """The takes of the last step wait for its checkpoint; their groups requeued (ack deadline
+  passed), dropped as stale and their prompts sampled again come under new rollout ids: the
+  take round skips them (its pending takes' prompts), not only _valid_groups when told."""
+  tr, server = trainer
+  first = _fresh(tr, server)
+  tr.pending = [PendingTake(f"store-a-t{i + 1}", [i + 1], tr.step + 1, [server.fed[i].id])
+                for i in range(server.taken)]
+  came_back, again_ids = tr.came_back, {g.prompt_id for g in first}
+  server.taken = 0  # the server serves the step's prompts again
+  step2 = tr._take_groups()
+  assert len(step2) == tr.shape.groups and not {g.prompt_id for g in step2} & again_ids
+  assert tr.came_back == came_back + len(again_ids)
+
+
+def _not_found(take_id):
+  raise ParamServerError("AckRollouts", grpc.StatusCode.NOT_FOUND, f"no take {take_id}")
+
+
+def test_a_restart_skips_the_groups_of_a_checkpointed_take_the_server_requeued(trainer):
+  """Its ack deadline passed before the restart: the checkpoint trained on its groups, which
+  the server serves again; they (and their prompts sampled anew) are skipped when they come."""
+  tr, server = trainer
+  _fresh(tr, server)
+  tr.pending = [PendingTake("gone", [41, 42], tr.step, ["p-41", "p-42"])]
+  tr.saved_version, tr.skip_ids, tr.skip_prompts = 3, set(), {}
+  server.ack = _not_found
+  try:
+    assert tr._server_start() == 4
+    assert tr.pending == [] and tr.skip_ids == {41, 42}
+    assert tr.skip_prompts == {"p-41": 41, "p-42": 42}
+  finally:
+    del server.ack
+    tr.skip_ids, tr.skip_prompts = set(), {}
+
+
+def test_a_stop_during_the_acknowledgements_keeps_the_takes_for_the_next_start(trainer):
+  tr, server = trainer
+  _fresh(tr, server)
+  pending = list(tr.pending)
+
+  def gone(take_id):
+    raise ParamServerError("AckRollouts", grpc.StatusCode.UNAVAILABLE, "gone")
+
+  server.ack = gone
+  tr._stop.set()
+  try:
+    with mock.patch.object(tr.checkpointer, "latest_step", return_value=tr.step), \
+         mock.patch.object(tr.checkpointer, "saving", return_value=False):
+      tr._ack_durable()
+  finally:
+    tr._stop.clear()
+    del server.ack
+  assert tr.pending == pending  # (in the checkpoint the stop writes: acked at the restart)
