@@ -37,9 +37,9 @@ from absl import logging
 from algorithms.allocation import DynamicSampler, DynamicSamplingExhausted
 from algorithms.selection import fed, next_streak
 from algorithms.shaping import soft_overlong_punishment
-from param_server.protos import PROMPT_SEED, SCORE_ERROR
 from param_server.client import (RETRYABLE, ParamServerError, Prompt, RetryPolicy, routes_of,
                                  sample_logprobs, sample_observed, sample_teacher)
+from param_server.protos import PROMPT_SEED, SCORE_ERROR
 from rlax_ps import chat, optim
 from rlax_ps import sharding as shd
 from rlax_ps.config_files import save_run_config, write_json
@@ -1550,8 +1550,8 @@ class RLTrainer(TrainerRun):
         waited_since = time.monotonic()
       elif time.monotonic() - waited_since > float(rl.take_timeout_s):
         raise TakeTimeout(self._no_groups_message())
-      if (self._refused_in_a_row >= max(REFUSED_IN_A_ROW, 4 * self.shape.groups)
-          and time.monotonic() - waited_since > min(REFUSED_WAIT_S, float(rl.take_timeout_s))):
+      most, wait = self._refusal_bounds
+      if self._refused_in_a_row >= most and time.monotonic() - waited_since > wait:
         raise TakeTimeout(self._refused_message())
       if not take.rollouts:
         continue
@@ -1573,9 +1573,15 @@ class RLTrainer(TrainerRun):
     """prompt id -> rollout id of each group in a take not yet acknowledged."""
     return {p: i for t in self.pending for p, i in zip(t.prompt_ids, t.rollout_ids)}
 
+  @property
+  def _refusal_bounds(self) -> tuple[int, float]:
+    """(groups rejected in a row, seconds with none to train on) that end the run."""
+    return (max(REFUSED_IN_A_ROW, 4 * self.shape.groups),
+            min(REFUSED_WAIT_S, float(self.config.rl.take_timeout_s)))
+
   def _refused_message(self) -> str:
     return (f"rl: the fleet's last {self._refused_in_a_row} groups were all rejected (none to "
-            f"train on for {min(REFUSED_WAIT_S, float(self.config.rl.take_timeout_s)):g}s), "
+            f"train on for {self._refusal_bounds[1]:g}s), "
             f"the last: {self.last_rejection}; the workers cannot serve this run's prompts: start "
             f"them with this trainer's --config and its --config.* overrides (worker.*, "
             f"tokenizer.*, init_from_hf; a worker.verifiers file on their machines too)")
@@ -1726,9 +1732,7 @@ class RLTrainer(TrainerRun):
     logging.log_every_n_seconds(
         logging.WARNING, "rl: rollout group rejected: %s (%d so far; do the workers run this "
         "trainer's config? the run ends when none can be trained on for rl.take_timeout_s, or "
-        "%d in a row for %gs)", 10,
-        why, self.rejected + 1, max(REFUSED_IN_A_ROW, 4 * self.shape.groups),
-        min(REFUSED_WAIT_S, float(self.config.rl.take_timeout_s)))
+        "%d in a row for %gs)", 10, why, self.rejected + 1, *self._refusal_bounds)
     self.rejected += 1
     self.last_rejection = why
 
