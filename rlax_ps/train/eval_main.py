@@ -53,14 +53,14 @@ def checkpoint_tokenizer(config, path: str):
   that renders prompts raw, of a checkpoint shipping a chat template, is said on stderr (an
   instruct model trained on rendered prompts scores otherwise on raw ones)."""
   from rlax_ps import chat
-  from rlax_ps.tokenizers import tokenizer_file, tokenizer_from_config
+  from rlax_ps.tokenizers import HFTokenizer, tokenizer_file, tokenizer_from_config
   block = dict(config.tokenizer.items())
   if not block.get("path") and tokenizer_file(path):
     block.update(kind="hf", path=path)
   tokenizer = tokenizer_from_config(block, path,
                                     str(config.get("worker", {}).get("verifiers", "")))
-  if getattr(tokenizer, "chat_template", 0) is None and chat.named_templates(
-      os.path.dirname(tokenizer.path)):
+  if (isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template is None
+      and chat.named_templates(os.path.dirname(tokenizer.path))):
     print(f"rlax-ps eval: {path} ships a chat template, but its prompts are scored raw "
           f"(tokenizer.chat_template=''); a model trained on prompts its template rendered "
           f"(configs/rl_instruct.py, --config.tokenizer.chat_template=auto) wants that "
